@@ -1,0 +1,95 @@
+"""Run a function in N local processes that form one torch.distributed world (CPU over gloo, or local GPUs).
+
+Used by the tests and the demo. A child's exception comes back to the parent with its traceback; a world that does
+not finish within ``timeout`` is killed (no hung CI job).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+class ChildProcessError_(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, extra_env: dict, fn: Callable, args: tuple, kwargs: dict,
+           results: "mp.Queue") -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(extra_env)
+    try:
+        out = fn(*args, **kwargs)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_distributed(fn: Callable, nprocs: int, *args: Any, timeout: float = 300.0,
+                    env: dict | None = None, **kwargs: Any) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks; return the per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    extra_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [ctx.Process(target=_child, args=(r, nprocs, port, extra_env, fn, args, kwargs, results), daemon=False)
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[tuple[int, str]] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < nprocs:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if errors:
+                    break
+                raise TimeoutError(f"{fn.__name__} did not finish on {nprocs} ranks within {timeout:.0f}s "
+                                   f"(finished: {sorted(out)}, failed: {[r for r, _ in errors]}).")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and i not in out and i not in [r for r, _ in errors]]
+                if dead:
+                    errors.extend((i, f"rank {i} exited with code {procs[i].exitcode} without a result")
+                                  for i in dead)
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                errors.append((rank, value))
+                # NOTE: once one rank failed the others may wait forever in a collective: give them a short grace.
+                deadline = min(deadline, time.monotonic() + 20)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        errors.sort()
+        rank, tb = errors[0]
+        raise ChildProcessError_(f"rank {rank} of {nprocs} failed:\n{tb}")
+    return [out[r] for r in range(nprocs)]

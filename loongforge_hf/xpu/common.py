@@ -1,0 +1,18 @@
+"""Fixes every backend needs when Transformer Engine is absent (checked against megatron-core 0.16.1)."""
+
+from __future__ import annotations
+
+_DONE = False
+
+
+def apply_without_te_fixes() -> None:
+    global _DONE
+    if _DONE:
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    # transformer/moe/moe_utils.py:34 imports `te_general_gemm` only when TE imports, yet line 1192
+    # (RouterGatingLinearFunction.forward) reads the name unconditionally: without TE it is a NameError.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    _DONE = True

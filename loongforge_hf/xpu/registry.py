@@ -1,0 +1,120 @@
+"""Backend registry: lookup by name, explicit selection through ``LOONGFORGE_DEVICE``, automatic fallback."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ENV_VAR = "LOONGFORGE_DEVICE"
+
+
+class Backend:
+    """What core code may ask about a device. Subclasses live in ``loongforge_hf/xpu/<name>.py``."""
+
+    name: str = ""
+    dist_backend: str = ""
+
+    def setup(self) -> None:
+        """Apply the patches megatron-core needs on this device. Idempotent."""
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        raise NotImplementedError
+
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to its local device."""
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (a no-op where work is synchronous)."""
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"<loongforge backend {self.name!r}>"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    module: str
+    cls: str
+    is_available: Callable[[], bool]
+    missing: Callable[[], str]
+
+
+_REGISTRY: dict[str, _Entry] = {}
+_ACTIVE: Backend | None = None
+
+
+def register_backend(name: str, *, module: str, cls: str, is_available: Callable[[], bool],
+                     missing: Callable[[], str]) -> None:
+    """Register a backend: ``missing()`` returns a sentence naming what an unavailable backend lacks."""
+    _REGISTRY[name] = _Entry(module, cls, is_available, missing)
+
+
+def available_backends() -> list[str]:
+    return [name for name, entry in _REGISTRY.items() if entry.is_available()]
+
+
+def _instantiate(name: str) -> Backend:
+    entry = _REGISTRY[name]
+    backend = getattr(importlib.import_module(entry.module), entry.cls)()
+    backend.setup()
+    return backend
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The active backend. ``name`` or ``$LOONGFORGE_DEVICE`` choose explicitly; otherwise cuda, else cpu."""
+    global _ACTIVE
+    requested = name or os.environ.get(ENV_VAR) or None
+    if _ACTIVE is not None and (requested is None or requested == _ACTIVE.name):
+        return _ACTIVE
+    if requested is not None:
+        requested = requested.lower()
+        if requested not in _REGISTRY:
+            raise ValueError(f"Unknown device backend {requested!r} (from {ENV_VAR} or the argument); "
+                             f"known backends: {', '.join(sorted(_REGISTRY))}.")
+        if not _REGISTRY[requested].is_available():
+            raise RuntimeError(f"Device backend {requested!r} was requested but cannot work here: "
+                               f"{_REGISTRY[requested].missing()}")
+        _ACTIVE = _instantiate(requested)
+        return _ACTIVE
+    _ACTIVE = _instantiate("cuda" if _REGISTRY["cuda"].is_available() else "cpu")
+    return _ACTIVE
+
+
+def _reset_for_tests() -> None:
+    global _ACTIVE
+    _ACTIVE = None
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _kunlun_available() -> bool:
+    return importlib.util.find_spec("torch_xmlir") is not None and importlib.util.find_spec("xpu_plugin") is not None
+
+
+def _kunlun_missing() -> str:
+    lacking = [m for m in ("torch_xmlir", "xpu_plugin") if importlib.util.find_spec(m) is None]
+    return (f"the Kunlun stack is not installed (cannot import {', '.join(lacking)}); install Kunlun's torch_xmlir "
+            "and its megatron-core xpu_plugin.")
+
+
+register_backend("cuda", module="loongforge_hf.xpu.cuda", cls="CudaBackend", is_available=_cuda_available,
+                 missing=lambda: "torch.cuda.is_available() is False (no NVIDIA GPU visible, or a CPU build of torch "
+                                 f"{torch.__version__}).")
+register_backend("cpu", module="loongforge_hf.xpu.cpu", cls="CpuBackend", is_available=lambda: True,
+                 missing=lambda: "")
+register_backend("kunlun", module="loongforge_hf.xpu.kunlun", cls="KunlunBackend", is_available=_kunlun_available,
+                 missing=_kunlun_missing)
