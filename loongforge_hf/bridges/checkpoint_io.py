@@ -1,0 +1,385 @@
+"""Reading Hugging Face checkpoint folders: one tensor, or one slice of one tensor, at a time.
+
+Choices:
+- Only transformers' file names are read, in its order: ``model.safetensors``, else ``model.safetensors.index.json`` +
+  shards. Pickle weights (``pytorch_model.bin``, ``pytorch_model.bin.index.json``) only with ``allow_pickle=True``, and
+  then through ``torch.load(weights_only=True, mmap=True)``: no code runs, no tensor data is read until asked for.
+- Shard symlinks may point into the folder, or, for a hub-cache snapshot, into that repo's ``blobs/`` folder.
+- Everything that can be checked without tensor data is checked in ``__init__``, so every rank fails alike before any
+  collective: the index parses, every shard it names exists and stays inside the folder (no absolute paths, no ``..``,
+  no symlink leading out), every safetensors header parses and its byte ranges fit the file (a truncated download fails
+  here, not half way through loading), and every tensor the index places in a shard is in that shard's header.
+- Shards are opened lazily and the handles cached: a rank that needs one shard of four opens one (``opened_files``).
+- ``get_slice`` goes through safetensors' slice reader, so a tensor-parallel rank reads its rows or columns from disk
+  without materialising the whole tensor; it returns a contiguous tensor that owns just the slice.
+- Every bad input raises ``CheckpointError`` (a ``ValueError``) whose message names the file, tensor or field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from types import TracebackType
+from typing import Any, Iterable, Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
+PICKLE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+
+# NOTE: the safetensors format caps the JSON header at 100 MB; a larger length field means a corrupt file.
+_MAX_HEADER_BYTES = 100_000_000
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr)
+    for name, attr in {
+        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+        "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+        "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+        "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2": "float8_e5m2",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+    }.items()
+    if hasattr(torch, attr)
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder, file, tensor or field that this layer cannot use; the message says which."""
+
+
+class _TensorInfo:
+    __slots__ = ("shard", "dtype_name", "shape")
+
+    def __init__(self, shard: str, dtype_name: str, shape: tuple[int, ...]) -> None:
+        self.shard = shard
+        self.dtype_name = dtype_name
+        self.shape = shape
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """Parse and check one safetensors header without reading tensor data; returns {tensor: {dtype, shape, ...}}."""
+    try:
+        file_size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (only {file_size} bytes, truncated?).")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > _MAX_HEADER_BYTES or 8 + header_len > file_size:
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated safetensors file (header length {header_len} bytes, "
+                    f"file size {file_size} bytes)."
+                )
+            raw = f.read(header_len)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read ({err}).") from err
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({err}).") from err
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object).")
+    data_len = file_size - 8 - header_len
+    tensors: dict[str, Any] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name = entry["dtype"]
+            shape = tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+            ok = isinstance(dtype_name, str) and all(isinstance(s, int) and s >= 0 for s in shape) \
+                and isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r}: {entry!r}.")
+        if end > data_len:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {end} of the data section, "
+                f"which holds only {data_len} bytes."
+            )
+        dtype = _SAFETENSORS_DTYPES.get(dtype_name)
+        if dtype is not None:
+            expected = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            if end - begin != expected:
+                raise CheckpointError(
+                    f"{path}: corrupt safetensors header: tensor {name!r} ({dtype_name}, shape {list(shape)}) "
+                    f"needs {expected} bytes but its data range holds {end - begin}."
+                )
+        tensors[name] = {"dtype": dtype_name, "shape": shape}
+    return tensors
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: not a valid checkpoint index ({err}).") from err
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{path}: the checkpoint index has no 'weight_map' object (or it is empty).")
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{path}: weight_map entry for tensor {tensor!r} is not a file name: {shard!r}.")
+    return weight_map
+
+
+def _allowed_roots(folder: Path) -> list[Path]:
+    """Where a shard may live: the folder, and for a hub-cache snapshot (<repo>/snapshots/<commit>) the repo's blobs.
+
+    NOTE: huggingface_hub stores each snapshot file as a symlink to <repo>/blobs/<hash>; refusing those would refuse
+    every checkpoint served from the HF cache.
+    """
+    root = folder.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def _check_inside(folder: Path, shard: str, *, index: Path, tensor: str) -> Path:
+    """The shard's path, refused when it is absolute, climbs with '..', or is a symlink resolving outside ``folder``."""
+    where = f"{index.name} places tensor {tensor!r} in {shard!r}"
+    if os.path.isabs(shard) or shard.startswith("\\") or PureWindowsPath(shard).drive:
+        raise CheckpointError(
+            f"{folder}: {where}, an absolute path; shard paths must stay inside the checkpoint folder."
+        )
+    if ".." in PurePosixPath(shard.replace("\\", "/")).parts:
+        raise CheckpointError(f"{folder}: {where}, which leaves the checkpoint folder ('..').")
+    path = folder / shard
+    resolved = path.resolve()
+    if not any(resolved.is_relative_to(root) for root in _allowed_roots(folder)):
+        raise CheckpointError(
+            f"{folder}: {where}, which resolves to {resolved}, outside the checkpoint folder (symlink?)."
+        )
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: shard {shard!r} is missing (the index places tensor {tensor!r} in it).")
+    return path
+
+
+class CheckpointReader:
+    """Lazy, validated access to the tensors of one HF checkpoint folder."""
+
+    def __init__(self, folder: str | os.PathLike, *, allow_pickle: bool = False) -> None:
+        self.folder = Path(folder)
+        self.allow_pickle = allow_pickle
+        self.opened_files: set[str] = set()
+        self._handles: dict[str, Any] = {}
+        self._pickled: dict[str, Mapping[str, torch.Tensor]] = {}
+        self._infos: dict[str, _TensorInfo] = {}
+        self._paths: dict[str, Path] = {}
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder}: not a checkpoint folder (no such directory).")
+        # NOTE: same precedence as transformers' from_pretrained (single file first), so both load the same weights.
+        if (self.folder / SAFE_WEIGHTS_NAME).is_file():
+            self.format = "safetensors"
+            self._init_single(SAFE_WEIGHTS_NAME)
+        elif (self.folder / SAFE_WEIGHTS_INDEX_NAME).is_file():
+            self.format = "safetensors"
+            self._init_sharded(self.folder / SAFE_WEIGHTS_INDEX_NAME)
+        else:
+            self.format = "pickle"
+            self._init_pickle()
+
+    # -- set-up -----------------------------------------------------------------------------------------------------
+    def _init_sharded(self, index_path: Path) -> None:
+        weight_map = _read_index(index_path)
+        first_tensor: dict[str, str] = {}
+        for tensor, shard in weight_map.items():
+            first_tensor.setdefault(shard, tensor)
+        for shard, tensor in first_tensor.items():
+            self._paths[shard] = _check_inside(self.folder, shard, index=index_path, tensor=tensor)
+        headers = {shard: read_safetensors_header(path) for shard, path in self._paths.items()}
+        for tensor, shard in weight_map.items():
+            entry = headers[shard].get(tensor)
+            if entry is None:
+                raise CheckpointError(
+                    f"{index_path}: places tensor {tensor!r} in {shard!r}, but that shard does not hold it."
+                )
+            self._infos[tensor] = _TensorInfo(shard, entry["dtype"], entry["shape"])
+
+    def _init_single(self, name: str) -> None:
+        path = self.folder / name
+        self._paths[name] = path
+        for tensor, entry in read_safetensors_header(path).items():
+            self._infos[tensor] = _TensorInfo(name, entry["dtype"], entry["shape"])
+
+    def _init_pickle(self) -> None:
+        index_path = self.folder / PICKLE_WEIGHTS_INDEX_NAME
+        single_path = self.folder / PICKLE_WEIGHTS_NAME
+        if not index_path.is_file() and not single_path.is_file():
+            others = sorted(p.name for p in self.folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+            found = f" (found {', '.join(others)}, but not under transformers' names)" if others else ""
+            raise CheckpointError(
+                f"No weights found in {self.folder}: expected {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}"
+                f"{found}."
+            )
+        if not self.allow_pickle:
+            which = index_path.name if index_path.is_file() else single_path.name
+            raise CheckpointError(
+                f"{self.folder} holds only pickle weights ({which}); pickle checkpoints are refused unless "
+                f"allow_pickle=True (they are then loaded with torch.load(weights_only=True)). Prefer converting "
+                f"the checkpoint to safetensors."
+            )
+        if index_path.is_file():
+            weight_map = _read_index(index_path)
+            for tensor, shard in weight_map.items():
+                if shard not in self._paths:
+                    self._paths[shard] = _check_inside(self.folder, shard, index=index_path, tensor=tensor)
+        else:
+            self._paths[PICKLE_WEIGHTS_NAME] = single_path
+            weight_map = {tensor: PICKLE_WEIGHTS_NAME for tensor in self._load_pickle(PICKLE_WEIGHTS_NAME)}
+        for tensor, shard in weight_map.items():
+            # NOTE: pickle files carry no separate header; shapes come from the (mmapped) shard when first asked for.
+            self._infos[tensor] = _TensorInfo(shard, "", ())
+
+    def _load_pickle(self, shard: str) -> Mapping[str, torch.Tensor]:
+        if shard not in self._pickled:
+            path = self._paths[shard]
+            try:
+                try:
+                    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as err:
+                    # NOTE: files written before torch's zipfile format cannot be memory-mapped; read them whole.
+                    if "mmap" not in str(err):
+                        raise
+                    state = torch.load(path, map_location="cpu", weights_only=True)
+            except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+                raise CheckpointError(f"{path}: cannot be loaded as a weights-only torch checkpoint ({err}).") from err
+            if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+                raise CheckpointError(f"{path}: does not hold a mapping of tensor names to tensors.")
+            self._pickled[shard] = state
+            self.opened_files.add(shard)
+        return self._pickled[shard]
+
+    # -- lookup -----------------------------------------------------------------------------------------------------
+    def _info(self, name: str) -> _TensorInfo:
+        info = self._infos.get(name)
+        if info is None:
+            raise CheckpointError(f"Tensor {name!r} is not in the checkpoint at {self.folder}.")
+        return info
+
+    def _pickled_tensor(self, name: str) -> torch.Tensor:
+        info = self._info(name)
+        state = self._load_pickle(info.shard)
+        if name not in state:
+            raise CheckpointError(
+                f"{self._paths[info.shard]}: the index places tensor {name!r} in this file, but it does not hold it."
+            )
+        return state[name]
+
+    def _handle(self, shard: str) -> Any:
+        handle = self._handles.get(shard)
+        if handle is None:
+            path = self._paths[shard]
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except (OSError, SafetensorError) as err:
+                raise CheckpointError(f"{path}: cannot be opened as safetensors ({err}).") from err
+            self._handles[shard] = handle
+            self.opened_files.add(shard)
+        return handle
+
+    def keys(self) -> list[str]:
+        return list(self._infos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def shard_of(self, name: str) -> str:
+        """The file (relative to the folder) that holds tensor ``name``."""
+        return self._info(name).shard
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if self.format == "pickle":
+            return tuple(self._pickled_tensor(name).shape)
+        return self._info(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        if self.format == "pickle":
+            return self._pickled_tensor(name).dtype
+        info = self._info(name)
+        dtype = _SAFETENSORS_DTYPES.get(info.dtype_name)
+        if dtype is None:
+            raise CheckpointError(
+                f"{self._paths[info.shard]}: tensor {name!r} has dtype {info.dtype_name!r}, which torch "
+                f"{torch.__version__} does not support."
+            )
+        return dtype
+
+    # -- data -------------------------------------------------------------------------------------------------------
+    def get(self, name: str) -> torch.Tensor:
+        if self.format == "pickle":
+            return self._pickled_tensor(name).clone()
+        info = self._info(name)
+        return self._handle(info.shard).get_tensor(name)
+
+    def get_slice(self, name: str, *, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of ``name`` along ``dim``, reading only that part of the file."""
+        shape = self.shape(name)
+        if not -len(shape) <= dim < len(shape):
+            raise CheckpointError(f"Tensor {name!r} has shape {shape}; dim {dim} is out of range.")
+        dim %= len(shape)
+        if not 0 <= start <= stop <= shape[dim]:
+            raise CheckpointError(
+                f"Tensor {name!r} has shape {shape}; slice {start}:{stop} along dim {dim} is out of range."
+            )
+        if self.format == "pickle":
+            part = self._pickled_tensor(name).narrow(dim, start, stop - start)
+        else:
+            index = (slice(None),) * dim + (slice(start, stop),)
+            part = self._handle(self._info(name).shard).get_slice(name)[index]
+        # NOTE: both paths give a view into the memory-mapped file (safetensors >= 0.8 maps the whole tensor); copy
+        # just the slice out, so the caller holds an ordinary contiguous tensor of the slice's size.
+        return part.clone(memory_format=torch.contiguous_format)
+
+    def validate_shapes(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        """Raise one error listing every tensor of ``expected`` that is missing or has another shape."""
+        problems = []
+        for name, want in expected.items():
+            if name not in self._infos:
+                problems.append(f"{name!r}: missing (expected shape {tuple(want)})")
+                continue
+            found = self.shape(name)
+            if tuple(found) != tuple(want):
+                problems.append(f"{name!r}: expected shape {tuple(want)}, found {tuple(found)}")
+        if problems:
+            shown = "\n  ".join(problems[:20])
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            raise CheckpointError(
+                f"The checkpoint at {self.folder} does not match the model ({len(problems)} tensor(s)):"
+                f"\n  {shown}{more}"
+            )
+
+    # -- lifetime ---------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._handles.clear()
+        self._pickled.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointReader({str(self.folder)!r}, {len(self._infos)} tensors in {len(self._paths)} file(s))"

@@ -1,0 +1,306 @@
+import json
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from loongforge_hf.bridges import checkpoint_io
+from loongforge_hf.bridges.checkpoint_io import CheckpointError, CheckpointReader
+
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama saved by transformers itself, in several shards; returns (folder, state_dict)."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(folder, max_shard_size="10KB")
+    return folder, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def llama_copy(tiny_llama, tmp_path):
+    """A private copy of the sharded checkpoint that a test may damage."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama[0], folder)
+    return folder
+
+
+def weight_map(folder):
+    return json.loads((folder / INDEX).read_text())["weight_map"]
+
+
+def rewrite_index(folder, tensor, shard):
+    index = json.loads((folder / INDEX).read_text())
+    index["weight_map"][tensor] = shard
+    (folder / INDEX).write_text(json.dumps(index))
+
+
+def test_reads_transformers_sharded_checkpoint_bit_exact(tiny_llama):
+    folder, state = tiny_llama
+    assert len(set(weight_map(folder).values())) >= 3
+    with CheckpointReader(folder) as reader:
+        assert sorted(reader.keys()) == sorted(state)
+        assert len(reader) == len(state)
+        for name, tensor in state.items():
+            assert name in reader
+            assert reader.shape(name) == tuple(tensor.shape)
+            assert reader.dtype(name) == tensor.dtype
+            assert torch.equal(reader.get(name), tensor), name
+        assert "nope" not in reader
+
+
+def test_shards_open_lazily(tiny_llama):
+    folder, _ = tiny_llama
+    wm = weight_map(folder)
+    reader = CheckpointReader(folder)
+    assert reader.opened_files == set()
+    # header-only questions open nothing
+    for name in wm:
+        reader.shape(name), reader.dtype(name)
+    assert reader.opened_files == set()
+    name = next(iter(wm))
+    reader.get(name)
+    assert reader.opened_files == {wm[name]}
+    same_shard = [n for n in wm if wm[n] == wm[name] and n != name]
+    reader.get_slice(same_shard[0], dim=0, start=0, stop=1)
+    assert reader.opened_files == {wm[name]}
+    other = next(n for n in wm if wm[n] != wm[name])
+    reader.get_slice(other, dim=0, start=0, stop=1)
+    assert reader.opened_files == {wm[name], wm[other]}
+    reader.close()
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_get_slice_equals_get(tiny_llama, dim):
+    folder, state = tiny_llama
+    name = "model.layers.1.mlp.gate_proj.weight"  # [32, 16]
+    with CheckpointReader(folder) as reader:
+        full = reader.get(name)
+        size = full.shape[dim]
+        for start, stop in [(0, size), (0, size // 2), (size // 2, size), (3, 7), (5, 5)]:
+            got = reader.get_slice(name, dim=dim, start=start, stop=stop)
+            assert torch.equal(got, full.narrow(dim, start, stop - start)), (start, stop)
+            assert got.is_contiguous()
+        bias_like = reader.get_slice("model.norm.weight", dim=0, start=4, stop=12)
+        assert torch.equal(bias_like, state["model.norm.weight"][4:12])
+
+
+def test_get_slice_reads_through_safetensors_slices(tiny_llama, monkeypatch):
+    """A slice must come from safe_open's slice reader, never from materialising the whole tensor."""
+    calls = []
+    real_open = checkpoint_io.safe_open
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self._handle = real_open(*args, **kwargs)
+
+        def get_tensor(self, name):
+            calls.append(("get_tensor", name))
+            return self._handle.get_tensor(name)
+
+        def get_slice(self, name):
+            calls.append(("get_slice", name))
+            return self._handle.get_slice(name)
+
+    monkeypatch.setattr(checkpoint_io, "safe_open", Spy)
+    folder, state = tiny_llama
+    name = "lm_head.weight"
+    with CheckpointReader(folder) as reader:
+        part = reader.get_slice(name, dim=1, start=8, stop=16)
+    assert calls == [("get_slice", name)]
+    assert torch.equal(part, state[name][:, 8:16])
+    assert part.untyped_storage().nbytes() == part.numel() * part.element_size()
+
+
+def test_get_slice_out_of_range(tiny_llama):
+    with CheckpointReader(tiny_llama[0]) as reader:
+        with pytest.raises(CheckpointError, match=r"lm_head\.weight.*slice 60:70 along dim 0"):
+            reader.get_slice("lm_head.weight", dim=0, start=60, stop=70)
+        with pytest.raises(CheckpointError, match="dim 2 is out of range"):
+            reader.get_slice("lm_head.weight", dim=2, start=0, stop=1)
+
+
+def test_unknown_tensor_is_named(tiny_llama):
+    with CheckpointReader(tiny_llama[0]) as reader:
+        for ask in (reader.get, reader.shape, reader.dtype):
+            with pytest.raises(CheckpointError, match=r"'model\.layers\.9\.mlp\.up_proj\.weight' is not in"):
+                ask("model.layers.9.mlp.up_proj.weight")
+
+
+def test_validate_shapes(tiny_llama):
+    folder, state = tiny_llama
+    with CheckpointReader(folder) as reader:
+        reader.validate_shapes({k: tuple(v.shape) for k, v in state.items()})
+        with pytest.raises(CheckpointError) as err:
+            reader.validate_shapes({"lm_head.weight": (128, 16), "model.extra.weight": (2, 2),
+                                    "model.norm.weight": (16,)})
+    message = str(err.value)
+    assert "'lm_head.weight': expected shape (128, 16), found (64, 16)" in message
+    assert "'model.extra.weight': missing (expected shape (2, 2))" in message
+    assert "model.norm.weight" not in message
+    assert "2 tensor(s)" in message
+
+
+def test_single_file_checkpoint(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.randn(4, 2).to(torch.bfloat16), "d": torch.tensor([True, False])}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with CheckpointReader(tmp_path) as reader:
+        assert sorted(reader.keys()) == ["a", "b", "c", "d"]
+        for name, tensor in tensors.items():
+            assert reader.dtype(name) == tensor.dtype
+            assert torch.equal(reader.get(name), tensor)
+        assert torch.equal(reader.get_slice("a", dim=1, start=1, stop=4), tensors["a"][:, 1:4])
+        assert reader.opened_files == {"model.safetensors"}
+
+
+def test_single_file_wins_over_index_as_in_transformers(llama_copy):
+    save_file({"only": torch.ones(3)}, str(llama_copy / "model.safetensors"))
+    with CheckpointReader(llama_copy) as reader:
+        assert reader.keys() == ["only"]
+
+
+def test_missing_shard_names_file_and_tensor(llama_copy):
+    wm = weight_map(llama_copy)
+    victim = sorted(set(wm.values()))[1]
+    (llama_copy / victim).unlink()
+    with pytest.raises(CheckpointError) as err:
+        CheckpointReader(llama_copy)
+    assert victim in str(err.value) and "missing" in str(err.value)
+    assert any(repr(t) in str(err.value) for t, s in wm.items() if s == victim)
+
+
+def test_corrupt_header_names_file(llama_copy):
+    shard = sorted(set(weight_map(llama_copy).values()))[0]
+    data = bytearray((llama_copy / shard).read_bytes())
+    data[8:12] = b"\xff\xfe{{"
+    (llama_copy / shard).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard}: corrupt safetensors header"):
+        CheckpointReader(llama_copy)
+
+
+@pytest.mark.parametrize("keep", [4, 40, "half", "minus1"])
+def test_truncated_shard_names_file(llama_copy, keep):
+    shard = sorted(set(weight_map(llama_copy).values()))[-1]
+    data = (llama_copy / shard).read_bytes()
+    cut = {"half": len(data) // 2, "minus1": len(data) - 1}.get(keep, keep)
+    (llama_copy / shard).write_bytes(data[:cut])
+    with pytest.raises(CheckpointError, match=f"{shard}: .*truncated"):
+        CheckpointReader(llama_copy)
+
+
+def test_header_whose_byte_range_does_not_match_dtype(tmp_path):
+    save_file({"w": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["w"]["shape"] = [4, 2]
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    (tmp_path / "model.safetensors").write_bytes(raw[:8] + text + raw[8 + n:])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt safetensors header: tensor 'w'"):
+        CheckpointReader(tmp_path)
+
+
+def test_index_that_does_not_parse(llama_copy):
+    (llama_copy / INDEX).write_text('{"weight_map": {"a": ')
+    with pytest.raises(CheckpointError, match=f"{INDEX}: not a valid checkpoint index"):
+        CheckpointReader(llama_copy)
+    (llama_copy / INDEX).write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match=f"{INDEX}: the checkpoint index has no 'weight_map'"):
+        CheckpointReader(llama_copy)
+
+
+def test_index_entry_for_tensor_absent_from_its_shard(llama_copy):
+    wm = weight_map(llama_copy)
+    wrong = next(s for s in sorted(set(wm.values())) if s != wm["lm_head.weight"])
+    rewrite_index(llama_copy, "lm_head.weight", wrong)
+    with pytest.raises(CheckpointError, match=f"tensor 'lm_head.weight' in '{wrong}', but that shard does not hold"):
+        CheckpointReader(llama_copy)
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink"])
+def test_shard_paths_must_stay_inside_the_folder(llama_copy, tmp_path, kind):
+    outside = tmp_path / "outside.safetensors"
+    save_file({"lm_head.weight": torch.zeros(64, 16)}, str(outside))
+    if kind == "dotdot":
+        entry, expected = "../outside.safetensors", r"leaves the checkpoint folder \('\.\.'\)"
+    elif kind == "absolute":
+        entry, expected = str(outside), "an absolute path"
+    else:
+        (llama_copy / "linked.safetensors").symlink_to(outside)
+        entry, expected = "linked.safetensors", "outside the checkpoint folder"
+    rewrite_index(llama_copy, "lm_head.weight", entry)
+    with pytest.raises(CheckpointError, match=expected) as err:
+        CheckpointReader(llama_copy)
+    assert "lm_head.weight" in str(err.value)
+
+
+def test_symlink_inside_the_folder_is_fine(llama_copy):
+    wm = weight_map(llama_copy)
+    shard = wm["lm_head.weight"]
+    (llama_copy / "sub").mkdir()
+    (llama_copy / shard).rename(llama_copy / "sub" / "real.safetensors")
+    (llama_copy / shard).symlink_to(llama_copy / "sub" / "real.safetensors")
+    with CheckpointReader(llama_copy) as reader:
+        assert reader.shape("lm_head.weight") == (64, 16)
+
+
+def test_pickle_refused_unless_allowed(tiny_llama, tmp_path):
+    _, state = tiny_llama
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pickle checkpoints are refused unless allow_pickle=True"):
+        CheckpointReader(tmp_path)
+    with CheckpointReader(tmp_path, allow_pickle=True) as reader:
+        assert sorted(reader.keys()) == sorted(state)
+        for name, tensor in state.items():
+            assert reader.shape(name) == tuple(tensor.shape) and reader.dtype(name) == tensor.dtype
+            assert torch.equal(reader.get(name), tensor)
+        assert torch.equal(reader.get_slice("lm_head.weight", dim=1, start=2, stop=5), state["lm_head.weight"][:, 2:5])
+        reader.validate_shapes({"lm_head.weight": (64, 16)})
+
+
+def test_sharded_pickle_checkpoint(tiny_llama, tmp_path):
+    _, state = tiny_llama
+    names = sorted(state)
+    halves = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    for file, keys in halves.items():
+        torch.save({k: state[k] for k in keys}, tmp_path / file)
+    wm = {k: file for file, keys in halves.items() for k in keys}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin\.index\.json.*allow_pickle=True"):
+        CheckpointReader(tmp_path)
+    reader = CheckpointReader(tmp_path, allow_pickle=True)
+    assert reader.opened_files == set()
+    assert torch.equal(reader.get(names[0]), state[names[0]])
+    assert reader.opened_files == {"pytorch_model-00001-of-00002.bin"}
+    for name in names:
+        assert torch.equal(reader.get(name), state[name])
+    reader.close()
+
+
+def test_pickle_with_code_is_refused_even_when_allowed(tmp_path):
+    torch.save({"w": torch.zeros(2), "evil": {"not": "a tensor"}, "f": os.getcwd}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="weights-only"):
+        CheckpointReader(tmp_path, allow_pickle=True)
+
+
+def test_no_weights(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"No weights found in {tmp_path}"):
+        CheckpointReader(tmp_path)
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "consolidated.safetensors"))
+    with pytest.raises(CheckpointError, match=r"found consolidated\.safetensors, but not under transformers' names"):
+        CheckpointReader(tmp_path)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        CheckpointReader(tmp_path / "absent")

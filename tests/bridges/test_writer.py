@@ -1,0 +1,271 @@
+import errno
+import json
+import re
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from transformers.utils.hub import convert_file_size_to_int
+
+from loongforge_hf.bridges import writer as writer_module
+from loongforge_hf.bridges.checkpoint_io import CheckpointError, CheckpointReader
+from loongforge_hf.bridges.writer import CheckpointWriter, parse_size
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def snapshot(folder):
+    """Every file under ``folder`` with its bytes, to compare a folder before and after."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def leftovers(parent):
+    return sorted(p.name for p in parent.iterdir() if re.match(r"\..*\.(tmp|old)-", p.name))
+
+
+@pytest.mark.parametrize("size", ["5GB", "5GiB", "500MB", "20KB", "3MiB", "1KiB", "7Gb", "40Mb", "9Kb", 12345, 0])
+def test_parse_size_matches_transformers(size):
+    assert parse_size(size) == convert_file_size_to_int(size)
+
+
+def test_parse_size_values_and_errors():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("5GiB") == 5 * 2**30
+    assert parse_size("500MB") == 500 * 10**6
+    assert parse_size(" 2 MB ") == 2 * 10**6
+    for bad in ("abc", "5TB", "1.5GB", "GB", "-5GB", True, 3.0):
+        with pytest.raises(ValueError, match="Cannot read size"):
+            parse_size(bad)
+
+
+def test_round_trip_through_safetensors_and_transformers(tiny_llama, tmp_path):
+    state = tiny_llama.state_dict()
+    out = tmp_path / "out"
+    with CheckpointWriter(out, max_shard_size="10KB") as w:
+        for name, tensor in state.items():
+            w.add(name, tensor)
+        w.write_text("config.json", tiny_llama.config.to_json_string())
+    files = sorted(p.name for p in out.iterdir())
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) >= 3
+    assert all(re.fullmatch(rf"model-\d{{5}}-of-{len(shards):05d}\.safetensors", s) for s in shards)
+    assert files == sorted(shards + ["config.json", "model.safetensors.index.json"])
+    assert leftovers(tmp_path) == []
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index) == {"metadata", "weight_map"}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    assert sorted(index["weight_map"]) == sorted(state) and set(index["weight_map"].values()) == set(shards)
+
+    seen = {}
+    for shard in shards:
+        with safe_open(str(out / shard), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for name in f.keys():
+                assert index["weight_map"][name] == shard
+                seen[name] = f.get_tensor(name)
+    assert sorted(seen) == sorted(state)
+    assert all(torch.equal(seen[k], state[k]) for k in state)
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    reloaded_state = reloaded.state_dict()
+    assert sorted(reloaded_state) == sorted(state)
+    for name, tensor in state.items():
+        assert reloaded_state[name].dtype == tensor.dtype
+        assert torch.equal(reloaded_state[name].view(torch.int32), tensor.view(torch.int32)), name
+    with CheckpointReader(out) as reader:
+        assert all(torch.equal(reader.get(k), state[k]) for k in state)
+
+
+def test_shards_and_index_identical_to_transformers_save_pretrained(tiny_llama, tmp_path):
+    tiny_llama.save_pretrained(tmp_path / "hf", max_shard_size="10KB")
+    with CheckpointWriter(tmp_path / "ours", max_shard_size="10KB") as w:
+        for name, tensor in tiny_llama.state_dict().items():
+            w.add(name, tensor)
+    theirs = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    ours = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert ours["weight_map"] == theirs["weight_map"]
+    assert ours["metadata"]["total_size"] == theirs["metadata"]["total_size"]
+    assert (tmp_path / "ours" / "model.safetensors.index.json").read_text().endswith("}\n")
+
+
+def test_single_shard_is_model_safetensors(tiny_llama, tmp_path):
+    out = tmp_path / "single"
+    with CheckpointWriter(out, max_shard_size="5GB", metadata={"producer": "loongforge-hf"}) as w:
+        for name, tensor in tiny_llama.state_dict().items():
+            w.add(name, tensor)
+        w.write_text("config.json", tiny_llama.config.to_json_string())
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "producer": "loongforge-hf"}
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in tiny_llama.state_dict().items())
+
+
+def test_tensor_larger_than_max_shard_size_gets_its_own_shard(tmp_path):
+    with CheckpointWriter(tmp_path / "o", max_shard_size=100) as w:
+        w.add("small.a", torch.zeros(5))        # 20 bytes
+        w.add("big", torch.zeros(50))           # 200 bytes > 100
+        w.add("small.b", torch.zeros(5))
+    wm = json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert wm == {"small.a": "model-00001-of-00003.safetensors", "big": "model-00002-of-00003.safetensors",
+                  "small.b": "model-00003-of-00003.safetensors"}
+
+
+def test_tensors_are_detached_contiguous_copies(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    param = torch.nn.Parameter(torch.ones(3, 3))
+    buffer = torch.zeros(4)
+    with CheckpointWriter(tmp_path / "o") as w:
+        w.add("transposed", base.t())          # non-contiguous view
+        w.add("row", base[1])                  # view into a larger storage
+        w.add("same", base)                    # shares storage with the two above
+        w.add("alias", base)                   # the very same tensor under a second name (tied weights)
+        w.add("param", param)                  # requires grad
+        w.add("reused", buffer)
+        buffer.fill_(7.0)                      # the caller reuses its buffer after add()
+    with CheckpointReader(tmp_path / "o") as reader:
+        assert torch.equal(reader.get("transposed"), base.t())
+        assert torch.equal(reader.get("row"), base[1])
+        assert torch.equal(reader.get("same"), base) and torch.equal(reader.get("alias"), base)
+        assert torch.equal(reader.get("param"), torch.ones(3, 3))
+        assert torch.equal(reader.get("reused"), torch.zeros(4))
+
+
+def test_side_files(tmp_path):
+    src = tmp_path / "tokenizer.json"
+    src.write_text('{"tok": 1}')
+    with CheckpointWriter(tmp_path / "o") as w:
+        w.add("w", torch.zeros(2))
+        w.copy_file("tokenizer.json", src)
+        w.copy_file("sub/dir/tokenizer.json", src)
+        w.write_text("README.md", "héllo\n")
+    out = tmp_path / "o"
+    assert (out / "tokenizer.json").read_text() == '{"tok": 1}'
+    assert (out / "sub" / "dir" / "tokenizer.json").read_text() == '{"tok": 1}'
+    assert (out / "README.md").read_text(encoding="utf-8") == "héllo\n"
+
+
+@pytest.mark.parametrize("relpath,message", [
+    ("../escape.txt", "must be a relative path inside"),
+    ("a/../../escape.txt", "must be a relative path inside"),
+    ("/etc/passwd", "must be a relative path inside"),
+    ("", "must be a relative path inside"),
+    ("model.safetensors", "is a weights file name"),
+    ("model-00001-of-00002.safetensors", "is a weights file name"),
+])
+def test_bad_side_file_paths(tmp_path, relpath, message):
+    out = tmp_path / "o"
+    with pytest.raises(CheckpointError, match=message):
+        with CheckpointWriter(out) as w:
+            w.write_text(relpath, "x")
+    assert not out.exists() and leftovers(tmp_path) == []
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_duplicates_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match=r"Tensor 'w' was added twice"):
+        with CheckpointWriter(tmp_path / "o") as w:
+            w.add("w", torch.zeros(2))
+            w.add("w", torch.ones(2))
+    with pytest.raises(CheckpointError, match=r"'\./config\.json' was written twice"):
+        with CheckpointWriter(tmp_path / "o") as w:
+            w.write_text("config.json", "{}")
+            w.write_text("./config.json", "{}")
+    with pytest.raises(CheckpointError, match="not a file"):
+        with CheckpointWriter(tmp_path / "o") as w:
+            w.copy_file("vocab.txt", tmp_path / "absent.txt")
+    assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
+
+
+@pytest.fixture
+def existing_out(tmp_path):
+    out = tmp_path / "out"
+    with CheckpointWriter(out) as w:
+        w.add("old", torch.full((3,), 1.5))
+        w.write_text("config.json", '{"old": true}')
+    (out / "notes.txt").write_text("user notes")
+    return out
+
+
+def test_exception_in_with_block_leaves_out_dir_untouched(existing_out):
+    before = snapshot(existing_out)
+    with pytest.raises(RuntimeError, match="boom"):
+        with CheckpointWriter(existing_out, max_shard_size=8) as w:
+            w.add("a", torch.zeros(4))
+            w.add("b", torch.zeros(4))        # the first shard is on disk by now
+            w.write_text("config.json", "{}")
+            raise RuntimeError("boom")
+    assert snapshot(existing_out) == before
+    assert leftovers(existing_out.parent) == []
+
+
+@pytest.mark.parametrize("when", ["mid-stream", "at-exit"])
+def test_disk_full_leaves_out_dir_untouched(existing_out, monkeypatch, when):
+    before = snapshot(existing_out)
+    calls = []
+
+    def full_disk(tensors, filename, metadata=None):
+        calls.append(filename)
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(writer_module, "save_file", full_disk)
+    with pytest.raises(CheckpointError, match=rf"disk full while writing shard-00001\.safetensors in {existing_out}"):
+        with CheckpointWriter(existing_out, max_shard_size=8 if when == "mid-stream" else "5GB") as w:
+            w.add("a", torch.zeros(4))
+            w.add("b", torch.zeros(4))
+    assert len(calls) == 1
+    assert snapshot(existing_out) == before
+    assert leftovers(existing_out.parent) == []
+
+
+def test_disk_full_for_a_new_folder_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_module, "save_file",
+                        lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(CheckpointError, match="disk full"):
+        with CheckpointWriter(tmp_path / "new") as w:
+            w.add("a", torch.zeros(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_clean_exit_replaces_existing_out_dir(existing_out):
+    with CheckpointWriter(existing_out) as w:
+        w.add("new", torch.full((2,), 2.5))
+    assert sorted(p.name for p in existing_out.iterdir()) == ["model.safetensors"]
+    with CheckpointReader(existing_out) as reader:
+        assert reader.keys() == ["new"] and torch.equal(reader.get("new"), torch.full((2,), 2.5))
+    assert leftovers(existing_out.parent) == []
+
+
+def test_refuses_to_replace_the_working_directory(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    (work / "inner").mkdir(parents=True)
+    (work / "precious.txt").write_text("keep")
+    for target, cwd in ((".", work), (str(work), work / "inner")):
+        monkeypatch.chdir(cwd)
+        with pytest.raises(CheckpointError, match="working directory"):
+            with CheckpointWriter(target) as w:
+                w.add("a", torch.zeros(1))
+    assert (work / "precious.txt").read_text() == "keep"
+    assert leftovers(tmp_path) == [] and leftovers(work) == []
+
+
+def test_misuse(tmp_path):
+    w = CheckpointWriter(tmp_path / "o")
+    with pytest.raises(RuntimeError, match="with block"):
+        w.add("a", torch.zeros(1))
+    with pytest.raises(ValueError, match="max_shard_size must be positive"):
+        CheckpointWriter(tmp_path / "o", max_shard_size=0)
+    with pytest.raises(ValueError, match="strings to strings"):
+        CheckpointWriter(tmp_path / "o", metadata={"step": 3})
+    with pytest.raises(CheckpointError, match="meta device"):
+        with CheckpointWriter(tmp_path / "o") as w:
+            w.add("a", torch.empty(2, device="meta"))
+    assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
