@@ -1,7 +1,8 @@
 """loongforge-hf: Hugging Face checkpoints in, Hugging Face checkpoints out, megatron-core in between."""
 
+from loongforge_hf.modeling import AutoModelForCausalLM, LoongModelForCausalLM
 from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelConfig", "ParallelLayoutError", "__version__"]
+__all__ = ["AutoModelForCausalLM", "LoongModelForCausalLM", "ParallelConfig", "ParallelLayoutError", "__version__"]

@@ -146,6 +146,7 @@ def apply_megatron_patches() -> None:
     _patch_rng_tracker()
     _patch_cuda_literals()
     _patch_moe_split_sizes()
+    _patch_tied_embedding_sync()
     apply_without_te_fixes()
     _PATCHED = True
 
@@ -210,6 +211,28 @@ def _patch_moe_split_sizes() -> None:
         return tensor
 
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_tied_embedding_sync() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(original, "_loongforge_cpu", False):
+        return
+
+    # Stands in for models/common/language_module/language_module.py:244 `weight.data = weight.data.cuda()`, run when
+    # tied embeddings span pipeline stages: on CPU the tensor stays where it is.
+    @functools.wraps(original)
+    def setup_embeddings_and_output_layer(self):
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return original(self)
+        finally:
+            torch.Tensor.cuda = saved
+
+    setup_embeddings_and_output_layer._loongforge_cpu = True
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
 class _TorchWithCpuDefault:

@@ -1,0 +1,132 @@
+"""Build this rank's megatron-core GPTModel chunk(s) for a bridge and a parallel layout.
+
+Choices:
+- Weights are not initialised (``perform_initialization=False``): the loader fills every parameter from the checkpoint
+  and fails if one is left over.
+- Uneven pipelines: when layers don't divide by the pipeline size, the first (and if needed the last) stage take
+  the extra layers through megatron's ``num_layers_in_first/last_pipeline_stage``; a split megatron cannot
+  express raises ``ParallelLayoutError``.
+- Rotary frequencies follow the HF config exactly (llama3 scaling included) by overwriting megatron's ``inv_freq``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.transforms import padded_vocab_size
+from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
+from loongforge_hf.xpu import get_backend
+
+
+@dataclass
+class MegatronModel:
+    chunks: list            # GPTModel per virtual stage held by this rank
+    config: object          # megatron TransformerConfig
+    layer_offsets: list[int]
+    layer_counts: list[int]
+    padded_vocab: int
+
+
+def _uneven_split(num_layers: int, pp: int) -> dict:
+    """Kwargs for megatron that put ``num_layers`` on ``pp`` stages as evenly as megatron can express."""
+    if num_layers % pp == 0:
+        return {}
+    for first in range(math.ceil(num_layers / pp), num_layers):
+        for last in (None, *range(1, num_layers)):
+            rest = num_layers - first - (last or 0)
+            middle = pp - 1 - (last is not None)
+            if middle == 0 and rest == 0 or middle > 0 and rest > 0 and rest % middle == 0:
+                kw = {"num_layers_in_first_pipeline_stage": first}
+                if last is not None:
+                    kw["num_layers_in_last_pipeline_stage"] = last
+                return kw
+    raise ParallelLayoutError(f"num_hidden_layers={num_layers} cannot be split over pipeline_parallel_size={pp}.")
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.x frequency scaling, as defined by Meta's reference and HF's 'llama3' rope type."""
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_ctx = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype) -> MegatronModel:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from loongforge_hf.bridges.specs import layer_spec_for
+
+    hf = bridge.hf_config
+    kw = bridge.transformer_config_kwargs()
+    rope = C.rope_parameters(hf)
+    backend = get_backend()
+    vpp = parallel.virtual_pipeline_parallel_size if (parallel.virtual_pipeline_parallel_size or 1) > 1 else None
+    if vpp is None:
+        kw.update(_uneven_split(hf.num_hidden_layers, parallel.pipeline_parallel_size))
+    config = TransformerConfig(
+        **kw,
+        tensor_model_parallel_size=parallel.tensor_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=backend.name == "cpu", perform_initialization=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, bias_dropout_fusion=False,
+        cross_entropy_loss_fusion=False, deallocate_pipeline_outputs=False,
+    )
+    padded = padded_vocab_size(hf.vocab_size, tensor_parallel_size=parallel.tensor_parallel_size)
+    spec = layer_spec_for(bridge, config)
+    chunks, offsets, counts = [], [], []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=padded,
+            max_sequence_length=hf.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=bridge.tied, position_embedding_type="rope",
+            rotary_base=rope["rope_theta"], parallel_output=True, vp_stage=stage,
+        )
+        if hasattr(model, "rotary_pos_emb") and rope["rope_type"] == "llama3":
+            model.rotary_pos_emb.inv_freq = llama3_inv_freq(model.rotary_pos_emb.inv_freq.float(), rope)
+        device = backend.device()
+        model.to(device)
+        chunks.append(model)
+        offsets.append(get_transformer_layer_offset(config, vp_stage=stage))
+        counts.append(get_num_layers_to_build(config, vp_stage=stage))
+    return MegatronModel(chunks=chunks, config=config, layer_offsets=offsets, layer_counts=counts,
+                         padded_vocab=padded)
+
+
+def layer_owners(config, parallel: ParallelConfig) -> dict[int, tuple[int, int | None, int]]:
+    """Global layer index -> (pipeline rank, virtual stage, local index): the same table on every rank."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    vpp = parallel.virtual_pipeline_parallel_size if (parallel.virtual_pipeline_parallel_size or 1) > 1 else None
+    owners = {}
+    for pp_rank in range(parallel.pipeline_parallel_size):
+        for vp in range(vpp or 1):
+            stage = vp if vpp else None
+            offset = get_transformer_layer_offset(config, vp_stage=stage, pp_rank=pp_rank)
+            for j in range(get_num_layers_to_build(config, vp_stage=stage, pp_rank=pp_rank)):
+                owners[offset + j] = (pp_rank, stage, j)
+    return owners

@@ -1,0 +1,137 @@
+"""HF config <-> megatron-core ``TransformerConfig``: one two-way table, plus the checks for what we cannot express.
+
+Choices:
+- Each row names the HF field, the megatron field, and the two conversions; ``hf_to_megatron`` and
+  ``megatron_to_hf`` both read the same table, so a field cannot be mapped one way only.
+- The exported ``config.json`` is the source's HF config written back as it was (plus ``dtype`` when asked), so
+  fields megatron has no use for (token ids, generation defaults) survive untouched.
+- A value the bridge cannot express exactly (an unknown rope type, an active sliding window that the attention in use
+  does not implement, bias in the MLP ...) raises ``UnsupportedConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.nn.functional as F
+
+
+class UnsupportedConfigError(ValueError):
+    """An HF config value the bridge cannot express exactly."""
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Field:
+    hf: str
+    megatron: str
+    to_megatron: Callable[[Any], Any] = _identity
+    to_hf: Callable[[Any], Any] = _identity
+
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu}
+
+
+def _act_to_megatron(name: str):
+    if name not in _ACTIVATIONS:
+        raise UnsupportedConfigError(f"hidden_act={name!r} is not supported; supported: {sorted(_ACTIVATIONS)}.")
+    return _ACTIVATIONS[name]
+
+
+def _act_to_hf(fn) -> str:
+    return {F.silu: "silu", F.gelu: "gelu"}[fn]
+
+
+# HF name, megatron TransformerConfig name, conversions. Order is documentation only.
+DENSE_FIELDS: tuple[Field, ...] = (
+    Field("num_hidden_layers", "num_layers"),
+    Field("hidden_size", "hidden_size"),
+    Field("intermediate_size", "ffn_hidden_size"),
+    Field("num_attention_heads", "num_attention_heads"),
+    Field("num_key_value_heads", "num_query_groups"),
+    Field("head_dim", "kv_channels"),
+    Field("rms_norm_eps", "layernorm_epsilon"),
+    Field("hidden_act", "activation_func", _act_to_megatron, _act_to_hf),
+    Field("attention_dropout", "attention_dropout"),
+    Field("initializer_range", "init_method_std"),
+)
+
+
+def head_dim_of(hf_config) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return head_dim if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def hf_to_megatron(hf_config, fields: tuple[Field, ...] = DENSE_FIELDS) -> dict:
+    """The megatron TransformerConfig kwargs the table derives from ``hf_config``."""
+    out = {}
+    for f in fields:
+        if f.hf == "head_dim":
+            value = head_dim_of(hf_config)
+        elif f.hf == "num_key_value_heads":
+            value = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        else:
+            value = getattr(hf_config, f.hf)
+        out[f.megatron] = f.to_megatron(value)
+    return out
+
+
+def megatron_to_hf(transformer_config, fields: tuple[Field, ...] = DENSE_FIELDS) -> dict:
+    """The HF config fields the table derives back from a megatron ``TransformerConfig``."""
+    return {f.hf: f.to_hf(getattr(transformer_config, f.megatron)) for f in fields}
+
+
+# ---- rope -------------------------------------------------------------------------------------------------------
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def rope_parameters(hf_config) -> dict:
+    """``rope_parameters`` as transformers 5 stores them (theta, type and scaling fields in one dict)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = {"rope_type": "default", "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+        scaling = getattr(hf_config, "rope_scaling", None)
+        if scaling:
+            params.update(scaling)
+    params.setdefault("rope_type", params.get("type", "default"))
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedConfigError(
+            f"rope_parameters.rope_type={rope_type!r} is not implemented; supported: {list(SUPPORTED_ROPE_TYPES)}.")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(
+            f"rope_parameters.partial_rotary_factor={params['partial_rotary_factor']} is not supported (only 1.0).")
+    return params
+
+
+# ---- checks for dense decoders -----------------------------------------------------------------------------------
+
+def check_dense_config(hf_config, *, qkv_bias: bool) -> None:
+    """Raise ``UnsupportedConfigError`` for values a dense bridge cannot reproduce exactly."""
+    rope_parameters(hf_config)
+    if getattr(hf_config, "mlp_bias", False):
+        raise UnsupportedConfigError("mlp_bias=True is not supported.")
+    if getattr(hf_config, "attention_bias", False) and not qkv_bias:
+        raise UnsupportedConfigError("attention_bias=True is not supported for this architecture.")
+    if getattr(hf_config, "pretraining_tp", 1) not in (1, None):
+        raise UnsupportedConfigError(f"pretraining_tp={hf_config.pretraining_tp} is not supported (only 1).")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise UnsupportedConfigError(
+            "use_sliding_window=True is not supported (per-layer sliding windows, max_window_layers).")
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise UnsupportedConfigError(f"layer_types={sorted(set(layer_types))} is not supported (only full_attention).")
+    _act_to_megatron(hf_config.hidden_act)
+
+
+def sliding_window_of(hf_config) -> int | None:
+    """The effective sliding window (None when it can never bind, i.e. it covers every position)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or window >= getattr(hf_config, "max_position_embeddings", 0):
+        return None
+    return int(window)

@@ -1,0 +1,102 @@
+"""What every Llama-family dense decoder shares: the tensor table, expected shapes, and megatron config deltas.
+
+A per-model bridge (llama.py, qwen2.py, ...) subclasses ``DenseBridge`` and declares only what differs
+(q/k norms, qkv bias, sliding window).
+"""
+
+from __future__ import annotations
+
+from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.mappings import (QKV, ColumnParallel, GatedMLP, Mapping, Replicated, RowParallel,
+                                            VocabParallel)
+
+L = "model.layers.{layer}"
+D = "decoder.layers.{layer}"
+
+
+class DenseBridge:
+    architectures: tuple[str, ...] = ()
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    supports_sliding_window: bool = False
+
+    def __init__(self, hf_config) -> None:
+        self.hf_config = hf_config
+        self.check_config()
+
+    # ---- config ---------------------------------------------------------------------------------------------
+    def check_config(self) -> None:
+        C.check_dense_config(self.hf_config, qkv_bias=self.qkv_bias)
+        if C.sliding_window_of(self.hf_config) is not None and not self.supports_sliding_window:
+            raise C.UnsupportedConfigError(
+                f"sliding_window={self.hf_config.sliding_window} is not supported for {self.architectures[0]}.")
+
+    @property
+    def tied(self) -> bool:
+        return bool(getattr(self.hf_config, "tie_word_embeddings", False))
+
+    def transformer_config_kwargs(self) -> dict:
+        kw = C.hf_to_megatron(self.hf_config)
+        kw.update(normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
+                  add_qkv_bias=self.qkv_bias, qk_layernorm=self.qk_norm, hidden_dropout=0.0)
+        window = C.sliding_window_of(self.hf_config)
+        if window is not None:
+            # NOTE: HF lets a query see itself and the window-1 tokens before it; megatron's (left, right) bounds.
+            kw["window_size"] = (window - 1, 0)
+        return kw
+
+    # ---- tensors --------------------------------------------------------------------------------------------
+    def layer_mappings(self) -> list[Mapping]:
+        maps: list[Mapping] = [
+            Replicated(f"{D}.input_layernorm.weight", f"{L}.input_layernorm.weight"),
+            QKV(f"{D}.self_attention.linear_qkv.weight", q=f"{L}.self_attn.q_proj.weight",
+                k=f"{L}.self_attn.k_proj.weight", v=f"{L}.self_attn.v_proj.weight"),
+            RowParallel(f"{D}.self_attention.linear_proj.weight", f"{L}.self_attn.o_proj.weight"),
+            Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
+            GatedMLP(f"{D}.mlp.linear_fc1.weight", gate=f"{L}.mlp.gate_proj.weight", up=f"{L}.mlp.up_proj.weight"),
+            RowParallel(f"{D}.mlp.linear_fc2.weight", f"{L}.mlp.down_proj.weight"),
+        ]
+        if self.qkv_bias:
+            maps.append(QKV(f"{D}.self_attention.linear_qkv.bias", q=f"{L}.self_attn.q_proj.bias",
+                            k=f"{L}.self_attn.k_proj.bias", v=f"{L}.self_attn.v_proj.bias"))
+        if self.qk_norm:
+            maps += [Replicated(f"{D}.self_attention.q_layernorm.weight", f"{L}.self_attn.q_norm.weight"),
+                     Replicated(f"{D}.self_attention.k_layernorm.weight", f"{L}.self_attn.k_norm.weight")]
+        return maps
+
+    def embedding_mapping(self) -> Mapping:
+        return VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight")
+
+    def final_mappings(self) -> list[Mapping]:
+        maps: list[Mapping] = [Replicated("decoder.final_layernorm.weight", "model.norm.weight")]
+        if not self.tied:
+            maps.append(VocabParallel("output_layer.weight", "lm_head.weight"))
+        return maps
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        c = self.hf_config
+        hd = C.head_dim_of(c)
+        kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        h, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
+        shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+        if not self.tied:
+            shapes["lm_head.weight"] = (v, h)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}"
+            shapes.update({
+                f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+                f"{p}.self_attn.q_proj.weight": (c.num_attention_heads * hd, h),
+                f"{p}.self_attn.k_proj.weight": (kv * hd, h), f"{p}.self_attn.v_proj.weight": (kv * hd, h),
+                f"{p}.self_attn.o_proj.weight": (h, c.num_attention_heads * hd),
+                f"{p}.mlp.gate_proj.weight": (f, h), f"{p}.mlp.up_proj.weight": (f, h),
+                f"{p}.mlp.down_proj.weight": (h, f),
+            })
+            if self.qkv_bias:
+                shapes.update({f"{p}.self_attn.q_proj.bias": (c.num_attention_heads * hd,),
+                               f"{p}.self_attn.k_proj.bias": (kv * hd,), f"{p}.self_attn.v_proj.bias": (kv * hd,)})
+            if self.qk_norm:
+                shapes.update({f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)})
+        return shapes
+
+    def num_experts(self) -> int | None:
+        return None

@@ -1,0 +1,54 @@
+"""Which rank owns which slice, and moving slices between ranks. Process groups are always passed in.
+
+Choices:
+- Export streams one HF tensor at a time: the TP group that owns it all-gathers the shards, its first rank turns them
+  into HF tensors and sends them to the writer rank (global rank 0). Data-parallel and context-parallel replicas
+  stay idle, so each tensor is gathered once.
+- Failures on the writer rank never strand the senders: the writer keeps receiving (and discards) until the stream
+  ends, then the outcome is broadcast and every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def gather_tp_shards(tensor: torch.Tensor, *, group) -> list[torch.Tensor]:
+    """All shards of ``tensor`` over ``group`` in rank order (a one-element list without a group)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [tensor]
+    shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, tensor.contiguous(), group=group)
+    return shards
+
+
+def send_tensor(tensor: torch.Tensor, *, dst: int) -> None:
+    dist.send(tensor.contiguous(), dst=dst)
+
+
+def recv_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, src: int, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(out, src=src)
+    return out
+
+
+def broadcast_outcome(error: str | None, *, src: int = 0) -> str | None:
+    """Share ``error`` (None for success) of rank ``src`` with every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    box = [error]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def agree_on_error(error: str | None) -> str | None:
+    """The first error any rank saw (None when none did): every rank gets the same verdict."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error)
+    for i, e in enumerate(gathered):
+        if e is not None:
+            return e if i == dist.get_rank() else f"(on rank {i}) {e}"
+    return None

@@ -1,0 +1,127 @@
+"""Stream megatron chunks back into a plain HF checkpoint folder.
+
+Choices:
+- Every rank walks the same ordered list of HF tensors (embedding, layers in order, final norm, LM head); the owner
+  TP group gathers, its first rank converts and sends to global rank 0, which writes through ``CheckpointWriter``
+  (temporary folder, then rename: an interrupted save never leaves a folder that looks complete).
+- config.json, generation_config.json and tokenizer/processor files are copied from the source folder unchanged;
+  ``dtype=`` rewrites only the dtype field of config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loongforge_hf.bridges.builder import layer_owners
+from loongforge_hf.bridges.distribution import broadcast_outcome, gather_tp_shards, recv_tensor, send_tensor
+from loongforge_hf.bridges.loader import shard_context
+
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+              "chat_template.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def _export_items(bridge, model, parallel):
+    """(pp rank, vp stage or None, megatron local name, mapping, global layer) in HF file order."""
+    owners = layer_owners(model.config, parallel)
+    vpp = max(1, parallel.virtual_pipeline_parallel_size or 1)
+    last_pp, last_vp = parallel.pipeline_parallel_size - 1, (vpp - 1 if vpp > 1 else None)
+    first_vp = 0 if vpp > 1 else None
+    emb = bridge.embedding_mapping()
+    yield 0, first_vp, emb.megatron, emb, None
+    for layer in range(bridge.hf_config.num_hidden_layers):
+        pp_rank, vp, local = owners[layer]
+        for m in bridge.layer_mappings():
+            yield pp_rank, vp, m.megatron.format(layer=local), m, layer
+    for m in bridge.final_mappings():
+        yield last_pp, last_vp, m.megatron, m, None
+
+
+def _config_text(source: Path | None, hf_config, dtype: torch.dtype | None) -> str:
+    """The source's config.json verbatim; with ``dtype``, the same JSON with only its dtype field changed."""
+    path = source / "config.json" if source is not None else None
+    if path is not None and path.is_file() and dtype is None:
+        return path.read_text()
+    data = json.loads(path.read_text()) if path is not None and path.is_file() else hf_config.to_dict()
+    if dtype is not None:
+        data["dtype"] = str(dtype).removeprefix("torch.")
+        if "torch_dtype" in data:
+            data["torch_dtype"] = data["dtype"]
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shard_size="5GB",
+              dtype: torch.dtype | None = None) -> None:
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.bridges.writer import CheckpointWriter
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    is_replica0 = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if dist.is_initialized() \
+        else [0]
+    ctx = shard_context(bridge, tp_rank=tp_rank, tp_size=tp_size, padded_vocab=model.padded_vocab)
+    shapes = bridge.expected_hf_shapes()
+    writer_dtype = dtype or model.config.params_dtype
+    device = next(model.chunks[0].parameters()).device
+
+    params = []
+    for chunk in model.chunks:
+        params.append(dict(chunk.named_parameters()))
+
+    error: str | None = None
+    writer = CheckpointWriter(out_dir, max_shard_size=max_shard_size) if rank == 0 else None
+    try:
+        if writer is not None:
+            writer.__enter__()
+        for owner_pp, vp, name, mapping, layer in _export_items(bridge, model, parallel):
+            holds = owner_pp == pp_rank and is_replica0
+            if holds:
+                local = params[vp or 0][name].detach()
+                shards = gather_tp_shards(local, group=tp_group)
+                hf_tensors = mapping.export(shards, ctx, layer) if tp_rank == 0 else {}
+            if rank == 0:
+                if holds:
+                    tensors = hf_tensors
+                else:
+                    src = pp_ranks[owner_pp]
+                    tensors = {n: recv_tensor(shapes[n], writer_dtype, src=src, device=device)
+                               for n in mapping.hf_names(layer)}
+                if error is None:
+                    try:
+                        for n, t in tensors.items():
+                            writer.add(n, t.to(writer_dtype).cpu())
+                    except Exception as e:  # noqa: BLE001 - shared with every rank below
+                        error = f"{type(e).__name__}: {e}"
+            elif holds and tp_rank == 0:
+                for n in mapping.hf_names(layer):
+                    send_tensor(hf_tensors[n].to(writer_dtype), dst=0)
+        if writer is not None and error is None:
+            try:
+                writer.write_text("config.json", _config_text(source, bridge.hf_config, dtype))
+                for fname in SIDE_FILES:
+                    if source is not None and (source / fname).is_file():
+                        writer.copy_file(fname, source / fname)
+            except Exception as e:  # noqa: BLE001
+                error = f"{type(e).__name__}: {e}"
+    finally:
+        if writer is not None:
+            if error is None:
+                try:
+                    writer.__exit__(None, None, None)
+                except Exception as e:  # noqa: BLE001
+                    error = f"{type(e).__name__}: {e}"
+            else:
+                exc = RuntimeError(error)
+                writer.__exit__(type(exc), exc, None)
+    error = broadcast_outcome(error, src=0)
+    if error is not None:
+        raise RuntimeError(f"save_pretrained({os.fspath(out_dir)!r}) failed; nothing was written: {error}")

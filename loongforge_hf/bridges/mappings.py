@@ -1,0 +1,183 @@
+"""Declarative HF <-> megatron tensor mappings, one class per way a tensor is laid out under tensor parallelism.
+
+Choices:
+- A mapping names one megatron parameter (``{layer}`` stands for the layer index) and the HF tensor(s) it is made of.
+- ``load`` reads only this rank's slice of each HF tensor (``CheckpointReader.get_slice``) and applies the pure
+  transform from ``transforms.py``; ``export`` receives every TP rank's shard in rank order and returns full HF
+  tensors. Neither touches a process group: gathering is ``distribution.py``'s job.
+- Vocabulary tensors are padded with zero rows up to ``ShardContext.padded_vocab`` on load and truncated on export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loongforge_hf.bridges import transforms as T
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardContext:
+    tp_rank: int
+    tp_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab: int
+
+
+def _fmt(pattern: str, layer: int | None) -> str:
+    return pattern.format(layer=layer) if layer is not None else pattern
+
+
+class Mapping:
+    megatron: str
+    tp_split: str | None = None  # "column" | "row" | None: how the megatron parameter is split over TP
+
+    def hf_names(self, layer: int | None) -> list[str]:
+        raise NotImplementedError
+
+    def load(self, reader, ctx: ShardContext, layer: int | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def export(self, shards: list[torch.Tensor], ctx: ShardContext, layer: int | None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Replicated(Mapping):
+    megatron: str
+    hf: str
+
+    def hf_names(self, layer):
+        return [_fmt(self.hf, layer)]
+
+    def load(self, reader, ctx, layer):
+        return reader.get(_fmt(self.hf, layer))
+
+    def export(self, shards, ctx, layer):
+        return {_fmt(self.hf, layer): shards[0]}
+
+
+@dataclass(frozen=True)
+class ColumnParallel(Mapping):
+    """Split along the output dimension (dim 0): megatron's ColumnParallelLinear weight or bias."""
+
+    megatron: str
+    hf: str
+    tp_split = "column"
+
+    def hf_names(self, layer):
+        return [_fmt(self.hf, layer)]
+
+    def load(self, reader, ctx, layer):
+        name = _fmt(self.hf, layer)
+        start, stop = T.shard_range(reader.shape(name)[0], rank=ctx.tp_rank, world=ctx.tp_size, name=name)
+        return reader.get_slice(name, dim=0, start=start, stop=stop)
+
+    def export(self, shards, ctx, layer):
+        return {_fmt(self.hf, layer): torch.cat(shards, dim=0)}
+
+
+@dataclass(frozen=True)
+class RowParallel(Mapping):
+    """Split along the input dimension (dim 1): megatron's RowParallelLinear weight."""
+
+    megatron: str
+    hf: str
+    tp_split = "row"
+
+    def hf_names(self, layer):
+        return [_fmt(self.hf, layer)]
+
+    def load(self, reader, ctx, layer):
+        name = _fmt(self.hf, layer)
+        start, stop = T.shard_range(reader.shape(name)[1], rank=ctx.tp_rank, world=ctx.tp_size, name=name)
+        return reader.get_slice(name, dim=1, start=start, stop=stop)
+
+    def export(self, shards, ctx, layer):
+        return {_fmt(self.hf, layer): torch.cat(shards, dim=1)}
+
+
+@dataclass(frozen=True)
+class VocabParallel(Mapping):
+    """Embedding / LM-head rows, padded to ``padded_vocab`` and split over TP."""
+
+    megatron: str
+    hf: str
+    tp_split = "column"
+
+    def hf_names(self, layer):
+        return [self.hf]
+
+    def load(self, reader, ctx, layer):
+        per_rank = ctx.padded_vocab // ctx.tp_size
+        start, stop = ctx.tp_rank * per_rank, (ctx.tp_rank + 1) * per_rank
+        real_stop = min(stop, ctx.vocab_size)
+        hidden = reader.shape(self.hf)[1]
+        if start >= ctx.vocab_size:
+            return torch.zeros(per_rank, hidden, dtype=reader.dtype(self.hf))
+        rows = reader.get_slice(self.hf, dim=0, start=start, stop=real_stop)
+        return T.pad_vocab(rows, per_rank)
+
+    def export(self, shards, ctx, layer):
+        return {self.hf: T.truncate_vocab(torch.cat(shards, dim=0), ctx.vocab_size)}
+
+
+@dataclass(frozen=True)
+class QKV(Mapping):
+    """q, k, v projections fused in megatron's per-KV-group layout; TP splits whole KV groups."""
+
+    megatron: str
+    q: str
+    k: str
+    v: str
+    tp_split = "column"
+
+    def hf_names(self, layer):
+        return [_fmt(self.q, layer), _fmt(self.k, layer), _fmt(self.v, layer)]
+
+    def load(self, reader, ctx, layer):
+        heads, groups = ctx.num_heads // ctx.tp_size, ctx.num_kv_heads // ctx.tp_size
+        hd = ctx.head_dim
+        q_name, k_name, v_name = self.hf_names(layer)
+        q0 = ctx.tp_rank * heads * hd
+        k0 = ctx.tp_rank * groups * hd
+        q = reader.get_slice(q_name, dim=0, start=q0, stop=q0 + heads * hd)
+        k = reader.get_slice(k_name, dim=0, start=k0, stop=k0 + groups * hd)
+        v = reader.get_slice(v_name, dim=0, start=k0, stop=k0 + groups * hd)
+        return T.fuse_qkv(q, k, v, num_heads=heads, num_kv_heads=groups, head_dim=hd)
+
+    def export(self, shards, ctx, layer):
+        q, k, v = T.split_qkv(torch.cat(shards, dim=0), num_heads=ctx.num_heads, num_kv_heads=ctx.num_kv_heads,
+                              head_dim=ctx.head_dim)
+        q_name, k_name, v_name = self.hf_names(layer)
+        return {q_name: q, k_name: k, v_name: v}
+
+
+@dataclass(frozen=True)
+class GatedMLP(Mapping):
+    """gate and up projections fused as megatron's gated fc1: each TP rank holds [gate_r; up_r]."""
+
+    megatron: str
+    gate: str
+    up: str
+    tp_split = "column"
+
+    def hf_names(self, layer):
+        return [_fmt(self.gate, layer), _fmt(self.up, layer)]
+
+    def load(self, reader, ctx, layer):
+        gate_name, up_name = self.hf_names(layer)
+        start, stop = T.shard_range(reader.shape(gate_name)[0], rank=ctx.tp_rank, world=ctx.tp_size,
+                                    name=gate_name)
+        gate = reader.get_slice(gate_name, dim=0, start=start, stop=stop)
+        up = reader.get_slice(up_name, dim=0, start=start, stop=stop)
+        return T.fuse_gate_up(gate, up)
+
+    def export(self, shards, ctx, layer):
+        parts = [T.split_gate_up(s) for s in shards]
+        gate_name, up_name = self.hf_names(layer)
+        return {gate_name: torch.cat([g for g, _ in parts], dim=0), up_name: torch.cat([u for _, u in parts], dim=0)}

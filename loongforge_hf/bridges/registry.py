@@ -1,0 +1,35 @@
+"""Which bridge serves which HF architecture. Bridges register themselves when ``loongforge_hf.bridges`` imports."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's architecture has no bridge."""
+
+
+_BRIDGES: dict[str, type] = {}
+
+
+def register_bridge(*architectures: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        for arch in architectures:
+            _BRIDGES[arch] = cls
+        cls.architectures = tuple(architectures)
+        return cls
+    return deco
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_BRIDGES)
+
+
+def get_bridge(hf_config):
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in _BRIDGES:
+            return _BRIDGES[arch](hf_config)
+    named = ", ".join(archs) if archs else f"model_type={getattr(hf_config, 'model_type', None)!r}"
+    raise UnsupportedArchitectureError(
+        f"No loongforge-hf bridge for {named}. Supported architectures: {', '.join(supported_architectures())}.")

@@ -1,0 +1,184 @@
+"""Fused linear cross-entropy: ``loss = CE(hidden @ weight.T, labels)`` without the full ``[N, V]`` logits.
+
+Choices:
+- Tokens are processed in chunks: each chunk's logits (``[chunk, V_local]``, fp32) live only inside the loop, so peak
+  memory is one chunk of logits plus the grads of ``hidden`` and ``weight``.
+- Logits are computed in the input dtype and upcast to fp32, as HF (``logits.float()``) and megatron do.
+- Vocab parallel: ``weight`` holds rows ``[vocab_start, vocab_start + V_local)`` of the global vocabulary on each rank
+  of ``tp_group``. The row max, the sum of exponentials and the target logit are all-reduced (two collectives per
+  chunk), so every rank gets the same loss. ``hidden`` is the full input on every rank; its grad is all-reduced here,
+  so do not also route it through megatron's ``copy_to_tensor_model_parallel_region``.
+- Rows at or beyond ``vocab_size`` (the true vocabulary; megatron pads it to a multiple of the TP size) are masked to
+  -inf, so padding never takes probability mass.
+- ``reduction="sum"`` (training) computes the grads during the forward, Liger-style, and the backward only scales them:
+  one logits matmul per chunk instead of two. ``reduction="none"`` returns per-token losses; its backward recomputes
+  each chunk's logits, since per-token output grads are only known then.
+- ``z_loss`` adds ``z_loss * logsumexp^2`` per token (PaLM's auxiliary loss). Ignored tokens contribute 0; the caller
+  divides by its token count.
+- Labels outside ``[0, vocab_size)`` other than ``ignore_index`` raise (one host sync per call) instead of silently
+  reading a wrong logit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+class _Plan:
+    """What every chunk needs: which rows are real vocabulary, where each label lives, which tokens count."""
+
+    def __init__(self, labels: torch.Tensor, *, v_local: int, vocab_start: int, vocab_size: int, ignore_index: int,
+                 z_loss: float, group) -> None:
+        self.valid = labels != ignore_index
+        local = labels - vocab_start
+        self.in_shard = self.valid & (local >= 0) & (local < v_local)
+        self.local_label = torch.where(self.in_shard, local, torch.zeros_like(local))
+        self.real_rows = max(0, min(v_local, vocab_size - vocab_start))
+        self.v_local = v_local
+        self.z_loss = z_loss
+        self.group = group
+
+    def chunk(self, hidden: torch.Tensor, weight: torch.Tensor, rows: slice, *, with_grad: bool):
+        """Loss ``[c]`` of the tokens in ``rows`` and, when asked, d(loss)/d(logits) ``[c, V_local]`` in fp32."""
+        logits = (hidden[rows] @ weight.t()).to(torch.float32)
+        if self.real_rows < self.v_local:
+            logits[:, self.real_rows:] = float("-inf")
+        local_label = self.local_label[rows]
+        in_shard = self.in_shard[rows]
+        target = logits.gather(1, local_label[:, None]).squeeze(1)
+        target = torch.where(in_shard, target, torch.zeros_like(target))
+        row_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, self.group)
+        # NOTE: a rank whose shard is all padding sees exp(-inf - max) = 0: it adds nothing.
+        probs = torch.exp_(logits.sub_(row_max[:, None]))
+        sum_exp, target = _all_reduce(torch.stack((probs.sum(dim=-1), target)), dist.ReduceOp.SUM, self.group)
+        lse = row_max + torch.log(sum_exp)
+        valid = self.valid[rows]
+        loss = lse - target
+        if self.z_loss:
+            loss = loss + self.z_loss * lse.square()
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        if not with_grad:
+            return loss, None
+        # d/dlogits of (lse - target + z * lse^2) = softmax * (1 + 2 z lse) - onehot(target)
+        probs.div_(sum_exp[:, None])
+        if self.z_loss:
+            probs.mul_((1 + 2 * self.z_loss * lse)[:, None])
+        probs.scatter_add_(1, local_label[:, None], -in_shard.to(probs.dtype)[:, None])
+        probs.mul_(valid.to(probs.dtype)[:, None])
+        return loss, probs
+
+
+def _chunks(n: int, size: int):
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, plan: _Plan, chunk_size: int, reduction: str):
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        precompute = reduction == "sum" and (need_hidden or need_weight)
+        n = hidden.shape[0]
+        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if precompute and need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if precompute and need_weight else None
+        for rows in _chunks(n, chunk_size):
+            loss[rows], grad_logits = plan.chunk(hidden, weight, rows, with_grad=precompute)
+            if precompute:
+                _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight)
+        if grad_hidden is not None:
+            _all_reduce(grad_hidden, dist.ReduceOp.SUM, plan.group)
+        ctx.plan, ctx.chunk_size, ctx.reduction, ctx.weight_dtype = plan, chunk_size, reduction, weight.dtype
+        if precompute:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+        else:
+            ctx.save_for_backward(hidden, weight)
+        return loss.sum() if reduction == "sum" else loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.reduction == "sum":
+            grad_hidden, grad_weight = ctx.saved_tensors
+            if grad_hidden is not None:
+                grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+            if grad_weight is not None:
+                grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+            return grad_hidden, grad_weight, None, None, None, None
+        hidden, weight = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        for rows in _chunks(hidden.shape[0], ctx.chunk_size):
+            _, grad_logits = ctx.plan.chunk(hidden, weight, rows, with_grad=True)
+            grad_logits.mul_(grad_loss[rows].to(torch.float32)[:, None])
+            _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight)
+        if grad_hidden is not None:
+            _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.plan.group)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _accumulate(grad_logits, hidden_rows, weight, rows, grad_hidden, grad_weight) -> None:
+    if grad_hidden is not None:
+        grad_hidden[rows] = grad_logits @ weight
+    if grad_weight is not None:
+        grad_weight.add_((grad_logits.t() @ hidden_rows).to(torch.float32))
+
+
+def _default_chunk_size(n: int, hidden_size: int, v_local: int) -> int:
+    # NOTE: one chunk of fp32 logits about as large as the hidden states themselves (Liger's rule of thumb).
+    return max(1, min(n, math.ceil(n / max(1, math.ceil(v_local / hidden_size)))))
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         ignore_index: int = -100, tp_group: dist.ProcessGroup | None = None,
+                         vocab_start: int | None = None, vocab_size: int | None = None,
+                         chunk_size: int | None = None, z_loss: float = 0.0,
+                         reduction: str = "sum") -> torch.Tensor:
+    """Cross-entropy of ``hidden [N, H] @ weight[V_local, H].T`` against ``labels [N]``, chunked over tokens.
+
+    ``vocab_start`` defaults to ``tp_rank * V_local`` (megatron's even split); ``vocab_size`` to ``V_local * tp_size``.
+    Returns the fp32 sum over non-ignored tokens (``reduction="sum"``) or the fp32 per-token losses (``"none"``, 0 at
+    ignored tokens).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy: hidden must be [N, H] and weight [V_local, H]; got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}.")
+    if labels.shape != (hidden.shape[0],):
+        raise ValueError(f"linear_cross_entropy: labels must be [{hidden.shape[0]}], got {tuple(labels.shape)}.")
+    if reduction not in ("sum", "none"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'sum' or 'none', got {reduction!r}.")
+    if tp_group is not None and dist.get_world_size(tp_group) == 1:
+        tp_group = None
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    v_local = weight.shape[0]
+    if vocab_start is None:
+        vocab_start = tp_rank * v_local
+    if vocab_size is None:
+        vocab_size = v_local * tp_size
+    if vocab_size > v_local * tp_size:
+        raise ValueError(f"linear_cross_entropy: vocab_size={vocab_size} exceeds the {v_local} x {tp_size} rows held "
+                         "by the tensor-parallel ranks.")
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"linear_cross_entropy: labels must lie in [0, {vocab_size}) or equal ignore_index="
+                         f"{ignore_index}; found {labels[bad][:5].tolist()}.")
+    if chunk_size is None:
+        chunk_size = _default_chunk_size(hidden.shape[0], hidden.shape[1], v_local)
+    if chunk_size < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_size must be positive, got {chunk_size}.")
+    plan = _Plan(labels, v_local=v_local, vocab_start=vocab_start, vocab_size=vocab_size,
+                 ignore_index=ignore_index, z_loss=float(z_loss), group=tp_group)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, plan, chunk_size, reduction)

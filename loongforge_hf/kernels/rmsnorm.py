@@ -1,0 +1,85 @@
+"""RMSNorm with Hugging Face's Llama / Qwen3 numerics, as a module megatron-core can build from a layer spec.
+
+Choices:
+- The forward is HF's expression, op for op: ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``, so
+  fp32 results are bit-identical to ``Qwen3RMSNorm`` / ``LlamaRMSNorm`` and bf16 ones round at the same two places.
+- A ``torch.autograd.Function`` keeps only the input and one fp32 scalar per row for the backward (plain autograd would
+  keep an fp32 copy of the whole input); the backward accumulates in fp32.
+- ``RMSNorm(config, hidden_size, eps)`` has the keyword contract megatron uses for every norm slot (input, pre-MLP,
+  q/k, final). Its weight carries ``sequence_parallel`` so megatron all-reduces the weight grad over the
+  tensor-parallel group when sequence parallelism splits the tokens; megatron's own torch norm refuses that layout.
+- ``config.layernorm_zero_centered_gamma`` stores ``weight - 1`` (initialised at zero) and applies ``1 + weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge_hf.xpu import get_backend
+
+
+def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.to(torch.float32)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * rstd, rstd
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
+        normed, rstd = _normalize(x, eps)
+        gamma = weight + 1 if zero_centered_gamma else weight
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.zero_centered_gamma = zero_centered_gamma
+        return gamma * normed.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.to(torch.float32) * rstd
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[1]:
+            # NOTE: the forward multiplies by the rounded normalised input, so the weight grad uses it too.
+            rounded = normed.to(x.dtype).to(torch.float32)
+            grad_weight = (grad_out.to(torch.float32) * rounded).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            gamma = weight.to(torch.float32) + 1 if ctx.zero_centered_gamma else weight.to(torch.float32)
+            grad_normed = grad_out.to(torch.float32) * gamma
+            dot = (grad_normed * normed).mean(-1, keepdim=True)
+            grad_x = (rstd * (grad_normed - normed * dot)).to(x.dtype)
+        return grad_x, grad_weight, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+             zero_centered_gamma: bool = False) -> torch.Tensor:
+    """RMS-normalise the last dimension of ``x`` and scale by ``weight`` (or ``1 + weight``), HF numerics."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},) for an input "
+                         f"of shape {tuple(x.shape)}.")
+    return _RMSNormFunction.apply(x, weight, eps, zero_centered_gamma)
+
+
+class RMSNorm(torch.nn.Module):
+    """The norm for megatron's ``input_layernorm`` / ``pre_mlp_layernorm`` / ``q_layernorm`` / ``k_layernorm`` /
+    final-norm slots: ``build_module(RMSNorm, config=config, hidden_size=..., eps=config.layernorm_epsilon)``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise ValueError(f"loongforge RMSNorm was built for a config with normalization="
+                             f"{config.normalization!r}; set TransformerConfig.normalization='RMSNorm'.")
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype, device=device))
+        # NOTE: megatron's finalize_model_grads sums the grads of params marked `sequence_parallel` over the TP group:
+        # with sequence parallelism each TP rank normalises different tokens, so each holds a partial weight grad.
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, zero_centered_gamma=self.zero_centered_gamma)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"

@@ -1,0 +1,121 @@
+"""Rotary position embedding with Hugging Face semantics, and the inverse frequencies HF configs ask for.
+
+Choices:
+- Rotate-half layout (HF's ``rotate_half``: the first and second halves of the rotary dims are the pair), with
+  ``cos = cat(freqs, freqs)``. Partial rotary (``partial_rotary_factor`` < 1) rotates the first ``rotary_dim`` channels
+  and passes the rest through, as HF's partial-rotary models do.
+- Inverse frequencies are computed in fp32 like HF (``base ** (arange(0, dim, 2) / dim)``); ``rope_scaling`` types
+  ``default``, ``linear`` and ``llama3`` are understood, any other raises and says which are.
+- The op is plain differentiable torch: autograd keeps only ``cos`` and ``sin`` (the inputs), so a hand-written
+  backward would save nothing.
+- megatron's ``RotaryEmbedding`` (built inside ``GPTModel``) uses the same layout when ``rotary_interleaved`` is False;
+  ``set_megatron_inv_freq`` installs HF's inverse frequencies into it (megatron hard-codes llama3's
+  ``low/high_freq_factor`` and ``original_max_position_embeddings``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` on the first ``cos.shape[-1]`` channels of ``x``; the rest pass through.
+
+    ``cos`` / ``sin`` must broadcast against ``x[..., :rotary_dim]`` (e.g. ``[b, 1, s, d]`` for ``x`` of
+    ``[b, heads, s, d]``) and are cast to ``x.dtype`` first, as HF does.
+    """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim % 2 or rotary_dim > x.shape[-1] or sin.shape[-1] != rotary_dim:
+        raise ValueError(f"apply_rotary: cos/sin last dims ({cos.shape[-1]}, {sin.shape[-1]}) must be equal, even and "
+                         f"at most the input's head dim ({x.shape[-1]}).")
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def llama3_scale_inv_freq(inv_freq: torch.Tensor, *, factor: float, low_freq_factor: float, high_freq_factor: float,
+                          original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling.
+
+    Wavelengths shorter than ``original / high_freq_factor`` keep their frequency, longer than
+    ``original / low_freq_factor`` are slowed by ``factor``; in between, the two blend linearly in
+    ``original / wavelength``.
+    """
+    if high_freq_factor <= low_freq_factor:
+        raise ValueError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got {high_freq_factor} and "
+                         f"{low_freq_factor}.")
+    context = original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    slowed = inv_freq / factor
+    # NOTE: 0 at the long-wavelength edge, 1 at the short one; only used strictly between the two edges.
+    blend = (context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * slowed + blend * inv_freq
+    long = wavelength > context / low_freq_factor
+    short = wavelength < context / high_freq_factor
+    return torch.where(long, slowed, torch.where(short, inv_freq, blended))
+
+
+def rope_inv_freq(head_dim: int, *, base: float, partial_rotary_factor: float = 1.0,
+                  rope_scaling: Mapping | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[rotary_dim // 2]`` (fp32) for a head of ``head_dim`` channels.
+
+    ``rope_scaling`` is an HF ``rope_scaling`` / ``rope_parameters`` dict (``rope_type`` or legacy ``type``).
+    """
+    rotary_dim = int(head_dim * partial_rotary_factor)
+    if rotary_dim < 2:
+        raise ValueError(f"rope: head_dim={head_dim} x partial_rotary_factor={partial_rotary_factor} leaves no "
+                         "channels to rotate.")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (base ** exponents)
+    scaling = dict(rope_scaling or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if k not in scaling]
+        if missing:
+            raise ValueError(f"rope_scaling of type 'llama3' lacks {', '.join(missing)}.")
+        return llama3_scale_inv_freq(
+            inv_freq, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"],
+            original_max_position_embeddings=scaling["original_max_position_embeddings"])
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32,
+                 attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin`` of shape ``position_ids.shape + [2 * len(inv_freq)]``, computed in fp32 and cast to ``dtype``."""
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq.to(device=position_ids.device, dtype=torch.float32)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * attention_scaling).to(dtype), (angles.sin() * attention_scaling).to(dtype)
+
+
+def set_megatron_inv_freq(rotary_embedding: torch.nn.Module, inv_freq: torch.Tensor) -> None:
+    """Replace the inverse frequencies of megatron's ``RotaryEmbedding`` (e.g. ``GPTModel.rotary_pos_emb``)."""
+    current = rotary_embedding.inv_freq
+    if current.shape != inv_freq.shape:
+        raise ValueError(f"set_megatron_inv_freq: megatron's RotaryEmbedding has {current.numel()} frequencies, got "
+                         f"{inv_freq.numel()}; check kv_channels and rotary_percent against head_dim and "
+                         "partial_rotary_factor.")
+    rotary_embedding.inv_freq = inv_freq.to(device=current.device, dtype=torch.float32)
+    # NOTE: RotaryEmbedding.forward is an lru_cache over (module, seq_len, ...): cached embeddings hold the old
+    # frequencies, so the cache is dropped.
+    cache_clear = getattr(type(rotary_embedding).forward, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()

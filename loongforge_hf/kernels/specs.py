@@ -1,0 +1,109 @@
+"""megatron-core layer specs built from our kernels: what a bridge hands to ``GPTModel``.
+
+Choices:
+- Linear layers are megatron's own tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear``; norms are our
+  ``RMSNorm`` (input, pre-MLP, q/k and final), core attention our ``CoreAttention``, the gated activation our
+  ``SwiGLU`` (used by megatron when ``config.use_te_activation_func`` is True, see ``swiglu.py``); MLP, MoE layer,
+  router and token dispatchers are megatron's.
+- ``GPTModel`` given a bare layer spec adds megatron's default final norm, which is a torch norm that refuses sequence
+  parallelism; ``get_block_spec`` wraps a layer spec with our final norm instead.
+- ``use_te=True`` hands over to megatron's Transformer Engine spec whole (TE's fused norm-linear modules differ in
+  layout from the local ones, so pieces are not mixed) and fails with an ImportError when TE is not installed.
+- MoE experts are megatron's ``SequentialMLP``; ``moe_grouped_gemm=True`` without TE means megatron's legacy
+  ``GroupedMLP``, which needs the ``grouped_gemm`` package: checked here, before any model is built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from loongforge_hf.kernels.attention import CoreAttention
+from loongforge_hf.kernels.rmsnorm import RMSNorm
+from loongforge_hf.kernels.swiglu import SwiGLU
+
+
+def _require(package: str, why: str) -> None:
+    if importlib.util.find_spec(package) is None:
+        raise ImportError(f"{why} needs the `{package}` package, which is not installed.")
+
+
+def _mlp_submodules() -> MLPSubmodules:
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU)
+
+
+def _moe_spec(num_experts: int, moe_grouped_gemm: bool) -> ModuleSpec:
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    if num_experts < 1:
+        raise ValueError(f"get_layer_spec: num_experts must be positive, got {num_experts}.")
+    if moe_grouped_gemm:
+        _require("grouped_gemm", "moe_grouped_gemm=True without Transformer Engine (megatron's GroupedMLP)")
+        experts = ModuleSpec(module=GroupedMLP)
+    else:
+        experts = ModuleSpec(module=SequentialMLP, submodules=_mlp_submodules())
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(experts=experts,
+                                 shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_mlp_submodules())),
+        metainfo={"fuse_pre_mlp_layernorm": False},
+    )
+
+
+def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped_gemm: bool = False,
+                   use_te: bool = False) -> ModuleSpec:
+    """A megatron ``TransformerLayer`` spec: pre-norm causal self-attention (optional q/k RMSNorm), then a gated MLP
+    or, with ``num_experts``, an MoE layer (shared experts appear when the config sets their size)."""
+    if use_te:
+        _require("transformer_engine", "get_layer_spec(use_te=True)")
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                                          qk_layernorm=qk_norm)
+    qk = RMSNorm if qk_norm else IdentityOp
+    mlp = ModuleSpec(module=MLP, submodules=_mlp_submodules()) if num_experts is None \
+        else _moe_spec(num_experts, moe_grouped_gemm)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=CoreAttention,
+                                                   linear_proj=RowParallelLinear, q_layernorm=qk, k_layernorm=qk),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def final_norm_spec(*, use_te: bool = False) -> type:
+    """The module for the norm after the last layer."""
+    if use_te:
+        _require("transformer_engine", "final_norm_spec(use_te=True)")
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return RMSNorm
+
+
+def get_block_spec(config, layer_spec: ModuleSpec, *, use_te: bool = False, vp_stage: int | None = None,
+                   pp_rank: int | None = None) -> TransformerBlockSubmodules:
+    """The spec to pass as ``GPTModel(transformer_layer_spec=...)``: this stage's layers plus our final norm."""
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
+                                      layer_norm=final_norm_spec(use_te=use_te))

@@ -1,0 +1,62 @@
+"""SwiGLU on megatron's gated fc1 output: ``[..., 2F] -> silu(gate) * up`` with ``gate, up = x.chunk(2, -1)``.
+
+Choices:
+- The forward is HF's ``act_fn(gate_proj(x)) * up_proj(x)`` in the input dtype, so bf16 results round where HF's do.
+- A ``torch.autograd.Function`` keeps only the fc1 output for the backward (autograd would keep gate, up and
+  silu(gate)) and recomputes the sigmoid in fp32 there.
+- ``SwiGLU(config)`` fills megatron's ``MLPSubmodules.activation_func`` slot. megatron-core 0.16 builds that slot only
+  when ``config.use_te_activation_func`` is True (transformer/mlp.py, MLP.__init__) and then calls it on the whole fc1
+  output; otherwise megatron applies ``config.activation_func`` (silu) to the gate itself: the same math.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        ctx.save_for_backward(x)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        gate, up = x.to(torch.float32).chunk(2, dim=-1)
+        grad = grad_out.to(torch.float32)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_gate = grad * up * sig * (1 + gate * (1 - sig))
+        grad_up = grad * silu
+        return torch.cat((grad_gate, grad_up), dim=-1).to(x.dtype)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :F]) * x[..., F:]`` for ``x`` of last dimension ``2F``."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"swiglu: the last dimension ({x.shape[-1]}) must be even: it holds [gate, up].")
+    return _SwiGLUFunction.apply(x)
+
+
+class SwiGLU(torch.nn.Module):
+    """megatron's ``activation_func`` slot for a gated MLP: built as ``SwiGLU(config=config)``."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        problems = []
+        if not config.gated_linear_unit:
+            problems.append("gated_linear_unit must be True")
+        if config.activation_func is not F.silu:
+            problems.append(f"activation_func must be torch.nn.functional.silu (got {config.activation_func!r})")
+        if getattr(config, "activation_func_clamp_value", None) is not None:
+            problems.append("activation_func_clamp_value must be None")
+        if getattr(config, "glu_linear_offset", 0.0):
+            problems.append("glu_linear_offset must be 0")
+        if problems:
+            raise ValueError("loongforge SwiGLU does not match this TransformerConfig: " + "; ".join(problems) + ".")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x)

@@ -1,0 +1,34 @@
+"""Run inside each rank: load with loongforge-hf, compare with transformers, export."""
+
+import torch
+
+
+def load_compare_export(folder: str, layout: dict, out_dir: str, seq: int = 12, padded: bool = False):
+    import transformers
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    mask = None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, -4:] = 0  # right padding on the second row
+        labels[1, -4:] = -100
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    with torch.no_grad():
+        exp = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    logit_diff = (out.logits - exp.logits).abs()[valid].max().item()
+    loss_diff = abs(out.loss.item() - exp.loss.item())
+    grads_ok = None
+    if layout.get("pipeline_parallel_size", 1) == 1:
+        out.loss.backward()
+        grads_ok = all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    model.save_pretrained(out_dir, max_shard_size="50KB")
+    return {"logit_diff": logit_diff, "loss_diff": loss_diff, "loss": out.loss.item(), "ref_loss": exp.loss.item(),
+            "grads_ok": grads_ok, "logits_shape": tuple(out.logits.shape)}

@@ -1,0 +1,181 @@
+"""Core attention against a plain softmax(QK^T)V with repeated heads: causal GQA, KV-cache alignment, padding masks,
+sliding windows, packed documents, and context parallelism over 2 CPU ranks; outputs and grads of q, k, v."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loongforge_hf.kernels.attention import CoreAttention, attention, packed_attention
+from loongforge_hf.parallel.spawn import run_distributed
+
+from ._distributed import attention_cp_matches_full
+from ._reference import allowed_mask, attention_reference
+
+D = 8
+SCALE = 1 / math.sqrt(D)
+
+
+def _qkv(sq, b, heads, kv_heads, *, skv=None, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    skv = sq if skv is None else skv
+    return (torch.randn(sq, b, heads, D, generator=g).to(dtype), torch.randn(skv, b, kv_heads, D, generator=g).to(dtype),
+            torch.randn(skv, b, kv_heads, D, generator=g).to(dtype))
+
+
+def _run(fn, q, k, v, grad_seed=7):
+    """Output and grads of q, k, v under a random projection of the output."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
+    (out.float() * proj.float()).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _assert_all_close(ours, ref, atol, rtol):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        torch.testing.assert_close(a.float().reshape(b.shape), b.float(), atol=atol, rtol=rtol, msg=name)
+
+
+def _module(config_overrides=None, mask_type=AttnMaskType.causal, heads=6, kv_heads=2):
+    kw = dict(num_layers=2, hidden_size=heads * D, num_attention_heads=heads, num_query_groups=kv_heads,
+              kv_channels=D, attention_dropout=0.0)
+    kw.update(config_overrides or {})
+    # NOTE: a pg_collection without groups stands for one tensor-parallel and one context-parallel rank.
+    return CoreAttention(TransformerConfig(**kw), layer_number=1, attn_mask_type=mask_type, attention_type="self",
+                         pg_collection=SimpleNamespace(tp=None, cp=None))
+
+
+# bf16 is compared with the fp32 reference on the same inputs, at bf16's resolution.
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 1.6e-2)])
+@pytest.mark.parametrize("sq,b,heads,kv_heads", [(13, 3, 6, 2), (41, 1, 4, 4), (7, 2, 3, 1)])
+def test_causal_gqa_module_matches_reference(dtype, atol, rtol, sq, b, heads, kv_heads):
+    q, k, v = _qkv(sq, b, heads, kv_heads, dtype=dtype)
+    module = _module(heads=heads, kv_heads=kv_heads)
+    ours = _run(lambda q, k, v: module(q, k, v, None), q, k, v)
+    assert ours[0].shape == (sq, b, heads * D) and ours[0].dtype == dtype
+    ref = _run(lambda q, k, v: attention_reference(q, k, v, scale=SCALE, allowed=allowed_mask(sq, sq, causal=True)),
+               q.float(), k.float(), v.float())
+    _assert_all_close(ours, ref, atol, rtol)
+
+
+def test_queries_shorter_than_keys_are_the_last_positions():
+    q, k, v = _qkv(5, 2, 4, 2, skv=13)
+    ours = _run(lambda q, k, v: attention(q, k, v, causal=True, scale=SCALE), q, k, v)
+    ref = _run(lambda q, k, v: attention_reference(q, k, v, scale=SCALE, allowed=allowed_mask(5, 13, causal=True)),
+               q, k, v)
+    _assert_all_close(ours, ref, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("mask_type,causal", [(AttnMaskType.padding_causal, True), (AttnMaskType.padding, False)])
+def test_padding_mask_megatron_convention(mask_type, causal):
+    sq, b = 11, 3
+    q, k, v = _qkv(sq, b, 4, 2)
+    padded = torch.zeros(b, 1, 1, sq, dtype=torch.bool)
+    padded[0, ..., :3] = True  # left padding: with the causal rule, rows 0..2 of sample 0 see nothing
+    padded[2, ..., -4:] = True
+    module = _module(mask_type=mask_type, heads=4)
+    ours = _run(lambda q, k, v: module(q, k, v, padded), q, k, v)
+    allowed = ~padded & (allowed_mask(sq, sq, causal=causal) if causal else True)
+    ref = _run(lambda q, k, v: attention_reference(q, k, v, scale=SCALE, allowed=allowed), q, k, v)
+    _assert_all_close(ours, ref, 1e-5, 1e-5)
+    if causal:
+        assert torch.equal(ours[0][:3, 0], torch.zeros(3, 4 * D))
+
+
+def test_float_mask_is_added_to_the_scores():
+    q, k, v = _qkv(9, 2, 4, 2)
+    bias = torch.randn(2, 1, 9, 9, generator=torch.Generator().manual_seed(4))
+    ours = attention(q, k, v, causal=True, scale=SCALE, mask=bias)
+    groups = 2
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k.repeat_interleave(groups, 2)) * SCALE + bias
+    scores = scores.masked_fill(~allowed_mask(9, 9, causal=True), float("-inf"))
+    ref = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v.repeat_interleave(groups, 2))
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_from_config():
+    sq = 17
+    q, k, v = _qkv(sq, 2, 4, 2)
+    module = _module({"window_size": (4, 0)}, heads=4)
+    ours = _run(lambda q, k, v: module(q, k, v, None), q, k, v)
+    allowed = allowed_mask(sq, sq, causal=True, window=(4, 0))
+    ref = _run(lambda q, k, v: attention_reference(q, k, v, scale=SCALE, allowed=allowed), q, k, v)
+    _assert_all_close(ours, ref, 1e-5, 1e-5)
+    skipped = _module({"window_size": (4, 0), "window_attn_skip_freq": 1}, heads=4)  # every layer global
+    assert skipped.window is None
+
+
+def _packed_params(cu, cu_padded=None):
+    cu = torch.tensor(cu, dtype=torch.int32)
+    padded = None if cu_padded is None else torch.tensor(cu_padded, dtype=torch.int32)
+    lengths = (padded if padded is not None else cu).diff()
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=int(lengths.max()),
+                           max_seqlen_kv=int(lengths.max()))
+
+
+def test_packed_documents_equal_each_document_alone():
+    cu = [0, 5, 12, 12, 20, 21]  # includes an empty and a one-token document
+    q, k, v = (t[:, 0] for t in _qkv(21, 1, 6, 2))  # thd: [t, h, d]
+    module = _module()
+    ours = _run(lambda q, k, v: module(q, k, v, None, packed_seq_params=_packed_params(cu)), q, k, v)
+    assert ours[0].shape == (21, 6 * D)
+
+    def per_document(q, k, v):
+        outs = []
+        for a, b in zip(cu[:-1], cu[1:]):
+            if b > a:
+                outs.append(attention_reference(q[a:b, None], k[a:b, None], v[a:b, None], scale=SCALE,
+                                                allowed=allowed_mask(b - a, b - a, causal=True))[:, 0])
+        return torch.cat(outs)
+
+    _assert_all_close(ours, _run(per_document, q, k, v), 1e-5, 1e-5)
+
+
+def test_padded_packed_documents_keep_real_tokens_exact():
+    cu, cu_padded = [0, 5, 11], [0, 8, 16]
+    q, k, v = (t[:, 0] for t in _qkv(16, 1, 4, 2, seed=3))
+    out = packed_attention(q, k, v, _packed_params(cu, cu_padded), causal=True, scale=SCALE)
+    for (a, b), start in zip(((0, 5), (5, 11)), (0, 8)):
+        n = b - a
+        rows = slice(start, start + n)
+        ref = attention_reference(q[rows, None], k[rows, None], v[rows, None], scale=SCALE,
+                                  allowed=allowed_mask(n, n, causal=True))[:, 0]
+        torch.testing.assert_close(out[rows].reshape(n, -1), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_eval_mode_ignores_dropout_and_bad_calls_raise():
+    q, k, v = _qkv(6, 2, 6, 2)
+    module = _module({"attention_dropout": 0.5}).eval()
+    ref = attention_reference(q, k, v, scale=SCALE, allowed=allowed_mask(6, 6, causal=True))
+    torch.testing.assert_close(module(q, k, v, None), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="attention_bias"):
+        module(q, k, v, None, attention_bias=torch.zeros(1))
+    with pytest.raises(ValueError, match="qkv_format='sbhd'"):
+        module(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+    with pytest.raises(ValueError, match="attention_mask must be None"):
+        module(q[:, 0], k[:, 0], v[:, 0], torch.zeros(1, dtype=torch.bool), packed_seq_params=_packed_params([0, 6]))
+    with pytest.raises(ValueError, match="softmax_type='vanilla'"):
+        _module({"softmax_type": "off-by-one"})
+
+
+def test_softmax_scale_from_argument():
+    q, k, v = _qkv(6, 1, 6, 2)
+    module = CoreAttention(TransformerConfig(num_layers=1, hidden_size=48, num_attention_heads=6, num_query_groups=2,
+                                             kv_channels=D, attention_dropout=0.0),
+                           layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                           softmax_scale=0.3, pg_collection=SimpleNamespace(tp=None, cp=None))
+    ref = attention_reference(q, k, v, scale=0.3, allowed=allowed_mask(6, 6, causal=True))
+    torch.testing.assert_close(module(q, k, v, None), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_context_parallel_cp2_equals_full_attention():
+    results = run_distributed(attention_cp_matches_full, 2, timeout=120)
+    expected = {"causal_gqa_module", "sliding_window", "padding_mask", "packed_padded", "dropout_runs"}
+    for checked in results:
+        assert set(checked) == expected, checked

@@ -1,0 +1,111 @@
+"""Fused linear cross-entropy against F.cross_entropy on materialised logits: loss and grads of hidden and weight,
+ignore_index, padded vocabulary, z-loss, per-token reduction, chunking; vocab-parallel over TP=2 equals TP=1."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
+from loongforge_hf.parallel.spawn import run_distributed
+
+from ._distributed import cross_entropy_tp_matches_single_rank
+
+N, H, V_REAL, V_PADDED = 37, 16, 41, 48
+
+
+def _inputs(dtype, seed=0, n=N, v=V_PADDED):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, H, generator=g).to(dtype)
+    weight = (torch.randn(v, H, generator=g) * 0.5).to(dtype)
+    labels = torch.randint(0, V_REAL, (n,), generator=g)
+    labels[::5] = -100
+    return hidden, weight, labels
+
+
+def reference(hidden, weight, labels, *, vocab_size=V_REAL, z_loss=0.0, reduction="sum"):
+    logits = (hidden @ weight[:vocab_size].t()).float()
+    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+    if z_loss:
+        loss = loss + z_loss * torch.logsumexp(logits, dim=-1).square() * (labels != -100)
+    return loss.sum() if reduction == "sum" else loss
+
+
+def _grads(fn, hidden, weight, labels, grad_out=None, **kw):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fn(h, w, labels, **kw)
+    loss.backward(grad_out)
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 5, 1000])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+def test_sum_matches_cross_entropy_on_materialised_logits_fp32(chunk_size, z_loss):
+    hidden, weight, labels = _inputs(torch.float32)
+    loss, gh, gw = _grads(linear_cross_entropy, hidden, weight, labels, vocab_size=V_REAL, chunk_size=chunk_size,
+                          z_loss=z_loss)
+    ref_loss, ref_gh, ref_gw = _grads(reference, hidden, weight, labels, z_loss=z_loss)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gh, ref_gh, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gw, ref_gw, atol=1e-5, rtol=1e-5)
+    assert torch.equal(gw[V_REAL:], torch.zeros(V_PADDED - V_REAL, H))  # padded rows take no gradient
+
+
+def test_scaled_sum_backward_scales_the_precomputed_grads():
+    hidden, weight, labels = _inputs(torch.float32, seed=3)
+    f = lambda h, w, y, **kw: 0.25 * linear_cross_entropy(h, w, y, vocab_size=V_REAL, **kw)  # noqa: E731
+    r = lambda h, w, y: 0.25 * reference(h, w, y)  # noqa: E731
+    for ours, ref in zip(_grads(f, hidden, weight, labels, chunk_size=4), _grads(r, hidden, weight, labels)):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 6])
+def test_per_token_losses_and_grads_with_arbitrary_output_grads(chunk_size):
+    hidden, weight, labels = _inputs(torch.float32, seed=1)
+    grad_out = torch.randn(N, generator=torch.Generator().manual_seed(9))
+    loss, gh, gw = _grads(linear_cross_entropy, hidden, weight, labels, grad_out, vocab_size=V_REAL,
+                          reduction="none", chunk_size=chunk_size, z_loss=1e-3)
+    ref_loss, ref_gh, ref_gw = _grads(reference, hidden, weight, labels, grad_out, reduction="none", z_loss=1e-3)
+    assert loss.shape == (N,) and torch.equal(loss[labels == -100], torch.zeros(int((labels == -100).sum())))
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gh, ref_gh, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gw, ref_gw, atol=1e-5, rtol=1e-5)
+
+
+# bf16: logits are computed in bf16 on both sides and upcast; grads round to bf16 where autograd's do, but ours
+# accumulate the weight grad over chunks in fp32. Bound: bf16's resolution.
+def test_bf16_matches_reference():
+    hidden, weight, labels = _inputs(torch.bfloat16, seed=2)
+    loss, gh, gw = _grads(linear_cross_entropy, hidden, weight, labels, vocab_size=V_REAL, chunk_size=7)
+    ref_loss, ref_gh, ref_gw = _grads(reference, hidden, weight, labels)
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(gh.float(), ref_gh.float(), atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(gw.float(), ref_gw.float(), atol=1e-2, rtol=1.6e-2)
+
+
+def test_without_grad_needs_no_backward_state():
+    hidden, weight, labels = _inputs(torch.float32)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL)
+    torch.testing.assert_close(loss, reference(hidden, weight, labels), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_fail_with_names():
+    hidden, weight, labels = _inputs(torch.float32)
+    labels[3] = V_REAL  # a padded row: not a real token
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 41\)"):
+        linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL)
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(hidden, weight, labels.clamp(max=0), reduction="mean")
+    with pytest.raises(ValueError, match="hidden must be"):
+        linear_cross_entropy(hidden, weight[:, :-1], labels.clamp(max=0))
+    with pytest.raises(ValueError, match="exceeds"):
+        linear_cross_entropy(hidden, weight, labels.clamp(max=0), vocab_size=V_PADDED + 1)
+
+
+def test_vocab_parallel_tp2_equals_tp1():
+    results = run_distributed(cross_entropy_tp_matches_single_rank, 2, timeout=120)
+    for rank_result in results:
+        assert rank_result, "no case ran"
+        for name, err in rank_result.items():
+            assert err <= 1e-5, (name, err)
