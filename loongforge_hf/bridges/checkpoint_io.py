@@ -364,7 +364,8 @@ class CheckpointReader:
             shown = "\n  ".join(problems[:20])
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
             raise CheckpointError(
-                f"The checkpoint at {self.folder} does not match the model ({len(problems)} tensor(s)):"
+                f"The checkpoint at {self.folder} does not match the model its config.json describes "
+                f"({len(problems)} tensor(s)):"
                 f"\n  {shown}{more}"
             )
 

@@ -77,11 +77,23 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
     for chunk in model.chunks:
         params.append(dict(chunk.named_parameters()))
 
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"save_pretrained: dtype must be a torch.dtype or None, got {dtype!r}.")
+    # NOTE: constructing the writer checks its arguments, alike on every rank. Only rank 0 can tell whether the
+    # destination opens, and every rank learns that before the stream starts, so no rank is left in a collective.
+    writer = CheckpointWriter(out_dir, max_shard_size=max_shard_size)
     error: str | None = None
-    writer = CheckpointWriter(out_dir, max_shard_size=max_shard_size) if rank == 0 else None
-    try:
-        if writer is not None:
+    if rank == 0:
+        try:
             writer.__enter__()
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            error = f"{type(e).__name__}: {e}"
+    error = broadcast_outcome(error, src=0)
+    if error is not None:
+        raise RuntimeError(f"save_pretrained({os.fspath(out_dir)!r}) failed; nothing was written: {error}")
+    if rank != 0:
+        writer = None
+    try:
         for owner_pp, vp, name, mapping, layer in _export_items(bridge, model, parallel):
             holds = owner_pp == pp_rank and is_replica0
             if holds:

@@ -76,13 +76,15 @@ class ParallelConfig:
         if num_key_value_heads % tp:
             raise ParallelLayoutError(f"num_key_value_heads={num_key_value_heads} is not divisible by "
                                       f"tensor_parallel_size={tp}.")
-        stages = pp * (self.virtual_pipeline_parallel_size or 1)
+        vpp = self.virtual_pipeline_parallel_size or 1
+        stages = pp * vpp
         if num_layers < stages:
-            raise ParallelLayoutError(f"num_hidden_layers={num_layers} is smaller than the number of pipeline "
-                                      f"stages ({pp} x {self.virtual_pipeline_parallel_size or 1} virtual).")
+            raise ParallelLayoutError(f"num_hidden_layers={num_layers} is smaller than the number of pipeline stages, "
+                                      f"pipeline_parallel_size ({pp}) x virtual_pipeline_parallel_size ({vpp}) = "
+                                      f"{stages}.")
         if self.virtual_pipeline_parallel_size and num_layers % stages:
-            raise ParallelLayoutError(f"num_hidden_layers={num_layers} is not divisible by pipeline_parallel_size x "
-                                      f"virtual_pipeline_parallel_size = {stages}.")
+            raise ParallelLayoutError(f"num_hidden_layers={num_layers} is not divisible by pipeline_parallel_size "
+                                      f"({pp}) x virtual_pipeline_parallel_size ({vpp}) = {stages}.")
         if not allow_uneven_pipeline and num_layers % pp:
             raise ParallelLayoutError(f"num_hidden_layers={num_layers} is not divisible by "
                                       f"pipeline_parallel_size={pp}.")

@@ -1,0 +1,330 @@
+"""Bad input to ``from_pretrained`` / ``save_pretrained`` on 2 CPU ranks: one clear error, alike on every rank, fast.
+
+- Load cases: each must raise before the process group starts (``torch.distributed`` is still uninitialised when the
+  error arrives, so no rank can be left waiting in a collective), with the same exception type and message on both
+  ranks, naming the file, tensor or field. They all run in one 2-rank world: a pre-collective failure leaves nothing
+  behind for the next case.
+- Collective cases run in a second world: a pickle-only checkpoint loaded with ``allow_pickle=True`` (logits equal
+  transformers'), then save failures (a crash at the Nth tensor, a full disk, an unusable destination, a bad
+  ``max_shard_size``) that must raise the same error on every rank and leave no output and no temporary folder, and a
+  save over an existing folder that must replace it as a whole (the old folder intact until the swap).
+"""
+
+import errno
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+TP2 = {"tensor_parallel_size": 2}
+INDEX = "model.safetensors.index.json"
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# NOTE: per call, measured inside the rank after the imports; a hang would instead run into run_distributed's timeout.
+QUICK_S = 10.0
+LOAD_CASES = ("missing_shard", "corrupt_header", "truncated_shard", "index_escape", "shape_mismatch", "pickle_refused",
+              "gpt2", "foo_architecture", "unknown_model_type", "rope_yarn", "sliding_window", "heads_vs_tp",
+              "world_size", "vpp_layers", "hub_id_not_cached")
+
+
+# ---- what runs inside each rank -------------------------------------------------------------------------------------
+
+def _outcome(fn) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    start = time.monotonic()
+    try:
+        fn()
+        kind, message = "no error", ""
+    except Exception as err:  # noqa: BLE001 - the test compares what each rank got
+        kind, message = type(err).__name__, str(err)
+    return {"type": kind, "message": message, "seconds": time.monotonic() - start,
+            "collective_started": dist.is_initialized()}
+
+
+def load_each(cases: dict) -> dict:
+    """from_pretrained on every case in turn; {case: outcome}."""
+    import megatron.core  # noqa: F401 - import cost stays out of the timings
+
+    import loongforge_hf as lf
+
+    return {name: _outcome(lambda: lf.AutoModelForCausalLM.from_pretrained(where, **kwargs))
+            for name, (where, kwargs) in cases.items()}
+
+
+def pickle_load_then_saves(pickle_dir: str, out_root: str) -> dict:
+    """Load a pickle checkpoint (opt-in) at TP=2, compare with transformers, then run the save cases in turn."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+    from loongforge_hf.bridges import writer as writer_module
+
+    root = Path(out_root)
+    results = {}
+    model = lf.AutoModelForCausalLM.from_pretrained(pickle_dir, dtype=torch.float32, allow_pickle=True, **TP2)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(pickle_dir, dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        results["logit_diff"] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+
+    real_add, real_save_file = writer_module.CheckpointWriter.add, writer_module.save_file
+    added = []
+
+    def crash_at_fifth_tensor(self, name, tensor):
+        added.append(name)
+        if len(added) == 5:
+            raise RuntimeError(f"simulated crash while writing tensor #5 ({name})")
+        real_add(self, name, tensor)
+
+    def disk_full(tensors, filename, metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    with mock.patch.object(writer_module.CheckpointWriter, "add", crash_at_fifth_tensor):
+        results["crash"] = _outcome(lambda: model.save_pretrained(root / "crash", max_shard_size="20KB"))
+    with mock.patch.object(writer_module, "save_file", disk_full):
+        results["disk_full"] = _outcome(lambda: model.save_pretrained(root / "full", max_shard_size="20KB"))
+        results["disk_full_existing"] = _outcome(lambda: model.save_pretrained(root / "existing"))
+    results["unusable_destination"] = _outcome(lambda: model.save_pretrained(root / "blocked" / "out"))
+    results["bad_shard_size"] = _outcome(lambda: model.save_pretrained(root / "sized", max_shard_size="lots"))
+    results["bad_dtype"] = _outcome(lambda: model.save_pretrained(root / "typed", dtype="bf16"))
+
+    # NOTE: while the new shards are written the old folder must still be whole; it is swapped only at the end.
+    seen_during_save = []
+
+    def watching_save_file(tensors, filename, metadata=None):
+        seen_during_save.append(sorted(p.name for p in (root / "replace").iterdir()))
+        real_save_file(tensors, filename, metadata=metadata)
+
+    with mock.patch.object(writer_module, "save_file", watching_save_file):
+        results["replace"] = _outcome(lambda: model.save_pretrained(root / "replace", max_shard_size="20KB"))
+    results["seen_during_save"] = seen_during_save
+    results["rank"] = dist.get_rank()
+    return results
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------
+
+def _edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def _weight_map(folder: Path) -> dict:
+    return json.loads((folder / INDEX).read_text())["weight_map"]
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("base") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def load_cases(base, tmp_path_factory):
+    """{case: (where, from_pretrained kwargs, expected error type, fragments the message must hold)}."""
+    tmp = tmp_path_factory.mktemp("bad")
+    wm = _weight_map(base)
+    tensor = "model.layers.1.mlp.up_proj.weight"
+    shard = wm[tensor]
+    cases = {}
+
+    missing = _copy(base, tmp / "missing_shard")
+    (missing / shard).unlink()
+    first_in_shard = next(t for t, s in wm.items() if s == shard)
+    cases["missing_shard"] = (missing, TP2, "CheckpointError", [str(missing), shard, "missing", first_in_shard])
+
+    corrupt = _copy(base, tmp / "corrupt_header")
+    with open(corrupt / shard, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        f.write(b"{" + b"\xff" * (length - 1))  # same length, not JSON any more
+    cases["corrupt_header"] = (corrupt, TP2, "CheckpointError",
+                               [str(corrupt / shard), "corrupt safetensors header"])
+
+    truncated = _copy(base, tmp / "truncated_shard")
+    data = (truncated / shard).read_bytes()
+    (truncated / shard).write_bytes(data[: len(data) - 100])
+    cases["truncated_shard"] = (truncated, TP2, "CheckpointError", [str(truncated / shard), "truncated"])
+
+    escape = _copy(base, tmp / "index_escape")
+    # NOTE: the file outside exists and holds the tensor, so only the path itself can be the reason for refusing.
+    save_file({tensor: load_file(base / shard)[tensor]}, str(tmp / "x.safetensors"))
+    index = json.loads((escape / INDEX).read_text())
+    index["weight_map"][tensor] = "../x.safetensors"
+    (escape / INDEX).write_text(json.dumps(index))
+    cases["index_escape"] = (escape, TP2, "CheckpointError", [INDEX, "'../x.safetensors'", tensor,
+                                                              "leaves the checkpoint folder"])
+
+    shapes = _copy(base, tmp / "shape_mismatch")
+    _edit_json(shapes / "config.json", intermediate_size=128)
+    cases["shape_mismatch"] = (shapes, TP2, "CheckpointError",
+                               ["model.layers.0.mlp.gate_proj.weight", "expected shape (128, 64), found (96, 64)",
+                                "model.layers.3.mlp.down_proj.weight", "expected shape (64, 128), found (64, 96)",
+                                "config.json"])
+
+    pickled = tmp / "pickle_only"
+    _save_pickle_checkpoint(base, pickled)
+    cases["pickle_refused"] = (pickled, TP2, "CheckpointError", [str(pickled), "pytorch_model.bin",
+                                                                 "allow_pickle=True"])
+
+    gpt2 = tmp / "gpt2"
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=99,
+                                                         n_positions=64, bos_token_id=0, eos_token_id=0)).save_pretrained(gpt2)
+    cases["gpt2"] = (gpt2, TP2, "UnsupportedArchitectureError", ["GPT2LMHeadModel", *SUPPORTED])
+
+    foo = _copy(base, tmp / "foo")
+    _edit_json(foo / "config.json", architectures=["FooForCausalLM"])
+    cases["foo_architecture"] = (foo, TP2, "UnsupportedArchitectureError", ["FooForCausalLM", *SUPPORTED])
+
+    unknown = _copy(base, tmp / "unknown_model_type")
+    _edit_json(unknown / "config.json", model_type="foo", architectures=["FooForCausalLM"])
+    cases["unknown_model_type"] = (unknown, TP2, "ValueError", ["`foo`"])  # transformers' own AutoConfig error
+
+    yarn = make_tiny_checkpoint(tmp / "yarn", "llama", tokenizer=False, num_hidden_layers=2,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 32})
+    cases["rope_yarn"] = (yarn, TP2, "UnsupportedConfigError", ["rope_type='yarn'", "'default'", "'llama3'"])
+
+    window = make_tiny_checkpoint(tmp / "sliding", "qwen2", tokenizer=False, use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    cases["sliding_window"] = (window, TP2, "UnsupportedConfigError", ["use_sliding_window=True"])
+
+    heads = make_tiny_checkpoint(tmp / "heads3", "qwen3", tokenizer=False, num_attention_heads=3, num_key_value_heads=1)
+    cases["heads_vs_tp"] = (heads, TP2, "ParallelLayoutError", ["num_attention_heads=3", "tensor_parallel_size=2"])
+
+    cases["world_size"] = (base, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "ParallelLayoutError",
+                           ["World size 2", "tensor_parallel_size (2)", "pipeline_parallel_size (2)", "= 4"])
+
+    six = make_tiny_checkpoint(tmp / "six_layers", "llama", tokenizer=False, num_hidden_layers=6)
+    cases["vpp_layers"] = (six, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2},
+                           "ParallelLayoutError", ["num_hidden_layers=6", "pipeline_parallel_size (2)",
+                                                   "virtual_pipeline_parallel_size (2)", "= 4"])
+
+    empty_cache = tmp / "empty_hf_cache"
+    empty_cache.mkdir()
+    cases["hub_id_not_cached"] = ("loongforge-tests/not-in-any-cache", {**TP2, "cache_dir": str(empty_cache)},
+                                  "CheckpointError", ["'loongforge-tests/not-in-any-cache'", "offline mode on",
+                                                      str(empty_cache)])
+    assert tuple(cases) == LOAD_CASES
+    return cases
+
+
+def _save_pickle_checkpoint(src: Path, dst: Path) -> None:
+    """``src`` as transformers 4's ``save_pretrained(safe_serialization=False)`` wrote it: one pytorch_model.bin.
+
+    NOTE: transformers 5 writes safetensors only, but still loads this layout.
+    """
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    dst.mkdir()
+    torch.save(model.state_dict(), dst / "pytorch_model.bin")
+    model.config.save_pretrained(dst)
+
+
+@pytest.fixture(scope="module")
+def load_outcomes(load_cases):
+    calls = {name: (str(where), dict(kwargs)) for name, (where, kwargs, _, _) in load_cases.items()}
+    return run_distributed(load_each, 2, calls, timeout=120, env={"HF_HUB_OFFLINE": "1"})
+
+
+@pytest.mark.parametrize("case", LOAD_CASES)
+def test_load_fails_alike_on_every_rank_before_any_collective(load_cases, load_outcomes, case):
+    _, _, want_type, fragments = load_cases[case]
+    rank0, rank1 = (outcomes[case] for outcomes in load_outcomes)
+    assert rank0["type"] == want_type, rank0
+    assert (rank1["type"], rank1["message"]) == (rank0["type"], rank0["message"])
+    for fragment in fragments:
+        assert fragment in rank0["message"], (fragment, rank0["message"])
+    for outcome in (rank0, rank1):
+        assert not outcome["collective_started"], "the error came after the process group started"
+        assert outcome["seconds"] < QUICK_S, outcome
+
+
+# ---- the collective cases ---------------------------------------------------------------------------------------
+
+def _snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _read_weights(folder: Path) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def save_run(base, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("save")
+    pickled = tmp / "pickle_only"
+    _save_pickle_checkpoint(base, pickled)
+    root = tmp / "out"
+    root.mkdir()
+    existing = _copy(base, root / "existing")
+    (existing / "notes.txt").write_text("the user's notes")
+    replace = _copy(base, root / "replace")
+    (replace / "stale.txt").write_text("left from an older save")
+    (root / "blocked").write_text("a file where the destination's parent folder should be")
+    before = {"existing": _snapshot(existing), "replace": sorted(p.name for p in replace.iterdir())}
+    results = run_distributed(pickle_load_then_saves, 2, str(pickled), str(root), timeout=150)
+    return root, before, results
+
+
+def test_pickle_checkpoint_loads_when_allowed(save_run):
+    _, _, results = save_run
+    for r in results:
+        assert r["logit_diff"] < 1e-4, r["logit_diff"]
+
+
+@pytest.mark.parametrize("case, out, want_type, fragments", [
+    ("crash", "crash", "RuntimeError", ["simulated crash while writing tensor #5"]),
+    ("disk_full", "full", "RuntimeError", ["disk full while writing shard-00001.safetensors"]),
+    ("disk_full_existing", "existing", "RuntimeError", ["disk full while writing shard-00001.safetensors"]),
+    ("unusable_destination", "blocked/out", "RuntimeError", ["CheckpointError: could not write"]),
+    ("bad_shard_size", "sized", "ValueError", ["'lots'"]),
+    ("bad_dtype", "typed", "TypeError", ["dtype", "'bf16'"]),
+])
+def test_failed_save_raises_alike_and_leaves_nothing(save_run, case, out, want_type, fragments):
+    root, before, results = save_run
+    rank0, rank1 = (r[case] for r in results)
+    assert rank0["type"] == want_type, rank0
+    assert (rank1["type"], rank1["message"]) == (rank0["type"], rank0["message"])
+    for fragment in fragments + ([str(root / out)] if want_type == "RuntimeError" else []):
+        assert fragment in rank0["message"], (fragment, rank0["message"])
+    for outcome in (rank0, rank1):
+        assert outcome["seconds"] < QUICK_S, outcome
+    if case == "disk_full_existing":
+        assert _snapshot(root / "existing") == before["existing"]
+    else:
+        assert not (root / out).exists()
+    leftovers = sorted(p.name for p in root.rglob(".*") if re.search(r"\.(tmp|old)-", p.name))
+    assert leftovers == []
+
+
+def test_save_over_existing_folder_replaces_it_whole(base, save_run):
+    root, before, results = save_run
+    rank0, rank1 = (r["replace"] for r in results)
+    assert rank0["type"] == rank1["type"] == "no error", (rank0, rank1)
+    seen = results[0]["seen_during_save"]
+    assert len(seen) > 1 and all(names == before["replace"] for names in seen), seen
+    files = sorted(p.name for p in (root / "replace").iterdir())
+    assert "stale.txt" not in files and INDEX in files
+    new, src = _read_weights(root / "replace"), _read_weights(base)
+    assert sorted(new) == sorted(src)
+    for name in src:
+        assert torch.equal(new[name], src[name]), name
