@@ -6,32 +6,43 @@ Choices:
   ``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json`` (``metadata.total_size``, plus
   ``total_parameters`` as transformers 5 writes it, and ``weight_map``), or one ``model.safetensors`` and no index.
   Every shard's safetensors metadata says ``format: pt``.
-- Streaming: only the shard being filled is held in memory. Shards go to disk under provisional names and are renamed
-  once the shard count is known.
+- Streaming: a caller that knows its tensors up front (the exporter does) declares them with ``plan()``: shard
+  boundaries and every shard's header are fixed then, and each ``add()`` writes its bytes straight to their place in
+  the shard file (``os.pwrite``), holding nothing back. Without a plan (or for tensors beyond it) only the shard being
+  filled is held in memory and goes to disk through safetensors' ``save_file`` when full. Either way shards are
+  written under provisional names and renamed once the shard count is known.
+- A planned shard is what ``save_file`` would write for the same tensors, up to the order of the data: tensors are
+  laid out by element size, largest first, then in plan order (each starts aligned to its element size), and the
+  JSON header is padded with spaces to a multiple of 8 bytes, as safetensors pads it.
 - All or nothing: everything is written to a temporary sibling folder (``.<out_dir>.tmp-XXXX``, same filesystem) that
   replaces ``out_dir`` as a whole on a clean exit: ``os.replace`` when ``out_dir`` doesn't exist, otherwise the old
   folder is moved aside, the new one moved in, then the old one deleted. On an exception in the ``with`` block or a
   failed write (disk full -> ``CheckpointError``) the temporary folder is removed and ``out_dir`` is left as it was.
   Replacing the working directory, one of its parents or the home folder is refused.
-- Each tensor is detached, moved to CPU and made contiguous; a tensor still sharing memory with the caller's (a CPU
-  tensor, or a view) is cloned, so the buffer never aliases a live parameter, a reused buffer, or another entry.
+- Each tensor is detached, moved to CPU and made contiguous; a buffered tensor still sharing memory with the
+  caller's (a CPU tensor, or a view) is cloned, so the buffer never aliases a live parameter, a reused buffer, or
+  another entry. A planned tensor is written before ``add()`` returns, so it is never copied.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import secrets
 import shutil
+import struct
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from types import TracebackType
+from typing import Iterable, Sequence
 
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint_io import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, CheckpointError
+from .checkpoint_io import _SAFETENSORS_DTYPES, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, CheckpointError
 
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = (("GIB", 2**30, False), ("MIB", 2**20, False), ("KIB", 2**10, False),
@@ -57,6 +68,48 @@ def parse_size(size: int | str) -> int:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+
+
+@dataclass
+class _Planned:
+    shard: int          # index into CheckpointWriter._shards
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int         # where its bytes start in the shard file
+
+
+@dataclass
+class _OpenShard:
+    fd: int
+    left: int           # planned tensors not written yet
+
+
+def _shard_header(specs: list[tuple[str, tuple[int, ...], torch.dtype]], metadata: dict[str, str]
+                  ) -> tuple[bytes, dict[str, int]]:
+    """A safetensors header (length prefix included) for ``specs``, and each tensor's byte offset in the file."""
+    order = sorted(range(len(specs)), key=lambda i: -specs[i][2].itemsize)  # stable: plan order within a size
+    entries: dict[str, object] = {"__metadata__": metadata}
+    begin, relative = 0, {}
+    for i in order:
+        name, shape, dtype = specs[i]
+        end = begin + math.prod(shape) * dtype.itemsize
+        entries[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+        relative[name] = begin
+        begin = end
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    start = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, {name: start + off for name, off in relative.items()}
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """pwrite until all of ``data`` is written (the kernel may take less per call, e.g. 2 GiB at most)."""
+    while data:
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
 
 
 def _owned_cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -93,6 +146,10 @@ class CheckpointWriter:
         self._buffer: dict[str, torch.Tensor] = {}
         self._buffer_bytes = 0
         self._shards: list[tuple[str, list[str]]] = []  # (provisional file name, tensor names), in order
+        self._planned: dict[str, _Planned] = {}
+        self._headers: dict[int, bytes] = {}            # planned shard -> its header, written when the shard opens
+        self._open: dict[int, _OpenShard] = {}
+        self._unwritten: set[str] = set()
         self._total_size = 0
         self._total_parameters = 0
         self._state = "new"
@@ -120,8 +177,44 @@ class CheckpointWriter:
             raise
 
     # -- adding content ---------------------------------------------------------------------------------------------
+    def plan(self, tensors: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> None:
+        """Declare ``(name, shape, dtype)`` of tensors still to be added, in file order, before the first ``add()``.
+
+        Their shards and headers are fixed now, and each ``add()`` of one of them writes it to disk at once. Tensors
+        added beyond the plan are buffered as without one and go to shards after the planned ones. Every planned
+        tensor must be added, with exactly the planned shape and dtype.
+        """
+        self._check_open()
+        if self._names or self._shards:
+            raise RuntimeError("CheckpointWriter.plan() must come before the first add(), once.")
+        shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []
+        seen: set[str] = set()
+        size = 0
+        for name, shape, dtype in tensors:
+            shape = tuple(shape)
+            if not isinstance(name, str) or not name or name in seen:
+                raise CheckpointError(f"plan(): tensor name {name!r} is empty, not a string, or given twice.")
+            seen.add(name)
+            if dtype not in _DTYPE_NAMES or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise CheckpointError(f"plan(): tensor {name!r} has a shape {shape} or dtype {dtype} that safetensors "
+                                      "cannot hold.")
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not shards or (shards[-1] and size + nbytes > self.max_shard_size):
+                shards.append([])
+                size = 0
+            shards[-1].append((name, shape, dtype))
+            size += nbytes
+        for specs in shards:
+            index = len(self._shards)
+            header, offsets = _shard_header(specs, self.metadata)
+            self._shards.append((f"shard-{index + 1:05d}.safetensors", [n for n, _, _ in specs]))
+            self._headers[index] = header
+            for name, shape, dtype in specs:
+                self._planned[name] = _Planned(shard=index, shape=shape, dtype=dtype, offset=offsets[name])
+        self._unwritten = set(self._planned)
+
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue ``tensor`` under ``name``; a full shard is written out first."""
+        """Write ``tensor`` under ``name`` (a planned one at once; otherwise queued, a full shard written out first)."""
         self._check_open()
         if not isinstance(name, str) or not name:
             raise CheckpointError(f"Tensor names must be non-empty strings, got {name!r}.")
@@ -131,6 +224,9 @@ class CheckpointWriter:
             raise CheckpointError(f"Tensor {name!r} is on the meta device: it has no data to write.")
         if name in self._names:
             raise CheckpointError(f"Tensor {name!r} was added twice to the checkpoint for {self.out_dir}.")
+        if name in self._planned:
+            self._write_planned(name, tensor)
+            return
         self._names.add(name)
         size = _nbytes(tensor)
         if self._buffer and self._buffer_bytes + size > self.max_shard_size:
@@ -153,6 +249,49 @@ class CheckpointWriter:
         self._guarded(relpath, lambda: shutil.copyfile(src, target))
 
     # -- internals --------------------------------------------------------------------------------------------------
+    def _write_planned(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self._planned[name]
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise CheckpointError(f"Tensor {name!r} was planned as {spec.dtype} {list(spec.shape)} but added as "
+                                  f"{tensor.dtype} {list(tensor.shape)}.")
+        self._names.add(name)
+        data = tensor.detach().to("cpu").contiguous()
+        file = self._shards[spec.shard][0]
+        shard = self._open.get(spec.shard)
+        if shard is None:
+            assert self._tmp is not None
+            path, header = self._tmp / file, self._headers.pop(spec.shard)
+
+            def create() -> int:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+                try:
+                    _pwrite_all(fd, memoryview(header), 0)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                return fd
+
+            fd = self._guarded(file, create)
+            shard = self._open[spec.shard] = _OpenShard(fd=fd, left=len(self._shards[spec.shard][1]))
+        if data.numel():
+            view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+            self._guarded(file, lambda: _pwrite_all(shard.fd, view, spec.offset))
+        self._unwritten.discard(name)
+        self._total_size += _nbytes(data)
+        self._total_parameters += data.numel()
+        shard.left -= 1
+        if shard.left == 0:
+            del self._open[spec.shard]
+            self._guarded(file, lambda: os.close(shard.fd))
+
+    def _close_open_shards(self) -> None:
+        shards, self._open = self._open, {}
+        for shard in shards.values():
+            try:
+                os.close(shard.fd)
+            except OSError:
+                pass
+
     def _check_open(self) -> None:
         if self._state != "open":
             raise RuntimeError("Use CheckpointWriter in a with block; it is not open (or already finished).")
@@ -196,10 +335,11 @@ class CheckpointWriter:
         self._guarded(norm, lambda: target.parent.mkdir(parents=True, exist_ok=True))
         return target
 
-    def _guarded(self, file: str, write) -> None:
-        """Run ``write``; an OSError becomes a CheckpointError naming ``file`` and the output folder."""
+    def _guarded(self, file: str, write):
+        """Run ``write`` and return what it returns; an OSError becomes a CheckpointError naming ``file`` and the
+        output folder."""
         try:
-            write()
+            return write()
         except OSError as err:
             if err.errno == errno.ENOSPC:
                 raise CheckpointError(f"disk full while writing {file} in {self.out_dir}") from err
@@ -216,6 +356,11 @@ class CheckpointWriter:
 
     def _finish(self) -> None:
         self._check_open()
+        if self._unwritten:
+            missing = sorted(self._unwritten)
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise CheckpointError(f"{len(missing)} planned tensor(s) were never added to the checkpoint for "
+                                  f"{self.out_dir}: {', '.join(missing[:5])}{more}.")
         self._flush()
         assert self._tmp is not None
         tmp = self._tmp
@@ -258,6 +403,7 @@ class CheckpointWriter:
 
     def _abort(self) -> None:
         self._buffer.clear()
+        self._close_open_shards()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

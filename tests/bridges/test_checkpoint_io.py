@@ -94,31 +94,65 @@ def test_get_slice_equals_get(tiny_llama, dim):
         assert torch.equal(bias_like, state["model.norm.weight"][4:12])
 
 
-def test_get_slice_reads_through_safetensors_slices(tiny_llama, monkeypatch):
-    """A slice must come from safe_open's slice reader, never from materialising the whole tensor."""
+def _spy_reads(monkeypatch, limit=None):
+    """Record (offset, bytes asked) of each os.preadv call; with ``limit`` every call stops early, as the kernel may."""
     calls = []
-    real_open = checkpoint_io.safe_open
+    real = os.preadv
 
-    class Spy:
-        def __init__(self, *args, **kwargs):
-            self._handle = real_open(*args, **kwargs)
+    def preadv(fd, buffers, offset):
+        calls.append((offset, sum(len(b) for b in buffers)))
+        return real(fd, buffers if limit is None else [buffers[0][:limit]], offset)
 
-        def get_tensor(self, name):
-            calls.append(("get_tensor", name))
-            return self._handle.get_tensor(name)
+    monkeypatch.setattr(checkpoint_io.os, "preadv", preadv)
+    return calls
 
-        def get_slice(self, name):
-            calls.append(("get_slice", name))
-            return self._handle.get_slice(name)
 
-    monkeypatch.setattr(checkpoint_io, "safe_open", Spy)
+def test_get_slice_reads_only_its_bytes_into_memory_it_owns(tiny_llama, monkeypatch):
+    """Rows are one read of just their bytes; columns one stretch from the first to the last run; no file mapping."""
+    calls = _spy_reads(monkeypatch)
     folder, state = tiny_llama
-    name = "lm_head.weight"
+    name = "lm_head.weight"  # [64, 16] float32
     with CheckpointReader(folder) as reader:
-        part = reader.get_slice(name, dim=1, start=8, stop=16)
-    assert calls == [("get_slice", name)]
-    assert torch.equal(part, state[name][:, 8:16])
-    assert part.untyped_storage().nbytes() == part.numel() * part.element_size()
+        rows = reader.get_slice(name, dim=0, start=8, stop=24)
+        assert calls == [(calls[0][0], 16 * 16 * 4)]
+        calls.clear()
+        cols = reader.get_slice(name, dim=1, start=4, stop=12)
+        assert sum(n for _, n in calls) == (63 * 16 + 8) * 4  # first run's start to last run's end
+        with open("/proc/self/maps") as maps:
+            assert reader.folder.name not in maps.read()  # NOTE: nothing of the checkpoint is memory-mapped
+    assert torch.equal(rows, state[name][8:24]) and torch.equal(cols, state[name][:, 4:12])
+    for part in (rows, cols):
+        assert part.is_contiguous() and part.untyped_storage().nbytes() == part.numel() * part.element_size()
+
+
+@pytest.mark.parametrize("limit", [None, 13])
+def test_reads_of_many_runs_and_short_reads(tmp_path, monkeypatch, limit):
+    """More runs than one preadv call takes (IOV_MAX), odd dims and a kernel that returns a few bytes at a time."""
+    calls = _spy_reads(monkeypatch, limit)
+    tensors = {"many_rows": torch.arange(3000 * 6, dtype=torch.int16).reshape(3000, 6),
+               "cube": torch.randn(5, 7, 9, dtype=torch.bfloat16), "scalar": torch.tensor(2.5),
+               "empty": torch.zeros(0, 4)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with CheckpointReader(tmp_path) as reader:
+        assert torch.equal(reader.get_slice("many_rows", dim=1, start=1, stop=4), tensors["many_rows"][:, 1:4])
+        for dim in range(3):
+            size = tensors["cube"].shape[dim]
+            got = reader.get_slice("cube", dim=dim, start=1, stop=size - 2)
+            assert torch.equal(got, tensors["cube"].narrow(dim, 1, size - 3)), dim
+        for name, tensor in tensors.items():
+            got = reader.get(name)
+            assert got.shape == tensor.shape and got.dtype == tensor.dtype and torch.equal(got, tensor), name
+    assert len(calls) > 1
+
+
+def test_shard_truncated_after_opening_names_file_and_tensor(llama_copy):
+    reader = CheckpointReader(llama_copy)
+    name = "lm_head.weight"
+    shard = reader.shard_of(name)
+    os.truncate(llama_copy / shard, 100)
+    with pytest.raises(CheckpointError, match=rf"{shard}: truncated while reading tensor 'lm_head\.weight'"):
+        reader.get(name)
+    reader.close()
 
 
 def test_get_slice_out_of_range(tiny_llama):

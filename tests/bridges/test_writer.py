@@ -1,11 +1,14 @@
 import errno
 import json
+import os
 import re
+import struct
 
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers.utils.hub import convert_file_size_to_int
 
 from loongforge_hf.bridges import writer as writer_module
@@ -268,4 +271,147 @@ def test_misuse(tmp_path):
     with pytest.raises(CheckpointError, match="meta device"):
         with CheckpointWriter(tmp_path / "o") as w:
             w.add("a", torch.empty(2, device="meta"))
+    assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
+
+
+# ---- planned (streaming) mode -------------------------------------------------------------------------------------
+
+def plan_of(state):
+    return [(name, tuple(t.shape), t.dtype) for name, t in state.items()]
+
+
+def header_of(path):
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return n, json.loads(raw[8:8 + n])
+
+
+def test_planned_matches_buffered_and_transformers(tiny_llama, tmp_path):
+    """Same shards, index and tensors as without a plan (and as transformers'), readable by transformers."""
+    state = tiny_llama.state_dict()
+    for mode in ("buffered", "planned"):
+        with CheckpointWriter(tmp_path / mode, max_shard_size="10KB") as w:
+            if mode == "planned":
+                w.plan(plan_of(state))
+            for name, tensor in state.items():
+                w.add(name, tensor)
+            w.write_text("config.json", tiny_llama.config.to_json_string())
+    tiny_llama.save_pretrained(tmp_path / "hf", max_shard_size="10KB")
+    ours = (tmp_path / "planned" / "model.safetensors.index.json").read_text()
+    assert ours == (tmp_path / "buffered" / "model.safetensors.index.json").read_text()
+    theirs = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert json.loads(ours)["weight_map"] == theirs["weight_map"]
+    for shard in sorted((tmp_path / "planned").glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f, safe_open(str(tmp_path / "buffered" / shard.name), "pt") as g:
+            assert f.metadata() == {"format": "pt"} and sorted(f.keys()) == sorted(g.keys())
+            assert all(torch.equal(f.get_tensor(k), g.get_tensor(k)) for k in f.keys())
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "planned")
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in state.items())
+
+
+def test_planned_shard_is_byte_identical_to_save_file(tmp_path):
+    """One dtype, planned in name order: exactly the bytes safetensors' own save_file writes."""
+    state = {"a.weight": torch.randn(3, 5), "b.bias": torch.randn(7), "c": torch.randn(2, 2)}
+    save_file(state, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    with CheckpointWriter(tmp_path / "o") as w:
+        w.plan(plan_of(state))
+        for name, tensor in state.items():
+            w.add(name, tensor)
+    assert (tmp_path / "o" / "model.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
+def test_planned_mixed_dtypes_are_aligned_and_any_add_order_works(tmp_path):
+    state = {"odd_bf16": torch.randn(3, 3).to(torch.bfloat16), "f64": torch.randn(5, dtype=torch.float64),
+             "flags": torch.tensor([True, False, True]), "i32": torch.arange(7, dtype=torch.int32),
+             "empty": torch.zeros(0, 3), "scalar": torch.tensor(1.5)}
+    with CheckpointWriter(tmp_path / "o") as w:
+        w.plan(plan_of(state))
+        for name in reversed(list(state)):
+            w.add(name, state[name])
+    path = tmp_path / "o" / "model.safetensors"
+    n, header = header_of(path)
+    assert (8 + n) % 8 == 0
+    for name, tensor in state.items():
+        begin, end = header[name]["data_offsets"]
+        assert begin % tensor.element_size() == 0 and end - begin == tensor.numel() * tensor.element_size(), name
+    with CheckpointReader(tmp_path / "o") as reader:
+        for name, tensor in state.items():
+            assert torch.equal(reader.get(name), tensor), name
+
+
+def test_planned_tensor_is_on_disk_when_add_returns(tmp_path):
+    """Nothing is held back or copied: the bytes are in the shard before add() returns."""
+    weight = torch.arange(6, dtype=torch.float32)
+    with CheckpointWriter(tmp_path / "o") as w:
+        w.plan([("w", (6,), torch.float32), ("later", (2,), torch.float32)])
+        w.add("w", weight)
+        weight.fill_(-1.0)
+        (shard,) = list(w._tmp.glob("*.safetensors"))
+        n, header = header_of(shard)
+        begin, end = header["w"]["data_offsets"]
+        assert shard.read_bytes()[8 + n + begin:8 + n + end] == torch.arange(6, dtype=torch.float32).numpy().tobytes()
+        w.add("later", torch.ones(2))
+
+
+def test_tensors_beyond_the_plan_go_to_shards_after_it(tmp_path):
+    with CheckpointWriter(tmp_path / "o", max_shard_size=90) as w:
+        w.plan([("p1", (20,), torch.float32), ("p2", (5,), torch.float32)])  # 80 + 20 bytes > 90: two shards
+        w.add("extra", torch.ones(3))
+        w.add("p2", torch.full((5,), 2.0))
+        w.add("p1", torch.zeros(20))
+    wm = json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert wm == {"p1": "model-00001-of-00003.safetensors", "p2": "model-00002-of-00003.safetensors",
+                  "extra": "model-00003-of-00003.safetensors"}
+    with CheckpointReader(tmp_path / "o") as reader:
+        assert torch.equal(reader.get("extra"), torch.ones(3)) and torch.equal(reader.get("p2"), torch.full((5,), 2.0))
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("shape", r"Tensor 'w' was planned as torch.float32 \[4\] but added as torch.float32 \[5\]"),
+    ("dtype", r"Tensor 'w' was planned as torch.float32 \[4\] but added as torch.float16 \[4\]"),
+    ("missing", r"1 planned tensor\(s\) were never added .*: v\."),
+])
+def test_planned_mistakes_leave_nothing(existing_out, mistake, message):
+    before = snapshot(existing_out)
+    with pytest.raises(CheckpointError, match=message):
+        with CheckpointWriter(existing_out) as w:
+            w.plan([("w", (4,), torch.float32), ("v", (2,), torch.float32)])
+            w.add("w", {"shape": torch.zeros(5), "dtype": torch.zeros(4, dtype=torch.float16)}.get(
+                mistake, torch.zeros(4)))
+    assert snapshot(existing_out) == before
+    assert leftovers(existing_out.parent) == []
+
+
+def test_planned_disk_full_leaves_out_dir_untouched(existing_out, monkeypatch):
+    before = snapshot(existing_out)
+    real = os.pwrite
+    writes = []
+
+    def full_after_the_header(fd, data, offset):
+        writes.append(offset)
+        if offset > 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(writer_module.os, "pwrite", full_after_the_header)
+    with pytest.raises(CheckpointError, match=rf"disk full while writing shard-00001\.safetensors in {existing_out}"):
+        with CheckpointWriter(existing_out) as w:
+            w.plan([("a", (4,), torch.float32)])
+            w.add("a", torch.zeros(4))
+    assert writes[0] == 0 and len(writes) == 2
+    assert snapshot(existing_out) == before
+    assert leftovers(existing_out.parent) == []
+
+
+def test_plan_misuse(tmp_path):
+    with pytest.raises(RuntimeError, match="before the first add"):
+        with CheckpointWriter(tmp_path / "o") as w:
+            w.add("a", torch.zeros(1))
+            w.plan([("b", (1,), torch.float32)])
+    with pytest.raises(CheckpointError, match="given twice"):
+        with CheckpointWriter(tmp_path / "o") as w:
+            w.plan([("b", (1,), torch.float32), ("b", (1,), torch.float32)])
+    with pytest.raises(CheckpointError, match="cannot hold"):
+        with CheckpointWriter(tmp_path / "o") as w:
+            w.plan([("b", (-1,), torch.float32)])
     assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
