@@ -2,7 +2,8 @@
 
 from loongforge_hf.modeling import AutoModelForCausalLM, LoongModelForCausalLM
 from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
+from loongforge_hf.trainer import LoongTrainer
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoModelForCausalLM", "LoongModelForCausalLM", "ParallelConfig", "ParallelLayoutError", "__version__"]
+__all__ = ["AutoModelForCausalLM", "LoongModelForCausalLM", "LoongTrainer", "ParallelConfig", "ParallelLayoutError", "__version__"]

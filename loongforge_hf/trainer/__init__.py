@@ -1,1 +1,5 @@
-"""trainer"""
+"""LoongTrainer: a drop-in transformers.Trainer on megatron-core schedules."""
+
+from loongforge_hf.trainer.loong_trainer import LoongTrainer
+
+__all__ = ["LoongTrainer"]

@@ -146,7 +146,10 @@ def apply_megatron_patches() -> None:
     _patch_rng_tracker()
     _patch_cuda_literals()
     _patch_moe_split_sizes()
+    _patch_uneven_all_gather()
     _patch_tied_embedding_sync()
+    _patch_cuda_spelling()
+    _patch_tp_attributes_without_init()
     apply_without_te_fixes()
     _PATCHED = True
 
@@ -195,7 +198,8 @@ def _patch_cuda_literals() -> None:
     for module in (tutils, fused_softmax):
         module.get_default_causal_mask = get_default_causal_mask
         module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
-    _patch_torch_in_module("megatron.core.pipeline_parallel.schedules")
+    for module_name in _CUDA_LITERAL_MODULES:
+        _patch_torch_in_module(module_name)
 
 
 def _patch_moe_split_sizes() -> None:
@@ -211,6 +215,33 @@ def _patch_moe_split_sizes() -> None:
         return tensor
 
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_uneven_all_gather() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    original = mappings._gather_along_first_dim
+    if getattr(original, "_loongforge_cpu", False):
+        return
+
+    # Stands in for tensor_parallel/mappings.py:148-150 `torch.distributed.all_gather(output_tensor_list, input_)` with
+    # `output_split_sizes` (the MoE alltoall dispatcher gathers tokens over TP, a different count per rank): gloo's
+    # all_gather needs equal sizes, so each rank's rows are padded to the largest count and the padding dropped.
+    @functools.wraps(original)
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        sizes = output_split_sizes
+        if sizes is None or group.size() == 1 or len(set(sizes)) == 1 \
+                or torch.distributed.get_backend(group) != "gloo":
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+    _gather_along_first_dim._loongforge_cpu = True
+    mappings._gather_along_first_dim = _gather_along_first_dim
 
 
 def _patch_tied_embedding_sync() -> None:
@@ -235,11 +266,37 @@ def _patch_tied_embedding_sync() -> None:
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+def _patch_tp_attributes_without_init() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    # With use_cpu_initialization=True and perform_initialization=False, tensor_parallel/layers.py:244, 855 and
+    # 1178 skip `_initialize_affine_weight_cpu`, the only place that marks weights as tensor-parallel on that path.
+    # Unmarked shards look like replicas to the optimizer, which then leaves them out of the grad norm on TP
+    # ranks > 0. This sets the marks the GPU path (`_initialize_affine_weight_gpu`) always sets.
+    for cls, dim in ((layers.ColumnParallelLinear, 0), (layers.RowParallelLinear, 1),
+                     (layers.VocabParallelEmbedding, 0)):
+        original = cls.__init__
+        if getattr(original, "_loongforge_cpu", False):
+            continue
+
+        def init(self, *args, __original=original, __dim=dim, **kwargs):
+            __original(self, *args, **kwargs)
+            weight = getattr(self, "weight", None)
+            if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+                stride = getattr(self, "stride", 1) if __dim == 0 else 1
+                layers.set_tensor_model_parallel_attributes(weight, True, __dim, stride)
+
+        init._loongforge_cpu = True
+        functools.update_wrapper(init, original)
+        init._loongforge_cpu = True
+        cls.__init__ = init
+
+
 class _TorchWithCpuDefault:
     """A view of the ``torch`` module whose ``zeros`` / ``ones`` / ``tensor`` / ``empty`` turn ``device="cuda"``
     into the CPU. Installed as the module-global ``torch`` of a megatron module that writes such literals."""
 
-    _FACTORIES = ("zeros", "ones", "tensor", "empty", "full", "arange")
+    _FACTORIES = ("zeros", "ones", "tensor", "empty", "full", "arange", "empty_like", "zeros_like")
 
     def __getattr__(self, item):
         attr = getattr(torch, item)
@@ -253,10 +310,83 @@ class _TorchWithCpuDefault:
         return attr
 
 
+# Modules of megatron-core 0.16.1 that create tensors with a literal `device="cuda"`, and the lines.
+_CUDA_LITERAL_MODULES = {
+    "megatron.core.pipeline_parallel.schedules": "596, 983, 2138 `torch.zeros([], dtype=torch.int, device=\"cuda\")`",
+    "megatron.core.optimizer.optimizer": "473-485, 907 found_inf / _dummy_overflow_buf / _scale tensors",
+    "megatron.core.optimizer.grad_scaler": "15, 88-94 scale tensors",
+    "megatron.core.optimizer.clip_grads": "90, 103, 115, 174, 207 norm and counter tensors",
+    "megatron.core.utils": "1207 local_multi_tensor_l2_norm result",
+    "megatron.core.distributed.param_and_grad_buffer": "768 warm-up tensor",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "204 verification tensor",
+    "megatron.core.dist_checkpointing.exchange_utils": "104-110, 326 exchange buffers",
+    "megatron.core.tensor_parallel.data": "37 sizes tensor",
+    "megatron.core.transformer.moe.moe_utils": "998 aux-loss tracker",
+}
+
+
 def _patch_torch_in_module(module_name: str) -> None:
     import importlib
 
     module = importlib.import_module(module_name)
-    # Stands in for pipeline_parallel/schedules.py:596, 983, 2138
-    # `total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")`.
     module.torch = _TorchWithCpuDefault()
+
+
+class _CudaSpelling:
+    """While active, CPU tensors answer ``.type()`` with CUDA names and ``.cuda()`` returns the tensor itself.
+
+    Used only around megatron functions that check ``param.type() == 'torch.cuda.FloatTensor'`` or move state with
+    ``.cuda()`` (listed in ``_CUDA_SPELLING_FUNCTIONS``), never process-wide.
+    """
+
+    def __enter__(self):
+        self._type, self._cuda = torch.Tensor.type, torch.Tensor.cuda
+        real_type = self._type
+
+        def type_(t, dtype=None, non_blocking=False, **kw):
+            if dtype is None and t.device.type == "cpu":
+                return real_type(t).replace("torch.", "torch.cuda.", 1)
+            return real_type(t, dtype, non_blocking, **kw)
+
+        torch.Tensor.type = type_
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.type, torch.Tensor.cuda = self._type, self._cuda
+        return False
+
+
+def _spelled(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaSpelling():
+            return fn(*args, **kwargs)
+    wrapper._loongforge_cpu = True
+    return wrapper
+
+
+def _patch_cuda_spelling() -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    # optimizer/distrib_optimizer.py:420 and optimizer/optimizer.py:690 accept fp32 params only as
+    # 'torch.cuda.FloatTensor'; optimizer/optimizer.py:375-380 and distrib_optimizer.py:1089 call `.cuda()`.
+    dopt = distrib_optimizer.DistributedOptimizer
+    build = dopt.__dict__["_build_model_and_main_param_groups"].__func__
+    if not getattr(build, "_loongforge_cpu", False):
+        dopt._build_model_and_main_param_groups = classmethod(_spelled(build))
+    for cls, name in ((moptimizer.Float16OptimizerWithFloat16Params, "__init__"),
+                      (moptimizer.MegatronOptimizer, "load_state_dict"),
+                      (dopt, "load_parameter_state_from_dp_zero")):
+        fn = cls.__dict__.get(name)
+        if fn is not None and not getattr(fn, "_loongforge_cpu", False):
+            setattr(cls, name, _spelled(fn))
+    # optimizer/clip_grads.py:167 asserts `param.grad.type() == 'torch.cuda.FloatTensor'`; optimizer.py imports it by name.
+    for name in ("clip_grad_by_total_norm_fp32", "count_zeros_fp32"):
+        fn = getattr(clip_grads, name)
+        if not getattr(fn, "_loongforge_cpu", False):
+            wrapped = _spelled(fn)
+            setattr(clip_grads, name, wrapped)
+            if hasattr(moptimizer, name):
+                setattr(moptimizer, name, wrapped)

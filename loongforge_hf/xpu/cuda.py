@@ -34,3 +34,14 @@ class CudaBackend(Backend):
 
     def device_count(self) -> int:
         return torch.cuda.device_count()
+
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        name = torch.cuda.get_device_name()
+        for key, (bf16, fp32) in _PEAKS.items():
+            if key in name:
+                return bf16 if dtype in (torch.bfloat16, torch.float16) else fp32
+        return None
+
+
+# Dense (no sparsity) tensor-core peaks from NVIDIA's data sheets, FLOP/s: (bf16/fp16, tf32).
+_PEAKS = {"H200": (989e12, 494e12), "H100": (989e12, 494e12), "A100": (312e12, 156e12), "B200": (2250e12, 1100e12)}

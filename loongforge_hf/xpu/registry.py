@@ -39,6 +39,10 @@ class Backend:
     def device_count(self) -> int:
         return 1
 
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        """Dense matmul peak of one device for ``dtype`` (FLOP/s), or None when unknown (MFU is then not logged)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<loongforge backend {self.name!r}>"
 

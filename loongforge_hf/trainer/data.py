@@ -1,0 +1,49 @@
+"""Data for LoongTrainer: DataLoaders sharded over data-parallel ranks only, and checks on what the model needs.
+
+Choices:
+- The DataLoader is built as transformers.Trainer builds it (same sampler, collator and column removal), then
+  sharded by accelerate's ``prepare_data_loader`` over the *data-parallel* group instead of the whole world: ranks of
+  one TP / PP / CP group see the same batches. With one data-parallel rank the order equals Trainer's for the seed.
+- Packing uses transformers' ``DataCollatorWithFlattening`` (position ids restart per document, -100 at document
+  boundaries); the model derives the document-causal mask from the restarting position ids, so attention never crosses
+  documents.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DataError(ValueError):
+    """A dataset or batch LoongTrainer cannot train on."""
+
+
+def dp_rank_and_size() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_data_parallel_rank(with_context_parallel=False),
+            ps.get_data_parallel_world_size(with_context_parallel=False))
+
+
+def shard_over_data_parallel(dataloader, *, args, is_training: bool):
+    from accelerate.data_loader import prepare_data_loader
+
+    rank, size = dp_rank_and_size()
+    return prepare_data_loader(dataloader, device=None, num_processes=size, process_index=rank,
+                               split_batches=False, put_on_device=False, even_batches=True,
+                               use_seedable_sampler=is_training, data_seed=args.data_seed)
+
+
+def check_batch(batch: dict, *, max_positions: int, micro_batch_size: int | None = None) -> None:
+    """Clear errors for batches the engine cannot use."""
+    for key in ("input_ids", "labels"):
+        if key not in batch:
+            raise DataError(f"The training batch has no {key!r} column (got {sorted(batch)}). Tokenize the dataset "
+                            "and use a collator that sets labels, e.g. DataCollatorForLanguageModeling(mlm=False).")
+    ids = batch["input_ids"]
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        raise DataError(f"input_ids must be a 2-D tensor [batch, seq], got {type(ids).__name__} "
+                        f"{getattr(ids, 'shape', '')}.")
+    if ids.shape[1] > max_positions:
+        raise DataError(f"Sequence length {ids.shape[1]} is longer than the model's max_position_embeddings "
+                        f"({max_positions}); truncate the data (e.g. tokenizer(..., truncation=True, max_length=...)).")

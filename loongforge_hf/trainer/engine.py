@@ -1,0 +1,126 @@
+"""The megatron-core side of training: DDP wrapping, the distributed optimizer, and one optimizer step.
+
+Choices:
+- Model chunks are wrapped in megatron's ``DistributedDataParallel`` (contiguous grad buffers, overlapped
+  reduce-scatter) and optimised by megatron's distributed optimizer (sharded fp32 main weights and Adam states).
+- Loss is summed per token and megatron divides gradients by the global label-token count of the step
+  (``calculate_per_token_loss``): the gradient of the mean over all label tokens of the global batch, as Trainer does.
+- Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
+  biases and 1-D params, equal Trainer's for these models), max_grad_norm. LR schedules are transformers' own
+  schedulers stepping megatron's inner optimizer(s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from loongforge_hf.bridges.runtime import IGNORE_INDEX, megatron_attention_mask, shift_labels, token_losses
+
+
+@dataclass
+class StepResult:
+    loss: float              # mean over label tokens of the global batch
+    num_tokens: int          # label tokens in the global batch
+    grad_norm: float | None
+    skipped: bool
+
+
+class MegatronEngine:
+    """Owns the DDP-wrapped chunks and the optimizer of a ``LoongModelForCausalLM``."""
+
+    def __init__(self, model, *, args, overlap_grad_reduce: bool = True) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.model = model
+        config = model.megatron.config
+        config.calculate_per_token_loss = True
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+                                                   use_distributed_optimizer=True, average_in_collective=False)
+        self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                               disable_bucketing=i > 0)
+                       for i, chunk in enumerate(model.megatron.chunks)]
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=args.learning_rate, min_lr=0.0, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_epsilon,
+            clip_grad=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else 0.0,
+            use_distributed_optimizer=True, bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
+            decoupled_weight_decay=True,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
+        # NOTE: megatron's own LR/WD scheduler applies the per-group multipliers (no decay on biases and 1-D params);
+        # transformers' schedulers don't, so the multipliers are applied to the groups once, here.
+        for opt in self.inner_optimizers():
+            for group in opt.param_groups:
+                group["weight_decay"] = args.weight_decay * group.get("wd_mult", 1.0)
+                group["lr"] = args.learning_rate * group.get("lr_mult", 1.0)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        if overlap_grad_reduce:
+            config.no_sync_func = [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
+            config.grad_sync_func = [c.start_grad_sync for c in self.chunks] if len(self.chunks) > 1 \
+                else self.chunks[0].start_grad_sync
+
+    # ---- the torch optimizers transformers' schedulers drive ---------------------------------------------------
+    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        opt = self.optimizer
+        subs = getattr(opt, "chained_optimizers", None) or [opt]
+        return [s.optimizer for s in subs]
+
+    # ---- one optimizer step over the micro-batches of this DP rank ---------------------------------------------
+    def train_step(self, micro_batches: list[dict]) -> StepResult:
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        seq = micro_batches[0]["input_ids"].shape[1]
+        mbs = micro_batches[0]["input_ids"].shape[0]
+        forward_step = self._forward_step_func(self.model.config.vocab_size)
+        vpp = len(self.chunks)
+        data = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data, model=self.chunks if vpp > 1 else self.chunks[0],
+            num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        # loss over this DP rank's tokens (last stage), then over DP, then shared with every pipeline stage
+        device = self.model.device
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            for item in losses:
+                loss_sum, count = item["lm loss"]
+                sums[0] += float(loss_sum)
+                sums[1] += float(count)
+            dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
+        last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
+        dist.broadcast(sums, src=last, group=ps.get_pipeline_model_parallel_group())
+        loss = float(sums[0] / sums[1].clamp(min=1))
+        return StepResult(loss=loss, num_tokens=int(sums[1]), grad_norm=None if grad_norm is None
+                          else float(grad_norm), skipped=not update_ok)
+
+    def _forward_step_func(self, vocab_size: int):
+        def forward_step(data_iterator, chunk):
+            batch = next(data_iterator)
+            device = self.model.device
+            input_ids = batch["input_ids"].to(device)
+            b, s = input_ids.shape
+            position_ids = batch.get("position_ids")
+            position_ids = (torch.arange(s, device=device).expand(b, s) if position_ids is None
+                            else position_ids.to(device))
+            attention_mask = batch.get("attention_mask")
+            mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s)
+            labels = shift_labels(batch["labels"].to(device))
+            output = chunk(input_ids, position_ids, mask)
+
+            def loss_func(local_logits):
+                per_token = token_losses(local_logits, labels, vocab_size=vocab_size)
+                count = (labels != IGNORE_INDEX).sum()
+                loss_sum = per_token.sum()
+                return loss_sum, count, {"lm loss": (loss_sum.detach().clone(), count.detach().clone())}
+            return output, loss_func
+        return forward_step

@@ -1,0 +1,20 @@
+"""Model FLOPs per trained token (forward + backward = 3x forward), for MFU."""
+
+from __future__ import annotations
+
+
+def model_flops_per_token(hf_config, *, seq_len: int) -> float:
+    """Matmul FLOPs per token of one training step: projections, MLP (active experts), LM head, causal attention."""
+    h = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    hd = getattr(hf_config, "head_dim", None) or h // heads
+    layers = hf_config.num_hidden_layers
+    ffn = getattr(hf_config, "moe_intermediate_size", None) if getattr(hf_config, "num_experts", None) else None
+    active = getattr(hf_config, "num_experts_per_tok", 1) if ffn else 1
+    ffn = ffn or hf_config.intermediate_size
+    attn_proj = 2 * h * (heads * hd + 2 * kv * hd) + 2 * heads * hd * h
+    mlp = 2 * 3 * h * ffn * active
+    attn_scores = 2 * 2 * heads * hd * seq_len / 2  # QK^T and AV, causal half
+    head = 2 * h * hf_config.vocab_size
+    return 3.0 * (layers * (attn_proj + mlp + attn_scores) + head)

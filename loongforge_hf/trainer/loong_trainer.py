@@ -1,0 +1,230 @@
+"""``LoongTrainer``: transformers.Trainer on the outside, megatron-core schedules and optimizer on the inside.
+
+Choices:
+- Trainer's own machinery stays: TrainerState, callbacks, progress bar, logging/report_to, evaluation, save_steps and
+  checkpoint rotation, ``train()``'s return value. Replaced: the per-step work (megatron's forward/backward schedule
+  over ``gradient_accumulation_steps`` micro-batches, then megatron's distributed optimizer), data sharding (over
+  data-parallel ranks only), checkpoint contents (megatron distributed checkpoint + HF export), and ``save_model``
+  (HF format through the bridge).
+- Logged per step like Trainer: ``loss`` (mean over all label tokens of the global batch), ``grad_norm``,
+  ``learning_rate``; plus ``tokens_per_second`` and, when the device's peak is known, ``mfu``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from transformers import Trainer
+from transformers.trainer_utils import seed_worker
+
+from loongforge_hf.trainer.data import DataError, check_batch, dp_rank_and_size, shard_over_data_parallel
+from loongforge_hf.trainer.engine import MegatronEngine
+
+MEGATRON_DIR = "megatron"
+
+
+class LoongTrainer(Trainer):
+    """A drop-in ``transformers.Trainer`` for ``LoongModelForCausalLM`` models."""
+
+    def __init__(self, model=None, args=None, *pos, **kwargs) -> None:
+        from loongforge_hf.modeling import LoongModelForCausalLM
+
+        if not isinstance(model, LoongModelForCausalLM):
+            raise TypeError("LoongTrainer trains a loongforge_hf model: load it with "
+                            "loongforge_hf.AutoModelForCausalLM.from_pretrained(...) "
+                            f"(got {type(model).__name__}).")
+        # NOTE: Trainer must neither move nor wrap the model: megatron owns placement and gradient reduction.
+        model.is_parallelizable = True
+        model.model_parallel = True
+        super().__init__(model, args, *pos, **kwargs)
+        self.engine: MegatronEngine | None = None
+        self._check_batch_sizes()
+
+    # ---- sizes ---------------------------------------------------------------------------------------------------
+    def _check_batch_sizes(self) -> None:
+        if self.args.per_device_train_batch_size < 1 or self.args.gradient_accumulation_steps < 1:
+            raise DataError("per_device_train_batch_size and gradient_accumulation_steps must be >= 1.")
+
+    def get_total_train_batch_size(self, args) -> int:
+        return self._train_batch_size * args.gradient_accumulation_steps * dp_rank_and_size()[1]
+
+    # ---- data ----------------------------------------------------------------------------------------------------
+    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
+                        dataloader_key=None):
+        import datasets
+        from functools import partial
+
+        collator = self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        params = {"batch_size": batch_size, "collate_fn": collator, "num_workers": self.args.dataloader_num_workers,
+                  "pin_memory": False, "persistent_workers": self.args.dataloader_persistent_workers}
+        if not isinstance(dataset, torch.utils.data.IterableDataset):
+            sampler = sampler_fn(dataset) if sampler_fn is not None else None
+            if sampler is not None:
+                params["sampler"] = sampler
+            params["drop_last"] = self.args.dataloader_drop_last
+            if is_training:
+                params["worker_init_fn"] = partial(seed_worker, num_workers=self.args.dataloader_num_workers,
+                                                   rank=self.args.process_index)
+        return shard_over_data_parallel(DataLoader(dataset, **params), args=self.args, is_training=is_training)
+
+    # ---- optimizer and schedule ----------------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        if self.engine is None:
+            self.engine = MegatronEngine(self.model, args=self.args)
+        self.optimizer = self.engine.optimizer
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        from transformers.optimization import get_scheduler
+
+        from loongforge_hf.trainer.scheduler import LinkedSchedulers
+
+        if self.lr_scheduler is None:
+            self.lr_scheduler = LinkedSchedulers([
+                get_scheduler(self.args.lr_scheduler_type, optimizer=opt,
+                              num_warmup_steps=self.args.get_warmup_steps(num_training_steps),
+                              num_training_steps=num_training_steps, scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
+                for opt in self.engine.inner_optimizers()])
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = self.model
+        if resume_from_checkpoint is not None:
+            from loongforge_hf.trainer.checkpoint import load_training_checkpoint
+
+            load_training_checkpoint(self, resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self.model, train_dataloader
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # NOTE: weights come back with the optimizer from the megatron checkpoint in _prepare_for_training.
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, MEGATRON_DIR)):
+            raise FileNotFoundError(f"{resume_from_checkpoint} has no {MEGATRON_DIR}/ folder: it was not written by "
+                                    "LoongTrainer, so it cannot be resumed.")
+
+    def _get_learning_rate(self) -> float:
+        return self.lr_scheduler.get_last_lr()[0]
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def _run_epoch(self, model, epoch, train_dataloader, steps_in_epoch, num_update_steps_per_epoch, trial,
+                   ignore_keys_for_eval, start_time, resume_from_checkpoint, epochs_trained,
+                   steps_trained_in_current_epoch):
+        args = self.args
+        ga = args.gradient_accumulation_steps
+        if hasattr(train_dataloader, "set_epoch"):
+            train_dataloader.set_epoch(epoch)
+        iterator = iter(train_dataloader)
+        first_update = 0
+        if epoch == epochs_trained and resume_from_checkpoint is not None and steps_trained_in_current_epoch > 0 \
+                and not args.ignore_data_skip:
+            for _ in range(steps_trained_in_current_epoch):
+                next(iterator)
+            first_update = steps_trained_in_current_epoch // ga
+        grad_norm = learning_rate = None
+        ran = False
+        max_pos = self.model.config.max_position_embeddings
+        for update_step in range(first_update, num_update_steps_per_epoch):
+            micro = []
+            for _ in range(ga):
+                try:
+                    micro.append(next(iterator))
+                except StopIteration:
+                    break
+            if not micro:
+                break
+            for b in micro:
+                check_batch(b, max_positions=max_pos)
+            ran = True
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            t0 = time.perf_counter()
+            result = self.engine.train_step(micro)
+            elapsed = time.perf_counter() - t0
+            self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+            learning_rate = self._get_learning_rate()
+            if not result.skipped:
+                self.lr_scheduler.step()
+            grad_norm = result.grad_norm
+            self._tr_loss += torch.tensor(result.loss, device=self._tr_loss.device, dtype=self._tr_loss.dtype)
+            self._step_speed = self._speed_metrics(micro, elapsed)
+            self.state.num_input_tokens_seen += self._step_speed.pop("_tokens")
+            self.state.global_step += 1
+            self.state.epoch = epoch + (update_step + 1) / num_update_steps_per_epoch
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            self._maybe_log_save_evaluate(self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
+                                          start_time, learning_rate=learning_rate)
+            if self.control.should_epoch_stop or self.control.should_training_stop:
+                break
+        if not ran:
+            self.control.should_training_stop = True
+        self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+        self._maybe_log_save_evaluate(self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
+                                      start_time, learning_rate=learning_rate)
+
+    def _speed_metrics(self, micro: list[dict], elapsed: float) -> dict:
+        from loongforge_hf.trainer.flops import model_flops_per_token
+        from loongforge_hf.xpu import get_backend
+
+        local_tokens = sum(int(b["input_ids"].numel()) for b in micro)
+        tokens = local_tokens * dp_rank_and_size()[1]
+        out = {"_tokens": tokens, "tokens_per_second": tokens / max(elapsed, 1e-9)}
+        peak = get_backend().peak_flops(self.model.dtype)
+        if peak:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            flops = model_flops_per_token(self.model.config, seq_len=micro[0]["input_ids"].shape[1]) * tokens
+            out["mfu"] = flops / elapsed / (peak * world)
+        return out
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        if "loss" in logs and getattr(self, "_step_speed", None):
+            logs = {**logs, **self._step_speed}
+        super().log(logs, start_time)
+
+    # ---- saving ----------------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the model in HF format through the bridge (collective; rank 0 writes, atomically)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self.model.save_pretrained(output_dir)
+        if self.processing_class is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            self.processing_class.save_pretrained(output_dir)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        from loongforge_hf.trainer.checkpoint import save_training_checkpoint
+
+        save_training_checkpoint(self, output_dir)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """No GradScaler: megatron's optimizer owns loss scaling and saves it with its state."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        """Loaded with the model in ``_prepare_for_training``."""
+
+    def _load_scaler(self, checkpoint) -> None:
+        """Part of megatron's optimizer state."""
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
+                    revision=None, **kwargs) -> str:
+        """Upload ``save_model``'s HF folder to ``args.hub_model_id`` (collective)."""
+        if self.args.hub_model_id is None:
+            raise ValueError("Set TrainingArguments(hub_model_id=...) (or push_to_hub=True with an output_dir name) "
+                             "before calling trainer.push_to_hub().")
+        return self.model.push_to_hub(self.args.hub_model_id, token=token or self.args.hub_token,
+                                      private=self.args.hub_private_repo, revision=revision,
+                                      commit_message=commit_message or "End of training")

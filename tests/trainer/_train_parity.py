@@ -1,0 +1,53 @@
+"""Rank functions: train the same tiny model with transformers.Trainer and with LoongTrainer."""
+
+import torch
+
+
+def make_dataset(n: int = 16, seq: int = 16, vocab: int = 203, seed: int = 3):
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (n, seq), generator=g)
+    labels = ids.clone()
+    labels[:, :2] = -100
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def training_args(out_dir: str, **overrides):
+    import transformers
+
+    kw = dict(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+              learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.1, max_grad_norm=0.5,
+              logging_steps=1, seed=0, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+              dataloader_drop_last=True)
+    kw.update(overrides)
+    return transformers.TrainingArguments(**kw)
+
+
+def losses_of(log_history):
+    return [h["loss"] for h in log_history if "loss" in h]
+
+
+def train_hf(folder: str, out_dir: str, args_kw: dict | None = None):
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    trainer = transformers.Trainer(model=model, args=training_args(out_dir, **(args_kw or {})),
+                                   train_dataset=make_dataset())
+    trainer.train()
+    trainer.save_model(out_dir + "/final")
+    return losses_of(trainer.state.log_history)
+
+
+def train_loong(folder: str, out_dir: str, layout: dict, args_kw: dict | None = None):
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    trainer = lf.LoongTrainer(model=model, args=training_args(out_dir, **(args_kw or {})),
+                              train_dataset=make_dataset())
+    out = trainer.train()
+    trainer.save_model(out_dir + "/final")
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"losses": losses_of(trainer.state.log_history), "global_step": out.global_step,
+            "keys": sorted(logs[0]) if logs else [], "train_loss": out.training_loss}
