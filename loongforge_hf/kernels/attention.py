@@ -2,7 +2,8 @@
 
 Choices:
 - Same constructor and forward contract as megatron-core's ``DotProductAttention`` (0.16): query ``[sq, b, h, d]``,
-  key / value ``[skv, b, h_kv, d]``, output ``[sq, b, h * d_v]``; packed (``thd``) inputs ``[t, h, d]`` give ``[t, h * d_v]``.
+  key / value ``[skv, b, h_kv, d]``, output ``[sq, b, h * d_v]``; packed (``thd``) inputs ``[t, h, d]`` give
+  ``[t, h * d_v]``.
 - Grouped-query attention goes to SDPA with ``enable_gqa=True``: K/V are never repeated.
 - Causal masking without a mask tensor: ``is_causal`` when queries and keys are the same tokens, torch's
   ``causal_lower_right`` bias when the queries are the last tokens of the keys (a KV cache, a context-parallel chunk).
@@ -10,8 +11,9 @@ Choices:
 - Masks follow megatron: a bool ``attention_mask`` is True where attention is *not* allowed (a float one is added to
   the scores); with a causal mask type the causal rule applies as well. Fully masked rows give zeros, not NaN.
 - Packed sequences (``PackedSeqParams``, ``qkv_format='thd'``): attention never crosses a document. On CUDA with
-  fp16/bf16 and no dropout, ``torch.nn.attention.varlen.varlen_attn``; otherwise one SDPA call per document. With
-  ``cu_seqlens_*_padded`` a document spans its padded extent; the padding sits at its end, so real tokens never see it.
+  fp16/bf16 and no dropout, ``torch.nn.attention.varlen.varlen_attn`` (for grouped-query attention only where it takes
+  ``enable_gqa``); otherwise one SDPA call per document. With ``cu_seqlens_*_padded`` a document spans its padded
+  extent; the padding sits at its end, so real tokens never see it.
 - Context parallel: inputs are in megatron's load-balanced layout (rank r holds chunks r and 2*cp-1-r of 2*cp, per
   document when packed). K and V are all-gathered over the CP group in one collective whose backward reduce-scatters
   their grads; each local query chunk then attends to the global keys up to its own end, causally aligned. The result
@@ -23,11 +25,13 @@ Choices:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from megatron.core import parallel_state, tensor_parallel
@@ -42,6 +46,8 @@ try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # torch < 2.10
     _varlen_attn = None
+# NOTE: torch 2.11's varlen_attn has no `enable_gqa` (2.13's has): grouped-query calls then take the per-document path.
+_VARLEN_KWARGS = frozenset(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else frozenset()
 
 CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
@@ -82,6 +88,18 @@ def _cp_global_index(lengths: list[int], cp_size: int, device: torch.device) -> 
             pieces.append(torch.arange(start, start + chunk, device=device))
         local_offset += 2 * chunk
     return torch.cat(pieces)
+
+
+def _pieces_backends(device: torch.device):
+    """SDPA backends for calls on slices of a larger tensor whose outputs are concatenated (documents, CP chunks).
+
+    NOTE: on an H200 with torch 2.11, cuDNN's SDPA backward returned wrong dq (off by up to 3.7) for per-document
+    calls once an earlier call had built its cached graph for other sequence lengths: it assumes the grad output's
+    strides, which slicing a concatenated grad changes. Flash / memory-efficient / math kernels take any strides.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _slice_mask(mask: torch.Tensor | None, rows: slice, cols: slice) -> torch.Tensor | None:
@@ -150,9 +168,9 @@ def _gather_kv(key: torch.Tensor, value: torch.Tensor, group, index: torch.Tenso
     return kv[..., :key.shape[-1]], kv[..., key.shape[-1]:]
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool, scale: float,
-              dropout_p: float = 0.0, window: tuple[int, int] | None = None, mask: torch.Tensor | None = None,
-              cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
+                          scale: float, dropout_p: float = 0.0, window: tuple[int, int] | None = None,
+                          mask: torch.Tensor | None = None, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """megatron layout: ``query [sq, b, h, d]``, ``key / value [skv, b, h_kv, d]`` -> ``[sq, b, h, d_v]``.
 
     With ``cp_group`` (size > 1) the inputs are this rank's load-balanced chunks; under CP, ``mask`` (if any) is
@@ -169,8 +187,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, ca
                          "be equal and even (two load-balanced chunks per rank).")
     index = _cp_global_index([key.shape[0] * cp_size], cp_size, key.device)
     k, v = _gather_kv(key, value, cp_group, index)
-    out = _cp_chunks(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), cp_rank=dist.get_rank(cp_group),
-                     cp_size=cp_size, causal=causal, scale=scale, dropout_p=dropout_p, window=window, mask=mask)
+    with _pieces_backends(query.device):
+        out = _cp_chunks(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), cp_rank=dist.get_rank(cp_group),
+                         cp_size=cp_size, causal=causal, scale=scale, dropout_p=dropout_p, window=window, mask=mask)
     return out.permute(2, 0, 1, 3)
 
 
@@ -182,9 +201,25 @@ def _bounds(params: PackedSeqParams) -> tuple[list[int], list[int]]:
     return [int(x) for x in q.tolist()], [int(x) for x in (kv if kv is not None else q).tolist()]
 
 
-def _varlen_window(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+def _varlen_usable(query: torch.Tensor, key: torch.Tensor, *, cp_size: int, dropout_p: float) -> bool:
+    gqa = query.shape[1] != key.shape[1]
+    return (_varlen_attn is not None and query.device.type == "cuda" and cp_size == 1 and dropout_p == 0.0
+            and query.dtype in (torch.float16, torch.bfloat16) and "window_size" in _VARLEN_KWARGS
+            and (not gqa or "enable_gqa" in _VARLEN_KWARGS))
+
+
+def _varlen(query, key, value, params: PackedSeqParams, *, causal: bool, scale: float, window) -> torch.Tensor:
+    """torch's flash-attention varlen kernel; padded documents span their padded extent, as on the torch path."""
+    cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+    cu_kv = cu_q if cu_kv is None else cu_kv
+    padded = params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None
+    max_q = params.max_seqlen_q if params.max_seqlen_q is not None and not padded else int(cu_q.diff().max())
+    max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None and not padded else int(cu_kv.diff().max())
     left, right = window if window is not None else (-1, -1)
-    return (left, 0) if causal else (left, right)
+    gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
+    return _varlen_attn(query, key, value, cu_q.to(torch.int32), cu_kv.to(torch.int32), max_q, max_kv, scale=scale,
+                        window_size=(left, 0) if causal else (left, right), **gqa)
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams, *,
@@ -193,22 +228,20 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Packed documents: ``query [t, h, d]``, ``key / value [t_kv, h_kv, d]`` -> ``[t, h, d_v]``, no attention across
     documents. Under context parallelism the ``cu_seqlens`` are global and every document is load-balanced."""
     cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
-    if (query.device.type == "cuda" and _varlen_attn is not None and cp_size == 1 and dropout_p == 0.0
-            and query.dtype in (torch.float16, torch.bfloat16)):
-        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-        cu_kv = cu_q if cu_kv is None else cu_kv
-        padded = params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None
-        max_q = params.max_seqlen_q if params.max_seqlen_q is not None and not padded else int((cu_q[1:] - cu_q[:-1]).max())
-        max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None and not padded \
-            else int((cu_kv[1:] - cu_kv[:-1]).max())
-        return _varlen_attn(query, key, value, cu_q.to(torch.int32), cu_kv.to(torch.int32), max_q, max_kv,
-                            scale=scale, window_size=_varlen_window(causal, window),
-                            enable_gqa=query.shape[1] != key.shape[1])
+    if _varlen_usable(query, key, cp_size=cp_size, dropout_p=dropout_p):
+        return _varlen(query, key, value, params, causal=causal, scale=scale, window=window)
     bounds_q, bounds_kv = _bounds(params)
     if bounds_q[-1] != query.shape[0] * cp_size or bounds_kv[-1] != key.shape[0] * cp_size:
         raise ValueError(f"packed attention: cu_seqlens end at {bounds_q[-1]} / {bounds_kv[-1]} tokens but the inputs "
                          f"hold {query.shape[0]} / {key.shape[0]} tokens per rank x {cp_size} context-parallel ranks.")
+    with _pieces_backends(query.device):
+        return _per_document(query, key, value, bounds_q, bounds_kv, cp_group=cp_group, causal=causal, scale=scale,
+                             dropout_p=dropout_p, window=window)
+
+
+def _per_document(query, key, value, bounds_q: list[int], bounds_kv: list[int], *, cp_group, causal: bool,
+                  scale: float, dropout_p: float, window) -> torch.Tensor:
+    cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
     as_bhsd = lambda x: x.permute(1, 0, 2).unsqueeze(0)  # noqa: E731 - [t, h, d] -> [1, h, t, d]
     outs = []
     if cp_size == 1:
@@ -223,8 +256,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise ValueError("packed attention with context parallelism needs the same cu_seqlens for queries and keys.")
     lengths = [b - a for a, b in zip(bounds_q[:-1], bounds_q[1:])]
     if any(n % (2 * cp_size) for n in lengths):
-        raise ValueError(f"packed attention: with context_parallel_size={cp_size} every document's (padded) length must "
-                         f"be a multiple of {2 * cp_size}; got {lengths}. Pad with cu_seqlens_q_padded.")
+        raise ValueError(f"packed attention: with context_parallel_size={cp_size} every document's (padded) length "
+                         f"must be a multiple of {2 * cp_size}; got {lengths}. Pad with cu_seqlens_q_padded.")
     k, v = _gather_kv(key, value, cp_group, _cp_global_index(lengths, cp_size, key.device))
     cp_rank = dist.get_rank(cp_group)
     for i, length in enumerate(lengths):
@@ -298,6 +331,7 @@ class CoreAttention(MegatronModule):
                                        scale=self.softmax_scale, dropout_p=dropout_p, window=self.window,
                                        cp_group=self.cp_group)
                 return out.reshape(out.shape[0], -1)
-            out = attention(query, key, value, causal=causal, scale=self.softmax_scale, dropout_p=dropout_p,
-                            window=self.window, mask=attention_mask, cp_group=self.cp_group)
+            out = dot_product_attention(query, key, value, causal=causal, scale=self.softmax_scale,
+                                        dropout_p=dropout_p, window=self.window, mask=attention_mask,
+                                        cp_group=self.cp_group)
         return out.reshape(out.shape[0], out.shape[1], -1)

@@ -95,12 +95,13 @@ def rope_inv_freq(head_dim: int, *, base: float, partial_rotary_factor: float = 
             inv_freq, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
             high_freq_factor=scaling["high_freq_factor"],
             original_max_position_embeddings=scaling["original_max_position_embeddings"])
-    raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported; "
+                     f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32,
                  attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``, ``sin`` of shape ``position_ids.shape + [2 * len(inv_freq)]``, computed in fp32 and cast to ``dtype``."""
+    """``cos``, ``sin`` of shape ``position_ids.shape + [2 * len(inv_freq)]``, in fp32, then cast to ``dtype``."""
     freqs = position_ids.to(torch.float32)[..., None] * inv_freq.to(device=position_ids.device, dtype=torch.float32)
     angles = torch.cat((freqs, freqs), dim=-1)
     return (angles.cos() * attention_scaling).to(dtype), (angles.sin() * attention_scaling).to(dtype)

@@ -1,7 +1,8 @@
 """What each CPU rank runs in the distributed kernel tests (module-level so that spawned processes can import it).
 
-Every function builds its single-rank reference inside the same process, from the same seeds, and checks its own
-slice against it; it returns the names of the cases it checked.
+Every check builds its single-rank reference inside the same process, from the same seeds, asserts its own slice
+against it, and returns the names of the cases it checked. NOTE: the checks of one kind share one 2-rank world
+(``op_checks``, ``gpt_checks``): starting ranks costs far more than the tiny checks themselves.
 """
 
 import math
@@ -75,7 +76,7 @@ def attention_cp_matches_full():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from loongforge_hf.kernels.attention import CoreAttention, attention, packed_attention
+    from loongforge_hf.kernels.attention import CoreAttention, dot_product_attention, packed_attention
     from loongforge_hf.parallel import ParallelConfig, initialize_parallel
 
     cp = 2
@@ -96,17 +97,18 @@ def attention_cp_matches_full():
                                attention_dropout=0.0)
     module = CoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     assert module.cp_group is not None
-    full = _local_run(lambda q, k, v: attention_reference(q, k, v, scale=scale, allowed=allowed_mask(s, s, causal=True)),
-                      (q, k, v), proj)
+    causal_mask = allowed_mask(s, s, causal=True)
+    full = _local_run(lambda q, k, v: attention_reference(q, k, v, scale=scale, allowed=causal_mask), (q, k, v), proj)
     _compare_rows(_local_run(lambda q, k, v: module(q, k, v, None), local, proj[rows]), full, rows, "causal")
     checked.append("causal_gqa_module")
 
-    window = (5, 0)
-    full = _local_run(lambda q, k, v: attention_reference(
-        q, k, v, scale=scale, allowed=allowed_mask(s, s, causal=True, window=window)), (q, k, v), proj)
-    ours = _local_run(lambda q, k, v: attention(q, k, v, causal=True, scale=scale, window=window, cp_group=group),
-                      local, proj[rows])
-    _compare_rows(ours, full, rows, "window")
+    # a causal window, and a two-sided one without the causal rule (queries then see keys after their chunk)
+    for window, causal in (((5, 0), True), ((3, 2), False)):
+        full = _local_run(lambda q, k, v: attention_reference(
+            q, k, v, scale=scale, allowed=allowed_mask(s, s, causal=causal, window=window)), (q, k, v), proj)
+        ours = _local_run(lambda q, k, v: dot_product_attention(
+            q, k, v, causal=causal, scale=scale, window=window, cp_group=group), local, proj[rows])
+        _compare_rows(ours, full, rows, f"window {window} causal={causal}")
     checked.append("sliding_window")
 
     # megatron's get_batch_on_this_cp_rank slices a mask's query rows only: [b, 1, s_local, s_global]
@@ -115,8 +117,8 @@ def attention_cp_matches_full():
     masked_keys[1, ..., 9:11] = True
     full = _local_run(lambda q, k, v: attention_reference(
         q, k, v, scale=scale, allowed=~masked_keys & allowed_mask(s, s, causal=True)), (q, k, v), proj)
-    ours = _local_run(lambda q, k, v: attention(q, k, v, causal=True, scale=scale, mask=masked_keys[:, :, rows],
-                                                cp_group=group), local, proj[rows])
+    ours = _local_run(lambda q, k, v: dot_product_attention(
+        q, k, v, causal=True, scale=scale, mask=masked_keys[:, :, rows], cp_group=group), local, proj[rows])
     _compare_rows(ours, full, rows, "padding mask")
     checked.append("padding_mask")
 
@@ -158,7 +160,7 @@ def attention_cp_matches_full():
 SEQ, BATCH, VOCAB = 16, 2, 64
 
 
-def _gpt(parallel, position):
+def _gpt(parallel, position, num_experts):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -172,8 +174,12 @@ def _gpt(parallel, position):
         normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True, gated_linear_unit=True,
         activation_func=F.silu, use_te_activation_func=True, add_bias_linear=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, bias_dropout_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
-    spec = get_block_spec(config, get_layer_spec(qk_norm=True))
+        apply_rope_fusion=False, bias_dropout_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        expert_model_parallel_size=parallel.expert_parallel_size, num_moe_experts=num_experts, moe_router_topk=2,
+        moe_ffn_hidden_size=24 if num_experts else None,
+        moe_shared_expert_intermediate_size=16 if num_experts else None, moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    spec = get_block_spec(config, get_layer_spec(qk_norm=True, num_experts=num_experts))
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                     position_embedding_type=position, share_embeddings_and_output_weights=False)
 
@@ -199,18 +205,27 @@ def _tp_shard(name, full, rank, size):
     return full
 
 
-def _load(model, weights, rank=0, size=1):
+def _global_name(name, ep_rank, local_experts):
+    """The unparallelised model's name for a parameter: expert i of EP rank r is expert r * local_experts + i."""
+    head, sep, tail = name.partition("local_experts.")
+    if not sep:
+        return name
+    index, _, rest = tail.partition(".")
+    return f"{head}{sep}{ep_rank * local_experts + int(index)}.{rest}"
+
+
+def _load(model, weights, rank=0, size=1, ep_rank=0, local_experts=0):
     with torch.no_grad():
         for name, p in model.named_parameters():
-            shard = _tp_shard(name, weights[name], rank, size)
+            shard = _tp_shard(name, weights[_global_name(name, ep_rank, local_experts)], rank, size)
             if shard.shape != p.shape:
                 raise AssertionError(f"{name}: shard {tuple(shard.shape)} vs parameter {tuple(p.shape)}")
             p.copy_(shard)
 
 
-def gpt_layout_matches_single_rank(layout: dict, position: str):
-    """Loss and every grad of a GPTModel built from ``get_layer_spec(qk_norm=True)`` under ``layout`` equal the same
-    model without model parallelism, both loading the same full weights."""
+def gpt_layout_matches_single_rank(layout: dict, position: str, num_experts: int | None):
+    """Loss and every grad of a GPTModel built from ``get_layer_spec(qk_norm=True, num_experts=...)`` under ``layout``
+    equal the same model without model parallelism on the whole batch, both loading the same full weights."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.parallel import ParallelConfig, initialize_parallel
@@ -220,9 +235,9 @@ def gpt_layout_matches_single_rank(layout: dict, position: str):
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
 
-    # the reference: the same world, no model parallelism (2 data-parallel replicas)
+    # the reference: the same world, no model parallelism, every rank on the whole batch
     initialize_parallel(ParallelConfig())
-    reference = _gpt(ParallelConfig(), position)
+    reference = _gpt(ParallelConfig(), position, num_experts)
     weights = _full_weights(reference)
     _load(reference, weights)
     ref_loss = reference(tokens, positions, None, labels=labels)
@@ -230,13 +245,17 @@ def gpt_layout_matches_single_rank(layout: dict, position: str):
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}
 
     parallel = initialize_parallel(ParallelConfig(**layout))
-    tp, cp = parallel.tensor_parallel_size, parallel.context_parallel_size
-    tp_rank, cp_rank = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
-    model = _gpt(parallel, position)
-    _load(model, weights, tp_rank, tp)
+    tp, cp, dp = parallel.tensor_parallel_size, parallel.context_parallel_size, ps.get_data_parallel_world_size()
+    tp_rank, cp_rank, ep_rank = (ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank(),
+                                 ps.get_expert_model_parallel_rank())
+    model = _gpt(parallel, position, num_experts)
+    _load(model, weights, tp_rank, tp, ep_rank, (num_experts or 0) // parallel.expert_parallel_size)
+    # data-parallel ranks take their share of the samples, context-parallel ranks their load-balanced chunks
+    samples = torch.arange(BATCH).chunk(dp)[ps.get_data_parallel_rank()]
     rows = load_balanced_rows(SEQ, cp, cp_rank) if cp > 1 else torch.arange(SEQ)
-    loss = model(tokens[:, rows], positions[:, rows], None, labels=labels[:, rows])
-    _close(loss, ref_loss[:, rows], "per-token loss")
+    pick = (samples[:, None], rows[None, :])
+    loss = model(tokens[pick], positions[pick], None, labels=labels[pick])
+    _close(loss, ref_loss[pick], "per-token loss")
     (loss.sum() / ref_loss.numel()).backward()
 
     params = dict(model.named_parameters())
@@ -244,7 +263,8 @@ def gpt_layout_matches_single_rank(layout: dict, position: str):
     for name, p in params.items():
         grad = p.grad.clone()
         # what megatron's finalize_model_grads and DDP would reduce: grads of replicated params whose TP ranks saw
-        # different tokens (sequence parallel) or different heads (q/k norms), and every grad across CP ranks
+        # different tokens (sequence parallel) or different heads (q/k norms); every grad across CP ranks; dense
+        # grads across data-parallel ranks (experts already received every rank's tokens through the all-to-all)
         partial_over_tp = not getattr(p, "tensor_model_parallel", False) and (
             (parallel.sequence_parallel and getattr(p, "sequence_parallel", False))
             or "q_layernorm" in name or "k_layernorm" in name)
@@ -252,5 +272,29 @@ def gpt_layout_matches_single_rank(layout: dict, position: str):
             dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
         if cp > 1:
             dist.all_reduce(grad, group=ps.get_context_parallel_group())
-        _close(grad, _tp_shard(name, ref_grads[name], tp_rank, tp), f"grad of {name}")
+        if dp > 1 and getattr(p, "allreduce", True):
+            dist.all_reduce(grad, group=ps.get_data_parallel_group())
+        expected = ref_grads[_global_name(name, ep_rank, (num_experts or 0) // parallel.expert_parallel_size)]
+        _close(grad, _tp_shard(name, expected, tp_rank, tp), f"grad of {name}")
     return {"loss": float(loss.mean()), "params": len(params), "with_grad": with_grad}
+
+
+# ------------------------------------------------------------------------------------------------ the two worlds
+
+def op_checks():
+    return {"cross_entropy_tp2": cross_entropy_tp_matches_single_rank(), "attention_cp2": attention_cp_matches_full()}
+
+
+GPT_LAYOUTS = {  # name: (layout, position embedding, experts)
+    # rope under tensor + sequence parallelism
+    "tp2_sp": (dict(tensor_parallel_size=2, sequence_parallel=True), "rope", None),
+    # NOTE: learned positions: on CPU, megatron-core 0.16.1's rope slicing for CP (rope_utils.py:62-64,
+    # get_pos_emb_on_this_cp_rank) pins memory and calls .cuda(), which the cpu backend does not stand in for yet.
+    "cp2": (dict(context_parallel_size=2), "learned_absolute", None),
+    # MoE layers (routed + shared experts) from our spec, experts split over 2 ranks, data parallel for the rest
+    "ep2_moe": (dict(expert_parallel_size=2), "rope", 4),
+}
+
+
+def gpt_checks(layouts: dict):
+    return {name: gpt_layout_matches_single_rank(*case) for name, case in layouts.items()}

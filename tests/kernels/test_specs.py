@@ -1,5 +1,5 @@
-"""A megatron GPTModel built from get_layer_spec runs under TP=2 + sequence parallel and CP=2 on CPU ranks, with the
-same per-token loss and grads as the same weights without model parallelism; the spec's structure and its TE switch."""
+"""A megatron GPTModel built from get_layer_spec runs under TP=2 + sequence parallel, CP=2 and EP=2 (MoE) on CPU ranks,
+with the same per-token loss and grads as the same weights without model parallelism; the spec and its TE switch."""
 
 import importlib.util
 import math
@@ -15,23 +15,15 @@ from loongforge_hf.kernels.attention import CoreAttention
 from loongforge_hf.kernels.rmsnorm import RMSNorm
 from loongforge_hf.kernels.specs import final_norm_spec, get_layer_spec
 from loongforge_hf.kernels.swiglu import SwiGLU
-from loongforge_hf.parallel.spawn import run_distributed
 
-from ._distributed import gpt_layout_matches_single_rank
-
-LAYOUTS = {
-    # rope under tensor + sequence parallelism
-    "tp2_sp": (dict(tensor_parallel_size=2, sequence_parallel=True), "rope"),
-    # NOTE: learned positions: on CPU, megatron-core 0.16.1's rope slicing for CP (rope_utils.py:62-64,
-    # get_pos_emb_on_this_cp_rank) pins memory and calls .cuda(), which the cpu backend does not stand in for yet.
-    "cp2": (dict(context_parallel_size=2), "learned_absolute"),
-}
+from ._distributed import GPT_LAYOUTS
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_gpt_forward_backward_matches_single_rank(name):
-    layout, position = LAYOUTS[name]
-    for result in run_distributed(gpt_layout_matches_single_rank, 2, layout, position, timeout=180):
+@pytest.mark.parametrize("name", list(GPT_LAYOUTS))
+def test_gpt_forward_backward_matches_single_rank(name, gpt_layout_results):
+    # each rank asserted its per-token loss and every grad at 1e-5 against the unparallelised model
+    for rank in gpt_layout_results:
+        result = rank[name]
         assert math.isfinite(result["loss"])
         assert result["with_grad"] == result["params"], result
 

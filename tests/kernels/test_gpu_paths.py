@@ -1,0 +1,96 @@
+"""The CUDA-only paths (flash varlen for packed documents, SDPA's fused kernels) against the torch paths on CPU."""
+
+import math
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+import loongforge_hf.kernels.attention as attention_module
+from loongforge_hf.kernels.attention import dot_product_attention, packed_attention
+from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
+from loongforge_hf.kernels.rmsnorm import rms_norm
+from loongforge_hf.kernels.swiglu import swiglu
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+D = 64
+SCALE = 1 / math.sqrt(D)
+# bf16 on the GPU against fp32 on the CPU from the same bf16 values: bf16's resolution, a little slack for sums.
+ATOL, RTOL = 2e-2, 2e-2
+
+
+def _grads(fn, tensors, proj):
+    tensors = [t.clone().requires_grad_() for t in tensors]
+    out = fn(*tensors)
+    (out.float().reshape(proj.shape) * proj.to(out.device)).sum().backward()
+    return [out.detach().float().reshape(proj.shape).cpu()] + [t.grad.float().cpu() for t in tensors]
+
+
+def _close_all(gpu, cpu):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), gpu, cpu):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kv_heads", [6, 2])
+@pytest.mark.parametrize("window,padded", [(None, False), ((4, 0), False), (None, True)])
+def test_varlen_packed_matches_per_document_torch_path(monkeypatch, window, padded, kv_heads):
+    if attention_module._varlen_attn is None:
+        pytest.skip("torch.nn.attention.varlen is not in this torch")
+    calls = []
+    real = attention_module._varlen_attn
+    monkeypatch.setattr(attention_module, "_varlen_attn", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cu, cu_padded = [0, 5, 12, 12, 20, 33], [0, 8, 16, 16, 24, 40]
+    t = (cu_padded if padded else cu)[-1]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(t, h, D, generator=g).to(torch.bfloat16) for h in (6, kv_heads, kv_heads))
+    proj = torch.randn(t, 6 * D, generator=g)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+                             cu_seqlens_kv=torch.tensor(cu, dtype=torch.int32), max_seqlen_q=13, max_seqlen_kv=13)
+    if padded:
+        params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = torch.tensor(cu_padded, dtype=torch.int32)
+
+    def run(device, dtype):
+        p = PackedSeqParams(**{f: (x.to(device) if torch.is_tensor(x) else x) for f, x in vars(params).items()})
+        return _grads(lambda q, k, v: packed_attention(q, k, v, p, causal=True, scale=SCALE, window=window),
+                      [x.to(device, dtype) for x in (q, k, v)], proj)
+
+    _close_all(run("cuda", torch.bfloat16), run("cpu", torch.float32))
+    # grouped-query attention goes to the varlen kernel only where it takes enable_gqa (torch >= 2.13)
+    assert bool(calls) == (kv_heads == 6 or "enable_gqa" in attention_module._VARLEN_KWARGS)
+
+
+@pytest.mark.parametrize("sq,skv", [(37, 37), (9, 37), (40, 40), (33, 33), (16, 48)])
+def test_fused_sdpa_causal_gqa_matches_cpu(sq, skv):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(sq, 3, 8, D, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(skv, 3, 2, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    proj = torch.randn(sq, 3, 8, D, generator=g)
+
+    def run(device, dtype):
+        return _grads(lambda q, k, v: dot_product_attention(q, k, v, causal=True, scale=SCALE),
+                      [x.to(device, dtype) for x in (q, k, v)], proj)
+
+    _close_all(run("cuda", torch.bfloat16), run("cpu", torch.float32))
+
+
+def test_elementwise_ops_and_cross_entropy_on_cuda_match_cpu():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 9, 130, generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(130, generator=g)).to(torch.bfloat16)
+    torch.testing.assert_close(rms_norm(x.cuda(), w.cuda()).cpu(), rms_norm(x, w), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(swiglu(x.cuda()).cpu(), swiglu(x), atol=ATOL, rtol=RTOL)
+    hidden = torch.randn(77, 64, generator=g).to(torch.bfloat16)
+    weight = (0.3 * torch.randn(100, 64, generator=g)).to(torch.bfloat16)
+    labels = torch.randint(0, 97, (77,), generator=g)
+    labels[::7] = -100
+
+    def run(device):
+        h, wt = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+        loss = linear_cross_entropy(h, wt, labels.to(device), vocab_size=97, chunk_size=16)
+        loss.backward()
+        return [loss.detach().cpu(), h.grad.float().cpu(), wt.grad.float().cpu()]
+
+    for a, b in zip(run("cuda"), run("cpu")):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
