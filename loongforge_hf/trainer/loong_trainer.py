@@ -205,10 +205,46 @@ class LoongTrainer(Trainer):
         if dist.is_initialized():
             dist.barrier()
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        from loongforge_hf.trainer.checkpoint import save_training_checkpoint
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, built in a temporary folder and renamed when complete (atomic)."""
+        from pathlib import Path
 
-        save_training_checkpoint(self, output_dir)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer import TRAINER_STATE_NAME
+        from transformers.trainer_utils import rotate_checkpoints
+
+        from loongforge_hf.trainer.checkpoint import publish_checkpoint, save_training_checkpoint
+
+        self.store_flos()
+        run_dir = Path(self._get_output_dir(trial=trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final, tmp = run_dir / name, run_dir / f".{name}.incomplete"
+        if self.args.should_save and tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        self.save_model(str(tmp), _internal_call=True)
+        if not self.args.save_only_model:
+            save_training_checkpoint(self, tmp)
+            self._save_rng_state(str(tmp))
+        if self.args.should_save:
+            for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
+                       if isinstance(cb, ExportableState)]:
+                cb_name = cb.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(cb_name), list):
+                    self.state.stateful_callbacks[cb_name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[cb_name] = cb.state()
+            self.state.save_to_json(str(tmp / TRAINER_STATE_NAME))
+        if dist.is_initialized():
+            dist.barrier()
+        publish_checkpoint(tmp, final)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+        if dist.is_initialized():
+            dist.barrier()
 
     def _save_scaler(self, output_dir: str) -> None:
         """No GradScaler: megatron's optimizer owns loss scaling and saves it with its state."""

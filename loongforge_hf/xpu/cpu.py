@@ -378,7 +378,7 @@ def _patch_cuda_spelling() -> None:
         dopt._build_model_and_main_param_groups = classmethod(_spelled(build))
     for cls, name in ((moptimizer.Float16OptimizerWithFloat16Params, "__init__"),
                       (moptimizer.MegatronOptimizer, "load_state_dict"),
-                      (dopt, "load_parameter_state_from_dp_zero")):
+                      (dopt, "load_parameter_state_from_dp_zero"), (dopt, "get_parameter_state_dp_zero")):
         fn = cls.__dict__.get(name)
         if fn is not None and not getattr(fn, "_loongforge_cpu", False):
             setattr(cls, name, _spelled(fn))
