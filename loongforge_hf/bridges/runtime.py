@@ -21,13 +21,27 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
 
 
-def megatron_attention_mask(attention_mask: torch.Tensor | None, seq: int) -> torch.Tensor | None:
-    """[b, s] HF padding mask (1 = token) -> [b, 1, s, s] megatron mask (True = masked), or None when no padding."""
-    if attention_mask is None or bool(attention_mask.bool().all()):
+def is_packed(position_ids: torch.Tensor | None) -> bool:
+    """True when position ids restart inside a row (several documents packed into one sequence)."""
+    return position_ids is not None and position_ids.shape[-1] > 1 and bool((position_ids[..., 1:] == 0).any())
+
+
+def megatron_attention_mask(attention_mask: torch.Tensor | None, seq: int,
+                            position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """[b, 1, s, s] megatron mask (True = masked) from an HF padding mask (1 = token) and/or packed position ids
+    (a document starts where the position is 0; attention never crosses documents). None when plain causal."""
+    packed = is_packed(position_ids)
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    if not packed and not padded:
         return None
-    keys = attention_mask.bool()[:, None, None, :]
-    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device), diagonal=1)
-    return causal[None, None] | ~keys
+    device = (attention_mask if attention_mask is not None else position_ids).device
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    if padded:
+        mask = mask | ~attention_mask.bool()[:, None, None, :]
+    if packed:
+        doc = torch.cumsum((position_ids == 0).int(), dim=-1)
+        mask = mask | (doc[:, None, :, None] != doc[:, None, None, :])
+    return mask
 
 
 def mask_padded_vocab(logits: torch.Tensor, *, vocab_size: int, tp_rank: int) -> torch.Tensor:
@@ -75,7 +89,8 @@ def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels,
     if position_ids is None:
         position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
     position_ids = position_ids.to(device)
-    mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s)
+    mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s,
+                                   position_ids)
     shifted = shift_labels(labels.to(device)) if labels is not None else None
 
     def finish(local_logits):

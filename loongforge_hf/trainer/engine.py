@@ -113,7 +113,8 @@ class MegatronEngine:
             position_ids = (torch.arange(s, device=device).expand(b, s) if position_ids is None
                             else position_ids.to(device))
             attention_mask = batch.get("attention_mask")
-            mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s)
+            mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s,
+                                           position_ids)
             labels = shift_labels(batch["labels"].to(device))
             output = chunk(input_ids, position_ids, mask)
 
