@@ -1,9 +1,9 @@
 """Which rank owns which slice, and moving slices between ranks. Process groups are always passed in.
 
 Choices:
-- Export streams one HF tensor at a time: the TP group that owns it all-gathers the shards, its first rank turns them
-  into HF tensors and sends them to the writer rank (global rank 0). Data-parallel and context-parallel replicas
-  stay idle, so each tensor is gathered once.
+- Export streams one HF tensor at a time: the TP group that owns it gathers the shards on its first rank, which
+  turns them into HF tensors and sends them to the writer rank (global rank 0). Data-parallel and context-parallel
+  replicas stay idle, so each tensor is gathered once.
 - Failures on the writer rank never strand the senders: the writer keeps receiving (and discards) until the stream
   ends, then the outcome is broadcast and every rank raises the same error.
 """
@@ -14,12 +14,23 @@ import torch
 import torch.distributed as dist
 
 
-def gather_tp_shards(tensor: torch.Tensor, *, group) -> list[torch.Tensor]:
-    """All shards of ``tensor`` over ``group`` in rank order (a one-element list without a group)."""
+def gather_to_first(tensor: torch.Tensor, *, group) -> list[torch.Tensor] | None:
+    """On the first rank of ``group``: every rank's ``tensor`` in group order, its own uncopied; elsewhere None.
+
+    NOTE: point-to-point rather than an all-gather: only the first rank needs the shards, so the others allocate
+    nothing and send their shard once, and the first rank holds one buffer per other rank, not one per rank.
+    Every rank's ``tensor`` must have the same shape and dtype (tensor-parallel shards do).
+    """
     if group is None or dist.get_world_size(group) == 1:
         return [tensor]
-    shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(shards, tensor.contiguous(), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    if dist.get_rank() != ranks[0]:
+        dist.send(tensor.contiguous(), dst=ranks[0])
+        return None
+    shards = [tensor]
+    for src in ranks[1:]:
+        shards.append(torch.empty_like(tensor, memory_format=torch.contiguous_format))
+        dist.recv(shards[-1], src=src)
     return shards
 
 

@@ -2,8 +2,10 @@
 
 Choices:
 - Every rank walks the same ordered list of HF tensors (embedding, layers in order, final norm, LM head); the owner
-  TP group gathers, its first rank converts and sends to global rank 0, which writes through ``CheckpointWriter``
-  (temporary folder, then rename: an interrupted save never leaves a folder that looks complete).
+  TP group gathers on its first rank, which converts and sends to global rank 0, which writes through
+  ``CheckpointWriter`` (temporary folder, then rename: an interrupted save never leaves a folder that looks complete).
+  The writer is given the whole list up front (``plan``), so each tensor goes to disk as it arrives: rank 0 holds one
+  tensor at a time, not a shard.
 - config.json, generation_config.json and tokenizer/processor files are copied from the source folder unchanged;
   ``dtype=`` rewrites only the dtype field of config.json.
 """
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.bridges.builder import layer_owners
-from loongforge_hf.bridges.distribution import broadcast_outcome, gather_tp_shards, recv_tensor, send_tensor
+from loongforge_hf.bridges.distribution import broadcast_outcome, gather_to_first, recv_tensor, send_tensor
 from loongforge_hf.bridges.loader import shard_context
 
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -40,6 +42,13 @@ def _export_items(bridge, model, parallel):
             yield pp_rank, vp, m.megatron.format(layer=local), m, layer
     for m in bridge.final_mappings():
         yield last_pp, last_vp, m.megatron, m, None
+
+
+def _planned_tensors(bridge, model, parallel, shapes, dtype):
+    """(name, shape, dtype) of each tensor the export loop writes, in its order: the writer streams them to disk."""
+    for _, _, _, mapping, layer in _export_items(bridge, model, parallel):
+        for n in mapping.hf_names(layer):
+            yield n, shapes[n], dtype
 
 
 def _config_text(source: Path | None, hf_config, dtype: torch.dtype | None) -> str:
@@ -86,6 +95,7 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
     if rank == 0:
         try:
             writer.__enter__()
+            writer.plan(_planned_tensors(bridge, model, parallel, shapes, writer_dtype))
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             error = f"{type(e).__name__}: {e}"
     error = broadcast_outcome(error, src=0)
@@ -98,7 +108,7 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
             holds = owner_pp == pp_rank and is_replica0
             if holds:
                 local = params[vp or 0][name].detach()
-                shards = gather_tp_shards(local, group=tp_group)
+                shards = gather_to_first(local, group=tp_group)
                 hf_tensors = mapping.export(shards, ctx, layer) if tp_rank == 0 else {}
             if rank == 0:
                 if holds:
@@ -116,6 +126,8 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
             elif holds and tp_rank == 0:
                 for n in mapping.hf_names(layer):
                     send_tensor(hf_tensors[n].to(writer_dtype), dst=0)
+            # NOTE: drop this tensor's buffers before the next is gathered, or the peak holds two of them.
+            shards = hf_tensors = tensors = None
         if writer is not None and error is None:
             try:
                 writer.write_text("config.json", _config_text(source, bridge.hf_config, dtype))

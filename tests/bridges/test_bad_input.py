@@ -10,8 +10,10 @@
   save over an existing folder that must replace it as a whole (the old folder intact until the swap).
 """
 
+import contextlib
 import errno
 import json
+import os
 import re
 import shutil
 import struct
@@ -62,6 +64,22 @@ def load_each(cases: dict) -> dict:
             for name, (where, kwargs) in cases.items()}
 
 
+@contextlib.contextmanager
+def _patch_disk_writes(replacement, *, pass_real: bool = False):
+    """Route both ways the writer puts tensor bytes on disk through ``replacement``: ``os.pwrite`` (a planned tensor,
+    streamed) and safetensors' ``save_file`` (a buffered shard)."""
+    from unittest import mock
+
+    from loongforge_hf.bridges import writer as writer_module
+
+    def through(real):
+        return (lambda *args, **kwargs: replacement(real, *args, **kwargs)) if pass_real else replacement
+
+    with mock.patch.object(writer_module, "save_file", through(writer_module.save_file)), \
+            mock.patch.object(writer_module.os, "pwrite", through(os.pwrite)):
+        yield
+
+
 def pickle_load_then_saves(pickle_dir: str, out_root: str) -> dict:
     """Load a pickle checkpoint (opt-in) at TP=2, compare with transformers, then run the save cases in turn."""
     from unittest import mock
@@ -79,7 +97,7 @@ def pickle_load_then_saves(pickle_dir: str, out_root: str) -> dict:
     with torch.no_grad():
         results["logit_diff"] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
 
-    real_add, real_save_file = writer_module.CheckpointWriter.add, writer_module.save_file
+    real_add = writer_module.CheckpointWriter.add
     added = []
 
     def crash_at_fifth_tensor(self, name, tensor):
@@ -88,12 +106,12 @@ def pickle_load_then_saves(pickle_dir: str, out_root: str) -> dict:
             raise RuntimeError(f"simulated crash while writing tensor #5 ({name})")
         real_add(self, name, tensor)
 
-    def disk_full(tensors, filename, metadata=None):
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     with mock.patch.object(writer_module.CheckpointWriter, "add", crash_at_fifth_tensor):
         results["crash"] = _outcome(lambda: model.save_pretrained(root / "crash", max_shard_size="20KB"))
-    with mock.patch.object(writer_module, "save_file", disk_full):
+    with _patch_disk_writes(disk_full):
         results["disk_full"] = _outcome(lambda: model.save_pretrained(root / "full", max_shard_size="20KB"))
         results["disk_full_existing"] = _outcome(lambda: model.save_pretrained(root / "existing"))
     results["unusable_destination"] = _outcome(lambda: model.save_pretrained(root / "blocked" / "out"))
@@ -103,11 +121,11 @@ def pickle_load_then_saves(pickle_dir: str, out_root: str) -> dict:
     # NOTE: while the new shards are written the old folder must still be whole; it is swapped only at the end.
     seen_during_save = []
 
-    def watching_save_file(tensors, filename, metadata=None):
+    def watching(real, *args, **kwargs):
         seen_during_save.append(sorted(p.name for p in (root / "replace").iterdir()))
-        real_save_file(tensors, filename, metadata=metadata)
+        return real(*args, **kwargs)
 
-    with mock.patch.object(writer_module, "save_file", watching_save_file):
+    with _patch_disk_writes(watching, pass_real=True):
         results["replace"] = _outcome(lambda: model.save_pretrained(root / "replace", max_shard_size="20KB"))
     results["seen_during_save"] = seen_during_save
     results["rank"] = dist.get_rank()
