@@ -32,3 +32,8 @@ def load_compare_export(folder: str, layout: dict, out_dir: str, seq: int = 12, 
     model.save_pretrained(out_dir, max_shard_size="50KB")
     return {"logit_diff": logit_diff, "loss_diff": loss_diff, "loss": out.loss.item(), "ref_loss": exp.loss.item(),
             "grads_ok": grads_ok, "logits_shape": tuple(out.logits.shape)}
+
+
+def load_compare_export_many(cases: list, layout: dict):
+    """``load_compare_export`` for several (folder, out_dir) pairs in one world (one process start per layout)."""
+    return [load_compare_export(folder, layout, out_dir) for folder, out_dir in cases]

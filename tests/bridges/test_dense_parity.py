@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._parity import load_compare_export
+from ._parity import load_compare_export, load_compare_export_many
 
 TOL = 1e-4
 
@@ -48,20 +48,35 @@ def run_case(tmp_path, arch, layout_name, *, padded=False, **model_kw):
     src = make_tiny_checkpoint(tmp_path / "src", arch, **model_kw)
     out = tmp_path / "out"
     results = run_distributed(load_compare_export, nprocs, str(src), layout, str(out), padded=padded, timeout=300)
-    for r in results:
-        assert r["logits_shape"] == (2, 12, 203)
-        assert r["logit_diff"] < TOL, r
-        assert r["loss_diff"] < TOL, r
-        if r["grads_ok"] is not None:
-            assert r["grads_ok"]
+    check_results(results, arch)
     check_round_trip(src, out)
     return out
 
 
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral"]
+
+
+def check_results(results, arch):
+    for r in results:
+        assert r["logits_shape"] == (2, 12, 203), arch
+        assert r["logit_diff"] < TOL, (arch, r)
+        assert r["loss_diff"] < TOL, (arch, r)
+        if r["grads_ok"] is not None:
+            assert r["grads_ok"], arch
+
+
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
-def test_parity_and_round_trip(tmp_path, arch, layout_name):
-    run_case(tmp_path, arch, layout_name)
+def test_parity_and_round_trip(tmp_path, layout_name):
+    """Every dense architecture under ``layout_name`` (one world per layout keeps process starts few)."""
+    nprocs, layout = LAYOUTS[layout_name]
+    cases = []
+    for arch in ARCHS:
+        src = make_tiny_checkpoint(tmp_path / arch / "src", arch)
+        cases.append((str(src), str(tmp_path / arch / "out")))
+    per_rank = run_distributed(load_compare_export_many, nprocs, cases, layout, timeout=600)
+    for i, arch in enumerate(ARCHS):
+        check_results([rank_results[i] for rank_results in per_rank], arch)
+        check_round_trip(tmp_path / arch / "src", tmp_path / arch / "out")
 
 
 @pytest.mark.parametrize("layout_name", ["tp1", "tp2pp2"])
