@@ -48,7 +48,8 @@ def resolve_parallel(parallel: ParallelConfig | None, sizes: dict) -> ParallelCo
     given = {k: v for k, v in sizes.items() if v is not None}
     if parallel is not None:
         if isinstance(parallel, str):
-            raise ParallelLayoutError(f"parallel={parallel!r} is not supported; pass a ParallelConfig or sizes.")
+            raise ParallelLayoutError(f"parallel={parallel!r} is not supported; pass 'auto', a ParallelConfig or "
+                                      "size keywords.")
         if not isinstance(parallel, ParallelConfig):
             raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}.")
         clash = {k: v for k, v in given.items() if getattr(parallel, k) != v}
@@ -56,6 +57,20 @@ def resolve_parallel(parallel: ParallelConfig | None, sizes: dict) -> ParallelCo
             raise ParallelLayoutError(f"parallel= and size keywords disagree: {clash} vs {parallel}.")
         return parallel
     return ParallelConfig.from_kwargs({**accelerate_megatron_layout(), **given})
+
+
+def _auto_layout(hf_config, param_dtype: torch.dtype) -> ParallelConfig:
+    from loongforge_hf.parallel.auto import choose_layout, model_size_of
+    from loongforge_hf.xpu import get_backend
+
+    env = read_launch_env()
+    layout, reason = choose_layout(model_size_of(hf_config), world_size=env.world_size,
+                                   local_world_size=env.local_world_size,
+                                   device_memory=get_backend().memory_per_device(),
+                                   dtype_bytes=torch.finfo(param_dtype).bits // 8)
+    if env.rank == 0:
+        print(reason, flush=True)
+    return layout
 
 
 class LoongModelForCausalLM(nn.Module):
@@ -150,7 +165,7 @@ class AutoModelForCausalLM:
                         tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
                         virtual_pipeline_parallel_size: int | None = None, context_parallel_size: int | None = None,
                         expert_parallel_size: int | None = None, expert_tensor_parallel_size: int | None = None,
-                        sequence_parallel: bool | None = None, parallel: ParallelConfig | None = None,
+                        sequence_parallel: bool | None = None, parallel: ParallelConfig | str | None = None,
                         dtype: Any = None, torch_dtype: Any = None, revision: str | None = None,
                         cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
                         token: str | None = None, trust_remote_code: bool = False,
@@ -171,13 +186,19 @@ class AutoModelForCausalLM:
         sizes = dict(zip(PARALLEL_KWARGS, (tensor_parallel_size, pipeline_parallel_size,
                                            virtual_pipeline_parallel_size, context_parallel_size,
                                            expert_parallel_size, expert_tensor_parallel_size, sequence_parallel)))
-        layout = resolve_parallel(parallel, sizes)
+        auto = isinstance(parallel, str) and parallel == "auto"
+        if auto and any(v is not None for v in sizes.values()):
+            raise ParallelLayoutError("parallel='auto' picks every size itself; drop the size keywords "
+                                      f"{sorted(k for k, v in sizes.items() if v is not None)} or parallel='auto'.")
+        layout = None if auto else resolve_parallel(parallel, sizes)
 
         # --- local checks: same verdict on every rank, before any collective -------------------------------
         folder = resolve_checkpoint(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir,
                                     local_files_only=local_files_only, token=token, allow_pickle=allow_pickle)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         bridge = get_bridge(hf_config)
+        if auto:
+            layout = _auto_layout(hf_config, _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config))
         layout.check_world_size(read_launch_env().world_size)
         layout.check_model(num_layers=hf_config.num_hidden_layers, num_attention_heads=hf_config.num_attention_heads,
                            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None)

@@ -65,19 +65,20 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from loongforge_hf.bridges.specs import layer_spec_for
 
     hf = bridge.hf_config
     kw = bridge.transformer_config_kwargs()
-    rope = C.rope_parameters(hf)
+    rope = bridge.rope_parameters() if hasattr(bridge, "rope_parameters") else C.rope_parameters(hf)
+    config_class = MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig
     backend = get_backend()
     vpp = parallel.virtual_pipeline_parallel_size if (parallel.virtual_pipeline_parallel_size or 1) > 1 else None
     if vpp is None:
         kw.update(_uneven_split(hf.num_hidden_layers, parallel.pipeline_parallel_size))
-    config = TransformerConfig(
+    config = config_class(
         **kw,
         tensor_model_parallel_size=parallel.tensor_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_parallel_size,
@@ -93,12 +94,11 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
         cross_entropy_loss_fusion=False, deallocate_pipeline_outputs=False,
     )
     padded = padded_vocab_size(hf.vocab_size, tensor_parallel_size=parallel.tensor_parallel_size)
-    spec = layer_spec_for(bridge, config)
     chunks, offsets, counts = [], [], []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         model = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=padded,
+            config=config, transformer_layer_spec=layer_spec_for(bridge, config, vp_stage=stage), vocab_size=padded,
             max_sequence_length=hf.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),

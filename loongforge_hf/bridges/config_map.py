@@ -111,9 +111,10 @@ def rope_parameters(hf_config) -> dict:
 
 # ---- checks for dense decoders -----------------------------------------------------------------------------------
 
-def check_dense_config(hf_config, *, qkv_bias: bool) -> None:
+def check_dense_config(hf_config, *, qkv_bias: bool, check_rope: bool = True) -> None:
     """Raise ``UnsupportedConfigError`` for values a dense bridge cannot reproduce exactly."""
-    rope_parameters(hf_config)
+    if check_rope:
+        rope_parameters(hf_config)
     if getattr(hf_config, "mlp_bias", False):
         raise UnsupportedConfigError("mlp_bias=True is not supported.")
     if getattr(hf_config, "attention_bias", False) and not qkv_bias:
@@ -135,3 +136,85 @@ def sliding_window_of(hf_config) -> int | None:
     if window is None or window >= getattr(hf_config, "max_position_embeddings", 0):
         return None
     return int(window)
+
+
+# ---- mixture of experts ------------------------------------------------------------------------------------------
+
+def moe_aux_loss_coeff_of(hf_config) -> float:
+    """megatron's ``moe_aux_loss_coeff`` for an HF MoE config.
+
+    transformers adds ``router_aux_loss_coef * aux`` to the loss only when ``output_router_logits`` is on, so the
+    coefficient is ``router_aux_loss_coef`` then and 0 otherwise. The two terms are not the same number:
+    - transformers computes one Switch-style balance loss over the router logits of all layers concatenated,
+      ``N * sum_e f_e * P_e`` (``f_e``: fraction of top-k slots routed to expert e, summed over the k slots; ``P_e``:
+      mean softmax probability of e), and adds it to the returned loss;
+    - megatron (``moe_router_load_balancing_type="aux_loss"``) computes it per MoE layer,
+      ``coeff * N / k * sum_e f_e * P_e``, sums the layers, and applies it only to gradients (MoEAuxLossAutoScaler):
+      the loss a forward returns never contains it, and it is only active in training mode with grad enabled.
+    For one MoE layer the megatron term is the transformers term divided by top-k; with several layers megatron sums
+    per-layer terms where transformers balances the concatenation.
+    """
+    if not getattr(hf_config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+# ---- multi-latent attention --------------------------------------------------------------------------------------
+
+MLA_FIELDS: tuple[Field, ...] = (
+    Field("q_lora_rank", "q_lora_rank"),
+    Field("kv_lora_rank", "kv_lora_rank"),
+    Field("qk_nope_head_dim", "qk_head_dim"),
+    Field("qk_rope_head_dim", "qk_pos_emb_head_dim"),
+    Field("v_head_dim", "v_head_dim"),
+)
+
+MLA_ROPE_TYPES = ("default", "yarn")
+# NOTE: transformers builds MLA's q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
+MLA_LATENT_NORM_EPS = 1e-6
+
+
+def mla_rope_kwargs(hf_config) -> dict:
+    """megatron ``MLATransformerConfig`` rope fields for a DeepSeek config (plain rope or YaRN)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = {"rope_type": "default", "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+        params.update(getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in MLA_ROPE_TYPES:
+        raise UnsupportedConfigError(f"rope_parameters.rope_type={rope_type!r} is not implemented for multi-latent "
+                                     f"attention; supported: {list(MLA_ROPE_TYPES)}.")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(
+            f"rope_parameters.partial_rotary_factor={params['partial_rotary_factor']} is not supported (only 1.0).")
+    theta = params.get("rope_theta", 10000.0)
+    if rope_type == "default":
+        # NOTE: megatron's MLA softmax scale multiplies by yarn_get_mscale(rotary_scaling_factor, mscale_all_dim)^2;
+        # factor 1 keeps it at 1 like transformers' plain rope.
+        return {"rope_type": "rope", "rotary_base": theta, "rotary_scaling_factor": 1.0, "mscale": 1.0,
+                "mscale_all_dim": 0.0}
+    if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
+        raise UnsupportedConfigError(
+            "rope_parameters.attention_factor / truncate=False are not supported for YaRN multi-latent attention "
+            "(megatron derives the attention factor from factor, mscale and mscale_all_dim, and truncates).")
+    orig = int(params.get("original_max_position_embeddings") or hf_config.max_position_embeddings)
+    factor = float(params.get("factor") or hf_config.max_position_embeddings / orig)
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        # NOTE: transformers then uses get_mscale(factor) for cos/sin and no softmax correction; megatron computes
+        # get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) and get_mscale(factor, mscale_all_dim)^2,
+        # which (1, 0) reproduces.
+        mscale, mscale_all_dim = 1.0, 0.0
+    return {"rope_type": "yarn", "rotary_base": theta, "rotary_scaling_factor": factor,
+            "original_max_position_embeddings": orig, "beta_fast": float(params.get("beta_fast") or 32.0),
+            "beta_slow": float(params.get("beta_slow") or 1.0), "mscale": float(mscale),
+            "mscale_all_dim": float(mscale_all_dim)}
+
+
+def check_mla_config(hf_config) -> None:
+    if hf_config.rms_norm_eps != MLA_LATENT_NORM_EPS:
+        raise UnsupportedConfigError(
+            f"rms_norm_eps={hf_config.rms_norm_eps} is not supported for multi-latent attention: transformers "
+            f"normalises the q/kv latents with eps={MLA_LATENT_NORM_EPS} and the rest with rms_norm_eps, megatron uses "
+            "one eps for all.")
+    mla_rope_kwargs(hf_config)

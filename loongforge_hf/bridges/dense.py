@@ -26,7 +26,8 @@ class DenseBridge:
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
-        C.check_dense_config(self.hf_config, qkv_bias=self.qkv_bias)
+        self.rope_parameters()
+        C.check_dense_config(self.hf_config, qkv_bias=self.qkv_bias, check_rope=False)
         if C.sliding_window_of(self.hf_config) is not None and not self.supports_sliding_window:
             raise C.UnsupportedConfigError(
                 f"sliding_window={self.hf_config.sliding_window} is not supported for {self.architectures[0]}.")
@@ -46,15 +47,13 @@ class DenseBridge:
         return kw
 
     # ---- tensors --------------------------------------------------------------------------------------------
-    def layer_mappings(self) -> list[Mapping]:
+    def attention_mappings(self) -> list[Mapping]:
+        """The input norm and self-attention of one layer (``{layer}`` stands for its index)."""
         maps: list[Mapping] = [
             Replicated(f"{D}.input_layernorm.weight", f"{L}.input_layernorm.weight"),
             QKV(f"{D}.self_attention.linear_qkv.weight", q=f"{L}.self_attn.q_proj.weight",
                 k=f"{L}.self_attn.k_proj.weight", v=f"{L}.self_attn.v_proj.weight"),
             RowParallel(f"{D}.self_attention.linear_proj.weight", f"{L}.self_attn.o_proj.weight"),
-            Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
-            GatedMLP(f"{D}.mlp.linear_fc1.weight", gate=f"{L}.mlp.gate_proj.weight", up=f"{L}.mlp.up_proj.weight"),
-            RowParallel(f"{D}.mlp.linear_fc2.weight", f"{L}.mlp.down_proj.weight"),
         ]
         if self.qkv_bias:
             maps.append(QKV(f"{D}.self_attention.linear_qkv.bias", q=f"{L}.self_attn.q_proj.bias",
@@ -63,6 +62,28 @@ class DenseBridge:
             maps += [Replicated(f"{D}.self_attention.q_layernorm.weight", f"{L}.self_attn.q_norm.weight"),
                      Replicated(f"{D}.self_attention.k_layernorm.weight", f"{L}.self_attn.k_norm.weight")]
         return maps
+
+    def dense_mlp_mappings(self) -> list[Mapping]:
+        """The post-attention norm and the gated MLP of a dense layer."""
+        return [
+            Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
+            GatedMLP(f"{D}.mlp.linear_fc1.weight", gate=f"{L}.mlp.gate_proj.weight", up=f"{L}.mlp.up_proj.weight"),
+            RowParallel(f"{D}.mlp.linear_fc2.weight", f"{L}.mlp.down_proj.weight"),
+        ]
+
+    def layer_mappings(self) -> list[Mapping]:
+        """Every mapping any layer uses (a model whose layers differ says which are whose in mappings_for_layer)."""
+        return self.attention_mappings() + self.dense_mlp_mappings()
+
+    def mappings_for_layer(self, layer: int) -> list[Mapping]:
+        return self.layer_mappings()
+
+    def passthrough_names(self, names) -> list[str]:
+        """Checkpoint tensors megatron has no place for, written back unchanged on export (none for dense models)."""
+        return []
+
+    def rope_parameters(self) -> dict:
+        return C.rope_parameters(self.hf_config)
 
     def embedding_mapping(self) -> Mapping:
         return VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight")
@@ -73,29 +94,41 @@ class DenseBridge:
             maps.append(VocabParallel("output_layer.weight", "lm_head.weight"))
         return maps
 
-    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         c = self.hf_config
         hd = C.head_dim_of(c)
         kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        h, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
+        h, p = c.hidden_size, prefix
+        shapes = {
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.self_attn.q_proj.weight": (c.num_attention_heads * hd, h),
+            f"{p}.self_attn.k_proj.weight": (kv * hd, h), f"{p}.self_attn.v_proj.weight": (kv * hd, h),
+            f"{p}.self_attn.o_proj.weight": (h, c.num_attention_heads * hd),
+        }
+        if self.qkv_bias:
+            shapes.update({f"{p}.self_attn.q_proj.bias": (c.num_attention_heads * hd,),
+                           f"{p}.self_attn.k_proj.bias": (kv * hd,), f"{p}.self_attn.v_proj.bias": (kv * hd,)})
+        if self.qk_norm:
+            shapes.update({f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)})
+        return shapes
+
+    def dense_mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h, f, p = self.hf_config.hidden_size, self.hf_config.intermediate_size, prefix
+        return {f"{p}.post_attention_layernorm.weight": (h,), f"{p}.mlp.gate_proj.weight": (f, h),
+                f"{p}.mlp.up_proj.weight": (f, h), f"{p}.mlp.down_proj.weight": (h, f)}
+
+    def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        prefix = f"model.layers.{layer}"
+        return {**self.attention_shapes(prefix), **self.dense_mlp_shapes(prefix)}
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        c = self.hf_config
+        h, v = c.hidden_size, c.vocab_size
         shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
         if not self.tied:
             shapes["lm_head.weight"] = (v, h)
         for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}"
-            shapes.update({
-                f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
-                f"{p}.self_attn.q_proj.weight": (c.num_attention_heads * hd, h),
-                f"{p}.self_attn.k_proj.weight": (kv * hd, h), f"{p}.self_attn.v_proj.weight": (kv * hd, h),
-                f"{p}.self_attn.o_proj.weight": (h, c.num_attention_heads * hd),
-                f"{p}.mlp.gate_proj.weight": (f, h), f"{p}.mlp.up_proj.weight": (f, h),
-                f"{p}.mlp.down_proj.weight": (h, f),
-            })
-            if self.qkv_bias:
-                shapes.update({f"{p}.self_attn.q_proj.bias": (c.num_attention_heads * hd,),
-                               f"{p}.self_attn.k_proj.bias": (kv * hd,), f"{p}.self_attn.v_proj.bias": (kv * hd,)})
-            if self.qk_norm:
-                shapes.update({f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)})
+            shapes.update(self.layer_shapes(i))
         return shapes
 
     def num_experts(self) -> int | None:

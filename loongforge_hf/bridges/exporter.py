@@ -6,6 +6,12 @@ Choices:
   ``CheckpointWriter`` (temporary folder, then rename: an interrupted save never leaves a folder that looks complete).
   The writer is given the whole list up front (``plan``), so each tensor goes to disk as it arrives: rank 0 holds one
   tensor at a time, not a shard.
+- Routed experts: expert ``g`` of a layer lives on expert-parallel rank ``g // (N / E)`` as a local expert; the
+  first expert-data-parallel replica of that rank gathers it over the expert-tensor-parallel group and its first
+  rank sends it to rank 0 (which learns who that is from one all-gather of ranks at the start).
+- Checkpoint tensors the model does not hold but the bridge keeps (``passthrough_names``: DeepSeek's
+  multi-token-prediction layers) are copied by rank 0 from the source folder, bit for bit.
+- A mapping's ``hf_dtype`` wins over the model dtype and ``dtype=`` (what transformers keeps in fp32 stays fp32).
 - config.json, generation_config.json and tokenizer/processor files are copied from the source folder unchanged;
   ``dtype=`` rewrites only the dtype field of config.json.
 """
@@ -29,26 +35,56 @@ SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
 
 
 def _export_items(bridge, model, parallel):
-    """(pp rank, vp stage or None, megatron local name, mapping, global layer) in HF file order."""
+    """(pp rank, vp stage or None, megatron local name, mapping, global layer, expert-parallel rank or None) in HF
+    file order; expert mappings come bound to one expert each."""
+    from loongforge_hf.bridges.mappings import Expert
+
     owners = layer_owners(model.config, parallel)
     vpp = max(1, parallel.virtual_pipeline_parallel_size or 1)
     last_pp, last_vp = parallel.pipeline_parallel_size - 1, (vpp - 1 if vpp > 1 else None)
     first_vp = 0 if vpp > 1 else None
+    num_experts = bridge.num_experts() or 0
+    per_rank = num_experts // parallel.expert_parallel_size
     emb = bridge.embedding_mapping()
-    yield 0, first_vp, emb.megatron, emb, None
+    yield 0, first_vp, emb.megatron, emb, None, None
     for layer in range(bridge.hf_config.num_hidden_layers):
         pp_rank, vp, local = owners[layer]
-        for m in bridge.layer_mappings():
-            yield pp_rank, vp, m.megatron.format(layer=local), m, layer
+        for m in bridge.mappings_for_layer(layer):
+            if not isinstance(m, Expert):
+                yield pp_rank, vp, m.megatron.format(layer=local), m, layer, None
+                continue
+            for g in range(num_experts):
+                bound = m.bind(global_expert=g, local_expert=g % per_rank)
+                yield pp_rank, vp, bound.megatron.format(layer=local), bound, layer, g // per_rank
     for m in bridge.final_mappings():
-        yield last_pp, last_vp, m.megatron, m, None
+        yield last_pp, last_vp, m.megatron, m, None, None
 
 
 def _planned_tensors(bridge, model, parallel, shapes, dtype):
     """(name, shape, dtype) of each tensor the export loop writes, in its order: the writer streams them to disk."""
-    for _, _, _, mapping, layer in _export_items(bridge, model, parallel):
+    for _, _, _, mapping, layer, _ in _export_items(bridge, model, parallel):
         for n in mapping.hf_names(layer):
-            yield n, shapes[n], dtype
+            yield n, shapes[n], mapping.hf_dtype or dtype
+
+
+def _expert_senders(*, pp_rank: int, ep_rank: int, etp_rank: int, edp_rank: int) -> dict[tuple[int, int], int]:
+    """(pipeline rank, expert-parallel rank) -> the global rank that sends those experts to rank 0 (collective)."""
+    mine = (pp_rank, ep_rank, etp_rank, edp_rank)
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    return {(pp, ep): r for r, (pp, ep, etp, edp) in enumerate(everyone) if etp == 0 and edp == 0}
+
+
+def _passthrough(bridge, source: Path | None) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every source tensor the bridge keeps without a megatron home, read now, in source order."""
+    if source is None:
+        return []
+    from loongforge_hf.bridges.checkpoint_io import CheckpointReader
+
+    with CheckpointReader(source) as reader:
+        return [(n, reader.get(n).clone()) for n in bridge.passthrough_names(reader.keys())]
 
 
 def _config_text(source: Path | None, hf_config, dtype: torch.dtype | None) -> str:
@@ -84,7 +120,16 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
 
     params = []
     for chunk in model.chunks:
-        params.append(dict(chunk.named_parameters()))
+        params.append({**dict(chunk.named_buffers()), **dict(chunk.named_parameters())})
+    experts = bool(bridge.num_experts())
+    if experts:
+        ep_rank, etp_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+        etp_group = ps.get_expert_tensor_parallel_group()
+        edp_rank = ps.get_expert_data_parallel_rank()
+        ctx = shard_context(bridge, tp_rank=tp_rank, tp_size=tp_size, padded_vocab=model.padded_vocab,
+                            ep_rank=ep_rank, ep_size=ps.get_expert_model_parallel_world_size(), etp_rank=etp_rank,
+                            etp_size=ps.get_expert_tensor_parallel_world_size())
+        senders = _expert_senders(pp_rank=pp_rank, ep_rank=ep_rank, etp_rank=etp_rank, edp_rank=edp_rank)
 
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"save_pretrained: dtype must be a torch.dtype or None, got {dtype!r}.")
@@ -104,30 +149,43 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
     if rank != 0:
         writer = None
     try:
-        for owner_pp, vp, name, mapping, layer in _export_items(bridge, model, parallel):
-            holds = owner_pp == pp_rank and is_replica0
+        for owner_pp, vp, name, mapping, layer, owner_ep in _export_items(bridge, model, parallel):
+            out_dtype = mapping.hf_dtype or writer_dtype
+            if owner_ep is None:
+                holds, group, first, src = owner_pp == pp_rank and is_replica0, tp_group, tp_rank == 0, None
+                map_ctx = ctx
+            else:
+                holds = owner_pp == pp_rank and owner_ep == ep_rank and edp_rank == 0
+                group, first, src, map_ctx = etp_group, etp_rank == 0, senders[(owner_pp, owner_ep)], \
+                    ctx.for_experts()
             if holds:
                 local = params[vp or 0][name].detach()
-                shards = gather_to_first(local, group=tp_group)
-                hf_tensors = mapping.export(shards, ctx, layer) if tp_rank == 0 else {}
+                shards = gather_to_first(local, group=group)
+                hf_tensors = mapping.export(shards, map_ctx, layer) if first else {}
             if rank == 0:
                 if holds:
                     tensors = hf_tensors
                 else:
-                    src = pp_ranks[owner_pp]
-                    tensors = {n: recv_tensor(shapes[n], writer_dtype, src=src, device=device)
+                    src = pp_ranks[owner_pp] if src is None else src
+                    tensors = {n: recv_tensor(shapes[n], out_dtype, src=src, device=device)
                                for n in mapping.hf_names(layer)}
                 if error is None:
                     try:
                         for n, t in tensors.items():
-                            writer.add(n, t.to(writer_dtype).cpu())
+                            writer.add(n, t.to(out_dtype).cpu())
                     except Exception as e:  # noqa: BLE001 - shared with every rank below
                         error = f"{type(e).__name__}: {e}"
-            elif holds and tp_rank == 0:
+            elif holds and first:
                 for n in mapping.hf_names(layer):
-                    send_tensor(hf_tensors[n].to(writer_dtype), dst=0)
+                    send_tensor(hf_tensors[n].to(out_dtype), dst=0)
             # NOTE: drop this tensor's buffers before the next is gathered, or the peak holds two of them.
             shards = hf_tensors = tensors = None
+        if writer is not None and error is None:
+            try:
+                for n, t in _passthrough(bridge, source):
+                    writer.add(n, t)
+            except Exception as e:  # noqa: BLE001
+                error = f"{type(e).__name__}: {e}"
         if writer is not None and error is None:
             try:
                 writer.write_text("config.json", _config_text(source, bridge.hf_config, dtype))

@@ -6,11 +6,15 @@ Choices:
   transform from ``transforms.py``; ``export`` receives every TP rank's shard in rank order and returns full HF
   tensors. Neither touches a process group: gathering is ``distribution.py``'s job.
 - Vocabulary tensors are padded with zero rows up to ``ShardContext.padded_vocab`` on load and truncated on export.
+- Routed experts: ``Expert`` wraps a per-expert mapping whose names carry ``{expert}``; megatron names use the index
+  local to the expert-parallel rank, HF names the global one. Its tensors split over the expert-tensor-parallel group
+  (``ShardContext.for_experts``), not the attention's TP group.
+- ``hf_dtype`` pins the dtype transformers keeps a tensor in whatever the model's dtype (DeepSeek's router in fp32).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -26,6 +30,14 @@ class ShardContext:
     head_dim: int
     vocab_size: int
     padded_vocab: int
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+
+    def for_experts(self) -> "ShardContext":
+        """The context an expert's tensors are split in: the expert-tensor-parallel rank and size stand for TP."""
+        return replace(self, tp_rank=self.etp_rank, tp_size=self.etp_size)
 
 
 def _fmt(pattern: str, layer: int | None) -> str:
@@ -35,6 +47,7 @@ def _fmt(pattern: str, layer: int | None) -> str:
 class Mapping:
     megatron: str
     tp_split: str | None = None  # "column" | "row" | None: how the megatron parameter is split over TP
+    hf_dtype: torch.dtype | None = None  # the dtype transformers keeps this tensor in, whatever the model's
 
     def hf_names(self, layer: int | None) -> list[str]:
         raise NotImplementedError
@@ -181,3 +194,86 @@ class GatedMLP(Mapping):
         parts = [T.split_gate_up(s) for s in shards]
         gate_name, up_name = self.hf_names(layer)
         return {gate_name: torch.cat([g for g, _ in parts], dim=0), up_name: torch.cat([u for _, u in parts], dim=0)}
+
+
+@dataclass(frozen=True)
+class FP32Replicated(Replicated):
+    """A replicated tensor transformers keeps in float32 whatever the model dtype (``_keep_in_fp32_modules``)."""
+
+    hf_dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class RopeColumnParallel(Mapping):
+    """A column-parallel weight whose rows are blocks of ``block`` rows ending in ``rope_dim`` rotary rows.
+
+    megatron's multi-latent attention reads rotary dims in interleaved pairs ``(x0, x1), (x2, x3), ...``. A checkpoint
+    whose rotary rows are in halves (DeepSeek-V3 with ``rope_interleave=False``) is interleaved on load and put back
+    in halves on export (a permutation: the round trip is exact). TP splits whole blocks (heads) when it can; a block
+    larger than a TP shard (the single block of ``kv_a_proj_with_mqa``) is read whole, permuted, then sliced.
+    """
+
+    megatron: str
+    hf: str
+    block: int
+    rope_dim: int
+    tp_split = "column"
+
+    def hf_names(self, layer):
+        return [_fmt(self.hf, layer)]
+
+    def load(self, reader, ctx, layer):
+        name = _fmt(self.hf, layer)
+        rows = reader.shape(name)[0]
+        start, stop = T.shard_range(rows, rank=ctx.tp_rank, world=ctx.tp_size, name=name)
+        if (stop - start) % self.block == 0:
+            part = reader.get_slice(name, dim=0, start=start, stop=stop)
+            return T.interleave_rope_rows(part, block=self.block, rope_dim=self.rope_dim)
+        return T.interleave_rope_rows(reader.get(name), block=self.block, rope_dim=self.rope_dim)[start:stop].clone()
+
+    def export(self, shards, ctx, layer):
+        full = torch.cat(shards, dim=0)
+        return {_fmt(self.hf, layer): T.deinterleave_rope_rows(full, block=self.block, rope_dim=self.rope_dim)}
+
+
+def _with_expert(mapping: Mapping, *, hf_index: int, megatron_index: int) -> Mapping:
+    """``mapping`` with ``{expert}`` filled in: the local index in the megatron name, the global one in HF names."""
+    values = {}
+    for f in fields(mapping):
+        value = getattr(mapping, f.name)
+        if isinstance(value, str):
+            index = megatron_index if f.name == "megatron" else hf_index
+            values[f.name] = value.replace("{expert}", str(index))
+    return replace(mapping, **values)
+
+
+@dataclass(frozen=True)
+class Expert(Mapping):
+    """One routed expert's tensor: ``inner`` names it with ``{expert}`` (and ``{layer}``).
+
+    Expert-parallel rank ``r`` of ``E`` holds experts ``[r * N / E, (r + 1) * N / E)`` as local experts
+    ``0 .. N / E - 1``; ``bind`` gives the plain mapping of one of them, whose ``load`` and ``export`` take the
+    expert context (``ShardContext.for_experts``).
+    """
+
+    inner: Mapping
+
+    @property
+    def megatron(self) -> str:  # type: ignore[override]
+        return self.inner.megatron
+
+    @property
+    def tp_split(self) -> str | None:  # type: ignore[override]
+        return self.inner.tp_split
+
+    def bind(self, *, global_expert: int, local_expert: int) -> Mapping:
+        return _with_expert(self.inner, hf_index=global_expert, megatron_index=local_expert)
+
+    def hf_names(self, layer):
+        raise TypeError("Expert mappings name tensors per expert: bind() first.")
+
+    def load(self, reader, ctx, layer):
+        raise TypeError("Expert mappings load per expert: bind() first.")
+
+    def export(self, shards, ctx, layer):
+        raise TypeError("Expert mappings export per expert: bind() first.")

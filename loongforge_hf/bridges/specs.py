@@ -1,9 +1,68 @@
-"""Which megatron layer spec a bridge's model is built from."""
+"""Which megatron layer spec a bridge's model is built from.
+
+Choices:
+- Dense decoders: megatron's local spec, one spec for every layer.
+- MoE and MLA decoders: megatron's decoder block spec from the config (``moe_layer_freq`` says which layers are
+  sparse, ``multi_latent_attention`` picks ``MLASelfAttention``), megatron's local linear, attention, MoE and MLA
+  modules, sliced to the layers this pipeline stage (and virtual stage) builds. Two slots are swapped:
+  - every norm (input, pre-MLP, q/k or MLA latent, final) is our ``kernels.rmsnorm.RMSNorm``: megatron's local
+    torch norm refuses sequence parallelism, which megatron's MoE layer requires in training with TP > 1;
+  - MLA's core attention is ``MLADotProductAttention``: megatron's local ``DotProductAttention`` sizes its output
+    from ``kv_channels`` and does not take the query/key and value head sizes MLA passes (``k_channels``,
+    ``v_channels``; only Transformer Engine's attention does).
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 
-def layer_spec_for(bridge, config):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+_LAYER_NORMS = ("input_layernorm", "pre_mlp_layernorm")
+_ATTENTION_NORMS = ("q_layernorm", "k_layernorm", "kv_layernorm")
 
-    return get_gpt_layer_local_spec(qk_layernorm=bridge.qk_norm, num_experts=bridge.num_experts())
+
+def _mla_core_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        """megatron's local attention with query/key head size ``k_channels`` and value head size ``v_channels``."""
+
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                # NOTE: stands in for dot_product_attention.py:78 (megatron-core 0.16.1), which sizes the output
+                # [sq, b, heads * kv_channels]; MLA's context has heads * v_head_dim features.
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
+
+
+def _swap_modules(block_spec):
+    """``block_spec`` with our RMSNorm in every norm slot and MLA's core attention replaced (see the docstring)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from loongforge_hf.kernels.rmsnorm import RMSNorm
+
+    mla_core = _mla_core_attention()
+    layers = []
+    for spec in block_spec.layer_specs:
+        attention = spec.submodules.self_attention
+        att_sub = attention.submodules
+        norms = {n: RMSNorm for n in _ATTENTION_NORMS
+                 if hasattr(att_sub, n) and getattr(att_sub, n) not in (None, IdentityOp)}
+        if attention.module is MLASelfAttention:
+            norms["core_attention"] = mla_core
+        attention = replace(attention, submodules=replace(att_sub, **norms))
+        layer_norms = {n: RMSNorm for n in _LAYER_NORMS if getattr(spec.submodules, n) is not IdentityOp}
+        layers.append(replace(spec, submodules=replace(spec.submodules, self_attention=attention, **layer_norms)))
+    return replace(block_spec, layer_specs=layers, layer_norm=RMSNorm)
+
+
+def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if bridge.num_experts() is None and not getattr(config, "multi_latent_attention", False):
+        return get_gpt_layer_local_spec(qk_layernorm=bridge.qk_norm, num_experts=bridge.num_experts())
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage)
+    return _swap_modules(block)

@@ -137,3 +137,30 @@ def shard_range(size: int, *, rank: int, world: int, name: str = "") -> tuple[in
         raise ValueError(f"{label}size {size} cannot be split evenly over {world} ranks.")
     chunk = size // world
     return rank * chunk, (rank + 1) * chunk
+
+
+def _rope_blocks(weight: torch.Tensor, block: int, rope_dim: int) -> torch.Tensor:
+    _positive(block=block, rope_dim=rope_dim)
+    if rope_dim % 2 or rope_dim > block:
+        raise ValueError(f"rope_dim must be even and at most block ({block}), got {rope_dim}.")
+    if weight.dim() == 0 or weight.shape[0] % block:
+        raise ValueError(f"weight rows must be a multiple of block={block}, got shape {tuple(weight.shape)}.")
+    return weight.reshape(weight.shape[0] // block, block, *weight.shape[1:])
+
+
+def interleave_rope_rows(weight: torch.Tensor, *, block: int, rope_dim: int) -> torch.Tensor:
+    """Per block of ``block`` rows, the last ``rope_dim`` rows from halves ``[a; b]`` to pairs ``a0 b0 a1 b1 ...``."""
+    blocks = _rope_blocks(weight, block, rope_dim).clone()
+    rope = blocks[:, block - rope_dim:]
+    half = rope_dim // 2
+    pairs = torch.stack([rope[:, :half], rope[:, half:]], dim=2)  # [n, half, 2, ...]
+    blocks[:, block - rope_dim:] = pairs.reshape(rope.shape)
+    return blocks.reshape(weight.shape)
+
+
+def deinterleave_rope_rows(weight: torch.Tensor, *, block: int, rope_dim: int) -> torch.Tensor:
+    """The inverse of ``interleave_rope_rows``: rotary rows from pairs back to halves."""
+    blocks = _rope_blocks(weight, block, rope_dim).clone()
+    rope = blocks[:, block - rope_dim:]
+    blocks[:, block - rope_dim:] = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
+    return blocks.reshape(weight.shape)

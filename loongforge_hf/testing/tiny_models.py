@@ -2,6 +2,9 @@
 
 Sizes are chosen to exercise what the bridges must get right: GQA (heads != KV heads), head_dim != hidden/heads for
 Qwen3, several safetensors shards, vocab not a multiple of 128 (so padding is tested), odd layer counts on request.
+MoE models have a dense first layer where the architecture allows one, 4-8 experts, and router weights large enough
+that no two experts tie for a token (a near tie could flip with summation order and make parity flaky);
+DeepSeek-V3's ``e_score_correction_bias`` is random too, and ``mtp_layers`` appends multi-token-prediction tensors.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ from pathlib import Path
 
 import torch
 
-TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2")
+
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            moe_intermediate_size=32, first_k_dense_replace=1)
 
 
 def _config(arch: str, **overrides):
@@ -32,6 +38,19 @@ def _config(arch: str, **overrides):
         cfg = tf.Qwen3Config(**{**common, "head_dim": 24})
     elif arch == "mistral":
         cfg = tf.MistralConfig(**{**common, "sliding_window": 6})
+    elif arch == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**{**common, "head_dim": 24}, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                                mlp_only_layers=[0])
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(**{**common, **_MLA}, q_lora_rank=32, n_routed_experts=8, n_shared_experts=1,
+                                  num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                  norm_topk_prob=True, rope_interleave=True)
+    elif arch == "deepseek_v2":
+        cfg = tf.DeepseekV2Config(**{**common, **_MLA}, q_lora_rank=None, n_routed_experts=4, n_shared_experts=2,
+                                  num_experts_per_tok=2, topk_method="greedy", routed_scaling_factor=1.5)
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
     for k, v in overrides.items():
@@ -56,8 +75,13 @@ def make_tiny_tokenizer(folder: str | Path, vocab_size: int = 203):
 
 
 def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int = 0, max_shard_size: str = "100KB",
-                         tokenizer: bool = True, dtype: torch.dtype = torch.float32, **overrides) -> Path:
-    """Write a tiny random ``arch`` checkpoint with ``transformers`` (several shards) and return its folder."""
+                         tokenizer: bool = True, dtype: torch.dtype = torch.float32, mtp_layers: int = 0,
+                         **overrides) -> Path:
+    """Write a tiny random ``arch`` checkpoint with ``transformers`` (several shards) and return its folder.
+
+    ``mtp_layers`` appends that many DeepSeek-style multi-token-prediction layers (``model.layers.{L + i}.*``, which
+    transformers does not build) in a shard of their own, as the hub's DeepSeek-V3 checkpoints carry them.
+    """
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
@@ -69,7 +93,41 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if mtp_layers:
+        _append_mtp_layers(folder, cfg, mtp_layers, dtype=dtype)
     if tokenizer:
         make_tiny_tokenizer(folder, vocab_size=cfg.vocab_size)
     return folder
+
+
+def _append_mtp_layers(folder: Path, cfg, count: int, *, dtype: torch.dtype) -> None:
+    """Random tensors named like DeepSeek-V3's multi-token-prediction layers, in a shard of their own."""
+    import json
+
+    from safetensors.torch import save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    if not index_path.is_file():
+        raise ValueError("mtp_layers needs a sharded checkpoint (pass a small max_shard_size).")
+    h, v = cfg.hidden_size, cfg.vocab_size
+    tensors = {}
+    for i in range(count):
+        p = f"model.layers.{cfg.num_hidden_layers + i}"
+        shapes = {"embed_tokens.weight": (v, h), "enorm.weight": (h,), "hnorm.weight": (h,),
+                  "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h),
+                  "input_layernorm.weight": (h,), "self_attn.o_proj.weight": (h, h),
+                  "mlp.experts.0.down_proj.weight": (h, cfg.moe_intermediate_size)}
+        tensors.update({f"{p}.{n}": torch.randn(shape).to(dtype) for n, shape in shapes.items()})
+    shard = "model-mtp.safetensors"
+    save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({n: shard for n in tensors})
+    if "total_size" in index.get("metadata", {}):
+        index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

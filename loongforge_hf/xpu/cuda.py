@@ -35,6 +35,9 @@ class CudaBackend(Backend):
     def device_count(self) -> int:
         return torch.cuda.device_count()
 
+    def memory_per_device(self) -> float:
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         name = torch.cuda.get_device_name()
         for key, (bf16, fp32) in _PEAKS.items():

@@ -39,6 +39,13 @@ class Backend:
     def device_count(self) -> int:
         return 1
 
+    def memory_per_device(self) -> float:
+        """Bytes of memory one rank may use (the whole device; on the CPU an equal share of RAM per local rank)."""
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         """Dense matmul peak of one device for ``dtype`` (FLOP/s), or None when unknown (MFU is then not logged)."""
         return None

@@ -1,0 +1,144 @@
+"""What the MoE bridges share: the router, routed experts split over expert parallelism, shared experts, and the
+megatron MoE config a bridge's routing declaration turns into.
+
+Choices:
+- A layer is dense or sparse as the HF config says (``is_moe_layer``); megatron gets the same pattern as a 0/1
+  ``moe_layer_freq`` list and builds each layer from its own spec (``specs.layer_spec_for``).
+- Routed experts run in megatron's MoE layer: alltoall dispatcher, no token dropping (capacity factor off), experts as
+  megatron's ``SequentialMLP`` (one gated MLP per local expert, run in a loop).
+- Expert-parallel rank ``e`` of ``E`` owns experts ``[e * N / E, (e + 1) * N / E)`` and reads only those; each expert
+  is split over the expert-tensor-parallel group (``expert_tensor_parallel_size``, by default the TP size).
+- Routing, HF -> megatron (``routing_kwargs`` in each bridge):
+  softmax, top-k renormalised  -> ``moe_router_pre_softmax=False`` (softmax over the k chosen logits: the same probs);
+  softmax, not renormalised    -> ``moe_router_pre_softmax=True``;
+  sigmoid (DeepSeek-V3)        -> ``score_function="sigmoid"``; ``e_score_correction_bias`` -> ``router.expert_bias``;
+                                  megatron renormalises sigmoid top-k whenever k > 1, so ``norm_topk_prob`` must be on;
+  ``n_group`` / ``topk_group`` -> ``moe_router_num_groups`` / ``moe_router_group_topk``: megatron scores a group by the
+                                  sum of its top ``k / topk_group`` scores, which must equal the model's own rule
+                                  (``group_score_top``: 2 for V3's top-2 sum, 1 for V2's max);
+  ``routed_scaling_factor``    -> ``moe_router_topk_scaling_factor``.
+  A setting megatron cannot reproduce raises ``UnsupportedConfigError`` naming the field.
+- The auxiliary balance loss: ``config_map.moe_aux_loss_coeff_of`` (what the term maps to is documented there).
+"""
+
+from __future__ import annotations
+
+from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.dense import D, L, DenseBridge
+from loongforge_hf.bridges.mappings import Expert, FP32Replicated, GatedMLP, Mapping, Replicated, RowParallel
+
+EXPERT = "{expert}"
+
+
+def grouped_routing_kwargs(*, num_experts: int, top_k: int, n_group: int | None, topk_group: int | None,
+                           group_score_top: int, field_prefix: str = "") -> dict:
+    """megatron's group-limited routing for HF ``n_group`` / ``topk_group`` (empty when grouping cannot bind)."""
+    if not n_group or n_group <= 1 or not topk_group or topk_group >= n_group:
+        return {}
+    if num_experts % n_group:
+        raise C.UnsupportedConfigError(f"{field_prefix}n_group={n_group} does not divide the {num_experts} experts.")
+    if top_k // topk_group != group_score_top:
+        raise C.UnsupportedConfigError(
+            f"{field_prefix}num_experts_per_tok={top_k} with topk_group={topk_group}: megatron scores an expert group "
+            f"by its top {top_k // topk_group} expert(s), this model by its top {group_score_top}.")
+    return {"moe_router_num_groups": n_group, "moe_router_group_topk": topk_group}
+
+
+class MoEBridge(DenseBridge):
+    """A decoder whose MLPs are (some or all) mixtures of experts; subclasses declare names and routing."""
+
+    sparse_block: str = "mlp"                                  # HF module holding router and experts
+    expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_experts: str | None = None                          # HF module of always-on experts (DeepSeek)
+    expert_bias: bool = False                                  # ``gate.e_score_correction_bias`` (DeepSeek-V3)
+    router_fp32: bool = False                                  # transformers keeps ``gate.weight`` in fp32
+
+    # ---- declarations each model makes ----------------------------------------------------------------------
+    def num_experts(self) -> int:
+        raise NotImplementedError
+
+    def top_k(self) -> int:
+        return self.hf_config.num_experts_per_tok
+
+    def expert_ffn_size(self) -> int:
+        return self.hf_config.moe_intermediate_size
+
+    def shared_ffn_size(self) -> int | None:
+        return None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        raise NotImplementedError
+
+    def routing_kwargs(self) -> dict:
+        """Score function, normalisation, grouping and scaling (see the module docstring)."""
+        raise NotImplementedError
+
+    # ---- config ---------------------------------------------------------------------------------------------
+    def check_config(self) -> None:
+        super().check_config()
+        self.routing_kwargs()
+
+    def transformer_config_kwargs(self) -> dict:
+        kw = super().transformer_config_kwargs()
+        coeff = C.moe_aux_loss_coeff_of(self.hf_config)
+        kw.update(
+            num_moe_experts=self.num_experts(), moe_ffn_hidden_size=self.expert_ffn_size(),
+            moe_router_topk=self.top_k(),
+            moe_layer_freq=[int(self.is_moe_layer(i)) for i in range(self.hf_config.num_hidden_layers)],
+            moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=None, moe_grouped_gemm=False,
+            moe_shared_expert_intermediate_size=self.shared_ffn_size(),
+            moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none", moe_aux_loss_coeff=coeff,
+            moe_router_dtype="fp32" if self.router_fp32 else None,
+        )
+        kw.update(self.routing_kwargs())
+        return kw
+
+    # ---- tensors --------------------------------------------------------------------------------------------
+    def moe_mappings(self) -> list[Mapping]:
+        s = f"{L}.{self.sparse_block}"
+        gate, up, down = self.expert_projections
+        router = FP32Replicated if self.router_fp32 else Replicated
+        local = f"{D}.mlp.experts.local_experts.{EXPERT}"
+        maps: list[Mapping] = [
+            Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
+            router(f"{D}.mlp.router.weight", f"{s}.gate.weight"),
+            Expert(GatedMLP(f"{local}.linear_fc1.weight", gate=f"{s}.experts.{EXPERT}.{gate}.weight",
+                            up=f"{s}.experts.{EXPERT}.{up}.weight")),
+            Expert(RowParallel(f"{local}.linear_fc2.weight", f"{s}.experts.{EXPERT}.{down}.weight")),
+        ]
+        if self.expert_bias:
+            maps.append(FP32Replicated(f"{D}.mlp.router.expert_bias", f"{s}.gate.e_score_correction_bias"))
+        if self.shared_experts:
+            shared = f"{s}.{self.shared_experts}"
+            maps += [GatedMLP(f"{D}.mlp.shared_experts.linear_fc1.weight", gate=f"{shared}.gate_proj.weight",
+                              up=f"{shared}.up_proj.weight"),
+                     RowParallel(f"{D}.mlp.shared_experts.linear_fc2.weight", f"{shared}.down_proj.weight")]
+        return maps
+
+    def layer_mappings(self) -> list[Mapping]:
+        return self.attention_mappings() + self.dense_mlp_mappings() + self.moe_mappings()
+
+    def mappings_for_layer(self, layer: int) -> list[Mapping]:
+        mlp = self.moe_mappings() if self.is_moe_layer(layer) else self.dense_mlp_mappings()
+        return self.attention_mappings() + mlp
+
+    def moe_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h, f, n = self.hf_config.hidden_size, self.expert_ffn_size(), self.num_experts()
+        s = f"{prefix}.{self.sparse_block}"
+        gate, up, down = self.expert_projections
+        shapes = {f"{prefix}.post_attention_layernorm.weight": (h,), f"{s}.gate.weight": (n, h)}
+        for e in range(n):
+            shapes.update({f"{s}.experts.{e}.{gate}.weight": (f, h), f"{s}.experts.{e}.{up}.weight": (f, h),
+                           f"{s}.experts.{e}.{down}.weight": (h, f)})
+        if self.expert_bias:
+            shapes[f"{s}.gate.e_score_correction_bias"] = (n,)
+        if self.shared_experts:
+            fs, shared = self.shared_ffn_size(), f"{s}.{self.shared_experts}"
+            shapes.update({f"{shared}.gate_proj.weight": (fs, h), f"{shared}.up_proj.weight": (fs, h),
+                           f"{shared}.down_proj.weight": (h, fs)})
+        return shapes
+
+    def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        prefix = f"model.layers.{layer}"
+        mlp = self.moe_shapes(prefix) if self.is_moe_layer(layer) else self.dense_mlp_shapes(prefix)
+        return {**self.attention_shapes(prefix), **mlp}

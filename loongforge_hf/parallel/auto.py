@@ -1,0 +1,75 @@
+"""``parallel="auto"``: pick a layout from the world size, the model's size and the accelerator's memory.
+
+Choices (printed as the reason on rank 0):
+- Training memory per parameter: weights and grads in the training dtype, plus fp32 main weights and two Adam
+  moments sharded over data-parallel ranks by the distributed optimizer; activations get a fixed share of memory.
+- Prefer data parallelism (no communication in the forward pass); add tensor parallelism within a node (a divisor
+  of the attention and KV heads, at most the local GPU count) until the model states fit; then pipeline parallelism
+  over the layers. Experts, when present, are spread with expert parallelism over data-parallel ranks first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
+
+ACTIVATION_SHARE = 0.35  # fraction of device memory kept for activations and workspace
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSize:
+    num_params: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_experts: int | None = None
+
+
+def model_size_of(hf_config) -> ModelSize:
+    h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    hd = getattr(hf_config, "head_dim", None) or h // heads
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) \
+        or getattr(hf_config, "n_routed_experts", None)
+    ffn = (getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size) if experts \
+        else hf_config.intermediate_size
+    per_layer = h * hd * (heads + 2 * kv) + heads * hd * h + 3 * h * ffn * (experts or 1) + 2 * h
+    embeddings = hf_config.vocab_size * h * (1 if getattr(hf_config, "tie_word_embeddings", False) else 2)
+    return ModelSize(num_params=layers * per_layer + embeddings, num_layers=layers, num_attention_heads=heads,
+                     num_key_value_heads=kv, num_experts=experts)
+
+
+def state_bytes_per_rank(size: ModelSize, *, tp: int, pp: int, dp: int, ep: int, dtype_bytes: int) -> float:
+    params = size.num_params / (tp * pp * (ep if size.num_experts else 1))
+    return params * (2 * dtype_bytes + 12 / dp)
+
+
+def choose_layout(size: ModelSize, *, world_size: int, local_world_size: int, device_memory: float,
+                  dtype_bytes: int = 2) -> tuple[ParallelConfig, str]:
+    """The layout and a one-line reason; raises ParallelLayoutError when nothing fits."""
+    budget = device_memory * (1 - ACTIVATION_SHARE)
+    tp_options = [t for t in (1, 2, 4, 8) if t <= local_world_size and world_size % t == 0
+                  and size.num_attention_heads % t == 0 and size.num_key_value_heads % t == 0]
+    for pp in [p for p in range(1, size.num_layers + 1) if world_size % p == 0]:
+        for tp in tp_options:
+            if world_size % (tp * pp):
+                continue
+            dp = world_size // (tp * pp)
+            ep = 1
+            if size.num_experts:
+                ep = max(e for e in range(1, dp + 1) if dp % e == 0 and size.num_experts % e == 0)
+            need = state_bytes_per_rank(size, tp=tp, pp=pp, dp=dp, ep=ep, dtype_bytes=dtype_bytes)
+            if need <= budget:
+                layout = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
+                                        sequence_parallel=tp > 1)
+                reason = (f"parallel='auto': {size.num_params / 1e9:.2f}B parameters need ~{need / 2**30:.1f} GiB of "
+                          f"model and optimizer state per rank with TP={tp} x PP={pp} x DP={dp}"
+                          + (f" x EP={ep}" if ep > 1 else "")
+                          + f", within {budget / 2**30:.1f} GiB of {device_memory / 2**30:.1f} GiB "
+                          f"(the rest is left for activations); smaller TP/PP did not fit.")
+                return layout, reason
+    raise ParallelLayoutError(
+        f"parallel='auto': a {size.num_params / 1e9:.2f}B-parameter model does not fit {world_size} devices of "
+        f"{device_memory / 2**30:.1f} GiB with any TP <= {max(tp_options, default=1)} and PP layout; use more devices.")

@@ -1,0 +1,97 @@
+"""Run inside each rank: for several layouts in turn and several checkpoints per layout, load with loongforge-hf,
+compare with transformers, run a backward pass (no pipeline), export. One world serves every layout of its size (the
+process groups are rebuilt between layouts), so the import and start-up cost of a rank is paid once per world size."""
+
+import re
+import warnings
+
+import torch
+
+
+class _RecordingReader:
+    """A CheckpointReader that remembers which tensors were read."""
+
+    def __init__(self, reader) -> None:
+        self.reader, self.read = reader, set()
+
+    def __getattr__(self, item):
+        return getattr(self.reader, item)
+
+    def get(self, name):
+        self.read.add(name)
+        return self.reader.get(name)
+
+    def get_slice(self, name, **kwargs):
+        self.read.add(name)
+        return self.reader.get_slice(name, **kwargs)
+
+
+def _expert_reads(model, folder: str) -> dict:
+    """Load the checkpoint into the model once more through a recording reader: which experts does this rank read?"""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.bridges.checkpoint_io import CheckpointReader
+    from loongforge_hf.bridges.loader import load_into
+
+    with CheckpointReader(folder) as reader:
+        recording = _RecordingReader(reader)
+        load_into(model.megatron, model.bridge, recording, tp_rank=ps.get_tensor_model_parallel_rank(),
+                  tp_size=ps.get_tensor_model_parallel_world_size())
+    read = sorted({int(m.group(1)) for n in recording.read if (m := re.search(r"\.experts\.(\d+)\.", n))})
+    local = {int(m.group(1)) for n, _ in model.named_parameters() if (m := re.search(r"local_experts\.(\d+)\.", n))}
+    return {"experts_read": read, "local_experts": len(local), "num_experts": model.bridge.num_experts(),
+            "ep_rank": ps.get_expert_model_parallel_rank()}
+
+
+def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
+    import transformers
+
+    import loongforge_hf as lf
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype="auto", **layout)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    experts = _expert_reads(model, folder)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    out = model(input_ids=ids, labels=labels)
+    with torch.no_grad():
+        exp = ref(input_ids=ids, labels=labels)
+    grads_ok = None
+    if layout.get("pipeline_parallel_size", 1) == 1:
+        out.loss.backward()
+        grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    model.save_pretrained(out_dir, max_shard_size="50KB")
+    return {"logit_diff": (out.logits.float() - exp.logits.float()).abs().max().item(), "dtype": str(model.dtype),
+            "loss_diff": abs(out.loss.item() - exp.loss.item()), "loss": out.loss.item(),
+            "ref_loss": exp.loss.item(), "grads_ok": grads_ok, "logits_shape": tuple(out.logits.shape),
+            "warnings": [str(w.message) for w in caught], **experts}
+
+
+def _expect_layout_error(folder: str, layout: dict) -> dict:
+    """from_pretrained must refuse the layout before the process group starts."""
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+
+    try:
+        lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    except Exception as err:  # noqa: BLE001 - the test checks type and message
+        return {"type": type(err).__name__, "message": str(err), "collective_started": dist.is_initialized()}
+    return {"type": "no error", "message": "", "collective_started": dist.is_initialized()}
+
+
+def run_plan(plan: list[tuple[str, dict, list[tuple[str, str, str]]]], seq: int = 12,
+             bad_layout: tuple[str, dict] | None = None) -> dict:
+    """{layout name: {case name: result}} for each (layout name, layout, [(case, checkpoint, export folder)]).
+
+    ``bad_layout`` (checkpoint, layout) is tried first, while no process group exists yet."""
+    results: dict = {}
+    if bad_layout is not None:
+        results["bad_layout"] = _expect_layout_error(*bad_layout)
+    for layout_name, layout, cases in plan:
+        results[layout_name] = {name: _one(folder, layout, out_dir, seq) for name, folder, out_dir in cases}
+    return results

@@ -1,0 +1,114 @@
+"""MoE / MLA bridge declarations without a process group: config translation, what is refused, names, transforms."""
+
+import pytest
+import torch
+
+from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+from loongforge_hf.bridges import transforms as T
+from loongforge_hf.bridges.mappings import Expert, GatedMLP, ShardContext
+from loongforge_hf.testing.tiny_models import _config
+
+
+def bridge(arch, **overrides):
+    import transformers
+
+    cfg = _config(arch, **overrides)
+    cfg.architectures = [transformers.AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
+    return get_bridge(cfg)
+
+
+def test_routing_translation():
+    q = bridge("qwen3_moe").transformer_config_kwargs()
+    assert (q["moe_router_score_function"], q["moe_router_pre_softmax"]) == ("softmax", False)
+    assert q["moe_layer_freq"] == [0, 1, 1, 1] and q["num_moe_experts"] == 4 and q["moe_ffn_hidden_size"] == 32
+    assert q["moe_token_dispatcher_type"] == "alltoall" and q["moe_expert_capacity_factor"] is None
+    assert bridge("qwen3_moe", norm_topk_prob=False).transformer_config_kwargs()["moe_router_pre_softmax"] is True
+    assert bridge("qwen3_moe", decoder_sparse_step=2, mlp_only_layers=[]).transformer_config_kwargs()[
+        "moe_layer_freq"] == [0, 1, 0, 1]
+
+    v3 = bridge("deepseek_v3").transformer_config_kwargs()
+    assert v3["moe_router_score_function"] == "sigmoid" and v3["moe_router_enable_expert_bias"]
+    assert (v3["moe_router_num_groups"], v3["moe_router_group_topk"]) == (4, 2)
+    assert v3["moe_router_topk_scaling_factor"] == 2.5 and v3["moe_router_dtype"] == "fp32"
+    assert v3["moe_shared_expert_intermediate_size"] == 32 and v3["moe_layer_freq"] == [0, 1, 1, 1]
+    assert v3["multi_latent_attention"] and (v3["q_lora_rank"], v3["kv_lora_rank"]) == (32, 16)
+    assert (v3["qk_head_dim"], v3["qk_pos_emb_head_dim"], v3["v_head_dim"]) == (16, 8, 16)
+    # grouping that can never bind is left out
+    assert "moe_router_num_groups" not in bridge("deepseek_v3", n_group=1, topk_group=1).transformer_config_kwargs()
+
+    v2 = bridge("deepseek_v2").transformer_config_kwargs()
+    assert (v2["moe_router_score_function"], v2["moe_router_pre_softmax"]) == ("softmax", True)
+    assert v2["moe_router_topk_scaling_factor"] == 1.5 and "moe_router_num_groups" not in v2
+    assert v2["q_lora_rank"] is None and v2["moe_shared_expert_intermediate_size"] == 64
+
+
+@pytest.mark.parametrize("arch,overrides,field", [
+    ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ("deepseek_v3", {"n_group": 4, "topk_group": 1}, "topk_group=1"),
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}, "topk_group=1"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+    ("deepseek_v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+     "rope_type='linear'"),
+    ("deepseek_v3", {"n_shared_experts": 0}, "n_shared_experts=0"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+    ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=True"),
+])
+def test_refused_configs_name_the_field(arch, overrides, field):
+    with pytest.raises(UnsupportedConfigError, match=field.replace("(", r"\(").replace("[", r"\[")):
+        bridge(arch, **overrides)
+
+
+def test_aux_loss_coefficient():
+    off = bridge("qwen3_moe", router_aux_loss_coef=0.01).transformer_config_kwargs()
+    assert off["moe_aux_loss_coeff"] == 0.0 and off["moe_router_load_balancing_type"] == "none"
+    on = bridge("mixtral", router_aux_loss_coef=0.02, output_router_logits=True).transformer_config_kwargs()
+    assert on["moe_aux_loss_coeff"] == 0.02 and on["moe_router_load_balancing_type"] == "aux_loss"
+
+
+def test_expected_shapes_follow_the_hub_layout():
+    shapes = bridge("deepseek_v3").expected_hf_shapes()
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (96, 64)  # dense first layer
+    assert shapes["model.layers.1.mlp.experts.7.down_proj.weight"] == (64, 32)
+    assert shapes["model.layers.1.mlp.gate.e_score_correction_bias"] == (8,)
+    assert shapes["model.layers.1.mlp.shared_experts.up_proj.weight"] == (32, 64)
+    assert shapes["model.layers.3.self_attn.q_b_proj.weight"] == (4 * 24, 32)
+    assert not any(".layers.4." in n for n in shapes)
+    mixtral = bridge("mixtral").expected_hf_shapes()
+    assert mixtral["model.layers.0.block_sparse_moe.experts.3.w3.weight"] == (48, 64)
+    assert "model.layers.0.mlp.gate_proj.weight" not in mixtral
+
+
+def test_expert_mapping_binds_local_and_global_indices():
+    m = Expert(GatedMLP("decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight",
+                        gate="model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+                        up="model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"))
+    bound = m.bind(global_expert=5, local_expert=1)
+    assert bound.megatron == "decoder.layers.{layer}.mlp.experts.local_experts.1.linear_fc1.weight"
+    assert bound.hf_names(3) == ["model.layers.3.mlp.experts.5.gate_proj.weight",
+                                 "model.layers.3.mlp.experts.5.up_proj.weight"]
+    ctx = ShardContext(tp_rank=1, tp_size=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=10,
+                       padded_vocab=256, ep_rank=1, ep_size=2, etp_rank=0, etp_size=1)
+    assert (ctx.for_experts().tp_rank, ctx.for_experts().tp_size) == (0, 1)
+    with pytest.raises(TypeError):
+        m.hf_names(0)
+
+
+def test_passthrough_names_are_layers_past_the_model():
+    names = ["model.layers.3.mlp.gate.weight", "model.layers.4.eh_proj.weight", "model.layers.12.enorm.weight",
+             "model.norm.weight"]
+    assert bridge("deepseek_v3").passthrough_names(names) == ["model.layers.4.eh_proj.weight",
+                                                              "model.layers.12.enorm.weight"]
+    assert bridge("qwen3_moe").passthrough_names(names) == []
+
+
+def test_rope_row_interleave_round_trip():
+    w = torch.randn(3 * 10, 5)
+    inter = T.interleave_rope_rows(w, block=10, rope_dim=4)
+    block = w.reshape(3, 10, 5)
+    got = inter.reshape(3, 10, 5)
+    assert torch.equal(got[:, :6], block[:, :6])  # non-rotary rows untouched
+    assert torch.equal(got[:, 6::2], block[:, 6:8]) and torch.equal(got[:, 7::2], block[:, 8:10])
+    assert torch.equal(T.deinterleave_rope_rows(inter, block=10, rope_dim=4), w)
+    with pytest.raises(ValueError, match="rope_dim"):
+        T.interleave_rope_rows(w, block=10, rope_dim=3)

@@ -1,0 +1,168 @@
+"""MoE and MLA bridges against transformers: logits and loss within 1e-4 (fp32) under expert, tensor, expert-tensor and
+pipeline parallel layouts; bit-exact HF -> megatron -> HF round trips that transformers loads back.
+
+Starting a rank costs more than a tiny model, so one world per world size runs each of its layouts in turn over several
+tiny checkpoints (1 rank: tp1; 2 ranks: ep2, tp2etp1; 4 ranks: tp2ep2, pp2ep2):
+- tp1:     every model, plus variants: DeepSeek-V3 with YaRN rope and with multi-token-prediction tensors in the
+           checkpoint, DeepSeek-V2 with group-limited routing, Qwen3-MoE without top-k renormalisation and with
+           decoder_sparse_step=2, and a bf16 DeepSeek-V3 (transformers keeps its router in fp32: the round trip must
+           keep both dtypes; parity there is bf16's, against transformers in bf16);
+- ep2:     every model; each rank must read exactly the experts it owns; a model whose experts do not divide by
+           expert_parallel_size is refused on every rank before the process group starts;
+- tp2ep2:  Qwen3-MoE (q/k norms) and DeepSeek-V2 (MLA without q_lora_rank), sequence parallel;
+- pp2ep2:  DeepSeek-V3 (dense first layer on stage 0) and Mixtral;
+- tp2etp1: Mixtral and DeepSeek-V3 with rotary dims in halves on disk (rope_interleave=False), sequence parallel,
+           experts whole on each TP rank (expert_tensor_parallel_size=1).
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+from ._moe_parity import run_plan
+
+TOL = 1e-4
+BF16_TOL = {"logit_diff": 0.1, "loss_diff": 0.02}
+SP = {"sequence_parallel": True}
+
+CHECKPOINTS = {
+    "qwen3_moe": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", {}),
+    "deepseek_v3": ("deepseek_v3", {"mtp_layers": 1}),
+    "deepseek_v3_bf16": ("deepseek_v3", {"dtype": torch.bfloat16}),
+    "deepseek_v2": ("deepseek_v2", {}),
+    "deepseek_v3_yarn": ("deepseek_v3", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}}),
+    "deepseek_v3_halves": ("deepseek_v3", {"rope_interleave": False, "q_lora_rank": None}),
+    "deepseek_v2_grouped": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_routed_experts": 8,
+                                            "n_group": 4, "topk_group": 2}),
+    "qwen3_moe_sparse2": ("qwen3_moe", {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []}),
+    "qwen3_moe_3_experts": ("qwen3_moe", {"num_experts": 3, "tokenizer": False}),
+}
+
+MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2")
+LAYOUTS = {
+    "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16")),
+    "ep2": (2, {"expert_parallel_size": 2}, MODELS),
+    "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP}, ("qwen3_moe", "deepseek_v2")),
+    "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, ("deepseek_v3", "mixtral")),
+    "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
+                ("mixtral", "deepseek_v3_halves")),
+}
+CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
+
+
+class Worlds:
+    """Builds the tiny checkpoints once and runs each world once, on first use of one of its layouts."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.sources: dict[str, Path] = {}
+        self.results: dict[str, dict] = {}
+
+    def source(self, name: str) -> Path:
+        if name not in self.sources:
+            arch, kw = CHECKPOINTS[name]
+            self.sources[name] = make_tiny_checkpoint(self.root / "src" / name, arch, **kw)
+        return self.sources[name]
+
+    def out(self, layout: str, name: str) -> Path:
+        return self.root / "out" / layout / name
+
+    def run(self, layout: str) -> list[dict]:
+        """Per rank, {case name: result} of ``layout`` (and "bad_layout" for the 2-rank world)."""
+        nprocs = LAYOUTS[layout][0]
+        if nprocs not in self.results:
+            plan = [(name, kwargs, [(n, str(self.source(n)), str(self.out(name, n))) for n in names])
+                    for name, (size, kwargs, names) in LAYOUTS.items() if size == nprocs]
+            bad = (str(self.source("qwen3_moe_3_experts")), LAYOUTS["ep2"][1]) if nprocs == 2 else None
+            self.results[nprocs] = run_distributed(run_plan, nprocs, plan, bad_layout=bad, timeout=600)
+        return [{**per_rank[layout], "bad_layout": per_rank.get("bad_layout")} for per_rank in self.results[nprocs]]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> Worlds:
+    return Worlds(tmp_path_factory.mktemp("moe"))
+
+
+def read_all(folder: Path) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def check_round_trip(src: Path, dst: Path) -> None:
+    a, b = read_all(src), read_all(dst)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name], b[name]), f"{name} differs after HF -> megatron -> HF"
+    assert json.loads((src / "config.json").read_text()) == json.loads((dst / "config.json").read_text())
+    for side in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (src / side).read_bytes() == (dst / side).read_bytes(), side
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(a)
+
+
+def check_loads_in_transformers(src: Path, dst: Path) -> None:
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    back = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype="auto")
+    ids = torch.randint(0, 203, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, back(ids).logits)
+
+
+@pytest.mark.parametrize("layout,name", CASES, ids=[f"{layout}-{name}" for layout, name in CASES])
+def test_parity_and_round_trip(worlds, layout, name):
+    for rank, results in enumerate(worlds.run(layout)):
+        r = results[name]
+        assert r["logits_shape"] == (2, 12, 203)
+        tol = BF16_TOL if name.endswith("_bf16") else {"logit_diff": TOL, "loss_diff": TOL}
+        assert r["dtype"] == ("torch.bfloat16" if name.endswith("_bf16") else "torch.float32")
+        assert r["logit_diff"] < tol["logit_diff"], (rank, r)
+        assert r["loss_diff"] < tol["loss_diff"], (rank, r)
+        if r["grads_ok"] is not None:
+            assert r["grads_ok"], (rank, r)
+    src, out = worlds.source(name), worlds.out(layout, name)
+    check_round_trip(src, out)
+    check_loads_in_transformers(src, out)
+
+
+def test_expert_parallel_ranks_read_only_their_experts(worlds):
+    """EP rank e of 2 holds and reads experts [e * N / 2, (e + 1) * N / 2) of every MoE layer, nothing else."""
+    for layout in ("ep2", "tp2ep2"):
+        for rank, results in enumerate(worlds.run(layout)):
+            for name in LAYOUTS[layout][2]:
+                r = results[name]
+                n = r["num_experts"]
+                ep = r["ep_rank"]
+                owned = list(range(ep * n // 2, (ep + 1) * n // 2))
+                assert r["experts_read"] == owned, (layout, rank, name, r["experts_read"])
+                assert r["local_experts"] == n // 2, (layout, rank, name)
+
+
+def test_mtp_layers_skipped_with_warning_and_written_back(worlds):
+    warned = worlds.run("tp1")[0]["deepseek_v3"]["warnings"]
+    assert any("model.layers.4" in w and "multi-token prediction" in w for w in warned), warned
+    out = read_all(worlds.out("tp1", "deepseek_v3"))
+    mtp = sorted(n for n in out if re.match(r"model\.layers\.4\.", n))
+    assert "model.layers.4.eh_proj.weight" in mtp and len(mtp) == 9
+
+
+def test_experts_not_divisible_by_expert_parallel_size(worlds):
+    outcomes = [results["bad_layout"] for results in worlds.run("ep2")]
+    for o in outcomes:
+        assert o["type"] == "ParallelLayoutError", o
+        assert "num_experts=3 is not divisible by expert_parallel_size=2" in o["message"], o
+        assert not o["collective_started"], o
+    assert outcomes[0]["message"] == outcomes[1]["message"]

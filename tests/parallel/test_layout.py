@@ -1,0 +1,74 @@
+"""ParallelConfig validation, launcher environments, and parallel='auto'."""
+
+import pytest
+import torch
+
+from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError, accelerate_megatron_layout, read_launch_env
+from loongforge_hf.parallel.auto import ModelSize, choose_layout
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+GiB = 2**30
+
+
+def test_sizes_must_be_positive_and_consistent():
+    with pytest.raises(ParallelLayoutError, match="tensor_parallel_size must be a positive integer"):
+        ParallelConfig(tensor_parallel_size=0)
+    with pytest.raises(ParallelLayoutError, match="needs pipeline_parallel_size > 1"):
+        ParallelConfig(virtual_pipeline_parallel_size=2)
+    with pytest.raises(ParallelLayoutError, match="sequence_parallel=True needs tensor_parallel_size > 1"):
+        ParallelConfig(sequence_parallel=True)
+
+
+def test_world_and_model_checks_name_the_sizes():
+    layout = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ParallelLayoutError, match="World size 6 is not divisible .* = 4"):
+        layout.check_world_size(6)
+    assert layout.data_parallel_size(8) == 2
+    with pytest.raises(ParallelLayoutError, match="num_key_value_heads=3 is not divisible by tensor_parallel_size=2"):
+        layout.check_model(num_layers=4, num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ParallelLayoutError, match="num_experts=6 is not divisible by expert_parallel_size=4"):
+        ParallelConfig(expert_parallel_size=4).check_model(num_layers=2, num_attention_heads=4,
+                                                          num_key_value_heads=4, num_experts=6)
+
+
+def test_launch_environments():
+    env = read_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (3, 8, 1, "torchrun")
+    assert read_launch_env({}).world_size == 1 and read_launch_env({}).launcher == "none"
+    acc = {"ACCELERATE_USE_MEGATRON_LM": "true", "MEGATRON_LM_TP_DEGREE": "2", "MEGATRON_LM_PP_DEGREE": "4",
+           "MEGATRON_LM_SEQUENCE_PARALLELISM": "True"}
+    assert accelerate_megatron_layout(acc) == {"tensor_parallel_size": 2, "pipeline_parallel_size": 4,
+                                               "sequence_parallel": True}
+    assert accelerate_megatron_layout({"MEGATRON_LM_TP_DEGREE": "2"}) == {}
+
+
+def test_auto_prefers_data_parallel_when_it_fits():
+    small = ModelSize(num_params=int(0.6e9), num_layers=28, num_attention_heads=16, num_key_value_heads=8)
+    layout, reason = choose_layout(small, world_size=8, local_world_size=8, device_memory=80 * GiB)
+    assert (layout.tensor_parallel_size, layout.pipeline_parallel_size) == (1, 1)
+    assert "TP=1 x PP=1 x DP=8" in reason
+
+
+def test_auto_adds_tensor_then_pipeline_parallelism():
+    big = ModelSize(num_params=int(13e9), num_layers=40, num_attention_heads=40, num_key_value_heads=8)
+    layout, _ = choose_layout(big, world_size=8, local_world_size=8, device_memory=80 * GiB)
+    assert layout.tensor_parallel_size > 1 and layout.sequence_parallel
+    huge = ModelSize(num_params=int(200e9), num_layers=64, num_attention_heads=64, num_key_value_heads=8)
+    layout, _ = choose_layout(huge, world_size=64, local_world_size=8, device_memory=80 * GiB)
+    assert layout.tensor_parallel_size == 8 and layout.pipeline_parallel_size > 1
+    with pytest.raises(ParallelLayoutError, match="does not fit 8 devices"):
+        choose_layout(huge, world_size=8, local_world_size=8, device_memory=80 * GiB)
+
+
+def _auto_load(folder):
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, parallel="auto", dtype=torch.float32)
+    return (model.parallel.tensor_parallel_size, model.parallel.pipeline_parallel_size)
+
+
+def test_from_pretrained_auto(tmp_path):
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen3")
+    assert run_distributed(_auto_load, 2, str(src), timeout=240) == [(1, 1), (1, 1)]
