@@ -59,6 +59,9 @@ class LoongTrainer(Trainer):
         from functools import partial
 
         collator = self.data_collator
+        if is_training and isinstance(dataset, datasets.Dataset) and "input_ids" not in dataset.column_names:
+            raise DataError(f"train_dataset has no 'input_ids' column (columns: {dataset.column_names}). "
+                            "Tokenize it first, e.g. dataset.map(lambda b: tokenizer(b['text']), batched=True).")
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
@@ -148,8 +151,7 @@ class LoongTrainer(Trainer):
                     break
             if not micro:
                 break
-            for b in micro:
-                check_batch(b, max_positions=max_pos)
+            self._check_batches_everywhere(micro, max_pos)
             ran = True
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             t0 = time.perf_counter()
@@ -175,6 +177,22 @@ class LoongTrainer(Trainer):
         self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         self._maybe_log_save_evaluate(self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
                                       start_time, learning_rate=learning_rate)
+
+    def _check_batches_everywhere(self, micro: list[dict], max_positions: int) -> None:
+        """Validate this rank's batches, then agree across ranks so a bad batch on one rank stops all of them."""
+        from loongforge_hf.bridges.distribution import agree_on_error
+
+        error = None
+        try:
+            for b in micro:
+                check_batch(b, max_positions=max_positions)
+        except DataError as e:
+            error = str(e)
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.model.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag)
+        if int(flag.item()):
+            raise DataError(agree_on_error(error))
 
     def _speed_metrics(self, micro: list[dict], elapsed: float) -> dict:
         from loongforge_hf.trainer.flops import model_flops_per_token
