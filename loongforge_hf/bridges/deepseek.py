@@ -31,6 +31,7 @@ class DeepseekBridge(MoEBridge):
     shared_experts = "shared_experts"
     router_fp32 = True
     interleaved_rope_on_disk = True
+    has_passthrough = True
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:

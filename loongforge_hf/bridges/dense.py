@@ -19,6 +19,7 @@ class DenseBridge:
     qk_norm: bool = False
     qkv_bias: bool = False
     supports_sliding_window: bool = False
+    has_passthrough: bool = False  # keeps checkpoint tensors megatron does not build (see passthrough_names)
 
     def __init__(self, hf_config) -> None:
         self.hf_config = hf_config

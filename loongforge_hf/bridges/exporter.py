@@ -78,8 +78,11 @@ def _expert_senders(*, pp_rank: int, ep_rank: int, etp_rank: int, edp_rank: int)
 
 
 def _passthrough(bridge, source: Path | None) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every source tensor the bridge keeps without a megatron home, read now, in source order."""
-    if source is None:
+    """(name, tensor) of every source tensor the bridge keeps without a megatron home, read now, in source order.
+
+    Only a bridge that keeps such tensors opens the source (safetensors only: a pickle source of such a model fails
+    here, naming the file)."""
+    if source is None or not getattr(bridge, "has_passthrough", False):
         return []
     from loongforge_hf.bridges.checkpoint_io import CheckpointReader
 
