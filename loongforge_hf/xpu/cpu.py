@@ -150,6 +150,7 @@ def apply_megatron_patches() -> None:
     _patch_tied_embedding_sync()
     _patch_cuda_spelling()
     _patch_tp_attributes_without_init()
+    _patch_rope_cp_slice()
     apply_without_te_fixes()
     _PATCHED = True
 
@@ -290,6 +291,28 @@ def _patch_tp_attributes_without_init() -> None:
         functools.update_wrapper(init, original)
         init._loongforge_cpu = True
         cls.__init__ = init
+
+
+def _patch_rope_cp_slice() -> None:
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    if getattr(rope_utils.get_pos_emb_on_this_cp_rank, "_loongforge_cpu", False):
+        return
+
+    # Stands in for models/common/embeddings/rope_utils.py:62-64, which builds the chunk index in pinned memory and
+    # moves it with `.cuda()`; the CP load-balanced chunk selection (chunks r and 2*cp-1-r) is unchanged.
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    get_pos_emb_on_this_cp_rank._loongforge_cpu = True
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
 class _TorchWithCpuDefault:

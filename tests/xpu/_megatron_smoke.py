@@ -4,7 +4,10 @@ import torch
 import torch.nn.functional as F
 
 
-def build_and_step(layout: dict, *, moe: bool = False, num_layers: int = 4, seq: int = 16, micro_batches: int = 2):
+def build_and_step(layout: dict, *, moe: bool = False, num_layers: int = 4, seq: int = 16, micro_batches: int = 2,
+                   spec: str = "megatron-local"):
+    """``spec``: "megatron-local" (megatron's own local modules) or "kernels" (our norms and attention; needed for
+    sequence and context parallelism, which megatron's local torch norm and attention refuse)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -29,11 +32,17 @@ def build_and_step(layout: dict, *, moe: bool = False, num_layers: int = 4, seq:
         moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=32 if moe else None,
         moe_aux_loss_coeff=0.0,
     )
-    spec = get_gpt_layer_local_spec(num_experts=4 if moe else None, moe_grouped_gemm=False)
     vpp = parallel.virtual_pipeline_parallel_size or 1
     chunks = []
     for i in range(vpp):
-        chunks.append(GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=seq,
+        if spec == "kernels":
+            from loongforge_hf.kernels.specs import get_block_spec, get_layer_spec
+
+            layer_spec = get_block_spec(cfg, get_layer_spec(qk_norm=True, num_experts=4 if moe else None),
+                                        vp_stage=i if vpp > 1 else None)
+        else:
+            layer_spec = get_gpt_layer_local_spec(num_experts=4 if moe else None, moe_grouped_gemm=False)
+        chunks.append(GPTModel(config=cfg, transformer_layer_spec=layer_spec, vocab_size=64, max_sequence_length=seq,
                                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
                                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
                                position_embedding_type="rope", vp_stage=i))
@@ -43,9 +52,11 @@ def build_and_step(layout: dict, *, moe: bool = False, num_layers: int = 4, seq:
     batches = [torch.randint(0, 64, (2, seq), generator=g) for _ in range(micro_batches)]
 
     def forward_step(data_iter, model):
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
         ids = next(data_iter)
-        pos = torch.arange(seq).expand_as(ids)
-        out = model(ids, pos, None, labels=ids)
+        batch = get_batch_on_this_cp_rank({"tokens": ids, "position_ids": torch.arange(seq).expand_as(ids)})
+        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["tokens"])
 
         def loss_fn(output):
             loss = output.float().mean()

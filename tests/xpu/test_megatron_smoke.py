@@ -10,6 +10,8 @@ from ._megatron_smoke import build_and_step
 
 LAYOUTS = {
     "tp2": (2, dict(tensor_parallel_size=2), False),
+    "tp2_sp_kernels": (2, dict(tensor_parallel_size=2, sequence_parallel=True), False),
+    "cp2_kernels": (2, dict(context_parallel_size=2), False),
     "pp2_1f1b": (2, dict(pipeline_parallel_size=2), False),
     "pp2_interleaved": (2, dict(pipeline_parallel_size=2, virtual_pipeline_parallel_size=2), False),
     "ep2_alltoall": (2, dict(expert_parallel_size=2), True),
@@ -20,7 +22,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_forward_backward(name):
     nprocs, layout, moe = LAYOUTS[name]
-    results = run_distributed(build_and_step, nprocs, layout, moe=moe, timeout=240)
+    spec = "kernels" if name.endswith("_kernels") else "megatron-local"
+    results = run_distributed(build_and_step, nprocs, layout, moe=moe, spec=spec, timeout=240)
     last = [r for r in results if r["last_stage"]]
     assert last, "no rank reported the last pipeline stage"
     for r in last:
