@@ -91,6 +91,10 @@ class ParallelConfig:
         if num_experts is not None and num_experts % self.expert_parallel_size:
             raise ParallelLayoutError(f"num_experts={num_experts} is not divisible by "
                                       f"expert_parallel_size={self.expert_parallel_size}.")
+        if num_experts is not None and tp > 1 and not self.sequence_parallel:
+            # NOTE: megatron-core's MoE layer raises on the first training forward otherwise (moe_layer.py:379).
+            raise ParallelLayoutError(f"tensor_parallel_size={tp} with a mixture-of-experts model needs "
+                                      "sequence_parallel=True.")
         if num_experts is None and self.expert_parallel_size > 1:
             raise ParallelLayoutError(f"expert_parallel_size={self.expert_parallel_size} was given for a model "
                                       "without experts.")

@@ -66,6 +66,17 @@ def test_aux_loss_coefficient():
     assert on["moe_aux_loss_coeff"] == 0.02 and on["moe_router_load_balancing_type"] == "aux_loss"
 
 
+def test_moe_with_tensor_parallel_needs_sequence_parallel():
+    from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
+
+    sizes = dict(num_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts=4)
+    with pytest.raises(ParallelLayoutError, match="tensor_parallel_size=2 with a mixture-of-experts model needs "
+                                                  "sequence_parallel=True"):
+        ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2).check_model(**sizes)
+    ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True).check_model(**sizes)
+    ParallelConfig(tensor_parallel_size=2).check_model(**{**sizes, "num_experts": None})
+
+
 def test_expected_shapes_follow_the_hub_layout():
     shapes = bridge("deepseek_v3").expected_hf_shapes()
     assert shapes["model.layers.0.mlp.gate_proj.weight"] == (96, 64)  # dense first layer
