@@ -1,9 +1,11 @@
 """loongforge-hf: Hugging Face checkpoints in, Hugging Face checkpoints out, megatron-core in between."""
 
 from loongforge_hf.modeling import AutoModelForCausalLM, LoongModelForCausalLM
+from loongforge_hf.multimodal.modeling import AutoModelForImageTextToText, LoongModelForImageTextToText
 from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
 from loongforge_hf.trainer import LoongTrainer
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoModelForCausalLM", "LoongModelForCausalLM", "LoongTrainer", "ParallelConfig", "ParallelLayoutError", "__version__"]
+__all__ = ["AutoModelForCausalLM", "AutoModelForImageTextToText", "LoongModelForCausalLM",
+           "LoongModelForImageTextToText", "LoongTrainer", "ParallelConfig", "ParallelLayoutError", "__version__"]

@@ -102,7 +102,8 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
             max_sequence_length=hf.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=bridge.tied, position_embedding_type="rope",
+            share_embeddings_and_output_weights=bridge.tied,
+            position_embedding_type=getattr(bridge, "position_embedding_type", "rope"),
             rotary_base=rope["rope_theta"], parallel_output=True, vp_stage=stage,
         )
         if hasattr(model, "rotary_pos_emb") and rope["rope_type"] == "llama3":

@@ -12,6 +12,9 @@ Choices:
 - Checkpoint tensors the model does not hold but the bridge keeps (``passthrough_names``: DeepSeek's
   multi-token-prediction layers) are copied by rank 0 from the source folder, bit for bit.
 - A mapping's ``hf_dtype`` wins over the model dtype and ``dtype=`` (what transformers keeps in fp32 stays fp32).
+- Tensors that live outside megatron (a vision tower) come from ``extra_tensors``: every rank runs it after the
+  megatron tensors (it may gather collectively); rank 0 receives ``(name, tensor)`` and writes them, others
+  ``(name, None)`` or nothing.
 - config.json, generation_config.json and tokenizer/processor files are copied from the source folder unchanged;
   ``dtype=`` rewrites only the dtype field of config.json.
 """
@@ -104,7 +107,7 @@ def _config_text(source: Path | None, hf_config, dtype: torch.dtype | None) -> s
 
 
 def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shard_size="5GB",
-              dtype: torch.dtype | None = None) -> None:
+              dtype: torch.dtype | None = None, extra_tensors=None) -> None:
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.bridges.writer import CheckpointWriter
@@ -183,6 +186,12 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
                     send_tensor(hf_tensors[n].to(out_dtype), dst=0)
             # NOTE: drop this tensor's buffers before the next is gathered, or the peak holds two of them.
             shards = hf_tensors = tensors = None
+        for n, t in (extra_tensors() if extra_tensors is not None else ()):
+            if writer is not None and error is None and t is not None:
+                try:
+                    writer.add(n, t.to(writer_dtype).cpu())
+                except Exception as e:  # noqa: BLE001 - shared with every rank below
+                    error = f"{type(e).__name__}: {e}"
         if writer is not None and error is None:
             try:
                 for n, t in _passthrough(bridge, source):

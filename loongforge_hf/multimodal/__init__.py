@@ -1,0 +1,1 @@
+"""Vision-language models: a vision tower beside a megatron-core language model, each with its own parallel layout."""

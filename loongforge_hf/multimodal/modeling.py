@@ -1,0 +1,274 @@
+"""The HF face of a vision-language model: ``AutoModelForImageTextToText.from_pretrained`` ->
+``LoongModelForImageTextToText``.
+
+Choices:
+- The language model is megatron-core (tensor / pipeline / virtual pipeline parallel, sequence parallel), built and
+  loaded by the same bridge machinery as a causal LM; the vision tower lives on the first pipeline stage in one of three
+  layouts: replicated (``vision_tensor_parallel_size=1``), split over the LLM's TP group
+  (``vision_tensor_parallel_size=tensor_parallel_size``), or encoder data parallel (``vision_data_parallel=True``).
+- ``forward`` takes what the processor returns (``input_ids``, ``attention_mask``, ``pixel_values``,
+  ``image_grid_thw``, ``mm_token_type_ids``) and returns a transformers ``CausalLMOutputWithPast`` on every rank: loss
+  with transformers' semantics and full-vocabulary logits. 3-D rope positions are computed from the inputs as
+  transformers does unless ``position_ids`` [3, b, s] are given. Gradients flow when pipeline_parallel_size == 1.
+- Freezing a component sets ``requires_grad=False`` on its parameters, so megatron's DDP and optimizer (and any torch
+  optimizer over trainable parameters) never see them: vision = patch embedding and ViT blocks, projector = the
+  patch merger, language = the megatron model.
+- ``save_pretrained`` writes the whole HF folder through the causal-LM exporter, the tower's tensors streamed after the
+  language model's.
+- Context parallelism is not supported yet: images would have to be split with the sequence, and 3-D positions with
+  them; it raises before any process group starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from loongforge_hf.modeling import LoongModelForCausalLM, _resolve_dtype, resolve_parallel
+from loongforge_hf.parallel import ParallelLayoutError, read_launch_env
+from loongforge_hf.parallel.config import PARALLEL_KWARGS
+
+
+class _WithInputs(nn.Module):
+    """A chunk called as ``chunk(input_ids, position_ids, mask)`` by a schedule, with the image inputs bound."""
+
+    def __init__(self, chunk: nn.Module, inputs: dict) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.inputs = inputs
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["chunk"], name)
+
+    def forward(self, input_ids, position_ids, attention_mask):
+        return self.chunk(input_ids, position_ids, attention_mask, **self.inputs)
+
+
+class LoongModelForImageTextToText(LoongModelForCausalLM):
+    """A vision-language model: megatron-core language model, vision tower beside it."""
+
+    def __init__(self, *, hf_config, bridge, language_model, chunks, parallel, source: Path | None,
+                 vision_layout: str) -> None:
+        super().__init__(hf_config=hf_config, bridge=bridge, megatron_model=replace(language_model, chunks=chunks),
+                         parallel=parallel, source=source)
+        self.language_model = language_model
+        self.vision_layout = vision_layout
+
+    @property
+    def vision_tower(self):
+        return self.chunks[0].vision
+
+    # ---- inputs --------------------------------------------------------------------------------------------------
+    def rope_position_ids(self, input_ids: torch.Tensor, *, image_grid_thw=None, attention_mask=None,
+                          mm_token_type_ids=None) -> torch.Tensor:
+        from loongforge_hf.multimodal.positions import mrope_position_ids
+
+        return mrope_position_ids(input_ids, image_grid_thw=image_grid_thw, attention_mask=attention_mask,
+                                  mm_token_type_ids=mm_token_type_ids, image_token_id=self.bridge.image_token_id,
+                                  spatial_merge_size=self.bridge.vision_config.spatial_merge_size)
+
+    def megatron_forward_inputs(self, batch: dict) -> tuple[tuple, dict]:
+        """(args, kwargs) for one model chunk from a collated batch: what a training step passes to each chunk."""
+        from loongforge_hf.bridges.runtime import megatron_attention_mask
+
+        device = self.device
+        input_ids = batch["input_ids"].to(device)
+        attention_mask = batch.get("attention_mask")
+        attention_mask = attention_mask.to(device) if attention_mask is not None else None
+        grid = batch.get("image_grid_thw")
+        position_ids = batch.get("position_ids")
+        if position_ids is None or position_ids.dim() != 3:
+            position_ids = self.rope_position_ids(input_ids, image_grid_thw=grid, attention_mask=attention_mask,
+                                                  mm_token_type_ids=batch.get("mm_token_type_ids"))
+        mask = megatron_attention_mask(attention_mask, input_ids.shape[1])
+        pixels = batch.get("pixel_values")
+        kwargs = {"pixel_values": pixels.to(device) if pixels is not None else None,
+                  "image_grid_thw": grid.to(device) if grid is not None else None}
+        return (input_ids, position_ids.to(device), mask), kwargs
+
+    # ---- forward -------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                mm_token_type_ids: torch.Tensor | None = None, *, return_logits: bool = True, **unused: Any):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        from loongforge_hf.bridges.runtime import IGNORE_INDEX, full_logits, shift_labels, token_losses
+
+        if unused.get("pixel_values_videos") is not None or unused.get("video_grid_thw") is not None:
+            raise NotImplementedError("Videos are not supported by loongforge-hf's Qwen2.5-VL model yet.")
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values,
+                 "image_grid_thw": image_grid_thw, "position_ids": position_ids,
+                 "mm_token_type_ids": mm_token_type_ids}
+        args, inputs = self.megatron_forward_inputs(batch)
+        input_ids, position_ids, mask = args
+        vocab = self.config.text_config.vocab_size
+        shifted = shift_labels(labels.to(self.device)) if labels is not None else None
+
+        def finish(local_logits):
+            loss = None
+            if shifted is not None:
+                per_token = token_losses(local_logits, shifted, vocab_size=vocab)
+                loss = per_token.sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
+            return loss, (full_logits(local_logits, vocab_size=vocab) if return_logits else None)
+
+        if self.parallel.pipeline_parallel_size == 1:
+            loss, logits = finish(self.chunks[0](*args, **inputs))
+        else:
+            from loongforge_hf.bridges.runtime import _forward_pipelined
+
+            bound = SimpleNamespace(chunks=[_WithInputs(c, inputs) for c in self.chunks], device=self.device,
+                                    dtype=self.dtype, config=self.config.text_config, megatron=self.megatron,
+                                    parallel=self.parallel)
+            loss, logits = _forward_pipelined(bound, input_ids, position_ids, mask, finish, return_logits,
+                                              labels is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    # ---- export --------------------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+                        dtype: torch.dtype | None = None, **unused: Any) -> None:
+        """Write a plain HF checkpoint, vision tower included (collective: every rank calls it; rank 0 writes)."""
+        from megatron.core import parallel_state as ps
+
+        from loongforge_hf.bridges.exporter import export_hf
+        from loongforge_hf.multimodal.vision_weights import vision_export_tensors
+
+        holds = ps.get_pipeline_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) \
+            == 0
+        group = ps.get_tensor_model_parallel_group() if self.vision_layout == "tensor_parallel" else None
+
+        def extra():
+            return vision_export_tensors(self.vision_tower, self.bridge, tp_group=group, holds=holds)
+
+        export_hf(self.language_model, self.bridge.text, self.parallel, Path(save_directory), source=self.source,
+                  max_shard_size=max_shard_size, dtype=dtype, extra_tensors=extra)
+
+
+def _vision_layout(*, vision_tensor_parallel_size: int, vision_data_parallel: bool, tensor_parallel_size: int,
+                   vision_config) -> str:
+    """'replicated' | 'tensor_parallel' | 'data_parallel', or ``ParallelLayoutError``."""
+    vtp = vision_tensor_parallel_size
+    if vtp not in (1, tensor_parallel_size):
+        raise ParallelLayoutError(f"vision_tensor_parallel_size={vtp} must be 1 or tensor_parallel_size "
+                                  f"({tensor_parallel_size}).")
+    if vtp > 1 and vision_data_parallel:
+        raise ParallelLayoutError("vision_data_parallel=True shares the images out over the tensor-parallel group; "
+                                  "it needs vision_tensor_parallel_size=1.")
+    if vtp > 1:
+        for field, value in (("num_heads", vision_config.num_heads),
+                             ("intermediate_size", vision_config.intermediate_size)):
+            if value % vtp:
+                raise ParallelLayoutError(f"vision_config.{field}={value} is not divisible by "
+                                          f"vision_tensor_parallel_size={vtp}.")
+        return "tensor_parallel"
+    return "data_parallel" if vision_data_parallel and tensor_parallel_size > 1 else "replicated"
+
+
+class AutoModelForImageTextToText:
+    """``from_pretrained`` like transformers', onto a megatron-core language model and a vision tower."""
+
+    def __init__(self) -> None:
+        raise EnvironmentError("Use AutoModelForImageTextToText.from_pretrained(...).")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *,
+                        tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
+                        virtual_pipeline_parallel_size: int | None = None, context_parallel_size: int | None = None,
+                        sequence_parallel: bool | None = None, parallel=None, vision_tensor_parallel_size: int = 1,
+                        vision_data_parallel: bool = False, vision_recompute: bool = False,
+                        freeze_vision: bool = False, freeze_projector: bool = False, freeze_language: bool = False,
+                        dtype: Any = None, torch_dtype: Any = None, revision: str | None = None,
+                        cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
+                        token: str | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
+                        seed: int = 1234, **unused: Any) -> LoongModelForImageTextToText:
+        from transformers import AutoConfig
+
+        from loongforge_hf.bridges.builder import build_megatron_model
+        from loongforge_hf.bridges.checkpoint_io import CheckpointReader
+        from loongforge_hf.bridges.hub import resolve_checkpoint
+        from loongforge_hf.bridges.loader import load_into
+        from loongforge_hf.bridges.qwen2_5_vl import get_vl_bridge
+        from loongforge_hf.multimodal.chunk import VisionLanguageChunk
+        from loongforge_hf.multimodal.vision import VisionTower
+        from loongforge_hf.multimodal.vision_weights import load_vision
+        from loongforge_hf.parallel import initialize_parallel
+        from loongforge_hf.xpu import get_backend
+
+        if unused:
+            raise TypeError(f"from_pretrained got unexpected keyword arguments: {sorted(unused)}.")
+        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them.")
+        sizes = dict(zip(PARALLEL_KWARGS, (tensor_parallel_size, pipeline_parallel_size,
+                                           virtual_pipeline_parallel_size, context_parallel_size, None, None,
+                                           sequence_parallel)))
+        layout = resolve_parallel(parallel, sizes)
+
+        # --- local checks: same verdict on every rank, before any collective -------------------------------
+        if layout.context_parallel_size > 1:
+            raise ParallelLayoutError("context_parallel_size > 1 is not supported for vision-language models yet.")
+        folder = resolve_checkpoint(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir,
+                                    local_files_only=local_files_only, token=token, allow_pickle=allow_pickle)
+        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        reader = CheckpointReader(folder, allow_pickle=allow_pickle)
+        try:
+            bridge = get_vl_bridge(hf_config, reader.keys())
+            text = hf_config.text_config
+            layout.check_world_size(read_launch_env().world_size)
+            layout.check_model(num_layers=text.num_hidden_layers, num_attention_heads=text.num_attention_heads,
+                               num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
+                               vocab_size=text.vocab_size, num_experts=None)
+            vision_layout = _vision_layout(vision_tensor_parallel_size=vision_tensor_parallel_size,
+                                           vision_data_parallel=vision_data_parallel,
+                                           tensor_parallel_size=layout.tensor_parallel_size,
+                                           vision_config=bridge.vision_config)
+            param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config)
+            reader.validate_shapes(bridge.expected_hf_shapes())
+            # --- collective part ----------------------------------------------------------------------------
+            initialize_parallel(layout, seed=seed)
+            from megatron.core import parallel_state as ps
+
+            language = build_megatron_model(bridge.text, layout, dtype=param_dtype)
+            load_into(language, bridge.text, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
+                      tp_size=ps.get_tensor_model_parallel_world_size())
+            tp_group = ps.get_tensor_model_parallel_group() if layout.tensor_parallel_size > 1 else None
+            chunks = []
+            for chunk in language.chunks:
+                tower = None
+                if chunk.pre_process:
+                    tower = VisionTower(bridge.vision_config, recompute=vision_recompute,
+                                        tp_group=tp_group if vision_layout == "tensor_parallel" else None)
+                    tower.to(device=get_backend().device(), dtype=param_dtype)
+                    load_vision(tower, bridge, reader,
+                                tp_group=tp_group if vision_layout == "tensor_parallel" else None)
+                chunks.append(VisionLanguageChunk(chunk, vision=tower, image_token_id=bridge.image_token_id,
+                                                  encoder_group=tp_group if vision_layout == "data_parallel" else None))
+        finally:
+            reader.close()
+        _freeze(chunks, bridge, vision=freeze_vision, projector=freeze_projector, language=freeze_language)
+        hf_config.dtype = param_dtype
+        # NOTE: LoongTrainer reads these from model.config; Qwen2.5-VL keeps them in text_config only.
+        hf_config.vocab_size = text.vocab_size
+        hf_config.max_position_embeddings = text.max_position_embeddings
+        return LoongModelForImageTextToText(hf_config=hf_config, bridge=bridge, language_model=language,
+                                            chunks=chunks, parallel=layout, source=folder,
+                                            vision_layout=vision_layout)
+
+
+def _freeze(chunks, bridge, *, vision: bool, projector: bool, language: bool) -> None:
+    for chunk in chunks:
+        if language:
+            chunk.language.requires_grad_(False)
+        if chunk.vision is None:
+            continue
+        for name, param in chunk.vision.named_parameters():
+            if (projector if bridge.is_projector(name) else vision):
+                param.requires_grad_(False)

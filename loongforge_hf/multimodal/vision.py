@@ -1,0 +1,247 @@
+"""The Qwen2.5-VL vision tower (ViT with windowed attention, then the patch merger), optionally split over TP.
+
+Choices:
+- Parameter names and shapes are transformers' (``patch_embed.proj.weight``, ``blocks.{i}.attn.qkv.weight``,
+  ``merger.mlp.0.weight`` ...), so the bridge's table maps them one to one; the arithmetic is transformers' too (RMSNorm
+  in fp32, axial rope over (h, w) applied in fp32, exact GELU in the merger).
+- The patch embedding is a ``Conv3d`` whose kernel equals its stride; it runs as one matmul over flattened patches.
+- Windowed attention: tokens are reordered so that every window is contiguous (transformers' ``window_index``), each
+  block attends within windows or, for ``fullatt_block_indexes``, within frames, through ``kernels.attention``'s packed
+  attention (varlen flash attention on GPU, one SDPA per window on CPU); the merger's output is put back in order.
+- Tensor parallelism (``tp_group`` of size > 1): heads of attention and rows of the MLP are split; the input of each
+  split sub-layer goes through megatron's copy-to-TP-region (identity, grads all-reduced) and the output of the
+  row-split projection through reduce-from-TP-region; its bias is added after the reduction. Everything else is
+  replicated.
+- ``recompute=True`` checkpoints each block in training (non-reentrant ``torch.utils.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from loongforge_hf.kernels.rmsnorm import rms_norm
+from loongforge_hf.kernels.rope import rotate_half
+
+VISION_NORM_EPS = 1e-6
+
+
+# ---- geometry: which patch sits where ----------------------------------------------------------------------------
+
+@dataclass
+class VisionLayout:
+    patch_order: torch.Tensor    # [N] patch rows in window order
+    restore: torch.Tensor        # [N / m^2] merged rows back to input order
+    positions: torch.Tensor      # [N, 2] (h, w) of each patch, input order
+    cu_windows: torch.Tensor     # int32 window boundaries (window order)
+    cu_frames: torch.Tensor      # int32 frame boundaries
+
+
+def vision_layout(grid_thw: torch.Tensor, *, merge: int, window: int) -> VisionLayout:
+    """Patch positions and window order for images of ``grid_thw`` (patches) with ``merge`` x ``merge`` merging and
+    windows of ``window`` x ``window`` merged tokens.
+
+    Patches arrive block-major (the processor's order): per frame, each ``merge x merge`` block's patches together,
+    blocks row-major. Windows tile each frame's merged grid row-major (the last row/column of windows may be
+    narrower); inside a window, merged tokens stay row-major.
+    """
+    unit = merge * merge
+    positions, order, window_sizes, frame_sizes = [], [], [], []
+    offset = 0
+    for t, h, w in grid_thw.tolist():
+        if h % merge or w % merge:
+            raise ValueError(f"image_grid_thw row {(t, h, w)}: height and width must be multiples of "
+                             f"spatial_merge_size={merge}.")
+        bh, bw = h // merge, w // merge
+        rows = torch.arange(h).view(bh, merge, 1, 1).expand(bh, merge, bw, merge).permute(0, 2, 1, 3).reshape(-1)
+        cols = torch.arange(w).view(1, 1, bw, merge).expand(bh, merge, bw, merge).permute(0, 2, 1, 3).reshape(-1)
+        positions.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+        r = torch.arange(bh).view(bh, 1).expand(bh, bw)
+        c = torch.arange(bw).view(1, bw).expand(bh, bw)
+        window_id = ((r // window) * math.ceil(bw / window) + c // window).reshape(-1)
+        in_frame = torch.argsort(window_id, stable=True)
+        sizes = torch.bincount(window_id) * unit
+        for f in range(t):
+            order.append(in_frame + offset + f * bh * bw)
+            window_sizes.append(sizes)
+            frame_sizes.append(h * w)
+        offset += t * bh * bw
+    merged_order = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
+    patch_order = (merged_order[:, None] * unit + torch.arange(unit)).reshape(-1)
+
+    def cu(sizes):
+        return F.pad(torch.cumsum(torch.as_tensor(sizes, dtype=torch.int64), 0), (1, 0)).to(torch.int32)
+
+    return VisionLayout(patch_order=patch_order, restore=torch.argsort(merged_order),
+                        positions=torch.cat(positions) if positions else torch.zeros(0, 2, dtype=torch.long),
+                        cu_windows=cu(torch.cat(window_sizes) if window_sizes else []), cu_frames=cu(frame_sizes))
+
+
+# ---- modules -----------------------------------------------------------------------------------------------------
+
+def _tp_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _into_split(x: torch.Tensor, group) -> torch.Tensor:
+    if _tp_size(group) == 1:
+        return x
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    return copy_to_tensor_model_parallel_region(x, group=group)
+
+
+def _out_of_split(x: torch.Tensor, bias: torch.Tensor, group) -> torch.Tensor:
+    if _tp_size(group) == 1:
+        return x + bias
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(x, group=group) + bias
+
+
+class VisionRMSNorm(nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, VISION_NORM_EPS)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, *, tp_group=None) -> None:
+        super().__init__()
+        tp = _tp_size(tp_group)
+        if num_heads % tp:
+            raise ValueError(f"vision num_heads={num_heads} is not divisible by vision_tensor_parallel_size={tp}.")
+        self.tp_group = tp_group
+        self.head_dim = dim // num_heads
+        self.local_heads = num_heads // tp
+        self.qkv = nn.Linear(dim, 3 * self.local_heads * self.head_dim, bias=True)
+        self.proj = nn.Linear(self.local_heads * self.head_dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        from loongforge_hf.kernels.attention import packed_attention
+
+        n = x.shape[0]
+        q, k, v = self.qkv(_into_split(x, self.tp_group)).view(n, 3, self.local_heads, self.head_dim).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if n == 0:
+            # NOTE: a rank without images (encoder data parallel) still runs the tower, so every parameter is in
+            # its graph; there is nothing to attend.
+            out = v
+        else:
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
+            out = packed_attention(q, k, v, params, causal=False, scale=self.head_dim ** -0.5)
+        return _out_of_split(F.linear(out.reshape(n, -1), self.proj.weight), self.proj.bias, self.tp_group)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' vision rope: in fp32, ``cos``/``sin`` [n, head_dim] broadcast over heads."""
+    xf, cos, sin = x.float(), cos[:, None, :].float(), sin[:, None, :].float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str, *, tp_group=None) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        tp = _tp_size(tp_group)
+        if hidden % tp:
+            raise ValueError(f"vision intermediate_size={hidden} is not divisible by vision_tensor_parallel_size={tp}.")
+        self.tp_group = tp_group
+        self.gate_proj = nn.Linear(dim, hidden // tp, bias=True)
+        self.up_proj = nn.Linear(dim, hidden // tp, bias=True)
+        self.down_proj = nn.Linear(hidden // tp, dim, bias=True)
+        self.act = ACT2FN[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _into_split(x, self.tp_group)
+        h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        return _out_of_split(F.linear(h, self.down_proj.weight), self.down_proj.bias, self.tp_group)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config, *, tp_group=None) -> None:
+        super().__init__()
+        self.norm1 = VisionRMSNorm(config.hidden_size)
+        self.norm2 = VisionRMSNorm(config.hidden_size)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads, tp_group=tp_group)
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp_group=tp_group)
+
+    def forward(self, x, cu_seqlens, cos, sin):
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """The projector: RMSNorm, then ``merge^2`` neighbouring patches concatenated through Linear-GELU-Linear."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        width = config.hidden_size * config.spatial_merge_size ** 2
+        self.ln_q = VisionRMSNorm(config.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, config.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).reshape(-1, self.mlp[0].in_features))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+
+
+class VisionTower(nn.Module):
+    """``forward(pixel_values [N, C*T*P*P], grid_thw [n, 3]) -> [N / merge^2, out_hidden_size]`` image embeddings."""
+
+    def __init__(self, config, *, tp_group=None, recompute: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.recompute = recompute
+        self.merge = config.spatial_merge_size
+        self.window = config.window_size // config.spatial_merge_size // config.patch_size
+        self.full_attention = frozenset(config.fullatt_block_indexes or ())
+        self.patch_embed = PatchEmbed(config)
+        self.blocks = nn.ModuleList([VisionBlock(config, tp_group=tp_group) for _ in range(config.depth)])
+        self.merger = PatchMerger(config)
+        head_dim = config.hidden_size // config.num_heads
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.int64).float() / (head_dim // 2)
+        self.register_buffer("inv_freq", 1.0 / (theta ** quarter), persistent=False)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, head_dim]: angles of h then w, the pair repeated (rotate-half layout)."""
+        angles = positions[..., None].float() * self.inv_freq.to(positions.device)    # [n, 2, head_dim / 4]
+        angles = angles.flatten(1)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        layout = vision_layout(grid_thw.cpu(), merge=self.merge, window=self.window)
+        device = pixel_values.device
+        order = layout.patch_order.to(device)
+        x = self.patch_embed(pixel_values)[order]
+        cos, sin = self.rotary(layout.positions.to(device)[order])
+        cu_windows, cu_frames = layout.cu_windows.to(device), layout.cu_frames.to(device)
+        for i, block in enumerate(self.blocks):
+            cu = cu_frames if i in self.full_attention else cu_windows
+            if self.recompute and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, cu, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cu, cos, sin)
+        return self.merger(x)[layout.restore.to(device)]

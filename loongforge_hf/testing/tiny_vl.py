@@ -1,0 +1,87 @@
+"""A tiny random Qwen2.5-VL checkpoint and its processor, written by ``transformers`` itself (no download).
+
+Sizes: ViT depth 2 (block 0 windowed, block 1 full attention), hidden 32, 2 heads, patch 14, 2x2 merge, windows of
+2x2 merged tokens (so a 56x84-pixel image spans several); a 4-layer Qwen2 decoder, hidden 64, GQA (4 heads, 2 KV
+heads), mrope sections (2, 3, 3); a word-level tokenizer with Qwen's vision special tokens appended. Norm weights and
+biases are random (transformers initialises norms to 1 and biases to 0, which would hide a dropped tensor).
+
+The processor is ``Qwen2_5_VLProcessor``'s own code with an image processor and a tokenizer but no video processor:
+transformers' video processors need torchvision, which the CPU test environment does not install.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+TEXT_VOCAB = 200  # "<pad>", "<s>", "</s>", "<unk>", tok4 .. tok199; the four vision tokens follow
+
+
+def make_vl_tokenizer(folder: str | Path):
+    from loongforge_hf.testing.tiny_models import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer(folder, vocab_size=TEXT_VOCAB)
+    tok.add_special_tokens({"additional_special_tokens": [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]})
+    tok.save_pretrained(folder)
+    return tok
+
+
+def image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 64, patch_size=14, merge_size=2,
+                                    temporal_patch_size=2)
+
+
+def make_processor(tokenizer, images=None):
+    """``Qwen2_5_VLProcessor`` over ``tokenizer`` and a small-image Qwen2-VL image processor (no video processor)."""
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageTextProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = IMAGE_PAD, VIDEO_PAD
+            self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImageTextProcessor(image_processor=images or image_processor(), tokenizer=tokenizer)
+
+
+def tiny_vl_config(**text_overrides):
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(vocab_size=TEXT_VOCAB + 4, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    text.update(text_overrides)
+    tie = text.pop("tie_word_embeddings", False)
+    vision = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=text["hidden_size"], window_size=56,
+                  fullatt_block_indexes=[1])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, vision_start_token_id=TEXT_VOCAB,
+                            vision_end_token_id=TEXT_VOCAB + 1, image_token_id=TEXT_VOCAB + 2,
+                            video_token_id=TEXT_VOCAB + 3, tie_word_embeddings=tie)
+
+
+def make_tiny_qwen2_5_vl(folder: str | Path, *, seed: int = 0, max_shard_size: str = "60KB",
+                         **text_overrides) -> Path:
+    """Write a tiny random Qwen2.5-VL (weights, config, tokenizer, image processor) and return its folder."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(tiny_vl_config(**text_overrides)).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    tok = make_vl_tokenizer(folder)
+    make_processor(tok).save_pretrained(folder)
+    return folder

@@ -1,0 +1,210 @@
+"""Qwen2.5-VL against transformers: logits, loss and vision gradients within 1e-4 (fp32) in each layout of the vision
+tower and the language model, bit-exact HF round trips, frozen components, and the pure pieces (3-D rope positions,
+window layout, encoder data-parallel split, collator) against transformers' own code."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loongforge_hf.parallel import ParallelLayoutError
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl, tiny_vl_config
+
+from ._vl_parity import compare_many, freeze_and_step, make_batch
+
+TOL = 1e-4
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "processor_config.json")
+
+LAYOUTS = {  # name: (ranks, from_pretrained keywords)
+    "tp1": (1, {}),
+    "tp2_vision_replicated": (2, {"tensor_parallel_size": 2}),
+    "tp2_encoder_data_parallel": (2, {"tensor_parallel_size": 2, "vision_data_parallel": True,
+                                      "vision_recompute": True}),
+    "tp2_vision_tp2": (2, {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2}),
+    "pp2": (2, {"pipeline_parallel_size": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "src")
+
+
+def read_all(folder: Path) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def check_round_trip(src: Path, dst: Path) -> None:
+    a, b = read_all(src), read_all(dst)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name], b[name]), f"{name} differs after HF -> loongforge -> HF"
+    for side in SIDE_FILES:
+        assert (src / side).read_bytes() == (dst / side).read_bytes(), side
+    assert set(json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]) == set(a)
+
+
+def check(result: dict, *, grads: bool) -> None:
+    assert result["logits_shape"] == (3, 13, 204), result
+    assert result["logit_diff"] < TOL, result
+    assert result["loss_diff"] < TOL, result
+    if grads:
+        assert result["grad_diff"] is not None and result["grad_diff"] < TOL, result
+
+
+def nested_naming_copy(src: Path, dst: Path) -> Path:
+    """``src`` with transformers 4.5x's tensor names (``model.language_model.*``, ``model.visual.*``)."""
+    dst.mkdir(parents=True)
+    renamed = {}
+    for name, t in read_all(src).items():
+        if name.startswith("visual."):
+            name = "model." + name
+        elif name.startswith("model."):
+            name = "model.language_model." + name[len("model."):]
+        renamed[name] = t
+    save_file(renamed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for side in SIDE_FILES:
+        shutil.copy(src / side, dst / side)
+    return dst
+
+
+def test_parity_and_round_trip_one_rank(checkpoint, tmp_path):
+    """TP1 (vision replicated), and a checkpoint in the nested naming, which export keeps."""
+    nested = nested_naming_copy(checkpoint, tmp_path / "nested")
+    cases = [("tp1", str(checkpoint), LAYOUTS["tp1"][1], str(tmp_path / "tp1")),
+             ("nested", str(nested), {}, str(tmp_path / "nested_out"))]
+    results = run_distributed(compare_many, 1, cases, timeout=300)[0]
+    check(results["tp1"], grads=True)
+    check(results["nested"], grads=True)
+    assert results["tp1"]["vision_layout"] == "replicated"
+    check_round_trip(checkpoint, tmp_path / "tp1")
+    check_round_trip(nested, tmp_path / "nested_out")
+    assert "model.language_model.embed_tokens.weight" in read_all(tmp_path / "nested_out")
+
+
+def test_parity_and_round_trip_two_ranks(checkpoint, tmp_path):
+    """Every two-rank layout in one world: TP2 with the tower replicated, shared out (encoder data parallel, with
+    recompute), or split (vision TP2); PP2 (forward only, no gradients)."""
+    names = [n for n, (ranks, _) in LAYOUTS.items() if ranks == 2]
+    cases = [(n, str(checkpoint), LAYOUTS[n][1], str(tmp_path / n)) for n in names]
+    per_rank = run_distributed(compare_many, 2, cases, timeout=400)
+    expected_layout = {"tp2_vision_replicated": "replicated", "tp2_encoder_data_parallel": "data_parallel",
+                       "tp2_vision_tp2": "tensor_parallel", "pp2": "replicated"}
+    for results in per_rank:
+        for n in names:
+            check(results[n], grads=LAYOUTS[n][1].get("pipeline_parallel_size", 1) == 1)
+            assert results[n]["vision_layout"] == expected_layout[n]
+    for n in names:
+        check_round_trip(checkpoint, tmp_path / n)
+
+
+def test_frozen_components_get_no_update(checkpoint):
+    """freeze_vision + freeze_language: only the projector (patch merger) trains, under TP2 with encoder data
+    parallel; neither a torch optimizer over trainable parameters nor LoongTrainer's megatron optimizer sees the
+    rest."""
+    per_rank = run_distributed(freeze_and_step, 2, str(checkpoint),
+                               {"tensor_parallel_size": 2, "vision_data_parallel": True}, timeout=300)
+    for r in per_rank:
+        assert r["trainable"] and all(".vision.merger." in n for n in r["trainable"]), r["trainable"]
+        assert r["got_grad"] == r["trainable"]
+        assert r["moved"] == r["trainable"]
+        assert r["optimizer_numel"] == r["trainable_numel"]
+
+
+# ---- pure pieces ---------------------------------------------------------------------------------------------------
+
+def _hf_vl_model():
+    import transformers
+
+    return transformers.Qwen2_5_VLModel(tiny_vl_config())
+
+
+def test_mrope_positions_match_transformers():
+    from loongforge_hf.multimodal.positions import mrope_position_ids
+
+    model = _hf_vl_model()
+    img = model.config.image_token_id
+    ids = torch.tensor([[5, 200, img, img, 201, 6, 7, 0, 0, 0, 0],
+                        [200, img, img, img, img, img, img, 201, 200, img, img],
+                        [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+                        [0, 0, 0, 5, 200, img, img, img, img, 201, 6]])
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0
+    mask[3, :3] = 0
+    grid = torch.tensor([[1, 2, 4], [1, 4, 6], [1, 2, 4], [1, 4, 4]])
+    ref, _ = model.get_rope_index(ids, (ids == img).long(), grid, attention_mask=mask)
+    ours = mrope_position_ids(ids, image_grid_thw=grid, attention_mask=mask, image_token_id=img,
+                              spatial_merge_size=2)
+    assert torch.equal(ours, ref)
+    assert torch.equal(mrope_position_ids(ids, image_grid_thw=grid, attention_mask=mask,
+                                          mm_token_type_ids=(ids == img).long(), image_token_id=-1,
+                                          spatial_merge_size=2), ref)
+    text = mrope_position_ids(ids[2:3], image_grid_thw=None, image_token_id=img, spatial_merge_size=2)
+    assert torch.equal(text, torch.arange(11).expand(3, 1, 11))
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        mrope_position_ids(ids, image_grid_thw=grid[:3], attention_mask=mask, image_token_id=img,
+                           spatial_merge_size=2)
+
+
+def test_vision_layout_matches_transformers():
+    from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
+
+    from loongforge_hf.multimodal.vision import vision_layout
+
+    # NOTE: 8x8 merged tokens in windows of 4 tile exactly (transformers then pads a whole empty window); others not.
+    for grids, window in (([[1, 4, 6]], 2), ([[1, 16, 16]], 4), ([[1, 6, 10], [2, 4, 4], [1, 2, 2]], 2)):
+        grid = torch.tensor(grids)
+        ours = vision_layout(grid, merge=2, window=window)
+        index, cu = get_vision_window_index(grid, spatial_merge_size=2, window_size=window * 2 * 14, patch_size=14)
+        assert torch.equal(ours.restore, torch.argsort(index)), grids
+        assert torch.equal(ours.cu_windows, cu.to(torch.int32)), grids
+        assert torch.equal(ours.positions, get_vision_position_ids(grid, 2)), grids
+        frames = (grid[:, 1] * grid[:, 2]).repeat_interleave(grid[:, 0])
+        assert ours.cu_frames.tolist() == [0, *torch.cumsum(frames, 0).tolist()], grids
+
+
+def test_split_images_balances_contiguous_runs():
+    from loongforge_hf.multimodal.encoder_parallel import split_images
+
+    assert split_images([4, 4, 4, 4], 2) == [(0, 2), (2, 4)]
+    assert split_images([16, 4, 4, 4, 4], 2) == [(0, 1), (1, 5)]
+    assert split_images([8], 2) in ([(0, 0), (0, 1)], [(0, 1), (1, 1)])
+    runs = split_images([3, 9, 1, 1, 6, 2], 3)
+    assert [i for a, b in runs for i in range(a, b)] == list(range(6))
+
+
+def test_collator_pads_and_concatenates_images(checkpoint):
+    batch = make_batch(str(checkpoint))
+    img = 202
+    assert batch["input_ids"].shape == (3, 13)
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 6], [1, 2, 4], [1, 4, 4]]
+    assert batch["pixel_values"].shape == (24 + 8 + 16, 3 * 2 * 14 * 14)
+    assert (batch["input_ids"] == img).sum() == (6 + 2 + 4)
+    assert batch["attention_mask"].sum(1).tolist() == [13, 13, 4]
+    labels, ids = batch["labels"], batch["input_ids"]
+    assert (labels[ids == img] == -100).all() and (labels[batch["attention_mask"] == 0] == -100).all()
+    keep = (ids != img) & batch["attention_mask"].bool()
+    assert torch.equal(labels[keep], ids[keep])
+    assert torch.equal(batch["mm_token_type_ids"], (ids == img).long())
+
+
+def test_bad_layouts_fail_before_any_collective(checkpoint):
+    import loongforge_hf as lf
+
+    with pytest.raises(ParallelLayoutError, match="vision_tensor_parallel_size=2 must be 1 or tensor_parallel_size"):
+        lf.AutoModelForImageTextToText.from_pretrained(checkpoint, vision_tensor_parallel_size=2)
+    with pytest.raises(ParallelLayoutError, match="context_parallel_size"):
+        lf.AutoModelForImageTextToText.from_pretrained(checkpoint, context_parallel_size=2)
+    with pytest.raises(Exception, match="No loongforge-hf image-text-to-text bridge"):
+        from loongforge_hf.bridges.qwen2_5_vl import get_vl_bridge
+
+        get_vl_bridge(type("Config", (), {"architectures": ["LlamaForCausalLM"]})())
