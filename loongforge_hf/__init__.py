@@ -3,9 +3,10 @@
 from loongforge_hf.modeling import AutoModelForCausalLM, LoongModelForCausalLM
 from loongforge_hf.multimodal.modeling import AutoModelForImageTextToText, LoongModelForImageTextToText
 from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
-from loongforge_hf.trainer import LoongTrainer
+from loongforge_hf.trainer import LoongTrainer, LoongTrainingArguments
 
 __version__ = "0.1.0"
 
 __all__ = ["AutoModelForCausalLM", "AutoModelForImageTextToText", "LoongModelForCausalLM",
-           "LoongModelForImageTextToText", "LoongTrainer", "ParallelConfig", "ParallelLayoutError", "__version__"]
+           "LoongModelForImageTextToText", "LoongTrainer", "LoongTrainingArguments", "ParallelConfig",
+           "ParallelLayoutError", "__version__"]

@@ -140,7 +140,8 @@ class VisionAttention(nn.Module):
         else:
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
             out = packed_attention(q, k, v, params, causal=False, scale=self.head_dim ** -0.5)
-        return _out_of_split(F.linear(out.reshape(n, -1), self.proj.weight), self.proj.bias, self.tp_group)
+        out = out.reshape(n, self.local_heads * self.head_dim)
+        return _out_of_split(F.linear(out, self.proj.weight), self.proj.bias, self.tp_group)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -192,7 +193,8 @@ class PatchMerger(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, config.out_hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).reshape(-1, self.mlp[0].in_features))
+        width = self.mlp[0].in_features
+        return self.mlp(self.ln_q(x).reshape(x.numel() // width, width))
 
 
 class PatchEmbed(nn.Module):

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import seed_worker
 
+from loongforge_hf.trainer.balanced_data import balanced_train_dataloader
 from loongforge_hf.trainer.data import DataError, check_batch, dp_rank_and_size, shard_over_data_parallel
 from loongforge_hf.trainer.engine import MegatronEngine
 
@@ -76,7 +77,11 @@ class LoongTrainer(Trainer):
             if is_training:
                 params["worker_init_fn"] = partial(seed_worker, num_workers=self.args.dataloader_num_workers,
                                                    rank=self.args.process_index)
-        return shard_over_data_parallel(DataLoader(dataset, **params), args=self.args, is_training=is_training)
+        loader = shard_over_data_parallel(DataLoader(dataset, **params), args=self.args, is_training=is_training)
+        if is_training:
+            loader = balanced_train_dataloader(loader, args=self.args, model=self.model,
+                                               data_collator=self.data_collator, collator=collator)
+        return loader
 
     # ---- optimizer and schedule ----------------------------------------------------------------------------------
     def create_optimizer(self, model=None):
@@ -164,6 +169,7 @@ class LoongTrainer(Trainer):
             grad_norm = result.grad_norm
             self._tr_loss += torch.tensor(result.loss, device=self._tr_loss.device, dtype=self._tr_loss.dtype)
             self._step_speed = self._speed_metrics(micro, elapsed)
+            self._step_speed.update(getattr(train_dataloader, "step_logs", {}))
             self.state.num_input_tokens_seen += self._step_speed.pop("_tokens")
             self.state.global_step += 1
             self.state.epoch = epoch + (update_step + 1) / num_update_steps_per_epoch

@@ -10,6 +10,9 @@ SAMPLES = [
      [(28, 56), (56, 56)]),
     ("tok20 tok21 tok22 tok23", []),
 ]
+# one image: under encoder data parallel over two ranks, one rank encodes nothing
+ONE_IMAGE = [("tok5 <|vision_start|><|image_pad|><|vision_end|> tok6", [(28, 56)]), ("tok7 tok8 tok9", [])]
+SAMPLE_SETS = {"default": SAMPLES, "one_image": ONE_IMAGE}
 
 
 def make_batch(folder: str, samples=SAMPLES, seed: int = 3) -> dict:
@@ -63,24 +66,24 @@ def vision_grads(model) -> dict:
 _REFERENCE: dict = {}
 
 
-def reference(folder: str):
-    """(batch, transformers' logits, loss, vision grads) for ``folder``, computed once per process."""
-    if folder not in _REFERENCE:
-        batch = make_batch(folder)
-        _REFERENCE[folder] = (batch, *hf_reference(folder, batch))
-    return _REFERENCE[folder]
+def reference(folder: str, samples: str):
+    """(batch, transformers' logits, loss, vision grads) for ``folder`` and a sample set, computed once per process."""
+    if (folder, samples) not in _REFERENCE:
+        batch = make_batch(folder, SAMPLE_SETS[samples])
+        _REFERENCE[folder, samples] = (batch, *hf_reference(folder, batch))
+    return _REFERENCE[folder, samples]
 
 
-def compare_and_export(folder: str, layout: dict, out_dir: str) -> dict:
+def compare_and_export(folder: str, layout: dict, out_dir: str, samples: str = "default") -> dict:
     import loongforge_hf as lf
 
-    batch, ref_logits, ref_loss, ref_grads = reference(folder)
+    batch, ref_logits, ref_loss, ref_grads = reference(folder, samples)
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
     out = model(**batch)
     valid = batch["attention_mask"].bool()
     result = {"logit_diff": (out.logits - ref_logits).abs()[valid].max().item(),
               "loss_diff": abs(out.loss.item() - ref_loss.item()), "logits_shape": tuple(out.logits.shape),
-              "grad_diff": None, "vision_layout": model.vision_layout}
+              "grad_diff": None, "vision_layout": model.vision_layout, "batch_shape": tuple(batch["input_ids"].shape)}
     if layout.get("pipeline_parallel_size", 1) == 1:
         out.loss.backward()
         grads = vision_grads(model)
@@ -90,9 +93,13 @@ def compare_and_export(folder: str, layout: dict, out_dir: str) -> dict:
     return result
 
 
-def compare_many(cases: list) -> dict:
-    """``compare_and_export`` for several (name, folder, layout, out_dir) in one world (groups rebuilt for each)."""
-    return {name: compare_and_export(folder, layout, out_dir) for name, folder, layout, out_dir in cases}
+def compare_many(cases: list, frozen: tuple | None = None) -> dict:
+    """``compare_and_export`` for several (name, folder, layout, out_dir) in one world (groups rebuilt for each),
+    then ``freeze_and_step(*frozen)`` under "frozen" when given (one process start for all)."""
+    out = {name: compare_and_export(folder, layout, out_dir, *rest) for name, folder, layout, out_dir, *rest in cases}
+    if frozen is not None:
+        out["frozen"] = freeze_and_step(*frozen)
+    return out
 
 
 def freeze_and_step(folder: str, layout: dict) -> dict:
@@ -120,3 +127,63 @@ def freeze_and_step(folder: str, layout: dict) -> dict:
     return {"trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad), "moved": moved,
             "got_grad": got_grad, "optimizer_numel": held,
             "trainable_numel": sum(p.numel() for p in trainable)}
+
+
+# ---- training through LoongTrainer against transformers.Trainer ------------------------------------------------------
+
+TRAIN_SAMPLES = [(f"tok{5 + i} <|vision_start|><|image_pad|><|vision_end|> tok{30 + i} tok{40 + i}", [(28, 56)])
+                 for i in range(4)] + [(f"tok{60 + i} tok{70 + i} tok{80 + i}", []) for i in range(4)]
+
+
+def train_features(folder: str) -> list:
+    from transformers import AutoTokenizer
+
+    from loongforge_hf.testing.tiny_vl import make_processor
+
+    processor = make_processor(AutoTokenizer.from_pretrained(folder))
+    rng = np.random.RandomState(5)
+    return [dict(processor(text=[text], images=[rng.randint(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+                           or None, return_tensors="pt")) for text, sizes in TRAIN_SAMPLES]
+
+
+def vl_training_args(out_dir: str):
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=3,
+        learning_rate=5e-3, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
+        seed=0, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, remove_unused_columns=False)
+
+
+def train_both(folder: str, out_dir: str) -> dict:
+    """transformers.Trainer, then LoongTrainer (TP1), in one process: logged losses of each."""
+    hf = train_vl(folder, out_dir + "/hf", loong=False)
+    return {"hf": hf, "loong": train_vl(folder, out_dir + "/loong", loong=True)}
+
+
+def train_vl(folder: str, out_dir: str, *, loong: bool, layout: dict | None = None) -> list:
+    """Train 3 steps with the vision tower (not the projector) frozen; return the logged losses."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    import loongforge_hf as lf
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+    from loongforge_hf.testing.tiny_vl import make_processor
+
+    collator = DataCollatorForImageText.from_processor(make_processor(AutoTokenizer.from_pretrained(folder)))
+    args = vl_training_args(out_dir)
+    if loong:
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, freeze_vision=True,
+                                                               **(layout or {}))
+        trainer = lf.LoongTrainer(model=model, args=args, train_dataset=train_features(folder),
+                                  data_collator=collator)
+    else:
+        torch.manual_seed(0)
+        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        for name, p in model.model.visual.named_parameters():
+            p.requires_grad_(name.startswith("merger."))
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=train_features(folder),
+                                       data_collator=collator)
+    trainer.train()
+    trainer.save_model(out_dir + "/final")
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -14,7 +14,7 @@ from loongforge_hf.parallel import ParallelLayoutError
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl, tiny_vl_config
 
-from ._vl_parity import compare_many, freeze_and_step, make_batch
+from ._vl_parity import compare_many, make_batch, train_both
 
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -54,7 +54,7 @@ def check_round_trip(src: Path, dst: Path) -> None:
 
 
 def check(result: dict, *, grads: bool) -> None:
-    assert result["logits_shape"] == (3, 13, 204), result
+    assert result["logits_shape"] == (*result["batch_shape"], 204), result
     assert result["logit_diff"] < TOL, result
     assert result["loss_diff"] < TOL, result
     if grads:
@@ -91,33 +91,60 @@ def test_parity_and_round_trip_one_rank(checkpoint, tmp_path):
     assert "model.language_model.embed_tokens.weight" in read_all(tmp_path / "nested_out")
 
 
-def test_parity_and_round_trip_two_ranks(checkpoint, tmp_path):
+def test_parity_round_trip_and_freezing_two_ranks(checkpoint, tmp_path):
     """Every two-rank layout in one world: TP2 with the tower replicated, shared out (encoder data parallel, with
-    recompute), or split (vision TP2); PP2 (forward only, no gradients)."""
+    recompute), or split (vision TP2); PP2 (forward only, no gradients). Then freeze_vision + freeze_language under
+    TP2 with encoder data parallel: only the projector (patch merger) trains; neither a torch optimizer over trainable
+    parameters nor LoongTrainer's megatron optimizer sees the rest."""
     names = [n for n, (ranks, _) in LAYOUTS.items() if ranks == 2]
     cases = [(n, str(checkpoint), LAYOUTS[n][1], str(tmp_path / n)) for n in names]
-    per_rank = run_distributed(compare_many, 2, cases, timeout=400)
+    cases.append(("encoder_data_parallel_one_image", str(checkpoint), LAYOUTS["tp2_encoder_data_parallel"][1],
+                  str(tmp_path / "one_image"), "one_image"))
+    frozen = (str(checkpoint), {"tensor_parallel_size": 2, "vision_data_parallel": True})
+    per_rank = run_distributed(compare_many, 2, cases, frozen, timeout=400)
     expected_layout = {"tp2_vision_replicated": "replicated", "tp2_encoder_data_parallel": "data_parallel",
                        "tp2_vision_tp2": "tensor_parallel", "pp2": "replicated"}
     for results in per_rank:
         for n in names:
             check(results[n], grads=LAYOUTS[n][1].get("pipeline_parallel_size", 1) == 1)
             assert results[n]["vision_layout"] == expected_layout[n]
-    for n in names:
-        check_round_trip(checkpoint, tmp_path / n)
-
-
-def test_frozen_components_get_no_update(checkpoint):
-    """freeze_vision + freeze_language: only the projector (patch merger) trains, under TP2 with encoder data
-    parallel; neither a torch optimizer over trainable parameters nor LoongTrainer's megatron optimizer sees the
-    rest."""
-    per_rank = run_distributed(freeze_and_step, 2, str(checkpoint),
-                               {"tensor_parallel_size": 2, "vision_data_parallel": True}, timeout=300)
-    for r in per_rank:
+        check(results["encoder_data_parallel_one_image"], grads=True)
+        r = results["frozen"]
         assert r["trainable"] and all(".vision.merger." in n for n in r["trainable"]), r["trainable"]
         assert r["got_grad"] == r["trainable"]
         assert r["moved"] == r["trainable"]
         assert r["optimizer_numel"] == r["trainable_numel"]
+    for n in names:
+        check_round_trip(checkpoint, tmp_path / n)
+
+
+def _engine_takes_model_inputs() -> bool:
+    import inspect
+
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    return "megatron_forward_inputs" in inspect.getsource(MegatronEngine._forward_step_func)
+
+
+@pytest.mark.skipif(not _engine_takes_model_inputs(),
+                    reason="LoongTrainer's forward step does not pass pixel_values / image_grid_thw to the model "
+                           "chunks yet (MegatronEngine must call model.megatron_forward_inputs).")
+def test_trainer_matches_transformers_trainer(checkpoint, tmp_path):
+    """Three steps with the vision tower frozen: LoongTrainer (TP1) logs transformers.Trainer's losses, and the
+    frozen tower comes out of save_model bit for bit as it went in."""
+    from transformers import AutoConfig
+
+    got = run_distributed(train_both, 1, str(checkpoint), str(tmp_path), timeout=300)[0]
+    assert len(got["loong"]) == len(got["hf"]) == 3
+    assert got["loong"] == pytest.approx(got["hf"], rel=1e-4)
+    assert got["loong"][-1] < got["loong"][0]
+    src, out = read_all(checkpoint), read_all(tmp_path / "loong" / "final")
+    assert sorted(src) == sorted(out)
+    moved = sorted(n for n in src if not torch.equal(src[n], out[n]))
+    assert moved and all(not n.startswith("visual.") or n.startswith("visual.merger.") for n in moved), moved
+    assert any(n.startswith("visual.merger.") for n in moved)
+    assert AutoConfig.from_pretrained(tmp_path / "loong" / "final").architectures == \
+        ["Qwen2_5_VLForConditionalGeneration"]
 
 
 # ---- pure pieces ---------------------------------------------------------------------------------------------------
