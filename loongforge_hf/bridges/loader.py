@@ -105,6 +105,22 @@ def _checkpoint_tensors(chunk):
         yield name, buf, False
 
 
+def _fill(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Put ``value`` into ``tensor``: adopt its storage when it can serve as is, else copy (converting dtype/device).
+
+    NOTE: a slice just read in the parameter's dtype and on its device is adopted (``tensor.data = value``), not
+    copied: the copy was a third pass over every byte of the model after the read and the transform, and megatron's
+    empty parameter goes back untouched. Only a value that owns exactly its storage is adopted, so a view never pins a
+    larger tensor; the Parameter object, and what megatron attached to it, stays the same.
+    """
+    owns_storage = value.is_contiguous() and value.storage_offset() == 0 \
+        and value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    if value.dtype == tensor.dtype and value.device == tensor.device and owns_storage:
+        tensor.data = value
+    else:
+        tensor.copy_(value)
+
+
 @torch.no_grad()
 def load_into(model, bridge, reader, *, tp_rank: int, tp_size: int, ep_rank: int | None = None,
               ep_size: int | None = None, etp_rank: int | None = None, etp_size: int | None = None) -> None:
@@ -146,4 +162,4 @@ def load_into(model, bridge, reader, *, tp_rank: int, tp_size: int, ep_rank: int
                 # megatron's router computes in fp32 anyway (moe_router_dtype), so the parameter keeps it too and
                 # the round trip stays exact.
                 tensor.data = tensor.data.to(mapping.hf_dtype)
-            tensor.copy_(value.to(dtype=tensor.dtype, device=tensor.device))
+            _fill(tensor, value)
