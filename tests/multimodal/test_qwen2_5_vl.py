@@ -35,6 +35,12 @@ def checkpoint(tmp_path_factory) -> Path:
     return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "src")
 
 
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory) -> Path:
+    """Word embeddings tied to the LM head, as Qwen2.5-VL-3B has them."""
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_tied") / "src", tie_word_embeddings=True)
+
+
 def read_all(folder: Path) -> dict:
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -91,15 +97,17 @@ def test_parity_and_round_trip_one_rank(checkpoint, tmp_path):
     assert "model.language_model.embed_tokens.weight" in read_all(tmp_path / "nested_out")
 
 
-def test_parity_round_trip_and_freezing_two_ranks(checkpoint, tmp_path):
+def test_parity_round_trip_and_freezing_two_ranks(checkpoint, tied_checkpoint, tmp_path):
     """Every two-rank layout in one world: TP2 with the tower replicated, shared out (encoder data parallel, with
-    recompute), or split (vision TP2); PP2 (forward only, no gradients). Then freeze_vision + freeze_language under
+    recompute; also with a rank that gets no image), or split (vision TP2); PP2 (forward only, no gradients), also
+    with tied word embeddings. Then freeze_vision + freeze_language under
     TP2 with encoder data parallel: only the projector (patch merger) trains; neither a torch optimizer over trainable
     parameters nor LoongTrainer's megatron optimizer sees the rest."""
     names = [n for n, (ranks, _) in LAYOUTS.items() if ranks == 2]
     cases = [(n, str(checkpoint), LAYOUTS[n][1], str(tmp_path / n)) for n in names]
     cases.append(("encoder_data_parallel_one_image", str(checkpoint), LAYOUTS["tp2_encoder_data_parallel"][1],
                   str(tmp_path / "one_image"), "one_image"))
+    cases.append(("tied_pp2", str(tied_checkpoint), LAYOUTS["pp2"][1], str(tmp_path / "tied_pp2")))
     frozen = (str(checkpoint), {"tensor_parallel_size": 2, "vision_data_parallel": True})
     per_rank = run_distributed(compare_many, 2, cases, frozen, timeout=400)
     expected_layout = {"tp2_vision_replicated": "replicated", "tp2_encoder_data_parallel": "data_parallel",
@@ -109,6 +117,7 @@ def test_parity_round_trip_and_freezing_two_ranks(checkpoint, tmp_path):
             check(results[n], grads=LAYOUTS[n][1].get("pipeline_parallel_size", 1) == 1)
             assert results[n]["vision_layout"] == expected_layout[n]
         check(results["encoder_data_parallel_one_image"], grads=True)
+        check(results["tied_pp2"], grads=False)
         r = results["frozen"]
         assert r["trainable"] and all(".vision.merger." in n for n in r["trainable"]), r["trainable"]
         assert r["got_grad"] == r["trainable"]
@@ -116,6 +125,8 @@ def test_parity_round_trip_and_freezing_two_ranks(checkpoint, tmp_path):
         assert r["optimizer_numel"] == r["trainable_numel"]
     for n in names:
         check_round_trip(checkpoint, tmp_path / n)
+    check_round_trip(tied_checkpoint, tmp_path / "tied_pp2")
+    assert "lm_head.weight" not in read_all(tmp_path / "tied_pp2")
 
 
 def _engine_takes_model_inputs() -> bool:
