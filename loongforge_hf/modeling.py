@@ -153,6 +153,26 @@ class LoongModelForCausalLM(nn.Module):
         """Parameters held by this rank."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
 
+    # ---- what transformers.Trainer and trl read -------------------------------------------------------------
+    @property
+    def hf_device_map(self) -> dict:
+        """Read first thing by ``transformers.Trainer.__init__``: only LoongTrainer may train this model.
+
+        NOTE: a plain Trainer (or trl.SFTTrainer) would shard batches over every process, wrap the model in torch DDP
+        over the whole world (overwriting other tensor-parallel ranks' shards) and skip megatron's gradient
+        reductions. LoongTrainer marks the model (``model_parallel = True``) before ``Trainer.__init__``.
+        """
+        if not self.__dict__.get("model_parallel", False):
+            raise TypeError("transformers.Trainer and trl.SFTTrainer cannot train a loongforge_hf model: use "
+                            "loongforge_hf.LoongTrainer (same arguments as transformers.Trainer) or "
+                            "loongforge_hf.LoongSFTTrainer (same arguments as trl.SFTTrainer, peft_config included).")
+        return {}  # NOTE: an empty map, not None: accelerate's verify_device_map takes len() of it
+
+    def add_model_tags(self, tags: str | list[str]) -> None:
+        """Tags for the model card, as ``PreTrainedModel.add_model_tags`` keeps them (trl adds its own)."""
+        self.model_tags = list(dict.fromkeys([*(getattr(self, "model_tags", None) or []),
+                                              *([tags] if isinstance(tags, str) else tags)]))
+
 
 class AutoModelForCausalLM:
     """``from_pretrained`` like transformers', onto megatron-core parallel modules."""

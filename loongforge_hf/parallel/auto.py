@@ -68,7 +68,8 @@ def choose_layout(size: ModelSize, *, world_size: int, local_world_size: int, de
                           f"model and optimizer state per rank with TP={tp} x PP={pp} x DP={dp}"
                           + (f" x EP={ep}" if ep > 1 else "")
                           + f", within {budget / 2**30:.1f} GiB of {device_memory / 2**30:.1f} GiB "
-                          f"(the rest is left for activations); smaller TP/PP did not fit.")
+                          "(the rest is left for activations)"
+                          + ("; smaller TP/PP did not fit." if tp * pp > 1 else "; no model parallelism needed."))
                 return layout, reason
     raise ParallelLayoutError(
         f"parallel='auto': a {size.num_params / 1e9:.2f}B-parameter model does not fit {world_size} devices of "

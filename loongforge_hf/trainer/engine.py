@@ -107,16 +107,22 @@ class MegatronEngine:
         def forward_step(data_iterator, chunk):
             batch = next(data_iterator)
             device = self.model.device
-            input_ids = batch["input_ids"].to(device)
-            b, s = input_ids.shape
-            position_ids = batch.get("position_ids")
-            position_ids = (torch.arange(s, device=device).expand(b, s) if position_ids is None
-                            else position_ids.to(device))
-            attention_mask = batch.get("attention_mask")
-            mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s,
-                                           position_ids)
             labels = shift_labels(batch["labels"].to(device))
-            output = chunk(input_ids, position_ids, mask)
+            model_inputs = getattr(self.model, "megatron_forward_inputs", None)
+            if model_inputs is not None:
+                # NOTE: a model whose chunks take more than token inputs (a vision tower's pixel_values) says what.
+                args, kwargs = model_inputs(batch)
+                output = chunk(*args, **kwargs)
+            else:
+                input_ids = batch["input_ids"].to(device)
+                b, s = input_ids.shape
+                position_ids = batch.get("position_ids")
+                position_ids = (torch.arange(s, device=device).expand(b, s) if position_ids is None
+                                else position_ids.to(device))
+                attention_mask = batch.get("attention_mask")
+                mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s,
+                                               position_ids)
+                output = chunk(input_ids, position_ids, mask)
 
             def loss_func(local_logits):
                 per_token = token_losses(local_logits, labels, vocab_size=vocab_size)

@@ -28,6 +28,13 @@ from loongforge_hf.trainer.engine import MegatronEngine
 MEGATRON_DIR = "megatron"
 
 
+def _holds_other_runs(folder: str) -> bool:
+    """True when ``folder`` has entries an HF export would not write (checkpoint-N folders, logs, runs/)."""
+    if not os.path.isdir(folder):
+        return False
+    return any(os.path.isdir(os.path.join(folder, name)) for name in os.listdir(folder))
+
+
 class LoongTrainer(Trainer):
     """A drop-in ``transformers.Trainer`` for ``LoongModelForCausalLM`` models."""
 
@@ -41,7 +48,18 @@ class LoongTrainer(Trainer):
         # NOTE: Trainer must neither move nor wrap the model: megatron owns placement and gradient reduction.
         model.is_parallelizable = True
         model.model_parallel = True
-        super().__init__(model, args, *pos, **kwargs)
+        # NOTE: under `accelerate launch` with a MEGATRON_LM config, the layout was already read from the
+        # environment by from_pretrained; Trainer's Accelerator must not start accelerate's own Megatron-LM plugin
+        # (it needs the Megatron-LM training package and would drive training itself).
+        saved = os.environ.pop("ACCELERATE_USE_MEGATRON_LM", None)
+        try:
+            super().__init__(model, args, *pos, **kwargs)
+        finally:
+            if saved is not None:
+                os.environ["ACCELERATE_USE_MEGATRON_LM"] = saved
+        # The loss the model returns is already the mean over label tokens of its batch; Trainer must not rescale it
+        # by the number of processes (it would, since forward takes **kwargs).
+        self.model_accepts_loss_kwargs = False
         self.engine: MegatronEngine | None = None
         self._check_batch_sizes()
 
@@ -223,9 +241,31 @@ class LoongTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the model in HF format through the bridge (collective; rank 0 writes, atomically)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.model.save_pretrained(output_dir)
+        if _holds_other_runs(output_dir):
+            self._save_beside_runs(output_dir)
+        else:
+            self.model.save_pretrained(output_dir)
         if self.processing_class is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             self.processing_class.save_pretrained(output_dir)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _save_beside_runs(self, output_dir: str) -> None:
+        """Export into a folder that also holds checkpoints or logs (Trainer's default ``output_dir``): write the
+        complete export next to it, then move its files in one by one, so the checkpoints survive and no weight
+        shard of an older export is left behind."""
+        import shutil
+
+        staging = os.path.join(output_dir, ".loongforge-export.incomplete")
+        self.model.save_pretrained(staging)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            new = set(os.listdir(staging))
+            for name in os.listdir(output_dir):
+                if name not in new and (name.endswith(".safetensors") or name == "model.safetensors.index.json"):
+                    os.remove(os.path.join(output_dir, name))
+            for name in sorted(new):
+                os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+            shutil.rmtree(staging, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
 
@@ -282,9 +322,12 @@ class LoongTrainer(Trainer):
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
                     revision=None, **kwargs) -> str:
         """Upload ``save_model``'s HF folder to ``args.hub_model_id`` (collective)."""
-        if self.args.hub_model_id is None:
-            raise ValueError("Set TrainingArguments(hub_model_id=...) (or push_to_hub=True with an output_dir name) "
-                             "before calling trainer.push_to_hub().")
-        return self.model.push_to_hub(self.args.hub_model_id, token=token or self.args.hub_token,
+        repo_id = self.args.hub_model_id or getattr(self, "hub_model_id", None)
+        if repo_id is None and self.args.push_to_hub:
+            repo_id = os.path.basename(os.path.abspath(self.args.output_dir))
+        if repo_id is None:
+            raise ValueError("Set TrainingArguments(hub_model_id=...) (or push_to_hub=True, which names the repo "
+                             "after output_dir) before calling trainer.push_to_hub().")
+        return self.model.push_to_hub(repo_id, token=token or self.args.hub_token,
                                       private=self.args.hub_private_repo, revision=revision,
                                       commit_message=commit_message or "End of training")

@@ -1,8 +1,8 @@
 """CPU processes over gloo: megatron-core on a laptop or a CI machine without a GPU.
 
 megatron-core 0.16 assumes CUDA in a handful of places. Each patch below names the upstream line it stands in for
-(checked against megatron-core 0.16.1) and changes nothing else; ``tests/xpu/test_cpu_backend.py`` covers each one
-and the TP / PP / VPP / EP / CP smoke tests exercise them together.
+(checked against megatron-core 0.16.1) and changes nothing else; the TP / PP / VPP / EP / CP smoke tests in
+``tests/xpu/test_megatron_smoke.py`` and every multi-rank test exercise them.
 
 Choices:
 - ``torch.cuda.current_device()`` answers ``torch.device("cpu")``. megatron-core uses it ~175 times as "the

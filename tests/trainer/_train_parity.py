@@ -34,10 +34,11 @@ def train_hf(folder: str, out_dir: str, args_kw: dict | None = None):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     trainer = transformers.Trainer(model=model, args=training_args(out_dir, **(args_kw or {})),
-                                   train_dataset=make_dataset())
+                                   train_dataset=make_dataset(), eval_dataset=make_dataset(n=8, seed=11))
     trainer.train()
     trainer.save_model(out_dir + "/final")
-    return losses_of(trainer.state.log_history)
+    # NOTE: transformers.Trainer under DDP on CPU returns no eval_loss here; the DP2 comparison skips eval then.
+    return losses_of(trainer.state.log_history) + [trainer.evaluate().get("eval_loss")]
 
 
 def train_loong(folder: str, out_dir: str, layout: dict, args_kw: dict | None = None):
@@ -45,11 +46,12 @@ def train_loong(folder: str, out_dir: str, layout: dict, args_kw: dict | None = 
 
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     trainer = lf.LoongTrainer(model=model, args=training_args(out_dir, **(args_kw or {})),
-                              train_dataset=make_dataset())
+                              train_dataset=make_dataset(), eval_dataset=make_dataset(n=8, seed=11))
     out = trainer.train()
     trainer.save_model(out_dir + "/final")
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"losses": losses_of(trainer.state.log_history), "global_step": out.global_step,
+    return {"losses": losses_of(trainer.state.log_history) + [trainer.evaluate().get("eval_loss")],
+            "global_step": out.global_step,
             "keys": sorted(logs[0]) if logs else [], "train_loss": out.training_loss}
 
 
@@ -73,4 +75,5 @@ def train_loong_resumable(folder: str, out_dir: str, layout: dict, *, stop_after
     trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset(n=24), callbacks=[StopAfter()])
     trainer.train(resume_from_checkpoint=resume)
     steps = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    trainer.save_model()  # Trainer's default: the HF export lands in output_dir, beside the checkpoints
     return steps

@@ -30,6 +30,10 @@ def test_checkpoint_layout_and_rotation(uninterrupted):
     assert list(ckpt.glob("*.safetensors")), "no HF weights in the checkpoint"
     assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 3
     assert not any(p.name.startswith(".") for p in run.iterdir())  # no incomplete temporary folders left
+    # save_model() into output_dir kept the checkpoints and wrote a loadable HF export beside them
+    import transformers
+
+    transformers.AutoModelForCausalLM.from_pretrained(run)
 
 
 @pytest.mark.parametrize("resume_layout", [
