@@ -229,6 +229,10 @@ class FakeHub:
     def _url(self, *parts: str) -> str:
         return "/".join([self.endpoint, *parts])
 
+    def agent_harnesses(self, auth: str | None, query: dict, body: bytes) -> dict:
+        """The registry huggingface_hub fetches (at most daily) to tag its user agent: an empty one here."""
+        return {"standardEnvVars": [], "harnesses": {}}
+
     def create_repo(self, auth: str | None, query: dict, body: bytes) -> dict:
         payload = json.loads(body)
         if payload.get("type", "model") != "model":
@@ -357,6 +361,7 @@ class FakeHub:
 _REPO = r"(?P<repo_id>[^/]+/[^/]+)"
 _ROUTE_TABLE: list[tuple[str, re.Pattern, str]] = [
     ("POST", re.compile(r"/api/repos/create"), "create_repo"),
+    ("GET", re.compile(r"/api/agent-harnesses"), "agent_harnesses"),
     ("POST", re.compile(rf"/api/models/{_REPO}/branch/(?P<rev>[^/]+)"), "create_branch"),
     ("GET", re.compile(rf"/api/models/{_REPO}"), "repo_info"),
     ("GET", re.compile(rf"/api/models/{_REPO}/revision/(?P<rev>[^/]+)"), "repo_info"),
