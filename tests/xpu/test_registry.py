@@ -1,0 +1,49 @@
+"""Device backend selection: explicit choices that cannot work raise and name what is missing."""
+
+import pytest
+import torch
+
+from loongforge_hf.xpu import available_backends, get_backend
+from loongforge_hf.xpu import registry
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry(monkeypatch):
+    registry._reset_for_tests()
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    yield
+    registry._reset_for_tests()
+
+
+def test_default_is_cuda_when_available_else_cpu():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert get_backend().name == expected
+    assert "cpu" in available_backends()
+
+
+def test_env_var_selects_and_unknown_names_are_listed(monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, "cpu")
+    assert get_backend().name == "cpu" and get_backend().dist_backend == "gloo"
+    registry._reset_for_tests()
+    monkeypatch.setenv(registry.ENV_VAR, "tpu")
+    with pytest.raises(ValueError, match="Unknown device backend 'tpu'.*cpu, cuda, kunlun"):
+        get_backend()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_explicit_cuda_without_gpu_names_what_is_missing():
+    with pytest.raises(RuntimeError, match="torch.cuda.is_available\\(\\) is False"):
+        get_backend("cuda")
+
+
+def test_explicit_kunlun_without_its_stack_names_the_packages():
+    with pytest.raises(RuntimeError, match="torch_xmlir.*xpu_plugin|Kunlun"):
+        get_backend("kunlun")
+
+
+def test_cpu_backend_patches_are_in_place():
+    get_backend("cpu")
+    from megatron.core.transformer import utils as tutils
+
+    assert tutils.get_default_causal_mask(4).device.type == "cpu"
+    assert torch.cuda.current_device() == torch.device("cpu") or torch.cuda.is_available()
