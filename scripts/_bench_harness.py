@@ -1,0 +1,216 @@
+"""What every training benchmark shares: one worker process per measurement, timed steps, peak memory, a profile.
+
+Choices:
+- One process per (stack, workload): the parent never touches the device, so each worker's memory peak and whatever
+  it patches (Liger patches transformers' classes) stay its own. A worker writes one JSON result file; a worker that
+  dies without writing one is reported with the tail of its output.
+- Time: warm-up steps run first and are discarded (compilation, autotuning, allocator growth, lazy optimizer state).
+  Each timed step ends with a device synchronize and is timed on the host clock (the steps measured here end with a
+  host read of the loss anyway); the reported step time is the median of the timed steps, the mean is kept too.
+- Memory: the allocator's peak since just before the first step. Weights, gradients and optimizer state already
+  allocated then count, since the peak can only start from what is allocated at the reset.
+- Out of device memory is a result, not a crash: the worker reports ``status="oom"`` with the peak it had reached.
+- A profile is one more step after the timed ones, under ``torch.profiler``: ops ranked by their own device time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+GIB = 1024 ** 3
+
+
+class Device:
+    """The few device questions a worker asks; CPU answers them with no-ops (used for dry runs)."""
+
+    def __init__(self, kind: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.type = kind
+        self.device = torch.device(kind)
+        self.is_cuda = kind == "cuda"
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            self.torch.cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        if self.is_cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def allocated(self) -> int:
+        return self.torch.cuda.memory_allocated() if self.is_cuda else 0
+
+    def peak(self) -> int:
+        return self.torch.cuda.max_memory_allocated() if self.is_cuda else 0
+
+    def peak_reserved(self) -> int:
+        return self.torch.cuda.max_memory_reserved() if self.is_cuda else 0
+
+    def describe(self) -> dict:
+        if not self.is_cuda:
+            return {"type": "cpu", "name": platform.processor() or platform.machine()}
+        props = self.torch.cuda.get_device_properties(0)
+        return {"type": "cuda", "name": self.torch.cuda.get_device_name(0),
+                "capability": f"{props.major}.{props.minor}",
+                "memory_gib": round(props.total_memory / GIB, 1), "multiprocessors": props.multi_processor_count,
+                "cuda": self.torch.version.cuda, "driver": _nvidia_smi("driver_version")}
+
+    def is_oom(self, exc: BaseException) -> bool:
+        return isinstance(exc, getattr(self.torch, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
+
+
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def versions(*modules: str) -> dict:
+    """Installed versions of ``modules`` (None where one is missing), plus Python's."""
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in modules:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+# ---- inside a worker ------------------------------------------------------------------------------------------
+
+def time_steps(step: Callable[[Any], Any], batches: list, *, warmup: int, device: Device) -> dict:
+    """Run ``step`` on each batch; the first ``warmup`` are discarded. ``step`` returns the step's loss."""
+    if len(batches) <= warmup:
+        raise ValueError(f"need more batches ({len(batches)}) than warm-up steps ({warmup}).")
+    losses, seconds = [], []
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            device.synchronize()
+        start = time.perf_counter()
+        loss = step(batch)
+        device.synchronize()
+        elapsed = time.perf_counter() - start
+        losses.append(float(loss))
+        if i >= warmup:
+            seconds.append(elapsed)
+    return {"step_s": seconds, "median_step_s": statistics.median(seconds), "mean_step_s": statistics.fmean(seconds),
+            "losses": losses}
+
+
+def profile_step(step: Callable[[Any], Any], batch: Any, *, device: Device, row_limit: int = 25) -> dict:
+    """One step under ``torch.profiler``: ops ranked by their own (self) device time, with their share of the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
+    device.synchronize()
+    start = time.perf_counter()
+    with profile(activities=activities, record_shapes=False) as prof:
+        step(batch)
+        device.synchronize()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+
+    def self_device_us(e) -> float:
+        for attr in ("self_device_time_total", "self_cuda_time_total"):
+            if hasattr(e, attr):
+                return float(getattr(e, attr))
+        return 0.0
+
+    def self_cpu_us(e) -> float:
+        return float(e.self_cpu_time_total)
+
+    # NOTE: the averages hold both host-side ops (aten::mm, with the device time of the kernels they launched) and
+    # the kernels themselves; ranking both would count each kernel twice. Ops and kernels are ranked separately, and
+    # device-side ranges named like a host op (``Optimizer.step#AdamW.step``) are annotations, not kernels.
+    on_host = [e for e in events if str(getattr(e, "device_type", "CPU")).endswith("CPU")]
+    host_names = {e.key for e in on_host}
+    on_device = [e for e in events if e not in on_host and e.key not in host_names]
+    key = self_device_us if device.is_cuda else self_cpu_us
+
+    def ranked(group) -> tuple[float, list[dict]]:
+        total = sum(key(e) for e in group) or 1.0
+        rows = sorted(group, key=key, reverse=True)[:row_limit]
+        return total, [{"name": e.key, "calls": int(e.count), "self_ms": round(key(e) / 1e3, 3),
+                        "share": round(key(e) / total, 4)} for e in rows if key(e) > 0]
+
+    ops_total, ops = ranked(on_host)
+    _, kernels = ranked(on_device)
+    sort_by = "self_device_time_total" if device.is_cuda else "self_cpu_time_total"
+    try:
+        table = events.table(sort_by=sort_by, row_limit=row_limit)
+    except (AttributeError, KeyError, ValueError):
+        table = events.table(sort_by="self_cuda_time_total" if device.is_cuda else "self_cpu_time_total",
+                             row_limit=row_limit)
+    return {"wall_ms": round(wall * 1e3, 2), "total_self_ms": round(ops_total / 1e3, 2),
+            "measured": "self device time" if device.is_cuda else "self CPU time", "ops": ops,
+            "kernels": kernels, "table": table}
+
+
+def worker_main(run: Callable[[], dict], *, result_path: str, device: Device) -> int:
+    """Call ``run()`` and write its dict (or the failure) to ``result_path``. Exit code 0 unless writing fails."""
+    try:
+        result = {"status": "ok", **run()}
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a result
+        status = "oom" if device.is_oom(exc) else "error"
+        result = {"status": status, "error": "".join(traceback.format_exception(exc))[-6000:],
+                  "peak_gib": round(device.peak() / GIB, 2) if device.is_cuda else None}
+    Path(result_path).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+# ---- in the parent ----------------------------------------------------------------------------------------------
+
+def run_worker(argv: list[str], *, log_path: Path, timeout_s: float, env: dict | None = None) -> dict:
+    """Run ``python <argv> --result FILE`` in a fresh process; its output goes to ``log_path``; return its result."""
+    fd, result = tempfile.mkstemp(suffix=".json", prefix="bench_worker_")
+    os.close(fd)
+    os.unlink(result)
+    cmd = [sys.executable, *argv, "--result", result]
+    start = time.perf_counter()
+    with open(log_path, "a") as log:
+        log.write(f"\n===== {' '.join(cmd)}\n")
+        log.flush()
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  env={**os.environ, **(env or {})})
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    wall = round(time.perf_counter() - start, 1)
+    if os.path.exists(result):
+        out = json.loads(Path(result).read_text())
+        os.unlink(result)
+    else:
+        out = {"status": "error", "error": f"worker exited ({code}) without a result; log tail:\n"
+                                           f"{_tail(log_path, 4000)}"}
+    out["worker_wall_s"] = wall
+    return out
+
+
+def _tail(path: Path, chars: int) -> str:
+    text = Path(path).read_text(errors="replace")
+    return text[-chars:]
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header)))
+             + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

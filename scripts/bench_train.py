@@ -1,0 +1,419 @@
+"""Single-device training speed, side by side: transformers (sdpa), transformers + Liger-Kernel, loongforge-hf.
+
+Workloads (random init, bf16 weights, random tokens, one optimizer step per micro-batch):
+  a  Qwen3-0.6B shape: 28 layers, hidden 1024, intermediate 3072, 16 heads, 8 KV heads, head_dim 128, vocab 151936,
+     tied embeddings; seq 4096, micro-batch 4
+  b  Llama-3-8B shape cut to 8 layers (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256, untied);
+     seq 8192, micro-batch 1
+  c  Qwen3-30B-A3B shape cut to 4 layers (hidden 2048, 32 heads, 4 KV heads, head_dim 128, 128 experts, top-8,
+     moe_intermediate 768, vocab 151936, untied); seq 4096, micro-batch 2
+
+Each workload's checkpoint is written once by transformers (``from_config`` + ``save_pretrained``, bf16, seed 0) and
+every stack loads it from that folder: transformers with ``from_pretrained``, Liger after
+``apply_liger_kernel_to_<model>`` (rope, RMSNorm, SwiGLU and fused linear cross-entropy on), loongforge-hf through
+its bridge (``AutoModelForCausalLM.from_pretrained(tensor_parallel_size=1, dtype=bf16)``) and ``MegatronEngine``.
+Each stack trains in its own process on the same device, on the same token batches.
+
+One training step, every stack: forward with labels (mean loss over tokens), backward, gradient clipping at 1.0,
+AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, no weight decay), gradients cleared. transformers' stacks: bf16 weights,
+torch's fused AdamW on them. loongforge-hf: megatron's DDP and distributed optimizer as ``MegatronEngine`` builds them
+(fp32 main weights and gradients, torch AdamW: megatron picks the fused one only with Transformer Engine or Apex).
+
+MFU counts model FLOPs (``loongforge_hf.trainer.flops.model_flops_per_token``), per token:
+  3 * (L * (2*h*(q + 2*kv) + 2*q*h + 6*h*f*k + 2*q*s) + 2*h*V)
+with q = heads*head_dim, kv = kv_heads*head_dim, f the (expert) MLP width, k the active experts (1 when dense), s the
+sequence, V the vocabulary: 6 * (active matmul parameters) per token plus causal attention 12*L*q*s/2, against a peak
+of --peak-tflops (989 for H100/H200 dense bf16).
+
+A stack that runs out of memory at the workload's micro-batch is measured again at micro-batch 1 with gradient
+accumulation over as many micro-batches (same tokens per optimizer step), and both facts are reported.
+
+    python scripts/bench_train.py [--shapes a,b,c] [--stacks transformers,liger,loongforge] [--steps 10]
+                                  [--warmup 3] [--profile a,c] [--out outputs/bench_train.json]
+    python scripts/bench_train.py --tiny --device cpu --stacks transformers,loongforge     # a dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _bench_harness as H  # noqa: E402
+
+STACKS = ("transformers", "liger", "loongforge")
+STACK_TITLES = {"transformers": "transformers (sdpa)", "liger": "transformers + Liger-Kernel",
+                "loongforge": "loongforge-hf (TP=1, MegatronEngine)"}
+LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-4, (0.9, 0.999), 1e-8, 0.0, 1.0
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    key: str
+    title: str
+    model_type: str
+    config: dict
+    seq: int
+    micro_batch: int
+    tiny: dict = field(default_factory=dict)   # what --tiny changes (same code paths, small sizes)
+
+
+_TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=512, max_position_embeddings=256)
+
+WORKLOADS = {
+    "a": Workload("a", "Qwen3-0.6B shape, seq 4096, micro-batch 4", "qwen3",
+                  dict(num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+                  seq=4096, micro_batch=4, tiny=dict(_TINY, seq=64, micro_batch=2)),
+    "b": Workload("b", "Llama-3-8B shape cut to 8 layers, seq 8192, micro-batch 1", "llama",
+                  dict(num_hidden_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+                  seq=8192, micro_batch=1, tiny=dict(_TINY, bos_token_id=1, eos_token_id=2, seq=128, micro_batch=1)),
+    "c": Workload("c", "Qwen3-30B-A3B shape cut to 4 layers, seq 4096, micro-batch 2", "qwen3_moe",
+                  dict(num_hidden_layers=4, hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+                       num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                       moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                       vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+                  seq=4096, micro_batch=2, tiny=dict(_TINY, num_experts=8, num_experts_per_tok=2,
+                                                     moe_intermediate_size=32, seq=64, micro_batch=2)),
+}
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def sizes(w: Workload, tiny: bool) -> tuple[dict, int, int]:
+    """(HF config kwargs, seq, micro-batch) of a workload, shrunk with ``tiny``."""
+    if not tiny:
+        return dict(w.config), w.seq, w.micro_batch
+    small = dict(w.tiny)
+    seq, mb = small.pop("seq"), small.pop("micro_batch")
+    return {**w.config, **small}, seq, mb
+
+
+def hf_config(w: Workload, tiny: bool):
+    import transformers
+
+    kwargs, _, _ = sizes(w, tiny)
+    return transformers.AutoConfig.for_model(w.model_type, **kwargs)
+
+
+# ---- worker side: the checkpoint and the three stacks ----------------------------------------------------------
+
+def write_checkpoint(w: Workload, *, tiny: bool, folder: Path, device: H.Device) -> dict:
+    import torch
+    import transformers
+
+    cfg = hf_config(w, tiny)
+    torch.manual_seed(SEED)
+    with device.device:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    os.replace(partial, folder)
+    return {"parameters": sum(p.numel() for p in model.parameters()), "folder": str(folder)}
+
+
+def build_transformers(folder: str, device: H.Device, *, liger: bool):
+    import torch
+    import transformers
+
+    info = {}
+    if liger:
+        import liger_kernel.transformers as lk
+
+        apply = {"qwen3": lk.apply_liger_kernel_to_qwen3, "llama": lk.apply_liger_kernel_to_llama,
+                 "qwen3_moe": lk.apply_liger_kernel_to_qwen3_moe}
+        model_type = transformers.AutoConfig.from_pretrained(folder).model_type
+        apply[model_type](rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+        info["liger"] = f"apply_liger_kernel_to_{model_type}(rope, rms_norm, swiglu, fused_linear_cross_entropy)"
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                              device_map=str(device.device))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=device.is_cuda)
+    info.update(attn_implementation=model.config._attn_implementation, optimizer=f"torch AdamW fused={device.is_cuda}",
+                experts_implementation=getattr(model.config, "_experts_implementation", None),
+                parameters=sum(p.numel() for p in params))
+
+    def step(micro_batches):
+        total = 0.0
+        for ids in micro_batches:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            (loss / len(micro_batches)).backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total / len(micro_batches)
+
+    return step, info
+
+
+def build_loongforge(folder: str, device: H.Device):
+    import tempfile
+
+    import torch
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16)
+    args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_train_"), learning_rate=LR,
+                                          adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
+                                          weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
+    engine = MegatronEngine(model, args=args)
+    inner = engine.inner_optimizers()
+    info = {"parameters": model.num_parameters(), "device": str(model.device),
+            "optimizer": f"megatron DistributedOptimizer over {type(inner[0]).__module__}.{type(inner[0]).__name__} "
+                         f"(foreach={inner[0].defaults.get('foreach')}, fused={inner[0].defaults.get('fused')})",
+            "attention": type(model.chunks[0].decoder.layers[0].self_attention.core_attention).__name__}
+
+    def step(micro_batches):
+        return engine.train_step([{"input_ids": ids, "labels": ids} for ids in micro_batches]).loss
+
+    return step, info
+
+
+def run_stack(args, device: H.Device) -> dict:
+    import torch
+
+    w = WORKLOADS[args.shape]
+    cfg_kwargs, seq, _ = sizes(w, args.tiny)
+    if args.stack == "loongforge":
+        step, info = build_loongforge(args.folder, device)
+    else:
+        step, info = build_transformers(args.folder, device, liger=args.stack == "liger")
+    info["weights_gib"] = round(device.allocated() / H.GIB, 2)
+    g = torch.Generator(device=device.device).manual_seed(SEED)
+    # NOTE: each step's rows are drawn at once and then split, so a run with accumulation sees the same tokens as one
+    # without (drawing each micro-batch separately moves the generator differently).
+    batches = [list(torch.randint(0, cfg_kwargs["vocab_size"], (args.micro_batch * args.accum, seq), generator=g,
+                                  device=device.device).split(args.micro_batch))
+               for _ in range(args.warmup + args.steps + (1 if args.profile else 0))]
+    device.synchronize()
+    device.reset_peak()
+    timing = H.time_steps(step, batches[:args.warmup + args.steps], warmup=args.warmup, device=device)
+    out = {**info, **timing, "peak_gib": round(device.peak() / H.GIB, 2),
+           "peak_reserved_gib": round(device.peak_reserved() / H.GIB, 2), "micro_batch": args.micro_batch,
+           "accum": args.accum, "seq": seq, "tokens_per_step": args.micro_batch * args.accum * seq,
+           "device": device.describe(),
+           "versions": H.versions("torch", "transformers", "megatron-core", "liger-kernel", "triton")}
+    if args.profile:
+        out["profile"] = H.profile_step(step, batches[-1], device=device)
+    return out
+
+
+def worker(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", choices=("write", "run"), required=True)
+    p.add_argument("--shape", required=True)
+    p.add_argument("--stack", choices=STACKS)
+    p.add_argument("--folder", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--result", required=True)
+    args = p.parse_args(argv)
+    # NOTE: loongforge-hf picks its device backend from this variable; set before anything imports the package.
+    os.environ["LOONGFORGE_DEVICE"] = args.device
+    device = H.Device(args.device)
+    if args.worker == "write":
+        run = lambda: write_checkpoint(WORKLOADS[args.shape], tiny=args.tiny, folder=Path(args.folder),  # noqa: E731
+                                       device=device)
+    else:
+        run = lambda: run_stack(args, device)  # noqa: E731
+    return H.worker_main(run, result_path=args.result, device=device)
+
+
+# ---- parent side ---------------------------------------------------------------------------------------------
+
+def flops_per_token(w: Workload, tiny: bool) -> float:
+    from loongforge_hf.trainer.flops import model_flops_per_token
+
+    _, seq, _ = sizes(w, tiny)
+    return model_flops_per_token(hf_config(w, tiny), seq_len=seq)
+
+
+def loongforge_supports(w: Workload) -> bool:
+    from loongforge_hf.bridges import supported_architectures
+
+    return ARCHITECTURES[w.model_type] in supported_architectures()
+
+
+def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: bool) -> dict:
+    _, seq, mb = sizes(w, args.tiny)
+    common = [__file__, "--worker", "run", "--shape", w.key, "--stack", stack, "--folder", str(folder),
+              "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
+    result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", "1"], log_path=log,
+                          timeout_s=args.worker_timeout)
+    print(f"  {stack}: {_brief(result)}", flush=True)
+    if result["status"] == "oom" and mb > 1 and not args.no_oom_retry:
+        first = result
+        result = H.run_worker(common + ["--micro-batch", "1", "--accum", str(mb)], log_path=log,
+                              timeout_s=args.worker_timeout)
+        result["oom_at"] = {"micro_batch": mb, "peak_gib": first.get("peak_gib"), "error": first["error"][-1500:]}
+        print(f"  {stack} (micro-batch 1 x {mb} accumulation): {_brief(result)}", flush=True)
+    return result
+
+
+def _brief(r: dict) -> str:
+    if r["status"] != "ok":
+        last = r.get("error", "").strip().splitlines()[-1:] or [""]
+        return f"{r['status']}: {last[0][:200]}"
+    return f"median step {r['median_step_s'] * 1e3:.1f} ms, peak {r['peak_gib']:.2f} GiB, losses {r['losses'][0]:.3f}" \
+           f" -> {r['losses'][-1]:.3f}"
+
+
+def summarize(w: Workload, results: dict, *, flops: float, peak_flops: float) -> list[list]:
+    for r in results.values():
+        if r.get("status") == "ok":
+            r["tokens_per_s"] = r["tokens_per_step"] / r["median_step_s"]
+            r["mfu"] = r["tokens_per_s"] * flops / peak_flops
+    rows = []
+    base = {k: results.get(k, {}) for k in ("liger", "transformers")}
+    for stack, r in results.items():
+        name = STACK_TITLES[stack]
+        if r.get("status") != "ok":
+            rows.append([name, "—", f"**{r.get('status')}**", "—", _gib(r.get("peak_gib")), "—", "—", "—", "—"])
+            continue
+        ratios = []
+        for ref in ("liger", "transformers"):
+            b = base[ref]
+            ratios.append(f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}×" if b.get("status") == "ok" else "—")
+        mem_vs_liger = f"{r['peak_gib'] / base['liger']['peak_gib']:.2f}×" \
+            if base["liger"].get("status") == "ok" and base["liger"]["peak_gib"] else "—"
+        layout = f"{r['micro_batch']}" + (f" × {r['accum']} accum" if r["accum"] > 1 else "")
+        if r.get("oom_at"):
+            layout += f" (OOM at {r['oom_at']['micro_batch']})"
+        rows.append([name, layout, f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%", _gib(r["peak_gib"]),
+                     ratios[0], ratios[1], mem_vs_liger, f"{r['losses'][0]:.3f}"])
+    return rows
+
+
+def _gib(x) -> str:
+    return "—" if x is None else f"{x:.1f}"
+
+
+HEADER = ["stack", "micro-batch", "tokens/s", "MFU", "peak GiB", "tok/s vs HF+Liger", "tok/s vs HF",
+          "peak vs HF+Liger", "first loss"]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="a,b,c")
+    p.add_argument("--stacks", default=",".join(STACKS))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", default="a,c", help="workloads whose loongforge step is profiled ('' for none)")
+    p.add_argument("--out", default="outputs/bench_train.json")
+    p.add_argument("--log", default=None, help="worker output (default: next to --out, .log)")
+    p.add_argument("--checkpoints", default="/tmp/loongforge_bench_train", help="where the checkpoints are written")
+    p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="small sizes, same code paths (dry runs, smoke)")
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--no-oom-retry", action="store_true")
+    p.add_argument("--worker-timeout", type=float, default=900.0)
+    args = p.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    stacks = [s for s in args.stacks.split(",") if s]
+    unknown = [s for s in shapes if s not in WORKLOADS] + [s for s in stacks if s not in STACKS]
+    if unknown:
+        p.error(f"unknown shapes/stacks {unknown}; shapes: {sorted(WORKLOADS)}, stacks: {list(STACKS)}")
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    log = Path(args.log) if args.log else out_path.with_suffix(".log")
+    log.write_text("")
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python", *sys.argv]), "peak_tflops": args.peak_tflops,
+              "settings": {"steps": args.steps, "warmup": args.warmup, "lr": LR, "betas": BETAS, "eps": EPS,
+                           "weight_decay": WEIGHT_DECAY, "max_grad_norm": MAX_GRAD_NORM, "tiny": args.tiny,
+                           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
+              "mfu_formula": "model_flops_per_token (loongforge_hf/trainer/flops.py): 3*(L*(2h(q+2kv) + 2qh + 6hfk "
+                             "+ 2qs) + 2hV) per token", "workloads": {}}
+    tables = []
+    for key in shapes:
+        w = WORKLOADS[key]
+        cfg, seq, mb = sizes(w, args.tiny)
+        flops = flops_per_token(w, args.tiny)
+        entry = {"title": w.title, "config": cfg, "seq": seq, "micro_batch": mb, "flops_per_token": flops,
+                 "results": {}}
+        report["workloads"][key] = entry
+        print(f"[{key}] {w.title}{' (tiny)' if args.tiny else ''}: {flops / 1e9:.2f} GFLOP/token", flush=True)
+        folder = Path(args.checkpoints) / (f"{key}-tiny" if args.tiny else key)
+        if not (folder / "config.json").is_file():
+            written = H.run_worker([__file__, "--worker", "write", "--shape", key, "--folder", str(folder),
+                                    "--device", args.device] + (["--tiny"] if args.tiny else []),
+                                   log_path=log, timeout_s=args.worker_timeout)
+            entry["checkpoint"] = written
+            if written["status"] != "ok":
+                print(f"  writing the checkpoint failed: {_brief(written)}", flush=True)
+                _save(report, out_path)
+                continue
+            print(f"  checkpoint: {written['parameters'] / 1e9:.3f} B parameters, {written['worker_wall_s']} s",
+                  flush=True)
+        for stack in stacks:
+            if stack == "loongforge" and not loongforge_supports(w):
+                entry["results"][stack] = {"status": "not run",
+                                           "error": f"no loongforge-hf bridge for {ARCHITECTURES[w.model_type]}"}
+                continue
+            entry["results"][stack] = measure(args, w, stack, folder, log,
+                                              profile=stack == "loongforge" and key in args.profile.split(","))
+            _save(report, out_path)
+        rows = summarize(w, entry["results"], flops=flops, peak_flops=args.peak_tflops * 1e12)
+        tables.append(f"### ({key}) {w.title}\n\n" + H.markdown_table(HEADER, rows))
+        _save(report, out_path)
+        if not args.keep_checkpoints:
+            shutil.rmtree(folder, ignore_errors=True)
+    device = next((r["device"] for e in report["workloads"].values() for r in e["results"].values()
+                   if r.get("device")), None)
+    report["device"] = device
+    report["software"] = next((r["versions"] for e in report["workloads"].values() for r in e["results"].values()
+                               if r.get("versions")), None)
+    _save(report, out_path)
+    print(f"\ndevice: {device}\n")
+    print("\n\n".join(tables))
+    for key, e in report["workloads"].items():
+        prof = e["results"].get("loongforge", {}).get("profile")
+        if prof:
+            print(f"\nloongforge step profile, ({key}): wall {prof['wall_ms']} ms, {prof['measured']} "
+                  f"{prof['total_self_ms']} ms")
+            for what, rows in (("op", prof["ops"][:15]), ("kernel", prof["kernels"][:8])):
+                print(H.markdown_table([what, "calls", "self ms", "share"],
+                                       [[t["name"][:70], t["calls"], t["self_ms"], f"{100 * t['share']:.1f}%"]
+                                        for t in rows]))
+    print(f"\nwrote {out_path} and {log}")
+    return 0
+
+
+def _save(report: dict, path: Path) -> None:
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        sys.exit(worker(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))
