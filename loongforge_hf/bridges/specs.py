@@ -1,7 +1,9 @@
 """Which megatron layer spec a bridge's model is built from.
 
 Choices:
-- Dense decoders: megatron's local spec, one spec for every layer.
+- Dense decoders: our kernels' spec (``kernels/specs.py``): SDPA core attention (no materialised scores, GQA
+  without repeated K/V, sliding windows, packed documents, context parallel) and our RMSNorm (HF numerics, sequence
+  parallel), with megatron's parallel linears.
 - MoE and MLA decoders: megatron's decoder block spec from the config (``moe_layer_freq`` says which layers are
   sparse, ``multi_latent_attention`` picks ``MLASelfAttention``), megatron's local linear, attention, MoE and MLA
   modules, sliced to the layers this pipeline stage (and virtual stage) builds. Two slots are swapped:
@@ -59,10 +61,12 @@ def _swap_modules(block_spec):
 
 
 def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if bridge.num_experts() is None and not getattr(config, "multi_latent_attention", False):
-        return get_gpt_layer_local_spec(qk_layernorm=bridge.qk_norm, num_experts=bridge.num_experts())
+        from loongforge_hf.kernels.specs import get_block_spec, get_layer_spec
+
+        return get_block_spec(config, get_layer_spec(qk_norm=bridge.qk_norm), vp_stage=vp_stage)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage)
     return _swap_modules(block)
