@@ -1,5 +1,6 @@
 """loongforge-hf: Hugging Face checkpoints in, Hugging Face checkpoints out, megatron-core in between."""
 
+from loongforge_hf.integrations.trl import LoongSFTTrainer
 from loongforge_hf.modeling import AutoModelForCausalLM, LoongModelForCausalLM
 from loongforge_hf.multimodal.modeling import AutoModelForImageTextToText, LoongModelForImageTextToText
 from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
@@ -8,5 +9,5 @@ from loongforge_hf.trainer import LoongTrainer, LoongTrainingArguments
 __version__ = "0.1.0"
 
 __all__ = ["AutoModelForCausalLM", "AutoModelForImageTextToText", "LoongModelForCausalLM",
-           "LoongModelForImageTextToText", "LoongTrainer", "LoongTrainingArguments", "ParallelConfig",
-           "ParallelLayoutError", "__version__"]
+           "LoongModelForImageTextToText", "LoongSFTTrainer", "LoongTrainer", "LoongTrainingArguments",
+           "ParallelConfig", "ParallelLayoutError", "__version__"]

@@ -48,6 +48,9 @@ class LoongTrainer(Trainer):
         # NOTE: Trainer must neither move nor wrap the model: megatron owns placement and gradient reduction.
         model.is_parallelizable = True
         model.model_parallel = True
+        # NOTE: evaluation would otherwise have accelerate move the model to its device ("cpu:0" != "cpu" copies
+        # every parameter), cutting the parameters off megatron's DDP buffers: later optimizer steps never reach them.
+        model._is_accelerate_prepared = True
         # NOTE: under `accelerate launch` with a MEGATRON_LM config, the layout was already read from the
         # environment by from_pretrained; Trainer's Accelerator must not start accelerate's own Megatron-LM plugin
         # (it needs the Megatron-LM training package and would drive training itself).
@@ -177,6 +180,7 @@ class LoongTrainer(Trainer):
             self._check_batches_everywhere(micro, max_pos)
             ran = True
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            self.model.train()  # as Trainer.training_step does: an evaluation leaves the model in eval mode
             t0 = time.perf_counter()
             result = self.engine.train_step(micro)
             elapsed = time.perf_counter() - t0

@@ -1,0 +1,113 @@
+"""``LoongSFTTrainer``: trl's SFTTrainer on the outside, LoongTrainer's megatron engine on the inside.
+
+Choices:
+- ``class LoongSFTTrainer(LoongTrainer, SFTTrainer)``. The MRO is LoongSFTTrainer -> LoongTrainer -> SFTTrainer ->
+  Trainer, so:
+  - from SFTTrainer (not overridden by LoongTrainer): ``__init__``'s dataset preparation (text, messages,
+    prompt/completion, formatting_func, assistant_only_loss / completion_only_loss labels, truncation, packing), its
+    collator (padding-free batches with restarting ``position_ids``), ``_set_signature_columns_if_needed``,
+    ``evaluate`` and ``log``. The same SFTConfig gives the same token batches as trl.SFTTrainer;
+  - from LoongTrainer: data sharding over data-parallel ranks, the training loop (each step is
+    ``MegatronEngine.train_step``: megatron's schedule, DDP, distributed optimizer; the loss is the mean over all label
+    tokens of the global batch, what SFTTrainer's "nll" loss is), optimizer/scheduler, checkpoints and ``save_model``.
+  Composition (a LoongTrainer holding an SFTTrainer for data) was the alternative; it would duplicate Trainer state
+  (callbacks, args, accelerator) in two objects, while the MRO shares one and overrides nothing of TRL's data path.
+- ``peft_config`` never reaches TRL's ``get_peft_model`` (which would look for ``nn.Linear`` q_proj modules the
+  megatron model does not have): it is intercepted here and applied with ``loongforge_hf.lora.get_peft_model``,
+  right after ``set_seed(args.seed)`` as TRL does, so the adapters start from PEFT's values. ``save_model`` then
+  writes a PEFT adapter folder (plus the tokenizer), like SFTTrainer with PEFT.
+- TRL patches ``model.forward`` with its fused LM head (HF backbone + ``lm_head`` attributes); training never calls the
+  model's forward and evaluation uses the model's own loss (``compute_loss`` below), so the patch is removed.
+- ``gradient_checkpointing`` (True by default in SFTConfig) is turned off: megatron activation recompute is not wired
+  to it yet, and memory, not the math, is all it changes.
+- Refused with a message: a model given by name (load it with ``loongforge_hf.AutoModelForCausalLM``),
+  ``compute_loss_func``, ``loss_type="dft"``, ``label_smoothing_factor``, ``use_liger_kernel``, custom
+  ``optimizers`` / ``optimizer_cls_and_kwargs``, ``quantization_config``, non-LoRA ``peft_config``.
+- TRL's per-step ``entropy`` / ``mean_token_accuracy`` / ``num_tokens`` metrics come from its ``compute_loss``, which
+  the engine does not run: they are not logged (loss, grad_norm, learning_rate, tokens_per_second are).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from trl import SFTConfig, SFTTrainer
+
+from loongforge_hf.trainer.loong_trainer import LoongTrainer
+
+logger = logging.getLogger(__name__)
+
+
+def _as_sft_config(args, model) -> SFTConfig:
+    """``args`` as the SFTConfig TRL would build from it (None -> defaults named after the model)."""
+    from transformers import TrainingArguments
+
+    if args is None:
+        name = (getattr(model.config, "_name_or_path", "") or "model").rstrip("/").split("/")[-1]
+        return SFTConfig(f"{name}-SFT")
+    if isinstance(args, SFTConfig):
+        return args
+    if isinstance(args, TrainingArguments):
+        values = args.to_dict()
+        values["hub_token"] = args.hub_token  # to_dict hides it
+        return SFTConfig(**values)
+    raise TypeError(f"args must be a trl.SFTConfig or transformers.TrainingArguments, got {type(args).__name__}.")
+
+
+def _refuse_unsupported(args: SFTConfig, **given) -> None:
+    named = [k for k, v in given.items() if v is not None and v != (None, None)]
+    if named:
+        raise ValueError(f"LoongSFTTrainer does not take {named}: the megatron engine owns the loss and the optimizer "
+                         "(hyper-parameters come from SFTConfig).")
+    if args.loss_type != "nll":
+        raise ValueError(f"SFTConfig(loss_type={args.loss_type!r}) is not supported by LoongSFTTrainer; use 'nll'.")
+    if args.label_smoothing_factor:
+        raise ValueError("SFTConfig(label_smoothing_factor=...) is not supported by LoongSFTTrainer.")
+    if args.use_liger_kernel:
+        raise ValueError("SFTConfig(use_liger_kernel=True) is not supported: loongforge's own kernels are used.")
+
+
+class LoongSFTTrainer(LoongTrainer, SFTTrainer):
+    """A drop-in ``trl.SFTTrainer`` for ``LoongModelForCausalLM`` models (``peft_config`` gives megatron LoRA)."""
+
+    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, compute_loss_func=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
+                 quantization_config=None, peft_config=None, formatting_func=None) -> None:
+        from loongforge_hf.modeling import LoongModelForCausalLM
+
+        if not isinstance(model, LoongModelForCausalLM):
+            raise TypeError("LoongSFTTrainer trains a loongforge_hf model: load it with "
+                            "loongforge_hf.AutoModelForCausalLM.from_pretrained(...) "
+                            f"(got {type(model).__name__}).")
+        args = _as_sft_config(args, model)
+        _refuse_unsupported(args, compute_loss_func=compute_loss_func, optimizers=optimizers,
+                            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                            quantization_config=quantization_config)
+        if args.gradient_checkpointing or args.activation_checkpointing:
+            logger.info("LoongSFTTrainer: gradient_checkpointing is not applied (megatron activation recompute is "
+                        "not wired to it); training proceeds without it.")
+            args.gradient_checkpointing = args.activation_checkpointing = False
+        if peft_config is not None:
+            from transformers import set_seed
+
+            from loongforge_hf.lora import get_peft_model
+
+            # NOTE: TRL seeds right before creating the adapters; doing the same gives PEFT's initial values.
+            set_seed(args.seed)
+            model = get_peft_model(model, peft_config)
+        if model.generation_config is None:
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_model_config(model.config)
+        super().__init__(model, args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, compute_metrics=compute_metrics,
+                         callbacks=callbacks, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+                         peft_config=None, formatting_func=formatting_func)
+        vars(self.model).pop("forward", None)  # TRL's fused-LM-head patch (see the module docstring)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Evaluation loss from the model's forward (training steps run in the megatron engine, not here)."""
+        keep = ("input_ids", "attention_mask", "position_ids", "labels")
+        outputs = model(**{k: v for k, v in inputs.items() if k in keep})
+        return (outputs.loss, outputs) if return_outputs else outputs.loss

@@ -1,0 +1,190 @@
+"""Writing a LoRA model out: a PEFT adapter folder, or the merged weights as a plain HF checkpoint.
+
+Choices:
+- Adapter folder = what ``PeftModel.save_pretrained`` writes and ``PeftModel.from_pretrained(hf_model, dir)`` reads:
+  ``adapter_model.safetensors`` with PEFT's names (``base_model.model.<HF module>.lora_A.weight`` / ``lora_B``, and
+  ``base_model.model.<HF parameter>`` for ``modules_to_save``) at HF shapes, and ``adapter_config.json`` (the
+  LoraConfig, ``target_modules`` as PEFT saves them: "all-linear" becomes the module names it matched).
+- Tensors stream as the HF exporter's do: the owning pipeline stage's first data-parallel replica gathers the
+  tensor-parallel shards on its first TP rank (split factors are concatenated along their split dim, replicated ones
+  taken from that rank), which sends the full tensor to global rank 0. Rank 0 holds the adapter (small) and writes
+  through ``CheckpointWriter``: a temporary folder renamed into place, so an interrupted save never leaves a folder
+  that looks complete. Failures are shared with every rank, which all raise the same error.
+- Merged export: every adapted megatron weight gets ``scaling * B @ A`` (computed in float32, added in the weight's
+  dtype, as PEFT's ``merge_and_unload``), the regular HF export runs, and the original weights are copied back from a
+  CPU copy: the model continues unmerged, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loongforge_hf.bridges.distribution import broadcast_outcome, gather_to_first, recv_tensor, send_tensor
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _lora_modules(model):
+    from loongforge_hf.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
+
+    for chunk in model.chunks:
+        for module in chunk.modules():
+            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear)):
+                yield module
+
+
+@contextlib.contextmanager
+def merged_weights(model):
+    """Adapted weights hold ``W + scaling * B @ A`` inside the block; the exact originals come back after it."""
+    saved = []
+    try:
+        with torch.no_grad():
+            for module in _lora_modules(model):
+                weight = module.weight
+                saved.append((weight, weight.detach().to("cpu", copy=True)))
+                weight.add_(module.lora_delta_weight().to(weight.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for weight, original in saved:
+                weight.copy_(original)
+
+
+def adapter_config_text(model) -> str:
+    """adapter_config.json as PEFT writes it for this model's LoraConfig."""
+    from peft import __version__ as peft_version
+
+    data = model.lora_config.to_dict()
+    data.update(target_modules=model.lora_plan.target_modules, base_model_name_or_path=model.name_or_path or None,
+                inference_mode=True, peft_version=peft_version)
+
+    def plain(value):
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    return json.dumps(plain(data), indent=2, sort_keys=True) + "\n"
+
+
+class _Streamer:
+    """Moves full HF tensors from their owning ranks to global rank 0 (collective: every rank runs every call)."""
+
+    def __init__(self, model) -> None:
+        from megatron.core import parallel_state as ps
+
+        from loongforge_hf.bridges.builder import layer_owners
+        from loongforge_hf.bridges.loader import shard_context
+
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.replica0 = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        self.pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) \
+            if dist.is_initialized() else [0]
+        self.owners = layer_owners(model.megatron.config, model.parallel)
+        self.last_pp = model.parallel.pipeline_parallel_size - 1
+        self.ctx = shard_context(model.bridge, tp_rank=self.tp_rank,
+                                 tp_size=ps.get_tensor_model_parallel_world_size(),
+                                 padded_vocab=model.megatron.padded_vocab)
+        self.params = [dict(chunk.named_parameters()) for chunk in model.chunks]
+        self.device = model.device
+
+    def owner_of(self, layer: int | None, megatron_name: str) -> tuple[int, int, str]:
+        """(pipeline rank, chunk index, local megatron name) of a tensor named with ``{layer}``."""
+        if layer is not None:
+            pp, vp, local = self.owners[layer]
+            return pp, vp or 0, megatron_name.format(layer=local)
+        if megatron_name.startswith("embedding."):
+            return 0, 0, megatron_name
+        return self.last_pp, len(self.params) - 1, megatron_name
+
+    def collect(self, owner_pp: int, vp: int, name: str, *, export, shapes: dict[str, tuple], dtype):
+        """{hf name: tensor} on rank 0 (empty elsewhere). ``export(shards)`` turns TP shards into HF tensors."""
+        holds = owner_pp == self.pp_rank and self.replica0
+        full: dict[str, torch.Tensor] = {}
+        if holds:
+            shards = gather_to_first(self.params[vp][name].detach(), group=self.tp_group)
+            if self.tp_rank == 0:
+                full = export(shards)
+        if self.rank == 0:
+            if holds:
+                return {n: t.to("cpu", dtype) for n, t in full.items()}
+            src = self.pp_ranks[owner_pp]
+            return {n: recv_tensor(shapes[n], dtype, src=src, device=self.device).cpu() for n in shapes}
+        if holds and self.tp_rank == 0:
+            for n in shapes:
+                send_tensor(full[n].to(dtype), dst=0)
+        return {}
+
+
+def _adapter_tensors(model) -> dict[str, torch.Tensor]:
+    """Every adapter tensor at HF shape on rank 0 (empty dict elsewhere); collective."""
+    plan, streamer, dtype = model.lora_plan, _Streamer(model), model.dtype
+    out: dict[str, torch.Tensor] = {}
+    for t in plan.targets:
+        prefix = f"base_model.model.{t.hf_module}"
+        base = t.megatron_module + f".lora.{t.name}"
+        for factor, split_dim in (("A", 1 if t.kind == "row" else None), ("B", None if t.kind == "row" else 0)):
+            hf_name = f"{prefix}.lora_{factor}.weight"
+            shape = (t.r, t.in_features) if factor == "A" else (t.out_features, t.r)
+            owner_pp, vp, name = streamer.owner_of(t.layer, f"{base}.{factor}")
+
+            def export(shards, hf_name=hf_name, split_dim=split_dim):
+                return {hf_name: shards[0] if split_dim is None else torch.cat(shards, dim=split_dim)}
+            out.update(streamer.collect(owner_pp, vp, name, export=export, shapes={hf_name: shape}, dtype=dtype))
+    for s in plan.saved:
+        owner_pp, vp, name = streamer.owner_of(s.layer, s.mapping.megatron)
+        hf_name = f"base_model.model.{s.hf_name}"
+
+        def export(shards, s=s, hf_name=hf_name):
+            return {hf_name: s.mapping.export(shards, streamer.ctx, s.layer)[s.hf_name]}
+        out.update(streamer.collect(owner_pp, vp, name, export=export,
+                                    shapes={hf_name: plan.hf_shapes[s.hf_name]}, dtype=dtype))
+    return out
+
+
+def export_adapter(model, out_dir: Path) -> None:
+    """Write ``model``'s adapters as a PEFT adapter folder (collective; rank 0 writes, atomically)."""
+    from safetensors.torch import save_file
+
+    from loongforge_hf.bridges.writer import CheckpointWriter
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    writer = CheckpointWriter(out_dir)
+    error: str | None = None
+    if rank == 0:
+        try:
+            writer.__enter__()
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            error = f"{type(e).__name__}: {e}"
+    error = broadcast_outcome(error, src=0)
+    if error is not None:
+        raise RuntimeError(f"save_pretrained({os.fspath(out_dir)!r}) failed; nothing was written: {error}")
+    tensors = _adapter_tensors(model)
+    if rank == 0:
+        try:
+            with tempfile.TemporaryDirectory(prefix="loongforge-adapter-") as tmp:
+                path = Path(tmp) / ADAPTER_WEIGHTS
+                save_file({n: t.contiguous() for n, t in tensors.items()}, str(path), metadata={"format": "pt"})
+                writer.copy_file(ADAPTER_WEIGHTS, path)
+            writer.write_text(ADAPTER_CONFIG, adapter_config_text(model))
+            writer.__exit__(None, None, None)
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            error = f"{type(e).__name__}: {e}"
+            writer.__exit__(type(e), e, None)
+    error = broadcast_outcome(error, src=0)
+    if error is not None:
+        raise RuntimeError(f"save_pretrained({os.fspath(out_dir)!r}) failed; nothing was written: {error}")

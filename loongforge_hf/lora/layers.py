@@ -1,0 +1,176 @@
+"""LoRA on megatron's tensor-parallel linears: PEFT's math, split the way the base weight is split.
+
+Choices:
+- The adapted layers are megatron's own ``ColumnParallelLinear`` / ``RowParallelLinear`` with one method changed:
+  ``_forward_impl``, the local matmul megatron runs between its communication ops, adds the adapter's local term.
+  Applying LoRA re-classes the existing module (``module.__class__ = LoraColumnParallelLinear``) and adds a child
+  ``lora`` (one ``LoraAdapter`` per HF target, keyed by its HF name, e.g. ``q_proj``). The base parameter keeps its
+  object, name and megatron attributes, so the bridge, DDP, the optimizer and dist-checkpointing see it unchanged.
+- Column-parallel base (``linear_qkv``, ``linear_fc1``): A is replicated, B holds this rank's output rows. One
+  fused megatron output carries several HF targets: ``q_proj``'s delta goes to the q rows of every local KV group of
+  ``linear_qkv`` (per group: q heads, k head, v head), ``gate_proj``/``up_proj`` to the two halves of this rank's
+  ``[gate; up]``. A target not adapted contributes zeros to its rows, so ``q_proj`` alone changes only q.
+  TP > 1: ``h = A x`` is computed on every rank and goes through ``copy_to_tensor_model_parallel_region`` (identity
+  forward, all-reduce backward) before this rank's B, so A's gradient and the input gradient are the full sums.
+  With sequence parallelism ``h`` is computed on the local sequence shard and all-gathered (r columns instead of
+  the hidden size); A then enters through ``copy_to_tensor_model_parallel_region`` so its gradient sums the shards.
+- Row-parallel base (``linear_proj``, ``linear_fc2``): A holds this rank's input columns, B is replicated. The
+  partial ``B (A_r x_r)`` is added to the base's partial output *before* megatron's all-reduce (or reduce-scatter
+  under sequence parallelism), which then sums both; B's gradient is partial per rank and is summed by passing B
+  through ``copy_to_tensor_model_parallel_region``.
+- Dropout is applied to the adapter input, per target, like PEFT. Where the input is the same on every TP rank the
+  default generator draws the mask (megatron keeps it in step across TP ranks); where it is split over TP (sequence
+  parallel, row-parallel inputs) megatron's model-parallel RNG tracker does, so each shard gets its own mask.
+- Adapter parameters carry megatron's tensor-parallel attributes (split factors ``tensor_model_parallel=True``), so
+  the gradient norm counts replicated factors once; ``sharded_state_dict`` shards split factors along their TP axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                  set_tensor_model_parallel_attributes)
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region)
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from torch import nn
+
+
+class LoraAdapter(nn.Module):
+    """One HF target's adapter on this rank: ``A`` [r, in or in/TP], ``B`` [out/TP or out, r]."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, *, scaling: float, dropout: float, split: str) -> None:
+        super().__init__()
+        self.A = nn.Parameter(a)
+        self.B = nn.Parameter(b)
+        self.scaling = scaling
+        self.dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
+        split_factor = self.B if split == "B" else self.A
+        for p in (self.A, self.B):
+            set_tensor_model_parallel_attributes(p, p is split_factor, 0 if split == "B" else 1, 1)
+
+    def drop(self, x: torch.Tensor, *, input_is_split: bool) -> torch.Tensor:
+        if isinstance(self.dropout, nn.Identity) or not self.training:
+            return x
+        if not input_is_split:
+            return self.dropout(x)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        with get_cuda_rng_tracker().fork():
+            return self.dropout(x)
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """How HF targets share a column-parallel output on one rank: ``groups`` repeats of ``slots`` row blocks.
+
+    ``linear_qkv``: groups = local KV groups, slots (q_proj, heads per group x head_dim), (k_proj, head_dim),
+    (v_proj, head_dim). ``linear_fc1``: one group, (gate_proj, rows), (up_proj, rows). A plain linear: one slot.
+    """
+
+    groups: int
+    slots: tuple[tuple[str, int], ...]
+
+    def interleave(self, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-target tensors [..., groups * rows] -> the fused last dimension; absent targets are zeros."""
+        like = next(iter(pieces.values()))
+        lead = like.shape[:-1]
+        parts = []
+        for name, rows in self.slots:
+            piece = pieces.get(name)
+            if piece is None:
+                piece = like.new_zeros(*lead, self.groups * rows)
+            parts.append(piece.reshape(*lead, self.groups, rows))
+        return torch.cat(parts, dim=-1).reshape(*lead, -1)
+
+
+def _tp_size(module) -> int:
+    return module.tp_group.size() if module.tp_group is not None else 1
+
+
+class LoraColumnParallelLinear(ColumnParallelLinear):
+    """megatron's ColumnParallelLinear plus LoRA adapters on (slots of) its output rows."""
+
+    lora: nn.ModuleDict
+    lora_layout: FusedLayout
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        out = super()._forward_impl(input, weight, *args, **kwargs)
+        return out + self.lora_delta(input, sequence_parallel=bool(kwargs.get("sequence_parallel")),
+                                     allreduce_dgrad=bool(kwargs.get("allreduce_dgrad")))
+
+    def lora_delta(self, x: torch.Tensor, *, sequence_parallel: bool, allreduce_dgrad: bool) -> torch.Tensor:
+        tp = _tp_size(self)
+        if tp > 1 and not sequence_parallel and not allreduce_dgrad:
+            # NOTE: megatron then copies the input into the TP region itself, which would sum the adapter's
+            # input gradient a second time; none of the linears LoRA targets is built that way.
+            raise RuntimeError("LoRA on a ColumnParallelLinear without gradient all-reduce is not supported.")
+        pieces = {}
+        for name, adapter in self.lora.items():
+            a = adapter.A
+            if tp > 1 and sequence_parallel:
+                a = copy_to_tensor_model_parallel_region(a, group=self.tp_group)
+            h = F.linear(adapter.drop(x, input_is_split=tp > 1 and sequence_parallel), a)
+            if tp > 1:
+                h = gather_from_sequence_parallel_region(h, group=self.tp_group) if sequence_parallel \
+                    else copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+            pieces[name] = F.linear(h, adapter.B) * adapter.scaling
+        return self.lora_layout.interleave(pieces)
+
+    @torch.no_grad()
+    def lora_delta_weight(self) -> torch.Tensor:
+        """scaling * B @ A for every adapter, in the fused local layout of ``weight`` (float32)."""
+        pieces = {n: (a.A.float().t() @ a.B.float().t()) * a.scaling for n, a in self.lora.items()}
+        return self.lora_layout.interleave(pieces).t()
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        axes = {"weight": 0, "bias": 0, **{f"lora.{n}.B": 0 for n in self.lora}}
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+
+class LoraRowParallelLinear(RowParallelLinear):
+    """megatron's RowParallelLinear plus one LoRA adapter, summed by megatron's own output reduction."""
+
+    lora: nn.ModuleDict
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        out = super()._forward_impl(input, weight, *args, **kwargs)
+        return out + self.lora_delta(input)
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        tp = _tp_size(self)
+        (adapter,) = self.lora.values()
+        b = copy_to_tensor_model_parallel_region(adapter.B, group=self.tp_group) if tp > 1 else adapter.B
+        h = F.linear(adapter.drop(x, input_is_split=tp > 1), adapter.A)
+        return F.linear(h, b) * adapter.scaling
+
+    @torch.no_grad()
+    def lora_delta_weight(self) -> torch.Tensor:
+        (adapter,) = self.lora.values()
+        return (adapter.B.float() @ adapter.A.float()) * adapter.scaling
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        axes = {"weight": 1, **{f"lora.{n}.A": 1 for n in self.lora}}
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+
+def attach_adapters(module: nn.Module, adapters: dict[str, LoraAdapter], layout: FusedLayout | None) -> None:
+    """Turn megatron linear ``module`` into its LoRA class in place and give it ``adapters``."""
+    if type(module) is ColumnParallelLinear:
+        module.__class__ = LoraColumnParallelLinear
+        module.lora_layout = layout
+    elif type(module) is RowParallelLinear:
+        if len(adapters) != 1:
+            raise ValueError(f"a row-parallel linear holds one HF target, got {sorted(adapters)}.")
+        module.__class__ = LoraRowParallelLinear
+    else:
+        raise TypeError(f"LoRA applies to megatron's local ColumnParallelLinear / RowParallelLinear (the default "
+                        f"layer spec); got {type(module).__name__} (Transformer Engine layers are not supported).")
+    module.lora = nn.ModuleDict(adapters)

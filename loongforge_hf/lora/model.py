@@ -1,0 +1,176 @@
+"""``get_peft_model`` for loongforge models: LoRA adapters injected into the megatron layers, the base frozen.
+
+Choices:
+- In place, like PEFT's ``inject_adapter_in_model``: the megatron linears named by the config get adapters
+  (``layers.py``), every base parameter gets ``requires_grad=False`` except those of ``modules_to_save``, and the
+  model object becomes a ``LoongLoraModelForCausalLM`` (a ``LoongModelForCausalLM`` subclass: LoongTrainer trains it
+  as it is; megatron's DDP and distributed optimizer skip parameters that do not require grad, so they hold, reduce
+  and update only the adapters). The returned object is the model passed in.
+- Initial values are PEFT's, drawn at HF shapes on every rank (``init.py``) and sliced to this rank's part; call
+  ``transformers.set_seed(seed)`` first to get PEFT's numbers for that seed (LoongSFTTrainer does, as TRL does).
+- Adapter weights have the model's dtype; megatron's optimizer keeps their float32 master copies (what PEFT's
+  float32 adapters on a bf16 model are for).
+- ``save_pretrained(dir)`` writes a PEFT adapter folder that ``peft.PeftModel.from_pretrained(hf_model, dir)`` loads
+  as it is; ``save_pretrained(dir, merged=True)`` writes a plain HF checkpoint with ``W + scaling * B @ A`` in every
+  adapted weight (the model itself is left unmerged). Both are collective; rank 0 writes, atomically.
+- With pipeline parallelism the first stage must hold something trainable (its input, the embedding, does not
+  require grad, so a stage without adapters would have nothing to back-propagate into).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loongforge_hf.bridges import transforms as T
+from loongforge_hf.lora.plan import LoraConfigError, LoraPlan, plan_lora
+from loongforge_hf.modeling import LoongModelForCausalLM
+
+
+class LoongLoraModelForCausalLM(LoongModelForCausalLM):
+    """A ``LoongModelForCausalLM`` whose megatron linears carry LoRA adapters (made by ``get_peft_model``)."""
+
+    lora_config: object
+    lora_plan: LoraPlan
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """(trainable, all) parameters of the whole model, counted as PEFT counts them on the HF model."""
+        trainable = sum(t.r * (t.in_features + t.out_features) for t in self.lora_plan.targets)
+        trainable += sum(_numel(self.lora_plan.hf_shapes[s.hf_name]) for s in self.lora_plan.saved)
+        return trainable, self.lora_plan.hf_param_count + trainable
+
+    def print_trainable_parameters(self) -> None:
+        trainable, total = self.get_nb_trainable_parameters()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
+                  f"trainable%: {100 * trainable / total:.4f}")
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *, merged: bool = False,
+                        max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None, **unused) -> None:
+        """The PEFT adapter folder, or with ``merged=True`` a plain HF checkpoint of the merged weights."""
+        from loongforge_hf.lora.export import export_adapter, merged_weights
+
+        if not merged:
+            export_adapter(self, Path(save_directory))
+            return
+        with merged_weights(self):
+            super().save_pretrained(save_directory, max_shard_size=max_shard_size, dtype=dtype)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _layout_and_slices(target_group, ctx, layer: int):
+    """(FusedLayout or None, {name: (rows or cols slice of B or A)}) for the targets sharing one megatron linear."""
+    from loongforge_hf.lora.layers import FusedLayout
+
+    first = target_group[0]
+    names = [n.removesuffix(".weight").rsplit(".", 1)[-1] for n in first.mapping.hf_names(layer)]
+    tp, rank = ctx.tp_size, ctx.tp_rank
+    if first.kind == "qkv":
+        heads, groups, hd = ctx.num_heads // tp, ctx.num_kv_heads // tp, ctx.head_dim
+        per_group = ctx.num_heads // ctx.num_kv_heads
+        q, k, v = names
+        layout = FusedLayout(groups=groups, slots=((q, per_group * hd), (k, hd), (v, hd)))
+        slices = {q: slice(rank * heads * hd, (rank + 1) * heads * hd),
+                  k: slice(rank * groups * hd, (rank + 1) * groups * hd),
+                  v: slice(rank * groups * hd, (rank + 1) * groups * hd)}
+        return layout, slices
+    if first.kind in ("gated", "column"):
+        start, stop = T.shard_range(first.out_features, rank=rank, world=tp, name=first.hf_module)
+        layout = FusedLayout(groups=1, slots=tuple((n, stop - start) for n in names))
+        return layout, {n: slice(start, stop) for n in names}
+    start, stop = T.shard_range(first.in_features, rank=rank, world=tp, name=first.hf_module)
+    return None, {names[0]: slice(start, stop)}
+
+
+def _check_first_stage_trains(model, plan: LoraPlan, owners) -> None:
+    if model.parallel.pipeline_parallel_size == 1:
+        return
+    first_stage = {layer for layer, (pp, _, _) in owners.items() if pp == 0}
+    if any(t.layer in first_stage for t in plan.targets) or any(
+            s.layer in first_stage or s.hf_name == model.bridge.embedding_mapping().hf for s in plan.saved):
+        return
+    raise LoraConfigError(f"pipeline_parallel_size={model.parallel.pipeline_parallel_size}: the first pipeline stage "
+                          f"(layers {sorted(first_stage)}) has no adapter, so it has nothing to train; adapt one of "
+                          "its layers (layers_to_transform) or use fewer pipeline stages.")
+
+
+def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelForCausalLM:
+    """Add LoRA adapters described by ``peft_config`` (a ``peft.LoraConfig``) to ``model``, in place."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.bridges.builder import layer_owners
+    from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.init import draw_initial_weights
+    from loongforge_hf.lora.layers import LoraAdapter, attach_adapters
+
+    if isinstance(model, LoongLoraModelForCausalLM):
+        raise LoraConfigError("This model already has LoRA adapters; apply one LoraConfig per model.")
+    if type(model) is not LoongModelForCausalLM:
+        raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM models, got {type(model).__name__}.")
+    plan = plan_lora(model.bridge, peft_config)
+    owners = layer_owners(model.megatron.config, model.parallel)
+    _check_first_stage_trains(model, plan, owners)
+    initial = draw_initial_weights(plan.targets, peft_config.init_lora_weights)
+
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    ctx = shard_context(model.bridge, tp_rank=tp_rank, tp_size=tp_size, padded_vocab=model.megatron.padded_vocab)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    groups: dict[tuple[int, str], list] = defaultdict(list)
+    for target, weights in zip(plan.targets, initial):
+        owner_pp, vp, local = owners[target.layer]
+        if owner_pp == pp_rank:
+            groups[(vp or 0, target.megatron_module.format(layer=local))].append((target, weights))
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    device, dtype = model.device, model.dtype
+    for (vp, path), members in groups.items():
+        targets = [t for t, _ in members]
+        layout, slices = _layout_and_slices(targets, ctx, targets[0].layer)
+        adapters = {}
+        for t, (a, b) in members:
+            if t.kind == "row":
+                a, b = a[:, slices[t.name]], b
+            else:
+                b = b[slices[t.name]]
+            adapters[t.name] = LoraAdapter(a.to(device=device, dtype=dtype).contiguous().clone(),
+                                           b.to(device=device, dtype=dtype).contiguous().clone(),
+                                           scaling=t.scaling, dropout=float(peft_config.lora_dropout),
+                                           split="A" if t.kind == "row" else "B")
+        attach_adapters(model.chunks[vp].get_submodule(path), adapters, layout)
+
+    for saved in plan.saved:
+        for chunk, name in _megatron_params_of(model, saved, owners, pp_rank):
+            dict(chunk.named_parameters())[name].requires_grad_(True)
+
+    model.__class__ = LoongLoraModelForCausalLM
+    model.lora_config = copy.deepcopy(peft_config)
+    model.lora_plan = plan
+    return model
+
+
+def _megatron_params_of(model, saved, owners, pp_rank):
+    """(chunk, megatron parameter name) of a ``modules_to_save`` tensor on this rank (none when another stage)."""
+    from megatron.core import parallel_state as ps
+
+    chunks = model.chunks
+    if saved.layer is not None:
+        owner_pp, vp, local = owners[saved.layer]
+        if owner_pp == pp_rank:
+            yield chunks[vp or 0], saved.mapping.megatron.format(layer=local)
+        return
+    if saved.mapping.megatron.startswith("embedding.") and ps.is_pipeline_first_stage(ignore_virtual=True):
+        yield chunks[0], saved.mapping.megatron
+    elif not saved.mapping.megatron.startswith("embedding.") and ps.is_pipeline_last_stage(ignore_virtual=True):
+        yield chunks[-1], saved.mapping.megatron

@@ -1,0 +1,212 @@
+"""Which HF modules a ``peft.LoraConfig`` names, and where each lives in the megatron model.
+
+Choices:
+- Names are matched exactly as PEFT matches them, on the HF module tree itself: the model class is built on the meta
+  device from the HF config (no memory, no RNG), and ``peft.tuners.tuners_utils.check_target_module_exists`` decides
+  each module (suffix lists, regex strings, ``exclude_modules``, ``layers_to_transform``/``layers_pattern``).
+  ``"all-linear"`` means every ``nn.Linear`` but the output embedding, as in PEFT. ``modules_to_save`` match by name
+  suffix, as PEFT's ``ModulesToSaveWrapper`` does (``"norm"`` also matches ``input_layernorm``).
+- The order of ``LoraPlan.targets`` is the HF ``named_modules`` order: the order PEFT creates (and draws the random
+  initialisation of) adapters in.
+- Each target is tied to the bridge mapping that holds its HF weight: ``QKV`` (q/k/v slots of ``linear_qkv``),
+  ``GatedMLP`` (gate/up halves of ``linear_fc1``), ``ColumnParallel`` and ``RowParallel``. An HF linear the bridge
+  fuses another way, the LM head and embeddings are refused with the list of what can be targeted.
+- ``modules_to_save`` may name norms, ``embed_tokens`` and an untied ``lm_head`` (whole parameters megatron keeps
+  replicated or vocab-split); a tensor-parallel linear there is refused (its rows are fused with others' in megatron).
+- Refused with a clear message: DoRA, ``lora_bias``, ``rank_pattern``/``alpha_pattern``, ``target_parameters``,
+  ``trainable_token_indices``, ``layer_replication``, initialisations other than ``True``/``False``/``"gaussian"``,
+  models with routed experts or multi-latent attention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from loongforge_hf.bridges.mappings import QKV, ColumnParallel, GatedMLP, Mapping, Replicated, RowParallel, \
+    VocabParallel
+
+_LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RowParallel: "row"}
+_INITS = (True, False, "gaussian")
+
+
+class LoraConfigError(ValueError):
+    """A LoraConfig (or model) this LoRA implementation cannot apply."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One HF linear that gets an adapter, e.g. ``model.layers.3.self_attn.k_proj``."""
+
+    hf_module: str
+    layer: int                  # global decoder layer index
+    mapping: Mapping            # the bridge mapping holding its weight
+    slot: int                   # position of its weight in ``mapping.hf_names(layer)``
+    kind: str                   # "qkv" | "gated" | "column" | "row"
+    in_features: int
+    out_features: int
+    r: int
+    scaling: float
+
+    @property
+    def name(self) -> str:
+        """The slot name inside the megatron module: the HF module's last component (``k_proj``)."""
+        return self.hf_module.rsplit(".", 1)[-1]
+
+    @property
+    def megatron_module(self) -> str:
+        """Megatron module path with ``{layer}`` for the local layer index."""
+        return self.mapping.megatron.removesuffix(".weight")
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """A whole HF parameter trained and saved because its module is in ``modules_to_save``."""
+
+    hf_name: str
+    mapping: Mapping
+    layer: int | None
+
+
+@dataclass
+class LoraPlan:
+    targets: list[Target]
+    saved: list[SavedTensor]
+    target_modules: list[str] | str         # as written to adapter_config.json
+    hf_param_count: int                     # parameters of the HF model without adapters
+    hf_shapes: dict[str, tuple[int, ...]] = field(repr=False, default_factory=dict)
+
+
+def _hf_skeleton(hf_config):
+    """The HF model class built on the meta device: names, module types and shapes, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def _check_config(config) -> None:
+    from peft import LoraConfig
+
+    if not isinstance(config, LoraConfig):
+        raise LoraConfigError(f"loongforge-hf applies LoRA (peft.LoraConfig); got {type(config).__name__}.")
+    refused = {
+        "use_dora": config.use_dora, "lora_bias": config.lora_bias, "rank_pattern": config.rank_pattern,
+        "alpha_pattern": config.alpha_pattern, "target_parameters": config.target_parameters,
+        "trainable_token_indices": config.trainable_token_indices, "layer_replication": config.layer_replication,
+        "fan_in_fan_out": config.fan_in_fan_out,
+    }
+    set_fields = {k: v for k, v in refused.items() if v}
+    if set_fields:
+        raise LoraConfigError(f"LoraConfig fields {sorted(set_fields)} are not supported on megatron layers; "
+                              "supported: r, lora_alpha, lora_dropout, use_rslora, target_modules, exclude_modules, "
+                              "layers_to_transform, layers_pattern, modules_to_save, init_lora_weights "
+                              "(True, False, 'gaussian').")
+    if config.bias != "none":
+        raise LoraConfigError(f"LoraConfig(bias={config.bias!r}) is not supported; use bias='none'.")
+    if config.init_lora_weights not in _INITS:
+        raise LoraConfigError(f"LoraConfig(init_lora_weights={config.init_lora_weights!r}) is not supported; use "
+                              "True (PEFT's default), False or 'gaussian'.")
+    if not isinstance(config.r, int) or config.r < 1:
+        raise LoraConfigError(f"LoraConfig(r={config.r!r}): r must be a positive integer.")
+    if config.target_modules is None:
+        raise LoraConfigError("LoraConfig(target_modules=None): name the HF modules to adapt, e.g. "
+                              "target_modules=['q_proj', 'v_proj'] or 'all-linear'.")
+
+
+def _hf_tensor_index(bridge) -> dict[str, tuple[Mapping, int | None, int]]:
+    """HF tensor name -> (bridge mapping, global layer or None, position among the mapping's HF names)."""
+    index: dict[str, tuple[Mapping, int | None, int]] = {}
+    for layer in range(bridge.hf_config.num_hidden_layers):
+        for m in bridge.mappings_for_layer(layer):
+            for i, n in enumerate(m.hf_names(layer)):
+                index[n] = (m, layer, i)
+    for m in [bridge.embedding_mapping(), *bridge.final_mappings()]:
+        for i, n in enumerate(m.hf_names(None)):
+            index[n] = (m, None, i)
+    return index
+
+
+def plan_lora(bridge, config) -> LoraPlan:
+    """Resolve ``config`` against the HF module tree of ``bridge``'s model (same verdict on every rank)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from torch import nn
+
+    _check_config(config)
+    if bridge.num_experts() or getattr(bridge, "multi_latent_attention", False):
+        raise LoraConfigError(f"LoRA supports dense decoders; {bridge.architectures[0]} has routed experts or "
+                              "multi-latent attention.")
+    skeleton = _hf_skeleton(bridge.hf_config)
+    output_embedding = skeleton.get_output_embeddings()
+    modules = list(skeleton.named_modules())
+    linear_names = {n for n, mod in modules if isinstance(mod, nn.Linear) and mod is not output_embedding}
+    all_linear = isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
+    matcher = config
+    if all_linear:
+        from copy import copy
+
+        matcher = copy(config)
+        matcher.target_modules = linear_names
+
+    index = _hf_tensor_index(bridge)
+    targets: list[Target] = []
+    refused: list[str] = []
+    for name, module in modules:
+        # NOTE: an excluded module comes back as a falsy marker object.
+        if not name or not check_target_module_exists(matcher, name):
+            continue
+        entry = index.get(f"{name}.weight")
+        kind = _LINEAR_KINDS.get(type(entry[0])) if entry is not None else None
+        if not isinstance(module, nn.Linear) or kind is None or entry[1] is None:
+            refused.append(name)
+            continue
+        mapping, layer, slot = entry
+        r = config.r
+        scaling = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
+        targets.append(Target(hf_module=name, layer=layer, mapping=mapping, slot=slot, kind=kind,
+                              in_features=module.in_features, out_features=module.out_features, r=r, scaling=scaling))
+    if refused:
+        suffixes = sorted({n.rsplit(".", 1)[-1] for n in linear_names})
+        raise LoraConfigError(f"target_modules match {refused[:4]}{' ...' if len(refused) > 4 else ''}, which "
+                              f"cannot carry a LoRA adapter on megatron layers; targetable modules: {suffixes} "
+                              "or 'all-linear'.")
+    if not targets:
+        raise LoraConfigError(f"target_modules={config.target_modules!r} match no module of "
+                              f"{type(skeleton).__name__}; targetable: "
+                              f"{sorted({n.rsplit('.', 1)[-1] for n in linear_names})} or 'all-linear'.")
+
+    saved = _saved_tensors(config, modules, index, bridge)
+    shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
+    target_modules = sorted({t.name for t in targets}) if all_linear else (
+        config.target_modules if isinstance(config.target_modules, str) else sorted(config.target_modules))
+    return LoraPlan(targets=targets, saved=saved, target_modules=target_modules,
+                    hf_param_count=sum(math.prod(s) for s in shapes.values()), hf_shapes=shapes)
+
+
+def _saved_tensors(config, modules, index, bridge) -> list[SavedTensor]:
+    wanted = list(config.modules_to_save or [])
+    if not wanted:
+        return []
+    saved: list[SavedTensor] = []
+    seen: set[str] = set()
+    for name, module in modules:
+        if not name or not any(name.endswith(m) for m in wanted):
+            continue
+        for pname, _ in module.named_parameters():
+            full = f"{name}.{pname}"
+            if full in seen:
+                continue
+            seen.add(full)
+            entry = index.get(full)
+            if entry is None or not isinstance(entry[0], (Replicated, VocabParallel)):
+                raise LoraConfigError(f"modules_to_save={wanted}: {name} ({full}) is a tensor-parallel linear that "
+                                      "megatron fuses with others; modules_to_save supports norms, embed_tokens "
+                                      "and lm_head.")
+            if isinstance(entry[0], VocabParallel) and bridge.tied:
+                raise LoraConfigError(f"modules_to_save={wanted}: {full} is tied to the LM head "
+                                      "(tie_word_embeddings=True), which is not supported.")
+            saved.append(SavedTensor(hf_name=full, mapping=entry[0], layer=entry[1]))
+    if not saved:
+        raise LoraConfigError(f"modules_to_save={wanted} match no module of the model.")
+    return saved

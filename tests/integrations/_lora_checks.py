@@ -1,0 +1,226 @@
+"""Rank functions for the LoRA tests (module-level so spawned ranks can import them).
+
+``layer_checks``: megatron's Column/RowParallelLinear with adapters against plain torch on full HF-shaped tensors,
+outputs and gradients (input, A, B), TP=2 with and without sequence parallelism.
+``model_checks``: a tiny Llama with LoRA against ``peft.get_peft_model`` on the transformers model: logits, loss,
+adapter gradients, parameter counts, what megatron's optimizer holds, the PEFT adapter folder and the merged export.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from loongforge_hf.bridges import transforms as T
+
+ATOL = RTOL = 1e-5
+LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+               modules_to_save=["post_attention_layernorm", "lm_head"])
+
+
+def _close(actual, expected, what, atol=ATOL, rtol=RTOL):
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def _linear_config(sequence_parallel: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
+                             params_dtype=torch.float32, tensor_model_parallel_size=2,
+                             sequence_parallel=sequence_parallel, perform_initialization=False)
+
+
+def _adapter(a, b, *, scaling, split):
+    from loongforge_hf.lora.layers import LoraAdapter
+
+    return LoraAdapter(a.clone(), b.clone(), scaling=scaling, dropout=0.0, split=split)
+
+
+def _column_qkv_check(sp: bool) -> None:
+    """linear_qkv (4 heads, 2 KV groups, head_dim 3) with adapters on q_proj and v_proj only."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from loongforge_hf.lora.layers import FusedLayout, attach_adapters
+
+    rank, tp = dist.get_rank(), 2
+    heads, groups, hd, hidden, r, s, b = 4, 2, 3, 16, 2, 6, 2
+    g = torch.Generator().manual_seed(1)
+    wq, wk, wv = (torch.randn(n * hd, hidden, generator=g) for n in (heads, groups, groups))
+    aq, bq = torch.randn(r, hidden, generator=g), torch.randn(heads * hd, r, generator=g)
+    av, bv = torch.randn(r, hidden, generator=g), torch.randn(groups * hd, r, generator=g)
+    x = torch.randn(s, b, hidden, generator=g)
+    proj = torch.randn(s, b, (heads + 2 * groups) * hd, generator=g)
+    scaling = 0.7
+
+    # reference: HF-shaped projections, then this rank's heads fused as megatron lays them out
+    ref_params = [t.clone().requires_grad_() for t in (x, aq, bq, av, bv)]
+    rx, raq, rbq, rav, rbv = ref_params
+    q = F.linear(rx, wq) + F.linear(F.linear(rx, raq), rbq) * scaling
+    k = F.linear(rx, wk)
+    v = F.linear(rx, wv) + F.linear(F.linear(rx, rav), rbv) * scaling
+    hl, gl = heads // tp, groups // tp
+
+    def local(t, n, i):
+        return t[..., i * n * hd:(i + 1) * n * hd]
+
+    fused = [T.fuse_qkv(local(q, hl, i).movedim(-1, 0), local(k, gl, i).movedim(-1, 0), local(v, gl, i).movedim(-1, 0),
+                        num_heads=hl, num_kv_heads=gl, head_dim=hd).movedim(0, -1) for i in range(tp)]
+    loss = sum((f * p).sum() for f, p in zip(fused, proj.chunk(tp, dim=-1)))
+    loss.backward()
+
+    module = ColumnParallelLinear(hidden, (heads + 2 * groups) * hd, config=_linear_config(sp), init_method=None,
+                                  bias=False, gather_output=False, skip_bias_add=True)
+    with torch.no_grad():
+        module.weight.copy_(T.fuse_qkv(local(wq.t(), hl, rank).t(), local(wk.t(), gl, rank).t(),
+                                       local(wv.t(), gl, rank).t(), num_heads=hl, num_kv_heads=gl, head_dim=hd))
+    module.weight.requires_grad_(False)
+    layout = FusedLayout(groups=gl, slots=(("q_proj", heads // groups * hd), ("k_proj", hd), ("v_proj", hd)))
+    attach_adapters(module, {"q_proj": _adapter(aq, local(bq.t(), hl, rank).t(), scaling=scaling, split="B"),
+                             "v_proj": _adapter(av, local(bv.t(), gl, rank).t(), scaling=scaling, split="B")}, layout)
+    xin = (x.chunk(tp, dim=0)[rank] if sp else x).clone().requires_grad_()
+    out, _ = module(xin)
+    (out * proj.chunk(tp, dim=-1)[rank]).sum().backward()
+    what = f"column qkv sp={sp}"
+    _close(out, fused[rank], f"{what} output")
+    _close(xin.grad, rx.grad.chunk(tp, dim=0)[rank] if sp else rx.grad, f"{what} input grad")
+    _close(module.lora["q_proj"].A.grad, raq.grad, f"{what} A(q) grad")
+    _close(module.lora["v_proj"].A.grad, rav.grad, f"{what} A(v) grad")
+    _close(module.lora["q_proj"].B.grad, local(rbq.grad.t(), hl, rank).t(), f"{what} B(q) grad")
+    _close(module.lora["v_proj"].B.grad, local(rbv.grad.t(), gl, rank).t(), f"{what} B(v) grad")
+
+
+def _row_check(sp: bool) -> None:
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    from loongforge_hf.lora.layers import attach_adapters
+
+    rank, tp = dist.get_rank(), 2
+    inp, hidden, r, s, b = 12, 16, 3, 6, 2
+    g = torch.Generator().manual_seed(2)
+    w, a, bb = (torch.randn(*shape, generator=g) for shape in ((hidden, inp), (r, inp), (hidden, r)))
+    x, proj = torch.randn(s, b, inp, generator=g), torch.randn(s, b, hidden, generator=g)
+    scaling = 1.3
+    rx, ra, rb = (t.clone().requires_grad_() for t in (x, a, bb))
+    ref = F.linear(rx, w) + F.linear(F.linear(rx, ra), rb) * scaling
+    (ref * proj).sum().backward()
+
+    module = RowParallelLinear(inp, hidden, config=_linear_config(sp), init_method=None, bias=False,
+                               input_is_parallel=True, skip_bias_add=True)
+    with torch.no_grad():
+        module.weight.copy_(w.chunk(tp, dim=1)[rank])
+    module.weight.requires_grad_(False)
+    attach_adapters(module, {"o_proj": _adapter(a.chunk(tp, dim=1)[rank], bb, scaling=scaling, split="A")}, None)
+    xin = x.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+    out, _ = module(xin)
+    local_proj = proj.chunk(tp, dim=0)[rank] if sp else proj
+    (out * local_proj).sum().backward()
+    what = f"row sp={sp}"
+    _close(out, ref.chunk(tp, dim=0)[rank] if sp else ref, f"{what} output")
+    _close(xin.grad, rx.grad.chunk(tp, dim=-1)[rank], f"{what} input grad")
+    _close(module.lora["o_proj"].A.grad, ra.grad.chunk(tp, dim=1)[rank], f"{what} A grad")
+    _close(module.lora["o_proj"].B.grad, rb.grad, f"{what} B grad")
+
+
+def layer_checks() -> list[str]:
+    from loongforge_hf.parallel import ParallelConfig, initialize_parallel
+
+    initialize_parallel(ParallelConfig(tensor_parallel_size=2))
+    done = []
+    for sp in (False, True):
+        _column_qkv_check(sp)
+        _row_check(sp)
+        done += [f"column_qkv_sp{int(sp)}", f"row_sp{int(sp)}"]
+    return done
+
+
+# ---------------------------------------------------------------------------------------------------- whole model
+
+def _gather_full(tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """The full tensor from TP shards concatenated along ``dim`` (``None``: replicated)."""
+    from megatron.core import parallel_state as ps
+
+    if dim is None or ps.get_tensor_model_parallel_world_size() == 1:
+        return tensor
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _check_adapter_grads(model, ref, our_loss, their_loss) -> None:
+    """Adapter gradients at HF shapes against PEFT's: q_proj of layer 1 (column split) and down_proj of layer 2
+    (row split)."""
+    from megatron.core import parallel_state as ps
+
+    our_loss.backward()
+    their_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    heads, hd = 4, 16
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    chunk = dict(model.chunks[0].named_parameters())
+    rows = slice(tp_rank * heads // tp * hd, (tp_rank + 1) * heads // tp * hd)
+    prefix = "base_model.model.model.layers"
+    _close(chunk["decoder.layers.1.self_attention.linear_qkv.lora.q_proj.A"].grad,
+           ref_params[f"{prefix}.1.self_attn.q_proj.lora_A.default.weight"].grad, "dA q_proj")
+    _close(chunk["decoder.layers.1.self_attention.linear_qkv.lora.q_proj.B"].grad,
+           ref_params[f"{prefix}.1.self_attn.q_proj.lora_B.default.weight"].grad[rows], "dB q_proj")
+    _close(_gather_full(chunk["decoder.layers.2.mlp.linear_fc2.lora.down_proj.A"].grad, dim=1),
+           ref_params[f"{prefix}.2.mlp.down_proj.lora_A.default.weight"].grad, "dA down_proj")
+    _close(chunk["decoder.layers.2.mlp.linear_fc2.lora.down_proj.B"].grad,
+           ref_params[f"{prefix}.2.mlp.down_proj.lora_B.default.weight"].grad, "dB down_proj")
+    model.zero_grad(set_to_none=True)
+
+
+def model_checks(folder: str, out_dir: str, layout: dict) -> dict:
+    import peft
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    transformers.set_seed(5)
+    model = get_peft_model(model, peft.LoraConfig(**LORA_KW))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    transformers.set_seed(5)
+    ref = peft.get_peft_model(hf, peft.LoraConfig(**LORA_KW))
+    result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters()}
+
+    ours, theirs = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    _close(ours.logits, theirs.logits, "logits", atol=1e-4, rtol=1e-4)
+    _close(ours.loss, theirs.loss, "loss")
+    if model.parallel.pipeline_parallel_size == 1:
+        _check_adapter_grads(model, ref, ours.loss, theirs.loss)
+
+    # megatron's DDP and optimizer hold exactly the trainable parameters
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = MegatronEngine(model, args=transformers.TrainingArguments(out_dir + "/unused", use_cpu=True,
+                                                                       report_to=[]))
+    optimized = [p for opt in engine.inner_optimizers() for group in opt.param_groups for p in group["params"]]
+    result["ddp_holds_trainable_only"] = {id(p) for c in engine.chunks for p in c.params_with_grad} == \
+        {id(p) for p in trainable}
+    # one data-parallel rank: the distributed optimizer's shards cover exactly the trainable parameters
+    result["optimizer_numel"] = (sum(p.numel() for p in optimized), sum(p.numel() for p in trainable))
+    result["frozen_tensors"] = sum(1 for p in model.parameters() if not p.requires_grad)
+
+    model.save_pretrained(out_dir + "/adapter")
+    model.save_pretrained(out_dir + "/merged", merged=True)
+    result["unchanged_after_merged_export"] = torch.equal(model(input_ids=ids).logits, ours.logits.detach())
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            loaded = peft.PeftModel.from_pretrained(
+                transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), out_dir + "/adapter")
+            result["adapter_logits_diff"] = float((loaded(input_ids=ids).logits - ours.logits).abs().max())
+            merged = transformers.AutoModelForCausalLM.from_pretrained(out_dir + "/merged", dtype=torch.float32)
+            result["merged_logits_diff"] = float((merged(input_ids=ids).logits - ours.logits).abs().max())
+    return result
+
+
+def tp2_and_pp2_checks(folder: str, out_dir: str) -> dict:
+    """One 2-rank world: the layer checks, then the model checks under TP=2 and under PP=2."""
+    return {"layers": layer_checks(),
+            "tp2": model_checks(folder, out_dir + "/tp2", {"tensor_parallel_size": 2}),
+            "pp2": model_checks(folder, out_dir + "/pp2", {"pipeline_parallel_size": 2})}

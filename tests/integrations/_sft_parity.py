@@ -1,0 +1,184 @@
+"""Rank functions: the same SFT runs with trl.SFTTrainer on the HF model and with LoongSFTTrainer.
+
+Each scenario is one (dataset, SFTConfig overrides, LoraConfig or None) triple; a world runs several of them so the
+process start-up (imports, gloo) is paid once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORDS = [f"tok{i}" for i in range(4, 203)]
+
+# A chat template with generation markers (for assistant_only_loss) in the tiny word-level vocabulary.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }} </s>{% endgeneration %}"
+    "{% else %}{{ 'tok4 ' + message['content'] + ' tok5 ' }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def _sentence(g: torch.Generator, low: int, high: int) -> str:
+    n = int(torch.randint(low, high, (1,), generator=g))
+    return " ".join(WORDS[int(i)] for i in torch.randint(2, len(WORDS), (n,), generator=g))
+
+
+def make_dataset(kind: str, n: int = 16, seed: int = 0):
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    if kind == "text":
+        return datasets.Dataset.from_dict({"text": [_sentence(g, 6, 20) for _ in range(n)]})
+    if kind == "prompt_completion":
+        rows = [(_sentence(g, 3, 9), " " + _sentence(g, 3, 9)) for _ in range(n)]
+        return datasets.Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [c for _, c in rows]})
+    if kind == "messages":
+        return datasets.Dataset.from_dict({"messages": [
+            [{"role": "user", "content": _sentence(g, 3, 8)}, {"role": "assistant", "content": _sentence(g, 3, 8)},
+             {"role": "user", "content": _sentence(g, 2, 5)}, {"role": "assistant", "content": _sentence(g, 2, 6)}]
+            for _ in range(n)]})
+    raise ValueError(kind)
+
+
+def sft_config(out_dir: str, **overrides):
+    import trl
+
+    kw = dict(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+              learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.1, max_grad_norm=0.5,
+              logging_steps=1, seed=0, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
+              disable_tqdm=True, dataloader_drop_last=True, max_length=32, gradient_checkpointing=False)
+    kw.update(overrides)
+    return trl.SFTConfig(**kw)
+
+
+# name -> (dataset kind, SFTConfig overrides, LoraConfig kwargs or None)
+SCENARIOS = {
+    "lora_text": ("text", {"learning_rate": 2e-2, "eval_strategy": "steps", "eval_steps": 1,
+                           "per_device_eval_batch_size": 2},
+                  dict(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")),
+    "lora_qv_messages": ("messages", {"assistant_only_loss": True, "learning_rate": 2e-2},
+                         dict(r=4, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj"],
+                              modules_to_save=["norm"], task_type="CAUSAL_LM")),
+    "full_prompt_completion": ("prompt_completion", {}, None),
+    "full_packing": ("text", {"packing": True}, None),
+}
+
+
+def _tokenizer(folder: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _losses(trainer, key: str = "loss") -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def _eval_dataset(kind: str, overrides: dict):
+    """A held-out set for scenarios that evaluate during training."""
+    return make_dataset(kind, n=4, seed=9) if overrides.get("eval_strategy") else None
+
+
+def probe_ids() -> torch.Tensor:
+    return torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(11))
+
+
+def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
+    """trl.SFTTrainer (+ PEFT) on the transformers model: {scenario: {"losses", "eval_losses"}}."""
+    import peft
+    import transformers
+    import trl
+
+    out = {}
+    for name in names:
+        kind, overrides, lora = SCENARIOS[name]
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        trainer = trl.SFTTrainer(model=model, args=sft_config(f"{out_dir}/{name}", **overrides),
+                                 train_dataset=make_dataset(kind), eval_dataset=_eval_dataset(kind, overrides),
+                                 processing_class=_tokenizer(folder),
+                                 peft_config=peft.LoraConfig(**lora) if lora else None)
+        trainer.train()
+        out[name] = {"losses": _losses(trainer), "eval_losses": _losses(trainer, "eval_loss")}
+    return out
+
+
+def run_loong(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict:
+    """LoongSFTTrainer: {scenario: {"losses", "eval_losses", "keys", and for LoRA "adapter_logits_diff" and
+    "trainable" (rank 0)}}."""
+    import peft
+    import torch.distributed as dist
+    import transformers
+
+    import loongforge_hf as lf
+
+    out = {}
+    for name in names:
+        kind, overrides, lora = SCENARIOS[name]
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+        trainer = lf.LoongSFTTrainer(model=model, args=sft_config(f"{out_dir}/{name}", **overrides),
+                                     train_dataset=make_dataset(kind), eval_dataset=_eval_dataset(kind, overrides),
+                                     processing_class=_tokenizer(folder),
+                                     peft_config=peft.LoraConfig(**lora) if lora else None)
+        trainer.train()
+        result = {"losses": _losses(trainer), "eval_losses": _losses(trainer, "eval_loss"),
+                  "keys": sorted(trainer.state.log_history[0])}
+        if lora:
+            trainer.save_model(f"{out_dir}/{name}/final")
+            ids = probe_ids()
+            trained = trainer.model(input_ids=ids).logits
+            if dist.get_rank() == 0:
+                hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+                loaded = peft.PeftModel.from_pretrained(hf, f"{out_dir}/{name}/final")
+                with torch.no_grad():
+                    result["adapter_logits_diff"] = float((loaded(input_ids=ids).logits - trained).abs().max())
+                result["trainable"] = trainer.model.get_nb_trainable_parameters()
+        out[name] = result
+    return out
+
+
+def plain_trainers_refuse(folder: str, out_dir: str) -> list[str]:
+    """The messages trl.SFTTrainer and transformers.Trainer raise when given a loongforge model."""
+    import transformers
+    import trl
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    messages = []
+    for build in (lambda: trl.SFTTrainer(model=model, args=sft_config(out_dir + "/sft"),
+                                         train_dataset=make_dataset("text"), processing_class=_tokenizer(folder)),
+                  lambda: transformers.Trainer(model=model, args=transformers.TrainingArguments(
+                      out_dir + "/trainer", use_cpu=True, report_to=[]))):
+        try:
+            build()
+            messages.append("no error")
+        except TypeError as e:
+            messages.append(str(e))
+    return messages
+
+
+def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict) -> dict:
+    """LoRA run of 4 steps checkpointing at step 2, then a run resumed from that checkpoint: the losses of steps 3-4
+    and the files of a LoRA checkpoint."""
+    import os
+
+    import peft
+
+    import loongforge_hf as lf
+
+    def run(resume: str | None) -> list[tuple[int, float]]:
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+        trainer = lf.LoongSFTTrainer(model=model, args=sft_config(out_dir, max_steps=4, save_strategy="steps",
+                                                                  save_steps=2),
+                                     train_dataset=make_dataset("text"), processing_class=_tokenizer(folder),
+                                     peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                 modules_to_save=["norm"]))
+        trainer.train(resume_from_checkpoint=resume)
+        return [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+
+    full = run(None)
+    files = sorted(os.listdir(f"{out_dir}/checkpoint-2"))
+    return {"full": full, "resumed": run(f"{out_dir}/checkpoint-2"), "checkpoint_files": files}
