@@ -6,8 +6,8 @@
   behind for the next case.
 - Collective cases run in a second world: a pickle-only checkpoint loaded with ``allow_pickle=True`` (logits equal
   transformers'), then save failures (a crash at the Nth tensor, a full disk, an unusable destination, a bad
-  ``max_shard_size``) that must raise the same error on every rank and leave no output and no temporary folder, and a
-  save over an existing folder that must replace it as a whole (the old folder intact until the swap).
+  ``max_shard_size`` or ``dtype``) that must raise the same error on every rank and leave no output and no temporary
+  folder, and a save over an existing folder that must replace it as a whole (the old folder intact until the swap).
 """
 
 import contextlib
