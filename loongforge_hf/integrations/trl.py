@@ -18,6 +18,10 @@ Choices:
   writes a PEFT adapter folder (plus the tokenizer), like SFTTrainer with PEFT.
 - TRL patches ``model.forward`` with its fused LM head (HF backbone + ``lm_head`` attributes); training never calls the
   model's forward and evaluation uses the model's own loss (``compute_loss`` below), so the patch is removed.
+- megatron needs the sequence length to divide by TP under sequence parallelism (2 x CP under context
+  parallelism), and under pipeline parallelism one length for every micro-batch of a step: TRL's collator is given
+  that ``pad_to_multiple_of`` (combined with the user's; pipeline parallelism pads to ``max_length``, or
+  ``max_length`` x rows for padding-free batches). Pads carry no loss.
 - ``gradient_checkpointing`` (True by default in SFTConfig) is turned off: megatron activation recompute is not wired
   to it yet, and memory, not the math, is all it changes.
 - Refused with a message: a model given by name (load it with ``loongforge_hf.AutoModelForCausalLM``),
@@ -30,6 +34,7 @@ Choices:
 from __future__ import annotations
 
 import logging
+import math
 
 from trl import SFTConfig, SFTTrainer
 
@@ -67,6 +72,20 @@ def _refuse_unsupported(args: SFTConfig, **given) -> None:
         raise ValueError("SFTConfig(use_liger_kernel=True) is not supported: loongforge's own kernels are used.")
 
 
+def _pad_multiple(parallel, args: SFTConfig) -> int:
+    """What TRL's collator must pad every batch to a multiple of, for megatron: TP under sequence parallelism,
+    2 x CP under context parallelism, and under pipeline parallelism the full ``max_length`` (times the rows a
+    padding-free batch concatenates), since every micro-batch of a pipelined step must have one shape."""
+    multiple = math.lcm(parallel.tensor_parallel_size if parallel.sequence_parallel else 1,
+                        2 * parallel.context_parallel_size if parallel.context_parallel_size > 1 else 1)
+    if parallel.pipeline_parallel_size > 1:
+        if args.max_length is None:
+            raise ValueError("pipeline_parallel_size > 1 needs batches of one length: set SFTConfig(max_length=...).")
+        padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
+        multiple = math.lcm(multiple, args.max_length * (args.per_device_train_batch_size if padding_free else 1))
+    return multiple
+
+
 class LoongSFTTrainer(LoongTrainer, SFTTrainer):
     """A drop-in ``trl.SFTTrainer`` for ``LoongModelForCausalLM`` models (``peft_config`` gives megatron LoRA)."""
 
@@ -88,6 +107,9 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
             logger.info("LoongSFTTrainer: gradient_checkpointing is not applied (megatron activation recompute is "
                         "not wired to it); training proceeds without it.")
             args.gradient_checkpointing = args.activation_checkpointing = False
+        multiple = _pad_multiple(model.parallel, args)
+        if multiple > 1 and data_collator is None:
+            args.pad_to_multiple_of = math.lcm(args.pad_to_multiple_of or 1, multiple)
         if peft_config is not None:
             from transformers import set_seed
 

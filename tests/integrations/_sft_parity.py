@@ -105,7 +105,7 @@ def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
     return out
 
 
-def run_loong(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict:
+def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], **extra) -> dict:
     """LoongSFTTrainer: {scenario: {"losses", "eval_losses", "keys", and for LoRA "adapter_logits_diff" and
     "trainable" (rank 0)}}."""
     import peft
@@ -118,7 +118,7 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict
     for name in names:
         kind, overrides, lora = SCENARIOS[name]
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
-        trainer = lf.LoongSFTTrainer(model=model, args=sft_config(f"{out_dir}/{name}", **overrides),
+        trainer = lf.LoongSFTTrainer(model=model, args=sft_config(f"{out_dir}/{name}", **overrides, **extra),
                                      train_dataset=make_dataset(kind), eval_dataset=_eval_dataset(kind, overrides),
                                      processing_class=_tokenizer(folder),
                                      peft_config=peft.LoraConfig(**lora) if lora else None)
