@@ -220,7 +220,37 @@ def model_checks(folder: str, out_dir: str, layout: dict) -> dict:
 
 
 def tp2_and_pp2_checks(folder: str, out_dir: str) -> dict:
-    """One 2-rank world: the layer checks, then the model checks under TP=2 and under PP=2."""
+    """One 2-rank world: the layer checks, the model checks under TP=2 and PP=2, dropout under TP=2 (+SP)."""
     return {"layers": layer_checks(),
             "tp2": model_checks(folder, out_dir + "/tp2", {"tensor_parallel_size": 2}),
-            "pp2": model_checks(folder, out_dir + "/pp2", {"pipeline_parallel_size": 2})}
+            "pp2": model_checks(folder, out_dir + "/pp2", {"pipeline_parallel_size": 2}),
+            "dropout": dropout_keeps_replicas_in_step(folder, {"tensor_parallel_size": 2}),
+            "dropout_sp": dropout_keeps_replicas_in_step(folder, {"tensor_parallel_size": 2,
+                                                                  "sequence_parallel": True})}
+
+
+def dropout_keeps_replicas_in_step(folder: str, layout: dict) -> list[str]:
+    """lora_dropout > 0 under TP: a replicated factor (A of a column-parallel target, B of a row-parallel one) must get
+    the same gradient on every TP rank, or the replicas drift apart. Returns the factors compared."""
+    import peft
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    transformers.set_seed(5)
+    model = get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules="all-linear",
+                                                  init_lora_weights=False))
+    model.train()
+    ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    compared = []
+    for name, p in model.named_parameters():
+        if p.grad is None or getattr(p, "tensor_model_parallel", True):
+            continue
+        grads = [torch.empty_like(p.grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(grads, p.grad.contiguous())
+        _close(grads[1], grads[0], f"{name} gradient on TP ranks (dropout)")
+        compared.append(name)
+    return compared
