@@ -5,9 +5,9 @@ Choices:
   ``adapter_model.safetensors`` with PEFT's names (``base_model.model.<HF module>.lora_A.weight`` / ``lora_B``, and
   ``base_model.model.<HF parameter>`` for ``modules_to_save``) at HF shapes, and ``adapter_config.json`` (the
   LoraConfig, ``target_modules`` as PEFT saves them: "all-linear" becomes the module names it matched).
-- Tensors stream as the HF exporter's do: the owning pipeline stage's first data-parallel replica gathers the
-  tensor-parallel shards on its first TP rank (split factors are concatenated along their split dim, replicated ones
-  taken from that rank), which sends the full tensor to global rank 0. Rank 0 holds the adapter (small) and writes
+- Tensors stream as the HF exporter's do: on the owning pipeline stage's first data-parallel replica, the first TP
+  rank gathers a split factor's shards (concatenated along the split dim) or takes its own copy of a replicated one,
+  and sends the full tensor to global rank 0. Rank 0 holds the adapter (small) and writes
   through ``CheckpointWriter``: a temporary folder renamed into place, so an interrupted save never leaves a folder
   that looks complete. Failures are shared with every rank, which all raise the same error.
 - Merged export: every adapted megatron weight gets ``scaling * B @ A`` (computed in float32, added in the weight's
@@ -111,12 +111,14 @@ class _Streamer:
             return 0, 0, megatron_name
         return self.last_pp, len(self.params) - 1, megatron_name
 
-    def collect(self, owner_pp: int, vp: int, name: str, *, export, shapes: dict[str, tuple], dtype):
-        """{hf name: tensor} on rank 0 (empty elsewhere). ``export(shards)`` turns TP shards into HF tensors."""
+    def collect(self, owner_pp: int, vp: int, name: str, *, split: bool, export, shapes: dict[str, tuple], dtype):
+        """{hf name: tensor} on rank 0 (empty elsewhere). ``export(shards)`` turns the TP shards (``split``) or the
+        first TP rank's copy (replicated) into HF tensors."""
         holds = owner_pp == self.pp_rank and self.replica0
         full: dict[str, torch.Tensor] = {}
         if holds:
-            shards = gather_to_first(self.params[vp][name].detach(), group=self.tp_group)
+            local = self.params[vp][name].detach()
+            shards = gather_to_first(local, group=self.tp_group) if split else [local]
             if self.tp_rank == 0:
                 full = export(shards)
         if self.rank == 0:
@@ -144,14 +146,15 @@ def _adapter_tensors(model) -> dict[str, torch.Tensor]:
 
             def export(shards, hf_name=hf_name, split_dim=split_dim):
                 return {hf_name: shards[0] if split_dim is None else torch.cat(shards, dim=split_dim)}
-            out.update(streamer.collect(owner_pp, vp, name, export=export, shapes={hf_name: shape}, dtype=dtype))
+            out.update(streamer.collect(owner_pp, vp, name, split=split_dim is not None, export=export,
+                                        shapes={hf_name: shape}, dtype=dtype))
     for s in plan.saved:
         owner_pp, vp, name = streamer.owner_of(s.layer, s.mapping.megatron)
         hf_name = f"base_model.model.{s.hf_name}"
 
         def export(shards, s=s, hf_name=hf_name):
             return {hf_name: s.mapping.export(shards, streamer.ctx, s.layer)[s.hf_name]}
-        out.update(streamer.collect(owner_pp, vp, name, export=export,
+        out.update(streamer.collect(owner_pp, vp, name, split=s.mapping.tp_split is not None, export=export,
                                     shapes={hf_name: plan.hf_shapes[s.hf_name]}, dtype=dtype))
     return out
 

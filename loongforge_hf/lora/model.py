@@ -20,6 +20,7 @@ Choices:
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -41,7 +42,7 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable, all) parameters of the whole model, counted as PEFT counts them on the HF model."""
         trainable = sum(t.r * (t.in_features + t.out_features) for t in self.lora_plan.targets)
-        trainable += sum(_numel(self.lora_plan.hf_shapes[s.hf_name]) for s in self.lora_plan.saved)
+        trainable += sum(math.prod(self.lora_plan.hf_shapes[s.hf_name]) for s in self.lora_plan.saved)
         return trainable, self.lora_plan.hf_param_count + trainable
 
     def print_trainable_parameters(self) -> None:
@@ -60,13 +61,6 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
             return
         with merged_weights(self):
             super().save_pretrained(save_directory, max_shard_size=max_shard_size, dtype=dtype)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _layout_and_slices(target_group, ctx, layer: int):
