@@ -1,14 +1,12 @@
 """Dense bridges against transformers: logits/loss within 1e-4 (fp32) for each layout, bit-exact HF round trips."""
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
+from loongforge_hf.testing.round_trip import check_round_trip
 
 from ._parity import load_compare_export, load_compare_export_many
 
@@ -21,26 +19,6 @@ LAYOUTS = {
     "tp2pp2": (4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
     "pp2vpp2": (2, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}),
 }
-
-
-def read_all(folder: Path) -> dict:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def check_round_trip(src: Path, dst: Path) -> None:
-    a, b = read_all(src), read_all(dst)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(a[name], b[name]), f"{name} differs after HF -> megatron -> HF"
-    assert json.loads((src / "config.json").read_text()) == json.loads((dst / "config.json").read_text())
-    for side in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (src / side).read_bytes() == (dst / side).read_bytes(), side
-    index = json.loads((dst / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(a)
 
 
 def run_case(tmp_path, arch, layout_name, *, padded=False, **model_kw):

@@ -15,17 +15,16 @@ tiny checkpoints (1 rank: tp1; 2 ranks: ep2, tp2etp1; 4 ranks: tp2ep2, pp2ep2):
            experts whole on each TP rank (expert_tensor_parallel_size=1).
 """
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
+from loongforge_hf.testing.round_trip import check_round_trip, read_all
 
 from ._moe_parity import run_plan
 
@@ -92,26 +91,6 @@ class Worlds:
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory) -> Worlds:
     return Worlds(tmp_path_factory.mktemp("moe"))
-
-
-def read_all(folder: Path) -> dict:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def check_round_trip(src: Path, dst: Path) -> None:
-    a, b = read_all(src), read_all(dst)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(a[name], b[name]), f"{name} differs after HF -> megatron -> HF"
-    assert json.loads((src / "config.json").read_text()) == json.loads((dst / "config.json").read_text())
-    for side in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (src / side).read_bytes() == (dst / side).read_bytes(), side
-    index = json.loads((dst / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(a)
 
 
 def check_loads_in_transformers(src: Path, dst: Path) -> None:

@@ -2,17 +2,17 @@
 tower and the language model, bit-exact HF round trips, frozen components, and the pure pieces (3-D rope positions,
 window layout, encoder data-parallel split, collator) against transformers' own code."""
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from loongforge_hf.parallel import ParallelLayoutError
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl, tiny_vl_config
+from loongforge_hf.testing.round_trip import check_round_trip as _check_round_trip, read_all
 
 from ._vl_parity import compare_many, make_batch, train_both
 
@@ -39,24 +39,6 @@ def checkpoint(tmp_path_factory) -> Path:
 def tied_checkpoint(tmp_path_factory) -> Path:
     """Word embeddings tied to the LM head, as Qwen2.5-VL-3B has them."""
     return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_tied") / "src", tie_word_embeddings=True)
-
-
-def read_all(folder: Path) -> dict:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def check_round_trip(src: Path, dst: Path) -> None:
-    a, b = read_all(src), read_all(dst)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(a[name], b[name]), f"{name} differs after HF -> loongforge -> HF"
-    for side in SIDE_FILES:
-        assert (src / side).read_bytes() == (dst / side).read_bytes(), side
-    assert set(json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]) == set(a)
 
 
 def check(result: dict, *, grads: bool) -> None:
@@ -246,3 +228,7 @@ def test_bad_layouts_fail_before_any_collective(checkpoint):
         from loongforge_hf.bridges.qwen2_5_vl import get_vl_bridge
 
         get_vl_bridge(type("Config", (), {"architectures": ["LlamaForCausalLM"]})())
+
+
+def check_round_trip(src, dst):
+    _check_round_trip(src, dst, side_files=SIDE_FILES)
