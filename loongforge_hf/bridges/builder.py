@@ -75,7 +75,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
     rope = bridge.rope_parameters() if hasattr(bridge, "rope_parameters") else C.rope_parameters(hf)
     config_class = MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig
     backend = get_backend()
-    vpp = parallel.virtual_pipeline_parallel_size if (parallel.virtual_pipeline_parallel_size or 1) > 1 else None
+    vpp = parallel.interleaved_stages
     if vpp is None:
         kw.update(_uneven_split(hf.num_hidden_layers, parallel.pipeline_parallel_size))
     config = config_class(
@@ -122,7 +122,7 @@ def layer_owners(config, parallel: ParallelConfig) -> dict[int, tuple[int, int |
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    vpp = parallel.virtual_pipeline_parallel_size if (parallel.virtual_pipeline_parallel_size or 1) > 1 else None
+    vpp = parallel.interleaved_stages
     owners = {}
     for pp_rank in range(parallel.pipeline_parallel_size):
         for vp in range(vpp or 1):

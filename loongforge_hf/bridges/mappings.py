@@ -44,6 +44,12 @@ def _fmt(pattern: str, layer: int | None) -> str:
     return pattern.format(layer=layer) if layer is not None else pattern
 
 
+def _tp_slice(reader, name: str, ctx: "ShardContext", *, dim: int) -> torch.Tensor:
+    """This TP rank's even share of HF tensor ``name`` along ``dim``, read from disk alone."""
+    start, stop = T.shard_range(reader.shape(name)[dim], rank=ctx.tp_rank, world=ctx.tp_size, name=name)
+    return reader.get_slice(name, dim=dim, start=start, stop=stop)
+
+
 class Mapping:
     megatron: str
     tp_split: str | None = None  # "column" | "row" | None: how the megatron parameter is split over TP
@@ -86,9 +92,7 @@ class ColumnParallel(Mapping):
         return [_fmt(self.hf, layer)]
 
     def load(self, reader, ctx, layer):
-        name = _fmt(self.hf, layer)
-        start, stop = T.shard_range(reader.shape(name)[0], rank=ctx.tp_rank, world=ctx.tp_size, name=name)
-        return reader.get_slice(name, dim=0, start=start, stop=stop)
+        return _tp_slice(reader, _fmt(self.hf, layer), ctx, dim=0)
 
     def export(self, shards, ctx, layer):
         return {_fmt(self.hf, layer): torch.cat(shards, dim=0)}
@@ -106,9 +110,7 @@ class RowParallel(Mapping):
         return [_fmt(self.hf, layer)]
 
     def load(self, reader, ctx, layer):
-        name = _fmt(self.hf, layer)
-        start, stop = T.shard_range(reader.shape(name)[1], rank=ctx.tp_rank, world=ctx.tp_size, name=name)
-        return reader.get_slice(name, dim=1, start=start, stop=stop)
+        return _tp_slice(reader, _fmt(self.hf, layer), ctx, dim=1)
 
     def export(self, shards, ctx, layer):
         return {_fmt(self.hf, layer): torch.cat(shards, dim=1)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import socket
 
-import torch
 import torch.distributed as dist
 
 from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
@@ -57,7 +56,7 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> Parall
         if _CURRENT == parallel:
             return parallel
         ps.destroy_model_parallel()
-    vpp = parallel.virtual_pipeline_parallel_size if (parallel.virtual_pipeline_parallel_size or 1) > 1 else None
+    vpp = parallel.interleaved_stages
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_parallel_size,

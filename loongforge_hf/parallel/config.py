@@ -41,6 +41,12 @@ class ParallelConfig:
             raise ParallelLayoutError("sequence_parallel=True needs tensor_parallel_size > 1.")
 
     @property
+    def interleaved_stages(self) -> int | None:
+        """Virtual pipeline stages per rank in megatron's terms: None unless the schedule interleaves (> 1)."""
+        vpp = self.virtual_pipeline_parallel_size
+        return vpp if vpp is not None and vpp > 1 else None
+
+    @property
     def model_parallel_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
 
