@@ -343,16 +343,17 @@ class CheckpointReader:
             self.opened_files.add(shard)
         return fd
 
-    def _read(self, name: str, *, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+    def _read(self, name: str, *, dim: int | None = None, start: int = 0, stop: int = 0,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start:stop`` along ``dim`` of safetensors tensor ``name`` (all of it when ``dim`` is None), read
-        into a new contiguous tensor."""
+        into a new contiguous tensor, or into ``out``."""
         info = self._info(name)
         if dim is None:
-            out = torch.empty(info.shape, dtype=self.dtype(name))
+            out = self._destination(name, info.shape, out)
             runs, offset, run_bytes, stride = 1, info.offset, out.numel() * out.element_size(), 0
         else:
             shape = info.shape
-            out = torch.empty(shape[:dim] + (stop - start,) + shape[dim + 1:], dtype=self.dtype(name))
+            out = self._destination(name, shape[:dim] + (stop - start,) + shape[dim + 1:], out)
             step = _numel(shape[dim + 1:]) * out.element_size()  # bytes of one index along ``dim``
             runs = _numel(shape[:dim])                           # one contiguous run per index before ``dim``
             offset, run_bytes, stride = info.offset + start * step, (stop - start) * step, shape[dim] * step
@@ -366,6 +367,18 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: reading tensor {name!r} failed ({err}).") from err
         except EOFError as err:
             raise CheckpointError(f"{path}: truncated while reading tensor {name!r} ({err}).") from err
+        return out
+
+    def _destination(self, name: str, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
+        """A new tensor to read ``name``'s ``shape`` into, or ``out`` once checked to fit it exactly."""
+        dtype = self.dtype(name)
+        if out is None:
+            return torch.empty(shape, dtype=dtype)
+        if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device.type != "cpu" \
+                or not out.is_contiguous():
+            raise CheckpointError(f"Tensor {name!r}: cannot read {dtype} {list(shape)} into a "
+                                  f"{'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} "
+                                  f"{list(out.shape)} tensor on {out.device}.")
         return out
 
     def keys(self) -> list[str]:
@@ -404,8 +417,12 @@ class CheckpointReader:
             return self._pickled_tensor(name).clone()
         return self._read(name)
 
-    def get_slice(self, name: str, *, dim: int, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of ``name`` along ``dim``, reading only that part of the file."""
+    def get_slice(self, name: str, *, dim: int, start: int, stop: int, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """Rows ``start:stop`` of ``name`` along ``dim``, reading only that part of the file.
+
+        ``out``: a contiguous CPU tensor of exactly the slice's shape and dtype (e.g. a block of rows of a larger
+        tensor) to read into, and return, instead of a new one."""
         shape = self.shape(name)
         if not -len(shape) <= dim < len(shape):
             raise CheckpointError(f"Tensor {name!r} has shape {shape}; dim {dim} is out of range.")
@@ -416,9 +433,11 @@ class CheckpointReader:
             )
         if self.format == "pickle":
             # NOTE: a view into the memory-mapped file; copy just the slice out, so the caller owns it.
-            return self._pickled_tensor(name).narrow(dim, start, stop - start).clone(
-                memory_format=torch.contiguous_format)
-        return self._read(name, dim=dim, start=start, stop=stop)
+            part = self._pickled_tensor(name).narrow(dim, start, stop - start)
+            if out is None:
+                return part.clone(memory_format=torch.contiguous_format)
+            return self._destination(name, tuple(part.shape), out).copy_(part)
+        return self._read(name, dim=dim, start=start, stop=stop, out=out)
 
     def validate_shapes(self, expected: Mapping[str, tuple[int, ...]]) -> None:
         """Raise one error listing every tensor of ``expected`` that is missing or has another shape."""

@@ -6,6 +6,11 @@ Choices:
   ``CheckpointWriter`` (temporary folder, then rename: an interrupted save never leaves a folder that looks complete).
   The writer is given the whole list up front (``plan``), so each tensor goes to disk as it arrives: rank 0 holds one
   tensor at a time, not a shard.
+- Mappings that describe their shards' blocks (``export_parts``) are never assembled on rank 0: its own TP shard's
+  blocks are written straight from the parameter, then each other TP rank's shard is received (one at a time) and its
+  blocks written to their places (``CheckpointWriter.add_part``). Rank 0 holds its parameters plus one received shard,
+  not the full tensor next to every shard. A first TP rank that is not rank 0 (another pipeline stage) assembles the
+  full tensor the same way, into one preallocated buffer, and sends it. Replicated tensors are not sent over TP.
 - Routed experts: expert ``g`` of a layer lives on expert-parallel rank ``g // (N / E)`` as a local expert; the
   first expert-data-parallel replica of that rank gathers it over the expert-tensor-parallel group and its first
   rank sends it to rank 0 (which learns who that is from one all-gather of ranks at the start).
@@ -30,11 +35,14 @@ import torch.distributed as dist
 
 from loongforge_hf.bridges.builder import layer_owners
 from loongforge_hf.bridges.distribution import broadcast_outcome, gather_to_first, recv_tensor, send_tensor
+from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader, drop_fp8_quantization
 from loongforge_hf.bridges.loader import shard_context
+from loongforge_hf.bridges.mappings import streams_export
 
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-              "chat_template.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+              "chat_template.json", "preprocessor_config.json", "processor_config.json",
+              "video_preprocessor_config.json")
 
 
 def _export_items(bridge, model, parallel):
@@ -70,6 +78,29 @@ def _planned_tensors(bridge, model, parallel, shapes, dtype):
             yield n, shapes[n], mapping.hf_dtype or dtype
 
 
+def _for_each_part(local: torch.Tensor, mapping, ctx, layer, group, sink) -> None:
+    """On the first rank of ``group``: ``sink(name, dim, start, block)`` for every block (``export_parts``) of every
+    rank's shard, in rank order. The other ranks' shards are received one at a time, each dropped before the next
+    arrives; a mapping without a TP split uses the first rank's own shard alone."""
+    peers = []
+    if mapping.tp_split is not None and group is not None and dist.get_world_size(group) > 1:
+        peers = dist.get_process_group_ranks(group)[1:]
+    for part in mapping.export_parts(local, 0, ctx, layer):
+        sink(*part)
+    for i, src in enumerate(peers, start=1):
+        shard = torch.empty_like(local, memory_format=torch.contiguous_format)
+        dist.recv(shard, src=src)
+        for part in mapping.export_parts(shard, i, ctx, layer):
+            sink(*part)
+        shard = part = None
+
+
+def _send_to_first(local: torch.Tensor, mapping, group) -> None:
+    """On the other ranks of ``group``: send this rank's shard to the first, when the mapping is split over TP."""
+    if mapping.tp_split is not None and group is not None and dist.get_world_size(group) > 1:
+        dist.send(local.contiguous(), dst=dist.get_process_group_ranks(group)[0])
+
+
 def _expert_senders(*, pp_rank: int, ep_rank: int, etp_rank: int, edp_rank: int) -> dict[tuple[int, int], int]:
     """(pipeline rank, expert-parallel rank) -> the global rank that sends those experts to rank 0 (collective)."""
     mine = (pp_rank, ep_rank, etp_rank, edp_rank)
@@ -89,16 +120,18 @@ def _passthrough(bridge, source: Path | None) -> list[tuple[str, torch.Tensor]]:
         return []
     from loongforge_hf.bridges.checkpoint_io import CheckpointReader
 
-    with CheckpointReader(source) as reader:
+    with CheckpointReader(source) as raw:
+        reader = dequantizing_reader(raw)  # FP8 block-scaled tensors are written dequantised, like the rest
         return [(n, reader.get(n).clone()) for n in bridge.passthrough_names(reader.keys())]
 
 
 def _config_text(source: Path | None, hf_config, dtype: torch.dtype | None) -> str:
     """The source's config.json verbatim; with ``dtype``, the same JSON with only its dtype field changed."""
     path = source / "config.json" if source is not None else None
-    if path is not None and path.is_file() and dtype is None:
+    if path is not None and path.is_file() and dtype is None and "quantization_config" not in path.read_text():
         return path.read_text()
     data = json.loads(path.read_text()) if path is not None and path.is_file() else hf_config.to_dict()
+    drop_fp8_quantization(data)  # NOTE: the weights written are dequantised (bridges/fp8_checkpoint.py)
     if dtype is not None:
         data["dtype"] = str(dtype).removeprefix("torch.")
         if "torch_dtype" in data:
@@ -164,12 +197,38 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
                 holds = owner_pp == pp_rank and owner_ep == ep_rank and edp_rank == 0
                 group, first, src, map_ctx = etp_group, etp_rank == 0, senders[(owner_pp, owner_ep)], \
                     ctx.for_experts()
+            streamed = holds and streams_export(mapping)
             if holds:
                 local = params[vp or 0][name].detach()
-                shards = gather_to_first(local, group=group)
-                hf_tensors = mapping.export(shards, map_ctx, layer) if first else {}
+                if hasattr(mapping, "local_part"):  # one expert of a stacked expert parameter (moe.ExpertSlice)
+                    local = mapping.local_part(local)
+                if not streamed:
+                    shards = gather_to_first(local, group=group)
+                    hf_tensors = mapping.export(shards, map_ctx, layer) if first else {}
+                elif not first:
+                    _send_to_first(local, mapping, group)
+                elif rank == 0:
+                    def write_block(n, dim, start, block, out_dtype=out_dtype):
+                        nonlocal error
+                        if error is None:
+                            try:
+                                writer.add_part(n, block.to(out_dtype).cpu(), dim=dim, start=start)
+                            except Exception as e:  # noqa: BLE001 - shared with every rank below
+                                error = f"{type(e).__name__}: {e}"
+
+                    _for_each_part(local, mapping, map_ctx, layer, group, write_block)
+                else:
+                    hf_tensors = {n: torch.empty(shapes[n], dtype=out_dtype, device=local.device)
+                                  for n in mapping.hf_names(layer)}
+
+                    def fill(n, dim, start, block, full=hf_tensors):
+                        full[n].narrow(dim, start, block.shape[dim]).copy_(block)
+
+                    _for_each_part(local, mapping, map_ctx, layer, group, fill)
             if rank == 0:
-                if holds:
+                if streamed:
+                    tensors = {}  # NOTE: already on disk, block by block
+                elif holds:
                     tensors = hf_tensors
                 else:
                     src = pp_ranks[owner_pp] if src is None else src
@@ -185,7 +244,7 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
                 for n in mapping.hf_names(layer):
                     send_tensor(hf_tensors[n].to(out_dtype), dst=0)
             # NOTE: drop this tensor's buffers before the next is gathered, or the peak holds two of them.
-            shards = hf_tensors = tensors = None
+            shards = hf_tensors = tensors = local = None
         for n, t in (extra_tensors() if extra_tensors is not None else ()):
             if writer is not None and error is None and t is not None:
                 try:

@@ -3,8 +3,11 @@
 Choices:
 - A mapping names one megatron parameter (``{layer}`` stands for the layer index) and the HF tensor(s) it is made of.
 - ``load`` reads only this rank's slice of each HF tensor (``CheckpointReader.get_slice``) and applies the pure
-  transform from ``transforms.py``; ``export`` receives every TP rank's shard in rank order and returns full HF
-  tensors. Neither touches a process group: gathering is ``distribution.py``'s job.
+  transform from ``transforms.py``; fused and padded tensors are read block by block straight into their place
+  (``get_slice(out=...)``; the block layout comes from ``transforms.py``), so a rank's bytes are copied once, by the
+  read. ``export`` receives every TP rank's shard in rank order and returns full HF tensors; ``export_parts`` says
+  which blocks of which HF tensors one rank's shard holds, so the exporter can write each shard as it arrives without
+  assembling the full tensor. Neither touches a process group: gathering is ``distribution.py``'s job.
 - Vocabulary tensors are padded with zero rows up to ``ShardContext.padded_vocab`` on load and truncated on export.
 - Routed experts: ``Expert`` wraps a per-expert mapping whose names carry ``{expert}``; megatron names use the index
   local to the expert-parallel rank, HF names the global one. Its tensors split over the expert-tensor-parallel group
@@ -19,6 +22,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from loongforge_hf.bridges import transforms as T
+from loongforge_hf.bridges.checkpoint_io import CheckpointReader
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +54,30 @@ def _tp_slice(reader, name: str, ctx: "ShardContext", *, dim: int) -> torch.Tens
     return reader.get_slice(name, dim=dim, start=start, stop=stop)
 
 
+def _read_into(reader, name: str, out: torch.Tensor, *, dim: int, start: int) -> None:
+    """Rows ``start:start + out.shape[dim]`` of ``name`` along ``dim``, read straight into ``out``.
+
+    NOTE: only ``CheckpointReader`` reads into a given tensor; a wrapper (e.g. the FP8 dequantising reader) returns
+    its own tensor, copied into place here."""
+    stop = start + out.shape[dim]
+    if isinstance(reader, CheckpointReader):
+        reader.get_slice(name, dim=dim, start=start, stop=stop, out=out)
+    else:
+        out.copy_(reader.get_slice(name, dim=dim, start=start, stop=stop))
+
+
+Part = tuple[str, int, int, torch.Tensor]  # (HF name, dim, start along dim, the block)
+
+
+def streams_export(mapping: "Mapping") -> bool:
+    """Whether ``mapping.export_parts`` describes what its ``export`` does (both defined by the same class, so a
+    subclass that changes ``export`` alone falls back to whole-tensor export)."""
+    def owner(attr: str) -> type:
+        return next(c for c in type(mapping).__mro__ if attr in c.__dict__)
+
+    return owner("export_parts") is not Mapping and owner("export_parts") is owner("export")
+
+
 class Mapping:
     megatron: str
     tp_split: str | None = None  # "column" | "row" | None: how the megatron parameter is split over TP
@@ -62,6 +90,16 @@ class Mapping:
         raise NotImplementedError
 
     def export(self, shards: list[torch.Tensor], ctx: ShardContext, layer: int | None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def export_parts(self, shard: torch.Tensor, rank: int, ctx: ShardContext, layer: int | None) -> list[Part]:
+        """The blocks of HF tensors that TP rank ``rank``'s ``shard`` holds: ``(HF name, dim, start, block)``, each
+        ``block`` the HF tensor's rows ``start:start + block.shape[dim]`` along ``dim`` (all of every other dim).
+
+        Over the ranks of the group the blocks cover each tensor of ``hf_names`` exactly once, as ``export`` would
+        build it; a mapping whose ``tp_split`` is None takes rank 0's shard alone (the others are not sent). Blocks
+        are views of ``shard`` where possible (no copy).
+        """
         raise NotImplementedError
 
 
@@ -78,6 +116,9 @@ class Replicated(Mapping):
 
     def export(self, shards, ctx, layer):
         return {_fmt(self.hf, layer): shards[0]}
+
+    def export_parts(self, shard, rank, ctx, layer):
+        return [(_fmt(self.hf, layer), 0, 0, shard)] if rank == 0 else []
 
 
 @dataclass(frozen=True)
@@ -97,6 +138,9 @@ class ColumnParallel(Mapping):
     def export(self, shards, ctx, layer):
         return {_fmt(self.hf, layer): torch.cat(shards, dim=0)}
 
+    def export_parts(self, shard, rank, ctx, layer):
+        return [(_fmt(self.hf, layer), 0, rank * shard.shape[0], shard)]
+
 
 @dataclass(frozen=True)
 class RowParallel(Mapping):
@@ -115,6 +159,9 @@ class RowParallel(Mapping):
     def export(self, shards, ctx, layer):
         return {_fmt(self.hf, layer): torch.cat(shards, dim=1)}
 
+    def export_parts(self, shard, rank, ctx, layer):
+        return [(_fmt(self.hf, layer), 1, rank * shard.shape[1], shard)]
+
 
 @dataclass(frozen=True)
 class VocabParallel(Mapping):
@@ -131,14 +178,20 @@ class VocabParallel(Mapping):
         per_rank = ctx.padded_vocab // ctx.tp_size
         start, stop = ctx.tp_rank * per_rank, (ctx.tp_rank + 1) * per_rank
         real_stop = min(stop, ctx.vocab_size)
-        hidden = reader.shape(self.hf)[1]
-        if start >= ctx.vocab_size:
-            return torch.zeros(per_rank, hidden, dtype=reader.dtype(self.hf))
-        rows = reader.get_slice(self.hf, dim=0, start=start, stop=real_stop)
-        return T.pad_vocab(rows, per_rank)
+        out = torch.empty(per_rank, *reader.shape(self.hf)[1:], dtype=reader.dtype(self.hf))
+        real = max(0, real_stop - start)
+        if real:
+            _read_into(reader, self.hf, out[:real], dim=0, start=start)
+        out[real:].zero_()  # NOTE: the padding rows (pad_vocab's zeros), without a second copy of the real ones
+        return out
 
     def export(self, shards, ctx, layer):
         return {self.hf: T.truncate_vocab(torch.cat(shards, dim=0), ctx.vocab_size)}
+
+    def export_parts(self, shard, rank, ctx, layer):
+        start = rank * shard.shape[0]
+        keep = min(shard.shape[0], ctx.vocab_size - start)
+        return [(self.hf, 0, start, shard[:keep])] if keep > 0 else []
 
 
 @dataclass(frozen=True)
@@ -160,16 +213,33 @@ class QKV(Mapping):
         q_name, k_name, v_name = self.hf_names(layer)
         q0 = ctx.tp_rank * heads * hd
         k0 = ctx.tp_rank * groups * hd
-        q = reader.get_slice(q_name, dim=0, start=q0, stop=q0 + heads * hd)
-        k = reader.get_slice(k_name, dim=0, start=k0, stop=k0 + groups * hd)
-        v = reader.get_slice(v_name, dim=0, start=k0, stop=k0 + groups * hd)
-        return T.fuse_qkv(q, k, v, num_heads=heads, num_kv_heads=groups, head_dim=hd)
+        dtypes = {reader.dtype(n) for n in (q_name, k_name, v_name)}
+        if len(dtypes) > 1:
+            raise ValueError(f"{q_name}, {k_name}, {v_name}: q, k, v must have one dtype, got "
+                             f"{sorted(map(str, dtypes))}.")
+        # NOTE: each block of q, k and v is read straight into its place in the fused tensor (what fuse_qkv builds,
+        # without reading the three slices first and concatenating them).
+        out = torch.empty((heads + 2 * groups) * hd, *reader.shape(q_name)[1:], dtype=dtypes.pop())
+        first_row = (q0, k0, k0)
+        for which, src, dst, rows in T.qkv_blocks(num_heads=heads, num_kv_heads=groups, head_dim=hd):
+            _read_into(reader, (q_name, k_name, v_name)[which], out[dst:dst + rows], dim=0,
+                       start=first_row[which] + src)
+        return out
 
     def export(self, shards, ctx, layer):
         q, k, v = T.split_qkv(torch.cat(shards, dim=0), num_heads=ctx.num_heads, num_kv_heads=ctx.num_kv_heads,
                               head_dim=ctx.head_dim)
         q_name, k_name, v_name = self.hf_names(layer)
         return {q_name: q, k_name: k, v_name: v}
+
+    def export_parts(self, shard, rank, ctx, layer):
+        heads, groups, hd = ctx.num_heads // ctx.tp_size, ctx.num_kv_heads // ctx.tp_size, ctx.head_dim
+        if shard.dim() == 0 or shard.shape[0] != (heads + 2 * groups) * hd:
+            raise ValueError(f"{self.megatron}: a TP shard must have {(heads + 2 * groups) * hd} rows, got shape "
+                             f"{tuple(shard.shape)}.")
+        names, first_row = self.hf_names(layer), (rank * heads * hd, rank * groups * hd, rank * groups * hd)
+        return [(names[which], 0, first_row[which] + src, shard[dst:dst + rows])
+                for which, src, dst, rows in T.qkv_blocks(num_heads=heads, num_kv_heads=groups, head_dim=hd)]
 
 
 @dataclass(frozen=True)
@@ -188,14 +258,29 @@ class GatedMLP(Mapping):
         gate_name, up_name = self.hf_names(layer)
         start, stop = T.shard_range(reader.shape(gate_name)[0], rank=ctx.tp_rank, world=ctx.tp_size,
                                     name=gate_name)
-        gate = reader.get_slice(gate_name, dim=0, start=start, stop=stop)
-        up = reader.get_slice(up_name, dim=0, start=start, stop=stop)
-        return T.fuse_gate_up(gate, up)
+        if reader.dtype(gate_name) != reader.dtype(up_name) or reader.shape(gate_name) != reader.shape(up_name):
+            raise ValueError(f"{gate_name} and {up_name}: gate and up must have one shape and dtype, got "
+                             f"{reader.shape(gate_name)} {reader.dtype(gate_name)} and {reader.shape(up_name)} "
+                             f"{reader.dtype(up_name)}.")
+        # NOTE: [gate; up] as fuse_gate_up builds it, each half read straight into its place.
+        rows = stop - start
+        out = torch.empty(2 * rows, *reader.shape(gate_name)[1:], dtype=reader.dtype(gate_name))
+        _read_into(reader, gate_name, out[:rows], dim=0, start=start)
+        _read_into(reader, up_name, out[rows:], dim=0, start=start)
+        return out
 
     def export(self, shards, ctx, layer):
         parts = [T.split_gate_up(s) for s in shards]
         gate_name, up_name = self.hf_names(layer)
         return {gate_name: torch.cat([g for g, _ in parts], dim=0), up_name: torch.cat([u for _, u in parts], dim=0)}
+
+    def export_parts(self, shard, rank, ctx, layer):
+        if shard.dim() == 0 or shard.shape[0] % 2:
+            raise ValueError(f"{self.megatron}: fc1 must have an even number of rows (gate then up), got shape "
+                             f"{tuple(shard.shape)}.")
+        half = shard.shape[0] // 2
+        gate_name, up_name = self.hf_names(layer)
+        return [(gate_name, 0, rank * half, shard[:half]), (up_name, 0, rank * half, shard[half:])]
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,23 @@ def fuse_qkv(
     return grouped.reshape((num_heads + 2 * num_kv_heads) * head_dim, *rest)
 
 
+def qkv_blocks(*, num_heads: int, num_kv_heads: int, head_dim: int) -> list[tuple[int, int, int, int]]:
+    """Where ``fuse_qkv`` puts each row of q, k and v: ``(which, row in it, row in the fused tensor, rows)``.
+
+    ``which`` is 0 for q, 1 for k, 2 for v; one block per KV group and projection, in fused order. Lets a caller
+    read each block straight into its place in the fused tensor (and write each back out) without concatenating.
+    """
+    per_group = _heads_per_group(num_heads, num_kv_heads, head_dim)
+    q_rows, width = per_group * head_dim, (per_group + 2) * head_dim
+    blocks = []
+    for g in range(num_kv_heads):
+        base = g * width
+        blocks.append((0, g * q_rows, base, q_rows))
+        blocks.append((1, g * head_dim, base + q_rows, head_dim))
+        blocks.append((2, g * head_dim, base + q_rows + head_dim, head_dim))
+    return blocks
+
+
 def split_qkv(
     qkv: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,6 +128,10 @@ def pad_vocab(weight: torch.Tensor, padded_size: int) -> torch.Tensor:
         raise ValueError(
             f"Cannot pad a vocabulary tensor of shape {tuple(weight.shape)} to {padded_size!r} rows."
         )
+    if padded_size == weight.shape[0]:
+        # NOTE: nothing to pad: the tensor itself, not a copy (a copy was a second pass over the embedding and LM
+        # head, the largest tensors of a small model). Callers that need memory of their own copy it themselves.
+        return weight
     pad = weight.new_zeros((padded_size - weight.shape[0], *weight.shape[1:]))
     return torch.cat([weight, pad], dim=0)
 

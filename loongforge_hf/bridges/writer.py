@@ -11,6 +11,10 @@ Choices:
   the shard file (``os.pwrite``), holding nothing back. Without a plan (or for tensors beyond it) only the shard being
   filled is held in memory and goes to disk through safetensors' ``save_file`` when full. Either way shards are
   written under provisional names and renamed once the shard count is known.
+- A planned tensor may also arrive in blocks (``add_part``: rows ``start:stop`` along one dim, e.g. one
+  tensor-parallel rank's shard), each written to its place at once: the full tensor is never assembled in memory. A
+  block along dim 0 is one write; along a later dim, one write per run of contiguous bytes. Blocks of one tensor must
+  not overlap; the tensor counts as added once they cover it.
 - A planned shard is what ``save_file`` would write for the same tensors, up to the order of the data: tensors are
   laid out by element size, largest first, then in plan order (each starts aligned to its element size), and the
   JSON header is padded with spaces to a multiple of 8 bytes, as safetensors pads it.
@@ -150,6 +154,7 @@ class CheckpointWriter:
         self._headers: dict[int, bytes] = {}            # planned shard -> its header, written when the shard opens
         self._open: dict[int, _OpenShard] = {}
         self._unwritten: set[str] = set()
+        self._parts: dict[str, tuple[int, list[tuple[int, int]]]] = {}  # partly added: dim, [start, stop) blocks
         self._total_size = 0
         self._total_parameters = 0
         self._state = "new"
@@ -222,7 +227,7 @@ class CheckpointWriter:
             raise CheckpointError(f"Tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}.")
         if tensor.device.type == "meta":
             raise CheckpointError(f"Tensor {name!r} is on the meta device: it has no data to write.")
-        if name in self._names:
+        if name in self._names or name in self._parts:
             raise CheckpointError(f"Tensor {name!r} was added twice to the checkpoint for {self.out_dir}.")
         if name in self._planned:
             self._write_planned(name, tensor)
@@ -235,6 +240,58 @@ class CheckpointWriter:
         self._buffer_bytes += size
         self._total_size += size
         self._total_parameters += tensor.numel()
+
+    def add_part(self, name: str, tensor: torch.Tensor, *, dim: int, start: int) -> None:
+        """Write ``tensor`` as rows ``start:start + tensor.shape[dim]`` along ``dim`` of planned tensor ``name``.
+
+        Every other dim is whole; the bytes go to their place in the shard at once. ``name`` counts as added once
+        its blocks (all along the same ``dim``, none overlapping) cover it.
+        """
+        self._check_open()
+        spec = self._planned.get(name) if isinstance(name, str) else None
+        if spec is None:
+            raise CheckpointError(f"add_part(): tensor {name!r} was not planned; only planned tensors are written in "
+                                  "blocks.")
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            raise CheckpointError(f"add_part(): block of {name!r} must be a tensor with data, got {tensor!r:.60}.")
+        if name in self._names:
+            raise CheckpointError(f"Tensor {name!r} was added twice to the checkpoint for {self.out_dir}.")
+        shape = tuple(tensor.shape)
+        ndim = len(spec.shape)
+        fits = tensor.dtype == spec.dtype and len(shape) == ndim and isinstance(dim, int) and 0 <= dim < ndim \
+            and isinstance(start, int) and 0 <= start and start + shape[dim] <= spec.shape[dim] \
+            and shape[:dim] + shape[dim + 1:] == spec.shape[:dim] + spec.shape[dim + 1:]
+        if not fits:
+            raise CheckpointError(f"Tensor {name!r} was planned as {spec.dtype} {list(spec.shape)}; a block "
+                                  f"{tensor.dtype} {list(shape)} at {start} along dim {dim} does not fit it.")
+        stop = start + shape[dim]
+        part_dim, blocks = self._parts.get(name, (dim, []))
+        if part_dim != dim or any(start < b and a < stop for a, b in blocks):
+            raise CheckpointError(f"Tensor {name!r}: block {start}:{stop} along dim {dim} overlaps a block already "
+                                  f"added, or another block was along dim {part_dim}.")
+        data = tensor.detach().to("cpu").contiguous()
+        fd, file = self._shard_fd(spec.shard)
+        if data.numel():
+            inner = math.prod(spec.shape[dim + 1:]) * spec.dtype.itemsize  # bytes of one index along ``dim``
+            runs, run_bytes, stride = math.prod(spec.shape[:dim]), (stop - start) * inner, spec.shape[dim] * inner
+            view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+            offset = spec.offset + start * inner
+            if runs == 1 or run_bytes == stride:
+                self._guarded(file, lambda: _pwrite_all(fd, view, offset))
+            else:
+                def write_runs() -> None:
+                    for r in range(runs):
+                        _pwrite_all(fd, view[r * run_bytes:(r + 1) * run_bytes], offset + r * stride)
+
+                self._guarded(file, write_runs)
+        blocks.append((start, stop))
+        self._parts[name] = (dim, blocks)
+        self._total_size += _nbytes(data)
+        self._total_parameters += data.numel()
+        if sum(b - a for a, b in blocks) == spec.shape[dim]:
+            del self._parts[name]
+            self._names.add(name)
+            self._planned_done(name, spec)
 
     def write_text(self, relpath: str, text: str) -> None:
         """Write ``text`` (UTF-8) to ``relpath`` inside the checkpoint folder."""
@@ -256,11 +313,21 @@ class CheckpointWriter:
                                   f"{tensor.dtype} {list(tensor.shape)}.")
         self._names.add(name)
         data = tensor.detach().to("cpu").contiguous()
-        file = self._shards[spec.shard][0]
-        shard = self._open.get(spec.shard)
+        fd, file = self._shard_fd(spec.shard)
+        if data.numel():
+            view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+            self._guarded(file, lambda: _pwrite_all(fd, view, spec.offset))
+        self._total_size += _nbytes(data)
+        self._total_parameters += data.numel()
+        self._planned_done(name, spec)
+
+    def _shard_fd(self, index: int) -> tuple[int, str]:
+        """The open file of planned shard ``index`` (created, with its header, on first use), and its name."""
+        file = self._shards[index][0]
+        shard = self._open.get(index)
         if shard is None:
             assert self._tmp is not None
-            path, header = self._tmp / file, self._headers.pop(spec.shard)
+            path, header = self._tmp / file, self._headers.pop(index)
 
             def create() -> int:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -272,13 +339,13 @@ class CheckpointWriter:
                 return fd
 
             fd = self._guarded(file, create)
-            shard = self._open[spec.shard] = _OpenShard(fd=fd, left=len(self._shards[spec.shard][1]))
-        if data.numel():
-            view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
-            self._guarded(file, lambda: _pwrite_all(shard.fd, view, spec.offset))
+            shard = self._open[index] = _OpenShard(fd=fd, left=len(self._shards[index][1]))
+        return shard.fd, file
+
+    def _planned_done(self, name: str, spec: _Planned) -> None:
+        """``name`` is wholly on disk: close its shard when it was the shard's last tensor."""
+        file, shard = self._shards[spec.shard][0], self._open[spec.shard]
         self._unwritten.discard(name)
-        self._total_size += _nbytes(data)
-        self._total_parameters += data.numel()
         shard.left -= 1
         if shard.left == 0:
             del self._open[spec.shard]
@@ -359,8 +426,8 @@ class CheckpointWriter:
         if self._unwritten:
             missing = sorted(self._unwritten)
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise CheckpointError(f"{len(missing)} planned tensor(s) were never added to the checkpoint for "
-                                  f"{self.out_dir}: {', '.join(missing[:5])}{more}.")
+            raise CheckpointError(f"{len(missing)} planned tensor(s) were never added (or only in part) to the "
+                                  f"checkpoint for {self.out_dir}: {', '.join(missing[:5])}{more}.")
         self._flush()
         assert self._tmp is not None
         tmp = self._tmp

@@ -125,6 +125,26 @@ def test_get_slice_reads_only_its_bytes_into_memory_it_owns(tiny_llama, monkeypa
         assert part.is_contiguous() and part.untyped_storage().nbytes() == part.numel() * part.element_size()
 
 
+@pytest.mark.parametrize("pickled", [False, True])
+def test_get_slice_into_a_block_of_a_larger_tensor(tiny_llama, tmp_path, pickled):
+    """``out=``: rows and columns read straight into their place; a destination that does not fit is refused."""
+    folder, state = tiny_llama
+    if pickled:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+        folder = tmp_path
+    name = "lm_head.weight"  # [64, 16] float32
+    big = torch.full((40, 16), -1.0)
+    with CheckpointReader(folder, allow_pickle=pickled) as reader:
+        assert reader.get_slice(name, dim=0, start=8, stop=24, out=big[10:26]).data_ptr() == big[10].data_ptr()
+        cols = torch.empty(64, 8)
+        assert reader.get_slice(name, dim=1, start=4, stop=12, out=cols) is cols
+        for bad in (big[10:27], big[10:26].double(), torch.empty(16, 32)[:, :16]):
+            with pytest.raises(CheckpointError, match=r"cannot read torch.float32 \[16, 16\] into"):
+                reader.get_slice(name, dim=0, start=8, stop=24, out=bad)
+    assert torch.equal(big[10:26], state[name][8:24]) and torch.equal(cols, state[name][:, 4:12])
+    assert (big[:10] == -1).all() and (big[26:] == -1).all()
+
+
 @pytest.mark.parametrize("limit", [None, 13])
 def test_reads_of_many_runs_and_short_reads(tmp_path, monkeypatch, limit):
     """More runs than one preadv call takes (IOV_MAX), odd dims and a kernel that returns a few bytes at a time."""

@@ -6,6 +6,7 @@ from loongforge_hf.bridges.transforms import (
     fuse_qkv,
     pad_vocab,
     padded_vocab_size,
+    qkv_blocks,
     shard_range,
     split_gate_up,
     split_qkv,
@@ -112,6 +113,20 @@ def test_qkv_argument_errors():
         split_qkv(fused, num_heads=8, num_kv_heads=2, head_dim=4)
 
 
+@pytest.mark.parametrize("heads,groups,hd,rest", [(6, 2, 4, (5,)), (8, 8, 2, (3,)), (4, 1, 3, ())])
+def test_qkv_blocks_place_rows_as_fuse_qkv(heads, groups, hd, rest):
+    q, k, v = (torch.randn(n * hd, *rest) for n in (heads, groups, groups))
+    fused = fuse_qkv(q, k, v, num_heads=heads, num_kv_heads=groups, head_dim=hd)
+    blocks = qkv_blocks(num_heads=heads, num_kv_heads=groups, head_dim=hd)
+    assert len(blocks) == 3 * groups
+    built = torch.full_like(fused, float("nan"))
+    for which, src, dst, rows in blocks:
+        built[dst:dst + rows] = (q, k, v)[which][src:src + rows]
+    assert torch.equal(built, fused)  # every row placed once (no NaN left), each where fuse_qkv puts it
+    for which, n in enumerate((heads, groups, groups)):
+        assert sum(rows for w, _, _, rows in blocks if w == which) == n * hd
+
+
 def test_gate_up_layout_and_round_trip():
     gate, up = torch.randn(10, 6), torch.randn(10, 6)
     fc1 = fuse_gate_up(gate, up)
@@ -161,7 +176,7 @@ def test_pad_and_truncate_vocab():
     assert torch.equal(truncate_vocab(padded, 50), weight)
     bias = torch.randn(50)
     assert torch.equal(truncate_vocab(pad_vocab(bias, 56), 50), bias)
-    assert torch.equal(pad_vocab(weight, 50), weight)
+    assert pad_vocab(weight, 50) is weight  # nothing to pad: the tensor itself, no copy
     assert pad_vocab(weight[:0], 4).shape == (4, 8)  # a TP rank whose rows are all padding
     with pytest.raises(ValueError, match=r"shape \(50, 8\) to 49 rows"):
         pad_vocab(weight, 49)

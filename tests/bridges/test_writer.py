@@ -415,3 +415,65 @@ def test_plan_misuse(tmp_path):
         with CheckpointWriter(tmp_path / "o") as w:
             w.plan([("b", (-1,), torch.float32)])
     assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
+
+
+def test_blocks_along_any_dim_write_the_same_bytes_as_whole_tensors(tmp_path):
+    """Rows, columns and inner-dim blocks in any order: shards byte-identical to adding whole tensors."""
+    state = {"rows": torch.randn(6, 5), "cols": torch.randn(4, 9).to(torch.bfloat16), "cube": torch.randn(3, 4, 6),
+             "bias": torch.randn(7), "whole": torch.arange(4, dtype=torch.int32)}
+    blocks = [("cols", 1, 6, 9), ("rows", 0, 2, 6), ("cube", 2, 0, 2), ("bias", 0, 3, 7), ("cols", 1, 0, 2),
+              ("rows", 0, 0, 2), ("cube", 2, 2, 6), ("cols", 1, 2, 6), ("bias", 0, 0, 3)]
+    for mode in ("whole", "blocks"):
+        with CheckpointWriter(tmp_path / mode, max_shard_size=150) as w:
+            w.plan(plan_of(state))
+            if mode == "blocks":
+                for name, dim, start, stop in blocks:
+                    w.add_part(name, state[name].narrow(dim, start, stop - start), dim=dim, start=start)
+                w.add("whole", state["whole"])
+            else:
+                for name, tensor in state.items():
+                    w.add(name, tensor)
+    files = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "blocks").iterdir()) and len(files) > 2
+    for f in files:
+        assert (tmp_path / "blocks" / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("unplanned", r"tensor 'x' was not planned"),
+    ("overlap", r"block 1:3 along dim 0 overlaps"),
+    ("other_dim", r"overlaps a block already added, or another block was along dim 0"),
+    ("out_of_range", r"planned as torch.float32 \[4, 2\]; a block torch.float32 \[2, 2\] at 3 along dim 0"),
+    ("wrong_width", r"a block torch.float32 \[2, 3\] at 0 along dim 0 does not fit"),
+    ("dtype", r"a block torch.float64 \[2, 2\] at 0 along dim 0 does not fit"),
+    ("after_whole", r"Tensor 'w' was added twice"),
+    ("whole_after_part", r"Tensor 'w' was added twice"),
+    ("incomplete", r"1 planned tensor\(s\) were never added \(or only in part\) .*: w\."),
+])
+def test_block_mistakes_leave_nothing(existing_out, mistake, message):
+    before = snapshot(existing_out)
+    with pytest.raises(CheckpointError, match=message):
+        with CheckpointWriter(existing_out) as w:
+            w.plan([("w", (4, 2), torch.float32)])
+            two = torch.zeros(2, 2)
+            if mistake == "unplanned":
+                w.add_part("x", two, dim=0, start=0)
+            elif mistake in ("overlap", "other_dim", "incomplete", "whole_after_part"):
+                w.add_part("w", two, dim=0, start=0)
+                if mistake == "overlap":
+                    w.add_part("w", two, dim=0, start=1)
+                elif mistake == "other_dim":
+                    w.add_part("w", torch.zeros(4, 1), dim=1, start=0)
+                elif mistake == "whole_after_part":
+                    w.add("w", torch.zeros(4, 2))
+            elif mistake == "out_of_range":
+                w.add_part("w", two, dim=0, start=3)
+            elif mistake == "wrong_width":
+                w.add_part("w", torch.zeros(2, 3), dim=0, start=0)
+            elif mistake == "dtype":
+                w.add_part("w", two.double(), dim=0, start=0)
+            elif mistake == "after_whole":
+                w.add("w", torch.zeros(4, 2))
+                w.add_part("w", two, dim=0, start=0)
+    assert snapshot(existing_out) == before
+    assert leftovers(existing_out.parent) == []
