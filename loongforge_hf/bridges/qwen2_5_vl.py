@@ -147,6 +147,11 @@ class Qwen2_5_VLBridge:
     def image_token_id(self) -> int:
         return int(self.hf_config.image_token_id)
 
+    @property
+    def video_token_id(self) -> int | None:
+        token = getattr(self.hf_config, "video_token_id", None)
+        return None if token is None else int(token)
+
     def check_vision_config(self) -> None:
         from transformers.activations import ACT2FN
 

@@ -1,14 +1,24 @@
-"""Batching image+text samples that a Hugging Face processor prepared one at a time.
+"""Batching image/video+text samples that a Hugging Face processor prepared one at a time.
 
 Choices:
-- A feature is what ``processor(text=[...], images=[...], return_tensors="pt")`` returns for one sample (a leading
-  batch dimension of 1 is dropped), or the same as lists: ``input_ids``, optional ``attention_mask``,
+- A feature is what ``processor(text=[...], images=[...], videos=[...], return_tensors="pt")`` returns for one sample
+  (a leading batch dimension of 1 is dropped), or the same as lists: ``input_ids``, optional ``attention_mask``,
   ``mm_token_type_ids``, ``labels``, and for samples with images ``pixel_values`` [patches, C*T*P*P] and
-  ``image_grid_thw`` [images, 3].
-- Text columns are padded to the longest sample (optionally to a multiple of ``pad_to_multiple_of``), on the right by
-  default; the images of all samples are concatenated in sample order, which is the order the model consumes them.
-- Labels default to the input ids; padding, and image tokens when ``mask_image_labels`` (the usual choice: the model
-  never has to predict a placeholder), are set to -100. Labels a sample brings are kept as they are, padding aside.
+  ``image_grid_thw`` [images, 3], with videos ``pixel_values_videos``, ``video_grid_thw`` and optionally
+  ``second_per_grid_ts``.
+- Padded batches (the default): text columns are padded to the longest sample (optionally to a multiple of
+  ``pad_to_multiple_of``), on the right by default; the images (and videos) of all samples are concatenated in sample
+  order, which is the order the model consumes them.
+- Packed batches (``packing=True``): samples are laid end to end in one row (a new row starts when ``max_length``
+  would be passed; rows are padded to the longest, and to ``pad_to_multiple_of``). There is no ``attention_mask``;
+  ``position_ids`` are transformers' packed Qwen2.5-VL form [4, rows, length]: row 0 counts text positions from 0 in
+  every sample (attention stays inside a sample), rows 1-3 are each sample's own 3-D rope positions, computed alone
+  (so a packed sample sees exactly what it would see unpacked). Padding takes position 0 (a one-token document of its
+  own) and label -100. The first label of each sample is -100, so no sample's last token learns to predict the next
+  sample's first.
+- Labels default to the input ids; padding, and image / video tokens when ``mask_image_labels`` (the usual choice:
+  the model never has to predict a placeholder), are set to -100. Labels a sample brings are kept as they are, padding
+  aside.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 IGNORE_INDEX = -100
+_VISION_KEYS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
 
 
 def _row(value) -> torch.Tensor:
@@ -33,16 +44,29 @@ class DataCollatorForImageText:
     padding_side: str = "right"
     pad_to_multiple_of: int | None = None
     mask_image_labels: bool = True
+    packing: bool = False
+    max_length: int | None = None          # packing: longest row
+    spatial_merge_size: int | None = None  # packing: to compute each sample's 3-D positions
+    tokens_per_second: float = 1.0         # packing: vision_config.tokens_per_second (video time positions)
 
     def __post_init__(self) -> None:
         if self.padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {self.padding_side!r}.")
+        if self.packing and (self.spatial_merge_size is None or self.image_token_id is None):
+            raise ValueError("packing=True needs spatial_merge_size and image_token_id (from_processor sets both) "
+                             "to compute each sample's 3-D rope positions.")
 
     @classmethod
-    def from_processor(cls, processor, **kwargs) -> "DataCollatorForImageText":
+    def from_processor(cls, processor, config=None, **kwargs) -> "DataCollatorForImageText":
+        """From a Qwen2.5-VL processor; ``config`` (the model's) supplies ``tokens_per_second`` for videos."""
         tok = processor.tokenizer
+        image = getattr(processor, "image_processor", None)
+        defaults = {"spatial_merge_size": getattr(image, "merge_size", None)}
+        vision = getattr(config, "vision_config", None)
+        if vision is not None and getattr(vision, "tokens_per_second", None) is not None:
+            defaults["tokens_per_second"] = vision.tokens_per_second
         return cls(pad_token_id=tok.pad_token_id, image_token_id=getattr(processor, "image_token_id", None),
-                   video_token_id=getattr(processor, "video_token_id", None), **kwargs)
+                   video_token_id=getattr(processor, "video_token_id", None), **{**defaults, **kwargs})
 
     def _pad(self, rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
         out = torch.full((len(rows), length), value, dtype=rows[0].dtype)
@@ -53,34 +77,105 @@ class DataCollatorForImageText:
                 out[i, length - r.numel():] = r
         return out
 
+    def _labels(self, feature: dict, ids: torch.Tensor) -> torch.Tensor:
+        if feature.get("labels") is not None:
+            return _row(feature["labels"]).long()
+        lab = ids.clone()
+        if self.mask_image_labels:
+            for token in (self.image_token_id, self.video_token_id):
+                if token is not None:
+                    lab[lab == token] = IGNORE_INDEX
+        return lab
+
+    def _token_types(self, feature: dict, ids: torch.Tensor) -> torch.Tensor:
+        if feature.get("mm_token_type_ids") is not None:
+            return _row(feature["mm_token_type_ids"]).long()
+        kinds = torch.zeros_like(ids)
+        if self.image_token_id is not None:
+            kinds[ids == self.image_token_id] = 1
+        if self.video_token_id is not None:
+            kinds[ids == self.video_token_id] = 2
+        return kinds
+
+    def _length(self, length: int) -> int:
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        return length
+
+    @staticmethod
+    def _vision(features: list[dict], batch: dict) -> dict:
+        for pixels, grid in _VISION_KEYS:
+            having = [f for f in features if f.get(pixels) is not None]
+            if having:
+                batch[pixels] = torch.cat([torch.as_tensor(f[pixels]) for f in having], dim=0)
+                batch[grid] = torch.cat([torch.as_tensor(f[grid]).reshape(-1, 3) for f in having], dim=0)
+        videos = [f for f in features if f.get("pixel_values_videos") is not None]
+        if videos and all(f.get("second_per_grid_ts") is not None for f in videos):
+            batch["second_per_grid_ts"] = torch.cat([torch.as_tensor(f["second_per_grid_ts"], dtype=torch.float32)
+                                                     .reshape(-1) for f in videos])
+        return batch
+
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         if not features:
             raise ValueError("DataCollatorForImageText got no features.")
+        if self.packing:
+            return self._pack(features)
         ids = [_row(f["input_ids"]).long() for f in features]
-        length = max(r.numel() for r in ids)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        length = self._length(max(r.numel() for r in ids))
         masks = [_row(f["attention_mask"]).long() if f.get("attention_mask") is not None
                  else torch.ones_like(r) for f, r in zip(features, ids)]
         batch = {"input_ids": self._pad(ids, length, self.pad_token_id), "attention_mask": self._pad(masks, length, 0)}
         if all(f.get("mm_token_type_ids") is not None for f in features):
             batch["mm_token_type_ids"] = self._pad([_row(f["mm_token_type_ids"]).long() for f in features], length, 0)
-        labels = []
-        for f, r in zip(features, ids):
-            if f.get("labels") is not None:
-                labels.append(_row(f["labels"]).long())
-                continue
-            lab = r.clone()
-            if self.mask_image_labels:
-                for token in (self.image_token_id, self.video_token_id):
-                    if token is not None:
-                        lab[lab == token] = IGNORE_INDEX
-            labels.append(lab)
-        batch["labels"] = self._pad(labels, length, IGNORE_INDEX)
+        batch["labels"] = self._pad([self._labels(f, r) for f, r in zip(features, ids)], length, IGNORE_INDEX)
         batch["labels"][batch["attention_mask"] == 0] = IGNORE_INDEX
-        with_images = [f for f in features if f.get("pixel_values") is not None]
-        if with_images:
-            batch["pixel_values"] = torch.cat([torch.as_tensor(f["pixel_values"]) for f in with_images], dim=0)
-            batch["image_grid_thw"] = torch.cat([torch.as_tensor(f["image_grid_thw"]).reshape(-1, 3)
-                                                 for f in with_images], dim=0)
-        return batch
+        return self._vision(features, batch)
+
+    # ---- packing ---------------------------------------------------------------------------------------------------
+    def _sample_positions(self, feature: dict, ids: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+        from loongforge_hf.multimodal.positions import mrope_position_ids
+
+        def grid(name):
+            return torch.as_tensor(feature[name]).reshape(-1, 3) if feature.get(name) is not None else None
+
+        seconds = feature.get("second_per_grid_ts")
+        return mrope_position_ids(ids[None], image_grid_thw=grid("image_grid_thw"),
+                                  video_grid_thw=grid("video_grid_thw"), mm_token_type_ids=kinds[None],
+                                  image_token_id=self.image_token_id, video_token_id=self.video_token_id,
+                                  spatial_merge_size=self.spatial_merge_size,
+                                  second_per_grid_ts=None if seconds is None
+                                  else torch.as_tensor(seconds, dtype=torch.float32).reshape(-1),
+                                  tokens_per_second=self.tokens_per_second)[:, 0]
+
+    def _pack(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        rows: list[list[tuple]] = [[]]
+        used = 0
+        for f in features:
+            if f.get("attention_mask") is not None and not bool(_row(f["attention_mask"]).bool().all()):
+                raise ValueError("packing=True takes unpadded samples (attention_mask all ones).")
+            ids = _row(f["input_ids"]).long()
+            n = ids.numel()
+            if self.max_length is not None and n > self.max_length:
+                raise ValueError(f"A sample of {n} tokens does not fit max_length={self.max_length}; truncate it "
+                                 "before packing (cutting inside an image would break it).")
+            if self.max_length is not None and used + n > self.max_length and rows[-1]:
+                rows.append([])
+                used = 0
+            kinds = self._token_types(f, ids)
+            lab = self._labels(f, ids).clone()
+            lab[0] = IGNORE_INDEX
+            rows[-1].append((ids, lab, kinds, torch.arange(n)[None].expand(1, n),
+                             self._sample_positions(f, ids, kinds)))
+            used += n
+        cat = [[torch.cat([s[k] for s in row], dim=-1) for k in range(5)] for row in rows]
+        length = self._length(max(c[0].numel() for c in cat))
+        out = {"input_ids": torch.full((len(rows), length), self.pad_token_id, dtype=torch.long),
+               "labels": torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long),
+               "mm_token_type_ids": torch.zeros(len(rows), length, dtype=torch.long),
+               "position_ids": torch.zeros(4, len(rows), length, dtype=torch.long)}
+        for i, (ids, lab, kinds, text, rope) in enumerate(cat):
+            n = ids.numel()
+            out["input_ids"][i, :n], out["labels"][i, :n], out["mm_token_type_ids"][i, :n] = ids, lab, kinds
+            out["position_ids"][0, i, :n] = text[0]
+            out["position_ids"][1:, i, :n] = rope
+        return self._vision(features, out)

@@ -1,15 +1,21 @@
 """One pipeline stage of a vision-language model: megatron's GPTModel, plus the vision tower on the first stage.
 
 Choices:
-- ``VisionLanguageChunk(input_ids, position_ids, attention_mask, pixel_values=, image_grid_thw=)`` is what megatron's
-  schedules and DDP see as a model chunk; any attribute it lacks is GPTModel's (``set_input_tensor``, ``config``,
-  ``pre_process`` ...), so megatron treats it as the GPTModel it wraps, with the tower's parameters added.
+- ``VisionLanguageChunk(input_ids, position_ids, attention_mask, pixel_values=, image_grid_thw=,
+  pixel_values_videos=, video_grid_thw=)`` is what megatron's schedules and DDP see as a model chunk; any attribute it
+  lacks is GPTModel's (``set_input_tensor``, ``config``, ``pre_process`` ...), so megatron treats it as the GPTModel
+  it wraps, with the tower's parameters added.
+- It takes the whole sequence (``input_ids`` [b, s], 3-D ``position_ids`` [3, b, s], mask [b, 1, s, s] or None).
+  Under context parallelism it keeps this rank's load-balanced share of the tokens and of the mask rows
+  (``context_parallel.cp_token_index``); the positions go to megatron whole (its mrope slices them itself).
 - First stage: megatron's own embedding (dropout, sequence-parallel scatter included) gives the text embeddings; the
-  image embeddings replace the rows at image-token positions (transformers' ``masked_scatter``: image tokens in
-  row-major order take the images' embeddings in order) and the result is GPTModel's ``decoder_input``. Under
-  sequence parallelism each rank replaces only the rows of its own sequence chunk.
+  vision embeddings replace the rows at image / video token positions (transformers' ``masked_scatter``: image
+  tokens in order take the images' embeddings in order, video tokens the videos'), and the result is GPTModel's
+  ``decoder_input``. Images and videos go through the tower in one call (its attention never crosses an image or a
+  frame). Each rank replaces only the rows it holds (its CP share, its sequence-parallel part of that).
 - The vision layouts: replicated tower (every TP rank encodes every image), tower split over TP (``VisionTower`` built
   with the TP group), or encoder data parallel (``encoder_parallel``: each TP rank encodes a share of the images).
+  Under CP every CP rank encodes every image.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from torch import nn
 
 
 class VisionLanguageChunk(nn.Module):
-    def __init__(self, language, *, vision=None, image_token_id: int, encoder_group=None) -> None:
+    def __init__(self, language, *, vision=None, image_token_id: int, video_token_id: int | None = None,
+                 encoder_group=None) -> None:
         super().__init__()
         self.language = language
         self.vision = vision
         self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
         self.encoder_group = encoder_group  # set: encoder data parallel over this group
 
     def __getattr__(self, name: str):
@@ -36,39 +44,76 @@ class VisionLanguageChunk(nn.Module):
         self.language.set_input_tensor(input_tensor)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None):
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None):
+        from loongforge_hf.multimodal.context_parallel import cp_group_and_size, cp_token_index
+
+        _, cp_size, cp_rank = cp_group_and_size()
+        index = None
+        if cp_size > 1:
+            index = cp_token_index(input_ids.shape[1], cp_size, cp_rank, device=input_ids.device)
+            if attention_mask is not None:
+                attention_mask = attention_mask[:, :, index] if attention_mask.shape[2] > 1 else attention_mask
         decoder_input = None
         if self.language.pre_process:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
-        return self.language(input_ids, position_ids, attention_mask, decoder_input=decoder_input)
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                                       index=index)
+        local_ids = input_ids if index is None else input_ids[:, index]
+        return self.language(local_ids, position_ids, attention_mask, decoder_input=decoder_input)
 
-    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         if self.encoder_group is not None:
             from loongforge_hf.multimodal.encoder_parallel import encode_images_data_parallel
 
-            return encode_images_data_parallel(self.vision, pixel_values, image_grid_thw, group=self.encoder_group)
-        return self.vision(pixel_values, image_grid_thw)
+            return encode_images_data_parallel(self.vision, pixel_values, grid_thw, group=self.encoder_group)
+        return self.vision(pixel_values, grid_thw)
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-        """``[s (or s / tp under sequence parallelism), b, h]`` embeddings with the images in place."""
-        embeddings = self.language.embedding(input_ids=input_ids, position_ids=None)
-        if pixel_values is None:
+    # NOTE: the name the existing callers use (images only).
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.encode(pixel_values, image_grid_thw)
+
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
+              pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None, *,
+              index: torch.Tensor | None = None) -> torch.Tensor:
+        """``[s_local (/ tp under sequence parallelism), b, h]`` embeddings with images and videos in place;
+        ``index``: the global positions this rank holds (context parallelism), all when None."""
+        local_ids = input_ids if index is None else input_ids[:, index]
+        embeddings = self.language.embedding(input_ids=local_ids, position_ids=None)
+        if pixel_values is None and pixel_values_videos is None:
             return embeddings
-        if self.vision is None or image_grid_thw is None:
-            raise ValueError("pixel_values need image_grid_thw and a model with a vision tower.")
-        images = self.encode_images(pixel_values, image_grid_thw.to(pixel_values.device))
+        if self.vision is None:
+            raise ValueError("pixel_values / pixel_values_videos need a model with a vision tower.")
+        if (pixel_values is not None and image_grid_thw is None) or \
+                (pixel_values_videos is not None and video_grid_thw is None):
+            raise ValueError("pixel_values need image_grid_thw and pixel_values_videos need video_grid_thw.")
+        pixels = [p for p in (pixel_values, pixel_values_videos) if p is not None]
+        grids = [g for p, g in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
+                 if p is not None]
+        device = pixels[0].device
+        grid = torch.cat([g.to(device).reshape(-1, 3) for g in grids])
+        vision = self.encode(torch.cat(pixels) if len(pixels) > 1 else pixels[0], grid)
+        merge2 = self.vision.merge ** 2
+        n_image = int(image_grid_thw.prod(-1).sum()) // merge2 if pixel_values is not None else 0
         is_image = input_ids == self.image_token_id
-        if int(is_image.sum()) != images.shape[0]:
-            raise ValueError(f"The input ids hold {int(is_image.sum())} image tokens but the images give "
-                             f"{images.shape[0]} embeddings (image_grid_thw {image_grid_thw.tolist()}).")
-        order = (torch.cumsum(is_image.reshape(-1), 0) - 1).view_as(input_ids)
-        local, start = embeddings.shape[0], 0
+        is_video = input_ids == self.video_token_id if self.video_token_id is not None else torch.zeros_like(is_image)
+        n_video = vision.shape[0] - n_image
+        if int(is_image.sum()) != n_image or int(is_video.sum()) != n_video:
+            raise ValueError(f"The input ids hold {int(is_image.sum())} image and {int(is_video.sum())} video "
+                             f"tokens but the vision inputs give {n_image} and {n_video} embeddings "
+                             f"(image_grid_thw {None if image_grid_thw is None else image_grid_thw.tolist()}, "
+                             f"video_grid_thw {None if video_grid_thw is None else video_grid_thw.tolist()}).")
+        # row of ``vision`` each vision token takes: images in order, then videos in order
+        source = torch.where(is_image, torch.cumsum(is_image.reshape(-1), 0).view_as(input_ids) - 1,
+                             n_image + torch.cumsum(is_video.reshape(-1), 0).view_as(input_ids) - 1)
+        is_vision = is_image | is_video
+        positions = index if index is not None else torch.arange(input_ids.shape[1], device=input_ids.device)
+        local = embeddings.shape[0]
         if self.language.config.sequence_parallel:
             from megatron.core import parallel_state as ps
 
             start = ps.get_tensor_model_parallel_rank() * local
-        rows = is_image[:, start:start + local].t()
+            positions = positions[start:start + local]
+        rows = is_vision[:, positions].t()
         where = rows.nonzero(as_tuple=True)
-        picked = images[order[:, start:start + local].t()[where]].to(embeddings.dtype)
+        picked = vision[source[:, positions].t()[where]].to(embeddings.dtype)
         return embeddings.index_put(where, picked)

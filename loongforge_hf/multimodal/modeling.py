@@ -7,16 +7,21 @@ Choices:
   layouts: replicated (``vision_tensor_parallel_size=1``), split over the LLM's TP group
   (``vision_tensor_parallel_size=tensor_parallel_size``), or encoder data parallel (``vision_data_parallel=True``).
 - ``forward`` takes what the processor returns (``input_ids``, ``attention_mask``, ``pixel_values``,
-  ``image_grid_thw``, ``mm_token_type_ids``) and returns a transformers ``CausalLMOutputWithPast`` on every rank: loss
-  with transformers' semantics and full-vocabulary logits. 3-D rope positions are computed from the inputs as
-  transformers does unless ``position_ids`` [3, b, s] are given. Gradients flow when pipeline_parallel_size == 1.
+  ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``, ``mm_token_type_ids``) and
+  returns a transformers ``CausalLMOutputWithPast`` on every rank: loss with transformers' semantics and
+  full-vocabulary logits. 3-D rope positions are computed from the inputs as transformers does unless
+  ``position_ids`` are given: [3, b, s], or transformers' packed form [4, b, s] whose first row holds the text
+  positions, restarting at 0 where a packed sample starts (attention then stays inside each sample, as
+  ``integrations.vl_collator`` packs them). 2-D ``position_ids`` that restart mark packed samples too; the 3-D
+  positions are then computed per sample. Gradients flow when pipeline_parallel_size == 1.
+- Context parallelism (``context_parallel_size``): the language model runs on megatron's load-balanced share of the
+  sequence on each CP rank (``multimodal.context_parallel``); the sequence length must be a multiple of 2 x CP. The
+  returned loss and logits are the whole sequence's; each rank's gradient is its share's (megatron's DDP sums them).
 - Freezing a component sets ``requires_grad=False`` on its parameters, so megatron's DDP and optimizer (and any torch
   optimizer over trainable parameters) never see them: vision = patch embedding and ViT blocks, projector = the
   patch merger, language = the megatron model.
 - ``save_pretrained`` writes the whole HF folder through the causal-LM exporter, the tower's tensors streamed after the
   language model's.
-- Context parallelism is not supported yet: images would have to be split with the sequence, and 3-D positions with
-  them; it raises before any process group starts.
 """
 
 from __future__ import annotations
@@ -69,57 +74,88 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
 
     # ---- inputs --------------------------------------------------------------------------------------------------
     def rope_position_ids(self, input_ids: torch.Tensor, *, image_grid_thw=None, attention_mask=None,
-                          mm_token_type_ids=None) -> torch.Tensor:
+                          mm_token_type_ids=None, video_grid_thw=None, second_per_grid_ts=None,
+                          document_ids=None) -> torch.Tensor:
         from loongforge_hf.multimodal.positions import mrope_position_ids
 
+        vision = self.bridge.vision_config
         return mrope_position_ids(input_ids, image_grid_thw=image_grid_thw, attention_mask=attention_mask,
                                   mm_token_type_ids=mm_token_type_ids, image_token_id=self.bridge.image_token_id,
-                                  spatial_merge_size=self.bridge.vision_config.spatial_merge_size)
+                                  spatial_merge_size=vision.spatial_merge_size, video_grid_thw=video_grid_thw,
+                                  video_token_id=self.bridge.video_token_id, second_per_grid_ts=second_per_grid_ts,
+                                  tokens_per_second=getattr(vision, "tokens_per_second", 1),
+                                  document_ids=document_ids)
 
     def megatron_forward_inputs(self, batch: dict) -> tuple[tuple, dict]:
         """(args, kwargs) for one model chunk from a collated batch: what a training step passes to each chunk."""
-        from loongforge_hf.bridges.runtime import megatron_attention_mask
+        from loongforge_hf.bridges.runtime import is_packed, megatron_attention_mask
 
         device = self.device
-        input_ids = batch["input_ids"].to(device)
-        attention_mask = batch.get("attention_mask")
-        attention_mask = attention_mask.to(device) if attention_mask is not None else None
-        grid = batch.get("image_grid_thw")
-        position_ids = batch.get("position_ids")
-        if position_ids is None or position_ids.dim() != 3:
-            position_ids = self.rope_position_ids(input_ids, image_grid_thw=grid, attention_mask=attention_mask,
-                                                  mm_token_type_ids=batch.get("mm_token_type_ids"))
-        mask = megatron_attention_mask(attention_mask, input_ids.shape[1])
-        pixels = batch.get("pixel_values")
-        kwargs = {"pixel_values": pixels.to(device) if pixels is not None else None,
-                  "image_grid_thw": grid.to(device) if grid is not None else None}
+
+        def get(name):
+            value = batch.get(name)
+            return value.to(device) if isinstance(value, torch.Tensor) else value
+
+        input_ids, attention_mask = get("input_ids"), get("attention_mask")
+        position_ids, text_positions = get("position_ids"), None
+        if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+            text_positions, position_ids = position_ids[0], position_ids[1:]
+        elif position_ids is not None and position_ids.dim() == 2:
+            text_positions, position_ids = position_ids, None
+        if position_ids is None:
+            documents = torch.cumsum((text_positions == 0).long(), dim=-1) if is_packed(text_positions) else None
+            position_ids = self.rope_position_ids(input_ids, image_grid_thw=get("image_grid_thw"),
+                                                  attention_mask=attention_mask,
+                                                  mm_token_type_ids=get("mm_token_type_ids"),
+                                                  video_grid_thw=get("video_grid_thw"),
+                                                  second_per_grid_ts=get("second_per_grid_ts"),
+                                                  document_ids=documents)
+        mask = megatron_attention_mask(attention_mask, input_ids.shape[1], text_positions)
+        kwargs = {name: get(name) for name in ("pixel_values", "image_grid_thw", "pixel_values_videos",
+                                               "video_grid_thw")}
         return (input_ids, position_ids.to(device), mask), kwargs
 
     # ---- forward -------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                mm_token_type_ids: torch.Tensor | None = None, *, return_logits: bool = True, **unused: Any):
+                mm_token_type_ids: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+                video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None, *,
+                return_logits: bool = True, **unused: Any):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         from loongforge_hf.bridges.runtime import IGNORE_INDEX, full_logits, shift_labels, token_losses
+        from loongforge_hf.multimodal.context_parallel import (cp_gather_sequence, cp_group_and_size, cp_loss,
+                                                               cp_token_index)
 
-        if unused.get("pixel_values_videos") is not None or unused.get("video_grid_thw") is not None:
-            raise NotImplementedError("Videos are not supported by loongforge-hf's Qwen2.5-VL model yet.")
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values,
                  "image_grid_thw": image_grid_thw, "position_ids": position_ids,
-                 "mm_token_type_ids": mm_token_type_ids}
+                 "mm_token_type_ids": mm_token_type_ids, "pixel_values_videos": pixel_values_videos,
+                 "video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts}
         args, inputs = self.megatron_forward_inputs(batch)
         input_ids, position_ids, mask = args
         vocab = self.config.text_config.vocab_size
+        seq = input_ids.shape[1]
         shifted = shift_labels(labels.to(self.device)) if labels is not None else None
+        cp_group, cp_size, cp_rank = cp_group_and_size()
 
         def finish(local_logits):
             loss = None
             if shifted is not None:
-                per_token = token_losses(local_logits, shifted, vocab_size=vocab)
-                loss = per_token.sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
-            return loss, (full_logits(local_logits, vocab_size=vocab) if return_logits else None)
+                count = (shifted != IGNORE_INDEX).sum()
+                if cp_size == 1:
+                    per_token = token_losses(local_logits, shifted, vocab_size=vocab)
+                    loss = per_token.sum() / count.clamp(min=1)
+                else:
+                    index = cp_token_index(seq, cp_size, cp_rank, device=shifted.device)
+                    per_token = token_losses(local_logits, shifted[:, index].contiguous(), vocab_size=vocab)
+                    loss = cp_loss(per_token.sum(), count, cp_group)
+            logits = None
+            if return_logits:
+                logits = full_logits(local_logits, vocab_size=vocab)
+                if cp_size > 1:
+                    logits = cp_gather_sequence(logits.detach(), seq, cp_group, dim=1)
+            return loss, logits
 
         if self.parallel.pipeline_parallel_size == 1:
             loss, logits = finish(self.chunks[0](*args, **inputs))
@@ -213,8 +249,6 @@ class AutoModelForImageTextToText:
         layout = resolve_parallel(parallel, sizes)
 
         # --- local checks: same verdict on every rank, before any collective -------------------------------
-        if layout.context_parallel_size > 1:
-            raise ParallelLayoutError("context_parallel_size > 1 is not supported for vision-language models yet.")
         folder = resolve_checkpoint(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir,
                                     local_files_only=local_files_only, token=token, allow_pickle=allow_pickle)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -250,6 +284,7 @@ class AutoModelForImageTextToText:
                     load_vision(tower, bridge, reader,
                                 tp_group=tp_group if vision_layout == "tensor_parallel" else None)
                 chunks.append(VisionLanguageChunk(chunk, vision=tower, image_token_id=bridge.image_token_id,
+                                                  video_token_id=bridge.video_token_id,
                                                   encoder_group=tp_group if vision_layout == "data_parallel" else None))
         finally:
             reader.close()

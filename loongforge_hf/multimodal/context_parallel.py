@@ -1,0 +1,60 @@
+"""Context parallelism for the language model of a vision-language model: which tokens a CP rank holds, and the loss
+and logits put back together.
+
+Choices:
+- megatron's load balancing: the sequence is cut into ``2 * cp`` equal chunks and rank r holds chunks r and
+  ``2 * cp - 1 - r`` (what ``get_batch_on_this_cp_rank`` does), so causal attention costs every rank the same.
+  ``cp_token_index`` gives those global token positions in local order.
+- The whole sequence is embedded and the images spliced in by global position before anything is dropped, so an
+  image cut by a chunk boundary lands in the right rows on both ranks. The 3-D rope positions stay global: megatron's
+  ``MultimodalRotaryEmbedding`` slices its cos/sin with the same rule.
+- Loss: each rank sums the losses of its own tokens, divided by the label count of the whole sequence. The value
+  returned is the sum over the CP group (the full loss), the gradient each rank backpropagates is that of its own
+  share; summed over the group (megatron's DDP reduces over data x context parallel ranks) it is the full gradient.
+- Logits are all-gathered over the group and put back in sequence order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def cp_group_and_size():
+    """(group, size, rank) of the context-parallel group of this rank; (None, 1, 0) without CP."""
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_context_parallel_world_size()
+    if size == 1:
+        return None, 1, 0
+    return ps.get_context_parallel_group(), size, ps.get_context_parallel_rank()
+
+
+def cp_token_index(seq: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions of this rank's tokens, in local order (chunks ``r`` and ``2 * cp - 1 - r``)."""
+    if seq % (2 * cp_size):
+        raise ValueError(f"context_parallel_size={cp_size}: the sequence length {seq} must be a multiple of "
+                         f"{2 * cp_size} (pad the batch, e.g. pad_to_multiple_of={2 * cp_size} in the collator).")
+    chunk = seq // (2 * cp_size)
+    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)])
+
+
+def cp_loss(local_sum: torch.Tensor, count: torch.Tensor, group) -> torch.Tensor:
+    """Full-sequence mean loss whose gradient on this rank is that of its own tokens' share."""
+    own = local_sum / count.clamp(min=1)
+    total = own.detach().clone()
+    dist.all_reduce(total, group=group)
+    return own + (total - own.detach())
+
+
+def cp_gather_sequence(local: torch.Tensor, seq: int, group, *, dim: int = 1) -> torch.Tensor:
+    """``local`` [.., s / cp, ..] of every rank -> [.., s, ..] in sequence order (no gradient)."""
+    size = dist.get_world_size(group)
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    index = torch.cat([cp_token_index(seq, size, r, device=local.device) for r in range(size)])
+    out = torch.empty((*local.shape[:dim], seq, *local.shape[dim + 1:]), dtype=local.dtype, device=local.device)
+    out.index_copy_(dim, index, torch.cat(parts, dim=dim))
+    return out

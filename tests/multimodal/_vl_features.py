@@ -1,0 +1,155 @@
+"""Run inside each rank: Qwen2.5-VL with videos, under context parallelism, and with packed samples, against
+transformers (or against the same samples unpacked)."""
+
+import torch
+
+from ._vl_parity import train_features, vision_grads, vl_training_args
+
+V_START, V_END, IMAGE, VIDEO = 200, 201, 202, 203
+PATCH = 3 * 2 * 14 * 14  # C x temporal patch x patch x patch
+
+# pieces per sample: ("text", "tok5 tok6"), ("image", (t, h, w)), ("video", (t, h, w), seconds per grid)
+VIDEO_SAMPLES = [
+    [("text", "tok5 tok6"), ("image", (1, 4, 6)), ("text", "tok7"), ("video", (2, 4, 4), 1.5), ("text", "tok8 tok9")],
+    [("video", (3, 2, 4), 0.5), ("text", "tok10 tok11 tok12")],
+    [("text", "tok20 tok21 tok22 tok23")],
+]
+
+
+def hand_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7) -> list:
+    """Processor-like features built by hand (transformers' video processor needs torchvision): token ids from the
+    tokenizer, random patches, grids, ``second_per_grid_ts``, ``mm_token_type_ids``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    gen = torch.Generator().manual_seed(seed)
+    features = []
+    for pieces in samples:
+        ids, kinds, f = [], [], {}
+        for piece in pieces:
+            if piece[0] == "text":
+                words = tok.convert_tokens_to_ids(piece[1].split())
+                ids += words
+                kinds += [0] * len(words)
+                continue
+            kind, (t, h, w) = piece[0], piece[1]
+            n = t * h * w // 4
+            token, code = (IMAGE, 1) if kind == "image" else (VIDEO, 2)
+            ids += [V_START] + [token] * n + [V_END]
+            kinds += [0] + [code] * n + [0]
+            pixels, grid = ("pixel_values", "image_grid_thw") if kind == "image" else \
+                ("pixel_values_videos", "video_grid_thw")
+            f[pixels] = torch.cat([f[pixels], torch.randn(t * h * w, PATCH, generator=gen)]) if pixels in f \
+                else torch.randn(t * h * w, PATCH, generator=gen)
+            f[grid] = torch.cat([f.get(grid, torch.zeros(0, 3, dtype=torch.long)), torch.tensor([[t, h, w]])])
+            if kind == "video":
+                f["second_per_grid_ts"] = torch.cat([f.get("second_per_grid_ts", torch.zeros(0)),
+                                                     torch.tensor([piece[2]])])
+        f.update(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                 mm_token_type_ids=torch.tensor([kinds]))
+        features.append(f)
+    return features
+
+
+def collator(folder: str, **kwargs):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+    from loongforge_hf.testing.tiny_vl import make_processor
+
+    return DataCollatorForImageText.from_processor(make_processor(AutoTokenizer.from_pretrained(folder)),
+                                                   AutoConfig.from_pretrained(folder), **kwargs)
+
+
+_REFERENCE: dict = {}
+
+
+def hf_reference(folder: str, multiple: int):
+    """(batch, logits, loss, vision grads) of transformers on the video samples padded to ``multiple``."""
+    import transformers
+
+    if (folder, multiple) not in _REFERENCE:
+        batch = collator(folder, pad_to_multiple_of=multiple)(hand_features(folder))
+        ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        out = ref(**batch)
+        out.loss.backward()
+        grads = {n[len("model.visual."):]: p.grad for n, p in ref.named_parameters() if n.startswith("model.visual.")}
+        _REFERENCE[folder, multiple] = (batch, out.logits.detach(), out.loss.detach(), grads)
+    return _REFERENCE[folder, multiple]
+
+
+def compare_videos(folder: str, layout: dict, multiple: int = 4) -> dict:
+    """Logits, loss and vision gradients (summed over the CP group) against transformers."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import loongforge_hf as lf
+
+    batch, ref_logits, ref_loss, ref_grads = hf_reference(folder, multiple)
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    out = model(**batch)
+    out.loss.backward()
+    grads = vision_grads(model)
+    if ps.get_context_parallel_world_size() > 1:
+        for g in grads.values():
+            dist.all_reduce(g, group=ps.get_context_parallel_group())
+    valid = batch["attention_mask"].bool()
+    return {"logit_diff": (out.logits - ref_logits).abs()[valid].max().item(),
+            "loss_diff": abs(out.loss.item() - ref_loss.item()), "loss": out.loss.item(),
+            "grad_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+            "same_grad_names": sorted(grads) == sorted(ref_grads), "shape": tuple(out.logits.shape),
+            "batch_shape": tuple(batch["input_ids"].shape)}
+
+
+def packing_features(folder: str) -> list:
+    return train_features(folder)[:5] + hand_features(folder)
+
+
+def compare_packed(folder: str, layout: dict) -> dict:
+    """The same samples padded and packed (two rows): loss, and each sample's logits."""
+    import loongforge_hf as lf
+
+    features = packing_features(folder)
+    padded = collator(folder)(features)
+    packed = collator(folder, packing=True, max_length=60, pad_to_multiple_of=4)(features)
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    with torch.no_grad():
+        a, b = model(**padded), model(**packed)
+    diff, row, col = 0.0, 0, 0
+    for i, f in enumerate(features):
+        n = f["input_ids"].shape[-1]
+        if col + n > 60:  # where the collator starts a new row
+            row, col = row + 1, 0
+        assert packed["position_ids"][0, row, col:col + n].tolist() == list(range(n))
+        diff = max(diff, (a.logits[i, :n] - b.logits[row, col:col + n]).abs().max().item())
+        col += n
+    return {"loss_padded": a.loss.item(), "loss_packed": b.loss.item(), "logit_diff": diff,
+            "rows": tuple(packed["input_ids"].shape), "samples": len(features)}
+
+
+def hf_padded_loss(folder: str) -> float:
+    """transformers' loss on the packing samples, padded."""
+    import transformers
+
+    ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return ref(**collator(folder)(packing_features(folder))).loss.item()
+
+
+def train_packed(folder: str, out_dir: str) -> dict:
+    """LoongTrainer (TP1), 3 steps, padded batches then packed batches of the same samples: logged losses."""
+    import loongforge_hf as lf
+
+    out = {}
+    for name, kwargs in (("padded", {}), ("packed", {"packing": True})):
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+        trainer = lf.LoongTrainer(model=model, args=vl_training_args(f"{out_dir}/{name}"),
+                                  train_dataset=train_features(folder), data_collator=collator(folder, **kwargs))
+        trainer.train()
+        out[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return out
+
+
+def run_many(calls: list) -> dict:
+    """Several of the functions above in one world: [(key, function name, args...)]."""
+    return {key: globals()[fn](*args) for key, fn, *args in calls}

@@ -1,0 +1,61 @@
+"""Qwen2.5-VL beyond still images on one layout: videos (with ``second_per_grid_ts`` time positions) against
+transformers, context parallelism of the language model against transformers, packed samples against the same
+samples padded (and LoongTrainer training on packed batches)."""
+
+from pathlib import Path
+
+import pytest
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
+
+from ._vl_features import run_many
+
+TOL = 1e-4
+PACKED_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_features") / "src")
+
+
+def check_parity(r: dict) -> None:
+    assert r["same_grad_names"], r
+    assert r["shape"] == (*r["batch_shape"], 204), r
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["grad_diff"] < TOL, r
+
+
+def check_packed(r: dict) -> None:
+    assert r["rows"][0] == 2, r  # max_length 60 splits the samples over two rows
+    assert abs(r["loss_packed"] - r["loss_padded"]) < PACKED_TOL, r
+    assert r["logit_diff"] < PACKED_TOL, r
+
+
+def test_videos_and_packing_one_rank(checkpoint, tmp_path):
+    """Images and videos mixed in a batch (a video of 3 temporal patches, 0.5 s each; one of 2 at 1.5 s) at TP1;
+    packed vs padded at TP1 (and the padded loss against transformers'); LoongTrainer on packed batches logs the
+    losses it logs on padded batches of the same samples."""
+    d = str(checkpoint)
+    calls = [("video", "compare_videos", d, {}), ("packed", "compare_packed", d, {}),
+             ("hf_padded", "hf_padded_loss", d), ("train", "train_packed", d, str(tmp_path))]
+    got = run_distributed(run_many, 1, calls, timeout=400)[0]
+    check_parity(got["video"])
+    check_packed(got["packed"])
+    assert got["packed"]["loss_padded"] == pytest.approx(got["hf_padded"], abs=TOL)
+    train = got["train"]
+    assert len(train["packed"]) == len(train["padded"]) == 3
+    assert train["packed"] == pytest.approx(train["padded"], rel=1e-4)
+    assert train["packed"][-1] < train["packed"][0]
+
+
+def test_context_parallel_and_packing_two_ranks(checkpoint):
+    """CP2 with vision recompute (images + videos, the sequence padded to a multiple of 2 x CP: chunk boundaries cut
+    an image and a video), logits gathered, vision gradients summed over the CP group; packed vs padded under TP2 with
+    vision TP2."""
+    d = str(checkpoint)
+    calls = [("cp2", "compare_videos", d, {"context_parallel_size": 2, "vision_recompute": True}),
+             ("packed_tp2", "compare_packed", d, {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2})]
+    for got in run_distributed(run_many, 2, calls, timeout=400):
+        check_parity(got["cp2"])
+        check_packed(got["packed_tp2"])
