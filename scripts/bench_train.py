@@ -183,6 +183,9 @@ def build_loongforge(folder: str, device: H.Device):
             "optimizer": f"megatron DistributedOptimizer over {type(inner[0]).__module__}.{type(inner[0]).__name__} "
                          f"(foreach={inner[0].defaults.get('foreach')}, fused={inner[0].defaults.get('fused')})",
             "attention": type(model.chunks[0].decoder.layers[0].self_attention.core_attention).__name__}
+    mlp = model.chunks[0].decoder.layers[0].mlp
+    if hasattr(mlp, "experts"):  # the routed experts' module (GroupedMLP unless LOONGFORGE_MOE_GROUPED_GEMM=0)
+        info["experts"] = type(mlp.experts).__name__
 
     def step(micro_batches):
         return engine.train_step([{"input_ids": ids, "labels": ids} for ids in micro_batches]).loss

@@ -148,7 +148,9 @@ def load_into(model, bridge, reader, *, tp_rank: int, tp_size: int, ep_rank: int
             layer = None if local_layer is None else offset + local_layer
             if layer is not None and mapping.megatron not in {m.megatron for m in bridge.mappings_for_layer(layer)}:
                 raise RuntimeError(f"{name!r}: layer {layer} of {type(bridge).__name__} has no such tensor.")
-            if isinstance(mapping, Expert):
+            if isinstance(mapping, Expert) and local_expert is None:  # all local experts stacked (moe.StackedExpert)
+                value = mapping.load(reader, ctx, layer)
+            elif isinstance(mapping, Expert):
                 mapping = mapping.bind(global_expert=ctx.ep_rank * local_experts + local_expert,
                                        local_expert=local_expert)
                 value = mapping.load(reader, expert_ctx, layer)

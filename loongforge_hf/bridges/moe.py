@@ -5,9 +5,14 @@ Choices:
 - A layer is dense or sparse as the HF config says (``is_moe_layer``); megatron gets the same pattern as a 0/1
   ``moe_layer_freq`` list and builds each layer from its own spec (``specs.layer_spec_for``).
 - Routed experts run in megatron's MoE layer: alltoall dispatcher, no token dropping (capacity factor off), experts as
-  megatron's ``SequentialMLP`` (one gated MLP per local expert, run in a loop).
+  our ``kernels.grouped_mlp.GroupedMLP`` (all local experts' fc1 and fc2 stacked in one parameter each, grouped GEMMs
+  on GPU). ``LOONGFORGE_MOE_GROUPED_GEMM=0`` in the environment when the bridge is made selects megatron's
+  ``SequentialMLP`` instead (one gated MLP module per local expert, run in a loop), for comparison.
 - Expert-parallel rank ``e`` of ``E`` owns experts ``[e * N / E, (e + 1) * N / E)`` and reads only those; each expert
   is split over the expert-tensor-parallel group (``expert_tensor_parallel_size``, by default the TP size).
+- Expert mappings: ``Expert`` (one megatron parameter per expert, ``SequentialMLP``) or ``StackedExpert`` (one
+  parameter ``[local experts, ...]``, ``GroupedMLP``): both read each owned expert's HF tensors with the same per-expert
+  mapping and export expert by expert (``ExpertSlice`` picks one expert out of the stack before any gather).
 - Routing, HF -> megatron (``routing_kwargs`` in each bridge):
   softmax, top-k renormalised  -> ``moe_router_pre_softmax=False`` (softmax over the k chosen logits: the same probs);
   softmax, not renormalised    -> ``moe_router_pre_softmax=True``;
@@ -23,11 +28,89 @@ Choices:
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, fields, replace
+
+import torch
+
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L, DenseBridge
 from loongforge_hf.bridges.mappings import Expert, FP32Replicated, GatedMLP, Mapping, Replicated, RowParallel
 
 EXPERT = "{expert}"
+GROUPED_GEMM_ENV = "LOONGFORGE_MOE_GROUPED_GEMM"
+
+
+def grouped_experts_enabled() -> bool:
+    """Whether routed experts are the grouped MLP (default) rather than megatron's ``SequentialMLP``."""
+    value = os.environ.get(GROUPED_GEMM_ENV, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{GROUPED_GEMM_ENV}={value!r}: use 1 (grouped expert MLP) or 0 (megatron's SequentialMLP).")
+    return value in ("1", "true", "on")
+
+
+def _bind_names(inner: Mapping, *, hf_index: int) -> Mapping:
+    """``inner`` with ``{expert}`` in its HF names set to ``hf_index`` (its megatron name is not used)."""
+    values = {f.name: getattr(inner, f.name).replace(EXPERT, str(hf_index)) for f in fields(inner)
+              if f.name != "megatron" and isinstance(getattr(inner, f.name), str)}
+    return replace(inner, **values)
+
+
+@dataclass(frozen=True)
+class ExpertSlice(Mapping):
+    """Expert ``index`` of a stacked expert parameter ``megatron`` ``[local experts, ...]``; ``inner`` its HF names.
+
+    The exporter takes ``local_part`` of this rank's stack before gathering, so only one expert's shard moves."""
+
+    megatron: str
+    inner: Mapping
+    index: int
+
+    @property
+    def tp_split(self) -> str | None:  # type: ignore[override]
+        return self.inner.tp_split
+
+    @property
+    def hf_dtype(self):  # type: ignore[override]
+        return self.inner.hf_dtype
+
+    def local_part(self, stack: torch.Tensor) -> torch.Tensor:
+        return stack[self.index]
+
+    def hf_names(self, layer):
+        return self.inner.hf_names(layer)
+
+    def load(self, reader, ctx, layer):
+        return self.inner.load(reader, ctx, layer)
+
+    def export(self, shards, ctx, layer):
+        return self.inner.export(shards, ctx, layer)
+
+
+@dataclass(frozen=True)
+class StackedExpert(Expert):
+    """Every routed expert an expert-parallel rank owns, stacked in one megatron parameter ``stack``
+    ``[N / E, ...]``; ``inner`` is one expert's mapping with ``{expert}`` in its HF names.
+
+    ``load`` (given the model's ``ShardContext``) reads the owned experts' slices, split over the expert-tensor-parallel
+    group, and stacks them; ``bind`` gives the ``ExpertSlice`` the exporter writes one expert from."""
+
+    stack: str
+    num_experts: int
+
+    @property
+    def megatron(self) -> str:  # type: ignore[override]
+        return self.stack
+
+    def bind(self, *, global_expert: int, local_expert: int) -> Mapping:
+        return ExpertSlice(self.stack, _bind_names(self.inner, hf_index=global_expert), local_expert)
+
+    def load(self, reader, ctx, layer):
+        per_rank = self.num_experts // ctx.ep_size
+        expert_ctx = ctx.for_experts()
+        first = ctx.ep_rank * per_rank
+        return torch.stack([_bind_names(self.inner, hf_index=first + i).load(reader, expert_ctx, layer)
+                            for i in range(per_rank)])
 
 
 def grouped_routing_kwargs(*, num_experts: int, top_k: int, n_group: int | None, topk_group: int | None,
@@ -52,6 +135,10 @@ class MoEBridge(DenseBridge):
     shared_experts: str | None = None                          # HF module of always-on experts (DeepSeek)
     expert_bias: bool = False                                  # ``gate.e_score_correction_bias`` (DeepSeek-V3)
     router_fp32: bool = False                                  # transformers keeps ``gate.weight`` in fp32
+
+    def __init__(self, hf_config) -> None:
+        super().__init__(hf_config)
+        self.grouped_experts = grouped_experts_enabled()  # experts as GroupedMLP (else megatron's SequentialMLP)
 
     # ---- declarations each model makes ----------------------------------------------------------------------
     def num_experts(self) -> int:
@@ -98,13 +185,21 @@ class MoEBridge(DenseBridge):
         s = f"{L}.{self.sparse_block}"
         gate, up, down = self.expert_projections
         router = FP32Replicated if self.router_fp32 else Replicated
-        local = f"{D}.mlp.experts.local_experts.{EXPERT}"
+        experts = f"{D}.mlp.experts"
+        local = f"{experts}.local_experts.{EXPERT}"
+        fc1 = GatedMLP(f"{local}.linear_fc1.weight", gate=f"{s}.experts.{EXPERT}.{gate}.weight",
+                       up=f"{s}.experts.{EXPERT}.{up}.weight")
+        fc2 = RowParallel(f"{local}.linear_fc2.weight", f"{s}.experts.{EXPERT}.{down}.weight")
+        if self.grouped_experts:
+            n = self.num_experts()
+            routed = [StackedExpert(fc1, f"{experts}.linear_fc1.weight", n),
+                      StackedExpert(fc2, f"{experts}.linear_fc2.weight", n)]
+        else:
+            routed = [Expert(fc1), Expert(fc2)]
         maps: list[Mapping] = [
             Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
             router(f"{D}.mlp.router.weight", f"{s}.gate.weight"),
-            Expert(GatedMLP(f"{local}.linear_fc1.weight", gate=f"{s}.experts.{EXPERT}.{gate}.weight",
-                            up=f"{s}.experts.{EXPERT}.{up}.weight")),
-            Expert(RowParallel(f"{local}.linear_fc2.weight", f"{s}.experts.{EXPERT}.{down}.weight")),
+            *routed,
         ]
         if self.expert_bias:
             maps.append(FP32Replicated(f"{D}.mlp.router.expert_bias", f"{s}.gate.e_score_correction_bias"))

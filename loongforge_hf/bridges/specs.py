@@ -12,6 +12,8 @@ Choices:
   - MLA's core attention is ``MLADotProductAttention``: megatron's local ``DotProductAttention`` sizes its output
     from ``kv_channels`` and does not take the query/key and value head sizes MLA passes (``k_channels``,
     ``v_channels``; only Transformer Engine's attention does).
+  And one more with ``bridge.grouped_experts`` (the default, see ``moe.py``): the routed experts of every MoE layer are
+  our ``kernels.grouped_mlp.GroupedMLP`` instead of megatron's ``SequentialMLP``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,19 @@ def _mla_core_attention():
     return MLADotProductAttention
 
 
-def _swap_modules(block_spec):
+def _grouped_experts(mlp_spec):
+    """An MoE layer's spec with ``GroupedMLP`` as its routed experts; any other MLP spec unchanged."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from loongforge_hf.kernels.grouped_mlp import GroupedMLP
+
+    if getattr(mlp_spec, "module", None) is not MoELayer:
+        return mlp_spec
+    return replace(mlp_spec, submodules=replace(mlp_spec.submodules, experts=ModuleSpec(module=GroupedMLP)))
+
+
+def _swap_modules(block_spec, *, grouped_experts: bool = False):
     """``block_spec`` with our RMSNorm in every norm slot and MLA's core attention replaced (see the docstring)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -55,8 +69,10 @@ def _swap_modules(block_spec):
         if attention.module is MLASelfAttention:
             norms["core_attention"] = mla_core
         attention = replace(attention, submodules=replace(att_sub, **norms))
-        layer_norms = {n: RMSNorm for n in _LAYER_NORMS if getattr(spec.submodules, n) is not IdentityOp}
-        layers.append(replace(spec, submodules=replace(spec.submodules, self_attention=attention, **layer_norms)))
+        slots = {n: RMSNorm for n in _LAYER_NORMS if getattr(spec.submodules, n) is not IdentityOp}
+        if grouped_experts:
+            slots["mlp"] = _grouped_experts(spec.submodules.mlp)
+        layers.append(replace(spec, submodules=replace(spec.submodules, self_attention=attention, **slots)))
     return replace(block_spec, layer_specs=layers, layer_norm=RMSNorm)
 
 
@@ -69,4 +85,4 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
         return get_block_spec(config, get_layer_spec(qk_norm=bridge.qk_norm), vp_stage=vp_stage)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage)
-    return _swap_modules(block)
+    return _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False))

@@ -2,6 +2,7 @@
 compare with transformers, run a backward pass (no pipeline), export. One world serves every layout of its size (the
 process groups are rebuilt between layouts), so the import and start-up cost of a rank is paid once per world size."""
 
+import os
 import re
 import warnings
 
@@ -38,19 +39,26 @@ def _expert_reads(model, folder: str) -> dict:
         load_into(model.megatron, model.bridge, recording, tp_rank=ps.get_tensor_model_parallel_rank(),
                   tp_size=ps.get_tensor_model_parallel_world_size())
     read = sorted({int(m.group(1)) for n in recording.read if (m := re.search(r"\.experts\.(\d+)\.", n))})
-    local = {int(m.group(1)) for n, _ in model.named_parameters() if (m := re.search(r"local_experts\.(\d+)\.", n))}
-    return {"experts_read": read, "local_experts": len(local), "num_experts": model.bridge.num_experts(),
+    experts = [m for chunk in model.megatron.chunks for n, m in chunk.named_modules() if n.endswith("mlp.experts")]
+    return {"experts_read": read, "local_experts": sorted({m.num_local_experts for m in experts}),
+            "experts_module": sorted({type(m).__name__ for m in experts}), "num_experts": model.bridge.num_experts(),
             "ep_rank": ps.get_expert_model_parallel_rank()}
 
 
 def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
+    """``layout`` may carry ``moe_grouped_gemm`` (False: megatron's SequentialMLP, through the environment)."""
     import transformers
 
     import loongforge_hf as lf
+    from loongforge_hf.bridges.moe import GROUPED_GEMM_ENV
 
+    layout = dict(layout)
+    grouped = layout.pop("moe_grouped_gemm", True)
+    os.environ[GROUPED_GEMM_ENV] = "1" if grouped else "0"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype="auto", **layout)
+    os.environ.pop(GROUPED_GEMM_ENV)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
     experts = _expert_reads(model, folder)
     g = torch.Generator().manual_seed(7)

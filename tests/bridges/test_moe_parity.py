@@ -2,15 +2,19 @@
 pipeline parallel layouts; bit-exact HF -> megatron -> HF round trips that transformers loads back.
 
 Starting a rank costs more than a tiny model, so one world per world size runs each of its layouts in turn over several
-tiny checkpoints (1 rank: tp1; 2 ranks: ep2, tp2etp1; 4 ranks: tp2ep2, pp2ep2):
+tiny checkpoints (1 rank: tp1; 2 ranks: ep2, ep2seq, tp2etp1; 4 ranks: tp2ep2, pp2ep2). Routed experts are the grouped
+expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, which runs megatron's SequentialMLP
+(``LOONGFORGE_MOE_GROUPED_GEMM=0``):
 - tp1:     every model, plus variants: DeepSeek-V3 with YaRN rope and with multi-token-prediction tensors in the
            checkpoint, DeepSeek-V2 with group-limited routing, Qwen3-MoE without top-k renormalisation and with
            decoder_sparse_step=2, and a bf16 DeepSeek-V3 (transformers keeps its router in fp32: the round trip must
            keep both dtypes; parity there is bf16's, against transformers in bf16);
 - ep2:     every model; each rank must read exactly the experts it owns; a model whose experts do not divide by
            expert_parallel_size is refused on every rank before the process group starts;
-- tp2ep2:  Qwen3-MoE (q/k norms) and DeepSeek-V2 (MLA without q_lora_rank), sequence parallel;
-- pp2ep2:  DeepSeek-V3 (dense first layer on stage 0) and Mixtral;
+- ep2seq:  Qwen3-MoE with SequentialMLP experts (the same checkpoint, the other expert layout);
+- tp2ep2:  every model: Qwen3-MoE (q/k norms), Mixtral, DeepSeek-V3 and DeepSeek-V2 (MLA without q_lora_rank),
+           sequence parallel;
+- pp2ep2:  DeepSeek-V3 (dense first layer on stage 0), Mixtral and Qwen3-MoE;
 - tp2etp1: Mixtral and DeepSeek-V3 with rotary dims in halves on disk (rope_interleave=False), sequence parallel,
            experts whole on each TP rank (expert_tensor_parallel_size=1).
 """
@@ -52,8 +56,9 @@ MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16")),
     "ep2": (2, {"expert_parallel_size": 2}, MODELS),
-    "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP}, ("qwen3_moe", "deepseek_v2")),
-    "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, ("deepseek_v3", "mixtral")),
+    "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe",)),
+    "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP}, MODELS),
+    "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, ("deepseek_v3", "mixtral", "qwen3_moe")),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
                 ("mixtral", "deepseek_v3_halves")),
 }
@@ -112,6 +117,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         assert r["loss_diff"] < tol["loss_diff"], (rank, r)
         if r["grads_ok"] is not None:
             assert r["grads_ok"], (rank, r)
+        grouped = LAYOUTS[layout][1].get("moe_grouped_gemm", True)
+        assert r["experts_module"] == ["GroupedMLP" if grouped else "SequentialMLP"], (rank, r)
     src, out = worlds.source(name), worlds.out(layout, name)
     check_round_trip(src, out)
     check_loads_in_transformers(src, out)
@@ -119,7 +126,7 @@ def test_parity_and_round_trip(worlds, layout, name):
 
 def test_expert_parallel_ranks_read_only_their_experts(worlds):
     """EP rank e of 2 holds and reads experts [e * N / 2, (e + 1) * N / 2) of every MoE layer, nothing else."""
-    for layout in ("ep2", "tp2ep2"):
+    for layout in ("ep2", "ep2seq", "tp2ep2"):
         for rank, results in enumerate(worlds.run(layout)):
             for name in LAYOUTS[layout][2]:
                 r = results[name]
@@ -127,7 +134,7 @@ def test_expert_parallel_ranks_read_only_their_experts(worlds):
                 ep = r["ep_rank"]
                 owned = list(range(ep * n // 2, (ep + 1) * n // 2))
                 assert r["experts_read"] == owned, (layout, rank, name, r["experts_read"])
-                assert r["local_experts"] == n // 2, (layout, rank, name)
+                assert r["local_experts"] == [n // 2], (layout, rank, name)
 
 
 def test_mtp_layers_skipped_with_warning_and_written_back(worlds):

@@ -1,0 +1,203 @@
+"""Routed experts as one grouped gated MLP: every local expert's fc1 and fc2 in one stacked weight each, the tokens
+(already permuted and sorted by expert by megatron's dispatcher) run through two grouped GEMMs.
+
+Choices:
+- Weights: ``linear_fc1.weight`` ``[local experts, 2 * F / etp, H]`` (each expert's rows ``[gate_r; up_r]``, the
+  layout of megatron's gated fc1 on expert-tensor-parallel rank ``r``) and ``linear_fc2.weight``
+  ``[local experts, H, F / etp]``: one Parameter per projection, each expert's slice laid out like the HF tensor
+  (out, in), so the bridge loads and exports an expert with the same transforms as a dense MLP.
+- Compute: ``torch._grouped_mm(x, W.transpose(-2, -1), offs=cumsum(tokens_per_expert))`` on CUDA in bf16 when every
+  stride is 16-byte aligned (H and F / etp multiples of 8); otherwise (CPU, fp32/fp16, odd widths) a loop of one
+  matmul per expert with the same math (``_grouped_mm``'s own CPU fallback is not used by default: the loop is the
+  reference). ``_grouped_mm``'s backward refuses a broadcast gradient; the output hands on a dense one.
+- Math per expert: ``swiglu(x @ W1[e].T)``, times the token's routing probability (cast back to the activation dtype,
+  as megatron's expert MLP does), ``@ W2[e].T``. With ``moe_apply_probs_on_input`` the probabilities scale the input
+  instead (megatron allows this only for top-1). SwiGLU is ``kernels.swiglu`` (saves only the fc1 output).
+- Expert-tensor parallelism: each rank holds its slice of F; no communication here: megatron's dispatcher gathers
+  tokens over the expert-tensor-parallel group and reduce-scatters the partial fc2 outputs.
+- Parameters carry megatron's attributes: ``allreduce=False`` under expert parallelism (gradients are reduced over
+  the expert-data-parallel group), tensor-parallel attributes for gradient-norm bookkeeping.
+- ``sharded_state_dict``: the same keys and global shapes as megatron's ``SequentialMLP`` with a gated local MLP
+  (``{prefix}experts.linear_fc1.weight`` ``[N, 2F, H]`` with gate rows then up rows, ``...linear_fc2.weight``
+  ``[N, H, F]``); the expert axis is the stack's first dimension, sharded over expert parallelism.
+- An expert with no tokens still gets a (zero) gradient; a rank with no tokens at all runs the loop on empty splits.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
+
+__all__ = ["GroupedMLP", "grouped_gated_mlp", "grouped_mm_supported"]
+
+
+def grouped_mm_supported(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: CUDA, bf16 throughout, 16-byte aligned strides."""
+    if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.shape[0] == 0:
+        return False
+    if not (x.dtype == fc1.dtype == fc2.dtype == torch.bfloat16):
+        return False
+    align = 16 // x.element_size()
+    return all(d % align == 0 for d in (*fc1.shape[1:], *fc2.shape[1:]))
+
+
+def _scale(act: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    if probs is None:
+        return act
+    return (act * probs.unsqueeze(-1)).to(act.dtype)
+
+
+def _loop(x, fc1, fc2, counts: list[int], probs):
+    xs = torch.split(x, counts)
+    ps = torch.split(probs, counts) if probs is not None else [None] * len(counts)
+    outs = [_scale(swiglu(t @ fc1[e].t()), p) @ fc2[e].t() for e, (t, p) in enumerate(zip(xs, ps))]
+    return torch.cat(outs, dim=0)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient: ``_grouped_mm``'s backward checks strides and refuses a
+    broadcast one (``out.sum().backward()``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped(x, fc1, fc2, tokens_per_expert: torch.Tensor, probs):
+    offs = torch.cumsum(tokens_per_expert, dim=0).to(device=x.device, dtype=torch.int32, non_blocking=True)
+    act = _scale(swiglu(torch._grouped_mm(x, fc1.transpose(-2, -1), offs=offs)), probs)
+    return _DenseGrad.apply(torch._grouped_mm(act, fc2.transpose(-2, -1), offs=offs))
+
+
+def grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tokens_per_expert,
+                      probs: torch.Tensor | None = None, *, use_grouped_mm: bool | None = None) -> torch.Tensor:
+    """Experts' SwiGLU MLPs over tokens sorted by expert.
+
+    x ``[T, H]`` (expert 0's tokens first), fc1 ``[E, 2F, H]`` (rows ``[gate; up]``), fc2 ``[E, H, F]``,
+    ``tokens_per_expert`` ``[E]`` (tensor or list, summing to T), ``probs`` ``[T]`` or None. Returns ``[T, H]``.
+    ``use_grouped_mm`` forces a path (None: ``_grouped_mm`` where ``grouped_mm_supported``)."""
+    if fc1.dim() != 3 or fc2.dim() != 3 or fc1.shape[0] != fc2.shape[0] or fc1.shape[1] != 2 * fc2.shape[2] \
+            or fc1.shape[2] != x.shape[-1] or fc2.shape[1] != x.shape[-1]:
+        raise ValueError(f"grouped_gated_mlp: fc1 {tuple(fc1.shape)} must be [E, 2F, H] and fc2 {tuple(fc2.shape)} "
+                         f"[E, H, F] for tokens {tuple(x.shape)}.")
+    counts = tokens_per_expert if isinstance(tokens_per_expert, torch.Tensor) else torch.tensor(tokens_per_expert)
+    if counts.numel() != fc1.shape[0]:
+        raise ValueError(f"grouped_gated_mlp: {counts.numel()} token counts for {fc1.shape[0]} experts.")
+    grouped = grouped_mm_supported(x, fc1, fc2) if use_grouped_mm is None else use_grouped_mm
+    if grouped:
+        return _grouped(x, fc1, fc2, counts, probs)
+    return _loop(x, fc1, fc2, [int(c) for c in counts.tolist()], probs)
+
+
+class _StackedWeight(torch.nn.Module):
+    """Holds one projection's weights of every local expert: ``weight`` ``[E, out, in]``."""
+
+    def __init__(self, shape: tuple[int, int, int], *, dtype, device, partition_dim: int, expert_parallel: bool):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=1)
+        self.weight.allreduce = not expert_parallel
+
+
+class GroupedMLP(MegatronModule):
+    """megatron's experts slot (``MoESubmodules.experts``): ``forward(tokens, tokens_per_expert, probs)``."""
+
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None) -> None:
+        super().__init__(config=config)
+        from megatron.core.tensor_parallel.utils import divide
+
+        problems = []
+        if config.add_bias_linear:
+            problems.append("add_bias_linear must be False")
+        if getattr(config, "moe_latent_size", None):
+            problems.append("moe_latent_size must be None")
+        if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+            problems.append("fp8/fp4 are not supported")
+        if problems:
+            raise ValueError("loongforge GroupedMLP does not match this TransformerConfig: " + "; ".join(problems)
+                             + ".")
+        SwiGLU(config)  # the same checks as the dense MLP's activation (gated, silu, no clamp or offset)
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.num_local_experts = num_local_experts
+        self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
+        hidden, ffn = config.hidden_size, divide(config.moe_ffn_hidden_size, self.tp_group.size())
+        from loongforge_hf.xpu import get_backend
+
+        device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
+        kw = {"dtype": config.params_dtype, "device": device, "expert_parallel": config.expert_model_parallel_size > 1}
+        self.linear_fc1 = _StackedWeight((num_local_experts, 2 * ffn, hidden), partition_dim=1, **kw)
+        self.linear_fc2 = _StackedWeight((num_local_experts, hidden, ffn), partition_dim=2, **kw)
+        if config.perform_initialization:
+            self._initialize()
+
+    @torch.no_grad()
+    def _initialize(self) -> None:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+        def init():
+            for e in range(self.num_local_experts):
+                self.config.init_method(self.linear_fc1.weight[e])
+                self.config.output_layer_init_method(self.linear_fc2.weight[e])
+
+        if self.linear_fc1.weight.is_cuda:
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                init()
+        else:
+            init()
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        x, probs = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:
+            if self.config.moe_router_topk != 1:
+                raise ValueError("moe_apply_probs_on_input needs moe_router_topk=1.")
+            x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), None
+        out = grouped_gated_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, tokens_per_expert, probs)
+        return out, None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the backward pass (megatron calls this for delayed wgrad only)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        if (metadata or {}).get("singleton_local_shards", False):
+            raise NotImplementedError("GroupedMLP.sharded_state_dict: singleton_local_shards is not supported.")
+        axis = len(sharded_offsets)
+        ep = (axis, self.ep_group.rank(), self.ep_group.size())
+        tp_rank, tp_size = self.tp_group.rank(), self.tp_group.size()
+        replica_id = (0, 0, self.dp_group.rank())
+        key = f"{prefix}experts."
+        fc1, fc2 = self.linear_fc1.weight, self.linear_fc2.weight
+
+        def build_fc1(k, t, replica, flattened_range):
+            # NOTE: each expert's rows are [gate_r; up_r]: gate rows are shard r of 2 * tp_size of the global
+            # [gate; up] rows, up rows shard tp_size + r (the layout SequentialMLP's gated fc1 saves).
+            gate, up = torch.chunk(t, 2, dim=1)
+            return [ShardedTensor.from_rank_offsets(k, part.contiguous(), *sharded_offsets, ep,
+                                                    (axis + 1, index, 2 * tp_size), replica_id=replica,
+                                                    prepend_axis_num=axis)
+                    for part, index in ((gate, tp_rank), (up, tp_size + tp_rank))]
+
+        def merge_fc1(parts):
+            return torch.cat(parts, dim=1)
+
+        return {
+            f"{prefix}linear_fc1.weight": ShardedTensorFactory(f"{key}linear_fc1.weight", fc1, build_fc1, merge_fc1,
+                                                               replica_id),
+            f"{prefix}linear_fc2.weight": ShardedTensor.from_rank_offsets(
+                f"{key}linear_fc2.weight", fc2, *sharded_offsets, ep, (axis + 2, tp_rank, tp_size),
+                replica_id=replica_id, prepend_axis_num=axis),
+        }

@@ -1,0 +1,214 @@
+"""Grouped expert MLP (kernels/grouped_mlp.py) against a per-token reference, on CPU: outputs and gradients over odd
+token counts (experts with no tokens included), routing probabilities, expert-tensor-parallel shards, the megatron
+module (parameter attributes, probabilities on the input, distributed-checkpoint sharding)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loongforge_hf.kernels.grouped_mlp import GroupedMLP, grouped_gated_mlp, grouped_mm_supported
+
+COUNTS = [[3, 0, 7, 1], [0, 0, 5, 0], [1, 2, 0, 9], [0, 0, 0, 0]]
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _reference(x, fc1, fc2, counts, probs):
+    """Token by token: its expert's weights gathered per token, SwiGLU in fp32, scaled by its probability."""
+    expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    h = torch.einsum("th,tfh->tf", x.float(), fc1.float()[expert])
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    if probs is not None:
+        act = act * probs.float().unsqueeze(-1)
+    return torch.einsum("tf,thf->th", act, fc2.float()[expert])
+
+
+def _operands(counts, dtype, *, hidden=16, ffn=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e, t = len(counts), sum(counts)
+    x = torch.randn(t, hidden, generator=g).to(dtype).requires_grad_()
+    fc1 = (torch.randn(e, 2 * ffn, hidden, generator=g) / 4).to(dtype).requires_grad_()
+    fc2 = (torch.randn(e, hidden, ffn, generator=g) / 4).to(dtype).requires_grad_()
+    probs = torch.rand(t, generator=g)
+    grad = torch.randn(t, hidden, generator=g).to(dtype)
+    return x, fc1, fc2, probs, grad
+
+
+def _run(fn, x, fc1, fc2, grad):
+    for t in (x, fc1, fc2):
+        t.grad = None
+    out = fn()
+    out.backward(grad)
+    return [out.detach().float(), x.grad.float(), fc1.grad.float(), fc2.grad.float()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", COUNTS, ids=[",".join(map(str, c)) for c in COUNTS])
+@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no-probs"])
+def test_matches_per_token_reference(dtype, counts, with_probs):
+    x, fc1, fc2, probs, grad = _operands(counts, dtype)
+    p = probs if with_probs else None
+    got = _run(lambda: grouped_gated_mlp(x, fc1, fc2, torch.tensor(counts), p), x, fc1, fc2, grad)
+    ref = _run(lambda: _reference(x, fc1, fc2, counts, p), x, fc1, fc2, grad.float())
+    for name, a, b in zip(("out", "d_x", "d_fc1", "d_fc2"), got, ref):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m, n=name: f"{n}: {m}")
+    for e, c in enumerate(counts):  # an expert without tokens gets a zero gradient, not None
+        if c == 0:
+            assert torch.count_nonzero(got[2][e]) == 0 and torch.count_nonzero(got[3][e]) == 0
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_path_equals_loop(dtype):
+    """The ``_grouped_mm`` path (forced; on CPU torch runs its own fallback) reads ``offs`` as the loop splits."""
+    counts = [3, 0, 7, 1, 0, 5]
+    x, fc1, fc2, probs, grad = _operands(counts, dtype, hidden=16, ffn=8)
+    loop = _run(lambda: grouped_gated_mlp(x, fc1, fc2, counts, probs, use_grouped_mm=False), x, fc1, fc2, grad)
+    grouped = _run(lambda: grouped_gated_mlp(x, fc1, fc2, counts, probs, use_grouped_mm=True), x, fc1, fc2, grad)
+    for a, b in zip(grouped, loop):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+def test_expert_tensor_parallel_shards_sum_to_the_whole():
+    """ETP rank r holds fc1 rows [gate_r; up_r] and fc2 columns r of each expert: the partial outputs sum to the
+    unsplit MLP's output and each shard's gradient is its slice of the unsplit gradient."""
+    counts, etp, ffn = [2, 0, 5, 3], 2, 12
+    x, fc1, fc2, probs, grad = _operands(counts, torch.float32, ffn=ffn)
+    full = _run(lambda: grouped_gated_mlp(x, fc1, fc2, counts, probs), x, fc1, fc2, grad)
+    f = ffn // etp
+    total, d_x = torch.zeros_like(full[0]), torch.zeros_like(full[1])
+    for r in range(etp):
+        rows = torch.cat([torch.arange(r * f, (r + 1) * f), ffn + torch.arange(r * f, (r + 1) * f)])
+        s1 = fc1.detach()[:, rows].clone().requires_grad_()
+        s2 = fc2.detach()[:, :, r * f:(r + 1) * f].clone().requires_grad_()
+        xr = x.detach().clone().requires_grad_()
+        out, dx, d1, d2 = _run(lambda: grouped_gated_mlp(xr, s1, s2, counts, probs), xr, s1, s2, grad)
+        total += out
+        d_x += dx
+        torch.testing.assert_close(d1, full[2][:, rows])
+        torch.testing.assert_close(d2, full[3][:, :, r * f:(r + 1) * f])
+    torch.testing.assert_close(total, full[0])
+    torch.testing.assert_close(d_x, full[1])
+
+
+def test_bad_shapes_raise():
+    x, fc1, fc2, _, _ = _operands([1, 2], torch.float32)
+    with pytest.raises(ValueError, match="must be"):
+        grouped_gated_mlp(x, fc1[:, :-1], fc2, [1, 2])
+    with pytest.raises(ValueError, match="token counts"):
+        grouped_gated_mlp(x, fc1, fc2, [1, 1, 1])
+
+
+def test_grouped_mm_not_chosen_on_cpu_or_fp32():
+    x, fc1, fc2, _, _ = _operands([1, 2], torch.bfloat16)
+    assert not grouped_mm_supported(x, fc1, fc2)  # CPU tensors: the loop
+
+
+class _Group:
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, moe_ffn_hidden_size=12,
+                num_moe_experts=8, moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu,
+                add_bias_linear=False, use_cpu_initialization=True, perform_initialization=False,
+                params_dtype=torch.float32, expert_model_parallel_size=2, expert_tensor_parallel_size=2)
+    return TransformerConfig(**{**base, **kw})
+
+
+def _module(config, *, ep=(1, 2), etp=(1, 2), edp=(0, 1), local=4):
+    pg = SimpleNamespace(ep=_Group(*ep), expt_tp=_Group(*etp), expt_dp=_Group(*edp))
+    return GroupedMLP(local, config, pg_collection=pg)
+
+
+def test_module_layout_attributes_and_forward():
+    m = _module(_config())
+    fc1, fc2 = m.linear_fc1.weight, m.linear_fc2.weight
+    assert tuple(fc1.shape) == (4, 12, 16) and tuple(fc2.shape) == (4, 16, 6)  # F=12 over ETP 2: 6 per rank
+    assert fc1.allreduce is False and fc2.allreduce is False  # expert parallel: reduced over expert-DP only
+    assert fc1.tensor_model_parallel and (fc1.partition_dim, fc2.partition_dim) == (1, 2)
+    assert [n for n, _ in m.named_parameters()] == ["linear_fc1.weight", "linear_fc2.weight"]
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        fc1.copy_(torch.randn(fc1.shape, generator=g))
+        fc2.copy_(torch.randn(fc2.shape, generator=g))
+    counts = torch.tensor([2, 0, 3, 1])
+    x, probs = torch.randn(6, 16, generator=g), torch.rand(6, generator=g)
+    out, bias = m(x, counts, probs)
+    assert bias is None
+    torch.testing.assert_close(out, _reference(x, fc1.detach(), fc2.detach(), counts.tolist(), probs))
+
+
+def test_module_probs_on_input_for_top1():
+    m = _module(_config(moe_router_topk=1, moe_router_pre_softmax=True, moe_apply_probs_on_input=True))
+    with torch.no_grad():
+        m.linear_fc1.weight.normal_()
+        m.linear_fc2.weight.normal_()
+    counts = torch.tensor([1, 2, 0, 3])
+    x, probs = torch.randn(6, 16), torch.rand(6)
+    out, _ = m(x, counts, probs)
+    expected = _reference(probs.unsqueeze(-1) * x, m.linear_fc1.weight.detach(), m.linear_fc2.weight.detach(),
+                          counts.tolist(), None)
+    torch.testing.assert_close(out, expected)
+
+
+def test_module_refuses_configs_it_does_not_compute():
+    with pytest.raises(ValueError, match="add_bias_linear"):
+        _module(_config(add_bias_linear=True, expert_tensor_parallel_size=1), etp=(0, 1))
+    with pytest.raises(ValueError, match="gated_linear_unit"):
+        _module(_config(gated_linear_unit=False))
+
+
+def test_initialisation_fills_every_expert():
+    m = _module(_config(perform_initialization=True, init_method=lambda w: w.fill_(0.5),
+                        output_layer_init_method=lambda w: w.fill_(-0.25)))
+    assert bool((m.linear_fc1.weight == 0.5).all()) and bool((m.linear_fc2.weight == -0.25).all())
+
+
+def test_sharded_state_dict_global_layout():
+    """EP rank 1 of 2, ETP rank 1 of 2, 4 local experts of 8: fc1 is saved as gate and up halves of the global
+    [8, 2F, H] tensor ([gate; up] rows), fc2 as its block of [8, H, F]; the layer axis offsets come first."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    m = _module(_config(), edp=(1, 2))
+    layer_axis = ((0, 3, 5),)
+    sd = m.sharded_state_dict(prefix="decoder.layers.3.mlp.experts.", sharded_offsets=layer_axis)
+    p = "decoder.layers.3.mlp.experts."
+    fc1, fc2 = sd[f"{p}linear_fc1.weight"], sd[f"{p}linear_fc2.weight"]
+    assert isinstance(fc1, ShardedTensorFactory)
+    assert fc1.key == "decoder.layers.3.mlp.experts.experts.linear_fc1.weight"
+    with torch.no_grad():
+        m.linear_fc1.weight.copy_(torch.arange(m.linear_fc1.weight.numel(), dtype=torch.float32).view(4, 12, 16))
+    gate, up = fc1.build_fn(fc1.key, m.linear_fc1.weight, fc1.replica_id, None)
+    for part, row in ((gate, 6), (up, 18)):  # F=12: gate rows 6:12 (ETP rank 1 of 2), up rows 12 + 6:12 + 12
+        assert part.global_shape == (5, 8, 24, 16)
+        assert part.global_offset == (3, 4, row, 0)
+        assert part.replica_id == (0, 0, 1)
+    torch.testing.assert_close(fc1.merge_fn([gate.data, up.data]), m.linear_fc1.weight.detach())
+    assert fc2.key == "decoder.layers.3.mlp.experts.experts.linear_fc2.weight"
+    assert fc2.global_shape == (5, 8, 16, 12) and fc2.global_offset == (3, 4, 0, 6)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_grouped_mm_path_takes_a_broadcast_gradient():
+    """``out.sum().backward()`` hands ``_grouped_mm``'s backward a zero-stride gradient, which it refuses as is."""
+    counts = [2, 0, 3]
+    x, fc1, fc2, probs, _ = _operands(counts, torch.float32, hidden=16, ffn=8)
+    grouped_gated_mlp(x, fc1, fc2, counts, probs, use_grouped_mm=True).sum().backward()
+    got = [t.grad.clone() for t in (x, fc1, fc2)]
+    for t in (x, fc1, fc2):
+        t.grad = None
+    grouped_gated_mlp(x, fc1, fc2, counts, probs, use_grouped_mm=False).sum().backward()
+    for a, t in zip(got, (x, fc1, fc2)):
+        torch.testing.assert_close(a, t.grad)
