@@ -7,9 +7,17 @@ Choices:
 - Padding in ``attention_mask`` becomes megatron's boolean mask (True = masked) combined with causality.
 - Pipeline parallel: megatron's forward-only schedule with one micro-batch; the last stage's loss and logits are
   broadcast over the pipeline group so every rank returns the same output.
+- When only the loss is wanted (training; ``forward(labels=..., return_logits=False)``), the language model's output
+  layer passes the final hidden states through (``hidden_states_out``) and the loss is the fused, chunked
+  ``kernels.cross_entropy.linear_cross_entropy`` of those states and the output weight (tied or not, vocab-parallel
+  under TP): the ``[b, s, V]`` logits are never built. Under sequence parallelism the states are gathered over TP with
+  a backward that keeps this rank's slice, since the kernel already all-reduces their gradient.
 """
 
 from __future__ import annotations
+
+import contextlib
+import types
 
 import torch
 import torch.distributed as dist
@@ -68,6 +76,63 @@ def token_losses(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size
     return losses.transpose(0, 1) * valid
 
 
+def language_head(chunk: torch.nn.Module) -> torch.nn.Module | None:
+    """The megatron language model of ``chunk`` that computes the logits (its last pipeline stage), or None."""
+    for module in chunk.modules():
+        if getattr(module, "post_process", False) and hasattr(module, "output_layer") \
+                and hasattr(module, "shared_embedding_or_output_weight"):
+            return module
+    return None
+
+
+def _pass_hidden_states(layer, input_, weight=None, runtime_gather_output=None, **unused):
+    """Stands in for the output layer's ``forward``: ``(hidden states [s, b, h], None)``, gathered under SP."""
+    if getattr(layer, "sequence_parallel", False):
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        # NOTE: backward keeps this rank's slice: linear_cross_entropy already all-reduced the gradient over TP.
+        input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False,
+                                                      group=getattr(layer, "tp_group", None))
+    return input_, None
+
+
+@contextlib.contextmanager
+def hidden_states_out(chunks):
+    """Inside, the language models of ``chunks`` return their final hidden states ``[b, s, h]`` instead of logits."""
+    layers = [head.output_layer for head in (language_head(c) for c in chunks) if head is not None]
+    saved = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = types.MethodType(_pass_hidden_states, layer)
+    try:
+        yield
+    finally:
+        for layer, old in zip(layers, saved):
+            if old is None:
+                del layer.forward
+            else:
+                layer.forward = old
+
+
+def output_weight(head: torch.nn.Module) -> torch.Tensor:
+    """The TP-local ``[V_local, h]`` output weight of a language model: the embedding's when tied."""
+    if head.share_embeddings_and_output_weights:
+        return head.shared_embedding_or_output_weight()
+    return head.output_layer.weight
+
+
+def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, *,
+                   vocab_size: int) -> torch.Tensor:
+    """fp32 sum over label tokens of the cross-entropy of ``hidden [b, s, h]`` (from ``hidden_states_out``) through
+    ``head``'s output layer against shifted ``labels [b, s]``, without the logits."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), output_weight(head), labels.reshape(-1),
+                                ignore_index=IGNORE_INDEX, tp_group=ps.get_tensor_model_parallel_group(),
+                                vocab_size=vocab_size, reduction="sum")
+
+
 def full_logits(local_logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -80,8 +145,6 @@ def _run_chunk(chunk, input_ids, position_ids, mask):
 
 def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool):
     """(loss or None, logits or None) with transformers' semantics, on every rank."""
-    from megatron.core import parallel_state as ps
-
     vocab = model.config.vocab_size
     device = model.device
     input_ids = input_ids.to(device)
@@ -92,18 +155,25 @@ def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels,
     mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s,
                                    position_ids)
     shifted = shift_labels(labels.to(device)) if labels is not None else None
+    fused = shifted is not None and not return_logits
+    head = language_head(model.chunks[-1]) if fused else None
 
-    def finish(local_logits):
+    def finish(output):
+        if fused:
+            # NOTE: the output is the final hidden states here (hidden_states_out), not logits.
+            count = (shifted != IGNORE_INDEX).sum().clamp(min=1)
+            return fused_loss_sum(output, shifted, head, vocab_size=vocab) / count, None
         loss = None
         if shifted is not None:
-            per_token = token_losses(local_logits, shifted, vocab_size=vocab)
+            per_token = token_losses(output, shifted, vocab_size=vocab)
             loss = per_token.sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
-        logits = full_logits(local_logits, vocab_size=vocab) if return_logits else None
+        logits = full_logits(output, vocab_size=vocab) if return_logits else None
         return loss, logits
 
-    if model.parallel.pipeline_parallel_size == 1:
-        return finish(_run_chunk(model.chunks[0], input_ids, position_ids, mask))
-    return _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, labels is not None)
+    with hidden_states_out(model.chunks) if fused else contextlib.nullcontext():
+        if model.parallel.pipeline_parallel_size == 1:
+            return finish(_run_chunk(model.chunks[0], input_ids, position_ids, mask))
+        return _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, labels is not None)
 
 
 def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, want_loss):
