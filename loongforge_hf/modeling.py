@@ -189,11 +189,14 @@ class AutoModelForCausalLM:
                         dtype: Any = None, torch_dtype: Any = None, revision: str | None = None,
                         cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
                         token: str | None = None, trust_remote_code: bool = False,
-                        allow_pickle: bool = False, seed: int = 1234, **unused: Any) -> LoongModelForCausalLM:
+                        allow_pickle: bool = False, seed: int = 1234,
+                        megatron_config: dict | None = None, **unused: Any) -> LoongModelForCausalLM:
+        # NOTE: megatron_config: extra megatron-core TransformerConfig fields (see bridges/builder.py), e.g.
+        # {"overlap_moe_expert_parallel_comm": True}; docs/parallelism.md lists the ones that run without TE.
         from transformers import AutoConfig
 
         from loongforge_hf.bridges import get_bridge
-        from loongforge_hf.bridges.builder import build_megatron_model
+        from loongforge_hf.bridges.builder import build_megatron_model, check_megatron_config
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.hub import resolve_checkpoint
         from loongforge_hf.bridges.loader import load_into
@@ -225,6 +228,7 @@ class AutoModelForCausalLM:
                            or hf_config.num_attention_heads,
                            vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
         param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config)
+        check_megatron_config(bridge, megatron_config)
         reader = CheckpointReader(folder, allow_pickle=allow_pickle)
         try:
             reader.validate_shapes(bridge.expected_hf_shapes())
@@ -232,7 +236,7 @@ class AutoModelForCausalLM:
             initialize_parallel(layout, seed=seed)
             from megatron.core import parallel_state as ps
 
-            megatron_model = build_megatron_model(bridge, layout, dtype=param_dtype)
+            megatron_model = build_megatron_model(bridge, layout, dtype=param_dtype, megatron_config=megatron_config)
             load_into(megatron_model, bridge, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
                       tp_size=ps.get_tensor_model_parallel_world_size())
         finally:

@@ -7,6 +7,10 @@ Choices:
   the extra layers through megatron's ``num_layers_in_first/last_pipeline_stage``; a split megatron cannot
   express raises ``ParallelLayoutError``.
 - Rotary frequencies follow the HF config exactly (llama3 scaling included) by overwriting megatron's ``inv_freq``.
+- ``megatron_config`` (from ``from_pretrained``) adds TransformerConfig fields the checkpoint and the layout do not
+  decide (e.g. ``overlap_moe_expert_parallel_comm``, ``fine_grained_activation_offloading``); a field the bridge or the
+  layout sets, or one TransformerConfig does not have, raises ``ValueError`` (``check_megatron_config``, called by
+  from_pretrained before any collective).
 """
 
 from __future__ import annotations
@@ -61,7 +65,40 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype) -> MegatronModel:
+# TransformerConfig fields build_megatron_model sets from the layout, the dtype and the backend.
+_BUILDER_FIELDS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage", "params_dtype", "pipeline_dtype",
+    "bf16", "fp16", "use_cpu_initialization", "perform_initialization", "bias_activation_fusion",
+    "masked_softmax_fusion", "gradient_accumulation_fusion", "persist_layer_norm", "apply_rope_fusion",
+    "bias_dropout_fusion", "cross_entropy_loss_fusion", "deallocate_pipeline_outputs",
+)
+
+
+def check_megatron_config(bridge, megatron_config: dict | None) -> None:
+    """``ValueError`` for ``megatron_config`` fields that TransformerConfig lacks or that the bridge or builder set.
+
+    Pure: from_pretrained calls it before any collective, so every rank raises the same error.
+    """
+    if not megatron_config:
+        return
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    kw = bridge.transformer_config_kwargs()
+    config_class = MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig
+    unknown = sorted(set(megatron_config) - {f.name for f in dataclasses.fields(config_class)})
+    taken = sorted(set(megatron_config) & (set(kw) | set(_BUILDER_FIELDS)))
+    problems = [f"{k}: not a megatron-core {config_class.__name__} field" for k in unknown]
+    problems += [f"{k}: set from the checkpoint's config or the layout, not through megatron_config" for k in taken]
+    if problems:
+        raise ValueError("megatron_config: " + "; ".join(problems) + ".")
+
+
+def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype,
+                         megatron_config: dict | None = None) -> MegatronModel:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -78,8 +115,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
     vpp = parallel.interleaved_stages
     if vpp is None:
         kw.update(_uneven_split(hf.num_hidden_layers, parallel.pipeline_parallel_size))
-    config = config_class(
-        **kw,
+    fixed = dict(
         tensor_model_parallel_size=parallel.tensor_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_parallel_size,
         virtual_pipeline_model_parallel_size=vpp,
@@ -93,6 +129,8 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
         persist_layer_norm=False, apply_rope_fusion=False, bias_dropout_fusion=False,
         cross_entropy_loss_fusion=False, deallocate_pipeline_outputs=False,
     )
+    check_megatron_config(bridge, megatron_config)
+    config = config_class(**kw, **fixed, **(megatron_config or {}))
     padded = padded_vocab_size(hf.vocab_size, tensor_parallel_size=parallel.tensor_parallel_size)
     chunks, offsets, counts = [], [], []
     for vp_stage in range(vpp or 1):
