@@ -3,6 +3,9 @@
 Choices:
 - Model chunks are wrapped in megatron's ``DistributedDataParallel`` (contiguous grad buffers, overlapped
   reduce-scatter) and optimised by megatron's distributed optimizer (sharded fp32 main weights and Adam states).
+- The loss of the last stage is the fused linear cross-entropy (``runtime.fused_loss_sum``) of the final hidden
+  states and the output weight: full-vocabulary logits are never built (``fused_loss=False`` keeps megatron's output
+  layer and the cross-entropy on materialised logits, for comparisons).
 - Loss is summed per token and megatron divides gradients by the global label-token count of the step
   (``calculate_per_token_loss``): the gradient of the mean over all label tokens of the global batch, as Trainer does.
 - Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
@@ -12,12 +15,14 @@ Choices:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from loongforge_hf.bridges.runtime import IGNORE_INDEX, megatron_attention_mask, shift_labels, token_losses
+from loongforge_hf.bridges.runtime import (IGNORE_INDEX, fused_loss_sum, hidden_states_out, language_head,
+                                           megatron_attention_mask, shift_labels, token_losses)
 
 
 @dataclass
@@ -31,12 +36,13 @@ class StepResult:
 class MegatronEngine:
     """Owns the DDP-wrapped chunks and the optimizer of a ``LoongModelForCausalLM``."""
 
-    def __init__(self, model, *, args, overlap_grad_reduce: bool = True) -> None:
+    def __init__(self, model, *, args, overlap_grad_reduce: bool = True, fused_loss: bool = True) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.model = model
+        self.fused_loss = fused_loss
         config = model.megatron.config
         config.calculate_per_token_loss = True
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
@@ -109,10 +115,12 @@ class MegatronEngine:
             device = self.model.device
             labels = shift_labels(batch["labels"].to(device))
             model_inputs = getattr(self.model, "megatron_forward_inputs", None)
+            head = language_head(chunk) if self.fused_loss and not return_schedule_plan else None
             if model_inputs is not None:
                 # NOTE: a model whose chunks take more than token inputs (a vision tower's pixel_values) says what.
                 args, kwargs = model_inputs(batch)
-                output = chunk(*args, **kwargs)
+                with hidden_states_out([chunk]) if head is not None else nullcontext():
+                    output = chunk(*args, **kwargs)
             else:
                 input_ids = batch["input_ids"].to(device)
                 b, s = input_ids.shape
@@ -122,15 +130,18 @@ class MegatronEngine:
                 attention_mask = batch.get("attention_mask")
                 mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s,
                                                position_ids)
-                # NOTE: megatron's combined 1F1B schedule (overlap_moe_expert_parallel_comm) asks the unwrapped
-                # GPTModel for a schedule plan, run later, instead of an output.
-                run = chunk.build_schedule_plan if return_schedule_plan else chunk
-                output = run(input_ids, position_ids, mask)
+                with hidden_states_out([chunk]) if head is not None else nullcontext():
+                    # NOTE: megatron's combined 1F1B schedule (overlap_moe_expert_parallel_comm) asks the unwrapped
+                    # GPTModel for a schedule plan, run later, instead of an output (so no fused head: see above).
+                    run = chunk.build_schedule_plan if return_schedule_plan else chunk
+                    output = run(input_ids, position_ids, mask)
 
-            def loss_func(local_logits):
-                per_token = token_losses(local_logits, labels, vocab_size=vocab_size)
+            def loss_func(output):
                 count = (labels != IGNORE_INDEX).sum()
-                loss_sum = per_token.sum()
+                if head is not None:
+                    loss_sum = fused_loss_sum(output, labels, head, vocab_size=vocab_size)
+                else:
+                    loss_sum = token_losses(output, labels, vocab_size=vocab_size).sum()
                 return loss_sum, count, {"lm loss": (loss_sum.detach().clone(), count.detach().clone())}
             return output, loss_func
         return forward_step
