@@ -8,6 +8,8 @@ Choices:
 - ``RMSNorm(config, hidden_size, eps)`` has the keyword contract megatron uses for every norm slot (input, pre-MLP,
   q/k, final). Its weight carries ``sequence_parallel`` so megatron all-reduces the weight grad over the
   tensor-parallel group when sequence parallelism splits the tokens; megatron's own torch norm refuses that layout.
+- On CUDA with Triton installed, forward and backward are one Triton kernel each (``_rmsnorm_triton.py``: fp32 math,
+  the same two roundings, the weight grad reduced in fp32); the torch code below is the CPU path and the reference.
 - ``config.layernorm_zero_centered_gamma`` stores ``weight - 1`` (initialised at zero) and applies ``1 + weight``.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from loongforge_hf.kernels._triton import use_triton
 from loongforge_hf.xpu import get_backend
 
 
@@ -27,15 +30,28 @@ def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
+        ctx.zero_centered_gamma = zero_centered_gamma
+        ctx.triton = use_triton(x)
+        if ctx.triton:
+            from loongforge_hf.kernels import _rmsnorm_triton
+
+            y, rstd = _rmsnorm_triton.forward(x, weight, eps, zero_centered_gamma)
+            ctx.save_for_backward(x, weight, rstd)
+            return y
         normed, rstd = _normalize(x, eps)
         gamma = weight + 1 if zero_centered_gamma else weight
         ctx.save_for_backward(x, weight, rstd)
-        ctx.zero_centered_gamma = zero_centered_gamma
         return gamma * normed.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
+        if ctx.triton:
+            from loongforge_hf.kernels import _rmsnorm_triton
+
+            grad_x, grad_weight = _rmsnorm_triton.backward(grad_out, x, weight, rstd, ctx.zero_centered_gamma,
+                                                           ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            return grad_x, grad_weight, None, None
         normed = x.to(torch.float32) * rstd
         grad_x = grad_weight = None
         if ctx.needs_input_grad[1]:

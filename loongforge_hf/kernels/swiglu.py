@@ -4,6 +4,8 @@ Choices:
 - The forward is HF's ``act_fn(gate_proj(x)) * up_proj(x)`` in the input dtype, so bf16 results round where HF's do.
 - A ``torch.autograd.Function`` keeps only the fc1 output for the backward (autograd would keep gate, up and
   silu(gate)) and recomputes the sigmoid in fp32 there.
+- On CUDA with Triton installed, forward and backward are one Triton kernel each (``_swiglu_triton.py``, same
+  numerics); the torch code below is the CPU path and the reference.
 - ``SwiGLU(config)`` fills megatron's ``MLPSubmodules.activation_func`` slot. megatron-core 0.16 builds that slot only
   when ``config.use_te_activation_func`` is True (transformer/mlp.py, MLP.__init__) and then calls it on the whole fc1
   output; otherwise megatron applies ``config.activation_func`` (silu) to the gate itself: the same math.
@@ -14,17 +16,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loongforge_hf.kernels._triton import use_triton
+
 
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
         ctx.save_for_backward(x)
+        ctx.triton = use_triton(x)
+        if ctx.triton:
+            from loongforge_hf.kernels import _swiglu_triton
+
+            return _swiglu_triton.forward(x)
+        gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
+        if ctx.triton:
+            from loongforge_hf.kernels import _swiglu_triton
+
+            return _swiglu_triton.backward(grad_out, x)
         gate, up = x.to(torch.float32).chunk(2, dim=-1)
         grad = grad_out.to(torch.float32)
         sig = torch.sigmoid(gate)

@@ -1,0 +1,103 @@
+"""Triton RMSNorm forward and backward with the numerics of ``rmsnorm._RMSNormFunction`` (HF's).
+
+One program normalises whole rows (the row fits one block). The backward gives each program a contiguous run of
+rows and accumulates its share of the weight gradient in fp32 registers; the per-program partial sums
+(``[programs, N]`` fp32) are added up by torch afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loongforge_hf.kernels._triton import row_programs
+
+
+@triton.jit
+def _gamma(W, cols, mask, ZERO_CENTERED: tl.constexpr):
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    if ZERO_CENTERED:
+        w = (w.to(tl.float32) + 1.0).to(W.dtype.element_ty)   # NOTE: `weight + 1` rounds in the weight dtype
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    normed = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
+    y = _gamma(W, cols, mask, ZERO_CENTERED) * normed
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, M, N, ROWS_PER_PROGRAM: tl.constexpr,
+                  ZERO_CENTERED: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    gamma = _gamma(W, cols, mask, ZERO_CENTERED)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    first = pid.to(tl.int64) * ROWS_PER_PROGRAM
+    for i in range(0, ROWS_PER_PROGRAM):
+        row = first + i
+        live = mask & (row < M)
+        x = tl.load(X + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
+        normed = x * rstd
+        if NEED_DW:
+            # NOTE: the forward multiplies by the rounded normalised input, so the weight grad uses it too.
+            dw += dy * normed.to(X.dtype.element_ty).to(tl.float32)
+        if NEED_DX:
+            grad_normed = dy * gamma
+            dot = tl.sum(grad_normed * normed, axis=0) / N
+            dx = rstd * (grad_normed - normed * dot)
+            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=live)
+    if NEED_DW:
+        tl.store(DW + pid * N + cols, dw, mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]) if t.stride(-1) == 1 else t.contiguous().reshape(-1, t.shape[-1])
+
+
+def _block(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
+    """(output shaped like ``x`` in ``promote(x, weight)`` dtype, rstd ``[rows]`` fp32)."""
+    x2 = _rows(x)
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _rms_norm_fwd[(m,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n, eps, ZERO_CENTERED=zero_centered_gamma,
+                            BLOCK=_block(n))
+    return y.reshape(x.shape), rstd
+
+
+def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+             zero_centered_gamma: bool, need_dx: bool, need_dw: bool):
+    x2, dy = _rows(x), _rows(grad_out)
+    m, n = x2.shape
+    programs = row_programs(m, x.device)
+    per_program = triton.cdiv(max(m, 1), programs)
+    dx = torch.empty_like(x2) if need_dx else None
+    partial = torch.empty((programs, n), dtype=torch.float32, device=x.device) if need_dw else None
+    if m:
+        _rms_norm_bwd[(programs,)](dy, x2, weight, rstd, dx if need_dx else x2, partial if need_dw else rstd,
+                                   dy.stride(0), x2.stride(0), dx.stride(0) if need_dx else 0, m, n,
+                                   ROWS_PER_PROGRAM=per_program,
+                                   ZERO_CENTERED=zero_centered_gamma, NEED_DX=need_dx, NEED_DW=need_dw,
+                                   BLOCK=_block(n))
+    grad_w = None
+    if need_dw:
+        grad_w = (partial.sum(0) if m else torch.zeros(n, dtype=torch.float32, device=x.device)).to(weight.dtype)
+    return (dx.reshape(x.shape) if need_dx else None), grad_w

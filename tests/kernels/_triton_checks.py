@@ -1,0 +1,71 @@
+"""The Triton kernels against their torch paths (the reference), run on one device: CUDA in the ``gpu`` tests, the CPU
+under ``TRITON_INTERPRET=1`` in test_triton_interpret.py. ``LOONGFORGE_TRITON`` switches between the two paths.
+
+Tolerances: fp32 1e-5; bf16 / fp16 three rounding steps of the output dtype (rtol 2.4e-2 bf16, 3e-3 fp16): the
+kernels use fp32 math like the torch paths, but their fp32 reductions and ``exp`` round differently in the last bit,
+which can flip either of the two roundings to 16 bits that HF's RMSNorm and SwiGLU make (the normalised input or
+``silu(gate)``, then the product), and a flipped first rounding moves the product by one more step.
+"""
+
+import os
+
+import torch
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2.4e-2), torch.float16: (2e-3, 3e-3)}
+
+
+def _both_paths(fn, tensors, grad):
+    out = []
+    for flag in ("1", "0"):
+        os.environ["LOONGFORGE_TRITON"] = flag
+        try:
+            leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in tensors]
+            y = fn(*leaves)
+            y.backward(grad)
+            out.append([y.detach()] + [t.grad for t in leaves if t.requires_grad])
+        finally:
+            os.environ.pop("LOONGFORGE_TRITON", None)
+    return out
+
+
+def _compare(name, fn, tensors, grad, dtype):
+    atol, rtol = TOL[dtype]
+    tri, ref = _both_paths(fn, tensors, grad)
+    assert len(tri) == len(ref)
+    for i, (a, b) in enumerate(zip(tri, ref)):
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, i, a.dtype, b.dtype, a.shape, b.shape)
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol, msg=lambda m: f"{name}[{i}]: {m}")
+
+
+def check_all(device: str, dtypes=(torch.float32, torch.bfloat16, torch.float16), big: bool = False) -> list[str]:
+    from loongforge_hf.kernels.rmsnorm import rms_norm
+    from loongforge_hf.kernels.swiglu import swiglu
+
+    g = torch.Generator().manual_seed(0)
+    checked = []
+    norm_shapes = [(3, 7, 41), (5, 41), (2, 1, 3, 17)] + ([(4, 1000, 1024), (2048, 4, 128)] if big else [])
+    glu_shapes = [(3, 7, 82), (5, 2 * 1100), (2, 1, 3, 34)] + ([(2, 1024, 2 * 3072)] if big else [])
+    for dtype in dtypes:
+        for shape in norm_shapes:
+            for zero_centered in (False, True):
+                x = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+                w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(device)
+                dy = torch.randn(shape, generator=g).to(dtype).to(device)
+                name = f"rms_norm{shape}{dtype}zc={zero_centered}"
+                _compare(name, lambda x, w: rms_norm(x, w, 1e-6, zero_centered_gamma=zero_centered), [x, w], dy,
+                         dtype)
+                checked.append(name)
+            # q/k norm: a strided view of heads split off a fused projection
+            qkv = (torch.randn(shape[:-1] + (3 * shape[-1],), generator=g) * 3).to(dtype).to(device)
+            w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(device)
+            dy = torch.randn(shape, generator=g).to(dtype).to(device)
+            name = f"rms_norm_view{shape}{dtype}"
+            _compare(name, lambda qkv, w: rms_norm(qkv[..., shape[-1]:2 * shape[-1]], w, 1e-6), [qkv, w], dy, dtype)
+            checked.append(name)
+        for shape in glu_shapes:
+            x = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+            dy = torch.randn(shape[:-1] + (shape[-1] // 2,), generator=g).to(dtype).to(device)
+            name = f"swiglu{shape}{dtype}"
+            _compare(name, swiglu, [x], dy, dtype)
+            checked.append(name)
+    return checked
