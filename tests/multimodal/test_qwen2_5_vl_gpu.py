@@ -1,0 +1,67 @@
+"""Qwen2.5-VL on the CUDA path (varlen flash attention in the ViT under bf16, SDPA in the language model), against
+transformers on the same GPU: images + videos in fp32 (logits, loss, vision gradients) and bf16 (loss), and
+MegatronEngine steps on packed batches against the same steps on padded batches."""
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _run(folder: str, out_dir: str) -> dict:
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    from ._vl_features import collator, hand_features, packing_features
+    from ._vl_parity import vision_grads
+
+    result = {}
+    batch = {k: v.cuda() for k, v in collator(folder, pad_to_multiple_of=4)(hand_features(folder)).items()}
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype,
+                                                                              attn_implementation="sdpa").cuda()
+        exp = ref(**batch)
+        exp.loss.backward()
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype)
+        out = model(**batch)
+        out.loss.backward()
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        result[name] = {"device": str(model.device), "loss": out.loss.item(), "ref_loss": exp.loss.item()}
+        if dtype == torch.float32:
+            ref_grads = {n[len("model.visual."):]: p.grad for n, p in ref.named_parameters()
+                         if n.startswith("model.visual.")}
+            grads = vision_grads(model)
+            valid = batch["attention_mask"].bool()
+            result[name].update(logit_diff=(out.logits - exp.logits).abs()[valid].max().item(),
+                                grad_diff=max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads))
+        del ref, model
+    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-3, weight_decay=0.0, max_grad_norm=1.0,
+                                          report_to=[])
+    features = packing_features(folder)
+    for name, kwargs in (("padded", {}), ("packed", {"packing": True, "max_length": 60})):
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+        engine = MegatronEngine(model, args=args)
+        step_batch = collator(folder, **kwargs)(features)
+        result[name] = [engine.train_step([step_batch]).loss for _ in range(3)]
+        del engine, model
+    return result
+
+
+def test_cuda_videos_packing_and_training_match(tmp_path):
+    from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
+
+    folder = make_tiny_qwen2_5_vl(tmp_path / "src")
+    [r] = run_distributed(_run, 1, str(folder), str(tmp_path / "out"), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
+    assert r["fp32"]["device"].startswith("cuda"), r
+    # fp32 on the same GPU: summation order (and TF32 off by default) only
+    assert r["fp32"]["logit_diff"] < 1e-3 and r["fp32"]["grad_diff"] < 1e-3, r
+    assert abs(r["fp32"]["loss"] - r["fp32"]["ref_loss"]) < 1e-4, r
+    # bf16: flash varlen in the ViT vs transformers' kernels, bf16 rounding throughout
+    assert abs(r["bf16"]["loss"] - r["bf16"]["ref_loss"]) < 3e-2, r
+    assert r["packed"] == pytest.approx(r["padded"], rel=1e-4), r
+    assert r["packed"][-1] < r["packed"][0], r
