@@ -175,6 +175,38 @@ def test_mrope_positions_match_transformers():
                            spatial_merge_size=2)
 
 
+def test_mrope_positions_with_videos_match_transformers():
+    """Images and videos mixed, with and without second_per_grid_ts, left padding; and packed rows (document ids)
+    give each document the positions it gets alone."""
+    from loongforge_hf.multimodal.positions import mrope_position_ids
+
+    model = _hf_vl_model()
+    img, vid = model.config.image_token_id, model.config.video_token_id
+    ids = torch.tensor([[5, 200, img, img, 201, 200] + [vid] * 8 + [201, 6, 7, 8],
+                        [0, 0, 200] + [vid] * 12 + [201, 7, 8],
+                        [200] + [vid] * 4 + [201, 9, 200, img, img, img, img, img, img, 201, 10, 11, 12]])
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kinds = (ids == img).long() + 2 * (ids == vid).long()
+    images = torch.tensor([[1, 2, 4], [1, 4, 6]])
+    videos = torch.tensor([[2, 4, 4], [3, 4, 4], [2, 2, 4]])
+    for seconds in (None, torch.tensor([0.5, 1.5, 2.0])):
+        ref, _ = model.get_rope_index(ids, kinds, images, videos, second_per_grid_ts=seconds, attention_mask=mask)
+        ours = mrope_position_ids(ids, image_grid_thw=images, video_grid_thw=videos, second_per_grid_ts=seconds,
+                                  attention_mask=mask, image_token_id=img, video_token_id=vid, spatial_merge_size=2,
+                                  tokens_per_second=model.config.vision_config.tokens_per_second)
+        assert torch.equal(ours, ref), seconds
+    # rows 0 and 2 packed into one row: each keeps its own positions
+    packed = torch.cat([ids[0], ids[2]])[None]
+    docs = torch.cat([torch.zeros(ids.shape[1]), torch.ones(ids.shape[1])]).long()[None]
+    seconds = torch.tensor([0.5, 2.0])
+    got = mrope_position_ids(packed, image_grid_thw=images, video_grid_thw=videos[[0, 2]], second_per_grid_ts=seconds,
+                             image_token_id=img, video_token_id=vid, spatial_merge_size=2, document_ids=docs,
+                             tokens_per_second=model.config.vision_config.tokens_per_second)
+    alone, _ = model.get_rope_index(ids[[0, 2]], kinds[[0, 2]], images, videos[[0, 2]], second_per_grid_ts=seconds)
+    assert torch.equal(got[:, 0], torch.cat([alone[:, 0], alone[:, 1]], dim=-1))
+
+
 def test_vision_layout_matches_transformers():
     from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
 
