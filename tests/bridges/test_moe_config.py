@@ -123,3 +123,73 @@ def test_rope_row_interleave_round_trip():
     assert torch.equal(T.deinterleave_rope_rows(inter, block=10, rope_dim=4), w)
     with pytest.raises(ValueError, match="rope_dim"):
         T.interleave_rope_rows(w, block=10, rope_dim=3)
+
+
+class _DictReader:
+    """A CheckpointReader over a dict of tensors (what the mappings call)."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def dtype(self, name):
+        return self.tensors[name].dtype
+
+    def get(self, name):
+        return self.tensors[name].clone()
+
+    def get_slice(self, name, *, dim, start, stop, out=None):
+        part = self.tensors[name].narrow(dim, start, stop - start)
+        if out is None:
+            return part.clone()
+        out.copy_(part)
+        return out
+
+
+def test_stacked_expert_mapping_reads_owned_experts_and_exports_one_at_a_time():
+    """The grouped expert MLP's stack on EP rank 1 of 2, ETP rank 1 of 2: experts 2 and 3 of 4, each [gate_r; up_r];
+    ``bind`` names one expert's HF tensors and its slice of the stack, whose export gives back those tensors."""
+    from loongforge_hf.bridges.moe import StackedExpert
+
+    fc1 = StackedExpert(GatedMLP("unused.{expert}", gate="model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+                                 up="model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"),
+                        "decoder.layers.{layer}.mlp.experts.linear_fc1.weight", 4)
+    assert fc1.megatron == "decoder.layers.{layer}.mlp.experts.linear_fc1.weight" and fc1.tp_split == "column"
+    g = torch.Generator().manual_seed(0)
+    hf = {f"model.layers.2.mlp.experts.{e}.{p}.weight": torch.randn(6, 5, generator=g)
+          for e in range(4) for p in ("gate_proj", "up_proj")}
+    ctx = ShardContext(tp_rank=0, tp_size=1, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=10,
+                       padded_vocab=256, ep_rank=1, ep_size=2, etp_rank=1, etp_size=2)
+    stack = fc1.load(_DictReader(hf), ctx, 2)
+    assert tuple(stack.shape) == (2, 6, 5)
+    for local, e in enumerate((2, 3)):
+        gate, up = (hf[f"model.layers.2.mlp.experts.{e}.{p}.weight"] for p in ("gate_proj", "up_proj"))
+        assert torch.equal(stack[local], torch.cat([gate[3:], up[3:]]))
+    one = fc1.bind(global_expert=3, local_expert=1)
+    assert one.megatron == fc1.megatron and one.tp_split == "column"
+    assert one.hf_names(2) == ["model.layers.2.mlp.experts.3.gate_proj.weight",
+                               "model.layers.2.mlp.experts.3.up_proj.weight"]
+    other_rank = torch.cat([hf["model.layers.2.mlp.experts.3.gate_proj.weight"][:3],
+                            hf["model.layers.2.mlp.experts.3.up_proj.weight"][:3]])
+    back = one.export([other_rank, one.local_part(stack)], ctx.for_experts(), 2)
+    assert all(torch.equal(back[n], hf[n]) for n in one.hf_names(2))
+
+
+def test_grouped_experts_switch(monkeypatch):
+    from loongforge_hf.bridges.moe import GROUPED_GEMM_ENV, StackedExpert
+
+    monkeypatch.delenv(GROUPED_GEMM_ENV, raising=False)
+    grouped = bridge("qwen3_moe")
+    assert grouped.grouped_experts
+    assert sum(isinstance(m, StackedExpert) for m in grouped.moe_mappings()) == 2
+    monkeypatch.setenv(GROUPED_GEMM_ENV, "0")
+    sequential = bridge("qwen3_moe")
+    assert not sequential.grouped_experts
+    routed = [m for m in sequential.moe_mappings() if isinstance(m, Expert)]
+    assert len(routed) == 2 and not any(isinstance(m, StackedExpert) for m in routed)
+    assert "local_experts.{expert}" in routed[0].megatron
+    monkeypatch.setenv(GROUPED_GEMM_ENV, "maybe")
+    with pytest.raises(ValueError, match=GROUPED_GEMM_ENV):
+        bridge("qwen3_moe")
