@@ -190,7 +190,8 @@ class AutoModelForCausalLM:
                         cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
                         token: str | None = None, trust_remote_code: bool = False,
                         allow_pickle: bool = False, seed: int = 1234,
-                        megatron_config: dict | None = None, **unused: Any) -> LoongModelForCausalLM:
+                        megatron_config: dict | None = None, fp8: str | None = None, fp8_recipe: str | None = None,
+                        **unused: Any) -> LoongModelForCausalLM:
         # NOTE: megatron_config: extra megatron-core TransformerConfig fields (see bridges/builder.py), e.g.
         # {"overlap_moe_expert_parallel_comm": True}; docs/parallelism.md lists the ones that run without TE.
         from transformers import AutoConfig
@@ -204,6 +205,10 @@ class AutoModelForCausalLM:
 
         if unused:
             raise TypeError(f"from_pretrained got unexpected keyword arguments: {sorted(unused)}.")
+        if fp8 is not None:  # NOTE: FP8 linear layers, see docs/fp8.md
+            from loongforge_hf.kernels.fp8_linear import check_fp8_request, enable_fp8
+
+            check_fp8_request(fp8)
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them.")
         sizes = dict(zip(PARALLEL_KWARGS, (tensor_parallel_size, pipeline_parallel_size,
@@ -239,6 +244,8 @@ class AutoModelForCausalLM:
             megatron_model = build_megatron_model(bridge, layout, dtype=param_dtype, megatron_config=megatron_config)
             load_into(megatron_model, bridge, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
                       tp_size=ps.get_tensor_model_parallel_world_size())
+            if fp8 is not None:
+                megatron_model.fp8 = enable_fp8(megatron_model.chunks, fp8, recipe=fp8_recipe)
         finally:
             reader.close()
         hf_config.dtype = param_dtype

@@ -22,6 +22,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader
 from loongforge_hf.bridges.mappings import Expert, Mapping, ShardContext, VocabParallel
 
 
@@ -125,6 +126,7 @@ def _fill(tensor: torch.Tensor, value: torch.Tensor) -> None:
 def load_into(model, bridge, reader, *, tp_rank: int, tp_size: int, ep_rank: int | None = None,
               ep_size: int | None = None, etp_rank: int | None = None, etp_size: int | None = None) -> None:
     """Copy checkpoint slices into every parameter of ``model.chunks`` (expert ranks default to megatron's state)."""
+    reader = dequantizing_reader(reader)  # FP8 block-scaled checkpoints read back dequantised (fp8_checkpoint.py)
     reader.validate_shapes(bridge.expected_hf_shapes())
     state = expert_parallel_state()
     given = {"ep_rank": ep_rank, "ep_size": ep_size, "etp_rank": etp_rank, "etp_size": etp_size}

@@ -1,0 +1,376 @@
+"""FP8 (e4m3) quantisation and scaled GEMMs: the numeric core of FP8 training, without Transformer Engine.
+
+Choices:
+- One format, ``float8_e4m3fn`` (largest finite value 448), for activations, weights and gradients alike.
+- Scales are decoding factors in fp32: ``x ~= q * scale``, ``scale = amax / 448`` over a scaling group (an all-zero
+  group gets scale 1). Quantising divides by the scale and clamps to +-448, so nothing overflows to NaN.
+- Three scaling groups, named by how the operand is cut along its contraction dimension K:
+  ``tiles`` (1x128: one scale per row and 128 consecutive K values, activations and gradients), ``blocks``
+  (128x128: weights, as DeepSeek-V3 stores them) and ``rows`` (one scale per row, the row-wise fallback). A partial
+  last tile or block is scaled by its own amax (the missing values count as zeros).
+- A quantised operand (``Quantized``) is always ``[rows, K]`` row-major with K the contraction dimension, so
+  ``scaled_matmul(a, b)`` computes ``a @ b.T`` whatever the recipe; the GEMM's column-major second operand is then a
+  free ``.t()`` view.
+- GEMMs go through ``torch.nn.functional.scaled_mm`` (``BlockWise1x128`` x ``BlockWise128x128`` or
+  ``BlockWise1x128`` x ``BlockWise1x128``, or ``RowWise``), output bf16. Block-wise scaling needs a CUDA build of
+  torch that implements it on the GPU in use (cuBLAS on SM90+); ``blockwise_supported`` probes that once, checking the
+  result against the dequantised product. Off CUDA, row-wise runs torch's CPU kernel and block-wise is emulated
+  (dequantise, fp32 matmul): the same numbers up to accumulation order, so the recipes are testable on CPU.
+- Non-finite values cannot be scaled: ``check_finite=True`` (the default of the public functions) raises
+  ``Fp8Error`` naming the operand. It costs a device sync, so the training path (``fp8_linear``) turns it off: there a
+  NaN/inf input gives a NaN output, which the loss check of the training loop reports.
+- On CUDA, tiles and blocks are quantised by Triton kernels (one read, one fp8 write, scales written in the layout
+  the GEMM wants); the torch expressions below are the reference and the path everywhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+try:  # NOTE: triton is optional; without it (or off CUDA) the torch path quantises.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GROUP = 128
+KINDS = ("tiles", "blocks", "rows")
+
+
+class Fp8Error(ValueError):
+    """A tensor that cannot be quantised to FP8 (inf/NaN) or a GEMM the FP8 path cannot run; the message says which."""
+
+
+class Quantized(NamedTuple):
+    """An FP8 operand ``[rows, K]`` (row-major, K the contraction dimension) and its fp32 decoding scales:
+    tiles ``[rows, ceil(K/128)]``, blocks ``[ceil(rows/128), ceil(K/128)]``, rows ``[rows, 1]``."""
+    data: torch.Tensor
+    scale: torch.Tensor
+    kind: str
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Decoding scales ``amax / 448`` (fp32); 1 where a group is all zeros; NaN/inf stay as they are."""
+    amax = amax.float()
+    return torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+
+
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` saturated to +-448 and rounded to e4m3 (``scale`` broadcasts against ``x``)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _check(scale: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(scale).all()):
+        raise Fp8Error(f"{what}: the tensor holds inf or NaN values, which FP8 cannot scale.")
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+# ---- Triton kernels -------------------------------------------------------------------------------------------------
+if triton is not None:
+    @triton.jit
+    def _tiles_kernel(x_ptr, q_ptr, s_ptr, rows, cols, out_cols, stride_xr, stride_xc, stride_sr, stride_st,
+                      BLOCK_R: tl.constexpr, TILE: tl.constexpr, FMAX: tl.constexpr):
+        pid_r = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = pid_t * TILE + tl.arange(0, TILE)
+        load = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
+        a = tl.where(x == x, tl.abs(x), float("inf"))  # NOTE: a NaN makes the tile's scale inf, caught by _check
+        amax = tl.max(a, axis=1)
+        scale = tl.where(amax == 0, 1.0, amax / FMAX)
+        q = tl.clamp(x / scale[:, None], -FMAX, FMAX)
+        store = (r[:, None] < rows) & (c[None, :] < out_cols)
+        tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
+        tl.store(s_ptr + r * stride_sr + pid_t * stride_st, scale, mask=r < rows)
+
+    @triton.jit
+    def _blocks_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_xr, stride_xc, s_cols,
+                       BLOCK: tl.constexpr, FMAX: tl.constexpr):
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        r = pid_r * BLOCK + tl.arange(0, BLOCK)
+        c = pid_c * BLOCK + tl.arange(0, BLOCK)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        a = tl.where(x == x, tl.abs(x), float("inf"))
+        amax = tl.max(tl.max(a, axis=1), axis=0)
+        scale = tl.where(amax == 0, 1.0, amax / FMAX)
+        q = tl.clamp(x / scale, -FMAX, FMAX)
+        tl.store(q_ptr + r[:, None] * cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + pid_r * s_cols + pid_c, scale)
+
+
+def _tiles_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    tiles = _ceil(out_cols, GROUP)
+    q = torch.empty(rows, out_cols, dtype=FP8_DTYPE, device=x.device)
+    # NOTE: scales are written K-tile-major, i.e. the ``[rows, tiles]`` view has strides (1, rows): the layout
+    # scaled_mm wants for a 1x128-scaled operand, with no copy afterwards.
+    s = torch.empty(tiles, rows, dtype=torch.float32, device=x.device)
+    block_r = 32
+    _tiles_kernel[(_ceil(rows, block_r), tiles)](x, q, s, rows, cols, out_cols, x.stride(0), x.stride(1), 1, rows,
+                                                 BLOCK_R=block_r, TILE=GROUP, FMAX=FP8_MAX)
+    return q, s.t()
+
+
+def _blocks_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = w.shape
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(_ceil(rows, GROUP), _ceil(cols, GROUP), dtype=torch.float32, device=w.device)
+    _blocks_kernel[s.shape](w, q, s, rows, cols, w.stride(0), w.stride(1), s.shape[1], BLOCK=GROUP, FMAX=FP8_MAX)
+    return q, s
+
+
+# ---- quantisation ---------------------------------------------------------------------------------------------------
+def _as_matrix(x: torch.Tensor, fn: str) -> None:
+    if x.dim() != 2:
+        raise Fp8Error(f"{fn}: expects a 2-D tensor [rows, K], got shape {tuple(x.shape)}.")
+    if not x.is_floating_point() or x.dtype == FP8_DTYPE:
+        raise Fp8Error(f"{fn}: expects a floating-point tensor to quantise, got {x.dtype}.")
+
+
+def quantize_tiles(x: torch.Tensor, *, pad_to: int = 1, check_finite: bool = True) -> Quantized:
+    """1x128 scaling along the last dimension of 2-D ``x`` (any strides: a transposed view is read as is).
+    ``pad_to`` rounds K up with zeros (a GEMM contracting over K wants a multiple of 128)."""
+    _as_matrix(x, "quantize_tiles")
+    rows, cols = x.shape
+    out_cols = _ceil(cols, pad_to) * pad_to
+    if _use_triton(x) and rows and cols:
+        q, s = _tiles_triton(x, out_cols)
+    else:
+        tiles = _ceil(out_cols, GROUP)
+        xp = F.pad(x.float(), (0, tiles * GROUP - cols)).view(rows, tiles, GROUP)
+        s = scales_from_amax(xp.abs().amax(-1))
+        q = cast_to_fp8(xp, s[..., None]).view(rows, tiles * GROUP)[:, :out_cols].contiguous()
+    if check_finite:
+        _check(s, "quantize_tiles")
+    return Quantized(q, s, "tiles")
+
+
+def quantize_blocks(w: torch.Tensor, *, check_finite: bool = True) -> Quantized:
+    """128x128 block scaling of 2-D ``w`` (a weight ``[out, in]``)."""
+    _as_matrix(w, "quantize_blocks")
+    rows, cols = w.shape
+    if _use_triton(w) and rows and cols:
+        q, s = _blocks_triton(w)
+    else:
+        nr, nc = _ceil(rows, GROUP), _ceil(cols, GROUP)
+        wp = F.pad(w.float(), (0, nc * GROUP - cols, 0, nr * GROUP - rows)).view(nr, GROUP, nc, GROUP)
+        s = scales_from_amax(wp.abs().amax(dim=(1, 3)))
+        q = cast_to_fp8(wp, s[:, None, :, None]).view(nr * GROUP, nc * GROUP)[:rows, :cols].contiguous()
+    if check_finite:
+        _check(s, "quantize_blocks")
+    return Quantized(q, s, "blocks")
+
+
+def quantize_rows(x: torch.Tensor, *, pad_to: int = 1, check_finite: bool = True) -> Quantized:
+    """One scale per row of 2-D ``x``; ``pad_to`` rounds the last dimension up with zeros."""
+    _as_matrix(x, "quantize_rows")
+    rows, cols = x.shape
+    xf = F.pad(x.float(), (0, _ceil(cols, pad_to) * pad_to - cols))
+    s = scales_from_amax(xf.abs().amax(-1, keepdim=True)) if cols else torch.ones(rows, 1, device=x.device)
+    if check_finite:
+        _check(s, "quantize_rows")
+    return Quantized(cast_to_fp8(xf, s), s, "rows")
+
+
+def quantize(x: torch.Tensor, kind: str, *, pad_to: int = 1, check_finite: bool = True) -> Quantized:
+    if kind == "tiles":
+        return quantize_tiles(x, pad_to=pad_to, check_finite=check_finite)
+    if kind == "rows":
+        return quantize_rows(x, pad_to=pad_to, check_finite=check_finite)
+    if kind == "blocks":
+        return quantize_blocks(x, check_finite=check_finite)
+    raise Fp8Error(f"quantize: unknown scaling {kind!r}; use one of {KINDS}.")
+
+
+def expand_scale(q: Quantized) -> torch.Tensor:
+    """The scale of every element of ``q.data`` (fp32, same shape)."""
+    rows, cols = q.data.shape
+    if q.kind == "rows":
+        return q.scale.expand(rows, cols)
+    s = q.scale.repeat_interleave(GROUP, dim=1)[:, :cols]
+    return s.repeat_interleave(GROUP, dim=0)[:rows] if q.kind == "blocks" else s
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale``, element by element, in fp32, returned as ``dtype``."""
+    return (q.data.float() * expand_scale(q)).to(dtype)
+
+
+def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A 128x128 block-scaled FP8 tensor (DeepSeek-V3's ``weight`` and ``weight_scale_inv``) in ``dtype``."""
+    want = (_ceil(data.shape[0], GROUP), _ceil(data.shape[1], GROUP))
+    if data.dim() != 2 or tuple(scale.shape) != want:
+        raise Fp8Error(f"dequantize_blocks: an FP8 tensor of shape {tuple(data.shape)} needs 128x128 block scales "
+                       f"of shape {want}, got {tuple(scale.shape)}.")
+    return dequantize(Quantized(data, scale.float(), "blocks"), dtype)
+
+
+def transpose_blocks(q: Quantized) -> Quantized:
+    """The block-scaled transpose: blocks are square, so data and scales just transpose."""
+    if q.kind != "blocks":
+        raise Fp8Error(f"transpose_blocks: only 128x128 blocks transpose exactly, got {q.kind}.")
+    return Quantized(q.data.t().contiguous(), q.scale.t().contiguous(), "blocks")
+
+
+# ---- GEMM -----------------------------------------------------------------------------------------------------------
+def _k_major(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` ([rows, K/128]) with strides (1, rows), as scaled_mm reads 1x128 scales."""
+    return scale.t().contiguous().t()
+
+
+def _scaled_mm_args(a: Quantized, b: Quantized):
+    from torch.nn.functional import ScalingType
+
+    if a.kind == "rows" and b.kind == "rows":
+        return a.scale.contiguous(), ScalingType.RowWise, b.scale.reshape(1, -1).contiguous(), ScalingType.RowWise
+    if a.kind != "tiles" or b.kind not in ("tiles", "blocks"):
+        raise Fp8Error(f"scaled_matmul: no FP8 GEMM for a {a.kind} x {b.kind} pair; use tiles x blocks, tiles x "
+                       "tiles or rows x rows.")
+    if b.kind == "tiles":
+        return _k_major(a.scale), ScalingType.BlockWise1x128, _k_major(b.scale), ScalingType.BlockWise1x128
+    k_blocks = b.scale.shape[1]
+    padded = torch.ones(b.scale.shape[0], _ceil(k_blocks, 4) * 4, dtype=torch.float32, device=b.scale.device)
+    padded[:, :k_blocks] = b.scale
+    return _k_major(a.scale), ScalingType.BlockWise1x128, padded.t(), ScalingType.BlockWise128x128
+
+
+def _check_gemm(a: Quantized, b: Quantized) -> None:
+    k = a.data.shape[1]
+    if b.data.shape[1] != k:
+        raise Fp8Error(f"scaled_matmul: contraction sizes differ ({tuple(a.data.shape)} x {tuple(b.data.shape)}.T).")
+    need = 16 if a.kind == "rows" else GROUP
+    n_need = GROUP if b.kind == "blocks" else 16
+    if k % need or b.data.shape[0] % n_need:
+        raise Fp8Error(f"scaled_matmul: {a.kind} x {b.kind} FP8 GEMM needs K % {need} == 0 and N % {n_need} == 0, "
+                       f"got K={k}, N={b.data.shape[0]}.")
+
+
+def scaled_matmul(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ b.T`` from two quantised operands (``[M, K]`` and ``[N, K]``), result ``[M, N]`` in ``out_dtype``."""
+    _check_gemm(a, b)
+    if a.data.is_cuda or a.kind == "rows":
+        scale_a, recipe_a, scale_b, recipe_b = _scaled_mm_args(a, b)
+        out = F.scaled_mm(a.data, b.data.t(), scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16)
+        return out.to(out_dtype)
+    # NOTE: block-wise scaled_mm has no CPU kernel; the dequantised product is the same sum in another order.
+    return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def blockwise_supported(device_index: int) -> bool:
+    """Whether this GPU and torch build run the block-wise FP8 GEMM and get the dequantised product (probed once)."""
+    device = torch.device("cuda", device_index)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(128, 256, device=device, generator=g)
+    w = torch.randn(256, 256, device=device, generator=g)
+    a, b = quantize_tiles(x), quantize_blocks(w)
+    try:
+        got = scaled_matmul(a, b, out_dtype=torch.float32)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    want = dequantize(a) @ dequantize(b).t()
+    return bool(((got - want).norm() / want.norm()) < 1e-2)
+
+
+# ---- the three GEMMs of a linear layer, and fp8_linear --------------------------------------------------------------
+RECIPES = ("blockwise", "rowwise")
+
+
+class GemmPrecision(NamedTuple):
+    """Which of a linear layer's GEMMs run in FP8 (the others run in the input's dtype)."""
+    fwd: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
+
+
+def check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise Fp8Error(f"FP8 recipe {recipe!r} is not supported; use one of {RECIPES}.")
+
+
+def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str) -> tuple[torch.Tensor, Quantized | None]:
+    """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``); also the quantised weight when dgrad can reuse it."""
+    if recipe == "blockwise":
+        wq = quantize_blocks(w, check_finite=False)
+        return scaled_matmul(quantize_tiles(x, check_finite=False), wq, out_dtype=x.dtype), wq
+    return scaled_matmul(quantize_rows(x, check_finite=False), quantize_rows(w, check_finite=False),
+                         out_dtype=x.dtype), None
+
+
+def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wq: Quantized | None = None) -> torch.Tensor:
+    """``dy @ w`` in FP8 (``dy`` ``[M, N]``, ``w`` ``[N, K]``): the input gradient."""
+    if recipe == "blockwise":
+        wt = transpose_blocks(wq if wq is not None else quantize_blocks(w, check_finite=False))
+        return scaled_matmul(quantize_tiles(dy, check_finite=False), wt, out_dtype=dy.dtype)
+    return scaled_matmul(quantize_rows(dy, check_finite=False), quantize_rows(w.t(), check_finite=False),
+                         out_dtype=dy.dtype)
+
+
+def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """``dy.T @ x`` in FP8 (``dy`` ``[M, N]``, ``x`` ``[M, K]``): the weight gradient, contracting over tokens,
+    which are zero-padded to the GEMM's multiple."""
+    kind, pad = ("tiles", GROUP) if recipe == "blockwise" else ("rows", 16)
+    a = quantize(dy.t(), kind, pad_to=pad, check_finite=False)
+    b = quantize(x.t(), kind, pad_to=pad, check_finite=False)
+    return scaled_matmul(a, b, out_dtype=dy.dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe, precision):
+        x2 = x.reshape(-1, x.shape[-1])
+        if precision.fwd:
+            y, wq = gemm_fwd(x2, weight, recipe)
+        else:
+            y, wq = x2 @ weight.t().to(x2.dtype), None
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(x2, weight)
+        ctx.wq = wq if precision.dgrad else None
+        ctx.recipe, ctx.precision, ctx.has_bias, ctx.x_shape = recipe, precision, bias is not None, x.shape
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, weight.shape[0])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wq) if ctx.precision.dgrad else dy2 @ weight.to(dy2.dtype)
+            dx = dx.view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            dw = (gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        ctx.wq = None
+        return dx, dw, db, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               recipe: str = "blockwise", precision: GemmPrecision = GemmPrecision()) -> torch.Tensor:
+    """``x @ weight.T + bias`` with the forward GEMM and both backward GEMMs (input and weight gradient) in FP8.
+
+    ``weight`` stays in its own (master) precision and is quantised on every call; the output and the gradients come
+    back in the input's / weight's dtype. Needs ``weight``'s dimensions to be multiples of 128 (``blockwise``) or 16
+    (``rowwise``). This is the hook a grouped-GEMM expert module calls per expert."""
+    check_recipe(recipe)
+    if x.shape[-1] != weight.shape[1]:
+        raise Fp8Error(f"fp8_linear: input of shape {tuple(x.shape)} does not match weight {tuple(weight.shape)}.")
+    return _Fp8Linear.apply(x, weight, bias, recipe, precision)

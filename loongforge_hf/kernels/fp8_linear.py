@@ -1,0 +1,426 @@
+"""FP8 for the linear layers of a built megatron model: ``enable_fp8(chunks, mode="on" | "adaptive")``.
+
+Choices:
+- Eligible layers are megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` whose name ends in one of
+  ``ELIGIBLE`` (attention qkv / output and MLA projections, MLP and expert fc1 / fc2, shared experts), and grouped
+  expert modules (``kernels.grouped_mlp.GroupedMLP``, whose ``forward`` is swapped, see ``Fp8GroupedExperts``). The
+  LM head (``output_layer``), embeddings, router and norms are other modules or other names and stay in their dtype. A
+  layer whose local weight dimensions are not multiples of the recipe's GEMM granule stays too (listed in the report).
+- The swap gives each eligible module an instance ``_forward_impl`` (the one method megatron's ``forward`` calls for
+  the GEMM; the class's stays untouched). It keeps megatron's semantics around the GEMM: sequence-parallel all-gather
+  of the input before it (again in the backward), reduce-scatter or all-reduce of the input gradient after it,
+  overlapped with the weight-gradient GEMM, and the weight gradient added into ``main_grad`` under
+  ``gradient_accumulation_fusion``. A LoRA-adapted layer (``lora_delta``) gets its adapter term added as its own class
+  would. Where every GEMM of a call is to stay in bf16, the class's own method runs.
+- ``mode="adaptive"`` times, for each distinct GEMM shape met (forward, input gradient, weight gradient), the bf16
+  GEMM against the FP8 one, quantisation included, on the GPU in use, the first time the shape is met, and runs FP8
+  only where it is faster. Decisions are cached in a JSON file keyed by GPU name, recipe, GEMM and shape
+  (``LOONGFORGE_HF_FP8_CACHE`` or ``cache_path``, default ``~/.cache/loongforge_hf/fp8_autotune.json``), reused
+  offline; each new decision is logged (logger ``loongforge_hf.fp8``) with the component (vision / language) and
+  module that met it, and ``Fp8Autotuner.table()`` prints them all.
+- Recipes: ``blockwise`` (1x128 activation / gradient tiles, 128x128 weight blocks; the default where the GPU runs it)
+  and ``rowwise`` (one scale per row / column). Only CUDA devices of compute capability 8.9+ are accepted: on any
+  other device ``enable_fp8`` raises instead of silently training in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, Fp8Error, GemmPrecision, blockwise_supported, check_recipe,
+                                       gemm_dgrad, gemm_fwd, gemm_wgrad, quantize_blocks)
+
+logger = logging.getLogger("loongforge_hf.fp8")
+
+MODES = ("on", "adaptive")
+ELIGIBLE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
+            "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+DEFAULT_CACHE = Path("~/.cache/loongforge_hf/fp8_autotune.json")
+ALL_FP8, NO_FP8 = GemmPrecision(True, True, True), GemmPrecision(False, False, False)
+
+
+def check_fp8_mode(fp8: str | None) -> None:
+    if fp8 is not None and fp8 not in MODES:
+        raise ValueError(f"fp8={fp8!r} is not supported; use None, 'on' or 'adaptive'.")
+
+
+def check_fp8_request(fp8: str | None) -> None:
+    """``from_pretrained(fp8=...)`` before anything is built: a known mode, and a CUDA backend to run it on."""
+    check_fp8_mode(fp8)
+    from loongforge_hf.xpu import get_backend
+
+    backend = get_backend().name
+    if fp8 is not None and backend != "cuda":
+        raise Fp8Error(f"fp8={fp8!r} needs a CUDA GPU with FP8 tensor cores; this process runs on the {backend!r} "
+                       "backend. Load with fp8=None here.")
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """FP8 GEMMs need a CUDA GPU with FP8 tensor cores (compute capability 8.9: Ada, Hopper and later)."""
+    if device.type != "cuda":
+        raise Fp8Error(f"fp8 training needs a CUDA GPU with FP8 tensor cores; the model is on {device}. Load it "
+                       "with fp8=None on this device.")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise Fp8Error(f"fp8 training needs compute capability 8.9 or newer; {torch.cuda.get_device_name(device)} "
+                       f"has {major}.{minor}.")
+
+
+def granule(recipe: str) -> int:
+    """What a weight's dimensions must be multiples of for the recipe's GEMMs."""
+    return GROUP if recipe == "blockwise" else 16
+
+
+# ---- adaptive decisions ---------------------------------------------------------------------------------------------
+def _time_ms(fn, *, warmup: int = 3, reps: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return min(times)
+
+
+def _gemm_pair(gemm: str, m: int, n: int, k: int, recipe: str, device: torch.device, dtype: torch.dtype):
+    """(bf16 callable, fp8 callable) computing one GEMM of a linear layer with output [m, n] and contraction k."""
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=g)
+
+    if gemm == "fwd":          # x [m, k] @ w[n, k].T
+        x, w = rand(m, k), rand(n, k)
+        return (lambda: x @ w.t()), (lambda: gemm_fwd(x, w, recipe))
+    if gemm == "dgrad":        # dy [m, k] @ w [k, n]   (the layer's weight is [k, n])
+        dy, w = rand(m, k), rand(k, n)
+        wq = quantize_blocks(w, check_finite=False) if recipe == "blockwise" else None
+        return (lambda: dy @ w), (lambda: gemm_dgrad(dy, w, recipe, wq))
+    dy, x = rand(k, m), rand(k, n)  # wgrad: dy.T [m, k] @ x [k, n]
+    return (lambda: dy.t() @ x), (lambda: gemm_wgrad(dy, x, recipe))
+
+
+@dataclass
+class Fp8Autotuner:
+    """bf16-or-FP8 per GEMM shape, timed once per GPU model and cached in a JSON file."""
+    recipe: str
+    cache_path: Path | None = None
+    entries: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_recipe(self.recipe)
+        path = self.cache_path or os.environ.get("LOONGFORGE_HF_FP8_CACHE") or DEFAULT_CACHE
+        self.cache_path = Path(path).expanduser()
+        if self.cache_path.is_file():
+            try:
+                data = json.loads(self.cache_path.read_text())
+                self.entries = dict(data["entries"]) if data.get("format") == 1 else {}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                logger.warning("fp8 autotune cache %s is unreadable (%s); timing again.", self.cache_path, err)
+                self.entries = {}
+
+    @staticmethod
+    def key(gpu: str, recipe: str, gemm: str, m: int, n: int, k: int) -> str:
+        return f"{gpu}|{recipe}|{gemm}|{m}x{n}x{k}"
+
+    def record(self, gpu: str, gemm: str, m: int, n: int, k: int, *, bf16_ms: float, fp8_ms: float) -> dict:
+        entry = {"gpu": gpu, "recipe": self.recipe, "gemm": gemm, "m": m, "n": n, "k": k,
+                 "bf16_ms": round(bf16_ms, 5), "fp8_ms": round(fp8_ms, 5), "fp8": fp8_ms < bf16_ms}
+        self.entries[self.key(gpu, self.recipe, gemm, m, n, k)] = entry
+        return entry
+
+    def lookup(self, gpu: str, gemm: str, m: int, n: int, k: int) -> dict | None:
+        return self.entries.get(self.key(gpu, self.recipe, gemm, m, n, k))
+
+    def save(self) -> None:
+        """Write the cache atomically (ranks of one node may share the file)."""
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.cache_path.parent, prefix=".fp8_autotune.", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": 1, "entries": self.entries}, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.cache_path)
+
+    def decide(self, gemm: str, m: int, n: int, k: int, *, device: torch.device, dtype: torch.dtype,
+               where: str) -> bool:
+        gpu = torch.cuda.get_device_name(device)
+        entry = self.lookup(gpu, gemm, m, n, k)
+        if entry is None:
+            bf16, fp8 = _gemm_pair(gemm, m, n, k, self.recipe, device, dtype)
+            with torch.no_grad():
+                entry = self.record(gpu, gemm, m, n, k, bf16_ms=_time_ms(bf16), fp8_ms=_time_ms(fp8))
+            self.save()
+        self.rows.append((where, gemm, f"{m}x{n}x{k}", entry["bf16_ms"], entry["fp8_ms"], entry["fp8"]))
+        logger.info("fp8 adaptive: %s %s %dx%dx%d bf16 %.4f ms fp8 %.4f ms -> %s", where, gemm, m, n, k,
+                    entry["bf16_ms"], entry["fp8_ms"], "fp8" if entry["fp8"] else "bf16")
+        return bool(entry["fp8"])
+
+    def table(self) -> str:
+        """Every decision made in this process: component/module, GEMM, shape (MxNxK), times, choice."""
+        lines = [f"{'module':<60} {'gemm':<6} {'MxNxK':<20} {'bf16 ms':>9} {'fp8 ms':>9}  choice"]
+        lines += [f"{w:<60} {g:<6} {s:<20} {b:>9.4f} {f:>9.4f}  {'fp8' if c else 'bf16'}"
+                  for w, g, s, b, f, c in self.rows]
+        return "\n".join(lines)
+
+
+# ---- the swapped GEMM -----------------------------------------------------------------------------------------------
+def _gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _Fp8ParallelLinear(torch.autograd.Function):
+    """megatron's linear with sequence-parallel / tensor-parallel communication around FP8 GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe, precision, sequence_parallel, allreduce_dgrad, group, accumulate):
+        total = _gather_tokens(x, group) if sequence_parallel else x
+        x2 = total.reshape(-1, total.shape[-1])
+        if precision.fwd:
+            y, wq = gemm_fwd(x2, weight, recipe)
+        else:
+            y, wq = x2 @ weight.t(), None
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(x, weight)
+        ctx.wq = wq if precision.dgrad else None
+        ctx.recipe, ctx.precision, ctx.has_bias = recipe, precision, bias is not None
+        ctx.sequence_parallel, ctx.allreduce_dgrad = sequence_parallel, allreduce_dgrad
+        ctx.group, ctx.accumulate = group, accumulate
+        return y.view(*total.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, weight.shape[0])
+        gather = None
+        if ctx.sequence_parallel and weight.requires_grad:
+            total = torch.empty((x.shape[0] * dist.get_world_size(ctx.group), *x.shape[1:]), dtype=x.dtype,
+                                device=x.device)
+            gather = dist.all_gather_into_tensor(total, x.contiguous(), group=ctx.group, async_op=True)
+        else:
+            total = x
+        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wq) if ctx.precision.dgrad else dy2 @ weight
+        dx = dx.view(*dy.shape[:-1], weight.shape[1])
+        ctx.wq = None
+        reduce = None
+        if ctx.sequence_parallel:
+            local = torch.empty_like(x)
+            reduce = dist.reduce_scatter_tensor(local, dx.contiguous(), group=ctx.group, async_op=True)
+            dx = local
+        elif ctx.allreduce_dgrad:
+            reduce = dist.all_reduce(dx, group=ctx.group, async_op=True)
+        dw = db = None
+        if weight.requires_grad:
+            if gather is not None:
+                gather.wait()
+            x2 = total.reshape(-1, total.shape[-1])
+            dw = gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2
+            if ctx.accumulate:
+                # NOTE: what megatron's gradient_accumulation_fusion does: the gradient goes straight into the fp32
+                # main_grad, and the autograd grad is a placeholder its DDP hook knows to skip.
+                weight.main_grad.add_(dw)
+                dw = None
+                if hasattr(weight, "grad_added_to_main_grad"):
+                    weight.grad_added_to_main_grad = True
+                    dw = torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) \
+                        else torch.empty_like(weight)
+            else:
+                dw = dw.to(weight.dtype)
+        if ctx.has_bias:
+            db = dy2.sum(0)
+        if reduce is not None:
+            reduce.wait()
+        return dx, dw, db, None, None, None, None, None, None
+
+
+@dataclass
+class Fp8Settings:
+    """What the swapped layers of one model share."""
+    mode: str
+    recipe: str
+    autotuner: Fp8Autotuner | None = None
+
+
+class Fp8ForwardImpl:
+    """The instance ``_forward_impl`` of one swapped megatron linear layer."""
+
+    def __init__(self, module, *, name: str, settings: Fp8Settings) -> None:
+        self.module_ref = module
+        self.name = name
+        self.component = "vision" if "vision" in name else "language"
+        self.settings = settings
+        self.decisions: dict[tuple[int, bool], GemmPrecision] = {}
+
+    def precision(self, tokens: int, weight: torch.Tensor) -> GemmPrecision:
+        s = self.settings
+        if s.mode == "on":
+            return ALL_FP8
+        key = (tokens, weight.requires_grad)
+        if key not in self.decisions:
+            n, k = weight.shape
+            where = f"{self.component}:{self.name}"
+            decide = s.autotuner.decide
+            kw = dict(device=weight.device, dtype=weight.dtype, where=where)
+            self.decisions[key] = GemmPrecision(
+                fwd=decide("fwd", tokens, n, k, **kw), dgrad=decide("dgrad", tokens, k, n, **kw),
+                wgrad=weight.requires_grad and decide("wgrad", n, k, tokens, **kw))
+        return self.decisions[key]
+
+    def __call__(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                 sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
+        module = self.module_ref
+        group = tp_group if tp_group is not None else getattr(module, "tp_group", None)
+        tokens = input.numel() // input.shape[-1] * (dist.get_world_size(group) if sequence_parallel else 1)
+        precision = self.precision(tokens, weight)
+        if precision == NO_FP8 or grad_output_buffer is not None:
+            return type(module)._forward_impl(
+                module, input, weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
+                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group)
+        accumulate = bool(gradient_accumulation_fusion and hasattr(weight, "main_grad"))
+        out = _Fp8ParallelLinear.apply(input, weight, bias, self.settings.recipe, precision, sequence_parallel,
+                                       allreduce_dgrad, group, accumulate)
+        if hasattr(module, "lora_delta"):
+            from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+            out = out + (module.lora_delta(input, sequence_parallel=sequence_parallel,
+                                           allreduce_dgrad=allreduce_dgrad)
+                         if isinstance(module, ColumnParallelLinear) else module.lora_delta(input))
+        return out
+
+
+class Fp8GroupedExperts:
+    """The instance ``forward`` of a grouped expert module (``kernels.grouped_mlp.GroupedMLP``): the same math per
+    expert (``swiglu(x @ W1.T)``, times the routing probability, ``@ W2.T``) with both projections in ``fp8_linear``.
+
+    NOTE: torch has no FP8 grouped GEMM with a block-scaled backward, so the experts run one after the other; whether
+    that beats the bf16 grouped GEMM depends on tokens per expert (benchmark it); ``adaptive`` leaves them in bf16.
+    """
+
+    def __init__(self, module, *, name: str, settings: Fp8Settings) -> None:
+        self.module_ref = module
+        self.name = name
+        self.settings = settings
+
+    def __call__(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        from loongforge_hf.kernels.fp8 import fp8_linear
+        from loongforge_hf.kernels.swiglu import swiglu
+
+        module = self.module_ref
+        x, probs = permuted_local_hidden_states, permuted_probs
+        if module.config.moe_apply_probs_on_input:
+            x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), None
+        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
+        fc1, fc2 = module.linear_fc1.weight, module.linear_fc2.weight
+        outs = []
+        for e, (t, p) in enumerate(zip(torch.split(x, [int(c) for c in counts]),
+                                       torch.split(probs, [int(c) for c in counts]) if probs is not None
+                                       else [None] * len(counts))):
+            act = swiglu(fp8_linear(t, fc1[e], recipe=self.settings.recipe))
+            if p is not None:
+                act = (act * p.unsqueeze(-1)).to(act.dtype)
+            outs.append(fp8_linear(act, fc2[e], recipe=self.settings.recipe))
+        return torch.cat(outs, dim=0), None
+
+
+def grouped_experts(chunks) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every grouped expert module (stacked ``linear_fc1`` / ``linear_fc2`` weights)."""
+    return [(f"{i}.{name}", m) for i, chunk in enumerate(chunks) for name, m in chunk.named_modules()
+            if type(m).__name__ == "GroupedMLP" and type(m).__module__ == "loongforge_hf.kernels.grouped_mlp"]
+
+
+# ---- the swap -------------------------------------------------------------------------------------------------------
+@dataclass
+class Fp8Report:
+    mode: str
+    recipe: str
+    swapped: list[str]
+    skipped: dict[str, str]
+    autotuner: Fp8Autotuner | None = None
+
+
+def eligible_linears(chunks) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every layer ``enable_fp8`` would swap, over all chunks (names prefixed by chunk index)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    found = []
+    for i, chunk in enumerate(chunks):
+        for name, module in chunk.named_modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and name.rsplit(".", 1)[-1] in ELIGIBLE \
+                    and module.weight is not None:
+                found.append((f"{i}.{name}", module))
+    return found
+
+
+def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLike | None = None) -> Fp8Report:
+    """Give every eligible layer whose weight fits the recipe an FP8 ``_forward_impl`` (no device check: see
+    ``enable_fp8``; off CUDA the GEMMs are emulated, which only tests use)."""
+    check_fp8_mode(mode)
+    check_recipe(recipe)
+    settings = Fp8Settings(mode=mode, recipe=recipe,
+                           autotuner=Fp8Autotuner(recipe, Path(cache_path) if cache_path else None)
+                           if mode == "adaptive" else None)
+    swapped, skipped = [], {}
+    step = granule(recipe)
+    for name, module in eligible_linears(chunks):
+        n, k = module.weight.shape
+        if n % step or k % step:
+            skipped[name] = f"weight {n}x{k} is not a multiple of {step} ({recipe} FP8 GEMM)"
+            continue
+        module._forward_impl = Fp8ForwardImpl(module, name=name, settings=settings)
+        swapped.append(name)
+    for name, module in grouped_experts(chunks):
+        _, n, k = module.linear_fc1.weight.shape
+        if mode == "adaptive":
+            skipped[name] = "grouped experts stay in bf16 under fp8='adaptive' (tokens per expert change every step)"
+        elif n % step or k % step or (n // 2) % step:
+            skipped[name] = f"expert weights {n}x{k} are not multiples of {step} ({recipe} FP8 GEMM)"
+        else:
+            module.forward = Fp8GroupedExperts(module, name=name, settings=settings)
+            swapped.append(name)
+    return Fp8Report(mode=mode, recipe=recipe, swapped=swapped, skipped=skipped, autotuner=settings.autotuner)
+
+
+def enable_fp8(chunks, mode: str, *, recipe: str | None = None,
+               cache_path: str | os.PathLike | None = None) -> Fp8Report:
+    """Turn on FP8 GEMMs in the eligible linear layers of ``chunks`` (megatron modules already on their GPU)."""
+    check_fp8_mode(mode)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    if not params:
+        raise Fp8Error("enable_fp8: the model has no parameters.")
+    device = params[0].device
+    check_fp8_device(device)
+    if recipe is None:
+        recipe = "blockwise" if blockwise_supported(device.index or 0) else "rowwise"
+        if recipe == "rowwise":
+            logger.warning("fp8: this GPU / torch build does not run block-wise scaled GEMMs; using row-wise scaling.")
+    elif recipe not in RECIPES:
+        raise Fp8Error(f"fp8_recipe={recipe!r} is not supported; use one of {RECIPES} (Transformer Engine recipes are "
+                       "not offered by this backend).")
+    report = swap_linears(chunks, mode=mode, recipe=recipe, cache_path=cache_path)
+    logger.info("fp8=%s (%s scaling): %d linear layers swapped, %d left in their dtype %s", mode, recipe,
+                len(report.swapped), len(report.skipped), report.skipped or "")
+    return report
+
+
+def disable_fp8(chunks) -> None:
+    """Undo ``swap_linears``: every layer runs its class's ``_forward_impl`` again."""
+    for _, module in eligible_linears(chunks):
+        module.__dict__.pop("_forward_impl", None)
+    for _, module in grouped_experts(chunks):
+        module.__dict__.pop("forward", None)

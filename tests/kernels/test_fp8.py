@@ -1,0 +1,290 @@
+"""FP8 on CPU: quantisation and scales against a reference written here, GEMM recipes and fp8_linear gradients
+against fp32, FP8 hub checkpoints dequantised on load, the adaptive cache file, and which layers the swap touches."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from loongforge_hf.kernels import fp8
+from loongforge_hf.kernels.fp8 import (FP8_MAX, Fp8Error, GemmPrecision, dequantize, dequantize_blocks,
+                                       fp8_linear, quantize_blocks, quantize_rows, quantize_tiles, scaled_matmul)
+from loongforge_hf.kernels.fp8_linear import Fp8Autotuner
+from loongforge_hf.parallel.spawn import run_distributed
+
+# NOTE: e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2**-4 of itself, and a value in the
+# subnormal range (below 2**-6 before scaling) by at most half a subnormal step, 2**-10, times the scale.
+REL_STEP, SUBNORMAL_HALF_STEP = 2.0 ** -4, 2.0 ** -10
+
+
+def _reference_group_quant(x: torch.Tensor, row_group: int, col_group: int):
+    """Loop over scaling groups: scale = amax / 448 (1 for all zeros), q = round(x / scale) saturated."""
+    rows, cols = x.shape
+    scales = torch.empty(-(-rows // row_group), -(-cols // col_group))
+    q = torch.empty(rows, cols)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            block = x[i * row_group:(i + 1) * row_group, j * col_group:(j + 1) * col_group].float()
+            amax = block.abs().max()
+            s = torch.tensor(1.0) if amax == 0 else amax / 448.0
+            scales[i, j] = s
+            q[i * row_group:(i + 1) * row_group, j * col_group:(j + 1) * col_group] = \
+                (block / s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    return q, scales
+
+
+def _sample(rows, cols, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 2, cols)  # groups of very different magnitude
+    x[1] = 0.0  # an all-zero row (zero tiles; a zero row-wise scale)
+    return x
+
+
+@pytest.mark.parametrize("shape", [(5, 300), (130, 128), (3, 7)])
+def test_tiles_rows_blocks_match_reference(shape):
+    x = _sample(*shape)
+    for q, (rg, cg) in ((quantize_tiles(x), (1, 128)), (quantize_rows(x), (1, shape[1])),
+                        (quantize_blocks(x), (128, 128))):
+        ref_q, ref_s = _reference_group_quant(x, rg, cg)
+        assert q.data.dtype == torch.float8_e4m3fn and q.scale.dtype == torch.float32
+        assert q.data.shape == x.shape
+        torch.testing.assert_close(q.scale, ref_s, rtol=0, atol=0)
+        torch.testing.assert_close(q.data.float(), ref_q, rtol=0, atol=0)
+        assert q.scale[1 // rg].min() > 0  # the zero row's groups get a usable scale
+        deq = dequantize(q)
+        assert torch.equal(deq[1], torch.zeros(shape[1]))
+        bound = REL_STEP * x.abs() + SUBNORMAL_HALF_STEP * fp8.expand_scale(q)
+        assert ((deq - x).abs() <= bound * (1 + 1e-6)).all()
+
+
+def test_group_maximum_maps_to_448_and_cast_saturates():
+    x = _sample(4, 256)
+    q = quantize_tiles(x)
+    tile_max = q.data.float().abs().view(4, 2, 128).amax(-1)
+    nonzero = x.abs().view(4, 2, 128).amax(-1) > 0
+    assert torch.equal(tile_max[nonzero], torch.full_like(tile_max[nonzero], FP8_MAX))
+    sat = fp8.cast_to_fp8(torch.tensor([1000.0, -1e6, 447.0, 460.0, 1e-30]), torch.tensor(1.0)).float()
+    assert sat.tolist() == [448.0, -448.0, 448.0, 448.0, 0.0]  # 447 rounds to the nearest e4m3 value, 448
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("fn", [quantize_tiles, quantize_rows, quantize_blocks])
+def test_non_finite_values_are_rejected(fn, bad):
+    x = torch.randn(3, 200)
+    x[2, 150] = bad
+    with pytest.raises(Fp8Error, match="inf or NaN"):
+        fn(x)
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(Fp8Error, match="2-D"):
+        quantize_tiles(torch.randn(2, 3, 4))
+    with pytest.raises(Fp8Error, match="block scales"):
+        dequantize_blocks(torch.zeros(130, 4, dtype=torch.float8_e4m3fn), torch.ones(1, 1))
+    with pytest.raises(Fp8Error, match="needs K % 128"):
+        scaled_matmul(quantize_tiles(torch.randn(4, 96)), quantize_blocks(torch.randn(128, 96)))
+    with pytest.raises(Fp8Error, match="recipe"):
+        fp8_linear(torch.randn(2, 128), torch.randn(128, 128), recipe="tensorwise")
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_gemms_match_dequantised_product(recipe):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(37, 256, generator=g), torch.randn(384, 256, generator=g)
+    a, b = (quantize_tiles(x), quantize_blocks(w)) if recipe == "blockwise" else (quantize_rows(x), quantize_rows(w))
+    got = scaled_matmul(a, b, out_dtype=torch.float32)
+    want = dequantize(a) @ dequantize(b).t()
+    # NOTE: the row-wise GEMM is torch's CPU scaled_mm, whose output is rounded to bf16.
+    assert ((got - want).norm() / want.norm()) < 4e-3
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_fp8_linear_output_and_grads_against_fp32(recipe):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 37, 256, generator=g).to(torch.bfloat16).requires_grad_()  # 111 tokens: padded for wgrad
+    w = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    bias = torch.randn(384, generator=g).to(torch.bfloat16).requires_grad_()
+    proj = torch.randn(3, 37, 384, generator=g)
+    y = fp8_linear(x, w, bias, recipe=recipe)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 37, 384)
+    (y.float() * proj).sum().backward()
+    xf, wf = x.detach().float().reshape(-1, 256), w.detach().float()
+    p2 = proj.reshape(-1, 384)
+    assert _rel(y.reshape(-1, 384) - bias.detach(), xf @ wf.t()) < 0.06
+    assert _rel(x.grad.reshape(-1, 256), p2 @ wf) < 0.06
+    assert _rel(w.grad, p2.t() @ xf) < 0.06
+    assert w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(bias.grad.float(), p2.sum(0), rtol=1e-2, atol=1e-1)
+
+
+def test_gemms_left_in_bf16_are_plain_matmuls():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 128, generator=g).requires_grad_()
+    w = torch.randn(128, 128, generator=g).requires_grad_()
+    y = fp8_linear(x, w, precision=GemmPrecision(fwd=False, dgrad=False, wgrad=True))
+    torch.testing.assert_close(y, x @ w.t(), rtol=0, atol=0)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(16, 128) @ w, rtol=0, atol=0)
+    assert 0 < _rel(w.grad, torch.ones(128, 16) @ x.detach()) < 0.06  # the weight gradient went through FP8
+
+
+def test_autotune_cache_round_trip(tmp_path, caplog):
+    path = tmp_path / "sub" / "fp8_autotune.json"
+    tuner = Fp8Autotuner("blockwise", path)
+    tuner.record("NVIDIA H100 80GB HBM3", "fwd", 8192, 3072, 1024, bf16_ms=0.20, fp8_ms=0.15)
+    tuner.record("NVIDIA H100 80GB HBM3", "wgrad", 1024, 1024, 8192, bf16_ms=0.05, fp8_ms=0.07)
+    tuner.save()
+    data = json.loads(path.read_text())
+    assert data["format"] == 1 and len(data["entries"]) == 2
+    again = Fp8Autotuner("blockwise", path)
+    assert again.lookup("NVIDIA H100 80GB HBM3", "fwd", 8192, 3072, 1024)["fp8"] is True
+    assert again.lookup("NVIDIA H100 80GB HBM3", "wgrad", 1024, 1024, 8192)["fp8"] is False
+    assert again.lookup("NVIDIA H200", "fwd", 8192, 3072, 1024) is None  # another GPU times again
+    assert Fp8Autotuner("rowwise", path).lookup("NVIDIA H100 80GB HBM3", "fwd", 8192, 3072, 1024) is None
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="loongforge_hf.fp8"):
+        assert Fp8Autotuner("blockwise", path).entries == {}
+    assert "unreadable" in caplog.text
+
+
+def test_dequantizing_reader_slices(tmp_path):
+    from safetensors.torch import save_file
+
+    from loongforge_hf.bridges.checkpoint_io import CheckpointReader
+    from loongforge_hf.bridges.fp8_checkpoint import DequantizingReader, dequantizing_reader
+
+    w = _sample(300, 200, seed=4)
+    q = quantize_blocks(w)
+    save_file({"a.weight": q.data, "a.weight_scale_inv": q.scale, "b.weight": w.clone()},
+              tmp_path / "model.safetensors")
+    with CheckpointReader(tmp_path) as raw:
+        reader = dequantizing_reader(raw)
+        assert isinstance(reader, DequantizingReader)
+        assert sorted(reader.keys()) == ["a.weight", "b.weight"] and "a.weight_scale_inv" not in reader
+        full = reader.get("a.weight")
+        assert full.dtype == torch.bfloat16 and reader.dtype("a.weight") == torch.bfloat16
+        torch.testing.assert_close(full, dequantize(q, torch.bfloat16), rtol=0, atol=0)
+        for dim, start, stop in ((0, 0, 150), (0, 150, 300), (0, 100, 260), (1, 37, 199), (1, 128, 200)):
+            torch.testing.assert_close(reader.get_slice("a.weight", dim=dim, start=start, stop=stop),
+                                       full.narrow(dim, start, stop - start), rtol=0, atol=0)
+        assert torch.equal(reader.get("b.weight"), w)
+
+
+def _write_fp8_copies(src, fp8_dir, deq_dir):
+    """The transformers checkpoint at ``src`` as a DeepSeek-V3-style FP8 checkpoint, and as its dequantised twin."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from loongforge_hf.testing.round_trip import read_all
+
+    tensors = read_all(src)
+    fp8_state, deq_state = {}, {}
+    for name, t in tensors.items():
+        if name.endswith("proj.weight"):
+            q = quantize_blocks(t)
+            fp8_state[name], fp8_state[name + "_scale_inv"] = q.data, q.scale
+            deq_state[name] = dequantize(q, torch.bfloat16)
+        else:
+            fp8_state[name] = deq_state[name] = t
+    for folder, state in ((fp8_dir, fp8_state), (deq_dir, deq_state)):
+        folder.mkdir()
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+        for side in src.iterdir():
+            if side.suffix != ".safetensors" and side.name != "model.safetensors.index.json":
+                shutil.copy(side, folder / side.name)
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (fp8_dir / "config.json").write_text(json.dumps(cfg))
+    assert load_file(fp8_dir / "model.safetensors")["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def _model_checks(fp8_dir: str, deq_dir: str, moe_dir: str, out_dir: str) -> dict:
+    import loongforge_hf as lf
+    from loongforge_hf.kernels.fp8_linear import disable_fp8, swap_linears
+
+    ids = torch.randint(4, 203, (2, 16), generator=torch.Generator().manual_seed(0))
+    result = {}
+    model = lf.AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32)
+    ref = lf.AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32)
+    with torch.no_grad():
+        result["dequant_logits_equal"] = torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    model.save_pretrained(out_dir)
+
+    report = swap_linears(model.chunks, mode="on", recipe="blockwise")
+    result["swapped"] = report.swapped
+    result["skipped"] = report.skipped
+    result["has_impl"] = sorted(f"0.{n}" for n, m in model.chunks[0].named_modules() if "_forward_impl" in vars(m))
+    out = model(input_ids=ids, labels=ids)
+    with torch.no_grad():
+        exp = ref(input_ids=ids, labels=ids)
+    result["logit_rel"] = _rel(out.logits, exp.logits)
+    result["loss"], result["ref_loss"] = out.loss.item(), exp.loss.item()
+    out.loss.backward()
+    result["grads_finite"] = all(p.grad is not None and bool(torch.isfinite(p.grad).all())
+                                 for p in model.parameters())
+    disable_fp8(model.chunks)
+    with torch.no_grad():
+        result["disabled_equal"] = torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    try:
+        lf.AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32, fp8="on")
+        result["cpu_error"] = None
+    except Fp8Error as err:
+        result["cpu_error"] = str(err)
+
+    moe = lf.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    with torch.no_grad():
+        moe_ref = moe(input_ids=ids).logits
+    result["moe_linears"] = [f"0.{n}" for n, m in moe.chunks[0].named_modules()
+                             if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2]
+    result["moe_swapped"] = swap_linears(moe.chunks, mode="on", recipe="rowwise").swapped
+    out = moe(input_ids=ids, labels=ids)
+    result["moe_logit_rel"] = _rel(out.logits, moe_ref)
+    out.loss.backward()
+    result["moe_grads_finite"] = all(p.grad is not None and bool(torch.isfinite(p.grad).all())
+                                     for p in moe.parameters())
+    return result
+
+
+def test_fp8_checkpoint_loads_dequantised_and_swap_touches_eligible_layers(tmp_path):
+    from transformers import AutoConfig
+
+    from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
+
+    sizes = dict(hidden_size=128, intermediate_size=256, head_dim=32)
+    src = make_tiny_checkpoint(tmp_path / "src", "llama", tokenizer=False, num_hidden_layers=2, **sizes)
+    moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", tokenizer=False, num_hidden_layers=2)
+    fp8_dir, deq_dir, out_dir = tmp_path / "fp8", tmp_path / "deq", tmp_path / "out"
+    _write_fp8_copies(src, fp8_dir, deq_dir)
+    assert AutoConfig.from_pretrained(fp8_dir).quantization_config["quant_method"] == "fp8"
+    (r,) = run_distributed(_model_checks, 1, str(fp8_dir), str(deq_dir), str(moe), str(out_dir), timeout=240)
+
+    assert r["dequant_logits_equal"]
+    exported = json.loads((out_dir / "config.json").read_text())
+    assert "quantization_config" not in exported  # the export holds dequantised weights
+    from safetensors import safe_open
+    with safe_open(str(out_dir / "model.safetensors"), framework="pt") as f:
+        assert not any(k.endswith("_scale_inv") for k in f.keys())
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float32
+
+    layers = [f"0.decoder.layers.{i}.{m}" for i in range(2) for m in
+              ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")]
+    assert sorted(r["swapped"]) == sorted(layers) and r["skipped"] == {}, r["skipped"]
+    assert r["has_impl"] == sorted(layers)  # not output_layer, not the embedding
+    assert r["logit_rel"] < 0.08 and abs(r["loss"] - r["ref_loss"]) / r["ref_loss"] < 0.01
+    assert r["grads_finite"] and r["disabled_equal"]
+    assert r["cpu_error"] and "CUDA GPU" in r["cpu_error"]
+
+    # routed experts: megatron's SequentialMLP (one linear pair per expert) or the grouped expert module
+    experts = [n for n in r["moe_swapped"] if "experts" in n]
+    assert experts and all(n.endswith(("linear_fc1", "linear_fc2", "mlp.experts")) for n in experts), experts
+    left = set(r["moe_linears"]) - set(r["moe_swapped"])
+    assert left and all(n.endswith(("router", "output_layer", "word_embeddings")) or ".experts." in n for n in left), \
+        left
+    assert r["moe_logit_rel"] < 0.08 and r["moe_grads_finite"]
