@@ -40,7 +40,10 @@ from pathlib import Path
 
 import torch
 
-from loongforge_hf.parallel.spawn import run_distributed
+# NOTE: runnable as ``python3 scripts/bench_bridge_io.py`` from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loongforge_hf.parallel.spawn import run_distributed  # noqa: E402
 
 LLAMA3_8B_2L = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -204,6 +207,8 @@ def rank_run(folder: str, export_dir: str) -> dict:
     timers.wrap(checkpoint_io.CheckpointReader, "get_slice", "load: load_into: read slices")
     timers.wrap(checkpoint_io.CheckpointReader, "get", "load: load_into: read whole tensors")
     timers.wrap(exporter, "gather_to_first", "export: gather shards over TP")
+    timers.wrap(exporter, "_for_each_part", "export: TP shards -> blocks (1st rank)")
+    timers.wrap(writer.CheckpointWriter, "add_part", "export: writer.add_part (to disk)")
     timers.wrap(writer.CheckpointWriter, "add", "export: writer.add (to disk)")
     timers.wrap(writer.CheckpointWriter, "__exit__", "export: writer finish (rename)")
 

@@ -197,3 +197,74 @@ def test_shard_range_errors_name_the_tensor():
         shard_range(10, rank=2, world=2, name="w")
     with pytest.raises(ValueError, match="world must be a positive integer"):
         shard_range(10, rank=0, world=0)
+
+
+class _CopyingReader:
+    """A reader wrapper without ``out=`` (like the FP8 dequantising reader): mappings copy its slices into place."""
+
+    def __init__(self, reader) -> None:
+        self.reader = reader
+
+    def __getattr__(self, item):
+        return getattr(self.reader, item)
+
+    def get_slice(self, name, *, dim, start, stop):
+        return self.reader.get_slice(name, dim=dim, start=start, stop=stop)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_mappings_load_in_place_and_export_blocks(tmp_path, tp):
+    """Each mapping's load equals the slice-then-transform reference (read straight into place, or copied there by a
+    reader wrapper); every rank's ``export_parts`` blocks rebuild exactly what ``export`` builds from all shards."""
+    from safetensors.torch import save_file
+
+    from loongforge_hf.bridges.checkpoint_io import CheckpointReader
+    from loongforge_hf.bridges.mappings import (QKV, ColumnParallel, GatedMLP, Replicated, RowParallel, ShardContext,
+                                                VocabParallel, streams_export)
+
+    heads, groups, hd, hidden, vocab = 8, 4, 3, 6, 203
+    padded = padded_vocab_size(vocab, tensor_parallel_size=tp, multiple=64)  # 256 at TP 4: a rank of padding only
+    state = {"q": torch.randn(heads * hd, hidden), "k": torch.randn(groups * hd, hidden),
+             "v": torch.randn(groups * hd, hidden), "qb": torch.randn(heads * hd), "kb": torch.randn(groups * hd),
+             "vb": torch.randn(groups * hd), "gate": torch.randn(16, hidden), "up": torch.randn(16, hidden),
+             "o": torch.randn(hidden, heads * hd), "emb": torch.randn(vocab, hidden), "norm": torch.randn(hidden),
+             "col": torch.randn(8, hidden)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    mappings = [QKV("qkv", "q", "k", "v"), QKV("qkv_bias", "qb", "kb", "vb"), GatedMLP("fc1", "gate", "up"),
+                RowParallel("proj", "o"), VocabParallel("embedding", "emb"), Replicated("ln", "norm"),
+                ColumnParallel("col", "col")]
+
+    def reference(m, r):
+        def part(t, dim=0):
+            return t.chunk(tp, dim=dim)[r]
+        if isinstance(m, QKV):
+            q, k, v = (state[n] for n in m.hf_names(None))
+            return fuse_qkv(part(q), part(k), part(v), num_heads=heads // tp, num_kv_heads=groups // tp, head_dim=hd)
+        if isinstance(m, GatedMLP):
+            return fuse_gate_up(part(state["gate"]), part(state["up"]))
+        if isinstance(m, VocabParallel):
+            return pad_vocab(state["emb"], padded).chunk(tp)[r]
+        return {"proj": part(state["o"], 1), "ln": state["norm"], "col": part(state["col"])}[m.megatron]
+
+    with CheckpointReader(tmp_path) as reader:
+        for m in mappings:
+            assert streams_export(m), m
+            ctxs = [ShardContext(tp_rank=r, tp_size=tp, num_heads=heads, num_kv_heads=groups, head_dim=hd,
+                                 vocab_size=vocab, padded_vocab=padded) for r in range(tp)]
+            shards = []
+            for r, ctx in enumerate(ctxs):
+                loaded = m.load(reader, ctx, None)
+                assert torch.equal(loaded, reference(m, r)), (m, r)
+                assert torch.equal(m.load(_CopyingReader(reader), ctx, None), loaded), (m, r)
+                assert loaded.untyped_storage().nbytes() == loaded.numel() * loaded.element_size()
+                shards.append(loaded)
+            whole = m.export(shards, ctxs[0], None)
+            rebuilt = {n: torch.full_like(t, float("nan")) for n, t in whole.items()}
+            covered = {n: 0 for n in whole}
+            for r, shard in enumerate(shards):
+                for name, dim, start, block in m.export_parts(shard, r, ctxs[0], None):
+                    rebuilt[name].narrow(dim, start, block.shape[dim]).copy_(block)
+                    covered[name] += block.numel()
+            for name, tensor in whole.items():
+                assert covered[name] == tensor.numel() and torch.equal(rebuilt[name], tensor), (m, name)
+                assert torch.equal(tensor, state[name]), (m, name)
