@@ -164,7 +164,7 @@ def build_transformers(folder: str, device: H.Device, *, liger: bool):
     return step, info
 
 
-def build_loongforge(folder: str, device: H.Device):
+def build_loongforge(folder: str, device: H.Device, fp8: str | None = None):
     import tempfile
 
     import torch
@@ -173,7 +173,7 @@ def build_loongforge(folder: str, device: H.Device):
     import loongforge_hf as lf
     from loongforge_hf.trainer.engine import MegatronEngine
 
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16, fp8=fp8)
     args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_train_"), learning_rate=LR,
                                           adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
@@ -186,10 +186,15 @@ def build_loongforge(folder: str, device: H.Device):
     mlp = model.chunks[0].decoder.layers[0].mlp
     if hasattr(mlp, "experts"):  # the routed experts' module (GroupedMLP unless LOONGFORGE_MOE_GROUPED_GEMM=0)
         info["experts"] = type(mlp.experts).__name__
+    fp8_report = getattr(model.megatron, "fp8", None)
+    if fp8_report is not None:  # --fp8: which layers run FP8 GEMMs (adaptive: the table is filled on the first step)
+        info["fp8"] = {"mode": fp8, "recipe": fp8_report.recipe, "swapped": len(fp8_report.swapped),
+                       "skipped": fp8_report.skipped}
 
     def step(micro_batches):
         return engine.train_step([{"input_ids": ids, "labels": ids} for ids in micro_batches]).loss
 
+    step.fp8_report = fp8_report
     return step, info
 
 
@@ -199,7 +204,7 @@ def run_stack(args, device: H.Device) -> dict:
     w = WORKLOADS[args.shape]
     cfg_kwargs, seq, _ = sizes(w, args.tiny)
     if args.stack == "loongforge":
-        step, info = build_loongforge(args.folder, device)
+        step, info = build_loongforge(args.folder, device, fp8=args.fp8)
     else:
         step, info = build_transformers(args.folder, device, liger=args.stack == "liger")
     info["weights_gib"] = round(device.allocated() / H.GIB, 2)
@@ -219,6 +224,9 @@ def run_stack(args, device: H.Device) -> dict:
            "versions": H.versions("torch", "transformers", "megatron-core", "liger-kernel", "triton")}
     if args.profile:
         out["profile"] = H.profile_step(step, batches[-1], device=device)
+    fp8_report = getattr(step, "fp8_report", None)
+    if fp8_report is not None and fp8_report.autotuner is not None:
+        out["fp8_table"] = fp8_report.autotuner.table()  # fp8=adaptive: bf16-or-FP8 per GEMM shape
     return out
 
 
@@ -235,6 +243,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--fp8", choices=("on", "adaptive"))
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     # NOTE: loongforge-hf picks its device backend from this variable; set before anything imports the package.
@@ -265,8 +274,10 @@ def loongforge_supports(w: Workload) -> bool:
 
 def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: bool) -> dict:
     _, seq, mb = sizes(w, args.tiny)
-    common = [__file__, "--worker", "run", "--shape", w.key, "--stack", stack, "--folder", str(folder),
+    base_stack, fp8 = (stack.split(" fp8=") + [None])[:2]  # "loongforge fp8=on": loongforge with fp8="on"
+    common = [__file__, "--worker", "run", "--shape", w.key, "--stack", base_stack, "--folder", str(folder),
               "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    common += ["--fp8", fp8] if fp8 else []
     common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
     result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", "1"], log_path=log,
                           timeout_s=args.worker_timeout)
@@ -296,7 +307,8 @@ def summarize(w: Workload, results: dict, *, flops: float, peak_flops: float) ->
     rows = []
     base = {k: results.get(k, {}) for k in ("liger", "transformers")}
     for stack, r in results.items():
-        name = STACK_TITLES[stack]
+        name = STACK_TITLES.get(stack) or STACK_TITLES["loongforge"].replace("loongforge-hf", stack.replace(
+            "loongforge", "loongforge-hf"))
         if r.get("status") != "ok":
             rows.append([name, "—", f"**{r.get('status')}**", "—", _gib(r.get("peak_gib")), "—", "—", "—", "—"])
             continue
@@ -338,12 +350,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--no-oom-retry", action="store_true")
     p.add_argument("--worker-timeout", type=float, default=900.0)
+    p.add_argument("--fp8", default="", help="comma list of fp8 modes (on,adaptive): loongforge rows with "
+                   "from_pretrained(fp8=mode) next to the bf16 one (docs/fp8.md)")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     stacks = [s for s in args.stacks.split(",") if s]
     unknown = [s for s in shapes if s not in WORKLOADS] + [s for s in stacks if s not in STACKS]
     if unknown:
         p.error(f"unknown shapes/stacks {unknown}; shapes: {sorted(WORKLOADS)}, stacks: {list(STACKS)}")
+    bad_fp8 = [m for m in args.fp8.split(",") if m and m not in ("on", "adaptive")]
+    if bad_fp8:
+        p.error(f"--fp8 takes on and/or adaptive, got {bad_fp8}")
+    if "loongforge" in stacks:
+        stacks += [f"loongforge fp8={m}" for m in args.fp8.split(",") if m]
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     log = Path(args.log) if args.log else out_path.with_suffix(".log")
@@ -377,7 +396,7 @@ def main(argv: list[str]) -> int:
             print(f"  checkpoint: {written['parameters'] / 1e9:.3f} B parameters, {written['worker_wall_s']} s",
                   flush=True)
         for stack in stacks:
-            if stack == "loongforge" and not loongforge_supports(w):
+            if stack.startswith("loongforge") and not loongforge_supports(w):
                 entry["results"][stack] = {"status": "not run",
                                            "error": f"no loongforge-hf bridge for {ARCHITECTURES[w.model_type]}"}
                 continue
@@ -386,6 +405,10 @@ def main(argv: list[str]) -> int:
             _save(report, out_path)
         rows = summarize(w, entry["results"], flops=flops, peak_flops=args.peak_tflops * 1e12)
         tables.append(f"### ({key}) {w.title}\n\n" + H.markdown_table(HEADER, rows))
+        bf16 = entry["results"].get("loongforge", {})
+        for stack, r in entry["results"].items():
+            if " fp8=" in stack and r.get("status") == "ok" and bf16.get("status") == "ok":
+                tables[-1] += f"\n\n{stack}: {r['tokens_per_s'] / bf16['tokens_per_s']:.3f}x loongforge bf16 tokens/s"
         _save(report, out_path)
         if not args.keep_checkpoints:
             shutil.rmtree(folder, ignore_errors=True)

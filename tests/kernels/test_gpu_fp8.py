@@ -1,0 +1,155 @@
+"""FP8 on the GPU: Triton quantisation against the torch reference, scaled GEMMs against the dequantised product,
+fp8_linear outputs and gradients against bf16 (relative Frobenius error < 6%), a 200-step training run whose final
+loss is within 1% of bf16, and adaptive mode's per-shape decisions written to its JSON cache."""
+
+import json
+
+import pytest
+import torch
+
+from loongforge_hf.kernels import fp8
+from loongforge_hf.parallel.spawn import run_distributed
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                 reason="needs a CUDA GPU with FP8 tensor cores")]
+
+# NOTE: e4m3 rounds each operand by up to 2**-4 relative (about 3.6% RMS for Gaussian data); a GEMM's relative
+# Frobenius error against bf16 stays near that, so 6% leaves room without hiding a wrong scale (which gives >50%).
+REL_TOL = 0.06
+RECIPES = ["blockwise", "rowwise"]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _skip_unsupported(recipe):
+    if recipe == "blockwise" and not fp8.blockwise_supported(torch.cuda.current_device()):
+        pytest.skip(f"block-wise scaled_mm is not available with torch {torch.__version__} on "
+                    f"{torch.cuda.get_device_name()} (row-wise is used there)")
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (37, 300), (1, 128)])
+def test_triton_quantisation_matches_torch(shape):
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 2, shape[1], device="cuda")
+    x[0, : min(128, shape[1])] = 0
+    for view, pad in ((x, 1), (x.t(), 128)):  # the transposed view is what the weight-gradient GEMM quantises
+        got, ref = fp8.quantize_tiles(view, pad_to=pad), fp8.quantize_tiles(view.cpu(), pad_to=pad)
+        torch.testing.assert_close(got.scale.cpu(), ref.scale, rtol=0, atol=0)
+        torch.testing.assert_close(got.data.cpu().float(), ref.data.float(), rtol=0, atol=0)
+        assert got.scale.stride(0) == 1  # K-tile-major, as scaled_mm reads 1x128 scales
+    got, ref = fp8.quantize_blocks(x), fp8.quantize_blocks(x.cpu())
+    torch.testing.assert_close(got.scale.cpu(), ref.scale, rtol=0, atol=0)
+    torch.testing.assert_close(got.data.cpu().float(), ref.data.float(), rtol=0, atol=0)
+    x[-1, -1] = float("nan")
+    with pytest.raises(fp8.Fp8Error, match="inf or NaN"):
+        fp8.quantize_tiles(x)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_scaled_gemm_matches_dequantised_product(recipe):
+    _skip_unsupported(recipe)
+    x = torch.randn(1000, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1536, 2048, device="cuda", dtype=torch.bfloat16)
+    a, b = (fp8.quantize_tiles(x), fp8.quantize_blocks(w)) if recipe == "blockwise" \
+        else (fp8.quantize_rows(x), fp8.quantize_rows(w))
+    got = fp8.scaled_matmul(a, b, out_dtype=torch.float32)
+    assert _rel(got, fp8.dequantize(a) @ fp8.dequantize(b).t()) < 5e-3
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("tokens", [4096, 1000])
+def test_fp8_linear_output_and_grads_against_bf16(recipe, tokens):
+    _skip_unsupported(recipe)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, 1024, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(3072, 1024, device="cuda", generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
+    proj = torch.randn(tokens, 3072, device="cuda", generator=g).to(torch.bfloat16)
+    y = fp8.fp8_linear(x, w, recipe=recipe)
+    y.backward(proj)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y2 = x2 @ w2.t()
+    y2.backward(proj)
+    assert y.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    errors = {"out": _rel(y, y2), "dgrad": _rel(x.grad, x2.grad), "wgrad": _rel(w.grad, w2.grad)}
+    assert all(e < REL_TOL for e in errors.values()), errors
+
+
+def _llama(folder):
+    from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(folder, "llama", tokenizer=False, dtype=torch.bfloat16, vocab_size=2048,
+                                hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                                num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
+
+
+def _train(folder: str, out_dir: str, fp8_mode, steps: int) -> dict:
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, fp8=fp8_mode)
+    report = getattr(model.megatron, "fp8", None)
+    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-3, weight_decay=0.0,
+                                          max_grad_norm=1.0, warmup_steps=10, bf16=True, report_to=[])
+    engine = MegatronEngine(model, args=args)
+    losses = [engine.train_step(_batches(step, model.device)).loss for step in range(steps)]
+    result = {"losses": losses, "swapped": len(report.swapped) if report else 0}
+    if report is not None and report.autotuner is not None:
+        result["table"] = report.autotuner.table()
+        result["decisions"] = {name: {str(k): list(v) for k, v in m._forward_impl.decisions.items()}
+                               for name, m in _swapped_modules(model)}
+    return result
+
+
+def _batches(step: int, device) -> list[dict]:
+    """4 micro-batches of 8 x 256 fresh tokens: each token follows from the previous one by a fixed rule half of the
+    time and is random otherwise, so the loss falls to a floor (about 4.5) that memorising cannot lower."""
+    g = torch.Generator().manual_seed(step)
+    seq = [torch.randint(4, 2048, (32, 1), generator=g)]
+    for _ in range(255):
+        rule = (seq[-1] * 37 + 11) % 2044 + 4
+        noise = torch.randint(4, 2048, (32, 1), generator=g)
+        seq.append(torch.where(torch.rand(32, 1, generator=g) < 0.5, rule, noise))
+    data = torch.cat(seq, dim=1).to(device)
+    return [{"input_ids": b, "labels": b} for b in data.split(8)]
+
+
+def _swapped_modules(model):
+    from loongforge_hf.kernels.fp8_linear import Fp8ForwardImpl, eligible_linears
+
+    return [(n, m) for n, m in eligible_linears(model.chunks)
+            if isinstance(vars(m).get("_forward_impl"), Fp8ForwardImpl)]
+
+
+def test_fp8_training_final_loss_within_one_percent_of_bf16(tmp_path):
+    folder = str(_llama(tmp_path / "llama"))
+    env = {"LOONGFORGE_DEVICE": "cuda"}
+    [bf16] = run_distributed(_train, 1, folder, str(tmp_path / "o1"), None, 200, timeout=600, env=env)
+    [on] = run_distributed(_train, 1, folder, str(tmp_path / "o2"), "on", 200, timeout=600, env=env)
+    assert on["swapped"] == 16  # 4 layers x (qkv, proj, fc1, fc2)
+    final_bf16, final_fp8 = sum(bf16["losses"][-10:]) / 10, sum(on["losses"][-10:]) / 10
+    assert bf16["losses"][-1] < 0.75 * bf16["losses"][0], bf16["losses"][::20]  # it learned the rule
+    assert abs(final_fp8 - final_bf16) / final_bf16 < 0.01, (final_fp8, final_bf16, on["losses"][::20])
+
+
+def test_adaptive_decides_per_shape_and_writes_its_cache(tmp_path):
+    folder = str(_llama(tmp_path / "llama"))
+    cache = tmp_path / "fp8_autotune.json"
+    env = {"LOONGFORGE_DEVICE": "cuda", "LOONGFORGE_HF_FP8_CACHE": str(cache)}
+    [first] = run_distributed(_train, 1, folder, str(tmp_path / "o1"), "adaptive", 2, timeout=600, env=env)
+    entries = json.loads(cache.read_text())["entries"]
+    gpu = torch.cuda.get_device_name()
+    # 4 distinct layer shapes (qkv 1024x512, proj 512x512, fc1 3072x512, fc2 512x1536) x 3 GEMMs, 2048 tokens a step
+    shapes = {(e["gemm"], e["m"], e["n"], e["k"]) for e in entries.values() if e["gpu"] == gpu}
+    assert len(shapes) == 12, sorted(shapes)
+    assert ("fwd", 2048, 3072, 512) in shapes and ("wgrad", 3072, 512, 2048) in shapes
+    assert all(e["fp8"] == (e["fp8_ms"] < e["bf16_ms"]) for e in entries.values())
+    assert len(first["decisions"]) == 16 and "choice" in first["table"]
+    print(first["table"])
+    mtime = cache.stat().st_mtime_ns
+    [second] = run_distributed(_train, 1, folder, str(tmp_path / "o2"), "adaptive", 2, timeout=600, env=env)
+    assert cache.stat().st_mtime_ns == mtime  # every shape came from the cache: nothing timed, nothing written
+    assert second["decisions"] == first["decisions"]
