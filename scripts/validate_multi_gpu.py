@@ -9,14 +9,15 @@ How to run (4 GPUs of one host; our wheels installed as in docs/benchmarks.md; a
     LOONGFORGE_DEVICE=cpu python scripts/validate_multi_gpu.py --smoke --out outputs/smoke.json   # CPU, gloo, tiny
 
 What it does:
-- Writes random-init checkpoints with transformers (built on the GPU in bf16, one save_pretrained each; skipped when
-  --work already holds them): dense Qwen3 ~1.1B (16 layers, hidden 2048, vocab 151936, tied), Qwen3-MoE ~2.9B
-  (8 layers, hidden 2048, 64 experts, top-8, moe_intermediate 768, tied) and, for --only big, a Qwen3-8B shape
+- Writes random-init checkpoints with transformers (built on the GPU in bf16, one save_pretrained each, when first
+  needed; skipped when --work already holds them): dense Qwen3 ~1.1B (16 layers, hidden 2048, vocab 151936, tied),
+  Qwen3-MoE ~2.9B (8 layers, hidden 2048, 64 experts, top-8, moe_intermediate 768, tied) and a Qwen3-8B shape
   (36 layers, hidden 4096, 32/8 heads, intermediate 12288, untied: 8.2B params x 18 B/param of training state).
 - Runs the jobs (scripts/_multi_gpu_rank.py) with one torchrun launch per world size (1, 2, 4 processes), the jobs of
   a launch one after another in the same processes; one layout again under `accelerate launch` with the shipped
-  examples/accelerate/tp2_pp2_dp2_8gpu.yaml (--num_processes 4); the runs with extra megatron settings last, in
-  launches of their own. A launch that dies is relaunched for the jobs left; one past the budget is killed.
+  examples/accelerate/tp2_pp2_dp2_8gpu.yaml (--num_processes 4); then the runs with extra megatron settings in
+  launches of their own; the big model last (its checkpoint written just before). A launch that dies is relaunched
+  for the jobs left; one past the budget is killed.
 - dense: 1gpu, tp2, pp2, dp2, tp2pp2, dp4 (+ tp2pp2 under accelerate): 20 steps, the same 8 x 1024-token global
   batch per step in every layout (micro-batch 2 per rank, gradient accumulation 4 / DP); losses vs 1gpu within
   LOSS_RTOL; the tp2pp2 run is exported with trainer.save_model and reloaded in transformers (logits on a probe).
@@ -165,8 +166,10 @@ def _order(j: dict) -> int:
 
 def _launch_key(j: dict) -> tuple:
     """Launch order: plain runs first (torchrun by world size, then accelerate), then the megatron_config knobs
-    (they may fail on some ranks only and take their launch down), so a failing knob never costs a plain run."""
-    return bool(j["megatron_config"]), j["launcher"] != "torchrun", j["world"], j["launcher"]
+    (they may fail on some ranks only and take their launch down, so a failing knob never costs a plain run), then
+    the big model (its checkpoint is written just before; --only big runs it alone)."""
+    phase = 2 if j["group"] == "big" else int(bool(j["megatron_config"]))
+    return phase, j["launcher"] != "torchrun", j["world"], j["launcher"]
 
 
 def launch(jobs: list[dict], work: Path, results: Path, *, smoke: bool, deadline: float) -> tuple[int, str]:
@@ -225,6 +228,8 @@ def run_all(jobs: list[dict], work: Path, results: Path, report: dict, out: Path
                 for j in todo:
                     report["jobs"][j["name"]] = {"status": "not run", "error": "time budget spent", **_meta(j)}
                 break
+            for kind, ckpt in sorted({(j["kind"], j["ckpt"]) for j in todo}):
+                make_checkpoint(Path(ckpt), kind, smoke)
             rc, tail = launch(todo, work, results, smoke=smoke, deadline=deadline)
             done = [j for j in todo if (results / f"{j['name']}.json").exists()]
             for j in done:
@@ -293,7 +298,11 @@ def print_summary(report: dict) -> None:
             print(f"  {name} HF export reloaded in transformers: max |logit diff| "
                   f"{r['export_reload_max_abs_logit_diff']:.4f} (mean |logit| {r['export_logit_scale']:.3f}), "
                   f"argmax agreement {r['export_reload_argmax_agreement']:.3f}", flush=True)
-    print(f"  scaling: {report['scaling']}\n  big model best layout: {report['big_best_layout']}", flush=True)
+    for name, r in report["scaling"].items():
+        if r["tokens_per_second_per_gpu"]:
+            print(f"  {name}: {r['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU, "
+                  f"{r['efficiency_vs_1gpu'] or 0:.1%} of one GPU's", flush=True)
+    print(f"  big model, best layout by tokens/s: {report['big_best_layout']}", flush=True)
 
 
 def main() -> None:
@@ -332,8 +341,6 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1))
     stamp(f"{len(jobs)} jobs on up to {ngpu} processes; budget {a.budget_s:.0f}s")
-    for kind in sorted({j["kind"] for j in jobs}):
-        make_checkpoint(work / f"ckpt_{kind}", kind, a.smoke)
     for j in jobs:
         j["ckpt"], j["smoke"] = str(work / f"ckpt_{j['kind']}"), a.smoke
     run_all(jobs, work, results, report, a.out, smoke=a.smoke, deadline=deadline)
