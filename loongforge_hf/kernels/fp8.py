@@ -93,7 +93,7 @@ if triton is not None:
         a = tl.where(x == x, tl.abs(x), float("inf"))  # NOTE: a NaN makes the tile's scale inf, caught by _check
         amax = tl.max(a, axis=1)
         scale = tl.where(amax == 0, 1.0, amax / FMAX)
-        q = tl.clamp(x / scale[:, None], -FMAX, FMAX)
+        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)  # NOTE: IEEE division, as torch's
         store = (r[:, None] < rows) & (c[None, :] < out_cols)
         tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
         tl.store(s_ptr + r * stride_sr + pid_t * stride_st, scale, mask=r < rows)
@@ -110,7 +110,7 @@ if triton is not None:
         a = tl.where(x == x, tl.abs(x), float("inf"))
         amax = tl.max(tl.max(a, axis=1), axis=0)
         scale = tl.where(amax == 0, 1.0, amax / FMAX)
-        q = tl.clamp(x / scale, -FMAX, FMAX)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
         tl.store(q_ptr + r[:, None] * cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + pid_r * s_cols + pid_c, scale)
 
@@ -236,6 +236,7 @@ def _k_major(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_mm_args(a: Quantized, b: Quantized):
+    """(scale_a, recipe_a, scale_b, recipe_b) in the layouts ``torch.nn.functional.scaled_mm`` reads."""
     from torch.nn.functional import ScalingType
 
     if a.kind == "rows" and b.kind == "rows":
@@ -266,11 +267,21 @@ def scaled_matmul(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.
     """``a @ b.T`` from two quantised operands (``[M, K]`` and ``[N, K]``), result ``[M, N]`` in ``out_dtype``."""
     _check_gemm(a, b)
     if a.data.is_cuda or a.kind == "rows":
+        if not hasattr(F, "scaled_mm"):  # NOTE: torch < 2.10 has only the older entry point (shapes pick the recipe)
+            return _legacy_scaled_mm(a, b).to(out_dtype)
         scale_a, recipe_a, scale_b, recipe_b = _scaled_mm_args(a, b)
         out = F.scaled_mm(a.data, b.data.t(), scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16)
         return out.to(out_dtype)
     # NOTE: block-wise scaled_mm has no CPU kernel; the dequantised product is the same sum in another order.
     return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
+
+
+def _legacy_scaled_mm(a: Quantized, b: Quantized) -> torch.Tensor:
+    if a.kind == "rows":
+        scale_a, scale_b = a.scale.contiguous(), b.scale.reshape(1, -1).contiguous()
+    else:  # 1x128 scales [M, K/128] K-tile-major; b's [K/128, N] (1x128) or [K/128, N/128] (blocks)
+        scale_a, scale_b = _k_major(a.scale), b.scale.t()
+    return torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,7 +294,7 @@ def blockwise_supported(device_index: int) -> bool:
     a, b = quantize_tiles(x), quantize_blocks(w)
     try:
         got = scaled_matmul(a, b, out_dtype=torch.float32)
-    except (RuntimeError, ValueError, NotImplementedError):
+    except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
         return False
     want = dequantize(a) @ dequantize(b).t()
     return bool(((got - want).norm() / want.norm()) < 1e-2)
