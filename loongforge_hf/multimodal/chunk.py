@@ -12,7 +12,8 @@ Choices:
   vision embeddings replace the rows at image / video token positions (transformers' ``masked_scatter``: image
   tokens in order take the images' embeddings in order, video tokens the videos'), and the result is GPTModel's
   ``decoder_input``. Images and videos go through the tower in one call (its attention never crosses an image or a
-  frame). Each rank replaces only the rows it holds (its CP share, its sequence-parallel part of that).
+  frame). Each rank replaces only the rows it holds (its CP share, its sequence-parallel part of that); under sequence
+  parallelism the gradient of the vision embeddings is summed over the TP group, so the tower gets all of it.
 - The vision layouts: replicated tower (every TP rank encodes every image), tower split over TP (``VisionTower`` built
   with the TP group), or encoder data parallel (``encoder_parallel``: each TP rank encodes a share of the images).
   Under CP every CP rank encodes every image.
@@ -92,6 +93,13 @@ class VisionLanguageChunk(nn.Module):
         device = pixels[0].device
         grid = torch.cat([g.to(device).reshape(-1, 3) for g in grids])
         vision = self.encode(torch.cat(pixels) if len(pixels) > 1 else pixels[0], grid)
+        if self.language.config.sequence_parallel and self.language.config.tensor_model_parallel_size > 1:
+            from megatron.core import parallel_state as ps
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+            # NOTE: each TP rank splices only the rows of its sequence part, so its gradient reaches only those
+            # images' embeddings; summed over the group (this identity's backward) it is the whole one on every rank.
+            vision = copy_to_tensor_model_parallel_region(vision, group=ps.get_tensor_model_parallel_group())
         merge2 = self.vision.merge ** 2
         n_image = int(image_grid_thw.prod(-1).sum()) // merge2 if pixel_values is not None else 0
         is_image = input_ids == self.image_token_id

@@ -110,7 +110,7 @@ def compare_packed(folder: str, layout: dict) -> dict:
     import loongforge_hf as lf
 
     features = packing_features(folder)
-    padded = collator(folder)(features)
+    padded = collator(folder, pad_to_multiple_of=4)(features)
     packed = collator(folder, packing=True, max_length=60, pad_to_multiple_of=4)(features)
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
     with torch.no_grad():
