@@ -19,8 +19,8 @@ Choices:
 - Non-finite values cannot be scaled: ``check_finite=True`` (the default of the public functions) raises
   ``Fp8Error`` naming the operand. It costs a device sync, so the training path (``fp8_linear``) turns it off: there a
   NaN/inf input gives a NaN output, which the loss check of the training loop reports.
-- On CUDA, tiles and blocks are quantised by Triton kernels (one read, one fp8 write, scales written in the layout
-  the GEMM wants); the torch expressions below are the reference and the path everywhere else.
+- On CUDA, tiles, blocks and rows are quantised by Triton kernels (one read, one fp8 write, scales written in the
+  layout the GEMM wants; rows read twice); the torch expressions below are the reference and the path elsewhere.
 """
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ if triton is not None:
         x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
         a = tl.where(x == x, tl.abs(x), float("inf"))  # NOTE: a NaN makes the tile's scale inf, caught by _check
         amax = tl.max(a, axis=1)
-        scale = tl.where(amax == 0, 1.0, amax / FMAX)
-        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)  # NOTE: IEEE division, as torch's
+        # NOTE: IEEE-rounded divisions (``/`` is an approximate one in Triton), so results equal torch's bit for bit;
+        # the operands are broadcast explicitly because div_rn does not broadcast.
+        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.zeros((BLOCK_R,), tl.float32) + FMAX))
+        q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK_R, TILE), tl.float32) + scale[:, None]), -FMAX, FMAX)
         store = (r[:, None] < rows) & (c[None, :] < out_cols)
         tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
         tl.store(s_ptr + r * stride_sr + pid_t * stride_st, scale, mask=r < rows)
@@ -109,10 +111,42 @@ if triton is not None:
         x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
         a = tl.where(x == x, tl.abs(x), float("inf"))
         amax = tl.max(tl.max(a, axis=1), axis=0)
-        scale = tl.where(amax == 0, 1.0, amax / FMAX)
-        q = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
+        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FMAX))
+        q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK, BLOCK), tl.float32) + scale), -FMAX, FMAX)
         tl.store(q_ptr + r[:, None] * cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + pid_r * s_cols + pid_c, scale)
+
+    @triton.jit
+    def _rows_kernel(x_ptr, q_ptr, s_ptr, rows, cols, out_cols, stride_xr, stride_xc,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FMAX: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        amax = tl.zeros((BLOCK_R,), tl.float32)
+        for c0 in range(0, cols, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            mask = (r[:, None] < rows) & (c[None, :] < cols)
+            x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
+        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.zeros((BLOCK_R,), tl.float32) + FMAX))
+        for c0 in range(0, out_cols, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            load = (r[:, None] < rows) & (c[None, :] < cols)
+            x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0)
+            x = x.to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK_R, BLOCK_C), tl.float32) + scale[:, None]), -FMAX, FMAX)
+            store = (r[:, None] < rows) & (c[None, :] < out_cols)
+            tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
+        tl.store(s_ptr + r, scale, mask=r < rows)
+
+
+def _rows_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    q = torch.empty(rows, out_cols, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block_r = 16
+    _rows_kernel[(_ceil(rows, block_r),)](x, q, s, rows, cols, out_cols, x.stride(0), x.stride(1),
+                                          BLOCK_R=block_r, BLOCK_C=256, FMAX=FP8_MAX)
+    return q, s
 
 
 def _tiles_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,11 +216,16 @@ def quantize_rows(x: torch.Tensor, *, pad_to: int = 1, check_finite: bool = True
     """One scale per row of 2-D ``x``; ``pad_to`` rounds the last dimension up with zeros."""
     _as_matrix(x, "quantize_rows")
     rows, cols = x.shape
-    xf = F.pad(x.float(), (0, _ceil(cols, pad_to) * pad_to - cols))
-    s = scales_from_amax(xf.abs().amax(-1, keepdim=True)) if cols else torch.ones(rows, 1, device=x.device)
+    out_cols = _ceil(cols, pad_to) * pad_to
+    if _use_triton(x) and rows and cols:
+        q, s = _rows_triton(x, out_cols)
+    else:
+        xf = F.pad(x.float(), (0, out_cols - cols))
+        s = scales_from_amax(xf.abs().amax(-1, keepdim=True)) if cols else torch.ones(rows, 1, device=x.device)
+        q = cast_to_fp8(xf, s)
     if check_finite:
         _check(s, "quantize_rows")
-    return Quantized(cast_to_fp8(xf, s), s, "rows")
+    return Quantized(q, s, "rows")
 
 
 def quantize(x: torch.Tensor, kind: str, *, pad_to: int = 1, check_finite: bool = True) -> Quantized:
@@ -286,18 +325,21 @@ def _legacy_scaled_mm(a: Quantized, b: Quantized) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def blockwise_supported(device_index: int) -> bool:
-    """Whether this GPU and torch build run the block-wise FP8 GEMM and get the dequantised product (probed once)."""
+    """Whether this GPU and torch build run both block-wise FP8 GEMMs (1x128 x 128x128 for the forward and input
+    gradient, 1x128 x 1x128 for the weight gradient) and get the dequantised product (probed once)."""
     device = torch.device("cuda", device_index)
     g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(128, 256, device=device, generator=g)
-    w = torch.randn(256, 256, device=device, generator=g)
-    a, b = quantize_tiles(x), quantize_blocks(w)
-    try:
-        got = scaled_matmul(a, b, out_dtype=torch.float32)
-    except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
-        return False
-    want = dequantize(a) @ dequantize(b).t()
-    return bool(((got - want).norm() / want.norm()) < 1e-2)
+    x = torch.randn(256, 384, device=device, generator=g)
+    w = torch.randn(128, 384, device=device, generator=g)
+    for a, b in ((quantize_tiles(x), quantize_blocks(w)), (quantize_tiles(x), quantize_tiles(w))):
+        try:
+            got = scaled_matmul(a, b, out_dtype=torch.float32)
+        except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
+            return False
+        want = dequantize(a) @ dequantize(b).t()
+        if not bool(((got - want).norm() / want.norm()) < 1e-2):
+            return False
+    return True
 
 
 # ---- the three GEMMs of a linear layer, and fp8_linear --------------------------------------------------------------

@@ -39,6 +39,9 @@ def test_triton_quantisation_matches_torch(shape):
         torch.testing.assert_close(got.scale.cpu(), ref.scale, rtol=0, atol=0)
         torch.testing.assert_close(got.data.cpu().float(), ref.data.float(), rtol=0, atol=0)
         assert got.scale.stride(0) == 1  # K-tile-major, as scaled_mm reads 1x128 scales
+        got, ref = fp8.quantize_rows(view, pad_to=16), fp8.quantize_rows(view.cpu(), pad_to=16)
+        torch.testing.assert_close(got.scale.cpu(), ref.scale, rtol=0, atol=0)
+        torch.testing.assert_close(got.data.cpu().float(), ref.data.float(), rtol=0, atol=0)
     got, ref = fp8.quantize_blocks(x), fp8.quantize_blocks(x.cpu())
     torch.testing.assert_close(got.scale.cpu(), ref.scale, rtol=0, atol=0)
     torch.testing.assert_close(got.data.cpu().float(), ref.data.float(), rtol=0, atol=0)
