@@ -11,6 +11,13 @@ Choices:
 - megatron's ``RotaryEmbedding`` (built inside ``GPTModel``) uses the same layout when ``rotary_interleaved`` is False;
   ``set_megatron_inv_freq`` installs HF's inverse frequencies into it (megatron hard-codes llama3's
   ``low/high_freq_factor`` and ``original_max_position_embeddings``).
+- In training, megatron applies the rotation itself (``rope_utils.apply_rotary_pos_emb`` on ``[s, b, heads, d]`` with
+  the angles ``freqs [s, 1, 1, rot]``; llama3 scaling lives only in those frequencies). ``enable_megatron_fused_rope``
+  fills megatron's fused-rope slot (``rope_utils.fused_apply_rotary_pos_emb``, Transformer Engine's when TE is
+  installed, else empty) with ``rotary_sbhd`` and sets ``config.apply_rope_fusion``: on CUDA with Triton one kernel
+  per direction (``_rope_triton.py``: cos/sin computed in registers, fp32 math, one rounding), elsewhere
+  ``apply_rotary`` with megatron's unfused numerics. Only the non-packed (bshd) call goes there: megatron's packed
+  (THD) call needs TE's kernel, and our runtime passes no ``packed_seq_params`` to the language model.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import math
 from typing import Mapping
 
 import torch
+
+from loongforge_hf.kernels._triton import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -120,3 +129,47 @@ def set_megatron_inv_freq(rotary_embedding: torch.nn.Module, inv_freq: torch.Ten
     cache_clear = getattr(type(rotary_embedding).forward, "cache_clear", None)
     if cache_clear is not None:
         cache_clear()
+
+
+class _RotarySBHD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        from loongforge_hf.kernels import _rope_triton
+
+        ctx.save_for_backward(freqs)
+        return _rope_triton.rotate(t, freqs)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        from loongforge_hf.kernels import _rope_triton
+
+        (freqs,) = ctx.saved_tensors
+        return _rope_triton.rotate(grad_out, freqs, inverse=True), None
+
+
+def rotary_sbhd(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
+                interleaved: bool = False) -> torch.Tensor:
+    """megatron's fused-rope slot: ``t [s, b, heads, d]`` rotated by the angles ``freqs [s, 1, 1, rot]`` (rotate-half
+    pairs, channels past ``rot`` unchanged)."""
+    if interleaved:
+        raise ValueError("rotary_sbhd: interleaved rotary pairs are not supported; use rotary_interleaved=False.")
+    rot = freqs.shape[-1]
+    if (use_triton(t) and t.dim() == 4 and freqs.dim() == 4 and freqs.shape[1:3] == (1, 1)
+            and freqs.shape[0] in (1, t.shape[0]) and rot % 2 == 0 and rot <= t.shape[-1]):
+        return _RotarySBHD.apply(t, freqs)
+    # NOTE: megatron's unfused numerics (rope_utils._apply_rotary_pos_emb_bshd with mscale 1): cos/sin in fp32, cast.
+    return apply_rotary(t, torch.cos(freqs), torch.sin(freqs))
+
+
+def enable_megatron_fused_rope(config) -> bool:
+    """Route megatron's rotary embedding of this config's layers through ``rotary_sbhd`` (or TE's fused rope where TE
+    filled the slot). False, changing nothing, for layouts the slot does not serve (MLA, interleaved, mRoPE)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if (getattr(config, "multi_latent_attention", False) or getattr(config, "rotary_interleaved", False)
+            or getattr(config, "mrope_section", None)):
+        return False
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = rotary_sbhd
+    config.apply_rope_fusion = True
+    return True

@@ -9,6 +9,7 @@ Choices:
   parallelism; ``get_block_spec`` wraps a layer spec with our final norm instead.
 - ``use_te=True`` hands over to megatron's Transformer Engine spec whole (TE's fused norm-linear modules differ in
   layout from the local ones, so pieces are not mixed) and fails with an ImportError when TE is not installed.
+- ``get_block_spec`` also turns on the fused rotary embedding for the config (``rope.enable_megatron_fused_rope``).
 - MoE experts are megatron's ``SequentialMLP``; ``moe_grouped_gemm=True`` without TE means megatron's legacy
   ``GroupedMLP``, which needs the ``grouped_gemm`` package: checked here, before any model is built.
 """
@@ -29,6 +30,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from loongforge_hf.kernels.attention import CoreAttention
 from loongforge_hf.kernels.rmsnorm import RMSNorm
+from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 from loongforge_hf.kernels.swiglu import SwiGLU
 
 
@@ -105,5 +107,7 @@ def final_norm_spec(*, use_te: bool = False) -> type:
 def get_block_spec(config, layer_spec: ModuleSpec, *, use_te: bool = False, vp_stage: int | None = None,
                    pp_rank: int | None = None) -> TransformerBlockSubmodules:
     """The spec to pass as ``GPTModel(transformer_layer_spec=...)``: this stage's layers plus our final norm."""
+    if not use_te:
+        enable_megatron_fused_rope(config)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
                                       layer_norm=final_norm_spec(use_te=use_te))

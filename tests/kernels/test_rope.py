@@ -132,3 +132,34 @@ def test_megatron_rotary_embedding_with_our_inv_freq_equals_hf_rotary(rotary_per
                                atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="frequencies"):
         set_megatron_inv_freq(rotary, inv_freq[:-1])
+
+
+@pytest.mark.parametrize("rot", [16, 8])
+def test_fused_rope_slot_takes_megatron_rotation_with_unfused_numerics(rot):
+    """``enable_megatron_fused_rope`` routes megatron's rotation through ``rotary_sbhd``; on CPU (torch path) the
+    result equals megatron's unfused rotation bit for bit, forward and backward, partial rotary included."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from loongforge_hf.kernels.rope import enable_megatron_fused_rope, rotary_sbhd
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    saved = rope_utils.fused_apply_rotary_pos_emb
+    try:
+        assert enable_megatron_fused_rope(config) and config.apply_rope_fusion
+        assert rope_utils.fused_apply_rotary_pos_emb in (rotary_sbhd, saved)
+        g = torch.Generator().manual_seed(0)
+        angles = torch.arange(9)[:, None] * (10000.0 ** (-torch.arange(0, rot, 2) / rot))[None]
+        freqs = torch.cat((angles, angles), -1)[:, None, None, :]
+        for dtype in (torch.float32, torch.bfloat16):
+            t = torch.randn(9, 2, 4, 16, generator=g).to(dtype)
+            dy = torch.randn(9, 2, 4, 16, generator=g).to(dtype)
+            a, b = t.clone().requires_grad_(), t.clone().requires_grad_()
+            fused = rope_utils.apply_rotary_pos_emb(a, freqs, config=config, cp_group=SimpleNamespace())
+            unfused = rope_utils._apply_rotary_pos_emb_bshd(b, freqs)
+            fused.backward(dy)
+            unfused.backward(dy)
+            assert torch.equal(fused, unfused) and torch.equal(a.grad, b.grad)
+    finally:
+        rope_utils.fused_apply_rotary_pos_emb = saved
+    interleaved = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, rotary_interleaved=True)
+    assert not enable_megatron_fused_rope(interleaved) and not interleaved.apply_rope_fusion

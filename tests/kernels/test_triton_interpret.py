@@ -27,4 +27,4 @@ def test_triton_kernels_match_torch_paths_in_the_interpreter():
     assert done.returncode == 0, done.stderr[-4000:]
     checked = json.loads(done.stdout.strip().splitlines()[-1])
     assert any(c.startswith("rms_norm(") for c in checked) and any(c.startswith("swiglu") for c in checked)
-    assert any(c.startswith("rms_norm_view") for c in checked)
+    assert any(c.startswith("rms_norm_view") for c in checked) and any(c.startswith("rope") for c in checked)
