@@ -97,19 +97,20 @@ def pickle_load_then_saves(pickle_dir: str, out_root: str) -> dict:
     with torch.no_grad():
         results["logit_diff"] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
 
-    real_add = writer_module.CheckpointWriter.add
+    real_add, real_add_part = writer_module.CheckpointWriter.add, writer_module.CheckpointWriter.add_part
     added = []
 
-    def crash_at_fifth_tensor(self, name, tensor):
+    def crash_at_fifth_tensor(self, name, tensor, **block):  # NOTE: whole tensors (add) and TP blocks (add_part)
         added.append(name)
         if len(added) == 5:
             raise RuntimeError(f"simulated crash while writing tensor #5 ({name})")
-        real_add(self, name, tensor)
+        (real_add_part(self, name, tensor, **block) if block else real_add(self, name, tensor))
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with mock.patch.object(writer_module.CheckpointWriter, "add", crash_at_fifth_tensor):
+    with mock.patch.object(writer_module.CheckpointWriter, "add", crash_at_fifth_tensor), \
+            mock.patch.object(writer_module.CheckpointWriter, "add_part", crash_at_fifth_tensor):
         results["crash"] = _outcome(lambda: model.save_pretrained(root / "crash", max_shard_size="20KB"))
     with _patch_disk_writes(disk_full):
         results["disk_full"] = _outcome(lambda: model.save_pretrained(root / "full", max_shard_size="20KB"))
