@@ -15,6 +15,9 @@ Choices:
   each chunk's logits, since per-token output grads are only known then.
 - ``z_loss`` adds ``z_loss * logsumexp^2`` per token (PaLM's auxiliary loss). Ignored tokens contribute 0; the caller
   divides by its token count.
+- On CUDA with Triton and without tensor parallelism, each chunk's loss and logits grad come from one Triton kernel
+  (``_cross_entropy_triton.py``) that works on the logits in their own dtype, in place: the grad is rounded to that
+  dtype as the torch path rounds it before the grad matmuls. The torch path is the CPU/TP path and the reference.
 - Labels outside ``[0, vocab_size)`` other than ``ignore_index`` raise (one host sync per call) instead of silently
   reading a wrong logit.
 """
@@ -25,6 +28,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from loongforge_hf.kernels._triton import use_triton
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
@@ -47,8 +52,19 @@ class _Plan:
         self.z_loss = z_loss
         self.group = group
 
-    def chunk(self, hidden: torch.Tensor, weight: torch.Tensor, rows: slice, *, with_grad: bool):
-        """Loss ``[c]`` of the tokens in ``rows`` and, when asked, d(loss)/d(logits) ``[c, V_local]`` in fp32."""
+    def chunk(self, hidden: torch.Tensor, weight: torch.Tensor, rows: slice, *, with_grad: bool,
+              row_scale: torch.Tensor | None = None):
+        """Loss ``[c]`` of the tokens in ``rows`` and, when asked, d(loss)/d(logits) ``[c, V_local]`` (fp32, or the
+        input dtype from the Triton kernel), times ``row_scale [c]`` when given."""
+        if self.group is None and use_triton(hidden):
+            from loongforge_hf.kernels import _cross_entropy_triton
+
+            logits = hidden[rows] @ weight.t()
+            loss = _cross_entropy_triton.chunk_loss(
+                logits, self.local_label[rows], self.in_shard[rows], self.valid[rows], real_cols=self.real_rows,
+                z_loss=self.z_loss, with_grad=with_grad,
+                row_scale=row_scale.to(torch.float32).contiguous() if row_scale is not None else None)
+            return loss, (logits if with_grad else None)
         logits = (hidden[rows] @ weight.t()).to(torch.float32)
         if self.real_rows < self.v_local:
             logits[:, self.real_rows:] = float("-inf")
@@ -74,6 +90,8 @@ class _Plan:
             probs.mul_((1 + 2 * self.z_loss * lse)[:, None])
         probs.scatter_add_(1, local_label[:, None], -in_shard.to(probs.dtype)[:, None])
         probs.mul_(valid.to(probs.dtype)[:, None])
+        if row_scale is not None:
+            probs.mul_(row_scale.to(torch.float32)[:, None])
         return loss, probs
 
 
@@ -119,8 +137,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         for rows in _chunks(hidden.shape[0], ctx.chunk_size):
-            _, grad_logits = ctx.plan.chunk(hidden, weight, rows, with_grad=True)
-            grad_logits.mul_(grad_loss[rows].to(torch.float32)[:, None])
+            _, grad_logits = ctx.plan.chunk(hidden, weight, rows, with_grad=True, row_scale=grad_loss[rows])
             _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight)
         if grad_hidden is not None:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.plan.group)
@@ -137,8 +154,13 @@ def _accumulate(grad_logits, hidden_rows, weight, rows, grad_hidden, grad_weight
 
 
 def _default_chunk_size(n: int, hidden_size: int, v_local: int) -> int:
-    # NOTE: one chunk of fp32 logits about as large as the hidden states themselves (Liger's rule of thumb).
-    return max(1, min(n, math.ceil(n / max(1, math.ceil(v_local / hidden_size)))))
+    # NOTE: one chunk of fp32 logits about as large as the hidden states themselves (Liger's rule of thumb), but at
+    # least 256 MiB of them: a few hundred token rows keep the logits matmuls efficient on a GPU.
+    liger = math.ceil(n / max(1, math.ceil(v_local / hidden_size)))
+    return max(1, min(n, max(liger, math.ceil(_MIN_CHUNK_BYTES / (4 * v_local)))))
+
+
+_MIN_CHUNK_BYTES = 256 * 2 ** 20
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
