@@ -208,7 +208,7 @@ class AutoModelForCausalLM:
         if fp8 is not None:  # NOTE: FP8 linear layers, see docs/fp8.md
             from loongforge_hf.kernels.fp8_linear import check_fp8_request, enable_fp8
 
-            check_fp8_request(fp8)
+            check_fp8_request(fp8, fp8_recipe)
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them.")
         sizes = dict(zip(PARALLEL_KWARGS, (tensor_parallel_size, pipeline_parallel_size,

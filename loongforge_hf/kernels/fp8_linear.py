@@ -52,9 +52,13 @@ def check_fp8_mode(fp8: str | None) -> None:
         raise ValueError(f"fp8={fp8!r} is not supported; use None, 'on' or 'adaptive'.")
 
 
-def check_fp8_request(fp8: str | None) -> None:
-    """``from_pretrained(fp8=...)`` before anything is built: a known mode, and a CUDA backend to run it on."""
+def check_fp8_request(fp8: str | None, recipe: str | None = None) -> None:
+    """``from_pretrained(fp8=..., fp8_recipe=...)`` before anything is built: a known mode and recipe, and a CUDA
+    backend to run them on."""
     check_fp8_mode(fp8)
+    if recipe is not None and recipe not in RECIPES:
+        raise Fp8Error(f"fp8_recipe={recipe!r} is not supported; use one of {RECIPES} (Transformer Engine recipes are "
+                       "not offered by this backend, see docs/fp8.md).")
     from loongforge_hf.xpu import get_backend
 
     backend = get_backend().name

@@ -86,6 +86,13 @@ def test_bad_inputs_name_the_problem():
         scaled_matmul(quantize_tiles(torch.randn(4, 96)), quantize_blocks(torch.randn(128, 96)))
     with pytest.raises(Fp8Error, match="recipe"):
         fp8_linear(torch.randn(2, 128), torch.randn(128, 128), recipe="tensorwise")
+    from loongforge_hf.kernels.fp8_linear import check_fp8_request
+
+    with pytest.raises(ValueError, match="None, 'on' or 'adaptive'"):
+        check_fp8_request("e4m3")
+    with pytest.raises(Fp8Error, match="Transformer Engine recipes are not offered"):
+        check_fp8_request("on", "delayed")
+    check_fp8_request(None)  # fp8 off: nothing to check, whatever the backend
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
