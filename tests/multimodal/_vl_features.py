@@ -137,14 +137,27 @@ def hf_padded_loss(folder: str) -> float:
 
 
 def train_packed(folder: str, out_dir: str) -> dict:
-    """LoongTrainer (TP1), 3 steps, padded batches then packed batches of the same samples: logged losses."""
+    """3 steps (TP1) on the same samples: LoongTrainer on padded batches, LoongTrainer on packed batches,
+    LoongSFTTrainer (a ``datasets.Dataset`` of processor outputs, TRL's preparation skipped) on packed batches."""
+    import datasets
+    import trl
+    from transformers import AutoTokenizer
+
     import loongforge_hf as lf
 
     out = {}
-    for name, kwargs in (("padded", {}), ("packed", {"packing": True})):
+    for name in ("padded", "packed", "sft_packed"):
         model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-        trainer = lf.LoongTrainer(model=model, args=vl_training_args(f"{out_dir}/{name}"),
-                                  train_dataset=train_features(folder), data_collator=collator(folder, **kwargs))
+        data_collator = collator(folder, packing=name != "padded")
+        if name == "sft_packed":
+            args = trl.SFTConfig(**{**vl_training_args(f"{out_dir}/{name}").to_dict(), "hub_token": None,
+                                    "dataset_kwargs": {"skip_prepare_dataset": True}})
+            rows = datasets.Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train_features(folder)])
+            trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=rows, data_collator=data_collator,
+                                         processing_class=AutoTokenizer.from_pretrained(folder))
+        else:
+            trainer = lf.LoongTrainer(model=model, args=vl_training_args(f"{out_dir}/{name}"),
+                                      train_dataset=train_features(folder), data_collator=data_collator)
         trainer.train()
         out[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return out

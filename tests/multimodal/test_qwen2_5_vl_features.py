@@ -34,8 +34,8 @@ def check_packed(r: dict) -> None:
 
 def test_videos_and_packing_one_rank(checkpoint, tmp_path):
     """Images and videos mixed in a batch (a video of 3 temporal patches, 0.5 s each; one of 2 at 1.5 s) at TP1;
-    packed vs padded at TP1 (and the padded loss against transformers'); LoongTrainer on packed batches logs the
-    losses it logs on padded batches of the same samples."""
+    packed vs padded at TP1 (and the padded loss against transformers'); LoongTrainer and LoongSFTTrainer on packed
+    batches log the losses LoongTrainer logs on padded batches of the same samples."""
     d = str(checkpoint)
     calls = [("video", "compare_videos", d, {}), ("packed", "compare_packed", d, {}),
              ("hf_padded", "hf_padded_loss", d), ("train", "train_packed", d, str(tmp_path))]
@@ -46,6 +46,7 @@ def test_videos_and_packing_one_rank(checkpoint, tmp_path):
     train = got["train"]
     assert len(train["packed"]) == len(train["padded"]) == 3
     assert train["packed"] == pytest.approx(train["padded"], rel=1e-4)
+    assert train["sft_packed"] == pytest.approx(train["padded"], rel=1e-4)
     assert train["packed"][-1] < train["packed"][0]
 
 
