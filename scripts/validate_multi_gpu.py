@@ -191,16 +191,18 @@ def launch(jobs: list[dict], work: Path, results: Path, *, smoke: bool, deadline
     log = work / f"{jobs_file.stem}.log"
     killed = threading.Event()
 
-    def kill() -> None:  # the launcher and its ranks: the process group this call started
+    def kill() -> None:
+        # NOTE: torchrun starts each rank in a session of its own: the ranks are found as the launcher's descendants
+        # (before the launcher dies and they are re-parented) and killed by pid, then the launcher.
         killed.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         timer = threading.Timer(max(deadline - time.time(), 0.0), kill)
         timer.start()
         try:
@@ -214,6 +216,23 @@ def launch(jobs: list[dict], work: Path, results: Path, *, smoke: bool, deadline
     if killed.is_set():
         return 124, "killed at the time budget\n" + log.read_text()[-3000:]
     return proc.returncode, log.read_text()[-4000:]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def run_all(jobs: list[dict], work: Path, results: Path, report: dict, out: Path, *, smoke: bool,
@@ -236,9 +255,12 @@ def run_all(jobs: list[dict], work: Path, results: Path, report: dict, out: Path
                 report["jobs"][j["name"]] = {**json.loads((results / f"{j['name']}.json").read_text()), **_meta(j)}
             todo = [j for j in todo if j not in done]
             if todo:  # the launch ended inside todo[0]: record it, relaunch the rest
-                report["jobs"][todo[0]["name"]] = {"status": "crashed", "error": f"launch exit {rc}", "log": tail,
+                over = time.time() > deadline
+                report["jobs"][todo[0]["name"]] = {"status": "killed" if over else "crashed", "log": tail,
+                                                   "error": "time budget spent" if over else f"launch exit {rc}",
                                                    **_meta(todo[0])}
-                stamp(f"{todo[0]['name']} ended its launch (exit {rc}); relaunching the {len(todo) - 1} left")
+                if not over:
+                    stamp(f"{todo[0]['name']} ended its launch (exit {rc}); relaunching the {len(todo) - 1} left")
                 todo = todo[1:]
             summarize(report)
             out.write_text(json.dumps(report, indent=1))
