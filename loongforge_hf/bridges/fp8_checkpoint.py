@@ -87,9 +87,12 @@ class DequantizingReader:
             return self.reader.get(name)
         return self._dequantize(name, self.reader.get(name), self.reader.get(name + SCALE_SUFFIX))
 
-    def get_slice(self, name: str, *, dim: int, start: int, stop: int) -> torch.Tensor:
+    def get_slice(self, name: str, *, dim: int, start: int, stop: int, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         if name not in self.fp8:
-            return self.reader.get_slice(name, dim=dim, start=start, stop=stop)
+            return self.reader.get_slice(name, dim=dim, start=start, stop=stop, out=out)
+        if out is not None:
+            return out.copy_(self.get_slice(name, dim=dim, start=start, stop=stop))
         dim %= 2
         first, last = start // GROUP, -(-stop // GROUP)
         # NOTE: read the FP8 rows/columns of whole blocks, dequantise, then cut the slice out of the first block.

@@ -180,6 +180,9 @@ def test_dequantizing_reader_slices(tmp_path):
             torch.testing.assert_close(reader.get_slice("a.weight", dim=dim, start=start, stop=stop),
                                        full.narrow(dim, start, stop - start), rtol=0, atol=0)
         assert torch.equal(reader.get("b.weight"), w)
+        into = torch.empty(100, 200, dtype=torch.bfloat16)
+        assert reader.get_slice("a.weight", dim=0, start=100, stop=200, out=into) is into
+        torch.testing.assert_close(into, full[100:200], rtol=0, atol=0)
 
 
 def _write_fp8_copies(src, fp8_dir, deq_dir):
