@@ -17,6 +17,9 @@ Choices:
 - Context parallelism (``context_parallel_size``): the language model runs on megatron's load-balanced share of the
   sequence on each CP rank (``multimodal.context_parallel``); the sequence length must be a multiple of 2 x CP. The
   returned loss and logits are the whole sequence's; each rank's gradient is its share's (megatron's DDP sums them).
+- Recompute per component: ``vision_recompute`` checkpoints each ViT block (torch.utils.checkpoint),
+  ``language_recompute`` checkpoints each decoder layer the same way (megatron's own full recompute needs CUDA RNG
+  state and would restore megatron's TP RNG tracker; these models train without dropout, which is checked).
 - Freezing a component sets ``requires_grad=False`` on its parameters, so megatron's DDP and optimizer (and any torch
   optimizer over trainable parameters) never see them: vision = patch embedding and ViT blocks, projector = the
   patch merger, language = the megatron model.
@@ -221,6 +224,7 @@ class AutoModelForImageTextToText:
                         virtual_pipeline_parallel_size: int | None = None, context_parallel_size: int | None = None,
                         sequence_parallel: bool | None = None, parallel=None, vision_tensor_parallel_size: int = 1,
                         vision_data_parallel: bool = False, vision_recompute: bool = False,
+                        language_recompute: bool = False,
                         freeze_vision: bool = False, freeze_projector: bool = False, freeze_language: bool = False,
                         dtype: Any = None, torch_dtype: Any = None, revision: str | None = None,
                         cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
@@ -271,6 +275,8 @@ class AutoModelForImageTextToText:
             from megatron.core import parallel_state as ps
 
             language = build_megatron_model(bridge.text, layout, dtype=param_dtype)
+            if language_recompute:
+                _recompute_every_layer(language)
             load_into(language, bridge.text, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
                       tp_size=ps.get_tensor_model_parallel_world_size())
             tp_group = ps.get_tensor_model_parallel_group() if layout.tensor_parallel_size > 1 else None
@@ -296,6 +302,26 @@ class AutoModelForImageTextToText:
         return LoongModelForImageTextToText(hf_config=hf_config, bridge=bridge, language_model=language,
                                             chunks=chunks, parallel=layout, source=folder,
                                             vision_layout=vision_layout)
+
+
+def _recompute_every_layer(language) -> None:
+    """Activation checkpointing of each decoder layer in training (non-reentrant ``torch.utils.checkpoint``)."""
+    for chunk in language.chunks:
+        config = chunk.config
+        if config.hidden_dropout or config.attention_dropout:
+            # NOTE: the recomputation would draw other dropout masks from megatron's TP RNG tracker.
+            raise ValueError("language_recompute=True needs hidden_dropout = attention_dropout = 0 (got "
+                             f"{config.hidden_dropout}, {config.attention_dropout}).")
+        for layer in chunk.decoder.layers:
+            layer.forward = _checkpointed(layer, layer.forward)
+
+
+def _checkpointed(layer, forward):
+    def run(*args, **kwargs):
+        if layer.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+    return run
 
 
 def _freeze(chunks, bridge, *, vision: bool, projector: bool, language: bool) -> None:

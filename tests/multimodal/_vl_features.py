@@ -87,6 +87,11 @@ def compare_videos(folder: str, layout: dict, multiple: int = 4) -> dict:
 
     batch, ref_logits, ref_loss, ref_grads = hf_reference(folder, multiple)
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    calls = {"attention": 0, "vision_attention": 0}
+    model.chunks[0].language.decoder.layers[0].self_attention.register_forward_pre_hook(
+        lambda *_: calls.__setitem__("attention", calls["attention"] + 1))
+    model.vision_tower.blocks[0].attn.register_forward_pre_hook(
+        lambda *_: calls.__setitem__("vision_attention", calls["vision_attention"] + 1))
     out = model(**batch)
     out.loss.backward()
     grads = vision_grads(model)
@@ -98,7 +103,7 @@ def compare_videos(folder: str, layout: dict, multiple: int = 4) -> dict:
             "loss_diff": abs(out.loss.item() - ref_loss.item()), "loss": out.loss.item(),
             "grad_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
             "same_grad_names": sorted(grads) == sorted(ref_grads), "shape": tuple(out.logits.shape),
-            "batch_shape": tuple(batch["input_ids"].shape)}
+            "batch_shape": tuple(batch["input_ids"].shape), "forward_calls": calls}
 
 
 def packing_features(folder: str) -> list:

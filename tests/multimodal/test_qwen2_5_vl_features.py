@@ -33,14 +33,21 @@ def check_packed(r: dict) -> None:
 
 
 def test_videos_and_packing_one_rank(checkpoint, tmp_path):
-    """Images and videos mixed in a batch (a video of 3 temporal patches, 0.5 s each; one of 2 at 1.5 s) at TP1;
+    """Images and videos mixed in a batch (a video of 3 temporal patches, 0.5 s each; one of 2 at 1.5 s) at TP1, also
+    with the language model and the vision tower recomputed (per-component activation checkpointing);
     packed vs padded at TP1 (and the padded loss against transformers'); LoongTrainer and LoongSFTTrainer on packed
     batches log the losses LoongTrainer logs on padded batches of the same samples."""
     d = str(checkpoint)
-    calls = [("video", "compare_videos", d, {}), ("packed", "compare_packed", d, {}),
+    calls = [("video", "compare_videos", d, {}),
+             ("recompute", "compare_videos", d, {"language_recompute": True, "vision_recompute": True}),
+             ("packed", "compare_packed", d, {}),
              ("hf_padded", "hf_padded_loss", d), ("train", "train_packed", d, str(tmp_path))]
     got = run_distributed(run_many, 1, calls, timeout=400)[0]
     check_parity(got["video"])
+    check_parity(got["recompute"])
+    # each first layer ran once more in backward with recompute, once without
+    assert got["video"]["forward_calls"] == {"attention": 1, "vision_attention": 1}, got["video"]
+    assert got["recompute"]["forward_calls"] == {"attention": 2, "vision_attention": 2}, got["recompute"]
     check_packed(got["packed"])
     assert got["packed"]["loss_padded"] == pytest.approx(got["hf_padded"], abs=TOL)
     train = got["train"]
