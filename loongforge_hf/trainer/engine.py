@@ -6,6 +6,10 @@ Choices:
 - The loss of the last stage is the fused linear cross-entropy (``runtime.fused_loss_sum``) of the final hidden
   states and the output weight: full-vocabulary logits are never built (``fused_loss=False`` keeps megatron's output
   layer and the cross-entropy on materialised logits, for comparisons).
+- Without Transformer Engine or Apex megatron builds ``torch.optim.AdamW`` with its default (foreach) implementation
+  over the fp32 main weights; on CUDA the engine switches it to torch's fused implementation (one kernel per step and
+  dtype group; same update up to rounding) before the first step (``fused_adam``). Lower-precision optimizer state
+  (``use_precision_aware_optimizer``) needs TE's FusedAdam in megatron-core 0.16 and is not used.
 - Loss is summed per token and megatron divides gradients by the global label-token count of the step
   (``calculate_per_token_loss``): the gradient of the mean over all label tokens of the global batch, as Trainer does.
 - Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
@@ -36,7 +40,8 @@ class StepResult:
 class MegatronEngine:
     """Owns the DDP-wrapped chunks and the optimizer of a ``LoongModelForCausalLM``."""
 
-    def __init__(self, model, *, args, overlap_grad_reduce: bool = True, fused_loss: bool = True) -> None:
+    def __init__(self, model, *, args, overlap_grad_reduce: bool = True, fused_loss: bool = True,
+                 fused_adam: bool | None = None) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -64,12 +69,25 @@ class MegatronEngine:
             for group in opt.param_groups:
                 group["weight_decay"] = args.weight_decay * group.get("wd_mult", 1.0)
                 group["lr"] = args.learning_rate * group.get("lr_mult", 1.0)
+        if fused_adam is None:
+            fused_adam = model.device.type == "cuda"
+        if fused_adam:
+            self._use_fused_adam()
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         if overlap_grad_reduce:
             config.no_sync_func = [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
             config.grad_sync_func = [c.start_grad_sync for c in self.chunks] if len(self.chunks) > 1 \
                 else self.chunks[0].start_grad_sync
+
+    def _use_fused_adam(self) -> None:
+        """Switch megatron's torch AdamW(s) to torch's fused implementation (before any step: the fused one keeps its
+        step counts as tensors on the parameters' device)."""
+        for opt in self.inner_optimizers():
+            if type(opt) not in (torch.optim.AdamW, torch.optim.Adam) or any(opt.state.values()):
+                continue
+            for group in [opt.defaults, *opt.param_groups]:
+                group["fused"], group["foreach"] = True, False
 
     # ---- the torch optimizers transformers' schedulers drive ---------------------------------------------------
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:

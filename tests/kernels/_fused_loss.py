@@ -2,7 +2,9 @@
 
 Each layout loads the same tiny checkpoint twice and compares the fused linear cross-entropy path (the default) with
 the materialised-logits path on this rank: the loss of ``forward(labels=..., return_logits=False)`` and its parameter
-gradients (pipeline size 1), then one ``MegatronEngine`` step (loss, gradient norm and the updated weights).
+gradients (pipeline size 1), then one ``MegatronEngine`` step (loss, gradient norm and the updated weights); the fused
+run also switches megatron's AdamW to torch's fused implementation (``fused_adam=True``; CPU has one too), the
+materialised run keeps megatron's foreach AdamW.
 fp32 throughout: only summation order differs, hence 1e-5 (weights after one Adam step of lr 1e-3: Adam normalises
 the gradient, so 1e-5 is 1% of a step even for gradients near zero).
 """
@@ -68,7 +70,9 @@ def fused_matches_materialised(folder: str, out_dir: str, layouts: list[str]) ->
             else:
                 with torch.no_grad():
                     res["loss"] = model(**batches[0], return_logits=not fused).loss
-            engine = MegatronEngine(model, args=args, fused_loss=fused)
+            engine = MegatronEngine(model, args=args, fused_loss=fused, fused_adam=fused)
+            inner = engine.inner_optimizers()
+            assert inner and all(bool(g["fused"]) is fused for o in inner for g in o.param_groups), name
             step = engine.train_step(batches)
             res["step"] = (step.loss, step.grad_norm, step.num_tokens)
             res["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
