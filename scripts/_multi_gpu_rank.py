@@ -85,6 +85,12 @@ def run_job(job: dict, work: Path) -> dict:
         seed=0, report_to=[], save_strategy="no", bf16=not smoke, use_cpu=smoke, disable_tqdm=True,
         dataloader_drop_last=True)
     trainer = lf.LoongTrainer(model=model, args=args, train_dataset=TokenRows(ids))
+    if not job.get("fused_loss", True):
+        from loongforge_hf.trainer.engine import MegatronEngine
+
+        # NOTE: megatron's combined 1F1B schedule (A2A overlap) runs the output layer itself, so the engine computes
+        # the loss on materialised logits there; runs compared with it take the same loss path.
+        trainer.engine = MegatronEngine(model, args=args, fused_loss=False)
     t1 = time.time()
     trainer.train()
     train_s = time.time() - t1
@@ -94,6 +100,7 @@ def run_job(job: dict, work: Path) -> dict:
     world = int(os.environ.get("WORLD_SIZE", 1))
     peak, _ = _device_stats(device)
     result = {"layout": job["layout"], "megatron_config": job.get("megatron_config") or {}, "world_size": world,
+              "fused_loss": job.get("fused_loss", True),
               "micro_batch": micro, "grad_accum": ga, "seq": seq, "dp": dp, "steps": steps,
               "global_tokens_per_step": micro * ga * dp * seq,
               "losses": [h["loss"] for h in logs], "tokens_per_second": tps,
