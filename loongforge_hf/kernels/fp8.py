@@ -12,10 +12,11 @@ Choices:
   ``scaled_matmul(a, b)`` computes ``a @ b.T`` whatever the recipe; the GEMM's column-major second operand is then a
   free ``.t()`` view.
 - GEMMs go through ``torch.nn.functional.scaled_mm`` (``BlockWise1x128`` x ``BlockWise128x128`` or
-  ``BlockWise1x128`` x ``BlockWise1x128``, or ``RowWise``), output bf16. Block-wise scaling needs a CUDA build of
-  torch that implements it on the GPU in use (cuBLAS on SM90+); ``blockwise_supported`` probes that once, checking the
-  result against the dequantised product. Off CUDA, row-wise runs torch's CPU kernel and block-wise is emulated
-  (dequantise, fp32 matmul): the same numbers up to accumulation order, so the recipes are testable on CPU.
+  ``BlockWise1x128`` x ``BlockWise1x128``) or, row-wise, ``torch._scaled_mm``; output bf16. Block-wise scaling
+  needs a CUDA build of torch that implements it on the GPU in use (cuBLAS on SM90+); ``blockwise_supported`` probes
+  that once, checking the result against the dequantised product. Off CUDA, row-wise runs torch's CPU kernel and
+  block-wise is emulated (dequantise, fp32 matmul): the same numbers up to accumulation order, so the recipes are
+  testable on CPU.
 - Non-finite values cannot be scaled: ``check_finite=True`` (the default of the public functions) raises
   ``Fp8Error`` naming the operand. It costs a device sync, so the training path (``fp8_linear``) turns it off: there a
   NaN/inf input gives a NaN output, which the loss check of the training loop reports.
@@ -166,7 +167,8 @@ def _blocks_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=w.device)
     s = torch.empty(_ceil(rows, GROUP), _ceil(cols, GROUP), dtype=torch.float32, device=w.device)
-    _blocks_kernel[s.shape](w, q, s, rows, cols, w.stride(0), w.stride(1), s.shape[1], BLOCK=GROUP, FMAX=FP8_MAX)
+    _blocks_kernel[s.shape](w, q, s, rows, cols, w.stride(0), w.stride(1), s.shape[1], BLOCK=GROUP, FMAX=FP8_MAX,
+                            num_warps=8)
     return q, s
 
 
@@ -278,8 +280,6 @@ def _scaled_mm_args(a: Quantized, b: Quantized):
     """(scale_a, recipe_a, scale_b, recipe_b) in the layouts ``torch.nn.functional.scaled_mm`` reads."""
     from torch.nn.functional import ScalingType
 
-    if a.kind == "rows" and b.kind == "rows":
-        return a.scale.contiguous(), ScalingType.RowWise, b.scale.reshape(1, -1).contiguous(), ScalingType.RowWise
     if a.kind != "tiles" or b.kind not in ("tiles", "blocks"):
         raise Fp8Error(f"scaled_matmul: no FP8 GEMM for a {a.kind} x {b.kind} pair; use tiles x blocks, tiles x "
                        "tiles or rows x rows.")
@@ -305,9 +305,14 @@ def _check_gemm(a: Quantized, b: Quantized) -> None:
 def scaled_matmul(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``a @ b.T`` from two quantised operands (``[M, K]`` and ``[N, K]``), result ``[M, N]`` in ``out_dtype``."""
     _check_gemm(a, b)
-    if a.data.is_cuda or a.kind == "rows":
-        if not hasattr(F, "scaled_mm"):  # NOTE: torch < 2.10 has only the older entry point (shapes pick the recipe)
-            return _legacy_scaled_mm(a, b).to(out_dtype)
+    if (a.kind == "rows") != (b.kind == "rows"):
+        raise Fp8Error(f"scaled_matmul: no FP8 GEMM for a {a.kind} x {b.kind} pair; use tiles x blocks, tiles x "
+                       "tiles or rows x rows.")
+    if a.kind == "rows" or (a.data.is_cuda and not hasattr(F, "scaled_mm")):
+        # NOTE: row-wise through torch._scaled_mm, the entry point every torch since 2.5 has (shapes pick the recipe);
+        # block-wise needs torch.nn.functional.scaled_mm's explicit recipes where that exists (torch >= 2.10).
+        return _legacy_scaled_mm(a, b).to(out_dtype)
+    if a.data.is_cuda:
         scale_a, recipe_a, scale_b, recipe_b = _scaled_mm_args(a, b)
         out = F.scaled_mm(a.data, b.data.t(), scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16)
         return out.to(out_dtype)
