@@ -30,7 +30,8 @@ What it does:
 - scaling: DP1/DP2/DP4 of the dense model, micro-batch 4 x 1024 per GPU, 15 steps (median of the last 10).
 - big: TP4, TP2xPP2, PP4 of the 8B shape, micro-batch 1 x 1024, gradient accumulation 8, 8 steps (median of the last 5).
 
-Progress lines carry timestamps; --out is rewritten after every launch, so a timeout still leaves results.
+Progress lines carry timestamps; --out is rewritten after every launch (the ranks' logs go to <out>_logs/), so a
+timeout still leaves results.
 --budget-s (default 540) stops starting launches once spent and kills one that runs past it.
 """
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -266,6 +268,10 @@ def run_all(jobs: list[dict], work: Path, results: Path, report: dict, out: Path
                 todo = todo[1:]
             summarize(report)
             out.write_text(json.dumps(report, indent=1))
+            logs = out.parent / f"{out.stem}_logs"  # the ranks' full output, beside the report
+            logs.mkdir(exist_ok=True)
+            for log in work.glob("jobs_*.log"):
+                shutil.copy(log, logs / log.name)
 
 
 def _meta(j: dict) -> dict:
