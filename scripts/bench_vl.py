@@ -16,7 +16,8 @@ optimizer, fp32 main weights and gradients), the step LoongTrainer takes. Each s
 (``_bench_harness``): median step time over ``--steps`` after ``--warmup``, allocator peak, losses; JSON to --out.
 
     python scripts/bench_vl.py [--steps 10] [--warmup 3] [--samples 4] [--images 1] [--text 1024]
-                               [--stacks transformers,loongforge] [--out outputs/bench_vl.json]
+                               [--stacks transformers,loongforge] [--vision-recompute] [--language-recompute]
+                               [--out outputs/bench_vl.json]
     python scripts/bench_vl.py --tiny --device cpu          # a dry run
 """
 
@@ -146,13 +147,15 @@ def build_loongforge(folder: str, device: H.Device, args):
     from loongforge_hf.trainer.engine import MegatronEngine
 
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16,
-                                                           vision_recompute=args.vision_recompute)
+                                                           vision_recompute=args.vision_recompute,
+                                                           language_recompute=args.language_recompute)
     targs = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_vl_"), learning_rate=LR,
                                            weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, report_to=[])
     engine = MegatronEngine(model, args=targs)
     inner = engine.inner_optimizers()
     info = {"parameters": sum(p.numel() for p in model.parameters()), "device": str(model.device),
             "vision_layout": model.vision_layout, "vision_recompute": args.vision_recompute,
+            "language_recompute": args.language_recompute,
             "optimizer": f"megatron DistributedOptimizer over {type(inner[0]).__module__}.{type(inner[0]).__name__}"}
 
     def step(batch):
@@ -192,6 +195,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vision-recompute", action="store_true")
+    p.add_argument("--language-recompute", action="store_true")
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     os.environ["LOONGFORGE_DEVICE"] = args.device
@@ -220,6 +224,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--images", type=int, default=1, help="448x448 images per sample")
     p.add_argument("--text", type=int, default=1024, help="text tokens per sample")
     p.add_argument("--vision-recompute", action="store_true", help="loongforge: checkpoint each ViT block")
+    p.add_argument("--language-recompute", action="store_true", help="loongforge: checkpoint each decoder layer")
     p.add_argument("--out", default="outputs/bench_vl.json")
     p.add_argument("--checkpoint", default="/tmp/loongforge_bench_vl")
     p.add_argument("--keep-checkpoint", action="store_true")
@@ -239,7 +244,7 @@ def main(argv: list[str]) -> int:
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python", *sys.argv]), "config": config_kwargs(args.tiny),
               "settings": {k: getattr(args, k) for k in ("steps", "warmup", "samples", "images", "text", "tiny",
-                                                         "vision_recompute")}
+                                                         "vision_recompute", "language_recompute")}
               | {"image_side": image_side(args.tiny), "lr": LR, "max_grad_norm": MAX_GRAD_NORM}, "results": {}}
     folder = Path(args.checkpoint + ("-tiny" if args.tiny else ""))
     if not (folder / "config.json").is_file():
@@ -255,7 +260,8 @@ def main(argv: list[str]) -> int:
     common = ["--folder", str(folder), "--device", args.device, "--steps", str(args.steps), "--warmup",
               str(args.warmup), "--samples", str(args.samples), "--images", str(args.images), "--text",
               str(args.text)] + (["--tiny"] if args.tiny else []) \
-        + (["--vision-recompute"] if args.vision_recompute else [])
+        + (["--vision-recompute"] if args.vision_recompute else []) \
+        + (["--language-recompute"] if args.language_recompute else [])
     for stack in stacks:
         r = H.run_worker([__file__, "--worker", "run", "--stack", stack, *common], log_path=log,
                          timeout_s=args.worker_timeout)
