@@ -160,7 +160,7 @@ class Fp8Autotuner:
 
     def decide(self, gemm: str, m: int, n: int, k: int, *, device: torch.device, dtype: torch.dtype,
                where: str) -> bool:
-        gpu = torch.cuda.get_device_name(device)
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         entry = self.lookup(gpu, gemm, m, n, k)
         if entry is None:
             bf16, fp8 = _gemm_pair(gemm, m, n, k, self.recipe, device, dtype)

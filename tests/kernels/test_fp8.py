@@ -215,7 +215,7 @@ def _write_fp8_copies(src, fp8_dir, deq_dir):
     assert load_file(fp8_dir / "model.safetensors")["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
 
 
-def _model_checks(fp8_dir: str, deq_dir: str, moe_dir: str, out_dir: str) -> dict:
+def _model_checks(fp8_dir: str, deq_dir: str, moe_dir: str, out_dir: str, cache: str) -> dict:
     import loongforge_hf as lf
     from loongforge_hf.kernels.fp8_linear import disable_fp8, swap_linears
 
@@ -242,6 +242,15 @@ def _model_checks(fp8_dir: str, deq_dir: str, moe_dir: str, out_dir: str) -> dic
     disable_fp8(model.chunks)
     with torch.no_grad():
         result["disabled_equal"] = torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+    # adaptive, from a cache that says: forward GEMMs in bf16, backward GEMMs in FP8 (no timing needed)
+    report = swap_linears(model.chunks, mode="adaptive", recipe="blockwise", cache_path=cache)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    with torch.no_grad():
+        result["adaptive_fwd_equal"] = torch.equal(out.logits, ref(input_ids=ids).logits)
+    result["adaptive_rows"] = [row[:3] + row[5:] for row in report.autotuner.rows]
+    disable_fp8(model.chunks)
     try:
         lf.AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32, fp8="on")
         result["cpu_error"] = None
@@ -273,7 +282,16 @@ def test_fp8_checkpoint_loads_dequantised_and_swap_touches_eligible_layers(tmp_p
     fp8_dir, deq_dir, out_dir = tmp_path / "fp8", tmp_path / "deq", tmp_path / "out"
     _write_fp8_copies(src, fp8_dir, deq_dir)
     assert AutoConfig.from_pretrained(fp8_dir).quantization_config["quant_method"] == "fp8"
-    (r,) = run_distributed(_model_checks, 1, str(fp8_dir), str(deq_dir), str(moe), str(out_dir), timeout=240)
+    cache = tmp_path / "fp8_autotune.json"
+    tuner = Fp8Autotuner("blockwise", cache)
+    shapes = {"linear_qkv": (256, 128), "linear_proj": (128, 128), "linear_fc1": (512, 128), "linear_fc2": (128, 256)}
+    for n, k in shapes.values():  # 32 tokens a step; the forward slower in FP8, both backward GEMMs faster
+        tuner.record("cpu", "fwd", 32, n, k, bf16_ms=1.0, fp8_ms=2.0)
+        tuner.record("cpu", "dgrad", 32, k, n, bf16_ms=2.0, fp8_ms=1.0)
+        tuner.record("cpu", "wgrad", n, k, 32, bf16_ms=2.0, fp8_ms=1.0)
+    tuner.save()
+    (r,) = run_distributed(_model_checks, 1, str(fp8_dir), str(deq_dir), str(moe), str(out_dir), str(cache),
+                           timeout=240)
 
     assert r["dequant_logits_equal"]
     exported = json.loads((out_dir / "config.json").read_text())
@@ -290,6 +308,9 @@ def test_fp8_checkpoint_loads_dequantised_and_swap_touches_eligible_layers(tmp_p
     assert r["logit_rel"] < 0.08 and abs(r["loss"] - r["ref_loss"]) / r["ref_loss"] < 0.01
     assert r["grads_finite"] and r["disabled_equal"]
     assert r["cpu_error"] and "CUDA GPU" in r["cpu_error"]
+    assert r["adaptive_fwd_equal"]  # forward GEMMs ran in bf16, as the cache decided
+    assert len(r["adaptive_rows"]) == 8 * 3 and all(row[0].startswith("language:") for row in r["adaptive_rows"])
+    assert all(fp8_chosen == (gemm != "fwd") for _, gemm, _, fp8_chosen in r["adaptive_rows"])
 
     # routed experts: megatron's SequentialMLP (one linear pair per expert) or the grouped expert module
     experts = [n for n in r["moe_swapped"] if "experts" in n]
