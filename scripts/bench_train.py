@@ -17,7 +17,9 @@ Each stack trains in its own process on the same device, on the same token batch
 One training step, every stack: forward with labels (mean loss over tokens), backward, gradient clipping at 1.0,
 AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, no weight decay), gradients cleared. transformers' stacks: bf16 weights,
 torch's fused AdamW on them. loongforge-hf: megatron's DDP and distributed optimizer as ``MegatronEngine`` builds them
-(fp32 main weights and gradients, torch AdamW: megatron picks the fused one only with Transformer Engine or Apex).
+(fp32 main weights, gradients and moments; torch AdamW, switched to its fused implementation on CUDA by the engine),
+the loss through the fused linear cross-entropy (no full logits), and the kernels' Triton paths (RMSNorm incl. q/k
+norm, RoPE, SwiGLU, the cross-entropy chunk) where Triton is importable; the row records which were used.
 
 MFU counts model FLOPs (``loongforge_hf.trainer.flops.model_flops_per_token``), per token:
   3 * (L * (2*h*(q + 2*kv) + 2*q*h + 6*h*f*k + 2*q*s) + 2*h*V)
@@ -164,6 +166,14 @@ def build_transformers(folder: str, device: H.Device, *, liger: bool):
     return step, info
 
 
+def _triton_on(device) -> bool:
+    import torch
+
+    from loongforge_hf.kernels._triton import use_triton
+
+    return use_triton(torch.empty(0, device=device))
+
+
 def build_loongforge(folder: str, device: H.Device, fp8: str | None = None):
     import tempfile
 
@@ -182,7 +192,10 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None):
     info = {"parameters": model.num_parameters(), "device": str(model.device),
             "optimizer": f"megatron DistributedOptimizer over {type(inner[0]).__module__}.{type(inner[0]).__name__} "
                          f"(foreach={inner[0].defaults.get('foreach')}, fused={inner[0].defaults.get('fused')})",
-            "attention": type(model.chunks[0].decoder.layers[0].self_attention.core_attention).__name__}
+            "attention": type(model.chunks[0].decoder.layers[0].self_attention.core_attention).__name__,
+            "loss": "fused linear cross-entropy" if engine.fused_loss else "materialised logits",
+            "triton_kernels": _triton_on(model.device),
+            "fused_rope": bool(model.megatron.config.apply_rope_fusion)}
     mlp = model.chunks[0].decoder.layers[0].mlp
     if hasattr(mlp, "experts"):  # the routed experts' module (GroupedMLP unless LOONGFORGE_MOE_GROUPED_GEMM=0)
         info["experts"] = type(mlp.experts).__name__

@@ -1,6 +1,7 @@
 """Triton RMSNorm forward and backward with the numerics of ``rmsnorm._RMSNormFunction`` (HF's).
 
-One program normalises whole rows (the row fits one block). The backward gives each program a contiguous run of
+One program normalises whole rows (a row fits one block; short rows such as q/k-norm heads go several to a
+program). The backward gives each program a contiguous run of
 rows and accumulates its share of the weight gradient in fp32 registers; the per-program partial sums
 (``[programs, N]`` fp32) are added up by torch afterwards.
 """
@@ -23,16 +24,18 @@ def _gamma(W, cols, mask, ZERO_CENTERED: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    normed = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
-    y = _gamma(W, cols, mask, ZERO_CENTERED) * normed
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + row, rstd)
+def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, M, N, eps, ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    row_ids = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rows = row_ids[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (rows < M) & (cols < N)
+    x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    y = _gamma(W, cols, cols < N, ZERO_CENTERED) * normed
+    tl.store(Y + rows * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row_ids, rstd, mask=row_ids < M)
 
 
 @triton.jit
@@ -71,6 +74,10 @@ def _block(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
+def _warps(elements: int) -> int:
+    return 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
     """(output shaped like ``x`` in ``promote(x, weight)`` dtype, rstd ``[rows]`` fp32)."""
     x2 = _rows(x)
@@ -78,8 +85,11 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gam
     y = torch.empty((m, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        _rms_norm_fwd[(m,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n, eps, ZERO_CENTERED=zero_centered_gamma,
-                            BLOCK=_block(n))
+        block = _block(n)
+        rows = max(1, min(16, 2048 // block))
+        _rms_norm_fwd[(triton.cdiv(m, rows),)](x2, weight, y, rstd, x2.stride(0), y.stride(0), m, n, eps,
+                                               ZERO_CENTERED=zero_centered_gamma, ROWS=rows, BLOCK=block,
+                                               num_warps=_warps(rows * block))
     return y.reshape(x.shape), rstd
 
 
@@ -96,7 +106,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd
                                    dy.stride(0), x2.stride(0), dx.stride(0) if need_dx else 0, m, n,
                                    ROWS_PER_PROGRAM=per_program,
                                    ZERO_CENTERED=zero_centered_gamma, NEED_DX=need_dx, NEED_DW=need_dw,
-                                   BLOCK=_block(n))
+                                   BLOCK=_block(n), num_warps=_warps(_block(n)))
     grad_w = None
     if need_dw:
         grad_w = (partial.sum(0) if m else torch.zeros(n, dtype=torch.float32, device=x.device)).to(weight.dtype)
