@@ -118,6 +118,15 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                                                "video_grid_thw")}
         return (input_ids, position_ids.to(device), mask), kwargs
 
+    def megatron_local_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The shifted labels of the tokens this rank's chunks score: its context-parallel share (all without CP)."""
+        from loongforge_hf.multimodal.context_parallel import cp_group_and_size, cp_token_index
+
+        _, cp_size, cp_rank = cp_group_and_size()
+        if cp_size == 1:
+            return labels
+        return labels[:, cp_token_index(labels.shape[1], cp_size, cp_rank, device=labels.device)].contiguous()
+
     # ---- forward -------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,

@@ -137,6 +137,10 @@ class MegatronEngine:
             if model_inputs is not None:
                 # NOTE: a model whose chunks take more than token inputs (a vision tower's pixel_values) says what.
                 args, kwargs = model_inputs(batch)
+                local_labels = getattr(self.model, "megatron_local_labels", None)
+                if local_labels is not None:
+                    # NOTE: a model whose chunks keep this context-parallel rank's share of the tokens says which.
+                    labels = local_labels(labels)
                 with hidden_states_out([chunk]) if head is not None else nullcontext():
                     output = chunk(*args, **kwargs)
             else:

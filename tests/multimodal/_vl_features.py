@@ -168,6 +168,17 @@ def train_packed(folder: str, out_dir: str) -> dict:
     return out
 
 
+def train_layout(folder: str, out_dir: str, layout: dict) -> list:
+    """LoongTrainer, 3 steps on padded batches (length a multiple of 4) in ``layout``: logged losses."""
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    trainer = lf.LoongTrainer(model=model, args=vl_training_args(out_dir), train_dataset=train_features(folder),
+                              data_collator=collator(folder, pad_to_multiple_of=4))
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
 def run_many(calls: list) -> dict:
     """Several of the functions above in one world: [(key, function name, args...)]."""
     return {key: globals()[fn](*args) for key, fn, *args in calls}

@@ -57,7 +57,7 @@ def test_videos_and_packing_one_rank(checkpoint, tmp_path):
     assert train["packed"][-1] < train["packed"][0]
 
 
-def test_context_parallel_and_packing_two_ranks(checkpoint):
+def test_context_parallel_and_packing_two_ranks(checkpoint, tmp_path):
     """CP2 with vision recompute (images + videos, the sequence padded to a multiple of 2 x CP: chunk boundaries cut
     an image and a video), logits gathered, vision gradients summed over the CP group; TP2 with sequence parallelism
     and vision TP2 (each rank splices only its part of the sequence); packed vs padded under TP2 with vision TP2."""
@@ -65,8 +65,12 @@ def test_context_parallel_and_packing_two_ranks(checkpoint):
     calls = [("cp2", "compare_videos", d, {"context_parallel_size": 2, "vision_recompute": True}),
              ("tp2_sp_vision_tp2", "compare_videos", d, {"tensor_parallel_size": 2, "sequence_parallel": True,
                                                          "vision_tensor_parallel_size": 2}),
+             ("train_cp2", "train_layout", d, str(tmp_path / "cp2"), {"context_parallel_size": 2}),
+             ("train_tp2", "train_layout", d, str(tmp_path / "tp2"), {"tensor_parallel_size": 2}),
              ("packed_tp2", "compare_packed", d, {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2})]
     for got in run_distributed(run_many, 2, calls, timeout=400):
         check_parity(got["cp2"])
         check_parity(got["tp2_sp_vision_tp2"])
         check_packed(got["packed_tp2"])
+        # LoongTrainer under CP2 (each rank scores its share of the tokens) logs the losses it logs under TP2
+        assert len(got["train_cp2"]) == 3 and got["train_cp2"] == pytest.approx(got["train_tp2"], rel=1e-4), got
