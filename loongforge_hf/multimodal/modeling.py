@@ -17,6 +17,7 @@ Choices:
 - Context parallelism (``context_parallel_size``): the language model runs on megatron's load-balanced share of the
   sequence on each CP rank (``multimodal.context_parallel``); the sequence length must be a multiple of 2 x CP. The
   returned loss and logits are the whole sequence's; each rank's gradient is its share's (megatron's DDP sums them).
+  LoongTrainer's step asks ``megatron_local_labels`` which labels this rank scores.
 - Recompute per component: ``vision_recompute`` checkpoints each ViT block (torch.utils.checkpoint),
   ``language_recompute`` checkpoints each decoder layer the same way (megatron's own full recompute needs CUDA RNG
   state and would restore megatron's TP RNG tracker; these models train without dropout, which is checked).
