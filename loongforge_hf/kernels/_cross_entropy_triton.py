@@ -62,5 +62,5 @@ def chunk_loss(logits: torch.Tensor, label: torch.Tensor, in_shard: torch.Tensor
     if c:
         _ce_chunk[(c,)](logits, label, in_shard, valid, row_scale if row_scale is not None else loss, loss,
                         float(z_loss), N_COLS=v, REAL_COLS=real_cols, WITH_GRAD=with_grad,
-                        HAS_SCALE=row_scale is not None, BLOCK=BLOCK)
+                        HAS_SCALE=row_scale is not None, BLOCK=BLOCK, num_warps=8)
     return loss

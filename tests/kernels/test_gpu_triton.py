@@ -39,3 +39,42 @@ def test_linear_cross_entropy_matches_materialised_logits_on_cuda(dtype, tol):
     torch.testing.assert_close(loss.float(), ref, atol=tol * n, rtol=tol)
     torch.testing.assert_close(a.grad.float(), a2.grad, atol=tol, rtol=tol)
     torch.testing.assert_close(b.grad.float(), b2.grad, atol=tol, rtol=tol)
+
+
+def _train_kernels_on_and_off(folder: str, out_dir: str) -> dict:
+    import os
+
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-3, weight_decay=0.0, max_grad_norm=1.0,
+                                          report_to=[])
+    ids = torch.randint(4, 200, (2, 64), generator=torch.Generator().manual_seed(3))  # tiny vocabularies: 203
+    out = {}
+    for on in (True, False):
+        os.environ["LOONGFORGE_TRITON"] = "1" if on else "0"
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16)
+        engine = MegatronEngine(model, args=args, fused_loss=on, fused_adam=on)
+        batch = {"input_ids": ids.to(model.device), "labels": ids.to(model.device)}
+        out[on] = [engine.train_step([batch]).loss for _ in range(6)]
+        out[f"rope_fusion_{on}"] = bool(model.megatron.config.apply_rope_fusion)
+    return {"on": out[True], "off": out[False], "rope_fusion": out["rope_fusion_True"]}
+
+
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {"tie_word_embeddings": True}), ("llama3", {})])
+def test_training_with_all_kernels_on_matches_all_off_in_bf16(tmp_path, arch, overrides):
+    """Six bf16 steps on one batch of a tiny model: Triton kernels, fused loss and fused AdamW on vs. all off (torch
+    paths, materialised logits, foreach AdamW). bf16 rounds differently on the two paths, so losses agree within 2e-2
+    relative, not exactly; both must train."""
+    from loongforge_hf.parallel.spawn import run_distributed
+    from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False, **overrides)
+    [r] = run_distributed(_train_kernels_on_and_off, 1, str(folder), str(tmp_path / "out"), timeout=600,
+                          env={"LOONGFORGE_DEVICE": "cuda"})
+    assert r["rope_fusion"], r
+    torch.testing.assert_close(torch.tensor(r["on"]), torch.tensor(r["off"]), atol=0.0, rtol=2e-2,
+                               msg=lambda m: f"kernels on vs off: {r}\n{m}")
+    assert r["on"][-1] < r["on"][0] and r["off"][-1] < r["off"][0], r
