@@ -1,5 +1,16 @@
 """The grouped expert MLP's ``torch._grouped_mm`` path on CUDA (bf16) against its per-expert loop, forward and
-gradients, and against fp32 on the CPU; plus the path choice itself (grouped where the operands allow it)."""
+gradients, and against fp32 on the CPU; plus the path choice itself (grouped where the operands allow it).
+
+Tolerances:
+- grouped vs the bf16 loop, elementwise: atol = rtol = 3e-2 (both accumulate in fp32 and round to bf16 at the same
+  points; they differ by a few bf16 ulps of the largest entries).
+- both vs fp32 on the CPU (same bf16-valued operands): norm-relative error ``||a - ref|| / ||ref|| < 1e-2``, per
+  tensor and, for the weight gradients, per expert that received tokens. An elementwise bound is the wrong measure
+  there: a weight gradient sums over up to 300 tokens, so an entry near zero carries the rounding of much larger
+  terms (relative differences of hundreds). The bf16 loop on the CPU measures ~4.5e-3 on these cases (bf16 rounds
+  at 2**-9 relative, four times on the way), so 1e-2 leaves about 2x slack and still fails on one wrong expert,
+  a missing probability scaling or a dropped gradient term.
+"""
 
 import pytest
 import torch
@@ -11,9 +22,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")]
 
-# bf16 grouped GEMMs against the bf16 loop (both accumulate in fp32, round differently) and against fp32 on the CPU
-# from the same bf16 values: bf16's resolution with slack for sums of up to 256 products.
-ATOL, RTOL = 3e-2, 3e-2
+ATOL, RTOL = 3e-2, 3e-2   # grouped vs the bf16 loop, elementwise
+NORM_RTOL = 1e-2          # bf16 vs fp32, ||a - ref|| / ||ref||
+
+
+def _assert_norm_close(a: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = ((a - ref).norm() / ref.norm()).item()
+    assert err < NORM_RTOL, f"{what}: ||a - ref|| / ||ref|| = {err:.2e} (allowed {NORM_RTOL:.0e})"
 
 
 def _operands(counts, hidden, ffn, seed=0):
@@ -44,9 +59,14 @@ def test_grouped_mm_matches_loop_and_fp32(counts, hidden, ffn):
     grouped = _run("cuda", bf16, ops, counts, None)
     loop = _run("cuda", bf16, ops, counts, False)
     ref = _run("cpu", torch.float32, [o.to(bf16).float() if i < 3 else o for i, o in enumerate(ops)], counts, False)
-    for name, a, b, c in zip(("out", "d_x", "d_fc1", "d_fc2"), grouped, loop, ref):
+    for i, (name, a, b, c) in enumerate(zip(("out", "d_x", "d_fc1", "d_fc2"), grouped, loop, ref)):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n} vs loop: {m}")
-        torch.testing.assert_close(a, c, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n} vs fp32: {m}")
+        for path, t in (("grouped", a), ("loop", b)):
+            _assert_norm_close(t, c, f"{name} ({path}) vs fp32")
+            if i >= 2:  # weight gradients: each expert that got tokens on its own
+                for e, n in enumerate(counts):
+                    if n:
+                        _assert_norm_close(t[e], c[e], f"{name}[expert {e}] ({path}) vs fp32")
     for e, n in enumerate(counts):
         if n == 0:
             assert torch.count_nonzero(grouped[2][e]) == 0 and torch.count_nonzero(grouped[3][e]) == 0
