@@ -8,8 +8,13 @@ Choices:
   layer and the cross-entropy on materialised logits, for comparisons).
 - Without Transformer Engine or Apex megatron builds ``torch.optim.AdamW`` with its default (foreach) implementation
   over the fp32 main weights; on CUDA the engine switches it to torch's fused implementation (one kernel per step and
-  dtype group; same update up to rounding) before the first step (``fused_adam``). Lower-precision optimizer state
-  (``use_precision_aware_optimizer``) needs TE's FusedAdam in megatron-core 0.16 and is not used.
+  dtype group; same update up to rounding) before the first step (``fused_adam``).
+- Weight gradients of megatron's tensor-parallel linears go straight into DDP's fp32 ``main_grad`` buffer with one
+  GEMM each (megatron's ``gradient_accumulation_fusion``, its Apex kernel replaced by torch's fp32-output ``addmm``:
+  ``xpu/common.enable_wgrad_accumulation_fusion``), on CUDA by default (``fused_wgrad``): no separate add
+  kernel per weight. The sum is the same, without the rounding of each micro-batch's weight grad to bf16.
+- Lower-precision optimizer state (``use_precision_aware_optimizer``) needs TE's FusedAdam in megatron-core 0.16 and
+  is not used.
 - Loss is summed per token and megatron divides gradients by the global label-token count of the step
   (``calculate_per_token_loss``): the gradient of the mean over all label tokens of the global batch, as Trainer does.
 - Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
@@ -41,7 +46,7 @@ class MegatronEngine:
     """Owns the DDP-wrapped chunks and the optimizer of a ``LoongModelForCausalLM``."""
 
     def __init__(self, model, *, args, overlap_grad_reduce: bool = True, fused_loss: bool = True,
-                 fused_adam: bool | None = None) -> None:
+                 fused_adam: bool | None = None, fused_wgrad: bool | None = None) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -55,6 +60,16 @@ class MegatronEngine:
         self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                                disable_bucketing=i > 0)
                        for i, chunk in enumerate(model.megatron.chunks)]
+        if fused_wgrad is None:
+            from loongforge_hf.xpu.common import wgrad_accumulation_supported
+
+            fused_wgrad = model.device.type == "cuda" and wgrad_accumulation_supported(model.device)
+        self.fused_wgrad_layers = 0
+        if fused_wgrad:
+            from loongforge_hf.xpu.common import enable_wgrad_accumulation_fusion
+
+            self.fused_wgrad_layers = enable_wgrad_accumulation_fusion(
+                m for chunk in model.megatron.chunks for m in chunk.modules())
         opt_config = OptimizerConfig(
             optimizer="adam", lr=args.learning_rate, min_lr=0.0, weight_decay=args.weight_decay,
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_epsilon,

@@ -63,3 +63,72 @@ def _patch_reshardable_load_without_fused_adam() -> None:
         return out
 
     DistributedOptimizer.load_state_dict = load_state_dict
+
+
+# ---- weight-gradient accumulation into megatron's fp32 main_grad, without Apex ------------------------------------
+# megatron-core 0.16.1 tensor_parallel/layers.py:561-575: with `gradient_accumulation_fusion` the backward of
+# ColumnParallelLinear / RowParallelLinear calls Apex's `fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(input,
+# grad_output, weight.main_grad)` (main_grad += grad_output^T @ input, one GEMM with fp32 output and beta = 1), returns
+# a dummy weight grad and sets `weight.grad_added_to_main_grad`, so DDP's hook (distributed_data_parallel.py:436-441)
+# skips its separate `main_grad.add_(grad)`. Without Apex the flag stays off and every weight grad costs an extra bf16
+# [out, in] buffer plus an add kernel. torch's `addmm(..., out_dtype=torch.float32)` (CUDA: bf16/fp16 inputs, fp32
+# output and accumulator) is that GEMM.
+
+
+def _accumulate_wgrad(input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    grad_t = grad_output.t()
+    if input.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_t, input)
+    elif main_grad.is_cuda:
+        torch.addmm(main_grad, grad_t, input, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        # NOTE: no mixed-dtype GEMM on CPU: the same sum in the accumulator's precision.
+        main_grad.addmm_(grad_t.to(main_grad.dtype), input.to(main_grad.dtype))
+
+
+class TorchWgradAccumulation:
+    """What megatron calls as the ``fused_weight_gradient_mlp_cuda`` module, on torch ops:
+    ``main_grad += grad_output^T @ input`` for 2-D ``input [tokens, in]`` and ``grad_output [tokens, out]``."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        _accumulate_wgrad(input, grad_output, main_grad)
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        _accumulate_wgrad(input, grad_output, main_grad)
+
+
+def wgrad_accumulation_supported(device: torch.device) -> bool:
+    """Whether ``TorchWgradAccumulation`` runs on ``device`` for bf16 inputs (CUDA: torch has ``addmm.dtype_out``)."""
+    if device.type != "cuda":
+        return device.type == "cpu"
+    a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+    acc = torch.ones(16, 16, dtype=torch.float32, device=device)
+    try:
+        _accumulate_wgrad(a, a, acc)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool((acc == 17).all())
+
+
+def enable_wgrad_accumulation_fusion(modules) -> int:
+    """Turn on megatron's ``gradient_accumulation_fusion`` for the tensor-parallel linears among ``modules`` whose
+    weight is trained and has a ``main_grad`` (set by megatron's DDP), with ``TorchWgradAccumulation`` standing in for
+    Apex when Apex is absent. Returns how many layers were switched."""
+    from megatron.core.tensor_parallel import layers
+
+    if not getattr(layers, "_grad_accum_fusion_available", False):
+        # NOTE: layers.py:44-48 imports Apex's module under this name; the backward reads the module global.
+        layers.fused_weight_gradient_mlp_cuda = TorchWgradAccumulation
+    switched = 0
+    for module in modules:
+        if not isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
+            continue
+        weight = getattr(module, "weight", None)
+        # NOTE: a tied output layer has no weight of its own (it is handed the embedding's): left as it is.
+        if weight is None or not weight.requires_grad or not hasattr(weight, "main_grad"):
+            continue
+        module.gradient_accumulation_fusion = True
+        switched += 1
+    return switched
