@@ -363,28 +363,66 @@ def check_recipe(recipe: str) -> None:
         raise Fp8Error(f"FP8 recipe {recipe!r} is not supported; use one of {RECIPES}.")
 
 
+ROW_ALIGN = 16
+
+
+def padded_rows(m: int) -> int:
+    """The GEMM's M for ``m`` tokens: rounded up to ``ROW_ALIGN`` (cuBLAS's FP8 kernels want M, and the leading
+    dimension of 1x128 scales, aligned; an expert's token count is anything, 1 or 17 included)."""
+    return _ceil(m, ROW_ALIGN) * ROW_ALIGN
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``padded_rows`` (the same tensor where nothing is missing)."""
+    extra = padded_rows(x.shape[0]) - x.shape[0]
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+def gemm_eligible(n: int, k: int, recipe: str) -> bool:
+    """Whether a weight ``[n, k]`` can run the recipe's three GEMMs (N and K are GEMM dimensions of the forward and
+    the input gradient: multiples of 128 for ``blockwise``, 16 for ``rowwise``); tokens are padded, never refused."""
+    step = GROUP if recipe == "blockwise" else ROW_ALIGN
+    return n > 0 and k > 0 and n % step == 0 and k % step == 0
+
+
 def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str) -> tuple[torch.Tensor, Quantized | None]:
-    """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``); also the quantised weight when dgrad can reuse it."""
+    """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``); also the quantised weight when dgrad can reuse it.
+    Any M: rows are zero-padded to ``padded_rows`` and sliced off the result; M = 0 gives an empty result."""
+    m = x.shape[0]
+    if m == 0:
+        return x.new_zeros(0, w.shape[0]), None
+    xp = _pad_rows(x)
     if recipe == "blockwise":
         wq = quantize_blocks(w, check_finite=False)
-        return scaled_matmul(quantize_tiles(x, check_finite=False), wq, out_dtype=x.dtype), wq
-    return scaled_matmul(quantize_rows(x, check_finite=False), quantize_rows(w, check_finite=False),
-                         out_dtype=x.dtype), None
+        y = scaled_matmul(quantize_tiles(xp, check_finite=False), wq, out_dtype=x.dtype)
+    else:
+        wq = None
+        y = scaled_matmul(quantize_rows(xp, check_finite=False), quantize_rows(w, check_finite=False),
+                          out_dtype=x.dtype)
+    return (y if xp is x else y[:m]), wq
 
 
 def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wq: Quantized | None = None) -> torch.Tensor:
-    """``dy @ w`` in FP8 (``dy`` ``[M, N]``, ``w`` ``[N, K]``): the input gradient."""
+    """``dy @ w`` in FP8 (``dy`` ``[M, N]``, ``w`` ``[N, K]``): the input gradient (any M, as ``gemm_fwd``)."""
+    m = dy.shape[0]
+    if m == 0:
+        return dy.new_zeros(0, w.shape[1])
+    dyp = _pad_rows(dy)
     if recipe == "blockwise":
         wt = transpose_blocks(wq if wq is not None else quantize_blocks(w, check_finite=False))
-        return scaled_matmul(quantize_tiles(dy, check_finite=False), wt, out_dtype=dy.dtype)
-    return scaled_matmul(quantize_rows(dy, check_finite=False), quantize_rows(w.t(), check_finite=False),
-                         out_dtype=dy.dtype)
+        dx = scaled_matmul(quantize_tiles(dyp, check_finite=False), wt, out_dtype=dy.dtype)
+    else:
+        dx = scaled_matmul(quantize_rows(dyp, check_finite=False), quantize_rows(w.t(), check_finite=False),
+                           out_dtype=dy.dtype)
+    return dx if dyp is dy else dx[:m]
 
 
 def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: str) -> torch.Tensor:
     """``dy.T @ x`` in FP8 (``dy`` ``[M, N]``, ``x`` ``[M, K]``): the weight gradient, contracting over tokens,
-    which are zero-padded to the GEMM's multiple."""
-    kind, pad = ("tiles", GROUP) if recipe == "blockwise" else ("rows", 16)
+    which are zero-padded to the GEMM's multiple; M = 0 gives zeros."""
+    if dy.shape[0] == 0:
+        return dy.new_zeros(dy.shape[1], x.shape[1])
+    kind, pad = ("tiles", GROUP) if recipe == "blockwise" else ("rows", ROW_ALIGN)
     a = quantize(dy.t(), kind, pad_to=pad, check_finite=False)
     b = quantize(x.t(), kind, pad_to=pad, check_finite=False)
     return scaled_matmul(a, b, out_dtype=dy.dtype)
@@ -427,8 +465,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
     ``weight`` stays in its own (master) precision and is quantised on every call; the output and the gradients come
     back in the input's / weight's dtype. Needs ``weight``'s dimensions to be multiples of 128 (``blockwise``) or 16
-    (``rowwise``). This is the hook a grouped-GEMM expert module calls per expert."""
+    (``rowwise``, see ``gemm_eligible``); any number of tokens, none included. This is the hook a grouped-GEMM expert
+    module calls per expert."""
     check_recipe(recipe)
+    if not gemm_eligible(*weight.shape, recipe):
+        step = GROUP if recipe == "blockwise" else ROW_ALIGN
+        raise Fp8Error(f"fp8_linear: weight {tuple(weight.shape)} does not fit the {recipe} FP8 GEMMs (both "
+                       f"dimensions must be multiples of {step}); keep this layer in bf16.")
     if x.shape[-1] != weight.shape[1]:
         raise Fp8Error(f"fp8_linear: input of shape {tuple(x.shape)} does not match weight {tuple(weight.shape)}.")
     return _Fp8Linear.apply(x, weight, bias, recipe, precision)

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, Fp8Error, GemmPrecision, blockwise_supported, check_recipe,
-                                       gemm_dgrad, gemm_fwd, gemm_wgrad, quantize_blocks)
+from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
+                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad, quantize_blocks)
 
 logger = logging.getLogger("loongforge_hf.fp8")
 
@@ -80,7 +80,7 @@ def check_fp8_device(device: torch.device) -> None:
 
 def granule(recipe: str) -> int:
     """What a weight's dimensions must be multiples of for the recipe's GEMMs."""
-    return GROUP if recipe == "blockwise" else 16
+    return GROUP if recipe == "blockwise" else ROW_ALIGN
 
 
 # ---- adaptive decisions ---------------------------------------------------------------------------------------------
@@ -335,7 +335,9 @@ class Fp8GroupedExperts:
         for e, (t, p) in enumerate(zip(torch.split(x, [int(c) for c in counts]),
                                        torch.split(probs, [int(c) for c in counts]) if probs is not None
                                        else [None] * len(counts))):
-            act = swiglu(fp8_linear(t, fc1[e], recipe=self.settings.recipe))
+            h = fp8_linear(t, fc1[e], recipe=self.settings.recipe)
+            # NOTE: an expert without tokens still runs both (empty) GEMMs, so its weights get a zero gradient.
+            act = swiglu(h) if h.shape[0] else h[:, :h.shape[1] // 2]
             if p is not None:
                 act = (act * p.unsqueeze(-1)).to(act.dtype)
             outs.append(fp8_linear(act, fc2[e], recipe=self.settings.recipe))
@@ -383,7 +385,7 @@ def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLik
     step = granule(recipe)
     for name, module in eligible_linears(chunks):
         n, k = module.weight.shape
-        if n % step or k % step:
+        if not gemm_eligible(n, k, recipe):
             skipped[name] = f"weight {n}x{k} is not a multiple of {step} ({recipe} FP8 GEMM)"
             continue
         module._forward_impl = Fp8ForwardImpl(module, name=name, settings=settings)
@@ -392,7 +394,7 @@ def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLik
         _, n, k = module.linear_fc1.weight.shape
         if mode == "adaptive":
             skipped[name] = "grouped experts stay in bf16 under fp8='adaptive' (tokens per expert change every step)"
-        elif n % step or k % step or (n // 2) % step:
+        elif not (gemm_eligible(n, k, recipe) and gemm_eligible(k, n // 2, recipe)):  # fc1 [2F, H], fc2 [H, F]
             skipped[name] = f"expert weights {n}x{k} are not multiples of {step} ({recipe} FP8 GEMM)"
         else:
             module.forward = Fp8GroupedExperts(module, name=name, settings=settings)

@@ -129,6 +129,79 @@ def test_fp8_linear_output_and_grads_against_fp32(recipe):
     torch.testing.assert_close(bias.grad.float(), p2.sum(0), rtol=1e-2, atol=1e-1)
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_any_token_count_pads_to_aligned_gemms(recipe, monkeypatch):
+    """0, 1 and 17 tokens (an expert's share is anything): every scaled GEMM sees M a multiple of 16 and K, N of the
+    recipe's granule, the padding rows are sliced off, and 0 tokens give empty outputs and a zero weight gradient."""
+    seen = []
+    real = fp8.scaled_matmul
+
+    def spy(a, b, **kw):
+        seen.append((a.data.shape, b.data.shape))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(fp8, "scaled_matmul", spy)
+    assert [fp8.padded_rows(m) for m in (0, 1, 16, 17)] == [0, 16, 16, 32]
+    assert fp8.gemm_eligible(384, 256, recipe) and not fp8.gemm_eligible(384, 200, recipe)
+    assert fp8.gemm_eligible(48, 32, "rowwise") and not fp8.gemm_eligible(48, 32, "blockwise")
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    for tokens in (0, 1, 17):
+        seen.clear()
+        x = torch.randn(tokens, 256, generator=g).to(torch.bfloat16).requires_grad_()
+        proj = torch.randn(tokens, 384, generator=g)
+        w.grad = None
+        y = fp8_linear(x, w, recipe=recipe)
+        assert y.shape == (tokens, 384)
+        (y.float() * proj).sum().backward()
+        assert x.grad.shape == (tokens, 256) and w.grad.shape == (384, 256)
+        if tokens == 0:
+            assert not seen and torch.equal(w.grad, torch.zeros_like(w))
+            continue
+        assert len(seen) == 3
+        for a_shape, b_shape in seen:
+            assert a_shape[0] % 16 == 0 and b_shape[0] % 16 == 0 and a_shape[1] % 16 == 0, seen
+        xf, wf = x.detach().float(), w.detach().float()
+        assert _rel(y, xf @ wf.t()) < 0.06 and _rel(x.grad, proj @ wf) < 0.06 and _rel(w.grad, proj.t() @ xf) < 0.06
+    with pytest.raises(Fp8Error, match="multiples of"):
+        fp8_linear(torch.randn(2, 200), torch.randn(128, 200), recipe=recipe)
+
+
+def test_grouped_experts_with_uneven_and_empty_experts():
+    """The FP8 expert loop against the bf16 reference loop, experts holding 0, 1, 17 and 30 tokens."""
+    from types import SimpleNamespace
+
+    from loongforge_hf.kernels.fp8_linear import Fp8GroupedExperts, Fp8Settings
+    from loongforge_hf.kernels.grouped_mlp import grouped_gated_mlp
+
+    g = torch.Generator().manual_seed(5)
+    counts = [0, 1, 17, 30]
+    x = torch.randn(sum(counts), 128, generator=g).to(torch.bfloat16)
+    probs = torch.rand(sum(counts), generator=g)
+    fc1 = torch.nn.Parameter((torch.randn(4, 256, 128, generator=g) * 0.1).to(torch.bfloat16))
+    fc2 = torch.nn.Parameter((torch.randn(4, 128, 128, generator=g) * 0.1).to(torch.bfloat16))
+    module = SimpleNamespace(config=SimpleNamespace(moe_apply_probs_on_input=False),
+                             linear_fc1=SimpleNamespace(weight=fc1), linear_fc2=SimpleNamespace(weight=fc2))
+    experts = Fp8GroupedExperts(module, name="experts", settings=Fp8Settings(mode="on", recipe="blockwise"))
+    xa = x.clone().requires_grad_()
+    out, bias = experts(xa, torch.tensor(counts), probs)
+    assert bias is None and out.shape == x.shape
+    proj = torch.randn(*x.shape, generator=g)
+    (out.float() * proj).sum().backward()
+    grads = fc1.grad.clone(), fc2.grad.clone(), xa.grad
+    fc1.grad = fc2.grad = None
+    xr = x.float().requires_grad_()
+    w1, w2 = fc1.detach().float().requires_grad_(), fc2.detach().float().requires_grad_()
+    ref = grouped_gated_mlp(xr, w1, w2, counts, probs, use_grouped_mm=False)
+    (ref * proj).sum().backward()
+    # NOTE: two FP8 GEMMs in a row (fc1, fc2): their rounding errors add up (about sqrt(2) x one GEMM's 4%); a wrong
+    # scale or a misplaced padding row gives errors of order 1.
+    assert _rel(out, ref) < 0.09 and _rel(grads[2], xr.grad) < 0.09, (_rel(out, ref), _rel(grads[2], xr.grad))
+    for got, want in ((grads[0], w1.grad), (grads[1], w2.grad)):
+        assert torch.equal(got[0], torch.zeros_like(got[0]))  # the expert without tokens: a zero gradient
+        assert _rel(got[1:], want[1:]) < 0.09, _rel(got[1:], want[1:])
+
+
 def test_gemms_left_in_bf16_are_plain_matmuls():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(16, 128, generator=g).requires_grad_()
