@@ -2,9 +2,13 @@
 
 Choices:
 - Linear layers are megatron's own tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear``; norms are our
-  ``RMSNorm`` (input, pre-MLP, q/k and final), core attention our ``CoreAttention``, the gated activation our
-  ``SwiGLU`` (used by megatron when ``config.use_te_activation_func`` is True, see ``swiglu.py``); MLP, MoE layer,
-  router and token dispatchers are megatron's.
+  ``RMSNorm`` (input, pre-MLP, q/k and final), core attention our ``CoreAttention``; MoE layer, router and token
+  dispatchers are megatron's.
+- The dense MLP is ``SwiGLUMLP``: megatron's ``MLP`` (same parameters, state dict and TP layout) whose gated activation
+  is our ``swiglu`` (one Triton kernel each way on CUDA). megatron-core 0.16's ``MLP.forward`` applies the
+  ``activation_func`` slot only with ``config.use_te_activation_func`` (a config-wide switch that also changes the
+  MoE experts' path, transformer/moe/experts.py and shared_experts.py) and otherwise computes ``silu(gate) * up`` as
+  three torch ops (transformer/mlp.py, ``glu``). The expert MLPs keep the ``SwiGLU`` slot.
 - ``GPTModel`` given a bare layer spec adds megatron's default final norm, which is a torch norm that refuses sequence
   parallelism; ``get_block_spec`` wraps a layer spec with our final norm instead.
 - ``use_te=True`` hands over to megatron's Transformer Engine spec whole (TE's fused norm-linear modules differ in
@@ -17,6 +21,8 @@ Choices:
 from __future__ import annotations
 
 import importlib.util
+
+import torch.nn.functional as F
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -31,12 +37,34 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from loongforge_hf.kernels.attention import CoreAttention
 from loongforge_hf.kernels.rmsnorm import RMSNorm
 from loongforge_hf.kernels.rope import enable_megatron_fused_rope
-from loongforge_hf.kernels.swiglu import SwiGLU
+from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
 
 
 def _require(package: str, why: str) -> None:
     if importlib.util.find_spec(package) is None:
         raise ImportError(f"{why} needs the `{package}` package, which is not installed.")
+
+
+class SwiGLUMLP(MLP):
+    """megatron's ``MLP`` for a gated-silu config, with ``swiglu`` between ``linear_fc1`` and ``linear_fc2``.
+
+    Other configs (another activation, clamping, a linear offset, megatron's own fusion switches) and MoE's
+    ``per_token_scale`` take megatron's ``MLP.forward`` unchanged."""
+
+    def __init__(self, config, submodules: MLPSubmodules, *args, **kwargs) -> None:
+        super().__init__(config, submodules, *args, **kwargs)
+        self.fused_swiglu = (config.gated_linear_unit and config.activation_func is F.silu
+                             and getattr(config, "activation_func_clamp_value", None) is None
+                             and not getattr(config, "glu_linear_offset", 0.0)
+                             and not config.use_te_activation_func and not config.bias_activation_fusion)
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if not self.fused_swiglu or per_token_scale is not None:
+            return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+        fc1, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            fc1 = fc1 + bias
+        return self.linear_fc2(swiglu(fc1))
 
 
 def _mlp_submodules() -> MLPSubmodules:
@@ -74,7 +102,7 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
                                                           qk_layernorm=qk_norm)
     qk = RMSNorm if qk_norm else IdentityOp
-    mlp = ModuleSpec(module=MLP, submodules=_mlp_submodules()) if num_experts is None \
+    mlp = ModuleSpec(module=SwiGLUMLP, submodules=_mlp_submodules()) if num_experts is None \
         else _moe_spec(num_experts, moe_grouped_gemm)
     return ModuleSpec(
         module=TransformerLayer,

@@ -8,7 +8,8 @@ Choices:
   numerics); the torch code below is the CPU path and the reference.
 - ``SwiGLU(config)`` fills megatron's ``MLPSubmodules.activation_func`` slot. megatron-core 0.16 builds that slot only
   when ``config.use_te_activation_func`` is True (transformer/mlp.py, MLP.__init__) and then calls it on the whole fc1
-  output; otherwise megatron applies ``config.activation_func`` (silu) to the gate itself: the same math.
+  output; otherwise megatron applies ``config.activation_func`` (silu) to the gate itself: the same math. The dense
+  spec's MLP (``specs.SwiGLUMLP``) calls ``swiglu`` itself.
 """
 
 from __future__ import annotations

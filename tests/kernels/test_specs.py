@@ -13,7 +13,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from loongforge_hf.kernels.attention import CoreAttention
 from loongforge_hf.kernels.rmsnorm import RMSNorm
-from loongforge_hf.kernels.specs import final_norm_spec, get_layer_spec
+from loongforge_hf.kernels.specs import SwiGLUMLP, final_norm_spec, get_layer_spec
 from loongforge_hf.kernels.swiglu import SwiGLU
 
 from ._distributed import GPT_LAYOUTS
@@ -35,7 +35,7 @@ def test_dense_spec_uses_our_modules():
     attn = sub.self_attention.submodules
     assert attn.core_attention is CoreAttention and attn.q_layernorm is RMSNorm and attn.k_layernorm is RMSNorm
     assert attn.linear_qkv is ColumnParallelLinear and attn.linear_proj is RowParallelLinear
-    assert sub.mlp.module is MLP and sub.mlp.submodules.activation_func is SwiGLU
+    assert sub.mlp.module is SwiGLUMLP and issubclass(SwiGLUMLP, MLP) and sub.mlp.submodules.activation_func is SwiGLU
     no_qk = get_layer_spec(qk_norm=False).submodules.self_attention.submodules
     assert no_qk.q_layernorm is IdentityOp and no_qk.k_layernorm is IdentityOp
     assert final_norm_spec() is RMSNorm
