@@ -308,8 +308,9 @@ def _brief(r: dict) -> str:
     if r["status"] != "ok":
         last = r.get("error", "").strip().splitlines()[-1:] or [""]
         return f"{r['status']}: {last[0][:200]}"
+    fp8 = f", fp8 {r['fp8']['mode']} ({r['fp8']['recipe']} scaling)" if r.get("fp8") else ""
     return f"median step {r['median_step_s'] * 1e3:.1f} ms, peak {r['peak_gib']:.2f} GiB, losses {r['losses'][0]:.3f}" \
-           f" -> {r['losses'][-1]:.3f}"
+           f" -> {r['losses'][-1]:.3f}{fp8}"
 
 
 def summarize(w: Workload, results: dict, *, flops: float, peak_flops: float) -> list[list]:
@@ -421,7 +422,9 @@ def main(argv: list[str]) -> int:
         bf16 = entry["results"].get("loongforge", {})
         for stack, r in entry["results"].items():
             if " fp8=" in stack and r.get("status") == "ok" and bf16.get("status") == "ok":
-                tables[-1] += f"\n\n{stack}: {r['tokens_per_s'] / bf16['tokens_per_s']:.3f}x loongforge bf16 tokens/s"
+                fp8_info = r.get("fp8") or {}
+                tables[-1] += (f"\n\n{stack}: {r['tokens_per_s'] / bf16['tokens_per_s']:.3f}x loongforge bf16 tokens/s"
+                               f" ({fp8_info.get('recipe')} scaling, {fp8_info.get('swapped')} layers swapped)")
         _save(report, out_path)
         if not args.keep_checkpoints:
             shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,180 @@
+"""One linear layer's forward + backward, bf16 against FP8 (``kernels.fp8.fp8_linear``), with a breakdown.
+
+For the GEMM shapes of bench_train's workloads (M = tokens per micro-batch, N x K = the layer's weight):
+  a  Qwen3-0.6B, 4 x 4096 tokens: qkv 4096x1024, proj 1024x2048, fc1 6144x1024, fc2 1024x3072
+  b  Llama-3-8B, 8192 tokens:     qkv 6144x4096, proj 4096x4096, fc1 28672x4096, fc2 4096x14336
+  c  Qwen3-30B-A3B, one expert:   fc1 1536x2048, fc2 2048x768 at 512 tokens (the average share) and 17 tokens
+it times, per recipe (``blockwise`` where the GPU runs it, and ``rowwise``):
+  total     ``fp8_linear`` forward + backward through autograd (what training runs), against ``x @ w.T`` in bf16
+  parts     each kernel the FP8 path launches, alone: quantisations of x, w, dy, x^T, dy^T, the weight transpose and
+            the three scaled GEMMs; the bf16 GEMMs likewise (fwd, dgrad, wgrad)
+Timing: CUDA events around each call, median of --reps after --warmup (on CPU, wall clock: a dry run only).
+The recipe ``enable_fp8`` picks on this GPU (``fp8_recipe=None``) is printed and written to the JSON.
+
+    python scripts/bench_fp8_linear.py [--shapes a,b,c] [--reps 20] [--out outputs/bench_fp8_linear.json]
+    python scripts/bench_fp8_linear.py --device cpu --tiny          # a dry run (tiny shapes, emulated GEMMs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loongforge_hf.kernels import fp8 as F8  # noqa: E402
+
+SHAPES = {  # workload -> [(layer, M, N, K)]
+    "a": [("qkv", 16384, 4096, 1024), ("proj", 16384, 1024, 2048), ("fc1", 16384, 6144, 1024),
+          ("fc2", 16384, 1024, 3072)],
+    "b": [("qkv", 8192, 6144, 4096), ("proj", 8192, 4096, 4096), ("fc1", 8192, 28672, 4096),
+          ("fc2", 8192, 4096, 14336)],
+    "c": [("expert fc1", 512, 1536, 2048), ("expert fc2", 512, 2048, 768), ("expert fc1", 17, 1536, 2048),
+          ("expert fc2", 17, 2048, 768)],
+}
+TINY = {"a": [("qkv", 64, 256, 128), ("fc2", 37, 128, 256)], "b": [("fc1", 48, 384, 128)],
+        "c": [("expert fc1", 17, 256, 128), ("expert fc2", 0, 128, 128)]}
+
+
+class Timer:
+    def __init__(self, device: torch.device, warmup: int, reps: int) -> None:
+        self.cuda, self.warmup, self.reps = device.type == "cuda", warmup, reps
+
+    def __call__(self, fn) -> float:
+        """Median milliseconds of ``fn()``."""
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.reps):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def _fwd_bwd(linear, x, w, dy):
+    def run():
+        x.grad = w.grad = None
+        linear(x, w).backward(dy)
+    return run
+
+
+def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device: torch.device) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(n, k, device=device, generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(m, n, device=device, generator=g).to(torch.bfloat16)
+    xd, wd = x.detach(), w.detach()
+    flops = 6.0 * m * n * k
+    out = {"m": m, "n": n, "k": k}
+    with torch.no_grad():
+        bf16 = {"fwd_gemm": timer(lambda: xd @ wd.t()), "dgrad_gemm": timer(lambda: dy @ wd),
+                "wgrad_gemm": timer(lambda: dy.t() @ xd)}
+    bf16["total"] = timer(_fwd_bwd(lambda a, b: a @ b.t(), x, w, dy))
+    out["bf16"] = bf16
+    for recipe in recipes:
+        parts = {}
+        with torch.no_grad():
+            if m:
+                xp, dyp = F8._pad_rows(xd), F8._pad_rows(dy)
+                if recipe == "blockwise":
+                    xq, wq = F8.quantize_tiles(xp, check_finite=False), F8.quantize_blocks(wd, check_finite=False)
+                    dyq, wt = F8.quantize_tiles(dyp, check_finite=False), F8.transpose_blocks(wq)
+                    parts["quant_x"] = timer(lambda: F8.quantize_tiles(xp, check_finite=False))
+                    parts["quant_w"] = timer(lambda: F8.quantize_blocks(wd, check_finite=False))
+                    parts["transpose_w"] = timer(lambda: F8.transpose_blocks(wq))
+                    parts["quant_dy"] = timer(lambda: F8.quantize_tiles(dyp, check_finite=False))
+                    kind, pad = "tiles", F8.GROUP
+                else:
+                    xq, wq = F8.quantize_rows(xp, check_finite=False), F8.quantize_rows(wd, check_finite=False)
+                    dyq, wt = F8.quantize_rows(dyp, check_finite=False), F8.quantize_rows(wd.t(), check_finite=False)
+                    parts["quant_x"] = timer(lambda: F8.quantize_rows(xp, check_finite=False))
+                    parts["quant_w"] = timer(lambda: F8.quantize_rows(wd, check_finite=False))
+                    parts["quant_wT"] = timer(lambda: F8.quantize_rows(wd.t(), check_finite=False))
+                    parts["quant_dy"] = timer(lambda: F8.quantize_rows(dyp, check_finite=False))
+                    kind, pad = "rows", F8.ROW_ALIGN
+                dytq = F8.quantize(dy.t(), kind, pad_to=pad, check_finite=False)
+                xtq = F8.quantize(xd.t(), kind, pad_to=pad, check_finite=False)
+                parts["quant_dyT"] = timer(lambda: F8.quantize(dy.t(), kind, pad_to=pad, check_finite=False))
+                parts["quant_xT"] = timer(lambda: F8.quantize(xd.t(), kind, pad_to=pad, check_finite=False))
+                parts["fwd_gemm"] = timer(lambda: F8.scaled_matmul(xq, wq))
+                parts["dgrad_gemm"] = timer(lambda: F8.scaled_matmul(dyq, wt))
+                parts["wgrad_gemm"] = timer(lambda: F8.scaled_matmul(dytq, xtq))
+                parts["quant_sum"] = sum(v for key, v in parts.items() if not key.endswith("_gemm"))
+                parts["gemm_sum"] = sum(v for key, v in parts.items() if key.endswith("_gemm"))
+        parts["total"] = timer(_fwd_bwd(lambda a, b, r=recipe: F8.fp8_linear(a, b, recipe=r), x, w, dy))
+        parts["speedup_vs_bf16"] = round(bf16["total"] / parts["total"], 3) if parts["total"] else None
+        if m:
+            parts["gemm_speedup_vs_bf16"] = round(
+                (bf16["fwd_gemm"] + bf16["dgrad_gemm"] + bf16["wgrad_gemm"]) / parts["gemm_sum"], 3)
+        out[recipe] = parts
+    out["bf16"]["tflops"] = round(flops / bf16["total"] / 1e9, 1) if bf16["total"] else None
+    return {key: ({kk: round(vv, 4) if isinstance(vv, float) else vv for kk, vv in val.items()}
+                  if isinstance(val, dict) else val) for key, val in out.items()}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="a,b,c")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run, e.g. on CPU)")
+    p.add_argument("--recipes", default="", help="comma list (default: blockwise where supported, and rowwise)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default="outputs/bench_fp8_linear.json")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        supported = F8.blockwise_supported(device.index or 0)
+        name = torch.cuda.get_device_name(device)
+    else:
+        supported, name = True, "cpu (emulated block-wise GEMMs; timings mean nothing)"
+    in_use = "blockwise" if supported else "rowwise"
+    recipes = [r for r in args.recipes.split(",") if r] or (["blockwise", "rowwise"] if supported else ["rowwise"])
+    print(f"device: {name}; torch {torch.__version__}; block-wise scaled_mm supported: {supported}; "
+          f"enable_fp8 picks: {in_use}", flush=True)
+    timer = Timer(device, args.warmup, args.reps)
+    table = TINY if args.tiny else SHAPES
+    rows = []
+    for workload in args.shapes.split(","):
+        for layer, m, n, k in table[workload]:
+            r = bench_shape(m, n, k, recipes, timer, device)
+            r.update(workload=workload, layer=layer)
+            rows.append(r)
+            line = f"({workload}) {layer:<11} {m:>6}x{n:>5}x{k:>5}  bf16 {r['bf16']['total']:8.3f} ms"
+            for recipe in recipes:
+                q = r[recipe]
+                line += f" | {recipe} {q['total']:8.3f} ms x{q['speedup_vs_bf16']}"
+                if m:
+                    line += f" (quant {q['quant_sum']:.3f} gemm {q['gemm_sum']:.3f}, gemm x{q['gemm_speedup_vs_bf16']})"
+            print(line, flush=True)
+            for recipe in recipes:
+                if m:
+                    parts = [f"{key} {val:.3f}" for key, val in r[recipe].items() if isinstance(val, float)]
+                    print(f"      {recipe}: " + ", ".join(parts))
+    result = {"device": name, "torch": torch.__version__, "blockwise_supported": supported, "recipe_in_use": in_use,
+              "recipes": recipes, "warmup": args.warmup, "reps": args.reps, "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
