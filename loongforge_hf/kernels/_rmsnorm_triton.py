@@ -1,9 +1,10 @@
 """Triton RMSNorm forward and backward with the numerics of ``rmsnorm._RMSNormFunction`` (HF's).
 
 One program normalises whole rows (a row fits one block; short rows such as q/k-norm heads go several to a
-program). The backward gives each program a contiguous run of
-rows and accumulates its share of the weight gradient in fp32 registers; the per-program partial sums
-(``[programs, N]`` fp32) are added up by torch afterwards.
+program). The backward starts a few programs per SM, each over a contiguous run of rows that it walks in tiles of
+several rows (``BWD_TILE`` elements; a q-norm over 16384 tokens x 16 heads of 128, walked one row at a time, left
+each load latency-bound). Each program accumulates its share of the weight gradient in an fp32 tile, reduced to one
+row at its end, and the per-program partial sums (``[programs, N]`` fp32) are added up by torch afterwards.
 """
 
 from __future__ import annotations
@@ -40,34 +41,42 @@ def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, M, N, eps, ZERO_CENTERED: t
 
 @triton.jit
 def _rms_norm_bwd(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, M, N, ROWS_PER_PROGRAM: tl.constexpr,
-                  ZERO_CENTERED: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, BLOCK: tl.constexpr):
+                  ZERO_CENTERED: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    gamma = _gamma(W, cols, mask, ZERO_CENTERED)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    cols = tl.arange(0, BLOCK)[None, :]
+    col_mask = cols < N
+    gamma = _gamma(W, cols, col_mask, ZERO_CENTERED)
+    dw = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     first = pid.to(tl.int64) * ROWS_PER_PROGRAM
-    for i in range(0, ROWS_PER_PROGRAM):
-        row = first + i
-        live = mask & (row < M)
-        x = tl.load(X + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
+    # NOTE: ROWS_PER_PROGRAM is a multiple of ROWS, so the tiles of one program never reach into the next one's.
+    for start in range(0, ROWS_PER_PROGRAM, ROWS):
+        row_ids = first + start + tl.arange(0, ROWS)
+        rows = row_ids[:, None]
+        live = col_mask & (rows < M)
+        x = tl.load(X + rows * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row_ids, mask=row_ids < M, other=0.0)[:, None]
         normed = x * rstd
         if NEED_DW:
             # NOTE: the forward multiplies by the rounded normalised input, so the weight grad uses it too.
             dw += dy * normed.to(X.dtype.element_ty).to(tl.float32)
         if NEED_DX:
             grad_normed = dy * gamma
-            dot = tl.sum(grad_normed * normed, axis=0) / N
+            dot = tl.sum(grad_normed * normed, axis=1)[:, None] / N
             dx = rstd * (grad_normed - normed * dot)
-            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=live)
+            tl.store(DX + rows * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=live)
     if NEED_DW:
-        tl.store(DW + pid * N + cols, dw, mask=mask)
+        tl.store(DW + pid * N + cols, tl.sum(dw, axis=0)[None, :], mask=col_mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]) if t.stride(-1) == 1 else t.contiguous().reshape(-1, t.shape[-1])
+
+
+# Elements of one backward tile: several short rows (q/k-norm heads) or one long row per loop step, so that each
+# step has enough loads in flight; the fp32 weight-grad accumulator is a tile too.
+BWD_TILE = 4096
 
 
 def _block(n: int) -> int:
@@ -97,16 +106,19 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd
              zero_centered_gamma: bool, need_dx: bool, need_dw: bool):
     x2, dy = _rows(x), _rows(grad_out)
     m, n = x2.shape
-    programs = row_programs(m, x.device)
-    per_program = triton.cdiv(max(m, 1), programs)
+    block = _block(n)
+    tile_rows = max(1, min(64, BWD_TILE // block))
+    programs = row_programs(triton.cdiv(max(m, 1), tile_rows), x.device)
+    per_program = triton.cdiv(triton.cdiv(max(m, 1), programs), tile_rows) * tile_rows
+    programs = triton.cdiv(max(m, 1), per_program)
     dx = torch.empty_like(x2) if need_dx else None
     partial = torch.empty((programs, n), dtype=torch.float32, device=x.device) if need_dw else None
     if m:
         _rms_norm_bwd[(programs,)](dy, x2, weight, rstd, dx if need_dx else x2, partial if need_dw else rstd,
                                    dy.stride(0), x2.stride(0), dx.stride(0) if need_dx else 0, m, n,
-                                   ROWS_PER_PROGRAM=per_program,
-                                   ZERO_CENTERED=zero_centered_gamma, NEED_DX=need_dx, NEED_DW=need_dw,
-                                   BLOCK=_block(n), num_warps=_warps(_block(n)))
+                                   ROWS_PER_PROGRAM=per_program, ZERO_CENTERED=zero_centered_gamma,
+                                   NEED_DX=need_dx, NEED_DW=need_dw,
+                                   ROWS=tile_rows, BLOCK=block, num_warps=_warps(tile_rows * block))
     grad_w = None
     if need_dw:
         grad_w = (partial.sum(0) if m else torch.zeros(n, dtype=torch.float32, device=x.device)).to(weight.dtype)

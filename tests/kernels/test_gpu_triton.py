@@ -17,7 +17,7 @@ def test_triton_kernels_match_torch_paths_on_cuda():
 
     assert switch.use_triton(torch.empty(1, device="cuda")), "triton is not importable on this GPU machine"
     checked = check_all("cuda", big=True)
-    assert len(checked) == 3 * (5 * 3 + 4 + 3 + 3)
+    assert len(checked) == 3 * (6 * 3 + 4 + 3 + 3)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
@@ -56,7 +56,7 @@ def _train_kernels_on_and_off(folder: str, out_dir: str) -> dict:
     for on in (True, False):
         os.environ["LOONGFORGE_TRITON"] = "1" if on else "0"
         model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16)
-        engine = MegatronEngine(model, args=args, fused_loss=on, fused_adam=on)
+        engine = MegatronEngine(model, args=args, fused_loss=on, fused_adam=on, fused_wgrad=on)
         batch = {"input_ids": ids.to(model.device), "labels": ids.to(model.device)}
         out[on] = [engine.train_step([batch]).loss for _ in range(6)]
         out[f"rope_fusion_{on}"] = bool(model.megatron.config.apply_rope_fusion)
@@ -65,9 +65,9 @@ def _train_kernels_on_and_off(folder: str, out_dir: str) -> dict:
 
 @pytest.mark.parametrize("arch,overrides", [("qwen3", {"tie_word_embeddings": True}), ("llama3", {})])
 def test_training_with_all_kernels_on_matches_all_off_in_bf16(tmp_path, arch, overrides):
-    """Six bf16 steps on one batch of a tiny model: Triton kernels, fused loss and fused AdamW on vs. all off (torch
-    paths, materialised logits, foreach AdamW). bf16 rounds differently on the two paths, so losses agree within 2e-2
-    relative, not exactly; both must train."""
+    """Six bf16 steps on one batch of a tiny model: Triton kernels, fused loss, fused AdamW and the fused weight-grad
+    accumulation on vs. all off (torch paths, materialised logits, foreach AdamW, DDP's main_grad add). bf16 rounds
+    differently on the two paths, so losses agree within 2e-2 relative, not exactly; both must train."""
     from loongforge_hf.parallel.spawn import run_distributed
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
