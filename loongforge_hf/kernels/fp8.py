@@ -60,6 +60,21 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+ROW_ALIGN = 16
+
+
+def padded_rows(m: int) -> int:
+    """The GEMM's M for ``m`` tokens: rounded up to ``ROW_ALIGN`` (cuBLAS's FP8 kernels want M, and the leading
+    dimension of 1x128 scales, aligned; an expert's token count is anything, 1 or 17 included)."""
+    return _ceil(m, ROW_ALIGN) * ROW_ALIGN
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``padded_rows`` (the same tensor where nothing is missing)."""
+    extra = padded_rows(x.shape[0]) - x.shape[0]
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
 def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """Decoding scales ``amax / 448`` (fp32); 1 where a group is all zeros; NaN/inf stay as they are."""
     amax = amax.float()
@@ -138,6 +153,48 @@ if triton is not None:
             store = (r[:, None] < rows) & (c[None, :] < out_cols)
             tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
         tl.store(s_ptr + r, scale, mask=r < rows)
+
+
+if triton is not None:
+    @triton.jit
+    def _tiles_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols, q_rows, qt_cols, stride_xr, stride_xc,
+                           TILE: tl.constexpr, FMAX: tl.constexpr):
+        # NOTE: one read of a 128x128 block gives both 1x128 tilings: along the row (x's K) and along the column
+        # (x^T's K, written transposed), so the backward reads the output gradient once instead of twice.
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        r = pid_r * TILE + tl.arange(0, TILE)
+        c = pid_c * TILE + tl.arange(0, TILE)
+        load = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
+        a = tl.where(x == x, tl.abs(x), float("inf"))
+        zero = tl.zeros((TILE,), tl.float32)
+        zeros = tl.zeros((TILE, TILE), tl.float32)
+        amax_r = tl.max(a, axis=1)
+        s_r = tl.where(amax_r == 0, 1.0, tl.math.div_rn(amax_r, zero + FMAX))
+        q = tl.clamp(tl.math.div_rn(x, zeros + s_r[:, None]), -FMAX, FMAX)
+        tl.store(q_ptr + r[:, None] * cols + c[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=(r[:, None] < q_rows) & (c[None, :] < cols))
+        tl.store(s_ptr + pid_c * q_rows + r, s_r, mask=r < q_rows)
+        amax_c = tl.max(a, axis=0)
+        s_c = tl.where(amax_c == 0, 1.0, tl.math.div_rn(amax_c, zero + FMAX))
+        qc = tl.clamp(tl.math.div_rn(x, zeros + s_c[None, :]), -FMAX, FMAX)
+        tl.store(qt_ptr + c[None, :] * qt_cols + r[:, None], qc.to(qt_ptr.dtype.element_ty),
+                 mask=(c[None, :] < cols) & (r[:, None] < qt_cols))
+        tl.store(st_ptr + pid_r * cols + c, s_c, mask=c < cols)
+
+
+def _tiles_dual_triton(x: torch.Tensor) -> tuple[Quantized, Quantized]:
+    rows, cols = x.shape
+    q_rows, qt_cols = padded_rows(rows), _ceil(rows, GROUP) * GROUP
+    q = torch.empty(q_rows, cols, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(_ceil(cols, GROUP), q_rows, dtype=torch.float32, device=x.device)
+    qt = torch.empty(cols, qt_cols, dtype=FP8_DTYPE, device=x.device)
+    st = torch.empty(qt_cols // GROUP, cols, dtype=torch.float32, device=x.device)
+    _tiles_dual_kernel[(qt_cols // GROUP, _ceil(cols, GROUP))](
+        x, q, s, qt, st, rows, cols, q_rows, qt_cols, x.stride(0), x.stride(1), TILE=GROUP, FMAX=FP8_MAX,
+        num_warps=8)
+    return Quantized(q, s.t(), "tiles"), Quantized(qt, st.t(), "tiles")
 
 
 def _rows_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,6 +295,17 @@ def quantize(x: torch.Tensor, kind: str, *, pad_to: int = 1, check_finite: bool 
     if kind == "blocks":
         return quantize_blocks(x, check_finite=check_finite)
     raise Fp8Error(f"quantize: unknown scaling {kind!r}; use one of {KINDS}.")
+
+
+def quantize_tiles_dual(x: torch.Tensor) -> tuple[Quantized, Quantized]:
+    """Both 1x128 tilings of 2-D ``x`` ``[M, K]`` that a linear layer's backward needs from one read: ``x``'s rows
+    zero-padded to ``padded_rows(M)`` tiled along K (the input-gradient GEMM's operand), and ``x.T`` tiled along M,
+    zero-padded to a multiple of 128 (the weight-gradient GEMM's). No finiteness check (the training path's use)."""
+    _as_matrix(x, "quantize_tiles_dual")
+    if _use_triton(x) and x.shape[0] and x.shape[1]:
+        return _tiles_dual_triton(x)
+    return (quantize_tiles(_pad_rows(x), check_finite=False),
+            quantize_tiles(x.t(), pad_to=GROUP, check_finite=False))
 
 
 def expand_scale(q: Quantized) -> torch.Tensor:
@@ -363,21 +431,6 @@ def check_recipe(recipe: str) -> None:
         raise Fp8Error(f"FP8 recipe {recipe!r} is not supported; use one of {RECIPES}.")
 
 
-ROW_ALIGN = 16
-
-
-def padded_rows(m: int) -> int:
-    """The GEMM's M for ``m`` tokens: rounded up to ``ROW_ALIGN`` (cuBLAS's FP8 kernels want M, and the leading
-    dimension of 1x128 scales, aligned; an expert's token count is anything, 1 or 17 included)."""
-    return _ceil(m, ROW_ALIGN) * ROW_ALIGN
-
-
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with zero rows appended up to ``padded_rows`` (the same tensor where nothing is missing)."""
-    extra = padded_rows(x.shape[0]) - x.shape[0]
-    return F.pad(x, (0, 0, 0, extra)) if extra else x
-
-
 def gemm_eligible(n: int, k: int, recipe: str) -> bool:
     """Whether a weight ``[n, k]`` can run the recipe's three GEMMs (N and K are GEMM dimensions of the forward and
     the input gradient: multiples of 128 for ``blockwise``, 16 for ``rowwise``); tokens are padded, never refused."""
@@ -402,30 +455,42 @@ def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str) -> tuple[torch.Tenso
     return (y if xp is x else y[:m]), wq
 
 
-def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wq: Quantized | None = None) -> torch.Tensor:
-    """``dy @ w`` in FP8 (``dy`` ``[M, N]``, ``w`` ``[N, K]``): the input gradient (any M, as ``gemm_fwd``)."""
+def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wq: Quantized | None = None,
+               dyq: Quantized | None = None) -> torch.Tensor:
+    """``dy @ w`` in FP8 (``dy`` ``[M, N]``, ``w`` ``[N, K]``): the input gradient (any M, as ``gemm_fwd``).
+    ``dyq``: ``dy`` already quantised (blockwise: the first of ``quantize_tiles_dual(dy)``)."""
     m = dy.shape[0]
     if m == 0:
         return dy.new_zeros(0, w.shape[1])
     dyp = _pad_rows(dy)
     if recipe == "blockwise":
         wt = transpose_blocks(wq if wq is not None else quantize_blocks(w, check_finite=False))
-        dx = scaled_matmul(quantize_tiles(dyp, check_finite=False), wt, out_dtype=dy.dtype)
+        dyq = dyq if dyq is not None else quantize_tiles(dyp, check_finite=False)
+        dx = scaled_matmul(dyq, wt, out_dtype=dy.dtype)
     else:
         dx = scaled_matmul(quantize_rows(dyp, check_finite=False), quantize_rows(w.t(), check_finite=False),
                            out_dtype=dy.dtype)
     return dx if dyp is dy else dx[:m]
 
 
-def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: str) -> torch.Tensor:
+def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: str, dytq: Quantized | None = None) -> torch.Tensor:
     """``dy.T @ x`` in FP8 (``dy`` ``[M, N]``, ``x`` ``[M, K]``): the weight gradient, contracting over tokens,
-    which are zero-padded to the GEMM's multiple; M = 0 gives zeros."""
+    which are zero-padded to the GEMM's multiple; M = 0 gives zeros. ``dytq``: ``dy.T`` already quantised
+    (blockwise: the second of ``quantize_tiles_dual(dy)``)."""
     if dy.shape[0] == 0:
         return dy.new_zeros(dy.shape[1], x.shape[1])
     kind, pad = ("tiles", GROUP) if recipe == "blockwise" else ("rows", ROW_ALIGN)
-    a = quantize(dy.t(), kind, pad_to=pad, check_finite=False)
+    a = dytq if dytq is not None else quantize(dy.t(), kind, pad_to=pad, check_finite=False)
     b = quantize(x.t(), kind, pad_to=pad, check_finite=False)
     return scaled_matmul(a, b, out_dtype=dy.dtype)
+
+
+def quantize_grad(dy: torch.Tensor, recipe: str, precision: GemmPrecision) -> tuple[Quantized | None, Quantized | None]:
+    """The output gradient quantised once for both backward GEMMs where both run block-wise FP8 (one fused read),
+    else (None, None) and each GEMM quantises what it needs."""
+    if recipe == "blockwise" and precision.dgrad and precision.wgrad and dy.shape[0]:
+        return quantize_tiles_dual(dy)
+    return None, None
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -448,11 +513,13 @@ class _Fp8Linear(torch.autograd.Function):
         x2, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, weight.shape[0])
         dx = dw = db = None
+        dyq, dytq = quantize_grad(dy2, ctx.recipe, ctx.precision) if all(ctx.needs_input_grad[:2]) else (None, None)
         if ctx.needs_input_grad[0]:
-            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wq) if ctx.precision.dgrad else dy2 @ weight.to(dy2.dtype)
+            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wq, dyq) if ctx.precision.dgrad \
+                else dy2 @ weight.to(dy2.dtype)
             dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = (gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2).to(weight.dtype)
+            dw = (gemm_wgrad(dy2, x2, ctx.recipe, dytq) if ctx.precision.wgrad else dy2.t() @ x2).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         ctx.wq = None

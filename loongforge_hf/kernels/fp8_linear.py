@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
-                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad, quantize_blocks)
+                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad, quantize_blocks,
+                                       quantize_grad)
 
 logger = logging.getLogger("loongforge_hf.fp8")
 
@@ -218,7 +219,8 @@ class _Fp8ParallelLinear(torch.autograd.Function):
             gather = dist.all_gather_into_tensor(total, x.contiguous(), group=ctx.group, async_op=True)
         else:
             total = x
-        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wq) if ctx.precision.dgrad else dy2 @ weight
+        dyq, dytq = quantize_grad(dy2, ctx.recipe, ctx.precision) if weight.requires_grad else (None, None)
+        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wq, dyq) if ctx.precision.dgrad else dy2 @ weight
         dx = dx.view(*dy.shape[:-1], weight.shape[1])
         ctx.wq = None
         reduce = None
@@ -233,7 +235,8 @@ class _Fp8ParallelLinear(torch.autograd.Function):
             if gather is not None:
                 gather.wait()
             x2 = total.reshape(-1, total.shape[-1])
-            dw = gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2
+            dw = gemm_wgrad(dy2, x2, ctx.recipe, dytq) if ctx.precision.wgrad else dy2.t() @ x2
+            dyq = dytq = None
             if ctx.accumulate:
                 # NOTE: what megatron's gradient_accumulation_fusion does: the gradient goes straight into the fp32
                 # main_grad, and the autograd grad is a placeholder its DDP hook knows to skip.
