@@ -18,6 +18,14 @@ Choices:
   the process until the handle closes, so a rank's resident memory grew by the file bytes it read (1.6 GB per rank for
   an 8B-wide checkpoint at TP=2, see scripts/bench_bridge_io.py), and it costs a page fault per page on top of a copy.
   Safetensors data is little-endian, as on every host torch supports here (x86-64, arm64).
+- Reads are spread over a pool of threads (``os.preadv`` releases the GIL; from the page cache one thread copies
+  a few GB/s, far below what the cores of a host copy together): a read of more than ``_CHUNK_BYTES`` is cut into
+  pieces (whole runs for a slice of columns) read concurrently, each straight into its place in the destination,
+  and ``_read`` returns once every piece has landed. Nothing is read into memory of the pool's own (each piece of a
+  slice of columns has a scratch buffer of one gap), so a rank's peak memory stays what it was with one thread.
+  Threads per process: ``LOONGFORGE_IO_THREADS``, else the CPUs this process may run on divided by the processes of
+  its node (``LOCAL_WORLD_SIZE``), 1 to 16. A failed piece fails the read, naming the file and tensor, after the
+  other pieces finished (no thread still writes into the destination when the error arrives).
 - Every bad input raises ``CheckpointError`` (a ``ValueError``) whose message names the file, tensor or field.
 """
 
@@ -27,6 +35,8 @@ import json
 import os
 import pickle
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from types import TracebackType
 from typing import Any, Iterable, Mapping
@@ -137,25 +147,113 @@ def _numel(shape: Iterable[int]) -> int:
 _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16, 1024))
 
 
+# NOTE: below this many bytes a piece of a read is not worth a task of its own (a task costs tens of microseconds, a
+# MiB from the page cache a few hundred).
+_CHUNK_BYTES = 4 << 20
+_MAX_IO_THREADS = 16
+
+
+def io_threads() -> int:
+    """Threads for checkpoint reads and writes: ``LOONGFORGE_IO_THREADS``, else this process's CPUs over the processes
+    of its node (``LOCAL_WORLD_SIZE``), between 1 and 16."""
+    env = os.environ.get("LOONGFORGE_IO_THREADS", "").strip()
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"LOONGFORGE_IO_THREADS must be a positive integer, got {env!r}.")
+        return value
+    try:
+        cpus = len(os.sched_getaffinity(0))  # NOTE: what taskset/cgroups leave this process, not the host's count
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(_MAX_IO_THREADS, cpus // local))
+
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool)
+
+
+def _io_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's I/O pool of ``threads`` threads (a new one after a fork, or when the count changes)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid() or _pool[1] != threads:
+            if _pool is not None and _pool[0] == os.getpid():
+                _pool[2].shutdown(wait=False)
+            _pool = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="loongforge-io"))
+        return _pool[2]
+
+
+def run_io(tasks: list) -> None:
+    """Run the callables ``tasks`` on the I/O pool (inline when one thread or one task) and wait for all of them.
+
+    The first exception (in task order) is raised once every task has ended, so no task still touches its buffers.
+    """
+    threads = io_threads() if len(tasks) > 1 else 1
+    if threads == 1:
+        for task in tasks:
+            task()
+        return
+    futures = [_io_pool(threads).submit(task) for task in tasks]
+    error: BaseException | None = None
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the others finished
+            error = error or err
+    if error is not None:
+        raise error
+
+
+def split_evenly(count: int, total_bytes: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges covering ``range(count)`` in as many pieces as the I/O threads and ``_CHUNK_BYTES``
+    allow (one piece for a small ``total_bytes``)."""
+    pieces = max(1, min(count, io_threads(), total_bytes // _CHUNK_BYTES))
+    bounds = [count * i // pieces for i in range(pieces + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 def _read_runs(fd: int, dest: memoryview, *, offset: int, runs: int, run_bytes: int, stride: int) -> None:
     """Fill ``dest`` with ``runs`` runs of ``run_bytes`` bytes that start ``stride`` bytes apart from ``offset``.
 
-    Runs that touch (one run, or a slice spanning the whole dimension) are one read. Otherwise each preadv call reads
-    a stretch of consecutive runs, the bytes between them going to a scratch buffer that every gap shares.
+    Runs that touch (one run, or a slice spanning the whole dimension) are one stretch of the file, read in pieces
+    of whole pages on the I/O threads. Otherwise each thread takes a range of runs; each of its preadv calls reads a
+    stretch of consecutive runs, the bytes between them going to a scratch buffer that the piece's gaps share.
     """
     if runs == 1 or stride == run_bytes:
-        _preadv_exact(fd, [dest], offset)
+        total = len(dest)
+        pages = -(-total // 4096)
+        tasks = []
+        for first, last in split_evenly(pages, total):
+            a, b = first * 4096, min(total, last * 4096)
+            tasks.append(lambda a=a, b=b: _preadv_exact(fd, [dest[a:b]], offset + a))
+        run_io(tasks)
         return
+    run_io([lambda first=first, last=last: _read_run_range(fd, dest, offset=offset, first=first, last=last,
+                                                           run_bytes=run_bytes, stride=stride)
+            for first, last in split_evenly(runs, runs * stride)])
+
+
+def _read_run_range(fd: int, dest: memoryview, *, offset: int, first: int, last: int, run_bytes: int,
+                    stride: int) -> None:
+    """Runs ``first:last`` of ``_read_runs``, the gaps between them read into one scratch buffer."""
     gap = memoryview(bytearray(stride - run_bytes))
     per_call = _IOV_MAX // 2
-    for first in range(0, runs, per_call):
-        last = min(runs, first + per_call)
+    for begin in range(first, last, per_call):
+        end = min(last, begin + per_call)
         buffers: list[memoryview] = []
-        for r in range(first, last):
+        for r in range(begin, end):
             buffers.append(dest[r * run_bytes:(r + 1) * run_bytes])
-            if r + 1 < last:
+            if r + 1 < end:
                 buffers.append(gap)
-        _preadv_exact(fd, buffers, offset + first * stride)
+        _preadv_exact(fd, buffers, offset + begin * stride)
 
 
 def _preadv_exact(fd: int, buffers: list[memoryview], offset: int) -> None:

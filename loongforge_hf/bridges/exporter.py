@@ -7,9 +7,10 @@ Choices:
   The writer is given the whole list up front (``plan``), so each tensor goes to disk as it arrives: rank 0 holds one
   tensor at a time, not a shard.
 - Mappings that describe their shards' blocks (``export_parts``) are never assembled on rank 0: its own TP shard's
-  blocks are written straight from the parameter, then each other TP rank's shard is received (one at a time) and its
-  blocks written to their places (``CheckpointWriter.add_part``). Rank 0 holds its parameters plus one received shard,
-  not the full tensor next to every shard. A first TP rank that is not rank 0 (another pipeline stage) assembles the
+  blocks are written straight from the parameter, then each other TP rank's shard is received and its blocks written
+  to their places (``CheckpointWriter.add_part``); the next shard's receive is posted before the writing starts, so
+  the two overlap. Rank 0 holds its parameters plus at most two received shards (one at TP=2), not the full tensor
+  next to every shard. A first TP rank that is not rank 0 (another pipeline stage) assembles the
   full tensor the same way, into one preallocated buffer, and sends it. Replicated tensors are not sent over TP.
 - Routed experts: expert ``g`` of a layer lives on expert-parallel rank ``g // (N / E)`` as a local expert; the
   first expert-data-parallel replica of that rank gathers it over the expert-tensor-parallel group and its first
@@ -80,19 +81,30 @@ def _planned_tensors(bridge, model, parallel, shapes, dtype):
 
 def _for_each_part(local: torch.Tensor, mapping, ctx, layer, group, sink) -> None:
     """On the first rank of ``group``: ``sink(name, dim, start, block)`` for every block (``export_parts``) of every
-    rank's shard, in rank order. The other ranks' shards are received one at a time, each dropped before the next
-    arrives; a mapping without a TP split uses the first rank's own shard alone."""
+    rank's shard, in rank order; a mapping without a TP split uses the first rank's own shard alone.
+
+    The other ranks' shards are received one after the other, each receive posted (``irecv``) before the blocks of
+    the shard before it go to ``sink``, so the transfer overlaps the writing; at most two received shards are held at
+    a time (one being written, one arriving), each dropped once written.
+    """
     peers = []
     if mapping.tp_split is not None and group is not None and dist.get_world_size(group) > 1:
         peers = dist.get_process_group_ranks(group)[1:]
+
+    def receive(src: int):
+        shard = torch.empty_like(local, memory_format=torch.contiguous_format)
+        return shard, dist.irecv(shard, src=src)
+
+    pending = receive(peers[0]) if peers else None
     for part in mapping.export_parts(local, 0, ctx, layer):
         sink(*part)
-    for i, src in enumerate(peers, start=1):
-        shard = torch.empty_like(local, memory_format=torch.contiguous_format)
-        dist.recv(shard, src=src)
+    for i in range(1, len(peers) + 1):
+        shard, work = pending
+        work.wait()
+        pending = receive(peers[i]) if i < len(peers) else None
         for part in mapping.export_parts(shard, i, ctx, layer):
             sink(*part)
-        shard = part = None
+        shard = part = work = None
 
 
 def _send_to_first(local: torch.Tensor, mapping, group) -> None:

@@ -23,6 +23,10 @@ Choices:
   folder is moved aside, the new one moved in, then the old one deleted. On an exception in the ``with`` block or a
   failed write (disk full -> ``CheckpointError``) the temporary folder is removed and ``out_dir`` is left as it was.
   Replacing the working directory, one of its parents or the home folder is refused.
+- Planned writes are spread over the I/O threads of ``checkpoint_io`` (``os.pwrite`` releases the GIL): a tensor or
+  block of more than a few MiB goes out in pieces (whole runs for a block of columns) written concurrently from the
+  caller's memory, and ``add()``/``add_part()`` return once every piece is written; a failed piece raises after the
+  others ended.
 - Each tensor is detached, moved to CPU and made contiguous; a buffered tensor still sharing memory with the
   caller's (a CPU tensor, or a view) is cloned, so the buffer never aliases a live parameter, a reused buffer, or
   another entry. A planned tensor is written before ``add()`` returns, so it is never copied.
@@ -46,7 +50,8 @@ from typing import Iterable, Sequence
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint_io import _SAFETENSORS_DTYPES, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, CheckpointError
+from .checkpoint_io import (_SAFETENSORS_DTYPES, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, CheckpointError,
+                            run_io, split_evenly)
 
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = (("GIB", 2**30, False), ("MIB", 2**20, False), ("KIB", 2**10, False),
@@ -114,6 +119,26 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         done = os.pwrite(fd, data, offset)
         data, offset = data[done:], offset + done
+
+
+def _pwrite_runs(fd: int, data: memoryview, offset: int, *, runs: int = 1, run_bytes: int = 0, stride: int = 0) -> None:
+    """Write ``data`` as ``runs`` runs of ``run_bytes`` bytes placed ``stride`` bytes apart from ``offset`` (one
+    stretch when ``runs`` is 1 or the runs touch), in pieces on the I/O threads."""
+    if runs == 1 or run_bytes == stride:
+        total = len(data)
+        pages = -(-total // 4096)
+        tasks = []
+        for first, last in split_evenly(pages, total):
+            a, b = first * 4096, min(total, last * 4096)
+            tasks.append(lambda a=a, b=b: _pwrite_all(fd, data[a:b], offset + a))
+        run_io(tasks)
+        return
+
+    def write(first: int, last: int) -> None:
+        for r in range(first, last):
+            _pwrite_all(fd, data[r * run_bytes:(r + 1) * run_bytes], offset + r * stride)
+
+    run_io([lambda first=first, last=last: write(first, last) for first, last in split_evenly(runs, len(data))])
 
 
 def _owned_cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -276,14 +301,8 @@ class CheckpointWriter:
             runs, run_bytes, stride = math.prod(spec.shape[:dim]), (stop - start) * inner, spec.shape[dim] * inner
             view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
             offset = spec.offset + start * inner
-            if runs == 1 or run_bytes == stride:
-                self._guarded(file, lambda: _pwrite_all(fd, view, offset))
-            else:
-                def write_runs() -> None:
-                    for r in range(runs):
-                        _pwrite_all(fd, view[r * run_bytes:(r + 1) * run_bytes], offset + r * stride)
-
-                self._guarded(file, write_runs)
+            self._guarded(file, lambda: _pwrite_runs(fd, view, offset, runs=runs, run_bytes=run_bytes,
+                                                     stride=stride))
         blocks.append((start, stop))
         self._parts[name] = (dim, blocks)
         self._total_size += _nbytes(data)
@@ -316,7 +335,7 @@ class CheckpointWriter:
         fd, file = self._shard_fd(spec.shard)
         if data.numel():
             view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
-            self._guarded(file, lambda: _pwrite_all(fd, view, spec.offset))
+            self._guarded(file, lambda: _pwrite_runs(fd, view, spec.offset))
         self._total_size += _nbytes(data)
         self._total_parameters += data.numel()
         self._planned_done(name, spec)

@@ -2,6 +2,8 @@ import json
 import os
 import shutil
 import struct
+import threading
+import time
 
 import pytest
 import torch
@@ -358,3 +360,98 @@ def test_no_weights(tmp_path):
         CheckpointReader(tmp_path)
     with pytest.raises(CheckpointError, match="no such directory"):
         CheckpointReader(tmp_path / "absent")
+
+
+def test_io_threads_from_env_cpus_and_local_processes(monkeypatch):
+    monkeypatch.setattr(checkpoint_io.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.delenv("LOONGFORGE_IO_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert checkpoint_io.io_threads() == 16  # capped
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert checkpoint_io.io_threads() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")
+    assert checkpoint_io.io_threads() == 1
+    monkeypatch.setenv("LOONGFORGE_IO_THREADS", "3")
+    assert checkpoint_io.io_threads() == 3
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("LOONGFORGE_IO_THREADS", bad)
+        with pytest.raises(ValueError, match="LOONGFORGE_IO_THREADS must be a positive integer"):
+            checkpoint_io.io_threads()
+
+
+@pytest.fixture
+def big_tensors(tmp_path):
+    """Tensors of many pages each, in one file: rows, columns and whole reads split into several pieces."""
+    torch.manual_seed(0)
+    tensors = {"wide": torch.randn(96, 1000), "tall": torch.randn(3000, 24).to(torch.bfloat16),
+               "cube": torch.randn(6, 50, 70), "small": torch.randn(5)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return tmp_path, tensors
+
+
+def _all_reads(folder):
+    """Every whole tensor and a slice along every dim of each, read with the current settings."""
+    with CheckpointReader(folder) as reader:
+        got = {}
+        for name in reader.keys():
+            got[name] = reader.get(name)
+            for dim, size in enumerate(reader.shape(name)):
+                got[name, dim] = reader.get_slice(name, dim=dim, start=1, stop=size - 1)
+        return got
+
+
+def test_threaded_reads_equal_single_threaded_reads(big_tensors, monkeypatch):
+    folder, tensors = big_tensors
+    threads = set()
+    real = os.preadv
+
+    def preadv(fd, buffers, offset):
+        threads.add(threading.get_ident())
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(checkpoint_io.os, "preadv", preadv)
+    monkeypatch.setenv("LOONGFORGE_IO_THREADS", "1")
+    single = _all_reads(folder)
+    assert len(threads) == 1
+    monkeypatch.setenv("LOONGFORGE_IO_THREADS", "4")
+    monkeypatch.setattr(checkpoint_io, "_CHUNK_BYTES", 8192)
+    threads.clear()
+    multi = _all_reads(folder)
+    assert len(threads) > 1  # NOTE: the reads did go through several threads
+    assert single.keys() == multi.keys()
+    for key, value in single.items():
+        assert multi[key].dtype == value.dtype and torch.equal(multi[key], value), key
+        name, dim = key if isinstance(key, tuple) else (key, None)
+        expected = tensors[name] if dim is None else tensors[name].narrow(dim, 1, tensors[name].shape[dim] - 2)
+        assert torch.equal(value, expected), key
+
+
+@pytest.mark.parametrize("dim", [None, 0, 1])
+def test_failed_piece_of_a_threaded_read_names_the_tensor_after_the_others_end(big_tensors, monkeypatch, dim):
+    folder, _ = big_tensors
+    monkeypatch.setenv("LOONGFORGE_IO_THREADS", "4")
+    monkeypatch.setattr(checkpoint_io, "_CHUNK_BYTES", 8192)
+    real = os.preadv
+    done = []
+
+    with CheckpointReader(folder) as reader:
+        first = reader._info("wide").offset
+
+        def preadv(fd, buffers, offset):
+            if offset == first:  # the first piece fails at once, the others take their time
+                raise OSError(5, "Input/output error")
+            time.sleep(0.02)
+            got = real(fd, buffers, offset)
+            done.append(offset)
+            return got
+
+        monkeypatch.setattr(checkpoint_io.os, "preadv", preadv)
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: reading tensor 'wide' failed \(.*Input/output"):
+            if dim is None:
+                reader.get("wide")
+            else:
+                reader.get_slice("wide", dim=dim, start=0, stop=50)
+        finished = len(done)
+        assert finished >= 1
+        time.sleep(0.1)
+        assert len(done) == finished  # NOTE: no piece was still running when the error came out

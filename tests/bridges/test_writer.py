@@ -477,3 +477,65 @@ def test_block_mistakes_leave_nothing(existing_out, mistake, message):
                 w.add_part("w", two, dim=0, start=0)
     assert snapshot(existing_out) == before
     assert leftovers(existing_out.parent) == []
+
+
+def test_threaded_writes_equal_single_threaded_writes(tmp_path, monkeypatch):
+    """Whole tensors and blocks of rows/columns of many pages, written in pieces on 4 threads: the same bytes."""
+    import threading
+
+    from loongforge_hf.bridges import checkpoint_io
+
+    torch.manual_seed(0)
+    state = {"wide": torch.randn(64, 1000), "tall": torch.randn(2000, 24).to(torch.bfloat16), "bias": torch.randn(9)}
+    threads = set()
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        threads.add(threading.get_ident())
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(writer_module.os, "pwrite", pwrite)
+    for mode in ("1", "4"):
+        monkeypatch.setenv("LOONGFORGE_IO_THREADS", mode)
+        monkeypatch.setattr(checkpoint_io, "_CHUNK_BYTES", 8192)
+        threads.clear()
+        with CheckpointWriter(tmp_path / mode, max_shard_size=200_000) as w:
+            w.plan(plan_of(state))
+            w.add("wide", state["wide"])
+            w.add_part("tall", state["tall"][:, 10:], dim=1, start=10)
+            w.add_part("tall", state["tall"][:, :10], dim=1, start=0)
+            w.add_part("bias", state["bias"][4:], dim=0, start=4)
+            w.add_part("bias", state["bias"][:4], dim=0, start=0)
+        assert (len(threads) > 1) == (mode == "4")
+    save_file(state, str(tmp_path / "reference.safetensors"))
+    files = sorted(p.name for p in (tmp_path / "1").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "4").iterdir()) and len(files) == 3  # 2 shards + index
+    for f in files:
+        assert (tmp_path / "4" / f).read_bytes() == (tmp_path / "1" / f).read_bytes(), f
+    with CheckpointReader(tmp_path / "4") as reader:
+        assert all(torch.equal(reader.get(n), t) for n, t in state.items())
+
+
+def test_threaded_write_with_one_failed_piece_leaves_out_dir_untouched(existing_out, monkeypatch):
+    from loongforge_hf.bridges import checkpoint_io
+
+    monkeypatch.setenv("LOONGFORGE_IO_THREADS", "4")
+    monkeypatch.setattr(checkpoint_io, "_CHUNK_BYTES", 8192)
+    before = snapshot(existing_out)
+    real = os.pwrite
+    offsets = []
+
+    def one_piece_fails(fd, data, offset):
+        offsets.append(offset)
+        if 300_000 < offset < 500_000:  # the third of four pieces of 200 KB
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(writer_module.os, "pwrite", one_piece_fails)
+    with pytest.raises(CheckpointError, match=rf"disk full while writing shard-00001\.safetensors in {existing_out}"):
+        with CheckpointWriter(existing_out) as w:
+            w.plan([("a", (200, 1000), torch.float32)])
+            w.add("a", torch.zeros(200, 1000))
+    assert len(offsets) == 5  # the header, then the 4 pieces
+    assert snapshot(existing_out) == before
+    assert leftovers(existing_out.parent) == []
