@@ -4,7 +4,8 @@ megatron MoE config a bridge's routing declaration turns into.
 Choices:
 - A layer is dense or sparse as the HF config says (``is_moe_layer``); megatron gets the same pattern as a 0/1
   ``moe_layer_freq`` list and builds each layer from its own spec (``specs.layer_spec_for``).
-- Routed experts run in megatron's MoE layer: alltoall dispatcher, no token dropping (capacity factor off), experts as
+- Routed experts run in megatron's MoE layer: alltoall dispatcher (allgather where expert and expert-tensor parallel
+  are both 1, see ``specs.py``), no token dropping (capacity factor off), experts as
   our ``kernels.grouped_mlp.GroupedMLP`` (all local experts' fc1 and fc2 stacked in one parameter each, grouped GEMMs
   on GPU). ``LOONGFORGE_MOE_GROUPED_GEMM=0`` in the environment when the bridge is made selects megatron's
   ``SequentialMLP`` instead (one gated MLP module per local expert, run in a loop), for comparison.

@@ -5,19 +5,32 @@ Choices:
   without repeated K/V, sliding windows, packed documents, context parallel) and our RMSNorm (HF numerics, sequence
   parallel), with megatron's parallel linears.
 - MoE and MLA decoders: megatron's decoder block spec from the config (``moe_layer_freq`` says which layers are
-  sparse, ``multi_latent_attention`` picks ``MLASelfAttention``), megatron's local linear, attention, MoE and MLA
-  modules, sliced to the layers this pipeline stage (and virtual stage) builds. Two slots are swapped:
+  sparse, ``multi_latent_attention`` picks ``MLASelfAttention``), megatron's local linear, MoE and MLA modules,
+  sliced to the layers this pipeline stage (and virtual stage) builds, with our kernels in three slots, as in the
+  dense spec:
   - every norm (input, pre-MLP, q/k or MLA latent, final) is our ``kernels.rmsnorm.RMSNorm``: megatron's local
     torch norm refuses sequence parallelism, which megatron's MoE layer requires in training with TP > 1;
-  - MLA's core attention is ``MLADotProductAttention``: megatron's local ``DotProductAttention`` sizes its output
-    from ``kv_channels`` and does not take the query/key and value head sizes MLA passes (``k_channels``,
-    ``v_channels``; only Transformer Engine's attention does).
+  - core attention is our ``kernels.attention.CoreAttention`` (SDPA: no materialised ``[b, heads, s, s]`` scores,
+    no fp32 softmax copy, GQA without repeated K/V); for MLA ``MLACoreAttention``, which takes the query/key head
+    size ``k_channels`` and value head size ``v_channels`` MLA passes (SDPA accepts a value head size that differs);
+  - the rotary embedding goes through the fused-rope slot (``rope.enable_megatron_fused_rope``; MLA keeps megatron's
+    own rotary path, which the slot does not serve).
   And one more with ``bridge.grouped_experts`` (the default, see ``moe.py``): the routed experts of every MoE layer are
   our ``kernels.grouped_mlp.GroupedMLP`` instead of megatron's ``SequentialMLP``.
+- Token dispatcher: the bridges ask for megatron's ``alltoall`` dispatcher. Where the experts' process groups are
+  trivial (expert parallel 1 and expert-tensor parallel 1) it moves no tokens, yet it still splits the permuted tokens
+  into one chunk per expert and concatenates them back in an unchanged order (``sort_chunks_by_idxs``, with no
+  Transformer Engine to fuse it): a copy of the ``[tokens * top-k, hidden]`` activations and of their probabilities
+  in the dispatch and in the combine, and the same again in the backward. There ``layer_spec_for`` switches the
+  config to megatron's ``allgather`` dispatcher, which has no chunk sort and communicates nothing over groups of one:
+  the same permutation (tokens by expert, then by position), probabilities and scatter-add (the parity tests hold
+  either way). Variable sequence lengths and router padding for quantization keep ``alltoall`` (megatron's allgather
+  dispatcher refuses both).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 _LAYER_NORMS = ("input_layernorm", "pre_mlp_layernorm")
@@ -25,19 +38,19 @@ _ATTENTION_NORMS = ("q_layernorm", "k_layernorm", "kv_layernorm")
 
 
 def _mla_core_attention():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from loongforge_hf.kernels.attention import CoreAttention
 
-    class MLADotProductAttention(DotProductAttention):
-        """megatron's local attention with query/key head size ``k_channels`` and value head size ``v_channels``."""
+    class MLACoreAttention(CoreAttention):
+        """Our SDPA core attention with query/key head size ``k_channels`` (the default softmax scale's) and value
+        head size ``v_channels``; the output has ``heads * v_channels`` features (SDPA sizes it from the values)."""
 
         def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            if v_channels is not None:
-                # NOTE: stands in for dot_product_attention.py:78 (megatron-core 0.16.1), which sizes the output
-                # [sq, b, heads * kv_channels]; MLA's context has heads * v_head_dim features.
-                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+            if k_channels is not None and kwargs.get("softmax_scale") is None:
+                self.head_dim = k_channels
+                self.softmax_scale = 1.0 / math.sqrt(k_channels)
 
-    return MLADotProductAttention
+    return MLACoreAttention
 
 
 def _grouped_experts(mlp_spec):
@@ -53,10 +66,11 @@ def _grouped_experts(mlp_spec):
 
 
 def _swap_modules(block_spec, *, grouped_experts: bool = False):
-    """``block_spec`` with our RMSNorm in every norm slot and MLA's core attention replaced (see the docstring)."""
+    """``block_spec`` with our RMSNorm in every norm slot and our core attention (see the docstring)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+    from loongforge_hf.kernels.attention import CoreAttention
     from loongforge_hf.kernels.rmsnorm import RMSNorm
 
     mla_core = _mla_core_attention()
@@ -66,14 +80,21 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False):
         att_sub = attention.submodules
         norms = {n: RMSNorm for n in _ATTENTION_NORMS
                  if hasattr(att_sub, n) and getattr(att_sub, n) not in (None, IdentityOp)}
-        if attention.module is MLASelfAttention:
-            norms["core_attention"] = mla_core
+        norms["core_attention"] = mla_core if attention.module is MLASelfAttention else CoreAttention
         attention = replace(attention, submodules=replace(att_sub, **norms))
         slots = {n: RMSNorm for n in _LAYER_NORMS if getattr(spec.submodules, n) is not IdentityOp}
         if grouped_experts:
             slots["mlp"] = _grouped_experts(spec.submodules.mlp)
         layers.append(replace(spec, submodules=replace(spec.submodules, self_attention=attention, **slots)))
     return replace(block_spec, layer_specs=layers, layer_norm=RMSNorm)
+
+
+def _dispatcher_for_layout(config) -> None:
+    """``allgather`` instead of ``alltoall`` where the experts' groups are single ranks (see the docstring)."""
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if (config.moe_token_dispatcher_type == "alltoall" and config.expert_model_parallel_size == 1 and etp == 1
+            and not config.variable_seq_lengths and not config.moe_router_padding_for_quantization):
+        config.moe_token_dispatcher_type = "allgather"
 
 
 def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
@@ -83,6 +104,11 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
         from loongforge_hf.kernels.specs import get_block_spec, get_layer_spec
 
         return get_block_spec(config, get_layer_spec(qk_norm=bridge.qk_norm), vp_stage=vp_stage)
+    from loongforge_hf.kernels.rope import enable_megatron_fused_rope
+
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage)
+    enable_megatron_fused_rope(config)  # changes nothing for MLA
+    if config.num_moe_experts:
+        _dispatcher_for_layout(config)
     return _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False))

@@ -40,7 +40,14 @@ def _expert_reads(model, folder: str) -> dict:
                   tp_size=ps.get_tensor_model_parallel_world_size())
     read = sorted({int(m.group(1)) for n in recording.read if (m := re.search(r"\.experts\.(\d+)\.", n))})
     experts = [m for chunk in model.megatron.chunks for n, m in chunk.named_modules() if n.endswith("mlp.experts")]
+    core = [m for chunk in model.megatron.chunks for n, m in chunk.named_modules() if n.endswith("core_attention")]
+    norms = [m for chunk in model.megatron.chunks for n, m in chunk.named_modules()
+             if n.endswith(("layernorm", "final_layernorm"))]
     return {"experts_read": read, "local_experts": sorted({m.num_local_experts for m in experts}),
+            "core_attention": sorted({type(m).__name__ for m in core}),
+            "norms": sorted({type(m).__name__ for m in norms if type(m).__name__ != "IdentityOp"}),
+            "rope_fusion": model.megatron.config.apply_rope_fusion,
+            "dispatcher": model.megatron.config.moe_token_dispatcher_type,
             "experts_module": sorted({type(m).__name__ for m in experts}), "num_experts": model.bridge.num_experts(),
             "ep_rank": ps.get_expert_model_parallel_rank()}
 

@@ -1,5 +1,6 @@
 """MoE and MLA bridges against transformers: logits and loss within 1e-4 (fp32) under expert, tensor, expert-tensor and
-pipeline parallel layouts; bit-exact HF -> megatron -> HF round trips that transformers loads back.
+pipeline parallel layouts; bit-exact HF -> megatron -> HF round trips that transformers loads back. Every layer runs
+our kernels' attention (SDPA ``CoreAttention``, MLA's ``MLACoreAttention``), ``RMSNorm`` and (not MLA) fused rope.
 
 Starting a rank costs more than a tiny model, so one world per world size runs each of its layouts in turn over several
 tiny checkpoints (1 rank: tp1; 2 ranks: ep2, ep2seq, tp2etp1; 4 ranks: tp2ep2, pp2ep2). Routed experts are the grouped
@@ -119,6 +120,16 @@ def test_parity_and_round_trip(worlds, layout, name):
             assert r["grads_ok"], (rank, r)
         grouped = LAYOUTS[layout][1].get("moe_grouped_gemm", True)
         assert r["experts_module"] == ["GroupedMLP" if grouped else "SequentialMLP"], (rank, r)
+        # our kernels in the attention and norm slots; the fused-rope slot for every rope but MLA's own
+        mla = name.startswith("deepseek")
+        assert r["core_attention"] == ["MLACoreAttention" if mla else "CoreAttention"], (rank, r)
+        assert r["norms"] == ["RMSNorm"], (rank, r)
+        assert r["rope_fusion"] is (not mla), (rank, r)
+        # megatron's allgather dispatcher where expert and expert-tensor parallel are 1 (no chunk-sort copies)
+        single = "expert_parallel_size" not in LAYOUTS[layout][1] and (
+            LAYOUTS[layout][1].get("expert_tensor_parallel_size", LAYOUTS[layout][1].get("tensor_parallel_size", 1))
+            == 1)
+        assert r["dispatcher"] == ("allgather" if single else "alltoall"), (rank, r)
     src, out = worlds.source(name), worlds.out(layout, name)
     check_round_trip(src, out)
     check_loads_in_transformers(src, out)
