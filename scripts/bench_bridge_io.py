@@ -14,6 +14,9 @@ under outputs/. Everything below runs in one invocation, side by side:
   bytes + the largest single tensor of the checkpoint. Target: load <= 1.5x baseline (a); peak <= 1.2x that sum.
 - export: ``save_pretrained(max_shard_size="1GB")`` wall time and peak RSS per rank, against one process writing the
   same tensors, in the same shards, with ``safetensors.torch.save_file``.
+- the process groups' creation (gloo, inside ``from_pretrained``) is shown on its own, and the load less it.
+- the bridge reads and writes on ``LOONGFORGE_IO_THREADS`` threads per rank (default: the CPUs this process may use,
+  e.g. under ``taskset``, over the 2 ranks, at most 16); the number used is printed and recorded.
 - a breakdown of where the bridge's time goes (wrapped functions, summed per rank), and CPU seconds next to wall
   seconds: on a shared machine the wall time of a phase also counts other processes' turns on the cores.
 - page cache: warm; every phase reads files the page cache holds (the baseline read runs just before the load), so
@@ -236,7 +239,11 @@ def rank_run(folder: str, export_dir: str) -> dict:
     dist.barrier()
     if rank == 0:
         os.sync()
-    return {"rank": rank, "load_s": load.wall, "load_cpu_s": load.cpu,
+    groups_s = timers.seconds.get("load: process groups", 0.0)
+    # NOTE: 1 for a checkout from before the threaded reads (a side-by-side run against older code)
+    io_threads = getattr(checkpoint_io, "io_threads", lambda: 1)()
+    return {"rank": rank, "load_s": load.wall, "load_cpu_s": load.cpu, "load_groups_s": groups_s,
+            "load_without_groups_s": load.wall - groups_s, "io_threads": io_threads,
             "slices_s": slices.wall, "slices_cpu_s": slices.cpu,
             "export_s": export.wall, "export_cpu_s": export.cpu, "base_rss_gb": base_kb * 1024 / GB,
             "load_peak_gb": (load_peak_kb - base_kb) * 1024 / GB,
@@ -280,7 +287,8 @@ def summarize(runs: list[dict]) -> dict:
     out = {}
     for key in ("raw_read_s", "raw_read_cpu_s", "raw_write_s", "raw_write_cpu_s"):
         out[key] = statistics.median(r[key] for r in runs)
-    for key in ("load_s", "load_cpu_s", "slices_s", "slices_cpu_s", "export_s", "export_cpu_s"):
+    for key in ("load_s", "load_cpu_s", "load_groups_s", "load_without_groups_s", "slices_s", "slices_cpu_s",
+                "export_s", "export_cpu_s"):
         out[key] = statistics.median(max(x[key] for x in r["ranks"]) for r in runs)
     return out
 
@@ -324,7 +332,8 @@ def main() -> None:
     profile = {label: [statistics.median(v) if v else None for v in per] for label, per in sorted(profile.items())}
 
     print(f"\ncheckpoint: {ckpt_bytes / GB:.2f} GB in {len(shard_files(folder))} shards, largest tensor {largest_name} "
-          f"{largest / GB:.3f} GB; TP={TP} on 2 CPU processes; medians of {args.repeats} runs\n")
+          f"{largest / GB:.3f} GB; TP={TP} on 2 CPU processes, {runs[0]['ranks'][0]['io_threads']} I/O threads per "
+          f"rank; medians of {args.repeats} runs\n")
     print(f"{'phase':<46} {'wall s':>7} {'ratio':>6} {'CPU s':>7} {'ratio':>6}")
 
     def row(label, wall, cpu, base_wall, base_cpu):
@@ -335,6 +344,10 @@ def main() -> None:
     row("raw read, 2 ranks at once, own slices", s["slices_s"], s["slices_cpu_s"], s["raw_read_s"],
         s["raw_read_cpu_s"])
     row("from_pretrained, TP=2 (target <= 1.5)", s["load_s"], s["load_cpu_s"], s["raw_read_s"], s["raw_read_cpu_s"])
+    print(f"{'  of which creating the process groups':<46} {s['load_groups_s']:>7.2f} "
+          f"{s['load_groups_s'] / s['raw_read_s']:>6.2f}")
+    print(f"{'  from_pretrained less the process groups':<46} {s['load_without_groups_s']:>7.2f} "
+          f"{s['load_without_groups_s'] / s['raw_read_s']:>6.2f}")
     row("raw write, 1 process, save_file (baseline)", s["raw_write_s"], s["raw_write_cpu_s"], s["raw_write_s"],
         s["raw_write_cpu_s"])
     row("save_pretrained, TP=2", s["export_s"], s["export_cpu_s"], s["raw_write_s"], s["raw_write_cpu_s"])
@@ -357,6 +370,7 @@ def main() -> None:
                        "shards": len(shard_files(folder)), "largest_tensor": largest_name,
                        "largest_tensor_bytes": largest},
         "tensor_parallel_size": TP, "max_shard_size": SHARD_SIZE,
+        "io_threads_per_rank": runs[0]["ranks"][0]["io_threads"],
         "summary": s, "memory": memory, "profile_median_s": profile, "runs": runs,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
