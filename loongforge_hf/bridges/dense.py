@@ -7,7 +7,7 @@ A per-model bridge (llama.py, qwen2.py, ...) subclasses ``DenseBridge`` and decl
 from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.mappings import (QKV, ColumnParallel, GatedMLP, Mapping, Replicated, RowParallel,
+from loongforge_hf.bridges.mappings import (QKV, GatedMLP, Mapping, Replicated, RowParallel,
                                             VocabParallel)
 
 L = "model.layers.{layer}"

@@ -9,7 +9,6 @@ from loongforge_hf.testing import make_tiny_checkpoint
 
 def _train_expecting_error(folder: str, out_dir: str, case: str):
     import datasets
-    import transformers
 
     import loongforge_hf as lf
     from tests.trainer._train_parity import make_dataset, training_args
