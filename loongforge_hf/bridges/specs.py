@@ -14,7 +14,9 @@ Choices:
     no fp32 softmax copy, GQA without repeated K/V); for MLA ``MLACoreAttention``, which takes the query/key head
     size ``k_channels`` and value head size ``v_channels`` MLA passes (SDPA accepts a value head size that differs);
   - the rotary embedding goes through the fused-rope slot (``rope.enable_megatron_fused_rope``; MLA keeps megatron's
-    own rotary path, which the slot does not serve).
+    own rotary path, which the slot does not serve);
+  - a dense layer's MLP (DeepSeek's first layers, Qwen3-MoE's ``mlp_only_layers``) is the dense spec's
+    ``SwiGLUMLP`` (megatron's ``MLP`` with our ``swiglu``); shared experts stay megatron's ``SharedExpertMLP``.
   And one more with ``bridge.grouped_experts`` (the default, see ``moe.py``): the routed experts of every MoE layer are
   our ``kernels.grouped_mlp.GroupedMLP`` instead of megatron's ``SequentialMLP``.
 - Token dispatcher: the bridges ask for megatron's ``alltoall`` dispatcher. Where the experts' process groups are
@@ -68,10 +70,12 @@ def _grouped_experts(mlp_spec):
 def _swap_modules(block_spec, *, grouped_experts: bool = False):
     """``block_spec`` with our RMSNorm in every norm slot and our core attention (see the docstring)."""
     from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     from loongforge_hf.kernels.attention import CoreAttention
     from loongforge_hf.kernels.rmsnorm import RMSNorm
+    from loongforge_hf.kernels.specs import SwiGLUMLP
 
     mla_core = _mla_core_attention()
     layers = []
@@ -83,8 +87,11 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False):
         norms["core_attention"] = mla_core if attention.module is MLASelfAttention else CoreAttention
         attention = replace(attention, submodules=replace(att_sub, **norms))
         slots = {n: RMSNorm for n in _LAYER_NORMS if getattr(spec.submodules, n) is not IdentityOp}
-        if grouped_experts:
-            slots["mlp"] = _grouped_experts(spec.submodules.mlp)
+        mlp = spec.submodules.mlp
+        if getattr(mlp, "module", None) is MLP:
+            slots["mlp"] = replace(mlp, module=SwiGLUMLP)
+        elif grouped_experts:
+            slots["mlp"] = _grouped_experts(mlp)
         layers.append(replace(spec, submodules=replace(spec.submodules, self_attention=attention, **slots)))
     return replace(block_spec, layer_specs=layers, layer_norm=RMSNorm)
 

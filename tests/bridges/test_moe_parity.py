@@ -130,6 +130,7 @@ def test_parity_and_round_trip(worlds, layout, name):
             LAYOUTS[layout][1].get("expert_tensor_parallel_size", LAYOUTS[layout][1].get("tensor_parallel_size", 1))
             == 1)
         assert r["dispatcher"] == ("allgather" if single else "alltoall"), (rank, r)
+        assert set(r["mlp_modules"]) <= {"MoELayer", "SwiGLUMLP"} and "MoELayer" in r["mlp_modules"], (rank, r)
     src, out = worlds.source(name), worlds.out(layout, name)
     check_round_trip(src, out)
     check_loads_in_transformers(src, out)
