@@ -15,9 +15,9 @@ expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, which runs meg
 - ep2seq:  Qwen3-MoE with SequentialMLP experts (the same checkpoint, the other expert layout);
 - tp2ep2:  every model: Qwen3-MoE (q/k norms), Mixtral, DeepSeek-V3 and DeepSeek-V2 (MLA without q_lora_rank),
            sequence parallel;
-- pp2ep2:  DeepSeek-V3 (dense first layer on stage 0), Mixtral and Qwen3-MoE;
-- tp2etp1: Mixtral and DeepSeek-V3 with rotary dims in halves on disk (rope_interleave=False), sequence parallel,
-           experts whole on each TP rank (expert_tensor_parallel_size=1).
+- pp2ep2:  every model (DeepSeek-V3 with its dense first layer on stage 0);
+- tp2etp1: Qwen3-MoE, Mixtral, DeepSeek-V2 and DeepSeek-V3 with rotary dims in halves on disk (rope_interleave=False),
+           sequence parallel, experts whole on each TP rank (expert_tensor_parallel_size=1).
 """
 
 import re
@@ -59,9 +59,9 @@ LAYOUTS = {
     "ep2": (2, {"expert_parallel_size": 2}, MODELS),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe",)),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP}, MODELS),
-    "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, ("deepseek_v3", "mixtral", "qwen3_moe")),
+    "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
-                ("mixtral", "deepseek_v3_halves")),
+                ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2")),
 }
 CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
 
