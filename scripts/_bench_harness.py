@@ -209,6 +209,14 @@ def _tail(path: Path, chars: int) -> str:
     return text[-chars:]
 
 
+def save_json(report: dict, path: Path) -> None:
+    """Write ``report`` to ``path`` atomically (a partial file, then a rename): a run stopped mid-write leaves the
+    previous report."""
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, path)
+
+
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header)))
              + "|"]

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import sys
@@ -405,7 +404,7 @@ def main(argv: list[str]) -> int:
             entry["checkpoint"] = written
             if written["status"] != "ok":
                 print(f"  writing the checkpoint failed: {_brief(written)}", flush=True)
-                _save(report, out_path)
+                H.save_json(report, out_path)
                 continue
             print(f"  checkpoint: {written['parameters'] / 1e9:.3f} B parameters, {written['worker_wall_s']} s",
                   flush=True)
@@ -416,7 +415,7 @@ def main(argv: list[str]) -> int:
                 continue
             entry["results"][stack] = measure(args, w, stack, folder, log,
                                               profile=stack == "loongforge" and key in args.profile.split(","))
-            _save(report, out_path)
+            H.save_json(report, out_path)
         rows = summarize(w, entry["results"], flops=flops, peak_flops=args.peak_tflops * 1e12)
         tables.append(f"### ({key}) {w.title}\n\n" + H.markdown_table(HEADER, rows))
         bf16 = entry["results"].get("loongforge", {})
@@ -425,7 +424,7 @@ def main(argv: list[str]) -> int:
                 fp8_info = r.get("fp8") or {}
                 tables[-1] += (f"\n\n{stack}: {r['tokens_per_s'] / bf16['tokens_per_s']:.3f}x loongforge bf16 tokens/s"
                                f" ({fp8_info.get('recipe')} scaling, {fp8_info.get('swapped')} layers swapped)")
-        _save(report, out_path)
+        H.save_json(report, out_path)
         if not args.keep_checkpoints:
             shutil.rmtree(folder, ignore_errors=True)
     device = next((r["device"] for e in report["workloads"].values() for r in e["results"].values()
@@ -433,7 +432,7 @@ def main(argv: list[str]) -> int:
     report["device"] = device
     report["software"] = next((r["versions"] for e in report["workloads"].values() for r in e["results"].values()
                                if r.get("versions")), None)
-    _save(report, out_path)
+    H.save_json(report, out_path)
     print(f"\ndevice: {device}\n")
     print("\n\n".join(tables))
     for key, e in report["workloads"].items():
@@ -447,12 +446,6 @@ def main(argv: list[str]) -> int:
                                         for t in rows]))
     print(f"\nwrote {out_path} and {log}")
     return 0
-
-
-def _save(report: dict, path: Path) -> None:
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import sys
@@ -253,7 +252,7 @@ def main(argv: list[str]) -> int:
         report["checkpoint"] = written
         if written["status"] != "ok":
             print(f"writing the checkpoint failed: {_brief(written)}")
-            _save(report, out_path)
+            H.save_json(report, out_path)
             return 1
         print(f"checkpoint: {written['parameters'] / 1e9:.3f} B parameters "
               f"({written['vision_parameters'] / 1e9:.3f} B vision), {written['worker_wall_s']} s", flush=True)
@@ -267,7 +266,7 @@ def main(argv: list[str]) -> int:
                          timeout_s=args.worker_timeout)
         report["results"][stack] = r
         print(f"  {stack}: {_brief(r)}", flush=True)
-        _save(report, out_path)
+        H.save_json(report, out_path)
     rows = []
     base = report["results"].get("transformers", {})
     for stack, r in report["results"].items():
@@ -280,7 +279,7 @@ def main(argv: list[str]) -> int:
                      f"{r['peak_gib']:.2f}", f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
                      f"{speedup:.2f}x" if speedup else ""])
     report["device"] = next((r["device"] for r in report["results"].values() if r.get("device")), None)
-    _save(report, out_path)
+    H.save_json(report, out_path)
     print(f"\ndevice: {report['device']}\n")
     print(H.markdown_table(["stack", "median step ms", "tokens/s", "peak GiB", "loss first -> last",
                             "vs transformers"], rows))
@@ -288,12 +287,6 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"\nwrote {out_path} and {log}")
     return 0
-
-
-def _save(report: dict, path: Path) -> None:
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

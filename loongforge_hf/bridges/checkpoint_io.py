@@ -220,6 +220,13 @@ def split_evenly(count: int, total_bytes: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
+def page_pieces(total_bytes: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` byte ranges of one stretch of ``total_bytes``, in whole 4 KiB pages except the last, one per
+    piece of ``split_evenly``."""
+    pages = -(-total_bytes // 4096)
+    return [(first * 4096, min(total_bytes, last * 4096)) for first, last in split_evenly(pages, total_bytes)]
+
+
 def _read_runs(fd: int, dest: memoryview, *, offset: int, runs: int, run_bytes: int, stride: int) -> None:
     """Fill ``dest`` with ``runs`` runs of ``run_bytes`` bytes that start ``stride`` bytes apart from ``offset``.
 
@@ -228,13 +235,7 @@ def _read_runs(fd: int, dest: memoryview, *, offset: int, runs: int, run_bytes: 
     stretch of consecutive runs, the bytes between them going to a scratch buffer that the piece's gaps share.
     """
     if runs == 1 or stride == run_bytes:
-        total = len(dest)
-        pages = -(-total // 4096)
-        tasks = []
-        for first, last in split_evenly(pages, total):
-            a, b = first * 4096, min(total, last * 4096)
-            tasks.append(lambda a=a, b=b: _preadv_exact(fd, [dest[a:b]], offset + a))
-        run_io(tasks)
+        run_io([lambda a=a, b=b: _preadv_exact(fd, [dest[a:b]], offset + a) for a, b in page_pieces(len(dest))])
         return
     run_io([lambda first=first, last=last: _read_run_range(fd, dest, offset=offset, first=first, last=last,
                                                            run_bytes=run_bytes, stride=stride)

@@ -51,7 +51,7 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint_io import (_SAFETENSORS_DTYPES, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, CheckpointError,
-                            run_io, split_evenly)
+                            page_pieces, run_io, split_evenly)
 
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = (("GIB", 2**30, False), ("MIB", 2**20, False), ("KIB", 2**10, False),
@@ -125,13 +125,7 @@ def _pwrite_runs(fd: int, data: memoryview, offset: int, *, runs: int = 1, run_b
     """Write ``data`` as ``runs`` runs of ``run_bytes`` bytes placed ``stride`` bytes apart from ``offset`` (one
     stretch when ``runs`` is 1 or the runs touch), in pieces on the I/O threads."""
     if runs == 1 or run_bytes == stride:
-        total = len(data)
-        pages = -(-total // 4096)
-        tasks = []
-        for first, last in split_evenly(pages, total):
-            a, b = first * 4096, min(total, last * 4096)
-            tasks.append(lambda a=a, b=b: _pwrite_all(fd, data[a:b], offset + a))
-        run_io(tasks)
+        run_io([lambda a=a, b=b: _pwrite_all(fd, data[a:b], offset + a) for a, b in page_pieces(len(data))])
         return
 
     def write(first: int, last: int) -> None:
