@@ -115,6 +115,62 @@ class LoongModelForCausalLM(nn.Module):
                                          position_ids=position_ids, labels=labels, return_logits=return_logits)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
+    # ---- activation checkpointing (what transformers.Trainer calls for `activation_checkpointing=True`) ---------
+    supports_gradient_checkpointing = True
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None, *,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """Recompute every decoder layer in the backward with megatron-core's full recompute (granularity "full",
+        method "uniform", one layer per checkpoint: only each layer's input is kept).
+
+        ``every_n_layers`` other than 1 and ``offload`` have no exact megatron-core equivalent without Transformer
+        Engine and are refused; of the kwargs meant for ``torch.utils.checkpoint`` only ``use_reentrant`` is accepted
+        (megatron's recompute is a reentrant autograd function either way; the gradients are the same)."""
+        kwargs = dict(activation_checkpointing_kwargs or {})
+        kwargs.pop("use_reentrant", None)
+        if kwargs:
+            raise ValueError(f"activation checkpointing: unsupported checkpoint kwargs {sorted(kwargs)} (megatron-core "
+                             "recomputes whole layers; only use_reentrant is accepted).")
+        if every_n_layers != 1:
+            raise ValueError(f"activation checkpointing: every_n_layers={every_n_layers} is not supported; loongforge "
+                             "recomputes every decoder layer (every_n_layers=1).")
+        if offload:
+            raise ValueError("activation checkpointing: offload=True needs Transformer Engine's CPU offloading, which "
+                             "this build does not use.")
+        self._set_recompute(True)
+
+    def activation_checkpointing_disable(self) -> None:
+        self._set_recompute(False)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """transformers' older name (transformers < 5.20 calls this one)."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self._set_recompute(False)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.megatron.config.recompute_granularity == "full"
+
+    def _set_recompute(self, on: bool) -> None:
+        configs = {id(c.config): c.config for c in self.chunks} | {id(self.megatron.config): self.megatron.config}
+        for config in configs.values():
+            config.recompute_granularity = "full" if on else None
+            config.recompute_method = "uniform" if on else None
+            config.recompute_num_layers = 1 if on else None
+        # NOTE: megatron's recompute is reentrant: a checkpointed layer gets gradients only if its input requires
+        # grad, which a frozen embedding (LoRA, freezing) does not give; make the embeddings' output require it.
+        for chunk in self.chunks:
+            embedding = getattr(chunk, "embedding", None)
+            handle = getattr(chunk, "_loong_input_grad_hook", None)
+            if on and embedding is not None and handle is None:
+                chunk._loong_input_grad_hook = embedding.register_forward_hook(
+                    lambda module, args, out: out.requires_grad_(True) if not out.requires_grad else out)
+            elif not on and handle is not None:
+                handle.remove()
+                chunk._loong_input_grad_hook = None
+
     # ---- export --------------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                         dtype: torch.dtype | None = None, **unused: Any) -> None:

@@ -22,8 +22,10 @@ Choices:
   parallelism), and under pipeline parallelism one length for every micro-batch of a step: TRL's collator is given
   that ``pad_to_multiple_of`` (combined with the user's; pipeline parallelism pads to ``max_length``, or
   ``max_length`` x rows for padding-free batches). Pads carry no loss.
-- ``gradient_checkpointing`` (True by default in SFTConfig) is turned off: megatron activation recompute is not wired
-  to it yet, and memory, not the math, is all it changes.
+- ``gradient_checkpointing`` (True by default in SFTConfig) is turned off here: TRL's own set-up for it (input-grad
+  hooks for PEFT models) assumes a transformers model, and recompute through this trainer is not tested yet. Memory,
+  not the math, is all it changes; LoongTrainer with ``activation_checkpointing=True`` (or
+  ``model.activation_checkpointing_enable()``) recomputes every layer with megatron-core's full recompute.
 - Refused with a message: a model given by name (load it with ``loongforge_hf.AutoModelForCausalLM``),
   ``compute_loss_func``, ``loss_type="dft"``, ``label_smoothing_factor``, ``use_liger_kernel``, custom
   ``optimizers`` / ``optimizer_cls_and_kwargs``, ``quantization_config``, non-LoRA ``peft_config``.
@@ -104,8 +106,8 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
                             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                             quantization_config=quantization_config)
         if args.gradient_checkpointing or args.activation_checkpointing:
-            logger.info("LoongSFTTrainer: gradient_checkpointing is not applied (megatron activation recompute is "
-                        "not wired to it); training proceeds without it.")
+            logger.info("LoongSFTTrainer: gradient_checkpointing is not applied (recompute through LoongSFTTrainer is "
+                        "not tested yet; LoongTrainer supports it); training proceeds without it.")
             args.gradient_checkpointing = args.activation_checkpointing = False
         multiple = _pad_multiple(model.parallel, args)
         if multiple > 1 and data_collator is None:

@@ -144,6 +144,7 @@ def apply_megatron_patches() -> None:
         torch.cuda.synchronize = lambda *a, **k: None
 
     _patch_rng_tracker()
+    _patch_checkpoint_rng_state()
     _patch_cuda_literals()
     _patch_moe_split_sizes()
     _patch_uneven_all_gather()
@@ -153,6 +154,20 @@ def apply_megatron_patches() -> None:
     _patch_rope_cp_slice()
     apply_without_te_fixes()
     _PATCHED = True
+
+
+def _patch_checkpoint_rng_state() -> None:
+    """megatron's activation recompute (``tensor_parallel.random.CheckpointFunction``) saves and restores the device
+    generator through ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (tensor_parallel/random.py:41 and :72, read
+    by ``_get_all_rng_states`` / ``_set_all_rng_states`` at :444), which call ``torch.cuda.random.get_rng_state`` and
+    ``_C._cuda_setRNGState``. On CPU the device generator is the CPU one: get and set its state instead (set twice on
+    restore, to the same saved state, so the recomputed forward draws what the first one drew)."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
 
 
 def _patch_rng_tracker() -> None:
