@@ -44,6 +44,13 @@ def check_batch(batch: dict, *, max_positions: int, micro_batch_size: int | None
     if not torch.is_tensor(ids) or ids.dim() != 2:
         raise DataError(f"input_ids must be a 2-D tensor [batch, seq], got {type(ids).__name__} "
                         f"{getattr(ids, 'shape', '')}.")
-    if ids.shape[1] > max_positions:
+    positions = batch.get("position_ids")
+    if torch.is_tensor(positions) and positions.shape[-1] == ids.shape[1] and positions.numel():
+        # packed rows (position_ids restarting per document): what must fit is each document, not the row
+        longest = int(positions.max()) + 1
+        if longest > max_positions:
+            raise DataError(f"A document of {longest} tokens (position_ids up to {longest - 1}) is longer than the "
+                            f"model's max_position_embeddings ({max_positions}); truncate the data before packing.")
+    elif ids.shape[1] > max_positions:
         raise DataError(f"Sequence length {ids.shape[1]} is longer than the model's max_position_embeddings "
                         f"({max_positions}); truncate the data (e.g. tokenizer(..., truncation=True, max_length=...)).")

@@ -4,6 +4,7 @@ Tolerance: 1e-5 relative (fp32; only summation order differs).
 """
 
 import pytest
+import torch
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
@@ -30,3 +31,22 @@ def test_packed_training_equals_padded_training(checkpoint, tmp_path):
                              timeout=240)[0]
     assert len(packed) == 3
     assert packed == pytest.approx(padded, rel=1e-5)
+
+
+def test_packed_rows_may_exceed_max_position_embeddings(tmp_path):
+    """Packed rows (3 documents of 3-13 tokens) are longer than max_position_embeddings=16 while every document fits:
+    training runs and equals the padded run; a document that itself exceeds the limit is refused by name."""
+    from loongforge_hf.trainer.data import DataError, check_batch
+
+    short = make_tiny_checkpoint(tmp_path / "short", "qwen3", max_position_embeddings=16)
+    packed = run_distributed(train_packed_or_padded, 1, str(short), str(tmp_path / "p"), {}, True, timeout=240)[0]
+    padded = run_distributed(train_packed_or_padded, 1, str(short), str(tmp_path / "u"), {}, False, timeout=240)[0]
+    assert len(packed) == 3 and packed == pytest.approx(padded, rel=1e-5)
+
+    ids = torch.zeros(1, 24, dtype=torch.long)
+    check_batch({"input_ids": ids, "labels": ids, "position_ids": torch.arange(12).repeat(2)[None]}, max_positions=16)
+    with pytest.raises(DataError, match="A document of 20 tokens"):
+        check_batch({"input_ids": ids, "labels": ids,
+                     "position_ids": torch.cat([torch.arange(20), torch.arange(4)])[None]}, max_positions=16)
+    with pytest.raises(DataError, match="Sequence length 24 is longer"):
+        check_batch({"input_ids": ids, "labels": ids}, max_positions=16)
