@@ -22,10 +22,10 @@ Choices:
   parallelism), and under pipeline parallelism one length for every micro-batch of a step: TRL's collator is given
   that ``pad_to_multiple_of`` (combined with the user's; pipeline parallelism pads to ``max_length``, or
   ``max_length`` x rows for padding-free batches). Pads carry no loss.
-- ``gradient_checkpointing`` (True by default in SFTConfig) is turned off here: TRL's own set-up for it (input-grad
-  hooks for PEFT models) assumes a transformers model, and recompute through this trainer is not tested yet. Memory,
-  not the math, is all it changes; LoongTrainer with ``activation_checkpointing=True`` (or
-  ``model.activation_checkpointing_enable()``) recomputes every layer with megatron-core's full recompute.
+- ``gradient_checkpointing`` (True by default in SFTConfig) recomputes every decoder layer with megatron-core's full
+  recompute (``LoongModelForCausalLM.activation_checkpointing_enable``; the embeddings' output is made to require
+  grad so LoRA adapters behind a frozen embedding still get gradients). TRL's ``selective`` checkpointing (torch's
+  selective activation checkpointing wrapper on transformers' layers) is refused.
 - Refused with a message: a model given by name (load it with ``loongforge_hf.AutoModelForCausalLM``),
   ``compute_loss_func``, ``loss_type="dft"``, ``label_smoothing_factor``, ``use_liger_kernel``, custom
   ``optimizers`` / ``optimizer_cls_and_kwargs``, ``quantization_config``, non-LoRA ``peft_config``.
@@ -105,10 +105,10 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
         _refuse_unsupported(args, compute_loss_func=compute_loss_func, optimizers=optimizers,
                             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                             quantization_config=quantization_config)
-        if args.gradient_checkpointing or args.activation_checkpointing:
-            logger.info("LoongSFTTrainer: gradient_checkpointing is not applied (recompute through LoongSFTTrainer is "
-                        "not tested yet; LoongTrainer supports it); training proceeds without it.")
-            args.gradient_checkpointing = args.activation_checkpointing = False
+        if (args.gradient_checkpointing_kwargs or {}).get("selective"):
+            raise ValueError("LoongSFTTrainer: gradient_checkpointing_kwargs={'selective': True} (torch's selective "
+                             "activation checkpointing on transformers' layers) is not supported; drop 'selective' to "
+                             "recompute whole layers with megatron-core.")
         multiple = _pad_multiple(model.parallel, args)
         if multiple > 1 and data_collator is None:
             args.pad_to_multiple_of = math.lcm(args.pad_to_multiple_of or 1, multiple)

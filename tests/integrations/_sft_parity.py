@@ -124,7 +124,8 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], **extra
                                      peft_config=peft.LoraConfig(**lora) if lora else None)
         trainer.train()
         result = {"losses": _losses(trainer), "eval_losses": _losses(trainer, "eval_loss"),
-                  "keys": sorted(trainer.state.log_history[0])}
+                  "keys": sorted(trainer.state.log_history[0]),
+                  "recompute": bool(getattr(trainer.model, "is_gradient_checkpointing", False))}
         if lora:
             trainer.save_model(f"{out_dir}/{name}/final")
             ids = probe_ids()

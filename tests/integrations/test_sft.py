@@ -45,12 +45,16 @@ def _tp2_world(folder: str, out_dir: str) -> dict:
     return {"loong": run_loong(folder, out_dir + "/runs", layout, NAMES),
             "sp": run_loong(folder, out_dir + "/sp", {**layout, "sequence_parallel": True}, ["lora_qv_messages"]),
             "pp": run_loong(folder, out_dir + "/pp", {"pipeline_parallel_size": 2}, PP_NAMES),
+            "gc": run_loong(folder, out_dir + "/gc", layout, GC_NAMES, gradient_checkpointing=True),
             "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", layout)}
 
 
 @pytest.fixture(scope="module")
 def tp2(src, tmp_path_factory):
     return run_distributed(_tp2_world, 2, str(src), str(tmp_path_factory.mktemp("sft-tp2")), timeout=500)
+
+
+GC_NAMES = ["lora_qv_messages", "full_prompt_completion"]
 
 
 def _assert_matches(name: str, ref: dict, got: dict) -> None:
@@ -81,6 +85,16 @@ def test_tp2_matches_trl(tp1, tp2, name):
 def test_tp2_sequence_parallel_lora_matches_trl(tp1, tp2):
     """Sequence-parallel adapters, and norms in modules_to_save whose gradients megatron sums over TP."""
     _assert_matches("lora_qv_messages", tp1["trl"]["lora_qv_messages"], tp2[0]["sp"]["lora_qv_messages"])
+
+
+@pytest.mark.parametrize("name", GC_NAMES)
+def test_tp2_gradient_checkpointing_matches_trl(tp1, tp2, name):
+    """SFTConfig(gradient_checkpointing=True): every layer recomputed by megatron-core, LoRA behind a frozen
+    embedding included; the losses are TRL's (run without checkpointing)."""
+    for rank in tp2:
+        assert rank["gc"][name]["recompute"] and not rank["loong"][name]["recompute"]
+        assert rank["gc"][name]["losses"] == tp2[0]["gc"][name]["losses"]
+    _assert_matches(name, tp1["trl"][name], tp2[0]["gc"][name])
 
 
 @pytest.mark.parametrize("name", PP_NAMES)
