@@ -54,3 +54,44 @@ def check_batch(batch: dict, *, max_positions: int, micro_batch_size: int | None
     elif ids.shape[1] > max_positions:
         raise DataError(f"Sequence length {ids.shape[1]} is longer than the model's max_position_embeddings "
                         f"({max_positions}); truncate the data (e.g. tokenizer(..., truncation=True, max_length=...)).")
+
+
+_TEXT_KEYS = {"input_ids", "labels", "attention_mask", "position_ids"}
+
+
+def pad_micro_batches(micro: list[dict], *, multiple: int, same_length: bool) -> list[dict]:
+    """Right-pad text micro-batches to what megatron needs: a sequence length that divides by ``multiple`` (TP under
+    sequence parallelism) and, under pipeline parallelism (``same_length``), one length for every micro-batch of the
+    step. Pads carry label -100; they are masked out with ``attention_mask`` (made
+    when absent), or, for packed rows (``position_ids`` without a mask), form a document of their own. Batches with
+    other inputs (images, ...) are returned unchanged: their collators pad them."""
+    lengths = [b["input_ids"].shape[1] for b in micro]
+    targets = [-(-n // multiple) * multiple for n in lengths]
+    if same_length:
+        targets = [max(targets)] * len(targets)
+    if targets == lengths or any(set(b) - _TEXT_KEYS for b in micro):
+        return micro
+    out = []
+    for b, n, target in zip(micro, lengths, targets):
+        extra = target - n
+        if extra == 0:
+            out.append(b)
+            continue
+        ids = b["input_ids"]
+        rows = ids.shape[0]
+
+        def pad(t, value):
+            return torch.cat([t, torch.full((*t.shape[:-1], extra), value, dtype=t.dtype, device=t.device)], dim=-1)
+
+        padded = {"input_ids": pad(ids, 0), "labels": pad(b["labels"], -100)}
+        if "attention_mask" in b or "position_ids" not in b:
+            mask = b.get("attention_mask")
+            mask = torch.ones_like(ids) if mask is None else mask
+            padded["attention_mask"] = pad(mask, 0)
+        if "position_ids" in b:
+            pos = b["position_ids"]
+            tail = torch.arange(extra, dtype=pos.dtype, device=pos.device).expand(*pos.shape[:-1], extra)
+            padded["position_ids"] = torch.cat([pos, tail], dim=-1)
+        assert padded["input_ids"].shape == (rows, target)
+        out.append(padded)
+    return out

@@ -115,6 +115,15 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from loongforge_hf.trainer.data import pad_micro_batches
+
+        layout = getattr(self.model, "parallel", None)
+        # NOTE: not under context parallelism: the padding mask it would add is not split over CP ranks by the
+        # attention (collators pad to a multiple of 2 x CP there, as LoongSFTTrainer's does).
+        if layout is not None and layout.context_parallel_size == 1:
+            micro_batches = pad_micro_batches(micro_batches,
+                                              multiple=layout.tensor_parallel_size if layout.sequence_parallel else 1,
+                                              same_length=layout.pipeline_parallel_size > 1)
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
