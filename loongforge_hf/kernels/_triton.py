@@ -6,7 +6,6 @@ checks of the kernels themselves; ``LOONGFORGE_TRITON=0`` turns them off (the to
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -21,14 +20,10 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def row_programs(rows: int, device: torch.device) -> int:
     """How many programs a row-reduction kernel starts: a few per SM on a GPU, few on the interpreter."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return max(1, min(rows, 4 * _sm_count(index)))
+        from loongforge_hf.xpu import get_backend
+
+        return max(1, min(rows, 4 * get_backend().multiprocessor_count(device)))
     return max(1, min(rows, 4))

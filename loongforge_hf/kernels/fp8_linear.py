@@ -70,13 +70,16 @@ def check_fp8_request(fp8: str | None, recipe: str | None = None) -> None:
 
 def check_fp8_device(device: torch.device) -> None:
     """FP8 GEMMs need a CUDA GPU with FP8 tensor cores (compute capability 8.9: Ada, Hopper and later)."""
-    if device.type != "cuda":
+    from loongforge_hf.xpu import get_backend
+
+    backend = get_backend()
+    capability = backend.compute_capability(device) if device.type == "cuda" else None
+    if capability is None:
         raise Fp8Error(f"fp8 training needs a CUDA GPU with FP8 tensor cores; the model is on {device}. Load it "
                        "with fp8=None on this device.")
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        raise Fp8Error(f"fp8 training needs compute capability 8.9 or newer; {torch.cuda.get_device_name(device)} "
-                       f"has {major}.{minor}.")
+    if capability < (8, 9):
+        raise Fp8Error(f"fp8 training needs compute capability 8.9 or newer; {backend.device_name(device)} "
+                       f"has {capability[0]}.{capability[1]}.")
 
 
 def granule(recipe: str) -> int:
@@ -88,16 +91,9 @@ def granule(recipe: str) -> int:
 def _time_ms(fn, *, warmup: int = 3, reps: int = 10) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return min(times)
+    from loongforge_hf.xpu import get_backend
+
+    return min(get_backend().time_ms(fn, reps) for _ in range(3))
 
 
 def _gemm_pair(gemm: str, m: int, n: int, k: int, recipe: str, device: torch.device, dtype: torch.dtype):
@@ -161,7 +157,9 @@ class Fp8Autotuner:
 
     def decide(self, gemm: str, m: int, n: int, k: int, *, device: torch.device, dtype: torch.dtype,
                where: str) -> bool:
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        from loongforge_hf.xpu import get_backend
+
+        gpu = get_backend().device_name(device) if device.type == "cuda" else device.type
         entry = self.lookup(gpu, gemm, m, n, k)
         if entry is None:
             bf16, fp8 = _gemm_pair(gemm, m, n, k, self.recipe, device, dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from loongforge_hf.xpu.registry import Backend
@@ -38,12 +40,37 @@ class CudaBackend(Backend):
     def memory_per_device(self) -> float:
         return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
+    def device_name(self, device: torch.device | None = None) -> str:
+        return torch.cuda.get_device_name(device)
+
+    def compute_capability(self, device: torch.device | None = None) -> tuple[int, int] | None:
+        return tuple(torch.cuda.get_device_capability(device))
+
+    def multiprocessor_count(self, device: torch.device | None = None) -> int:
+        index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+        return _sm_count(index)
+
+    def time_ms(self, fn, reps: int) -> float:
+        """Device time between two CUDA events around ``reps`` calls (no host synchronisation inside)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         name = torch.cuda.get_device_name()
         for key, (bf16, fp32) in _PEAKS.items():
             if key in name:
                 return bf16 if dtype in (torch.bfloat16, torch.float16) else fp32
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # Dense (no sparsity) tensor-core peaks from NVIDIA's data sheets, FLOP/s: (bf16/fp16, tf32).

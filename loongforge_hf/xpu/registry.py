@@ -50,6 +50,29 @@ class Backend:
         """Dense matmul peak of one device for ``dtype`` (FLOP/s), or None when unknown (MFU is then not logged)."""
         return None
 
+    def device_name(self, device: torch.device | None = None) -> str:
+        """The device's model name (keys per-GPU caches such as the FP8 autotune table)."""
+        return self.name
+
+    def compute_capability(self, device: torch.device | None = None) -> tuple[int, int] | None:
+        """(major, minor) of a GPU, None where the notion does not apply."""
+        return None
+
+    def multiprocessor_count(self, device: torch.device | None = None) -> int:
+        """Parallel compute units a kernel launch can fill (SMs on a GPU, cores on the CPU)."""
+        return os.cpu_count() or 1
+
+    def time_ms(self, fn: Callable[[], object], reps: int) -> float:
+        """Mean wall time of ``fn`` over ``reps`` calls, in ms, with queued device work included."""
+        import time
+
+        self.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        self.synchronize()
+        return (time.perf_counter() - start) * 1e3 / reps
+
     def __repr__(self) -> str:
         return f"<loongforge backend {self.name!r}>"
 

@@ -47,3 +47,14 @@ def test_cpu_backend_patches_are_in_place():
 
     assert tutils.get_default_causal_mask(4).device.type == "cpu"
     assert torch.cuda.current_device() == torch.device("cpu") or torch.cuda.is_available()
+
+
+def test_cpu_backend_answers_device_questions():
+    """What kernels ask instead of calling torch.cuda themselves (kernels/_triton.py, kernels/fp8_linear.py)."""
+    from loongforge_hf.xpu.cpu import CpuBackend
+
+    backend = CpuBackend()
+    calls = []
+    assert backend.device_name() == "cpu" and backend.compute_capability() is None
+    assert backend.multiprocessor_count() >= 1
+    assert backend.time_ms(lambda: calls.append(1), reps=3) >= 0 and len(calls) == 3
