@@ -241,7 +241,11 @@ def rank_run(folder: str, export_dir: str) -> dict:
         os.sync()
     groups_s = timers.seconds.get("load: process groups", 0.0)
     # NOTE: 1 for a checkout from before the threaded reads (a side-by-side run against older code)
-    io_threads = getattr(checkpoint_io, "io_threads", lambda: 1)()
+    try:
+        from loongforge_hf.bridges.parallel_io import io_threads as threads_of
+    except ImportError:
+        threads_of = getattr(checkpoint_io, "io_threads", lambda: 1)
+    io_threads = threads_of()
     return {"rank": rank, "load_s": load.wall, "load_cpu_s": load.cpu, "load_groups_s": groups_s,
             "load_without_groups_s": load.wall - groups_s, "io_threads": io_threads,
             "slices_s": slices.wall, "slices_cpu_s": slices.cpu,

@@ -23,7 +23,7 @@ Choices:
   folder is moved aside, the new one moved in, then the old one deleted. On an exception in the ``with`` block or a
   failed write (disk full -> ``CheckpointError``) the temporary folder is removed and ``out_dir`` is left as it was.
   Replacing the working directory, one of its parents or the home folder is refused.
-- Planned writes are spread over the I/O threads of ``checkpoint_io`` (``os.pwrite`` releases the GIL): a tensor or
+- Planned writes are spread over the I/O threads of ``parallel_io`` (``os.pwrite`` releases the GIL): a tensor or
   block of more than a few MiB goes out in pieces (whole runs for a block of columns) written concurrently from the
   caller's memory, and ``add()``/``add_part()`` return once every piece is written; a failed piece raises after the
   others ended.
@@ -50,8 +50,8 @@ from typing import Iterable, Sequence
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint_io import (_SAFETENSORS_DTYPES, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, CheckpointError,
-                            page_pieces, run_io, split_evenly)
+from .checkpoint_io import _SAFETENSORS_DTYPES, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, CheckpointError
+from .parallel_io import pwrite_all, write_runs
 
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = (("GIB", 2**30, False), ("MIB", 2**20, False), ("KIB", 2**10, False),
@@ -112,27 +112,6 @@ def _shard_header(specs: list[tuple[str, tuple[int, ...], torch.dtype]], metadat
     text += b" " * (-len(text) % 8)
     start = 8 + len(text)
     return struct.pack("<Q", len(text)) + text, {name: start + off for name, off in relative.items()}
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """pwrite until all of ``data`` is written (the kernel may take less per call, e.g. 2 GiB at most)."""
-    while data:
-        done = os.pwrite(fd, data, offset)
-        data, offset = data[done:], offset + done
-
-
-def _pwrite_runs(fd: int, data: memoryview, offset: int, *, runs: int = 1, run_bytes: int = 0, stride: int = 0) -> None:
-    """Write ``data`` as ``runs`` runs of ``run_bytes`` bytes placed ``stride`` bytes apart from ``offset`` (one
-    stretch when ``runs`` is 1 or the runs touch), in pieces on the I/O threads."""
-    if runs == 1 or run_bytes == stride:
-        run_io([lambda a=a, b=b: _pwrite_all(fd, data[a:b], offset + a) for a, b in page_pieces(len(data))])
-        return
-
-    def write(first: int, last: int) -> None:
-        for r in range(first, last):
-            _pwrite_all(fd, data[r * run_bytes:(r + 1) * run_bytes], offset + r * stride)
-
-    run_io([lambda first=first, last=last: write(first, last) for first, last in split_evenly(runs, len(data))])
 
 
 def _owned_cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -295,8 +274,8 @@ class CheckpointWriter:
             runs, run_bytes, stride = math.prod(spec.shape[:dim]), (stop - start) * inner, spec.shape[dim] * inner
             view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
             offset = spec.offset + start * inner
-            self._guarded(file, lambda: _pwrite_runs(fd, view, offset, runs=runs, run_bytes=run_bytes,
-                                                     stride=stride))
+            self._guarded(file, lambda: write_runs(fd, view, offset, runs=runs, run_bytes=run_bytes,
+                                                   stride=stride))
         blocks.append((start, stop))
         self._parts[name] = (dim, blocks)
         self._total_size += _nbytes(data)
@@ -329,7 +308,7 @@ class CheckpointWriter:
         fd, file = self._shard_fd(spec.shard)
         if data.numel():
             view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
-            self._guarded(file, lambda: _pwrite_runs(fd, view, spec.offset))
+            self._guarded(file, lambda: write_runs(fd, view, spec.offset))
         self._total_size += _nbytes(data)
         self._total_parameters += data.numel()
         self._planned_done(name, spec)
@@ -345,7 +324,7 @@ class CheckpointWriter:
             def create() -> int:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
                 try:
-                    _pwrite_all(fd, memoryview(header), 0)
+                    pwrite_all(fd, memoryview(header), 0)
                 except BaseException:
                     os.close(fd)
                     raise

@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from loongforge_hf.bridges import checkpoint_io
+from loongforge_hf.bridges import checkpoint_io, parallel_io
 from loongforge_hf.bridges.checkpoint_io import CheckpointError, CheckpointReader
 
 INDEX = "model.safetensors.index.json"
@@ -366,17 +366,17 @@ def test_io_threads_from_env_cpus_and_local_processes(monkeypatch):
     monkeypatch.setattr(checkpoint_io.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.delenv("LOONGFORGE_IO_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert checkpoint_io.io_threads() == 16  # capped
+    assert parallel_io.io_threads() == 16  # capped
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert checkpoint_io.io_threads() == 8
+    assert parallel_io.io_threads() == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")
-    assert checkpoint_io.io_threads() == 1
+    assert parallel_io.io_threads() == 1
     monkeypatch.setenv("LOONGFORGE_IO_THREADS", "3")
-    assert checkpoint_io.io_threads() == 3
+    assert parallel_io.io_threads() == 3
     for bad in ("0", "-2", "many"):
         monkeypatch.setenv("LOONGFORGE_IO_THREADS", bad)
         with pytest.raises(ValueError, match="LOONGFORGE_IO_THREADS must be a positive integer"):
-            checkpoint_io.io_threads()
+            parallel_io.io_threads()
 
 
 @pytest.fixture
@@ -414,7 +414,7 @@ def test_threaded_reads_equal_single_threaded_reads(big_tensors, monkeypatch):
     single = _all_reads(folder)
     assert len(threads) == 1
     monkeypatch.setenv("LOONGFORGE_IO_THREADS", "4")
-    monkeypatch.setattr(checkpoint_io, "_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(parallel_io, "_CHUNK_BYTES", 8192)
     threads.clear()
     multi = _all_reads(folder)
     assert len(threads) > 1  # NOTE: the reads did go through several threads
@@ -430,7 +430,7 @@ def test_threaded_reads_equal_single_threaded_reads(big_tensors, monkeypatch):
 def test_failed_piece_of_a_threaded_read_names_the_tensor_after_the_others_end(big_tensors, monkeypatch, dim):
     folder, _ = big_tensors
     monkeypatch.setenv("LOONGFORGE_IO_THREADS", "4")
-    monkeypatch.setattr(checkpoint_io, "_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(parallel_io, "_CHUNK_BYTES", 8192)
     real = os.preadv
     done = []
 

@@ -483,7 +483,7 @@ def test_threaded_writes_equal_single_threaded_writes(tmp_path, monkeypatch):
     """Whole tensors and blocks of rows/columns of many pages, written in pieces on 4 threads: the same bytes."""
     import threading
 
-    from loongforge_hf.bridges import checkpoint_io
+    from loongforge_hf.bridges import parallel_io
 
     torch.manual_seed(0)
     state = {"wide": torch.randn(64, 1000), "tall": torch.randn(2000, 24).to(torch.bfloat16), "bias": torch.randn(9)}
@@ -497,7 +497,7 @@ def test_threaded_writes_equal_single_threaded_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_module.os, "pwrite", pwrite)
     for mode in ("1", "4"):
         monkeypatch.setenv("LOONGFORGE_IO_THREADS", mode)
-        monkeypatch.setattr(checkpoint_io, "_CHUNK_BYTES", 8192)
+        monkeypatch.setattr(parallel_io, "_CHUNK_BYTES", 8192)
         threads.clear()
         with CheckpointWriter(tmp_path / mode, max_shard_size=200_000) as w:
             w.plan(plan_of(state))
@@ -517,10 +517,10 @@ def test_threaded_writes_equal_single_threaded_writes(tmp_path, monkeypatch):
 
 
 def test_threaded_write_with_one_failed_piece_leaves_out_dir_untouched(existing_out, monkeypatch):
-    from loongforge_hf.bridges import checkpoint_io
+    from loongforge_hf.bridges import parallel_io
 
     monkeypatch.setenv("LOONGFORGE_IO_THREADS", "4")
-    monkeypatch.setattr(checkpoint_io, "_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(parallel_io, "_CHUNK_BYTES", 8192)
     before = snapshot(existing_out)
     real = os.pwrite
     offsets = []
