@@ -114,14 +114,44 @@ def time_steps(step: Callable[[Any], Any], batches: list, *, warmup: int, device
             "losses": losses}
 
 
-def profile_step(step: Callable[[Any], Any], batch: Any, *, device: Device, row_limit: int = 25) -> dict:
-    """One step under ``torch.profiler``: ops ranked by their own (self) device time, with their share of the step."""
+# ops whose callers ``profile_step(stacks=True)`` lists: the memory-bound passes that are not a layer's own kernel
+STACK_OPS = ("aten::copy_", "aten::add_", "aten::mul_", "aten::mul", "aten::fill_", "aten::cat", "aten::sum")
+
+
+def _is_frame(name: str) -> bool:
+    return ".py(" in name or name.startswith("<built-in")
+
+
+def _call_sites(events, key, limit: int) -> list[dict]:
+    """The python call sites of the ``STACK_OPS`` events: for each op, its nearest python frames outside torch
+    (walking the profiler's parent links), grouped and ranked by the ops' own time."""
+    sites: dict[tuple, list] = {}
+    for e in events:
+        if e.name not in STACK_OPS:
+            continue
+        frames, parent = [], e.cpu_parent
+        while parent is not None and len(frames) < 4:
+            if ".py(" in parent.name and "torch/" not in parent.name.split("(")[0]:
+                frames.append(parent.name)
+            parent = parent.cpu_parent
+        row = sites.setdefault((e.name, tuple(frames)), [0, 0.0])
+        row[0] += 1
+        row[1] += key(e)
+    ranked = sorted(sites.items(), key=lambda kv: kv[1][1], reverse=True)[:limit]
+    return [{"name": name, "calls": n, "self_ms": round(us / 1e3, 3), "stack": list(frames)}
+            for (name, frames), (n, us) in ranked if us > 0]
+
+
+def profile_step(step: Callable[[Any], Any], batch: Any, *, device: Device, row_limit: int = 25,
+                 stacks: bool = False) -> dict:
+    """One step under ``torch.profiler``: ops ranked by their own (self) device time, with their share of the step.
+    ``stacks``: also where the ``STACK_OPS`` come from (python call sites, grouped, ranked by device time)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
     device.synchronize()
     start = time.perf_counter()
-    with profile(activities=activities, record_shapes=False) as prof:
+    with profile(activities=activities, record_shapes=False, with_stack=stacks) as prof:
         step(batch)
         device.synchronize()
     wall = time.perf_counter() - start
@@ -139,7 +169,8 @@ def profile_step(step: Callable[[Any], Any], batch: Any, *, device: Device, row_
     # NOTE: the averages hold both host-side ops (aten::mm, with the device time of the kernels they launched) and
     # the kernels themselves; ranking both would count each kernel twice. Ops and kernels are ranked separately, and
     # device-side ranges named like a host op (``Optimizer.step#AdamW.step``) are annotations, not kernels.
-    on_host = [e for e in events if str(getattr(e, "device_type", "CPU")).endswith("CPU")]
+    # NOTE: with ``stacks`` the python frames are events too (no kernels of their own): not ranked as ops.
+    on_host = [e for e in events if str(getattr(e, "device_type", "CPU")).endswith("CPU") and not _is_frame(e.key)]
     host_names = {e.key for e in on_host}
     on_device = [e for e in events if e not in on_host and e.key not in host_names]
     key = self_device_us if device.is_cuda else self_cpu_us
@@ -158,9 +189,12 @@ def profile_step(step: Callable[[Any], Any], batch: Any, *, device: Device, row_
     except (AttributeError, KeyError, ValueError):
         table = events.table(sort_by="self_cuda_time_total" if device.is_cuda else "self_cpu_time_total",
                              row_limit=row_limit)
-    return {"wall_ms": round(wall * 1e3, 2), "total_self_ms": round(ops_total / 1e3, 2),
-            "measured": "self device time" if device.is_cuda else "self CPU time", "ops": ops,
-            "kernels": kernels, "table": table}
+    out = {"wall_ms": round(wall * 1e3, 2), "total_self_ms": round(ops_total / 1e3, 2),
+           "measured": "self device time" if device.is_cuda else "self CPU time", "ops": ops,
+           "kernels": kernels, "table": table}
+    if stacks:
+        out["call_sites"] = _call_sites(prof.events(), key, row_limit)
+    return out
 
 
 def worker_main(run: Callable[[], dict], *, result_path: str, device: Device) -> int:

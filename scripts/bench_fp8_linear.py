@@ -144,6 +144,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # NOTE: set_device needs an index ("cuda" has none)
         torch.cuda.set_device(device)
         supported = F8.blockwise_supported(device.index or 0)
         name = torch.cuda.get_device_name(device)

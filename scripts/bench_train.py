@@ -235,7 +235,7 @@ def run_stack(args, device: H.Device) -> dict:
            "device": device.describe(),
            "versions": H.versions("torch", "transformers", "megatron-core", "liger-kernel", "triton")}
     if args.profile:
-        out["profile"] = H.profile_step(step, batches[-1], device=device)
+        out["profile"] = H.profile_step(step, batches[-1], device=device, stacks=True)
     fp8_report = getattr(step, "fp8_report", None)
     if fp8_report is not None and fp8_report.autotuner is not None:
         out["fp8_table"] = fp8_report.autotuner.table()  # fp8=adaptive: bf16-or-FP8 per GEMM shape
@@ -444,6 +444,8 @@ def main(argv: list[str]) -> int:
                 print(H.markdown_table([what, "calls", "self ms", "share"],
                                        [[t["name"][:70], t["calls"], t["self_ms"], f"{100 * t['share']:.1f}%"]
                                         for t in rows]))
+            for site in prof.get("call_sites", [])[:12]:
+                print(f"  {site['name']} x{site['calls']} {site['self_ms']} ms <- " + " <- ".join(site["stack"][:4]))
     print(f"\nwrote {out_path} and {log}")
     return 0
 
