@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.kernels._triton import use_triton
+from loongforge_hf.xpu.common import accumulate_matmul
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
@@ -131,7 +132,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
             if grad_weight is not None:
-                grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+                # NOTE: scaled and rounded to the weight's dtype in one pass (out= of the lower dtype).
+                grad_weight = torch.mul(grad_weight, grad_loss,
+                                        out=torch.empty(grad_weight.shape, dtype=ctx.weight_dtype,
+                                                        device=grad_weight.device))
             return grad_hidden, grad_weight, None, None, None, None
         hidden, weight = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -148,19 +152,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _accumulate(grad_logits, hidden_rows, weight, rows, grad_hidden, grad_weight) -> None:
     if grad_hidden is not None:
-        grad_hidden[rows] = grad_logits @ weight
+        torch.mm(grad_logits, weight, out=grad_hidden[rows])
     if grad_weight is not None:
-        grad_weight.add_((grad_logits.t() @ hidden_rows).to(torch.float32))
+        # NOTE: one GEMM with an fp32 accumulator and output per chunk; a bf16 product, its fp32 copy and an add_
+        # were three passes over [V, H] per chunk (15-20% of a training step on an H200, issue 7's profiles).
+        accumulate_matmul(grad_weight, grad_logits.t(), hidden_rows)
 
 
-def _default_chunk_size(n: int, hidden_size: int, v_local: int) -> int:
-    # NOTE: one chunk of fp32 logits about as large as the hidden states themselves (Liger's rule of thumb), but at
-    # least 256 MiB of them: a few hundred token rows keep the logits matmuls efficient on a GPU.
+def _default_chunk_size(n: int, hidden_size: int, v_local: int, logits_bytes: int = 4) -> int:
+    # NOTE: one chunk of logits about as large as the hidden states themselves (Liger's rule of thumb), but at least
+    # 512 MiB of them (``logits_bytes`` per element: 2 on the Triton path, which keeps bf16 logits, 4 on the fp32
+    # torch path): each chunk's weight-gradient GEMM reads and writes the whole fp32 [V, H] accumulator, so fewer,
+    # longer chunks also keep that GEMM efficient (about ten chunks for 16k tokens of a 152k vocabulary).
     liger = math.ceil(n / max(1, math.ceil(v_local / hidden_size)))
-    return max(1, min(n, max(liger, math.ceil(_MIN_CHUNK_BYTES / (4 * v_local)))))
+    return max(1, min(n, max(liger, math.ceil(_MIN_CHUNK_BYTES / (logits_bytes * v_local)))))
 
 
-_MIN_CHUNK_BYTES = 256 * 2 ** 20
+_MIN_CHUNK_BYTES = 512 * 2 ** 20
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -198,7 +206,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"linear_cross_entropy: labels must lie in [0, {vocab_size}) or equal ignore_index="
                          f"{ignore_index}; found {labels[bad][:5].tolist()}.")
     if chunk_size is None:
-        chunk_size = _default_chunk_size(hidden.shape[0], hidden.shape[1], v_local)
+        triton = tp_group is None and use_triton(hidden)
+        chunk_size = _default_chunk_size(hidden.shape[0], hidden.shape[1], v_local,
+                                         hidden.element_size() if triton else 4)
     if chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size must be positive, got {chunk_size}.")
     plan = _Plan(labels, v_local=v_local, vocab_start=vocab_start, vocab_size=vocab_size,

@@ -75,15 +75,20 @@ def _patch_reshardable_load_without_fused_adam() -> None:
 # output and accumulator) is that GEMM.
 
 
-def _accumulate_wgrad(input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    grad_t = grad_output.t()
-    if input.dtype == main_grad.dtype:
-        main_grad.addmm_(grad_t, input)
-    elif main_grad.is_cuda:
-        torch.addmm(main_grad, grad_t, input, out_dtype=main_grad.dtype, out=main_grad)
+def accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` as one GEMM whose accumulator and output are ``acc``'s dtype (fp32 for bf16 ``a``/``b`` on
+    CUDA): no product tensor in the inputs' dtype, no cast, no separate add."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         # NOTE: no mixed-dtype GEMM on CPU: the same sum in the accumulator's precision.
-        main_grad.addmm_(grad_t.to(main_grad.dtype), input.to(main_grad.dtype))
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def _accumulate_wgrad(input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    accumulate_matmul(main_grad, grad_output.t(), input)
 
 
 class TorchWgradAccumulation:
