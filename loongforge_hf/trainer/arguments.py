@@ -23,7 +23,20 @@ class LoongTrainingArguments(TrainingArguments):
     dp_balance_refit_steps: int = field(default=8, metadata={"help": (
         "How many measured steps the refit uses (the first training step is not measured: it pays one-time costs).")})
 
+    optimizer_precision: str = field(default="fp32", metadata={"help": (
+        "Precision of the optimizer state. 'fp32' (default): fp32 gradient buffer and megatron's distributed "
+        "optimizer with fp32 main weights and fp32 AdamW moments, sharded over the data-parallel ranks (18 bytes "
+        "per parameter of a bf16 model before sharding: 2 weight + 4 grad + 4 main weight + 8 moments). 'model': "
+        "weights, gradients and AdamW moments all in the model's dtype, torch AdamW stepping the model's own "
+        "parameters (8 bytes per parameter in bf16), what transformers.Trainer does on a model loaded with "
+        "dtype=torch.bfloat16; every data-parallel rank then holds the full optimizer state instead of a shard.")})
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        from loongforge_hf.trainer.engine import OPTIMIZER_PRECISIONS
+
+        if self.optimizer_precision not in OPTIMIZER_PRECISIONS:
+            raise ValueError(f"optimizer_precision must be one of {', '.join(map(repr, OPTIMIZER_PRECISIONS))}, "
+                             f"got {self.optimizer_precision!r}.")
         if self.dp_balance_refit_steps < 1:
             raise ValueError(f"dp_balance_refit_steps must be >= 1, got {self.dp_balance_refit_steps}.")

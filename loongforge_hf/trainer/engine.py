@@ -9,12 +9,18 @@ Choices:
 - Without Transformer Engine or Apex megatron builds ``torch.optim.AdamW`` with its default (foreach) implementation
   over the fp32 main weights; on CUDA the engine switches it to torch's fused implementation (one kernel per step and
   dtype group; same update up to rounding) before the first step (``fused_adam``).
-- Weight gradients of megatron's tensor-parallel linears go straight into DDP's fp32 ``main_grad`` buffer with one
+- Weight gradients of megatron's tensor-parallel linears go straight into DDP's ``main_grad`` buffer with one
   GEMM each (megatron's ``gradient_accumulation_fusion``, its Apex kernel replaced by torch's fp32-output ``addmm``:
   ``xpu/common.enable_wgrad_accumulation_fusion``), on CUDA by default (``fused_wgrad``): no separate add
-  kernel per weight. The sum is the same, without the rounding of each micro-batch's weight grad to bf16.
-- Lower-precision optimizer state (``use_precision_aware_optimizer``) needs TE's FusedAdam in megatron-core 0.16 and
-  is not used.
+  kernel per weight. With the fp32 buffer the sum is the same, without the rounding of each micro-batch's weight grad
+  to bf16; with the model-dtype buffer each micro-batch's GEMM rounds once into it.
+- ``optimizer_precision="fp32"`` (default): fp32 grad buffer, megatron's distributed optimizer with fp32 main weights
+  and fp32 Adam moments, sharded over DP (18 bytes per parameter for a bf16 model before sharding).
+  ``optimizer_precision="model"``: grad buffer in the model's dtype (all-reduced over DP, not reduce-scattered) and
+  megatron's non-mixed ``FP32Optimizer`` wrapping torch AdamW directly over the model's parameters: weights, grads and
+  moments in the model's dtype (8 bytes per parameter for bf16, every DP rank holding all of it), what
+  ``transformers.Trainer`` with torch AdamW does on a model loaded in bf16. Lower-precision state with fp32 main
+  weights (``use_precision_aware_optimizer``) needs TE's FusedAdam in megatron-core 0.16 and is not used.
 - Loss is summed per token and megatron divides gradients by the global label-token count of the step
   (``calculate_per_token_loss``): the gradient of the mean over all label tokens of the global batch, as Trainer does.
 - Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
@@ -34,6 +40,9 @@ from loongforge_hf.bridges.runtime import (IGNORE_INDEX, fused_loss_sum, hidden_
                                            megatron_attention_mask, shift_labels, token_losses)
 
 
+OPTIMIZER_PRECISIONS = ("fp32", "model")
+
+
 @dataclass
 class StepResult:
     loss: float              # mean over label tokens of the global batch
@@ -46,17 +55,25 @@ class MegatronEngine:
     """Owns the DDP-wrapped chunks and the optimizer of a ``LoongModelForCausalLM``."""
 
     def __init__(self, model, *, args, overlap_grad_reduce: bool = True, fused_loss: bool = True,
-                 fused_adam: bool | None = None, fused_wgrad: bool | None = None) -> None:
+                 fused_adam: bool | None = None, fused_wgrad: bool | None = None,
+                 optimizer_precision: str = "fp32") -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if optimizer_precision not in OPTIMIZER_PRECISIONS:
+            raise ValueError(f"optimizer_precision must be one of {', '.join(map(repr, OPTIMIZER_PRECISIONS))}, "
+                             f"got {optimizer_precision!r}.")
         self.model = model
         self.fused_loss = fused_loss
+        self.optimizer_precision = optimizer_precision
+        mixed = optimizer_precision == "fp32"
         config = model.megatron.config
         config.calculate_per_token_loss = True
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
-                                                   use_distributed_optimizer=True, average_in_collective=False)
+        # NOTE: "model": without the distributed optimizer megatron's DDP all-reduces the grad buffer (in the model's
+        # dtype) instead of reduce-scattering it; with the overlap it still starts bucket by bucket during backward.
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=mixed, overlap_grad_reduce=overlap_grad_reduce,
+                                                   use_distributed_optimizer=mixed, average_in_collective=False)
         self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                                disable_bucketing=i > 0)
                        for i, chunk in enumerate(model.megatron.chunks)]
@@ -70,13 +87,20 @@ class MegatronEngine:
 
             self.fused_wgrad_layers = enable_wgrad_accumulation_fusion(
                 m for chunk in model.megatron.chunks for m in chunk.modules())
+        self.clip_grad = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else 0.0
+        # NOTE: "model": megatron's clip_grad_by_total_norm_fp32 (optimizer/clip_grads.py:167) asserts fp32 grads, so
+        # megatron does not clip here and _model_precision_step clips the model-dtype grads instead.
         opt_config = OptimizerConfig(
             optimizer="adam", lr=args.learning_rate, min_lr=0.0, weight_decay=args.weight_decay,
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_epsilon,
-            clip_grad=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else 0.0,
-            use_distributed_optimizer=True, bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
-            decoupled_weight_decay=True,
+            clip_grad=self.clip_grad if mixed else 0.0,
+            use_distributed_optimizer=mixed, bf16=config.bf16 and mixed, fp16=config.fp16 and mixed,
+            params_dtype=config.params_dtype, decoupled_weight_decay=True,
         )
+        # NOTE: "model": no distributed optimizer and no bf16/fp16 flag, so get_megatron_optimizer returns its
+        # FP32Optimizer around torch AdamW over the model's own parameters (no main-weight copy); its prepare_grads
+        # points each param.grad at DDP's main_grad (model dtype) before clipping and the step. The model's config
+        # keeps bf16/fp16 for the model itself.
         self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
         # NOTE: megatron's own LR/WD scheduler applies the per-group multipliers (no decay on biases and 1-D params);
         # transformers' schedulers don't, so the multipliers are applied to the groups once, here.
@@ -103,6 +127,25 @@ class MegatronEngine:
                 continue
             for group in [opt.defaults, *opt.param_groups]:
                 group["fused"], group["foreach"] = True, False
+
+    @torch.no_grad()
+    def _model_precision_step(self) -> tuple[bool, float | None]:
+        """megatron's optimizer step for ``optimizer_precision="model"`` with the clipping done here: grads point at
+        the model-dtype main_grad buffers (prepare_grads), the global norm is megatron's (tensor-parallel duplicates
+        and shared weights counted once, reduced over the model-parallel group), and the grads are scaled by
+        ``max_norm / (norm + 1e-6)`` when that is below 1, as torch's clip_grad_norm_ does."""
+        opt = self.optimizer
+        if opt.prepare_grads():
+            return False, None
+        grad_norm = None
+        if self.clip_grad > 0:
+            grad_norm = opt.get_grad_norm()
+            coeff = self.clip_grad / (grad_norm + 1.0e-6)
+            if coeff < 1.0:
+                grads = [p.grad for o in self.inner_optimizers() for group in o.param_groups for p in group["params"]
+                         if p.grad is not None]
+                torch._foreach_mul_(grads, coeff)
+        return opt.step_with_ready_grads(), grad_norm
 
     # ---- the torch optimizers transformers' schedulers drive ---------------------------------------------------
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -135,7 +178,10 @@ class MegatronEngine:
         losses = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=self.chunks if vpp > 1 else self.chunks[0],
             num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
+        if self.optimizer_precision == "model":
+            update_ok, grad_norm = self._model_precision_step()
+        else:
+            update_ok, grad_norm, _ = self.optimizer.step()
         # loss over this DP rank's tokens (last stage), then over DP, then shared with every pipeline stage
         device = self.model.device
         sums = torch.zeros(2, dtype=torch.float64, device=device)

@@ -107,7 +107,8 @@ class LoongTrainer(Trainer):
     # ---- optimizer and schedule ----------------------------------------------------------------------------------
     def create_optimizer(self, model=None):
         if self.engine is None:
-            self.engine = MegatronEngine(self.model, args=self.args)
+            self.engine = MegatronEngine(self.model, args=self.args,
+                                         optimizer_precision=getattr(self.args, "optimizer_precision", "fp32"))
         self.optimizer = self.engine.optimizer
         return self.optimizer
 
