@@ -20,6 +20,9 @@ torch's fused AdamW on them. loongforge-hf: megatron's DDP and distributed optim
 (fp32 main weights, gradients and moments; torch AdamW, switched to its fused implementation on CUDA by the engine),
 the loss through the fused linear cross-entropy (no full logits), and the kernels' Triton paths (RMSNorm incl. q/k
 norm, RoPE, SwiGLU, the cross-entropy chunk) where Triton is importable; the row records which were used.
+``--optimizer-precision fp32,model`` adds a row "loongforge-hf optimizer=model":
+``MegatronEngine(optimizer_precision="model")``, bf16 grad buffer, weights and AdamW moments (torch AdamW over the
+bf16 parameters, as in the transformers rows).
 
 MFU counts model FLOPs (``loongforge_hf.trainer.flops.model_flops_per_token``), per token:
   3 * (L * (2*h*(q + 2*kv) + 2*q*h + 6*h*f*k + 2*q*s) + 2*h*V)
@@ -32,6 +35,7 @@ accumulation over as many micro-batches (same tokens per optimizer step), and bo
 
     python scripts/bench_train.py [--shapes a,b,c] [--stacks transformers,liger,loongforge] [--steps 10]
                                   [--warmup 3] [--profile a,c] [--out outputs/bench_train.json]
+                                  [--fp8 on,adaptive] [--optimizer-precision fp32,model]
     python scripts/bench_train.py --tiny --device cpu --stacks transformers,loongforge     # a dry run
 """
 
@@ -173,7 +177,7 @@ def _triton_on(device) -> bool:
     return use_triton(torch.empty(0, device=device))
 
 
-def build_loongforge(folder: str, device: H.Device, fp8: str | None = None):
+def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, optimizer_precision: str = "fp32"):
     import tempfile
 
     import torch
@@ -186,11 +190,13 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None):
     args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_train_"), learning_rate=LR,
                                           adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
-    engine = MegatronEngine(model, args=args)
+    engine = MegatronEngine(model, args=args, optimizer_precision=optimizer_precision)
     inner = engine.inner_optimizers()
+    wrapper = type((getattr(engine.optimizer, "chained_optimizers", None) or [engine.optimizer])[0]).__name__
     info = {"parameters": model.num_parameters(), "device": str(model.device),
-            "optimizer": f"megatron DistributedOptimizer over {type(inner[0]).__module__}.{type(inner[0]).__name__} "
+            "optimizer": f"megatron {wrapper} over {type(inner[0]).__module__}.{type(inner[0]).__name__} "
                          f"(foreach={inner[0].defaults.get('foreach')}, fused={inner[0].defaults.get('fused')})",
+            "optimizer_precision": optimizer_precision,
             "attention": type(model.chunks[0].decoder.layers[0].self_attention.core_attention).__name__,
             "loss": "fused linear cross-entropy" if engine.fused_loss else "materialised logits",
             "triton_kernels": _triton_on(model.device),
@@ -216,7 +222,7 @@ def run_stack(args, device: H.Device) -> dict:
     w = WORKLOADS[args.shape]
     cfg_kwargs, seq, _ = sizes(w, args.tiny)
     if args.stack == "loongforge":
-        step, info = build_loongforge(args.folder, device, fp8=args.fp8)
+        step, info = build_loongforge(args.folder, device, fp8=args.fp8, optimizer_precision=args.optimizer_precision)
     else:
         step, info = build_transformers(args.folder, device, liger=args.stack == "liger")
     info["weights_gib"] = round(device.allocated() / H.GIB, 2)
@@ -256,6 +262,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--fp8", choices=("on", "adaptive"))
+    p.add_argument("--optimizer-precision", choices=("fp32", "model"), default="fp32")
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     # NOTE: loongforge-hf picks its device backend from this variable; set before anything imports the package.
@@ -286,10 +293,13 @@ def loongforge_supports(w: Workload) -> bool:
 
 def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: bool) -> dict:
     _, seq, mb = sizes(w, args.tiny)
-    base_stack, fp8 = (stack.split(" fp8=") + [None])[:2]  # "loongforge fp8=on": loongforge with fp8="on"
+    # "loongforge fp8=on": loongforge with fp8="on"; "loongforge optimizer=model": optimizer_precision="model"
+    base_stack, *options = stack.split(" ")
+    options = dict(o.split("=", 1) for o in options)
     common = [__file__, "--worker", "run", "--shape", w.key, "--stack", base_stack, "--folder", str(folder),
               "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    common += ["--fp8", fp8] if fp8 else []
+    common += ["--fp8", options["fp8"]] if "fp8" in options else []
+    common += ["--optimizer-precision", options["optimizer"]] if "optimizer" in options else []
     common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
     result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", "1"], log_path=log,
                           timeout_s=args.worker_timeout)
@@ -365,6 +375,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--worker-timeout", type=float, default=900.0)
     p.add_argument("--fp8", default="", help="comma list of fp8 modes (on,adaptive): loongforge rows with "
                    "from_pretrained(fp8=mode) next to the bf16 one (docs/fp8.md)")
+    p.add_argument("--optimizer-precision", default="fp32", help="comma list (fp32,model): 'model' adds a loongforge "
+                   "row with MegatronEngine(optimizer_precision='model') (bf16 grads, weights and AdamW moments) next "
+                   "to the default fp32 one")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     stacks = [s for s in args.stacks.split(",") if s]
@@ -374,8 +387,12 @@ def main(argv: list[str]) -> int:
     bad_fp8 = [m for m in args.fp8.split(",") if m and m not in ("on", "adaptive")]
     if bad_fp8:
         p.error(f"--fp8 takes on and/or adaptive, got {bad_fp8}")
+    bad_precision = [m for m in args.optimizer_precision.split(",") if m and m not in ("fp32", "model")]
+    if bad_precision:
+        p.error(f"--optimizer-precision takes fp32 and/or model, got {bad_precision}")
     if "loongforge" in stacks:
         stacks += [f"loongforge fp8={m}" for m in args.fp8.split(",") if m]
+        stacks += [f"loongforge optimizer={m}" for m in args.optimizer_precision.split(",") if m and m != "fp32"]
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     log = Path(args.log) if args.log else out_path.with_suffix(".log")
@@ -424,6 +441,10 @@ def main(argv: list[str]) -> int:
                 fp8_info = r.get("fp8") or {}
                 tables[-1] += (f"\n\n{stack}: {r['tokens_per_s'] / bf16['tokens_per_s']:.3f}x loongforge bf16 tokens/s"
                                f" ({fp8_info.get('recipe')} scaling, {fp8_info.get('swapped')} layers swapped)")
+            if " optimizer=" in stack and r.get("status") == "ok" and bf16.get("status") == "ok":
+                tables[-1] += (f"\n\n{stack}: {r['tokens_per_s'] / bf16['tokens_per_s']:.3f}x loongforge "
+                               f"fp32-optimizer tokens/s, peak {r['peak_gib']:.2f} vs {bf16['peak_gib']:.2f} GiB "
+                               f"({r['optimizer']})")
         H.save_json(report, out_path)
         if not args.keep_checkpoints:
             shutil.rmtree(folder, ignore_errors=True)
