@@ -3,7 +3,8 @@
 Layout of ``checkpoint-N/`` (written under a temporary name and renamed when complete):
 - the HF export of the model (what ``save_model`` writes) — usable on its own;
 - ``megatron/``: model + distributed-optimizer state saved with ``megatron.core.dist_checkpointing`` in the
-  ``fully_reshardable`` optimizer format, so a run can resume under another TP / PP / VPP / DP layout;
+  ``fully_reshardable`` optimizer format, so a run can resume under another TP / PP / VPP / DP layout (with
+  ``optimizer_precision="model"``: megatron's FP32Optimizer state, AdamW moments sharded like their parameters);
 - ``scheduler.pt``: the LR schedulers' state; ``rng_state_{rank}.pth`` (Trainer's) and ``megatron_rng_{rank}.pt``
   (megatron's model-parallel RNG tracker); ``trainer_state.json`` (step, log history, data position).
 """
