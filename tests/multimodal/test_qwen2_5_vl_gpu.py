@@ -2,6 +2,8 @@
 transformers on the same GPU: images + videos in fp32 (logits, loss, vision gradients) and bf16 (loss), and
 MegatronEngine steps on packed batches against the same steps on padded batches."""
 
+import math
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ def _run(folder: str, out_dir: str) -> dict:
     import loongforge_hf as lf
     from loongforge_hf.trainer.engine import MegatronEngine
 
-    from ._vl_features import collator, hand_features, packing_features
+    from ._vl_features import VIDEO_SAMPLES, collator, hand_features, packing_features
     from ._vl_parity import vision_grads
 
     # fp32 means fp32 on both sides: torch lets cuDNN convolutions use TF32 by default
@@ -26,7 +28,13 @@ def _run(folder: str, out_dir: str) -> dict:
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     result = {}
-    batch = {k: v.cuda() for k, v in collator(folder, pad_to_multiple_of=4)(hand_features(folder)).items()}
+    # NOTE: whole seconds per temporal grid here. transformers 5.17 (what the GPU machine has) truncates
+    # second_per_grid_ts to an int in get_rope_index (`tokens_per_second * int(next(second_per_grid_ts))`), so its
+    # video positions for 0.5 s / 1.5 s grids are not the float ones of later transformers (5.24) and of this project;
+    # the fractional case is compared with transformers 5.24 on CPU (tests/multimodal/test_qwen2_5_vl_features.py).
+    samples = [[(*piece[:2], float(math.ceil(piece[2]))) if piece[0] == "video" else piece for piece in sample]
+               for sample in VIDEO_SAMPLES]
+    batch = {k: v.cuda() for k, v in collator(folder, pad_to_multiple_of=4)(hand_features(folder, samples)).items()}
     for dtype in (torch.float32, torch.bfloat16):
         ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype,
                                                                               attn_implementation="sdpa").cuda()
