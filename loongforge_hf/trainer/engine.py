@@ -21,8 +21,11 @@ Choices:
   moments in the model's dtype (8 bytes per parameter for bf16, every DP rank holding all of it), what
   ``transformers.Trainer`` with torch AdamW does on a model loaded in bf16. Lower-precision state with fp32 main
   weights (``use_precision_aware_optimizer``) needs TE's FusedAdam in megatron-core 0.16 and is not used.
-- Loss is summed per token and megatron divides gradients by the global label-token count of the step
+- Loss is summed per token and gradients are divided by the global label-token count of the step
   (``calculate_per_token_loss``): the gradient of the mean over all label tokens of the global batch, as Trainer does.
+  megatron would divide every gradient buffer by the count in ``finalize_model_grads`` and then clip with another
+  pass; the engine hands the count to its optimizer step instead, which applies ``1/count`` and the clipping factor
+  as one: inside torch's fused AdamW (``grad_scale``) on CUDA, else one multiply (``_optimizer_step``).
 - Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
   biases and 1-D params, equal Trainer's for these models), max_grad_norm. LR schedules are transformers' own
   schedulers stepping megatron's inner optimizer(s).
@@ -88,12 +91,13 @@ class MegatronEngine:
             self.fused_wgrad_layers = enable_wgrad_accumulation_fusion(
                 m for chunk in model.megatron.chunks for m in chunk.modules())
         self.clip_grad = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else 0.0
-        # NOTE: "model": megatron's clip_grad_by_total_norm_fp32 (optimizer/clip_grads.py:167) asserts fp32 grads, so
-        # megatron does not clip here and _model_precision_step clips the model-dtype grads instead.
+        # NOTE: megatron does not clip (clip_grad=0): the engine's _optimizer_step folds the clipping and the
+        # 1/tokens scaling into one factor (and "model" grads are not fp32, which megatron's
+        # clip_grad_by_total_norm_fp32, optimizer/clip_grads.py:167, asserts).
         opt_config = OptimizerConfig(
             optimizer="adam", lr=args.learning_rate, min_lr=0.0, weight_decay=args.weight_decay,
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_epsilon,
-            clip_grad=self.clip_grad if mixed else 0.0,
+            clip_grad=0.0,
             use_distributed_optimizer=mixed, bf16=config.bf16 and mixed, fp16=config.fp16 and mixed,
             params_dtype=config.params_dtype, decoupled_weight_decay=True,
         )
@@ -112,7 +116,9 @@ class MegatronEngine:
             fused_adam = model.device.type == "cuda"
         if fused_adam:
             self._use_fused_adam()
-        config.finalize_model_grads_func = finalize_model_grads
+        self._finalize_megatron = finalize_model_grads
+        self._num_tokens: torch.Tensor | None = None
+        config.finalize_model_grads_func = self._finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         if overlap_grad_reduce:
             config.no_sync_func = [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
@@ -128,24 +134,57 @@ class MegatronEngine:
             for group in [opt.defaults, *opt.param_groups]:
                 group["fused"], group["foreach"] = True, False
 
+    def _finalize_model_grads(self, model_chunks, num_tokens=None, *args, **kwargs) -> None:
+        """megatron's ``finalize_model_grads`` (grad sync, shared-weight and layernorm all-reduces) without its last
+        pass, the ``1 / num_tokens`` scaling of every gradient buffer: the token count is shared here as megatron
+        shares it (from the last pipeline stage, summed over data x context parallel ranks) and the optimizer step
+        applies the scaling together with the clipping."""
+        from megatron.core import parallel_state as ps
+
+        self._finalize_megatron(model_chunks, None, *args, **kwargs)
+        self._num_tokens = None
+        if num_tokens is None:
+            return
+        groups = kwargs.get("pg_collection")
+        pp = getattr(groups, "pp", None) or ps.get_pipeline_model_parallel_group()
+        dp_cp = getattr(groups, "dp_cp", None) or ps.get_data_parallel_group(with_context_parallel=True)
+        dist.broadcast(num_tokens, src=dist.get_process_group_ranks(pp)[-1], group=pp)
+        dist.all_reduce(num_tokens, group=dp_cp)
+        self._num_tokens = num_tokens
+
     @torch.no_grad()
-    def _model_precision_step(self) -> tuple[bool, float | None]:
-        """megatron's optimizer step for ``optimizer_precision="model"`` with the clipping done here: grads point at
-        the model-dtype main_grad buffers (prepare_grads), the global norm is megatron's (tensor-parallel duplicates
-        and shared weights counted once, reduced over the model-parallel group), and the grads are scaled by
-        ``max_norm / (norm + 1e-6)`` when that is below 1, as torch's clip_grad_norm_ does."""
+    def _optimizer_step(self) -> tuple[bool, float | None]:
+        """megatron's optimizer step (``prepare_grads``, the global norm, ``step_with_ready_grads``) with the
+        gradients' ``1 / tokens`` scaling and the clipping (``max_norm / (norm + 1e-6)`` when below 1, as megatron and
+        torch clip) applied as one factor: inside torch's fused AdamW (its ``grad_scale`` divisor) when every inner
+        optimizer is fused, else one multiply over the grads. The norm is megatron's (tensor-parallel duplicates and
+        shared weights counted once, reduced over the model-parallel group), of the unscaled grads, times the scale."""
         opt = self.optimizer
         if opt.prepare_grads():
             return False, None
+        tokens = float(self._num_tokens) if self._num_tokens is not None else 0.0
+        scale = 1.0 / tokens if tokens > 0 else 1.0
         grad_norm = None
+        factor = scale
         if self.clip_grad > 0:
-            grad_norm = opt.get_grad_norm()
+            grad_norm = float(opt.get_grad_norm()) * scale
             coeff = self.clip_grad / (grad_norm + 1.0e-6)
             if coeff < 1.0:
-                grads = [p.grad for o in self.inner_optimizers() for group in o.param_groups for p in group["params"]
-                         if p.grad is not None]
-                torch._foreach_mul_(grads, coeff)
-        return opt.step_with_ready_grads(), grad_norm
+                factor = scale * coeff
+        inner = [o for o in self.inner_optimizers() if any(g["params"] for g in o.param_groups)]
+        fused = all(all(g.get("fused") for g in o.param_groups) for o in inner)
+        if factor != 1.0 and fused:
+            for o in inner:
+                device = o.param_groups[0]["params"][0].device
+                o.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32, device=device)
+        elif factor != 1.0:
+            grads = [p.grad for o in inner for g in o.param_groups for p in g["params"] if p.grad is not None]
+            torch._foreach_mul_(grads, factor)
+        try:
+            return opt.step_with_ready_grads(), grad_norm
+        finally:
+            for o in inner:
+                o.__dict__.pop("grad_scale", None)
 
     # ---- the torch optimizers transformers' schedulers drive ---------------------------------------------------
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -178,10 +217,7 @@ class MegatronEngine:
         losses = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=self.chunks if vpp > 1 else self.chunks[0],
             num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs, forward_only=False)
-        if self.optimizer_precision == "model":
-            update_ok, grad_norm = self._model_precision_step()
-        else:
-            update_ok, grad_norm, _ = self.optimizer.step()
+        update_ok, grad_norm = self._optimizer_step()
         # loss over this DP rank's tokens (last stage), then over DP, then shared with every pipeline stage
         device = self.model.device
         sums = torch.zeros(2, dtype=torch.float64, device=device)
