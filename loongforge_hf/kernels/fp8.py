@@ -20,11 +20,8 @@ Choices:
 - Non-finite values cannot be scaled: ``check_finite=True`` (the default of the public functions) raises
   ``Fp8Error`` naming the operand. It costs a device sync, so the training path (``fp8_linear``) turns it off: there a
   NaN/inf input gives a NaN output, which the loss check of the training loop reports.
-- On CUDA, tiles, blocks and rows are quantised by Triton kernels (``_fp8_triton.py``: one read, one fp8 write,
-  scales written in the layout the GEMM wants; rows read twice); the torch expressions below are the reference and
-  the path elsewhere. A linear layer needs each of x, w and dy in two layouts (the operand and its transpose): the
-  dual quantisations (``quantize_dual``) write both from one pass (two for rows), and ``fp8_linear`` keeps the
-  transposes the forward made (w.T for the input gradient, x.T, fp8, instead of x for the weight gradient).
+- On CUDA, tiles, blocks and rows are quantised by Triton kernels (one read, one fp8 write, scales written in the
+  layout the GEMM wants; rows read twice); the torch expressions below are the reference and the path elsewhere.
 """
 
 from __future__ import annotations
