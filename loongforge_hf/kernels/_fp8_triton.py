@@ -157,10 +157,8 @@ def _amax_partials_kernel(x_ptr, pr_ptr, pc_ptr, rows, cols, q_rows, stride_xr, 
 
 
 @triton.jit
-def _rows_dual_kernel(x_ptr, ar_ptr, ac_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, rows, cols, q_rows, stride_xr, stride_xc,
+def _rows_dual_kernel(x_ptr, sr_ptr, sc_ptr, q_ptr, qt_ptr, rows, cols, q_rows, stride_xr, stride_xc,
                       BLOCK: tl.constexpr, FMAX: tl.constexpr):
-    # NOTE: ar / ac are the row / column maxima of the whole matrix; the scales are computed here (as the tiles
-    # kernel does) and written once, by the first program of each row / column of programs.
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     r = pid_r * BLOCK + tl.arange(0, BLOCK)
@@ -168,19 +166,14 @@ def _rows_dual_kernel(x_ptr, ar_ptr, ac_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, rows,
     rl, cl = r.to(tl.int64), c.to(tl.int64)
     load = (r[:, None] < rows) & (c[None, :] < cols)
     x = tl.load(x_ptr + rl[:, None] * stride_xr + cl[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
-    zero = tl.zeros((BLOCK,), tl.float32)
-    amax_r = tl.load(ar_ptr + r, mask=r < q_rows, other=0.0)
-    amax_c = tl.load(ac_ptr + c, mask=c < cols, other=0.0)
-    s_r = tl.where(amax_r == 0, 1.0, tl.math.div_rn(amax_r, zero + FMAX))
-    s_c = tl.where(amax_c == 0, 1.0, tl.math.div_rn(amax_c, zero + FMAX))
+    s_r = tl.load(sr_ptr + r, mask=r < q_rows, other=1.0)
+    s_c = tl.load(sc_ptr + c, mask=c < cols, other=1.0)
     zeros = tl.zeros((BLOCK, BLOCK), tl.float32)
     q = tl.clamp(tl.math.div_rn(x, zeros + s_r[:, None]), -FMAX, FMAX)
     tl.store(q_ptr + rl[:, None] * cols + cl[None, :], q.to(q_ptr.dtype.element_ty),
              mask=(r[:, None] < q_rows) & (c[None, :] < cols))
     qt = tl.trans(tl.clamp(tl.math.div_rn(x, zeros + s_c[None, :]), -FMAX, FMAX).to(qt_ptr.dtype.element_ty))
     tl.store(qt_ptr + cl[:, None] * q_rows + rl[None, :], qt, mask=(c[:, None] < cols) & (r[None, :] < q_rows))
-    tl.store(s_ptr + r, s_r, mask=(r < q_rows) & (pid_c == 0))
-    tl.store(st_ptr + c, s_c, mask=(c < cols) & (pid_r == 0))
 
 
 def tiles(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,19 +237,19 @@ def blocks_dual(w: torch.Tensor):
     return q, s, qt, st
 
 
-def rows_dual(x: torch.Tensor, q_rows: int):
+def rows_dual(x: torch.Tensor, q_rows: int, scales_from_amax):
     """One scale per row of ``x`` (rows zero-padded to ``q_rows``) and per row of ``x.T`` (K zero-padded to
-    ``q_rows``): (q [q_rows, cols], scales [q_rows, 1], qt [cols, q_rows], scales [cols, 1])."""
+    ``q_rows``): (q [q_rows, cols], scales [q_rows, 1], qt [cols, q_rows], scales [cols, 1]).
+    ``scales_from_amax``: the reference's amax -> scale (run by torch on the reduced maxima)."""
     n_rows, cols = x.shape
     grid = (_ceil(q_rows, GROUP), _ceil(cols, GROUP))
     pr = torch.empty(grid[1], q_rows, dtype=torch.float32, device=x.device)
     pc = torch.empty(grid[0], cols, dtype=torch.float32, device=x.device)
     _amax_partials_kernel[grid](x, pr, pc, n_rows, cols, q_rows, x.stride(0), x.stride(1), BLOCK=GROUP, num_warps=8)
-    amax_r, amax_c = pr.amax(0), pc.amax(0)
+    s = scales_from_amax(pr.amax(0))
+    st = scales_from_amax(pc.amax(0))
     q = torch.empty(q_rows, cols, dtype=FP8_DTYPE, device=x.device)
     qt = torch.empty(cols, q_rows, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(q_rows, 1, dtype=torch.float32, device=x.device)
-    st = torch.empty(cols, 1, dtype=torch.float32, device=x.device)
-    _rows_dual_kernel[grid](x, amax_r, amax_c, q, qt, s, st, n_rows, cols, q_rows, x.stride(0), x.stride(1),
-                            BLOCK=GROUP, FMAX=FP8_MAX, num_warps=8)
-    return q, s, qt, st
+    _rows_dual_kernel[grid](x, s, st, q, qt, n_rows, cols, q_rows, x.stride(0), x.stride(1), BLOCK=GROUP,
+                            FMAX=FP8_MAX, num_warps=8)
+    return q, s[:, None], qt, st[:, None]

@@ -191,7 +191,7 @@ def quantize_rows_dual(x: torch.Tensor) -> tuple[Quantized, Quantized]:
     of twice per layout. No finiteness check (the training path's use)."""
     _as_matrix(x, "quantize_rows_dual")
     if _use_triton(x) and x.shape[0] and x.shape[1]:
-        q, s, qt, st = _kernels().rows_dual(x, padded_rows(x.shape[0]))
+        q, s, qt, st = _kernels().rows_dual(x, padded_rows(x.shape[0]), scales_from_amax)
         return Quantized(q, s, "rows"), Quantized(qt, st, "rows")
     return (quantize_rows(_pad_rows(x), check_finite=False),
             quantize_rows(x.t(), pad_to=ROW_ALIGN, check_finite=False))
