@@ -6,11 +6,9 @@ For the GEMM shapes of bench_train's workloads (M = tokens per micro-batch, N x 
   c  Qwen3-30B-A3B, one expert:   fc1 1536x2048, fc2 2048x768 at 512 tokens (the average share) and 17 tokens
 it times, per recipe (``blockwise`` where the GPU runs it, and ``rowwise``):
   total     ``fp8_linear`` forward + backward through autograd (what training runs), against ``x @ w.T`` in bf16
-  parts     each kernel the FP8 path launches, alone: the three dual quantisations training runs (quant_x_dual: x and
-            x^T, quant_w_dual: w and w^T, quant_dy_dual: dy and dy^T) and the three scaled GEMMs; the bf16 GEMMs
-            likewise (fwd, dgrad, wgrad); quant_sum / gemm_sum add up what fp8_linear runs. For comparison,
-            sep_quant_* time the separate passes the dual ones replace (x, x^T, w, w^T or the block transpose, dy,
-            dy^T), summed in sep_quant_sum (not part of fp8_linear)
+  parts     each kernel the FP8 path launches, alone: quantisations of x, w, dy, x^T, dy^T (block-wise: dy and dy^T
+            in one read, quant_dy_dual, which is what training runs), the weight transpose and the three scaled GEMMs;
+            the bf16 GEMMs likewise (fwd, dgrad, wgrad); quant_sum / gemm_sum add up what fp8_linear runs
 Timing: CUDA events around each call, median of --reps after --warmup (on CPU, wall clock: a dry run only).
 The recipe ``enable_fp8`` picks on this GPU (``fp8_recipe=None``) is printed and written to the JSON.
 
@@ -76,33 +74,6 @@ def _fwd_bwd(linear, x, w, dy):
     return run
 
 
-def act_kind(recipe: str) -> str:
-    return "tiles" if recipe == "blockwise" else "rows"
-
-
-def quant_parts(recipe: str, x, w, dy, timer) -> dict:
-    """What fp8_linear runs (``quant_*``: one dual pass per operand) and, for comparison, the separate passes it
-    replaced (``sep_*``: each layout quantised on its own, the block-wise weight transposed after quantising)."""
-    kind, nc = act_kind(recipe), dict(check_finite=False)
-    pad = F8.GROUP if recipe == "blockwise" else F8.ROW_ALIGN
-    xp, dyp = F8._pad_rows(x), F8._pad_rows(dy)
-    parts = {"quant_x_dual": timer(lambda: F8.quantize_dual(x, kind)),
-             "quant_w_dual": timer(lambda: F8.quantize_weight(w, recipe)),
-             "quant_dy_dual": timer(lambda: F8.quantize_dual(dy, kind))}
-    parts["sep_quant_x"] = timer(lambda: F8.quantize(xp, kind, **nc))
-    parts["sep_quant_xT"] = timer(lambda: F8.quantize(x.t(), kind, pad_to=pad, **nc))
-    if recipe == "blockwise":
-        wq = F8.quantize_blocks(w, **nc)
-        parts["sep_quant_w"] = timer(lambda: F8.quantize_blocks(w, **nc))
-        parts["sep_transpose_w"] = timer(lambda: F8.transpose_blocks(wq))
-    else:
-        parts["sep_quant_w"] = timer(lambda: F8.quantize_rows(w, **nc))
-        parts["sep_quant_wT"] = timer(lambda: F8.quantize_rows(w.t(), **nc))
-    parts["sep_quant_dy"] = timer(lambda: F8.quantize(dyp, kind, **nc))
-    parts["sep_quant_dyT"] = timer(lambda: F8.quantize(dy.t(), kind, pad_to=pad, **nc))
-    return parts
-
-
 def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device: torch.device) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16).requires_grad_()
@@ -120,15 +91,35 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
         parts = {}
         with torch.no_grad():
             if m:
-                parts.update(quant_parts(recipe, xd, wd, dy, timer))
-                xq, xtq = F8.quantize_dual(xd, act_kind(recipe))
-                wq, wtq = F8.quantize_weight(wd, recipe)
-                dyq, dytq = F8.quantize_dual(dy, act_kind(recipe))
+                xp, dyp = F8._pad_rows(xd), F8._pad_rows(dy)
+                if recipe == "blockwise":
+                    xq, wq = F8.quantize_tiles(xp, check_finite=False), F8.quantize_blocks(wd, check_finite=False)
+                    dyq, wt = F8.quantize_tiles(dyp, check_finite=False), F8.transpose_blocks(wq)
+                    parts["quant_x"] = timer(lambda: F8.quantize_tiles(xp, check_finite=False))
+                    parts["quant_w"] = timer(lambda: F8.quantize_blocks(wd, check_finite=False))
+                    parts["transpose_w"] = timer(lambda: F8.transpose_blocks(wq))
+                    parts["quant_dy"] = timer(lambda: F8.quantize_tiles(dyp, check_finite=False))
+                    parts["quant_dy_dual"] = timer(lambda: F8.quantize_tiles_dual(dy))
+                    kind, pad = "tiles", F8.GROUP
+                else:
+                    xq, wq = F8.quantize_rows(xp, check_finite=False), F8.quantize_rows(wd, check_finite=False)
+                    dyq, wt = F8.quantize_rows(dyp, check_finite=False), F8.quantize_rows(wd.t(), check_finite=False)
+                    parts["quant_x"] = timer(lambda: F8.quantize_rows(xp, check_finite=False))
+                    parts["quant_w"] = timer(lambda: F8.quantize_rows(wd, check_finite=False))
+                    parts["quant_wT"] = timer(lambda: F8.quantize_rows(wd.t(), check_finite=False))
+                    parts["quant_dy"] = timer(lambda: F8.quantize_rows(dyp, check_finite=False))
+                    kind, pad = "rows", F8.ROW_ALIGN
+                dytq = F8.quantize(dy.t(), kind, pad_to=pad, check_finite=False)
+                xtq = F8.quantize(xd.t(), kind, pad_to=pad, check_finite=False)
+                parts["quant_dyT"] = timer(lambda: F8.quantize(dy.t(), kind, pad_to=pad, check_finite=False))
+                parts["quant_xT"] = timer(lambda: F8.quantize(xd.t(), kind, pad_to=pad, check_finite=False))
                 parts["fwd_gemm"] = timer(lambda: F8.scaled_matmul(xq, wq))
-                parts["dgrad_gemm"] = timer(lambda: F8.scaled_matmul(dyq, wtq))
+                parts["dgrad_gemm"] = timer(lambda: F8.scaled_matmul(dyq, wt))
                 parts["wgrad_gemm"] = timer(lambda: F8.scaled_matmul(dytq, xtq))
-                parts["quant_sum"] = sum(v for key, v in parts.items() if key.startswith("quant_"))
-                parts["sep_quant_sum"] = sum(v for key, v in parts.items() if key.startswith("sep_quant_"))
+                # NOTE: the quantisations fp8_linear runs: block-wise reads dy once for both tilings (quant_dy_dual)
+                unused = ("quant_dy", "quant_dyT") if recipe == "blockwise" else ()
+                parts["quant_sum"] = sum(v for key, v in parts.items()
+                                         if not key.endswith("_gemm") and key not in unused)
                 parts["gemm_sum"] = sum(v for key, v in parts.items() if key.endswith("_gemm"))
         parts["total"] = timer(_fwd_bwd(lambda a, b, r=recipe: F8.fp8_linear(a, b, recipe=r), x, w, dy))
         parts["speedup_vs_bf16"] = round(bf16["total"] / parts["total"], 3) if parts["total"] else None
