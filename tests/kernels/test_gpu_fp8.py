@@ -64,16 +64,6 @@ def test_fused_dual_tiles_match_torch(rows):
         torch.testing.assert_close(q.data.cpu().float(), ref.data.float(), rtol=0, atol=0)
 
 
-def test_all_quantisation_kernels_match_torch_bit_for_bit():
-    """Every FP8 kernel (tiles, blocks, rows and the dual quantisations of x and x.T, w and w.T) on odd shapes, as is
-    and transposed, with the GPU's own e4m3 cast: fp8 bytes and scales equal the torch reference."""
-    from ._fp8_checks import SHAPES, check_fp8_kernels
-
-    checked = check_fp8_kernels("cuda", shapes=SHAPES + [(1000, 640), (4096, 1024), (8192, 1536)])
-    for name in ("tiles(", "blocks(", "rows(", "tiles_dual(", "blocks_dual(", "rows_dual("):
-        assert sum(c.startswith(name) for c in checked) == 14, (name, checked)
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_scaled_gemm_matches_dequantised_product(recipe):
     _skip_unsupported(recipe)
