@@ -32,7 +32,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.kernels._triton import use_triton as _use_triton
+try:  # NOTE: triton is optional; without it (or off CUDA) the torch path quantises.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -87,11 +91,142 @@ def _check(scale: torch.Tensor, what: str) -> None:
         raise Fp8Error(f"{what}: the tensor holds inf or NaN values, which FP8 cannot scale.")
 
 
-def _kernels():
-    """The Triton kernels (imported only where they run: triton is optional)."""
-    from loongforge_hf.kernels import _fp8_triton
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
 
-    return _fp8_triton
+
+# ---- Triton kernels -------------------------------------------------------------------------------------------------
+if triton is not None:
+    @triton.jit
+    def _tiles_kernel(x_ptr, q_ptr, s_ptr, rows, cols, out_cols, stride_xr, stride_xc, stride_sr, stride_st,
+                      BLOCK_R: tl.constexpr, TILE: tl.constexpr, FMAX: tl.constexpr):
+        pid_r = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = pid_t * TILE + tl.arange(0, TILE)
+        load = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
+        a = tl.where(x == x, tl.abs(x), float("inf"))  # NOTE: a NaN makes the tile's scale inf, caught by _check
+        amax = tl.max(a, axis=1)
+        # NOTE: IEEE-rounded divisions (``/`` is an approximate one in Triton), so results equal torch's bit for bit;
+        # the operands are broadcast explicitly because div_rn does not broadcast.
+        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.zeros((BLOCK_R,), tl.float32) + FMAX))
+        q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK_R, TILE), tl.float32) + scale[:, None]), -FMAX, FMAX)
+        store = (r[:, None] < rows) & (c[None, :] < out_cols)
+        tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
+        tl.store(s_ptr + r * stride_sr + pid_t * stride_st, scale, mask=r < rows)
+
+    @triton.jit
+    def _blocks_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_xr, stride_xc, s_cols,
+                       BLOCK: tl.constexpr, FMAX: tl.constexpr):
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        r = pid_r * BLOCK + tl.arange(0, BLOCK)
+        c = pid_c * BLOCK + tl.arange(0, BLOCK)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        a = tl.where(x == x, tl.abs(x), float("inf"))
+        amax = tl.max(tl.max(a, axis=1), axis=0)
+        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FMAX))
+        q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK, BLOCK), tl.float32) + scale), -FMAX, FMAX)
+        tl.store(q_ptr + r[:, None] * cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + pid_r * s_cols + pid_c, scale)
+
+    @triton.jit
+    def _rows_kernel(x_ptr, q_ptr, s_ptr, rows, cols, out_cols, stride_xr, stride_xc,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FMAX: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        amax = tl.zeros((BLOCK_R,), tl.float32)
+        for c0 in range(0, cols, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            mask = (r[:, None] < rows) & (c[None, :] < cols)
+            x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
+        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.zeros((BLOCK_R,), tl.float32) + FMAX))
+        for c0 in range(0, out_cols, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            load = (r[:, None] < rows) & (c[None, :] < cols)
+            x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0)
+            x = x.to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK_R, BLOCK_C), tl.float32) + scale[:, None]), -FMAX, FMAX)
+            store = (r[:, None] < rows) & (c[None, :] < out_cols)
+            tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
+        tl.store(s_ptr + r, scale, mask=r < rows)
+
+
+if triton is not None:
+    @triton.jit
+    def _tiles_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols, q_rows, qt_cols, stride_xr, stride_xc,
+                           TILE: tl.constexpr, FMAX: tl.constexpr):
+        # NOTE: one read of a 128x128 block gives both 1x128 tilings: along the row (x's K) and along the column
+        # (x^T's K, written transposed), so the backward reads the output gradient once instead of twice.
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        r = pid_r * TILE + tl.arange(0, TILE)
+        c = pid_c * TILE + tl.arange(0, TILE)
+        load = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
+        a = tl.where(x == x, tl.abs(x), float("inf"))
+        zero = tl.zeros((TILE,), tl.float32)
+        zeros = tl.zeros((TILE, TILE), tl.float32)
+        amax_r = tl.max(a, axis=1)
+        s_r = tl.where(amax_r == 0, 1.0, tl.math.div_rn(amax_r, zero + FMAX))
+        q = tl.clamp(tl.math.div_rn(x, zeros + s_r[:, None]), -FMAX, FMAX)
+        tl.store(q_ptr + r[:, None] * cols + c[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=(r[:, None] < q_rows) & (c[None, :] < cols))
+        tl.store(s_ptr + pid_c * q_rows + r, s_r, mask=r < q_rows)
+        amax_c = tl.max(a, axis=0)
+        s_c = tl.where(amax_c == 0, 1.0, tl.math.div_rn(amax_c, zero + FMAX))
+        qc = tl.clamp(tl.math.div_rn(x, zeros + s_c[None, :]), -FMAX, FMAX)
+        tl.store(qt_ptr + c[None, :] * qt_cols + r[:, None], qc.to(qt_ptr.dtype.element_ty),
+                 mask=(c[None, :] < cols) & (r[:, None] < qt_cols))
+        tl.store(st_ptr + pid_r * cols + c, s_c, mask=c < cols)
+
+
+def _tiles_dual_triton(x: torch.Tensor) -> tuple[Quantized, Quantized]:
+    rows, cols = x.shape
+    q_rows, qt_cols = padded_rows(rows), _ceil(rows, GROUP) * GROUP
+    q = torch.empty(q_rows, cols, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(_ceil(cols, GROUP), q_rows, dtype=torch.float32, device=x.device)
+    qt = torch.empty(cols, qt_cols, dtype=FP8_DTYPE, device=x.device)
+    st = torch.empty(qt_cols // GROUP, cols, dtype=torch.float32, device=x.device)
+    _tiles_dual_kernel[(qt_cols // GROUP, _ceil(cols, GROUP))](
+        x, q, s, qt, st, rows, cols, q_rows, qt_cols, x.stride(0), x.stride(1), TILE=GROUP, FMAX=FP8_MAX,
+        num_warps=8)
+    return Quantized(q, s.t(), "tiles"), Quantized(qt, st.t(), "tiles")
+
+
+def _rows_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    q = torch.empty(rows, out_cols, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block_r = 16
+    _rows_kernel[(_ceil(rows, block_r),)](x, q, s, rows, cols, out_cols, x.stride(0), x.stride(1),
+                                          BLOCK_R=block_r, BLOCK_C=256, FMAX=FP8_MAX)
+    return q, s
+
+
+def _tiles_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    tiles = _ceil(out_cols, GROUP)
+    q = torch.empty(rows, out_cols, dtype=FP8_DTYPE, device=x.device)
+    # NOTE: scales are written K-tile-major, i.e. the ``[rows, tiles]`` view has strides (1, rows): the layout
+    # scaled_mm wants for a 1x128-scaled operand, with no copy afterwards.
+    s = torch.empty(tiles, rows, dtype=torch.float32, device=x.device)
+    block_r = 32
+    _tiles_kernel[(_ceil(rows, block_r), tiles)](x, q, s, rows, cols, out_cols, x.stride(0), x.stride(1), 1, rows,
+                                                 BLOCK_R=block_r, TILE=GROUP, FMAX=FP8_MAX)
+    return q, s.t()
+
+
+def _blocks_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = w.shape
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(_ceil(rows, GROUP), _ceil(cols, GROUP), dtype=torch.float32, device=w.device)
+    _blocks_kernel[s.shape](w, q, s, rows, cols, w.stride(0), w.stride(1), s.shape[1], BLOCK=GROUP, FMAX=FP8_MAX,
+                            num_warps=8)
+    return q, s
 
 
 # ---- quantisation ---------------------------------------------------------------------------------------------------
@@ -109,7 +244,7 @@ def quantize_tiles(x: torch.Tensor, *, pad_to: int = 1, check_finite: bool = Tru
     rows, cols = x.shape
     out_cols = _ceil(cols, pad_to) * pad_to
     if _use_triton(x) and rows and cols:
-        q, s = _kernels().tiles(x, out_cols)
+        q, s = _tiles_triton(x, out_cols)
     else:
         tiles = _ceil(out_cols, GROUP)
         xp = F.pad(x.float(), (0, tiles * GROUP - cols)).view(rows, tiles, GROUP)
@@ -125,7 +260,7 @@ def quantize_blocks(w: torch.Tensor, *, check_finite: bool = True) -> Quantized:
     _as_matrix(w, "quantize_blocks")
     rows, cols = w.shape
     if _use_triton(w) and rows and cols:
-        q, s = _kernels().blocks(w)
+        q, s = _blocks_triton(w)
     else:
         nr, nc = _ceil(rows, GROUP), _ceil(cols, GROUP)
         wp = F.pad(w.float(), (0, nc * GROUP - cols, 0, nr * GROUP - rows)).view(nr, GROUP, nc, GROUP)
@@ -142,7 +277,7 @@ def quantize_rows(x: torch.Tensor, *, pad_to: int = 1, check_finite: bool = True
     rows, cols = x.shape
     out_cols = _ceil(cols, pad_to) * pad_to
     if _use_triton(x) and rows and cols:
-        q, s = _kernels().rows(x, out_cols)
+        q, s = _rows_triton(x, out_cols)
     else:
         xf = F.pad(x.float(), (0, out_cols - cols))
         s = scales_from_amax(xf.abs().amax(-1, keepdim=True)) if cols else torch.ones(rows, 1, device=x.device)
@@ -163,50 +298,14 @@ def quantize(x: torch.Tensor, kind: str, *, pad_to: int = 1, check_finite: bool 
 
 
 def quantize_tiles_dual(x: torch.Tensor) -> tuple[Quantized, Quantized]:
-    """Both 1x128 tilings of 2-D ``x`` ``[M, K]`` from one read: ``x``'s rows zero-padded to ``padded_rows(M)``
-    tiled along K (the operand of a GEMM contracting over K), and ``x.T`` tiled along M, zero-padded to a multiple of
-    128 (the weight-gradient GEMM's, contracting over tokens). No finiteness check (the training path's use)."""
+    """Both 1x128 tilings of 2-D ``x`` ``[M, K]`` that a linear layer's backward needs from one read: ``x``'s rows
+    zero-padded to ``padded_rows(M)`` tiled along K (the input-gradient GEMM's operand), and ``x.T`` tiled along M,
+    zero-padded to a multiple of 128 (the weight-gradient GEMM's). No finiteness check (the training path's use)."""
     _as_matrix(x, "quantize_tiles_dual")
     if _use_triton(x) and x.shape[0] and x.shape[1]:
-        q, s, qt, st = _kernels().tiles_dual(x, padded_rows(x.shape[0]))
-        return Quantized(q, s, "tiles"), Quantized(qt, st, "tiles")
+        return _tiles_dual_triton(x)
     return (quantize_tiles(_pad_rows(x), check_finite=False),
             quantize_tiles(x.t(), pad_to=GROUP, check_finite=False))
-
-
-def quantize_blocks_dual(w: torch.Tensor) -> tuple[Quantized, Quantized]:
-    """128x128 blocks of 2-D ``w`` and of ``w.T`` (the same blocks, transposed; both contiguous) from one read: the
-    forward's and the input gradient's weight operands. No finiteness check (the training path's use)."""
-    _as_matrix(w, "quantize_blocks_dual")
-    if _use_triton(w) and w.shape[0] and w.shape[1]:
-        q, s, qt, st = _kernels().blocks_dual(w)
-        return Quantized(q, s, "blocks"), Quantized(qt, st, "blocks")
-    q = quantize_blocks(w, check_finite=False)
-    return q, transpose_blocks(q)
-
-
-def quantize_rows_dual(x: torch.Tensor) -> tuple[Quantized, Quantized]:
-    """Row-wise scaling of 2-D ``x`` ``[M, K]`` (rows zero-padded to ``padded_rows(M)``) and of ``x.T`` (one scale
-    per column of ``x``, M zero-padded to ``padded_rows(M)``), reading ``x`` twice (maxima, then both casts) instead
-    of twice per layout. No finiteness check (the training path's use)."""
-    _as_matrix(x, "quantize_rows_dual")
-    if _use_triton(x) and x.shape[0] and x.shape[1]:
-        q, s, qt, st = _kernels().rows_dual(x, padded_rows(x.shape[0]), scales_from_amax)
-        return Quantized(q, s, "rows"), Quantized(qt, st, "rows")
-    return (quantize_rows(_pad_rows(x), check_finite=False),
-            quantize_rows(x.t(), pad_to=ROW_ALIGN, check_finite=False))
-
-
-def quantize_dual(x: torch.Tensor, kind: str) -> tuple[Quantized, Quantized]:
-    """``x`` and ``x.T`` quantised for FP8 GEMMs from one pass: ``tiles`` / ``rows`` (an activation or gradient,
-    tokens padded as above) or ``blocks`` (a weight)."""
-    if kind == "tiles":
-        return quantize_tiles_dual(x)
-    if kind == "rows":
-        return quantize_rows_dual(x)
-    if kind == "blocks":
-        return quantize_blocks_dual(x)
-    raise Fp8Error(f"quantize_dual: unknown scaling {kind!r}; use one of {KINDS}.")
 
 
 def expand_scale(q: Quantized) -> torch.Tensor:
@@ -339,67 +438,58 @@ def gemm_eligible(n: int, k: int, recipe: str) -> bool:
     return n > 0 and k > 0 and n % step == 0 and k % step == 0
 
 
-def _kinds(recipe: str) -> tuple[str, str]:
-    """The scaling of (activations and gradients, weights) in ``recipe``."""
-    return ("tiles", "blocks") if recipe == "blockwise" else ("rows", "rows")
-
-
-def quantize_weight(w: torch.Tensor, recipe: str) -> tuple[Quantized, Quantized]:
-    """A weight ``[N, K]`` quantised for the forward GEMM and, transposed, for the input-gradient GEMM, from one
-    pass over ``w`` (``quantize_blocks_dual`` / ``quantize_rows_dual``)."""
-    return quantize_dual(w, _kinds(recipe)[1])
-
-
-def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *, keep_wt: bool = False,
-             keep_xt: bool = False) -> tuple[torch.Tensor, Quantized | None, Quantized | None]:
-    """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``) and, where asked, what the backward reuses, made by
-    the same passes that quantise ``w`` and ``x``: ``w.T`` quantised for ``gemm_dgrad`` (``keep_wt``) and ``x.T`` for
-    ``gemm_wgrad`` (``keep_xt``); None otherwise. Any M: rows are zero-padded to ``padded_rows`` and sliced off the
-    result; M = 0 gives an empty result."""
+def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str) -> tuple[torch.Tensor, Quantized | None]:
+    """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``); also the quantised weight when dgrad can reuse it.
+    Any M: rows are zero-padded to ``padded_rows`` and sliced off the result; M = 0 gives an empty result."""
     m = x.shape[0]
     if m == 0:
-        return x.new_zeros(0, w.shape[0]), None, None
-    act, wkind = _kinds(recipe)
-    xq, xtq = quantize_dual(x, act) if keep_xt else (quantize(_pad_rows(x), act, check_finite=False), None)
-    wq, wtq = quantize_dual(w, wkind) if keep_wt else (quantize(w, wkind, check_finite=False), None)
-    y = scaled_matmul(xq, wq, out_dtype=x.dtype)
-    return (y if y.shape[0] == m else y[:m]), wtq, xtq
+        return x.new_zeros(0, w.shape[0]), None
+    xp = _pad_rows(x)
+    if recipe == "blockwise":
+        wq = quantize_blocks(w, check_finite=False)
+        y = scaled_matmul(quantize_tiles(xp, check_finite=False), wq, out_dtype=x.dtype)
+    else:
+        wq = None
+        y = scaled_matmul(quantize_rows(xp, check_finite=False), quantize_rows(w, check_finite=False),
+                          out_dtype=x.dtype)
+    return (y if xp is x else y[:m]), wq
 
 
-def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | None = None,
+def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wq: Quantized | None = None,
                dyq: Quantized | None = None) -> torch.Tensor:
     """``dy @ w`` in FP8 (``dy`` ``[M, N]``, ``w`` ``[N, K]``): the input gradient (any M, as ``gemm_fwd``).
-    ``wtq``: ``w.T`` already quantised (from ``gemm_fwd(keep_wt=True)`` or ``quantize_weight``); ``dyq``: ``dy``
-    already quantised (the first of ``quantize_grad``)."""
+    ``dyq``: ``dy`` already quantised (blockwise: the first of ``quantize_tiles_dual(dy)``)."""
     m = dy.shape[0]
     if m == 0:
         return dy.new_zeros(0, w.shape[1])
-    act, wkind = _kinds(recipe)
-    wt = wtq if wtq is not None else quantize_dual(w, wkind)[1]
-    dyq = dyq if dyq is not None else quantize(_pad_rows(dy), act, check_finite=False)
-    dx = scaled_matmul(dyq, wt, out_dtype=dy.dtype)
-    return dx if dx.shape[0] == m else dx[:m]
+    dyp = _pad_rows(dy)
+    if recipe == "blockwise":
+        wt = transpose_blocks(wq if wq is not None else quantize_blocks(w, check_finite=False))
+        dyq = dyq if dyq is not None else quantize_tiles(dyp, check_finite=False)
+        dx = scaled_matmul(dyq, wt, out_dtype=dy.dtype)
+    else:
+        dx = scaled_matmul(quantize_rows(dyp, check_finite=False), quantize_rows(w.t(), check_finite=False),
+                           out_dtype=dy.dtype)
+    return dx if dyp is dy else dx[:m]
 
 
-def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor | None, recipe: str, dytq: Quantized | None = None,
-               xtq: Quantized | None = None) -> torch.Tensor:
+def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: str, dytq: Quantized | None = None) -> torch.Tensor:
     """``dy.T @ x`` in FP8 (``dy`` ``[M, N]``, ``x`` ``[M, K]``): the weight gradient, contracting over tokens,
-    which are zero-padded to the GEMM's multiple; M = 0 gives zeros. ``dytq`` / ``xtq``: ``dy.T`` / ``x.T`` already
-    quantised (the second of ``quantize_grad`` / of ``gemm_fwd(keep_xt=True)``; ``x`` may then be None)."""
+    which are zero-padded to the GEMM's multiple; M = 0 gives zeros. ``dytq``: ``dy.T`` already quantised
+    (blockwise: the second of ``quantize_tiles_dual(dy)``)."""
     if dy.shape[0] == 0:
         return dy.new_zeros(dy.shape[1], x.shape[1])
     kind, pad = ("tiles", GROUP) if recipe == "blockwise" else ("rows", ROW_ALIGN)
     a = dytq if dytq is not None else quantize(dy.t(), kind, pad_to=pad, check_finite=False)
-    b = xtq if xtq is not None else quantize(x.t(), kind, pad_to=pad, check_finite=False)
+    b = quantize(x.t(), kind, pad_to=pad, check_finite=False)
     return scaled_matmul(a, b, out_dtype=dy.dtype)
 
 
 def quantize_grad(dy: torch.Tensor, recipe: str, precision: GemmPrecision) -> tuple[Quantized | None, Quantized | None]:
-    """The output gradient quantised in one pass for both backward GEMMs where both run in FP8 (``dy`` for the input
-    gradient, ``dy.T`` for the weight gradient: ``quantize_tiles_dual`` / ``quantize_rows_dual``), else
-    (None, None) and each GEMM quantises what it needs."""
-    if precision.dgrad and precision.wgrad and dy.shape[0]:
-        return quantize_dual(dy, _kinds(recipe)[0])
+    """The output gradient quantised once for both backward GEMMs where both run block-wise FP8 (one fused read),
+    else (None, None) and each GEMM quantises what it needs."""
+    if recipe == "blockwise" and precision.dgrad and precision.wgrad and dy.shape[0]:
+        return quantize_tiles_dual(dy)
     return None, None
 
 
@@ -408,16 +498,13 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe, precision):
         x2 = x.reshape(-1, x.shape[-1])
         if precision.fwd:
-            # NOTE: w.T and x.T for the backward come from the forward's own passes over w and x; x.T (fp8) is then
-            # kept instead of x (bf16).
-            y, wtq, xtq = gemm_fwd(x2, weight, recipe, keep_wt=precision.dgrad and ctx.needs_input_grad[0],
-                                   keep_xt=precision.wgrad and ctx.needs_input_grad[1])
+            y, wq = gemm_fwd(x2, weight, recipe)
         else:
-            y, wtq, xtq = x2 @ weight.t().to(x2.dtype), None, None
+            y, wq = x2 @ weight.t().to(x2.dtype), None
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(x2 if xtq is None else None, weight)
-        ctx.wtq, ctx.xtq = wtq, xtq
+        ctx.save_for_backward(x2, weight)
+        ctx.wq = wq if precision.dgrad else None
         ctx.recipe, ctx.precision, ctx.has_bias, ctx.x_shape = recipe, precision, bias is not None, x.shape
         return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -428,15 +515,14 @@ class _Fp8Linear(torch.autograd.Function):
         dx = dw = db = None
         dyq, dytq = quantize_grad(dy2, ctx.recipe, ctx.precision) if all(ctx.needs_input_grad[:2]) else (None, None)
         if ctx.needs_input_grad[0]:
-            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq, dyq) if ctx.precision.dgrad \
+            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wq, dyq) if ctx.precision.dgrad \
                 else dy2 @ weight.to(dy2.dtype)
             dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = (gemm_wgrad(dy2, x2, ctx.recipe, dytq, ctx.xtq) if ctx.precision.wgrad
-                  else dy2.t() @ x2).to(weight.dtype)
+            dw = (gemm_wgrad(dy2, x2, ctx.recipe, dytq) if ctx.precision.wgrad else dy2.t() @ x2).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        ctx.wtq = ctx.xtq = None
+        ctx.wq = None
         return dx, dw, db, None, None
 
 

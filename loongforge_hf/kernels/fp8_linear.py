@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
-                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad, quantize_grad,
-                                       quantize_weight)
+                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad, quantize_blocks,
+                                       quantize_grad)
 
 logger = logging.getLogger("loongforge_hf.fp8")
 
@@ -108,8 +108,8 @@ def _gemm_pair(gemm: str, m: int, n: int, k: int, recipe: str, device: torch.dev
         return (lambda: x @ w.t()), (lambda: gemm_fwd(x, w, recipe))
     if gemm == "dgrad":        # dy [m, k] @ w [k, n]   (the layer's weight is [k, n])
         dy, w = rand(m, k), rand(k, n)
-        wtq = quantize_weight(w, recipe)[1]  # NOTE: made by the forward's pass over the weight in training
-        return (lambda: dy @ w), (lambda: gemm_dgrad(dy, w, recipe, wtq))
+        wq = quantize_blocks(w, check_finite=False) if recipe == "blockwise" else None
+        return (lambda: dy @ w), (lambda: gemm_dgrad(dy, w, recipe, wq))
     dy, x = rand(k, m), rand(k, n)  # wgrad: dy.T [m, k] @ x [k, n]
     return (lambda: dy.t() @ x), (lambda: gemm_wgrad(dy, x, recipe))
 
@@ -194,16 +194,13 @@ class _Fp8ParallelLinear(torch.autograd.Function):
         total = _gather_tokens(x, group) if sequence_parallel else x
         x2 = total.reshape(-1, total.shape[-1])
         if precision.fwd:
-            # NOTE: w.T (and, without sequence parallelism, x.T) for the backward come from the forward's passes;
-            # with it, the backward gathers the local bf16 input again rather than keeping the gathered x.T.
-            y, wtq, xtq = gemm_fwd(x2, weight, recipe, keep_wt=precision.dgrad,
-                                   keep_xt=precision.wgrad and weight.requires_grad and not sequence_parallel)
+            y, wq = gemm_fwd(x2, weight, recipe)
         else:
-            y, wtq, xtq = x2 @ weight.t(), None, None
+            y, wq = x2 @ weight.t(), None
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(x if xtq is None else None, weight)
-        ctx.wtq, ctx.xtq = wtq, xtq
+        ctx.save_for_backward(x, weight)
+        ctx.wq = wq if precision.dgrad else None
         ctx.recipe, ctx.precision, ctx.has_bias = recipe, precision, bias is not None
         ctx.sequence_parallel, ctx.allreduce_dgrad = sequence_parallel, allreduce_dgrad
         ctx.group, ctx.accumulate = group, accumulate
@@ -221,9 +218,9 @@ class _Fp8ParallelLinear(torch.autograd.Function):
         else:
             total = x
         dyq, dytq = quantize_grad(dy2, ctx.recipe, ctx.precision) if weight.requires_grad else (None, None)
-        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq, dyq) if ctx.precision.dgrad else dy2 @ weight
+        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wq, dyq) if ctx.precision.dgrad else dy2 @ weight
         dx = dx.view(*dy.shape[:-1], weight.shape[1])
-        ctx.wtq = None
+        ctx.wq = None
         reduce = None
         if ctx.sequence_parallel:
             local = torch.empty_like(x)
@@ -235,9 +232,9 @@ class _Fp8ParallelLinear(torch.autograd.Function):
         if weight.requires_grad:
             if gather is not None:
                 gather.wait()
-            x2 = total.reshape(-1, total.shape[-1]) if total is not None else None
-            dw = gemm_wgrad(dy2, x2, ctx.recipe, dytq, ctx.xtq) if ctx.precision.wgrad else dy2.t() @ x2
-            dyq = dytq = ctx.xtq = None
+            x2 = total.reshape(-1, total.shape[-1])
+            dw = gemm_wgrad(dy2, x2, ctx.recipe, dytq) if ctx.precision.wgrad else dy2.t() @ x2
+            dyq = dytq = None
             if ctx.accumulate:
                 # NOTE: what megatron's gradient_accumulation_fusion does: the gradient goes straight into the fp32
                 # main_grad, and the autograd grad is a placeholder its DDP hook knows to skip.
