@@ -8,14 +8,14 @@ from loongforge_hf.trainer import LoongTrainer, LoongTrainingArguments
 __version__ = "0.1.0"
 
 __all__ = ["AutoModelForCausalLM", "AutoModelForImageTextToText", "LoongModelForCausalLM",
-           "LoongModelForImageTextToText", "LoongSFTTrainer", "LoongTrainer", "LoongTrainingArguments",
-           "ParallelConfig", "ParallelLayoutError", "__version__"]
+           "LoongModelForImageTextToText", "LoongSFTConfig", "LoongSFTTrainer", "LoongTrainer",
+           "LoongTrainingArguments", "ParallelConfig", "ParallelLayoutError", "__version__"]
 
 
 def __getattr__(name: str):
-    # NOTE: trl (and the datasets stack it imports) loads only when LoongSFTTrainer is asked for.
-    if name == "LoongSFTTrainer":
-        from loongforge_hf.integrations.trl import LoongSFTTrainer
+    # NOTE: trl (and the datasets stack it imports) loads only when LoongSFTTrainer / LoongSFTConfig is asked for.
+    if name in ("LoongSFTConfig", "LoongSFTTrainer"):
+        from loongforge_hf.integrations import trl
 
-        return LoongSFTTrainer
+        return getattr(trl, name)
     raise AttributeError(f"module 'loongforge_hf' has no attribute {name!r}")

@@ -37,16 +37,25 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 from trl import SFTConfig, SFTTrainer
 
+from loongforge_hf.trainer.arguments import LoongArgumentsMixin, LoongTrainingArguments
 from loongforge_hf.trainer.loong_trainer import LoongTrainer
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class LoongSFTConfig(LoongArgumentsMixin, SFTConfig):
+    """trl's ``SFTConfig`` plus LoongTrainer's own knobs (``optimizer_precision``, ``dp_load_balance``,
+    ``dp_balance_refit``, ``dp_balance_refit_steps``), defined once in ``LoongArgumentsMixin``."""
+
+
 def _as_sft_config(args, model) -> SFTConfig:
-    """``args`` as the SFTConfig TRL would build from it (None -> defaults named after the model)."""
+    """``args`` as the SFTConfig TRL would build from it (None -> defaults named after the model); a
+    ``LoongTrainingArguments`` becomes a ``LoongSFTConfig`` with its Loong knobs kept."""
     from transformers import TrainingArguments
 
     if args is None:
@@ -57,7 +66,7 @@ def _as_sft_config(args, model) -> SFTConfig:
     if isinstance(args, TrainingArguments):
         values = args.to_dict()
         values["hub_token"] = args.hub_token  # to_dict hides it
-        return SFTConfig(**values)
+        return (LoongSFTConfig if isinstance(args, LoongTrainingArguments) else SFTConfig)(**values)
     raise TypeError(f"args must be a trl.SFTConfig or transformers.TrainingArguments, got {type(args).__name__}.")
 
 

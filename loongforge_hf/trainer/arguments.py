@@ -1,18 +1,25 @@
 """``LoongTrainingArguments``: ``transformers.TrainingArguments`` plus the knobs only LoongTrainer has.
 
+The knobs are defined once, in ``LoongArgumentsMixin``, which both ``LoongTrainingArguments`` and
+``loongforge_hf.integrations.trl.LoongSFTConfig`` (trl's SFTConfig plus the same knobs) put in front of their base
+config: the mixin's fields come after the base's (all have defaults, so the base's positional order is kept), and
+its ``__post_init__`` runs the base's, then validates the knobs.
+
 LoongTrainer reads every field here with ``getattr(args, name, default)``, so plain ``TrainingArguments`` (and trl's
 configs) keep working with the defaults below.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
 
 @dataclass
-class LoongTrainingArguments(TrainingArguments):
+class LoongArgumentsMixin:
+    """LoongTrainer's own knobs; put it before a ``TrainingArguments`` dataclass in the bases."""
+
     dp_load_balance: bool = field(default=True, metadata={"help": (
         "Redistribute each optimizer step's samples over the data-parallel ranks so that every rank has about the "
         "same predicted compute (same samples per step, same gradient). Applies when the collator packs "
@@ -40,3 +47,11 @@ class LoongTrainingArguments(TrainingArguments):
                              f"got {self.optimizer_precision!r}.")
         if self.dp_balance_refit_steps < 1:
             raise ValueError(f"dp_balance_refit_steps must be >= 1, got {self.dp_balance_refit_steps}.")
+
+
+LOONG_FIELDS = tuple(f.name for f in fields(LoongArgumentsMixin))
+
+
+@dataclass
+class LoongTrainingArguments(LoongArgumentsMixin, TrainingArguments):
+    """``transformers.TrainingArguments`` plus ``LoongArgumentsMixin``'s knobs."""
