@@ -1,7 +1,8 @@
 """``optimizer_precision="model"``: weights, grads and AdamW moments in the model's dtype (bf16 here).
 
 Compared with transformers.Trainer on the same tiny Llama loaded in bf16 (torch AdamW, same TrainingArguments and
-batches), and with itself under TP2 / PP2 / DP2 and after a resume.
+batches), and with itself under TP2 / PP2 / DP2 / PP2 x VPP2 and after a resume; a tiny Qwen3-MoE under EP2 (dense
+part DP2, experts split over the two ranks) against itself on one rank.
 
 Tolerances (bf16): logged losses within 1e-3 relative (the runs differ by reduction order and where bf16 rounds:
 megatron sums per-token losses and scales the grads once per step, Trainer scales each micro-batch's loss; measured
@@ -98,20 +99,29 @@ def _train_loong(folder: str, out_dir: str, layout: dict, **overrides) -> tuple:
 RESUME_KW = dict(max_steps=6, save_strategy="steps", save_steps=3, gradient_accumulation_steps=1, n=24)
 
 
-def _one_rank(folder: str, out_dir: str) -> dict:
-    """transformers.Trainer in bf16, then LoongTrainer "model" on one rank."""
-    return {"hf": _train_hf(folder, f"{out_dir}/hf"), "tp1": _train_loong(folder, f"{out_dir}/tp1", {})}
+def _one_rank(folder: str, moe_folder: str, out_dir: str) -> dict:
+    """transformers.Trainer in bf16, then LoongTrainer "model" on one rank (the Llama and the MoE)."""
+    return {"hf": _train_hf(folder, f"{out_dir}/hf"), "tp1": _train_loong(folder, f"{out_dir}/tp1", {}),
+            "moe": _train_loong(moe_folder, f"{out_dir}/moe", {})}
 
 
-def _two_ranks(folder: str, out_dir: str) -> dict:
-    """TP2, PP2 and DP2 "model" runs (the same global batches as one rank); then a TP2 run with checkpoints, killed
-    after 3 steps and resumed."""
-    layouts = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}, "dp2": {}}
-    # NOTE: DP2 takes one sample per rank and micro-batch: the global batch of a step is the same 4 samples.
-    out = {name: _train_loong(folder, f"{out_dir}/{name}", layout,
-                              **({"per_device_train_batch_size": 1} if name == "dp2" else {}))
-           for name, layout in layouts.items()}
-    tp2 = layouts["tp2"]
+# layouts of the two-rank "model" runs: (checkpoint, layout), compared with the same checkpoint's one-rank run
+LAYOUTS = {"tp2": ("tp1", {"tensor_parallel_size": 2}), "pp2": ("tp1", {"pipeline_parallel_size": 2}),
+           "dp2": ("tp1", {}), "pp2vpp2": ("tp1", {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}),
+           "moe_ep2": ("moe", {"expert_parallel_size": 2})}
+
+
+def _two_ranks(folder: str, moe_folder: str, out_dir: str) -> dict:
+    """The LAYOUTS "model" runs (the same global batches as one rank); then a TP2 run with checkpoints, killed after 3
+    steps and resumed."""
+    out = {}
+    for name, (ref, layout) in LAYOUTS.items():
+        # NOTE: DP2 (and EP2, whose dense part is DP2) takes one sample per rank and micro-batch: the global batch of
+        # a step is the same 4 samples.
+        dp2 = layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1) == 1
+        out[name] = _train_loong(moe_folder if ref == "moe" else folder, f"{out_dir}/{name}", layout,
+                                 **({"per_device_train_batch_size": 1} if dp2 else {}))
+    tp2 = LAYOUTS["tp2"][1]
     out["full"] = _train_loong(folder, f"{out_dir}/full", tp2, **RESUME_KW)
     out["killed"] = _train_loong(folder, f"{out_dir}/resumed", tp2, stop_after=3, **RESUME_KW)
     out["resumed"] = _train_loong(folder, f"{out_dir}/resumed", tp2, resume=f"{out_dir}/resumed/checkpoint-3",
@@ -148,8 +158,9 @@ def _assert_model_precision_state(report: dict) -> None:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("optim_precision")
     src = make_tiny_checkpoint(tmp / "src", "llama")
-    one = run_distributed(_one_rank, 1, str(src), str(tmp / "one"), timeout=300)[0]
-    two = run_distributed(_two_ranks, 2, str(src), str(tmp / "two"), timeout=400)
+    moe = make_tiny_checkpoint(tmp / "moe", "qwen3_moe")
+    one = run_distributed(_one_rank, 1, str(src), str(moe), str(tmp / "one"), timeout=300)[0]
+    two = run_distributed(_two_ranks, 2, str(src), str(moe), str(tmp / "two"), timeout=400)
     return tmp, one, two
 
 
@@ -162,15 +173,17 @@ def test_model_precision_matches_transformers_trainer_bf16(runs):
     _assert_weights_close(tmp / "one" / "tp1" / "final", tmp / "one" / "hf" / "final")
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_model_precision_layouts_match_one_rank(runs, layout):
     tmp, one, two = runs
+    ref = LAYOUTS[layout][0]
+    _assert_model_precision_state(one[ref][2])
     for rank in two:
         losses, _, report = rank[layout]
         assert losses == two[0][layout][0]  # every rank logs the same global loss
-        assert losses == pytest.approx(one["tp1"][0], rel=LOSS_REL), (layout, losses, one["tp1"][0])
+        assert losses == pytest.approx(one[ref][0], rel=LOSS_REL), (layout, losses, one[ref][0])
         _assert_model_precision_state(report)
-    _assert_weights_close(tmp / "two" / layout / "final", tmp / "one" / "tp1" / "final")
+    _assert_weights_close(tmp / "two" / layout / "final", tmp / "one" / ref / "final")
 
 
 def test_model_precision_resume_continues_the_same_losses(runs):
