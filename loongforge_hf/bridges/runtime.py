@@ -22,6 +22,9 @@ import types
 import torch
 import torch.distributed as dist
 
+from loongforge_hf.parallel.context_parallel import (cp_gather_sequence, cp_group_and_size, cp_local_mask, cp_loss,
+                                                     cp_token_index)
+
 IGNORE_INDEX = -100
 
 
@@ -157,30 +160,43 @@ def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels,
     shifted = shift_labels(labels.to(device)) if labels is not None else None
     fused = shifted is not None and not return_logits
     head = language_head(model.chunks[-1]) if fused else None
+    count = (shifted != IGNORE_INDEX).sum().clamp(min=1) if shifted is not None else None
+    # NOTE: under context parallelism each rank runs its load-balanced share of the tokens (global positions kept
+    # for the rope, mask rows cut to its queries) and scores its share of the labels (parallel/context_parallel.py).
+    cp_group, cp_size, cp_rank = cp_group_and_size()
+    if cp_size > 1:
+        index = cp_token_index(s, cp_size, cp_rank, device=device)
+        input_ids, position_ids, mask = input_ids[:, index], position_ids[:, index], cp_local_mask(mask, index)
+    local_labels = shifted[:, index] if cp_size > 1 and shifted is not None else shifted
+
+    def mean(loss_sum):
+        return loss_sum / count if cp_size == 1 else cp_loss(loss_sum, count, cp_group)
 
     def finish(output):
         if fused:
             # NOTE: the output is the final hidden states here (hidden_states_out), not logits.
-            count = (shifted != IGNORE_INDEX).sum().clamp(min=1)
-            return fused_loss_sum(output, shifted, head, vocab_size=vocab) / count, None
+            return mean(fused_loss_sum(output, local_labels, head, vocab_size=vocab)), None
         loss = None
         if shifted is not None:
-            per_token = token_losses(output, shifted, vocab_size=vocab)
-            loss = per_token.sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
+            loss = mean(token_losses(output, local_labels, vocab_size=vocab).sum())
         logits = full_logits(output, vocab_size=vocab) if return_logits else None
+        if logits is not None and cp_size > 1:
+            logits = cp_gather_sequence(logits.detach(), s, cp_group, dim=1)
         return loss, logits
 
     with hidden_states_out(model.chunks) if fused else contextlib.nullcontext():
         if model.parallel.pipeline_parallel_size == 1:
             return finish(_run_chunk(model.chunks[0], input_ids, position_ids, mask))
-        return _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, labels is not None)
+        return _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, labels is not None,
+                                  seq=s)
 
 
-def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, want_loss):
+def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, want_loss, seq=None):
+    """``seq``: the global sequence length when ``input_ids`` are this context-parallel rank's share."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    b, s = input_ids.shape
+    b, s = input_ids.shape[0], seq or input_ids.shape[1]
     store: dict = {}
 
     def forward_step(data_iterator, chunk):

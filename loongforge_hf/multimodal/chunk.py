@@ -47,7 +47,7 @@ class VisionLanguageChunk(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None):
-        from loongforge_hf.multimodal.context_parallel import cp_group_and_size, cp_token_index
+        from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_token_index
 
         _, cp_size, cp_rank = cp_group_and_size()
         index = None

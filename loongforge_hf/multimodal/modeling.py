@@ -15,7 +15,7 @@ Choices:
   ``integrations.vl_collator`` packs them). 2-D ``position_ids`` that restart mark packed samples too; the 3-D
   positions are then computed per sample. Gradients flow when pipeline_parallel_size == 1.
 - Context parallelism (``context_parallel_size``): the language model runs on megatron's load-balanced share of the
-  sequence on each CP rank (``multimodal.context_parallel``); the sequence length must be a multiple of 2 x CP. The
+  sequence on each CP rank (``parallel.context_parallel``); the sequence length must be a multiple of 2 x CP. The
   returned loss and logits are the whole sequence's; each rank's gradient is its share's (megatron's DDP sums them).
   LoongTrainer's step asks ``megatron_local_labels`` which labels this rank scores.
 - Recompute per component: ``vision_recompute`` checkpoints each ViT block (torch.utils.checkpoint),
@@ -121,7 +121,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
 
     def megatron_local_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """The shifted labels of the tokens this rank's chunks score: its context-parallel share (all without CP)."""
-        from loongforge_hf.multimodal.context_parallel import cp_group_and_size, cp_token_index
+        from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_token_index
 
         _, cp_size, cp_rank = cp_group_and_size()
         if cp_size == 1:
@@ -138,8 +138,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         from loongforge_hf.bridges.runtime import IGNORE_INDEX, full_logits, shift_labels, token_losses
-        from loongforge_hf.multimodal.context_parallel import (cp_gather_sequence, cp_group_and_size, cp_loss,
-                                                               cp_token_index)
+        from loongforge_hf.parallel.context_parallel import (cp_gather_sequence, cp_group_and_size, cp_loss,
+                                                             cp_token_index)
 
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values,
                  "image_grid_thw": image_grid_thw, "position_ids": position_ids,

@@ -121,7 +121,8 @@ class LoongTrainer(Trainer):
             self.lr_scheduler = LinkedSchedulers([
                 get_scheduler(self.args.lr_scheduler_type, optimizer=opt,
                               num_warmup_steps=self.args.get_warmup_steps(num_training_steps),
-                              num_training_steps=num_training_steps, scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
+                              num_training_steps=num_training_steps,
+                              scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
                 for opt in self.engine.inner_optimizers()])
             self._created_lr_scheduler = True
         return self.lr_scheduler

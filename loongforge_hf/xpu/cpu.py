@@ -420,7 +420,8 @@ def _patch_cuda_spelling() -> None:
         fn = cls.__dict__.get(name)
         if fn is not None and not getattr(fn, "_loongforge_cpu", False):
             setattr(cls, name, _spelled(fn))
-    # optimizer/clip_grads.py:167 asserts `param.grad.type() == 'torch.cuda.FloatTensor'`; optimizer.py imports it by name.
+    # optimizer/clip_grads.py:167 asserts `param.grad.type() == 'torch.cuda.FloatTensor'`; optimizer.py imports it by
+    # name.
     for name in ("clip_grad_by_total_norm_fp32", "count_zeros_fp32"):
         fn = getattr(clip_grads, name)
         if not getattr(fn, "_loongforge_cpu", False):

@@ -204,8 +204,9 @@ def load_cases(base, tmp_path_factory):
 
     gpt2 = tmp / "gpt2"
     torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=99,
-                                                         n_positions=64, bos_token_id=0, eos_token_id=0)).save_pretrained(gpt2)
+    gpt2_config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=99, n_positions=64,
+                                          bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(gpt2_config).save_pretrained(gpt2)
     cases["gpt2"] = (gpt2, TP2, "UnsupportedArchitectureError", ["GPT2LMHeadModel", *SUPPORTED])
 
     foo = _copy(base, tmp / "foo")
@@ -221,7 +222,8 @@ def load_cases(base, tmp_path_factory):
                                                  "original_max_position_embeddings": 32})
     cases["rope_yarn"] = (yarn, TP2, "UnsupportedConfigError", ["rope_type='yarn'", "'default'", "'llama3'"])
 
-    window = make_tiny_checkpoint(tmp / "sliding", "qwen2", tokenizer=False, use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    window = make_tiny_checkpoint(tmp / "sliding", "qwen2", tokenizer=False, use_sliding_window=True, sliding_window=6,
+                                  max_window_layers=0)
     cases["sliding_window"] = (window, TP2, "UnsupportedConfigError", ["use_sliding_window=True"])
 
     heads = make_tiny_checkpoint(tmp / "heads3", "qwen3", tokenizer=False, num_attention_heads=3, num_key_value_heads=1)

@@ -18,6 +18,8 @@ LAYOUTS = {
     "pp2": (2, {"pipeline_parallel_size": 2}),
     "tp2pp2": (4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
     "pp2vpp2": (2, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}),
+    "cp2": (2, {"context_parallel_size": 2}),
+    "tp2cp2": (4, {"tensor_parallel_size": 2, "context_parallel_size": 2}),
 }
 
 
@@ -66,8 +68,9 @@ def test_uneven_pipeline(tmp_path):
     run_case(tmp_path, "llama", "pp2", num_hidden_layers=5)
 
 
-def test_right_padding_mask(tmp_path):
-    run_case(tmp_path, "qwen2", "tp2", padded=True)
+@pytest.mark.parametrize("layout_name", ["tp2", "cp2"])
+def test_right_padding_mask(tmp_path, layout_name):
+    run_case(tmp_path, "qwen2", layout_name, padded=True)
 
 
 def test_export_loads_in_transformers(tmp_path):

@@ -29,7 +29,7 @@ def test_world_and_model_checks_name_the_sizes():
         layout.check_model(num_layers=4, num_attention_heads=6, num_key_value_heads=3)
     with pytest.raises(ParallelLayoutError, match="num_experts=6 is not divisible by expert_parallel_size=4"):
         ParallelConfig(expert_parallel_size=4).check_model(num_layers=2, num_attention_heads=4,
-                                                          num_key_value_heads=4, num_experts=6)
+                                                           num_key_value_heads=4, num_experts=6)
 
 
 def test_launch_environments():

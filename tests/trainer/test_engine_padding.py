@@ -1,6 +1,7 @@
 """LoongTrainer pads micro-batches for megatron itself (trainer/data.py: pad_micro_batches): odd lengths under
-sequence parallelism (seq % TP) and micro-batches of different lengths within one pipelined step train exactly like
-one rank on the unpadded batches (losses within 1e-5 relative)."""
+sequence parallelism (seq % TP), under context parallelism (seq % 2 CP, the padding mask cut to each rank's queries)
+and micro-batches of different lengths within one pipelined step train exactly like one rank on the unpadded batches
+(losses within 1e-5 relative)."""
 
 import pytest
 import torch
@@ -38,7 +39,8 @@ def test_odd_and_unequal_lengths_are_padded_for_megatron(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "src", "qwen3")
     ref = run_distributed(_train, 1, str(folder), str(tmp_path / "one"), {"tp1": {}}, timeout=240)[0]["tp1"]
     layouts = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
-               "pp2": {"pipeline_parallel_size": 2}}
+               "pp2": {"pipeline_parallel_size": 2},
+               "cp2": {"context_parallel_size": 2}}
     results = run_distributed(_train, 2, str(folder), str(tmp_path / "two"), layouts, timeout=400)
     # the data must exercise the padding: odd lengths, and micro-batches of one step with different lengths
     assert any(n % 2 for n in ref["lengths"]) and len(set(ref["lengths"][:2])) == 2, ref["lengths"]

@@ -33,6 +33,18 @@ def test_packed_training_equals_padded_training(checkpoint, tmp_path):
     assert packed == pytest.approx(padded, rel=1e-5)
 
 
+def test_packed_training_under_context_parallelism_equals_one_rank(checkpoint, tmp_path):
+    """CP2: each rank runs its two load-balanced chunks of the packed row (padded by the engine to a multiple of 4 with
+    a document of pads), its rows of the document mask, and scores its share of the labels."""
+    one = run_distributed(train_packed_or_padded, 1, str(checkpoint), str(tmp_path / "one"), {}, True,
+                          timeout=240)[0]
+    cp2 = run_distributed(train_packed_or_padded, 2, str(checkpoint), str(tmp_path / "cp2"),
+                          {"context_parallel_size": 2}, True, timeout=240)
+    assert len(one) == 3
+    for losses in cp2:
+        assert losses == pytest.approx(one, rel=1e-5)
+
+
 def test_packed_rows_may_exceed_max_position_embeddings(tmp_path):
     """Packed rows (3 documents of 3-13 tokens) are longer than max_position_embeddings=16 while every document fits:
     training runs and equals the padded run; a document that itself exceeds the limit is refused by name."""

@@ -1,13 +1,15 @@
-"""Context parallelism for the language model of a vision-language model: which tokens a CP rank holds, and the loss
-and logits put back together.
+"""Context parallelism around megatron-core's model chunks: which tokens a CP rank holds, and the loss and logits put
+back together. Used by the text models (``bridges.runtime``, ``trainer.engine``) and by the language model of a
+vision-language model (``multimodal``).
 
 Choices:
 - megatron's load balancing: the sequence is cut into ``2 * cp`` equal chunks and rank r holds chunks r and
   ``2 * cp - 1 - r`` (what ``get_batch_on_this_cp_rank`` does), so causal attention costs every rank the same.
-  ``cp_token_index`` gives those global token positions in local order.
-- The whole sequence is embedded and the images spliced in by global position before anything is dropped, so an
-  image cut by a chunk boundary lands in the right rows on both ranks. The 3-D rope positions stay global: megatron's
-  ``MultimodalRotaryEmbedding`` slices its cos/sin with the same rule.
+  ``cp_token_index`` gives those global token positions in local order. megatron's rotary embedding takes the same
+  chunks of its global table; attention masks keep all key columns (``[.., s_local, s]``, ``cp_local_mask``).
+- A vision-language model embeds the whole sequence and splices the images in by global position before anything is
+  dropped, so an image cut by a chunk boundary lands in the right rows on both ranks; its 3-D rope positions stay
+  global (megatron's ``MultimodalRotaryEmbedding`` slices its cos/sin with the same rule).
 - Loss: each rank sums the losses of its own tokens, divided by the label count of the whole sequence. The value
   returned is the sum over the CP group (the full loss), the gradient each rank backpropagates is that of its own
   share; summed over the group (megatron's DDP reduces over data x context parallel ranks) it is the full gradient.
@@ -58,3 +60,10 @@ def cp_gather_sequence(local: torch.Tensor, seq: int, group, *, dim: int = 1) ->
     out = torch.empty((*local.shape[:dim], seq, *local.shape[dim + 1:]), dtype=local.dtype, device=local.device)
     out.index_copy_(dim, index, torch.cat(parts, dim=dim))
     return out
+
+
+def cp_local_mask(mask: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    """A megatron mask ``[b, 1, s, s]`` (True = masked) -> this rank's query rows ``[b, 1, s_local, s]``."""
+    if mask is None or mask.shape[-2] == 1:
+        return mask
+    return mask.index_select(-2, index)
