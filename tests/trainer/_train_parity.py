@@ -55,12 +55,9 @@ def train_loong(folder: str, out_dir: str, layout: dict, args_kw: dict | None = 
             "keys": sorted(logs[0]) if logs else [], "train_loss": out.training_loss}
 
 
-def train_loong_resumable(folder: str, out_dir: str, layout: dict, *, stop_after: int | None = None,
-                          resume: str | None = None, max_steps: int = 6):
-    """Train with checkpoints every 3 steps; optionally stop early (a killed run) or resume from a checkpoint."""
+def stop_after_callback(stop_after: int | None):
+    """A callback that ends training and saves a checkpoint after step ``stop_after`` (a killed run); None: never."""
     import transformers
-
-    import loongforge_hf as lf
 
     class StopAfter(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -69,10 +66,19 @@ def train_loong_resumable(folder: str, out_dir: str, layout: dict, *, stop_after
                 control.should_save = True
             return control
 
+    return StopAfter()
+
+
+def train_loong_resumable(folder: str, out_dir: str, layout: dict, *, stop_after: int | None = None,
+                          resume: str | None = None, max_steps: int = 6):
+    """Train with checkpoints every 3 steps; optionally stop early (a killed run) or resume from a checkpoint."""
+    import loongforge_hf as lf
+
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     args = training_args(out_dir, max_steps=max_steps, save_strategy="steps", save_steps=3, save_total_limit=2,
                          gradient_accumulation_steps=1, per_device_train_batch_size=2)
-    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset(n=24), callbacks=[StopAfter()])
+    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset(n=24),
+                              callbacks=[stop_after_callback(stop_after)])
     trainer.train(resume_from_checkpoint=resume)
     steps = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
     trainer.save_model()  # Trainer's default: the HF export lands in output_dir, beside the checkpoints

@@ -71,25 +71,17 @@ def _train_hf(folder: str, out_dir: str) -> list:
 
 
 def _train_loong(folder: str, out_dir: str, layout: dict, **overrides) -> tuple:
-    import transformers
-
     import loongforge_hf as lf
-    from tests.trainer._train_parity import losses_of, make_dataset
+    from tests.trainer._train_parity import losses_of, make_dataset, stop_after_callback
 
     stop_after = overrides.pop("stop_after", None)
     resume = overrides.pop("resume", None)
     n = overrides.pop("n", 16)
 
-    class StopAfter(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            if stop_after is not None and state.global_step >= stop_after:
-                control.should_training_stop = True
-                control.should_save = True
-            return control
-
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **layout)
     args = lf.LoongTrainingArguments(**_args_kw(out_dir, optimizer_precision="model", **overrides))
-    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset(n=n), callbacks=[StopAfter()])
+    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset(n=n),
+                              callbacks=[stop_after_callback(stop_after)])
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(out_dir + "/final")
     steps = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
