@@ -216,7 +216,7 @@ def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logi
             get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=chunks[0],
                                         num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True)
         else:
-            _interleaved_forward_once(model, chunks, input_ids, position_ids, mask, finish, store)
+            _interleaved_forward_once(model, chunks, input_ids, position_ids, mask, finish, store, seq=s)
     device, dtype = model.device, model.dtype
     last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
     group = ps.get_pipeline_model_parallel_group()
@@ -234,26 +234,28 @@ def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logi
     return loss, logits
 
 
-def _interleaved_forward_once(model, chunks, input_ids, position_ids, mask, finish, store) -> None:
+def _interleaved_forward_once(model, chunks, input_ids, position_ids, mask, finish, store, seq: int) -> None:
     """One micro-batch through virtual stages in order (megatron's interleaved schedule needs >= PP micro-batches).
 
     Stage order is chunk 0 on pipeline ranks 0..P-1, then chunk 1 on ranks 0..P-1, and so on; activations move with
-    point-to-point sends over the pipeline group.
+    point-to-point sends over the pipeline group. ``seq``: the global sequence length (a rank's activations hold
+    ``seq / CP`` of it, ``/ TP`` more under sequence parallelism).
     """
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group)
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), len(ranks)
-    b, s = input_ids.shape
+    b = input_ids.shape[0]
     cfg = model.megatron.config
     tp = ps.get_tensor_model_parallel_world_size()
-    seq = s // tp if cfg.sequence_parallel else s
+    local = seq // ps.get_context_parallel_world_size()
+    local = local // tp if cfg.sequence_parallel else local
     for v, chunk in enumerate(chunks):
         first = v == 0 and pp_rank == 0
         last = v == len(chunks) - 1 and pp_rank == pp - 1
         if not first:
-            buf = torch.empty(seq, b, cfg.hidden_size, dtype=cfg.params_dtype, device=model.device)
+            buf = torch.empty(local, b, cfg.hidden_size, dtype=cfg.params_dtype, device=model.device)
             dist.recv(buf, src=ranks[(pp_rank - 1) % pp])
             chunk.set_input_tensor(buf)
         out = chunk(input_ids, position_ids, mask)

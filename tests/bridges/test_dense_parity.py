@@ -23,8 +23,15 @@ LAYOUTS = {
 }
 
 
+# NOTE: context parallelism inside a pipeline (one architecture: the per-architecture code is covered above)
+PIPELINE_CP_LAYOUTS = {
+    "pp2cp2": (4, {"pipeline_parallel_size": 2, "context_parallel_size": 2}),
+    "pp2vpp2cp2": (4, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2, "context_parallel_size": 2}),
+}
+
+
 def run_case(tmp_path, arch, layout_name, *, padded=False, **model_kw):
-    nprocs, layout = LAYOUTS[layout_name]
+    nprocs, layout = {**LAYOUTS, **PIPELINE_CP_LAYOUTS}[layout_name]
     src = make_tiny_checkpoint(tmp_path / "src", arch, **model_kw)
     out = tmp_path / "out"
     results = run_distributed(load_compare_export, nprocs, str(src), layout, str(out), padded=padded, timeout=300)
@@ -66,6 +73,11 @@ def test_tied_embeddings(tmp_path, layout_name):
 
 def test_uneven_pipeline(tmp_path):
     run_case(tmp_path, "llama", "pp2", num_hidden_layers=5)
+
+
+@pytest.mark.parametrize("layout_name", list(PIPELINE_CP_LAYOUTS))
+def test_context_parallelism_in_a_pipeline(tmp_path, layout_name):
+    run_case(tmp_path, "qwen3", layout_name, padded=True)
 
 
 @pytest.mark.parametrize("layout_name", ["tp2", "cp2"])
