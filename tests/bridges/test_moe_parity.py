@@ -3,8 +3,8 @@ pipeline parallel layouts; bit-exact HF -> megatron -> HF round trips that trans
 our kernels' attention (SDPA ``CoreAttention``, MLA's ``MLACoreAttention``), ``RMSNorm`` and (not MLA) fused rope.
 
 Starting a rank costs more than a tiny model, so one world per world size runs each of its layouts in turn over several
-tiny checkpoints (1 rank: tp1; 2 ranks: ep2, ep2seq, tp2etp1; 4 ranks: tp2ep2, pp2ep2). Routed experts are the grouped
-expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, which runs megatron's SequentialMLP
+tiny checkpoints (1 rank: tp1; 2 ranks: ep2, ep2seq, cp2ep2, tp2etp1; 4 ranks: tp2ep2, pp2ep2). Routed experts are
+the grouped expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, which runs megatron's SequentialMLP
 (``LOONGFORGE_MOE_GROUPED_GEMM=0``):
 - tp1:     every model, plus variants: DeepSeek-V3 with YaRN rope and with multi-token-prediction tensors in the
            checkpoint, DeepSeek-V2 with group-limited routing, Qwen3-MoE without top-k renormalisation and with
@@ -13,6 +13,7 @@ expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, which runs meg
 - ep2:     every model; each rank must read exactly the experts it owns; a model whose experts do not divide by
            expert_parallel_size is refused on every rank before the process group starts;
 - ep2seq:  Qwen3-MoE with SequentialMLP experts (the same checkpoint, the other expert layout);
+- cp2ep2:  every model, the sequence split over two context-parallel ranks that are also the two expert ranks;
 - tp2ep2:  every model: Qwen3-MoE (q/k norms), Mixtral, DeepSeek-V3 and DeepSeek-V2 (MLA without q_lora_rank),
            sequence parallel;
 - pp2ep2:  every model (DeepSeek-V3 with its dense first layer on stage 0);
@@ -58,6 +59,7 @@ LAYOUTS = {
     "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16")),
     "ep2": (2, {"expert_parallel_size": 2}, MODELS),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe",)),
+    "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP}, MODELS),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
