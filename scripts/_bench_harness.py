@@ -123,16 +123,24 @@ def _is_frame(name: str) -> bool:
 
 
 def _call_sites(events, key, limit: int) -> list[dict]:
-    """The python call sites of the ``STACK_OPS`` events: for each op, its nearest python frames outside torch
-    (walking the profiler's parent links), grouped and ranked by the ops' own time."""
+    """Where the ``STACK_OPS`` events come from: walking the profiler's parent links, the op that called it (e.g.
+    ``aten::_to_copy`` for a dtype cast), the autograd node running it in the backward (``bwd:MulBackward0``; the
+    backward runs on autograd's thread, without python frames) and the nearest python frames outside torch; grouped
+    and ranked by the ops' own time."""
     sites: dict[tuple, list] = {}
     for e in events:
         if e.name not in STACK_OPS:
             continue
-        frames, parent = [], e.cpu_parent
+        frames, parent, caller = [], e.cpu_parent, None
         while parent is not None and len(frames) < 4:
-            if ".py(" in parent.name and "torch/" not in parent.name.split("(")[0]:
-                frames.append(parent.name)
+            name = parent.name
+            if caller is None and name.startswith("aten::"):
+                caller = name
+                frames.append(name)
+            elif name.startswith("autograd::engine::evaluate_function: "):
+                frames.append("bwd:" + name.split(": ", 1)[1])
+            elif ".py(" in name and "torch/" not in name.split("(")[0]:
+                frames.append(name)
             parent = parent.cpu_parent
         row = sites.setdefault((e.name, tuple(frames)), [0, 0.0])
         row[0] += 1
