@@ -18,6 +18,11 @@ Choices:
 - No packed micro-batch becomes longer than the longest one of the unbalanced step (same peak activation memory, same
   ``max_position_embeddings`` check). A step already within ``tolerance``, or one where no assignment found under
   these constraints beats the unbalanced one's slowest rank, keeps the unbalanced assignment and micro-batches.
+- Applies to collators that pack a micro-batch into one row without padding between samples
+  (``packs_without_padding``: ``DataCollatorWithFlattening``, TRL's SFT collator in padding-free mode); padded batches
+  train unbalanced (why: ``packs_without_padding``). A TRL-packed example (bfd: several documents, ``seq_lengths``) is
+  priced by its total length, which over-counts its attention; bfd fills examples to about ``max_length``, so they
+  cost about the same anyway.
 - Applies to map-style datasets with a sequential or seeded random sampler (what Trainer builds); anything else (an
   IterableDataset, a custom or rank-dependent sampler) trains unbalanced, with a warning.
 """
@@ -350,15 +355,40 @@ def _why_unsupported(loader) -> str | None:
     return None
 
 
-def balanced_train_dataloader(loader, *, args, model, data_collator, collator):
-    """``loader`` (LoongTrainer's sharded training DataLoader) itself, or a ``BalancedDataLoader`` over the same
-    samples when balancing applies: ``args.dp_load_balance`` (default True), a packing collator
-    (``DataCollatorWithFlattening``) and more than one data-parallel rank."""
+def packs_without_padding(data_collator) -> bool:
+    """Whether ``data_collator`` concatenates a micro-batch's samples into one row with restarting ``position_ids``
+    (each sample's tokens wherever it lands, padding at most at the row's end): transformers'
+    ``DataCollatorWithFlattening``, or TRL's SFT collator (``trl.trainer.sft_trainer.DataCollatorForLanguageModeling``)
+    with ``padding_free`` set, which SFTConfig(padding_free=True) and the bfd packing strategies give.
+
+    Only such batches are balanced: ``plan_step`` prices a micro-batch as the sum of its samples' costs and caps it by
+    its summed tokens, which is what a packed row costs and holds. A padded batch ([rows, longest sample]) costs and
+    holds rows x its longest sample instead, so moving samples would change its padding: a micro-batch within the token
+    cap could still grow to more rows of the longest length (more memory than the unbalanced step), the predicted
+    costs would not be the step's, and under pipeline parallelism the micro-batches of a step would stop sharing one
+    shape.
+    """
+    import sys
+
     from transformers import DataCollatorWithFlattening
 
+    if isinstance(data_collator, DataCollatorWithFlattening):
+        return True
+    # NOTE: an instance of TRL's collator means its module is loaded; looking it up there keeps trl optional.
+    sft = sys.modules.get("trl.trainer.sft_trainer")
+    trl_collator = getattr(sft, "DataCollatorForLanguageModeling", None)
+    return (isinstance(trl_collator, type) and isinstance(data_collator, trl_collator)
+            and bool(getattr(data_collator, "padding_free", False)))
+
+
+def balanced_train_dataloader(loader, *, args, model, data_collator, collator):
+    """``loader`` (LoongTrainer's sharded training DataLoader) itself, or a ``BalancedDataLoader`` over the same
+    samples when balancing applies: ``args.dp_load_balance`` (default True), a collator that packs without padding
+    (``packs_without_padding``) and more than one data-parallel rank. ``collator`` is the one the loader calls (e.g.
+    wrapped to drop unused columns); it packs each redistributed micro-batch."""
     from loongforge_hf.trainer.balance_refit import ComputeTimer, CostRefit
 
-    if not getattr(args, "dp_load_balance", True) or not isinstance(data_collator, DataCollatorWithFlattening):
+    if not getattr(args, "dp_load_balance", True) or not packs_without_padding(data_collator):
         return loader
     rank, num_ranks = dp_rank_and_size()
     if num_ranks == 1:
