@@ -22,6 +22,10 @@ Choices:
   parallelism), and under pipeline parallelism one length for every micro-batch of a step: TRL's collator is given
   that ``pad_to_multiple_of`` (combined with the user's; pipeline parallelism pads to ``max_length``, or
   ``max_length`` x rows for padding-free batches). Pads carry no loss.
+- Data-parallel load balancing (``dp_load_balance``, on unless a ``LoongSFTConfig`` turns it off) goes through
+  LoongTrainer's ``_get_dataloader`` like any LoongTrainer run: it applies when TRL's collator is padding-free
+  (``padding_free=True``, or packing with ``bfd`` / ``bfd_split``) and re-collates each rank's redistributed samples
+  with that collator (``balanced_data.packs_without_padding``; padded batches stay unbalanced, and why, there).
 - ``gradient_checkpointing`` (True by default in SFTConfig) recomputes every decoder layer with megatron-core's full
   recompute (``LoongModelForCausalLM.activation_checkpointing_enable``; the embeddings' output is made to require
   grad so LoRA adapters behind a frozen embedding still get gradients). TRL's ``selective`` checkpointing (torch's
