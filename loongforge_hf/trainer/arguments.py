@@ -22,8 +22,9 @@ class LoongArgumentsMixin:
 
     dp_load_balance: bool = field(default=True, metadata={"help": (
         "Redistribute each optimizer step's samples over the data-parallel ranks so that every rank has about the "
-        "same predicted compute (same samples per step, same gradient). Applies when the collator packs "
-        "(DataCollatorWithFlattening) and there is more than one data-parallel rank.")})
+        "same predicted compute (same samples per step, same gradient). Applies when the collator packs without "
+        "padding (DataCollatorWithFlattening, or TRL's SFT collator with padding_free / bfd packing) and there is "
+        "more than one data-parallel rank.")})
     dp_balance_refit: bool = field(default=False, metadata={"help": (
         "Refit the balancing cost model (a*L^2 + b*L + c per sample) from each rank's measured forward+backward "
         "time over the first steps, instead of keeping the FLOP estimate from the model config.")})
