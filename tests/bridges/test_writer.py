@@ -346,7 +346,7 @@ def test_planned_tensor_is_on_disk_when_add_returns(tmp_path):
         w.plan([("w", (6,), torch.float32), ("later", (2,), torch.float32)])
         w.add("w", weight)
         weight.fill_(-1.0)
-        (shard,) = list(w._tmp.glob("*.safetensors"))
+        (shard,) = list(w._folder.tmp.glob("*.safetensors"))
         n, header = header_of(shard)
         begin, end = header["w"]["data_offsets"]
         assert shard.read_bytes()[8 + n + begin:8 + n + end] == torch.arange(6, dtype=torch.float32).numpy().tobytes()
