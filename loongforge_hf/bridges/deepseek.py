@@ -19,7 +19,8 @@ import re
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RopeColumnParallel, RowParallel
+from loongforge_hf.bridges.fused_mappings import RopeColumnParallel
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
 from loongforge_hf.bridges.moe import MoEBridge, grouped_routing_kwargs
 from loongforge_hf.bridges.registry import register_bridge
 

@@ -7,8 +7,8 @@ A per-model bridge (llama.py, qwen2.py, ...) subclasses ``DenseBridge`` and decl
 from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.mappings import (QKV, GatedMLP, Mapping, Replicated, RowParallel,
-                                            VocabParallel)
+from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP
+from loongforge_hf.bridges.mappings import Mapping, Replicated, RowParallel, VocabParallel
 
 L = "model.layers.{layer}"
 D = "decoder.layers.{layer}"

@@ -49,7 +49,7 @@ SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
 def _export_items(bridge, model, parallel):
     """(pp rank, vp stage or None, megatron local name, mapping, global layer, expert-parallel rank or None) in HF
     file order; expert mappings come bound to one expert each."""
-    from loongforge_hf.bridges.mappings import Expert
+    from loongforge_hf.bridges.fused_mappings import Expert
 
     owners = layer_owners(model.config, parallel)
     vpp = max(1, parallel.virtual_pipeline_parallel_size or 1)

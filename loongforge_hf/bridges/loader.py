@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader
-from loongforge_hf.bridges.mappings import Expert, Mapping, ShardContext, VocabParallel
+from loongforge_hf.bridges.fused_mappings import Expert
+from loongforge_hf.bridges.mappings import Mapping, ShardContext, VocabParallel
 
 
 def _pattern_to_regex(pattern: str) -> re.Pattern:

@@ -10,8 +10,7 @@ Choices:
   assembling the full tensor. Neither touches a process group: gathering is ``distribution.py``'s job.
 - Vocabulary tensors are padded with zero rows up to ``ShardContext.padded_vocab`` on load and truncated on export.
 - Fused tensors (``QKV``, ``GatedMLP``), interleaved rotary rows (``RopeColumnParallel``) and routed experts
-  (``Expert``) live in ``fused_mappings.py``, built on ``Mapping`` and the read helpers here; they stay importable
-  from this module.
+  (``Expert``) live in ``fused_mappings.py``, built on ``Mapping`` and the read helpers here.
 - ``hf_dtype`` pins the dtype transformers keeps a tensor in whatever the model's dtype (DeepSeek's router in fp32).
 """
 
@@ -199,16 +198,3 @@ class FP32Replicated(Replicated):
     """A replicated tensor transformers keeps in float32 whatever the model dtype (``_keep_in_fp32_modules``)."""
 
     hf_dtype = torch.float32
-
-
-_FUSED = ("QKV", "GatedMLP", "RopeColumnParallel", "Expert", "_with_expert")
-
-
-def __getattr__(name: str):
-    # NOTE: the fused mappings live in fused_mappings.py and subclass Mapping from here; importing them lazily keeps
-    # every old import (``from loongforge_hf.bridges.mappings import QKV``) working without an import cycle.
-    if name in _FUSED:
-        from loongforge_hf.bridges import fused_mappings
-
-        return getattr(fused_mappings, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

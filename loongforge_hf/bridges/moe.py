@@ -36,7 +36,8 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L, DenseBridge
-from loongforge_hf.bridges.mappings import Expert, FP32Replicated, GatedMLP, Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.fused_mappings import Expert, GatedMLP
+from loongforge_hf.bridges.mappings import FP32Replicated, Mapping, Replicated, RowParallel
 
 EXPERT = "{expert}"
 GROUPED_GEMM_ENV = "LOONGFORGE_MOE_GROUPED_GEMM"

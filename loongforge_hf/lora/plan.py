@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loongforge_hf.bridges.mappings import QKV, ColumnParallel, GatedMLP, Mapping, Replicated, RowParallel, \
-    VocabParallel
+from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RowParallel: "row"}
 _INITS = (True, False, "gaussian")

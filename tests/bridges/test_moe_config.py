@@ -5,7 +5,8 @@ import torch
 
 from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
 from loongforge_hf.bridges import transforms as T
-from loongforge_hf.bridges.mappings import Expert, GatedMLP, ShardContext
+from loongforge_hf.bridges.fused_mappings import Expert, GatedMLP
+from loongforge_hf.bridges.mappings import ShardContext
 from loongforge_hf.testing.tiny_models import _config
 
 

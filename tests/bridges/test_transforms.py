@@ -219,8 +219,9 @@ def test_mappings_load_in_place_and_export_blocks(tmp_path, tp):
     from safetensors.torch import save_file
 
     from loongforge_hf.bridges.checkpoint_io import CheckpointReader
-    from loongforge_hf.bridges.mappings import (QKV, ColumnParallel, GatedMLP, Replicated, RowParallel, ShardContext,
-                                                VocabParallel, streams_export)
+    from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP
+    from loongforge_hf.bridges.mappings import (ColumnParallel, Replicated, RowParallel, ShardContext, VocabParallel,
+                                                streams_export)
 
     heads, groups, hd, hidden, vocab = 8, 4, 3, 6, 203
     padded = padded_vocab_size(vocab, tensor_parallel_size=tp, multiple=64)  # 256 at TP 4: a rank of padding only
