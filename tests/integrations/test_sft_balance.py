@@ -19,15 +19,11 @@ loader is read to check its micro-batches come out of TRL's collator with the pa
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from loongforge_hf.parallel.spawn import run_distributed
-from loongforge_hf.testing import make_tiny_checkpoint
-from tests.trainer._dp_balance import MAX_POSITIONS, long_tailed_docs
+from loongforge_hf.testing.round_trip import read_all
+from tests.trainer._dp_balance import long_tailed_docs, run_two_ranks
 
 from ._sft_parity import _tokenizer
 
@@ -104,13 +100,6 @@ def sft_balanced_and_not(folder: str, out_dir: str) -> dict:
                                    packing_strategy="bfd", max_length=128)}
 
 
-def _weights(folder: Path) -> dict:
-    out = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def _token_imbalance(per_rank: list[dict], run: str) -> list[float]:
     steps = zip(*(result[run]["step_tokens"] for result in per_rank))
     return [max(tokens) / (sum(tokens) / len(tokens)) for tokens in steps]
@@ -118,10 +107,7 @@ def _token_imbalance(per_rank: list[dict], run: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sft-balance")
-    src = make_tiny_checkpoint(tmp / "src", "llama", max_position_embeddings=MAX_POSITIONS)
-    per_rank = run_distributed(sft_balanced_and_not, 2, str(src), str(tmp / "out"), timeout=300)
-    return tmp / "out", per_rank
+    return run_two_ranks(tmp_path_factory, "sft-balance", sft_balanced_and_not)
 
 
 def test_balanced_sft_equals_unbalanced_sft(runs):
@@ -131,7 +117,7 @@ def test_balanced_sft_equals_unbalanced_sft(runs):
         assert len(result["balanced"]["losses"]) == STEPS
         assert result["balanced"]["losses"] == per_rank[0]["balanced"]["losses"]  # one global loss on every rank
         assert result["balanced"]["losses"] == pytest.approx(result["unbalanced"]["losses"], rel=1e-5)
-    balanced, unbalanced = _weights(out / "balanced" / "final"), _weights(out / "unbalanced" / "final")
+    balanced, unbalanced = read_all(out / "balanced" / "final"), read_all(out / "unbalanced" / "final")
     assert balanced and sorted(balanced) == sorted(unbalanced)
     for name in balanced:
         torch.testing.assert_close(balanced[name], unbalanced[name], rtol=0, atol=1e-5, msg=name)

@@ -66,3 +66,14 @@ def train_balanced_and_not(folder: str, out_dir: str) -> dict:
     except DataError as err:
         out["mismatch"] = str(err)
     return out
+
+
+def run_two_ranks(tmp_path_factory, name: str, rank_fn):
+    """``rank_fn(checkpoint, out_dir)`` on 2 ranks over a tiny Llama with room for packed rows: (out_dir, per-rank
+    results)."""
+    from loongforge_hf.parallel.spawn import run_distributed
+    from loongforge_hf.testing import make_tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp(name)
+    src = make_tiny_checkpoint(tmp / "src", "llama", max_position_embeddings=MAX_POSITIONS)
+    return tmp / "out", run_distributed(rank_fn, 2, str(src), str(tmp / "out"), timeout=300)

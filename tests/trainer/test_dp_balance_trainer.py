@@ -5,33 +5,19 @@ step's global token count, so balanced and unbalanced training differ only in fp
 logged losses within 1e-5 relative, trained weights within 1e-5 absolute.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from loongforge_hf.parallel.spawn import run_distributed
-from loongforge_hf.testing import make_tiny_checkpoint
+from loongforge_hf.testing.round_trip import read_all
 
-from ._dp_balance import MAX_POSITIONS, train_balanced_and_not
+from ._dp_balance import run_two_ranks, train_balanced_and_not
 
 TOLERANCE = 0.02  # balanced_data.DEFAULT_TOLERANCE: steps within it are left as they are
 
 
-def weights(folder: Path) -> dict:
-    out = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dpb")
-    src = make_tiny_checkpoint(tmp / "src", "llama", max_position_embeddings=MAX_POSITIONS)
-    per_rank = run_distributed(train_balanced_and_not, 2, str(src), str(tmp / "out"), timeout=300)
-    return tmp / "out", per_rank
+    return run_two_ranks(tmp_path_factory, "dpb", train_balanced_and_not)
 
 
 def test_balanced_training_equals_unbalanced_training(runs):
@@ -40,7 +26,7 @@ def test_balanced_training_equals_unbalanced_training(runs):
         assert result["balanced"]["losses"] == per_rank[0]["balanced"]["losses"]  # one global loss on every rank
         assert len(result["balanced"]["losses"]) == 5
         assert result["balanced"]["losses"] == pytest.approx(result["unbalanced"]["losses"], rel=1e-5)
-    balanced, unbalanced = weights(out / "balanced" / "final"), weights(out / "unbalanced" / "final")
+    balanced, unbalanced = read_all(out / "balanced" / "final"), read_all(out / "unbalanced" / "final")
     assert sorted(balanced) == sorted(unbalanced)
     for name in balanced:
         torch.testing.assert_close(balanced[name], unbalanced[name], rtol=0, atol=1e-5, msg=name)
@@ -79,7 +65,7 @@ def test_refit_cost_model_is_shared_by_all_ranks_and_keeps_the_gradient(runs):
     for result in per_rank:
         assert result["refit"]["cost"] == refit  # bit-identical: ranks must agree on every assignment
         assert result["refit"]["losses"] == pytest.approx(result["unbalanced"]["losses"], rel=1e-5)
-    refit_weights, unbalanced = weights(out / "refit" / "final"), weights(out / "unbalanced" / "final")
+    refit_weights, unbalanced = read_all(out / "refit" / "final"), read_all(out / "unbalanced" / "final")
     for name in refit_weights:
         torch.testing.assert_close(refit_weights[name], unbalanced[name], rtol=0, atol=1e-5, msg=name)
 
