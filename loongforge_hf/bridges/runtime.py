@@ -22,8 +22,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from loongforge_hf.parallel.context_parallel import (cp_gather_sequence, cp_group_and_size, cp_local_mask, cp_loss,
-                                                     cp_token_index)
+from loongforge_hf.parallel.context_parallel import cp_gather_sequence, cp_group_and_size, cp_local_inputs, cp_loss
 
 IGNORE_INDEX = -100
 
@@ -163,11 +162,8 @@ def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels,
     count = (shifted != IGNORE_INDEX).sum().clamp(min=1) if shifted is not None else None
     # NOTE: under context parallelism each rank runs its load-balanced share of the tokens (global positions kept
     # for the rope, mask rows cut to its queries) and scores its share of the labels (parallel/context_parallel.py).
-    cp_group, cp_size, cp_rank = cp_group_and_size()
-    if cp_size > 1:
-        index = cp_token_index(s, cp_size, cp_rank, device=device)
-        input_ids, position_ids, mask = input_ids[:, index], position_ids[:, index], cp_local_mask(mask, index)
-    local_labels = shifted[:, index] if cp_size > 1 and shifted is not None else shifted
+    cp_group, cp_size, _ = cp_group_and_size()
+    input_ids, position_ids, mask, local_labels = cp_local_inputs(input_ids, position_ids, mask, shifted)
 
     def mean(loss_sum):
         return loss_sum / count if cp_size == 1 else cp_loss(loss_sum, count, cp_group)

@@ -91,8 +91,7 @@ def _pad_multiple(parallel, args: SFTConfig) -> int:
     """What TRL's collator must pad every batch to a multiple of, for megatron: TP under sequence parallelism,
     2 x CP under context parallelism, and under pipeline parallelism the full ``max_length`` (times the rows a
     padding-free batch concatenates), since every micro-batch of a pipelined step must have one shape."""
-    multiple = math.lcm(parallel.tensor_parallel_size if parallel.sequence_parallel else 1,
-                        2 * parallel.context_parallel_size if parallel.context_parallel_size > 1 else 1)
+    multiple = parallel.sequence_multiple
     if parallel.pipeline_parallel_size > 1:
         if args.max_length is None:
             raise ValueError("pipeline_parallel_size > 1 needs batches of one length: set SFTConfig(max_length=...).")

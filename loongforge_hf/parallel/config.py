@@ -5,6 +5,7 @@ Validation is pure (numbers in, error out) so every rank reaches the same verdic
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
@@ -45,6 +46,13 @@ class ParallelConfig:
         """Virtual pipeline stages per rank in megatron's terms: None unless the schedule interleaves (> 1)."""
         vpp = self.virtual_pipeline_parallel_size
         return vpp if vpp is not None and vpp > 1 else None
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What megatron needs a sequence length to divide by: TP under sequence parallelism, 2 x CP under context
+        parallelism (two load-balanced chunks per rank)."""
+        cp = self.context_parallel_size
+        return math.lcm(self.tensor_parallel_size if self.sequence_parallel else 1, 2 * cp if cp > 1 else 1)
 
     @property
     def model_parallel_size(self) -> int:

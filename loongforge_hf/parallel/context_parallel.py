@@ -62,6 +62,18 @@ def cp_gather_sequence(local: torch.Tensor, seq: int, group, *, dim: int = 1) ->
     return out
 
 
+def cp_local_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                    labels: torch.Tensor | None = None):
+    """``(input_ids, position_ids, mask, labels)`` ``[b, s]`` (mask ``[b, 1, s, s]``) -> this context-parallel rank's
+    share: its tokens, their global positions, its query rows of the mask and its labels; unchanged without CP."""
+    _, cp_size, cp_rank = cp_group_and_size()
+    if cp_size == 1:
+        return input_ids, position_ids, mask, labels
+    index = cp_token_index(input_ids.shape[1], cp_size, cp_rank, device=input_ids.device)
+    return (input_ids[:, index], position_ids[:, index], cp_local_mask(mask, index),
+            labels[:, index] if labels is not None else None)
+
+
 def cp_local_mask(mask: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
     """A megatron mask ``[b, 1, s, s]`` (True = masked) -> this rank's query rows ``[b, 1, s_local, s]``."""
     if mask is None or mask.shape[-2] == 1:

@@ -33,7 +33,6 @@ Choices:
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ import torch.distributed as dist
 
 from loongforge_hf.bridges.runtime import (IGNORE_INDEX, fused_loss_sum, hidden_states_out, language_head,
                                            megatron_attention_mask, shift_labels, token_losses)
-from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_local_mask, cp_token_index
+from loongforge_hf.parallel.context_parallel import cp_local_inputs
 
 
 OPTIMIZER_PRECISIONS = ("fp32", "model")
@@ -203,11 +202,8 @@ class MegatronEngine:
 
         layout = getattr(self.model, "parallel", None)
         if layout is not None:
-            # NOTE: lengths megatron needs: a multiple of TP under sequence parallelism, of 2 x CP under context
-            # parallelism (two load-balanced chunks per rank), one length per step under pipeline parallelism.
-            cp = layout.context_parallel_size
-            multiple = math.lcm(layout.tensor_parallel_size if layout.sequence_parallel else 1, 2 * cp if cp > 1 else 1)
-            micro_batches = pad_micro_batches(micro_batches, multiple=multiple,
+            # NOTE: lengths megatron needs (ParallelConfig.sequence_multiple), one length per step under PP.
+            micro_batches = pad_micro_batches(micro_batches, multiple=layout.sequence_multiple,
                                               same_length=layout.pipeline_parallel_size > 1)
         for c in self.chunks:
             c.zero_grad_buffer()
@@ -261,13 +257,9 @@ class MegatronEngine:
                 attention_mask = batch.get("attention_mask")
                 mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s,
                                                position_ids)
-                _, cp_size, cp_rank = cp_group_and_size()
-                if cp_size > 1:
-                    # NOTE: this rank's load-balanced share of the tokens and labels; the schedule's seq_length stays
-                    # global (megatron divides it by CP for the pipeline's tensor shapes).
-                    index = cp_token_index(s, cp_size, cp_rank, device=device)
-                    input_ids, position_ids = input_ids[:, index], position_ids[:, index]
-                    mask, labels = cp_local_mask(mask, index), labels[:, index]
+                # NOTE: this rank's context-parallel share of the tokens and labels; the schedule's seq_length stays
+                # global (megatron divides it by CP for the pipeline's tensor shapes).
+                input_ids, position_ids, mask, labels = cp_local_inputs(input_ids, position_ids, mask, labels)
                 with hidden_states_out([chunk]) if head is not None else nullcontext():
                     # NOTE: megatron's combined 1F1B schedule (overlap_moe_expert_parallel_comm) asks the unwrapped
                     # GPTModel for a schedule plan, run later, instead of an output (so no fused head: see above).
