@@ -177,7 +177,8 @@ def _triton_on(device) -> bool:
     return use_triton(torch.empty(0, device=device))
 
 
-def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, optimizer_precision: str = "fp32"):
+def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, optimizer_precision: str = "fp32",
+                     cuda_graphs: str | None = None):
     import tempfile
 
     import torch
@@ -186,7 +187,13 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
     import loongforge_hf as lf
     from loongforge_hf.trainer.engine import MegatronEngine
 
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16, fp8=fp8)
+    megatron_config = {"cuda_graph_impl": cuda_graphs} if cuda_graphs else None
+    if cuda_graphs:
+        # NOTE: megatron's local graphs refuse expandable segments on pre-Blackwell GPUs unless NCCL does not register
+        # graph buffers (cuda_graphs.py); one GPU, no NCCL traffic here.
+        os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16, fp8=fp8,
+                                                    megatron_config=megatron_config)
     args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_train_"), learning_rate=LR,
                                           adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
@@ -196,7 +203,7 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
     info = {"parameters": model.num_parameters(), "device": str(model.device),
             "optimizer": f"megatron {wrapper} over {type(inner[0]).__module__}.{type(inner[0]).__name__} "
                          f"(foreach={inner[0].defaults.get('foreach')}, fused={inner[0].defaults.get('fused')})",
-            "optimizer_precision": optimizer_precision,
+            "optimizer_precision": optimizer_precision, "cuda_graphs": cuda_graphs,
             "attention": type(model.chunks[0].decoder.layers[0].self_attention.core_attention).__name__,
             "loss": "fused linear cross-entropy" if engine.fused_loss else "materialised logits",
             "triton_kernels": _triton_on(model.device),
@@ -222,7 +229,8 @@ def run_stack(args, device: H.Device) -> dict:
     w = WORKLOADS[args.shape]
     cfg_kwargs, seq, _ = sizes(w, args.tiny)
     if args.stack == "loongforge":
-        step, info = build_loongforge(args.folder, device, fp8=args.fp8, optimizer_precision=args.optimizer_precision)
+        step, info = build_loongforge(args.folder, device, fp8=args.fp8, optimizer_precision=args.optimizer_precision,
+                                      cuda_graphs=args.cuda_graphs)
     else:
         step, info = build_transformers(args.folder, device, liger=args.stack == "liger")
     info["weights_gib"] = round(device.allocated() / H.GIB, 2)
@@ -263,6 +271,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--fp8", choices=("on", "adaptive"))
     p.add_argument("--optimizer-precision", choices=("fp32", "model"), default="fp32")
+    p.add_argument("--cuda-graphs", choices=("local",))
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     # NOTE: loongforge-hf picks its device backend from this variable; set before anything imports the package.
@@ -300,6 +309,7 @@ def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: 
               "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     common += ["--fp8", options["fp8"]] if "fp8" in options else []
     common += ["--optimizer-precision", options["optimizer"]] if "optimizer" in options else []
+    common += ["--cuda-graphs", options["graphs"]] if "graphs" in options else []
     common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
     result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", "1"], log_path=log,
                           timeout_s=args.worker_timeout)
@@ -364,6 +374,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", default="a,c", help="workloads whose loongforge step is profiled ('' for none)")
+    p.add_argument("--profile-stack", default="loongforge", help="the row profiled, e.g. 'loongforge "
+                   "optimizer=model'")
     p.add_argument("--out", default="outputs/bench_train.json")
     p.add_argument("--log", default=None, help="worker output (default: next to --out, .log)")
     p.add_argument("--checkpoints", default="/tmp/loongforge_bench_train", help="where the checkpoints are written")
@@ -378,6 +390,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--optimizer-precision", default="fp32", help="comma list (fp32,model): 'model' adds a loongforge "
                    "row with MegatronEngine(optimizer_precision='model') (bf16 grads, weights and AdamW moments) next "
                    "to the default fp32 one")
+    p.add_argument("--variants", default="", help="comma list of extra loongforge rows, each a space-separated set "
+                   "of options: fp8=on|adaptive, optimizer=fp32|model, graphs=local (megatron's per-layer CUDA "
+                   "graphs), e.g. 'optimizer=model graphs=local'")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     stacks = [s for s in args.stacks.split(",") if s]
@@ -390,9 +405,16 @@ def main(argv: list[str]) -> int:
     bad_precision = [m for m in args.optimizer_precision.split(",") if m and m not in ("fp32", "model")]
     if bad_precision:
         p.error(f"--optimizer-precision takes fp32 and/or model, got {bad_precision}")
+    allowed = {"fp8": ("on", "adaptive"), "optimizer": ("fp32", "model"), "graphs": ("local",)}
+    for v in (v for v in args.variants.split(",") if v.strip()):
+        for option in v.split():
+            key, _, value = option.partition("=")
+            if value not in allowed.get(key, ()):
+                p.error(f"--variants: unknown option {option!r} in {v!r}; options: {allowed}")
     if "loongforge" in stacks:
         stacks += [f"loongforge fp8={m}" for m in args.fp8.split(",") if m]
         stacks += [f"loongforge optimizer={m}" for m in args.optimizer_precision.split(",") if m and m != "fp32"]
+        stacks += [f"loongforge {v.strip()}" for v in args.variants.split(",") if v.strip()]
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     log = Path(args.log) if args.log else out_path.with_suffix(".log")
@@ -431,7 +453,7 @@ def main(argv: list[str]) -> int:
                                            "error": f"no loongforge-hf bridge for {ARCHITECTURES[w.model_type]}"}
                 continue
             entry["results"][stack] = measure(args, w, stack, folder, log,
-                                              profile=stack == "loongforge" and key in args.profile.split(","))
+                                              profile=stack == args.profile_stack and key in args.profile.split(","))
             H.save_json(report, out_path)
         rows = summarize(w, entry["results"], flops=flops, peak_flops=args.peak_tflops * 1e12)
         tables.append(f"### ({key}) {w.title}\n\n" + H.markdown_table(HEADER, rows))

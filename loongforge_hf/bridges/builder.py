@@ -93,8 +93,23 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
     taken = sorted(set(megatron_config) & (set(kw) | set(_BUILDER_FIELDS)))
     problems = [f"{k}: not a megatron-core {config_class.__name__} field" for k in unknown]
     problems += [f"{k}: set from the checkpoint's config or the layout, not through megatron_config" for k in taken]
+    if megatron_config.get("cuda_graph_impl", "none") != "none" and get_backend().name != "cuda":
+        problems.append(f"cuda_graph_impl={megatron_config['cuda_graph_impl']!r}: CUDA graphs need a CUDA device, "
+                        f"this run's backend is {get_backend().name!r}")
     if problems:
         raise ValueError("megatron_config: " + "; ".join(problems) + ".")
+
+
+def _prepare_local_cuda_graphs() -> None:
+    """megatron's per-layer CUDA graphs (``megatron_config={"cuda_graph_impl": "local"}``) need an RNG tracker whose
+    states can be captured (cuda_graphs.py asserts ``use_cudagraphable_rng``)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    tracker = get_cuda_rng_tracker()
+    if not getattr(tracker, "use_cudagraphable_rng", False):
+        from loongforge_hf.parallel.bootstrap import DEFAULT_SEED
+
+        model_parallel_cuda_manual_seed(DEFAULT_SEED, use_cudagraphable_rng=True, force_reset_rng=True)
 
 
 def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype,
@@ -131,6 +146,8 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
     )
     check_megatron_config(bridge, megatron_config)
     config = config_class(**kw, **fixed, **(megatron_config or {}))
+    if getattr(config, "cuda_graph_impl", "none") == "local":
+        _prepare_local_cuda_graphs()
     padded = padded_vocab_size(hf.vocab_size, tensor_parallel_size=parallel.tensor_parallel_size)
     chunks, offsets, counts = [], [], []
     for vp_stage in range(vpp or 1):

@@ -179,9 +179,45 @@ if triton is not None:
         amax_c = tl.max(a, axis=0)
         s_c = tl.where(amax_c == 0, 1.0, tl.math.div_rn(amax_c, zero + FMAX))
         qc = tl.clamp(tl.math.div_rn(x, zeros + s_c[None, :]), -FMAX, FMAX)
-        tl.store(qt_ptr + c[None, :] * qt_cols + r[:, None], qc.to(qt_ptr.dtype.element_ty),
-                 mask=(c[None, :] < cols) & (r[:, None] < qt_cols))
+        # NOTE: transposed in registers (through shared memory) so the store runs along qt's rows: storing qc
+        # with qt's strides directly writes one byte per 128-byte row segment per thread.
+        tl.store(qt_ptr + c[:, None] * qt_cols + r[None, :], tl.trans(qc).to(qt_ptr.dtype.element_ty),
+                 mask=(c[:, None] < cols) & (r[None, :] < qt_cols))
         tl.store(st_ptr + pid_r * cols + c, s_c, mask=c < cols)
+
+
+if triton is not None:
+    @triton.jit
+    def _blocks_dual_kernel(x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, rows, cols, stride_xr, stride_xc, s_rows, s_cols,
+                            BLOCK: tl.constexpr, FMAX: tl.constexpr):
+        # NOTE: a 128x128 block has one scale, so w's block-scaled transpose is the transposed block: one read of w
+        # gives the forward's operand and the input-gradient GEMM's.
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        r = pid_r * BLOCK + tl.arange(0, BLOCK)
+        c = pid_c * BLOCK + tl.arange(0, BLOCK)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        a = tl.where(x == x, tl.abs(x), float("inf"))
+        amax = tl.max(tl.max(a, axis=1), axis=0)
+        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FMAX))
+        q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK, BLOCK), tl.float32) + scale), -FMAX, FMAX)
+        q = q.to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + r[:, None] * cols + c[None, :], q, mask=mask)
+        tl.store(qt_ptr + c[:, None] * rows + r[None, :], tl.trans(q), mask=(c[:, None] < cols) & (r[None, :] < rows))
+        tl.store(s_ptr + pid_r * s_cols + pid_c, scale)
+        tl.store(st_ptr + pid_c * s_rows + pid_r, scale)
+
+
+def _blocks_dual_triton(w: torch.Tensor) -> tuple[Quantized, Quantized]:
+    rows, cols = w.shape
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=w.device)
+    qt = torch.empty(cols, rows, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(_ceil(rows, GROUP), _ceil(cols, GROUP), dtype=torch.float32, device=w.device)
+    st = torch.empty(s.shape[1], s.shape[0], dtype=torch.float32, device=w.device)
+    _blocks_dual_kernel[s.shape](w, q, qt, s, st, rows, cols, w.stride(0), w.stride(1), s.shape[0], s.shape[1],
+                                 BLOCK=GROUP, FMAX=FP8_MAX, num_warps=8)
+    return Quantized(q, s, "blocks"), Quantized(qt, st, "blocks")
 
 
 def _tiles_dual_triton(x: torch.Tensor) -> tuple[Quantized, Quantized]:
@@ -306,6 +342,16 @@ def quantize_tiles_dual(x: torch.Tensor) -> tuple[Quantized, Quantized]:
         return _tiles_dual_triton(x)
     return (quantize_tiles(_pad_rows(x), check_finite=False),
             quantize_tiles(x.t(), pad_to=GROUP, check_finite=False))
+
+
+def quantize_blocks_dual(w: torch.Tensor) -> tuple[Quantized, Quantized]:
+    """128x128 block scaling of 2-D ``w`` ``[N, K]`` and of its transpose ``[K, N]`` (the forward's and the input
+    gradient's operand) from one read of ``w``. No finiteness check (the training path's use)."""
+    _as_matrix(w, "quantize_blocks_dual")
+    if _use_triton(w) and w.shape[0] and w.shape[1]:
+        return _blocks_dual_triton(w)
+    wq = quantize_blocks(w, check_finite=False)
+    return wq, transpose_blocks(wq)
 
 
 def expand_scale(q: Quantized) -> torch.Tensor:
@@ -438,33 +484,36 @@ def gemm_eligible(n: int, k: int, recipe: str) -> bool:
     return n > 0 and k > 0 and n % step == 0 and k % step == 0
 
 
-def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str) -> tuple[torch.Tensor, Quantized | None]:
-    """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``); also the quantised weight when dgrad can reuse it.
-    Any M: rows are zero-padded to ``padded_rows`` and sliced off the result; M = 0 gives an empty result."""
+def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *,
+             for_dgrad: bool = True) -> tuple[torch.Tensor, Quantized | None]:
+    """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``); with ``for_dgrad`` (block-wise) also ``w.T``
+    quantised from the same read of ``w``, for ``gemm_dgrad``. Any M: rows are zero-padded to ``padded_rows`` and
+    sliced off the result; M = 0 gives an empty result."""
     m = x.shape[0]
     if m == 0:
         return x.new_zeros(0, w.shape[0]), None
     xp = _pad_rows(x)
     if recipe == "blockwise":
-        wq = quantize_blocks(w, check_finite=False)
+        wq, wtq = quantize_blocks_dual(w) if for_dgrad else (quantize_blocks(w, check_finite=False), None)
         y = scaled_matmul(quantize_tiles(xp, check_finite=False), wq, out_dtype=x.dtype)
     else:
-        wq = None
+        wtq = None
         y = scaled_matmul(quantize_rows(xp, check_finite=False), quantize_rows(w, check_finite=False),
                           out_dtype=x.dtype)
-    return (y if xp is x else y[:m]), wq
+    return (y if xp is x else y[:m]), wtq
 
 
-def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wq: Quantized | None = None,
+def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | None = None,
                dyq: Quantized | None = None) -> torch.Tensor:
     """``dy @ w`` in FP8 (``dy`` ``[M, N]``, ``w`` ``[N, K]``): the input gradient (any M, as ``gemm_fwd``).
-    ``dyq``: ``dy`` already quantised (blockwise: the first of ``quantize_tiles_dual(dy)``)."""
+    ``wtq``: ``w.T`` already block-quantised (what ``gemm_fwd`` returns); ``dyq``: ``dy`` already quantised
+    (blockwise: the first of ``quantize_tiles_dual(dy)``)."""
     m = dy.shape[0]
     if m == 0:
         return dy.new_zeros(0, w.shape[1])
     dyp = _pad_rows(dy)
     if recipe == "blockwise":
-        wt = transpose_blocks(wq if wq is not None else quantize_blocks(w, check_finite=False))
+        wt = wtq if wtq is not None else quantize_blocks_dual(w)[1]
         dyq = dyq if dyq is not None else quantize_tiles(dyp, check_finite=False)
         dx = scaled_matmul(dyq, wt, out_dtype=dy.dtype)
     else:
@@ -498,13 +547,13 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe, precision):
         x2 = x.reshape(-1, x.shape[-1])
         if precision.fwd:
-            y, wq = gemm_fwd(x2, weight, recipe)
+            y, wtq = gemm_fwd(x2, weight, recipe, for_dgrad=precision.dgrad)
         else:
-            y, wq = x2 @ weight.t().to(x2.dtype), None
+            y, wtq = x2 @ weight.t().to(x2.dtype), None
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(x2, weight)
-        ctx.wq = wq if precision.dgrad else None
+        ctx.wtq = wtq
         ctx.recipe, ctx.precision, ctx.has_bias, ctx.x_shape = recipe, precision, bias is not None, x.shape
         return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -515,14 +564,14 @@ class _Fp8Linear(torch.autograd.Function):
         dx = dw = db = None
         dyq, dytq = quantize_grad(dy2, ctx.recipe, ctx.precision) if all(ctx.needs_input_grad[:2]) else (None, None)
         if ctx.needs_input_grad[0]:
-            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wq, dyq) if ctx.precision.dgrad \
+            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq, dyq) if ctx.precision.dgrad \
                 else dy2 @ weight.to(dy2.dtype)
             dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             dw = (gemm_wgrad(dy2, x2, ctx.recipe, dytq) if ctx.precision.wgrad else dy2.t() @ x2).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        ctx.wq = None
+        ctx.wtq = None
         return dx, dw, db, None, None
 
 

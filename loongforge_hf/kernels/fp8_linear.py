@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
-                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad, quantize_blocks,
-                                       quantize_grad)
+                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad,
+                                       quantize_blocks_dual, quantize_grad)
 
 logger = logging.getLogger("loongforge_hf.fp8")
 
@@ -108,8 +108,9 @@ def _gemm_pair(gemm: str, m: int, n: int, k: int, recipe: str, device: torch.dev
         return (lambda: x @ w.t()), (lambda: gemm_fwd(x, w, recipe))
     if gemm == "dgrad":        # dy [m, k] @ w [k, n]   (the layer's weight is [k, n])
         dy, w = rand(m, k), rand(k, n)
-        wq = quantize_blocks(w, check_finite=False) if recipe == "blockwise" else None
-        return (lambda: dy @ w), (lambda: gemm_dgrad(dy, w, recipe, wq))
+        # NOTE: the forward GEMM quantised w.T with w (gemm_fwd): not timed here again
+        wtq = quantize_blocks_dual(w)[1] if recipe == "blockwise" else None
+        return (lambda: dy @ w), (lambda: gemm_dgrad(dy, w, recipe, wtq))
     dy, x = rand(k, m), rand(k, n)  # wgrad: dy.T [m, k] @ x [k, n]
     return (lambda: dy.t() @ x), (lambda: gemm_wgrad(dy, x, recipe))
 
@@ -194,13 +195,13 @@ class _Fp8ParallelLinear(torch.autograd.Function):
         total = _gather_tokens(x, group) if sequence_parallel else x
         x2 = total.reshape(-1, total.shape[-1])
         if precision.fwd:
-            y, wq = gemm_fwd(x2, weight, recipe)
+            y, wtq = gemm_fwd(x2, weight, recipe, for_dgrad=precision.dgrad)
         else:
-            y, wq = x2 @ weight.t(), None
+            y, wtq = x2 @ weight.t(), None
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(x, weight)
-        ctx.wq = wq if precision.dgrad else None
+        ctx.wtq = wtq
         ctx.recipe, ctx.precision, ctx.has_bias = recipe, precision, bias is not None
         ctx.sequence_parallel, ctx.allreduce_dgrad = sequence_parallel, allreduce_dgrad
         ctx.group, ctx.accumulate = group, accumulate
@@ -218,9 +219,9 @@ class _Fp8ParallelLinear(torch.autograd.Function):
         else:
             total = x
         dyq, dytq = quantize_grad(dy2, ctx.recipe, ctx.precision) if weight.requires_grad else (None, None)
-        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wq, dyq) if ctx.precision.dgrad else dy2 @ weight
+        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq, dyq) if ctx.precision.dgrad else dy2 @ weight
         dx = dx.view(*dy.shape[:-1], weight.shape[1])
-        ctx.wq = None
+        ctx.wtq = None
         reduce = None
         if ctx.sequence_parallel:
             local = torch.empty_like(x)

@@ -38,11 +38,14 @@ def init_distributed(timeout_s: float = 600.0) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+DEFAULT_SEED = 1234
+
+
 def current_layout() -> ParallelConfig | None:
     return _CURRENT
 
 
-def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelConfig:
+def initialize_parallel(parallel: ParallelConfig, *, seed: int = DEFAULT_SEED) -> ParallelConfig:
     """Validate ``parallel`` for this world, start distributed, and (re)build megatron-core's groups."""
     global _CURRENT
     from megatron.core import parallel_state as ps

@@ -58,6 +58,19 @@ def test_tiles_rows_blocks_match_reference(shape):
         assert ((deq - x).abs() <= bound * (1 + 1e-6)).all()
 
 
+def test_dual_block_quantisation_is_the_weight_and_its_transpose():
+    """quantize_blocks_dual(w): the forward's 128x128-block operand and the input gradient's (w.T), both equal to the
+    reference; the transpose of a block-scaled tensor is exact because blocks are square."""
+    w = _sample(300, 200, seed=3)
+    wq, wtq = fp8.quantize_blocks_dual(w)
+    ref_q, ref_s = _reference_group_quant(w, 128, 128)
+    ref_tq, ref_ts = _reference_group_quant(w.t(), 128, 128)
+    assert wq.kind == wtq.kind == "blocks" and wtq.data.shape == (200, 300) and wtq.data.is_contiguous()
+    for q, rq, rs in ((wq, ref_q, ref_s), (wtq, ref_tq, ref_ts)):
+        torch.testing.assert_close(q.scale, rs, rtol=0, atol=0)
+        torch.testing.assert_close(q.data.float(), rq, rtol=0, atol=0)
+
+
 def test_group_maximum_maps_to_448_and_cast_saturates():
     x = _sample(4, 256)
     q = quantize_tiles(x)

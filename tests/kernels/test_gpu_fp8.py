@@ -64,6 +64,20 @@ def test_fused_dual_tiles_match_torch(rows):
         torch.testing.assert_close(q.data.cpu().float(), ref.data.float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shape", [(4096, 1024), (384, 640), (128, 128)])
+def test_fused_dual_blocks_match_torch(shape):
+    """The forward's one-read quantisation of a weight into 128x128 blocks of w and of w.T equals the torch
+    reference (and its transpose) bit for bit."""
+    w = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 2, shape[1], device="cuda")
+    w[:128, :128] = 0
+    wq, wtq = fp8.quantize_blocks_dual(w)
+    ref = fp8.quantize_blocks(w.cpu())
+    for q, (data, scale) in ((wq, (ref.data, ref.scale)), (wtq, (ref.data.t(), ref.scale.t()))):
+        assert q.kind == "blocks" and q.data.is_contiguous() and q.data.shape == data.shape
+        torch.testing.assert_close(q.scale.cpu(), scale, rtol=0, atol=0)
+        torch.testing.assert_close(q.data.cpu().float(), data.float(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_scaled_gemm_matches_dequantised_product(recipe):
     _skip_unsupported(recipe)
