@@ -6,8 +6,8 @@ For the GEMM shapes of bench_train's workloads (M = tokens per micro-batch, N x 
   c  Qwen3-30B-A3B, one expert:   fc1 1536x2048, fc2 2048x768 at 512 tokens (the average share) and 17 tokens
 it times, per recipe (``blockwise`` where the GPU runs it, and ``rowwise``):
   total     ``fp8_linear`` forward + backward through autograd (what training runs), against ``x @ w.T`` in bf16
-  parts     each kernel the FP8 path launches, alone: quantisations of x, w, dy, x^T, dy^T (block-wise: dy and dy^T
-            in one read, quant_dy_dual, which is what training runs), the weight transpose and the three scaled GEMMs;
+  parts     each kernel the FP8 path launches, alone: quantisations of x, w, dy, x^T, dy^T (block-wise: w and w^T,
+            quant_w_dual, which is what training runs, next to w alone and an fp8 transpose of it), the three scaled GEMMs;
             the bf16 GEMMs likewise (fwd, dgrad, wgrad); quant_sum / gemm_sum add up what fp8_linear runs
 Timing: CUDA events around each call, median of --reps after --warmup (on CPU, wall clock: a dry run only).
 The recipe ``enable_fp8`` picks on this GPU (``fp8_recipe=None``) is printed and written to the JSON.
@@ -100,7 +100,6 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
                     parts["transpose_w"] = timer(lambda: F8.transpose_blocks(wq))
                     parts["quant_w_dual"] = timer(lambda: F8.quantize_blocks_dual(wd))
                     parts["quant_dy"] = timer(lambda: F8.quantize_tiles(dyp, check_finite=False))
-                    parts["quant_dy_dual"] = timer(lambda: F8.quantize_tiles_dual(dy))
                     kind, pad = "tiles", F8.GROUP
                 else:
                     xq, wq = F8.quantize_rows(xp, check_finite=False), F8.quantize_rows(wd, check_finite=False)
@@ -117,9 +116,8 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
                 parts["fwd_gemm"] = timer(lambda: F8.scaled_matmul(xq, wq))
                 parts["dgrad_gemm"] = timer(lambda: F8.scaled_matmul(dyq, wt))
                 parts["wgrad_gemm"] = timer(lambda: F8.scaled_matmul(dytq, xtq))
-                # NOTE: the quantisations fp8_linear runs: block-wise reads dy once for both tilings (quant_dy_dual)
-                # and quantises w and w.T from one read (quant_w_dual)
-                unused = ("quant_dy", "quant_dyT", "quant_w", "transpose_w") if recipe == "blockwise" else ()
+                # NOTE: the quantisations fp8_linear runs: block-wise quantises w and w.T together (quant_w_dual)
+                unused = ("quant_w", "transpose_w") if recipe == "blockwise" else ()
                 parts["quant_sum"] = sum(v for key, v in parts.items()
                                          if not key.endswith("_gemm") and key not in unused)
                 parts["gemm_sum"] = sum(v for key, v in parts.items() if key.endswith("_gemm"))

@@ -155,84 +155,6 @@ if triton is not None:
         tl.store(s_ptr + r, scale, mask=r < rows)
 
 
-if triton is not None:
-    @triton.jit
-    def _tiles_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols, q_rows, qt_cols, stride_xr, stride_xc,
-                           TILE: tl.constexpr, FMAX: tl.constexpr):
-        # NOTE: one read of a 128x128 block gives both 1x128 tilings: along the row (x's K) and along the column
-        # (x^T's K, written transposed), so the backward reads the output gradient once instead of twice.
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        r = pid_r * TILE + tl.arange(0, TILE)
-        c = pid_c * TILE + tl.arange(0, TILE)
-        load = (r[:, None] < rows) & (c[None, :] < cols)
-        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
-        a = tl.where(x == x, tl.abs(x), float("inf"))
-        zero = tl.zeros((TILE,), tl.float32)
-        zeros = tl.zeros((TILE, TILE), tl.float32)
-        amax_r = tl.max(a, axis=1)
-        s_r = tl.where(amax_r == 0, 1.0, tl.math.div_rn(amax_r, zero + FMAX))
-        q = tl.clamp(tl.math.div_rn(x, zeros + s_r[:, None]), -FMAX, FMAX)
-        tl.store(q_ptr + r[:, None] * cols + c[None, :], q.to(q_ptr.dtype.element_ty),
-                 mask=(r[:, None] < q_rows) & (c[None, :] < cols))
-        tl.store(s_ptr + pid_c * q_rows + r, s_r, mask=r < q_rows)
-        amax_c = tl.max(a, axis=0)
-        s_c = tl.where(amax_c == 0, 1.0, tl.math.div_rn(amax_c, zero + FMAX))
-        qc = tl.clamp(tl.math.div_rn(x, zeros + s_c[None, :]), -FMAX, FMAX)
-        # NOTE: transposed in registers (through shared memory) so the store runs along qt's rows: storing qc
-        # with qt's strides directly writes one byte per 128-byte row segment per thread.
-        tl.store(qt_ptr + c[:, None] * qt_cols + r[None, :], tl.trans(qc).to(qt_ptr.dtype.element_ty),
-                 mask=(c[:, None] < cols) & (r[None, :] < qt_cols))
-        tl.store(st_ptr + pid_r * cols + c, s_c, mask=c < cols)
-
-
-if triton is not None:
-    @triton.jit
-    def _blocks_dual_kernel(x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, rows, cols, stride_xr, stride_xc, s_rows, s_cols,
-                            BLOCK: tl.constexpr, FMAX: tl.constexpr):
-        # NOTE: a 128x128 block has one scale, so w's block-scaled transpose is the transposed block: one read of w
-        # gives the forward's operand and the input-gradient GEMM's.
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        r = pid_r * BLOCK + tl.arange(0, BLOCK)
-        c = pid_c * BLOCK + tl.arange(0, BLOCK)
-        mask = (r[:, None] < rows) & (c[None, :] < cols)
-        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        a = tl.where(x == x, tl.abs(x), float("inf"))
-        amax = tl.max(tl.max(a, axis=1), axis=0)
-        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FMAX))
-        q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK, BLOCK), tl.float32) + scale), -FMAX, FMAX)
-        q = q.to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + r[:, None] * cols + c[None, :], q, mask=mask)
-        tl.store(qt_ptr + c[:, None] * rows + r[None, :], tl.trans(q), mask=(c[:, None] < cols) & (r[None, :] < rows))
-        tl.store(s_ptr + pid_r * s_cols + pid_c, scale)
-        tl.store(st_ptr + pid_c * s_rows + pid_r, scale)
-
-
-def _blocks_dual_triton(w: torch.Tensor) -> tuple[Quantized, Quantized]:
-    rows, cols = w.shape
-    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=w.device)
-    qt = torch.empty(cols, rows, dtype=FP8_DTYPE, device=w.device)
-    s = torch.empty(_ceil(rows, GROUP), _ceil(cols, GROUP), dtype=torch.float32, device=w.device)
-    st = torch.empty(s.shape[1], s.shape[0], dtype=torch.float32, device=w.device)
-    _blocks_dual_kernel[s.shape](w, q, qt, s, st, rows, cols, w.stride(0), w.stride(1), s.shape[0], s.shape[1],
-                                 BLOCK=GROUP, FMAX=FP8_MAX, num_warps=8)
-    return Quantized(q, s, "blocks"), Quantized(qt, st, "blocks")
-
-
-def _tiles_dual_triton(x: torch.Tensor) -> tuple[Quantized, Quantized]:
-    rows, cols = x.shape
-    q_rows, qt_cols = padded_rows(rows), _ceil(rows, GROUP) * GROUP
-    q = torch.empty(q_rows, cols, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(_ceil(cols, GROUP), q_rows, dtype=torch.float32, device=x.device)
-    qt = torch.empty(cols, qt_cols, dtype=FP8_DTYPE, device=x.device)
-    st = torch.empty(qt_cols // GROUP, cols, dtype=torch.float32, device=x.device)
-    _tiles_dual_kernel[(qt_cols // GROUP, _ceil(cols, GROUP))](
-        x, q, s, qt, st, rows, cols, q_rows, qt_cols, x.stride(0), x.stride(1), TILE=GROUP, FMAX=FP8_MAX,
-        num_warps=8)
-    return Quantized(q, s.t(), "tiles"), Quantized(qt, st.t(), "tiles")
-
-
 def _rows_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     q = torch.empty(rows, out_cols, dtype=FP8_DTYPE, device=x.device)
@@ -333,25 +255,16 @@ def quantize(x: torch.Tensor, kind: str, *, pad_to: int = 1, check_finite: bool 
     raise Fp8Error(f"quantize: unknown scaling {kind!r}; use one of {KINDS}.")
 
 
-def quantize_tiles_dual(x: torch.Tensor) -> tuple[Quantized, Quantized]:
-    """Both 1x128 tilings of 2-D ``x`` ``[M, K]`` that a linear layer's backward needs from one read: ``x``'s rows
-    zero-padded to ``padded_rows(M)`` tiled along K (the input-gradient GEMM's operand), and ``x.T`` tiled along M,
-    zero-padded to a multiple of 128 (the weight-gradient GEMM's). No finiteness check (the training path's use)."""
-    _as_matrix(x, "quantize_tiles_dual")
-    if _use_triton(x) and x.shape[0] and x.shape[1]:
-        return _tiles_dual_triton(x)
-    return (quantize_tiles(_pad_rows(x), check_finite=False),
-            quantize_tiles(x.t(), pad_to=GROUP, check_finite=False))
-
-
 def quantize_blocks_dual(w: torch.Tensor) -> tuple[Quantized, Quantized]:
     """128x128 block scaling of 2-D ``w`` ``[N, K]`` and of its transpose ``[K, N]`` (the forward's and the input
-    gradient's operand) from one read of ``w``. No finiteness check (the training path's use)."""
+    gradient's operand; blocks are square, so the second is the first transposed). No finiteness check (the
+    training path's use).
+
+    NOTE: two passes over ``w`` (the second reads it through the transposed view) measured faster on an H100 than
+    one pass that stores a transposed copy of each block, and than an fp8 ``.t().contiguous()``
+    (scripts/bench_fp8_linear.py, docs/fp8.md)."""
     _as_matrix(w, "quantize_blocks_dual")
-    if _use_triton(w) and w.shape[0] and w.shape[1]:
-        return _blocks_dual_triton(w)
-    wq = quantize_blocks(w, check_finite=False)
-    return wq, transpose_blocks(wq)
+    return quantize_blocks(w, check_finite=False), quantize_blocks(w.t(), check_finite=False)
 
 
 def expand_scale(q: Quantized) -> torch.Tensor:
@@ -503,43 +416,31 @@ def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *,
     return (y if xp is x else y[:m]), wtq
 
 
-def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | None = None,
-               dyq: Quantized | None = None) -> torch.Tensor:
+def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | None = None) -> torch.Tensor:
     """``dy @ w`` in FP8 (``dy`` ``[M, N]``, ``w`` ``[N, K]``): the input gradient (any M, as ``gemm_fwd``).
-    ``wtq``: ``w.T`` already block-quantised (what ``gemm_fwd`` returns); ``dyq``: ``dy`` already quantised
-    (blockwise: the first of ``quantize_tiles_dual(dy)``)."""
+    ``wtq``: ``w.T`` already block-quantised (what ``gemm_fwd`` returns)."""
     m = dy.shape[0]
     if m == 0:
         return dy.new_zeros(0, w.shape[1])
     dyp = _pad_rows(dy)
     if recipe == "blockwise":
-        wt = wtq if wtq is not None else quantize_blocks_dual(w)[1]
-        dyq = dyq if dyq is not None else quantize_tiles(dyp, check_finite=False)
-        dx = scaled_matmul(dyq, wt, out_dtype=dy.dtype)
+        wt = wtq if wtq is not None else quantize_blocks(w.t(), check_finite=False)
+        dx = scaled_matmul(quantize_tiles(dyp, check_finite=False), wt, out_dtype=dy.dtype)
     else:
         dx = scaled_matmul(quantize_rows(dyp, check_finite=False), quantize_rows(w.t(), check_finite=False),
                            out_dtype=dy.dtype)
     return dx if dyp is dy else dx[:m]
 
 
-def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: str, dytq: Quantized | None = None) -> torch.Tensor:
+def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: str) -> torch.Tensor:
     """``dy.T @ x`` in FP8 (``dy`` ``[M, N]``, ``x`` ``[M, K]``): the weight gradient, contracting over tokens,
-    which are zero-padded to the GEMM's multiple; M = 0 gives zeros. ``dytq``: ``dy.T`` already quantised
-    (blockwise: the second of ``quantize_tiles_dual(dy)``)."""
+    which are zero-padded to the GEMM's multiple; M = 0 gives zeros."""
     if dy.shape[0] == 0:
         return dy.new_zeros(dy.shape[1], x.shape[1])
     kind, pad = ("tiles", GROUP) if recipe == "blockwise" else ("rows", ROW_ALIGN)
-    a = dytq if dytq is not None else quantize(dy.t(), kind, pad_to=pad, check_finite=False)
+    a = quantize(dy.t(), kind, pad_to=pad, check_finite=False)
     b = quantize(x.t(), kind, pad_to=pad, check_finite=False)
     return scaled_matmul(a, b, out_dtype=dy.dtype)
-
-
-def quantize_grad(dy: torch.Tensor, recipe: str, precision: GemmPrecision) -> tuple[Quantized | None, Quantized | None]:
-    """The output gradient quantised once for both backward GEMMs where both run block-wise FP8 (one fused read),
-    else (None, None) and each GEMM quantises what it needs."""
-    if recipe == "blockwise" and precision.dgrad and precision.wgrad and dy.shape[0]:
-        return quantize_tiles_dual(dy)
-    return None, None
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -562,13 +463,12 @@ class _Fp8Linear(torch.autograd.Function):
         x2, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, weight.shape[0])
         dx = dw = db = None
-        dyq, dytq = quantize_grad(dy2, ctx.recipe, ctx.precision) if all(ctx.needs_input_grad[:2]) else (None, None)
         if ctx.needs_input_grad[0]:
-            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq, dyq) if ctx.precision.dgrad \
+            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq) if ctx.precision.dgrad \
                 else dy2 @ weight.to(dy2.dtype)
             dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = (gemm_wgrad(dy2, x2, ctx.recipe, dytq) if ctx.precision.wgrad else dy2.t() @ x2).to(weight.dtype)
+            dw = (gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         ctx.wtq = None
