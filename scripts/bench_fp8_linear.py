@@ -7,7 +7,8 @@ For the GEMM shapes of bench_train's workloads (M = tokens per micro-batch, N x 
 it times, per recipe (``blockwise`` where the GPU runs it, and ``rowwise``):
   total     ``fp8_linear`` forward + backward through autograd (what training runs), against ``x @ w.T`` in bf16
   parts     each kernel the FP8 path launches, alone: quantisations of x, w, dy, x^T, dy^T (block-wise: w and w^T,
-            quant_w_dual, which is what training runs, next to w alone and an fp8 transpose of it), the three scaled GEMMs;
+            quant_w_dual, which is what training runs, next to w alone and an fp8 transpose of it), the three scaled
+            GEMMs;
             the bf16 GEMMs likewise (fwd, dgrad, wgrad); quant_sum / gemm_sum add up what fp8_linear runs
 Timing: CUDA events around each call, median of --reps after --warmup (on CPU, wall clock: a dry run only).
 The recipe ``enable_fp8`` picks on this GPU (``fp8_recipe=None``) is printed and written to the JSON.
