@@ -27,7 +27,29 @@ def apply_without_te_fixes() -> None:
     if not te_ext.HAVE_TE:
         mla.HAVE_TE = False
     _patch_reshardable_load_without_fused_adam()
+    _patch_grad_norm_without_apex()
     _DONE = True
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """What megatron calls as ``amp_C.multi_tensor_l2norm``: the l2 norm over ``tensor_lists[0]`` as a ``[1]`` fp32
+    tensor on the tensors' device, from one ``torch._foreach_norm`` (fp32 accumulation) and no host sync."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _patch_grad_norm_without_apex() -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    # optimizer/clip_grads.py:42 falls back to utils.local_multi_tensor_l2_norm (utils.py:1200-1208) without TE / Apex:
+    # a `torch.norm` per gradient, then `torch.tensor(list of device scalars)`, which reads each norm back to the host
+    # (one device sync per parameter: 227 per step of a 28-layer model, the GPU idling between them).
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
 
 
 def _patch_reshardable_load_without_fused_adam() -> None:
