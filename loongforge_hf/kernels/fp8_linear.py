@@ -310,10 +310,13 @@ class Fp8ForwardImpl:
 
 class Fp8GroupedExperts:
     """The instance ``forward`` of a grouped expert module (``kernels.grouped_mlp.GroupedMLP``): the same math per
-    expert (``swiglu(x @ W1.T)``, times the routing probability, ``@ W2.T``) with both projections in ``fp8_linear``.
+    expert (``swiglu(x @ W1.T)``, times the routing probability, ``@ W2.T``) with both projections in FP8.
 
-    NOTE: torch has no FP8 grouped GEMM with a block-scaled backward, so the experts run one after the other; whether
-    that beats the bf16 grouped GEMM depends on tokens per expert (benchmark it); ``adaptive`` leaves them in bf16.
+    Where ``torch._scaled_grouped_mm`` runs (CUDA compute capability 9.0 / 10.x) or off CUDA (emulated, the tests'
+    path), each projection is one grouped GEMM for all local experts, row-wise scaled under either recipe
+    (``kernels.fp8_grouped``: torch has no block-scaled grouped GEMM on sm90), with no host sync. On other CUDA GPUs
+    (Ada, sm 8.9) or a torch without it, the experts run one after the other through ``fp8_linear`` (the recipe's
+    scaling; one host sync for the token counts). ``adaptive`` leaves the experts in bf16.
     """
 
     def __init__(self, module, *, name: str, settings: Fp8Settings) -> None:
@@ -323,14 +326,17 @@ class Fp8GroupedExperts:
 
     def __call__(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         from loongforge_hf.kernels.fp8 import fp8_linear
+        from loongforge_hf.kernels.fp8_grouped import fp8_grouped_gated_mlp, grouped_fp8_supported
         from loongforge_hf.kernels.swiglu import swiglu
 
         module = self.module_ref
         x, probs = permuted_local_hidden_states, permuted_probs
         if module.config.moe_apply_probs_on_input:
             x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), None
-        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
         fc1, fc2 = module.linear_fc1.weight, module.linear_fc2.weight
+        if not x.is_cuda or grouped_fp8_supported(x.device):
+            return fp8_grouped_gated_mlp(x, fc1, fc2, tokens_per_expert, probs), None
+        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
         outs = []
         for e, (t, p) in enumerate(zip(torch.split(x, [int(c) for c in counts]),
                                        torch.split(probs, [int(c) for c in counts]) if probs is not None
