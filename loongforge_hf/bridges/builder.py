@@ -100,18 +100,6 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
         raise ValueError("megatron_config: " + "; ".join(problems) + ".")
 
 
-def _prepare_local_cuda_graphs() -> None:
-    """megatron's per-layer CUDA graphs (``megatron_config={"cuda_graph_impl": "local"}``) need an RNG tracker whose
-    states can be captured (cuda_graphs.py asserts ``use_cudagraphable_rng``)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-
-    tracker = get_cuda_rng_tracker()
-    if not getattr(tracker, "use_cudagraphable_rng", False):
-        from loongforge_hf.parallel.bootstrap import DEFAULT_SEED
-
-        model_parallel_cuda_manual_seed(DEFAULT_SEED, use_cudagraphable_rng=True, force_reset_rng=True)
-
-
 def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype,
                          megatron_config: dict | None = None) -> MegatronModel:
     from megatron.core import parallel_state as ps
@@ -146,8 +134,6 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
     )
     check_megatron_config(bridge, megatron_config)
     config = config_class(**kw, **fixed, **(megatron_config or {}))
-    if getattr(config, "cuda_graph_impl", "none") == "local":
-        _prepare_local_cuda_graphs()
     padded = padded_vocab_size(hf.vocab_size, tensor_parallel_size=parallel.tensor_parallel_size)
     chunks, offsets, counts = [], [], []
     for vp_stage in range(vpp or 1):
