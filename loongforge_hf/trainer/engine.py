@@ -59,7 +59,7 @@ class MegatronEngine:
     """Owns the DDP-wrapped chunks and the optimizer of a ``LoongModelForCausalLM``."""
 
     def __init__(self, model, *, args, overlap_grad_reduce: bool = True, fused_loss: bool = True,
-                 fused_adam: bool | None = None, fused_wgrad: bool | None = None,
+                 fused_adam: bool | str | None = None, fused_wgrad: bool | None = None,
                  optimizer_precision: str = "fp32") -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -119,8 +119,10 @@ class MegatronEngine:
                 group["lr"] = args.learning_rate * group.get("lr_mult", 1.0)
         if fused_adam is None:
             fused_adam = model.device.type == "cuda"
+        if fused_adam not in (None, True, False, "triton"):
+            raise ValueError(f"fused_adam must be None, True, False or 'triton', got {fused_adam!r}.")
         if fused_adam:
-            self._use_fused_adam()
+            self._use_fused_adam(triton=fused_adam == "triton")
         self._finalize_megatron = finalize_model_grads
         self._num_tokens: torch.Tensor | None = None
         config.finalize_model_grads_func = self._finalize_model_grads
@@ -130,14 +132,19 @@ class MegatronEngine:
             config.grad_sync_func = [c.start_grad_sync for c in self.chunks] if len(self.chunks) > 1 \
                 else self.chunks[0].start_grad_sync
 
-    def _use_fused_adam(self) -> None:
+    def _use_fused_adam(self, triton: bool = False) -> None:
         """Switch megatron's torch AdamW(s) to torch's fused implementation (before any step: the fused one keeps its
-        step counts as tensors on the parameters' device)."""
+        step counts as tensors on the parameters' device); ``triton``: to ``kernels.adamw.LoongAdamW`` (same state,
+        large tensors through its Triton kernel; opt-in, ``fused_adam="triton"``)."""
         for opt in self.inner_optimizers():
             if type(opt) not in (torch.optim.AdamW, torch.optim.Adam) or any(opt.state.values()):
                 continue
             for group in [opt.defaults, *opt.param_groups]:
                 group["fused"], group["foreach"] = True, False
+            if triton and type(opt) is torch.optim.AdamW:
+                from loongforge_hf.kernels.adamw import LoongAdamW
+
+                LoongAdamW.adopt(opt)
 
     def _finalize_model_grads(self, model_chunks, num_tokens=None, *args, **kwargs) -> None:
         """megatron's ``finalize_model_grads`` (grad sync, shared-weight and layernorm all-reduces) without its last
