@@ -7,7 +7,7 @@ import torch
 
 from loongforge_hf.kernels.adamw import LoongAdamW
 from loongforge_hf.parallel.spawn import run_distributed
-from tests.kernels._adamw_checks import check_adamw, check_found_inf
+from ._adamw_checks import check_adamw, check_found_inf
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
