@@ -178,7 +178,7 @@ def _triton_on(device) -> bool:
 
 
 def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, optimizer_precision: str = "fp32",
-                     cuda_graphs: str | None = None):
+                     cuda_graphs: str | None = None, adam: str = "torch"):
     import tempfile
 
     import torch
@@ -197,7 +197,8 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
     args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_train_"), learning_rate=LR,
                                           adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
-    engine = MegatronEngine(model, args=args, optimizer_precision=optimizer_precision)
+    engine = MegatronEngine(model, args=args, optimizer_precision=optimizer_precision,
+                            fused_adam="triton" if adam == "triton" else None)
     inner = engine.inner_optimizers()
     wrapper = type((getattr(engine.optimizer, "chained_optimizers", None) or [engine.optimizer])[0]).__name__
     info = {"parameters": model.num_parameters(), "device": str(model.device),
@@ -230,7 +231,7 @@ def run_stack(args, device: H.Device) -> dict:
     cfg_kwargs, seq, _ = sizes(w, args.tiny)
     if args.stack == "loongforge":
         step, info = build_loongforge(args.folder, device, fp8=args.fp8, optimizer_precision=args.optimizer_precision,
-                                      cuda_graphs=args.cuda_graphs)
+                                      cuda_graphs=args.cuda_graphs, adam=args.adam)
     else:
         step, info = build_transformers(args.folder, device, liger=args.stack == "liger")
     info["weights_gib"] = round(device.allocated() / H.GIB, 2)
@@ -272,6 +273,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--fp8", choices=("on", "adaptive"))
     p.add_argument("--optimizer-precision", choices=("fp32", "model"), default="fp32")
     p.add_argument("--cuda-graphs", choices=("local",))
+    p.add_argument("--adam", choices=("torch", "triton"), default="torch")
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     # NOTE: loongforge-hf picks its device backend from this variable; set before anything imports the package.
@@ -310,6 +312,7 @@ def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: 
     common += ["--fp8", options["fp8"]] if "fp8" in options else []
     common += ["--optimizer-precision", options["optimizer"]] if "optimizer" in options else []
     common += ["--cuda-graphs", options["graphs"]] if "graphs" in options else []
+    common += ["--adam", options["adam"]] if "adam" in options else []
     common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
     result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", "1"], log_path=log,
                           timeout_s=args.worker_timeout)
@@ -392,7 +395,8 @@ def main(argv: list[str]) -> int:
                    "to the default fp32 one")
     p.add_argument("--variants", default="", help="comma list of extra loongforge rows, each a space-separated set "
                    "of options: fp8=on|adaptive, optimizer=fp32|model, graphs=local (megatron's per-layer CUDA "
-                   "graphs), e.g. 'optimizer=model graphs=local'")
+                   "graphs), adam=torch|triton (MegatronEngine(fused_adam='triton'): kernels/adamw.LoongAdamW), "
+                   "e.g. 'optimizer=model graphs=local adam=triton'")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     stacks = [s for s in args.stacks.split(",") if s]
@@ -405,7 +409,8 @@ def main(argv: list[str]) -> int:
     bad_precision = [m for m in args.optimizer_precision.split(",") if m and m not in ("fp32", "model")]
     if bad_precision:
         p.error(f"--optimizer-precision takes fp32 and/or model, got {bad_precision}")
-    allowed = {"fp8": ("on", "adaptive"), "optimizer": ("fp32", "model"), "graphs": ("local",)}
+    allowed = {"fp8": ("on", "adaptive"), "optimizer": ("fp32", "model"), "graphs": ("local",),
+               "adam": ("torch", "triton")}
     for v in (v for v in args.variants.split(",") if v.strip()):
         for option in v.split():
             key, _, value = option.partition("=")
