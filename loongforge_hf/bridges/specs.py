@@ -118,4 +118,7 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
     enable_megatron_fused_rope(config)  # changes nothing for MLA
     if config.num_moe_experts:
         _dispatcher_for_layout(config)
+        from loongforge_hf.kernels.moe_permute import enable_megatron_fused_permute
+
+        enable_megatron_fused_permute(config)  # after the dispatcher choice: it serves only some paths
     return _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False))
