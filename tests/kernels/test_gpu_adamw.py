@@ -2,6 +2,8 @@
 found_inf; tolerances in _adamw_checks.py), state dicts loaded into torch's fused AdamW continue identically, and
 ``MegatronEngine(fused_adam="triton")`` trains like ``fused_adam=True`` (torch's fused AdamW)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -33,7 +35,9 @@ def test_state_dict_into_torch_fused_adamw(dtype):
     del ours.grad_scale
     ref = torch.optim.AdamW([p.detach().clone() for p in ours.param_groups[0]["params"]], lr=1e-3,
                             weight_decay=0.1, fused=True)
-    ref.load_state_dict(ours.state_dict())
+    # NOTE: a deep copy: load_state_dict keeps tensors that already have the right dtype and device, so both
+    # optimizers would otherwise share (and both advance) the same step counts and moments.
+    ref.load_state_dict(copy.deepcopy(ours.state_dict()))
     for a, b in zip(ours.param_groups[0]["params"], ref.param_groups[0]["params"]):
         sa, sb = ours.state[a], ref.state[b]
         assert sb["step"].is_cuda and sb["step"].dtype == torch.float32 and float(sb["step"]) == 3.0
@@ -75,14 +79,17 @@ def test_engine_triton_adamw_trains_like_torch_fused(tmp_path, optimizer_precisi
     folder = make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=False, hidden_size=128,
                                   intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     env = {"LOONGFORGE_DEVICE": "cuda"}
-    [torch_fused] = run_distributed(_train, 1, str(folder), str(tmp_path / "t"), True, optimizer_precision,
-                                    timeout=600, env=env)
-    [triton] = run_distributed(_train, 1, str(folder), str(tmp_path / "k"), "triton", optimizer_precision,
-                               timeout=600, env=env)
+    runs = {kind: run_distributed(_train, 1, str(folder), str(tmp_path / str(kind)), kind, optimizer_precision,
+                                  timeout=600, env=env)[0] for kind in (True, False, "triton")}
+    torch_fused, torch_foreach, triton = runs[True], runs[False], runs["triton"]
     assert torch_fused["kinds"] == ["AdamW"] and triton["kinds"] == ["LoongAdamW"], (torch_fused, triton["kinds"])
-    # fp32 main weights: the same update up to fp32 rounding; "model" (bf16 weights and moments): one bf16 ulp per
-    # step where the two kernels round a tie differently, which later steps can carry on.
     tol = dict(rtol=1e-4, atol=1e-5) if optimizer_precision == "fp32" else dict(rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(torch.tensor(triton["losses"]), torch.tensor(torch_fused["losses"]), **tol)
+    # Adam's update m / (sqrt(v) + eps) is ill-conditioned where gradients are tiny (embedding rows of rare tokens):
+    # there torch's own fused and foreach implementations already differ by more than rounding. The Triton step must
+    # be as close to torch's fused one as torch's foreach one is, per tensor (largest difference), plus rounding.
+    slack = 1e-6 if optimizer_precision == "fp32" else 2.0 ** -7
     for name, w in torch_fused["weights"].items():
-        torch.testing.assert_close(triton["weights"][name], w, **tol, msg=name)
+        torch_gap = (torch_foreach["weights"][name] - w).abs().max().item()
+        ours_gap = (triton["weights"][name] - w).abs().max().item()
+        assert ours_gap <= 2 * torch_gap + slack * w.abs().max().item(), (name, ours_gap, torch_gap)
