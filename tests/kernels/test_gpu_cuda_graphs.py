@@ -1,6 +1,10 @@
 """megatron's per-layer CUDA graphs (``megatron_config={"cuda_graph_impl": "local"}``) under MegatronEngine on a GPU:
 the same losses and weights as the eager run, with both optimizer precisions and the fused weight-gradient
-accumulation (whose ``grad_added_to_main_grad`` flags a replayed backward does not set)."""
+accumulation (whose ``grad_added_to_main_grad`` flags a replayed backward does not set).
+
+fp32 weights: in bf16 the two runs may pick different GEMM algorithms (captured vs eager), and Adam turns the rounding
+differences of near-zero gradient components into full-size updates of either sign (one H100 run showed 0.3% on the
+first replayed step's loss), which says nothing about the graphs; in fp32 those differences stay at rounding level."""
 
 import pytest
 import torch
@@ -25,7 +29,7 @@ def _train(folder: str, out_dir: str, graphs: bool, optimizer_precision: str) ->
     if graphs:
         os.environ["NCCL_GRAPH_REGISTER"] = "0"  # megatron's check with expandable segments (no NCCL use here)
     model = lf.AutoModelForCausalLM.from_pretrained(
-        folder, tensor_parallel_size=1, dtype=torch.bfloat16,
+        folder, tensor_parallel_size=1, dtype=torch.float32,
         megatron_config={"cuda_graph_impl": "local"} if graphs else None)
     args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-3, weight_decay=0.01,
                                           max_grad_norm=1.0, report_to=[])
@@ -50,8 +54,8 @@ def test_local_cuda_graphs_train_like_eager(tmp_path, optimizer_precision):
     [graphed] = run_distributed(_train, 1, str(folder), str(tmp_path / "g"), True, optimizer_precision, timeout=600,
                                 env=env)
     assert graphed["graphed"] > 0 and graphed["fused_wgrad_layers"] > 0, graphed
-    # Same kernels in the same order: equal up to bf16 rounding of nondeterministic reductions (none expected).
-    torch.testing.assert_close(torch.tensor(graphed["losses"]), torch.tensor(eager["losses"]), rtol=1e-3, atol=1e-3)
+    # The same computation replayed: equal up to fp32 rounding (GEMM algorithms may differ under capture).
+    torch.testing.assert_close(torch.tensor(graphed["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-5)
     assert graphed["losses"][-1] < graphed["losses"][0]
     for name, w in eager["weights"].items():
-        torch.testing.assert_close(graphed["weights"][name], w, rtol=2e-2, atol=2e-3, msg=name)
+        torch.testing.assert_close(graphed["weights"][name], w, rtol=1e-4, atol=1e-5, msg=name)
