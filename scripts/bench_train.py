@@ -178,7 +178,7 @@ def _triton_on(device) -> bool:
 
 
 def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, optimizer_precision: str = "fp32",
-                     cuda_graphs: str | None = None, adam: str = "torch"):
+                     adam: str = "torch"):
     import tempfile
 
     import torch
@@ -187,13 +187,7 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
     import loongforge_hf as lf
     from loongforge_hf.trainer.engine import MegatronEngine
 
-    megatron_config = {"cuda_graph_impl": cuda_graphs} if cuda_graphs else None
-    if cuda_graphs:
-        # NOTE: megatron's local graphs refuse expandable segments on pre-Blackwell GPUs unless NCCL does not register
-        # graph buffers (cuda_graphs.py); one GPU, no NCCL traffic here.
-        os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16, fp8=fp8,
-                                                    megatron_config=megatron_config)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16, fp8=fp8)
     args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_train_"), learning_rate=LR,
                                           adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
@@ -204,7 +198,7 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
     info = {"parameters": model.num_parameters(), "device": str(model.device),
             "optimizer": f"megatron {wrapper} over {type(inner[0]).__module__}.{type(inner[0]).__name__} "
                          f"(foreach={inner[0].defaults.get('foreach')}, fused={inner[0].defaults.get('fused')})",
-            "optimizer_precision": optimizer_precision, "cuda_graphs": cuda_graphs,
+            "optimizer_precision": optimizer_precision,
             "attention": type(model.chunks[0].decoder.layers[0].self_attention.core_attention).__name__,
             "loss": "fused linear cross-entropy" if engine.fused_loss else "materialised logits",
             "triton_kernels": _triton_on(model.device),
@@ -231,7 +225,7 @@ def run_stack(args, device: H.Device) -> dict:
     cfg_kwargs, seq, _ = sizes(w, args.tiny)
     if args.stack == "loongforge":
         step, info = build_loongforge(args.folder, device, fp8=args.fp8, optimizer_precision=args.optimizer_precision,
-                                      cuda_graphs=args.cuda_graphs, adam=args.adam)
+                                      adam=args.adam)
     else:
         step, info = build_transformers(args.folder, device, liger=args.stack == "liger")
     info["weights_gib"] = round(device.allocated() / H.GIB, 2)
@@ -272,7 +266,6 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--fp8", choices=("on", "adaptive"))
     p.add_argument("--optimizer-precision", choices=("fp32", "model"), default="fp32")
-    p.add_argument("--cuda-graphs", choices=("local",))
     p.add_argument("--adam", choices=("torch", "triton"), default="torch")
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
@@ -311,7 +304,6 @@ def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: 
               "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     common += ["--fp8", options["fp8"]] if "fp8" in options else []
     common += ["--optimizer-precision", options["optimizer"]] if "optimizer" in options else []
-    common += ["--cuda-graphs", options["graphs"]] if "graphs" in options else []
     common += ["--adam", options["adam"]] if "adam" in options else []
     common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
     result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", "1"], log_path=log,
@@ -394,9 +386,9 @@ def main(argv: list[str]) -> int:
                    "row with MegatronEngine(optimizer_precision='model') (bf16 grads, weights and AdamW moments) next "
                    "to the default fp32 one")
     p.add_argument("--variants", default="", help="comma list of extra loongforge rows, each a space-separated set "
-                   "of options: fp8=on|adaptive, optimizer=fp32|model, graphs=local (megatron's per-layer CUDA "
-                   "graphs), adam=torch|triton (MegatronEngine(fused_adam='triton'): kernels/adamw.LoongAdamW), "
-                   "e.g. 'optimizer=model graphs=local adam=triton'")
+                   "of options: fp8=on|adaptive, optimizer=fp32|model, adam=torch|triton "
+                   "(MegatronEngine(fused_adam='triton'): kernels/adamw.LoongAdamW), "
+                   "e.g. 'optimizer=model adam=triton'")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     stacks = [s for s in args.stacks.split(",") if s]
@@ -409,8 +401,7 @@ def main(argv: list[str]) -> int:
     bad_precision = [m for m in args.optimizer_precision.split(",") if m and m not in ("fp32", "model")]
     if bad_precision:
         p.error(f"--optimizer-precision takes fp32 and/or model, got {bad_precision}")
-    allowed = {"fp8": ("on", "adaptive"), "optimizer": ("fp32", "model"), "graphs": ("local",),
-               "adam": ("torch", "triton")}
+    allowed = {"fp8": ("on", "adaptive"), "optimizer": ("fp32", "model"), "adam": ("torch", "triton")}
     for v in (v for v in args.variants.split(",") if v.strip()):
         for option in v.split():
             key, _, value = option.partition("=")
