@@ -108,7 +108,9 @@ class LoongTrainer(Trainer):
     def create_optimizer(self, model=None):
         if self.engine is None:
             self.engine = MegatronEngine(self.model, args=self.args,
-                                         optimizer_precision=getattr(self.args, "optimizer_precision", "fp32"))
+                                         optimizer_precision=getattr(self.args, "optimizer_precision", "fp32"),
+                                         fused_adam="triton" if getattr(self.args, "adamw_kernel", "torch") == "triton"
+                                         else None)
         self.optimizer = self.engine.optimizer
         return self.optimizer
 

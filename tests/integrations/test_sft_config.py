@@ -24,7 +24,7 @@ from tests.trainer.test_optimizer_precision import (LOSS_REL, _assert_model_prec
 from ._sft_parity import _tokenizer, make_dataset
 
 LOONG_KNOBS = dict(optimizer_precision="model", dp_load_balance=False, dp_balance_refit=True,
-                   dp_balance_refit_steps=3)
+                   dp_balance_refit_steps=3, adamw_kernel="triton")
 
 
 def _kw(out_dir: str) -> dict:
@@ -67,7 +67,8 @@ def _world(folder: str, out_dir: str) -> dict:
                      "args_type": type(trainer.args).__name__,
                      "knobs": {k: getattr(trainer.args, k) for k in LOONG_KNOBS},
                      "learning_rate": trainer.args.learning_rate,
-                     "engine_precision": trainer.engine.optimizer_precision}
+                     "engine_precision": trainer.engine.optimizer_precision,
+                     "adamw": sorted({type(o).__name__ for o in trainer.engine.inner_optimizers()})}
     return out
 
 
@@ -82,7 +83,7 @@ def test_model_precision_sft_config_matches_trl_bf16(runs):
     tmp, out = runs
     got = out["sft_config"]
     assert got["args_type"] == "LoongSFTConfig"
-    assert got["engine_precision"] == "model"
+    assert got["engine_precision"] == "model" and got["adamw"] == ["LoongAdamW"]
     _assert_model_precision_state(got["state"])  # bf16 params, moments and grads; AdamW steps the model's params
     assert len(got["losses"]) == len(out["trl"]) == 3
     assert got["losses"] == pytest.approx(out["trl"], rel=LOSS_REL), (got["losses"], out["trl"])
@@ -95,7 +96,7 @@ def test_training_arguments_keep_their_loong_fields(runs):
     assert got["args_type"] == "LoongSFTConfig"
     assert got["knobs"] == LOONG_KNOBS
     assert got["learning_rate"] == 5e-3
-    assert got["engine_precision"] == "model"
+    assert got["engine_precision"] == "model" and got["adamw"] == ["LoongAdamW"]
     _assert_model_precision_state(got["state"])
     assert got["losses"] == out["sft_config"]["losses"]
 

@@ -200,3 +200,5 @@ def test_bad_optimizer_precision_is_refused(tmp_path):
         lf.LoongTrainingArguments(output_dir=str(tmp_path), optimizer_precision="bf16", use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match="optimizer_precision must be one of 'fp32', 'model', got 'fp16'"):
         MegatronEngine(model=None, args=None, optimizer_precision="fp16")
+    with pytest.raises(ValueError, match="adamw_kernel must be one of 'torch', 'triton', got 'apex'"):
+        lf.LoongTrainingArguments(output_dir=str(tmp_path), adamw_kernel="apex", use_cpu=True, report_to=[])
