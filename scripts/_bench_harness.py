@@ -118,6 +118,29 @@ def time_steps(step: Callable[[Any], Any], batches: list, *, warmup: int, device
 STACK_OPS = ("aten::copy_", "aten::add_", "aten::mul_", "aten::mul", "aten::fill_", "aten::cat", "aten::sum")
 
 
+def median_ms(fn: Callable[[], Any], *, cuda: bool, warmup: int, reps: int) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup``: CUDA events around each call on a GPU
+    (device time of what ``fn`` launched), the host clock otherwise (a dry run only)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def _is_frame(name: str) -> bool:
     return ".py(" in name or name.startswith("<built-in")
 

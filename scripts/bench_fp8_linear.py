@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _bench_harness as H  # noqa: E402
 
 from loongforge_hf.kernels import fp8 as F8  # noqa: E402
 
@@ -50,22 +51,7 @@ class Timer:
 
     def __call__(self, fn) -> float:
         """Median milliseconds of ``fn()``."""
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.reps):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return H.median_ms(fn, cuda=self.cuda, warmup=self.warmup, reps=self.reps)
 
 
 def _fwd_bwd(linear, x, w, dy):

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _bench_harness as H  # noqa: E402
 from bench_train import BETAS, EPS, LR, WORKLOADS, hf_config  # noqa: E402
 
 from loongforge_hf.kernels.adamw import LoongAdamW  # noqa: E402
@@ -41,25 +40,6 @@ def shapes(key: str, tiny: bool) -> list[torch.Size]:
     return [p.shape for p in model.parameters()]
 
 
-def median_ms(step, device: torch.device, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def bench(params: list[torch.Tensor], cls, *, grad_scale: bool, device: torch.device, warmup: int,
           reps: int) -> float:
     opt = cls(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.1, fused=True)
@@ -70,7 +50,7 @@ def bench(params: list[torch.Tensor], cls, *, grad_scale: bool, device: torch.de
         opt.step()
 
     try:
-        return median_ms(step, device, warmup, reps)
+        return H.median_ms(step, cuda=device.type == "cuda", warmup=warmup, reps=reps)
     finally:
         opt.state.clear()
 

@@ -2,19 +2,13 @@
 and the Triton step against torch's fused AdamW under ``TRITON_INTERPRET=1`` in a child process (see
 test_triton_interpret.py for why a child)."""
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from loongforge_hf.kernels.adamw import LoongAdamW
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._interpret import needs_triton, run_interpreted
 
 
 def _params(dtype=torch.float32):
@@ -89,13 +83,8 @@ def test_adopt_turns_a_torch_adamw_into_loong_adamw():
         LoongAdamW.adopt(torch.optim.SGD(_params(), lr=0.1))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
+@needs_triton
 def test_triton_step_matches_torch_fused_adamw_in_the_interpreter():
-    code = ("import json\nfrom tests.kernels._adamw_checks import check_adamw, check_found_inf\n"
-            "print(json.dumps(check_adamw('cpu') + [check_found_inf('cpu')]))")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    checked = json.loads(done.stdout.strip().splitlines()[-1])
+    checked = run_interpreted("from tests.kernels._adamw_checks import check_adamw, check_found_inf\n"
+                              "check_adamw('cpu') + [check_found_inf('cpu')]")
     assert len(checked) == 2 * 2 * 2 * 4 * 3 + 1 and "found_inf" in checked

@@ -7,12 +7,6 @@ at each add) where ours rounds an fp32 sum once, so ours is compared with an fp3
 output dtype and megatron's result is checked to lie within k roundings of that reference.
 """
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +14,8 @@ from megatron.core.transformer.moe import moe_utils
 
 from loongforge_hf.kernels.moe_permute import enable_megatron_fused_permute, permute, unpermute
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._interpret import needs_triton, run_interpreted
+
 BF16_ULP = 2.0 ** -7
 
 
@@ -178,13 +173,7 @@ def test_dispatcher_wiring(monkeypatch):
     assert torch.equal(chunks, torch.cat([unfused[0][8:], unfused[0][:8]]))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
+@needs_triton
 def test_triton_kernels_match_torch_path_in_the_interpreter():
-    code = ("import json, torch\nfrom tests.kernels._moe_permute_checks import check_all\n"
-            "print(json.dumps(check_all('cpu')))")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    checked = json.loads(done.stdout.strip().splitlines()[-1])
+    checked = run_interpreted("from tests.kernels._moe_permute_checks import check_all\ncheck_all('cpu')")
     assert len(checked) >= 8, checked
