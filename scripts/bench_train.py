@@ -178,7 +178,7 @@ def _triton_on(device) -> bool:
 
 
 def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, optimizer_precision: str = "fp32",
-                     adam: str = "torch"):
+                     adam: str = "torch", fp8_recipe: str | None = None):
     import tempfile
 
     import torch
@@ -187,7 +187,8 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
     import loongforge_hf as lf
     from loongforge_hf.trainer.engine import MegatronEngine
 
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16, fp8=fp8)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16, fp8=fp8,
+                                                    fp8_recipe=fp8_recipe)
     args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_train_"), learning_rate=LR,
                                           adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
@@ -225,7 +226,7 @@ def run_stack(args, device: H.Device) -> dict:
     cfg_kwargs, seq, _ = sizes(w, args.tiny)
     if args.stack == "loongforge":
         step, info = build_loongforge(args.folder, device, fp8=args.fp8, optimizer_precision=args.optimizer_precision,
-                                      adam=args.adam)
+                                      adam=args.adam, fp8_recipe=args.fp8_recipe)
     else:
         step, info = build_transformers(args.folder, device, liger=args.stack == "liger")
     info["weights_gib"] = round(device.allocated() / H.GIB, 2)
@@ -267,6 +268,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--fp8", choices=("on", "adaptive"))
     p.add_argument("--optimizer-precision", choices=("fp32", "model"), default="fp32")
     p.add_argument("--adam", choices=("torch", "triton"), default="torch")
+    p.add_argument("--fp8-recipe", choices=("blockwise", "rowwise"))
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     # NOTE: loongforge-hf picks its device backend from this variable; set before anything imports the package.
@@ -305,6 +307,7 @@ def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: 
     common += ["--fp8", options["fp8"]] if "fp8" in options else []
     common += ["--optimizer-precision", options["optimizer"]] if "optimizer" in options else []
     common += ["--adam", options["adam"]] if "adam" in options else []
+    common += ["--fp8-recipe", options["recipe"]] if "recipe" in options else []
     common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
     result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", "1"], log_path=log,
                           timeout_s=args.worker_timeout)
@@ -386,7 +389,8 @@ def main(argv: list[str]) -> int:
                    "row with MegatronEngine(optimizer_precision='model') (bf16 grads, weights and AdamW moments) next "
                    "to the default fp32 one")
     p.add_argument("--variants", default="", help="comma list of extra loongforge rows, each a space-separated set "
-                   "of options: fp8=on|adaptive, optimizer=fp32|model, adam=torch|triton "
+                   "of options: fp8=on|adaptive, recipe=blockwise|rowwise (fp8_recipe), optimizer=fp32|model, "
+                   "adam=torch|triton "
                    "(MegatronEngine(fused_adam='triton'): kernels/adamw.LoongAdamW), "
                    "e.g. 'optimizer=model adam=triton'")
     args = p.parse_args(argv)
@@ -401,7 +405,8 @@ def main(argv: list[str]) -> int:
     bad_precision = [m for m in args.optimizer_precision.split(",") if m and m not in ("fp32", "model")]
     if bad_precision:
         p.error(f"--optimizer-precision takes fp32 and/or model, got {bad_precision}")
-    allowed = {"fp8": ("on", "adaptive"), "optimizer": ("fp32", "model"), "adam": ("torch", "triton")}
+    allowed = {"fp8": ("on", "adaptive"), "optimizer": ("fp32", "model"), "adam": ("torch", "triton"),
+               "recipe": ("blockwise", "rowwise")}
     for v in (v for v in args.variants.split(",") if v.strip()):
         for option in v.split():
             key, _, value = option.partition("=")
