@@ -12,12 +12,9 @@ Choices:
   overlapped with the weight-gradient GEMM, and the weight gradient added into ``main_grad`` under
   ``gradient_accumulation_fusion``. A LoRA-adapted layer (``lora_delta``) gets its adapter term added as its own class
   would. Where every GEMM of a call is to stay in bf16, the class's own method runs.
-- ``mode="adaptive"`` times, for each distinct GEMM shape met (forward, input gradient, weight gradient), the bf16
-  GEMM against the FP8 one, quantisation included, on the GPU in use, the first time the shape is met, and runs FP8
-  only where it is faster. Decisions are cached in a JSON file keyed by GPU name, recipe, GEMM and shape
-  (``LOONGFORGE_HF_FP8_CACHE`` or ``cache_path``, default ``~/.cache/loongforge_hf/fp8_autotune.json``), reused
-  offline; each new decision is logged (logger ``loongforge_hf.fp8``) with the component (vision / language) and
-  module that met it, and ``Fp8Autotuner.table()`` prints them all.
+- ``mode="adaptive"`` asks ``fp8_autotune.Fp8Autotuner``, for each distinct GEMM shape a layer meets (forward, input
+  gradient, weight gradient), whether FP8 beats bf16 on the GPU in use (timed once, cached in a JSON file per GPU
+  model, logged with the component (vision / language) and module that met it), and runs FP8 only there.
 - Recipes: ``blockwise`` (1x128 activation / gradient tiles, 128x128 weight blocks; the default where the GPU runs it)
   and ``rowwise`` (one scale per row / column). Only CUDA devices of compute capability 8.9+ are accepted: on any
   other device ``enable_fp8`` raises instead of silently training in bf16.
@@ -25,26 +22,23 @@ Choices:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
-                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad,
-                                       quantize_blocks)
+                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad)
+from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
 
 logger = logging.getLogger("loongforge_hf.fp8")
 
 MODES = ("on", "adaptive")
 ELIGIBLE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
             "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
-DEFAULT_CACHE = Path("~/.cache/loongforge_hf/fp8_autotune.json")
 ALL_FP8, NO_FP8 = GemmPrecision(True, True, True), GemmPrecision(False, False, False)
 
 
@@ -85,99 +79,6 @@ def check_fp8_device(device: torch.device) -> None:
 def granule(recipe: str) -> int:
     """What a weight's dimensions must be multiples of for the recipe's GEMMs."""
     return GROUP if recipe == "blockwise" else ROW_ALIGN
-
-
-# ---- adaptive decisions ---------------------------------------------------------------------------------------------
-def _time_ms(fn, *, warmup: int = 3, reps: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    from loongforge_hf.xpu import get_backend
-
-    return min(get_backend().time_ms(fn, reps) for _ in range(3))
-
-
-def _gemm_pair(gemm: str, m: int, n: int, k: int, recipe: str, device: torch.device, dtype: torch.dtype):
-    """(bf16 callable, fp8 callable) computing one GEMM of a linear layer with output [m, n] and contraction k."""
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def rand(*shape):
-        return torch.randn(*shape, device=device, dtype=dtype, generator=g)
-
-    if gemm == "fwd":          # x [m, k] @ w[n, k].T
-        x, w = rand(m, k), rand(n, k)
-        return (lambda: x @ w.t()), (lambda: gemm_fwd(x, w, recipe))
-    if gemm == "dgrad":        # dy [m, k] @ w [k, n]   (the layer's weight is [k, n])
-        dy, w = rand(m, k), rand(k, n)
-        # NOTE: the forward GEMM quantised w.T with w (gemm_fwd): not timed here again
-        wtq = quantize_blocks(w.t(), check_finite=False) if recipe == "blockwise" else None
-        return (lambda: dy @ w), (lambda: gemm_dgrad(dy, w, recipe, wtq))
-    dy, x = rand(k, m), rand(k, n)  # wgrad: dy.T [m, k] @ x [k, n]
-    return (lambda: dy.t() @ x), (lambda: gemm_wgrad(dy, x, recipe))
-
-
-@dataclass
-class Fp8Autotuner:
-    """bf16-or-FP8 per GEMM shape, timed once per GPU model and cached in a JSON file."""
-    recipe: str
-    cache_path: Path | None = None
-    entries: dict = field(default_factory=dict)
-    rows: list = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        check_recipe(self.recipe)
-        path = self.cache_path or os.environ.get("LOONGFORGE_HF_FP8_CACHE") or DEFAULT_CACHE
-        self.cache_path = Path(path).expanduser()
-        if self.cache_path.is_file():
-            try:
-                data = json.loads(self.cache_path.read_text())
-                self.entries = dict(data["entries"]) if data.get("format") == 1 else {}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-                logger.warning("fp8 autotune cache %s is unreadable (%s); timing again.", self.cache_path, err)
-                self.entries = {}
-
-    @staticmethod
-    def key(gpu: str, recipe: str, gemm: str, m: int, n: int, k: int) -> str:
-        return f"{gpu}|{recipe}|{gemm}|{m}x{n}x{k}"
-
-    def record(self, gpu: str, gemm: str, m: int, n: int, k: int, *, bf16_ms: float, fp8_ms: float) -> dict:
-        entry = {"gpu": gpu, "recipe": self.recipe, "gemm": gemm, "m": m, "n": n, "k": k,
-                 "bf16_ms": round(bf16_ms, 5), "fp8_ms": round(fp8_ms, 5), "fp8": fp8_ms < bf16_ms}
-        self.entries[self.key(gpu, self.recipe, gemm, m, n, k)] = entry
-        return entry
-
-    def lookup(self, gpu: str, gemm: str, m: int, n: int, k: int) -> dict | None:
-        return self.entries.get(self.key(gpu, self.recipe, gemm, m, n, k))
-
-    def save(self) -> None:
-        """Write the cache atomically (ranks of one node may share the file)."""
-        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.cache_path.parent, prefix=".fp8_autotune.", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"format": 1, "entries": self.entries}, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.cache_path)
-
-    def decide(self, gemm: str, m: int, n: int, k: int, *, device: torch.device, dtype: torch.dtype,
-               where: str) -> bool:
-        from loongforge_hf.xpu import get_backend
-
-        gpu = get_backend().device_name(device) if device.type == "cuda" else device.type
-        entry = self.lookup(gpu, gemm, m, n, k)
-        if entry is None:
-            bf16, fp8 = _gemm_pair(gemm, m, n, k, self.recipe, device, dtype)
-            with torch.no_grad():
-                entry = self.record(gpu, gemm, m, n, k, bf16_ms=_time_ms(bf16), fp8_ms=_time_ms(fp8))
-            self.save()
-        self.rows.append((where, gemm, f"{m}x{n}x{k}", entry["bf16_ms"], entry["fp8_ms"], entry["fp8"]))
-        logger.info("fp8 adaptive: %s %s %dx%dx%d bf16 %.4f ms fp8 %.4f ms -> %s", where, gemm, m, n, k,
-                    entry["bf16_ms"], entry["fp8_ms"], "fp8" if entry["fp8"] else "bf16")
-        return bool(entry["fp8"])
-
-    def table(self) -> str:
-        """Every decision made in this process: component/module, GEMM, shape (MxNxK), times, choice."""
-        lines = [f"{'module':<60} {'gemm':<6} {'MxNxK':<20} {'bf16 ms':>9} {'fp8 ms':>9}  choice"]
-        lines += [f"{w:<60} {g:<6} {s:<20} {b:>9.4f} {f:>9.4f}  {'fp8' if c else 'bf16'}"
-                  for w, g, s, b, f, c in self.rows]
-        return "\n".join(lines)
 
 
 # ---- the swapped GEMM -----------------------------------------------------------------------------------------------

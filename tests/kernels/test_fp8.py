@@ -10,7 +10,7 @@ import torch
 from loongforge_hf.kernels import fp8
 from loongforge_hf.kernels.fp8 import (FP8_MAX, Fp8Error, GemmPrecision, dequantize, dequantize_blocks,
                                        fp8_linear, quantize_blocks, quantize_rows, quantize_tiles, scaled_matmul)
-from loongforge_hf.kernels.fp8_linear import Fp8Autotuner
+from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
 from loongforge_hf.parallel.spawn import run_distributed
 
 # NOTE: e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2**-4 of itself, and a value in the
