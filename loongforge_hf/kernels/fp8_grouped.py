@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.kernels.fp8 import Fp8Error, cast_to_fp8, quantize_rows, scales_from_amax
+from loongforge_hf.kernels.grouped_mlp import check_expert_shapes, scale_by_probs
 from loongforge_hf.kernels.swiglu import swiglu
 
 __all__ = ["fp8_grouped_gated_mlp", "fp8_grouped_linear", "grouped_fp8_supported", "quantize_segments",
@@ -48,10 +49,12 @@ ALIGN = 16
 
 def grouped_fp8_supported(device: torch.device) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs on ``device`` (a CUDA GPU of compute capability 9.0 or 10.x)."""
+    from loongforge_hf.xpu import get_backend
+
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
         return False
-    major, minor = torch.cuda.get_device_capability(device)
-    return (major, minor) == (9, 0) or major == 10
+    capability = get_backend().compute_capability(device)
+    return capability is not None and (capability == (9, 0) or capability[0] == 10)
 
 
 class Layout:
@@ -195,17 +198,11 @@ def fp8_grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
                           probs: torch.Tensor | None = None, *, emulate: bool | None = None) -> torch.Tensor:
     """``grouped_gated_mlp`` with both projections as grouped FP8 GEMMs: x ``[T, H]`` sorted by expert, fc1
     ``[E, 2F, H]``, fc2 ``[E, H, F]``, ``tokens_per_expert`` ``[E]`` (tensor or list), ``probs`` ``[T]`` or None.
-    ``emulate``: force (True) or forbid (False) the emulated GEMM; None picks by device."""
-    if fc1.dim() != 3 or fc2.dim() != 3 or fc1.shape[0] != fc2.shape[0] or fc1.shape[1] != 2 * fc2.shape[2] \
-            or fc1.shape[2] != x.shape[-1] or fc2.shape[1] != x.shape[-1]:
-        raise ValueError(f"fp8_grouped_gated_mlp: fc1 {tuple(fc1.shape)} must be [E, 2F, H] and fc2 "
-                         f"{tuple(fc2.shape)} [E, H, F] for tokens {tuple(x.shape)}.")
+    ``emulate``: force (True) or forbid (False) the emulated GEMM; None picks by device (once per call)."""
     counts = torch.as_tensor(tokens_per_expert).to(x.device, non_blocking=True)
-    if counts.numel() != fc1.shape[0]:
-        raise ValueError(f"fp8_grouped_gated_mlp: {counts.numel()} token counts for {fc1.shape[0]} experts.")
+    check_expert_shapes(x, fc1, fc2, counts, "fp8_grouped_gated_mlp")
+    if emulate is None:
+        emulate = not grouped_fp8_supported(x.device)
     layout = Layout(counts, x.shape[0])
-    h = fp8_grouped_linear(x, fc1, layout, emulate=emulate)
-    act = swiglu(h) if h.shape[0] else h[:, :h.shape[1] // 2]
-    if probs is not None:
-        act = (act * probs.unsqueeze(-1)).to(act.dtype)
+    act = scale_by_probs(swiglu(fp8_grouped_linear(x, fc1, layout, emulate=emulate)), probs)
     return fp8_grouped_linear(act, fc2, layout, emulate=emulate)

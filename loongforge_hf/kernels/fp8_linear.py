@@ -226,29 +226,20 @@ class Fp8GroupedExperts:
         self.settings = settings
 
     def __call__(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        from functools import partial
+
         from loongforge_hf.kernels.fp8 import fp8_linear
         from loongforge_hf.kernels.fp8_grouped import fp8_grouped_gated_mlp, grouped_fp8_supported
-        from loongforge_hf.kernels.swiglu import swiglu
+        from loongforge_hf.kernels.grouped_mlp import expert_loop, routed_inputs
 
         module = self.module_ref
-        x, probs = permuted_local_hidden_states, permuted_probs
-        if module.config.moe_apply_probs_on_input:
-            x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), None
+        x, probs = routed_inputs(module.config, permuted_local_hidden_states, permuted_probs)
         fc1, fc2 = module.linear_fc1.weight, module.linear_fc2.weight
         if not x.is_cuda or grouped_fp8_supported(x.device):
-            return fp8_grouped_gated_mlp(x, fc1, fc2, tokens_per_expert, probs), None
+            return fp8_grouped_gated_mlp(x, fc1, fc2, tokens_per_expert, probs, emulate=not x.is_cuda), None
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
-        outs = []
-        for e, (t, p) in enumerate(zip(torch.split(x, [int(c) for c in counts]),
-                                       torch.split(probs, [int(c) for c in counts]) if probs is not None
-                                       else [None] * len(counts))):
-            h = fp8_linear(t, fc1[e], recipe=self.settings.recipe)
-            # NOTE: an expert without tokens still runs both (empty) GEMMs, so its weights get a zero gradient.
-            act = swiglu(h) if h.shape[0] else h[:, :h.shape[1] // 2]
-            if p is not None:
-                act = (act * p.unsqueeze(-1)).to(act.dtype)
-            outs.append(fp8_linear(act, fc2[e], recipe=self.settings.recipe))
-        return torch.cat(outs, dim=0), None
+        linear = partial(fp8_linear, recipe=self.settings.recipe)
+        return expert_loop(x, fc1, fc2, [int(c) for c in counts], probs, linear=linear), None
 
 
 def grouped_experts(chunks) -> list[tuple[str, torch.nn.Module]]:

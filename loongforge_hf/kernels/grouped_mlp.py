@@ -43,16 +43,41 @@ def grouped_mm_supported(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) 
     return all(d % align == 0 for d in (*fc1.shape[1:], *fc2.shape[1:]))
 
 
-def _scale(act: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+def check_expert_shapes(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, counts: torch.Tensor,
+                        where: str) -> None:
+    """``ValueError`` unless fc1 is ``[E, 2F, H]``, fc2 ``[E, H, F]`` for tokens ``[T, H]`` and ``E`` token counts."""
+    if fc1.dim() != 3 or fc2.dim() != 3 or fc1.shape[0] != fc2.shape[0] or fc1.shape[1] != 2 * fc2.shape[2] \
+            or fc1.shape[2] != x.shape[-1] or fc2.shape[1] != x.shape[-1]:
+        raise ValueError(f"{where}: fc1 {tuple(fc1.shape)} must be [E, 2F, H] and fc2 {tuple(fc2.shape)} "
+                         f"[E, H, F] for tokens {tuple(x.shape)}.")
+    if counts.numel() != fc1.shape[0]:
+        raise ValueError(f"{where}: {counts.numel()} token counts for {fc1.shape[0]} experts.")
+
+
+def scale_by_probs(act: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """Each token's row of ``act`` times its routing probability (``probs`` ``[T]``; None: unchanged)."""
     if probs is None:
         return act
     return (act * probs.unsqueeze(-1)).to(act.dtype)
 
 
-def _loop(x, fc1, fc2, counts: list[int], probs):
+def routed_inputs(config, x: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The experts' tokens and the probabilities still to apply after them: with ``moe_apply_probs_on_input`` the
+    probabilities scale the tokens first (top-1 routing only) and none are left."""
+    if config.moe_apply_probs_on_input:
+        if config.moe_router_topk != 1:
+            raise ValueError("moe_apply_probs_on_input needs moe_router_topk=1.")
+        return scale_by_probs(x, probs), None
+    return x, probs
+
+
+def expert_loop(x, fc1, fc2, counts: list[int], probs, linear=None):
+    """The experts one after the other: ``linear(t, w)`` (default ``t @ w.T``) for each projection; an expert
+    without tokens still runs its (empty) products, so its weights get a zero gradient."""
+    linear = linear or (lambda t, w: t @ w.t())
     xs = torch.split(x, counts)
     ps = torch.split(probs, counts) if probs is not None else [None] * len(counts)
-    outs = [_scale(swiglu(t @ fc1[e].t()), p) @ fc2[e].t() for e, (t, p) in enumerate(zip(xs, ps))]
+    outs = [linear(scale_by_probs(swiglu(linear(t, fc1[e])), p), fc2[e]) for e, (t, p) in enumerate(zip(xs, ps))]
     return torch.cat(outs, dim=0)
 
 
@@ -71,7 +96,7 @@ class _DenseGrad(torch.autograd.Function):
 
 def _grouped(x, fc1, fc2, tokens_per_expert: torch.Tensor, probs):
     offs = torch.cumsum(tokens_per_expert, dim=0).to(device=x.device, dtype=torch.int32, non_blocking=True)
-    act = _scale(swiglu(torch._grouped_mm(x, fc1.transpose(-2, -1), offs=offs)), probs)
+    act = scale_by_probs(swiglu(torch._grouped_mm(x, fc1.transpose(-2, -1), offs=offs)), probs)
     return _DenseGrad.apply(torch._grouped_mm(act, fc2.transpose(-2, -1), offs=offs))
 
 
@@ -82,17 +107,12 @@ def grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tok
     x ``[T, H]`` (expert 0's tokens first), fc1 ``[E, 2F, H]`` (rows ``[gate; up]``), fc2 ``[E, H, F]``,
     ``tokens_per_expert`` ``[E]`` (tensor or list, summing to T), ``probs`` ``[T]`` or None. Returns ``[T, H]``.
     ``use_grouped_mm`` forces a path (None: ``_grouped_mm`` where ``grouped_mm_supported``)."""
-    if fc1.dim() != 3 or fc2.dim() != 3 or fc1.shape[0] != fc2.shape[0] or fc1.shape[1] != 2 * fc2.shape[2] \
-            or fc1.shape[2] != x.shape[-1] or fc2.shape[1] != x.shape[-1]:
-        raise ValueError(f"grouped_gated_mlp: fc1 {tuple(fc1.shape)} must be [E, 2F, H] and fc2 {tuple(fc2.shape)} "
-                         f"[E, H, F] for tokens {tuple(x.shape)}.")
     counts = tokens_per_expert if isinstance(tokens_per_expert, torch.Tensor) else torch.tensor(tokens_per_expert)
-    if counts.numel() != fc1.shape[0]:
-        raise ValueError(f"grouped_gated_mlp: {counts.numel()} token counts for {fc1.shape[0]} experts.")
+    check_expert_shapes(x, fc1, fc2, counts, "grouped_gated_mlp")
     grouped = grouped_mm_supported(x, fc1, fc2) if use_grouped_mm is None else use_grouped_mm
     if grouped:
         return _grouped(x, fc1, fc2, counts, probs)
-    return _loop(x, fc1, fc2, [int(c) for c in counts.tolist()], probs)
+    return expert_loop(x, fc1, fc2, [int(c) for c in counts.tolist()], probs)
 
 
 class _StackedWeight(torch.nn.Module):
@@ -158,11 +178,7 @@ class GroupedMLP(MegatronModule):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
-        x, probs = permuted_local_hidden_states, permuted_probs
-        if self.config.moe_apply_probs_on_input:
-            if self.config.moe_router_topk != 1:
-                raise ValueError("moe_apply_probs_on_input needs moe_router_topk=1.")
-            x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), None
+        x, probs = routed_inputs(self.config, permuted_local_hidden_states, permuted_probs)
         out = grouped_gated_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, tokens_per_expert, probs)
         return out, None
 

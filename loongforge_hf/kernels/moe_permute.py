@@ -160,8 +160,9 @@ def _dispatcher_paths_served(config) -> bool:
     if config.moe_token_dispatcher_type == "allgather":
         return True
     if config.moe_token_dispatcher_type == "alltoall":
-        return (torch.cuda.is_available()
-                and config.num_moe_experts == config.expert_model_parallel_size)
+        from loongforge_hf.xpu import get_backend
+
+        return get_backend().name == "cuda" and config.num_moe_experts == config.expert_model_parallel_size
     return False
 
 
