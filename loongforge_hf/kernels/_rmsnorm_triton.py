@@ -25,13 +25,20 @@ def _gamma(W, cols, mask, ZERO_CENTERED: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, M, N, eps, ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _offset(rows, INNER, stride_o, stride_i):
+    # NOTE: row r of a [outer, INNER, N] view (q/k heads split off a fused projection) is at (r // INNER, r % INNER);
+    # INNER == 1 (rows of one stride) is specialised by Triton, so the division folds away.
+    return (rows // INNER) * stride_o + (rows % INNER) * stride_i
+
+
+@triton.jit
+def _rms_norm_fwd(X, W, Y, RSTD, INNER, stride_xo, stride_xi, stride_y, M, N, eps, ZERO_CENTERED: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
     row_ids = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rows = row_ids[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     mask = (rows < M) & (cols < N)
-    x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + _offset(rows, INNER, stride_xo, stride_xi) + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
     y = _gamma(W, cols, cols < N, ZERO_CENTERED) * normed
@@ -40,7 +47,8 @@ def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, M, N, eps, ZERO_CENTERED: t
 
 
 @triton.jit
-def _rms_norm_bwd(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, M, N, ROWS_PER_PROGRAM: tl.constexpr,
+def _rms_norm_bwd(DY, X, W, RSTD, DX, DW, INNER, stride_dyo, stride_dyi, stride_xo, stride_xi, stride_dx, M, N,
+                  ROWS_PER_PROGRAM: tl.constexpr,
                   ZERO_CENTERED: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, ROWS: tl.constexpr,
                   BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -54,8 +62,8 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, M, N, 
         row_ids = first + start + tl.arange(0, ROWS)
         rows = row_ids[:, None]
         live = col_mask & (rows < M)
-        x = tl.load(X + rows * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
+        x = tl.load(X + _offset(rows, INNER, stride_xo, stride_xi) + cols, mask=live, other=0.0).to(tl.float32)
+        dy = tl.load(DY + _offset(rows, INNER, stride_dyo, stride_dyi) + cols, mask=live, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + row_ids, mask=row_ids < M, other=0.0)[:, None]
         normed = x * rstd
         if NEED_DW:
@@ -70,8 +78,28 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, M, N, 
         tl.store(DW + pid * N + cols, tl.sum(dw, axis=0)[None, :], mask=col_mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1]) if t.stride(-1) == 1 else t.contiguous().reshape(-1, t.shape[-1])
+def _row_layout(t: torch.Tensor, inner: int | None = None) -> tuple[torch.Tensor, int, int, int, int]:
+    """``t`` as rows of its last dim without a copy where its strides allow: (tensor, rows, inner, outer stride,
+    inner stride), row ``r`` at ``(r // inner) * outer + (r % inner) * inner_stride``. Rows of one stride give
+    ``inner == 1``; a strided view of heads (``[s, b, heads, d]`` split off a fused QKV output, which ``reshape``
+    would copy) gives ``inner == heads``. ``inner`` given: that grouping (a contiguous copy where ``t`` has none)."""
+    n = t.shape[-1]
+    m = t.numel() // n if n else 0
+    if t.stride(-1) == 1 and m:
+        if inner is None:
+            try:
+                v = t.view(m, n)
+                return v, m, 1, v.stride(0), 0
+            except RuntimeError:
+                inner = t.shape[-2] if t.dim() >= 3 else None
+        if inner is not None:
+            try:
+                v = t.view(m // inner, inner, n)
+                return v, m, inner, v.stride(0), v.stride(1)
+            except RuntimeError:
+                pass
+    inner = inner or 1
+    return t.contiguous(), m, inner, inner * n, n
 
 
 # Elements of one backward tile: several short rows (q/k-norm heads) or one long row per loop step, so that each
@@ -89,14 +117,14 @@ def _warps(elements: int) -> int:
 
 def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
     """(output shaped like ``x`` in ``promote(x, weight)`` dtype, rstd ``[rows]`` fp32)."""
-    x2 = _rows(x)
-    m, n = x2.shape
+    x2, m, inner, stride_o, stride_i = _row_layout(x)
+    n = x.shape[-1]
     y = torch.empty((m, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         block = _block(n)
         rows = max(1, min(16, 2048 // block))
-        _rms_norm_fwd[(triton.cdiv(m, rows),)](x2, weight, y, rstd, x2.stride(0), y.stride(0), m, n, eps,
+        _rms_norm_fwd[(triton.cdiv(m, rows),)](x2, weight, y, rstd, inner, stride_o, stride_i, y.stride(0), m, n, eps,
                                                ZERO_CENTERED=zero_centered_gamma, ROWS=rows, BLOCK=block,
                                                num_warps=_warps(rows * block))
     return y.reshape(x.shape), rstd
@@ -104,18 +132,19 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gam
 
 def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
              zero_centered_gamma: bool, need_dx: bool, need_dw: bool):
-    x2, dy = _rows(x), _rows(grad_out)
-    m, n = x2.shape
+    x2, m, inner, stride_xo, stride_xi = _row_layout(x)
+    dy, _, _, stride_dyo, stride_dyi = _row_layout(grad_out, inner)
+    n = x.shape[-1]
     block = _block(n)
     tile_rows = max(1, min(64, BWD_TILE // block))
     programs = row_programs(triton.cdiv(max(m, 1), tile_rows), x.device)
     per_program = triton.cdiv(triton.cdiv(max(m, 1), programs), tile_rows) * tile_rows
     programs = triton.cdiv(max(m, 1), per_program)
-    dx = torch.empty_like(x2) if need_dx else None
+    dx = torch.empty((m, n), dtype=x.dtype, device=x.device) if need_dx else None
     partial = torch.empty((programs, n), dtype=torch.float32, device=x.device) if need_dw else None
     if m:
         _rms_norm_bwd[(programs,)](dy, x2, weight, rstd, dx if need_dx else x2, partial if need_dw else rstd,
-                                   dy.stride(0), x2.stride(0), dx.stride(0) if need_dx else 0, m, n,
+                                   inner, stride_dyo, stride_dyi, stride_xo, stride_xi, n, m, n,
                                    ROWS_PER_PROGRAM=per_program, ZERO_CENTERED=zero_centered_gamma,
                                    NEED_DX=need_dx, NEED_DW=need_dw,
                                    ROWS=tile_rows, BLOCK=block, num_warps=_warps(tile_rows * block))

@@ -163,3 +163,65 @@ def test_fused_rope_slot_takes_megatron_rotation_with_unfused_numerics(rot):
         rope_utils.fused_apply_rotary_pos_emb = saved
     interleaved = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, rotary_interleaved=True)
     assert not enable_megatron_fused_rope(interleaved) and not interleaved.apply_rope_fusion
+
+
+# The Triton kernel (``_rope_triton.rotate``) through Triton's CPU interpreter, in a child process (the interpreter is
+# chosen when the kernel module is imported). Odd layouts: partial rotary, b = 1 and 3, head counts that are not
+# powers of two, one broadcast position, strided q/k views of a fused QKV tensor, angles whose halves differ (the
+# kernel reads each half as given), several row chunks per program (``TILE`` shrunk), forward and inverse.
+# Reference: the rotation in float64 from the same per-half angles; fp32 within 1e-5, bf16 within one rounding
+# (rtol 2^-7: the kernel rounds once, fp32 cos/sin of the two sides differ in the last bits only).
+_ROPE_INTERPRETED = """
+import math, torch
+from loongforge_hf.kernels import _rope_triton as R
+from tests.kernels._triton_checks import _compare, _two_ulps
+from loongforge_hf.kernels.rope import rotary_sbhd
+g = torch.Generator().manual_seed(0)
+def reference(x, freqs, inverse):
+    half, rot = freqs.shape[-1] // 2, freqs.shape[-1]
+    xf, f = x.double(), freqs.double()
+    c, s = f.cos(), f.sin()
+    x1, x2 = xf[..., :half], xf[..., half:rot]
+    if inverse:
+        y1, y2 = x1 * c[..., :half] + x2 * s[..., half:], x2 * c[..., half:] - x1 * s[..., :half]
+    else:
+        y1, y2 = x1 * c[..., :half] - x2 * s[..., :half], x2 * c[..., half:] + x1 * s[..., half:]
+    return torch.cat((y1, y2, xf[..., rot:]), -1)
+done = []
+cases = [(7, 3, 5, 16, 16, 7, 4096), (5, 1, 3, 24, 12, 5, 4096), (9, 3, 6, 20, 8, 1, 4096), (6, 3, 5, 16, 16, 6, 16),
+         (33, 1, 1, 8, 4, 33, 4096), (4, 2, 3, 12, 6, 4, 8)]
+for s_len, b, h, d, rot, f_len, tile in cases:
+    R.TILE = tile
+    config = R.launch_config(s_len, b, h, d, rot)
+    for dtype, atol, rtol in ((torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-6, 2.0 ** -7)):
+        qkv = (torch.randn(s_len, b, 3 * h * d + 5, generator=g) * 2).to(dtype)
+        x = qkv[..., 5 + h * d:5 + 2 * h * d].unflatten(-1, (h, d))
+        assert not x.is_contiguous()
+        freqs = (torch.rand(f_len, 1, 1, rot, generator=g) * 8 - 4)
+        for inverse in (False, True):
+            y = R.rotate(x, freqs, inverse=inverse)
+            assert y.is_contiguous() and y.shape == x.shape and y.dtype == dtype
+            torch.testing.assert_close(y.double(), reference(x, freqs, inverse).to(dtype).double(), atol=atol,
+                                       rtol=rtol)
+        done.append([s_len, b, h, d, rot, f_len, config["CHUNKS"], config["BLOCK_S"]])
+    # through autograd (megatron's slot) against the torch path, with megatron's cat(f, f) angles
+    angles = torch.arange(s_len)[:, None] * (10000.0 ** (-torch.arange(0, rot, 2) / rot))[None]
+    freqs = torch.cat((angles, angles), -1)[:, None, None, :]
+    qkv = torch.randn(s_len, b, h, 3 * d, generator=g).to(torch.bfloat16)
+    dy = torch.randn(s_len, b, h, d, generator=g).to(torch.bfloat16)
+    _compare("rope", lambda qkv: rotary_sbhd(qkv[..., d:2 * d], freqs), [qkv], dy, torch.bfloat16,
+             atol16=max(_two_ulps(qkv), _two_ulps(dy)))
+done
+"""
+
+
+def test_triton_rope_kernel_odd_layouts_in_the_interpreter():
+    from ._interpret import needs_triton, run_interpreted
+
+    if needs_triton.args[0]:
+        pytest.skip(needs_triton.kwargs["reason"])
+    done = run_interpreted(_ROPE_INTERPRETED)
+    assert len(done) == 12
+    chunks = {row[6] for row in done}
+    blocks = {row[7] for row in done}
+    assert max(chunks) > 1 and 1 in chunks and max(blocks) > 1, (chunks, blocks)
