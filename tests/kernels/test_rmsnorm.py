@@ -96,33 +96,38 @@ def test_rejects_layernorm_config_and_bad_weight():
         rms_norm(torch.randn(2, 8), torch.ones(7))
 
 
-# The Triton kernels through Triton's CPU interpreter on q/k-norm inputs that are strided views of a fused QKV tensor
-# ([s, b, heads, d] whose heads do not merge with the batch rows, so ``reshape`` would copy): the kernels read them in
-# place (rows grouped by head, ``_row_layout``) and match the torch path, forward and both grads, with the tolerances
-# of ``_triton_checks``. Also a view whose rows do merge (one stride) and a batch of one.
-_RMSNORM_INTERPRETED = """
-import math, torch
-from loongforge_hf.kernels import _rmsnorm_triton as T
-from loongforge_hf.kernels.rmsnorm import rms_norm
-from tests.kernels._triton_checks import _compare, _reduction_atol
-g = torch.Generator().manual_seed(0)
-done = []
-for s_len, b, h, d, width, offset in [(5, 3, 3, 16, 9 * 16 + 8, 8), (4, 1, 5, 8, 80, 0), (3, 2, 7, 32, 21 * 32, 224),
-                                      (6, 2, 4, 16, 4 * 16, 0)]:
-    for dtype in (torch.float32, torch.bfloat16):
-        qkv = (torch.randn(s_len, b, width, generator=g) * 3).to(dtype)
-        w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
-        dy = torch.randn(s_len, b, h, d, generator=g).to(dtype)
-        view = qkv[..., offset:offset + h * d].unflatten(-1, (h, d))
-        rows, m, inner, stride_o, stride_i = T._row_layout(view)
-        assert rows.data_ptr() == view.data_ptr() and m == s_len * b * h, "read in place, no copy"
-        def fn(qkv, w):
-            return rms_norm(qkv[..., offset:offset + h * d].unflatten(-1, (h, d)), w, 1e-6)
-        _compare(f"view{(s_len, b, h, d, width, offset)}{dtype}", fn, [qkv, w], dy, dtype,
-                 last_atol_scale=math.sqrt(m), last_atol_fp32=_reduction_atol(view, dy))
-        done.append(inner)
-done
-"""
+# The Triton kernels on q/k-norm inputs that are strided views of a fused QKV tensor ([s, b, heads, d] whose heads do
+# not merge with the batch rows, so ``reshape`` would copy): the kernels read them in place (rows grouped by head,
+# ``_row_layout``) and match the torch path, forward and both grads, with the tolerances of ``_triton_checks``. Also a
+# view whose rows do merge (one stride) and a batch of one. On CPU through Triton's interpreter in a child process.
+NORM_VIEW_CASES = [(5, 3, 3, 16, 9 * 16 + 8, 8), (4, 1, 5, 8, 80, 0), (3, 2, 7, 32, 21 * 32, 224), (6, 2, 4, 16, 64, 0)]
+
+
+def check_strided_views(device, cases=NORM_VIEW_CASES):
+    """Run the checks above on ``device``; returns the row grouping (``inner``) of each case and dtype."""
+    import math
+
+    from loongforge_hf.kernels import _rmsnorm_triton as T
+
+    from ._triton_checks import _compare, _reduction_atol
+
+    g = torch.Generator().manual_seed(0)
+    done = []
+    for s_len, b, h, d, width, offset in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            qkv = (torch.randn(s_len, b, width, generator=g) * 3).to(dtype).to(device)
+            w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(device)
+            dy = torch.randn(s_len, b, h, d, generator=g).to(dtype).to(device)
+            view = qkv[..., offset:offset + h * d].unflatten(-1, (h, d))
+            rows, m, inner, _, _ = T._row_layout(view)
+            assert rows.data_ptr() == view.data_ptr() and m == s_len * b * h, "read in place, no copy"
+
+            def fn(qkv, w, offset=offset, h=h, d=d):
+                return rms_norm(qkv[..., offset:offset + h * d].unflatten(-1, (h, d)), w, 1e-6)
+            _compare(f"view{(s_len, b, h, d, width, offset)}{dtype}", fn, [qkv, w], dy, dtype,
+                     last_atol_scale=math.sqrt(m), last_atol_fp32=_reduction_atol(view, dy))
+            done.append(inner)
+    return done
 
 
 def test_triton_rmsnorm_reads_strided_head_views_in_place_in_the_interpreter():
@@ -130,5 +135,17 @@ def test_triton_rmsnorm_reads_strided_head_views_in_place_in_the_interpreter():
 
     if needs_triton.args[0]:
         pytest.skip(needs_triton.kwargs["reason"])
-    inner = run_interpreted(_RMSNORM_INTERPRETED)
+    inner = run_interpreted("from tests.kernels.test_rmsnorm import check_strided_views\ncheck_strided_views('cpu')")
     assert inner == [3, 3, 5, 5, 7, 7, 1, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_rmsnorm_strided_head_views_on_cuda():
+    """The same on the GPU, plus bench_train's shape (a): q [4096, 4, 16, 128] and k [4096, 4, 8, 128] of the fused
+    QKV output [4096, 4, 4096]."""
+    from loongforge_hf.kernels._triton import use_triton
+
+    assert use_triton(torch.empty(1, device="cuda")), "triton is not importable on this GPU machine"
+    big = [(4096, 4, 16, 128, 4096, 0), (4096, 4, 8, 128, 4096, 2048)]
+    assert check_strided_views("cuda", NORM_VIEW_CASES + big) == [3, 3, 5, 5, 7, 7, 1, 1, 16, 16, 8, 8]

@@ -165,19 +165,19 @@ def test_fused_rope_slot_takes_megatron_rotation_with_unfused_numerics(rot):
     assert not enable_megatron_fused_rope(interleaved) and not interleaved.apply_rope_fusion
 
 
-# The Triton kernel (``_rope_triton.rotate``) through Triton's CPU interpreter, in a child process (the interpreter is
-# chosen when the kernel module is imported). Odd layouts: partial rotary, b = 1 and 3, head counts that are not
+# The Triton kernel (``_rope_triton.rotate``) on odd layouts: partial rotary, b = 1 and 3, head counts that are not
 # powers of two, one broadcast position, strided q/k views of a fused QKV tensor, angles whose halves differ (the
 # kernel reads each half as given), several row chunks per program (``TILE`` shrunk), forward and inverse.
-# Reference: the rotation in float64 from the same per-half angles; fp32 within 1e-5, bf16 within one rounding
-# (rtol 2^-7: the kernel rounds once, fp32 cos/sin of the two sides differ in the last bits only).
-_ROPE_INTERPRETED = """
-import math, torch
-from loongforge_hf.kernels import _rope_triton as R
-from tests.kernels._triton_checks import _compare, _two_ulps
-from loongforge_hf.kernels.rope import rotary_sbhd
-g = torch.Generator().manual_seed(0)
-def reference(x, freqs, inverse):
+# Reference: the rotation in float64 from the same per-half angles (within [-4, 4]); fp32 within 1e-5, bf16 within
+# one rounding (rtol 2^-7: the kernel rounds once) plus atol 1e-5 for results that cancel to near zero, where the
+# fp32 cos/sin (approximate on a GPU, ~1e-6 absolute at these angles) times inputs of ~8 show. Then through
+# autograd (megatron's slot, megatron's cat(f, f) angles) against the torch path with _triton_checks' tolerances.
+# On CPU it runs through Triton's interpreter in a child process (the interpreter is chosen at import).
+ROPE_CASES = [(7, 3, 5, 16, 16, 7, 4096), (5, 1, 3, 24, 12, 5, 4096), (9, 3, 6, 20, 8, 1, 4096),
+              (6, 3, 5, 16, 16, 6, 16), (33, 1, 1, 8, 4, 33, 4096), (4, 2, 3, 12, 6, 4, 8)]
+
+
+def _rotate_reference(x, freqs, inverse):
     half, rot = freqs.shape[-1] // 2, freqs.shape[-1]
     xf, f = x.double(), freqs.double()
     c, s = f.cos(), f.sin()
@@ -187,32 +187,42 @@ def reference(x, freqs, inverse):
     else:
         y1, y2 = x1 * c[..., :half] - x2 * s[..., :half], x2 * c[..., half:] + x1 * s[..., half:]
     return torch.cat((y1, y2, xf[..., rot:]), -1)
-done = []
-cases = [(7, 3, 5, 16, 16, 7, 4096), (5, 1, 3, 24, 12, 5, 4096), (9, 3, 6, 20, 8, 1, 4096), (6, 3, 5, 16, 16, 6, 16),
-         (33, 1, 1, 8, 4, 33, 4096), (4, 2, 3, 12, 6, 4, 8)]
-for s_len, b, h, d, rot, f_len, tile in cases:
-    R.TILE = tile
-    config = R.launch_config(s_len, b, h, d, rot)
-    for dtype, atol, rtol in ((torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-6, 2.0 ** -7)):
-        qkv = (torch.randn(s_len, b, 3 * h * d + 5, generator=g) * 2).to(dtype)
-        x = qkv[..., 5 + h * d:5 + 2 * h * d].unflatten(-1, (h, d))
-        assert not x.is_contiguous()
-        freqs = (torch.rand(f_len, 1, 1, rot, generator=g) * 8 - 4)
-        for inverse in (False, True):
-            y = R.rotate(x, freqs, inverse=inverse)
-            assert y.is_contiguous() and y.shape == x.shape and y.dtype == dtype
-            torch.testing.assert_close(y.double(), reference(x, freqs, inverse).to(dtype).double(), atol=atol,
-                                       rtol=rtol)
-        done.append([s_len, b, h, d, rot, f_len, config["CHUNKS"], config["BLOCK_S"]])
-    # through autograd (megatron's slot) against the torch path, with megatron's cat(f, f) angles
-    angles = torch.arange(s_len)[:, None] * (10000.0 ** (-torch.arange(0, rot, 2) / rot))[None]
-    freqs = torch.cat((angles, angles), -1)[:, None, None, :]
-    qkv = torch.randn(s_len, b, h, 3 * d, generator=g).to(torch.bfloat16)
-    dy = torch.randn(s_len, b, h, d, generator=g).to(torch.bfloat16)
-    _compare("rope", lambda qkv: rotary_sbhd(qkv[..., d:2 * d], freqs), [qkv], dy, torch.bfloat16,
-             atol16=max(_two_ulps(qkv), _two_ulps(dy)))
-done
-"""
+
+
+def check_rotate_layouts(device, cases=ROPE_CASES):
+    """Run the checks above on ``device``; returns ``[s, b, h, d, rot, positions, CHUNKS, BLOCK_S]`` per case and
+    dtype."""
+    from loongforge_hf.kernels import _rope_triton as R
+    from loongforge_hf.kernels.rope import rotary_sbhd
+
+    from ._triton_checks import _compare, _two_ulps
+
+    g = torch.Generator().manual_seed(0)
+    done, saved_tile = [], R.TILE
+    try:
+        for s_len, b, h, d, rot, f_len, tile in cases:
+            R.TILE = tile
+            config = R.launch_config(s_len, b, h, d, rot)
+            for dtype, atol, rtol in ((torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-5, 2.0 ** -7)):
+                qkv = (torch.randn(s_len, b, 3 * h * d + 5, generator=g) * 2).to(dtype).to(device)
+                x = qkv[..., 5 + h * d:5 + 2 * h * d].unflatten(-1, (h, d))
+                assert not x.is_contiguous()
+                freqs = (torch.rand(f_len, 1, 1, rot, generator=g) * 8 - 4).to(device)
+                for inverse in (False, True):
+                    y = R.rotate(x, freqs, inverse=inverse)
+                    assert y.is_contiguous() and y.shape == x.shape and y.dtype == dtype
+                    torch.testing.assert_close(y.double(), _rotate_reference(x, freqs, inverse).to(dtype).double(),
+                                               atol=atol, rtol=rtol)
+                done.append([s_len, b, h, d, rot, f_len, config["CHUNKS"], config["BLOCK_S"]])
+            angles = torch.arange(s_len)[:, None] * (10000.0 ** (-torch.arange(0, rot, 2) / rot))[None]
+            freqs = torch.cat((angles, angles), -1)[:, None, None, :].to(device)
+            qkv = torch.randn(s_len, b, h, 3 * d, generator=g).to(torch.bfloat16).to(device)
+            dy = torch.randn(s_len, b, h, d, generator=g).to(torch.bfloat16).to(device)
+            _compare(f"rope{(s_len, b, h, d, rot)}", lambda qkv: rotary_sbhd(qkv[..., d:2 * d], freqs), [qkv], dy,
+                     torch.bfloat16, atol16=max(_two_ulps(qkv), _two_ulps(dy)))
+    finally:
+        R.TILE = saved_tile
+    return done
 
 
 def test_triton_rope_kernel_odd_layouts_in_the_interpreter():
@@ -220,8 +230,22 @@ def test_triton_rope_kernel_odd_layouts_in_the_interpreter():
 
     if needs_triton.args[0]:
         pytest.skip(needs_triton.kwargs["reason"])
-    done = run_interpreted(_ROPE_INTERPRETED)
+    done = run_interpreted("from tests.kernels.test_rope import check_rotate_layouts\ncheck_rotate_layouts('cpu')")
     assert len(done) == 12
     chunks = {row[6] for row in done}
     blocks = {row[7] for row in done}
     assert max(chunks) > 1 and 1 in chunks and max(blocks) > 1, (chunks, blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_rope_kernel_odd_and_training_layouts_on_cuda():
+    """The same checks on the GPU, plus bench_train's shape (a): q and k of micro-batch 4 split off one fused QKV
+    output (and a micro-batch of 1 and of 3 at full length), head_dim 128, partial rotary at 64."""
+    from loongforge_hf.kernels._triton import use_triton
+
+    assert use_triton(torch.empty(1, device="cuda")), "triton is not importable on this GPU machine"
+    big = [(4096, 4, 16, 128, 128, 4096, 4096), (4096, 4, 8, 128, 128, 4096, 4096), (4096, 1, 8, 128, 128, 1, 4096),
+           (2048, 3, 5, 128, 64, 2048, 4096)]
+    done = check_rotate_layouts("cuda", ROPE_CASES + big)
+    assert len(done) == 2 * (len(ROPE_CASES) + len(big))
