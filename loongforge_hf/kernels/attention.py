@@ -42,6 +42,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
+from loongforge_hf.kernels._saved import standalone
+
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # torch < 2.10
@@ -322,6 +324,9 @@ class CoreAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
             raise ValueError(f"loongforge CoreAttention takes packed sequences in 'thd' format, got "
                              f"qkv_format={packed_seq_params.qkv_format!r}.")
+        # NOTE: v (and k without a k norm or rope) are views into megatron's fused QKV output; SDPA keeps its
+        # inputs for the backward, which would hold the whole buffer (_saved.standalone).
+        key, value = standalone(key), standalone(value)
         with self._dropout_context(dropout_p):
             if packed_seq_params is not None:
                 if attention_mask is not None:

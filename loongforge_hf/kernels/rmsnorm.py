@@ -4,7 +4,9 @@ Choices:
 - The forward is HF's expression, op for op: ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``, so
   fp32 results are bit-identical to ``Qwen3RMSNorm`` / ``LlamaRMSNorm`` and bf16 ones round at the same two places.
 - A ``torch.autograd.Function`` keeps only the input and one fp32 scalar per row for the backward (plain autograd would
-  keep an fp32 copy of the whole input); the backward accumulates in fp32.
+  keep an fp32 copy of the whole input); the backward accumulates in fp32. An input that is a view into a larger
+  buffer (megatron's ``k`` of the fused QKV output, for the k norm) is kept as a copy of its own
+  (``_saved.standalone``), so the buffer is not held until the backward.
 - ``RMSNorm(config, hidden_size, eps)`` has the keyword contract megatron uses for every norm slot (input, pre-MLP,
   q/k, final). Its weight carries ``sequence_parallel`` so megatron all-reduces the weight grad over the
   tensor-parallel group when sequence parallelism splits the tokens; megatron's own torch norm refuses that layout.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from loongforge_hf.kernels._saved import standalone
 from loongforge_hf.kernels._triton import use_triton
 from loongforge_hf.xpu import get_backend
 
@@ -36,11 +39,11 @@ class _RMSNormFunction(torch.autograd.Function):
             from loongforge_hf.kernels import _rmsnorm_triton
 
             y, rstd = _rmsnorm_triton.forward(x, weight, eps, zero_centered_gamma)
-            ctx.save_for_backward(x, weight, rstd)
+            ctx.save_for_backward(standalone(x), weight, rstd)
             return y
         normed, rstd = _normalize(x, eps)
         gamma = weight + 1 if zero_centered_gamma else weight
-        ctx.save_for_backward(x, weight, rstd)
+        ctx.save_for_backward(standalone(x), weight, rstd)
         return gamma * normed.to(x.dtype)
 
     @staticmethod

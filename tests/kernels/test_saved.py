@@ -1,0 +1,71 @@
+"""What the kernels keep for the backward: no saved activation is a view into a larger buffer (megatron's k and v are
+views of the fused QKV output; keeping them as given held the whole buffer until the backward: 4 hidden sizes per
+token and layer for Qwen3-0.6B where k and v are 2), on Qwen3 (k norm) and Llama (no q/k norm), TP1 and TP2."""
+
+import torch
+
+from loongforge_hf.kernels._saved import standalone
+from loongforge_hf.kernels.rmsnorm import rms_norm
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+
+def _views_kept(run, exclude=frozenset()) -> list:
+    """Shapes and storage sizes of the tensors autograd keeps while ``run`` runs that are views into a larger
+    storage (storages in ``exclude`` left out)."""
+    kept = []
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude and storage.nbytes() > t.numel() * t.element_size():
+            kept.append((tuple(t.shape), storage.nbytes() // t.element_size()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return kept
+
+
+def test_standalone_copies_only_views_of_larger_storage():
+    fused = torch.randn(5, 2, 12)
+    k = fused[..., 4:8]
+    assert standalone(fused) is fused
+    copy = standalone(k)
+    assert copy is not k and torch.equal(copy, k) and copy.is_contiguous()
+    assert copy.untyped_storage().nbytes() == k.numel() * k.element_size()
+    head = fused[:2]  # contiguous, yet a slice of a larger storage
+    assert standalone(head) is not head and torch.equal(standalone(head), head)
+
+
+def test_rms_norm_keeps_its_own_copy_of_a_view():
+    fused = torch.randn(6, 3, 16, requires_grad=True)
+    weight = torch.randn(4, requires_grad=True)
+    # a view of a non-leaf, as megatron's k is of the QKV projection output
+    run = lambda: rms_norm((fused * 1).view(6, 3, 4, 4)[:, :, 1], weight).sum()  # noqa: E731
+    assert _views_kept(run) == []
+    x = (fused * 1).view(6, 3, 4, 4)[:, :, 1]
+    out = rms_norm(x, weight)
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref = rms_norm(ref_x, weight)
+    g = torch.randn_like(out)
+    assert torch.equal(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, ref_x, g)[0])
+
+
+def _saved_views(folders: dict) -> dict:
+    import loongforge_hf as lf
+
+    kept = {}
+    for arch, folder in folders.items():
+        for tp in (1, 2):  # on two ranks: DP2 with whole layers, then TP2
+            model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=tp, dtype=torch.float32)
+            ids = torch.randint(4, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+            # the weights the linears keep (as given or as transposed views) are not activations
+            weights = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
+            kept[f"{arch} tp{tp}"] = _views_kept(lambda: model(input_ids=ids, labels=ids).loss.backward(), weights)
+    return kept
+
+
+def test_decoder_layers_keep_no_view_of_a_larger_buffer(tmp_path):
+    folders = {arch: str(make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False)) for arch in ("qwen3", "llama")}
+    for rank in run_distributed(_saved_views, 2, folders, timeout=300):
+        assert rank == {f"{arch} tp{tp}": [] for arch in folders for tp in (1, 2)}, rank
