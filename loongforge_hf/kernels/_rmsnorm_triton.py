@@ -2,9 +2,11 @@
 
 One program normalises whole rows (a row fits one block; short rows such as q/k-norm heads go several to a
 program). The backward starts a few programs per SM, each over a contiguous run of rows that it walks in tiles of
-several rows (``BWD_TILE`` elements; a q-norm over 16384 tokens x 16 heads of 128, walked one row at a time, left
-each load latency-bound). Each program accumulates its share of the weight gradient in an fp32 tile, reduced to one
-row at its end, and the per-program partial sums (``[programs, N]`` fp32) are added up by torch afterwards.
+several rows (a q-norm over 16384 tokens x 16 heads of 128, walked one row at a time, left each load latency-bound).
+Each program waits for its tile's loads, then reduces and stores, so the SM needs several programs resident to keep
+loads in flight; their registers decide how many fit (``bwd_config``). Each program accumulates its share of the
+weight gradient in an fp32 tile, reduced to one row at its end, and the per-program partial sums (``[programs, N]``
+fp32) are added up by torch afterwards.
 """
 
 from __future__ import annotations
@@ -102,9 +104,23 @@ def _row_layout(t: torch.Tensor, inner: int | None = None) -> tuple[torch.Tensor
     return t.contiguous(), m, inner, inner * n, n
 
 
-# Elements of one backward tile: several short rows (q/k-norm heads) or one long row per loop step, so that each
-# step has enough loads in flight; the fp32 weight-grad accumulator is a tile too.
-BWD_TILE = 4096
+# The backward's tiles, warps and programs per SM, from the register counts ptxas reports for sm_90 (bf16, dx and
+# dw): 4096-element tiles of 8 warps needed 128 (rows of 1024) and 208 (rows of 128) registers a thread, so only one
+# or two programs (8-16 warps) were resident per SM and each spent its reduction and stores with no loads in flight.
+# Long rows: tiles of 2048 elements or one row, 8 elements a thread (~64 registers): 4 programs of 8 warps per SM
+# resident (rows up to 2048), started as many as fit (the weight grad's fp32 partial rows, [programs, N], grow with
+# the program count). Short rows (q/k heads): 1024-element tiles of 2 warps (~120 registers): 8 programs per SM, 8
+# started (partial rows of 128 are small). Not timed here (no GPU): scripts/bench_kernels.py measures it.
+def bwd_config(n: int) -> dict:
+    """Tile rows, warps and programs per SM of the backward over rows of ``n`` (pure arithmetic)."""
+    block = _block(n)
+    long_rows = block >= 512
+    tile_rows = max(1, min(64, (2048 if long_rows else 1024) // block))
+    warps = min(16, tile_rows * block // 256) if long_rows else 2
+    # NOTE: 64 registers a thread at 8 elements a thread: 8192 elements' worth of tiles fit an SM (rows of 4096: 16
+    # warps, two programs)
+    per_sm = max(1, 8192 // (tile_rows * block)) if long_rows else 8
+    return {"tile_rows": tile_rows, "num_warps": warps, "programs_per_sm": per_sm}
 
 
 def _block(n: int) -> int:
@@ -136,8 +152,11 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd
     dy, _, _, stride_dyo, stride_dyi = _row_layout(grad_out, inner)
     n = x.shape[-1]
     block = _block(n)
-    tile_rows = max(1, min(64, BWD_TILE // block))
-    programs = row_programs(triton.cdiv(max(m, 1), tile_rows), x.device)
+    config = bwd_config(n)
+    tile_rows = config["tile_rows"]
+    tiles = triton.cdiv(max(m, 1), tile_rows)
+    # NOTE: row_programs starts 4 per SM (a few on the interpreter), scaled to the config's programs per SM
+    programs = max(1, min(tiles, row_programs(tiles, x.device) * config["programs_per_sm"] // 4))
     per_program = triton.cdiv(triton.cdiv(max(m, 1), programs), tile_rows) * tile_rows
     programs = triton.cdiv(max(m, 1), per_program)
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device) if need_dx else None
@@ -147,7 +166,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd
                                    inner, stride_dyo, stride_dyi, stride_xo, stride_xi, n, m, n,
                                    ROWS_PER_PROGRAM=per_program, ZERO_CENTERED=zero_centered_gamma,
                                    NEED_DX=need_dx, NEED_DW=need_dw,
-                                   ROWS=tile_rows, BLOCK=block, num_warps=_warps(tile_rows * block))
+                                   ROWS=tile_rows, BLOCK=block, num_warps=config["num_warps"])
     grad_w = None
     if need_dw:
         grad_w = (partial.sum(0) if m else torch.zeros(n, dtype=torch.float32, device=x.device)).to(weight.dtype)
