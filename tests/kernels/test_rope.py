@@ -167,7 +167,8 @@ def test_fused_rope_slot_takes_megatron_rotation_with_unfused_numerics(rot):
 
 # The Triton kernel (``_rope_triton.rotate``) on odd layouts: partial rotary, b = 1 and 3, head counts that are not
 # powers of two, one broadcast position, strided q/k views of a fused QKV tensor, angles whose halves differ (the
-# kernel reads each half as given), several row chunks per program (``TILE`` shrunk), forward and inverse.
+# kernel reads each half as given), several row chunks per program (``TILE`` shrunk), forward and inverse, angles
+# changed in place after use (the cached cos/sin tables are recomputed).
 # Reference: the rotation in float64 from the same per-half angles (within [-4, 4]); fp32 within 1e-5, bf16 within
 # one rounding (rtol 2^-7: the kernel rounds once) plus atol 1e-5 for results that cancel to near zero, where the
 # fp32 cos/sin (approximate on a GPU, ~1e-6 absolute at these angles) times inputs of ~8 show. Then through
@@ -190,7 +191,7 @@ def _rotate_reference(x, freqs, inverse):
 
 
 def check_rotate_layouts(device, cases=ROPE_CASES):
-    """Run the checks above on ``device``; returns ``[s, b, h, d, rot, positions, CHUNKS, BLOCK_S]`` per case and
+    """Run the checks above on ``device``; returns ``[s, b, h, d, rot, positions, chunks, BLOCK_S]`` per case and
     dtype."""
     from loongforge_hf.kernels import _rope_triton as R
     from loongforge_hf.kernels.rope import rotary_sbhd
@@ -208,12 +209,16 @@ def check_rotate_layouts(device, cases=ROPE_CASES):
                 x = qkv[..., 5 + h * d:5 + 2 * h * d].unflatten(-1, (h, d))
                 assert not x.is_contiguous()
                 freqs = (torch.rand(f_len, 1, 1, rot, generator=g) * 8 - 4).to(device)
-                for inverse in (False, True):
+                # NOTE: the last pass changes the angles in place: their cached cos/sin tables must not be reused
+                for inverse, scale in ((False, None), (True, None), (False, -0.5)):
+                    if scale is not None:
+                        assert R.cos_sin(freqs)[0] is R.cos_sin(freqs)[0], "tables computed once per angle tensor"
+                        freqs.mul_(scale)
                     y = R.rotate(x, freqs, inverse=inverse)
                     assert y.is_contiguous() and y.shape == x.shape and y.dtype == dtype
                     torch.testing.assert_close(y.double(), _rotate_reference(x, freqs, inverse).to(dtype).double(),
                                                atol=atol, rtol=rtol)
-                done.append([s_len, b, h, d, rot, f_len, config["CHUNKS"], config["BLOCK_S"]])
+                done.append([s_len, b, h, d, rot, f_len, config["chunks"], config["BLOCK_S"]])
             angles = torch.arange(s_len)[:, None] * (10000.0 ** (-torch.arange(0, rot, 2) / rot))[None]
             freqs = torch.cat((angles, angles), -1)[:, None, None, :].to(device)
             qkv = torch.randn(s_len, b, h, 3 * d, generator=g).to(torch.bfloat16).to(device)
