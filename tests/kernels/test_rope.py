@@ -171,7 +171,7 @@ def test_fused_rope_slot_takes_megatron_rotation_with_unfused_numerics(rot):
 # changed in place after use (the cached cos/sin tables are recomputed).
 # Reference: the rotation in float64 from the same per-half angles (within [-4, 4]); fp32 within 1e-5, bf16 within
 # one rounding (rtol 2^-7: the kernel rounds once) plus atol 1e-5 for results that cancel to near zero, where the
-# fp32 cos/sin (approximate on a GPU, ~1e-6 absolute at these angles) times inputs of ~8 show. Then through
+# rounding of the fp32 cos/sin and products (~1e-7 relative) times inputs of ~8 shows. Then through
 # autograd (megatron's slot, megatron's cat(f, f) angles) against the torch path with _triton_checks' tolerances.
 # On CPU it runs through Triton's interpreter in a child process (the interpreter is chosen at import).
 ROPE_CASES = [(7, 3, 5, 16, 16, 7, 4096), (5, 1, 3, 24, 12, 5, 4096), (9, 3, 6, 20, 8, 1, 4096),
