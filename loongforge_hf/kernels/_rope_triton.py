@@ -20,8 +20,6 @@ contiguous.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 import triton
 import triton.language as tl
@@ -82,32 +80,25 @@ def launch_config(s: int, b: int, h: int, d: int, rot: int) -> dict:
                 BLOCK_PASS=triton.next_power_of_2(d - rot) if d > rot else 0, num_warps=warps)
 
 
-# cos and sin tables of recent angle tensors: (device, data_ptr, shape, strides, dtype, version) -> (angles, cos,
-# sin). An entry holds its angle tensor, so no other tensor can take its memory while the key names it.
-_TABLES: OrderedDict = OrderedDict()
-_TABLES_KEPT = 4
-
-
 def cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos`` and ``sin`` ``[positions, rot]`` of ``freqs [positions, 1, 1, rot]``, computed once per angle
-    tensor: megatron hands the same (cached) angles to the q and k rotations of every layer, forward and backward."""
+    tensor: megatron hands the same (cached) angles to the q and k rotations of every layer, forward and backward.
+
+    NOTE: the tables live on the angle tensor itself (an attribute, with its version counter), not in a global cache:
+    they die with it, no other tensor can be served them (no pointer keys), and under CUDA graphs a table made during
+    capture lives as long as the graph's static input it was made from."""
     try:
         version = freqs._version
-    except RuntimeError:   # NOTE: inference tensors keep no version counter: not cached
+    except RuntimeError:   # NOTE: inference tensors keep no version counter: not kept
         version = None
-    key = (freqs.device, freqs.data_ptr(), tuple(freqs.shape), tuple(freqs.stride()), freqs.dtype, version)
-    hit = _TABLES.get(key) if version is not None else None
-    if hit is not None:
-        _TABLES.move_to_end(key)
-        return hit[1], hit[2]
+    kept = getattr(freqs, "_loongforge_cos_sin", None)
+    if kept is not None and version is not None and kept[0] == version:
+        return kept[1], kept[2]
     f = freqs.reshape(freqs.shape[0], freqs.shape[-1]).to(torch.float32)
-    tables = (freqs, torch.cos(f).contiguous(), torch.sin(f).contiguous())
-    if version is None:
-        return tables[1], tables[2]
-    _TABLES[key] = tables
-    while len(_TABLES) > _TABLES_KEPT:
-        _TABLES.popitem(last=False)
-    return tables[1], tables[2]
+    cos, sin = torch.cos(f).contiguous(), torch.sin(f).contiguous()
+    if version is not None:
+        freqs._loongforge_cos_sin = (version, cos, sin)
+    return cos, sin
 
 
 def rotate(x: torch.Tensor, freqs: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
