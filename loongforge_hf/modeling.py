@@ -294,7 +294,8 @@ class AutoModelForCausalLM:
         try:
             reader.validate_shapes(bridge.expected_hf_shapes())
             # --- collective part ----------------------------------------------------------------------------
-            initialize_parallel(layout, seed=seed)
+            initialize_parallel(layout, seed=seed,
+                                cudagraph_rng=(megatron_config or {}).get("cuda_graph_impl") == "local")
             from megatron.core import parallel_state as ps
 
             megatron_model = build_megatron_model(bridge, layout, dtype=param_dtype, megatron_config=megatron_config)

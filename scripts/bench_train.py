@@ -178,7 +178,7 @@ def _triton_on(device) -> bool:
 
 
 def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, optimizer_precision: str = "fp32",
-                     adam: str = "torch", fp8_recipe: str | None = None):
+                     adam: str = "torch", fp8_recipe: str | None = None, cuda_graphs: str | None = None):
     import tempfile
 
     import torch
@@ -187,8 +187,13 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
     import loongforge_hf as lf
     from loongforge_hf.trainer.engine import MegatronEngine
 
+    megatron_config = {"cuda_graph_impl": cuda_graphs} if cuda_graphs else None
+    if cuda_graphs:
+        # NOTE: megatron's local graphs refuse expandable segments on pre-Blackwell GPUs unless NCCL does not register
+        # graph buffers (cuda_graphs.py); one GPU, no NCCL traffic here.
+        os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
     model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16, fp8=fp8,
-                                                    fp8_recipe=fp8_recipe)
+                                                    fp8_recipe=fp8_recipe, megatron_config=megatron_config)
     args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_train_"), learning_rate=LR,
                                           adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
@@ -199,7 +204,7 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
     info = {"parameters": model.num_parameters(), "device": str(model.device),
             "optimizer": f"megatron {wrapper} over {type(inner[0]).__module__}.{type(inner[0]).__name__} "
                          f"(foreach={inner[0].defaults.get('foreach')}, fused={inner[0].defaults.get('fused')})",
-            "optimizer_precision": optimizer_precision,
+            "optimizer_precision": optimizer_precision, "cuda_graphs": cuda_graphs,
             "attention": type(model.chunks[0].decoder.layers[0].self_attention.core_attention).__name__,
             "loss": "fused linear cross-entropy" if engine.fused_loss else "materialised logits",
             "triton_kernels": _triton_on(model.device),
@@ -226,7 +231,7 @@ def run_stack(args, device: H.Device) -> dict:
     cfg_kwargs, seq, _ = sizes(w, args.tiny)
     if args.stack == "loongforge":
         step, info = build_loongforge(args.folder, device, fp8=args.fp8, optimizer_precision=args.optimizer_precision,
-                                      adam=args.adam, fp8_recipe=args.fp8_recipe)
+                                      adam=args.adam, fp8_recipe=args.fp8_recipe, cuda_graphs=args.cuda_graphs)
     else:
         step, info = build_transformers(args.folder, device, liger=args.stack == "liger")
     info["weights_gib"] = round(device.allocated() / H.GIB, 2)
@@ -267,6 +272,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--fp8", choices=("on", "adaptive"))
     p.add_argument("--optimizer-precision", choices=("fp32", "model"), default="fp32")
+    p.add_argument("--cuda-graphs", choices=("local",))
     p.add_argument("--adam", choices=("torch", "triton"), default="torch")
     p.add_argument("--fp8-recipe", choices=("blockwise", "rowwise"))
     p.add_argument("--result", required=True)
@@ -306,6 +312,7 @@ def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: 
               "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     common += ["--fp8", options["fp8"]] if "fp8" in options else []
     common += ["--optimizer-precision", options["optimizer"]] if "optimizer" in options else []
+    common += ["--cuda-graphs", options["graphs"]] if "graphs" in options else []
     common += ["--adam", options["adam"]] if "adam" in options else []
     common += ["--fp8-recipe", options["recipe"]] if "recipe" in options else []
     common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
@@ -390,9 +397,9 @@ def main(argv: list[str]) -> int:
                    "to the default fp32 one")
     p.add_argument("--variants", default="", help="comma list of extra loongforge rows, each a space-separated set "
                    "of options: fp8=on|adaptive, recipe=blockwise|rowwise (fp8_recipe), optimizer=fp32|model, "
-                   "adam=torch|triton "
+                   "graphs=local (megatron's per-layer CUDA graphs), adam=torch|triton "
                    "(MegatronEngine(fused_adam='triton'): kernels/adamw.LoongAdamW), "
-                   "e.g. 'optimizer=model adam=triton'")
+                   "e.g. 'optimizer=model graphs=local adam=triton'")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     stacks = [s for s in args.stacks.split(",") if s]
@@ -406,7 +413,7 @@ def main(argv: list[str]) -> int:
     if bad_precision:
         p.error(f"--optimizer-precision takes fp32 and/or model, got {bad_precision}")
     allowed = {"fp8": ("on", "adaptive"), "optimizer": ("fp32", "model"), "adam": ("torch", "triton"),
-               "recipe": ("blockwise", "rowwise")}
+               "recipe": ("blockwise", "rowwise"), "graphs": ("local",)}
     for v in (v for v in args.variants.split(",") if v.strip()):
         for option in v.split():
             key, _, value = option.partition("=")

@@ -15,6 +15,7 @@ Choices:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -93,13 +94,13 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
     taken = sorted(set(megatron_config) & (set(kw) | set(_BUILDER_FIELDS)))
     problems = [f"{k}: not a megatron-core {config_class.__name__} field" for k in unknown]
     problems += [f"{k}: set from the checkpoint's config or the layout, not through megatron_config" for k in taken]
-    if megatron_config.get("cuda_graph_impl", "none") != "none":
-        # NOTE: measured on an H100 (docs/parallelism.md): megatron's "local" per-layer graphs ran 3% faster on shape
-        # (a) but trained differently from eager from the first replayed step on (0.3% on the loss, in fp32 too);
-        # "transformer_engine" needs TE. Refused until the cause is found.
-        problems.append(f"cuda_graph_impl={megatron_config['cuda_graph_impl']!r}: not supported (megatron's local "
-                        "CUDA graphs train differently from eager with this project's layers; the Transformer "
-                        "Engine implementation needs Transformer Engine)")
+    graphs = megatron_config.get("cuda_graph_impl", "none")
+    if graphs != "none" and get_backend().name != "cuda":
+        problems.append(f"cuda_graph_impl={graphs!r}: CUDA graphs need a CUDA device, this run's backend is "
+                        f"{get_backend().name!r}")
+    elif graphs == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        problems.append("cuda_graph_impl='transformer_engine' needs Transformer Engine, which is not installed "
+                        "(cuda_graph_impl='local' is megatron's own implementation)")
     if problems:
         raise ValueError("megatron_config: " + "; ".join(problems) + ".")
 
@@ -155,11 +156,34 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
             model.rotary_pos_emb.inv_freq = llama3_inv_freq(model.rotary_pos_emb.inv_freq.float(), rope)
         device = backend.device()
         model.to(device)
+        if config.cuda_graph_impl == "local":
+            _keep_graph_input(model)
         chunks.append(model)
         offsets.append(get_transformer_layer_offset(config, vp_stage=stage))
         counts.append(get_num_layers_to_build(config, vp_stage=stage))
     return MegatronModel(chunks=chunks, config=config, layer_offsets=offsets, layer_counts=counts,
                          padded_vocab=padded)
+
+
+def _copy_input(module, args):
+    return (args[0].clone(), *args[1:])
+
+
+def _keep_graph_input(chunk) -> None:
+    """megatron's local CUDA graphs (``cuda_graph_impl="local"``): the chunk's first decoder layer normalises a copy of
+    its input.
+
+    NOTE: measured on an H100 (tiny Qwen3, fp32, lr 0): the replayed backward of a chunk's first layer got the
+    input-norm weight and input grads ~10x off, every other layer's grads exact. The static input buffer of a graph
+    whose input no other graph produced (the embedding output, a pipeline receive) does not keep its data until that
+    graph's backward replay in megatron-core 0.16 (``cuda_graphs.py`` hands it back to its buffer pool after capture),
+    while the input norm keeps that buffer for its backward. A copy made inside the graph lives in the graph's own
+    memory like every other saved activation; with it graphs and eager train alike
+    (tests/kernels/test_gpu_cuda_graphs.py).
+    """
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    if layers is not None and len(layers):
+        layers[0].input_layernorm.register_forward_pre_hook(_copy_input)
 
 
 def layer_owners(config, parallel: ParallelConfig) -> dict[int, tuple[int, int | None, int]]:

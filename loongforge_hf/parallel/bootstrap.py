@@ -38,15 +38,22 @@ def init_distributed(timeout_s: float = 600.0) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+DEFAULT_SEED = 1234
+
+
 def current_layout() -> ParallelConfig | None:
     return _CURRENT
 
 
-def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelConfig:
-    """Validate ``parallel`` for this world, start distributed, and (re)build megatron-core's groups."""
+def initialize_parallel(parallel: ParallelConfig, *, seed: int = DEFAULT_SEED,
+                        cudagraph_rng: bool = False) -> ParallelConfig:
+    """Validate ``parallel`` for this world, start distributed, and (re)build megatron-core's groups.
+
+    ``cudagraph_rng``: seed megatron's CUDA RNG tracker with states a CUDA graph can capture (megatron's per-layer
+    graphs, ``cuda_graph_impl="local"``, assert it)."""
     global _CURRENT
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
     world = dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
     parallel.check_world_size(world)
@@ -54,6 +61,8 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> Parall
     init_distributed()
     if ps.model_parallel_is_initialized():
         if _CURRENT == parallel:
+            if cudagraph_rng and not getattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", False):
+                model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
             return parallel
         ps.destroy_model_parallel()
     vpp = parallel.interleaved_stages
@@ -65,7 +74,7 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> Parall
         expert_model_parallel_size=parallel.expert_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
     )
-    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cudagraph_rng, force_reset_rng=True)
     _CURRENT = parallel
     return parallel
 

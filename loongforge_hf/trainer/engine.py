@@ -91,6 +91,10 @@ class MegatronEngine:
 
             self.fused_wgrad_layers = enable_wgrad_accumulation_fusion(
                 m for chunk in model.megatron.chunks for m in chunk.modules())
+            if self.fused_wgrad_layers and getattr(config, "cuda_graph_impl", "none") == "local":
+                # NOTE: megatron's graph runner (cuda_graphs.py:725) reads this to restore the
+                # grad_added_to_main_grad flags that a replayed backward does not set.
+                config.gradient_accumulation_fusion = True
         self.clip_grad = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else 0.0
         # NOTE: megatron does not clip (clip_grad=0): the engine's _optimizer_step folds the clipping and the
         # 1/tokens scaling into one factor (and "model" grads are not fp32, which megatron's

@@ -14,7 +14,7 @@ def _load_cases(folder: str) -> dict:
     out = {}
     for case, extra in (("unknown", {"no_such_field": 1}), ("from_checkpoint", {"num_layers": 3}),
                         ("from_layout", {"tensor_model_parallel_size": 2}),
-                        ("cuda_graphs", {"cuda_graph_impl": "local"})):
+                        ("cuda_graphs_on_cpu", {"cuda_graph_impl": "local"})):
         try:
             lf.AutoModelForCausalLM.from_pretrained(folder, megatron_config=extra)
             out[case] = ("no error", "", dist.is_initialized())
@@ -40,7 +40,7 @@ def test_megatron_config(tmp_path):
     assert not started
     kind, message, started = out["from_layout"]
     assert kind == "ValueError" and "tensor_model_parallel_size: set from" in message and not started
-    kind, message, started = out["cuda_graphs"]
-    assert kind == "ValueError" and "cuda_graph_impl='local': not supported" in message and not started
+    kind, message, started = out["cuda_graphs_on_cpu"]
+    assert kind == "ValueError" and "CUDA graphs need a CUDA device" in message and not started
     assert out["taken"] == (True, True)
     assert out["finite"]
