@@ -165,10 +165,6 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
                          padded_vocab=padded)
 
 
-def _copy_input(module, args):
-    return (args[0].clone(), *args[1:])
-
-
 def _keep_graph_input(chunk) -> None:
     """megatron's local CUDA graphs (``cuda_graph_impl="local"``): the chunk's first decoder layer normalises a copy of
     its input.
@@ -182,8 +178,14 @@ def _keep_graph_input(chunk) -> None:
     (tests/kernels/test_gpu_cuda_graphs.py).
     """
     layers = getattr(getattr(chunk, "decoder", None), "layers", None)
-    if layers is not None and len(layers):
-        layers[0].input_layernorm.register_forward_pre_hook(_copy_input)
+    if layers is None or not len(layers):
+        return
+    # NOTE: an attribute, not a forward pre-hook: megatron refuses to graph a module with user hooks.
+    norm = layers[0].input_layernorm
+    if not hasattr(norm, "copy_input"):
+        raise ValueError(f"cuda_graph_impl='local' needs this project's RMSNorm as the first layer's input norm "
+                         f"(got {type(norm).__name__}, e.g. from a Transformer Engine spec).")
+    norm.copy_input = True
 
 
 def layer_owners(config, parallel: ParallelConfig) -> dict[int, tuple[int, int | None, int]]:

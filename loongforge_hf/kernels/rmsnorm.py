@@ -96,8 +96,13 @@ class RMSNorm(torch.nn.Module):
         # NOTE: megatron's finalize_model_grads sums the grads of params marked `sequence_parallel` over the TP group:
         # with sequence parallelism each TP rank normalises different tokens, so each holds a partial weight grad.
         self.weight.sequence_parallel = bool(config.sequence_parallel)
+        # normalise a copy of the input (set by the builder for megatron's local CUDA graphs, whose first graphed
+        # layer's input buffer does not outlive the forward: bridges/builder._keep_graph_input)
+        self.copy_input = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = x.clone()
         return rms_norm(x, self.weight, self.eps, zero_centered_gamma=self.zero_centered_gamma)
 
     def extra_repr(self) -> str:

@@ -69,3 +69,24 @@ def test_decoder_layers_keep_no_view_of_a_larger_buffer(tmp_path):
     folders = {arch: str(make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False)) for arch in ("qwen3", "llama")}
     for rank in run_distributed(_saved_views, 2, folders, timeout=300):
         assert rank == {f"{arch} tp{tp}": [] for arch in folders for tp in (1, 2)}, rank
+
+
+def test_norm_copy_input_keeps_a_copy():
+    """``RMSNorm.copy_input`` (set for the first layer under megatron's local CUDA graphs, whose input buffer does not
+    outlive the forward): the norm keeps a copy of its input, not the input's storage; same result."""
+    from types import SimpleNamespace
+
+    from loongforge_hf.kernels.rmsnorm import RMSNorm
+
+    config = SimpleNamespace(normalization="RMSNorm", layernorm_zero_centered_gamma=False, use_cpu_initialization=True,
+                             params_dtype=torch.float32, sequence_parallel=False)
+    norm = RMSNorm(config, hidden_size=8)
+    x = torch.randn(3, 2, 8, requires_grad=True)
+    plain = norm(x)
+    norm.copy_input = True
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        copied = norm(x)
+    assert torch.equal(copied, plain)
+    assert all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for t in kept)
+    assert any(t.shape == x.shape for t in kept)
