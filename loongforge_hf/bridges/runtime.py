@@ -123,16 +123,17 @@ def output_weight(head: torch.nn.Module) -> torch.Tensor:
 
 
 def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, *,
-                   vocab_size: int) -> torch.Tensor:
+                   vocab_size: int, weight_grad_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """fp32 sum over label tokens of the cross-entropy of ``hidden [b, s, h]`` (from ``hidden_states_out``) through
-    ``head``'s output layer against shifted ``labels [b, s]``, without the logits."""
+    ``head``'s output layer against shifted ``labels [b, s]``, without the logits (``weight_grad_dtype``: see
+    ``kernels.cross_entropy``)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
 
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), output_weight(head), labels.reshape(-1),
                                 ignore_index=IGNORE_INDEX, tp_group=ps.get_tensor_model_parallel_group(),
-                                vocab_size=vocab_size, reduction="sum")
+                                vocab_size=vocab_size, reduction="sum", weight_grad_dtype=weight_grad_dtype)
 
 
 def full_logits(local_logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:

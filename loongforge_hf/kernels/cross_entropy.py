@@ -18,6 +18,11 @@ Choices:
 - On CUDA with Triton and without tensor parallelism, each chunk's loss and logits grad come from one Triton kernel
   (``_cross_entropy_triton.py``) that works on the logits in their own dtype, in place: the grad is rounded to that
   dtype as the torch path rounds it before the grad matmuls. The torch path is the CPU/TP path and the reference.
+- The weight grad accumulates over the chunks in fp32 (one GEMM per chunk with an fp32 accumulator) and is rounded to
+  the weight's dtype once; ``weight_grad_dtype=torch.bfloat16`` accumulates in bf16 instead (each chunk's GEMM still
+  sums in fp32 and rounds once into the accumulator), as Liger-Kernel and transformers' bf16 grads do: half the
+  accumulator memory (``[V, H]``, alive from the loss forward to the backward, at the activation peak) and half its
+  traffic per chunk. ``MegatronEngine`` asks for it with ``optimizer_precision="model"``, whose grads are bf16 anyway.
 - Labels outside ``[0, vocab_size)`` other than ``ignore_index`` raise (one host sync per call) instead of silently
   reading a wrong logit.
 """
@@ -43,7 +48,8 @@ class _Plan:
     """What every chunk needs: which rows are real vocabulary, where each label lives, which tokens count."""
 
     def __init__(self, labels: torch.Tensor, *, v_local: int, vocab_start: int, vocab_size: int, ignore_index: int,
-                 z_loss: float, group) -> None:
+                 z_loss: float, group, weight_grad_dtype: torch.dtype = torch.float32) -> None:
+        self.weight_grad_dtype = weight_grad_dtype
         self.valid = labels != ignore_index
         local = labels - vocab_start
         self.in_shard = self.valid & (local >= 0) & (local < v_local)
@@ -109,7 +115,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if precompute and need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+        grad_weight = torch.zeros(weight.shape, dtype=plan.weight_grad_dtype, device=weight.device) \
             if precompute and need_weight else None
         for rows in _chunks(n, chunk_size):
             loss[rows], grad_logits = plan.chunk(hidden, weight, rows, with_grad=precompute)
@@ -139,7 +145,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return grad_hidden, grad_weight, None, None, None, None
         hidden, weight = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_weight = torch.zeros(weight.shape, dtype=ctx.plan.weight_grad_dtype, device=weight.device) \
+            if need_weight else None
         for rows in _chunks(hidden.shape[0], ctx.chunk_size):
             _, grad_logits = ctx.plan.chunk(hidden, weight, rows, with_grad=True, row_scale=grad_loss[rows])
             _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight)
@@ -175,12 +182,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          ignore_index: int = -100, tp_group: dist.ProcessGroup | None = None,
                          vocab_start: int | None = None, vocab_size: int | None = None,
                          chunk_size: int | None = None, z_loss: float = 0.0,
-                         reduction: str = "sum") -> torch.Tensor:
+                         reduction: str = "sum", weight_grad_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Cross-entropy of ``hidden [N, H] @ weight[V_local, H].T`` against ``labels [N]``, chunked over tokens.
 
     ``vocab_start`` defaults to ``tp_rank * V_local`` (megatron's even split); ``vocab_size`` to ``V_local * tp_size``.
     Returns the fp32 sum over non-ignored tokens (``reduction="sum"``) or the fp32 per-token losses (``"none"``, 0 at
-    ignored tokens).
+    ignored tokens). ``weight_grad_dtype``: the dtype the weight grad accumulates in over the chunks (fp32, or the
+    weight's own dtype).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden must be [N, H] and weight [V_local, H]; got "
@@ -205,6 +213,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if bool(bad.any()):
         raise ValueError(f"linear_cross_entropy: labels must lie in [0, {vocab_size}) or equal ignore_index="
                          f"{ignore_index}; found {labels[bad][:5].tolist()}.")
+    if weight_grad_dtype not in (torch.float32, weight.dtype):
+        raise ValueError(f"linear_cross_entropy: weight_grad_dtype must be torch.float32 or the weight's dtype "
+                         f"({weight.dtype}), got {weight_grad_dtype}.")
     if chunk_size is None:
         triton = tp_group is None and use_triton(hidden)
         chunk_size = _default_chunk_size(hidden.shape[0], hidden.shape[1], v_local,
@@ -212,5 +223,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size must be positive, got {chunk_size}.")
     plan = _Plan(labels, v_local=v_local, vocab_start=vocab_start, vocab_size=vocab_size,
-                 ignore_index=ignore_index, z_loss=float(z_loss), group=tp_group)
+                 ignore_index=ignore_index, z_loss=float(z_loss), group=tp_group,
+                 weight_grad_dtype=weight_grad_dtype)
     return _LinearCrossEntropy.apply(hidden, weight, labels, plan, chunk_size, reduction)

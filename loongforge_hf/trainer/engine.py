@@ -19,8 +19,10 @@ Choices:
   ``optimizer_precision="model"``: grad buffer in the model's dtype (all-reduced over DP, not reduce-scattered) and
   megatron's non-mixed ``FP32Optimizer`` wrapping torch AdamW directly over the model's parameters: weights, grads and
   moments in the model's dtype (8 bytes per parameter for bf16, every DP rank holding all of it), what
-  ``transformers.Trainer`` with torch AdamW does on a model loaded in bf16. Lower-precision state with fp32 main
-  weights (``use_precision_aware_optimizer``) needs TE's FusedAdam in megatron-core 0.16 and is not used.
+  ``transformers.Trainer`` with torch AdamW does on a model loaded in bf16; the fused loss then accumulates the output
+  weight's grad over its token chunks in that dtype too (``weight_grad_dtype``), as Liger-Kernel does. Lower-precision
+  state with fp32 main weights (``use_precision_aware_optimizer``) needs TE's FusedAdam in megatron-core 0.16 and is
+  not used.
 - Loss is summed per token and gradients are divided by the global label-token count of the step
   (``calculate_per_token_loss``): the gradient of the mean over all label tokens of the global batch, as Trainer does.
   megatron would divide every gradient buffer by the count in ``finalize_model_grads`` and then clip with another
@@ -72,6 +74,9 @@ class MegatronEngine:
         self.fused_loss = fused_loss
         self.optimizer_precision = optimizer_precision
         mixed = optimizer_precision == "fp32"
+        # NOTE: "model" keeps bf16 grads: the fused loss accumulates the output weight's grad over its token chunks
+        # in that dtype too (as Liger / transformers do), half the [V, H] accumulator held at the activation peak.
+        self._head_grad_dtype = torch.float32 if mixed else model.megatron.config.params_dtype
         config = model.megatron.config
         config.calculate_per_token_loss = True
         # NOTE: "model": without the distributed optimizer megatron's DDP all-reduces the grad buffer (in the model's
@@ -280,7 +285,8 @@ class MegatronEngine:
             def loss_func(output):
                 count = (labels != IGNORE_INDEX).sum()
                 if head is not None:
-                    loss_sum = fused_loss_sum(output, labels, head, vocab_size=vocab_size)
+                    loss_sum = fused_loss_sum(output, labels, head, vocab_size=vocab_size,
+                                              weight_grad_dtype=self._head_grad_dtype)
                 else:
                     loss_sum = token_losses(output, labels, vocab_size=vocab_size).sum()
                 return loss_sum, count, {"lm loss": (loss_sum.detach().clone(), count.detach().clone())}

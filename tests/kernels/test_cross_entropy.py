@@ -80,6 +80,23 @@ def test_bf16_matches_reference():
     torch.testing.assert_close(gw.float(), ref_gw.float(), atol=1e-2, rtol=1.6e-2)
 
 
+# weight_grad_dtype=bf16 (MegatronEngine's optimizer_precision="model"): the weight grad accumulates over the chunks
+# in bf16, one rounding per chunk (here 6 chunks) where the fp32 default rounds once; the loss and the hidden grad are
+# the same computation. Bound: bf16's resolution times the number of chunks against the fp32-accumulated grads.
+def test_bf16_weight_grad_accumulation():
+    hidden, weight, labels = _inputs(torch.bfloat16, seed=2)
+    chunks = -(-hidden.shape[0] // 7)
+    assert chunks >= 4
+    loss, gh, gw = _grads(linear_cross_entropy, hidden, weight, labels, vocab_size=V_REAL, chunk_size=7,
+                          weight_grad_dtype=torch.bfloat16)
+    ref_loss, ref_gh, ref_gw = _grads(linear_cross_entropy, hidden, weight, labels, vocab_size=V_REAL, chunk_size=7)
+    assert gw.dtype == torch.bfloat16
+    assert torch.equal(loss, ref_loss) and torch.equal(gh, ref_gh)
+    torch.testing.assert_close(gw.float(), ref_gw.float(), atol=chunks * 2e-3, rtol=chunks * 2 ** -8)
+    with pytest.raises(ValueError, match="weight_grad_dtype"):
+        linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL, weight_grad_dtype=torch.float16)
+
+
 def test_without_grad_needs_no_backward_state():
     hidden, weight, labels = _inputs(torch.float32)
     with torch.no_grad():
