@@ -194,3 +194,13 @@ def test_grouped_experts_switch(monkeypatch):
     monkeypatch.setenv(GROUPED_GEMM_ENV, "maybe")
     with pytest.raises(ValueError, match=GROUPED_GEMM_ENV):
         bridge("qwen3_moe")
+
+
+def test_cuda_graphs_refused_for_moe_before_any_collective():
+    from loongforge_hf.bridges.builder import check_megatron_config
+
+    with pytest.raises(ValueError, match="cuda_graph_impl='local' with MoE layers: not supported"):
+        check_megatron_config(bridge("qwen3_moe"), {"cuda_graph_impl": "local"})
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device") as dense:
+        check_megatron_config(bridge("qwen3"), {"cuda_graph_impl": "local"})
+    assert "MoE" not in str(dense.value)
