@@ -15,8 +15,7 @@ w.r.t. the inputs, graph kept, so no grad accumulation is timed). CUDA events, m
 (``_bench_harness.median_ms``). GB/s counts the least traffic of each pass (bf16 elements read and written, plus the
 fp32 cos/sin tables of rope, read once per tensor, and the fp32 per-row rstd of RMSNorm; not the weight or its fp32
 partial sums); ``of_peak`` is that over ``--peak-gbs`` (3350, an H100 SXM's HBM3). Our rope reads the fp32 angles and
-computes cos/sin in the kernel (the tables' 4 MB are counted all the same: under 5% of the pass). The backward rows
-include autograd's copy of the strided views' grads into the fused buffer, for every implementation alike.
+computes cos/sin in the kernel (the tables' 4 MB are counted all the same: under 5% of the pass).
 
     python3 scripts/bench_kernels.py [--check] [--out outputs/bench_kernels.json]
     python3 scripts/bench_kernels.py --device cpu --tiny        # a dry run: torch paths only, host clock
