@@ -118,6 +118,22 @@ def time_steps(step: Callable[[Any], Any], batches: list, *, warmup: int, device
 STACK_OPS = ("aten::copy_", "aten::add_", "aten::mul_", "aten::mul", "aten::fill_", "aten::cat", "aten::sum")
 
 
+def add_micro_args(parser, *, name: str, warmup: int, reps: int) -> None:
+    """The options every single-op micro-benchmark takes: --device, --tiny, --warmup, --reps, --out."""
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run, e.g. on CPU)")
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--out", default=f"outputs/{name}.json")
+
+
+def device_name(device) -> str:
+    """The GPU's name for a CUDA ``torch.device``, else its type."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def median_ms(fn: Callable[[], Any], *, cuda: bool, warmup: int, reps: int) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup``: CUDA events around each call on a GPU
     (device time of what ``fn`` launched), the host clock otherwise (a dry run only)."""
@@ -277,6 +293,8 @@ def _tail(path: Path, chars: int) -> str:
 def save_json(report: dict, path: Path) -> None:
     """Write ``report`` to ``path`` atomically (a partial file, then a rename): a run stopped mid-write leaves the
     previous report."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
     tmp.write_text(json.dumps(report, indent=1, default=str))
     os.replace(tmp, path)

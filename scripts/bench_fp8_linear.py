@@ -20,7 +20,6 @@ The recipe ``enable_fp8`` picks on this GPU (``fp8_recipe=None``) is printed and
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -122,19 +121,15 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="a,b,c")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run, e.g. on CPU)")
     p.add_argument("--recipes", default="", help="comma list (default: blockwise where supported, and rowwise)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--out", default="outputs/bench_fp8_linear.json")
+    H.add_micro_args(p, name="bench_fp8_linear", warmup=5, reps=20)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)  # NOTE: set_device needs an index ("cuda" has none)
         torch.cuda.set_device(device)
         supported = F8.blockwise_supported(device.index or 0)
-        name = torch.cuda.get_device_name(device)
+        name = H.device_name(device)
     else:
         supported, name = True, "cpu (emulated block-wise GEMMs; timings mean nothing)"
     in_use = "blockwise" if supported else "rowwise"
@@ -163,8 +158,7 @@ def main(argv=None) -> dict:
     result = {"device": name, "torch": torch.__version__, "blockwise_supported": supported, "recipe_in_use": in_use,
               "recipes": recipes, "warmup": args.warmup, "reps": args.reps, "rows": rows}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    H.save_json(result, out)
     print(f"wrote {out}")
     return result
 

@@ -27,9 +27,7 @@ tests/kernels/_triton_checks.py) and exits non-zero on a mismatch, after writing
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -40,27 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench_harness as H  # noqa: E402
 
-from loongforge_hf.kernels._triton import use_triton  # noqa: E402
+from loongforge_hf.kernels._triton import triton_paths, use_triton  # noqa: E402
 from loongforge_hf.kernels.rmsnorm import rms_norm  # noqa: E402
 from loongforge_hf.kernels.rope import rotary_sbhd  # noqa: E402
+from tests.kernels._triton_checks import TOL, two_ulps  # noqa: E402
 
 # shape (a): seq, micro-batch, q heads, kv heads, head_dim, hidden; the fused QKV row is q + k + v heads of head_dim
 FULL = dict(s=4096, b=4, hq=16, hkv=8, d=128, hidden=1024)
 TINY = dict(s=64, b=2, hq=4, hkv=2, d=32, hidden=96)
-
-
-class _TorchPath:
-    """``LOONGFORGE_TRITON=0`` while inside: our functions take their torch (reference) paths."""
-
-    def __enter__(self):
-        self.saved = os.environ.get("LOONGFORGE_TRITON")
-        os.environ["LOONGFORGE_TRITON"] = "0"
-
-    def __exit__(self, *exc):
-        if self.saved is None:
-            os.environ.pop("LOONGFORGE_TRITON", None)
-        else:
-            os.environ["LOONGFORGE_TRITON"] = self.saved
 
 
 def _liger():
@@ -134,22 +119,19 @@ def bench_rope(cfg, device, dtype, g, args, impls):
             fwd, bwd = _time_pair(lambda: LigerRopeFunction.apply(lq, lk, cos, sin), [lq, lk],
                                   [hf_layout(cfg["hq"]), hf_layout(cfg["hkv"])], cuda=cuda,
                                   warmup=args.warmup, reps=args.reps)
-        elif label == "torch":
-            with _TorchPath():
-                fwd, bwd = _time_pair(ours, [q, k], [dq, dk], cuda=cuda, warmup=args.warmup, reps=args.reps)
         else:
-            fwd, bwd = _time_pair(ours, [q, k], [dq, dk], cuda=cuda, warmup=args.warmup, reps=args.reps)
+            with triton_paths(label != "torch"):
+                fwd, bwd = _time_pair(ours, [q, k], [dq, dk], cuda=cuda, warmup=args.warmup, reps=args.reps)
         row[label] = {"fwd": _cell(fwd, moved, args.peak_gbs), "bwd": _cell(bwd, moved, args.peak_gbs)}
     check = None
     if args.check and "ours" in impls:
         outs = {}
         for label in ("ours", "torch"):
-            ctx = _TorchPath() if label == "torch" else _Null()
-            with ctx:
+            with triton_paths(label == "ours"):
                 y = ours()
                 outs[label] = list(y) + list(torch.autograd.grad(y, [q, k], [dq, dk]))
-        atol = max(_two_ulps(qkv), _two_ulps(dq))
-        check = _compare("rope_qk", outs["ours"], outs["torch"], [(atol, 2.4e-2)] * 4)
+        atol, rtol = max(TOL[dtype][0], two_ulps(qkv), two_ulps(dq)), TOL[dtype][1]
+        check = _compare("rope_qk", outs["ours"], outs["torch"], [(atol, rtol)] * 4)
     return row, check
 
 
@@ -189,11 +171,9 @@ def bench_rmsnorm(name, cfg, x_src, device, dtype, g, args, impls):
                 note = f"strided input refused ({str(exc).splitlines()[0][:120]}); timed on a contiguous copy"
             fwd, bwd = _time_pair(lambda: norm(lx), [lx, norm.weight], [dy.clone()], cuda=cuda, warmup=args.warmup,
                                   reps=args.reps)
-        elif label == "torch":
-            with _TorchPath():
-                fwd, bwd = _time_pair(ours, [x, w], [dy], cuda=cuda, warmup=args.warmup, reps=args.reps)
         else:
-            fwd, bwd = _time_pair(ours, [x, w], [dy], cuda=cuda, warmup=args.warmup, reps=args.reps)
+            with triton_paths(label != "torch"):
+                fwd, bwd = _time_pair(ours, [x, w], [dy], cuda=cuda, warmup=args.warmup, reps=args.reps)
         row[label] = {"fwd": _cell(fwd, moved_fwd, args.peak_gbs), "bwd": _cell(bwd, moved_bwd, args.peak_gbs)}
         if note:
             row[label]["note"] = note
@@ -201,28 +181,12 @@ def bench_rmsnorm(name, cfg, x_src, device, dtype, g, args, impls):
     if args.check and "ours" in impls:
         outs = {}
         for label in ("ours", "torch"):
-            with _TorchPath() if label == "torch" else _Null():
+            with triton_paths(label == "ours"):
                 y = ours()
                 outs[label] = [y] + list(torch.autograd.grad(y, [x, w], dy))
-        tol = (2e-2, 2.4e-2)
-        check = _compare(name, outs["ours"], outs["torch"], [tol, tol, (2e-2 * math.sqrt(rows), 2.4e-2)])
+        atol, rtol = TOL[dtype]
+        check = _compare(name, outs["ours"], outs["torch"], [(atol, rtol)] * 2 + [(atol * math.sqrt(rows), rtol)])
     return row, check
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-_MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
-
-
-def _two_ulps(x: torch.Tensor) -> float:
-    top = float(x.detach().abs().max())
-    return 2.0 * 2.0 ** (math.floor(math.log2(top)) - _MANTISSA_BITS[x.dtype]) if top > 0 else 0.0
 
 
 def _compare(name, ours, ref, tols):
@@ -241,14 +205,10 @@ def _compare(name, ours, ref, tols):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run, e.g. on CPU)")
     p.add_argument("--check", action="store_true", help="compare ours with the torch reference first")
     p.add_argument("--impls", default="ours,torch,liger", help="which of ours,torch,liger to time")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--reps", type=int, default=20)
     p.add_argument("--peak-gbs", type=float, default=3350.0, help="the device's memory bandwidth, GB/s")
-    p.add_argument("--out", default="outputs/bench_kernels.json")
+    H.add_micro_args(p, name="bench_kernels", warmup=5, reps=20)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cfg = TINY if args.tiny else FULL
@@ -261,7 +221,7 @@ def main(argv=None) -> int:
     if "liger" in impls and (device.type != "cuda" or _liger() is None):
         impls.remove("liger")
         skipped["liger"] = "liger_kernel not importable" if _liger() is None else "Liger-Kernel needs CUDA"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = H.device_name(device)
     print(f"device: {name}; torch {torch.__version__}; timing {', '.join(impls)}"
           + "".join(f"; {k} skipped: {v}" for k, v in skipped.items()), flush=True)
     g = torch.Generator(device=device).manual_seed(0)
@@ -288,8 +248,7 @@ def main(argv=None) -> int:
               "tiny": args.tiny, "shape": cfg, "dtype": str(dtype), "peak_gbs": args.peak_gbs, "impls": impls,
               "skipped": skipped, "rows": rows, "checks": checks}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    H.save_json(result, out)
     print(f"wrote {out}")
     return 0 if all(c["ok"] for c in checks) else 1
 

@@ -15,7 +15,6 @@ write p, m, v); torch's fused kernel also writes the unscaled grads back when ``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -59,14 +58,10 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="a,b,c")
     p.add_argument("--dtypes", default="bf16,fp32")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run, e.g. on CPU)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--out", default="outputs/bench_optimizer.json")
+    H.add_micro_args(p, name="bench_optimizer", warmup=3, reps=10)
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = H.device_name(device)
     print(f"device: {name}; torch {torch.__version__}")
     rows = []
     for key in args.shapes.split(","):
@@ -96,9 +91,7 @@ def main(argv=None) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     result = {"device": name, "torch": torch.__version__, "tiny": args.tiny, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    H.save_json(result, Path(args.out))
     return result
 
 

@@ -55,6 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _bench_harness as H  # noqa: E402
 
 STACKS = ("transformers", "liger", "loongforge")
+# options of a loongforge row ("loongforge optimizer=model graphs=local"): the worker flag each sets, and its values
+VARIANT_OPTIONS = {"fp8": ("--fp8", ("on", "adaptive")), "recipe": ("--fp8-recipe", ("blockwise", "rowwise")),
+                   "optimizer": ("--optimizer-precision", ("fp32", "model")),
+                   "graphs": ("--cuda-graphs", ("local",)), "adam": ("--adam", ("torch", "triton"))}
 STACK_TITLES = {"transformers": "transformers (sdpa)", "liger": "transformers + Liger-Kernel",
                 "loongforge": "loongforge-hf (TP=1, MegatronEngine)"}
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-4, (0.9, 0.999), 1e-8, 0.0, 1.0
@@ -270,11 +274,9 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--fp8", choices=("on", "adaptive"))
-    p.add_argument("--optimizer-precision", choices=("fp32", "model"), default="fp32")
-    p.add_argument("--cuda-graphs", choices=("local",))
-    p.add_argument("--adam", choices=("torch", "triton"), default="torch")
-    p.add_argument("--fp8-recipe", choices=("blockwise", "rowwise"))
+    defaults = {"--optimizer-precision": "fp32", "--adam": "torch"}
+    for flag, values in VARIANT_OPTIONS.values():
+        p.add_argument(flag, choices=values, default=defaults.get(flag))
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     # NOTE: loongforge-hf picks its device backend from this variable; set before anything imports the package.
@@ -310,11 +312,8 @@ def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: 
     options = dict(o.split("=", 1) for o in options)
     common = [__file__, "--worker", "run", "--shape", w.key, "--stack", base_stack, "--folder", str(folder),
               "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    common += ["--fp8", options["fp8"]] if "fp8" in options else []
-    common += ["--optimizer-precision", options["optimizer"]] if "optimizer" in options else []
-    common += ["--cuda-graphs", options["graphs"]] if "graphs" in options else []
-    common += ["--adam", options["adam"]] if "adam" in options else []
-    common += ["--fp8-recipe", options["recipe"]] if "recipe" in options else []
+    for key, value in options.items():
+        common += [VARIANT_OPTIONS[key][0], value]
     common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
     result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", "1"], log_path=log,
                           timeout_s=args.worker_timeout)
@@ -406,14 +405,13 @@ def main(argv: list[str]) -> int:
     unknown = [s for s in shapes if s not in WORKLOADS] + [s for s in stacks if s not in STACKS]
     if unknown:
         p.error(f"unknown shapes/stacks {unknown}; shapes: {sorted(WORKLOADS)}, stacks: {list(STACKS)}")
-    bad_fp8 = [m for m in args.fp8.split(",") if m and m not in ("on", "adaptive")]
+    bad_fp8 = [m for m in args.fp8.split(",") if m and m not in VARIANT_OPTIONS["fp8"][1]]
     if bad_fp8:
         p.error(f"--fp8 takes on and/or adaptive, got {bad_fp8}")
-    bad_precision = [m for m in args.optimizer_precision.split(",") if m and m not in ("fp32", "model")]
+    bad_precision = [m for m in args.optimizer_precision.split(",") if m and m not in VARIANT_OPTIONS["optimizer"][1]]
     if bad_precision:
         p.error(f"--optimizer-precision takes fp32 and/or model, got {bad_precision}")
-    allowed = {"fp8": ("on", "adaptive"), "optimizer": ("fp32", "model"), "adam": ("torch", "triton"),
-               "recipe": ("blockwise", "rowwise"), "graphs": ("local",)}
+    allowed = {key: values for key, (_, values) in VARIANT_OPTIONS.items()}
     for v in (v for v in args.variants.split(",") if v.strip()):
         for option in v.split():
             key, _, value = option.partition("=")

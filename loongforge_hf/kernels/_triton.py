@@ -6,6 +6,7 @@ checks of the kernels themselves; ``LOONGFORGE_TRITON=0`` turns them off (the to
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -27,3 +28,18 @@ def row_programs(rows: int, device: torch.device) -> int:
 
         return max(1, min(rows, 4 * get_backend().multiprocessor_count(device)))
     return max(1, min(rows, 4))
+
+
+@contextlib.contextmanager
+def triton_paths(enabled: bool):
+    """Inside: the kernels take their Triton paths where ``use_triton`` allows (``enabled``) or their torch paths
+    (``LOONGFORGE_TRITON=0``); the variable is restored afterwards."""
+    saved = os.environ.get("LOONGFORGE_TRITON")
+    os.environ["LOONGFORGE_TRITON"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOONGFORGE_TRITON", None)
+        else:
+            os.environ["LOONGFORGE_TRITON"] = saved

@@ -38,14 +38,11 @@ def init_distributed(timeout_s: float = 600.0) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-DEFAULT_SEED = 1234
-
-
 def current_layout() -> ParallelConfig | None:
     return _CURRENT
 
 
-def initialize_parallel(parallel: ParallelConfig, *, seed: int = DEFAULT_SEED,
+def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234,
                         cudagraph_rng: bool = False) -> ParallelConfig:
     """Validate ``parallel`` for this world, start distributed, and (re)build megatron-core's groups.
 

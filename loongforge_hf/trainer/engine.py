@@ -74,10 +74,10 @@ class MegatronEngine:
         self.fused_loss = fused_loss
         self.optimizer_precision = optimizer_precision
         mixed = optimizer_precision == "fp32"
+        config = model.megatron.config
         # NOTE: "model" keeps bf16 grads: the fused loss accumulates the output weight's grad over its token chunks
         # in that dtype too (as Liger / transformers do), half the [V, H] accumulator held at the activation peak.
-        self._head_grad_dtype = torch.float32 if mixed else model.megatron.config.params_dtype
-        config = model.megatron.config
+        self._head_grad_dtype = torch.float32 if mixed else config.params_dtype
         config.calculate_per_token_loss = True
         # NOTE: "model": without the distributed optimizer megatron's DDP all-reduces the grad buffer (in the model's
         # dtype) instead of reduce-scattering it; with the overlap it still starts bucket by bucket during backward.

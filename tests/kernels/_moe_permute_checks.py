@@ -5,10 +5,9 @@ Both paths sum in fp32 and round once, over <= k terms in another order: outputs
 the output dtype (fp32: 1e-5 relative); copies (permuted tokens and probs, the probs' grad of permute) are bit-exact.
 """
 
-import os
-
 import torch
 
+from loongforge_hf.kernels._triton import triton_paths
 from loongforge_hf.kernels.moe_permute import permute, unpermute
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 ** -7, 2 ** -7)}
@@ -24,16 +23,13 @@ def routing_map(tokens: int, experts: int, topk: int, empty: int, gen: torch.Gen
 
 def _both_paths(fn, tensors, grads):
     out = []
-    for flag in ("1", "0"):
-        os.environ["LOONGFORGE_TRITON"] = flag
-        try:
+    for enabled in (True, False):
+        with triton_paths(enabled):
             leaves = [t.clone().requires_grad_() for t in tensors]
             results = fn(*leaves)
             torch.autograd.backward([r for r in results if r is not None],
                                     [g for r, g in zip(results, grads) if r is not None])
             out.append([r.detach() for r in results if r is not None] + [t.grad for t in leaves])
-        finally:
-            os.environ.pop("LOONGFORGE_TRITON", None)
     return out
 
 

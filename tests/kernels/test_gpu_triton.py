@@ -42,11 +42,10 @@ def test_linear_cross_entropy_matches_materialised_logits_on_cuda(dtype, tol):
 
 
 def _train_kernels_on_and_off(folder: str, out_dir: str) -> dict:
-    import os
-
     import transformers
 
     import loongforge_hf as lf
+    from loongforge_hf.kernels._triton import triton_paths
     from loongforge_hf.trainer.engine import MegatronEngine
 
     args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-3, weight_decay=0.0, max_grad_norm=1.0,
@@ -54,12 +53,12 @@ def _train_kernels_on_and_off(folder: str, out_dir: str) -> dict:
     ids = torch.randint(4, 200, (2, 64), generator=torch.Generator().manual_seed(3))  # tiny vocabularies: 203
     out = {}
     for on in (True, False):
-        os.environ["LOONGFORGE_TRITON"] = "1" if on else "0"
-        model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16)
-        engine = MegatronEngine(model, args=args, fused_loss=on, fused_adam=on, fused_wgrad=on)
-        batch = {"input_ids": ids.to(model.device), "labels": ids.to(model.device)}
-        out[on] = [engine.train_step([batch]).loss for _ in range(6)]
-        out[f"rope_fusion_{on}"] = bool(model.megatron.config.apply_rope_fusion)
+        with triton_paths(on):
+            model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16)
+            engine = MegatronEngine(model, args=args, fused_loss=on, fused_adam=on, fused_wgrad=on)
+            batch = {"input_ids": ids.to(model.device), "labels": ids.to(model.device)}
+            out[on] = [engine.train_step([batch]).loss for _ in range(6)]
+            out[f"rope_fusion_{on}"] = bool(model.megatron.config.apply_rope_fusion)
     return {"on": out[True], "off": out[False], "rope_fusion": out["rope_fusion_True"]}
 
 
