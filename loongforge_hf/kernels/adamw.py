@@ -14,9 +14,10 @@ Choices:
   every group off CUDA without ``TRITON_INTERPRET=1``, run torch's own step unchanged (``super().step()``).
 - ``grad_scale`` and ``found_inf`` (attributes set on the optimizer, as torch's GradScaler and
   ``MegatronEngine._optimizer_step`` do) mean what they mean in torch's fused AdamW: every grad is divided by
-  ``grad_scale`` in fp32 before use; where ``found_inf`` is nonzero nothing is updated and the step counts are put
-  back. One difference: torch's fused kernel also writes the unscaled grads back into ``p.grad``; the Triton kernel
-  leaves ``p.grad`` as it was (one less write of every grad; nothing here reads grads after the step).
+  ``grad_scale`` in fp32 before use (the Triton kernel multiplies by its reciprocal: within an fp32 ulp); where
+  ``found_inf`` is nonzero nothing is updated and the step counts are put back. One difference: torch's fused kernel
+  also writes the unscaled grads back into ``p.grad``; the Triton kernel leaves ``p.grad`` as it was (one less write
+  of every grad; nothing here reads grads after the step).
 - ``amsgrad`` and ``maximize`` are refused (ValueError), on every device, so the CPU and CUDA paths accept the same
   arguments.
 """

@@ -3,7 +3,11 @@
 Choices:
 - One format, ``float8_e4m3fn`` (largest finite value 448), for activations, weights and gradients alike.
 - Scales are decoding factors in fp32: ``x ~= q * scale``, ``scale = amax / 448`` over a scaling group (an all-zero
-  group gets scale 1). Quantising divides by the scale and clamps to +-448, so nothing overflows to NaN.
+  group gets scale 1). Quantising multiplies by the scale's reciprocal (one correctly rounded ``1 / scale`` per
+  group, as Transformer Engine's ``scale`` / ``scale_inv`` pair) and clamps to +-448, so nothing overflows to NaN.
+  NOTE: not ``x / scale`` element by element: a correctly rounded fp32 division per element made the Triton
+  quantisation kernels compute-bound on an H100 (~2 TB/s); the product is within one fp32 ulp of the quotient
+  before the rounding to e4m3.
 - Three scaling groups, named by how the operand is cut along its contraction dimension K:
   ``tiles`` (1x128: one scale per row and 128 consecutive K values, activations and gradients), ``blocks``
   (128x128: weights, as DeepSeek-V3 stores them) and ``rows`` (one scale per row, the row-wise fallback). A partial
@@ -82,8 +86,8 @@ def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x / scale`` saturated to +-448 and rounded to e4m3 (``scale`` broadcasts against ``x``)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    """``x * (1 / scale)`` saturated to +-448 and rounded to e4m3 (``scale`` broadcasts against ``x``)."""
+    return (x.float() * (1.0 / scale.float())).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def _check(scale: torch.Tensor, what: str) -> None:
@@ -108,10 +112,11 @@ if triton is not None:
         x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
         a = tl.where(x == x, tl.abs(x), float("inf"))  # NOTE: a NaN makes the tile's scale inf, caught by _check
         amax = tl.max(a, axis=1)
-        # NOTE: IEEE-rounded divisions (``/`` is an approximate one in Triton), so results equal torch's bit for bit;
-        # the operands are broadcast explicitly because div_rn does not broadcast.
+        # NOTE: IEEE-rounded divisions (``/`` is an approximate one in Triton), one per tile, so results equal torch's
+        # bit for bit; the operands are broadcast explicitly because div_rn does not broadcast.
         scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.zeros((BLOCK_R,), tl.float32) + FMAX))
-        q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK_R, TILE), tl.float32) + scale[:, None]), -FMAX, FMAX)
+        inv = tl.math.div_rn(tl.zeros((BLOCK_R,), tl.float32) + 1.0, scale)
+        q = tl.clamp(x * inv[:, None], -FMAX, FMAX)
         store = (r[:, None] < rows) & (c[None, :] < out_cols)
         tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
         tl.store(s_ptr + r * stride_sr + pid_t * stride_st, scale, mask=r < rows)
@@ -128,7 +133,7 @@ if triton is not None:
         a = tl.where(x == x, tl.abs(x), float("inf"))
         amax = tl.max(tl.max(a, axis=1), axis=0)
         scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FMAX))
-        q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK, BLOCK), tl.float32) + scale), -FMAX, FMAX)
+        q = tl.clamp(x * tl.math.div_rn(tl.full((), 1.0, tl.float32), scale), -FMAX, FMAX)
         tl.store(q_ptr + r[:, None] * cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + pid_r * s_cols + pid_c, scale)
 
@@ -144,12 +149,13 @@ if triton is not None:
             x = x.to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
         scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.zeros((BLOCK_R,), tl.float32) + FMAX))
+        inv = tl.math.div_rn(tl.zeros((BLOCK_R,), tl.float32) + 1.0, scale)
         for c0 in range(0, out_cols, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             load = (r[:, None] < rows) & (c[None, :] < cols)
             x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0)
             x = x.to(tl.float32)
-            q = tl.clamp(tl.math.div_rn(x, tl.zeros((BLOCK_R, BLOCK_C), tl.float32) + scale[:, None]), -FMAX, FMAX)
+            q = tl.clamp(x * inv[:, None], -FMAX, FMAX)
             store = (r[:, None] < rows) & (c[None, :] < out_cols)
             tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
         tl.store(s_ptr + r, scale, mask=r < rows)
@@ -329,29 +335,50 @@ def _check_gemm(a: Quantized, b: Quantized) -> None:
                        f"got K={k}, N={b.data.shape[0]}.")
 
 
-def scaled_matmul(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``a @ b.T`` from two quantised operands (``[M, K]`` and ``[N, K]``), result ``[M, N]`` in ``out_dtype``."""
+def _v2_out():
+    """``aten::_scaled_mm_v2.out`` (what ``F.scaled_mm`` calls, writing into a given tensor), where torch has it."""
+    op = getattr(torch.ops.aten, "_scaled_mm_v2", None)
+    return getattr(op, "out", None) if op is not None else None
+
+
+def scaled_matmul(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b.T`` from two quantised operands (``[M, K]`` and ``[N, K]``), result ``[M, N]`` in ``out_dtype``.
+    With ``out`` (a contiguous ``[M, N]`` tensor; ``out_dtype`` is then its dtype) the result is written there: by
+    the GEMM itself on CUDA where ``out`` is bf16 (the GEMM's output type), else copied in."""
     _check_gemm(a, b)
     if (a.kind == "rows") != (b.kind == "rows"):
         raise Fp8Error(f"scaled_matmul: no FP8 GEMM for a {a.kind} x {b.kind} pair; use tiles x blocks, tiles x "
                        "tiles or rows x rows.")
+    direct = out if out is not None and out.dtype == torch.bfloat16 and a.data.is_cuda else None
     if a.kind == "rows" or (a.data.is_cuda and not hasattr(F, "scaled_mm")):
         # NOTE: row-wise through torch._scaled_mm, the entry point every torch since 2.5 has (shapes pick the recipe);
         # block-wise needs torch.nn.functional.scaled_mm's explicit recipes where that exists (torch >= 2.10).
-        return _legacy_scaled_mm(a, b).to(out_dtype)
-    if a.data.is_cuda:
+        result = _legacy_scaled_mm(a, b, out=direct)
+    elif a.data.is_cuda:
         scale_a, recipe_a, scale_b, recipe_b = _scaled_mm_args(a, b)
-        out = F.scaled_mm(a.data, b.data.t(), scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16)
-        return out.to(out_dtype)
-    # NOTE: block-wise scaled_mm has no CPU kernel; the dequantised product is the same sum in another order.
-    return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
+        write = _v2_out() if direct is not None else None
+        if write is not None:
+            result = write(a.data, b.data.t(), [scale_a], [recipe_a.value], [], [scale_b], [recipe_b.value], [],
+                           None, torch.bfloat16, [], False, out=direct)
+        else:
+            result = F.scaled_mm(a.data, b.data.t(), scale_a, recipe_a, scale_b, recipe_b,
+                                 output_dtype=torch.bfloat16)
+    else:
+        # NOTE: block-wise scaled_mm has no CPU kernel; the dequantised product is the same sum in another order.
+        result = dequantize(a) @ dequantize(b).t()
+    if out is None:
+        return result.to(out_dtype)
+    return out if result is out else out.copy_(result)
 
 
-def _legacy_scaled_mm(a: Quantized, b: Quantized) -> torch.Tensor:
+def _legacy_scaled_mm(a: Quantized, b: Quantized, *, out: torch.Tensor | None = None) -> torch.Tensor:
     if a.kind == "rows":
         scale_a, scale_b = a.scale.contiguous(), b.scale.reshape(1, -1).contiguous()
     else:  # 1x128 scales [M, K/128] K-tile-major; b's [K/128, N] (1x128) or [K/128, N/128] (blocks)
         scale_a, scale_b = _k_major(a.scale), b.scale.t()
+    if out is not None:
+        return torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=torch.bfloat16, out=out)
     return torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=torch.bfloat16)
 
 
@@ -432,15 +459,15 @@ def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | 
     return dx if dyp is dy else dx[:m]
 
 
-def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: str) -> torch.Tensor:
+def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``dy.T @ x`` in FP8 (``dy`` ``[M, N]``, ``x`` ``[M, K]``): the weight gradient, contracting over tokens,
-    which are zero-padded to the GEMM's multiple; M = 0 gives zeros."""
+    which are zero-padded to the GEMM's multiple; M = 0 gives zeros. ``out``: write it there (``scaled_matmul``)."""
     if dy.shape[0] == 0:
-        return dy.new_zeros(dy.shape[1], x.shape[1])
+        return out.zero_() if out is not None else dy.new_zeros(dy.shape[1], x.shape[1])
     kind, pad = ("tiles", GROUP) if recipe == "blockwise" else ("rows", ROW_ALIGN)
     a = quantize(dy.t(), kind, pad_to=pad, check_finite=False)
     b = quantize(x.t(), kind, pad_to=pad, check_finite=False)
-    return scaled_matmul(a, b, out_dtype=dy.dtype)
+    return scaled_matmul(a, b, out_dtype=dy.dtype, out=out)
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -10,7 +10,8 @@ Choices:
   the GEMM; the class's stays untouched). It keeps megatron's semantics around the GEMM: sequence-parallel all-gather
   of the input before it (again in the backward), reduce-scatter or all-reduce of the input gradient after it,
   overlapped with the weight-gradient GEMM, and the weight gradient added into ``main_grad`` under
-  ``gradient_accumulation_fusion``. A LoRA-adapted layer (``lora_delta``) gets its adapter term added as its own class
+  ``gradient_accumulation_fusion`` (written into it by the GEMM where the buffer is known to hold zeros:
+  ``kernels/main_grad.py``). A LoRA-adapted layer (``lora_delta``) gets its adapter term added as its own class
   would. Where every GEMM of a call is to stay in bf16, the class's own method runs.
 - ``mode="adaptive"`` asks ``fp8_autotune.Fp8Autotuner``, for each distinct GEMM shape a layer meets (forward, input
   gradient, weight gradient), whether FP8 beats bf16 on the GPU in use (timed once, cached in a JSON file per GPU
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
                                        check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad)
+from loongforge_hf.kernels import main_grad as main_grad_state
 from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
 
 logger = logging.getLogger("loongforge_hf.fp8")
@@ -134,18 +136,25 @@ class _Fp8ParallelLinear(torch.autograd.Function):
             if gather is not None:
                 gather.wait()
             x2 = total.reshape(-1, total.shape[-1])
-            dw = gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2
             if ctx.accumulate:
                 # NOTE: what megatron's gradient_accumulation_fusion does: the gradient goes straight into the fp32
-                # main_grad, and the autograd grad is a placeholder its DDP hook knows to skip.
-                weight.main_grad.add_(dw)
+                # main_grad, and the autograd grad is a placeholder its DDP hook knows to skip. A main_grad known
+                # to hold zeros (main_grad.claim) of the GEMM's dtype is written by the GEMM instead of added to.
+                main_grad = weight.main_grad
+                if main_grad.dtype == dy2.dtype and main_grad_state.claim(weight):
+                    if ctx.precision.wgrad:
+                        gemm_wgrad(dy2, x2, ctx.recipe, out=main_grad)
+                    else:
+                        torch.mm(dy2.t(), x2, out=main_grad)
+                else:
+                    main_grad.add_(gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2)
                 dw = None
                 if hasattr(weight, "grad_added_to_main_grad"):
                     weight.grad_added_to_main_grad = True
                     dw = torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) \
                         else torch.empty_like(weight)
             else:
-                dw = dw.to(weight.dtype)
+                dw = (gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2).to(weight.dtype)
         if ctx.has_bias:
             db = dy2.sum(0)
         if reduce is not None:
@@ -193,6 +202,7 @@ class Fp8ForwardImpl:
         tokens = input.numel() // input.shape[-1] * (dist.get_world_size(group) if sequence_parallel else 1)
         precision = self.precision(tokens, weight)
         if precision == NO_FP8 or grad_output_buffer is not None:
+            main_grad_state.forget(weight)  # megatron's own path adds into main_grad
             return type(module)._forward_impl(
                 module, input, weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
                 allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,

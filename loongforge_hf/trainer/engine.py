@@ -13,7 +13,9 @@ Choices:
   GEMM each (megatron's ``gradient_accumulation_fusion``, its Apex kernel replaced by torch's fp32-output ``addmm``:
   ``xpu/common.enable_wgrad_accumulation_fusion``), on CUDA by default (``fused_wgrad``): no separate add
   kernel per weight. With the fp32 buffer the sum is the same, without the rounding of each micro-batch's weight grad
-  to bf16; with the model-dtype buffer each micro-batch's GEMM rounds once into it.
+  to bf16; with the model-dtype buffer each micro-batch's GEMM rounds once into it. Right after DDP zeroes the
+  buffers each step the engine marks them so (``kernels/main_grad.py``): the FP8 weight-gradient GEMMs, which cannot
+  accumulate, then write their first result into the buffer instead of adding it.
 - ``optimizer_precision="fp32"`` (default): fp32 grad buffer, megatron's distributed optimizer with fp32 main weights
   and fp32 Adam moments, sharded over DP (18 bytes per parameter for a bf16 model before sharding).
   ``optimizer_precision="model"``: grad buffer in the model's dtype (all-reduced over DP, not reduce-scattered) and
@@ -43,6 +45,7 @@ import torch.distributed as dist
 
 from loongforge_hf.bridges.runtime import (IGNORE_INDEX, fused_loss_sum, hidden_states_out, language_head,
                                            megatron_attention_mask, shift_labels, token_losses)
+from loongforge_hf.kernels import main_grad as main_grad_state
 from loongforge_hf.parallel.context_parallel import cp_local_inputs
 
 
@@ -223,6 +226,7 @@ class MegatronEngine:
                                               same_length=layout.pipeline_parallel_size > 1)
         for c in self.chunks:
             c.zero_grad_buffer()
+        main_grad_state.mark_zeroed(self.chunks)
         self.optimizer.zero_grad()
         seq = micro_batches[0]["input_ids"].shape[1]
         mbs = micro_batches[0]["input_ids"].shape[0]

@@ -330,9 +330,22 @@ def _patch_rope_cp_slice() -> None:
         module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
+def _literal_on_cpu(device):
+    """The device a factory call of a patched megatron module gets: the CPU for a ``"cuda"`` string (the literals
+    listed in ``_CUDA_LITERAL_MODULES``), and for any CUDA device where CUDA is unavailable; otherwise ``device``
+    itself. NOTE: a ``torch.device`` taken from a tensor (``device=routing_map.device``) is kept where CUDA works:
+    the patches stay for the whole process, and a CUDA tensor handed to megatron in it must stay on its GPU."""
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda" and not torch.cuda.is_available():
+        return "cpu"
+    return device
+
+
 class _TorchWithCpuDefault:
-    """A view of the ``torch`` module whose ``zeros`` / ``ones`` / ``tensor`` / ``empty`` turn ``device="cuda"``
-    into the CPU. Installed as the module-global ``torch`` of a megatron module that writes such literals."""
+    """A view of the ``torch`` module whose ``zeros`` / ``ones`` / ``tensor`` / ``empty`` / ... turn a literal
+    ``device="cuda"`` into the CPU (``_literal_on_cpu``). Installed as the module-global ``torch`` of a megatron
+    module that writes such literals."""
 
     _FACTORIES = ("zeros", "ones", "tensor", "empty", "full", "arange", "empty_like", "zeros_like")
 
@@ -341,8 +354,8 @@ class _TorchWithCpuDefault:
         if item in self._FACTORIES:
             @functools.wraps(attr)
             def factory(*args, **kwargs):
-                if str(kwargs.get("device", "")).startswith("cuda"):
-                    kwargs["device"] = "cpu"
+                if "device" in kwargs:
+                    kwargs["device"] = _literal_on_cpu(kwargs["device"])
                 return attr(*args, **kwargs)
             return factory
         return attr

@@ -45,7 +45,7 @@ def check_adamw(device: str, dtypes=(torch.float32, torch.bfloat16), steps: int 
     checked = []
     for dtype in dtypes:
         for wd in (0.0, 0.1):
-            for scale in (None, 4.0):
+            for scale in (None, 4.0, 3.0):  # 3: a reciprocal that is not exact in fp32
                 params = [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in SIZES]
                 ours, ref = _pair(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)
                 a, b = ours.param_groups[0]["params"], ref.param_groups[0]["params"]

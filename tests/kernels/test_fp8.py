@@ -143,6 +143,57 @@ def test_fp8_linear_output_and_grads_against_fp32(recipe):
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+@pytest.mark.parametrize("wgrad_fp8", [True, False])
+def test_weight_grad_written_into_a_zeroed_main_grad(recipe, wgrad_fp8):
+    """kernels/main_grad.py: after ``mark_zeroed`` the first micro-batch's weight gradient is written into the bf16
+    ``main_grad`` (what a stale buffer shows: its content is replaced), later ones are added; the buffer ends bit for
+    bit as adding every micro-batch into zeros. Without the mark, or after ``forget``, every gradient is added."""
+    from loongforge_hf.kernels import main_grad
+    from loongforge_hf.kernels.fp8_linear import _Fp8ParallelLinear
+
+    g = torch.Generator().manual_seed(5)
+    holder = torch.nn.Linear(128, 256, bias=False).to(torch.bfloat16)
+    w = holder.weight
+    xs = [torch.randn(2, 40, 128, generator=g).to(torch.bfloat16) for _ in range(2)]
+    projs = [torch.randn(2, 40, 256, generator=g) for _ in range(2)]
+    precision = GemmPrecision(True, True, wgrad_fp8)
+
+    def run(start: torch.Tensor, mark: bool, forget: bool = False) -> torch.Tensor:
+        w.main_grad, w.grad, w.grad_added_to_main_grad = start.clone(), None, False
+        if mark:
+            main_grad.mark_zeroed([holder])
+        if forget:
+            main_grad.forget(w)
+        for x, proj in zip(xs, projs):
+            y = _Fp8ParallelLinear.apply(x, w, None, recipe, precision, False, False, None, True)
+            (y.float() * proj).sum().backward()
+            assert w.grad_added_to_main_grad
+        assert not main_grad.claim(w)  # taken by the first backward (or never there)
+        return w.main_grad
+
+    zeros = torch.zeros_like(w)
+    added = run(zeros, mark=False)
+    assert added.abs().sum() > 0
+    assert torch.equal(run(zeros, mark=True), added)
+    stale = torch.full_like(w, 3.0)
+    assert torch.equal(run(stale, mark=True), added)  # written, not added, then the second micro-batch added
+    assert torch.equal(run(zeros, mark=True, forget=True), added)
+    assert not torch.equal(run(stale, mark=True, forget=True), added)  # forgotten: added onto what was there
+
+
+def test_scaled_matmul_writes_into_out():
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(37, 256, generator=g), torch.randn(384, 256, generator=g)
+    for a, b in ((quantize_tiles(x), quantize_blocks(w)), (quantize_rows(x), quantize_rows(w))):
+        for dtype in (torch.bfloat16, torch.float32):
+            want = scaled_matmul(a, b, out_dtype=dtype)
+            buf = torch.full((37 * 384 + 7,), 5.0, dtype=dtype)
+            out = buf[7:].view(37, 384)
+            assert scaled_matmul(a, b, out=out) is out and torch.equal(out, want)
+            assert torch.equal(buf[:7], torch.full((7,), 5.0, dtype=dtype))
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
 def test_any_token_count_pads_to_aligned_gemms(recipe, monkeypatch):
     """0, 1 and 17 tokens (an expert's share is anything): every scaled GEMM sees M a multiple of 16 and K, N of the
     recipe's granule, the padding rows are sliced off, and 0 tokens give empty outputs and a zero weight gradient."""

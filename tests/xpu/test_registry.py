@@ -49,6 +49,25 @@ def test_cpu_backend_patches_are_in_place():
     assert torch.cuda.current_device() == torch.device("cpu") or torch.cuda.is_available()
 
 
+def test_cpu_literals_only_redirect_cuda_literals(monkeypatch):
+    """megatron's literal ``device="cuda"`` goes to the CPU; a device taken from a tensor stays where CUDA works (the
+    patch is process-wide: a CUDA tensor given to megatron's MoE permute after the CPU backend was set up must keep
+    its device), and goes to the CPU where CUDA does not."""
+    from loongforge_hf.xpu.cpu import _literal_on_cpu
+
+    assert _literal_on_cpu("cuda") == "cpu" and _literal_on_cpu("cuda:1") == "cpu"
+    assert _literal_on_cpu("cpu") == "cpu" and _literal_on_cpu(None) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _literal_on_cpu(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _literal_on_cpu(torch.device("cuda", 0)) == "cpu"
+    get_backend("cpu")
+    from megatron.core.transformer.moe import moe_utils
+
+    assert moe_utils.torch.arange(3, device="cuda").device.type == "cpu"
+    assert moe_utils.torch.arange(3, device=torch.device("cpu")).device.type == "cpu"
+
+
 def test_cpu_backend_answers_device_questions():
     """What kernels ask instead of calling torch.cuda themselves (kernels/_triton.py, kernels/fp8_linear.py)."""
     from loongforge_hf.xpu.cpu import CpuBackend
