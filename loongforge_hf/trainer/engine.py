@@ -173,33 +173,38 @@ class MegatronEngine:
         self._num_tokens = num_tokens
 
     @torch.no_grad()
-    def _optimizer_step(self) -> tuple[bool, float | None]:
+    def _optimizer_step(self) -> tuple[bool, torch.Tensor | None]:
         """megatron's optimizer step (``prepare_grads``, the global norm, ``step_with_ready_grads``) with the
         gradients' ``1 / tokens`` scaling and the clipping (``max_norm / (norm + 1e-6)`` when below 1, as megatron and
         torch clip) applied as one factor: inside torch's fused AdamW (its ``grad_scale`` divisor) when every inner
         optimizer is fused, else one multiply over the grads. The norm is megatron's (tensor-parallel duplicates and
-        shared weights counted once, reduced over the model-parallel group), of the unscaled grads, times the scale."""
+        shared weights counted once, reduced over the model-parallel group), of the unscaled grads, times the scale.
+
+        No host-device synchronisation: the token count, the norm and the factor stay fp64 device scalars (the
+        arithmetic Python floats would do), so the optimizer's kernels queue behind the backward instead of the GPU
+        idling while the host reads the norm and then launches them. The norm comes back as a device tensor, read
+        by ``train_step`` after the step."""
         opt = self.optimizer
         if opt.prepare_grads():
             return False, None
-        tokens = float(self._num_tokens) if self._num_tokens is not None else 0.0
-        scale = 1.0 / tokens if tokens > 0 else 1.0
+        inner = [o for o in self.inner_optimizers() if any(g["params"] for g in o.param_groups)]
+        device = inner[0].param_groups[0]["params"][0].device if inner else self.model.device
+        one = torch.ones((), dtype=torch.float64, device=device)
+        tokens = self._num_tokens
+        scale = one if tokens is None else torch.where(tokens > 0, 1.0 / tokens.to(device, torch.float64), one)
         grad_norm = None
         factor = scale
         if self.clip_grad > 0:
-            grad_norm = float(opt.get_grad_norm()) * scale
+            grad_norm = _grad_norm_on_device(opt, device) * scale
             coeff = self.clip_grad / (grad_norm + 1.0e-6)
-            if coeff < 1.0:
-                factor = scale * coeff
-        inner = [o for o in self.inner_optimizers() if any(g["params"] for g in o.param_groups)]
+            factor = torch.where(coeff < 1.0, scale * coeff, scale)
         fused = all(all(g.get("fused") for g in o.param_groups) for o in inner)
-        if factor != 1.0 and fused:
+        if fused:
             for o in inner:
-                device = o.param_groups[0]["params"][0].device
-                o.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32, device=device)
-        elif factor != 1.0:
+                o.grad_scale = (1.0 / factor).to(o.param_groups[0]["params"][0].device, torch.float32)
+        else:
             grads = [p.grad for o in inner for g in o.param_groups for p in g["params"] if p.grad is not None]
-            torch._foreach_mul_(grads, factor)
+            torch._foreach_mul_(grads, factor.float())
         try:
             return opt.step_with_ready_grads(), grad_norm
         finally:
@@ -296,3 +301,23 @@ class MegatronEngine:
                 return loss_sum, count, {"lm loss": (loss_sum.detach().clone(), count.detach().clone())}
             return output, loss_func
         return forward_step
+
+
+def _grad_norm_on_device(opt, device: torch.device) -> torch.Tensor:
+    """megatron's ``get_grad_norm`` (``optimizer.py``, ``clip_grads.get_grad_norm_fp32``: which grads count, the
+    squared l2 norm summed over each optimizer's grad-stats group, a chained optimizer's two cases) as an fp64 device
+    scalar, without its closing ``.item()``. The engine builds megatron DDP, not its FSDP, so no grad is a DTensor."""
+    from loongforge_hf.xpu.common import foreach_l2_norm
+
+    subs = getattr(opt, "chained_optimizers", None) or [opt]
+    if len(subs) == 1 or opt.grads_states_parallel_group_is_shared():
+        parts = [([g for o in subs for g in o.get_main_grads_for_grad_norm()],
+                  (subs[0] if len(subs) == 1 else opt).get_grad_stats_parallel_group())]
+    else:
+        parts = [(o.get_main_grads_for_grad_norm(), o.get_grad_stats_parallel_group()) for o in subs]
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for grads, group in parts:
+        squared = foreach_l2_norm(None, torch.zeros(1, device=device), [grads], False)[0] ** 2
+        dist.all_reduce(squared, group=group)
+        total = total + squared.to(device, torch.float64).reshape(())
+    return total.sqrt()
