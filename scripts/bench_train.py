@@ -182,7 +182,7 @@ def _triton_on(device) -> bool:
 
 
 def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, optimizer_precision: str = "fp32",
-                     adam: str = "torch", fp8_recipe: str | None = None, cuda_graphs: str | None = None):
+                     adam: str = "triton", fp8_recipe: str | None = None, cuda_graphs: str | None = None):
     import tempfile
 
     import torch
@@ -202,7 +202,7 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
                                           adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
     engine = MegatronEngine(model, args=args, optimizer_precision=optimizer_precision,
-                            fused_adam="triton" if adam == "triton" else None)
+                            fused_adam=None if adam == "triton" else device.is_cuda)
     inner = engine.inner_optimizers()
     wrapper = type((getattr(engine.optimizer, "chained_optimizers", None) or [engine.optimizer])[0]).__name__
     info = {"parameters": model.num_parameters(), "device": str(model.device),
@@ -274,7 +274,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--profile", action="store_true")
-    defaults = {"--optimizer-precision": "fp32", "--adam": "torch"}
+    defaults = {"--optimizer-precision": "fp32", "--adam": "triton"}
     for flag, values in VARIANT_OPTIONS.values():
         p.add_argument(flag, choices=values, default=defaults.get(flag))
     p.add_argument("--result", required=True)
@@ -396,9 +396,9 @@ def main(argv: list[str]) -> int:
                    "to the default fp32 one")
     p.add_argument("--variants", default="", help="comma list of extra loongforge rows, each a space-separated set "
                    "of options: fp8=on|adaptive, recipe=blockwise|rowwise (fp8_recipe), optimizer=fp32|model, "
-                   "graphs=local (megatron's per-layer CUDA graphs), adam=torch|triton "
-                   "(MegatronEngine(fused_adam='triton'): kernels/adamw.LoongAdamW), "
-                   "e.g. 'optimizer=model graphs=local adam=triton'")
+                   "graphs=local (megatron's per-layer CUDA graphs), adam=triton|torch (kernels/adamw.LoongAdamW, "
+                   "the default, or MegatronEngine(fused_adam=True): torch's fused AdamW), "
+                   "e.g. 'optimizer=model graphs=local adam=torch'")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     stacks = [s for s in args.stacks.split(",") if s]

@@ -7,8 +7,9 @@ Choices:
   states and the output weight: full-vocabulary logits are never built (``fused_loss=False`` keeps megatron's output
   layer and the cross-entropy on materialised logits, for comparisons).
 - Without Transformer Engine or Apex megatron builds ``torch.optim.AdamW`` with its default (foreach) implementation
-  over the fp32 main weights; on CUDA the engine switches it to torch's fused implementation (one kernel per step and
-  dtype group; same update up to rounding) before the first step (``fused_adam``).
+  over the fp32 main weights; on CUDA the engine switches it before the first step (``fused_adam``) to
+  ``kernels/adamw.LoongAdamW`` (torch's AdamW class and state, large tensors stepped by one Triton kernel each; the
+  default where Triton imports) or to torch's fused implementation (``fused_adam=True``); same update up to rounding.
 - Weight gradients of megatron's tensor-parallel linears go straight into DDP's ``main_grad`` buffer with one
   GEMM each (megatron's ``gradient_accumulation_fusion``, its Apex kernel replaced by torch's fp32-output ``addmm``:
   ``xpu/common.enable_wgrad_accumulation_fusion``), on CUDA by default (``fused_wgrad``): no separate add
@@ -126,7 +127,11 @@ class MegatronEngine:
                 group["weight_decay"] = args.weight_decay * group.get("wd_mult", 1.0)
                 group["lr"] = args.learning_rate * group.get("lr_mult", 1.0)
         if fused_adam is None:
-            fused_adam = model.device.type == "cuda"
+            # NOTE: LoongAdamW's Triton step measured faster than torch's fused AdamW on an H100 on every benchmark
+            # workload (docs/benchmarks.md, "Sixth re-run"), with torch's update and state; torch's where no Triton.
+            from loongforge_hf.kernels._triton import HAVE_TRITON
+
+            fused_adam = ("triton" if HAVE_TRITON else True) if model.device.type == "cuda" else False
         if fused_adam not in (None, True, False, "triton"):
             raise ValueError(f"fused_adam must be None, True, False or 'triton', got {fused_adam!r}.")
         if fused_adam:
@@ -143,7 +148,7 @@ class MegatronEngine:
     def _use_fused_adam(self, triton: bool = False) -> None:
         """Switch megatron's torch AdamW(s) to torch's fused implementation (before any step: the fused one keeps its
         step counts as tensors on the parameters' device); ``triton``: to ``kernels.adamw.LoongAdamW`` (same state,
-        large tensors through its Triton kernel; opt-in, ``fused_adam="triton"``)."""
+        large tensors through its Triton kernel; the default on CUDA where Triton imports, ``fused_adam="triton"``)."""
         for opt in self.inner_optimizers():
             if type(opt) not in (torch.optim.AdamW, torch.optim.Adam) or any(opt.state.values()):
                 continue

@@ -109,8 +109,8 @@ class LoongTrainer(Trainer):
         if self.engine is None:
             self.engine = MegatronEngine(self.model, args=self.args,
                                          optimizer_precision=getattr(self.args, "optimizer_precision", "fp32"),
-                                         fused_adam="triton" if getattr(self.args, "adamw_kernel", "torch") == "triton"
-                                         else None)
+                                         fused_adam=_fused_adam(getattr(self.args, "adamw_kernel", "triton"),
+                                                                self.model.device))
         self.optimizer = self.engine.optimizer
         return self.optimizer
 
@@ -339,3 +339,9 @@ class LoongTrainer(Trainer):
         return self.model.push_to_hub(repo_id, token=token or self.args.hub_token,
                                       private=self.args.hub_private_repo, revision=revision,
                                       commit_message=commit_message or "End of training")
+
+
+def _fused_adam(adamw_kernel: str, device: torch.device) -> bool | None:
+    """``MegatronEngine``'s ``fused_adam`` for ``adamw_kernel``: its default (LoongAdamW on CUDA where Triton imports,
+    torch's foreach AdamW off CUDA) for "triton", torch's fused AdamW on CUDA for "torch"."""
+    return None if adamw_kernel == "triton" else device.type == "cuda"
