@@ -149,12 +149,16 @@ class MegatronEngine:
     def _use_fused_adam(self, triton: bool = False) -> None:
         """Switch megatron's torch AdamW(s) to torch's fused implementation (before any step: the fused one keeps its
         step counts as tensors on the parameters' device); ``triton``: to ``kernels.adamw.LoongAdamW`` (same state,
-        large tensors through its Triton kernel; the default on CUDA where Triton imports, ``fused_adam="triton"``)."""
+        large tensors through its Triton kernel; the default on CUDA where Triton imports, ``fused_adam="triton"``).
+        Off CUDA ``triton`` keeps torch's default implementation under LoongAdamW's class (its step is torch's there),
+        so CPU runs step as they do without it."""
+        fuse = not triton or self.model.device.type == "cuda"
         for opt in self.inner_optimizers():
             if type(opt) not in (torch.optim.AdamW, torch.optim.Adam) or any(opt.state.values()):
                 continue
-            for group in [opt.defaults, *opt.param_groups]:
-                group["fused"], group["foreach"] = True, False
+            if fuse:
+                for group in [opt.defaults, *opt.param_groups]:
+                    group["fused"], group["foreach"] = True, False
             if triton and type(opt) is torch.optim.AdamW:
                 from loongforge_hf.kernels.adamw import LoongAdamW
 

@@ -341,7 +341,7 @@ class LoongTrainer(Trainer):
                                       commit_message=commit_message or "End of training")
 
 
-def _fused_adam(adamw_kernel: str, device: torch.device) -> bool | None:
-    """``MegatronEngine``'s ``fused_adam`` for ``adamw_kernel``: its default (LoongAdamW on CUDA where Triton imports,
-    torch's foreach AdamW off CUDA) for "triton", torch's fused AdamW on CUDA for "torch"."""
-    return None if adamw_kernel == "triton" else device.type == "cuda"
+def _fused_adam(adamw_kernel: str, device: torch.device) -> bool | str:
+    """``MegatronEngine``'s ``fused_adam`` for ``adamw_kernel``: LoongAdamW for "triton" (its Triton step on CUDA,
+    torch's default step elsewhere), torch's fused AdamW on CUDA (its default step elsewhere) for "torch"."""
+    return "triton" if adamw_kernel == "triton" else device.type == "cuda"
