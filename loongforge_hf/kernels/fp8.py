@@ -351,7 +351,10 @@ def scaled_matmul(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.
     if (a.kind == "rows") != (b.kind == "rows"):
         raise Fp8Error(f"scaled_matmul: no FP8 GEMM for a {a.kind} x {b.kind} pair; use tiles x blocks, tiles x "
                        "tiles or rows x rows.")
-    direct = out if out is not None and out.dtype == torch.bfloat16 and a.data.is_cuda else None
+    # NOTE: written by the GEMM only where cuBLAS takes the pointer (16-byte aligned, as a gradient-buffer view of a
+    # weight whose sizes are multiples of 128 is); elsewhere the result is copied in.
+    direct = out if (out is not None and out.dtype == torch.bfloat16 and a.data.is_cuda
+                     and out.data_ptr() % 16 == 0) else None
     if a.kind == "rows" or (a.data.is_cuda and not hasattr(F, "scaled_mm")):
         # NOTE: row-wise through torch._scaled_mm, the entry point every torch since 2.5 has (shapes pick the recipe);
         # block-wise needs torch.nn.functional.scaled_mm's explicit recipes where that exists (torch >= 2.10).
