@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from loongforge_hf.kernels import main_grad as main_grad_state
 from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
                                        check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad)
-from loongforge_hf.kernels import main_grad as main_grad_state
 from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
 
 logger = logging.getLogger("loongforge_hf.fp8")
