@@ -189,7 +189,7 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
     import transformers
 
     import loongforge_hf as lf
-    from loongforge_hf.trainer.engine import MegatronEngine
+    from loongforge_hf.trainer.engine import MegatronEngine, fused_adam_for
 
     megatron_config = {"cuda_graph_impl": cuda_graphs} if cuda_graphs else None
     if cuda_graphs:
@@ -202,7 +202,7 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
                                           adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
     engine = MegatronEngine(model, args=args, optimizer_precision=optimizer_precision,
-                            fused_adam=None if adam == "triton" else device.is_cuda)
+                            fused_adam=fused_adam_for(adam, model.device))
     inner = engine.inner_optimizers()
     wrapper = type((getattr(engine.optimizer, "chained_optimizers", None) or [engine.optimizer])[0]).__name__
     info = {"parameters": model.num_parameters(), "device": str(model.device),

@@ -335,10 +335,8 @@ def _check_gemm(a: Quantized, b: Quantized) -> None:
                        f"got K={k}, N={b.data.shape[0]}.")
 
 
-def _v2_out():
-    """``aten::_scaled_mm_v2.out`` (what ``F.scaled_mm`` calls, writing into a given tensor), where torch has it."""
-    op = getattr(torch.ops.aten, "_scaled_mm_v2", None)
-    return getattr(op, "out", None) if op is not None else None
+# ``aten::_scaled_mm_v2.out`` (what ``F.scaled_mm`` calls, writing into a given tensor), where torch has it.
+_SCALED_MM_V2_OUT = getattr(getattr(torch.ops.aten, "_scaled_mm_v2", None), "out", None)
 
 
 def scaled_matmul(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16,
@@ -361,10 +359,9 @@ def scaled_matmul(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.
         result = _legacy_scaled_mm(a, b)
     elif a.data.is_cuda:
         scale_a, recipe_a, scale_b, recipe_b = _scaled_mm_args(a, b)
-        write = _v2_out() if direct is not None else None
-        if write is not None:
-            result = write(a.data, b.data.t(), [scale_a], [recipe_a.value], [], [scale_b], [recipe_b.value], [],
-                           None, torch.bfloat16, [], False, out=direct)
+        if direct is not None and _SCALED_MM_V2_OUT is not None:
+            result = _SCALED_MM_V2_OUT(a.data, b.data.t(), [scale_a], [recipe_a.value], [], [scale_b],
+                                       [recipe_b.value], [], None, torch.bfloat16, [], False, out=direct)
         else:
             result = F.scaled_mm(a.data, b.data.t(), scale_a, recipe_a, scale_b, recipe_b,
                                  output_dtype=torch.bfloat16)

@@ -136,25 +136,28 @@ class _Fp8ParallelLinear(torch.autograd.Function):
             if gather is not None:
                 gather.wait()
             x2 = total.reshape(-1, total.shape[-1])
+
+            def wgrad(out=None):
+                if ctx.precision.wgrad:
+                    return gemm_wgrad(dy2, x2, ctx.recipe, out=out)
+                return torch.mm(dy2.t(), x2, out=out)
+
             if ctx.accumulate:
                 # NOTE: what megatron's gradient_accumulation_fusion does: the gradient goes straight into the fp32
                 # main_grad, and the autograd grad is a placeholder its DDP hook knows to skip. A main_grad known
                 # to hold zeros (main_grad.claim) of the GEMM's dtype is written by the GEMM instead of added to.
                 main_grad = weight.main_grad
                 if main_grad.dtype == dy2.dtype and main_grad_state.claim(weight):
-                    if ctx.precision.wgrad:
-                        gemm_wgrad(dy2, x2, ctx.recipe, out=main_grad)
-                    else:
-                        torch.mm(dy2.t(), x2, out=main_grad)
+                    wgrad(out=main_grad)
                 else:
-                    main_grad.add_(gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2)
+                    main_grad.add_(wgrad())
                 dw = None
                 if hasattr(weight, "grad_added_to_main_grad"):
                     weight.grad_added_to_main_grad = True
                     dw = torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) \
                         else torch.empty_like(weight)
             else:
-                dw = (gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2).to(weight.dtype)
+                dw = wgrad().to(weight.dtype)
         if ctx.has_bias:
             db = dy2.sum(0)
         if reduce is not None:

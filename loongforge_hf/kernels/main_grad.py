@@ -3,8 +3,9 @@ weight-gradient GEMM may write its result into the buffer instead of adding it (
 gradient less: the FP8 GEMMs cannot accumulate into their output, so their gradients were added afterwards).
 
 Choices:
-- ``MegatronEngine`` marks every parameter with a ``main_grad`` right after DDP zeroed the buffers
-  (``mark_zeroed``); nothing else marks, so a buffer zeroed by other code is simply added to, as before.
+- ``MegatronEngine`` marks every parameter with a ``main_grad`` right after DDP zeroed the buffers (``mark_zeroed``
+  over the list ``with_main_grad`` builds once); nothing else marks, so a buffer zeroed by other code is simply added
+  to, as before.
 - A writer takes the mark with ``claim`` in its backward, when it is about to write: the first weight-gradient
   written in a step replaces the zeros, every later one (other micro-batches, a weight used twice) adds. Taking it
   at backward time, not at forward time, keeps that right whatever order the backward passes run in.
@@ -20,12 +21,15 @@ import torch
 _ZEROED = "_loongforge_main_grad_zeroed"
 
 
-def mark_zeroed(modules) -> None:
-    """After the gradient buffers of ``modules`` were zeroed: every ``main_grad`` of their parameters holds zeros."""
-    for module in modules:
-        for p in module.parameters():
-            if getattr(p, "main_grad", None) is not None:
-                setattr(p, _ZEROED, True)
+def with_main_grad(modules) -> list[torch.Tensor]:
+    """The parameters of ``modules`` that have a ``main_grad`` (once, after DDP wrapped them)."""
+    return [p for module in modules for p in module.parameters() if getattr(p, "main_grad", None) is not None]
+
+
+def mark_zeroed(params: list[torch.Tensor]) -> None:
+    """After the gradient buffers were zeroed: every ``main_grad`` of ``params`` (``with_main_grad``) holds zeros."""
+    for p in params:
+        setattr(p, _ZEROED, True)
 
 
 def claim(param: torch.Tensor) -> bool:
@@ -37,6 +41,5 @@ def claim(param: torch.Tensor) -> bool:
 
 
 def forget(param: torch.Tensor) -> None:
-    """``param.main_grad`` is about to be added to by a path that does not claim."""
-    if getattr(param, _ZEROED, False):
-        setattr(param, _ZEROED, False)
+    """``param.main_grad`` is about to be added to by a path that does not claim: the mark, if any, is dropped."""
+    claim(param)

@@ -138,6 +138,7 @@ class MegatronEngine:
         if fused_adam:
             self._use_fused_adam(triton=fused_adam == "triton")
         self._finalize_megatron = finalize_model_grads
+        self._main_grad_params = main_grad_state.with_main_grad(self.chunks)  # marked zeroed each step
         self._num_tokens: torch.Tensor | None = None
         config.finalize_model_grads_func = self._finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
@@ -241,7 +242,7 @@ class MegatronEngine:
                                               same_length=layout.pipeline_parallel_size > 1)
         for c in self.chunks:
             c.zero_grad_buffer()
-        main_grad_state.mark_zeroed(self.chunks)
+        main_grad_state.mark_zeroed(self._main_grad_params)
         self.optimizer.zero_grad()
         seq = micro_batches[0]["input_ids"].shape[1]
         mbs = micro_batches[0]["input_ids"].shape[0]
@@ -317,7 +318,7 @@ def _grad_norm_on_device(opt, device: torch.device) -> torch.Tensor:
     """megatron's ``get_grad_norm`` (``optimizer.py``, ``clip_grads.get_grad_norm_fp32``: which grads count, the
     squared l2 norm summed over each optimizer's grad-stats group, a chained optimizer's two cases) as an fp64 device
     scalar, without its closing ``.item()``. The engine builds megatron DDP, not its FSDP, so no grad is a DTensor."""
-    from loongforge_hf.xpu.common import foreach_l2_norm
+    from loongforge_hf.xpu.common import l2_norm
 
     subs = getattr(opt, "chained_optimizers", None) or [opt]
     if len(subs) == 1 or opt.grads_states_parallel_group_is_shared():
@@ -327,7 +328,14 @@ def _grad_norm_on_device(opt, device: torch.device) -> torch.Tensor:
         parts = [(o.get_main_grads_for_grad_norm(), o.get_grad_stats_parallel_group()) for o in subs]
     total = torch.zeros((), dtype=torch.float64, device=device)
     for grads, group in parts:
-        squared = foreach_l2_norm(None, torch.zeros(1, device=device), [grads], False)[0] ** 2
+        squared = l2_norm(grads, device) ** 2
         dist.all_reduce(squared, group=group)
-        total = total + squared.to(device, torch.float64).reshape(())
+        total = total + squared.double().reshape(())
     return total.sqrt()
+
+
+def fused_adam_for(adamw_kernel: str, device: torch.device) -> bool | str:
+    """``MegatronEngine``'s ``fused_adam`` for an ``adamw_kernel`` setting (``LoongTrainingArguments``): LoongAdamW
+    for "triton" (its Triton step on CUDA, torch's default step elsewhere), torch's fused AdamW on CUDA (its default
+    step elsewhere) for "torch"."""
+    return "triton" if adamw_kernel == "triton" else device.type == "cuda"

@@ -23,7 +23,7 @@ from transformers.trainer_utils import seed_worker
 
 from loongforge_hf.trainer.balanced_data import balanced_train_dataloader
 from loongforge_hf.trainer.data import DataError, check_batch, dp_rank_and_size, shard_over_data_parallel
-from loongforge_hf.trainer.engine import MegatronEngine
+from loongforge_hf.trainer.engine import MegatronEngine, fused_adam_for
 
 MEGATRON_DIR = "megatron"
 
@@ -109,8 +109,8 @@ class LoongTrainer(Trainer):
         if self.engine is None:
             self.engine = MegatronEngine(self.model, args=self.args,
                                          optimizer_precision=getattr(self.args, "optimizer_precision", "fp32"),
-                                         fused_adam=_fused_adam(getattr(self.args, "adamw_kernel", "triton"),
-                                                                self.model.device))
+                                         fused_adam=fused_adam_for(getattr(self.args, "adamw_kernel", "triton"),
+                                                                   self.model.device))
         self.optimizer = self.engine.optimizer
         return self.optimizer
 
@@ -339,9 +339,3 @@ class LoongTrainer(Trainer):
         return self.model.push_to_hub(repo_id, token=token or self.args.hub_token,
                                       private=self.args.hub_private_repo, revision=revision,
                                       commit_message=commit_message or "End of training")
-
-
-def _fused_adam(adamw_kernel: str, device: torch.device) -> bool | str:
-    """``MegatronEngine``'s ``fused_adam`` for ``adamw_kernel``: LoongAdamW for "triton" (its Triton step on CUDA,
-    torch's default step elsewhere), torch's fused AdamW on CUDA (its default step elsewhere) for "torch"."""
-    return "triton" if adamw_kernel == "triton" else device.type == "cuda"

@@ -31,14 +31,18 @@ def apply_without_te_fixes() -> None:
     _DONE = True
 
 
-def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """What megatron calls as ``amp_C.multi_tensor_l2norm``: the l2 norm over ``tensor_lists[0]`` as a ``[1]`` fp32
-    tensor on the tensors' device, from one ``torch._foreach_norm`` (fp32 accumulation) and no host sync."""
-    tensors = tensor_lists[0]
+def l2_norm(tensors: list, device: torch.device) -> torch.Tensor:
+    """The l2 norm over all of ``tensors`` as a ``[1]`` fp32 tensor (on ``device`` when there are none), from one
+    ``torch._foreach_norm`` (fp32 accumulation) and no host sync."""
     if not tensors:
-        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+        return torch.zeros(1, dtype=torch.float32, device=device)
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1)
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """What megatron calls as ``amp_C.multi_tensor_l2norm``: ``l2_norm`` of ``tensor_lists[0]``."""
+    return l2_norm(tensor_lists[0], noop_flag.device), None
 
 
 def _patch_grad_norm_without_apex() -> None:

@@ -161,7 +161,7 @@ def test_weight_grad_written_into_a_zeroed_main_grad(recipe, wgrad_fp8):
     def run(start: torch.Tensor, mark: bool, forget: bool = False) -> torch.Tensor:
         w.main_grad, w.grad, w.grad_added_to_main_grad = start.clone(), None, False
         if mark:
-            main_grad.mark_zeroed([holder])
+            main_grad.mark_zeroed(main_grad.with_main_grad([holder]))
         if forget:
             main_grad.forget(w)
         for x, proj in zip(xs, projs):
