@@ -56,7 +56,8 @@ import _bench_harness as H  # noqa: E402
 
 STACKS = ("transformers", "liger", "loongforge")
 # options of a loongforge row ("loongforge optimizer=model graphs=local"): the worker flag each sets, and its values
-VARIANT_OPTIONS = {"fp8": ("--fp8", ("on", "adaptive")), "recipe": ("--fp8-recipe", ("blockwise", "rowwise")),
+VARIANT_OPTIONS = {"fp8": ("--fp8", ("on", "adaptive")),
+                   "recipe": ("--fp8-recipe", ("blockwise", "blockwise_wgrad2d", "rowwise")),
                    "optimizer": ("--optimizer-precision", ("fp32", "model")),
                    "graphs": ("--cuda-graphs", ("local",)), "adam": ("--adam", ("torch", "triton"))}
 STACK_TITLES = {"transformers": "transformers (sdpa)", "liger": "transformers + Liger-Kernel",

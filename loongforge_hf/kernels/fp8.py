@@ -73,9 +73,10 @@ def padded_rows(m: int) -> int:
     return _ceil(m, ROW_ALIGN) * ROW_ALIGN
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with zero rows appended up to ``padded_rows`` (the same tensor where nothing is missing)."""
-    extra = padded_rows(x.shape[0]) - x.shape[0]
+def _pad_rows(x: torch.Tensor, multiple: int = ROW_ALIGN) -> torch.Tensor:
+    """``x`` with zero rows appended up to a multiple of ``multiple`` (``padded_rows`` by default; the same tensor
+    where nothing is missing)."""
+    extra = _ceil(x.shape[0], multiple) * multiple - x.shape[0]
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
@@ -160,6 +161,40 @@ if triton is not None:
             tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
         tl.store(s_ptr + r, scale, mask=r < rows)
 
+    @triton.jit
+    def _dual_kernel(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, rows, cols, rows_r, rows_c, stride_xr, stride_xc,
+                     TILE: tl.constexpr, COL_BLOCKS: tl.constexpr, FMAX: tl.constexpr):
+        # NOTE: one 128x128 tile of x read once: its 1x128 row tiles (x, rows zero-padded to rows_r) and its
+        # 1x128 column tiles, or the whole tile as one 128x128 block (COL_BLOCKS), of x.T (tokens zero-padded to
+        # rows_c), each with the arithmetic of _tiles_kernel / _blocks_kernel.
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        r = pid_m * TILE + tl.arange(0, TILE)
+        c = pid_k * TILE + tl.arange(0, TILE)
+        load = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
+        a = tl.where(x == x, tl.abs(x), float("inf"))
+        amax_r = tl.max(a, axis=1)
+        scale_r = tl.where(amax_r == 0, 1.0, tl.math.div_rn(amax_r, tl.zeros((TILE,), tl.float32) + FMAX))
+        inv_r = tl.math.div_rn(tl.zeros((TILE,), tl.float32) + 1.0, scale_r)
+        qr = tl.clamp(x * inv_r[:, None], -FMAX, FMAX)
+        tl.store(qr_ptr + r[:, None] * cols + c[None, :], qr.to(qr_ptr.dtype.element_ty),
+                 mask=(r[:, None] < rows_r) & (c[None, :] < cols))
+        tl.store(sr_ptr + pid_k * rows_r + r, scale_r, mask=r < rows_r)
+        if COL_BLOCKS:
+            amax = tl.max(amax_r, axis=0)
+            scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FMAX))
+            qc = tl.clamp(x * tl.math.div_rn(tl.full((), 1.0, tl.float32), scale), -FMAX, FMAX)
+            tl.store(sc_ptr + pid_k * tl.num_programs(0) + pid_m, scale)
+        else:
+            amax_c = tl.max(a, axis=0)
+            scale_c = tl.where(amax_c == 0, 1.0, tl.math.div_rn(amax_c, tl.zeros((TILE,), tl.float32) + FMAX))
+            inv_c = tl.math.div_rn(tl.zeros((TILE,), tl.float32) + 1.0, scale_c)
+            qc = tl.clamp(x * inv_c[None, :], -FMAX, FMAX)
+            tl.store(sc_ptr + pid_m * cols + c, scale_c, mask=c < cols)
+        qt = tl.trans(qc).to(qc_ptr.dtype.element_ty)
+        tl.store(qc_ptr + c[:, None] * rows_c + r[None, :], qt, mask=(c[:, None] < cols) & (r[None, :] < rows_c))
+
 
 def _rows_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
@@ -191,6 +226,21 @@ def _blocks_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _blocks_kernel[s.shape](w, q, s, rows, cols, w.stride(0), w.stride(1), s.shape[1], BLOCK=GROUP, FMAX=FP8_MAX,
                             num_warps=8)
     return q, s
+
+
+def _dual_triton(x: torch.Tensor, col_kind: str) -> tuple[Quantized, Quantized]:
+    rows, cols = x.shape
+    rows_r, rows_c = padded_rows(rows), _ceil(rows, GROUP) * GROUP
+    qr = torch.empty(rows_r, cols, dtype=FP8_DTYPE, device=x.device)
+    sr = torch.empty(_ceil(cols, GROUP), rows_r, dtype=torch.float32, device=x.device)
+    qc = torch.empty(cols, rows_c, dtype=FP8_DTYPE, device=x.device)
+    blocks = col_kind == "blocks"
+    sc = torch.empty((_ceil(cols, GROUP), rows_c // GROUP) if blocks else (rows_c // GROUP, cols),
+                     dtype=torch.float32, device=x.device)
+    grid = (rows_c // GROUP, _ceil(cols, GROUP))
+    _dual_kernel[grid](x, qr, sr, qc, sc, rows, cols, rows_r, rows_c, x.stride(0), x.stride(1), TILE=GROUP,
+                       COL_BLOCKS=blocks, FMAX=FP8_MAX, num_warps=8)
+    return Quantized(qr, sr.t(), "tiles"), Quantized(qc, sc if blocks else sc.t(), col_kind)
 
 
 # ---- quantisation ---------------------------------------------------------------------------------------------------
@@ -273,6 +323,21 @@ def quantize_blocks_dual(w: torch.Tensor) -> tuple[Quantized, Quantized]:
     return quantize_blocks(w, check_finite=False), quantize_blocks(w.t(), check_finite=False)
 
 
+def quantize_dual(x: torch.Tensor, col_kind: str = "tiles") -> tuple[Quantized, Quantized]:
+    """Both uses of an activation or gradient ``x`` ``[M, K]`` from one read (no finiteness check: the training
+    path's use): its 1x128 tiles with rows zero-padded to ``padded_rows(M)`` (the operand of the forward or the input
+    gradient GEMM) and ``x.T`` ``[K, M']`` with the tokens zero-padded to a multiple of 128, as 1x128 tiles or
+    (``col_kind="blocks"``) 128x128 blocks (the operand of the weight-gradient GEMM). Equal, bit for bit, to
+    ``quantize_tiles(_pad_rows(x))`` and ``quantize(_pad_rows(x, GROUP).t(), col_kind)``."""
+    _as_matrix(x, "quantize_dual")
+    if col_kind not in ("tiles", "blocks"):
+        raise Fp8Error(f"quantize_dual: the transposed operand is 'tiles' or 'blocks', got {col_kind!r}.")
+    if _use_triton(x) and x.shape[0] and x.shape[1]:
+        return _dual_triton(x, col_kind)
+    return (quantize_tiles(_pad_rows(x), check_finite=False),
+            quantize(_pad_rows(x, GROUP).t(), col_kind, check_finite=False))
+
+
 def expand_scale(q: Quantized) -> torch.Tensor:
     """The scale of every element of ``q.data`` (fp32, same shape)."""
     rows, cols = q.data.shape
@@ -304,6 +369,10 @@ def transpose_blocks(q: Quantized) -> Quantized:
 
 
 # ---- GEMM -----------------------------------------------------------------------------------------------------------
+# the operand pairs an FP8 GEMM takes (cuBLAS's block-wise kernels on SM90 take no 128x128 x 128x128)
+PAIRS = (("tiles", "blocks"), ("blocks", "tiles"), ("tiles", "tiles"), ("rows", "rows"))
+
+
 def _k_major(scale: torch.Tensor) -> torch.Tensor:
     """``scale`` ([rows, K/128]) with strides (1, rows), as scaled_mm reads 1x128 scales."""
     return scale.t().contiguous().t()
@@ -313,15 +382,19 @@ def _scaled_mm_args(a: Quantized, b: Quantized):
     """(scale_a, recipe_a, scale_b, recipe_b) in the layouts ``torch.nn.functional.scaled_mm`` reads."""
     from torch.nn.functional import ScalingType
 
-    if a.kind != "tiles" or b.kind not in ("tiles", "blocks"):
-        raise Fp8Error(f"scaled_matmul: no FP8 GEMM for a {a.kind} x {b.kind} pair; use tiles x blocks, tiles x "
-                       "tiles or rows x rows.")
-    if b.kind == "tiles":
-        return _k_major(a.scale), ScalingType.BlockWise1x128, _k_major(b.scale), ScalingType.BlockWise1x128
-    k_blocks = b.scale.shape[1]
-    padded = torch.ones(b.scale.shape[0], _ceil(k_blocks, 4) * 4, dtype=torch.float32, device=b.scale.device)
-    padded[:, :k_blocks] = b.scale
-    return _k_major(a.scale), ScalingType.BlockWise1x128, padded.t(), ScalingType.BlockWise128x128
+    if (a.kind, b.kind) not in PAIRS:
+        raise Fp8Error(f"scaled_matmul: no FP8 GEMM for a {a.kind} x {b.kind} pair; use one of {PAIRS}.")
+
+    def scales(q: Quantized):
+        if q.kind == "tiles":
+            return _k_major(q.scale), ScalingType.BlockWise1x128
+        # NOTE: 128x128 scales [rows/128, K/128] are read K-block-major with K/128 padded to a multiple of 4.
+        k_blocks = q.scale.shape[1]
+        padded = torch.ones(q.scale.shape[0], _ceil(k_blocks, 4) * 4, dtype=torch.float32, device=q.scale.device)
+        padded[:, :k_blocks] = q.scale
+        return padded.t(), ScalingType.BlockWise128x128
+
+    return (*scales(a), *scales(b))
 
 
 def _check_gemm(a: Quantized, b: Quantized) -> None:
@@ -329,10 +402,11 @@ def _check_gemm(a: Quantized, b: Quantized) -> None:
     if b.data.shape[1] != k:
         raise Fp8Error(f"scaled_matmul: contraction sizes differ ({tuple(a.data.shape)} x {tuple(b.data.shape)}.T).")
     need = 16 if a.kind == "rows" else GROUP
+    m_need = GROUP if a.kind == "blocks" else 1
     n_need = GROUP if b.kind == "blocks" else 16
-    if k % need or b.data.shape[0] % n_need:
-        raise Fp8Error(f"scaled_matmul: {a.kind} x {b.kind} FP8 GEMM needs K % {need} == 0 and N % {n_need} == 0, "
-                       f"got K={k}, N={b.data.shape[0]}.")
+    if k % need or a.data.shape[0] % m_need or b.data.shape[0] % n_need:
+        raise Fp8Error(f"scaled_matmul: {a.kind} x {b.kind} FP8 GEMM needs K % {need} == 0, M % {m_need} == 0 and "
+                       f"N % {n_need} == 0, got K={k}, M={a.data.shape[0]}, N={b.data.shape[0]}.")
 
 
 # ``aten::_scaled_mm_v2.out`` (what ``F.scaled_mm`` calls, writing into a given tensor), where torch has it.
@@ -346,9 +420,8 @@ def scaled_matmul(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.
     the block-wise GEMM itself on CUDA where ``out`` is bf16 (the GEMM's output type; checked on an H100 to equal
     ``F.scaled_mm``'s result), else copied in."""
     _check_gemm(a, b)
-    if (a.kind == "rows") != (b.kind == "rows"):
-        raise Fp8Error(f"scaled_matmul: no FP8 GEMM for a {a.kind} x {b.kind} pair; use tiles x blocks, tiles x "
-                       "tiles or rows x rows.")
+    if (a.kind, b.kind) not in PAIRS:
+        raise Fp8Error(f"scaled_matmul: no FP8 GEMM for a {a.kind} x {b.kind} pair; use one of {PAIRS}.")
     # NOTE: written by the GEMM only where cuBLAS takes the pointer (16-byte aligned, as a gradient-buffer view of a
     # weight whose sizes are multiples of 128 is); elsewhere the result is copied in.
     direct = out if (out is not None and out.dtype == torch.bfloat16 and a.data.is_cuda
@@ -383,13 +456,15 @@ def _legacy_scaled_mm(a: Quantized, b: Quantized) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def blockwise_supported(device_index: int) -> bool:
-    """Whether this GPU and torch build run both block-wise FP8 GEMMs (1x128 x 128x128 for the forward and input
-    gradient, 1x128 x 1x128 for the weight gradient) and get the dequantised product (probed once)."""
+    """Whether this GPU and torch build run the block-wise FP8 GEMMs (1x128 x 128x128 for the forward and input
+    gradient, 1x128 x 1x128 and 128x128 x 1x128 for the weight gradient) and get the dequantised product (probed
+    once)."""
     device = torch.device("cuda", device_index)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(256, 384, device=device, generator=g)
     w = torch.randn(128, 384, device=device, generator=g)
-    for a, b in ((quantize_tiles(x), quantize_blocks(w)), (quantize_tiles(x), quantize_tiles(w))):
+    for a, b in ((quantize_tiles(x), quantize_blocks(w)), (quantize_tiles(x), quantize_tiles(w)),
+                 (quantize_blocks(w), quantize_tiles(x))):
         try:
             got = scaled_matmul(a, b, out_dtype=torch.float32)
         except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
@@ -401,7 +476,9 @@ def blockwise_supported(device_index: int) -> bool:
 
 
 # ---- the three GEMMs of a linear layer, and fp8_linear --------------------------------------------------------------
-RECIPES = ("blockwise", "rowwise")
+RECIPES = ("blockwise", "blockwise_wgrad2d", "rowwise")
+# how each recipe scales the operands of the weight-gradient GEMM dy.T @ x (both contract over tokens): dy.T, x.T
+WGRAD_KINDS = {"blockwise": ("tiles", "tiles"), "blockwise_wgrad2d": ("blocks", "tiles"), "rowwise": ("rows", "rows")}
 
 
 class GemmPrecision(NamedTuple):
@@ -416,56 +493,84 @@ def check_recipe(recipe: str) -> None:
         raise Fp8Error(f"FP8 recipe {recipe!r} is not supported; use one of {RECIPES}.")
 
 
+def is_blockwise(recipe: str) -> bool:
+    """Whether the recipe scales activations in 1x128 tiles and weights in 128x128 blocks (not row-wise)."""
+    return recipe != "rowwise"
+
+
 def gemm_eligible(n: int, k: int, recipe: str) -> bool:
     """Whether a weight ``[n, k]`` can run the recipe's three GEMMs (N and K are GEMM dimensions of the forward and
-    the input gradient: multiples of 128 for ``blockwise``, 16 for ``rowwise``); tokens are padded, never refused."""
-    step = GROUP if recipe == "blockwise" else ROW_ALIGN
+    the input gradient: multiples of 128 for the block-wise recipes, 16 for ``rowwise``); tokens are padded, never
+    refused."""
+    step = GROUP if is_blockwise(recipe) else ROW_ALIGN
     return n > 0 and k > 0 and n % step == 0 and k % step == 0
 
 
-def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *,
-             for_dgrad: bool = True) -> tuple[torch.Tensor, Quantized | None]:
-    """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``); with ``for_dgrad`` (block-wise) also ``w.T``
-    quantised from the same read of ``w``, for ``gemm_dgrad``. Any M: rows are zero-padded to ``padded_rows`` and
-    sliced off the result; M = 0 gives an empty result."""
+def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *, for_dgrad: bool = True,
+             for_wgrad: bool = False) -> tuple[torch.Tensor, Quantized | None, Quantized | None]:
+    """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``), and what the backward GEMMs can reuse: with
+    ``for_dgrad`` (block-wise) ``w.T`` quantised from the same read of ``w`` (for ``gemm_dgrad``), with ``for_wgrad``
+    (block-wise) ``x.T`` quantised from the same read of ``x`` (for ``gemm_wgrad``), else None. Any M: rows are
+    zero-padded to ``padded_rows`` and sliced off the result; M = 0 gives an empty result."""
     m = x.shape[0]
     if m == 0:
-        return x.new_zeros(0, w.shape[0]), None
-    xp = _pad_rows(x)
-    if recipe == "blockwise":
+        return x.new_zeros(0, w.shape[0]), None, None
+    xtq = None
+    if is_blockwise(recipe):
         wq, wtq = quantize_blocks_dual(w) if for_dgrad else (quantize_blocks(w, check_finite=False), None)
-        y = scaled_matmul(quantize_tiles(xp, check_finite=False), wq, out_dtype=x.dtype)
+        if for_wgrad:
+            xq, xtq = quantize_dual(x, WGRAD_KINDS[recipe][1])
+        else:
+            xq = quantize_tiles(_pad_rows(x), check_finite=False)
+        y = scaled_matmul(xq, wq, out_dtype=x.dtype)
     else:
         wtq = None
-        y = scaled_matmul(quantize_rows(xp, check_finite=False), quantize_rows(w, check_finite=False),
+        y = scaled_matmul(quantize_rows(_pad_rows(x), check_finite=False), quantize_rows(w, check_finite=False),
                           out_dtype=x.dtype)
-    return (y if xp is x else y[:m]), wtq
+    return (y if y.shape[0] == m else y[:m]), wtq, xtq
 
 
-def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | None = None) -> torch.Tensor:
+def quantize_grad(dy: torch.Tensor, recipe: str) -> tuple[Quantized | None, Quantized | None]:
+    """The output gradient ``dy`` ``[M, N]`` as both backward GEMMs of a block-wise recipe take it, from one read:
+    (operand of ``gemm_dgrad``, operand of ``gemm_wgrad``); (None, None) for ``rowwise`` or M = 0 (the GEMMs then
+    quantise it themselves)."""
+    if not is_blockwise(recipe) or dy.shape[0] == 0:
+        return None, None
+    return quantize_dual(dy, WGRAD_KINDS[recipe][0])
+
+
+def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | None = None,
+               dyq: Quantized | None = None) -> torch.Tensor:
     """``dy @ w`` in FP8 (``dy`` ``[M, N]``, ``w`` ``[N, K]``): the input gradient (any M, as ``gemm_fwd``).
-    ``wtq``: ``w.T`` already block-quantised (what ``gemm_fwd`` returns)."""
+    ``wtq``: ``w.T`` already block-quantised (what ``gemm_fwd`` returns); ``dyq``: ``dy`` already quantised
+    (``quantize_grad``)."""
     m = dy.shape[0]
     if m == 0:
         return dy.new_zeros(0, w.shape[1])
-    dyp = _pad_rows(dy)
-    if recipe == "blockwise":
+    if is_blockwise(recipe):
         wt = wtq if wtq is not None else quantize_blocks(w.t(), check_finite=False)
-        dx = scaled_matmul(quantize_tiles(dyp, check_finite=False), wt, out_dtype=dy.dtype)
+        a = dyq if dyq is not None else quantize_tiles(_pad_rows(dy), check_finite=False)
+        dx = scaled_matmul(a, wt, out_dtype=dy.dtype)
     else:
-        dx = scaled_matmul(quantize_rows(dyp, check_finite=False), quantize_rows(w.t(), check_finite=False),
+        dx = scaled_matmul(quantize_rows(_pad_rows(dy), check_finite=False), quantize_rows(w.t(), check_finite=False),
                            out_dtype=dy.dtype)
-    return dx if dyp is dy else dx[:m]
+    return dx if dx.shape[0] == m else dx[:m]
 
 
-def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor | None, recipe: str, *, out: torch.Tensor | None = None,
+               dytq: Quantized | None = None, xtq: Quantized | None = None) -> torch.Tensor:
     """``dy.T @ x`` in FP8 (``dy`` ``[M, N]``, ``x`` ``[M, K]``): the weight gradient, contracting over tokens,
-    which are zero-padded to the GEMM's multiple; M = 0 gives zeros. ``out``: write it there (``scaled_matmul``)."""
+    which are zero-padded to the GEMM's multiple; M = 0 gives zeros. ``dytq`` / ``xtq``: ``dy.T`` / ``x.T`` already
+    quantised (``quantize_grad`` / ``gemm_fwd(for_wgrad=True)``; ``x`` may then be None). ``out``: write it there
+    (``scaled_matmul``)."""
     if dy.shape[0] == 0:
         return out.zero_() if out is not None else dy.new_zeros(dy.shape[1], x.shape[1])
-    kind, pad = ("tiles", GROUP) if recipe == "blockwise" else ("rows", ROW_ALIGN)
-    a = quantize(dy.t(), kind, pad_to=pad, check_finite=False)
-    b = quantize(x.t(), kind, pad_to=pad, check_finite=False)
+    kind_dy, kind_x = WGRAD_KINDS[recipe]
+    pad = ROW_ALIGN if recipe == "rowwise" else GROUP
+    # NOTE: 128x128 blocks have no pad_to: the tokens are padded before (tiles pad while quantising)
+    a = dytq if dytq is not None else quantize(_pad_rows(dy, pad).t() if kind_dy == "blocks" else dy.t(), kind_dy,
+                                               pad_to=pad, check_finite=False)
+    b = xtq if xtq is not None else quantize(x.t(), kind_x, pad_to=pad, check_finite=False)
     return scaled_matmul(a, b, out_dtype=dy.dtype, out=out)
 
 
@@ -473,28 +578,33 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe, precision):
         x2 = x.reshape(-1, x.shape[-1])
+        for_wgrad = precision.fwd and precision.wgrad and weight.requires_grad
         if precision.fwd:
-            y, wtq = gemm_fwd(x2, weight, recipe, for_dgrad=precision.dgrad)
+            y, wtq, xtq = gemm_fwd(x2, weight, recipe, for_dgrad=precision.dgrad, for_wgrad=for_wgrad)
         else:
-            y, wtq = x2 @ weight.t().to(x2.dtype), None
+            y, wtq, xtq = x2 @ weight.t().to(x2.dtype), None, None
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(x2, weight)
-        ctx.wtq = wtq
+        ctx.save_for_backward(x2 if xtq is None else None, weight)
+        ctx.wtq, ctx.xtq = wtq, xtq
         ctx.recipe, ctx.precision, ctx.has_bias, ctx.x_shape = recipe, precision, bias is not None, x.shape
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
+        xtq, ctx.xtq = ctx.xtq, None
         dy2 = dy.reshape(-1, weight.shape[0])
         dx = dw = db = None
+        both = ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and ctx.precision.dgrad and ctx.precision.wgrad
+        dyq, dytq = quantize_grad(dy2, ctx.recipe) if both else (None, None)
         if ctx.needs_input_grad[0]:
-            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq) if ctx.precision.dgrad \
+            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq, dyq) if ctx.precision.dgrad \
                 else dy2 @ weight.to(dy2.dtype)
             dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = (gemm_wgrad(dy2, x2, ctx.recipe) if ctx.precision.wgrad else dy2.t() @ x2).to(weight.dtype)
+            dw = (gemm_wgrad(dy2, x2, ctx.recipe, dytq=dytq, xtq=xtq) if ctx.precision.wgrad
+                  else dy2.t() @ x2).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         ctx.wtq = None
@@ -511,7 +621,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     module calls per expert."""
     check_recipe(recipe)
     if not gemm_eligible(*weight.shape, recipe):
-        step = GROUP if recipe == "blockwise" else ROW_ALIGN
+        step = GROUP if is_blockwise(recipe) else ROW_ALIGN
         raise Fp8Error(f"fp8_linear: weight {tuple(weight.shape)} does not fit the {recipe} FP8 GEMMs (both "
                        f"dimensions must be multiples of {step}); keep this layer in bf16.")
     if x.shape[-1] != weight.shape[1]:

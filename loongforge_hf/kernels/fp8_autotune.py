@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from loongforge_hf.kernels.fp8 import check_recipe, gemm_dgrad, gemm_fwd, gemm_wgrad, quantize_blocks
+from loongforge_hf.kernels.fp8 import check_recipe, gemm_dgrad, gemm_fwd, gemm_wgrad, is_blockwise, quantize_blocks
 
 logger = logging.getLogger("loongforge_hf.fp8")
 
@@ -50,7 +50,7 @@ def _gemm_pair(gemm: str, m: int, n: int, k: int, recipe: str, device: torch.dev
     if gemm == "dgrad":        # dy [m, k] @ w [k, n]   (the layer's weight is [k, n])
         dy, w = rand(m, k), rand(k, n)
         # NOTE: the forward GEMM quantised w.T with w (gemm_fwd): not timed here again
-        wtq = quantize_blocks(w.t(), check_finite=False) if recipe == "blockwise" else None
+        wtq = quantize_blocks(w.t(), check_finite=False) if is_blockwise(recipe) else None
         return (lambda: dy @ w), (lambda: gemm_dgrad(dy, w, recipe, wtq))
     dy, x = rand(k, m), rand(k, n)  # wgrad: dy.T [m, k] @ x [k, n]
     return (lambda: dy.t() @ x), (lambda: gemm_wgrad(dy, x, recipe))

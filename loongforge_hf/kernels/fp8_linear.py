@@ -16,9 +16,14 @@ Choices:
 - ``mode="adaptive"`` asks ``fp8_autotune.Fp8Autotuner``, for each distinct GEMM shape a layer meets (forward, input
   gradient, weight gradient), whether FP8 beats bf16 on the GPU in use (timed once, cached in a JSON file per GPU
   model, logged with the component (vision / language) and module that met it), and runs FP8 only there.
-- Recipes: ``blockwise`` (1x128 activation / gradient tiles, 128x128 weight blocks; the default where the GPU runs it)
-  and ``rowwise`` (one scale per row / column). Only CUDA devices of compute capability 8.9+ are accepted: on any
-  other device ``enable_fp8`` raises instead of silently training in bf16.
+- Recipes: ``blockwise`` (1x128 activation / gradient tiles, 128x128 weight blocks, DeepSeek-V3's; the default where
+  the GPU runs it), ``blockwise_wgrad2d`` (the same, except that the weight-gradient GEMM takes the output gradient
+  in 128x128 blocks: a faster cuBLAS kernel, coarser scaling; opt-in, see docs/fp8.md) and ``rowwise`` (one scale
+  per row / column). Only CUDA devices of compute capability 8.9+ are accepted: on any other device ``enable_fp8``
+  raises instead of silently training in bf16.
+- Each activation and output gradient is read once for both of its quantisations (``fp8.quantize_dual``: the
+  forward's or input gradient's 1x128 tiles and the weight gradient's transposed operand); without sequence
+  parallelism the forward keeps the FP8 ``x.T`` for the weight gradient instead of ``x``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import torch.distributed as dist
 
 from loongforge_hf.kernels import main_grad as main_grad_state
 from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
-                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad)
+                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad,
+                                       is_blockwise, quantize_grad)
 from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
 
 logger = logging.getLogger("loongforge_hf.fp8")
@@ -80,7 +86,7 @@ def check_fp8_device(device: torch.device) -> None:
 
 def granule(recipe: str) -> int:
     """What a weight's dimensions must be multiples of for the recipe's GEMMs."""
-    return GROUP if recipe == "blockwise" else ROW_ALIGN
+    return GROUP if is_blockwise(recipe) else ROW_ALIGN
 
 
 # ---- the swapped GEMM -----------------------------------------------------------------------------------------------
@@ -97,14 +103,17 @@ class _Fp8ParallelLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe, precision, sequence_parallel, allreduce_dgrad, group, accumulate):
         total = _gather_tokens(x, group) if sequence_parallel else x
         x2 = total.reshape(-1, total.shape[-1])
+        # NOTE: without sequence parallelism the weight gradient's x.T is quantised here, from the forward's read of
+        # x, and kept instead of x (FP8: half its bytes); under it the backward gathers x again, as megatron does.
+        for_wgrad = precision.fwd and precision.wgrad and weight.requires_grad and not sequence_parallel
         if precision.fwd:
-            y, wtq = gemm_fwd(x2, weight, recipe, for_dgrad=precision.dgrad)
+            y, wtq, xtq = gemm_fwd(x2, weight, recipe, for_dgrad=precision.dgrad, for_wgrad=for_wgrad)
         else:
-            y, wtq = x2 @ weight.t(), None
+            y, wtq, xtq = x2 @ weight.t(), None, None
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(x, weight)
-        ctx.wtq = wtq
+        ctx.save_for_backward(x if xtq is None else None, weight)
+        ctx.wtq, ctx.xtq = wtq, xtq
         ctx.recipe, ctx.precision, ctx.has_bias = recipe, precision, bias is not None
         ctx.sequence_parallel, ctx.allreduce_dgrad = sequence_parallel, allreduce_dgrad
         ctx.group, ctx.accumulate = group, accumulate
@@ -113,7 +122,10 @@ class _Fp8ParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        xtq, ctx.xtq = ctx.xtq, None
         dy2 = dy.reshape(-1, weight.shape[0])
+        both = ctx.precision.dgrad and ctx.precision.wgrad and weight.requires_grad
+        dyq, dytq = quantize_grad(dy2, ctx.recipe) if both else (None, None)
         gather = None
         if ctx.sequence_parallel and weight.requires_grad:
             total = torch.empty((x.shape[0] * dist.get_world_size(ctx.group), *x.shape[1:]), dtype=x.dtype,
@@ -121,7 +133,7 @@ class _Fp8ParallelLinear(torch.autograd.Function):
             gather = dist.all_gather_into_tensor(total, x.contiguous(), group=ctx.group, async_op=True)
         else:
             total = x
-        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq) if ctx.precision.dgrad else dy2 @ weight
+        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq, dyq) if ctx.precision.dgrad else dy2 @ weight
         dx = dx.view(*dy.shape[:-1], weight.shape[1])
         ctx.wtq = None
         reduce = None
@@ -135,11 +147,11 @@ class _Fp8ParallelLinear(torch.autograd.Function):
         if weight.requires_grad:
             if gather is not None:
                 gather.wait()
-            x2 = total.reshape(-1, total.shape[-1])
+            x2 = None if total is None else total.reshape(-1, total.shape[-1])
 
             def wgrad(out=None):
                 if ctx.precision.wgrad:
-                    return gemm_wgrad(dy2, x2, ctx.recipe, out=out)
+                    return gemm_wgrad(dy2, x2, ctx.recipe, out=out, dytq=dytq, xtq=xtq)
                 return torch.mm(dy2.t(), x2, out=out)
 
             if ctx.accumulate:
@@ -329,6 +341,9 @@ def enable_fp8(chunks, mode: str, *, recipe: str | None = None,
     elif recipe not in RECIPES:
         raise Fp8Error(f"fp8_recipe={recipe!r} is not supported; use one of {RECIPES} (Transformer Engine recipes are "
                        "not offered by this backend).")
+    elif is_blockwise(recipe) and not blockwise_supported(device.index or 0):
+        raise Fp8Error(f"fp8_recipe={recipe!r} needs block-wise scaled GEMMs, which this GPU / torch build does not "
+                       "run; use fp8_recipe='rowwise'.")
     report = swap_linears(chunks, mode=mode, recipe=recipe, cache_path=cache_path)
     logger.info("fp8=%s (%s scaling): %d linear layers swapped, %d left in their dtype %s", mode, recipe,
                 len(report.swapped), len(report.skipped), report.skipped or "")

@@ -71,6 +71,56 @@ def test_dual_block_quantisation_is_the_weight_and_its_transpose():
         torch.testing.assert_close(q.data.float(), rq, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("col_kind", ["tiles", "blocks"])
+def test_dual_quantisation_gives_both_operands_of_an_activation(col_kind):
+    """quantize_dual(x) for 37 tokens: x's 1x128 tiles with the rows zero-padded to 48 (forward / input-gradient
+    GEMM) and x.T's 1x128 tiles or 128x128 blocks with the tokens zero-padded to 128 (weight-gradient GEMM), each
+    equal to the reference quantisation of the padded tensor."""
+    x = _sample(37, 256, seed=7)
+    row, col = fp8.quantize_dual(x, col_kind)
+    assert (row.kind, col.kind) == ("tiles", col_kind)
+    assert row.data.shape == (48, 256) and col.data.shape == (256, 128)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, 128 - 37))
+    for q, ref, groups in ((row, padded[:48], (1, 128)), (col, padded.t(), (1 if col_kind == "tiles" else 128, 128))):
+        ref_q, ref_s = _reference_group_quant(ref, *groups)
+        torch.testing.assert_close(q.scale, ref_s, rtol=0, atol=0)
+        torch.testing.assert_close(q.data.float(), ref_q, rtol=0, atol=0)
+    with pytest.raises(Fp8Error, match="'tiles' or 'blocks'"):
+        fp8.quantize_dual(x, "rows")
+
+
+def test_forward_keeps_fp8_x_transposed_for_the_weight_gradient():
+    """With every GEMM in FP8 (no sequence parallelism) the layer saves no bf16 input for its backward (the forward
+    quantised x.T from the same read); with the weight gradient in bf16 it keeps x. Gradients as the bf16-saving
+    path: the same quantised operands, so bit for bit."""
+    from loongforge_hf.kernels.fp8_linear import _Fp8ParallelLinear
+
+    g = torch.Generator().manual_seed(8)
+    w = torch.nn.Parameter((torch.randn(256, 128, generator=g) * 0.05).to(torch.bfloat16))
+    x = torch.randn(2, 40, 128, generator=g).to(torch.bfloat16).requires_grad_()
+    proj = torch.randn(2, 40, 256, generator=g)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    grads = {}
+    for recipe in ("blockwise", "blockwise_wgrad2d"):
+        for precision, keeps_x in ((GemmPrecision(), False), (GemmPrecision(True, True, False), True)):
+            saved.clear()
+            x.grad = w.grad = None
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = _Fp8ParallelLinear.apply(x, w, None, recipe, precision, False, False, None, False)
+            assert ((torch.bfloat16, (2, 40, 128)) in saved) == keeps_x, (recipe, precision, saved)
+            (y.float() * proj).sum().backward()
+            grads[recipe, precision.wgrad] = (x.grad.clone(), w.grad.clone())
+        want_w = fp8.gemm_wgrad(proj.reshape(-1, 256).to(torch.bfloat16), x.detach().reshape(-1, 128), recipe)
+        assert torch.equal(grads[recipe, True][1], want_w.to(w.dtype))
+        assert torch.equal(grads[recipe, True][0], grads[recipe, False][0])
+    assert not torch.equal(grads["blockwise", True][1], grads["blockwise_wgrad2d", True][1])
+
+
 def test_group_maximum_maps_to_448_and_cast_saturates():
     x = _sample(4, 256)
     q = quantize_tiles(x)
@@ -97,6 +147,10 @@ def test_bad_inputs_name_the_problem():
         dequantize_blocks(torch.zeros(130, 4, dtype=torch.float8_e4m3fn), torch.ones(1, 1))
     with pytest.raises(Fp8Error, match="needs K % 128"):
         scaled_matmul(quantize_tiles(torch.randn(4, 96)), quantize_blocks(torch.randn(128, 96)))
+    with pytest.raises(Fp8Error, match="no FP8 GEMM for a blocks x blocks pair"):
+        scaled_matmul(quantize_blocks(torch.randn(128, 128)), quantize_blocks(torch.randn(128, 128)))
+    with pytest.raises(Fp8Error, match="M % 128 == 0"):
+        scaled_matmul(quantize_blocks(torch.randn(100, 128)), quantize_tiles(torch.randn(16, 128)))
     with pytest.raises(Fp8Error, match="recipe"):
         fp8_linear(torch.randn(2, 128), torch.randn(128, 128), recipe="tensorwise")
     from loongforge_hf.kernels.fp8_linear import check_fp8_request
@@ -108,11 +162,11 @@ def test_bad_inputs_name_the_problem():
     check_fp8_request(None)  # fp8 off: nothing to check, whatever the backend
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
-def test_gemms_match_dequantised_product(recipe):
+@pytest.mark.parametrize("pair", fp8.PAIRS)
+def test_gemms_match_dequantised_product(pair):
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(37, 256, generator=g), torch.randn(384, 256, generator=g)
-    a, b = (quantize_tiles(x), quantize_blocks(w)) if recipe == "blockwise" else (quantize_rows(x), quantize_rows(w))
+    x, w = torch.randn(256, 256, generator=g), torch.randn(384, 256, generator=g)
+    a, b = fp8.quantize(x if pair[0] != "tiles" else x[:37], pair[0]), fp8.quantize(w, pair[1])
     got = scaled_matmul(a, b, out_dtype=torch.float32)
     want = dequantize(a) @ dequantize(b).t()
     # NOTE: the row-wise GEMM is torch's CPU scaled_mm, whose output is rounded to bf16.
@@ -123,7 +177,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
 def test_fp8_linear_output_and_grads_against_fp32(recipe):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3, 37, 256, generator=g).to(torch.bfloat16).requires_grad_()  # 111 tokens: padded for wgrad
@@ -142,7 +196,7 @@ def test_fp8_linear_output_and_grads_against_fp32(recipe):
     torch.testing.assert_close(bias.grad.float(), p2.sum(0), rtol=1e-2, atol=1e-1)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
 @pytest.mark.parametrize("wgrad_fp8", [True, False])
 def test_weight_grad_written_into_a_zeroed_main_grad(recipe, wgrad_fp8):
     """kernels/main_grad.py: after ``mark_zeroed`` the first micro-batch's weight gradient is written into the bf16
@@ -193,7 +247,7 @@ def test_scaled_matmul_writes_into_out():
             assert torch.equal(buf[:7], torch.full((7,), 5.0, dtype=dtype))
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
 def test_any_token_count_pads_to_aligned_gemms(recipe, monkeypatch):
     """0, 1 and 17 tokens (an expert's share is anything): every scaled GEMM sees M a multiple of 16 and K, N of the
     recipe's granule, the padding rows are sliced off, and 0 tokens give empty outputs and a zero weight gradient."""
