@@ -400,6 +400,8 @@ def main(argv: list[str]) -> int:
                    "graphs=local (megatron's per-layer CUDA graphs), adam=triton|torch (kernels/adamw.LoongAdamW, "
                    "the default, or MegatronEngine(fused_adam=True): torch's fused AdamW), "
                    "e.g. 'optimizer=model graphs=local adam=torch'")
+    p.add_argument("--variants-only", action="store_true", help="leave out the plain loongforge row (fp32 state) "
+                   "when --variants / --fp8 / --optimizer-precision add others")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     stacks = [s for s in args.stacks.split(",") if s]
@@ -422,6 +424,8 @@ def main(argv: list[str]) -> int:
         stacks += [f"loongforge fp8={m}" for m in args.fp8.split(",") if m]
         stacks += [f"loongforge optimizer={m}" for m in args.optimizer_precision.split(",") if m and m != "fp32"]
         stacks += [f"loongforge {v.strip()}" for v in args.variants.split(",") if v.strip()]
+        if args.variants_only:
+            stacks = [s for s in stacks if s != "loongforge"]
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     log = Path(args.log) if args.log else out_path.with_suffix(".log")
