@@ -166,7 +166,8 @@ if triton is not None:
                      TILE: tl.constexpr, COL_BLOCKS: tl.constexpr, FMAX: tl.constexpr):
         # NOTE: one 128x128 tile of x read once: its 1x128 row tiles (x, rows zero-padded to rows_r) and its
         # 1x128 column tiles, or the whole tile as one 128x128 block (COL_BLOCKS), of x.T (tokens zero-padded to
-        # rows_c), each with the arithmetic of _tiles_kernel / _blocks_kernel.
+        # rows_c), each with the arithmetic of _tiles_kernel / _blocks_kernel. Both maxima are taken first (|x| is
+        # then dead), and the column part is transposed as FP8 (a quarter of the fp32 tile's shared memory).
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         r = pid_m * TILE + tl.arange(0, TILE)
@@ -175,26 +176,25 @@ if triton is not None:
         x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
         a = tl.where(x == x, tl.abs(x), float("inf"))
         amax_r = tl.max(a, axis=1)
+        if COL_BLOCKS:
+            amax = tl.max(amax_r, axis=0)
+            scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FMAX))
+            inv_c = tl.zeros((TILE,), tl.float32) + tl.math.div_rn(tl.full((), 1.0, tl.float32), scale)
+            tl.store(sc_ptr + pid_k * tl.num_programs(0) + pid_m, scale)
+        else:
+            amax_c = tl.max(a, axis=0)
+            scale_c = tl.where(amax_c == 0, 1.0, tl.math.div_rn(amax_c, tl.zeros((TILE,), tl.float32) + FMAX))
+            inv_c = tl.math.div_rn(tl.zeros((TILE,), tl.float32) + 1.0, scale_c)
+            tl.store(sc_ptr + pid_m * cols + c, scale_c, mask=c < cols)
         scale_r = tl.where(amax_r == 0, 1.0, tl.math.div_rn(amax_r, tl.zeros((TILE,), tl.float32) + FMAX))
         inv_r = tl.math.div_rn(tl.zeros((TILE,), tl.float32) + 1.0, scale_r)
         qr = tl.clamp(x * inv_r[:, None], -FMAX, FMAX)
         tl.store(qr_ptr + r[:, None] * cols + c[None, :], qr.to(qr_ptr.dtype.element_ty),
                  mask=(r[:, None] < rows_r) & (c[None, :] < cols))
         tl.store(sr_ptr + pid_k * rows_r + r, scale_r, mask=r < rows_r)
-        if COL_BLOCKS:
-            amax = tl.max(amax_r, axis=0)
-            scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FMAX))
-            qc = tl.clamp(x * tl.math.div_rn(tl.full((), 1.0, tl.float32), scale), -FMAX, FMAX)
-            tl.store(sc_ptr + pid_k * tl.num_programs(0) + pid_m, scale)
-        else:
-            amax_c = tl.max(a, axis=0)
-            scale_c = tl.where(amax_c == 0, 1.0, tl.math.div_rn(amax_c, tl.zeros((TILE,), tl.float32) + FMAX))
-            inv_c = tl.math.div_rn(tl.zeros((TILE,), tl.float32) + 1.0, scale_c)
-            qc = tl.clamp(x * inv_c[None, :], -FMAX, FMAX)
-            tl.store(sc_ptr + pid_m * cols + c, scale_c, mask=c < cols)
-        qt = tl.trans(qc).to(qc_ptr.dtype.element_ty)
-        tl.store(qc_ptr + c[:, None] * rows_c + r[None, :], qt, mask=(c[:, None] < cols) & (r[None, :] < rows_c))
-
+        qc = tl.clamp(x * inv_c[None, :], -FMAX, FMAX).to(qc_ptr.dtype.element_ty)
+        tl.store(qc_ptr + c[:, None] * rows_c + r[None, :], tl.trans(qc),
+                 mask=(c[:, None] < cols) & (r[None, :] < rows_c))
 
 def _rows_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
@@ -228,6 +228,10 @@ def _blocks_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+
+DUAL_WARPS = 8
+
+
 def _dual_triton(x: torch.Tensor, col_kind: str) -> tuple[Quantized, Quantized]:
     rows, cols = x.shape
     rows_r, rows_c = padded_rows(rows), _ceil(rows, GROUP) * GROUP
@@ -239,7 +243,7 @@ def _dual_triton(x: torch.Tensor, col_kind: str) -> tuple[Quantized, Quantized]:
                      dtype=torch.float32, device=x.device)
     grid = (rows_c // GROUP, _ceil(cols, GROUP))
     _dual_kernel[grid](x, qr, sr, qc, sc, rows, cols, rows_r, rows_c, x.stride(0), x.stride(1), TILE=GROUP,
-                       COL_BLOCKS=blocks, FMAX=FP8_MAX, num_warps=8)
+                       COL_BLOCKS=blocks, FMAX=FP8_MAX, num_warps=DUAL_WARPS)
     return Quantized(qr, sr.t(), "tiles"), Quantized(qc, sc if blocks else sc.t(), col_kind)
 
 
