@@ -196,6 +196,7 @@ if triton is not None:
         tl.store(qc_ptr + c[:, None] * rows_c + r[None, :], tl.trans(qc),
                  mask=(c[:, None] < cols) & (r[None, :] < rows_c))
 
+
 def _rows_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     q = torch.empty(rows, out_cols, dtype=FP8_DTYPE, device=x.device)
@@ -226,7 +227,6 @@ def _blocks_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _blocks_kernel[s.shape](w, q, s, rows, cols, w.stride(0), w.stride(1), s.shape[1], BLOCK=GROUP, FMAX=FP8_MAX,
                             num_warps=8)
     return q, s
-
 
 
 DUAL_WARPS = 8
