@@ -161,41 +161,6 @@ if triton is not None:
             tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
         tl.store(s_ptr + r, scale, mask=r < rows)
 
-    @triton.jit
-    def _dual_kernel(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, rows, cols, rows_r, rows_c, stride_xr, stride_xc,
-                     TILE: tl.constexpr, COL_BLOCKS: tl.constexpr, FMAX: tl.constexpr):
-        # NOTE: one 128x128 tile of x read once: its 1x128 row tiles (x, rows zero-padded to rows_r) and its
-        # 1x128 column tiles, or the whole tile as one 128x128 block (COL_BLOCKS), of x.T (tokens zero-padded to
-        # rows_c), each with the arithmetic of _tiles_kernel / _blocks_kernel. Both maxima are taken first (|x| is
-        # then dead), and the column part is transposed as FP8 (a quarter of the fp32 tile's shared memory).
-        pid_m = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        r = pid_m * TILE + tl.arange(0, TILE)
-        c = pid_k * TILE + tl.arange(0, TILE)
-        load = (r[:, None] < rows) & (c[None, :] < cols)
-        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0).to(tl.float32)
-        a = tl.where(x == x, tl.abs(x), float("inf"))
-        amax_r = tl.max(a, axis=1)
-        if COL_BLOCKS:
-            amax = tl.max(amax_r, axis=0)
-            scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, FMAX))
-            inv_c = tl.zeros((TILE,), tl.float32) + tl.math.div_rn(tl.full((), 1.0, tl.float32), scale)
-            tl.store(sc_ptr + pid_k * tl.num_programs(0) + pid_m, scale)
-        else:
-            amax_c = tl.max(a, axis=0)
-            scale_c = tl.where(amax_c == 0, 1.0, tl.math.div_rn(amax_c, tl.zeros((TILE,), tl.float32) + FMAX))
-            inv_c = tl.math.div_rn(tl.zeros((TILE,), tl.float32) + 1.0, scale_c)
-            tl.store(sc_ptr + pid_m * cols + c, scale_c, mask=c < cols)
-        scale_r = tl.where(amax_r == 0, 1.0, tl.math.div_rn(amax_r, tl.zeros((TILE,), tl.float32) + FMAX))
-        inv_r = tl.math.div_rn(tl.zeros((TILE,), tl.float32) + 1.0, scale_r)
-        qr = tl.clamp(x * inv_r[:, None], -FMAX, FMAX)
-        tl.store(qr_ptr + r[:, None] * cols + c[None, :], qr.to(qr_ptr.dtype.element_ty),
-                 mask=(r[:, None] < rows_r) & (c[None, :] < cols))
-        tl.store(sr_ptr + pid_k * rows_r + r, scale_r, mask=r < rows_r)
-        qc = tl.clamp(x * inv_c[None, :], -FMAX, FMAX).to(qc_ptr.dtype.element_ty)
-        tl.store(qc_ptr + c[:, None] * rows_c + r[None, :], tl.trans(qc),
-                 mask=(c[:, None] < cols) & (r[None, :] < rows_c))
-
 
 def _rows_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
@@ -227,24 +192,6 @@ def _blocks_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _blocks_kernel[s.shape](w, q, s, rows, cols, w.stride(0), w.stride(1), s.shape[1], BLOCK=GROUP, FMAX=FP8_MAX,
                             num_warps=8)
     return q, s
-
-
-DUAL_WARPS = 8
-
-
-def _dual_triton(x: torch.Tensor, col_kind: str) -> tuple[Quantized, Quantized]:
-    rows, cols = x.shape
-    rows_r, rows_c = padded_rows(rows), _ceil(rows, GROUP) * GROUP
-    qr = torch.empty(rows_r, cols, dtype=FP8_DTYPE, device=x.device)
-    sr = torch.empty(_ceil(cols, GROUP), rows_r, dtype=torch.float32, device=x.device)
-    qc = torch.empty(cols, rows_c, dtype=FP8_DTYPE, device=x.device)
-    blocks = col_kind == "blocks"
-    sc = torch.empty((_ceil(cols, GROUP), rows_c // GROUP) if blocks else (rows_c // GROUP, cols),
-                     dtype=torch.float32, device=x.device)
-    grid = (rows_c // GROUP, _ceil(cols, GROUP))
-    _dual_kernel[grid](x, qr, sr, qc, sc, rows, cols, rows_r, rows_c, x.stride(0), x.stride(1), TILE=GROUP,
-                       COL_BLOCKS=blocks, FMAX=FP8_MAX, num_warps=DUAL_WARPS)
-    return Quantized(qr, sr.t(), "tiles"), Quantized(qc, sc if blocks else sc.t(), col_kind)
 
 
 # ---- quantisation ---------------------------------------------------------------------------------------------------
@@ -327,19 +274,22 @@ def quantize_blocks_dual(w: torch.Tensor) -> tuple[Quantized, Quantized]:
     return quantize_blocks(w, check_finite=False), quantize_blocks(w.t(), check_finite=False)
 
 
-def quantize_dual(x: torch.Tensor, col_kind: str = "tiles") -> tuple[Quantized, Quantized]:
-    """Both uses of an activation or gradient ``x`` ``[M, K]`` from one read (no finiteness check: the training
-    path's use): its 1x128 tiles with rows zero-padded to ``padded_rows(M)`` (the operand of the forward or the input
-    gradient GEMM) and ``x.T`` ``[K, M']`` with the tokens zero-padded to a multiple of 128, as 1x128 tiles or
-    (``col_kind="blocks"``) 128x128 blocks (the operand of the weight-gradient GEMM). Equal, bit for bit, to
-    ``quantize_tiles(_pad_rows(x))`` and ``quantize(_pad_rows(x, GROUP).t(), col_kind)``."""
-    _as_matrix(x, "quantize_dual")
+def quantize_operands(x: torch.Tensor, col_kind: str = "tiles") -> tuple[Quantized, Quantized]:
+    """Both FP8 operands of an activation or output gradient ``x`` ``[M, K]`` (no finiteness check: the training
+    path's use): its 1x128 tiles with rows zero-padded to ``padded_rows(M)`` (the forward's or the input gradient's
+    GEMM) and ``x.T`` ``[K, M']`` with the tokens zero-padded to a multiple of 128, as 1x128 tiles or
+    (``col_kind="blocks"``) 128x128 blocks (the weight-gradient GEMM).
+
+    NOTE: two single-use kernels, the second reading the transposed view. A Triton kernel that read each 128x128
+    tile once and wrote both (the second through a transpose in shared memory) measured slower on an H100 than the
+    two (8192 x 28672 bf16: 0.69 against 0.53 ms; 128x128 blocks 0.54 against 0.54 ms; docs/fp8.md)."""
+    _as_matrix(x, "quantize_operands")
     if col_kind not in ("tiles", "blocks"):
-        raise Fp8Error(f"quantize_dual: the transposed operand is 'tiles' or 'blocks', got {col_kind!r}.")
-    if _use_triton(x) and x.shape[0] and x.shape[1]:
-        return _dual_triton(x, col_kind)
-    return (quantize_tiles(_pad_rows(x), check_finite=False),
-            quantize(_pad_rows(x, GROUP).t(), col_kind, check_finite=False))
+        raise Fp8Error(f"quantize_operands: the transposed operand is 'tiles' or 'blocks', got {col_kind!r}.")
+    row = quantize_tiles(_pad_rows(x), check_finite=False)
+    if col_kind == "tiles":
+        return row, quantize_tiles(x.t(), pad_to=GROUP, check_finite=False)
+    return row, quantize_blocks(_pad_rows(x, GROUP).t(), check_finite=False)
 
 
 def expand_scale(q: Quantized) -> torch.Tensor:
@@ -513,8 +463,9 @@ def gemm_eligible(n: int, k: int, recipe: str) -> bool:
 def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *, for_dgrad: bool = True,
              for_wgrad: bool = False) -> tuple[torch.Tensor, Quantized | None, Quantized | None]:
     """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``), and what the backward GEMMs can reuse: with
-    ``for_dgrad`` (block-wise) ``w.T`` quantised from the same read of ``w`` (for ``gemm_dgrad``), with ``for_wgrad``
-    (block-wise) ``x.T`` quantised from the same read of ``x`` (for ``gemm_wgrad``), else None. Any M: rows are
+    ``for_dgrad`` (block-wise) ``w.T`` quantised with ``w`` (for ``gemm_dgrad``), with ``for_wgrad`` (block-wise)
+    ``x.T`` quantised as the recipe's weight gradient takes it (for ``gemm_wgrad``; kept instead of ``x``), else
+    None. Any M: rows are
     zero-padded to ``padded_rows`` and sliced off the result; M = 0 gives an empty result."""
     m = x.shape[0]
     if m == 0:
@@ -523,7 +474,7 @@ def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *, for_dgrad: bool =
     if is_blockwise(recipe):
         wq, wtq = quantize_blocks_dual(w) if for_dgrad else (quantize_blocks(w, check_finite=False), None)
         if for_wgrad:
-            xq, xtq = quantize_dual(x, WGRAD_KINDS[recipe][1])
+            xq, xtq = quantize_operands(x, WGRAD_KINDS[recipe][1])
         else:
             xq = quantize_tiles(_pad_rows(x), check_finite=False)
         y = scaled_matmul(xq, wq, out_dtype=x.dtype)
@@ -534,27 +485,15 @@ def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *, for_dgrad: bool =
     return (y if y.shape[0] == m else y[:m]), wtq, xtq
 
 
-def quantize_grad(dy: torch.Tensor, recipe: str) -> tuple[Quantized | None, Quantized | None]:
-    """The output gradient ``dy`` ``[M, N]`` as both backward GEMMs of a block-wise recipe take it, from one read:
-    (operand of ``gemm_dgrad``, operand of ``gemm_wgrad``); (None, None) for ``rowwise`` or M = 0 (the GEMMs then
-    quantise it themselves)."""
-    if not is_blockwise(recipe) or dy.shape[0] == 0:
-        return None, None
-    return quantize_dual(dy, WGRAD_KINDS[recipe][0])
-
-
-def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | None = None,
-               dyq: Quantized | None = None) -> torch.Tensor:
+def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | None = None) -> torch.Tensor:
     """``dy @ w`` in FP8 (``dy`` ``[M, N]``, ``w`` ``[N, K]``): the input gradient (any M, as ``gemm_fwd``).
-    ``wtq``: ``w.T`` already block-quantised (what ``gemm_fwd`` returns); ``dyq``: ``dy`` already quantised
-    (``quantize_grad``)."""
+    ``wtq``: ``w.T`` already block-quantised (what ``gemm_fwd`` returns)."""
     m = dy.shape[0]
     if m == 0:
         return dy.new_zeros(0, w.shape[1])
     if is_blockwise(recipe):
         wt = wtq if wtq is not None else quantize_blocks(w.t(), check_finite=False)
-        a = dyq if dyq is not None else quantize_tiles(_pad_rows(dy), check_finite=False)
-        dx = scaled_matmul(a, wt, out_dtype=dy.dtype)
+        dx = scaled_matmul(quantize_tiles(_pad_rows(dy), check_finite=False), wt, out_dtype=dy.dtype)
     else:
         dx = scaled_matmul(quantize_rows(_pad_rows(dy), check_finite=False), quantize_rows(w.t(), check_finite=False),
                            out_dtype=dy.dtype)
@@ -562,18 +501,16 @@ def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | 
 
 
 def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor | None, recipe: str, *, out: torch.Tensor | None = None,
-               dytq: Quantized | None = None, xtq: Quantized | None = None) -> torch.Tensor:
+               xtq: Quantized | None = None) -> torch.Tensor:
     """``dy.T @ x`` in FP8 (``dy`` ``[M, N]``, ``x`` ``[M, K]``): the weight gradient, contracting over tokens,
-    which are zero-padded to the GEMM's multiple; M = 0 gives zeros. ``dytq`` / ``xtq``: ``dy.T`` / ``x.T`` already
-    quantised (``quantize_grad`` / ``gemm_fwd(for_wgrad=True)``; ``x`` may then be None). ``out``: write it there
-    (``scaled_matmul``)."""
+    which are zero-padded to the GEMM's multiple; M = 0 gives zeros. ``xtq``: ``x.T`` already quantised
+    (``gemm_fwd(for_wgrad=True)``; ``x`` may then be None). ``out``: write it there (``scaled_matmul``)."""
     if dy.shape[0] == 0:
         return out.zero_() if out is not None else dy.new_zeros(dy.shape[1], x.shape[1])
     kind_dy, kind_x = WGRAD_KINDS[recipe]
     pad = ROW_ALIGN if recipe == "rowwise" else GROUP
     # NOTE: 128x128 blocks have no pad_to: the tokens are padded before (tiles pad while quantising)
-    a = dytq if dytq is not None else quantize(_pad_rows(dy, pad).t() if kind_dy == "blocks" else dy.t(), kind_dy,
-                                               pad_to=pad, check_finite=False)
+    a = quantize(_pad_rows(dy, pad).t() if kind_dy == "blocks" else dy.t(), kind_dy, pad_to=pad, check_finite=False)
     b = xtq if xtq is not None else quantize(x.t(), kind_x, pad_to=pad, check_finite=False)
     return scaled_matmul(a, b, out_dtype=dy.dtype, out=out)
 
@@ -600,14 +537,12 @@ class _Fp8Linear(torch.autograd.Function):
         xtq, ctx.xtq = ctx.xtq, None
         dy2 = dy.reshape(-1, weight.shape[0])
         dx = dw = db = None
-        both = ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and ctx.precision.dgrad and ctx.precision.wgrad
-        dyq, dytq = quantize_grad(dy2, ctx.recipe) if both else (None, None)
         if ctx.needs_input_grad[0]:
-            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq, dyq) if ctx.precision.dgrad \
+            dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq) if ctx.precision.dgrad \
                 else dy2 @ weight.to(dy2.dtype)
             dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = (gemm_wgrad(dy2, x2, ctx.recipe, dytq=dytq, xtq=xtq) if ctx.precision.wgrad
+            dw = (gemm_wgrad(dy2, x2, ctx.recipe, xtq=xtq) if ctx.precision.wgrad
                   else dy2.t() @ x2).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)

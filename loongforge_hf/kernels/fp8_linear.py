@@ -21,9 +21,9 @@ Choices:
   in 128x128 blocks: a faster cuBLAS kernel, coarser scaling; opt-in, see docs/fp8.md) and ``rowwise`` (one scale
   per row / column). Only CUDA devices of compute capability 8.9+ are accepted: on any other device ``enable_fp8``
   raises instead of silently training in bf16.
-- Each activation and output gradient is read once for both of its quantisations (``fp8.quantize_dual``: the
-  forward's or input gradient's 1x128 tiles and the weight gradient's transposed operand); without sequence
-  parallelism the forward keeps the FP8 ``x.T`` for the weight gradient instead of ``x``.
+- Without sequence parallelism the forward also quantises ``x.T`` for the weight gradient and keeps that (FP8)
+  instead of ``x`` (bf16) for the backward: on (b) of scripts/bench_train.py 1.1 GiB less peak memory, the same
+  quantisation work moved from the backward to the forward.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from loongforge_hf.kernels import main_grad as main_grad_state
 from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
                                        check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad,
-                                       is_blockwise, quantize_grad)
+                                       is_blockwise)
 from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
 
 logger = logging.getLogger("loongforge_hf.fp8")
@@ -124,8 +124,6 @@ class _Fp8ParallelLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         xtq, ctx.xtq = ctx.xtq, None
         dy2 = dy.reshape(-1, weight.shape[0])
-        both = ctx.precision.dgrad and ctx.precision.wgrad and weight.requires_grad
-        dyq, dytq = quantize_grad(dy2, ctx.recipe) if both else (None, None)
         gather = None
         if ctx.sequence_parallel and weight.requires_grad:
             total = torch.empty((x.shape[0] * dist.get_world_size(ctx.group), *x.shape[1:]), dtype=x.dtype,
@@ -133,7 +131,7 @@ class _Fp8ParallelLinear(torch.autograd.Function):
             gather = dist.all_gather_into_tensor(total, x.contiguous(), group=ctx.group, async_op=True)
         else:
             total = x
-        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq, dyq) if ctx.precision.dgrad else dy2 @ weight
+        dx = gemm_dgrad(dy2, weight, ctx.recipe, ctx.wtq) if ctx.precision.dgrad else dy2 @ weight
         dx = dx.view(*dy.shape[:-1], weight.shape[1])
         ctx.wtq = None
         reduce = None
@@ -151,7 +149,7 @@ class _Fp8ParallelLinear(torch.autograd.Function):
 
             def wgrad(out=None):
                 if ctx.precision.wgrad:
-                    return gemm_wgrad(dy2, x2, ctx.recipe, out=out, dytq=dytq, xtq=xtq)
+                    return gemm_wgrad(dy2, x2, ctx.recipe, out=out, xtq=xtq)
                 return torch.mm(dy2.t(), x2, out=out)
 
             if ctx.accumulate:

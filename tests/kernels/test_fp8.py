@@ -72,12 +72,12 @@ def test_dual_block_quantisation_is_the_weight_and_its_transpose():
 
 
 @pytest.mark.parametrize("col_kind", ["tiles", "blocks"])
-def test_dual_quantisation_gives_both_operands_of_an_activation(col_kind):
-    """quantize_dual(x) for 37 tokens: x's 1x128 tiles with the rows zero-padded to 48 (forward / input-gradient
+def test_both_operands_of_an_activation(col_kind):
+    """quantize_operands(x) for 37 tokens: x's 1x128 tiles with the rows zero-padded to 48 (forward / input-gradient
     GEMM) and x.T's 1x128 tiles or 128x128 blocks with the tokens zero-padded to 128 (weight-gradient GEMM), each
     equal to the reference quantisation of the padded tensor."""
     x = _sample(37, 256, seed=7)
-    row, col = fp8.quantize_dual(x, col_kind)
+    row, col = fp8.quantize_operands(x, col_kind)
     assert (row.kind, col.kind) == ("tiles", col_kind)
     assert row.data.shape == (48, 256) and col.data.shape == (256, 128)
     padded = torch.nn.functional.pad(x, (0, 0, 0, 128 - 37))
@@ -86,7 +86,7 @@ def test_dual_quantisation_gives_both_operands_of_an_activation(col_kind):
         torch.testing.assert_close(q.scale, ref_s, rtol=0, atol=0)
         torch.testing.assert_close(q.data.float(), ref_q, rtol=0, atol=0)
     with pytest.raises(Fp8Error, match="'tiles' or 'blocks'"):
-        fp8.quantize_dual(x, "rows")
+        fp8.quantize_operands(x, "rows")
 
 
 def test_forward_keeps_fp8_x_transposed_for_the_weight_gradient():

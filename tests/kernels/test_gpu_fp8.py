@@ -45,8 +45,8 @@ def test_triton_quantisation_matches_torch(shape):
     got, ref = fp8.quantize_blocks(x), fp8.quantize_blocks(x.cpu())
     torch.testing.assert_close(got.scale.cpu(), ref.scale, rtol=0, atol=0)
     torch.testing.assert_close(got.data.cpu().float(), ref.data.float(), rtol=0, atol=0)
-    for kind in ("tiles", "blocks"):  # one read, both operands (the Triton kernel against the torch path)
-        for got, ref in zip(fp8.quantize_dual(x, kind), fp8.quantize_dual(x.cpu(), kind)):
+    for kind in ("tiles", "blocks"):  # both operands of an activation (the Triton kernels against the torch path)
+        for got, ref in zip(fp8.quantize_operands(x, kind), fp8.quantize_operands(x.cpu(), kind)):
             assert got.kind == ref.kind and got.data.shape == ref.data.shape
             torch.testing.assert_close(got.scale.cpu(), ref.scale, rtol=0, atol=0)
             torch.testing.assert_close(got.data.cpu().float(), ref.data.float(), rtol=0, atol=0)

@@ -14,8 +14,3 @@ def test_triton_kernels_match_torch_paths_in_the_interpreter():
                               "check_all('cpu', dtypes=(torch.float32, torch.bfloat16))")
     assert any(c.startswith("rms_norm(") for c in checked) and any(c.startswith("swiglu") for c in checked)
     assert any(c.startswith("rms_norm_view") for c in checked) and any(c.startswith("rope") for c in checked)
-
-
-def test_fp8_dual_quantisation_kernel_in_the_interpreter():
-    checked = run_interpreted("from tests.kernels._fp8_checks import check_dual\ncheck_dual()")
-    assert len(checked) == 16 and any("blocks" in c for c in checked)
