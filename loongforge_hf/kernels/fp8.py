@@ -342,8 +342,11 @@ def _scaled_mm_args(a: Quantized, b: Quantized):
     def scales(q: Quantized):
         if q.kind == "tiles":
             return _k_major(q.scale), ScalingType.BlockWise1x128
-        # NOTE: 128x128 scales [rows/128, K/128] are read K-block-major with K/128 padded to a multiple of 4.
+        # NOTE: 128x128 scales [rows/128, K/128] are read K-block-major with K/128 padded to a multiple of 4 (a
+        # padded copy only where it is not: no extra launches for the usual sizes).
         k_blocks = q.scale.shape[1]
+        if k_blocks % 4 == 0 and q.scale.is_contiguous():
+            return q.scale.t(), ScalingType.BlockWise128x128
         padded = torch.ones(q.scale.shape[0], _ceil(k_blocks, 4) * 4, dtype=torch.float32, device=q.scale.device)
         padded[:, :k_blocks] = q.scale
         return padded.t(), ScalingType.BlockWise128x128
