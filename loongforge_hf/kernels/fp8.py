@@ -468,8 +468,7 @@ def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *, for_dgrad: bool =
     """``x @ w.T`` in FP8 (``x`` ``[M, K]``, ``w`` ``[N, K]``), and what the backward GEMMs can reuse: with
     ``for_dgrad`` (block-wise) ``w.T`` quantised with ``w`` (for ``gemm_dgrad``), with ``for_wgrad`` (block-wise)
     ``x.T`` quantised as the recipe's weight gradient takes it (for ``gemm_wgrad``; kept instead of ``x``), else
-    None. Any M: rows are
-    zero-padded to ``padded_rows`` and sliced off the result; M = 0 gives an empty result."""
+    None. Any M: rows are zero-padded to ``padded_rows`` and sliced off the result; M = 0 gives an empty result."""
     m = x.shape[0]
     if m == 0:
         return x.new_zeros(0, w.shape[0]), None, None
@@ -509,7 +508,8 @@ def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor | None, recipe: str, *, out: to
     which are zero-padded to the GEMM's multiple; M = 0 gives zeros. ``xtq``: ``x.T`` already quantised
     (``gemm_fwd(for_wgrad=True)``; ``x`` may then be None). ``out``: write it there (``scaled_matmul``)."""
     if dy.shape[0] == 0:
-        return out.zero_() if out is not None else dy.new_zeros(dy.shape[1], x.shape[1])
+        return out.zero_() if out is not None else dy.new_zeros(dy.shape[1], x.shape[1] if x is not None
+                                                                else xtq.data.shape[0])
     kind_dy, kind_x = WGRAD_KINDS[recipe]
     pad = ROW_ALIGN if recipe == "rowwise" else GROUP
     # NOTE: 128x128 blocks have no pad_to: the tokens are padded before (tiles pad while quantising)

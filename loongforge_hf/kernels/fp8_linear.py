@@ -103,8 +103,8 @@ class _Fp8ParallelLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe, precision, sequence_parallel, allreduce_dgrad, group, accumulate):
         total = _gather_tokens(x, group) if sequence_parallel else x
         x2 = total.reshape(-1, total.shape[-1])
-        # NOTE: without sequence parallelism the weight gradient's x.T is quantised here, from the forward's read of
-        # x, and kept instead of x (FP8: half its bytes); under it the backward gathers x again, as megatron does.
+        # NOTE: without sequence parallelism the weight gradient's x.T is quantised here and kept instead of x (FP8:
+        # half its bytes); under it the backward gathers x again, as megatron does.
         for_wgrad = precision.fwd and precision.wgrad and weight.requires_grad and not sequence_parallel
         if precision.fwd:
             y, wtq, xtq = gemm_fwd(x2, weight, recipe, for_dgrad=precision.dgrad, for_wgrad=for_wgrad)
