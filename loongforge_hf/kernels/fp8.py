@@ -445,6 +445,12 @@ class GemmPrecision(NamedTuple):
     wgrad: bool = True
 
 
+def forward_only(precision: GemmPrecision) -> GemmPrecision:
+    """``precision`` with no backward GEMMs where grad mode is off (evaluation, generation, the first pass of a
+    recomputed layer): the forward then quantises neither ``w.T`` nor ``x.T`` for a backward that never runs."""
+    return precision if torch.is_grad_enabled() else precision._replace(dgrad=False, wgrad=False)
+
+
 def check_recipe(recipe: str) -> None:
     if recipe not in RECIPES:
         raise Fp8Error(f"FP8 recipe {recipe!r} is not supported; use one of {RECIPES}.")
@@ -568,4 +574,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                        f"dimensions must be multiples of {step}); keep this layer in bf16.")
     if x.shape[-1] != weight.shape[1]:
         raise Fp8Error(f"fp8_linear: input of shape {tuple(x.shape)} does not match weight {tuple(weight.shape)}.")
-    return _Fp8Linear.apply(x, weight, bias, recipe, precision)
+    return _Fp8Linear.apply(x, weight, bias, recipe, forward_only(precision))

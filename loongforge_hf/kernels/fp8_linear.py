@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from loongforge_hf.kernels import main_grad as main_grad_state
 from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
-                                       check_recipe, gemm_dgrad, gemm_eligible, gemm_fwd, gemm_wgrad,
-                                       is_blockwise)
+                                       check_recipe, forward_only, gemm_dgrad, gemm_eligible, gemm_fwd,
+                                       gemm_wgrad, is_blockwise)
 from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
 
 logger = logging.getLogger("loongforge_hf.fp8")
@@ -220,6 +220,7 @@ class Fp8ForwardImpl:
                 module, input, weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
                 allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
                 grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group)
+        precision = forward_only(precision)
         accumulate = bool(gradient_accumulation_fusion and hasattr(weight, "main_grad"))
         out = _Fp8ParallelLinear.apply(input, weight, bias, self.settings.recipe, precision, sequence_parallel,
                                        allreduce_dgrad, group, accumulate)

@@ -121,6 +121,29 @@ def test_forward_keeps_fp8_x_transposed_for_the_weight_gradient():
     assert not torch.equal(grads["blockwise", True][1], grads["blockwise_wgrad2d", True][1])
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_wgrad2d"])
+def test_no_backward_operands_without_grad_mode(recipe, monkeypatch):
+    """Under no_grad (evaluation, generation, a recomputed layer's first pass) the forward quantises neither w.T nor
+    x.T; its output is the same, bit for bit, as with grad mode on (which quantises both)."""
+    calls = {"quantize_blocks_dual": 0, "quantize_operands": 0}
+    for name in calls:
+        real = getattr(fp8, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(fp8, name, spy)
+    g = torch.Generator().manual_seed(9)
+    w = torch.nn.Parameter((torch.randn(256, 128, generator=g) * 0.05).to(torch.bfloat16))
+    x = torch.randn(40, 128, generator=g).to(torch.bfloat16).requires_grad_()
+    with torch.no_grad():
+        y0 = fp8_linear(x, w, recipe=recipe)
+    assert calls == {"quantize_blocks_dual": 0, "quantize_operands": 0}
+    y1 = fp8_linear(x, w, recipe=recipe)
+    assert calls == {"quantize_blocks_dual": 1, "quantize_operands": 1}
+    assert torch.equal(y0, y1.detach())
+
+
 def test_group_maximum_maps_to_448_and_cast_saturates():
     x = _sample(4, 256)
     q = quantize_tiles(x)
@@ -422,7 +445,18 @@ def _model_checks(fp8_dir: str, deq_dir: str, moe_dir: str, out_dir: str, cache:
     result["swapped"] = report.swapped
     result["skipped"] = report.skipped
     result["has_impl"] = sorted(f"0.{n}" for n, m in model.chunks[0].named_modules() if "_forward_impl" in vars(m))
-    out = model(input_ids=ids, labels=ids)
+    transposed = []  # weights quantised with their transpose (for a backward): none under no_grad, all with grad
+    real_dual = fp8.quantize_blocks_dual
+    fp8.quantize_blocks_dual = lambda w: transposed.append(tuple(w.shape)) or real_dual(w)
+    try:
+        with torch.no_grad():
+            no_grad_logits = model(input_ids=ids).logits
+        result["transposed_no_grad"] = len(transposed)
+        out = model(input_ids=ids, labels=ids)
+        result["transposed_grad"] = len(transposed)
+    finally:
+        fp8.quantize_blocks_dual = real_dual
+    result["no_grad_logits_equal"] = torch.equal(no_grad_logits, out.logits.detach())
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=ids)
     result["logit_rel"] = _rel(out.logits, exp.logits)
@@ -496,6 +530,7 @@ def test_fp8_checkpoint_loads_dequantised_and_swap_touches_eligible_layers(tmp_p
               ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")]
     assert sorted(r["swapped"]) == sorted(layers) and r["skipped"] == {}, r["skipped"]
     assert r["has_impl"] == sorted(layers)  # not output_layer, not the embedding
+    assert r["transposed_no_grad"] == 0 and r["transposed_grad"] == 8 and r["no_grad_logits_equal"]
     assert r["logit_rel"] < 0.08 and abs(r["loss"] - r["ref_loss"]) / r["ref_loss"] < 0.01
     assert r["grads_finite"] and r["disabled_equal"]
     assert r["cpu_error"] and "CUDA GPU" in r["cpu_error"]
