@@ -15,6 +15,8 @@ Choices:
     size ``k_channels`` and value head size ``v_channels`` MLA passes (SDPA accepts a value head size that differs);
   - the rotary embedding goes through the fused-rope slot (``rope.enable_megatron_fused_rope``; MLA keeps megatron's
     own rotary path, which the slot does not serve);
+  - the router's top-k softmax routing is ``kernels.router.topk_softmax`` (one op; sigmoid / grouped / biased
+    routing stays megatron's);
   - a dense layer's MLP (DeepSeek's first layers, Qwen3-MoE's ``mlp_only_layers``) is the dense spec's
     ``SwiGLUMLP`` (megatron's ``MLP`` with our ``swiglu``); shared experts stay megatron's ``SharedExpertMLP``.
   And one more with ``bridge.grouped_experts`` (the default, see ``moe.py``): the routed experts of every MoE layer are
@@ -121,4 +123,7 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
         from loongforge_hf.kernels.moe_permute import enable_megatron_fused_permute
 
         enable_megatron_fused_permute(config)  # after the dispatcher choice: it serves only some paths
+        from loongforge_hf.kernels.router import enable_megatron_fused_router
+
+        enable_megatron_fused_router()
     return _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False))

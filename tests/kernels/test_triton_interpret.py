@@ -14,3 +14,8 @@ def test_triton_kernels_match_torch_paths_in_the_interpreter():
                               "check_all('cpu', dtypes=(torch.float32, torch.bfloat16))")
     assert any(c.startswith("rms_norm(") for c in checked) and any(c.startswith("swiglu") for c in checked)
     assert any(c.startswith("rms_norm_view") for c in checked) and any(c.startswith("rope") for c in checked)
+
+
+def test_router_kernel_in_the_interpreter():
+    checked = run_interpreted("from tests.kernels._router_checks import check_router\ncheck_router()")
+    assert len(checked) == 32
