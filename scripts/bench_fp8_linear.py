@@ -78,7 +78,7 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
         with torch.no_grad():
             if m:
                 xp, dyp = F8._pad_rows(xd), F8._pad_rows(dy)
-                if recipe == "blockwise":
+                if F8.is_blockwise(recipe):
                     xq, dyq = F8.quantize_tiles(xp, check_finite=False), F8.quantize_tiles(dyp, check_finite=False)
                     wq, wt = F8.quantize_blocks_dual(wd)
                     parts["quant_x"] = timer(lambda: F8.quantize_tiles(xp, check_finite=False))
@@ -86,7 +86,6 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
                     parts["transpose_w"] = timer(lambda: F8.transpose_blocks(wq))
                     parts["quant_w_dual"] = timer(lambda: F8.quantize_blocks_dual(wd))
                     parts["quant_dy"] = timer(lambda: F8.quantize_tiles(dyp, check_finite=False))
-                    kind, pad = "tiles", F8.GROUP
                 else:
                     xq, wq = F8.quantize_rows(xp, check_finite=False), F8.quantize_rows(wd, check_finite=False)
                     dyq, wt = F8.quantize_rows(dyp, check_finite=False), F8.quantize_rows(wd.t(), check_finite=False)
@@ -94,16 +93,19 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
                     parts["quant_w"] = timer(lambda: F8.quantize_rows(wd, check_finite=False))
                     parts["quant_wT"] = timer(lambda: F8.quantize_rows(wd.t(), check_finite=False))
                     parts["quant_dy"] = timer(lambda: F8.quantize_rows(dyp, check_finite=False))
-                    kind, pad = "rows", F8.ROW_ALIGN
-                dytq = F8.quantize(dy.t(), kind, pad_to=pad, check_finite=False)
-                xtq = F8.quantize(xd.t(), kind, pad_to=pad, check_finite=False)
-                parts["quant_dyT"] = timer(lambda: F8.quantize(dy.t(), kind, pad_to=pad, check_finite=False))
-                parts["quant_xT"] = timer(lambda: F8.quantize(xd.t(), kind, pad_to=pad, check_finite=False))
+                # the weight gradient's operands as the recipe scales them (128x128 blocks take padded tokens)
+                kind_dy, kind_x = F8.WGRAD_KINDS[recipe]
+                pad = F8.GROUP if F8.is_blockwise(recipe) else F8.ROW_ALIGN
+                dyt = F8._pad_rows(dy, pad).t() if kind_dy == "blocks" else dy.t()
+                dytq = F8.quantize(dyt, kind_dy, pad_to=pad, check_finite=False)
+                xtq = F8.quantize(xd.t(), kind_x, pad_to=pad, check_finite=False)
+                parts["quant_dyT"] = timer(lambda: F8.quantize(dyt, kind_dy, pad_to=pad, check_finite=False))
+                parts["quant_xT"] = timer(lambda: F8.quantize(xd.t(), kind_x, pad_to=pad, check_finite=False))
                 parts["fwd_gemm"] = timer(lambda: F8.scaled_matmul(xq, wq))
                 parts["dgrad_gemm"] = timer(lambda: F8.scaled_matmul(dyq, wt))
                 parts["wgrad_gemm"] = timer(lambda: F8.scaled_matmul(dytq, xtq))
                 # NOTE: the quantisations fp8_linear runs: block-wise quantises w and w.T together (quant_w_dual)
-                unused = ("quant_w", "transpose_w") if recipe == "blockwise" else ()
+                unused = ("quant_w", "transpose_w") if F8.is_blockwise(recipe) else ()
                 parts["quant_sum"] = sum(v for key, v in parts.items()
                                          if not key.endswith("_gemm") and key not in unused)
                 parts["gemm_sum"] = sum(v for key, v in parts.items() if key.endswith("_gemm"))
@@ -121,7 +123,7 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="a,b,c")
-    p.add_argument("--recipes", default="", help="comma list (default: blockwise where supported, and rowwise)")
+    p.add_argument("--recipes", default="", help="comma list (default: all where block-wise runs, else rowwise)")
     H.add_micro_args(p, name="bench_fp8_linear", warmup=5, reps=20)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -133,7 +135,9 @@ def main(argv=None) -> dict:
     else:
         supported, name = True, "cpu (emulated block-wise GEMMs; timings mean nothing)"
     in_use = "blockwise" if supported else "rowwise"
-    recipes = [r for r in args.recipes.split(",") if r] or (["blockwise", "rowwise"] if supported else ["rowwise"])
+    recipes = [r for r in args.recipes.split(",") if r] or (list(F8.RECIPES) if supported else ["rowwise"])
+    for r in recipes:
+        F8.check_recipe(r)
     print(f"device: {name}; torch {torch.__version__}; block-wise scaled_mm supported: {supported}; "
           f"enable_fp8 picks: {in_use}", flush=True)
     timer = Timer(device, args.warmup, args.reps)
