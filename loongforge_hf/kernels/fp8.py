@@ -412,16 +412,17 @@ def _legacy_scaled_mm(a: Quantized, b: Quantized) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def blockwise_supported(device_index: int) -> bool:
-    """Whether this GPU and torch build run the block-wise FP8 GEMMs (1x128 x 128x128 for the forward and input
-    gradient, 1x128 x 1x128 and 128x128 x 1x128 for the weight gradient) and get the dequantised product (probed
-    once)."""
+def blockwise_supported(device_index: int, recipe: str = "blockwise") -> bool:
+    """Whether this GPU and torch build run the block-wise FP8 GEMMs of ``recipe`` (1x128 x 128x128 for the forward
+    and input gradient; for the weight gradient 1x128 x 1x128, or 128x128 x 1x128 with ``blockwise_wgrad2d``) and
+    get the dequantised product (probed once per device and recipe)."""
     device = torch.device("cuda", device_index)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(256, 384, device=device, generator=g)
     w = torch.randn(128, 384, device=device, generator=g)
-    for a, b in ((quantize_tiles(x), quantize_blocks(w)), (quantize_tiles(x), quantize_tiles(w)),
-                 (quantize_blocks(w), quantize_tiles(x))):
+    wgrad = (quantize_blocks(w), quantize_tiles(x)) if WGRAD_KINDS[recipe][0] == "blocks" \
+        else (quantize_tiles(x), quantize_tiles(w))
+    for a, b in ((quantize_tiles(x), quantize_blocks(w)), wgrad):
         try:
             got = scaled_matmul(a, b, out_dtype=torch.float32)
         except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):

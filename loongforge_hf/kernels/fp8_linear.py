@@ -340,7 +340,7 @@ def enable_fp8(chunks, mode: str, *, recipe: str | None = None,
     elif recipe not in RECIPES:
         raise Fp8Error(f"fp8_recipe={recipe!r} is not supported; use one of {RECIPES} (Transformer Engine recipes are "
                        "not offered by this backend).")
-    elif is_blockwise(recipe) and not blockwise_supported(device.index or 0):
+    elif is_blockwise(recipe) and not blockwise_supported(device.index or 0, recipe):
         raise Fp8Error(f"fp8_recipe={recipe!r} needs block-wise scaled GEMMs, which this GPU / torch build does not "
                        "run; use fp8_recipe='rowwise'.")
     report = swap_linears(chunks, mode=mode, recipe=recipe, cache_path=cache_path)

@@ -25,9 +25,17 @@ def _rel(a, b):
 
 
 def _skip_unsupported(recipe):
-    if fp8.is_blockwise(recipe) and not fp8.blockwise_supported(torch.cuda.current_device()):
+    if fp8.is_blockwise(recipe) and not fp8.blockwise_supported(torch.cuda.current_device(), recipe):
         pytest.skip(f"block-wise scaled_mm is not available with torch {torch.__version__} on "
                     f"{torch.cuda.get_device_name()} (row-wise is used there)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="block-wise FP8 GEMMs are cuBLAS's on SM90+")
+def test_block_wise_probe_passes_for_each_recipe_on_sm90():
+    """The probe that picks the default recipe (and admits an explicit block-wise one) on Hopper with this torch."""
+    assert fp8.blockwise_supported(torch.cuda.current_device(), "blockwise")
+    assert fp8.blockwise_supported(torch.cuda.current_device(), "blockwise_wgrad2d")
 
 
 @pytest.mark.parametrize("shape", [(4096, 1024), (37, 300), (1, 128)])
