@@ -93,14 +93,11 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
                     parts["quant_w"] = timer(lambda: F8.quantize_rows(wd, check_finite=False))
                     parts["quant_wT"] = timer(lambda: F8.quantize_rows(wd.t(), check_finite=False))
                     parts["quant_dy"] = timer(lambda: F8.quantize_rows(dyp, check_finite=False))
-                # the weight gradient's operands as the recipe scales them (128x128 blocks take padded tokens)
+                # the weight gradient's operands as the recipe scales them
                 kind_dy, kind_x = F8.WGRAD_KINDS[recipe]
-                pad = F8.GROUP if F8.is_blockwise(recipe) else F8.ROW_ALIGN
-                dyt = F8._pad_rows(dy, pad).t() if kind_dy == "blocks" else dy.t()
-                dytq = F8.quantize(dyt, kind_dy, pad_to=pad, check_finite=False)
-                xtq = F8.quantize(xd.t(), kind_x, pad_to=pad, check_finite=False)
-                parts["quant_dyT"] = timer(lambda: F8.quantize(dyt, kind_dy, pad_to=pad, check_finite=False))
-                parts["quant_xT"] = timer(lambda: F8.quantize(xd.t(), kind_x, pad_to=pad, check_finite=False))
+                dytq, xtq = F8.quantize_transposed(dy, kind_dy), F8.quantize_transposed(xd, kind_x)
+                parts["quant_dyT"] = timer(lambda: F8.quantize_transposed(dy, kind_dy))
+                parts["quant_xT"] = timer(lambda: F8.quantize_transposed(xd, kind_x))
                 parts["fwd_gemm"] = timer(lambda: F8.scaled_matmul(xq, wq))
                 parts["dgrad_gemm"] = timer(lambda: F8.scaled_matmul(dyq, wt))
                 parts["wgrad_gemm"] = timer(lambda: F8.scaled_matmul(dytq, xtq))

@@ -396,9 +396,9 @@ def main(argv: list[str]) -> int:
                    "row with MegatronEngine(optimizer_precision='model') (bf16 grads, weights and AdamW moments) next "
                    "to the default fp32 one")
     p.add_argument("--variants", default="", help="comma list of extra loongforge rows, each a space-separated set "
-                   "of options: fp8=on|adaptive, recipe=blockwise|rowwise (fp8_recipe), optimizer=fp32|model, "
-                   "graphs=local (megatron's per-layer CUDA graphs), adam=triton|torch (kernels/adamw.LoongAdamW, "
-                   "the default, or MegatronEngine(fused_adam=True): torch's fused AdamW), "
+                   "of options: fp8=on|adaptive, recipe=blockwise|blockwise_wgrad2d|rowwise (fp8_recipe), "
+                   "optimizer=fp32|model, graphs=local (megatron's per-layer CUDA graphs), adam=triton|torch "
+                   "(kernels/adamw.LoongAdamW, the default, or MegatronEngine(fused_adam=True): torch's fused AdamW), "
                    "e.g. 'optimizer=model graphs=local adam=torch'")
     p.add_argument("--variants-only", action="store_true", help="leave out the plain loongforge row (fp32 state) "
                    "when --variants / --fp8 / --optimizer-precision add others")

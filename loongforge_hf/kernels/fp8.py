@@ -274,11 +274,19 @@ def quantize_blocks_dual(w: torch.Tensor) -> tuple[Quantized, Quantized]:
     return quantize_blocks(w, check_finite=False), quantize_blocks(w.t(), check_finite=False)
 
 
+def quantize_transposed(x: torch.Tensor, kind: str) -> Quantized:
+    """``x.T`` ``[K, M']`` of an activation or output gradient ``x`` ``[M, K]``, quantised as a weight-gradient GEMM
+    takes it (it contracts over the tokens M): 1x128 tiles or 128x128 blocks with the tokens zero-padded to a multiple
+    of 128, or one scale per row with them padded to 16. No finiteness check (the training path's use)."""
+    if kind == "blocks":  # NOTE: 128x128 blocks have no pad_to: the tokens are padded before
+        return quantize_blocks(_pad_rows(x, GROUP).t(), check_finite=False)
+    return quantize(x.t(), kind, pad_to=ROW_ALIGN if kind == "rows" else GROUP, check_finite=False)
+
+
 def quantize_operands(x: torch.Tensor, col_kind: str = "tiles") -> tuple[Quantized, Quantized]:
     """Both FP8 operands of an activation or output gradient ``x`` ``[M, K]`` (no finiteness check: the training
     path's use): its 1x128 tiles with rows zero-padded to ``padded_rows(M)`` (the forward's or the input gradient's
-    GEMM) and ``x.T`` ``[K, M']`` with the tokens zero-padded to a multiple of 128, as 1x128 tiles or
-    (``col_kind="blocks"``) 128x128 blocks (the weight-gradient GEMM).
+    GEMM) and ``quantize_transposed(x, col_kind)``, ``col_kind`` "tiles" or "blocks" (the weight-gradient GEMM).
 
     NOTE: two single-use kernels, the second reading the transposed view. A Triton kernel that read each 128x128
     tile once and wrote both (the second through a transpose in shared memory) measured slower on an H100 than the
@@ -286,10 +294,7 @@ def quantize_operands(x: torch.Tensor, col_kind: str = "tiles") -> tuple[Quantiz
     _as_matrix(x, "quantize_operands")
     if col_kind not in ("tiles", "blocks"):
         raise Fp8Error(f"quantize_operands: the transposed operand is 'tiles' or 'blocks', got {col_kind!r}.")
-    row = quantize_tiles(_pad_rows(x), check_finite=False)
-    if col_kind == "tiles":
-        return row, quantize_tiles(x.t(), pad_to=GROUP, check_finite=False)
-    return row, quantize_blocks(_pad_rows(x, GROUP).t(), check_finite=False)
+    return quantize_tiles(_pad_rows(x), check_finite=False), quantize_transposed(x, col_kind)
 
 
 def expand_scale(q: Quantized) -> torch.Tensor:
@@ -420,9 +425,8 @@ def blockwise_supported(device_index: int, recipe: str = "blockwise") -> bool:
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(256, 384, device=device, generator=g)
     w = torch.randn(128, 384, device=device, generator=g)
-    wgrad = (quantize_blocks(w), quantize_tiles(x)) if WGRAD_KINDS[recipe][0] == "blocks" \
-        else (quantize_tiles(x), quantize_tiles(w))
-    for a, b in ((quantize_tiles(x), quantize_blocks(w)), wgrad):
+    kind_dy, kind_x = WGRAD_KINDS[recipe]  # the weight gradient's pairing: w stands in for dy.T, x for x.T
+    for a, b in ((quantize_tiles(x), quantize_blocks(w)), (quantize(w, kind_dy), quantize(x, kind_x))):
         try:
             got = scaled_matmul(a, b, out_dtype=torch.float32)
         except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
@@ -518,11 +522,8 @@ def gemm_wgrad(dy: torch.Tensor, x: torch.Tensor | None, recipe: str, *, out: to
         return out.zero_() if out is not None else dy.new_zeros(dy.shape[1], x.shape[1] if x is not None
                                                                 else xtq.data.shape[0])
     kind_dy, kind_x = WGRAD_KINDS[recipe]
-    pad = ROW_ALIGN if recipe == "rowwise" else GROUP
-    # NOTE: 128x128 blocks have no pad_to: the tokens are padded before (tiles pad while quantising)
-    a = quantize(_pad_rows(dy, pad).t() if kind_dy == "blocks" else dy.t(), kind_dy, pad_to=pad, check_finite=False)
-    b = xtq if xtq is not None else quantize(x.t(), kind_x, pad_to=pad, check_finite=False)
-    return scaled_matmul(a, b, out_dtype=dy.dtype, out=out)
+    b = xtq if xtq is not None else quantize_transposed(x, kind_x)
+    return scaled_matmul(quantize_transposed(dy, kind_dy), b, out_dtype=dy.dtype, out=out)
 
 
 class _Fp8Linear(torch.autograd.Function):

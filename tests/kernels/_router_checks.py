@@ -3,8 +3,13 @@
 
 import torch
 
-from loongforge_hf.kernels import _router_triton
-from loongforge_hf.kernels.router import _topk_softmax_torch
+
+def distinct_logits(tokens: int, experts: int, seed: int = 0) -> torch.Tensor:
+    """fp32 ``[tokens, experts]`` logits, each row a permutation of one grid: distinct values in every row, so the
+    top k have no ties in any dtype (the tests of the router, on CPU, in the interpreter and on the GPU)."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.linspace(-4, 4, experts)
+    return torch.stack([grid[torch.randperm(experts, generator=g)] for _ in range(tokens)])
 
 
 def check_router() -> list[str]:
@@ -13,11 +18,12 @@ def check_router() -> list[str]:
     probabilities in bf16 within two bf16 ulps (2**-6 relative): the interpreter rounds fp32 to bf16 by truncation,
     not to nearest as the GPU and torch do, once for the probabilities and once more after scaling. Distinct logits
     (no ties at the k-th place)."""
+    from loongforge_hf.kernels import _router_triton
+    from loongforge_hf.kernels.router import _topk_softmax_torch
+
     checked = []
     for tokens, experts, k in ((37, 60, 6), (16, 128, 8), (5, 8, 1), (3, 7, 7)):
-        g = torch.Generator().manual_seed(tokens)
-        grid = torch.linspace(-4, 4, experts)
-        base = torch.stack([grid[torch.randperm(experts, generator=g)] for _ in range(tokens)])
+        base = distinct_logits(tokens, experts, seed=tokens)
         for dtype in (torch.float32, torch.bfloat16):
             for pre in (False, True):
                 for scale in (None, 2.5):

@@ -5,13 +5,13 @@ scaling), and the op's gradients against megatron's unfused routing (bf16: 2**-7
 import pytest
 import torch
 
+from ._router_checks import distinct_logits
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _logits(tokens, experts, dtype):
-    g = torch.Generator().manual_seed(0)
-    grid = torch.linspace(-4, 4, experts)
-    return torch.stack([grid[torch.randperm(experts, generator=g)] for _ in range(tokens)]).to(dtype).cuda()
+    return distinct_logits(tokens, experts).to(dtype).cuda()
 
 
 @pytest.mark.parametrize("shape", [(8192, 128, 8), (4096, 60, 4), (1000, 8, 2), (7, 256, 8)])

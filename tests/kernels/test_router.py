@@ -10,6 +10,8 @@ import torch
 
 from loongforge_hf.kernels.router import _ours, enable_megatron_fused_router, topk_softmax
 
+from ._router_checks import distinct_logits
+
 
 def _megatron(logits, topk, pre, scale):
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
@@ -17,11 +19,8 @@ def _megatron(logits, topk, pre, scale):
     return topk_routing_with_score_function(logits, topk, use_pre_softmax=pre, scaling_factor=scale)
 
 
-def _logits(tokens, experts, dtype, seed=0):
-    # NOTE: distinct values in every row (a permuted grid), so the top k have no ties in any dtype
-    g = torch.Generator().manual_seed(seed)
-    grid = torch.linspace(-4, 4, experts)
-    return torch.stack([grid[torch.randperm(experts, generator=g)] for _ in range(tokens)]).to(dtype)
+def _logits(tokens, experts, dtype):
+    return distinct_logits(tokens, experts).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
