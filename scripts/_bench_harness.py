@@ -241,7 +241,116 @@ def profile_step(step: Callable[[Any], Any], batch: Any, *, device: Device, row_
            "kernels": kernels, "table": table}
     if stacks:
         out["call_sites"] = _call_sites(prof.events(), key, row_limit)
+    if device.is_cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
+            out["idle"] = idle_gaps(json.loads((Path(tmp) / "trace.json").read_text()))
     return out
+
+
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# NOTE: cudaMemcpyAsync blocks the host too when one side is pageable memory (a tensor's .item(), .tolist(), .cpu()).
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+
+
+class _Thread:
+    """One host thread's spans, with their start and end times as arrays (a step has ~10^5 of them)."""
+
+    def __init__(self, spans: list[dict]) -> None:
+        import numpy as np
+
+        self.spans = spans
+        self.starts = np.array([e["ts"] for e in spans], dtype=float)
+        self.ends = self.starts + np.array([e.get("dur", 0) for e in spans], dtype=float)
+
+    def site(self, ts: float, limit: int = 3) -> list[str]:
+        """The frames running at ``ts``, innermost first: the innermost op and the nearest python frames outside torch
+        (python frames exist on the main thread; autograd's thread has ops only)."""
+        import numpy as np
+
+        around = sorted((self.spans[i] for i in np.nonzero((self.starts <= ts) & (self.ends >= ts))[0]),
+                        key=lambda e: e.get("dur", 0))
+        site, op = [], None
+        for e in around:
+            name, cat = e["name"], e.get("cat")
+            if op is None and cat in ("cpu_op", "user_annotation"):
+                op = name
+                site.append(name)
+            elif cat == "python_function" and ".py(" in name and "torch/" not in name.split("(")[0]:
+                site.append(name)
+            if len(site) > limit:
+                break
+        return site
+
+    def doing(self, ts: float) -> str:
+        """What runs at ``ts``: the innermost span (op, python frame, runtime or driver call), with the nearest python
+        frame of ours (outside torch) when that span is not one."""
+        import numpy as np
+
+        around = sorted((self.spans[i] for i in np.nonzero((self.starts <= ts) & (self.ends >= ts))[0]),
+                        key=lambda e: e.get("dur", 0))
+        if not around:
+            return "(no span)"
+        ours = next((e["name"] for e in around if e.get("cat") == "python_function" and ".py(" in e["name"]
+                     and "torch/" not in e["name"].split("(")[0] and "triton/" not in e["name"].split("(")[0]), None)
+        inner = around[0]["name"]
+        return inner if ours is None or ours == inner else f"{inner} <- {ours}"
+
+
+def idle_gaps(trace: dict, *, min_gap_us: float = 20.0, limit: int = 15, sample_us: float = 5.0) -> dict:
+    """Where a profiled step leaves the GPU idle, from the profiler's chrome trace: the gaps between device activity
+    (any stream) longer than ``min_gap_us``; for each, the host site that launched the first kernel after it (the
+    launch's correlation id) and the host synchronisation the gap started in, if any (a sync call still running when
+    the device went idle: the host then has to queue work again from an empty queue). Gaps are also summed by
+    (synchronisation site, launch site), largest first, and ``host_in_gaps`` ranks what the launching thread was
+    running during the gaps (sampled every ``sample_us``: the innermost span, with our nearest python frame)."""
+    import numpy as np
+
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in _DEVICE_CATS), key=lambda e: e["ts"])
+    if not device:
+        return {"busy_ms": 0.0, "idle_ms": 0.0, "gaps": [], "by_site": [], "host_in_gaps": []}
+    # NOTE: Triton kernels are launched through the driver API (cuLaunchKernel), the others through the runtime.
+    runtime = {e["args"]["correlation"]: e for e in events
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    spans: dict = {}
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver"):
+            spans.setdefault(e["tid"], []).append(e)
+    threads = {tid: _Thread(group) for tid, group in spans.items()}
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e["name"] in _SYNCS]
+    gaps, busy, end = [], 0.0, device[0]["ts"]
+    start = end
+    for e in device:
+        if e["ts"] - end > min_gap_us:
+            gaps.append((end, e))
+        busy += max(0.0, e["ts"] + e.get("dur", 0) - max(e["ts"], end))
+        end = max(end, e["ts"] + e.get("dur", 0))
+    rows, by_site, doing = [], {}, {}
+    for gap_start, nxt in gaps:
+        launch = runtime.get(nxt.get("args", {}).get("correlation"))
+        site = threads[launch["tid"]].site(launch["ts"]) if launch and launch["tid"] in threads else []
+        if launch and launch["tid"] in threads:
+            # what the launching thread did while the device sat idle, sampled every ``sample_us``
+            for t in np.arange(gap_start, min(launch["ts"], nxt["ts"]), sample_us):
+                what = threads[launch["tid"]].doing(float(t))
+                doing[what] = doing.get(what, 0.0) + sample_us / 1e3
+        sync = next(([e["name"]] + (threads[e["tid"]].site(e["ts"]) if e["tid"] in threads else [])
+                     for e in syncs if e["ts"] <= gap_start <= e["ts"] + e.get("dur", 0)), None)
+        ms = (nxt["ts"] - gap_start) / 1e3
+        rows.append({"ms": round(ms, 3), "at_ms": round((gap_start - start) / 1e3, 2), "next": nxt["name"][:80],
+                     "launch_site": site, "sync": sync})
+        key = (tuple(sync or ()), tuple(site[:2]))
+        total = by_site.setdefault(key, [0, 0.0])
+        total[0] += 1
+        total[1] += ms
+    ranked = sorted(by_site.items(), key=lambda kv: kv[1][1], reverse=True)[:limit]
+    return {"busy_ms": round(busy / 1e3, 2), "idle_ms": round((end - start - busy) / 1e3, 2),
+            "span_ms": round((end - start) / 1e3, 2), "gaps": sorted(rows, key=lambda r: -r["ms"])[:limit],
+            "by_site": [{"sync": list(s), "launch_site": list(l), "gaps": n, "ms": round(ms, 3)}
+                        for (s, l), (n, ms) in ranked],
+            "host_in_gaps": [{"doing": what, "ms": round(ms, 3)}
+                             for what, ms in sorted(doing.items(), key=lambda kv: -kv[1])[:3 * limit]]}
 
 
 def worker_main(run: Callable[[], dict], *, result_path: str, device: Device) -> int:

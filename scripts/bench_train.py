@@ -256,6 +256,11 @@ def run_stack(args, device: H.Device) -> dict:
            "versions": H.versions("torch", "transformers", "megatron-core", "liger-kernel", "triton")}
     if args.profile:
         out["profile"] = H.profile_step(step, batches[-1], device=device, stacks=True)
+        # NOTE: recording python frames slows the host several-fold, which makes the device wait more than it does
+        # unprofiled: the idle time is also measured in one more step profiled without them.
+        light = H.profile_step(step, batches[-1], device=device)
+        if "idle" in light:
+            out["profile"]["idle_without_stacks"] = light["idle"]
     fp8_report = getattr(step, "fp8_report", None)
     if fp8_report is not None and fp8_report.autotuner is not None:
         out["fp8_table"] = fp8_report.autotuner.table()  # fp8=adaptive: bf16-or-FP8 per GEMM shape
@@ -490,9 +495,9 @@ def main(argv: list[str]) -> int:
     print(f"\ndevice: {device}\n")
     print("\n\n".join(tables))
     for key, e in report["workloads"].items():
-        prof = e["results"].get("loongforge", {}).get("profile")
+        prof = e["results"].get(args.profile_stack, {}).get("profile")
         if prof:
-            print(f"\nloongforge step profile, ({key}): wall {prof['wall_ms']} ms, {prof['measured']} "
+            print(f"\n{args.profile_stack} step profile, ({key}): wall {prof['wall_ms']} ms, {prof['measured']} "
                   f"{prof['total_self_ms']} ms")
             for what, rows in (("op", prof["ops"][:15]), ("kernel", prof["kernels"][:8])):
                 print(H.markdown_table([what, "calls", "self ms", "share"],
@@ -500,6 +505,17 @@ def main(argv: list[str]) -> int:
                                         for t in rows]))
             for site in prof.get("call_sites", [])[:12]:
                 print(f"  {site['name']} x{site['calls']} {site['self_ms']} ms <- " + " <- ".join(site["stack"][:4]))
+            for name, idle in (("python frames recorded", prof.get("idle")),
+                               ("without python frames", prof.get("idle_without_stacks"))):
+                if not idle:
+                    continue
+                print(f"  {name}: device busy {idle['busy_ms']} ms, idle {idle['idle_ms']} ms of {idle['span_ms']} ms; "
+                      "idle by (host sync the gap began in, site that launched the next kernel):")
+                for row in idle["by_site"][:10]:
+                    print(f"  {row['ms']} ms in {row['gaps']} gaps: sync {' <- '.join(row['sync'][:3]) or '-'}; "
+                          f"launch {' <- '.join(row['launch_site'][:2]) or '?'}")
+                doing = [f"{r['doing'][:90]} {r['ms']} ms" for r in idle["host_in_gaps"][:12]]
+                print("  the host during those gaps: " + "; ".join(doing))
     print(f"\nwrote {out_path} and {log}")
     return 0
 

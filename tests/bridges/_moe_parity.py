@@ -48,6 +48,8 @@ def _expert_reads(model, folder: str) -> dict:
             "norms": sorted({type(m).__name__ for m in norms if type(m).__name__ != "IdentityOp"}),
             "rope_fusion": model.megatron.config.apply_rope_fusion,
             "dispatcher": model.megatron.config.moe_token_dispatcher_type,
+            "dispatcher_classes": sorted({type(m.token_dispatcher).__name__ for chunk in model.megatron.chunks
+                                          for m in chunk.modules() if hasattr(m, "token_dispatcher")}),
             "mlp_modules": sorted({type(m).__name__ for chunk in model.megatron.chunks for n, m in chunk.named_modules()
                                    if n.endswith(".mlp")}),
             "experts_module": sorted({type(m).__name__ for m in experts}), "num_experts": model.bridge.num_experts(),

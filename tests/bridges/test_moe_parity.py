@@ -132,6 +132,9 @@ def test_parity_and_round_trip(worlds, layout, name):
             LAYOUTS[layout][1].get("expert_tensor_parallel_size", LAYOUTS[layout][1].get("tensor_parallel_size", 1))
             == 1)
         assert r["dispatcher"] == ("allgather" if single else "alltoall"), (rank, r)
+        # ... in its host-sync-free form (kernels/moe_permute.py), whose dispatch these parity checks go through
+        assert r["dispatcher_classes"] == (["SyncFreeAllGatherDispatcher"] if single
+                                           else ["MoEAlltoAllTokenDispatcher"]), (rank, r)
         assert set(r["mlp_modules"]) <= {"MoELayer", "SwiGLUMLP"} and "MoELayer" in r["mlp_modules"], (rank, r)
     src, out = worlds.source(name), worlds.out(layout, name)
     check_round_trip(src, out)

@@ -177,3 +177,57 @@ def test_dispatcher_wiring(monkeypatch):
 def test_triton_kernels_match_torch_path_in_the_interpreter():
     checked = run_interpreted("from tests.kernels._moe_permute_checks import check_all\ncheck_all('cpu')")
     assert len(checked) >= 8, checked
+
+
+def _allgather_base():
+    return dict(num_moe_experts=4, moe_token_dispatcher_type="allgather", moe_pad_expert_input_to_capacity=False,
+                moe_expert_capacity_factor=None, moe_router_padding_for_quantization=False,
+                expert_model_parallel_size=1, moe_permute_fusion=False, moe_router_topk=2)
+
+
+@pytest.mark.parametrize("local", [4, 2])
+def test_sync_free_allgather_dispatch_matches_megatron(monkeypatch, local):
+    """Every expert local (4 of 4): the subclass's dispatch gives megatron's permuted tokens, token counts (left on
+    the device) and probabilities, and the same gradients, without reading anything back to the host (``cpu``,
+    ``item``, ``tolist`` and ``masked_select`` raise while it runs). Half the experts local (2 of 4, expert parallel
+    under the allgather dispatcher): megatron's own method runs."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe import moe_layer, token_dispatcher
+
+    for name in ("permute", "unpermute", "sort_chunks_by_idxs"):
+        monkeypatch.setattr(token_dispatcher, name, getattr(moe_utils, name))
+    original = token_dispatcher.MoEAllGatherTokenDispatcher
+    monkeypatch.setattr(moe_layer, "MoEAllGatherTokenDispatcher", original)
+    config = SimpleNamespace(**_allgather_base())
+    assert enable_megatron_fused_permute(config)
+    cls = moe_layer.MoEAllGatherTokenDispatcher
+    assert cls is not original and issubclass(cls, original) and cls.sync_free
+    enable_megatron_fused_permute(SimpleNamespace(**_allgather_base()))
+    assert moe_layer.MoEAllGatherTokenDispatcher is cls  # installed once
+
+    gen = torch.Generator().manual_seed(5)
+    routing, probs = _routing(11, 4, 2, gen)
+    x, grad_out = torch.randn(11, 8, generator=gen), torch.randn(22, 8, generator=gen)
+    grad_probs = torch.randn(22, generator=gen)
+    grad_out, grad_probs = grad_out[:routing[:, :local].sum()], grad_probs[:routing[:, :local].sum()]
+
+    def dispatch(method, *, no_sync: bool):
+        d = cls.__new__(cls)
+        d.num_local_experts, d.local_expert_indices, d.config = local, list(range(local)), config
+        d.routing_map = routing
+        leaves = [x.clone().requires_grad_(), probs.clone().requires_grad_()]
+        with pytest.MonkeyPatch.context() as m:
+            if no_sync:
+                for name in ("cpu", "item", "tolist", "masked_select"):
+                    m.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host sync: {_n}"))
+            out, counts, out_probs = method(d, *leaves)
+        ((out * grad_out).sum() + (out_probs * grad_probs).sum()).backward()
+        back = d.combine_preprocess(out.detach())
+        return out.detach(), counts, out_probs.detach(), leaves[0].grad, leaves[1].grad, back
+
+    ours = dispatch(cls.dispatch_postprocess, no_sync=local == 4)
+    theirs = dispatch(original.dispatch_postprocess, no_sync=False)
+    assert torch.equal(ours[1], theirs[1]) and ours[1].dtype == torch.int64
+    for a, b in zip(ours[:1] + ours[2:], theirs[:1] + theirs[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
