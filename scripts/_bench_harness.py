@@ -114,6 +114,20 @@ def time_steps(step: Callable[[Any], Any], batches: list, *, warmup: int, device
             "losses": losses}
 
 
+def host_ms(fn: Callable[[], Any], *, synchronize: Callable[[], None], warmup: int, reps: int) -> float:
+    """Mean host milliseconds per call of ``fn()`` when nothing waits for the device: what queuing its work costs
+    the CPU (the launches and the python around them). ``reps`` calls must fit the device's launch queue."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - start
+    synchronize()
+    return elapsed * 1e3 / reps
+
+
 # ops whose callers ``profile_step(stacks=True)`` lists: the memory-bound passes that are not a layer's own kernel
 STACK_OPS = ("aten::copy_", "aten::add_", "aten::mul_", "aten::mul", "aten::fill_", "aten::cat", "aten::sum")
 

@@ -6,6 +6,7 @@ For the GEMM shapes of bench_train's workloads (M = tokens per micro-batch, N x 
   c  Qwen3-30B-A3B, one expert:   fc1 1536x2048, fc2 2048x768 at 512 tokens (the average share) and 17 tokens
 it times, per recipe (``blockwise`` where the GPU runs it, and ``rowwise``):
   total     ``fp8_linear`` forward + backward through autograd (what training runs), against ``x @ w.T`` in bf16
+  host      the same call's host time with nothing waited for: what queuing it costs the CPU (launches, python)
   parts     each kernel the FP8 path launches, alone: quantisations of x, w, dy, x^T, dy^T (block-wise: w and w^T,
             quant_w_dual, which is what training runs, next to w alone and an fp8 transpose of it), the three scaled
             GEMMs;
@@ -52,6 +53,11 @@ class Timer:
         """Median milliseconds of ``fn()``."""
         return H.median_ms(fn, cuda=self.cuda, warmup=self.warmup, reps=self.reps)
 
+    def host(self, fn) -> float:
+        """Host milliseconds per call of ``fn()`` with nothing waited for (what it costs the CPU to queue)."""
+        sync = torch.cuda.synchronize if self.cuda else (lambda: None)
+        return H.host_ms(fn, synchronize=sync, warmup=self.warmup, reps=self.reps)
+
 
 def _fwd_bwd(linear, x, w, dy):
     def run():
@@ -72,6 +78,7 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
         bf16 = {"fwd_gemm": timer(lambda: xd @ wd.t()), "dgrad_gemm": timer(lambda: dy @ wd),
                 "wgrad_gemm": timer(lambda: dy.t() @ xd)}
     bf16["total"] = timer(_fwd_bwd(lambda a, b: a @ b.t(), x, w, dy))
+    bf16["host_total"] = timer.host(_fwd_bwd(lambda a, b: a @ b.t(), x, w, dy))
     out["bf16"] = bf16
     for recipe in recipes:
         parts = {}
@@ -107,6 +114,7 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
                                          if not key.endswith("_gemm") and key not in unused)
                 parts["gemm_sum"] = sum(v for key, v in parts.items() if key.endswith("_gemm"))
         parts["total"] = timer(_fwd_bwd(lambda a, b, r=recipe: F8.fp8_linear(a, b, recipe=r), x, w, dy))
+        parts["host_total"] = timer.host(_fwd_bwd(lambda a, b, r=recipe: F8.fp8_linear(a, b, recipe=r), x, w, dy))
         parts["speedup_vs_bf16"] = round(bf16["total"] / parts["total"], 3) if parts["total"] else None
         if m:
             parts["gemm_speedup_vs_bf16"] = round(
@@ -145,10 +153,11 @@ def main(argv=None) -> dict:
             r = bench_shape(m, n, k, recipes, timer, device)
             r.update(workload=workload, layer=layer)
             rows.append(r)
-            line = f"({workload}) {layer:<11} {m:>6}x{n:>5}x{k:>5}  bf16 {r['bf16']['total']:8.3f} ms"
+            line = (f"({workload}) {layer:<11} {m:>6}x{n:>5}x{k:>5}  bf16 {r['bf16']['total']:8.3f} ms "
+                    f"(host {r['bf16']['host_total']:.3f})")
             for recipe in recipes:
                 q = r[recipe]
-                line += f" | {recipe} {q['total']:8.3f} ms x{q['speedup_vs_bf16']}"
+                line += f" | {recipe} {q['total']:8.3f} ms x{q['speedup_vs_bf16']} (host {q['host_total']:.3f})"
                 if m:
                     line += f" (quant {q['quant_sum']:.3f} gemm {q['gemm_sum']:.3f}, gemm x{q['gemm_speedup_vs_bf16']})"
             print(line, flush=True)

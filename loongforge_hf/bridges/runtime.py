@@ -37,14 +37,19 @@ def is_packed(position_ids: torch.Tensor | None) -> bool:
 
 
 def megatron_attention_mask(attention_mask: torch.Tensor | None, seq: int,
-                            position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+                            position_ids: torch.Tensor | None = None, *,
+                            device: torch.device | None = None) -> torch.Tensor | None:
     """[b, 1, s, s] megatron mask (True = masked) from an HF padding mask (1 = token) and/or packed position ids
-    (a document starts where the position is 0; attention never crosses documents). None when plain causal."""
+    (a document starts where the position is 0; attention never crosses documents). None when plain causal.
+    Whether rows are packed or padded is read from the tensors where they are (host tensors from a collator cost no
+    device sync); the mask is built on ``device`` (default: theirs)."""
     packed = is_packed(position_ids)
     padded = attention_mask is not None and not bool(attention_mask.bool().all())
     if not packed and not padded:
         return None
-    device = (attention_mask if attention_mask is not None else position_ids).device
+    device = device or (attention_mask if attention_mask is not None else position_ids).device
+    attention_mask = attention_mask.to(device) if attention_mask is not None else None
+    position_ids = position_ids.to(device) if position_ids is not None else None
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
     if padded:
         mask = mask | ~attention_mask.bool()[:, None, None, :]
@@ -152,11 +157,10 @@ def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels,
     device = model.device
     input_ids = input_ids.to(device)
     b, s = input_ids.shape
+    mask = megatron_attention_mask(attention_mask, s, position_ids, device=device)
     if position_ids is None:
         position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
     position_ids = position_ids.to(device)
-    mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s,
-                                   position_ids)
     shifted = shift_labels(labels.to(device)) if labels is not None else None
     fused = shifted is not None and not return_logits
     head = language_head(model.chunks[-1]) if fused else None

@@ -288,11 +288,10 @@ class MegatronEngine:
                 input_ids = batch["input_ids"].to(device)
                 b, s = input_ids.shape
                 position_ids = batch.get("position_ids")
+                # NOTE: packing and padding are read from the batch as given (a collator's host tensors: no sync)
+                mask = megatron_attention_mask(batch.get("attention_mask"), s, position_ids, device=device)
                 position_ids = (torch.arange(s, device=device).expand(b, s) if position_ids is None
                                 else position_ids.to(device))
-                attention_mask = batch.get("attention_mask")
-                mask = megatron_attention_mask(attention_mask.to(device) if attention_mask is not None else None, s,
-                                               position_ids)
                 # NOTE: this rank's context-parallel share of the tokens and labels; the schedule's seq_length stays
                 # global (megatron divides it by CP for the pipeline's tensor shapes).
                 input_ids, position_ids, mask, labels = cp_local_inputs(input_ids, position_ids, mask, labels)

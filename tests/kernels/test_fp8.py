@@ -10,7 +10,7 @@ import torch
 from loongforge_hf.kernels import fp8
 from loongforge_hf.kernels.fp8 import (FP8_MAX, Fp8Error, GemmPrecision, dequantize, dequantize_blocks,
                                        fp8_linear, quantize_blocks, quantize_rows, quantize_tiles, scaled_matmul)
-from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
+from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner, fp8_pays
 from loongforge_hf.parallel.spawn import run_distributed
 
 # NOTE: e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2**-4 of itself, and a value in the
@@ -354,6 +354,22 @@ def test_gemms_left_in_bf16_are_plain_matmuls():
     assert 0 < _rel(w.grad, torch.ones(128, 16) @ x.detach()) < 0.06  # the weight gradient went through FP8
 
 
+def test_autotune_takes_fp8_only_where_it_saves_enough(tmp_path):
+    """FP8 where it saves >= 5% and >= 0.05 ms per call; a cached entry's times decide, whatever flag it holds."""
+    assert fp8_pays(0.20, 0.15) and fp8_pays(2.0, 1.89)
+    assert not fp8_pays(0.1923, 0.1801)  # 6% but 0.012 ms: workload (a)'s forward GEMM on an H100
+    assert not fp8_pays(2.0, 1.91)  # 0.09 ms but 4.5%
+    assert not fp8_pays(0.05, 0.07)
+    path = tmp_path / "fp8_autotune.json"
+    tuner = Fp8Autotuner("blockwise", path)
+    for m, (bf16_ms, fp8_ms) in {16: (0.20, 0.15), 32: (0.1923, 0.1801)}.items():
+        tuner.record("cpu", "fwd", m, 128, 128, bf16_ms=bf16_ms, fp8_ms=fp8_ms)
+    tuner.entries[tuner.key("cpu", "blockwise", "fwd", 32, 128, 128)]["fp8"] = True  # an older rule's flag
+    kw = dict(device=torch.device("cpu"), dtype=torch.bfloat16, where="language:x")
+    assert tuner.decide("fwd", 16, 128, 128, **kw) and not tuner.decide("fwd", 32, 128, 128, **kw)
+    assert [row[-1] for row in tuner.rows] == [True, False]
+
+
 def test_autotune_cache_round_trip(tmp_path, caplog):
     path = tmp_path / "sub" / "fp8_autotune.json"
     tuner = Fp8Autotuner("blockwise", path)
@@ -363,8 +379,8 @@ def test_autotune_cache_round_trip(tmp_path, caplog):
     data = json.loads(path.read_text())
     assert data["format"] == 1 and len(data["entries"]) == 2
     again = Fp8Autotuner("blockwise", path)
-    assert again.lookup("NVIDIA H100 80GB HBM3", "fwd", 8192, 3072, 1024)["fp8"] is True
-    assert again.lookup("NVIDIA H100 80GB HBM3", "wgrad", 1024, 1024, 8192)["fp8"] is False
+    assert again.lookup("NVIDIA H100 80GB HBM3", "fwd", 8192, 3072, 1024)["fp8_ms"] == 0.15
+    assert again.lookup("NVIDIA H100 80GB HBM3", "wgrad", 1024, 1024, 8192)["bf16_ms"] == 0.05
     assert again.lookup("NVIDIA H200", "fwd", 8192, 3072, 1024) is None  # another GPU times again
     assert Fp8Autotuner("rowwise", path).lookup("NVIDIA H100 80GB HBM3", "fwd", 8192, 3072, 1024) is None
     path.write_text("{not json")

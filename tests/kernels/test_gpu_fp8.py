@@ -247,7 +247,7 @@ def test_adaptive_decides_per_shape_and_writes_its_cache(tmp_path):
     shapes = {(e["gemm"], e["m"], e["n"], e["k"]) for e in entries.values() if e["gpu"] == gpu}
     assert len(shapes) == 12, sorted(shapes)
     assert ("fwd", 2048, 3072, 512) in shapes and ("wgrad", 3072, 512, 2048) in shapes
-    assert all(e["fp8"] == (e["fp8_ms"] < e["bf16_ms"]) for e in entries.values())
+    assert all(set(e) == {"gpu", "recipe", "gemm", "m", "n", "k", "bf16_ms", "fp8_ms"} for e in entries.values())
     assert len(first["decisions"]) == 16 and "choice" in first["table"]
     print(first["table"])
     mtime = cache.stat().st_mtime_ns
