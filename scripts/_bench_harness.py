@@ -175,6 +175,11 @@ def _is_frame(name: str) -> bool:
     return ".py(" in name or name.startswith("<built-in")
 
 
+def _is_our_frame(name: str) -> bool:
+    """A python frame outside torch and triton (ours, megatron's, the script's)."""
+    return ".py(" in name and not any(lib in name.split("(")[0] for lib in ("torch/", "triton/"))
+
+
 def _call_sites(events, key, limit: int) -> list[dict]:
     """Where the ``STACK_OPS`` events come from: walking the profiler's parent links, the op that called it (e.g.
     ``aten::_to_copy`` for a dtype cast), the autograd node running it in the backward (``bwd:MulBackward0``; the
@@ -192,7 +197,7 @@ def _call_sites(events, key, limit: int) -> list[dict]:
                 frames.append(name)
             elif name.startswith("autograd::engine::evaluate_function: "):
                 frames.append("bwd:" + name.split(": ", 1)[1])
-            elif ".py(" in name and "torch/" not in name.split("(")[0]:
+            elif _is_our_frame(name):
                 frames.append(name)
             parent = parent.cpu_parent
         row = sites.setdefault((e.name, tuple(frames)), [0, 0.0])
@@ -277,20 +282,23 @@ class _Thread:
         self.starts = np.array([e["ts"] for e in spans], dtype=float)
         self.ends = self.starts + np.array([e.get("dur", 0) for e in spans], dtype=float)
 
-    def site(self, ts: float, limit: int = 3) -> list[str]:
-        """The frames running at ``ts``, innermost first: the innermost op and the nearest python frames outside torch
-        (python frames exist on the main thread; autograd's thread has ops only)."""
+    def around(self, ts: float) -> list[dict]:
+        """The spans running at ``ts``, innermost (shortest) first."""
         import numpy as np
 
-        around = sorted((self.spans[i] for i in np.nonzero((self.starts <= ts) & (self.ends >= ts))[0]),
-                        key=lambda e: e.get("dur", 0))
+        return sorted((self.spans[i] for i in np.nonzero((self.starts <= ts) & (self.ends >= ts))[0]),
+                      key=lambda e: e.get("dur", 0))
+
+    def site(self, ts: float, limit: int = 3) -> list[str]:
+        """The frames running at ``ts``, innermost first: the innermost op and the nearest python frames outside torch
+        and triton (python frames exist on the main thread; autograd's thread has ops only)."""
         site, op = [], None
-        for e in around:
+        for e in self.around(ts):
             name, cat = e["name"], e.get("cat")
             if op is None and cat in ("cpu_op", "user_annotation"):
                 op = name
                 site.append(name)
-            elif cat == "python_function" and ".py(" in name and "torch/" not in name.split("(")[0]:
+            elif cat == "python_function" and _is_our_frame(name):
                 site.append(name)
             if len(site) > limit:
                 break
@@ -298,15 +306,12 @@ class _Thread:
 
     def doing(self, ts: float) -> str:
         """What runs at ``ts``: the innermost span (op, python frame, runtime or driver call), with the nearest python
-        frame of ours (outside torch) when that span is not one."""
-        import numpy as np
-
-        around = sorted((self.spans[i] for i in np.nonzero((self.starts <= ts) & (self.ends >= ts))[0]),
-                        key=lambda e: e.get("dur", 0))
+        frame outside torch and triton when that span is not one."""
+        around = self.around(ts)
         if not around:
             return "(no span)"
-        ours = next((e["name"] for e in around if e.get("cat") == "python_function" and ".py(" in e["name"]
-                     and "torch/" not in e["name"].split("(")[0] and "triton/" not in e["name"].split("(")[0]), None)
+        ours = next((e["name"] for e in around if e.get("cat") == "python_function" and _is_our_frame(e["name"])),
+                    None)
         inner = around[0]["name"]
         return inner if ours is None or ours == inner else f"{inner} <- {ours}"
 

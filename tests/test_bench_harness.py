@@ -29,6 +29,7 @@ def _trace():
         _x("cudaMemcpyAsync", "cuda_runtime", 100, 300, correlation=9),
         _x("torch/optim/optimizer.py(5): wrapper", "python_function", 440, 100),
         _x("lf/optim.py(30): step", "python_function", 441, 90),
+        _x("triton/runtime/jit.py(695): run", "python_function", 444, 30),
         _x("aten::_foreach_mul_", "cpu_op", 445, 20),
         _x("cudaLaunchKernel", "cuda_runtime", 450, 5, correlation=3),
         _x("autograd::engine::evaluate_function: MmBackward0", "cpu_op", 10, 40, tid=2),
@@ -51,7 +52,7 @@ def test_idle_gaps_finds_the_gap_its_sync_and_the_launch_site():
     assert len(idle["gaps"]) == 1
     gap = idle["gaps"][0]
     assert gap["ms"] == pytest.approx(0.18) and gap["at_ms"] == pytest.approx(0.25) and gap["next"] == "adam"
-    # innermost op first, then our python frames (torch's own frames left out)
+    # innermost op first, then our python frames (torch's and triton's own frames left out)
     assert gap["launch_site"] == ["aten::_foreach_mul_", "lf/optim.py(30): step", "lf/engine.py(10): step"]
     assert gap["sync"] == ["cudaMemcpyAsync", "aten::item", "lf/engine.py(20): loss_value", "lf/engine.py(10): step"]
     assert idle["by_site"] == [{"sync": gap["sync"], "launch_site": gap["launch_site"][:2], "gaps": 1,
