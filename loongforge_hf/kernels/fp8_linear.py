@@ -13,9 +13,13 @@ Choices:
   ``gradient_accumulation_fusion`` (written into it by the GEMM where the buffer is known to hold zeros:
   ``kernels/main_grad.py``). A LoRA-adapted layer (``lora_delta``) gets its adapter term added as its own class
   would. Where every GEMM of a call is to stay in bf16, the class's own method runs.
+- A vision tower's linears (``multimodal.vision.VisionLinear``: qkv / proj, the MLP, the patch merger; not the
+  patch embedding), given as ``towers``, get an ``fp8_impl`` (``Fp8VisionImpl``): ``kernels.fp8.fp8_linear`` around
+  the GEMM, with the tower's own tensor-parallel communication left outside it as before.
 - ``mode="adaptive"`` asks ``fp8_autotune.Fp8Autotuner``, for each distinct GEMM shape a layer meets (forward, input
   gradient, weight gradient), whether FP8 beats bf16 on the GPU in use (timed once, cached in a JSON file per GPU
-  model, logged with the component (vision / language) and module that met it), and runs FP8 only there.
+  model, logged with the component (vision / language) and module that met it), and runs FP8 only there: each
+  layer decides on its own shapes, so the vision tower and the language model decide independently.
 - Recipes: ``blockwise`` (1x128 activation / gradient tiles, 128x128 weight blocks, DeepSeek-V3's; the default where
   the GPU runs it), ``blockwise_wgrad2d`` (the same, except that the weight-gradient GEMM takes the output gradient
   in 128x128 blocks: a faster cuBLAS kernel, coarser scaling; opt-in, see docs/fp8.md) and ``rowwise`` (one scale
@@ -183,11 +187,11 @@ class Fp8Settings:
     autotuner: Fp8Autotuner | None = None
 
 
-class Fp8ForwardImpl:
-    """The instance ``_forward_impl`` of one swapped megatron linear layer."""
+class _LayerPrecision:
+    """Which GEMMs of one swapped layer run in FP8: all of them (``on``), or per (tokens, trained) as the autotuner
+    decides (``adaptive``)."""
 
-    def __init__(self, module, *, name: str, settings: Fp8Settings) -> None:
-        self.module_ref = module
+    def __init__(self, *, name: str, settings: Fp8Settings) -> None:
         self.name = name
         self.component = "vision" if "vision" in name else "language"
         self.settings = settings
@@ -207,6 +211,14 @@ class Fp8ForwardImpl:
                 fwd=decide("fwd", tokens, n, k, **kw), dgrad=decide("dgrad", tokens, k, n, **kw),
                 wgrad=weight.requires_grad and decide("wgrad", n, k, tokens, **kw))
         return self.decisions[key]
+
+
+class Fp8ForwardImpl(_LayerPrecision):
+    """The instance ``_forward_impl`` of one swapped megatron linear layer."""
+
+    def __init__(self, module, *, name: str, settings: Fp8Settings) -> None:
+        super().__init__(name=name, settings=settings)
+        self.module_ref = module
 
     def __call__(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                  sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
@@ -231,6 +243,19 @@ class Fp8ForwardImpl:
                                            allreduce_dgrad=allreduce_dgrad)
                          if isinstance(module, ColumnParallelLinear) else module.lora_delta(input))
         return out
+
+
+class Fp8VisionImpl(_LayerPrecision):
+    """The ``fp8_impl`` of one vision-tower linear (``multimodal.vision.VisionLinear``): ``(x, weight, bias)`` ->
+    ``x @ weight.T + bias`` through ``kernels.fp8.fp8_linear`` (bf16 ``F.linear`` where every GEMM stays bf16)."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from loongforge_hf.kernels.fp8 import fp8_linear
+
+        precision = self.precision(x.numel() // x.shape[-1], weight)
+        if precision == NO_FP8:
+            return torch.nn.functional.linear(x, weight, bias)
+        return fp8_linear(x, weight, bias, recipe=self.settings.recipe, precision=precision)
 
 
 class Fp8GroupedExperts:
@@ -295,9 +320,21 @@ def eligible_linears(chunks) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
-def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLike | None = None) -> Fp8Report:
-    """Give every eligible layer whose weight fits the recipe an FP8 ``_forward_impl`` (no device check: see
-    ``enable_fp8``; off CUDA the GEMMs are emulated, which only tests use)."""
+def vision_linears(towers) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every ``VisionLinear`` of the vision ``towers`` (names ``vision.{tower}.{module}``)."""
+    if not towers:
+        return []
+    from loongforge_hf.multimodal.vision import VisionLinear
+
+    return [(f"vision.{i}.{name}", m) for i, tower in enumerate(towers) for name, m in tower.named_modules()
+            if isinstance(m, VisionLinear)]
+
+
+def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLike | None = None,
+                 towers=()) -> Fp8Report:
+    """Give every eligible layer whose weight fits the recipe an FP8 ``_forward_impl`` (and every linear of the
+    vision ``towers`` an ``fp8_impl``); no device check: see ``enable_fp8``; off CUDA the GEMMs are emulated, which
+    only tests use."""
     check_fp8_mode(mode)
     check_recipe(recipe)
     settings = Fp8Settings(mode=mode, recipe=recipe,
@@ -321,12 +358,20 @@ def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLik
         else:
             module.forward = Fp8GroupedExperts(module, name=name, settings=settings)
             swapped.append(name)
+    for name, module in vision_linears(towers):
+        n, k = module.weight.shape
+        if not gemm_eligible(n, k, recipe):
+            skipped[name] = f"weight {n}x{k} is not a multiple of {step} ({recipe} FP8 GEMM)"
+            continue
+        module.fp8_impl = Fp8VisionImpl(name=name, settings=settings)
+        swapped.append(name)
     return Fp8Report(mode=mode, recipe=recipe, swapped=swapped, skipped=skipped, autotuner=settings.autotuner)
 
 
 def enable_fp8(chunks, mode: str, *, recipe: str | None = None,
-               cache_path: str | os.PathLike | None = None) -> Fp8Report:
-    """Turn on FP8 GEMMs in the eligible linear layers of ``chunks`` (megatron modules already on their GPU)."""
+               cache_path: str | os.PathLike | None = None, towers=()) -> Fp8Report:
+    """Turn on FP8 GEMMs in the eligible linear layers of ``chunks`` (megatron modules already on their GPU) and of
+    the vision ``towers``, if any."""
     check_fp8_mode(mode)
     params = [p for chunk in chunks for p in chunk.parameters()]
     if not params:
@@ -343,15 +388,17 @@ def enable_fp8(chunks, mode: str, *, recipe: str | None = None,
     elif is_blockwise(recipe) and not blockwise_supported(device.index or 0, recipe):
         raise Fp8Error(f"fp8_recipe={recipe!r} needs block-wise scaled GEMMs, which this GPU / torch build does not "
                        "run; use fp8_recipe='rowwise'.")
-    report = swap_linears(chunks, mode=mode, recipe=recipe, cache_path=cache_path)
+    report = swap_linears(chunks, mode=mode, recipe=recipe, cache_path=cache_path, towers=towers)
     logger.info("fp8=%s (%s scaling): %d linear layers swapped, %d left in their dtype %s", mode, recipe,
                 len(report.swapped), len(report.skipped), report.skipped or "")
     return report
 
 
-def disable_fp8(chunks) -> None:
-    """Undo ``swap_linears``: every layer runs its class's ``_forward_impl`` again."""
+def disable_fp8(chunks, towers=()) -> None:
+    """Undo ``swap_linears``: every layer runs its class's ``_forward_impl`` (``forward``, ``F.linear``) again."""
     for _, module in eligible_linears(chunks):
         module.__dict__.pop("_forward_impl", None)
     for _, module in grouped_experts(chunks):
         module.__dict__.pop("forward", None)
+    for _, module in vision_linears(towers):
+        module.__dict__.pop("fp8_impl", None)

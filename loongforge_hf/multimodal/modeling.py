@@ -239,7 +239,8 @@ class AutoModelForImageTextToText:
                         dtype: Any = None, torch_dtype: Any = None, revision: str | None = None,
                         cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
                         token: str | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
-                        seed: int = 1234, **unused: Any) -> LoongModelForImageTextToText:
+                        seed: int = 1234, fp8: str | None = None, fp8_recipe: str | None = None,
+                        **unused: Any) -> LoongModelForImageTextToText:
         from transformers import AutoConfig
 
         from loongforge_hf.bridges.builder import build_megatron_model
@@ -255,6 +256,10 @@ class AutoModelForImageTextToText:
 
         if unused:
             raise TypeError(f"from_pretrained got unexpected keyword arguments: {sorted(unused)}.")
+        if fp8 is not None:  # NOTE: FP8 linear layers of the language model and the vision tower, see docs/fp8.md
+            from loongforge_hf.kernels.fp8_linear import check_fp8_request
+
+            check_fp8_request(fp8, fp8_recipe)
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them.")
         sizes = dict(zip(PARALLEL_KWARGS, (tensor_parallel_size, pipeline_parallel_size,
@@ -309,9 +314,15 @@ class AutoModelForImageTextToText:
         # NOTE: LoongTrainer reads these from model.config; Qwen2.5-VL keeps them in text_config only.
         hf_config.vocab_size = text.vocab_size
         hf_config.max_position_embeddings = text.max_position_embeddings
-        return LoongModelForImageTextToText(hf_config=hf_config, bridge=bridge, language_model=language,
-                                            chunks=chunks, parallel=layout, source=folder,
-                                            vision_layout=vision_layout)
+        model = LoongModelForImageTextToText(hf_config=hf_config, bridge=bridge, language_model=language,
+                                             chunks=chunks, parallel=layout, source=folder,
+                                             vision_layout=vision_layout)
+        if fp8 is not None:
+            from loongforge_hf.kernels.fp8_linear import enable_fp8
+
+            model.megatron.fp8 = language.fp8 = enable_fp8(
+                language.chunks, fp8, recipe=fp8_recipe, towers=[c.vision for c in chunks if c.vision is not None])
+        return model
 
 
 def _recompute_every_layer(language) -> None:

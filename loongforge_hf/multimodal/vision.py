@@ -13,6 +13,9 @@ Choices:
   row-split projection through reduce-from-TP-region; its bias is added after the reduction. Everything else is
   replicated.
 - ``recompute=True`` checkpoints each block in training (non-reentrant ``torch.utils.checkpoint``).
+- The linear layers are ``VisionLinear``: ``nn.Linear`` whose matmul (without the bias, which a row-split layer adds
+  after its reduction) is one method, so ``fp8=`` can put it through FP8 GEMMs (``kernels.fp8_linear.swap_linears``
+  sets ``fp8_impl``); the patch embedding stays in the model's dtype, as the language model's embeddings do.
 """
 
 from __future__ import annotations
@@ -104,6 +107,21 @@ def _out_of_split(x: torch.Tensor, bias: torch.Tensor, group) -> torch.Tensor:
     return reduce_from_tensor_model_parallel_region(x, group=group) + bias
 
 
+class VisionLinear(nn.Linear):
+    """``nn.Linear`` with its matmul as a method: ``fp8_impl(x, weight, bias)`` replaces ``F.linear`` when set."""
+
+    fp8_impl = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` without the bias."""
+        return F.linear(x, self.weight) if self.fp8_impl is None else self.fp8_impl(x, self.weight, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_impl is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.fp8_impl(x, self.weight, self.bias)
+
+
 class VisionRMSNorm(nn.Module):
     def __init__(self, size: int) -> None:
         super().__init__()
@@ -122,8 +140,8 @@ class VisionAttention(nn.Module):
         self.tp_group = tp_group
         self.head_dim = dim // num_heads
         self.local_heads = num_heads // tp
-        self.qkv = nn.Linear(dim, 3 * self.local_heads * self.head_dim, bias=True)
-        self.proj = nn.Linear(self.local_heads * self.head_dim, dim, bias=True)
+        self.qkv = VisionLinear(dim, 3 * self.local_heads * self.head_dim, bias=True)
+        self.proj = VisionLinear(self.local_heads * self.head_dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -141,7 +159,7 @@ class VisionAttention(nn.Module):
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
             out = packed_attention(q, k, v, params, causal=False, scale=self.head_dim ** -0.5)
         out = out.reshape(n, self.local_heads * self.head_dim)
-        return _out_of_split(F.linear(out, self.proj.weight), self.proj.bias, self.tp_group)
+        return _out_of_split(self.proj.matmul(out), self.proj.bias, self.tp_group)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -159,15 +177,15 @@ class VisionMLP(nn.Module):
         if hidden % tp:
             raise ValueError(f"vision intermediate_size={hidden} is not divisible by vision_tensor_parallel_size={tp}.")
         self.tp_group = tp_group
-        self.gate_proj = nn.Linear(dim, hidden // tp, bias=True)
-        self.up_proj = nn.Linear(dim, hidden // tp, bias=True)
-        self.down_proj = nn.Linear(hidden // tp, dim, bias=True)
+        self.gate_proj = VisionLinear(dim, hidden // tp, bias=True)
+        self.up_proj = VisionLinear(dim, hidden // tp, bias=True)
+        self.down_proj = VisionLinear(hidden // tp, dim, bias=True)
         self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _into_split(x, self.tp_group)
         h = self.act(self.gate_proj(x)) * self.up_proj(x)
-        return _out_of_split(F.linear(h, self.down_proj.weight), self.down_proj.bias, self.tp_group)
+        return _out_of_split(self.down_proj.matmul(h), self.down_proj.bias, self.tp_group)
 
 
 class VisionBlock(nn.Module):
@@ -190,7 +208,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         width = config.hidden_size * config.spatial_merge_size ** 2
         self.ln_q = VisionRMSNorm(config.hidden_size)
-        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, config.out_hidden_size))
+        self.mlp = nn.Sequential(VisionLinear(width, width), nn.GELU(), VisionLinear(width, config.out_hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         width = self.mlp[0].in_features

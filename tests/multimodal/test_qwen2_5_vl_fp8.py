@@ -1,0 +1,48 @@
+"""Qwen2.5-VL with ``fp8=``: the vision tower's linear layers (qkv, proj, the MLP, the patch merger; not the patch
+embedding) and the language model's swapped together, row-wise recipe (the tiny model's widths are multiples of 16,
+not of 128). On CPU the FP8 GEMMs are emulated from the same quantised operands, so the numbers below are FP8's
+rounding: logits within 6% (relative Frobenius norm) of the bf16-free fp32 model, vision gradients within 15%; with
+the swap undone the logits are bit-equal again. ``adaptive`` logs vision and language decisions on their own shapes.
+``from_pretrained(fp8=...)`` refuses a CPU process before building anything."""
+
+from pathlib import Path
+
+import pytest
+
+from loongforge_hf.kernels.fp8 import padded_rows
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
+
+from ._vl_fp8 import fp8_checks
+
+LAYERS = ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_fp8") / "src")
+
+
+def test_vision_and_language_linears_in_fp8(checkpoint, tmp_path):
+    (r,) = run_distributed(fp8_checks, 1, str(checkpoint), str(tmp_path / "fp8_autotune.json"), timeout=300)
+    vision = [f"vision.0.blocks.{b}.{layer}" for b in range(2) for layer in LAYERS]
+    vision += ["vision.0.merger.mlp.0", "vision.0.merger.mlp.2"]
+    language = [f"0.decoder.layers.{i}.{m}" for i in range(4) for m in
+                ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")]
+    assert sorted(r["swapped"]) == sorted(vision + language) and r["skipped"] == {}, r["swapped"]
+    assert not any("patch_embed" in name for name in r["swapped"])
+    # the vision tower's activations went through FP8: its 40 patches (rows padded to the GEMM's multiple of 16),
+    # 32 wide (attention), 48 wide (MLP), and the 10 merged tokens 128 wide (merger)
+    n = r["vision_tokens"]
+    expected = {(padded_rows(n), 32), (padded_rows(n), 48), (padded_rows(n // 4), 128)}
+    assert n == 40 and expected <= set(map(tuple, r["quantised"])), r["quantised"]
+    assert 0 < r["logit_rel"] < 0.06, r["logit_rel"]
+    assert r["loss"] == pytest.approx(r["ref_loss"], rel=0.02)
+    assert r["vision_grad_rel"] and all(0 < v < 0.15 for v in r["vision_grad_rel"].values()), r["vision_grad_rel"]
+    assert r["disabled_equal"]
+    comps = {row[0].split(":")[0] for row in r["adaptive_rows"]}
+    assert comps == {"vision", "language"}, r["adaptive_rows"]
+    vision_rows = [row for row in r["adaptive_rows"] if row[0].startswith("vision:")]
+    assert {row[2].split("x")[0] for row in vision_rows if row[1] == "fwd"} == {str(n), str(n // 4)}
+    assert r["adaptive_equal"]  # every emulated FP8 GEMM lost to bf16 on this CPU: all bf16, as before the swap
+    assert r["cpu_error"] and "CUDA" in r["cpu_error"]
