@@ -19,7 +19,8 @@ Choices:
 - ``mode="adaptive"`` asks ``fp8_autotune.Fp8Autotuner``, for each distinct GEMM shape a layer meets (forward, input
   gradient, weight gradient), whether FP8 beats bf16 on the GPU in use (timed once, cached in a JSON file per GPU
   model, logged with the component (vision / language) and module that met it), and runs FP8 only there: each
-  layer decides on its own shapes, so the vision tower and the language model decide independently.
+  layer decides on its own shapes, so the vision tower and the language model decide independently. The token
+  count is rounded up to a power of two for the decision (``token_bucket``).
 - Recipes: ``blockwise`` (1x128 activation / gradient tiles, 128x128 weight blocks, DeepSeek-V3's; the default where
   the GPU runs it), ``blockwise_wgrad2d`` (the same, except that the weight-gradient GEMM takes the output gradient
   in 128x128 blocks: a faster cuBLAS kernel, coarser scaling; opt-in, see docs/fp8.md) and ``rowwise`` (one scale
@@ -187,6 +188,11 @@ class Fp8Settings:
     autotuner: Fp8Autotuner | None = None
 
 
+def token_bucket(tokens: int) -> int:
+    """The token count ``adaptive`` decides for: ``tokens`` rounded up to a power of two."""
+    return 1 << max(0, tokens - 1).bit_length()
+
+
 class _LayerPrecision:
     """Which GEMMs of one swapped layer run in FP8: all of them (``on``), or per (tokens, trained) as the autotuner
     decides (``adaptive``)."""
@@ -201,15 +207,20 @@ class _LayerPrecision:
         s = self.settings
         if s.mode == "on":
             return ALL_FP8
-        key = (tokens, weight.requires_grad)
+        if tokens == 0:
+            return NO_FP8
+        # NOTE: decided per power-of-two bucket of the token count (timed at its top): variable sequence lengths
+        # and image sizes time a handful of shapes, not one per length.
+        m = token_bucket(tokens)
+        key = (m, weight.requires_grad)
         if key not in self.decisions:
             n, k = weight.shape
             where = f"{self.component}:{self.name}"
             decide = s.autotuner.decide
             kw = dict(device=weight.device, dtype=weight.dtype, where=where)
             self.decisions[key] = GemmPrecision(
-                fwd=decide("fwd", tokens, n, k, **kw), dgrad=decide("dgrad", tokens, k, n, **kw),
-                wgrad=weight.requires_grad and decide("wgrad", n, k, tokens, **kw))
+                fwd=decide("fwd", m, n, k, **kw), dgrad=decide("dgrad", m, k, n, **kw),
+                wgrad=weight.requires_grad and decide("wgrad", n, k, m, **kw))
         return self.decisions[key]
 
 

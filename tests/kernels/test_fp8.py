@@ -370,6 +370,23 @@ def test_autotune_takes_fp8_only_where_it_saves_enough(tmp_path):
     assert [row[-1] for row in tuner.rows] == [True, False]
 
 
+def test_adaptive_decides_per_power_of_two_bucket(tmp_path):
+    """Token counts in one power-of-two bucket share a decision (timed once, at the bucket's top); none: bf16."""
+    from loongforge_hf.kernels.fp8_linear import NO_FP8, Fp8Settings, Fp8VisionImpl, token_bucket
+
+    assert [token_bucket(t) for t in (1, 2, 3, 16, 17, 40, 2049)] == [1, 2, 4, 16, 32, 64, 4096]
+    tuner = Fp8Autotuner("blockwise", tmp_path / "c.json")
+    for gemm, m, n, k in (("fwd", 64, 256, 128), ("dgrad", 64, 128, 256), ("wgrad", 256, 128, 64)):
+        tuner.record("cpu", gemm, m, n, k, bf16_ms=1.0, fp8_ms=0.5)
+    layer = Fp8VisionImpl(name="vision.0.blocks.0.attn.qkv", settings=Fp8Settings("adaptive", "blockwise", tuner))
+    w = torch.randn(256, 128, requires_grad=True)
+    assert layer.precision(40, w) == layer.precision(64, w) == layer.precision(33, w) == GemmPrecision(True, True, True)
+    assert [row[:3] for row in tuner.rows] == [("vision:vision.0.blocks.0.attn.qkv", "fwd", "64x256x128"),
+                                               ("vision:vision.0.blocks.0.attn.qkv", "dgrad", "64x128x256"),
+                                               ("vision:vision.0.blocks.0.attn.qkv", "wgrad", "256x128x64")]
+    assert layer.precision(0, w) == NO_FP8 and len(tuner.rows) == 3
+
+
 def test_autotune_cache_round_trip(tmp_path, caplog):
     path = tmp_path / "sub" / "fp8_autotune.json"
     tuner = Fp8Autotuner("blockwise", path)

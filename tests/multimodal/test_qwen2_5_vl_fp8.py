@@ -43,6 +43,7 @@ def test_vision_and_language_linears_in_fp8(checkpoint, tmp_path):
     comps = {row[0].split(":")[0] for row in r["adaptive_rows"]}
     assert comps == {"vision", "language"}, r["adaptive_rows"]
     vision_rows = [row for row in r["adaptive_rows"] if row[0].startswith("vision:")]
-    assert {row[2].split("x")[0] for row in vision_rows if row[1] == "fwd"} == {str(n), str(n // 4)}
+    # decided per power-of-two bucket of the token count: 40 patches -> 64, 10 merged tokens -> 16
+    assert {row[2].split("x")[0] for row in vision_rows if row[1] == "fwd"} == {"64", "16"}
     assert r["adaptive_equal"]  # every emulated FP8 GEMM lost to bf16 on this CPU: all bf16, as before the swap
     assert r["cpu_error"] and "CUDA" in r["cpu_error"]
