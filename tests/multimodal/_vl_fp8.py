@@ -66,3 +66,24 @@ def fp8_checks(folder: str, cache: str) -> dict:
     except Fp8Error as err:
         result["cpu_error"] = str(err)
     return result
+
+
+def fp8_tensor_parallel_checks(folder: str) -> dict:
+    """TP2 with the vision tower split too: the swap sees each rank's slices (layers whose local widths do not fit
+    the recipe stay in their dtype); logits against the same model unswapped."""
+    import loongforge_hf as lf
+    from loongforge_hf.kernels.fp8_linear import swap_linears
+
+    batch = collator(folder, pad_to_multiple_of=4)(hand_features(folder, IMAGES))
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2,
+                                                           vision_tensor_parallel_size=2)
+    with torch.no_grad():
+        ref = model(**batch).logits
+    report = swap_linears(model.language_model.chunks, mode="on", recipe="rowwise", towers=[model.vision_tower])
+    out = model(**batch)
+    out.loss.backward()
+    valid = batch["attention_mask"].bool()
+    grads = [p.grad for p in model.vision_tower.parameters() if p.requires_grad]
+    return {"swapped": report.swapped, "skipped": report.skipped,
+            "logit_rel": _rel(out.logits.detach()[valid], ref[valid]),
+            "grads_finite": all(g is not None and bool(torch.isfinite(g).all()) for g in grads)}

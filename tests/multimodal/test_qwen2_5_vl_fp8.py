@@ -13,7 +13,7 @@ from loongforge_hf.kernels.fp8 import padded_rows
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
 
-from ._vl_fp8 import fp8_checks
+from ._vl_fp8 import fp8_checks, fp8_tensor_parallel_checks
 
 LAYERS = ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -47,3 +47,15 @@ def test_vision_and_language_linears_in_fp8(checkpoint, tmp_path):
     assert {row[2].split("x")[0] for row in vision_rows if row[1] == "fwd"} == {"64", "16"}
     assert r["adaptive_equal"]  # every emulated FP8 GEMM lost to bf16 on this CPU: all bf16, as before the swap
     assert r["cpu_error"] and "CUDA" in r["cpu_error"]
+
+
+def test_fp8_with_the_vision_tower_split_over_two_ranks(checkpoint):
+    """TP2, vision TP2: attention qkv / proj slices (48x32, 32x16) fit the row-wise GEMMs, the MLP slices (24 rows)
+    do not and stay fp32; the merger is replicated. Logits within 6% of the unswapped model's on both ranks."""
+    results = run_distributed(fp8_tensor_parallel_checks, 2, str(checkpoint), timeout=300)
+    for r in results:
+        assert {f"vision.0.blocks.{b}.attn.{m}" for b in range(2) for m in ("qkv", "proj")} <= set(r["swapped"]), r
+        assert {"vision.0.merger.mlp.0", "vision.0.merger.mlp.2"} <= set(r["swapped"]), r
+        mlp = {f"vision.0.blocks.{b}.mlp.{m}" for b in range(2) for m in ("gate_proj", "up_proj", "down_proj")}
+        assert set(r["skipped"]) == mlp, r["skipped"]
+        assert 0 < r["logit_rel"] < 0.06 and r["grads_finite"], r
