@@ -256,11 +256,7 @@ def run_stack(args, device: H.Device) -> dict:
            "versions": H.versions("torch", "transformers", "megatron-core", "liger-kernel", "triton")}
     if args.profile:
         out["profile"] = H.profile_step(step, batches[-1], device=device, stacks=True)
-        # NOTE: recording python frames slows the host several-fold, which makes the device wait more than it does
-        # unprofiled: the idle time is also measured in one more step profiled without them.
-        light = H.profile_step(step, batches[-1], device=device)
-        if "idle" in light:
-            out["profile"]["idle_without_stacks"] = light["idle"]
+        out["profile"]["idle_without_stacks"] = H.idle_step(step, batches[-1], device=device)
     fp8_report = getattr(step, "fp8_report", None)
     if fp8_report is not None and fp8_report.autotuner is not None:
         out["fp8_table"] = fp8_report.autotuner.table()  # fp8=adaptive: bf16-or-FP8 per GEMM shape

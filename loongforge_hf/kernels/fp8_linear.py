@@ -33,6 +33,7 @@ Choices:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from loongforge_hf.kernels import main_grad as main_grad_state
 from loongforge_hf.kernels.fp8 import (GROUP, RECIPES, ROW_ALIGN, Fp8Error, GemmPrecision, blockwise_supported,
-                                       check_recipe, forward_only, gemm_dgrad, gemm_eligible, gemm_fwd,
+                                       check_recipe, forward_only, fp8_linear, gemm_dgrad, gemm_eligible, gemm_fwd,
                                        gemm_wgrad, is_blockwise)
 from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
 
@@ -261,8 +262,6 @@ class Fp8VisionImpl(_LayerPrecision):
     ``x @ weight.T + bias`` through ``kernels.fp8.fp8_linear`` (bf16 ``F.linear`` where every GEMM stays bf16)."""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from loongforge_hf.kernels.fp8 import fp8_linear
-
         precision = self.precision(x.numel() // x.shape[-1], weight)
         if precision == NO_FP8:
             return torch.nn.functional.linear(x, weight, bias)
@@ -286,9 +285,6 @@ class Fp8GroupedExperts:
         self.settings = settings
 
     def __call__(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        from functools import partial
-
-        from loongforge_hf.kernels.fp8 import fp8_linear
         from loongforge_hf.kernels.fp8_grouped import fp8_grouped_gated_mlp, grouped_fp8_supported
         from loongforge_hf.kernels.grouped_mlp import expert_loop, routed_inputs
 
@@ -298,7 +294,7 @@ class Fp8GroupedExperts:
         if not x.is_cuda or grouped_fp8_supported(x.device):
             return fp8_grouped_gated_mlp(x, fc1, fc2, tokens_per_expert, probs, emulate=not x.is_cuda), None
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
-        linear = partial(fp8_linear, recipe=self.settings.recipe)
+        linear = functools.partial(fp8_linear, recipe=self.settings.recipe)
         return expert_loop(x, fc1, fc2, [int(c) for c in counts], probs, linear=linear), None
 
 
@@ -353,13 +349,17 @@ def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLik
                            if mode == "adaptive" else None)
     swapped, skipped = [], {}
     step = granule(recipe)
-    for name, module in eligible_linears(chunks):
+
+    def swap(name, module, attr, impl):
         n, k = module.weight.shape
-        if not gemm_eligible(n, k, recipe):
+        if gemm_eligible(n, k, recipe):
+            setattr(module, attr, impl(name=name, settings=settings))
+            swapped.append(name)
+        else:
             skipped[name] = f"weight {n}x{k} is not a multiple of {step} ({recipe} FP8 GEMM)"
-            continue
-        module._forward_impl = Fp8ForwardImpl(module, name=name, settings=settings)
-        swapped.append(name)
+
+    for name, module in eligible_linears(chunks):
+        swap(name, module, "_forward_impl", functools.partial(Fp8ForwardImpl, module))
     for name, module in grouped_experts(chunks):
         _, n, k = module.linear_fc1.weight.shape
         if mode == "adaptive":
@@ -370,12 +370,7 @@ def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLik
             module.forward = Fp8GroupedExperts(module, name=name, settings=settings)
             swapped.append(name)
     for name, module in vision_linears(towers):
-        n, k = module.weight.shape
-        if not gemm_eligible(n, k, recipe):
-            skipped[name] = f"weight {n}x{k} is not a multiple of {step} ({recipe} FP8 GEMM)"
-            continue
-        module.fp8_impl = Fp8VisionImpl(name=name, settings=settings)
-        swapped.append(name)
+        swap(name, module, "fp8_impl", Fp8VisionImpl)
     return Fp8Report(mode=mode, recipe=recipe, swapped=swapped, skipped=skipped, autotuner=settings.autotuner)
 
 

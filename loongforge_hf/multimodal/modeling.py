@@ -320,7 +320,7 @@ class AutoModelForImageTextToText:
         if fp8 is not None:
             from loongforge_hf.kernels.fp8_linear import enable_fp8
 
-            model.megatron.fp8 = language.fp8 = enable_fp8(
+            model.megatron.fp8 = enable_fp8(
                 language.chunks, fp8, recipe=fp8_recipe, towers=[c.vision for c in chunks if c.vision is not None])
         return model
 

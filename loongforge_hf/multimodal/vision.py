@@ -112,14 +112,15 @@ class VisionLinear(nn.Linear):
 
     fp8_impl = None
 
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias) if self.fp8_impl is None else self.fp8_impl(x, self.weight, bias)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` without the bias."""
-        return F.linear(x, self.weight) if self.fp8_impl is None else self.fp8_impl(x, self.weight, None)
+        return self._linear(x, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_impl is None:
-            return F.linear(x, self.weight, self.bias)
-        return self.fp8_impl(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class VisionRMSNorm(nn.Module):

@@ -5,6 +5,8 @@ Both paths sum in fp32 and round once, over <= k terms in another order: outputs
 the output dtype (fp32: 1e-5 relative); copies (permuted tokens and probs, the probs' grad of permute) are bit-exact.
 """
 
+from types import SimpleNamespace
+
 import torch
 
 from loongforge_hf.kernels._triton import triton_paths
@@ -19,6 +21,34 @@ def routing_map(tokens: int, experts: int, topk: int, empty: int, gen: torch.Gen
     routing = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
     probs = torch.rand(tokens, experts, generator=gen) + 0.1
     return routing.to(device), probs.to(device)
+
+
+def allgather_config(**changes) -> SimpleNamespace:
+    """What ``enable_megatron_fused_permute`` and the allgather dispatch read of a TransformerConfig: 4 experts,
+    top-2, the allgather dispatcher at expert parallel 1, no capacity or padding (``changes`` override)."""
+    return SimpleNamespace(**{**dict(num_moe_experts=4, moe_token_dispatcher_type="allgather",
+                                     moe_pad_expert_input_to_capacity=False, moe_expert_capacity_factor=None,
+                                     moe_router_padding_for_quantization=False, expert_model_parallel_size=1,
+                                     moe_permute_fusion=False, moe_router_topk=2), **changes})
+
+
+def megatron_dispatch(monkeypatch):
+    """megatron's own permutation functions and allgather dispatcher class for this test (whatever an earlier
+    ``enable_megatron_fused_permute`` installed is put back after it); returns that class."""
+    from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
+
+    for name in ("permute", "unpermute", "sort_chunks_by_idxs"):
+        monkeypatch.setattr(token_dispatcher, name, getattr(moe_utils, name))
+    monkeypatch.setattr(moe_layer, "MoEAllGatherTokenDispatcher", token_dispatcher.MoEAllGatherTokenDispatcher)
+    return token_dispatcher.MoEAllGatherTokenDispatcher
+
+
+def dispatcher(cls, config, routing: torch.Tensor, local: int):
+    """An allgather dispatcher of class ``cls`` holding ``routing`` (what its token_dispatch left), with the first
+    ``local`` experts on this rank, built without process groups (its dispatch_postprocess needs none)."""
+    d = cls.__new__(cls)
+    d.num_local_experts, d.local_expert_indices, d.config, d.routing_map = local, list(range(local)), config, routing
+    return d
 
 
 def _both_paths(fn, tensors, grads):

@@ -12,6 +12,14 @@ def distinct_logits(tokens: int, experts: int, seed: int = 0) -> torch.Tensor:
     return torch.stack([grid[torch.randperm(experts, generator=g)] for _ in range(tokens)])
 
 
+def assert_same_routing(got, want, tol: float, name: str = "") -> None:
+    """``topk_softmax_fwd``'s outputs against the torch path's: the same map, the same experts per row (in any
+    order), the dense probabilities within ``tol`` (relative; 1e-6 absolute)."""
+    assert torch.equal(got[1], want[1]), name
+    assert torch.equal(got[2].sort(1).values, want[2].sort(1).values), name
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=tol, atol=1e-6, msg=name or None)
+
+
 def check_router() -> list[str]:
     """Indices and map equal, the fp32 probabilities within 1e-6 (the kernel's exp is not torch's; one bf16 ulp
     where they are bf16-rounded scores, ``pre_softmax``), the dense
@@ -31,10 +39,7 @@ def check_router() -> list[str]:
                     got = _router_triton.topk_softmax_fwd(x, k, pre, scale)
                     want = _topk_softmax_torch(x, k, pre, scale)
                     name = f"router({tokens}x{experts}, k={k}, {dtype}, pre={pre}, scale={scale})"
-                    assert torch.equal(got[1], want[1]), name
-                    assert torch.equal(got[2].sort(1).values, want[2].sort(1).values), name
-                    tol = 1e-6 if dtype == torch.float32 else 2 ** -6
-                    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=tol, atol=1e-6, msg=name)
+                    assert_same_routing(got, want, 1e-6 if dtype == torch.float32 else 2 ** -6, name)
                     order = want[2].argsort(1)
                     # NOTE: with pre_softmax the kept probabilities are the scores rounded to the dtype (one rounding)
                     ptol = 2 ** -7 if pre and dtype == torch.bfloat16 else 1e-6

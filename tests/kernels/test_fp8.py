@@ -12,6 +12,7 @@ from loongforge_hf.kernels.fp8 import (FP8_MAX, Fp8Error, GemmPrecision, dequant
                                        fp8_linear, quantize_blocks, quantize_rows, quantize_tiles, scaled_matmul)
 from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner, fp8_pays
 from loongforge_hf.parallel.spawn import run_distributed
+from tests._calls import recorded_calls
 
 # NOTE: e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2**-4 of itself, and a value in the
 # subnormal range (below 2**-6 before scaling) by at most half a subnormal step, 2**-10, times the scale.
@@ -122,25 +123,18 @@ def test_forward_keeps_fp8_x_transposed_for_the_weight_gradient():
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "blockwise_wgrad2d"])
-def test_no_backward_operands_without_grad_mode(recipe, monkeypatch):
+def test_no_backward_operands_without_grad_mode(recipe):
     """Under no_grad (evaluation, generation, a recomputed layer's first pass) the forward quantises neither w.T nor
     x.T; its output is the same, bit for bit, as with grad mode on (which quantises both)."""
-    calls = {"quantize_blocks_dual": 0, "quantize_operands": 0}
-    for name in calls:
-        real = getattr(fp8, name)
-
-        def spy(*a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(*a, **kw)
-        monkeypatch.setattr(fp8, name, spy)
     g = torch.Generator().manual_seed(9)
     w = torch.nn.Parameter((torch.randn(256, 128, generator=g) * 0.05).to(torch.bfloat16))
     x = torch.randn(40, 128, generator=g).to(torch.bfloat16).requires_grad_()
-    with torch.no_grad():
-        y0 = fp8_linear(x, w, recipe=recipe)
-    assert calls == {"quantize_blocks_dual": 0, "quantize_operands": 0}
-    y1 = fp8_linear(x, w, recipe=recipe)
-    assert calls == {"quantize_blocks_dual": 1, "quantize_operands": 1}
+    with recorded_calls(fp8, "quantize_blocks_dual", "quantize_operands") as calls:
+        with torch.no_grad():
+            y0 = fp8_linear(x, w, recipe=recipe)
+        assert {name: len(c) for name, c in calls.items()} == {"quantize_blocks_dual": 0, "quantize_operands": 0}
+        y1 = fp8_linear(x, w, recipe=recipe)
+        assert {name: len(c) for name, c in calls.items()} == {"quantize_blocks_dual": 1, "quantize_operands": 1}
     assert torch.equal(y0, y1.detach())
 
 
@@ -478,17 +472,13 @@ def _model_checks(fp8_dir: str, deq_dir: str, moe_dir: str, out_dir: str, cache:
     result["swapped"] = report.swapped
     result["skipped"] = report.skipped
     result["has_impl"] = sorted(f"0.{n}" for n, m in model.chunks[0].named_modules() if "_forward_impl" in vars(m))
-    transposed = []  # weights quantised with their transpose (for a backward): none under no_grad, all with grad
-    real_dual = fp8.quantize_blocks_dual
-    fp8.quantize_blocks_dual = lambda w: transposed.append(tuple(w.shape)) or real_dual(w)
-    try:
+    # weights quantised with their transpose (for a backward): none under no_grad, all with grad
+    with recorded_calls(fp8, "quantize_blocks_dual") as calls:
         with torch.no_grad():
             no_grad_logits = model(input_ids=ids).logits
-        result["transposed_no_grad"] = len(transposed)
+        result["transposed_no_grad"] = len(calls["quantize_blocks_dual"])
         out = model(input_ids=ids, labels=ids)
-        result["transposed_grad"] = len(transposed)
-    finally:
-        fp8.quantize_blocks_dual = real_dual
+        result["transposed_grad"] = len(calls["quantize_blocks_dual"])
     result["no_grad_logits_equal"] = torch.equal(no_grad_logits, out.logits.detach())
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=ids)

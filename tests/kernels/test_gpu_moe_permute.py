@@ -7,7 +7,8 @@ import torch
 from megatron.core.transformer.moe import moe_utils
 
 from loongforge_hf.kernels.moe_permute import permute, unpermute
-from tests.kernels._moe_permute_checks import check_all, check_case, routing_map
+from tests.kernels._moe_permute_checks import (allgather_config, check_all, check_case, dispatcher, megatron_dispatch,
+                                               routing_map)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -57,20 +58,12 @@ def test_no_host_sync():
 def test_sync_free_allgather_dispatch_on_cuda(monkeypatch):
     """The allgather dispatch with every expert local (kernels/moe_permute.py's subclass) at workload (c)'s shape:
     megatron's permuted tokens, token counts and probabilities, with CUDA's sync check set to raise while it runs."""
-    from types import SimpleNamespace
-
-    from megatron.core.transformer.moe import moe_layer, token_dispatcher
+    from megatron.core.transformer.moe import moe_layer
 
     from loongforge_hf.kernels.moe_permute import enable_megatron_fused_permute
 
-    for name in ("permute", "unpermute", "sort_chunks_by_idxs"):
-        monkeypatch.setattr(token_dispatcher, name, getattr(moe_utils, name))
-    original = token_dispatcher.MoEAllGatherTokenDispatcher
-    monkeypatch.setattr(moe_layer, "MoEAllGatherTokenDispatcher", original)
-    config = SimpleNamespace(num_moe_experts=128, moe_token_dispatcher_type="allgather",
-                             moe_pad_expert_input_to_capacity=False, moe_expert_capacity_factor=None,
-                             moe_router_padding_for_quantization=False, expert_model_parallel_size=1,
-                             moe_permute_fusion=False, moe_router_topk=8)
+    original = megatron_dispatch(monkeypatch)
+    config = allgather_config(num_moe_experts=128, moe_router_topk=8)
     assert enable_megatron_fused_permute(config)
     cls = moe_layer.MoEAllGatherTokenDispatcher
     gen = torch.Generator().manual_seed(6)
@@ -78,9 +71,7 @@ def test_sync_free_allgather_dispatch_on_cuda(monkeypatch):
     x = torch.randn(8192, 2048, generator=gen).to("cuda", torch.bfloat16)
 
     def dispatch(method):
-        d = cls.__new__(cls)
-        d.num_local_experts, d.local_expert_indices, d.config, d.routing_map = 128, list(range(128)), config, routing
-        return method(d, x, probs)
+        return method(dispatcher(cls, config, routing, 128), x, probs)
 
     dispatch(cls.dispatch_postprocess)  # compile the kernels first
     torch.cuda.synchronize()

@@ -5,7 +5,7 @@ scaling), and the op's gradients against megatron's unfused routing (bf16: 2**-7
 import pytest
 import torch
 
-from ._router_checks import distinct_logits
+from ._router_checks import assert_same_routing, distinct_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -26,10 +26,7 @@ def test_triton_router_matches_torch_path(shape, dtype, pre, scale):
     x = _logits(tokens, experts, dtype)
     got = _router_triton.topk_softmax_fwd(x, k, pre, scale)
     want = _topk_softmax_torch(x, k, pre, scale)
-    assert torch.equal(got[1], want[1])
-    assert torch.equal(got[2].sort(1).values, want[2].sort(1).values)
-    tol = 1e-6 if dtype == torch.float32 else (2 ** -6 if scale else 2 ** -7)
-    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=tol, atol=1e-6)
+    assert_same_routing(got, want, 1e-6 if dtype == torch.float32 else (2 ** -6 if scale else 2 ** -7))
 
 
 @pytest.mark.parametrize("pre", [False, True])

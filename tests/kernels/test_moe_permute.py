@@ -15,6 +15,7 @@ from megatron.core.transformer.moe import moe_utils
 from loongforge_hf.kernels.moe_permute import enable_megatron_fused_permute, permute, unpermute
 
 from ._interpret import needs_triton, run_interpreted
+from ._moe_permute_checks import allgather_config, dispatcher, megatron_dispatch
 
 BF16_ULP = 2.0 ** -7
 
@@ -135,27 +136,21 @@ def test_unpermute_checks_the_restore_shape():
 
 
 def test_dispatcher_wiring(monkeypatch):
-    from types import SimpleNamespace
-
     from megatron.core.transformer.moe import token_dispatcher
 
-    for name in ("permute", "unpermute", "sort_chunks_by_idxs"):
-        monkeypatch.setattr(token_dispatcher, name, getattr(moe_utils, name))
-    base = dict(num_moe_experts=4, moe_token_dispatcher_type="allgather", moe_pad_expert_input_to_capacity=False,
-                moe_expert_capacity_factor=None, moe_router_padding_for_quantization=False,
-                expert_model_parallel_size=1, moe_permute_fusion=False)
+    megatron_dispatch(monkeypatch)
     for refused in ({"moe_expert_capacity_factor": 1.0}, {"moe_pad_expert_input_to_capacity": True},
                     {"moe_token_dispatcher_type": "flex"}, {"moe_token_dispatcher_type": "alltoall"}):
-        config = SimpleNamespace(**{**base, **refused})
+        config = allgather_config(**refused)
         if refused.get("moe_token_dispatcher_type") == "alltoall" and torch.cuda.is_available():
             continue
         assert not enable_megatron_fused_permute(config) and not config.moe_permute_fusion
     assert token_dispatcher.permute is moe_utils.permute
-    config = SimpleNamespace(**base)
+    config = allgather_config()
     assert enable_megatron_fused_permute(config) and config.moe_permute_fusion
     assert getattr(token_dispatcher.permute, "loongforge_fused", False)
     wrapped = token_dispatcher.permute
-    assert enable_megatron_fused_permute(SimpleNamespace(**base)) and token_dispatcher.permute is wrapped
+    assert enable_megatron_fused_permute(allgather_config()) and token_dispatcher.permute is wrapped
 
     gen = torch.Generator().manual_seed(2)
     routing, probs = _routing(9, 4, 2, gen)
@@ -179,31 +174,20 @@ def test_triton_kernels_match_torch_path_in_the_interpreter():
     assert len(checked) >= 8, checked
 
 
-def _allgather_base():
-    return dict(num_moe_experts=4, moe_token_dispatcher_type="allgather", moe_pad_expert_input_to_capacity=False,
-                moe_expert_capacity_factor=None, moe_router_padding_for_quantization=False,
-                expert_model_parallel_size=1, moe_permute_fusion=False, moe_router_topk=2)
-
-
 @pytest.mark.parametrize("local", [4, 2])
 def test_sync_free_allgather_dispatch_matches_megatron(monkeypatch, local):
     """Every expert local (4 of 4): the subclass's dispatch gives megatron's permuted tokens, token counts (left on
     the device) and probabilities, and the same gradients, without reading anything back to the host (``cpu``,
     ``item``, ``tolist`` and ``masked_select`` raise while it runs). Half the experts local (2 of 4, expert parallel
     under the allgather dispatcher): megatron's own method runs."""
-    from types import SimpleNamespace
+    from megatron.core.transformer.moe import moe_layer
 
-    from megatron.core.transformer.moe import moe_layer, token_dispatcher
-
-    for name in ("permute", "unpermute", "sort_chunks_by_idxs"):
-        monkeypatch.setattr(token_dispatcher, name, getattr(moe_utils, name))
-    original = token_dispatcher.MoEAllGatherTokenDispatcher
-    monkeypatch.setattr(moe_layer, "MoEAllGatherTokenDispatcher", original)
-    config = SimpleNamespace(**_allgather_base())
+    original = megatron_dispatch(monkeypatch)
+    config = allgather_config()
     assert enable_megatron_fused_permute(config)
     cls = moe_layer.MoEAllGatherTokenDispatcher
     assert cls is not original and issubclass(cls, original) and cls.sync_free
-    enable_megatron_fused_permute(SimpleNamespace(**_allgather_base()))
+    enable_megatron_fused_permute(allgather_config())
     assert moe_layer.MoEAllGatherTokenDispatcher is cls  # installed once
 
     gen = torch.Generator().manual_seed(5)
@@ -213,9 +197,7 @@ def test_sync_free_allgather_dispatch_matches_megatron(monkeypatch, local):
     grad_out, grad_probs = grad_out[:routing[:, :local].sum()], grad_probs[:routing[:, :local].sum()]
 
     def dispatch(method, *, no_sync: bool):
-        d = cls.__new__(cls)
-        d.num_local_experts, d.local_expert_indices, d.config = local, list(range(local)), config
-        d.routing_map = routing
+        d = dispatcher(cls, config, routing, local)
         leaves = [x.clone().requires_grad_(), probs.clone().requires_grad_()]
         with pytest.MonkeyPatch.context() as m:
             if no_sync:

@@ -3,6 +3,8 @@ GEMMs are emulated from the same quantised operands)."""
 
 import torch
 
+from tests._calls import recorded_calls
+
 from ._vl_features import collator, hand_features
 
 IMAGES = [[("text", "tok5 tok6"), ("image", (1, 4, 6)), ("text", "tok7 tok8")],
@@ -32,15 +34,11 @@ def fp8_checks(folder: str, cache: str) -> dict:
     result = {}
     report = swap_linears(language, mode="on", recipe="rowwise", towers=towers)
     result["swapped"], result["skipped"] = report.swapped, report.skipped
-    quantised = []  # shapes of the activations / gradients quantised row-wise: the vision GEMMs' among them
-    real_rows = fp8.quantize_rows
-    fp8.quantize_rows = lambda x, **kw: quantised.append(tuple(x.shape)) or real_rows(x, **kw)
-    try:
+    # shapes of the activations / gradients quantised row-wise: the vision GEMMs' among them
+    with recorded_calls(fp8, "quantize_rows") as calls:
         out = model(**batch)
         out.loss.backward()
-    finally:
-        fp8.quantize_rows = real_rows
-    result["quantised"] = sorted(set(quantised))
+    result["quantised"] = sorted(set(calls["quantize_rows"]))
     valid = batch["attention_mask"].bool()
     result["logit_rel"] = _rel(out.logits.detach()[valid], ref_logits[valid])
     result["loss"], result["ref_loss"] = out.loss.item(), ref_loss
