@@ -11,10 +11,17 @@ it times, per recipe (``blockwise`` where the GPU runs it, and ``rowwise``):
             quant_w_dual, which is what training runs, next to w alone and an fp8 transpose of it), the three scaled
             GEMMs;
             the bf16 GEMMs likewise (fwd, dgrad, wgrad); quant_sum / gemm_sum add up what fp8_linear runs
+With ``--grouped``, also the routed experts of a MoE layer as one module (``kernels.fp8_grouped``): the gated MLP of
+all local experts forward + backward in bf16 (``grouped_mlp.grouped_gated_mlp``, ``torch._grouped_mm``) against
+FP8 (``fp8_grouped_gated_mlp``, ``torch._scaled_grouped_mm``, row-wise), and the fc1 forward GEMM alone in each:
+  c   Qwen3-30B-A3B: 128 experts, hidden 2048, moe_intermediate 768, 65,536 routed rows (8,192 tokens x top-8)
+  dsv3  DeepSeek-V3 experts of one EP8 rank: 32 experts, hidden 7168, moe_intermediate 2048, 32,768 routed rows
+token counts per expert drawn at random around the mean (some experts empty).
 Timing: CUDA events around each call, median of --reps after --warmup (on CPU, wall clock: a dry run only).
 The recipe ``enable_fp8`` picks on this GPU (``fp8_recipe=None``) is printed and written to the JSON.
 
     python scripts/bench_fp8_linear.py [--shapes a,b,c] [--reps 20] [--out outputs/bench_fp8_linear.json]
+    python scripts/bench_fp8_linear.py --shapes "" --grouped c,dsv3     # grouped experts only
     python scripts/bench_fp8_linear.py --device cpu --tiny          # a dry run (tiny shapes, emulated GEMMs)
 """
 
@@ -43,6 +50,8 @@ SHAPES = {  # workload -> [(layer, M, N, K)]
 }
 TINY = {"a": [("qkv", 64, 256, 128), ("fc2", 37, 128, 256)], "b": [("fc1", 48, 384, 128)],
         "c": [("expert fc1", 17, 256, 128), ("expert fc2", 0, 128, 128)]}
+GROUPED = {"c": (128, 2048, 768, 65536), "dsv3": (32, 7168, 2048, 32768)}  # experts, hidden, intermediate, rows
+GROUPED_TINY = {"c": (6, 64, 32, 80), "dsv3": (4, 128, 64, 64)}
 
 
 class Timer:
@@ -125,10 +134,57 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
                   if isinstance(val, dict) else val) for key, val in out.items()}
 
 
+def expert_counts(experts: int, rows: int, device: torch.device) -> torch.Tensor:
+    """Tokens per expert summing to ``rows``: around the mean, a few experts empty (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.rand(experts, generator=g) + 0.5
+    weight[torch.randperm(experts, generator=g)[:max(1, experts // 16)]] = 0
+    counts = (weight / weight.sum() * rows).floor().long()
+    counts[int(weight.argmax())] += rows - int(counts.sum())
+    return counts.to(device)
+
+
+def bench_grouped(experts: int, hidden: int, inter: int, rows: int, timer: Timer, device: torch.device) -> dict:
+    from loongforge_hf.kernels import fp8_grouped as FG
+    from loongforge_hf.kernels.grouped_mlp import grouped_gated_mlp
+
+    g = torch.Generator(device=device).manual_seed(0)
+    counts = expert_counts(experts, rows, device)
+    x = torch.randn(rows, hidden, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    fc1 = (torch.randn(experts, 2 * inter, hidden, device=device, generator=g) * 0.02).to(torch.bfloat16)
+    fc2 = (torch.randn(experts, hidden, inter, device=device, generator=g) * 0.02).to(torch.bfloat16)
+    fc1.requires_grad_(), fc2.requires_grad_()
+    dy = torch.randn(rows, hidden, device=device, generator=g).to(torch.bfloat16)
+    out = {"experts": experts, "hidden": hidden, "intermediate": inter, "rows": rows}
+
+    def fwd_bwd(mlp):
+        def run():
+            x.grad = fc1.grad = fc2.grad = None
+            mlp(x, fc1, fc2, counts).backward(dy)
+        return run
+
+    for name, mlp in (("bf16", grouped_gated_mlp), ("fp8", FG.fp8_grouped_gated_mlp)):
+        run = fwd_bwd(mlp)
+        out[name] = {"total": timer(run), "host_total": timer.host(run)}
+    with torch.no_grad():
+        xd, w1 = x.detach(), fc1.detach()
+        if device.type == "cuda":
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            out["bf16"]["fc1_fwd_gemm"] = timer(lambda: torch._grouped_mm(xd, w1.transpose(-2, -1), offs=offs))
+        lay = FG.Layout(counts, rows)
+        ops = FG._forward_operands(xd, w1, lay)
+        out["fp8"]["fc1_fwd_operands"] = timer(lambda: FG._forward_operands(xd, w1, lay))
+        out["fp8"]["fc1_fwd_gemm"] = timer(lambda: FG.scaled_grouped_mm(*ops, lay.offs))
+    out["fp8"]["speedup_vs_bf16"] = round(out["bf16"]["total"] / out["fp8"]["total"], 3)
+    return {key: ({kk: round(vv, 4) if isinstance(vv, float) else vv for kk, vv in val.items()}
+                  if isinstance(val, dict) else val) for key, val in out.items()}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="a,b,c")
     p.add_argument("--recipes", default="", help="comma list (default: all where block-wise runs, else rowwise)")
+    p.add_argument("--grouped", default="", help="comma list of grouped-expert shapes: c, dsv3 (default: none)")
     H.add_micro_args(p, name="bench_fp8_linear", warmup=5, reps=20)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -148,7 +204,7 @@ def main(argv=None) -> dict:
     timer = Timer(device, args.warmup, args.reps)
     table = TINY if args.tiny else SHAPES
     rows = []
-    for workload in args.shapes.split(","):
+    for workload in [w for w in args.shapes.split(",") if w]:
         for layer, m, n, k in table[workload]:
             r = bench_shape(m, n, k, recipes, timer, device)
             r.update(workload=workload, layer=layer)
@@ -165,8 +221,19 @@ def main(argv=None) -> dict:
                 if m:
                     parts = [f"{key} {val:.3f}" for key, val in r[recipe].items() if isinstance(val, float)]
                     print(f"      {recipe}: " + ", ".join(parts))
+    grouped = []
+    for workload in [w for w in args.grouped.split(",") if w]:
+        r = bench_grouped(*(GROUPED_TINY if args.tiny else GROUPED)[workload], timer, device)
+        r.update(workload=workload)
+        grouped.append(r)
+        b, f = r["bf16"], r["fp8"]
+        print(f"(grouped {workload}) {r['experts']} experts {r['hidden']}/{r['intermediate']}, {r['rows']} rows: "
+              f"bf16 {b['total']:8.3f} ms (host {b['host_total']:.3f}) | fp8 {f['total']:8.3f} ms "
+              f"x{f['speedup_vs_bf16']} (host {f['host_total']:.3f}); fc1 forward GEMM bf16 "
+              f"{b.get('fc1_fwd_gemm', float('nan')):.3f} fp8 {f['fc1_fwd_gemm']:.3f} ms, its FP8 operands "
+              f"{f['fc1_fwd_operands']:.3f} ms", flush=True)
     result = {"device": name, "torch": torch.__version__, "blockwise_supported": supported, "recipe_in_use": in_use,
-              "recipes": recipes, "warmup": args.warmup, "reps": args.reps, "rows": rows}
+              "recipes": recipes, "warmup": args.warmup, "reps": args.reps, "rows": rows, "grouped": grouped}
     out = Path(args.out)
     H.save_json(result, out)
     print(f"wrote {out}")
