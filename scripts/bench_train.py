@@ -32,6 +32,7 @@ of --peak-tflops (989 for H100/H200 dense bf16).
 
 A stack that runs out of memory at the workload's micro-batch is measured again at micro-batch 1 with gradient
 accumulation over as many micro-batches (same tokens per optimizer step), and both facts are reported.
+``--accum N`` runs every stack with N micro-batches of the workload's size per optimizer step (N times the tokens).
 
     python scripts/bench_train.py [--shapes a,b,c] [--stacks transformers,liger,loongforge] [--steps 10]
                                   [--warmup 3] [--profile a,c] [--out outputs/bench_train.json]
@@ -317,12 +318,12 @@ def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: 
     for key, value in options.items():
         common += [VARIANT_OPTIONS[key][0], value]
     common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
-    result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", "1"], log_path=log,
+    result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", str(args.accum)], log_path=log,
                           timeout_s=args.worker_timeout)
     print(f"  {stack}: {_brief(result)}", flush=True)
     if result["status"] == "oom" and mb > 1 and not args.no_oom_retry:
         first = result
-        result = H.run_worker(common + ["--micro-batch", "1", "--accum", str(mb)], log_path=log,
+        result = H.run_worker(common + ["--micro-batch", "1", "--accum", str(mb * args.accum)], log_path=log,
                               timeout_s=args.worker_timeout)
         result["oom_at"] = {"micro_batch": mb, "peak_gib": first.get("peak_gib"), "error": first["error"][-1500:]}
         print(f"  {stack} (micro-batch 1 x {mb} accumulation): {_brief(result)}", flush=True)
@@ -379,6 +380,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stacks", default=",".join(STACKS))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--profile", default="a,c", help="workloads whose loongforge step is profiled ('' for none)")
     p.add_argument("--profile-stack", default="loongforge", help="the row profiled, e.g. 'loongforge "
                    "optimizer=model'")

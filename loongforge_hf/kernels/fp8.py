@@ -30,6 +30,7 @@ Choices:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -437,6 +438,42 @@ def blockwise_supported(device_index: int, recipe: str = "blockwise") -> bool:
     return True
 
 
+# ---- quantised weights shared by the micro-batches of one optimizer step -------------------------------------------
+_WEIGHT_CACHE: dict | None = None
+
+
+@contextlib.contextmanager
+def weight_cache(enabled: bool = True):
+    """Inside, each weight is quantised once (per scaling) and reused by every later GEMM that takes it: what the
+    micro-batches of one optimizer step share, as Transformer Engine's ``is_first_microbatch`` does. The caller
+    promises that weights do not change inside (the training engine opens it around one step's forward and backward
+    passes, before the optimizer runs). The quantised copies are held until the block ends (block-wise: 2 bytes per
+    weight value for ``w`` and ``w.T``). A nested block leaves the outer one in charge."""
+    global _WEIGHT_CACHE
+    if not enabled or _WEIGHT_CACHE is not None:
+        yield
+        return
+    _WEIGHT_CACHE = {}
+    try:
+        yield
+    finally:
+        _WEIGHT_CACHE = None
+
+
+def cached_weight(w: torch.Tensor, kind: str, quantize):
+    """``quantize()`` (the quantisation of weight ``w`` named ``kind``), computed once inside ``weight_cache``."""
+    if _WEIGHT_CACHE is None:
+        return quantize()
+    key = (id(w), kind)
+    hit = _WEIGHT_CACHE.get(key)
+    # NOTE: the entry keeps ``w`` alive (its id cannot be reused) and its version (an in-place change misses).
+    if hit is not None and hit[0] is w and hit[1] == w._version:
+        return hit[2]
+    value = quantize()
+    _WEIGHT_CACHE[key] = (w, w._version, value)
+    return value
+
+
 # ---- the three GEMMs of a linear layer, and fp8_linear --------------------------------------------------------------
 RECIPES = ("blockwise", "blockwise_wgrad2d", "rowwise")
 # how each recipe scales the operands of the weight-gradient GEMM dy.T @ x (both contract over tokens): dy.T, x.T
@@ -485,7 +522,10 @@ def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *, for_dgrad: bool =
         return x.new_zeros(0, w.shape[0]), None, None
     xtq = None
     if is_blockwise(recipe):
-        wq, wtq = quantize_blocks_dual(w) if for_dgrad else (quantize_blocks(w, check_finite=False), None)
+        if for_dgrad:
+            wq, wtq = cached_weight(w, "blocks_dual", lambda: quantize_blocks_dual(w))
+        else:
+            wq, wtq = cached_weight(w, "blocks", lambda: quantize_blocks(w, check_finite=False)), None
         if for_wgrad:
             xq, xtq = quantize_operands(x, WGRAD_KINDS[recipe][1])
         else:
@@ -493,8 +533,8 @@ def gemm_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, *, for_dgrad: bool =
         y = scaled_matmul(xq, wq, out_dtype=x.dtype)
     else:
         wtq = None
-        y = scaled_matmul(quantize_rows(_pad_rows(x), check_finite=False), quantize_rows(w, check_finite=False),
-                          out_dtype=x.dtype)
+        y = scaled_matmul(quantize_rows(_pad_rows(x), check_finite=False),
+                          cached_weight(w, "rows", lambda: quantize_rows(w, check_finite=False)), out_dtype=x.dtype)
     return (y if y.shape[0] == m else y[:m]), wtq, xtq
 
 
@@ -505,10 +545,12 @@ def gemm_dgrad(dy: torch.Tensor, w: torch.Tensor, recipe: str, wtq: Quantized | 
     if m == 0:
         return dy.new_zeros(0, w.shape[1])
     if is_blockwise(recipe):
-        wt = wtq if wtq is not None else quantize_blocks(w.t(), check_finite=False)
+        wt = wtq if wtq is not None else cached_weight(w, "blocks_t",
+                                                       lambda: quantize_blocks(w.t(), check_finite=False))
         dx = scaled_matmul(quantize_tiles(_pad_rows(dy), check_finite=False), wt, out_dtype=dy.dtype)
     else:
-        dx = scaled_matmul(quantize_rows(_pad_rows(dy), check_finite=False), quantize_rows(w.t(), check_finite=False),
+        dx = scaled_matmul(quantize_rows(_pad_rows(dy), check_finite=False),
+                           cached_weight(w, "rows_t", lambda: quantize_rows(w.t(), check_finite=False)),
                            out_dtype=dy.dtype)
     return dx if dx.shape[0] == m else dx[:m]
 

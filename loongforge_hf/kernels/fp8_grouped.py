@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from loongforge_hf.kernels.fp8 import (FP8_DTYPE, FP8_MAX, Fp8Error, _use_triton, cast_to_fp8, quantize_rows,
-                                       scales_from_amax)
+from loongforge_hf.kernels.fp8 import (FP8_DTYPE, FP8_MAX, Fp8Error, _use_triton, cached_weight, cast_to_fp8,
+                                       quantize_rows, scales_from_amax)
 from loongforge_hf.kernels.grouped_mlp import check_expert_shapes, scale_by_probs
 from loongforge_hf.kernels.swiglu import swiglu
 
@@ -289,14 +289,14 @@ def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
 def _forward_operands(x, w, layout: Layout):
     """``x_e @ w[e].T`` operands: a ``[rows, K]``, b ``[E, K, N]`` (column-major), scales."""
     xq, xs = layout.quantize_rows(x)
-    wq, ws = _quantize_weight_rows(w)
+    wq, ws = cached_weight(w, "expert_rows", lambda: _quantize_weight_rows(w))
     return xq, wq.transpose(-2, -1), xs, ws
 
 
 def _dgrad_operands(dy, w, layout: Layout):
     """``dy_e @ w[e]`` operands: a ``[rows, N]``, b ``[E, N, K]`` (column-major), scales."""
     dq, ds = layout.quantize_rows(dy)
-    wtq, wts = _quantize_weight_rows(w.transpose(-2, -1))
+    wtq, wts = cached_weight(w, "expert_rows_t", lambda: _quantize_weight_rows(w.transpose(-2, -1)))
     return dq, wtq.transpose(-2, -1), ds, wts
 
 

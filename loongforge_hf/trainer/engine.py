@@ -47,6 +47,7 @@ import torch.distributed as dist
 from loongforge_hf.bridges.runtime import (IGNORE_INDEX, fused_loss_sum, hidden_states_out, language_head,
                                            megatron_attention_mask, shift_labels, token_losses)
 from loongforge_hf.kernels import main_grad as main_grad_state
+from loongforge_hf.kernels.fp8 import weight_cache as fp8_weight_cache
 from loongforge_hf.parallel.context_parallel import cp_local_inputs
 
 
@@ -249,9 +250,12 @@ class MegatronEngine:
         forward_step = self._forward_step_func(self.model.config.vocab_size)
         vpp = len(self.chunks)
         data = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=self.chunks if vpp > 1 else self.chunks[0],
-            num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs, forward_only=False)
+        # NOTE: FP8 layers quantise each weight once for all micro-batches of the step (weights change only in the
+        # optimizer step below); nothing to share with one micro-batch.
+        with fp8_weight_cache(len(micro_batches) > 1):
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data, model=self.chunks if vpp > 1 else self.chunks[0],
+                num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs, forward_only=False)
         update_ok, grad_norm = self._optimizer_step()
         # loss over this DP rank's tokens (last stage), then over DP, then shared with every pipeline stage
         device = self.model.device

@@ -122,6 +122,125 @@ def test_forward_keeps_fp8_x_transposed_for_the_weight_gradient():
     assert not torch.equal(grads["blockwise", True][1], grads["blockwise_wgrad2d", True][1])
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_weight_cache_quantises_each_weight_once(recipe):
+    """Inside ``weight_cache`` three micro-batches' forward and backward quantise the weight (and its transpose) once,
+    with outputs and gradients equal bit for bit to quantising it every time; an in-place change of the weight is
+    seen; leaving the block drops the copies."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.nn.Parameter((torch.randn(256, 128, generator=g) * 0.05).to(torch.bfloat16))
+    xs = [torch.randn(40, 128, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3)]
+    dys = [torch.randn(40, 256, generator=g).to(torch.bfloat16) for _ in range(3)]
+    weight_shapes = {(256, 128), (128, 256)}
+
+    def run():
+        w.grad = None
+        outs = []
+        for x, dy in zip(xs, dys):
+            x.grad = None
+            y = fp8_linear(x, w, recipe=recipe)
+            y.backward(dy)
+            outs += [y.detach(), x.grad.clone()]
+        return outs + [w.grad.clone()]
+
+    def weight_quantisations(calls):
+        return sum(shape in weight_shapes for c in calls.values() for shape in c)
+
+    names = ("quantize_blocks_dual",) if recipe == "blockwise" else ("quantize_rows",)
+    with recorded_calls(fp8, *names) as calls:
+        want = run()
+        assert weight_quantisations(calls) == (3 if recipe == "blockwise" else 6)
+    with recorded_calls(fp8, *names) as calls:
+        with fp8.weight_cache():
+            got = run()
+            assert weight_quantisations(calls) == (1 if recipe == "blockwise" else 2)
+            with torch.no_grad():
+                w.mul_(0.5)  # an in-place change (version bump): quantised again
+            changed = fp8_linear(xs[0], w, recipe=recipe).detach()
+        assert fp8._WEIGHT_CACHE is None
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(changed, fp8_linear(xs[0], w, recipe=recipe).detach())
+
+
+def test_weight_cache_covers_grouped_experts():
+    from loongforge_hf.kernels import fp8_grouped as G
+
+    g = torch.Generator().manual_seed(12)
+    counts = torch.tensor([3, 0, 20])
+    x = torch.randn(23, 32, generator=g).requires_grad_()
+    fc1 = (torch.randn(3, 32, 32, generator=g) * 0.1).requires_grad_()
+    fc2 = (torch.randn(3, 32, 16, generator=g) * 0.1).requires_grad_()
+
+    def run():
+        outs = []
+        for _ in range(2):
+            x.grad = fc1.grad = fc2.grad = None
+            y = G.fp8_grouped_gated_mlp(x, fc1, fc2, counts, emulate=True)
+            y.sum().backward()
+            outs += [y.detach(), x.grad, fc1.grad, fc2.grad]
+        return outs
+
+    with recorded_calls(G, "_quantize_weight_rows") as calls:
+        want = run()
+        assert len(calls["_quantize_weight_rows"]) == 8  # fc1, fc1.T, fc2, fc2.T per micro-batch
+        with fp8.weight_cache():
+            got = run()
+        assert len(calls["_quantize_weight_rows"]) == 8 + 4
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _engine_weight_cache(folder: str, out_dir: str) -> dict:
+    """Two LoongTrainer-engine steps of three micro-batches on an FP8-swapped model, with the engine's weight cache
+    and with it replaced by a no-op: the weight quantisations counted, and losses and weights compared."""
+    from contextlib import nullcontext
+
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.kernels.fp8_linear import swap_linears
+    from loongforge_hf.trainer import engine as engine_module
+
+    args = transformers.TrainingArguments(out_dir, use_cpu=True, learning_rate=1e-2, weight_decay=0.0,
+                                          max_grad_norm=1.0, report_to=[])
+    g = torch.Generator().manual_seed(0)
+    steps = [[{"input_ids": ids, "labels": ids} for ids in torch.randint(4, 203, (3, 2, 16), generator=g)]
+             for _ in range(2)]
+    result = {}
+    for cached in (True, False):
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        swapped = swap_linears(model.chunks, mode="on", recipe="blockwise").swapped
+        engine = engine_module.MegatronEngine(model, args=args)
+        real = engine_module.fp8_weight_cache
+        if not cached:
+            engine_module.fp8_weight_cache = lambda enabled: nullcontext()
+        try:
+            with recorded_calls(fp8, "quantize_blocks_dual") as calls:
+                losses = [engine.train_step(batches).loss for batches in steps]
+        finally:
+            engine_module.fp8_weight_cache = real
+        result[cached] = {"swapped": len(swapped), "quantised": len(calls["quantize_blocks_dual"]),
+                          "losses": losses, "weights": [p.detach().clone() for p in model.parameters()]}
+    # NOTE: plain values back to the parent (tensors would travel through file descriptors of an exited child)
+    pairs = zip(result[True].pop("weights"), result[False].pop("weights"))
+    result["weights_equal"] = all(torch.equal(a, b) for a, b in pairs)
+    return result
+
+
+def test_engine_quantises_weights_once_per_step(tmp_path):
+    """The engine shares each FP8 weight's quantisation among the micro-batches of one step (not across steps: the
+    optimizer changed the weights): the same losses and updated weights as quantising per micro-batch."""
+    from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "src", "llama", tokenizer=False, num_hidden_layers=2, hidden_size=128,
+                                  intermediate_size=256, head_dim=32)
+    (r,) = run_distributed(_engine_weight_cache, 1, str(folder), str(tmp_path / "out"), timeout=240)
+    on, off = r[True], r[False]
+    assert on["swapped"] == 8
+    assert on["quantised"] == 2 * 8 and off["quantised"] == 2 * 3 * 8  # per step, not per micro-batch
+    assert on["losses"] == off["losses"] and on["losses"][1] != on["losses"][0]
+    assert r["weights_equal"]
+
+
 @pytest.mark.parametrize("recipe", ["blockwise", "blockwise_wgrad2d"])
 def test_no_backward_operands_without_grad_mode(recipe):
     """Under no_grad (evaluation, generation, a recomputed layer's first pass) the forward quantises neither w.T nor
