@@ -140,36 +140,53 @@ if triton is not None:
         tl.store(s_ptr + pid_r * s_cols + pid_c, scale)
 
     @triton.jit
-    def _rows_kernel(x_ptr, q_ptr, s_ptr, rows, cols, out_cols, stride_xr, stride_xc,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FMAX: tl.constexpr):
+    def _rows_kernel(x_ptr, q_ptr, s_ptr, dst_ptr, rows, cols, out_cols, stride_xb, stride_xr, stride_xc,
+                     SCATTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FMAX: tl.constexpr):
+        """One scale per row of batch ``program_id(1)`` of ``x`` (columns past ``cols`` up to ``out_cols`` written
+        as zeros); row ``r`` goes to output row ``dst[r]`` (``SCATTER``: the grouped experts' padded layout) or
+        ``batch * rows + r``."""
+        b = tl.program_id(1)
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = r < rows
+        base = x_ptr + b * stride_xb + r[:, None] * stride_xr
         amax = tl.zeros((BLOCK_R,), tl.float32)
         for c0 in range(0, cols, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
-            mask = (r[:, None] < rows) & (c[None, :] < cols)
-            x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
+            x = tl.load(base + c[None, :] * stride_xc, mask=live[:, None] & (c[None, :] < cols), other=0.0)
             x = x.to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
         scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.zeros((BLOCK_R,), tl.float32) + FMAX))
         inv = tl.math.div_rn(tl.zeros((BLOCK_R,), tl.float32) + 1.0, scale)
+        if SCATTER:
+            out = tl.load(dst_ptr + r, mask=live, other=0)
+        else:
+            out = b * rows + r
         for c0 in range(0, out_cols, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
-            load = (r[:, None] < rows) & (c[None, :] < cols)
-            x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=load, other=0.0)
-            x = x.to(tl.float32)
-            q = tl.clamp(x * inv[:, None], -FMAX, FMAX)
-            store = (r[:, None] < rows) & (c[None, :] < out_cols)
-            tl.store(q_ptr + r[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=store)
-        tl.store(s_ptr + r, scale, mask=r < rows)
+            x = tl.load(base + c[None, :] * stride_xc, mask=live[:, None] & (c[None, :] < cols), other=0.0)
+            q = tl.clamp(x.to(tl.float32) * inv[:, None], -FMAX, FMAX)
+            tl.store(q_ptr + out[:, None] * out_cols + c[None, :], q.to(q_ptr.dtype.element_ty),
+                     mask=live[:, None] & (c[None, :] < out_cols))
+        tl.store(s_ptr + out, scale, mask=live)
+
+
+def rows_into_triton(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, dst: torch.Tensor | None = None) -> None:
+    """``x`` ``[B, R, C]`` (any strides) quantised with one scale per row into ``q`` ``[*, C']`` (``C' >= C``, the
+    rest zero) and ``s``: row ``r`` of batch ``b`` at ``dst[r]`` where given (B = 1), else at ``b * R + r``. ``q``'s
+    dtype is the kernel's output type (FP8 in training; fp32 lets the interpreter's tests round with torch)."""
+    batch, rows, cols = x.shape
+    if not (batch and rows and cols):
+        return
+    block_r = 16
+    _rows_kernel[(_ceil(rows, block_r), batch)](
+        x, q, s, dst if dst is not None else s, rows, cols, q.shape[-1], x.stride(0), x.stride(1), x.stride(2),
+        SCATTER=dst is not None, BLOCK_R=block_r, BLOCK_C=256, FMAX=FP8_MAX)
 
 
 def _rows_triton(x: torch.Tensor, out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = x.shape
-    q = torch.empty(rows, out_cols, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    block_r = 16
-    _rows_kernel[(_ceil(rows, block_r),)](x, q, s, rows, cols, out_cols, x.stride(0), x.stride(1),
-                                          BLOCK_R=block_r, BLOCK_C=256, FMAX=FP8_MAX)
+    q = torch.empty(x.shape[0], out_cols, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    rows_into_triton(x[None], q, s)
     return q, s
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.kernels.fp8 import (FP8_DTYPE, FP8_MAX, Fp8Error, _use_triton, cached_weight, cast_to_fp8,
-                                       quantize_rows, scales_from_amax)
+                                       quantize_rows, rows_into_triton, scales_from_amax)
 from loongforge_hf.kernels.grouped_mlp import check_expert_shapes, scale_by_probs
 from loongforge_hf.kernels.swiglu import swiglu
 
@@ -61,36 +61,6 @@ ALIGN = 16
 
 # ---- Triton kernels: quantise straight into the padded GEMM layouts ------------------------------------------------
 if triton is not None:
-    @triton.jit
-    def _rows_into_kernel(x_ptr, q_ptr, s_ptr, dst_ptr, rows, cols, stride_xb, stride_xr, stride_xc,
-                          SCATTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FMAX: tl.constexpr):
-        """One scale per row of batch ``program_id(1)`` of ``x``; row ``r`` is written to output row ``dst[r]``
-        (``SCATTER``) or ``batch * rows + r``."""
-        b = tl.program_id(1)
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        live = r < rows
-        base = x_ptr + b * stride_xb + r[:, None] * stride_xr
-        amax = tl.zeros((BLOCK_R,), tl.float32)
-        for c0 in range(0, cols, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            x = tl.load(base + c[None, :] * stride_xc, mask=live[:, None] & (c[None, :] < cols), other=0.0)
-            x = x.to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
-        # NOTE: IEEE-rounded divisions, as fp8._rows_kernel: the same bits as the torch path.
-        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.zeros((BLOCK_R,), tl.float32) + FMAX))
-        inv = tl.math.div_rn(tl.zeros((BLOCK_R,), tl.float32) + 1.0, scale)
-        if SCATTER:
-            out = tl.load(dst_ptr + r, mask=live, other=0)
-        else:
-            out = b * rows + r
-        for c0 in range(0, cols, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            mask = live[:, None] & (c[None, :] < cols)
-            x = tl.load(base + c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-            q = tl.clamp(x * inv[:, None], -FMAX, FMAX)
-            tl.store(q_ptr + out[:, None] * cols + c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + out, scale, mask=live)
-
     @triton.jit
     def _segment_columns_kernel(x_ptr, q_ptr, s_ptr, counts_ptr, starts_ptr, dst_ptr, cols, out_cols,
                                 stride_xr, stride_xc, ALIGN: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -128,18 +98,6 @@ if triton is not None:
         if tl.load(counts_ptr + e) == 0:
             i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
             tl.store(y_ptr + e * size + i, tl.zeros((BLOCK,), y_ptr.dtype.element_ty), mask=i < size)
-
-
-def _rows_into_triton(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, dst: torch.Tensor | None) -> None:
-    """``x`` ``[B, R, C]`` (any strides) row-quantised into ``q`` ``[*, C]`` and ``s`` (rows ``dst`` where given,
-    else ``b * R + r``). ``q``'s dtype is the kernel's output type (FP8 in training)."""
-    batch, rows, cols = x.shape
-    if not (batch and rows and cols):
-        return
-    block_r = 16
-    _rows_into_kernel[(-(-rows // block_r), batch)](
-        x, q, s, dst if dst is not None else s, rows, cols, x.stride(0), x.stride(1), x.stride(2),
-        SCATTER=dst is not None, BLOCK_R=block_r, BLOCK_C=256, FMAX=FP8_MAX)
 
 
 def _columns_into_triton(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, layout: "Layout") -> None:
@@ -192,7 +150,7 @@ class Layout:
         # gathered.
         q = torch.empty(self.rows, x.shape[1], dtype=FP8_DTYPE, device=x.device)
         s = torch.ones(self.rows, dtype=torch.float32, device=x.device)
-        _rows_into_triton(x[None], q, s, self.dst)
+        rows_into_triton(x[None], q, s, self.dst)
         return q, s
 
     def quantize_columns(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +212,7 @@ def _quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(w):
         q = torch.empty(e, r, c, dtype=FP8_DTYPE, device=w.device)
         s = torch.empty(e, r, dtype=torch.float32, device=w.device)
-        _rows_into_triton(w, q, s, None)
+        rows_into_triton(w, q, s, None)
         return q, s
     if w.is_contiguous():
         q = quantize_rows(w.reshape(e * r, c), check_finite=False)

@@ -1,4 +1,4 @@
-"""The grouped FP8 experts' Triton kernels (``fp8_grouped._rows_into_triton``, ``_columns_into_triton``) against the
+"""The grouped FP8 experts' Triton kernels (``fp8.rows_into_triton``, ``_columns_into_triton``) against the
 torch steps they replace (quantise, then scatter into the padded layout), on any device.
 
 The reference is always the torch steps on the CPU (as tests/kernels/test_gpu_fp8.py compares the dense kernels:
@@ -11,6 +11,7 @@ exactly. With ``fp8_out=True`` (a GPU) the kernels' FP8 output is compared bit f
 import torch
 
 from loongforge_hf.kernels import fp8_grouped as G
+from loongforge_hf.kernels.fp8 import quantize_rows
 
 COUNTS = [0, 1, 17, 70, 0, 16, 129]
 
@@ -64,7 +65,7 @@ def check_grouped_quantisation(device="cpu", *, fp8_out: bool = False) -> list:
         want_q, want_s = _torch_steps(ref.quantize_rows, src)
         q = torch.full((lay.rows, x.shape[1]), float("nan"), device=device).to(out_dtype)
         s = torch.ones(lay.rows, device=device)
-        G._rows_into_triton(src[None], q, s, lay.dst)
+        G.rows_into_triton(src[None], q, s, lay.dst)
         _same_bits(_bits(q)[lay.dst], _bits(want_q)[lay.dst], f"rows {name}")
         assert torch.equal(s, want_s), f"row scales {name}"
 
@@ -75,11 +76,19 @@ def check_grouped_quantisation(device="cpu", *, fp8_out: bool = False) -> list:
         _same_bits(_bits(q)[:, :ends], _bits(want_q)[:, :ends], f"columns {name}")  # with the zero padding
         assert torch.equal(s, want_s), f"column scales {name}"
         checked += [f"rows {name}", f"columns {name}"]
+    # the dense row-wise path's use: zero columns appended up to a multiple (pad_to)
+    want = _torch_steps(lambda t: tuple(quantize_rows(t, pad_to=64, check_finite=False)[:2]), x)
+    q = torch.full((x.shape[0], 256), float("nan"), device=device).to(out_dtype)
+    s = torch.empty(x.shape[0], 1, device=device)
+    G.rows_into_triton(x[None], q, s)
+    _same_bits(_bits(q), _bits(want[0]), "rows padded")
+    assert torch.equal(s, want[1]), "rows padded scales"
+    checked.append("rows padded")
     for name, src in (("w", w), ("w.T", w.transpose(-2, -1))):
         want_q, want_s = _torch_steps(G._quantize_weight_rows, src)
         q = torch.empty(src.shape, device=device).to(out_dtype)
         s = torch.empty(src.shape[:2], device=device)
-        G._rows_into_triton(src, q, s, None)
+        G.rows_into_triton(src, q, s, None)
         _same_bits(_bits(q), _bits(want_q), f"weight rows {name}")
         assert torch.equal(s, want_s), f"weight scales {name}"
         checked.append(f"weight rows {name}")

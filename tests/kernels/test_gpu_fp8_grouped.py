@@ -58,7 +58,7 @@ def _inputs(seed=0):
 
 
 def test_layout_kernels_match_torch_steps_bit_for_bit():
-    assert len(check_grouped_quantisation("cuda", fp8_out=True)) == 9
+    assert len(check_grouped_quantisation("cuda", fp8_out=True)) == 10
 
 
 def test_grouped_gemm_matches_emulation_from_same_operands():

@@ -24,5 +24,5 @@ def test_router_kernel_in_the_interpreter():
 def test_grouped_fp8_layout_kernels_in_the_interpreter():
     checked = run_interpreted("from tests.kernels._fp8_grouped_checks import check_grouped_quantisation\n"
                               "check_grouped_quantisation()")
-    assert checked == ["rows x", "columns x", "rows x strided", "columns x strided", "weight rows w",
+    assert checked == ["rows x", "columns x", "rows x strided", "columns x strided", "rows padded", "weight rows w",
                        "weight rows w.T", "zero_empty"]
