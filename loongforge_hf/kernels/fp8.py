@@ -478,8 +478,9 @@ def weight_cache(enabled: bool = True):
 
 
 def cached_weight(w: torch.Tensor, kind: str, quantize):
-    """``quantize()`` (the quantisation of weight ``w`` named ``kind``), computed once inside ``weight_cache``."""
-    if _WEIGHT_CACHE is None:
+    """``quantize()`` (the quantisation of weight ``w`` named ``kind``), computed once inside ``weight_cache`` where
+    ``w`` is a parameter (a view of one, e.g. one expert's slice, is a new object per call: quantised each time)."""
+    if _WEIGHT_CACHE is None or not isinstance(w, torch.nn.Parameter):
         return quantize()
     key = (id(w), kind)
     hit = _WEIGHT_CACHE.get(key)

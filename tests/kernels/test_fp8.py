@@ -157,6 +157,9 @@ def test_weight_cache_quantises_each_weight_once(recipe):
             with torch.no_grad():
                 w.mul_(0.5)  # an in-place change (version bump): quantised again
             changed = fp8_linear(xs[0], w, recipe=recipe).detach()
+            entries = len(fp8._WEIGHT_CACHE)
+            fp8_linear(xs[0], w[:128], recipe=recipe)  # a view (one expert's slice): not kept
+            assert len(fp8._WEIGHT_CACHE) == entries
         assert fp8._WEIGHT_CACHE is None
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(changed, fp8_linear(xs[0], w, recipe=recipe).detach())
@@ -168,8 +171,8 @@ def test_weight_cache_covers_grouped_experts():
     g = torch.Generator().manual_seed(12)
     counts = torch.tensor([3, 0, 20])
     x = torch.randn(23, 32, generator=g).requires_grad_()
-    fc1 = (torch.randn(3, 32, 32, generator=g) * 0.1).requires_grad_()
-    fc2 = (torch.randn(3, 32, 16, generator=g) * 0.1).requires_grad_()
+    fc1 = torch.nn.Parameter(torch.randn(3, 32, 32, generator=g) * 0.1)  # the module's stacked weights
+    fc2 = torch.nn.Parameter(torch.randn(3, 32, 16, generator=g) * 0.1)
 
     def run():
         outs = []
