@@ -12,6 +12,11 @@ Choices:
 - Decisions are cached in a JSON file keyed by GPU name, recipe, GEMM and shape (``LOONGFORGE_HF_FP8_CACHE`` or the
   ``cache_path`` given, default ``~/.cache/loongforge_hf/fp8_autotune.json``), written atomically since ranks of one
   node may share it, and reused offline; an unreadable file is timed again, with a warning.
+- A grouped expert module is timed as a whole (``decide_experts``): the forward (and, when it trains, the backward)
+  of all its local experts, bf16 (``grouped_mlp.grouped_gated_mlp``) against FP8 (``fp8_linear.fp8_experts``), at a
+  power-of-two number of routed rows spread evenly over the experts, keyed ``experts:E`` (``experts_fwd:E``) with
+  M = rows, N = 2 x the expert width, K = hidden. The FP8 time includes quantising the weights (no per-step cache
+  applies to the timing's own tensors), so with several micro-batches per step FP8 is a little cheaper than timed.
 - Each decision is logged (logger ``loongforge_hf.fp8``) with the component and module that met it; ``table()``
   lists them.
 """
@@ -68,6 +73,40 @@ def _gemm_pair(gemm: str, m: int, n: int, k: int, recipe: str, device: torch.dev
     return (lambda: dy.t() @ x), (lambda: gemm_wgrad(dy, x, recipe))
 
 
+def _no_grad(fn):
+    def call():
+        with torch.no_grad():
+            return fn()
+    return call
+
+
+def _experts_pair(experts: int, m: int, two_f: int, h: int, recipe: str, device: torch.device, dtype: torch.dtype,
+                  train: bool):
+    """(bf16 callable, fp8 callable): forward (+ backward) of ``experts`` gated MLPs over ``m`` rows spread evenly."""
+    from loongforge_hf.kernels.fp8_linear import fp8_experts
+    from loongforge_hf.kernels.grouped_mlp import grouped_gated_mlp
+
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, dtype=dtype, generator=g) * scale).requires_grad_(train)
+
+    counts = torch.full((experts,), m // experts, dtype=torch.int64, device=device)
+    counts[: m % experts] += 1
+    x, dy = rand(m, h), torch.randn(m, h, device=device, dtype=dtype, generator=g)
+    fc1, fc2 = rand(experts, two_f, h, scale=0.02), rand(experts, h, two_f // 2, scale=0.02)
+
+    def timed(mlp):
+        def call():
+            out = mlp(x, fc1, fc2, counts, None)
+            if train:
+                x.grad = fc1.grad = fc2.grad = None
+                out.backward(dy)
+        return call if train else _no_grad(call)
+
+    return timed(grouped_gated_mlp), timed(lambda *a: fp8_experts(*a, recipe=recipe))
+
+
 @dataclass
 class Fp8Autotuner:
     """bf16-or-FP8 per GEMM shape, timed once per GPU model and cached in a JSON file."""
@@ -111,21 +150,34 @@ class Fp8Autotuner:
         os.replace(tmp, self.cache_path)
 
     def decide(self, gemm: str, m: int, n: int, k: int, *, device: torch.device, dtype: torch.dtype,
-               where: str) -> bool:
+               where: str, pair=None) -> bool:
+        """FP8 or not for one GEMM (``gemm`` fwd / dgrad / wgrad) of shape ``m x n x k``, timed on a cache miss
+        (``pair()``: the bf16 and FP8 callables to time, by default the GEMM's own)."""
         from loongforge_hf.xpu import get_backend
 
         gpu = get_backend().device_name(device) if device.type == "cuda" else device.type
         entry = self.lookup(gpu, gemm, m, n, k)
         if entry is None:
-            bf16, fp8 = _gemm_pair(gemm, m, n, k, self.recipe, device, dtype)
-            with torch.no_grad():
-                entry = self.record(gpu, gemm, m, n, k, bf16_ms=_time_ms(bf16), fp8_ms=_time_ms(fp8))
+            if pair is None:
+                bf16, fp8 = map(_no_grad, _gemm_pair(gemm, m, n, k, self.recipe, device, dtype))
+            else:
+                bf16, fp8 = pair()
+            entry = self.record(gpu, gemm, m, n, k, bf16_ms=_time_ms(bf16), fp8_ms=_time_ms(fp8))
             self.save()
         use = fp8_pays(entry["bf16_ms"], entry["fp8_ms"])
         self.rows.append((where, gemm, f"{m}x{n}x{k}", entry["bf16_ms"], entry["fp8_ms"], use))
         logger.info("fp8 adaptive: %s %s %dx%dx%d bf16 %.4f ms fp8 %.4f ms -> %s", where, gemm, m, n, k,
                     entry["bf16_ms"], entry["fp8_ms"], "fp8" if use else "bf16")
         return use
+
+    def decide_experts(self, fc1: torch.Tensor, fc2: torch.Tensor, rows: int, *, train: bool, where: str) -> bool:
+        """FP8 or not for a grouped expert module (weights fc1 ``[E, 2F, H]``, fc2 ``[E, H, F]``) at ``rows``
+        routed rows: forward and, with ``train``, backward of all its experts, timed as a whole."""
+        experts, two_f, h = fc1.shape
+        gemm = f"experts{'' if train else '_fwd'}:{experts}"
+        return self.decide(gemm, rows, two_f, h, device=fc1.device, dtype=fc1.dtype, where=where,
+                           pair=lambda: _experts_pair(experts, rows, two_f, h, self.recipe, fc1.device, fc1.dtype,
+                                                      train))
 
     def table(self) -> str:
         """Every decision made in this process: component/module, GEMM, shape (MxNxK), times, choice."""

@@ -20,7 +20,8 @@ Choices:
   gradient, weight gradient), whether FP8 beats bf16 on the GPU in use (timed once, cached in a JSON file per GPU
   model, logged with the component (vision / language) and module that met it), and runs FP8 only there: each
   layer decides on its own shapes, so the vision tower and the language model decide independently. The token
-  count is rounded up to a power of two for the decision (``token_bucket``).
+  count is rounded up to a power of two for the decision (``token_bucket``). A grouped expert module decides as a
+  whole (its routed rows change every step; the timing spreads them evenly over the local experts).
 - Recipes: ``blockwise`` (1x128 activation / gradient tiles, 128x128 weight blocks, DeepSeek-V3's; the default where
   the GPU runs it), ``blockwise_wgrad2d`` (the same, except that the weight-gradient GEMM takes the output gradient
   in 128x128 blocks: a faster cuBLAS kernel, coarser scaling; opt-in, see docs/fp8.md) and ``rowwise`` (one scale
@@ -268,34 +269,61 @@ class Fp8VisionImpl(_LayerPrecision):
         return fp8_linear(x, weight, bias, recipe=self.settings.recipe, precision=precision)
 
 
-class Fp8GroupedExperts:
+def fp8_experts(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tokens_per_expert, probs, *,
+                recipe: str) -> torch.Tensor:
+    """The gated MLP of every local expert (``grouped_mlp.grouped_gated_mlp``'s math) with both projections in FP8:
+    one grouped GEMM per projection where ``torch._scaled_grouped_mm`` runs (or emulated off CUDA), else (Ada, a
+    torch without it) expert by expert through ``fp8_linear``."""
+    from loongforge_hf.kernels.fp8_grouped import fp8_grouped_gated_mlp, grouped_fp8_supported
+    from loongforge_hf.kernels.grouped_mlp import expert_loop
+
+    if not x.is_cuda or grouped_fp8_supported(x.device):
+        return fp8_grouped_gated_mlp(x, fc1, fc2, tokens_per_expert, probs, emulate=not x.is_cuda)
+    counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
+    linear = functools.partial(fp8_linear, recipe=recipe)
+    return expert_loop(x, fc1, fc2, [int(c) for c in counts], probs, linear=linear)
+
+
+class Fp8GroupedExperts(_LayerPrecision):
     """The instance ``forward`` of a grouped expert module (``kernels.grouped_mlp.GroupedMLP``): the same math per
-    expert (``swiglu(x @ W1.T)``, times the routing probability, ``@ W2.T``) with both projections in FP8.
+    expert (``swiglu(x @ W1.T)``, times the routing probability, ``@ W2.T``) with both projections in FP8
+    (``fp8_experts``).
 
     Where ``torch._scaled_grouped_mm`` runs (CUDA compute capability 9.0 / 10.x) or off CUDA (emulated, the tests'
     path), each projection is one grouped GEMM for all local experts, row-wise scaled under either recipe
     (``kernels.fp8_grouped``: torch has no block-scaled grouped GEMM on sm90), with no host sync. On other CUDA GPUs
     (Ada, sm 8.9) or a torch without it, the experts run one after the other through ``fp8_linear`` (the recipe's
-    scaling; one host sync for the token counts). ``adaptive`` leaves the experts in bf16.
+    scaling; one host sync for the token counts). ``adaptive`` decides for the whole module per power-of-two bucket
+    of its routed rows: forward and backward of all local experts timed in bf16 and in FP8 at that many rows spread
+    evenly (``Fp8Autotuner.decide_experts``); the module's own bf16 forward runs where FP8 does not pay.
     """
 
     def __init__(self, module, *, name: str, settings: Fp8Settings) -> None:
+        super().__init__(name=name, settings=settings)
         self.module_ref = module
-        self.name = name
-        self.settings = settings
+
+    def use_fp8(self, rows: int, fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
+        s = self.settings
+        if s.mode == "on":
+            return True
+        if rows == 0:
+            return False
+        m = token_bucket(rows)
+        key = (m, fc1.requires_grad)
+        if key not in self.decisions:
+            self.decisions[key] = s.autotuner.decide_experts(
+                fc1, fc2, m, train=fc1.requires_grad, where=f"{self.component}:{self.name}")
+        return self.decisions[key]
 
     def __call__(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        from loongforge_hf.kernels.fp8_grouped import fp8_grouped_gated_mlp, grouped_fp8_supported
-        from loongforge_hf.kernels.grouped_mlp import expert_loop, routed_inputs
+        from loongforge_hf.kernels.grouped_mlp import routed_inputs
 
         module = self.module_ref
-        x, probs = routed_inputs(module.config, permuted_local_hidden_states, permuted_probs)
         fc1, fc2 = module.linear_fc1.weight, module.linear_fc2.weight
-        if not x.is_cuda or grouped_fp8_supported(x.device):
-            return fp8_grouped_gated_mlp(x, fc1, fc2, tokens_per_expert, probs, emulate=not x.is_cuda), None
-        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
-        linear = functools.partial(fp8_linear, recipe=self.settings.recipe)
-        return expert_loop(x, fc1, fc2, [int(c) for c in counts], probs, linear=linear), None
+        if not self.use_fp8(permuted_local_hidden_states.shape[0], fc1, fc2):
+            return type(module).forward(module, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        x, probs = routed_inputs(module.config, permuted_local_hidden_states, permuted_probs)
+        return fp8_experts(x, fc1, fc2, tokens_per_expert, probs, recipe=self.settings.recipe), None
 
 
 def grouped_experts(chunks) -> list[tuple[str, torch.nn.Module]]:
@@ -362,9 +390,7 @@ def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLik
         swap(name, module, "_forward_impl", functools.partial(Fp8ForwardImpl, module))
     for name, module in grouped_experts(chunks):
         _, n, k = module.linear_fc1.weight.shape
-        if mode == "adaptive":
-            skipped[name] = "grouped experts stay in bf16 under fp8='adaptive' (tokens per expert change every step)"
-        elif not (gemm_eligible(n, k, recipe) and gemm_eligible(k, n // 2, recipe)):  # fc1 [2F, H], fc2 [H, F]
+        if not (gemm_eligible(n, k, recipe) and gemm_eligible(k, n // 2, recipe)):  # fc1 [2F, H], fc2 [H, F]
             skipped[name] = f"expert weights {n}x{k} are not multiples of {step} ({recipe} FP8 GEMM)"
         else:
             module.forward = Fp8GroupedExperts(module, name=name, settings=settings)

@@ -692,6 +692,53 @@ def test_fp8_checkpoint_loads_dequantised_and_swap_touches_eligible_layers(tmp_p
     assert r["moe_logit_rel"] < 0.08 and r["moe_grads_finite"]
 
 
+def _adaptive_experts(moe_dir: str, caches: list[str]) -> dict:
+    """The tiny MoE model under ``adaptive`` with a cache saying the experts module is faster in FP8 (first cache) or
+    in bf16 (second): which path each MoE layer ran, and its logits against the unswapped model's."""
+    import loongforge_hf as lf
+    from loongforge_hf.kernels import fp8_linear as FL
+
+    ids = torch.randint(4, 203, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = lf.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    result = {}
+    for cache in caches:
+        report = FL.swap_linears(model.chunks, mode="adaptive", recipe="rowwise", cache_path=cache)
+        with recorded_calls(FL, "fp8_experts") as calls:
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+        result[cache] = {"swapped": [n for n in report.swapped if n.endswith("mlp.experts")],
+                         "fp8_calls": len(calls["fp8_experts"]), "logit_rel": _rel(out.logits, ref),
+                         "rows": [row[:3] + row[5:] for row in report.autotuner.rows if row[1].startswith("experts")]}
+        FL.disable_fp8(model.chunks)
+    return result
+
+
+def test_adaptive_decides_grouped_experts_as_a_module(tmp_path):
+    """Under ``adaptive`` a grouped expert module runs FP8 where the cached timing of the whole module (forward +
+    backward of its experts at the bucket of its routed rows) says FP8 pays, and its own bf16 forward elsewhere."""
+    from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
+
+    moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", tokenizer=False, num_hidden_layers=3)
+    caches = []
+    for name, (bf16_ms, fp8_ms) in (("fp8", (2.0, 1.0)), ("bf16", (1.0, 2.0))):
+        tuner = Fp8Autotuner("rowwise", tmp_path / f"{name}.json")
+        # 32 tokens x top-2 = 64 routed rows over 4 experts, hidden 64, expert width 32 (fc1 64 x 64)
+        tuner.record("cpu", "experts:4", 64, 64, 64, bf16_ms=bf16_ms, fp8_ms=fp8_ms)
+        tuner.save()
+        caches.append(str(tuner.cache_path))
+    (r,) = run_distributed(_adaptive_experts, 1, str(moe), caches, timeout=240)
+    fast, slow = r[caches[0]], r[caches[1]]
+    assert len(fast["swapped"]) == 2 and fast["swapped"] == slow["swapped"]  # layers 1 and 2 (layer 0 is dense)
+    assert fast["fp8_calls"] == 2 and slow["fp8_calls"] == 0
+    assert fast["rows"] == [(f"language:{n}", "experts:4", "64x64x64", True) for n in fast["swapped"]]
+    assert [row[3] for row in slow["rows"]] == [False, False]
+    # NOTE: the dense layers' GEMMs are timed here (not in the caches): each takes well under MIN_SAVING_MS on CPU, so
+    # FP8 cannot pay for them and they stay fp32: with bf16 experts the logits are the unswapped model's.
+    assert slow["logit_rel"] < 1e-6 < fast["logit_rel"] < 0.08
+
+
 def _tp_sp_checks(folder: str) -> dict:
     import loongforge_hf as lf
     from loongforge_hf.kernels.fp8_linear import swap_linears
