@@ -98,11 +98,11 @@ def _experts_pair(experts: int, m: int, two_f: int, h: int, recipe: str, device:
 
     def timed(mlp):
         def call():
-            out = mlp(x, fc1, fc2, counts, None)
-            if train:
+            # NOTE: grad mode on even where the decision is asked under no_grad (a recomputed layer's first pass)
+            with torch.enable_grad():
                 x.grad = fc1.grad = fc2.grad = None
-                out.backward(dy)
-        return call if train else _no_grad(call)
+                mlp(x, fc1, fc2, counts, None).backward(dy)
+        return call if train else _no_grad(lambda: mlp(x, fc1, fc2, counts, None))
 
     return timed(grouped_gated_mlp), timed(lambda *a: fp8_experts(*a, recipe=recipe))
 
@@ -170,8 +170,8 @@ class Fp8Autotuner:
                     entry["bf16_ms"], entry["fp8_ms"], "fp8" if use else "bf16")
         return use
 
-    def decide_experts(self, fc1: torch.Tensor, fc2: torch.Tensor, rows: int, *, train: bool, where: str) -> bool:
-        """FP8 or not for a grouped expert module (weights fc1 ``[E, 2F, H]``, fc2 ``[E, H, F]``) at ``rows``
+    def decide_experts(self, fc1: torch.Tensor, rows: int, *, train: bool, where: str) -> bool:
+        """FP8 or not for a grouped expert module (weights fc1 ``[E, 2F, H]`` and fc2 ``[E, H, F]``) at ``rows``
         routed rows: forward and, with ``train``, backward of all its experts, timed as a whole."""
         experts, two_f, h = fc1.shape
         gemm = f"experts{'' if train else '_fwd'}:{experts}"

@@ -692,6 +692,23 @@ def test_fp8_checkpoint_loads_dequantised_and_swap_touches_eligible_layers(tmp_p
     assert r["moe_logit_rel"] < 0.08 and r["moe_grads_finite"]
 
 
+def test_experts_timing_runs_under_no_grad_and_is_cached(tmp_path):
+    """An expert module's decision asked under no_grad (a recomputed layer's first pass) still times forward +
+    backward when it trains; each (rows, training) is timed once and written to the cache."""
+    fc1 = torch.nn.Parameter(torch.randn(4, 64, 32) * 0.05)
+    tuner = Fp8Autotuner("rowwise", tmp_path / "cache.json")
+    with torch.no_grad():
+        tuner.decide_experts(fc1, 64, train=True, where="language:experts")
+    tuner.decide_experts(fc1, 64, train=False, where="language:experts")
+    tuner.decide_experts(fc1, 64, train=True, where="language:experts")  # from the cache
+    entries = Fp8Autotuner("rowwise", tmp_path / "cache.json").entries
+    assert sorted(e["gemm"] for e in entries.values()) == ["experts:4", "experts_fwd:4"]
+    assert all(e["bf16_ms"] > 0 and e["fp8_ms"] > 0 and (e["m"], e["n"], e["k"]) == (64, 64, 32)
+               for e in entries.values())
+    assert [row[1] for row in tuner.rows] == ["experts:4", "experts_fwd:4", "experts:4"]
+    assert all(row[:1] + row[2:3] == ("language:experts", "64x64x32") for row in tuner.rows)
+
+
 def _adaptive_experts(moe_dir: str, caches: list[str]) -> dict:
     """The tiny MoE model under ``adaptive`` with a cache saying the experts module is faster in FP8 (first cache) or
     in bf16 (second): which path each MoE layer ran, and its logits against the unswapped model's."""
