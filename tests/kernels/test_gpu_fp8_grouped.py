@@ -125,3 +125,16 @@ def test_all_experts_empty():
     assert out.shape == (0, H)
     out.sum().backward()
     assert torch.equal(w1.grad, torch.zeros_like(w1)) and torch.equal(w2.grad, torch.zeros_like(w2))
+
+
+def test_adaptive_times_the_expert_module(tmp_path):
+    """``adaptive``'s decision for a grouped expert module at the (c) expert shape: forward + backward of all its
+    experts timed in bf16 and FP8 on this GPU (the choice is the timing's; both times recorded in the cache)."""
+    from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
+
+    fc1 = torch.nn.Parameter((torch.randn(len(COUNTS), 2 * F, H, device="cuda") * 0.02).bfloat16())
+    tuner = Fp8Autotuner("blockwise", tmp_path / "cache.json")
+    with torch.no_grad():  # as in a recomputed layer's first pass
+        tuner.decide_experts(fc1, 4096, train=True, where="language:experts")
+    (entry,) = Fp8Autotuner("blockwise", tmp_path / "cache.json").entries.values()
+    assert entry["gemm"] == f"experts:{len(COUNTS)}" and entry["bf16_ms"] > 0 and entry["fp8_ms"] > 0
