@@ -196,34 +196,38 @@ def token_bucket(tokens: int) -> int:
 
 
 class _LayerPrecision:
-    """Which GEMMs of one swapped layer run in FP8: all of them (``on``), or per (tokens, trained) as the autotuner
-    decides (``adaptive``)."""
+    """Which GEMMs of one swapped layer (or whether a whole expert module) run in FP8: all of them (``on``), or per
+    (tokens, trained) as the autotuner decides (``adaptive``)."""
 
     def __init__(self, *, name: str, settings: Fp8Settings) -> None:
         self.name = name
         self.component = "vision" if "vision" in name else "language"
         self.settings = settings
-        self.decisions: dict[tuple[int, bool], GemmPrecision] = {}
+        self.decisions: dict[tuple[int, bool], GemmPrecision | bool] = {}
 
-    def precision(self, tokens: int, weight: torch.Tensor) -> GemmPrecision:
-        s = self.settings
-        if s.mode == "on":
-            return ALL_FP8
+    def decision(self, tokens: int, weight: torch.Tensor, *, on, off, decide):
+        """``on`` under ``mode="on"``, ``off`` for no tokens, else ``decide(m, where)`` asked once per power-of-two
+        bucket ``m`` of the token count and whether the weight trains."""
+        if self.settings.mode == "on":
+            return on
         if tokens == 0:
-            return NO_FP8
+            return off
         # NOTE: decided per power-of-two bucket of the token count (timed at its top): variable sequence lengths
         # and image sizes time a handful of shapes, not one per length.
-        m = token_bucket(tokens)
-        key = (m, weight.requires_grad)
+        key = (token_bucket(tokens), weight.requires_grad)
         if key not in self.decisions:
-            n, k = weight.shape
-            where = f"{self.component}:{self.name}"
-            decide = s.autotuner.decide
-            kw = dict(device=weight.device, dtype=weight.dtype, where=where)
-            self.decisions[key] = GemmPrecision(
-                fwd=decide("fwd", m, n, k, **kw), dgrad=decide("dgrad", m, k, n, **kw),
-                wgrad=weight.requires_grad and decide("wgrad", n, k, m, **kw))
+            self.decisions[key] = decide(key[0], f"{self.component}:{self.name}")
         return self.decisions[key]
+
+    def precision(self, tokens: int, weight: torch.Tensor) -> GemmPrecision:
+        def decide(m: int, where: str) -> GemmPrecision:
+            n, k = weight.shape
+            gemm = functools.partial(self.settings.autotuner.decide, device=weight.device, dtype=weight.dtype,
+                                     where=where)
+            return GemmPrecision(fwd=gemm("fwd", m, n, k), dgrad=gemm("dgrad", m, k, n),
+                                 wgrad=weight.requires_grad and gemm("wgrad", n, k, m))
+
+        return self.decision(tokens, weight, on=ALL_FP8, off=NO_FP8, decide=decide)
 
 
 class Fp8ForwardImpl(_LayerPrecision):
@@ -303,17 +307,10 @@ class Fp8GroupedExperts(_LayerPrecision):
         self.module_ref = module
 
     def use_fp8(self, rows: int, fc1: torch.Tensor) -> bool:
-        s = self.settings
-        if s.mode == "on":
-            return True
-        if rows == 0:
-            return False
-        m = token_bucket(rows)
-        key = (m, fc1.requires_grad)
-        if key not in self.decisions:
-            self.decisions[key] = s.autotuner.decide_experts(fc1, m, train=fc1.requires_grad,
-                                                             where=f"{self.component}:{self.name}")
-        return self.decisions[key]
+        def decide(m: int, where: str) -> bool:
+            return self.settings.autotuner.decide_experts(fc1, m, train=fc1.requires_grad, where=where)
+
+        return self.decision(rows, fc1, on=True, off=False, decide=decide)
 
     def __call__(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         from loongforge_hf.kernels.grouped_mlp import routed_inputs
