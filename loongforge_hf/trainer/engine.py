@@ -105,6 +105,10 @@ class MegatronEngine:
                 # NOTE: megatron's graph runner (cuda_graphs.py:725) reads this to restore the
                 # grad_added_to_main_grad flags that a replayed backward does not set.
                 config.gradient_accumulation_fusion = True
+        # NOTE: FP8 weights quantised once per step are shared by later micro-batches (kernels.fp8.weight_cache), but
+        # not under megatron's CUDA graphs: a layer graph captured at a later micro-batch would replay without the
+        # quantisation, reading the cached copies' memory after the step released them.
+        self.share_fp8_weights = getattr(config, "cuda_graph_impl", "none") == "none"
         self.clip_grad = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else 0.0
         # NOTE: megatron does not clip (clip_grad=0): the engine's _optimizer_step folds the clipping and the
         # 1/tokens scaling into one factor (and "model" grads are not fp32, which megatron's
@@ -252,7 +256,7 @@ class MegatronEngine:
         data = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
         # NOTE: FP8 layers quantise each weight once for all micro-batches of the step (weights change only in the
         # optimizer step below); nothing to share with one micro-batch.
-        with fp8_weight_cache(len(micro_batches) > 1):
+        with fp8_weight_cache(self.share_fp8_weights and len(micro_batches) > 1):
             losses = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=data, model=self.chunks if vpp > 1 else self.chunks[0],
                 num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs, forward_only=False)

@@ -223,6 +223,10 @@ def _engine_weight_cache(folder: str, out_dir: str) -> dict:
             engine_module.fp8_weight_cache = real
         result[cached] = {"swapped": len(swapped), "quantised": len(calls["quantize_blocks_dual"]),
                           "losses": losses, "weights": [p.detach().clone() for p in model.parameters()]}
+    # under megatron's CUDA graphs (a captured layer would replay without its quantisation) nothing is shared
+    model.megatron.config.cuda_graph_impl = "local"
+    result["share_under_graphs"] = engine_module.MegatronEngine(model, args=args).share_fp8_weights
+    result["share"] = engine.share_fp8_weights
     # NOTE: plain values back to the parent (tensors would travel through file descriptors of an exited child)
     pairs = zip(result[True].pop("weights"), result[False].pop("weights"))
     result["weights_equal"] = all(torch.equal(a, b) for a, b in pairs)
@@ -242,6 +246,7 @@ def test_engine_quantises_weights_once_per_step(tmp_path):
     assert on["quantised"] == 2 * 8 and off["quantised"] == 2 * 3 * 8  # per step, not per micro-batch
     assert on["losses"] == off["losses"] and on["losses"][1] != on["losses"][0]
     assert r["weights_equal"]
+    assert r["share"] and not r["share_under_graphs"]
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "blockwise_wgrad2d"])
