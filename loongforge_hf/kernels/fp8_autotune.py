@@ -15,8 +15,9 @@ Choices:
 - A grouped expert module is timed as a whole (``decide_experts``): the forward (and, when it trains, the backward)
   of all its local experts, bf16 (``grouped_mlp.grouped_gated_mlp``) against FP8 (``fp8_linear.fp8_experts``), at a
   power-of-two number of routed rows spread evenly over the experts, keyed ``experts:E`` (``experts_fwd:E``) with
-  M = rows, N = 2 x the expert width, K = hidden. The FP8 time includes quantising the weights (no per-step cache
-  applies to the timing's own tensors), so with several micro-batches per step FP8 is a little cheaper than timed.
+  M = rows, N = 2 x the expert width, K = hidden, on the module's own weights (detached: no copy of them). The FP8
+  time includes quantising the weights (the per-step cache keeps parameters only), so with several micro-batches per
+  step FP8 is a little cheaper than timed.
 - Each decision is logged (logger ``loongforge_hf.fp8``) with the component and module that met it; ``table()``
   lists them.
 """
@@ -80,29 +81,28 @@ def _no_grad(fn):
     return call
 
 
-def _experts_pair(experts: int, m: int, two_f: int, h: int, recipe: str, device: torch.device, dtype: torch.dtype,
-                  train: bool):
-    """(bf16 callable, fp8 callable): forward (+ backward) of ``experts`` gated MLPs over ``m`` rows spread evenly."""
+def _experts_pair(fc1: torch.Tensor, fc2: torch.Tensor, m: int, recipe: str, train: bool):
+    """(bf16 callable, fp8 callable): forward (+ backward) of the experts of weights ``fc1`` ``[E, 2F, H]`` and
+    ``fc2`` ``[E, H, F]`` over ``m`` rows spread evenly. The module's own weights are used (detached: no copy of
+    them, their gradients untouched); only the activations, the gradients and the FP8 copies are allocated."""
     from loongforge_hf.kernels.fp8_linear import fp8_experts
     from loongforge_hf.kernels.grouped_mlp import grouped_gated_mlp
 
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, device=device, dtype=dtype, generator=g) * scale).requires_grad_(train)
-
-    counts = torch.full((experts,), m // experts, dtype=torch.int64, device=device)
+    experts, _, h = fc1.shape
+    g = torch.Generator(device=fc1.device).manual_seed(0)
+    counts = torch.full((experts,), m // experts, dtype=torch.int64, device=fc1.device)
     counts[: m % experts] += 1
-    x, dy = rand(m, h), torch.randn(m, h, device=device, dtype=dtype, generator=g)
-    fc1, fc2 = rand(experts, two_f, h, scale=0.02), rand(experts, h, two_f // 2, scale=0.02)
+    x, dy = (torch.randn(m, h, device=fc1.device, dtype=fc1.dtype, generator=g) for _ in range(2))
+    x.requires_grad_(train)
+    w1, w2 = fc1.detach().requires_grad_(train), fc2.detach().requires_grad_(train)
 
     def timed(mlp):
         def call():
             # NOTE: grad mode on even where the decision is asked under no_grad (a recomputed layer's first pass)
             with torch.enable_grad():
-                x.grad = fc1.grad = fc2.grad = None
-                mlp(x, fc1, fc2, counts, None).backward(dy)
-        return call if train else _no_grad(lambda: mlp(x, fc1, fc2, counts, None))
+                x.grad = w1.grad = w2.grad = None
+                mlp(x, w1, w2, counts, None).backward(dy)
+        return call if train else _no_grad(lambda: mlp(x, w1, w2, counts, None))
 
     return timed(grouped_gated_mlp), timed(lambda *a: fp8_experts(*a, recipe=recipe))
 
@@ -170,14 +170,13 @@ class Fp8Autotuner:
                     entry["bf16_ms"], entry["fp8_ms"], "fp8" if use else "bf16")
         return use
 
-    def decide_experts(self, fc1: torch.Tensor, rows: int, *, train: bool, where: str) -> bool:
-        """FP8 or not for a grouped expert module (weights fc1 ``[E, 2F, H]`` and fc2 ``[E, H, F]``) at ``rows``
+    def decide_experts(self, fc1: torch.Tensor, fc2: torch.Tensor, rows: int, *, train: bool, where: str) -> bool:
+        """FP8 or not for a grouped expert module (weights fc1 ``[E, 2F, H]``, fc2 ``[E, H, F]``) at ``rows``
         routed rows: forward and, with ``train``, backward of all its experts, timed as a whole."""
         experts, two_f, h = fc1.shape
         gemm = f"experts{'' if train else '_fwd'}:{experts}"
         return self.decide(gemm, rows, two_f, h, device=fc1.device, dtype=fc1.dtype, where=where,
-                           pair=lambda: _experts_pair(experts, rows, two_f, h, self.recipe, fc1.device, fc1.dtype,
-                                                      train))
+                           pair=lambda: _experts_pair(fc1, fc2, rows, self.recipe, train))
 
     def table(self) -> str:
         """Every decision made in this process: component/module, GEMM, shape (MxNxK), times, choice."""

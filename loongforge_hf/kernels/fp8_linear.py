@@ -306,9 +306,9 @@ class Fp8GroupedExperts(_LayerPrecision):
         super().__init__(name=name, settings=settings)
         self.module_ref = module
 
-    def use_fp8(self, rows: int, fc1: torch.Tensor) -> bool:
+    def use_fp8(self, rows: int, fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
         def decide(m: int, where: str) -> bool:
-            return self.settings.autotuner.decide_experts(fc1, m, train=fc1.requires_grad, where=where)
+            return self.settings.autotuner.decide_experts(fc1, fc2, m, train=fc1.requires_grad, where=where)
 
         return self.decision(rows, fc1, on=True, off=False, decide=decide)
 
@@ -317,7 +317,7 @@ class Fp8GroupedExperts(_LayerPrecision):
 
         module = self.module_ref
         fc1, fc2 = module.linear_fc1.weight, module.linear_fc2.weight
-        if not self.use_fp8(permuted_local_hidden_states.shape[0], fc1):
+        if not self.use_fp8(permuted_local_hidden_states.shape[0], fc1, fc2):
             return type(module).forward(module, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         x, probs = routed_inputs(module.config, permuted_local_hidden_states, permuted_probs)
         return fp8_experts(x, fc1, fc2, tokens_per_expert, probs, recipe=self.settings.recipe), None

@@ -701,11 +701,15 @@ def test_experts_timing_runs_under_no_grad_and_is_cached(tmp_path):
     """An expert module's decision asked under no_grad (a recomputed layer's first pass) still times forward +
     backward when it trains; each (rows, training) is timed once and written to the cache."""
     fc1 = torch.nn.Parameter(torch.randn(4, 64, 32) * 0.05)
+    fc2 = torch.nn.Parameter(torch.randn(4, 32, 32) * 0.05)
+    before = (fc1.detach().clone(), fc2.detach().clone())
     tuner = Fp8Autotuner("rowwise", tmp_path / "cache.json")
     with torch.no_grad():
-        tuner.decide_experts(fc1, 64, train=True, where="language:experts")
-    tuner.decide_experts(fc1, 64, train=False, where="language:experts")
-    tuner.decide_experts(fc1, 64, train=True, where="language:experts")  # from the cache
+        tuner.decide_experts(fc1, fc2, 64, train=True, where="language:experts")
+    tuner.decide_experts(fc1, fc2, 64, train=False, where="language:experts")
+    tuner.decide_experts(fc1, fc2, 64, train=True, where="language:experts")  # from the cache
+    # timed on the module's own weights, which it leaves as they were, without gradients
+    assert torch.equal(fc1, before[0]) and torch.equal(fc2, before[1]) and fc1.grad is None and fc2.grad is None
     entries = Fp8Autotuner("rowwise", tmp_path / "cache.json").entries
     assert sorted(e["gemm"] for e in entries.values()) == ["experts:4", "experts_fwd:4"]
     assert all(e["bf16_ms"] > 0 and e["fp8_ms"] > 0 and (e["m"], e["n"], e["k"]) == (64, 64, 32)

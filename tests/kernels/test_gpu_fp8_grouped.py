@@ -133,8 +133,10 @@ def test_adaptive_times_the_expert_module(tmp_path):
     from loongforge_hf.kernels.fp8_autotune import Fp8Autotuner
 
     fc1 = torch.nn.Parameter((torch.randn(len(COUNTS), 2 * F, H, device="cuda") * 0.02).bfloat16())
+    fc2 = torch.nn.Parameter((torch.randn(len(COUNTS), H, F, device="cuda") * 0.02).bfloat16())
     tuner = Fp8Autotuner("blockwise", tmp_path / "cache.json")
     with torch.no_grad():  # as in a recomputed layer's first pass
-        tuner.decide_experts(fc1, 4096, train=True, where="language:experts")
+        tuner.decide_experts(fc1, fc2, 4096, train=True, where="language:experts")
+    assert fc1.grad is None and fc2.grad is None
     (entry,) = Fp8Autotuner("blockwise", tmp_path / "cache.json").entries.values()
     assert entry["gemm"] == f"experts:{len(COUNTS)}" and entry["bf16_ms"] > 0 and entry["fp8_ms"] > 0
