@@ -68,11 +68,18 @@ class Timer:
         return H.host_ms(fn, synchronize=sync, warmup=self.warmup, reps=self.reps)
 
 
-def _fwd_bwd(linear, x, w, dy):
+def _fwd_bwd(fn, dy, *leaves):
+    """A callable running ``fn(*leaves)`` forward and backward (``dy``), the leaves' grads cleared first."""
     def run():
-        x.grad = w.grad = None
-        linear(x, w).backward(dy)
+        for t in leaves:
+            t.grad = None
+        fn(*leaves).backward(dy)
     return run
+
+
+def _rounded(out: dict) -> dict:
+    return {key: ({kk: round(vv, 4) if isinstance(vv, float) else vv for kk, vv in val.items()}
+                  if isinstance(val, dict) else val) for key, val in out.items()}
 
 
 def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device: torch.device) -> dict:
@@ -86,7 +93,7 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
     with torch.no_grad():
         bf16 = {"fwd_gemm": timer(lambda: xd @ wd.t()), "dgrad_gemm": timer(lambda: dy @ wd),
                 "wgrad_gemm": timer(lambda: dy.t() @ xd)}
-    run = _fwd_bwd(lambda a, b: a @ b.t(), x, w, dy)
+    run = _fwd_bwd(lambda a, b: a @ b.t(), dy, x, w)
     bf16["total"], bf16["host_total"] = timer(run), timer.host(run)
     out["bf16"] = bf16
     for recipe in recipes:
@@ -122,7 +129,7 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
                 parts["quant_sum"] = sum(v for key, v in parts.items()
                                          if not key.endswith("_gemm") and key not in unused)
                 parts["gemm_sum"] = sum(v for key, v in parts.items() if key.endswith("_gemm"))
-        run = _fwd_bwd(lambda a, b, r=recipe: F8.fp8_linear(a, b, recipe=r), x, w, dy)
+        run = _fwd_bwd(lambda a, b, r=recipe: F8.fp8_linear(a, b, recipe=r), dy, x, w)
         parts["total"], parts["host_total"] = timer(run), timer.host(run)
         parts["speedup_vs_bf16"] = round(bf16["total"] / parts["total"], 3) if parts["total"] else None
         if m:
@@ -130,8 +137,7 @@ def bench_shape(m: int, n: int, k: int, recipes: list[str], timer: Timer, device
                 (bf16["fwd_gemm"] + bf16["dgrad_gemm"] + bf16["wgrad_gemm"]) / parts["gemm_sum"], 3)
         out[recipe] = parts
     out["bf16"]["tflops"] = round(flops / bf16["total"] / 1e9, 1) if bf16["total"] else None
-    return {key: ({kk: round(vv, 4) if isinstance(vv, float) else vv for kk, vv in val.items()}
-                  if isinstance(val, dict) else val) for key, val in out.items()}
+    return _rounded(out)
 
 
 def expert_counts(experts: int, rows: int, device: torch.device) -> torch.Tensor:
@@ -157,14 +163,8 @@ def bench_grouped(experts: int, hidden: int, inter: int, rows: int, timer: Timer
     dy = torch.randn(rows, hidden, device=device, generator=g).to(torch.bfloat16)
     out = {"experts": experts, "hidden": hidden, "intermediate": inter, "rows": rows}
 
-    def fwd_bwd(mlp):
-        def run():
-            x.grad = fc1.grad = fc2.grad = None
-            mlp(x, fc1, fc2, counts).backward(dy)
-        return run
-
     for name, mlp in (("bf16", grouped_gated_mlp), ("fp8", FG.fp8_grouped_gated_mlp)):
-        run = fwd_bwd(mlp)
+        run = _fwd_bwd(lambda a, b, c, mlp=mlp: mlp(a, b, c, counts), dy, x, fc1, fc2)
         out[name] = {"total": timer(run), "host_total": timer.host(run)}
     with torch.no_grad():
         xd, w1 = x.detach(), fc1.detach()
@@ -176,8 +176,7 @@ def bench_grouped(experts: int, hidden: int, inter: int, rows: int, timer: Timer
         out["fp8"]["fc1_fwd_operands"] = timer(lambda: FG._forward_operands(xd, w1, lay))
         out["fp8"]["fc1_fwd_gemm"] = timer(lambda: FG.scaled_grouped_mm(*ops, lay.offs))
     out["fp8"]["speedup_vs_bf16"] = round(out["bf16"]["total"] / out["fp8"]["total"], 3)
-    return {key: ({kk: round(vv, 4) if isinstance(vv, float) else vv for kk, vv in val.items()}
-                  if isinstance(val, dict) else val) for key, val in out.items()}
+    return _rounded(out)
 
 
 def main(argv=None) -> dict:

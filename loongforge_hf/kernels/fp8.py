@@ -37,6 +37,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from loongforge_hf.kernels._triton import use_triton
+
 try:  # NOTE: triton is optional; without it (or off CUDA) the torch path quantises.
     import triton
     import triton.language as tl
@@ -95,10 +97,6 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _check(scale: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(scale).all()):
         raise Fp8Error(f"{what}: the tensor holds inf or NaN values, which FP8 cannot scale.")
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda
 
 
 # ---- Triton kernels -------------------------------------------------------------------------------------------------
@@ -226,7 +224,7 @@ def quantize_tiles(x: torch.Tensor, *, pad_to: int = 1, check_finite: bool = Tru
     _as_matrix(x, "quantize_tiles")
     rows, cols = x.shape
     out_cols = _ceil(cols, pad_to) * pad_to
-    if _use_triton(x) and rows and cols:
+    if use_triton(x) and rows and cols:
         q, s = _tiles_triton(x, out_cols)
     else:
         tiles = _ceil(out_cols, GROUP)
@@ -242,7 +240,7 @@ def quantize_blocks(w: torch.Tensor, *, check_finite: bool = True) -> Quantized:
     """128x128 block scaling of 2-D ``w`` (a weight ``[out, in]``)."""
     _as_matrix(w, "quantize_blocks")
     rows, cols = w.shape
-    if _use_triton(w) and rows and cols:
+    if use_triton(w) and rows and cols:
         q, s = _blocks_triton(w)
     else:
         nr, nc = _ceil(rows, GROUP), _ceil(cols, GROUP)
@@ -259,7 +257,7 @@ def quantize_rows(x: torch.Tensor, *, pad_to: int = 1, check_finite: bool = True
     _as_matrix(x, "quantize_rows")
     rows, cols = x.shape
     out_cols = _ceil(cols, pad_to) * pad_to
-    if _use_triton(x) and rows and cols:
+    if use_triton(x) and rows and cols:
         q, s = _rows_triton(x, out_cols)
     else:
         xf = F.pad(x.float(), (0, out_cols - cols))
@@ -485,7 +483,7 @@ def cached_weight(w: torch.Tensor, kind: str, quantize):
     key = (id(w), kind)
     hit = _WEIGHT_CACHE.get(key)
     # NOTE: the entry keeps ``w`` alive (its id cannot be reused) and its version (an in-place change misses).
-    if hit is not None and hit[0] is w and hit[1] == w._version:
+    if hit is not None and hit[1] == w._version:
         return hit[2]
     value = quantize()
     _WEIGHT_CACHE[key] = (w, w._version, value)

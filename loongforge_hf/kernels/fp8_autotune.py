@@ -74,13 +74,6 @@ def _gemm_pair(gemm: str, m: int, n: int, k: int, recipe: str, device: torch.dev
     return (lambda: dy.t() @ x), (lambda: gemm_wgrad(dy, x, recipe))
 
 
-def _no_grad(fn):
-    def call():
-        with torch.no_grad():
-            return fn()
-    return call
-
-
 def _experts_pair(fc1: torch.Tensor, fc2: torch.Tensor, m: int, recipe: str, train: bool):
     """(bf16 callable, fp8 callable): forward (+ backward) of the experts of weights ``fc1`` ``[E, 2F, H]`` and
     ``fc2`` ``[E, H, F]`` over ``m`` rows spread evenly. The module's own weights are used (detached: no copy of
@@ -102,7 +95,7 @@ def _experts_pair(fc1: torch.Tensor, fc2: torch.Tensor, m: int, recipe: str, tra
             with torch.enable_grad():
                 x.grad = w1.grad = w2.grad = None
                 mlp(x, w1, w2, counts, None).backward(dy)
-        return call if train else _no_grad(lambda: mlp(x, w1, w2, counts, None))
+        return call if train else torch.no_grad()(lambda: mlp(x, w1, w2, counts, None))
 
     return timed(grouped_gated_mlp), timed(lambda *a: fp8_experts(*a, recipe=recipe))
 
@@ -159,7 +152,7 @@ class Fp8Autotuner:
         entry = self.lookup(gpu, gemm, m, n, k)
         if entry is None:
             if pair is None:
-                bf16, fp8 = map(_no_grad, _gemm_pair(gemm, m, n, k, self.recipe, device, dtype))
+                bf16, fp8 = map(torch.no_grad(), _gemm_pair(gemm, m, n, k, self.recipe, device, dtype))
             else:
                 bf16, fp8 = pair()
             entry = self.record(gpu, gemm, m, n, k, bf16_ms=_time_ms(bf16), fp8_ms=_time_ms(fp8))

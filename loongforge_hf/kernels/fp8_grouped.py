@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import torch
 
-from loongforge_hf.kernels.fp8 import (FP8_DTYPE, FP8_MAX, Fp8Error, _use_triton, cached_weight, cast_to_fp8,
-                                       quantize_rows, rows_into_triton, scales_from_amax)
+from loongforge_hf.kernels._triton import use_triton
+from loongforge_hf.kernels.fp8 import (FP8_DTYPE, FP8_MAX, Fp8Error, cached_weight, cast_to_fp8, quantize_rows,
+                                       rows_into_triton, scales_from_amax)
 from loongforge_hf.kernels.grouped_mlp import check_expert_shapes, scale_by_probs
 from loongforge_hf.kernels.swiglu import swiglu
 
@@ -142,7 +143,7 @@ class Layout:
     def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token rows ``x`` ``[T, C]`` quantised with one scale per row, in the padded buffer: FP8 ``[rows, C]``
         and scales ``[rows]`` (1 on padding rows; the padding rows' data is not read back, see ``gather``)."""
-        if not _use_triton(x):
+        if not use_triton(x):
             q = quantize_rows(x, check_finite=False)
             return self.scatter(q.data), self.scatter_scales(q.scale)
         # NOTE: one kernel writes each row at its padded place; padding rows' data stays uninitialised: a
@@ -157,7 +158,7 @@ class Layout:
         """Token rows ``x`` ``[T, C]`` scaled per (expert segment, column) and transposed into the padded buffer:
         FP8 ``[C, rows]`` with zeros on padding, scales ``[experts * C]`` group-major (1 for an empty segment or an
         all-zero column): the weight-gradient GEMM's operand."""
-        if not _use_triton(x):
+        if not use_triton(x):
             q, s = quantize_segments(x, self.expert, self.experts)
             return self.scatter_columns(q), s.reshape(-1)
         # NOTE: columns past the last segment's padding are never read (they lie outside every group of offs).
@@ -186,7 +187,7 @@ class Layout:
 
     def zero_empty(self, y: torch.Tensor) -> torch.Tensor:
         """``y`` ``[experts, ...]`` (contiguous) with the slabs of experts without tokens set to zero, in place."""
-        if not _use_triton(y):
+        if not use_triton(y):
             return y.masked_fill_((self.counts == 0).view(-1, *([1] * (y.dim() - 1))), 0)
         # NOTE: a kernel that exits at once for experts with tokens: no pass over the whole gradient (a
         # torch.where / masked_fill reads and writes every element: 6.4 ms of (c)'s FP8 step on an H100).
@@ -209,14 +210,11 @@ def _quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` ``[E, R, C]`` (any strides) with one scale per (expert, row): contiguous FP8 ``[E, R, C]``, scales
     ``[E, R]``."""
     e, r, c = w.shape
-    if _use_triton(w):
+    if use_triton(w):
         q = torch.empty(e, r, c, dtype=FP8_DTYPE, device=w.device)
         s = torch.empty(e, r, dtype=torch.float32, device=w.device)
         rows_into_triton(w, q, s, None)
         return q, s
-    if w.is_contiguous():
-        q = quantize_rows(w.reshape(e * r, c), check_finite=False)
-        return q.data.view(e, r, c), q.scale.view(e, r)
     scale = scales_from_amax(w.detach().abs().amax(-1))
     return cast_to_fp8(w, scale[..., None]).contiguous(), scale
 

@@ -375,25 +375,22 @@ def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLik
     swapped, skipped = [], {}
     step = granule(recipe)
 
-    def swap(name, module, attr, impl):
-        n, k = module.weight.shape
-        if gemm_eligible(n, k, recipe):
+    def swap(name, module, attr, impl, weights):
+        """Install ``impl`` as ``module.attr`` where every weight's matrix dimensions fit the recipe's GEMMs."""
+        bad = [tuple(w.shape[-2:]) for w in weights if not gemm_eligible(*w.shape[-2:], recipe)]
+        if bad:
+            skipped[name] = f"weight {'x'.join(map(str, bad[0]))} is not a multiple of {step} ({recipe} FP8 GEMM)"
+        else:
             setattr(module, attr, impl(name=name, settings=settings))
             swapped.append(name)
-        else:
-            skipped[name] = f"weight {n}x{k} is not a multiple of {step} ({recipe} FP8 GEMM)"
 
     for name, module in eligible_linears(chunks):
-        swap(name, module, "_forward_impl", functools.partial(Fp8ForwardImpl, module))
-    for name, module in grouped_experts(chunks):
-        _, n, k = module.linear_fc1.weight.shape
-        if not (gemm_eligible(n, k, recipe) and gemm_eligible(k, n // 2, recipe)):  # fc1 [2F, H], fc2 [H, F]
-            skipped[name] = f"expert weights {n}x{k} are not multiples of {step} ({recipe} FP8 GEMM)"
-        else:
-            module.forward = Fp8GroupedExperts(module, name=name, settings=settings)
-            swapped.append(name)
+        swap(name, module, "_forward_impl", functools.partial(Fp8ForwardImpl, module), [module.weight])
+    for name, module in grouped_experts(chunks):  # fc1 [E, 2F, H], fc2 [E, H, F]
+        swap(name, module, "forward", functools.partial(Fp8GroupedExperts, module),
+             [module.linear_fc1.weight, module.linear_fc2.weight])
     for name, module in vision_linears(towers):
-        swap(name, module, "fp8_impl", Fp8VisionImpl)
+        swap(name, module, "fp8_impl", Fp8VisionImpl, [module.weight])
     return Fp8Report(mode=mode, recipe=recipe, swapped=swapped, skipped=skipped, autotuner=settings.autotuner)
 
 

@@ -11,6 +11,7 @@ exactly. With ``fp8_out=True`` (a GPU) the kernels' FP8 output is compared bit f
 import torch
 
 from loongforge_hf.kernels import fp8_grouped as G
+from loongforge_hf.kernels._triton import triton_paths
 from loongforge_hf.kernels.fp8 import quantize_rows
 
 COUNTS = [0, 1, 17, 70, 0, 16, 129]
@@ -40,12 +41,9 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def _kernels(on: bool, fn):
-    """``fn()`` with the module's Triton kernels switched on (any device: the interpreter's) or off (torch steps)."""
-    use, G._use_triton = G._use_triton, (lambda t: on)
-    try:
+    """``fn()`` with the Triton kernels switched on (CUDA, or CPU under the interpreter) or off (torch steps)."""
+    with triton_paths(on):
         return fn()
-    finally:
-        G._use_triton = use
 
 
 def _torch_steps(fn, *tensors):
