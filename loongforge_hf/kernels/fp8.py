@@ -25,7 +25,8 @@ Choices:
   ``Fp8Error`` naming the operand. It costs a device sync, so the training path (``fp8_linear``) turns it off: there a
   NaN/inf input gives a NaN output, which the loss check of the training loop reports.
 - On CUDA, tiles, blocks and rows are quantised by Triton kernels (one read, one fp8 write, scales written in the
-  layout the GEMM wants; rows read twice); the torch expressions below are the reference and the path elsewhere.
+  layout the GEMM wants; rows read twice); the torch expressions below are the reference and the path elsewhere,
+  and wherever the package's Triton switch is off (``kernels._triton.use_triton``: ``LOONGFORGE_TRITON=0``).
 """
 
 from __future__ import annotations
