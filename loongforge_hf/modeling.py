@@ -261,10 +261,13 @@ class AutoModelForCausalLM:
 
         if unused:
             raise TypeError(f"from_pretrained got unexpected keyword arguments: {sorted(unused)}.")
+        te_recipe = None  # a Transformer Engine FP8 recipe: built into the model (kernels/fp8_te.py)
         if fp8 is not None:  # NOTE: FP8 linear layers, see docs/fp8.md
             from loongforge_hf.kernels.fp8_linear import check_fp8_request, enable_fp8
+            from loongforge_hf.kernels.fp8_te import is_te_recipe, te_report
 
             check_fp8_request(fp8, fp8_recipe)
+            te_recipe = fp8_recipe if is_te_recipe(fp8_recipe) else None
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them.")
         sizes = dict(zip(PARALLEL_KWARGS, (tensor_parallel_size, pipeline_parallel_size,
@@ -298,10 +301,13 @@ class AutoModelForCausalLM:
                                 cudagraph_rng=(megatron_config or {}).get("cuda_graph_impl") == "local")
             from megatron.core import parallel_state as ps
 
-            megatron_model = build_megatron_model(bridge, layout, dtype=param_dtype, megatron_config=megatron_config)
+            megatron_model = build_megatron_model(bridge, layout, dtype=param_dtype, megatron_config=megatron_config,
+                                                  te_fp8_recipe=te_recipe)
             load_into(megatron_model, bridge, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
                       tp_size=ps.get_tensor_model_parallel_world_size())
-            if fp8 is not None:
+            if te_recipe is not None:
+                megatron_model.fp8 = te_report(megatron_model.chunks, te_recipe)
+            elif fp8 is not None:
                 megatron_model.fp8 = enable_fp8(megatron_model.chunks, fp8, recipe=fp8_recipe)
         finally:
             reader.close()

@@ -58,7 +58,8 @@ import _bench_harness as H  # noqa: E402
 STACKS = ("transformers", "liger", "loongforge")
 # options of a loongforge row ("loongforge optimizer=model graphs=local"): the worker flag each sets, and its values
 VARIANT_OPTIONS = {"fp8": ("--fp8", ("on", "adaptive")),
-                   "recipe": ("--fp8-recipe", ("blockwise", "blockwise_wgrad2d", "rowwise")),
+                   "recipe": ("--fp8-recipe", ("blockwise", "blockwise_wgrad2d", "rowwise", "te_delayed",
+                                               "te_tensorwise", "te_blockwise", "te_mxfp8")),
                    "optimizer": ("--optimizer-precision", ("fp32", "model")),
                    "graphs": ("--cuda-graphs", ("local",)), "adam": ("--adam", ("torch", "triton"))}
 STACK_TITLES = {"transformers": "transformers (sdpa)", "liger": "transformers + Liger-Kernel",
@@ -399,7 +400,8 @@ def main(argv: list[str]) -> int:
                    "row with MegatronEngine(optimizer_precision='model') (bf16 grads, weights and AdamW moments) next "
                    "to the default fp32 one")
     p.add_argument("--variants", default="", help="comma list of extra loongforge rows, each a space-separated set "
-                   "of options: fp8=on|adaptive, recipe=blockwise|blockwise_wgrad2d|rowwise (fp8_recipe), "
+                   "of options: fp8=on|adaptive, recipe=blockwise|blockwise_wgrad2d|rowwise or, with "
+                   "Transformer Engine, te_delayed|te_tensorwise|te_blockwise|te_mxfp8 (fp8_recipe), "
                    "optimizer=fp32|model, graphs=local (megatron's per-layer CUDA graphs), adam=triton|torch "
                    "(kernels/adamw.LoongAdamW, the default, or MegatronEngine(fused_adam=True): torch's fused AdamW), "
                    "e.g. 'optimizer=model graphs=local adam=torch'")

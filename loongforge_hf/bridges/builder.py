@@ -10,7 +10,8 @@ Choices:
 - ``megatron_config`` (from ``from_pretrained``) adds TransformerConfig fields the checkpoint and the layout do not
   decide (e.g. ``overlap_moe_expert_parallel_comm``, ``fine_grained_activation_offloading``); a field the bridge or the
   layout sets, or one TransformerConfig does not have, raises ``ValueError`` (``check_megatron_config``, called by
-  from_pretrained before any collective).
+  from_pretrained before any collective). ``fp8`` / ``fp8_recipe`` are refused there: a Transformer Engine recipe
+  comes through ``te_fp8_recipe`` (``from_pretrained(fp8_recipe="te_...")``), which also changes the layer spec.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.transforms import padded_vocab_size
+from loongforge_hf.kernels.fp8_te import TE_CONFIG_FIELDS, te_config_fields
 from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
 from loongforge_hf.xpu import get_backend
 
@@ -94,6 +96,9 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
     taken = sorted(set(megatron_config) & (set(kw) | set(_BUILDER_FIELDS)))
     problems = [f"{k}: not a megatron-core {config_class.__name__} field" for k in unknown]
     problems += [f"{k}: set from the checkpoint's config or the layout, not through megatron_config" for k in taken]
+    te_fields = sorted(set(megatron_config) & set(TE_CONFIG_FIELDS))
+    problems += [f"{k}: Transformer Engine FP8 is chosen with from_pretrained(fp8='on', fp8_recipe='te_...'), which "
+                 "also puts TE's linears into the layer spec (docs/fp8.md)" for k in te_fields]
     graphs = megatron_config.get("cuda_graph_impl", "none")
     if graphs != "none" and get_backend().name != "cuda":
         problems.append(f"cuda_graph_impl={graphs!r}: CUDA graphs need a CUDA device, this run's backend is "
@@ -112,7 +117,9 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
 
 
 def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype,
-                         megatron_config: dict | None = None) -> MegatronModel:
+                         megatron_config: dict | None = None, te_fp8_recipe: str | None = None) -> MegatronModel:
+    """The bridge's megatron ``GPTModel`` chunks for this rank, on the backend's device, with empty weights.
+    ``te_fp8_recipe``: a Transformer Engine FP8 recipe (``kernels.fp8_te``, checked by the caller)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -143,6 +150,8 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
         persist_layer_norm=False, apply_rope_fusion=False, bias_dropout_fusion=False,
         cross_entropy_loss_fusion=False, deallocate_pipeline_outputs=False,
     )
+    if te_fp8_recipe is not None:
+        fixed.update(te_config_fields(te_fp8_recipe))
     check_megatron_config(bridge, megatron_config)
     config = config_class(**kw, **fixed, **(megatron_config or {}))
     padded = padded_vocab_size(hf.vocab_size, tensor_parallel_size=parallel.tensor_parallel_size)

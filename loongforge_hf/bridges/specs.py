@@ -30,6 +30,8 @@ Choices:
   the same permutation (tokens by expert, then by position), probabilities and scatter-add (the parity tests hold
   either way). Variable sequence lengths and router padding for quantization keep ``alltoall`` (megatron's allgather
   dispatcher refuses both).
+- With a Transformer Engine FP8 recipe (``config.fp8`` set by the builder), the linear slots named in
+  ``kernels.fp8_te.TE_SLOTS`` get megatron's TE linears, in the dense and in the MoE / MLA spec alike.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
     if bridge.num_experts() is None and not getattr(config, "multi_latent_attention", False):
         from loongforge_hf.kernels.specs import get_block_spec, get_layer_spec
 
-        return get_block_spec(config, get_layer_spec(qk_norm=bridge.qk_norm), vp_stage=vp_stage)
+        return _with_te_linears(config, get_block_spec(config, get_layer_spec(qk_norm=bridge.qk_norm),
+                                                       vp_stage=vp_stage))
     from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
@@ -126,4 +129,13 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
         from loongforge_hf.kernels.router import enable_megatron_fused_router
 
         enable_megatron_fused_router()
-    return _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False))
+    return _with_te_linears(config, _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False)))
+
+
+def _with_te_linears(config, block_spec):
+    """Transformer Engine's linears in the eligible slots where the config asks for TE's FP8 (``kernels.fp8_te``)."""
+    if not config.fp8:
+        return block_spec
+    from loongforge_hf.kernels.fp8_te import te_block_spec
+
+    return te_block_spec(block_spec)

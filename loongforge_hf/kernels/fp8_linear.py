@@ -22,6 +22,8 @@ Choices:
   layer decides on its own shapes, so the vision tower and the language model decide independently. The token
   count is rounded up to a power of two for the decision (``token_bucket``). A grouped expert module decides as a
   whole (its routed rows change every step; the timing spreads them evenly over the local experts).
+- Transformer Engine's recipes (``fp8_recipe="te_..."``) do not come through here: the model is built with TE's
+  linears and megatron's FP8 context instead (``kernels/fp8_te.py``).
 - Recipes: ``blockwise`` (1x128 activation / gradient tiles, 128x128 weight blocks, DeepSeek-V3's; the default where
   the GPU runs it), ``blockwise_wgrad2d`` (the same, except that the weight-gradient GEMM takes the output gradient
   in 128x128 blocks: a faster cuBLAS kernel, coarser scaling; opt-in, see docs/fp8.md) and ``rowwise`` (one scale
@@ -65,16 +67,22 @@ def check_fp8_mode(fp8: str | None) -> None:
 def check_fp8_request(fp8: str | None, recipe: str | None = None) -> None:
     """``from_pretrained(fp8=..., fp8_recipe=...)`` before anything is built: a known mode and recipe, and a CUDA
     backend to run them on."""
+    from loongforge_hf.kernels.fp8_te import TE_RECIPES, check_te_device, check_te_request, is_te_recipe
+
     check_fp8_mode(fp8)
-    if recipe is not None and recipe not in RECIPES:
-        raise Fp8Error(f"fp8_recipe={recipe!r} is not supported; use one of {RECIPES} (Transformer Engine recipes are "
-                       "not offered by this backend, see docs/fp8.md).")
+    if is_te_recipe(recipe):
+        check_te_request(fp8, recipe)
+    elif recipe is not None and recipe not in RECIPES:
+        raise Fp8Error(f"fp8_recipe={recipe!r} is not supported; use one of {RECIPES}, or with Transformer Engine "
+                       f"installed one of {tuple(TE_RECIPES)} (see docs/fp8.md).")
     from loongforge_hf.xpu import get_backend
 
     backend = get_backend().name
     if fp8 is not None and backend != "cuda":
         raise Fp8Error(f"fp8={fp8!r} needs a CUDA GPU with FP8 tensor cores; this process runs on the {backend!r} "
                        "backend. Load with fp8=None here.")
+    if fp8 is not None and is_te_recipe(recipe):
+        check_te_device(recipe)
 
 
 def check_fp8_device(device: torch.device) -> None:

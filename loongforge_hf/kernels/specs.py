@@ -12,7 +12,9 @@ Choices:
 - ``GPTModel`` given a bare layer spec adds megatron's default final norm, which is a torch norm that refuses sequence
   parallelism; ``get_block_spec`` wraps a layer spec with our final norm instead.
 - ``use_te=True`` hands over to megatron's Transformer Engine spec whole (TE's fused norm-linear modules differ in
-  layout from the local ones, so pieces are not mixed) and fails with an ImportError when TE is not installed.
+  layout from the local ones, so pieces are not mixed) and fails with an ImportError when TE is not installed. The
+  bridges do not use it (they load the local layout): with a TE FP8 recipe they keep this spec and put megatron's TE
+  linears in its linear slots only (``kernels/fp8_te.py``).
 - ``get_block_spec`` also turns on the fused rotary embedding for the config (``rope.enable_megatron_fused_rope``).
 - MoE experts are megatron's ``SequentialMLP``; ``moe_grouped_gemm=True`` without TE means megatron's legacy
   ``GroupedMLP``, which needs the ``grouped_gemm`` package: checked here, before any model is built.

@@ -257,8 +257,14 @@ class AutoModelForImageTextToText:
         if unused:
             raise TypeError(f"from_pretrained got unexpected keyword arguments: {sorted(unused)}.")
         if fp8 is not None:  # NOTE: FP8 linear layers of the language model and the vision tower, see docs/fp8.md
+            from loongforge_hf.kernels.fp8 import Fp8Error
             from loongforge_hf.kernels.fp8_linear import check_fp8_request
+            from loongforge_hf.kernels.fp8_te import is_te_recipe
 
+            if is_te_recipe(fp8_recipe):
+                raise Fp8Error(f"fp8_recipe={fp8_recipe!r}: Transformer Engine recipes are offered for text models "
+                               "(AutoModelForCausalLM); a vision-language model's vision tower has no TE linears. "
+                               "Use fp8_recipe='blockwise' (or None) here, see docs/fp8.md.")
             check_fp8_request(fp8, fp8_recipe)
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them.")

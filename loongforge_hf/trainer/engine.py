@@ -38,6 +38,7 @@ Choices:
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -60,6 +61,28 @@ class StepResult:
     num_tokens: int          # label tokens in the global batch
     grad_norm: float | None
     skipped: bool
+
+
+@contextlib.contextmanager
+def _megatron_builds_torch_adamw():
+    """megatron-core builds torch's AdamW (then switched to ``LoongAdamW`` / torch's fused step) whether or not
+    Transformer Engine or Apex is installed.
+
+    NOTE: megatron-core 0.16.1 optimizer/__init__.py:12-34 picks TE's (else Apex's) ``FusedAdam`` at import when either
+    imports, and torch's AdamW only without both (line 359: ``USING_PYTORCH_OPTIMIZER``). TE's FusedAdam keeps fp32
+    moments for bf16 parameters, so ``optimizer_precision="model"`` would no longer hold its state in the model's dtype,
+    and the engine's fused / Triton steps (``_use_fused_adam``) and its grad-scale folding apply to torch's AdamW only:
+    measured on workload (b) of scripts/bench_train.py (H100, 2026-11-27), installing TE made the bf16 step 280 ms at
+    42.4 GiB against 234 ms at 31.6 GiB without it. The flag is read while the optimizer is built, and restored.
+    """
+    import megatron.core.optimizer as megatron_optimizer
+
+    saved = megatron_optimizer.USING_PYTORCH_OPTIMIZER
+    megatron_optimizer.USING_PYTORCH_OPTIMIZER = True
+    try:
+        yield
+    finally:
+        megatron_optimizer.USING_PYTORCH_OPTIMIZER = saved
 
 
 class MegatronEngine:
@@ -124,7 +147,8 @@ class MegatronEngine:
         # FP32Optimizer around torch AdamW over the model's own parameters (no main-weight copy); its prepare_grads
         # points each param.grad at DDP's main_grad (model dtype) before clipping and the step. The model's config
         # keeps bf16/fp16 for the model itself.
-        self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
+        with _megatron_builds_torch_adamw():
+            self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
         # NOTE: megatron's own LR/WD scheduler applies the per-group multipliers (no decay on biases and 1-D params);
         # transformers' schedulers don't, so the multipliers are applied to the groups once, here.
         for opt in self.inner_optimizers():

@@ -202,3 +202,34 @@ def test_bad_optimizer_precision_is_refused(tmp_path):
         MegatronEngine(model=None, args=None, optimizer_precision="fp16")
     with pytest.raises(ValueError, match="adamw_kernel must be one of 'torch', 'triton', got 'apex'"):
         lf.LoongTrainingArguments(output_dir=str(tmp_path), adamw_kernel="apex", use_cpu=True, report_to=[])
+
+
+def _with_fused_adam_installed(folder: str, out_dir: str) -> dict:
+    """megatron's optimizer module as it is where Transformer Engine or Apex imports (it then builds their FusedAdam,
+    megatron-core 0.16.1 optimizer/__init__.py:12-34): the engine still steps torch's AdamW, moments in bf16."""
+    import megatron.core.optimizer as megatron_optimizer
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    class FusedAdamStandIn(torch.optim.Adam):  # takes the FusedAdam-only keyword megatron passes to it
+        def __init__(self, params, adam_w_mode=True, **kwargs):
+            super().__init__(params, **kwargs)
+
+    megatron_optimizer.Adam, megatron_optimizer.USING_PYTORCH_OPTIMIZER = FusedAdamStandIn, False
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    args = transformers.TrainingArguments(out_dir, use_cpu=True, learning_rate=1e-3, report_to=[])
+    engine = MegatronEngine(model, args=args, optimizer_precision="model")
+    ids = torch.randint(4, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    engine.train_step([{"input_ids": ids, "labels": ids}])
+    return {"types": sorted({type(o).__name__ for o in engine.inner_optimizers()}),
+            "moment_dtypes": sorted({str(v.dtype) for o in engine.inner_optimizers() for s in o.state.values()
+                                     for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}),
+            "flag_restored": megatron_optimizer.USING_PYTORCH_OPTIMIZER is False}
+
+
+def test_engine_builds_torch_adamw_where_te_or_apex_is_installed(tmp_path):
+    src = make_tiny_checkpoint(tmp_path / "src", "llama")
+    [result] = run_distributed(_with_fused_adam_installed, 1, str(src), str(tmp_path / "out"), timeout=300)
+    assert result == {"types": ["AdamW"], "moment_dtypes": ["torch.bfloat16"], "flag_restored": True}, result
