@@ -44,11 +44,11 @@ def _te_support(recipe: str) -> tuple[bool, str]:
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager as state
 
     kind = TE_RECIPES[recipe][0]
-    if kind == "mxfp8":
-        return state.is_mxfp8_available()
-    if kind == "blockwise":
-        return state.is_fp8_block_scaling_available()
-    return state.is_fp8_available()
+    checks = {"mxfp8": "is_mxfp8_available", "blockwise": "is_fp8_block_scaling_available"}
+    check = checks.get(kind, "is_fp8_available")
+    if not hasattr(state, check):  # an older TE than the recipe (megatron-core asks 2.3+ for block scaling)
+        return False, f"this Transformer Engine has no {kind} recipe (FP8GlobalStateManager.{check} is missing)"
+    return getattr(state, check)()
 
 
 def check_te_request(fp8: str | None, recipe: str) -> None:
