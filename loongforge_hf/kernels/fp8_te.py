@@ -16,9 +16,9 @@ Choices:
   ones whose TE module takes megatron's local module's place one for one).
 - Formats: ``hybrid`` (E4M3 forward, E5M2 gradients) for delayed and per-tensor current scaling, as TE's default
   delayed-scaling recipe; ``e4m3`` for the block-scaled recipes (TE's default for them).
-- Every check that can fail runs before anything is built (``check_te_request``): ``fp8="on"`` (``adaptive`` times
-  this backend's own GEMMs), TE importable, and TE's own verdict on whether the GPU runs the recipe (MXFP8 needs
-  compute capability 10.0).
+- Every check that can fail runs before anything is built (``check_te_request``, then ``check_te_device`` once the
+  backend is known to be CUDA): ``fp8="on"`` (``adaptive`` times this backend's own GEMMs), TE importable, and TE's
+  own verdict on whether the GPU runs the recipe (MXFP8 needs compute capability 10.0).
 """
 
 from __future__ import annotations
