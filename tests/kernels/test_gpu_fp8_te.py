@@ -3,7 +3,7 @@ linears in the attention and MLP slots and trains under megatron's FP8 context; 
 end within 1% of bf16's final loss (the criterion of test_gpu_fp8.py's own recipes), logits differ from bf16's by no
 more than this backend's own block-wise FP8 does (x1.3), the exported checkpoint is the source bit for bit, a MoE
 model keeps its routed experts in bf16, and a recipe the GPU cannot run (MXFP8 before compute capability 10.0) is
-refused before anything is built.
+refused before anything is built; on 2 GPUs, TP2 with sequence parallelism trains as bf16 does (1%).
 
 Skipped where Transformer Engine does not import (it is optional; docs/fp8.md)."""
 
@@ -163,3 +163,33 @@ def test_mxfp8_refused_before_hopper(tmp_path):
     folder = str(_llama(tmp_path / "llama"))
     [message] = run_distributed(_refused, 1, folder, "te_mxfp8", timeout=300, env=ENV)
     assert "does not run on this GPU" in message and "10.0" in message, message
+
+
+def _train_tp2(folder: str, out_dir: str, recipe, steps: int) -> list:
+    """TP2 with sequence parallelism: TE's linears split and communicating as megatron's local ones do."""
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, tensor_parallel_size=2,
+                                                    sequence_parallel=True, fp8="on" if recipe else None,
+                                                    fp8_recipe=recipe)
+    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-3, weight_decay=0.0,
+                                          max_grad_norm=1.0, warmup_steps=10, bf16=True, report_to=[])
+    engine = MegatronEngine(model, args=args)
+    return [engine.train_step(_batches(step, model.device)).loss for step in range(steps)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_te_tensor_parallel_with_sequence_parallel_trains_as_bf16(tmp_path):
+    folder = str(_llama(tmp_path / "llama"))
+    bf16 = run_distributed(_train_tp2, 2, folder, str(tmp_path / "bf16"), None, 100, timeout=600, env=ENV)
+    assert bf16[0] == bf16[1]  # every rank logs the same global loss
+    final_bf16 = sum(bf16[0][-10:]) / 10
+    for recipe in ("te_tensorwise", "te_delayed"):
+        on = run_distributed(_train_tp2, 2, folder, str(tmp_path / recipe), recipe, 100, timeout=600, env=ENV)
+        final = sum(on[0][-10:]) / 10
+        print(recipe, final, final_bf16)
+        assert on[0] == on[1]
+        assert abs(final - final_bf16) / final_bf16 < 0.01, (recipe, final, final_bf16, on[0][::10])
