@@ -161,16 +161,23 @@ class LoraRowParallelLinear(RowParallelLinear):
                                                    dp_cp_group=metadata["dp_cp_group"])
 
 
+def check_adaptable(module: nn.Module) -> None:
+    """``TypeError`` unless ``module`` is a linear ``attach_adapters`` can adapt (get_peft_model asks for every target
+    before it changes anything)."""
+    if type(module) not in (ColumnParallelLinear, RowParallelLinear):
+        raise TypeError(f"LoRA applies to megatron's local ColumnParallelLinear / RowParallelLinear (the default "
+                        f"layer spec); got {type(module).__name__} (Transformer Engine layers, e.g. from "
+                        "fp8_recipe='te_...', are not supported).")
+
+
 def attach_adapters(module: nn.Module, adapters: dict[str, LoraAdapter], layout: FusedLayout | None) -> None:
     """Turn megatron linear ``module`` into its LoRA class in place and give it ``adapters``."""
+    check_adaptable(module)
     if type(module) is ColumnParallelLinear:
         module.__class__ = LoraColumnParallelLinear
         module.lora_layout = layout
-    elif type(module) is RowParallelLinear:
+    else:
         if len(adapters) != 1:
             raise ValueError(f"a row-parallel linear holds one HF target, got {sorted(adapters)}.")
         module.__class__ = LoraRowParallelLinear
-    else:
-        raise TypeError(f"LoRA applies to megatron's local ColumnParallelLinear / RowParallelLinear (the default "
-                        f"layer spec); got {type(module).__name__} (Transformer Engine layers are not supported).")
     module.lora = nn.ModuleDict(adapters)

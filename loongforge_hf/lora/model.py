@@ -106,7 +106,7 @@ def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelF
     from loongforge_hf.bridges.builder import layer_owners
     from loongforge_hf.bridges.loader import shard_context
     from loongforge_hf.lora.init import draw_initial_weights
-    from loongforge_hf.lora.layers import LoraAdapter, attach_adapters
+    from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable
 
     if isinstance(model, LoongLoraModelForCausalLM):
         raise LoraConfigError("This model already has LoRA adapters; apply one LoraConfig per model.")
@@ -126,6 +126,8 @@ def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelF
         if owner_pp == pp_rank:
             groups[(vp or 0, target.megatron_module.format(layer=local))].append((target, weights))
 
+    for vp, path in groups:  # every target adaptable before anything changes
+        check_adaptable(model.chunks[vp].get_submodule(path))
     for p in model.parameters():
         p.requires_grad_(False)
     device, dtype = model.device, model.dtype

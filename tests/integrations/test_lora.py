@@ -110,6 +110,38 @@ def test_mixture_of_experts_is_refused():
         plan_lora(_moe_bridge(), peft.LoraConfig(target_modules=["q_proj"]))
 
 
+def _other_linear_in_a_target_slot(folder: str) -> dict:
+    """A target slot holding a linear LoRA cannot adapt (as TE's linears under fp8_recipe='te_...'), in the second
+    layer: refused before the first layer's targets, or any parameter's requires_grad, are changed."""
+    import peft
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+
+    class OtherLinear(ColumnParallelLinear):
+        pass
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.chunks[0].decoder.layers[1].self_attention.linear_qkv.__class__ = OtherLinear
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    try:
+        get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4))
+    except TypeError as err:
+        after = {n: p.requires_grad for n, p in model.named_parameters()}
+        return {"error": str(err), "requires_grad_unchanged": before == after,
+                "adapters": [n for n, m in model.named_modules() if hasattr(m, "lora")]}
+    return {"error": None}
+
+
+def test_unadaptable_target_refused_before_any_change(checkpoints):
+    from loongforge_hf.parallel.spawn import run_distributed
+
+    [result] = run_distributed(_other_linear_in_a_target_slot, 1, str(checkpoints["llama"]), timeout=300)
+    assert result["error"] and "OtherLinear" in result["error"] and "Transformer Engine" in result["error"], result
+    assert result["requires_grad_unchanged"] and result["adapters"] == [], result
+
+
 @pytest.fixture(scope="module")
 def two_rank_results(checkpoints, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora-out")
