@@ -93,11 +93,13 @@ def te_linear_spec(spec, *, column: type, row: type):
     local = {ColumnParallelLinear: column, RowParallelLinear: row}
 
     def walk(node):
+        """``node`` with the swaps made below it; the same object where nothing changed."""
         if isinstance(node, ModuleSpec):
-            return dataclasses.replace(node, submodules=walk(node.submodules)) if node.submodules is not None \
-                else node
+            sub = walk(node.submodules)
+            return node if sub is node.submodules else dataclasses.replace(node, submodules=sub)
         if isinstance(node, (list, tuple)):
-            return type(node)(walk(n) for n in node)
+            items = [walk(n) for n in node]
+            return node if all(a is b for a, b in zip(items, node)) else type(node)(items)
         if not dataclasses.is_dataclass(node) or isinstance(node, type):
             return node
         changes = {}
@@ -105,13 +107,14 @@ def te_linear_spec(spec, *, column: type, row: type):
             value = getattr(node, field.name)
             if field.name == "experts":
                 continue
-            if field.name in TE_SLOTS and isinstance(value, type) and value in local:
-                changes[field.name] = local[value]
-            elif field.name in TE_SLOTS and isinstance(value, ModuleSpec) and value.module in local:
-                changes[field.name] = dataclasses.replace(value, module=local[value.module])
-            elif isinstance(value, (ModuleSpec, list, tuple)) or (dataclasses.is_dataclass(value)
-                                                                  and not isinstance(value, type)):
-                changes[field.name] = walk(value)
+            if field.name in TE_SLOTS and isinstance(value, ModuleSpec) and value.module in local:
+                new = dataclasses.replace(value, module=local[value.module])
+            elif field.name in TE_SLOTS and isinstance(value, type):
+                new = local.get(value, value)
+            else:
+                new = walk(value)
+            if new is not value:
+                changes[field.name] = new
         return dataclasses.replace(node, **changes) if changes else node
 
     return walk(spec)

@@ -66,7 +66,8 @@ def test_te_recipes_train_within_one_percent_of_bf16(tmp_path):
 def _logits_and_export(folder: str, out: str, moe_folder: str, recipe: str) -> dict:
     import loongforge_hf as lf
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
-    from safetensors.torch import load_file
+
+    from loongforge_hf.testing.round_trip import read_all
 
     batch = _batches(0, torch.device("cuda"))[0]
     ref = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
@@ -89,15 +90,7 @@ def _logits_and_export(folder: str, out: str, moe_folder: str, recipe: str) -> d
         result["ours_logit_rel"] = _rel(ours(input_ids=batch["input_ids"]).logits, ref_logits)
     del ours
     model.save_pretrained(out)
-    from pathlib import Path
-
-    def tensors(path):
-        merged = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
-            merged.update(load_file(str(f)))
-        return merged
-
-    src, exported = tensors(folder), tensors(out)
+    src, exported = read_all(folder), read_all(out)
     result["export_keys_equal"] = sorted(src) == sorted(exported)
     result["export_bit_equal"] = all(torch.equal(src[k], exported[k]) for k in src if k in exported)
 
