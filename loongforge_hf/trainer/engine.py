@@ -12,9 +12,10 @@ Choices:
   default where Triton imports) or to torch's fused implementation (``fused_adam=True``); same update up to rounding.
 - Weight gradients of megatron's tensor-parallel linears go straight into DDP's ``main_grad`` buffer with one
   GEMM each (megatron's ``gradient_accumulation_fusion``, its Apex kernel replaced by torch's fp32-output ``addmm``:
-  ``xpu/common.enable_wgrad_accumulation_fusion``), on CUDA by default (``fused_wgrad``): no separate add
-  kernel per weight. With the fp32 buffer the sum is the same, without the rounding of each micro-batch's weight grad
-  to bf16; with the model-dtype buffer each micro-batch's GEMM rounds once into it. Right after DDP zeroes the
+  ``xpu/common.enable_wgrad_accumulation_fusion``; Transformer Engine's linears through TE's own
+  ``fuse_wgrad_accumulation``), on CUDA by default (``fused_wgrad``): no separate add kernel per weight. With the
+  fp32 buffer the sum is the same, without the rounding of each micro-batch's weight grad to bf16; with the
+  model-dtype buffer each micro-batch's GEMM rounds once into it. Right after DDP zeroes the
   buffers each step the engine marks them so (``kernels/main_grad.py``): the FP8 weight-gradient GEMMs, which cannot
   accumulate, then write their first result into the buffer instead of adding it.
 - ``optimizer_precision="fp32"`` (default): fp32 grad buffer, megatron's distributed optimizer with fp32 main weights
@@ -120,9 +121,11 @@ class MegatronEngine:
             fused_wgrad = model.device.type == "cuda" and wgrad_accumulation_supported(model.device)
         self.fused_wgrad_layers = 0
         if fused_wgrad:
-            from loongforge_hf.xpu.common import enable_wgrad_accumulation_fusion
+            from loongforge_hf.xpu.common import enable_te_wgrad_accumulation, enable_wgrad_accumulation_fusion
 
             self.fused_wgrad_layers = enable_wgrad_accumulation_fusion(
+                m for chunk in model.megatron.chunks for m in chunk.modules())
+            self.fused_wgrad_layers += enable_te_wgrad_accumulation(
                 m for chunk in model.megatron.chunks for m in chunk.modules())
             if self.fused_wgrad_layers and getattr(config, "cuda_graph_impl", "none") == "local":
                 # NOTE: megatron's graph runner (cuda_graphs.py:725) reads this to restore the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 _DONE = False
@@ -162,4 +164,24 @@ def enable_wgrad_accumulation_fusion(modules) -> int:
             continue
         module.gradient_accumulation_fusion = True
         switched += 1
+    return switched
+
+
+def enable_te_wgrad_accumulation(modules) -> int:
+    """The same for Transformer Engine's linears (``fp8_recipe="te_..."``, megatron's ``TEColumnParallelLinear`` /
+    ``TERowParallelLinear``): their weight-gradient GEMM then writes into DDP's ``main_grad`` with beta = 1, in the
+    buffer's dtype, and TE sets ``grad_added_to_main_grad`` so DDP's hook skips its add (TE 2.x
+    ``module/linear.py``, ``fuse_wgrad_accumulation``; megatron passes ``config.gradient_accumulation_fusion`` at
+    build time, when no ``main_grad`` exists yet, so the builder leaves it off). Returns how many were switched."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return 0
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
+    switched = 0
+    for module in modules:
+        weight = getattr(module, "weight", None)
+        if isinstance(module, (TEColumnParallelLinear, TERowParallelLinear)) and weight is not None \
+                and weight.requires_grad and hasattr(weight, "main_grad"):
+            module.fuse_wgrad_accumulation = True
+            switched += 1
     return switched

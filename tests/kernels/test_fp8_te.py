@@ -102,3 +102,39 @@ def test_vision_language_models_refuse_te_recipes(tmp_path):
     with pytest.raises(Fp8Error, match="offered for text models"):
         lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, fp8="on",
                                                        fp8_recipe="te_blockwise")
+
+
+def test_engine_switches_te_wgrad_accumulation_only_where_main_grad_exists(monkeypatch):
+    """``xpu/common.enable_te_wgrad_accumulation``, with stand-ins for megatron's TE linears: trained weights that DDP
+    gave a ``main_grad`` get TE's fused accumulation, frozen ones and other modules are left as they are."""
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    from loongforge_hf.xpu import common
+
+    class TEColumn(torch.nn.Module):
+        def __init__(self, trained: bool, main_grad: bool):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=trained)
+            self.fuse_wgrad_accumulation = False
+            if main_grad:
+                self.weight.main_grad = torch.zeros(4, 4)
+
+    class TERow(TEColumn):
+        pass
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(common.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else real_find_spec(name, *a))
+    monkeypatch.setattr(te_ext, "TEColumnParallelLinear", TEColumn)
+    monkeypatch.setattr(te_ext, "TERowParallelLinear", TERow)
+    modules = [TEColumn(True, True), TERow(True, True), TEColumn(False, False), TERow(True, False),
+               torch.nn.Linear(4, 4)]
+    assert common.enable_te_wgrad_accumulation(iter(modules)) == 2
+    assert [getattr(m, "fuse_wgrad_accumulation", None) for m in modules] == [True, True, False, False, None]
+
+
+@pytest.mark.skipif(TE_INSTALLED, reason="Transformer Engine is installed")
+def test_without_te_no_module_is_switched():
+    from loongforge_hf.xpu.common import enable_te_wgrad_accumulation
+
+    assert enable_te_wgrad_accumulation([torch.nn.Linear(4, 4)]) == 0

@@ -3,7 +3,9 @@ linears in the attention and MLP slots and trains under megatron's FP8 context; 
 end within 1% of bf16's final loss (the criterion of test_gpu_fp8.py's own recipes), logits differ from bf16's by no
 more than this backend's own block-wise FP8 does (x1.3), the exported checkpoint is the source bit for bit, a MoE
 model keeps its routed experts in bf16, and a recipe the GPU cannot run (MXFP8 before compute capability 10.0) is
-refused before anything is built; on 2 GPUs, TP2 with sequence parallelism trains as bf16 does (1%).
+refused before anything is built; TE's linears accumulate their weight gradients into megatron's main_grad inside the
+GEMM (the engine's fused_wgrad) and train as with the separate add; on 2 GPUs, TP2 with sequence parallelism trains as
+bf16 does (1%).
 
 Skipped where Transformer Engine does not import (it is optional; docs/fp8.md)."""
 
@@ -186,3 +188,36 @@ def test_te_tensor_parallel_with_sequence_parallel_trains_as_bf16(tmp_path):
         print(recipe, final, final_bf16)
         assert on[0] == on[1]
         assert abs(final - final_bf16) / final_bf16 < 0.01, (recipe, final, final_bf16, on[0][::10])
+
+
+def _train_wgrad(folder: str, out_dir: str, recipe: str, steps: int, fused: bool) -> dict:
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, fp8="on", fp8_recipe=recipe)
+    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-3, weight_decay=0.0,
+                                          max_grad_norm=1.0, warmup_steps=10, bf16=True, report_to=[])
+    engine = MegatronEngine(model, args=args, optimizer_precision="model", fused_wgrad=fused)
+    te = [m for c in model.chunks for m in c.modules() if hasattr(m, "fuse_wgrad_accumulation")]
+    losses = [engine.train_step(_batches(step, model.device)).loss for step in range(steps)]
+    # DDP clears the flag when it zeroes the buffers; TE's fused backward sets it (and DDP's hook then skips its add)
+    return {"losses": losses, "te_fused": sum(bool(m.fuse_wgrad_accumulation) for m in te),
+            "added_by_te": sum(bool(m.weight.grad_added_to_main_grad) for m in te)}
+
+
+@pytest.mark.parametrize("recipe", ["te_tensorwise", "te_delayed"])
+def test_te_weight_gradients_accumulate_into_main_grad(tmp_path, recipe):
+    """The engine switches TE's fuse_wgrad_accumulation on (16 linears) and the run follows the unfused one (the same
+    GEMMs; into the bf16 buffer the fused sum rounds once per micro-batch, the unfused twice: GEMM, then add)."""
+    folder = str(_llama(tmp_path / "llama"))
+    [fused] = run_distributed(_train_wgrad, 1, folder, str(tmp_path / "fused"), recipe, 30, True, timeout=600,
+                              env=ENV)
+    [plain] = run_distributed(_train_wgrad, 1, folder, str(tmp_path / "plain"), recipe, 30, False, timeout=600,
+                              env=ENV)
+    print(recipe, fused["losses"][::6], plain["losses"][::6])
+    assert (fused["te_fused"], fused["added_by_te"]) == (16, 16) and (plain["te_fused"], plain["added_by_te"]) == (0, 0)
+    assert fused["losses"][0] == plain["losses"][0]  # the first forward precedes any weight gradient
+    gap = max(abs(a - b) / b for a, b in zip(fused["losses"], plain["losses"]))
+    assert gap < 3e-3, (recipe, gap, fused["losses"], plain["losses"])
