@@ -253,7 +253,8 @@ class AutoModelForCausalLM:
         from transformers import AutoConfig
 
         from loongforge_hf.bridges import get_bridge
-        from loongforge_hf.bridges.builder import build_megatron_model, check_megatron_config
+        from loongforge_hf.bridges.builder import (build_megatron_model, check_megatron_config,
+                                                   interleaved_p2p_settings)
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.hub import resolve_checkpoint
         from loongforge_hf.bridges.loader import load_into
@@ -293,6 +294,8 @@ class AutoModelForCausalLM:
                            vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
         param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config)
         check_megatron_config(bridge, megatron_config)
+        if layout.interleaved_stages:
+            interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
         reader = CheckpointReader(folder, allow_pickle=allow_pickle)
         try:
             reader.validate_shapes(bridge.expected_hf_shapes())

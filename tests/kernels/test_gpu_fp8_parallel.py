@@ -6,7 +6,8 @@ Transformer Engine's (tensor-wise current scaling and delayed scaling):
 - pipeline parallelism (PP2, 2 GPUs): each stage's linears run FP8 under megatron's 1F1B schedule; 100 steps end
   within 1% of bf16 PP2 (the criterion of test_gpu_fp8.py), every stage logs the same loss;
 - expert parallelism (EP2, 2 GPUs, a Qwen3-MoE model): the block-wise recipe runs the routed experts' grouped GEMMs in
-  FP8 too, TE's recipes the attention and the dense layer; 100 steps within 1% of bf16 EP2.
+  FP8 too, TE's recipes the attention and the dense layer; 100 steps within 1% of bf16 EP2;
+- context parallelism (CP2) and virtual pipeline stages (PP2 x VPP2, interleaved 1F1B), 2 GPUs: as PP2.
 """
 
 import pytest
@@ -81,7 +82,7 @@ def test_fp8_with_activation_recomputation_follows_the_run_without(tmp_path):
         assert again["losses"][-1] < 0.85 * again["losses"][0]
 
 
-def _check_layout(tmp_path, folder: str, layout: dict, swapped: dict) -> None:
+def _check_layout(tmp_path, folder: str, layout: dict, swapped: dict) -> list:
     bf16 = run_distributed(_train, 2, folder, str(tmp_path / "bf16"), None, 100, layout, timeout=600, env=ENV)
     assert bf16[0]["losses"] == bf16[1]["losses"]  # every rank logs the global loss
     assert bf16[0]["losses"][-1] < 0.75 * bf16[0]["losses"][0], bf16[0]["losses"][::10]
@@ -92,6 +93,7 @@ def _check_layout(tmp_path, folder: str, layout: dict, swapped: dict) -> None:
         assert [len(r["swapped"]) for r in on] == swapped[recipe.startswith("te_")], [r["swapped"] for r in on]
         final, reference = _final(on[0]["losses"]), _final(bf16[0]["losses"])
         assert abs(final - reference) / reference < 0.01, (recipe, final, reference, on[0]["losses"][::10])
+    return bf16[0]["losses"]
 
 
 @two_gpus
@@ -107,3 +109,23 @@ def test_fp8_expert_parallel_trains_as_bf16(tmp_path):
     # MoE layer's local experts (one grouped module a layer) in FP8, TE's recipes leave them in bf16
     _check_layout(tmp_path, str(_moe(tmp_path / "moe")), {"expert_parallel_size": 2},
                   {False: [13, 13], True: [10, 10]})
+
+
+@two_gpus
+def test_fp8_context_parallel_trains_as_bf16(tmp_path):
+    # every layer on both ranks, each holding half of every sequence
+    _check_layout(tmp_path, str(_llama(tmp_path / "llama")), {"context_parallel_size": 2},
+                  {False: [16, 16], True: [16, 16]})
+
+
+@two_gpus
+def test_fp8_virtual_pipeline_stages_train_as_bf16(tmp_path):
+    # one layer per virtual stage, two stages a rank
+    folder = str(_llama(tmp_path / "llama"))
+    interleaved = _check_layout(tmp_path, folder, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2},
+                                {False: [8, 8], True: [8, 8]})
+    # the interleaved schedule's steady state (4 micro-batches a step) exchanges tensors as plain PP2 does (NCCL
+    # here; tests/trainer/test_interleaved_pipeline.py on the CPU backend): bf16 losses equal up to rounding
+    plain = run_distributed(_train, 2, folder, str(tmp_path / "pp2"), None, 10, {"pipeline_parallel_size": 2},
+                            timeout=600, env=ENV)[0]["losses"]
+    assert max(abs(a - b) / b for a, b in zip(interleaved[:10], plain)) < 2e-3, (interleaved[:10], plain)
