@@ -18,8 +18,8 @@ What it does:
   examples/accelerate/tp2_pp2_dp2_8gpu.yaml (--num_processes 4); then the runs with extra megatron settings in
   launches of their own; the big model last (its checkpoint written just before). A launch that dies is relaunched
   for the jobs left; one past the budget is killed.
-- dense: 1gpu, tp2, pp2, dp2, tp2pp2, dp4 (+ tp2pp2 under accelerate): 20 steps, the same 8 x 1024-token global
-  batch per step in every layout (micro-batch 2 per rank, gradient accumulation 4 / DP); losses vs 1gpu within
+- dense: 1gpu, tp2, pp2, pp2vpp2, dp2, tp2pp2, dp4 (+ tp2pp2 under accelerate): 20 steps, the same 8 x 1024-token
+  global batch per step in every layout (micro-batch 2 per rank, gradient accumulation 4 / DP); losses vs 1gpu within
   LOSS_RTOL; the tp2pp2 run is exported with trainer.save_model and reloaded in transformers (logits on a probe).
 - moe: EP1, EP2, EP4 (DP = world size for attention), then EP2/EP4 with overlap_moe_expert_parallel_comm (megatron's
   combined 1F1B schedule), EP4 with delay_wgrad_compute on top, fine-grained activation offloading, and
@@ -124,7 +124,9 @@ def plan(groups: set[str], smoke: bool, ngpu: int) -> list[dict]:
         steps = s(20, 4)
         # the same global batch (4 micro-batches of 2 x seq) per step in every layout: micro 2, accumulation 4 / DP
         for name, world, layout in [("1gpu", 1, {}), ("tp2", 2, {"tensor_parallel_size": 2}),
-                                    ("pp2", 2, {"pipeline_parallel_size": 2}), ("dp2", 2, {}),
+                                    ("pp2", 2, {"pipeline_parallel_size": 2}),
+                                    ("pp2vpp2", 2, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}),
+                                    ("dp2", 2, {}),
                                     ("tp2pp2", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
                                     ("dp4", 4, {})]:
             tp_pp = layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1)
