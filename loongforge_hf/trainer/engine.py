@@ -268,6 +268,7 @@ class MegatronEngine:
         from loongforge_hf.trainer.data import pad_micro_batches
 
         layout = getattr(self.model, "parallel", None)
+        check_interleaved_micro_batches(layout, len(micro_batches))
         if layout is not None:
             # NOTE: lengths megatron needs (ParallelConfig.sequence_multiple), one length per step under PP.
             micro_batches = pad_micro_batches(micro_batches, multiple=layout.sequence_multiple,
@@ -346,6 +347,19 @@ class MegatronEngine:
                 return loss_sum, count, {"lm loss": (loss_sum.detach().clone(), count.detach().clone())}
             return output, loss_func
         return forward_step
+
+
+def check_interleaved_micro_batches(layout, count: int) -> None:
+    """megatron's interleaved schedule (virtual pipeline stages) runs a step's micro-batches in groups of
+    ``pipeline_parallel_size`` (``microbatch_group_size_per_vp_stage``) and raises mid-schedule otherwise; this says so
+    first, in the user's terms (every rank of a step holds the same count, so all raise alike)."""
+    if layout is None or not layout.interleaved_stages:
+        return
+    pp = layout.pipeline_parallel_size
+    if count < pp or count % pp:
+        raise ValueError(f"virtual pipeline stages: megatron's interleaved schedule needs a multiple of "
+                         f"pipeline_parallel_size={pp} micro-batches per step, this step has {count} "
+                         "(TrainingArguments.gradient_accumulation_steps).")
 
 
 def _grad_norm_on_device(opt, device: torch.device) -> torch.Tensor:

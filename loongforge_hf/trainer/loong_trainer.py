@@ -12,6 +12,7 @@ Choices:
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -23,9 +24,11 @@ from transformers.trainer_utils import seed_worker
 
 from loongforge_hf.trainer.balanced_data import balanced_train_dataloader
 from loongforge_hf.trainer.data import DataError, check_batch, dp_rank_and_size, shard_over_data_parallel
-from loongforge_hf.trainer.engine import MegatronEngine, fused_adam_for
+from loongforge_hf.trainer.engine import MegatronEngine, check_interleaved_micro_batches, fused_adam_for
 
 MEGATRON_DIR = "megatron"
+
+logger = logging.getLogger(__name__)
 
 
 def _holds_other_runs(folder: str) -> bool:
@@ -70,6 +73,7 @@ class LoongTrainer(Trainer):
     def _check_batch_sizes(self) -> None:
         if self.args.per_device_train_batch_size < 1 or self.args.gradient_accumulation_steps < 1:
             raise DataError("per_device_train_batch_size and gradient_accumulation_steps must be >= 1.")
+        check_interleaved_micro_batches(getattr(self.model, "parallel", None), self.args.gradient_accumulation_steps)
 
     def get_total_train_batch_size(self, args) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * dp_rank_and_size()[1]
@@ -179,6 +183,7 @@ class LoongTrainer(Trainer):
                     micro.append(next(iterator))
                 except StopIteration:
                     break
+            micro = self._whole_interleaved_groups(micro)
             if not micro:
                 break
             self._check_batches_everywhere(micro, max_pos)
@@ -209,6 +214,21 @@ class LoongTrainer(Trainer):
         self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         self._maybe_log_save_evaluate(self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
                                       start_time, learning_rate=learning_rate)
+
+    def _whole_interleaved_groups(self, micro: list[dict]) -> list[dict]:
+        """The epoch's last, partial accumulation window under virtual pipeline stages: megatron's interleaved
+        schedule runs micro-batches only in groups of pipeline_parallel_size, so the trailing ones that do not fill a
+        group are left out of the epoch (logged), as megatron's own samplers drop an incomplete global batch;
+        elsewhere Trainer's behaviour (a shorter last step) is kept."""
+        layout = getattr(self.model, "parallel", None)
+        if layout is None or not layout.interleaved_stages:
+            return micro
+        keep = len(micro) - len(micro) % layout.pipeline_parallel_size
+        if keep < len(micro):
+            logger.warning("virtual pipeline stages: the epoch's last %d micro-batch(es) do not fill a group of "
+                           "pipeline_parallel_size=%d and are left out (megatron's interleaved schedule needs whole "
+                           "groups).", len(micro) - keep, layout.pipeline_parallel_size)
+        return micro[:keep]
 
     def _check_batches_everywhere(self, micro: list[dict], max_positions: int) -> None:
         """Validate this rank's batches, then agree across ranks so a bad batch on one rank stops all of them."""
