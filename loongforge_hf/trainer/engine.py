@@ -123,10 +123,8 @@ class MegatronEngine:
         if fused_wgrad:
             from loongforge_hf.xpu.common import enable_te_wgrad_accumulation, enable_wgrad_accumulation_fusion
 
-            self.fused_wgrad_layers = enable_wgrad_accumulation_fusion(
-                m for chunk in model.megatron.chunks for m in chunk.modules())
-            self.fused_wgrad_layers += enable_te_wgrad_accumulation(
-                m for chunk in model.megatron.chunks for m in chunk.modules())
+            modules = [m for chunk in model.megatron.chunks for m in chunk.modules()]
+            self.fused_wgrad_layers = enable_wgrad_accumulation_fusion(modules) + enable_te_wgrad_accumulation(modules)
             if self.fused_wgrad_layers and getattr(config, "cuda_graph_impl", "none") == "local":
                 # NOTE: megatron's graph runner (cuda_graphs.py:725) reads this to restore the
                 # grad_added_to_main_grad flags that a replayed backward does not set.
@@ -349,13 +347,17 @@ class MegatronEngine:
         return forward_step
 
 
+def micro_batch_group(layout) -> int:
+    """How many micro-batches a step's count must be a multiple of: megatron's interleaved schedule (virtual pipeline
+    stages) runs them in groups of ``pipeline_parallel_size`` (``microbatch_group_size_per_vp_stage``) and raises
+    mid-schedule otherwise; 1 for every other layout."""
+    return layout.pipeline_parallel_size if layout is not None and layout.interleaved_stages else 1
+
+
 def check_interleaved_micro_batches(layout, count: int) -> None:
-    """megatron's interleaved schedule (virtual pipeline stages) runs a step's micro-batches in groups of
-    ``pipeline_parallel_size`` (``microbatch_group_size_per_vp_stage``) and raises mid-schedule otherwise; this says so
-    first, in the user's terms (every rank of a step holds the same count, so all raise alike)."""
-    if layout is None or not layout.interleaved_stages:
-        return
-    pp = layout.pipeline_parallel_size
+    """Says first, in the user's terms, what megatron's interleaved schedule would raise mid-schedule (every rank of
+    a step holds the same count, so all raise alike)."""
+    pp = micro_batch_group(layout)
     if count < pp or count % pp:
         raise ValueError(f"virtual pipeline stages: megatron's interleaved schedule needs a multiple of "
                          f"pipeline_parallel_size={pp} micro-batches per step, this step has {count} "

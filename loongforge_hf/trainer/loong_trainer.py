@@ -24,7 +24,8 @@ from transformers.trainer_utils import seed_worker
 
 from loongforge_hf.trainer.balanced_data import balanced_train_dataloader
 from loongforge_hf.trainer.data import DataError, check_batch, dp_rank_and_size, shard_over_data_parallel
-from loongforge_hf.trainer.engine import MegatronEngine, check_interleaved_micro_batches, fused_adam_for
+from loongforge_hf.trainer.engine import (MegatronEngine, check_interleaved_micro_batches, fused_adam_for,
+                                          micro_batch_group)
 
 MEGATRON_DIR = "megatron"
 
@@ -220,14 +221,12 @@ class LoongTrainer(Trainer):
         schedule runs micro-batches only in groups of pipeline_parallel_size, so the trailing ones that do not fill a
         group are left out of the epoch (logged), as megatron's own samplers drop an incomplete global batch;
         elsewhere Trainer's behaviour (a shorter last step) is kept."""
-        layout = getattr(self.model, "parallel", None)
-        if layout is None or not layout.interleaved_stages:
-            return micro
-        keep = len(micro) - len(micro) % layout.pipeline_parallel_size
+        group = micro_batch_group(getattr(self.model, "parallel", None))
+        keep = len(micro) - len(micro) % group
         if keep < len(micro):
             logger.warning("virtual pipeline stages: the epoch's last %d micro-batch(es) do not fill a group of "
                            "pipeline_parallel_size=%d and are left out (megatron's interleaved schedule needs whole "
-                           "groups).", len(micro) - keep, layout.pipeline_parallel_size)
+                           "groups).", len(micro) - keep, group)
         return micro[:keep]
 
     def _check_batches_everywhere(self, micro: list[dict], max_positions: int) -> None:

@@ -97,26 +97,22 @@ def _check_layout(tmp_path, folder: str, layout: dict, swapped: dict) -> list:
     return bf16[0]["losses"]
 
 
-@two_gpus
-def test_fp8_pipeline_parallel_trains_as_bf16(tmp_path):
-    # 2 of the 4 layers a stage, each with qkv / proj / fc1 / fc2 in FP8 (both backends)
-    _check_layout(tmp_path, str(_llama(tmp_path / "llama")), {"pipeline_parallel_size": 2},
-                  {False: [8, 8], True: [8, 8]})
+# per layout: the checkpoint, and the FP8 layers of each rank for this backend's recipe / TE's
+# - PP2: 2 of the 4 layers a stage, each with qkv / proj / fc1 / fc2 in FP8 (both backends);
+# - EP2: 4 layers x (qkv, proj) + the dense layer 0's fc1 / fc2 on each rank; the block-wise recipe also runs each MoE
+#   layer's local experts (one grouped module a layer) in FP8, TE's recipes leave them in bf16;
+# - CP2: every layer on both ranks, each holding half of every sequence.
+LAYOUTS = {"pp2": ("llama", {"pipeline_parallel_size": 2}, {False: [8, 8], True: [8, 8]}),
+           "ep2": ("moe", {"expert_parallel_size": 2}, {False: [13, 13], True: [10, 10]}),
+           "cp2": ("llama", {"context_parallel_size": 2}, {False: [16, 16], True: [16, 16]})}
 
 
 @two_gpus
-def test_fp8_expert_parallel_trains_as_bf16(tmp_path):
-    # 4 layers x (qkv, proj) + the dense layer 0's fc1 / fc2 on each rank; the block-wise recipe also runs each
-    # MoE layer's local experts (one grouped module a layer) in FP8, TE's recipes leave them in bf16
-    _check_layout(tmp_path, str(_moe(tmp_path / "moe")), {"expert_parallel_size": 2},
-                  {False: [13, 13], True: [10, 10]})
-
-
-@two_gpus
-def test_fp8_context_parallel_trains_as_bf16(tmp_path):
-    # every layer on both ranks, each holding half of every sequence
-    _check_layout(tmp_path, str(_llama(tmp_path / "llama")), {"context_parallel_size": 2},
-                  {False: [16, 16], True: [16, 16]})
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_fp8_layout_trains_as_bf16(tmp_path, name):
+    model, layout, swapped = LAYOUTS[name]
+    folder = (_llama if model == "llama" else _moe)(tmp_path / model)
+    _check_layout(tmp_path, str(folder), layout, swapped)
 
 
 @two_gpus
