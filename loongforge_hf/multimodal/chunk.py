@@ -81,6 +81,14 @@ class VisionLanguageChunk(nn.Module):
         local_ids = input_ids if index is None else input_ids[:, index]
         embeddings = self.language.embedding(input_ids=local_ids, position_ids=None)
         if pixel_values is None and pixel_values_videos is None:
+            if self.vision is not None and torch.is_grad_enabled():
+                # NOTE: a micro-batch without images still touches every trainable tower parameter (a zero term):
+                # megatron's DDP with overlap_grad_reduce starts a bucket's reduction only once each of its
+                # parameters' grad hooks fired in the step's last micro-batch, and records the first step's set as
+                # the golden one (param_and_grad_buffer.reset asserts / finish_grad_sync raises otherwise).
+                trainable = [p for p in self.vision.parameters() if p.requires_grad]
+                if trainable:
+                    embeddings = embeddings + 0.0 * sum(p.reshape(-1)[:1].sum() for p in trainable).to(embeddings.dtype)
             return embeddings
         if self.vision is None:
             raise ValueError("pixel_values / pixel_values_videos need a model with a vision tower.")

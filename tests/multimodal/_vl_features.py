@@ -182,3 +182,33 @@ def train_layout(folder: str, out_dir: str, layout: dict) -> list:
 def run_many(calls: list) -> dict:
     """Several of the functions above in one world: [(key, function name, args...)]."""
     return {key: globals()[fn](*args) for key, fn, *args in calls}
+
+
+# micro-batches of two steps: images in some, none in others (the last of each step text-only)
+MIXED_STEPS = [
+    [[("text", "tok5 tok6"), ("image", (1, 4, 4)), ("text", "tok7")], [("text", "tok20 tok21 tok22 tok23")]],
+    [[("text", "tok30 tok31")], [("image", (1, 4, 8)), ("text", "tok8 tok9")], [("text", "tok40 tok41 tok42")],
+     [("text", "tok50 tok51 tok52 tok53")]],
+]
+
+
+def train_mixed_micro_batches(folder: str, out_dir: str, layout: dict, overlap_grad_reduce: bool) -> dict:
+    """Engine steps of a Qwen2.5-VL with a trainable vision tower, micro-batches with and without images."""
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-3, weight_decay=0.0,
+                                          max_grad_norm=1.0, report_to=[], use_cpu=True)
+    engine = MegatronEngine(model, args=args, overlap_grad_reduce=overlap_grad_reduce)
+    collate = collator(folder, pad_to_multiple_of=16)
+    out = {"losses": [], "grad_norms": []}
+    for step in (0, 1, 0, 1):
+        micro = [collate(hand_features(folder, [pieces], seed=step * 10 + i)) for i, pieces in
+                 enumerate(MIXED_STEPS[step])]
+        result = engine.train_step(micro)
+        out["losses"].append(result.loss)
+        out["grad_norms"].append(result.grad_norm)
+    return out

@@ -9,7 +9,7 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
 
-from ._vl_features import run_many
+from ._vl_features import run_many, train_mixed_micro_batches
 
 TOL = 1e-4
 PACKED_TOL = 1e-5
@@ -74,3 +74,15 @@ def test_context_parallel_and_packing_two_ranks(checkpoint, tmp_path):
         check_packed(got["packed_tp2"])
         # LoongTrainer under CP2 (each rank scores its share of the tokens) logs the losses it logs under TP2
         assert len(got["train_cp2"]) == 3 and got["train_cp2"] == pytest.approx(got["train_tp2"], rel=1e-4), got
+
+
+@pytest.mark.parametrize("nprocs, layout", [(1, {}), (2, {"pipeline_parallel_size": 2})], ids=["tp1", "pp2"])
+def test_trainable_tower_with_text_only_micro_batches(checkpoint, tmp_path, nprocs, layout):
+    """A step whose micro-batches (the last one included) have no image still reaches every trainable tower
+    parameter: megatron's DDP with overlapped gradient reduction (the engine's default) asserted on the next step
+    before. The run equals one without the overlap (same losses and grad norms, 1e-6)."""
+    runs = {overlap: run_distributed(train_mixed_micro_batches, nprocs, str(checkpoint), str(tmp_path / str(overlap)),
+                                     layout, overlap, timeout=300)[-1] for overlap in (True, False)}
+    assert runs[True]["losses"] == pytest.approx(runs[False]["losses"], rel=1e-6)
+    assert runs[True]["grad_norms"] == pytest.approx(runs[False]["grad_norms"], rel=1e-6)
+    assert all(n > 0 for n in runs[True]["grad_norms"])
