@@ -29,11 +29,12 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
-def _resolve_dtype(dtype: Any, hf_config) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if dtype == "auto":
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+def _resolve_dtype(dtype: Any, hf_config, folder: Path | None = None) -> torch.dtype:
+    """The parameters' dtype. ``None`` means ``"auto"``, as in transformers 5: the config's dtype, else the dtype of
+    the checkpoint's first floating tensor, else float32."""
+    if dtype is None or dtype == "auto":
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) \
+            or (_first_float_dtype(folder) if folder is not None else None) or torch.float32
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)} or a torch.dtype.")
@@ -41,6 +42,79 @@ def _resolve_dtype(dtype: Any, hf_config) -> torch.dtype:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16.")
     return dtype
+
+
+def _first_float_dtype(folder: Path) -> torch.dtype | None:
+    """The dtype of the first floating-point tensor of a safetensors checkpoint (transformers' ``dtype="auto"``
+    when config.json names none); ``None`` for a pickle checkpoint or one without floating tensors."""
+    from safetensors import safe_open
+
+    floats = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(f, "pt") as fh:
+                for name in fh.keys():
+                    kind = fh.get_slice(name).get_dtype()
+                    if kind in floats:
+                        return floats[kind]
+        except Exception:  # noqa: BLE001 - a corrupt shard: CheckpointReader names it, a moment later
+            return None
+    return None
+
+
+# transformers forward keywords this model cannot honour: refused, as they would change what the caller gets
+_REFUSED_FORWARD = {"past_key_values": "there is no KV cache", "inputs_embeds": "pass input_ids",
+                    "output_attentions": "attention weights are not materialised",
+                    "output_hidden_states": "hidden states are not returned"}
+
+
+def hf_forward_options(unused: dict, labels) -> dict:
+    """transformers' forward keywords beyond the inputs: ``num_items_in_batch`` (the loss is summed over the label
+    tokens and divided by it), ``logits_to_keep`` and ``return_dict`` are honoured; ``use_cache`` has no effect (no
+    cache is returned); those of ``_REFUSED_FORWARD`` with a value that would matter are refused; other keywords
+    are ignored, as transformers' models pass unknown ones on to attention kernels that ignore them."""
+    bad = sorted(k for k in _REFUSED_FORWARD if unused.get(k) not in (None, False))
+    if bad:
+        raise TypeError(f"forward: {bad} not supported by loongforge_hf models: "
+                        + "; ".join(f"{k}: {_REFUSED_FORWARD[k]}" for k in bad) + ".")
+    keep = unused.get("logits_to_keep") or 0
+    if labels is not None and not (isinstance(keep, int) and keep == 0):
+        raise ValueError("forward: logits_to_keep with labels is not supported (the loss needs every position's "
+                         "logits); pass one of them.")
+    return {"num_items_in_batch": unused.get("num_items_in_batch"), "logits_to_keep": keep,
+            "return_dict": unused.get("return_dict", True) is not False}
+
+
+def hf_forward_output(loss, logits, labels, options: dict):
+    """``CausalLMOutputWithPast`` (or its tuple) with ``hf_forward_options``' keywords applied."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    num_items = options["num_items_in_batch"]
+    if loss is not None and num_items is not None:
+        from loongforge_hf.bridges.runtime import shift_labels
+
+        # NOTE: the loss is the mean over this batch's label tokens; transformers divides their sum by num_items
+        count = (shift_labels(labels.to(loss.device)) != IGNORE_INDEX).sum()
+        loss = loss * count / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    keep = options["logits_to_keep"]
+    if logits is not None and not (isinstance(keep, int) and keep == 0):
+        logits = logits[:, -keep:] if isinstance(keep, int) else logits[:, keep.to(logits.device)]
+    out = CausalLMOutputWithPast(loss=loss, logits=logits)
+    return out if options["return_dict"] else out.to_tuple()
+
+
+# transformers save_pretrained keywords and the values that change nothing here; others are refused
+_SAVE_DEFAULTS = {"safe_serialization": True, "is_main_process": True, "push_to_hub": False, "state_dict": None,
+                  "variant": None, "save_function": None, "token": None, "save_peft_format": True}
+
+
+def refuse_save_options(unused: dict) -> None:
+    """``save_pretrained`` keywords of transformers that would change what is written are refused, not ignored."""
+    bad = sorted(k for k, v in unused.items() if k not in _SAVE_DEFAULTS or v != _SAVE_DEFAULTS[k])
+    if bad:
+        raise TypeError(f"save_pretrained: {bad} not supported: the weights come from the megatron model, written as "
+                        "safetensors with transformers' file names, on every rank's call (rank 0 writes); use "
+                        "push_to_hub() to upload.")
 
 
 def resolve_parallel(parallel: ParallelConfig | None, sizes: dict) -> ParallelConfig:
@@ -84,11 +158,19 @@ class LoongModelForCausalLM(nn.Module):
         self.chunks = nn.ModuleList(megatron_model.chunks)
         self.parallel = parallel
         self.source = source
-        self.generation_config = None
-        if source is not None and (source / "generation_config.json").is_file():
-            from transformers import GenerationConfig
+        from transformers import GenerationConfig
 
+        if source is not None and (source / "generation_config.json").is_file():
             self.generation_config = GenerationConfig.from_pretrained(source)
+        else:  # NOTE: as transformers derives one (bos / eos / pad ids) and saves it
+            self.generation_config = GenerationConfig.from_model_config(hf_config)
+        self._config_at_load = hf_config.to_dict()  # save_pretrained writes the fields changed since
+
+    def config_changes(self) -> dict:
+        """The fields of ``self.config`` changed since load (``save_pretrained`` writes them into config.json)."""
+        from loongforge_hf.bridges.exporter import changed_config_fields
+
+        return changed_config_fields(self.config, self._config_at_load)
 
     # ---- properties users expect ---------------------------------------------------------------------------
     @property
@@ -107,13 +189,12 @@ class LoongModelForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
+        options = hf_forward_options(unused, labels)
         loss, logits = forward_causal_lm(self, input_ids=input_ids, attention_mask=attention_mask,
                                          position_ids=position_ids, labels=labels, return_logits=return_logits)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return hf_forward_output(loss, logits, labels, options)
 
     # ---- activation checkpointing (what transformers.Trainer calls for `activation_checkpointing=True`) ---------
     supports_gradient_checkpointing = True
@@ -177,8 +258,10 @@ class LoongModelForCausalLM(nn.Module):
         """Write a plain HF checkpoint (collective: every rank calls it; rank 0 writes, atomically)."""
         from loongforge_hf.bridges.exporter import export_hf
 
+        refuse_save_options(unused)
         export_hf(self.megatron, self.bridge, self.parallel, Path(save_directory), source=self.source,
-                  max_shard_size=max_shard_size, dtype=dtype)
+                  max_shard_size=max_shard_size, dtype=dtype, config_changes=self.config_changes(),
+                  generation_config=self.generation_config)
 
     def push_to_hub(self, repo_id: str, *, token: str | None = None, private: bool | None = None,
                     commit_message: str = "Upload model with loongforge-hf", revision: str | None = None,
@@ -206,8 +289,21 @@ class LoongModelForCausalLM(nn.Module):
                 shutil.rmtree(base, ignore_errors=True)
 
     def num_parameters(self, *, only_trainable: bool = False) -> int:
-        """Parameters held by this rank."""
-        return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
+        """Parameters held by this rank; the rows megatron pads the vocabulary with (to a multiple of 128 x TP) are not
+        counted, so one rank of an unsplit model counts what transformers counts."""
+        from megatron.core import parallel_state as ps
+
+        padded, vocab = self.megatron.padded_vocab, self.config.vocab_size
+        rows = padded // ps.get_tensor_model_parallel_world_size()
+        first = ps.get_tensor_model_parallel_rank() * rows
+        pad_rows = max(0, first + rows - max(first, vocab))  # this rank's share of the padding rows
+        total = 0
+        for name, p in self.named_parameters():
+            if p.requires_grad or not only_trainable:
+                total += p.numel()
+                if name.endswith(("embedding.word_embeddings.weight", "output_layer.weight")) and p.shape[0] == rows:
+                    total -= pad_rows * p[0].numel()
+        return total
 
     # ---- what transformers.Trainer and trl read -------------------------------------------------------------
     @property
@@ -228,6 +324,13 @@ class LoongModelForCausalLM(nn.Module):
         """Tags for the model card, as ``PreTrainedModel.add_model_tags`` keeps them (trl adds its own)."""
         self.model_tags = list(dict.fromkeys([*(getattr(self, "model_tags", None) or []),
                                               *([tags] if isinstance(tags, str) else tags)]))
+
+
+def keep_hub_name(hf_config, name_or_path) -> None:
+    """``config._name_or_path`` as transformers keeps it: the hub id a model was loaded by, not the cache folder it
+    was resolved to (exports and adapter configs name the base model by it)."""
+    if not Path(name_or_path).expanduser().is_dir():
+        hf_config._name_or_path = str(name_or_path)
 
 
 class AutoModelForCausalLM:
@@ -285,14 +388,14 @@ class AutoModelForCausalLM:
                                     local_files_only=local_files_only, token=token, allow_pickle=allow_pickle)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         bridge = get_bridge(hf_config)
+        param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, folder)
         if auto:
-            layout = _auto_layout(hf_config, _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config))
+            layout = _auto_layout(hf_config, param_dtype)
         layout.check_world_size(read_launch_env().world_size)
         layout.check_model(num_layers=hf_config.num_hidden_layers, num_attention_heads=hf_config.num_attention_heads,
                            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None)
                            or hf_config.num_attention_heads,
                            vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
-        param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config)
         check_megatron_config(bridge, megatron_config)
         if layout.interleaved_stages:
             interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
@@ -315,5 +418,7 @@ class AutoModelForCausalLM:
         finally:
             reader.close()
         hf_config.dtype = param_dtype
-        return LoongModelForCausalLM(hf_config=hf_config, bridge=bridge, megatron_model=megatron_model,
-                                     parallel=layout, source=folder)
+        keep_hub_name(hf_config, pretrained_model_name_or_path)
+        model = LoongModelForCausalLM(hf_config=hf_config, bridge=bridge, megatron_model=megatron_model,
+                                      parallel=layout, source=folder)
+        return model.eval()  # NOTE: as transformers returns it: no dropout until a trainer calls train()

@@ -7,6 +7,12 @@ Choices:
   temporary folder and leaves ``out_dir`` as it was.
 - A failed write run through ``guarded()`` (disk full and any other OSError) becomes a ``CheckpointError`` naming the
   file and ``out_dir``.
+- ``carry_over`` (model and adapter exports): what ``out_dir`` already holds and the new content does not write is
+  kept, as transformers' ``save_pretrained`` keeps a folder's other files (a tokenizer saved there first, a README,
+  a git clone's ``.git``), except what the predicate declines (the old weight shards and index the new ones
+  supersede). The kept entries are hard-linked into the temporary folder just before the swap (copied where the
+  filesystem has no hard links), so the swap stays one rename and an interrupted save still leaves ``out_dir`` as
+  it was.
 - Replacing the working directory, one of its parents or the home folder is refused.
 """
 
@@ -29,8 +35,11 @@ class AtomicFolder:
     """``out_dir`` built in a temporary folder beside it: ``create()``, write under ``tmp``, then ``commit()`` or
     ``abort()``."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, *, carry_over: Callable[[str], bool] | None = None) -> None:
+        """``carry_over(name)``: whether an entry of an existing ``out_dir`` that the new content lacks is kept (None:
+        the folder is replaced as a whole)."""
         self.out_dir = out_dir
+        self.carry_over = carry_over
         self.tmp: Path | None = None  # the temporary folder, while one exists
         self._open_files: set[int] = set()  # from create_file(), not closed yet
 
@@ -99,6 +108,10 @@ class AtomicFolder:
             return
         if not out.is_dir() or out.is_symlink():
             raise CheckpointError(f"{out} exists and is not a folder; refusing to replace it with a checkpoint.")
+        if self.carry_over is not None:
+            for name in sorted(os.listdir(out)):
+                if not os.path.lexists(tmp / name) and self.carry_over(name):
+                    self.guarded(name, lambda name=name: _link_into(out / name, tmp / name))
         aside = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
         self.guarded(out.name, lambda: os.replace(out, aside))
         try:
@@ -143,3 +156,20 @@ class AtomicFolder:
                 f"Refusing to write a checkpoint to {self.out_dir}: the folder is replaced as a whole, and it is the "
                 f"working directory, one of its parents, or the home folder. Pick a dedicated folder."
             )
+
+
+def _link_into(src: Path, dst: Path) -> None:
+    """``src`` (a file, symlink or folder tree) reproduced at ``dst`` by hard links, no bytes copied; copied where
+    the filesystem refuses hard links."""
+    def link(a, b):
+        try:
+            os.link(a, b, follow_symlinks=False)
+        except OSError as err:
+            if err.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            shutil.copy2(a, b, follow_symlinks=False)
+
+    if src.is_dir() and not src.is_symlink():
+        shutil.copytree(src, dst, symlinks=True, copy_function=link)
+    else:
+        link(src, dst)

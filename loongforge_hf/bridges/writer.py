@@ -15,9 +15,9 @@ Choices:
   tensor-parallel rank's shard), each written to its place at once: the full tensor is never assembled in memory. A
   block along dim 0 is one write; along a later dim, one write per run of contiguous bytes. Blocks of one tensor must
   not overlap; the tensor counts as added once they cover it.
-- All or nothing (``atomic_folder``): everything goes to a temporary sibling folder that replaces ``out_dir`` as a
-  whole on a clean exit; on an exception in the ``with`` block or a failed write (disk full -> ``CheckpointError``)
-  it is removed and ``out_dir`` is left as it was.
+- All or nothing (``atomic_folder``): everything goes to a temporary sibling folder that replaces ``out_dir`` on a
+  clean exit (as a whole, or keeping what ``carry_over`` names of its old entries); on an exception in the ``with``
+  block or a failed write (disk full -> ``CheckpointError``) it is removed and ``out_dir`` is left as it was.
 - Planned writes are spread over the I/O threads of ``parallel_io`` (``os.pwrite`` releases the GIL): a tensor or
   block of more than a few MiB goes out in pieces (whole runs for a block of columns) written concurrently from the
   caller's memory, and ``add()``/``add_part()`` return once every piece is written; a failed piece raises after the
@@ -34,7 +34,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -73,8 +73,11 @@ class CheckpointWriter:
         *,
         max_shard_size: int | str = "5GB",
         metadata: dict[str, str] | None = None,
+        carry_over: Callable[[str], bool] | None = None,
     ) -> None:
-        """``metadata``: extra string entries for every shard's safetensors header (``format: pt`` is always set)."""
+        """``metadata``: extra string entries for every shard's safetensors header (``format: pt`` is always set).
+        ``carry_over(name)``: keep that entry of an existing ``out_dir`` the new content lacks (``AtomicFolder``);
+        None replaces the folder as a whole."""
         self.out_dir = Path(os.path.abspath(os.path.expanduser(out_dir)))
         self.max_shard_size = parse_size(max_shard_size)
         if self.max_shard_size <= 0:
@@ -84,7 +87,7 @@ class CheckpointWriter:
         if bad:
             raise ValueError(f"safetensors metadata must map strings to strings; got {bad!r}.")
         self.metadata = {**extra, "format": "pt"}
-        self._folder = AtomicFolder(self.out_dir)
+        self._folder = AtomicFolder(self.out_dir, carry_over=carry_over)
         self._names: set[str] = set()
         self._side_files: set[str] = set()
         self._buffer: dict[str, torch.Tensor] = {}

@@ -65,6 +65,12 @@ def adapter_config_text(model) -> str:
     data = model.lora_config.to_dict()
     data.update(target_modules=model.lora_plan.target_modules, base_model_name_or_path=model.name_or_path or None,
                 inference_mode=True, peft_version=peft_version)
+    if data.get("task_type") is None:
+        # NOTE: what PeftModel.save_pretrained adds without a task type: peft's AutoPeftModel loads the base by it
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        hf_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)]
+        data["auto_mapping"] = {"base_model_class": hf_class.__name__, "parent_library": hf_class.__module__}
 
     def plain(value):
         if isinstance(value, (set, frozenset)):
@@ -132,9 +138,10 @@ class _Streamer:
         return {}
 
 
-def _adapter_tensors(model) -> dict[str, torch.Tensor]:
-    """Every adapter tensor at HF shape on rank 0 (empty dict elsewhere); collective."""
-    plan, streamer, dtype = model.lora_plan, _Streamer(model), model.dtype
+def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every adapter tensor at HF shape on rank 0 (empty dict elsewhere), in ``dtype`` (default the model's);
+    collective."""
+    plan, streamer, dtype = model.lora_plan, _Streamer(model), dtype or model.dtype
     out: dict[str, torch.Tensor] = {}
     for t in plan.targets:
         prefix = f"base_model.model.{t.hf_module}"
@@ -159,14 +166,15 @@ def _adapter_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_adapter(model, out_dir: Path) -> None:
-    """Write ``model``'s adapters as a PEFT adapter folder (collective; rank 0 writes, atomically)."""
+def export_adapter(model, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:
+    """Write ``model``'s adapters as a PEFT adapter folder (collective; rank 0 writes, atomically). The folder's other
+    files are kept, as PEFT's save_pretrained keeps them (an old ``adapter_model.bin`` goes)."""
     from safetensors.torch import save_file
 
     from loongforge_hf.bridges.writer import CheckpointWriter
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    writer = CheckpointWriter(out_dir)
+    writer = CheckpointWriter(out_dir, carry_over=lambda name: name != "adapter_model.bin")
     error: str | None = None
     if rank == 0:
         try:
@@ -176,7 +184,7 @@ def export_adapter(model, out_dir: Path) -> None:
     error = broadcast_outcome(error, src=0)
     if error is not None:
         raise RuntimeError(f"save_pretrained({os.fspath(out_dir)!r}) failed; nothing was written: {error}")
-    tensors = _adapter_tensors(model)
+    tensors = _adapter_tensors(model, dtype)
     if rank == 0:
         try:
             with tempfile.TemporaryDirectory(prefix="loongforge-adapter-") as tmp:

@@ -53,11 +53,19 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
 
     def save_pretrained(self, save_directory: str | os.PathLike, *, merged: bool = False,
                         max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None, **unused) -> None:
-        """The PEFT adapter folder, or with ``merged=True`` a plain HF checkpoint of the merged weights."""
+        """The PEFT adapter folder (adapter tensors in ``dtype``, default the model's; one file, as PEFT writes, so
+        ``max_shard_size`` only applies to the merged checkpoint), or with ``merged=True`` a plain HF checkpoint of
+        the merged weights."""
         from loongforge_hf.lora.export import export_adapter, merged_weights
+        from loongforge_hf.modeling import refuse_save_options
 
+        refuse_save_options({k: v for k, v in unused.items()
+                             if (k, v) not in (("selected_adapters", None), ("selected_adapters", ["default"]),
+                                               ("save_embedding_layers", "auto"))})
         if not merged:
-            export_adapter(self, Path(save_directory))
+            if dtype is not None and not isinstance(dtype, torch.dtype):
+                raise TypeError(f"save_pretrained: dtype must be a torch.dtype or None, got {dtype!r}.")
+            export_adapter(self, Path(save_directory), dtype=dtype)
             return
         with merged_weights(self):
             super().save_pretrained(save_directory, max_shard_size=max_shard_size, dtype=dtype)

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from loongforge_hf.modeling import LoongModelForCausalLM, _resolve_dtype, resolve_parallel
+from loongforge_hf.modeling import (LoongModelForCausalLM, _resolve_dtype, hf_forward_options, hf_forward_output,
+                                    keep_hub_name, refuse_save_options, resolve_parallel)
 from loongforge_hf.parallel import ParallelLayoutError, read_launch_env
 from loongforge_hf.parallel.config import PARALLEL_KWARGS
 
@@ -135,12 +136,11 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                 mm_token_type_ids: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
                 video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         from loongforge_hf.bridges.runtime import IGNORE_INDEX, full_logits, shift_labels, token_losses
         from loongforge_hf.parallel.context_parallel import (cp_gather_sequence, cp_group_and_size, cp_loss,
                                                              cp_token_index)
 
+        options = hf_forward_options(unused, labels)
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values,
                  "image_grid_thw": image_grid_thw, "position_ids": position_ids,
                  "mm_token_type_ids": mm_token_type_ids, "pixel_values_videos": pixel_values_videos,
@@ -180,7 +180,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                                     parallel=self.parallel)
             loss, logits = _forward_pipelined(bound, input_ids, position_ids, mask, finish, return_logits,
                                               labels is not None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return hf_forward_output(loss, logits, labels, options)
 
     # ---- export --------------------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
@@ -198,8 +198,10 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         def extra():
             return vision_export_tensors(self.vision_tower, self.bridge, tp_group=group, holds=holds)
 
+        refuse_save_options(unused)
         export_hf(self.language_model, self.bridge.text, self.parallel, Path(save_directory), source=self.source,
-                  max_shard_size=max_shard_size, dtype=dtype, extra_tensors=extra)
+                  max_shard_size=max_shard_size, dtype=dtype, extra_tensors=extra, config_changes=self.config_changes(),
+                  generation_config=self.generation_config)
 
 
 def _vision_layout(*, vision_tensor_parallel_size: int, vision_data_parallel: bool, tensor_parallel_size: int,
@@ -289,7 +291,7 @@ class AutoModelForImageTextToText:
                                            vision_data_parallel=vision_data_parallel,
                                            tensor_parallel_size=layout.tensor_parallel_size,
                                            vision_config=bridge.vision_config)
-            param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config)
+            param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, folder)
             reader.validate_shapes(bridge.expected_hf_shapes())
             # --- collective part ----------------------------------------------------------------------------
             initialize_parallel(layout, seed=seed)
@@ -328,7 +330,8 @@ class AutoModelForImageTextToText:
 
             model.megatron.fp8 = enable_fp8(
                 language.chunks, fp8, recipe=fp8_recipe, towers=[c.vision for c in chunks if c.vision is not None])
-        return model
+        keep_hub_name(hf_config, pretrained_model_name_or_path)
+        return model.eval()  # NOTE: as transformers returns it: no dropout until a trainer calls train()
 
 
 def _recompute_every_layer(language) -> None:

@@ -7,7 +7,9 @@
 - Collective cases run in a second world: a pickle-only checkpoint loaded with ``allow_pickle=True`` (logits equal
   transformers'), then save failures (a crash at the Nth tensor, a full disk, an unusable destination, a bad
   ``max_shard_size`` or ``dtype``) that must raise the same error on every rank and leave no output and no temporary
-  folder, and a save over an existing folder that must replace it as a whole (the old folder intact until the swap).
+  folder, and a save over an existing folder that must swap in the new weights at once (the old folder intact until
+  the swap) and keep the folder's other files, as transformers' save_pretrained does (a tokenizer saved there first
+  is not replaced by the source's; the old weight files go).
 """
 
 import contextlib
@@ -299,7 +301,11 @@ def save_run(base, tmp_path_factory):
     existing = _copy(base, root / "existing")
     (existing / "notes.txt").write_text("the user's notes")
     replace = _copy(base, root / "replace")
-    (replace / "stale.txt").write_text("left from an older save")
+    (replace / "notes.txt").write_text("the user's notes")
+    (replace / "runs").mkdir()
+    (replace / "runs" / "events.log").write_text("the user's logs")
+    (replace / "tokenizer_config.json").write_text('{"the user\'s": "tokenizer"}')
+    (replace / "model-00001-of-00099.safetensors").write_bytes(b"left from an older save")
     (root / "blocked").write_text("a file where the destination's parent folder should be")
     before = {"existing": _snapshot(existing), "replace": sorted(p.name for p in replace.iterdir())}
     results = run_distributed(pickle_load_then_saves, 2, str(pickled), str(root), timeout=150)
@@ -337,14 +343,21 @@ def test_failed_save_raises_alike_and_leaves_nothing(save_run, case, out, want_t
     assert leftovers == []
 
 
-def test_save_over_existing_folder_replaces_it_whole(base, save_run):
+def test_save_over_existing_folder_swaps_weights_and_keeps_other_files(base, save_run):
     root, before, results = save_run
     rank0, rank1 = (r["replace"] for r in results)
     assert rank0["type"] == rank1["type"] == "no error", (rank0, rank1)
     seen = results[0]["seen_during_save"]
     assert len(seen) > 1 and all(names == before["replace"] for names in seen), seen
-    files = sorted(p.name for p in (root / "replace").iterdir())
-    assert "stale.txt" not in files and INDEX in files
+    out = root / "replace"
+    files = sorted(p.name for p in out.iterdir())
+    assert INDEX in files and "model.safetensors" not in files and "model-00001-of-00099.safetensors" not in files
+    weight_files = {p.name for p in out.glob("*.safetensors")}
+    assert weight_files == set(json.loads((out / INDEX).read_text())["weight_map"].values())
+    assert (out / "notes.txt").read_text() == "the user's notes"
+    assert (out / "runs" / "events.log").read_text() == "the user's logs"
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"the user's": "tokenizer"}
+    assert (out / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
     new, src = _read_weights(root / "replace"), _read_weights(base)
     assert sorted(new) == sorted(src)
     for name in src:

@@ -1,0 +1,103 @@
+"""What a transformers / PEFT user does with a loaded model, one CPU process, against transformers and PEFT.
+
+- ``from_pretrained`` returns the model in eval mode (dropout off: the same logits twice, equal to transformers' in
+  eval mode), and ``dtype`` defaults to ``"auto"`` (the config's dtype, else the first tensor's), as transformers 5.
+- ``forward`` honours ``num_items_in_batch`` (summed loss / it), ``logits_to_keep`` and ``return_dict=False`` like
+  transformers, and refuses what it cannot honour (hidden states, a KV cache, logits_to_keep with labels).
+- ``save_pretrained`` writes config.json verbatim when nothing changed, the user's config / generation config changes
+  otherwise, with the dtype of the tensors written; transformers keywords that would change what is written are
+  refused before anything is written; extra chat templates are copied.
+- ``num_parameters()`` does not count megatron's vocabulary padding rows.
+- A LoRA adapter folder loads with PEFT's ``AutoPeftModelForCausalLM`` (``auto_mapping``), same logits.
+
+Tolerances: fp32 logits 1e-5, losses 1e-6 relative.
+"""
+
+import json
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+from ._model_api import model_api_checks, peft_auto_load
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("api")
+    folders = {"qwen3": make_tiny_checkpoint(tmp / "qwen3", "qwen3", vocab_size=203),
+               "dropout": make_tiny_checkpoint(tmp / "dropout", "qwen2", tokenizer=False, attention_dropout=0.3),
+               "bf16": make_tiny_checkpoint(tmp / "bf16", "llama", tokenizer=False, dtype=torch.bfloat16)}
+    no_dtype = make_tiny_checkpoint(tmp / "no_dtype", "llama", tokenizer=False, dtype=torch.bfloat16)
+    cfg = json.loads((no_dtype / "config.json").read_text())
+    cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
+    (no_dtype / "config.json").write_text(json.dumps(cfg))
+    folders["no_dtype_field"] = no_dtype
+    templates = make_tiny_checkpoint(tmp / "templates", "qwen3")
+    (templates / "additional_chat_templates").mkdir()
+    (templates / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    folders["templates"] = templates
+    res = run_distributed(model_api_checks, 1, {k: str(v) for k, v in folders.items()}, str(tmp / "out"),
+                          timeout=300)[0]
+    return res, folders, tmp / "out"
+
+
+def test_loaded_in_eval_mode_and_trained_in_train_mode(api):
+    res = api[0]["eval"]
+    assert (res["training"], res["ref_training"]) == (False, False)
+    assert res["repeat_diff"] == 0.0 and res["vs_ref"] < 1e-5, res
+    assert res["training_after_step"]
+
+
+def test_dtype_defaults_to_auto_like_transformers(api):
+    dtypes = api[0]["dtype"]
+    assert dtypes["bf16"] == ("torch.bfloat16", "torch.bfloat16")
+    assert dtypes["no_dtype_field"] == ("torch.bfloat16", "torch.bfloat16")
+
+
+def test_forward_keywords_as_transformers(api):
+    fwd = api[0]["forward"]
+    got, exp = fwd["num_items"]
+    assert got == pytest.approx(exp, rel=1e-6)
+    assert fwd["keep_shape"][0] == fwd["keep_shape"][1] == (2, 1, 203)
+    assert fwd["keep_diff"] < 1e-5
+    kind, length, loss_diff = fwd["tuple"]
+    assert kind == "tuple" and length == 2 and loss_diff < 1e-5
+    refused = fwd["refused"]
+    assert "output_hidden_states" in refused["output_hidden_states"]
+    assert "past_key_values" in refused["past_key_values"]
+    assert "logits_to_keep with labels" in refused["logits_to_keep"]
+
+
+def test_num_parameters_leaves_out_vocab_padding(api):
+    ours, theirs = api[0]["num_parameters"]
+    assert ours == theirs
+
+
+def test_save_follows_config_changes_and_dtype(api):
+    res, folders, _ = api
+    assert res["same_config_verbatim"]
+    changed = res["changed"]
+    assert changed["use_cache"] is False and changed["my_field"] == "kept" and changed["max_new_tokens"] == 77
+    assert changed["dtype"] == "bfloat16" and changed["reloaded_dtype"] == "torch.bfloat16"
+    assert changed["tensor_dtypes"] == ["torch.bfloat16"]
+    assert res["bf16_as_fp32"] == "float32"
+    assert res["templates"] == ["tool_use.jinja"]
+
+
+def test_save_refuses_keywords_it_cannot_honour(api):
+    res = api[0]
+    for key in ("state_dict", "push_to_hub", "safe_serialization"):
+        assert res["save_refused"][key] is not None and key in res["save_refused"][key], res["save_refused"]
+    assert res["save_refused_left_nothing"]
+    assert (api[2] / "accepted" / "config.json").is_file()
+
+
+def test_lora_adapter_loads_with_peft_auto_class(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "base", "qwen3")
+    res = run_distributed(peft_auto_load, 1, str(folder), str(tmp_path / "adapter"), timeout=300)[0]
+    assert res["auto_mapping"] == {"base_model_class": "Qwen3ForCausalLM",
+                                   "parent_library": "transformers.models.qwen3.modeling_qwen3"}
+    assert res["diff"] < 1e-5
