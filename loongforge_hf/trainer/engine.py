@@ -259,7 +259,10 @@ class MegatronEngine:
         return [s.optimizer for s in subs]
 
     # ---- one optimizer step over the micro-batches of this DP rank ---------------------------------------------
-    def train_step(self, micro_batches: list[dict]) -> StepResult:
+    def train_step(self, micro_batches: list[dict], *, before_optimizer_step=None) -> StepResult:
+        """One optimizer step over ``micro_batches`` (megatron's schedule, then the optimizer);
+        ``before_optimizer_step()`` runs between the last backward and the optimizer step (Trainer's
+        ``on_pre_optimizer_step``)."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -271,7 +274,9 @@ class MegatronEngine:
             # NOTE: lengths megatron needs (ParallelConfig.sequence_multiple), one length per step under PP.
             micro_batches = pad_micro_batches(micro_batches, multiple=layout.sequence_multiple,
                                               same_length=layout.pipeline_parallel_size > 1)
+        self.model.train()  # NOTE: as Trainer.training_step: from_pretrained returns the model in eval mode
         for c in self.chunks:
+            c.train()
             c.zero_grad_buffer()
         main_grad_state.mark_zeroed(self._main_grad_params)
         self.optimizer.zero_grad()
@@ -286,6 +291,8 @@ class MegatronEngine:
             losses = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=data, model=self.chunks if vpp > 1 else self.chunks[0],
                 num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs, forward_only=False)
+        if before_optimizer_step is not None:
+            before_optimizer_step()
         update_ok, grad_norm = self._optimizer_step()
         # loss over this DP rank's tokens (last stage), then over DP, then shared with every pipeline stage
         device = self.model.device

@@ -69,6 +69,44 @@ class LoongTrainer(Trainer):
         self.model_accepts_loss_kwargs = False
         self.engine: MegatronEngine | None = None
         self._check_batch_sizes()
+        self._refuse_unsupported()
+
+    def _refuse_unsupported(self) -> None:
+        """Settings that change training under transformers.Trainer but that the megatron step cannot honour: refused
+        in the user's terms instead of being silently ignored."""
+        args = self.args
+        problems = []
+        optim = str(getattr(args.optim, "value", args.optim))
+        if optim not in ("adamw_torch", "adamw_torch_fused"):
+            problems.append(f"optim={optim!r} (the step is always torch AdamW inside megatron's optimizer)")
+        if self.optimizer is not None or self.lr_scheduler is not None:
+            problems.append("optimizers=(...) (the optimizer and LR scheduler are megatron's AdamW driven by "
+                            "transformers' schedulers from TrainingArguments)")
+        if getattr(self, "optimizer_cls_and_kwargs", None) is not None:
+            problems.append("optimizer_cls_and_kwargs (the step is always megatron's AdamW)")
+        if args.label_smoothing_factor:
+            problems.append(f"label_smoothing_factor={args.label_smoothing_factor} (the training loss is plain "
+                            "token cross-entropy)")
+        # a user's subclass (between this class and LoongTrainer in the MRO) that overrides the per-step loss
+        mine = type(self).__mro__[:type(self).__mro__.index(LoongTrainer)]
+        overridden = sorted({name for cls in mine if not cls.__module__.startswith("loongforge_hf.")
+                             for name in ("compute_loss", "training_step") if name in vars(cls)})
+        if getattr(self, "compute_loss_func", None) is not None or overridden:
+            problems.append(f"compute_loss_func / an overridden {' / '.join(overridden) or 'compute_loss'} "
+                            "(training runs megatron's schedule and loss, which never call them)")
+        if args.neftune_noise_alpha is not None:
+            problems.append("neftune_noise_alpha")
+        if str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == "reduce_lr_on_plateau":
+            problems.append(f"lr_scheduler_type={args.lr_scheduler_type!r} (a metric-driven scheduler)")
+        if args.load_best_model_at_end and args.save_only_model:
+            problems.append("load_best_model_at_end with save_only_model=True (the best weights are reloaded "
+                            "from the checkpoint's megatron/ folder)")
+        if problems:
+            raise ValueError("LoongTrainer does not support: " + "; ".join(problems) + ".")
+        if not args.average_tokens_across_devices:
+            logger.warning("average_tokens_across_devices=False: LoongTrainer still averages the training loss "
+                           "over all label tokens of the global batch (transformers.Trainer would average each "
+                           "rank's own mean).")
 
     # ---- sizes ---------------------------------------------------------------------------------------------------
     def _check_batch_sizes(self) -> None:
@@ -141,6 +179,7 @@ class LoongTrainer(Trainer):
         self.create_optimizer()
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = self.model
+        self._seed_model_parallel_rng()
         if resume_from_checkpoint is not None:
             from loongforge_hf.trainer.checkpoint import load_training_checkpoint
 
@@ -149,6 +188,16 @@ class LoongTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self.model, train_dataloader
+
+    def _seed_model_parallel_rng(self) -> None:
+        """megatron's model-parallel RNG streams (attention dropout, LoRA dropout, expert-parallel dropout) from
+        ``TrainingArguments.seed``, as Trainer's ``set_seed`` seeds every generator the HF model's dropout uses;
+        they were seeded by ``from_pretrained(seed=1234)`` and ``args.seed`` never reached them. A resume then
+        restores the saved streams over these."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+        graphable = getattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", False)
+        model_parallel_cuda_manual_seed(self.args.seed, use_cudagraphable_rng=graphable, force_reset_rng=True)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # NOTE: weights come back with the optimizer from the megatron checkpoint in _prepare_for_training.
@@ -192,7 +241,7 @@ class LoongTrainer(Trainer):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             self.model.train()  # as Trainer.training_step does: an evaluation leaves the model in eval mode
             t0 = time.perf_counter()
-            result = self.engine.train_step(micro)
+            result = self.engine.train_step(micro, before_optimizer_step=self._pre_optimizer_step)
             elapsed = time.perf_counter() - t0
             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
             learning_rate = self._get_learning_rate()
@@ -331,11 +380,31 @@ class LoongTrainer(Trainer):
         if dist.is_initialized():
             dist.barrier()
         publish_checkpoint(tmp, final)
+        # as Trainer._save_checkpoint: remember the best checkpoint so that rotation keeps it and
+        # load_best_model_at_end reloads it
+        if self.args.save_strategy in ("steps", "epoch", "best") and self.state.best_global_step:
+            best = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+            if best.exists():
+                self.state.best_model_checkpoint = str(best)
+                if self.args.should_save:
+                    self.state.save_to_json(str(final / TRAINER_STATE_NAME))
         if self.args.should_save:
             rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
         if dist.is_initialized():
             dist.barrier()
+
+    def _load_best_model(self) -> None:
+        """Trainer's version loads HF-named tensors into the megatron model (nothing matches): reload the best
+        checkpoint's megatron state (weights, with optimizer and schedulers, all layouts) instead."""
+        from loongforge_hf.trainer.checkpoint import load_training_checkpoint
+
+        logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint,
+                    self.state.best_metric)
+        load_training_checkpoint(self, self.state.best_model_checkpoint)
+
+    def _pre_optimizer_step(self) -> None:
+        self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
 
     def _save_scaler(self, output_dir: str) -> None:
         """No GradScaler: megatron's optimizer owns loss scaling and saves it with its state."""

@@ -83,3 +83,87 @@ def train_loong_resumable(folder: str, out_dir: str, layout: dict, *, stop_after
     steps = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
     trainer.save_model()  # Trainer's default: the HF export lands in output_dir, beside the checkpoints
     return steps
+
+
+def best_model_run(kind: str, folder: str, out_dir: str) -> dict:
+    """load_best_model_at_end with one checkpoint kept: the best (step 1 at this learning rate) must survive the
+    rotation and be the trained model's weights at the end."""
+    import os
+
+    import transformers
+
+    import loongforge_hf as lf
+
+    torch.manual_seed(0)
+    args = training_args(out_dir, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                         save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                         learning_rate=5e-2, max_steps=3)
+    if kind == "hf":
+        model, trainer_cls = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), \
+            transformers.Trainer
+    else:
+        model, trainer_cls = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), lf.LoongTrainer
+    trainer = trainer_cls(model=model, args=args, train_dataset=make_dataset(n=32),
+                          eval_dataset=make_dataset(n=8, seed=11))
+    trainer.train()
+    trainer.save_model(out_dir + "/final")
+    return {"evals": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+            "best_step": trainer.state.best_global_step,
+            "best": os.path.basename(trainer.state.best_model_checkpoint or ""),
+            "eval_after": trainer.evaluate()["eval_loss"],
+            "kept": sorted(p for p in os.listdir(out_dir) if p.startswith("checkpoint"))}
+
+
+def refused_arguments(folder: str, out_dir: str) -> dict:
+    """{case: the ValueError's message or None} for TrainingArguments / Trainer arguments LoongTrainer cannot honour."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+    class CustomLoss(lf.LoongTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            raise AssertionError("never called")
+
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = {"optim": ({"optim": "sgd"}, {}), "label_smoothing_factor": ({"label_smoothing_factor": 0.1}, {}),
+             "optimizers": ({}, {"optimizers": (sgd, transformers.get_constant_schedule(sgd))}),
+             "compute_loss_func": ({}, {"compute_loss_func": lambda *a, **k: 0}),
+             "compute_loss": ({}, {"trainer_cls": CustomLoss}),
+             "reduce_lr_on_plateau": ({"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps"},
+                                      {"eval_dataset": make_dataset(n=8, seed=11)}),
+             "neftune_noise_alpha": ({"neftune_noise_alpha": 5.0}, {}),
+             "accepted": ({"optim": "adamw_torch_fused"}, {})}
+    out = {}
+    for name, (args_kw, trainer_kw) in cases.items():
+        trainer_cls = trainer_kw.pop("trainer_cls", lf.LoongTrainer)
+        try:
+            trainer_cls(model=model, args=training_args(out_dir, **args_kw), train_dataset=make_dataset(), **trainer_kw)
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+def dropout_seed_losses(folder: str, out_dir: str, seed: int) -> dict:
+    """Logged losses of a model with attention dropout under TrainingArguments(seed=seed) (data order fixed), and
+    the optimizer-step callback events in the order they fired."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    events = []
+
+    class Events(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            events.append(("pre", state.global_step))
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            events.append(("post", state.global_step))
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    trainer = lf.LoongTrainer(model=model, args=training_args(out_dir, seed=seed, data_seed=5, max_steps=2),
+                              train_dataset=make_dataset(), callbacks=[Events()])
+    trainer.train()
+    return {"losses": losses_of(trainer.state.log_history), "events": events}

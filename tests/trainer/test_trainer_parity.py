@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._train_parity import train_hf, train_loong
+from ._train_parity import best_model_run, dropout_seed_losses, refused_arguments, train_hf, train_loong
 
 LAYOUTS = {"tp1": (1, {}), "tp2": (2, {"tensor_parallel_size": 2}), "pp2": (2, {"pipeline_parallel_size": 2}),
            "pp2vpp2": (2, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2})}
@@ -64,3 +64,38 @@ def test_dp2_matches_transformers_trainer_ddp(tmp_path):
     ref = run_distributed(train_hf, 2, str(src), str(tmp_path / "hf"), timeout=300)
     got = run_distributed(train_loong, 2, str(src), str(tmp_path / "lf"), {}, timeout=300)
     assert_close_runs(ref[0], tmp_path / "hf" / "final", got[0], tmp_path / "lf" / "final")
+
+
+def test_load_best_model_at_end_matches_transformers_trainer(single_process_reference, tmp_path):
+    """Evaluation and a checkpoint every step, one kept: the best (step 1) survives the rotation and is reloaded at
+    the end (megatron state from its checkpoint), as transformers.Trainer does; final weights within 1e-4."""
+    src = single_process_reference[0]
+    hf, lf = (run_distributed(best_model_run, 1, kind, str(src), str(tmp_path / kind), timeout=300)[0]
+              for kind in ("hf", "lf"))
+    assert lf["evals"] == pytest.approx(hf["evals"], rel=1e-3)
+    assert (lf["best_step"], lf["best"], lf["kept"]) == (hf["best_step"], hf["best"], hf["kept"])
+    assert hf["best_step"] != 3  # the run must reload an earlier step for this test to tell anything
+    assert lf["eval_after"] == pytest.approx(hf["eval_after"], rel=1e-4)
+    a, b = weights(tmp_path / "hf" / "final"), weights(tmp_path / "lf" / "final")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_arguments_loong_trainer_cannot_honour_are_refused(single_process_reference, tmp_path):
+    src = single_process_reference[0]
+    out = run_distributed(refused_arguments, 1, str(src), str(tmp_path), timeout=300)[0]
+    assert out.pop("accepted") is None
+    for name, message in out.items():
+        assert message is not None and "LoongTrainer does not support" in message, (name, message)
+    assert "optim='sgd'" in out["optim"] and "label_smoothing_factor=0.1" in out["label_smoothing_factor"]
+
+
+def test_training_seed_reaches_megatron_dropout(tmp_path):
+    """TrainingArguments.seed seeds megatron's model-parallel RNG streams (attention dropout): other seed, other
+    losses; same seed, same losses. Also: on_pre_optimizer_step fires before each optimizer step, as in Trainer."""
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen2", tokenizer=False, attention_dropout=0.3)
+    runs = [run_distributed(dropout_seed_losses, 1, str(src), str(tmp_path / f"s{i}"), seed, timeout=300)[0]
+            for i, seed in enumerate((0, 0, 1))]
+    assert runs[0]["losses"] == runs[1]["losses"]
+    assert runs[0]["losses"] != runs[2]["losses"]
+    assert runs[0]["events"] == [("pre", 0), ("post", 0), ("pre", 1), ("post", 1)]
