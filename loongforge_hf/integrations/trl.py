@@ -141,6 +141,30 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
                          callbacks=callbacks, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                          peft_config=None, formatting_func=formatting_func)
         vars(self.model).pop("forward", None)  # TRL's fused-LM-head patch (see the module docstring)
+        self._refuse_router_aux_loss()
+
+    def _refuse_router_aux_loss(self) -> None:
+        """A MoE model: trl.SFTTrainer adds ``router_aux_loss_coef * aux_loss`` to each micro-batch's loss
+        (transformers' Switch-style balance loss over the router logits of all layers together; the coefficient
+        defaults to the model config's), which the megatron step does not compute; and a model loaded with
+        ``output_router_logits`` carries megatron's per-layer balance loss (another formula, gradients only), which
+        TRL would not add with ``router_aux_loss_coef=0``. Either would train something else than trl.SFTTrainer:
+        refused, with the way to the run that matches (the language-model loss alone)."""
+        text_config = self.model.config.get_text_config()
+        if not hasattr(text_config, "output_router_logits"):
+            return  # dense model
+        trl_coef = self.router_aux_loss_coef if self.aux_loss_enabled else 0.0
+        megatron_coef = float(getattr(self.model.megatron.config, "moe_aux_loss_coeff", 0.0) or 0.0)
+        if trl_coef or megatron_coef:
+            raise ValueError(
+                f"LoongSFTTrainer: trl.SFTTrainer would add its router load-balancing loss (coefficient {trl_coef}, "
+                "from SFTConfig.router_aux_loss_coef or the model config), which loongforge-hf's megatron step does "
+                "not compute"
+                + (f", and the model was loaded with megatron's per-layer balancing loss (moe_aux_loss_coeff="
+                   f"{megatron_coef}, from output_router_logits in its config), which trl would not add"
+                   if megatron_coef else "")
+                + ". Pass SFTConfig(router_aux_loss_coef=0.0) and load the model from a config without "
+                "output_router_logits to train on the language-model loss, as trl.SFTTrainer then does.")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Evaluation loss from the model's forward (training steps run in the megatron engine, not here)."""

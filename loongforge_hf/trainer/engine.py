@@ -233,10 +233,10 @@ class MegatronEngine:
         one = torch.ones((), dtype=torch.float64, device=device)
         tokens = self._num_tokens
         scale = one if tokens is None else torch.where(tokens > 0, 1.0 / tokens.to(device, torch.float64), one)
-        grad_norm = None
+        # NOTE: the norm also without clipping: transformers.Trainer logs grad_norm either way
+        grad_norm = _grad_norm_on_device(opt, device) * scale
         factor = scale
         if self.clip_grad > 0:
-            grad_norm = _grad_norm_on_device(opt, device) * scale
             coeff = self.clip_grad / (grad_norm + 1.0e-6)
             factor = torch.where(coeff < 1.0, scale * coeff, scale)
         fused = all(all(g.get("fused") for g in o.param_groups) for o in inner)

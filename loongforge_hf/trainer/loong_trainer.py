@@ -96,8 +96,8 @@ class LoongTrainer(Trainer):
                             "(training runs megatron's schedule and loss, which never call them)")
         if args.neftune_noise_alpha is not None:
             problems.append("neftune_noise_alpha")
-        if str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) == "reduce_lr_on_plateau":
-            problems.append(f"lr_scheduler_type={args.lr_scheduler_type!r} (a metric-driven scheduler)")
+        if str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) in ("reduce_lr_on_plateau", "greedy"):
+            problems.append(f"lr_scheduler_type={args.lr_scheduler_type!r} (metric-driven schedulers)")
         if args.load_best_model_at_end and args.save_only_model:
             problems.append("load_best_model_at_end with save_only_model=True (the best weights are reloaded "
                             "from the checkpoint's megatron/ folder)")
@@ -225,6 +225,7 @@ class LoongTrainer(Trainer):
             first_update = steps_trained_in_current_epoch // ga
         grad_norm = learning_rate = None
         ran = False
+        consumed = first_update * ga  # NOTE: micro-batches: the epoch fraction is logged as Trainer logs it
         max_pos = self.model.config.max_position_embeddings
         for update_step in range(first_update, num_update_steps_per_epoch):
             micro = []
@@ -248,12 +249,17 @@ class LoongTrainer(Trainer):
             if not result.skipped:
                 self.lr_scheduler.step()
             grad_norm = result.grad_norm
-            self._tr_loss += torch.tensor(result.loss, device=self._tr_loss.device, dtype=self._tr_loss.dtype)
+            loss = torch.tensor(result.loss, device=self._tr_loss.device, dtype=self._tr_loss.dtype)
+            if args.logging_nan_inf_filter and not torch.isfinite(loss):
+                # NOTE: as Trainer: a nan / inf step loss counts as the mean of the steps since the last log
+                loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+            self._tr_loss += loss
             self._step_speed = self._speed_metrics(micro, elapsed)
             self._step_speed.update(getattr(train_dataloader, "step_logs", {}))
-            self.state.num_input_tokens_seen += self._step_speed.pop("_tokens")
+            self._count_tokens_seen(micro, self._step_speed.pop("_tokens"))
             self.state.global_step += 1
-            self.state.epoch = epoch + (update_step + 1) / num_update_steps_per_epoch
+            consumed += len(micro)
+            self.state.epoch = epoch + consumed / steps_in_epoch
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._maybe_log_save_evaluate(self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
                                           start_time, learning_rate=learning_rate)
@@ -307,6 +313,29 @@ class LoongTrainer(Trainer):
             flops = model_flops_per_token(self.model.config, seq_len=micro[0]["input_ids"].shape[1]) * tokens
             out["mfu"] = flops / elapsed / (peak * world)
         return out
+
+    def _count_tokens_seen(self, micro: list[dict], tokens: int) -> None:
+        """``state.num_input_tokens_seen`` and ``total_flos`` as Trainer keeps them: input tokens of the global
+        batch (``include_num_input_tokens_seen``: "all" / True counts padding, "non_padding" only attention-mask
+        ones, "no" / False nothing), and the step's model FLOPs (this process's share, summed over processes when
+        stored)."""
+        from loongforge_hf.trainer.flops import model_flops_per_token
+
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "non_padding":
+            local = sum(int(b["attention_mask"].sum()) if b.get("attention_mask") is not None
+                        else int(b["input_ids"].numel()) for b in micro)
+            seen = torch.tensor([local], dtype=torch.int64, device=self.model.device)
+            if dist.is_initialized():
+                from megatron.core import parallel_state as ps
+
+                dist.all_reduce(seen, group=ps.get_data_parallel_group(with_context_parallel=True))
+            self.state.num_input_tokens_seen += int(seen.item())
+        elif mode != "no":
+            self.state.num_input_tokens_seen += tokens
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.current_flos += model_flops_per_token(self.model.config, seq_len=micro[0]["input_ids"].shape[1]) \
+            * tokens / world
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         if "loss" in logs and getattr(self, "_step_speed", None):

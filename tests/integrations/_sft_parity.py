@@ -183,3 +183,29 @@ def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict) -> dic
     full = run(None)
     files = sorted(os.listdir(f"{out_dir}/checkpoint-2"))
     return {"full": full, "resumed": run(f"{out_dir}/checkpoint-2"), "checkpoint_files": files}
+
+
+def moe_sft(folder: str, out_dir: str) -> dict:
+    """A Qwen3-MoE model: LoongSFTTrainer with TRL's default router_aux_loss_coef (refused: the megatron step does
+    not compute TRL's load-balancing loss) and with router_aux_loss_coef=0.0 against trl.SFTTrainer."""
+    import transformers
+    import trl
+
+    import loongforge_hf as lf
+
+    out = {}
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    try:
+        lf.LoongSFTTrainer(model=model, args=sft_config(f"{out_dir}/default"), train_dataset=make_dataset("text"),
+                           processing_class=_tokenizer(folder))
+        out["default"] = None
+    except ValueError as err:
+        out["default"] = str(err)
+    for name, trainer_cls, load in (("trl", trl.SFTTrainer, transformers.AutoModelForCausalLM.from_pretrained),
+                                    ("loong", lf.LoongSFTTrainer, lf.AutoModelForCausalLM.from_pretrained)):
+        trainer = trainer_cls(model=load(folder, dtype=torch.float32),
+                              args=sft_config(f"{out_dir}/{name}", router_aux_loss_coef=0.0),
+                              train_dataset=make_dataset("text"), processing_class=_tokenizer(folder))
+        trainer.train()
+        out[name] = _losses(trainer)
+    return out

@@ -18,7 +18,7 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._sft_parity import SCENARIOS, plain_trainers_refuse, resume_matches_uninterrupted, run_loong, run_trl
+from ._sft_parity import SCENARIOS, moe_sft, plain_trainers_refuse, resume_matches_uninterrupted, run_loong, run_trl
 
 NAMES = list(SCENARIOS)
 PP_NAMES = ["lora_qv_messages", "full_packing"]   # variable-length batches: padded to max_length under PP
@@ -123,3 +123,12 @@ def test_plain_trainers_refuse_loong_models(tp1):
     sft_message, trainer_message = tp1["plain"]
     for message in (sft_message, trainer_message):
         assert "LoongSFTTrainer" in message and "LoongTrainer" in message
+
+
+def test_moe_router_aux_loss(tmp_path):
+    """Qwen3-MoE: TRL's default adds its router load-balancing loss (the config's coefficient), which the megatron
+    step does not compute: refused, naming the way out; with router_aux_loss_coef=0.0 the losses are TRL's (1e-4)."""
+    folder = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", router_aux_loss_coef=0.01)
+    res = run_distributed(moe_sft, 1, str(folder), str(tmp_path / "out"), timeout=300)[0]
+    assert res["default"] is not None and "router_aux_loss_coef=0.0" in res["default"], res["default"]
+    assert len(res["loong"]) == 3 and res["loong"] == pytest.approx(res["trl"], rel=1e-4)

@@ -212,3 +212,8 @@ def train_mixed_micro_batches(folder: str, out_dir: str, layout: dict, overlap_g
         out["losses"].append(result.loss)
         out["grad_norms"].append(result.grad_norm)
     return out
+
+
+def train_mixed_with_and_without_overlap(folder: str, out_dir: str, layout: dict) -> dict:
+    return {overlap: train_mixed_micro_batches(folder, f"{out_dir}/{overlap}", layout, overlap)
+            for overlap in (True, False)}

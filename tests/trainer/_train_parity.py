@@ -167,3 +167,40 @@ def dropout_seed_losses(folder: str, out_dir: str, seed: int) -> dict:
                               train_dataset=make_dataset(), callbacks=[Events()])
     trainer.train()
     return {"losses": losses_of(trainer.state.log_history), "events": events}
+
+
+def logging_run(kind: str, folder: str, out_dir: str) -> dict:
+    """What Trainer logs beyond the loss: tokens seen without padding, the epoch fraction of an epoch whose last
+    accumulation window is partial (7 micro-batches, accumulation 2), grad_norm without clipping, total_flos."""
+    import datasets
+    import transformers
+
+    import loongforge_hf as lf
+
+    torch.manual_seed(0)
+    rows = make_dataset(n=14)
+    masks = [[1] * 16 if i % 2 == 0 else [1] * 13 + [0] * 3 for i in range(14)]
+    labels = [[t if m else -100 for t, m in zip(r, mask)] for r, mask in zip(rows["labels"], masks)]
+    data = datasets.Dataset.from_dict({"input_ids": rows["input_ids"], "attention_mask": masks, "labels": labels})
+    args = training_args(out_dir, max_steps=-1, num_train_epochs=2, max_grad_norm=0.0,
+                         include_num_input_tokens_seen="non_padding")
+    if kind == "hf":
+        model, trainer_cls = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), \
+            transformers.Trainer
+    else:
+        model, trainer_cls = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), lf.LoongTrainer
+    trainer = trainer_cls(model=model, args=args, train_dataset=data)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {key: [h.get(key) for h in logs] for key in ("loss", "grad_norm", "epoch", "num_input_tokens_seen")} | \
+        {"total_flos": trainer.state.total_flos}
+
+
+def both(fn_name: str, folder: str, out_dir: str) -> dict:
+    """``fn_name`` (best_model_run or logging_run) with transformers.Trainer and LoongTrainer, one process."""
+    fn = globals()[fn_name]
+    return {kind: fn(kind, folder, f"{out_dir}/{kind}") for kind in ("hf", "lf")}
+
+
+def dropout_seed_runs(folder: str, out_dir: str, seeds: list) -> list:
+    return [dropout_seed_losses(folder, f"{out_dir}/s{i}", seed) for i, seed in enumerate(seeds)]

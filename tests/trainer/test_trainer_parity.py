@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._train_parity import best_model_run, dropout_seed_losses, refused_arguments, train_hf, train_loong
+from ._train_parity import both, dropout_seed_runs, refused_arguments, train_hf, train_loong
 
 LAYOUTS = {"tp1": (1, {}), "tp2": (2, {"tensor_parallel_size": 2}), "pp2": (2, {"pipeline_parallel_size": 2}),
            "pp2vpp2": (2, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2})}
@@ -70,8 +70,8 @@ def test_load_best_model_at_end_matches_transformers_trainer(single_process_refe
     """Evaluation and a checkpoint every step, one kept: the best (step 1) survives the rotation and is reloaded at
     the end (megatron state from its checkpoint), as transformers.Trainer does; final weights within 1e-4."""
     src = single_process_reference[0]
-    hf, lf = (run_distributed(best_model_run, 1, kind, str(src), str(tmp_path / kind), timeout=300)[0]
-              for kind in ("hf", "lf"))
+    runs = run_distributed(both, 1, "best_model_run", str(src), str(tmp_path), timeout=300)[0]
+    hf, lf = runs["hf"], runs["lf"]
     assert lf["evals"] == pytest.approx(hf["evals"], rel=1e-3)
     assert (lf["best_step"], lf["best"], lf["kept"]) == (hf["best_step"], hf["best"], hf["kept"])
     assert hf["best_step"] != 3  # the run must reload an earlier step for this test to tell anything
@@ -94,8 +94,20 @@ def test_training_seed_reaches_megatron_dropout(tmp_path):
     """TrainingArguments.seed seeds megatron's model-parallel RNG streams (attention dropout): other seed, other
     losses; same seed, same losses. Also: on_pre_optimizer_step fires before each optimizer step, as in Trainer."""
     src = make_tiny_checkpoint(tmp_path / "src", "qwen2", tokenizer=False, attention_dropout=0.3)
-    runs = [run_distributed(dropout_seed_losses, 1, str(src), str(tmp_path / f"s{i}"), seed, timeout=300)[0]
-            for i, seed in enumerate((0, 0, 1))]
+    runs = run_distributed(dropout_seed_runs, 1, str(src), str(tmp_path), [0, 0, 1], timeout=300)[0]
     assert runs[0]["losses"] == runs[1]["losses"]
     assert runs[0]["losses"] != runs[2]["losses"]
     assert runs[0]["events"] == [("pre", 0), ("post", 0), ("pre", 1), ("post", 1)]
+
+
+def test_logged_values_match_transformers_trainer(single_process_reference, tmp_path):
+    """include_num_input_tokens_seen="non_padding", the epoch fraction with a partial last accumulation window,
+    grad_norm logged without clipping (max_grad_norm=0), total_flos counted; losses and norms within 1e-3."""
+    src = single_process_reference[0]
+    runs = run_distributed(both, 1, "logging_run", str(src), str(tmp_path), timeout=300)[0]
+    hf, lf = runs["hf"], runs["lf"]
+    assert lf["loss"] == pytest.approx(hf["loss"], rel=1e-3)
+    assert None not in lf["grad_norm"] and lf["grad_norm"] == pytest.approx(hf["grad_norm"], rel=1e-3)
+    assert lf["epoch"] == pytest.approx(hf["epoch"], abs=1e-9) and len(hf["epoch"]) == 8
+    assert lf["num_input_tokens_seen"] == hf["num_input_tokens_seen"]
+    assert lf["total_flos"] > 0 and hf["total_flos"] > 0
