@@ -256,7 +256,7 @@ class LoongTrainer(Trainer):
             self._tr_loss += loss
             self._step_speed = self._speed_metrics(micro, elapsed)
             self._step_speed.update(getattr(train_dataloader, "step_logs", {}))
-            self._count_tokens_seen(micro, self._step_speed.pop("_tokens"))
+            self._count_tokens_seen(micro, self._step_speed.pop("_tokens"), self._step_speed.pop("_flops"))
             self.state.global_step += 1
             consumed += len(micro)
             self.state.epoch = epoch + consumed / steps_in_epoch
@@ -306,21 +306,21 @@ class LoongTrainer(Trainer):
 
         local_tokens = sum(int(b["input_ids"].numel()) for b in micro)
         tokens = local_tokens * dp_rank_and_size()[1]
-        out = {"_tokens": tokens, "tokens_per_second": tokens / max(elapsed, 1e-9)}
+        # NOTE: the language model's FLOPs (a vision tower's are not counted)
+        flops = model_flops_per_token(self.model.config.get_text_config(), seq_len=micro[0]["input_ids"].shape[1]) \
+            * tokens
+        out = {"_tokens": tokens, "_flops": flops, "tokens_per_second": tokens / max(elapsed, 1e-9)}
         peak = get_backend().peak_flops(self.model.dtype)
         if peak:
             world = dist.get_world_size() if dist.is_initialized() else 1
-            flops = model_flops_per_token(self.model.config, seq_len=micro[0]["input_ids"].shape[1]) * tokens
             out["mfu"] = flops / elapsed / (peak * world)
         return out
 
-    def _count_tokens_seen(self, micro: list[dict], tokens: int) -> None:
+    def _count_tokens_seen(self, micro: list[dict], tokens: int, flops: float) -> None:
         """``state.num_input_tokens_seen`` and ``total_flos`` as Trainer keeps them: input tokens of the global
         batch (``include_num_input_tokens_seen``: "all" / True counts padding, "non_padding" only attention-mask
         ones, "no" / False nothing), and the step's model FLOPs (this process's share, summed over processes when
         stored)."""
-        from loongforge_hf.trainer.flops import model_flops_per_token
-
         mode = self.args.include_num_input_tokens_seen
         if mode == "non_padding":
             local = sum(int(b["attention_mask"].sum()) if b.get("attention_mask") is not None
@@ -329,13 +329,11 @@ class LoongTrainer(Trainer):
             if dist.is_initialized():
                 from megatron.core import parallel_state as ps
 
-                dist.all_reduce(seen, group=ps.get_data_parallel_group(with_context_parallel=True))
+                dist.all_reduce(seen, group=ps.get_data_parallel_group())  # NOTE: CP ranks share a batch
             self.state.num_input_tokens_seen += int(seen.item())
         elif mode != "no":
             self.state.num_input_tokens_seen += tokens
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        self.current_flos += model_flops_per_token(self.model.config, seq_len=micro[0]["input_ids"].shape[1]) \
-            * tokens / world
+        self.current_flos += flops / (dist.get_world_size() if dist.is_initialized() else 1)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         if "loss" in logs and getattr(self, "_step_speed", None):

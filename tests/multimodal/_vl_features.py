@@ -92,6 +92,7 @@ def compare_videos(folder: str, layout: dict, multiple: int = 4) -> dict:
         lambda *_: calls.__setitem__("attention", calls["attention"] + 1))
     model.vision_tower.blocks[0].attn.register_forward_pre_hook(
         lambda *_: calls.__setitem__("vision_attention", calls["vision_attention"] + 1))
+    model.train()  # NOTE: as a trainer does (from_pretrained returns eval mode): recomputation acts in training only
     out = model(**batch)
     out.loss.backward()
     grads = vision_grads(model)
