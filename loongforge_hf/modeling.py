@@ -29,12 +29,15 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
-def _resolve_dtype(dtype: Any, hf_config, folder: Path | None = None) -> torch.dtype:
+def _resolve_dtype(dtype: Any, hf_config, reader=None) -> torch.dtype:
     """The parameters' dtype. ``None`` means ``"auto"``, as in transformers 5: the config's dtype, else the dtype of
-    the checkpoint's first floating tensor, else float32."""
+    the checkpoint's first floating tensor (``reader``: its ``CheckpointReader``), else float32."""
     if dtype is None or dtype == "auto":
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) \
-            or (_first_float_dtype(folder) if folder is not None else None) or torch.float32
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if dtype is None and reader is not None:
+            floats = (torch.bfloat16, torch.float16, torch.float32)
+            dtype = next((d for d in map(reader.dtype, reader.keys()) if d in floats), None)
+        dtype = dtype or torch.float32
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)} or a torch.dtype.")
@@ -42,24 +45,6 @@ def _resolve_dtype(dtype: Any, hf_config, folder: Path | None = None) -> torch.d
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16.")
     return dtype
-
-
-def _first_float_dtype(folder: Path) -> torch.dtype | None:
-    """The dtype of the first floating-point tensor of a safetensors checkpoint (transformers' ``dtype="auto"``
-    when config.json names none); ``None`` for a pickle checkpoint or one without floating tensors."""
-    from safetensors import safe_open
-
-    floats = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        try:
-            with safe_open(f, "pt") as fh:
-                for name in fh.keys():
-                    kind = fh.get_slice(name).get_dtype()
-                    if kind in floats:
-                        return floats[kind]
-        except Exception:  # noqa: BLE001 - a corrupt shard: CheckpointReader names it, a moment later
-            return None
-    return None
 
 
 # transformers forward keywords this model cannot honour: refused, as they would change what the caller gets
@@ -160,17 +145,25 @@ class LoongModelForCausalLM(nn.Module):
         self.source = source
         from transformers import GenerationConfig
 
+        self._generation_at_load = None  # the source file's, as a diff dict: copied while the config equals it
         if source is not None and (source / "generation_config.json").is_file():
             self.generation_config = GenerationConfig.from_pretrained(source)
+            self._generation_at_load = self.generation_config.to_diff_dict()
         else:  # NOTE: as transformers derives one (bos / eos / pad ids) and saves it
             self.generation_config = GenerationConfig.from_model_config(hf_config)
         self._config_at_load = hf_config.to_dict()  # save_pretrained writes the fields changed since
 
     def config_changes(self) -> dict:
         """The fields of ``self.config`` changed since load (``save_pretrained`` writes them into config.json)."""
-        from loongforge_hf.bridges.exporter import changed_config_fields
+        from loongforge_hf.bridges.export_files import changed_config_fields
 
         return changed_config_fields(self.config, self._config_at_load)
+
+    def generation_config_to_write(self):
+        """The generation config ``save_pretrained`` writes: None (the source's file is copied) while it equals the
+        source's."""
+        unchanged = self.generation_config is None or self.generation_config.to_diff_dict() == self._generation_at_load
+        return None if unchanged else self.generation_config
 
     # ---- properties users expect ---------------------------------------------------------------------------
     @property
@@ -261,7 +254,7 @@ class LoongModelForCausalLM(nn.Module):
         refuse_save_options(unused)
         export_hf(self.megatron, self.bridge, self.parallel, Path(save_directory), source=self.source,
                   max_shard_size=max_shard_size, dtype=dtype, config_changes=self.config_changes(),
-                  generation_config=self.generation_config)
+                  generation_config=self.generation_config_to_write())
 
     def push_to_hub(self, repo_id: str, *, token: str | None = None, private: bool | None = None,
                     commit_message: str = "Upload model with loongforge-hf", revision: str | None = None,
@@ -388,19 +381,20 @@ class AutoModelForCausalLM:
                                     local_files_only=local_files_only, token=token, allow_pickle=allow_pickle)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         bridge = get_bridge(hf_config)
-        param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, folder)
-        if auto:
-            layout = _auto_layout(hf_config, param_dtype)
-        layout.check_world_size(read_launch_env().world_size)
-        layout.check_model(num_layers=hf_config.num_hidden_layers, num_attention_heads=hf_config.num_attention_heads,
-                           num_key_value_heads=getattr(hf_config, "num_key_value_heads", None)
-                           or hf_config.num_attention_heads,
-                           vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
-        check_megatron_config(bridge, megatron_config)
-        if layout.interleaved_stages:
-            interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
         reader = CheckpointReader(folder, allow_pickle=allow_pickle)
         try:
+            param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, reader)
+            if auto:
+                layout = _auto_layout(hf_config, param_dtype)
+            layout.check_world_size(read_launch_env().world_size)
+            layout.check_model(num_layers=hf_config.num_hidden_layers,
+                               num_attention_heads=hf_config.num_attention_heads,
+                               num_key_value_heads=getattr(hf_config, "num_key_value_heads", None)
+                               or hf_config.num_attention_heads,
+                               vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
+            check_megatron_config(bridge, megatron_config)
+            if layout.interleaved_stages:
+                interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
             reader.validate_shapes(bridge.expected_hf_shapes())
             # --- collective part ----------------------------------------------------------------------------
             initialize_parallel(layout, seed=seed,

@@ -21,22 +21,12 @@ Choices:
 - Tensors that live outside megatron (a vision tower) come from ``extra_tensors``: every rank runs it after the
   megatron tensors (it may gather collectively); rank 0 receives ``(name, tensor)`` and writes them, others
   ``(name, None)`` or nothing.
-- config.json is the source's file unchanged when the model's config is as loaded and the tensors are written in the
-  dtype it names; otherwise the source's JSON with the fields the model's config changed since (``config_changes``)
-  and the dtype of the tensors written, as transformers' save_pretrained writes ``model.config``. generation_config.json
-  likewise: the source's file, or ``generation_config``'s JSON once it differs (transformers writes one derived from
-  the config when the source has none). Tokenizer / processor files and extra chat templates are copied from the
-  source folder unless the destination already holds its own (a tokenizer saved there first wins, as
-  transformers' model.save_pretrained never writes tokenizer files).
-- An existing destination keeps its other files (``CheckpointWriter(carry_over=)``): only the old weight shards and
-  index are dropped, and the folder is still swapped in at once.
+- config.json, generation_config.json, tokenizer files, and what an existing destination keeps: ``export_files``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -44,23 +34,10 @@ import torch.distributed as dist
 
 from loongforge_hf.bridges.builder import layer_owners
 from loongforge_hf.bridges.distribution import broadcast_outcome, gather_to_first, recv_tensor, send_tensor
-from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader, drop_fp8_quantization
+from loongforge_hf.bridges.export_files import check_export_dtype, keeps_old_entry, write_side_files
+from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader
 from loongforge_hf.bridges.loader import shard_context
 from loongforge_hf.bridges.mappings import streams_export
-
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-              "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-              "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
-              "additional_chat_templates")
-# the weight files of a folder that a new export supersedes (transformers' and older pickle names)
-_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
-# config fields that record how the model was loaded, not what it is
-_LOAD_FIELDS = ("dtype", "torch_dtype", "_name_or_path", "transformers_version")
-
-
-def keeps_old_entry(name: str) -> bool:
-    """Whether an export into an existing folder keeps that folder's ``name`` (its old weights go)."""
-    return _WEIGHT_FILE.fullmatch(name) is None
 
 
 def _export_items(bridge, model, parallel):
@@ -154,52 +131,11 @@ def _passthrough(bridge, source: Path | None) -> list[tuple[str, torch.Tensor]]:
         return [(n, reader.get(n).clone()) for n in bridge.passthrough_names(reader.keys())]
 
 
-def changed_config_fields(config, loaded: dict | None) -> dict:
-    """The fields of ``config`` (a transformers config) that differ from ``loaded`` (its ``to_dict()`` at load)."""
-    if loaded is None:
-        return {}
-    return {k: v for k, v in config.to_dict().items() if k not in _LOAD_FIELDS and loaded.get(k, _MISSING) != v}
-
-
-_MISSING = object()
-
-
-def _config_text(source: Path | None, hf_config, dtype: torch.dtype, changes: dict | None = None) -> str:
-    """config.json for tensors written in ``dtype``: the source's file verbatim when nothing differs, else its JSON
-    with the ``changes`` (``changed_config_fields``) and the dtype."""
-    path = source / "config.json" if source is not None else None
-    text = path.read_text() if path is not None and path.is_file() else None
-    data = json.loads(text) if text is not None else hf_config.to_dict()
-    name = str(dtype).removeprefix("torch.")
-    if text is not None and not changes and (data.get("dtype") or data.get("torch_dtype")) == name \
-            and "quantization_config" not in data:
-        return text
-    data.update(changes or {})
-    drop_fp8_quantization(data)  # NOTE: the weights written are dequantised (bridges/fp8_checkpoint.py)
-    data["dtype"] = name
-    if "torch_dtype" in data:
-        data["torch_dtype"] = name
-    return json.dumps(data, indent=2, sort_keys=True) + "\n"
-
-
-def _generation_config_text(source: Path | None, generation_config) -> str | None:
-    """generation_config.json: the source's file while ``generation_config`` equals it, else its own JSON."""
-    path = source / "generation_config.json" if source is not None else None
-    if path is not None and path.is_file():
-        if generation_config is None:
-            return path.read_text()
-        from transformers import GenerationConfig
-
-        if GenerationConfig.from_pretrained(source).to_diff_dict() == generation_config.to_diff_dict():
-            return path.read_text()
-    return generation_config.to_json_string(use_diff=True) if generation_config is not None else None
-
-
 def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shard_size="5GB",
               dtype: torch.dtype | None = None, extra_tensors=None, config_changes: dict | None = None,
               generation_config=None) -> None:
-    """``config_changes``: config fields the user changed since load (``changed_config_fields``), written into
-    config.json; ``generation_config``: the model's (the source's file is copied while it is unchanged)."""
+    """``config_changes`` / ``generation_config``: what ``export_files.write_side_files`` writes besides the source's
+    files (config fields changed since load; a generation config to write, None to copy the source's)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.bridges.writer import CheckpointWriter
@@ -229,8 +165,7 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
                             etp_size=ps.get_expert_tensor_parallel_world_size())
         senders = _expert_senders(pp_rank=pp_rank, ep_rank=ep_rank, etp_rank=etp_rank, edp_rank=edp_rank)
 
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"save_pretrained: dtype must be a torch.dtype or None, got {dtype!r}.")
+    check_export_dtype(dtype)
     # NOTE: constructing the writer checks its arguments, alike on every rank. Only rank 0 can tell whether the
     # destination opens, and every rank learns that before the stream starts, so no rank is left in a collective.
     writer = CheckpointWriter(out_dir, max_shard_size=max_shard_size, carry_over=keeps_old_entry)
@@ -318,11 +253,7 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
                 error = f"{type(e).__name__}: {e}"
         if writer is not None and error is None:
             try:
-                writer.write_text("config.json", _config_text(source, bridge.hf_config, writer_dtype, config_changes))
-                generation = _generation_config_text(source, generation_config)
-                if generation is not None:
-                    writer.write_text("generation_config.json", generation)
-                _copy_side_files(writer, source)
+                write_side_files(writer, source, bridge.hf_config, writer_dtype, config_changes, generation_config)
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {e}"
     finally:
@@ -338,17 +269,3 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
     error = broadcast_outcome(error, src=0)
     if error is not None:
         raise RuntimeError(f"save_pretrained({os.fspath(out_dir)!r}) failed; nothing was written: {error}")
-
-
-def _copy_side_files(writer, source: Path | None) -> None:
-    """The source's tokenizer / processor files, where the destination has no file of that name already."""
-    if source is None:
-        return
-    for name in SIDE_FILES:
-        if (writer.out_dir / name).exists():
-            continue  # NOTE: the user's own (a tokenizer saved there first): kept by the writer's carry_over
-        if (source / name).is_file():
-            writer.copy_file(name, source / name)
-        elif (source / name).is_dir():
-            for f in sorted((source / name).glob("*.jinja")):
-                writer.copy_file(f"{name}/{f.name}", f)

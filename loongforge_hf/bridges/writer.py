@@ -16,8 +16,8 @@ Choices:
   block along dim 0 is one write; along a later dim, one write per run of contiguous bytes. Blocks of one tensor must
   not overlap; the tensor counts as added once they cover it.
 - All or nothing (``atomic_folder``): everything goes to a temporary sibling folder that replaces ``out_dir`` on a
-  clean exit (as a whole, or keeping what ``carry_over`` names of its old entries); on an exception in the ``with``
-  block or a failed write (disk full -> ``CheckpointError``) it is removed and ``out_dir`` is left as it was.
+  clean exit (keeping the old entries ``carry_over`` names); on an exception in the ``with`` block or a failed write
+  (disk full -> ``CheckpointError``) it is removed and ``out_dir`` is left as it was.
 - Planned writes are spread over the I/O threads of ``parallel_io`` (``os.pwrite`` releases the GIL): a tensor or
   block of more than a few MiB goes out in pieces (whole runs for a block of columns) written concurrently from the
   caller's memory, and ``add()``/``add_part()`` return once every piece is written; a failed piece raises after the
@@ -75,9 +75,7 @@ class CheckpointWriter:
         metadata: dict[str, str] | None = None,
         carry_over: Callable[[str], bool] | None = None,
     ) -> None:
-        """``metadata``: extra string entries for every shard's safetensors header (``format: pt`` is always set).
-        ``carry_over(name)``: keep that entry of an existing ``out_dir`` the new content lacks (``AtomicFolder``);
-        None replaces the folder as a whole."""
+        """``metadata``: extra string entries for every shard's safetensors header (``format: pt`` is always set)."""
         self.out_dir = Path(os.path.abspath(os.path.expanduser(out_dir)))
         self.max_shard_size = parse_size(max_shard_size)
         if self.max_shard_size <= 0:

@@ -56,6 +56,7 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
         """The PEFT adapter folder (adapter tensors in ``dtype``, default the model's; one file, as PEFT writes, so
         ``max_shard_size`` only applies to the merged checkpoint), or with ``merged=True`` a plain HF checkpoint of
         the merged weights."""
+        from loongforge_hf.bridges.export_files import check_export_dtype
         from loongforge_hf.lora.export import export_adapter, merged_weights
         from loongforge_hf.modeling import refuse_save_options
 
@@ -63,8 +64,7 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
                              if (k, v) not in (("selected_adapters", None), ("selected_adapters", ["default"]),
                                                ("save_embedding_layers", "auto"))})
         if not merged:
-            if dtype is not None and not isinstance(dtype, torch.dtype):
-                raise TypeError(f"save_pretrained: dtype must be a torch.dtype or None, got {dtype!r}.")
+            check_export_dtype(dtype)
             export_adapter(self, Path(save_directory), dtype=dtype)
             return
         with merged_weights(self):

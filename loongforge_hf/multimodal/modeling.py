@@ -201,7 +201,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         refuse_save_options(unused)
         export_hf(self.language_model, self.bridge.text, self.parallel, Path(save_directory), source=self.source,
                   max_shard_size=max_shard_size, dtype=dtype, extra_tensors=extra, config_changes=self.config_changes(),
-                  generation_config=self.generation_config)
+                  generation_config=self.generation_config_to_write())
 
 
 def _vision_layout(*, vision_tensor_parallel_size: int, vision_data_parallel: bool, tensor_parallel_size: int,
@@ -291,7 +291,7 @@ class AutoModelForImageTextToText:
                                            vision_data_parallel=vision_data_parallel,
                                            tensor_parallel_size=layout.tensor_parallel_size,
                                            vision_config=bridge.vision_config)
-            param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, folder)
+            param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, reader)
             reader.validate_shapes(bridge.expected_hf_shapes())
             # --- collective part ----------------------------------------------------------------------------
             initialize_parallel(layout, seed=seed)

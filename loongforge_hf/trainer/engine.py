@@ -274,9 +274,8 @@ class MegatronEngine:
             # NOTE: lengths megatron needs (ParallelConfig.sequence_multiple), one length per step under PP.
             micro_batches = pad_micro_batches(micro_batches, multiple=layout.sequence_multiple,
                                               same_length=layout.pipeline_parallel_size > 1)
-        self.model.train()  # NOTE: as Trainer.training_step: from_pretrained returns the model in eval mode
+        self.model.train()  # NOTE: as Trainer.training_step (from_pretrained and evaluate() leave it in eval mode)
         for c in self.chunks:
-            c.train()
             c.zero_grad_buffer()
         main_grad_state.mark_zeroed(self._main_grad_params)
         self.optimizer.zero_grad()

@@ -240,7 +240,6 @@ class LoongTrainer(Trainer):
             self._check_batches_everywhere(micro, max_pos)
             ran = True
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            self.model.train()  # as Trainer.training_step does: an evaluation leaves the model in eval mode
             t0 = time.perf_counter()
             result = self.engine.train_step(micro, before_optimizer_step=self._pre_optimizer_step)
             elapsed = time.perf_counter() - t0

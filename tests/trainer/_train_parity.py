@@ -85,24 +85,27 @@ def train_loong_resumable(folder: str, out_dir: str, layout: dict, *, stop_after
     return steps
 
 
+def _model_and_trainer(kind: str, folder: str):
+    """(model, trainer class): transformers' ("hf") or loongforge's ("lf"), fp32."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    if kind == "hf":
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), transformers.Trainer
+    return lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), lf.LoongTrainer
+
+
 def best_model_run(kind: str, folder: str, out_dir: str) -> dict:
     """load_best_model_at_end with one checkpoint kept: the best (step 1 at this learning rate) must survive the
     rotation and be the trained model's weights at the end."""
     import os
 
-    import transformers
-
-    import loongforge_hf as lf
-
     torch.manual_seed(0)
     args = training_args(out_dir, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
                          save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="eval_loss",
                          learning_rate=5e-2, max_steps=3)
-    if kind == "hf":
-        model, trainer_cls = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), \
-            transformers.Trainer
-    else:
-        model, trainer_cls = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), lf.LoongTrainer
+    model, trainer_cls = _model_and_trainer(kind, folder)
     trainer = trainer_cls(model=model, args=args, train_dataset=make_dataset(n=32),
                           eval_dataset=make_dataset(n=8, seed=11))
     trainer.train()
@@ -173,9 +176,6 @@ def logging_run(kind: str, folder: str, out_dir: str) -> dict:
     """What Trainer logs beyond the loss: tokens seen without padding, the epoch fraction of an epoch whose last
     accumulation window is partial (7 micro-batches, accumulation 2), grad_norm without clipping, total_flos."""
     import datasets
-    import transformers
-
-    import loongforge_hf as lf
 
     torch.manual_seed(0)
     rows = make_dataset(n=14)
@@ -184,11 +184,7 @@ def logging_run(kind: str, folder: str, out_dir: str) -> dict:
     data = datasets.Dataset.from_dict({"input_ids": rows["input_ids"], "attention_mask": masks, "labels": labels})
     args = training_args(out_dir, max_steps=-1, num_train_epochs=2, max_grad_norm=0.0,
                          include_num_input_tokens_seen="non_padding")
-    if kind == "hf":
-        model, trainer_cls = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), \
-            transformers.Trainer
-    else:
-        model, trainer_cls = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), lf.LoongTrainer
+    model, trainer_cls = _model_and_trainer(kind, folder)
     trainer = trainer_cls(model=model, args=args, train_dataset=data)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
