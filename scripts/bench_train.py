@@ -61,7 +61,8 @@ VARIANT_OPTIONS = {"fp8": ("--fp8", ("on", "adaptive")),
                    "recipe": ("--fp8-recipe", ("blockwise", "blockwise_wgrad2d", "rowwise", "te_delayed",
                                                "te_tensorwise", "te_blockwise", "te_mxfp8")),
                    "optimizer": ("--optimizer-precision", ("fp32", "model")),
-                   "graphs": ("--cuda-graphs", ("local",)), "adam": ("--adam", ("torch", "triton"))}
+                   "graphs": ("--cuda-graphs", ("local",)), "adam": ("--adam", ("torch", "triton")),
+                   "stats": ("--token-stats", ("on",))}
 STACK_TITLES = {"transformers": "transformers (sdpa)", "liger": "transformers + Liger-Kernel",
                 "loongforge": "loongforge-hf (TP=1, MegatronEngine)"}
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-4, (0.9, 0.999), 1e-8, 0.0, 1.0
@@ -185,7 +186,8 @@ def _triton_on(device) -> bool:
 
 
 def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, optimizer_precision: str = "fp32",
-                     adam: str = "triton", fp8_recipe: str | None = None, cuda_graphs: str | None = None):
+                     adam: str = "triton", fp8_recipe: str | None = None, cuda_graphs: str | None = None,
+                     token_stats: str | None = None):
     import tempfile
 
     import torch
@@ -206,12 +208,14 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
     engine = MegatronEngine(model, args=args, optimizer_precision=optimizer_precision,
                             fused_adam=fused_adam_for(adam, model.device))
+    engine.token_stats = token_stats == "on"  # NOTE: LoongSFTTrainer's per-token entropy and top-1 sums
     inner = engine.inner_optimizers()
     wrapper = type((getattr(engine.optimizer, "chained_optimizers", None) or [engine.optimizer])[0]).__name__
     info = {"parameters": model.num_parameters(), "device": str(model.device),
             "optimizer": f"megatron {wrapper} over {type(inner[0]).__module__}.{type(inner[0]).__name__} "
                          f"(foreach={inner[0].defaults.get('foreach')}, fused={inner[0].defaults.get('fused')})",
             "optimizer_precision": optimizer_precision, "cuda_graphs": cuda_graphs,
+            "token_stats": engine.token_stats,
             "attention": type(model.chunks[0].decoder.layers[0].self_attention.core_attention).__name__,
             "loss": "fused linear cross-entropy" if engine.fused_loss else "materialised logits",
             "triton_kernels": _triton_on(model.device),
@@ -238,7 +242,8 @@ def run_stack(args, device: H.Device) -> dict:
     cfg_kwargs, seq, _ = sizes(w, args.tiny)
     if args.stack == "loongforge":
         step, info = build_loongforge(args.folder, device, fp8=args.fp8, optimizer_precision=args.optimizer_precision,
-                                      adam=args.adam, fp8_recipe=args.fp8_recipe, cuda_graphs=args.cuda_graphs)
+                                      adam=args.adam, fp8_recipe=args.fp8_recipe, cuda_graphs=args.cuda_graphs,
+                                      token_stats=args.token_stats)
     else:
         step, info = build_transformers(args.folder, device, liger=args.stack == "liger")
     info["weights_gib"] = round(device.allocated() / H.GIB, 2)
@@ -404,6 +409,7 @@ def main(argv: list[str]) -> int:
                    "Transformer Engine, te_delayed|te_tensorwise|te_blockwise|te_mxfp8 (fp8_recipe), "
                    "optimizer=fp32|model, graphs=local (megatron's per-layer CUDA graphs), adam=triton|torch "
                    "(kernels/adamw.LoongAdamW, the default, or MegatronEngine(fused_adam=True): torch's fused AdamW), "
+                   "stats=on (the engine's per-token entropy and top-1 sums, as LoongSFTTrainer runs it), "
                    "e.g. 'optimizer=model graphs=local adam=torch'")
     p.add_argument("--variants-only", action="store_true", help="leave out the plain loongforge row (fp32 state) "
                    "when --variants / --fp8 / --optimizer-precision add others")

@@ -83,6 +83,16 @@ def token_losses(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size
     return losses.transpose(0, 1) * valid
 
 
+def local_logits_token_stats(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
+    """fp32 [entropy sum, top-1 count] of the label tokens, from TP-local logits [b, s, V_local] (labels shifted)."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.kernels.cross_entropy import logits_token_stats
+
+    return logits_token_stats(local_logits.detach(), labels, ignore_index=IGNORE_INDEX,
+                              tp_group=ps.get_tensor_model_parallel_group(), vocab_size=vocab_size)
+
+
 def language_head(chunk: torch.nn.Module) -> torch.nn.Module | None:
     """The megatron language model of ``chunk`` that computes the logits (its last pipeline stage), or None."""
     for module in chunk.modules():
@@ -128,17 +138,19 @@ def output_weight(head: torch.nn.Module) -> torch.Tensor:
 
 
 def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, *,
-                   vocab_size: int, weight_grad_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   vocab_size: int, weight_grad_dtype: torch.dtype = torch.float32,
+                   token_stats: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 sum over label tokens of the cross-entropy of ``hidden [b, s, h]`` (from ``hidden_states_out``) through
-    ``head``'s output layer against shifted ``labels [b, s]``, without the logits (``weight_grad_dtype``: see
-    ``kernels.cross_entropy``)."""
+    ``head``'s output layer against shifted ``labels [b, s]``, without the logits (``weight_grad_dtype`` and
+    ``token_stats``: see ``kernels.cross_entropy``)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
 
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), output_weight(head), labels.reshape(-1),
                                 ignore_index=IGNORE_INDEX, tp_group=ps.get_tensor_model_parallel_group(),
-                                vocab_size=vocab_size, reduction="sum", weight_grad_dtype=weight_grad_dtype)
+                                vocab_size=vocab_size, reduction="sum", weight_grad_dtype=weight_grad_dtype,
+                                token_stats=token_stats)
 
 
 def full_logits(local_logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:

@@ -33,8 +33,12 @@ Choices:
 - Refused with a message: a model given by name (load it with ``loongforge_hf.AutoModelForCausalLM``),
   ``compute_loss_func``, ``loss_type="dft"``, ``label_smoothing_factor``, ``use_liger_kernel``, custom
   ``optimizers`` / ``optimizer_cls_and_kwargs``, ``quantization_config``, non-LoRA ``peft_config``.
-- TRL's per-step ``entropy`` / ``mean_token_accuracy`` / ``num_tokens`` metrics come from its ``compute_loss``, which
-  the engine does not run: they are not logged (loss, grad_norm, learning_rate, tokens_per_second are).
+- TRL's ``entropy`` / ``mean_token_accuracy`` / ``num_tokens`` metrics, which it computes in ``compute_loss``, are
+  computed where our losses are: in training by the engine (``MegatronEngine.token_stats``: sums over each
+  micro-batch's label tokens from the fused loss's own pass over the logits, vocab-parallel under TP), in evaluation
+  from the logits the model's forward returns (``kernels.cross_entropy.logits_token_stats``). As in TRL, each
+  micro-batch's values are reduced over the data-parallel ranks and the log shows their mean since the last log;
+  ``num_tokens`` counts each batch's attention-mask ones, or its length when padding-free.
 """
 
 from __future__ import annotations
@@ -166,8 +170,51 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
                 + ". Pass SFTConfig(router_aux_loss_coef=0.0) and load the model from a config without "
                 "output_router_logits to train on the language-model loss, as trl.SFTTrainer then does.")
 
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        self.engine.token_stats = True  # NOTE: TRL's entropy and mean_token_accuracy (see the module docstring)
+        return optimizer
+
+    def _record_step(self, result, micro: list[dict]) -> None:
+        """TRL's train metrics of one step: entropy and token accuracy of each micro-batch, and the tokens seen."""
+        metrics = self._metrics["train"]
+        for entropy, top1, count in result.token_stats:
+            metrics["entropy"].append(entropy / count if count else 0.0)
+            metrics["mean_token_accuracy"].append(top1 / count if count else 0.0)
+        self._total_train_tokens += _data_parallel_sum(
+            [sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].shape[1] for b in micro)],
+            self.model.device)[0]
+        metrics["num_tokens"] = [self._total_train_tokens]
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Evaluation loss from the model's forward (training steps run in the megatron engine, not here)."""
+        """Evaluation loss from the model's forward (training steps run in the megatron engine, not here), with
+        TRL's entropy, mean_token_accuracy and num_tokens metrics."""
+        from loongforge_hf.bridges.runtime import IGNORE_INDEX, shift_labels
+        from loongforge_hf.kernels.cross_entropy import logits_token_stats
+
         keep = ("input_ids", "attention_mask", "position_ids", "labels")
         outputs = model(**{k: v for k, v in inputs.items() if k in keep})
+        mode = "train" if self.model.training else "eval"
+        if inputs.get("labels") is not None and outputs.logits is not None:
+            labels = shift_labels(inputs["labels"].to(outputs.logits.device))
+            entropy, top1 = logits_token_stats(outputs.logits, labels, ignore_index=IGNORE_INDEX).tolist()
+            entropy, top1, count = _data_parallel_sum([entropy, top1, int((labels != IGNORE_INDEX).sum())],
+                                                      outputs.logits.device)
+            self._metrics[mode]["entropy"].append(entropy / count if count else 0.0)
+            self._metrics[mode]["mean_token_accuracy"].append(top1 / count if count else 0.0)
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+def _data_parallel_sum(values: list[float], device) -> list[float]:
+    """``values`` summed over the data-parallel ranks (context-parallel ranks share a batch: not summed over)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return values
+    from megatron.core import parallel_state as ps
+
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return [int(v) if isinstance(x, int) else v for v, x in zip(total.tolist(), values)]

@@ -25,6 +25,10 @@ Choices:
   traffic per chunk. ``MegatronEngine`` asks for it with ``optimizer_precision="model"``, whose grads are bf16 anyway.
 - Labels outside ``[0, vocab_size)`` other than ``ignore_index`` raise (one host sync per call) instead of silently
   reading a wrong logit.
+- ``token_stats`` (an fp32 ``[2]`` tensor) receives, summed over the non-ignored tokens, the entropy of each token's
+  predicted distribution and whether its label is the top-1 prediction (the first maximum, as ``argmax`` picks it):
+  what trl.SFTTrainer logs as ``entropy`` and ``mean_token_accuracy``. They come from the chunk's logits in the same
+  pass as the loss (the entropy term shares its all-reduce; the first maximum's global index takes one more under TP).
 """
 
 from __future__ import annotations
@@ -48,8 +52,12 @@ class _Plan:
     """What every chunk needs: which rows are real vocabulary, where each label lives, which tokens count."""
 
     def __init__(self, labels: torch.Tensor, *, v_local: int, vocab_start: int, vocab_size: int, ignore_index: int,
-                 z_loss: float, group, weight_grad_dtype: torch.dtype = torch.float32) -> None:
+                 z_loss: float, group, weight_grad_dtype: torch.dtype = torch.float32,
+                 token_stats: torch.Tensor | None = None) -> None:
         self.weight_grad_dtype = weight_grad_dtype
+        self.token_stats = token_stats
+        self.labels = labels
+        self.vocab_start = vocab_start
         self.valid = labels != ignore_index
         local = labels - vocab_start
         self.in_shard = self.valid & (local >= 0) & (local < v_local)
@@ -60,29 +68,49 @@ class _Plan:
         self.group = group
 
     def chunk(self, hidden: torch.Tensor, weight: torch.Tensor, rows: slice, *, with_grad: bool,
-              row_scale: torch.Tensor | None = None):
+              row_scale: torch.Tensor | None = None, stats: bool = False):
         """Loss ``[c]`` of the tokens in ``rows`` and, when asked, d(loss)/d(logits) ``[c, V_local]`` (fp32, or the
-        input dtype from the Triton kernel), times ``row_scale [c]`` when given."""
+        input dtype from the Triton kernel), times ``row_scale [c]`` when given; ``stats`` adds the rows' entropy and
+        top-1 sums to ``token_stats``."""
+        stats = stats and self.token_stats is not None
         if self.group is None and use_triton(hidden):
             from loongforge_hf.kernels import _cross_entropy_triton
 
             logits = hidden[rows] @ weight.t()
-            loss = _cross_entropy_triton.chunk_loss(
+            loss, *extra = _cross_entropy_triton.chunk_loss(
                 logits, self.local_label[rows], self.in_shard[rows], self.valid[rows], real_cols=self.real_rows,
                 z_loss=self.z_loss, with_grad=with_grad,
-                row_scale=row_scale.to(torch.float32).contiguous() if row_scale is not None else None)
+                row_scale=row_scale.to(torch.float32).contiguous() if row_scale is not None else None, stats=stats)
+            if stats:
+                entropy, first_max = extra
+                self._add_stats(rows, entropy, first_max.to(torch.int64) + self.vocab_start)
             return loss, (logits if with_grad else None)
-        logits = (hidden[rows] @ weight.t()).to(torch.float32)
+        return self.scores((hidden[rows] @ weight.t()).to(torch.float32), rows, with_grad=with_grad,
+                           row_scale=row_scale, stats=stats)
+
+    def scores(self, logits: torch.Tensor, rows: slice, *, with_grad: bool, row_scale: torch.Tensor | None = None,
+               stats: bool = False):
+        """``chunk`` from this rank's fp32 logits ``[c, V_local]`` of the tokens in ``rows`` (changed in place)."""
         if self.real_rows < self.v_local:
             logits[:, self.real_rows:] = float("-inf")
         local_label = self.local_label[rows]
         in_shard = self.in_shard[rows]
         target = logits.gather(1, local_label[:, None]).squeeze(1)
         target = torch.where(in_shard, target, torch.zeros_like(target))
-        row_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, self.group)
+        local_max = logits.max(dim=-1).values
+        row_max = _all_reduce(local_max.clone() if stats else local_max, dist.ReduceOp.MAX, self.group)
+        if stats:
+            first_max = self._first_max(logits, local_max, row_max)
         # NOTE: a rank whose shard is all padding sees exp(-inf - max) = 0: it adds nothing.
         probs = torch.exp_(logits.sub_(row_max[:, None]))
-        sum_exp, target = _all_reduce(torch.stack((probs.sum(dim=-1), target)), dist.ReduceOp.SUM, self.group)
+        sums = [probs.sum(dim=-1), target]
+        if stats:
+            # NOTE: sum of exp(x - max) * (x - max); xlogy gives 0, not nan, at the -inf (padding) columns.
+            sums.append(torch.xlogy(probs, probs).sum(dim=-1))
+        sum_exp, target, *shifted_sum = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, self.group)
+        if stats:
+            # NOTE: entropy = lse - sum(p * x) = log(sum_exp) - sum(exp(x - max) * (x - max)) / sum_exp
+            self._add_stats(rows, torch.log(sum_exp) - shifted_sum[0] / sum_exp, first_max)
         lse = row_max + torch.log(sum_exp)
         valid = self.valid[rows]
         loss = lse - target
@@ -101,6 +129,20 @@ class _Plan:
             probs.mul_(row_scale.to(torch.float32)[:, None])
         return loss, probs
 
+    def _first_max(self, logits: torch.Tensor, local_max: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+        """Global vocabulary index of each row's first maximum (``argmax``'s pick) over the tensor-parallel shards."""
+        index = torch.argmax(logits, dim=-1) + self.vocab_start
+        if self.group is None:
+            return index
+        index = torch.where(local_max == row_max, index, torch.full_like(index, torch.iinfo(index.dtype).max))
+        return _all_reduce(index, dist.ReduceOp.MIN, self.group)
+
+    def _add_stats(self, rows: slice, entropy: torch.Tensor, first_max: torch.Tensor) -> None:
+        valid = self.valid[rows]
+        top1 = valid & (first_max == self.labels[rows])
+        self.token_stats += torch.stack((torch.where(valid, entropy, torch.zeros_like(entropy)).sum(),
+                                         top1.sum().to(torch.float32)))
+
 
 def _chunks(n: int, size: int):
     for start in range(0, n, size):
@@ -118,7 +160,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=plan.weight_grad_dtype, device=weight.device) \
             if precompute and need_weight else None
         for rows in _chunks(n, chunk_size):
-            loss[rows], grad_logits = plan.chunk(hidden, weight, rows, with_grad=precompute)
+            loss[rows], grad_logits = plan.chunk(hidden, weight, rows, with_grad=precompute, stats=True)
             if precompute:
                 _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight)
         if grad_hidden is not None:
@@ -182,13 +224,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          ignore_index: int = -100, tp_group: dist.ProcessGroup | None = None,
                          vocab_start: int | None = None, vocab_size: int | None = None,
                          chunk_size: int | None = None, z_loss: float = 0.0,
-                         reduction: str = "sum", weight_grad_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                         reduction: str = "sum", weight_grad_dtype: torch.dtype = torch.float32,
+                         token_stats: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of ``hidden [N, H] @ weight[V_local, H].T`` against ``labels [N]``, chunked over tokens.
 
     ``vocab_start`` defaults to ``tp_rank * V_local`` (megatron's even split); ``vocab_size`` to ``V_local * tp_size``.
     Returns the fp32 sum over non-ignored tokens (``reduction="sum"``) or the fp32 per-token losses (``"none"``, 0 at
     ignored tokens). ``weight_grad_dtype``: the dtype the weight grad accumulates in over the chunks (fp32, or the
-    weight's own dtype).
+    weight's own dtype). ``token_stats``: an fp32 ``[2]`` tensor on the device the entropy sum and the top-1 count of
+    the non-ignored tokens are added to (see the module docstring).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden must be [N, H] and weight [V_local, H]; got "
@@ -197,22 +241,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"linear_cross_entropy: labels must be [{hidden.shape[0]}], got {tuple(labels.shape)}.")
     if reduction not in ("sum", "none"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'sum' or 'none', got {reduction!r}.")
-    if tp_group is not None and dist.get_world_size(tp_group) == 1:
-        tp_group = None
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     v_local = weight.shape[0]
-    if vocab_start is None:
-        vocab_start = tp_rank * v_local
-    if vocab_size is None:
-        vocab_size = v_local * tp_size
-    if vocab_size > v_local * tp_size:
-        raise ValueError(f"linear_cross_entropy: vocab_size={vocab_size} exceeds the {v_local} x {tp_size} rows held "
-                         "by the tensor-parallel ranks.")
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    if bool(bad.any()):
-        raise ValueError(f"linear_cross_entropy: labels must lie in [0, {vocab_size}) or equal ignore_index="
-                         f"{ignore_index}; found {labels[bad][:5].tolist()}.")
+    tp_group, vocab_start, vocab_size = _vocab_layout("linear_cross_entropy", labels, v_local, tp_group=tp_group,
+                                                      vocab_start=vocab_start, vocab_size=vocab_size,
+                                                      ignore_index=ignore_index)
     if weight_grad_dtype not in (torch.float32, weight.dtype):
         raise ValueError(f"linear_cross_entropy: weight_grad_dtype must be torch.float32 or the weight's dtype "
                          f"({weight.dtype}), got {weight_grad_dtype}.")
@@ -220,9 +252,54 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         triton = tp_group is None and use_triton(hidden)
         chunk_size = _default_chunk_size(hidden.shape[0], hidden.shape[1], v_local,
                                          hidden.element_size() if triton else 4)
+    if token_stats is not None and (token_stats.shape != (2,) or token_stats.dtype != torch.float32
+                                    or token_stats.device != hidden.device):
+        raise ValueError(f"linear_cross_entropy: token_stats must be an fp32 tensor of shape [2] on {hidden.device}, "
+                         f"got {token_stats.dtype} {tuple(token_stats.shape)} on {token_stats.device}.")
     if chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size must be positive, got {chunk_size}.")
     plan = _Plan(labels, v_local=v_local, vocab_start=vocab_start, vocab_size=vocab_size,
                  ignore_index=ignore_index, z_loss=float(z_loss), group=tp_group,
-                 weight_grad_dtype=weight_grad_dtype)
+                 weight_grad_dtype=weight_grad_dtype, token_stats=token_stats)
     return _LinearCrossEntropy.apply(hidden, weight, labels, plan, chunk_size, reduction)
+
+
+def _vocab_layout(name: str, labels: torch.Tensor, v_local: int, *, tp_group, vocab_start, vocab_size, ignore_index):
+    """(group or None at TP 1, this rank's first vocabulary row, the true vocabulary size), labels checked."""
+    if tp_group is not None and dist.get_world_size(tp_group) == 1:
+        tp_group = None
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    if vocab_start is None:
+        vocab_start = tp_rank * v_local
+    if vocab_size is None:
+        vocab_size = v_local * tp_size
+    if vocab_size > v_local * tp_size:
+        raise ValueError(f"{name}: vocab_size={vocab_size} exceeds the {v_local} x {tp_size} rows held by the "
+                         "tensor-parallel ranks.")
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"{name}: labels must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}; found "
+                         f"{labels[bad][:5].tolist()}.")
+    return tp_group, vocab_start, vocab_size
+
+
+@torch.no_grad()
+def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                       tp_group: dist.ProcessGroup | None = None, vocab_start: int | None = None,
+                       vocab_size: int | None = None) -> torch.Tensor:
+    """fp32 ``[entropy sum, top-1 count]`` over the non-ignored tokens of materialised logits ``[..., V_local]``
+    (this rank's vocabulary shard under ``tp_group``) against ``labels [...]``: ``linear_cross_entropy``'s
+    ``token_stats`` where the logits exist anyway (evaluation, unfused losses). The logits are not changed."""
+    v_local = logits.shape[-1]
+    labels = labels.reshape(-1)
+    if logits.numel() // max(v_local, 1) != labels.numel():
+        raise ValueError(f"logits_token_stats: {tuple(logits.shape)} logits for {labels.numel()} labels.")
+    tp_group, vocab_start, vocab_size = _vocab_layout("logits_token_stats", labels, v_local, tp_group=tp_group,
+                                                      vocab_start=vocab_start, vocab_size=vocab_size,
+                                                      ignore_index=ignore_index)
+    stats = torch.zeros(2, dtype=torch.float32, device=logits.device)
+    plan = _Plan(labels, v_local=v_local, vocab_start=vocab_start, vocab_size=vocab_size, ignore_index=ignore_index,
+                 z_loss=0.0, group=tp_group, token_stats=stats)
+    plan.scores(logits.reshape(-1, v_local).to(torch.float32, copy=True), slice(None), with_grad=False, stats=True)
+    return stats

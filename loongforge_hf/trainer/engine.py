@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.bridges.runtime import (IGNORE_INDEX, fused_loss_sum, hidden_states_out, language_head,
-                                           megatron_attention_mask, shift_labels, token_losses)
+                                           local_logits_token_stats, megatron_attention_mask, shift_labels,
+                                           token_losses)
 from loongforge_hf.kernels import main_grad as main_grad_state
 from loongforge_hf.kernels.fp8 import weight_cache as fp8_weight_cache
 from loongforge_hf.parallel.context_parallel import cp_local_inputs
@@ -62,6 +63,8 @@ class StepResult:
     num_tokens: int          # label tokens in the global batch
     grad_norm: float | None
     skipped: bool
+    # per micro-batch (entropy sum, top-1 count, label tokens) over the data-parallel ranks, with token_stats on
+    token_stats: list[tuple[float, float, int]] | None = None
 
 
 @contextlib.contextmanager
@@ -101,6 +104,9 @@ class MegatronEngine:
                              f"got {optimizer_precision!r}.")
         self.model = model
         self.fused_loss = fused_loss
+        # NOTE: entropy and top-1 sums of each micro-batch's label tokens (trl.SFTTrainer's entropy and
+        # mean_token_accuracy), from the loss's own pass over the logits; LoongSFTTrainer turns them on.
+        self.token_stats = False
         self.optimizer_precision = optimizer_precision
         mixed = optimizer_precision == "fp32"
         config = model.megatron.config
@@ -293,20 +299,26 @@ class MegatronEngine:
         if before_optimizer_step is not None:
             before_optimizer_step()
         update_ok, grad_norm = self._optimizer_step()
-        # loss over this DP rank's tokens (last stage), then over DP, then shared with every pipeline stage
+        # loss over this DP rank's tokens (last stage), then over DP, then shared with every pipeline stage; with
+        # token_stats, each micro-batch's (entropy, top-1, tokens) sums the same way
         device = self.model.device
-        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        rows = 1 + (len(micro_batches) if self.token_stats else 0)
+        sums = torch.zeros(rows, 3, dtype=torch.float64, device=device)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            for item in losses:
+            for i, item in enumerate(losses):
                 loss_sum, count = item["lm loss"]
-                sums[0] += float(loss_sum)
-                sums[1] += float(count)
+                sums[0, 0] += float(loss_sum)
+                sums[0, 1] += float(count)
+                if self.token_stats:
+                    sums[1 + i, :2] = item["token stats"].to(sums)
+                    sums[1 + i, 2] = float(count)
             dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
         last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
         dist.broadcast(sums, src=last, group=ps.get_pipeline_model_parallel_group())
-        loss = float(sums[0] / sums[1].clamp(min=1))
-        return StepResult(loss=loss, num_tokens=int(sums[1]), grad_norm=None if grad_norm is None
-                          else float(grad_norm), skipped=not update_ok)
+        loss = float(sums[0, 0] / sums[0, 1].clamp(min=1))
+        stats = [(float(e), float(t), int(n)) for e, t, n in sums[1:].tolist()] if self.token_stats else None
+        return StepResult(loss=loss, num_tokens=int(sums[0, 1]), grad_norm=None if grad_norm is None
+                          else float(grad_norm), skipped=not update_ok, token_stats=stats)
 
     def _forward_step_func(self, vocab_size: int):
         def forward_step(data_iterator, chunk, return_schedule_plan: bool = False):
@@ -343,12 +355,18 @@ class MegatronEngine:
 
             def loss_func(output):
                 count = (labels != IGNORE_INDEX).sum()
+                stats = torch.zeros(2, dtype=torch.float32, device=device) if self.token_stats else None
                 if head is not None:
                     loss_sum = fused_loss_sum(output, labels, head, vocab_size=vocab_size,
-                                              weight_grad_dtype=self._head_grad_dtype)
+                                              weight_grad_dtype=self._head_grad_dtype, token_stats=stats)
                 else:
                     loss_sum = token_losses(output, labels, vocab_size=vocab_size).sum()
-                return loss_sum, count, {"lm loss": (loss_sum.detach().clone(), count.detach().clone())}
+                    if stats is not None:
+                        stats += local_logits_token_stats(output, labels, vocab_size=vocab_size)
+                reported = {"lm loss": (loss_sum.detach().clone(), count.detach().clone())}
+                if stats is not None:
+                    reported["token stats"] = stats
+                return loss_sum, count, reported
             return output, loss_func
         return forward_step
 

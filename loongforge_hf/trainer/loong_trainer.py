@@ -243,6 +243,7 @@ class LoongTrainer(Trainer):
             t0 = time.perf_counter()
             result = self.engine.train_step(micro, before_optimizer_step=self._pre_optimizer_step)
             elapsed = time.perf_counter() - t0
+            self._record_step(result, micro)
             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
             learning_rate = self._get_learning_rate()
             if not result.skipped:
@@ -269,6 +270,9 @@ class LoongTrainer(Trainer):
         self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         self._maybe_log_save_evaluate(self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
                                       start_time, learning_rate=learning_rate)
+
+    def _record_step(self, result, micro: list[dict]) -> None:
+        """What a subclass keeps of each engine step (its ``StepResult`` and micro-batches) for its own logs."""
 
     def _whole_interleaved_groups(self, micro: list[dict]) -> list[dict]:
         """The epoch's last, partial accumulation window under virtual pipeline stages: megatron's interleaved

@@ -77,6 +77,12 @@ def _losses(trainer, key: str = "loss") -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
+def _token_metrics(trainer, prefix: str = "") -> list[list[float]]:
+    """TRL's entropy, mean_token_accuracy and num_tokens of every train (or ``eval_``) log."""
+    keys = [prefix + k for k in ("entropy", "mean_token_accuracy", "num_tokens")]
+    return [[h[k] for k in keys] for h in trainer.state.log_history if prefix + "loss" in h]
+
+
 def _eval_dataset(kind: str, overrides: dict):
     """A held-out set for scenarios that evaluate during training."""
     return make_dataset(kind, n=4, seed=9) if overrides.get("eval_strategy") else None
@@ -101,7 +107,8 @@ def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
                                  processing_class=_tokenizer(folder),
                                  peft_config=peft.LoraConfig(**lora) if lora else None)
         trainer.train()
-        out[name] = {"losses": _losses(trainer), "eval_losses": _losses(trainer, "eval_loss")}
+        out[name] = {"losses": _losses(trainer), "eval_losses": _losses(trainer, "eval_loss"),
+                     "metrics": _token_metrics(trainer), "eval_metrics": _token_metrics(trainer, "eval_")}
     return out
 
 
@@ -124,6 +131,7 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], **extra
                                      peft_config=peft.LoraConfig(**lora) if lora else None)
         trainer.train()
         result = {"losses": _losses(trainer), "eval_losses": _losses(trainer, "eval_loss"),
+                  "metrics": _token_metrics(trainer), "eval_metrics": _token_metrics(trainer, "eval_"),
                   "keys": sorted(trainer.state.log_history[0]),
                   "recompute": bool(getattr(trainer.model, "is_gradient_checkpointing", False))}
         if lora:

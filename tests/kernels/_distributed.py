@@ -53,7 +53,29 @@ def cross_entropy_tp_matches_single_rank():
         _close(loss, full_loss, f"{name} loss")
         _close(dh, full_dh, f"{name} grad hidden")
         _close(dw, full_dw.chunk(size)[rank], f"{name} grad weight")
-    return list(cases)
+    # token stats: rows 3 and 24 (one on each rank) tie for the maximum of the first tokens; argmax picks row 3
+    g = torch.Generator().manual_seed(7)
+    hidden, weight = torch.randn(n, hidden_size, generator=g), torch.randn(rows, hidden_size, generator=g) * 0.5
+    weight[24] = weight[3]
+    hidden[:6] = weight[3] * 4 + 0.01 * hidden[:6]
+    labels = torch.randint(0, 41, (n,), generator=g)
+    labels[:6] = torch.tensor([3, 24, 3, 24, -100, 3])
+    labels[9::4] = -100
+    stats = torch.zeros(2)
+    linear_cross_entropy(hidden, weight.chunk(size)[rank], labels, vocab_size=41, chunk_size=7, tp_group=group,
+                         token_stats=stats)
+    logits = hidden @ weight.t()
+    valid = labels != -100
+    logp = torch.log_softmax(logits[:, :41], dim=-1)
+    expected = torch.stack((-(logp.exp() * logp).sum(-1)[valid].sum(),
+                            ((logits[:, :41].argmax(-1) == labels) & valid).sum().float()))
+    _close(stats, expected, "token stats, fused")
+    assert stats[1] == expected[1] and (logits[:6].argmax(-1) == 3).all()
+    from loongforge_hf.kernels.cross_entropy import logits_token_stats
+
+    local = logits.chunk(size, dim=-1)[rank]
+    _close(logits_token_stats(local, labels, vocab_size=41, tp_group=group), expected, "token stats, logits")
+    return list(cases) + ["token_stats_ties_across_shards"]
 
 
 # -------------------------------------------------------------------------------------------- attention, CP=2

@@ -132,4 +132,24 @@ def check_all(device: str, dtypes=(torch.float32, torch.bfloat16, torch.float16)
             # NOTE: the loss is an fp32 sum over tokens of fp32 terms: rtol only; grads as the other kernels
             _compare(name, fn, [hidden, weight], grad, dtype, last_atol_scale=math.sqrt(n))
             checked.append(name)
+        # token stats (entropy sum, top-1 count) from the kernel's first pass against the torch path; row 3 and a
+        # later row (in the kernel's next column block when the vocabulary has one) tie for the maximum of the first
+        # tokens (argmax's pick: row 3). Same logits in both paths: the entropy differs by fp32 summation order only
+        # (rtol 1e-5), the count not at all.
+        second = 4099 if vocab > 4099 else 7
+        tied_weight, tied_hidden, tied_labels = weight.clone(), hidden.clone(), labels.clone()
+        tied_weight[second] = tied_weight[3]
+        tied_hidden[:6] = tied_weight[3] * 4
+        tied_labels[:6] = torch.tensor([3, second, 3, second, -100, 3], device=device)
+        found = []
+        for enabled in (True, False):
+            with triton_paths(enabled):
+                stats = torch.zeros(2, device=device)
+                linear_cross_entropy(tied_hidden, tied_weight, tied_labels, vocab_size=vocab, chunk_size=11,
+                                     token_stats=stats)
+                found.append(stats.cpu())
+        name = f"token_stats{dtype}"
+        torch.testing.assert_close(found[0][0], found[1][0], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert found[0][1] == found[1][1] and found[0][1] >= 3, (name, found)
+        checked.append(name)
     return checked

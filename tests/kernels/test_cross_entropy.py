@@ -1,11 +1,13 @@
 """Fused linear cross-entropy against F.cross_entropy on materialised logits: loss and grads of hidden and weight,
-ignore_index, padded vocabulary, z-loss, per-token reduction, chunking; vocab-parallel over TP=2 equals TP=1."""
+ignore_index, padded vocabulary, z-loss, per-token reduction, chunking; vocab-parallel over TP=2 equals TP=1.
+Token stats (entropy sum, top-1 count) against log_softmax / argmax on the same logits (fp32: 1e-5; the top-1 count
+exactly, tied maxima included)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
+from loongforge_hf.kernels.cross_entropy import linear_cross_entropy, logits_token_stats
 
 N, H, V_REAL, V_PADDED = 37, 16, 41, 48
 
@@ -120,4 +122,52 @@ def test_bad_inputs_fail_with_names():
 def test_vocab_parallel_tp2_equals_tp1(distributed_op_results):
     # each rank asserted loss and grads at 1e-5 against TP=1 in its own process, and names the cases it checked
     for rank in distributed_op_results:
-        assert rank["cross_entropy_tp2"] == ["padded_vocab_z_loss", "one_shard_all_padding", "per_token"]
+        assert rank["cross_entropy_tp2"] == ["padded_vocab_z_loss", "one_shard_all_padding", "per_token",
+                                             "token_stats_ties_across_shards"]
+
+
+def stats_reference(logits, labels, vocab_size=V_REAL):
+    """[entropy sum, top-1 count] over non-ignored tokens, from the real vocabulary's logits (argmax: first max)."""
+    logits = logits.float()[:, :vocab_size]
+    valid = labels != -100
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    top1 = (logits.argmax(-1) == labels) & valid
+    return torch.stack((entropy[valid].sum(), top1.sum().float()))
+
+
+def tied_inputs(seed=1):
+    """Rows 3 and 7 of the weight are equal and dominate the logits of the first tokens: their maximum is tied, so
+    the label 7 is not argmax's pick there, the label 3 is."""
+    hidden, weight, labels = _inputs(torch.float32, seed=seed)
+    weight[7] = weight[3]
+    hidden[:6] = weight[3] * 4 + 0.01 * hidden[:6]
+    labels[:6] = torch.tensor([3, 7, 3, 7, -100, 3])
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 5])
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_token_stats_match_log_softmax_and_argmax(chunk_size, reduction):
+    hidden, weight, labels = tied_inputs()
+    stats = torch.zeros(2)
+    _grads(linear_cross_entropy, hidden, weight, labels, vocab_size=V_REAL, chunk_size=chunk_size,
+           reduction=reduction, token_stats=stats, grad_out=None if reduction == "sum" else torch.ones(N))
+    ref = stats_reference(hidden @ weight.t(), labels)
+    torch.testing.assert_close(stats[0], ref[0], atol=1e-5, rtol=1e-5)
+    assert stats[1] == ref[1] and 3 <= ref[1] < (labels != -100).sum()  # the tied rows count once, as argmax
+    assert int(((hidden[:6] @ weight.t()).argmax(-1) == 3).sum()) == 6
+
+
+def test_logits_token_stats_on_materialised_logits():
+    hidden, weight, labels = tied_inputs()
+    logits = (hidden @ weight.t())
+    logits[:, V_REAL:] = 1e4  # padded vocabulary: never a prediction
+    before = logits.clone()
+    stats = logits_token_stats(logits.reshape(1, N, -1), labels.reshape(1, N), vocab_size=V_REAL)
+    torch.testing.assert_close(stats, stats_reference(logits, labels), atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits, before)
+    with pytest.raises(ValueError, match="token_stats must be"):
+        linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL, token_stats=torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="labels must lie"):
+        logits_token_stats(logits, labels.clamp(min=V_REAL), vocab_size=V_REAL)
