@@ -164,7 +164,21 @@ def _run_chunk(chunk, input_ids, position_ids, mask):
 
 
 def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool):
-    """(loss or None, logits or None) with transformers' semantics, on every rank."""
+    """(loss or None, logits or None) with transformers' semantics, on every rank. Any sequence length: the inputs
+    are padded to what megatron needs and the logits cut back to the given length."""
+    from loongforge_hf.trainer.data import pad_model_inputs
+
+    given = input_ids.shape[-1]
+    input_ids, attention_mask, position_ids, labels = pad_model_inputs(
+        input_ids, attention_mask, position_ids, labels, multiple=model.parallel.sequence_multiple)
+    loss, logits = _forward_causal_lm(model, input_ids=input_ids, attention_mask=attention_mask,
+                                      position_ids=position_ids, labels=labels, return_logits=return_logits)
+    if logits is not None and logits.shape[1] != given:
+        logits = logits[:, :given]
+    return loss, logits
+
+
+def _forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool):
     vocab = model.config.vocab_size
     device = model.device
     input_ids = input_ids.to(device)

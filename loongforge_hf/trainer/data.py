@@ -95,3 +95,21 @@ def pad_micro_batches(micro: list[dict], *, multiple: int, same_length: bool) ->
         assert padded["input_ids"].shape == (rows, target)
         out.append(padded)
     return out
+
+
+def pad_model_inputs(input_ids, attention_mask, position_ids, labels, *, multiple: int):
+    """A forward's inputs right-padded to a length that divides by ``multiple`` (``ParallelConfig.sequence_multiple``:
+    2 x CP under context parallelism, TP under sequence parallelism) as ``pad_micro_batches`` pads a training
+    micro-batch: labels -100, pads masked out or, for packed rows, a document of their own. Causal attention keeps the
+    pads out of the real tokens' outputs. Returned as given when the length already divides."""
+    if input_ids.shape[-1] % multiple == 0:
+        return input_ids, attention_mask, position_ids, labels
+    batch = {"input_ids": input_ids,
+             "labels": labels if labels is not None else torch.full_like(input_ids, -100)}
+    if attention_mask is not None:
+        batch["attention_mask"] = attention_mask
+    if position_ids is not None:
+        batch["position_ids"] = position_ids
+    (padded,) = pad_micro_batches([batch], multiple=multiple, same_length=False)
+    return (padded["input_ids"], padded.get("attention_mask"), padded.get("position_ids"),
+            padded["labels"] if labels is not None else None)

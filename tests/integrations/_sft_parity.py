@@ -6,6 +6,7 @@ process start-up (imports, gloo) is paid once.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 WORDS = [f"tok{i}" for i in range(4, 203)]
@@ -65,6 +66,30 @@ SCENARIOS = {
 }
 
 
+def assert_matches(name: str, ref: dict, got: dict, num_tokens: list[int] | None = None) -> None:
+    """``num_tokens``: the logged token counts where megatron pads padding-free batches further than TRL (their
+    length is what TRL counts for them); elsewhere TRL's counts."""
+    assert len(got["losses"]) == len(ref["losses"]) == 3
+    assert got["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-4)
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    # evaluation during training (lora_text): the loss of the model as trained so far, step after step
+    assert len(ref["eval_losses"]) == (3 if SCENARIOS[name][1].get("eval_strategy") else 0)
+    assert got["eval_losses"] == pytest.approx(ref["eval_losses"], rel=1e-4)
+    for key in ("loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens"):
+        assert key in got["keys"]
+    # TRL's token metrics in every train and eval log: entropy within 1e-4 relative (as the losses), the token
+    # accuracy to 1e-6 (the same argmax hits; TRL divides in fp32), num_tokens exactly
+    assert len(got["metrics"]) == len(ref["metrics"]) == 3
+    assert len(got["eval_metrics"]) == len(ref["eval_metrics"]) == len(ref["eval_losses"])
+    for ours, trl in zip(got["metrics"] + got["eval_metrics"], ref["metrics"] + ref["eval_metrics"]):
+        assert ours[0] == pytest.approx(trl[0], rel=1e-4) and ours[1] == pytest.approx(trl[1], rel=1e-6, abs=1e-9)
+    assert [m[2] for m in got["metrics"]] == (num_tokens or [m[2] for m in ref["metrics"]])
+    assert [m[2] for m in got["eval_metrics"]] == [m[2] for m in ref["eval_metrics"]]
+    assert any(m[1] > 0 for m in ref["metrics"])  # some predictions hit: the accuracy is compared on something
+    if "adapter_logits_diff" in got:
+        assert got["adapter_logits_diff"] < 1e-3
+
+
 def _tokenizer(folder: str):
     from transformers import AutoTokenizer
 
@@ -92,7 +117,7 @@ def probe_ids() -> torch.Tensor:
     return torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(11))
 
 
-def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
+def run_trl(folder: str, out_dir: str, names: list[str], **extra) -> dict:
     """trl.SFTTrainer (+ PEFT) on the transformers model: {scenario: {"losses", "eval_losses"}}."""
     import peft
     import transformers
@@ -102,7 +127,7 @@ def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
     for name in names:
         kind, overrides, lora = SCENARIOS[name]
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        trainer = trl.SFTTrainer(model=model, args=sft_config(f"{out_dir}/{name}", **overrides),
+        trainer = trl.SFTTrainer(model=model, args=sft_config(f"{out_dir}/{name}", **overrides, **extra),
                                  train_dataset=make_dataset(kind), eval_dataset=_eval_dataset(kind, overrides),
                                  processing_class=_tokenizer(folder),
                                  peft_config=peft.LoraConfig(**lora) if lora else None)
@@ -137,7 +162,7 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], **extra
         if lora:
             trainer.save_model(f"{out_dir}/{name}/final")
             ids = probe_ids()
-            trained = trainer.model(input_ids=ids).logits
+            trained = trainer.model(input_ids=ids).logits.cpu()
             if dist.get_rank() == 0:
                 hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
                 loaded = peft.PeftModel.from_pretrained(hf, f"{out_dir}/{name}/final")

@@ -19,7 +19,8 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._sft_parity import SCENARIOS, moe_sft, plain_trainers_refuse, resume_matches_uninterrupted, run_loong, run_trl
+from ._sft_parity import (SCENARIOS, assert_matches, moe_sft, plain_trainers_refuse, resume_matches_uninterrupted,
+                          run_loong, run_trl)
 
 NAMES = list(SCENARIOS)
 PP_NAMES = ["lora_qv_messages", "full_packing"]   # variable-length batches: padded to max_length under PP
@@ -58,45 +59,21 @@ def tp2(src, tmp_path_factory):
 GC_NAMES = ["lora_qv_messages", "full_prompt_completion"]
 
 
-def _assert_matches(name: str, ref: dict, got: dict, num_tokens: list[int] | None = None) -> None:
-    """``num_tokens``: the logged token counts where megatron pads padding-free batches further than TRL (their
-    length is what TRL counts for them); elsewhere TRL's counts."""
-    assert len(got["losses"]) == len(ref["losses"]) == 3
-    assert got["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-4)
-    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
-    # evaluation during training (lora_text): the loss of the model as trained so far, step after step
-    assert len(ref["eval_losses"]) == (3 if SCENARIOS[name][1].get("eval_strategy") else 0)
-    assert got["eval_losses"] == pytest.approx(ref["eval_losses"], rel=1e-4)
-    for key in ("loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens"):
-        assert key in got["keys"]
-    # TRL's token metrics in every train and eval log: entropy within 1e-4 relative (as the losses), the token
-    # accuracy to 1e-6 (the same argmax hits; TRL divides in fp32), num_tokens exactly
-    assert len(got["metrics"]) == len(ref["metrics"]) == 3
-    assert len(got["eval_metrics"]) == len(ref["eval_metrics"]) == len(ref["eval_losses"])
-    for ours, trl in zip(got["metrics"] + got["eval_metrics"], ref["metrics"] + ref["eval_metrics"]):
-        assert ours[0] == pytest.approx(trl[0], rel=1e-4) and ours[1] == pytest.approx(trl[1], rel=1e-6, abs=1e-9)
-    assert [m[2] for m in got["metrics"]] == (num_tokens or [m[2] for m in ref["metrics"]])
-    assert [m[2] for m in got["eval_metrics"]] == [m[2] for m in ref["eval_metrics"]]
-    assert any(m[1] > 0 for m in ref["metrics"])  # some predictions hit: the accuracy is compared on something
-    if "adapter_logits_diff" in got:
-        assert got["adapter_logits_diff"] < 1e-3
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_tp1_matches_trl(tp1, name):
-    _assert_matches(name, tp1["trl"][name], tp1["loong"][name])
+    assert_matches(name, tp1["trl"][name], tp1["loong"][name])
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_tp2_matches_trl(tp1, tp2, name):
     for rank in tp2:
         assert rank["loong"][name]["losses"] == tp2[0]["loong"][name]["losses"]
-    _assert_matches(name, tp1["trl"][name], tp2[0]["loong"][name])
+    assert_matches(name, tp1["trl"][name], tp2[0]["loong"][name])
 
 
 def test_tp2_sequence_parallel_lora_matches_trl(tp1, tp2):
     """Sequence-parallel adapters, and norms in modules_to_save whose gradients megatron sums over TP."""
-    _assert_matches("lora_qv_messages", tp1["trl"]["lora_qv_messages"], tp2[0]["sp"]["lora_qv_messages"])
+    assert_matches("lora_qv_messages", tp1["trl"]["lora_qv_messages"], tp2[0]["sp"]["lora_qv_messages"])
 
 
 @pytest.mark.parametrize("name", GC_NAMES)
@@ -106,7 +83,7 @@ def test_tp2_gradient_checkpointing_matches_trl(tp1, tp2, name):
     for rank in tp2:
         assert rank["gc"][name]["recompute"] and not rank["loong"][name]["recompute"]
         assert rank["gc"][name]["losses"] == tp2[0]["gc"][name]["losses"]
-    _assert_matches(name, tp1["trl"][name], tp2[0]["gc"][name])
+    assert_matches(name, tp1["trl"][name], tp2[0]["gc"][name])
 
 
 @pytest.mark.parametrize("name", PP_NAMES)
@@ -116,7 +93,7 @@ def test_pp2_matches_trl(tp1, tp2, name):
     # NOTE: under PP a padding-free micro-batch is padded to max_length x rows (32 x 2 = 64) tokens. The packed epoch
     # holds 3 micro-batches: steps of 2, 1 (the epoch's last) and 2 micro-batches (TRL counts 119, 161, 263 tokens).
     padded = [64 * 2, 64 * 3, 64 * 5] if name == "full_packing" else None
-    _assert_matches(name, tp1["trl"][name], tp2[0]["pp"][name], num_tokens=padded)
+    assert_matches(name, tp1["trl"][name], tp2[0]["pp"][name], num_tokens=padded)
 
 
 def test_tp2_lora_resume_matches_uninterrupted_run(tp2):

@@ -22,7 +22,9 @@ def forward_packed_vs_unpacked(folder: str, layout: dict):
         total, count = 0.0, 0
         for d in ds:
             ids = torch.tensor([d])
-            total += model(input_ids=ids, labels=ids).loss.item() * (len(d) - 1)
+            result = model(input_ids=ids, labels=ids)
+            assert result.logits.shape[:2] == ids.shape, (result.logits.shape, ids.shape)
+            total += result.loss.item() * (len(d) - 1)
             count += len(d) - 1
     return out.loss.item(), total / count
 

@@ -1,7 +1,8 @@
 """LoongTrainer pads micro-batches for megatron itself (trainer/data.py: pad_micro_batches): odd lengths under
 sequence parallelism (seq % TP), under context parallelism (seq % 2 CP, the padding mask cut to each rank's queries)
 and micro-batches of different lengths within one pipelined step train exactly like one rank on the unpadded batches
-(losses within 1e-5 relative)."""
+(losses within 1e-5 relative); so does evaluation on batches of odd lengths (the model's forward pads them
+the same way)."""
 
 import pytest
 import torch
@@ -30,7 +31,9 @@ def _train(folder: str, out_dir: str, layouts: dict) -> dict:
         lengths = [PadCollator()([{"input_ids": d} for d in docs(12)[i:i + 2]])["input_ids"].shape[1]
                    for i in range(0, 12, 2)]
         trainer.train()
-        result[name] = {"losses": losses_of(trainer.state.log_history), "lengths": lengths}
+        # evaluation batches of odd lengths too: the model's forward pads them for megatron as the engine does
+        evaluated = trainer.evaluate(datasets.Dataset.from_dict({"input_ids": docs(6, seed=9)}))["eval_loss"]
+        result[name] = {"losses": losses_of(trainer.state.log_history), "lengths": lengths, "eval": evaluated}
         del trainer, model
     return result
 
@@ -48,3 +51,4 @@ def test_odd_and_unequal_lengths_are_padded_for_megatron(tmp_path):
     for r in results:
         for name in layouts:
             assert r[name]["losses"] == pytest.approx(ref["losses"], rel=1e-5), (name, r[name], ref)
+            assert r[name]["eval"] == pytest.approx(ref["eval"], rel=1e-5), (name, r[name], ref)

@@ -17,8 +17,10 @@ def checkpoint(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("pack") / "src", "qwen3")
 
 
-@pytest.mark.parametrize("nprocs,layout", [(1, {}), (2, {"tensor_parallel_size": 2})], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("nprocs,layout", [(1, {}), (2, {"tensor_parallel_size": 2}),
+                                           (2, {"context_parallel_size": 2})], ids=["tp1", "tp2", "cp2"])
 def test_packed_forward_equals_unpacked(checkpoint, nprocs, layout):
+    """cp2: the model's forward takes any length (the documents have 3-13 tokens), padded for megatron inside."""
     for packed, unpacked in run_distributed(forward_packed_vs_unpacked, nprocs, str(checkpoint), layout,
                                             timeout=240):
         assert packed == pytest.approx(unpacked, rel=1e-5)
