@@ -17,7 +17,23 @@ pytestmark = [pytest.mark.gpu,
 NAMES = ["lora_text", "full_packing"]
 
 
+def _pickleable_month_day_nano() -> None:
+    """The GPU machine's python 3.12 with pyarrow 25/26 gives the (immutable) ``pyarrow.MonthDayNano`` type the
+    module ``builtins``, so pickle cannot find it, datasets cannot hash a Dataset's state and ``Dataset.from_dict``
+    fails there; this child process makes the name resolve (datasets only hashes the pickle, never loads it)."""
+    import builtins
+    import pickle
+
+    import pyarrow
+
+    try:
+        pickle.dumps(pyarrow.MonthDayNano)
+    except pickle.PicklingError:
+        builtins.MonthDayNano = pyarrow.MonthDayNano
+
+
 def _world(folder: str, out_dir: str) -> dict:
+    _pickleable_month_day_nano()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     return {"trl": run_trl(folder, out_dir + "/trl", NAMES, use_cpu=False),
@@ -27,7 +43,8 @@ def _world(folder: str, out_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     src = make_tiny_checkpoint(tmp_path_factory.mktemp("sft-gpu-src") / "llama", "llama")
-    return run_distributed(_world, 1, str(src), str(tmp_path_factory.mktemp("sft-gpu")), timeout=600)[0]
+    return run_distributed(_world, 1, str(src), str(tmp_path_factory.mktemp("sft-gpu")), timeout=600,
+                           env={"LOONGFORGE_DEVICE": "cuda"})[0]
 
 
 @pytest.mark.parametrize("name", NAMES)
