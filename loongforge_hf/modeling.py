@@ -12,6 +12,7 @@ Choices:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -319,6 +320,22 @@ class LoongModelForCausalLM(nn.Module):
                                               *([tags] if isinstance(tags, str) else tags)]))
 
 
+@contextlib.contextmanager
+def failing_alike(name_or_path):
+    """Run the rank-local part of a load (build, read) so that a failure on any rank raises on every rank, with the
+    same message naming the rank that failed (collective: the ranks share their outcome when the block ends)."""
+    from loongforge_hf.bridges.distribution import same_error_everywhere
+
+    error = cause = None
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - shared with every rank below
+        error, cause = f"{type(err).__name__}: {err}", err
+    error = same_error_everywhere(error)
+    if error is not None:
+        raise RuntimeError(f"from_pretrained({os.fspath(name_or_path)!r}) failed on {error}") from cause
+
+
 def keep_hub_name(hf_config, name_or_path) -> None:
     """``config._name_or_path`` as transformers keeps it: the hub id a model was loaded by, not the cache folder it
     was resolved to (exports and adapter configs name the base model by it)."""
@@ -346,6 +363,7 @@ class AutoModelForCausalLM:
                         **unused: Any) -> LoongModelForCausalLM:
         # NOTE: megatron_config: extra megatron-core TransformerConfig fields (see bridges/builder.py), e.g.
         # {"overlap_moe_expert_parallel_comm": True}; docs/parallelism.md lists the ones that run without TE.
+        arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
         from transformers import AutoConfig
 
         from loongforge_hf.bridges import get_bridge
@@ -358,6 +376,13 @@ class AutoModelForCausalLM:
 
         if unused:
             raise TypeError(f"from_pretrained got unexpected keyword arguments: {sorted(unused)}.")
+        from loongforge_hf.lora.load import adapter_base_model, is_adapter_folder, load_adapter
+
+        if is_adapter_folder(pretrained_model_name_or_path):
+            # NOTE: as transformers with peft installed: a PEFT adapter folder loads its base model (with these same
+            # arguments), then the adapter onto it (frozen, as PeftModel.from_pretrained's default).
+            model = cls.from_pretrained(adapter_base_model(pretrained_model_name_or_path), **arguments)
+            return load_adapter(model, pretrained_model_name_or_path, allow_pickle=allow_pickle)
         te_recipe = None  # a Transformer Engine FP8 recipe: built into the model (kernels/fp8_te.py)
         if fp8 is not None:  # NOTE: FP8 linear layers, see docs/fp8.md
             from loongforge_hf.kernels.fp8_linear import check_fp8_request, enable_fp8
@@ -401,14 +426,17 @@ class AutoModelForCausalLM:
                                 cudagraph_rng=(megatron_config or {}).get("cuda_graph_impl") == "local")
             from megatron.core import parallel_state as ps
 
-            megatron_model = build_megatron_model(bridge, layout, dtype=param_dtype, megatron_config=megatron_config,
-                                                  te_fp8_recipe=te_recipe)
-            load_into(megatron_model, bridge, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
-                      tp_size=ps.get_tensor_model_parallel_world_size())
-            if te_recipe is not None:
-                megatron_model.fp8 = te_report(megatron_model.chunks, te_recipe)
-            elif fp8 is not None:
-                megatron_model.fp8 = enable_fp8(megatron_model.chunks, fp8, recipe=fp8_recipe)
+            # NOTE: each rank builds and loads only its own part (a bad tensor fails on the ranks that read it):
+            # the ranks agree on the outcome, so all of them raise, none returns a model whose next collective hangs.
+            with failing_alike(pretrained_model_name_or_path):
+                megatron_model = build_megatron_model(bridge, layout, dtype=param_dtype,
+                                                      megatron_config=megatron_config, te_fp8_recipe=te_recipe)
+                load_into(megatron_model, bridge, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
+                          tp_size=ps.get_tensor_model_parallel_world_size())
+                if te_recipe is not None:
+                    megatron_model.fp8 = te_report(megatron_model.chunks, te_recipe)
+                elif fp8 is not None:
+                    megatron_model.fp8 = enable_fp8(megatron_model.chunks, fp8, recipe=fp8_recipe)
         finally:
             reader.close()
         hf_config.dtype = param_dtype

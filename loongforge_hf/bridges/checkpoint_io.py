@@ -262,7 +262,8 @@ class CheckpointReader:
         return self._read(name, dim=dim, start=start, stop=stop, out=out)
 
     def validate_shapes(self, expected: Mapping[str, tuple[int, ...]]) -> None:
-        """Raise one error listing every tensor of ``expected`` that is missing or has another shape."""
+        """Raise one error listing every tensor of ``expected`` that is missing, has another shape or is not floating
+        point (a corrupt or foreign file, which would otherwise fail only on the ranks that read it)."""
         problems = []
         for name, want in expected.items():
             if name not in self._infos:
@@ -271,14 +272,13 @@ class CheckpointReader:
             found = self.shape(name)
             if tuple(found) != tuple(want):
                 problems.append(f"{name!r}: expected shape {tuple(want)}, found {tuple(found)}")
+            elif not (dtype := self.dtype(name)).is_floating_point:
+                problems.append(f"{name!r}: stored as {dtype} in {self.shard_of(name)}, expected floating point")
         if problems:
             shown = "\n  ".join(problems[:20])
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-            raise CheckpointError(
-                f"The checkpoint at {self.folder} does not match the model its config.json describes "
-                f"({len(problems)} tensor(s)):"
-                f"\n  {shown}{more}"
-            )
+            raise CheckpointError(f"The checkpoint at {self.folder} does not match the model its config.json "
+                                  f"describes ({len(problems)} tensor(s)):\n  {shown}{more}")
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -63,3 +63,13 @@ def agree_on_error(error: str | None) -> str | None:
         if e is not None:
             return e if i == dist.get_rank() else f"(on rank {i}) {e}"
     return None
+
+
+def same_error_everywhere(error: str | None) -> str | None:
+    """The first error any rank saw, as ``"rank i: <error>"``, the same string on every rank (None when none did).
+    Collective: every rank must call it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error)
+    return next((f"rank {i}: {e}" for i, e in enumerate(gathered) if e is not None), None)

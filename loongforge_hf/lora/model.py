@@ -109,22 +109,34 @@ def _check_first_stage_trains(model, plan: LoraPlan, owners) -> None:
 
 def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelForCausalLM:
     """Add LoRA adapters described by ``peft_config`` (a ``peft.LoraConfig``) to ``model``, in place."""
-    from megatron.core import parallel_state as ps
-
     from loongforge_hf.bridges.builder import layer_owners
-    from loongforge_hf.bridges.loader import shard_context
     from loongforge_hf.lora.init import draw_initial_weights
-    from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable
 
+    plan = plan_for(model, peft_config)
+    _check_first_stage_trains(model, plan, layer_owners(model.megatron.config, model.parallel))
+    return attach_lora(model, peft_config, plan, draw_initial_weights(plan.targets, peft_config.init_lora_weights))
+
+
+def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
+    """The LoRA plan of ``peft_config`` on ``model`` (refused: a model with adapters already, or not a text model)."""
     if isinstance(model, LoongLoraModelForCausalLM):
         raise LoraConfigError("This model already has LoRA adapters; apply one LoraConfig per model.")
     if type(model) is not LoongModelForCausalLM:
         raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM models, got {type(model).__name__}.")
-    plan = plan_lora(model.bridge, peft_config)
-    owners = layer_owners(model.megatron.config, model.parallel)
-    _check_first_stage_trains(model, plan, owners)
-    initial = draw_initial_weights(plan.targets, peft_config.init_lora_weights)
+    return plan_lora(model.bridge, peft_config)
 
+
+def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
+                initial: list[tuple[torch.Tensor, torch.Tensor]]) -> LoongLoraModelForCausalLM:
+    """Adapters with the HF-shaped ``initial`` (A, B) of each target of ``plan``, each rank keeping its slices; the
+    base frozen but for ``modules_to_save``; ``model`` becomes a ``LoongLoraModelForCausalLM`` (in place)."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.bridges.builder import layer_owners
+    from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable
+
+    owners = layer_owners(model.megatron.config, model.parallel)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     ctx = shard_context(model.bridge, tp_rank=tp_rank, tp_size=tp_size, padded_vocab=model.megatron.padded_vocab)
     pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -155,7 +167,7 @@ def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelF
         attach_adapters(model.chunks[vp].get_submodule(path), adapters, layout)
 
     for saved in plan.saved:
-        for chunk, name in _megatron_params_of(model, saved, owners, pp_rank):
+        for chunk, name in megatron_params_of(model, saved, owners, pp_rank):
             dict(chunk.named_parameters())[name].requires_grad_(True)
 
     model.__class__ = LoongLoraModelForCausalLM
@@ -164,7 +176,7 @@ def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelF
     return model
 
 
-def _megatron_params_of(model, saved, owners, pp_rank):
+def megatron_params_of(model, saved, owners, pp_rank):
     """(chunk, megatron parameter name) of a ``modules_to_save`` tensor on this rank (none when another stage)."""
     from megatron.core import parallel_state as ps
 

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from loongforge_hf.modeling import (LoongModelForCausalLM, _resolve_dtype, hf_forward_options, hf_forward_output,
-                                    keep_hub_name, refuse_save_options, resolve_parallel)
+from loongforge_hf.modeling import (LoongModelForCausalLM, _resolve_dtype, failing_alike, hf_forward_options,
+                                    hf_forward_output, keep_hub_name, refuse_save_options, resolve_parallel)
 from loongforge_hf.parallel import ParallelLayoutError, read_launch_env
 from loongforge_hf.parallel.config import PARALLEL_KWARGS
 
@@ -297,11 +297,12 @@ class AutoModelForImageTextToText:
             initialize_parallel(layout, seed=seed)
             from megatron.core import parallel_state as ps
 
-            language = build_megatron_model(bridge.text, layout, dtype=param_dtype)
-            if language_recompute:
-                _recompute_every_layer(language)
-            load_into(language, bridge.text, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
-                      tp_size=ps.get_tensor_model_parallel_world_size())
+            with failing_alike(pretrained_model_name_or_path):
+                language = build_megatron_model(bridge.text, layout, dtype=param_dtype)
+                if language_recompute:
+                    _recompute_every_layer(language)
+                load_into(language, bridge.text, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
+                          tp_size=ps.get_tensor_model_parallel_world_size())
             tp_group = ps.get_tensor_model_parallel_group() if layout.tensor_parallel_size > 1 else None
             chunks = []
             for chunk in language.chunks:

@@ -7,17 +7,27 @@ Layout of ``checkpoint-N/`` (written under a temporary name and renamed when com
   ``optimizer_precision="model"``: megatron's FP32Optimizer state, AdamW moments sharded like their parameters);
 - ``scheduler.pt``: the LR schedulers' state; ``rng_state_{rank}.pth`` (Trainer's) and ``megatron_rng_{rank}.pt``
   (megatron's model-parallel RNG tracker); ``trainer_state.json`` (step, log history, data position).
+
+Bad input: a write that fails on some ranks (disk full, an unusable folder) and a checkpoint that is incomplete or
+corrupt are reported on every rank alike (``run_everywhere``: the ranks agree on the outcome before the next
+collective), naming the file; ``check_training_checkpoint`` reads what it can before any collective of the resume.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from loongforge_hf.bridges.checkpoint_files import CheckpointError
+from loongforge_hf.bridges.distribution import same_error_everywhere
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +47,37 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _describe(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return f"disk full ({err})"
+    if "\n" in str(err):  # torch.distributed.checkpoint's: every failed rank's traceback
+        return _cause(err)
+    return f"{type(err).__name__}: {err}"
+
+
+def _cause(err: BaseException) -> str:
+    """A torch.distributed.checkpoint error carries every failed rank's traceback: keep its last line, the cause."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    noise = ("File ", "^", "Traceback", "result =", "local_data", "all_reads", "local_plan", "CheckpointException")
+    causes = [line for line in lines if not line.startswith(noise)]
+    cause = causes[-1] if causes else (lines[0] if lines else type(err).__name__)
+    return f"{type(err).__name__}: {cause}"
+
+
+def run_everywhere(what: str, fn: Callable[[], None], *, on: bool = True) -> None:
+    """Run ``fn`` where ``on`` and let every rank agree on the outcome (collective): an error on any rank is raised
+    on every rank as a ``CheckpointError`` naming ``what`` and the rank, so none is left waiting in a collective."""
+    from torch.distributed.checkpoint.api import CheckpointException  # NOTE: a BaseException, not an Exception
+
+    error = None
+    if on:
+        try:
+            fn()
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - shared with every rank below
+            error = f"{what}: {_describe(err)}"
+    error = same_error_everywhere(error)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
@@ -49,14 +87,59 @@ def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
 
     output_dir = Path(output_dir)
     ckpt = output_dir / MEGATRON_DIR
-    if _rank() == 0:
-        ckpt.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    dist_checkpointing.save(_sharded_state_dict(trainer.engine, is_loading=False), str(ckpt))
-    if _rank() == 0:
-        torch.save(trainer.lr_scheduler.state_dict(), output_dir / SCHEDULER_FILE)
-    torch.save(get_cuda_rng_tracker().get_states(), output_dir / f"megatron_rng_{_rank()}.pt")
-    _barrier()
+    run_everywhere(f"could not create {ckpt}", lambda: ckpt.mkdir(parents=True, exist_ok=True), on=_rank() == 0)
+    # NOTE: torch.distributed.checkpoint raises on every rank when a write fails, but only the coordinator's error
+    # says why: run_everywhere gives every rank that one.
+    run_everywhere(f"could not write the megatron state to {ckpt}",
+                   lambda: dist_checkpointing.save(_sharded_state_dict(trainer.engine, is_loading=False), str(ckpt)))
+    run_everywhere(f"could not write {output_dir / SCHEDULER_FILE}",
+                   lambda: torch.save(trainer.lr_scheduler.state_dict(), output_dir / SCHEDULER_FILE),
+                   on=_rank() == 0)
+    rng_file = output_dir / f"megatron_rng_{_rank()}.pt"
+    run_everywhere(f"could not write {rng_file} (rank {_rank()})",
+                   lambda: torch.save(get_cuda_rng_tracker().get_states(), rng_file))
+
+
+REQUIRED_FILES = (f"{MEGATRON_DIR}/metadata.json", f"{MEGATRON_DIR}/.metadata", f"{MEGATRON_DIR}/common.pt",
+                  SCHEDULER_FILE, "trainer_state.json")
+
+
+def check_training_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
+    """Raise a ``CheckpointError`` naming the file when ``checkpoint_dir`` is not a complete LoongTrainer checkpoint:
+    a required file missing, trainer_state.json or megatron/metadata.json not JSON, or a megatron shard that its
+    index (megatron/.metadata) names missing or shorter than the bytes it is said to hold. Local and alike on every
+    rank (run before any collective of a resume)."""
+    folder = Path(checkpoint_dir)
+    if not (folder / MEGATRON_DIR).is_dir():
+        raise CheckpointError(f"{folder} has no {MEGATRON_DIR}/ folder: it was not written by LoongTrainer, so it "
+                              "cannot be resumed.")
+    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{folder} is an incomplete LoongTrainer checkpoint: {', '.join(missing)} missing.")
+    for name in ("trainer_state.json", f"{MEGATRON_DIR}/metadata.json"):
+        try:
+            json.loads((folder / name).read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise CheckpointError(f"{folder / name}: corrupt checkpoint file ({err}).") from err
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(folder / MEGATRON_DIR)).read_metadata().storage_data or {}
+    except Exception as err:  # noqa: BLE001 - torch's pickled index: any failure means it is unreadable
+        raise CheckpointError(f"{folder / MEGATRON_DIR / '.metadata'}: corrupt checkpoint index "
+                              f"({type(err).__name__}: {err}).") from err
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        path = getattr(info, "relative_path", None)
+        if isinstance(path, str):
+            needed[path] = max(needed.get(path, 0), int(info.offset) + int(info.length))
+    for path, size in sorted(needed.items()):
+        file = folder / MEGATRON_DIR / path
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: {folder} is an incomplete LoongTrainer checkpoint.")
+        if file.stat().st_size < size:
+            raise CheckpointError(f"{file} is truncated ({file.stat().st_size} bytes, the checkpoint index needs "
+                                  f"{size}): {folder} is a corrupt LoongTrainer checkpoint.")
 
 
 def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None:
@@ -66,22 +149,29 @@ def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None
 
     checkpoint_dir = Path(checkpoint_dir)
     ckpt = checkpoint_dir / MEGATRON_DIR
-    if not ckpt.is_dir():
-        raise FileNotFoundError(f"{checkpoint_dir} has no {MEGATRON_DIR}/ folder: it was not written by "
-                                "LoongTrainer, so it cannot be resumed.")
+    check_training_checkpoint(checkpoint_dir)
     engine = trainer.engine
     _materialize_adam_state(engine)
     template = _sharded_state_dict(engine, is_loading=True)
-    loaded = dist_checkpointing.load(template, str(ckpt))
-    for i, chunk in enumerate(engine.chunks):
-        chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
-    engine.optimizer.load_state_dict(loaded["optimizer"])
-    trainer.lr_scheduler.load_state_dict(torch.load(checkpoint_dir / SCHEDULER_FILE, weights_only=True))
+    # NOTE: local reads first, agreed on by every rank, so a bad file fails before the collective load.
+    box = {}
+    run_everywhere(f"{checkpoint_dir / SCHEDULER_FILE}: cannot be read",
+                   lambda: box.setdefault("scheduler", torch.load(checkpoint_dir / SCHEDULER_FILE, weights_only=True)))
     rng_file = checkpoint_dir / f"megatron_rng_{_rank()}.pt"
     saved_world = len(list(checkpoint_dir.glob("megatron_rng_*.pt")))
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if rng_file.is_file() and saved_world == world:
-        get_cuda_rng_tracker().set_states(torch.load(rng_file, weights_only=False))
+    same_world = rng_file.is_file() and saved_world == world
+    run_everywhere(f"{rng_file}: cannot be read (rank {_rank()})",
+                   lambda: box.setdefault("rng", torch.load(rng_file, weights_only=False)), on=same_world)
+    run_everywhere(f"{ckpt}: the megatron state cannot be loaded into this model (was the checkpoint written for "
+                   "another model?)", lambda: box.setdefault("loaded", dist_checkpointing.load(template, str(ckpt))))
+    loaded = box.pop("loaded")
+    for i, chunk in enumerate(engine.chunks):
+        chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
+    engine.optimizer.load_state_dict(loaded["optimizer"])
+    trainer.lr_scheduler.load_state_dict(box["scheduler"])
+    if same_world:
+        get_cuda_rng_tracker().set_states(box["rng"])
     else:
         logger.warning("Resuming under a different world size (%d -> %d): model-parallel RNG streams restart.",
                        saved_world, world)
@@ -104,9 +194,19 @@ def _materialize_adam_state(engine) -> None:
 
 
 def publish_checkpoint(tmp_dir: Path, final_dir: Path) -> None:
-    """Rename a complete temporary checkpoint folder into place (rank 0), replacing an older one."""
-    if _rank() == 0:
-        if final_dir.exists():
-            shutil.rmtree(final_dir)
-        os.replace(tmp_dir, final_dir)
-    _barrier()
+    """Rename a complete temporary checkpoint folder into place (rank 0), replacing an older one: the old folder is
+    moved aside first and deleted only once the new one is in place (collective; alike on every rank)."""
+    def publish() -> None:
+        if not os.path.lexists(final_dir):
+            os.replace(tmp_dir, final_dir)
+            return
+        aside = final_dir.parent / f".{final_dir.name}.old-{os.getpid()}"
+        os.replace(final_dir, aside)
+        try:
+            os.replace(tmp_dir, final_dir)
+        except OSError:
+            os.replace(aside, final_dir)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+
+    run_everywhere(f"could not move {tmp_dir} to {final_dir}", publish, on=_rank() == 0)

@@ -200,10 +200,12 @@ class LoongTrainer(Trainer):
         model_parallel_cuda_manual_seed(self.args.seed, use_cudagraphable_rng=graphable, force_reset_rng=True)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # NOTE: weights come back with the optimizer from the megatron checkpoint in _prepare_for_training.
-        if not os.path.isdir(os.path.join(resume_from_checkpoint, MEGATRON_DIR)):
-            raise FileNotFoundError(f"{resume_from_checkpoint} has no {MEGATRON_DIR}/ folder: it was not written by "
-                                    "LoongTrainer, so it cannot be resumed.")
+        # NOTE: weights come back with the optimizer from the megatron checkpoint in _prepare_for_training; here (before
+        # Trainer reads trainer_state.json and before any collective of the resume) the folder is checked, alike on
+        # every rank, so an incomplete or corrupt checkpoint fails with a message naming the file.
+        from loongforge_hf.trainer.checkpoint import check_training_checkpoint
+
+        check_training_checkpoint(resume_from_checkpoint)
 
     def _get_learning_rate(self) -> float:
         return self.lr_scheduler.get_last_lr()[0]
@@ -351,10 +353,13 @@ class LoongTrainer(Trainer):
             self._save_beside_runs(output_dir)
         else:
             self.model.save_pretrained(output_dir)
-        if self.processing_class is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            self.processing_class.save_pretrained(output_dir)
-        if dist.is_initialized():
-            dist.barrier()
+        if self.processing_class is not None:
+            from loongforge_hf.trainer.checkpoint import run_everywhere
+
+            # NOTE: rank 0 writes; every rank learns the outcome, so a failed write leaves no rank in a collective.
+            run_everywhere(f"save_model({output_dir!r}): could not save the processing class",
+                           lambda: self.processing_class.save_pretrained(output_dir),
+                           on=not dist.is_initialized() or dist.get_rank() == 0)
 
     def _save_beside_runs(self, output_dir: str) -> None:
         """Export into a folder that also holds checkpoints or logs (Trainer's default ``output_dir``): write the
@@ -362,18 +367,24 @@ class LoongTrainer(Trainer):
         shard of an older export is left behind."""
         import shutil
 
+        from loongforge_hf.trainer.checkpoint import run_everywhere
+
         staging = os.path.join(output_dir, ".loongforge-export.incomplete")
         self.model.save_pretrained(staging)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            new = set(os.listdir(staging))
-            for name in os.listdir(output_dir):
-                if name not in new and (name.endswith(".safetensors") or name == "model.safetensors.index.json"):
-                    os.remove(os.path.join(output_dir, name))
-            for name in sorted(new):
-                os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
-            shutil.rmtree(staging, ignore_errors=True)
-        if dist.is_initialized():
-            dist.barrier()
+
+        def move_in() -> None:
+            try:
+                new = set(os.listdir(staging))
+                for name in os.listdir(output_dir):
+                    if name not in new and (name.endswith(".safetensors") or name == "model.safetensors.index.json"):
+                        os.remove(os.path.join(output_dir, name))
+                for name in sorted(new):
+                    os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+
+        run_everywhere(f"save_model({output_dir!r}): could not move the export into place", move_in,
+                       on=not dist.is_initialized() or dist.get_rank() == 0)
 
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's checkpoint, built in a temporary folder and renamed when complete (atomic)."""
@@ -384,21 +395,18 @@ class LoongTrainer(Trainer):
         from transformers.trainer import TRAINER_STATE_NAME
         from transformers.trainer_utils import rotate_checkpoints
 
-        from loongforge_hf.trainer.checkpoint import publish_checkpoint, save_training_checkpoint
+        import shutil
+
+        from loongforge_hf.trainer.checkpoint import publish_checkpoint, run_everywhere, save_training_checkpoint
 
         self.store_flos()
         run_dir = Path(self._get_output_dir(trial=trial))
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final, tmp = run_dir / name, run_dir / f".{name}.incomplete"
         if self.args.should_save and tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp)
-        self.save_model(str(tmp), _internal_call=True)
-        if not self.args.save_only_model:
-            save_training_checkpoint(self, tmp)
-            self._save_rng_state(str(tmp))
-        if self.args.should_save:
+
+        def write_trainer_state() -> None:
             for cb in [cb for cb in self.callback_handler.callbacks + [self.control]
                        if isinstance(cb, ExportableState)]:
                 cb_name = cb.__class__.__name__
@@ -407,9 +415,22 @@ class LoongTrainer(Trainer):
                 else:
                     self.state.stateful_callbacks[cb_name] = cb.state()
             self.state.save_to_json(str(tmp / TRAINER_STATE_NAME))
-        if dist.is_initialized():
-            dist.barrier()
-        publish_checkpoint(tmp, final)
+
+        # NOTE: every step below either is collective and raises alike on every rank, or runs through
+        # run_everywhere (the ranks agree on its outcome): a failed write never leaves a rank in a collective, and
+        # the temporary folder goes, so output_dir holds only complete checkpoints.
+        try:
+            self.save_model(str(tmp), _internal_call=True)
+            if not self.args.save_only_model:
+                save_training_checkpoint(self, tmp)
+                run_everywhere(f"could not write the RNG state into {tmp}", lambda: self._save_rng_state(str(tmp)))
+            run_everywhere(f"could not write {tmp / TRAINER_STATE_NAME}", write_trainer_state,
+                           on=self.args.should_save)
+            publish_checkpoint(tmp, final)
+        except BaseException:
+            if self.args.should_save:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         # as Trainer._save_checkpoint: remember the best checkpoint so that rotation keeps it and
         # load_best_model_at_end reloads it
         if self.args.save_strategy in ("steps", "epoch", "best") and self.state.best_global_step:

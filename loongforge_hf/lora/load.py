@@ -1,0 +1,172 @@
+"""Loading a PEFT adapter folder onto a loongforge model, as ``peft.PeftModel.from_pretrained(model, dir)`` does on a
+transformers model.
+
+Choices:
+- The folder is what PEFT (or ``LoongLoraModelForCausalLM.save_pretrained``) writes: ``adapter_config.json`` (a
+  ``LoraConfig``) and ``adapter_model.safetensors`` with PEFT's names (``base_model.model.<HF module>.lora_A.weight``
+  / ``lora_B``, ``base_model.model.<HF parameter>`` for ``modules_to_save``) at HF shapes. A pickle
+  ``adapter_model.bin`` is read only with ``allow_pickle=True``, through ``torch.load(weights_only=True)``.
+- The adapters are attached as ``get_peft_model`` attaches them (same plan, same slicing over TP, PP and fused
+  layers), with the file's A and B instead of freshly drawn ones; ``modules_to_save`` tensors go through the base
+  bridge's own mapping (the one its checkpoint loads with) into their megatron parameters.
+- Every tensor the config implies is checked (present, HF shape, floating point) before anything changes, with one
+  error listing the problems. The checks read only the folder, which every rank reads alike, so a bad folder fails
+  on every rank, before any collective.
+- ``is_trainable=False`` (PEFT's default) leaves every parameter frozen (evaluation, generation of logits);
+  ``is_trainable=True`` leaves the adapters and ``modules_to_save`` trainable, to train on from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from loongforge_hf.bridges.checkpoint_files import CheckpointError
+from loongforge_hf.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from loongforge_hf.lora.plan import LoraConfigError
+
+ADAPTER_PICKLE = "adapter_model.bin"
+PREFIX = "base_model.model."
+
+
+def is_adapter_folder(path: str | os.PathLike) -> bool:
+    """A local folder holding a PEFT adapter and no model of its own (transformers loads its base model then)."""
+    folder = Path(path)
+    return (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file()
+
+
+def adapter_base_model(adapter_dir: str | os.PathLike) -> str:
+    """The base model an adapter folder names (``base_model_name_or_path`` of its adapter_config.json)."""
+    config_file = Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{config_file}: not a readable adapter config ({err}).") from err
+    if not base:
+        raise CheckpointError(f"{config_file} names no base model (base_model_name_or_path): load the base model "
+                              "with from_pretrained, then loongforge_hf.lora.load_adapter(model, adapter_dir).")
+    return base
+
+
+def read_adapter(adapter_dir: str | os.PathLike, *, allow_pickle: bool = False):
+    """(``peft.LoraConfig``, {PEFT tensor name: tensor}) of an adapter folder; clear errors for what is missing."""
+    from peft import LoraConfig
+
+    folder = Path(adapter_dir)
+    config_file = folder / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise CheckpointError(f"{folder} is not a PEFT adapter folder: {ADAPTER_CONFIG} is missing.")
+    try:
+        data = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{config_file}: not a readable JSON file ({err}).") from err
+    if not isinstance(data, dict) or data.get("peft_type", "LORA") != "LORA":
+        kind = data.get("peft_type") if isinstance(data, dict) else type(data).__name__
+        raise LoraConfigError(f"{config_file}: loongforge-hf loads LoRA adapters; this one is {kind!r}.")
+    config = LoraConfig.from_pretrained(str(folder))
+    weights, pickled = folder / ADAPTER_WEIGHTS, folder / ADAPTER_PICKLE
+    if weights.is_file():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return config, load_file(str(weights))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{weights}: corrupt or truncated safetensors file ({err}).") from err
+    if pickled.is_file():
+        if not allow_pickle:
+            raise CheckpointError(f"{pickled} is a pickle file, which can run code when loaded; pass "
+                                  "allow_pickle=True to read it (with torch.load(weights_only=True)), or save the "
+                                  "adapter again with safetensors.")
+        try:
+            state = torch.load(pickled, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any failure means the file cannot be read safely
+            raise CheckpointError(f"{pickled}: cannot be read with torch.load(weights_only=True) ({err}).") from err
+        return config, state
+    raise CheckpointError(f"{folder} has {ADAPTER_CONFIG} but no adapter weights ({ADAPTER_WEIGHTS} or "
+                          f"{ADAPTER_PICKLE}).")
+
+
+class _AdapterReader:
+    """The ``modules_to_save`` tensors of an adapter file under their HF names, read like a checkpoint (the bridge
+    mappings' ``load`` reads through this)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[PREFIX + name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[PREFIX + name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[PREFIX + name].dtype
+
+    def get_slice(self, name: str, *, dim: int, start: int, stop: int, out=None) -> torch.Tensor:
+        part = self.tensors[PREFIX + name].narrow(dim, start, stop - start)
+        return part if out is None else out.copy_(part)
+
+
+def _check_tensors(folder: Path, plan, tensors: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (A, B) of every target, in float32; one error listing every missing or misshapen tensor."""
+    expected = {}
+    for t in plan.targets:
+        expected[f"{PREFIX}{t.hf_module}.lora_A.weight"] = (t.r, t.in_features)
+        expected[f"{PREFIX}{t.hf_module}.lora_B.weight"] = (t.out_features, t.r)
+    for s in plan.saved:
+        expected[PREFIX + s.hf_name] = tuple(plan.hf_shapes[s.hf_name])
+    problems = []
+    for name, shape in expected.items():
+        found = tensors.get(name)
+        if found is None:
+            problems.append(f"{name!r}: missing (expected shape {shape})")
+        elif tuple(found.shape) != shape:
+            problems.append(f"{name!r}: expected shape {shape}, found {tuple(found.shape)}")
+        elif not found.is_floating_point():
+            problems.append(f"{name!r}: stored as {found.dtype}, expected floating point")
+    unused = sorted(set(tensors) - set(expected))
+    if unused:
+        problems.append(f"tensors its adapter_config.json does not describe: {unused[:5]}"
+                        + (f" and {len(unused) - 5} more" if len(unused) > 5 else ""))
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        raise CheckpointError(f"The adapter at {folder} does not match this model and its adapter_config.json "
+                              f"({len(problems)} problem(s)):\n  {shown}")
+    return [(tensors[f"{PREFIX}{t.hf_module}.lora_A.weight"].float(),
+             tensors[f"{PREFIX}{t.hf_module}.lora_B.weight"].float()) for t in plan.targets]
+
+
+def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = False, allow_pickle: bool = False):
+    """Attach the PEFT adapter saved in ``adapter_dir`` to ``model`` (a ``LoongModelForCausalLM``), in place; returns
+    the ``LoongLoraModelForCausalLM`` it becomes. Collective only in what the model's layers share (nothing here)."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.bridges.builder import layer_owners
+    from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.model import _check_first_stage_trains, attach_lora, megatron_params_of, plan_for
+
+    folder = Path(adapter_dir)
+    config, tensors = read_adapter(folder, allow_pickle=allow_pickle)
+    config.inference_mode = not is_trainable
+    plan = plan_for(model, config)
+    owners = layer_owners(model.megatron.config, model.parallel)
+    if is_trainable:
+        _check_first_stage_trains(model, plan, owners)
+    initial = _check_tensors(folder, plan, tensors)
+    model = attach_lora(model, config, plan, initial)
+    reader = _AdapterReader(tensors)
+    ctx = shard_context(model.bridge, tp_rank=ps.get_tensor_model_parallel_rank(),
+                        tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
+    with torch.no_grad():
+        for saved in plan.saved:
+            for chunk, name in megatron_params_of(model, saved, owners, ps.get_pipeline_model_parallel_rank()):
+                param = dict(chunk.named_parameters())[name]
+                param.copy_(saved.mapping.load(reader, ctx, saved.layer).to(param.dtype))
+    if not is_trainable:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
