@@ -9,6 +9,7 @@ import torch
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
+from .._device_env import pickleable_month_day_nano
 from ._sft_parity import assert_matches, run_loong, run_trl
 
 pytestmark = [pytest.mark.gpu,
@@ -17,23 +18,8 @@ pytestmark = [pytest.mark.gpu,
 NAMES = ["lora_text", "full_packing"]
 
 
-def _pickleable_month_day_nano() -> None:
-    """The GPU machine's python 3.12 with pyarrow 25/26 gives the (immutable) ``pyarrow.MonthDayNano`` type the
-    module ``builtins``, so pickle cannot find it, datasets cannot hash a Dataset's state and ``Dataset.from_dict``
-    fails there; this child process makes the name resolve (datasets only hashes the pickle, never loads it)."""
-    import builtins
-    import pickle
-
-    import pyarrow
-
-    try:
-        pickle.dumps(pyarrow.MonthDayNano)
-    except pickle.PicklingError:
-        builtins.MonthDayNano = pyarrow.MonthDayNano
-
-
 def _world(folder: str, out_dir: str) -> dict:
-    _pickleable_month_day_nano()
+    pickleable_month_day_nano()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     return {"trl": run_trl(folder, out_dir + "/trl", NAMES, use_cpu=False),

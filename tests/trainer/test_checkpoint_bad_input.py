@@ -91,19 +91,23 @@ def _corrupt(good: Path, bad: Path, case: str) -> None:
         (bad / "megatron_rng_1.pt").write_bytes(b"not a torch file")
 
 
-def save_and_resume_cases(folder: str, out_dir: str) -> dict:
+def save_and_resume_cases(folder: str, out_dir: str, args: dict | None = None) -> dict:
+    """``args``: more TrainingArguments (``use_cpu=False`` on GPUs)."""
     import torch.distributed as dist
 
     import loongforge_hf as lf
     from tests.trainer._train_parity import make_dataset, training_args
 
+    def arguments(path, **kw):
+        return training_args(path, **kw, **(args or {}))
+
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
     rank = dist.get_rank()
     out = Path(out_dir)
-    trainer = lf.LoongTrainer(model=model, args=training_args(str(out / "run"), max_steps=1),
+    trainer = lf.LoongTrainer(model=model, args=arguments(str(out / "run"), max_steps=1),
                               train_dataset=make_dataset())
     trainer.train()
-    results = {}
+    results = {"device": str(model.device)}
     for case, (what, fail_rank, _) in SAVE_CASES.items():
         with ExitStack() as stack:
             for patch in (_failing(what) if rank == fail_rank else []):
@@ -120,7 +124,7 @@ def save_and_resume_cases(folder: str, out_dir: str) -> dict:
         if rank == 0:
             _corrupt(good, bad, case)
         dist.barrier()
-        resumed = lf.LoongTrainer(model=model, args=training_args(str(out / f"resume_{case}"), max_steps=2),
+        resumed = lf.LoongTrainer(model=model, args=arguments(str(out / f"resume_{case}"), max_steps=2),
                                   train_dataset=make_dataset())
         results[case] = _outcome(lambda: resumed.train(resume_from_checkpoint=str(bad)))
         dist.barrier()
@@ -134,8 +138,7 @@ def results(tmp_path_factory):
     return run_distributed(save_and_resume_cases, 2, str(folder), str(tmp / "out"), timeout=400)
 
 
-@pytest.mark.parametrize("case", list(SAVE_CASES))
-def test_failed_checkpoint_write_raises_alike_and_leaves_nothing(results, case):
+def check_failed_save(results, case):
     rank0, rank1 = (r[case] for r in results)
     assert rank0["type"] == "CheckpointError", rank0
     assert (rank1["type"], rank1["message"]) == (rank0["type"], rank0["message"])
@@ -144,16 +147,29 @@ def test_failed_checkpoint_write_raises_alike_and_leaves_nothing(results, case):
     assert rank0["left"] == [], rank0["left"]  # neither checkpoint-1 nor .checkpoint-1.incomplete
 
 
-def test_clean_save_after_failures(results):
+def check_clean_save(results):
     for r in results:
         assert r["clean_save"]["type"] == "no error", r["clean_save"]
         assert r["clean_save"]["left"] == ["checkpoint-1"]
 
 
-@pytest.mark.parametrize("case", list(RESUME_CASES))
-def test_bad_checkpoint_to_resume_raises_alike_naming_the_file(results, case):
+def check_bad_resume(results, case):
     rank0, rank1 = (r[case] for r in results)
     assert rank0["type"] == "CheckpointError", rank0
     assert (rank1["type"], rank1["message"]) == (rank0["type"], rank0["message"])
     for fragment in RESUME_CASES[case]:
         assert fragment in rank0["message"], (fragment, rank0["message"])
+
+
+@pytest.mark.parametrize("case", list(SAVE_CASES))
+def test_failed_checkpoint_write_raises_alike_and_leaves_nothing(results, case):
+    check_failed_save(results, case)
+
+
+def test_clean_save_after_failures(results):
+    check_clean_save(results)
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_bad_checkpoint_to_resume_raises_alike_naming_the_file(results, case):
+    check_bad_resume(results, case)
