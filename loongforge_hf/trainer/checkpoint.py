@@ -6,7 +6,8 @@ Layout of ``checkpoint-N/`` (written under a temporary name and renamed when com
   ``fully_reshardable`` optimizer format, so a run can resume under another TP / PP / VPP / DP layout (with
   ``optimizer_precision="model"``: megatron's FP32Optimizer state, AdamW moments sharded like their parameters);
 - ``scheduler.pt``: the LR schedulers' state; ``rng_state_{rank}.pth`` (Trainer's) and ``megatron_rng_{rank}.pt``
-  (megatron's model-parallel RNG tracker); ``trainer_state.json`` (step, log history, data position).
+  (megatron's model-parallel RNG tracker, as state tensors: read with ``torch.load(weights_only=True)``);
+  ``trainer_state.json`` (step, log history, data position).
 
 Bad input: a write that fails on some ranks (disk full, an unusable folder) and a checkpoint that is incomplete or
 corrupt are reported on every rank alike (``run_everywhere``: the ranks agree on the outcome before the next
@@ -80,6 +81,27 @@ def run_everywhere(what: str, fn: Callable[[], None], *, on: bool = True) -> Non
         raise CheckpointError(error)
 
 
+def rng_states_to_save(tracker) -> dict[str, torch.Tensor]:
+    """megatron's model-parallel RNG states as plain state tensors (a graph-safe tracker, under megatron's CUDA graphs,
+    holds ``torch.Generator`` objects): a file ``torch.load(weights_only=True)`` reads, so resuming runs no pickled
+    code."""
+    return {name: state.get_state() if isinstance(state, torch.Generator) else state
+            for name, state in tracker.get_states().items()}
+
+
+def restore_rng_states(tracker, saved: dict[str, torch.Tensor]) -> None:
+    """``saved`` (``rng_states_to_save``) back into ``tracker``: a ``torch.Generator`` it holds takes its state in
+    place (CUDA graphs captured it by identity), a tensor state is replaced."""
+    states = dict(tracker.get_states())
+    for name, state in saved.items():
+        current = states.get(name)
+        if isinstance(current, torch.Generator):
+            current.set_state(state)
+        else:
+            states[name] = state
+    tracker.set_states(states)
+
+
 def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
     """Write megatron state, schedulers and RNG into ``output_dir`` (collective)."""
     from megatron.core import dist_checkpointing
@@ -97,7 +119,7 @@ def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
                    on=_rank() == 0)
     rng_file = output_dir / f"megatron_rng_{_rank()}.pt"
     run_everywhere(f"could not write {rng_file} (rank {_rank()})",
-                   lambda: torch.save(get_cuda_rng_tracker().get_states(), rng_file))
+                   lambda: torch.save(rng_states_to_save(get_cuda_rng_tracker()), rng_file))
 
 
 REQUIRED_FILES = (f"{MEGATRON_DIR}/metadata.json", f"{MEGATRON_DIR}/.metadata", f"{MEGATRON_DIR}/common.pt",
@@ -162,7 +184,7 @@ def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None
     world = dist.get_world_size() if dist.is_initialized() else 1
     same_world = rng_file.is_file() and saved_world == world
     run_everywhere(f"{rng_file}: cannot be read (rank {_rank()})",
-                   lambda: box.setdefault("rng", torch.load(rng_file, weights_only=False)), on=same_world)
+                   lambda: box.setdefault("rng", torch.load(rng_file, weights_only=True)), on=same_world)
     run_everywhere(f"{ckpt}: the megatron state cannot be loaded into this model (was the checkpoint written for "
                    "another model?)", lambda: box.setdefault("loaded", dist_checkpointing.load(template, str(ckpt))))
     loaded = box.pop("loaded")
@@ -171,7 +193,7 @@ def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None
     engine.optimizer.load_state_dict(loaded["optimizer"])
     trainer.lr_scheduler.load_state_dict(box["scheduler"])
     if same_world:
-        get_cuda_rng_tracker().set_states(box["rng"])
+        restore_rng_states(get_cuda_rng_tracker(), box["rng"])
     else:
         logger.warning("Resuming under a different world size (%d -> %d): model-parallel RNG streams restart.",
                        saved_world, world)
