@@ -170,3 +170,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # NOTE: a clean shutdown of the process group, as torch asks of every script

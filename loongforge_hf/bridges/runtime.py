@@ -79,7 +79,13 @@ def token_losses(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size
     valid = labels != IGNORE_INDEX
     safe = torch.where(valid, labels, torch.zeros_like(labels))
     # megatron's vocab-parallel CE takes [s, b, v] and [s, b]
-    losses = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), safe.transpose(0, 1).contiguous())
+    shaped = logits.transpose(0, 1).contiguous()
+    if shaped.untyped_storage().data_ptr() == local_logits.untyped_storage().data_ptr():
+        # NOTE: that CE works in place on its input (subtracts the max, exponentiates, normalises); fp32 logits of
+        # one row on a shard without padded vocab columns reach here uncopied: the caller's logits would become
+        # probabilities.
+        shaped = shaped.clone()
+    losses = vocab_parallel_cross_entropy(shaped, safe.transpose(0, 1).contiguous())
     return losses.transpose(0, 1) * valid
 
 

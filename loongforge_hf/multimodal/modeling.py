@@ -297,25 +297,27 @@ class AutoModelForImageTextToText:
             initialize_parallel(layout, seed=seed)
             from megatron.core import parallel_state as ps
 
+            tp_group = ps.get_tensor_model_parallel_group() if layout.tensor_parallel_size > 1 else None
+            towers = {}
+            # NOTE: a rank-local failure (the language model's or, on the first stage, the tower's part) raises on
+            # every rank alike (see modeling.failing_alike)
             with failing_alike(pretrained_model_name_or_path):
                 language = build_megatron_model(bridge.text, layout, dtype=param_dtype)
                 if language_recompute:
                     _recompute_every_layer(language)
                 load_into(language, bridge.text, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
                           tp_size=ps.get_tensor_model_parallel_world_size())
-            tp_group = ps.get_tensor_model_parallel_group() if layout.tensor_parallel_size > 1 else None
-            chunks = []
-            for chunk in language.chunks:
-                tower = None
-                if chunk.pre_process:
-                    tower = VisionTower(bridge.vision_config, recompute=vision_recompute,
-                                        tp_group=tp_group if vision_layout == "tensor_parallel" else None)
-                    tower.to(device=get_backend().device(), dtype=param_dtype)
-                    load_vision(tower, bridge, reader,
-                                tp_group=tp_group if vision_layout == "tensor_parallel" else None)
-                chunks.append(VisionLanguageChunk(chunk, vision=tower, image_token_id=bridge.image_token_id,
-                                                  video_token_id=bridge.video_token_id,
-                                                  encoder_group=tp_group if vision_layout == "data_parallel" else None))
+                for i, chunk in enumerate(language.chunks):
+                    if chunk.pre_process:
+                        towers[i] = VisionTower(bridge.vision_config, recompute=vision_recompute,
+                                                tp_group=tp_group if vision_layout == "tensor_parallel" else None)
+                        towers[i].to(device=get_backend().device(), dtype=param_dtype)
+                        load_vision(towers[i], bridge, reader,
+                                    tp_group=tp_group if vision_layout == "tensor_parallel" else None)
+            chunks = [VisionLanguageChunk(chunk, vision=towers.get(i), image_token_id=bridge.image_token_id,
+                                          video_token_id=bridge.video_token_id,
+                                          encoder_group=tp_group if vision_layout == "data_parallel" else None)
+                      for i, chunk in enumerate(language.chunks)]
         finally:
             reader.close()
         _freeze(chunks, bridge, vision=freeze_vision, projector=freeze_projector, language=freeze_language)

@@ -147,6 +147,49 @@ class LoongTrainer(Trainer):
                                                data_collator=self.data_collator, collator=collator)
         return loader
 
+    # ---- evaluation ------------------------------------------------------------------------------------------------
+    def evaluation_loop(self, *args, **kwargs):
+        # NOTE: Trainer gathers losses, logits, labels and inputs with accelerate's gather_for_metrics, over every
+        # process; the evaluation batches are sharded over the data-parallel ranks only (the ranks of one TP / PP /
+        # CP group hold the same samples), so that gather would repeat each sample once per model-parallel rank.
+        # Gather over the data-parallel group instead (Trainer's loop resets gather_function when it ends).
+        self.gather_function = self._gather_over_data_parallel
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_over_data_parallel(self, data, use_gather_object: bool = False):
+        """``accelerator.gather_for_metrics`` over the data-parallel group: tensors concatenated in data-parallel
+        rank order (the order of the sharded DataLoader), the samples that padded the last batch dropped."""
+        from accelerate.utils import recursively_apply
+
+        size = dp_rank_and_size()[1]
+        try:
+            recursively_apply(lambda t: t, data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True
+        if dist.is_initialized() and size > 1:
+            from megatron.core import parallel_state as ps
+
+            group = ps.get_data_parallel_group(with_context_parallel=False)
+
+            def gather(t: torch.Tensor) -> torch.Tensor:
+                t = t.detach().contiguous()
+                t = t[None] if t.dim() == 0 else t
+                parts = [torch.empty_like(t) for _ in range(size)]
+                dist.all_gather(parts, t, group=group)
+                return torch.cat(parts, dim=0)
+
+            if use_gather_object:
+                parts = [None] * size
+                dist.all_gather_object(parts, data, group=group)
+                data = [item for part in parts for item in part]
+            else:
+                data = recursively_apply(gather, data)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = data[:state.remainder] if use_gather_object else \
+                recursively_apply(lambda t: t[:state.remainder], data)
+        return data
+
     # ---- optimizer and schedule ----------------------------------------------------------------------------------
     def create_optimizer(self, model=None):
         if self.engine is None:
@@ -243,6 +286,7 @@ class LoongTrainer(Trainer):
             ran = True
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             t0 = time.perf_counter()
+            self._micro_batches_in_step = len(micro)
             result = self.engine.train_step(micro, before_optimizer_step=self._pre_optimizer_step)
             elapsed = time.perf_counter() - t0
             self._record_step(result, micro)
@@ -455,6 +499,11 @@ class LoongTrainer(Trainer):
         load_training_checkpoint(self, self.state.best_model_checkpoint)
 
     def _pre_optimizer_step(self) -> None:
+        """Trainer's events between the step's backwards and its update: ``on_substep_end`` once per micro-batch but
+        the last (they ran inside megatron's schedule, which has no hook between them, so they fire here, in
+        Trainer's order), then ``on_pre_optimizer_step``."""
+        for _ in range(getattr(self, "_micro_batches_in_step", 1) - 1):
+            self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
         self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
 
     def _save_scaler(self, output_dir: str) -> None:

@@ -54,9 +54,9 @@ def fp8_checks(folder: str, cache: str) -> dict:
     report = swap_linears(language, mode="adaptive", recipe="rowwise", towers=towers, cache_path=cache)
     out = model(**batch)
     out.loss.backward()
-    result["adaptive_rows"] = [row[:3] + row[5:] for row in report.autotuner.rows]
     with torch.no_grad():
         result["adaptive_equal"] = torch.equal(model(**batch).logits, ref_logits)
+    result["adaptive_rows"] = [row[:3] + row[5:] for row in report.autotuner.rows]  # every decision taken so far
     disable_fp8(language, towers)
     try:
         lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, fp8="on")

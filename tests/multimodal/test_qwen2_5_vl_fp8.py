@@ -45,7 +45,11 @@ def test_vision_and_language_linears_in_fp8(checkpoint, tmp_path):
     vision_rows = [row for row in r["adaptive_rows"] if row[0].startswith("vision:")]
     # decided per power-of-two bucket of the token count: 40 patches -> 64, 10 merged tokens -> 16
     assert {row[2].split("x")[0] for row in vision_rows if row[1] == "fwd"} == {"64", "16"}
-    assert r["adaptive_equal"]  # every emulated FP8 GEMM lost to bf16 on this CPU: all bf16, as before the swap
+    # NOTE: the decisions are this CPU's timings: emulated FP8 normally loses every forward GEMM (all bf16: the logits
+    # bit-equal the model before the swap); a loaded machine can time one the other way, and that layer then runs
+    # FP8 (the logits differ). Either way the model runs what its table decided.
+    fp8_forward = [row for row in r["adaptive_rows"] if row[1] == "fwd" and row[-1]]
+    assert r["adaptive_equal"] == (not fp8_forward), fp8_forward
     assert r["cpu_error"] and "CUDA" in r["cpu_error"]
 
 

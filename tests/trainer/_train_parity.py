@@ -151,25 +151,40 @@ def refused_arguments(folder: str, out_dir: str) -> dict:
 
 def dropout_seed_losses(folder: str, out_dir: str, seed: int) -> dict:
     """Logged losses of a model with attention dropout under TrainingArguments(seed=seed) (data order fixed), and
-    the optimizer-step callback events in the order they fired."""
-    import transformers
-
+    the step callback events in the order they fired."""
     import loongforge_hf as lf
 
     events = []
-
-    class Events(transformers.TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            events.append(("pre", state.global_step))
-
-        def on_optimizer_step(self, args, state, control, **kwargs):
-            events.append(("post", state.global_step))
-
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     trainer = lf.LoongTrainer(model=model, args=training_args(out_dir, seed=seed, data_seed=5, max_steps=2),
-                              train_dataset=make_dataset(), callbacks=[Events()])
+                              train_dataset=make_dataset(), callbacks=[_event_recorder(events)])
     trainer.train()
     return {"losses": losses_of(trainer.state.log_history), "events": events}
+
+
+def _event_recorder(events: list):
+    """A callback appending (event, global_step) for each step event Trainer fires."""
+    import transformers
+
+    class Events(transformers.TrainerCallback):
+        pass
+
+    for name in ("on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"):
+        setattr(Events, name, lambda self, args, state, control, _name=name, **kw: events.append(
+            (_name, state.global_step)))
+    return Events()
+
+
+def trainer_events(folder: str, out_dir: str) -> list:
+    """The step events transformers.Trainer fires on the HF model, with dropout_seed_losses' arguments."""
+    import transformers
+
+    events = []
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    trainer = transformers.Trainer(model=model, args=training_args(out_dir, seed=0, data_seed=5, max_steps=2),
+                                   train_dataset=make_dataset(), callbacks=[_event_recorder(events)])
+    trainer.train()
+    return events
 
 
 def logging_run(kind: str, folder: str, out_dir: str) -> dict:
@@ -198,5 +213,42 @@ def both(fn_name: str, folder: str, out_dir: str) -> dict:
     return {kind: fn(kind, folder, f"{out_dir}/{kind}") for kind in ("hf", "lf")}
 
 
-def dropout_seed_runs(folder: str, out_dir: str, seeds: list) -> list:
-    return [dropout_seed_losses(folder, f"{out_dir}/s{i}", seed) for i, seed in enumerate(seeds)]
+def dropout_seed_runs(folder: str, out_dir: str, seeds: list) -> dict:
+    return {"runs": [dropout_seed_losses(folder, f"{out_dir}/s{i}", seed) for i, seed in enumerate(seeds)],
+            "trainer_events": trainer_events(folder, f"{out_dir}/hf")}
+
+
+def eval_predict_run(kind: str, folder: str, out_dir: str, layout: dict | None = None) -> dict:
+    """evaluate() with compute_metrics fed logits, labels, inputs and losses, and predict() with and without labels:
+    7 rows in batches of 3 (a last batch of one row). What compute_metrics saw and what predict returned, as numpy."""
+    import numpy as np
+    import transformers
+
+    import loongforge_hf as lf
+
+    seen = {}
+
+    def compute_metrics(p):
+        seen.update(predictions=p.predictions, label_ids=p.label_ids, inputs=p.inputs, losses=p.losses)
+        hits = (p.predictions[:, :-1].argmax(-1) == p.label_ids[:, 1:])[p.label_ids[:, 1:] != -100]
+        return {"accuracy": float(hits.mean()), "rows": int(p.label_ids.shape[0])}
+
+    torch.manual_seed(0)
+    if kind == "hf":
+        model, trainer_cls = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), \
+            transformers.Trainer
+    else:
+        model, trainer_cls = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **(layout or {})), \
+            lf.LoongTrainer
+    args = training_args(out_dir, per_device_eval_batch_size=3, include_for_metrics=["inputs", "loss"],
+                         eval_accumulation_steps=2, dataloader_drop_last=False)
+    trainer = trainer_cls(model=model, args=args, eval_dataset=make_dataset(n=7, seed=11),
+                          compute_metrics=compute_metrics)
+    timing = ("runtime", "per_second", "preparation_time")
+    metrics = {k: v for k, v in trainer.evaluate().items() if not any(t in k for t in timing)}
+    pred = trainer.predict(make_dataset(n=7, seed=4))
+    unlabelled = trainer.predict(make_dataset(n=5, seed=4).remove_columns("labels"))
+    return {"metrics": metrics, "seen": {k: np.asarray(v) for k, v in seen.items()},
+            "predictions": pred.predictions, "label_ids": pred.label_ids,
+            "test_metrics": {k: v for k, v in pred.metrics.items() if not any(t in k for t in timing)},
+            "unlabelled": unlabelled.predictions}

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._train_parity import both, dropout_seed_runs, refused_arguments, train_hf, train_loong
+from ._train_parity import both, dropout_seed_runs, eval_predict_run, refused_arguments, train_hf, train_loong
 
 LAYOUTS = {"tp1": (1, {}), "tp2": (2, {"tensor_parallel_size": 2}), "pp2": (2, {"pipeline_parallel_size": 2}),
            "pp2vpp2": (2, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2})}
@@ -92,12 +92,16 @@ def test_arguments_loong_trainer_cannot_honour_are_refused(single_process_refere
 
 def test_training_seed_reaches_megatron_dropout(tmp_path):
     """TrainingArguments.seed seeds megatron's model-parallel RNG streams (attention dropout): other seed, other
-    losses; same seed, same losses. Also: on_pre_optimizer_step fires before each optimizer step, as in Trainer."""
+    losses; same seed, same losses. Also: the step callbacks fire in transformers.Trainer's order, on_substep_end
+    after each micro-batch but a step's last (gradient accumulation 2) and on_pre_optimizer_step before the update."""
     src = make_tiny_checkpoint(tmp_path / "src", "qwen2", tokenizer=False, attention_dropout=0.3)
-    runs = run_distributed(dropout_seed_runs, 1, str(src), str(tmp_path), [0, 0, 1], timeout=300)[0]
+    out = run_distributed(dropout_seed_runs, 1, str(src), str(tmp_path), [0, 0, 1], timeout=300)[0]
+    runs = out["runs"]
     assert runs[0]["losses"] == runs[1]["losses"]
     assert runs[0]["losses"] != runs[2]["losses"]
-    assert runs[0]["events"] == [("pre", 0), ("post", 0), ("pre", 1), ("post", 1)]
+    assert runs[0]["events"] == out["trainer_events"]
+    assert [e for e, _ in out["trainer_events"][:5]] == [  # the first step (on_step_end sees global_step 1)
+        "on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"]
 
 
 def test_logged_values_match_transformers_trainer(single_process_reference, tmp_path):
@@ -111,3 +115,31 @@ def test_logged_values_match_transformers_trainer(single_process_reference, tmp_
     assert lf["epoch"] == pytest.approx(hf["epoch"], abs=1e-9) and len(hf["epoch"]) == 8
     assert lf["num_input_tokens_seen"] == hf["num_input_tokens_seen"]
     assert lf["total_flos"] > 0 and hf["total_flos"] > 0
+
+
+@pytest.mark.parametrize("layout_name", ["tp1", "tp2", "pp2"])
+def test_evaluate_and_predict_match_transformers_trainer(single_process_reference, tmp_path, layout_name):
+    """evaluate() with compute_metrics (logits, labels, inputs, losses) and predict() on 7 rows in batches of 3: under
+    TP2 / PP2 (one data-parallel rank) every rank gets each row once, as transformers.Trainer on one process (the
+    gather went over all processes: every row twice), and the last batch's one row keeps its logits (megatron's
+    cross-entropy worked in place on them); logits within 1e-5, metrics within 1e-6."""
+    src = single_process_reference[0]
+    nprocs, layout = LAYOUTS[layout_name]
+    ref = run_distributed(eval_predict_run, 1, "hf", str(src), str(tmp_path / "hf"), timeout=300)[0]
+    got = run_distributed(eval_predict_run, nprocs, "lf", str(src), str(tmp_path / "lf"), layout, timeout=300)
+    for r in got:
+        assert r["metrics"].keys() == ref["metrics"].keys() and r["metrics"]["eval_rows"] == 7
+        assert r["metrics"] == pytest.approx(ref["metrics"], rel=1e-6)
+        assert r["test_metrics"] == pytest.approx(ref["test_metrics"], rel=1e-6)
+        for key in ("predictions", "label_ids", "inputs", "losses"):
+            assert r["seen"][key].shape == ref["seen"][key].shape, key
+        torch.testing.assert_close(torch.from_numpy(r["seen"]["predictions"]),
+                                   torch.from_numpy(ref["seen"]["predictions"]), rtol=1e-5, atol=1e-5)
+        assert (r["seen"]["label_ids"] == ref["seen"]["label_ids"]).all()
+        assert (r["seen"]["inputs"] == ref["seen"]["inputs"]).all()
+        torch.testing.assert_close(torch.from_numpy(r["seen"]["losses"]), torch.from_numpy(ref["seen"]["losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        for key in ("predictions", "unlabelled"):
+            assert r[key].shape == ref[key].shape, key
+            torch.testing.assert_close(torch.from_numpy(r[key]), torch.from_numpy(ref[key]), rtol=1e-5, atol=1e-5)
+        assert (r["label_ids"] == ref["label_ids"]).all()
