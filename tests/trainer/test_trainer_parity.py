@@ -117,15 +117,17 @@ def test_logged_values_match_transformers_trainer(single_process_reference, tmp_
     assert lf["total_flos"] > 0 and hf["total_flos"] > 0
 
 
-@pytest.mark.parametrize("layout_name", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout_name", ["tp1", "tp2", "pp2", "dp2"])
 def test_evaluate_and_predict_match_transformers_trainer(single_process_reference, tmp_path, layout_name):
     """evaluate() with compute_metrics (logits, labels, inputs, losses) and predict() on 7 rows in batches of 3: under
     TP2 / PP2 (one data-parallel rank) every rank gets each row once, as transformers.Trainer on one process (the
     gather went over all processes: every row twice), and the last batch's one row keeps its logits (megatron's
     cross-entropy worked in place on them); logits within 1e-5, metrics within 1e-6."""
     src = single_process_reference[0]
-    nprocs, layout = LAYOUTS[layout_name]
-    ref = run_distributed(eval_predict_run, 1, "hf", str(src), str(tmp_path / "hf"), timeout=300)[0]
+    # dp2: two data-parallel ranks against transformers.Trainer on two processes (rows split and gathered back)
+    nprocs, layout = LAYOUTS[layout_name] if layout_name != "dp2" else (2, {})
+    ref = run_distributed(eval_predict_run, 1 if layout_name != "dp2" else 2, "hf", str(src), str(tmp_path / "hf"),
+                          timeout=300)[0]
     got = run_distributed(eval_predict_run, nprocs, "lf", str(src), str(tmp_path / "lf"), layout, timeout=300)
     for r in got:
         assert r["metrics"].keys() == ref["metrics"].keys() and r["metrics"]["eval_rows"] == 7
