@@ -89,6 +89,26 @@ def _megatron_builds_torch_adamw():
         megatron_optimizer.USING_PYTORCH_OPTIMIZER = saved
 
 
+def _mark_replicated_expert_params(chunks) -> None:
+    """Routed-expert weights whose expert layout is not the dense one (expert_tensor_parallel_size !=
+    tensor_parallel_size) must have their gradients reduced over the expert data-parallel group.
+
+    megatron (and kernels.grouped_mlp) mark expert weights ``allreduce=False`` (reduced over the expert data-parallel
+    group) only under expert parallelism. With expert_parallel_size=1 and expert_tensor_parallel_size=1 <
+    tensor_parallel_size, every tensor-parallel rank holds the whole experts and runs them on its own sequence-parallel
+    tokens: DDP then reduced their gradients over the dense data-parallel group, which does not contain the other
+    tensor-parallel ranks, so each rank stepped its copy of the experts on its own tokens' gradient alone (the copies
+    drifted apart and the run no longer matched one process)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_tensor_parallel_world_size() == ps.get_tensor_model_parallel_world_size():
+        return
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".mlp.experts." in f".{name}":
+                param.allreduce = False
+
+
 class MegatronEngine:
     """Owns the DDP-wrapped chunks and the optimizer of a ``LoongModelForCausalLM``."""
 
@@ -118,6 +138,7 @@ class MegatronEngine:
         # dtype) instead of reduce-scattering it; with the overlap it still starts bucket by bucket during backward.
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=mixed, overlap_grad_reduce=overlap_grad_reduce,
                                                    use_distributed_optimizer=mixed, average_in_collective=False)
+        _mark_replicated_expert_params(model.megatron.chunks)
         self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                                disable_bucketing=i > 0)
                        for i, chunk in enumerate(model.megatron.chunks)]

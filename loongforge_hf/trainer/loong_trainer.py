@@ -98,11 +98,24 @@ class LoongTrainer(Trainer):
             problems.append("neftune_noise_alpha")
         if str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) in ("reduce_lr_on_plateau", "greedy"):
             problems.append(f"lr_scheduler_type={args.lr_scheduler_type!r} (metric-driven schedulers)")
+        if str(getattr(args, "train_sampling_strategy", "random")) == "batch_rebalance":
+            problems.append("train_sampling_strategy='batch_rebalance' (Trainer's rank-aware batch sampler shards over "
+                            "every process, not the data-parallel group; use dp_load_balance with a packing collator)")
         if args.load_best_model_at_end and args.save_only_model:
             problems.append("load_best_model_at_end with save_only_model=True (the best weights are reloaded "
                             "from the checkpoint's megatron/ folder)")
         if problems:
             raise ValueError("LoongTrainer does not support: " + "; ".join(problems) + ".")
+        aux = float(getattr(self.model.megatron.config, "moe_aux_loss_coeff", 0.0) or 0.0)
+        if aux and type(self) is LoongTrainer:
+            # NOTE: LoongSFTTrainer refuses it instead (trl adds its own balancing loss on top, integrations/trl.py)
+            logger.warning(
+                "This MoE model was loaded from a config with output_router_logits: it trains with megatron-core's "
+                "per-layer router load-balancing loss (coefficient %s, gradients only; the logged loss is the "
+                "language-model loss). transformers.Trainer would add transformers' balancing loss over all layers' "
+                "router logits to the loss instead, so the runs differ; load the model from a config without "
+                "output_router_logits to train on the language-model loss alone, as transformers.Trainer then does.",
+                aux)
         if not args.average_tokens_across_devices:
             logger.warning("average_tokens_across_devices=False: LoongTrainer still averages the training loss "
                            "over all label tokens of the global batch (transformers.Trainer would average each "
@@ -127,6 +140,9 @@ class LoongTrainer(Trainer):
         if is_training and isinstance(dataset, datasets.Dataset) and "input_ids" not in dataset.column_names:
             raise DataError(f"train_dataset has no 'input_ids' column (columns: {dataset.column_names}). "
                             "Tokenize it first, e.g. dataset.map(lambda b: tokenizer(b['text']), batched=True).")
+        if is_training and not isinstance(dataset, torch.utils.data.IterableDataset) and len(dataset) == 0:
+            # NOTE: every rank holds the same dataset: all raise, before any collective
+            raise DataError("train_dataset is empty (0 examples): there is nothing to train on.")
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
@@ -371,8 +387,10 @@ class LoongTrainer(Trainer):
         ones, "no" / False nothing), and the step's model FLOPs (this process's share, summed over processes when
         stored)."""
         mode = self.args.include_num_input_tokens_seen
-        if mode == "non_padding":
-            local = sum(int(b["attention_mask"].sum()) if b.get("attention_mask") is not None
+        if mode != "no":
+            # NOTE: summed over the data-parallel ranks, not this rank's count times their number: their batches
+            # differ in length (packed rows, padding to each rank's longest)
+            local = sum(int(b["attention_mask"].sum()) if mode == "non_padding" and b.get("attention_mask") is not None
                         else int(b["input_ids"].numel()) for b in micro)
             seen = torch.tensor([local], dtype=torch.int64, device=self.model.device)
             if dist.is_initialized():
@@ -380,8 +398,6 @@ class LoongTrainer(Trainer):
 
                 dist.all_reduce(seen, group=ps.get_data_parallel_group())  # NOTE: CP ranks share a batch
             self.state.num_input_tokens_seen += int(seen.item())
-        elif mode != "no":
-            self.state.num_input_tokens_seen += tokens
         self.current_flos += flops / (dist.get_world_size() if dist.is_initialized() else 1)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:

@@ -137,6 +137,7 @@ def refused_arguments(folder: str, out_dir: str) -> dict:
              "reduce_lr_on_plateau": ({"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps"},
                                       {"eval_dataset": make_dataset(n=8, seed=11)}),
              "neftune_noise_alpha": ({"neftune_noise_alpha": 5.0}, {}),
+             "batch_rebalance": ({"train_sampling_strategy": "batch_rebalance"}, {}),
              "accepted": ({"optim": "adamw_torch_fused"}, {})}
     out = {}
     for name, (args_kw, trainer_kw) in cases.items():
@@ -208,7 +209,7 @@ def logging_run(kind: str, folder: str, out_dir: str) -> dict:
 
 
 def both(fn_name: str, folder: str, out_dir: str) -> dict:
-    """``fn_name`` (best_model_run or logging_run) with transformers.Trainer and LoongTrainer, one process."""
+    """``fn_name`` (best_model_run, logging_run or packed_tokens_run) with transformers.Trainer and LoongTrainer."""
     fn = globals()[fn_name]
     return {kind: fn(kind, folder, f"{out_dir}/{kind}") for kind in ("hf", "lf")}
 
@@ -252,3 +253,42 @@ def eval_predict_run(kind: str, folder: str, out_dir: str, layout: dict | None =
             "predictions": pred.predictions, "label_ids": pred.label_ids,
             "test_metrics": {k: v for k, v in pred.metrics.items() if not any(t in k for t in timing)},
             "unlabelled": unlabelled.predictions}
+
+
+def router_aux_loss_warnings(folder: str, out_dir: str) -> list[str]:
+    """LoongTrainer on a MoE model loaded from a config with output_router_logits: the warnings it logs when built."""
+    import logging
+
+    import loongforge_hf as lf
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("loongforge_hf.trainer.loong_trainer").addHandler(keep)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    lf.LoongTrainer(model=model, args=training_args(out_dir), train_dataset=make_dataset())
+    return keep.messages
+
+
+def packed_tokens_run(kind: str, folder: str, out_dir: str) -> dict:
+    """Padding-free packing (DataCollatorWithFlattening) of rows of different lengths with
+    include_num_input_tokens_seen="all": the data-parallel ranks' packed rows differ in length."""
+    import datasets
+    import transformers
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randint(4, 203, (int(torch.randint(6, 17, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(20)]
+    args = training_args(out_dir, max_steps=-1, num_train_epochs=1, include_num_input_tokens_seen="all")
+    model, trainer_cls = _model_and_trainer(kind, folder)
+    trainer = trainer_cls(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
+                          data_collator=transformers.DataCollatorWithFlattening())
+    trainer.train()
+    return {"loss": losses_of(trainer.state.log_history), "tokens": trainer.state.num_input_tokens_seen}

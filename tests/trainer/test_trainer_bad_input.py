@@ -25,6 +25,9 @@ def _train_expecting_error(folder: str, out_dir: str, case: str):
         ds = datasets.Dataset.from_dict({"input_ids": [r + [5] * (seq - 16) for r in ds["input_ids"]],
                                          "labels": [r + [5] * (seq - 16) for r in ds["labels"]]})
         args = training_args(out_dir)
+    elif case == "empty":
+        ds = make_dataset().select([])
+        args = training_args(out_dir)
     elif case == "zero_batch":
         ds = make_dataset()
         args = training_args(out_dir, per_device_train_batch_size=0)
@@ -44,6 +47,7 @@ def checkpoint(tmp_path_factory):
     ("no_input_ids", "no 'input_ids' column"),
     ("too_long", "longer than the model's max_position_embeddings"),
     ("zero_batch", "must be >= 1|positive"),
+    ("empty", "train_dataset is empty"),
 ])
 def test_bad_data_fails_clearly_on_every_rank(checkpoint, tmp_path, case, pattern):
     import re

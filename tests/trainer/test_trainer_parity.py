@@ -117,6 +117,17 @@ def test_logged_values_match_transformers_trainer(single_process_reference, tmp_
     assert lf["total_flos"] > 0 and hf["total_flos"] > 0
 
 
+def test_dp2_packed_tokens_seen_match_transformers_trainer(single_process_reference, tmp_path):
+    """DP2 with padding-free packing: num_input_tokens_seen ("all") sums each rank's own tokens, as
+    transformers.Trainer on two processes does (it was this rank's count times two: 228 for 235); losses within
+    1e-5."""
+    src = single_process_reference[0]
+    runs = run_distributed(both, 2, "packed_tokens_run", str(src), str(tmp_path), timeout=300)[0]
+    hf, lf = runs["hf"], runs["lf"]
+    assert len(lf["loss"]) == len(hf["loss"]) and lf["loss"] == pytest.approx(hf["loss"], rel=1e-5)
+    assert lf["tokens"] == hf["tokens"]
+
+
 @pytest.mark.parametrize("layout_name", ["tp1", "tp2", "pp2", "dp2"])
 def test_evaluate_and_predict_match_transformers_trainer(single_process_reference, tmp_path, layout_name):
     """evaluate() with compute_metrics (logits, labels, inputs, losses) and predict() on 7 rows in batches of 3: under
