@@ -12,7 +12,6 @@ Choices:
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -320,20 +319,14 @@ class LoongModelForCausalLM(nn.Module):
                                               *([tags] if isinstance(tags, str) else tags)]))
 
 
-@contextlib.contextmanager
 def failing_alike(name_or_path):
     """Run the rank-local part of a load (build, read) so that a failure on any rank raises on every rank, with the
     same message naming the rank that failed (collective: the ranks share their outcome when the block ends)."""
-    from loongforge_hf.bridges.distribution import same_error_everywhere
+    from loongforge_hf.bridges import distribution
 
-    error = cause = None
-    try:
-        yield
-    except Exception as err:  # noqa: BLE001 - shared with every rank below
-        error, cause = f"{type(err).__name__}: {err}", err
-    error = same_error_everywhere(error)
-    if error is not None:
-        raise RuntimeError(f"from_pretrained({os.fspath(name_or_path)!r}) failed on {error}") from cause
+    return distribution.failing_alike(
+        lambda err: f"{type(err).__name__}: {err}",
+        lambda error: RuntimeError(f"from_pretrained({os.fspath(name_or_path)!r}) failed on {error}"))
 
 
 def keep_hub_name(hf_config, name_or_path) -> None:

@@ -10,6 +10,9 @@ Choices:
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -53,23 +56,43 @@ def broadcast_outcome(error: str | None, *, src: int = 0) -> str | None:
     return box[0]
 
 
-def agree_on_error(error: str | None) -> str | None:
-    """The first error any rank saw (None when none did): every rank gets the same verdict."""
+def _first_error(error: str | None) -> tuple[int, str] | None:
+    """(rank, error) of the lowest rank that saw one, the same on every rank; None when none did. Collective."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return error
+        return None if error is None else (0, error)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, error)
-    for i, e in enumerate(gathered):
-        if e is not None:
-            return e if i == dist.get_rank() else f"(on rank {i}) {e}"
-    return None
+    return next(((i, e) for i, e in enumerate(gathered) if e is not None), None)
+
+
+def agree_on_error(error: str | None) -> str | None:
+    """The first error any rank saw (None when none did): every rank gets the same verdict, other ranks' marked."""
+    first = _first_error(error)
+    if first is None:
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return first[1] if first[0] == rank else f"(on rank {first[0]}) {first[1]}"
 
 
 def same_error_everywhere(error: str | None) -> str | None:
     """The first error any rank saw, as ``"rank i: <error>"``, the same string on every rank (None when none did).
-    Collective: every rank must call it."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    Collective: every rank must call it. Without a process group the error is returned as it is."""
+    first = _first_error(error)
+    if first is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return error
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, error)
-    return next((f"rank {i}: {e}" for i, e in enumerate(gathered) if e is not None), None)
+    return f"rank {first[0]}: {first[1]}"
+
+
+@contextlib.contextmanager
+def failing_alike(describe: Callable[[BaseException], str], raise_as: Callable[[str], BaseException],
+                  catch: tuple = (Exception,)):
+    """Run the block's rank-local work so that a failure on any rank raises on every rank: the first failing rank's
+    ``describe(error)`` becomes ``raise_as("rank i: <description>")`` everywhere (collective when the block ends)."""
+    error = cause = None
+    try:
+        yield
+    except catch as err:  # noqa: BLE001 - shared with every rank below
+        error, cause = describe(err), err
+    error = same_error_everywhere(error)
+    if error is not None:
+        raise raise_as(error) from cause

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.bridges.checkpoint_files import CheckpointError
-from loongforge_hf.bridges.distribution import same_error_everywhere
+from loongforge_hf.bridges.distribution import failing_alike
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +70,10 @@ def run_everywhere(what: str, fn: Callable[[], None], *, on: bool = True) -> Non
     on every rank as a ``CheckpointError`` naming ``what`` and the rank, so none is left waiting in a collective."""
     from torch.distributed.checkpoint.api import CheckpointException  # NOTE: a BaseException, not an Exception
 
-    error = None
-    if on:
-        try:
+    with failing_alike(lambda err: f"{what}: {_describe(err)}", CheckpointError,
+                       catch=(Exception, CheckpointException)):
+        if on:
             fn()
-        except (Exception, CheckpointException) as err:  # noqa: BLE001 - shared with every rank below
-            error = f"{what}: {_describe(err)}"
-    error = same_error_everywhere(error)
-    if error is not None:
-        raise CheckpointError(error)
 
 
 def rng_states_to_save(tracker) -> dict[str, torch.Tensor]:
@@ -165,13 +160,13 @@ def check_training_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
 
 
 def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None:
-    """Restore weights, optimizer, schedulers and RNG from ``checkpoint_dir`` (collective; any layout)."""
+    """Restore weights, optimizer, schedulers and RNG from ``checkpoint_dir`` (collective; any layout), checked first
+    with ``check_training_checkpoint`` by the caller (LoongTrainer: before Trainer reads trainer_state.json)."""
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     checkpoint_dir = Path(checkpoint_dir)
     ckpt = checkpoint_dir / MEGATRON_DIR
-    check_training_checkpoint(checkpoint_dir)
     engine = trainer.engine
     _materialize_adam_state(engine)
     template = _sharded_state_dict(engine, is_loading=True)

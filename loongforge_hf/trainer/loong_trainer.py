@@ -318,7 +318,7 @@ class LoongTrainer(Trainer):
             self._tr_loss += loss
             self._step_speed = self._speed_metrics(micro, elapsed)
             self._step_speed.update(getattr(train_dataloader, "step_logs", {}))
-            self._count_tokens_seen(micro, self._step_speed.pop("_tokens"), self._step_speed.pop("_flops"))
+            self._count_tokens_seen(micro, self._step_speed.pop("_flops"))
             self.state.global_step += 1
             consumed += len(micro)
             self.state.epoch = epoch + consumed / steps_in_epoch
@@ -374,14 +374,14 @@ class LoongTrainer(Trainer):
         # NOTE: the language model's FLOPs (a vision tower's are not counted)
         flops = model_flops_per_token(self.model.config.get_text_config(), seq_len=micro[0]["input_ids"].shape[1]) \
             * tokens
-        out = {"_tokens": tokens, "_flops": flops, "tokens_per_second": tokens / max(elapsed, 1e-9)}
+        out = {"_flops": flops, "tokens_per_second": tokens / max(elapsed, 1e-9)}
         peak = get_backend().peak_flops(self.model.dtype)
         if peak:
             world = dist.get_world_size() if dist.is_initialized() else 1
             out["mfu"] = flops / elapsed / (peak * world)
         return out
 
-    def _count_tokens_seen(self, micro: list[dict], tokens: int, flops: float) -> None:
+    def _count_tokens_seen(self, micro: list[dict], flops: float) -> None:
         """``state.num_input_tokens_seen`` and ``total_flos`` as Trainer keeps them: input tokens of the global
         batch (``include_num_input_tokens_seen``: "all" / True counts padding, "non_padding" only attention-mask
         ones, "no" / False nothing), and the step's model FLOPs (this process's share, summed over processes when
@@ -508,10 +508,11 @@ class LoongTrainer(Trainer):
     def _load_best_model(self) -> None:
         """Trainer's version loads HF-named tensors into the megatron model (nothing matches): reload the best
         checkpoint's megatron state (weights, with optimizer and schedulers, all layouts) instead."""
-        from loongforge_hf.trainer.checkpoint import load_training_checkpoint
+        from loongforge_hf.trainer.checkpoint import check_training_checkpoint, load_training_checkpoint
 
         logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint,
                     self.state.best_metric)
+        check_training_checkpoint(self.state.best_model_checkpoint)
         load_training_checkpoint(self, self.state.best_model_checkpoint)
 
     def _pre_optimizer_step(self) -> None:
