@@ -371,11 +371,15 @@ class AutoModelForCausalLM:
             raise TypeError(f"from_pretrained got unexpected keyword arguments: {sorted(unused)}.")
         from loongforge_hf.lora.load import adapter_base_model, is_adapter_folder, load_adapter
 
-        if is_adapter_folder(pretrained_model_name_or_path):
-            # NOTE: as transformers with peft installed: a PEFT adapter folder loads its base model (with these same
-            # arguments), then the adapter onto it (frozen, as PeftModel.from_pretrained's default).
-            model = cls.from_pretrained(adapter_base_model(pretrained_model_name_or_path), **arguments)
-            return load_adapter(model, pretrained_model_name_or_path, allow_pickle=allow_pickle)
+        # --- local checks: same verdict on every rank, before any collective -------------------------------
+        folder = resolve_checkpoint(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir,
+                                    local_files_only=local_files_only, token=token, allow_pickle=allow_pickle)
+        if is_adapter_folder(folder):
+            # NOTE: as transformers with peft installed: a PEFT adapter (a folder or a hub id) loads its base model
+            # (with these same arguments, revision included), then the adapter onto it (frozen, as
+            # PeftModel.from_pretrained's default).
+            model = cls.from_pretrained(adapter_base_model(folder), **arguments)
+            return load_adapter(model, folder, allow_pickle=allow_pickle)
         te_recipe = None  # a Transformer Engine FP8 recipe: built into the model (kernels/fp8_te.py)
         if fp8 is not None:  # NOTE: FP8 linear layers, see docs/fp8.md
             from loongforge_hf.kernels.fp8_linear import check_fp8_request, enable_fp8
@@ -394,9 +398,6 @@ class AutoModelForCausalLM:
                                       f"{sorted(k for k, v in sizes.items() if v is not None)} or parallel='auto'.")
         layout = None if auto else resolve_parallel(parallel, sizes)
 
-        # --- local checks: same verdict on every rank, before any collective -------------------------------
-        folder = resolve_checkpoint(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir,
-                                    local_files_only=local_files_only, token=token, allow_pickle=allow_pickle)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         bridge = get_bridge(hf_config)
         reader = CheckpointReader(folder, allow_pickle=allow_pickle)

@@ -1,4 +1,3 @@
-import hashlib
 import json
 
 import pytest
@@ -9,19 +8,13 @@ from loongforge_hf.bridges import hub
 from loongforge_hf.bridges.checkpoint_io import CheckpointError, CheckpointReader
 from loongforge_hf.bridges.hub import resolve_checkpoint
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
+from .._hub_cache import COMMIT, put_in_hub_cache
 
 
 def make_hub_cache(cache, repo_id="tiny-org/tiny-model", commit=COMMIT, branch="main"):
-    """huggingface_hub's cache layout: files stored once under blobs/, snapshots/<commit>/ symlinks to them."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    (repo / "blobs").mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / branch).write_text(commit)
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
+    """A two-shard safetensors checkpoint in huggingface_hub's cache layout."""
     staging = cache / "staging"
-    staging.mkdir(exist_ok=True)
+    staging.mkdir(parents=True, exist_ok=True)
     save_file({"a": torch.arange(6.0).reshape(2, 3)}, str(staging / "s1"), metadata={"format": "pt"})
     save_file({"b": torch.ones(4)}, str(staging / "s2"), metadata={"format": "pt"})
     files = {
@@ -31,11 +24,7 @@ def make_hub_cache(cache, repo_id="tiny-org/tiny-model", commit=COMMIT, branch="
         "model.safetensors.index.json": json.dumps({"metadata": {"total_size": 40}, "weight_map": {
             "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}).encode(),
     }
-    for name, data in files.items():
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / name).symlink_to(f"../../blobs/{blob.name}")
-    return snapshot
+    return put_in_hub_cache(cache, repo_id, files, commit, branch)
 
 
 @pytest.fixture

@@ -29,7 +29,8 @@ def _probe() -> torch.Tensor:
     return torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
-def load_checks(folder: str, adapter_dir: str, bad_dirs: dict, out_dir: str, layout: dict) -> dict:
+def load_checks(folder: str, adapter_dir: str, bad_dirs: dict, out_dir: str, layout: dict,
+                hub: tuple[str, str] | None = None) -> dict:
     import peft
     import torch.distributed as dist
     import transformers
@@ -66,6 +67,16 @@ def load_checks(folder: str, adapter_dir: str, bad_dirs: dict, out_dir: str, lay
             out_dir + "/again/adapter_model.safetensors")
         out["trainable"]["same_tensors"] = sorted(before) == sorted(after) and all(
             torch.equal(before[n], after[n]) for n in before)
+    if hub is not None:
+        # the adapter by hub id, from an offline HF cache holding it (hub = (cache folder, repo id))
+        import os
+
+        os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=hub[0])
+        model = lf.AutoModelForCausalLM.from_pretrained(hub[1], dtype=torch.float32, **layout)
+        with torch.no_grad():
+            got = model(input_ids=ids, labels=ids)
+        out["hub"] = {"class": type(model).__name__, "logits_diff": float((got.logits - expected.logits).abs().max()),
+                      "base_model": model.lora_config.base_model_name_or_path}
     # bad folders: the same error on every rank
     out["errors"] = {}
     for name, bad in bad_dirs.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
+from .._hub_cache import folder_in_hub_cache
 from ._lora_load import load_checks, two_rank_checks, write_peft_adapter
 
 
@@ -50,7 +52,9 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(setup):
     folder, adapter, bad, base = setup
-    one = run_distributed(load_checks, 1, folder, adapter, bad, str(base / "tp1"), {}, timeout=400)
+    folder_in_hub_cache(Path(adapter), base / "hub", "tiny-org/tiny-adapter")
+    one = run_distributed(load_checks, 1, folder, adapter, bad, str(base / "tp1"), {},
+                          (str(base / "hub"), "tiny-org/tiny-adapter"), timeout=400)
     two = run_distributed(two_rank_checks, 2, folder, adapter, bad, str(base / "two"), timeout=600)
     return {"tp1": one, "tp2": [r["tp2"] for r in two], "pp2": [r["pp2"] for r in two]}
 
@@ -63,6 +67,13 @@ def test_adapter_folder_loads_like_peft(results, layout):
         assert frozen["logits_diff"] < 1e-4 and frozen["loss_diff"] < 1e-5, frozen
         assert tuple(trainable["counts"]) == tuple(trainable["peft"])
     assert results[layout][0]["trainable"]["same_tensors"]
+
+
+def test_adapter_hub_id_loads_from_the_cache(setup, results):
+    """An adapter's hub id resolves through the HF cache (offline here), as transformers resolves one."""
+    hub = results["tp1"][0]["hub"]
+    assert hub["class"] == "LoongLoraModelForCausalLM" and hub["logits_diff"] < 1e-4, hub
+    assert hub["base_model"] == setup[0]
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
