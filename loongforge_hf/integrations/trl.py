@@ -19,9 +19,10 @@ Choices:
 - TRL patches ``model.forward`` with its fused LM head (HF backbone + ``lm_head`` attributes); training never calls the
   model's forward and evaluation uses the model's own loss (``compute_loss`` below), so the patch is removed.
 - megatron needs the sequence length to divide by TP under sequence parallelism (2 x CP under context
-  parallelism), and under pipeline parallelism one length for every micro-batch of a step: TRL's collator is given
-  that ``pad_to_multiple_of`` (combined with the user's; pipeline parallelism pads to ``max_length``, or
-  ``max_length`` x rows for padding-free batches). Pads carry no loss.
+  parallelism), and under pipeline parallelism one length for every micro-batch of a step: the engine pads each
+  step's text micro-batches so (``trainer.data.pad_micro_batches``), after TRL's collator, so the batches TRL's
+  metrics count are the ones TRL would build; TRL's vision collator is given that ``pad_to_multiple_of`` instead
+  (combined with the user's; pipeline parallelism pads images' batches to ``max_length``). Pads carry no loss.
 - Data-parallel load balancing (``dp_load_balance``, on unless a ``LoongSFTConfig`` turns it off) goes through
   LoongTrainer's ``_get_dataloader`` like any LoongTrainer run: it applies when TRL's collator is padding-free
   (``padding_free=True``, or packing with ``bfd`` / ``bfd_split``) and re-collates each rank's redistributed samples
@@ -91,16 +92,17 @@ def _refuse_unsupported(args: SFTConfig, **given) -> None:
         raise ValueError("SFTConfig(use_liger_kernel=True) is not supported: loongforge's own kernels are used.")
 
 
-def _pad_multiple(parallel, args: SFTConfig) -> int:
-    """What TRL's collator must pad every batch to a multiple of, for megatron: TP under sequence parallelism,
-    2 x CP under context parallelism, and under pipeline parallelism the full ``max_length`` (times the rows a
-    padding-free batch concatenates), since every micro-batch of a pipelined step must have one shape."""
+def _vision_pad_multiple(parallel, args: SFTConfig) -> int:
+    """What TRL's vision collator must pad every batch to a multiple of, for megatron: TP under sequence
+    parallelism, 2 x CP under context parallelism, and under pipeline parallelism the full ``max_length``, since
+    every micro-batch of a pipelined step must have one shape. (Text batches are padded by the engine instead, per
+    step: ``trainer.data.pad_micro_batches``; batches with images reach it as their collator made them.)"""
     multiple = parallel.sequence_multiple
     if parallel.pipeline_parallel_size > 1:
         if args.max_length is None:
-            raise ValueError("pipeline_parallel_size > 1 needs batches of one length: set SFTConfig(max_length=...).")
-        padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
-        multiple = math.lcm(multiple, args.max_length * (args.per_device_train_batch_size if padding_free else 1))
+            raise ValueError("pipeline_parallel_size > 1 with images needs batches of one length: set "
+                             "SFTConfig(max_length=...).")
+        multiple = math.lcm(multiple, args.max_length)
     return multiple
 
 
@@ -125,9 +127,6 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
             raise ValueError("LoongSFTTrainer: gradient_checkpointing_kwargs={'selective': True} (torch's selective "
                              "activation checkpointing on transformers' layers) is not supported; drop 'selective' to "
                              "recompute whole layers with megatron-core.")
-        multiple = _pad_multiple(model.parallel, args)
-        if multiple > 1 and data_collator is None:
-            args.pad_to_multiple_of = math.lcm(args.pad_to_multiple_of or 1, multiple)
         if peft_config is not None:
             from transformers import set_seed
 
@@ -144,6 +143,9 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, compute_metrics=compute_metrics,
                          callbacks=callbacks, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                          peft_config=None, formatting_func=formatting_func)
+        if data_collator is None and getattr(self, "_is_vision_dataset", False):
+            multiple = _vision_pad_multiple(self.model.parallel, args)
+            self.data_collator.pad_to_multiple_of = math.lcm(args.pad_to_multiple_of or 1, multiple)
         vars(self.model).pop("forward", None)  # TRL's fused-LM-head patch (see the module docstring)
         self._refuse_router_aux_loss()
 

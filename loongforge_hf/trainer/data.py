@@ -57,19 +57,23 @@ def check_batch(batch: dict, *, max_positions: int, micro_batch_size: int | None
 
 
 _TEXT_KEYS = {"input_ids", "labels", "attention_mask", "position_ids"}
+# NOTE: document boundaries TRL's padding-free collator derives from position_ids for varlen kernels; megatron's
+# step reads the documents from position_ids itself, so a padded batch drops them rather than carry stale ones.
+_DERIVED_KEYS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
 
 def pad_micro_batches(micro: list[dict], *, multiple: int, same_length: bool) -> list[dict]:
     """Right-pad text micro-batches to what megatron needs: a sequence length that divides by ``multiple`` (TP under
     sequence parallelism) and, under pipeline parallelism (``same_length``), one length for every micro-batch of the
     step. Pads carry label -100; they are masked out with ``attention_mask`` (made
-    when absent), or, for packed rows (``position_ids`` without a mask), form a document of their own. Batches with
-    other inputs (images, ...) are returned unchanged: their collators pad them."""
+    when absent), or, for packed rows (``position_ids`` without a mask), form a document of their own (TRL's
+    ``cu_seq_lens`` / ``max_length`` / ``seq_idx`` keys are dropped from a padded batch). Batches with other inputs
+    (images, ...) are returned unchanged: their collators pad them."""
     lengths = [b["input_ids"].shape[1] for b in micro]
     targets = [-(-n // multiple) * multiple for n in lengths]
     if same_length:
         targets = [max(targets)] * len(targets)
-    if targets == lengths or any(set(b) - _TEXT_KEYS for b in micro):
+    if targets == lengths or any(set(b) - _TEXT_KEYS - _DERIVED_KEYS for b in micro):
         return micro
     out = []
     for b, n, target in zip(micro, lengths, targets):

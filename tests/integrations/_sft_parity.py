@@ -66,9 +66,7 @@ SCENARIOS = {
 }
 
 
-def assert_matches(name: str, ref: dict, got: dict, num_tokens: list[int] | None = None) -> None:
-    """``num_tokens``: the logged token counts where megatron pads padding-free batches further than TRL (their
-    length is what TRL counts for them); elsewhere TRL's counts."""
+def assert_matches(name: str, ref: dict, got: dict) -> None:
     assert len(got["losses"]) == len(ref["losses"]) == 3
     assert got["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-4)
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
@@ -83,7 +81,7 @@ def assert_matches(name: str, ref: dict, got: dict, num_tokens: list[int] | None
     assert len(got["eval_metrics"]) == len(ref["eval_metrics"]) == len(ref["eval_losses"])
     for ours, trl in zip(got["metrics"] + got["eval_metrics"], ref["metrics"] + ref["eval_metrics"]):
         assert ours[0] == pytest.approx(trl[0], rel=1e-4) and ours[1] == pytest.approx(trl[1], rel=1e-6, abs=1e-9)
-    assert [m[2] for m in got["metrics"]] == (num_tokens or [m[2] for m in ref["metrics"]])
+    assert [m[2] for m in got["metrics"]] == [m[2] for m in ref["metrics"]]
     assert [m[2] for m in got["eval_metrics"]] == [m[2] for m in ref["eval_metrics"]]
     assert any(m[1] > 0 for m in ref["metrics"])  # some predictions hit: the accuracy is compared on something
     if "adapter_logits_diff" in got:

@@ -52,3 +52,22 @@ def test_odd_and_unequal_lengths_are_padded_for_megatron(tmp_path):
         for name in layouts:
             assert r[name]["losses"] == pytest.approx(ref["losses"], rel=1e-5), (name, r[name], ref)
             assert r[name]["eval"] == pytest.approx(ref["eval"], rel=1e-5), (name, r[name], ref)
+
+
+def test_trl_padding_free_batches_are_padded_without_their_boundary_keys():
+    """TRL's padding-free collator adds varlen-kernel boundaries derived from position_ids; a padded batch drops
+    them (megatron reads the documents from position_ids) instead of being left unpadded."""
+    import trl
+
+    from loongforge_hf.trainer.data import pad_micro_batches
+
+    collate = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    micro = [collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]), collate([{"input_ids": [5, 6, 7, 8]}])]
+    assert "cu_seq_lens_q" in micro[0]
+    padded = pad_micro_batches(micro, multiple=2, same_length=True)
+    assert [b["input_ids"].shape[1] for b in padded] == [6, 6]
+    assert all(set(b) == {"input_ids", "labels", "position_ids"} for b in padded)
+    assert padded[0]["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert padded[1]["labels"][0, 4:].tolist() == [-100, -100]
+    # already of the lengths megatron needs: returned as the collator made them
+    assert "cu_seq_lens_q" in pad_micro_batches(micro[:1], multiple=1, same_length=False)[0]
