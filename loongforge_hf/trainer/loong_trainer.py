@@ -328,6 +328,10 @@ class LoongTrainer(Trainer):
             if self.control.should_epoch_stop or self.control.should_training_stop:
                 break
         if not ran:
+            # NOTE: as Trainer: an epoch without a single batch (e.g. an exhausted IterableDataset) ends training
+            logger.warning("The training data gave no batch in epoch %d: training stops at step %d (expected with an "
+                           "IterableDataset holding fewer samples than max_steps=%d needs).", epoch,
+                           self.state.global_step, self.state.max_steps)
             self.control.should_training_stop = True
         self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         self._maybe_log_save_evaluate(self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,

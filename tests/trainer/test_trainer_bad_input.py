@@ -56,3 +56,35 @@ def test_bad_data_fails_clearly_on_every_rank(checkpoint, tmp_path, case, patter
     for r in results:
         assert r is not None, f"{case}: training did not fail"
         assert re.search(pattern, r[1]), r
+
+
+def _train_on_empty_iterable(folder: str, out_dir: str):
+    import logging
+
+    import datasets
+
+    import loongforge_hf as lf
+    from tests.trainer._train_parity import make_dataset, training_args
+
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("loongforge_hf.trainer.loong_trainer").addHandler(handler)
+    def nothing():
+        yield from ()
+
+    empty = datasets.IterableDataset.from_generator(nothing, features=make_dataset().features)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    trainer = lf.LoongTrainer(model=model, args=training_args(out_dir), train_dataset=empty)
+    trainer.train()
+    assert isinstance(empty, datasets.IterableDataset)
+    return trainer.state.global_step, said
+
+
+def test_an_exhausted_iterable_dataset_stops_training_with_a_warning(checkpoint, tmp_path):
+    """As transformers.Trainer: an IterableDataset without a sample ends training at step 0 with a warning, on
+    every rank (no hang waiting for the other's batch)."""
+    for step, said in run_distributed(_train_on_empty_iterable, 2, str(checkpoint), str(tmp_path / "o"),
+                                      timeout=180):
+        assert step == 0
+        assert any("gave no batch in epoch 0" in m and "max_steps=4" in m for m in said), said
