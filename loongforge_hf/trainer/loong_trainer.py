@@ -13,6 +13,7 @@ Choices:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
@@ -170,7 +171,24 @@ class LoongTrainer(Trainer):
         # CP group hold the same samples), so that gather would repeat each sample once per model-parallel rank.
         # Gather over the data-parallel group instead (Trainer's loop resets gather_function when it ends).
         self.gather_function = self._gather_over_data_parallel
-        return super().evaluation_loop(*args, **kwargs)
+        output = super().evaluation_loop(*args, **kwargs)
+        # NOTE: Trainer's evaluate / predict then count the loop's steps as samples / (eval batch x processes); one
+        # step takes eval_batch_size samples per data-parallel rank: _fix_eval_steps_per_second recounts them
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        self._eval_steps = (prefix, math.ceil(output.num_samples / (self.args.eval_batch_size * dp_rank_and_size()[1])))
+        return output
+
+    def _fix_eval_steps_per_second(self, metrics: dict) -> None:
+        """``<prefix>_steps_per_second`` of the last evaluation loop over its data-parallel steps, in place."""
+        prefix, steps = getattr(self, "_eval_steps", (None, 0))
+        runtime = metrics.get(f"{prefix}_runtime")
+        if f"{prefix}_steps_per_second" in metrics and runtime:
+            metrics[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
+
+    def predict(self, *args, **kwargs):
+        output = super().predict(*args, **kwargs)
+        self._fix_eval_steps_per_second(output.metrics)
+        return output
 
     def _gather_over_data_parallel(self, data, use_gather_object: bool = False):
         """``accelerator.gather_for_metrics`` over the data-parallel group: tensors concatenated in data-parallel
@@ -405,6 +423,7 @@ class LoongTrainer(Trainer):
         self.current_flos += flops / (dist.get_world_size() if dist.is_initialized() else 1)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
+        self._fix_eval_steps_per_second(logs)  # NOTE: evaluate() logs its metrics dict, then returns that same dict
         if "loss" in logs and getattr(self, "_step_speed", None):
             logs = {**logs, **self._step_speed}
         super().log(logs, start_time)

@@ -246,12 +246,19 @@ def eval_predict_run(kind: str, folder: str, out_dir: str, layout: dict | None =
     trainer = trainer_cls(model=model, args=args, eval_dataset=make_dataset(n=7, seed=11),
                           compute_metrics=compute_metrics)
     timing = ("runtime", "per_second", "preparation_time")
-    metrics = {k: v for k, v in trainer.evaluate().items() if not any(t in k for t in timing)}
+
+    def untimed(found: dict, prefix: str) -> dict:
+        """The metrics without timings, plus the loop's step count (steps per second x runtime)."""
+        steps = round(found[f"{prefix}_steps_per_second"] * found[f"{prefix}_runtime"])
+        return {**{k: v for k, v in found.items() if not any(t in k for t in timing)}, f"{prefix}_loop_steps": steps}
+
+    metrics = untimed(trainer.evaluate(), "eval")
+    metrics["logged_loop_steps"] = untimed(trainer.state.log_history[-1], "eval")["eval_loop_steps"]
     pred = trainer.predict(make_dataset(n=7, seed=4))
     unlabelled = trainer.predict(make_dataset(n=5, seed=4).remove_columns("labels"))
     return {"metrics": metrics, "seen": {k: np.asarray(v) for k, v in seen.items()},
             "predictions": pred.predictions, "label_ids": pred.label_ids,
-            "test_metrics": {k: v for k, v in pred.metrics.items() if not any(t in k for t in timing)},
+            "test_metrics": untimed(pred.metrics, "test"),
             "unlabelled": unlabelled.predictions}
 
 

@@ -70,6 +70,7 @@ def _train_on_empty_iterable(folder: str, out_dir: str):
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("loongforge_hf.trainer.loong_trainer").addHandler(handler)
+
     def nothing():
         yield from ()
 

@@ -133,7 +133,7 @@ def test_evaluate_and_predict_match_transformers_trainer(single_process_referenc
     """evaluate() with compute_metrics (logits, labels, inputs, losses) and predict() on 7 rows in batches of 3: under
     TP2 / PP2 (one data-parallel rank) every rank gets each row once, as transformers.Trainer on one process (the
     gather went over all processes: every row twice), and the last batch's one row keeps its logits (megatron's
-    cross-entropy worked in place on them); logits within 1e-5, metrics within 1e-6."""
+    cross-entropy worked in place on them); logits within 1e-5, metrics within 1e-6, the same steps per second."""
     src = single_process_reference[0]
     # dp2: two data-parallel ranks against transformers.Trainer on two processes (rows split and gathered back)
     nprocs, layout = LAYOUTS[layout_name] if layout_name != "dp2" else (2, {})
@@ -142,6 +142,10 @@ def test_evaluate_and_predict_match_transformers_trainer(single_process_referenc
     got = run_distributed(eval_predict_run, nprocs, "lf", str(src), str(tmp_path / "lf"), layout, timeout=300)
     for r in got:
         assert r["metrics"].keys() == ref["metrics"].keys() and r["metrics"]["eval_rows"] == 7
+        # eval_steps_per_second / test_steps_per_second count the loop's steps of eval_batch_size rows per
+        # data-parallel rank, as Trainer counts them (it divided by eval_batch_size x processes: 2 steps under TP2)
+        assert r["metrics"]["eval_loop_steps"] == r["metrics"]["logged_loop_steps"] == r["test_metrics"][
+            "test_loop_steps"] == (3 if layout_name != "dp2" else 2)
         assert r["metrics"] == pytest.approx(ref["metrics"], rel=1e-6)
         assert r["test_metrics"] == pytest.approx(ref["test_metrics"], rel=1e-6)
         for key in ("predictions", "label_ids", "inputs", "losses"):
