@@ -7,6 +7,10 @@ Choices:
   inside, ignore -100, mean over label tokens) and full-vocabulary logits gathered over TP (``return_logits=False``
   skips the gather). Under pipeline parallelism it runs megatron's forward-only schedule and broadcasts the last
   stage's outputs; gradients flow through ``forward`` when pipeline_parallel_size == 1.
+- An MoE model whose config has ``output_router_logits`` and a nonzero ``router_aux_loss_coef`` returns, as
+  transformers' ``MoeCausalLMOutputWithPast``, ``aux_loss`` (transformers' router load-balancing loss over all MoE
+  layers, in eval mode and without grad too) and ``loss = lm loss + coef * aux_loss``; the term's gradient reaches
+  the routers from ``loss`` (``bridges/router_balance.py``: ``aux_loss`` itself carries no graph).
 - ``save_pretrained`` is collective (every rank calls it); rank 0 writes.
 """
 
@@ -70,9 +74,11 @@ def hf_forward_options(unused: dict, labels) -> dict:
             "return_dict": unused.get("return_dict", True) is not False}
 
 
-def hf_forward_output(loss, logits, labels, options: dict):
-    """``CausalLMOutputWithPast`` (or its tuple) with ``hf_forward_options``' keywords applied."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux_coef: float = 0.0):
+    """``CausalLMOutputWithPast`` (or its tuple) with ``hf_forward_options``' keywords applied; with ``aux_loss`` (the
+    router load-balancing loss) a ``MoeCausalLMOutputWithPast`` whose loss adds ``aux_coef * aux_loss``, as
+    transformers adds it after the language-model loss's ``num_items_in_batch`` division."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     num_items = options["num_items_in_batch"]
     if loss is not None and num_items is not None:
@@ -84,7 +90,12 @@ def hf_forward_output(loss, logits, labels, options: dict):
     keep = options["logits_to_keep"]
     if logits is not None and not (isinstance(keep, int) and keep == 0):
         logits = logits[:, -keep:] if isinstance(keep, int) else logits[:, keep.to(logits.device)]
-    out = CausalLMOutputWithPast(loss=loss, logits=logits)
+    if aux_loss is None:
+        out = CausalLMOutputWithPast(loss=loss, logits=logits)
+    else:
+        if loss is not None:
+            loss = loss + aux_coef * aux_loss.to(loss)
+        out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits)
     return out if options["return_dict"] else out.to_tuple()
 
 
@@ -145,6 +156,10 @@ class LoongModelForCausalLM(nn.Module):
         self.source = source
         from transformers import GenerationConfig
 
+        from loongforge_hf.bridges import router_balance
+
+        self.router_balance = router_balance.attach(self.chunks)  # None: no router tallies the balancing loss
+
         self._generation_at_load = None  # the source file's, as a diff dict: copied while the config equals it
         if source is not None and (source / "generation_config.json").is_file():
             self.generation_config = GenerationConfig.from_pretrained(source)
@@ -182,12 +197,23 @@ class LoongModelForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
+        from loongforge_hf.bridges import router_balance
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
         options = hf_forward_options(unused, labels)
+        balance = router_balance.active(self)
+        tally = None
+        if balance is not None:
+            multiple = self.parallel.sequence_multiple
+            weights = router_balance.token_weights(attention_mask, tuple(input_ids.shape), device=self.device,
+                                                   length=-(-input_ids.shape[-1] // multiple) * multiple)
+            tally = balance[0].begin(router_balance.context_parallel_share(weights))
         loss, logits = forward_causal_lm(self, input_ids=input_ids, attention_mask=attention_mask,
                                          position_ids=position_ids, labels=labels, return_logits=return_logits)
-        return hf_forward_output(loss, logits, labels, options)
+        if tally is None:
+            return hf_forward_output(loss, logits, labels, options)
+        aux = tally.finish(coef=balance[1])
+        return hf_forward_output(loss, logits, labels, options, aux_loss=aux, aux_coef=balance[1])
 
     # ---- activation checkpointing (what transformers.Trainer calls for `activation_checkpointing=True`) ---------
     supports_gradient_checkpointing = True
@@ -359,7 +385,7 @@ class AutoModelForCausalLM:
         arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
         from transformers import AutoConfig
 
-        from loongforge_hf.bridges import get_bridge
+        from loongforge_hf.bridges import get_bridge, router_balance
         from loongforge_hf.bridges.builder import (build_megatron_model, check_megatron_config,
                                                    interleaved_p2p_settings)
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
@@ -412,6 +438,7 @@ class AutoModelForCausalLM:
                                or hf_config.num_attention_heads,
                                vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
             check_megatron_config(bridge, megatron_config)
+            router_balance.check_layout(hf_config, bridge, pipeline_parallel_size=layout.pipeline_parallel_size)
             if layout.interleaved_stages:
                 interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
             reader.validate_shapes(bridge.expected_hf_shapes())

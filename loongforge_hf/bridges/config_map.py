@@ -140,19 +140,14 @@ def sliding_window_of(hf_config) -> int | None:
 
 # ---- mixture of experts ------------------------------------------------------------------------------------------
 
-def moe_aux_loss_coeff_of(hf_config) -> float:
-    """megatron's ``moe_aux_loss_coeff`` for an HF MoE config.
+def router_aux_loss_coef_of(hf_config) -> float:
+    """The coefficient of transformers' router load-balancing loss for an HF MoE config: ``router_aux_loss_coef``
+    when ``output_router_logits`` is on (transformers then adds ``coef * aux`` to the loss), else 0.
 
-    transformers adds ``router_aux_loss_coef * aux`` to the loss only when ``output_router_logits`` is on, so the
-    coefficient is ``router_aux_loss_coef`` then and 0 otherwise. The two terms are not the same number:
-    - transformers computes one Switch-style balance loss over the router logits of all layers concatenated,
-      ``N * sum_e f_e * P_e`` (``f_e``: fraction of top-k slots routed to expert e, summed over the k slots; ``P_e``:
-      mean softmax probability of e), and adds it to the returned loss;
-    - megatron (``moe_router_load_balancing_type="aux_loss"``) computes it per MoE layer,
-      ``coeff * N / k * sum_e f_e * P_e``, sums the layers, and applies it only to gradients (MoEAuxLossAutoScaler):
-      the loss a forward returns never contains it, and it is only active in training mode with grad enabled.
-    For one MoE layer the megatron term is the transformers term divided by top-k; with several layers megatron sums
-    per-layer terms where transformers balances the concatenation.
+    Read at each forward, not at load: trl.SFTTrainer rewrites both fields of the model config. The loss is computed
+    as transformers computes it, over the router logits of all MoE layers of one forward (``router_balance.py``);
+    megatron-core's own balancing losses (``moe_router_load_balancing_type``: per layer, divided by top-k, summed
+    over layers) are never turned on by the bridges.
     """
     if not getattr(hf_config, "output_router_logits", False):
         return 0.0

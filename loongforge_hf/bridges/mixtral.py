@@ -9,6 +9,7 @@ from loongforge_hf.bridges.registry import register_bridge
 @register_bridge("MixtralForCausalLM")
 class MixtralBridge(MoEBridge):
     supports_sliding_window = True
+    hf_balance_loss = True
     sparse_block = "block_sparse_moe"
     expert_projections = ("w1", "w3", "w2")
 

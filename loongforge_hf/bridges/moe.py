@@ -24,7 +24,10 @@ Choices:
                                   (``group_score_top``: 2 for V3's top-2 sum, 1 for V2's max);
   ``routed_scaling_factor``    -> ``moe_router_topk_scaling_factor``.
   A setting megatron cannot reproduce raises ``UnsupportedConfigError`` naming the field.
-- The auxiliary balance loss: ``config_map.moe_aux_loss_coeff_of`` (what the term maps to is documented there).
+- The router load-balancing loss (``output_router_logits`` with ``router_aux_loss_coef``) is transformers' own, over
+  all MoE layers of a forward, for bridges that declare ``hf_balance_loss`` (their router is
+  ``router_balance.BalanceRouter``); megatron's per-layer balancing losses stay off (``moe_router_load_balancing_type
+  ="none"``), so the term is never counted twice.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ class MoEBridge(DenseBridge):
     shared_experts: str | None = None                          # HF module of always-on experts (DeepSeek)
     expert_bias: bool = False                                  # ``gate.e_score_correction_bias`` (DeepSeek-V3)
     router_fp32: bool = False                                  # transformers keeps ``gate.weight`` in fp32
+    hf_balance_loss: bool = False                              # transformers' model computes the router aux loss
 
     def __init__(self, hf_config) -> None:
         super().__init__(hf_config)
@@ -169,14 +173,13 @@ class MoEBridge(DenseBridge):
 
     def transformer_config_kwargs(self) -> dict:
         kw = super().transformer_config_kwargs()
-        coeff = C.moe_aux_loss_coeff_of(self.hf_config)
         kw.update(
             num_moe_experts=self.num_experts(), moe_ffn_hidden_size=self.expert_ffn_size(),
             moe_router_topk=self.top_k(),
             moe_layer_freq=[int(self.is_moe_layer(i)) for i in range(self.hf_config.num_hidden_layers)],
             moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=None, moe_grouped_gemm=False,
             moe_shared_expert_intermediate_size=self.shared_ffn_size(),
-            moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none", moe_aux_loss_coeff=coeff,
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_router_dtype="fp32" if self.router_fp32 else None,
         )
         kw.update(self.routing_kwargs())

@@ -9,6 +9,7 @@ from loongforge_hf.bridges.registry import register_bridge
 @register_bridge("Qwen3MoeForCausalLM")
 class Qwen3MoeBridge(MoEBridge):
     qk_norm = True
+    hf_balance_loss = True
 
     def num_experts(self) -> int:
         return self.hf_config.num_experts

@@ -20,7 +20,8 @@ Choices:
   - a dense layer's MLP (DeepSeek's first layers, Qwen3-MoE's ``mlp_only_layers``) is the dense spec's
     ``SwiGLUMLP`` (megatron's ``MLP`` with our ``swiglu``); shared experts stay megatron's ``SharedExpertMLP``.
   And one more with ``bridge.grouped_experts`` (the default, see ``moe.py``): the routed experts of every MoE layer are
-  our ``kernels.grouped_mlp.GroupedMLP`` instead of megatron's ``SequentialMLP``.
+  our ``kernels.grouped_mlp.GroupedMLP`` instead of megatron's ``SequentialMLP``; with ``bridge.hf_balance_loss`` the
+  router is ``router_balance.BalanceRouter`` (megatron's ``TopKRouter`` that tallies transformers' balancing loss).
 - Token dispatcher: the bridges ask for megatron's ``alltoall`` dispatcher. Where the experts' process groups are
   trivial (expert parallel 1 and expert-tensor parallel 1) it moves no tokens, yet it still splits the permuted tokens
   into one chunk per expert and concatenates them back in an unchanged order (``sort_chunks_by_idxs``, with no
@@ -59,19 +60,24 @@ def _mla_core_attention():
     return MLACoreAttention
 
 
-def _grouped_experts(mlp_spec):
-    """An MoE layer's spec with ``GroupedMLP`` as its routed experts; any other MLP spec unchanged."""
+def _moe_slots(mlp_spec, *, grouped_experts: bool, balance_router: bool):
+    """An MoE layer's spec with ``GroupedMLP`` as its routed experts and / or ``BalanceRouter`` as its router; any
+    other MLP spec unchanged."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from loongforge_hf.bridges.router_balance import balance_router_class
     from loongforge_hf.kernels.grouped_mlp import GroupedMLP
 
     if getattr(mlp_spec, "module", None) is not MoELayer:
         return mlp_spec
-    return replace(mlp_spec, submodules=replace(mlp_spec.submodules, experts=ModuleSpec(module=GroupedMLP)))
+    slots = {"experts": ModuleSpec(module=GroupedMLP)} if grouped_experts else {}
+    if balance_router:
+        slots["router"] = balance_router_class()
+    return replace(mlp_spec, submodules=replace(mlp_spec.submodules, **slots))
 
 
-def _swap_modules(block_spec, *, grouped_experts: bool = False):
+def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: bool = False):
     """``block_spec`` with our RMSNorm in every norm slot and our core attention (see the docstring)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
@@ -94,8 +100,8 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False):
         mlp = spec.submodules.mlp
         if getattr(mlp, "module", None) is MLP:
             slots["mlp"] = replace(mlp, module=SwiGLUMLP)
-        elif grouped_experts:
-            slots["mlp"] = _grouped_experts(mlp)
+        elif grouped_experts or balance_router:
+            slots["mlp"] = _moe_slots(mlp, grouped_experts=grouped_experts, balance_router=balance_router)
         layers.append(replace(spec, submodules=replace(spec.submodules, self_attention=attention, **slots)))
     return replace(block_spec, layer_specs=layers, layer_norm=RMSNorm)
 
@@ -129,7 +135,8 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
         from loongforge_hf.kernels.router import enable_megatron_fused_router
 
         enable_megatron_fused_router()
-    return _with_te_linears(config, _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False)))
+    return _with_te_linears(config, _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False),
+                                                  balance_router=getattr(bridge, "hf_balance_loss", False)))
 
 
 def _with_te_linears(config, block_spec):

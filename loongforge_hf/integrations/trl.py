@@ -40,6 +40,11 @@ Choices:
   from the logits the model's forward returns (``kernels.cross_entropy.logits_token_stats``). As in TRL, each
   micro-batch's values are reduced over the data-parallel ranks and the log shows their mean since the last log;
   ``num_tokens`` counts each batch's attention-mask ones, or its length when padding-free.
+- TRL's router load-balancing loss (MoE models, ``router_aux_loss_coef``, by default the model config's): TRL writes
+  ``output_router_logits`` and the coefficient into the model config, and the engine adds the term as TRL weighs it
+  (``coef * aux_loss / accumulation steps`` per micro-batch, averaged over data-parallel ranks:
+  ``router_aux_reduction="mean"``, see ``trainer/engine.py``); the ``aux_loss`` metric is each micro-batch's value
+  averaged over the data-parallel ranks. Refused under pipeline parallelism (``bridges/router_balance.py``).
 """
 
 from __future__ import annotations
@@ -147,39 +152,37 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
             multiple = _vision_pad_multiple(self.model.parallel, args)
             self.data_collator.pad_to_multiple_of = math.lcm(args.pad_to_multiple_of or 1, multiple)
         vars(self.model).pop("forward", None)  # TRL's fused-LM-head patch (see the module docstring)
-        self._refuse_router_aux_loss()
+        self._check_router_aux_loss()
 
-    def _refuse_router_aux_loss(self) -> None:
-        """A MoE model: trl.SFTTrainer adds ``router_aux_loss_coef * aux_loss`` to each micro-batch's loss
-        (transformers' Switch-style balance loss over the router logits of all layers together; the coefficient
-        defaults to the model config's), which the megatron step does not compute; and a model loaded with
-        ``output_router_logits`` carries megatron's per-layer balance loss (another formula, gradients only), which
-        TRL would not add with ``router_aux_loss_coef=0``. Either would train something else than trl.SFTTrainer:
-        refused, with the way to the run that matches (the language-model loss alone)."""
-        text_config = self.model.config.get_text_config()
-        if not hasattr(text_config, "output_router_logits"):
-            return  # dense model
-        trl_coef = self.router_aux_loss_coef if self.aux_loss_enabled else 0.0
-        megatron_coef = float(getattr(self.model.megatron.config, "moe_aux_loss_coeff", 0.0) or 0.0)
-        if trl_coef or megatron_coef:
-            raise ValueError(
-                f"LoongSFTTrainer: trl.SFTTrainer would add its router load-balancing loss (coefficient {trl_coef}, "
-                "from SFTConfig.router_aux_loss_coef or the model config), which loongforge-hf's megatron step does "
-                "not compute"
-                + (f", and the model was loaded with megatron's per-layer balancing loss (moe_aux_loss_coeff="
-                   f"{megatron_coef}, from output_router_logits in its config), which trl would not add"
-                   if megatron_coef else "")
-                + ". Pass SFTConfig(router_aux_loss_coef=0.0) and load the model from a config without "
-                "output_router_logits to train on the language-model loss, as trl.SFTTrainer then does.")
+    def _check_router_aux_loss(self) -> None:
+        """A MoE model: trl.SFTTrainer adds ``router_aux_loss_coef * aux_loss`` (transformers' balance loss over the
+        router logits of all layers; the coefficient defaults to the model config's) to each micro-batch's loss,
+        divided by the accumulation steps, after writing ``output_router_logits`` and the coefficient into the model
+        config. The engine reads them from there (``router_aux_reduction="mean"``, set in ``create_optimizer``); a
+        layout or model that cannot compute the term is refused here, on every rank alike."""
+        from loongforge_hf.bridges import router_balance
+        from loongforge_hf.bridges.config_map import router_aux_loss_coef_of
+
+        if not self.aux_loss_enabled:
+            return
+        if router_aux_loss_coef_of(self.model.config.get_text_config()) != self.router_aux_loss_coef:
+            raise ValueError(f"LoongSFTTrainer: router_aux_loss_coef={self.router_aux_loss_coef}, but the model "
+                             "config has no router_aux_loss_coef field for it; pass SFTConfig(router_aux_loss_coef="
+                             "0.0).")
+        router_balance.active(self.model)
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
         self.engine.token_stats = True  # NOTE: TRL's entropy and mean_token_accuracy (see the module docstring)
+        self.engine.router_aux_reduction = "mean"  # NOTE: TRL's weighting of the router balancing loss
         return optimizer
 
     def _record_step(self, result, micro: list[dict]) -> None:
-        """TRL's train metrics of one step: entropy and token accuracy of each micro-batch, and the tokens seen."""
+        """TRL's train metrics of one step: entropy and token accuracy of each micro-batch, the tokens seen, and
+        (``aux_loss``) each micro-batch's router balancing loss averaged over the data-parallel ranks."""
         metrics = self._metrics["train"]
+        if self.aux_loss_enabled and result.router_aux is not None:
+            metrics["aux_loss"].extend(result.router_aux)
         for entropy, top1, count in result.token_stats:
             metrics["entropy"].append(entropy / count if count else 0.0)
             metrics["mean_token_accuracy"].append(top1 / count if count else 0.0)
@@ -205,7 +208,20 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
             self._metrics[mode]["entropy"].append(entropy / count if count else 0.0)
             self._metrics[mode]["mean_token_accuracy"].append(top1 / count if count else 0.0)
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        if self.aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
+            self._metrics[mode]["aux_loss"].append(_data_parallel_mean(float(outputs.aux_loss), self.model.device))
         return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+def _data_parallel_mean(value: float, device) -> float:
+    """``value`` averaged over the data-parallel ranks (TRL's gather-then-mean of each rank's metric)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    from megatron.core import parallel_state as ps
+
+    return _data_parallel_sum([value], device)[0] / ps.get_data_parallel_world_size()
 
 
 def _data_parallel_sum(values: list[float], device) -> list[float]:

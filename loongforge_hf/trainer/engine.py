@@ -32,6 +32,15 @@ Choices:
   megatron would divide every gradient buffer by the count in ``finalize_model_grads`` and then clip with another
   pass; the engine hands the count to its optimizer step instead, which applies ``1/count`` and the clipping factor
   as one: inside torch's fused AdamW (``grad_scale``) on CUDA, else one multiply (``_optimizer_step``).
+- transformers' router load-balancing loss (an MoE config with ``output_router_logits`` and ``router_aux_loss_coef``,
+  ``bridges/router_balance.py``) is one value per micro-batch of each data-parallel rank (``aux``), over that
+  micro-batch's tokens (user padding and the engine's layout padding excluded). It enters the step as in the trainer
+  the run stands for (``router_aux_reduction``): "sum" as transformers.Trainer (the model's loss adds ``coef * aux``
+  and Trainer scales it by the number of processes before DDP averages: ``coef`` times the sum over micro-batches
+  and data-parallel ranks), "mean" as trl.SFTTrainer (``coef * aux / micro-batches`` per micro-batch, averaged by
+  DDP: ``coef`` times the mean over both). Gradients being divided by the step's label-token count ``N``, each
+  rank's routers are handed the gradient of ``coef * aux * N`` ("sum") or ``coef * aux * N / (DP * micro-batches)``
+  ("mean"); the logged loss adds the same term to the language-model loss.
 - Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
   biases and 1-D params, equal Trainer's for these models), max_grad_norm. LR schedules are transformers' own
   schedulers stepping megatron's inner optimizer(s).
@@ -46,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from loongforge_hf.bridges import router_balance
 from loongforge_hf.bridges.runtime import (IGNORE_INDEX, fused_loss_sum, hidden_states_out, language_head,
                                            local_logits_token_stats, megatron_attention_mask, shift_labels,
                                            token_losses)
@@ -65,6 +75,8 @@ class StepResult:
     skipped: bool
     # per micro-batch (entropy sum, top-1 count, label tokens) over the data-parallel ranks, with token_stats on
     token_stats: list[tuple[float, float, int]] | None = None
+    # per micro-batch, the router load-balancing loss averaged over the data-parallel ranks, with the loss on
+    router_aux: list[float] | None = None
 
 
 @contextlib.contextmanager
@@ -127,6 +139,9 @@ class MegatronEngine:
         # NOTE: entropy and top-1 sums of each micro-batch's label tokens (trl.SFTTrainer's entropy and
         # mean_token_accuracy), from the loss's own pass over the logits; LoongSFTTrainer turns them on.
         self.token_stats = False
+        # NOTE: how each micro-batch's router balancing loss enters the step (see the module docstring);
+        # LoongSFTTrainer sets "mean".
+        self.router_aux_reduction = "sum"
         self.optimizer_precision = optimizer_precision
         mixed = optimizer_precision == "fp32"
         config = model.megatron.config
@@ -297,6 +312,7 @@ class MegatronEngine:
 
         layout = getattr(self.model, "parallel", None)
         check_interleaved_micro_batches(layout, len(micro_batches))
+        balance = self._router_balance(micro_batches)
         if layout is not None:
             # NOTE: lengths megatron needs (ParallelConfig.sequence_multiple), one length per step under PP.
             micro_batches = pad_micro_batches(micro_batches, multiple=layout.sequence_multiple,
@@ -308,7 +324,7 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         seq = micro_batches[0]["input_ids"].shape[1]
         mbs = micro_batches[0]["input_ids"].shape[0]
-        forward_step = self._forward_step_func(self.model.config.vocab_size)
+        forward_step = self._forward_step_func(self.model.config.vocab_size, balance)
         vpp = len(self.chunks)
         data = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
         # NOTE: FP8 layers quantise each weight once for all micro-batches of the step (weights change only in the
@@ -322,9 +338,10 @@ class MegatronEngine:
         update_ok, grad_norm = self._optimizer_step()
         # loss over this DP rank's tokens (last stage), then over DP, then shared with every pipeline stage; with
         # token_stats, each micro-batch's (entropy, top-1, tokens) sums the same way
+        # the router balancing loss (column 3) the same way, counted once per context-parallel group
         device = self.model.device
-        rows = 1 + (len(micro_batches) if self.token_stats else 0)
-        sums = torch.zeros(rows, 3, dtype=torch.float64, device=device)
+        rows = 1 + (len(micro_batches) if self.token_stats or balance else 0)
+        sums = torch.zeros(rows, 4, dtype=torch.float64, device=device)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             for i, item in enumerate(losses):
                 loss_sum, count = item["lm loss"]
@@ -333,18 +350,57 @@ class MegatronEngine:
                 if self.token_stats:
                     sums[1 + i, :2] = item["token stats"].to(sums)
                     sums[1 + i, 2] = float(count)
+                if balance and ps.get_context_parallel_rank() == 0:
+                    sums[1 + i, 3] = item["router aux"].to(sums)
             dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
         last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
         dist.broadcast(sums, src=last, group=ps.get_pipeline_model_parallel_group())
         loss = float(sums[0, 0] / sums[0, 1].clamp(min=1))
-        stats = [(float(e), float(t), int(n)) for e, t, n in sums[1:].tolist()] if self.token_stats else None
+        stats = [(float(e), float(t), int(n)) for e, t, n, _ in sums[1:].tolist()] if self.token_stats else None
+        aux = None
+        if balance:
+            dp = ps.get_data_parallel_world_size(with_context_parallel=False)
+            aux = [float(a) / dp for a in sums[1:, 3].tolist()]
+            per_step = sum(aux) * dp if self.router_aux_reduction == "sum" else sum(aux) / len(aux)
+            loss += balance["coef"] * per_step
         return StepResult(loss=loss, num_tokens=int(sums[0, 1]), grad_norm=None if grad_norm is None
-                          else float(grad_norm), skipped=not update_ok, token_stats=stats)
+                          else float(grad_norm), skipped=not update_ok, token_stats=stats, router_aux=aux)
 
-    def _forward_step_func(self, vocab_size: int):
+    def _router_balance(self, micro_batches: list[dict]) -> dict | None:
+        """What the micro-batches' forwards need for the router balancing loss (None: off): the model's
+        ``RouterBalance``, the coefficient, each micro-batch's token weights before layout padding, and the scale
+        of its gradient (see the module docstring)."""
+        from megatron.core import parallel_state as ps
+
+        on = router_balance.active(self.model)
+        if on is None:
+            return None
+        if getattr(self.model.megatron.config, "overlap_moe_expert_parallel_comm", False):
+            raise ValueError("router_aux_loss_coef with output_router_logits: not supported with megatron's "
+                             "overlap_moe_expert_parallel_comm (its schedule interleaves two micro-batches' forwards).")
+        device = self.model.device
+        count = torch.zeros((), dtype=torch.float64, device=device)
+        for b in micro_batches:
+            count += int((shift_labels(b["labels"]) != IGNORE_INDEX).sum())
+        dist.all_reduce(count, group=ps.get_data_parallel_group(with_context_parallel=False))
+        scale = count
+        if self.router_aux_reduction == "mean":
+            scale = count / (ps.get_data_parallel_world_size(with_context_parallel=False) * len(micro_batches))
+        return {"balance": on[0], "coef": on[1], "scale": scale,
+                "inputs": [(b.get("attention_mask"), tuple(b["input_ids"].shape)) for b in micro_batches]}
+
+    def _forward_step_func(self, vocab_size: int, balance: dict | None = None):
+        inputs = iter(balance["inputs"]) if balance else None
+
         def forward_step(data_iterator, chunk, return_schedule_plan: bool = False):
             batch = next(data_iterator)
             device = self.model.device
+            tally = None
+            if balance:
+                # NOTE: the user's mask (all ones without one), zeros over the engine's layout pads
+                mask, shape = next(inputs)
+                weights = router_balance.token_weights(mask, shape, device=device, length=batch["input_ids"].shape[1])
+                tally = balance["balance"].begin(router_balance.context_parallel_share(weights))
             labels = shift_labels(batch["labels"].to(device))
             model_inputs = getattr(self.model, "megatron_forward_inputs", None)
             head = language_head(chunk) if self.fused_loss and not return_schedule_plan else None
@@ -387,6 +443,10 @@ class MegatronEngine:
                 reported = {"lm loss": (loss_sum.detach().clone(), count.detach().clone())}
                 if stats is not None:
                     reported["token stats"] = stats
+                if tally is not None:
+                    # NOTE: the term's gradient reaches the routers in the backward (router_balance.py), not
+                    # through loss_sum
+                    reported["router aux"] = tally.finish(coef=balance["coef"], scale=balance["scale"])
                 return loss_sum, count, reported
             return output, loss_func
         return forward_step

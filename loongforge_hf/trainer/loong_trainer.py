@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import seed_worker
 
+from loongforge_hf.bridges import router_balance
 from loongforge_hf.trainer.balanced_data import balanced_train_dataloader
 from loongforge_hf.trainer.data import DataError, check_batch, dp_rank_and_size, shard_over_data_parallel
 from loongforge_hf.trainer.engine import (MegatronEngine, check_interleaved_micro_batches, fused_adam_for,
@@ -107,20 +108,14 @@ class LoongTrainer(Trainer):
                             "from the checkpoint's megatron/ folder)")
         if problems:
             raise ValueError("LoongTrainer does not support: " + "; ".join(problems) + ".")
-        aux = float(getattr(self.model.megatron.config, "moe_aux_loss_coeff", 0.0) or 0.0)
-        if aux and type(self) is LoongTrainer:
-            # NOTE: LoongSFTTrainer refuses it instead (trl adds its own balancing loss on top, integrations/trl.py)
-            logger.warning(
-                "This MoE model was loaded from a config with output_router_logits: it trains with megatron-core's "
-                "per-layer router load-balancing loss (coefficient %s, gradients only; the logged loss is the "
-                "language-model loss). transformers.Trainer would add transformers' balancing loss over all layers' "
-                "router logits to the loss instead, so the runs differ; load the model from a config without "
-                "output_router_logits to train on the language-model loss alone, as transformers.Trainer then does.",
-                aux)
+        # NOTE: transformers' router balancing loss (output_router_logits) trains as transformers.Trainer adds it
+        # (engine.py); where it cannot (pipeline parallelism), refused here on every rank alike
+        router_balance.active(self.model)
         if not args.average_tokens_across_devices:
             logger.warning("average_tokens_across_devices=False: LoongTrainer still averages the training loss "
                            "over all label tokens of the global batch (transformers.Trainer would average each "
-                           "rank's own mean).")
+                           "rank's own mean, and average the router balancing loss of output_router_logits over the "
+                           "ranks where LoongTrainer sums it, as Trainer does with average_tokens_across_devices).")
 
     # ---- sizes ---------------------------------------------------------------------------------------------------
     def _check_batch_sizes(self) -> None:

@@ -61,10 +61,16 @@ def test_refused_configs_name_the_field(arch, overrides, field):
 
 
 def test_aux_loss_coefficient():
-    off = bridge("qwen3_moe", router_aux_loss_coef=0.01).transformer_config_kwargs()
-    assert off["moe_aux_loss_coeff"] == 0.0 and off["moe_router_load_balancing_type"] == "none"
-    on = bridge("mixtral", router_aux_loss_coef=0.02, output_router_logits=True).transformer_config_kwargs()
-    assert on["moe_aux_loss_coeff"] == 0.02 and on["moe_router_load_balancing_type"] == "aux_loss"
+    """transformers' balancing loss is computed by the bridges' own router (router_balance.py): megatron's stays off."""
+    from loongforge_hf.bridges.config_map import router_aux_loss_coef_of
+
+    off = bridge("qwen3_moe", router_aux_loss_coef=0.01)
+    on = bridge("mixtral", router_aux_loss_coef=0.02, output_router_logits=True)
+    assert router_aux_loss_coef_of(off.hf_config) == 0.0 and router_aux_loss_coef_of(on.hf_config) == 0.02
+    for b in (off, on):
+        kw = b.transformer_config_kwargs()
+        assert kw["moe_aux_loss_coeff"] == 0.0 and kw["moe_router_load_balancing_type"] == "none"
+        assert b.hf_balance_loss
 
 
 def test_moe_with_tensor_parallel_needs_sequence_parallel():

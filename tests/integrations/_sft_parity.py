@@ -217,26 +217,21 @@ def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict) -> dic
 
 
 def moe_sft(folder: str, out_dir: str) -> dict:
-    """A Qwen3-MoE model: LoongSFTTrainer with TRL's default router_aux_loss_coef (refused: the megatron step does
-    not compute TRL's load-balancing loss) and with router_aux_loss_coef=0.0 against trl.SFTTrainer."""
+    """A Qwen3-MoE model loaded without output_router_logits: SFTConfig(router_aux_loss_coef=0.1) switches TRL's
+    router load-balancing loss on (activation recompute on, an evaluation at the last step), with trl.SFTTrainer and
+    with LoongSFTTrainer: the train and eval losses and aux_loss metrics of each."""
     import transformers
     import trl
 
     import loongforge_hf as lf
 
     out = {}
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    try:
-        lf.LoongSFTTrainer(model=model, args=sft_config(f"{out_dir}/default"), train_dataset=make_dataset("text"),
-                           processing_class=_tokenizer(folder))
-        out["default"] = None
-    except ValueError as err:
-        out["default"] = str(err)
     for name, trainer_cls, load in (("trl", trl.SFTTrainer, transformers.AutoModelForCausalLM.from_pretrained),
                                     ("loong", lf.LoongSFTTrainer, lf.AutoModelForCausalLM.from_pretrained)):
-        trainer = trainer_cls(model=load(folder, dtype=torch.float32),
-                              args=sft_config(f"{out_dir}/{name}", router_aux_loss_coef=0.0),
-                              train_dataset=make_dataset("text"), processing_class=_tokenizer(folder))
+        args = sft_config(f"{out_dir}/{name}", router_aux_loss_coef=0.1, gradient_checkpointing=True,
+                          eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2)
+        trainer = trainer_cls(model=load(folder, dtype=torch.float32), args=args, train_dataset=make_dataset("text"),
+                              eval_dataset=make_dataset("text", n=4, seed=9), processing_class=_tokenizer(folder))
         trainer.train()
-        out[name] = _losses(trainer)
+        out[name] = {key: _losses(trainer, key) for key in ("loss", "aux_loss", "eval_loss", "eval_aux_loss")}
     return out

@@ -262,27 +262,6 @@ def eval_predict_run(kind: str, folder: str, out_dir: str, layout: dict | None =
             "unlabelled": unlabelled.predictions}
 
 
-def router_aux_loss_warnings(folder: str, out_dir: str) -> list[str]:
-    """LoongTrainer on a MoE model loaded from a config with output_router_logits: the warnings it logs when built."""
-    import logging
-
-    import loongforge_hf as lf
-
-    class Keep(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.messages = []
-
-        def emit(self, record):
-            self.messages.append(record.getMessage())
-
-    keep = Keep()
-    logging.getLogger("loongforge_hf.trainer.loong_trainer").addHandler(keep)
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    lf.LoongTrainer(model=model, args=training_args(out_dir), train_dataset=make_dataset())
-    return keep.messages
-
-
 def packed_tokens_run(kind: str, folder: str, out_dir: str) -> dict:
     """Padding-free packing (DataCollatorWithFlattening) of rows of different lengths with
     include_num_input_tokens_seen="all": the data-parallel ranks' packed rows differ in length."""

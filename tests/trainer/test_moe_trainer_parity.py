@@ -5,9 +5,15 @@ one process: the logged losses of four steps.
 - tp2etp1: tensor parallel 2 with the experts whole on each rank (expert_tensor_parallel_size=1, sequence parallel)
   repeats the one-process losses (1e-5): the experts' gradients are reduced over the expert data-parallel group (the
   tensor-parallel ranks, each of which ran the experts on its own tokens), not the dense data-parallel group;
-- a config with output_router_logits: transformers.Trainer adds its router load-balancing loss to the loss, which the
-  megatron step does not compute (the model trains with megatron's per-layer balancing loss instead): LoongTrainer
-  says so when it is built (LoongSFTTrainer refuses it: trl would add its own on top).
+- a config with output_router_logits (router_aux_loss_coef=0.1): transformers' router load-balancing loss over all
+  MoE layers of each forward (``bridges/router_balance.py``):
+  - the model's forward returns transformers' loss (lm + coef * aux) and aux_loss (1e-5), with and without an
+    attention mask with pads, under no_grad without labels, and the routers get the term's gradient (1e-4 of the
+    largest entry); at TP2 + sequence parallel too (the 15-token batch is padded to 16 by the model: a pad that
+    does not count);
+  - LoongTrainer's logged losses (which include coef * aux, summed over the step's micro-batches) equal
+    transformers.Trainer's (1e-5) on one process, and TP2 + sequence parallel repeats them (1e-5);
+  - pipeline parallelism is refused at from_pretrained, naming the way out.
 """
 
 import pytest
@@ -15,7 +21,8 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._train_parity import router_aux_loss_warnings, train_hf, train_loong
+from ._router_aux import one_process, two_processes
+from ._train_parity import train_hf, train_loong
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +48,42 @@ def test_tp2_etp1_matches_one_process(reference, tmp_path):
         assert r["losses"][:4] == pytest.approx(one["losses"][:4], rel=1e-5, abs=1e-5), (r["losses"], one["losses"])
 
 
-def test_output_router_logits_is_announced(tmp_path):
-    src = make_tiny_checkpoint(tmp_path / "src", "qwen3_moe", tokenizer=False, output_router_logits=True,
+@pytest.fixture(scope="module")
+def router_aux(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe_aux")
+    src = make_tiny_checkpoint(tmp / "src", "qwen3_moe", tokenizer=False, output_router_logits=True,
                                router_aux_loss_coef=0.1)
-    messages = run_distributed(router_aux_loss_warnings, 1, str(src), str(tmp_path / "out"), timeout=300)[0]
-    said = [m for m in messages if "output_router_logits" in m]
-    assert len(said) == 1 and "coefficient 0.1" in said[0] and "transformers.Trainer" in said[0], messages
+    one = run_distributed(one_process, 1, str(src), str(tmp / "one"), timeout=300)[0]
+    return src, one
+
+
+def _assert_forward(forward: dict) -> None:
+    for name in ("no_mask", "mask"):
+        assert forward[name]["type"] == "MoeCausalLMOutputWithPast"
+        want, got = forward[name]["loss"]
+        assert got == pytest.approx(want, rel=1e-5), (name, forward[name])
+        want, got = forward[name]["aux"]
+        assert got == pytest.approx(want, rel=1e-5), (name, forward[name])
+    assert forward["mask"]["aux"][0] != pytest.approx(forward["no_mask"]["aux"][0], rel=1e-4)  # the pads matter
+    want, got = forward["no_grad_no_labels"]
+    assert got == pytest.approx(want, rel=1e-5)
+    assert all(size > 1e-4 for size in forward["grad_size"]) and max(forward["grad"]) < 1e-4, forward
+
+
+def test_router_aux_loss_in_forward(router_aux):
+    _assert_forward(router_aux[1]["forward"])
+
+
+def test_router_aux_loss_matches_transformers_trainer(router_aux):
+    _, one = router_aux
+    assert one["one"]["losses"] == pytest.approx(one["hf"], rel=1e-5, abs=1e-5)
+
+
+def test_router_aux_loss_tp2_sp_and_pp_refusal(router_aux, tmp_path):
+    src, one = router_aux
+    got = run_distributed(two_processes, 2, str(src), str(tmp_path / "lf"), timeout=400)
+    for r in got:
+        assert r["pp2"] is not None and "pipeline_parallel_size=2" in r["pp2"] \
+            and "router_aux_loss_coef=0" in r["pp2"], r["pp2"]
+        assert r["tp2"]["losses"][:4] == pytest.approx(one["one"]["losses"][:4], rel=1e-5, abs=1e-5)
+        _assert_forward(r["forward_tp2"])

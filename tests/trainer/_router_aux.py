@@ -1,0 +1,88 @@
+"""Rank functions: transformers' router load-balancing loss (output_router_logits) in the model's forward and in
+training, loongforge-hf against transformers; one world per world size runs every check of that size."""
+
+import torch
+
+from ._train_parity import train_hf, train_loong
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(4, 200, (2, 15), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    return ids, mask, labels
+
+
+def _router_weights(model, hf: bool) -> list[torch.Tensor]:
+    if hf:
+        return [layer.mlp.gate.weight for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    return [router.weight for router in model.router_balance.routers]
+
+
+def _aux_grads(model, ids, mask, labels, hf: bool) -> list[torch.Tensor]:
+    """The router weights' gradient of ``coef * aux``: the loss's with output_router_logits minus without. Under
+    sequence parallelism each rank's is its own tokens' part, summed over the tensor-parallel ranks (as megatron's
+    finalize_model_grads sums every sequence-parallel replicated weight's)."""
+    import torch.distributed as dist
+
+    grads = []
+    for on in (True, False):
+        model.config.output_router_logits = on
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append([w.grad.clone() for w in _router_weights(model, hf)])
+        if not hf and model.megatron.config.sequence_parallel:
+            from megatron.core import parallel_state as ps
+
+            for g in grads[-1]:
+                dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+    model.config.output_router_logits = True
+    return [a - b for a, b in zip(*grads)]
+
+
+def forward_checks(folder: str, model) -> dict:
+    """(transformers, loongforge) pairs: loss and aux_loss with and without an attention mask with pads, the
+    aux_loss under no_grad in eval mode, and the routers' gradient of the balancing term."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids, mask, labels = _batch()
+    out = {}
+    for name, m in (("no_mask", None), ("mask", mask)):
+        want = hf(input_ids=ids, attention_mask=m, labels=labels)
+        got = model(input_ids=ids, attention_mask=m, labels=labels)
+        out[name] = {"loss": (float(want.loss), float(got.loss)), "aux": (float(want.aux_loss), float(got.aux_loss)),
+                     "type": type(got).__name__}
+    with torch.no_grad():
+        out["no_grad_no_labels"] = (float(hf(input_ids=ids, attention_mask=mask).aux_loss),
+                                    float(model(input_ids=ids, attention_mask=mask).aux_loss))
+    want, got = _aux_grads(hf, ids, mask, labels, True), _aux_grads(model, ids, mask, labels, False)
+    out["grad"] = [float((a - b).abs().max() / a.abs().max()) for a, b in zip(want, got)]
+    out["grad_size"] = [float(a.abs().max()) for a in want]
+    return out
+
+
+def one_process(folder: str, out_dir: str) -> dict:
+    import loongforge_hf as lf
+
+    hf = train_hf(folder, out_dir + "/hf")
+    one = train_loong(folder, out_dir + "/lf", {})
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return {"hf": hf, "one": one, "forward": forward_checks(folder, model)}
+
+
+def two_processes(folder: str, out_dir: str) -> dict:
+    import loongforge_hf as lf
+
+    try:
+        lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    layout = {"tensor_parallel_size": 2, "sequence_parallel": True}
+    tp2 = train_loong(folder, out_dir + "/tp2", layout)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    return {"pp2": refused, "tp2": tp2, "forward_tp2": forward_checks(folder, model)}
