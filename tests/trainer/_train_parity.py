@@ -37,7 +37,8 @@ def train_hf(folder: str, out_dir: str, args_kw: dict | None = None):
                                    train_dataset=make_dataset(), eval_dataset=make_dataset(n=8, seed=11))
     trainer.train()
     trainer.save_model(out_dir + "/final")
-    # NOTE: transformers.Trainer under DDP on CPU returns no eval_loss here; the DP2 comparison skips eval then.
+    # NOTE: under DP2 each process holds 4 of the 8 eval rows, fewer than one eval batch (8) with dataloader_drop_last:
+    # no batch is evaluated and there is no eval_loss (LoongTrainer alike); the DP2 comparison skips eval then.
     return losses_of(trainer.state.log_history) + [trainer.evaluate().get("eval_loss")]
 
 
