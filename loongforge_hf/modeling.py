@@ -273,14 +273,18 @@ class LoongModelForCausalLM(nn.Module):
 
     # ---- export --------------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                        dtype: torch.dtype | None = None, **unused: Any) -> None:
-        """Write a plain HF checkpoint (collective: every rank calls it; rank 0 writes, atomically)."""
+                        dtype: torch.dtype | None = None, side_files_dir: str | os.PathLike | None = None,
+                        **unused: Any) -> None:
+        """Write a plain HF checkpoint (collective: every rank calls it; rank 0 writes, atomically).
+        ``side_files_dir``: a folder (read on rank 0) whose files go into the checkpoint too, in the same atomic swap,
+        instead of the source's of those names (LoongTrainer.save_model's tokenizer)."""
         from loongforge_hf.bridges.exporter import export_hf
 
         refuse_save_options(unused)
         export_hf(self.megatron, self.bridge, self.parallel, Path(save_directory), source=self.source,
                   max_shard_size=max_shard_size, dtype=dtype, config_changes=self.config_changes(),
-                  generation_config=self.generation_config_to_write())
+                  generation_config=self.generation_config_to_write(),
+                  side_files_dir=None if side_files_dir is None else Path(side_files_dir))
 
     def push_to_hub(self, repo_id: str, *, token: str | None = None, private: bool | None = None,
                     commit_message: str = "Upload model with loongforge-hf", revision: str | None = None,

@@ -9,7 +9,8 @@ Choices:
   config then).
 - Tokenizer / processor files and extra chat templates are copied from the source folder unless the destination
   already holds its own (a tokenizer saved there first wins, as transformers' model.save_pretrained never writes
-  tokenizer files).
+  tokenizer files) or the caller hands its own (``side_files_dir``: LoongTrainer's processing class, saved with the
+  weights in one swap).
 - An existing destination keeps its other files (``CheckpointWriter(carry_over=keeps_old_entry)``): only the old
   weight shards and index are dropped, and the folder is still swapped in at once.
 """
@@ -72,17 +73,22 @@ def config_text(source: Path | None, hf_config, dtype: torch.dtype, changes: dic
 
 
 def write_side_files(writer, source: Path | None, hf_config, dtype: torch.dtype, config_changes: dict | None,
-                     generation_config) -> None:
-    """config.json, generation_config.json (``generation_config``'s JSON, or the source's file when it is None) and
-    the source's tokenizer / processor files the destination does not hold already, through ``writer``."""
+                     generation_config, side_files_dir: Path | None = None) -> None:
+    """config.json, generation_config.json (``generation_config``'s JSON, or the source's file when it is None), the
+    files of ``side_files_dir`` and the source's tokenizer / processor files that neither it nor the destination
+    holds already, through ``writer``."""
     writer.write_text("config.json", config_text(source, hf_config, dtype, config_changes))
     if generation_config is not None:
         writer.write_text("generation_config.json", generation_config.to_json_string(use_diff=True))
     elif source is not None and (source / "generation_config.json").is_file():
         writer.copy_file("generation_config.json", source / "generation_config.json")
+    if side_files_dir is not None:
+        copy_folder_into(writer, side_files_dir)
     if source is None:
         return
     for name in SIDE_FILES:
+        if side_files_dir is not None and (side_files_dir / name).exists():
+            continue  # NOTE: the caller's own (LoongTrainer's processing class), written above
         if (writer.out_dir / name).exists():
             continue  # NOTE: the user's own (a tokenizer saved there first): kept by the writer's carry_over
         if (source / name).is_file():
@@ -90,3 +96,11 @@ def write_side_files(writer, source: Path | None, hf_config, dtype: torch.dtype,
         elif (source / name).is_dir():
             for f in sorted((source / name).glob("*.jinja")):
                 writer.copy_file(f"{name}/{f.name}", f)
+
+
+def copy_folder_into(writer, folder: Path) -> None:
+    """Every file under ``folder`` (a processing class's ``save_pretrained`` output) into the writer's folder, at the
+    same relative path."""
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file():
+            writer.copy_file(path.relative_to(folder).as_posix(), path)

@@ -133,9 +133,10 @@ def _passthrough(bridge, source: Path | None) -> list[tuple[str, torch.Tensor]]:
 
 def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shard_size="5GB",
               dtype: torch.dtype | None = None, extra_tensors=None, config_changes: dict | None = None,
-              generation_config=None) -> None:
-    """``config_changes`` / ``generation_config``: what ``export_files.write_side_files`` writes besides the source's
-    files (config fields changed since load; a generation config to write, None to copy the source's)."""
+              generation_config=None, side_files_dir: Path | None = None) -> None:
+    """``config_changes`` / ``generation_config`` / ``side_files_dir``: what ``export_files.write_side_files`` writes
+    besides the source's files (config fields changed since load; a generation config to write, None to copy the
+    source's; a folder of files to write too, read on rank 0)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.bridges.writer import CheckpointWriter
@@ -253,7 +254,8 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
                 error = f"{type(e).__name__}: {e}"
         if writer is not None and error is None:
             try:
-                write_side_files(writer, source, bridge.hf_config, writer_dtype, config_changes, generation_config)
+                write_side_files(writer, source, bridge.hf_config, writer_dtype, config_changes, generation_config,
+                                 side_files_dir)
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {e}"
     finally:

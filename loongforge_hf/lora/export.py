@@ -166,9 +166,12 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
     return out
 
 
-def export_adapter(model, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:
-    """Write ``model``'s adapters as a PEFT adapter folder (collective; rank 0 writes, atomically). The folder's other
-    files are kept, as PEFT's save_pretrained keeps them (an old ``adapter_model.bin`` goes)."""
+def export_adapter(model, out_dir: Path, *, dtype: torch.dtype | None = None, side_files_dir: Path | None = None
+                   ) -> None:
+    """Write ``model``'s adapters as a PEFT adapter folder (collective; rank 0 writes, atomically), with the files of
+    ``side_files_dir`` (read on rank 0). The folder's other files are kept, as PEFT's save_pretrained keeps them (an
+    old ``adapter_model.bin`` goes)."""
+    from loongforge_hf.bridges.export_files import copy_folder_into
     from safetensors.torch import save_file
 
     from loongforge_hf.bridges.writer import CheckpointWriter
@@ -192,6 +195,8 @@ def export_adapter(model, out_dir: Path, *, dtype: torch.dtype | None = None) ->
                 save_file({n: t.contiguous() for n, t in tensors.items()}, str(path), metadata={"format": "pt"})
                 writer.copy_file(ADAPTER_WEIGHTS, path)
             writer.write_text(ADAPTER_CONFIG, adapter_config_text(model))
+            if side_files_dir is not None:
+                copy_folder_into(writer, side_files_dir)
             writer.__exit__(None, None, None)
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             error = f"{type(e).__name__}: {e}"

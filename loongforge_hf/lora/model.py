@@ -52,10 +52,11 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
                   f"trainable%: {100 * trainable / total:.4f}")
 
     def save_pretrained(self, save_directory: str | os.PathLike, *, merged: bool = False,
-                        max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None, **unused) -> None:
+                        max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
+                        side_files_dir: str | os.PathLike | None = None, **unused) -> None:
         """The PEFT adapter folder (adapter tensors in ``dtype``, default the model's; one file, as PEFT writes, so
         ``max_shard_size`` only applies to the merged checkpoint), or with ``merged=True`` a plain HF checkpoint of
-        the merged weights."""
+        the merged weights; ``side_files_dir`` as ``LoongModelForCausalLM.save_pretrained``."""
         from loongforge_hf.bridges.export_files import check_export_dtype
         from loongforge_hf.lora.export import export_adapter, merged_weights
         from loongforge_hf.modeling import refuse_save_options
@@ -65,10 +66,12 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
                                                ("save_embedding_layers", "auto"))})
         if not merged:
             check_export_dtype(dtype)
-            export_adapter(self, Path(save_directory), dtype=dtype)
+            export_adapter(self, Path(save_directory), dtype=dtype,
+                           side_files_dir=None if side_files_dir is None else Path(side_files_dir))
             return
         with merged_weights(self):
-            super().save_pretrained(save_directory, max_shard_size=max_shard_size, dtype=dtype)
+            super().save_pretrained(save_directory, max_shard_size=max_shard_size, dtype=dtype,
+                                    side_files_dir=side_files_dir)
 
 
 def _layout_and_slices(target_group, ctx, layer: int):

@@ -184,8 +184,10 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
 
     # ---- export --------------------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                        dtype: torch.dtype | None = None, **unused: Any) -> None:
-        """Write a plain HF checkpoint, vision tower included (collective: every rank calls it; rank 0 writes)."""
+                        dtype: torch.dtype | None = None, side_files_dir: str | os.PathLike | None = None,
+                        **unused: Any) -> None:
+        """Write a plain HF checkpoint, vision tower included (collective: every rank calls it; rank 0 writes);
+        ``side_files_dir`` as ``LoongModelForCausalLM.save_pretrained``."""
         from megatron.core import parallel_state as ps
 
         from loongforge_hf.bridges.exporter import export_hf
@@ -201,7 +203,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         refuse_save_options(unused)
         export_hf(self.language_model, self.bridge.text, self.parallel, Path(save_directory), source=self.source,
                   max_shard_size=max_shard_size, dtype=dtype, extra_tensors=extra, config_changes=self.config_changes(),
-                  generation_config=self.generation_config_to_write())
+                  generation_config=self.generation_config_to_write(),
+                  side_files_dir=None if side_files_dir is None else Path(side_files_dir))
 
 
 def _vision_layout(*, vision_tensor_parallel_size: int, vision_data_parallel: bool, tensor_parallel_size: int,

@@ -426,20 +426,30 @@ class LoongTrainer(Trainer):
     # ---- saving ----------------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the model in HF format through the bridge (collective; rank 0 writes, atomically)."""
+        import shutil
+        import tempfile
+
+        from loongforge_hf.trainer.checkpoint import run_everywhere
+
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _holds_other_runs(output_dir):
-            self._save_beside_runs(output_dir)
-        else:
-            self.model.save_pretrained(output_dir)
-        if self.processing_class is not None:
-            from loongforge_hf.trainer.checkpoint import run_everywhere
+        writes = not dist.is_initialized() or dist.get_rank() == 0
+        saves_processor = writes and self.processing_class is not None
+        side = tempfile.mkdtemp(prefix="loongforge-processor-") if saves_processor else None
+        try:
+            if self.processing_class is not None:
+                # NOTE: the tokenizer / processor goes into the export's folder with the weights, in its one atomic
+                # swap; saved first (rank 0; every rank learns the outcome), so a failure writes nothing.
+                run_everywhere(f"save_model({output_dir!r}): could not save the processing class",
+                               lambda: self.processing_class.save_pretrained(side), on=writes)
+            if _holds_other_runs(output_dir):
+                self._save_beside_runs(output_dir, side)
+            else:
+                self.model.save_pretrained(output_dir, side_files_dir=side)
+        finally:
+            if side is not None:
+                shutil.rmtree(side, ignore_errors=True)
 
-            # NOTE: rank 0 writes; every rank learns the outcome, so a failed write leaves no rank in a collective.
-            run_everywhere(f"save_model({output_dir!r}): could not save the processing class",
-                           lambda: self.processing_class.save_pretrained(output_dir),
-                           on=not dist.is_initialized() or dist.get_rank() == 0)
-
-    def _save_beside_runs(self, output_dir: str) -> None:
+    def _save_beside_runs(self, output_dir: str, side_files_dir: str | None) -> None:
         """Export into a folder that also holds checkpoints or logs (Trainer's default ``output_dir``): write the
         complete export next to it, then move its files in one by one, so the checkpoints survive and no weight
         shard of an older export is left behind."""
@@ -448,7 +458,7 @@ class LoongTrainer(Trainer):
         from loongforge_hf.trainer.checkpoint import run_everywhere
 
         staging = os.path.join(output_dir, ".loongforge-export.incomplete")
-        self.model.save_pretrained(staging)
+        self.model.save_pretrained(staging, side_files_dir=side_files_dir)
 
         def move_in() -> None:
             try:

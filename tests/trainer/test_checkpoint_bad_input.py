@@ -115,6 +115,7 @@ def save_and_resume_cases(folder: str, out_dir: str, args: dict | None = None) -
             results[case] = _outcome(lambda: trainer._save_checkpoint(trainer.model, trial=None))
         dist.barrier()
         results[case]["left"] = sorted(os.listdir(out / "run")) if (out / "run").is_dir() else []
+    results.update(_save_model_cases(trainer, folder, out / "export", rank))
     results["clean_save"] = _outcome(lambda: trainer._save_checkpoint(trainer.model, trial=None))
     dist.barrier()
     results["clean_save"]["left"] = sorted(os.listdir(out / "run"))
@@ -129,6 +130,31 @@ def save_and_resume_cases(folder: str, out_dir: str, args: dict | None = None) -
         results[case] = _outcome(lambda: resumed.train(resume_from_checkpoint=str(bad)))
         dist.barrier()
     return results
+
+
+def _save_model_cases(trainer, folder: str, export: Path, rank: int) -> dict:
+    """save_model with a processing class: its files go in with the weights (one swap); when saving them fails
+    (disk full on rank 0) every rank raises and the previous export stays as it was."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.model_max_length = 77  # differs from the source's tokenizer_config.json
+    trainer.processing_class = tokenizer
+    first = _outcome(lambda: trainer.save_model(str(export)))
+    dist.barrier()
+    before = {p.name: p.read_bytes() for p in sorted(export.iterdir())}
+    with ExitStack() as stack:
+        if rank == 0:
+            stack.enter_context(mock.patch.object(type(tokenizer), "save_pretrained", _enospc))
+        failed = _outcome(lambda: trainer.save_model(str(export)))
+    dist.barrier()
+    after = {p.name: p.read_bytes() for p in sorted(export.iterdir())}
+    trainer.processing_class = None
+    return {"save_model": {**first, "max_length": AutoTokenizer.from_pretrained(export).model_max_length,
+                           "files": sorted(before)},
+            "save_model_tokenizer_fails": {**failed, "unchanged": before == after,
+                                           "left": sorted(p.name for p in export.parent.iterdir())}}
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +199,17 @@ def test_clean_save_after_failures(results):
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_bad_checkpoint_to_resume_raises_alike_naming_the_file(results, case):
     check_bad_resume(results, case)
+
+
+def test_save_model_writes_the_processing_class_with_the_weights(results):
+    for r in results:
+        assert r["save_model"]["type"] == "no error", r["save_model"]
+        assert r["save_model"]["max_length"] == 77  # the trainer's tokenizer, not the source's copy
+        assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= set(
+            r["save_model"]["files"])
+    rank0, rank1 = (r["save_model_tokenizer_fails"] for r in results)
+    assert rank0["type"] == "CheckpointError" and "could not save the processing class" in rank0["message"] \
+        and "No space left on device" in rank0["message"], rank0
+    assert (rank1["type"], rank1["message"]) == (rank0["type"], rank0["message"])
+    assert rank0["unchanged"]  # the previous export, weights and tokenizer, as it was
+    assert "export" in rank0["left"] and not any("incomplete" in n or n.startswith(".") for n in rank0["left"])
