@@ -51,11 +51,23 @@ def run_distributed(fn: Callable, nprocs: int, *args: Any, timeout: float = 300.
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    extra_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    # NOTE: the cores shared out among the ranks. Set in this process's environment while the children start: a
+    # child imports torch (unpickling ``fn``) before ``_child`` runs, and torch reads OMP_NUM_THREADS on import.
+    threads = str(max(1, (os.cpu_count() or 1) // nprocs))
+    extra_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **(env or {})}
     procs = [ctx.Process(target=_child, args=(r, nprocs, port, extra_env, fn, args, kwargs, results), daemon=False)
              for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    saved = {k: os.environ.get(k) for k in extra_env}
+    os.environ.update(extra_env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     out: dict[int, Any] = {}
     errors: list[tuple[int, str]] = []
     deadline = time.monotonic() + timeout
