@@ -216,7 +216,7 @@ def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict) -> dic
     return {"full": full, "resumed": run(f"{out_dir}/checkpoint-2"), "checkpoint_files": files}
 
 
-def moe_sft(folder: str, out_dir: str) -> dict:
+def moe_sft(folder: str, out_dir: str, use_cpu: bool = True) -> dict:
     """A Qwen3-MoE model loaded without output_router_logits: SFTConfig(router_aux_loss_coef=0.1) switches TRL's
     router load-balancing loss on (activation recompute on, an evaluation at the last step), with trl.SFTTrainer and
     with LoongSFTTrainer: the train and eval losses and aux_loss metrics of each."""
@@ -229,7 +229,7 @@ def moe_sft(folder: str, out_dir: str) -> dict:
     for name, trainer_cls, load in (("trl", trl.SFTTrainer, transformers.AutoModelForCausalLM.from_pretrained),
                                     ("loong", lf.LoongSFTTrainer, lf.AutoModelForCausalLM.from_pretrained)):
         args = sft_config(f"{out_dir}/{name}", router_aux_loss_coef=0.1, gradient_checkpointing=True,
-                          eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2)
+                          eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2, use_cpu=use_cpu)
         trainer = trainer_cls(model=load(folder, dtype=torch.float32), args=args, train_dataset=make_dataset("text"),
                               eval_dataset=make_dataset("text", n=4, seed=9), processing_class=_tokenizer(folder))
         trainer.train()

@@ -1,7 +1,9 @@
 """LoongSFTTrainer against trl.SFTTrainer on one CUDA GPU, fp32 with TF32 off on both sides: the engine's CUDA path
 (Triton cross-entropy kernel with its token stats, Triton RMSNorm / SwiGLU / RoPE, LoongAdamW) against TRL's own
 CUDA path (its chunked LM head). Same scenarios, tolerances and checks as test_sft.py (``assert_matches``): every
-logged loss and eval loss within 1e-4, entropy 1e-4, mean_token_accuracy 1e-6, num_tokens exactly."""
+logged loss and eval loss within 1e-4, entropy 1e-4, mean_token_accuracy 1e-6, num_tokens exactly. And a Qwen3-MoE
+with TRL's router load-balancing loss (``test_sft.py::test_moe_router_aux_loss`` on CUDA: the grouped experts, the
+fused router and ``BalanceRouter``'s tally): losses and aux_loss within 1e-4."""
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 from .._device_env import pickleable_month_day_nano
-from ._sft_parity import assert_matches, run_loong, run_trl
+from ._sft_parity import assert_matches, moe_sft, run_loong, run_trl
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -36,3 +38,19 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", NAMES)
 def test_sft_on_cuda_matches_trl(runs, name):
     assert_matches(name, runs["trl"][name], runs["loong"][name])
+
+
+def _moe_world(folder: str, out_dir: str) -> dict:
+    pickleable_month_day_nano()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return moe_sft(folder, out_dir, use_cpu=False)
+
+
+def test_moe_router_aux_loss_on_cuda(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe")
+    res = run_distributed(_moe_world, 1, str(folder), str(tmp_path / "out"), timeout=600,
+                          env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    for key in ("loss", "aux_loss", "eval_loss", "eval_aux_loss"):
+        assert len(res["loong"][key]) == (3 if key in ("loss", "aux_loss") else 1), (key, res)
+        assert res["loong"][key] == pytest.approx(res["trl"][key], rel=1e-4), (key, res)
