@@ -25,7 +25,8 @@ def _router_weights(model, hf: bool) -> list[torch.Tensor]:
 def _aux_grads(model, ids, mask, labels, hf: bool) -> list[torch.Tensor]:
     """The router weights' gradient of ``coef * aux``: the loss's with output_router_logits minus without. Under
     sequence parallelism each rank's is its own tokens' part, summed over the tensor-parallel ranks (as megatron's
-    finalize_model_grads sums every sequence-parallel replicated weight's)."""
+    finalize_model_grads sums every sequence-parallel replicated weight's); under context parallelism likewise over
+    the context-parallel ranks (as the data-parallel reduction with context parallelism does)."""
     import torch.distributed as dist
 
     grads = []
@@ -34,11 +35,14 @@ def _aux_grads(model, ids, mask, labels, hf: bool) -> list[torch.Tensor]:
         model.zero_grad()
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         grads.append([w.grad.clone() for w in _router_weights(model, hf)])
-        if not hf and model.megatron.config.sequence_parallel:
+        if not hf:
             from megatron.core import parallel_state as ps
 
-            for g in grads[-1]:
-                dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+            groups = [ps.get_tensor_model_parallel_group()] if model.megatron.config.sequence_parallel else []
+            groups += [ps.get_context_parallel_group()] if ps.get_context_parallel_world_size() > 1 else []
+            for group in groups:
+                for g in grads[-1]:
+                    dist.all_reduce(g, group=group)
     model.config.output_router_logits = True
     return [a - b for a, b in zip(*grads)]
 
@@ -65,13 +69,17 @@ def forward_checks(folder: str, model) -> dict:
     return out
 
 
-def one_process(folder: str, out_dir: str) -> dict:
+def one_process(folder: str, out_dir: str, mixtral: str) -> dict:
+    """Qwen3-MoE (``folder``): training with transformers.Trainer and LoongTrainer, and the forward checks; Mixtral
+    (``mixtral``): the forward checks."""
     import loongforge_hf as lf
 
     hf = train_hf(folder, out_dir + "/hf")
     one = train_loong(folder, out_dir + "/lf", {})
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return {"hf": hf, "one": one, "forward": forward_checks(folder, model)}
+    mixtral_model = lf.AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.float32)
+    return {"hf": hf, "one": one, "forward": forward_checks(folder, model),
+            "forward_mixtral": forward_checks(mixtral, mixtral_model)}
 
 
 def two_processes(folder: str, out_dir: str) -> dict:
@@ -85,4 +93,11 @@ def two_processes(folder: str, out_dir: str) -> dict:
     layout = {"tensor_parallel_size": 2, "sequence_parallel": True}
     tp2 = train_loong(folder, out_dir + "/tp2", layout)
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
-    return {"pp2": refused, "tp2": tp2, "forward_tp2": forward_checks(folder, model)}
+    out = {"pp2": refused, "tp2": tp2, "forward_tp2": forward_checks(folder, model)}
+    del model
+    # NOTE: EP2 is DP2: one micro-batch per rank per step holds the one-process run's two (see the test)
+    out["ep2"] = train_loong(folder, out_dir + "/ep2", {"expert_parallel_size": 2}, {"gradient_accumulation_steps": 1})
+    out["cp2"] = train_loong(folder, out_dir + "/cp2", {"context_parallel_size": 2})
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
+    out["forward_cp2"] = forward_checks(folder, model)
+    return out

@@ -9,10 +9,19 @@ one process: the logged losses of four steps.
   MoE layers of each forward (``bridges/router_balance.py``):
   - the model's forward returns transformers' loss (lm + coef * aux) and aux_loss (1e-5), with and without an
     attention mask with pads, under no_grad without labels, and the routers get the term's gradient (1e-4 of the
-    largest entry); at TP2 + sequence parallel too (the 15-token batch is padded to 16 by the model: a pad that
-    does not count);
+    largest entry); for Mixtral too (one process); at TP2 + sequence parallel and at CP2 too (the 15-token batch
+    is padded to 16 by the model: a pad that does not count; each rank's router gradient is its own tokens' part,
+    summed over the ranks that split the tokens);
   - LoongTrainer's logged losses (which include coef * aux, summed over the step's micro-batches) equal
-    transformers.Trainer's (1e-5) on one process, and TP2 + sequence parallel repeats them (1e-5);
+    transformers.Trainer's (1e-5) on one process, and TP2 + sequence parallel and CP2 repeat them (1e-5);
+  - EP2 (2 processes: data parallel 2, the experts split over the two ranks) with gradient accumulation 1 repeats
+    the one-process run with accumulation 2 (1e-5): the same 4 rows a step in the same 2-row micro-batches (rank r
+    gets the loader's batch r). That is the right reference for transformers.Trainer's semantics
+    (transformers 5.x ``training_step``/``compute_loss``): the model's loss is ``lm_sum / N + coef * aux`` per
+    micro-batch with ``N`` the step's label tokens over all ranks, not divided by the accumulation steps (the
+    model takes loss kwargs), multiplied by the number of processes (``average_tokens_across_devices``) before DDP
+    averages the gradients; so ``coef * aux`` enters summed over micro-batches and ranks, and the logged loss (the
+    ranks' mean) is the same sum: on one process with twice the accumulation, the same micro-batches' sum;
   - pipeline parallelism is refused at from_pretrained, naming the way out.
 """
 
@@ -53,7 +62,9 @@ def router_aux(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_aux")
     src = make_tiny_checkpoint(tmp / "src", "qwen3_moe", tokenizer=False, output_router_logits=True,
                                router_aux_loss_coef=0.1)
-    one = run_distributed(one_process, 1, str(src), str(tmp / "one"), timeout=300)[0]
+    mixtral = make_tiny_checkpoint(tmp / "mixtral", "mixtral", tokenizer=False, output_router_logits=True,
+                                   router_aux_loss_coef=0.1)
+    one = run_distributed(one_process, 1, str(src), str(tmp / "one"), str(mixtral), timeout=300)[0]
     return src, one
 
 
@@ -72,6 +83,7 @@ def _assert_forward(forward: dict) -> None:
 
 def test_router_aux_loss_in_forward(router_aux):
     _assert_forward(router_aux[1]["forward"])
+    _assert_forward(router_aux[1]["forward_mixtral"])
 
 
 def test_router_aux_loss_matches_transformers_trainer(router_aux):
@@ -79,7 +91,7 @@ def test_router_aux_loss_matches_transformers_trainer(router_aux):
     assert one["one"]["losses"] == pytest.approx(one["hf"], rel=1e-5, abs=1e-5)
 
 
-def test_router_aux_loss_tp2_sp_and_pp_refusal(router_aux, tmp_path):
+def test_router_aux_loss_tp2_sp_ep2_cp2_and_pp_refusal(router_aux, tmp_path):
     src, one = router_aux
     got = run_distributed(two_processes, 2, str(src), str(tmp_path / "lf"), timeout=400)
     for r in got:
@@ -87,3 +99,6 @@ def test_router_aux_loss_tp2_sp_and_pp_refusal(router_aux, tmp_path):
             and "router_aux_loss_coef=0" in r["pp2"], r["pp2"]
         assert r["tp2"]["losses"][:4] == pytest.approx(one["one"]["losses"][:4], rel=1e-5, abs=1e-5)
         _assert_forward(r["forward_tp2"])
+        assert r["ep2"]["losses"][:4] == pytest.approx(one["one"]["losses"][:4], rel=1e-5, abs=1e-5)
+        assert r["cp2"]["losses"] == pytest.approx(one["one"]["losses"], rel=1e-5, abs=1e-5)
+        _assert_forward(r["forward_cp2"])
