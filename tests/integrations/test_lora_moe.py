@@ -13,8 +13,7 @@ refused here; the attention projections are adapted as on a dense model, in ever
   ``PeftModel.from_pretrained`` and the merged export (the full MoE checkpoint) in transformers with the Loong
   model's logits (1e-4); a PEFT-written adapter (random B) loads onto the Loong model with PEFT's logits and loss.
 - LoongSFTTrainer with a LoraConfig on Qwen3-MoE (with and without the router balancing loss): the logged losses of
-  trl.SFTTrainer (1e-4 relative), at TP1 and
-  at TP2 + SP + EP2.
+  trl.SFTTrainer (1e-4 relative), at TP1 and at TP2 + SP + EP2.
 - Refused with messages naming the way out: expert or router targets ("all-linear", down_proj, w1/w3,
   target_parameters), multi-latent attention (DeepSeek-V3).
 """
