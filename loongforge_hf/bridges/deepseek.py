@@ -33,6 +33,7 @@ class DeepseekBridge(MoEBridge):
     router_fp32 = True
     interleaved_rope_on_disk = True
     has_passthrough = True
+    multi_latent_attention = True                              # attention is megatron's MLASelfAttention
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:

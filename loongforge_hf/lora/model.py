@@ -13,6 +13,9 @@ Choices:
 - ``save_pretrained(dir)`` writes a PEFT adapter folder that ``peft.PeftModel.from_pretrained(hf_model, dir)`` loads
   as it is; ``save_pretrained(dir, merged=True)`` writes a plain HF checkpoint with ``W + scaling * B @ A`` in every
   adapted weight (the model itself is left unmerged). Both are collective; rank 0 writes, atomically.
+- Mixture-of-experts models (Qwen3-MoE, Mixtral) get adapters on their attention projections only, as PEFT adapts
+  them (``plan.py``); the routed experts and the router stay frozen, so under expert parallelism nothing is reduced
+  over the expert data-parallel group and the adapters reduce over the dense one, like any attention weight.
 - With pipeline parallelism the first stage must hold something trainable (its input, the embedding, does not
   require grad, so a stage without adapters would have nothing to back-propagate into).
 """
@@ -174,7 +177,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             dict(chunk.named_parameters())[name].requires_grad_(True)
 
     model.__class__ = LoongLoraModelForCausalLM
-    model.lora_config = copy.deepcopy(peft_config)
+    model.lora_config = copy.deepcopy(plan.config)
     model.lora_plan = plan
     return model
 

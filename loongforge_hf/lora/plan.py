@@ -13,9 +13,17 @@ Choices:
   fuses another way, the LM head and embeddings are refused with the list of what can be targeted.
 - ``modules_to_save`` may name norms, ``embed_tokens`` and an untied ``lm_head`` (whole parameters megatron keeps
   replicated or vocab-split); a tensor-parallel linear there is refused (its rows are fused with others' in megatron).
-- Refused with a clear message: DoRA, ``lora_bias``, ``rank_pattern``/``alpha_pattern``, ``target_parameters``,
-  ``trainable_token_indices``, ``layer_replication``, initialisations other than ``True``/``False``/``"gaussian"``,
-  models with routed experts or multi-latent attention.
+- Mixture-of-experts models (Qwen3-MoE, Mixtral): PEFT on transformers 5 first rewrites the config of these models
+  (``peft.utils.transformers_weight_conversion``): a name of an expert projection or the router (``gate_proj``,
+  ``up_proj``, ``down_proj``, ``w1``/``w2``/``w3``, ``gate``; ``"all-linear"`` names them all) becomes a
+  ``target_parameters`` entry on the 3-D expert stacks or the router, and a string ``target_modules`` (a regex) becomes
+  the set of leaf names it matches (so a regex naming one layer's ``q_proj`` adapts ``q_proj`` in every layer). The
+  same rewrite runs here, with PEFT's own function, on the skeleton; the targets are then the attention projections
+  (dense, in every layer), and a config whose rewrite reaches experts or the router is refused, naming the attention
+  projections as the way out.
+- Refused with a clear message: DoRA, ``lora_bias``, ``rank_pattern``/``alpha_pattern``, ``target_parameters``
+  (expert weights), ``trainable_token_indices``, ``layer_replication``, initialisations other than
+  ``True``/``False``/``"gaussian"``, models with multi-latent attention (DeepSeek-V2/V3).
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ class LoraPlan:
     targets: list[Target]
     saved: list[SavedTensor]
     target_modules: list[str] | str         # as written to adapter_config.json
+    config: object                          # the LoraConfig as PEFT holds it (rewritten for MoE models, see above)
     hf_param_count: int                     # parameters of the HF model without adapters
     hf_shapes: dict[str, tuple[int, ...]] = field(repr=False, default_factory=dict)
 
@@ -117,9 +126,13 @@ def _check_config(config) -> None:
 
 def _hf_tensor_index(bridge) -> dict[str, tuple[Mapping, int | None, int]]:
     """HF tensor name -> (bridge mapping, global layer or None, position among the mapping's HF names)."""
+    from loongforge_hf.bridges.fused_mappings import Expert
+
     index: dict[str, tuple[Mapping, int | None, int]] = {}
     for layer in range(bridge.hf_config.num_hidden_layers):
         for m in bridge.mappings_for_layer(layer):
+            if isinstance(m, Expert):  # routed experts: 3-D parameters in transformers, never a LoRA module target
+                continue
             for i, n in enumerate(m.hf_names(layer)):
                 index[n] = (m, layer, i)
     for m in [bridge.embedding_mapping(), *bridge.final_mappings()]:
@@ -134,10 +147,12 @@ def plan_lora(bridge, config) -> LoraPlan:
     from torch import nn
 
     _check_config(config)
-    if bridge.num_experts() or getattr(bridge, "multi_latent_attention", False):
-        raise LoraConfigError(f"LoRA supports dense decoders; {bridge.architectures[0]} has routed experts or "
-                              "multi-latent attention.")
+    if getattr(bridge, "multi_latent_attention", False):
+        raise LoraConfigError(f"LoRA is not supported on {bridge.architectures[0]}: its multi-latent attention "
+                              "projections (q_a_proj, kv_a_proj_with_mqa, ...) are fused differently in megatron. "
+                              "Supported: dense decoders and the mixture-of-experts models Qwen3-MoE and Mixtral.")
     skeleton = _hf_skeleton(bridge.hf_config)
+    config = _as_peft_rewrites(config, skeleton, bridge)
     output_embedding = skeleton.get_output_embeddings()
     modules = list(skeleton.named_modules())
     linear_names = {n for n, mod in modules if isinstance(mod, nn.Linear) and mod is not output_embedding}
@@ -180,8 +195,34 @@ def plan_lora(bridge, config) -> LoraPlan:
     shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
     target_modules = sorted({t.name for t in targets}) if all_linear else (
         config.target_modules if isinstance(config.target_modules, str) else sorted(config.target_modules))
-    return LoraPlan(targets=targets, saved=saved, target_modules=target_modules,
+    return LoraPlan(targets=targets, saved=saved, target_modules=target_modules, config=config,
                     hf_param_count=sum(math.prod(s) for s in shapes.values()), hf_shapes=shapes)
+
+
+def _as_peft_rewrites(config, skeleton, bridge):
+    """A copy of ``config`` as PEFT rewrites it for ``skeleton``'s architecture (MoE models on transformers 5; any
+    other model keeps it as it is); refused when the rewrite targets routed experts or the router."""
+    import copy
+
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a PEFT without the rewrite adapts modules by name only
+        return config
+    rewritten = copy.deepcopy(config)
+    try:
+        convert_peft_config_for_transformers(rewritten, model=skeleton, conversions=None)
+    except ValueError as err:
+        raise LoraConfigError(f"target_modules={config.target_modules!r} on {bridge.architectures[0]}: PEFT "
+                              f"refuses it ({err}).") from err
+    if rewritten.target_parameters:
+        raise LoraConfigError(
+            f"target_modules={config.target_modules!r} on {bridge.architectures[0]}: PEFT adapts the routed experts "
+            f"or the router there (target_parameters={sorted(rewritten.target_parameters)}: 3-D expert weights), "
+            "which loongforge-hf LoRA does not support. Adapt the attention projections, e.g. "
+            "target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'].")
+    if isinstance(rewritten.target_modules, (set, frozenset)):
+        rewritten.target_modules = sorted(rewritten.target_modules)
+    return rewritten
 
 
 def _saved_tensors(config, modules, index, bridge) -> list[SavedTensor]:

@@ -8,15 +8,15 @@ LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights
                modules_to_save=["post_attention_layernorm", "lm_head"])
 
 
-def write_peft_adapter(folder: str, out_dir: str) -> None:
-    """A PEFT adapter of the transformers model with every factor (B included) and the modules_to_save tensors
-    random, saved by ``PeftModel.save_pretrained``."""
+def write_peft_adapter(folder: str, out_dir: str, lora_kw: dict = LORA_KW) -> None:
+    """A PEFT adapter (``lora_kw``) of the transformers model with every factor (B included) and the modules_to_save
+    tensors random, saved by ``PeftModel.save_pretrained``."""
     import peft
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     transformers.set_seed(7)
-    model = peft.get_peft_model(hf, peft.LoraConfig(**LORA_KW))
+    model = peft.get_peft_model(hf, peft.LoraConfig(**lora_kw))
     g = torch.Generator().manual_seed(8)
     with torch.no_grad():
         for name, p in model.named_parameters():

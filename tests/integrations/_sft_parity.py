@@ -66,12 +66,12 @@ SCENARIOS = {
 }
 
 
-def assert_matches(name: str, ref: dict, got: dict) -> None:
+def assert_matches(name: str, ref: dict, got: dict, scenarios: dict = SCENARIOS) -> None:
     assert len(got["losses"]) == len(ref["losses"]) == 3
     assert got["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-4)
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
     # evaluation during training (lora_text): the loss of the model as trained so far, step after step
-    assert len(ref["eval_losses"]) == (3 if SCENARIOS[name][1].get("eval_strategy") else 0)
+    assert len(ref["eval_losses"]) == (3 if scenarios[name][1].get("eval_strategy") else 0)
     assert got["eval_losses"] == pytest.approx(ref["eval_losses"], rel=1e-4)
     for key in ("loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens"):
         assert key in got["keys"]
@@ -115,7 +115,7 @@ def probe_ids() -> torch.Tensor:
     return torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(11))
 
 
-def run_trl(folder: str, out_dir: str, names: list[str], **extra) -> dict:
+def run_trl(folder: str, out_dir: str, names: list[str], scenarios: dict = SCENARIOS, **extra) -> dict:
     """trl.SFTTrainer (+ PEFT) on the transformers model: {scenario: {"losses", "eval_losses"}}."""
     import peft
     import transformers
@@ -123,7 +123,7 @@ def run_trl(folder: str, out_dir: str, names: list[str], **extra) -> dict:
 
     out = {}
     for name in names:
-        kind, overrides, lora = SCENARIOS[name]
+        kind, overrides, lora = scenarios[name]
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         trainer = trl.SFTTrainer(model=model, args=sft_config(f"{out_dir}/{name}", **overrides, **extra),
                                  train_dataset=make_dataset(kind), eval_dataset=_eval_dataset(kind, overrides),
@@ -135,7 +135,8 @@ def run_trl(folder: str, out_dir: str, names: list[str], **extra) -> dict:
     return out
 
 
-def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], **extra) -> dict:
+def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], scenarios: dict = SCENARIOS,
+              **extra) -> dict:
     """LoongSFTTrainer: {scenario: {"losses", "eval_losses", "keys", and for LoRA "adapter_logits_diff" and
     "trainable" (rank 0)}}."""
     import peft
@@ -146,7 +147,7 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], **extra
 
     out = {}
     for name in names:
-        kind, overrides, lora = SCENARIOS[name]
+        kind, overrides, lora = scenarios[name]
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
         trainer = lf.LoongSFTTrainer(model=model, args=sft_config(f"{out_dir}/{name}", **overrides, **extra),
                                      train_dataset=make_dataset(kind), eval_dataset=_eval_dataset(kind, overrides),

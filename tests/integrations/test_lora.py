@@ -65,18 +65,6 @@ def test_initial_adapters_are_peft_s(checkpoints, case):
         assert plan.target_modules == sorted(ref.peft_config["default"].target_modules)
 
 
-def _moe_bridge():
-    import transformers
-
-    from loongforge_hf.bridges import get_bridge
-
-    cfg = transformers.Qwen3MoeConfig(vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-                                      num_experts_per_tok=2, moe_intermediate_size=32)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
-    return get_bridge(cfg)
-
-
 @pytest.mark.parametrize("kw, match", [
     (dict(target_modules=["q_proj"], use_dora=True), "use_dora"),
     (dict(target_modules=["q_proj"], rank_pattern={"q_proj": 8}), "rank_pattern"),
@@ -98,16 +86,6 @@ def test_unsupported_configs_are_refused(checkpoints, kw, match):
     bridge = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["llama"]))
     with pytest.raises(LoraConfigError, match=match):
         plan_lora(bridge, peft.LoraConfig(**kw))
-
-
-def test_mixture_of_experts_is_refused():
-    import peft
-
-    from loongforge_hf.lora import LoraConfigError
-    from loongforge_hf.lora.plan import plan_lora
-
-    with pytest.raises(LoraConfigError, match="dense decoders"):
-        plan_lora(_moe_bridge(), peft.LoraConfig(target_modules=["q_proj"]))
 
 
 def _other_linear_in_a_target_slot(folder: str) -> dict:
