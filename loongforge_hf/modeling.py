@@ -9,8 +9,9 @@ Choices:
   stage's outputs; gradients flow through ``forward`` when pipeline_parallel_size == 1.
 - An MoE model whose config has ``output_router_logits`` and a nonzero ``router_aux_loss_coef`` returns, as
   transformers' ``MoeCausalLMOutputWithPast``, ``aux_loss`` (transformers' router load-balancing loss over all MoE
-  layers, in eval mode and without grad too) and ``loss = lm loss + coef * aux_loss``; the term's gradient reaches
-  the routers from ``loss`` (``bridges/router_balance.py``: ``aux_loss`` itself carries no graph).
+  layers, in eval mode and without grad too) and ``loss = lm loss + coef * aux_loss``; ``aux_loss`` is in the graph
+  as transformers' is (the routers' gradient follows what the caller backpropagates: ``bridges/router_balance.py``).
+  The forward keyword ``output_router_logits`` overrides the config's, as in transformers.
 - ``save_pretrained`` is collective (every rank calls it); rank 0 writes.
 """
 
@@ -74,10 +75,12 @@ def hf_forward_options(unused: dict, labels) -> dict:
             "return_dict": unused.get("return_dict", True) is not False}
 
 
-def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux_coef: float = 0.0):
-    """``CausalLMOutputWithPast`` (or its tuple) with ``hf_forward_options``' keywords applied; with ``aux_loss`` (the
-    router load-balancing loss) a ``MoeCausalLMOutputWithPast`` whose loss adds ``aux_coef * aux_loss``, as
-    transformers adds it after the language-model loss's ``num_items_in_batch`` division."""
+def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux_coef: float = 0.0,
+                      moe: bool = False):
+    """``CausalLMOutputWithPast`` (or its tuple) with ``hf_forward_options``' keywords applied; for a model whose
+    transformers class returns ``MoeCausalLMOutputWithPast`` (``moe``) that, with ``aux_loss`` (the router
+    load-balancing loss, or None) and a loss that adds ``aux_coef * aux_loss``, as transformers adds it after the
+    language-model loss's ``num_items_in_batch`` division."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     num_items = options["num_items_in_batch"]
@@ -90,10 +93,10 @@ def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux
     keep = options["logits_to_keep"]
     if logits is not None and not (isinstance(keep, int) and keep == 0):
         logits = logits[:, -keep:] if isinstance(keep, int) else logits[:, keep.to(logits.device)]
-    if aux_loss is None:
+    if aux_loss is None and not moe:
         out = CausalLMOutputWithPast(loss=loss, logits=logits)
     else:
-        if loss is not None:
+        if loss is not None and aux_loss is not None:
             loss = loss + aux_coef * aux_loss.to(loss)
         out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits)
     return out if options["return_dict"] else out.to_tuple()
@@ -201,7 +204,7 @@ class LoongModelForCausalLM(nn.Module):
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
         options = hf_forward_options(unused, labels)
-        balance = router_balance.active(self)
+        balance = router_balance.active(self, unused.get("output_router_logits"))
         tally = None
         if balance is not None:
             multiple = self.parallel.sequence_multiple
@@ -210,10 +213,11 @@ class LoongModelForCausalLM(nn.Module):
             tally = balance[0].begin(router_balance.context_parallel_share(weights))
         loss, logits = forward_causal_lm(self, input_ids=input_ids, attention_mask=attention_mask,
                                          position_ids=position_ids, labels=labels, return_logits=return_logits)
+        moe = self.router_balance is not None  # NOTE: Qwen3-MoE / Mixtral: transformers' MoE output type
         if tally is None:
-            return hf_forward_output(loss, logits, labels, options)
-        aux = tally.finish(coef=balance[1])
-        return hf_forward_output(loss, logits, labels, options, aux_loss=aux, aux_coef=balance[1])
+            return hf_forward_output(loss, logits, labels, options, moe=moe)
+        aux = tally.finish()  # NOTE: in the graph: the routers' gradient follows what the caller does with it
+        return hf_forward_output(loss, logits, labels, options, aux_loss=aux, aux_coef=balance[1], moe=moe)
 
     # ---- activation checkpointing (what transformers.Trainer calls for `activation_checkpointing=True`) ---------
     supports_gradient_checkpointing = True

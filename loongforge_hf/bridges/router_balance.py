@@ -12,14 +12,16 @@ Choices:
   user's attention mask, 0 for the pads the engine adds for its layout (``trainer.data``), 1 everywhere for
   padding-free rows, as transformers counts them. ``Tally.finish`` sums the layers and the ranks that split the
   tokens (tensor-parallel ranks under sequence parallelism, context-parallel ranks) and returns the loss.
-- The gradient is handed in the way megatron hands in its own balancing loss's (``MoEAuxLossAutoScaler``): each
-  layer's probability sums join the graph through an identity op on the router's output whose backward gives them
-  ``d(scale * coef * loss) / d(sums) = scale * coef * E * f / R``, known once the tally is finished. One path then
-  serves a plain forward and activation recompute (the first, grad-free pass tallies; the pass recomputed inside the
-  backward only attaches the gradient), and no collective needs a backward: each rank's own tokens get their part,
-  and megatron sums the router weight's gradient over the ranks that split the tokens (as for every weight
-  replicated under sequence parallelism; over context-parallel ranks with the data-parallel reduction). The value a
-  forward returns as ``aux_loss`` carries no graph of its own.
+- The gradient: ``Tally.finish`` returns the loss in the graph (``_AuxOut``), and each layer's probability sums join
+  it through an identity op on the router's output (``_SumsGrad``). Whatever reaches ``aux_loss`` in the backward
+  (``coef`` from ``loss = lm + coef * aux``, times anything that scaled the loss afterwards: gradient accumulation,
+  a loss scale, a custom objective that leaves ``aux`` out: nothing) is kept, and the layers' sums get it times
+  ``d aux / d sums = E * f / R``, known once the tally is finished. One path then serves a plain forward and
+  activation recompute (the first, grad-free pass tallies; the pass recomputed inside the backward only attaches
+  the gradient; a recompute that would take another forward's tally is refused), and no collective needs a
+  backward: each rank's own tokens get their part, and megatron sums the router weight's gradient over the ranks
+  that split the tokens (as for every weight replicated under sequence parallelism; over context-parallel ranks
+  with the data-parallel reduction).
 - One tally is open at a time, so the layers of one forward must run on one rank: pipeline parallelism is refused
   (``check_layout``), with the way out (``router_aux_loss_coef=0``).
 """
@@ -62,7 +64,8 @@ def balance_router_class() -> type:
 
 
 class _SumsGrad(torch.autograd.Function):
-    """Identity on the router's probabilities; its backward gives the layer's probability sums the tally's gradient."""
+    """Identity on the router's probabilities; its backward gives the layer's probability sums the gradient of the
+    loss the tally's ``aux_loss`` went into (``_AuxOut``), times ``d aux / d sums``."""
 
     @staticmethod
     def forward(ctx, probs, sums, tally):
@@ -71,8 +74,25 @@ class _SumsGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_probs):
-        grad = ctx.tally.sums_grad
+        tally = ctx.tally
+        grad = None if tally.upstream is None else tally.upstream * tally.sums_grad
         return grad_probs, grad, None
+
+
+class _AuxOut(torch.autograd.Function):
+    """``aux_loss`` in the graph (its value; the input ``anchor`` only makes it require grad): its backward keeps the
+    gradient that reached it (the coefficient and whatever scaled the loss after: gradient accumulation, a loss
+    scale), which the layers' ``_SumsGrad`` then hand on. Made after the loss it joins, it runs before them."""
+
+    @staticmethod
+    def forward(ctx, value, anchor, tally):
+        ctx.tally = tally
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.tally.upstream = grad.float()
+        return None, None, None
 
 
 class Tally:
@@ -83,7 +103,11 @@ class Tally:
         self.layers: list[torch.Tensor] = []
         self.open = True                # False once finished: a recomputed forward only attaches the gradient
         self.group = None               # the ranks that split this forward's tokens
-        self.sums_grad: torch.Tensor | None = None
+        self.sums_grad: torch.Tensor | None = None  # d aux / d (each layer's probability sums)
+        self.upstream: torch.Tensor | None = None   # d objective / d aux, set in the backward (_AuxOut)
+        self.with_grad = torch.is_grad_enabled()   # begun by a forward that builds a graph
+        self.routed = 0                 # layers tallied (while open)
+        self.attached = 0               # layers whose gradient hand-in points at this tally
 
     def _local_weights(self, router, rows: int) -> torch.Tensor | None:
         if self.weights is None:
@@ -111,15 +135,22 @@ class Tally:
             counts, sums = (chosen * w[:, None]).sum(0), (scores * w[:, None]).sum(0)
             total = w.sum().reshape(1)
         if self.open:
+            self.routed += 1
             self.layers.append(torch.cat([counts, sums.detach(), total]))
             self.group = router.tp_cp_group if router.config.sequence_parallel else router.cp_group
         if torch.is_grad_enabled() and sums.requires_grad:
+            self.attached += 1
+            if not self.open and (not self.with_grad or self.attached > self.routed):
+                # NOTE: a layer recomputed in the backward takes the model's latest tally; here it is another
+                # forward's (two forwards before one backward, or a forward in between): refused, not mis-scaled.
+                raise RuntimeError("router balance: activation recompute with the router load-balancing loss needs "
+                                   "each forward's backward to run before the next forward.")
             probs = _SumsGrad.apply(probs, sums, self)
         return probs
 
-    def finish(self, *, coef: float, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-        """The forward's balancing loss (fp32 scalar, without graph); sets the gradient its backward hands in, for
-        ``scale * coef * loss``."""
+    def finish(self) -> torch.Tensor:
+        """The forward's balancing loss (fp32 scalar); in the graph (``_AuxOut``) when the forward builds one, so a
+        loss that adds ``coef * aux`` (and anything scaling that loss) sends the routers their gradient."""
         self.open = False
         if not self.layers:
             raise RuntimeError("router balance: no MoE layer routed any token in this forward.")
@@ -130,9 +161,12 @@ class Tally:
         rows = total[-1].clamp(min=1.0)
         fraction = total[:experts] / rows
         loss = experts * (fraction * total[experts:2 * experts] / rows).sum()
-        self.sums_grad = (fraction * (coef * experts / rows) * scale).to(total.dtype)
+        self.sums_grad = (fraction * (experts / rows)).to(total.dtype)
         self.layers = []
-        return loss
+        if not (self.with_grad and torch.is_grad_enabled()):
+            return loss
+        anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
+        return _AuxOut.apply(loss, anchor, self)
 
 
 class RouterBalance:
@@ -161,9 +195,10 @@ def attach(chunks) -> RouterBalance | None:
     return RouterBalance(routers) if routers else None
 
 
-def check_layout(hf_config, bridge, *, pipeline_parallel_size: int) -> None:
-    """``ValueError`` where the loss is asked for and cannot be computed (pure: every rank raises alike)."""
-    coef = router_aux_loss_coef_of(hf_config)
+def check_layout(hf_config, bridge, *, pipeline_parallel_size: int, coef: float | None = None) -> None:
+    """``ValueError`` where the loss is asked for (``coef``, default the config's) and cannot be computed (pure:
+    every rank raises alike)."""
+    coef = router_aux_loss_coef_of(hf_config) if coef is None else coef
     if not coef:
         return
     if not getattr(bridge, "hf_balance_loss", False):
@@ -179,12 +214,17 @@ def check_layout(hf_config, bridge, *, pipeline_parallel_size: int) -> None:
                          "LoongSFTTrainer).")
 
 
-def active(model) -> tuple[RouterBalance, float] | None:
+def active(model, output_router_logits: bool | None = None) -> tuple[RouterBalance, float] | None:
     """(the model's ``RouterBalance``, coefficient) when its config asks for the loss now (trl may switch it on after
-    loading); None otherwise. Raises as ``check_layout``."""
-    check_layout(model.config, model.bridge, pipeline_parallel_size=model.parallel.pipeline_parallel_size)
+    loading), or a forward's ``output_router_logits`` keyword does (it overrides the config's, as in transformers);
+    None otherwise. Raises as ``check_layout``."""
+    config = model.config
+    if output_router_logits is None:
+        coef = router_aux_loss_coef_of(config)
+    else:
+        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if output_router_logits else 0.0
+    check_layout(config, model.bridge, pipeline_parallel_size=model.parallel.pipeline_parallel_size, coef=coef)
     balance = getattr(model, "router_balance", None)
-    coef = router_aux_loss_coef_of(model.config)
     if balance is None or not coef:
         if balance is not None:
             balance.end()

@@ -150,7 +150,8 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
                          peft_config=None, formatting_func=formatting_func)
         if data_collator is None and getattr(self, "_is_vision_dataset", False):
             multiple = _vision_pad_multiple(self.model.parallel, args)
-            self.data_collator.pad_to_multiple_of = math.lcm(args.pad_to_multiple_of or 1, multiple)
+            if multiple > 1:  # NOTE: TRL's prompt-completion vision collation refuses any pad_to_multiple_of
+                self.data_collator.pad_to_multiple_of = math.lcm(args.pad_to_multiple_of or 1, multiple)
         vars(self.model).pop("forward", None)  # TRL's fused-LM-head patch (see the module docstring)
         self._check_router_aux_loss()
 

@@ -53,7 +53,7 @@ def run_distributed(fn: Callable, nprocs: int, *args: Any, timeout: float = 300.
     port = _free_port()
     # NOTE: the cores shared out among the ranks. Set in this process's environment while the children start: a
     # child imports torch (unpickling ``fn``) before ``_child`` runs, and torch reads OMP_NUM_THREADS on import.
-    threads = str(max(1, (os.cpu_count() or 1) // nprocs))
+    threads = str(max(1, len(os.sched_getaffinity(0)) // nprocs))
     extra_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **(env or {})}
     procs = [ctx.Process(target=_child, args=(r, nprocs, port, extra_env, fn, args, kwargs, results), daemon=False)
              for r in range(nprocs)]

@@ -38,9 +38,10 @@ Choices:
   the run stands for (``router_aux_reduction``): "sum" as transformers.Trainer (the model's loss adds ``coef * aux``
   and Trainer scales it by the number of processes before DDP averages: ``coef`` times the sum over micro-batches
   and data-parallel ranks), "mean" as trl.SFTTrainer (``coef * aux / micro-batches`` per micro-batch, averaged by
-  DDP: ``coef`` times the mean over both). Gradients being divided by the step's label-token count ``N``, each
-  rank's routers are handed the gradient of ``coef * aux * N`` ("sum") or ``coef * aux * N / (DP * micro-batches)``
-  ("mean"); the logged loss adds the same term to the language-model loss.
+  DDP: ``coef`` times the mean over both). Gradients being divided by the step's label-token count ``N`` (1 when
+  it is 0), each micro-batch's backpropagated loss adds ``coef * aux * N`` ("sum") or ``coef * aux * N / (DP *
+  micro-batches)`` ("mean"), so megatron's loss scale applies to it too; the logged loss adds the term to the
+  language-model loss.
 - Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
   biases and 1-D params, equal Trainer's for these models), max_grad_norm. LR schedules are transformers' own
   schedulers stepping megatron's inner optimizer(s).
@@ -383,9 +384,10 @@ class MegatronEngine:
         for b in micro_batches:
             count += int((shift_labels(b["labels"]) != IGNORE_INDEX).sum())
         dist.all_reduce(count, group=ps.get_data_parallel_group(with_context_parallel=False))
-        scale = count
+        # NOTE: the optimizer step divides the gradients by the count, by 1 when it is 0 (_optimizer_step)
+        scale = torch.where(count > 0, count, torch.ones_like(count))
         if self.router_aux_reduction == "mean":
-            scale = count / (ps.get_data_parallel_world_size(with_context_parallel=False) * len(micro_batches))
+            scale = scale / (ps.get_data_parallel_world_size(with_context_parallel=False) * len(micro_batches))
         return {"balance": on[0], "coef": on[1], "scale": scale,
                 "inputs": [(b.get("attention_mask"), tuple(b["input_ids"].shape)) for b in micro_batches]}
 
@@ -444,9 +446,11 @@ class MegatronEngine:
                 if stats is not None:
                     reported["token stats"] = stats
                 if tally is not None:
-                    # NOTE: the term's gradient reaches the routers in the backward (router_balance.py), not
-                    # through loss_sum
-                    reported["router aux"] = tally.finish(coef=balance["coef"], scale=balance["scale"])
+                    # NOTE: the term joins the loss megatron backpropagates (its loss scale included), not the
+                    # reported language-model loss; the routers get its gradient through aux (router_balance.py)
+                    aux = tally.finish()
+                    reported["router aux"] = aux.detach()
+                    loss_sum = loss_sum + (balance["coef"] * balance["scale"]) * aux
                 return loss_sum, count, reported
             return output, loss_func
         return forward_step

@@ -179,6 +179,7 @@ class LoongTrainer(Trainer):
         runtime = metrics.get(f"{prefix}_runtime")
         if f"{prefix}_steps_per_second" in metrics and runtime:
             metrics[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
+            self._eval_steps = (None, 0)
 
     def predict(self, *args, **kwargs):
         output = super().predict(*args, **kwargs)

@@ -22,8 +22,9 @@ def _router_weights(model, hf: bool) -> list[torch.Tensor]:
     return [router.weight for router in model.router_balance.routers]
 
 
-def _aux_grads(model, ids, mask, labels, hf: bool) -> list[torch.Tensor]:
-    """The router weights' gradient of ``coef * aux``: the loss's with output_router_logits minus without. Under
+def _aux_grads(model, ids, mask, labels, hf: bool, objective=lambda out: out.loss) -> list[torch.Tensor]:
+    """The router weights' gradient of ``objective(output)`` with output_router_logits minus the loss's without
+    (``coef * aux``'s for the plain loss). Under
     sequence parallelism each rank's is its own tokens' part, summed over the tensor-parallel ranks (as megatron's
     finalize_model_grads sums every sequence-parallel replicated weight's); under context parallelism likewise over
     the context-parallel ranks (as the data-parallel reduction with context parallelism does)."""
@@ -33,7 +34,8 @@ def _aux_grads(model, ids, mask, labels, hf: bool) -> list[torch.Tensor]:
     for on in (True, False):
         model.config.output_router_logits = on
         model.zero_grad()
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        (objective(out) if on else out.loss).backward()
         grads.append([w.grad.clone() for w in _router_weights(model, hf)])
         if not hf:
             from megatron.core import parallel_state as ps
@@ -66,6 +68,16 @@ def forward_checks(folder: str, model) -> dict:
     want, got = _aux_grads(hf, ids, mask, labels, True), _aux_grads(model, ids, mask, labels, False)
     out["grad"] = [float((a - b).abs().max() / a.abs().max()) for a, b in zip(want, got)]
     out["grad_size"] = [float(a.abs().max()) for a in want]
+    # the routers' gradient follows what is backpropagated, as transformers': a loss scaled after the forward
+    # (gradient accumulation's 1 / steps), and an objective that leaves the term out (no balancing gradient then)
+    coef = hf.config.router_aux_loss_coef
+    for name, objective in (("scaled", lambda o: 0.25 * o.loss + 0.75 * o.loss.detach()),
+                            ("without_aux", lambda o: o.loss - coef * o.aux_loss)):
+        want, got = (_aux_grads(m, ids, mask, labels, m is hf, objective) for m in (hf, model))
+        out[name] = max(float((a - b).abs().max()) for a, b in zip(want, got)) / max(out["grad_size"])
+    # the forward keyword overrides the config, as in transformers (the config says output_router_logits=True)
+    plain = [m(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=False) for m in (hf, model)]
+    out["keyword_off"] = ([type(o).__name__ for o in plain], [float(o.loss) for o in plain])
     return out
 
 
@@ -78,8 +90,21 @@ def one_process(folder: str, out_dir: str, mixtral: str) -> dict:
     one = train_loong(folder, out_dir + "/lf", {})
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     mixtral_model = lf.AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.float32)
-    return {"hf": hf, "one": one, "forward": forward_checks(folder, model),
-            "forward_mixtral": forward_checks(mixtral, mixtral_model)}
+    out = {"hf": hf, "one": one, "forward": forward_checks(folder, model),
+           "forward_mixtral": forward_checks(mixtral, mixtral_model)}
+    # activation recompute: each forward's backward before the next forward, or refused (a recomputed layer would
+    # take the newer forward's tally)
+    ids, mask, labels = _batch()
+    model.train()
+    model.activation_checkpointing_enable()
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    try:
+        (model(input_ids=ids, labels=labels).loss + model(input_ids=ids, attention_mask=mask, labels=labels).loss
+         ).backward()
+        out["recompute_two_forwards"] = None
+    except RuntimeError as err:
+        out["recompute_two_forwards"] = str(err)
+    return out
 
 
 def two_processes(folder: str, out_dir: str) -> dict:

@@ -9,9 +9,11 @@ one process: the logged losses of four steps.
   MoE layers of each forward (``bridges/router_balance.py``):
   - the model's forward returns transformers' loss (lm + coef * aux) and aux_loss (1e-5), with and without an
     attention mask with pads, under no_grad without labels, and the routers get the term's gradient (1e-4 of the
-    largest entry); for Mixtral too (one process); at TP2 + sequence parallel and at CP2 too (the 15-token batch
-    is padded to 16 by the model: a pad that does not count; each rank's router gradient is its own tokens' part,
-    summed over the ranks that split the tokens);
+    largest entry) as the caller backpropagates it (a scaled loss: scaled; loss - coef * aux: none); the forward
+    keyword output_router_logits=False turns it off; for Mixtral too (one process); at TP2 + sequence parallel and
+    at CP2 too (the 15-token batch is padded to 16 by the model: a pad that does not count; each rank's router
+    gradient is its own tokens' part, summed over the ranks that split the tokens); under activation recompute,
+    two forwards before one backward are refused;
   - LoongTrainer's logged losses (which include coef * aux, summed over the step's micro-batches) equal
     transformers.Trainer's (1e-5) on one process, and TP2 + sequence parallel and CP2 repeat them (1e-5);
   - EP2 (2 processes: data parallel 2, the experts split over the two ranks) with gradient accumulation 1 repeats
@@ -79,6 +81,15 @@ def _assert_forward(forward: dict) -> None:
     want, got = forward["no_grad_no_labels"]
     assert got == pytest.approx(want, rel=1e-5)
     assert all(size > 1e-4 for size in forward["grad_size"]) and max(forward["grad"]) < 1e-4, forward
+    # a quarter of the loss backpropagated: a quarter of the balancing gradient; loss - coef * aux: none of it
+    assert forward["scaled"] < 1e-4 and forward["without_aux"] < 1e-4, forward
+    (hf_type, ours_type), (hf_loss, ours_loss) = forward["keyword_off"]
+    assert ours_type == hf_type and ours_loss == pytest.approx(hf_loss, rel=1e-5), forward["keyword_off"]
+
+
+def test_router_aux_loss_recompute_of_two_forwards_is_refused(router_aux):
+    said = router_aux[1]["recompute_two_forwards"]
+    assert said is not None and "each forward's backward to run before the next forward" in said, said
 
 
 def test_router_aux_loss_in_forward(router_aux):
