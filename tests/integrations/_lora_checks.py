@@ -172,21 +172,30 @@ def _check_adapter_grads(model, ref, our_loss, their_loss) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def model_checks(folder: str, out_dir: str, layout: dict) -> dict:
+def lora_pair(folder: str, layout: dict, lora_kw: dict):
+    """(our model with adapters, the transformers model, PEFT's model on it): the same LoraConfig after the same
+    seed, so both start from PEFT's values."""
     import peft
     import transformers
 
     import loongforge_hf as lf
     from loongforge_hf.lora import get_peft_model
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    transformers.set_seed(5)
+    model = get_peft_model(model, peft.LoraConfig(**lora_kw))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    transformers.set_seed(5)
+    return model, hf, peft.get_peft_model(hf, peft.LoraConfig(**lora_kw))
+
+
+def model_checks(folder: str, out_dir: str, layout: dict) -> dict:
+    import transformers
+
     from loongforge_hf.trainer.engine import MegatronEngine
 
     ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
-    transformers.set_seed(5)
-    model = get_peft_model(model, peft.LoraConfig(**LORA_KW))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    transformers.set_seed(5)
-    ref = peft.get_peft_model(hf, peft.LoraConfig(**LORA_KW))
+    model, hf, ref = lora_pair(folder, layout, LORA_KW)
     result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters()}
 
     ours, theirs = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
@@ -206,16 +215,27 @@ def model_checks(folder: str, out_dir: str, layout: dict) -> dict:
     result["optimizer_numel"] = (sum(p.numel() for p in optimized), sum(p.numel() for p in trainable))
     result["frozen_tensors"] = sum(1 for p in model.parameters() if not p.requires_grad)
 
+    result.update(export_checks(model, folder, out_dir, ids, ours.logits))
+    return result
+
+
+def export_checks(model, folder: str, out_dir: str, ids: torch.Tensor, logits: torch.Tensor) -> dict:
+    """The adapter folder and the merged export of ``model`` (whose logits on ``ids`` are ``logits``): the model
+    unchanged by the merged export; on rank 0, PEFT's logits with the adapter folder and transformers' with the
+    merged folder, as differences from ``logits``."""
+    import peft
+    import transformers
+
     model.save_pretrained(out_dir + "/adapter")
     model.save_pretrained(out_dir + "/merged", merged=True)
-    result["unchanged_after_merged_export"] = torch.equal(model(input_ids=ids).logits, ours.logits.detach())
+    result = {"unchanged_after_merged_export": torch.equal(model(input_ids=ids).logits, logits.detach())}
     if dist.get_rank() == 0:
         with torch.no_grad():
             loaded = peft.PeftModel.from_pretrained(
                 transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), out_dir + "/adapter")
-            result["adapter_logits_diff"] = float((loaded(input_ids=ids).logits - ours.logits).abs().max())
+            result["adapter_logits_diff"] = float((loaded(input_ids=ids).logits - logits).abs().max())
             merged = transformers.AutoModelForCausalLM.from_pretrained(out_dir + "/merged", dtype=torch.float32)
-            result["merged_logits_diff"] = float((merged(input_ids=ids).logits - ours.logits).abs().max())
+            result["merged_logits_diff"] = float((merged(input_ids=ids).logits - logits).abs().max())
     return result
 
 

@@ -10,9 +10,8 @@ transformers with the Loong model's logits; a PEFT-written adapter loads onto th
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ._lora_checks import _close, _gather_full
+from ._lora_checks import _close, _gather_full, export_checks, lora_pair
 from ._lora_load import write_peft_adapter
 
 # what PEFT adapts on these models as modules (their experts and router only as target_parameters)
@@ -71,15 +70,10 @@ def moe_model_checks(folder: str, out_dir: str, layout: dict, peft_adapter: str)
     import transformers
 
     import loongforge_hf as lf
-    from loongforge_hf.lora import get_peft_model, load_adapter
+    from loongforge_hf.lora import load_adapter
 
     ids = _probe()
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
-    transformers.set_seed(5)
-    model = get_peft_model(model, peft.LoraConfig(**LORA_KW))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    transformers.set_seed(5)
-    ref = peft.get_peft_model(hf, peft.LoraConfig(**LORA_KW))
+    model, hf, ref = lora_pair(folder, layout, LORA_KW)
     result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters()}
 
     ours, theirs = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
@@ -91,16 +85,7 @@ def moe_model_checks(folder: str, out_dir: str, layout: dict, peft_adapter: str)
         _check_adapter_grads(model, ref, hf.config)
     result.update(_ddp_groups(model, out_dir))
 
-    model.save_pretrained(out_dir + "/adapter")
-    model.save_pretrained(out_dir + "/merged", merged=True)
-    result["unchanged_after_merged_export"] = torch.equal(model(input_ids=ids).logits, ours.logits.detach())
-    if dist.get_rank() == 0:
-        with torch.no_grad():
-            loaded = peft.PeftModel.from_pretrained(
-                transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), out_dir + "/adapter")
-            result["adapter_logits_diff"] = float((loaded(input_ids=ids).logits - ours.logits).abs().max())
-            merged = transformers.AutoModelForCausalLM.from_pretrained(out_dir + "/merged", dtype=torch.float32)
-            result["merged_logits_diff"] = float((merged(input_ids=ids).logits - ours.logits).abs().max())
+    result.update(export_checks(model, folder, out_dir, ids, ours.logits))
 
     # a PEFT-written adapter (random B): frozen as transformers loads an adapter folder, and trainable
     with torch.no_grad():
