@@ -82,8 +82,8 @@ def forward_checks(folder: str, model) -> dict:
 
 
 def one_process(folder: str, out_dir: str, mixtral: str) -> dict:
-    """Qwen3-MoE (``folder``): training with transformers.Trainer and LoongTrainer, and the forward checks; Mixtral
-    (``mixtral``): the forward checks."""
+    """Qwen3-MoE (``folder``) and Mixtral (``mixtral``): training with transformers.Trainer and LoongTrainer, and
+    the forward checks."""
     import loongforge_hf as lf
 
     hf = train_hf(folder, out_dir + "/hf")
@@ -91,7 +91,9 @@ def one_process(folder: str, out_dir: str, mixtral: str) -> dict:
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     mixtral_model = lf.AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.float32)
     out = {"hf": hf, "one": one, "forward": forward_checks(folder, model),
-           "forward_mixtral": forward_checks(mixtral, mixtral_model)}
+           "forward_mixtral": forward_checks(mixtral, mixtral_model),
+           "mixtral_hf": train_hf(mixtral, out_dir + "/mixtral_hf"),
+           "mixtral_one": train_loong(mixtral, out_dir + "/mixtral_lf", {})}
     # activation recompute: each forward's backward before the next forward, or refused (a recomputed layer would
     # take the newer forward's tally)
     ids, mask, labels = _batch()

@@ -15,7 +15,8 @@ one process: the logged losses of four steps.
     gradient is its own tokens' part, summed over the ranks that split the tokens); under activation recompute,
     two forwards before one backward are refused;
   - LoongTrainer's logged losses (which include coef * aux, summed over the step's micro-batches) equal
-    transformers.Trainer's (1e-5) on one process, and TP2 + sequence parallel and CP2 repeat them (1e-5);
+    transformers.Trainer's (1e-5) on one process, for Qwen3-MoE and Mixtral, and TP2 + sequence parallel and CP2
+    repeat them (1e-5);
   - EP2 (2 processes: data parallel 2, the experts split over the two ranks) with gradient accumulation 1 repeats
     the one-process run with accumulation 2 (1e-5): the same 4 rows a step in the same 2-row micro-batches (rank r
     gets the loader's batch r). That is the right reference for transformers.Trainer's semantics
@@ -100,6 +101,7 @@ def test_router_aux_loss_in_forward(router_aux):
 def test_router_aux_loss_matches_transformers_trainer(router_aux):
     _, one = router_aux
     assert one["one"]["losses"] == pytest.approx(one["hf"], rel=1e-5, abs=1e-5)
+    assert one["mixtral_one"]["losses"] == pytest.approx(one["mixtral_hf"], rel=1e-5, abs=1e-5)
 
 
 def test_router_aux_loss_tp2_sp_ep2_cp2_and_pp_refusal(router_aux, tmp_path):
