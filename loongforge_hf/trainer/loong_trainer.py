@@ -433,22 +433,26 @@ class LoongTrainer(Trainer):
         from loongforge_hf.trainer.checkpoint import run_everywhere
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        writes = not dist.is_initialized() or dist.get_rank() == 0
-        saves_processor = writes and self.processing_class is not None
-        side = tempfile.mkdtemp(prefix="loongforge-processor-") if saves_processor else None
+        side: list[str] = []  # rank 0: the folder the processing class is saved into
+
+        def save_processor() -> None:
+            side.append(tempfile.mkdtemp(prefix="loongforge-processor-"))
+            self.processing_class.save_pretrained(side[0])
+
         try:
             if self.processing_class is not None:
                 # NOTE: the tokenizer / processor goes into the export's folder with the weights, in its one atomic
                 # swap; saved first (rank 0; every rank learns the outcome), so a failure writes nothing.
-                run_everywhere(f"save_model({output_dir!r}): could not save the processing class",
-                               lambda: self.processing_class.save_pretrained(side), on=writes)
+                run_everywhere(f"save_model({output_dir!r}): could not save the processing class", save_processor,
+                               on=not dist.is_initialized() or dist.get_rank() == 0)
+            folder = side[0] if side else None
             if _holds_other_runs(output_dir):
-                self._save_beside_runs(output_dir, side)
+                self._save_beside_runs(output_dir, folder)
             else:
-                self.model.save_pretrained(output_dir, side_files_dir=side)
+                self.model.save_pretrained(output_dir, side_files_dir=folder)
         finally:
-            if side is not None:
-                shutil.rmtree(side, ignore_errors=True)
+            for folder in side:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _save_beside_runs(self, output_dir: str, side_files_dir: str | None) -> None:
         """Export into a folder that also holds checkpoints or logs (Trainer's default ``output_dir``): write the
