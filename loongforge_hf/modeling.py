@@ -208,9 +208,8 @@ class LoongModelForCausalLM(nn.Module):
         tally = None
         if balance is not None:
             multiple = self.parallel.sequence_multiple
-            weights = router_balance.token_weights(attention_mask, tuple(input_ids.shape), device=self.device,
-                                                   length=-(-input_ids.shape[-1] // multiple) * multiple)
-            tally = balance[0].begin(router_balance.context_parallel_share(weights))
+            tally = balance[0].begin(attention_mask, tuple(input_ids.shape), device=self.device,
+                                     length=-(-input_ids.shape[-1] // multiple) * multiple)
         loss, logits = forward_causal_lm(self, input_ids=input_ids, attention_mask=attention_mask,
                                          position_ids=position_ids, labels=labels, return_logits=return_logits)
         moe = self.router_balance is not None  # NOTE: Qwen3-MoE / Mixtral: transformers' MoE output type
@@ -288,7 +287,7 @@ class LoongModelForCausalLM(nn.Module):
         export_hf(self.megatron, self.bridge, self.parallel, Path(save_directory), source=self.source,
                   max_shard_size=max_shard_size, dtype=dtype, config_changes=self.config_changes(),
                   generation_config=self.generation_config_to_write(),
-                  side_files_dir=None if side_files_dir is None else Path(side_files_dir))
+                  side_files_dir=side_files_dir)
 
     def push_to_hub(self, repo_id: str, *, token: str | None = None, private: bool | None = None,
                     commit_message: str = "Upload model with loongforge-hf", revision: str | None = None,

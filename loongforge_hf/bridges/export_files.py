@@ -18,6 +18,7 @@ Choices:
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def config_text(source: Path | None, hf_config, dtype: torch.dtype, changes: dic
 
 
 def write_side_files(writer, source: Path | None, hf_config, dtype: torch.dtype, config_changes: dict | None,
-                     generation_config, side_files_dir: Path | None = None) -> None:
+                     generation_config, side_files_dir: str | os.PathLike | None = None) -> None:
     """config.json, generation_config.json (``generation_config``'s JSON, or the source's file when it is None), the
     files of ``side_files_dir`` and the source's tokenizer / processor files that neither it nor the destination
     holds already, through ``writer``."""
@@ -83,6 +84,7 @@ def write_side_files(writer, source: Path | None, hf_config, dtype: torch.dtype,
     elif source is not None and (source / "generation_config.json").is_file():
         writer.copy_file("generation_config.json", source / "generation_config.json")
     if side_files_dir is not None:
+        side_files_dir = Path(side_files_dir)
         copy_folder_into(writer, side_files_dir)
     if source is None:
         return

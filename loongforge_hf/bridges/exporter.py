@@ -133,7 +133,7 @@ def _passthrough(bridge, source: Path | None) -> list[tuple[str, torch.Tensor]]:
 
 def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shard_size="5GB",
               dtype: torch.dtype | None = None, extra_tensors=None, config_changes: dict | None = None,
-              generation_config=None, side_files_dir: Path | None = None) -> None:
+              generation_config=None, side_files_dir: str | os.PathLike | None = None) -> None:
     """``config_changes`` / ``generation_config`` / ``side_files_dir``: what ``export_files.write_side_files`` writes
     besides the source's files (config fields changed since load; a generation config to write, None to copy the
     source's; a folder of files to write too, read on rank 0)."""

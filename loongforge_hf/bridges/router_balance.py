@@ -178,9 +178,11 @@ class RouterBalance:
         for router in routers:
             router.balance = self
 
-    def begin(self, weights: torch.Tensor | None) -> Tally:
-        """Tally the next forward (``weights``: ``[batch, this rank's tokens]`` or None for all tokens)."""
-        self.tally = Tally(weights)
+    def begin(self, attention_mask: torch.Tensor | None, shape: tuple[int, int], *, length: int, device) -> Tally:
+        """Tally the next forward, of a ``shape`` batch with that ``attention_mask`` (None: every token counts)
+        padded to ``length`` for the layout (the pads count 0); each rank weighs its context-parallel share."""
+        self.tally = Tally(_context_parallel_share(_token_weights(attention_mask, shape, length=length,
+                                                                  device=device)))
         return self.tally
 
     def end(self) -> None:
@@ -232,8 +234,8 @@ def active(model, output_router_logits: bool | None = None) -> tuple[RouterBalan
     return balance, coef
 
 
-def token_weights(attention_mask: torch.Tensor | None, shape: tuple[int, int], *, length: int,
-                  device) -> torch.Tensor:
+def _token_weights(attention_mask: torch.Tensor | None, shape: tuple[int, int], *, length: int, device
+                   ) -> torch.Tensor:
     """``[batch, length]`` fp32 weights of a ``shape`` batch: its attention mask (1 without one), then 0 for the pads
     up to ``length``."""
     w = torch.ones(shape, dtype=torch.float32, device=device) if attention_mask is None \
@@ -242,7 +244,7 @@ def token_weights(attention_mask: torch.Tensor | None, shape: tuple[int, int], *
     return torch.nn.functional.pad(w, (0, extra)) if extra else w
 
 
-def context_parallel_share(weights: torch.Tensor) -> torch.Tensor:
+def _context_parallel_share(weights: torch.Tensor) -> torch.Tensor:
     """This context-parallel rank's tokens' weights (``parallel.context_parallel.cp_token_index``)."""
     from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_token_index
 

@@ -166,8 +166,8 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
     return out
 
 
-def export_adapter(model, out_dir: Path, *, dtype: torch.dtype | None = None, side_files_dir: Path | None = None
-                   ) -> None:
+def export_adapter(model, out_dir: Path, *, dtype: torch.dtype | None = None,
+                   side_files_dir: str | os.PathLike | None = None) -> None:
     """Write ``model``'s adapters as a PEFT adapter folder (collective; rank 0 writes, atomically), with the files of
     ``side_files_dir`` (read on rank 0). The folder's other files are kept, as PEFT's save_pretrained keeps them (an
     old ``adapter_model.bin`` goes)."""

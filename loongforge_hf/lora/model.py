@@ -69,8 +69,7 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
                                                ("save_embedding_layers", "auto"))})
         if not merged:
             check_export_dtype(dtype)
-            export_adapter(self, Path(save_directory), dtype=dtype,
-                           side_files_dir=None if side_files_dir is None else Path(side_files_dir))
+            export_adapter(self, Path(save_directory), dtype=dtype, side_files_dir=side_files_dir)
             return
         with merged_weights(self):
             super().save_pretrained(save_directory, max_shard_size=max_shard_size, dtype=dtype,

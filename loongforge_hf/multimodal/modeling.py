@@ -204,7 +204,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         export_hf(self.language_model, self.bridge.text, self.parallel, Path(save_directory), source=self.source,
                   max_shard_size=max_shard_size, dtype=dtype, extra_tensors=extra, config_changes=self.config_changes(),
                   generation_config=self.generation_config_to_write(),
-                  side_files_dir=None if side_files_dir is None else Path(side_files_dir))
+                  side_files_dir=side_files_dir)
 
 
 def _vision_layout(*, vision_tensor_parallel_size: int, vision_data_parallel: bool, tensor_parallel_size: int,

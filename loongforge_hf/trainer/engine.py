@@ -401,8 +401,7 @@ class MegatronEngine:
             if balance:
                 # NOTE: the user's mask (all ones without one), zeros over the engine's layout pads
                 mask, shape = next(inputs)
-                weights = router_balance.token_weights(mask, shape, device=device, length=batch["input_ids"].shape[1])
-                tally = balance["balance"].begin(router_balance.context_parallel_share(weights))
+                tally = balance["balance"].begin(mask, shape, length=batch["input_ids"].shape[1], device=device)
             labels = shift_labels(batch["labels"].to(device))
             model_inputs = getattr(self.model, "megatron_forward_inputs", None)
             head = language_head(chunk) if self.fused_loss and not return_schedule_plan else None
