@@ -161,7 +161,7 @@ class LoongModelForCausalLM(nn.Module):
 
         from loongforge_hf.bridges import router_balance
 
-        self.router_balance = router_balance.attach(self.chunks)  # None: no router tallies the balancing loss
+        self.router_balance = router_balance.attach(self.chunks, bridge)  # None: no router tallies the balancing loss
 
         self._generation_at_load = None  # the source file's, as a diff dict: copied while the config equals it
         if source is not None and (source / "generation_config.json").is_file():
@@ -208,14 +208,16 @@ class LoongModelForCausalLM(nn.Module):
         tally = None
         if balance is not None:
             multiple = self.parallel.sequence_multiple
+            # NOTE: the pipelined forward runs without grad (runtime._forward_pipelined): so does the term
             tally = balance[0].begin(attention_mask, tuple(input_ids.shape), device=self.device,
-                                     length=-(-input_ids.shape[-1] // multiple) * multiple)
+                                     length=-(-input_ids.shape[-1] // multiple) * multiple,
+                                     graph=torch.is_grad_enabled() and self.parallel.pipeline_parallel_size == 1)
         loss, logits = forward_causal_lm(self, input_ids=input_ids, attention_mask=attention_mask,
                                          position_ids=position_ids, labels=labels, return_logits=return_logits)
         moe = self.router_balance is not None  # NOTE: Qwen3-MoE / Mixtral: transformers' MoE output type
         if tally is None:
             return hf_forward_output(loss, logits, labels, options, moe=moe)
-        aux = tally.finish()  # NOTE: in the graph: the routers' gradient follows what the caller does with it
+        aux = balance[0].finish_everywhere(tally)  # NOTE: in the graph: the routers' gradient follows its use
         return hf_forward_output(loss, logits, labels, options, aux_loss=aux, aux_coef=balance[1], moe=moe)
 
     # ---- activation checkpointing (what transformers.Trainer calls for `activation_checkpointing=True`) ---------
@@ -445,7 +447,7 @@ class AutoModelForCausalLM:
                                or hf_config.num_attention_heads,
                                vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
             check_megatron_config(bridge, megatron_config)
-            router_balance.check_layout(hf_config, bridge, pipeline_parallel_size=layout.pipeline_parallel_size)
+            router_balance.check_layout(hf_config, bridge)
             if layout.interleaved_stages:
                 interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
             reader.validate_shapes(bridge.expected_hf_shapes())

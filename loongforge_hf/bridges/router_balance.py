@@ -22,15 +22,22 @@ Choices:
   backward: each rank's own tokens get their part, and megatron sums the router weight's gradient over the ranks
   that split the tokens (as for every weight replicated under sequence parallelism; over context-parallel ranks
   with the data-parallel reduction).
-- One tally is open at a time, so the layers of one forward must run on one rank: pipeline parallelism is refused
-  (``check_layout``), with the way out (``router_aux_loss_coef=0``).
+- Pipeline parallelism: each stage's forward tallies its own layers (a forward of a virtual stage, under megatron's
+  schedules one tally per stage forward), adds what the stage before handed on and hands the sum to the next stage
+  (``parallel/stage_link.py``); the last stage finishes it. In the backward the last stage sends ``d objective /
+  d sums`` back along the stages: each stage receives it where its backward starts (a hook on its output) and its
+  layers' ``_SumsGrad`` use it. Recomputed layers under pipelining take their forward's tally in forward order
+  (the schedules run each chunk's backwards in the order of its forwards).
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 
+from loongforge_hf.bridges.balance_tally import Tally
 from loongforge_hf.bridges.config_map import router_aux_loss_coef_of
 
 
@@ -44,9 +51,8 @@ def _top_k_router():
 
         def routing(self, logits, padding_mask=None):
             probs, routing_map = super().routing(logits, padding_mask=padding_mask)
-            tally = self.balance.tally if self.balance is not None else None
-            if tally is not None:
-                probs = tally.take(self, logits.reshape(-1, self.config.num_moe_experts), routing_map, probs)
+            if self.balance is not None:
+                probs = self.balance.take(self, logits, routing_map, probs)
             return probs, routing_map
 
     return BalanceRouter
@@ -63,141 +69,93 @@ def balance_router_class() -> type:
     return _ROUTER
 
 
-class _SumsGrad(torch.autograd.Function):
-    """Identity on the router's probabilities; its backward gives the layer's probability sums the gradient of the
-    loss the tally's ``aux_loss`` went into (``_AuxOut``), times ``d aux / d sums``."""
-
-    @staticmethod
-    def forward(ctx, probs, sums, tally):
-        ctx.tally = tally
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad_probs):
-        tally = ctx.tally
-        grad = None if tally.upstream is None else tally.upstream * tally.sums_grad
-        return grad_probs, grad, None
-
-
-class _AuxOut(torch.autograd.Function):
-    """``aux_loss`` in the graph (its value; the input ``anchor`` only makes it require grad): its backward keeps the
-    gradient that reached it (the coefficient and whatever scaled the loss after: gradient accumulation, a loss
-    scale), which the layers' ``_SumsGrad`` then hand on. Made after the loss it joins, it runs before them."""
-
-    @staticmethod
-    def forward(ctx, value, anchor, tally):
-        ctx.tally = tally
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.tally.upstream = grad.float()
-        return None, None, None
-
-
-class Tally:
-    """One forward's router sums: per layer ``[slot counts (E), probability sums (E), weight sum]``."""
-
-    def __init__(self, weights: torch.Tensor | None) -> None:
-        self.weights = weights          # [batch, this rank's tokens] before sequence parallelism, or None: all 1
-        self.layers: list[torch.Tensor] = []
-        self.open = True                # False once finished: a recomputed forward only attaches the gradient
-        self.group = None               # the ranks that split this forward's tokens
-        self.sums_grad: torch.Tensor | None = None  # d aux / d (each layer's probability sums)
-        self.upstream: torch.Tensor | None = None   # d objective / d aux, set in the backward (_AuxOut)
-        self.with_grad = torch.is_grad_enabled()   # begun by a forward that builds a graph
-        self.routed = 0                 # layers tallied (while open)
-        self.attached = 0               # layers whose gradient hand-in points at this tally
-
-    def _local_weights(self, router, rows: int) -> torch.Tensor | None:
-        if self.weights is None:
-            return None
-        w = self.weights.t()            # megatron's token order: [seq, batch]
-        tp = router.tp_group.size()
-        if router.config.sequence_parallel and tp > 1:
-            chunk = w.shape[0] // tp
-            w = w[router.tp_group.rank() * chunk:(router.tp_group.rank() + 1) * chunk]
-        w = w.reshape(-1)
-        if w.numel() != rows:
-            raise RuntimeError(f"router balance: {w.numel()} token weights for {rows} routed tokens.")
-        return w
-
-    def take(self, router, logits: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """Add one layer's sums (while open); attach the gradient when the forward builds a graph."""
-        scores = torch.softmax(logits.float(), dim=-1)
-        w = self._local_weights(router, logits.shape[0])
-        chosen = routing_map.float()
-        if w is None:
-            counts, sums = chosen.sum(0), scores.sum(0)
-            total = torch.tensor([float(logits.shape[0])], device=logits.device)
-        else:
-            w = w.to(scores)
-            counts, sums = (chosen * w[:, None]).sum(0), (scores * w[:, None]).sum(0)
-            total = w.sum().reshape(1)
-        if self.open:
-            self.routed += 1
-            self.layers.append(torch.cat([counts, sums.detach(), total]))
-            self.group = router.tp_cp_group if router.config.sequence_parallel else router.cp_group
-        if torch.is_grad_enabled() and sums.requires_grad:
-            self.attached += 1
-            if not self.open and (not self.with_grad or self.attached > self.routed):
-                # NOTE: a layer recomputed in the backward takes the model's latest tally; here it is another
-                # forward's (two forwards before one backward, or a forward in between): refused, not mis-scaled.
-                raise RuntimeError("router balance: activation recompute with the router load-balancing loss needs "
-                                   "each forward's backward to run before the next forward.")
-            probs = _SumsGrad.apply(probs, sums, self)
-        return probs
-
-    def finish(self) -> torch.Tensor:
-        """The forward's balancing loss (fp32 scalar); in the graph (``_AuxOut``) when the forward builds one, so a
-        loss that adds ``coef * aux`` (and anything scaling that loss) sends the routers their gradient."""
-        self.open = False
-        if not self.layers:
-            raise RuntimeError("router balance: no MoE layer routed any token in this forward.")
-        total = torch.stack(self.layers).sum(0)
-        if self.group is not None and self.group.size() > 1:
-            dist.all_reduce(total, group=self.group)
-        experts = (total.numel() - 1) // 2
-        rows = total[-1].clamp(min=1.0)
-        fraction = total[:experts] / rows
-        loss = experts * (fraction * total[experts:2 * experts] / rows).sum()
-        self.sums_grad = (fraction * (experts / rows)).to(total.dtype)
-        self.layers = []
-        if not (self.with_grad and torch.is_grad_enabled()):
-            return loss
-        anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
-        return _AuxOut.apply(loss, anchor, self)
-
-
 class RouterBalance:
-    """The model's ``BalanceRouter`` modules and the tally they feed."""
+    """The model's ``BalanceRouter`` modules (none on a pipeline stage without MoE layers) and the tally they feed."""
 
-    def __init__(self, routers: list) -> None:
+    def __init__(self, routers: list, chunks, experts: int) -> None:
+        from loongforge_hf.parallel.stage_link import stage_link
+
         self.routers = routers
+        self.experts = experts
         self.tally: Tally | None = None
+        self.link = stage_link()  # NOTE: collective (the model is built on every rank); None without pipelining
+        self.recomputed: dict[int, deque] = {id(r): deque() for r in routers}  # pipelining: tallies awaiting it
         for router in routers:
             router.balance = self
+        if self.link is not None:
+            for chunk in chunks:
+                chunk.register_forward_hook(self._stage_end)
 
-    def begin(self, attention_mask: torch.Tensor | None, shape: tuple[int, int], *, length: int, device) -> Tally:
+    def _stage_end(self, chunk, args, output) -> None:
+        tally = self.tally
+        if tally is not None and tally.open and not chunk.post_process:
+            tally.pass_on(output, first=chunk.pre_process)
+
+    def take(self, router, logits: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        tally = self.tally
+        if tally is None:
+            return probs
+        if self.link is not None and tally.with_grad:
+            # NOTE: megatron's schedules run several forwards before their backwards; a layer checkpointed in a
+            # forward (no grad) is recomputed in its backward, in forward order per layer
+            queue = self.recomputed[id(router)]
+            if not torch.is_grad_enabled() and tally.open:
+                queue.append(tally)
+            elif torch.is_grad_enabled() and not tally.open:
+                if not queue:
+                    raise RuntimeError("router balance: a recomputed layer without its forward's tally.")
+                tally = queue.popleft()
+        return tally.take(router, logits.reshape(-1, self.experts), routing_map, probs)
+
+    def begin(self, attention_mask: torch.Tensor | None, shape: tuple[int, int], *, length: int, device,
+              graph: bool | None = None) -> Tally:
         """Tally the next forward, of a ``shape`` batch with that ``attention_mask`` (None: every token counts)
-        padded to ``length`` for the layout (the pads count 0); each rank weighs its context-parallel share."""
+        padded to ``length`` for the layout (the pads count 0); each rank weighs its context-parallel share.
+        ``graph``: whether the loss joins the autograd graph (default: grad is enabled)."""
         self.tally = Tally(_context_parallel_share(_token_weights(attention_mask, shape, length=length,
-                                                                  device=device)))
+                                                                  device=device)), self.experts, device, self.link)
+        if graph is not None:
+            self.tally.with_grad = graph
         return self.tally
+
+    def finish_everywhere(self, tally: Tally) -> torch.Tensor:
+        """``tally.finish()`` on every rank (the model's forward): the last pipeline stage's, broadcast."""
+        if self.link is None:
+            return tally.finish()
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_pipeline_model_parallel_group()
+        value = tally.finish() if ps.is_pipeline_last_stage(ignore_virtual=True) else \
+            torch.zeros((), device=tally.device)
+        dist.broadcast(value, src=dist.get_process_group_ranks(group)[-1], group=group)
+        self.link.flush()
+        return value
+
+    def step_start(self) -> None:
+        """A training step starts (nothing awaits a recompute from an earlier one)."""
+        for queue in self.recomputed.values():
+            queue.clear()
+
+    def step_end(self) -> None:
+        if self.link is not None:
+            self.link.flush()
 
     def end(self) -> None:
         """Tally nothing (a forward without the loss)."""
         self.tally = None
 
 
-def attach(chunks) -> RouterBalance | None:
-    """A ``RouterBalance`` over the chunks' ``BalanceRouter`` modules; None where there are none."""
+def attach(chunks, bridge) -> RouterBalance | None:
+    """A ``RouterBalance`` over the chunks' ``BalanceRouter`` modules, for bridges whose HF model computes the loss
+    (``hf_balance_loss``); None for others."""
+    if not getattr(bridge, "hf_balance_loss", False):
+        return None
     cls = balance_router_class()
     routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, cls)]
-    return RouterBalance(routers) if routers else None
+    return RouterBalance(routers, chunks, bridge.num_experts())
 
 
-def check_layout(hf_config, bridge, *, pipeline_parallel_size: int, coef: float | None = None) -> None:
+def check_layout(hf_config, bridge, *, coef: float | None = None) -> None:
     """``ValueError`` where the loss is asked for (``coef``, default the config's) and cannot be computed (pure:
     every rank raises alike)."""
     coef = router_aux_loss_coef_of(hf_config) if coef is None else coef
@@ -207,13 +165,6 @@ def check_layout(hf_config, bridge, *, pipeline_parallel_size: int, coef: float 
         raise ValueError(f"router_aux_loss_coef={coef} with output_router_logits: {type(bridge).__name__} does not "
                          "compute transformers' router load-balancing loss; set router_aux_loss_coef=0 (or "
                          "output_router_logits=False).")
-    if pipeline_parallel_size > 1:
-        raise ValueError(f"router_aux_loss_coef={coef} with output_router_logits: transformers' router "
-                         "load-balancing loss spans the MoE layers of one forward, which pipeline_parallel_size="
-                         f"{pipeline_parallel_size} puts on several stages; not supported. Use "
-                         "pipeline_parallel_size=1, or train without it (router_aux_loss_coef=0 or "
-                         "output_router_logits=False in the config; SFTConfig(router_aux_loss_coef=0.0) for "
-                         "LoongSFTTrainer).")
 
 
 def active(model, output_router_logits: bool | None = None) -> tuple[RouterBalance, float] | None:
@@ -225,7 +176,7 @@ def active(model, output_router_logits: bool | None = None) -> tuple[RouterBalan
         coef = router_aux_loss_coef_of(config)
     else:
         coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if output_router_logits else 0.0
-    check_layout(config, model.bridge, pipeline_parallel_size=model.parallel.pipeline_parallel_size, coef=coef)
+    check_layout(config, model.bridge, coef=coef)
     balance = getattr(model, "router_balance", None)
     if balance is None or not coef:
         if balance is not None:

@@ -44,7 +44,7 @@ Choices:
   ``output_router_logits`` and the coefficient into the model config, and the engine adds the term as TRL weighs it
   (``coef * aux_loss / accumulation steps`` per micro-batch, averaged over data-parallel ranks:
   ``router_aux_reduction="mean"``, see ``trainer/engine.py``); the ``aux_loss`` metric is each micro-batch's value
-  averaged over the data-parallel ranks. Refused under pipeline parallelism (``bridges/router_balance.py``).
+  averaged over the data-parallel ranks (under pipeline parallelism too: ``bridges/router_balance.py``).
 """
 
 from __future__ import annotations

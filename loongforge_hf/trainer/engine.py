@@ -318,6 +318,11 @@ class MegatronEngine:
             # NOTE: lengths megatron needs (ParallelConfig.sequence_multiple), one length per step under PP.
             micro_batches = pad_micro_batches(micro_batches, multiple=layout.sequence_multiple,
                                               same_length=layout.pipeline_parallel_size > 1)
+        if balance:
+            # NOTE: each micro-batch's mask and shape before the layout padding, found by the batch a (virtual)
+            # pipeline stage's forward takes
+            balance["inputs"] = {id(b): given for b, given in zip(micro_batches, balance["inputs"])}
+            balance["balance"].step_start()
         self.model.train()  # NOTE: as Trainer.training_step (from_pretrained and evaluate() leave it in eval mode)
         for c in self.chunks:
             c.zero_grad_buffer()
@@ -334,6 +339,8 @@ class MegatronEngine:
             losses = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=data, model=self.chunks if vpp > 1 else self.chunks[0],
                 num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs, forward_only=False)
+        if balance:
+            balance["balance"].step_end()
         if before_optimizer_step is not None:
             before_optimizer_step()
         update_ok, grad_norm = self._optimizer_step()
@@ -392,15 +399,13 @@ class MegatronEngine:
                 "inputs": [(b.get("attention_mask"), tuple(b["input_ids"].shape)) for b in micro_batches]}
 
     def _forward_step_func(self, vocab_size: int, balance: dict | None = None):
-        inputs = iter(balance["inputs"]) if balance else None
-
         def forward_step(data_iterator, chunk, return_schedule_plan: bool = False):
             batch = next(data_iterator)
             device = self.model.device
             tally = None
             if balance:
                 # NOTE: the user's mask (all ones without one), zeros over the engine's layout pads
-                mask, shape = next(inputs)
+                mask, shape = balance["inputs"][id(batch)]
                 tally = balance["balance"].begin(mask, shape, length=batch["input_ids"].shape[1], device=device)
             labels = shift_labels(batch["labels"].to(device))
             model_inputs = getattr(self.model, "megatron_forward_inputs", None)

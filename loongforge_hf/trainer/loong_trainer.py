@@ -109,7 +109,7 @@ class LoongTrainer(Trainer):
         if problems:
             raise ValueError("LoongTrainer does not support: " + "; ".join(problems) + ".")
         # NOTE: transformers' router balancing loss (output_router_logits) trains as transformers.Trainer adds it
-        # (engine.py); where it cannot (pipeline parallelism), refused here on every rank alike
+        # (engine.py); where it cannot (a bridge without it), refused here on every rank alike
         router_balance.active(self.model)
         if not args.average_tokens_across_devices:
             logger.warning("average_tokens_across_devices=False: LoongTrainer still averages the training loss "

@@ -217,18 +217,22 @@ def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict) -> dic
     return {"full": full, "resumed": run(f"{out_dir}/checkpoint-2"), "checkpoint_files": files}
 
 
-def moe_sft(folder: str, out_dir: str, use_cpu: bool = True) -> dict:
+def moe_sft(folder: str, out_dir: str, use_cpu: bool = True, layout: dict | None = None) -> dict:
     """A Qwen3-MoE model loaded without output_router_logits: SFTConfig(router_aux_loss_coef=0.1) switches TRL's
     router load-balancing loss on (activation recompute on, an evaluation at the last step), with trl.SFTTrainer and
-    with LoongSFTTrainer: the train and eval losses and aux_loss metrics of each."""
+    with LoongSFTTrainer: the train and eval losses and aux_loss metrics of each. With a ``layout``: LoongSFTTrainer
+    only, the model loaded with it."""
+    import functools
+
     import transformers
     import trl
 
     import loongforge_hf as lf
 
     out = {}
-    for name, trainer_cls, load in (("trl", trl.SFTTrainer, transformers.AutoModelForCausalLM.from_pretrained),
-                                    ("loong", lf.LoongSFTTrainer, lf.AutoModelForCausalLM.from_pretrained)):
+    runs = (("trl", trl.SFTTrainer, transformers.AutoModelForCausalLM.from_pretrained),
+            ("loong", lf.LoongSFTTrainer, functools.partial(lf.AutoModelForCausalLM.from_pretrained, **(layout or {}))))
+    for name, trainer_cls, load in runs[1:] if layout else runs:
         args = sft_config(f"{out_dir}/{name}", router_aux_loss_coef=0.1, gradient_checkpointing=True,
                           eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2, use_cpu=use_cpu)
         trainer = trainer_cls(model=load(folder, dtype=torch.float32), args=args, train_dataset=make_dataset("text"),

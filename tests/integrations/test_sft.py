@@ -119,9 +119,12 @@ def test_plain_trainers_refuse_loong_models(tp1):
 def test_moe_router_aux_loss(tmp_path):
     """Qwen3-MoE with SFTConfig(router_aux_loss_coef=0.1): TRL's router load-balancing loss (transformers' formula,
     coef * aux / accumulation steps per micro-batch) under activation recompute: the train losses, the aux_loss
-    metric, the eval loss and eval aux_loss are TRL's (1e-4)."""
+    metric, the eval loss and eval aux_loss are TRL's (1e-4), on one process and with pipeline parallel 2."""
     folder = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", router_aux_loss_coef=0.01)
     res = run_distributed(moe_sft, 1, str(folder), str(tmp_path / "out"), timeout=300)[0]
-    for key in ("loss", "aux_loss", "eval_loss", "eval_aux_loss"):
-        assert len(res["loong"][key]) == (3 if key in ("loss", "aux_loss") else 1), (key, res)
-        assert res["loong"][key] == pytest.approx(res["trl"][key], rel=1e-4), (key, res)
+    pp2 = run_distributed(moe_sft, 2, str(folder), str(tmp_path / "pp2"), True, {"pipeline_parallel_size": 2},
+                          timeout=300)
+    for loong in [res["loong"]] + [r["loong"] for r in pp2]:
+        for key in ("loss", "aux_loss", "eval_loss", "eval_aux_loss"):
+            assert len(loong[key]) == (3 if key in ("loss", "aux_loss") else 1), (key, loong)
+            assert loong[key] == pytest.approx(res["trl"][key], rel=1e-4), (key, loong, res["trl"])

@@ -3,7 +3,8 @@
 CUDA path (its chunked LM head). Same scenarios, tolerances and checks as test_sft.py (``assert_matches``): every
 logged loss and eval loss within 1e-4, entropy 1e-4, mean_token_accuracy 1e-6, num_tokens exactly. And a Qwen3-MoE
 with TRL's router load-balancing loss (``test_sft.py::test_moe_router_aux_loss`` on CUDA: the grouped experts, the
-fused router and ``BalanceRouter``'s tally): losses and aux_loss within 1e-4."""
+fused router and ``BalanceRouter``'s tally): losses and aux_loss within 1e-4, on one GPU and, where there are two,
+with pipeline parallel 2."""
 
 import pytest
 import torch
@@ -40,11 +41,11 @@ def test_sft_on_cuda_matches_trl(runs, name):
     assert_matches(name, runs["trl"][name], runs["loong"][name])
 
 
-def _moe_world(folder: str, out_dir: str) -> dict:
+def _moe_world(folder: str, out_dir: str, layout: dict | None = None) -> dict:
     pickleable_month_day_nano()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return moe_sft(folder, out_dir, use_cpu=False)
+    return moe_sft(folder, out_dir, use_cpu=False, layout=layout)
 
 
 def test_moe_router_aux_loss_on_cuda(tmp_path):
@@ -54,3 +55,17 @@ def test_moe_router_aux_loss_on_cuda(tmp_path):
     for key in ("loss", "aux_loss", "eval_loss", "eval_aux_loss"):
         assert len(res["loong"][key]) == (3 if key in ("loss", "aux_loss") else 1), (key, res)
         assert res["loong"][key] == pytest.approx(res["trl"][key], rel=1e-4), (key, res)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_moe_router_aux_loss_pp2_on_two_gpus(tmp_path):
+    """Pipeline parallel 2 over NCCL: the stages' side messages (``parallel/stage_link.py``) sent from the forward
+    and from autograd's backward; LoongSFTTrainer's losses and aux_loss equal trl's on one GPU (1e-4)."""
+    folder = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe")
+    env = {"LOONGFORGE_DEVICE": "cuda"}
+    ref = run_distributed(_moe_world, 1, str(folder), str(tmp_path / "ref"), timeout=600, env=env)[0]["trl"]
+    got = run_distributed(_moe_world, 2, str(folder), str(tmp_path / "pp2"), {"pipeline_parallel_size": 2},
+                          timeout=600, env=env)
+    for r in got:
+        for key in ("loss", "aux_loss", "eval_loss", "eval_aux_loss"):
+            assert r["loong"][key] == pytest.approx(ref[key], rel=1e-4), (key, r["loong"], ref)

@@ -81,6 +81,25 @@ def forward_checks(folder: str, model) -> dict:
     return out
 
 
+def forward_values(folder: str, model) -> dict:
+    """(transformers, loongforge) loss and aux_loss with and without an attention mask with pads (a pipelined
+    model's forward runs without a graph)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids, mask, labels = _batch()
+    out = {}
+    for name, m in (("no_mask", None), ("mask", mask)):
+        want, got = (x(input_ids=ids, attention_mask=m, labels=labels) for x in (hf, model))
+        out[name] = [(float(want.loss), float(got.loss)), (float(want.aux_loss), float(got.aux_loss))]
+    return out
+
+
+# activation recompute with one-row micro-batches, 4 a step: the interleaved pipeline schedule then runs several
+# forwards before their backwards, each layer recomputed in its micro-batch's backward
+RECOMPUTE = {"gradient_checkpointing": True, "gradient_accumulation_steps": 4, "per_device_train_batch_size": 1}
+
+
 def one_process(folder: str, out_dir: str, mixtral: str) -> dict:
     """Qwen3-MoE (``folder``) and Mixtral (``mixtral``): training with transformers.Trainer and LoongTrainer, and
     the forward checks."""
@@ -93,7 +112,8 @@ def one_process(folder: str, out_dir: str, mixtral: str) -> dict:
     out = {"hf": hf, "one": one, "forward": forward_checks(folder, model),
            "forward_mixtral": forward_checks(mixtral, mixtral_model),
            "mixtral_hf": train_hf(mixtral, out_dir + "/mixtral_hf"),
-           "mixtral_one": train_loong(mixtral, out_dir + "/mixtral_lf", {})}
+           "mixtral_one": train_loong(mixtral, out_dir + "/mixtral_lf", {}),
+           "recompute": train_loong(folder, out_dir + "/recompute", {}, RECOMPUTE)}
     # activation recompute: each forward's backward before the next forward, or refused (a recomputed layer would
     # take the newer forward's tally)
     ids, mask, labels = _batch()
@@ -112,19 +132,22 @@ def one_process(folder: str, out_dir: str, mixtral: str) -> dict:
 def two_processes(folder: str, out_dir: str) -> dict:
     import loongforge_hf as lf
 
-    try:
-        lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
-        refused = None
-    except ValueError as err:
-        refused = str(err)
     layout = {"tensor_parallel_size": 2, "sequence_parallel": True}
     tp2 = train_loong(folder, out_dir + "/tp2", layout)
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
-    out = {"pp2": refused, "tp2": tp2, "forward_tp2": forward_checks(folder, model)}
+    out = {"tp2": tp2, "forward_tp2": forward_checks(folder, model)}
     del model
     # NOTE: EP2 is DP2: one micro-batch per rank per step holds the one-process run's two (see the test)
     out["ep2"] = train_loong(folder, out_dir + "/ep2", {"expert_parallel_size": 2}, {"gradient_accumulation_steps": 1})
     out["cp2"] = train_loong(folder, out_dir + "/cp2", {"context_parallel_size": 2})
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
     out["forward_cp2"] = forward_checks(folder, model)
+    del model
+    pp2 = {"pipeline_parallel_size": 2}
+    out["pp2"] = train_loong(folder, out_dir + "/pp2", pp2)
+    # NOTE: 4 layers, layer 0 dense: virtual stage 0 (rank 0's first chunk) has no MoE layer
+    vpp = {**pp2, "virtual_pipeline_parallel_size": 2}
+    out["vpp_recompute"] = train_loong(folder, out_dir + "/vpp", vpp, RECOMPUTE)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **vpp)
+    out["forward_vpp"] = forward_values(folder, model)
     return out
