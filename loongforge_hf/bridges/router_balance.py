@@ -73,18 +73,26 @@ class RouterBalance:
     """The model's ``BalanceRouter`` modules (none on a pipeline stage without MoE layers) and the tally they feed."""
 
     def __init__(self, routers: list, chunks, experts: int) -> None:
-        from loongforge_hf.parallel.stage_link import stage_link
+        from megatron.core import parallel_state as ps
 
         self.routers = routers
         self.experts = experts
         self.tally: Tally | None = None
-        self.link = stage_link()  # NOTE: collective (the model is built on every rank); None without pipelining
+        self.link = None  # pipeline parallelism: the stages' side channel, made when the loss is first on (active)
+        self.pipelined = ps.get_pipeline_model_parallel_world_size() > 1
         self.recomputed: dict[int, deque] = {id(r): deque() for r in routers}  # pipelining: tallies awaiting it
         for router in routers:
             router.balance = self
-        if self.link is not None:
+        if self.pipelined:
             for chunk in chunks:
                 chunk.register_forward_hook(self._stage_end)
+
+    def link_stages(self, device) -> None:
+        """Make the pipeline stages' side channel (collective: every rank, at the same point)."""
+        from loongforge_hf.parallel.stage_link import stage_link
+
+        if self.pipelined and self.link is None:
+            self.link = stage_link(device)
 
     def _stage_end(self, chunk, args, output) -> None:
         tally = self.tally
@@ -95,7 +103,7 @@ class RouterBalance:
         tally = self.tally
         if tally is None:
             return probs
-        if self.link is not None and tally.with_grad:
+        if self.pipelined and tally.with_grad:
             # NOTE: megatron's schedules run several forwards before their backwards; a layer checkpointed in a
             # forward (no grad) is recomputed in its backward, in forward order per layer
             queue = self.recomputed[id(router)]
@@ -182,6 +190,7 @@ def active(model, output_router_logits: bool | None = None) -> tuple[RouterBalan
         if balance is not None:
             balance.end()
         return None
+    balance.link_stages(model.device)
     return balance, coef
 
 

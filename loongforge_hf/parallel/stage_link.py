@@ -1,16 +1,17 @@
 """Small side messages between consecutive pipeline stages, beside megatron's activation sends.
 
 Choices:
-- Two process groups over each pipeline group's ranks, one per direction (to the next stage in the forward, to the
-  previous one in the backward), apart from megatron's pipeline group: a message never queues among megatron's own
-  point-to-point sends, and on each directed pair of ranks the messages of one direction are sent and received in
-  the same order (every rank runs megatron's schedules' forwards in one order and their backwards in one order, the
-  interleaved schedule's virtual stages included: the last rank's chunk ``c`` hands on to the first rank's chunk
-  ``c + 1``).
-- Sends are non-blocking (``isend``), kept until ``flush``; receives block. A stage sends before megatron sends its
-  activation (or its input's gradient), and receives after megatron's receive, so no wait closes a cycle.
-- The groups are made when a model is built (every rank takes part, in the same order), once per megatron pipeline
-  group.
+- Each message is a broadcast within a two-rank process group of its own kind: per pipeline rank ``r``, one group
+  for the forward messages ``r -> r + 1`` and one for the backward messages ``r + 1 -> r`` (``r + 1`` wrapping
+  around to the first rank: the interleaved schedule's last rank hands chunk ``c`` on to the first rank's chunk
+  ``c + 1``). A group thus carries messages one way only, which both of its ranks issue in the same order (every
+  rank runs megatron's schedules' forwards in one order and their backwards in one order), apart from megatron's
+  pipeline group: a message never queues among megatron's own sends.
+- Sends are asynchronous, kept until ``flush``; receives block. A stage sends before megatron sends its activation
+  (or its input's gradient) and receives after megatron's receive, so no wait closes a cycle.
+- The groups are made the first time a model asks for them (every rank at the same point, in the same order) and
+  set up there with one collective each: NCCL builds a communicator at its first use, blocking until both ranks
+  come, which in the middle of a schedule would wait on a rank that waits for megatron's send.
 """
 
 from __future__ import annotations
@@ -25,33 +26,36 @@ class StageLink:
     """This rank's side channels to its pipeline neighbours (next / previous rank, wrapping around for virtual
     stages)."""
 
-    def __init__(self, ranks: list[int], forward_group, backward_group) -> None:
+    def __init__(self, ranks: list[int], forward: list, backward: list) -> None:
         me = ranks.index(dist.get_rank())
         self.next_rank = ranks[(me + 1) % len(ranks)]
         self.prev_rank = ranks[(me - 1) % len(ranks)]
-        self.forward_group = forward_group
-        self.backward_group = backward_group
+        # forward[i]: ranks i -> i + 1 in the forward; backward[i]: ranks i + 1 -> i in the backward
+        self.to_next, self.from_prev = forward[me], forward[me - 1]
+        self.from_next, self.to_prev = backward[me], backward[me - 1]
         self.pending: list[tuple] = []  # (work, tensor): a sent tensor stays alive until its send completes
 
-    def _send(self, tensor: torch.Tensor, dst: int, group) -> None:
-        tensor = tensor.detach().contiguous()
-        self.pending.append((dist.isend(tensor, dst=dst, group=group), tensor))
+    def _send(self, tensor: torch.Tensor, group) -> None:
+        tensor = tensor.detach().clone()
+        self.pending.append((dist.broadcast(tensor, src=dist.get_rank(), group=group, async_op=True), tensor))
+
+    @staticmethod
+    def _recv(like: torch.Tensor, src: int, group) -> torch.Tensor:
+        buf = torch.empty_like(like)
+        dist.broadcast(buf, src=src, group=group)
+        return buf
 
     def send_next(self, tensor: torch.Tensor) -> None:
-        self._send(tensor, self.next_rank, self.forward_group)
+        self._send(tensor, self.to_next)
 
     def send_prev(self, tensor: torch.Tensor) -> None:
-        self._send(tensor, self.prev_rank, self.backward_group)
+        self._send(tensor, self.to_prev)
 
     def recv_prev(self, like: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty_like(like)
-        dist.recv(buf, src=self.prev_rank, group=self.forward_group)
-        return buf
+        return self._recv(like, self.prev_rank, self.from_prev)
 
     def recv_next(self, like: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty_like(like)
-        dist.recv(buf, src=self.next_rank, group=self.backward_group)
-        return buf
+        return self._recv(like, self.next_rank, self.from_next)
 
     def flush(self) -> None:
         """Wait for this rank's sends (their receivers have run by the end of a schedule)."""
@@ -60,9 +64,9 @@ class StageLink:
             work.wait()
 
 
-def stage_link() -> StageLink | None:
+def stage_link(device: torch.device) -> StageLink | None:
     """This rank's ``StageLink`` over megatron's current pipeline group (None without pipeline parallelism).
-    Collective over all ranks the first time for a pipeline layout."""
+    Collective over all ranks the first time for a pipeline layout; ``device``: where the messages live."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
@@ -73,9 +77,14 @@ def stage_link() -> StageLink | None:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, ranks)
         mine = None
-        for group_ranks in sorted({tuple(r) for r in gathered}):
-            groups = (dist.new_group(list(group_ranks)), dist.new_group(list(group_ranks)))
-            if dist.get_rank() in group_ranks:
-                mine = StageLink(list(group_ranks), *groups)
+        for pipeline in sorted({tuple(r) for r in gathered}):
+            size = len(pipeline)
+            pairs = [sorted((pipeline[i], pipeline[(i + 1) % size])) for i in range(size)]
+            forward, backward = [dist.new_group(p) for p in pairs], [dist.new_group(p) for p in pairs]
+            if dist.get_rank() in pipeline:
+                for pair, g in zip(pairs + pairs, forward + backward):
+                    if dist.get_rank() in pair:
+                        dist.all_reduce(torch.zeros(1, device=device), group=g)  # NOTE: set up now (see above)
+                mine = StageLink(list(pipeline), forward, backward)
         _LINK[:] = [group, mine]
     return _LINK[1]
