@@ -7,12 +7,13 @@ Choices:
   LoraConfig, ``target_modules`` as PEFT saves them: "all-linear" becomes the module names it matched).
 - Tensors stream as the HF exporter's do: on the owning pipeline stage's first data-parallel replica, the first TP
   rank gathers a split factor's shards (concatenated along the split dim) or takes its own copy of a replicated one,
-  and sends the full tensor to global rank 0. Rank 0 holds the adapter (small) and writes
-  through ``CheckpointWriter``: a temporary folder renamed into place, so an interrupted save never leaves a folder
-  that looks complete. Failures are shared with every rank, which all raise the same error.
-- Merged export: every adapted megatron weight gets ``scaling * B @ A`` (computed in float32, added in the weight's
-  dtype, as PEFT's ``merge_and_unload``), the regular HF export runs, and the original weights are copied back from a
-  CPU copy: the model continues unmerged, bit for bit.
+  and sends the full tensor to global rank 0 (expert stacks: each expert-parallel rank sends its experts' factors,
+  ``expert_export.py``). Rank 0 holds the adapter (small) and writes through ``CheckpointWriter``: a temporary
+  folder renamed into place, so an interrupted save never leaves a folder that looks complete. Failures are shared
+  with every rank, which all raise the same error.
+- Merged export: every adapted megatron weight (each expert of an expert stack) gets ``scaling * B @ A`` (computed
+  in float32, added in the weight's dtype, as PEFT's ``merge_and_unload``), the regular HF export runs, and the
+  original weights are copied back from a CPU copy: the model continues unmerged, bit for bit.
 """
 
 from __future__ import annotations

@@ -13,9 +13,12 @@ Choices:
 - ``save_pretrained(dir)`` writes a PEFT adapter folder that ``peft.PeftModel.from_pretrained(hf_model, dir)`` loads
   as it is; ``save_pretrained(dir, merged=True)`` writes a plain HF checkpoint with ``W + scaling * B @ A`` in every
   adapted weight (the model itself is left unmerged). Both are collective; rank 0 writes, atomically.
-- Mixture-of-experts models (Qwen3-MoE, Mixtral) get adapters on their attention projections only, as PEFT adapts
-  them (``plan.py``); the routed experts and the router stay frozen, so under expert parallelism nothing is reduced
-  over the expert data-parallel group and the adapters reduce over the dense one, like any attention weight.
+- Mixture-of-experts models (Qwen3-MoE, Mixtral) get the adapters PEFT gives them (``plan.py``): attention
+  projections as modules, routed experts and router as parameters (``experts.py``). Attention and router adapters
+  reduce over the dense data-parallel group; expert adapters are expert parameters (under expert parallelism
+  megatron reduces them over the expert-data-parallel group, as the experts). Under expert parallelism every
+  pipeline stage must also train something dense (LoongTrainer's engine reads megatron's dense optimizer, which is
+  not built for a stage without one), refused otherwise.
 - With pipeline parallelism the first stage must hold something trainable (its input, the embedding, does not
   require grad, so a stage without adapters would have nothing to back-propagate into).
 """

@@ -6,8 +6,8 @@ Choices:
   each module (suffix lists, regex strings, ``exclude_modules``, ``layers_to_transform``/``layers_pattern``).
   ``"all-linear"`` means every ``nn.Linear`` but the output embedding, as in PEFT. ``modules_to_save`` match by name
   suffix, as PEFT's ``ModulesToSaveWrapper`` does (``"norm"`` also matches ``input_layernorm``).
-- The order of ``LoraPlan.targets`` is the HF ``named_modules`` order: the order PEFT creates (and draws the random
-  initialisation of) adapters in.
+- The order of ``LoraPlan.targets`` is PEFT's creation order (the order it draws the random initialisation in):
+  module targets in HF ``named_modules`` order, then parameter targets (``param_targets.py``).
 - Each target is tied to the bridge mapping that holds its HF weight: ``QKV`` (q/k/v slots of ``linear_qkv``),
   ``GatedMLP`` (gate/up halves of ``linear_fc1``), ``ColumnParallel`` and ``RowParallel``. An HF linear the bridge
   fuses another way, the LM head and embeddings are refused with the list of what can be targeted.
@@ -16,14 +16,16 @@ Choices:
 - Mixture-of-experts models (Qwen3-MoE, Mixtral): PEFT on transformers 5 first rewrites the config of these models
   (``peft.utils.transformers_weight_conversion``): a name of an expert projection or the router (``gate_proj``,
   ``up_proj``, ``down_proj``, ``w1``/``w2``/``w3``, ``gate``; ``"all-linear"`` names them all) becomes a
-  ``target_parameters`` entry on the 3-D expert stacks or the router, and a string ``target_modules`` (a regex) becomes
-  the set of leaf names it matches (so a regex naming one layer's ``q_proj`` adapts ``q_proj`` in every layer). The
-  same rewrite runs here, with PEFT's own function, on the skeleton; the targets are then the attention projections
-  (dense, in every layer), and a config whose rewrite reaches experts or the router is refused, naming the attention
-  projections as the way out.
-- Refused with a clear message: DoRA, ``lora_bias``, ``rank_pattern``/``alpha_pattern``, ``target_parameters``
-  (expert weights), ``trainable_token_indices``, ``layer_replication``, initialisations other than
-  ``True``/``False``/``"gaussian"``, models with multi-latent attention (DeepSeek-V2/V3).
+  ``target_parameters`` entry on the 3-D expert stacks (``gate_up_proj`` with r and alpha doubled by
+  ``rank_pattern``/``alpha_pattern``, ``down_proj``) or the router (``gate.weight``), and a string ``target_modules``
+  (a regex) becomes the set of leaf names it matches (so a regex naming one layer's ``q_proj`` adapts ``q_proj`` in
+  every layer). The same rewrite runs here, with PEFT's own function, on the skeleton; what it leaves in
+  ``target_modules`` is matched as above, its ``target_parameters`` by ``param_targets.py`` (adapted by
+  ``experts.py``). A fused half named alone (``gate_proj`` without ``up_proj``) is refused as PEFT refuses it.
+- Refused with a clear message: DoRA, ``lora_bias``, ``rank_pattern``/``alpha_pattern`` other than the rewrite's own
+  entry, ``target_parameters`` other than the MoE models' expert stacks and router, ``lora_dropout`` with parameter
+  targets, ``trainable_token_indices``, ``layer_replication``, initialisations other than ``True``/``False``/
+  ``"gaussian"``, models with multi-latent attention (DeepSeek-V2/V3).
 """
 
 from __future__ import annotations

@@ -197,12 +197,14 @@ TWO_RANK_LAYOUTS = {
 
 
 def two_rank_checks(folder: str, out_dir: str, adapters: dict) -> dict:
-    from ._sft_parity import run_loong
+    from ._sft_parity import resume_matches_uninterrupted, run_loong
 
     out = {f"{name}/{case}": moe_model_checks(folder, f"{out_dir}/{name}-{case}", layout,
                                               adapters[f"qwen3_moe/{case}"], kw)
            for name, layout in TWO_RANK_LAYOUTS.items() for case, kw in TWO_RANK_CASES.items()}
     out["refused"] = _refusals(folder)
+    # a LoRA checkpoint with expert and router adapters (megatron dist-checkpointing) resumes exactly
+    out["resume"] = resume_matches_uninterrupted(folder, out_dir + "/resume", TWO_RANK_LAYOUTS["tp2_sp_ep2"])
     out["sft"] = run_loong(folder, out_dir + "/sft", TWO_RANK_LAYOUTS["tp2_sp_ep2"], list(SFT_SCENARIOS),
                            SFT_SCENARIOS)
     return out

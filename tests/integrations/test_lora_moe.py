@@ -188,6 +188,14 @@ def test_expert_layouts_refused(two_ranks):
         assert "expert_parallel_size=1" in rank["refused"]["ep2_experts_only"], rank["refused"]
 
 
+def test_expert_lora_resume_matches_uninterrupted_run(two_ranks):
+    """LoongSFTTrainer, "all-linear" (attention, experts, router) at TP2 + SP + EP2: resumed from the step-2
+    checkpoint, steps 3-4 log the uninterrupted run's losses exactly."""
+    for rank in two_ranks:
+        res = rank["resume"]
+        assert res["resumed"] == res["full"] and len(res["full"]) == 4, res
+
+
 @pytest.mark.parametrize("name", list(SFT_SCENARIOS))
 def test_sft_matches_trl(one_rank, two_ranks, name):
     """LoongSFTTrainer with the LoraConfig against trl.SFTTrainer (+ PEFT), at TP1 and at TP2 + SP + EP2: every
