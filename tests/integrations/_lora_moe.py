@@ -163,9 +163,10 @@ SFT_SCENARIOS = {
     "lora_norms_balance": ("text", {"learning_rate": 1e-1, "router_aux_loss_coef": 0.1},
                            dict(r=4, lora_alpha=16, use_rslora=True, modules_to_save=["norm"], task_type="CAUSAL_LM",
                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
-    # TRL users' usual config: attention, routed experts and router (PEFT's target_parameters), PEFT's init
-    "lora_all_linear": ("text", {"learning_rate": 1e-1},
-                        dict(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")),
+    # TRL users' usual config: attention, routed experts and router (PEFT's target_parameters), PEFT's init; the
+    # router balancing loss's gradient reaches the router's adapter too
+    "lora_all_linear": ("text", {"learning_rate": 1e-1, "router_aux_loss_coef": 0.1},
+                        dict(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")),
 }
 
 # (arch, LoraConfig kwargs) of the model checks, by name

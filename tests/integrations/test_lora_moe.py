@@ -17,7 +17,8 @@ projections are adapted as on a dense model, in every layer (MoE or dense). Both
   ``PeftModel.from_pretrained`` and the merged export (the full MoE checkpoint) in transformers with the Loong
   model's logits (1e-4); a PEFT-written adapter (random B) loads onto the Loong model with PEFT's logits and loss.
 - LoongSFTTrainer with a LoraConfig on Qwen3-MoE (attention with and without the router balancing loss, and
-  "all-linear"): the logged losses of trl.SFTTrainer (1e-4 relative), at TP1 and at TP2 + SP + EP2.
+  "all-linear" with it, whose gradient then reaches the router's adapter): the logged losses of trl.SFTTrainer (1e-4
+  relative), at TP1 and at TP2 + SP + EP2; the "all-linear" LoRA checkpoint at TP2 + SP + EP2 resumes exactly.
 - Refused with messages naming the way out: fused gate/up named by half (PEFT refuses it), lora_dropout with expert
   targets (PEFT refuses it), other parameters, other rank/alpha patterns, megatron's SequentialMLP experts, experts
   split over expert-tensor parallelism, multi-latent attention (DeepSeek-V3).
