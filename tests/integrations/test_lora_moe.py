@@ -21,7 +21,8 @@ projections are adapted as on a dense model, in every layer (MoE or dense). Both
   relative), at TP1 and at TP2 + SP + EP2; the "all-linear" LoRA checkpoint at TP2 + SP + EP2 resumes exactly.
 - Refused with messages naming the way out: fused gate/up named by half (PEFT refuses it), lora_dropout with expert
   targets (PEFT refuses it), other parameters, other rank/alpha patterns, megatron's SequentialMLP experts, experts
-  split over expert-tensor parallelism, multi-latent attention (DeepSeek-V3).
+  split over expert-tensor parallelism, under expert parallelism a config that trains nothing dense (LoongTrainer's
+  engine needs it), multi-latent attention (DeepSeek-V3).
 """
 
 from __future__ import annotations
