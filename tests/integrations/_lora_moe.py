@@ -204,6 +204,10 @@ def two_rank_checks(folder: str, out_dir: str, adapters: dict) -> dict:
                                               adapters[f"qwen3_moe/{case}"], kw)
            for name, layout in TWO_RANK_LAYOUTS.items() for case, kw in TWO_RANK_CASES.items()}
     out["refused"] = _refusals(folder)
+    # expert adapters under EP2 over two data-parallel ranks train as without expert parallelism (DP2): their
+    # gradients reduce over the expert-data-parallel group and are scaled as the dense ones
+    out["sft_dp2"] = {name: run_loong(folder, f"{out_dir}/sft-{name}", layout, ["lora_all_linear"], SFT_SCENARIOS)
+                      for name, layout in (("dp2", {}), ("ep2_dp2", TWO_RANK_LAYOUTS["ep2_dp2"]))}
     # a LoRA checkpoint with expert and router adapters (megatron dist-checkpointing) resumes exactly
     out["resume"] = resume_matches_uninterrupted(folder, out_dir + "/resume", TWO_RANK_LAYOUTS["tp2_sp_ep2"])
     out["sft"] = run_loong(folder, out_dir + "/sft", TWO_RANK_LAYOUTS["tp2_sp_ep2"], list(SFT_SCENARIOS),
