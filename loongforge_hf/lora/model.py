@@ -135,10 +135,10 @@ def _check_dense_trainable(model, plan: LoraPlan, owners) -> None:
     missing = sorted(set(range(last + 1)) - dense)
     if missing:
         raise LoraConfigError(f"expert_parallel_size={ps.get_expert_model_parallel_world_size()}: pipeline stage(s) "
-                              f"{missing} would train only routed-expert adapters, which LoongTrainer does not "
-                              "support yet under expert parallelism; adapt the attention projections or the router "
-                              "there too (e.g. target_modules='all-linear'), add a norm to modules_to_save, or use "
-                              "expert_parallel_size=1.")
+                              f"{missing} would train no dense parameter (routed-expert adapters only), which "
+                              "LoongTrainer does not support yet under expert parallelism; adapt the attention "
+                              "projections or the router there too (e.g. target_modules='all-linear'), add a norm to "
+                              "modules_to_save, or use expert_parallel_size=1.")
 
 
 def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelForCausalLM:

@@ -185,9 +185,10 @@ def test_two_ranks_match_peft(two_ranks, layout, case):
 def test_expert_layouts_refused(two_ranks):
     """Experts split over expert-tensor parallelism (TP2's default); under EP2, experts with nothing dense to train."""
     for rank in two_ranks:
-        assert "pass expert_tensor_parallel_size=1" in rank["refused"]["etp2"], rank["refused"]
-        assert "would train only routed-expert adapters" in rank["refused"]["ep2_experts_only"], rank["refused"]
-        assert "expert_parallel_size=1" in rank["refused"]["ep2_experts_only"], rank["refused"]
+        refused = rank["refused"]
+        assert "pass expert_tensor_parallel_size=1" in refused["etp2"], refused
+        assert "would train no dense parameter (routed-expert adapters only)" in refused["ep2_experts_only"], refused
+        assert "expert_parallel_size=1" in refused["ep2_experts_only"], refused
 
 
 def test_expert_parallel_lora_trains_as_data_parallel(two_ranks):
