@@ -185,6 +185,11 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         raise LoraConfigError(f"LoRA on the routed experts needs them whole on each rank: pass "
                               f"expert_tensor_parallel_size=1 (got {ps.get_expert_tensor_parallel_world_size()}; "
                               "it defaults to tensor_parallel_size), or adapt only the attention projections.")
+    if any(t.kind == "experts" for t in plan.targets) and getattr(model.megatron, "fp8", None):
+        # NOTE: decided from the model, not per layer: a pipeline stage without MoE layers must refuse too
+        raise LoraConfigError("LoRA on the routed experts is not supported with FP8 experts (fp8='on' / "
+                              "'adaptive' or a Transformer Engine recipe); load the model without fp8, or adapt "
+                              "only the attention projections.")
     for (vp, path), members in groups.items():  # every target adaptable before anything changes
         module, kind = model.chunks[vp].get_submodule(path), members[0][0].kind
         if kind in PARAM_KINDS:
