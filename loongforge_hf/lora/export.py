@@ -7,12 +7,13 @@ Choices:
   LoraConfig, ``target_modules`` as PEFT saves them: "all-linear" becomes the module names it matched).
 - Tensors stream as the HF exporter's do: on the owning pipeline stage's first data-parallel replica, the first TP
   rank gathers a split factor's shards (concatenated along the split dim) or takes its own copy of a replicated one,
-  and sends the full tensor to global rank 0. Rank 0 holds the adapter (small) and writes
-  through ``CheckpointWriter``: a temporary folder renamed into place, so an interrupted save never leaves a folder
-  that looks complete. Failures are shared with every rank, which all raise the same error.
-- Merged export: every adapted megatron weight gets ``scaling * B @ A`` (computed in float32, added in the weight's
-  dtype, as PEFT's ``merge_and_unload``), the regular HF export runs, and the original weights are copied back from a
-  CPU copy: the model continues unmerged, bit for bit.
+  and sends the full tensor to global rank 0 (expert stacks: each expert-parallel rank sends its experts' factors,
+  ``expert_export.py``). Rank 0 holds the adapter (small) and writes through ``CheckpointWriter``: a temporary
+  folder renamed into place, so an interrupted save never leaves a folder that looks complete. Failures are shared
+  with every rank, which all raise the same error.
+- Merged export: every adapted megatron weight (each expert of an expert stack) gets ``scaling * B @ A`` (computed
+  in float32, added in the weight's dtype, as PEFT's ``merge_and_unload``), the regular HF export runs, and the
+  original weights are copied back from a CPU copy: the model continues unmerged, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,18 +28,23 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.bridges.distribution import broadcast_outcome, gather_to_first, recv_tensor, send_tensor
+from loongforge_hf.lora.expert_export import expert_adapter_tensors
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def _lora_modules(model):
+def _lora_deltas(model):
+    """(adapted megatron weight, its float32 delta ``scaling * B @ A``) on this rank."""
+    from loongforge_hf.lora.experts import is_param_lora
     from loongforge_hf.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
 
     for chunk in model.chunks:
         for module in chunk.modules():
             if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear)):
-                yield module
+                yield module.weight, module.lora_delta_weight()
+            elif is_param_lora(module):
+                yield from module.lora_deltas()
 
 
 @contextlib.contextmanager
@@ -47,10 +53,9 @@ def merged_weights(model):
     saved = []
     try:
         with torch.no_grad():
-            for module in _lora_modules(model):
-                weight = module.weight
+            for weight, delta in _lora_deltas(model):
                 saved.append((weight, weight.detach().to("cpu", copy=True)))
-                weight.add_(module.lora_delta_weight().to(weight.dtype))
+                weight.add_(delta.to(weight.dtype))
         yield
     finally:
         with torch.no_grad():
@@ -144,17 +149,21 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
     plan, streamer, dtype = model.lora_plan, _Streamer(model), dtype or model.dtype
     out: dict[str, torch.Tensor] = {}
     for t in plan.targets:
+        if t.kind == "experts":  # below, all at once
+            continue
         prefix = f"base_model.model.{t.hf_module}"
         base = t.megatron_module + f".lora.{t.name}"
-        for factor, split_dim in (("A", 1 if t.kind == "row" else None), ("B", None if t.kind == "row" else 0)):
+        split = {"row": "A", "router": None}.get(t.kind, "B")
+        for factor, split_dim in (("A", 1 if split == "A" else None), ("B", 0 if split == "B" else None)):
             hf_name = f"{prefix}.lora_{factor}.weight"
-            shape = (t.r, t.in_features) if factor == "A" else (t.out_features, t.r)
+            shape = t.a_shape if factor == "A" else t.b_shape
             owner_pp, vp, name = streamer.owner_of(t.layer, f"{base}.{factor}")
 
             def export(shards, hf_name=hf_name, split_dim=split_dim):
                 return {hf_name: shards[0] if split_dim is None else torch.cat(shards, dim=split_dim)}
             out.update(streamer.collect(owner_pp, vp, name, split=split_dim is not None, export=export,
                                         shapes={hf_name: shape}, dtype=dtype))
+    out.update(expert_adapter_tensors(model, plan.targets, streamer, dtype))
     for s in plan.saved:
         owner_pp, vp, name = streamer.owner_of(s.layer, s.mapping.megatron)
         hf_name = f"base_model.model.{s.hf_name}"

@@ -21,11 +21,13 @@ from torch import nn
 
 
 def draw_initial_weights(targets, init_lora_weights) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(A [r, in], B [out, r]) in float32 for each target, in order, from the default CPU generator."""
+    """(A [r, in], B [out, r]) in float32 for each target, in order, from the default CPU generator (an expert stack's
+    A [r * E, in], B [out, r * E], as PEFT's ``ParamWrapper``; the gaussian std stays 1 / r)."""
     out = []
     for t in targets:
-        lora_a = nn.Linear(t.in_features, t.r, bias=False, device="cpu", dtype=torch.float32)
-        lora_b = nn.Linear(t.r, t.out_features, bias=False, device="cpu", dtype=torch.float32)
+        (rows, in_features), (out_features, cols) = t.a_shape, t.b_shape
+        lora_a = nn.Linear(in_features, rows, bias=False, device="cpu", dtype=torch.float32)
+        lora_b = nn.Linear(cols, out_features, bias=False, device="cpu", dtype=torch.float32)
         with torch.no_grad():
             if init_lora_weights is True:
                 nn.init.kaiming_uniform_(lora_a.weight, a=math.sqrt(5))

@@ -40,15 +40,17 @@ from torch import nn
 
 
 class LoraAdapter(nn.Module):
-    """One HF target's adapter on this rank: ``A`` [r, in or in/TP], ``B`` [out/TP or out, r]."""
+    """One HF target's adapter on this rank: ``A`` [r, in or in/TP], ``B`` [out/TP or out, r] (``split`` names the
+    factor split over TP, None for neither)."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, *, scaling: float, dropout: float, split: str) -> None:
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, *, scaling: float, dropout: float,
+                 split: str | None) -> None:
         super().__init__()
         self.A = nn.Parameter(a)
         self.B = nn.Parameter(b)
         self.scaling = scaling
         self.dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
-        split_factor = self.B if split == "B" else self.A
+        split_factor = {"A": self.A, "B": self.B}.get(split)  # None: both replicated (the router's)
         for p in (self.A, self.B):
             set_tensor_model_parallel_attributes(p, p is split_factor, 0 if split == "B" else 1, 1)
 

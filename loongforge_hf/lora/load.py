@@ -115,8 +115,8 @@ def _check_tensors(folder: Path, plan, tensors: dict[str, torch.Tensor]) -> list
     """The (A, B) of every target, in float32; one error listing every missing or misshapen tensor."""
     expected = {}
     for t in plan.targets:
-        expected[f"{PREFIX}{t.hf_module}.lora_A.weight"] = (t.r, t.in_features)
-        expected[f"{PREFIX}{t.hf_module}.lora_B.weight"] = (t.out_features, t.r)
+        expected[f"{PREFIX}{t.hf_module}.lora_A.weight"] = t.a_shape
+        expected[f"{PREFIX}{t.hf_module}.lora_B.weight"] = t.b_shape
     for s in plan.saved:
         expected[PREFIX + s.hf_name] = tuple(plan.hf_shapes[s.hf_name])
     problems = []
@@ -147,7 +147,7 @@ def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = 
 
     from loongforge_hf.bridges.builder import layer_owners
     from loongforge_hf.bridges.loader import shard_context
-    from loongforge_hf.lora.model import _check_first_stage_trains, attach_lora, megatron_params_of, plan_for
+    from loongforge_hf.lora.model import attach_lora, check_stages_train, megatron_params_of, plan_for
 
     folder = Path(adapter_dir)
     config, tensors = read_adapter(folder, allow_pickle=allow_pickle)
@@ -155,7 +155,7 @@ def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = 
     plan = plan_for(model, config)
     owners = layer_owners(model.megatron.config, model.parallel)
     if is_trainable:
-        _check_first_stage_trains(model, plan, owners)
+        check_stages_train(model, plan, owners)
     initial = _check_tensors(folder, plan, tensors)
     model = attach_lora(model, config, plan, initial)
     reader = _AdapterReader(tensors)

@@ -13,9 +13,12 @@ Choices:
 - ``save_pretrained(dir)`` writes a PEFT adapter folder that ``peft.PeftModel.from_pretrained(hf_model, dir)`` loads
   as it is; ``save_pretrained(dir, merged=True)`` writes a plain HF checkpoint with ``W + scaling * B @ A`` in every
   adapted weight (the model itself is left unmerged). Both are collective; rank 0 writes, atomically.
-- Mixture-of-experts models (Qwen3-MoE, Mixtral) get adapters on their attention projections only, as PEFT adapts
-  them (``plan.py``); the routed experts and the router stay frozen, so under expert parallelism nothing is reduced
-  over the expert data-parallel group and the adapters reduce over the dense one, like any attention weight.
+- Mixture-of-experts models (Qwen3-MoE, Mixtral) get the adapters PEFT gives them (``plan.py``): attention
+  projections as modules, routed experts and router as parameters (``experts.py``). Attention and router adapters
+  reduce over the dense data-parallel group; expert adapters are expert parameters (under expert parallelism
+  megatron reduces them over the expert-data-parallel group, as the experts). Under expert parallelism every
+  pipeline stage must also train something dense (LoongTrainer's engine reads megatron's dense optimizer, which is
+  not built for a stage without one), refused otherwise.
 - With pipeline parallelism the first stage must hold something trainable (its input, the embedding, does not
   require grad, so a stage without adapters would have nothing to back-propagate into).
 """
@@ -35,6 +38,8 @@ from loongforge_hf.bridges import transforms as T
 from loongforge_hf.lora.plan import LoraConfigError, LoraPlan, plan_lora
 from loongforge_hf.modeling import LoongModelForCausalLM
 
+PARAM_KINDS = ("experts", "router")  # targets on parameters (param_targets.py), attached by experts.py
+
 
 class LoongLoraModelForCausalLM(LoongModelForCausalLM):
     """A ``LoongModelForCausalLM`` whose megatron linears carry LoRA adapters (made by ``get_peft_model``)."""
@@ -44,7 +49,7 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable, all) parameters of the whole model, counted as PEFT counts them on the HF model."""
-        trainable = sum(t.r * (t.in_features + t.out_features) for t in self.lora_plan.targets)
+        trainable = sum(t.r * t.num_experts * (t.in_features + t.out_features) for t in self.lora_plan.targets)
         trainable += sum(math.prod(self.lora_plan.hf_shapes[s.hf_name]) for s in self.lora_plan.saved)
         return trainable, self.lora_plan.hf_param_count + trainable
 
@@ -100,7 +105,9 @@ def _layout_and_slices(target_group, ctx, layer: int):
     return None, {names[0]: slice(start, stop)}
 
 
-def _check_first_stage_trains(model, plan: LoraPlan, owners) -> None:
+def check_stages_train(model, plan: LoraPlan, owners) -> None:
+    """Refuse (every rank alike) a plan that leaves a pipeline stage without what the trainer needs there."""
+    _check_dense_trainable(model, plan, owners)
     if model.parallel.pipeline_parallel_size == 1:
         return
     first_stage = {layer for layer, (pp, _, _) in owners.items() if pp == 0}
@@ -112,13 +119,35 @@ def _check_first_stage_trains(model, plan: LoraPlan, owners) -> None:
                           "its layers (layers_to_transform) or use fewer pipeline stages.")
 
 
+def _check_dense_trainable(model, plan: LoraPlan, owners) -> None:
+    """Under expert parallelism expert adapters are expert parameters (their own optimizer); LoongTrainer's engine
+    also needs a dense trainable parameter on every pipeline stage (it reads megatron's dense optimizer, which is
+    not built for a stage without one)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() == 1 or not any(t.kind == "experts" for t in plan.targets):
+        return
+    last = model.parallel.pipeline_parallel_size - 1
+    dense = {owners[t.layer][0] for t in plan.targets if t.kind != "experts"}
+    for s in plan.saved:
+        dense.add(owners[s.layer][0] if s.layer is not None else
+                  (0 if s.hf_name == model.bridge.embedding_mapping().hf else last))
+    missing = sorted(set(range(last + 1)) - dense)
+    if missing:
+        raise LoraConfigError(f"expert_parallel_size={ps.get_expert_model_parallel_world_size()}: pipeline stage(s) "
+                              f"{missing} would train no dense parameter (routed-expert adapters only), which "
+                              "LoongTrainer does not support yet under expert parallelism; adapt the attention "
+                              "projections or the router there too (e.g. target_modules='all-linear'), add a norm to "
+                              "modules_to_save, or use expert_parallel_size=1.")
+
+
 def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelForCausalLM:
     """Add LoRA adapters described by ``peft_config`` (a ``peft.LoraConfig``) to ``model``, in place."""
     from loongforge_hf.bridges.builder import layer_owners
     from loongforge_hf.lora.init import draw_initial_weights
 
     plan = plan_for(model, peft_config)
-    _check_first_stage_trains(model, plan, layer_owners(model.megatron.config, model.parallel))
+    check_stages_train(model, plan, layer_owners(model.megatron.config, model.parallel))
     return attach_lora(model, peft_config, plan, draw_initial_weights(plan.targets, peft_config.init_lora_weights))
 
 
@@ -139,6 +168,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
 
     from loongforge_hf.bridges.builder import layer_owners
     from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.experts import attach_param_adapters, check_param_adaptable
     from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable
 
     owners = layer_owners(model.megatron.config, model.parallel)
@@ -151,13 +181,29 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         if owner_pp == pp_rank:
             groups[(vp or 0, target.megatron_module.format(layer=local))].append((target, weights))
 
-    for vp, path in groups:  # every target adaptable before anything changes
-        check_adaptable(model.chunks[vp].get_submodule(path))
+    if any(t.kind == "experts" for t in plan.targets) and ps.get_expert_tensor_parallel_world_size() != 1:
+        raise LoraConfigError(f"LoRA on the routed experts needs them whole on each rank: pass "
+                              f"expert_tensor_parallel_size=1 (got {ps.get_expert_tensor_parallel_world_size()}; "
+                              "it defaults to tensor_parallel_size), or adapt only the attention projections.")
+    if any(t.kind == "experts" for t in plan.targets) and getattr(model.megatron, "fp8", None):
+        # NOTE: decided from the model, not per layer: a pipeline stage without MoE layers must refuse too
+        raise LoraConfigError("LoRA on the routed experts is not supported with FP8 experts (fp8='on' / "
+                              "'adaptive' or a Transformer Engine recipe); load the model without fp8, or adapt "
+                              "only the attention projections.")
+    for (vp, path), members in groups.items():  # every target adaptable before anything changes
+        module, kind = model.chunks[vp].get_submodule(path), members[0][0].kind
+        if kind in PARAM_KINDS:
+            check_param_adaptable(module, kind)
+        else:
+            check_adaptable(module)
     for p in model.parameters():
         p.requires_grad_(False)
     device, dtype = model.device, model.dtype
     for (vp, path), members in groups.items():
         targets = [t for t, _ in members]
+        if targets[0].kind in PARAM_KINDS:
+            attach_param_adapters(model.chunks[vp].get_submodule(path), members, dtype=dtype, device=device)
+            continue
         layout, slices = _layout_and_slices(targets, ctx, targets[0].layer)
         adapters = {}
         for t, (a, b) in members:

@@ -6,8 +6,8 @@ Choices:
   each module (suffix lists, regex strings, ``exclude_modules``, ``layers_to_transform``/``layers_pattern``).
   ``"all-linear"`` means every ``nn.Linear`` but the output embedding, as in PEFT. ``modules_to_save`` match by name
   suffix, as PEFT's ``ModulesToSaveWrapper`` does (``"norm"`` also matches ``input_layernorm``).
-- The order of ``LoraPlan.targets`` is the HF ``named_modules`` order: the order PEFT creates (and draws the random
-  initialisation of) adapters in.
+- The order of ``LoraPlan.targets`` is PEFT's creation order (the order it draws the random initialisation in):
+  module targets in HF ``named_modules`` order, then parameter targets (``param_targets.py``).
 - Each target is tied to the bridge mapping that holds its HF weight: ``QKV`` (q/k/v slots of ``linear_qkv``),
   ``GatedMLP`` (gate/up halves of ``linear_fc1``), ``ColumnParallel`` and ``RowParallel``. An HF linear the bridge
   fuses another way, the LM head and embeddings are refused with the list of what can be targeted.
@@ -16,14 +16,16 @@ Choices:
 - Mixture-of-experts models (Qwen3-MoE, Mixtral): PEFT on transformers 5 first rewrites the config of these models
   (``peft.utils.transformers_weight_conversion``): a name of an expert projection or the router (``gate_proj``,
   ``up_proj``, ``down_proj``, ``w1``/``w2``/``w3``, ``gate``; ``"all-linear"`` names them all) becomes a
-  ``target_parameters`` entry on the 3-D expert stacks or the router, and a string ``target_modules`` (a regex) becomes
-  the set of leaf names it matches (so a regex naming one layer's ``q_proj`` adapts ``q_proj`` in every layer). The
-  same rewrite runs here, with PEFT's own function, on the skeleton; the targets are then the attention projections
-  (dense, in every layer), and a config whose rewrite reaches experts or the router is refused, naming the attention
-  projections as the way out.
-- Refused with a clear message: DoRA, ``lora_bias``, ``rank_pattern``/``alpha_pattern``, ``target_parameters``
-  (expert weights), ``trainable_token_indices``, ``layer_replication``, initialisations other than
-  ``True``/``False``/``"gaussian"``, models with multi-latent attention (DeepSeek-V2/V3).
+  ``target_parameters`` entry on the 3-D expert stacks (``gate_up_proj`` with r and alpha doubled by
+  ``rank_pattern``/``alpha_pattern``, ``down_proj``) or the router (``gate.weight``), and a string ``target_modules``
+  (a regex) becomes the set of leaf names it matches (so a regex naming one layer's ``q_proj`` adapts ``q_proj`` in
+  every layer). The same rewrite runs here, with PEFT's own function, on the skeleton; what it leaves in
+  ``target_modules`` is matched as above, its ``target_parameters`` by ``param_targets.py`` (adapted by
+  ``experts.py``). A fused half named alone (``gate_proj`` without ``up_proj``) is refused as PEFT refuses it.
+- Refused with a clear message: DoRA, ``lora_bias``, ``rank_pattern``/``alpha_pattern`` other than the rewrite's own
+  entry, ``target_parameters`` other than the MoE models' expert stacks and router, ``lora_dropout`` with parameter
+  targets, ``trainable_token_indices``, ``layer_replication``, initialisations other than ``True``/``False``/
+  ``"gaussian"``, models with multi-latent attention (DeepSeek-V2/V3).
 """
 
 from __future__ import annotations
@@ -50,21 +52,32 @@ class Target:
     layer: int                  # global decoder layer index
     mapping: Mapping            # the bridge mapping holding its weight
     slot: int                   # position of its weight in ``mapping.hf_names(layer)``
-    kind: str                   # "qkv" | "gated" | "column" | "row"
+    kind: str                   # "qkv" | "gated" | "column" | "row" | "experts" | "router" (param_targets.py)
     in_features: int
     out_features: int
     r: int
     scaling: float
+    num_experts: int = 1        # PEFT's ParamWrapper on a 3-D expert stack: A [r * E, in], B [out, r * E]
+    slot_name: str | None = None    # adapter key in the megatron module when not the HF module's last component
+    module_path: str | None = None  # megatron module (with ``{layer}``) when not the mapping's weight's module
 
     @property
     def name(self) -> str:
         """The slot name inside the megatron module: the HF module's last component (``k_proj``)."""
-        return self.hf_module.rsplit(".", 1)[-1]
+        return self.slot_name or self.hf_module.rsplit(".", 1)[-1]
 
     @property
     def megatron_module(self) -> str:
         """Megatron module path with ``{layer}`` for the local layer index."""
-        return self.mapping.megatron.removesuffix(".weight")
+        return self.module_path or self.mapping.megatron.removesuffix(".weight")
+
+    @property
+    def a_shape(self) -> tuple[int, int]:
+        return (self.r * self.num_experts, self.in_features)
+
+    @property
+    def b_shape(self) -> tuple[int, int]:
+        return (self.out_features, self.r * self.num_experts)
 
 
 @dataclass(frozen=True)
@@ -101,8 +114,7 @@ def _check_config(config) -> None:
     if not isinstance(config, LoraConfig):
         raise LoraConfigError(f"loongforge-hf applies LoRA (peft.LoraConfig); got {type(config).__name__}.")
     refused = {
-        "use_dora": config.use_dora, "lora_bias": config.lora_bias, "rank_pattern": config.rank_pattern,
-        "alpha_pattern": config.alpha_pattern, "target_parameters": config.target_parameters,
+        "use_dora": config.use_dora, "lora_bias": config.lora_bias,
         "trainable_token_indices": config.trainable_token_indices, "layer_replication": config.layer_replication,
         "fan_in_fan_out": config.fan_in_fan_out,
     }
@@ -119,7 +131,7 @@ def _check_config(config) -> None:
                               "True (PEFT's default), False or 'gaussian'.")
     if not isinstance(config.r, int) or config.r < 1:
         raise LoraConfigError(f"LoraConfig(r={config.r!r}): r must be a positive integer.")
-    if config.target_modules is None:
+    if config.target_modules is None and not config.target_parameters:
         raise LoraConfigError("LoraConfig(target_modules=None): name the HF modules to adapt, e.g. "
                               "target_modules=['q_proj', 'v_proj'] or 'all-linear'.")
 
@@ -146,6 +158,8 @@ def plan_lora(bridge, config) -> LoraPlan:
     from peft.tuners.tuners_utils import check_target_module_exists
     from torch import nn
 
+    from loongforge_hf.lora.param_targets import plan_param_targets
+
     _check_config(config)
     if getattr(bridge, "multi_latent_attention", False):
         raise LoraConfigError(f"LoRA is not supported on {bridge.architectures[0]}: its multi-latent attention "
@@ -153,6 +167,7 @@ def plan_lora(bridge, config) -> LoraPlan:
                               "Supported: dense decoders and the mixture-of-experts models Qwen3-MoE and Mixtral.")
     skeleton = _hf_skeleton(bridge.hf_config)
     config = _as_peft_rewrites(config, skeleton, bridge)
+    param_targets = plan_param_targets(config, skeleton, bridge)
     output_embedding = skeleton.get_output_embeddings()
     modules = list(skeleton.named_modules())
     linear_names = {n for n, mod in modules if isinstance(mod, nn.Linear) and mod is not output_embedding}
@@ -186,6 +201,7 @@ def plan_lora(bridge, config) -> LoraPlan:
         raise LoraConfigError(f"target_modules match {refused[:4]}{' ...' if len(refused) > 4 else ''}, which "
                               f"cannot carry a LoRA adapter on megatron layers; targetable modules: {suffixes} "
                               "or 'all-linear'.")
+    targets += param_targets
     if not targets:
         raise LoraConfigError(f"target_modules={config.target_modules!r} match no module of "
                               f"{type(skeleton).__name__}; targetable: "
@@ -194,14 +210,14 @@ def plan_lora(bridge, config) -> LoraPlan:
     saved = _saved_tensors(config, modules, index, bridge)
     shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
     target_modules = sorted({t.name for t in targets}) if all_linear else (
-        config.target_modules if isinstance(config.target_modules, str) else sorted(config.target_modules))
+        config.target_modules if isinstance(config.target_modules, str) else sorted(config.target_modules or []))
     return LoraPlan(targets=targets, saved=saved, target_modules=target_modules, config=config,
                     hf_param_count=sum(math.prod(s) for s in shapes.values()), hf_shapes=shapes)
 
 
 def _as_peft_rewrites(config, skeleton, bridge):
     """A copy of ``config`` as PEFT rewrites it for ``skeleton``'s architecture (MoE models on transformers 5; any
-    other model keeps it as it is); refused when the rewrite targets routed experts or the router."""
+    other model keeps it as it is)."""
     import copy
 
     try:
@@ -214,14 +230,9 @@ def _as_peft_rewrites(config, skeleton, bridge):
     except ValueError as err:
         raise LoraConfigError(f"target_modules={config.target_modules!r} on {bridge.architectures[0]}: PEFT "
                               f"refuses it ({err}).") from err
-    if rewritten.target_parameters:
-        raise LoraConfigError(
-            f"target_modules={config.target_modules!r} on {bridge.architectures[0]}: PEFT adapts the routed experts "
-            f"or the router there (target_parameters={sorted(rewritten.target_parameters)}: 3-D expert weights), "
-            "which loongforge-hf LoRA does not support. Adapt the attention projections, e.g. "
-            "target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'].")
-    if isinstance(rewritten.target_modules, (set, frozenset)):
-        rewritten.target_modules = sorted(rewritten.target_modules)
+    for name in ("target_modules", "target_parameters"):
+        if isinstance(getattr(rewritten, name), (set, frozenset)):
+            setattr(rewritten, name, sorted(getattr(rewritten, name)))
     return rewritten
 
 

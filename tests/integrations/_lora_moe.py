@@ -14,9 +14,22 @@ import torch
 from ._lora_checks import _close, _gather_full, export_checks, lora_pair
 from ._lora_load import write_peft_adapter
 
-# what PEFT adapts on these models as modules (their experts and router only as target_parameters)
+# the attention projections (modules in PEFT) with modules_to_save
 LORA_KW = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False,
                modules_to_save=["post_attention_layernorm", "lm_head"])
+# the routed experts (and router) that PEFT adapts as parameters: its rewrite of the names turns them into
+# target_parameters (gate_up_proj with r and alpha doubled); init_lora_weights=False keeps B random, so the experts'
+# adapters change the logits
+EXPERT_KW = {
+    # attention, experts and router
+    "all_linear": dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora_weights=False),
+    # experts only (none of Qwen3-MoE's dense first-layer MLP: PEFT's rewrite takes these names away from modules),
+    # with norms trained whole (under expert parallelism a stage needs a dense trainable tensor: _refusals)
+    "experts": dict(r=3, lora_alpha=4, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"],
+                    init_lora_weights=False, modules_to_save=["post_attention_layernorm"]),
+}
+MIXTRAL_EXPERT_KW = dict(r=2, lora_alpha=5, target_modules=["q_proj", "w1", "w2", "w3", "gate"],
+                         init_lora_weights=False)
 
 
 def _probe() -> torch.Tensor:
@@ -42,7 +55,38 @@ def _check_adapter_grads(model, ref, hf_config) -> None:
            ref_params[f"{prefix}.2.self_attn.o_proj.lora_A.default.weight"].grad, "dA o_proj")
     _close(chunk[f"decoder.layers.2.{proj}.lora.o_proj.B"].grad,
            ref_params[f"{prefix}.2.self_attn.o_proj.lora_B.default.weight"].grad, "dB o_proj")
-    model.zero_grad(set_to_none=True)
+
+
+def _check_expert_grads(model, ref, layer: int = 1) -> None:
+    """Expert and router adapter gradients of ``layer`` against PEFT's (this rank's experts of PEFT's stacks)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ref_params = dict(ref.named_parameters())
+    chunk = dict(model.chunks[0].named_parameters())
+    # every data-parallel rank feeds the same batch, and each routes it to this rank's experts
+    dp = ps.get_data_parallel_world_size()
+    ep_rank, ep = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+    checked = 0
+    for t in model.lora_plan.targets:
+        if t.layer != layer or t.kind not in ("experts", "router"):
+            continue
+        theirs = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
+        if t.kind == "router":
+            ours = [chunk[f"decoder.layers.{layer}.mlp.router.lora.router.{f}"].grad.clone() for f in "AB"]
+            if model.megatron.config.sequence_parallel:  # partial over the token shards until megatron sums them
+                for g in ours:
+                    dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+        else:
+            per = t.num_experts // ep
+            local = slice(ep_rank * per, (ep_rank + 1) * per)
+            ours = [chunk[f"decoder.layers.{layer}.mlp.experts.lora.{t.name}.{f}"].grad for f in "AB"]
+            theirs = [dp * theirs[0].reshape(t.num_experts, t.r, t.in_features)[local],
+                      dp * theirs[1].reshape(t.out_features, t.r, t.num_experts).permute(2, 0, 1)[local]]
+        for f, a, b in zip("AB", ours, theirs):
+            _close(a, b, f"d{f} {t.hf_module}")
+            checked += 1
+    assert checked >= 2, checked
 
 
 def _ddp_groups(model, out_dir: str) -> dict:
@@ -53,6 +97,8 @@ def _ddp_groups(model, out_dir: str) -> dict:
     from loongforge_hf.trainer.engine import MegatronEngine
 
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    # expert adapters under expert parallelism reduce over the expert-data-parallel group, as the experts do
+    experts = {id(p) for p in model.parameters() if p.requires_grad and not getattr(p, "allreduce", True)}
     engine = MegatronEngine(model, args=transformers.TrainingArguments(out_dir + "/unused", use_cpu=True,
                                                                        report_to=[]))
     dense = {id(p) for c in engine.chunks for b in c.buffers for p in b.params}
@@ -60,12 +106,12 @@ def _ddp_groups(model, out_dir: str) -> dict:
     groups = {getattr(g, "intra_distributed_optimizer_instance_size", None) or g.data_parallel_group.size()
               for c in engine.chunks for g in c.bucket_groups}
     return {"ddp_holds_trainable_only": {id(p) for c in engine.chunks for p in c.params_with_grad} == trainable,
-            "dense_buffers_hold_all": dense == trainable, "expert_buffers_empty": not expert,
-            "dense_group_sizes": sorted(groups),
+            "dense_buffers_hold_all": dense == trainable - experts, "expert_buffers_hold": expert == experts,
+            "expert_adapters": len(experts), "dense_group_sizes": sorted(groups),
             "data_parallel_size": ps.get_data_parallel_world_size(with_context_parallel=True)}
 
 
-def moe_model_checks(folder: str, out_dir: str, layout: dict, peft_adapter: str) -> dict:
+def moe_model_checks(folder: str, out_dir: str, layout: dict, peft_adapter: str, lora_kw: dict = LORA_KW) -> dict:
     import peft
     import transformers
 
@@ -73,7 +119,7 @@ def moe_model_checks(folder: str, out_dir: str, layout: dict, peft_adapter: str)
     from loongforge_hf.lora import load_adapter
 
     ids = _probe()
-    model, hf, ref = lora_pair(folder, layout, LORA_KW)
+    model, hf, ref = lora_pair(folder, layout, lora_kw)
     result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters()}
 
     ours, theirs = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
@@ -82,7 +128,11 @@ def moe_model_checks(folder: str, out_dir: str, layout: dict, peft_adapter: str)
     if model.parallel.pipeline_parallel_size == 1:
         ours.loss.backward()
         theirs.loss.backward()
-        _check_adapter_grads(model, ref, hf.config)
+        if any(t.kind in ("experts", "router") for t in model.lora_plan.targets):
+            _check_expert_grads(model, ref)
+        if {"q_proj", "o_proj"} <= {t.name for t in model.lora_plan.targets}:
+            _check_adapter_grads(model, ref, hf.config)
+        model.zero_grad(set_to_none=True)
     result.update(_ddp_groups(model, out_dir))
 
     result.update(export_checks(model, folder, out_dir, ids, ours.logits))
@@ -113,13 +163,24 @@ SFT_SCENARIOS = {
     "lora_norms_balance": ("text", {"learning_rate": 1e-1, "router_aux_loss_coef": 0.1},
                            dict(r=4, lora_alpha=16, use_rslora=True, modules_to_save=["norm"], task_type="CAUSAL_LM",
                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
+    # TRL users' usual config: attention, routed experts and router (PEFT's target_parameters), PEFT's init; the
+    # router balancing loss's gradient reaches the router's adapter too
+    "lora_all_linear": ("text", {"learning_rate": 1e-1, "router_aux_loss_coef": 0.1},
+                        dict(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")),
 }
+
+# (arch, LoraConfig kwargs) of the model checks, by name
+ONE_RANK_CASES = {"qwen3_moe/attention": ("qwen3_moe", LORA_KW), "mixtral/attention": ("mixtral", LORA_KW),
+                  **{f"qwen3_moe/{k}": ("qwen3_moe", kw) for k, kw in EXPERT_KW.items()},
+                  "mixtral/experts": ("mixtral", MIXTRAL_EXPERT_KW)}
+TWO_RANK_CASES = {"attention": LORA_KW, **EXPERT_KW}
 
 
 def one_rank_checks(folders: dict, out_dir: str, adapters: dict) -> dict:
     from ._sft_parity import run_loong, run_trl
 
-    out = {arch: moe_model_checks(folder, f"{out_dir}/{arch}", {}, adapters[arch]) for arch, folder in folders.items()}
+    out = {name: moe_model_checks(folders[arch], f"{out_dir}/{name}", {}, adapters[name], kw)
+           for name, (arch, kw) in ONE_RANK_CASES.items()}
     names = list(SFT_SCENARIOS)
     out["sft"] = {"trl": run_trl(folders["qwen3_moe"], out_dir + "/trl", names, SFT_SCENARIOS),
                   "loong": run_loong(folders["qwen3_moe"], out_dir + "/loong", {}, names, SFT_SCENARIOS)}
@@ -136,19 +197,50 @@ TWO_RANK_LAYOUTS = {
 }
 
 
-def two_rank_checks(folder: str, out_dir: str, adapter: str) -> dict:
-    from ._sft_parity import run_loong
+def two_rank_checks(folder: str, out_dir: str, adapters: dict) -> dict:
+    from ._sft_parity import resume_matches_uninterrupted, run_loong
 
-    out = {name: moe_model_checks(folder, f"{out_dir}/{name}", layout, adapter)
-           for name, layout in TWO_RANK_LAYOUTS.items()}
+    out = {f"{name}/{case}": moe_model_checks(folder, f"{out_dir}/{name}-{case}", layout,
+                                              adapters[f"qwen3_moe/{case}"], kw)
+           for name, layout in TWO_RANK_LAYOUTS.items() for case, kw in TWO_RANK_CASES.items()}
+    out["refused"] = _refusals(folder)
+    # expert adapters under EP2 over two data-parallel ranks train as without expert parallelism (DP2): their
+    # gradients reduce over the expert-data-parallel group and are scaled as the dense ones
+    out["sft_dp2"] = {name: run_loong(folder, f"{out_dir}/sft-{name}", layout, ["lora_all_linear"], SFT_SCENARIOS)
+                      for name, layout in (("dp2", {}), ("ep2_dp2", TWO_RANK_LAYOUTS["ep2_dp2"]))}
+    # a LoRA checkpoint with expert and router adapters (megatron dist-checkpointing) resumes exactly
+    out["resume"] = resume_matches_uninterrupted(folder, out_dir + "/resume", TWO_RANK_LAYOUTS["tp2_sp_ep2"])
     out["sft"] = run_loong(folder, out_dir + "/sft", TWO_RANK_LAYOUTS["tp2_sp_ep2"], list(SFT_SCENARIOS),
                            SFT_SCENARIOS)
     return out
 
 
+def _refusals(folder: str) -> dict:
+    """Expert adapters refused on every rank, with the message: experts split over expert-tensor parallelism (TP2's
+    default), and under EP2 a config with nothing dense to train (LoongTrainer's engine needs it)."""
+    import peft
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import LoraConfigError, get_peft_model
+
+    cases = {"etp2": ({"tensor_parallel_size": 2, "sequence_parallel": True}, EXPERT_KW["experts"]),
+             "ep2_experts_only": ({"expert_parallel_size": 2},
+                                  {k: v for k, v in EXPERT_KW["experts"].items() if k != "modules_to_save"})}
+    out = {}
+    for name, (layout, kw) in cases.items():
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+        try:
+            get_peft_model(model, peft.LoraConfig(**kw))
+            out[name] = "not refused"
+        except LoraConfigError as err:
+            out[name] = str(err)
+    return out
+
+
 def write_peft_adapters(folders: dict, out_dir: str) -> dict:
+    """A PEFT-written adapter (random factors) for every model-check case, by case name."""
     adapters = {}
-    for arch, folder in folders.items():
-        adapters[arch] = f"{out_dir}/{arch}-peft-adapter"
-        write_peft_adapter(folder, adapters[arch], LORA_KW)
+    for name, (arch, kw) in ONE_RANK_CASES.items():
+        adapters[name] = f"{out_dir}/{name.replace('/', '-')}-peft-adapter"
+        write_peft_adapter(folders[arch], adapters[name], kw)
     return adapters

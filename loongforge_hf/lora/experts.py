@@ -1,0 +1,171 @@
+"""LoRA on the routed experts and the router inside megatron's MoE layer: PEFT's ``ParamWrapper`` math.
+
+Choices:
+- Experts: loongforge's ``GroupedMLP`` (``kernels/grouped_mlp.py``) is re-classed in place to ``LoraGroupedMLP`` with a
+  child ``lora`` holding one ``ExpertAdapter`` per adapted stack (``gate_up_proj`` on ``linear_fc1``, ``down_proj`` on
+  ``linear_fc2``), each with this expert-parallel rank's experts: A ``[local experts, r, in]``, B
+  ``[local experts, out, r]``. PEFT folds ``W_e + s * B_e A_e`` into the weight (``baddbmm``) at every forward; here
+  the forward adds the low-rank term per expert, ``x W_e^T + s * (x A_e^T) B_e^T``, without building merged weights
+  (the same sum, rounded differently). Adapted experts run the per-expert loop (the frozen experts' grouped GEMM is
+  not used for them).
+- Expert adapters carry the expert weights' attributes (``allreduce=False`` under expert parallelism, so megatron's
+  DDP keeps them in its expert buffers and reduces them over the expert-data-parallel group).
+- Experts split over expert-tensor parallelism are refused for LoRA (``expert_tensor_parallel_size=1`` is the way).
+- Router: megatron's router (``TopKRouter``, or ``BalanceRouter`` with the HF balancing loss) is re-classed to a
+  subclass whose ``gating`` uses ``W + s * B A``: what PEFT does for a 2-D parameter (the router is ``[E, H]``).
+  A and B are replicated; under sequence parallelism they are marked ``sequence_parallel`` like the router weight,
+  so megatron sums their gradients over the tensor-parallel ranks that split the tokens.
+- ``sharded_state_dict``: expert adapters sharded along the expert axis over expert parallelism, like the stacks.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from torch import nn
+
+from loongforge_hf.kernels.grouped_mlp import GroupedMLP, routed_inputs, scale_by_probs
+from loongforge_hf.kernels.swiglu import swiglu
+from loongforge_hf.lora.plan import LoraConfigError
+
+_STACKS = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+
+
+class ExpertAdapter(nn.Module):
+    """One expert stack's adapters on this rank: A ``[local experts, r, in]``, B ``[local experts, out, r]``."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, *, scaling: float, expert_parallel: bool) -> None:
+        super().__init__()
+        self.A = nn.Parameter(a)
+        self.B = nn.Parameter(b)
+        self.scaling = scaling
+        for p in (self.A, self.B):  # NOTE: as kernels.grouped_mlp._StackedWeight marks the expert stacks
+            set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
+            p.allreduce = not expert_parallel
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return (x @ self.A[expert].t()) @ self.B[expert].t() * self.scaling
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling * B_e @ A_e`` per local expert, ``[local experts, out, in]`` in float32."""
+        return torch.bmm(self.B.float(), self.A.float()) * self.scaling
+
+
+class LoraGroupedMLP(GroupedMLP):
+    """loongforge's grouped expert MLP plus per-expert LoRA on ``gate_up_proj`` (fc1) and / or ``down_proj`` (fc2)."""
+
+    lora: nn.ModuleDict
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
+        x, probs = routed_inputs(self.config, permuted_local_hidden_states, permuted_probs)
+        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else tokens_per_expert
+        counts = [int(c) for c in counts]
+        fc1, fc2 = self.linear_fc1.weight, self.linear_fc2.weight
+        up = self.lora["gate_up_proj"] if "gate_up_proj" in self.lora else None
+        down = self.lora["down_proj"] if "down_proj" in self.lora else None
+        xs = torch.split(x, counts)
+        ps = torch.split(probs, counts) if probs is not None else [None] * len(counts)
+        outs = []
+        for e, (t, p) in enumerate(zip(xs, ps)):
+            h = t @ fc1[e].t()
+            if up is not None:
+                h = h + up(t, e)
+            act = scale_by_probs(swiglu(h), p)
+            out = act @ fc2[e].t()
+            if down is not None:
+                out = out + down(act, e)
+            outs.append(out)
+        return torch.cat(outs, dim=0), None
+
+    def lora_deltas(self):
+        """(base stack, its float32 delta) for each adapted stack."""
+        for name, adapter in self.lora.items():
+            yield getattr(self, _STACKS[name]).weight, adapter.delta_weight()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        axis = len(sharded_offsets)
+        ep = (axis, self.ep_group.rank(), self.ep_group.size())
+        for name, adapter in self.lora.items():
+            for factor in ("A", "B"):
+                key = f"{prefix}lora.{name}.{factor}"
+                out[key] = ShardedTensor.from_rank_offsets(key, getattr(adapter, factor), *sharded_offsets, ep,
+                                                           replica_id=(0, 0, self.dp_group.rank()),
+                                                           prepend_axis_num=axis)
+        return out
+
+
+_ROUTERS: dict[type, type] = {}
+
+
+def _lora_router_class(base: type) -> type:
+    """``base`` (megatron's router class) whose gating weight is ``W + scaling * B @ A``."""
+    if base not in _ROUTERS:
+        def gating(self, input):
+            # NOTE: stands in for megatron-core 0.16.1 transformer/moe/router.py:79-101 (TopKRouter.gating) with the
+            # adapted weight; its move of CPU weights to the GPU does not apply (the model lives on its device).
+            from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+            adapter = self.lora["router"]
+            weight = self.weight + ((adapter.B @ adapter.A) * adapter.scaling).to(self.weight.dtype)
+            router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
+                                                                              input.dtype)
+            return router_gating_linear(input, weight, self.bias, router_dtype)
+
+        def lora_deltas(self):
+            adapter = self.lora["router"]
+            yield self.weight, (adapter.B.detach().float() @ adapter.A.detach().float()) * adapter.scaling
+
+        _ROUTERS[base] = type(f"Lora{base.__name__}", (base,), {"gating": gating, "lora_deltas": lora_deltas})
+    return _ROUTERS[base]
+
+
+def is_param_lora(module: nn.Module) -> bool:
+    return isinstance(module, LoraGroupedMLP) or type(module) in _ROUTERS.values()
+
+
+def check_param_adaptable(module: nn.Module, kind: str) -> None:
+    """Refuse (every rank alike) a module ``attach_param_adapters`` cannot adapt."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if kind == "router":
+        if not isinstance(module, TopKRouter) or type(module) in _ROUTERS.values():
+            raise TypeError(f"LoRA on the router needs megatron's TopKRouter; got {type(module).__name__}.")
+        return
+    if type(module) is not GroupedMLP:
+        raise TypeError(f"LoRA on the routed experts needs loongforge's GroupedMLP (the default expert layer); got "
+                        f"{type(module).__name__} (FP8 experts, fp8='on' / 'adaptive', are not supported).")
+    if module.tp_group.size() != 1:
+        raise LoraConfigError(f"LoRA on the routed experts needs them whole on each rank: pass "
+                              f"expert_tensor_parallel_size=1 (got {module.tp_group.size()}; it defaults to "
+                              "tensor_parallel_size), or adapt only the attention projections.")
+
+
+def attach_param_adapters(module: nn.Module, members, *, dtype, device) -> None:
+    """Give ``module`` (a ``GroupedMLP`` or router) the adapters of ``members`` [(Target, (A, B) at HF shape)]."""
+    kind = members[0][0].kind
+    check_param_adaptable(module, kind)
+    adapters = {}
+    for t, (a, b) in members:
+        if kind == "router":
+            from loongforge_hf.lora.layers import LoraAdapter
+
+            adapter = LoraAdapter(a.to(device=device, dtype=dtype).clone(), b.to(device=device, dtype=dtype).clone(),
+                                  scaling=t.scaling, dropout=0.0, split=None)
+            for p in (adapter.A, adapter.B):
+                p.sequence_parallel = bool(module.config.sequence_parallel)
+        else:
+            num, ep = t.num_experts, module.ep_group
+            per = num // ep.size()
+            local = slice(ep.rank() * per, (ep.rank() + 1) * per)
+            a_local = a.reshape(num, t.r, t.in_features)[local]
+            b_local = b.reshape(t.out_features, t.r, num).permute(2, 0, 1)[local]
+            adapter = ExpertAdapter(a_local.to(device=device, dtype=dtype).contiguous().clone(),
+                                    b_local.to(device=device, dtype=dtype).contiguous().clone(),
+                                    scaling=t.scaling, expert_parallel=ep.size() > 1)
+        adapters[t.name] = adapter
+    module.__class__ = _lora_router_class(type(module)) if kind == "router" else LoraGroupedMLP
+    module.lora = nn.ModuleDict(adapters)

@@ -1,0 +1,110 @@
+"""Which parameters a LoraConfig's ``target_parameters`` names (PEFT's ``ParamWrapper``): the routed experts' 3-D
+stacks and the router of Qwen3-MoE and Mixtral, as PEFT adapts them on the transformers 5 model.
+
+Choices:
+- PEFT's config rewrite for these models (``plan._as_peft_rewrites``) turns expert projection names into
+  ``gate_up_proj`` / ``down_proj`` and the router's into ``gate.weight``; ``"all-linear"`` names all three. They are
+  matched as PEFT's ``_inject_parameters`` matches them: every parameter of the HF module tree whose name is a target or
+  ends with ``"." + target``, in ``named_modules`` order, then in the module's registration order: the order PEFT
+  creates the adapters in (and draws their initial values in, after all module targets). As in PEFT,
+  ``layers_to_transform`` and ``exclude_modules`` do not apply to parameters.
+- Rank and alpha per parameter: ``rank_pattern`` / ``alpha_pattern`` resolved with PEFT's ``get_pattern_key``. The only
+  pattern key accepted is the one PEFT's rewrite writes, ``.*\\.gate_up_proj`` (gate and up fused: r and alpha doubled,
+  so each half keeps PEFT's scaling); any other pattern is refused, as before.
+- An expert stack ``[E, out, in]`` gets A ``[r * E, in]`` (expert e's rows ``e * r .. e * r + r - 1``) and B
+  ``[out, r * E]`` (expert e's columns ``e, E + e, 2E + e, ...``: PEFT reads B as ``[out, r, E]``); the router
+  ``[E, H]`` a plain A ``[r, H]``, B ``[E, r]``.
+- Names as PEFT saves them: ParamWrappers on one module nest in creation order, the first innermost, so with both
+  stacks adapted ``gate_up_proj``'s adapter is ``<...>.mlp.experts.base_layer.lora_A.weight`` and ``down_proj``'s
+  ``<...>.mlp.experts.lora_A.weight``; the router's ``<...>.mlp.gate.lora_A.weight``.
+- Refused, naming the way out: ``lora_dropout`` != 0 with parameter targets (PEFT refuses it too), experts under
+  megatron's ``SequentialMLP`` (``LOONGFORGE_MOE_GROUPED_GEMM=0``), any other parameter.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from loongforge_hf.lora.plan import LoraConfigError, Target
+
+_PARAM = re.compile(r"^model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
+FUSED_PATTERN = rf".*\.{re.escape('gate_up_proj')}"   # what PEFT's rewrite puts in rank_pattern / alpha_pattern
+SUPPORTED = "'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' (router) of Qwen3-MoE / Mixtral"
+
+
+def _check_patterns(config) -> None:
+    for field in ("rank_pattern", "alpha_pattern"):
+        extra = sorted(set(getattr(config, field) or {}) - {FUSED_PATTERN})
+        if extra:
+            raise LoraConfigError(f"LoraConfig fields ['{field}'] are not supported on megatron layers (keys {extra});"
+                                  f" only the {FUSED_PATTERN!r} entry PEFT writes itself for the fused expert "
+                                  "gate/up stack is honoured.")
+
+
+def _matches(key: str, names) -> bool:
+    return key in names or any(key.endswith(f".{n}") for n in names)
+
+
+def plan_param_targets(config, skeleton, bridge) -> list[Target]:
+    """The parameter targets of (rewritten) ``config`` on ``skeleton``, in PEFT's creation order."""
+    from peft.utils.other import get_pattern_key
+
+    _check_patterns(config)
+    names = list(config.target_parameters or [])
+    if not names:
+        return []
+    found: list[tuple[str, str, str, tuple[int, ...]]] = []   # (module, parameter, key, shape)
+    refused = []
+    for module_name, module in skeleton.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            key = f"{module_name}.{pname}"
+            if not _matches(key, names):
+                continue
+            m = _PARAM.match(key)
+            if m is None or not bridge.is_moe_layer(int(m.group(1))):
+                refused.append(key)
+            else:
+                found.append((module_name, pname, key, tuple(param.shape)))
+    if refused or not found:
+        what = f"match {refused[:3]}, which cannot" if refused else "match no parameter that can"
+        raise LoraConfigError(f"target_parameters={sorted(names)} on {bridge.architectures[0]} {what} carry a LoRA "
+                              f"adapter here; supported: {SUPPORTED}.")
+    if float(config.lora_dropout):
+        raise LoraConfigError(f"lora_dropout={config.lora_dropout} with LoRA on the routed experts or the router "
+                              f"(target_parameters={sorted(names)}): PEFT applies no dropout to parameter targets "
+                              "and refuses it; set lora_dropout=0, or adapt only the attention projections "
+                              "(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']).")
+    if any("experts" in key for _, _, key, _ in found) and not bridge.grouped_experts:
+        raise LoraConfigError("LoRA on the routed experts needs loongforge's grouped expert MLP; unset "
+                              "LOONGFORGE_MOE_GROUPED_GEMM=0 (megatron's SequentialMLP is not supported).")
+
+    per_module: dict[str, list[str]] = {}
+    for module_name, pname, _, _ in found:
+        per_module.setdefault(module_name, []).append(pname)
+    targets = []
+    for module_name, pname, key, shape in found:
+        layer = int(_PARAM.match(key).group(1))
+        wrapped_after = len(per_module[module_name]) - 1 - per_module[module_name].index(pname)
+        r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), key), config.r)
+        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), key), config.lora_alpha)
+        common = dict(hf_module=module_name + ".base_layer" * wrapped_after, layer=layer, slot=0, r=r,
+                      scaling=alpha / (math.sqrt(r) if config.use_rslora else r))
+        if len(shape) == 3:   # [E, out, in]
+            fc = "linear_fc1" if pname == "gate_up_proj" else "linear_fc2"
+            mapping = _mapping(bridge, layer, f"mlp.experts.{fc}.weight")
+            targets.append(Target(mapping=mapping, kind="experts", in_features=shape[2], out_features=shape[1],
+                                  num_experts=shape[0], slot_name=pname,
+                                  module_path="decoder.layers.{layer}.mlp.experts", **common))
+        else:                 # the router [E, H]
+            mapping = _mapping(bridge, layer, "mlp.router.weight")
+            targets.append(Target(mapping=mapping, kind="router", in_features=shape[1], out_features=shape[0],
+                                  slot_name="router", **common))
+    return targets
+
+
+def _mapping(bridge, layer: int, suffix: str):
+    for m in bridge.mappings_for_layer(layer):
+        if m.megatron.endswith(suffix):
+            return m
+    raise LoraConfigError(f"{bridge.architectures[0]} layer {layer} has no megatron tensor '*.{suffix}'.")
