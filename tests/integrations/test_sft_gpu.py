@@ -69,3 +69,26 @@ def test_moe_router_aux_loss_pp2_on_two_gpus(tmp_path):
     for r in got:
         for key in ("loss", "aux_loss", "eval_loss", "eval_aux_loss"):
             assert r["loong"][key] == pytest.approx(ref[key], rel=1e-4), (key, r["loong"], ref)
+
+
+def _moe_lora_world(folder: str, out_dir: str) -> dict:
+    from ._lora_moe import SFT_SCENARIOS
+
+    pickleable_month_day_nano()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    names = ["lora_all_linear"]
+    return {"trl": run_trl(folder, out_dir + "/trl", names, SFT_SCENARIOS, use_cpu=False),
+            "loong": run_loong(folder, out_dir + "/loong", {}, names, SFT_SCENARIOS, use_cpu=False)}
+
+
+def test_moe_lora_all_linear_on_cuda(tmp_path):
+    """Qwen3-MoE with TRL's usual LoraConfig (target_modules="all-linear": attention, the routed experts and the
+    router, PEFT's target_parameters) and the router balancing loss on CUDA: LoongSFTTrainer's logged losses and
+    token metrics are trl.SFTTrainer + PEFT's (``assert_matches``: 1e-4)."""
+    from ._lora_moe import SFT_SCENARIOS
+
+    folder = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe")
+    res = run_distributed(_moe_lora_world, 1, str(folder), str(tmp_path / "out"), timeout=600,
+                          env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    assert_matches("lora_all_linear", res["trl"]["lora_all_linear"], res["loong"]["lora_all_linear"], SFT_SCENARIOS)
