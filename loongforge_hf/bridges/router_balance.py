@@ -137,6 +137,7 @@ class RouterBalance:
             torch.zeros((), device=tally.device)
         dist.broadcast(value, src=dist.get_process_group_ranks(group)[-1], group=group)
         self.link.flush()
+        self.tally = None  # NOTE: the forward is over on every stage: a later forward nobody began tallies nothing
         return value
 
     def step_start(self) -> None:
@@ -147,6 +148,7 @@ class RouterBalance:
     def step_end(self) -> None:
         if self.link is not None:
             self.link.flush()
+        self.tally = None
 
     def end(self) -> None:
         """Tally nothing (a forward without the loss)."""

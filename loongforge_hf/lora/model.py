@@ -125,7 +125,11 @@ def _check_dense_trainable(model, plan: LoraPlan, owners) -> None:
     not built for a stage without one)."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_expert_model_parallel_world_size() == 1 or not any(t.kind == "experts" for t in plan.targets):
+    # NOTE: expert adapters sit in megatron's expert buffers under expert parallelism, and also where the engine
+    # marks experts replicated over tensor-parallel ranks (engine._mark_replicated_expert_params: ETP != TP)
+    expert_buffers = (ps.get_expert_model_parallel_world_size() > 1 or
+                      ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size())
+    if not expert_buffers or not any(t.kind == "experts" for t in plan.targets):
         return
     last = model.parallel.pipeline_parallel_size - 1
     dense = {owners[t.layer][0] for t in plan.targets if t.kind != "experts"}
@@ -134,11 +138,16 @@ def _check_dense_trainable(model, plan: LoraPlan, owners) -> None:
                   (0 if s.hf_name == model.bridge.embedding_mapping().hf else last))
     missing = sorted(set(range(last + 1)) - dense)
     if missing:
-        raise LoraConfigError(f"expert_parallel_size={ps.get_expert_model_parallel_world_size()}: pipeline stage(s) "
-                              f"{missing} would train no dense parameter (routed-expert adapters only), which "
-                              "LoongTrainer does not support yet under expert parallelism; adapt the attention "
-                              "projections or the router there too (e.g. target_modules='all-linear'), add a norm to "
-                              "modules_to_save, or use expert_parallel_size=1.")
+        layout = (f"expert_parallel_size={ps.get_expert_model_parallel_world_size()}, expert_tensor_parallel_size="
+                  f"{ps.get_expert_tensor_parallel_world_size()} with tensor_parallel_size="
+                  f"{ps.get_tensor_model_parallel_world_size()}")
+        raise LoraConfigError(f"{layout}: pipeline stage(s) {missing} would train no dense parameter (routed-expert "
+                              "adapters only), which LoongTrainer does not support yet where the experts have their "
+                              "own gradient buffers (expert parallelism, or experts not split like the tensor-"
+                              "parallel layers); adapt the attention projections or the router there too (e.g. "
+                              "target_modules='all-linear'), add a norm to modules_to_save, or use "
+                              "expert_parallel_size=1 with expert_tensor_parallel_size equal to "
+                              "tensor_parallel_size.")
 
 
 def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelForCausalLM:

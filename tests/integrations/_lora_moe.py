@@ -225,7 +225,11 @@ def _refusals(folder: str) -> dict:
 
     cases = {"etp2": ({"tensor_parallel_size": 2, "sequence_parallel": True}, EXPERT_KW["experts"]),
              "ep2_experts_only": ({"expert_parallel_size": 2},
-                                  {k: v for k, v in EXPERT_KW["experts"].items() if k != "modules_to_save"})}
+                                  {k: v for k, v in EXPERT_KW["experts"].items() if k != "modules_to_save"}),
+             # the experts whole on each rank under TP2 have their own gradient buffers too (not split like TP's)
+             "tp2_etp1_experts_only": ({"tensor_parallel_size": 2, "sequence_parallel": True,
+                                        "expert_tensor_parallel_size": 1},
+                                       {k: v for k, v in EXPERT_KW["experts"].items() if k != "modules_to_save"})}
     out = {}
     for name, (layout, kw) in cases.items():
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)

@@ -183,12 +183,14 @@ def test_two_ranks_match_peft(two_ranks, layout, case):
 
 
 def test_expert_layouts_refused(two_ranks):
-    """Experts split over expert-tensor parallelism (TP2's default); under EP2, experts with nothing dense to train."""
+    """Experts split over expert-tensor parallelism (TP2's default); under EP2, or TP2 with the experts whole on each
+    rank, experts with nothing dense to train."""
     for rank in two_ranks:
         refused = rank["refused"]
         assert "pass expert_tensor_parallel_size=1" in refused["etp2"], refused
-        assert "would train no dense parameter (routed-expert adapters only)" in refused["ep2_experts_only"], refused
-        assert "expert_parallel_size=1" in refused["ep2_experts_only"], refused
+        for name in ("ep2_experts_only", "tp2_etp1_experts_only"):
+            assert "would train no dense parameter (routed-expert adapters only)" in refused[name], refused
+            assert "expert_tensor_parallel_size equal to tensor_parallel_size" in refused[name], refused
 
 
 def test_expert_parallel_lora_trains_as_data_parallel(two_ranks):

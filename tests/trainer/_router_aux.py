@@ -150,4 +150,12 @@ def two_processes(folder: str, out_dir: str) -> dict:
     out["vpp_recompute"] = train_loong(folder, out_dir + "/vpp", vpp, RECOMPUTE)
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **vpp)
     out["forward_vpp"] = forward_values(folder, model)
+    # a forward of the first stage's chunk alone (none of the model's own), then the model's forward again: the
+    # chunk sends no sums the next forward's stages would take for theirs
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            model.chunks[0](torch.randint(4, 200, (2, 16)), torch.arange(16).expand(2, 16), None)
+    out["forward_vpp_again"] = forward_values(folder, model)
     return out

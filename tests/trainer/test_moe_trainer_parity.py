@@ -28,7 +28,8 @@ one process: the logged losses of four steps.
   - pipeline parallelism: PP2 repeats the one-process losses (1e-5), and PP2 with two virtual stages each (the
     first without a MoE layer) under activation recompute with 4 one-row micro-batches a step (several forwards
     in flight, layers recomputed in their backwards) repeats the one-process run with the same settings (1e-5);
-    its forward gives transformers' loss and aux_loss (1e-5) on both ranks.
+    its forward gives transformers' loss and aux_loss (1e-5) on both ranks, also after a forward of the first
+    stage's chunk alone.
 """
 
 import pytest
@@ -118,6 +119,7 @@ def test_router_aux_loss_tp2_sp_ep2_cp2_pp2_vpp(router_aux, tmp_path):
         _assert_forward(r["forward_cp2"])
         assert r["pp2"]["losses"] == pytest.approx(one["one"]["losses"], rel=1e-5, abs=1e-5)
         assert r["vpp_recompute"]["losses"] == pytest.approx(one["recompute"]["losses"], rel=1e-5, abs=1e-5)
-        for name, pairs in r["forward_vpp"].items():
-            for want, got_ in pairs:
-                assert got_ == pytest.approx(want, rel=1e-5), (name, r["forward_vpp"])
+        for forward in ("forward_vpp", "forward_vpp_again"):
+            for name, pairs in r[forward].items():
+                for want, got_ in pairs:
+                    assert got_ == pytest.approx(want, rel=1e-5), (forward, name, r[forward])
