@@ -43,8 +43,8 @@ class _AuxOut(torch.autograd.Function):
 class Tally:
     """One forward's router sums: per layer ``[slot counts (E), probability sums (E), weight sum]``."""
 
-    def __init__(self, weights: torch.Tensor | None, experts: int, device, link=None) -> None:
-        self.weights = weights          # [batch, this rank's tokens] before sequence parallelism, or None: all 1
+    def __init__(self, weights: torch.Tensor, experts: int, device, link=None) -> None:
+        self.weights = weights          # [batch, this rank's tokens] before sequence parallelism
         self.layers: list[torch.Tensor] = []
         self.open = True                # False once finished: a recomputed forward only attaches the gradient
         self.group = None               # the ranks that split this forward's tokens
@@ -57,9 +57,7 @@ class Tally:
         self.routed = 0                 # layers tallied (while open)
         self.attached = 0               # layers whose gradient hand-in points at this tally
 
-    def _local_weights(self, router, rows: int) -> torch.Tensor | None:
-        if self.weights is None:
-            return None
+    def _local_weights(self, router, rows: int) -> torch.Tensor:
         w = self.weights.t()            # megatron's token order: [seq, batch]
         tp = router.tp_group.size()
         if router.config.sequence_parallel and tp > 1:
@@ -73,15 +71,9 @@ class Tally:
     def take(self, router, logits: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """Add one layer's sums (while open); attach the gradient when the forward builds a graph."""
         scores = torch.softmax(logits.float(), dim=-1)
-        w = self._local_weights(router, logits.shape[0])
-        chosen = routing_map.float()
-        if w is None:
-            counts, sums = chosen.sum(0), scores.sum(0)
-            total = torch.tensor([float(logits.shape[0])], device=logits.device)
-        else:
-            w = w.to(scores)
-            counts, sums = (chosen * w[:, None]).sum(0), (scores * w[:, None]).sum(0)
-            total = w.sum().reshape(1)
+        w = self._local_weights(router, logits.shape[0]).to(scores)
+        counts, sums = (routing_map.float() * w[:, None]).sum(0), (scores * w[:, None]).sum(0)
+        total = w.sum().reshape(1)
         if self.open:
             self.routed += 1
             self.layers.append(torch.cat([counts, sums.detach(), total]))
@@ -96,9 +88,9 @@ class Tally:
             probs = _SumsGrad.apply(probs, sums, self)
         return probs
 
-    def _stage_total(self, device) -> torch.Tensor:
+    def _stage_total(self) -> torch.Tensor:
         """This stage's layers' sums (over the ranks that split the tokens), then none left."""
-        total = torch.zeros(2 * self.experts + 1, device=device)
+        total = torch.zeros(2 * self.experts + 1, device=self.device)
         if self.layers:
             total = torch.stack(self.layers).sum(0)
             if self.group is not None and self.group.size() > 1:
@@ -109,7 +101,7 @@ class Tally:
     def pass_on(self, output: torch.Tensor, first: bool) -> None:
         """The end of a pipeline stage's forward (not the last stage's): hand the sums on to the next stage; in a
         forward that builds a graph, close the tally and receive the layers' gradient where the backward starts."""
-        total = self._stage_total(output.device)
+        total = self._stage_total()
         if not first:
             total += self.link.recv_prev(total)
         self.link.send_next(total)
@@ -130,7 +122,7 @@ class Tally:
         self.open = False
         if not self.layers and self.link is None:
             raise RuntimeError("router balance: no MoE layer routed any token in this forward.")
-        total = self._stage_total(self.device)
+        total = self._stage_total()
         if self.link is not None:
             total += self.link.recv_prev(total)
         experts = self.experts

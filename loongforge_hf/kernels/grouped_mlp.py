@@ -71,13 +71,20 @@ def routed_inputs(config, x: torch.Tensor, probs: torch.Tensor) -> tuple[torch.T
     return x, probs
 
 
-def expert_loop(x, fc1, fc2, counts: list[int], probs, linear=None):
+def expert_loop(x, fc1, fc2, counts: list[int], probs, linear=None, deltas=(None, None)):
     """The experts one after the other: ``linear(t, w)`` (default ``t @ w.T``) for each projection; an expert
-    without tokens still runs its (empty) products, so its weights get a zero gradient."""
+    without tokens still runs its (empty) products, so its weights get a zero gradient. ``deltas``: for fc1 and fc2,
+    None or ``delta(t, e)``, added to expert ``e``'s product of ``t`` (LoRA on the experts, ``lora/experts.py``)."""
     linear = linear or (lambda t, w: t @ w.t())
+
+    def project(t, weights, e, delta):
+        out = linear(t, weights[e])
+        return out if delta is None else out + delta(t, e)
+
     xs = torch.split(x, counts)
     ps = torch.split(probs, counts) if probs is not None else [None] * len(counts)
-    outs = [linear(scale_by_probs(swiglu(linear(t, fc1[e])), p), fc2[e]) for e, (t, p) in enumerate(zip(xs, ps))]
+    outs = [project(scale_by_probs(swiglu(project(t, fc1, e, deltas[0])), p), fc2, e, deltas[1])
+            for e, (t, p) in enumerate(zip(xs, ps))]
     return torch.cat(outs, dim=0)
 
 

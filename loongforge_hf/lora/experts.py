@@ -24,8 +24,7 @@ import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
-from loongforge_hf.kernels.grouped_mlp import GroupedMLP, routed_inputs, scale_by_probs
-from loongforge_hf.kernels.swiglu import swiglu
+from loongforge_hf.kernels.grouped_mlp import GroupedMLP, expert_loop, routed_inputs
 from loongforge_hf.lora.plan import LoraConfigError
 
 _STACKS = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
@@ -60,23 +59,9 @@ class LoraGroupedMLP(GroupedMLP):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
         x, probs = routed_inputs(self.config, permuted_local_hidden_states, permuted_probs)
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else tokens_per_expert
-        counts = [int(c) for c in counts]
-        fc1, fc2 = self.linear_fc1.weight, self.linear_fc2.weight
-        up = self.lora["gate_up_proj"] if "gate_up_proj" in self.lora else None
-        down = self.lora["down_proj"] if "down_proj" in self.lora else None
-        xs = torch.split(x, counts)
-        ps = torch.split(probs, counts) if probs is not None else [None] * len(counts)
-        outs = []
-        for e, (t, p) in enumerate(zip(xs, ps)):
-            h = t @ fc1[e].t()
-            if up is not None:
-                h = h + up(t, e)
-            act = scale_by_probs(swiglu(h), p)
-            out = act @ fc2[e].t()
-            if down is not None:
-                out = out + down(act, e)
-            outs.append(out)
-        return torch.cat(outs, dim=0), None
+        deltas = tuple(self.lora[name] if name in self.lora else None for name in _STACKS)
+        return expert_loop(x, self.linear_fc1.weight, self.linear_fc2.weight, [int(c) for c in counts], probs,
+                           deltas=deltas), None
 
     def lora_deltas(self):
         """(base stack, its float32 delta) for each adapted stack."""

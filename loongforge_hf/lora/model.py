@@ -125,10 +125,11 @@ def _check_dense_trainable(model, plan: LoraPlan, owners) -> None:
     not built for a stage without one)."""
     from megatron.core import parallel_state as ps
 
+    from loongforge_hf.trainer.engine import expert_layout_differs
+
     # NOTE: expert adapters sit in megatron's expert buffers under expert parallelism, and also where the engine
-    # marks experts replicated over tensor-parallel ranks (engine._mark_replicated_expert_params: ETP != TP)
-    expert_buffers = (ps.get_expert_model_parallel_world_size() > 1 or
-                      ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size())
+    # marks the experts as expert parameters (ETP != TP)
+    expert_buffers = ps.get_expert_model_parallel_world_size() > 1 or expert_layout_differs()
     if not expert_buffers or not any(t.kind == "experts" for t in plan.targets):
         return
     last = model.parallel.pipeline_parallel_size - 1

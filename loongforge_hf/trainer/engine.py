@@ -102,6 +102,14 @@ def _megatron_builds_torch_adamw():
         megatron_optimizer.USING_PYTORCH_OPTIMIZER = saved
 
 
+def expert_layout_differs() -> bool:
+    """Whether the routed experts are not split like the tensor-parallel layers (expert_tensor_parallel_size !=
+    tensor_parallel_size): their weights are then reduced as expert parameters (``_mark_replicated_expert_params``)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()
+
+
 def _mark_replicated_expert_params(chunks) -> None:
     """Routed-expert weights whose expert layout is not the dense one (expert_tensor_parallel_size !=
     tensor_parallel_size) must have their gradients reduced over the expert data-parallel group.
@@ -112,9 +120,7 @@ def _mark_replicated_expert_params(chunks) -> None:
     tokens: DDP then reduced their gradients over the dense data-parallel group, which does not contain the other
     tensor-parallel ranks, so each rank stepped its copy of the experts on its own tokens' gradient alone (the copies
     drifted apart and the run no longer matched one process)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_expert_tensor_parallel_world_size() == ps.get_tensor_model_parallel_world_size():
+    if not expert_layout_differs():
         return
     for chunk in chunks:
         for name, param in chunk.named_parameters():
