@@ -2,6 +2,17 @@
 
 Used by the tests and the demo. A child's exception comes back to the parent with its traceback; a world that does
 not finish within ``timeout`` is killed (no hung CI job).
+
+Choices:
+- CPU worlds (``LOONGFORGE_DEVICE=cpu``, what the test suite runs) start from a fork server that imported torch,
+  transformers, peft, trl, megatron-core and loongforge-hf once (``multiprocessing``'s "forkserver" with preloaded
+  modules): each rank is a fork of it, not a fresh interpreter importing them again (about 8 s of CPU a rank on the
+  CI machine, most of a small test's time). The server only imports: it starts no threads, no CUDA, no process
+  group, so a fork of it is a clean process. Modules read some environment variables when imported (the hub's
+  cache and offline settings), so a world whose parent's environment or ``sys.path`` differs from the server's at
+  its start (a test that changed ``HF_HOME``; the ``env`` argument) starts its ranks with "spawn" instead, as do
+  GPU worlds (``LOONGFORGE_SPAWN=spawn`` forces it always). A forked rank takes the parent's current working
+  directory and environment, and the thread count torch would have read from ``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
@@ -10,6 +21,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -25,8 +37,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "trl", "megatron.core", "loongforge_hf"]
+_SERVER: dict = {}  # the fork server's start: {"env": ..., "path": ...}; empty until the first forked world
+
+
+def _fork_context(env: dict | None):
+    """The "forkserver" context when this world may fork from the preloaded server, else None (spawn)."""
+    if env or os.environ.get("LOONGFORGE_DEVICE") != "cpu" or os.environ.get("LOONGFORGE_SPAWN") == "spawn" \
+            or "forkserver" not in mp.get_all_start_methods():
+        return None
+    here = {"env": _stable_env(), "path": list(sys.path)}
+    if not _SERVER:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _SERVER.update(here)
+        return ctx
+    return mp.get_context("forkserver") if here == _SERVER else None
+
+
+def _stable_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
 def _child(rank: int, world: int, port: int, extra_env: dict, fn: Callable, args: tuple, kwargs: dict,
-           results: "mp.Queue") -> None:
+           results: "mp.Queue", forked: dict | None = None) -> None:
+    if forked is not None:  # NOTE: a fork of the server: the parent's directory, environment and thread count
+        os.chdir(forked["cwd"])
+        os.environ.clear()
+        os.environ.update(forked["env"])
+        import torch
+
+        torch.set_num_threads(int(extra_env["OMP_NUM_THREADS"]))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     os.environ.update(extra_env)
@@ -48,15 +89,17 @@ def _child(rank: int, world: int, port: int, extra_env: dict, fn: Callable, args
 def run_distributed(fn: Callable, nprocs: int, *args: Any, timeout: float = 300.0,
                     env: dict | None = None, **kwargs: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks; return the per-rank results in rank order."""
-    ctx = mp.get_context("spawn")
+    fork = _fork_context(env)
+    ctx = fork or mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     # NOTE: the cores shared out among the ranks. Set in this process's environment while the children start: a
     # child imports torch (unpickling ``fn``) before ``_child`` runs, and torch reads OMP_NUM_THREADS on import.
     threads = str(max(1, len(os.sched_getaffinity(0)) // nprocs))
     extra_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **(env or {})}
-    procs = [ctx.Process(target=_child, args=(r, nprocs, port, extra_env, fn, args, kwargs, results), daemon=False)
-             for r in range(nprocs)]
+    forked = {"cwd": os.getcwd(), "env": dict(os.environ)} if fork is not None else None
+    procs = [ctx.Process(target=_child, args=(r, nprocs, port, extra_env, fn, args, kwargs, results, forked),
+                         daemon=False) for r in range(nprocs)]
     saved = {k: os.environ.get(k) for k in extra_env}
     os.environ.update(extra_env)
     try:

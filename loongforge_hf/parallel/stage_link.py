@@ -12,6 +12,8 @@ Choices:
 - The groups are made the first time a model asks for them (every rank at the same point, in the same order) and
   set up there with one collective each: NCCL builds a communicator at its first use, blocking until both ranks
   come, which in the middle of a schedule would wait on a rank that waits for megatron's send.
+- A layout's groups are destroyed (``release``: local, no collective) when megatron's groups are rebuilt for another
+  layout or torn down (``parallel.bootstrap``), so a process that changes layouts keeps one set of communicators.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class StageLink:
         self.to_next, self.from_prev = forward[me], forward[me - 1]
         self.from_next, self.to_prev = backward[me], backward[me - 1]
         self.pending: list[tuple] = []  # (work, tensor): a sent tensor stays alive until its send completes
+        self.groups = list({id(g): g for g in (self.to_next, self.from_prev, self.from_next, self.to_prev)}.values())
 
     def _send(self, tensor: torch.Tensor, group) -> None:
         tensor = tensor.detach().clone()
@@ -64,6 +67,16 @@ class StageLink:
             work.wait()
 
 
+def release() -> None:
+    """Destroy this rank's side-channel groups of the current layout, if any (they serve no later layout)."""
+    link = _LINK[1]
+    _LINK[:] = [None, None]
+    if link is not None:
+        link.pending.clear()  # NOTE: no wait: after an interrupted schedule a send's receiver never comes
+        for group in link.groups:
+            dist.destroy_process_group(group)
+
+
 def stage_link(device: torch.device) -> StageLink | None:
     """This rank's ``StageLink`` over megatron's current pipeline group (None without pipeline parallelism).
     Collective over all ranks the first time for a pipeline layout; ``device``: where the messages live."""
@@ -74,6 +87,7 @@ def stage_link(device: torch.device) -> StageLink | None:
     if len(ranks) == 1:
         return None
     if _LINK[0] is not group:  # NOTE: a new pipeline layout (destroy_parallel, then another model): new groups
+        release()
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, ranks)
         mine = None

@@ -145,9 +145,16 @@ def two_processes(folder: str, out_dir: str) -> dict:
     del model
     pp2 = {"pipeline_parallel_size": 2}
     out["pp2"] = train_loong(folder, out_dir + "/pp2", pp2)
+    from loongforge_hf.parallel import stage_link
+
+    pp2_link = stage_link._LINK[1]
     # NOTE: 4 layers, layer 0 dense: virtual stage 0 (rank 0's first chunk) has no MoE layer
     vpp = {**pp2, "virtual_pipeline_parallel_size": 2}
     out["vpp_recompute"] = train_loong(folder, out_dir + "/vpp", vpp, RECOMPUTE)
+    # the PP2 layout's side-channel groups went when megatron's groups were rebuilt for the VPP layout
+    live = torch.distributed.distributed_c10d._world.pg_map
+    out["pp2_link_released"] = (pp2_link is not None and stage_link._LINK[1] not in (None, pp2_link)
+                                and not any(g in live for g in pp2_link.groups))
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **vpp)
     out["forward_vpp"] = forward_values(folder, model)
     # a forward of the first stage's chunk alone (none of the model's own), then the model's forward again: the

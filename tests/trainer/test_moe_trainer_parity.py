@@ -29,7 +29,7 @@ one process: the logged losses of four steps.
     first without a MoE layer) under activation recompute with 4 one-row micro-batches a step (several forwards
     in flight, layers recomputed in their backwards) repeats the one-process run with the same settings (1e-5);
     its forward gives transformers' loss and aux_loss (1e-5) on both ranks, also after a forward of the first
-    stage's chunk alone.
+    stage's chunk alone; the PP2 layout's side-channel groups are destroyed when the VPP layout replaces it.
 """
 
 import pytest
@@ -118,6 +118,7 @@ def test_router_aux_loss_tp2_sp_ep2_cp2_pp2_vpp(router_aux, tmp_path):
         assert r["cp2"]["losses"] == pytest.approx(one["one"]["losses"], rel=1e-5, abs=1e-5)
         _assert_forward(r["forward_cp2"])
         assert r["pp2"]["losses"] == pytest.approx(one["one"]["losses"], rel=1e-5, abs=1e-5)
+        assert r["pp2_link_released"]
         assert r["vpp_recompute"]["losses"] == pytest.approx(one["recompute"]["losses"], rel=1e-5, abs=1e-5)
         for forward in ("forward_vpp", "forward_vpp_again"):
             for name, pairs in r[forward].items():
