@@ -11,6 +11,8 @@ Tolerances:
 - the model (bf16, grouped vs loop): logits, loss and every adapter gradient ``||a - b|| / ||b|| < 1e-2``. The model
   has one dense and one MoE layer, so the routing cannot differ between the two paths (it is computed before any
   expert ran); only the experts' rounding does.
+Measured on an H100 (torch 2.11, cu130): grouped and loop equal bit for bit, in the kernel cases and the model; both
+5e-3 to 7e-3 from fp32. The bounds leave room for GEMM back ends that sum in another order.
 """
 
 import pytest
