@@ -10,6 +10,11 @@ Choices:
   stride is 16-byte aligned (H and F / etp multiples of 8); otherwise (CPU, fp32/fp16, odd widths) a loop of one
   matmul per expert with the same math (``_grouped_mm``'s own CPU fallback is not used by default: the loop is the
   reference). ``_grouped_mm``'s backward refuses a broadcast gradient; the output hands on a dense one.
+- Low-rank adapters (``LowRank``: LoRA on the experts, ``lora/experts.py``): per projection, optionally, a term
+  ``scaling * (t @ A[e].T) @ B[e].T`` added to expert ``e``'s product of ``t``, in both paths with the same op
+  order; the grouped path runs it as two more grouped GEMMs (never the merged ``[E, out, in]`` weight), and takes
+  it only where A and B qualify too (bf16, ``r`` a multiple of 8). Frozen stacks get no weight gradient:
+  ``_grouped_mm``'s backward computes only the gradients autograd asks for.
 - Math per expert: ``swiglu(x @ W1[e].T)``, times the token's routing probability (cast back to the activation dtype,
   as megatron's expert MLP does), ``@ W2[e].T``. With ``moe_apply_probs_on_input`` the probabilities scale the input
   instead (megatron allows this only for top-1). SwiGLU is ``kernels.swiglu`` (saves only the fc1 output).
@@ -25,33 +30,59 @@ Choices:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from megatron.core.transformer.module import MegatronModule
 
 from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
 
-__all__ = ["GroupedMLP", "grouped_gated_mlp", "grouped_mm_supported"]
+__all__ = ["GroupedMLP", "LowRank", "grouped_gated_mlp", "grouped_mm_supported"]
 
 
-def grouped_mm_supported(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands: CUDA, bf16 throughout, 16-byte aligned strides."""
+class LowRank(NamedTuple):
+    """A per-expert low-rank term on one projection ``[E, out, in]``: ``scaling * (t @ A[e].T) @ B[e].T`` for expert
+    ``e``'s tokens ``t``; A ``[E, r, in]``, B ``[E, out, r]``."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scaling: float
+
+
+NO_ADAPTERS = (None, None)
+
+
+def grouped_mm_supported(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
+                         adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: CUDA, bf16 throughout, 16-byte aligned strides (for an
+    adapter, its rank too: the stride of ``t @ A.T`` and of ``B.T``)."""
     if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.shape[0] == 0:
         return False
-    if not (x.dtype == fc1.dtype == fc2.dtype == torch.bfloat16):
+    weights = [fc1, fc2, *(w for a in adapters if a is not None for w in (a.A, a.B))]
+    if any(t.dtype != torch.bfloat16 for t in (x, *weights)):
         return False
     align = 16 // x.element_size()
-    return all(d % align == 0 for d in (*fc1.shape[1:], *fc2.shape[1:]))
+    return all(d % align == 0 for w in weights for d in w.shape[1:])
 
 
 def check_expert_shapes(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, counts: torch.Tensor,
-                        where: str) -> None:
-    """``ValueError`` unless fc1 is ``[E, 2F, H]``, fc2 ``[E, H, F]`` for tokens ``[T, H]`` and ``E`` token counts."""
+                        where: str, adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS) -> None:
+    """``ValueError`` unless fc1 is ``[E, 2F, H]``, fc2 ``[E, H, F]`` for tokens ``[T, H]`` and ``E`` token counts,
+    and each adapter's A is ``[E, r, in]`` and B ``[E, out, r]`` of its projection."""
     if fc1.dim() != 3 or fc2.dim() != 3 or fc1.shape[0] != fc2.shape[0] or fc1.shape[1] != 2 * fc2.shape[2] \
             or fc1.shape[2] != x.shape[-1] or fc2.shape[1] != x.shape[-1]:
         raise ValueError(f"{where}: fc1 {tuple(fc1.shape)} must be [E, 2F, H] and fc2 {tuple(fc2.shape)} "
                          f"[E, H, F] for tokens {tuple(x.shape)}.")
     if counts.numel() != fc1.shape[0]:
         raise ValueError(f"{where}: {counts.numel()} token counts for {fc1.shape[0]} experts.")
+    for name, w, a in zip(("fc1", "fc2"), (fc1, fc2), adapters):
+        if a is None:
+            continue
+        e, out, inp = w.shape
+        if a.A.dim() != 3 or a.B.dim() != 3 or tuple(a.A.shape[::2]) != (e, inp) \
+                or tuple(a.B.shape[:2]) != (e, out) or a.A.shape[1] != a.B.shape[2]:
+            raise ValueError(f"{where}: {name}'s adapter A {tuple(a.A.shape)} must be [E, r, in] and B "
+                             f"{tuple(a.B.shape)} [E, out, r] for {name} {tuple(w.shape)}.")
 
 
 def scale_by_probs(act: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
@@ -71,19 +102,19 @@ def routed_inputs(config, x: torch.Tensor, probs: torch.Tensor) -> tuple[torch.T
     return x, probs
 
 
-def expert_loop(x, fc1, fc2, counts: list[int], probs, linear=None, deltas=(None, None)):
+def expert_loop(x, fc1, fc2, counts: list[int], probs, linear=None, adapters=NO_ADAPTERS):
     """The experts one after the other: ``linear(t, w)`` (default ``t @ w.T``) for each projection; an expert
-    without tokens still runs its (empty) products, so its weights get a zero gradient. ``deltas``: for fc1 and fc2,
-    None or ``delta(t, e)``, added to expert ``e``'s product of ``t`` (LoRA on the experts, ``lora/experts.py``)."""
+    without tokens still runs its (empty) products, so its weights get a zero gradient. ``adapters``: for fc1 and
+    fc2, None or a ``LowRank`` whose term is added to each expert's product."""
     linear = linear or (lambda t, w: t @ w.t())
 
-    def project(t, weights, e, delta):
+    def project(t, weights, e, lr):
         out = linear(t, weights[e])
-        return out if delta is None else out + delta(t, e)
+        return out if lr is None else out + (t @ lr.A[e].t()) @ lr.B[e].t() * lr.scaling
 
     xs = torch.split(x, counts)
     ps = torch.split(probs, counts) if probs is not None else [None] * len(counts)
-    outs = [project(scale_by_probs(swiglu(project(t, fc1, e, deltas[0])), p), fc2, e, deltas[1])
+    outs = [project(scale_by_probs(swiglu(project(t, fc1, e, adapters[0])), p), fc2, e, adapters[1])
             for e, (t, p) in enumerate(zip(xs, ps))]
     return torch.cat(outs, dim=0)
 
@@ -101,25 +132,36 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _grouped(x, fc1, fc2, tokens_per_expert: torch.Tensor, probs):
+def _grouped(x, fc1, fc2, tokens_per_expert: torch.Tensor, probs, adapters):
     offs = torch.cumsum(tokens_per_expert, dim=0).to(device=x.device, dtype=torch.int32, non_blocking=True)
-    act = scale_by_probs(swiglu(torch._grouped_mm(x, fc1.transpose(-2, -1), offs=offs)), probs)
-    return _DenseGrad.apply(torch._grouped_mm(act, fc2.transpose(-2, -1), offs=offs))
+
+    def gemm(t, w):
+        return torch._grouped_mm(t, w.transpose(-2, -1), offs=offs)
+
+    def project(t, weights, lr):  # NOTE: expert_loop's op order, so the loop stays the reference
+        out = gemm(t, weights)
+        return out if lr is None else out + gemm(gemm(t, lr.A), lr.B) * lr.scaling
+
+    act = scale_by_probs(swiglu(project(x, fc1, adapters[0])), probs)
+    return _DenseGrad.apply(project(act, fc2, adapters[1]))
 
 
 def grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tokens_per_expert,
-                      probs: torch.Tensor | None = None, *, use_grouped_mm: bool | None = None) -> torch.Tensor:
+                      probs: torch.Tensor | None = None, *,
+                      adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS,
+                      use_grouped_mm: bool | None = None) -> torch.Tensor:
     """Experts' SwiGLU MLPs over tokens sorted by expert.
 
     x ``[T, H]`` (expert 0's tokens first), fc1 ``[E, 2F, H]`` (rows ``[gate; up]``), fc2 ``[E, H, F]``,
     ``tokens_per_expert`` ``[E]`` (tensor or list, summing to T), ``probs`` ``[T]`` or None. Returns ``[T, H]``.
+    ``adapters``: for fc1 and fc2, None or a ``LowRank`` term added to the projection.
     ``use_grouped_mm`` forces a path (None: ``_grouped_mm`` where ``grouped_mm_supported``)."""
     counts = tokens_per_expert if isinstance(tokens_per_expert, torch.Tensor) else torch.tensor(tokens_per_expert)
-    check_expert_shapes(x, fc1, fc2, counts, "grouped_gated_mlp")
-    grouped = grouped_mm_supported(x, fc1, fc2) if use_grouped_mm is None else use_grouped_mm
+    check_expert_shapes(x, fc1, fc2, counts, "grouped_gated_mlp", adapters)
+    grouped = grouped_mm_supported(x, fc1, fc2, adapters=adapters) if use_grouped_mm is None else use_grouped_mm
     if grouped:
-        return _grouped(x, fc1, fc2, counts, probs)
-    return expert_loop(x, fc1, fc2, [int(c) for c in counts.tolist()], probs)
+        return _grouped(x, fc1, fc2, counts, probs, adapters)
+    return expert_loop(x, fc1, fc2, [int(c) for c in counts.tolist()], probs, adapters=adapters)
 
 
 class _StackedWeight(torch.nn.Module):

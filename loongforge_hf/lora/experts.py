@@ -6,8 +6,9 @@ Choices:
   ``linear_fc2``), each with this expert-parallel rank's experts: A ``[local experts, r, in]``, B
   ``[local experts, out, r]``. PEFT folds ``W_e + s * B_e A_e`` into the weight (``baddbmm``) at every forward; here
   the forward adds the low-rank term per expert, ``x W_e^T + s * (x A_e^T) B_e^T``, without building merged weights
-  (the same sum, rounded differently). Adapted experts run the per-expert loop (the frozen experts' grouped GEMM is
-  not used for them).
+  (the same sum, rounded differently). The adapters go to ``grouped_gated_mlp`` as its ``LowRank`` terms: grouped
+  GEMMs, as for the frozen experts, where ``_grouped_mm`` takes every operand (CUDA, bf16, hidden size, expert
+  width and both ranks multiples of 8: PEFT doubles ``gate_up_proj``'s r), else the per-expert loop.
 - Expert adapters carry the expert weights' attributes (``allreduce=False`` under expert parallelism, so megatron's
   DDP keeps them in its expert buffers and reduces them over the expert-data-parallel group).
 - Experts split over expert-tensor parallelism are refused for LoRA (``expert_tensor_parallel_size=1`` is the way).
@@ -24,7 +25,7 @@ import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
-from loongforge_hf.kernels.grouped_mlp import GroupedMLP, expert_loop, routed_inputs
+from loongforge_hf.kernels.grouped_mlp import GroupedMLP, LowRank, grouped_gated_mlp, routed_inputs
 from loongforge_hf.lora.plan import LoraConfigError
 
 _STACKS = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
@@ -42,8 +43,9 @@ class ExpertAdapter(nn.Module):
             set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
             p.allreduce = not expert_parallel
 
-    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        return (x @ self.A[expert].t()) @ self.B[expert].t() * self.scaling
+    def low_rank(self) -> LowRank:
+        """The term ``grouped_gated_mlp`` adds to this stack's products."""
+        return LowRank(self.A, self.B, self.scaling)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
@@ -58,10 +60,9 @@ class LoraGroupedMLP(GroupedMLP):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
         x, probs = routed_inputs(self.config, permuted_local_hidden_states, permuted_probs)
-        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else tokens_per_expert
-        deltas = tuple(self.lora[name] if name in self.lora else None for name in _STACKS)
-        return expert_loop(x, self.linear_fc1.weight, self.linear_fc2.weight, [int(c) for c in counts], probs,
-                           deltas=deltas), None
+        adapters = tuple(self.lora[name].low_rank() if name in self.lora else None for name in _STACKS)
+        return grouped_gated_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, tokens_per_expert, probs,
+                                 adapters=adapters), None
 
     def lora_deltas(self):
         """(base stack, its float32 delta) for each adapted stack."""

@@ -1,14 +1,17 @@
 """Grouped expert MLP (kernels/grouped_mlp.py) against a per-token reference, on CPU: outputs and gradients over odd
 token counts (experts with no tokens included), routing probabilities, expert-tensor-parallel shards, the megatron
-module (parameter attributes, probabilities on the input, distributed-checkpoint sharding)."""
+module (parameter attributes, probabilities on the input, distributed-checkpoint sharding); with low-rank adapters
+(LoRA on the experts), the ``_grouped_mm`` path (torch's CPU fallback, forced) against the loop, and the grouped
+GEMMs its backward runs for frozen expert weights."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from loongforge_hf.kernels.grouped_mlp import GroupedMLP, grouped_gated_mlp, grouped_mm_supported
+from loongforge_hf.kernels.grouped_mlp import GroupedMLP, LowRank, grouped_gated_mlp, grouped_mm_supported
 
 COUNTS = [[3, 0, 7, 1], [0, 0, 5, 0], [1, 2, 0, 9], [0, 0, 0, 0]]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -212,3 +215,92 @@ def test_grouped_mm_path_takes_a_broadcast_gradient():
     grouped_gated_mlp(x, fc1, fc2, counts, probs, use_grouped_mm=False).sum().backward()
     for a, t in zip(got, (x, fc1, fc2)):
         torch.testing.assert_close(a, t.grad)
+
+
+def _low_rank(e, out, inp, r, dtype, g, scaling):
+    a = (torch.randn(e, r, inp, generator=g) / inp ** 0.5).to(dtype).requires_grad_()
+    b = (torch.randn(e, out, r, generator=g) / r ** 0.5).to(dtype).requires_grad_()
+    return LowRank(a, b, scaling)
+
+
+def _lora_case(counts, dtype, which, r):
+    """Operands with frozen expert stacks and a LowRank on fc1 and / or fc2 (``which``)."""
+    x, fc1, fc2, probs, grad = _operands(counts, dtype, hidden=16, ffn=8)
+    fc1, fc2 = fc1.detach(), fc2.detach()
+    g = torch.Generator().manual_seed(7)
+    adapters = (_low_rank(len(counts), 16, 16, r, dtype, g, 2.0) if "fc1" in which else None,
+                _low_rank(len(counts), 16, 8, r, dtype, g, 0.5) if "fc2" in which else None)
+    return x, fc1, fc2, probs, grad, adapters
+
+
+def _run_lora(x, fc1, fc2, counts, probs, grad, adapters, grouped):
+    leaves = [x, *(t for a in adapters if a is not None for t in (a.A, a.B))]
+    for t in leaves:
+        t.grad = None
+    out = grouped_gated_mlp(x, fc1, fc2, counts, probs, adapters=adapters, use_grouped_mm=grouped)
+    out.backward(grad)
+    return [out.detach().float()] + [t.grad.float() for t in leaves]
+
+
+# NOTE: r * element size a multiple of 16 bytes (torch's CPU fallback checks strides as the CUDA kernel does)
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+@pytest.mark.parametrize("dtype,r", [(torch.float32, 4), (torch.bfloat16, 8)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("which", ["fc1", "fc2", "fc1+fc2"])
+def test_lora_grouped_mm_path_equals_loop(dtype, r, which):
+    """Adapted experts through ``_grouped_mm`` (two more grouped GEMMs per adapted projection) against the loop:
+    output and the gradients of x, A and B, experts without tokens included (theirs are zero)."""
+    counts = [3, 0, 7, 1, 0, 5]
+    x, fc1, fc2, probs, grad, adapters = _lora_case(counts, dtype, which, r)
+    loop = _run_lora(x, fc1, fc2, counts, probs, grad, adapters, False)
+    grouped = _run_lora(x, fc1, fc2, counts, probs, grad, adapters, True)
+    for a, b in zip(grouped, loop):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+    for g in grouped[2:]:
+        assert torch.count_nonzero(g[1]) == 0 and torch.count_nonzero(g[4]) == 0
+        assert torch.count_nonzero(g) > 0
+    # the adapters do change the output: against the frozen experts alone
+    plain = grouped_gated_mlp(x, fc1, fc2, counts, probs, use_grouped_mm=True)
+    assert (plain.detach().float() - grouped[0]).abs().max() > 1e-2
+
+
+def test_lora_loop_matches_per_token_reference():
+    """The loop (the reference of the grouped path) adds ``scaling * (t A_e^T) B_e^T`` to each expert's products:
+    against the per-token reference on merged weights ``W_e + scaling * B_e A_e``."""
+    counts = [2, 0, 4, 3]
+    x, fc1, fc2, probs, grad, adapters = _lora_case(counts, torch.float32, "fc1+fc2", 4)
+    got = grouped_gated_mlp(x, fc1, fc2, counts, probs, adapters=adapters)
+    merged = [w + a.scaling * torch.bmm(a.B, a.A) for w, a in zip((fc1, fc2), adapters)]
+    torch.testing.assert_close(got, _reference(x, *merged, counts, probs), **TOL[torch.float32])
+
+
+class _GroupedMmCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten._grouped_mm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_lora_backward_computes_no_gradient_of_frozen_experts():
+    """Forward: 3 grouped GEMMs per adapted projection. Backward: per projection 1 for the frozen stack (its input's
+    gradient only) and 2 for each of A and B (the factor's and its input's): 10; 12 once the stacks train too."""
+    counts = [3, 0, 7, 1]
+    x, fc1, fc2, probs, grad, adapters = _lora_case(counts, torch.float32, "fc1+fc2", 4)
+    for trained, backward_calls in ((False, 10), (True, 12)):
+        fc1.requires_grad_(trained)
+        fc2.requires_grad_(trained)
+        with _GroupedMmCount() as forward:
+            out = grouped_gated_mlp(x, fc1, fc2, counts, probs, adapters=adapters, use_grouped_mm=True)
+        with _GroupedMmCount() as backward:
+            out.backward(grad)
+        assert (forward.calls, backward.calls) == (6, backward_calls)
+        assert (fc1.grad is not None) == trained
+
+
+def test_lora_adapter_shapes_are_checked():
+    x, fc1, fc2, probs, _, adapters = _lora_case([1, 2, 0, 1], torch.float32, "fc1+fc2", 4)
+    with pytest.raises(ValueError, match="fc2's adapter A"):
+        grouped_gated_mlp(x, fc1, fc2, [1, 2, 0, 1], probs, adapters=(adapters[0], adapters[0]))
