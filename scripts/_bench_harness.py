@@ -404,22 +404,28 @@ def worker_main(run: Callable[[], dict], *, result_path: str, device: Device) ->
 
 # ---- in the parent ----------------------------------------------------------------------------------------------
 
-def run_worker(argv: list[str], *, log_path: Path, timeout_s: float, env: dict | None = None) -> dict:
-    """Run ``python <argv> --result FILE`` in a fresh process; its output goes to ``log_path``; return its result."""
+def run_worker(argv: list[str], *, log_path: Path, timeout_s: float, env: dict | None = None,
+               worker: Callable[[list[str]], int] | None = None) -> dict:
+    """Run ``python <argv> --result FILE`` in a fresh process; its output goes to ``log_path``; return its result.
+    ``worker``: call ``worker(argv[1:] + ["--result", FILE])`` in this process instead (CPU dry runs and tests: no
+    process start, but nothing kept apart between workers, no timeout, and the output stays on this process's)."""
     fd, result = tempfile.mkstemp(suffix=".json", prefix="bench_worker_")
     os.close(fd)
     os.unlink(result)
     cmd = [sys.executable, *argv, "--result", result]
     start = time.perf_counter()
     with open(log_path, "a") as log:
-        log.write(f"\n===== {' '.join(cmd)}\n")
+        log.write(f"\n===== {'(in process) ' if worker else ''}{' '.join(cmd)}\n")
         log.flush()
-        try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env={**os.environ, **(env or {})})
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+        if worker is not None:
+            code = worker([*argv[1:], "--result", result])
+        else:
+            try:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                      env={**os.environ, **(env or {})})
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
     wall = round(time.perf_counter() - start, 1)
     if os.path.exists(result):
         out = json.loads(Path(result).read_text())

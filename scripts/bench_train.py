@@ -141,7 +141,9 @@ def write_checkpoint(w: Workload, *, tiny: bool, folder: Path, device: H.Device)
     return {"parameters": sum(p.numel() for p in model.parameters()), "folder": str(folder)}
 
 
-def build_transformers(folder: str, device: H.Device, *, liger: bool):
+def build_transformers(folder: str, device: H.Device, *, liger: bool, adapt=None):
+    """(step, info) of a transformers stack; ``adapt(model) -> model`` runs before the optimizer is built (it sees
+    the parameters that still require grad: bench_lora.py's adapters)."""
     import torch
     import transformers
 
@@ -156,6 +158,8 @@ def build_transformers(folder: str, device: H.Device, *, liger: bool):
         info["liger"] = f"apply_liger_kernel_to_{model_type}(rope, rms_norm, swiglu, fused_linear_cross_entropy)"
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa",
                                                               device_map=str(device.device))
+    if adapt is not None:
+        model = adapt(model)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=device.is_cuda)
@@ -187,7 +191,9 @@ def _triton_on(device) -> bool:
 
 def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, optimizer_precision: str = "fp32",
                      adam: str = "triton", fp8_recipe: str | None = None, cuda_graphs: str | None = None,
-                     token_stats: str | None = None):
+                     token_stats: str | None = None, adapt=None):
+    """(step, info) of a loongforge-hf stack; ``adapt(model) -> model`` runs before ``MegatronEngine`` is built, as
+    LoongTrainer builds it for a model given LoRA adapters (bench_lora.py)."""
     import tempfile
 
     import torch
@@ -203,6 +209,8 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
         os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
     model = lf.AutoModelForCausalLM.from_pretrained(folder, tensor_parallel_size=1, dtype=torch.bfloat16, fp8=fp8,
                                                     fp8_recipe=fp8_recipe, megatron_config=megatron_config)
+    if adapt is not None:
+        model = adapt(model)
     args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_train_"), learning_rate=LR,
                                           adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, report_to=[])
@@ -236,16 +244,26 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
 
 
 def run_stack(args, device: H.Device) -> dict:
-    import torch
-
-    w = WORKLOADS[args.shape]
-    cfg_kwargs, seq, _ = sizes(w, args.tiny)
     if args.stack == "loongforge":
         step, info = build_loongforge(args.folder, device, fp8=args.fp8, optimizer_precision=args.optimizer_precision,
                                       adam=args.adam, fp8_recipe=args.fp8_recipe, cuda_graphs=args.cuda_graphs,
                                       token_stats=args.token_stats)
     else:
         step, info = build_transformers(args.folder, device, liger=args.stack == "liger")
+    out = time_stack(step, info, args, device)
+    fp8_report = getattr(step, "fp8_report", None)
+    if fp8_report is not None and fp8_report.autotuner is not None:
+        out["fp8_table"] = fp8_report.autotuner.table()  # fp8=adaptive: bf16-or-FP8 per GEMM shape
+    return out
+
+
+def time_stack(step, info: dict, args, device: H.Device) -> dict:
+    """Time a built ``step`` on the workload's random token batches (``args``: the worker's shape, tiny,
+    micro_batch, accum, warmup, steps, profile): ``info`` plus the timing, peak memory, layout and versions."""
+    import torch
+
+    w = WORKLOADS[args.shape]
+    cfg_kwargs, seq, _ = sizes(w, args.tiny)
     info["weights_gib"] = round(device.allocated() / H.GIB, 2)
     g = torch.Generator(device=device.device).manual_seed(SEED)
     # NOTE: each step's rows are drawn at once and then split, so a run with accumulation sees the same tokens as one
@@ -260,13 +278,10 @@ def run_stack(args, device: H.Device) -> dict:
            "peak_reserved_gib": round(device.peak_reserved() / H.GIB, 2), "micro_batch": args.micro_batch,
            "accum": args.accum, "seq": seq, "tokens_per_step": args.micro_batch * args.accum * seq,
            "device": device.describe(),
-           "versions": H.versions("torch", "transformers", "megatron-core", "liger-kernel", "triton")}
+           "versions": H.versions("torch", "transformers", "megatron-core", "liger-kernel", "triton", "peft")}
     if args.profile:
         out["profile"] = H.profile_step(step, batches[-1], device=device, stacks=True)
         out["profile"]["idle_without_stacks"] = H.idle_step(step, batches[-1], device=device)
-    fp8_report = getattr(step, "fp8_report", None)
-    if fp8_report is not None and fp8_report.autotuner is not None:
-        out["fp8_table"] = fp8_report.autotuner.table()  # fp8=adaptive: bf16-or-FP8 per GEMM shape
     return out
 
 
@@ -324,16 +339,41 @@ def measure(args, w: Workload, stack: str, folder: Path, log: Path, *, profile: 
     for key, value in options.items():
         common += [VARIANT_OPTIONS[key][0], value]
     common += (["--tiny"] if args.tiny else []) + (["--profile"] if profile else [])
+    return measure_worker(common, args=args, label=stack, micro_batch=mb, log=log)
+
+
+def measure_worker(common: list[str], *, args, label: str, micro_batch: int, log: Path, worker=None) -> dict:
+    """Run the worker command ``common`` at ``micro_batch`` x ``args.accum`` micro-batches per step; one that runs out
+    of memory at a micro-batch above 1 runs again at micro-batch 1 with as many more accumulated (same tokens per
+    step), both facts kept. ``worker``: run it in this process (``H.run_worker``)."""
+    mb = micro_batch
     result = H.run_worker(common + ["--micro-batch", str(mb), "--accum", str(args.accum)], log_path=log,
-                          timeout_s=args.worker_timeout)
-    print(f"  {stack}: {_brief(result)}", flush=True)
+                          timeout_s=args.worker_timeout, worker=worker)
+    print(f"  {label}: {_brief(result)}", flush=True)
     if result["status"] == "oom" and mb > 1 and not args.no_oom_retry:
         first = result
         result = H.run_worker(common + ["--micro-batch", "1", "--accum", str(mb * args.accum)], log_path=log,
-                              timeout_s=args.worker_timeout)
+                              timeout_s=args.worker_timeout, worker=worker)
         result["oom_at"] = {"micro_batch": mb, "peak_gib": first.get("peak_gib"), "error": first["error"][-1500:]}
-        print(f"  {stack} (micro-batch 1 x {mb} accumulation): {_brief(result)}", flush=True)
+        print(f"  {label} (micro-batch 1 x {mb} accumulation): {_brief(result)}", flush=True)
     return result
+
+
+def ensure_checkpoint(args, w: Workload, entry: dict, log: Path, *, in_process: bool = False) -> Path | None:
+    """The workload's checkpoint folder under ``args.checkpoints``, written by a worker unless it is there already;
+    None when writing failed (the failure is kept in ``entry``). ``in_process``: write it in this process."""
+    folder = Path(args.checkpoints) / (f"{w.key}-tiny" if args.tiny else w.key)
+    if (folder / "config.json").is_file():
+        return folder
+    written = H.run_worker([__file__, "--worker", "write", "--shape", w.key, "--folder", str(folder),
+                            "--device", args.device] + (["--tiny"] if args.tiny else []),
+                           log_path=log, timeout_s=args.worker_timeout, worker=worker if in_process else None)
+    entry["checkpoint"] = written
+    if written["status"] != "ok":
+        print(f"  writing the checkpoint failed: {_brief(written)}", flush=True)
+        return None
+    print(f"  checkpoint: {written['parameters'] / 1e9:.3f} B parameters, {written['worker_wall_s']} s", flush=True)
+    return folder
 
 
 def _brief(r: dict) -> str:
@@ -378,6 +418,28 @@ def _gib(x) -> str:
 
 HEADER = ["stack", "micro-batch", "tokens/s", "MFU", "peak GiB", "tok/s vs HF+Liger", "tok/s vs HF",
           "peak vs HF+Liger", "first loss"]
+
+
+def print_profile(title: str, prof: dict) -> None:
+    """A worker's ``profile``: top ops and kernels, where the memory-bound passes come from, where the device waits."""
+    print(f"\n{title}: wall {prof['wall_ms']} ms, {prof['measured']} {prof['total_self_ms']} ms")
+    for what, rows in (("op", prof["ops"][:15]), ("kernel", prof["kernels"][:8])):
+        print(H.markdown_table([what, "calls", "self ms", "share"],
+                               [[t["name"][:70], t["calls"], t["self_ms"], f"{100 * t['share']:.1f}%"]
+                                for t in rows]))
+    for site in prof.get("call_sites", [])[:12]:
+        print(f"  {site['name']} x{site['calls']} {site['self_ms']} ms <- " + " <- ".join(site["stack"][:4]))
+    for name, idle in (("python frames recorded", prof.get("idle")),
+                       ("without python frames", prof.get("idle_without_stacks"))):
+        if not idle:
+            continue
+        print(f"  {name}: device busy {idle['busy_ms']} ms, idle {idle['idle_ms']} ms of {idle['span_ms']} ms; "
+              "idle by (host sync the gap began in, site that launched the next kernel):")
+        for row in idle["by_site"][:10]:
+            print(f"  {row['ms']} ms in {row['gaps']} gaps: sync {' <- '.join(row['sync'][:3]) or '-'}; "
+                  f"launch {' <- '.join(row['launch_site'][:2]) or '?'}")
+        doing = [f"{r['doing'][:90]} {r['ms']} ms" for r in idle["host_in_gaps"][:12]]
+        print("  the host during those gaps: " + "; ".join(doing))
 
 
 def main(argv: list[str]) -> int:
@@ -457,18 +519,10 @@ def main(argv: list[str]) -> int:
                  "results": {}}
         report["workloads"][key] = entry
         print(f"[{key}] {w.title}{' (tiny)' if args.tiny else ''}: {flops / 1e9:.2f} GFLOP/token", flush=True)
-        folder = Path(args.checkpoints) / (f"{key}-tiny" if args.tiny else key)
-        if not (folder / "config.json").is_file():
-            written = H.run_worker([__file__, "--worker", "write", "--shape", key, "--folder", str(folder),
-                                    "--device", args.device] + (["--tiny"] if args.tiny else []),
-                                   log_path=log, timeout_s=args.worker_timeout)
-            entry["checkpoint"] = written
-            if written["status"] != "ok":
-                print(f"  writing the checkpoint failed: {_brief(written)}", flush=True)
-                H.save_json(report, out_path)
-                continue
-            print(f"  checkpoint: {written['parameters'] / 1e9:.3f} B parameters, {written['worker_wall_s']} s",
-                  flush=True)
+        folder = ensure_checkpoint(args, w, entry, log)
+        if folder is None:
+            H.save_json(report, out_path)
+            continue
         for stack in stacks:
             if stack.startswith("loongforge") and not loongforge_supports(w):
                 entry["results"][stack] = {"status": "not run",
@@ -503,25 +557,7 @@ def main(argv: list[str]) -> int:
     for key, e in report["workloads"].items():
         prof = e["results"].get(args.profile_stack, {}).get("profile")
         if prof:
-            print(f"\n{args.profile_stack} step profile, ({key}): wall {prof['wall_ms']} ms, {prof['measured']} "
-                  f"{prof['total_self_ms']} ms")
-            for what, rows in (("op", prof["ops"][:15]), ("kernel", prof["kernels"][:8])):
-                print(H.markdown_table([what, "calls", "self ms", "share"],
-                                       [[t["name"][:70], t["calls"], t["self_ms"], f"{100 * t['share']:.1f}%"]
-                                        for t in rows]))
-            for site in prof.get("call_sites", [])[:12]:
-                print(f"  {site['name']} x{site['calls']} {site['self_ms']} ms <- " + " <- ".join(site["stack"][:4]))
-            for name, idle in (("python frames recorded", prof.get("idle")),
-                               ("without python frames", prof.get("idle_without_stacks"))):
-                if not idle:
-                    continue
-                print(f"  {name}: device busy {idle['busy_ms']} ms, idle {idle['idle_ms']} ms of {idle['span_ms']} ms; "
-                      "idle by (host sync the gap began in, site that launched the next kernel):")
-                for row in idle["by_site"][:10]:
-                    print(f"  {row['ms']} ms in {row['gaps']} gaps: sync {' <- '.join(row['sync'][:3]) or '-'}; "
-                          f"launch {' <- '.join(row['launch_site'][:2]) or '?'}")
-                doing = [f"{r['doing'][:90]} {r['ms']} ms" for r in idle["host_in_gaps"][:12]]
-                print("  the host during those gaps: " + "; ".join(doing))
+            print_profile(f"{args.profile_stack} step profile, ({key})", prof)
     print(f"\nwrote {out_path} and {log}")
     return 0
 
