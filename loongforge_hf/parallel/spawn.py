@@ -138,8 +138,9 @@ def run_distributed(fn: Callable, nprocs: int, *args: Any, timeout: float = 300.
                 # NOTE: once one rank failed the others may wait forever in a collective: give them a short grace.
                 deadline = min(deadline, time.monotonic() + 20)
     finally:
+        grace = time.monotonic() + 5  # NOTE: one grace period for all ranks, then the stragglers are killed
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, grace - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -1,0 +1,42 @@
+"""``parallel.spawn.run_distributed``: CPU worlds fork from the preloaded server unless the parent's environment
+changed since it started (then spawn); either way a rank sees the parent's directory and environment and its share
+of the cores, a rank's exception comes back with its traceback, and a world past its timeout is killed."""
+
+import os
+import time
+
+import pytest
+
+from loongforge_hf.parallel.spawn import ChildProcessError_, run_distributed
+
+from ._spawn_fns import fail_on_rank_one, sleep_long, where_am_i
+
+pytestmark = pytest.mark.skipif(os.environ.get("LOONGFORGE_DEVICE") != "cpu", reason="the CPU worlds' start")
+
+
+def test_forked_ranks_take_the_parents_directory_and_thread_share(tmp_path, monkeypatch):
+    run_distributed(where_am_i, 1)  # the server exists from here on (an earlier test may have started it)
+    monkeypatch.chdir(tmp_path)
+    got = run_distributed(where_am_i, 2)
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    for rank, r in enumerate(got):
+        assert r["ppid"] != os.getpid(), "forked from the server, not spawned by this process"
+        assert r["rank"] == rank and r["cwd"] == str(tmp_path) and r["marker"] is None
+        assert r["threads"] == share and r["omp"] == str(share), r
+    assert got[0]["ppid"] == got[1]["ppid"]
+
+
+def test_a_changed_environment_spawns(monkeypatch):
+    run_distributed(where_am_i, 1)
+    monkeypatch.setenv("LF_SPAWN_TEST", "on")
+    got = run_distributed(where_am_i, 1)
+    assert got[0]["ppid"] == os.getpid() and got[0]["marker"] == "on", got
+
+
+def test_a_rank_error_comes_back_and_a_late_world_is_killed():
+    with pytest.raises(ChildProcessError_, match="rank 1 of 2 failed:(.|\n)*rank one says no"):
+        run_distributed(fail_on_rank_one, 2)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="sleep_long did not finish on 2 ranks within 3s"):
+        run_distributed(sleep_long, 2, timeout=3)
+    assert time.monotonic() - start < 30
