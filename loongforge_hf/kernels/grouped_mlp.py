@@ -13,8 +13,11 @@ Choices:
 - Low-rank adapters (``LowRank``: LoRA on the experts, ``lora/experts.py``): per projection, optionally, a term
   ``scaling * (t @ A[e].T) @ B[e].T`` added to expert ``e``'s product of ``t``, in both paths with the same op
   order; the grouped path runs it as two more grouped GEMMs (never the merged ``[E, out, in]`` weight), and takes
-  it only where A and B qualify too (bf16, ``r`` a multiple of 8). Frozen stacks get no weight gradient:
-  ``_grouped_mm``'s backward computes only the gradients autograd asks for.
+  it where A and B are bf16 too. A rank whose rows break the 16-byte alignment (PEFT's r=4 on bf16) is padded
+  with zero rows of A and columns of B to the next multiple of 8 for the GEMMs (the same sum: the added products
+  are zeros; autograd hands the padded factors' gradients back to the real ones), so one small rank does not send
+  the whole layer to the loop. Frozen stacks get no weight gradient: ``_grouped_mm``'s backward computes only the
+  gradients autograd asks for.
 - Math per expert: ``swiglu(x @ W1[e].T)``, times the token's routing probability (cast back to the activation dtype,
   as megatron's expert MLP does), ``@ W2[e].T``. With ``moe_apply_probs_on_input`` the probabilities scale the input
   instead (megatron allows this only for top-1). SwiGLU is ``kernels.swiglu`` (saves only the fc1 output).
@@ -54,15 +57,25 @@ NO_ADAPTERS = (None, None)
 
 def grouped_mm_supported(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                          adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands: CUDA, bf16 throughout, 16-byte aligned strides (for an
-    adapter, its rank too: the stride of ``t @ A.T`` and of ``B.T``)."""
+    """Whether ``torch._grouped_mm`` takes these operands: CUDA, bf16 throughout, 16-byte aligned strides of the
+    expert stacks (an adapter's rank is padded to alignment where needed, ``_aligned``)."""
     if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.shape[0] == 0:
         return False
-    weights = [fc1, fc2, *(w for a in adapters if a is not None for w in (a.A, a.B))]
-    if any(t.dtype != torch.bfloat16 for t in (x, *weights)):
+    factors = [w for a in adapters if a is not None for w in (a.A, a.B)]
+    if any(t.dtype != torch.bfloat16 for t in (x, fc1, fc2, *factors)):
         return False
     align = 16 // x.element_size()
-    return all(d % align == 0 for w in weights for d in w.shape[1:])
+    return all(d % align == 0 for w in (fc1, fc2) for d in w.shape[1:])
+
+
+def _aligned(lr: LowRank) -> LowRank:
+    """``lr`` with its rank padded by zeros to a multiple of 16 bytes (the GEMMs' stride rule); unchanged if it is."""
+    r = lr.A.shape[1]
+    pad = -r % (16 // lr.A.element_size())
+    if pad == 0:
+        return lr
+    return LowRank(torch.nn.functional.pad(lr.A, (0, 0, 0, pad)), torch.nn.functional.pad(lr.B, (0, pad)),
+                   lr.scaling)
 
 
 def check_expert_shapes(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, counts: torch.Tensor,
@@ -140,7 +153,10 @@ def _grouped(x, fc1, fc2, tokens_per_expert: torch.Tensor, probs, adapters):
 
     def project(t, weights, lr):  # NOTE: expert_loop's op order, so the loop stays the reference
         out = gemm(t, weights)
-        return out if lr is None else out + gemm(gemm(t, lr.A), lr.B) * lr.scaling
+        if lr is None:
+            return out
+        lr = _aligned(lr)
+        return out + gemm(gemm(t, lr.A), lr.B) * lr.scaling
 
     act = scale_by_probs(swiglu(project(x, fc1, adapters[0])), probs)
     return _DenseGrad.apply(project(act, fc2, adapters[1]))

@@ -7,8 +7,8 @@ Choices:
   ``[local experts, out, r]``. PEFT folds ``W_e + s * B_e A_e`` into the weight (``baddbmm``) at every forward; here
   the forward adds the low-rank term per expert, ``x W_e^T + s * (x A_e^T) B_e^T``, without building merged weights
   (the same sum, rounded differently). The adapters go to ``grouped_gated_mlp`` as its ``LowRank`` terms: grouped
-  GEMMs, as for the frozen experts, where ``_grouped_mm`` takes every operand (CUDA, bf16, hidden size, expert
-  width and both ranks multiples of 8: PEFT doubles ``gate_up_proj``'s r), else the per-expert loop.
+  GEMMs, as for the frozen experts, where ``_grouped_mm`` takes the expert stacks (CUDA, bf16, hidden size and
+  expert width multiples of 8; a rank that is not is padded with zeros there), else the per-expert loop.
 - Expert adapters carry the expert weights' attributes (``allreduce=False`` under expert parallelism, so megatron's
   DDP keeps them in its expert buffers and reduces them over the expert-data-parallel group).
 - Experts split over expert-tensor parallelism are refused for LoRA (``expert_tensor_parallel_size=1`` is the way).

@@ -105,7 +105,8 @@ class _GroupedMmCount(TorchDispatchMode):
 def test_lora_path_choice_and_no_gradient_of_frozen_experts():
     """Grouped by default for bf16 with aligned ranks: 6 grouped GEMMs forward (3 per adapted projection), 10
     backward (per projection 1 for the frozen stack, its input's gradient only, and 2 for each of A and B); the
-    loop where a rank is not 16-byte aligned (r=4 in bf16) or in fp32."""
+    loop for fp32 adapters. A rank that is not 16-byte aligned (r=4 in bf16) is padded, still grouped, and gives the
+    loop's result."""
     counts = [3, 0, 5, 8]
     (x, fc1, fc2, probs, grad), factors = _operands(counts, 64, 32, 8, "fc1+fc2")
     x = x.cuda().bfloat16().requires_grad_()
@@ -121,7 +122,11 @@ def test_lora_path_choice_and_no_gradient_of_frozen_experts():
     assert all(a.A.grad is not None and a.B.grad is not None for a in adapters) and x.grad is not None
 
     narrow = LowRank(adapters[1].A[:, :4].detach(), adapters[1].B[:, :, :4].detach(), 1.0)
-    assert not grouped_mm_supported(x, fc1, fc2, adapters=(adapters[0], narrow))
+    assert grouped_mm_supported(x, fc1, fc2, adapters=(adapters[0], narrow))
+    args = (x.detach(), fc1, fc2, torch.tensor(counts, device="cuda"), probs.cuda())
+    padded = grouped_gated_mlp(*args, adapters=(adapters[0], narrow)).float()
+    loop = grouped_gated_mlp(*args, adapters=(adapters[0], narrow), use_grouped_mm=False).float()
+    assert (padded - loop).norm() <= 1e-2 * loop.norm()
     assert grouped_mm_supported(x, fc1, fc2, adapters=(adapters[0], None))
     wide = tuple(LowRank(a.A.detach().float(), a.B.detach().float(), 1.0) for a in adapters)
     assert not grouped_mm_supported(x, fc1, fc2, adapters=wide)  # fp32 adapters

@@ -242,9 +242,11 @@ def _run_lora(x, fc1, fc2, counts, probs, grad, adapters, grouped):
     return [out.detach().float()] + [t.grad.float() for t in leaves]
 
 
-# NOTE: r * element size a multiple of 16 bytes (torch's CPU fallback checks strides as the CUDA kernel does)
+# NOTE: torch's CPU fallback checks strides as the CUDA kernel does: bf16 with r=4 (8 bytes a row) runs on a rank
+# padded to 8, which must not change the result
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
-@pytest.mark.parametrize("dtype,r", [(torch.float32, 4), (torch.bfloat16, 8)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,r", [(torch.float32, 4), (torch.bfloat16, 8), (torch.bfloat16, 4)],
+                         ids=["fp32", "bf16", "bf16_r4_padded"])
 @pytest.mark.parametrize("which", ["fc1", "fc2", "fc1+fc2"])
 def test_lora_grouped_mm_path_equals_loop(dtype, r, which):
     """Adapted experts through ``_grouped_mm`` (two more grouped GEMMs per adapted projection) against the loop:
