@@ -4,7 +4,8 @@ The tiny Llama trains 5 steps on pre-tokenized documents of long-tailed lengths 
 tests/trainer/test_dp_balance_trainer.py) with ``LoongSFTConfig(padding_free=True)``, balanced and with
 ``dp_load_balance=False``. Balancing only moves samples between the ranks of a step, and the loss is summed per label
 token and divided by the step's global label-token count, so the two runs differ only in fp32 summation order: logged
-losses within 1e-5 relative, trained weights within 1e-5 absolute (the tolerances of the LoongTrainer test).
+losses within 1e-5 relative, trained weights within 1e-5 absolute (the tolerances of the LoongTrainer test). TRL's
+``num_tokens`` (the tokens seen, summed over the ranks) is the same in both runs and equals the tokens trained.
 
 Per step, each rank's tokens (the micro-batches it trains; no ``pad_to_multiple_of`` here, so no padding) are
 recorded. Token imbalance is max rank tokens / mean rank tokens. The balancer evens predicted cost (a·L² + b·L + c),
@@ -68,7 +69,8 @@ def _train(folder: str, out_dir: str, **overrides) -> dict:
     trainer.train()
     trainer.save_model(out_dir + "/final")
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"losses": [h["loss"] for h in logs], "step_tokens": list(trainer.step_tokens),
+    return {"losses": [h["loss"] for h in logs], "num_tokens": [h["num_tokens"] for h in logs],
+            "step_tokens": list(trainer.step_tokens),
             "imbalance": [(h["dp_imbalance_before"], h["dp_imbalance_after"]) for h in logs
                           if "dp_imbalance_before" in h],
             "balanced_loader": isinstance(trainer.callback_handler.train_dataloader, BalancedDataLoader)}
@@ -117,6 +119,10 @@ def test_balanced_sft_equals_unbalanced_sft(runs):
         assert len(result["balanced"]["losses"]) == STEPS
         assert result["balanced"]["losses"] == per_rank[0]["balanced"]["losses"]  # one global loss on every rank
         assert result["balanced"]["losses"] == pytest.approx(result["unbalanced"]["losses"], rel=1e-5)
+        # TRL's num_tokens (tokens seen, over the data-parallel ranks): the same step's samples, wherever they train
+        assert result["balanced"]["num_tokens"] == result["unbalanced"]["num_tokens"]
+        assert result["balanced"]["num_tokens"][-1] == sum(map(sum, zip(*(r["unbalanced"]["step_tokens"]
+                                                                          for r in per_rank))))
     balanced, unbalanced = read_all(out / "balanced" / "final"), read_all(out / "unbalanced" / "final")
     assert balanced and sorted(balanced) == sorted(unbalanced)
     for name in balanced:
