@@ -7,11 +7,13 @@ Choices:
   inside, ignore -100, mean over label tokens) and full-vocabulary logits gathered over TP (``return_logits=False``
   skips the gather). Under pipeline parallelism it runs megatron's forward-only schedule and broadcasts the last
   stage's outputs; gradients flow through ``forward`` when pipeline_parallel_size == 1.
-- An MoE model whose config has ``output_router_logits`` and a nonzero ``router_aux_loss_coef`` returns, as
-  transformers' ``MoeCausalLMOutputWithPast``, ``aux_loss`` (transformers' router load-balancing loss over all MoE
-  layers, in eval mode and without grad too) and ``loss = lm loss + coef * aux_loss``; ``aux_loss`` is in the graph
-  as transformers' is (the routers' gradient follows what the caller backpropagates: ``bridges/router_balance.py``).
-  The forward keyword ``output_router_logits`` overrides the config's, as in transformers.
+- An MoE model (Qwen3-MoE, Mixtral) with ``output_router_logits`` on (the forward keyword overrides the config's, as
+  in transformers) returns, as transformers' ``MoeCausalLMOutputWithPast``, ``aux_loss`` (transformers' router
+  load-balancing loss over all MoE layers, in eval mode and without grad too), ``loss = lm loss + coef * aux_loss``
+  (``router_aux_loss_coef``, 0 included, as transformers) and ``router_logits`` (per MoE layer, the router's logits
+  ``[batch * seq, experts]`` of the caller's tokens, on every rank: ``bridges/router_logits.py``). Both are in the
+  graph as transformers' are where the forward builds one (``bridges/router_balance.py``); the router logits are
+  detached under pipeline parallelism and activation recompute.
 - ``save_pretrained`` is collective (every rank calls it); rank 0 writes.
 """
 
@@ -76,11 +78,11 @@ def hf_forward_options(unused: dict, labels) -> dict:
 
 
 def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux_coef: float = 0.0,
-                      moe: bool = False):
+                      router_logits: tuple | None = None, moe: bool = False):
     """``CausalLMOutputWithPast`` (or its tuple) with ``hf_forward_options``' keywords applied; for a model whose
     transformers class returns ``MoeCausalLMOutputWithPast`` (``moe``) that, with ``aux_loss`` (the router
     load-balancing loss, or None) and a loss that adds ``aux_coef * aux_loss``, as transformers adds it after the
-    language-model loss's ``num_items_in_batch`` division."""
+    language-model loss's ``num_items_in_batch`` division, and ``router_logits`` (per MoE layer, or None)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     num_items = options["num_items_in_batch"]
@@ -98,7 +100,7 @@ def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux
     else:
         if loss is not None and aux_loss is not None:
             loss = loss + aux_coef * aux_loss.to(loss)
-        out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits)
+        out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, router_logits=router_logits)
     return out if options["return_dict"] else out.to_tuple()
 
 
@@ -201,24 +203,28 @@ class LoongModelForCausalLM(nn.Module):
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
         from loongforge_hf.bridges import router_balance
+        from loongforge_hf.bridges.router_logits import RouterLogits, recording
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
         options = hf_forward_options(unused, labels)
-        balance = router_balance.active(self, unused.get("output_router_logits"))
-        tally = None
-        if balance is not None:
-            multiple = self.parallel.sequence_multiple
-            # NOTE: the pipelined forward runs without grad (runtime._forward_pipelined): so does the term
-            tally = balance[0].begin(attention_mask, tuple(input_ids.shape), device=self.device,
-                                     length=-(-input_ids.shape[-1] // multiple) * multiple,
-                                     graph=torch.is_grad_enabled() and self.parallel.pipeline_parallel_size == 1)
-        loss, logits = forward_causal_lm(self, input_ids=input_ids, attention_mask=attention_mask,
-                                         position_ids=position_ids, labels=labels, return_logits=return_logits)
+        routed = router_balance.forward_outputs(self, unused.get("output_router_logits"))
         moe = self.router_balance is not None  # NOTE: Qwen3-MoE / Mixtral: transformers' MoE output type
-        if tally is None:
-            return hf_forward_output(loss, logits, labels, options, moe=moe)
-        aux = balance[0].finish_everywhere(tally)  # NOTE: in the graph: the routers' gradient follows its use
-        return hf_forward_output(loss, logits, labels, options, aux_loss=aux, aux_coef=balance[1], moe=moe)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "labels": labels, "return_logits": return_logits}
+        if routed is None:
+            return hf_forward_output(*forward_causal_lm(self, **inputs), labels, options, moe=moe)
+        balance, coef = routed
+        multiple = self.parallel.sequence_multiple
+        length = -(-input_ids.shape[-1] // multiple) * multiple  # NOTE: as forward_causal_lm pads for the layout
+        # NOTE: the pipelined forward runs without grad (runtime._forward_pipelined): so does the term
+        tally = balance.begin(attention_mask, tuple(input_ids.shape), device=self.device, length=length,
+                              graph=torch.is_grad_enabled() and self.parallel.pipeline_parallel_size == 1)
+        recorder = RouterLogits(self.megatron.config, batch=input_ids.shape[0], seq=length, given=input_ids.shape[-1])
+        with recording(balance.routers, recorder):
+            loss, logits = forward_causal_lm(self, **inputs)
+        aux = balance.finish_everywhere(tally)  # NOTE: in the graph: the routers' gradient follows its use
+        return hf_forward_output(loss, logits, labels, options, aux_loss=aux, aux_coef=coef,
+                                 router_logits=recorder.collect(self.device), moe=moe)
 
     # ---- activation checkpointing (what transformers.Trainer calls for `activation_checkpointing=True`) ---------
     supports_gradient_checkpointing = True

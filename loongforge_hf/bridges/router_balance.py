@@ -1,5 +1,7 @@
 """transformers' router load-balancing loss for the MoE bridges whose HF models compute it (Qwen3-MoE, Mixtral): the
-config's ``output_router_logits`` with a nonzero ``router_aux_loss_coef`` (``config_map.router_aux_loss_coef_of``).
+config's ``output_router_logits`` with a nonzero ``router_aux_loss_coef`` (``config_map.router_aux_loss_coef_of``)
+in training (``active``); the model's forward returns it whenever ``output_router_logits`` is on, a coefficient of 0
+included, as transformers' does (``forward_outputs``).
 
 Choices:
 - The formula is transformers' ``load_balancing_loss_func``: over the router logits of every MoE layer of one forward,
@@ -8,7 +10,8 @@ Choices:
   ``R`` = layers x weighted tokens. megatron's own balancing losses (per layer, divided by top-k) stay off.
 - ``BalanceRouter`` is megatron's ``TopKRouter`` in the MoE layers' router slot (``specs.py``). While a forward is
   tallied (``RouterBalance.begin``) each layer adds its three sums (slot counts, probability sums, weight sum) to
-  the forward's ``Tally``; its chosen experts are the routing map megatron dispatches with. Token weights: the
+  the forward's ``Tally``; its chosen experts are the routing map megatron dispatches with. It also hands its
+  logits to the forward's ``router_logits.RouterLogits`` while the model's forward records them. Token weights: the
   user's attention mask, 0 for the pads the engine adds for its layout (``trainer.data``), 1 everywhere for
   padding-free rows, as transformers counts them. ``Tally.finish`` sums the layers and the ranks that split the
   tokens (tensor-parallel ranks under sequence parallelism, context-parallel ranks) and returns the loss.
@@ -45,12 +48,16 @@ def _top_k_router():
     from megatron.core.transformer.moe.router import TopKRouter
 
     class BalanceRouter(TopKRouter):
-        """megatron's ``TopKRouter`` that feeds the open ``Tally`` of ``self.balance`` (set by ``attach``)."""
+        """megatron's ``TopKRouter`` that feeds the open ``Tally`` of ``self.balance`` (set by ``attach``) and, while
+        a forward records them, hands its logits to ``self.recorder`` (``router_logits.recording``)."""
 
         balance = None
+        recorder = None
 
         def routing(self, logits, padding_mask=None):
             probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+            if self.recorder is not None:
+                self.recorder.record(self, logits)
             if self.balance is not None:
                 probs = self.balance.take(self, logits, routing_map, probs)
             return probs, routing_map
@@ -177,18 +184,28 @@ def check_layout(hf_config, bridge, *, coef: float | None = None) -> None:
                          "output_router_logits=False).")
 
 
-def active(model, output_router_logits: bool | None = None) -> tuple[RouterBalance, float] | None:
+def active(model) -> tuple[RouterBalance, float] | None:
     """(the model's ``RouterBalance``, coefficient) when its config asks for the loss now (trl may switch it on after
-    loading), or a forward's ``output_router_logits`` keyword does (it overrides the config's, as in transformers);
-    None otherwise. Raises as ``check_layout``."""
+    loading): ``output_router_logits`` with a nonzero coefficient (training adds nothing otherwise); None otherwise.
+    Raises as ``check_layout``."""
+    return _switch(model, None, zero_coef=False)
+
+
+def forward_outputs(model, output_router_logits: bool | None = None) -> tuple[RouterBalance, float] | None:
+    """(the model's ``RouterBalance``, coefficient) when a forward returns transformers' router outputs (``aux_loss``,
+    ``router_logits``): ``output_router_logits`` on, the forward keyword overriding the config's, as in transformers.
+    The coefficient may be 0: transformers' model then still returns both and adds ``0 * aux_loss`` to the loss.
+    None otherwise, and for bridges without them. Raises as ``check_layout``."""
+    return _switch(model, output_router_logits, zero_coef=True)
+
+
+def _switch(model, output_router_logits: bool | None, *, zero_coef: bool) -> tuple[RouterBalance, float] | None:
     config = model.config
-    if output_router_logits is None:
-        coef = router_aux_loss_coef_of(config)
-    else:
-        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if output_router_logits else 0.0
+    on = getattr(config, "output_router_logits", False) if output_router_logits is None else output_router_logits
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0
     check_layout(config, model.bridge, coef=coef)
     balance = getattr(model, "router_balance", None)
-    if balance is None or not coef:
+    if balance is None or not on or not (coef or zero_coef):
         if balance is not None:
             balance.end()
         return None

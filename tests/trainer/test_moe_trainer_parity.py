@@ -7,13 +7,17 @@ one process: the logged losses of four steps.
   tensor-parallel ranks, each of which ran the experts on its own tokens), not the dense data-parallel group;
 - a config with output_router_logits (router_aux_loss_coef=0.1): transformers' router load-balancing loss over all
   MoE layers of each forward (``bridges/router_balance.py``):
-  - the model's forward returns transformers' loss (lm + coef * aux) and aux_loss (1e-5), with and without an
-    attention mask with pads, under no_grad without labels, and the routers get the term's gradient (1e-4 of the
-    largest entry) as the caller backpropagates it (a scaled loss: scaled; loss - coef * aux: none); the forward
-    keyword output_router_logits=False turns it off; for Mixtral too (one process); at TP2 + sequence parallel and
-    at CP2 too (the 15-token batch is padded to 16 by the model: a pad that does not count; each rank's router
-    gradient is its own tokens' part, summed over the ranks that split the tokens); under activation recompute,
-    two forwards before one backward are refused;
+  - the model's forward returns transformers' loss (lm + coef * aux), aux_loss (1e-5) and router_logits (as many
+    layers, shapes and dtypes, 1e-5, carrying grad as transformers': ``bridges/router_logits.py``), with and
+    without an attention mask with pads, under no_grad without labels, and with router_aux_loss_coef=0 (aux_loss
+    and router_logits still returned, the loss without the term); the routers get the term's gradient (1e-4 of the
+    largest entry) as the caller backpropagates it (a scaled loss: scaled; loss - coef * aux: none), and an
+    objective on the router logits alone gives them transformers' gradient (1e-4); the forward keyword
+    output_router_logits=False turns it off (router_logits None), True turns it on over a config without it; for
+    Mixtral too (one process); at TP2 + sequence parallel and at CP2 too (the 15-token batch is padded to 16 by the
+    model: a pad that does not count, trimmed from the router logits; each rank's router gradient is its own
+    tokens' part, summed over the ranks that split the tokens); under activation recompute the router logits are
+    transformers' values, detached, and two forwards before one backward are refused;
   - LoongTrainer's logged losses (which include coef * aux, summed over the step's micro-batches) equal
     transformers.Trainer's (1e-5) on one process, for Qwen3-MoE and Mixtral, and TP2 + sequence parallel and CP2
     repeat them (1e-5);
@@ -24,12 +28,14 @@ one process: the logged losses of four steps.
     micro-batch with ``N`` the step's label tokens over all ranks, not divided by the accumulation steps (the
     model takes loss kwargs), multiplied by the number of processes (``average_tokens_across_devices``) before DDP
     averages the gradients; so ``coef * aux`` enters summed over micro-batches and ranks, and the logged loss (the
-    ranks' mean) is the same sum: on one process with twice the accumulation, the same micro-batches' sum;
+    ranks' mean) is the same sum: on one process with twice the accumulation, the same micro-batches' sum.
+    The EP2 model's forward gives transformers' loss, aux_loss and router_logits (1e-5);
   - pipeline parallelism: PP2 repeats the one-process losses (1e-5), and PP2 with two virtual stages each (the
     first without a MoE layer) under activation recompute with 4 one-row micro-batches a step (several forwards
     in flight, layers recomputed in their backwards) repeats the one-process run with the same settings (1e-5);
-    its forward gives transformers' loss and aux_loss (1e-5) on both ranks, also after a forward of the first
-    stage's chunk alone; the PP2 layout's side-channel groups are destroyed when the VPP layout replaces it.
+    the PP2 and the PP2 x VPP2 forwards give transformers' loss, aux_loss and router_logits (1e-5; the router
+    logits of every stage's layers, detached) on both ranks, the latter also after a forward of the first stage's
+    chunk alone; the PP2 layout's side-channel groups are destroyed when the VPP layout replaces it.
 """
 
 import pytest
@@ -75,6 +81,17 @@ def router_aux(tmp_path_factory):
     return src, one
 
 
+def _assert_router_logits(router: dict, *, grad: bool) -> None:
+    """Ours as transformers' (3 MoE layers of Qwen3-MoE's 4, Mixtral's 4), within 1e-5; carrying grad as
+    transformers' do where ``grad`` (a forward with a graph), detached otherwise (a pipelined forward, no_grad)."""
+    want, got = router["layers"]
+    assert got == want and want in (3, 4), router
+    assert all(a == b for a, b in router["shapes"]) and all(a == b for a, b in router["dtypes"]), router
+    assert router["diff"] < 1e-5 and router["size"] > 1e-2, router
+    hf_grad, ours_grad = router["requires_grad"]
+    assert ours_grad == [grad] * got and (not grad or hf_grad == ours_grad), router
+
+
 def _assert_forward(forward: dict) -> None:
     for name in ("no_mask", "mask"):
         assert forward[name]["type"] == "MoeCausalLMOutputWithPast"
@@ -82,14 +99,25 @@ def _assert_forward(forward: dict) -> None:
         assert got == pytest.approx(want, rel=1e-5), (name, forward[name])
         want, got = forward[name]["aux"]
         assert got == pytest.approx(want, rel=1e-5), (name, forward[name])
+        _assert_router_logits(forward[name]["router"], grad=True)
     assert forward["mask"]["aux"][0] != pytest.approx(forward["no_mask"]["aux"][0], rel=1e-4)  # the pads matter
     want, got = forward["no_grad_no_labels"]
     assert got == pytest.approx(want, rel=1e-5)
+    _assert_router_logits(forward["no_grad_router"], grad=False)
+    _assert_router_logits(forward["keyword_on"], grad=False)
+    for field in ("loss", "aux"):
+        want, got = forward["coef0"][field]
+        assert got == pytest.approx(want, rel=1e-5), forward["coef0"]
+    assert forward["coef0"]["loss"][0] == pytest.approx(forward["mask"]["loss"][0] - 0.1 * forward["mask"]["aux"][0])
+    _assert_router_logits(forward["coef0"]["router"], grad=True)
+    # an objective on the router logits alone gives the routers transformers' gradient
+    assert forward["logits_grad_size"] > 1e-4 and forward["logits_grad"] < 1e-4, forward
     assert all(size > 1e-4 for size in forward["grad_size"]) and max(forward["grad"]) < 1e-4, forward
     # a quarter of the loss backpropagated: a quarter of the balancing gradient; loss - coef * aux: none of it
     assert forward["scaled"] < 1e-4 and forward["without_aux"] < 1e-4, forward
-    (hf_type, ours_type), (hf_loss, ours_loss) = forward["keyword_off"]
+    (hf_type, ours_type), (hf_loss, ours_loss), (hf_logits, ours_logits) = forward["keyword_off"]
     assert ours_type == hf_type and ours_loss == pytest.approx(hf_loss, rel=1e-5), forward["keyword_off"]
+    assert hf_logits is None and ours_logits is None
 
 
 def test_router_aux_loss_recompute_of_two_forwards_is_refused(router_aux):
@@ -100,6 +128,7 @@ def test_router_aux_loss_recompute_of_two_forwards_is_refused(router_aux):
 def test_router_aux_loss_in_forward(router_aux):
     _assert_forward(router_aux[1]["forward"])
     _assert_forward(router_aux[1]["forward_mixtral"])
+    _assert_router_logits(router_aux[1]["recompute_router"], grad=False)
 
 
 def test_router_aux_loss_matches_transformers_trainer(router_aux):
@@ -120,7 +149,9 @@ def test_router_aux_loss_tp2_sp_ep2_cp2_pp2_vpp(router_aux, tmp_path):
         assert r["pp2"]["losses"] == pytest.approx(one["one"]["losses"], rel=1e-5, abs=1e-5)
         assert r["pp2_link_released"]
         assert r["vpp_recompute"]["losses"] == pytest.approx(one["recompute"]["losses"], rel=1e-5, abs=1e-5)
-        for forward in ("forward_vpp", "forward_vpp_again"):
-            for name, pairs in r[forward].items():
-                for want, got_ in pairs:
+        for forward in ("forward_ep2", "forward_pp2", "forward_vpp", "forward_vpp_again"):
+            for name in ("no_mask", "mask"):
+                for want, got_ in r[forward][name]:
                     assert got_ == pytest.approx(want, rel=1e-5), (forward, name, r[forward])
+                # NOTE: a pipelined forward runs without a graph: its router logits are detached
+                _assert_router_logits(r[forward][name + "_router"], grad=forward == "forward_ep2")
