@@ -141,9 +141,13 @@ def write_checkpoint(w: Workload, *, tiny: bool, folder: Path, device: H.Device)
     return {"parameters": sum(p.numel() for p in model.parameters()), "folder": str(folder)}
 
 
-def build_transformers(folder: str, device: H.Device, *, liger: bool, adapt=None):
+def build_transformers(folder: str, device: H.Device, *, liger: bool, adapt=None, autocast: bool = False):
     """(step, info) of a transformers stack; ``adapt(model) -> model`` runs before the optimizer is built (it sees
-    the parameters that still require grad: bench_lora.py's adapters)."""
+    the parameters that still require grad: bench_lora.py's adapters). ``autocast``: the forward under bf16
+    autocast, as transformers.Trainer / TRL run it with ``bf16=True`` (it matters for parameters kept in fp32, such
+    as PEFT's adapters)."""
+    import contextlib
+
     import torch
     import transformers
 
@@ -164,13 +168,15 @@ def build_transformers(folder: str, device: H.Device, *, liger: bool, adapt=None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=device.is_cuda)
     info.update(attn_implementation=model.config._attn_implementation, optimizer=f"torch AdamW fused={device.is_cuda}",
+                autocast="bf16" if autocast else None,
                 experts_implementation=getattr(model.config, "_experts_implementation", None),
                 parameters=sum(p.numel() for p in params))
 
     def step(micro_batches):
         total = 0.0
         for ids in micro_batches:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            with torch.autocast(device.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             (loss / len(micro_batches)).backward()
             total = total + loss.detach()
         torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
 from loongforge_hf.parallel.env import read_launch_env
-from loongforge_hf.parallel.stage_link import release as release_stage_link
 from loongforge_hf.xpu import get_backend
 
 _CURRENT: ParallelConfig | None = None
@@ -62,7 +61,6 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234,
             if cudagraph_rng and not getattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", False):
                 model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
             return parallel
-        release_stage_link()
         ps.destroy_model_parallel()
     vpp = parallel.interleaved_stages
     ps.initialize_model_parallel(
@@ -82,7 +80,6 @@ def destroy_parallel() -> None:
     global _CURRENT
     from megatron.core import parallel_state as ps
 
-    release_stage_link()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     _CURRENT = None

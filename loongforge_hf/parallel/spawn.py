@@ -7,12 +7,14 @@ Choices:
 - CPU worlds (``LOONGFORGE_DEVICE=cpu``, what the test suite runs) start from a fork server that imported torch,
   transformers, peft, trl, megatron-core and loongforge-hf once (``multiprocessing``'s "forkserver" with preloaded
   modules): each rank is a fork of it, not a fresh interpreter importing them again (about 8 s of CPU a rank on the
-  CI machine, most of a small test's time). The server only imports: it starts no threads, no CUDA, no process
-  group, so a fork of it is a clean process. Modules read some environment variables when imported (the hub's
-  cache and offline settings), so a world whose parent's environment or ``sys.path`` differs from the server's at
-  its start (a test that changed ``HF_HOME``; the ``env`` argument) starts its ranks with "spawn" instead, as do
-  GPU worlds (``LOONGFORGE_SPAWN=spawn`` forces it always). A forked rank takes the parent's current working
-  directory and environment, and the thread count torch would have read from ``OMP_NUM_THREADS``.
+  CI machine, most of a small test's time). The server only imports (no torch ops, no CUDA, no process group),
+  with ``OMP_NUM_THREADS=1``, so a fork of it is a clean process. Modules read some environment variables when
+  imported (the hub's cache and offline settings): the server starts only from the environment this module was
+  imported in, and a world whose parent's environment or ``sys.path`` differs from the server's (a test that
+  changed ``HF_HOME``; the ``env`` argument) starts its ranks with "spawn" instead, as do GPU worlds
+  (``LOONGFORGE_SPAWN=spawn`` forces it always). A forked rank takes the parent's current working directory and
+  environment, the thread count torch would have read from ``OMP_NUM_THREADS``, and fresh random seeds (torch,
+  numpy) as a new interpreter has: forks of one server would otherwise all draw the same numbers.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ _PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "trl", "megatr
 _SERVER: dict = {}  # the fork server's start: {"env": ..., "path": ...}; empty until the first forked world
 
 
+def _stable_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+_IMPORT_ENV = _stable_env()  # NOTE: the server starts only from this environment (not one a test patched for a while)
+
+
 def _fork_context(env: dict | None):
     """The "forkserver" context when this world may fork from the preloaded server, else None (spawn)."""
     if env or os.environ.get("LOONGFORGE_DEVICE") != "cpu" or os.environ.get("LOONGFORGE_SPAWN") == "spawn" \
@@ -48,15 +57,13 @@ def _fork_context(env: dict | None):
         return None
     here = {"env": _stable_env(), "path": list(sys.path)}
     if not _SERVER:
+        if here["env"] != _IMPORT_ENV:
+            return None
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
         _SERVER.update(here)
         return ctx
     return mp.get_context("forkserver") if here == _SERVER else None
-
-
-def _stable_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
 
 def _child(rank: int, world: int, port: int, extra_env: dict, fn: Callable, args: tuple, kwargs: dict,
@@ -65,9 +72,12 @@ def _child(rank: int, world: int, port: int, extra_env: dict, fn: Callable, args
         os.chdir(forked["cwd"])
         os.environ.clear()
         os.environ.update(forked["env"])
+        import numpy
         import torch
 
         torch.set_num_threads(int(extra_env["OMP_NUM_THREADS"]))
+        torch.seed()
+        numpy.random.seed()
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     os.environ.update(extra_env)
@@ -100,8 +110,10 @@ def run_distributed(fn: Callable, nprocs: int, *args: Any, timeout: float = 300.
     forked = {"cwd": os.getcwd(), "env": dict(os.environ)} if fork is not None else None
     procs = [ctx.Process(target=_child, args=(r, nprocs, port, extra_env, fn, args, kwargs, results, forked),
                          daemon=False) for r in range(nprocs)]
-    saved = {k: os.environ.get(k) for k in extra_env}
-    os.environ.update(extra_env)
+    # NOTE: a forked rank sets its threads itself; the server, if this start makes it, imports with one thread
+    start_env = {"OMP_NUM_THREADS": "1"} if fork is not None else extra_env
+    saved = {k: os.environ.get(k) for k in start_env}
+    os.environ.update(start_env)
     try:
         for p in procs:
             p.start()

@@ -12,8 +12,9 @@ Choices:
 - The groups are made the first time a model asks for them (every rank at the same point, in the same order) and
   set up there with one collective each: NCCL builds a communicator at its first use, blocking until both ranks
   come, which in the middle of a schedule would wait on a rank that waits for megatron's send.
-- A layout's groups are destroyed (``release``: local, no collective) when megatron's groups are rebuilt for another
-  layout or torn down (``parallel.bootstrap``), so a process that changes layouts keeps one set of communicators.
+- One set of groups per arrangement of pipeline ranks in a world: megatron rebuilds its own groups at every layout
+  change, but a later layout with the same pipelines (PP2 then PP2 x VPP2, or back) takes the groups made before,
+  so a process that changes layouts makes no new ones, and a model of an earlier layout still finds its groups.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 _LINK: list = [None, None]  # [megatron pipeline group, this rank's StageLink over it]
+_MADE: dict = {}  # pipelines (tuples of ranks) -> this rank's StageLink, for the world in _WORLD
+_WORLD: list = [None]
 
 
 class StageLink:
@@ -36,7 +39,6 @@ class StageLink:
         self.to_next, self.from_prev = forward[me], forward[me - 1]
         self.from_next, self.to_prev = backward[me], backward[me - 1]
         self.pending: list[tuple] = []  # (work, tensor): a sent tensor stays alive until its send completes
-        self.groups = list({id(g): g for g in (self.to_next, self.from_prev, self.from_next, self.to_prev)}.values())
 
     def _send(self, tensor: torch.Tensor, group) -> None:
         tensor = tensor.detach().clone()
@@ -67,16 +69,6 @@ class StageLink:
             work.wait()
 
 
-def release() -> None:
-    """Destroy this rank's side-channel groups of the current layout, if any (they serve no later layout)."""
-    link = _LINK[1]
-    _LINK[:] = [None, None]
-    if link is not None:
-        link.pending.clear()  # NOTE: no wait: after an interrupted schedule a send's receiver never comes
-        for group in link.groups:
-            dist.destroy_process_group(group)
-
-
 def stage_link(device: torch.device) -> StageLink | None:
     """This rank's ``StageLink`` over megatron's current pipeline group (None without pipeline parallelism).
     Collective over all ranks the first time for a pipeline layout; ``device``: where the messages live."""
@@ -86,19 +78,30 @@ def stage_link(device: torch.device) -> StageLink | None:
     ranks = dist.get_process_group_ranks(group)
     if len(ranks) == 1:
         return None
-    if _LINK[0] is not group:  # NOTE: a new pipeline layout (destroy_parallel, then another model): new groups
-        release()
+    if _LINK[0] is not group:  # NOTE: megatron's groups were (re)built for a layout: its pipelines' groups
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, ranks)
-        mine = None
-        for pipeline in sorted({tuple(r) for r in gathered}):
-            size = len(pipeline)
-            pairs = [sorted((pipeline[i], pipeline[(i + 1) % size])) for i in range(size)]
-            forward, backward = [dist.new_group(p) for p in pairs], [dist.new_group(p) for p in pairs]
-            if dist.get_rank() in pipeline:
-                for pair, g in zip(pairs + pairs, forward + backward):
-                    if dist.get_rank() in pair:
-                        dist.all_reduce(torch.zeros(1, device=device), group=g)  # NOTE: set up now (see above)
-                mine = StageLink(list(pipeline), forward, backward)
-        _LINK[:] = [group, mine]
+        pipelines = tuple(sorted({tuple(r) for r in gathered}))
+        if _WORLD[0] is not dist.group.WORLD:  # NOTE: a new world (the old one destroyed): its groups are gone
+            _MADE.clear()
+            _WORLD[0] = dist.group.WORLD
+        if pipelines not in _MADE:
+            _MADE[pipelines] = _make(pipelines, device)
+        _LINK[:] = [group, _MADE[pipelines]]
     return _LINK[1]
+
+
+def _make(pipelines: tuple, device) -> StageLink | None:
+    """The groups of every pipeline's edges (collective: ``new_group`` on every rank), set up now; this rank's
+    ``StageLink``."""
+    mine = None
+    for pipeline in pipelines:
+        size = len(pipeline)
+        pairs = [sorted((pipeline[i], pipeline[(i + 1) % size])) for i in range(size)]
+        forward, backward = [dist.new_group(p) for p in pairs], [dist.new_group(p) for p in pairs]
+        if dist.get_rank() in pipeline:
+            for pair, g in zip(pairs + pairs, forward + backward):
+                if dist.get_rank() in pair:
+                    dist.all_reduce(torch.zeros(1, device=device), group=g)  # NOTE: set up now (see above)
+            mine = StageLink(list(pipeline), forward, backward)
+    return mine

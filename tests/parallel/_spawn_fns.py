@@ -5,9 +5,10 @@ import time
 
 
 def where_am_i() -> dict:
+    import numpy
     import torch
 
-    return {"ppid": os.getppid(), "cwd": os.getcwd(), "marker": os.environ.get("LF_SPAWN_TEST"),
+    return {"draws": (torch.rand(1).item(), float(numpy.random.rand())), "ppid": os.getppid(), "cwd": os.getcwd(), "marker": os.environ.get("LF_SPAWN_TEST"),
             "rank": int(os.environ["RANK"]), "threads": torch.get_num_threads(),
             "omp": os.environ.get("OMP_NUM_THREADS")}
 

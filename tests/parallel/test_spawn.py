@@ -1,6 +1,6 @@
 """``parallel.spawn.run_distributed``: CPU worlds fork from the preloaded server unless the parent's environment
-changed since it started (then spawn); either way a rank sees the parent's directory and environment and its share
-of the cores, a rank's exception comes back with its traceback, and a world past its timeout is killed."""
+changed since it started (then spawn); either way a rank sees the parent's directory and environment, its share of
+the cores and random seeds of its own, a rank's exception comes back with its traceback, and a world past its timeout is killed."""
 
 import os
 import time
@@ -24,6 +24,9 @@ def test_forked_ranks_take_the_parents_directory_and_thread_share(tmp_path, monk
         assert r["rank"] == rank and r["cwd"] == str(tmp_path) and r["marker"] is None
         assert r["threads"] == share and r["omp"] == str(share), r
     assert got[0]["ppid"] == got[1]["ppid"]
+    # fresh seeds in every rank, as a new interpreter has (forks of one server would otherwise draw alike)
+    draws = [r["draws"] for r in got] + [d["draws"] for d in run_distributed(where_am_i, 2)]
+    assert len({t for t, _ in draws}) == len(draws) and len({n for _, n in draws}) == len(draws), draws
 
 
 def test_a_changed_environment_spawns(monkeypatch):

@@ -212,10 +212,8 @@ def two_processes(folder: str, out_dir: str) -> dict:
     # NOTE: 4 layers, layer 0 dense: virtual stage 0 (rank 0's first chunk) has no MoE layer
     vpp = {**pp2, "virtual_pipeline_parallel_size": 2}
     out["vpp_recompute"] = train_loong(folder, out_dir + "/vpp", vpp, RECOMPUTE)
-    # the PP2 layout's side-channel groups went when megatron's groups were rebuilt for the VPP layout
-    live = torch.distributed.distributed_c10d._world.pg_map
-    out["pp2_link_released"] = (pp2_link is not None and stage_link._LINK[1] not in (None, pp2_link)
-                                and not any(g in live for g in pp2_link.groups))
+    # megatron's groups were rebuilt for the VPP layout; its pipelines are PP2's: the same side-channel groups
+    out["vpp_reuses_pp2_link"] = pp2_link is not None and stage_link._LINK[1] is pp2_link
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **vpp)
     out["forward_vpp"] = forward_values(folder, model)
     # a forward of the first stage's chunk alone (none of the model's own), then the model's forward again: the
