@@ -225,3 +225,35 @@ def two_processes(folder: str, out_dir: str) -> dict:
             model.chunks[0](torch.randint(4, 200, (2, 16)), torch.arange(16).expand(2, 16), None)
     out["forward_vpp_again"] = forward_values(folder, model)
     return out
+
+
+def four_processes(folder: str, out_dir: str) -> dict:
+    """The 4-process products, one layout after another (each ``from_pretrained`` rebuilds megatron's groups):
+    LoongTrainer's runs and the forwards against transformers'."""
+    import loongforge_hf as lf
+
+    def model(layout: dict):
+        return lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+
+    pp2 = {"pipeline_parallel_size": 2}
+    pp4 = {"pipeline_parallel_size": 4}  # NOTE: 4 layers, layer 0 dense: the first stage has no MoE layer
+    pp2_tp2 = {**pp2, "tensor_parallel_size": 2, "sequence_parallel": True}
+    pp2_cp2 = {**pp2, "context_parallel_size": 2}
+    tp2_cp2 = {"tensor_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2}
+    tp2_ep2 = {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2}
+    # model parallel only: one process's batches
+    out = {"pp4": train_loong(folder, out_dir + "/pp4", pp4),
+           "forward_pp4": forward_values(folder, model(pp4)),
+           "pp2_tp2": train_loong(folder, out_dir + "/pp2_tp2", pp2_tp2),
+           "forward_pp2_tp2": forward_values(folder, model(pp2_tp2)),
+           "pp2_cp2": train_loong(folder, out_dir + "/pp2_cp2", pp2_cp2, RECOMPUTE),
+           "forward_pp2_cp2": forward_values(folder, model(pp2_cp2)),
+           "forward_tp2_cp2": forward_checks(folder, model(tp2_cp2))}
+    # NOTE: data parallel 2 (EP2 implies it); rank r takes the loader's micro-batches r, r + 2, ...: with half the
+    # accumulation steps a step trains the one-process run's micro-batches (see the test)
+    out["tp2_ep2"] = train_loong(folder, out_dir + "/tp2_ep2", tp2_ep2, {"gradient_accumulation_steps": 1})
+    data_parallel = {**RECOMPUTE, "gradient_accumulation_steps": 2}
+    for name, layout in (("pp2_dp2", pp2), ("pp2_ep2", {**pp2, "expert_parallel_size": 2}),
+                         ("pp2_vpp2_dp2", {**pp2, "virtual_pipeline_parallel_size": 2})):
+        out[name] = train_loong(folder, f"{out_dir}/{name}", layout, data_parallel)
+    return out

@@ -44,6 +44,7 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 from ._router_aux import one_process, two_processes
+from ._router_checks import assert_forward, assert_forward_values, assert_router_logits
 from ._train_parity import train_hf, train_loong
 
 
@@ -81,54 +82,15 @@ def router_aux(tmp_path_factory):
     return src, one
 
 
-def _assert_router_logits(router: dict, *, grad: bool) -> None:
-    """Ours as transformers' (3 MoE layers of Qwen3-MoE's 4, Mixtral's 4), within 1e-5; carrying grad as
-    transformers' do where ``grad`` (a forward with a graph), detached otherwise (a pipelined forward, no_grad)."""
-    want, got = router["layers"]
-    assert got == want and want in (3, 4), router
-    assert all(a == b for a, b in router["shapes"]) and all(a == b for a, b in router["dtypes"]), router
-    assert router["diff"] < 1e-5 and router["size"] > 1e-2, router
-    hf_grad, ours_grad = router["requires_grad"]
-    assert ours_grad == [grad] * got and (not grad or hf_grad == ours_grad), router
-
-
-def _assert_forward(forward: dict) -> None:
-    for name in ("no_mask", "mask"):
-        assert forward[name]["type"] == "MoeCausalLMOutputWithPast"
-        want, got = forward[name]["loss"]
-        assert got == pytest.approx(want, rel=1e-5), (name, forward[name])
-        want, got = forward[name]["aux"]
-        assert got == pytest.approx(want, rel=1e-5), (name, forward[name])
-        _assert_router_logits(forward[name]["router"], grad=True)
-    assert forward["mask"]["aux"][0] != pytest.approx(forward["no_mask"]["aux"][0], rel=1e-4)  # the pads matter
-    want, got = forward["no_grad_no_labels"]
-    assert got == pytest.approx(want, rel=1e-5)
-    _assert_router_logits(forward["no_grad_router"], grad=False)
-    _assert_router_logits(forward["keyword_on"], grad=False)
-    for field in ("loss", "aux"):
-        want, got = forward["coef0"][field]
-        assert got == pytest.approx(want, rel=1e-5), forward["coef0"]
-    assert forward["coef0"]["loss"][0] == pytest.approx(forward["mask"]["loss"][0] - 0.1 * forward["mask"]["aux"][0])
-    _assert_router_logits(forward["coef0"]["router"], grad=True)
-    # an objective on the router logits alone gives the routers transformers' gradient
-    assert forward["logits_grad_size"] > 1e-4 and forward["logits_grad"] < 1e-4, forward
-    assert all(size > 1e-4 for size in forward["grad_size"]) and max(forward["grad"]) < 1e-4, forward
-    # a quarter of the loss backpropagated: a quarter of the balancing gradient; loss - coef * aux: none of it
-    assert forward["scaled"] < 1e-4 and forward["without_aux"] < 1e-4, forward
-    (hf_type, ours_type), (hf_loss, ours_loss), (hf_logits, ours_logits) = forward["keyword_off"]
-    assert ours_type == hf_type and ours_loss == pytest.approx(hf_loss, rel=1e-5), forward["keyword_off"]
-    assert hf_logits is None and ours_logits is None
-
-
 def test_router_aux_loss_recompute_of_two_forwards_is_refused(router_aux):
     said = router_aux[1]["recompute_two_forwards"]
     assert said is not None and "each forward's backward to run before the next forward" in said, said
 
 
 def test_router_aux_loss_in_forward(router_aux):
-    _assert_forward(router_aux[1]["forward"])
-    _assert_forward(router_aux[1]["forward_mixtral"])
-    _assert_router_logits(router_aux[1]["recompute_router"], grad=False)
+    assert_forward(router_aux[1]["forward"])
+    assert_forward(router_aux[1]["forward_mixtral"])
+    assert_router_logits(router_aux[1]["recompute_router"], grad=False)
 
 
 def test_router_aux_loss_matches_transformers_trainer(router_aux):
@@ -142,16 +104,13 @@ def test_router_aux_loss_tp2_sp_ep2_cp2_pp2_vpp(router_aux, tmp_path):
     got = run_distributed(two_processes, 2, str(src), str(tmp_path / "lf"), timeout=500)
     for r in got:
         assert r["tp2"]["losses"][:4] == pytest.approx(one["one"]["losses"][:4], rel=1e-5, abs=1e-5)
-        _assert_forward(r["forward_tp2"])
+        assert_forward(r["forward_tp2"])
         assert r["ep2"]["losses"][:4] == pytest.approx(one["one"]["losses"][:4], rel=1e-5, abs=1e-5)
         assert r["cp2"]["losses"] == pytest.approx(one["one"]["losses"], rel=1e-5, abs=1e-5)
-        _assert_forward(r["forward_cp2"])
+        assert_forward(r["forward_cp2"])
         assert r["pp2"]["losses"] == pytest.approx(one["one"]["losses"], rel=1e-5, abs=1e-5)
         assert r["vpp_reuses_pp2_link"]
         assert r["vpp_recompute"]["losses"] == pytest.approx(one["recompute"]["losses"], rel=1e-5, abs=1e-5)
         for forward in ("forward_ep2", "forward_pp2", "forward_vpp", "forward_vpp_again"):
-            for name in ("no_mask", "mask"):
-                for want, got_ in r[forward][name]:
-                    assert got_ == pytest.approx(want, rel=1e-5), (forward, name, r[forward])
-                # NOTE: a pipelined forward runs without a graph: its router logits are detached
-                _assert_router_logits(r[forward][name + "_router"], grad=forward == "forward_ep2")
+            # NOTE: a pipelined forward runs without a graph: its router logits are detached
+            assert_forward_values(r[forward], grad=forward == "forward_ep2")
