@@ -8,9 +8,9 @@ def where_am_i() -> dict:
     import numpy
     import torch
 
-    return {"draws": (torch.rand(1).item(), float(numpy.random.rand())), "ppid": os.getppid(), "cwd": os.getcwd(), "marker": os.environ.get("LF_SPAWN_TEST"),
-            "rank": int(os.environ["RANK"]), "threads": torch.get_num_threads(),
-            "omp": os.environ.get("OMP_NUM_THREADS")}
+    return {"draws": (torch.rand(1).item(), float(numpy.random.rand())), "ppid": os.getppid(), "cwd": os.getcwd(),
+            "marker": os.environ.get("LF_SPAWN_TEST"), "rank": int(os.environ["RANK"]),
+            "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}
 
 
 def fail_on_rank_one() -> int:

@@ -1,6 +1,7 @@
 """``parallel.spawn.run_distributed``: CPU worlds fork from the preloaded server unless the parent's environment
 changed since it started (then spawn); either way a rank sees the parent's directory and environment, its share of
-the cores and random seeds of its own, a rank's exception comes back with its traceback, and a world past its timeout is killed."""
+the cores and random seeds of its own, a rank's exception comes back with its traceback, and a world past its timeout
+is killed."""
 
 import os
 import time
