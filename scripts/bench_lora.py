@@ -113,20 +113,11 @@ def run_stack(args, device: H.Device) -> dict:
 def worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", choices=("run",), required=True)
-    p.add_argument("--shape", required=True)
     p.add_argument("--stack", choices=STACKS, required=True)
-    p.add_argument("--folder", required=True)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--micro-batch", type=int)
-    p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--steps", type=int)
-    p.add_argument("--warmup", type=int)
-    p.add_argument("--profile", action="store_true")
+    BT.add_worker_args(p)
     p.add_argument("--lora-r", type=int, required=True)
     p.add_argument("--lora-alpha", type=int, required=True)
     p.add_argument("--lora-targets", required=True)
-    p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     # NOTE: loongforge-hf picks its device backend from this variable; set before anything imports the package.
     os.environ["LOONGFORGE_DEVICE"] = args.device

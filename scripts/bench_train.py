@@ -291,11 +291,9 @@ def time_stack(step, info: dict, args, device: H.Device) -> dict:
     return out
 
 
-def worker(argv: list[str]) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--worker", choices=("write", "run"), required=True)
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """The worker flags every training benchmark's worker takes (this script's and bench_lora.py's)."""
     p.add_argument("--shape", required=True)
-    p.add_argument("--stack", choices=STACKS)
     p.add_argument("--folder", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
@@ -304,10 +302,17 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--result", required=True)
+
+
+def worker(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", choices=("write", "run"), required=True)
+    p.add_argument("--stack", choices=STACKS)
+    add_worker_args(p)
     defaults = {"--optimizer-precision": "fp32", "--adam": "triton"}
     for flag, values in VARIANT_OPTIONS.values():
         p.add_argument(flag, choices=values, default=defaults.get(flag))
-    p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     # NOTE: loongforge-hf picks its device backend from this variable; set before anything imports the package.
     os.environ["LOONGFORGE_DEVICE"] = args.device

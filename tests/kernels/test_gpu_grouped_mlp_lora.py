@@ -17,11 +17,12 @@ Measured on an H100 (torch 2.11, cu130): grouped and loop equal bit for bit, in 
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import loongforge_hf.kernels.grouped_mlp as grouped_module
 from loongforge_hf.kernels.grouped_mlp import LowRank, grouped_gated_mlp, grouped_mm_supported
 from loongforge_hf.parallel.spawn import run_distributed
+
+from ._op_count import GroupedMmCount
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -92,16 +93,6 @@ def test_lora_grouped_mm_matches_loop_and_fp32(counts, hidden, ffn, r, which):
                 assert torch.count_nonzero(g[e]) == 0
 
 
-class _GroupedMmCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.ops.aten._grouped_mm.default
-        return func(*args, **(kwargs or {}))
-
-
 def test_lora_path_choice_and_no_gradient_of_frozen_experts():
     """Grouped by default for bf16 with aligned ranks: 6 grouped GEMMs forward (3 per adapted projection), 10
     backward (per projection 1 for the frozen stack, its input's gradient only, and 2 for each of A and B); the
@@ -114,9 +105,9 @@ def test_lora_path_choice_and_no_gradient_of_frozen_experts():
     adapters = tuple(LowRank(a.cuda().bfloat16().requires_grad_(), b.cuda().bfloat16().requires_grad_(), 1.0)
                      for a, b in factors)
     assert grouped_mm_supported(x, fc1, fc2, adapters=adapters)
-    with _GroupedMmCount() as forward:
+    with GroupedMmCount() as forward:
         out = grouped_gated_mlp(x, fc1, fc2, torch.tensor(counts, device="cuda"), probs.cuda(), adapters=adapters)
-    with _GroupedMmCount() as backward:
+    with GroupedMmCount() as backward:
         out.backward(grad.cuda().bfloat16())
     assert (forward.calls, backward.calls) == (6, 10)
     assert all(a.A.grad is not None and a.B.grad is not None for a in adapters) and x.grad is not None

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from loongforge_hf.kernels.grouped_mlp import GroupedMLP, LowRank, grouped_gated_mlp, grouped_mm_supported
+
+from ._op_count import GroupedMmCount
 
 COUNTS = [[3, 0, 7, 1], [0, 0, 5, 0], [1, 2, 0, 9], [0, 0, 0, 0]]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -275,16 +276,6 @@ def test_lora_loop_matches_per_token_reference():
     torch.testing.assert_close(got, _reference(x, *merged, counts, probs), **TOL[torch.float32])
 
 
-class _GroupedMmCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.ops.aten._grouped_mm.default
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
 def test_lora_backward_computes_no_gradient_of_frozen_experts():
     """Forward: 3 grouped GEMMs per adapted projection. Backward: per projection 1 for the frozen stack (its input's
@@ -294,9 +285,9 @@ def test_lora_backward_computes_no_gradient_of_frozen_experts():
     for trained, backward_calls in ((False, 10), (True, 12)):
         fc1.requires_grad_(trained)
         fc2.requires_grad_(trained)
-        with _GroupedMmCount() as forward:
+        with GroupedMmCount() as forward:
             out = grouped_gated_mlp(x, fc1, fc2, counts, probs, adapters=adapters, use_grouped_mm=True)
-        with _GroupedMmCount() as backward:
+        with GroupedMmCount() as backward:
             out.backward(grad)
         assert (forward.calls, backward.calls) == (6, backward_calls)
         assert (fc1.grad is not None) == trained
