@@ -7,11 +7,12 @@ Choices:
   inside, ignore -100, mean over label tokens) and full-vocabulary logits gathered over TP (``return_logits=False``
   skips the gather). Under pipeline parallelism it runs megatron's forward-only schedule and broadcasts the last
   stage's outputs; gradients flow through ``forward`` when pipeline_parallel_size == 1.
-- An MoE model (Qwen3-MoE, Mixtral) with ``output_router_logits`` on (the forward keyword overrides the config's, as
-  in transformers) returns, as transformers' ``MoeCausalLMOutputWithPast``, ``aux_loss`` (transformers' router
-  load-balancing loss over all MoE layers, in eval mode and without grad too), ``loss = lm loss + coef * aux_loss``
-  (``router_aux_loss_coef``, 0 included, as transformers) and ``router_logits`` (per MoE layer, the router's logits
-  ``[batch * seq, experts]`` of the caller's tokens, on every rank: ``bridges/router_logits.py``). Both are in the
+- An MoE model (Qwen3-MoE, Mixtral, DeepSeek-V2/V3) returns transformers' ``MoeCausalLMOutputWithPast``. With
+  ``output_router_logits`` on (the forward keyword overrides the config's, as in transformers) it holds
+  ``router_logits`` (per MoE layer, the router's logits ``[batch * seq, experts]`` of the caller's tokens, on every
+  rank: ``bridges/router_logits.py``) and, for Qwen3-MoE and Mixtral (DeepSeek's transformers model computes none),
+  ``aux_loss`` (transformers' router load-balancing loss over all MoE layers, in eval mode and without grad too) with
+  ``loss = lm loss + coef * aux_loss`` (``router_aux_loss_coef``, 0 included, as transformers). Both are in the
   graph as transformers' are where the forward builds one (``bridges/router_balance.py``); the router logits are
   detached under pipeline parallelism and activation recompute.
 - ``save_pretrained`` is collective (every rank calls it); rank 0 writes.
@@ -163,7 +164,10 @@ class LoongModelForCausalLM(nn.Module):
 
         from loongforge_hf.bridges import router_balance
 
+        from loongforge_hf.bridges.router_logits import recording_routers
+
         self.router_balance = router_balance.attach(self.chunks, bridge)  # None: no router tallies the balancing loss
+        self.routers = recording_routers(self.chunks, bridge)  # those that record router_logits
 
         self._generation_at_load = None  # the source file's, as a diff dict: copied while the config equals it
         if source is not None and (source / "generation_config.json").is_file():
@@ -203,26 +207,29 @@ class LoongModelForCausalLM(nn.Module):
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
         from loongforge_hf.bridges import router_balance
-        from loongforge_hf.bridges.router_logits import RouterLogits, recording
+        from loongforge_hf.bridges.router_logits import RouterLogits, asked, recording
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
         options = hf_forward_options(unused, labels)
         routed = router_balance.forward_outputs(self, unused.get("output_router_logits"))
-        moe = self.router_balance is not None  # NOTE: Qwen3-MoE / Mixtral: transformers' MoE output type
+        moe = getattr(self.bridge, "hf_router_logits", False)  # NOTE: transformers' MoE output type
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "labels": labels, "return_logits": return_logits}
-        if routed is None:
+        if not (moe and asked(self.config, unused.get("output_router_logits"))):
             return hf_forward_output(*forward_causal_lm(self, **inputs), labels, options, moe=moe)
-        balance, coef = routed
         multiple = self.parallel.sequence_multiple
         length = -(-input_ids.shape[-1] // multiple) * multiple  # NOTE: as forward_causal_lm pads for the layout
-        # NOTE: the pipelined forward runs without grad (runtime._forward_pipelined): so does the term
-        tally = balance.begin(attention_mask, tuple(input_ids.shape), device=self.device, length=length,
-                              graph=torch.is_grad_enabled() and self.parallel.pipeline_parallel_size == 1)
+        balance, coef = routed if routed is not None else (None, 0.0)  # NOTE: None: no aux loss (DeepSeek)
+        tally = None
+        if balance is not None:
+            # NOTE: the pipelined forward runs without grad (runtime._forward_pipelined): so does the term
+            tally = balance.begin(attention_mask, tuple(input_ids.shape), device=self.device, length=length,
+                                  graph=torch.is_grad_enabled() and self.parallel.pipeline_parallel_size == 1)
         recorder = RouterLogits(self.megatron.config, batch=input_ids.shape[0], seq=length, given=input_ids.shape[-1])
-        with recording(balance.routers, recorder):
+        with recording(self.routers, recorder):
             loss, logits = forward_causal_lm(self, **inputs)
-        aux = balance.finish_everywhere(tally)  # NOTE: in the graph: the routers' gradient follows its use
+        # NOTE: in the graph: the routers' gradient follows its use
+        aux = balance.finish_everywhere(tally) if balance is not None else None
         return hf_forward_output(loss, logits, labels, options, aux_loss=aux, aux_coef=coef,
                                  router_logits=recorder.collect(self.device), moe=moe)
 

@@ -9,6 +9,8 @@ Choices:
   and put back on export (``RopeColumnParallel``). Plain rope and YaRN (``config_map.mla_rope_kwargs``).
 - V3 routes with sigmoid scores plus ``e_score_correction_bias`` (kept fixed: ``moe_router_bias_update_rate=0``, as
   transformers never updates it), top-2-sum group scores; V2 with softmax scores, never renormalised, max group scores.
+- transformers' ``MoeCausalLMOutputWithPast`` with ``router_logits`` (``output_router_logits``): the gating logits
+  of the MoE layers (none for the first ``first_k_dense_replace``), before sigmoid / softmax, fp32; no ``aux_loss``.
 - Multi-token-prediction layers in a checkpoint (``model.layers.{num_hidden_layers + i}.*``) are not built: they are
   skipped on load with a warning and copied unchanged from the source folder on export.
 """
@@ -31,6 +33,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 class DeepseekBridge(MoEBridge):
     shared_experts = "shared_experts"
     router_fp32 = True
+    hf_router_logits = True                                    # transformers returns them; it adds no aux loss
     interleaved_rope_on_disk = True
     has_passthrough = True
     multi_latent_attention = True                              # attention is megatron's MLASelfAttention

@@ -10,6 +10,7 @@ from loongforge_hf.bridges.registry import register_bridge
 class MixtralBridge(MoEBridge):
     supports_sliding_window = True
     hf_balance_loss = True
+    hf_router_logits = True
     sparse_block = "block_sparse_moe"
     expert_projections = ("w1", "w3", "w2")
 

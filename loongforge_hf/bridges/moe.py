@@ -28,6 +28,9 @@ Choices:
   all MoE layers of a forward, for bridges that declare ``hf_balance_loss`` (their router is
   ``router_balance.BalanceRouter``); megatron's per-layer balancing losses stay off (``moe_router_load_balancing_type
   ="none"``), so the term is never counted twice.
+- transformers' ``router_logits`` output (and its ``MoeCausalLMOutputWithPast``) for bridges that declare
+  ``hf_router_logits`` (their router is ``BalanceRouter`` too; ``router_logits.py``): those with the balancing loss, and
+  DeepSeek, whose transformers model returns the logits but adds no loss.
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ class MoEBridge(DenseBridge):
     expert_bias: bool = False                                  # ``gate.e_score_correction_bias`` (DeepSeek-V3)
     router_fp32: bool = False                                  # transformers keeps ``gate.weight`` in fp32
     hf_balance_loss: bool = False                              # transformers' model computes the router aux loss
+    hf_router_logits: bool = False                             # ... returns MoeCausalLMOutputWithPast, router_logits
 
     def __init__(self, hf_config) -> None:
         super().__init__(hf_config)

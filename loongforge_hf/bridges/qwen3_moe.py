@@ -10,6 +10,7 @@ from loongforge_hf.bridges.registry import register_bridge
 class Qwen3MoeBridge(MoEBridge):
     qk_norm = True
     hf_balance_loss = True
+    hf_router_logits = True
 
     def num_experts(self) -> int:
         return self.hf_config.num_experts

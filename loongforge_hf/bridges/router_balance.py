@@ -11,7 +11,8 @@ Choices:
 - ``BalanceRouter`` is megatron's ``TopKRouter`` in the MoE layers' router slot (``specs.py``). While a forward is
   tallied (``RouterBalance.begin``) each layer adds its three sums (slot counts, probability sums, weight sum) to
   the forward's ``Tally``; its chosen experts are the routing map megatron dispatches with. It also hands its
-  logits to the forward's ``router_logits.RouterLogits`` while the model's forward records them. Token weights: the
+  logits to the forward's ``router_logits.RouterLogits`` while the model's forward records them (all it does for
+  bridges with ``hf_router_logits`` alone, DeepSeek: ``balance`` None, ``routing`` is megatron's). Token weights: the
   user's attention mask, 0 for the pads the engine adds for its layout (``trainer.data``), 1 everywhere for
   padding-free rows, as transformers counts them. ``Tally.finish`` sums the layers and the ranks that split the
   tokens (tensor-parallel ranks under sequence parallelism, context-parallel ranks) and returns the loss.
@@ -167,9 +168,9 @@ def attach(chunks, bridge) -> RouterBalance | None:
     (``hf_balance_loss``); None for others."""
     if not getattr(bridge, "hf_balance_loss", False):
         return None
-    cls = balance_router_class()
-    routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, cls)]
-    return RouterBalance(routers, chunks, bridge.num_experts())
+    from loongforge_hf.bridges.router_logits import recording_routers
+
+    return RouterBalance(recording_routers(chunks, bridge), chunks, bridge.num_experts())
 
 
 def check_layout(hf_config, bridge, *, coef: float | None = None) -> None:

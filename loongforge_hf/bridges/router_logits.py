@@ -1,6 +1,6 @@
-"""transformers' ``router_logits`` output for the MoE bridges whose HF models return it (Qwen3-MoE, Mixtral): per MoE
-layer, in layer order, the router's logits before the softmax, ``[batch * seq, experts]`` with the tokens in batch-major
-order (pads included), on every rank.
+"""transformers' ``router_logits`` output for the MoE bridges whose HF models return it (``hf_router_logits``:
+Qwen3-MoE, Mixtral, DeepSeek-V2/V3): per MoE layer, in layer order, the router's logits before the softmax / sigmoid,
+``[batch * seq, experts]`` with the tokens in batch-major order (pads included), on every rank.
 
 Choices:
 - Recorded by the bridges' router (``router_balance.BalanceRouter``), which megatron hands each MoE layer's gating
@@ -117,6 +117,24 @@ def _token_positions(router, seq: int, *, device) -> torch.Tensor:
         chunk = positions.numel() // tp
         positions = positions[router.tp_group.rank() * chunk:(router.tp_group.rank() + 1) * chunk]
     return positions
+
+
+def asked(config, output_router_logits: bool | None) -> bool:
+    """Whether a forward returns them: the forward keyword, else the config's ``output_router_logits``, as in
+    transformers."""
+    return bool(getattr(config, "output_router_logits", False) if output_router_logits is None
+                else output_router_logits)
+
+
+def recording_routers(chunks, bridge) -> list:
+    """The chunks' ``BalanceRouter`` modules of a bridge with ``hf_router_logits`` (none on a stage without MoE
+    layers); [] for other bridges."""
+    if not getattr(bridge, "hf_router_logits", False):
+        return []
+    from loongforge_hf.bridges.router_balance import balance_router_class
+
+    cls = balance_router_class()
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, cls)]
 
 
 @contextlib.contextmanager

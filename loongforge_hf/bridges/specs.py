@@ -20,8 +20,9 @@ Choices:
   - a dense layer's MLP (DeepSeek's first layers, Qwen3-MoE's ``mlp_only_layers``) is the dense spec's
     ``SwiGLUMLP`` (megatron's ``MLP`` with our ``swiglu``); shared experts stay megatron's ``SharedExpertMLP``.
   And one more with ``bridge.grouped_experts`` (the default, see ``moe.py``): the routed experts of every MoE layer are
-  our ``kernels.grouped_mlp.GroupedMLP`` instead of megatron's ``SequentialMLP``; with ``bridge.hf_balance_loss`` the
-  router is ``router_balance.BalanceRouter`` (megatron's ``TopKRouter`` that tallies transformers' balancing loss).
+  our ``kernels.grouped_mlp.GroupedMLP`` instead of megatron's ``SequentialMLP``; with ``bridge.hf_router_logits`` the
+  router is ``router_balance.BalanceRouter`` (megatron's ``TopKRouter`` that records its logits for transformers'
+  ``router_logits`` and, with ``bridge.hf_balance_loss``, tallies transformers' balancing loss; routing unchanged).
 - Token dispatcher: the bridges ask for megatron's ``alltoall`` dispatcher. Where the experts' process groups are
   trivial (expert parallel 1 and expert-tensor parallel 1) it moves no tokens, yet it still splits the permuted tokens
   into one chunk per expert and concatenates them back in an unchanged order (``sort_chunks_by_idxs``, with no
@@ -136,7 +137,7 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
 
         enable_megatron_fused_router()
     return _with_te_linears(config, _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False),
-                                                  balance_router=getattr(bridge, "hf_balance_loss", False)))
+                                                  balance_router=getattr(bridge, "hf_router_logits", False)))
 
 
 def _with_te_linears(config, block_spec):

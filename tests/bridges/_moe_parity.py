@@ -76,9 +76,11 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=g)
     labels = ids.clone()
     labels[0, :3] = -100
-    out = model(input_ids=ids, labels=labels)
+    # NOTE: DeepSeek's router_logits (transformers adds no aux loss for them, so the loss compares as before)
+    routed = {"output_router_logits": True} if model.config.model_type.startswith("deepseek") else {}
+    out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
-        exp = ref(input_ids=ids, labels=labels)
+        exp = ref(input_ids=ids, labels=labels, **routed)
     grads_ok = None
     if layout.get("pipeline_parallel_size", 1) == 1:
         out.loss.backward()
@@ -87,7 +89,17 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     return {"logit_diff": (out.logits.float() - exp.logits.float()).abs().max().item(), "dtype": str(model.dtype),
             "loss_diff": abs(out.loss.item() - exp.loss.item()), "loss": out.loss.item(),
             "ref_loss": exp.loss.item(), "grads_ok": grads_ok, "logits_shape": tuple(out.logits.shape),
-            "warnings": [str(w.message) for w in caught], **experts}
+            "warnings": [str(w.message) for w in caught], **experts, **_router_outputs(out, exp)}
+
+
+def _router_outputs(out, exp) -> dict:
+    """The output types, ``aux_loss`` and ``router_logits`` of ours (``out``) and transformers' (``exp``)."""
+    ours, theirs = out.get("router_logits") or (), exp.get("router_logits") or ()
+    diffs = [(a.detach().float() - b.float()).abs().max().item() if a.shape == b.shape else float("inf")
+             for a, b in zip(ours, theirs)]
+    return {"output_type": type(out).__name__, "ref_output_type": type(exp).__name__,
+            "no_aux_loss": out.get("aux_loss") is None, "router_counts": (len(ours), len(theirs)),
+            "router_dtypes": sorted({str(t.dtype) for t in ours}), "router_diff": max(diffs, default=None)}
 
 
 def _expect_layout_error(folder: str, layout: dict) -> dict:

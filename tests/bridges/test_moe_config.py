@@ -70,7 +70,9 @@ def test_aux_loss_coefficient():
     for b in (off, on):
         kw = b.transformer_config_kwargs()
         assert kw["moe_aux_loss_coeff"] == 0.0 and kw["moe_router_load_balancing_type"] == "none"
-        assert b.hf_balance_loss
+        assert b.hf_balance_loss and b.hf_router_logits
+    for arch in ("deepseek_v3", "deepseek_v2"):  # transformers returns their router_logits and adds no aux loss
+        assert bridge(arch).hf_router_logits and not bridge(arch).hf_balance_loss
 
 
 def test_moe_with_tensor_parallel_needs_sequence_parallel():

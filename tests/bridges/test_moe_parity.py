@@ -1,6 +1,8 @@
-"""MoE and MLA bridges against transformers: logits and loss within 1e-4 (fp32) under expert, tensor, expert-tensor and
-pipeline parallel layouts; bit-exact HF -> megatron -> HF round trips that transformers loads back. Every layer runs
-our kernels' attention (SDPA ``CoreAttention``, MLA's ``MLACoreAttention``), ``RMSNorm`` and (not MLA) fused rope.
+"""MoE and MLA bridges against transformers: logits and loss within 1e-4 (fp32) under expert, tensor, expert-tensor,
+context and pipeline parallel layouts, transformers' output type (``MoeCausalLMOutputWithPast``), and DeepSeek's
+``router_logits`` (asked for by the forward keyword: one per MoE layer, fp32, within 1e-5); bit-exact HF -> megatron
+-> HF round trips that transformers loads back. Every layer runs our kernels' attention (SDPA ``CoreAttention``, MLA's
+``MLACoreAttention``), ``RMSNorm`` and (not MLA) fused rope.
 
 Starting a rank costs more than a tiny model, so one world per world size runs each of its layouts in turn over several
 tiny checkpoints (1 rank: tp1; 2 ranks: ep2, ep2seq, cp2ep2, tp2etp1; 4 ranks: tp2ep2, pp2ep2). Routed experts are
@@ -35,6 +37,8 @@ from loongforge_hf.testing.round_trip import check_round_trip, read_all
 from ._moe_parity import run_plan
 
 TOL = 1e-4
+ROUTER_TOL = 1e-5  # router_logits: fp32 gating on both sides
+MLA_MOE_LAYERS = 3  # the tiny DeepSeek checkpoints: 4 layers, the first dense (first_k_dense_replace=1)
 BF16_TOL = {"logit_diff": 0.1, "loss_diff": 0.02}
 SP = {"sequence_parallel": True}
 
@@ -136,6 +140,12 @@ def test_parity_and_round_trip(worlds, layout, name):
         assert r["dispatcher_classes"] == (["SyncFreeAllGatherDispatcher"] if single
                                            else ["MoEAlltoAllTokenDispatcher"]), (rank, r)
         assert set(r["mlp_modules"]) <= {"MoELayer", "SwiGLUMLP"} and "MoELayer" in r["mlp_modules"], (rank, r)
+        # transformers' output type; DeepSeek's forward asks for router_logits: per MoE layer, none for dense ones
+        assert r["output_type"] == r["ref_output_type"] == "MoeCausalLMOutputWithPast", (rank, r)
+        if mla:
+            assert r["no_aux_loss"] and r["router_counts"] == (MLA_MOE_LAYERS,) * 2, (rank, r)
+            assert r["router_dtypes"] == ["torch.float32"], (rank, r)
+            assert r["router_diff"] < (tol["logit_diff"] if name.endswith("_bf16") else ROUTER_TOL), (rank, r)
     src, out = worlds.source(name), worlds.out(layout, name)
     check_round_trip(src, out)
     check_loads_in_transformers(src, out)
