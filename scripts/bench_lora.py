@@ -244,17 +244,8 @@ def main(argv: list[str]) -> int:
         H.save_json(report, out_path)
         if not args.keep_checkpoints:
             shutil.rmtree(folder, ignore_errors=True)
-    oks = [r for e in report["workloads"].values() for r in e["results"].values() if r.get("status") == "ok"]
-    report["device"] = next((r["device"] for r in oks), None)
-    report["software"] = next((r["versions"] for r in oks), None)
-    H.save_json(report, out_path)
-    print(f"\ndevice: {report['device']}\n")
-    print("\n\n".join(tables))
-    for key, e in report["workloads"].items():
-        prof = e["results"].get("loongforge", {}).get("profile")
-        if prof:
-            BT.print_profile(f"loongforge LoRA step profile, ({key})", prof)
-    print(f"\nwrote {out_path} and {log}")
+    BT.finish_report(report, tables, out_path=out_path, log=log, profile_stack="loongforge",
+                     profile_title="loongforge LoRA")
     return 0
 
 

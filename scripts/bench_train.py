@@ -557,20 +557,25 @@ def main(argv: list[str]) -> int:
         H.save_json(report, out_path)
         if not args.keep_checkpoints:
             shutil.rmtree(folder, ignore_errors=True)
-    device = next((r["device"] for e in report["workloads"].values() for r in e["results"].values()
-                   if r.get("device")), None)
-    report["device"] = device
-    report["software"] = next((r["versions"] for e in report["workloads"].values() for r in e["results"].values()
-                               if r.get("versions")), None)
+    finish_report(report, tables, out_path=out_path, log=log, profile_stack=args.profile_stack,
+                  profile_title=args.profile_stack)
+    return 0
+
+
+def finish_report(report: dict, tables: list[str], *, out_path, log, profile_stack: str, profile_title: str) -> None:
+    """The run's device and software (from the first row that has them) into the saved JSON; the tables and the
+    profiled stack's step profiles printed (this script's and bench_lora.py's end)."""
+    rows = [r for e in report["workloads"].values() for r in e["results"].values()]
+    report["device"] = next((r["device"] for r in rows if r.get("device")), None)
+    report["software"] = next((r["versions"] for r in rows if r.get("versions")), None)
     H.save_json(report, out_path)
-    print(f"\ndevice: {device}\n")
+    print(f"\ndevice: {report['device']}\n")
     print("\n\n".join(tables))
     for key, e in report["workloads"].items():
-        prof = e["results"].get(args.profile_stack, {}).get("profile")
+        prof = e["results"].get(profile_stack, {}).get("profile")
         if prof:
-            print_profile(f"{args.profile_stack} step profile, ({key})", prof)
+            print_profile(f"{profile_title} step profile, ({key})", prof)
     print(f"\nwrote {out_path} and {log}")
-    return 0
 
 
 if __name__ == "__main__":
