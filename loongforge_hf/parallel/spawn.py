@@ -13,8 +13,9 @@ Choices:
   imported in, and a world whose parent's environment or ``sys.path`` differs from the server's (a test that
   changed ``HF_HOME``; the ``env`` argument) starts its ranks with "spawn" instead, as do GPU worlds
   (``LOONGFORGE_SPAWN=spawn`` forces it always). A forked rank takes the parent's current working directory and
-  environment, the thread count torch would have read from ``OMP_NUM_THREADS``, and fresh random seeds (torch,
-  numpy) as a new interpreter has: forks of one server would otherwise all draw the same numbers.
+  environment, the thread count torch would have read from ``OMP_NUM_THREADS``, fresh random seeds (torch,
+  numpy) as a new interpreter has (forks of one server would otherwise all draw the same numbers), and the
+  parent's current stdout / stderr (handed over as file descriptors: the server's are those of its start).
 """
 
 from __future__ import annotations
@@ -66,9 +67,30 @@ def _fork_context(env: dict | None):
     return mp.get_context("forkserver") if here == _SERVER else None
 
 
+class _ParentFd:
+    """The parent's file descriptor ``fd`` for a forked rank: pickled while the rank starts, as multiprocessing
+    hands descriptors to a fork server's children; the rank unpickles its own copy's number."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _inherited_fd, (reduction.DupFd(self.fd),)
+
+
+def _inherited_fd(dup) -> int:
+    return dup.detach()
+
+
 def _child(rank: int, world: int, port: int, extra_env: dict, fn: Callable, args: tuple, kwargs: dict,
            results: "mp.Queue", forked: dict | None = None) -> None:
-    if forked is not None:  # NOTE: a fork of the server: the parent's directory, environment and thread count
+    if forked is not None:  # NOTE: a fork of the server: the parent's output, directory, environment and threads
+        for stream, fd in zip((sys.stdout, sys.stderr), forked["fds"]):
+            stream.flush()
+            os.dup2(fd, stream.fileno())
+            os.close(fd)
         os.chdir(forked["cwd"])
         os.environ.clear()
         os.environ.update(forked["env"])
@@ -107,7 +129,8 @@ def run_distributed(fn: Callable, nprocs: int, *args: Any, timeout: float = 300.
     # child imports torch (unpickling ``fn``) before ``_child`` runs, and torch reads OMP_NUM_THREADS on import.
     threads = str(max(1, len(os.sched_getaffinity(0)) // nprocs))
     extra_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **(env or {})}
-    forked = {"cwd": os.getcwd(), "env": dict(os.environ)} if fork is not None else None
+    forked = {"cwd": os.getcwd(), "env": dict(os.environ), "fds": (_ParentFd(1), _ParentFd(2))} \
+        if fork is not None else None
     procs = [ctx.Process(target=_child, args=(r, nprocs, port, extra_env, fn, args, kwargs, results, forked),
                          daemon=False) for r in range(nprocs)]
     # NOTE: a forked rank sets its threads itself; the server, if this start makes it, imports with one thread

@@ -21,3 +21,10 @@ def fail_on_rank_one() -> int:
 
 def sleep_long() -> None:
     time.sleep(120)
+
+
+def say_hello() -> None:
+    import sys
+
+    print(f"rank {os.environ['RANK']} says hello")
+    print(f"rank {os.environ['RANK']} warns", file=sys.stderr)

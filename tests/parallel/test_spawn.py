@@ -1,7 +1,7 @@
 """``parallel.spawn.run_distributed``: CPU worlds fork from the preloaded server unless the parent's environment
 changed since it started (then spawn); either way a rank sees the parent's directory and environment, its share of
-the cores and random seeds of its own, a rank's exception comes back with its traceback, and a world past its timeout
-is killed."""
+the cores and random seeds of its own, and prints where the parent prints; a rank's exception comes back with its
+traceback, and a world past its timeout is killed."""
 
 import os
 import time
@@ -10,7 +10,7 @@ import pytest
 
 from loongforge_hf.parallel.spawn import ChildProcessError_, run_distributed
 
-from ._spawn_fns import fail_on_rank_one, sleep_long, where_am_i
+from ._spawn_fns import fail_on_rank_one, say_hello, sleep_long, where_am_i
 
 pytestmark = pytest.mark.skipif(os.environ.get("LOONGFORGE_DEVICE") != "cpu", reason="the CPU worlds' start")
 
@@ -28,6 +28,15 @@ def test_forked_ranks_take_the_parents_directory_and_thread_share(tmp_path, monk
     # fresh seeds in every rank, as a new interpreter has (forks of one server would otherwise draw alike)
     draws = [r["draws"] for r in got] + [d["draws"] for d in run_distributed(where_am_i, 2)]
     assert len({t for t, _ in draws}) == len(draws) and len({n for _, n in draws}) == len(draws), draws
+
+
+def test_ranks_print_to_the_parents_current_output(capfd):
+    """``capfd`` points this process's stdout / stderr elsewhere than when the server started (an earlier test's
+    world): forked ranks still print where this process prints."""
+    run_distributed(say_hello, 2)
+    out, err = capfd.readouterr()
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, (out, err)
+    assert "rank 0 warns" in err and "rank 1 warns" in err, (out, err)
 
 
 def test_a_changed_environment_spawns(monkeypatch):
