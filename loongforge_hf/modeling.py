@@ -163,11 +163,11 @@ class LoongModelForCausalLM(nn.Module):
         from transformers import GenerationConfig
 
         from loongforge_hf.bridges import router_balance
-
         from loongforge_hf.bridges.router_logits import recording_routers
 
-        self.router_balance = router_balance.attach(self.chunks, bridge)  # None: no router tallies the balancing loss
         self.routers = recording_routers(self.chunks, bridge)  # those that record router_logits
+        # None: no router tallies the balancing loss
+        self.router_balance = router_balance.attach(self.routers, self.chunks, bridge)
 
         self._generation_at_load = None  # the source file's, as a diff dict: copied while the config equals it
         if source is not None and (source / "generation_config.json").is_file():

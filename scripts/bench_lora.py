@@ -172,24 +172,11 @@ def agreement(results: dict) -> list[str]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="a,b,c")
-    p.add_argument("--stacks", default=",".join(STACKS))
+    BT.add_run_args(p, STACKS, name="bench_lora", profile="")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=int, default=32)
     p.add_argument("--lora-targets", default="all-linear",
                    help="'all-linear' or a comma list of module names (e.g. q_proj,k_proj,v_proj,o_proj)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    p.add_argument("--profile", default="", help="workloads whose loongforge step is profiled (e.g. a,c)")
-    p.add_argument("--out", default="outputs/bench_lora.json")
-    p.add_argument("--log", default=None, help="worker output (default: next to --out, .log)")
-    p.add_argument("--checkpoints", default="/tmp/loongforge_bench_lora", help="where the checkpoints are written")
-    p.add_argument("--keep-checkpoints", action="store_true")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--tiny", action="store_true", help="small sizes, same code paths (dry runs, smoke)")
-    p.add_argument("--no-oom-retry", action="store_true")
-    p.add_argument("--worker-timeout", type=float, default=900.0)
     p.add_argument("--in-process", action="store_true", help="run the workers in this process (CPU dry runs, "
                    "tests; not with liger)")
     args = p.parse_args(argv)

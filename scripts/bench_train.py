@@ -453,25 +453,31 @@ def print_profile(title: str, prof: dict) -> None:
         print("  the host during those gaps: " + "; ".join(doing))
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_run_args(p: argparse.ArgumentParser, stacks, *, name: str, profile: str) -> None:
+    """The flags every training benchmark's parent takes (this script's and bench_lora.py's); ``name`` names its
+    default output and checkpoint folder, ``profile`` the workloads profiled by default."""
     p.add_argument("--shapes", default="a,b,c")
-    p.add_argument("--stacks", default=",".join(STACKS))
+    p.add_argument("--stacks", default=",".join(stacks))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    p.add_argument("--profile", default="a,c", help="workloads whose loongforge step is profiled ('' for none)")
-    p.add_argument("--profile-stack", default="loongforge", help="the row profiled, e.g. 'loongforge "
-                   "optimizer=model'")
-    p.add_argument("--out", default="outputs/bench_train.json")
+    p.add_argument("--profile", default=profile, help="workloads whose loongforge step is profiled ('' for none)")
+    p.add_argument("--out", default=f"outputs/{name}.json")
     p.add_argument("--log", default=None, help="worker output (default: next to --out, .log)")
-    p.add_argument("--checkpoints", default="/tmp/loongforge_bench_train", help="where the checkpoints are written")
+    p.add_argument("--checkpoints", default=f"/tmp/loongforge_{name}", help="where the checkpoints are written")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="small sizes, same code paths (dry runs, smoke)")
-    p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--no-oom-retry", action="store_true")
     p.add_argument("--worker-timeout", type=float, default=900.0)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_args(p, STACKS, name="bench_train", profile="a,c")
+    p.add_argument("--profile-stack", default="loongforge", help="the row profiled, e.g. 'loongforge "
+                   "optimizer=model'")
+    p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--fp8", default="", help="comma list of fp8 modes (on,adaptive): loongforge rows with "
                    "from_pretrained(fp8=mode) next to the bf16 one (docs/fp8.md)")
     p.add_argument("--optimizer-precision", default="fp32", help="comma list (fp32,model): 'model' adds a loongforge "

@@ -163,14 +163,12 @@ class RouterBalance:
         self.tally = None
 
 
-def attach(chunks, bridge) -> RouterBalance | None:
-    """A ``RouterBalance`` over the chunks' ``BalanceRouter`` modules, for bridges whose HF model computes the loss
-    (``hf_balance_loss``); None for others."""
+def attach(routers: list, chunks, bridge) -> RouterBalance | None:
+    """A ``RouterBalance`` over the chunks' ``BalanceRouter`` modules (``routers``: ``router_logits.
+    recording_routers``), for bridges whose HF model computes the loss (``hf_balance_loss``); None for others."""
     if not getattr(bridge, "hf_balance_loss", False):
         return None
-    from loongforge_hf.bridges.router_logits import recording_routers
-
-    return RouterBalance(recording_routers(chunks, bridge), chunks, bridge.num_experts())
+    return RouterBalance(routers, chunks, bridge.num_experts())
 
 
 def check_layout(hf_config, bridge, *, coef: float | None = None) -> None:
@@ -201,8 +199,10 @@ def forward_outputs(model, output_router_logits: bool | None = None) -> tuple[Ro
 
 
 def _switch(model, output_router_logits: bool | None, *, zero_coef: bool) -> tuple[RouterBalance, float] | None:
+    from loongforge_hf.bridges.router_logits import asked
+
     config = model.config
-    on = getattr(config, "output_router_logits", False) if output_router_logits is None else output_router_logits
+    on = asked(config, output_router_logits)
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0
     check_layout(config, model.bridge, coef=coef)
     balance = getattr(model, "router_balance", None)
