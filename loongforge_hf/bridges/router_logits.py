@@ -31,19 +31,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on its gradient contiguous: megatron's router gating backward views it
-    (megatron-core 0.16.1 ``moe_utils.RouterGatingLinearFunction.backward``), and one that comes back through the
-    reordering in ``collect`` is a transposed view."""
-
-    @staticmethod
-    def forward(ctx, logits):
-        return logits.view_as(logits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
+from loongforge_hf.kernels.grouped_mlp import DenseGrad
 
 
 class RouterLogits:
@@ -61,7 +49,9 @@ class RouterLogits:
 
     def record(self, router, logits: torch.Tensor) -> None:
         if logits.requires_grad:
-            logits = _ContiguousGrad.apply(logits)
+            # NOTE: megatron-core 0.16.1's router gating backward views its gradient, and one that comes back
+            # through the reordering in ``collect`` is a transposed view
+            logits = DenseGrad.apply(logits)
         self.layers[router.layer_number] = logits.reshape(-1, self.batch, self.experts)
         self.router = router
 

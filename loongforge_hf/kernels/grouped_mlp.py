@@ -40,7 +40,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
 
-__all__ = ["GroupedMLP", "LowRank", "grouped_gated_mlp", "grouped_mm_supported"]
+__all__ = ["DenseGrad", "GroupedMLP", "LowRank", "grouped_gated_mlp", "grouped_mm_supported"]
 
 
 class LowRank(NamedTuple):
@@ -132,9 +132,10 @@ def expert_loop(x, fc1, fc2, counts: list[int], probs, linear=None, adapters=NO_
     return torch.cat(outs, dim=0)
 
 
-class _DenseGrad(torch.autograd.Function):
-    """Identity whose backward hands on a dense gradient: ``_grouped_mm``'s backward checks strides and refuses a
-    broadcast one (``out.sum().backward()``)."""
+class DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense (contiguous) gradient: ``_grouped_mm``'s backward checks strides and
+    refuses a broadcast one (``out.sum().backward()``); megatron's router gating backward views it
+    (``bridges/router_logits.py``)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -159,7 +160,7 @@ def _grouped(x, fc1, fc2, tokens_per_expert: torch.Tensor, probs, adapters):
         return out + gemm(gemm(t, lr.A), lr.B) * lr.scaling
 
     act = scale_by_probs(swiglu(project(x, fc1, adapters[0])), probs)
-    return _DenseGrad.apply(project(act, fc2, adapters[1]))
+    return DenseGrad.apply(project(act, fc2, adapters[1]))
 
 
 def grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tokens_per_expert,
