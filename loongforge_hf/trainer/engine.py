@@ -149,6 +149,8 @@ class MegatronEngine:
         # NOTE: how each micro-batch's router balancing loss enters the step (see the module docstring);
         # LoongSFTTrainer sets "mean".
         self.router_aux_reduction = "sum"
+        # NOTE: TrainingArguments.neftune_noise_alpha's hooks (neftune.NoisyEmbeddings), set by LoongTrainer.train
+        self.neftune = None
         self.optimizer_precision = optimizer_precision
         mixed = optimizer_precision == "fp32"
         config = model.megatron.config
@@ -320,6 +322,7 @@ class MegatronEngine:
         layout = getattr(self.model, "parallel", None)
         check_interleaved_micro_batches(layout, len(micro_batches))
         balance = self._router_balance(micro_batches)
+        given = [b["input_ids"].shape[1] for b in micro_batches]
         if layout is not None:
             # NOTE: lengths megatron needs (ParallelConfig.sequence_multiple), one length per step under PP.
             micro_batches = pad_micro_batches(micro_batches, multiple=layout.sequence_multiple,
@@ -329,6 +332,8 @@ class MegatronEngine:
             # pipeline stage's forward takes
             balance["inputs"] = {id(b): given for b, given in zip(micro_batches, balance["inputs"])}
             balance["balance"].step_start()
+        # NOTE: NEFTune scales its noise by each micro-batch's length as the collator made it (neftune.py)
+        lengths = {id(b): n for b, n in zip(micro_batches, given)}
         self.model.train()  # NOTE: as Trainer.training_step (from_pretrained and evaluate() leave it in eval mode)
         for c in self.chunks:
             c.zero_grad_buffer()
@@ -336,7 +341,7 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         seq = micro_batches[0]["input_ids"].shape[1]
         mbs = micro_batches[0]["input_ids"].shape[0]
-        forward_step = self._forward_step_func(self.model.config.vocab_size, balance)
+        forward_step = self._forward_step_func(self.model.config.vocab_size, balance, lengths)
         vpp = len(self.chunks)
         data = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
         # NOTE: FP8 layers quantise each weight once for all micro-batches of the step (weights change only in the
@@ -404,10 +409,12 @@ class MegatronEngine:
         return {"balance": on[0], "coef": on[1], "scale": scale,
                 "inputs": [(b.get("attention_mask"), tuple(b["input_ids"].shape)) for b in micro_batches]}
 
-    def _forward_step_func(self, vocab_size: int, balance: dict | None = None):
+    def _forward_step_func(self, vocab_size: int, balance: dict | None = None, lengths: dict | None = None):
         def forward_step(data_iterator, chunk, return_schedule_plan: bool = False):
             batch = next(data_iterator)
             device = self.model.device
+            if self.neftune is not None:
+                self.neftune.set_length(lengths[id(batch)])
             tally = None
             if balance:
                 # NOTE: the user's mask (all ones without one), zeros over the engine's layout pads

@@ -70,6 +70,8 @@ class LoongTrainer(Trainer):
         # by the number of processes (it would, since forward takes **kwargs).
         self.model_accepts_loss_kwargs = False
         self.engine: MegatronEngine | None = None
+        # NOTE: Trainer would hook NEFTune onto get_input_embeddings(); train() hooks megatron's embedding instead
+        self._neftune_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
         self._check_batch_sizes()
         self._refuse_unsupported()
 
@@ -96,8 +98,6 @@ class LoongTrainer(Trainer):
         if getattr(self, "compute_loss_func", None) is not None or overridden:
             problems.append(f"compute_loss_func / an overridden {' / '.join(overridden) or 'compute_loss'} "
                             "(training runs megatron's schedule and loss, which never call them)")
-        if args.neftune_noise_alpha is not None:
-            problems.append("neftune_noise_alpha")
         if str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) in ("reduce_lr_on_plateau", "greedy"):
             problems.append(f"lr_scheduler_type={args.lr_scheduler_type!r} (metric-driven schedulers)")
         if str(getattr(args, "train_sampling_strategy", "random")) == "batch_rebalance":
@@ -252,6 +252,10 @@ class LoongTrainer(Trainer):
         self.create_optimizer()
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = self.model
+        if self._neftune_alpha is not None and self.engine.neftune is None:
+            from loongforge_hf.trainer.neftune import NoisyEmbeddings
+
+            self.engine.neftune = NoisyEmbeddings(self.model.chunks, alpha=self._neftune_alpha)
         self._seed_model_parallel_rng()
         if resume_from_checkpoint is not None:
             from loongforge_hf.trainer.checkpoint import load_training_checkpoint
@@ -261,6 +265,14 @@ class LoongTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self.model, train_dataloader
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.engine is not None and self.engine.neftune is not None:
+                self.engine.neftune.remove()  # NOTE: as transformers deactivates NEFTune after training
+                self.engine.neftune = None
 
     def _seed_model_parallel_rng(self) -> None:
         """megatron's model-parallel RNG streams (attention dropout, LoRA dropout, expert-parallel dropout) from

@@ -63,6 +63,9 @@ SCENARIOS = {
                               modules_to_save=["norm"], task_type="CAUSAL_LM")),
     "full_prompt_completion": ("prompt_completion", {}, None),
     "full_packing": ("text", {"packing": True}, None),
+    # NOTE: NEFTune's noise is drawn as TRL (transformers.Trainer) draws it, scaled by each padded batch's length
+    "lora_neftune": ("text", {"neftune_noise_alpha": 5.0, "learning_rate": 2e-2},
+                     dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")),
 }
 
 

@@ -2,9 +2,10 @@
 
 Scenarios (see ``_sft_parity.SCENARIOS``): LoRA on all linears over a text dataset; rsLoRA on q/v with norms in
 modules_to_save over chat messages with assistant_only_loss; full fine-tuning over prompt/completion
-(completion-only loss); full fine-tuning with packing (BFD, padding-free batches). TP=1 and TP=2; the chat LoRA
-scenario also with sequence parallelism, it and packing also at PP=2. The LoRA text scenario also evaluates after
-every step. At TP=2, a LoRA run resumed from its step-2 checkpoint logs the losses of the uninterrupted run.
+(completion-only loss); full fine-tuning with packing (BFD, padding-free batches); LoRA with NEFTune. TP=1 and TP=2;
+the chat LoRA and NEFTune scenarios also with sequence parallelism and at PP=2, as packing. The LoRA text scenario
+also evaluates after every step. At TP=2, a LoRA run resumed from its step-2 checkpoint logs the losses of the
+uninterrupted run.
 
 Tolerances (fp32): every logged loss (and eval loss) within 1e-4 relative: only reduction order differs, so later
 steps agree as closely as the first; TRL's entropy (1e-4), mean_token_accuracy (1e-6) and num_tokens (exact) in
@@ -23,7 +24,8 @@ from ._sft_parity import (SCENARIOS, assert_matches, moe_sft, plain_trainers_ref
                           run_loong, run_trl)
 
 NAMES = list(SCENARIOS)
-PP_NAMES = ["lora_qv_messages", "full_packing"]   # variable-length batches: one length per step under PP
+# variable-length batches: one length per step under PP
+PP_NAMES = ["lora_qv_messages", "full_packing", "lora_neftune"]
 
 
 def _tp1_world(folder: str, out_dir: str) -> dict:
@@ -45,7 +47,7 @@ def tp1(src, tmp_path_factory):
 def _tp2_world(folder: str, out_dir: str) -> dict:
     layout = {"tensor_parallel_size": 2}
     return {"loong": run_loong(folder, out_dir + "/runs", layout, NAMES),
-            "sp": run_loong(folder, out_dir + "/sp", {**layout, "sequence_parallel": True}, ["lora_qv_messages"]),
+            "sp": run_loong(folder, out_dir + "/sp", {**layout, "sequence_parallel": True}, SP_NAMES),
             "pp": run_loong(folder, out_dir + "/pp", {"pipeline_parallel_size": 2}, PP_NAMES),
             "gc": run_loong(folder, out_dir + "/gc", layout, GC_NAMES, gradient_checkpointing=True),
             "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", layout)}
@@ -56,7 +58,8 @@ def tp2(src, tmp_path_factory):
     return run_distributed(_tp2_world, 2, str(src), str(tmp_path_factory.mktemp("sft-tp2")), timeout=500)
 
 
-GC_NAMES = ["lora_qv_messages", "full_prompt_completion"]
+GC_NAMES = ["lora_qv_messages", "full_prompt_completion", "lora_neftune"]
+SP_NAMES = ["lora_qv_messages", "lora_neftune"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -71,9 +74,11 @@ def test_tp2_matches_trl(tp1, tp2, name):
     assert_matches(name, tp1["trl"][name], tp2[0]["loong"][name])
 
 
-def test_tp2_sequence_parallel_lora_matches_trl(tp1, tp2):
-    """Sequence-parallel adapters, and norms in modules_to_save whose gradients megatron sums over TP."""
-    assert_matches("lora_qv_messages", tp1["trl"]["lora_qv_messages"], tp2[0]["sp"]["lora_qv_messages"])
+@pytest.mark.parametrize("name", SP_NAMES)
+def test_tp2_sequence_parallel_lora_matches_trl(tp1, tp2, name):
+    """Sequence-parallel adapters, and norms in modules_to_save whose gradients megatron sums over TP; NEFTune's
+    noise, each TP rank adding its sequence part."""
+    assert_matches(name, tp1["trl"][name], tp2[0]["sp"][name])
 
 
 @pytest.mark.parametrize("name", GC_NAMES)

@@ -28,13 +28,14 @@ def losses_of(log_history):
     return [h["loss"] for h in log_history if "loss" in h]
 
 
-def train_hf(folder: str, out_dir: str, args_kw: dict | None = None):
+def train_hf(folder: str, out_dir: str, args_kw: dict | None = None, data_kw: dict | None = None):
     import transformers
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     trainer = transformers.Trainer(model=model, args=training_args(out_dir, **(args_kw or {})),
-                                   train_dataset=make_dataset(), eval_dataset=make_dataset(n=8, seed=11))
+                                   train_dataset=make_dataset(**(data_kw or {})),
+                                   eval_dataset=make_dataset(n=8, seed=11, **(data_kw or {})))
     trainer.train()
     trainer.save_model(out_dir + "/final")
     # NOTE: under DP2 each process holds 4 of the 8 eval rows, fewer than one eval batch (8) with dataloader_drop_last:
@@ -42,12 +43,13 @@ def train_hf(folder: str, out_dir: str, args_kw: dict | None = None):
     return losses_of(trainer.state.log_history) + [trainer.evaluate().get("eval_loss")]
 
 
-def train_loong(folder: str, out_dir: str, layout: dict, args_kw: dict | None = None):
+def train_loong(folder: str, out_dir: str, layout: dict, args_kw: dict | None = None, data_kw: dict | None = None):
     import loongforge_hf as lf
 
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     trainer = lf.LoongTrainer(model=model, args=training_args(out_dir, **(args_kw or {})),
-                              train_dataset=make_dataset(), eval_dataset=make_dataset(n=8, seed=11))
+                              train_dataset=make_dataset(**(data_kw or {})),
+                              eval_dataset=make_dataset(n=8, seed=11, **(data_kw or {})))
     out = trainer.train()
     trainer.save_model(out_dir + "/final")
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -137,7 +139,6 @@ def refused_arguments(folder: str, out_dir: str) -> dict:
              "compute_loss": ({}, {"trainer_cls": CustomLoss}),
              "reduce_lr_on_plateau": ({"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps"},
                                       {"eval_dataset": make_dataset(n=8, seed=11)}),
-             "neftune_noise_alpha": ({"neftune_noise_alpha": 5.0}, {}),
              "batch_rebalance": ({"train_sampling_strategy": "batch_rebalance"}, {}),
              "accepted": ({"optim": "adamw_torch_fused"}, {})}
     out = {}
