@@ -301,12 +301,18 @@ class LoongTrainer(Trainer):
                    steps_trained_in_current_epoch):
         args = self.args
         ga = args.gradient_accumulation_steps
+        # NOTE: Trainer's random state (python, numpy, torch: what collators and NEFTune draw from) comes back as
+        # Trainer brings it back: before the epoch's data order at an epoch boundary, after the skipped batches
+        # otherwise (their fetching draws too), not at all when ignore_data_skip trains on from the epoch's start
+        resumed = epoch == epochs_trained and resume_from_checkpoint is not None
+        if resumed and steps_trained_in_current_epoch == 0:
+            self._load_rng_state(resume_from_checkpoint)
         if hasattr(train_dataloader, "set_epoch"):
             train_dataloader.set_epoch(epoch)
         iterator = iter(train_dataloader)
         first_update = 0
-        if epoch == epochs_trained and resume_from_checkpoint is not None and steps_trained_in_current_epoch > 0 \
-                and not args.ignore_data_skip:
+        rng_after_skip = resumed and steps_trained_in_current_epoch > 0 and not args.ignore_data_skip
+        if rng_after_skip:
             for _ in range(steps_trained_in_current_epoch):
                 next(iterator)
             first_update = steps_trained_in_current_epoch // ga
@@ -321,6 +327,9 @@ class LoongTrainer(Trainer):
                     micro.append(next(iterator))
                 except StopIteration:
                     break
+            if rng_after_skip:
+                self._load_rng_state(resume_from_checkpoint)
+                rng_after_skip = False
             micro = self._whole_interleaved_groups(micro)
             if not micro:
                 break

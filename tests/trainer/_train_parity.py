@@ -73,14 +73,14 @@ def stop_after_callback(stop_after: int | None):
 
 
 def train_loong_resumable(folder: str, out_dir: str, layout: dict, *, stop_after: int | None = None,
-                          resume: str | None = None, max_steps: int = 6):
+                          resume: str | None = None, max_steps: int = 6, rows: int = 24, args_kw: dict | None = None):
     """Train with checkpoints every 3 steps; optionally stop early (a killed run) or resume from a checkpoint."""
     import loongforge_hf as lf
 
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     args = training_args(out_dir, max_steps=max_steps, save_strategy="steps", save_steps=3, save_total_limit=2,
-                         gradient_accumulation_steps=1, per_device_train_batch_size=2)
-    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset(n=24),
+                         gradient_accumulation_steps=1, per_device_train_batch_size=2, **(args_kw or {}))
+    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset(n=rows),
                               callbacks=[stop_after_callback(stop_after)])
     trainer.train(resume_from_checkpoint=resume)
     steps = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
@@ -280,3 +280,12 @@ def packed_tokens_run(kind: str, folder: str, out_dir: str) -> dict:
                           data_collator=transformers.DataCollatorWithFlattening())
     trainer.train()
     return {"loss": losses_of(trainer.state.log_history), "tokens": trainer.state.num_input_tokens_seen}
+
+
+def resume_runs(folder: str, out_dir: str, rows: int, args_kw: dict) -> dict:
+    """{uninterrupted, resumed}: step -> loss of 6 steps, and of a run killed after step 3 and resumed."""
+    full = train_loong_resumable(folder, out_dir + "/full", {}, rows=rows, args_kw=args_kw)
+    train_loong_resumable(folder, out_dir + "/run", {}, stop_after=3, rows=rows, args_kw=args_kw)
+    resumed = train_loong_resumable(folder, out_dir + "/run", {}, resume=out_dir + "/run/checkpoint-3", rows=rows,
+                                    args_kw=args_kw)
+    return {"uninterrupted": dict(full), "resumed": dict(resumed)}

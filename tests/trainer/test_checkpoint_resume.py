@@ -7,7 +7,7 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._train_parity import train_loong_resumable
+from ._train_parity import resume_runs, train_loong_resumable
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +53,15 @@ def test_resume_continues_the_same_losses(uninterrupted, tmp_path, resume_layout
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6] or sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(full[step], rel=1e-5), (step, resumed[step], full[step])
+
+
+@pytest.mark.parametrize("rows", [pytest.param(24, id="mid-epoch"), pytest.param(6, id="epoch-boundary")])
+def test_resume_restores_trainers_random_state(uninterrupted, tmp_path, rows):
+    """NEFTune draws its noise from torch's default generator: a resumed run adds the uninterrupted run's noise only
+    if Trainer's saved random state comes back (as Trainer restores it: after the skipped batches mid-epoch, before
+    the next epoch's order at a boundary; 6 rows make step 3 an epoch's end). One process."""
+    out = run_distributed(resume_runs, 1, str(uninterrupted[0]), str(tmp_path), rows, {"neftune_noise_alpha": 5.0},
+                          timeout=300)[0]
+    full, resumed = out["uninterrupted"], out["resumed"]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6), (step, resumed[step], full[step])
