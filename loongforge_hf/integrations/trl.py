@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from trl import SFTConfig, SFTTrainer
 
@@ -95,6 +96,10 @@ def _refuse_unsupported(args: SFTConfig, **given) -> None:
         raise ValueError("SFTConfig(label_smoothing_factor=...) is not supported by LoongSFTTrainer.")
     if args.use_liger_kernel:
         raise ValueError("SFTConfig(use_liger_kernel=True) is not supported: loongforge's own kernels are used.")
+    if getattr(args, "activation_offloading", False):
+        raise ValueError("SFTConfig(activation_offloading=True) is not supported: TRL offloads activations around "
+                         "its training_step, which megatron's schedule never runs; use gradient_checkpointing=True "
+                         "(megatron-core's recompute) to save activation memory.")
 
 
 def _vision_pad_multiple(parallel, args: SFTConfig) -> int:
@@ -171,6 +176,13 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
                              "config has no router_aux_loss_coef field for it; pass SFTConfig(router_aux_loss_coef="
                              "0.0).")
         router_balance.active(self.model)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # NOTE: trl.SFTTrainer's: a model card (README.md) in output_dir at every checkpoint, then the checkpoint
+        # (LoongTrainer's; the MRO would otherwise skip SFTTrainer's)
+        hub_id = self.args.hub_model_id
+        self.create_model_card(model_name=hub_id.split("/")[-1] if hub_id else Path(self.args.output_dir).name)
+        super()._save_checkpoint(model, trial)
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)

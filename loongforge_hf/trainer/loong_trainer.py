@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+from accelerate.utils.memory import clear_device_cache
 from transformers import Trainer
 from transformers.trainer_utils import seed_worker
 
@@ -111,6 +112,14 @@ class LoongTrainer(Trainer):
         # NOTE: transformers' router balancing loss (output_router_logits) trains as transformers.Trainer adds it
         # (engine.py); where it cannot (a bridge without it), refused here on every rank alike
         router_balance.active(self.model)
+        dtype = getattr(self.model, "dtype", None)
+        if (args.bf16 or args.fp16) and dtype == torch.float32:
+            logger.warning("%s=True with a float32 model: LoongTrainer trains in the model's dtype, without autocast "
+                           "(transformers.Trainer would autocast); load the model with dtype=torch.bfloat16 to train "
+                           "in bf16.", "bf16" if args.bf16 else "fp16")
+        if args.torch_compile:
+            logger.warning("torch_compile=True has no effect under LoongTrainer: megatron-core's modules and this "
+                           "library's kernels run uncompiled.")
         if not args.average_tokens_across_devices:
             logger.warning("average_tokens_across_devices=False: LoongTrainer still averages the training loss "
                            "over all label tokens of the global batch (transformers.Trainer would average each "
@@ -339,6 +348,8 @@ class LoongTrainer(Trainer):
             t0 = time.perf_counter()
             self._micro_batches_in_step = len(micro)
             result = self.engine.train_step(micro, before_optimizer_step=self._pre_optimizer_step)
+            if args.torch_empty_cache_steps is not None and self.state.global_step % args.torch_empty_cache_steps == 0:
+                clear_device_cache()  # NOTE: as Trainer, after the step's forwards and backwards
             elapsed = time.perf_counter() - t0
             self._record_step(result, micro)
             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
@@ -453,19 +464,22 @@ class LoongTrainer(Trainer):
 
         from loongforge_hf.trainer.checkpoint import run_everywhere
 
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        side: list[str] = []  # rank 0: the folder the processing class is saved into
+        from transformers.trainer import TRAINING_ARGS_NAME
 
-        def save_processor() -> None:
-            side.append(tempfile.mkdtemp(prefix="loongforge-processor-"))
-            self.processing_class.save_pretrained(side[0])
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        side: list[str] = []  # rank 0: the folder the processing class and training arguments are saved into
+
+        def save_side_files() -> None:
+            side.append(tempfile.mkdtemp(prefix="loongforge-save-"))
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(side[0])
+            torch.save(self.args, os.path.join(side[0], TRAINING_ARGS_NAME))  # NOTE: as Trainer._save
 
         try:
-            if self.processing_class is not None:
-                # NOTE: the tokenizer / processor goes into the export's folder with the weights, in its one atomic
-                # swap; saved first (rank 0; every rank learns the outcome), so a failure writes nothing.
-                run_everywhere(f"save_model({output_dir!r}): could not save the processing class", save_processor,
-                               on=not dist.is_initialized() or dist.get_rank() == 0)
+            # NOTE: the tokenizer / processor and training_args.bin go into the export's folder with the weights, in
+            # its one atomic swap; saved first (rank 0; every rank learns the outcome), so a failure writes nothing.
+            run_everywhere(f"save_model({output_dir!r}): could not save the processing class and training arguments",
+                           save_side_files, on=self.args.should_save)
             folder = side[0] if side else None
             if _holds_other_runs(output_dir):
                 self._save_beside_runs(output_dir, folder)
@@ -474,6 +488,8 @@ class LoongTrainer(Trainer):
         finally:
             for folder in side:
                 shutil.rmtree(folder, ignore_errors=True)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)  # NOTE: as Trainer
 
     def _save_beside_runs(self, output_dir: str, side_files_dir: str | None) -> None:
         """Export into a folder that also holds checkpoints or logs (Trainer's default ``output_dir``): write the
@@ -545,6 +561,11 @@ class LoongTrainer(Trainer):
             if self.args.should_save:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if self.args.push_to_hub:
+            # NOTE: Trainer's upload (rank 0, in the background: the HF files into output_dir, then the folder and,
+            # per hub_strategy, the checkpoint); every rank learns whether starting it failed
+            run_everywhere(f"push_to_hub: could not start uploading {final}",
+                           lambda: Trainer._push_from_checkpoint(self, str(final)), on=self.is_world_process_zero())
         # as Trainer._save_checkpoint: remember the best checkpoint so that rotation keeps it and
         # load_best_model_at_end reloads it
         if self.args.save_strategy in ("steps", "epoch", "best") and self.state.best_global_step:
@@ -586,15 +607,30 @@ class LoongTrainer(Trainer):
     def _load_scaler(self, checkpoint) -> None:
         """Part of megatron's optimizer state."""
 
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """Trainer's (rank 0 creates the repository, for push_to_hub=True), with every rank learning the outcome
+        and the repository's id, so a failure never leaves the other ranks waiting in a collective."""
+        from loongforge_hf.trainer.checkpoint import run_everywhere
+
+        run_everywhere("push_to_hub=True: could not create the Hub repository",
+                       lambda: Trainer.init_hf_repo(self, token=token, private=private),
+                       on=self.is_world_process_zero())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [self.hub_model_id]
+            dist.broadcast_object_list(box, src=0)
+            self.hub_model_id = box[0]
+
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
                     revision=None, **kwargs) -> str:
         """Upload ``save_model``'s HF folder to ``args.hub_model_id`` (collective)."""
-        repo_id = self.args.hub_model_id or getattr(self, "hub_model_id", None)
+        repo_id = getattr(self, "hub_model_id", None) or self.args.hub_model_id
         if repo_id is None and self.args.push_to_hub:
             repo_id = os.path.basename(os.path.abspath(self.args.output_dir))
         if repo_id is None:
             raise ValueError("Set TrainingArguments(hub_model_id=...) (or push_to_hub=True, which names the repo "
                              "after output_dir) before calling trainer.push_to_hub().")
+        if self.is_world_process_zero():
+            self._finish_current_push()  # NOTE: as Trainer: the checkpoints' uploads land first
         return self.model.push_to_hub(repo_id, token=token or self.args.hub_token,
                                       private=self.args.hub_private_repo, revision=revision,
                                       commit_message=commit_message or "End of training")

@@ -217,7 +217,8 @@ def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict) -> dic
 
     full = run(None)
     files = sorted(os.listdir(f"{out_dir}/checkpoint-2"))
-    return {"full": full, "resumed": run(f"{out_dir}/checkpoint-2"), "checkpoint_files": files}
+    return {"full": full, "resumed": run(f"{out_dir}/checkpoint-2"), "checkpoint_files": files,
+            "model_card": os.path.isfile(f"{out_dir}/README.md")}
 
 
 def moe_sft(folder: str, out_dir: str, use_cpu: bool = True, layout: dict | None = None) -> dict:

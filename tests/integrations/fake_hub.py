@@ -83,13 +83,14 @@ class _Branch:
     files: dict[str, bytes] = field(default_factory=dict)
     modes: dict[str, str] = field(default_factory=dict)  # path -> "regular" | "lfs": how the file arrived
     commits: list[str] = field(default_factory=list)  # oldest first; the last one is the head
+    summaries: list[str] = field(default_factory=list)  # the commit messages' summaries, as commits
 
     @property
     def head(self) -> str:
         return self.commits[-1]
 
     def copy(self) -> "_Branch":
-        return _Branch(dict(self.files), dict(self.modes), list(self.commits))
+        return _Branch(dict(self.files), dict(self.modes), list(self.commits), list(self.summaries))
 
 
 @dataclass
@@ -168,6 +169,11 @@ class FakeHub:
         with self._lock:
             return list(self._branch(repo_id, revision).commits)
 
+    def commit_summaries(self, repo_id: str, revision: str = "main") -> list[str]:
+        """The commit messages' summaries of ``revision``, in ``commits``' order."""
+        with self._lock:
+            return list(self._branch(repo_id, revision).summaries)
+
     def private(self, repo_id: str) -> bool:
         with self._lock:
             return self._repo(repo_id).private
@@ -245,7 +251,7 @@ class FakeHub:
             raise _HttpError(409, "You already created this model repo", url=self._url(repo_id))
         initial = hashlib.sha1(f"initial commit of {repo_id}".encode()).hexdigest()
         self._repos[repo_id] = _Repo(private=payload.get("visibility") == "private",
-                                     branches={"main": _Branch(commits=[initial])})
+                                     branches={"main": _Branch(commits=[initial], summaries=["initial commit"])})
         return {"url": self._url(repo_id), "name": repo_id}
 
     def create_branch(self, auth: str | None, query: dict, body: bytes, repo_id: str, rev: str) -> dict:
@@ -347,6 +353,7 @@ class FakeHub:
                 raise _HttpError(400, f"fake hub: unknown commit line {key!r}")
         oid = hashlib.sha1(base.head.encode() + body).hexdigest()
         new.commits.append(oid)
+        new.summaries.append(header.get("summary", ""))
         answer: dict[str, Any] = {"commitUrl": self._url(repo_id, "commit", oid), "commitOid": oid, "success": True}
         if create_pr:
             number = repo.next_pr

@@ -23,7 +23,16 @@ def _push(folder: str, out_dir: str, endpoint: str) -> str:
     args = training_args(out_dir, max_steps=1, hub_model_id="me/loong-trainer", hub_token=TOKEN)
     trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset())
     trainer.train()
-    return trainer.push_to_hub()
+    url = trainer.push_to_hub()
+    # push_to_hub=True: Trainer's automatic uploads, from each checkpoint (hub_strategy="checkpoint": the HF files
+    # and the last checkpoint) and from save_model
+    args = training_args(out_dir + "/auto", max_steps=2, save_strategy="steps", save_steps=1, push_to_hub=True,
+                         hub_model_id="me/loong-auto", hub_token=TOKEN, hub_strategy="checkpoint")
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2)
+    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset())
+    trainer.train()
+    trainer.save_model()
+    return url
 
 
 def test_model_and_trainer_push(hub, tmp_path: Path):  # noqa: F811 - pytest fixture
@@ -48,3 +57,11 @@ def test_model_and_trainer_push(hub, tmp_path: Path):  # noqa: F811 - pytest fix
             for (n, a), (_, b) in zip(ref.state_dict().items(), pushed.state_dict().items()):
                 assert torch.equal(a, b), n
     assert all(header == f"Bearer {TOKEN}" for _, header in hub.auth_headers if header is not None)
+    commits = hub.commit_summaries("me/loong-auto")
+    # NOTE: step 2's upload is skipped while step 1's runs (Trainer's rule without hub_always_push)
+    for message in ("Training in progress, step 1", "Training in progress, step 1, checkpoint", "Model save"):
+        assert any(message in c for c in commits), (message, commits)
+    files = hub.files("me/loong-auto")
+    assert {"config.json", "training_args.bin", "last-checkpoint/config.json",
+            "last-checkpoint/trainer_state.json"} <= set(files), sorted(files)
+    assert not any(name.startswith("checkpoint-") for name in files)

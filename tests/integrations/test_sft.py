@@ -103,7 +103,9 @@ def test_pp2_matches_trl(tp1, tp2, name):
 def test_tp2_lora_resume_matches_uninterrupted_run(tp2):
     res = tp2[0]["resume"]
     assert res["resumed"] == res["full"] and len(res["full"]) == 4
-    assert {"adapter_config.json", "adapter_model.safetensors", "megatron"} <= set(res["checkpoint_files"])
+    assert {"adapter_config.json", "adapter_model.safetensors", "megatron", "training_args.bin"} <= \
+        set(res["checkpoint_files"])
+    assert res["model_card"]  # NOTE: trl.SFTTrainer writes output_dir/README.md at each checkpoint
 
 
 def test_trainable_parameter_counts(tp1):

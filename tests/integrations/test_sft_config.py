@@ -13,6 +13,8 @@ must agree exactly.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -141,3 +143,19 @@ def test_bad_loong_sft_config_is_refused(tmp_path):
         lf.LoongSFTConfig(str(tmp_path), optimizer_precision="bf16", use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match="dp_balance_refit_steps must be >= 1, got 0"):
         lf.LoongSFTConfig(str(tmp_path), dp_balance_refit_steps=0, use_cpu=True, report_to=[])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("loss_type", "dft", "loss_type='dft'"), ("use_liger_kernel", True, "use_liger_kernel=True"),
+    ("activation_offloading", True, "activation_offloading=True"),
+    ("label_smoothing_factor", 0.1, "label_smoothing_factor")])
+def test_sft_settings_the_engine_cannot_honour_are_refused(tmp_path, field, value, message):
+    """SFTConfig fields that act in trl.SFTTrainer's compute_loss / training_step, which megatron's schedule never
+    runs: refused instead of silently having no effect."""
+    import trl
+
+    from loongforge_hf.integrations.trl import _refuse_unsupported
+
+    args = trl.SFTConfig(str(tmp_path), use_cpu=True, report_to=[], bf16=False, **{field: value})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _refuse_unsupported(args)

@@ -152,6 +152,28 @@ def refused_arguments(folder: str, out_dir: str) -> dict:
     return out
 
 
+def warnings_and_cache_clears(folder: str, out_dir: str) -> dict:
+    """What LoongTrainer warns about bf16=True / torch_compile=True on a float32 model, and how often it empties the
+    device cache with torch_empty_cache_steps=1 over 2 steps."""
+    import logging
+
+    import loongforge_hf as lf
+    import loongforge_hf.trainer.loong_trainer as loong_trainer
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger(loong_trainer.__name__).addHandler(handler)
+    clears = []
+    loong_trainer.clear_device_cache = lambda: clears.append(1)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    trainer = lf.LoongTrainer(model=model, args=training_args(out_dir, max_steps=2, bf16=True, torch_compile=True,
+                                                              torch_empty_cache_steps=1),
+                              train_dataset=make_dataset())
+    trainer.train()
+    return {"warnings": records, "clears": len(clears)}
+
+
 def dropout_seed_losses(folder: str, out_dir: str, seed: int) -> dict:
     """Logged losses of a model with attention dropout under TrainingArguments(seed=seed) (data order fixed), and
     the step callback events in the order they fired."""

@@ -25,7 +25,7 @@ def test_checkpoint_layout_and_rotation(uninterrupted):
     names = sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint-"))
     assert names == ["checkpoint-3", "checkpoint-6"]
     ckpt = run / "checkpoint-3"
-    for f in ("config.json", "trainer_state.json", "scheduler.pt", "megatron"):
+    for f in ("config.json", "trainer_state.json", "scheduler.pt", "megatron", "training_args.bin"):
         assert (ckpt / f).exists(), f
     assert list(ckpt.glob("*.safetensors")), "no HF weights in the checkpoint"
     assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 3
@@ -34,6 +34,7 @@ def test_checkpoint_layout_and_rotation(uninterrupted):
     import transformers
 
     transformers.AutoModelForCausalLM.from_pretrained(run)
+    assert (run / "training_args.bin").is_file()  # NOTE: as Trainer.save_model writes it
 
 
 @pytest.mark.parametrize("resume_layout", [

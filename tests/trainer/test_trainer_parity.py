@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._train_parity import both, dropout_seed_runs, eval_predict_run, refused_arguments, train_hf, train_loong
+from ._train_parity import (both, dropout_seed_runs, eval_predict_run, refused_arguments, train_hf, train_loong,
+                            warnings_and_cache_clears)
 
 LAYOUTS = {"tp1": (1, {}), "tp2": (2, {"tensor_parallel_size": 2}), "pp2": (2, {"pipeline_parallel_size": 2}),
            "pp2vpp2": (2, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2})}
@@ -88,6 +89,16 @@ def test_arguments_loong_trainer_cannot_honour_are_refused(single_process_refere
     for name, message in out.items():
         assert message is not None and "LoongTrainer does not support" in message, (name, message)
     assert "optim='sgd'" in out["optim"] and "label_smoothing_factor=0.1" in out["label_smoothing_factor"]
+
+
+def test_settings_without_effect_warn_and_empty_cache_steps_apply(single_process_reference, tmp_path):
+    """bf16=True on a float32 model (no autocast here) and torch_compile=True warn instead of passing silently;
+    torch_empty_cache_steps=1 empties the device cache at each of the 2 steps, as Trainer does."""
+    out = run_distributed(warnings_and_cache_clears, 1, str(single_process_reference[0]), str(tmp_path),
+                          timeout=300)[0]
+    assert any("bf16=True with a float32 model" in w for w in out["warnings"]), out["warnings"]
+    assert any("torch_compile=True has no effect" in w for w in out["warnings"]), out["warnings"]
+    assert out["clears"] == 2
 
 
 def test_training_seed_reaches_megatron_dropout(tmp_path):
