@@ -104,6 +104,9 @@ class LoongTrainer(Trainer):
         if str(getattr(args, "train_sampling_strategy", "random")) == "batch_rebalance":
             problems.append("train_sampling_strategy='batch_rebalance' (Trainer's rank-aware batch sampler shards over "
                             "every process, not the data-parallel group; use dp_load_balance with a packing collator)")
+        if args.use_liger_kernel:
+            problems.append("use_liger_kernel=True (Liger patches transformers' modules, which a loongforge model does "
+                            "not run; its own fused loss, norm, rope and SwiGLU kernels are used)")
         if args.load_best_model_at_end and args.save_only_model:
             problems.append("load_best_model_at_end with save_only_model=True (the best weights are reloaded "
                             "from the checkpoint's megatron/ folder)")

@@ -140,6 +140,7 @@ def refused_arguments(folder: str, out_dir: str) -> dict:
              "reduce_lr_on_plateau": ({"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps"},
                                       {"eval_dataset": make_dataset(n=8, seed=11)}),
              "batch_rebalance": ({"train_sampling_strategy": "batch_rebalance"}, {}),
+             "use_liger_kernel": ({"use_liger_kernel": True}, {}),
              "accepted": ({"optim": "adamw_torch_fused"}, {})}
     out = {}
     for name, (args_kw, trainer_kw) in cases.items():
