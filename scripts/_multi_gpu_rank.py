@@ -83,7 +83,9 @@ def run_job(job: dict, work: Path) -> dict:
         output_dir=str(work / "trainer" / job["name"]), per_device_train_batch_size=micro,
         gradient_accumulation_steps=ga, max_steps=steps, learning_rate=1e-4, warmup_steps=2, logging_steps=1,
         seed=0, report_to=[], save_strategy="no", bf16=not smoke, use_cpu=smoke, disable_tqdm=True,
-        dataloader_drop_last=True)
+        dataloader_drop_last=True,
+        # NOTE: LoongTrainer sets ddp_timeout on the process groups: the launch's short timeout (see main) holds
+        ddp_timeout=int(float(os.environ.get("MULTI_GPU_COLLECTIVE_TIMEOUT_S", 180))))
     trainer = lf.LoongTrainer(model=model, args=args, train_dataset=TokenRows(ids))
     if not job.get("fused_loss", True):
         from loongforge_hf.trainer.engine import MegatronEngine

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from loongforge_hf.parallel.bootstrap import collective_timeout
+
 _LINK: list = [None, None]  # [megatron pipeline group, this rank's StageLink over it]
 _MADE: dict = {}  # pipelines (tuples of ranks) -> this rank's StageLink, for the world in _WORLD
 _WORLD: list = [None]
@@ -91,6 +93,14 @@ def stage_link(device: torch.device) -> StageLink | None:
     return _LINK[1]
 
 
+def side_channel_groups() -> list:
+    """This rank's side-channel process groups in the current world (for ``set_collective_timeout``)."""
+    if _WORLD[0] is not dist.group.WORLD:
+        return []
+    return list({id(g): g for link in _MADE.values() if link is not None
+                 for g in (link.to_next, link.from_prev, link.from_next, link.to_prev)}.values())
+
+
 def _make(pipelines: tuple, device) -> StageLink | None:
     """The groups of every pipeline's edges (collective: ``new_group`` on every rank), set up now; this rank's
     ``StageLink``."""
@@ -98,7 +108,9 @@ def _make(pipelines: tuple, device) -> StageLink | None:
     for pipeline in pipelines:
         size = len(pipeline)
         pairs = [sorted((pipeline[i], pipeline[(i + 1) % size])) for i in range(size)]
-        forward, backward = [dist.new_group(p) for p in pairs], [dist.new_group(p) for p in pairs]
+        timeout = collective_timeout()  # NOTE: new_group's default is the backend's, not the world's
+        forward = [dist.new_group(p, timeout=timeout) for p in pairs]
+        backward = [dist.new_group(p, timeout=timeout) for p in pairs]
         if dist.get_rank() in pipeline:
             for pair, g in zip(pairs + pairs, forward + backward):
                 if dist.get_rank() in pair:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler
+from torch.utils.data._utils.pin_memory import pin_memory
 
 from loongforge_hf.trainer.balance import CostModel, balance, imbalance
 from loongforge_hf.trainer.data import DataError, dp_rank_and_size
@@ -199,13 +200,14 @@ class GlobalStepIndices(Sampler):
         inner = self._shard.batch_sampler
         copies = itertools.tee(iter(inner), self._num_ranks)
         shards = [iter(BatchSamplerShard(_OnePass(copy, inner), num_processes=self._num_ranks, process_index=r,
-                                         split_batches=False, even_batches=True))
+                                         split_batches=False, even_batches=self._shard.even_batches))
                   for r, copy in enumerate(copies)]
         rounds = []
         for batches in itertools.zip_longest(*shards):
             if any(b is None for b in batches):
                 raise RuntimeError("GlobalStepIndices: the data-parallel shards ended after different numbers of "
-                                   "batches; accelerate's even_batches should prevent this.")
+                                   "batches; accelerate's even_batches (or data.check_even_shards without it) "
+                                   "should prevent this.")
             rounds.append(batches)
             if len(rounds) == self._micro:
                 yield _by_rank(rounds)
@@ -271,7 +273,11 @@ class BalancedDataLoader:
             sampler=GlobalStepIndices(shard_loader.batch_sampler, num_ranks=num_ranks, micro_per_step=micro_per_step),
             collate_fn=_as_is, num_workers=shard_loader.num_workers, worker_init_fn=shard_loader.worker_init_fn,
             prefetch_factor=shard_loader.prefetch_factor, persistent_workers=shard_loader.persistent_workers,
-            multiprocessing_context=shard_loader.multiprocessing_context, pin_memory=False)
+            multiprocessing_context=shard_loader.multiprocessing_context, in_order=shard_loader.in_order,
+            pin_memory=False)
+        # NOTE: the examples travel unpinned; the packed micro-batches are pinned (dataloader_pin_memory) as
+        # Trainer's DataLoader pins its batches
+        self._pin = shard_loader.pin_memory
 
     @property
     def dataset(self):
@@ -300,7 +306,8 @@ class BalancedDataLoader:
                 if i == 0:
                     self.step_logs = {"dp_imbalance_before": plan.imbalance_before,
                                       "dp_imbalance_after": plan.imbalance_after}
-                yield self.collator([examples[p] for p in micro])
+                batch = self.collator([examples[p] for p in micro])
+                yield pin_memory(batch) if self._pin else batch
         self.epoch += 1
 
     def _maybe_refit(self) -> None:

@@ -1,9 +1,14 @@
 """Data for LoongTrainer: DataLoaders sharded over data-parallel ranks only, and checks on what the model needs.
 
 Choices:
-- The DataLoader is built as transformers.Trainer builds it (same sampler, collator and column removal), then
-  sharded by accelerate's ``prepare_data_loader`` over the *data-parallel* group instead of the whole world: ranks of
-  one TP / PP / CP group see the same batches. With one data-parallel rank the order equals Trainer's for the seed.
+- The DataLoader is built as transformers.Trainer builds it (same sampler, collator, column removal and DataLoader
+  arguments), then sharded by accelerate's ``prepare_data_loader`` over the *data-parallel* group instead of the whole
+  world: ranks of one TP / PP / CP group see the same batches. ``TrainingArguments.accelerator_config``'s
+  ``split_batches``, ``even_batches`` and ``use_seedable_sampler`` (read from Trainer's Accelerator) apply as
+  accelerate applies them over all processes, the data-parallel ranks taking the processes' place: with one
+  data-parallel rank the order equals Trainer's on one process, with N that of Trainer on N processes.
+- ``even_batches=False`` whose last round of batches leaves some data-parallel ranks one batch short is refused
+  (``check_even_shards``): a step would wait on a rank with no batch left (transformers.Trainer waits there too).
 - Packing uses transformers' ``DataCollatorWithFlattening`` (position ids restart per document, -100 at document
   boundaries); the model derives the document-causal mask from the restarting position ids, so attention never crosses
   documents.
@@ -25,13 +30,62 @@ def dp_rank_and_size() -> tuple[int, int]:
             ps.get_data_parallel_world_size(with_context_parallel=False))
 
 
-def shard_over_data_parallel(dataloader, *, args, is_training: bool):
+def shard_over_data_parallel(dataloader, *, args, is_training: bool, accelerator=None):
+    """``dataloader`` sharded over the data-parallel ranks with the dataloader settings of ``accelerator`` (Trainer's
+    Accelerator; transformers' defaults without one)."""
+    import torch.distributed as dist
     from accelerate.data_loader import prepare_data_loader
 
     rank, size = dp_rank_and_size()
+    split = bool(getattr(accelerator, "split_batches", False))
+    even = bool(getattr(accelerator, "even_batches", True))
+    seedable = bool(getattr(accelerator, "use_seedable_sampler", True))
+    rng_types = list(getattr(accelerator, "rng_types", None) or ["generator"])
+    if not seedable and is_training and size == 1 and dist.is_initialized() and dist.get_world_size() > 1:
+        # NOTE: one data-parallel rank over several processes: accelerate leaves the unseeded sampler, which draws
+        # each pass's order from torch's RNG (as Trainer on one process), to each process. Trainer's set_seed puts
+        # the ranks' RNGs in step, but a draw made on some ranks only (CPU dropout outside megatron's RNG tracker,
+        # under pipeline parallelism) would split their orders: every rank takes rank 0's state as a pass starts.
+        rng_types = ["torch"]
+    if split and size > 1 and dataloader.batch_size is not None and dataloader.batch_size % size:
+        raise DataError(f"accelerator_config split_batches=True splits each batch of {dataloader.batch_size} over the "
+                        f"{size} data-parallel ranks: the per-device batch size must be a multiple of {size}.")
+    check_even_shards(dataloader, num_ranks=size, split_batches=split, even_batches=even)
     return prepare_data_loader(dataloader, device=None, num_processes=size, process_index=rank,
-                               split_batches=False, put_on_device=False, even_batches=True,
-                               use_seedable_sampler=is_training, data_seed=args.data_seed)
+                               split_batches=split, put_on_device=False, rng_types=rng_types, even_batches=even,
+                               use_seedable_sampler=seedable, data_seed=args.data_seed)
+
+
+def check_even_shards(dataloader, *, num_ranks: int, split_batches: bool, even_batches: bool) -> None:
+    """Refuse ``even_batches=False`` where it gives the data-parallel ranks different numbers of batches: accelerate
+    then hands out the batches (or, with ``split_batches``, each batch's slices) in turn without filling the last
+    round, and a rank left without a batch would not join the others' step. Every rank computes the same verdict
+    from the dataset's length alone."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import IterableDataset
+
+    if even_batches or num_ranks == 1 or isinstance(dataloader.dataset, IterableDataset):
+        return
+    batches = dataloader.batch_sampler
+    try:
+        total = len(batches)
+        samples = len(batches.sampler)
+    except (TypeError, AttributeError):
+        return  # NOTE: a batch sampler without a length; its shards end where they end
+    if split_batches:
+        per_rank = batches.batch_size // num_ranks
+        last = 0 if batches.drop_last else samples % batches.batch_size
+        counts = [total - (1 if last and last <= per_rank * r else 0) for r in range(num_ranks)]
+    else:
+        counts = [len(BatchSamplerShard(batches, num_processes=num_ranks, process_index=r, even_batches=False))
+                  for r in range(num_ranks)]
+    if len(set(counts)) > 1:
+        raise DataError(f"accelerator_config even_batches=False: {samples} samples in batches of "
+                        f"{batches.batch_size}{' split over the ranks' if split_batches else ''} give the "
+                        f"{num_ranks} data-parallel ranks {counts} batches, so a step would wait on a rank that has "
+                        "none left (transformers.Trainer waits there too). Use even_batches=True (accelerate "
+                        "repeats the first samples to fill the last round), dataloader_drop_last=True, or a sample "
+                        "count that gives every rank as many batches.")
 
 
 def check_batch(batch: dict, *, max_positions: int, micro_batch_size: int | None = None) -> None:

@@ -42,6 +42,10 @@ Choices:
   it is 0), each micro-batch's backpropagated loss adds ``coef * aux * N`` ("sum") or ``coef * aux * N / (DP *
   micro-batches)`` ("mean"), so megatron's loss scale applies to it too; the logged loss adds the term to the
   language-model loss.
+- One engine wraps a model's chunks at a time: a new engine on the same model (a second trainer) first releases the
+  one before it (``release``: megatron DDP's gradient hooks, its buffers and the parameters' links into them and
+  into the optimizer, the functions it set on the model's config), then wraps the chunks afresh and builds a new
+  optimizer over their current weights, so the new run starts as a fresh one, as a new transformers.Trainer does.
 - Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
   biases and 1-D params, equal Trainer's for these models), max_grad_norm. LR schedules are transformers' own
   schedulers stepping megatron's inner optimizer(s).
@@ -50,6 +54,7 @@ Choices:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -66,6 +71,11 @@ from loongforge_hf.parallel.context_parallel import cp_local_inputs
 
 
 OPTIMIZER_PRECISIONS = ("fp32", "model")
+# the config fields an engine sets on the model's megatron config (restored by ``release``)
+_CONFIG_FIELDS = ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func",
+                  "gradient_accumulation_fusion")
+# NOTE: the engine that wraps each model chunk now (weakly: a dropped trainer's engine may go)
+_WRAPPED_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -163,9 +173,16 @@ class MegatronEngine:
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=mixed, overlap_grad_reduce=overlap_grad_reduce,
                                                    use_distributed_optimizer=mixed, average_in_collective=False)
         _mark_replicated_expert_params(model.megatron.chunks)
+        for previous in {id(e): e for e in (ref() for ref in map(_WRAPPED_BY.get, model.megatron.chunks)
+                                            if ref is not None) if e is not None}.values():
+            previous.release()
+        self.released = False
+        self._config_saved = {name: getattr(config, name, None) for name in _CONFIG_FIELDS}
         self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                                disable_bucketing=i > 0)
                        for i, chunk in enumerate(model.megatron.chunks)]
+        for chunk in model.megatron.chunks:
+            _WRAPPED_BY[chunk] = weakref.ref(self)
         if fused_wgrad is None:
             from loongforge_hf.xpu.common import wgrad_accumulation_supported
 
@@ -227,6 +244,48 @@ class MegatronEngine:
             config.no_sync_func = [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
             config.grad_sync_func = [c.start_grad_sync for c in self.chunks] if len(self.chunks) > 1 \
                 else self.chunks[0].start_grad_sync
+
+    def release(self) -> None:
+        """Unwrap the model's chunks (a newer engine wraps them next): megatron DDP's gradient hooks, its gradient
+        and parameter buffers, the parameters' links into them and into this optimizer, the fused weight-gradient
+        switches and the functions set on the model's config go. The optimizer object stays with whoever holds it (a
+        trainer that trains again builds a new engine). Local, no collective."""
+        if self.released:
+            return
+        self.released = True
+        for ddp in self.chunks:
+            if ddp.use_forward_hook and ddp.remove_forward_pre_hook_handles:
+                ddp.disable_forward_pre_hook(param_sync=False)
+            # NOTE: megatron-core 0.16.1 distributed_data_parallel.py:320-345 registers its backward hooks on the
+            # parameters' AccumulateGrad nodes and keeps the nodes (grad_accs), not the hooks' handles; a parameter
+            # points at its node only weakly, so dropping grad_accs drops the nodes with their hooks and autograd
+            # makes hook-free ones for the next engine. A node still held elsewhere keeps the hook, which then finds
+            # its parameter in no bucket (param_to_bucket_group) and does nothing: megatron's distributed optimizer
+            # steps an fp32 model's parameters through views of them (distrib_optimizer.py:421), which hold the
+            # nodes for as long as an earlier trainer keeps that optimizer.
+            ddp.grad_accs.clear()
+            ddp.param_to_bucket_group = {}
+            ddp.buffers, ddp.expert_parallel_buffers = [], []
+            ddp.bucket_groups, ddp.expert_parallel_bucket_groups = [], []
+            for param in ddp.module.parameters():
+                param.grad = None
+                for attr in ("main_grad", "main_param", "main_param_sharded", "grad_added_to_main_grad"):
+                    if hasattr(param, attr):
+                        delattr(param, attr)
+        if self.fused_wgrad_layers:
+            for chunk in self.model.megatron.chunks:
+                for module in chunk.modules():
+                    if getattr(module, "gradient_accumulation_fusion", False):
+                        module.gradient_accumulation_fusion = False
+                    if getattr(module, "fuse_wgrad_accumulation", False):
+                        module.fuse_wgrad_accumulation = False
+        config = self.model.megatron.config
+        for name, value in self._config_saved.items():
+            setattr(config, name, value)
+        if self.neftune is not None:
+            self.neftune.remove()
+            self.neftune = None
+        self._main_grad_params = []
 
     def _use_fused_adam(self, triton: bool = False) -> None:
         """Switch megatron's torch AdamW(s) to torch's fused implementation (before any step: the fused one keeps its

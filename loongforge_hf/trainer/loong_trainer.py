@@ -75,6 +75,7 @@ class LoongTrainer(Trainer):
         self._neftune_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
         self._check_batch_sizes()
         self._refuse_unsupported()
+        self._apply_ddp_timeout()
 
     def _refuse_unsupported(self) -> None:
         """Settings that change training under transformers.Trainer but that the megatron step cannot honour: refused
@@ -129,6 +130,16 @@ class LoongTrainer(Trainer):
                            "rank's own mean, and average the router balancing loss of output_router_logits over the "
                            "ranks where LoongTrainer sums it, as Trainer does with average_tokens_across_devices).")
 
+    def _apply_ddp_timeout(self) -> None:
+        """``TrainingArguments.ddp_timeout`` on the process groups training uses: transformers applies it when
+        accelerate starts the default group, which from_pretrained has already started; set here on it (when
+        loongforge-hf started it) and on megatron-core's groups (``parallel.set_collective_timeout``)."""
+        from loongforge_hf.parallel import set_collective_timeout
+
+        if self.args.ddp_timeout is None or self.args.ddp_timeout <= 0:
+            raise ValueError(f"ddp_timeout must be a number of seconds > 0, got {self.args.ddp_timeout!r}.")
+        set_collective_timeout(self.args.ddp_timeout)
+
     # ---- sizes ---------------------------------------------------------------------------------------------------
     def _check_batch_sizes(self) -> None:
         if self.args.per_device_train_batch_size < 1 or self.args.gradient_accumulation_steps < 1:
@@ -155,20 +166,28 @@ class LoongTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
-        params = {"batch_size": batch_size, "collate_fn": collator, "num_workers": self.args.dataloader_num_workers,
-                  "pin_memory": False, "persistent_workers": self.args.dataloader_persistent_workers}
+        args = self.args
+        # NOTE: the DataLoader arguments of transformers.Trainer._get_dataloader (5.24), all of them
+        params = {"batch_size": batch_size, "collate_fn": collator, "num_workers": args.dataloader_num_workers,
+                  "pin_memory": args.dataloader_pin_memory, "persistent_workers": args.dataloader_persistent_workers,
+                  "multiprocessing_context": args.dataloader_multiprocessing_context,
+                  "prefetch_factor": args.dataloader_prefetch_factor, "in_order": args.dataloader_in_order}
         if not isinstance(dataset, torch.utils.data.IterableDataset):
             sampler = sampler_fn(dataset) if sampler_fn is not None else None
             if sampler is not None:
                 params["sampler"] = sampler
-            params["drop_last"] = self.args.dataloader_drop_last
+            params["drop_last"] = args.dataloader_drop_last
             if is_training:
-                params["worker_init_fn"] = partial(seed_worker, num_workers=self.args.dataloader_num_workers,
-                                                   rank=self.args.process_index)
-        loader = shard_over_data_parallel(DataLoader(dataset, **params), args=self.args, is_training=is_training)
+                params["worker_init_fn"] = partial(seed_worker, num_workers=args.dataloader_num_workers,
+                                                   rank=args.process_index)
+        loader = shard_over_data_parallel(DataLoader(dataset, **params), args=args, is_training=is_training,
+                                          accelerator=self.accelerator)
         if is_training:
-            loader = balanced_train_dataloader(loader, args=self.args, model=self.model,
+            loader = balanced_train_dataloader(loader, args=args, model=self.model,
                                                data_collator=self.data_collator, collator=collator)
+        if dataloader_key is not None and args.dataloader_persistent_workers:
+            # NOTE: as Trainer: get_eval_dataloader hands this one out again instead of starting new workers
+            self._eval_dataloaders = {**getattr(self, "_eval_dataloaders", {}), dataloader_key: loader}
         return loader
 
     # ---- evaluation ------------------------------------------------------------------------------------------------
@@ -182,7 +201,8 @@ class LoongTrainer(Trainer):
         # NOTE: Trainer's evaluate / predict then count the loop's steps as samples / (eval batch x processes); one
         # step takes eval_batch_size samples per data-parallel rank: _fix_eval_steps_per_second recounts them
         prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
-        self._eval_steps = (prefix, math.ceil(output.num_samples / (self.args.eval_batch_size * dp_rank_and_size()[1])))
+        ranks = 1 if self.accelerator.split_batches else dp_rank_and_size()[1]  # NOTE: split: a step is one batch
+        self._eval_steps = (prefix, math.ceil(output.num_samples / (self.args.eval_batch_size * ranks)))
         return output
 
     def _fix_eval_steps_per_second(self, metrics: dict) -> None:
@@ -212,13 +232,22 @@ class LoongTrainer(Trainer):
             from megatron.core import parallel_state as ps
 
             group = ps.get_data_parallel_group(with_context_parallel=False)
+            # NOTE: even_batches=False: the ranks' last batches differ in rows (shorter ones are padded for the
+            # gather, then cut back); with even_batches they are equal
+            uneven = not self.accelerator.even_batches
 
             def gather(t: torch.Tensor) -> torch.Tensor:
                 t = t.detach().contiguous()
                 t = t[None] if t.dim() == 0 else t
+                rows = [len(t)] * size
+                if uneven:
+                    counts = [torch.zeros(1, dtype=torch.int64, device=t.device) for _ in range(size)]
+                    dist.all_gather(counts, torch.tensor([len(t)], dtype=torch.int64, device=t.device), group=group)
+                    rows = [int(c) for c in counts]
+                    t = torch.cat([t, t.new_zeros(max(rows) - len(t), *t.shape[1:])])
                 parts = [torch.empty_like(t) for _ in range(size)]
                 dist.all_gather(parts, t, group=group)
-                return torch.cat(parts, dim=0)
+                return torch.cat([part[:n] for part, n in zip(parts, rows)], dim=0)
 
             if use_gather_object:
                 parts = [None] * size
@@ -234,6 +263,12 @@ class LoongTrainer(Trainer):
 
     # ---- optimizer and schedule ----------------------------------------------------------------------------------
     def create_optimizer(self, model=None):
+        if self.engine is not None and self.engine.released:
+            # NOTE: another trainer (engine) has wrapped the model since: this one wraps it again, over the current
+            # weights; its AdamW moments start afresh where transformers.Trainer would keep them
+            logger.warning("Another LoongTrainer has trained this model since this trainer last did: its megatron "
+                           "DDP wrapping and optimizer are rebuilt over the current weights, with fresh AdamW state.")
+            self.engine = None
         if self.engine is None:
             self.engine = MegatronEngine(self.model, args=self.args,
                                          optimizer_precision=getattr(self.args, "optimizer_precision", "fp32"),

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
+from ._arguments_parity import data_parallel_cases
 from ._train_parity import (both, dropout_seed_runs, eval_predict_run, refused_arguments, train_hf, train_loong,
                             warnings_and_cache_clears)
 
@@ -171,3 +172,49 @@ def test_evaluate_and_predict_match_transformers_trainer(single_process_referenc
             assert r[key].shape == ref[key].shape, key
             torch.testing.assert_close(torch.from_numpy(r[key]), torch.from_numpy(ref[key]), rtol=1e-5, atol=1e-5)
         assert (r["label_ids"] == ref["label_ids"]).all()
+
+
+def test_dp2_training_arguments_match_transformers_trainer(single_process_reference, tmp_path):
+    """DP2, one world. accelerator_config: split_batches (each rank 1 of a batch's 2 rows, 4 steps),
+    even_batches=False (7 rows: the last rank's last batch 1 row; evaluation gathers the uneven batches into one
+    process's eval_loss) and use_seedable_sampler=False (another order) train as transformers.Trainer on two
+    processes, losses within 1e-5; what the data-parallel ranks cannot honour is refused. The DataLoader arguments
+    reach the DataLoaders (also the balanced one of a packing collator). ddp_timeout (default 1800 s, as transformers)
+    is set on the default and megatron's groups, and a gloo collective fails after it. A second LoongTrainer on the
+    same model trains as a second transformers.Trainer does (megatron's DDP hooks of the first run asserted), the
+    first trains again after it, and a dropped trainer's gradient buffer is freed."""
+    src = single_process_reference[0]
+    ranks = run_distributed(data_parallel_cases, 2, str(src), str(tmp_path), timeout=300)
+    for rank, got in enumerate(ranks):
+        runs = got["accelerator_config"]
+        for name, hf in runs["hf"].items():
+            lf = runs["lf"][name]
+            assert (lf["rows"], lf["steps"]) == (hf["rows"], hf["steps"]), (name, lf, hf)
+            assert lf["losses"] == pytest.approx(hf["losses"], rel=1e-5), name
+        assert runs["hf"]["split_batches"]["rows"] == [1] * 8
+        assert runs["hf"]["even_batches_off"]["rows"] == [[2, 2], [2, 1]][rank]
+        assert runs["hf"]["seedable_off"]["losses"] != pytest.approx(runs["hf"]["default"]["losses"], rel=1e-5)
+        even = runs["lf"]["even_batches_off"]
+        assert even["eval_loss"] == pytest.approx(even["eval_loss_one_process"], rel=1e-6)
+
+        refused = got["refused"]
+        assert "give the 2 data-parallel ranks [2, 1] batches" in refused["uneven_shards"]
+        assert "[3, 2] batches" in refused["uneven_split"]
+        assert "must be a multiple of 2" in refused["split_indivisible"]
+
+        loaders = got["dataloader"]
+        assert loaders["lf"] == {**loaders["hf"], "balanced": "BalancedDataLoader"}
+        assert loaders["hf"]["train"] == {"prefetch_factor": 7, "pin_memory": True, "in_order": False,
+                                          "persistent_workers": True, "num_workers": 2, "context": "spawn"}
+        assert loaders["lf"]["packed"] == loaders["hf"]["train"] and loaders["lf"]["eval_kept"]
+
+        two = got["two_trainers"]
+        for key in ("first", "second"):
+            assert two["lf"][key] == pytest.approx(two["hf"][key], rel=1e-5), key
+        assert len(two["lf"]["first_again"]) == 2 and two["lf"]["second_buffer_freed"]
+
+        assert got["ddp_timeout"] == {"loaded": dict.fromkeys(("default", "data_parallel", "tensor_parallel"), 1800.0),
+                                      "trainer": dict.fromkeys(("default", "data_parallel", "tensor_parallel"), 7200.0)}
+        assert set(got["short_timeout"]["timeouts"].values()) == {1.0}
+    short = ranks[0]["short_timeout"]  # rank 1 joined 3 s late
+    assert "Timed out" in short["error"] and short["waited"] < 2.5, short
