@@ -15,10 +15,12 @@ Choices:
   adapted weight (the model itself is left unmerged). Both are collective; rank 0 writes, atomically.
 - Mixture-of-experts models (Qwen3-MoE, Mixtral) get the adapters PEFT gives them (``plan.py``): attention
   projections as modules, routed experts and router as parameters (``experts.py``). Attention and router adapters
-  reduce over the dense data-parallel group; expert adapters are expert parameters (under expert parallelism
-  megatron reduces them over the expert-data-parallel group, as the experts). Under expert parallelism every
-  pipeline stage must also train something dense (LoongTrainer's engine reads megatron's dense optimizer, which is
-  not built for a stage without one), refused otherwise.
+  reduce over the dense data-parallel group; expert adapters are expert parameters (under expert parallelism, or
+  expert_tensor_parallel_size=1 below tensor_parallel_size, megatron reduces them over the expert-data-parallel group,
+  as the experts, and steps them with its expert optimizer). The routed experts alone may be adapted (PEFT's
+  ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``) under any of these layouts, a
+  pipeline stage training nothing dense included: megatron's dense optimizer is then a stub or holds empty groups
+  on that stage, which LoongTrainer's engine and checkpoints take as they are (``trainer/optimizer_state.py``).
 - With pipeline parallelism the first stage must hold something trainable (its input, the embedding, does not
   require grad, so a stage without adapters would have nothing to back-propagate into).
 """
@@ -106,8 +108,7 @@ def _layout_and_slices(target_group, ctx, layer: int):
 
 
 def check_stages_train(model, plan: LoraPlan, owners) -> None:
-    """Refuse (every rank alike) a plan that leaves a pipeline stage without what the trainer needs there."""
-    _check_dense_trainable(model, plan, owners)
+    """Refuse (every rank alike) a plan that leaves the first pipeline stage without anything to train."""
     if model.parallel.pipeline_parallel_size == 1:
         return
     first_stage = {layer for layer, (pp, _, _) in owners.items() if pp == 0}
@@ -117,38 +118,6 @@ def check_stages_train(model, plan: LoraPlan, owners) -> None:
     raise LoraConfigError(f"pipeline_parallel_size={model.parallel.pipeline_parallel_size}: the first pipeline stage "
                           f"(layers {sorted(first_stage)}) has no adapter, so it has nothing to train; adapt one of "
                           "its layers (layers_to_transform) or use fewer pipeline stages.")
-
-
-def _check_dense_trainable(model, plan: LoraPlan, owners) -> None:
-    """Under expert parallelism expert adapters are expert parameters (their own optimizer); LoongTrainer's engine
-    also needs a dense trainable parameter on every pipeline stage (it reads megatron's dense optimizer, which is
-    not built for a stage without one)."""
-    from megatron.core import parallel_state as ps
-
-    from loongforge_hf.trainer.engine import expert_layout_differs
-
-    # NOTE: expert adapters sit in megatron's expert buffers under expert parallelism, and also where the engine
-    # marks the experts as expert parameters (ETP != TP)
-    expert_buffers = ps.get_expert_model_parallel_world_size() > 1 or expert_layout_differs()
-    if not expert_buffers or not any(t.kind == "experts" for t in plan.targets):
-        return
-    last = model.parallel.pipeline_parallel_size - 1
-    dense = {owners[t.layer][0] for t in plan.targets if t.kind != "experts"}
-    for s in plan.saved:
-        dense.add(owners[s.layer][0] if s.layer is not None else
-                  (0 if s.hf_name == model.bridge.embedding_mapping().hf else last))
-    missing = sorted(set(range(last + 1)) - dense)
-    if missing:
-        layout = (f"expert_parallel_size={ps.get_expert_model_parallel_world_size()}, expert_tensor_parallel_size="
-                  f"{ps.get_expert_tensor_parallel_world_size()} with tensor_parallel_size="
-                  f"{ps.get_tensor_model_parallel_world_size()}")
-        raise LoraConfigError(f"{layout}: pipeline stage(s) {missing} would train no dense parameter (routed-expert "
-                              "adapters only), which LoongTrainer does not support yet where the experts have their "
-                              "own gradient buffers (expert parallelism, or experts not split like the tensor-"
-                              "parallel layers); adapt the attention projections or the router there too (e.g. "
-                              "target_modules='all-linear'), add a norm to modules_to_save, or use "
-                              "expert_parallel_size=1 with expert_tensor_parallel_size equal to "
-                              "tensor_parallel_size.")
 
 
 def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelForCausalLM:

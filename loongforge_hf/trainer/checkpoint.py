@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from loongforge_hf.bridges.checkpoint_files import CheckpointError
 from loongforge_hf.bridges.distribution import failing_alike
+from loongforge_hf.trainer import optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 def _sharded_state_dict(engine, *, is_loading: bool) -> dict:
     chunks = [c.module for c in engine.chunks]
     state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-    state["optimizer"] = engine.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIM_FORMAT)
+    state["optimizer"] = optimizer_state.sharded_state_dict(engine.optimizer, state, is_loading=is_loading,
+                                                            metadata=OPTIM_FORMAT)
     return state
 
 
@@ -185,7 +187,7 @@ def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None
     loaded = box.pop("loaded")
     for i, chunk in enumerate(engine.chunks):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
-    engine.optimizer.load_state_dict(loaded["optimizer"])
+    optimizer_state.load_state_dict(engine.optimizer, loaded["optimizer"])
     trainer.lr_scheduler.load_state_dict(box["scheduler"])
     if same_world:
         restore_rng_states(get_cuda_rng_tracker(), box["rng"])

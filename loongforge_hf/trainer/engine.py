@@ -49,6 +49,10 @@ Choices:
 - Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
   biases and 1-D params, equal Trainer's for these models), max_grad_norm. LR schedules are transformers' own
   schedulers stepping megatron's inner optimizer(s).
+- megatron's optimizer is a chain of parts (dense, then expert parameters where the experts have their own gradient
+  buffers) used as megatron builds it: a part with nothing to train anywhere (the dense one of LoRA on the routed
+  experts alone) is a stub without a torch optimizer, kept in the chain for its collectives and skipped where a
+  torch optimizer is read (``inner_optimizers``, the step's scaling, checkpoints: ``optimizer_state.py``).
 """
 
 from __future__ import annotations
@@ -364,9 +368,8 @@ class MegatronEngine:
 
     # ---- the torch optimizers transformers' schedulers drive ---------------------------------------------------
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:
-        opt = self.optimizer
-        subs = getattr(opt, "chained_optimizers", None) or [opt]
-        return [s.optimizer for s in subs]
+        """The torch optimizers of megatron's parts (``optimizer_parts``) that have one."""
+        return [part.optimizer for part in optimizer_parts(self.optimizer) if not is_stub(part)]
 
     # ---- one optimizer step over the micro-batches of this DP rank ---------------------------------------------
     def train_step(self, micro_batches: list[dict], *, before_optimizer_step=None) -> StepResult:
@@ -549,13 +552,29 @@ def check_interleaved_micro_batches(layout, count: int) -> None:
                          "(TrainingArguments.gradient_accumulation_steps).")
 
 
+def optimizer_parts(optimizer) -> list:
+    """The megatron optimizers a ``ChainedOptimizer`` chains (dense, then expert parameters), or ``[optimizer]``."""
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+
+def is_stub(part) -> bool:
+    """Whether megatron built ``part`` without a torch optimizer: no rank trains a parameter of its kind (the dense
+    part when only routed-expert adapters train and the experts have their own gradient buffers).
+
+    NOTE: megatron-core 0.16.1 optimizer/__init__.py:305 and 411-413 wrap ``None`` (a "stub", ``is_stub_optimizer``)
+    where a part has no parameter groups; the groups are gathered over all ranks first (line 181), so a part is a
+    stub on every rank or on none. The stub stays in the chain: it enters the collectives of its kind (found-inf and
+    grad-norm reductions, the parameter all-gather after the step), every rank alike."""
+    return bool(getattr(part, "is_stub_optimizer", False))
+
+
 def _grad_norm_on_device(opt, device: torch.device) -> torch.Tensor:
     """megatron's ``get_grad_norm`` (``optimizer.py``, ``clip_grads.get_grad_norm_fp32``: which grads count, the
     squared l2 norm summed over each optimizer's grad-stats group, a chained optimizer's two cases) as an fp64 device
     scalar, without its closing ``.item()``. The engine builds megatron DDP, not its FSDP, so no grad is a DTensor."""
     from loongforge_hf.xpu.common import l2_norm
 
-    subs = getattr(opt, "chained_optimizers", None) or [opt]
+    subs = optimizer_parts(opt)
     if len(subs) == 1 or opt.grads_states_parallel_group_is_shared():
         parts = [([g for o in subs for g in o.get_main_grads_for_grad_norm()],
                   (subs[0] if len(subs) == 1 else opt).get_grad_stats_parallel_group())]

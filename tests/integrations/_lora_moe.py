@@ -24,7 +24,7 @@ EXPERT_KW = {
     # attention, experts and router
     "all_linear": dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora_weights=False),
     # experts only (none of Qwen3-MoE's dense first-layer MLP: PEFT's rewrite takes these names away from modules),
-    # with norms trained whole (under expert parallelism a stage needs a dense trainable tensor: _refusals)
+    # with norms trained whole
     "experts": dict(r=3, lora_alpha=4, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"],
                     init_lora_weights=False, modules_to_save=["post_attention_layernorm"]),
 }
@@ -169,6 +169,20 @@ SFT_SCENARIOS = {
                         dict(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")),
 }
 
+# LoRA on the routed experts alone, as PEFT users name them (target_parameters): where the experts have their own
+# gradient buffers (EP2; TP2 with expert_tensor_parallel_size=1) nothing dense trains and megatron's dense optimizer
+# is a stub. Clipped (max_grad_norm below the grad norms), so the norm over the expert optimizer's group counts; a
+# learning rate at which TP2's other summation order stays within 1e-7 (at 1e-1 Adam's steps amplify it to 3e-4 of
+# the grad norm by the third step).
+EXPERTS_ONLY = ("text", {"learning_rate": 1e-2, "max_grad_norm": 0.02},
+                dict(r=4, lora_alpha=8, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                     task_type="CAUSAL_LM"))
+# two-rank layout -> gradient_accumulation_steps of the one-process run with the same global batches
+EXPERTS_ONLY_LAYOUTS = {
+    "ep2_dp2": ({"expert_parallel_size": 2}, 4),
+    "tp2_sp_etp1": ({"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}, 2),
+}
+
 # (arch, LoraConfig kwargs) of the model checks, by name
 ONE_RANK_CASES = {"qwen3_moe/attention": ("qwen3_moe", LORA_KW), "mixtral/attention": ("mixtral", LORA_KW),
                   **{f"qwen3_moe/{k}": ("qwen3_moe", kw) for k, kw in EXPERT_KW.items()},
@@ -184,6 +198,10 @@ def one_rank_checks(folders: dict, out_dir: str, adapters: dict) -> dict:
     names = list(SFT_SCENARIOS)
     out["sft"] = {"trl": run_trl(folders["qwen3_moe"], out_dir + "/trl", names, SFT_SCENARIOS),
                   "loong": run_loong(folders["qwen3_moe"], out_dir + "/loong", {}, names, SFT_SCENARIOS)}
+    out["experts_only"] = {
+        accumulate: run_loong(folders["qwen3_moe"], f"{out_dir}/experts-only-{accumulate}", {}, ["experts_only"],
+                              {"experts_only": EXPERTS_ONLY}, gradient_accumulation_steps=accumulate)["experts_only"]
+        for accumulate in sorted({a for _, a in EXPERTS_ONLY_LAYOUTS.values()})}
     return out
 
 
@@ -204,6 +222,15 @@ def two_rank_checks(folder: str, out_dir: str, adapters: dict) -> dict:
                                               adapters[f"qwen3_moe/{case}"], kw)
            for name, layout in TWO_RANK_LAYOUTS.items() for case, kw in TWO_RANK_CASES.items()}
     out["refused"] = _refusals(folder)
+    # LoRA on the routed experts alone where they have their own optimizer (the dense one a stub): trained, its
+    # adapter folder read by PEFT, and at EP2 a checkpoint resumed
+    out["experts_only"] = {
+        name: run_loong(folder, f"{out_dir}/experts-only-{name}", layout, ["experts_only"],
+                        {"experts_only": EXPERTS_ONLY}, gradient_accumulation_steps=2)["experts_only"]
+        for name, (layout, _) in EXPERTS_ONLY_LAYOUTS.items()}
+    out["experts_only_resume"] = resume_matches_uninterrupted(
+        folder, out_dir + "/experts-only-resume", EXPERTS_ONLY_LAYOUTS["ep2_dp2"][0], EXPERTS_ONLY[2],
+        **EXPERTS_ONLY[1])
     # expert adapters under EP2 over two data-parallel ranks train as without expert parallelism (DP2): their
     # gradients reduce over the expert-data-parallel group and are scaled as the dense ones
     out["sft_dp2"] = {name: run_loong(folder, f"{out_dir}/sft-{name}", layout, ["lora_all_linear"], SFT_SCENARIOS)
@@ -215,21 +242,26 @@ def two_rank_checks(folder: str, out_dir: str, adapters: dict) -> dict:
     return out
 
 
+def four_rank_checks(folder: str, out_dir: str) -> dict:
+    """EP2 x PP2 with the routed experts and the final norm (on the last stage) trained: the first stage trains
+    nothing dense, the last does, so megatron gives the first stage's dense optimizer empty groups (rank 0's among
+    them, whose state a checkpoint writes). A checkpoint at step 2 resumes."""
+    from ._sft_parity import resume_matches_uninterrupted
+
+    layout = {"expert_parallel_size": 2, "pipeline_parallel_size": 2}
+    lora = {**EXPERTS_ONLY[2], "modules_to_save": ["model.norm"]}
+    return {"resume": resume_matches_uninterrupted(folder, out_dir + "/resume", layout, lora, **EXPERTS_ONLY[1])}
+
+
 def _refusals(folder: str) -> dict:
     """Expert adapters refused on every rank, with the message: experts split over expert-tensor parallelism (TP2's
-    default), and under EP2 a config with nothing dense to train (LoongTrainer's engine needs it)."""
+    default)."""
     import peft
 
     import loongforge_hf as lf
     from loongforge_hf.lora import LoraConfigError, get_peft_model
 
-    cases = {"etp2": ({"tensor_parallel_size": 2, "sequence_parallel": True}, EXPERT_KW["experts"]),
-             "ep2_experts_only": ({"expert_parallel_size": 2},
-                                  {k: v for k, v in EXPERT_KW["experts"].items() if k != "modules_to_save"}),
-             # the experts whole on each rank under TP2 have their own gradient buffers too (not split like TP's)
-             "tp2_etp1_experts_only": ({"tensor_parallel_size": 2, "sequence_parallel": True,
-                                        "expert_tensor_parallel_size": 1},
-                                       {k: v for k, v in EXPERT_KW["experts"].items() if k != "modules_to_save"})}
+    cases = {"etp2": ({"tensor_parallel_size": 2, "sequence_parallel": True}, EXPERT_KW["experts"])}
     out = {}
     for name, (layout, kw) in cases.items():
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)

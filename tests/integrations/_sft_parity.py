@@ -157,7 +157,8 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], scenari
                                      processing_class=_tokenizer(folder),
                                      peft_config=peft.LoraConfig(**lora) if lora else None)
         trainer.train()
-        result = {"losses": _losses(trainer), "eval_losses": _losses(trainer, "eval_loss"),
+        result = {"losses": _losses(trainer), "grad_norms": _losses(trainer, "grad_norm"),
+                  "eval_losses": _losses(trainer, "eval_loss"),
                   "metrics": _token_metrics(trainer), "eval_metrics": _token_metrics(trainer, "eval_"),
                   "keys": sorted(trainer.state.log_history[0]),
                   "recompute": bool(getattr(trainer.model, "is_gradient_checkpointing", False))}
@@ -196,22 +197,25 @@ def plain_trainers_refuse(folder: str, out_dir: str) -> list[str]:
     return messages
 
 
-def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict) -> dict:
+def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict, lora: dict | None = None,
+                                 **overrides) -> dict:
     """LoRA run of 4 steps checkpointing at step 2, then a run resumed from that checkpoint: the losses of steps 3-4
-    and the files of a LoRA checkpoint."""
+    and the files of a LoRA checkpoint. ``lora``: the LoraConfig kwargs ("all-linear" with the norms by default);
+    ``overrides``: SFTConfig fields."""
     import os
 
     import peft
 
     import loongforge_hf as lf
 
+    lora = lora or dict(r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["norm"])
+
     def run(resume: str | None) -> list[tuple[int, float]]:
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
         trainer = lf.LoongSFTTrainer(model=model, args=sft_config(out_dir, max_steps=4, save_strategy="steps",
-                                                                  save_steps=2),
+                                                                  save_steps=2, **overrides),
                                      train_dataset=make_dataset("text"), processing_class=_tokenizer(folder),
-                                     peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                                 modules_to_save=["norm"]))
+                                     peft_config=peft.LoraConfig(**lora))
         trainer.train(resume_from_checkpoint=resume)
         return [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
 
