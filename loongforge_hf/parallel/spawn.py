@@ -16,12 +16,17 @@ Choices:
   environment, the thread count torch would have read from ``OMP_NUM_THREADS``, fresh random seeds (torch,
   numpy) as a new interpreter has (forks of one server would otherwise all draw the same numbers), and the
   parent's current stdout / stderr (handed over as file descriptors: the server's are those of its start).
+- A rank's result travels as plain pickle bytes (tensors by value). Through the queue's own pickler torch would
+  share a tensor's storage as a file descriptor that the parent fetches from the rank's process when it reads the
+  result; a rank that has exited by then (it returns, tears down its group and ends) leaves nothing to fetch, and
+  the parent failed with ``FileNotFoundError`` / ``ConnectionResetError`` (seen in the demo's test under load).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -105,7 +110,7 @@ def _child(rank: int, world: int, port: int, extra_env: dict, fn: Callable, args
     os.environ.update(extra_env)
     try:
         out = fn(*args, **kwargs)
-        results.put((rank, True, out))
+        results.put((rank, True, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -167,7 +172,7 @@ def run_distributed(fn: Callable, nprocs: int, *args: Any, timeout: float = 300.
                                   for i in dead)
                 continue
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append((rank, value))
                 # NOTE: once one rank failed the others may wait forever in a collective: give them a short grace.

@@ -28,3 +28,9 @@ def say_hello() -> None:
 
     print(f"rank {os.environ['RANK']} says hello")
     print(f"rank {os.environ['RANK']} warns", file=sys.stderr)
+
+
+def a_tensor() -> dict:
+    import torch
+
+    return {"t": torch.arange(6.0).reshape(2, 3)}

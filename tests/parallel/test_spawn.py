@@ -5,12 +5,13 @@ traceback, and a world past its timeout is killed."""
 
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from loongforge_hf.parallel.spawn import ChildProcessError_, run_distributed
 
-from ._spawn_fns import fail_on_rank_one, say_hello, sleep_long, where_am_i
+from ._spawn_fns import a_tensor, fail_on_rank_one, say_hello, sleep_long, where_am_i
 
 pytestmark = pytest.mark.skipif(os.environ.get("LOONGFORGE_DEVICE") != "cpu", reason="the CPU worlds' start")
 
@@ -53,3 +54,22 @@ def test_a_rank_error_comes_back_and_a_late_world_is_killed():
     with pytest.raises(TimeoutError, match="sleep_long did not finish on 2 ranks within 3s"):
         run_distributed(sleep_long, 2, timeout=3)
     assert time.monotonic() - start < 30
+
+
+def test_a_result_travels_by_value(monkeypatch):
+    """A rank's result is plain pickle bytes: through the queue's own pickler a tensor would travel as a file
+    descriptor the parent fetches from the rank's process, gone once the rank has exited (the demo's test failed so,
+    with FileNotFoundError, on a loaded machine). Here ``_child`` runs in this process with a list for its queue."""
+    import pickle
+
+    import torch
+
+    from loongforge_hf.parallel import spawn
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # NOTE: _child sets the rank's variables
+    sent = []
+    spawn._child(0, 1, 29500, {}, a_tensor, (), {}, SimpleNamespace(put=sent.append))
+    (rank, ok, value), = sent
+    assert rank == 0 and ok and isinstance(value, bytes)
+    assert torch.equal(pickle.loads(value)["t"], torch.arange(6.0).reshape(2, 3))
+    assert run_distributed(a_tensor, 2)[1]["t"].sum() == 15
