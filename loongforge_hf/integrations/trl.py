@@ -180,8 +180,13 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
     def _save_checkpoint(self, model, trial) -> None:
         # NOTE: trl.SFTTrainer's: a model card (README.md) in output_dir at every checkpoint, then the checkpoint
         # (LoongTrainer's; the MRO would otherwise skip SFTTrainer's)
+        from loongforge_hf.trainer.checkpoint import run_everywhere
+
         hub_id = self.args.hub_model_id
-        self.create_model_card(model_name=hub_id.split("/")[-1] if hub_id else Path(self.args.output_dir).name)
+        name = hub_id.split("/")[-1] if hub_id else Path(self.args.output_dir).name
+        # NOTE: written on rank 0; every rank learns the outcome (no rank left waiting in the checkpoint's collectives)
+        run_everywhere(f"could not write the model card into {self.args.output_dir}",
+                       lambda: self.create_model_card(model_name=name), on=self.is_world_process_zero())
         super()._save_checkpoint(model, trial)
 
     def create_optimizer(self, model=None):
