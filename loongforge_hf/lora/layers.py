@@ -23,10 +23,17 @@ Choices:
   parallel, row-parallel inputs) megatron's model-parallel RNG tracker does, so each shard gets its own mask.
 - Adapter parameters carry megatron's tensor-parallel attributes (split factors ``tensor_model_parallel=True``), so
   the gradient norm counts replicated factors once; ``sharded_state_dict`` shards split factors along their TP axis.
+- Checkpoints: megatron stacks a layer's tensors over every layer of the model (TransformerBlock passes the layer
+  axis, ``(0, layer, num_layers)``, as the first sharded offset). An adapter that only some layers carry
+  (``layers_to_transform``, a regex naming some layers) is stacked over the layers that carry it instead
+  (``stack_over_adapted_layers``; ``stacked_layers`` set by ``model.attach_lora``), so its global tensor is what
+  exists and the optimizer state, sharded like it, too. MoE models (dense and MoE layers: megatron keys each layer
+  on its own, no layer axis) keep their keys; their expert and router adapters need nothing of this.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +56,7 @@ class LoraAdapter(nn.Module):
         self.A = nn.Parameter(a)
         self.B = nn.Parameter(b)
         self.scaling = scaling
+        self.stacked_layers: tuple[int, ...] = ()  # every layer holding this target (model.attach_lora)
         self.dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
         split_factor = {"A": self.A, "B": self.B}.get(split)  # None: both replicated (the router's)
         for p in (self.A, self.B):
@@ -130,9 +138,10 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         axes = {"weight": 0, "bias": 0, **{f"lora.{n}.B": 0 for n in self.lora}}
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                                   sharded_offsets, tp_group=self.tp_group,
-                                                   dp_cp_group=metadata["dp_cp_group"])
+        out = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                  sharded_offsets, tp_group=self.tp_group,
+                                                  dp_cp_group=metadata["dp_cp_group"])
+        return stack_over_adapted_layers(out, f"{prefix}lora.", self.lora, sharded_offsets)
 
 
 class LoraRowParallelLinear(RowParallelLinear):
@@ -158,9 +167,33 @@ class LoraRowParallelLinear(RowParallelLinear):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         axes = {"weight": 1, **{f"lora.{n}.A": 1 for n in self.lora}}
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                                   sharded_offsets, tp_group=self.tp_group,
-                                                   dp_cp_group=metadata["dp_cp_group"])
+        out = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                  sharded_offsets, tp_group=self.tp_group,
+                                                  dp_cp_group=metadata["dp_cp_group"])
+        return stack_over_adapted_layers(out, f"{prefix}lora.", self.lora, sharded_offsets)
+
+
+def stack_over_adapted_layers(sharded: dict, prefix: str, adapters: nn.ModuleDict, sharded_offsets) -> dict:
+    """``sharded`` with the adapters' tensors (keys ``{prefix}{name}.A`` / ``.B``) stacked over their
+    ``stacked_layers`` rather than every layer of the model (megatron's layer axis, the first of
+    ``sharded_offsets``); as it is where no layer axis was given (non-homogeneous layers: a key per layer)."""
+    if not sharded_offsets:
+        return sharded
+    axis, layer, _ = sharded_offsets[0]
+    for name, adapter in adapters.items():
+        layers = adapter.stacked_layers
+        for factor in ("A", "B"):
+            key = f"{prefix}{name}.{factor}"
+            t = sharded[key]
+            sharded[key] = dataclasses.replace(
+                t, global_shape=_at(t.global_shape, axis, len(layers)),
+                global_offset=_at(t.global_offset, axis, layers.index(layer)),
+                axis_fragmentations=_at(t.axis_fragmentations, axis, len(layers)))
+    return sharded
+
+
+def _at(values: tuple | None, axis: int, value: int) -> tuple | None:
+    return None if values is None else (*values[:axis], value, *values[axis + 1:])
 
 
 def check_adaptable(module: nn.Module) -> None:

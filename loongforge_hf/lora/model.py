@@ -178,10 +178,15 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     for p in model.parameters():
         p.requires_grad_(False)
     device, dtype = model.device, model.dtype
+    # NOTE: (module, target): the layers holding it, which checkpoints stack its adapter over (layers.py)
+    carriers: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for t in plan.targets:
+        carriers[(t.megatron_module, t.name)].append(t.layer)
     for (vp, path), members in groups.items():
         targets = [t for t, _ in members]
+        module = model.chunks[vp].get_submodule(path)
         if targets[0].kind in PARAM_KINDS:
-            attach_param_adapters(model.chunks[vp].get_submodule(path), members, dtype=dtype, device=device)
+            attach_param_adapters(module, members, dtype=dtype, device=device)
             continue
         layout, slices = _layout_and_slices(targets, ctx, targets[0].layer)
         adapters = {}
@@ -194,7 +199,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
                                            b.to(device=device, dtype=dtype).contiguous().clone(),
                                            scaling=t.scaling, dropout=float(peft_config.lora_dropout),
                                            split="A" if t.kind == "row" else "B")
-        attach_adapters(model.chunks[vp].get_submodule(path), adapters, layout)
+            adapters[t.name].stacked_layers = tuple(sorted(carriers[(t.megatron_module, t.name)]))
+        attach_adapters(module, adapters, layout)
 
     for saved in plan.saved:
         for chunk, name in megatron_params_of(model, saved, owners, pp_rank):

@@ -53,6 +53,10 @@ def _rank() -> int:
 def _describe(err: BaseException) -> str:
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         return f"disk full ({err})"
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    if isinstance(err, CheckpointingException):  # megatron's validation: its first line names the tensor
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     if "\n" in str(err):  # torch.distributed.checkpoint's: every failed rank's traceback
         return _cause(err)
     return f"{type(err).__name__}: {err}"
@@ -107,16 +111,30 @@ def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
     output_dir = Path(output_dir)
     ckpt = output_dir / MEGATRON_DIR
     run_everywhere(f"could not create {ckpt}", lambda: ckpt.mkdir(parents=True, exist_ok=True), on=_rank() == 0)
-    # NOTE: torch.distributed.checkpoint raises on every rank when a write fails, but only the coordinator's error
-    # says why: run_everywhere gives every rank that one.
+    # NOTE: megatron's save validates the sharding on rank 0 alone, after gathering it, and then goes on into the
+    # write's collectives: a validation error there would leave the other ranks waiting. It is checked here, agreed
+    # on by every rank, and the save below skips it. torch.distributed.checkpoint raises on every rank when a write
+    # fails, but only the coordinator's error says why: run_everywhere gives every rank that one.
+    box = {}
+    run_everywhere(f"the megatron state cannot be saved to {ckpt}",
+                   lambda: box.setdefault("state", _validated(_sharded_state_dict(trainer.engine, is_loading=False))))
     run_everywhere(f"could not write the megatron state to {ckpt}",
-                   lambda: dist_checkpointing.save(_sharded_state_dict(trainer.engine, is_loading=False), str(ckpt)))
+                   lambda: dist_checkpointing.save(box["state"], str(ckpt), validate_access_integrity=False))
     run_everywhere(f"could not write {output_dir / SCHEDULER_FILE}",
                    lambda: torch.save(trainer.lr_scheduler.state_dict(), output_dir / SCHEDULER_FILE),
                    on=_rank() == 0)
     rng_file = output_dir / f"megatron_rng_{_rank()}.pt"
     run_everywhere(f"could not write {rng_file} (rank {_rank()})",
                    lambda: torch.save(rng_states_to_save(get_cuda_rng_tracker()), rng_file))
+
+
+def _validated(state: dict) -> dict:
+    """``state`` once megatron's save validation passes: each shard written once, the whole of every tensor covered,
+    the common state alike on every rank (collective; raises on rank 0 only)."""
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+    save_preprocess(state, validate_access_integrity=True)  # NOTE: builds its factories in place, as save would
+    return state
 
 
 REQUIRED_FILES = (f"{MEGATRON_DIR}/metadata.json", f"{MEGATRON_DIR}/.metadata", f"{MEGATRON_DIR}/common.pt",

@@ -1,7 +1,8 @@
-"""LoongTrainer checkpoints and bad input on 2 CPU ranks (PP=2): a write that fails on one rank (disk full) and an
-incomplete or corrupt checkpoint given to ``resume_from_checkpoint`` raise the same ``CheckpointError`` on every rank,
-naming the file, and leave no rank waiting in a collective (a hang runs into ``run_distributed``'s timeout); a failed
-save leaves neither ``checkpoint-N`` nor its temporary folder.
+"""LoongTrainer checkpoints and bad input on 2 CPU ranks (PP=2): a write that fails on one rank (disk full, or
+megatron's sharding validation, which runs on rank 0 alone) and an incomplete or corrupt checkpoint given to
+``resume_from_checkpoint`` raise the same ``CheckpointError`` on every rank, naming the file, and leave no rank
+waiting in a collective (a hang runs into ``run_distributed``'s timeout); a failed save leaves neither
+``checkpoint-N`` nor its temporary folder.
 
 All cases run in one world: each must leave the world usable for the next, which a rank stuck in a barrier would not.
 """
@@ -21,6 +22,9 @@ from loongforge_hf.testing import make_tiny_checkpoint
 
 SAVE_CASES = {  # case: (what fails, on which rank, fragments of the message)
     "megatron_state_disk_full": ("megatron_state", 0, ["rank 0", "megatron state", "No space left on device"]),
+    # megatron validates the sharding on rank 0 alone, then writes (collectives): rank 1 must not be left waiting
+    "megatron_state_invalid": ("megatron_validation", 0, ["rank 0", "megatron state cannot be saved",
+                                                          "Invalid access pattern"]),
     "scheduler_disk_full": ("scheduler.pt", 0, ["rank 0", "scheduler.pt", "disk full"]),
     "megatron_rng_disk_full": ("megatron_rng", 1, ["rank 1", "megatron_rng_1.pt", "disk full"]),
     "trainer_state_disk_full": ("trainer_state", 0, ["rank 0", "trainer_state.json", "disk full"]),
@@ -58,6 +62,14 @@ def _failing(what: str):
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
         return [mock.patch.object(filesystem_async, "_write_item", _enospc)]
+    if what == "megatron_validation":
+        from megatron.core.dist_checkpointing import validation
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+
+        def invalid(rank_sharding):
+            raise CheckpointingException(f"Invalid access pattern for {rank_sharding[0][1].key}\n(the counts)")
+
+        return [mock.patch.object(validation, "_validate_sharding_for_key", invalid)]
     if what == "trainer_state":
         return [mock.patch.object(TrainerState, "save_to_json", _enospc)]
     return [mock.patch.object(Trainer, "_save_rng_state", lambda self, d: _enospc())]
