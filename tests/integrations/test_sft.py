@@ -64,7 +64,7 @@ def tp2(src, tmp_path_factory):
 # LoRA on layers 0 and 2 of 4: megatron stacks a layer's tensors over all 4 layers; the adapters' over the two
 PARTIAL_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                        "down_proj"], layers_to_transform=[0, 2])
-PARTIAL_LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+PARTIAL_LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}, "dp2": {}}
 GC_NAMES = ["lora_qv_messages", "full_prompt_completion", "lora_neftune"]
 SP_NAMES = ["lora_qv_messages", "lora_neftune"]
 
@@ -119,7 +119,7 @@ def test_tp2_lora_resume_matches_uninterrupted_run(tp2):
 def test_partial_layer_lora_resume_matches_uninterrupted_run(tp2, layout):
     """LoRA on some layers only (layers_to_transform): the step-2 checkpoint writes (it used to fail megatron's
     sharding validation on rank 0 while rank 1 waited in the save: a hang) and steps 3-4 after the resume log the
-    uninterrupted run's losses exactly (TP2: split adapters; PP2: one adapted layer a stage)."""
+    uninterrupted run's losses exactly (TP2: split adapters; PP2: one adapted layer a stage; DP2: replicated)."""
     for rank in tp2:
         res = rank[f"resume_partial_{layout}"]
         assert res["resumed"] == res["full"] and len(res["full"]) == 4, res
