@@ -95,18 +95,14 @@ class RouterLogits:
 
 
 def _token_positions(router, seq: int, *, device) -> torch.Tensor:
-    """The global sequence positions of this rank's router rows: its context-parallel share
-    (``parallel.context_parallel.cp_token_index``), then its sequence-parallel slice of that."""
-    from loongforge_hf.parallel.context_parallel import cp_token_index
+    """The global sequence positions of this rank's router rows (``context_parallel.local_token_positions`` over
+    the router's groups)."""
+    from loongforge_hf.parallel.context_parallel import local_token_positions
 
-    cp = router.cp_group.size()
-    positions = cp_token_index(seq, cp, router.cp_group.rank(), device=device) if cp > 1 \
-        else torch.arange(seq, device=device)
-    tp = router.tp_group.size()
-    if router.config.sequence_parallel and tp > 1:
-        chunk = positions.numel() // tp
-        positions = positions[router.tp_group.rank() * chunk:(router.tp_group.rank() + 1) * chunk]
-    return positions
+    sp = router.config.sequence_parallel
+    return local_token_positions(seq, cp_size=router.cp_group.size(), cp_rank=router.cp_group.rank(),
+                                 sp_size=router.tp_group.size() if sp else 1,
+                                 sp_rank=router.tp_group.rank() if sp else 0, device=device)
 
 
 def asked(config, output_router_logits: bool | None) -> bool:

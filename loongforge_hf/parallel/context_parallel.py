@@ -43,6 +43,19 @@ def cp_token_index(seq: int, cp_size: int, cp_rank: int, device=None) -> torch.T
                       torch.arange(second, second + chunk, device=device)])
 
 
+def local_token_positions(seq: int, *, cp_size: int, cp_rank: int, sp_size: int = 1, sp_rank: int = 0,
+                          device=None) -> torch.Tensor:
+    """Global sequence positions of the rows this rank holds in megatron's ``[s, ...]`` activations: its
+    context-parallel share (``cp_token_index``), then, under sequence parallelism over ``sp_size`` ranks, its
+    contiguous part of that."""
+    positions = cp_token_index(seq, cp_size, cp_rank, device=device) if cp_size > 1 \
+        else torch.arange(seq, device=device)
+    if sp_size > 1:
+        chunk = positions.numel() // sp_size
+        positions = positions[sp_rank * chunk:(sp_rank + 1) * chunk]
+    return positions
+
+
 def cp_loss(local_sum: torch.Tensor, count: torch.Tensor, group) -> torch.Tensor:
     """Full-sequence mean loss whose gradient on this rank is that of its own tokens' share."""
     own = local_sum / count.clamp(min=1)

@@ -41,6 +41,7 @@ class StageLink:
         self.to_next, self.from_prev = forward[me], forward[me - 1]
         self.from_next, self.to_prev = backward[me], backward[me - 1]
         self.pending: list[tuple] = []  # (work, tensor): a sent tensor stays alive until its send completes
+        self.groups = list({id(g): g for g in (self.to_next, self.from_prev, self.from_next, self.to_prev)}.values())
 
     def _send(self, tensor: torch.Tensor, group) -> None:
         tensor = tensor.detach().clone()
@@ -97,8 +98,7 @@ def side_channel_groups() -> list:
     """This rank's side-channel process groups in the current world (for ``set_collective_timeout``)."""
     if _WORLD[0] is not dist.group.WORLD:
         return []
-    return list({id(g): g for link in _MADE.values() if link is not None
-                 for g in (link.to_next, link.from_prev, link.from_next, link.to_prev)}.values())
+    return [g for link in _MADE.values() if link is not None for g in link.groups]
 
 
 def _make(pipelines: tuple, device) -> StageLink | None:

@@ -386,9 +386,9 @@ class LoongTrainer(Trainer):
             t0 = time.perf_counter()
             self._micro_batches_in_step = len(micro)
             result = self.engine.train_step(micro, before_optimizer_step=self._pre_optimizer_step)
-            if args.torch_empty_cache_steps is not None and self.state.global_step % args.torch_empty_cache_steps == 0:
-                clear_device_cache()  # NOTE: as Trainer, after the step's forwards and backwards
             elapsed = time.perf_counter() - t0
+            if args.torch_empty_cache_steps is not None and self.state.global_step % args.torch_empty_cache_steps == 0:
+                clear_device_cache()  # NOTE: as Trainer, after the step's forwards and backwards (not in its timing)
             self._record_step(result, micro)
             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
             learning_rate = self._get_learning_rate()

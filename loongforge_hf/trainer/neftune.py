@@ -9,9 +9,9 @@ Choices:
 - The noise is drawn as transformers draws it: one ``[batch, L, H]`` tensor of the embedding's dtype from the default
   generator of its device. Every rank of a tensor- and context-parallel group draws the same tensor (their default
   generators move together, as megatron's embedding dropout without sequence parallelism assumes) and adds its own
-  rows: its context-parallel share (``cp_token_index``), then its sequence-parallel part. So the noise does not depend
-  on the layout, and a one-process run adds transformers' numbers. The cost: each rank draws the whole micro-batch's
-  noise (what one GPU under transformers draws), a transient tensor of the embeddings' global size.
+  rows: its context-parallel share, then its sequence-parallel part (``local_token_positions``). So the noise does
+  not depend on the layout, and a one-process run adds transformers' numbers. The cost: each rank draws the whole
+  micro-batch's noise (what one GPU under transformers draws), a transient tensor of the embeddings' global size.
 - Only while the module trains (evaluation adds none), and only inside ``train()``: ``remove()`` takes the hooks off.
 """
 
@@ -47,7 +47,7 @@ class NoisyEmbeddings:
             return output
         from megatron.core import parallel_state as ps
 
-        from loongforge_hf.parallel.context_parallel import cp_token_index
+        from loongforge_hf.parallel.context_parallel import local_token_positions
 
         local, batch, hidden = output.shape  # NOTE: megatron's [s, b, h]
         tp = ps.get_tensor_model_parallel_world_size() if module.config.sequence_parallel else 1
@@ -62,9 +62,7 @@ class NoisyEmbeddings:
         noise = noise.uniform_(-magnitude, magnitude).transpose(0, 1)
         if length < total:  # NOTE: the layout's pad positions (masked out of attention and loss) get none
             noise = torch.cat([noise, noise.new_zeros(total - length, batch, hidden)])
-        if cp > 1:
-            noise = noise[cp_token_index(total, cp, ps.get_context_parallel_rank(), device=noise.device)]
-        if tp > 1:
-            rank = ps.get_tensor_model_parallel_rank()
-            noise = noise[rank * local:(rank + 1) * local]
+        if total > local:
+            noise = noise[local_token_positions(total, cp_size=cp, cp_rank=ps.get_context_parallel_rank(), sp_size=tp,
+                                                sp_rank=ps.get_tensor_model_parallel_rank(), device=noise.device)]
         return output + noise
