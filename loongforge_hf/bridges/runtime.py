@@ -69,8 +69,9 @@ def mask_padded_vocab(logits: torch.Tensor, *, vocab_size: int, tp_rank: int) ->
     return torch.cat([logits[..., :keep], torch.full_like(logits[..., keep:], float("-inf"))], dim=-1)
 
 
-def token_losses(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
-    """Per-token losses [b, s] from TP-local logits (labels already shifted; ignored tokens give 0)."""
+def token_losses(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
+                 label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token losses [b, s] from TP-local logits (labels shifted, -100 gives 0; smoothing: see cross_entropy)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -85,8 +86,12 @@ def token_losses(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size
         # one row on a shard without padded vocab columns reach here uncopied: the caller's logits would become
         # probabilities.
         shaped = shaped.clone()
-    losses = vocab_parallel_cross_entropy(shaped, safe.transpose(0, 1).contiguous())
-    return losses.transpose(0, 1) * valid
+    losses = vocab_parallel_cross_entropy(shaped, safe.transpose(0, 1).contiguous()).transpose(0, 1)
+    if label_smoothing:
+        from loongforge_hf.kernels.cross_entropy import smoothing_term
+        losses = losses + label_smoothing * smoothing_term(local_logits, safe, vocab_size=vocab_size,
+                                                           tp_group=ps.get_tensor_model_parallel_group())
+    return losses * valid
 
 
 def local_logits_token_stats(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
@@ -145,10 +150,10 @@ def output_weight(head: torch.nn.Module) -> torch.Tensor:
 
 def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, *,
                    vocab_size: int, weight_grad_dtype: torch.dtype = torch.float32,
-                   token_stats: torch.Tensor | None = None) -> torch.Tensor:
+                   token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
     """fp32 sum over label tokens of the cross-entropy of ``hidden [b, s, h]`` (from ``hidden_states_out``) through
     ``head``'s output layer against shifted ``labels [b, s]``, without the logits (``weight_grad_dtype`` and
-    ``token_stats``: see ``kernels.cross_entropy``)."""
+    ``token_stats``, ``label_smoothing``: see ``kernels.cross_entropy``)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
@@ -156,7 +161,7 @@ def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Mo
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), output_weight(head), labels.reshape(-1),
                                 ignore_index=IGNORE_INDEX, tp_group=ps.get_tensor_model_parallel_group(),
                                 vocab_size=vocab_size, reduction="sum", weight_grad_dtype=weight_grad_dtype,
-                                token_stats=token_stats)
+                                token_stats=token_stats, label_smoothing=label_smoothing)
 
 
 def full_logits(local_logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
@@ -239,8 +244,7 @@ def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logi
         def loss_func(output):
             loss, logits = finish(output)
             store["loss"], store["logits"] = loss, logits
-            zero = output.sum() * 0.0
-            return zero, {}
+            return output.sum() * 0.0, {}
         return out, loss_func
 
     chunks = list(model.chunks)
@@ -250,13 +254,11 @@ def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logi
                                         num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True)
         else:
             _interleaved_forward_once(model, chunks, input_ids, position_ids, mask, finish, store, seq=s)
-    device, dtype = model.device, model.dtype
-    last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
-    group = ps.get_pipeline_model_parallel_group()
+    device, dtype, group = model.device, model.dtype, ps.get_pipeline_model_parallel_group()
+    last = dist.get_process_group_ranks(group)[-1]
     loss = logits = None
     if want_loss:
-        loss = store.get("loss", torch.zeros((), device=device)).detach().float().reshape(())
-        loss = loss.clone()
+        loss = store.get("loss", torch.zeros((), device=device)).detach().float().reshape(()).clone()
         dist.broadcast(loss, src=last, group=group)
     if return_logits:
         logits = store.get("logits")

@@ -32,8 +32,10 @@ Choices:
   grad so LoRA adapters behind a frozen embedding still get gradients). TRL's ``selective`` checkpointing (torch's
   selective activation checkpointing wrapper on transformers' layers) is refused.
 - Refused with a message: a model given by name (load it with ``loongforge_hf.AutoModelForCausalLM``),
-  ``compute_loss_func``, ``loss_type="dft"``, ``label_smoothing_factor``, ``use_liger_kernel``, custom
-  ``optimizers`` / ``optimizer_cls_and_kwargs``, ``quantization_config``, non-LoRA ``peft_config``.
+  ``compute_loss_func``, ``loss_type="dft"``, ``use_liger_kernel``, custom ``optimizers`` /
+  ``optimizer_cls_and_kwargs``, ``quantization_config``, non-LoRA ``peft_config``.
+- ``label_smoothing_factor`` (deprecated in TRL, still honoured there): the engine's loss is transformers'
+  ``LabelSmoother`` over the global batch's label tokens, as TRL computes it (labels shifted for every model).
 - TRL's ``entropy`` / ``mean_token_accuracy`` / ``num_tokens`` metrics, which it computes in ``compute_loss``, are
   computed where our losses are: in training by the engine (``MegatronEngine.token_stats``: sums over each
   micro-batch's label tokens from the fused loss's own pass over the logits, vocab-parallel under TP), in evaluation
@@ -92,8 +94,6 @@ def _refuse_unsupported(args: SFTConfig, **given) -> None:
                          "(hyper-parameters come from SFTConfig).")
     if args.loss_type != "nll":
         raise ValueError(f"SFTConfig(loss_type={args.loss_type!r}) is not supported by LoongSFTTrainer; use 'nll'.")
-    if args.label_smoothing_factor:
-        raise ValueError("SFTConfig(label_smoothing_factor=...) is not supported by LoongSFTTrainer.")
     if args.use_liger_kernel:
         raise ValueError("SFTConfig(use_liger_kernel=True) is not supported: loongforge's own kernels are used.")
     if getattr(args, "activation_offloading", False):
@@ -189,6 +189,9 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
                        lambda: self.create_model_card(model_name=name), on=self.is_world_process_zero())
         super()._save_checkpoint(model, trial)
 
+    def _smoothing_shifts(self) -> bool:
+        return True  # NOTE: trl.SFTTrainer's label smoother shifts the labels of every model, image-text ones too
+
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
         self.engine.token_stats = True  # NOTE: TRL's entropy and mean_token_accuracy (see the module docstring)
@@ -228,7 +231,11 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         if self.aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
             self._metrics[mode]["aux_loss"].append(_data_parallel_mean(float(outputs.aux_loss), self.model.device))
-        return (outputs.loss, outputs) if return_outputs else outputs.loss
+        loss = outputs.loss
+        if self.label_smoother is not None and inputs.get("labels") is not None:
+            # NOTE: as trl.SFTTrainer: the smoother on the logits, labels shifted for every model
+            loss = self.label_smoother(outputs, inputs["labels"], shift_labels=True)
+        return (loss, outputs) if return_outputs else loss
 
 
 def _data_parallel_mean(value: float, device) -> float:

@@ -15,6 +15,10 @@ Choices:
   each chunk's logits, since per-token output grads are only known then.
 - ``z_loss`` adds ``z_loss * logsumexp^2`` per token (PaLM's auxiliary loss). Ignored tokens contribute 0; the caller
   divides by its token count.
+- ``label_smoothing`` (eps) gives transformers' ``LabelSmoother`` per token: ``(1 - eps) * -log p(label) + eps *
+  mean_v(-log p_v)`` over the true vocabulary (padding rows excluded), i.e. ``lse - (1 - eps) * x_label - eps *
+  mean_v(x_v)``; its logits grad is ``softmax - (1 - eps) * onehot - eps / V``. The row sum of the logits joins the
+  all-reduce of the sum of exponentials under TP.
 - On CUDA with Triton and without tensor parallelism, each chunk's loss and logits grad come from one Triton kernel
   (``_cross_entropy_triton.py``) that works on the logits in their own dtype, in place: the grad is rounded to that
   dtype as the torch path rounds it before the grad matmuls. The torch path is the CPU/TP path and the reference.
@@ -53,8 +57,10 @@ class _Plan:
 
     def __init__(self, labels: torch.Tensor, *, v_local: int, vocab_start: int, vocab_size: int, ignore_index: int,
                  z_loss: float, group, weight_grad_dtype: torch.dtype = torch.float32,
-                 token_stats: torch.Tensor | None = None) -> None:
+                 token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0) -> None:
         self.weight_grad_dtype = weight_grad_dtype
+        self.smoothing = label_smoothing
+        self.vocab_size = vocab_size
         self.token_stats = token_stats
         self.labels = labels
         self.vocab_start = vocab_start
@@ -79,7 +85,7 @@ class _Plan:
             logits = hidden[rows] @ weight.t()
             loss, *extra = _cross_entropy_triton.chunk_loss(
                 logits, self.local_label[rows], self.in_shard[rows], self.valid[rows], real_cols=self.real_rows,
-                z_loss=self.z_loss, with_grad=with_grad,
+                z_loss=self.z_loss, smoothing=self.smoothing, vocab_size=self.vocab_size, with_grad=with_grad,
                 row_scale=row_scale.to(torch.float32).contiguous() if row_scale is not None else None, stats=stats)
             if stats:
                 entropy, first_max = extra
@@ -97,6 +103,8 @@ class _Plan:
         in_shard = self.in_shard[rows]
         target = logits.gather(1, local_label[:, None]).squeeze(1)
         target = torch.where(in_shard, target, torch.zeros_like(target))
+        # NOTE: before the in-place exponentials below; the padding columns (-inf) left out
+        row_sum = logits[:, :self.real_rows].sum(dim=-1) if self.smoothing else None
         local_max = logits.max(dim=-1).values
         row_max = _all_reduce(local_max.clone() if stats else local_max, dist.ReduceOp.MAX, self.group)
         if stats:
@@ -104,16 +112,21 @@ class _Plan:
         # NOTE: a rank whose shard is all padding sees exp(-inf - max) = 0: it adds nothing.
         probs = torch.exp_(logits.sub_(row_max[:, None]))
         sums = [probs.sum(dim=-1), target]
+        if row_sum is not None:
+            sums.append(row_sum)
         if stats:
             # NOTE: sum of exp(x - max) * (x - max); xlogy gives 0, not nan, at the -inf (padding) columns.
             sums.append(torch.xlogy(probs, probs).sum(dim=-1))
-        sum_exp, target, *shifted_sum = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, self.group)
+        sum_exp, target, *rest = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, self.group)
+        row_sum = rest.pop(0) if row_sum is not None else None
         if stats:
             # NOTE: entropy = lse - sum(p * x) = log(sum_exp) - sum(exp(x - max) * (x - max)) / sum_exp
-            self._add_stats(rows, torch.log(sum_exp) - shifted_sum[0] / sum_exp, first_max)
+            self._add_stats(rows, torch.log(sum_exp) - rest[0] / sum_exp, first_max)
         lse = row_max + torch.log(sum_exp)
         valid = self.valid[rows]
         loss = lse - target
+        if row_sum is not None:
+            loss = loss + self.smoothing * (target - row_sum / self.vocab_size)
         if self.z_loss:
             loss = loss + self.z_loss * lse.square()
         loss = torch.where(valid, loss, torch.zeros_like(loss))
@@ -123,7 +136,9 @@ class _Plan:
         probs.div_(sum_exp[:, None])
         if self.z_loss:
             probs.mul_((1 + 2 * self.z_loss * lse)[:, None])
-        probs.scatter_add_(1, local_label[:, None], -in_shard.to(probs.dtype)[:, None])
+        probs.scatter_add_(1, local_label[:, None], -(1 - self.smoothing) * in_shard.to(probs.dtype)[:, None])
+        if self.smoothing:
+            probs[:, :self.real_rows] -= self.smoothing / self.vocab_size
         probs.mul_(valid.to(probs.dtype)[:, None])
         if row_scale is not None:
             probs.mul_(row_scale.to(torch.float32)[:, None])
@@ -225,14 +240,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          vocab_start: int | None = None, vocab_size: int | None = None,
                          chunk_size: int | None = None, z_loss: float = 0.0,
                          reduction: str = "sum", weight_grad_dtype: torch.dtype = torch.float32,
-                         token_stats: torch.Tensor | None = None) -> torch.Tensor:
+                         token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
     """Cross-entropy of ``hidden [N, H] @ weight[V_local, H].T`` against ``labels [N]``, chunked over tokens.
 
     ``vocab_start`` defaults to ``tp_rank * V_local`` (megatron's even split); ``vocab_size`` to ``V_local * tp_size``.
     Returns the fp32 sum over non-ignored tokens (``reduction="sum"``) or the fp32 per-token losses (``"none"``, 0 at
     ignored tokens). ``weight_grad_dtype``: the dtype the weight grad accumulates in over the chunks (fp32, or the
     weight's own dtype). ``token_stats``: an fp32 ``[2]`` tensor on the device the entropy sum and the top-1 count of
-    the non-ignored tokens are added to (see the module docstring).
+    the non-ignored tokens are added to (see the module docstring). ``label_smoothing``: transformers' label
+    smoothing factor, in ``[0, 1]``.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden must be [N, H] and weight [V_local, H]; got "
@@ -258,10 +274,40 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          f"got {token_stats.dtype} {tuple(token_stats.shape)} on {token_stats.device}.")
     if chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size must be positive, got {chunk_size}.")
+    check_label_smoothing(label_smoothing)
     plan = _Plan(labels, v_local=v_local, vocab_start=vocab_start, vocab_size=vocab_size,
                  ignore_index=ignore_index, z_loss=float(z_loss), group=tp_group,
-                 weight_grad_dtype=weight_grad_dtype, token_stats=token_stats)
+                 weight_grad_dtype=weight_grad_dtype, token_stats=token_stats,
+                 label_smoothing=float(label_smoothing))
     return _LinearCrossEntropy.apply(hidden, weight, labels, plan, chunk_size, reduction)
+
+
+def smoothing_term(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
+                   tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``x_label - mean_v(x_v)`` per token over the true vocabulary, from this rank's logits ``[..., V_local]``
+    (megatron's even vocabulary split over ``tp_group``) and in-range ``labels [...]``: a label-smoothed loss is
+    ``CE + eps * smoothing_term`` (module docstring), for losses computed from materialised logits. Both parts are
+    summed over the shards with megatron's reduce, whose backward hands each shard its own gradient."""
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    v_local = local_logits.shape[-1]
+    start = dist.get_rank(tp_group) * v_local if tp_group is not None else 0
+    logits = local_logits.float()[..., :max(0, min(v_local, vocab_size - start))]
+    local = labels - start
+    here = (local >= 0) & (local < logits.shape[-1])
+    target = torch.zeros(labels.shape, dtype=logits.dtype, device=logits.device)
+    if logits.shape[-1]:
+        picked = logits.gather(-1, torch.where(here, local, torch.zeros_like(local))[..., None]).squeeze(-1)
+        target = torch.where(here, picked, target)
+    parts = torch.stack((target, logits.sum(dim=-1)))
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        parts = reduce_from_tensor_model_parallel_region(parts, group=tp_group)
+    return parts[0] - parts[1] / vocab_size
+
+
+def check_label_smoothing(label_smoothing: float) -> None:
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}.")
 
 
 def _vocab_layout(name: str, labels: torch.Tensor, v_local: int, *, tp_group, vocab_start, vocab_size, ignore_index):

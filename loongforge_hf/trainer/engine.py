@@ -163,6 +163,9 @@ class MegatronEngine:
         # NOTE: how each micro-batch's router balancing loss enters the step (see the module docstring);
         # LoongSFTTrainer sets "mean".
         self.router_aux_reduction = "sum"
+        # NOTE: TrainingArguments.label_smoothing_factor: the training loss is transformers' LabelSmoother's (as
+        # Trainer normalises it: over the label tokens of the global batch), set by LoongTrainer
+        self.label_smoothing = 0.0
         # NOTE: TrainingArguments.neftune_noise_alpha's hooks (neftune.NoisyEmbeddings), set by LoongTrainer.train
         self.neftune = None
         self.optimizer_precision = optimizer_precision
@@ -516,9 +519,11 @@ class MegatronEngine:
                 stats = torch.zeros(2, dtype=torch.float32, device=device) if self.token_stats else None
                 if head is not None:
                     loss_sum = fused_loss_sum(output, labels, head, vocab_size=vocab_size,
-                                              weight_grad_dtype=self._head_grad_dtype, token_stats=stats)
+                                              weight_grad_dtype=self._head_grad_dtype, token_stats=stats,
+                                              label_smoothing=self.label_smoothing)
                 else:
-                    loss_sum = token_losses(output, labels, vocab_size=vocab_size).sum()
+                    loss_sum = token_losses(output, labels, vocab_size=vocab_size,
+                                            label_smoothing=self.label_smoothing).sum()
                     if stats is not None:
                         stats += local_logits_token_stats(output, labels, vocab_size=vocab_size)
                 reported = {"lm loss": (loss_sum.detach().clone(), count.detach().clone())}

@@ -8,6 +8,10 @@ Choices:
   (HF format through the bridge).
 - Logged per step like Trainer: ``loss`` (mean over all label tokens of the global batch), ``grad_norm``,
   ``learning_rate``; plus ``tokens_per_second`` and, when the device's peak is known, ``mfu``.
+- ``label_smoothing_factor``: the engine's loss is transformers' ``LabelSmoother`` (normalised over the global
+  batch's label tokens, as Trainer passes it ``num_items_in_batch``); evaluation smooths with Trainer's own smoother
+  on the model's logits, shifted as Trainer shifts a causal LM's. Trainer does not shift for an image-text model
+  (its class is not a causal LM), so that combination is refused here (LoongSFTTrainer: TRL always shifts).
 """
 
 from __future__ import annotations
@@ -90,9 +94,6 @@ class LoongTrainer(Trainer):
                             "transformers' schedulers from TrainingArguments)")
         if getattr(self, "optimizer_cls_and_kwargs", None) is not None:
             problems.append("optimizer_cls_and_kwargs (the step is always megatron's AdamW)")
-        if args.label_smoothing_factor:
-            problems.append(f"label_smoothing_factor={args.label_smoothing_factor} (the training loss is plain "
-                            "token cross-entropy)")
         # a user's subclass (between this class and LoongTrainer in the MRO) that overrides the per-step loss
         mine = type(self).__mro__[:type(self).__mro__.index(LoongTrainer)]
         overridden = sorted({name for cls in mine if not cls.__module__.startswith("loongforge_hf.")
@@ -111,6 +112,10 @@ class LoongTrainer(Trainer):
         if args.load_best_model_at_end and args.save_only_model:
             problems.append("load_best_model_at_end with save_only_model=True (the best weights are reloaded "
                             "from the checkpoint's megatron/ folder)")
+        if args.label_smoothing_factor and not self._smoothing_shifts():
+            problems.append(f"label_smoothing_factor with a {self.model.config.model_type} model (transformers."
+                            "Trainer smooths an image-text model's logits against unshifted labels; the megatron "
+                            "loss predicts the next token: use LoongSFTTrainer, which shifts as TRL does)")
         if problems:
             raise ValueError("LoongTrainer does not support: " + "; ".join(problems) + ".")
         # NOTE: transformers' router balancing loss (output_router_logits) trains as transformers.Trainer adds it
@@ -129,6 +134,23 @@ class LoongTrainer(Trainer):
                            "over all label tokens of the global batch (transformers.Trainer would average each "
                            "rank's own mean, and average the router balancing loss of output_router_logits over the "
                            "ranks where LoongTrainer sums it, as Trainer does with average_tokens_across_devices).")
+
+    def _smoothing_shifts(self) -> bool:
+        """Whether Trainer's label smoother shifts the labels by one for this model, as for a causal LM (its class
+        in transformers' causal-LM mapping)."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        return self.model.config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Evaluation's loss (training steps run in the megatron engine): Trainer's, but a label smoother shifts
+        the labels as for the transformers class (Trainer reads the class name, here a loongforge one)."""
+        if self.label_smoother is None or "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = self.label_smoother(outputs, labels, shift_labels=self._smoothing_shifts())
+        return (loss, outputs) if return_outputs else loss
 
     def _apply_ddp_timeout(self) -> None:
         """``TrainingArguments.ddp_timeout`` on the process groups training uses: transformers applies it when
@@ -274,6 +296,8 @@ class LoongTrainer(Trainer):
                                          optimizer_precision=getattr(self.args, "optimizer_precision", "fp32"),
                                          fused_adam=fused_adam_for(getattr(self.args, "adamw_kernel", "triton"),
                                                                    self.model.device))
+        # NOTE: evaluation smooths with Trainer's own label_smoother (compute_loss, on the model's logits)
+        self.engine.label_smoothing = float(self.args.label_smoothing_factor or 0.0)
         self.optimizer = self.engine.optimizer
         return self.optimizer
 

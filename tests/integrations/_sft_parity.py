@@ -66,6 +66,10 @@ SCENARIOS = {
     # NOTE: NEFTune's noise is drawn as TRL (transformers.Trainer) draws it, scaled by each padded batch's length
     "lora_neftune": ("text", {"neftune_noise_alpha": 5.0, "learning_rate": 2e-2},
                      dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")),
+    # NOTE: TRL's label-smoothed loss (transformers' LabelSmoother over the batch's label tokens), in evaluation too
+    "lora_label_smoothing": ("text", {"label_smoothing_factor": 0.3, "learning_rate": 2e-2, "eval_strategy": "steps",
+                                      "eval_steps": 1, "per_device_eval_batch_size": 2},
+                             dict(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")),
 }
 
 

@@ -1,16 +1,16 @@
 """LoongSFTTrainer against trl.SFTTrainer (with PEFT for LoRA) on the transformers model, same SFTConfig.
 
 Scenarios (see ``_sft_parity.SCENARIOS``): LoRA on all linears over a text dataset; rsLoRA on q/v with norms in
-modules_to_save over chat messages with assistant_only_loss; full fine-tuning over prompt/completion
-(completion-only loss); full fine-tuning with packing (BFD, padding-free batches); LoRA with NEFTune. TP=1 and TP=2;
-the chat LoRA and NEFTune scenarios also with sequence parallelism and at PP=2, as packing. The LoRA text scenario
-also evaluates after every step. At TP=2, a LoRA run resumed from its step-2 checkpoint logs the losses of the
-uninterrupted run.
+modules_to_save over chat messages with assistant_only_loss; full fine-tuning over prompt/completion (completion-only
+loss); full fine-tuning with packing (BFD, padding-free batches); LoRA with NEFTune; LoRA with label smoothing
+(evaluating after every step). TP=1 and TP=2; the chat LoRA, NEFTune and label-smoothing scenarios also with sequence
+parallelism and at PP=2, as packing. The LoRA text scenario also evaluates after every step. At TP=2, a LoRA run resumed
+from its step-2 checkpoint logs the losses of the uninterrupted run.
 
-Tolerances (fp32): every logged loss (and eval loss) within 1e-4 relative: only reduction order differs, so later
-steps agree as closely as the first; TRL's entropy (1e-4), mean_token_accuracy (1e-6) and num_tokens (exact) in
-every train and eval log; the saved adapter loaded with ``PeftModel.from_pretrained`` on the transformers
-model gives the trained Loong model's logits within 1e-3.
+Tolerances (fp32): every logged loss (and eval loss) within 1e-4 relative: only reduction order differs, so later steps
+agree as closely as the first; TRL's entropy (1e-4), mean_token_accuracy (1e-6) and num_tokens (exact) in every train
+and eval log; the saved adapter loaded with ``PeftModel.from_pretrained`` on the transformers model gives the trained
+Loong model's logits within 1e-3.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ._sft_parity import (SCENARIOS, assert_matches, moe_sft, plain_trainers_ref
 
 NAMES = list(SCENARIOS)
 # variable-length batches: one length per step under PP
-PP_NAMES = ["lora_qv_messages", "full_packing", "lora_neftune"]
+PP_NAMES = ["lora_qv_messages", "full_packing", "lora_neftune", "lora_label_smoothing"]
 
 
 def _tp1_world(folder: str, out_dir: str) -> dict:
@@ -66,7 +66,7 @@ PARTIAL_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_pr
                                                        "down_proj"], layers_to_transform=[0, 2])
 PARTIAL_LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}, "dp2": {}}
 GC_NAMES = ["lora_qv_messages", "full_prompt_completion", "lora_neftune"]
-SP_NAMES = ["lora_qv_messages", "lora_neftune"]
+SP_NAMES = ["lora_qv_messages", "lora_neftune", "lora_label_smoothing"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -147,8 +147,7 @@ def test_bad_loong_sft_config_is_refused(tmp_path):
 
 @pytest.mark.parametrize("field, value, message", [
     ("loss_type", "dft", "loss_type='dft'"), ("use_liger_kernel", True, "use_liger_kernel=True"),
-    ("activation_offloading", True, "activation_offloading=True"),
-    ("label_smoothing_factor", 0.1, "label_smoothing_factor")])
+    ("activation_offloading", True, "activation_offloading=True")])
 def test_sft_settings_the_engine_cannot_honour_are_refused(tmp_path, field, value, message):
     """SFTConfig fields that act in trl.SFTTrainer's compute_loss / training_step, which megatron's schedule never
     runs: refused instead of silently having no effect."""

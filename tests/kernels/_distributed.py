@@ -33,6 +33,9 @@ def cross_entropy_tp_matches_single_rank():
         "padded_vocab_z_loss": dict(vocab_size=41, z_loss=1e-3, chunk_size=5, reduction="sum"),
         "one_shard_all_padding": dict(vocab_size=20, chunk_size=None, reduction="sum"),
         "per_token": dict(vocab_size=41, chunk_size=8, reduction="none"),
+        "label_smoothing": dict(vocab_size=41, chunk_size=5, reduction="sum", label_smoothing=0.3),
+        "label_smoothing_per_token_one_shard_all_padding": dict(vocab_size=20, chunk_size=8, reduction="none",
+                                                                z_loss=1e-3, label_smoothing=0.2),
     }
     for seed, (name, kw) in enumerate(cases.items()):
         g = torch.Generator().manual_seed(seed)

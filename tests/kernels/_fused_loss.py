@@ -1,12 +1,13 @@
 """What each CPU rank runs in test_fused_loss.py (module-level so that spawned processes can import it).
 
-Each layout loads the same tiny checkpoint twice and compares the fused linear cross-entropy path (the default) with
-the materialised-logits path on this rank: the loss of ``forward(labels=..., return_logits=False)`` and its parameter
-gradients (pipeline size 1), then one ``MegatronEngine`` step (loss, gradient norm and the updated weights); the fused
-run also switches megatron's AdamW to torch's fused implementation (``fused_adam=True``; CPU has one too), the
-materialised run keeps megatron's foreach AdamW.
-fp32 throughout: only summation order differs, hence 1e-5 (weights after one Adam step of lr 1e-3: Adam normalises
-the gradient, so 1e-5 is 1% of a step even for gradients near zero).
+Each layout loads the same tiny checkpoint twice and compares the fused linear cross-entropy path (the default) with the
+materialised-logits path on this rank: the loss of ``forward(labels=..., return_logits=False)`` and its parameter
+gradients (pipeline size 1), then one ``MegatronEngine`` step (loss, gradient norm and the updated weights) with label
+smoothing 0.3 (TrainingArguments.label_smoothing_factor: the fused kernel's smoothing against the materialised logits'
+``kernels.cross_entropy.smoothing_term``, vocab-parallel under TP); the fused run also switches megatron's AdamW to
+torch's fused implementation (``fused_adam=True``; CPU has one too), the materialised run keeps megatron's foreach
+AdamW. fp32 throughout: only summation order differs, hence 1e-5 (weights after one Adam step of lr 1e-3: Adam
+normalises the gradient, so 1e-5 is 1% of a step even for gradients near zero).
 """
 
 import torch
@@ -71,6 +72,7 @@ def fused_matches_materialised(folder: str, out_dir: str, layouts: list[str]) ->
                 with torch.no_grad():
                     res["loss"] = model(**batches[0], return_logits=not fused).loss
             engine = MegatronEngine(model, args=args, fused_loss=fused, fused_adam=fused)
+            engine.label_smoothing = 0.3
             inner = engine.inner_optimizers()
             assert inner and all(bool(g["fused"]) is fused for o in inner for g in o.param_groups), name
             step = engine.train_step(batches)

@@ -114,21 +114,23 @@ def check_all(device: str, dtypes=(torch.float32, torch.bfloat16, torch.float16)
             _compare(name, lambda qkv: rotary_sbhd(qkv[..., d:2 * d], freqs), [qkv], dy, dtype,
                      atol16=max(two_ulps(qkv), two_ulps(dy)))
             checked.append(name)
-        # linear cross-entropy, one rank: padded vocabulary, ignored tokens, z-loss, sum and per-token reductions
+        # linear cross-entropy, one rank: padded vocabulary, ignored tokens, z-loss, label smoothing, sum and
+        # per-token reductions
         n, h, rows, vocab = (1000, 256, 5120, 5003) if big else (37, 16, 45, 41)
         hidden = torch.randn(n, h, generator=g).to(dtype).to(device)
         weight = (torch.randn(rows, h, generator=g) * 0.3).to(dtype).to(device)
         labels = torch.randint(0, vocab, (n,), generator=g)
         labels[::5] = -100
         labels = labels.to(device)
-        for reduction, z_loss, chunk in (("sum", 0.0, None), ("sum", 1e-3, 7), ("none", 1e-3, 9)):
-            name = f"linear_cross_entropy_{reduction}_z{z_loss}_c{chunk}{dtype}"
+        for reduction, z_loss, chunk, eps in (("sum", 0.0, None, 0.0), ("sum", 1e-3, 7, 0.0), ("none", 1e-3, 9, 0.0),
+                                              ("sum", 0.0, 7, 0.3), ("none", 1e-3, 9, 0.2)):
+            name = f"linear_cross_entropy_{reduction}_z{z_loss}_c{chunk}_ls{eps}{dtype}"
             grad = (torch.ones((), dtype=torch.float32) * 0.5 if reduction == "sum"
                     else torch.rand(n, generator=g)).to(device)
 
-            def fn(hidden, weight, reduction=reduction, z_loss=z_loss, chunk=chunk):
+            def fn(hidden, weight, reduction=reduction, z_loss=z_loss, chunk=chunk, eps=eps):
                 return linear_cross_entropy(hidden, weight, labels, vocab_size=vocab, z_loss=z_loss,
-                                            chunk_size=chunk, reduction=reduction)
+                                            chunk_size=chunk, reduction=reduction, label_smoothing=eps)
             # NOTE: the loss is an fp32 sum over tokens of fp32 terms: rtol only; grads as the other kernels
             _compare(name, fn, [hidden, weight], grad, dtype, last_atol_scale=math.sqrt(n))
             checked.append(name)

@@ -21,9 +21,9 @@ def _inputs(dtype, seed=0, n=N, v=V_PADDED):
     return hidden, weight, labels
 
 
-def reference(hidden, weight, labels, *, vocab_size=V_REAL, z_loss=0.0, reduction="sum"):
+def reference(hidden, weight, labels, *, vocab_size=V_REAL, z_loss=0.0, reduction="sum", label_smoothing=0.0):
     logits = (hidden @ weight[:vocab_size].t()).float()
-    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none", label_smoothing=label_smoothing)
     if z_loss:
         loss = loss + z_loss * torch.logsumexp(logits, dim=-1).square() * (labels != -100)
     return loss.sum() if reduction == "sum" else loss
@@ -37,12 +37,13 @@ def _grads(fn, hidden, weight, labels, grad_out=None, **kw):
 
 
 @pytest.mark.parametrize("chunk_size", [None, 1, 5, 1000])
-@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
-def test_sum_matches_cross_entropy_on_materialised_logits_fp32(chunk_size, z_loss):
+@pytest.mark.parametrize("z_loss, label_smoothing", [(0.0, 0.0), (1e-3, 0.0), (0.0, 0.3), (1e-3, 0.1)])
+def test_sum_matches_cross_entropy_on_materialised_logits_fp32(chunk_size, z_loss, label_smoothing):
     hidden, weight, labels = _inputs(torch.float32)
     loss, gh, gw = _grads(linear_cross_entropy, hidden, weight, labels, vocab_size=V_REAL, chunk_size=chunk_size,
-                          z_loss=z_loss)
-    ref_loss, ref_gh, ref_gw = _grads(reference, hidden, weight, labels, z_loss=z_loss)
+                          z_loss=z_loss, label_smoothing=label_smoothing)
+    ref_loss, ref_gh, ref_gw = _grads(reference, hidden, weight, labels, z_loss=z_loss,
+                                      label_smoothing=label_smoothing)
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gh, ref_gh, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gw, ref_gw, atol=1e-5, rtol=1e-5)
@@ -62,12 +63,31 @@ def test_per_token_losses_and_grads_with_arbitrary_output_grads(chunk_size):
     hidden, weight, labels = _inputs(torch.float32, seed=1)
     grad_out = torch.randn(N, generator=torch.Generator().manual_seed(9))
     loss, gh, gw = _grads(linear_cross_entropy, hidden, weight, labels, grad_out, vocab_size=V_REAL,
-                          reduction="none", chunk_size=chunk_size, z_loss=1e-3)
-    ref_loss, ref_gh, ref_gw = _grads(reference, hidden, weight, labels, grad_out, reduction="none", z_loss=1e-3)
+                          reduction="none", chunk_size=chunk_size, z_loss=1e-3, label_smoothing=0.2)
+    ref_loss, ref_gh, ref_gw = _grads(reference, hidden, weight, labels, grad_out, reduction="none", z_loss=1e-3,
+                                      label_smoothing=0.2)
     assert loss.shape == (N,) and torch.equal(loss[labels == -100], torch.zeros(int((labels == -100).sum())))
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gh, ref_gh, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gw, ref_gw, atol=1e-5, rtol=1e-5)
+
+
+def test_label_smoothing_is_transformers_label_smoother():
+    """The smoothed sum over tokens divided by their count is transformers' LabelSmoother on the same logits (which
+    normalises the smoothing term by the logits' vocabulary: the true one, without the padding rows)."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    hidden, weight, labels = _inputs(torch.float32, seed=4)
+    count = int((labels != -100).sum())
+    for eps in (0.1, 0.5, 1.0):
+        ours = linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL, chunk_size=6, label_smoothing=eps)
+        logits = (hidden @ weight[:V_REAL].t())[None]
+        theirs = LabelSmoother(epsilon=eps)({"logits": logits}, labels[None])
+        torch.testing.assert_close(ours / count, theirs, atol=1e-6, rtol=1e-6)
+    plain = linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL)
+    assert abs(float(ours - plain)) > 1e-2 * float(plain)  # the smoothing changes the loss
+    with pytest.raises(ValueError, match=r"label_smoothing must lie in \[0, 1\], got 1.5"):
+        linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL, label_smoothing=1.5)
 
 
 # bf16: logits are computed in bf16 on both sides and upcast; grads round to bf16 where autograd's do, but ours
@@ -123,6 +143,7 @@ def test_vocab_parallel_tp2_equals_tp1(distributed_op_results):
     # each rank asserted loss and grads at 1e-5 against TP=1 in its own process, and names the cases it checked
     for rank in distributed_op_results:
         assert rank["cross_entropy_tp2"] == ["padded_vocab_z_loss", "one_shard_all_padding", "per_token",
+                                             "label_smoothing", "label_smoothing_per_token_one_shard_all_padding",
                                              "token_stats_ties_across_shards"]
 
 

@@ -1,8 +1,8 @@
 """The training loss through the fused linear cross-entropy equals the loss on materialised logits.
 
-The checks run inside the ranks (``_fused_loss.py``): forward loss and parameter gradients, then one MegatronEngine
-step, fused vs. materialised, fp32 within 1e-5, for a tied Qwen3 (TP2 with and without sequence parallelism, PP2)
-and an untied Llama (DP2).
+The checks run inside the ranks (``_fused_loss.py``): forward loss and parameter gradients, then one MegatronEngine step
+with label smoothing, fused vs. materialised, fp32 within 1e-5, for a tied Qwen3 (TP2 with and without sequence
+parallelism, PP2) and an untied Llama (DP2).
 """
 
 import pytest

@@ -14,6 +14,7 @@ def test_triton_kernels_match_torch_paths_in_the_interpreter():
                               "check_all('cpu', dtypes=(torch.float32, torch.bfloat16))")
     assert any(c.startswith("rms_norm(") for c in checked) and any(c.startswith("swiglu") for c in checked)
     assert any(c.startswith("rms_norm_view") for c in checked) and any(c.startswith("rope") for c in checked)
+    assert sum(c.startswith("linear_cross_entropy") and "_ls0.0" not in c for c in checked) == 2 * 2  # smoothed
 
 
 def test_router_kernel_in_the_interpreter():
