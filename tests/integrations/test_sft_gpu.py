@@ -1,10 +1,11 @@
 """LoongSFTTrainer against trl.SFTTrainer on one CUDA GPU, fp32 with TF32 off on both sides: the engine's CUDA path
-(Triton cross-entropy kernel with its token stats, Triton RMSNorm / SwiGLU / RoPE, LoongAdamW) against TRL's own
-CUDA path (its chunked LM head), NEFTune included (its noise from the CUDA generator). Same scenarios, tolerances
-and checks as test_sft.py (``assert_matches``): every logged loss and eval loss within 1e-4, entropy 1e-4,
-mean_token_accuracy 1e-6, num_tokens exactly. And a Qwen3-MoE with TRL's router load-balancing loss
-(``test_sft.py::test_moe_router_aux_loss`` on CUDA: the grouped experts, the fused router and ``BalanceRouter``'s
-tally): losses and aux_loss within 1e-4, on one GPU and, where there are two, with pipeline parallel 2."""
+(Triton cross-entropy kernel with its token stats, Triton RMSNorm / SwiGLU / RoPE, LoongAdamW) against TRL's own CUDA
+path (its chunked LM head), NEFTune (its noise from the CUDA generator) and label smoothing (the Triton kernel's
+smoothed loss and grad) included. Same scenarios, tolerances and checks as test_sft.py (``assert_matches``): every
+logged loss and eval loss within 1e-4, entropy 1e-4, mean_token_accuracy 1e-6, num_tokens exactly. And a Qwen3-MoE
+with TRL's router load-balancing loss (``test_sft.py::test_moe_router_aux_loss`` on CUDA: the grouped experts, the
+fused router and ``BalanceRouter``'s tally): losses and aux_loss within 1e-4, on one GPU and, where there are two,
+with pipeline parallel 2."""
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from ._sft_parity import SCENARIOS, assert_matches, moe_sft, run_loong, run_trl
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-NAMES = ["lora_text", "full_packing", "lora_neftune"]
+NAMES = ["lora_text", "full_packing", "lora_neftune", "lora_label_smoothing"]
 # NOTE: NEFTune's noise comes from the CUDA generator here, and with 2 rows a micro-batch TRL's reference made no
 # top-1 hit on an H100 (assert_matches wants some, so that the accuracy is compared on something); 4 rows give hits
 _KIND, _OVERRIDES, _LORA = SCENARIOS["lora_neftune"]
