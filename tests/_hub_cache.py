@@ -18,13 +18,15 @@ def put_in_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes], commit:
     (repo / "refs" / branch).write_text(commit)
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
-    for name, data in files.items():
+    for name, data in files.items():  # NOTE: a name may hold folders ("sub/config.json"), as in a repo
         blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
         blob.write_bytes(data)
-        (snapshot / name).symlink_to(f"../../blobs/{blob.name}")
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).symlink_to("../" * (2 + name.count("/")) + f"blobs/{blob.name}")
     return snapshot
 
 
-def folder_in_hub_cache(folder: Path, cache: Path, repo_id: str) -> Path:
-    """``put_in_hub_cache`` with the files of a local folder (top level only)."""
-    return put_in_hub_cache(cache, repo_id, {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()})
+def folder_in_hub_cache(folder: Path, cache: Path, repo_id: str, prefix: str = "") -> Path:
+    """``put_in_hub_cache`` with the files of a local folder (top level only), under ``prefix`` in the repo."""
+    return put_in_hub_cache(cache, repo_id,
+                            {prefix + p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()})
