@@ -26,7 +26,6 @@ def put_in_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes], commit:
     return snapshot
 
 
-def folder_in_hub_cache(folder: Path, cache: Path, repo_id: str, prefix: str = "") -> Path:
-    """``put_in_hub_cache`` with the files of a local folder (top level only), under ``prefix`` in the repo."""
-    return put_in_hub_cache(cache, repo_id,
-                            {prefix + p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()})
+def folder_in_hub_cache(folder: Path, cache: Path, repo_id: str) -> Path:
+    """``put_in_hub_cache`` with the files of a local folder (top level only)."""
+    return put_in_hub_cache(cache, repo_id, {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()})

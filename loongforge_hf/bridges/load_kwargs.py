@@ -156,11 +156,16 @@ def single_device(device_map) -> torch.device | None:
         raise ValueError(f"from_pretrained: device_map={device_map!r} spreads the model over several devices of "
                          f"one process; here each process holds its part on one device: {_LAYOUT}.")
     value = next(iter(device_map.values()), None) if isinstance(device_map, dict) else device_map
+    if value == "disk":
+        raise ValueError(f"from_pretrained: device_map={device_map!r}: offloading is not supported.")
     from loongforge_hf.xpu import get_backend
 
     kind = get_backend().device().type
-    try:  # NOTE: an int is an accelerator's index, as in transformers
-        device = torch.device(kind, value) if isinstance(value, int) and kind != "cpu" else torch.device(value)
+    if isinstance(value, int) and kind == "cpu":  # NOTE: an int is an accelerator's index, as in transformers
+        raise ValueError(f"from_pretrained: device_map={device_map!r} places the model on accelerator {value}, but "
+                         "this run's devices are 'cpu'; pass device_map=None, 'auto' or 'cpu'.")
+    try:
+        device = torch.device(kind, value) if isinstance(value, int) else torch.device(value)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"from_pretrained: device_map={device_map!r} names no device ({err}).") from err
     if device.type != kind:
@@ -204,6 +209,8 @@ def load_config(folder: Path, options: LoadOptions, *, trust_remote_code: bool, 
                         + (", and config= was given" if given is not None else "") + ").")
     if overrides:
         logger.info("from_pretrained: config overrides %s.", overrides)
+    if given is not None:
+        config._name_or_path = str(folder)  # NOTE: as transformers names the model's, not the config's source
     for name in ("attn_implementation", "experts_implementation"):
         if getattr(options, name) is not None:
             setattr(config, f"_{name}", getattr(options, name))

@@ -328,10 +328,11 @@ class AutoModelForImageTextToText:
             reader.close()
         _freeze(chunks, bridge, vision=freeze_vision, projector=freeze_projector, language=freeze_language)
         hf_config.dtype = param_dtype
+        # NOTE: LoongTrainer reads these from model.config; Qwen2.5-VL keeps them in text_config only. Set alike on
+        # the config as loaded (config overrides), they are no change for save_pretrained to write.
         for config in (hf_config, config_on_file):
-            if config is not None:  # NOTE: LoongTrainer reads these from model.config; Qwen2.5-VL keeps them in
-                config.vocab_size = config.text_config.vocab_size  # text_config only.
-                config.max_position_embeddings = config.text_config.max_position_embeddings
+            if config is not None:
+                config.vocab_size, config.max_position_embeddings = text.vocab_size, text.max_position_embeddings
         model = LoongModelForImageTextToText(hf_config=hf_config, bridge=bridge, language_model=language,
                                              chunks=chunks, parallel=layout, source=folder,
                                              vision_layout=vision_layout,
