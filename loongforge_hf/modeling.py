@@ -152,7 +152,11 @@ def _auto_layout(hf_config, param_dtype: torch.dtype) -> ParallelConfig:
 class LoongModelForCausalLM(nn.Module):
     """A causal LM whose layers are megatron-core modules, laid out by a ``ParallelConfig``."""
 
-    def __init__(self, *, hf_config, bridge, megatron_model, parallel: ParallelConfig, source: Path | None) -> None:
+    def __init__(self, *, hf_config, bridge, megatron_model, parallel: ParallelConfig, source: Path | None,
+                 config_at_load: dict | None = None, source_variant: str | None = None) -> None:
+        """``config_at_load``: the source's config (``to_dict()``) where ``hf_config`` differs from it
+        (from_pretrained's config overrides): save_pretrained writes the differences. ``source_variant``: the
+        variant of the source's weight files."""
         super().__init__()
         self.config = hf_config
         self.bridge = bridge
@@ -160,6 +164,7 @@ class LoongModelForCausalLM(nn.Module):
         self.chunks = nn.ModuleList(megatron_model.chunks)
         self.parallel = parallel
         self.source = source
+        self.source_variant = source_variant
         from transformers import GenerationConfig
 
         from loongforge_hf.bridges import router_balance
@@ -175,7 +180,8 @@ class LoongModelForCausalLM(nn.Module):
             self._generation_at_load = self.generation_config.to_diff_dict()
         else:  # NOTE: as transformers derives one (bos / eos / pad ids) and saves it
             self.generation_config = GenerationConfig.from_model_config(hf_config)
-        self._config_at_load = hf_config.to_dict()  # save_pretrained writes the fields changed since
+        # save_pretrained writes the fields changed since
+        self._config_at_load = config_at_load if config_at_load is not None else hf_config.to_dict()
 
     def config_changes(self) -> dict:
         """The fields of ``self.config`` changed since load (``save_pretrained`` writes them into config.json)."""
@@ -302,7 +308,7 @@ class LoongModelForCausalLM(nn.Module):
         export_hf(self.megatron, self.bridge, self.parallel, Path(save_directory), source=self.source,
                   max_shard_size=max_shard_size, dtype=dtype, config_changes=self.config_changes(),
                   generation_config=self.generation_config_to_write(),
-                  side_files_dir=side_files_dir)
+                  side_files_dir=side_files_dir, source_variant=self.source_variant)
 
     def push_to_hub(self, repo_id: str, *, token: str | None = None, private: bool | None = None,
                     commit_message: str = "Upload model with loongforge-hf", revision: str | None = None,
@@ -404,30 +410,32 @@ class AutoModelForCausalLM:
                         **unused: Any) -> LoongModelForCausalLM:
         # NOTE: megatron_config: extra megatron-core TransformerConfig fields (see bridges/builder.py), e.g.
         # {"overlap_moe_expert_parallel_comm": True}; docs/parallelism.md lists the ones that run without TE.
+        # ``unused``: transformers' other from_pretrained keywords and config overrides (bridges/load_kwargs.py).
         arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
-        from transformers import AutoConfig
-
         from loongforge_hf.bridges import get_bridge, router_balance
         from loongforge_hf.bridges.builder import (build_megatron_model, check_megatron_config,
                                                    interleaved_p2p_settings)
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.hub import resolve_checkpoint
+        from loongforge_hf.bridges.load_kwargs import (check_device, finish_load, load_config, loading_info,
+                                                       sort_load_kwargs)
         from loongforge_hf.bridges.loader import load_into
+        from loongforge_hf.lora.load import adapter_base_model, is_adapter_folder, load_adapter
         from loongforge_hf.parallel import initialize_parallel
 
-        if unused:
-            raise TypeError(f"from_pretrained got unexpected keyword arguments: {sorted(unused)}.")
-        from loongforge_hf.lora.load import adapter_base_model, is_adapter_folder, load_adapter
-
         # --- local checks: same verdict on every rank, before any collective -------------------------------
-        folder = resolve_checkpoint(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir,
-                                    local_files_only=local_files_only, token=token, allow_pickle=allow_pickle)
+        options = sort_load_kwargs(unused, allow_pickle=allow_pickle)
+        hub = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token,
+                   allow_pickle=allow_pickle, **options.hub)
+        folder = resolve_checkpoint(pretrained_model_name_or_path, **hub)
         if is_adapter_folder(folder):
             # NOTE: as transformers with peft installed: a PEFT adapter (a folder or a hub id) loads its base model
             # (with these same arguments, revision included), then the adapter onto it (frozen, as
             # PeftModel.from_pretrained's default).
-            model = cls.from_pretrained(adapter_base_model(folder), **arguments)
-            return load_adapter(model, folder, allow_pickle=allow_pickle)
+            loaded = cls.from_pretrained(adapter_base_model(folder), **arguments, **unused)
+            model = load_adapter(loaded[0] if options.output_loading_info else loaded, folder,
+                                 allow_pickle=allow_pickle)
+            return (model, loaded[1]) if options.output_loading_info else model
         te_recipe = None  # a Transformer Engine FP8 recipe: built into the model (kernels/fp8_te.py)
         if fp8 is not None:  # NOTE: FP8 linear layers, see docs/fp8.md
             from loongforge_hf.kernels.fp8_linear import check_fp8_request, enable_fp8
@@ -446,9 +454,9 @@ class AutoModelForCausalLM:
                                       f"{sorted(k for k, v in sizes.items() if v is not None)} or parallel='auto'.")
         layout = None if auto else resolve_parallel(parallel, sizes)
 
-        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        hf_config, config_on_file = load_config(folder, options, trust_remote_code=trust_remote_code, hub=hub)
         bridge = get_bridge(hf_config)
-        reader = CheckpointReader(folder, allow_pickle=allow_pickle)
+        reader = CheckpointReader(folder, allow_pickle=allow_pickle, **options.files)
         try:
             param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, reader)
             if auto:
@@ -464,6 +472,7 @@ class AutoModelForCausalLM:
             if layout.interleaved_stages:
                 interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
             reader.validate_shapes(bridge.expected_hf_shapes())
+            info = loading_info(reader, bridge) if options.output_loading_info else None
             # --- collective part ----------------------------------------------------------------------------
             initialize_parallel(layout, seed=seed,
                                 cudagraph_rng=(megatron_config or {}).get("cuda_graph_impl") == "local")
@@ -472,6 +481,7 @@ class AutoModelForCausalLM:
             # NOTE: each rank builds and loads only its own part (a bad tensor fails on the ranks that read it):
             # the ranks agree on the outcome, so all of them raise, none returns a model whose next collective hangs.
             with failing_alike(pretrained_model_name_or_path):
+                check_device(options.device)
                 megatron_model = build_megatron_model(bridge, layout, dtype=param_dtype,
                                                       megatron_config=megatron_config, te_fp8_recipe=te_recipe)
                 load_into(megatron_model, bridge, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -485,5 +495,7 @@ class AutoModelForCausalLM:
         hf_config.dtype = param_dtype
         keep_hub_name(hf_config, pretrained_model_name_or_path)
         model = LoongModelForCausalLM(hf_config=hf_config, bridge=bridge, megatron_model=megatron_model,
-                                      parallel=layout, source=folder)
-        return model.eval()  # NOTE: as transformers returns it: no dropout until a trainer calls train()
+                                      parallel=layout, source=folder, source_variant=options.files.get("variant"),
+                                      config_at_load=config_on_file.to_dict() if config_on_file else None)
+        # NOTE: eval mode as transformers returns it: no dropout until a trainer calls train()
+        return finish_load(model.eval(), options, info)

@@ -18,10 +18,11 @@ def put_in_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes], commit:
     (repo / "refs" / branch).write_text(commit)
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
-    for name, data in files.items():
+    for name, data in files.items():  # NOTE: a name may hold folders ("sub/config.json"), as in a repo
         blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
         blob.write_bytes(data)
-        (snapshot / name).symlink_to(f"../../blobs/{blob.name}")
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).symlink_to("../" * (2 + name.count("/")) + f"blobs/{blob.name}")
     return snapshot
 
 

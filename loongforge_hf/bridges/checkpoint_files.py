@@ -3,7 +3,8 @@ weights, and which shard paths an index may name.
 
 Choices:
 - File names are transformers': ``model.safetensors``, ``model.safetensors.index.json``, and for pickle weights
-  ``pytorch_model.bin``, ``pytorch_model.bin.index.json``.
+  ``pytorch_model.bin``, ``pytorch_model.bin.index.json``; a ``variant`` goes in before the last suffix as
+  transformers' ``_add_variant`` puts it (``model.fp16.safetensors``, ``model.safetensors.index.fp16.json``).
 - A safetensors header is parsed and checked without reading tensor data: its length field, its JSON, every entry's
   dtype, shape and byte range, that every byte range fits the file (a truncated download fails here, not half way
   through loading) and holds exactly the bytes its dtype and shape need.
@@ -45,6 +46,14 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     }.items()
     if hasattr(torch, attr)
 }
+
+
+def weight_file_names(variant: str | None = None) -> tuple[str, str, str, str]:
+    """The weight file names (safetensors, its index, pickle, its index) of ``variant`` (None: the plain ones)."""
+    names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, PICKLE_WEIGHTS_NAME, PICKLE_WEIGHTS_INDEX_NAME)
+    if variant is None:
+        return names
+    return tuple(f"{stem}.{variant}.{suffix}" for stem, suffix in (name.rsplit(".", 1) for name in names))
 
 
 class CheckpointError(ValueError):
@@ -137,10 +146,8 @@ def _allowed_roots(folder: Path) -> list[Path]:
     every checkpoint served from the HF cache.
     """
     root = folder.resolve()
-    roots = [root]
-    if root.parent.name == "snapshots":
-        roots.append(root.parent.parent / "blobs")
-    return roots
+    # NOTE: a ``subfolder`` of a snapshot (<repo>/snapshots/<commit>/<subfolder>) links into the same blobs
+    return [root] + [p.parent.parent / "blobs" for p in (root, *root.parents) if p.parent.name == "snapshots"][:1]
 
 
 def _check_inside(folder: Path, shard: str, *, index: Path, tensor: str) -> Path:

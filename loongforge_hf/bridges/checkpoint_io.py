@@ -2,8 +2,9 @@
 
 Choices:
 - Only transformers' file names are read, in its order: ``model.safetensors``, else ``model.safetensors.index.json`` +
-  shards. Pickle weights (``pytorch_model.bin``, ``pytorch_model.bin.index.json``) only with ``allow_pickle=True``, and
-  then through ``torch.load(weights_only=True, mmap=True)``: no code runs, no tensor data is read until asked for.
+  shards (a ``variant``'s names if given; ``use_safetensors`` True / False: only safetensors / only pickle). Pickle
+  weights (``pytorch_model.bin``, ``pytorch_model.bin.index.json``) only with ``allow_pickle=True``, through
+  ``torch.load(weights_only=True, mmap=True)``: no code runs, no tensor data is read until asked for.
 - Everything that can be checked without tensor data is checked in ``__init__``, so every rank fails alike before any
   collective: the index parses, every shard it names exists and stays inside the folder (no absolute paths, no ``..``,
   no symlink leading out), every safetensors header parses and its byte ranges fit the file (a truncated download fails
@@ -40,7 +41,7 @@ import torch
 from .checkpoint_files import (  # noqa: F401 (re-exported: callers import these from checkpoint_io)
     _MAX_HEADER_BYTES, _SAFETENSORS_DTYPES, PICKLE_WEIGHTS_INDEX_NAME, PICKLE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME, CheckpointError, _allowed_roots, _check_inside, _numel, _read_index, load_pickle_weights,
-    read_safetensors_header,
+    read_safetensors_header, weight_file_names,
 )
 from .parallel_io import read_runs
 
@@ -58,9 +59,12 @@ class _TensorInfo:
 class CheckpointReader:
     """Lazy, validated access to the tensors of one HF checkpoint folder."""
 
-    def __init__(self, folder: str | os.PathLike, *, allow_pickle: bool = False) -> None:
+    def __init__(self, folder: str | os.PathLike, *, allow_pickle: bool = False, variant: str | None = None,
+                 use_safetensors: bool | None = None) -> None:
         self.folder = Path(folder)
         self.allow_pickle = allow_pickle
+        self.variant, self.use_safetensors = variant, use_safetensors
+        safe, safe_index, self._pickle_name, self._pickle_index = weight_file_names(variant)
         self.opened_files: set[str] = set()
         self._fds: dict[str, int] = {}
         self._pickled: dict[str, Mapping[str, torch.Tensor]] = {}
@@ -69,12 +73,13 @@ class CheckpointReader:
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder}: not a checkpoint folder (no such directory).")
         # NOTE: same precedence as transformers' from_pretrained (single file first), so both load the same weights.
-        if (self.folder / SAFE_WEIGHTS_NAME).is_file():
-            self.format = "safetensors"
-            self._init_single(SAFE_WEIGHTS_NAME)
-        elif (self.folder / SAFE_WEIGHTS_INDEX_NAME).is_file():
-            self.format = "safetensors"
-            self._init_sharded(self.folder / SAFE_WEIGHTS_INDEX_NAME)
+        self.format = "safetensors"
+        if use_safetensors is not False and (self.folder / safe).is_file():
+            self._init_single(safe)
+        elif use_safetensors is not False and (self.folder / safe_index).is_file():
+            self._init_sharded(self.folder / safe_index)
+        elif use_safetensors:
+            raise CheckpointError(f"No {safe} or {safe_index} in {self.folder} (use_safetensors=True).")
         else:
             self.format = "pickle"
             self._init_pickle()
@@ -91,9 +96,8 @@ class CheckpointReader:
         for tensor, shard in weight_map.items():
             entry = headers[shard].get(tensor)
             if entry is None:
-                raise CheckpointError(
-                    f"{index_path}: places tensor {tensor!r} in {shard!r}, but that shard does not hold it."
-                )
+                raise CheckpointError(f"{index_path}: places tensor {tensor!r} in {shard!r}, but that shard does not "
+                                      "hold it.")
             self._infos[tensor] = _TensorInfo(shard, entry["dtype"], entry["shape"], entry["offset"])
 
     def _init_single(self, name: str) -> None:
@@ -103,19 +107,18 @@ class CheckpointReader:
             self._infos[tensor] = _TensorInfo(name, entry["dtype"], entry["shape"], entry["offset"])
 
     def _init_pickle(self) -> None:
-        index_path = self.folder / PICKLE_WEIGHTS_INDEX_NAME
-        single_path = self.folder / PICKLE_WEIGHTS_NAME
+        index_path, single_path = self.folder / self._pickle_index, self.folder / self._pickle_name
         if not index_path.is_file() and not single_path.is_file():
             others = sorted(p.name for p in self.folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
             found = f" (found {', '.join(others)}, but not under transformers' names)" if others else ""
-            raise CheckpointError(
-                f"No weights found in {self.folder}: expected {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}"
-                f"{found}."
-            )
+            wanted = weight_file_names(self.variant)[slice(0, 2) if self.use_safetensors is None else slice(2, 4)]
+            raise CheckpointError(f"No weights found in {self.folder}: expected {' or '.join(wanted)}{found}"
+                                  + ("" if self.use_safetensors is None else " (use_safetensors=False)") + ".")
         if not self.allow_pickle:
             which = index_path.name if index_path.is_file() else single_path.name
+            holds = "holds only" if self.use_safetensors is None else "is read from (use_safetensors=False)"
             raise CheckpointError(
-                f"{self.folder} holds only pickle weights ({which}); pickle checkpoints are refused unless "
+                f"{self.folder} {holds} pickle weights ({which}); pickle checkpoints are refused unless "
                 f"allow_pickle=True (they are then loaded with torch.load(weights_only=True)). Prefer converting "
                 f"the checkpoint to safetensors."
             )
@@ -125,8 +128,8 @@ class CheckpointReader:
                 if shard not in self._paths:
                     self._paths[shard] = _check_inside(self.folder, shard, index=index_path, tensor=tensor)
         else:
-            self._paths[PICKLE_WEIGHTS_NAME] = single_path
-            weight_map = {tensor: PICKLE_WEIGHTS_NAME for tensor in self._load_pickle(PICKLE_WEIGHTS_NAME)}
+            self._paths[single_path.name] = single_path
+            weight_map = {tensor: single_path.name for tensor in self._load_pickle(single_path.name)}
         for tensor, shard in weight_map.items():
             # NOTE: pickle files carry no separate header; shapes come from the (mmapped) shard when first asked for.
             self._infos[tensor] = _TensorInfo(shard, "", ())
@@ -148,9 +151,8 @@ class CheckpointReader:
         info = self._info(name)
         state = self._load_pickle(info.shard)
         if name not in state:
-            raise CheckpointError(
-                f"{self._paths[info.shard]}: the index places tensor {name!r} in this file, but it does not hold it."
-            )
+            raise CheckpointError(f"{self._paths[info.shard]}: the index places tensor {name!r} in this file, but it "
+                                  "does not hold it.")
         return state[name]
 
     def _fd(self, shard: str) -> int:
@@ -290,9 +292,8 @@ class CheckpointReader:
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def __repr__(self) -> str:

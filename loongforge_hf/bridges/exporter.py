@@ -117,7 +117,7 @@ def _expert_senders(*, pp_rank: int, ep_rank: int, etp_rank: int, edp_rank: int)
     return {(pp, ep): r for r, (pp, ep, etp, edp) in enumerate(everyone) if etp == 0 and edp == 0}
 
 
-def _passthrough(bridge, source: Path | None) -> list[tuple[str, torch.Tensor]]:
+def _passthrough(bridge, source: Path | None, variant: str | None) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every source tensor the bridge keeps without a megatron home, read now, in source order.
 
     Only a bridge that keeps such tensors opens the source (safetensors only: a pickle source of such a model fails
@@ -126,15 +126,17 @@ def _passthrough(bridge, source: Path | None) -> list[tuple[str, torch.Tensor]]:
         return []
     from loongforge_hf.bridges.checkpoint_io import CheckpointReader
 
-    with CheckpointReader(source) as raw:
+    with CheckpointReader(source, variant=variant) as raw:
         reader = dequantizing_reader(raw)  # FP8 block-scaled tensors are written dequantised, like the rest
         return [(n, reader.get(n).clone()) for n in bridge.passthrough_names(reader.keys())]
 
 
 def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shard_size="5GB",
               dtype: torch.dtype | None = None, extra_tensors=None, config_changes: dict | None = None,
-              generation_config=None, side_files_dir: str | os.PathLike | None = None) -> None:
-    """``config_changes`` / ``generation_config`` / ``side_files_dir``: what ``export_files.write_side_files`` writes
+              generation_config=None, side_files_dir: str | os.PathLike | None = None,
+              source_variant: str | None = None) -> None:
+    """``source_variant``: the variant of the source's weight files (read for ``passthrough_names``).
+    ``config_changes`` / ``generation_config`` / ``side_files_dir``: what ``export_files.write_side_files`` writes
     besides the source's files (config fields changed since load; a generation config to write, None to copy the
     source's; a folder of files to write too, read on rank 0)."""
     from megatron.core import parallel_state as ps
@@ -248,7 +250,7 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
                     error = f"{type(e).__name__}: {e}"
         if writer is not None and error is None:
             try:
-                for n, t in _passthrough(bridge, source):
+                for n, t in _passthrough(bridge, source, source_variant):
                     writer.add(n, t)
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {e}"

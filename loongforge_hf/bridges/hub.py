@@ -5,6 +5,9 @@ Choices:
 - Anything else is a hub id resolved by ``huggingface_hub.snapshot_download`` into the HF cache, downloading only what a
   model needs: configs (``*.json``), safetensors weights, tokenizer and processor files. Pickle weights (``*.bin``,
   ``*.pt``) are fetched only when the caller opts in with ``allow_pickle=True``, and remote code (``*.py``) never.
+- ``subfolder`` (transformers' keyword): the checkpoint is that folder of the local folder or of the hub repo (only
+  its files are fetched). ``force_download`` re-fetches them from the hub; offline it is an error, as in transformers
+  (huggingface_hub refuses ``force_download`` with ``local_files_only``); for a local folder it has no effect.
 - Offline mode (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``, or ``local_files_only=True``) serves from the cache only.
   ``HF_HUB_OFFLINE`` and ``HF_HUB_CACHE`` are read when this is called, not when huggingface_hub was imported, so a
   script (or a test) that sets them late is still honoured.
@@ -55,18 +58,26 @@ def resolve_checkpoint(
     local_files_only: bool = False,
     token: str | bool | None = None,
     allow_pickle: bool = False,
+    subfolder: str = "",
+    force_download: bool = False,
+    tqdm_class=None,
 ) -> Path:
-    """The local folder holding the checkpoint ``path_or_id`` (a folder, or a hub id fetched into the HF cache)."""
+    """The local folder holding the checkpoint ``path_or_id`` (a folder, or a hub id fetched into the HF cache), or
+    its ``subfolder``."""
     local = Path(path_or_id).expanduser()
     if local.is_dir():
-        return local.resolve()
+        return _subfolder(local.resolve(), subfolder, path_or_id)
     if local.exists():
         raise CheckpointError(f"{str(path_or_id)!r} is a file; a checkpoint is a folder (or a hub id).")
 
     offline = is_offline(local_files_only)
+    if force_download and offline:
+        raise CheckpointError(f"{str(path_or_id)!r}: force_download=True needs the hub, but "
+                              f"{_mode(offline, local_files_only)}.")
     if cache_dir is None and os.environ.get("HF_HUB_CACHE"):
         cache_dir = os.path.expanduser(os.environ["HF_HUB_CACHE"])
     patterns = list(CHECKPOINT_PATTERNS) + (list(PICKLE_PATTERNS) if allow_pickle else [])
+    prefix = f"{subfolder.strip('/')}/" if subfolder else ""
     try:
         folder = snapshot_download(
             str(path_or_id),
@@ -74,7 +85,9 @@ def resolve_checkpoint(
             cache_dir=cache_dir,
             local_files_only=offline,
             token=token,
-            allow_patterns=patterns,
+            allow_patterns=[prefix + p for p in patterns],
+            force_download=force_download,
+            tqdm_class=tqdm_class,
         )
     except HFValidationError as err:
         raise CheckpointError(
@@ -88,7 +101,15 @@ def resolve_checkpoint(
             f"{str(path_or_id)!r} is not a local folder, and as a hub id{at} it could not be resolved "
             f"({_mode(offline, local_files_only)}; HF cache {cache}): {type(err).__name__}: {err}"
         ) from err
-    return Path(folder).resolve()
+    return _subfolder(Path(folder).resolve(), subfolder, path_or_id)
+
+
+def _subfolder(folder: Path, subfolder: str, path_or_id) -> Path:
+    if not subfolder:
+        return folder
+    if Path(subfolder).is_absolute() or ".." in Path(subfolder).parts or not (folder / subfolder).is_dir():
+        raise CheckpointError(f"{str(path_or_id)!r} has no subfolder {subfolder!r} (looked in {folder}).")
+    return folder / subfolder
 
 
 def _mode(offline: bool, local_files_only: bool) -> str:

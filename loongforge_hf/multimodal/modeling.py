@@ -67,9 +67,9 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
     """A vision-language model: megatron-core language model, vision tower beside it."""
 
     def __init__(self, *, hf_config, bridge, language_model, chunks, parallel, source: Path | None,
-                 vision_layout: str) -> None:
+                 vision_layout: str, config_at_load: dict | None = None) -> None:
         super().__init__(hf_config=hf_config, bridge=bridge, megatron_model=replace(language_model, chunks=chunks),
-                         parallel=parallel, source=source)
+                         parallel=parallel, source=source, config_at_load=config_at_load)
         self.language_model = language_model
         self.vision_layout = vision_layout
 
@@ -246,11 +246,12 @@ class AutoModelForImageTextToText:
                         token: str | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
                         seed: int = 1234, fp8: str | None = None, fp8_recipe: str | None = None,
                         **unused: Any) -> LoongModelForImageTextToText:
-        from transformers import AutoConfig
-
+        # NOTE: ``unused``: transformers' other from_pretrained keywords and config overrides (bridges/load_kwargs.py)
         from loongforge_hf.bridges.builder import build_megatron_model
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.hub import resolve_checkpoint
+        from loongforge_hf.bridges.load_kwargs import (check_device, finish_load, load_config, loading_info,
+                                                       sort_load_kwargs)
         from loongforge_hf.bridges.loader import load_into
         from loongforge_hf.bridges.qwen2_5_vl import get_vl_bridge
         from loongforge_hf.multimodal.chunk import VisionLanguageChunk
@@ -259,8 +260,7 @@ class AutoModelForImageTextToText:
         from loongforge_hf.parallel import initialize_parallel
         from loongforge_hf.xpu import get_backend
 
-        if unused:
-            raise TypeError(f"from_pretrained got unexpected keyword arguments: {sorted(unused)}.")
+        options = sort_load_kwargs(unused, allow_pickle=allow_pickle)
         if fp8 is not None:  # NOTE: FP8 linear layers of the language model and the vision tower, see docs/fp8.md
             from loongforge_hf.kernels.fp8 import Fp8Error
             from loongforge_hf.kernels.fp8_linear import check_fp8_request
@@ -279,10 +279,11 @@ class AutoModelForImageTextToText:
         layout = resolve_parallel(parallel, sizes)
 
         # --- local checks: same verdict on every rank, before any collective -------------------------------
-        folder = resolve_checkpoint(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir,
-                                    local_files_only=local_files_only, token=token, allow_pickle=allow_pickle)
-        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        reader = CheckpointReader(folder, allow_pickle=allow_pickle)
+        hub = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token,
+                   allow_pickle=allow_pickle, **options.hub)
+        folder = resolve_checkpoint(pretrained_model_name_or_path, **hub)
+        hf_config, config_on_file = load_config(folder, options, trust_remote_code=trust_remote_code, hub=hub)
+        reader = CheckpointReader(folder, allow_pickle=allow_pickle, **options.files)
         try:
             bridge = get_vl_bridge(hf_config, reader.keys())
             text = hf_config.text_config
@@ -296,6 +297,7 @@ class AutoModelForImageTextToText:
                                            vision_config=bridge.vision_config)
             param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, reader)
             reader.validate_shapes(bridge.expected_hf_shapes())
+            info = loading_info(reader, bridge) if options.output_loading_info else None
             # --- collective part ----------------------------------------------------------------------------
             initialize_parallel(layout, seed=seed)
             from megatron.core import parallel_state as ps
@@ -305,6 +307,7 @@ class AutoModelForImageTextToText:
             # NOTE: a rank-local failure (the language model's or, on the first stage, the tower's part) raises on
             # every rank alike (see modeling.failing_alike)
             with failing_alike(pretrained_model_name_or_path):
+                check_device(options.device)
                 language = build_megatron_model(bridge.text, layout, dtype=param_dtype)
                 if language_recompute:
                     _recompute_every_layer(language)
@@ -325,19 +328,23 @@ class AutoModelForImageTextToText:
             reader.close()
         _freeze(chunks, bridge, vision=freeze_vision, projector=freeze_projector, language=freeze_language)
         hf_config.dtype = param_dtype
-        # NOTE: LoongTrainer reads these from model.config; Qwen2.5-VL keeps them in text_config only.
-        hf_config.vocab_size = text.vocab_size
-        hf_config.max_position_embeddings = text.max_position_embeddings
+        # NOTE: LoongTrainer reads these from model.config; Qwen2.5-VL keeps them in text_config only. Set alike on
+        # the config as loaded (config overrides), they are no change for save_pretrained to write.
+        for config in (hf_config, config_on_file):
+            if config is not None:
+                config.vocab_size, config.max_position_embeddings = text.vocab_size, text.max_position_embeddings
         model = LoongModelForImageTextToText(hf_config=hf_config, bridge=bridge, language_model=language,
                                              chunks=chunks, parallel=layout, source=folder,
-                                             vision_layout=vision_layout)
+                                             vision_layout=vision_layout,
+                                             config_at_load=config_on_file.to_dict() if config_on_file else None)
         if fp8 is not None:
             from loongforge_hf.kernels.fp8_linear import enable_fp8
 
             model.megatron.fp8 = enable_fp8(
                 language.chunks, fp8, recipe=fp8_recipe, towers=[c.vision for c in chunks if c.vision is not None])
         keep_hub_name(hf_config, pretrained_model_name_or_path)
-        return model.eval()  # NOTE: as transformers returns it: no dropout until a trainer calls train()
+        # NOTE: eval mode as transformers returns it: no dropout until a trainer calls train()
+        return finish_load(model.eval(), options, info)
 
 
 def _recompute_every_layer(language) -> None:
