@@ -1,0 +1,115 @@
+"""``model.generate`` against transformers' own ``generate`` on the same tiny checkpoint (fp32, Qwen2 with attention
+dropout 0.3, a left-padded batch of prompts of three lengths from the tokenizer).
+
+- Greedy, eos stopping (one row stops early, the others pad after it), sampling (top-k, top-p, temperature after
+  ``transformers.set_seed``: the same tokens and processed logits) and beam search (2 beams, 2 sequences returned,
+  scores) give transformers' tokens, and scores / logits within 1e-5, at TP1, TP2 and PP2 (every rank alike).
+- The model in training mode generates as in eval mode (no dropout) and is back in training mode after.
+- Sampling when the ranks' generators differ: every rank draws the first rank's numbers, the first rank's generator
+  ends where transformers' does, the other ranks' get their own state back.
+- Refused options raise a ValueError naming them on every rank; ranks of one replica passing different settings
+  raise the same mismatch error instead of hanging.
+- Data-parallel ranks generate different prompts with different lengths and settings, each as transformers.
+- A LoRA model generates as PEFT's model on transformers (TP1, TP2).
+"""
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+from ._generation import PROMPTS, REFUSED, SCENARIOS, data_parallel_run, generation_run, transformers_reference
+
+ATOL = 1e-5
+LAYOUTS = {"tp1": (1, {}), "tp2": (2, {"tensor_parallel_size": 2}), "pp2": (2, {"pipeline_parallel_size": 2})}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("gen") / "qwen2", "qwen2", attention_dropout=0.3)
+    return folder, transformers_reference(str(folder))
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def ranks(request, checkpoint):
+    nprocs, layout = LAYOUTS[request.param]
+    return request.param, run_distributed(generation_run, nprocs, str(checkpoint[0]), layout,
+                                          lora=request.param != "pp2", timeout=240)
+
+
+def _same(got: dict, ref: dict, what: str) -> None:
+    assert torch.equal(got["sequences"], ref["sequences"]), (what, got["sequences"], ref["sequences"])
+    assert set(got) == set(ref), what
+    for key in set(ref) - {"sequences"}:
+        torch.testing.assert_close(got[key], ref[key], atol=ATOL, rtol=0, msg=lambda m: f"{what} {key}: {m}")
+
+
+def test_eos_stops_some_rows(checkpoint):
+    ref = checkpoint[1]
+    new = ref["eos"]["sequences"][:, -SCENARIOS["eos"]["max_new_tokens"]:]
+    stopped = [bool((row == SCENARIOS["eos"]["eos_token_id"]).any()) for row in new]
+    assert stopped == [False, True, False], new
+    assert new[1, -1] == 0 and not torch.equal(ref["eos"]["sequences"], ref["greedy"]["sequences"])
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_generate_as_transformers(checkpoint, ranks, scenario):
+    layout, results = ranks
+    for rank, res in enumerate(results):
+        _same(res["eval"][scenario], checkpoint[1][scenario], f"{layout} rank {rank} {scenario}")
+
+
+def test_training_mode_generates_without_dropout_and_stays(checkpoint, ranks):
+    for res in ranks[1]:
+        assert (res["training_before"], res["training_after"]) == (False, True)
+        _same(res["train_mode"], checkpoint[1]["greedy"], "training mode")
+
+
+def test_sampling_uses_the_first_ranks_generator(checkpoint, ranks):
+    results = ranks[1]
+    for rank, res in enumerate(results):
+        _same(res["sample_desynced"], checkpoint[1]["sample"], f"rank {rank}")
+        before, after = res["rng"]
+        if rank == 0:
+            assert torch.equal(after, checkpoint[1]["rng_after_sample"])
+        else:
+            assert torch.equal(after, before)
+
+
+def test_refused_options_raise_on_every_rank(ranks):
+    results = ranks[1]
+    for name in REFUSED:
+        got = results[0]["refused"][name]
+        assert got is not None and got[0] == "ValueError", (name, got)
+        assert all(res["refused"][name] == got for res in results), name
+    assert "output_attentions" in results[0]["refused"]["output_attentions"][1]
+    assert "KV cache" in results[0]["refused"]["static_cache"][1]
+
+
+def test_replica_mismatch_raises_on_every_rank(ranks):
+    layout, results = ranks
+    if len(results) == 1:
+        pytest.skip("one rank")
+    assert all(res["mismatch"] is not None and res["mismatch"][0] == "GenerationMismatchError" for res in results)
+    assert len({res["mismatch"] for res in results}) == 1
+
+
+def test_lora_generates_as_peft(ranks):
+    layout, results = ranks
+    if "lora" not in results[0]:
+        pytest.skip("LoRA checked at TP1 and TP2")
+    for res in results:
+        ours, peft = res["lora"]
+        assert torch.equal(ours, peft)
+
+
+def test_data_parallel_ranks_generate_their_own_prompts(checkpoint):
+    prompts = [PROMPTS[:2], PROMPTS[1:] + ["tok20"]]
+    scenarios = [{"greedy": dict(max_new_tokens=3)},
+                 {"greedy": dict(max_new_tokens=9), "sample": SCENARIOS["sample"]}]
+    results = run_distributed(data_parallel_run, 2, str(checkpoint[0]), prompts, scenarios, timeout=180)
+    for rank, res in enumerate(results):
+        ref = transformers_reference(str(checkpoint[0]), prompts[rank], {**scenarios[rank], "sample": SCENARIOS["sample"]})
+        for name in scenarios[rank]:
+            _same(res[name], ref[name], f"dp rank {rank} {name}")
