@@ -75,6 +75,15 @@ class GenerationGlue(GenerationMixin):
     def _optimize_model_for_decode(self):
         yield  # NOTE: transformers switches its own experts kernels here; megatron's stay
 
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any) -> dict:
+        inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        mask = inputs.get("attention_mask")
+        if mask is not None and mask.shape[-1] > input_ids.shape[-1]:
+            # NOTE: synced_gpus: a rank whose sequences are done keeps running forward on the same input_ids while
+            # transformers keeps growing its attention mask; those outputs are dropped, the shapes must still agree
+            inputs["attention_mask"] = mask[:, :input_ids.shape[-1]]
+        return inputs
+
     def _prepare_generation_config(self, generation_config, **kwargs):
         config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
         config.use_cache = False  # NOTE: else _sample would feed forward the last token alone

@@ -62,9 +62,10 @@ def transformers_reference(folder: str, prompts=PROMPTS, scenarios: dict = SCENA
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     got = run_scenarios(model, prompts_for(tok, prompts), scenarios)
-    transformers.set_seed(SEED)
-    model.generate(**prompts_for(tok, prompts), **scenarios["sample"])
-    got["rng_after_sample"] = torch.get_rng_state()
+    if "sample" in scenarios:
+        transformers.set_seed(SEED)
+        model.generate(**prompts_for(tok, prompts), **scenarios["sample"])
+        got["rng_after_sample"] = torch.get_rng_state()
     return got
 
 
@@ -118,13 +119,13 @@ def generation_run(folder: str, layout: dict, *, lora: bool = False) -> dict:
     return res
 
 
-def data_parallel_run(folder: str, prompts_by_rank: list, scenarios_by_rank: list) -> dict:
-    """Data-parallel ranks (TP1, world 2) generating different prompts with different settings."""
+def data_parallel_run(folder: str, layout: dict, prompts_by_rank: list, scenarios_by_rank: list) -> dict:
+    """Data-parallel ranks (world 2, one replica each) generating different prompts with different settings."""
     import transformers
 
     import loongforge_hf as lf
 
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     rank = dist.get_rank()
     return run_scenarios(model, prompts_for(tok, prompts_by_rank[rank]), scenarios_by_rank[rank])

@@ -9,7 +9,9 @@ dropout 0.3, a left-padded batch of prompts of three lengths from the tokenizer)
   ends where transformers' does, the other ranks' get their own state back.
 - Refused options raise a ValueError naming them on every rank; ranks of one replica passing different settings
   raise the same mismatch error instead of hanging.
-- Data-parallel ranks generate different prompts with different lengths and settings, each as transformers.
+- Data-parallel ranks generate different prompts with different lengths and settings, each as transformers, also
+  under expert parallelism (EP2 across them, Qwen3-MoE), where the ranks' forwards stay in step.
+- Image-text models refuse generate.
 - A LoRA model generates as PEFT's model on transformers (TP1, TP2).
 """
 
@@ -104,12 +106,33 @@ def test_lora_generates_as_peft(ranks):
         assert torch.equal(ours, peft)
 
 
-def test_data_parallel_ranks_generate_their_own_prompts(checkpoint):
-    prompts = [PROMPTS[:2], PROMPTS[1:] + ["tok20"]]
-    scenarios = [{"greedy": dict(max_new_tokens=3)},
-                 {"greedy": dict(max_new_tokens=9), "sample": SCENARIOS["sample"]}]
-    results = run_distributed(data_parallel_run, 2, str(checkpoint[0]), prompts, scenarios, timeout=180)
+DP_PROMPTS = [PROMPTS[:2], PROMPTS[1:] + ["tok20"]]
+# NOTE: as many generate calls on each rank (expert parallelism needs it), with different settings
+DP_SCENARIOS = [{"greedy": dict(max_new_tokens=3), "sample": SCENARIOS["sample"],
+                 "beam": {**SCENARIOS["beam"], "max_new_tokens": 2}},
+                {"greedy": dict(max_new_tokens=9), "sample": {**SCENARIOS["sample"], "top_k": 5},
+                 "beam": SCENARIOS["beam"]}]
+
+
+def _check_data_parallel(folder, layout: dict) -> None:
+    results = run_distributed(data_parallel_run, 2, str(folder), layout, DP_PROMPTS, DP_SCENARIOS, timeout=180)
     for rank, res in enumerate(results):
-        ref = transformers_reference(str(checkpoint[0]), prompts[rank], {**scenarios[rank], "sample": SCENARIOS["sample"]})
-        for name in scenarios[rank]:
-            _same(res[name], ref[name], f"dp rank {rank} {name}")
+        ref = transformers_reference(str(folder), DP_PROMPTS[rank], DP_SCENARIOS[rank])
+        for name in DP_SCENARIOS[rank]:
+            _same(res[name], ref[name], f"{layout} rank {rank} {name}")
+
+
+def test_data_parallel_ranks_generate_their_own_prompts(checkpoint):
+    _check_data_parallel(checkpoint[0], {})
+
+
+def test_expert_parallel_ranks_generate_their_own_prompts(tmp_path):
+    """EP2 over the two data-parallel ranks: the experts' all-to-all runs as long as the longest rank generates."""
+    _check_data_parallel(make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe"), {"expert_parallel_size": 2})
+
+
+def test_image_text_models_refuse_generate():
+    from loongforge_hf.multimodal.modeling import LoongModelForImageTextToText
+
+    with pytest.raises(ValueError, match="image-text"):
+        LoongModelForImageTextToText.generate(object.__new__(LoongModelForImageTextToText), max_new_tokens=2)
