@@ -16,6 +16,7 @@ SCENARIOS = {
                    return_dict_in_generate=True, output_logits=True),
     "beam": dict(max_new_tokens=5, num_beams=2, num_return_sequences=2, return_dict_in_generate=True,
                  output_scores=True),
+    "beam_sample": dict(max_new_tokens=4, num_beams=2, do_sample=True, top_k=10),
 }
 REFUSED = {
     "output_attentions": dict(output_attentions=True, return_dict_in_generate=True),
@@ -40,8 +41,9 @@ def _plain(out) -> dict:
     for key in ("scores", "logits"):
         if getattr(out, key, None) is not None:
             got[key] = torch.stack(getattr(out, key))
-    if getattr(out, "sequences_scores", None) is not None:
-        got["sequences_scores"] = out.sequences_scores
+    for key in ("sequences_scores", "beam_indices"):
+        if getattr(out, key, None) is not None:
+            got[key] = getattr(out, key)
     return got
 
 

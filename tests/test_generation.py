@@ -2,8 +2,9 @@
 dropout 0.3, a left-padded batch of prompts of three lengths from the tokenizer).
 
 - Greedy, eos stopping (one row stops early, the others pad after it), sampling (top-k, top-p, temperature after
-  ``transformers.set_seed``: the same tokens and processed logits) and beam search (2 beams, 2 sequences returned,
-  scores) give transformers' tokens, and scores / logits within 1e-5, at TP1, TP2 and PP2 (every rank alike).
+  ``transformers.set_seed``: the same tokens and processed logits), beam search (2 beams, 2 sequences returned,
+  scores, beam indices) and beam sampling give transformers' tokens, and scores / logits within 1e-5, at TP1, TP2
+  and PP2 (every rank alike).
 - The model in training mode generates as in eval mode (no dropout) and is back in training mode after.
 - Sampling when the ranks' generators differ: every rank draws the first rank's numbers, the first rank's generator
   ends where transformers' does, the other ranks' get their own state back.
