@@ -16,6 +16,8 @@ Choices:
   graph as transformers' are where the forward builds one (``bridges/router_balance.py``); the router logits are
   detached under pipeline parallelism and activation recompute.
 - ``save_pretrained`` is collective (every rank calls it); rank 0 writes.
+- ``generate`` is transformers' ``GenerationMixin.generate`` without a KV cache, collective over the model replica
+  (``generation.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongforge_hf.generation import GenerationGlue
 from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError, accelerate_megatron_layout, read_launch_env
 from loongforge_hf.parallel.config import PARALLEL_KWARGS
 
@@ -149,8 +152,9 @@ def _auto_layout(hf_config, param_dtype: torch.dtype) -> ParallelConfig:
     return layout
 
 
-class LoongModelForCausalLM(nn.Module):
-    """A causal LM whose layers are megatron-core modules, laid out by a ``ParallelConfig``."""
+class LoongModelForCausalLM(GenerationGlue, nn.Module):
+    """A causal LM whose layers are megatron-core modules, laid out by a ``ParallelConfig``; ``generate()`` is
+    transformers' (``loongforge_hf/generation.py``)."""
 
     def __init__(self, *, hf_config, bridge, megatron_model, parallel: ParallelConfig, source: Path | None,
                  config_at_load: dict | None = None, source_variant: str | None = None) -> None:

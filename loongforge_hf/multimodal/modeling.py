@@ -77,6 +77,12 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
     def vision_tower(self):
         return self.chunks[0].vision
 
+    def generate(self, *args: Any, **kwargs: Any):
+        # NOTE: transformers' Qwen2.5-VL generates with its own 3D rope positions and image inputs at prefill only;
+        # the text models' glue (loongforge_hf/generation.py) does neither: refused rather than generating otherwise.
+        raise ValueError("generate() is not supported for image-text models (LoongModelForImageTextToText) yet; "
+                         "save_pretrained() and generate with transformers or vLLM.")
+
     # ---- inputs --------------------------------------------------------------------------------------------------
     def rope_position_ids(self, input_ids: torch.Tensor, *, image_grid_thw=None, attention_mask=None,
                           mm_token_type_ids=None, video_grid_thw=None, second_per_grid_ts=None,

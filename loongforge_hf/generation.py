@@ -1,0 +1,225 @@
+"""``generate()`` for loongforge models: transformers' own ``GenerationMixin`` driving the collective ``forward``.
+
+Choices:
+- transformers does the generating: its ``GenerationMixin`` (5.24) handles the generation config, logits processors
+  and warpers, stopping criteria, greedy / sampling / beam search, ``num_return_sequences``, eos / pad handling, left
+  padding (position ids from the attention mask) and ``return_dict_in_generate`` with ``scores`` / ``logits``.
+  ``GenerationGlue`` only supplies what the mixin reads from a ``PreTrainedModel``.
+- No KV cache: every step runs ``forward`` over the whole sequence so far (correct, but a step costs the full
+  sequence: O(n^2) in the generated length). ``use_cache`` is therefore always False (the output's ``cache`` is None).
+- Refused with a ValueError before any forward, on every rank alike: what needs a cache (``cache`` /
+  ``past_key_values``, ``cache_implementation``, ``prefill_chunk_size``), assisted decoding (``assistant_model``,
+  ``prompt_lookup_num_tokens``), the modes transformers moved to the hub (DoLa, contrastive, group and constrained
+  beam search), ``custom_generate``, ``inputs_embeds``, ``output_attentions`` and ``output_hidden_states``.
+- Eval mode (no dropout) and no grad for the call; the caller's mode comes back after. NOTE: transformers' generate
+  leaves the mode alone, so a transformers model in training mode with dropout in its config generates with dropout;
+  here it never does (dropout would draw from the generator sampling uses, differently on each pipeline stage).
+- ``forward`` is collective over one model replica: the tensor x context x pipeline parallel ranks of a data-parallel
+  rank. Its ranks must call generate with the same inputs and settings: a hash of them is compared over the replica
+  first, and a mismatch raises the same error on all of them (one rank stopping early would hang the others).
+  Identical logits on every rank (``forward`` gathers and broadcasts them) then give identical decisions: greedy and
+  beam search are deterministic; for sampling, the replica's ranks draw from a copy of its first rank's state of the
+  generator ``torch.multinomial`` uses (the default generator of the inputs' device), so every rank samples what a
+  one-process transformers run seeded as that first rank samples. The other ranks get their own states back after.
+- Data-parallel ranks are separate replicas: they may pass different prompts, lengths and settings, and each stops on
+  its own. Under expert parallelism the MoE all-to-all spans data-parallel ranks, so every rank must run as many
+  forwards: generate turns on transformers' ``synced_gpus`` (a finished rank keeps running forward until every rank of
+  the job is done; every rank must call generate), and refuses ``synced_gpus=False``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers.generation import GenerationMixin
+from transformers.generation.configuration_utils import GenerationMode
+
+_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+_NO_CACHE = "loongforge_hf models have no KV cache (every step recomputes the whole sequence)"
+_REFUSED_KWARGS = {"cache": _NO_CACHE, "past_key_values": _NO_CACHE, "assistant_model": "no assisted decoding",
+                   "custom_generate": "only transformers' own decoding loops run here",
+                   "inputs_embeds": "pass input_ids",
+                   "output_attentions": "attention weights are not materialised",
+                   "output_hidden_states": "hidden states are not returned"}
+
+
+class GenerationMismatchError(ValueError):
+    """The ranks of one model replica called generate with different inputs or settings."""
+
+
+class GenerationGlue(GenerationMixin):
+    """transformers' ``GenerationMixin`` on a loongforge model (see the module docstring)."""
+
+    main_input_name = "input_ids"
+    _supported_generation_modes = _MODES
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # NOTE: no cache; _prepare_generation_config turns use_cache off too
+
+    def is_remote_code(self) -> bool:
+        return False
+
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
+        return False  # NOTE: the forward runs megatron's collectives; it is not compiled
+
+    @contextlib.contextmanager
+    def _optimize_model_for_decode(self):
+        yield  # NOTE: transformers switches its own experts kernels here; megatron's stay
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any) -> dict:
+        inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        mask = inputs.get("attention_mask")
+        if mask is not None and mask.shape[-1] > input_ids.shape[-1]:
+            # NOTE: synced_gpus: a rank whose sequences are done keeps running forward on the same input_ids while
+            # transformers keeps growing its attention mask; those outputs are dropped, the shapes must still agree
+            inputs["attention_mask"] = mask[:, :input_ids.shape[-1]]
+        return inputs
+
+    def _prepare_generation_config(self, generation_config, **kwargs):
+        config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        config.use_cache = False  # NOTE: else _sample would feed forward the last token alone
+        return config, model_kwargs
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
+        """transformers' ``GenerationMixin.generate`` (same arguments and outputs), collective over the model
+        replica, without a KV cache; see ``loongforge_hf.generation``."""
+        refusal, sampling = _local_verdict(self, generation_config, kwargs)
+        if self.parallel.expert_parallel_size > 1 and kwargs.get("synced_gpus") is None:
+            kwargs["synced_gpus"] = True
+        _check_same_on_replica(self, _signature(self, inputs, generation_config, kwargs))
+        if refusal:
+            raise ValueError(f"generate: {refusal}")
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad(), _replica_rng(self, _sampling_device(self, inputs, kwargs), sampling):
+                return super().generate(inputs, generation_config, **kwargs)
+        finally:
+            self.train(was_training)
+
+
+def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, bool]:
+    """(why this call is refused or None, whether it samples), from this rank's arguments alone."""
+    bad = sorted(k for k in _REFUSED_KWARGS if kwargs.get(k) not in (None, False))
+    if bad:
+        return "; ".join(f"{k} is not supported: {_REFUSED_KWARGS[k]}" for k in bad) + ".", False
+    if model.parallel.expert_parallel_size > 1 and kwargs.get("synced_gpus") is False:
+        return ("synced_gpus=False is not supported with expert_parallel_size > 1: the experts' all-to-all spans "
+                "data-parallel ranks, which must all run the same number of forwards."), False
+    try:
+        config, _ = model._prepare_generation_config(generation_config, **kwargs)
+        mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    except Exception as err:  # NOTE: transformers' own verdict, raised on every rank after the replica agrees
+        return f"{type(err).__name__}: {err}", False
+    if mode not in _MODES:
+        return (f"generation mode {mode.value!r} is not supported; loongforge_hf models run "
+                f"{[m.value for m in _MODES]}."), False
+    for field in ("output_attentions", "output_hidden_states", "cache_implementation", "prefill_chunk_size"):
+        if getattr(config, field, None) not in (None, False):
+            why = _REFUSED_KWARGS.get(field, _NO_CACHE)
+            return f"{field}={getattr(config, field)!r} is not supported: {why}.", False
+    return None, bool(config.do_sample)
+
+
+def _signature(model, inputs, generation_config, kwargs: dict) -> int:
+    """A 63-bit hash of this rank's generate arguments (tensors by value) and the model's generation config."""
+    digest = hashlib.sha256()
+
+    def add(name: str, value) -> None:
+        digest.update(name.encode())
+        if torch.is_tensor(value):
+            value = value.detach().cpu().contiguous()
+            digest.update(f"{tuple(value.shape)}{value.dtype}".encode())
+            digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        elif isinstance(value, (str, int, float, bool, type(None))) or (
+                isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in value)):
+            digest.update(repr(value).encode())
+        elif hasattr(value, "to_json_string"):  # a GenerationConfig
+            digest.update(value.to_json_string(use_diff=False).encode())
+        else:  # NOTE: callables and processors: their kind only
+            digest.update(type(value).__qualname__.encode())
+
+    add("inputs", inputs)
+    add("generation_config", generation_config)
+    add("model.generation_config", model.generation_config)
+    for key in sorted(kwargs):
+        add(key, kwargs[key])
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
+
+
+def replica_groups() -> list:
+    """Process groups whose ranks, taken together, span one model replica (TP x CP, then PP): a reduction over each
+    in turn reaches every rank of the replica."""
+    from megatron.core import parallel_state as ps
+
+    return [ps.get_tensor_and_context_parallel_group(), ps.get_pipeline_model_parallel_group()]
+
+
+def _check_same_on_replica(model, signature: int) -> None:
+    """Raise ``GenerationMismatchError`` on every rank of the replica when their signatures differ."""
+    if not dist.is_initialized():
+        return
+    groups = [g for g in replica_groups() if dist.get_world_size(g) > 1]
+    if not groups:
+        return
+    both = torch.tensor([signature, -signature], dtype=torch.int64, device=model.device)
+    for group in groups:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = both[0].item(), -both[1].item()
+    if high != low:
+        raise GenerationMismatchError(
+            "generate: the ranks of one model replica (its tensor, context and pipeline parallel ranks) passed "
+            "different inputs or generation settings (prompts, attention mask, max_new_tokens, generation config, "
+            "...); forward is collective over them, so they must call generate with the same arguments. Data-"
+            "parallel ranks may differ.")
+
+
+def _sampling_device(model, inputs, kwargs: dict) -> torch.device:
+    """The device whose generator ``torch.multinomial`` draws from: that of the prompt (transformers samples
+    there), else the model's."""
+    prompt = inputs if inputs is not None else kwargs.get("input_ids")
+    return prompt.device if torch.is_tensor(prompt) else model.device
+
+
+def _get_rng(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def _set_rng(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+@contextlib.contextmanager
+def _replica_rng(model, device: torch.device, sampling: bool):
+    """Inside, every rank of the replica holds its first rank's generator state for ``device`` (only when
+    ``sampling``); on the other ranks their own state comes back at the end."""
+    groups = [g for g in replica_groups() if dist.get_world_size(g) > 1] \
+        if sampling and dist.is_initialized() else []
+    if not groups:
+        yield
+        return
+    own = _get_rng(device)
+    state = own.to(model.device, copy=True)  # NOTE: own is kept; broadcast writes into state
+    for group in reversed(groups):  # NOTE: PP first (from stage 0), then TP x CP: all get the replica's first rank's
+        dist.broadcast(state, src=dist.get_process_group_ranks(group)[0], group=group)
+    first = all(dist.get_rank(g) == 0 for g in groups)
+    _set_rng(device, state.cpu())
+    try:
+        yield
+    finally:
+        if not first:
+            _set_rng(device, own)

@@ -1,0 +1,133 @@
+"""Rank functions for tests/test_generation.py (module-level so spawned ranks can import them), and the transformers
+reference they are compared with."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+PROMPTS = ["tok5 tok6 tok7", "tok8 tok9 tok10 tok11 tok12", "tok13 tok14 tok15 tok16 tok17 tok18 tok19"]
+SEED = 3
+# NOTE: eos 180 is a token greedy decoding reaches in the second row only (test_eos_stops_some_rows checks it)
+SCENARIOS = {
+    "greedy": dict(max_new_tokens=8),
+    "eos": dict(max_new_tokens=8, eos_token_id=180),
+    "sample": dict(max_new_tokens=6, do_sample=True, top_k=20, top_p=0.9, temperature=0.7,
+                   return_dict_in_generate=True, output_logits=True),
+    "beam": dict(max_new_tokens=5, num_beams=2, num_return_sequences=2, return_dict_in_generate=True,
+                 output_scores=True),
+    "beam_sample": dict(max_new_tokens=4, num_beams=2, do_sample=True, top_k=10),
+}
+REFUSED = {
+    "output_attentions": dict(output_attentions=True, return_dict_in_generate=True),
+    "output_hidden_states": dict(output_hidden_states=True, return_dict_in_generate=True),
+    "static_cache": dict(cache_implementation="static"),
+    "prompt_lookup": dict(prompt_lookup_num_tokens=2),
+    "group_beam": dict(num_beams=2, num_beam_groups=2, diversity_penalty=1.0, trust_remote_code=True),
+    "custom_generate": dict(custom_generate=lambda *a, **k: None),
+}
+
+
+def prompts_for(tokenizer, prompts=PROMPTS) -> dict:
+    tokenizer.padding_side = "left"
+    return dict(tokenizer(prompts, return_tensors="pt", padding=True))
+
+
+def _plain(out) -> dict:
+    """A generate output as plain tensors (sequences, and the scores / logits tuples stacked)."""
+    if torch.is_tensor(out):
+        return {"sequences": out}
+    got = {"sequences": out.sequences}
+    for key in ("scores", "logits"):
+        if getattr(out, key, None) is not None:
+            got[key] = torch.stack(getattr(out, key))
+    for key in ("sequences_scores", "beam_indices"):
+        if getattr(out, key, None) is not None:
+            got[key] = getattr(out, key)
+    return got
+
+
+def run_scenarios(model, inputs: dict, scenarios: dict = SCENARIOS) -> dict:
+    """{scenario: plain outputs} after ``transformers.set_seed(SEED)`` each, on any generate-capable model."""
+    import transformers
+
+    got = {}
+    for name, kw in scenarios.items():
+        transformers.set_seed(SEED)
+        got[name] = _plain(model.generate(**inputs, **kw))
+    return got
+
+
+def transformers_reference(folder: str, prompts=PROMPTS, scenarios: dict = SCENARIOS) -> dict:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    got = run_scenarios(model, prompts_for(tok, prompts), scenarios)
+    if "sample" in scenarios:
+        transformers.set_seed(SEED)
+        model.generate(**prompts_for(tok, prompts), **scenarios["sample"])
+        got["rng_after_sample"] = torch.get_rng_state()
+    return got
+
+
+def _refusals(model, inputs: dict) -> dict:
+    found = {}
+    for name, kw in REFUSED.items():
+        try:
+            model.generate(**inputs, max_new_tokens=2, **kw)
+            found[name] = None
+        except Exception as err:  # noqa: BLE001 - the test checks the type
+            found[name] = (type(err).__name__, str(err))
+    return found
+
+
+def generation_run(folder: str, layout: dict, *, lora: bool = False) -> dict:
+    """This rank's outputs for every scenario, in eval and in training mode, plus refusals, the replica-mismatch
+    error, the RNG states around sampling and, with ``lora``, LoRA against PEFT's model."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    inputs = prompts_for(tok)
+    rank = dist.get_rank()
+    res = {"eval": run_scenarios(model, inputs), "training_before": model.training}
+    model.train()
+    res["train_mode"] = run_scenarios(model, inputs, {"greedy": SCENARIOS["greedy"]})["greedy"]
+    res["training_after"] = model.training
+    model.eval()
+    # sampling with this rank's generator moved away from the first rank's: the first rank's draws are used
+    transformers.set_seed(SEED)
+    if rank > 0:
+        torch.rand(rank + 2)
+    before = torch.get_rng_state()
+    res["sample_desynced"] = _plain(model.generate(**inputs, **SCENARIOS["sample"]))
+    res["rng"] = (before, torch.get_rng_state())
+    res["refused"] = _refusals(model, inputs)
+    if dist.get_world_size() > 1:
+        try:
+            model.generate(**inputs, max_new_tokens=3 + rank)
+            res["mismatch"] = None
+        except Exception as err:  # noqa: BLE001
+            res["mismatch"] = (type(err).__name__, str(err))
+    if lora:
+        from tests.integrations._lora_checks import LORA_KW, lora_pair
+
+        ours, _, theirs = lora_pair(folder, layout, LORA_KW)
+        kw = SCENARIOS["greedy"]
+        res["lora"] = (ours.generate(**inputs, **kw), theirs.generate(**inputs, **kw))
+    return res
+
+
+def data_parallel_run(folder: str, layout: dict, prompts_by_rank: list, scenarios_by_rank: list) -> dict:
+    """Data-parallel ranks (world 2, one replica each) generating different prompts with different settings."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    rank = dist.get_rank()
+    return run_scenarios(model, prompts_for(tok, prompts_by_rank[rank]), scenarios_by_rank[rank])
