@@ -1,0 +1,47 @@
+"""``generate()`` on one CUDA GPU against transformers' ``generate`` on the same GPU (fp32, TF32 off on both sides):
+greedy, sampling (torch.multinomial draws from the CUDA generator on both sides, seeded alike) and beam search with
+scores; the same tokens, scores and logits within 1e-4 (the attention kernels differ: summation order only)."""
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+from ._device_env import pickleable_month_day_nano
+from ._generation import SCENARIOS, prompts_for, run_scenarios
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+NAMES = ["greedy", "sample", "beam"]
+
+
+def _cuda_world(folder: str) -> dict:
+    import transformers
+
+    import loongforge_hf as lf
+
+    pickleable_month_day_nano()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    scenarios = {name: SCENARIOS[name] for name in NAMES}
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    inputs = {k: v.cuda() for k, v in prompts_for(tok).items()}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    theirs = run_scenarios(ref, inputs, scenarios)
+    del ref
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return {"device": str(ours.device), "theirs": theirs, "ours": run_scenarios(ours, inputs, scenarios)}
+
+
+def test_generate_on_cuda_as_transformers(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    got = run_distributed(_cuda_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    assert got["device"].startswith("cuda")
+    for name in NAMES:
+        ours, theirs = got["ours"][name], got["theirs"][name]
+        assert torch.equal(ours["sequences"].cpu(), theirs["sequences"].cpu()), name
+        assert set(ours) == set(theirs), name
+        for key in set(theirs) - {"sequences"}:
+            torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), atol=1e-4, rtol=0,
+                                       msg=lambda m: f"{name} {key}: {m}")
