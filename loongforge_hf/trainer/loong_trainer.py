@@ -39,6 +39,15 @@ MEGATRON_DIR = "megatron"
 logger = logging.getLogger(__name__)
 
 
+def label_token_count(inputs: dict) -> torch.Tensor | None:
+    """The label tokens of a batch as Trainer counts them for ``num_items_in_batch`` (a causal LM's labels shifted
+    by one, or the collator's ``shift_labels``); None without labels."""
+    labels = inputs.get("shift_labels", inputs.get("labels"))
+    if labels is None:
+        return None
+    return ((labels if "shift_labels" in inputs else labels[..., 1:]) != -100).sum()
+
+
 def _holds_other_runs(folder: str) -> bool:
     """True when ``folder`` has entries an HF export would not write (checkpoint-N folders, logs, runs/)."""
     if not os.path.isdir(folder):
@@ -144,13 +153,34 @@ class LoongTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Evaluation's loss (training steps run in the megatron engine): Trainer's, but a label smoother shifts
-        the labels as for the transformers class (Trainer reads the class name, here a loongforge one)."""
+        the labels as for the transformers class (Trainer reads the class name, here a loongforge one), and the
+        loss is normalised over the data-parallel ranks as Trainer normalises it (``data_parallel_token_mean``)."""
+        count = label_token_count(inputs)
         if self.label_smoother is None or "labels" not in inputs:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        labels = inputs.pop("labels")
-        outputs = model(**inputs)
-        loss = self.label_smoother(outputs, labels, shift_labels=self._smoothing_shifts())
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        else:
+            labels = inputs.pop("labels")
+            outputs = model(**inputs)
+            loss = self.label_smoother(outputs, labels, shift_labels=self._smoothing_shifts())
+        loss = self.data_parallel_token_mean(loss, count)
         return (loss, outputs) if return_outputs else loss
+
+    def data_parallel_token_mean(self, loss: torch.Tensor | None, count: torch.Tensor | None):
+        """An evaluation batch's loss (this rank's mean over its ``count`` label tokens) as Trainer computes it for
+        the transformers model under DDP: with ``average_tokens_across_devices`` its model divides by the label
+        tokens of every rank's batch (``num_items_in_batch``) and the loss is scaled by the ranks, so ``eval_loss``
+        is the mean over all ranks' tokens, not the mean of each rank's mean."""
+        _, size = dp_rank_and_size()
+        if loss is None or count is None or size == 1 or not self.args.average_tokens_across_devices:
+            return loss
+        from megatron.core import parallel_state as ps
+
+        count = count.to(loss.device, torch.float64)
+        total = count.clone()
+        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=False))
+        scaled = loss.double() * count / total.clamp(min=1) * size
+        # NOTE: a rank without label tokens adds 0 (transformers' sum over none), not its mean's 0/0
+        return torch.where(count > 0, scaled, torch.zeros_like(scaled)).to(loss.dtype)
 
     def _apply_ddp_timeout(self) -> None:
         """``TrainingArguments.ddp_timeout`` on the process groups training uses: transformers applies it when

@@ -107,6 +107,20 @@ def test_pp2_matches_trl(tp1, tp2, name):
     assert_matches(name, tp1["trl"][name], tp2[0]["pp"][name])
 
 
+DP_NAMES = ["lora_text", "lora_label_smoothing"]
+
+
+def test_dp2_matches_trl_ddp(src, tmp_path):
+    """Two data-parallel ranks against trl.SFTTrainer on two processes (DDP), evaluating after every step with 2 rows
+    a rank: the ranks' eval batches hold different numbers of label tokens, and TRL's eval loss (unlike
+    transformers.Trainer's) averages each rank's own mean (it passes its loss no num_items_in_batch there)."""
+    ref = run_distributed(run_trl, 2, str(src), str(tmp_path / "trl"), DP_NAMES, timeout=500)
+    got = run_distributed(run_loong, 2, str(src), str(tmp_path / "lf"), {}, DP_NAMES, timeout=500)
+    for name in DP_NAMES:
+        assert got[1][name]["losses"] == got[0][name]["losses"]
+        assert_matches(name, ref[0][name], got[0][name])
+
+
 def test_tp2_lora_resume_matches_uninterrupted_run(tp2):
     res = tp2[0]["resume"]
     assert res["resumed"] == res["full"] and len(res["full"]) == 4

@@ -30,18 +30,24 @@ def accelerator_config_run(kind: str, folder: str, out_dir: str) -> dict:
         out[name] = {"rows": _rows(trainer), "steps": trainer.train().global_step,
                      "losses": losses_of(trainer.state.log_history)}
         if name == "even_batches_off" and kind == "lf":
-            # NOTE: evaluation, 7 rows in batches of 2: the ranks' last batches hold 2 and 1 rows, gathered without
-            # the repeated first rows even_batches adds, so eval_loss is Trainer's on one process (each batch's mean
-            # loss weighted by its rows). transformers.Trainer gathers the uneven batches with an all_gather of
-            # unequal tensors, which over gloo returned a wrong eval_loss (5.57 for 5.32) or failed: the reference
-            # is computed here.
+            # NOTE: evaluation, 7 rows in batches of 2: rank 0 gets batches [0, 1] and [4, 5], rank 1 [2, 3] and
+            # [6], gathered without the repeated first rows even_batches adds. Trainer (its model takes
+            # num_items_in_batch) divides each rank's loss by both ranks' label tokens of the step, times 2 ranks,
+            # and averages the gathered losses repeated per row: a 1-row batch beside a 2-row one weighs less than
+            # its tokens (5.58 here, where one process gives 5.32). transformers.Trainer itself gathers the uneven
+            # batches with an all_gather of unequal tensors, which over gloo gave that 5.57 or failed: the reference
+            # is computed here from each batch's mean, label tokens and rows.
             out[name]["eval_loss"] = trainer.evaluate()["eval_loss"]
             data = make_dataset(n=7, seed=11)
             model.eval()
+            batches = [(i, min(2, 7 - i)) for i in range(0, 7, 2)]
             with torch.no_grad():
-                means = [float(model(input_ids=torch.tensor(data["input_ids"][i:i + 2]),
-                                     labels=torch.tensor(data["labels"][i:i + 2])).loss) for i in range(0, 7, 2)]
-            out[name]["eval_loss_one_process"] = sum(m * min(2, 7 - i) for m, i in zip(means, range(0, 7, 2))) / 7
+                means = [float(model(input_ids=torch.tensor(data["input_ids"][i:i + n]),
+                                     labels=torch.tensor(data["labels"][i:i + n])).loss) for i, n in batches]
+            tokens = [int((torch.tensor(data["labels"][i:i + n])[:, 1:] != -100).sum()) for i, n in batches]
+            losses = [m * c / (tokens[b - b % 2] + tokens[b - b % 2 + 1]) * 2
+                      for b, (m, c) in enumerate(zip(means, tokens))]
+            out[name]["eval_loss_trainer"] = sum(loss * n for loss, (_, n) in zip(losses, batches)) / 7
     return out
 
 

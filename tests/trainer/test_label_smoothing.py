@@ -55,9 +55,12 @@ def test_label_smoothing_matches_transformers_trainer(transformers_runs, tmp_pat
 
 
 def test_label_smoothing_dp2_matches_transformers_trainer_ddp(transformers_runs, tmp_path):
-    src = transformers_runs[0]
-    ref = run_distributed(train_hf, 2, str(src), str(tmp_path / "hf"), SMOOTHING, DATA, timeout=300)
-    got = run_distributed(train_loong, 2, str(src), str(tmp_path / "lf"), {}, SMOOTHING, DATA, timeout=300)
+    """Evaluation in batches of 2 rows a rank: Trainer normalises each step's smoothed eval loss over both ranks'
+    label tokens (not each rank's mean)."""
+    src, kw = transformers_runs[0], {**SMOOTHING, "per_device_eval_batch_size": 2}
+    ref = run_distributed(train_hf, 2, str(src), str(tmp_path / "hf"), kw, DATA, timeout=300)
+    got = run_distributed(train_loong, 2, str(src), str(tmp_path / "lf"), {}, kw, DATA, timeout=300)
+    assert ref[0][4] is not None
     assert_matches(got[0], ref[0], tmp_path / "hf" / "final", tmp_path / "lf" / "final")
 
 
