@@ -118,6 +118,7 @@ def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
     box = {}
     run_everywhere(f"the megatron state cannot be saved to {ckpt}",
                    lambda: box.setdefault("state", _validated(_sharded_state_dict(trainer.engine, is_loading=False))))
+    _use_in_process_results_queue()
     run_everywhere(f"could not write the megatron state to {ckpt}",
                    lambda: dist_checkpointing.save(box["state"], str(ckpt), validate_access_integrity=False))
     run_everywhere(f"could not write {output_dir / SCHEDULER_FILE}",
@@ -126,6 +127,24 @@ def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
     rng_file = output_dir / f"megatron_rng_{_rank()}.pt"
     run_everywhere(f"could not write {rng_file} (rank {_rank()})",
                    lambda: torch.save(rng_states_to_save(get_cuda_rng_tracker()), rng_file))
+
+
+def _use_in_process_results_queue() -> None:
+    """Give megatron's checkpoint writer a plain in-process queue for its write results.
+
+    NOTE: stands in for ``_get_write_results_queue`` in megatron-core 0.16.1's
+    ``dist_checkpointing/strategies/filesystem_async.py``, which creates the queue with
+    ``mp.get_context("spawn").Manager()``: the manager process re-runs the user's ``__main__`` module, so a training
+    script without an ``if __name__ == "__main__":`` guard loaded the model again in it and hung (torchrun) or failed
+    at its first checkpoint. Our saves are synchronous (``dist_checkpointing.save`` without ``async_sharded_save``):
+    the results are put and read in this process, which a ``queue.Queue`` serves.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _validated(state: dict) -> dict:
