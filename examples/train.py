@@ -138,6 +138,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     with targs.main_process_first(desc="dataset"):
         blocks = lm_blocks(documents(dargs.text_file), tokenizer, block_size)
+    held_out = math.ceil(dargs.eval_fraction * len(blocks))
+    if dargs.eval_fraction > 0 and not 0 < held_out < len(blocks):
+        # NOTE: datasets' train_test_split would stop with a message about n_samples and test_size instead
+        raise SystemExit(f"The text gives {len(blocks)} block(s) of {block_size} tokens: too few to hold out "
+                         f"--eval_fraction {dargs.eval_fraction} for evaluation and keep some for training; give "
+                         "more text (--text_file), a smaller --block_size, or --eval_fraction 0.")
     split = blocks.train_test_split(test_size=dargs.eval_fraction, seed=targs.seed) if dargs.eval_fraction > 0 \
         else {"train": blocks, "test": None}
 

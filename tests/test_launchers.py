@@ -101,3 +101,15 @@ def test_accelerate_megatron_lm_config(inputs, tmp_path):
     proc = launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                    *script_args(source, text, out)])
     check_run(proc, source, out)
+
+
+def test_too_little_text_for_an_eval_split_says_so(inputs, tmp_path):
+    """One process, a text of one block: a message about the text and the flags to change, not datasets' one about
+    n_samples and test_size."""
+    source = inputs[0]
+    text = tmp_path / "short.txt"
+    text.write_text(" ".join(f"tok{4 + i % 16}" for i in range(40)), encoding="utf-8")
+    args = script_args(source, text, tmp_path / "out")
+    proc = launch([sys.executable, *args], timeout=120)
+    assert proc.returncode != 0
+    assert "too few to hold out --eval_fraction 0.1" in proc.stderr, proc.stderr[-3000:]
