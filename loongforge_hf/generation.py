@@ -68,6 +68,9 @@ class GenerationGlue(GenerationMixin):
     def is_remote_code(self) -> bool:
         return False
 
+    def _supports_logits_to_keep(self) -> bool:
+        return True  # NOTE: forward takes it (**kwargs): each step gathers and sends the last position's logits only
+
     def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
         return False  # NOTE: the forward runs megatron's collectives; it is not compiled
 

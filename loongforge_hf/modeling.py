@@ -223,8 +223,9 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         options = hf_forward_options(unused, labels)
         routed = router_balance.forward_outputs(self, unused.get("output_router_logits"))
         moe = getattr(self.bridge, "hf_router_logits", False)  # NOTE: transformers' MoE output type
+        keep = options["logits_to_keep"]  # NOTE: an int: the rows cut before the logits cross ranks (runtime.py)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                  "labels": labels, "return_logits": return_logits}
+                  "labels": labels, "return_logits": return_logits, "keep": keep if isinstance(keep, int) else 0}
         if not (moe and asked(self.config, unused.get("output_router_logits"))):
             return hf_forward_output(*forward_causal_lm(self, **inputs), labels, options, moe=moe)
         multiple = self.parallel.sequence_multiple

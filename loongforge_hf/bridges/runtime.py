@@ -174,22 +174,21 @@ def _run_chunk(chunk, input_ids, position_ids, mask):
     return chunk(input_ids, position_ids, mask)
 
 
-def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool):
+def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool, keep: int = 0):
     """(loss or None, logits or None) with transformers' semantics, on every rank. Any sequence length: the inputs
-    are padded to what megatron needs and the logits cut back to the given length."""
+    are padded to what megatron needs and the logits cut back to the given length; ``keep`` > 0 (``logits_to_keep``,
+    no labels): only the last ``keep`` positions' logits, cut before they are gathered over TP and sent over PP."""
     from loongforge_hf.trainer.data import pad_model_inputs
 
     given = input_ids.shape[-1]
+    rows = slice(given - min(keep, given), given) if keep > 0 and labels is None else slice(0, given)
     input_ids, attention_mask, position_ids, labels = pad_model_inputs(
         input_ids, attention_mask, position_ids, labels, multiple=model.parallel.sequence_multiple)
-    loss, logits = _forward_causal_lm(model, input_ids=input_ids, attention_mask=attention_mask,
-                                      position_ids=position_ids, labels=labels, return_logits=return_logits)
-    if logits is not None and logits.shape[1] != given:
-        logits = logits[:, :given]
-    return loss, logits
+    return _forward_causal_lm(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              labels=labels, return_logits=return_logits, rows=rows)
 
 
-def _forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool):
+def _forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool, rows: slice):
     vocab = model.config.vocab_size
     device = model.device
     input_ids = input_ids.to(device)
@@ -217,20 +216,21 @@ def _forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels
         loss = None
         if shifted is not None:
             loss = mean(token_losses(output, local_labels, vocab_size=vocab).sum())
-        logits = full_logits(output, vocab_size=vocab) if return_logits else None
-        if logits is not None and cp_size > 1:
-            logits = cp_gather_sequence(logits.detach(), s, cp_group, dim=1)
-        return loss, logits
+        if not return_logits:
+            return loss, None
+        if cp_size == 1:
+            return loss, full_logits(output[:, rows], vocab_size=vocab)  # NOTE: the rows cut before the TP gather
+        return loss, cp_gather_sequence(full_logits(output, vocab_size=vocab).detach(), s, cp_group, dim=1)[:, rows]
 
     with hidden_states_out(model.chunks) if fused else contextlib.nullcontext():
         if model.parallel.pipeline_parallel_size == 1:
             return finish(_run_chunk(model.chunks[0], input_ids, position_ids, mask))
         return _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, labels is not None,
-                                  seq=s)
+                                  seq=s, rows=rows.stop - rows.start)
 
 
-def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, want_loss, seq=None):
-    """``seq``: the global sequence length when ``input_ids`` are this context-parallel rank's share."""
+def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, want_loss, seq=None, rows=None):
+    """``seq``: the global sequence length (``input_ids`` may be a CP share); ``rows``: how many positions' logits."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -263,7 +263,7 @@ def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logi
     if return_logits:
         logits = store.get("logits")
         if logits is None:
-            logits = torch.empty(b, s, model.config.vocab_size, dtype=dtype, device=device)
+            logits = torch.empty(b, rows or s, model.config.vocab_size, dtype=dtype, device=device)
         logits = logits.detach().contiguous()
         dist.broadcast(logits, src=last, group=group)
     return loss, logits

@@ -25,13 +25,16 @@ def load_compare_export(folder: str, layout: dict, out_dir: str, seq: int = 12, 
     valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     logit_diff = (out.logits - exp.logits).abs()[valid].max().item()
     loss_diff = abs(out.loss.item() - exp.loss.item())
+    with torch.no_grad():  # NOTE: logits_to_keep cuts the rows before the logits cross TP / CP / PP ranks
+        kept = model(input_ids=ids, attention_mask=mask, logits_to_keep=3).logits
+    keep_diff = (kept - out.logits.detach()[:, -3:]).abs().max().item()
     grads_ok = None
     if layout.get("pipeline_parallel_size", 1) == 1:
         out.loss.backward()
         grads_ok = all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     model.save_pretrained(out_dir, max_shard_size="50KB")
     return {"logit_diff": logit_diff, "loss_diff": loss_diff, "loss": out.loss.item(), "ref_loss": exp.loss.item(),
-            "grads_ok": grads_ok, "logits_shape": tuple(out.logits.shape)}
+            "grads_ok": grads_ok, "logits_shape": tuple(out.logits.shape), "keep": (tuple(kept.shape), keep_diff)}
 
 
 def load_compare_export_many(cases: list, layout: dict):

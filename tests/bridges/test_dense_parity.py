@@ -46,6 +46,7 @@ ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral"]
 def check_results(results, arch):
     for r in results:
         assert r["logits_shape"] == (2, 12, 203), arch
+        assert r["keep"][0] == (2, 3, 203) and r["keep"][1] < 1e-6, (arch, r["keep"])  # logits_to_keep=3
         assert r["logit_diff"] < TOL, (arch, r)
         assert r["loss_diff"] < TOL, (arch, r)
         if r["grads_ok"] is not None:
