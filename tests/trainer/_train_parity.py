@@ -61,6 +61,18 @@ def train_loong(folder: str, out_dir: str, layout: dict, args_kw: dict | None = 
             "keys": sorted(logs[0]) if logs else [], "train_loss": out.training_loss}
 
 
+def with_and_without(tmp, setting: dict, data_kw: dict):
+    """A tiny Llama under ``tmp`` and two one-process transformers.Trainer runs on it, without and with the
+    TrainingArguments ``setting``: (checkpoint, plain losses, losses with it, the folder its trained model is in)."""
+    from loongforge_hf.parallel.spawn import run_distributed
+    from loongforge_hf.testing import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp / "src", "llama")
+    plain = run_distributed(train_hf, 1, str(src), str(tmp / "plain"), None, data_kw, timeout=300)[0]
+    changed = run_distributed(train_hf, 1, str(src), str(tmp / "hf"), setting, data_kw, timeout=300)[0]
+    return src, plain, changed, tmp / "hf" / "final"
+
+
 def stop_after_callback(stop_after: int | None):
     """A callback that ends training and saves a checkpoint after step ``stop_after`` (a killed run); None: never."""
     import transformers

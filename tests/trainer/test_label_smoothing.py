@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from loongforge_hf.parallel.spawn import run_distributed
-from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._train_parity import train_hf, train_loong
+from ._train_parity import train_hf, train_loong, with_and_without
 from .test_trainer_parity import weights
 
 SMOOTHING = {"label_smoothing_factor": 0.3}
@@ -26,11 +25,7 @@ LAYOUTS = {"tp1": (1, {}), "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_p
 
 @pytest.fixture(scope="module")
 def transformers_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("label-smoothing")
-    src = make_tiny_checkpoint(tmp / "src", "llama")
-    plain = run_distributed(train_hf, 1, str(src), str(tmp / "plain"), None, DATA, timeout=300)[0]
-    smoothed = run_distributed(train_hf, 1, str(src), str(tmp / "hf"), SMOOTHING, DATA, timeout=300)[0]
-    return src, plain, smoothed, tmp / "hf" / "final"
+    return with_and_without(tmp_path_factory.mktemp("label-smoothing"), SMOOTHING, DATA)
 
 
 def assert_matches(got: dict, ref_losses: list, ref_dir, got_dir) -> None:

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from loongforge_hf.parallel.spawn import run_distributed
-from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._train_parity import train_hf, train_loong
+from ._train_parity import train_loong, with_and_without
 from .test_trainer_parity import weights
 
 NEFTUNE = {"neftune_noise_alpha": 5.0}
@@ -25,11 +24,7 @@ LAYOUTS = {"tp1": (1, {}), "tp2": (2, {"tensor_parallel_size": 2}),
 
 @pytest.fixture(scope="module")
 def transformers_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("neftune")
-    src = make_tiny_checkpoint(tmp / "src", "llama")
-    plain = run_distributed(train_hf, 1, str(src), str(tmp / "plain"), None, DATA, timeout=300)[0]
-    noisy = run_distributed(train_hf, 1, str(src), str(tmp / "hf"), NEFTUNE, DATA, timeout=300)[0]
-    return src, plain, noisy, tmp / "hf" / "final"
+    return with_and_without(tmp_path_factory.mktemp("neftune"), NEFTUNE, DATA)
 
 
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
