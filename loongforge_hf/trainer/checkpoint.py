@@ -20,7 +20,10 @@ import errno
 import json
 import logging
 import os
+import queue
 import shutil
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -118,9 +121,10 @@ def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
     box = {}
     run_everywhere(f"the megatron state cannot be saved to {ckpt}",
                    lambda: box.setdefault("state", _validated(_sharded_state_dict(trainer.engine, is_loading=False))))
-    _use_in_process_results_queue()
+    strategy = _in_process_save_strategy()
     run_everywhere(f"could not write the megatron state to {ckpt}",
-                   lambda: dist_checkpointing.save(box["state"], str(ckpt), validate_access_integrity=False))
+                   lambda: dist_checkpointing.save(box["state"], str(ckpt), sharded_strategy=strategy,
+                                                   validate_access_integrity=False))
     run_everywhere(f"could not write {output_dir / SCHEDULER_FILE}",
                    lambda: torch.save(trainer.lr_scheduler.state_dict(), output_dir / SCHEDULER_FILE),
                    on=_rank() == 0)
@@ -129,22 +133,59 @@ def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
                    lambda: torch.save(rng_states_to_save(get_cuda_rng_tracker()), rng_file))
 
 
-def _use_in_process_results_queue() -> None:
-    """Give megatron's checkpoint writer a plain in-process queue for its write results.
+def _in_process_save_strategy():
+    """megatron-core's ``torch_dist`` save strategy with its file writes done by threads of this process.
 
-    NOTE: stands in for ``_get_write_results_queue`` in megatron-core 0.16.1's
-    ``dist_checkpointing/strategies/filesystem_async.py``, which creates the queue with
-    ``mp.get_context("spawn").Manager()``: the manager process re-runs the user's ``__main__`` module, so a training
-    script without an ``if __name__ == "__main__":`` guard loaded the model again in it and hung (torchrun) or failed
-    at its first checkpoint. Our saves are synchronous (``dist_checkpointing.save`` without ``async_sharded_save``):
-    the results are put and read in this process, which a ``queue.Queue`` serves.
+    megatron's writer (``FileSystemWriterAsync.write_preloaded_data_multiproc`` in megatron-core 0.16.1's
+    ``dist_checkpointing/strategies/filesystem_async.py``) forks one process per file it writes. A fork of a training
+    process copies whatever locks its other threads hold at that moment into a child that runs none of those threads:
+    huggingface_hub's at-fork handler hung in the child when Trainer's background hub upload (``push_to_hub=True``)
+    held its connection pool's lock, and a user callback's thread could do the same. Our saves are synchronous, so
+    the same per-file writes (megatron's ``write_preloaded_data``, fsync included) run in threads here, as
+    ``torch.distributed.checkpoint``'s own ``FileSystemWriter`` does; the results go through an in-process queue
+    (megatron would create it with a spawned ``multiprocessing.Manager``, a process that re-runs the user's
+    ``__main__`` module: a script without an ``if __name__ == "__main__":`` guard loaded the model again in it).
     """
-    import queue
-
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+
+    class InProcessSave(TorchDistSaveShardedStrategy):
+        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
+            request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+            if request.async_fn is None:  # nothing to write on this rank
+                return request
+            transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+            return request._replace(async_fn=partial(_write_buckets_in_threads, transforms, writer.use_msc))
+
+    return InProcessSave("torch_dist", 1)
+
+
+def _write_buckets_in_threads(transforms: list, use_msc: bool, rank: int, buckets: list, results) -> None:
+    """Write each of ``buckets`` (one file each) in a thread of its own and put ``{bucket index: write results}`` or
+    the first error into ``results``, as megatron's forked writer does (same arguments after the first two)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    del rank  # megatron's writer logs it
+    outputs, done = queue.Queue(), queue.Queue()
+
+    def write(index: int, bucket) -> None:
+        done.put(index)  # megatron's worker takes one item from it when it ends
+        FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, outputs, done, True, use_msc=use_msc)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(buckets)), thread_name_prefix="loongforge-ckpt") as pool:
+        for future in [pool.submit(write, i, bucket) for i, bucket in enumerate(buckets)]:
+            future.result()
+    written: dict | BaseException = {}
+    while not outputs.empty():
+        index, result = outputs.get()
+        if isinstance(result, BaseException):
+            written = result
+            break
+        written[index] = result
+    results.put(written)
 
 
 def _validated(state: dict) -> dict:

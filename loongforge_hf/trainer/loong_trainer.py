@@ -182,15 +182,6 @@ class LoongTrainer(Trainer):
         # NOTE: a rank without label tokens adds 0 (transformers' sum over none), not its mean's 0/0
         return torch.where(count > 0, scaled, torch.zeros_like(scaled)).to(loss.dtype)
 
-    def _finish_hub_uploads(self) -> None:
-        """Wait for Trainer's background hub uploads (``push_to_hub=True``, on the main process) before megatron's
-        checkpoint writer forks its worker processes: huggingface_hub's at-fork handler closes its HTTP session in
-        the child, and hangs there when an upload thread held the connection pool's lock at the fork (seen: a
-        checkpoint save that never ended). Costs time only when an upload is still running at the next save."""
-        push = getattr(self, "push_in_progress", None)
-        if push is not None and not push.is_done():
-            push.wait_until_done()
-
     def _apply_ddp_timeout(self) -> None:
         """``TrainingArguments.ddp_timeout`` on the process groups training uses: transformers applies it when
         accelerate starts the default group, which from_pretrained has already started; set here on it (when
@@ -653,7 +644,6 @@ class LoongTrainer(Trainer):
         try:
             self.save_model(str(tmp), _internal_call=True)
             if not self.args.save_only_model:
-                self._finish_hub_uploads()
                 save_training_checkpoint(self, tmp)
                 run_everywhere(f"could not write the RNG state into {tmp}", lambda: self._save_rng_state(str(tmp)))
             run_everywhere(f"could not write {tmp / TRAINER_STATE_NAME}", write_trainer_state,

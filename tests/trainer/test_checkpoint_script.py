@@ -1,6 +1,8 @@
 """A training script without an ``if __name__ == "__main__":`` guard, as the README's quickstart is written, saves its
 checkpoints: megatron-core's checkpoint writer used to start a spawn-context process that ran the script again (a
-second model load: a hang under torchrun, an error on one process)."""
+second model load: a hang under torchrun, an error on one process). The save forks nothing either: a fork of the
+training process copies the locks its other threads hold (a hub upload's, a callback's) into a child that can then
+wait on them forever."""
 
 import os
 import subprocess
@@ -10,6 +12,8 @@ import textwrap
 from loongforge_hf.testing import make_tiny_checkpoint
 
 SCRIPT = """
+import os
+os.register_at_fork(before=lambda: print("FORKING", flush=True))
 import datasets, transformers
 import loongforge_hf as lf
 
@@ -38,4 +42,5 @@ def test_unguarded_script_saves_checkpoint(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert proc.stdout.count("TRAINED") == 1
+    assert "FORKING" not in proc.stdout, "the checkpoint save forked the training process"
     assert (out / "checkpoint-1" / "megatron" / "metadata.json").is_file()
