@@ -222,12 +222,13 @@ def load_config(folder: Path, options: LoadOptions, *, trust_remote_code: bool, 
 
 def loading_info(reader, bridge) -> dict:
     """transformers' ``output_loading_info``: nothing missing or mismatched (either fails the load here), and the
-    checkpoint tensors the model leaves unread."""
+    checkpoint tensors the model does not load as ``unexpected_keys``, as transformers lists them: DeepSeek's
+    multi-token-prediction layers included, which transformers drops and the export here carries through unchanged."""
     from .fp8_checkpoint import dequantizing_reader
 
     names = dequantizing_reader(reader).keys()
-    used = set(bridge.expected_hf_shapes()) | set(getattr(bridge, "passthrough_names", lambda n: [])(names))
-    return {"missing_keys": set(), "unexpected_keys": set(names) - used, "mismatched_keys": set(), "error_msgs": []}
+    return {"missing_keys": set(), "unexpected_keys": set(names) - set(bridge.expected_hf_shapes()),
+            "mismatched_keys": set(), "error_msgs": []}
 
 
 def finish_load(model, options: LoadOptions, info: dict | None):

@@ -265,3 +265,48 @@ def test_multimodal_refuses_alike():
 
     with pytest.raises(ValueError, match="tp_plan: tensor parallelism is megatron-core's here"):
         lf.AutoModelForImageTextToText.from_pretrained("/nonexistent/vl", tp_plan="auto")
+
+
+def _merged_expert_name(name: str) -> str:
+    import re
+
+    merged = re.sub(r"\.experts\.\d+\.(\w+)\.weight$", r".experts.\1", name)
+    return re.sub(r"\.experts\.(gate|up)_proj$", ".experts.gate_up_proj", merged)
+
+
+def loading_info_cases(folders: dict) -> dict:
+    from transformers import AutoModelForCausalLM as Ref
+
+    import loongforge_hf as lf
+
+    out = {}
+    for name, folder in folders.items():
+        _, info = lf.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        _, ref_info = Ref.from_pretrained(folder, output_loading_info=True)
+        out[name] = (info, ref_info)
+    return out
+
+
+def test_loading_info_matches_transformers_on_every_architecture(tmp_path):
+    """``output_loading_info`` of every tiny architecture equals transformers' (nothing missing, and the same
+    unexpected keys), with a DeepSeek-V3 checkpoint that carries multi-token-prediction layers transformers skips and
+    a checkpoint with a tensor no model reads."""
+    from loongforge_hf.testing.tiny_models import TINY_ARCHS
+
+    folders = {arch: str(make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False)) for arch in TINY_ARCHS}
+    folders["deepseek_v3_mtp"] = str(make_tiny_checkpoint(tmp_path / "mtp", "deepseek_v3", tokenizer=False,
+                                                          mtp_layers=1))
+    extra = make_tiny_checkpoint(tmp_path / "extra", "qwen3", tokenizer=False, max_shard_size="10GB")
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(extra / "model.safetensors")
+    save_file({**weights, "model.unused_probe.weight": torch.ones(3)}, extra / "model.safetensors",
+              metadata={"format": "pt"})
+    folders["qwen3_extra_tensor"] = str(extra)
+    results = run_distributed(loading_info_cases, 1, folders, env=CPU, timeout=300)[0]
+    for name, (mine, theirs) in results.items():
+        # NOTE: our names are the checkpoint's own; transformers 5 lists a per-expert tensor under the merged name
+        # it converts it to (experts.N.down_proj.weight -> experts.down_proj, gate/up -> gate_up_proj)
+        mine = {**mine, "unexpected_keys": {_merged_expert_name(k) for k in mine["unexpected_keys"]}}
+        assert mine == theirs, (name, mine, theirs)
+    assert results["qwen3_extra_tensor"][0]["unexpected_keys"] == {"model.unused_probe.weight"}
