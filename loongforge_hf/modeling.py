@@ -81,10 +81,11 @@ def hf_forward_options(unused: dict, labels) -> dict:
     if bad:
         raise TypeError(f"forward: {bad} not supported by loongforge_hf models: "
                         + "; ".join(f"{k}: {_REFUSED_FORWARD[k]}" for k in bad) + ".")
-    cache = unused.get("cache") if unused.get("cache") is not None else unused.get("past_key_values")
+    name = "cache" if unused.get("cache") is not None else "past_key_values"
+    cache = unused.get(name)
     if cache is not None and not _is_loong_cache(cache):
-        raise TypeError(f"forward: a {type(cache).__name__} cache is not supported: loongforge_hf models take only "
-                        "the LoongKVCache their generate() makes (each rank caches its own layers and heads).")
+        raise TypeError(f"forward: {name}= of type {type(cache).__name__} is not supported: loongforge_hf models take "
+                        "only the LoongKVCache their generate() makes (each rank caches its own layers and heads).")
     if cache is not None and labels is not None:
         raise ValueError("forward: labels with a KV cache are not supported; pass one of them.")
     keep = unused.get("logits_to_keep") or 0
