@@ -5,12 +5,18 @@ Choices:
   and warpers, stopping criteria, greedy / sampling / beam search, ``num_return_sequences``, eos / pad handling, left
   padding (position ids from the attention mask) and ``return_dict_in_generate`` with ``scores`` / ``logits``.
   ``GenerationGlue`` only supplies what the mixin reads from a ``PreTrainedModel``.
-- No KV cache: every step runs ``forward`` over the whole sequence so far (correct, but a step costs the full
-  sequence: O(n^2) in the generated length). ``use_cache`` is therefore always False (the output's ``cache`` is None).
-- Refused with a ValueError before any forward, on every rank alike: what needs a cache (``cache`` /
-  ``past_key_values``, ``cache_implementation``, ``prefill_chunk_size``), assisted decoding (``assistant_model``,
-  ``prompt_lookup_num_tokens``), the modes transformers moved to the hub (DoLa, contrastive, group and constrained
-  beam search), ``custom_generate``, ``inputs_embeds``, ``output_attentions`` and ``output_hidden_states``.
+- A KV cache (``kv_cache.py``), as transformers' models use their default ``DynamicCache``: generate makes a
+  ``LoongKVCache`` per call (``use_cache=True``, the default), the prefill runs the prompt once and each later step
+  runs ``forward`` on the new token only, over the cached keys and values; beam search reorders it through
+  transformers' ``reorder_cache``. Each rank caches its own attention heads (TP) of the layers of its own pipeline
+  stage(s) and virtual chunks. ``use_cache=False`` runs every step over the whole sequence so far instead (O(n^2) in
+  the generated length). Under context parallelism generate runs without the cache (a one-token step cannot be split
+  into 2 x CP load-balanced chunks); ``use_cache=True`` passed there is refused.
+- Refused with a ValueError before any forward, on every rank alike: a cache passed in (``cache`` /
+  ``past_key_values``: generate makes its own), ``cache_implementation`` other than ``"dynamic"``,
+  ``prefill_chunk_size``, assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), the modes
+  transformers moved to the hub (DoLa, contrastive, group and constrained beam search), ``custom_generate``,
+  ``inputs_embeds``, ``output_attentions`` and ``output_hidden_states``.
 - Eval mode (no dropout) and no grad for the call; the caller's mode comes back after. NOTE: transformers' generate
   leaves the mode alone, so a transformers model in training mode with dropout in its config generates with dropout;
   here it never does (dropout would draw from the generator sampling uses, differently on each pipeline stage).
@@ -39,12 +45,19 @@ from transformers.generation import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
 _MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
-_NO_CACHE = "loongforge_hf models have no KV cache (every step recomputes the whole sequence)"
-_REFUSED_KWARGS = {"cache": _NO_CACHE, "past_key_values": _NO_CACHE, "assistant_model": "no assisted decoding",
+_OWN_CACHE = ("generate makes its own KV cache per call (a LoongKVCache: each rank holds its own layers and heads); "
+              "pass use_cache=False for none")
+_REFUSED_KWARGS = {"cache": _OWN_CACHE, "past_key_values": _OWN_CACHE, "assistant_model": "no assisted decoding",
                    "custom_generate": "only transformers' own decoding loops run here",
                    "inputs_embeds": "pass input_ids",
                    "output_attentions": "attention weights are not materialised",
-                   "output_hidden_states": "hidden states are not returned"}
+                   "output_hidden_states": "hidden states are not returned",
+                   "cache_implementation": "the KV cache is loongforge's own dynamic cache (kv_cache.py); only "
+                                           "'dynamic' is accepted",
+                   "prefill_chunk_size": "the prompt is run in one forward"}
+
+# NOTE: read from the generation config the call resolves (the keywords override its fields)
+_CONFIG_FIELDS = ("output_attentions", "output_hidden_states", "cache_implementation", "prefill_chunk_size")
 
 
 class GenerationMismatchError(ValueError):
@@ -63,7 +76,14 @@ class GenerationGlue(GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # NOTE: no cache; _prepare_generation_config turns use_cache off too
+        return True  # NOTE: ours stands in for transformers' DynamicCache (_prepare_cache_for_generation)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
+                                      max_cache_length: int) -> None:
+        if generation_config.use_cache:  # NOTE: a cache passed in was refused before (_local_verdict)
+            from loongforge_hf.kv_cache import LoongKVCache
+
+            model_kwargs["cache"] = LoongKVCache.for_model(self)
 
     def is_remote_code(self) -> bool:
         return False
@@ -80,6 +100,10 @@ class GenerationGlue(GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any) -> dict:
         inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        if inputs.get("cache") is not None:
+            # NOTE: generate returns no router logits; the cached forward refuses to record them
+            inputs["output_router_logits"] = False
+            return inputs
         mask = inputs.get("attention_mask")
         if mask is not None and mask.shape[-1] > input_ids.shape[-1]:
             # NOTE: synced_gpus: a rank whose sequences are done keeps running forward on the same input_ids while
@@ -89,12 +113,13 @@ class GenerationGlue(GenerationMixin):
 
     def _prepare_generation_config(self, generation_config, **kwargs):
         config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
-        config.use_cache = False  # NOTE: else _sample would feed forward the last token alone
+        if self.parallel.context_parallel_size > 1:
+            config.use_cache = False  # NOTE: no cache under CP (module docstring); _sample then feeds every token
         return config, model_kwargs
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
         """transformers' ``GenerationMixin.generate`` (same arguments and outputs), collective over the model
-        replica, without a KV cache; see ``loongforge_hf.generation``."""
+        replica, with a KV cache unless ``use_cache=False``; see ``loongforge_hf.generation``."""
         refusal, sampling = _local_verdict(self, generation_config, kwargs)
         if self.parallel.expert_parallel_size > 1 and kwargs.get("synced_gpus") is None:
             kwargs["synced_gpus"] = True
@@ -112,9 +137,12 @@ class GenerationGlue(GenerationMixin):
 
 def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, bool]:
     """(why this call is refused or None, whether it samples), from this rank's arguments alone."""
-    bad = sorted(k for k in _REFUSED_KWARGS if kwargs.get(k) not in (None, False))
+    bad = sorted(k for k in _REFUSED_KWARGS if k not in _CONFIG_FIELDS and kwargs.get(k) not in (None, False))
     if bad:
         return "; ".join(f"{k} is not supported: {_REFUSED_KWARGS[k]}" for k in bad) + ".", False
+    if model.parallel.context_parallel_size > 1 and kwargs.get("use_cache") is True:
+        return ("use_cache=True is not supported with context_parallel_size > 1: generate runs without a KV cache "
+                "there (each step over the whole sequence); drop use_cache or pass use_cache=False."), False
     if model.parallel.expert_parallel_size > 1 and kwargs.get("synced_gpus") is False:
         return ("synced_gpus=False is not supported with expert_parallel_size > 1: the experts' all-to-all spans "
                 "data-parallel ranks, which must all run the same number of forwards."), False
@@ -126,10 +154,10 @@ def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, 
     if mode not in _MODES:
         return (f"generation mode {mode.value!r} is not supported; loongforge_hf models run "
                 f"{[m.value for m in _MODES]}."), False
-    for field in ("output_attentions", "output_hidden_states", "cache_implementation", "prefill_chunk_size"):
-        if getattr(config, field, None) not in (None, False):
-            why = _REFUSED_KWARGS.get(field, _NO_CACHE)
-            return f"{field}={getattr(config, field)!r} is not supported: {why}.", False
+    for field in _CONFIG_FIELDS:
+        value = getattr(config, field, None)
+        if value not in (None, False) and not (field == "cache_implementation" and value == "dynamic"):
+            return f"{field}={value!r} is not supported: {_REFUSED_KWARGS[field]}.", False
     return None, bool(config.do_sample)
 
 

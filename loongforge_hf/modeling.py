@@ -16,8 +16,8 @@ Choices:
   graph as transformers' are where the forward builds one (``bridges/router_balance.py``); the router logits are
   detached under pipeline parallelism and activation recompute.
 - ``save_pretrained`` is collective (every rank calls it); rank 0 writes.
-- ``generate`` is transformers' ``GenerationMixin.generate`` without a KV cache, collective over the model replica
-  (``generation.py``).
+- ``generate`` is transformers' ``GenerationMixin.generate`` with a KV cache of our own (``kv_cache.py``; none under
+  context parallelism), collective over the model replica (``generation.py``).
 """
 
 from __future__ import annotations
@@ -59,26 +59,41 @@ def _resolve_dtype(dtype: Any, hf_config, reader=None) -> torch.dtype:
 
 
 # transformers forward keywords this model cannot honour: refused, as they would change what the caller gets
-_REFUSED_FORWARD = {"past_key_values": "there is no KV cache", "inputs_embeds": "pass input_ids",
+_REFUSED_FORWARD = {"inputs_embeds": "pass input_ids",
                     "output_attentions": "attention weights are not materialised",
                     "output_hidden_states": "hidden states are not returned"}
 
 
+def _is_loong_cache(cache) -> bool:
+    from loongforge_hf.kv_cache import LoongKVCache
+
+    return isinstance(cache, LoongKVCache)
+
+
 def hf_forward_options(unused: dict, labels) -> dict:
     """transformers' forward keywords beyond the inputs: ``num_items_in_batch`` (the loss is summed over the label
-    tokens and divided by it), ``logits_to_keep`` and ``return_dict`` are honoured; ``use_cache`` has no effect (no
-    cache is returned); those of ``_REFUSED_FORWARD`` with a value that would matter are refused; other keywords
-    are ignored, as transformers' models pass unknown ones on to attention kernels that ignore them."""
+    tokens and divided by it), ``logits_to_keep`` and ``return_dict`` are honoured; ``cache`` (or its older name
+    ``past_key_values``) takes the ``LoongKVCache`` that ``generate`` makes (``kv_cache.py``: the given tokens follow
+    the cached ones) and is returned in the output; ``use_cache`` has no effect (a cache is never made here); those
+    of ``_REFUSED_FORWARD`` with a value that would matter are refused; other keywords are ignored, as transformers'
+    models pass unknown ones on to attention kernels that ignore them."""
     bad = sorted(k for k in _REFUSED_FORWARD if unused.get(k) not in (None, False))
     if bad:
         raise TypeError(f"forward: {bad} not supported by loongforge_hf models: "
                         + "; ".join(f"{k}: {_REFUSED_FORWARD[k]}" for k in bad) + ".")
+    name = "cache" if unused.get("cache") is not None else "past_key_values"
+    cache = unused.get(name)
+    if cache is not None and not _is_loong_cache(cache):
+        raise TypeError(f"forward: {name}= of type {type(cache).__name__} is not supported: loongforge_hf models take "
+                        "only the LoongKVCache their generate() makes (each rank caches its own layers and heads).")
+    if cache is not None and labels is not None:
+        raise ValueError("forward: labels with a KV cache are not supported; pass one of them.")
     keep = unused.get("logits_to_keep") or 0
     if labels is not None and not (isinstance(keep, int) and keep == 0):
         raise ValueError("forward: logits_to_keep with labels is not supported (the loss needs every position's "
                          "logits); pass one of them.")
     return {"num_items_in_batch": unused.get("num_items_in_batch"), "logits_to_keep": keep,
-            "return_dict": unused.get("return_dict", True) is not False}
+            "return_dict": unused.get("return_dict", True) is not False, "cache": cache}
 
 
 def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux_coef: float = 0.0,
@@ -99,12 +114,14 @@ def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux
     keep = options["logits_to_keep"]
     if logits is not None and not (isinstance(keep, int) and keep == 0):
         logits = logits[:, -keep:] if isinstance(keep, int) else logits[:, keep.to(logits.device)]
+    cache = options.get("cache")
     if aux_loss is None and not moe:
-        out = CausalLMOutputWithPast(loss=loss, logits=logits)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
     else:
         if loss is not None and aux_loss is not None:
             loss = loss + aux_coef * aux_loss.to(loss)
-        out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, router_logits=router_logits)
+        out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, router_logits=router_logits,
+                                        cache=cache)
     return out if options["return_dict"] else out.to_tuple()
 
 
@@ -226,6 +243,14 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         keep = options["logits_to_keep"]  # NOTE: an int: the rows cut before the logits cross ranks (runtime.py)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "labels": labels, "return_logits": return_logits, "keep": keep if isinstance(keep, int) else 0}
+        if options["cache"] is not None:
+            from loongforge_hf.kv_cache import forward_with_cache
+
+            if moe and asked(self.config, unused.get("output_router_logits")):
+                raise ValueError("forward: output_router_logits with a KV cache is not supported.")
+            logits = forward_with_cache(self, options["cache"], input_ids=input_ids, attention_mask=attention_mask,
+                                        keep=inputs["keep"])
+            return hf_forward_output(None, logits, labels, options, moe=moe)
         if not (moe and asked(self.config, unused.get("output_router_logits"))):
             return hf_forward_output(*forward_causal_lm(self, **inputs), labels, options, moe=moe)
         multiple = self.parallel.sequence_multiple

@@ -131,3 +131,64 @@ def data_parallel_run(folder: str, layout: dict, prompts_by_rank: list, scenario
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     rank = dist.get_rank()
     return run_scenarios(model, prompts_for(tok, prompts_by_rank[rank]), scenarios_by_rank[rank])
+
+
+# a left-padded batch of two prompts of different lengths; greedy with scores and logits, beam search returning two
+# of three beams, seeded sampling
+CACHE_PROMPTS = ["tok5 tok6", "tok8 tok9 tok10 tok11 tok12 tok13"]
+CACHE_SCENARIOS = {
+    "greedy": dict(max_new_tokens=6, return_dict_in_generate=True, output_scores=True, output_logits=True),
+    "beam": dict(max_new_tokens=4, num_beams=3, num_return_sequences=2, return_dict_in_generate=True,
+                 output_scores=True),
+    "sample": dict(max_new_tokens=5, do_sample=True, top_k=20, temperature=0.8, return_dict_in_generate=True,
+                   output_logits=True),
+}
+
+
+def step_lengths(model, run) -> list:
+    """The sequence lengths (padded for the layout) the model's first chunk sees in each forward of ``run()``."""
+    seen = []
+    handle = model.chunks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[-1]))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen
+
+
+def cache_run(folder: str, layout: dict) -> dict:
+    """``CACHE_SCENARIOS`` with the KV cache (the default) and with ``use_cache=False``, the sequence lengths of the
+    cached and uncached greedy forwards, and what the cache and a context-parallel layout refuse."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    inputs = prompts_for(tok, CACHE_PROMPTS)
+    res = {"multiple": model.parallel.sequence_multiple}
+    if model.parallel.context_parallel_size == 1:
+        res["cached"] = run_scenarios(model, inputs, CACHE_SCENARIOS)
+    res["uncached"] = run_scenarios(model, inputs, {k: {**v, "use_cache": False} for k, v in CACHE_SCENARIOS.items()})
+    greedy = dict(max_new_tokens=4)
+    res["lengths"] = {"default": step_lengths(model, lambda: model.generate(**inputs, **greedy)),
+                      "uncached": step_lengths(model, lambda: model.generate(**inputs, **greedy, use_cache=False))}
+    out = model.generate(**inputs, **greedy, return_dict_in_generate=True)
+    res["cache_out"] = (type(out.cache).__name__, out.cache.get_seq_length() if out.cache is not None else None)
+    refused = {"user_cache": dict(cache=transformers.DynamicCache()),
+               "cache_implementation": dict(cache_implementation="static"),
+               "prefill_chunk_size": dict(prefill_chunk_size=2),
+               "cp_use_cache": dict(use_cache=True)}
+    res["refused"] = {}
+    for name, kw in refused.items():
+        try:
+            model.generate(**inputs, max_new_tokens=2, **kw)
+            res["refused"][name] = None
+        except Exception as err:  # noqa: BLE001 - the test checks the type
+            res["refused"][name] = (type(err).__name__, str(err))
+    try:
+        model(**inputs, cache=transformers.DynamicCache())
+        res["forward_user_cache"] = None
+    except Exception as err:  # noqa: BLE001
+        res["forward_user_cache"] = (type(err).__name__, str(err))
+    return res

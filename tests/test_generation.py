@@ -1,5 +1,6 @@
 """``model.generate`` against transformers' own ``generate`` on the same tiny checkpoint (fp32, Qwen2 with attention
-dropout 0.3, a left-padded batch of prompts of three lengths from the tokenizer).
+dropout 0.3, a left-padded batch of prompts of three lengths from the tokenizer), both with their KV cache (the
+default; ``tests/test_generation_cache.py`` checks ours against ``use_cache=False`` and that it runs one token a step).
 
 - Greedy, eos stopping (one row stops early, the others pad after it), sampling (top-k, top-p, temperature after
   ``transformers.set_seed``: the same tokens and processed logits), beam search (2 beams, 2 sequences returned,

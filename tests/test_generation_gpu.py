@@ -1,6 +1,12 @@
-"""``generate()`` on one CUDA GPU against transformers' ``generate`` on the same GPU (fp32, TF32 off on both sides):
-greedy, sampling (torch.multinomial draws from the CUDA generator on both sides, seeded alike) and beam search with
-scores; the same tokens, scores and logits within 1e-4 (the attention kernels differ: summation order only)."""
+"""``generate()`` on one CUDA GPU against transformers' ``generate`` on the same GPU.
+
+- fp32, TF32 off on both sides, both with their KV cache (the default): greedy, sampling (torch.multinomial draws
+  from the CUDA generator on both sides, seeded alike) and beam search with scores; the same tokens, scores and
+  logits within 1e-4 (the attention kernels differ: summation order only).
+- bf16, our KV cache against our ``use_cache=False`` (SDPA over cached keys vs. over the whole sequence, CUDA
+  kernels): greedy and beam search give the same tokens, and logits / scores within 3e-2 (bf16 rounds to 2^-8
+  relative; the tiny model's logits stay below 1 in magnitude). The step lengths show the cached path ran.
+"""
 
 import pytest
 import torch
@@ -9,7 +15,7 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 from ._device_env import pickleable_month_day_nano
-from ._generation import SCENARIOS, prompts_for, run_scenarios
+from ._generation import CACHE_PROMPTS, CACHE_SCENARIOS, SCENARIOS, step_lengths, prompts_for, run_scenarios
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -44,4 +50,37 @@ def test_generate_on_cuda_as_transformers(tmp_path):
         assert set(ours) == set(theirs), name
         for key in set(theirs) - {"sequences"}:
             torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), atol=1e-4, rtol=0,
+                                       msg=lambda m: f"{name} {key}: {m}")
+
+
+BF16_ATOL = 3e-2
+
+
+def _cuda_bf16_cache_world(folder: str) -> dict:
+    import transformers
+
+    import loongforge_hf as lf
+
+    pickleable_month_day_nano()
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    inputs = {k: v.cuda() for k, v in prompts_for(tok, CACHE_PROMPTS).items()}
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    scenarios = {name: CACHE_SCENARIOS[name] for name in ("greedy", "beam")}
+    return {"device": str(model.device),
+            "cached": run_scenarios(model, inputs, scenarios),
+            "uncached": run_scenarios(model, inputs, {k: {**v, "use_cache": False} for k, v in scenarios.items()}),
+            "lengths": step_lengths(model, lambda: model.generate(**inputs, max_new_tokens=4))}
+
+
+def test_bf16_cached_generate_on_cuda_as_uncached(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    got = run_distributed(_cuda_bf16_cache_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    assert got["device"].startswith("cuda")
+    assert got["lengths"][1:] == [1, 1, 1], got["lengths"]
+    for name in ("greedy", "beam"):
+        ours, plain = got["cached"][name], got["uncached"][name]
+        assert torch.equal(ours["sequences"].cpu(), plain["sequences"].cpu()), name
+        assert set(ours) == set(plain), name
+        for key in set(plain) - {"sequences"}:
+            torch.testing.assert_close(ours[key].float().cpu(), plain[key].float().cpu(), atol=BF16_ATOL, rtol=0,
                                        msg=lambda m: f"{name} {key}: {m}")

@@ -184,11 +184,11 @@ def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels,
     rows = slice(given - min(keep, given), given) if keep > 0 and labels is None else slice(0, given)
     input_ids, attention_mask, position_ids, labels = pad_model_inputs(
         input_ids, attention_mask, position_ids, labels, multiple=model.parallel.sequence_multiple)
-    return _forward_causal_lm(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              labels=labels, return_logits=return_logits, rows=rows)
+    return forward_padded(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          labels=labels, return_logits=return_logits, rows=rows)
 
 
-def _forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool, rows: slice):
+def forward_padded(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool, rows: slice):
     vocab = model.config.vocab_size
     device = model.device
     input_ids = input_ids.to(device)

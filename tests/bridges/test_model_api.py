@@ -3,7 +3,8 @@
 - ``from_pretrained`` returns the model in eval mode (dropout off: the same logits twice, equal to transformers' in
   eval mode), and ``dtype`` defaults to ``"auto"`` (the config's dtype, else the first tensor's), as transformers 5.
 - ``forward`` honours ``num_items_in_batch`` (summed loss / it), ``logits_to_keep`` and ``return_dict=False`` like
-  transformers, and refuses what it cannot honour (hidden states, a KV cache, logits_to_keep with labels).
+  transformers, and refuses what it cannot honour (hidden states, a cache other than the one generate makes,
+  logits_to_keep with labels).
 - ``save_pretrained`` writes config.json verbatim when nothing changed, the user's config / generation config changes
   otherwise, with the dtype of the tensors written; transformers keywords that would change what is written are
   refused before anything is written; extra chat templates are copied.

@@ -1,0 +1,155 @@
+"""A KV cache for ``generate()``: a ``transformers.Cache`` whose layers our core attention writes into.
+
+Choices:
+- Where: at the core-attention level, not megatron-core's ``inference_context``. megatron's static inference context
+  preallocates ``[max_seq, max_batch]`` buffers, keeps the keys before the rotary embedding and rotates every cached
+  key again on each step, turns the causal mask off after the prefill (``AttnMaskType.no_mask``), and must be threaded
+  through every call of our runtime (one-stage, pipelined, interleaved): it knows neither transformers' left-padding
+  masks nor beam reordering, nor the padding our runtime adds for sequence parallelism. Our ``CoreAttention`` gets
+  the keys after the rotary embedding already; caching them there keeps megatron's attention module, the schedules
+  and the runtime as they are.
+- What: ``LoongKVCache`` is a ``transformers.Cache`` of ``DynamicLayer``s (transformers' default dynamic layer: keys
+  and values ``[batch, kv heads, seq, head dim]`` grown by concatenation), one per core attention of this rank, in
+  module order over its pipeline stage(s) / virtual chunks. Each rank holds its own tensor-parallel share of the KV
+  heads. transformers' generate drives it as it drives ``DynamicCache``: ``get_seq_length``, ``reorder_cache`` (beam
+  search), ``batch_repeat_interleave``. It is made per generate call (``for_model``); a cache passed in is refused.
+- How a step runs (``forward_with_cache``): the new tokens are right-padded to ``sequence_multiple`` (sequence
+  parallelism) as the uncached forward pads them; while the step runs, ``attached`` gives each core attention of the
+  model an instance ``forward`` (the class's stays: no cost outside generate) that appends the first ``given`` new
+  keys / values (never the padding) to its cache layer and attends the new queries over cache + new keys, causally
+  (query i at slot ``past + i``), with transformers' 2-D padding mask over all slots: cached padding keys of
+  left-padded rows stay masked. The new padding keys take part in that step only (after every real query, so
+  causality hides them) and are dropped.
+- Rotary positions: megatron's ``GPTModel`` does not read ``position_ids`` for the rotary embedding; it rotates the
+  tokens of a forward by their slot ``0..s-1`` in the (left-padded) sequence, and so does the uncached generate.
+  Cached steps keep that: ``attached`` sets every ``RotaryEmbedding`` of the chunks (GPTModel's, MLA's) to start at
+  ``offset = past``, so a new token is rotated by its slot in the whole sequence, as it would be without the cache.
+  Attention depends on the distance between positions only, which equals transformers' (position ids counted from
+  the first real token).
+- Not here: context parallelism (a cached step of one token cannot be split into 2 x CP load-balanced chunks):
+  generate runs without the cache there (``generation.py``). ``forward`` refuses labels with a cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class LoongKVCache(Cache):
+    """transformers' ``Cache`` of one ``DynamicLayer`` per core attention on this rank (see the module docstring)."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(layers=[DynamicLayer() for _ in range(num_layers)])
+
+    @classmethod
+    def for_model(cls, model) -> "LoongKVCache":
+        return cls(len(core_attentions(model.chunks)))
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One cached forward: ``past`` tokens cached, ``given`` new ones run (``padded`` with the layout's padding),
+    ``mask``: ``[b, 1, 1, past + padded]`` True where a key is padding, or None."""
+
+    past: int
+    given: int
+    padded: int
+    mask: torch.Tensor | None
+
+
+def core_attentions(chunks) -> list:
+    """This rank's core attention modules, in order over its chunks (one per layer)."""
+    from loongforge_hf.kernels.attention import CoreAttention
+
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, CoreAttention)]
+
+
+def _rotary_embeddings(chunks) -> list:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, (RotaryEmbedding, YarnRotaryEmbedding))]
+
+
+def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                      packed_seq_params=None, *, cache: LoongKVCache, index: int, step: _Step):
+    """Stands in for ``CoreAttention.forward`` during a cached step: ``query [sq, b, h, d]``, ``key / value
+    [sq, b, h_kv, d]`` of the new (padded) tokens -> ``[sq, b, h * d_v]`` over cache + new keys."""
+    from loongforge_hf.kernels.attention import CAUSAL_MASK_TYPES, sdpa
+
+    mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
+    if attention_bias is not None or packed_seq_params is not None or mask_type not in CAUSAL_MASK_TYPES:
+        raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
+    k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, h_kv, s, d]
+    keys, values = cache.update(k[:, :, :step.given], v[:, :, :step.given], index)
+    if step.padded > step.given:  # NOTE: the layout's padding: seen by this step only, never cached
+        keys = torch.cat((keys, k[:, :, step.given:]), dim=2)
+        values = torch.cat((values, v[:, :, step.given:]), dim=2)
+    out = sdpa(query.permute(1, 2, 0, 3), keys, values, causal=True, scale=module.softmax_scale,
+               window=module.window, mask=step.mask)
+    return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+@contextlib.contextmanager
+def attached(chunks, cache: LoongKVCache, step: _Step):
+    """Inside, the core attentions of ``chunks`` read and extend ``cache`` and their rotary embeddings start at slot
+    ``step.past`` (instance attributes, removed at the end)."""
+    attentions = core_attentions(chunks)
+    if len(attentions) != len(cache.layers):
+        raise ValueError(f"KV cache: this rank runs {len(attentions)} attention layers, the cache holds "
+                         f"{len(cache.layers)}; use a cache made by this model's generate().")
+    patched = []
+    for index, module in enumerate(attentions):
+        module.forward = types.MethodType(functools.partial(_cached_attention, cache=cache, index=index, step=step),
+                                          module)
+        patched.append(module)
+    for rope in _rotary_embeddings(chunks):
+        rope.forward = functools.partial(type(rope).forward, rope, offset=step.past)
+        patched.append(rope)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _key_padding_mask(attention_mask, *, batch: int, past: int, given: int, padded: int, device) -> torch.Tensor | None:
+    """``[b, 1, 1, past + padded]`` True where a key is padding (transformers' 2-D mask, 1 = token, over the cached
+    and the given tokens; the layout's padding after them), or None when nothing is padding."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, past + given):
+        raise ValueError(f"forward with a KV cache: attention_mask must be [batch, cached + new tokens] = "
+                         f"[{batch}, {past + given}], got {list(attention_mask.shape)}.")
+    if bool(attention_mask.bool().all()):
+        return None  # NOTE: the layout's padding keys come after every real query: causality hides them
+    keys = torch.nn.functional.pad(attention_mask.to(device).bool(), (0, padded - given), value=False)
+    return ~keys[:, None, None, :]
+
+
+def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, keep: int):
+    """The logits (``[b, given, V]``, the last ``keep`` positions when ``keep`` > 0) of ``input_ids``, the tokens
+    after the ``cache.get_seq_length()`` cached ones, on every rank; their keys and values join the cache."""
+    from loongforge_hf.bridges.runtime import forward_padded
+    from loongforge_hf.trainer.data import pad_model_inputs
+
+    if model.parallel.context_parallel_size > 1:
+        raise ValueError("forward with a KV cache is not supported with context_parallel_size > 1; generate with "
+                         "use_cache=False.")
+    batch, given = input_ids.shape
+    past = cache.get_seq_length()
+    padded_ids = pad_model_inputs(input_ids, None, None, None, multiple=model.parallel.sequence_multiple)[0]
+    step = _Step(past=past, given=given, padded=padded_ids.shape[-1],
+                 mask=_key_padding_mask(attention_mask, batch=batch, past=past, given=given,
+                                        padded=padded_ids.shape[-1], device=model.device))
+    rows = slice(given - min(keep, given), given) if keep > 0 else slice(0, given)
+    with attached(model.chunks, cache, step):
+        _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
+                                   return_logits=True, rows=rows)
+    return logits

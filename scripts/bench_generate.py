@@ -1,0 +1,107 @@
+"""``generate()`` speed on one device, side by side: transformers' ``generate`` (its default dynamic KV cache),
+loongforge-hf's with its KV cache, and loongforge-hf's with ``use_cache=False`` (every step over the whole sequence).
+
+Choices:
+- The model is bench_train.py's workload (a) (Qwen3-0.6B shape), random bf16 weights written once by transformers
+  (``bench_train.write_checkpoint``); ``--tiny`` shrinks it (same code paths) for dry runs.
+- Inputs: ``--batch`` rows of ``--prompt`` random token ids (no padding), greedy, exactly ``--new`` new tokens
+  (``min_new_tokens`` = ``max_new_tokens``: eos never stops a row early), the same ids for every stack.
+- Time: ``_bench_harness.median_ms`` over ``--reps`` whole generate calls after ``--warmup`` (CUDA events on a GPU,
+  the host clock on CPU: a dry run only, its numbers mean nothing). Reported per stack: median ms per call, new
+  tokens per second (batch x new / time), the allocator's peak during the timed calls, and the share of generated
+  tokens equal to transformers' (bf16: kernels that differ in summation order may flip a near tie, so this is a
+  sanity check, not a parity test; the tests do parity in fp32).
+- One process, stacks one after the other; loongforge-hf runs on one rank (TP=1), as ``python script.py`` starts it.
+
+    python scripts/bench_generate.py [--batch 8] [--prompt 512] [--new 128] [--reps 3] [--warmup 1]
+                                     [--out outputs/bench_generate.json]
+    python scripts/bench_generate.py --tiny --device cpu --reps 1 --warmup 0       # a dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _bench_harness as H  # noqa: E402
+import bench_train as BT  # noqa: E402
+
+STACKS = {"transformers": "transformers generate (DynamicCache)", "loongforge_cache": "loongforge-hf, KV cache",
+          "loongforge_no_cache": "loongforge-hf, use_cache=False"}
+
+
+def _measure(model, ids, args, device: H.Device, **extra) -> dict:
+    import torch
+
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+                  min_new_tokens=args.new, do_sample=False, **extra)
+    out = {}
+
+    def call():
+        out["tokens"] = model.generate(**kwargs)[:, ids.shape[1]:]
+
+    device.reset_peak()
+    ms = H.median_ms(call, cuda=device.is_cuda, warmup=args.warmup, reps=args.reps)
+    return {"ms": ms, "new_tokens_per_s": ids.shape[0] * args.new / (ms / 1e3),
+            "peak_gib": device.peak() / H.GIB, "tokens": out["tokens"].cpu()}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--checkpoint", default=None, help="folder for the random checkpoint (default: a temporary one)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+    import transformers
+
+    import loongforge_hf as lf
+
+    device = H.Device(args.device)
+    workload = BT.WORKLOADS["a"]
+    folder = Path(args.checkpoint or tempfile.mkdtemp(prefix="bench_generate_")) / ("tiny" if args.tiny else "a")
+    if not folder.is_dir():
+        BT.write_checkpoint(workload, tiny=args.tiny, folder=folder, device=device)
+    vocab = BT.sizes(workload, args.tiny)[0]["vocab_size"]
+    ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(BT.SEED))
+    ids = ids.to(device.device)
+    results = {}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device.device).eval()
+    results["transformers"] = _measure(ref, ids, args, device)
+    del ref
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    results["loongforge_cache"] = _measure(ours, ids, args, device)
+    results["loongforge_no_cache"] = _measure(ours, ids, args, device, use_cache=False)
+    theirs = results["transformers"]["tokens"]
+    rows = []
+    for key, r in results.items():
+        r["same_tokens_as_transformers"] = float((r.pop("tokens") == theirs).float().mean())
+        rows.append([STACKS[key], f"{r['ms']:.1f}", f"{r['new_tokens_per_s']:.1f}", f"{r['peak_gib']:.2f}",
+                     f"{r['same_tokens_as_transformers']:.3f}"])
+    report = {"device": device.describe(), "workload": workload.title, "tiny": args.tiny, "batch": args.batch,
+              "prompt": args.prompt, "new": args.new, "reps": args.reps, "results": results}
+    header = ["stack", "ms / generate", "new tokens/s", "peak GiB", "tokens = transformers'"]
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

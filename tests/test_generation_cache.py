@@ -1,0 +1,91 @@
+"""``generate()`` with the KV cache (``loongforge_hf/kv_cache.py``) against transformers' ``generate`` with its default
+dynamic cache and against our own ``use_cache=False`` path, on tiny fp32 checkpoints and a left-padded batch of two
+prompts of different lengths.
+
+- Greedy (scores and raw logits), beam search (3 beams, 2 sequences returned, scores) and seeded top-k sampling
+  (logits) give transformers' tokens, and scores / logits within 1e-5 of transformers' and of ``use_cache=False``'s,
+  on every rank of: one rank, TP2, TP2 with sequence parallelism (a one-token step padded to two), PP2, PP2 x VPP2
+  (a rank's cache spans its two virtual chunks), Qwen3-MoE with EP2 and DeepSeek-V3 (MLA: its own rotary embedding,
+  query / key and value heads of different sizes) with TP2 and sequence parallelism.
+- After the prefill each cached forward runs the new token only (padded to ``sequence_multiple``), where
+  ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here.
+- ``return_dict_in_generate`` returns the ``LoongKVCache`` holding every position but the last token's.
+- Refused on every rank alike (ValueError): a cache passed in, ``cache_implementation='static'``,
+  ``prefill_chunk_size``; ``forward`` refuses a transformers cache (TypeError). Under context parallelism generate
+  runs without a cache (as transformers, whole-sequence forwards) and refuses an explicit ``use_cache=True``.
+"""
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+from ._generation import CACHE_PROMPTS, CACHE_SCENARIOS, cache_run, transformers_reference
+
+ATOL = 1e-5
+LAYOUTS = {
+    "tp1": ("qwen2", 1, {}),
+    "tp2": ("qwen2", 2, {"tensor_parallel_size": 2}),
+    "tp2_sp": ("qwen2", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "pp2": ("qwen2", 2, {"pipeline_parallel_size": 2}),
+    "pp2_vpp2": ("qwen2", 2, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}),
+    "moe_ep2": ("qwen3_moe", 2, {"expert_parallel_size": 2}),
+    "mla_tp2_sp": ("deepseek_v3", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    found = {}
+    for arch in ("qwen2", "qwen3_moe", "deepseek_v3"):
+        folder = make_tiny_checkpoint(tmp_path_factory.mktemp("gen_cache") / arch, arch)
+        found[arch] = (str(folder), transformers_reference(str(folder), CACHE_PROMPTS, CACHE_SCENARIOS))
+    return found
+
+
+def _same(got: dict, ref: dict, what: str) -> None:
+    assert torch.equal(got["sequences"], ref["sequences"]), (what, got["sequences"], ref["sequences"])
+    assert set(got) == set(ref), (what, set(got), set(ref))
+    for key in set(ref) - {"sequences"}:
+        torch.testing.assert_close(got[key], ref[key], atol=ATOL, rtol=0, msg=lambda m: f"{what} {key}: {m}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
+    arch, nprocs, sizes = LAYOUTS[layout]
+    folder, ref = checkpoints[arch]
+    results = run_distributed(cache_run, nprocs, folder, sizes, timeout=240)
+    prompt = ref["greedy"]["sequences"].shape[1] - CACHE_SCENARIOS["greedy"]["max_new_tokens"]
+    for rank, res in enumerate(results):
+        for name in CACHE_SCENARIOS:
+            _same(res["cached"][name], ref[name], f"{layout} rank {rank} {name} cached vs transformers")
+            _same(res["cached"][name], res["uncached"][name], f"{layout} rank {rank} {name} cached vs uncached")
+        multiple = res["multiple"]
+        padded = -(-prompt // multiple) * multiple
+        # NOTE: max_new_tokens=4: the prefill, then three one-token steps (padded to the layout's multiple)
+        assert res["lengths"]["default"] == [padded] + [multiple] * 3, res["lengths"]
+        assert res["lengths"]["uncached"] == [-(-n // multiple) * multiple for n in range(prompt, prompt + 4)]
+        assert res["cache_out"] == ("LoongKVCache", prompt + 3)
+        for name in ("user_cache", "cache_implementation", "prefill_chunk_size"):
+            assert res["refused"][name] is not None and res["refused"][name][0] == "ValueError", (name, res)
+            assert res["refused"][name] == results[0]["refused"][name]
+        assert res["refused"]["cp_use_cache"] is None  # NOTE: use_cache=True is the default outside CP
+        assert res["forward_user_cache"][0] == "TypeError" and "LoongKVCache" in res["forward_user_cache"][1]
+    assert "own KV cache" in results[0]["refused"]["user_cache"][1]
+
+
+def test_context_parallel_generates_without_cache(checkpoints):
+    folder, ref = checkpoints["qwen2"]
+    results = run_distributed(cache_run, 2, folder, {"context_parallel_size": 2}, timeout=240)
+    prompt = ref["greedy"]["sequences"].shape[1] - CACHE_SCENARIOS["greedy"]["max_new_tokens"]
+    for rank, res in enumerate(results):
+        for name in CACHE_SCENARIOS:
+            _same(res["uncached"][name], ref[name], f"cp2 rank {rank} {name}")
+        # NOTE: whole-sequence forwards padded to 2 x CP = 4 positions, of which a rank runs half
+        whole = [-(-n // 4) * 4 // 2 for n in range(prompt, prompt + 4)]
+        assert res["lengths"]["default"] == res["lengths"]["uncached"] == whole, res["lengths"]
+        assert res["cache_out"] == ("NoneType", None)
+        refusal = res["refused"]["cp_use_cache"]
+        assert refusal[0] == "ValueError" and "context_parallel_size" in refusal[1], refusal
+        assert refusal == results[0]["refused"]["cp_use_cache"]
