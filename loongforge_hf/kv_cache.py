@@ -46,10 +46,18 @@ class LoongKVCache(Cache):
 
     def __init__(self, num_layers: int) -> None:
         super().__init__(layers=[DynamicLayer() for _ in range(num_layers)])
+        self._modules: tuple[list, list] | None = None  # (core attentions, rotary embeddings) of the chunks
 
     @classmethod
     def for_model(cls, model) -> "LoongKVCache":
         return cls(len(core_attentions(model.chunks)))
+
+    def modules_of(self, chunks) -> tuple[list, list]:
+        """The core attentions and rotary embeddings of ``chunks``, found once per cache (a walk over every module
+        of the model each step cost more than a decode step's attention)."""
+        if self._modules is None:
+            self._modules = (core_attentions(chunks), _rotary_embeddings(chunks))
+        return self._modules
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,7 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
 def attached(chunks, cache: LoongKVCache, step: _Step):
     """Inside, the core attentions of ``chunks`` read and extend ``cache`` and their rotary embeddings start at slot
     ``step.past`` (instance attributes, removed at the end)."""
-    attentions = core_attentions(chunks)
+    attentions, ropes = cache.modules_of(chunks)
     if len(attentions) != len(cache.layers):
         raise ValueError(f"KV cache: this rank runs {len(attentions)} attention layers, the cache holds "
                          f"{len(cache.layers)}; use a cache made by this model's generate().")
@@ -109,7 +117,7 @@ def attached(chunks, cache: LoongKVCache, step: _Step):
         module.forward = types.MethodType(functools.partial(_cached_attention, cache=cache, index=index, step=step),
                                           module)
         patched.append(module)
-    for rope in _rotary_embeddings(chunks):
+    for rope in ropes:
         rope.forward = functools.partial(type(rope).forward, rope, offset=step.past)
         patched.append(rope)
     try:

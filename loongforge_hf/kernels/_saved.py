@@ -16,3 +16,10 @@ def standalone(x: torch.Tensor) -> torch.Tensor:
     if x.untyped_storage().nbytes() <= x.numel() * x.element_size():
         return x
     return x.clone(memory_format=torch.contiguous_format)
+
+
+def needs_autograd(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel's call must record its backward: grad mode on and an input that requires grad. Inference
+    (generate's decode steps, evaluation) skips the ``autograd.Function`` and what it keeps (its per-call cost is a
+    large share of a one-token step)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

@@ -128,6 +128,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
         if sq == skv:
             return F.scaled_dot_product_attention(query, key, value, is_causal=True, **kwargs)
+        if sq == 1:  # NOTE: the last query sees every key (a one-token decode step): no mask object to dispatch
+            return F.scaled_dot_product_attention(query, key, value, **kwargs)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(sq, skv), **kwargs)
     rel = (torch.arange(skv, device=query.device)[None, :]
            - torch.arange(q_offset, q_offset + sq, device=query.device)[:, None])

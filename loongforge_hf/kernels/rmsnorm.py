@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from loongforge_hf.kernels._saved import standalone
+from loongforge_hf.kernels._saved import needs_autograd, standalone
 from loongforge_hf.kernels._triton import use_triton
 from loongforge_hf.xpu import get_backend
 
@@ -30,21 +30,25 @@ def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]
     return xf * rstd, rstd
 
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool, triton: bool):
+    """(output, rstd)."""
+    if triton:
+        from loongforge_hf.kernels import _rmsnorm_triton
+
+        return _rmsnorm_triton.forward(x, weight, eps, zero_centered_gamma)
+    normed, rstd = _normalize(x, eps)
+    gamma = weight + 1 if zero_centered_gamma else weight
+    return gamma * normed.to(x.dtype), rstd
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.triton = use_triton(x)
-        if ctx.triton:
-            from loongforge_hf.kernels import _rmsnorm_triton
-
-            y, rstd = _rmsnorm_triton.forward(x, weight, eps, zero_centered_gamma)
-            ctx.save_for_backward(standalone(x), weight, rstd)
-            return y
-        normed, rstd = _normalize(x, eps)
-        gamma = weight + 1 if zero_centered_gamma else weight
+        y, rstd = _forward(x, weight, eps, zero_centered_gamma, ctx.triton)
         ctx.save_for_backward(standalone(x), weight, rstd)
-        return gamma * normed.to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -75,6 +79,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},) for an input "
                          f"of shape {tuple(x.shape)}.")
+    if not needs_autograd(x, weight):
+        return _forward(x, weight, eps, zero_centered_gamma, use_triton(x))[0]
     return _RMSNormFunction.apply(x, weight, eps, zero_centered_gamma)
 
 

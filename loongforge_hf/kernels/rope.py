@@ -27,6 +27,7 @@ from typing import Mapping
 
 import torch
 
+from loongforge_hf.kernels._saved import needs_autograd
 from loongforge_hf.kernels._triton import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -156,6 +157,10 @@ def rotary_sbhd(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: b
     rot = freqs.shape[-1]
     if (use_triton(t) and t.dim() == 4 and freqs.dim() == 4 and freqs.shape[1:3] == (1, 1)
             and freqs.shape[0] in (1, t.shape[0]) and rot % 2 == 0 and rot <= t.shape[-1]):
+        if not needs_autograd(t, freqs):
+            from loongforge_hf.kernels import _rope_triton
+
+            return _rope_triton.rotate(t, freqs)
         return _RotarySBHD.apply(t, freqs)
     # NOTE: megatron's unfused numerics (rope_utils._apply_rotary_pos_emb_bshd with mscale 1): cos/sin in fp32, cast.
     return apply_rotary(t, torch.cos(freqs), torch.sin(freqs))

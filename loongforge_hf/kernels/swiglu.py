@@ -17,7 +17,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loongforge_hf.kernels._saved import needs_autograd
 from loongforge_hf.kernels._triton import use_triton
+
+
+def _forward(x: torch.Tensor, triton: bool) -> torch.Tensor:
+    if triton:
+        from loongforge_hf.kernels import _swiglu_triton
+
+        return _swiglu_triton.forward(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class _SwiGLUFunction(torch.autograd.Function):
@@ -25,12 +35,7 @@ class _SwiGLUFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.triton = use_triton(x)
-        if ctx.triton:
-            from loongforge_hf.kernels import _swiglu_triton
-
-            return _swiglu_triton.forward(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _forward(x, ctx.triton)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
@@ -52,6 +57,8 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :F]) * x[..., F:]`` for ``x`` of last dimension ``2F``."""
     if x.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dimension ({x.shape[-1]}) must be even: it holds [gate, up].")
+    if not needs_autograd(x):
+        return _forward(x, use_triton(x))
     return _SwiGLUFunction.apply(x)
 
 

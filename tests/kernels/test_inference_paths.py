@@ -1,0 +1,65 @@
+"""Inference calls of the RMSNorm, SwiGLU and rope kernels (no grad needed: generate's decode steps, evaluation) skip
+their autograd Function and give the same output as the training path; a call that needs grad still records it.
+The rope kernel's Function exists on the Triton path only (a GPU): here its output is compared; its inference path ran
+on the GPU in tests/test_generation_gpu.py."""
+
+import pytest
+import torch
+
+from loongforge_hf.kernels import rmsnorm, rope, swiglu
+
+
+def _refusing(monkeypatch, function_class) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{function_class.__name__}.apply ran for a call that needs no grad")
+
+    monkeypatch.setattr(function_class, "apply", refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_without_grad_skips_the_function(monkeypatch, dtype):
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 2, 3 * 32, generator=g).to(dtype)
+    x = qkv[..., 32:64]  # NOTE: a view into a larger buffer, as megatron's k is
+    weight = (1 + 0.1 * torch.randn(32, generator=g)).to(dtype).requires_grad_()
+    expected = rmsnorm.rms_norm(x, weight, 1e-6)
+    assert expected.grad_fn is not None
+    _refusing(monkeypatch, rmsnorm._RMSNormFunction)
+    with torch.no_grad():
+        got = rmsnorm.rms_norm(x, weight, 1e-6)
+    assert torch.equal(got, expected.detach())
+    got = rmsnorm.rms_norm(x, weight.detach(), 1e-6)  # grad mode on, nothing requires grad
+    assert torch.equal(got, expected.detach())
+    with pytest.raises(AssertionError, match="needs no grad"):
+        rmsnorm.rms_norm(x, weight, 1e-6)  # needs grad: the Function runs
+
+
+def test_swiglu_without_grad_skips_the_function(monkeypatch):
+    x = torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    expected = swiglu.swiglu(x)
+    _refusing(monkeypatch, swiglu._SwiGLUFunction)
+    with torch.no_grad():
+        assert torch.equal(swiglu.swiglu(x), expected.detach())
+
+
+def test_rotary_without_grad_gives_the_same_rotation():
+    g = torch.Generator().manual_seed(2)
+    t = torch.randn(6, 2, 4, 16, generator=g, requires_grad=True)
+    freqs = torch.randn(6, 1, 1, 16, generator=g)
+    expected = rope.rotary_sbhd(t, freqs)
+    with torch.no_grad():
+        assert torch.equal(rope.rotary_sbhd(t, freqs), expected.detach())
+
+
+def test_one_query_causal_attention_sees_every_key():
+    """A one-token decode step: the query is the last position, so causal attention is over every key (no mask
+    object is built for it)."""
+    from loongforge_hf.kernels.attention import sdpa
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g) for n in (1, 9, 9))
+    got = sdpa(q, k, v, causal=True, scale=0.3)
+    explicit = sdpa(q, k, v, causal=True, scale=0.3, mask=torch.zeros(1, 1, 1, 9, dtype=torch.bool))  # masked path
+    reference = torch.softmax(q @ k.transpose(-1, -2) * 0.3, dim=-1) @ v
+    torch.testing.assert_close(got, reference, atol=1e-6, rtol=0)
+    torch.testing.assert_close(explicit, reference, atol=1e-6, rtol=0)
