@@ -16,7 +16,8 @@ Choices:
   ``past_key_values``: generate makes its own), ``cache_implementation`` other than ``"dynamic"``,
   ``prefill_chunk_size``, assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), the modes
   transformers moved to the hub (DoLa, contrastive, group and constrained beam search), ``custom_generate``,
-  ``inputs_embeds``, ``output_attentions`` and ``output_hidden_states``.
+  ``inputs_embeds``, ``output_attentions`` and ``output_hidden_states``; and what a model class adds
+  (``generation_refusal``: image-text models, ``multimodal/generation.py``).
 - Eval mode (no dropout) and no grad for the call; the caller's mode comes back after. NOTE: transformers' generate
   leaves the mode alone, so a transformers model in training mode with dropout in its config generates with dropout;
   here it never does (dropout would draw from the generator sampling uses, differently on each pipeline stage).
@@ -117,6 +118,11 @@ class GenerationGlue(GenerationMixin):
             config.use_cache = False  # NOTE: no cache under CP (module docstring); _sample then feeds every token
         return config, model_kwargs
 
+    def generation_refusal(self, generation_config, kwargs: dict) -> str | None:
+        """Why a model class refuses this call beyond the refusals above (None: it runs), from this rank's resolved
+        generation config and keyword arguments alone; a subclass adds its own (image-text models)."""
+        return None
+
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
         """transformers' ``GenerationMixin.generate`` (same arguments and outputs), collective over the model
         replica, with a KV cache unless ``use_cache=False``; see ``loongforge_hf.generation``."""
@@ -137,7 +143,9 @@ class GenerationGlue(GenerationMixin):
 
 def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, bool]:
     """(why this call is refused or None, whether it samples), from this rank's arguments alone."""
-    bad = sorted(k for k in _REFUSED_KWARGS if k not in _CONFIG_FIELDS and kwargs.get(k) not in (None, False))
+    # NOTE: `is` tests: a tensor (inputs_embeds) has no truth value to compare with
+    bad = sorted(k for k in _REFUSED_KWARGS if k not in _CONFIG_FIELDS and kwargs.get(k) is not None
+                 and kwargs.get(k) is not False)
     if bad:
         return "; ".join(f"{k} is not supported: {_REFUSED_KWARGS[k]}" for k in bad) + ".", False
     if model.parallel.context_parallel_size > 1 and kwargs.get("use_cache") is True:
@@ -158,6 +166,9 @@ def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, 
         value = getattr(config, field, None)
         if value not in (None, False) and not (field == "cache_implementation" and value == "dynamic"):
             return f"{field}={value!r} is not supported: {_REFUSED_KWARGS[field]}.", False
+    refusal = model.generation_refusal(config, kwargs)
+    if refusal:
+        return refusal, False
     return None, bool(config.do_sample)
 
 

@@ -20,12 +20,15 @@ Choices:
   (query i at slot ``past + i``), with transformers' 2-D padding mask over all slots: cached padding keys of
   left-padded rows stay masked. The new padding keys take part in that step only (after every real query, so
   causality hides them) and are dropped.
-- Rotary positions: megatron's ``GPTModel`` does not read ``position_ids`` for the rotary embedding; it rotates the
-  tokens of a forward by their slot ``0..s-1`` in the (left-padded) sequence, and so does the uncached generate.
+- Rotary positions (text models): megatron's ``GPTModel`` does not read ``position_ids`` for the 1-D rotary
+  embedding; it rotates the tokens of a forward by their slot ``0..s-1`` in the (left-padded) sequence, and so does
+  the uncached generate.
   Cached steps keep that: ``attached`` sets every ``RotaryEmbedding`` of the chunks (GPTModel's, MLA's) to start at
   ``offset = past``, so a new token is rotated by its slot in the whole sequence, as it would be without the cache.
   Attention depends on the distance between positions only, which equals transformers' (position ids counted from
-  the first real token).
+  the first real token). Image-text models (mRoPE) are different: megatron's ``MultimodalRotaryEmbedding`` does read
+  the ``[3, b, s]`` position ids (no ``RotaryEmbedding``, so ``attached`` leaves it alone); their generate passes
+  each step's positions (``multimodal/generation.py``) and runs the step through ``cached_step``.
 - Not here: context parallelism (a cached step of one token cannot be split into 2 x CP load-balanced chunks):
   generate runs without the cache there (``generation.py``). ``forward`` refuses labels with a cache.
 """
@@ -141,10 +144,11 @@ def _key_padding_mask(attention_mask, *, batch: int, past: int, given: int, padd
     return ~keys[:, None, None, :]
 
 
-def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, keep: int):
-    """The logits (``[b, given, V]``, the last ``keep`` positions when ``keep`` > 0) of ``input_ids``, the tokens
-    after the ``cache.get_seq_length()`` cached ones, on every rank; their keys and values join the cache."""
-    from loongforge_hf.bridges.runtime import forward_padded
+@contextlib.contextmanager
+def cached_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask):
+    """Inside, ``model``'s chunks run ``input_ids`` (``[b, given]``, the tokens after the ``cache.get_seq_length()``
+    cached ones) over the cache and add their keys and values to it; yields the ids right-padded to the layout's
+    ``sequence_multiple``, to be run with no attention mask (the cached attention masks padding keys itself)."""
     from loongforge_hf.trainer.data import pad_model_inputs
 
     if model.parallel.context_parallel_size > 1:
@@ -156,8 +160,18 @@ def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
     step = _Step(past=past, given=given, padded=padded_ids.shape[-1],
                  mask=_key_padding_mask(attention_mask, batch=batch, past=past, given=given,
                                         padded=padded_ids.shape[-1], device=model.device))
-    rows = slice(given - min(keep, given), given) if keep > 0 else slice(0, given)
     with attached(model.chunks, cache, step):
+        yield padded_ids
+
+
+def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, keep: int):
+    """The logits (``[b, given, V]``, the last ``keep`` positions when ``keep`` > 0) of ``input_ids``, the tokens
+    after the ``cache.get_seq_length()`` cached ones, on every rank; their keys and values join the cache."""
+    from loongforge_hf.bridges.runtime import forward_padded
+
+    given = input_ids.shape[-1]
+    rows = slice(given - min(keep, given), given) if keep > 0 else slice(0, given)
+    with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
         _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
                                    return_logits=True, rows=rows)
     return logits

@@ -13,7 +13,7 @@ default; ``tests/test_generation_cache.py`` checks ours against ``use_cache=Fals
   raise the same mismatch error instead of hanging.
 - Data-parallel ranks generate different prompts with different lengths and settings, each as transformers, also
   under expert parallelism (EP2 across them, Qwen3-MoE), where the ranks' forwards stay in step.
-- Image-text models refuse generate.
+- Image-text models: ``tests/multimodal/test_qwen2_5_vl_generate.py``.
 - A LoRA model generates as PEFT's model on transformers (TP1, TP2).
 """
 
@@ -131,10 +131,3 @@ def test_data_parallel_ranks_generate_their_own_prompts(checkpoint):
 def test_expert_parallel_ranks_generate_their_own_prompts(tmp_path):
     """EP2 over the two data-parallel ranks: the experts' all-to-all runs as long as the longest rank generates."""
     _check_data_parallel(make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe"), {"expert_parallel_size": 2})
-
-
-def test_image_text_models_refuse_generate():
-    from loongforge_hf.multimodal.modeling import LoongModelForImageTextToText
-
-    with pytest.raises(ValueError, match="image-text"):
-        LoongModelForImageTextToText.generate(object.__new__(LoongModelForImageTextToText), max_new_tokens=2)

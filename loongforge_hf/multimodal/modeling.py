@@ -24,6 +24,9 @@ Choices:
 - Freezing a component sets ``requires_grad=False`` on its parameters, so megatron's DDP and optimizer (and any torch
   optimizer over trainable parameters) never see them: vision = patch embedding and ViT blocks, projector = the
   patch merger, language = the megatron model.
+- ``generate`` is transformers' ``GenerationMixin.generate`` as for text models (``loongforge_hf/generation.py``, KV
+  cache included) with Qwen2.5-VL's inputs and mRoPE positions (``multimodal/generation.py``): its steps run through
+  ``generation_forward``, not through the forward's training path.
 - ``save_pretrained`` writes the whole HF folder through the causal-LM exporter, the tower's tensors streamed after the
   language model's.
 """
@@ -72,16 +75,42 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                          parallel=parallel, source=source, config_at_load=config_at_load)
         self.language_model = language_model
         self.vision_layout = vision_layout
+        self._generating = False  # NOTE: True inside generate (see generate)
 
     @property
     def vision_tower(self):
         return self.chunks[0].vision
 
-    def generate(self, *args: Any, **kwargs: Any):
-        # NOTE: transformers' Qwen2.5-VL generates with its own 3D rope positions and image inputs at prefill only;
-        # the text models' glue (loongforge_hf/generation.py) does neither: refused rather than generating otherwise.
-        raise ValueError("generate() is not supported for image-text models (LoongModelForImageTextToText) yet; "
-                         "save_pretrained() and generate with transformers or vLLM.")
+    # ---- generate (multimodal/generation.py) ---------------------------------------------------------------------
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
+        """transformers' ``generate`` as ``Qwen2_5_VLForConditionalGeneration`` runs it (images and videos at the
+        prefill, mRoPE positions continued per row), collective over the model replica; see
+        ``loongforge_hf.multimodal.generation``."""
+        # NOTE: forward runs generate's steps through generation_forward (padded to the layout, mRoPE positions
+        # given) while this is set, with or without the KV cache; a plain forward call never does
+        self._generating = True
+        try:
+            return super().generate(inputs, generation_config, **kwargs)
+        finally:
+            self._generating = False
+
+    def generation_refusal(self, generation_config, kwargs: dict) -> str | None:
+        from loongforge_hf.multimodal.generation import generation_refusal
+
+        return generation_refusal(self, generation_config, kwargs)
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
+        from loongforge_hf.multimodal.generation import generation_positions
+
+        ids = model_kwargs.get("input_ids")
+        return generation_positions(self, ids if ids is not None and ids.shape[1] > 0 else inputs_tensor,
+                                    model_kwargs)
+
+    def bound_chunks(self, inputs: dict) -> SimpleNamespace:
+        """This model as the pipelined runtime takes it, its chunks called with the vision ``inputs`` bound."""
+        return SimpleNamespace(chunks=[_WithInputs(c, inputs) for c in self.chunks], device=self.device,
+                               dtype=self.dtype, config=self.config.text_config, megatron=self.megatron,
+                               parallel=self.parallel)
 
     # ---- inputs --------------------------------------------------------------------------------------------------
     def rope_position_ids(self, input_ids: torch.Tensor, *, image_grid_thw=None, attention_mask=None,
@@ -147,6 +176,17 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                                                              cp_token_index)
 
         options = hf_forward_options(unused, labels)
+        if options["cache"] is not None or self._generating:
+            from loongforge_hf.multimodal.generation import generation_forward
+
+            keep = options["logits_to_keep"]
+            vision = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
+                      "pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw,
+                      "mm_token_type_ids": mm_token_type_ids, "second_per_grid_ts": second_per_grid_ts}
+            logits = generation_forward(self, cache=options["cache"], input_ids=input_ids,
+                                        attention_mask=attention_mask, position_ids=position_ids, vision=vision,
+                                        keep=keep if isinstance(keep, int) else 0)
+            return hf_forward_output(None, logits, labels, options)
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values,
                  "image_grid_thw": image_grid_thw, "position_ids": position_ids,
                  "mm_token_type_ids": mm_token_type_ids, "pixel_values_videos": pixel_values_videos,
@@ -181,11 +221,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         else:
             from loongforge_hf.bridges.runtime import _forward_pipelined
 
-            bound = SimpleNamespace(chunks=[_WithInputs(c, inputs) for c in self.chunks], device=self.device,
-                                    dtype=self.dtype, config=self.config.text_config, megatron=self.megatron,
-                                    parallel=self.parallel)
-            loss, logits = _forward_pipelined(bound, input_ids, position_ids, mask, finish, return_logits,
-                                              labels is not None)
+            loss, logits = _forward_pipelined(self.bound_chunks(inputs), input_ids, position_ids, mask, finish,
+                                              return_logits, labels is not None)
         return hf_forward_output(loss, logits, labels, options)
 
     # ---- export --------------------------------------------------------------------------------------------------

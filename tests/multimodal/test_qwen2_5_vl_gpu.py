@@ -1,6 +1,7 @@
 """Qwen2.5-VL on the CUDA path (varlen flash attention in the ViT under bf16, SDPA in the language model), against
 transformers on the same GPU: images + videos in fp32 (logits, loss, vision gradients) and bf16 (loss), and
-MegatronEngine steps on packed batches against the same steps on padded batches."""
+MegatronEngine steps on packed batches against the same steps on padded batches; bf16 ``generate`` (KV cache) against
+transformers' ``generate``."""
 
 import math
 
@@ -112,3 +113,43 @@ def test_cuda_fp8_vision_and_language(tmp_path):
     assert "vision.0.blocks.0.attn.qkv" in r["swapped"] and "vision.0.merger.mlp.2" in r["swapped"], r
     assert "0.decoder.layers.0.mlp.linear_fc1" in r["swapped"], r
     assert r["grads_ok"] and r["loss"] == pytest.approx(r["ref_loss"], rel=0.03), r
+
+
+GENERATE_STEPS = 3  # NOTE: bf16 may break a near tie later on; the first steps' tokens must agree
+GENERATE_BF16_ATOL = 3e-2  # NOTE: bf16 rounds to 2^-8 relative; the tiny model's logits stay below 0.6 (fp32, CPU)
+
+
+def _run_generate_bf16(folder: str) -> dict:
+    import transformers
+
+    import loongforge_hf as lf
+
+    from ._vl_generate import prompt_batch
+
+    inputs = {k: v.cuda() for k, v in prompt_batch(folder).items()}
+    kw = dict(max_new_tokens=GENERATE_STEPS, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16,
+                                                                          attn_implementation="sdpa").cuda().eval()
+    theirs = ref.generate(**inputs, **kw)
+    del ref
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16)
+    ours = model.generate(**inputs, **kw)
+    return {"device": str(model.device),
+            "ours": (ours.sequences.cpu(), torch.stack(ours.scores).float().cpu(),
+                     torch.stack(ours.logits).float().cpu()),
+            "theirs": (theirs.sequences.cpu(), torch.stack(theirs.scores).float().cpu(),
+                       torch.stack(theirs.logits).float().cpu())}
+
+
+def test_cuda_bf16_generate_as_transformers(tmp_path):
+    """Cached greedy generate in bf16 on one GPU (images of two sizes, left padding, a text-only row) against
+    transformers' generate in bf16 on the same GPU: the first steps' tokens equal, scores and logits within 3e-2."""
+    from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
+
+    folder = make_tiny_qwen2_5_vl(tmp_path / "src")
+    [r] = run_distributed(_run_generate_bf16, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
+    assert r["device"].startswith("cuda"), r
+    (seq, scores, logits), (ref_seq, ref_scores, ref_logits) = r["ours"], r["theirs"]
+    assert torch.equal(seq, ref_seq), (seq, ref_seq)
+    torch.testing.assert_close(scores, ref_scores, atol=GENERATE_BF16_ATOL, rtol=0)
+    torch.testing.assert_close(logits, ref_logits, atol=GENERATE_BF16_ATOL, rtol=0)

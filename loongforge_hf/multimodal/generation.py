@@ -1,0 +1,121 @@
+"""``generate()`` for image-text models (Qwen2.5-VL): what ``LoongModelForImageTextToText`` adds to the text models'
+glue (``loongforge_hf/generation.py``: transformers' ``GenerationMixin``, replica checks, KV cache).
+
+Choices:
+- Inputs as transformers' ``Qwen2_5_VLForConditionalGeneration.generate`` takes them: ``input_ids``,
+  ``attention_mask`` (left padding), ``pixel_values`` / ``image_grid_thw``, ``pixel_values_videos`` /
+  ``video_grid_thw`` / ``second_per_grid_ts``, ``mm_token_type_ids``. They are hashed with the rest of the call for
+  the replica check (tensors by value). With the KV cache the vision inputs enter at the prefill only
+  (transformers' generate drops ``pixel_values`` / ``pixel_values_videos`` after it); without it every step
+  re-encodes them, as transformers does.
+- Positions: the prompt's ``[3, b, s]`` mRoPE positions are computed once, before the prefill
+  (``generation_positions``: ``rope_position_ids``, per row over the tokens the attention mask keeps, padding 0), and
+  transformers' generate extends them per step as it extends its own (each axis: the row's last position + 1, so a
+  new token continues after the prompt's text position, the ``rope_deltas`` rule), and slices each step's share
+  (the new token with the cache). A batch without image / video grids gets the attention mask's cumulative count on
+  all three axes, as transformers then uses. NOTE: transformers computes 3-D positions only when
+  ``mm_token_type_ids`` are passed (the processor returns them) and otherwise gives vision tokens text positions;
+  here vision tokens always get their 3-D positions (from the ids when ``mm_token_type_ids`` are missing), as the
+  forward and training do.
+- A step (``generation_forward``) runs the language model on ``[3, b, s]`` positions that megatron's
+  ``MultimodalRotaryEmbedding`` reads as they are; with the cache through ``kv_cache.cached_step`` (the new tokens
+  over the cached keys and values), without it over the whole sequence with transformers' padding mask. Either way
+  the tokens are right-padded to the layout's ``sequence_multiple`` (TP under sequence parallelism; causality keeps
+  the pads out of real tokens) and only the kept positions' logits are gathered and sent over the pipeline. The
+  normal forward (training, evaluation) is not involved.
+- Refused (ValueError, on every rank alike before any collective): context parallelism (no cache there, and the
+  uncached step would need the load-balanced CP split of the vision inputs' sequence), ``num_beams`` or
+  ``num_return_sequences`` > 1 with vision inputs (transformers expands encoded image features per row; the
+  patches and grids here are not batch-first), ``mm_encoder_outputs`` (pass the pixels), and ``position_ids`` other
+  than ``[3, batch, seq]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def generation_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
+    """The prompt's ``[3, b, s]`` mRoPE positions (see the module docstring)."""
+    mask = model_kwargs.get("attention_mask")
+    if model_kwargs.get("image_grid_thw") is None and model_kwargs.get("video_grid_thw") is None:
+        if mask is None:
+            text = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+        else:
+            text = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        return text.unsqueeze(0).expand(3, -1, -1).clone()
+    return model.rope_position_ids(input_ids, image_grid_thw=model_kwargs.get("image_grid_thw"), attention_mask=mask,
+                                   mm_token_type_ids=model_kwargs.get("mm_token_type_ids"),
+                                   video_grid_thw=model_kwargs.get("video_grid_thw"),
+                                   second_per_grid_ts=model_kwargs.get("second_per_grid_ts"))
+
+
+def generation_refusal(model, config, kwargs: dict) -> str | None:
+    """Why this image-text generate call is refused, or None (see the module docstring)."""
+    if model.parallel.context_parallel_size > 1:
+        return ("image-text models do not generate with context_parallel_size > 1 (no KV cache there, and the "
+                "uncached steps are not split over CP); load the model without context parallelism to generate.")
+    if kwargs.get("mm_encoder_outputs") is not None:
+        return "mm_encoder_outputs is not supported: pass pixel_values / pixel_values_videos."
+    positions = kwargs.get("position_ids")
+    if positions is not None and (positions.dim() != 3 or positions.shape[0] != 3):
+        return (f"position_ids of shape {list(positions.shape)} are not supported: pass [3, batch, seq] mRoPE "
+                "positions, or none (they are computed from the inputs).")
+    has_vision = kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None
+    if has_vision and max(config.num_beams or 1, config.num_return_sequences or 1) > 1:
+        return ("num_beams > 1 and num_return_sequences > 1 are not supported with pixel_values / "
+                "pixel_values_videos: generate one sequence per prompt (greedy or sampling), or repeat the prompts "
+                "and their images in the batch.")
+    return None
+
+
+def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor | None,
+                       vision: dict, keep: int) -> torch.Tensor:
+    """The logits ``[b, given, V]`` (the last ``keep`` positions when ``keep`` > 0) of one generate step on every
+    rank: with ``cache``, ``input_ids`` are the tokens after the cached ones and join the cache; without it, the
+    whole sequence."""
+    import torch.nn.functional as F
+
+    from loongforge_hf.bridges.runtime import full_logits, megatron_attention_mask
+
+    device = model.device
+    input_ids = input_ids.to(device)
+    batch, given = input_ids.shape
+    if position_ids is None:
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError("forward with a KV cache after the prefill needs the new tokens' [3, batch, new] "
+                             "position_ids (generate passes them).")
+        position_ids = generation_positions(model, input_ids, {"attention_mask": attention_mask, **vision})
+    if position_ids.dim() != 3 or tuple(position_ids.shape) != (3, batch, given):
+        raise ValueError(f"position_ids must be [3, {batch}, {given}] mRoPE positions, got "
+                         f"{list(position_ids.shape)}.")
+    multiple = model.parallel.sequence_multiple
+    padded = -(-given // multiple) * multiple
+    positions = F.pad(position_ids.to(device), (0, padded - given))  # NOTE: the pads' positions never reach a token
+    rows = slice(given - min(keep, given), given) if keep > 0 else slice(0, given)
+    vocab = model.config.text_config.vocab_size
+    inputs = {name: vision.get(name) for name in VISION_INPUTS}
+
+    def run(ids, mask):
+        if model.parallel.pipeline_parallel_size == 1:
+            return full_logits(model.chunks[0](ids, positions, mask, **inputs)[:, rows], vocab_size=vocab)
+        from loongforge_hf.bridges.runtime import _forward_pipelined
+
+        def finish(local_logits):
+            return None, full_logits(local_logits[:, rows], vocab_size=vocab)
+
+        return _forward_pipelined(model.bound_chunks(inputs), ids, positions, mask, finish, True, False, seq=padded,
+                                  rows=rows.stop - rows.start)[1]
+
+    if cache is not None:
+        from loongforge_hf.kv_cache import cached_step
+
+        with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
+            return run(padded_ids, None)
+    ids = F.pad(input_ids, (0, padded - given), value=0)
+    mask = None
+    if attention_mask is not None:  # NOTE: none: causal attention alone keeps the pads out
+        mask = megatron_attention_mask(F.pad(attention_mask.to(device), (0, padded - given), value=0), padded)
+    return run(ids, mask)

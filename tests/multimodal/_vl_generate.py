@@ -1,0 +1,136 @@
+"""Rank functions for tests/multimodal/test_qwen2_5_vl_generate.py (module-level so spawned ranks can import them),
+and the transformers reference they are compared with."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# a left-padded batch: two prompts with images of different sizes (6 and 2 merged tokens) and a text-only one
+PROMPTS = [("tok5 tok6 <|vision_start|><|image_pad|><|vision_end|> tok7 tok8 tok9", [(56, 84)]),
+           ("<|vision_start|><|image_pad|><|vision_end|> tok10", [(28, 56)]),
+           ("tok20 tok21 tok22 tok23", [])]
+TEXT_ONLY = [("tok30 tok31", []), ("tok40 tok41 tok42 tok43 tok44", [])]
+NEW_TOKENS = 6
+SCENARIOS = {
+    "greedy": dict(max_new_tokens=NEW_TOKENS, return_dict_in_generate=True, output_scores=True, output_logits=True),
+    "sample": dict(max_new_tokens=4, do_sample=True, top_k=20, temperature=0.8, return_dict_in_generate=True,
+                   output_logits=True),
+}
+SEED = 3
+
+
+def prompt_batch(folder: str, prompts=PROMPTS, seed: int = 3) -> dict:
+    """The processor's left-padded batch (input_ids, attention_mask, mm_token_type_ids, pixel_values,
+    image_grid_thw)."""
+    from transformers import AutoTokenizer
+
+    from loongforge_hf.testing.tiny_vl import make_processor
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.padding_side = "left"
+    rng = np.random.RandomState(seed)
+    images = [rng.randint(0, 256, (h, w, 3), dtype=np.uint8) for _, sizes in prompts for h, w in sizes]
+    return dict(make_processor(tokenizer)(text=[t for t, _ in prompts], images=images or None, padding=True,
+                                          return_tensors="pt"))
+
+
+def video_batch(folder: str) -> dict:
+    """A left-padded batch with videos (``second_per_grid_ts`` 1.5 s and 0.5 s), an image and a text-only row,
+    built by hand (transformers' video processor needs torchvision) and collated."""
+    from ._vl_features import collator, hand_features
+
+    batch = collator(folder, padding_side="left")(hand_features(folder))
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def _plain(out) -> dict:
+    got = {"sequences": out.sequences}
+    for key in ("scores", "logits"):
+        if getattr(out, key, None) is not None:
+            got[key] = torch.stack(getattr(out, key))
+    return got
+
+
+def run_scenarios(model, inputs: dict, scenarios: dict = SCENARIOS, **extra) -> dict:
+    import transformers
+
+    got = {}
+    for name, kw in scenarios.items():
+        transformers.set_seed(SEED)
+        got[name] = _plain(model.generate(**inputs, **kw, **extra))
+    return got
+
+
+def transformers_reference(folder: str) -> dict:
+    import transformers
+
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    return {"images": run_scenarios(model, prompt_batch(folder)),
+            "text_only": run_scenarios(model, prompt_batch(folder, TEXT_ONLY), {"greedy": SCENARIOS["greedy"]}),
+            "videos": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]})}
+
+
+def step_lengths(model, run) -> list:
+    """The sequence lengths (padded for the layout) the model's first chunk sees in each forward of ``run()``."""
+    seen = []
+    handle = model.chunks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[-1]))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen
+
+
+REFUSED = {"beams": dict(num_beams=2), "return_sequences": dict(num_return_sequences=2, do_sample=True),
+           "position_ids_4d": "position_ids_4d", "inputs_embeds": "inputs_embeds"}
+
+
+def _refusals(model, inputs: dict) -> dict:
+    found = {}
+    for name, kw in REFUSED.items():
+        if kw == "position_ids_4d":
+            kw = {"position_ids": torch.zeros(4, *inputs["input_ids"].shape, dtype=torch.long)}
+        elif kw == "inputs_embeds":
+            kw = {"inputs_embeds": torch.zeros(*inputs["input_ids"].shape, 64)}
+        try:
+            model.generate(**inputs, max_new_tokens=2, **kw)
+            found[name] = None
+        except Exception as err:  # noqa: BLE001 - the test checks the type
+            found[name] = (type(err).__name__, str(err))
+    return found
+
+
+def generate_run(folder: str, layout: dict) -> dict:
+    """This rank's outputs with the KV cache and without, the step lengths of each, and the refusals."""
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    inputs = prompt_batch(folder)
+    text_only = prompt_batch(folder, TEXT_ONLY)
+    res = {"multiple": model.parallel.sequence_multiple, "prompt": inputs["input_ids"].shape[1],
+           "cached": run_scenarios(model, inputs),
+           "uncached": run_scenarios(model, inputs, use_cache=False),
+           "text_only": run_scenarios(model, text_only, {"greedy": SCENARIOS["greedy"]}),
+           "videos": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]}),
+           "videos_uncached": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]},
+                                            use_cache=False)}
+    greedy = dict(max_new_tokens=4)
+    res["lengths"] = {"cached": step_lengths(model, lambda: model.generate(**inputs, **greedy)),
+                      "uncached": step_lengths(model, lambda: model.generate(**inputs, **greedy, use_cache=False))}
+    res["refused"] = _refusals(model, inputs)
+    if dist.get_world_size() > 1:
+        changed = dict(inputs, pixel_values=inputs["pixel_values"] + dist.get_rank())
+        try:
+            model.generate(**changed, max_new_tokens=2)
+            res["mismatch"] = None
+        except Exception as err:  # noqa: BLE001
+            res["mismatch"] = (type(err).__name__, str(err))
+    return res
+
+
+def generate_many(folder: str, layouts: list) -> dict:
+    """``generate_run`` for several (name, layout) in one world (groups rebuilt for each: one process start)."""
+    return {name: generate_run(folder, layout) for name, layout in layouts}
