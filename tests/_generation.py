@@ -71,15 +71,25 @@ def transformers_reference(folder: str, prompts=PROMPTS, scenarios: dict = SCENA
     return got
 
 
-def _refusals(model, inputs: dict) -> dict:
+def refusals(model, inputs: dict, refused: dict) -> dict:
+    """{name: None, or (error type, message)} of ``generate(**inputs, max_new_tokens=2, **kw)`` for each of
+    ``refused`` (``kw`` a dict, or a function of ``inputs`` giving one)."""
     found = {}
-    for name, kw in REFUSED.items():
+    for name, kw in refused.items():
         try:
-            model.generate(**inputs, max_new_tokens=2, **kw)
+            model.generate(**inputs, max_new_tokens=2, **(kw(inputs) if callable(kw) else kw))
             found[name] = None
         except Exception as err:  # noqa: BLE001 - the test checks the type
             found[name] = (type(err).__name__, str(err))
     return found
+
+
+def assert_same_generation(got: dict, ref: dict, what: str, *, atol: float) -> None:
+    """Equal sequences, the same output fields, and every other field within ``atol``."""
+    assert torch.equal(got["sequences"], ref["sequences"]), (what, got["sequences"], ref["sequences"])
+    assert set(got) == set(ref), (what, set(got), set(ref))
+    for key in set(ref) - {"sequences"}:
+        torch.testing.assert_close(got[key], ref[key], atol=atol, rtol=0, msg=lambda m: f"{what} {key}: {m}")
 
 
 def generation_run(folder: str, layout: dict, *, lora: bool = False) -> dict:
@@ -105,7 +115,7 @@ def generation_run(folder: str, layout: dict, *, lora: bool = False) -> dict:
     before = torch.get_rng_state()
     res["sample_desynced"] = _plain(model.generate(**inputs, **SCENARIOS["sample"]))
     res["rng"] = (before, torch.get_rng_state())
-    res["refused"] = _refusals(model, inputs)
+    res["refused"] = refusals(model, inputs, REFUSED)
     if dist.get_world_size() > 1:
         try:
             model.generate(**inputs, max_new_tokens=3 + rank)

@@ -16,12 +16,11 @@ prompts of different lengths.
 """
 
 import pytest
-import torch
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._generation import CACHE_PROMPTS, CACHE_SCENARIOS, cache_run, transformers_reference
+from ._generation import CACHE_PROMPTS, CACHE_SCENARIOS, assert_same_generation, cache_run, transformers_reference
 
 ATOL = 1e-5
 LAYOUTS = {
@@ -45,10 +44,7 @@ def checkpoints(tmp_path_factory):
 
 
 def _same(got: dict, ref: dict, what: str) -> None:
-    assert torch.equal(got["sequences"], ref["sequences"]), (what, got["sequences"], ref["sequences"])
-    assert set(got) == set(ref), (what, set(got), set(ref))
-    for key in set(ref) - {"sequences"}:
-        torch.testing.assert_close(got[key], ref[key], atol=ATOL, rtol=0, msg=lambda m: f"{what} {key}: {m}")
+    assert_same_generation(got, ref, what, atol=ATOL)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

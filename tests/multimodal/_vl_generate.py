@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tests._generation import refusals, step_lengths
+
 # a left-padded batch: two prompts with images of different sizes (6 and 2 merged tokens) and a text-only one
 PROMPTS = [("tok5 tok6 <|vision_start|><|image_pad|><|vision_end|> tok7 tok8 tok9", [(56, 84)]),
            ("<|vision_start|><|image_pad|><|vision_end|> tok10", [(28, 56)]),
@@ -71,34 +73,10 @@ def transformers_reference(folder: str) -> dict:
             "videos": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]})}
 
 
-def step_lengths(model, run) -> list:
-    """The sequence lengths (padded for the layout) the model's first chunk sees in each forward of ``run()``."""
-    seen = []
-    handle = model.chunks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[-1]))
-    try:
-        run()
-    finally:
-        handle.remove()
-    return seen
-
-
 REFUSED = {"beams": dict(num_beams=2), "return_sequences": dict(num_return_sequences=2, do_sample=True),
-           "position_ids_4d": "position_ids_4d", "inputs_embeds": "inputs_embeds"}
-
-
-def _refusals(model, inputs: dict) -> dict:
-    found = {}
-    for name, kw in REFUSED.items():
-        if kw == "position_ids_4d":
-            kw = {"position_ids": torch.zeros(4, *inputs["input_ids"].shape, dtype=torch.long)}
-        elif kw == "inputs_embeds":
-            kw = {"inputs_embeds": torch.zeros(*inputs["input_ids"].shape, 64)}
-        try:
-            model.generate(**inputs, max_new_tokens=2, **kw)
-            found[name] = None
-        except Exception as err:  # noqa: BLE001 - the test checks the type
-            found[name] = (type(err).__name__, str(err))
-    return found
+           "position_ids_4d": lambda inputs: {
+               "position_ids": torch.zeros(4, *inputs["input_ids"].shape, dtype=torch.long)},
+           "inputs_embeds": lambda inputs: {"inputs_embeds": torch.zeros(*inputs["input_ids"].shape, 64)}}
 
 
 def generate_run(folder: str, layout: dict) -> dict:
@@ -120,7 +98,7 @@ def generate_run(folder: str, layout: dict) -> dict:
     greedy = dict(max_new_tokens=4)
     res["lengths"] = {"cached": step_lengths(model, lambda: model.generate(**inputs, **greedy)),
                       "uncached": step_lengths(model, lambda: model.generate(**inputs, **greedy, use_cache=False))}
-    res["refused"] = _refusals(model, inputs)
+    res["refused"] = refusals(model, inputs, REFUSED)
     if dist.get_world_size() > 1:
         changed = dict(inputs, pixel_values=inputs["pixel_values"] + dist.get_rank())
         try:

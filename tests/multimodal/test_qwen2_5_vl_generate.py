@@ -15,10 +15,11 @@
 """
 
 import pytest
-import torch
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
+
+from tests._generation import assert_same_generation
 
 from ._vl_generate import NEW_TOKENS, REFUSED, SCENARIOS, generate_many, prompt_batch, transformers_reference
 
@@ -51,10 +52,7 @@ def ranks(checkpoint):
 
 
 def _same(got: dict, ref: dict, what: str) -> None:
-    assert torch.equal(got["sequences"], ref["sequences"]), (what, got["sequences"], ref["sequences"])
-    assert set(got) == set(ref), (what, set(got), set(ref))
-    for key in set(ref) - {"sequences"}:
-        torch.testing.assert_close(got[key], ref[key], atol=ATOL, rtol=0, msg=lambda m: f"{what} {key}: {m}")
+    assert_same_generation(got, ref, what, atol=ATOL)
 
 
 def test_prompts_hold_images_of_two_sizes_and_left_padding(checkpoint):
