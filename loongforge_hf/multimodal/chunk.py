@@ -12,7 +12,8 @@ Choices:
   vision embeddings replace the rows at image / video token positions (transformers' ``masked_scatter``: image
   tokens in order take the images' embeddings in order, video tokens the videos'), and the result is GPTModel's
   ``decoder_input``. Images and videos go through the tower in one call (its attention never crosses an image or a
-  frame). Each rank replaces only the rows it holds (its CP share, its sequence-parallel part of that); under sequence
+  frame). Image (video) tokens stay text when no pixel_values (pixel_values_videos) are given, as in transformers.
+  Each rank replaces only the rows it holds (its CP share, its sequence-parallel part of that); under sequence
   parallelism the gradient of the vision embeddings is summed over the TP group, so the tower gets all of it.
 - The vision layouts: replicated tower (every TP rank encodes every image), tower split over TP (``VisionTower`` built
   with the TP group), or encoder data parallel (``encoder_parallel``: each TP rank encodes a share of the images).
@@ -110,8 +111,11 @@ class VisionLanguageChunk(nn.Module):
             vision = copy_to_tensor_model_parallel_region(vision, group=ps.get_tensor_model_parallel_group())
         merge2 = self.vision.merge ** 2
         n_image = int(image_grid_thw.prod(-1).sum()) // merge2 if pixel_values is not None else 0
-        is_image = input_ids == self.image_token_id
-        is_video = input_ids == self.video_token_id if self.video_token_id is not None else torch.zeros_like(is_image)
+        # NOTE: a kind without inputs keeps its tokens' text embeddings, as transformers does (a placeholder id that
+        # generate sampled in an uncached step of a batch without videos, say)
+        is_image = (input_ids == self.image_token_id) & (pixel_values is not None)
+        is_video = (input_ids == self.video_token_id) & (pixel_values_videos is not None) \
+            if self.video_token_id is not None else torch.zeros_like(is_image)
         n_video = vision.shape[0] - n_image
         if int(is_image.sum()) != n_image or int(is_video.sum()) != n_video:
             raise ValueError(f"The input ids hold {int(is_image.sum())} image and {int(is_video.sum())} video "

@@ -17,6 +17,16 @@ Choices:
   ``mm_token_type_ids`` are passed (the processor returns them) and otherwise gives vision tokens text positions;
   here vision tokens always get their 3-D positions (from the ids when ``mm_token_type_ids`` are missing), as the
   forward and training do.
+- Beam search and ``num_return_sequences`` > 1 (``expand_vision_inputs``, from the model's
+  ``_expand_inputs_for_generation``): transformers' generate repeats each row in place before the prefill (beams or
+  return sequences, whichever is more; dim 0 of every per-row tensor, dim 1 of the ``[3, b, s]`` positions, which it
+  prepares before the expansion). The vision inputs are per image / video / patch, not per row: each row's share is
+  found from its placeholder tokens (``mm_token_type_ids`` when given, else the image / video token ids; kept by the
+  attention mask) against the grids' merged-token counts, and repeated as a group, so the expanded rows' images
+  (patches, ``image_grid_thw``) and videos (``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``) come
+  in the expanded rows' order, as transformers' expansion of the encoded features lays them out. Placeholders that
+  split an image between rows raise a ValueError. NOTE: every copy of an image is encoded (transformers encodes
+  once and repeats the features); the KV cache reorders its rows for beam search (``kv_cache.py``).
 - A step (``generation_forward``) runs the language model on ``[3, b, s]`` positions that megatron's
   ``MultimodalRotaryEmbedding`` reads as they are; with the cache through ``kv_cache.cached_step`` (the new tokens
   over the cached keys and values), without it over the whole sequence with transformers' padding mask. Either way
@@ -24,10 +34,12 @@ Choices:
   the pads out of real tokens) and only the kept positions' logits are gathered and sent over the pipeline. The
   normal forward (training, evaluation) is not involved.
 - Refused (ValueError, on every rank alike before any collective): context parallelism (no cache there, and the
-  uncached step would need the load-balanced CP split of the vision inputs' sequence), ``num_beams`` or
-  ``num_return_sequences`` > 1 with vision inputs (transformers expands encoded image features per row; the
-  patches and grids here are not batch-first), ``mm_encoder_outputs`` (pass the pixels), and ``position_ids`` other
-  than ``[3, batch, seq]``.
+  uncached step would need the load-balanced CP split of the vision inputs' sequence), ``mm_encoder_outputs`` (pass
+  the pixels), and ``position_ids`` other than ``[3, batch, seq]``.
+- A placeholder id sampled into the sequence (say a video token in a batch without videos) stays a text token in
+  the uncached steps, as in transformers (``chunk.py`` splices only the kinds given); one of a kind the batch has
+  (an image token among images) makes the uncached step's placeholders outnumber the grids and raises there, as
+  transformers' own uncached step does.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from __future__ import annotations
 import torch
 
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+PER_ITEM_INPUTS = VISION_INPUTS + ("second_per_grid_ts",)  # NOTE: one entry per image / video / patch, not per row
 
 
 def generation_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
@@ -63,12 +76,53 @@ def generation_refusal(model, config, kwargs: dict) -> str | None:
     if positions is not None and (positions.dim() != 3 or positions.shape[0] != 3):
         return (f"position_ids of shape {list(positions.shape)} are not supported: pass [3, batch, seq] mRoPE "
                 "positions, or none (they are computed from the inputs).")
-    has_vision = kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None
-    if has_vision and max(config.num_beams or 1, config.num_return_sequences or 1) > 1:
-        return ("num_beams > 1 and num_return_sequences > 1 are not supported with pixel_values / "
-                "pixel_values_videos: generate one sequence per prompt (greedy or sampling), or repeat the prompts "
-                "and their images in the batch.")
     return None
+
+
+# (name, pixels, grids, per-item extras, mm_token_type_ids code) of each vision kind
+_KINDS = (("image", "pixel_values", "image_grid_thw", (), 1),
+          ("video", "pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",), 2))
+
+
+def expand_vision_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, expand_size: int) -> dict:
+    """The vision inputs of ``model_kwargs`` for the batch with each row repeated ``expand_size`` times in place (row
+    ``r`` becomes rows ``r * expand_size ..``): each row's images (videos) repeated as a group, in the expanded rows'
+    order, their patches, grids and ``second_per_grid_ts`` alike (see the module docstring). ``input_ids`` and
+    ``model_kwargs`` are the batch before expansion."""
+    merge = model.bridge.vision_config.spatial_merge_size ** 2
+    kinds, mask = model_kwargs.get("mm_token_type_ids"), model_kwargs.get("attention_mask")
+    expanded = {}
+    for name, pixels_key, grid_key, extra_keys, code in _KINDS:
+        pixels, grid = model_kwargs.get(pixels_key), model_kwargs.get(grid_key)
+        if pixels is None or grid is None or len(grid) == 0:
+            continue
+        token_id = model.bridge.image_token_id if code == 1 else model.bridge.video_token_id
+        tokens = (kinds == code) if kinds is not None else (input_ids == token_id)
+        if mask is not None:
+            tokens = tokens & mask.bool()
+        per_row = tokens.long().sum(-1).cpu()  # this kind's placeholder tokens per row
+        per_item = grid.prod(-1).cpu()  # patches per image / video (merged tokens: patches // merge)
+        item_end, row_end = (per_item // merge).cumsum(0), per_row.cumsum(0)
+        # NOTE: the rows must split the items where the placeholders do (the same check on every rank: the inputs
+        # are the same over the replica)
+        if row_end[-1] != item_end[-1] or not set(row_end.tolist()) <= set(item_end.tolist()) | {0}:
+            raise ValueError(f"generate: the {name} placeholder tokens per row {per_row.tolist()} do not split "
+                             f"{grid_key} {grid.tolist()} into whole {name}s.")
+        cut = torch.searchsorted(item_end, row_end, right=True)  # one past each row's last item
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), cut[:-1]])
+        items = [i for first, stop in zip(starts.tolist(), cut.tolist())
+                 for _ in range(expand_size) for i in range(first, stop)]
+        patch_start = torch.cat([torch.zeros(1, dtype=torch.long), per_item.cumsum(0)[:-1]])
+        patches = [torch.arange(patch_start[i], patch_start[i] + per_item[i]) for i in items]
+        index = torch.cat(patches) if patches else torch.zeros(0, dtype=torch.long)
+        expanded[pixels_key] = pixels.index_select(0, index.to(pixels.device))
+        expanded[grid_key] = grid[torch.tensor(items, dtype=torch.long, device=grid.device)]
+        for key in extra_keys:
+            value = model_kwargs.get(key)
+            if value is not None:
+                expanded[key] = value[torch.tensor(items, dtype=torch.long, device=value.device)] \
+                    if torch.is_tensor(value) else [value[i] for i in items]
+    return expanded
 
 
 def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor | None,

@@ -26,7 +26,8 @@ Choices:
   patch merger, language = the megatron model.
 - ``generate`` is transformers' ``GenerationMixin.generate`` as for text models (``loongforge_hf/generation.py``, KV
   cache included) with Qwen2.5-VL's inputs and mRoPE positions (``multimodal/generation.py``): its steps run through
-  ``generation_forward``, not through the forward's training path.
+  ``generation_forward``, not through the forward's training path; beam search and ``num_return_sequences`` repeat
+  each row with its own images and videos (``_expand_inputs_for_generation``).
 - ``save_pretrained`` writes the whole HF folder through the causal-LM exporter, the tower's tensors streamed after the
   language model's.
 """
@@ -105,6 +106,20 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         ids = model_kwargs.get("input_ids")
         return generation_positions(self, ids if ids is not None and ids.shape[1] > 0 else inputs_tensor,
                                     model_kwargs)
+
+    def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False,
+                                      input_ids: torch.Tensor | None = None, **model_kwargs: Any):
+        from loongforge_hf.multimodal.generation import PER_ITEM_INPUTS, expand_vision_inputs
+
+        if expand_size == 1:
+            return input_ids, model_kwargs
+        # NOTE: transformers repeats every tensor along dim 0 (and [3, b, s] positions along dim 1); the vision
+        # inputs are per image / video / patch instead, so they are expanded per row here
+        vision = {k: model_kwargs.pop(k) for k in PER_ITEM_INPUTS if k in model_kwargs}
+        expanded = expand_vision_inputs(self, input_ids, {**model_kwargs, **vision}, expand_size)
+        input_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size=expand_size, is_encoder_decoder=is_encoder_decoder, input_ids=input_ids, **model_kwargs)
+        return input_ids, {**model_kwargs, **vision, **expanded}
 
     def bound_chunks(self, inputs: dict) -> SimpleNamespace:
         """This model as the pipelined runtime takes it, its chunks called with the vision ``inputs`` bound."""

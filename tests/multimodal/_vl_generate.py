@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tests._generation import refusals, step_lengths
+from tests._generation import _plain, refusals, step_lengths
 
 # a left-padded batch: two prompts with images of different sizes (6 and 2 merged tokens) and a text-only one
 PROMPTS = [("tok5 tok6 <|vision_start|><|image_pad|><|vision_end|> tok7 tok8 tok9", [(56, 84)]),
@@ -18,6 +18,13 @@ SCENARIOS = {
     "greedy": dict(max_new_tokens=NEW_TOKENS, return_dict_in_generate=True, output_scores=True, output_logits=True),
     "sample": dict(max_new_tokens=4, do_sample=True, top_k=20, temperature=0.8, return_dict_in_generate=True,
                    output_logits=True),
+}
+# each row expanded before the prefill (its images with it): beam search and several samples per prompt
+EXPANDED = {
+    "beam": dict(max_new_tokens=4, num_beams=3, num_return_sequences=2, return_dict_in_generate=True,
+                 output_scores=True),
+    "sample": dict(max_new_tokens=4, do_sample=True, top_k=20, temperature=0.8, num_return_sequences=2,
+                   return_dict_in_generate=True, output_logits=True),
 }
 SEED = 3
 
@@ -46,14 +53,6 @@ def video_batch(folder: str) -> dict:
     return {k: v for k, v in batch.items() if k != "labels"}
 
 
-def _plain(out) -> dict:
-    got = {"sequences": out.sequences}
-    for key in ("scores", "logits"):
-        if getattr(out, key, None) is not None:
-            got[key] = torch.stack(getattr(out, key))
-    return got
-
-
 def run_scenarios(model, inputs: dict, scenarios: dict = SCENARIOS, **extra) -> dict:
     import transformers
 
@@ -70,17 +69,19 @@ def transformers_reference(folder: str) -> dict:
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     return {"images": run_scenarios(model, prompt_batch(folder)),
             "text_only": run_scenarios(model, prompt_batch(folder, TEXT_ONLY), {"greedy": SCENARIOS["greedy"]}),
-            "videos": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]})}
+            "videos": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]}),
+            "images_expanded": run_scenarios(model, prompt_batch(folder), EXPANDED),
+            "videos_expanded": run_scenarios(model, video_batch(folder), EXPANDED)}
 
 
-REFUSED = {"beams": dict(num_beams=2), "return_sequences": dict(num_return_sequences=2, do_sample=True),
-           "position_ids_4d": lambda inputs: {
+REFUSED = {"position_ids_4d": lambda inputs: {
                "position_ids": torch.zeros(4, *inputs["input_ids"].shape, dtype=torch.long)},
            "inputs_embeds": lambda inputs: {"inputs_embeds": torch.zeros(*inputs["input_ids"].shape, 64)}}
 
 
-def generate_run(folder: str, layout: dict) -> dict:
-    """This rank's outputs with the KV cache and without, the step lengths of each, and the refusals."""
+def generate_run(folder: str, layout: dict, expanded: bool) -> dict:
+    """This rank's outputs with the KV cache and without, the step lengths of each, and the refusals; with
+    ``expanded``, the ``EXPANDED`` scenarios too (images and videos batches, cached and uncached)."""
     import torch.distributed as dist
 
     import loongforge_hf as lf
@@ -95,6 +96,11 @@ def generate_run(folder: str, layout: dict) -> dict:
            "videos": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]}),
            "videos_uncached": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]},
                                             use_cache=False)}
+    if expanded:
+        res["batch"] = {"images": inputs["input_ids"].shape[0], "videos": video_batch(folder)["input_ids"].shape[0]}
+        for batch, name in ((inputs, "images"), (video_batch(folder), "videos")):
+            res[f"{name}_expanded"] = run_scenarios(model, batch, EXPANDED)
+            res[f"{name}_expanded_uncached"] = run_scenarios(model, batch, EXPANDED, use_cache=False)
     greedy = dict(max_new_tokens=4)
     res["lengths"] = {"cached": step_lengths(model, lambda: model.generate(**inputs, **greedy)),
                       "uncached": step_lengths(model, lambda: model.generate(**inputs, **greedy, use_cache=False))}
@@ -110,5 +116,6 @@ def generate_run(folder: str, layout: dict) -> dict:
 
 
 def generate_many(folder: str, layouts: list) -> dict:
-    """``generate_run`` for several (name, layout) in one world (groups rebuilt for each: one process start)."""
-    return {name: generate_run(folder, layout) for name, layout in layouts}
+    """``generate_run`` for several (name, layout, expanded) in one world (groups rebuilt for each: one process
+    start)."""
+    return {name: generate_run(folder, layout, expanded) for name, layout, expanded in layouts}

@@ -7,11 +7,16 @@
   a text-only batch (no images: positions from the attention mask) and a batch with videos (0.5 s and 1.5 s per
   temporal grid), an image and a text-only row (greedy, cached and uncached) too. On every rank of: one rank, TP2
   (vision tower replicated), PP2, and TP2 with sequence parallelism and the tower split over TP (steps padded to 2).
+- Rows expanded before the prefill, each with its own images / videos: beam search (3 beams, 2 returned sequences,
+  scores and sequences_scores) and sampling with 2 sequences per prompt, on the image and the video batches, cached
+  and uncached, give transformers' tokens and scores / logits within 1e-5, on one rank and TP2 (the image batch's
+  sampling draws a video placeholder in one row: it stays a text token, as in transformers). How the vision inputs
+  are laid out after the expansion is checked on its own too (several images in a row, a row without).
 - After the prefill each cached forward runs the new token only (padded to ``sequence_multiple``), where
   ``use_cache=False`` runs the whole sequence so far.
-- Refused with a ValueError on every rank alike: beam search / several return sequences with images,
-  ``position_ids`` that are not ``[3, b, s]``, ``inputs_embeds``; context parallelism (checked without a world).
-  Ranks of one replica passing different ``pixel_values`` raise the replica-mismatch error (the hash covers them).
+- Refused with a ValueError on every rank alike: ``position_ids`` that are not ``[3, b, s]``, ``inputs_embeds``;
+  context parallelism (checked without a world). Ranks of one replica passing different ``pixel_values`` raise the
+  replica-mismatch error (the hash covers them).
 """
 
 import pytest
@@ -21,7 +26,8 @@ from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
 
 from tests._generation import assert_same_generation
 
-from ._vl_generate import NEW_TOKENS, REFUSED, SCENARIOS, generate_many, prompt_batch, transformers_reference
+from ._vl_generate import (EXPANDED, NEW_TOKENS, REFUSED, SCENARIOS, generate_many, prompt_batch,
+                           transformers_reference)
 
 ATOL = 1e-5  # NOTE: fp32; measured differences are below 3e-7
 LAYOUTS = {  # name: (ranks, from_pretrained keywords)
@@ -31,6 +37,7 @@ LAYOUTS = {  # name: (ranks, from_pretrained keywords)
     "tp2_sp_vision_tp2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True,
                               "vision_tensor_parallel_size": 2}),
 }
+EXPANDED_LAYOUTS = ("tp1", "tp2")  # NOTE: one 2-rank layout keeps the added time small
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +51,9 @@ def ranks(checkpoint):
     """{layout: per-rank results}: the one-rank layout in one world, the two-rank layouts in another."""
     found = {}
     for nprocs in (1, 2):
-        layouts = [(name, sizes) for name, (n, sizes) in LAYOUTS.items() if n == nprocs]
+        layouts = [(name, sizes, name in EXPANDED_LAYOUTS) for name, (n, sizes) in LAYOUTS.items() if n == nprocs]
         per_rank = run_distributed(generate_many, nprocs, checkpoint[0], layouts, timeout=300)
-        for name, _ in layouts:
+        for name, *_ in layouts:
             found[name] = [res[name] for res in per_rank]
     return found
 
@@ -78,6 +85,50 @@ def test_generate_as_transformers_cached_and_uncached(checkpoint, ranks, layout)
         _same(res["videos_uncached"]["greedy"], ref["videos"]["greedy"], f"{layout} rank {rank} videos uncached")
 
 
+@pytest.mark.parametrize("layout", EXPANDED_LAYOUTS)
+def test_beams_and_return_sequences_as_transformers(checkpoint, ranks, layout):
+    ref = checkpoint[1]
+    for rank, res in enumerate(ranks[layout]):
+        for batch in ("images", "videos"):
+            for name in EXPANDED:
+                what = f"{layout} rank {rank} {batch} {name}"
+                cached, uncached = res[f"{batch}_expanded"][name], res[f"{batch}_expanded_uncached"][name]
+                _same(cached, ref[f"{batch}_expanded"][name], f"{what} cached vs transformers")
+                _same(uncached, ref[f"{batch}_expanded"][name], f"{what} uncached vs transformers")
+                _same(cached, uncached, f"{what} cached vs uncached")
+                assert cached["sequences"].shape[0] == 2 * res["batch"][batch]  # NOTE: 2 sequences per prompt
+
+
+def test_expanded_vision_inputs_follow_the_rows():
+    """Row 0 holds two images (A: 4 merged tokens, B: 2), row 1 none, row 2 one (C: 1) and a video (V: 2); expanded
+    twice the patches, grids and ``second_per_grid_ts`` read A B A B C C and V V. Placeholders that split an image
+    between rows (4 + 1 + 2 tokens for rows of 6 and 1) are refused. Checked without a world (``mm_token_type_ids``
+    as the processor gives them)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from loongforge_hf.multimodal.generation import expand_vision_inputs
+
+    model = SimpleNamespace(bridge=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2),
+                                                   image_token_id=7, video_token_id=8))
+    kinds = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 2, 2, 0, 0]])
+    grids = torch.tensor([[1, 4, 4], [1, 2, 4], [1, 2, 2]])
+    patches = torch.arange(16 + 8 + 4).unsqueeze(-1).float()  # NOTE: a patch's value is its index
+    videos = {"pixel_values_videos": torch.arange(100, 108).unsqueeze(-1).float(),
+              "video_grid_thw": torch.tensor([[2, 2, 2]]), "second_per_grid_ts": torch.tensor([0.5])}
+    inputs = {"mm_token_type_ids": kinds, "attention_mask": torch.ones_like(kinds), "pixel_values": patches,
+              "image_grid_thw": grids, **videos}
+    got = expand_vision_inputs(model, torch.zeros_like(kinds), inputs, 2)
+    a, b, c = list(range(16)), list(range(16, 24)), list(range(24, 28))
+    assert got["pixel_values"].squeeze(-1).long().tolist() == a + b + a + b + c + c
+    assert got["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 4]] * 2 + [[1, 2, 2]] * 2
+    assert got["pixel_values_videos"].squeeze(-1).long().tolist() == list(range(100, 108)) * 2
+    assert got["video_grid_thw"].tolist() == [[2, 2, 2]] * 2 and got["second_per_grid_ts"].tolist() == [0.5, 0.5]
+    with pytest.raises(ValueError, match="into whole images"):
+        expand_vision_inputs(model, torch.zeros_like(kinds), dict(inputs, image_grid_thw=grids[[0, 2, 1]]), 2)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_cached_steps_run_one_token(ranks, layout):
     for res in ranks[layout]:
@@ -95,7 +146,6 @@ def test_refusals_alike_on_every_rank(ranks, layout):
         got = results[0]["refused"][name]
         assert got is not None and got[0] == "ValueError", (name, got)
         assert all(res["refused"][name] == got for res in results), name
-    assert "num_beams" in results[0]["refused"]["beams"][1]
     assert "[3, batch, seq]" in results[0]["refused"]["position_ids_4d"][1]
     if len(results) > 1:
         assert all(res["mismatch"] is not None and res["mismatch"][0] == "GenerationMismatchError"
