@@ -12,7 +12,9 @@ What it does, top to bottom (no download, a minute on a 2-core laptop):
    visibly drops);
 4. exports with ``trainer.save_model(...)`` (``outputs/demo/export``: config.json, safetensors, tokenizer);
 5. reloads the export with plain ``transformers.AutoModelForCausalLM.from_pretrained`` and compares its logits with
-   the trained loongforge model's on the same batch.
+   the trained loongforge model's on the same batch;
+6. continues a prompt (the start of the training cycle) greedily with ``model.generate`` on the trained TP x PP
+   model (transformers' generate with loongforge's KV cache) and with plain transformers' ``generate`` on the export.
 
 Run it with ``bash scripts/demo.sh`` (sets up ``.venv`` first) or ``python examples/demo.py --steps 20 --tp 2 --pp 2``.
 Under ``torchrun`` (``RANK`` set) the rank body runs directly instead of spawning processes:
@@ -31,6 +33,8 @@ import torch
 
 CYCLE = 16          # the training pattern: token ids 4, 5, ..., 4 + CYCLE - 1, then again from 4
 SEQ_LEN = 32
+PROMPT = [4, 5, 6, 7, 8]   # the start of the cycle: a trained model continues it with 9, 10, 11, ...
+NEW_TOKENS = 8
 TRAIN_SAMPLES = 128
 
 
@@ -95,9 +99,14 @@ def rank_main(source: str, out: str, *, tp: int, pp: int, steps: int, on_cpu: bo
     model.eval()
     with torch.no_grad():
         result = model(input_ids=probe, labels=probe)    # every rank gets the full-vocabulary logits
+    # every rank of the model calls generate with the same prompt (a collective forward per step)
+    prompt = torch.tensor([PROMPT], device=model.device)
+    generated = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                               min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     if dist.get_rank() != 0:
         return None
     return {"loss_before": loss_before, "loss_after": float(result.loss), "logits": result.logits.float().cpu(),
+            "generated": generated[0, len(PROMPT):].tolist(),
             "probe": probe, "train_losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             "world_size": dist.get_world_size(), "export": export, "load_s": load_s, "train_s": train_s}
 
@@ -143,8 +152,21 @@ def reload_and_compare(result: dict) -> float:
     return float((ref - result["logits"]).abs().max())
 
 
+def generate_with_transformers(export: str) -> list[int]:
+    """Plain transformers' greedy continuation of ``PROMPT`` on the export."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    prompt = torch.tensor([PROMPT])
+    out = hf.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                      min_new_tokens=NEW_TOKENS, do_sample=False,
+                      pad_token_id=transformers.AutoTokenizer.from_pretrained(export).pad_token_id)
+    return out[0, len(PROMPT):].tolist()
+
+
 def summarize(result: dict, *, layout: str, where: str, started: float) -> dict:
     diff = reload_and_compare(result)
+    reference = generate_with_transformers(result["export"])
     files = sorted(p for p in Path(result["export"]).iterdir() if p.is_file())
     names, size = [p.name for p in files], sum(p.stat().st_size for p in files)
     total_s = time.perf_counter() - started
@@ -156,10 +178,13 @@ def summarize(result: dict, *, layout: str, where: str, started: float) -> dict:
     print(f"              {', '.join(names)}")
     print(f"reload check  transformers.AutoModelForCausalLM on the export vs the trained model: "
           f"max |logits diff| = {diff:.2e}")
+    print(f"generate      {PROMPT} -> loongforge {result['generated']}, transformers on the export {reference}"
+          f" ({'the same' if result['generated'] == reference else 'DIFFERENT'})")
     print(f"time          load {result['load_s']:.1f}s, train {result['train_s']:.1f}s, total {total_s:.1f}s")
     return {"layout": layout, "where": where, "loss_before": result["loss_before"], "loss_after": result["loss_after"],
             "train_losses": result["train_losses"], "export": result["export"], "files": names, "bytes": size,
-            "max_abs_logits_diff": diff, "seconds": total_s}
+            "max_abs_logits_diff": diff, "generated": result["generated"], "generated_by_transformers": reference,
+            "seconds": total_s}
 
 
 def run_as_torchrun_rank(args: argparse.Namespace, source: str, out: str, started: float) -> dict | None:

@@ -42,3 +42,6 @@ def test_demo_end_to_end(demo_module, tmp_path):
     assert {"tokenizer.json", "tokenizer_config.json"} <= files
     assert Path(summary["export"]) == tmp_path / "demo" / "export"
     assert summary["max_abs_logits_diff"] < 1e-4
+    # greedy generate at TP2 x PP2 (KV cache) equals transformers' generate on the export, token for token
+    assert len(summary["generated"]) == demo_module.NEW_TOKENS
+    assert summary["generated"] == summary["generated_by_transformers"], summary
