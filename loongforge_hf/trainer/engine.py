@@ -256,7 +256,8 @@ class MegatronEngine:
         """Unwrap the model's chunks (a newer engine wraps them next): megatron DDP's gradient hooks, its gradient
         and parameter buffers, the parameters' links into them and into this optimizer, the fused weight-gradient
         switches and the functions set on the model's config go. The optimizer object stays with whoever holds it (a
-        trainer that trains again builds a new engine). Local, no collective."""
+        trainer that trains again builds a new engine and takes its AdamW state: ``adopt_optimizer_state``). Local, no
+        collective."""
         if self.released:
             return
         self.released = True
@@ -373,6 +374,33 @@ class MegatronEngine:
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers of megatron's parts (``optimizer_parts``) that have one."""
         return [part.optimizer for part in optimizer_parts(self.optimizer) if not is_stub(part)]
+
+    def adopt_optimizer_state(self, previous: "MegatronEngine") -> bool:
+        """Take AdamW's per-parameter state (moments and step count) of ``previous``, an earlier engine of this model
+        released since, as transformers.Trainer keeps its optimizer's state when it trains again: the weights are the
+        model's current ones. Copied one to one when the inner optimizers' parameters match in number, order, shape
+        and dtype on every rank (same model, precision and data-parallel sharding; collective: the ranks agree);
+        else nothing is copied and False is returned."""
+        pairs = []
+        olds, news = previous.inner_optimizers(), self.inner_optimizers()
+        matching = len(olds) == len(news)
+        for old, new in zip(olds, news) if matching else ():
+            a = [p for group in old.param_groups for p in group["params"]]
+            b = [p for group in new.param_groups for p in group["params"]]
+            matching = matching and len(a) == len(b) and all(
+                x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
+            pairs.append((old, new, a, b))
+        if dist.is_initialized():
+            flag = torch.tensor([int(matching)], device=self.model.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            matching = bool(flag.item())
+        if not matching:
+            return False
+        for old, new, a, b in pairs:
+            for x, y in zip(a, b):
+                if old.state.get(x):
+                    new.state[y] = {k: v.clone() if torch.is_tensor(v) else v for k, v in old.state[x].items()}
+        return True
 
     # ---- one optimizer step over the micro-batches of this DP rank ---------------------------------------------
     def train_step(self, micro_batches: list[dict], *, before_optimizer_step=None) -> StepResult:

@@ -315,17 +315,19 @@ class LoongTrainer(Trainer):
 
     # ---- optimizer and schedule ----------------------------------------------------------------------------------
     def create_optimizer(self, model=None):
+        previous = None
         if self.engine is not None and self.engine.released:
             # NOTE: another trainer (engine) has wrapped the model since: this one wraps it again, over the current
-            # weights; its AdamW moments start afresh where transformers.Trainer would keep them
-            logger.warning("Another LoongTrainer has trained this model since this trainer last did: its megatron "
-                           "DDP wrapping and optimizer are rebuilt over the current weights, with fresh AdamW state.")
-            self.engine = None
+            # weights, and keeps its AdamW state as transformers.Trainer keeps its optimizer's
+            previous, self.engine = self.engine, None
         if self.engine is None:
             self.engine = MegatronEngine(self.model, args=self.args,
                                          optimizer_precision=getattr(self.args, "optimizer_precision", "fp32"),
                                          fused_adam=fused_adam_for(getattr(self.args, "adamw_kernel", "triton"),
                                                                    self.model.device))
+        if previous is not None and not self.engine.adopt_optimizer_state(previous):
+            logger.warning("Another LoongTrainer has trained this model since this trainer last did, and the rebuilt "
+                           "optimizer's layout differs from this trainer's earlier one: AdamW state starts afresh.")
         # NOTE: evaluation smooths with Trainer's own label_smoother (compute_loss, on the model's logits)
         self.engine.label_smoothing = float(self.args.label_smoothing_factor or 0.0)
         self.optimizer = self.engine.optimizer

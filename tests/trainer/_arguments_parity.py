@@ -171,10 +171,13 @@ def two_trainers_run(kind: str, folder: str, out_dir: str) -> dict:
                          train_dataset=make_dataset(seed=9))
     second.train()
     out = {"first": losses_of(first.state.log_history), "second": losses_of(second.state.log_history)}
+    buffer = weakref.ref(second.engine.chunks[0].buffers[0]) if kind == "lf" else None
+    first.train()  # NOTE: Trainer keeps the first trainer's AdamW state (moments, step count) for this run
+    out["first_again"] = losses_of(first.state.log_history)
+    probe = torch.tensor(make_dataset(n=2, seed=11)["input_ids"])
+    with torch.no_grad():  # NOTE: the weights after the last update (the last logged loss is before it)
+        out["final_loss"] = float(model(input_ids=probe.to(model.device), labels=probe.to(model.device)).loss)
     if kind == "lf":
-        buffer = weakref.ref(second.engine.chunks[0].buffers[0])
-        first.train()
-        out["first_again"] = losses_of(first.state.log_history)
         del second
         gc.collect()
         out["second_buffer_freed"] = buffer() is None

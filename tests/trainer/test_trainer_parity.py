@@ -214,9 +214,11 @@ def test_dp2_training_arguments_match_transformers_trainer(single_process_refere
         assert loaders["lf"]["packed"] == loaders["hf"]["train"] and loaders["lf"]["eval_kept"]
 
         two = got["two_trainers"]
-        for key in ("first", "second"):
+        # the first trainer trains again after the second with its own AdamW state (moments, step count), as Trainer
+        for key in ("first", "second", "first_again"):
             assert two["lf"][key] == pytest.approx(two["hf"][key], rel=1e-5), key
         assert len(two["lf"]["first_again"]) == 2 and two["lf"]["second_buffer_freed"]
+        assert two["lf"]["final_loss"] == pytest.approx(two["hf"]["final_loss"], rel=1e-5)
 
         assert got["ddp_timeout"] == {"loaded": dict.fromkeys(("default", "data_parallel", "tensor_parallel"), 1800.0),
                                       "trainer": dict.fromkeys(("default", "data_parallel", "tensor_parallel"), 7200.0)}
