@@ -9,7 +9,7 @@
   (vision tower replicated), PP2, and TP2 with sequence parallelism and the tower split over TP (steps padded to 2).
 - Rows expanded before the prefill, each with its own images / videos: beam search (3 beams, 2 returned sequences,
   scores and sequences_scores) and sampling with 2 sequences per prompt, on the image and the video batches, cached
-  and uncached, give transformers' tokens and scores / logits within 1e-5, on one rank and TP2 (the image batch's
+  and uncached, give transformers' tokens and scores / logits within 1e-5, in every layout above (the image batch's
   sampling draws a video placeholder in one row: it stays a text token, as in transformers). How the vision inputs
   are laid out after the expansion is checked on its own too (several images in a row, a row without).
 - After the prefill each cached forward runs the new token only (padded to ``sequence_multiple``), where
@@ -37,7 +37,7 @@ LAYOUTS = {  # name: (ranks, from_pretrained keywords)
     "tp2_sp_vision_tp2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True,
                               "vision_tensor_parallel_size": 2}),
 }
-EXPANDED_LAYOUTS = ("tp1", "tp2")  # NOTE: one 2-rank layout keeps the added time small
+EXPANDED_LAYOUTS = tuple(LAYOUTS)
 
 
 @pytest.fixture(scope="module")
