@@ -116,11 +116,14 @@ def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
     run_everywhere(f"could not create {ckpt}", lambda: ckpt.mkdir(parents=True, exist_ok=True), on=_rank() == 0)
     # NOTE: megatron's save validates the sharding on rank 0 alone, after gathering it, and then goes on into the
     # write's collectives: a validation error there would leave the other ranks waiting. It is checked here, agreed
-    # on by every rank, and the save below skips it. torch.distributed.checkpoint raises on every rank when a write
-    # fails, but only the coordinator's error says why: run_everywhere gives every rank that one.
+    # on by every rank, and the save below skips it. The state is built first, on its own (local: a rank that fails
+    # there, out of memory say, must not leave the others in the validation's gather). torch.distributed.checkpoint
+    # raises on every rank when a write fails, but only the coordinator's error says why: run_everywhere gives every
+    # rank that one.
     box = {}
     run_everywhere(f"the megatron state cannot be saved to {ckpt}",
-                   lambda: box.setdefault("state", _validated(_sharded_state_dict(trainer.engine, is_loading=False))))
+                   lambda: box.setdefault("state", _sharded_state_dict(trainer.engine, is_loading=False)))
+    run_everywhere(f"the megatron state cannot be saved to {ckpt}", lambda: _validated(box["state"]))
     strategy = _in_process_save_strategy()
     run_everywhere(f"could not write the megatron state to {ckpt}",
                    lambda: dist_checkpointing.save(box["state"], str(ckpt), sharded_strategy=strategy,

@@ -25,6 +25,9 @@ SAVE_CASES = {  # case: (what fails, on which rank, fragments of the message)
     # megatron validates the sharding on rank 0 alone, then writes (collectives): rank 1 must not be left waiting
     "megatron_state_invalid": ("megatron_validation", 0, ["rank 0", "megatron state cannot be saved",
                                                           "Invalid access pattern"]),
+    # building the optimizer's sharded state fails on rank 1 only (out of memory, say): rank 0 must not be left in
+    # megatron's save validation (a collective) while rank 1 reports its error
+    "optimizer_state_fails": ("optimizer_state", 1, ["rank 1", "megatron state cannot be saved", "MemoryError"]),
     "scheduler_disk_full": ("scheduler.pt", 0, ["rank 0", "scheduler.pt", "disk full"]),
     "megatron_rng_disk_full": ("megatron_rng", 1, ["rank 1", "megatron_rng_1.pt", "disk full"]),
     "trainer_state_disk_full": ("trainer_state", 0, ["rank 0", "trainer_state.json", "disk full"]),
@@ -62,6 +65,13 @@ def _failing(what: str):
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
         return [mock.patch.object(filesystem_async, "_write_item", _enospc)]
+    if what == "optimizer_state":
+        from loongforge_hf.trainer import optimizer_state
+
+        def out_of_memory(*args, **kwargs):
+            raise MemoryError("building the optimizer's sharded state")
+
+        return [mock.patch.object(optimizer_state, "sharded_state_dict", out_of_memory)]
     if what == "megatron_validation":
         from megatron.core.dist_checkpointing import validation
         from megatron.core.dist_checkpointing.core import CheckpointingException
