@@ -47,20 +47,17 @@ from transformers.cache_utils import Cache, DynamicLayer
 class LoongKVCache(Cache):
     """transformers' ``Cache`` of one ``DynamicLayer`` per core attention on this rank (see the module docstring)."""
 
-    def __init__(self, num_layers: int) -> None:
-        super().__init__(layers=[DynamicLayer() for _ in range(num_layers)])
-        self._modules: tuple[list, list] | None = None  # (core attentions, rotary embeddings) of the chunks
+    def __init__(self, chunks) -> None:
+        # NOTE: the modules are found once, when generate makes the cache (a walk over every module of the model
+        # each step cost more than a decode step's attention)
+        self.chunks = list(chunks)
+        self.attentions, self.rotary_embeddings = core_attentions(self.chunks), _rotary_embeddings(self.chunks)
+        super().__init__(layers=[DynamicLayer() for _ in self.attentions])
 
     @classmethod
     def for_model(cls, model) -> "LoongKVCache":
-        return cls(len(core_attentions(model.chunks)))
-
-    def modules_of(self, chunks) -> tuple[list, list]:
-        """The core attentions and rotary embeddings of ``chunks``, found once per cache (a walk over every module
-        of the model each step cost more than a decode step's attention)."""
-        if self._modules is None:
-            self._modules = (core_attentions(chunks), _rotary_embeddings(chunks))
-        return self._modules
+        """A cache for ``model``'s core attentions on this rank, in order over its chunks."""
+        return cls(model.chunks)
 
 
 @dataclass(frozen=True)
@@ -109,18 +106,17 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
 
 @contextlib.contextmanager
 def attached(chunks, cache: LoongKVCache, step: _Step):
-    """Inside, the core attentions of ``chunks`` read and extend ``cache`` and their rotary embeddings start at slot
-    ``step.past`` (instance attributes, removed at the end)."""
-    attentions, ropes = cache.modules_of(chunks)
-    if len(attentions) != len(cache.layers):
-        raise ValueError(f"KV cache: this rank runs {len(attentions)} attention layers, the cache holds "
-                         f"{len(cache.layers)}; use a cache made by this model's generate().")
+    """Inside, the core attentions of ``chunks`` (the cache's) read and extend ``cache`` and their rotary embeddings
+    start at slot ``step.past`` (instance attributes, removed at the end)."""
+    if len(chunks) != len(cache.chunks) or any(a is not b for a, b in zip(chunks, cache.chunks)):
+        raise ValueError("KV cache: the cache was made for another model's attention layers; use a cache made by "
+                         "this model's generate().")
     patched = []
-    for index, module in enumerate(attentions):
+    for index, module in enumerate(cache.attentions):
         module.forward = types.MethodType(functools.partial(_cached_attention, cache=cache, index=index, step=step),
                                           module)
         patched.append(module)
-    for rope in ropes:
+    for rope in cache.rotary_embeddings:
         rope.forward = functools.partial(type(rope).forward, rope, offset=step.past)
         patched.append(rope)
     try:

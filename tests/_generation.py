@@ -189,13 +189,7 @@ def cache_run(folder: str, layout: dict) -> dict:
                "cache_implementation": dict(cache_implementation="static"),
                "prefill_chunk_size": dict(prefill_chunk_size=2),
                "cp_use_cache": dict(use_cache=True)}
-    res["refused"] = {}
-    for name, kw in refused.items():
-        try:
-            model.generate(**inputs, max_new_tokens=2, **kw)
-            res["refused"][name] = None
-        except Exception as err:  # noqa: BLE001 - the test checks the type
-            res["refused"][name] = (type(err).__name__, str(err))
+    res["refused"] = refusals(model, inputs, refused)
     try:
         model(**inputs, cache=transformers.DynamicCache())
         res["forward_user_cache"] = None

@@ -133,6 +133,7 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     import torch.nn.functional as F
 
     from loongforge_hf.bridges.runtime import full_logits, megatron_attention_mask
+    from loongforge_hf.trainer.data import pad_model_inputs
 
     device = model.device
     input_ids = input_ids.to(device)
@@ -168,8 +169,7 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
 
         with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
             return run(padded_ids, None)
-    ids = F.pad(input_ids, (0, padded - given), value=0)
-    mask = None
-    if attention_mask is not None:  # NOTE: none: causal attention alone keeps the pads out
-        mask = megatron_attention_mask(F.pad(attention_mask.to(device), (0, padded - given), value=0), padded)
-    return run(ids, mask)
+    ids, attention_mask, _, _ = pad_model_inputs(
+        input_ids, attention_mask.to(device) if attention_mask is not None else None, None, None, multiple=multiple)
+    # NOTE: no mask: causal attention alone keeps the pads out
+    return run(ids, megatron_attention_mask(attention_mask, padded) if attention_mask is not None else None)

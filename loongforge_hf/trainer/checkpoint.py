@@ -123,7 +123,7 @@ def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
     box = {}
     run_everywhere(f"the megatron state cannot be saved to {ckpt}",
                    lambda: box.setdefault("state", _sharded_state_dict(trainer.engine, is_loading=False)))
-    run_everywhere(f"the megatron state cannot be saved to {ckpt}", lambda: _validated(box["state"]))
+    run_everywhere(f"the megatron state cannot be saved to {ckpt}", lambda: _validate(box["state"]))
     strategy = _in_process_save_strategy()
     run_everywhere(f"could not write the megatron state to {ckpt}",
                    lambda: dist_checkpointing.save(box["state"], str(ckpt), sharded_strategy=strategy,
@@ -191,13 +191,12 @@ def _write_buckets_in_threads(transforms: list, use_msc: bool, rank: int, bucket
     results.put(written)
 
 
-def _validated(state: dict) -> dict:
-    """``state`` once megatron's save validation passes: each shard written once, the whole of every tensor covered,
-    the common state alike on every rank (collective; raises on rank 0 only)."""
+def _validate(state: dict) -> None:
+    """megatron's save validation of ``state``: each shard written once, the whole of every tensor covered, the
+    common state alike on every rank (collective; raises on rank 0 only)."""
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     save_preprocess(state, validate_access_integrity=True)  # NOTE: builds its factories in place, as save would
-    return state
 
 
 REQUIRED_FILES = (f"{MEGATRON_DIR}/metadata.json", f"{MEGATRON_DIR}/.metadata", f"{MEGATRON_DIR}/common.pt",

@@ -381,15 +381,14 @@ class MegatronEngine:
         model's current ones. Copied one to one when the inner optimizers' parameters match in number, order, shape
         and dtype on every rank (same model, precision and data-parallel sharding; collective: the ranks agree);
         else nothing is copied and False is returned."""
-        pairs = []
+        def params(opt) -> list:
+            return [p for group in opt.param_groups for p in group["params"]]
+
         olds, news = previous.inner_optimizers(), self.inner_optimizers()
-        matching = len(olds) == len(news)
-        for old, new in zip(olds, news) if matching else ():
-            a = [p for group in old.param_groups for p in group["params"]]
-            b = [p for group in new.param_groups for p in group["params"]]
-            matching = matching and len(a) == len(b) and all(
-                x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
-            pairs.append((old, new, a, b))
+        pairs = [(old, new, params(old), params(new)) for old, new in zip(olds, news)]
+        matching = len(olds) == len(news) and all(
+            len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
+            for _, _, a, b in pairs)
         if dist.is_initialized():
             flag = torch.tensor([int(matching)], device=self.model.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)

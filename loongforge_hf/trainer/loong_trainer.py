@@ -155,7 +155,7 @@ class LoongTrainer(Trainer):
         """Evaluation's loss (training steps run in the megatron engine): Trainer's, but a label smoother shifts
         the labels as for the transformers class (Trainer reads the class name, here a loongforge one), and the
         loss is normalised over the data-parallel ranks as Trainer normalises it (``data_parallel_token_mean``)."""
-        count = label_token_count(inputs)
+        count = label_token_count(inputs) if self._data_parallel_token_mean_applies() else None
         if self.label_smoother is None or "labels" not in inputs:
             loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
         else:
@@ -165,14 +165,17 @@ class LoongTrainer(Trainer):
         loss = self.data_parallel_token_mean(loss, count)
         return (loss, outputs) if return_outputs else loss
 
+    def _data_parallel_token_mean_applies(self) -> bool:
+        return dp_rank_and_size()[1] > 1 and bool(self.args.average_tokens_across_devices)
+
     def data_parallel_token_mean(self, loss: torch.Tensor | None, count: torch.Tensor | None):
         """An evaluation batch's loss (this rank's mean over its ``count`` label tokens) as Trainer computes it for
         the transformers model under DDP: with ``average_tokens_across_devices`` its model divides by the label
         tokens of every rank's batch (``num_items_in_batch``) and the loss is scaled by the ranks, so ``eval_loss``
         is the mean over all ranks' tokens, not the mean of each rank's mean."""
-        _, size = dp_rank_and_size()
-        if loss is None or count is None or size == 1 or not self.args.average_tokens_across_devices:
+        if loss is None or count is None or not self._data_parallel_token_mean_applies():
             return loss
+        _, size = dp_rank_and_size()
         from megatron.core import parallel_state as ps
 
         count = count.to(loss.device, torch.float64)
