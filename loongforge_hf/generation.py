@@ -53,8 +53,8 @@ _REFUSED_KWARGS = {"cache": _OWN_CACHE, "past_key_values": _OWN_CACHE, "assistan
                    "inputs_embeds": "pass input_ids",
                    "output_attentions": "attention weights are not materialised",
                    "output_hidden_states": "hidden states are not returned",
-                   "cache_implementation": "the KV cache is loongforge's own dynamic cache (kv_cache.py); only "
-                                           "'dynamic' is accepted",
+                   "cache_implementation": "loongforge's own caches are 'dynamic' (the default, kv_cache.py) and "
+                                           "'static' (static_cache.py)",
                    "prefill_chunk_size": "the prompt is run in one forward"}
 
 # NOTE: read from the generation config the call resolves (the keywords override its fields)
@@ -81,7 +81,13 @@ class GenerationGlue(GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                                       max_cache_length: int) -> None:
-        if generation_config.use_cache:  # NOTE: a cache passed in was refused before (_local_verdict)
+        if not generation_config.use_cache:  # NOTE: a cache passed in was refused before (_local_verdict)
+            return
+        if generation_config.cache_implementation == "static":
+            from loongforge_hf.static_cache import LoongStaticCache
+
+            model_kwargs["cache"] = LoongStaticCache.for_model(self, max_cache_len=max_cache_length)
+        else:
             from loongforge_hf.kv_cache import LoongKVCache
 
             model_kwargs["cache"] = LoongKVCache.for_model(self)
@@ -164,8 +170,16 @@ def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, 
                 f"{[m.value for m in _MODES]}."), False
     for field in _CONFIG_FIELDS:
         value = getattr(config, field, None)
-        if value not in (None, False) and not (field == "cache_implementation" and value == "dynamic"):
+        if value not in (None, False) and not (field == "cache_implementation" and value in ("dynamic", "static")):
             return f"{field}={value!r} is not supported: {_REFUSED_KWARGS[field]}.", False
+    if config.cache_implementation == "static" and model.parallel.context_parallel_size > 1:
+        return ("cache_implementation='static' is not supported with context_parallel_size > 1: generate runs "
+                "without a KV cache there."), False
+    if config.cache_implementation == "static" and config.use_cache and (
+            model.parallel.expert_parallel_size > 1 or kwargs.get("synced_gpus")):
+        return ("cache_implementation='static' is not supported with expert parallelism or synced_gpus: a rank "
+                "whose sequences are done keeps running forward steps, past the static cache's length; use the "
+                "default dynamic cache."), False
     refusal = model.generation_refusal(config, kwargs)
     if refusal:
         return refusal, False

@@ -47,12 +47,16 @@ from transformers.cache_utils import Cache, DynamicLayer
 class LoongKVCache(Cache):
     """transformers' ``Cache`` of one ``DynamicLayer`` per core attention on this rank (see the module docstring)."""
 
-    def __init__(self, chunks) -> None:
+    def __init__(self, chunks, layer=DynamicLayer) -> None:
         # NOTE: the modules are found once, when generate makes the cache (a walk over every module of the model
         # each step cost more than a decode step's attention)
         self.chunks = list(chunks)
         self.attentions, self.rotary_embeddings = core_attentions(self.chunks), _rotary_embeddings(self.chunks)
-        super().__init__(layers=[DynamicLayer() for _ in self.attentions])
+        super().__init__(layers=[layer() for _ in self.attentions])
+        self.filled = 0  # NOTE: tokens cached, counted on the host (a static layer's own count is a device tensor)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.filled
 
     @classmethod
     def for_model(cls, model) -> "LoongKVCache":
@@ -96,6 +100,8 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
         raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
     k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, h_kv, s, d]
     keys, values = cache.update(k[:, :, :step.given], v[:, :, :step.given], index)
+    # NOTE: a static layer returns its whole buffer: the filled slots only (a dynamic layer's keys are those)
+    keys, values = keys[:, :, :step.past + step.given], values[:, :, :step.past + step.given]
     if step.padded > step.given:  # NOTE: the layout's padding: seen by this step only, never cached
         keys = torch.cat((keys, k[:, :, step.given:]), dim=2)
         values = torch.cat((values, v[:, :, step.given:]), dim=2)
@@ -158,6 +164,7 @@ def cached_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attentio
                                         padded=padded_ids.shape[-1], device=model.device))
     with attached(model.chunks, cache, step):
         yield padded_ids
+    cache.filled += given
 
 
 def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, keep: int):
@@ -166,6 +173,12 @@ def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
     from loongforge_hf.bridges.runtime import forward_padded
 
     given = input_ids.shape[-1]
+    if getattr(cache, "max_cache_len", None) is not None:  # NOTE: a LoongStaticCache (static_cache.py)
+        from loongforge_hf.static_cache import static_step
+
+        logits = static_step(model, cache, input_ids=input_ids, attention_mask=attention_mask)
+        if logits is not None:
+            return logits
     rows = slice(given - min(keep, given), given) if keep > 0 else slice(0, given)
     with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
         _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,

@@ -1,5 +1,7 @@
-"""``generate()`` speed on one device, side by side: transformers' ``generate`` (its default dynamic KV cache),
-loongforge-hf's with its KV cache, and loongforge-hf's with ``use_cache=False`` (every step over the whole sequence).
+"""``generate()`` speed on one device, side by side: transformers' ``generate`` with its default dynamic KV cache and
+(on a GPU) with ``cache_implementation="static"`` (its decode step compiled by torch.compile, CUDA graphs), and
+loongforge-hf's with its dynamic KV cache, with its static cache (decode steps replayed from a CUDA graph), and with
+``use_cache=False`` (every step over the whole sequence).
 
 Choices:
 - The model is bench_train.py's workload (a) (Qwen3-0.6B shape), random bf16 weights written once by transformers
@@ -32,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _bench_harness as H  # noqa: E402
 import bench_train as BT  # noqa: E402
 
-STACKS = {"transformers": "transformers generate (DynamicCache)", "loongforge_cache": "loongforge-hf, KV cache",
+STACKS = {"transformers": "transformers generate (DynamicCache)",
+          "transformers_static": "transformers generate (StaticCache, torch.compile)",
+          "loongforge_cache": "loongforge-hf, KV cache",
+          "loongforge_static": "loongforge-hf, static cache (CUDA graph)",
           "loongforge_no_cache": "loongforge-hf, use_cache=False"}
 
 
@@ -61,6 +66,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--skip-compile", action="store_true", help="leave out transformers' compiled static-cache run")
     p.add_argument("--checkpoint", default=None, help="folder for the random checkpoint (default: a temporary one)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -81,9 +87,17 @@ def main(argv: list[str]) -> int:
     results = {}
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device.device).eval()
     results["transformers"] = _measure(ref, ids, args, device)
+    if device.is_cuda and not args.skip_compile:
+        # NOTE: transformers' fast path: its static cache with the decode step compiled (CUDA graphs); the compile
+        # happens in the warm-up call(s)
+        try:
+            results["transformers_static"] = _measure(ref, ids, args, device, cache_implementation="static")
+        except Exception as err:  # noqa: BLE001 - reported: the other stacks still run
+            print(f"transformers static cache + torch.compile failed: {type(err).__name__}: {err}")
     del ref
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     results["loongforge_cache"] = _measure(ours, ids, args, device)
+    results["loongforge_static"] = _measure(ours, ids, args, device, cache_implementation="static")
     results["loongforge_no_cache"] = _measure(ours, ids, args, device, use_cache=False)
     theirs = results["transformers"]["tokens"]
     rows = []

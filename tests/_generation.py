@@ -21,7 +21,7 @@ SCENARIOS = {
 REFUSED = {
     "output_attentions": dict(output_attentions=True, return_dict_in_generate=True),
     "output_hidden_states": dict(output_hidden_states=True, return_dict_in_generate=True),
-    "static_cache": dict(cache_implementation="static"),
+    "offloaded_cache": dict(cache_implementation="offloaded_static"),
     "prompt_lookup": dict(prompt_lookup_num_tokens=2),
     "group_beam": dict(num_beams=2, num_beam_groups=2, diversity_penalty=1.0, trust_remote_code=True),
     "custom_generate": dict(custom_generate=lambda *a, **k: None),
@@ -176,17 +176,26 @@ def cache_run(folder: str, layout: dict) -> dict:
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     inputs = prompts_for(tok, CACHE_PROMPTS)
-    res = {"multiple": model.parallel.sequence_multiple}
+    res = {"multiple": model.parallel.sequence_multiple, "lengths": {}}
     if model.parallel.context_parallel_size == 1:
         res["cached"] = run_scenarios(model, inputs, CACHE_SCENARIOS)
+    if model.parallel.context_parallel_size == 1 and model.parallel.expert_parallel_size == 1:
+        static = {k: {**v, "cache_implementation": "static"} for k, v in CACHE_SCENARIOS.items()}
+        res["static"] = run_scenarios(model, inputs, static)
+        out = model.generate(**inputs, max_new_tokens=4, cache_implementation="static", return_dict_in_generate=True)
+        res["static_cache_out"] = (type(out.cache).__name__, out.cache.get_seq_length(), out.cache.max_cache_len,
+                                   out.cache.fixed_steps)
+        res["lengths"]["static"] = step_lengths(
+            model, lambda: model.generate(**inputs, max_new_tokens=4, cache_implementation="static"))
     res["uncached"] = run_scenarios(model, inputs, {k: {**v, "use_cache": False} for k, v in CACHE_SCENARIOS.items()})
     greedy = dict(max_new_tokens=4)
-    res["lengths"] = {"default": step_lengths(model, lambda: model.generate(**inputs, **greedy)),
-                      "uncached": step_lengths(model, lambda: model.generate(**inputs, **greedy, use_cache=False))}
+    res["lengths"]["default"] = step_lengths(model, lambda: model.generate(**inputs, **greedy))
+    res["lengths"]["uncached"] = step_lengths(model, lambda: model.generate(**inputs, **greedy, use_cache=False))
     out = model.generate(**inputs, **greedy, return_dict_in_generate=True)
     res["cache_out"] = (type(out.cache).__name__, out.cache.get_seq_length() if out.cache is not None else None)
     refused = {"user_cache": dict(cache=transformers.DynamicCache()),
-               "cache_implementation": dict(cache_implementation="static"),
+               "cache_implementation": dict(cache_implementation="offloaded"),
+               "static_ep_or_cp": dict(cache_implementation="static"),
                "prefill_chunk_size": dict(prefill_chunk_size=2),
                "cp_use_cache": dict(use_cache=True)}
     res["refused"] = refusals(model, inputs, refused)

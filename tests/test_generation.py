@@ -88,7 +88,7 @@ def test_refused_options_raise_on_every_rank(ranks):
         assert got is not None and got[0] == "ValueError", (name, got)
         assert all(res["refused"][name] == got for res in results), name
     assert "output_attentions" in results[0]["refused"]["output_attentions"][1]
-    assert "KV cache" in results[0]["refused"]["static_cache"][1]
+    assert "'static'" in results[0]["refused"]["offloaded_cache"][1]
 
 
 def test_replica_mismatch_raises_on_every_rank(ranks):

@@ -10,9 +10,14 @@ prompts of different lengths.
 - After the prefill each cached forward runs the new token only (padded to ``sequence_multiple``), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here.
 - ``return_dict_in_generate`` returns the ``LoongKVCache`` holding every position but the last token's.
-- Refused on every rank alike (ValueError): a cache passed in, ``cache_implementation='static'``,
-  ``prefill_chunk_size``; ``forward`` refuses a transformers cache (TypeError). Under context parallelism generate
-  runs without a cache (as transformers, whole-sequence forwards) and refuses an explicit ``use_cache=True``.
+- ``cache_implementation="static"`` (``loongforge_hf/static_cache.py``) gives transformers' tokens and scores / logits
+  within 1e-5 in every layout above but EP (refused there); its one-token steps run the fixed-shape decode (what a
+  GPU captures as a CUDA graph: ``test_generation_gpu.py``) at one rank and TP2, the dynamic cache's path under
+  sequence parallelism and pipelines.
+- Refused on every rank alike (ValueError): a cache passed in, ``cache_implementation='offloaded'``,
+  ``prefill_chunk_size``, a static cache with EP or CP; ``forward`` refuses a transformers cache (TypeError). Under
+  context parallelism generate runs without a cache (as transformers, whole-sequence forwards) and refuses an
+  explicit ``use_cache=True``.
 """
 
 import pytest
@@ -53,16 +58,27 @@ def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
     folder, ref = checkpoints[arch]
     results = run_distributed(cache_run, nprocs, folder, sizes, timeout=240)
     prompt = ref["greedy"]["sequences"].shape[1] - CACHE_SCENARIOS["greedy"]["max_new_tokens"]
+    static = sizes.get("expert_parallel_size", 1) == 1
     for rank, res in enumerate(results):
         for name in CACHE_SCENARIOS:
             _same(res["cached"][name], ref[name], f"{layout} rank {rank} {name} cached vs transformers")
             _same(res["cached"][name], res["uncached"][name], f"{layout} rank {rank} {name} cached vs uncached")
+            if static:
+                _same(res["static"][name], ref[name], f"{layout} rank {rank} {name} static vs transformers")
         multiple = res["multiple"]
         padded = -(-prompt // multiple) * multiple
         # NOTE: max_new_tokens=4: the prefill, then three one-token steps (padded to the layout's multiple)
         assert res["lengths"]["default"] == [padded] + [multiple] * 3, res["lengths"]
         assert res["lengths"]["uncached"] == [-(-n // multiple) * multiple for n in range(prompt, prompt + 4)]
         assert res["cache_out"] == ("LoongKVCache", prompt + 3)
+        if static:
+            assert res["lengths"]["static"] == res["lengths"]["default"], res["lengths"]
+            # NOTE: (kind, tokens cached, max_cache_len = max_length - 1, steps run by the fixed-shape decode: those
+            # after the prefill where there is no pipeline and no sequence padding)
+            fixed = 3 if "pipeline_parallel_size" not in sizes and multiple == 1 else 0
+            assert res["static_cache_out"] == ("LoongStaticCache", prompt + 3, prompt + 3, fixed), res
+        else:
+            assert "expert parallelism" in res["refused"]["static_ep_or_cp"][1], res["refused"]
         for name in ("user_cache", "cache_implementation", "prefill_chunk_size"):
             assert res["refused"][name] is not None and res["refused"][name][0] == "ValueError", (name, res)
             assert res["refused"][name] == results[0]["refused"][name]
@@ -85,3 +101,5 @@ def test_context_parallel_generates_without_cache(checkpoints):
         refusal = res["refused"]["cp_use_cache"]
         assert refusal[0] == "ValueError" and "context_parallel_size" in refusal[1], refusal
         assert refusal == results[0]["refused"]["cp_use_cache"]
+        refusal = res["refused"]["static_ep_or_cp"]
+        assert refusal[0] == "ValueError" and "context_parallel_size" in refusal[1], refusal

@@ -37,20 +37,31 @@ def _cuda_world(folder: str) -> dict:
     theirs = run_scenarios(ref, inputs, scenarios)
     del ref
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return {"device": str(ours.device), "theirs": theirs, "ours": run_scenarios(ours, inputs, scenarios)}
+    static = {k: {**v, "cache_implementation": "static"} for k, v in scenarios.items()}
+    return {"device": str(ours.device), "theirs": theirs, "ours": run_scenarios(ours, inputs, scenarios),
+            "static": run_scenarios(ours, inputs, static), "graphed": _graphed(ours, inputs)}
+
+
+def _graphed(model, inputs) -> tuple:
+    """(fixed-shape decode steps, whether they were replayed from a CUDA graph) of a static-cache generate."""
+    cache = model.generate(**inputs, max_new_tokens=4, cache_implementation="static",
+                           return_dict_in_generate=True).cache
+    return cache.fixed_steps, cache.decode is not None and cache.decode.graph is not None
 
 
 def test_generate_on_cuda_as_transformers(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
     got = run_distributed(_cuda_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
     assert got["device"].startswith("cuda")
-    for name in NAMES:
-        ours, theirs = got["ours"][name], got["theirs"][name]
-        assert torch.equal(ours["sequences"].cpu(), theirs["sequences"].cpu()), name
-        assert set(ours) == set(theirs), name
-        for key in set(theirs) - {"sequences"}:
-            torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), atol=1e-4, rtol=0,
-                                       msg=lambda m: f"{name} {key}: {m}")
+    assert got["graphed"] == (3, True), got["graphed"]
+    for which in ("ours", "static"):
+        for name in NAMES:
+            ours, theirs = got[which][name], got["theirs"][name]
+            assert torch.equal(ours["sequences"].cpu(), theirs["sequences"].cpu()), (which, name)
+            assert set(ours) == set(theirs), (which, name)
+            for key in set(theirs) - {"sequences"}:
+                torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), atol=1e-4, rtol=0,
+                                           msg=lambda m: f"{which} {name} {key}: {m}")
 
 
 BF16_ATOL = 3e-2
@@ -69,6 +80,9 @@ def _cuda_bf16_cache_world(folder: str) -> dict:
     return {"device": str(model.device),
             "cached": run_scenarios(model, inputs, scenarios),
             "uncached": run_scenarios(model, inputs, {k: {**v, "use_cache": False} for k, v in scenarios.items()}),
+            "static": run_scenarios(model, inputs, {k: {**v, "cache_implementation": "static"}
+                                                    for k, v in scenarios.items()}),
+            "graphed": _graphed(model, inputs),
             "lengths": step_lengths(model, lambda: model.generate(**inputs, max_new_tokens=4))}
 
 
@@ -77,13 +91,15 @@ def test_bf16_cached_generate_on_cuda_as_uncached(tmp_path):
     got = run_distributed(_cuda_bf16_cache_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
     assert got["device"].startswith("cuda")
     assert got["lengths"][1:] == [1, 1, 1], got["lengths"]
-    for name in ("greedy", "beam"):
-        ours, plain = got["cached"][name], got["uncached"][name]
-        assert torch.equal(ours["sequences"].cpu(), plain["sequences"].cpu()), name
-        assert set(ours) == set(plain), name
-        for key in set(plain) - {"sequences"}:
-            torch.testing.assert_close(ours[key].float().cpu(), plain[key].float().cpu(), atol=BF16_ATOL, rtol=0,
-                                       msg=lambda m: f"{name} {key}: {m}")
+    assert got["graphed"] == (3, True), got["graphed"]
+    for which in ("cached", "static"):
+        for name in ("greedy", "beam"):
+            ours, plain = got[which][name], got["uncached"][name]
+            assert torch.equal(ours["sequences"].cpu(), plain["sequences"].cpu()), (which, name)
+            assert set(ours) == set(plain), (which, name)
+            for key in set(plain) - {"sequences"}:
+                torch.testing.assert_close(ours[key].float().cpu(), plain[key].float().cpu(), atol=BF16_ATOL,
+                                           rtol=0, msg=lambda m: f"{which} {name} {key}: {m}")
 
 
 FP8_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -101,7 +117,10 @@ def _cuda_fp8_cache_world(folder: str) -> dict:
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, fp8="on")
     greedy = {"greedy": CACHE_SCENARIOS["greedy"]}
     return {"swapped": len(model.megatron.fp8.swapped), "cached": run_scenarios(model, inputs, greedy)["greedy"],
-            "uncached": run_scenarios(model, inputs, {"greedy": {**greedy["greedy"], "use_cache": False}})["greedy"]}
+            "uncached": run_scenarios(model, inputs, {"greedy": {**greedy["greedy"], "use_cache": False}})["greedy"],
+            "static": run_scenarios(model, inputs, {"greedy": {**greedy["greedy"],
+                                                               "cache_implementation": "static"}})["greedy"],
+            "graphed": _graphed(model, inputs)}
 
 
 def test_fp8_cached_generate_on_cuda(tmp_path):
@@ -110,7 +129,12 @@ def test_fp8_cached_generate_on_cuda(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", **FP8_SHAPE)
     got = run_distributed(_cuda_fp8_cache_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
     assert got["swapped"] > 0, got["swapped"]
-    ours, plain = got["cached"], got["uncached"]
+    assert got["graphed"] == (3, True), got["graphed"]
+    for which in ("cached", "static"):
+        _close_until_a_flip(got[which], got["uncached"])
+
+
+def _close_until_a_flip(ours: dict, plain: dict) -> None:
     seq, ref_seq = ours["sequences"].cpu(), plain["sequences"].cpu()
     prompt = seq.shape[1] - len(ours["logits"])
     compared = 0
@@ -121,3 +145,37 @@ def test_fp8_cached_generate_on_cuda(tmp_path):
                                    msg=lambda m: f"step {step}: {m}")
         compared += 1
     assert compared >= 2, compared
+
+
+def _capture_fails_world(folder: str) -> dict:
+    import logging
+
+    import transformers
+
+    import loongforge_hf as lf
+
+    pickleable_month_day_nano()
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    inputs = {k: v.cuda() for k, v in prompts_for(tok, CACHE_PROMPTS).items()}
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    greedy = {"greedy": CACHE_SCENARIOS["greedy"]}
+    cached = run_scenarios(model, inputs, greedy)["greedy"]
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("loongforge_hf.static_cache").addHandler(handler)
+    # NOTE: a device synchronisation inside the step: not allowed while a stream is captured
+    model.chunks[0].register_forward_hook(lambda *args: torch.cuda.synchronize())
+    static = run_scenarios(model, inputs, {"greedy": {**greedy["greedy"], "cache_implementation": "static"}})
+    return {"cached": cached, "static": static["greedy"], "graphed": _graphed(model, inputs), "warnings": warnings}
+
+
+def test_static_cache_capture_failure_runs_eagerly(tmp_path):
+    """A decode step that cannot be captured (it synchronises the device) warns and runs eagerly: same outputs."""
+    folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    got = run_distributed(_capture_fails_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    assert got["graphed"] == (3, False), got["graphed"]
+    assert got["warnings"] and "could not be captured" in got["warnings"][0], got["warnings"]
+    assert torch.equal(got["static"]["sequences"].cpu(), got["cached"]["sequences"].cpu())
+    for key in ("scores", "logits"):
+        torch.testing.assert_close(got["static"][key], got["cached"][key], atol=1e-4, rtol=0)

@@ -72,6 +72,9 @@ def generation_refusal(model, config, kwargs: dict) -> str | None:
                 "uncached steps are not split over CP); load the model without context parallelism to generate.")
     if kwargs.get("mm_encoder_outputs") is not None:
         return "mm_encoder_outputs is not supported: pass pixel_values / pixel_values_videos."
+    if config.cache_implementation == "static":
+        return ("cache_implementation='static' is not supported by image-text models (their 3-D rotary positions "
+                "are not in its fixed-shape decode step); use the default dynamic KV cache.")
     positions = kwargs.get("position_ids")
     if positions is not None and (positions.dim() != 3 or positions.shape[0] != 3):
         return (f"position_ids of shape {list(positions.shape)} are not supported: pass [3, batch, seq] mRoPE "

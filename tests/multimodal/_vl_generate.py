@@ -76,7 +76,8 @@ def transformers_reference(folder: str) -> dict:
 
 REFUSED = {"position_ids_4d": lambda inputs: {
                "position_ids": torch.zeros(4, *inputs["input_ids"].shape, dtype=torch.long)},
-           "inputs_embeds": lambda inputs: {"inputs_embeds": torch.zeros(*inputs["input_ids"].shape, 64)}}
+           "inputs_embeds": lambda inputs: {"inputs_embeds": torch.zeros(*inputs["input_ids"].shape, 64)},
+           "static_cache": {"cache_implementation": "static"}}
 
 
 def generate_run(folder: str, layout: dict, expanded: bool) -> dict:

@@ -147,6 +147,7 @@ def test_refusals_alike_on_every_rank(ranks, layout):
         assert got is not None and got[0] == "ValueError", (name, got)
         assert all(res["refused"][name] == got for res in results), name
     assert "[3, batch, seq]" in results[0]["refused"]["position_ids_4d"][1]
+    assert "cache_implementation='static'" in results[0]["refused"]["static_cache"][1]
     if len(results) > 1:
         assert all(res["mismatch"] is not None and res["mismatch"][0] == "GenerationMismatchError"
                    for res in results)
@@ -159,7 +160,7 @@ def test_context_parallel_refused():
     from loongforge_hf.multimodal.generation import generation_refusal
 
     model = SimpleNamespace(parallel=SimpleNamespace(context_parallel_size=2))
-    config = SimpleNamespace(num_beams=1, num_return_sequences=1)
+    config = SimpleNamespace(num_beams=1, num_return_sequences=1, cache_implementation=None)
     assert "context_parallel_size" in generation_refusal(model, config, {})
     model.parallel.context_parallel_size = 1
     assert generation_refusal(model, config, {}) is None

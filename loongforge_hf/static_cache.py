@@ -1,0 +1,232 @@
+"""``generate(cache_implementation="static")``: a preallocated KV cache whose one-token decode steps run at a fixed
+shape, replayed as one CUDA graph where the model replica is one GPU.
+
+Why: a decode step of a small model is bound by the host. Each step walks megatron-core's modules in Python and
+launches a few hundred kernels (~43 ms a step for a 0.6B model on an H200 against ~29 ms for transformers' eager
+model; ``docs/benchmarks.md``); a CUDA graph launches the whole step at once. transformers offers the same trade
+behind the same switch (its ``StaticCache`` with ``torch.compile``'s CUDA graphs).
+
+Choices:
+- ``LoongStaticCache`` is the dynamic ``LoongKVCache`` (``kv_cache.py``: the core attentions and rotary embeddings
+  of this rank, the host count of cached tokens, beam reordering) with transformers' ``StaticLayer`` per attention
+  instead: ``[batch, kv heads, max_cache_len, head dim]`` buffers made at the prefill, written in place at the
+  layer's device-side count, never reallocated; beam search reorders them in place (the graph keeps their
+  addresses). ``max_cache_len`` is transformers': the generation's ``max_length - 1``.
+- The prefill and, where the fixed step does not apply, every step run as with the dynamic cache (``cached_step``):
+  the new keys are written into the buffers and attention reads the filled slots only.
+- The fixed step (``FixedDecode``): a one-token step whose tensors never change shape or address. Its inputs are
+  copied into static buffers first: the token ids, the rotary position (``past``) and, per attention window, a
+  ``[b, 1, 1, max_cache_len]`` mask of the keys the query may see (transformers' padding mask over the filled
+  slots, the window's left bound; unfilled slots never). Inside, each core attention writes its key and value at
+  the layer's count and attends the query over the whole buffer under that mask, and each rotary embedding returns
+  its table row of that position (the table is computed once, at the first step, by the embedding itself). It runs
+  where the step needs no padding and no pipeline: ``pipeline_parallel_size == 1``, ``sequence_multiple == 1``.
+- The CUDA graph: on a CUDA device when the replica is that one GPU (tensor and expert parallel size 1), no
+  mixture-of-experts layer (the token dispatch has data-dependent shapes) and no Transformer Engine FP8 recipe (its
+  scaling state lives on the host). The first fixed step runs eagerly on a side stream (the real step: its output is
+  returned; lazy initialisations and Triton autotuning happen here) and is then captured; each later step copies
+  its inputs into the buffers and replays the graph. A capture that fails logs a warning with the reason and the
+  steps run eagerly (same results). Elsewhere (CPU, tensor parallelism) the fixed step runs eagerly, which is what
+  the CPU tests check against transformers.
+- Refused (``generation.py``): with expert parallelism (``synced_gpus``: a finished rank's extra forwards would
+  outgrow the buffers) and context parallelism (no cache there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import types
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import StaticLayer
+
+from loongforge_hf.kv_cache import LoongKVCache
+
+logger = logging.getLogger(__name__)
+
+
+class _StaticLayer(StaticLayer):
+    """transformers' ``StaticLayer``, reordered in place for beam search (a captured graph reads these buffers)."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            index = beam_idx.to(self.keys.device)
+            self.keys.copy_(self.keys.index_select(0, index))
+            self.values.copy_(self.values.index_select(0, index))
+
+
+class LoongStaticCache(LoongKVCache):
+    """``LoongKVCache`` with preallocated buffers and fixed-shape decode steps (see the module docstring)."""
+
+    def __init__(self, chunks, max_cache_len: int) -> None:
+        super().__init__(chunks, layer=functools.partial(_StaticLayer, max_cache_len))
+        self.max_cache_len = max_cache_len
+        self.decode: FixedDecode | None = None
+        self.fixed_steps = 0  # NOTE: decode steps run by FixedDecode (tests check where it applies)
+
+    @classmethod
+    def for_model(cls, model, max_cache_len: int) -> "LoongStaticCache":
+        return cls(model.chunks, max_cache_len)
+
+    @property
+    def is_compileable(self) -> bool:
+        # NOTE: False: transformers then passes the 2-D padding mask (not its 4-D masks) and compiles nothing
+        return False
+
+
+def fixed_step_applies(model) -> bool:
+    """Whether a one-token step of ``model`` can run at a fixed shape (no pipeline, no sequence padding)."""
+    return model.parallel.pipeline_parallel_size == 1 and model.parallel.sequence_multiple == 1
+
+
+def graph_refusal(model) -> str | None:
+    """Why the fixed step of ``model`` is not captured as a CUDA graph, or None."""
+    if model.device.type != "cuda":
+        return f"the model is on {model.device.type}"
+    if model.parallel.tensor_parallel_size > 1 or model.parallel.expert_parallel_size > 1:
+        return "the model replica spans several GPUs"
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if any(isinstance(m, MoELayer) for chunk in model.chunks for m in chunk.modules()):
+        return "mixture-of-experts layers dispatch tokens at data-dependent shapes"
+    if getattr(model.megatron.config, "fp8", None):
+        return "Transformer Engine FP8 keeps its scaling state on the host"
+    return None
+
+
+def static_step(model, cache: LoongStaticCache, *, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
+    """The ``[b, 1, V]`` logits of a one-token decode step run by ``FixedDecode``, or None where it does not apply
+    (the caller runs the step as with the dynamic cache)."""
+    if input_ids.shape[-1] != 1 or cache.filled == 0 or not fixed_step_applies(model):
+        return None
+    if cache.decode is None:
+        cache.decode = FixedDecode(model, cache, batch=input_ids.shape[0])
+    logits = cache.decode(input_ids, attention_mask)
+    cache.filled += 1
+    cache.fixed_steps += 1
+    return logits
+
+
+class FixedDecode:
+    """One-token decode steps over ``cache``'s buffers at a fixed shape; a CUDA graph where ``graph_refusal`` says
+    none (module docstring)."""
+
+    def __init__(self, model, cache: LoongStaticCache, *, batch: int) -> None:
+        self.model, self.cache = model, cache
+        device = model.device
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.allowed = {window: torch.zeros(batch, 1, 1, cache.max_cache_len, dtype=torch.bool, device=device)
+                        for window in {_window(a) for a in cache.attentions}}
+        # NOTE: each rotary embedding's output for every slot, by its own forward (the offset patch is not on here)
+        self.tables = [type(rope).forward(rope, cache.max_cache_len) for rope in cache.rotary_embeddings]
+        refusal = graph_refusal(model)
+        self.capture = refusal is None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
+        self._fill(input_ids, attention_mask)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits.clone()
+        if not self.capture:
+            return self._run()
+        return self._warm_up_and_capture()
+
+    def _fill(self, input_ids: torch.Tensor, attention_mask) -> None:
+        past, batch = self.cache.filled, self.ids.shape[0]
+        if tuple(input_ids.shape) != (batch, 1):
+            raise ValueError(f"static KV cache: a decode step of {list(input_ids.shape)} tokens after a prefill of "
+                             f"batch {batch}; generate makes a cache per call.")
+        if past + 1 > self.cache.max_cache_len:
+            raise ValueError(f"static KV cache: {past + 1} tokens exceed the cache's max_cache_len "
+                             f"{self.cache.max_cache_len} (the generation's max_length - 1).")
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, past + 1):
+            raise ValueError(f"forward with a KV cache: attention_mask must be [batch, cached + new tokens] = "
+                             f"[{batch}, {past + 1}], got {list(attention_mask.shape)}.")
+        self.ids.copy_(input_ids, non_blocking=True)
+        self.position.fill_(past)
+        for window, allowed in self.allowed.items():
+            allowed.zero_()
+            if attention_mask is None:
+                allowed[..., :past + 1] = True
+            else:
+                allowed[:, 0, 0, :past + 1].copy_(attention_mask.to(allowed.device).bool(), non_blocking=True)
+            if window is not None and window[0] >= 0 and past - window[0] > 0:
+                allowed[..., :past - window[0]] = False  # NOTE: megatron's window: keys p - left .. p
+
+    def _run(self) -> torch.Tensor:
+        from loongforge_hf.bridges.runtime import full_logits
+
+        with _fixed_attached(self):
+            out = self.model.chunks[0](self.ids, self.positions, None)
+        return full_logits(out, vocab_size=self.model.config.vocab_size)
+
+    def _warm_up_and_capture(self) -> torch.Tensor:
+        current = torch.cuda.current_stream(self.ids.device)
+        side = torch.cuda.Stream(self.ids.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            logits = self._run()  # NOTE: the real step, eagerly: its keys and values are in the cache after it
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self._run()  # NOTE: recorded, not run: the cache is not written twice
+        except Exception as err:  # noqa: BLE001 - any capture failure: the steps run eagerly instead
+            logger.warning("generate: the static cache's decode step could not be captured as a CUDA graph (%s: "
+                           "%s); it runs eagerly.", type(err).__name__, err)
+            self.capture, self.logits = False, None
+            return logits
+        self.graph = graph
+        return logits
+
+
+def _window(attention) -> tuple[int, int] | None:
+    window = attention.window
+    return tuple(window) if window is not None else None
+
+
+def _fixed_attention(module, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                     packed_seq_params=None, *, layer: _StaticLayer, allowed: torch.Tensor):
+    """``CoreAttention.forward`` in a fixed step: ``query / key / value [1, b, h, d]`` of the new token; its key and
+    value are written at the layer's count and the query attends over the whole buffer under ``allowed``."""
+    if attention_bias is not None or packed_seq_params is not None:
+        raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
+    keys, values = layer.update(key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3))
+    q = query.permute(1, 2, 0, 3)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=module.softmax_scale,
+                                         enable_gqa=q.shape[1] != keys.shape[1])
+    return out.permute(2, 0, 1, 3).reshape(1, query.shape[1], -1)
+
+
+def _table_row(table, position: torch.Tensor, *args, **kwargs):
+    if isinstance(table, tuple):  # NOTE: YaRN's (embedding, mscale)
+        return (table[0].index_select(0, position), *table[1:])
+    return table.index_select(0, position)
+
+
+@contextlib.contextmanager
+def _fixed_attached(decode: FixedDecode):
+    """Inside, the core attentions and rotary embeddings of ``decode``'s cache run the fixed step (instance
+    attributes, removed at the end)."""
+    cache = decode.cache
+    chunks = decode.model.chunks
+    if len(chunks) != len(cache.chunks) or any(a is not b for a, b in zip(chunks, cache.chunks)):
+        raise ValueError("KV cache: the cache was made for another model's attention layers; use a cache made by "
+                         "this model's generate().")
+    for module, layer in zip(cache.attentions, cache.layers):
+        module.forward = types.MethodType(functools.partial(
+            _fixed_attention, layer=layer, allowed=decode.allowed[_window(module)]), module)
+    for rope, table in zip(cache.rotary_embeddings, decode.tables):
+        rope.forward = functools.partial(_table_row, table, decode.position)
+    try:
+        yield
+    finally:
+        for module in (*cache.attentions, *cache.rotary_embeddings):
+            del module.forward
