@@ -11,9 +11,11 @@ Choices:
   transformers' ``reorder_cache``. Each rank caches its own attention heads (TP) of the layers of its own pipeline
   stage(s) and virtual chunks. ``use_cache=False`` runs every step over the whole sequence so far instead (O(n^2) in
   the generated length). Under context parallelism generate runs without the cache (a one-token step cannot be split
-  into 2 x CP load-balanced chunks); ``use_cache=True`` passed there is refused.
+  into 2 x CP load-balanced chunks); ``use_cache=True`` passed there is refused. ``cache_implementation="static"``
+  makes a ``LoongStaticCache`` instead (``static_cache.py``: preallocated buffers, fixed-shape decode steps replayed
+  from a CUDA graph on one GPU); refused with expert parallelism (``synced_gpus``) and context parallelism.
 - Refused with a ValueError before any forward, on every rank alike: a cache passed in (``cache`` /
-  ``past_key_values``: generate makes its own), ``cache_implementation`` other than ``"dynamic"``,
+  ``past_key_values``: generate makes its own), ``cache_implementation`` other than ``"dynamic"`` / ``"static"``,
   ``prefill_chunk_size``, assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), the modes
   transformers moved to the hub (DoLa, contrastive, group and constrained beam search), ``custom_generate``,
   ``inputs_embeds``, ``output_attentions`` and ``output_hidden_states``; and what a model class adds
