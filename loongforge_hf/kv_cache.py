@@ -170,7 +170,7 @@ def cached_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attentio
 def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, keep: int):
     """The logits (``[b, given, V]``, the last ``keep`` positions when ``keep`` > 0) of ``input_ids``, the tokens
     after the ``cache.get_seq_length()`` cached ones, on every rank; their keys and values join the cache."""
-    from loongforge_hf.bridges.runtime import forward_padded
+    from loongforge_hf.bridges.runtime import forward_padded, keep_rows
 
     given = input_ids.shape[-1]
     if getattr(cache, "max_cache_len", None) is not None:  # NOTE: a LoongStaticCache (static_cache.py)
@@ -179,7 +179,7 @@ def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
         logits = static_step(model, cache, input_ids=input_ids, attention_mask=attention_mask)
         if logits is not None:
             return logits
-    rows = slice(given - min(keep, given), given) if keep > 0 else slice(0, given)
+    rows = keep_rows(given, keep)
     with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
         _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
                                    return_logits=True, rows=rows)

@@ -166,12 +166,29 @@ def step_lengths(model, run) -> list:
     return seen
 
 
+def head_rows_seen(model, run) -> list:
+    """The positions each call of this rank's output layer (if it holds one) computed logits for during ``run()``."""
+    from loongforge_hf.bridges.runtime import language_head
+
+    head = language_head(model.chunks[-1])
+    seen = []
+    handle = head.output_layer.register_forward_hook(lambda module, args, out: seen.append(out[0].shape[0])) \
+        if head is not None else None
+    try:
+        run()  # NOTE: on every rank: generate is collective
+    finally:
+        if handle is not None:
+            handle.remove()
+    return seen
+
+
 def cache_run(folder: str, layout: dict) -> dict:
     """``CACHE_SCENARIOS`` with the KV cache (the default) and with ``use_cache=False``, the sequence lengths of the
     cached and uncached greedy forwards, and what the cache and a context-parallel layout refuse."""
     import transformers
 
     import loongforge_hf as lf
+    from loongforge_hf.bridges.runtime import language_head
 
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
@@ -191,6 +208,8 @@ def cache_run(folder: str, layout: dict) -> dict:
     greedy = dict(max_new_tokens=4)
     res["lengths"]["default"] = step_lengths(model, lambda: model.generate(**inputs, **greedy))
     res["lengths"]["uncached"] = step_lengths(model, lambda: model.generate(**inputs, **greedy, use_cache=False))
+    res["head_rows"] = head_rows_seen(model, lambda: model.generate(**inputs, **greedy))
+    res["has_head"] = language_head(model.chunks[-1]) is not None
     out = model.generate(**inputs, **greedy, return_dict_in_generate=True)
     res["cache_out"] = (type(out.cache).__name__, out.cache.get_seq_length() if out.cache is not None else None)
     refused = {"user_cache": dict(cache=transformers.DynamicCache()),

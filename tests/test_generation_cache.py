@@ -71,6 +71,12 @@ def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
         assert res["lengths"]["default"] == [padded] + [multiple] * 3, res["lengths"]
         assert res["lengths"]["uncached"] == [-(-n // multiple) * multiple for n in range(prompt, prompt + 4)]
         assert res["cache_out"] == ("LoongKVCache", prompt + 3)
+        # NOTE: the output layer computes the last position's logits only (logits_to_keep=1), except under sequence
+        # parallelism, where its input is this rank's sequence slice: the logits are cut after it there
+        whole = multiple > 1
+        assert res["head_rows"] == ([padded if whole else 1] + [multiple if whole else 1] * 3
+                                    if res["has_head"] else []), res["head_rows"]
+        assert any(r["has_head"] for r in results)
         if static:
             assert res["lengths"]["static"] == res["lengths"]["default"], res["lengths"]
             # NOTE: (kind, tokens cached, max_cache_len = max_length - 1, steps run by the fixed-shape decode: those

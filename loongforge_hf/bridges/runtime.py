@@ -12,16 +12,16 @@ Choices:
   ``kernels.cross_entropy.linear_cross_entropy`` of those states and the output weight (tied or not, vocab-parallel
   under TP): the ``[b, s, V]`` logits are never built. Under sequence parallelism the states are gathered over TP with
   a backward that keeps this rank's slice, since the kernel already all-reduces their gradient.
+- With ``logits_to_keep`` (generate's prefill) the output layer computes the kept positions only where that is
+  exact, else the logits are cut after it, before the TP gather (``output_layer.head_rows``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import types
-
 import torch
 import torch.distributed as dist
 
+from loongforge_hf.bridges.output_layer import head_rows, hidden_states_out, keep_rows, language_head
 from loongforge_hf.parallel.context_parallel import cp_gather_sequence, cp_group_and_size, cp_local_inputs, cp_loss
 
 IGNORE_INDEX = -100
@@ -104,43 +104,6 @@ def local_logits_token_stats(local_logits: torch.Tensor, labels: torch.Tensor, *
                               tp_group=ps.get_tensor_model_parallel_group(), vocab_size=vocab_size)
 
 
-def language_head(chunk: torch.nn.Module) -> torch.nn.Module | None:
-    """The megatron language model of ``chunk`` that computes the logits (its last pipeline stage), or None."""
-    for module in chunk.modules():
-        if getattr(module, "post_process", False) and hasattr(module, "output_layer") \
-                and hasattr(module, "shared_embedding_or_output_weight"):
-            return module
-    return None
-
-
-def _pass_hidden_states(layer, input_, weight=None, runtime_gather_output=None, **unused):
-    """Stands in for the output layer's ``forward``: ``(hidden states [s, b, h], None)``, gathered under SP."""
-    if getattr(layer, "sequence_parallel", False):
-        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-        # NOTE: backward keeps this rank's slice: linear_cross_entropy already all-reduced the gradient over TP.
-        input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False,
-                                                      group=getattr(layer, "tp_group", None))
-    return input_, None
-
-
-@contextlib.contextmanager
-def hidden_states_out(chunks):
-    """Inside, the language models of ``chunks`` return their final hidden states ``[b, s, h]`` instead of logits."""
-    layers = [head.output_layer for head in (language_head(c) for c in chunks) if head is not None]
-    saved = [layer.__dict__.get("forward") for layer in layers]
-    for layer in layers:
-        layer.forward = types.MethodType(_pass_hidden_states, layer)
-    try:
-        yield
-    finally:
-        for layer, old in zip(layers, saved):
-            if old is None:
-                del layer.forward
-            else:
-                layer.forward = old
-
-
 def output_weight(head: torch.nn.Module) -> torch.Tensor:
     """The TP-local ``[V_local, h]`` output weight of a language model: the embedding's when tied."""
     if head.share_embeddings_and_output_weights:
@@ -181,7 +144,7 @@ def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels,
     from loongforge_hf.trainer.data import pad_model_inputs
 
     given = input_ids.shape[-1]
-    rows = slice(given - min(keep, given), given) if keep > 0 and labels is None else slice(0, given)
+    rows = keep_rows(given, keep if labels is None else 0)
     input_ids, attention_mask, position_ids, labels = pad_model_inputs(
         input_ids, attention_mask, position_ids, labels, multiple=model.parallel.sequence_multiple)
     return forward_padded(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -205,6 +168,9 @@ def forward_padded(model, *, input_ids, attention_mask, position_ids, labels, re
     # for the rope, mask rows cut to its queries) and scores its share of the labels (parallel/context_parallel.py).
     cp_group, cp_size, _ = cp_group_and_size()
     input_ids, position_ids, mask, local_labels = cp_local_inputs(input_ids, position_ids, mask, shifted)
+    # NOTE: the output layer computes the kept rows only where that is exact (output_layer.head_rows)
+    cut = return_logits and shifted is None and cp_size == 1 and not model.megatron.config.sequence_parallel \
+        and (rows.start, rows.stop) != (0, s)
 
     def mean(loss_sum):
         return loss_sum / count if cp_size == 1 else cp_loss(loss_sum, count, cp_group)
@@ -219,10 +185,11 @@ def forward_padded(model, *, input_ids, attention_mask, position_ids, labels, re
         if not return_logits:
             return loss, None
         if cp_size == 1:
-            return loss, full_logits(output[:, rows], vocab_size=vocab)  # NOTE: the rows cut before the TP gather
+            # NOTE: the rows cut before the TP gather
+            return loss, full_logits(output if cut else output[:, rows], vocab_size=vocab)
         return loss, cp_gather_sequence(full_logits(output, vocab_size=vocab).detach(), s, cp_group, dim=1)[:, rows]
 
-    with hidden_states_out(model.chunks) if fused else contextlib.nullcontext():
+    with hidden_states_out(model.chunks) if fused else head_rows(model.chunks, rows if cut else None):
         if model.parallel.pipeline_parallel_size == 1:
             return finish(_run_chunk(model.chunks[0], input_ids, position_ids, mask))
         return _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, labels is not None,

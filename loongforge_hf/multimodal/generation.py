@@ -135,7 +135,7 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     whole sequence."""
     import torch.nn.functional as F
 
-    from loongforge_hf.bridges.runtime import full_logits, megatron_attention_mask
+    from loongforge_hf.bridges.runtime import full_logits, keep_rows, megatron_attention_mask
     from loongforge_hf.trainer.data import pad_model_inputs
 
     device = model.device
@@ -152,7 +152,7 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     multiple = model.parallel.sequence_multiple
     padded = -(-given // multiple) * multiple
     positions = F.pad(position_ids.to(device), (0, padded - given))  # NOTE: the pads' positions never reach a token
-    rows = slice(given - min(keep, given), given) if keep > 0 else slice(0, given)
+    rows = keep_rows(given, keep)
     vocab = model.config.text_config.vocab_size
     inputs = {name: vision.get(name) for name in VISION_INPUTS}
 

@@ -1,0 +1,82 @@
+"""What the language model's output layer computes, changed for one forward: the final hidden states instead of
+logits (``hidden_states_out``: the training loss is fused with the output GEMM, ``kernels.cross_entropy``), or the
+logits of some positions only (``head_rows``: ``logits_to_keep``).
+
+Choices:
+- Both patch the output layer's ``forward`` on the instance for the duration (the class's stays) and find it through
+  ``language_head``: the module of a chunk that has ``post_process`` and an ``output_layer`` (its last pipeline
+  stage; None elsewhere).
+- ``head_rows`` cuts the output layer's input ``[s, b, h]`` to the kept positions before the GEMM, so the language
+  model returns ``[b, kept, V]``: generate's prefill asks for the last position only (``logits_to_keep=1``), and a
+  whole prompt's logits are GiBs (8 x 512 positions x 151,936 bf16 are 1.2 GiB). The output layer is a per-position
+  linear map: the kept rows are the same either way. Not under sequence parallelism (the layer's input is this
+  rank's sequence slice, gathered inside it) nor context parallelism (a rank's positions are a load-balanced share):
+  the caller cuts the logits after the layer there (``runtime.forward_padded``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+
+import torch
+
+
+def keep_rows(given: int, keep: int) -> slice:
+    """The positions whose logits ``logits_to_keep=keep`` keeps of ``given`` (all when ``keep`` is 0)."""
+    return slice(given - min(keep, given), given) if keep > 0 else slice(0, given)
+
+
+def language_head(chunk: torch.nn.Module) -> torch.nn.Module | None:
+    """The megatron language model of ``chunk`` that computes the logits (its last pipeline stage), or None."""
+    for module in chunk.modules():
+        if getattr(module, "post_process", False) and hasattr(module, "output_layer") \
+                and hasattr(module, "shared_embedding_or_output_weight"):
+            return module
+    return None
+
+
+def _pass_hidden_states(layer, input_, weight=None, runtime_gather_output=None, **unused):
+    """Stands in for the output layer's ``forward``: ``(hidden states [s, b, h], None)``, gathered under SP."""
+    if getattr(layer, "sequence_parallel", False):
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        # NOTE: backward keeps this rank's slice: linear_cross_entropy already all-reduced the gradient over TP.
+        input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False,
+                                                      group=getattr(layer, "tp_group", None))
+    return input_, None
+
+
+def _rows_forward(forward, rows: slice, input_, *args, **kwargs):
+    return forward(input_[rows], *args, **kwargs)
+
+
+def hidden_states_out(chunks):
+    """Inside, the language models of ``chunks`` return their final hidden states ``[b, s, h]`` instead of logits."""
+    return _output_layers_patched(chunks, lambda layer: types.MethodType(_pass_hidden_states, layer))
+
+
+def head_rows(chunks, rows: slice | None):
+    """Inside, the output layers of ``chunks`` compute the logits of positions ``rows`` only (None: all; see the
+    module docstring for where the caller may ask for it)."""
+    return _output_layers_patched(chunks if rows is not None else [],
+                                  lambda layer: functools.partial(_rows_forward, layer.forward, rows))
+
+
+@contextlib.contextmanager
+def _output_layers_patched(chunks, make_forward):
+    """Inside, the output layer of each language model of ``chunks`` runs ``make_forward(layer)`` (an instance
+    attribute; what the instance had before comes back at the end)."""
+    layers = [head.output_layer for head in (language_head(c) for c in chunks) if head is not None]
+    saved = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = make_forward(layer)
+    try:
+        yield
+    finally:
+        for layer, old in zip(layers, saved):
+            if old is None:
+                del layer.forward
+            else:
+                layer.forward = old
