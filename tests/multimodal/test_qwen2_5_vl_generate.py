@@ -6,7 +6,8 @@
   logits) give transformers' tokens, and scores / logits within 1e-5 of transformers' and of ``use_cache=False``'s;
   a text-only batch (no images: positions from the attention mask) and a batch with videos (0.5 s and 1.5 s per
   temporal grid), an image and a text-only row (greedy, cached and uncached) too. On every rank of: one rank, TP2
-  (vision tower replicated), PP2, and TP2 with sequence parallelism and the tower split over TP (steps padded to 2).
+  (vision tower replicated), PP2, TP2 with sequence parallelism and the tower split over TP (steps padded to 2), TP2
+  with the tower encoder-data-parallel (each TP rank encodes its share of the images), PP2 x VPP2.
 - Rows expanded before the prefill, each with its own images / videos: beam search (3 beams, 2 returned sequences,
   scores and sequences_scores) and sampling with 2 sequences per prompt, on the image and the video batches, cached
   and uncached, give transformers' tokens and scores / logits within 1e-5, in every layout above (the image batch's
@@ -14,7 +15,8 @@
   are laid out after the expansion is checked on its own too (several images in a row, a row without).
 - After the prefill each cached forward runs the new token only (padded to ``sequence_multiple``), where
   ``use_cache=False`` runs the whole sequence so far.
-- Refused with a ValueError on every rank alike: ``position_ids`` that are not ``[3, b, s]``, ``inputs_embeds``;
+- Refused with a ValueError on every rank alike: ``position_ids`` that are not ``[3, b, s]``, ``inputs_embeds``,
+  ``cache_implementation="static"``;
   context parallelism (checked without a world). Ranks of one replica passing different ``pixel_values`` raise the
   replica-mismatch error (the hash covers them).
 """
@@ -36,6 +38,8 @@ LAYOUTS = {  # name: (ranks, from_pretrained keywords)
     "pp2": (2, {"pipeline_parallel_size": 2}),
     "tp2_sp_vision_tp2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True,
                               "vision_tensor_parallel_size": 2}),
+    "tp2_encoder_data_parallel": (2, {"tensor_parallel_size": 2, "vision_data_parallel": True}),
+    "pp2_vpp2": (2, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}),
 }
 EXPANDED_LAYOUTS = tuple(LAYOUTS)
 
