@@ -104,7 +104,7 @@ def static_step(model, cache: LoongStaticCache, *, input_ids: torch.Tensor, atte
         return None
     if cache.decode is None:
         cache.decode = FixedDecode(model, cache, batch=input_ids.shape[0])
-    logits = cache.decode(input_ids, attention_mask)
+    logits = cache.decode(cache, input_ids, attention_mask)
     cache.filled += 1
     cache.fixed_steps += 1
     return logits
@@ -112,10 +112,11 @@ def static_step(model, cache: LoongStaticCache, *, input_ids: torch.Tensor, atte
 
 class FixedDecode:
     """One-token decode steps over ``cache``'s buffers at a fixed shape; a CUDA graph where ``graph_refusal`` says
-    none (module docstring)."""
+    none (module docstring). NOTE: the cache holds it and passes itself to each call: no reference cycle, so the
+    buffers and the graph's memory pool go when generate drops the cache, not at some later garbage collection."""
 
     def __init__(self, model, cache: LoongStaticCache, *, batch: int) -> None:
-        self.model, self.cache = model, cache
+        self.model = model
         device = model.device
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -129,23 +130,23 @@ class FixedDecode:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
-        self._fill(input_ids, attention_mask)
+    def __call__(self, cache: LoongStaticCache, input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
+        self._fill(cache, input_ids, attention_mask)
         if self.graph is not None:
             self.graph.replay()
             return self.logits.clone()
         if not self.capture:
-            return self._run()
-        return self._warm_up_and_capture()
+            return self._run(cache)
+        return self._warm_up_and_capture(cache)
 
-    def _fill(self, input_ids: torch.Tensor, attention_mask) -> None:
-        past, batch = self.cache.filled, self.ids.shape[0]
+    def _fill(self, cache: LoongStaticCache, input_ids: torch.Tensor, attention_mask) -> None:
+        past, batch = cache.filled, self.ids.shape[0]
         if tuple(input_ids.shape) != (batch, 1):
             raise ValueError(f"static KV cache: a decode step of {list(input_ids.shape)} tokens after a prefill of "
                              f"batch {batch}; generate makes a cache per call.")
-        if past + 1 > self.cache.max_cache_len:
+        if past + 1 > cache.max_cache_len:
             raise ValueError(f"static KV cache: {past + 1} tokens exceed the cache's max_cache_len "
-                             f"{self.cache.max_cache_len} (the generation's max_length - 1).")
+                             f"{cache.max_cache_len} (the generation's max_length - 1).")
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, past + 1):
             raise ValueError(f"forward with a KV cache: attention_mask must be [batch, cached + new tokens] = "
                              f"[{batch}, {past + 1}], got {list(attention_mask.shape)}.")
@@ -160,24 +161,24 @@ class FixedDecode:
             if window is not None and window[0] >= 0 and past - window[0] > 0:
                 allowed[..., :past - window[0]] = False  # NOTE: megatron's window: keys p - left .. p
 
-    def _run(self) -> torch.Tensor:
+    def _run(self, cache: LoongStaticCache) -> torch.Tensor:
         from loongforge_hf.bridges.runtime import full_logits
 
-        with _fixed_attached(self):
+        with _fixed_attached(self, cache):
             out = self.model.chunks[0](self.ids, self.positions, None)
         return full_logits(out, vocab_size=self.model.config.vocab_size)
 
-    def _warm_up_and_capture(self) -> torch.Tensor:
+    def _warm_up_and_capture(self, cache: LoongStaticCache) -> torch.Tensor:
         current = torch.cuda.current_stream(self.ids.device)
         side = torch.cuda.Stream(self.ids.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            logits = self._run()  # NOTE: the real step, eagerly: its keys and values are in the cache after it
+            logits = self._run(cache)  # NOTE: the real step, eagerly: its keys and values are in the cache after it
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self.logits = self._run()  # NOTE: recorded, not run: the cache is not written twice
+                self.logits = self._run(cache)  # NOTE: recorded, not run: the cache is not written twice
         except Exception as err:  # noqa: BLE001 - any capture failure: the steps run eagerly instead
             logger.warning("generate: the static cache's decode step could not be captured as a CUDA graph (%s: "
                            "%s); it runs eagerly.", type(err).__name__, err)
@@ -212,10 +213,9 @@ def _table_row(table, position: torch.Tensor, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def _fixed_attached(decode: FixedDecode):
-    """Inside, the core attentions and rotary embeddings of ``decode``'s cache run the fixed step (instance
+def _fixed_attached(decode: FixedDecode, cache: LoongStaticCache):
+    """Inside, the core attentions and rotary embeddings of ``cache`` run ``decode``'s fixed step (instance
     attributes, removed at the end)."""
-    cache = decode.cache
     chunks = decode.model.chunks
     if len(chunks) != len(cache.chunks) or any(a is not b for a, b in zip(chunks, cache.chunks)):
         raise ValueError("KV cache: the cache was made for another model's attention layers; use a cache made by "

@@ -182,6 +182,24 @@ def head_rows_seen(model, run) -> list:
     return seen
 
 
+def _static_cache_out(model, inputs: dict) -> tuple:
+    """((kind, tokens cached, max_cache_len, fixed-shape steps) of a static-cache generate's returned cache, whether
+    that cache (and its buffers) goes as soon as the output does, without the cycle collector)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        out = model.generate(**inputs, max_new_tokens=4, cache_implementation="static", return_dict_in_generate=True)
+        cache = out.cache
+        seen = (type(cache).__name__, cache.get_seq_length(), cache.max_cache_len, cache.fixed_steps)
+        ref = weakref.ref(cache)
+        del out, cache
+        return seen, ref() is None
+    finally:
+        gc.enable()
+
+
 def cache_run(folder: str, layout: dict) -> dict:
     """``CACHE_SCENARIOS`` with the KV cache (the default) and with ``use_cache=False``, the sequence lengths of the
     cached and uncached greedy forwards, and what the cache and a context-parallel layout refuse."""
@@ -199,9 +217,7 @@ def cache_run(folder: str, layout: dict) -> dict:
     if model.parallel.context_parallel_size == 1 and model.parallel.expert_parallel_size == 1:
         static = {k: {**v, "cache_implementation": "static"} for k, v in CACHE_SCENARIOS.items()}
         res["static"] = run_scenarios(model, inputs, static)
-        out = model.generate(**inputs, max_new_tokens=4, cache_implementation="static", return_dict_in_generate=True)
-        res["static_cache_out"] = (type(out.cache).__name__, out.cache.get_seq_length(), out.cache.max_cache_len,
-                                   out.cache.fixed_steps)
+        res["static_cache_out"], res["static_freed"] = _static_cache_out(model, inputs)
         res["lengths"]["static"] = step_lengths(
             model, lambda: model.generate(**inputs, max_new_tokens=4, cache_implementation="static"))
     res["uncached"] = run_scenarios(model, inputs, {k: {**v, "use_cache": False} for k, v in CACHE_SCENARIOS.items()})

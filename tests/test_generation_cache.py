@@ -83,6 +83,7 @@ def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
             # after the prefill where there is no pipeline and no sequence padding)
             fixed = 3 if "pipeline_parallel_size" not in sizes and multiple == 1 else 0
             assert res["static_cache_out"] == ("LoongStaticCache", prompt + 3, prompt + 3, fixed), res
+            assert res["static_freed"], "the static cache outlives generate's output (a reference cycle)"
         else:
             assert "expert parallelism" in res["refused"]["static_ep_or_cp"][1], res["refused"]
         for name in ("user_cache", "cache_implementation", "prefill_chunk_size"):
