@@ -10,10 +10,11 @@ Choices:
   runs ``forward`` on the new token only, over the cached keys and values; beam search reorders it through
   transformers' ``reorder_cache``. Each rank caches its own attention heads (TP) of the layers of its own pipeline
   stage(s) and virtual chunks. ``use_cache=False`` runs every step over the whole sequence so far instead (O(n^2) in
-  the generated length). Under context parallelism generate runs without the cache (a one-token step cannot be split
-  into 2 x CP load-balanced chunks); ``use_cache=True`` passed there is refused. ``cache_implementation="static"``
-  makes a ``LoongStaticCache`` instead (``static_cache.py``: preallocated buffers, fixed-shape decode steps replayed
-  from a CUDA graph on one GPU); refused with expert parallelism (``synced_gpus``) and context parallelism.
+  the generated length). Under context parallelism the cached forwards run the whole sequence on every CP rank (a
+  one-token step cannot be split into 2 x CP load-balanced chunks; ``kv_cache.py``), the uncached ones are split
+  over CP as in training. ``cache_implementation="static"`` makes a ``LoongStaticCache`` instead
+  (``static_cache.py``: preallocated buffers, fixed-shape decode steps replayed from a CUDA graph on one GPU);
+  refused with expert parallelism (``synced_gpus``).
 - Refused with a ValueError before any forward, on every rank alike: a cache passed in (``cache`` /
   ``past_key_values``: generate makes its own), ``cache_implementation`` other than ``"dynamic"`` / ``"static"``,
   ``prefill_chunk_size``, assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), the modes
@@ -120,12 +121,6 @@ class GenerationGlue(GenerationMixin):
             inputs["attention_mask"] = mask[:, :input_ids.shape[-1]]
         return inputs
 
-    def _prepare_generation_config(self, generation_config, **kwargs):
-        config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
-        if self.parallel.context_parallel_size > 1:
-            config.use_cache = False  # NOTE: no cache under CP (module docstring); _sample then feeds every token
-        return config, model_kwargs
-
     def generation_refusal(self, generation_config, kwargs: dict) -> str | None:
         """Why a model class refuses this call beyond the refusals above (None: it runs), from this rank's resolved
         generation config and keyword arguments alone; a subclass adds its own (image-text models)."""
@@ -156,9 +151,6 @@ def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, 
                  and kwargs.get(k) is not False)
     if bad:
         return "; ".join(f"{k} is not supported: {_REFUSED_KWARGS[k]}" for k in bad) + ".", False
-    if model.parallel.context_parallel_size > 1 and kwargs.get("use_cache") is True:
-        return ("use_cache=True is not supported with context_parallel_size > 1: generate runs without a KV cache "
-                "there (each step over the whole sequence); drop use_cache or pass use_cache=False."), False
     if model.parallel.expert_parallel_size > 1 and kwargs.get("synced_gpus") is False:
         return ("synced_gpus=False is not supported with expert_parallel_size > 1: the experts' all-to-all spans "
                 "data-parallel ranks, which must all run the same number of forwards."), False
@@ -174,9 +166,6 @@ def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, 
         value = getattr(config, field, None)
         if value not in (None, False) and not (field == "cache_implementation" and value in ("dynamic", "static")):
             return f"{field}={value!r} is not supported: {_REFUSED_KWARGS[field]}.", False
-    if config.cache_implementation == "static" and model.parallel.context_parallel_size > 1:
-        return ("cache_implementation='static' is not supported with context_parallel_size > 1: generate runs "
-                "without a KV cache there."), False
     if config.cache_implementation == "static" and config.use_cache and (
             model.parallel.expert_parallel_size > 1 or kwargs.get("synced_gpus")):
         return ("cache_implementation='static' is not supported with expert parallelism or synced_gpus: a rank "

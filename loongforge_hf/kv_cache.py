@@ -29,8 +29,13 @@ Choices:
   the first real token). Image-text models (mRoPE) are different: megatron's ``MultimodalRotaryEmbedding`` does read
   the ``[3, b, s]`` position ids (no ``RotaryEmbedding``, so ``attached`` leaves it alone); their generate passes
   each step's positions (``multimodal/generation.py``) and runs the step through ``cached_step``.
-- Not here: context parallelism (a cached step of one token cannot be split into 2 x CP load-balanced chunks):
-  generate runs without the cache there (``generation.py``). ``forward`` refuses labels with a cache.
+- Context parallelism: a cached step of one token cannot be split into 2 x CP load-balanced chunks, so every cached
+  forward (the prefill too) runs the whole sequence on every rank of the CP group, which then holds the whole cache
+  (``forward_padded(whole_on_every_cp_rank=True)``: no CP split of the inputs, no CP gather of the logits; the
+  attention is the cached one above, which does no CP communication). megatron's rotary embedding counts a CP rank's
+  rotary length times CP and takes its CP share of the table: ``attached`` gives it the whole sequence's rows instead.
+  The prefill's attention is replicated over CP rather than split (no-grad: no activations are kept for a backward).
+  ``forward`` refuses labels with a cache.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class _Step:
     given: int
     padded: int
     mask: torch.Tensor | None
+    cp: int = 1  # NOTE: the context-parallel size: the step runs whole on each of those ranks
 
 
 def core_attentions(chunks) -> list:
@@ -123,13 +129,20 @@ def attached(chunks, cache: LoongKVCache, step: _Step):
                                           module)
         patched.append(module)
     for rope in cache.rotary_embeddings:
-        rope.forward = functools.partial(type(rope).forward, rope, offset=step.past)
+        rope.forward = functools.partial(type(rope).forward, rope, offset=step.past) if step.cp == 1 \
+            else functools.partial(_whole_sequence_rope, rope, step.past, step.cp)
         patched.append(rope)
     try:
         yield
     finally:
         for module in patched:
             del module.forward
+
+
+def _whole_sequence_rope(rope, past: int, cp: int, max_seq_len: int, *args, **kwargs):
+    """A rotary embedding's rows for a cached step run whole on every CP rank: megatron asks for ``tokens x CP``
+    rows (a CP rank's share times CP); ``packed_seq=True`` is what skips its CP slicing of the table."""
+    return type(rope).forward(rope, max_seq_len // cp, offset=past, packed_seq=True)
 
 
 def _key_padding_mask(attention_mask, *, batch: int, past: int, given: int, padded: int, device) -> torch.Tensor | None:
@@ -153,15 +166,15 @@ def cached_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attentio
     ``sequence_multiple``, to be run with no attention mask (the cached attention masks padding keys itself)."""
     from loongforge_hf.trainer.data import pad_model_inputs
 
-    if model.parallel.context_parallel_size > 1:
-        raise ValueError("forward with a KV cache is not supported with context_parallel_size > 1; generate with "
-                         "use_cache=False.")
     batch, given = input_ids.shape
     past = cache.get_seq_length()
-    padded_ids = pad_model_inputs(input_ids, None, None, None, multiple=model.parallel.sequence_multiple)[0]
+    # NOTE: the whole sequence on every CP rank (module docstring): padded for sequence parallelism only
+    multiple = model.parallel.tensor_parallel_size if model.parallel.sequence_parallel else 1
+    padded_ids = pad_model_inputs(input_ids, None, None, None, multiple=multiple)[0]
     step = _Step(past=past, given=given, padded=padded_ids.shape[-1],
                  mask=_key_padding_mask(attention_mask, batch=batch, past=past, given=given,
-                                        padded=padded_ids.shape[-1], device=model.device))
+                                        padded=padded_ids.shape[-1], device=model.device),
+                 cp=model.parallel.context_parallel_size)
     with attached(model.chunks, cache, step):
         yield padded_ids
     cache.filled += given
@@ -182,5 +195,5 @@ def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
     rows = keep_rows(given, keep)
     with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
         _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
-                                   return_logits=True, rows=rows)
+                                   return_logits=True, rows=rows, whole_on_every_cp_rank=True)
     return logits

@@ -20,7 +20,8 @@ Choices:
   slots, the window's left bound; unfilled slots never). Inside, each core attention writes its key and value at
   the layer's count and attends the query over the whole buffer under that mask, and each rotary embedding returns
   its table row of that position (the table is computed once, at the first step, by the embedding itself). It runs
-  where the step needs no padding and no pipeline: ``pipeline_parallel_size == 1``, ``sequence_multiple == 1``.
+  where the step needs no padding, no pipeline and no CP: ``pipeline_parallel_size == 1``, ``sequence_multiple ==
+  1``.
 - The CUDA graph: on a CUDA device when the replica is that one GPU (tensor and expert parallel size 1), no
   mixture-of-experts layer (the token dispatch has data-dependent shapes) and no Transformer Engine FP8 recipe (its
   scaling state lives on the host). The first fixed step runs eagerly on a side stream (the real step: its output is
@@ -29,7 +30,7 @@ Choices:
   steps run eagerly (same results). Elsewhere (CPU, tensor parallelism) the fixed step runs eagerly, which is what
   the CPU tests check against transformers.
 - Refused (``generation.py``): with expert parallelism (``synced_gpus``: a finished rank's extra forwards would
-  outgrow the buffers) and context parallelism (no cache there).
+  outgrow the buffers). Under context parallelism the steps run as with the dynamic cache (whole on every CP rank).
 """
 
 from __future__ import annotations

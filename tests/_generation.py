@@ -211,10 +211,11 @@ def cache_run(folder: str, layout: dict) -> dict:
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     inputs = prompts_for(tok, CACHE_PROMPTS)
-    res = {"multiple": model.parallel.sequence_multiple, "lengths": {}}
-    if model.parallel.context_parallel_size == 1:
-        res["cached"] = run_scenarios(model, inputs, CACHE_SCENARIOS)
-    if model.parallel.context_parallel_size == 1 and model.parallel.expert_parallel_size == 1:
+    parallel = model.parallel
+    res = {"multiple": parallel.sequence_multiple, "lengths": {},
+           "cached_multiple": parallel.tensor_parallel_size if parallel.sequence_parallel else 1}
+    res["cached"] = run_scenarios(model, inputs, CACHE_SCENARIOS)
+    if model.parallel.expert_parallel_size == 1:
         static = {k: {**v, "cache_implementation": "static"} for k, v in CACHE_SCENARIOS.items()}
         res["static"] = run_scenarios(model, inputs, static)
         res["static_cache_out"], res["static_freed"] = _static_cache_out(model, inputs)
@@ -230,9 +231,8 @@ def cache_run(folder: str, layout: dict) -> dict:
     res["cache_out"] = (type(out.cache).__name__, out.cache.get_seq_length() if out.cache is not None else None)
     refused = {"user_cache": dict(cache=transformers.DynamicCache()),
                "cache_implementation": dict(cache_implementation="offloaded"),
-               "static_ep_or_cp": dict(cache_implementation="static"),
-               "prefill_chunk_size": dict(prefill_chunk_size=2),
-               "cp_use_cache": dict(use_cache=True)}
+               "static_ep": dict(cache_implementation="static"),
+               "prefill_chunk_size": dict(prefill_chunk_size=2)}
     res["refused"] = refusals(model, inputs, refused)
     try:
         model(**inputs, cache=transformers.DynamicCache())

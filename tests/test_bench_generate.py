@@ -1,8 +1,8 @@
 """scripts/bench_generate.py's tiny dry run on CPU: transformers' generate and loongforge-hf's with its dynamic KV
 cache, its static cache (the fixed-shape decode step, eagerly: no CUDA graph on CPU) and without a cache, each run
-once on the same random prompts (transformers' compiled static cache runs on a GPU only). The run keeps the script's code paths working; its timings mean
-nothing on CPU and are not checked, nor is the share of tokens equal to transformers' (bf16 weights: a near tie may
-flip; fp32 parity is tests/test_generation_cache.py's)."""
+once on the same random prompts (transformers' compiled static cache runs on a GPU only). The run keeps the
+script's code paths working; its timings mean nothing on CPU and are not checked, nor is the share of tokens equal
+to transformers' (bf16 weights: a near tie may flip; fp32 parity is tests/test_generation_cache.py's)."""
 
 import json
 import subprocess

@@ -33,9 +33,10 @@ Choices:
   the tokens are right-padded to the layout's ``sequence_multiple`` (TP under sequence parallelism; causality keeps
   the pads out of real tokens) and only the kept positions' logits are gathered and sent over the pipeline. The
   normal forward (training, evaluation) is not involved.
-- Refused (ValueError, on every rank alike before any collective): context parallelism (no cache there, and the
-  uncached step would need the load-balanced CP split of the vision inputs' sequence), ``mm_encoder_outputs`` (pass
-  the pixels), and ``position_ids`` other than ``[3, batch, seq]``.
+- Refused (ValueError, on every rank alike before any collective): context parallelism (the steps here are not run
+  over CP: the text models' whole-sequence cached steps (``kv_cache.py``) would need the vision inputs and 3-D
+  positions on every CP rank, the uncached step their load-balanced CP split), ``mm_encoder_outputs`` (pass the
+  pixels), ``position_ids`` other than ``[3, batch, seq]``, ``cache_implementation="static"``.
 - A placeholder id sampled into the sequence (say a video token in a batch without videos) stays a text token in
   the uncached steps, as in transformers (``chunk.py`` splices only the kinds given); one of a kind the batch has
   (an image token among images) makes the uncached step's placeholders outnumber the grids and raises there, as
@@ -68,8 +69,8 @@ def generation_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> 
 def generation_refusal(model, config, kwargs: dict) -> str | None:
     """Why this image-text generate call is refused, or None (see the module docstring)."""
     if model.parallel.context_parallel_size > 1:
-        return ("image-text models do not generate with context_parallel_size > 1 (no KV cache there, and the "
-                "uncached steps are not split over CP); load the model without context parallelism to generate.")
+        return ("image-text models do not generate with context_parallel_size > 1 (their steps are not run over "
+                "CP, cached or not); load the model without context parallelism to generate.")
     if kwargs.get("mm_encoder_outputs") is not None:
         return "mm_encoder_outputs is not supported: pass pixel_values / pixel_values_videos."
     if config.cache_implementation == "static":
