@@ -22,13 +22,15 @@ Choices:
   its table row of that position (the table is computed once, at the first step, by the embedding itself). It runs
   where the step needs no padding, no pipeline and no CP: ``pipeline_parallel_size == 1``, ``sequence_multiple ==
   1``.
-- The CUDA graph: on a CUDA device when the replica is that one GPU (tensor and expert parallel size 1), no
-  mixture-of-experts layer (the token dispatch has data-dependent shapes) and no Transformer Engine FP8 recipe (its
-  scaling state lives on the host). The first fixed step runs eagerly on a side stream (the real step: its output is
-  returned; lazy initialisations and Triton autotuning happen here) and is then captured; each later step copies
-  its inputs into the buffers and replays the graph. A capture that fails logs a warning with the reason and the
-  steps run eagerly (same results). Elsewhere (CPU, tensor parallelism) the fixed step runs eagerly, which is what
-  the CPU tests check against transformers.
+- The CUDA graph: on CUDA devices, with tensor parallelism over NCCL too (its all-reduces and the logits'
+  all-gather are captured with the step; every rank of the group captures and replays the same sequence of
+  collectives), not with expert parallelism or a mixture-of-experts layer (the token dispatch has data-dependent
+  shapes) nor a Transformer Engine FP8 recipe (its scaling state lives on the host). The first fixed step runs
+  eagerly on a side stream (the real step: its output is returned; lazy initialisations, NCCL's first use and Triton
+  autotuning happen here) and is then captured; each later step copies its inputs into the buffers and replays the
+  graph. A capture that fails logs a warning with the reason and the steps run eagerly (same results). Elsewhere
+  (CPU, gloo) the fixed step runs eagerly, which is what the CPU tests check against transformers. Module hooks run
+  at the warm-up and the capture, not at the replays (as with any CUDA graph).
 - Refused (``generation.py``): with expert parallelism (``synced_gpus``: a finished rank's extra forwards would
   outgrow the buffers). Under context parallelism the steps run as with the dynamic cache (whole on every CP rank).
 """
@@ -87,8 +89,15 @@ def graph_refusal(model) -> str | None:
     """Why the fixed step of ``model`` is not captured as a CUDA graph, or None."""
     if model.device.type != "cuda":
         return f"the model is on {model.device.type}"
-    if model.parallel.tensor_parallel_size > 1 or model.parallel.expert_parallel_size > 1:
-        return "the model replica spans several GPUs"
+    if model.parallel.expert_parallel_size > 1:
+        return "expert parallelism"
+    if model.parallel.tensor_parallel_size > 1:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        backend = dist.get_backend(ps.get_tensor_model_parallel_group())
+        if backend != "nccl":  # NOTE: NCCL's collectives can be captured (after a first eager call: the warm-up)
+            return f"tensor-parallel collectives over {backend!r} cannot be captured"
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     if any(isinstance(m, MoELayer) for chunk in model.chunks for m in chunk.modules()):

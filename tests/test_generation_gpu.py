@@ -11,7 +11,11 @@
   within 1e-4 in fp32, the uncached path's within 3e-2 in bf16, and with ``fp8="on"``.
 - A decode step that cannot be captured (a device synchronisation inside it) warns and runs eagerly, with the
   dynamic cache's tokens and scores / logits within 1e-4.
+- On two GPUs: TP2 over NCCL captures the step with its collectives on both ranks, with transformers' tokens, scores
+  and logits (fp32, 1e-4).
 """
+
+import os
 
 import pytest
 import torch
@@ -27,12 +31,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 NAMES = ["greedy", "sample", "beam"]
 
 
-def _cuda_world(folder: str) -> dict:
+def _cuda_world(folder: str, layout: dict | None = None) -> dict:
     import transformers
 
     import loongforge_hf as lf
 
     pickleable_month_day_nano()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # NOTE: before transformers' model and inputs
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     scenarios = {name: SCENARIOS[name] for name in NAMES}
@@ -41,7 +46,7 @@ def _cuda_world(folder: str) -> dict:
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     theirs = run_scenarios(ref, inputs, scenarios)
     del ref
-    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **(layout or {}))
     static = {k: {**v, "cache_implementation": "static"} for k, v in scenarios.items()}
     return {"device": str(ours.device), "theirs": theirs, "ours": run_scenarios(ours, inputs, scenarios),
             "static": run_scenarios(ours, inputs, static), "graphed": _graphed(ours, inputs)}
@@ -59,14 +64,30 @@ def test_generate_on_cuda_as_transformers(tmp_path):
     got = run_distributed(_cuda_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
     assert got["device"].startswith("cuda")
     assert got["graphed"] == (3, True), got["graphed"]
+    _same_as_transformers(got, "one GPU")
+
+
+def _same_as_transformers(got: dict, what: str) -> None:
     for which in ("ours", "static"):
         for name in NAMES:
             ours, theirs = got[which][name], got["theirs"][name]
-            assert torch.equal(ours["sequences"].cpu(), theirs["sequences"].cpu()), (which, name)
-            assert set(ours) == set(theirs), (which, name)
+            assert torch.equal(ours["sequences"].cpu(), theirs["sequences"].cpu()), (what, which, name)
+            assert set(ours) == set(theirs), (what, which, name)
             for key in set(theirs) - {"sequences"}:
                 torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), atol=1e-4, rtol=0,
-                                           msg=lambda m: f"{which} {name} {key}: {m}")
+                                           msg=lambda m: f"{what} {which} {name} {key}: {m}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tensor_parallel_static_cache_graph_on_two_gpus(tmp_path):
+    """TP2 over NCCL: each rank captures its decode step with the tensor-parallel all-reduces and the logits'
+    all-gather in the graph; both ranks give transformers' tokens, scores and logits (fp32, 1e-4)."""
+    folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    results = run_distributed(_cuda_world, 2, str(folder), {"tensor_parallel_size": 2}, timeout=400,
+                              env={"LOONGFORGE_DEVICE": "cuda"})
+    for rank, got in enumerate(results):
+        assert got["graphed"] == (3, True), (rank, got["graphed"])
+        _same_as_transformers(got, f"rank {rank}")
 
 
 BF16_ATOL = 3e-2
