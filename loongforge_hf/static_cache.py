@@ -86,9 +86,11 @@ def fixed_step_applies(model) -> bool:
 
 
 def graph_refusal(model) -> str | None:
-    """Why the fixed step of ``model`` is not captured as a CUDA graph, or None."""
-    if model.device.type != "cuda":
-        return f"the model is on {model.device.type}"
+    """Why the fixed step of ``model`` is not captured as a device graph, or None."""
+    from loongforge_hf.xpu import get_backend
+
+    if not get_backend().supports_graphs:
+        return f"the {get_backend().name} backend has no device graphs"
     if model.parallel.expert_parallel_size > 1:
         return "expert parallelism"
     if model.parallel.tensor_parallel_size > 1:
@@ -137,13 +139,13 @@ class FixedDecode:
         self.tables = [type(rope).forward(rope, cache.max_cache_len) for rope in cache.rotary_embeddings]
         refusal = graph_refusal(model)
         self.capture = refusal is None
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.replay = None  # NOTE: the captured step's replay, once captured
         self.logits: torch.Tensor | None = None
 
     def __call__(self, cache: LoongStaticCache, input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
         self._fill(cache, input_ids, attention_mask)
-        if self.graph is not None:
-            self.graph.replay()
+        if self.replay is not None:
+            self.replay()
             return self.logits.clone()
         if not self.capture:
             return self._run(cache)
@@ -179,22 +181,17 @@ class FixedDecode:
         return full_logits(out, vocab_size=self.model.config.vocab_size)
 
     def _warm_up_and_capture(self, cache: LoongStaticCache) -> torch.Tensor:
-        current = torch.cuda.current_stream(self.ids.device)
-        side = torch.cuda.Stream(self.ids.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            logits = self._run(cache)  # NOTE: the real step, eagerly: its keys and values are in the cache after it
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        from loongforge_hf.xpu import get_backend
+
+        backend = get_backend()
+        # NOTE: the real step: its keys and values are in the cache after it; the capture records without running
+        logits = backend.run_before_capture(lambda: self._run(cache))
         try:
-            with torch.cuda.graph(graph):
-                self.logits = self._run(cache)  # NOTE: recorded, not run: the cache is not written twice
+            self.replay, self.logits = backend.capture(lambda: self._run(cache))
         except Exception as err:  # noqa: BLE001 - any capture failure: the steps run eagerly instead
-            logger.warning("generate: the static cache's decode step could not be captured as a CUDA graph (%s: "
+            logger.warning("generate: the static cache's decode step could not be captured as a device graph (%s: "
                            "%s); it runs eagerly.", type(err).__name__, err)
-            self.capture, self.logits = False, None
-            return logits
-        self.graph = graph
+            self.capture, self.replay, self.logits = False, None, None
         return logits
 
 

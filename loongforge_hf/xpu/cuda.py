@@ -50,6 +50,24 @@ class CudaBackend(Backend):
         index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
         return _sm_count(index)
 
+    supports_graphs = True
+
+    def run_before_capture(self, run):
+        """On a side stream, as CUDA graph captures want their warm-up."""
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = run()
+        current.wait_stream(side)
+        return out
+
+    def capture(self, run):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            recorded = run()
+        return graph.replay, recorded
+
     def time_ms(self, fn, reps: int) -> float:
         """Device time between two CUDA events around ``reps`` calls (no host synchronisation inside)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

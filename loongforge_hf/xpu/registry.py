@@ -62,6 +62,18 @@ class Backend:
         """Parallel compute units a kernel launch can fill (SMs on a GPU, cores on the CPU)."""
         return os.cpu_count() or 1
 
+    supports_graphs: bool = False  # NOTE: device graphs: a recorded sequence of kernels replayed without the host
+
+    def run_before_capture(self, run: Callable[[], object]) -> object:
+        """``run()`` for real, as a graph capture of it needs first (lazy initialisations, a collective's first use,
+        kernel autotuning: none of which a capture may do)."""
+        return run()
+
+    def capture(self, run: Callable[[], object]) -> tuple[Callable[[], None], object]:
+        """Record ``run()`` as a device graph, without running it: ``(replay, the recorded call's output)``; each
+        replay reruns its kernels on the same buffers and rewrites that output."""
+        raise NotImplementedError(f"the {self.name} backend has no device graphs")
+
     def time_ms(self, fn: Callable[[], object], reps: int) -> float:
         """Mean wall time of ``fn`` over ``reps`` calls, in ms, with queued device work included."""
         import time
