@@ -1,5 +1,5 @@
 """``generate(cache_implementation="static")``: a preallocated KV cache whose one-token decode steps run at a fixed
-shape, replayed as one CUDA graph where the model replica is one GPU.
+shape, replayed as one device graph (a CUDA graph on NVIDIA GPUs, through the backend: ``xpu/``).
 
 Why: a decode step of a small model is bound by the host. Each step walks megatron-core's modules in Python and
 launches a few hundred kernels (~43 ms a step for a 0.6B model on an H200 against ~29 ms for transformers' eager
@@ -22,15 +22,16 @@ Choices:
   its table row of that position (the table is computed once, at the first step, by the embedding itself). It runs
   where the step needs no padding, no pipeline and no CP: ``pipeline_parallel_size == 1``, ``sequence_multiple ==
   1``.
-- The CUDA graph: on CUDA devices, with tensor parallelism over NCCL too (its all-reduces and the logits'
-  all-gather are captured with the step; every rank of the group captures and replays the same sequence of
-  collectives), not with expert parallelism or a mixture-of-experts layer (the token dispatch has data-dependent
-  shapes) nor a Transformer Engine FP8 recipe (its scaling state lives on the host). The first fixed step runs
-  eagerly on a side stream (the real step: its output is returned; lazy initialisations, NCCL's first use and Triton
-  autotuning happen here) and is then captured; each later step copies its inputs into the buffers and replays the
-  graph. A capture that fails logs a warning with the reason and the steps run eagerly (same results). Elsewhere
-  (CPU, gloo) the fixed step runs eagerly, which is what the CPU tests check against transformers. Module hooks run
-  at the warm-up and the capture, not at the replays (as with any CUDA graph).
+- The graph (``Backend.capture``: the CUDA backend's CUDA graphs): on GPUs, with tensor parallelism over NCCL too
+  (its all-reduces and the logits' all-gather are captured with the step; every rank of the group captures and
+  replays the same sequence of collectives), not with expert parallelism or a mixture-of-experts layer (the token
+  dispatch has data-dependent shapes) nor a Transformer Engine FP8 recipe (its scaling state lives on the host;
+  why a GPU run gets no graph is logged at INFO). The first fixed step runs for real first
+  (``Backend.run_before_capture``: a side stream; its output is returned; lazy initialisations, NCCL's first use and
+  Triton autotuning happen here) and is then captured; each later step copies its inputs into the buffers and
+  replays the graph. A capture that fails logs a warning with the reason and the steps run eagerly (same results).
+  Elsewhere (CPU, gloo) the fixed step runs eagerly, which is what the CPU tests check against transformers. Module
+  hooks run at the warm-up and the capture, not at the replays (as with any CUDA graph).
 - Refused (``generation.py``): with expert parallelism (``synced_gpus``: a finished rank's extra forwards would
   outgrow the buffers). Under context parallelism the steps run as with the dynamic cache (whole on every CP rank).
 """
@@ -87,9 +88,9 @@ def fixed_step_applies(model) -> bool:
 
 def graph_refusal(model) -> str | None:
     """Why the fixed step of ``model`` is not captured as a device graph, or None."""
-    from loongforge_hf.xpu import get_backend
+    if not _backend_has_graphs():
+        from loongforge_hf.xpu import get_backend
 
-    if not get_backend().supports_graphs:
         return f"the {get_backend().name} backend has no device graphs"
     if model.parallel.expert_parallel_size > 1:
         return "expert parallelism"
@@ -107,6 +108,12 @@ def graph_refusal(model) -> str | None:
     if getattr(model.megatron.config, "fp8", None):
         return "Transformer Engine FP8 keeps its scaling state on the host"
     return None
+
+
+def _backend_has_graphs() -> bool:
+    from loongforge_hf.xpu import get_backend
+
+    return get_backend().supports_graphs
 
 
 def static_step(model, cache: LoongStaticCache, *, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
@@ -138,6 +145,8 @@ class FixedDecode:
         # NOTE: each rotary embedding's output for every slot, by its own forward (the offset patch is not on here)
         self.tables = [type(rope).forward(rope, cache.max_cache_len) for rope in cache.rotary_embeddings]
         refusal = graph_refusal(model)
+        if refusal is not None and _backend_has_graphs():  # NOTE: why a GPU run asking for speed gets none
+            logger.info("generate: the static cache's decode steps run eagerly, not as a device graph: %s.", refusal)
         self.capture = refusal is None
         self.replay = None  # NOTE: the captured step's replay, once captured
         self.logits: torch.Tensor | None = None
