@@ -13,7 +13,7 @@ Choices:
   the generated length). Under context parallelism the cached forwards run the whole sequence on every CP rank (a
   one-token step cannot be split into 2 x CP load-balanced chunks; ``kv_cache.py``), the uncached ones are split
   over CP as in training. ``cache_implementation="static"`` makes a ``LoongStaticCache`` instead
-  (``static_cache.py``: preallocated buffers, fixed-shape decode steps replayed from a CUDA graph on one GPU);
+  (``static_cache.py``: preallocated buffers, fixed-shape decode steps replayed as a device graph on GPUs);
   refused with expert parallelism (``synced_gpus``).
 - Refused with a ValueError before any forward, on every rank alike: a cache passed in (``cache`` /
   ``past_key_values``: generate makes its own), ``cache_implementation`` other than ``"dynamic"`` / ``"static"``,

@@ -41,7 +41,9 @@ Choices:
   micro-batch's label tokens from the fused loss's own pass over the logits, vocab-parallel under TP), in evaluation
   from the logits the model's forward returns (``kernels.cross_entropy.logits_token_stats``). As in TRL, each
   micro-batch's values are reduced over the data-parallel ranks and the log shows their mean since the last log;
-  ``num_tokens`` counts each batch's attention-mask ones, or its length when padding-free.
+  ``num_tokens`` counts each batch's attention-mask ones, or its length when padding-free (under ``dp_load_balance``
+  the rows' lengths as the collator made them where the samples were drawn, padding to ``pad_to_multiple_of``
+  included: ``balanced_data.padded_row_tokens``).
 - TRL's router load-balancing loss (MoE models, ``router_aux_loss_coef``, by default the model config's): TRL writes
   ``output_router_logits`` and the coefficient into the model config, and the engine adds the term as TRL weighs it
   (``coef * aux_loss / accumulation steps`` per micro-batch, averaged over data-parallel ranks:
@@ -207,9 +209,13 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
         for entropy, top1, count in result.token_stats:
             metrics["entropy"].append(entropy / count if count else 0.0)
             metrics["mean_token_accuracy"].append(top1 / count if count else 0.0)
-        self._total_train_tokens += _data_parallel_sum(
-            [sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].shape[1] for b in micro)],
-            self.model.device)[0]
+        if self._step_row_tokens is not None and not any("attention_mask" in b for b in micro):
+            # NOTE: a balanced step: its rows as TRL's collator made them where the samples were drawn (loong_trainer)
+            self._total_train_tokens += self._step_row_tokens
+        else:
+            self._total_train_tokens += _data_parallel_sum(
+                [sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].shape[1]
+                     for b in micro)], self.model.device)[0]
         metrics["num_tokens"] = [self._total_train_tokens]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

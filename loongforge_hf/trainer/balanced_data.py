@@ -266,6 +266,11 @@ class BalancedDataLoader:
         self._timer, self._refit = timer, refit
         self.epoch = 0
         self.step_logs: dict[str, float] = {}
+        # NOTE: of the step handed out last: the tokens of its rows as they would have been collated where its
+        # samples were drawn (rank by rank, before balancing; padding included; ``padded_row_tokens``), over all
+        # ranks, and how many micro-batches this rank trains
+        self.step_row_tokens: int | None = None
+        self.step_micros = 0
         self._previous_lengths: list[list[int]] | None = None
         # NOTE: the global batches are read with the worker settings of Trainer's DataLoader.
         self._steps = DataLoader(
@@ -306,6 +311,8 @@ class BalancedDataLoader:
                 if i == 0:
                     self.step_logs = {"dp_imbalance_before": plan.imbalance_before,
                                       "dp_imbalance_after": plan.imbalance_after}
+                    self.step_row_tokens = padded_row_tokens(lengths, self.collator)
+                    self.step_micros = len(plan.micro_batches[self.rank])
                 batch = self.collator([examples[p] for p in micro])
                 yield pin_memory(batch) if self._pin else batch
         self.epoch += 1
@@ -328,6 +335,15 @@ class BalancedDataLoader:
                             "Every rank reads the whole step from the dataset, so an example must have the same "
                             "length on every rank (no random cropping in __getitem__ or a transform); otherwise set "
                             "dp_load_balance=False.")
+
+
+def padded_row_tokens(lengths: Sequence[Sequence[Sequence[int]]], collator) -> int:
+    """The tokens of the rows a padding-free ``collator`` makes of the micro-batches ``lengths[rank][micro]`` (sample
+    lengths): one row per micro-batch, padded to the collator's ``pad_to_multiple_of``. What Trainer's
+    ``num_input_tokens_seen`` and TRL's ``num_tokens`` count (padding included) for those batches: re-collated after
+    balancing, a step's rows can hold other padding than where the samples were drawn."""
+    multiple = getattr(collator, "pad_to_multiple_of", None) or 1
+    return sum(-(-sum(micro) // multiple) * multiple for rank in lengths for micro in rank if micro)
 
 
 # ---- wiring into LoongTrainer -------------------------------------------------------------------------------------

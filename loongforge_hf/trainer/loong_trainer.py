@@ -75,6 +75,7 @@ class LoongTrainer(Trainer):
         # environment by from_pretrained; Trainer's Accelerator must not start accelerate's own Megatron-LM plugin
         # (it needs the Megatron-LM training package and would drive training itself).
         saved = os.environ.pop("ACCELERATE_USE_MEGATRON_LM", None)
+        self._step_row_tokens: int | None = None  # NOTE: a balanced step's token count (_run_epoch)
         try:
             super().__init__(model, args, *pos, **kwargs)
         finally:
@@ -448,6 +449,10 @@ class LoongTrainer(Trainer):
             elapsed = time.perf_counter() - t0
             if args.torch_empty_cache_steps is not None and self.state.global_step % args.torch_empty_cache_steps == 0:
                 clear_device_cache()  # NOTE: as Trainer, after the step's forwards and backwards (not in its timing)
+            # NOTE: a balanced step's token count as Trainer / TRL count it where its samples were drawn (not after
+            # some micro-batches were left out: _whole_interleaved_groups)
+            self._step_row_tokens = getattr(train_dataloader, "step_row_tokens", None) \
+                if len(micro) == getattr(train_dataloader, "step_micros", None) else None
             self._record_step(result, micro)
             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
             learning_rate = self._get_learning_rate()
@@ -534,7 +539,11 @@ class LoongTrainer(Trainer):
         ones, "no" / False nothing), and the step's model FLOPs (this process's share, summed over processes when
         stored)."""
         mode = self.args.include_num_input_tokens_seen
-        if mode != "no":
+        masked = mode == "non_padding" and any(b.get("attention_mask") is not None for b in micro)
+        if mode != "no" and self._step_row_tokens is not None and not masked:
+            # NOTE: a balanced step: its rows as collated where the samples were drawn (padding included)
+            self.state.num_input_tokens_seen += self._step_row_tokens
+        elif mode != "no":
             # NOTE: summed over the data-parallel ranks, not this rank's count times their number: their batches
             # differ in length (packed rows, padding to each rank's longest)
             local = sum(int(b["attention_mask"].sum()) if mode == "non_padding" and b.get("attention_mask") is not None

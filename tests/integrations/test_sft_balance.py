@@ -5,13 +5,17 @@ tests/trainer/test_dp_balance_trainer.py) with ``LoongSFTConfig(padding_free=Tru
 ``dp_load_balance=False``. Balancing only moves samples between the ranks of a step, and the loss is summed per label
 token and divided by the step's global label-token count, so the two runs differ only in fp32 summation order: logged
 losses within 1e-5 relative, trained weights within 1e-5 absolute (the tolerances of the LoongTrainer test). TRL's
-``num_tokens`` (the tokens seen, summed over the ranks) is the same in both runs and equals the tokens trained.
+``num_tokens`` (the tokens seen, summed over the ranks) is the same in both runs and equals the tokens the
+unbalanced run trained.
 
-Per step, each rank's tokens (the micro-batches it trains; no ``pad_to_multiple_of`` here, so no padding) are
-recorded. Token imbalance is max rank tokens / mean rank tokens. The balancer evens predicted cost (a·L² + b·L + c),
-not tokens, so tokens need not be exactly even: the bound asserted is 1.1 on every balanced step (measured: at most
-1.06; the unbalanced run reaches 1.77 on this data, asserted > 1.5), and the balanced run's worst step must beat the
-unbalanced run's worst step.
+TRL's collator pads each row to a multiple of 8 (``pad_to_multiple_of``): the balanced run's rows hold other padding
+than the unbalanced run's, and ``num_tokens`` / Trainer's ``num_input_tokens_seen`` (padding included) still count
+the rows as collated where the samples were drawn (``balanced_data.padded_row_tokens``), as TRL / Trainer count them
+without balancing. Per step, each rank's tokens (the micro-batches it trains, padding included) and label tokens
+(no padding) are recorded. Token imbalance is max rank label tokens / mean rank label tokens. The balancer evens
+predicted cost (a·L² + b·L + c), not tokens, so tokens need not be exactly even: the bound asserted is 1.1 on every
+balanced step, and the balanced run's worst step must beat the unbalanced run's worst step (asserted > 1.5: the data
+is skewed enough to matter).
 
 The same world also builds (without training) the train loader of a padded run (``padding_free=False``), which must
 stay unbalanced, and of a bfd-packed run (padding-free by TRL's rule), which must be balanced; one step of the packed
@@ -30,6 +34,7 @@ from ._sft_parity import _tokenizer
 
 STEPS = 5
 TOKEN_IMBALANCE_BOUND = 1.1
+PAD_MULTIPLE = 8  # NOTE: TRL's collator pads each padding-free row to a multiple of 8
 
 
 def _config(out_dir: str, **overrides):
@@ -38,7 +43,8 @@ def _config(out_dir: str, **overrides):
     kw = dict(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
               learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.1, max_grad_norm=0.5,
               logging_steps=1, seed=0, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
-              disable_tqdm=True, gradient_checkpointing=False, padding_free=True, max_length=None)
+              disable_tqdm=True, gradient_checkpointing=False, padding_free=True, max_length=None,
+              pad_to_multiple_of=PAD_MULTIPLE, include_num_input_tokens_seen="all")
     kw.update(overrides)
     return lf.LoongSFTConfig(**kw)
 
@@ -52,13 +58,14 @@ def _trainer(folder: str, args, docs=None):
         """Records this rank's tokens per optimizer step (the micro-batches the training loop hands the engine)."""
 
         def _check_batches_everywhere(self, micro, max_positions):
-            self.step_tokens.append(sum(int(b["input_ids"].numel()) for b in micro))
+            self.step_tokens.append(sum(int(b["input_ids"].numel()) for b in micro))  # NOTE: padding included
+            self.step_labels.append(sum(int((b["labels"] != -100).sum()) for b in micro))  # NOTE: no padding
             return super()._check_batches_everywhere(micro, max_positions)
 
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ds = datasets.Dataset.from_dict({"input_ids": long_tailed_docs() if docs is None else docs})
     trainer = Recording(model=model, args=args, train_dataset=ds, processing_class=_tokenizer(folder))
-    trainer.step_tokens = []
+    trainer.step_tokens, trainer.step_labels = [], []
     return trainer
 
 
@@ -70,7 +77,8 @@ def _train(folder: str, out_dir: str, **overrides) -> dict:
     trainer.save_model(out_dir + "/final")
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"losses": [h["loss"] for h in logs], "num_tokens": [h["num_tokens"] for h in logs],
-            "step_tokens": list(trainer.step_tokens),
+            "tokens_seen": [h["num_input_tokens_seen"] for h in logs],
+            "step_tokens": list(trainer.step_tokens), "step_labels": list(trainer.step_labels),
             "imbalance": [(h["dp_imbalance_before"], h["dp_imbalance_after"]) for h in logs
                           if "dp_imbalance_before" in h],
             "balanced_loader": isinstance(trainer.callback_handler.train_dataloader, BalancedDataLoader)}
@@ -103,7 +111,7 @@ def sft_balanced_and_not(folder: str, out_dir: str) -> dict:
 
 
 def _token_imbalance(per_rank: list[dict], run: str) -> list[float]:
-    steps = zip(*(result[run]["step_tokens"] for result in per_rank))
+    steps = zip(*(result[run]["step_labels"] for result in per_rank))
     return [max(tokens) / (sum(tokens) / len(tokens)) for tokens in steps]
 
 
@@ -119,10 +127,14 @@ def test_balanced_sft_equals_unbalanced_sft(runs):
         assert len(result["balanced"]["losses"]) == STEPS
         assert result["balanced"]["losses"] == per_rank[0]["balanced"]["losses"]  # one global loss on every rank
         assert result["balanced"]["losses"] == pytest.approx(result["unbalanced"]["losses"], rel=1e-5)
-        # TRL's num_tokens (tokens seen, over the data-parallel ranks): the same step's samples, wherever they train
+        # TRL's num_tokens and Trainer's num_input_tokens_seen (over the data-parallel ranks, padding included): the
+        # rows as TRL's collator makes them where the step's samples are drawn, wherever they train
         assert result["balanced"]["num_tokens"] == result["unbalanced"]["num_tokens"]
-        assert result["balanced"]["num_tokens"][-1] == sum(map(sum, zip(*(r["unbalanced"]["step_tokens"]
-                                                                          for r in per_rank))))
+        assert result["balanced"]["tokens_seen"] == result["unbalanced"]["tokens_seen"]
+        drawn = sum(map(sum, zip(*(r["unbalanced"]["step_tokens"] for r in per_rank))))
+        assert result["balanced"]["num_tokens"][-1] == result["balanced"]["tokens_seen"][-1] == drawn
+        # NOTE: the balanced rows hold other padding (what the counts must not follow)
+        assert sum(map(sum, zip(*(r["balanced"]["step_tokens"] for r in per_rank)))) != drawn
     balanced, unbalanced = read_all(out / "balanced" / "final"), read_all(out / "unbalanced" / "final")
     assert balanced and sorted(balanced) == sorted(unbalanced)
     for name in balanced:
@@ -132,10 +144,10 @@ def test_balanced_sft_equals_unbalanced_sft(runs):
 def test_balanced_sft_evens_the_tokens_per_rank(runs):
     _, per_rank = runs
     for run in ("balanced", "unbalanced"):
-        assert all(len(result[run]["step_tokens"]) == STEPS for result in per_rank)
-    # the same samples per step: the ranks' token totals agree step by step
-    totals = [sum(tokens) for tokens in zip(*(r["balanced"]["step_tokens"] for r in per_rank))]
-    assert totals == [sum(tokens) for tokens in zip(*(r["unbalanced"]["step_tokens"] for r in per_rank))]
+        assert all(len(result[run]["step_labels"]) == STEPS for result in per_rank)
+    # the same samples per step: the ranks' label-token totals (no padding) agree step by step
+    totals = [sum(tokens) for tokens in zip(*(r["balanced"]["step_labels"] for r in per_rank))]
+    assert totals == [sum(tokens) for tokens in zip(*(r["unbalanced"]["step_labels"] for r in per_rank))]
     balanced, unbalanced = _token_imbalance(per_rank, "balanced"), _token_imbalance(per_rank, "unbalanced")
     assert max(unbalanced) > 1.5  # the data is skewed enough to matter
     assert max(balanced) < TOKEN_IMBALANCE_BOUND, balanced
