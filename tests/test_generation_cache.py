@@ -7,7 +7,8 @@ prompts of different lengths.
   on every rank of: one rank, TP2, TP2 with sequence parallelism (a one-token step padded to two), PP2, PP2 x VPP2
   (a rank's cache spans its two virtual chunks), Qwen3-MoE with EP2, CP2 (cached forwards run the whole sequence on
   both CP ranks; uncached ones are split over CP) and DeepSeek-V3 (MLA: its own rotary embedding, query / key and
-  value heads of different sizes) with TP2 and sequence parallelism, and with CP2.
+  value heads of different sizes) with TP2 and sequence parallelism, and with CP2; Mistral with a 3-token sliding
+  window (the prompts and the generated tokens outrun it) at one rank.
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here. The output layer
   computes the kept (last) position's logits only where that is exact (not under sequence parallelism).
@@ -40,15 +41,20 @@ LAYOUTS = {
     "mla_tp2_sp": ("deepseek_v3", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "cp2": ("qwen2", 2, {"context_parallel_size": 2}),
     "mla_cp2": ("deepseek_v3", 2, {"context_parallel_size": 2}),
+    "sliding_window": ("mistral_window", 1, {}),
 }
+# NOTE: name -> (architecture, config overrides); Mistral with a 3-token sliding window: the prompts (6 positions)
+# and every generated token outrun it
+CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek_v3": ("deepseek_v3", {}),
+               "mistral_window": ("mistral", {"sliding_window": 3})}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     found = {}
-    for arch in ("qwen2", "qwen3_moe", "deepseek_v3"):
-        folder = make_tiny_checkpoint(tmp_path_factory.mktemp("gen_cache") / arch, arch)
-        found[arch] = (str(folder), transformers_reference(str(folder), CACHE_PROMPTS, CACHE_SCENARIOS))
+    for name, (arch, overrides) in CHECKPOINTS.items():
+        folder = make_tiny_checkpoint(tmp_path_factory.mktemp("gen_cache") / name, arch, **overrides)
+        found[name] = (str(folder), transformers_reference(str(folder), CACHE_PROMPTS, CACHE_SCENARIOS))
     return found
 
 
