@@ -127,7 +127,8 @@ def generation_run(folder: str, layout: dict, *, lora: bool = False) -> dict:
 
         ours, _, theirs = lora_pair(folder, layout, LORA_KW)
         kw = SCENARIOS["greedy"]
-        res["lora"] = (ours.generate(**inputs, **kw), theirs.generate(**inputs, **kw))
+        res["lora"] = (ours.generate(**inputs, **kw), theirs.generate(**inputs, **kw),
+                       ours.generate(**inputs, **kw, cache_implementation="static"))
     return res
 
 

@@ -14,7 +14,7 @@ default; ``tests/test_generation_cache.py`` checks ours against ``use_cache=Fals
 - Data-parallel ranks generate different prompts with different lengths and settings, each as transformers, also
   under expert parallelism (EP2 across them, Qwen3-MoE), where the ranks' forwards stay in step.
 - Image-text models: ``tests/multimodal/test_qwen2_5_vl_generate.py``.
-- A LoRA model generates as PEFT's model on transformers (TP1, TP2).
+- A LoRA model generates as PEFT's model on transformers (TP1, TP2), with the dynamic and the static cache.
 """
 
 import pytest
@@ -104,8 +104,9 @@ def test_lora_generates_as_peft(ranks):
     if "lora" not in results[0]:
         pytest.skip("LoRA checked at TP1 and TP2")
     for res in results:
-        ours, peft = res["lora"]
+        ours, peft, static = res["lora"]
         assert torch.equal(ours, peft)
+        assert torch.equal(static, peft)  # NOTE: the static cache's fixed-shape steps run the adapters too
 
 
 DP_PROMPTS = [PROMPTS[:2], PROMPTS[1:] + ["tok20"]]
