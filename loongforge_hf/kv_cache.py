@@ -31,9 +31,11 @@ Choices:
   each step's positions (``multimodal/generation.py``) and runs the step through ``cached_step``.
 - Context parallelism: a cached step of one token cannot be split into 2 x CP load-balanced chunks, so every cached
   forward (the prefill too) runs the whole sequence on every rank of the CP group, which then holds the whole cache
-  (``forward_padded(whole_on_every_cp_rank=True)``: no CP split of the inputs, no CP gather of the logits; the
-  attention is the cached one above, which does no CP communication). megatron's rotary embedding counts a CP rank's
-  rotary length times CP and takes its CP share of the table: ``attached`` gives it the whole sequence's rows instead.
+  (``context_parallel.whole_sequence_on_every_rank``: no CP split of the inputs, no CP gather of the logits, the
+  modules that take their CP share themselves hold no CP group; the attention is the cached one above). megatron's
+  1-D rotary embedding counts a CP rank's rotary length times CP and takes its CP share of the table: ``attached``
+  gives it the whole sequence's rows instead (the 3-D one of image-text models reads positions: it only loses its
+  CP group).
   The prefill's attention is replicated over CP rather than split (no-grad: no activations are kept for a backward).
   ``forward`` refuses labels with a cache.
 """
@@ -175,7 +177,10 @@ def cached_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attentio
                  mask=_key_padding_mask(attention_mask, batch=batch, past=past, given=given,
                                         padded=padded_ids.shape[-1], device=model.device),
                  cp=model.parallel.context_parallel_size)
-    with attached(model.chunks, cache, step):
+    from loongforge_hf.parallel.context_parallel import whole_sequence_on_every_rank
+
+    whole = whole_sequence_on_every_rank(model.chunks) if step.cp > 1 else contextlib.nullcontext()
+    with attached(model.chunks, cache, step), whole:
         yield padded_ids
     cache.filled += given
 
@@ -195,5 +200,5 @@ def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
     rows = keep_rows(given, keep)
     with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
         _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
-                                   return_logits=True, rows=rows, whole_on_every_cp_rank=True)
+                                   return_logits=True, rows=rows)
     return logits

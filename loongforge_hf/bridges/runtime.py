@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.bridges.output_layer import head_rows, hidden_states_out, keep_rows, language_head
-from loongforge_hf.parallel.context_parallel import cp_gather_sequence, cp_group_and_size, cp_local_inputs, cp_loss
+from loongforge_hf.parallel.context_parallel import (cp_gather_sequence, cp_group_and_size, cp_local_inputs, cp_loss,
+                                                     pipeline_sequence_length)
 
 IGNORE_INDEX = -100
 
@@ -151,10 +152,7 @@ def forward_causal_lm(model, *, input_ids, attention_mask, position_ids, labels,
                           labels=labels, return_logits=return_logits, rows=rows)
 
 
-def forward_padded(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool, rows: slice,
-                   whole_on_every_cp_rank: bool = False):
-    """``whole_on_every_cp_rank``: under context parallelism every CP rank runs the whole sequence (a KV-cached step,
-    ``kv_cache.py``): no CP split of the inputs or gather of the logits."""
+def forward_padded(model, *, input_ids, attention_mask, position_ids, labels, return_logits: bool, rows: slice):
     vocab = model.config.vocab_size
     device = model.device
     input_ids = input_ids.to(device)
@@ -169,12 +167,9 @@ def forward_padded(model, *, input_ids, attention_mask, position_ids, labels, re
     count = (shifted != IGNORE_INDEX).sum().clamp(min=1) if shifted is not None else None
     # NOTE: under context parallelism each rank runs its load-balanced share of the tokens (global positions kept
     # for the rope, mask rows cut to its queries) and scores its share of the labels (parallel/context_parallel.py).
+    # (none inside context_parallel.whole_sequence_on_every_rank: generate's cached steps)
     cp_group, cp_size, _ = cp_group_and_size()
-    seq = s * cp_size if whole_on_every_cp_rank else s  # NOTE: the schedules' activations hold seq / CP positions
-    if whole_on_every_cp_rank:
-        cp_size, local_labels = 1, shifted
-    else:
-        input_ids, position_ids, mask, local_labels = cp_local_inputs(input_ids, position_ids, mask, shifted)
+    input_ids, position_ids, mask, local_labels = cp_local_inputs(input_ids, position_ids, mask, shifted)
     # NOTE: the output layer computes the kept rows only where that is exact (output_layer.head_rows)
     cut = return_logits and shifted is None and cp_size == 1 and not model.megatron.config.sequence_parallel \
         and (rows.start, rows.stop) != (0, s)
@@ -200,7 +195,7 @@ def forward_padded(model, *, input_ids, attention_mask, position_ids, labels, re
         if model.parallel.pipeline_parallel_size == 1:
             return finish(_run_chunk(model.chunks[0], input_ids, position_ids, mask))
         return _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, labels is not None,
-                                  seq=seq, rows=rows.stop - rows.start)
+                                  seq=pipeline_sequence_length(s), rows=rows.stop - rows.start)
 
 
 def _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, want_loss, seq=None, rows=None):

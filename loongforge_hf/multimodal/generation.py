@@ -30,13 +30,14 @@ Choices:
 - A step (``generation_forward``) runs the language model on ``[3, b, s]`` positions that megatron's
   ``MultimodalRotaryEmbedding`` reads as they are; with the cache through ``kv_cache.cached_step`` (the new tokens
   over the cached keys and values), without it over the whole sequence with transformers' padding mask. Either way
-  the tokens are right-padded to the layout's ``sequence_multiple`` (TP under sequence parallelism; causality keeps
-  the pads out of real tokens) and only the kept positions' logits are gathered and sent over the pipeline. The
-  normal forward (training, evaluation) is not involved.
-- Refused (ValueError, on every rank alike before any collective): context parallelism (the steps here are not run
-  over CP: the text models' whole-sequence cached steps (``kv_cache.py``) would need the vision inputs and 3-D
-  positions on every CP rank, the uncached step their load-balanced CP split), ``mm_encoder_outputs`` (pass the
-  pixels), ``position_ids`` other than ``[3, batch, seq]``, ``cache_implementation="static"``.
+  the tokens are right-padded to TP under sequence parallelism (causality keeps the pads out of real tokens) and
+  only the kept positions' logits are gathered and sent over the pipeline. The normal forward (training,
+  evaluation) is not involved.
+- Context parallelism: every step, cached or not, runs the whole sequence on every CP rank
+  (``context_parallel.whole_sequence_on_every_rank``, as the text models' cached steps: ``kv_cache.py``); every CP
+  rank encodes every image, as in training.
+- Refused (ValueError, on every rank alike before any collective): ``mm_encoder_outputs`` (pass the pixels),
+  ``position_ids`` other than ``[3, batch, seq]``, ``cache_implementation="static"``.
 - A placeholder id sampled into the sequence (say a video token in a batch without videos) stays a text token in
   the uncached steps, as in transformers (``chunk.py`` splices only the kinds given); one of a kind the batch has
   (an image token among images) makes the uncached step's placeholders outnumber the grids and raises there, as
@@ -44,6 +45,8 @@ Choices:
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -68,9 +71,6 @@ def generation_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> 
 
 def generation_refusal(model, config, kwargs: dict) -> str | None:
     """Why this image-text generate call is refused, or None (see the module docstring)."""
-    if model.parallel.context_parallel_size > 1:
-        return ("image-text models do not generate with context_parallel_size > 1 (their steps are not run over "
-                "CP, cached or not); load the model without context parallelism to generate.")
     if kwargs.get("mm_encoder_outputs") is not None:
         return "mm_encoder_outputs is not supported: pass pixel_values / pixel_values_videos."
     if config.cache_implementation == "static":
@@ -137,6 +137,7 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     import torch.nn.functional as F
 
     from loongforge_hf.bridges.runtime import full_logits, keep_rows, megatron_attention_mask
+    from loongforge_hf.parallel.context_parallel import pipeline_sequence_length, whole_sequence_on_every_rank
     from loongforge_hf.trainer.data import pad_model_inputs
 
     device = model.device
@@ -150,7 +151,9 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     if position_ids.dim() != 3 or tuple(position_ids.shape) != (3, batch, given):
         raise ValueError(f"position_ids must be [3, {batch}, {given}] mRoPE positions, got "
                          f"{list(position_ids.shape)}.")
-    multiple = model.parallel.sequence_multiple
+    # NOTE: padded for sequence parallelism only: under context parallelism every CP rank runs the whole sequence
+    # (context_parallel.whole_sequence_on_every_rank), as the text models' cached steps do (kv_cache.py)
+    multiple = model.parallel.tensor_parallel_size if model.parallel.sequence_parallel else 1
     padded = -(-given // multiple) * multiple
     positions = F.pad(position_ids.to(device), (0, padded - given))  # NOTE: the pads' positions never reach a token
     rows = keep_rows(given, keep)
@@ -165,8 +168,8 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
         def finish(local_logits):
             return None, full_logits(local_logits[:, rows], vocab_size=vocab)
 
-        return _forward_pipelined(model.bound_chunks(inputs), ids, positions, mask, finish, True, False, seq=padded,
-                                  rows=rows.stop - rows.start)[1]
+        return _forward_pipelined(model.bound_chunks(inputs), ids, positions, mask, finish, True, False,
+                                  seq=pipeline_sequence_length(padded), rows=rows.stop - rows.start)[1]
 
     if cache is not None:
         from loongforge_hf.kv_cache import cached_step
@@ -175,5 +178,7 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
             return run(padded_ids, None)
     ids, attention_mask, _, _ = pad_model_inputs(
         input_ids, attention_mask.to(device) if attention_mask is not None else None, None, None, multiple=multiple)
-    # NOTE: no mask: causal attention alone keeps the pads out
-    return run(ids, megatron_attention_mask(attention_mask, padded) if attention_mask is not None else None)
+    whole = whole_sequence_on_every_rank(model.chunks) if model.parallel.context_parallel_size > 1 \
+        else contextlib.nullcontext()
+    with whole:
+        return run(ids, megatron_attention_mask(attention_mask, padded) if attention_mask is not None else None)

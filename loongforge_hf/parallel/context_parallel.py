@@ -18,18 +18,54 @@ Choices:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
+_WHOLE: list = []  # NOTE: non-empty inside whole_sequence_on_every_rank()
+
 
 def cp_group_and_size():
-    """(group, size, rank) of the context-parallel group of this rank; (None, 1, 0) without CP."""
+    """(group, size, rank) of the context-parallel group of this rank; (None, 1, 0) without CP, and inside
+    ``whole_sequence_on_every_rank``."""
     from megatron.core import parallel_state as ps
 
     size = ps.get_context_parallel_world_size()
-    if size == 1:
+    if size == 1 or _WHOLE:
         return None, 1, 0
     return ps.get_context_parallel_group(), size, ps.get_context_parallel_rank()
+
+
+@contextlib.contextmanager
+def whole_sequence_on_every_rank(chunks):
+    """Inside, every rank of the CP group runs the whole sequence (generate's steps, ``kv_cache.py``): the helpers
+    here split and gather nothing, and the modules of ``chunks`` that take their CP share themselves (our core
+    attention, megatron's 3-D rotary embedding) hold no CP group. ``pipeline_sequence_length`` gives megatron's
+    schedules the length they divide by CP."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+    from loongforge_hf.kernels.attention import CoreAttention
+
+    held = [(m, m.cp_group) for chunk in chunks for m in chunk.modules()
+            if isinstance(m, (CoreAttention, MultimodalRotaryEmbedding)) and getattr(m, "cp_group", None) is not None]
+    for module, _ in held:
+        module.cp_group = None
+    _WHOLE.append(True)
+    try:
+        yield
+    finally:
+        _WHOLE.pop()
+        for module, group in held:
+            module.cp_group = group
+
+
+def pipeline_sequence_length(seq: int) -> int:
+    """The sequence length to give megatron's pipeline schedules for ``seq`` positions on every rank: they divide it
+    by the CP size, which inside ``whole_sequence_on_every_rank`` must leave all of it."""
+    from megatron.core import parallel_state as ps
+
+    return seq * ps.get_context_parallel_world_size() if _WHOLE else seq
 
 
 def cp_token_index(seq: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:

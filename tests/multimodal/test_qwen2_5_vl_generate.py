@@ -7,17 +7,17 @@
   a text-only batch (no images: positions from the attention mask) and a batch with videos (0.5 s and 1.5 s per
   temporal grid), an image and a text-only row (greedy, cached and uncached) too. On every rank of: one rank, TP2
   (vision tower replicated), PP2, TP2 with sequence parallelism and the tower split over TP (steps padded to 2), TP2
-  with the tower encoder-data-parallel (each TP rank encodes its share of the images), PP2 x VPP2.
+  with the tower encoder-data-parallel (each TP rank encodes its share of the images), PP2 x VPP2, CP2 (every step,
+  cached or not, runs the whole sequence on both CP ranks).
 - Rows expanded before the prefill, each with its own images / videos: beam search (3 beams, 2 returned sequences,
   scores and sequences_scores) and sampling with 2 sequences per prompt, on the image and the video batches, cached
   and uncached, give transformers' tokens and scores / logits within 1e-5, in every layout above (the image batch's
   sampling draws a video placeholder in one row: it stays a text token, as in transformers). How the vision inputs
   are laid out after the expansion is checked on its own too (several images in a row, a row without).
-- After the prefill each cached forward runs the new token only (padded to ``sequence_multiple``), where
+- After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far.
 - Refused with a ValueError on every rank alike: ``position_ids`` that are not ``[3, b, s]``, ``inputs_embeds``,
-  ``cache_implementation="static"``;
-  context parallelism (checked without a world). Ranks of one replica passing different ``pixel_values`` raise the
+  ``cache_implementation="static"``. Ranks of one replica passing different ``pixel_values`` raise the
   replica-mismatch error (the hash covers them).
 """
 
@@ -40,6 +40,7 @@ LAYOUTS = {  # name: (ranks, from_pretrained keywords)
                               "vision_tensor_parallel_size": 2}),
     "tp2_encoder_data_parallel": (2, {"tensor_parallel_size": 2, "vision_data_parallel": True}),
     "pp2_vpp2": (2, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}),
+    "cp2": (2, {"context_parallel_size": 2}),
 }
 EXPANDED_LAYOUTS = tuple(LAYOUTS)
 
@@ -155,16 +156,3 @@ def test_refusals_alike_on_every_rank(ranks, layout):
     if len(results) > 1:
         assert all(res["mismatch"] is not None and res["mismatch"][0] == "GenerationMismatchError"
                    for res in results)
-
-
-def test_context_parallel_refused():
-    """The refusal is local (no collective): checked on a model object without a world."""
-    from types import SimpleNamespace
-
-    from loongforge_hf.multimodal.generation import generation_refusal
-
-    model = SimpleNamespace(parallel=SimpleNamespace(context_parallel_size=2))
-    config = SimpleNamespace(num_beams=1, num_return_sequences=1, cache_implementation=None)
-    assert "context_parallel_size" in generation_refusal(model, config, {})
-    model.parallel.context_parallel_size = 1
-    assert generation_refusal(model, config, {}) is None
