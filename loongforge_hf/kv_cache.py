@@ -50,6 +50,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from loongforge_hf.parallel.context_parallel import cp_group_holders
+
 
 class LoongKVCache(Cache):
     """transformers' ``Cache`` of one ``DynamicLayer`` per core attention on this rank (see the module docstring)."""
@@ -60,6 +62,9 @@ class LoongKVCache(Cache):
         self.chunks = list(chunks)
         self.attentions, self.rotary_embeddings = core_attentions(self.chunks), _rotary_embeddings(self.chunks)
         super().__init__(layers=[layer() for _ in self.attentions])
+        # NOTE: what a step run whole on every CP rank strips of its CP group (context_parallel.py)
+        self.cp_holders = cp_group_holders(self.chunks) \
+            if any(getattr(a, "cp_group", None) is not None for a in self.attentions) else []
         self.filled = 0  # NOTE: tokens cached, counted on the host (a static layer's own count is a device tensor)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -179,7 +184,7 @@ def cached_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attentio
                  cp=model.parallel.context_parallel_size)
     from loongforge_hf.parallel.context_parallel import whole_sequence_on_every_rank
 
-    whole = whole_sequence_on_every_rank(model.chunks) if step.cp > 1 else contextlib.nullcontext()
+    whole = whole_sequence_on_every_rank(cache.cp_holders) if step.cp > 1 else contextlib.nullcontext()
     with attached(model.chunks, cache, step), whole:
         yield padded_ids
     cache.filled += given

@@ -137,7 +137,8 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     import torch.nn.functional as F
 
     from loongforge_hf.bridges.runtime import full_logits, keep_rows, megatron_attention_mask
-    from loongforge_hf.parallel.context_parallel import pipeline_sequence_length, whole_sequence_on_every_rank
+    from loongforge_hf.parallel.context_parallel import (cp_group_holders, pipeline_sequence_length,
+                                                         whole_sequence_on_every_rank)
     from loongforge_hf.trainer.data import pad_model_inputs
 
     device = model.device
@@ -178,7 +179,7 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
             return run(padded_ids, None)
     ids, attention_mask, _, _ = pad_model_inputs(
         input_ids, attention_mask.to(device) if attention_mask is not None else None, None, None, multiple=multiple)
-    whole = whole_sequence_on_every_rank(model.chunks) if model.parallel.context_parallel_size > 1 \
+    whole = whole_sequence_on_every_rank(cp_group_holders(model.chunks)) if model.parallel.context_parallel_size > 1 \
         else contextlib.nullcontext()
     with whole:
         return run(ids, megatron_attention_mask(attention_mask, padded) if attention_mask is not None else None)

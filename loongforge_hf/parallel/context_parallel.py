@@ -37,18 +37,24 @@ def cp_group_and_size():
     return ps.get_context_parallel_group(), size, ps.get_context_parallel_rank()
 
 
-@contextlib.contextmanager
-def whole_sequence_on_every_rank(chunks):
-    """Inside, every rank of the CP group runs the whole sequence (generate's steps, ``kv_cache.py``): the helpers
-    here split and gather nothing, and the modules of ``chunks`` that take their CP share themselves (our core
-    attention, megatron's 3-D rotary embedding) hold no CP group. ``pipeline_sequence_length`` gives megatron's
-    schedules the length they divide by CP."""
+def cp_group_holders(chunks) -> list:
+    """The modules of ``chunks`` that take their CP share themselves: our core attention, megatron's 3-D rotary
+    embedding (each holds a ``cp_group``)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
     from loongforge_hf.kernels.attention import CoreAttention
 
-    held = [(m, m.cp_group) for chunk in chunks for m in chunk.modules()
+    return [m for chunk in chunks for m in chunk.modules()
             if isinstance(m, (CoreAttention, MultimodalRotaryEmbedding)) and getattr(m, "cp_group", None) is not None]
+
+
+@contextlib.contextmanager
+def whole_sequence_on_every_rank(holders: list):
+    """Inside, every rank of the CP group runs the whole sequence (generate's steps, ``kv_cache.py``): the helpers
+    here split and gather nothing, and ``holders`` (``cp_group_holders``, found once by the caller: a walk over the
+    model's modules costs more than a decode step) hold no CP group. ``pipeline_sequence_length`` gives megatron's
+    schedules the length they divide by CP."""
+    held = [(m, m.cp_group) for m in holders]
     for module, _ in held:
         module.cp_group = None
     _WHOLE.append(True)
