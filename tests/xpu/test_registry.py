@@ -77,3 +77,18 @@ def test_cpu_backend_answers_device_questions():
     assert backend.device_name() == "cpu" and backend.compute_capability() is None
     assert backend.multiprocessor_count() >= 1
     assert backend.time_ms(lambda: calls.append(1), reps=3) >= 0 and len(calls) == 3
+
+
+def test_backends_without_device_graphs_say_so():
+    """What the static KV cache asks before capturing its decode step (static_cache.py): the CPU backend has no
+    device graphs; running before a capture is one plain call, and a capture is refused, not faked."""
+    from loongforge_hf.xpu.cpu import CpuBackend
+    from loongforge_hf.xpu.cuda import CudaBackend
+
+    backend = CpuBackend()
+    calls = []
+    assert not backend.supports_graphs and CudaBackend.supports_graphs
+    assert backend.run_before_capture(lambda: calls.append(1) or "out") == "out" and calls == [1]
+    with pytest.raises(NotImplementedError, match="no device graphs"):
+        backend.capture(lambda: calls.append(2))
+    assert calls == [1]
