@@ -14,9 +14,14 @@ Choices:
   tokens equal to transformers' (bf16: kernels that differ in summation order may flip a near tie, so this is a
   sanity check, not a parity test; the tests do parity in fp32).
 - One process, stacks one after the other; loongforge-hf runs on one rank (TP=1), as ``python script.py`` starts it.
+- ``--tensor-parallel-size N`` under ``torchrun --nproc-per-node N``: every stack on the N ranks, transformers with
+  its own tensor parallelism (``tp_plan="auto"``), loongforge-hf with ``tensor_parallel_size=N``; the same prompts on
+  every rank (one seed), rank 0 reports its times (each call ends with all ranks' tokens: the collectives hold them
+  together).
 
     python scripts/bench_generate.py [--batch 8] [--prompt 512] [--new 128] [--reps 3] [--warmup 1]
                                      [--out outputs/bench_generate.json]
+    torchrun --nproc-per-node 2 scripts/bench_generate.py --tensor-parallel-size 2 [...]
     python scripts/bench_generate.py --tiny --device cpu --reps 1 --warmup 0       # a dry run
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -69,23 +75,40 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-compile", action="store_true", help="leave out transformers' compiled static-cache run")
     p.add_argument("--checkpoint", default=None, help="folder for the random checkpoint (default: a temporary one)")
     p.add_argument("--out", default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="under torchrun with as many processes")
     args = p.parse_args(argv)
 
     import torch
+    import torch.distributed as dist
     import transformers
 
     import loongforge_hf as lf
 
+    tp = args.tensor_parallel_size
+    if tp > 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) != tp:
+            raise SystemExit(f"--tensor-parallel-size {tp}: launch with torchrun --nproc-per-node {tp}.")
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank = dist.get_rank() if tp > 1 else 0
     device = H.Device(args.device)
     workload = BT.WORKLOADS["a"]
+    if args.checkpoint is None and tp > 1:
+        raise SystemExit("--tensor-parallel-size > 1 needs --checkpoint (a folder every rank reads).")
     folder = Path(args.checkpoint or tempfile.mkdtemp(prefix="bench_generate_")) / ("tiny" if args.tiny else "a")
-    if not folder.is_dir():
+    if rank == 0 and not folder.is_dir():
         BT.write_checkpoint(workload, tiny=args.tiny, folder=folder, device=device)
+    if tp > 1:
+        dist.barrier()
     vocab = BT.sizes(workload, args.tiny)[0]["vocab_size"]
     ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(BT.SEED))
     ids = ids.to(device.device)
     results = {}
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device.device).eval()
+    if tp > 1:  # NOTE: transformers' own tensor parallelism (DTensor) places the shards itself
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, tp_plan="auto").eval()
+    else:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device.device).eval()
     results["transformers"] = _measure(ref, ids, args, device)
     if device.is_cuda and not args.skip_compile:
         # NOTE: transformers' fast path: its static cache with the decode step compiled (CUDA graphs); the compile
@@ -95,7 +118,7 @@ def main(argv: list[str]) -> int:
         except Exception as err:  # noqa: BLE001 - reported: the other stacks still run
             print(f"transformers static cache + torch.compile failed: {type(err).__name__}: {err}")
     del ref
-    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, tensor_parallel_size=tp)
     results["loongforge_cache"] = _measure(ours, ids, args, device)
     results["loongforge_static"] = _measure(ours, ids, args, device, cache_implementation="static")
     results["loongforge_no_cache"] = _measure(ours, ids, args, device, use_cache=False)
@@ -106,7 +129,10 @@ def main(argv: list[str]) -> int:
         rows.append([STACKS[key], f"{r['ms']:.1f}", f"{r['new_tokens_per_s']:.1f}", f"{r['peak_gib']:.2f}",
                      f"{r['same_tokens_as_transformers']:.3f}"])
     report = {"device": device.describe(), "workload": workload.title, "tiny": args.tiny, "batch": args.batch,
-              "prompt": args.prompt, "new": args.new, "reps": args.reps, "results": results}
+              "prompt": args.prompt, "new": args.new, "reps": args.reps, "tensor_parallel_size": tp,
+              "results": results}
+    if rank != 0:
+        return 0
     header = ["stack", "ms / generate", "new tokens/s", "peak GiB", "tokens = transformers'"]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:

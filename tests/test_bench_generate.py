@@ -5,6 +5,7 @@ script's code paths working; its timings mean nothing on CPU and are not checked
 to transformers' (bf16 weights: a near tie may flip; fp32 parity is tests/test_generation_cache.py's)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,3 +24,19 @@ def test_tiny_dry_run_times_the_four_cpu_stacks(tmp_path):
     for r in report["results"].values():
         assert r["ms"] > 0 and 0.0 <= r["same_tokens_as_transformers"] <= 1.0
     assert "tokens = transformers'" in proc.stdout
+
+
+def test_tiny_tensor_parallel_dry_run_under_torchrun(tmp_path):
+    """``--tensor-parallel-size 2`` under torchrun (2 CPU processes, gloo): transformers' own tensor parallelism
+    (``tp_plan="auto"``) and ours at TP2 on the same prompts; rank 0 writes the report."""
+    out = tmp_path / "bench_generate_tp2.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT),
+                           "--tiny", "--device", "cpu", "--reps", "1", "--warmup", "0", "--batch", "2", "--prompt",
+                           "16", "--new", "4", "--checkpoint", str(tmp_path), "--tensor-parallel-size", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "LOONGFORGE_DEVICE": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["tensor_parallel_size"] == 2
+    assert set(report["results"]) == {"transformers", "loongforge_cache", "loongforge_static", "loongforge_no_cache"}
+    assert all(r["ms"] > 0 for r in report["results"].values())
