@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from loongforge_hf.parallel.context_parallel import cp_group_holders
+from loongforge_hf.parallel.context_parallel import cp_group_holders, whole_sequence_on_every_rank
 
 
 class LoongKVCache(Cache):
@@ -69,6 +69,11 @@ class LoongKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.filled
+
+    def fixed_step(self, model, *, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
+        """The logits of a step this cache runs at a fixed shape, or None: the step runs through ``cached_step``
+        (always, for this dynamic cache; ``static_cache.LoongStaticCache`` runs its one-token decode steps)."""
+        return None
 
     @classmethod
     def for_model(cls, model) -> "LoongKVCache":
@@ -124,26 +129,33 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
 
 
 @contextlib.contextmanager
-def attached(chunks, cache: LoongKVCache, step: _Step):
-    """Inside, the core attentions of ``chunks`` (the cache's) read and extend ``cache`` and their rotary embeddings
-    start at slot ``step.past`` (instance attributes, removed at the end)."""
+def patched(chunks, cache: LoongKVCache, attention_forward, rope_forward):
+    """Inside, the core attention number ``i`` of ``cache`` (made for ``chunks``) runs ``attention_forward(i)`` as its
+    ``forward`` (a function of the module's forward arguments) and each of its rotary embeddings
+    ``rope_forward(i, rope)`` (instance attributes, removed at the end; the class's stay)."""
     if len(chunks) != len(cache.chunks) or any(a is not b for a, b in zip(chunks, cache.chunks)):
         raise ValueError("KV cache: the cache was made for another model's attention layers; use a cache made by "
                          "this model's generate().")
-    patched = []
     for index, module in enumerate(cache.attentions):
-        module.forward = types.MethodType(functools.partial(_cached_attention, cache=cache, index=index, step=step),
-                                          module)
-        patched.append(module)
-    for rope in cache.rotary_embeddings:
-        rope.forward = functools.partial(type(rope).forward, rope, offset=step.past) if step.cp == 1 \
-            else functools.partial(_whole_sequence_rope, rope, step.past, step.cp)
-        patched.append(rope)
+        module.forward = types.MethodType(attention_forward(index), module)
+    for index, rope in enumerate(cache.rotary_embeddings):
+        rope.forward = rope_forward(index, rope)
     try:
         yield
     finally:
-        for module in patched:
+        for module in (*cache.attentions, *cache.rotary_embeddings):
             del module.forward
+
+
+def attached(chunks, cache: LoongKVCache, step: _Step):
+    """Inside, the core attentions of ``chunks`` (the cache's) read and extend ``cache`` and their rotary embeddings
+    start at slot ``step.past`` (``patched``)."""
+    def rope_forward(index, rope):
+        return functools.partial(type(rope).forward, rope, offset=step.past) if step.cp == 1 \
+            else functools.partial(_whole_sequence_rope, rope, step.past, step.cp)
+
+    return patched(chunks, cache, lambda index: functools.partial(_cached_attention, cache=cache, index=index,
+                                                                  step=step), rope_forward)
 
 
 def _whole_sequence_rope(rope, past: int, cp: int, max_seq_len: int, *args, **kwargs):
@@ -152,14 +164,19 @@ def _whole_sequence_rope(rope, past: int, cp: int, max_seq_len: int, *args, **kw
     return type(rope).forward(rope, max_seq_len // cp, offset=past, packed_seq=True)
 
 
+def check_step_mask(attention_mask: torch.Tensor, *, batch: int, length: int) -> None:
+    """A cached step's ``attention_mask`` is transformers' 2-D one over the cached and the new tokens."""
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(f"forward with a KV cache: attention_mask must be [batch, cached + new tokens] = "
+                         f"[{batch}, {length}], got {list(attention_mask.shape)}.")
+
+
 def _key_padding_mask(attention_mask, *, batch: int, past: int, given: int, padded: int, device) -> torch.Tensor | None:
     """``[b, 1, 1, past + padded]`` True where a key is padding (transformers' 2-D mask, 1 = token, over the cached
     and the given tokens; the layout's padding after them), or None when nothing is padding."""
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, past + given):
-        raise ValueError(f"forward with a KV cache: attention_mask must be [batch, cached + new tokens] = "
-                         f"[{batch}, {past + given}], got {list(attention_mask.shape)}.")
+    check_step_mask(attention_mask, batch=batch, length=past + given)
     if bool(attention_mask.bool().all()):
         return None  # NOTE: the layout's padding keys come after every real query: causality hides them
     keys = torch.nn.functional.pad(attention_mask.to(device).bool(), (0, padded - given), value=False)
@@ -176,14 +193,11 @@ def cached_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attentio
     batch, given = input_ids.shape
     past = cache.get_seq_length()
     # NOTE: the whole sequence on every CP rank (module docstring): padded for sequence parallelism only
-    multiple = model.parallel.tensor_parallel_size if model.parallel.sequence_parallel else 1
-    padded_ids = pad_model_inputs(input_ids, None, None, None, multiple=multiple)[0]
+    padded_ids = pad_model_inputs(input_ids, None, None, None, multiple=model.parallel.whole_sequence_multiple)[0]
     step = _Step(past=past, given=given, padded=padded_ids.shape[-1],
                  mask=_key_padding_mask(attention_mask, batch=batch, past=past, given=given,
                                         padded=padded_ids.shape[-1], device=model.device),
                  cp=model.parallel.context_parallel_size)
-    from loongforge_hf.parallel.context_parallel import whole_sequence_on_every_rank
-
     whole = whole_sequence_on_every_rank(cache.cp_holders) if step.cp > 1 else contextlib.nullcontext()
     with attached(model.chunks, cache, step), whole:
         yield padded_ids
@@ -195,14 +209,10 @@ def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
     after the ``cache.get_seq_length()`` cached ones, on every rank; their keys and values join the cache."""
     from loongforge_hf.bridges.runtime import forward_padded, keep_rows
 
-    given = input_ids.shape[-1]
-    if getattr(cache, "max_cache_len", None) is not None:  # NOTE: a LoongStaticCache (static_cache.py)
-        from loongforge_hf.static_cache import static_step
-
-        logits = static_step(model, cache, input_ids=input_ids, attention_mask=attention_mask)
-        if logits is not None:
-            return logits
-    rows = keep_rows(given, keep)
+    logits = cache.fixed_step(model, input_ids=input_ids, attention_mask=attention_mask)
+    if logits is not None:
+        return logits
+    rows = keep_rows(input_ids.shape[-1], keep)
     with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
         _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
                                    return_logits=True, rows=rows)

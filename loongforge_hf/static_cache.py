@@ -38,16 +38,14 @@ Choices:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import types
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import StaticLayer
 
-from loongforge_hf.kv_cache import LoongKVCache
+from loongforge_hf.kv_cache import LoongKVCache, check_step_mask, patched
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +72,18 @@ class LoongStaticCache(LoongKVCache):
     @classmethod
     def for_model(cls, model, max_cache_len: int) -> "LoongStaticCache":
         return cls(model.chunks, max_cache_len)
+
+    def fixed_step(self, model, *, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
+        """The ``[b, 1, V]`` logits of a one-token decode step run by ``FixedDecode``, or None where it does not apply
+        (the caller runs the step as with the dynamic cache)."""
+        if input_ids.shape[-1] != 1 or self.filled == 0 or not fixed_step_applies(model):
+            return None
+        if self.decode is None:
+            self.decode = FixedDecode(model, self, batch=input_ids.shape[0])
+        logits = self.decode(self, input_ids, attention_mask)
+        self.filled += 1
+        self.fixed_steps += 1
+        return logits
 
     @property
     def is_compileable(self) -> bool:
@@ -116,19 +126,6 @@ def _backend_has_graphs() -> bool:
     return get_backend().supports_graphs
 
 
-def static_step(model, cache: LoongStaticCache, *, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
-    """The ``[b, 1, V]`` logits of a one-token decode step run by ``FixedDecode``, or None where it does not apply
-    (the caller runs the step as with the dynamic cache)."""
-    if input_ids.shape[-1] != 1 or cache.filled == 0 or not fixed_step_applies(model):
-        return None
-    if cache.decode is None:
-        cache.decode = FixedDecode(model, cache, batch=input_ids.shape[0])
-    logits = cache.decode(cache, input_ids, attention_mask)
-    cache.filled += 1
-    cache.fixed_steps += 1
-    return logits
-
-
 class FixedDecode:
     """One-token decode steps over ``cache``'s buffers at a fixed shape; a CUDA graph where ``graph_refusal`` says
     none (module docstring). NOTE: the cache holds it and passes itself to each call: no reference cycle, so the
@@ -168,9 +165,8 @@ class FixedDecode:
         if past + 1 > cache.max_cache_len:
             raise ValueError(f"static KV cache: {past + 1} tokens exceed the cache's max_cache_len "
                              f"{cache.max_cache_len} (the generation's max_length - 1).")
-        if attention_mask is not None and tuple(attention_mask.shape) != (batch, past + 1):
-            raise ValueError(f"forward with a KV cache: attention_mask must be [batch, cached + new tokens] = "
-                             f"[{batch}, {past + 1}], got {list(attention_mask.shape)}.")
+        if attention_mask is not None:
+            check_step_mask(attention_mask, batch=batch, length=past + 1)
         self.ids.copy_(input_ids, non_blocking=True)
         self.position.fill_(past)
         for window, allowed in self.allowed.items():
@@ -228,21 +224,10 @@ def _table_row(table, position: torch.Tensor, *args, **kwargs):
     return table.index_select(0, position)
 
 
-@contextlib.contextmanager
 def _fixed_attached(decode: FixedDecode, cache: LoongStaticCache):
-    """Inside, the core attentions and rotary embeddings of ``cache`` run ``decode``'s fixed step (instance
-    attributes, removed at the end)."""
-    chunks = decode.model.chunks
-    if len(chunks) != len(cache.chunks) or any(a is not b for a, b in zip(chunks, cache.chunks)):
-        raise ValueError("KV cache: the cache was made for another model's attention layers; use a cache made by "
-                         "this model's generate().")
-    for module, layer in zip(cache.attentions, cache.layers):
-        module.forward = types.MethodType(functools.partial(
-            _fixed_attention, layer=layer, allowed=decode.allowed[_window(module)]), module)
-    for rope, table in zip(cache.rotary_embeddings, decode.tables):
-        rope.forward = functools.partial(_table_row, table, decode.position)
-    try:
-        yield
-    finally:
-        for module in (*cache.attentions, *cache.rotary_embeddings):
-            del module.forward
+    """Inside, the core attentions and rotary embeddings of ``cache`` run ``decode``'s fixed step
+    (``kv_cache.patched``)."""
+    return patched(decode.model.chunks, cache,
+                   lambda index: functools.partial(_fixed_attention, layer=cache.layers[index],
+                                                   allowed=decode.allowed[_window(cache.attentions[index])]),
+                   lambda index, rope: functools.partial(_table_row, decode.tables[index], decode.position))

@@ -84,6 +84,14 @@ def refusals(model, inputs: dict, refused: dict) -> dict:
     return found
 
 
+def assert_refused_alike(results: list, names) -> None:
+    """Each of ``names`` (keys of every rank's ``refusals``) raised a ValueError, the same on every rank."""
+    for name in names:
+        got = results[0]["refused"][name]
+        assert got is not None and got[0] == "ValueError", (name, got)
+        assert all(res["refused"][name] == got for res in results), name
+
+
 def assert_same_generation(got: dict, ref: dict, what: str, *, atol: float) -> None:
     """Equal sequences, the same output fields, and every other field within ``atol``."""
     assert torch.equal(got["sequences"], ref["sequences"]), (what, got["sequences"], ref["sequences"])
@@ -212,9 +220,8 @@ def cache_run(folder: str, layout: dict) -> dict:
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     inputs = prompts_for(tok, CACHE_PROMPTS)
-    parallel = model.parallel
-    res = {"multiple": parallel.sequence_multiple, "lengths": {},
-           "cached_multiple": parallel.tensor_parallel_size if parallel.sequence_parallel else 1}
+    res = {"multiple": model.parallel.sequence_multiple, "lengths": {},
+           "cached_multiple": model.parallel.whole_sequence_multiple}
     res["cached"] = run_scenarios(model, inputs, CACHE_SCENARIOS)
     if model.parallel.expert_parallel_size == 1:
         static = {k: {**v, "cache_implementation": "static"} for k, v in CACHE_SCENARIOS.items()}

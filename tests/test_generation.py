@@ -23,7 +23,8 @@ import torch
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._generation import PROMPTS, REFUSED, SCENARIOS, data_parallel_run, generation_run, transformers_reference
+from ._generation import (PROMPTS, REFUSED, SCENARIOS, assert_refused_alike, data_parallel_run, generation_run,
+                          transformers_reference)
 
 ATOL = 1e-5
 LAYOUTS = {"tp1": (1, {}), "tp2": (2, {"tensor_parallel_size": 2}), "pp2": (2, {"pipeline_parallel_size": 2})}
@@ -83,10 +84,7 @@ def test_sampling_uses_the_first_ranks_generator(checkpoint, ranks):
 
 def test_refused_options_raise_on_every_rank(ranks):
     results = ranks[1]
-    for name in REFUSED:
-        got = results[0]["refused"][name]
-        assert got is not None and got[0] == "ValueError", (name, got)
-        assert all(res["refused"][name] == got for res in results), name
+    assert_refused_alike(results, REFUSED)
     assert "output_attentions" in results[0]["refused"]["output_attentions"][1]
     assert "'static'" in results[0]["refused"]["offloaded_cache"][1]
 

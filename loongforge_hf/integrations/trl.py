@@ -209,13 +209,9 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
         for entropy, top1, count in result.token_stats:
             metrics["entropy"].append(entropy / count if count else 0.0)
             metrics["mean_token_accuracy"].append(top1 / count if count else 0.0)
-        if self._step_row_tokens is not None and not any("attention_mask" in b for b in micro):
-            # NOTE: a balanced step: its rows as TRL's collator made them where the samples were drawn (loong_trainer)
-            self._total_train_tokens += self._step_row_tokens
-        else:
-            self._total_train_tokens += _data_parallel_sum(
-                [sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].shape[1]
-                     for b in micro)], self.model.device)[0]
+        self._total_train_tokens += self.count_step_tokens(
+            micro, lambda b: int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].shape[1],
+            with_padding=not any("attention_mask" in b for b in micro))
         metrics["num_tokens"] = [self._total_train_tokens]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -154,7 +154,7 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
                          f"{list(position_ids.shape)}.")
     # NOTE: padded for sequence parallelism only: under context parallelism every CP rank runs the whole sequence
     # (context_parallel.whole_sequence_on_every_rank), as the text models' cached steps do (kv_cache.py)
-    multiple = model.parallel.tensor_parallel_size if model.parallel.sequence_parallel else 1
+    multiple = model.parallel.whole_sequence_multiple
     padded = -(-given // multiple) * multiple
     positions = F.pad(position_ids.to(device), (0, padded - given))  # NOTE: the pads' positions never reach a token
     rows = keep_rows(given, keep)

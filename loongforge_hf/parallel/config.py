@@ -52,7 +52,13 @@ class ParallelConfig:
         """What megatron needs a sequence length to divide by: TP under sequence parallelism, 2 x CP under context
         parallelism (two load-balanced chunks per rank)."""
         cp = self.context_parallel_size
-        return math.lcm(self.tensor_parallel_size if self.sequence_parallel else 1, 2 * cp if cp > 1 else 1)
+        return math.lcm(self.whole_sequence_multiple, 2 * cp if cp > 1 else 1)
+
+    @property
+    def whole_sequence_multiple(self) -> int:
+        """What a sequence every CP rank runs whole (generate's cached steps) must divide by: TP under sequence
+        parallelism."""
+        return self.tensor_parallel_size if self.sequence_parallel else 1
 
     @property
     def model_parallel_size(self) -> int:

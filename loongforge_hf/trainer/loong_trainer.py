@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -539,22 +540,26 @@ class LoongTrainer(Trainer):
         ones, "no" / False nothing), and the step's model FLOPs (this process's share, summed over processes when
         stored)."""
         mode = self.args.include_num_input_tokens_seen
-        masked = mode == "non_padding" and any(b.get("attention_mask") is not None for b in micro)
-        if mode != "no" and self._step_row_tokens is not None and not masked:
-            # NOTE: a balanced step: its rows as collated where the samples were drawn (padding included)
-            self.state.num_input_tokens_seen += self._step_row_tokens
-        elif mode != "no":
-            # NOTE: summed over the data-parallel ranks, not this rank's count times their number: their batches
-            # differ in length (packed rows, padding to each rank's longest)
-            local = sum(int(b["attention_mask"].sum()) if mode == "non_padding" and b.get("attention_mask") is not None
-                        else int(b["input_ids"].numel()) for b in micro)
-            seen = torch.tensor([local], dtype=torch.int64, device=self.model.device)
-            if dist.is_initialized():
-                from megatron.core import parallel_state as ps
-
-                dist.all_reduce(seen, group=ps.get_data_parallel_group())  # NOTE: CP ranks share a batch
-            self.state.num_input_tokens_seen += int(seen.item())
+        if mode != "no":
+            masked = mode == "non_padding" and any(b.get("attention_mask") is not None for b in micro)
+            self.state.num_input_tokens_seen += self.count_step_tokens(
+                micro, lambda b: int(b["attention_mask"].sum()) if masked and b.get("attention_mask") is not None
+                else int(b["input_ids"].numel()), with_padding=not masked)
         self.current_flos += flops / (dist.get_world_size() if dist.is_initialized() else 1)
+
+    def count_step_tokens(self, micro: list[dict], count: Callable[[dict], int], *, with_padding: bool) -> int:
+        """The step's tokens over the data-parallel ranks, ``count`` of each micro-batch: summed over the ranks, not
+        this rank's count times their number (their batches differ in length: packed rows, padding to each rank's
+        longest); a balanced step counted ``with_padding`` takes its rows as collated where the samples were drawn
+        (``balanced_data.padded_row_tokens``), as Trainer / TRL count them without balancing."""
+        if with_padding and self._step_row_tokens is not None:
+            return self._step_row_tokens
+        seen = torch.tensor([sum(count(b) for b in micro)], dtype=torch.int64, device=self.model.device)
+        if dist.is_initialized():
+            from megatron.core import parallel_state as ps
+
+            dist.all_reduce(seen, group=ps.get_data_parallel_group())  # NOTE: CP ranks share a batch
+        return int(seen.item())
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         self._fix_eval_steps_per_second(logs)  # NOTE: evaluate() logs its metrics dict, then returns that same dict

@@ -90,8 +90,8 @@ def generate_run(folder: str, layout: dict, expanded: bool) -> dict:
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
     inputs = prompt_batch(folder)
     text_only = prompt_batch(folder, TEXT_ONLY)
-    parallel = model.parallel  # NOTE: steps are padded for sequence parallelism only (whole on every CP rank)
-    res = {"multiple": parallel.tensor_parallel_size if parallel.sequence_parallel else 1,
+    # NOTE: steps are padded for sequence parallelism only (whole on every CP rank)
+    res = {"multiple": model.parallel.whole_sequence_multiple,
            "prompt": inputs["input_ids"].shape[1],
            "cached": run_scenarios(model, inputs),
            "uncached": run_scenarios(model, inputs, use_cache=False),

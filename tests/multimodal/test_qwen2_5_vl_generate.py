@@ -26,7 +26,7 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
 
-from tests._generation import assert_same_generation
+from tests._generation import assert_refused_alike, assert_same_generation
 
 from ._vl_generate import (EXPANDED, NEW_TOKENS, REFUSED, SCENARIOS, generate_many, prompt_batch,
                            transformers_reference)
@@ -147,10 +147,7 @@ def test_cached_steps_run_one_token(ranks, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_refusals_alike_on_every_rank(ranks, layout):
     results = ranks[layout]
-    for name in REFUSED:
-        got = results[0]["refused"][name]
-        assert got is not None and got[0] == "ValueError", (name, got)
-        assert all(res["refused"][name] == got for res in results), name
+    assert_refused_alike(results, REFUSED)
     assert "[3, batch, seq]" in results[0]["refused"]["position_ids_4d"][1]
     assert "cache_implementation='static'" in results[0]["refused"]["static_cache"][1]
     if len(results) > 1:
