@@ -19,25 +19,31 @@ Choices:
   ``[b, 1, 1, max_cache_len]`` mask of the keys the query may see (transformers' padding mask over the filled
   slots, the window's left bound; unfilled slots never). Inside, each core attention writes its key and value at
   the layer's count and attends the query over the whole buffer under that mask, and each rotary embedding returns
-  its table row of that position (the table is computed once, at the first step, by the embedding itself). It runs
-  where the step needs no padding, no pipeline and no CP: ``pipeline_parallel_size == 1``, ``sequence_multiple ==
-  1``.
+  its table row of that position (the table is computed once, at the first step, by the embedding itself). Under
+  sequence parallelism the step is the token and ``tensor_parallel_size - 1`` placeholders after it (megatron splits
+  the sequence over the TP ranks): only the token's key and value are written, the placeholders' queries attend
+  under the token's mask and their logits are dropped. Under context parallelism the step runs whole on every CP
+  rank (``context_parallel.whole_sequence_on_every_rank``, as the dynamic cache's steps). Not under a pipeline
+  (``pipeline_parallel_size == 1``): its stages pass activations at data-dependent times.
 - The graph (``Backend.capture``: the CUDA backend's CUDA graphs): on GPUs, with tensor parallelism over NCCL too
   (its all-reduces and the logits' all-gather are captured with the step; every rank of the group captures and
   replays the same sequence of collectives), not with expert parallelism or a mixture-of-experts layer (the token
-  dispatch has data-dependent shapes) nor a Transformer Engine FP8 recipe (its scaling state lives on the host;
-  why a GPU run gets no graph is logged at INFO). The first fixed step runs for real first
+  dispatch has data-dependent shapes) nor a Transformer Engine FP8 recipe (its scaling state lives on the host)
+  nor dropout in training mode (megatron's RNG tracker switches generator states; where nothing draws, its forks
+  are skipped in the step: sequence parallelism forks around every block); why a GPU run gets no graph is logged at
+  INFO. The first fixed step runs for real first
   (``Backend.run_before_capture``: a side stream; its output is returned; lazy initialisations, NCCL's first use and
   Triton autotuning happen here) and is then captured; each later step copies its inputs into the buffers and
   replays the graph. A capture that fails logs a warning with the reason and the steps run eagerly (same results).
   Elsewhere (CPU, gloo) the fixed step runs eagerly, which is what the CPU tests check against transformers. Module
   hooks run at the warm-up and the capture, not at the replays (as with any CUDA graph).
 - Refused (``generation.py``): with expert parallelism (``synced_gpus``: a finished rank's extra forwards would
-  outgrow the buffers). Under context parallelism the steps run as with the dynamic cache (whole on every CP rank).
+  outgrow the buffers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -46,6 +52,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import StaticLayer
 
 from loongforge_hf.kv_cache import LoongKVCache, check_step_mask, patched
+from loongforge_hf.parallel.context_parallel import whole_sequence_on_every_rank
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +99,8 @@ class LoongStaticCache(LoongKVCache):
 
 
 def fixed_step_applies(model) -> bool:
-    """Whether a one-token step of ``model`` can run at a fixed shape (no pipeline, no sequence padding)."""
-    return model.parallel.pipeline_parallel_size == 1 and model.parallel.sequence_multiple == 1
+    """Whether a one-token step of ``model`` can run at a fixed shape (no pipeline)."""
+    return model.parallel.pipeline_parallel_size == 1
 
 
 def graph_refusal(model) -> str | None:
@@ -117,7 +124,33 @@ def graph_refusal(model) -> str | None:
         return "mixture-of-experts layers dispatch tokens at data-dependent shapes"
     if getattr(model.megatron.config, "fp8", None):
         return "Transformer Engine FP8 keeps its scaling state on the host"
+    if _draws_random(model):
+        return "the model is in training mode with dropout (megatron's RNG tracker switches generator states)"
     return None
+
+
+def _draws_random(model) -> bool:
+    """Whether a forward of ``model`` draws random numbers: a module in training mode with a dropout above zero."""
+    config = model.megatron.config
+    modules = [m for chunk in model.chunks for m in chunk.modules()]
+    if not any(m.training for m in modules):
+        return False
+    return config.hidden_dropout > 0 or config.attention_dropout > 0 or any(
+        isinstance(m, torch.nn.Dropout) and m.p > 0 for m in modules)
+
+
+@contextlib.contextmanager
+def _no_rng_fork():
+    """Inside, megatron's CUDA RNG tracker forks nothing (for a model that draws no random number: a fork swaps the
+    device generator's state, around every block under sequence parallelism, which a graph capture refuses)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        del tracker.fork
 
 
 def _backend_has_graphs() -> bool:
@@ -134,13 +167,17 @@ class FixedDecode:
     def __init__(self, model, cache: LoongStaticCache, *, batch: int) -> None:
         self.model = model
         device = model.device
-        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        width = model.parallel.whole_sequence_multiple  # NOTE: the token, then placeholders under SP
+        self.ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+        self.position = torch.zeros(width, dtype=torch.long, device=device)  # NOTE: the placeholders' rows too
         self.allowed = {window: torch.zeros(batch, 1, 1, cache.max_cache_len, dtype=torch.bool, device=device)
                         for window in {_window(a) for a in cache.attentions}}
-        # NOTE: each rotary embedding's output for every slot, by its own forward (the offset patch is not on here)
-        self.tables = [type(rope).forward(rope, cache.max_cache_len) for rope in cache.rotary_embeddings]
+        # NOTE: each rotary embedding's output for every slot, by its own forward (the offset patch is not on here);
+        # packed_seq=True: the whole table on every CP rank (megatron would take this rank's CP chunks of it)
+        whole = {"packed_seq": True} if model.parallel.context_parallel_size > 1 else {}
+        self.tables = [type(rope).forward(rope, cache.max_cache_len, **whole) for rope in cache.rotary_embeddings]
+        self.draws_random = _draws_random(model)  # NOTE: a module walk: once per generate call
         refusal = graph_refusal(model)
         if refusal is not None and _backend_has_graphs():  # NOTE: why a GPU run asking for speed gets none
             logger.info("generate: the static cache's decode steps run eagerly, not as a device graph: %s.", refusal)
@@ -167,7 +204,7 @@ class FixedDecode:
                              f"{cache.max_cache_len} (the generation's max_length - 1).")
         if attention_mask is not None:
             check_step_mask(attention_mask, batch=batch, length=past + 1)
-        self.ids.copy_(input_ids, non_blocking=True)
+        self.ids[:, :1].copy_(input_ids, non_blocking=True)
         self.position.fill_(past)
         for window, allowed in self.allowed.items():
             allowed.zero_()
@@ -181,9 +218,12 @@ class FixedDecode:
     def _run(self, cache: LoongStaticCache) -> torch.Tensor:
         from loongforge_hf.bridges.runtime import full_logits
 
-        with _fixed_attached(self, cache):
+        whole = whole_sequence_on_every_rank(cache.cp_holders) if self.model.parallel.context_parallel_size > 1 \
+            else contextlib.nullcontext()
+        forks = contextlib.nullcontext() if self.draws_random else _no_rng_fork()
+        with _fixed_attached(self, cache), whole, forks:
             out = self.model.chunks[0](self.ids, self.positions, None)
-        return full_logits(out, vocab_size=self.model.config.vocab_size)
+        return full_logits(out[:, :1], vocab_size=self.model.config.vocab_size)  # NOTE: the token's, not SP's padding
 
     def _warm_up_and_capture(self, cache: LoongStaticCache) -> torch.Tensor:
         from loongforge_hf.xpu import get_backend
@@ -207,15 +247,16 @@ def _window(attention) -> tuple[int, int] | None:
 
 def _fixed_attention(module, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                      packed_seq_params=None, *, layer: _StaticLayer, allowed: torch.Tensor):
-    """``CoreAttention.forward`` in a fixed step: ``query / key / value [1, b, h, d]`` of the new token; its key and
-    value are written at the layer's count and the query attends over the whole buffer under ``allowed``."""
+    """``CoreAttention.forward`` in a fixed step: ``query / key / value [w, b, h, d]`` of the new token (and the
+    placeholders after it under SP); the token's key and value are written at the layer's count and every query
+    attends over the whole buffer under ``allowed``."""
     if attention_bias is not None or packed_seq_params is not None:
         raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
-    keys, values = layer.update(key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3))
+    keys, values = layer.update(key[:1].permute(1, 2, 0, 3), value[:1].permute(1, 2, 0, 3))
     q = query.permute(1, 2, 0, 3)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=module.softmax_scale,
                                          enable_gqa=q.shape[1] != keys.shape[1])
-    return out.permute(2, 0, 1, 3).reshape(1, query.shape[1], -1)
+    return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
 def _table_row(table, position: torch.Tensor, *args, **kwargs):

@@ -17,8 +17,8 @@ prompts of different lengths.
 - ``return_dict_in_generate`` returns the ``LoongKVCache`` holding every position but the last token's.
 - ``cache_implementation="static"`` (``loongforge_hf/static_cache.py``) gives transformers' tokens and scores / logits
   within 1e-5 in every layout above but EP (refused there); its one-token steps run the fixed-shape decode (what a
-  GPU captures as a CUDA graph: ``test_generation_gpu.py``) at one rank and TP2, the dynamic cache's path under
-  sequence parallelism, pipelines and CP.
+  GPU captures as a CUDA graph: ``test_generation_gpu.py``) in every layout without a pipeline (under sequence
+  parallelism padded to TP as above, under CP whole on both ranks), the dynamic cache's path under pipelines.
 - Refused on every rank alike (ValueError): a cache passed in, ``cache_implementation='offloaded'``,
   ``prefill_chunk_size``, a static cache with EP; ``forward`` refuses a transformers cache (TypeError).
 """
@@ -93,8 +93,8 @@ def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
         if static:
             assert res["lengths"]["static"] == res["lengths"]["default"], res["lengths"]
             # NOTE: (kind, tokens cached, max_cache_len = max_length - 1, steps run by the fixed-shape decode: those
-            # after the prefill where there is no pipeline, no sequence padding and no CP)
-            fixed = 3 if "pipeline_parallel_size" not in sizes and multiple == 1 else 0
+            # after the prefill where there is no pipeline; the same padded lengths as the dynamic cache's, above)
+            fixed = 3 if "pipeline_parallel_size" not in sizes else 0
             assert res["static_cache_out"] == ("LoongStaticCache", prompt + 3, prompt + 3, fixed), res
             assert res["static_freed"], "the static cache outlives generate's output (a reference cycle)"
         else:
@@ -102,3 +102,33 @@ def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
         assert res["forward_user_cache"][0] == "TypeError" and "LoongKVCache" in res["forward_user_cache"][1]
     assert_refused_alike(results, ("user_cache", "cache_implementation", "prefill_chunk_size"))
     assert "own KV cache" in results[0]["refused"]["user_cache"][1]
+
+
+def _random_draws_world(folder: str) -> dict:
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    import loongforge_hf as lf
+    from loongforge_hf.static_cache import _draws_random, _no_rng_fork, graph_refusal
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    seen = {"eval": _draws_random(model)}
+    model.train()
+    seen["train, no dropout"] = _draws_random(model)
+    model.megatron.config.hidden_dropout = 0.1
+    seen["train, hidden dropout"] = _draws_random(model)
+    tracker = get_cuda_rng_tracker()
+    with _no_rng_fork():
+        seen["fork inside"] = type(tracker.fork()).__name__
+    seen["fork after"] = "fork" in vars(tracker)
+    seen["cpu refusal"] = graph_refusal(model)
+    return seen
+
+
+def test_random_draws_and_rng_forks(checkpoints):
+    """The fixed step skips megatron's RNG forks (a CUDA graph cannot capture their generator swaps) only where the
+    model draws nothing: eval mode, or training mode with every dropout at zero; a graph is refused otherwise."""
+    seen = run_distributed(_random_draws_world, 1, checkpoints["qwen2"][0], timeout=120)[0]
+    assert seen == {"eval": False, "train, no dropout": False, "train, hidden dropout": True,
+                    "fork inside": "nullcontext", "fork after": False,
+                    "cpu refusal": "the cpu backend has no device graphs"}, seen

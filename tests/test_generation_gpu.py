@@ -11,8 +11,8 @@
   within 1e-4 in fp32, the uncached path's within 3e-2 in bf16, and with ``fp8="on"``.
 - A decode step that cannot be captured (a device synchronisation inside it) warns and runs eagerly, with the
   dynamic cache's tokens and scores / logits within 1e-4.
-- On two GPUs: TP2 over NCCL captures the step with its collectives on both ranks, with transformers' tokens, scores
-  and logits (fp32, 1e-4).
+- On two GPUs over NCCL (TP2, TP2 + SP, CP2, PP2): transformers' tokens, scores and logits (fp32, 1e-4) on both
+  ranks; the static cache's step is a CUDA graph on both ranks (with its collectives) in all but PP2.
 """
 
 import os
@@ -78,16 +78,26 @@ def _same_as_transformers(got: dict, what: str) -> None:
                                            msg=lambda m: f"{what} {which} {name} {key}: {m}")
 
 
+TWO_GPU_LAYOUTS = {"tp2": {"tensor_parallel_size": 2},
+                   "tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
+                   "cp2": {"context_parallel_size": 2},
+                   "pp2": {"pipeline_parallel_size": 2}}
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_tensor_parallel_static_cache_graph_on_two_gpus(tmp_path):
-    """TP2 over NCCL: each rank captures its decode step with the tensor-parallel all-reduces and the logits'
-    all-gather in the graph; both ranks give transformers' tokens, scores and logits (fp32, 1e-4)."""
+@pytest.mark.parametrize("layout", list(TWO_GPU_LAYOUTS))
+def test_two_gpu_generate_as_transformers(tmp_path, layout):
+    """Two ranks over NCCL, both with transformers' tokens, scores and logits (fp32, 1e-4), dynamic and static cache.
+    The static cache's decode step is captured as a CUDA graph on both ranks with TP2 (its all-reduces and the logits'
+    all-gather in the graph), TP2 + SP (the step padded to two tokens; all-gathers and reduce-scatters) and CP2 (the
+    step whole on both ranks: no collective); PP2's steps run as the dynamic cache's (no fixed step, no graph)."""
     folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
-    results = run_distributed(_cuda_world, 2, str(folder), {"tensor_parallel_size": 2}, timeout=400,
+    results = run_distributed(_cuda_world, 2, str(folder), TWO_GPU_LAYOUTS[layout], timeout=400,
                               env={"LOONGFORGE_DEVICE": "cuda"})
+    expected = (0, False) if layout == "pp2" else (3, True)
     for rank, got in enumerate(results):
-        assert got["graphed"] == (3, True), (rank, got["graphed"])
-        _same_as_transformers(got, f"rank {rank}")
+        assert got["graphed"] == expected, (layout, rank, got["graphed"])
+        _same_as_transformers(got, f"{layout} rank {rank}")
 
 
 BF16_ATOL = 3e-2
