@@ -13,8 +13,8 @@ Choices:
   the generated length). Under context parallelism the cached forwards run the whole sequence on every CP rank (a
   one-token step cannot be split into 2 x CP load-balanced chunks; ``kv_cache.py``), the uncached ones are split
   over CP as in training. ``cache_implementation="static"`` makes a ``LoongStaticCache`` instead
-  (``static_cache.py``: preallocated buffers, fixed-shape decode steps replayed as a device graph on GPUs);
-  refused with expert parallelism (``synced_gpus``).
+  (``static_cache.py``: preallocated buffers, fixed-shape decode steps replayed as a device graph on GPUs, both kept
+  by the model for the next call); refused with expert parallelism (``synced_gpus``).
 - Refused with a ValueError before any forward, on every rank alike: a cache passed in (``cache`` /
   ``past_key_values``: generate makes its own), ``cache_implementation`` other than ``"dynamic"`` / ``"static"``,
   ``prefill_chunk_size``, assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), the modes
@@ -89,11 +89,18 @@ class GenerationGlue(GenerationMixin):
         if generation_config.cache_implementation == "static":
             from loongforge_hf.static_cache import LoongStaticCache
 
-            model_kwargs["cache"] = LoongStaticCache.for_model(self, max_cache_len=max_cache_length)
+            # NOTE: transformers' max_cache_len: a floor for the buffers, so later calls up to it reuse them
+            length = max(max_cache_length, generation_config.max_cache_len or 0)
+            model_kwargs["cache"] = LoongStaticCache.for_model(self, max_cache_len=length)
         else:
             from loongforge_hf.kv_cache import LoongKVCache
 
             model_kwargs["cache"] = LoongKVCache.for_model(self)
+
+    def free_static_cache(self) -> None:
+        """Frees what the last ``generate(cache_implementation="static")`` kept for the next call: the cache's
+        buffers and the fixed decode step with its device graph (``static_cache.Kept``)."""
+        self.__dict__.pop("_static_cache_kept", None)
 
     def is_remote_code(self) -> bool:
         return False

@@ -56,12 +56,14 @@ from loongforge_hf.parallel.context_parallel import cp_group_holders, whole_sequ
 class LoongKVCache(Cache):
     """transformers' ``Cache`` of one ``DynamicLayer`` per core attention on this rank (see the module docstring)."""
 
-    def __init__(self, chunks, layer=DynamicLayer) -> None:
+    def __init__(self, chunks, layer=DynamicLayer, layers: list | None = None) -> None:
         # NOTE: the modules are found once, when generate makes the cache (a walk over every module of the model
         # each step cost more than a decode step's attention)
         self.chunks = list(chunks)
         self.attentions, self.rotary_embeddings = core_attentions(self.chunks), _rotary_embeddings(self.chunks)
-        super().__init__(layers=[layer() for _ in self.attentions])
+        if layers is not None and len(layers) != len(self.attentions):
+            raise ValueError(f"KV cache: {len(layers)} layers for {len(self.attentions)} attentions.")
+        super().__init__(layers=list(layers) if layers is not None else [layer() for _ in self.attentions])
         # NOTE: what a step run whole on every CP rank strips of its CP group (context_parallel.py)
         self.cp_holders = cp_group_holders(self.chunks) \
             if any(getattr(a, "cp_group", None) is not None for a in self.attentions) else []

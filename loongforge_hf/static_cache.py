@@ -37,6 +37,13 @@ Choices:
   replays the graph. A capture that fails logs a warning with the reason and the steps run eagerly (same results).
   Elsewhere (CPU, gloo) the fixed step runs eagerly, which is what the CPU tests check against transformers. Module
   hooks run at the warm-up and the capture, not at the replays (as with any CUDA graph).
+- Kept from one call to the next (``Kept``, on the model), as transformers keeps its compiled step and its CUDA
+  graphs: the cache's buffers (a later call reuses them where they are long enough: ``max_length - 1`` of that call,
+  or transformers' ``generation_config.max_cache_len``, a floor; longer ones replace them) and the fixed step with
+  its graph, replayed at once by a later call with the same batch over the same buffers where the model's host state
+  (``host_state``: what a capture reads on the host and a replay never again) is unchanged; otherwise a new step is
+  made and captured. The weights are read by address, so a graph kept across an optimizer step replays with the new
+  values. The cache a call returns shares its buffers with the next call's. ``model.free_static_cache()`` frees them.
 - Refused (``generation.py``): with expert parallelism (``synced_gpus``: a finished rank's extra forwards would
   outgrow the buffers).
 """
@@ -46,19 +53,27 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import StaticLayer
 
-from loongforge_hf.kv_cache import LoongKVCache, check_step_mask, patched
+from loongforge_hf.kv_cache import LoongKVCache, check_step_mask, core_attentions, patched
 from loongforge_hf.parallel.context_parallel import whole_sequence_on_every_rank
 
 logger = logging.getLogger(__name__)
 
 
 class _StaticLayer(StaticLayer):
-    """transformers' ``StaticLayer``, reordered in place for beam search (a captured graph reads these buffers)."""
+    """transformers' ``StaticLayer``, reordered in place for beam search (a captured graph reads these buffers), made
+    anew at a prefill whose batch, heads, dtype or device differ from a kept layer's (``Kept``)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized and (tuple(key_states.shape[:2]) != (self.batch_size, self.num_heads)
+                                    or key_states.dtype != self.keys.dtype or key_states.device != self.keys.device):
+            self.lazy_initialization(key_states, value_states)  # NOTE: new buffers; no kept graph reads them
+        return super().update(key_states, value_states, *args, **kwargs)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -67,18 +82,43 @@ class _StaticLayer(StaticLayer):
             self.values.copy_(self.values.index_select(0, index))
 
 
+class Kept:
+    """What a model keeps of its last static-cache generate for the next one (``model._static_cache_kept``): the
+    cache's layers (their buffers) and the fixed step (its buffers and device graph). It holds neither the model nor
+    a cache."""
+
+    def __init__(self, layers: list, max_cache_len: int) -> None:
+        self.layers = layers
+        self.max_cache_len = max_cache_len
+        self.decode: FixedDecode | None = None
+
+
 class LoongStaticCache(LoongKVCache):
     """``LoongKVCache`` with preallocated buffers and fixed-shape decode steps (see the module docstring)."""
 
-    def __init__(self, chunks, max_cache_len: int) -> None:
-        super().__init__(chunks, layer=functools.partial(_StaticLayer, max_cache_len))
-        self.max_cache_len = max_cache_len
+    def __init__(self, chunks, max_cache_len: int, kept: Kept | None = None) -> None:
+        super().__init__(chunks, layer=functools.partial(_StaticLayer, max_cache_len),
+                         layers=kept.layers if kept is not None else None)
+        self.kept = kept if kept is not None else Kept(self.layers, max_cache_len)
+        self.max_cache_len = self.kept.max_cache_len
         self.decode: FixedDecode | None = None
         self.fixed_steps = 0  # NOTE: decode steps run by FixedDecode (tests check where it applies)
+        self.reused_kept_step = False  # NOTE: whether this call's steps ran the fixed step kept from a past call
 
     @classmethod
     def for_model(cls, model, max_cache_len: int) -> "LoongStaticCache":
-        return cls(model.chunks, max_cache_len)
+        """A cache of ``max_cache_len`` slots or more: the layers (and the fixed step, where the model's host state
+        allows it) of the model's last static-cache generate where they are long enough, else new ones, kept."""
+        kept = model.__dict__.get("_static_cache_kept")
+        if kept is not None and kept.max_cache_len >= max_cache_len and len(kept.layers) == len(core_attentions(
+                model.chunks)):
+            for layer in kept.layers:
+                layer.reset()
+            return cls(model.chunks, kept.max_cache_len, kept)
+        model.__dict__["_static_cache_kept"] = None  # NOTE: the old buffers and graph go before new ones are made
+        cache = cls(model.chunks, max(max_cache_len, kept.max_cache_len if kept is not None else 0))
+        model.__dict__["_static_cache_kept"] = cache.kept
+        return cache
 
     def fixed_step(self, model, *, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
         """The ``[b, 1, V]`` logits of a one-token decode step run by ``FixedDecode``, or None where it does not apply
@@ -86,11 +126,23 @@ class LoongStaticCache(LoongKVCache):
         if input_ids.shape[-1] != 1 or self.filled == 0 or not fixed_step_applies(model):
             return None
         if self.decode is None:
-            self.decode = FixedDecode(model, self, batch=input_ids.shape[0])
-        logits = self.decode(self, input_ids, attention_mask)
+            self.decode = self._kept_or_new_decode(model, batch=input_ids.shape[0])
+        logits = self.decode(model, self, input_ids, attention_mask)
         self.filled += 1
         self.fixed_steps += 1
         return logits
+
+    def _kept_or_new_decode(self, model, *, batch: int) -> "FixedDecode":
+        """The kept fixed step where it was made for these buffers, this batch and the model's present host state
+        (``host_state``), else a new one, kept."""
+        kept = self.kept.decode
+        if kept is not None and kept.batch == batch and kept.buffers == _buffer_addresses(self.layers) \
+                and kept.state == host_state(model):
+            self.reused_kept_step = True
+            return kept
+        self.kept.decode = None  # NOTE: its graph's memory goes first
+        self.kept.decode = FixedDecode(model, self, batch=batch)
+        return self.kept.decode
 
     @property
     def is_compileable(self) -> bool:
@@ -161,13 +213,15 @@ def _backend_has_graphs() -> bool:
 
 class FixedDecode:
     """One-token decode steps over ``cache``'s buffers at a fixed shape; a CUDA graph where ``graph_refusal`` says
-    none (module docstring). NOTE: the cache holds it and passes itself to each call: no reference cycle, so the
-    buffers and the graph's memory pool go when generate drops the cache, not at some later garbage collection."""
+    none (module docstring). NOTE: it holds neither the model nor a cache (both are passed to each call): the model
+    keeps it (``Kept``) and no reference cycle holds the model, a cache or the graph's memory pool."""
 
     def __init__(self, model, cache: LoongStaticCache, *, batch: int) -> None:
-        self.model = model
         device = model.device
         width = model.parallel.whole_sequence_multiple  # NOTE: the token, then placeholders under SP
+        self.batch = batch
+        self.buffers = _buffer_addresses(cache.layers)  # NOTE: the cache buffers its steps (and graph) write
+        self.state: tuple | None = None  # NOTE: the model's host state after the first step (host_state)
         self.ids = torch.zeros(batch, width, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, width, dtype=torch.long, device=device)
         self.position = torch.zeros(width, dtype=torch.long, device=device)  # NOTE: the placeholders' rows too
@@ -177,7 +231,7 @@ class FixedDecode:
         # packed_seq=True: the whole table on every CP rank (megatron would take this rank's CP chunks of it)
         whole = {"packed_seq": True} if model.parallel.context_parallel_size > 1 else {}
         self.tables = [type(rope).forward(rope, cache.max_cache_len, **whole) for rope in cache.rotary_embeddings]
-        self.draws_random = _draws_random(model)  # NOTE: a module walk: once per generate call
+        self.draws_random = _draws_random(model)
         refusal = graph_refusal(model)
         if refusal is not None and _backend_has_graphs():  # NOTE: why a GPU run asking for speed gets none
             logger.info("generate: the static cache's decode steps run eagerly, not as a device graph: %s.", refusal)
@@ -185,20 +239,21 @@ class FixedDecode:
         self.replay = None  # NOTE: the captured step's replay, once captured
         self.logits: torch.Tensor | None = None
 
-    def __call__(self, cache: LoongStaticCache, input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
+    def __call__(self, model, cache: LoongStaticCache, input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
         self._fill(cache, input_ids, attention_mask)
         if self.replay is not None:
             self.replay()
             return self.logits.clone()
-        if not self.capture:
-            return self._run(cache)
-        return self._warm_up_and_capture(cache)
+        logits = self._warm_up_and_capture(model, cache) if self.capture else self._run(model, cache)
+        if self.state is None:  # NOTE: after the first step: what it set up lazily is in the state a reuse compares
+            self.state = host_state(model)
+        return logits
 
     def _fill(self, cache: LoongStaticCache, input_ids: torch.Tensor, attention_mask) -> None:
         past, batch = cache.filled, self.ids.shape[0]
         if tuple(input_ids.shape) != (batch, 1):
             raise ValueError(f"static KV cache: a decode step of {list(input_ids.shape)} tokens after a prefill of "
-                             f"batch {batch}; generate makes a cache per call.")
+                             f"batch {batch}; each generate call makes its steps for its own batch.")
         if past + 1 > cache.max_cache_len:
             raise ValueError(f"static KV cache: {past + 1} tokens exceed the cache's max_cache_len "
                              f"{cache.max_cache_len} (the generation's max_length - 1).")
@@ -215,29 +270,69 @@ class FixedDecode:
             if window is not None and window[0] >= 0 and past - window[0] > 0:
                 allowed[..., :past - window[0]] = False  # NOTE: megatron's window: keys p - left .. p
 
-    def _run(self, cache: LoongStaticCache) -> torch.Tensor:
+    def _run(self, model, cache: LoongStaticCache) -> torch.Tensor:
         from loongforge_hf.bridges.runtime import full_logits
 
-        whole = whole_sequence_on_every_rank(cache.cp_holders) if self.model.parallel.context_parallel_size > 1 \
+        whole = whole_sequence_on_every_rank(cache.cp_holders) if model.parallel.context_parallel_size > 1 \
             else contextlib.nullcontext()
         forks = contextlib.nullcontext() if self.draws_random else _no_rng_fork()
-        with _fixed_attached(self, cache), whole, forks:
-            out = self.model.chunks[0](self.ids, self.positions, None)
-        return full_logits(out[:, :1], vocab_size=self.model.config.vocab_size)  # NOTE: the token's, not SP's padding
+        with _fixed_attached(self, model, cache), whole, forks:
+            out = model.chunks[0](self.ids, self.positions, None)
+        return full_logits(out[:, :1], vocab_size=model.config.vocab_size)  # NOTE: the token's, not SP's padding
 
-    def _warm_up_and_capture(self, cache: LoongStaticCache) -> torch.Tensor:
+    def _warm_up_and_capture(self, model, cache: LoongStaticCache) -> torch.Tensor:
         from loongforge_hf.xpu import get_backend
 
         backend = get_backend()
         # NOTE: the real step: its keys and values are in the cache after it; the capture records without running
-        logits = backend.run_before_capture(lambda: self._run(cache))
+        logits = backend.run_before_capture(lambda: self._run(model, cache))
         try:
-            self.replay, self.logits = backend.capture(lambda: self._run(cache))
+            self.replay, self.logits = backend.capture(lambda: self._run(model, cache))
         except Exception as err:  # noqa: BLE001 - any capture failure: the steps run eagerly instead
             logger.warning("generate: the static cache's decode step could not be captured as a device graph (%s: "
                            "%s); it runs eagerly.", type(err).__name__, err)
             self.capture, self.replay, self.logits = False, None, None
         return logits
+
+
+def _buffer_addresses(layers) -> tuple:
+    return tuple((layer.keys.data_ptr(), layer.values.data_ptr()) if layer.is_initialized else None
+                 for layer in layers)
+
+
+def host_state(model) -> tuple:
+    """What a captured step read on the host, which its replays never read again: per module of the model's chunks
+    its class and attributes (scalars and the training flag by value; parameters, buffers and tensor attributes by
+    address, shape, dtype and strides; hooks, submodules and other objects by identity), the tensor-parallel group
+    (NCCL's communicator is in the graph) and the global switches kernels read (autocast, TF32, float32 matmul
+    precision, ``LOONGFORGE_*`` variables). A kept graph is replayed only where this is unchanged: in-place updates
+    of the weights (an optimizer step) keep it; new weight tensors, a dtype or device move, LoRA attached, a hook
+    registered, a mode switched do not."""
+    from megatron.core import parallel_state as ps
+
+    state = [torch.is_autocast_enabled(), torch.get_float32_matmul_precision(),
+             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             id(ps.get_tensor_model_parallel_group()),
+             tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("LOONGFORGE_")))]
+    for chunk in model.chunks:
+        for module in chunk.modules():
+            state.append((type(module), tuple((name, _value_key(value)) for name, value in vars(module).items())))
+    return tuple(state)
+
+
+_SCALARS = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device})
+
+
+def _value_key(value, depth: int = 0):
+    if type(value) in _SCALARS:
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), tuple(value.shape), value.dtype, tuple(value.stride()))
+    if isinstance(value, (tuple, list)) and depth < 2 and len(value) <= 64:
+        return (type(value), tuple(_value_key(v, depth + 1) for v in value))
+    if isinstance(value, dict) and depth < 2 and len(value) <= 64:
+        return (type(value), tuple((k, _value_key(v, depth + 1)) for k, v in value.items()))
+    return ("object", id(value))
 
 
 def _window(attention) -> tuple[int, int] | None:
@@ -265,10 +360,10 @@ def _table_row(table, position: torch.Tensor, *args, **kwargs):
     return table.index_select(0, position)
 
 
-def _fixed_attached(decode: FixedDecode, cache: LoongStaticCache):
+def _fixed_attached(decode: FixedDecode, model, cache: LoongStaticCache):
     """Inside, the core attentions and rotary embeddings of ``cache`` run ``decode``'s fixed step
     (``kv_cache.patched``)."""
-    return patched(decode.model.chunks, cache,
+    return patched(model.chunks, cache,
                    lambda index: functools.partial(_fixed_attention, layer=cache.layers[index],
                                                    allowed=decode.allowed[_window(cache.attentions[index])]),
                    lambda index, rope: functools.partial(_table_row, decode.tables[index], decode.position))

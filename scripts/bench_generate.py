@@ -13,6 +13,9 @@ Choices:
   tokens per second (batch x new / time), the allocator's peak during the timed calls, and the share of generated
   tokens equal to transformers' (bf16: kernels that differ in summation order may flip a near tie, so this is a
   sanity check, not a parity test; the tests do parity in fp32).
+- Our static cache keeps its buffers and captured decode step from one call to the next (``static_cache.Kept``):
+  the warm-up call captures, the timed ones replay (reported: ``kept_step_reused`` of one more call), as
+  transformers' compiled step is compiled in its warm-up call.
 - One process, stacks one after the other; loongforge-hf runs on one rank (TP=1), as ``python script.py`` starts it.
 - ``--tensor-parallel-size N`` under ``torchrun --nproc-per-node N``: every stack on the N ranks, transformers with
   its own tensor parallelism (``tp_plan="auto"``), loongforge-hf with ``tensor_parallel_size=N``; the same prompts on
@@ -121,6 +124,12 @@ def main(argv: list[str]) -> int:
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, tensor_parallel_size=tp)
     results["loongforge_cache"] = _measure(ours, ids, args, device)
     results["loongforge_static"] = _measure(ours, ids, args, device, cache_implementation="static")
+    # NOTE: whether the timed calls replayed the graph kept from the call before (static_cache.Kept): one more call
+    kept = ours.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+                         min_new_tokens=args.new, do_sample=False, cache_implementation="static",
+                         return_dict_in_generate=True).cache
+    results["loongforge_static"]["kept_step_reused"] = kept.reused_kept_step
+    del kept
     results["loongforge_no_cache"] = _measure(ours, ids, args, device, use_cache=False)
     theirs = results["transformers"]["tokens"]
     rows = []

@@ -192,19 +192,23 @@ def head_rows_seen(model, run) -> list:
 
 
 def _static_cache_out(model, inputs: dict) -> tuple:
-    """((kind, tokens cached, max_cache_len, fixed-shape steps) of a static-cache generate's returned cache, whether
-    that cache (and its buffers) goes as soon as the output does, without the cycle collector)."""
+    """((kind, tokens cached, max_cache_len, fixed-shape steps) of a static-cache generate's returned cache after the
+    model's kept buffers were freed, whether that cache goes as soon as the output does and its buffers at
+    ``free_static_cache``, without the cycle collector)."""
     import gc
     import weakref
 
     gc.disable()
     try:
+        model.free_static_cache()  # NOTE: else the buffers of a longer earlier call are reused (max_cache_len)
         out = model.generate(**inputs, max_new_tokens=4, cache_implementation="static", return_dict_in_generate=True)
         cache = out.cache
         seen = (type(cache).__name__, cache.get_seq_length(), cache.max_cache_len, cache.fixed_steps)
-        ref = weakref.ref(cache)
+        ref, keys = weakref.ref(cache), weakref.ref(cache.layers[0].keys)
         del out, cache
-        return seen, ref() is None
+        gone = ref() is None
+        model.free_static_cache()
+        return seen, gone and keys() is None
     finally:
         gc.enable()
 
@@ -248,3 +252,52 @@ def cache_run(folder: str, layout: dict) -> dict:
     except Exception as err:  # noqa: BLE001
         res["forward_user_cache"] = (type(err).__name__, str(err))
     return res
+
+
+# NOTE: static_reuse_run's calls -> (reused the kept fixed step, max_cache_len): the prompts are 6 positions, so 4 new
+# tokens need 9 slots
+REUSE = {"first": (False, 9), "again": (True, 9), "shorter": (True, 9), "beams": (False, 9),
+         "after beams": (False, 9), "longer": (False, 11), "weights in place": (True, 11),
+         "weights replaced": (False, 11), "hook added": (False, 11), "after free": (False, 9)}
+
+
+def static_reuse_run(folder: str, layout: dict) -> dict:
+    """A sequence of static-cache generate calls on one model: which reused the buffers and fixed step kept from the
+    call before (``static_cache.Kept``), and their tokens against the dynamic cache's on the model as it was then."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    inputs = {k: v.to(model.device) for k, v in prompts_for(tok, CACHE_PROMPTS).items()}
+    weight = next(p for name, p in model.named_parameters() if "linear_fc1" in name)
+    seen = {}
+
+    def call(name: str, new: int = 4, **kw) -> None:
+        out = model.generate(**inputs, max_new_tokens=new, cache_implementation="static", return_dict_in_generate=True,
+                             output_scores=True, **kw)
+        ref = model.generate(**inputs, max_new_tokens=new, return_dict_in_generate=True, output_scores=True, **kw)
+        cache = out.cache
+        seen[name] = {"reused": cache.reused_kept_step, "max_cache_len": cache.max_cache_len,
+                      "fixed_steps": cache.fixed_steps, "tokens_equal": torch.equal(out.sequences, ref.sequences),
+                      "scores_diff": max(float((a - b).abs().max()) for a, b in zip(out.scores, ref.scores)),
+                      "graphed": cache.decode is not None and cache.decode.replay is not None}
+
+    call("first")
+    call("again")
+    call("shorter", new=2)
+    call("beams", num_beams=3)  # NOTE: another batch (rows x beams): new buffers and step
+    call("after beams")
+    call("longer", new=6)
+    with torch.no_grad():
+        weight.mul_(-2.0)  # NOTE: in place, as an optimizer step: the kept step reads the new values
+    call("weights in place")
+    weight.data = weight.data.clone()  # NOTE: a new tensor: the kept step would read the old one
+    call("weights replaced")
+    handle = model.chunks[0].register_forward_pre_hook(lambda module, args: None)
+    call("hook added")
+    handle.remove()
+    model.free_static_cache()
+    call("after free")
+    return seen

@@ -23,6 +23,7 @@ def test_tiny_dry_run_times_the_four_cpu_stacks(tmp_path):
     assert set(report["results"]) == {"transformers", "loongforge_cache", "loongforge_static", "loongforge_no_cache"}
     for r in report["results"].values():
         assert r["ms"] > 0 and 0.0 <= r["same_tokens_as_transformers"] <= 1.0
+    assert report["results"]["loongforge_static"]["kept_step_reused"] is True  # NOTE: the timed calls replay
     assert "tokens = transformers'" in proc.stdout
 
 
@@ -40,3 +41,4 @@ def test_tiny_tensor_parallel_dry_run_under_torchrun(tmp_path):
     assert report["tensor_parallel_size"] == 2
     assert set(report["results"]) == {"transformers", "loongforge_cache", "loongforge_static", "loongforge_no_cache"}
     assert all(r["ms"] > 0 for r in report["results"].values())
+    assert report["results"]["loongforge_static"]["kept_step_reused"] is True

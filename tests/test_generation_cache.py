@@ -28,8 +28,8 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._generation import (CACHE_PROMPTS, CACHE_SCENARIOS, assert_refused_alike, assert_same_generation, cache_run,
-                          transformers_reference)
+from ._generation import (CACHE_PROMPTS, CACHE_SCENARIOS, REUSE, assert_refused_alike, assert_same_generation,
+                          cache_run, static_reuse_run, transformers_reference)
 
 ATOL = 1e-5
 LAYOUTS = {
@@ -96,7 +96,7 @@ def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
             # after the prefill where there is no pipeline; the same padded lengths as the dynamic cache's, above)
             fixed = 3 if "pipeline_parallel_size" not in sizes else 0
             assert res["static_cache_out"] == ("LoongStaticCache", prompt + 3, prompt + 3, fixed), res
-            assert res["static_freed"], "the static cache outlives generate's output (a reference cycle)"
+            assert res["static_freed"], "the cache outlives the output (a cycle) or its buffers free_static_cache"
         else:
             assert "expert parallelism" in res["refused"]["static_ep"][1], res["refused"]
         assert res["forward_user_cache"][0] == "TypeError" and "LoongKVCache" in res["forward_user_cache"][1]
@@ -132,3 +132,18 @@ def test_random_draws_and_rng_forks(checkpoints):
     assert seen == {"eval": False, "train, no dropout": False, "train, hidden dropout": True,
                     "fork inside": "nullcontext", "fork after": False,
                     "cpu refusal": "the cpu backend has no device graphs"}, seen
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2_sp"])
+def test_static_cache_kept_across_calls(checkpoints, layout):
+    """The static cache's buffers and fixed step (with its graph, on GPUs) are kept by the model: a later call with the
+    same batch and a length that fits replays them; another batch, a longer call, new weight tensors or a hook make
+    new ones (the host state changed), an in-place weight update does not; ``free_static_cache`` drops them. Every
+    call gives the dynamic cache's tokens and scores (1e-5) on the model as it is then."""
+    arch, nprocs, sizes = LAYOUTS[layout]
+    results = run_distributed(static_reuse_run, nprocs, checkpoints[arch][0], sizes, timeout=240)
+    for rank, seen in enumerate(results):
+        assert {name: (got["reused"], got["max_cache_len"]) for name, got in seen.items()} == REUSE, (rank, seen)
+        for name, got in seen.items():
+            assert got["tokens_equal"] and got["scores_diff"] < ATOL, (rank, name, got)
+            assert got["fixed_steps"] == {"shorter": 1, "longer": 5}.get(name, 3), (rank, name, got)

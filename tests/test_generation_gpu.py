@@ -11,6 +11,8 @@
   within 1e-4 in fp32, the uncached path's within 3e-2 in bf16, and with ``fp8="on"``.
 - A decode step that cannot be captured (a device synchronisation inside it) warns and runs eagerly, with the
   dynamic cache's tokens and scores / logits within 1e-4.
+- The graph kept across calls (one GPU and TP2): replayed by a later call where the model's host state is unchanged,
+  also over weights updated in place, captured anew otherwise; the dynamic cache's tokens and scores (1e-4).
 - On two GPUs over NCCL (TP2, TP2 + SP, CP2, PP2): transformers' tokens, scores and logits (fp32, 1e-4) on both
   ranks; the static cache's step is a CUDA graph on both ranks (with its collectives) in all but PP2.
 """
@@ -24,7 +26,8 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 from ._device_env import pickleable_month_day_nano
-from ._generation import CACHE_PROMPTS, CACHE_SCENARIOS, SCENARIOS, step_lengths, prompts_for, run_scenarios
+from ._generation import (CACHE_PROMPTS, CACHE_SCENARIOS, REUSE, SCENARIOS, prompts_for, run_scenarios,
+                          static_reuse_run, step_lengths)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -98,6 +101,31 @@ def test_two_gpu_generate_as_transformers(tmp_path, layout):
     for rank, got in enumerate(results):
         assert got["graphed"] == expected, (layout, rank, got["graphed"])
         _same_as_transformers(got, f"{layout} rank {rank}")
+
+
+def _cuda_reuse_world(folder: str, layout: dict) -> dict:
+    pickleable_month_day_nano()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return static_reuse_run(folder, layout)
+
+
+@pytest.mark.parametrize("layout", ["one_gpu", "tp2"])
+def test_static_cache_graph_kept_across_calls(tmp_path, layout):
+    """The CUDA graph kept from one generate call to the next (``_generation.REUSE``): replayed at once
+    where the host state is unchanged, over weights updated in place (the replay reads their new values), captured
+    anew after new weight tensors or a hook; every call a graph, with the dynamic cache's tokens and scores within
+    1e-4 (fp32) on the model as it is then."""
+    if layout == "tp2" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    folder = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    sizes, nprocs = ({}, 1) if layout == "one_gpu" else ({"tensor_parallel_size": 2}, 2)
+    results = run_distributed(_cuda_reuse_world, nprocs, str(folder), sizes, timeout=400,
+                              env={"LOONGFORGE_DEVICE": "cuda"})
+    for rank, seen in enumerate(results):
+        assert {name: (got["reused"], got["max_cache_len"]) for name, got in seen.items()} == REUSE, (rank, seen)
+        for name, got in seen.items():
+            assert got["graphed"] and got["tokens_equal"] and got["scores_diff"] < 1e-4, (rank, name, got)
 
 
 BF16_ATOL = 3e-2
