@@ -72,9 +72,11 @@ class LoongKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.filled
 
-    def fixed_step(self, model, *, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
+    def fixed_step(self, model, *, input_ids: torch.Tensor, attention_mask,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The logits of a step this cache runs at a fixed shape, or None: the step runs through ``cached_step``
-        (always, for this dynamic cache; ``static_cache.LoongStaticCache`` runs its one-token decode steps)."""
+        (always, for this dynamic cache; ``static_cache.LoongStaticCache`` runs its one-token decode steps).
+        ``position_ids``: an image-text model's ``[3, b, new]`` mRoPE positions (text models: None)."""
         return None
 
     @classmethod

@@ -19,7 +19,9 @@ Choices:
   ``[b, 1, 1, max_cache_len]`` mask of the keys the query may see (transformers' padding mask over the filled
   slots, the window's left bound; unfilled slots never). Inside, each core attention writes its key and value at
   the layer's count and attends the query over the whole buffer under that mask, and each rotary embedding returns
-  its table row of that position (the table is computed once, at the first step, by the embedding itself). Under
+  its table row of that position (the table is computed once, at the first step, by the embedding itself); an
+  image-text model's ``[3, b, 1]`` mRoPE positions (from generate) are copied into a position buffer instead and
+  its multimodal rotary embedding computes the rows inside the step (``multimodal/generation.py``). Under
   sequence parallelism the step is the token and ``tensor_parallel_size - 1`` placeholders after it (megatron splits
   the sequence over the TP ranks): only the token's key and value are written, the placeholders' queries attend
   under the token's mask and their logits are dropped. Under context parallelism the step runs whole on every CP
@@ -120,28 +122,29 @@ class LoongStaticCache(LoongKVCache):
         model.__dict__["_static_cache_kept"] = cache.kept
         return cache
 
-    def fixed_step(self, model, *, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
+    def fixed_step(self, model, *, input_ids: torch.Tensor, attention_mask,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The ``[b, 1, V]`` logits of a one-token decode step run by ``FixedDecode``, or None where it does not apply
         (the caller runs the step as with the dynamic cache)."""
         if input_ids.shape[-1] != 1 or self.filled == 0 or not fixed_step_applies(model):
             return None
         if self.decode is None:
-            self.decode = self._kept_or_new_decode(model, batch=input_ids.shape[0])
-        logits = self.decode(model, self, input_ids, attention_mask)
+            self.decode = self._kept_or_new_decode(model, batch=input_ids.shape[0], mrope=position_ids is not None)
+        logits = self.decode(model, self, input_ids, attention_mask, position_ids)
         self.filled += 1
         self.fixed_steps += 1
         return logits
 
-    def _kept_or_new_decode(self, model, *, batch: int) -> "FixedDecode":
+    def _kept_or_new_decode(self, model, *, batch: int, mrope: bool) -> "FixedDecode":
         """The kept fixed step where it was made for these buffers, this batch and the model's present host state
         (``host_state``), else a new one, kept."""
         kept = self.kept.decode
-        if kept is not None and kept.batch == batch and kept.buffers == _buffer_addresses(self.layers) \
-                and kept.state == host_state(model):
+        if kept is not None and kept.batch == batch and kept.mrope == mrope \
+                and kept.buffers == _buffer_addresses(self.layers) and kept.state == host_state(model):
             self.reused_kept_step = True
             return kept
         self.kept.decode = None  # NOTE: its graph's memory goes first
-        self.kept.decode = FixedDecode(model, self, batch=batch)
+        self.kept.decode = FixedDecode(model, self, batch=batch, mrope=mrope)
         return self.kept.decode
 
     @property
@@ -216,14 +219,16 @@ class FixedDecode:
     none (module docstring). NOTE: it holds neither the model nor a cache (both are passed to each call): the model
     keeps it (``Kept``) and no reference cycle holds the model, a cache or the graph's memory pool."""
 
-    def __init__(self, model, cache: LoongStaticCache, *, batch: int) -> None:
+    def __init__(self, model, cache: LoongStaticCache, *, batch: int, mrope: bool = False) -> None:
         device = model.device
         width = model.parallel.whole_sequence_multiple  # NOTE: the token, then placeholders under SP
-        self.batch = batch
+        self.batch, self.mrope = batch, mrope
         self.buffers = _buffer_addresses(cache.layers)  # NOTE: the cache buffers its steps (and graph) write
         self.state: tuple | None = None  # NOTE: the model's host state after the first step (host_state)
         self.ids = torch.zeros(batch, width, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+        # NOTE: the chunk's position ids: unread by a text model (its rotary rows are the table's), an image-text
+        # model's [3, b, w] mRoPE positions (the token's from generate; the placeholders' 0)
+        self.positions = torch.zeros(*((3,) if mrope else ()), batch, width, dtype=torch.long, device=device)
         self.position = torch.zeros(width, dtype=torch.long, device=device)  # NOTE: the placeholders' rows too
         self.allowed = {window: torch.zeros(batch, 1, 1, cache.max_cache_len, dtype=torch.bool, device=device)
                         for window in {_window(a) for a in cache.attentions}}
@@ -239,8 +244,9 @@ class FixedDecode:
         self.replay = None  # NOTE: the captured step's replay, once captured
         self.logits: torch.Tensor | None = None
 
-    def __call__(self, model, cache: LoongStaticCache, input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
-        self._fill(cache, input_ids, attention_mask)
+    def __call__(self, model, cache: LoongStaticCache, input_ids: torch.Tensor, attention_mask,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        self._fill(cache, input_ids, attention_mask, position_ids)
         if self.replay is not None:
             self.replay()
             return self.logits.clone()
@@ -249,7 +255,8 @@ class FixedDecode:
             self.state = host_state(model)
         return logits
 
-    def _fill(self, cache: LoongStaticCache, input_ids: torch.Tensor, attention_mask) -> None:
+    def _fill(self, cache: LoongStaticCache, input_ids: torch.Tensor, attention_mask,
+              position_ids: torch.Tensor | None) -> None:
         past, batch = cache.filled, self.ids.shape[0]
         if tuple(input_ids.shape) != (batch, 1):
             raise ValueError(f"static KV cache: a decode step of {list(input_ids.shape)} tokens after a prefill of "
@@ -259,6 +266,11 @@ class FixedDecode:
                              f"{cache.max_cache_len} (the generation's max_length - 1).")
         if attention_mask is not None:
             check_step_mask(attention_mask, batch=batch, length=past + 1)
+        if self.mrope:
+            if position_ids is None or tuple(position_ids.shape) != (3, batch, 1):
+                raise ValueError(f"static KV cache: an image-text decode step needs [3, {batch}, 1] mRoPE "
+                                 f"position_ids, got {None if position_ids is None else list(position_ids.shape)}.")
+            self.positions[:, :, :1].copy_(position_ids, non_blocking=True)
         self.ids[:, :1].copy_(input_ids, non_blocking=True)
         self.position.fill_(past)
         for window, allowed in self.allowed.items():
@@ -278,7 +290,8 @@ class FixedDecode:
         forks = contextlib.nullcontext() if self.draws_random else _no_rng_fork()
         with _fixed_attached(self, model, cache), whole, forks:
             out = model.chunks[0](self.ids, self.positions, None)
-        return full_logits(out[:, :1], vocab_size=model.config.vocab_size)  # NOTE: the token's, not SP's padding
+        # NOTE: the token's logits, not SP's placeholders'
+        return full_logits(out[:, :1], vocab_size=model.config.get_text_config().vocab_size)
 
     def _warm_up_and_capture(self, model, cache: LoongStaticCache) -> torch.Tensor:
         from loongforge_hf.xpu import get_backend

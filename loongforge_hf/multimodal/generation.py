@@ -36,8 +36,12 @@ Choices:
 - Context parallelism: every step, cached or not, runs the whole sequence on every CP rank
   (``context_parallel.whole_sequence_on_every_rank``, as the text models' cached steps: ``kv_cache.py``); every CP
   rank encodes every image, as in training.
+- ``cache_implementation="static"``: the prefill as above, then each one-token step runs the static cache's
+  fixed-shape decode (``static_cache.py``; a CUDA graph on GPUs, kept across calls) with the token's ``[3, b, 1]``
+  positions copied into its position buffer (megatron's ``MultimodalRotaryEmbedding`` computes the rows inside the
+  step); not under a pipeline (those steps run as with the dynamic cache).
 - Refused (ValueError, on every rank alike before any collective): ``mm_encoder_outputs`` (pass the pixels),
-  ``position_ids`` other than ``[3, batch, seq]``, ``cache_implementation="static"``.
+  ``position_ids`` other than ``[3, batch, seq]``.
 - A placeholder id sampled into the sequence (say a video token in a batch without videos) stays a text token in
   the uncached steps, as in transformers (``chunk.py`` splices only the kinds given); one of a kind the batch has
   (an image token among images) makes the uncached step's placeholders outnumber the grids and raises there, as
@@ -73,9 +77,6 @@ def generation_refusal(model, config, kwargs: dict) -> str | None:
     """Why this image-text generate call is refused, or None (see the module docstring)."""
     if kwargs.get("mm_encoder_outputs") is not None:
         return "mm_encoder_outputs is not supported: pass pixel_values / pixel_values_videos."
-    if config.cache_implementation == "static":
-        return ("cache_implementation='static' is not supported by image-text models (their 3-D rotary positions "
-                "are not in its fixed-shape decode step); use the default dynamic KV cache.")
     positions = kwargs.get("position_ids")
     if positions is not None and (positions.dim() != 3 or positions.shape[0] != 3):
         return (f"position_ids of shape {list(positions.shape)} are not supported: pass [3, batch, seq] mRoPE "
@@ -174,6 +175,10 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
 
     if cache is not None:
         from loongforge_hf.kv_cache import cached_step
+
+        logits = cache.fixed_step(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        if logits is not None:  # NOTE: the static cache's one-token decode step (static_cache.py)
+            return logits
 
         with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
             return run(padded_ids, None)

@@ -76,8 +76,8 @@ def transformers_reference(folder: str) -> dict:
 
 REFUSED = {"position_ids_4d": lambda inputs: {
                "position_ids": torch.zeros(4, *inputs["input_ids"].shape, dtype=torch.long)},
-           "inputs_embeds": lambda inputs: {"inputs_embeds": torch.zeros(*inputs["input_ids"].shape, 64)},
-           "static_cache": {"cache_implementation": "static"}}
+           "inputs_embeds": lambda inputs: {"inputs_embeds": torch.zeros(*inputs["input_ids"].shape, 64)}}
+STATIC = {"cache_implementation": "static"}
 
 
 def generate_run(folder: str, layout: dict, expanded: bool) -> dict:
@@ -94,18 +94,25 @@ def generate_run(folder: str, layout: dict, expanded: bool) -> dict:
     res = {"multiple": model.parallel.whole_sequence_multiple,
            "prompt": inputs["input_ids"].shape[1],
            "cached": run_scenarios(model, inputs),
+           "static": run_scenarios(model, inputs, **STATIC),
            "uncached": run_scenarios(model, inputs, use_cache=False),
            "text_only": run_scenarios(model, text_only, {"greedy": SCENARIOS["greedy"]}),
            "videos": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]}),
+           "videos_static": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]}, **STATIC),
            "videos_uncached": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]},
                                             use_cache=False)}
     if expanded:
         res["batch"] = {"images": inputs["input_ids"].shape[0], "videos": video_batch(folder)["input_ids"].shape[0]}
         for batch, name in ((inputs, "images"), (video_batch(folder), "videos")):
             res[f"{name}_expanded"] = run_scenarios(model, batch, EXPANDED)
+            res[f"{name}_expanded_static"] = run_scenarios(model, batch, EXPANDED, **STATIC)
             res[f"{name}_expanded_uncached"] = run_scenarios(model, batch, EXPANDED, use_cache=False)
     greedy = dict(max_new_tokens=4)
+    static = model.generate(**inputs, **greedy, **STATIC, return_dict_in_generate=True).cache
+    res["static_fixed_steps"] = static.fixed_steps
+    del static
     res["lengths"] = {"cached": step_lengths(model, lambda: model.generate(**inputs, **greedy)),
+                      "static": step_lengths(model, lambda: model.generate(**inputs, **greedy, **STATIC)),
                       "uncached": step_lengths(model, lambda: model.generate(**inputs, **greedy, use_cache=False))}
     res["refused"] = refusals(model, inputs, REFUSED)
     if dist.get_world_size() > 1:

@@ -16,8 +16,11 @@
   are laid out after the expansion is checked on its own too (several images in a row, a row without).
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far.
-- Refused with a ValueError on every rank alike: ``position_ids`` that are not ``[3, b, s]``, ``inputs_embeds``,
-  ``cache_implementation="static"``. Ranks of one replica passing different ``pixel_values`` raise the
+- ``cache_implementation="static"`` gives transformers' tokens and scores / logits within 1e-5 in every layout and
+  scenario above (images, videos, beams, return sequences); its one-token steps run the fixed-shape decode (3-D
+  positions in its buffer) in every layout without a pipeline, with the dynamic cache's step lengths.
+- Refused with a ValueError on every rank alike: ``position_ids`` that are not ``[3, b, s]``, ``inputs_embeds``.
+  Ranks of one replica passing different ``pixel_values`` raise the
   replica-mismatch error (the hash covers them).
 """
 
@@ -85,8 +88,10 @@ def test_generate_as_transformers_cached_and_uncached(checkpoint, ranks, layout)
             _same(res["cached"][name], ref["images"][name], f"{layout} rank {rank} {name} cached vs transformers")
             _same(res["uncached"][name], ref["images"][name], f"{layout} rank {rank} {name} uncached vs transformers")
             _same(res["cached"][name], res["uncached"][name], f"{layout} rank {rank} {name} cached vs uncached")
+            _same(res["static"][name], ref["images"][name], f"{layout} rank {rank} {name} static vs transformers")
         _same(res["text_only"]["greedy"], ref["text_only"]["greedy"], f"{layout} rank {rank} text-only batch")
         _same(res["videos"]["greedy"], ref["videos"]["greedy"], f"{layout} rank {rank} videos cached")
+        _same(res["videos_static"]["greedy"], ref["videos"]["greedy"], f"{layout} rank {rank} videos static")
         _same(res["videos_uncached"]["greedy"], ref["videos"]["greedy"], f"{layout} rank {rank} videos uncached")
 
 
@@ -101,6 +106,7 @@ def test_beams_and_return_sequences_as_transformers(checkpoint, ranks, layout):
                 _same(cached, ref[f"{batch}_expanded"][name], f"{what} cached vs transformers")
                 _same(uncached, ref[f"{batch}_expanded"][name], f"{what} uncached vs transformers")
                 _same(cached, uncached, f"{what} cached vs uncached")
+                _same(res[f"{batch}_expanded_static"][name], ref[f"{batch}_expanded"][name], f"{what} static")
                 assert cached["sequences"].shape[0] == 2 * res["batch"][batch]  # NOTE: 2 sequences per prompt
 
 
@@ -141,6 +147,9 @@ def test_cached_steps_run_one_token(ranks, layout):
         padded = -(-prompt // multiple) * multiple
         # NOTE: max_new_tokens=4: the prefill, then three one-token steps (padded to the layout's multiple)
         assert res["lengths"]["cached"] == [padded] + [multiple] * 3, res["lengths"]
+        assert res["lengths"]["static"] == res["lengths"]["cached"], res["lengths"]
+        # NOTE: the static cache's one-token steps run the fixed-shape decode (a CUDA graph on GPUs) but under PP
+        assert res["static_fixed_steps"] == (0 if layout.startswith("pp2") else 3), res["static_fixed_steps"]
         assert res["lengths"]["uncached"] == [-(-n // multiple) * multiple for n in range(prompt, prompt + 4)]
 
 
@@ -149,7 +158,6 @@ def test_refusals_alike_on_every_rank(ranks, layout):
     results = ranks[layout]
     assert_refused_alike(results, REFUSED)
     assert "[3, batch, seq]" in results[0]["refused"]["position_ids_4d"][1]
-    assert "cache_implementation='static'" in results[0]["refused"]["static_cache"][1]
     if len(results) > 1:
         assert all(res["mismatch"] is not None and res["mismatch"][0] == "GenerationMismatchError"
                    for res in results)

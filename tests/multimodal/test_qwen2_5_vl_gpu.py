@@ -134,22 +134,31 @@ def _run_generate_bf16(folder: str) -> dict:
     del ref
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16)
     ours = model.generate(**inputs, **kw)
+    static = model.generate(**inputs, **kw, cache_implementation="static")
     return {"device": str(model.device),
+            "graphed": (static.cache.fixed_steps, static.cache.decode is not None
+                        and static.cache.decode.replay is not None),
             "ours": (ours.sequences.cpu(), torch.stack(ours.scores).float().cpu(),
                      torch.stack(ours.logits).float().cpu()),
+            "static": (static.sequences.cpu(), torch.stack(static.scores).float().cpu(),
+                       torch.stack(static.logits).float().cpu()),
             "theirs": (theirs.sequences.cpu(), torch.stack(theirs.scores).float().cpu(),
                        torch.stack(theirs.logits).float().cpu())}
 
 
 def test_cuda_bf16_generate_as_transformers(tmp_path):
     """Cached greedy generate in bf16 on one GPU (images of two sizes, left padding, a text-only row) against
-    transformers' generate in bf16 on the same GPU: the first steps' tokens equal, scores and logits within 3e-2."""
+    transformers' generate in bf16 on the same GPU: the first steps' tokens equal, scores and logits within 3e-2; the
+    same with the static cache, its decode steps (3-D mRoPE positions) replayed from a CUDA graph."""
     from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
 
     folder = make_tiny_qwen2_5_vl(tmp_path / "src")
     [r] = run_distributed(_run_generate_bf16, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
     assert r["device"].startswith("cuda"), r
-    (seq, scores, logits), (ref_seq, ref_scores, ref_logits) = r["ours"], r["theirs"]
-    assert torch.equal(seq, ref_seq), (seq, ref_seq)
-    torch.testing.assert_close(scores, ref_scores, atol=GENERATE_BF16_ATOL, rtol=0)
-    torch.testing.assert_close(logits, ref_logits, atol=GENERATE_BF16_ATOL, rtol=0)
+    assert r["graphed"] == (GENERATE_STEPS - 1, True), r["graphed"]
+    ref_seq, ref_scores, ref_logits = r["theirs"]
+    for which in ("ours", "static"):
+        seq, scores, logits = r[which]
+        assert torch.equal(seq, ref_seq), (which, seq, ref_seq)
+        torch.testing.assert_close(scores, ref_scores, atol=GENERATE_BF16_ATOL, rtol=0, msg=lambda m: f"{which}: {m}")
+        torch.testing.assert_close(logits, ref_logits, atol=GENERATE_BF16_ATOL, rtol=0, msg=lambda m: f"{which}: {m}")
