@@ -94,6 +94,9 @@ class Kept:
         self.max_cache_len = max_cache_len
         self.decode: FixedDecode | None = None
 
+    def __deepcopy__(self, memo) -> None:
+        return None  # NOTE: a copied model (copy.deepcopy) makes its own: a graph cannot be copied, nor shared
+
 
 class LoongStaticCache(LoongKVCache):
     """``LoongKVCache`` with preallocated buffers and fixed-shape decode steps (see the module docstring)."""

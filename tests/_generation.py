@@ -263,7 +263,10 @@ REUSE = {"first": (False, 9), "again": (True, 9), "shorter": (True, 9), "beams":
 
 def static_reuse_run(folder: str, layout: dict) -> dict:
     """A sequence of static-cache generate calls on one model: which reused the buffers and fixed step kept from the
-    call before (``static_cache.Kept``), and their tokens against the dynamic cache's on the model as it was then."""
+    call before (``static_cache.Kept``), and their tokens against the dynamic cache's on the model as it was then;
+    what a deep copy of the kept step is."""
+    import copy
+
     import transformers
 
     import loongforge_hf as lf
@@ -298,6 +301,7 @@ def static_reuse_run(folder: str, layout: dict) -> dict:
     handle = model.chunks[0].register_forward_pre_hook(lambda module, args: None)
     call("hook added")
     handle.remove()
+    copied = copy.deepcopy(model.__dict__["_static_cache_kept"])  # NOTE: what copy.deepcopy(model) holds
     model.free_static_cache()
     call("after free")
-    return seen
+    return {"calls": seen, "copied_kept": copied}
