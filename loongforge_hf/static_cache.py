@@ -319,7 +319,8 @@ def _buffer_addresses(layers) -> tuple:
 def host_state(model) -> tuple:
     """What a captured step read on the host, which its replays never read again: per module of the model's chunks
     its class and attributes (scalars and the training flag by value; parameters, buffers and tensor attributes by
-    address, shape, dtype and strides; hooks, submodules and other objects by identity), the tensor-parallel group
+    address, shape, dtype and strides; hooks, submodules and other objects by identity), megatron's model config
+    (its fields, the same way), the tensor-parallel group
     (NCCL's communicator is in the graph) and the global switches kernels read (autocast, TF32, float32 matmul
     precision, ``LOONGFORGE_*`` variables). A kept graph is replayed only where this is unchanged: in-place updates
     of the weights (an optimizer step) keep it; new weight tensors, a dtype or device move, LoRA attached, a hook
@@ -329,7 +330,8 @@ def host_state(model) -> tuple:
     state = [torch.is_autocast_enabled(), torch.get_float32_matmul_precision(),
              torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
              id(ps.get_tensor_model_parallel_group()),
-             tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("LOONGFORGE_")))]
+             tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("LOONGFORGE_"))),
+             tuple((name, _value_key(value)) for name, value in vars(model.megatron.config).items())]
     for chunk in model.chunks:
         for module in chunk.modules():
             state.append((type(module), tuple((name, _value_key(value)) for name, value in vars(module).items())))
