@@ -29,14 +29,17 @@ Choices:
   the first real token). Image-text models (mRoPE) are different: megatron's ``MultimodalRotaryEmbedding`` does read
   the ``[3, b, s]`` position ids (no ``RotaryEmbedding``, so ``attached`` leaves it alone); their generate passes
   each step's positions (``multimodal/generation.py``) and runs the step through ``cached_step``.
-- Context parallelism: a cached step of one token cannot be split into 2 x CP load-balanced chunks, so every cached
-  forward (the prefill too) runs the whole sequence on every rank of the CP group, which then holds the whole cache
+- Context parallelism: the prefill (the first cached forward, the prompt) is split over the CP group as the forward
+  without a cache is (``split_prefill``: 2 x CP load-balanced chunks, each rank's rotary rows and logits as there):
+  each attention all-gathers the keys and values in global order (as ``kernels/attention.py`` does under CP),
+  writes the prompt's (not the layout's padding) into the cache of every rank and attends its own query chunks
+  over them (transformers' padding mask over the keys). A later cached step of one token cannot be split into
+  2 x CP load-balanced chunks, so it runs the whole sequence on every rank of the CP group, which holds the whole cache
   (``context_parallel.whole_sequence_on_every_rank``: no CP split of the inputs, no CP gather of the logits, the
   modules that take their CP share themselves hold no CP group; the attention is the cached one above). megatron's
   1-D rotary embedding counts a CP rank's rotary length times CP and takes its CP share of the table: ``attached``
   gives it the whole sequence's rows instead (the 3-D one of image-text models reads positions: it only loses its
-  CP group).
-  The prefill's attention is replicated over CP rather than split (no-grad: no activations are kept for a backward).
+  CP group). Image-text models run their prefill whole on every CP rank too (``multimodal/generation.py``).
   ``forward`` refuses labels with a cache.
 """
 
@@ -217,7 +220,51 @@ def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
     if logits is not None:
         return logits
     rows = keep_rows(input_ids.shape[-1], keep)
+    if cache.filled == 0 and model.parallel.context_parallel_size > 1:
+        return split_prefill(model, cache, input_ids=input_ids, attention_mask=attention_mask, rows=rows)
     with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
         _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
                                    return_logits=True, rows=rows)
     return logits
+
+
+def split_prefill(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, rows: slice) -> torch.Tensor:
+    """The prefill under context parallelism, split over the CP group (module docstring): the ``rows`` logits of the
+    prompt ``input_ids`` on every rank; its keys and values fill ``cache`` on every rank."""
+    from loongforge_hf.bridges.runtime import forward_padded
+    from loongforge_hf.trainer.data import pad_model_inputs
+
+    batch, given = input_ids.shape
+    padded_ids = pad_model_inputs(input_ids, None, None, None, multiple=model.parallel.sequence_multiple)[0]
+    step = _Step(past=0, given=given, padded=padded_ids.shape[-1],
+                 mask=_key_padding_mask(attention_mask, batch=batch, past=0, given=given,
+                                        padded=padded_ids.shape[-1], device=model.device))
+    with patched(model.chunks, cache,
+                 lambda index: functools.partial(_split_prefill_attention, cache=cache, index=index, step=step),
+                 lambda index, rope: type(rope).forward.__get__(rope)):  # NOTE: the rope as without a cache
+        _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
+                                   return_logits=True, rows=rows)
+    cache.filled += given
+    return logits
+
+
+def _split_prefill_attention(module, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                             packed_seq_params=None, *, cache: LoongKVCache, index: int, step: _Step):
+    """Stands in for ``CoreAttention.forward`` in ``split_prefill``: ``query / key / value [2c, b, h, d]``, this CP
+    rank's two load-balanced chunks -> ``[2c, b, h * d_v]``; the prompt's keys and values of every rank join the
+    cache."""
+    import torch.distributed as dist
+
+    from loongforge_hf.kernels.attention import CAUSAL_MASK_TYPES, _cp_chunks, _cp_global_index, _gather_kv
+
+    mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
+    if attention_bias is not None or packed_seq_params is not None or mask_type not in CAUSAL_MASK_TYPES:
+        raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
+    group = module.cp_group
+    cp_size = dist.get_world_size(group)
+    keys, values = _gather_kv(key, value, group, _cp_global_index([step.padded], cp_size, key.device))
+    keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # NOTE: [b, h_kv, padded, d], global order
+    cache.update(keys[:, :, :step.given], values[:, :, :step.given], index)
+    out = _cp_chunks(query.permute(1, 2, 0, 3), keys, values, cp_rank=dist.get_rank(group), cp_size=cp_size,
+                     causal=True, scale=module.softmax_scale, dropout_p=0.0, window=module.window, mask=step.mask)
+    return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)

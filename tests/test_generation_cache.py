@@ -5,10 +5,11 @@ prompts of different lengths.
 - Greedy (scores and raw logits), beam search (3 beams, 2 sequences returned, scores) and seeded top-k sampling
   (logits) give transformers' tokens, and scores / logits within 1e-5 of transformers' and of ``use_cache=False``'s,
   on every rank of: one rank, TP2, TP2 with sequence parallelism (a one-token step padded to two), PP2, PP2 x VPP2
-  (a rank's cache spans its two virtual chunks), Qwen3-MoE with EP2, CP2 (cached forwards run the whole sequence on
-  both CP ranks; uncached ones are split over CP) and DeepSeek-V3 (MLA: its own rotary embedding, query / key and
+  (a rank's cache spans its two virtual chunks), Qwen3-MoE with EP2, CP2 (the prefill is split over CP, its keys
+  and values gathered into both ranks' caches; later cached steps run the whole sequence on both CP ranks; uncached
+  ones are split over CP) and DeepSeek-V3 (MLA: its own rotary embedding, query / key and
   value heads of different sizes) with TP2 and sequence parallelism, and with CP2; Mistral with a 3-token sliding
-  window (the prompts and the generated tokens outrun it) at one rank.
+  window (the prompts and the generated tokens outrun it) at one rank and at CP2 (the window in the split prefill).
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here. The output layer
   computes the kept (last) position's logits only where that is exact (not under sequence parallelism).
@@ -43,6 +44,7 @@ LAYOUTS = {
     "cp2": ("qwen2", 2, {"context_parallel_size": 2}),
     "mla_cp2": ("deepseek_v3", 2, {"context_parallel_size": 2}),
     "sliding_window": ("mistral_window", 1, {}),
+    "sliding_window_cp2": ("mistral_window", 2, {"context_parallel_size": 2}),
 }
 # NOTE: name -> (architecture, config overrides); Mistral with a 3-token sliding window: the prompts (6 positions)
 # and every generated token outrun it
@@ -77,17 +79,19 @@ def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
             _same(res["cached"][name], res["uncached"][name], f"{layout} rank {rank} {name} cached vs uncached")
             if static:
                 _same(res["static"][name], ref[name], f"{layout} rank {rank} {name} static vs transformers")
-        # NOTE: max_new_tokens=4: the prefill, then three one-token steps, padded for sequence parallelism; cached
-        # steps run whole on every CP rank, uncached ones are split over CP (2 x CP chunks, half of them a rank's)
+        # NOTE: max_new_tokens=4: the prefill, then three one-token steps, padded for sequence parallelism; under CP
+        # the prefill and the uncached forwards are split over CP (2 x CP chunks, half of them a rank's), the
+        # later cached steps run whole on every CP rank
         step, multiple = res["cached_multiple"], res["multiple"]
-        padded = -(-prompt // step) * step
-        assert res["lengths"]["default"] == [padded] + [step] * 3, res["lengths"]
+        prefill = -(-prompt // multiple) * multiple // cp
+        assert res["lengths"]["default"] == [prefill] + [step] * 3, res["lengths"]
         assert res["lengths"]["uncached"] == [-(-n // multiple) * multiple // cp for n in range(prompt, prompt + 4)]
         assert res["cache_out"] == ("LoongKVCache", prompt + 3)
         # NOTE: the output layer computes the last position's logits only (logits_to_keep=1), except under sequence
-        # parallelism, where its input is this rank's sequence slice: the logits are cut after it there
+        # parallelism, where its input is this rank's sequence slice (the logits are cut after it there), and in a
+        # prefill split over CP (its rows are gathered over CP first)
         whole = step > 1
-        assert res["head_rows"] == ([padded if whole else 1] + [step if whole else 1] * 3
+        assert res["head_rows"] == ([prefill if whole or cp > 1 else 1] + [step if whole else 1] * 3
                                     if res["has_head"] else []), res["head_rows"]
         assert any(r["has_head"] for r in results)
         if static:
