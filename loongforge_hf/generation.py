@@ -12,9 +12,10 @@ Choices:
   stage(s) and virtual chunks. ``use_cache=False`` runs every step over the whole sequence so far instead (O(n^2) in
   the generated length). Under context parallelism the prefill is split over CP as in training and fills every CP
   rank's cache; the later cached forwards run the whole sequence on every CP rank (a one-token step cannot be split
-  into 2 x CP load-balanced chunks; ``kv_cache.py``), the uncached ones are split over CP as in training. ``cache_implementation="static"`` makes a ``LoongStaticCache`` instead
-  (``static_cache.py``: preallocated buffers, fixed-shape decode steps replayed as a device graph on GPUs, both kept
-  by the model for the next call); refused with expert parallelism (``synced_gpus``).
+  into 2 x CP load-balanced chunks; ``kv_cache.py``), the uncached ones are split over CP as in training.
+  ``cache_implementation="static"`` makes a ``LoongStaticCache`` instead (``static_cache.py``: preallocated
+  buffers, fixed-shape decode steps replayed as a device graph on GPUs, both kept by the model for the next call);
+  refused with expert parallelism (``synced_gpus``).
 - Refused with a ValueError before any forward, on every rank alike: a cache passed in (``cache`` /
   ``past_key_values``: generate makes its own), ``cache_implementation`` other than ``"dynamic"`` / ``"static"``,
   ``prefill_chunk_size``, assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``), the modes

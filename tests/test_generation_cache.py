@@ -88,11 +88,15 @@ def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
         assert res["lengths"]["uncached"] == [-(-n // multiple) * multiple // cp for n in range(prompt, prompt + 4)]
         assert res["cache_out"] == ("LoongKVCache", prompt + 3)
         # NOTE: the output layer computes the last position's logits only (logits_to_keep=1), except under sequence
-        # parallelism, where its input is this rank's sequence slice (the logits are cut after it there), and in a
-        # prefill split over CP (its rows are gathered over CP first)
+        # parallelism, where its input is this rank's sequence slice (the logits are cut after it there); in a
+        # prefill split over CP only the CP rank holding the last position computes it (ranks r hold chunks r and
+        # 2 x CP - 1 - r of the padded prompt), the group adds the ranks' rows up
         whole = step > 1
-        assert res["head_rows"] == ([prefill if whole or cp > 1 else 1] + [step if whole else 1] * 3
-                                    if res["has_head"] else []), res["head_rows"]
+        first = prefill if whole else 1
+        if cp > 1 and not whole:
+            chunk = prefill // 2
+            first = int((prompt - 1) // chunk in (rank, 2 * cp - 1 - rank))  # NOTE: the CP rank is the rank here
+        assert res["head_rows"] == ([first] + [step if whole else 1] * 3 if res["has_head"] else []), res["head_rows"]
         assert any(r["has_head"] for r in results)
         if static:
             assert res["lengths"]["static"] == res["lengths"]["default"], res["lengths"]

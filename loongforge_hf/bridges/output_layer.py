@@ -9,9 +9,10 @@ Choices:
 - ``head_rows`` cuts the output layer's input ``[s, b, h]`` to the kept positions before the GEMM, so the language
   model returns ``[b, kept, V]``: generate's prefill asks for the last position only (``logits_to_keep=1``), and a
   whole prompt's logits are GiBs (8 x 512 positions x 151,936 bf16 are 1.2 GiB). The output layer is a per-position
-  linear map: the kept rows are the same either way. Not under sequence parallelism (the layer's input is this
-  rank's sequence slice, gathered inside it) nor context parallelism (a rank's positions are a load-balanced share):
-  the caller cuts the logits after the layer there (``runtime.forward_padded``).
+  linear map: the kept rows are the same either way. Under context parallelism the rows are this rank's local
+  indices of its share of them (``context_parallel.cp_local_rows``). Not under sequence parallelism (the layer's
+  input is this rank's sequence slice, gathered inside it): the caller cuts the logits after the layer there
+  (``runtime.forward_padded``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _pass_hidden_states(layer, input_, weight=None, runtime_gather_output=None, 
     return input_, None
 
 
-def _rows_forward(forward, rows: slice, input_, *args, **kwargs):
+def _rows_forward(forward, rows: slice | torch.Tensor, input_, *args, **kwargs):
     return forward(input_[rows], *args, **kwargs)
 
 
@@ -57,9 +58,9 @@ def hidden_states_out(chunks):
     return _output_layers_patched(chunks, lambda layer: types.MethodType(_pass_hidden_states, layer))
 
 
-def head_rows(chunks, rows: slice | None):
-    """Inside, the output layers of ``chunks`` compute the logits of positions ``rows`` only (None: all; see the
-    module docstring for where the caller may ask for it)."""
+def head_rows(chunks, rows: slice | torch.Tensor | None):
+    """Inside, the output layers of ``chunks`` compute the logits of positions ``rows`` (a slice or an index of the
+    layer's input rows) only (None: all; see the module docstring for where the caller may ask for it)."""
     return _output_layers_patched(chunks if rows is not None else [],
                                   lambda layer: functools.partial(_rows_forward, layer.forward, rows))
 

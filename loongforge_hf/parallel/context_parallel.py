@@ -13,7 +13,9 @@ Choices:
 - Loss: each rank sums the losses of its own tokens, divided by the label count of the whole sequence. The value
   returned is the sum over the CP group (the full loss), the gradient each rank backpropagates is that of its own
   share; summed over the group (megatron's DDP reduces over data x context parallel ranks) it is the full gradient.
-- Logits are all-gathered over the group and put back in sequence order.
+- Logits are all-gathered over the group and put back in sequence order; where only some positions' logits are
+  asked for (generate: ``logits_to_keep``), each rank computes its own of them and the group adds them up
+  (``cp_local_rows``, ``cp_gather_rows``): a long prompt's full logits are never gathered.
 """
 
 from __future__ import annotations
@@ -96,6 +98,23 @@ def local_token_positions(seq: int, *, cp_size: int, cp_rank: int, sp_size: int 
         chunk = positions.numel() // sp_size
         positions = positions[sp_rank * chunk:(sp_rank + 1) * chunk]
     return positions
+
+
+def cp_local_rows(seq: int, rows: slice, cp_size: int, cp_rank: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the local indices of this rank's positions that fall in ``rows``, their places in ``rows``)."""
+    positions = cp_token_index(seq, cp_size, cp_rank, device=device)
+    local = ((positions >= rows.start) & (positions < rows.stop)).nonzero().flatten()
+    return local, positions[local] - rows.start
+
+
+def cp_gather_rows(local: torch.Tensor, places: torch.Tensor, count: int, group) -> torch.Tensor:
+    """``local`` ``[b, k, ..]`` (this rank's rows, at ``places`` of ``count``, ``cp_local_rows``) -> ``[b, count, ..]``
+    on every rank (no gradient): each row comes from the one rank that holds it (a sum over the group of zeros and
+    that rank's values, exact)."""
+    out = local.new_zeros(local.shape[0], count, *local.shape[2:])
+    out[:, places.to(out.device)] = local
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def cp_loss(local_sum: torch.Tensor, count: torch.Tensor, group) -> torch.Tensor:
