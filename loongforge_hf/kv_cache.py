@@ -39,7 +39,8 @@ Choices:
   modules that take their CP share themselves hold no CP group; the attention is the cached one above). megatron's
   1-D rotary embedding counts a CP rank's rotary length times CP and takes its CP share of the table: ``attached``
   gives it the whole sequence's rows instead (the 3-D one of image-text models reads positions: it only loses its
-  CP group). Image-text models run their prefill whole on every CP rank too (``multimodal/generation.py``).
+  CP group). Image-text models split their cached prefill the same way (``split_prefill_step``,
+  ``multimodal/generation.py``).
   ``forward`` refuses labels with a cache.
 """
 
@@ -232,6 +233,18 @@ def split_prefill(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attent
     """The prefill under context parallelism, split over the CP group (module docstring): the ``rows`` logits of the
     prompt ``input_ids`` on every rank; its keys and values fill ``cache`` on every rank."""
     from loongforge_hf.bridges.runtime import forward_padded
+
+    with split_prefill_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
+        _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
+                                   return_logits=True, rows=rows)
+    return logits
+
+
+@contextlib.contextmanager
+def split_prefill_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask):
+    """Inside, ``model``'s chunks run the prompt ``input_ids`` split over the CP group (the caller runs the forward
+    on the yielded ids, right-padded to the layout's ``sequence_multiple``, with no attention mask: the attentions
+    mask the padding keys themselves); its keys and values fill ``cache`` on every CP rank."""
     from loongforge_hf.trainer.data import pad_model_inputs
 
     batch, given = input_ids.shape
@@ -242,10 +255,8 @@ def split_prefill(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attent
     with patched(model.chunks, cache,
                  lambda index: functools.partial(_split_prefill_attention, cache=cache, index=index, step=step),
                  lambda index, rope: type(rope).forward.__get__(rope)):  # NOTE: the rope as without a cache
-        _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
-                                   return_logits=True, rows=rows)
+        yield padded_ids
     cache.filled += given
-    return logits
 
 
 def _split_prefill_attention(module, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

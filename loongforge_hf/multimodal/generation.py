@@ -33,9 +33,11 @@ Choices:
   the tokens are right-padded to TP under sequence parallelism (causality keeps the pads out of real tokens) and
   only the kept positions' logits are gathered and sent over the pipeline. The normal forward (training,
   evaluation) is not involved.
-- Context parallelism: every step, cached or not, runs the whole sequence on every CP rank
-  (``context_parallel.whole_sequence_on_every_rank``, as the text models' cached steps: ``kv_cache.py``); every CP
-  rank encodes every image, as in training.
+- Context parallelism: the cached prefill is split over CP as the text models' is (``kv_cache.split_prefill_step``:
+  the chunk takes its CP share of the padded prompt, the prompt's keys and values fill every CP rank's cache, each
+  rank computes its own of the kept rows' logits); every other step, cached or not, runs the whole sequence on every
+  CP rank (``context_parallel.whole_sequence_on_every_rank``, as the text models' cached steps: ``kv_cache.py``);
+  every CP rank encodes every image, as in training.
 - ``cache_implementation="static"``: the prefill as above, then each one-token step runs the static cache's
   fixed-shape decode (``static_cache.py``; a CUDA graph on GPUs, kept across calls) with the token's ``[3, b, 1]``
   positions copied into its position buffer (megatron's ``MultimodalRotaryEmbedding`` computes the rows inside the
@@ -138,7 +140,8 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     import torch.nn.functional as F
 
     from loongforge_hf.bridges.runtime import full_logits, keep_rows, megatron_attention_mask
-    from loongforge_hf.parallel.context_parallel import (cp_group_holders, pipeline_sequence_length,
+    from loongforge_hf.parallel.context_parallel import (cp_gather_rows, cp_group_and_size, cp_group_holders,
+                                                         cp_local_rows, pipeline_sequence_length,
                                                          whole_sequence_on_every_rank)
     from loongforge_hf.trainer.data import pad_model_inputs
 
@@ -154,32 +157,41 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
         raise ValueError(f"position_ids must be [3, {batch}, {given}] mRoPE positions, got "
                          f"{list(position_ids.shape)}.")
     # NOTE: padded for sequence parallelism only: under context parallelism every CP rank runs the whole sequence
-    # (context_parallel.whole_sequence_on_every_rank), as the text models' cached steps do (kv_cache.py)
+    # (context_parallel.whole_sequence_on_every_rank), as the text models' cached steps do (kv_cache.py), but for the
+    # cached prefill, split over CP as they split it (kv_cache.split_prefill_step)
     multiple = model.parallel.whole_sequence_multiple
-    padded = -(-given // multiple) * multiple
-    positions = F.pad(position_ids.to(device), (0, padded - given))  # NOTE: the pads' positions never reach a token
     rows = keep_rows(given, keep)
     vocab = model.config.text_config.vocab_size
     inputs = {name: vision.get(name) for name in VISION_INPUTS}
 
-    def run(ids, mask):
+    def run(ids, mask, split: bool = False):
+        positions = F.pad(position_ids.to(device), (0, ids.shape[-1] - given))  # NOTE: the pads' never reach a token
+
+        def pick(local_logits):  # NOTE: the kept rows' logits on every rank, from [b, s (this CP rank's), V / TP]
+            if not split:
+                return full_logits(local_logits[:, rows], vocab_size=vocab)
+            group, cp_size, cp_rank = cp_group_and_size()
+            index, places = cp_local_rows(ids.shape[-1], rows, cp_size, cp_rank, device)
+            local = full_logits(local_logits[:, index], vocab_size=vocab).detach()
+            return cp_gather_rows(local, places, rows.stop - rows.start, group)
+
         if model.parallel.pipeline_parallel_size == 1:
-            return full_logits(model.chunks[0](ids, positions, mask, **inputs)[:, rows], vocab_size=vocab)
+            return pick(model.chunks[0](ids, positions, mask, **inputs))
         from loongforge_hf.bridges.runtime import _forward_pipelined
 
-        def finish(local_logits):
-            return None, full_logits(local_logits[:, rows], vocab_size=vocab)
-
-        return _forward_pipelined(model.bound_chunks(inputs), ids, positions, mask, finish, True, False,
-                                  seq=pipeline_sequence_length(padded), rows=rows.stop - rows.start)[1]
+        return _forward_pipelined(model.bound_chunks(inputs), ids, positions, mask, lambda out: (None, pick(out)),
+                                  True, False, seq=pipeline_sequence_length(ids.shape[-1]),
+                                  rows=rows.stop - rows.start)[1]
 
     if cache is not None:
-        from loongforge_hf.kv_cache import cached_step
+        from loongforge_hf.kv_cache import cached_step, split_prefill_step
 
         logits = cache.fixed_step(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         if logits is not None:  # NOTE: the static cache's one-token decode step (static_cache.py)
             return logits
-
+        if cache.filled == 0 and model.parallel.context_parallel_size > 1:
+            with split_prefill_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
+                return run(padded_ids, None, split=True)
         with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
             return run(padded_ids, None)
     ids, attention_mask, _, _ = pad_model_inputs(
@@ -187,4 +199,4 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     whole = whole_sequence_on_every_rank(cp_group_holders(model.chunks)) if model.parallel.context_parallel_size > 1 \
         else contextlib.nullcontext()
     with whole:
-        return run(ids, megatron_attention_mask(attention_mask, padded) if attention_mask is not None else None)
+        return run(ids, megatron_attention_mask(attention_mask, ids.shape[-1]) if attention_mask is not None else None)

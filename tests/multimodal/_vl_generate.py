@@ -92,6 +92,8 @@ def generate_run(folder: str, layout: dict, expanded: bool) -> dict:
     text_only = prompt_batch(folder, TEXT_ONLY)
     # NOTE: steps are padded for sequence parallelism only (whole on every CP rank)
     res = {"multiple": model.parallel.whole_sequence_multiple,
+           "prefill_multiple": model.parallel.sequence_multiple if model.parallel.context_parallel_size > 1
+           else model.parallel.whole_sequence_multiple,
            "prompt": inputs["input_ids"].shape[1],
            "cached": run_scenarios(model, inputs),
            "static": run_scenarios(model, inputs, **STATIC),

@@ -8,7 +8,7 @@
   temporal grid), an image and a text-only row (greedy, cached and uncached) too. On every rank of: one rank, TP2
   (vision tower replicated), PP2, TP2 with sequence parallelism and the tower split over TP (steps padded to 2), TP2
   with the tower encoder-data-parallel (each TP rank encodes its share of the images), PP2 x VPP2, CP2 (every step,
-  cached or not, runs the whole sequence on both CP ranks).
+  cached or not, runs the whole sequence on both CP ranks but the cached prefill, split over CP).
 - Rows expanded before the prefill, each with its own images / videos: beam search (3 beams, 2 returned sequences,
   scores and sequences_scores) and sampling with 2 sequences per prompt, on the image and the video batches, cached
   and uncached, give transformers' tokens and scores / logits within 1e-5, in every layout above (the image batch's
@@ -144,8 +144,9 @@ def test_expanded_vision_inputs_follow_the_rows():
 def test_cached_steps_run_one_token(ranks, layout):
     for res in ranks[layout]:
         multiple, prompt = res["multiple"], res["prompt"]
-        padded = -(-prompt // multiple) * multiple
-        # NOTE: max_new_tokens=4: the prefill, then three one-token steps (padded to the layout's multiple)
+        # NOTE: max_new_tokens=4: the prefill, then three one-token steps (padded to the layout's multiple); under CP
+        # the prefill is split over CP (padded to 2 x CP chunks; the chunk takes the whole ids and its share itself)
+        padded = -(-prompt // res["prefill_multiple"]) * res["prefill_multiple"]
         assert res["lengths"]["cached"] == [padded] + [multiple] * 3, res["lengths"]
         assert res["lengths"]["static"] == res["lengths"]["cached"], res["lengths"]
         # NOTE: the static cache's one-token steps run the fixed-shape decode (a CUDA graph on GPUs) but under PP
