@@ -30,7 +30,7 @@ Choices:
   the ``[3, b, s]`` position ids (no ``RotaryEmbedding``, so ``attached`` leaves it alone); their generate passes
   each step's positions (``multimodal/generation.py``) and runs the step through ``cached_step``.
 - Context parallelism: the prefill (the first cached forward, the prompt) is split over the CP group as the forward
-  without a cache is (``split_prefill``: 2 x CP load-balanced chunks, each rank's rotary rows and logits as there):
+  without a cache is (``split_prefill_step``: 2 x CP load-balanced chunks, each rank's rotary rows and logits as there):
   each attention all-gathers the keys and values in global order (as ``kernels/attention.py`` does under CP),
   writes the prompt's (not the layout's padding) into the cache of every rank and attends its own query chunks
   over them (transformers' padding mask over the keys). A later cached step of one token cannot be split into
@@ -39,8 +39,7 @@ Choices:
   modules that take their CP share themselves hold no CP group; the attention is the cached one above). megatron's
   1-D rotary embedding counts a CP rank's rotary length times CP and takes its CP share of the table: ``attached``
   gives it the whole sequence's rows instead (the 3-D one of image-text models reads positions: it only loses its
-  CP group). Image-text models split their cached prefill the same way (``split_prefill_step``,
-  ``multimodal/generation.py``).
+  CP group). ``cached_forward`` picks the step; image-text models go through it too (``multimodal/generation.py``).
   ``forward`` refuses labels with a cache.
 """
 
@@ -217,27 +216,24 @@ def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
     after the ``cache.get_seq_length()`` cached ones, on every rank; their keys and values join the cache."""
     from loongforge_hf.bridges.runtime import forward_padded, keep_rows
 
-    logits = cache.fixed_step(model, input_ids=input_ids, attention_mask=attention_mask)
+    rows = keep_rows(input_ids.shape[-1], keep)
+    return cached_forward(model, cache, input_ids=input_ids, attention_mask=attention_mask,
+                          run=lambda ids: forward_padded(model, input_ids=ids, attention_mask=None, position_ids=None,
+                                                         labels=None, return_logits=True, rows=rows)[1])
+
+
+def cached_forward(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, run,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A cached forward of ``input_ids`` (the tokens after the cached ones): the cache's fixed-shape step where it
+    runs one (``LoongKVCache.fixed_step``), else ``run(padded_ids)`` (the model's forward of the padded ids, with no
+    attention mask, to the kept rows' logits) inside the step the cache is at: the prefill split over CP under
+    context parallelism (``split_prefill_step``), else ``cached_step``. ``position_ids``: an image-text model's."""
+    logits = cache.fixed_step(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     if logits is not None:
         return logits
-    rows = keep_rows(input_ids.shape[-1], keep)
-    if cache.filled == 0 and model.parallel.context_parallel_size > 1:
-        return split_prefill(model, cache, input_ids=input_ids, attention_mask=attention_mask, rows=rows)
-    with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
-        _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
-                                   return_logits=True, rows=rows)
-    return logits
-
-
-def split_prefill(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, rows: slice) -> torch.Tensor:
-    """The prefill under context parallelism, split over the CP group (module docstring): the ``rows`` logits of the
-    prompt ``input_ids`` on every rank; its keys and values fill ``cache`` on every rank."""
-    from loongforge_hf.bridges.runtime import forward_padded
-
-    with split_prefill_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
-        _, logits = forward_padded(model, input_ids=padded_ids, attention_mask=None, position_ids=None, labels=None,
-                                   return_logits=True, rows=rows)
-    return logits
+    step = split_prefill_step if cache.filled == 0 and model.parallel.context_parallel_size > 1 else cached_step
+    with step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
+        return run(padded_ids)
 
 
 @contextlib.contextmanager
@@ -261,7 +257,7 @@ def split_prefill_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
 
 def _split_prefill_attention(module, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                              packed_seq_params=None, *, cache: LoongKVCache, index: int, step: _Step):
-    """Stands in for ``CoreAttention.forward`` in ``split_prefill``: ``query / key / value [2c, b, h, d]``, this CP
+    """Stands in for ``CoreAttention.forward`` in ``split_prefill_step``: ``query / key / value [2c, b, h, d]``, this CP
     rank's two load-balanced chunks -> ``[2c, b, h * d_v]``; the prompt's keys and values of every rank join the
     cache."""
     import torch.distributed as dist

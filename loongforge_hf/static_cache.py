@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import StaticLayer
 
-from loongforge_hf.kv_cache import LoongKVCache, check_step_mask, core_attentions, patched
+from loongforge_hf.kv_cache import LoongKVCache, check_step_mask, patched
 from loongforge_hf.parallel.context_parallel import whole_sequence_on_every_rank
 
 logger = logging.getLogger(__name__)
@@ -115,8 +115,7 @@ class LoongStaticCache(LoongKVCache):
         """A cache of ``max_cache_len`` slots or more: the layers (and the fixed step, where the model's host state
         allows it) of the model's last static-cache generate where they are long enough, else new ones, kept."""
         kept = model.__dict__.get("_static_cache_kept")
-        if kept is not None and kept.max_cache_len >= max_cache_len and len(kept.layers) == len(core_attentions(
-                model.chunks)):
+        if kept is not None and kept.max_cache_len >= max_cache_len:  # NOTE: LoongKVCache checks the layer count
             for layer in kept.layers:
                 layer.reset()
             return cls(model.chunks, kept.max_cache_len, kept)
@@ -161,8 +160,9 @@ def fixed_step_applies(model) -> bool:
     return model.parallel.pipeline_parallel_size == 1
 
 
-def graph_refusal(model) -> str | None:
-    """Why the fixed step of ``model`` is not captured as a device graph, or None."""
+def graph_refusal(model, *, draws_random: bool) -> str | None:
+    """Why the fixed step of ``model`` (``draws_random``: ``_draws_random(model)``) is not captured as a device
+    graph, or None."""
     if not _backend_has_graphs():
         from loongforge_hf.xpu import get_backend
 
@@ -182,7 +182,7 @@ def graph_refusal(model) -> str | None:
         return "mixture-of-experts layers dispatch tokens at data-dependent shapes"
     if getattr(model.megatron.config, "fp8", None):
         return "Transformer Engine FP8 keeps its scaling state on the host"
-    if _draws_random(model):
+    if draws_random:
         return "the model is in training mode with dropout (megatron's RNG tracker switches generator states)"
     return None
 
@@ -240,7 +240,7 @@ class FixedDecode:
         whole = {"packed_seq": True} if model.parallel.context_parallel_size > 1 else {}
         self.tables = [type(rope).forward(rope, cache.max_cache_len, **whole) for rope in cache.rotary_embeddings]
         self.draws_random = _draws_random(model)
-        refusal = graph_refusal(model)
+        refusal = graph_refusal(model, draws_random=self.draws_random)
         if refusal is not None and _backend_has_graphs():  # NOTE: why a GPU run asking for speed gets none
             logger.info("generate: the static cache's decode steps run eagerly, not as a device graph: %s.", refusal)
         self.capture = refusal is None
@@ -286,7 +286,7 @@ class FixedDecode:
                 allowed[..., :past - window[0]] = False  # NOTE: megatron's window: keys p - left .. p
 
     def _run(self, model, cache: LoongStaticCache) -> torch.Tensor:
-        from loongforge_hf.bridges.runtime import full_logits
+        from loongforge_hf.bridges.output_layer import full_logits
 
         whole = whole_sequence_on_every_rank(cache.cp_holders) if model.parallel.context_parallel_size > 1 \
             else contextlib.nullcontext()

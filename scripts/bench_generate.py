@@ -51,10 +51,7 @@ STACKS = {"transformers": "transformers generate (DynamicCache)",
 
 
 def _measure(model, ids, args, device: H.Device, **extra) -> dict:
-    import torch
-
-    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                  min_new_tokens=args.new, do_sample=False, **extra)
+    kwargs = _generate_kwargs(ids, args, **extra)
     out = {}
 
     def call():
@@ -64,6 +61,14 @@ def _measure(model, ids, args, device: H.Device, **extra) -> dict:
     ms = H.median_ms(call, cuda=device.is_cuda, warmup=args.warmup, reps=args.reps)
     return {"ms": ms, "new_tokens_per_s": ids.shape[0] * args.new / (ms / 1e3),
             "peak_gib": device.peak() / H.GIB, "tokens": out["tokens"].cpu()}
+
+
+def _generate_kwargs(ids, args, **extra) -> dict:
+    """The same greedy generation of exactly ``args.new`` tokens for every stack."""
+    import torch
+
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new, min_new_tokens=args.new,
+                do_sample=False, **extra)
 
 
 def main(argv: list[str]) -> int:
@@ -125,8 +130,7 @@ def main(argv: list[str]) -> int:
     results["loongforge_cache"] = _measure(ours, ids, args, device)
     results["loongforge_static"] = _measure(ours, ids, args, device, cache_implementation="static")
     # NOTE: whether the timed calls replayed the graph kept from the call before (static_cache.Kept): one more call
-    kept = ours.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                         min_new_tokens=args.new, do_sample=False, cache_implementation="static",
+    kept = ours.generate(**_generate_kwargs(ids, args, cache_implementation="static"),
                          return_dict_in_generate=True).cache
     results["loongforge_static"]["kept_step_reused"] = kept.reused_kept_step
     del kept

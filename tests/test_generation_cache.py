@@ -129,7 +129,7 @@ def _random_draws_world(folder: str) -> dict:
     with _no_rng_fork():
         seen["fork inside"] = type(tracker.fork()).__name__
     seen["fork after"] = "fork" in vars(tracker)
-    seen["cpu refusal"] = graph_refusal(model)
+    seen["cpu refusal"] = graph_refusal(model, draws_random=_draws_random(model))
     return seen
 
 

@@ -1,6 +1,8 @@
 """What the language model's output layer computes, changed for one forward: the final hidden states instead of
 logits (``hidden_states_out``: the training loss is fused with the output GEMM, ``kernels.cross_entropy``), or the
-logits of some positions only (``head_rows``: ``logits_to_keep``).
+logits of some positions only (``head_rows``: ``logits_to_keep``); and how the kept positions' full-vocabulary
+logits reach every rank (``KeptRows``: the text models' ``runtime.forward_padded`` and the image-text models'
+generate steps).
 
 Choices:
 - Both patch the output layer's ``forward`` on the instance for the duration (the class's stays) and find it through
@@ -22,6 +24,43 @@ import functools
 import types
 
 import torch
+
+
+def full_logits(local_logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
+    """This tensor-parallel rank's vocabulary slice of the logits -> the whole vocabulary (gathered over TP)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(local_logits)[..., :vocab_size]
+
+
+class KeptRows:
+    """The logits of positions ``rows`` of a forward over ``seq`` positions (its CP share on this rank under context
+    parallelism), on every rank: ``head`` is what the output layer may compute alone (``head_rows``: the slice, or
+    under CP this rank's local indices of the kept positions; None where that is not exact or all are kept),
+    ``logits(output)`` makes ``[b, kept, V]`` from the language model's output (TP gather; under CP each rank's own
+    kept rows added up over the group, ``context_parallel.cp_gather_rows``, or all gathered when all are kept)."""
+
+    def __init__(self, rows: slice, seq: int, *, vocab_size: int, sequence_parallel: bool, device=None) -> None:
+        from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_local_rows
+
+        self.rows, self.seq, self.vocab_size = rows, seq, vocab_size
+        self.group, cp_size, cp_rank = cp_group_and_size()
+        some = rows != slice(0, seq)
+        self.index, self.places = cp_local_rows(seq, rows, cp_size, cp_rank, device) if some and cp_size > 1 \
+            else (None, None)
+        self.head = None if sequence_parallel or not some else (rows if self.group is None else self.index)
+
+    def logits(self, output: torch.Tensor) -> torch.Tensor:
+        from loongforge_hf.parallel.context_parallel import cp_gather_rows, cp_gather_sequence
+
+        if self.group is None:  # NOTE: the rows cut before the TP gather
+            return full_logits(output if self.head is not None else output[:, self.rows], vocab_size=self.vocab_size)
+        if self.index is not None:
+            local = output if self.head is not None else output[:, self.index]
+            return cp_gather_rows(full_logits(local, vocab_size=self.vocab_size).detach(), self.places,
+                                  self.rows.stop - self.rows.start, self.group)
+        return cp_gather_sequence(full_logits(output, vocab_size=self.vocab_size).detach(), self.seq, self.group,
+                                  dim=1)[:, self.rows]
 
 
 def keep_rows(given: int, keep: int) -> slice:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loongforge_hf.bridges.output_layer import head_rows, hidden_states_out, keep_rows, language_head
-from loongforge_hf.parallel.context_parallel import (cp_gather_rows, cp_gather_sequence, cp_group_and_size,
-                                                     cp_local_inputs, cp_local_rows, cp_loss, pipeline_sequence_length)
+from loongforge_hf.bridges.output_layer import KeptRows, head_rows, hidden_states_out, keep_rows, language_head
+from loongforge_hf.parallel.context_parallel import (cp_group_and_size, cp_local_inputs, cp_loss,
+                                                     pipeline_sequence_length)
 
 IGNORE_INDEX = -100
 
@@ -128,12 +128,6 @@ def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Mo
                                 token_stats=token_stats, label_smoothing=label_smoothing)
 
 
-def full_logits(local_logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    return gather_from_tensor_model_parallel_region(local_logits)[..., :vocab_size]
-
-
 def _run_chunk(chunk, input_ids, position_ids, mask):
     return chunk(input_ids, position_ids, mask)
 
@@ -168,13 +162,11 @@ def forward_padded(model, *, input_ids, attention_mask, position_ids, labels, re
     # NOTE: under context parallelism each rank runs its load-balanced share of the tokens (global positions kept
     # for the rope, mask rows cut to its queries) and scores its share of the labels (parallel/context_parallel.py).
     # (none inside context_parallel.whole_sequence_on_every_rank: generate's cached steps)
-    cp_group, cp_size, cp_rank = cp_group_and_size()
+    cp_group, cp_size, _ = cp_group_and_size()
     input_ids, position_ids, mask, local_labels = cp_local_inputs(input_ids, position_ids, mask, shifted)
-    # NOTE: the output layer computes the kept rows only where that is exact (output_layer.head_rows); under CP this
-    # rank's share of them (cp_local_rows), added up over the group after the TP gather
-    sp, some = model.megatron.config.sequence_parallel, return_logits and shifted is None and rows != slice(0, s)
-    cut = some and cp_size == 1 and not sp
-    index, places = cp_local_rows(s, rows, cp_size, cp_rank, device) if some and cp_size > 1 else (None, None)
+    # NOTE: the output layer computes the kept rows only where that is exact (output_layer.KeptRows)
+    kept = KeptRows(rows, s, vocab_size=vocab, sequence_parallel=model.megatron.config.sequence_parallel,
+                    device=device) if return_logits else None
 
     def mean(loss_sum):
         return loss_sum / count if cp_size == 1 else cp_loss(loss_sum, count, cp_group)
@@ -188,16 +180,9 @@ def forward_padded(model, *, input_ids, attention_mask, position_ids, labels, re
             loss = mean(token_losses(output, local_labels, vocab_size=vocab).sum())
         if not return_logits:
             return loss, None
-        if cp_size == 1:
-            # NOTE: the rows cut before the TP gather
-            return loss, full_logits(output if cut else output[:, rows], vocab_size=vocab)
-        if index is not None:
-            local = full_logits(output[:, index] if sp else output, vocab_size=vocab).detach()
-            return loss, cp_gather_rows(local, places, rows.stop - rows.start, cp_group)
-        return loss, cp_gather_sequence(full_logits(output, vocab_size=vocab).detach(), s, cp_group, dim=1)[:, rows]
+        return loss, kept.logits(output)
 
-    kept = rows if cut else index if index is not None and not sp else None
-    with hidden_states_out(model.chunks) if fused else head_rows(model.chunks, kept):
+    with hidden_states_out(model.chunks) if fused else head_rows(model.chunks, kept.head if kept else None):
         if model.parallel.pipeline_parallel_size == 1:
             return finish(_run_chunk(model.chunks[0], input_ids, position_ids, mask))
         return _forward_pipelined(model, input_ids, position_ids, mask, finish, return_logits, labels is not None,

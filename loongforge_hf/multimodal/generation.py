@@ -139,9 +139,9 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     whole sequence."""
     import torch.nn.functional as F
 
-    from loongforge_hf.bridges.runtime import full_logits, keep_rows, megatron_attention_mask
-    from loongforge_hf.parallel.context_parallel import (cp_gather_rows, cp_group_and_size, cp_group_holders,
-                                                         cp_local_rows, pipeline_sequence_length,
+    from loongforge_hf.bridges.output_layer import KeptRows, head_rows
+    from loongforge_hf.bridges.runtime import keep_rows, megatron_attention_mask
+    from loongforge_hf.parallel.context_parallel import (cp_group_holders, pipeline_sequence_length,
                                                          whole_sequence_on_every_rank)
     from loongforge_hf.trainer.data import pad_model_inputs
 
@@ -158,42 +158,31 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
                          f"{list(position_ids.shape)}.")
     # NOTE: padded for sequence parallelism only: under context parallelism every CP rank runs the whole sequence
     # (context_parallel.whole_sequence_on_every_rank), as the text models' cached steps do (kv_cache.py), but for the
-    # cached prefill, split over CP as they split it (kv_cache.split_prefill_step)
+    # cached prefill, split over CP as they split it (kv_cache.cached_forward)
     multiple = model.parallel.whole_sequence_multiple
     rows = keep_rows(given, keep)
     vocab = model.config.text_config.vocab_size
     inputs = {name: vision.get(name) for name in VISION_INPUTS}
 
-    def run(ids, mask, split: bool = False):
+    def run(ids, mask):
         positions = F.pad(position_ids.to(device), (0, ids.shape[-1] - given))  # NOTE: the pads' never reach a token
+        # NOTE: the kept rows' logits on every rank (a CP share of them on each rank in the split prefill)
+        kept = KeptRows(rows, ids.shape[-1], vocab_size=vocab,
+                        sequence_parallel=model.megatron.config.sequence_parallel, device=device)
+        with head_rows(model.chunks, kept.head):
+            if model.parallel.pipeline_parallel_size == 1:
+                return kept.logits(model.chunks[0](ids, positions, mask, **inputs))
+            from loongforge_hf.bridges.runtime import _forward_pipelined
 
-        def pick(local_logits):  # NOTE: the kept rows' logits on every rank, from [b, s (this CP rank's), V / TP]
-            if not split:
-                return full_logits(local_logits[:, rows], vocab_size=vocab)
-            group, cp_size, cp_rank = cp_group_and_size()
-            index, places = cp_local_rows(ids.shape[-1], rows, cp_size, cp_rank, device)
-            local = full_logits(local_logits[:, index], vocab_size=vocab).detach()
-            return cp_gather_rows(local, places, rows.stop - rows.start, group)
-
-        if model.parallel.pipeline_parallel_size == 1:
-            return pick(model.chunks[0](ids, positions, mask, **inputs))
-        from loongforge_hf.bridges.runtime import _forward_pipelined
-
-        return _forward_pipelined(model.bound_chunks(inputs), ids, positions, mask, lambda out: (None, pick(out)),
-                                  True, False, seq=pipeline_sequence_length(ids.shape[-1]),
-                                  rows=rows.stop - rows.start)[1]
+            return _forward_pipelined(model.bound_chunks(inputs), ids, positions, mask,
+                                      lambda out: (None, kept.logits(out)), True, False,
+                                      seq=pipeline_sequence_length(ids.shape[-1]), rows=rows.stop - rows.start)[1]
 
     if cache is not None:
-        from loongforge_hf.kv_cache import cached_step, split_prefill_step
+        from loongforge_hf.kv_cache import cached_forward
 
-        logits = cache.fixed_step(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        if logits is not None:  # NOTE: the static cache's one-token decode step (static_cache.py)
-            return logits
-        if cache.filled == 0 and model.parallel.context_parallel_size > 1:
-            with split_prefill_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
-                return run(padded_ids, None, split=True)
-        with cached_step(model, cache, input_ids=input_ids, attention_mask=attention_mask) as padded_ids:
-            return run(padded_ids, None)
+        return cached_forward(model, cache, input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, run=lambda ids: run(ids, None))
     ids, attention_mask, _, _ = pad_model_inputs(
         input_ids, attention_mask.to(device) if attention_mask is not None else None, None, None, multiple=multiple)
     whole = whole_sequence_on_every_rank(cp_group_holders(model.chunks)) if model.parallel.context_parallel_size > 1 \

@@ -186,7 +186,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                 mm_token_type_ids: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
                 video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
-        from loongforge_hf.bridges.runtime import IGNORE_INDEX, full_logits, shift_labels, token_losses
+        from loongforge_hf.bridges.output_layer import full_logits
+        from loongforge_hf.bridges.runtime import IGNORE_INDEX, shift_labels, token_losses
         from loongforge_hf.parallel.context_parallel import (cp_gather_sequence, cp_group_and_size, cp_loss,
                                                              cp_token_index)
 
