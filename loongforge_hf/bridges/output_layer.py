@@ -38,14 +38,17 @@ class KeptRows:
     parallelism), on every rank: ``head`` is what the output layer may compute alone (``head_rows``: the slice, or
     under CP this rank's local indices of the kept positions; None where that is not exact or all are kept),
     ``logits(output)`` makes ``[b, kept, V]`` from the language model's output (TP gather; under CP each rank's own
-    kept rows added up over the group, ``context_parallel.cp_gather_rows``, or all gathered when all are kept)."""
+    kept rows added up over the group, ``context_parallel.cp_gather_rows``, or all gathered when all are kept).
+    ``cut``: whether the other positions' logits may go uncomputed (not when a loss over every position needs
+    the output)."""
 
-    def __init__(self, rows: slice, seq: int, *, vocab_size: int, sequence_parallel: bool, device=None) -> None:
+    def __init__(self, rows: slice, seq: int, *, vocab_size: int, sequence_parallel: bool, cut: bool = True,
+                 device=None) -> None:
         from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_local_rows
 
         self.rows, self.seq, self.vocab_size = rows, seq, vocab_size
         self.group, cp_size, cp_rank = cp_group_and_size()
-        some = rows != slice(0, seq)
+        some = cut and rows != slice(0, seq)
         self.index, self.places = cp_local_rows(seq, rows, cp_size, cp_rank, device) if some and cp_size > 1 \
             else (None, None)
         self.head = None if sequence_parallel or not some else (rows if self.group is None else self.index)

@@ -166,7 +166,7 @@ def forward_padded(model, *, input_ids, attention_mask, position_ids, labels, re
     input_ids, position_ids, mask, local_labels = cp_local_inputs(input_ids, position_ids, mask, shifted)
     # NOTE: the output layer computes the kept rows only where that is exact (output_layer.KeptRows)
     kept = KeptRows(rows, s, vocab_size=vocab, sequence_parallel=model.megatron.config.sequence_parallel,
-                    device=device) if return_logits else None
+                    cut=shifted is None, device=device) if return_logits else None
 
     def mean(loss_sum):
         return loss_sum / count if cp_size == 1 else cp_loss(loss_sum, count, cp_group)
