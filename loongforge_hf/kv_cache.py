@@ -29,17 +29,23 @@ Choices:
   the first real token). Image-text models (mRoPE) are different: megatron's ``MultimodalRotaryEmbedding`` does read
   the ``[3, b, s]`` position ids (no ``RotaryEmbedding``, so ``attached`` leaves it alone); their generate passes
   each step's positions (``multimodal/generation.py``) and runs the step through ``cached_step``.
-- Context parallelism: the prefill (the first cached forward, the prompt) is split over the CP group as the forward
-  without a cache is (``split_prefill_step``: 2 x CP load-balanced chunks, each rank's rotary rows and logits as there):
-  each attention all-gathers the keys and values in global order (as ``kernels/attention.py`` does under CP),
-  writes the prompt's (not the layout's padding) into the cache of every rank and attends its own query chunks
-  over them (transformers' padding mask over the keys). A later cached step of one token cannot be split into
-  2 x CP load-balanced chunks, so it runs the whole sequence on every rank of the CP group, which holds the whole cache
+- Context parallelism: the cache is sharded over the CP group (``CPShard``): rank r holds the keys and values of the
+  slots ``s`` with ``s % CP == r`` (round robin, so the prompt's and each new token's spread evenly: a rank holds
+  1 / CP of the cache). The prefill (the first cached forward, the prompt) is split over the CP group as the forward
+  without a cache is (``split_prefill_step``: 2 x CP load-balanced chunks, each rank's rotary rows and logits as
+  there): each attention all-gathers the keys and values in global order (as ``kernels/attention.py`` does under
+  CP), keeps its share of the prompt's (not the layout's padding) in its cache and attends its own query chunks over
+  them all (transformers' padding mask over the keys). A later cached step of one token cannot be split into 2 x CP
+  load-balanced chunks, so it runs the whole step's tokens on every rank of the CP group
   (``context_parallel.whole_sequence_on_every_rank``: no CP split of the inputs, no CP gather of the logits, the
-  modules that take their CP share themselves hold no CP group; the attention is the cached one above). megatron's
-  1-D rotary embedding counts a CP rank's rotary length times CP and takes its CP share of the table: ``attached``
-  gives it the whole sequence's rows instead (the 3-D one of image-text models reads positions: it only loses its
-  CP group). ``cached_forward`` picks the step; image-text models go through it too (``multimodal/generation.py``).
+  modules that take their CP share themselves hold no CP group); each attention adds the new tokens of its slots to
+  its share, attends the queries over its share (``partial_attention``: the outputs and their log-sum-exp) and one
+  all-gather over the group merges the shares (``merge_partial_attention``), which equals attention over the whole
+  cache. megatron's 1-D rotary embedding counts a CP rank's rotary length times CP and takes its CP share of the
+  table: ``attached`` gives it the whole sequence's rows instead (the 3-D one of image-text models reads positions:
+  it only loses its CP group). The static cache's buffers hold a rank's share too (``static_cache.py``).
+  ``cached_forward`` picks the step; image-text models go through it too
+  (``multimodal/generation.py``).
   ``forward`` refuses labels with a cache.
 """
 
@@ -53,7 +59,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from loongforge_hf.parallel.context_parallel import cp_group_holders, whole_sequence_on_every_rank
+from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_group_holders, whole_sequence_on_every_rank
 
 
 class LoongKVCache(Cache):
@@ -71,6 +77,7 @@ class LoongKVCache(Cache):
         self.cp_holders = cp_group_holders(self.chunks) \
             if any(getattr(a, "cp_group", None) is not None for a in self.attentions) else []
         self.filled = 0  # NOTE: tokens cached, counted on the host (a static layer's own count is a device tensor)
+        self.shard = cp_shard()  # NOTE: this rank's share of the cache under CP (module docstring)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.filled
@@ -86,6 +93,30 @@ class LoongKVCache(Cache):
     def for_model(cls, model) -> "LoongKVCache":
         """A cache for ``model``'s core attentions on this rank, in order over its chunks."""
         return cls(model.chunks)
+
+
+@dataclass(frozen=True)
+class CPShard:
+    """A rank's share of the cache under context parallelism: the slots ``s`` with ``s % size == rank`` (round robin:
+    the prompt's and each generated token's keys spread evenly)."""
+
+    group: object
+    size: int
+    rank: int
+
+    def count(self, slots: int) -> int:
+        """How many of the slots ``0 .. slots - 1`` are this rank's."""
+        return len(range(self.rank, slots, self.size))
+
+    def first(self, start: int) -> int:
+        """The offset from ``start`` of this rank's first slot at or after it."""
+        return (self.rank - start) % self.size
+
+
+def cp_shard() -> CPShard | None:
+    """This rank's ``CPShard`` of the CP group, or None without context parallelism."""
+    group, size, rank = cp_group_and_size()
+    return CPShard(group, size, rank) if size > 1 else None
 
 
 @dataclass(frozen=True)
@@ -124,6 +155,8 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
     if attention_bias is not None or packed_seq_params is not None or mask_type not in CAUSAL_MASK_TYPES:
         raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
     k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, h_kv, s, d]
+    if cache.shard is not None:
+        return _sharded_attention(module, query, k, v, cache=cache, index=index, step=step)
     keys, values = cache.update(k[:, :, :step.given], v[:, :, :step.given], index)
     # NOTE: a static layer returns its whole buffer: the filled slots only (a dynamic layer's keys are those)
     keys, values = keys[:, :, :step.past + step.given], values[:, :, :step.past + step.given]
@@ -132,6 +165,34 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
         values = torch.cat((values, v[:, :, step.given:]), dim=2)
     out = sdpa(query.permute(1, 2, 0, 3), keys, values, causal=True, scale=module.softmax_scale,
                window=module.window, mask=step.mask)
+    return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def _sharded_attention(module, query, k, v, *, cache: LoongKVCache, index: int, step: _Step) -> torch.Tensor:
+    """``_cached_attention`` under context parallelism with the cache sharded over the CP group (``CPShard``): this
+    rank's new keys / values ``k / v [b, h_kv, padded, d]`` (slots ``past ..``) join its share, the queries (the
+    whole step's, on every CP rank) attend over the share, and the group merges the shares' results."""
+    from loongforge_hf.kernels.attention import merge_partial_attention, partial_attention
+
+    shard = cache.shard
+    own = slice(shard.first(step.past), None, shard.size)
+    k, v = k[:, :, own], v[:, :, own]
+    kept = len(range(shard.first(step.past), step.given, shard.size))  # NOTE: the layout's padding is never cached
+    keys, values = cache.update(k[:, :, :kept], v[:, :, :kept], index)
+    filled = shard.count(step.past + step.given)
+    keys, values = keys[:, :, :filled], values[:, :, :filled]
+    if kept < k.shape[2]:
+        keys, values = torch.cat((keys, k[:, :, kept:]), dim=2), torch.cat((values, v[:, :, kept:]), dim=2)
+    device = query.device
+    slots = torch.arange(shard.rank, step.past + step.padded, shard.size, device=device)  # NOTE: the keys' slots
+    places = torch.arange(step.past, step.past + step.padded, device=device)[:, None]  # NOTE: the queries'
+    allowed = slots[None, :] <= places
+    if module.window is not None and module.window[0] >= 0:
+        allowed &= slots[None, :] >= places - module.window[0]
+    allowed = allowed[None, None] if step.mask is None else allowed[None, None] & ~step.mask[..., slots]
+    out, lse = partial_attention(query.permute(1, 2, 0, 3), keys, values, allowed=allowed,
+                                 scale=module.softmax_scale)
+    out = merge_partial_attention(out, lse, shard.group).to(query.dtype)
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
@@ -271,7 +332,9 @@ def _split_prefill_attention(module, query, key, value, attention_mask, attn_mas
     cp_size = dist.get_world_size(group)
     keys, values = _gather_kv(key, value, group, _cp_global_index([step.padded], cp_size, key.device))
     keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # NOTE: [b, h_kv, padded, d], global order
-    cache.update(keys[:, :, :step.given], values[:, :, :step.given], index)
+    # NOTE: the prompt's keys and values: this rank's share of them (CPShard), or all of them
+    share = slice(cache.shard.rank, step.given, cache.shard.size) if cache.shard is not None else slice(step.given)
+    cache.update(keys[:, :, share], values[:, :, share], index)
     out = _cp_chunks(query.permute(1, 2, 0, 3), keys, values, cp_rank=dist.get_rank(group), cp_size=cp_size,
                      causal=True, scale=module.softmax_scale, dropout_p=0.0, window=module.window, mask=step.mask)
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)

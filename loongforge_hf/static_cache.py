@@ -25,7 +25,11 @@ Choices:
   sequence parallelism the step is the token and ``tensor_parallel_size - 1`` placeholders after it (megatron splits
   the sequence over the TP ranks): only the token's key and value are written, the placeholders' queries attend
   under the token's mask and their logits are dropped. Under context parallelism the step runs whole on every CP
-  rank (``context_parallel.whole_sequence_on_every_rank``, as the dynamic cache's steps). Not under a pipeline
+  rank (``context_parallel.whole_sequence_on_every_rank``, as the dynamic cache's steps) and the buffers hold the
+  rank's share of the slots (``kv_cache.CPShard``, round robin) and one scratch slot: each rank writes the token's
+  key and value at its own slot for it, or at the scratch slot where the token is another rank's (the same ops
+  every step, as a graph needs), attends over its share, and the shares are merged by one all-gather over the CP
+  group (captured with the step). Not under a pipeline
   (``pipeline_parallel_size == 1``): its stages pass activations at data-dependent times.
 - The graph (``Backend.capture``: the CUDA backend's CUDA graphs): on GPUs, with tensor parallelism over NCCL too
   (its all-reduces and the logits' all-gather are captured with the step; every rank of the group captures and
@@ -61,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import StaticLayer
 
-from loongforge_hf.kv_cache import LoongKVCache, check_step_mask, patched
+from loongforge_hf.kv_cache import LoongKVCache, check_step_mask, cp_shard, patched
 from loongforge_hf.parallel.context_parallel import whole_sequence_on_every_rank
 
 logger = logging.getLogger(__name__)
@@ -102,7 +106,11 @@ class LoongStaticCache(LoongKVCache):
     """``LoongKVCache`` with preallocated buffers and fixed-shape decode steps (see the module docstring)."""
 
     def __init__(self, chunks, max_cache_len: int, kept: Kept | None = None) -> None:
-        super().__init__(chunks, layer=functools.partial(_StaticLayer, max_cache_len),
+        shard = cp_shard()
+        # NOTE: under CP a rank's buffers hold its share of the slots and a scratch slot, where its fixed step writes
+        # the key and value of a token of another rank (the step's ops and addresses are the same every step)
+        self.slots = shard.count(max_cache_len) + 1 if shard is not None else max_cache_len
+        super().__init__(chunks, layer=functools.partial(_StaticLayer, self.slots),
                          layers=kept.layers if kept is not None else None)
         self.kept = kept if kept is not None else Kept(self.layers, max_cache_len)
         self.max_cache_len = self.kept.max_cache_len
@@ -233,8 +241,12 @@ class FixedDecode:
         # model's [3, b, w] mRoPE positions (the token's from generate; the placeholders' 0)
         self.positions = torch.zeros(*((3,) if mrope else ()), batch, width, dtype=torch.long, device=device)
         self.position = torch.zeros(width, dtype=torch.long, device=device)  # NOTE: the placeholders' rows too
-        self.allowed = {window: torch.zeros(batch, 1, 1, cache.max_cache_len, dtype=torch.bool, device=device)
+        self.allowed = {window: torch.zeros(batch, 1, 1, cache.slots, dtype=torch.bool, device=device)
                         for window in {_window(a) for a in cache.attentions}}
+        # NOTE: under CP (cache.shard): the buffer slot this rank writes the token's key and value at (its own slot
+        # or the scratch one) and whether the slot is its own (1 / 0: added to the layer's count)
+        self.write_at = torch.zeros(1, dtype=torch.long, device=device)
+        self.owned = torch.zeros((), dtype=torch.long, device=device)
         # NOTE: each rotary embedding's output for every slot, by its own forward (the offset patch is not on here);
         # packed_seq=True: the whole table on every CP rank (megatron would take this rank's CP chunks of it)
         whole = {"packed_seq": True} if model.parallel.context_parallel_size > 1 else {}
@@ -276,14 +288,22 @@ class FixedDecode:
             self.positions[:, :, :1].copy_(position_ids, non_blocking=True)
         self.ids[:, :1].copy_(input_ids, non_blocking=True)
         self.position.fill_(past)
+        shard = cache.shard
+        local = shard.count if shard is not None else int  # NOTE: how many of the first n slots this rank holds
+        if shard is not None:
+            owned = past % shard.size == shard.rank
+            self.write_at.fill_(past // shard.size if owned else cache.slots - 1)
+            self.owned.fill_(int(owned))
+            if attention_mask is not None:
+                attention_mask = attention_mask[:, shard.rank::shard.size]  # NOTE: its slots' columns
         for window, allowed in self.allowed.items():
             allowed.zero_()
             if attention_mask is None:
-                allowed[..., :past + 1] = True
+                allowed[..., :local(past + 1)] = True
             else:
-                allowed[:, 0, 0, :past + 1].copy_(attention_mask.to(allowed.device).bool(), non_blocking=True)
+                allowed[:, 0, 0, :local(past + 1)].copy_(attention_mask.to(allowed.device).bool(), non_blocking=True)
             if window is not None and window[0] >= 0 and past - window[0] > 0:
-                allowed[..., :past - window[0]] = False  # NOTE: megatron's window: keys p - left .. p
+                allowed[..., :local(past - window[0])] = False  # NOTE: megatron's window: keys p - left .. p
 
     def _run(self, model, cache: LoongStaticCache) -> torch.Tensor:
         from loongforge_hf.bridges.output_layer import full_logits
@@ -359,14 +379,26 @@ def _window(attention) -> tuple[int, int] | None:
 
 
 def _fixed_attention(module, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                     packed_seq_params=None, *, layer: _StaticLayer, allowed: torch.Tensor):
+                     packed_seq_params=None, *, layer: _StaticLayer, allowed: torch.Tensor, decode: FixedDecode,
+                     shard):
     """``CoreAttention.forward`` in a fixed step: ``query / key / value [w, b, h, d]`` of the new token (and the
     placeholders after it under SP); the token's key and value are written at the layer's count and every query
-    attends over the whole buffer under ``allowed``."""
+    attends over the whole buffer under ``allowed``. Under CP (``shard``) the key and value go to this rank's slot
+    for the token (``decode.write_at``: the scratch slot where the token is another rank's), the queries attend over
+    this rank's share and the CP group merges the shares (``kernels.attention.merge_partial_attention``)."""
+    from loongforge_hf.kernels.attention import merge_partial_attention, partial_attention
+
     if attention_bias is not None or packed_seq_params is not None:
         raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
-    keys, values = layer.update(key[:1].permute(1, 2, 0, 3), value[:1].permute(1, 2, 0, 3))
     q = query.permute(1, 2, 0, 3)
+    if shard is not None:
+        layer.keys.index_copy_(2, decode.write_at, key[:1].permute(1, 2, 0, 3))
+        layer.values.index_copy_(2, decode.write_at, value[:1].permute(1, 2, 0, 3))
+        layer.cumulative_length.add_(decode.owned)  # NOTE: the layer's count stays this rank's share's
+        out, lse = partial_attention(q, layer.keys, layer.values, allowed=allowed, scale=module.softmax_scale)
+        out = merge_partial_attention(out, lse, shard.group).to(query.dtype)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+    keys, values = layer.update(key[:1].permute(1, 2, 0, 3), value[:1].permute(1, 2, 0, 3))
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=module.softmax_scale,
                                          enable_gqa=q.shape[1] != keys.shape[1])
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
@@ -383,5 +415,6 @@ def _fixed_attached(decode: FixedDecode, model, cache: LoongStaticCache):
     (``kv_cache.patched``)."""
     return patched(model.chunks, cache,
                    lambda index: functools.partial(_fixed_attention, layer=cache.layers[index],
-                                                   allowed=decode.allowed[_window(cache.attentions[index])]),
+                                                   allowed=decode.allowed[_window(cache.attentions[index])],
+                                                   decode=decode, shard=cache.shard),
                    lambda index, rope: functools.partial(_table_row, decode.tables[index], decode.position))

@@ -192,9 +192,9 @@ def head_rows_seen(model, run) -> list:
 
 
 def _static_cache_out(model, inputs: dict) -> tuple:
-    """((kind, tokens cached, max_cache_len, fixed-shape steps) of a static-cache generate's returned cache after the
-    model's kept buffers were freed, whether that cache goes as soon as the output does and its buffers at
-    ``free_static_cache``, without the cycle collector)."""
+    """((kind, tokens cached, max_cache_len, fixed-shape steps, buffer slots) of a static-cache generate's returned
+    cache after the model's kept buffers were freed, whether that cache goes as soon as the output does and its
+    buffers at ``free_static_cache``, without the cycle collector)."""
     import gc
     import weakref
 
@@ -203,7 +203,8 @@ def _static_cache_out(model, inputs: dict) -> tuple:
         model.free_static_cache()  # NOTE: else the buffers of a longer earlier call are reused (max_cache_len)
         out = model.generate(**inputs, max_new_tokens=4, cache_implementation="static", return_dict_in_generate=True)
         cache = out.cache
-        seen = (type(cache).__name__, cache.get_seq_length(), cache.max_cache_len, cache.fixed_steps)
+        seen = (type(cache).__name__, cache.get_seq_length(), cache.max_cache_len, cache.fixed_steps,
+                cache.layers[0].keys.shape[2])
         ref, keys = weakref.ref(cache), weakref.ref(cache.layers[0].keys)
         del out, cache
         gone = ref() is None
@@ -241,6 +242,7 @@ def cache_run(folder: str, layout: dict) -> dict:
     res["has_head"] = language_head(model.chunks[-1]) is not None
     out = model.generate(**inputs, **greedy, return_dict_in_generate=True)
     res["cache_out"] = (type(out.cache).__name__, out.cache.get_seq_length() if out.cache is not None else None)
+    res["cache_keys"] = sorted({tuple(layer.keys.shape[2] for layer in out.cache.layers)})  # NOTE: keys held here
     refused = {"user_cache": dict(cache=transformers.DynamicCache()),
                "cache_implementation": dict(cache_implementation="offloaded"),
                "static_ep": dict(cache_implementation="static"),

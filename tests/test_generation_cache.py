@@ -6,20 +6,24 @@ prompts of different lengths.
   (logits) give transformers' tokens, and scores / logits within 1e-5 of transformers' and of ``use_cache=False``'s,
   on every rank of: one rank, TP2, TP2 with sequence parallelism (a one-token step padded to two), PP2, PP2 x VPP2
   (a rank's cache spans its two virtual chunks), Qwen3-MoE with EP2, CP2 (the prefill is split over CP, its keys
-  and values gathered into both ranks' caches; later cached steps run the whole sequence on both CP ranks; uncached
-  ones are split over CP) and DeepSeek-V3 (MLA: its own rotary embedding, query / key and
-  value heads of different sizes) with TP2 and sequence parallelism, and with CP2; Mistral with a 3-token sliding
-  window (the prompts and the generated tokens outrun it) at one rank and at CP2 (the window in the split prefill).
+  and values gathered and each rank's round-robin share kept in its cache; later cached steps run whole on both CP
+  ranks, each attending over its share, the shares merged; uncached ones are split over CP: each rank's cache
+  holds its share of the positions, the static cache's buffers its share and a scratch slot) and DeepSeek-V3
+  (MLA: its own rotary embedding, query / key and value heads of different sizes) with TP2 and sequence
+  parallelism, and with CP2; Mistral with a 3-token sliding window (the prompts and the generated tokens outrun it)
+  at one rank and at CP2 (the window in the split prefill and over each rank's share).
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here. The output layer
   computes the kept (last) position's logits only where that is exact (not under sequence parallelism).
-- Four-rank products (PP2 x CP2, TP2 + SP x CP2, PP2 x VPP2 x CP2) were run once by hand (not in CI: four
+- Four-rank products (PP2 x CP2, TP2 + SP x CP2, PP2 x VPP2 x CP2; the first two again with the CP-sharded
+  cache) were run by hand (not in CI: four
   processes on the CI's two cores), same checks.
 - ``return_dict_in_generate`` returns the ``LoongKVCache`` holding every position but the last token's.
 - ``cache_implementation="static"`` (``loongforge_hf/static_cache.py``) gives transformers' tokens and scores / logits
   within 1e-5 in every layout above but EP (refused there); its one-token steps run the fixed-shape decode (what a
   GPU captures as a CUDA graph: ``test_generation_gpu.py``) in every layout without a pipeline (under sequence
-  parallelism padded to TP as above, under CP whole on both ranks), the dynamic cache's path under pipelines.
+  parallelism padded to TP as above, under CP whole on both ranks over their shares), the dynamic cache's path
+  under pipelines.
 - Refused on every rank alike (ValueError): a cache passed in, ``cache_implementation='offloaded'``,
   ``prefill_chunk_size``, a static cache with EP; ``forward`` refuses a transformers cache (TypeError).
 """
@@ -87,6 +91,8 @@ def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
         assert res["lengths"]["default"] == [prefill] + [step] * 3, res["lengths"]
         assert res["lengths"]["uncached"] == [-(-n // multiple) * multiple // cp for n in range(prompt, prompt + 4)]
         assert res["cache_out"] == ("LoongKVCache", prompt + 3)
+        # NOTE: under CP each rank holds its round-robin share of the cached positions (kv_cache.CPShard), every layer
+        assert res["cache_keys"] == [(len(range(rank % cp, prompt + 3, cp)),) * len(res["cache_keys"][0])], res
         # NOTE: the output layer computes the last position's logits only (logits_to_keep=1), except under sequence
         # parallelism, where its input is this rank's sequence slice (the logits are cut after it there); in a
         # prefill split over CP only the CP rank holding the last position computes it (ranks r hold chunks r and
@@ -103,7 +109,9 @@ def test_cached_generate_as_transformers_and_uncached(checkpoints, layout):
             # NOTE: (kind, tokens cached, max_cache_len = max_length - 1, steps run by the fixed-shape decode: those
             # after the prefill where there is no pipeline; the same padded lengths as the dynamic cache's, above)
             fixed = 3 if "pipeline_parallel_size" not in sizes else 0
-            assert res["static_cache_out"] == ("LoongStaticCache", prompt + 3, prompt + 3, fixed), res
+            # NOTE: buffer slots: under CP the rank's share of max_cache_len and a scratch slot (static_cache.py)
+            slots = len(range(rank % cp, prompt + 3, cp)) + 1 if cp > 1 else prompt + 3
+            assert res["static_cache_out"] == ("LoongStaticCache", prompt + 3, prompt + 3, fixed, slots), res
             assert res["static_freed"], "the cache outlives the output (a cycle) or its buffers free_static_cache"
         else:
             assert "expert parallelism" in res["refused"]["static_ep"][1], res["refused"]

@@ -172,6 +172,44 @@ def _gather_kv(key: torch.Tensor, value: torch.Tensor, group, index: torch.Tenso
     return kv[..., :key.shape[-1]], kv[..., key.shape[-1]:]
 
 
+def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, allowed: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query [b, h, sq, d]`` over a share of the keys ``key / value [b, h_kv, n, d]`` under ``allowed``
+    (bool, broadcast to ``[b, 1, sq, n]``, True = may attend) -> (``[b, h, sq, d_v]`` fp32, its log-sum-exp
+    ``[b, h, sq]`` fp32): what ``merge_partial_attention`` combines over the ranks holding the other shares. The
+    scores are computed in the inputs' dtype and softmaxed in fp32 (transformers' eager attention); a row with no
+    allowed key gives zeros and a log-sum-exp of -inf."""
+    b, h, sq, _ = query.shape
+    h_kv = key.shape[1]
+    # NOTE: grouped-query heads: query head i reads key head i // (h / h_kv), as SDPA's enable_gqa
+    q = query.reshape(b, h_kv, (h // h_kv) * sq, query.shape[-1])
+    scores = torch.matmul(q, key.transpose(-1, -2)).float().view(b, h_kv, h // h_kv, sq, -1) * scale
+    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    out = torch.matmul(weights.view(b, h_kv, (h // h_kv) * sq, key.shape[-2]).to(value.dtype), value).float()
+    return out.view(b, h, sq, value.shape[-1]), lse.view(b, h, sq)
+
+
+def merge_partial_attention(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tensor:
+    """The attention over every rank's share of the keys from each rank's ``partial_attention`` (``out [b, h, sq, d]``,
+    ``lse [b, h, sq]``, fp32) -> ``[b, h, sq, d]`` fp32 on every rank of ``group``: one all-gather of both, then each
+    share weighted by its softmax mass (``exp(lse_r - max lse)``). Rows no rank attends anywhere give zeros."""
+    mine = torch.cat((out, lse.unsqueeze(-1)), dim=-1).unsqueeze(0)
+    every = mine.new_empty((dist.get_world_size(group), *mine.shape[1:]))
+    _all_gather(every, mine.contiguous(), group=group)
+    return combine_partial_attention(every[..., :-1], every[..., -1])
+
+
+def combine_partial_attention(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """``partial_attention``'s results of every share, stacked (``outs [r, b, h, sq, d]``, ``lses [r, b, h, sq]``)
+    -> the attention over all the shares' keys ``[b, h, sq, d]``."""
+    top = lses.amax(dim=0)
+    weights = torch.exp(lses - top.masked_fill(top == float("-inf"), 0.0))  # NOTE: exp(-inf) = 0 for empty shares
+    total = weights.sum(dim=0)
+    return (weights.unsqueeze(-1) * outs).sum(dim=0) / total.clamp(min=torch.finfo(total.dtype).tiny).unsqueeze(-1)
+
+
 def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
                           scale: float, dropout_p: float = 0.0, window: tuple[int, int] | None = None,
                           mask: torch.Tensor | None = None, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:

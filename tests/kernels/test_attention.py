@@ -1,5 +1,6 @@
 """Core attention against a plain softmax(QK^T)V with repeated heads: causal GQA, KV-cache alignment, padding masks,
-sliding windows, packed documents, and context parallelism over 2 CPU ranks; outputs and grads of q, k, v."""
+sliding windows, packed documents, and context parallelism over 2 CPU ranks; outputs and grads of q, k, v. The
+partial attention of a CP-sharded KV cache: shares of the keys combined by their log-sum-exp equal the whole."""
 
 import math
 from types import SimpleNamespace
@@ -10,7 +11,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from loongforge_hf.kernels.attention import CoreAttention, dot_product_attention, packed_attention
+from loongforge_hf.kernels.attention import (CoreAttention, combine_partial_attention, dot_product_attention,
+                                             packed_attention, partial_attention)
 
 from ._reference import allowed_mask, attention_reference
 
@@ -177,3 +179,29 @@ def test_context_parallel_cp2_equals_full_attention(distributed_op_results):
     expected = ["causal_gqa_module", "sliding_window", "padding_mask", "packed_padded", "dropout_runs"]
     for rank in distributed_op_results:
         assert rank["attention_cp2"] == expected
+
+
+@pytest.mark.parametrize("shares", [1, 2, 5])
+def test_partial_attention_shares_combine_to_whole(shares):
+    """``partial_attention`` over round-robin shares of the keys (as a CP-sharded KV cache holds them; with 5 shares of
+    4 keys one is empty), combined by ``combine_partial_attention``, equals attention over every key within 1e-5:
+    grouped-query heads, value heads wider than key heads, a per-row key mask; a query row with no key allowed gives
+    zeros (as CoreAttention)."""
+    g = torch.Generator().manual_seed(3)
+    b, h, h_kv, sq, skv = 2, 4, 2, 3, 4
+    q, k = torch.randn(sq, b, h, D, generator=g), torch.randn(skv, b, h_kv, D, generator=g)
+    v = torch.randn(skv, b, h_kv, D + 3, generator=g)
+    allowed = torch.rand(b, 1, sq, skv, generator=g) > 0.3
+    allowed[1, 0, 0] = False  # NOTE: no key for one query row
+    allowed[0, 0, 1] = True
+    ref = attention_reference(q, k, v, scale=SCALE, allowed=allowed)
+    outs, lses = [], []
+    for r in range(shares):
+        keys = slice(r, None, shares)
+        out, lse = partial_attention(q.permute(1, 2, 0, 3), k[keys].permute(1, 2, 0, 3), v[keys].permute(1, 2, 0, 3),
+                                     allowed=allowed[..., keys], scale=SCALE)
+        outs.append(out)
+        lses.append(lse)
+    got = combine_partial_attention(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(got.permute(2, 0, 1, 3).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[1, :, 0], torch.zeros_like(got[1, :, 0]))
