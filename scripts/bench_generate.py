@@ -21,10 +21,16 @@ Choices:
   its own tensor parallelism (``tp_plan="auto"``), loongforge-hf with ``tensor_parallel_size=N``; the same prompts on
   every rank (one seed), rank 0 reports its times (each call ends with all ranks' tokens: the collectives hold them
   together).
+- ``--context-parallel-size N`` under ``torchrun --nproc-per-node N`` (TP 1): loongforge-hf with
+  ``context_parallel_size=N`` (the prefill split over the N ranks, the KV cache sharded over them: ``kv_cache.py``),
+  transformers (no context parallelism) on each rank alone, one GPU's worth, as the reference: what CP buys a long
+  prompt in time and in each GPU's peak memory. ``--skip-no-cache`` leaves out ``use_cache=False`` (a whole-sequence
+  forward per new token: minutes at long prompts).
 
     python scripts/bench_generate.py [--batch 8] [--prompt 512] [--new 128] [--reps 3] [--warmup 1]
                                      [--out outputs/bench_generate.json]
     torchrun --nproc-per-node 2 scripts/bench_generate.py --tensor-parallel-size 2 [...]
+    torchrun --nproc-per-node 2 scripts/bench_generate.py --context-parallel-size 2 --batch 1 --prompt 32768 [...]
     python scripts/bench_generate.py --tiny --device cpu --reps 1 --warmup 0       # a dry run
 """
 
@@ -84,6 +90,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--checkpoint", default=None, help="folder for the random checkpoint (default: a temporary one)")
     p.add_argument("--out", default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="under torchrun with as many processes")
+    p.add_argument("--context-parallel-size", type=int, default=1, help="under torchrun with as many processes")
+    p.add_argument("--skip-no-cache", action="store_true", help="leave out loongforge-hf's use_cache=False run")
     args = p.parse_args(argv)
 
     import torch
@@ -92,22 +100,25 @@ def main(argv: list[str]) -> int:
 
     import loongforge_hf as lf
 
-    tp = args.tensor_parallel_size
-    if tp > 1:
-        if int(os.environ.get("WORLD_SIZE", "1")) != tp:
-            raise SystemExit(f"--tensor-parallel-size {tp}: launch with torchrun --nproc-per-node {tp}.")
+    tp, cp = args.tensor_parallel_size, args.context_parallel_size
+    world = tp * cp
+    if tp > 1 and cp > 1:
+        raise SystemExit("--tensor-parallel-size and --context-parallel-size: one of them at a time.")
+    if world > 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) != world:
+            raise SystemExit(f"{world} ranks: launch with torchrun --nproc-per-node {world}.")
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    rank = dist.get_rank() if tp > 1 else 0
+    rank = dist.get_rank() if world > 1 else 0
     device = H.Device(args.device)
     workload = BT.WORKLOADS["a"]
-    if args.checkpoint is None and tp > 1:
-        raise SystemExit("--tensor-parallel-size > 1 needs --checkpoint (a folder every rank reads).")
+    if args.checkpoint is None and world > 1:
+        raise SystemExit("more than one rank needs --checkpoint (a folder every rank reads).")
     folder = Path(args.checkpoint or tempfile.mkdtemp(prefix="bench_generate_")) / ("tiny" if args.tiny else "a")
     if rank == 0 and not folder.is_dir():
         BT.write_checkpoint(workload, tiny=args.tiny, folder=folder, device=device)
-    if tp > 1:
+    if world > 1:
         dist.barrier()
     vocab = BT.sizes(workload, args.tiny)[0]["vocab_size"]
     ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(BT.SEED))
@@ -115,7 +126,7 @@ def main(argv: list[str]) -> int:
     results = {}
     if tp > 1:  # NOTE: transformers' own tensor parallelism (DTensor) places the shards itself
         ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, tp_plan="auto").eval()
-    else:
+    else:  # NOTE: under --context-parallel-size each rank runs transformers alone
         ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device.device).eval()
     results["transformers"] = _measure(ref, ids, args, device)
     if device.is_cuda and not args.skip_compile:
@@ -126,7 +137,8 @@ def main(argv: list[str]) -> int:
         except Exception as err:  # noqa: BLE001 - reported: the other stacks still run
             print(f"transformers static cache + torch.compile failed: {type(err).__name__}: {err}")
     del ref
-    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, tensor_parallel_size=tp)
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, tensor_parallel_size=tp,
+                                                   context_parallel_size=cp)
     results["loongforge_cache"] = _measure(ours, ids, args, device)
     results["loongforge_static"] = _measure(ours, ids, args, device, cache_implementation="static")
     # NOTE: whether the timed calls replayed the graph kept from the call before (static_cache.Kept): one more call
@@ -134,7 +146,8 @@ def main(argv: list[str]) -> int:
                          return_dict_in_generate=True).cache
     results["loongforge_static"]["kept_step_reused"] = kept.reused_kept_step
     del kept
-    results["loongforge_no_cache"] = _measure(ours, ids, args, device, use_cache=False)
+    if not args.skip_no_cache:
+        results["loongforge_no_cache"] = _measure(ours, ids, args, device, use_cache=False)
     theirs = results["transformers"]["tokens"]
     rows = []
     for key, r in results.items():
@@ -143,6 +156,7 @@ def main(argv: list[str]) -> int:
                      f"{r['same_tokens_as_transformers']:.3f}"])
     report = {"device": device.describe(), "workload": workload.title, "tiny": args.tiny, "batch": args.batch,
               "prompt": args.prompt, "new": args.new, "reps": args.reps, "tensor_parallel_size": tp,
+              "context_parallel_size": cp,
               "results": results}
     if rank != 0:
         return 0

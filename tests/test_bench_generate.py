@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_generate.py"
 
 
@@ -27,18 +29,25 @@ def test_tiny_dry_run_times_the_four_cpu_stacks(tmp_path):
     assert "tokens = transformers'" in proc.stdout
 
 
-def test_tiny_tensor_parallel_dry_run_under_torchrun(tmp_path):
+@pytest.mark.parametrize("layout", ["tensor", "context"])
+def test_tiny_parallel_dry_run_under_torchrun(tmp_path, layout):
     """``--tensor-parallel-size 2`` under torchrun (2 CPU processes, gloo): transformers' own tensor parallelism
-    (``tp_plan="auto"``) and ours at TP2 on the same prompts; rank 0 writes the report."""
-    out = tmp_path / "bench_generate_tp2.json"
+    (``tp_plan="auto"``) and ours at TP2 on the same prompts; ``--context-parallel-size 2 --skip-no-cache``:
+    transformers alone on each rank, ours at CP2 (the cache sharded over the two ranks), no ``use_cache=False`` run;
+    rank 0 writes the report."""
+    out = tmp_path / f"bench_generate_{layout}2.json"
+    extra = ["--tensor-parallel-size", "2"] if layout == "tensor" else ["--context-parallel-size", "2",
+                                                                        "--skip-no-cache"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT),
                            "--tiny", "--device", "cpu", "--reps", "1", "--warmup", "0", "--batch", "2", "--prompt",
-                           "16", "--new", "4", "--checkpoint", str(tmp_path), "--tensor-parallel-size", "2",
+                           "16", "--new", "4", "--checkpoint", str(tmp_path), *extra,
                            "--out", str(out)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "LOONGFORGE_DEVICE": "cpu"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["tensor_parallel_size"] == 2
-    assert set(report["results"]) == {"transformers", "loongforge_cache", "loongforge_static", "loongforge_no_cache"}
+    sizes = (2, 1) if layout == "tensor" else (1, 2)
+    assert (report["tensor_parallel_size"], report["context_parallel_size"]) == sizes
+    stacks = {"transformers", "loongforge_cache", "loongforge_static"}
+    assert set(report["results"]) == (stacks | {"loongforge_no_cache"} if layout == "tensor" else stacks)
     assert all(r["ms"] > 0 for r in report["results"].values())
     assert report["results"]["loongforge_static"]["kept_step_reused"] is True

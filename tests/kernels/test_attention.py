@@ -181,12 +181,13 @@ def test_context_parallel_cp2_equals_full_attention(distributed_op_results):
         assert rank["attention_cp2"] == expected
 
 
-@pytest.mark.parametrize("shares", [1, 2, 5])
-def test_partial_attention_shares_combine_to_whole(shares):
+@pytest.mark.parametrize("shares, block", [(1, 512), (2, 512), (5, 512), (1, 2), (1, 3), (2, 1)])
+def test_partial_attention_shares_combine_to_whole(shares, block):
     """``partial_attention`` over round-robin shares of the keys (as a CP-sharded KV cache holds them; with 5 shares of
     4 keys one is empty), combined by ``combine_partial_attention``, equals attention over every key within 1e-5:
     grouped-query heads, value heads wider than key heads, a per-row key mask; a query row with no key allowed gives
-    zeros (as CoreAttention)."""
+    zeros (as CoreAttention). ``block``: the keys taken in blocks of that length and the rest (4 keys: 2 blocks of 2;
+    1 of 3 and a rest of 1; 2 x 2 per share of 2)."""
     g = torch.Generator().manual_seed(3)
     b, h, h_kv, sq, skv = 2, 4, 2, 3, 4
     q, k = torch.randn(sq, b, h, D, generator=g), torch.randn(skv, b, h_kv, D, generator=g)
@@ -199,7 +200,7 @@ def test_partial_attention_shares_combine_to_whole(shares):
     for r in range(shares):
         keys = slice(r, None, shares)
         out, lse = partial_attention(q.permute(1, 2, 0, 3), k[keys].permute(1, 2, 0, 3), v[keys].permute(1, 2, 0, 3),
-                                     allowed=allowed[..., keys], scale=SCALE)
+                                     allowed=allowed[..., keys], scale=SCALE, block=block)
         outs.append(out)
         lses.append(lse)
     got = combine_partial_attention(torch.stack(outs), torch.stack(lses))
