@@ -17,7 +17,7 @@ Choices:
   parallelism the gradient of the vision embeddings is summed over the TP group, so the tower gets all of it.
 - The vision layouts: replicated tower (every TP rank encodes every image), tower split over TP (``VisionTower`` built
   with the TP group), or encoder data parallel (``encoder_parallel``: each TP rank encodes a share of the images).
-  Under CP every CP rank encodes every image.
+  Under CP the CP ranks share out the images and videos the same way (``encode``), the TP split inside a CP share.
 """
 
 from __future__ import annotations
@@ -64,11 +64,22 @@ class VisionLanguageChunk(nn.Module):
         return self.language(local_ids, position_ids, attention_mask, decoder_input=decoder_input)
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        if self.encoder_group is not None:
-            from loongforge_hf.multimodal.encoder_parallel import encode_images_data_parallel
+        """Embeddings of every image / video of ``grid_thw`` on this rank; under context parallelism each CP rank
+        encodes its share and the group gathers them, and with ``encoder_group`` a share is shared out again over
+        that (TP) group (``encoder_parallel.py``)."""
+        from loongforge_hf.multimodal.encoder_parallel import encode_images_data_parallel
+        from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
-            return encode_images_data_parallel(self.vision, pixel_values, grid_thw, group=self.encoder_group)
-        return self.vision(pixel_values, grid_thw)
+        def share(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+            if self.encoder_group is not None:
+                return encode_images_data_parallel(self.vision, pixels, grid, group=self.encoder_group)
+            return self.vision(pixels, grid)
+
+        cp_group, cp_size, _ = cp_group_and_size()  # NOTE: size 1 in a step run whole on every CP rank
+        if cp_size > 1:
+            return encode_images_data_parallel(self.vision, pixel_values, grid_thw, group=cp_group, sum_rows=True,
+                                               encode=share)
+        return share(pixel_values, grid_thw)
 
     # NOTE: the name the existing callers use (images only).
     def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:

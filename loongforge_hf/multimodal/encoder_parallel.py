@@ -1,4 +1,5 @@
-"""Encoder data parallelism: the ranks of a tensor-parallel group share out the images instead of all encoding all.
+"""Encoder data parallelism: the ranks of a tensor-parallel group (``vision_data_parallel=True``) or of a
+context-parallel group (always) share out the images instead of all encoding all.
 
 Choices:
 - Images are split into contiguous runs (rank r encodes images ``[a_r, b_r)``), balanced by patch count; every rank
@@ -10,6 +11,12 @@ Choices:
   tower's trainable parameters pass through an identity whose backward all-reduces (sums) their gradients over the
   group, in one flat buffer. Every rank runs the tower, an empty share included, so each takes part in that
   collective exactly once per backward.
+- Context parallelism is different (``sum_rows=True``): each CP rank's loss covers its own share of the tokens, so
+  the input gradient differs from rank to rank and the gather's backward sums the rows' gradients over the group
+  (a rank's images then get the gradient of every rank's tokens). The tower's gradients need no collective here:
+  a rank's cover its own images fully, and megatron's data-parallel reduction runs over DP x CP, which sums them
+  (as it summed each CP rank's share of every image's gradient when every rank encoded every image). With
+  ``vision_data_parallel`` as well, the CP rank's share is shared out again over its TP group (``encode``).
 """
 
 from __future__ import annotations
@@ -38,12 +45,14 @@ def split_images(patches_per_image: list[int], parts: int) -> list[tuple[int, in
 
 
 class _GatherRows(torch.autograd.Function):
-    """All-gather rows of different counts over ``group`` (in rank order); backward: this rank's rows of the grad."""
+    """All-gather rows of different counts over ``group`` (in rank order); backward: this rank's rows of the grad,
+    summed over the group first where ``sum_rows``."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    def forward(ctx, local: torch.Tensor, counts: list[int], group, sum_rows: bool = False) -> torch.Tensor:
         rank = dist.get_rank(group)
         ctx.start, ctx.stop = sum(counts[:rank]), sum(counts[:rank + 1])
+        ctx.group, ctx.sum_rows = group, sum_rows
         width = max(counts)
         padded = local.new_zeros((width, *local.shape[1:]))
         padded[:local.shape[0]] = local
@@ -53,7 +62,10 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad[ctx.start:ctx.stop].contiguous(), None, None
+        if ctx.sum_rows:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.start:ctx.stop].contiguous(), None, None, None
 
 
 class _SumGradsOverGroup(torch.autograd.Function):
@@ -71,20 +83,25 @@ class _SumGradsOverGroup(torch.autograd.Function):
         return (None, *_unflatten_dense_tensors(flat, list(grads)))
 
 
-def encode_images_data_parallel(tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor, *, group) -> torch.Tensor:
-    """Image embeddings of all images, each encoded by one rank of ``group``, on every rank of it."""
+def encode_images_data_parallel(tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor, *, group,
+                                sum_rows: bool = False, encode=None) -> torch.Tensor:
+    """Image embeddings of all images, each encoded by one rank of ``group``, on every rank of it. ``sum_rows``:
+    the ranks' losses differ (context parallelism, module docstring); ``encode(pixels, grid)`` encodes a rank's share
+    there (default: the tower)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     merge2 = tower.merge ** 2
     patches = [int(t * h * w) for t, h, w in grid_thw.tolist()]
     ranges = split_images(patches, size)
     first, last = ranges[rank]
     rows = sum(patches[:first]), sum(patches[:last])
-    trainable = [(n, p) for n, p in tower.named_parameters() if p.requires_grad]
-    if trainable and torch.is_grad_enabled():
+    trainable = [(n, p) for n, p in tower.named_parameters() if p.requires_grad] if not sum_rows else []
+    if sum_rows:
+        local = (encode or tower)(pixel_values[rows[0]:rows[1]], grid_thw[first:last])
+    elif trainable and torch.is_grad_enabled():
         synced = _SumGradsOverGroup.apply(group, *[p for _, p in trainable])
         local = torch.func.functional_call(tower, dict(zip([n for n, _ in trainable], synced)),
                                            (pixel_values[rows[0]:rows[1]], grid_thw[first:last]), strict=False)
     else:
         local = tower(pixel_values[rows[0]:rows[1]], grid_thw[first:last])
     counts = [sum(patches[a:b]) // merge2 for a, b in ranges]
-    return _GatherRows.apply(local, counts, group)
+    return _GatherRows.apply(local, counts, group, sum_rows)

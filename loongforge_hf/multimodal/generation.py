@@ -34,10 +34,10 @@ Choices:
   only the kept positions' logits are gathered and sent over the pipeline. The normal forward (training,
   evaluation) is not involved.
 - Context parallelism: the cached prefill is split over CP as the text models' is (``kv_cache.split_prefill_step``:
-  the chunk takes its CP share of the padded prompt, the prompt's keys and values fill every CP rank's cache, each
-  rank computes its own of the kept rows' logits); every other step, cached or not, runs the whole sequence on every
-  CP rank (``context_parallel.whole_sequence_on_every_rank``, as the text models' cached steps: ``kv_cache.py``);
-  every CP rank encodes every image, as in training.
+  the chunk takes its CP share of the padded prompt, each CP rank keeps its share of the prompt's keys and values,
+  computes its own of the kept rows' logits and encodes its share of the images, as in training); every other step,
+  cached or not, runs the whole sequence on every CP rank (``context_parallel.whole_sequence_on_every_rank``, as the
+  text models' cached steps: ``kv_cache.py``; an uncached step encodes every image on every CP rank).
 - ``cache_implementation="static"``: the prefill as above, then each one-token step runs the static cache's
   fixed-shape decode (``static_cache.py``; a CUDA graph on GPUs, kept across calls) with the token's ``[3, b, 1]``
   positions copied into its position buffer (megatron's ``MultimodalRotaryEmbedding`` computes the rows inside the

@@ -92,6 +92,8 @@ def compare_videos(folder: str, layout: dict, multiple: int = 4) -> dict:
         lambda *_: calls.__setitem__("attention", calls["attention"] + 1))
     model.vision_tower.blocks[0].attn.register_forward_pre_hook(
         lambda *_: calls.__setitem__("vision_attention", calls["vision_attention"] + 1))
+    patches = []  # NOTE: the patch rows each forward of the tower encodes on this rank
+    model.vision_tower.register_forward_pre_hook(lambda module, args: patches.append(int(args[0].shape[0])))
     model.train()  # NOTE: as a trainer does (from_pretrained returns eval mode): recomputation acts in training only
     out = model(**batch)
     out.loss.backward()
@@ -104,7 +106,9 @@ def compare_videos(folder: str, layout: dict, multiple: int = 4) -> dict:
             "loss_diff": abs(out.loss.item() - ref_loss.item()), "loss": out.loss.item(),
             "grad_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
             "same_grad_names": sorted(grads) == sorted(ref_grads), "shape": tuple(out.logits.shape),
-            "batch_shape": tuple(batch["input_ids"].shape), "forward_calls": calls}
+            "batch_shape": tuple(batch["input_ids"].shape), "forward_calls": calls, "patches": patches,
+            "all_patches": sum(int(g.prod()) for key in ("image_grid_thw", "video_grid_thw") if key in batch
+                               for g in batch[key])}
 
 
 def packing_features(folder: str) -> list:

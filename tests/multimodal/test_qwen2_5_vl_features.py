@@ -59,7 +59,8 @@ def test_videos_and_packing_one_rank(checkpoint, tmp_path):
 
 def test_context_parallel_and_packing_two_ranks(checkpoint, tmp_path):
     """CP2 with vision recompute (images + videos, the sequence padded to a multiple of 2 x CP: chunk boundaries cut
-    an image and a video), logits gathered, vision gradients summed over the CP group; TP2 with sequence parallelism
+    an image and a video; each CP rank encodes its share of them), logits gathered, vision gradients summed over the
+    CP group; TP2 with sequence parallelism
     and vision TP2 (each rank splices only its part of the sequence); packed vs padded under TP2 with vision TP2."""
     d = str(checkpoint)
     calls = [("cp2", "compare_videos", d, {"context_parallel_size": 2, "vision_recompute": True}),
@@ -68,7 +69,12 @@ def test_context_parallel_and_packing_two_ranks(checkpoint, tmp_path):
              ("train_cp2", "train_layout", d, str(tmp_path / "cp2"), {"context_parallel_size": 2}),
              ("train_tp2", "train_layout", d, str(tmp_path / "tp2"), {"tensor_parallel_size": 2}),
              ("packed_tp2", "compare_packed", d, {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2})]
-    for got in run_distributed(run_many, 2, calls, timeout=400):
+    results = run_distributed(run_many, 2, calls, timeout=400)
+    # NOTE: under CP each rank encodes its share of the images and videos (encoder_parallel.py), once per forward
+    # (recompute runs the tower again in the backward); the two shares are all of them
+    shares = [got["cp2"]["patches"][0] for got in results]
+    assert sum(shares) == results[0]["cp2"]["all_patches"] and all(0 < n < sum(shares) for n in shares), shares
+    for got in results:
         check_parity(got["cp2"])
         check_parity(got["tp2_sp_vision_tp2"])
         check_packed(got["packed_tp2"])
