@@ -165,3 +165,39 @@ def test_static_cache_kept_across_calls(checkpoints, layout):
         for name, got in seen.items():
             assert got["tokens_equal"] and got["scores_diff"] < ATOL, (rank, name, got)
             assert got["fixed_steps"] == {"shorter": 1, "longer": 5}.get(name, 3), (rank, name, got)
+
+
+def _one_token_prompt_world(folder: str) -> dict:
+    import torch
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
+    ids = torch.tensor([[5]])
+    out = {}
+    for impl in ("dynamic", "static"):
+        got = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True,
+                             cache_implementation=None if impl == "dynamic" else impl)
+        out[impl] = (got.sequences, torch.stack(got.scores), [layer.keys.shape[2] for layer in got.cache.layers])
+    return out
+
+
+def test_one_token_prompt_under_cp2(checkpoints):
+    """A one-token prompt under CP2: the second CP rank holds no key of it (its share of the cache starts empty) and
+    the shares still merge to transformers' greedy tokens, scores within 1e-5, dynamic and static cache."""
+    import torch
+    import transformers
+
+    folder = checkpoints["qwen2"][0]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor([[5]])
+    want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                        output_scores=True, return_dict_in_generate=True)
+    for rank, res in enumerate(run_distributed(_one_token_prompt_world, 2, folder, timeout=240)):
+        for impl, (sequences, scores, keys) in res.items():
+            assert torch.equal(sequences, want.sequences), (rank, impl)
+            torch.testing.assert_close(scores, torch.stack(want.scores), atol=ATOL, rtol=0)
+            # NOTE: 5 positions cached (the prompt and 4 new tokens): slots 0, 2, 4 on rank 0, 1, 3 on rank 1; the
+            # static buffers hold a rank's share of max_cache_len (5) and the scratch slot
+            assert set(keys) == ({3 - rank} if impl == "dynamic" else {4 - rank}), (rank, impl, keys)
