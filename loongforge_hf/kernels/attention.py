@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 
 import torch
@@ -53,6 +54,7 @@ _VARLEN_KWARGS = frozenset(inspect.signature(_varlen_attn).parameters) if _varle
 
 CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
+logger = logging.getLogger(__name__)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -189,7 +191,12 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     b, h, sq, _ = query.shape
     h_kv, n = key.shape[1], key.shape[-2]
     if _cudnn_partial_usable(query, key, value):
-        return _cudnn_partial_attention(query, key, value, allowed=allowed, scale=scale)
+        try:
+            return _cudnn_partial_attention(query, key, value, allowed=allowed, scale=scale)
+        except RuntimeError as err:  # NOTE: a shape or build cuDNN refuses: the blocked path below, said once
+            logger.warning("partial attention: cuDNN's SDPA refused query %s / key %s %s (%s); matrix products "
+                           "from now on.", tuple(query.shape), tuple(key.shape), query.dtype, err)
+            _CUDNN_REFUSED.add(_cudnn_config(query, key))
     # NOTE: grouped-query heads: query head i reads key head i // (h / h_kv), as SDPA's enable_gqa
     q = query.reshape(b, h_kv, 1, (h // h_kv) * sq, query.shape[-1])
     whole = n // block * block
@@ -212,9 +219,16 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.reshape(b, h, sq, value.shape[-1]), torch.logsumexp(lse, dim=0).reshape(b, h, sq)
 
 
+_CUDNN_REFUSED: set = set()  # NOTE: the (heads, key heads, head dim, dtype) cuDNN's SDPA raised for once
+
+
+def _cudnn_config(query: torch.Tensor, key: torch.Tensor) -> tuple:
+    return query.shape[1], key.shape[1], key.shape[-1], query.dtype
+
+
 def _cudnn_partial_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and key.shape[-1] == value.shape[-1]
-            and key.shape[-1] <= 128 and key.shape[-2] > 0
+            and _cudnn_config(query, key) not in _CUDNN_REFUSED and key.shape[-1] <= 128 and key.shape[-2] > 0
             and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
             and torch.backends.cudnn.is_available())
 
