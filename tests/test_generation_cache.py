@@ -150,12 +150,13 @@ def test_random_draws_and_rng_forks(checkpoints):
                     "cpu refusal": "the cpu backend has no device graphs"}, seen
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2_sp"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2_sp", "cp2"])
 def test_static_cache_kept_across_calls(checkpoints, layout):
     """The static cache's buffers and fixed step (with its graph, on GPUs) are kept by the model: a later call with the
     same batch and a length that fits replays them; another batch, a longer call, new weight tensors or a hook make
     new ones (the host state changed), an in-place weight update does not; ``free_static_cache`` drops them. Every
-    call gives the dynamic cache's tokens and scores (1e-5) on the model as it is then."""
+    call gives the dynamic cache's tokens and scores (1e-5) on the model as it is then. CP2: the kept buffers hold
+    each rank's share and its scratch slot (beam search reorders them in place)."""
     arch, nprocs, sizes = LAYOUTS[layout]
     results = run_distributed(static_reuse_run, nprocs, checkpoints[arch][0], sizes, timeout=240)
     for rank, found in enumerate(results):
