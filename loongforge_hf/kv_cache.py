@@ -332,8 +332,7 @@ def _split_prefill_attention(module, query, key, value, attention_mask, attn_mas
     cp_size = dist.get_world_size(group)
     keys, values = _gather_kv(key, value, group, _cp_global_index([step.padded], cp_size, key.device))
     keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # NOTE: [b, h_kv, padded, d], global order
-    # NOTE: the prompt's keys and values: this rank's share of them (CPShard), or all of them
-    share = slice(cache.shard.rank, step.given, cache.shard.size) if cache.shard is not None else slice(step.given)
+    share = slice(cache.shard.rank, step.given, cache.shard.size)  # NOTE: this rank's of the prompt's (CPShard)
     cache.update(keys[:, :, share], values[:, :, share], index)
     out = _cp_chunks(query.permute(1, 2, 0, 3), keys, values, cp_rank=dist.get_rank(group), cp_size=cp_size,
                      causal=True, scale=module.softmax_scale, dropout_p=0.0, window=module.window, mask=step.mask)
