@@ -87,16 +87,17 @@ class GenerationGlue(GenerationMixin):
                                       max_cache_length: int) -> None:
         if not generation_config.use_cache:  # NOTE: a cache passed in was refused before (_local_verdict)
             return
+        sharded = self.__dict__.get("_cp_kv_cache", "sharded") == "sharded"
         if generation_config.cache_implementation == "static":
             from loongforge_hf.static_cache import LoongStaticCache
 
             # NOTE: transformers' max_cache_len: a floor for the buffers, so later calls up to it reuse them
             length = max(max_cache_length, generation_config.max_cache_len or 0)
-            model_kwargs["cache"] = LoongStaticCache.for_model(self, max_cache_len=length)
+            model_kwargs["cache"] = LoongStaticCache.for_model(self, max_cache_len=length, shard_over_cp=sharded)
         else:
             from loongforge_hf.kv_cache import LoongKVCache
 
-            model_kwargs["cache"] = LoongKVCache.for_model(self)
+            model_kwargs["cache"] = LoongKVCache.for_model(self, shard_over_cp=sharded)
 
     def free_static_cache(self) -> None:
         """Frees what the last ``generate(cache_implementation="static")`` kept for the next call: the cache's
@@ -134,21 +135,29 @@ class GenerationGlue(GenerationMixin):
         generation config and keyword arguments alone; a subclass adds its own (image-text models)."""
         return None
 
-    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, *, cp_kv_cache: str = "sharded",
+                 **kwargs: Any):
         """transformers' ``GenerationMixin.generate`` (same arguments and outputs), collective over the model
-        replica, with a KV cache unless ``use_cache=False``; see ``loongforge_hf.generation``."""
+        replica, with a KV cache unless ``use_cache=False``; see ``loongforge_hf.generation``. ``cp_kv_cache``
+        (context parallelism only): ``"sharded"`` (each CP rank holds 1 / CP of the cache) or ``"replicated"``
+        (each holds all of it; a decode step then runs as on one GPU, without the shares' merge)."""
         refusal, sampling = _local_verdict(self, generation_config, kwargs)
+        if cp_kv_cache not in ("sharded", "replicated") and refusal is None:
+            refusal = f"cp_kv_cache must be 'sharded' or 'replicated', got {cp_kv_cache!r}."
         if self.parallel.expert_parallel_size > 1 and kwargs.get("synced_gpus") is None:
             kwargs["synced_gpus"] = True
-        _check_same_on_replica(self, _signature(self, inputs, generation_config, kwargs))
+        _check_same_on_replica(self, _signature(self, inputs, generation_config,
+                                                {**kwargs, "cp_kv_cache": cp_kv_cache}))
         if refusal:
             raise ValueError(f"generate: {refusal}")
         was_training = self.training
         self.eval()
+        self.__dict__["_cp_kv_cache"] = cp_kv_cache  # NOTE: read by _prepare_cache_for_generation, this call only
         try:
             with torch.no_grad(), _replica_rng(self, _sampling_device(self, inputs, kwargs), sampling):
                 return super().generate(inputs, generation_config, **kwargs)
         finally:
+            self.__dict__.pop("_cp_kv_cache", None)
             self.train(was_training)
 
 

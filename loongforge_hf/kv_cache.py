@@ -44,6 +44,8 @@ Choices:
   cache. megatron's 1-D rotary embedding counts a CP rank's rotary length times CP and takes its CP share of the
   table: ``attached`` gives it the whole sequence's rows instead (the 3-D one of image-text models reads positions:
   it only loses its CP group). The static cache's buffers hold a rank's share too (``static_cache.py``).
+  ``generate(cp_kv_cache="replicated")`` (``shard_over_cp=False``) keeps the whole cache on every CP rank instead:
+  the prefill writes all the prompt's keys there and the decode steps attend over it without a merge.
   ``cached_forward`` picks the step; image-text models go through it too
   (``multimodal/generation.py``).
   ``forward`` refuses labels with a cache.
@@ -65,7 +67,7 @@ from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_group_
 class LoongKVCache(Cache):
     """transformers' ``Cache`` of one ``DynamicLayer`` per core attention on this rank (see the module docstring)."""
 
-    def __init__(self, chunks, layer=DynamicLayer, layers: list | None = None) -> None:
+    def __init__(self, chunks, layer=DynamicLayer, layers: list | None = None, shard_over_cp: bool = True) -> None:
         # NOTE: the modules are found once, when generate makes the cache (a walk over every module of the model
         # each step cost more than a decode step's attention)
         self.chunks = list(chunks)
@@ -77,7 +79,8 @@ class LoongKVCache(Cache):
         self.cp_holders = cp_group_holders(self.chunks) \
             if any(getattr(a, "cp_group", None) is not None for a in self.attentions) else []
         self.filled = 0  # NOTE: tokens cached, counted on the host (a static layer's own count is a device tensor)
-        self.shard = cp_shard()  # NOTE: this rank's share of the cache under CP (module docstring)
+        # NOTE: this rank's share of the cache under CP (module docstring); None: the whole cache on every CP rank
+        self.shard = cp_shard() if shard_over_cp else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.filled
@@ -90,9 +93,9 @@ class LoongKVCache(Cache):
         return None
 
     @classmethod
-    def for_model(cls, model) -> "LoongKVCache":
+    def for_model(cls, model, *, shard_over_cp: bool = True) -> "LoongKVCache":
         """A cache for ``model``'s core attentions on this rank, in order over its chunks."""
-        return cls(model.chunks)
+        return cls(model.chunks, shard_over_cp=shard_over_cp)
 
 
 @dataclass(frozen=True)
@@ -332,7 +335,8 @@ def _split_prefill_attention(module, query, key, value, attention_mask, attn_mas
     cp_size = dist.get_world_size(group)
     keys, values = _gather_kv(key, value, group, _cp_global_index([step.padded], cp_size, key.device))
     keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # NOTE: [b, h_kv, padded, d], global order
-    share = slice(cache.shard.rank, step.given, cache.shard.size)  # NOTE: this rank's of the prompt's (CPShard)
+    # NOTE: the prompt's keys and values: this rank's share of them (CPShard), or all of them (replicated)
+    share = slice(cache.shard.rank, step.given, cache.shard.size) if cache.shard is not None else slice(step.given)
     cache.update(keys[:, :, share], values[:, :, share], index)
     out = _cp_chunks(query.permute(1, 2, 0, 3), keys, values, cp_rank=dist.get_rank(group), cp_size=cp_size,
                      causal=True, scale=module.softmax_scale, dropout_p=0.0, window=module.window, mask=step.mask)

@@ -93,9 +93,10 @@ class Kept:
     cache's layers (their buffers) and the fixed step (its buffers and device graph). It holds neither the model nor
     a cache."""
 
-    def __init__(self, layers: list, max_cache_len: int) -> None:
+    def __init__(self, layers: list, max_cache_len: int, shard_over_cp: bool = True) -> None:
         self.layers = layers
         self.max_cache_len = max_cache_len
+        self.shard_over_cp = shard_over_cp  # NOTE: whether its buffers hold a CP rank's share (kv_cache.CPShard)
         self.decode: FixedDecode | None = None
 
     def __deepcopy__(self, memo) -> None:
@@ -105,30 +106,33 @@ class Kept:
 class LoongStaticCache(LoongKVCache):
     """``LoongKVCache`` with preallocated buffers and fixed-shape decode steps (see the module docstring)."""
 
-    def __init__(self, chunks, max_cache_len: int, kept: Kept | None = None) -> None:
-        shard = cp_shard()
+    def __init__(self, chunks, max_cache_len: int, kept: Kept | None = None, shard_over_cp: bool = True) -> None:
+        shard = cp_shard() if shard_over_cp else None
         # NOTE: under CP a rank's buffers hold its share of the slots and a scratch slot, where its fixed step writes
         # the key and value of a token of another rank (the step's ops and addresses are the same every step)
         self.slots = shard.count(max_cache_len) + 1 if shard is not None else max_cache_len
         super().__init__(chunks, layer=functools.partial(_StaticLayer, self.slots),
-                         layers=kept.layers if kept is not None else None)
-        self.kept = kept if kept is not None else Kept(self.layers, max_cache_len)
+                         layers=kept.layers if kept is not None else None, shard_over_cp=shard_over_cp)
+        self.kept = kept if kept is not None else Kept(self.layers, max_cache_len, shard_over_cp)
         self.max_cache_len = self.kept.max_cache_len
         self.decode: FixedDecode | None = None
         self.fixed_steps = 0  # NOTE: decode steps run by FixedDecode (tests check where it applies)
         self.reused_kept_step = False  # NOTE: whether this call's steps ran the fixed step kept from a past call
 
     @classmethod
-    def for_model(cls, model, max_cache_len: int) -> "LoongStaticCache":
+    def for_model(cls, model, max_cache_len: int, *, shard_over_cp: bool = True) -> "LoongStaticCache":
         """A cache of ``max_cache_len`` slots or more: the layers (and the fixed step, where the model's host state
-        allows it) of the model's last static-cache generate where they are long enough, else new ones, kept."""
+        allows it) of the model's last static-cache generate where they are long enough (and sharded over CP alike),
+        else new ones, kept."""
         kept = model.__dict__.get("_static_cache_kept")
-        if kept is not None and kept.max_cache_len >= max_cache_len:  # NOTE: LoongKVCache checks the layer count
+        # NOTE: LoongKVCache checks the layer count
+        if kept is not None and kept.max_cache_len >= max_cache_len and kept.shard_over_cp == shard_over_cp:
             for layer in kept.layers:
                 layer.reset()
-            return cls(model.chunks, kept.max_cache_len, kept)
+            return cls(model.chunks, kept.max_cache_len, kept, shard_over_cp=shard_over_cp)
         model.__dict__["_static_cache_kept"] = None  # NOTE: the old buffers and graph go before new ones are made
-        cache = cls(model.chunks, max(max_cache_len, kept.max_cache_len if kept is not None else 0))
+        cache = cls(model.chunks, max(max_cache_len, kept.max_cache_len if kept is not None else 0),
+                    shard_over_cp=shard_over_cp)
         model.__dict__["_static_cache_kept"] = cache.kept
         return cache
 

@@ -202,3 +202,47 @@ def test_one_token_prompt_under_cp2(checkpoints):
             # NOTE: 5 positions cached (the prompt and 4 new tokens): slots 0, 2, 4 on rank 0, 1, 3 on rank 1; the
             # static buffers hold a rank's share of max_cache_len (5) and the scratch slot
             assert set(keys) == ({3 - rank} if impl == "dynamic" else {4 - rank}), (rank, impl, keys)
+
+
+def _replicated_world(folder: str) -> dict:
+    import torch
+    import transformers
+
+    import loongforge_hf as lf
+
+    from ._generation import prompts_for, run_scenarios
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
+    inputs = prompts_for(transformers.PreTrainedTokenizerFast.from_pretrained(folder), CACHE_PROMPTS)
+    out = {}
+    for impl in ("dynamic", "static"):
+        extra = {"cp_kv_cache": "replicated", **({"cache_implementation": impl} if impl == "static" else {})}
+        out[impl] = run_scenarios(model, inputs, {k: {**v, **extra} for k, v in CACHE_SCENARIOS.items()})
+        cache = model.generate(**inputs, max_new_tokens=4, return_dict_in_generate=True, **extra).cache
+        out[impl + " keys"] = sorted({layer.keys.shape[2] for layer in cache.layers})
+    out["sharded after"] = sorted({layer.keys.shape[2] for layer in model.generate(
+        **inputs, max_new_tokens=4, return_dict_in_generate=True, cache_implementation="static").cache.layers})
+    try:
+        model.generate(**inputs, max_new_tokens=2, cp_kv_cache="split")
+        out["refused"] = None
+    except ValueError as err:
+        out["refused"] = str(err)
+    return out
+
+
+def test_cp2_replicated_cache(checkpoints):
+    """``generate(cp_kv_cache="replicated")`` under CP2: every CP rank holds the whole cache (the static cache's
+    buffers too: max_cache_len slots, no scratch one) and decode steps attend over it as on one rank; greedy, beam
+    search and sampling give transformers' tokens and scores / logits within 1e-5, dynamic and static cache. A later
+    static call with the default (sharded) makes new buffers of the rank's share; another value is refused."""
+    folder, ref = checkpoints["qwen2"]
+    prompt = ref["greedy"]["sequences"].shape[1] - CACHE_SCENARIOS["greedy"]["max_new_tokens"]
+    for rank, res in enumerate(run_distributed(_replicated_world, 2, folder, timeout=240)):
+        for impl in ("dynamic", "static"):
+            for name in CACHE_SCENARIOS:
+                _same(res[impl][name], ref[name], f"cp2 replicated rank {rank} {impl} {name}")
+        # NOTE: the static buffers are the kept ones of the longest call before (greedy: 6 new tokens, max_cache_len
+        # prompt + 5); the sharded call keeps that length and holds the rank's share of it and the scratch slot
+        assert res["dynamic keys"] == [prompt + 3] and res["static keys"] == [prompt + 5], res
+        assert res["sharded after"] == [len(range(rank, prompt + 5, 2)) + 1], res
+        assert "cp_kv_cache must be 'sharded' or 'replicated'" in res["refused"], res
