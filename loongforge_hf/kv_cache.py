@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -132,6 +132,9 @@ class _Step:
     padded: int
     mask: torch.Tensor | None
     cp: int = 1  # NOTE: the context-parallel size: the step runs whole on each of those ranks
+    # NOTE: under a CP-sharded cache, per attention window the keys each query may see (``_share_allowed``), made by
+    # the step's first attention of that window and read by the others
+    share_allowed: dict = field(default_factory=dict, compare=False)
 
 
 def core_attentions(chunks) -> list:
@@ -186,17 +189,24 @@ def _sharded_attention(module, query, k, v, *, cache: LoongKVCache, index: int, 
     keys, values = keys[:, :, :filled], values[:, :, :filled]
     if kept < k.shape[2]:
         keys, values = torch.cat((keys, k[:, :, kept:]), dim=2), torch.cat((values, v[:, :, kept:]), dim=2)
-    device = query.device
-    slots = torch.arange(shard.rank, step.past + step.padded, shard.size, device=device)  # NOTE: the keys' slots
-    places = torch.arange(step.past, step.past + step.padded, device=device)[:, None]  # NOTE: the queries'
-    allowed = slots[None, :] <= places
-    if module.window is not None and module.window[0] >= 0:
-        allowed &= slots[None, :] >= places - module.window[0]
-    allowed = allowed[None, None] if step.mask is None else allowed[None, None] & ~step.mask[..., slots]
+    allowed = step.share_allowed.get(module.window)
+    if allowed is None:
+        allowed = step.share_allowed[module.window] = _share_allowed(step, shard, module.window, query.device)
     out, lse = partial_attention(query.permute(1, 2, 0, 3), keys, values, allowed=allowed,
                                  scale=module.softmax_scale)
     out = merge_partial_attention(out, lse, shard.group).to(query.dtype)
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def _share_allowed(step: _Step, shard: CPShard, window, device) -> torch.Tensor:
+    """``[b | 1, 1, padded, keys]``: which of this rank's keys (its slots up to ``past + padded``) each query of the
+    step may see: causal, megatron's window ``(left, right)``, transformers' padding mask."""
+    slots = torch.arange(shard.rank, step.past + step.padded, shard.size, device=device)  # NOTE: the keys' slots
+    places = torch.arange(step.past, step.past + step.padded, device=device)[:, None]  # NOTE: the queries'
+    allowed = slots[None, :] <= places
+    if window is not None and window[0] >= 0:
+        allowed &= slots[None, :] >= places - window[0]
+    return allowed[None, None] if step.mask is None else allowed[None, None] & ~step.mask[..., slots]
 
 
 @contextlib.contextmanager
