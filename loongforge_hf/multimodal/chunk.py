@@ -64,9 +64,9 @@ class VisionLanguageChunk(nn.Module):
         return self.language(local_ids, position_ids, attention_mask, decoder_input=decoder_input)
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Embeddings of every image / video of ``grid_thw`` on this rank; under context parallelism each CP rank
-        encodes its share and the group gathers them, and with ``encoder_group`` a share is shared out again over
-        that (TP) group (``encoder_parallel.py``)."""
+        """Embeddings of every image / video of ``grid_thw`` on this rank; under context parallelism (also in a step
+        run whole on every CP rank without gradients) each CP rank encodes its share and the group gathers them, and
+        with ``encoder_group`` a share is shared out again over that (TP) group (``encoder_parallel.py``)."""
         from loongforge_hf.multimodal.encoder_parallel import encode_images_data_parallel
         from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
@@ -76,6 +76,14 @@ class VisionLanguageChunk(nn.Module):
             return self.vision(pixels, grid)
 
         cp_group, cp_size, _ = cp_group_and_size()  # NOTE: size 1 in a step run whole on every CP rank
+        if cp_size == 1 and not torch.is_grad_enabled():
+            from megatron.core import parallel_state as ps
+
+            # NOTE: a step run whole on every CP rank (generate's uncached steps, under no_grad): the images are
+            # still shared out and gathered (the split needs no split of the sequence; with gradients it would need
+            # each rank's loss to cover its own tokens, which a whole step's does not)
+            if ps.get_context_parallel_world_size() > 1:
+                cp_group, cp_size = ps.get_context_parallel_group(), ps.get_context_parallel_world_size()
         if cp_size > 1:
             return encode_images_data_parallel(self.vision, pixel_values, grid_thw, group=cp_group, sum_rows=True,
                                                encode=share)

@@ -37,7 +37,8 @@ Choices:
   the chunk takes its CP share of the padded prompt, each CP rank keeps its share of the prompt's keys and values,
   computes its own of the kept rows' logits and encodes its share of the images, as in training); every other step,
   cached or not, runs the whole sequence on every CP rank (``context_parallel.whole_sequence_on_every_rank``, as the
-  text models' cached steps: ``kv_cache.py``; an uncached step encodes every image on every CP rank).
+  text models' cached steps: ``kv_cache.py``; an uncached step shares the images out over CP all the same:
+  ``chunk.encode``).
 - ``cache_implementation="static"``: the prefill as above, then each one-token step runs the static cache's
   fixed-shape decode (``static_cache.py``; a CUDA graph on GPUs, kept across calls) with the token's ``[3, b, 1]``
   positions copied into its position buffer (megatron's ``MultimodalRotaryEmbedding`` computes the rows inside the

@@ -90,11 +90,19 @@ def generate_run(folder: str, layout: dict, expanded: bool) -> dict:
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
     inputs = prompt_batch(folder)
     text_only = prompt_batch(folder, TEXT_ONLY)
+    patches = []  # NOTE: the patch rows of each tower forward on this rank (the CP / TP shares; none off stage 0)
+    tower = model.vision_tower
+    hook = tower.register_forward_pre_hook(lambda module, args: patches.append(int(args[0].shape[0]))) \
+        if tower is not None else None
+    model.generate(**inputs, max_new_tokens=2, use_cache=False)  # NOTE: two whole steps, each encoding the images
+    if hook is not None:
+        hook.remove()
     # NOTE: steps are padded for sequence parallelism only (whole on every CP rank)
     res = {"multiple": model.parallel.whole_sequence_multiple,
            "prefill_multiple": model.parallel.sequence_multiple if model.parallel.context_parallel_size > 1
            else model.parallel.whole_sequence_multiple,
-           "prompt": inputs["input_ids"].shape[1],
+           "prompt": inputs["input_ids"].shape[1], "patches": patches,
+           "all_patches": int(inputs["image_grid_thw"].prod(-1).sum()),
            "cached": run_scenarios(model, inputs),
            "static": run_scenarios(model, inputs, **STATIC),
            "uncached": run_scenarios(model, inputs, use_cache=False),

@@ -152,6 +152,16 @@ def test_cached_steps_run_one_token(ranks, layout):
         # NOTE: the static cache's one-token steps run the fixed-shape decode (a CUDA graph on GPUs) but under PP
         assert res["static_fixed_steps"] == (0 if layout.startswith("pp2") else 3), res["static_fixed_steps"]
         assert res["lengths"]["uncached"] == [-(-n // multiple) * multiple for n in range(prompt, prompt + 4)]
+    # NOTE: two uncached steps encode the images twice: every patch on each rank where the tower is replicated or
+    # split over TP; a share per rank where the images are shared out (encoder data parallel over TP, and over CP
+    # even in a step run whole on every CP rank), the shares adding up to every patch
+    every = ranks[layout][0]["all_patches"]
+    seen = [res["patches"] for res in ranks[layout]]
+    if layout in ("cp2", "tp2_encoder_data_parallel"):
+        assert all(len(p) == 2 and p[0] == p[1] for p in seen) and sum(p[0] for p in seen) == every, seen
+        assert all(p[0] < every for p in seen), seen
+    else:  # NOTE: under PP the second stage has no tower
+        assert all(p == [every, every] for p in seen[:1 if layout.startswith("pp2") else None]), seen
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
