@@ -178,23 +178,21 @@ def _sharded_attention(module, query, k, v, *, cache: LoongKVCache, index: int, 
     """``_cached_attention`` under context parallelism with the cache sharded over the CP group (``CPShard``): this
     rank's new keys / values ``k / v [b, h_kv, padded, d]`` (slots ``past ..``) join its share, the queries (the
     whole step's, on every CP rank) attend over the share, and the group merges the shares' results."""
-    from loongforge_hf.kernels.attention import merge_partial_attention, partial_attention
+    from loongforge_hf.kernels.attention import sharded_attention
 
     shard = cache.shard
-    own = slice(shard.first(step.past), None, shard.size)
-    k, v = k[:, :, own], v[:, :, own]
-    kept = len(range(shard.first(step.past), step.given, shard.size))  # NOTE: the layout's padding is never cached
-    keys, values = cache.update(k[:, :, :kept], v[:, :, :kept], index)
+    k, v = k[:, :, shard.first(step.past)::shard.size], v[:, :, shard.first(step.past)::shard.size]
     filled = shard.count(step.past + step.given)
+    kept = filled - shard.count(step.past)  # NOTE: its new tokens, not the layout's padding (never cached)
+    keys, values = cache.update(k[:, :, :kept], v[:, :, :kept], index)
     keys, values = keys[:, :, :filled], values[:, :, :filled]
     if kept < k.shape[2]:
         keys, values = torch.cat((keys, k[:, :, kept:]), dim=2), torch.cat((values, v[:, :, kept:]), dim=2)
     allowed = step.share_allowed.get(module.window)
     if allowed is None:
         allowed = step.share_allowed[module.window] = _share_allowed(step, shard, module.window, query.device)
-    out, lse = partial_attention(query.permute(1, 2, 0, 3), keys, values, allowed=allowed,
-                                 scale=module.softmax_scale)
-    out = merge_partial_attention(out, lse, shard.group).to(query.dtype)
+    out = sharded_attention(query.permute(1, 2, 0, 3), keys, values, allowed=allowed, scale=module.softmax_scale,
+                            group=shard.group)
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 

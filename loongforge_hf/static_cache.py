@@ -248,9 +248,8 @@ class FixedDecode:
         self.allowed = {window: torch.zeros(batch, 1, 1, cache.slots, dtype=torch.bool, device=device)
                         for window in {_window(a) for a in cache.attentions}}
         # NOTE: under CP (cache.shard): the buffer slot this rank writes the token's key and value at (its own slot
-        # or the scratch one) and whether the slot is its own (1 / 0: added to the layer's count)
+        # or the scratch one)
         self.write_at = torch.zeros(1, dtype=torch.long, device=device)
-        self.owned = torch.zeros((), dtype=torch.long, device=device)
         # NOTE: each rotary embedding's output for every slot, by its own forward (the offset patch is not on here);
         # packed_seq=True: the whole table on every CP rank (megatron would take this rank's CP chunks of it)
         whole = {"packed_seq": True} if model.parallel.context_parallel_size > 1 else {}
@@ -295,9 +294,7 @@ class FixedDecode:
         shard = cache.shard
         local = shard.count if shard is not None else int  # NOTE: how many of the first n slots this rank holds
         if shard is not None:
-            owned = past % shard.size == shard.rank
-            self.write_at.fill_(past // shard.size if owned else cache.slots - 1)
-            self.owned.fill_(int(owned))
+            self.write_at.fill_(past // shard.size if past % shard.size == shard.rank else cache.slots - 1)
             if attention_mask is not None:
                 attention_mask = attention_mask[:, shard.rank::shard.size]  # NOTE: its slots' columns
         for window, allowed in self.allowed.items():
@@ -398,21 +395,22 @@ def _fixed_attention(module, query, key, value, attention_mask, attn_mask_type=N
     attends over the whole buffer under ``allowed``. Under CP (``shard``) the key and value go to this rank's slot
     for the token (``decode.write_at``: the scratch slot where the token is another rank's), the queries attend over
     this rank's share and the CP group merges the shares (``kernels.attention.merge_partial_attention``)."""
-    from loongforge_hf.kernels.attention import merge_partial_attention, partial_attention
+    from loongforge_hf.kernels.attention import sharded_attention
 
     if attention_bias is not None or packed_seq_params is not None:
         raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
     q = query.permute(1, 2, 0, 3)
     if shard is not None:
+        # NOTE: written where decode.write_at says; the layer's own count is not read again before the next
+        # prefill resets it (cache.filled counts the tokens)
         layer.keys.index_copy_(2, decode.write_at, key[:1].permute(1, 2, 0, 3))
         layer.values.index_copy_(2, decode.write_at, value[:1].permute(1, 2, 0, 3))
-        layer.cumulative_length.add_(decode.owned)  # NOTE: the layer's count stays this rank's share's
-        out, lse = partial_attention(q, layer.keys, layer.values, allowed=allowed, scale=module.softmax_scale)
-        out = merge_partial_attention(out, lse, shard.group).to(query.dtype)
-        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
-    keys, values = layer.update(key[:1].permute(1, 2, 0, 3), value[:1].permute(1, 2, 0, 3))
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=module.softmax_scale,
-                                         enable_gqa=q.shape[1] != keys.shape[1])
+        out = sharded_attention(q, layer.keys, layer.values, allowed=allowed, scale=module.softmax_scale,
+                                group=shard.group)
+    else:
+        keys, values = layer.update(key[:1].permute(1, 2, 0, 3), value[:1].permute(1, 2, 0, 3))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=module.softmax_scale,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 

@@ -255,6 +255,16 @@ def _cudnn_partial_attention(query, key, value, *, allowed: torch.Tensor, scale:
     return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
 
 
+def sharded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, allowed: torch.Tensor,
+                      scale: float, group) -> torch.Tensor:
+    """Attention of ``query [b, h, sq, d]`` (the same on every rank of ``group``) over the keys all ranks of
+    ``group`` hold between them, this rank's share ``key / value [b, h_kv, n, d]`` under ``allowed``
+    (``partial_attention``) -> ``[b, h, sq, d_v]`` in the query's dtype on every rank (``merge_partial_attention``):
+    a KV cache sharded over context parallelism (``kv_cache.CPShard``)."""
+    out, lse = partial_attention(query, key, value, allowed=allowed, scale=scale)
+    return merge_partial_attention(out, lse, group).to(query.dtype)
+
+
 def merge_partial_attention(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tensor:
     """The attention over every rank's share of the keys from each rank's ``partial_attention`` (``out [b, h, sq, d]``,
     ``lse [b, h, sq]``, fp32) -> ``[b, h, sq, d]`` fp32 on every rank of ``group``: one all-gather of both, then each

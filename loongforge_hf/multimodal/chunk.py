@@ -67,6 +67,8 @@ class VisionLanguageChunk(nn.Module):
         """Embeddings of every image / video of ``grid_thw`` on this rank; under context parallelism (also in a step
         run whole on every CP rank without gradients) each CP rank encodes its share and the group gathers them, and
         with ``encoder_group`` a share is shared out again over that (TP) group (``encoder_parallel.py``)."""
+        from megatron.core import parallel_state as ps
+
         from loongforge_hf.multimodal.encoder_parallel import encode_images_data_parallel
         from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
@@ -75,18 +77,12 @@ class VisionLanguageChunk(nn.Module):
                 return encode_images_data_parallel(self.vision, pixels, grid, group=self.encoder_group)
             return self.vision(pixels, grid)
 
-        cp_group, cp_size, _ = cp_group_and_size()  # NOTE: size 1 in a step run whole on every CP rank
-        if cp_size == 1 and not torch.is_grad_enabled():
-            from megatron.core import parallel_state as ps
-
-            # NOTE: a step run whole on every CP rank (generate's uncached steps, under no_grad): the images are
-            # still shared out and gathered (the split needs no split of the sequence; with gradients it would need
-            # each rank's loss to cover its own tokens, which a whole step's does not)
-            if ps.get_context_parallel_world_size() > 1:
-                cp_group, cp_size = ps.get_context_parallel_group(), ps.get_context_parallel_world_size()
-        if cp_size > 1:
-            return encode_images_data_parallel(self.vision, pixel_values, grid_thw, group=cp_group, sum_rows=True,
-                                               encode=share)
+        # NOTE: also in a step run whole on every CP rank (cp_group_and_size gives size 1 there: generate's uncached
+        # steps) where nothing takes gradients: the split needs no split of the sequence; with gradients it would need
+        # each rank's loss to cover its own tokens, which a whole step's does not
+        if ps.get_context_parallel_world_size() > 1 and (cp_group_and_size()[1] > 1 or not torch.is_grad_enabled()):
+            return encode_images_data_parallel(self.vision, pixel_values, grid_thw,
+                                               group=ps.get_context_parallel_group(), sum_rows=True, encode=share)
         return share(pixel_values, grid_thw)
 
     # NOTE: the name the existing callers use (images only).

@@ -94,14 +94,13 @@ def encode_images_data_parallel(tower, pixel_values: torch.Tensor, grid_thw: tor
     ranges = split_images(patches, size)
     first, last = ranges[rank]
     rows = sum(patches[:first]), sum(patches[:last])
-    trainable = [(n, p) for n, p in tower.named_parameters() if p.requires_grad] if not sum_rows else []
-    if sum_rows:
-        local = (encode or tower)(pixel_values[rows[0]:rows[1]], grid_thw[first:last])
-    elif trainable and torch.is_grad_enabled():
+    share = (pixel_values[rows[0]:rows[1]], grid_thw[first:last])
+    trainable = [(n, p) for n, p in tower.named_parameters() if p.requires_grad] \
+        if not sum_rows and torch.is_grad_enabled() else []  # NOTE: the TP case's gradients summed over the group
+    if trainable:
         synced = _SumGradsOverGroup.apply(group, *[p for _, p in trainable])
-        local = torch.func.functional_call(tower, dict(zip([n for n, _ in trainable], synced)),
-                                           (pixel_values[rows[0]:rows[1]], grid_thw[first:last]), strict=False)
+        local = torch.func.functional_call(tower, dict(zip([n for n, _ in trainable], synced)), share, strict=False)
     else:
-        local = tower(pixel_values[rows[0]:rows[1]], grid_thw[first:last])
+        local = (encode or tower)(*share)
     counts = [sum(patches[a:b]) // merge2 for a, b in ranges]
     return _GatherRows.apply(local, counts, group, sum_rows)
