@@ -25,7 +25,9 @@ Choices:
   ``context_parallel_size=N`` (the prefill split over the N ranks, the KV cache sharded over them: ``kv_cache.py``),
   transformers (no context parallelism) on each rank alone, one GPU's worth, as the reference: what CP buys a long
   prompt in time and in each GPU's peak memory. ``--skip-no-cache`` leaves out ``use_cache=False`` (a whole-sequence
-  forward per new token: minutes at long prompts).
+  forward per new token: minutes at long prompts). ``--cp-kv-cache sharded,replicated`` runs our cached stacks once
+  per layout of the KV cache over CP (``generate(cp_kv_cache=...)``: each rank's share, merged per layer, or the
+  whole cache on every rank); default ``sharded``.
 
     python scripts/bench_generate.py [--batch 8] [--prompt 512] [--new 128] [--reps 3] [--warmup 1]
                                      [--out outputs/bench_generate.json]
@@ -92,6 +94,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="under torchrun with as many processes")
     p.add_argument("--context-parallel-size", type=int, default=1, help="under torchrun with as many processes")
     p.add_argument("--skip-no-cache", action="store_true", help="leave out loongforge-hf's use_cache=False run")
+    p.add_argument("--cp-kv-cache", default="sharded",
+                   help="under --context-parallel-size: comma-separated layouts of the KV cache, sharded,replicated")
     args = p.parse_args(argv)
 
     import torch
@@ -139,20 +143,26 @@ def main(argv: list[str]) -> int:
     del ref
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, tensor_parallel_size=tp,
                                                    context_parallel_size=cp)
-    results["loongforge_cache"] = _measure(ours, ids, args, device)
-    results["loongforge_static"] = _measure(ours, ids, args, device, cache_implementation="static")
-    # NOTE: whether the timed calls replayed the graph kept from the call before (static_cache.Kept): one more call
-    kept = ours.generate(**_generate_kwargs(ids, args, cache_implementation="static"),
-                         return_dict_in_generate=True).cache
-    results["loongforge_static"]["kept_step_reused"] = kept.reused_kept_step
-    del kept
+    layouts = args.cp_kv_cache.split(",") if cp > 1 else [None]
+    for layout in layouts:
+        extra, suffix = ({"cp_kv_cache": layout}, f"_{layout}") if layout else ({}, "")
+        results[f"loongforge_cache{suffix}"] = _measure(ours, ids, args, device, **extra)
+        static = results[f"loongforge_static{suffix}"] = _measure(ours, ids, args, device,
+                                                                  cache_implementation="static", **extra)
+        # NOTE: whether the timed calls replayed the graph kept from the call before (static_cache.Kept): one more
+        kept = ours.generate(**_generate_kwargs(ids, args, cache_implementation="static", **extra),
+                             return_dict_in_generate=True).cache
+        static["kept_step_reused"] = kept.reused_kept_step
+        del kept
     if not args.skip_no_cache:
         results["loongforge_no_cache"] = _measure(ours, ids, args, device, use_cache=False)
     theirs = results["transformers"]["tokens"]
     rows = []
     for key, r in results.items():
         r["same_tokens_as_transformers"] = float((r.pop("tokens") == theirs).float().mean())
-        rows.append([STACKS[key], f"{r['ms']:.1f}", f"{r['new_tokens_per_s']:.1f}", f"{r['peak_gib']:.2f}",
+        stack, _, layout = key.rpartition("_")
+        name = STACKS[key] if key in STACKS else f"{STACKS[stack]} (CP KV cache {layout})"
+        rows.append([name, f"{r['ms']:.1f}", f"{r['new_tokens_per_s']:.1f}", f"{r['peak_gib']:.2f}",
                      f"{r['same_tokens_as_transformers']:.3f}"])
     report = {"device": device.describe(), "workload": workload.title, "tiny": args.tiny, "batch": args.batch,
               "prompt": args.prompt, "new": args.new, "reps": args.reps, "tensor_parallel_size": tp,

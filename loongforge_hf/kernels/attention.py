@@ -44,6 +44,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
 from loongforge_hf.kernels._saved import standalone
+from loongforge_hf.kernels._triton import use_triton
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -181,15 +182,19 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     ``[b, h, sq]`` fp32): what ``merge_partial_attention`` combines over the ranks holding the other shares. A row
     with no allowed key gives zeros and a log-sum-exp of -inf.
 
-    On CUDA in bf16 / fp16 (key and value heads of one size, at most 128) it is cuDNN's SDPA, which returns the
-    log-sum-exp (``_cudnn_partial_attention``). Elsewhere (CPU, fp32, MLA's wider keys) the scores are computed in
+    On CUDA in bf16 / fp16 with Triton it is flash-decoding's split-key kernels (``_decode_attention_triton``);
+    without Triton (key and value heads of one size, at most 128) cuDNN's SDPA, which returns the log-sum-exp
+    (``_cudnn_partial_attention``). Elsewhere (CPU, fp32, MLA's wider keys) the scores are computed in
     the inputs' dtype and softmaxed in fp32 (transformers' eager attention), the keys taken in blocks of ``block``
     (and the rest), each block's result combined by its log-sum-exp (``combine_partial_attention``, as
     flash-decoding splits the keys): a one-token query's ``weights @ values`` over all n keys at once is a matrix
     product of 1-2 rows with an n-long reduction, which cuBLAS ran at ~0.66 ms for 16k keys on an H200 inside a CUDA
     graph (blocks of 512: ~0.30 ms)."""
-    b, h, sq, _ = query.shape
-    h_kv, n = key.shape[1], key.shape[-2]
+    if use_triton(query):
+        from loongforge_hf.kernels import _decode_attention_triton
+
+        if _decode_attention_triton.usable(query, key, value):
+            return _decode_attention_triton.partial_attention(query, key, value, allowed=allowed, scale=scale)
     if _cudnn_partial_usable(query, key, value):
         try:
             return _cudnn_partial_attention(query, key, value, allowed=allowed, scale=scale)
@@ -197,6 +202,13 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             logger.warning("partial attention: cuDNN's SDPA refused query %s / key %s %s (%s); matrix products "
                            "from now on.", tuple(query.shape), tuple(key.shape), query.dtype, err)
             _CUDNN_REFUSED.add(_cudnn_config(query, key))
+    return _blocked_partial_attention(query, key, value, allowed=allowed, scale=scale, block=block)
+
+
+def _blocked_partial_attention(query, key, value, *, allowed: torch.Tensor, scale: float, block: int = 512):
+    """``partial_attention`` by torch matrix products over blocks of ``block`` keys (and the rest)."""
+    b, h, sq, _ = query.shape
+    h_kv, n = key.shape[1], key.shape[-2]
     # NOTE: grouped-query heads: query head i reads key head i // (h / h_kv), as SDPA's enable_gqa
     q = query.reshape(b, h_kv, 1, (h // h_kv) * sq, query.shape[-1])
     whole = n // block * block

@@ -8,6 +8,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 import loongforge_hf.kernels.attention as attention_module
+from loongforge_hf.kernels._triton import triton_paths
 from loongforge_hf.kernels.attention import dot_product_attention, packed_attention, partial_attention
 from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
 from loongforge_hf.kernels.rmsnorm import rms_norm
@@ -97,21 +98,36 @@ def test_elementwise_ops_and_cross_entropy_on_cuda_match_cpu():
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("path", ["triton", "cudnn"])
 @pytest.mark.parametrize("batch, sq, keys", [(2, 2, 37), (1, 1, 4097), (3, 1, 300)])
-def test_partial_attention_cudnn_matches_blocked_fp32(batch, sq, keys):
-    """``partial_attention`` in bf16 on CUDA (cuDNN's SDPA, query heads folded into their key head's rows) against
-    the blocked path in fp32 on the CPU from the same values: outputs within bf16's resolution, log-sum-exps within
-    1e-3 (measured on an H200: 4.4e-3 and 2e-6), a row with no allowed key zeros and -inf alike."""
+def test_partial_attention_cuda_matches_blocked_fp32(batch, sq, keys, path):
+    """``partial_attention`` in bf16 on CUDA (the Triton split-key kernels, or cuDNN's SDPA with the query heads
+    folded into their key head's rows) against the blocked path in fp32 on the CPU from the same values: outputs
+    within bf16's resolution, log-sum-exps within 1e-3 (cuDNN on an H200: 4.4e-3 and 2e-6), a row with no allowed
+    key zeros and -inf alike."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(batch, 16, sq, 128, generator=g).bfloat16()
     k, v = (torch.randn(batch, 8, keys, 128, generator=g).bfloat16() for _ in range(2))
     allowed = torch.rand(batch, 1, sq, keys, generator=g) > 0.2
     allowed[0, 0, -1] = False  # NOTE: the last query row of the first sample sees no key
-    assert attention_module._cudnn_partial_usable(q.cuda(), k.cuda(), v.cuda())
-    out, lse = partial_attention(q.cuda(), k.cuda(), v.cuda(), allowed=allowed.cuda(), scale=0.1)
+    if path == "triton":
+        pytest.importorskip("triton")
+    else:
+        assert attention_module._cudnn_partial_usable(q.cuda(), k.cuda(), v.cuda())
+    with triton_paths(path == "triton"):
+        out, lse = partial_attention(q.cuda(), k.cuda(), v.cuda(), allowed=allowed.cuda(), scale=0.1)
     ref_out, ref_lse = partial_attention(q.float(), k.float(), v.float(), allowed=allowed, scale=0.1)
     torch.testing.assert_close(out.cpu(), ref_out, atol=ATOL, rtol=RTOL)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), finite)
     torch.testing.assert_close(lse.cpu()[finite], ref_lse[finite], atol=1e-3, rtol=0)
     assert torch.equal(out[0, :, -1].cpu(), torch.zeros_like(out[0, :, -1].cpu()))
+
+
+def test_decode_attention_kernels_cases_on_cuda():
+    """The interpreter's cases of the split-key kernels (strided key buffers, MLA's wider keys, an empty share) in
+    bf16 and fp16 on the GPU against the fp32 blocked path."""
+    pytest.importorskip("triton")
+    from tests.kernels._decode_attention_checks import check_decode_attention
+
+    assert len(check_decode_attention("cuda", dtypes=(torch.bfloat16, torch.float16))) == 10

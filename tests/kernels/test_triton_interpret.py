@@ -27,3 +27,10 @@ def test_grouped_fp8_layout_kernels_in_the_interpreter():
                               "check_grouped_quantisation()")
     assert checked == ["rows x", "columns x", "rows x strided", "columns x strided", "rows padded", "weight rows w",
                        "weight rows w.T", "zero_empty"]
+
+
+def test_decode_attention_kernels_in_the_interpreter():
+    """The split-key partial attention of a CP-sharded KV cache's decode step against the blocked torch path."""
+    checked = run_interpreted("from tests.kernels._decode_attention_checks import check_decode_attention\n"
+                              "check_decode_attention()")
+    assert len(checked) == 10
