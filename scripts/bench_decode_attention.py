@@ -2,14 +2,13 @@
 the output and its log-sum-exp), side by side on one GPU, each captured in a CUDA graph as the static cache's step
 runs it.
 
-Paths: ``triton`` (the split-key kernels, ``_decode_attention_triton``), ``cudnn`` (cuDNN's SDPA with its
-statistics, the query heads folded into their key head's rows), ``blocks`` (torch matrix products over blocks of 512
-keys, combined by log-sum-exp), and as the floor ``sdpa`` (the public SDPA with ``enable_gqa`` and a boolean mask,
-no log-sum-exp: what one GPU's step runs over the whole cache). Shape: workload (a)'s attention (Qwen3-0.6B: 16 query
-heads, 8 key heads of 128), bf16, batch ``--batch``, one query row, ``--keys`` keys (comma list), a random mask with
-every key allowed but the last. Time: ``--graph-calls`` calls captured in one graph, the graph replayed ``--reps``
-times after ``--warmup`` (CUDA events), median per call in µs. Outputs are checked against the blocked path in fp32
-first (``max |diff|``).
+Paths: ``triton`` (the split-key kernels, ``_decode_attention_triton``), ``blocks`` (torch matrix products over
+blocks of 512 keys, combined by log-sum-exp: the path without Triton), and as the floor ``sdpa`` (the public SDPA
+with ``enable_gqa`` and a boolean mask, no log-sum-exp: what one GPU's step runs over the whole cache). Shape:
+workload (a)'s attention (Qwen3-0.6B: 16 query heads, 8 key heads of 128), bf16, batch ``--batch``, one query row,
+``--keys`` keys (comma list), a mask allowing every key but the last. Time: ``--graph-calls`` calls captured in one
+graph, the graph replayed ``--reps`` times after ``--warmup`` (CUDA events), median per call in µs. Outputs are
+checked against the blocked path in fp32 first (``max |diff|``).
 
     python scripts/bench_decode_attention.py [--keys 4096,16384,32768] [--batch 1] [--out outputs/decode_attn.json]
 """
@@ -33,7 +32,6 @@ def _paths():
 
     return {
         "triton": _decode_attention_triton.partial_attention,
-        "cudnn": attention._cudnn_partial_attention,
         "blocks": attention._blocked_partial_attention,
         "sdpa": lambda q, k, v, *, allowed, scale: (F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True), None),
@@ -44,7 +42,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--keys", default="4096,16384,32768")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--paths", default="triton,cudnn,blocks,sdpa")
+    p.add_argument("--paths", default="triton,blocks,sdpa")
     p.add_argument("--graph-calls", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)

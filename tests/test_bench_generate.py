@@ -32,12 +32,13 @@ def test_tiny_dry_run_times_the_four_cpu_stacks(tmp_path):
 @pytest.mark.parametrize("layout", ["tensor", "context"])
 def test_tiny_parallel_dry_run_under_torchrun(tmp_path, layout):
     """``--tensor-parallel-size 2`` under torchrun (2 CPU processes, gloo): transformers' own tensor parallelism
-    (``tp_plan="auto"``) and ours at TP2 on the same prompts; ``--context-parallel-size 2 --skip-no-cache``:
-    transformers alone on each rank, ours at CP2 (the cache sharded over the two ranks), no ``use_cache=False`` run;
-    rank 0 writes the report."""
+    (``tp_plan="auto"``) and ours at TP2 on the same prompts; ``--context-parallel-size 2 --skip-no-cache
+    --cp-kv-cache sharded,replicated``: transformers alone on each rank, ours at CP2 with the cache sharded over the
+    two ranks and replicated on both, no ``use_cache=False`` run; rank 0 writes the report."""
     out = tmp_path / f"bench_generate_{layout}2.json"
     extra = ["--tensor-parallel-size", "2"] if layout == "tensor" else ["--context-parallel-size", "2",
-                                                                        "--skip-no-cache"]
+                                                                        "--skip-no-cache", "--cp-kv-cache",
+                                                                        "sharded,replicated"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT),
                            "--tiny", "--device", "cpu", "--reps", "1", "--warmup", "0", "--batch", "2", "--prompt",
                            "16", "--new", "4", "--checkpoint", str(tmp_path), *extra,
@@ -47,7 +48,14 @@ def test_tiny_parallel_dry_run_under_torchrun(tmp_path, layout):
     report = json.loads(out.read_text())
     sizes = (2, 1) if layout == "tensor" else (1, 2)
     assert (report["tensor_parallel_size"], report["context_parallel_size"]) == sizes
-    stacks = {"transformers", "loongforge_cache", "loongforge_static"}
-    assert set(report["results"]) == (stacks | {"loongforge_no_cache"} if layout == "tensor" else stacks)
+    ours = {"loongforge_cache", "loongforge_static"}
+    if layout == "tensor":
+        assert set(report["results"]) == {"transformers", "loongforge_no_cache", *ours}
+        static = ["loongforge_static"]
+    else:
+        layouts = ("sharded", "replicated")
+        assert set(report["results"]) == {"transformers", *(f"{s}_{c}" for s in ours for c in layouts)}
+        static = ["loongforge_static_sharded", "loongforge_static_replicated"]
+        assert "loongforge-hf, static cache (CUDA graph) (CP KV cache replicated)" in proc.stdout
     assert all(r["ms"] > 0 for r in report["results"].values())
-    assert report["results"]["loongforge_static"]["kept_step_reused"] is True
+    assert all(report["results"][key]["kept_step_reused"] is True for key in static)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import math
 
 import torch
@@ -55,7 +54,6 @@ _VARLEN_KWARGS = frozenset(inspect.signature(_varlen_attn).parameters) if _varle
 
 CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
-logger = logging.getLogger(__name__)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -182,31 +180,24 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     ``[b, h, sq]`` fp32): what ``merge_partial_attention`` combines over the ranks holding the other shares. A row
     with no allowed key gives zeros and a log-sum-exp of -inf.
 
-    On CUDA in bf16 / fp16 with Triton it is flash-decoding's split-key kernels (``_decode_attention_triton``);
-    without Triton (key and value heads of one size, at most 128) cuDNN's SDPA, which returns the log-sum-exp
-    (``_cudnn_partial_attention``). Elsewhere (CPU, fp32, MLA's wider keys) the scores are computed in
-    the inputs' dtype and softmaxed in fp32 (transformers' eager attention), the keys taken in blocks of ``block``
-    (and the rest), each block's result combined by its log-sum-exp (``combine_partial_attention``, as
-    flash-decoding splits the keys): a one-token query's ``weights @ values`` over all n keys at once is a matrix
-    product of 1-2 rows with an n-long reduction, which cuBLAS ran at ~0.66 ms for 16k keys on an H200 inside a CUDA
-    graph (blocks of 512: ~0.30 ms)."""
+    On CUDA in bf16 / fp16 with Triton: flash-decoding's split-key kernels (``_decode_attention_triton``; one token
+    over 16k keys, 16 / 8 heads of 128, in a CUDA graph on an H200: 23 µs, the public SDPA without the log-sum-exp
+    29 µs, cuDNN's SDPA with its statistics 336 µs, scripts/bench_decode_attention.py). Elsewhere (CPU, fp32, no
+    Triton) ``_blocked_partial_attention``."""
     if use_triton(query):
         from loongforge_hf.kernels import _decode_attention_triton
 
         if _decode_attention_triton.usable(query, key, value):
             return _decode_attention_triton.partial_attention(query, key, value, allowed=allowed, scale=scale)
-    if _cudnn_partial_usable(query, key, value):
-        try:
-            return _cudnn_partial_attention(query, key, value, allowed=allowed, scale=scale)
-        except RuntimeError as err:  # NOTE: a shape or build cuDNN refuses: the blocked path below, said once
-            logger.warning("partial attention: cuDNN's SDPA refused query %s / key %s %s (%s); matrix products "
-                           "from now on.", tuple(query.shape), tuple(key.shape), query.dtype, err)
-            _CUDNN_REFUSED.add(_cudnn_config(query, key))
     return _blocked_partial_attention(query, key, value, allowed=allowed, scale=scale, block=block)
 
 
 def _blocked_partial_attention(query, key, value, *, allowed: torch.Tensor, scale: float, block: int = 512):
-    """``partial_attention`` by torch matrix products over blocks of ``block`` keys (and the rest)."""
+    """``partial_attention`` by torch matrix products: the scores computed in the inputs' dtype and softmaxed in fp32
+    (transformers' eager attention), the keys taken in blocks of ``block`` (and the rest), each block's result
+    combined by its log-sum-exp (``combine_partial_attention``, as flash-decoding splits the keys): one token's
+    ``weights @ values`` over all n keys at once is a matrix product of 1-2 rows with an n-long reduction, which
+    cuBLAS ran at ~0.66 ms for 16k keys on an H200 inside a CUDA graph (blocks of 512: 0.12-0.30 ms)."""
     b, h, sq, _ = query.shape
     h_kv, n = key.shape[1], key.shape[-2]
     # NOTE: grouped-query heads: query head i reads key head i // (h / h_kv), as SDPA's enable_gqa
@@ -229,42 +220,6 @@ def _blocked_partial_attention(query, key, value, *, allowed: torch.Tensor, scal
     out, lse = torch.cat(outs, dim=2).movedim(2, 0), torch.cat(lses, dim=2).movedim(2, 0)
     out = combine_partial_attention(out, lse) if out.shape[0] > 1 else out[0]
     return out.reshape(b, h, sq, value.shape[-1]), torch.logsumexp(lse, dim=0).reshape(b, h, sq)
-
-
-_CUDNN_REFUSED: set = set()  # NOTE: the (heads, key heads, head dim, dtype) cuDNN's SDPA raised for once
-
-
-def _cudnn_config(query: torch.Tensor, key: torch.Tensor) -> tuple:
-    return query.shape[1], key.shape[1], key.shape[-1], query.dtype
-
-
-def _cudnn_partial_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and key.shape[-1] == value.shape[-1]
-            and _cudnn_config(query, key) not in _CUDNN_REFUSED and key.shape[-1] <= 128 and key.shape[-2] > 0
-            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
-            and torch.backends.cudnn.is_available())
-
-
-def _cudnn_partial_attention(query, key, value, *, allowed: torch.Tensor, scale: float):
-    """``partial_attention`` through cuDNN's SDPA, which returns the log-sum-exp (the softmax statistics) with the
-    output. The query heads of a key head are folded into its query rows (grouped-query attention without repeating
-    the keys); the mask becomes an additive bias. Checked on an H200 against the fp32 blocked path (bf16: outputs
-    within 5e-3, log-sum-exps within 2e-6, rows with no key alike); inside a CUDA graph ~0.36 ms at 16k keys."""
-    b, h, sq, d = query.shape
-    h_kv, n = key.shape[1], key.shape[-2]
-    groups = h // h_kv
-    q = query.reshape(b, h_kv, groups * sq, d)
-    # NOTE: [b, h_kv, g * sq, n]: each query row's mask (its position's), repeated over the group's heads
-    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(~allowed, float("-inf"))
-    bias = bias.expand(b, 1, sq, n).unsqueeze(2).expand(b, h_kv, groups, sq, n).reshape(b, h_kv, groups * sq, n)
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, key, value, bias, True, 0.0, False, False,
-                                                                  scale=scale)[:2]
-    lse = lse.reshape(b, h_kv, groups * sq).float()
-    # NOTE: a row with no allowed key: zeros and -inf, as the blocked path
-    empty = ~allowed.expand(b, 1, sq, n).any(-1).unsqueeze(2).expand(b, h_kv, groups, sq).reshape(lse.shape)
-    lse = lse.masked_fill(empty, float("-inf"))
-    out = out.float().masked_fill(empty.unsqueeze(-1), 0.0)
-    return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
 
 
 def sharded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, allowed: torch.Tensor,

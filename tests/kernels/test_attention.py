@@ -206,29 +206,3 @@ def test_partial_attention_shares_combine_to_whole(shares, block):
     got = combine_partial_attention(torch.stack(outs), torch.stack(lses))
     torch.testing.assert_close(got.permute(2, 0, 1, 3).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[1, :, 0], torch.zeros_like(got[1, :, 0]))
-
-
-def test_partial_attention_falls_back_where_cudnn_refuses(monkeypatch, caplog):
-    """Where cuDNN's SDPA raises (here: on CPU tensors, its path forced on), ``partial_attention`` gives the blocked
-    path's result, warns once and does not try cuDNN again for that configuration."""
-    import loongforge_hf.kernels.attention as attention
-
-    monkeypatch.setattr(attention, "_CUDNN_REFUSED", set())
-    tried = []
-
-    def usable(query, key, value):
-        tried.append(True)
-        return attention._cudnn_config(query, key) not in attention._CUDNN_REFUSED
-
-    monkeypatch.setattr(attention, "_cudnn_partial_usable", usable)
-    g = torch.Generator().manual_seed(4)
-    q, k, v = torch.randn(1, 4, 1, D, generator=g), torch.randn(1, 2, 5, D, generator=g), torch.randn(1, 2, 5, D)
-    allowed = torch.ones(1, 1, 1, 5, dtype=torch.bool)
-    with caplog.at_level("WARNING", logger=attention.__name__):
-        first = attention.partial_attention(q, k, v, allowed=allowed, scale=SCALE)
-        second = attention.partial_attention(q, k, v, allowed=allowed, scale=SCALE)
-    ref = attention_reference(q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), scale=SCALE)
-    for out, _ in (first, second):
-        torch.testing.assert_close(out.permute(2, 0, 1, 3).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5)
-    assert len(tried) == 2 and attention._CUDNN_REFUSED == {(4, 2, D, torch.float32)}
-    assert sum("cuDNN's SDPA refused" in r.getMessage() for r in caplog.records) == 1
