@@ -47,7 +47,8 @@ class VisionLanguageChunk(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
-                pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None):
+                pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                image_copies: torch.Tensor | None = None, video_copies: torch.Tensor | None = None):
         from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_token_index
 
         _, cp_size, cp_rank = cp_group_and_size()
@@ -59,7 +60,7 @@ class VisionLanguageChunk(nn.Module):
         decoder_input = None
         if self.language.pre_process:
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                                       index=index)
+                                       index=index, image_copies=image_copies, video_copies=video_copies)
         local_ids = input_ids if index is None else input_ids[:, index]
         return self.language(local_ids, position_ids, attention_mask, decoder_input=decoder_input)
 
@@ -91,9 +92,12 @@ class VisionLanguageChunk(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
               pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None, *,
-              index: torch.Tensor | None = None) -> torch.Tensor:
+              index: torch.Tensor | None = None, image_copies: torch.Tensor | None = None,
+              video_copies: torch.Tensor | None = None) -> torch.Tensor:
         """``[s_local (/ tp under sequence parallelism), b, h]`` embeddings with images and videos in place;
-        ``index``: the global positions this rank holds (context parallelism), all when None."""
+        ``index``: the global positions this rank holds (context parallelism), all when None. ``image_copies`` /
+        ``video_copies`` (generate's rows expanded for beams or return sequences): the images (videos) the
+        placeholders take, in order, as indices into those given; each given one is encoded once."""
         local_ids = input_ids if index is None else input_ids[:, index]
         embeddings = self.language.embedding(input_ids=local_ids, position_ids=None)
         if pixel_values is None and pixel_values_videos is None:
@@ -117,6 +121,10 @@ class VisionLanguageChunk(nn.Module):
         device = pixels[0].device
         grid = torch.cat([g.to(device).reshape(-1, 3) for g in grids])
         vision = self.encode(torch.cat(pixels) if len(pixels) > 1 else pixels[0], grid)
+        if image_copies is not None or video_copies is not None:
+            vision, image_grid_thw, video_grid_thw = repeat_copies(
+                vision, self.vision.merge ** 2, (image_grid_thw if pixel_values is not None else None, image_copies),
+                (video_grid_thw if pixel_values_videos is not None else None, video_copies))
         if self.language.config.sequence_parallel and self.language.config.tensor_model_parallel_size > 1:
             from megatron.core import parallel_state as ps
             from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
@@ -152,3 +160,28 @@ class VisionLanguageChunk(nn.Module):
         where = rows.nonzero(as_tuple=True)
         picked = vision[source[:, positions].t()[where]].to(embeddings.dtype)
         return embeddings.index_put(where, picked)
+
+
+def repeat_copies(features: torch.Tensor, merge2: int, *kinds) -> tuple:
+    """The encoded ``features`` of the images then the videos as given (``[tokens, h]``, each item its grid's
+    ``t h w / merge2`` merged tokens) -> (the features of their copies, the copies' grids of each kind); ``kinds``:
+    (``grid_thw`` or None, ``copies`` or None: all items once) of images, then of videos."""
+    pieces, grids, offset = [], [], 0
+    for grid, copies in kinds:
+        if grid is None:
+            grids.append(None)
+            continue
+        tokens = grid.to(features.device).prod(-1) // merge2
+        starts = offset + tokens.cumsum(0) - tokens
+        offset += int(tokens.sum())
+        if copies is None:
+            copies = torch.arange(len(grid), device=features.device)
+        copies = copies.to(features.device)
+        count = tokens[copies]
+        # NOTE: item copies[j]'s tokens, in order: its start, then 0 .. count - 1
+        first = torch.repeat_interleave(starts[copies], count)
+        within = torch.arange(int(count.sum()), device=features.device) - torch.repeat_interleave(count.cumsum(0)
+                                                                                                  - count, count)
+        pieces.append(first + within)
+        grids.append(grid[copies.to(grid.device)])
+    return features.index_select(0, torch.cat(pieces)), *grids

@@ -22,11 +22,11 @@ Choices:
   return sequences, whichever is more; dim 0 of every per-row tensor, dim 1 of the ``[3, b, s]`` positions, which it
   prepares before the expansion). The vision inputs are per image / video / patch, not per row: each row's share is
   found from its placeholder tokens (``mm_token_type_ids`` when given, else the image / video token ids; kept by the
-  attention mask) against the grids' merged-token counts, and repeated as a group, so the expanded rows' images
-  (patches, ``image_grid_thw``) and videos (``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``) come
-  in the expanded rows' order, as transformers' expansion of the encoded features lays them out. Placeholders that
-  split an image between rows raise a ValueError. NOTE: every copy of an image is encoded (transformers encodes
-  once and repeats the features); the KV cache reorders its rows for beam search (``kv_cache.py``).
+  attention mask) against the grids' merged-token counts, and repeated as a group: ``image_copies`` /
+  ``video_copies`` list the images (videos) of the expanded rows in their order, as indices into those given, which
+  stay as given. The tower encodes each given image once and the copies take its features
+  (``chunk.repeat_copies``), as transformers encodes once and repeats the features. Placeholders that split an image
+  between rows raise a ValueError. The KV cache reorders its rows for beam search (``kv_cache.py``).
 - A step (``generation_forward``) runs the language model on ``[3, b, s]`` positions that megatron's
   ``MultimodalRotaryEmbedding`` reads as they are; with the cache through ``kv_cache.cached_step`` (the new tokens
   over the cached keys and values), without it over the whole sequence with transformers' padding mask. Either way
@@ -59,6 +59,7 @@ import torch
 
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 PER_ITEM_INPUTS = VISION_INPUTS + ("second_per_grid_ts",)  # NOTE: one entry per image / video / patch, not per row
+COPIES = ("image_copies", "video_copies")  # NOTE: generate's expanded rows' images / videos (expand_vision_inputs)
 
 
 def generation_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
@@ -87,20 +88,19 @@ def generation_refusal(model, config, kwargs: dict) -> str | None:
     return None
 
 
-# (name, pixels, grids, per-item extras, mm_token_type_ids code) of each vision kind
-_KINDS = (("image", "pixel_values", "image_grid_thw", (), 1),
-          ("video", "pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",), 2))
+# (name, pixels, grids, mm_token_type_ids code) of each vision kind
+_KINDS = (("image", "pixel_values", "image_grid_thw", 1), ("video", "pixel_values_videos", "video_grid_thw", 2))
 
 
 def expand_vision_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, expand_size: int) -> dict:
-    """The vision inputs of ``model_kwargs`` for the batch with each row repeated ``expand_size`` times in place (row
-    ``r`` becomes rows ``r * expand_size ..``): each row's images (videos) repeated as a group, in the expanded rows'
-    order, their patches, grids and ``second_per_grid_ts`` alike (see the module docstring). ``input_ids`` and
-    ``model_kwargs`` are the batch before expansion."""
+    """``image_copies`` / ``video_copies`` for the batch with each row repeated ``expand_size`` times in place (row
+    ``r`` becomes rows ``r * expand_size ..``): the images (videos) the expanded rows' placeholders take, in order, as
+    indices into those of ``model_kwargs`` (each row's repeated as a group; see the module docstring). ``input_ids``
+    and ``model_kwargs`` are the batch before expansion."""
     merge = model.bridge.vision_config.spatial_merge_size ** 2
     kinds, mask = model_kwargs.get("mm_token_type_ids"), model_kwargs.get("attention_mask")
     expanded = {}
-    for name, pixels_key, grid_key, extra_keys, code in _KINDS:
+    for name, pixels_key, grid_key, code in _KINDS:
         pixels, grid = model_kwargs.get(pixels_key), model_kwargs.get(grid_key)
         if pixels is None or grid is None or len(grid) == 0:
             continue
@@ -109,8 +109,7 @@ def expand_vision_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, exp
         if mask is not None:
             tokens = tokens & mask.bool()
         per_row = tokens.long().sum(-1).cpu()  # this kind's placeholder tokens per row
-        per_item = grid.prod(-1).cpu()  # patches per image / video (merged tokens: patches // merge)
-        item_end, row_end = (per_item // merge).cumsum(0), per_row.cumsum(0)
+        item_end, row_end = (grid.prod(-1).cpu() // merge).cumsum(0), per_row.cumsum(0)
         # NOTE: the rows must split the items where the placeholders do (the same check on every rank: the inputs
         # are the same over the replica)
         if row_end[-1] != item_end[-1] or not set(row_end.tolist()) <= set(item_end.tolist()) | {0}:
@@ -120,17 +119,22 @@ def expand_vision_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, exp
         starts = torch.cat([torch.zeros(1, dtype=torch.long), cut[:-1]])
         items = [i for first, stop in zip(starts.tolist(), cut.tolist())
                  for _ in range(expand_size) for i in range(first, stop)]
-        patch_start = torch.cat([torch.zeros(1, dtype=torch.long), per_item.cumsum(0)[:-1]])
-        patches = [torch.arange(patch_start[i], patch_start[i] + per_item[i]) for i in items]
-        index = torch.cat(patches) if patches else torch.zeros(0, dtype=torch.long)
-        expanded[pixels_key] = pixels.index_select(0, index.to(pixels.device))
-        expanded[grid_key] = grid[torch.tensor(items, dtype=torch.long, device=grid.device)]
-        for key in extra_keys:
-            value = model_kwargs.get(key)
-            if value is not None:
-                expanded[key] = value[torch.tensor(items, dtype=torch.long, device=value.device)] \
-                    if torch.is_tensor(value) else [value[i] for i in items]
+        expanded[f"{name}_copies"] = torch.tensor(items, dtype=torch.long, device=grid.device)
     return expanded
+
+
+def copied_vision(vision: dict) -> dict:
+    """``vision`` (generate's vision inputs) with each kind's grids and ``second_per_grid_ts`` taken for its copies
+    (``image_copies`` / ``video_copies``): the per-row view that the positions are computed from."""
+    vision = dict(vision)
+    for name, _, grid_key, code in _KINDS:
+        copies = vision.pop(f"{name}_copies", None)
+        for key in (grid_key, "second_per_grid_ts") if code == 2 else (grid_key,):
+            if copies is not None and vision.get(key) is not None:
+                value = vision[key]
+                vision[key] = value[copies.to(value.device)] if torch.is_tensor(value) else \
+                    [value[i] for i in copies.tolist()]
+    return vision
 
 
 def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor | None,
@@ -153,7 +157,8 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
         if cache is not None and cache.get_seq_length() > 0:
             raise ValueError("forward with a KV cache after the prefill needs the new tokens' [3, batch, new] "
                              "position_ids (generate passes them).")
-        position_ids = generation_positions(model, input_ids, {"attention_mask": attention_mask, **vision})
+        position_ids = generation_positions(model, input_ids, {"attention_mask": attention_mask,
+                                                               **copied_vision(vision)})
     if position_ids.dim() != 3 or tuple(position_ids.shape) != (3, batch, given):
         raise ValueError(f"position_ids must be [3, {batch}, {given}] mRoPE positions, got "
                          f"{list(position_ids.shape)}.")
@@ -163,7 +168,7 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     multiple = model.parallel.whole_sequence_multiple
     rows = keep_rows(given, keep)
     vocab = model.config.text_config.vocab_size
-    inputs = {name: vision.get(name) for name in VISION_INPUTS}
+    inputs = {name: vision.get(name) for name in VISION_INPUTS + COPIES}
 
     def run(ids, mask):
         positions = F.pad(position_ids.to(device), (0, ids.shape[-1] - given))  # NOTE: the pads' never reach a token

@@ -27,7 +27,7 @@ Choices:
 - ``generate`` is transformers' ``GenerationMixin.generate`` as for text models (``loongforge_hf/generation.py``, KV
   cache included) with Qwen2.5-VL's inputs and mRoPE positions (``multimodal/generation.py``): its steps run through
   ``generation_forward``, not through the forward's training path; beam search and ``num_return_sequences`` repeat
-  each row with its own images and videos (``_expand_inputs_for_generation``).
+  each row with its own images and videos (``_expand_inputs_for_generation``; each image encoded once).
 - ``save_pretrained`` writes the whole HF folder through the causal-LM exporter, the tower's tensors streamed after the
   language model's.
 """
@@ -115,11 +115,12 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
             return input_ids, model_kwargs
         # NOTE: transformers repeats every tensor along dim 0 (and [3, b, s] positions along dim 1); the vision
         # inputs are per image / video / patch instead, so they are expanded per row here
+        # (they stay as given; image_copies / video_copies say which the expanded rows take)
         vision = {k: model_kwargs.pop(k) for k in PER_ITEM_INPUTS if k in model_kwargs}
-        expanded = expand_vision_inputs(self, input_ids, {**model_kwargs, **vision}, expand_size)
+        copies = expand_vision_inputs(self, input_ids, {**model_kwargs, **vision}, expand_size)
         input_ids, model_kwargs = super()._expand_inputs_for_generation(
             expand_size=expand_size, is_encoder_decoder=is_encoder_decoder, input_ids=input_ids, **model_kwargs)
-        return input_ids, {**model_kwargs, **vision, **expanded}
+        return input_ids, {**model_kwargs, **vision, **copies}
 
     def bound_chunks(self, inputs: dict) -> SimpleNamespace:
         """This model as the pipelined runtime takes it, its chunks called with the vision ``inputs`` bound."""
@@ -198,7 +199,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
             keep = options["logits_to_keep"]
             vision = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
                       "pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw,
-                      "mm_token_type_ids": mm_token_type_ids, "second_per_grid_ts": second_per_grid_ts}
+                      "mm_token_type_ids": mm_token_type_ids, "second_per_grid_ts": second_per_grid_ts,
+                      "image_copies": unused.get("image_copies"), "video_copies": unused.get("video_copies")}
             logits = generation_forward(self, cache=options["cache"], input_ids=input_ids,
                                         attention_mask=attention_mask, position_ids=position_ids, vision=vision,
                                         keep=keep if isinstance(keep, int) else 0)

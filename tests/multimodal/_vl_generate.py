@@ -95,13 +95,16 @@ def generate_run(folder: str, layout: dict, expanded: bool) -> dict:
     hook = tower.register_forward_pre_hook(lambda module, args: patches.append(int(args[0].shape[0]))) \
         if tower is not None else None
     model.generate(**inputs, max_new_tokens=2, use_cache=False)  # NOTE: two whole steps, each encoding the images
+    whole_steps = list(patches)
+    patches.clear()
+    model.generate(**inputs, max_new_tokens=2, num_beams=3)  # NOTE: the prefill encodes the images
     if hook is not None:
         hook.remove()
     # NOTE: steps are padded for sequence parallelism only (whole on every CP rank)
     res = {"multiple": model.parallel.whole_sequence_multiple,
            "prefill_multiple": model.parallel.sequence_multiple if model.parallel.context_parallel_size > 1
            else model.parallel.whole_sequence_multiple,
-           "prompt": inputs["input_ids"].shape[1], "patches": patches,
+           "prompt": inputs["input_ids"].shape[1], "patches": whole_steps, "beam_patches": patches,
            "all_patches": int(inputs["image_grid_thw"].prod(-1).sum()),
            "cached": run_scenarios(model, inputs),
            "static": run_scenarios(model, inputs, **STATIC),

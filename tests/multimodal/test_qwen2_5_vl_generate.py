@@ -13,7 +13,8 @@
   scores and sequences_scores) and sampling with 2 sequences per prompt, on the image and the video batches, cached
   and uncached, give transformers' tokens and scores / logits within 1e-5, in every layout above (the image batch's
   sampling draws a video placeholder in one row: it stays a text token, as in transformers). How the vision inputs
-  are laid out after the expansion is checked on its own too (several images in a row, a row without).
+  are laid out after the expansion is checked on its own too (several images in a row, a row without); a prefill of
+  rows expanded for 3 beams encodes each image once (the copies take its features).
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far.
 - ``cache_implementation="static"`` gives transformers' tokens and scores / logits within 1e-5 in every layout and
@@ -112,30 +113,39 @@ def test_beams_and_return_sequences_as_transformers(checkpoint, ranks, layout):
 
 def test_expanded_vision_inputs_follow_the_rows():
     """Row 0 holds two images (A: 4 merged tokens, B: 2), row 1 none, row 2 one (C: 1) and a video (V: 2); expanded
-    twice the patches, grids and ``second_per_grid_ts`` read A B A B C C and V V. Placeholders that split an image
-    between rows (4 + 1 + 2 tokens for rows of 6 and 1) are refused. Checked without a world (``mm_token_type_ids``
-    as the processor gives them)."""
+    twice the rows take the images A B A B C C and the videos V V (``image_copies`` / ``video_copies``), whose
+    features, grids and ``second_per_grid_ts`` follow from the given ones (``repeat_copies``, ``copied_vision``).
+    Placeholders that split an image between rows (4 + 1 + 2 tokens for rows of 6 and 1) are refused. Checked without
+    a world (``mm_token_type_ids`` as the processor gives them)."""
     from types import SimpleNamespace
 
     import torch
 
-    from loongforge_hf.multimodal.generation import expand_vision_inputs
+    from loongforge_hf.multimodal.chunk import repeat_copies
+    from loongforge_hf.multimodal.generation import copied_vision, expand_vision_inputs
 
     model = SimpleNamespace(bridge=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2),
                                                    image_token_id=7, video_token_id=8))
     kinds = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 2, 2, 0, 0]])
     grids = torch.tensor([[1, 4, 4], [1, 2, 4], [1, 2, 2]])
-    patches = torch.arange(16 + 8 + 4).unsqueeze(-1).float()  # NOTE: a patch's value is its index
-    videos = {"pixel_values_videos": torch.arange(100, 108).unsqueeze(-1).float(),
-              "video_grid_thw": torch.tensor([[2, 2, 2]]), "second_per_grid_ts": torch.tensor([0.5])}
-    inputs = {"mm_token_type_ids": kinds, "attention_mask": torch.ones_like(kinds), "pixel_values": patches,
+    videos = {"pixel_values_videos": torch.zeros(8, 1), "video_grid_thw": torch.tensor([[2, 2, 2]]),
+              "second_per_grid_ts": torch.tensor([0.5])}
+    inputs = {"mm_token_type_ids": kinds, "attention_mask": torch.ones_like(kinds), "pixel_values": torch.zeros(28, 1),
               "image_grid_thw": grids, **videos}
     got = expand_vision_inputs(model, torch.zeros_like(kinds), inputs, 2)
-    a, b, c = list(range(16)), list(range(16, 24)), list(range(24, 28))
-    assert got["pixel_values"].squeeze(-1).long().tolist() == a + b + a + b + c + c
-    assert got["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 4]] * 2 + [[1, 2, 2]] * 2
-    assert got["pixel_values_videos"].squeeze(-1).long().tolist() == list(range(100, 108)) * 2
-    assert got["video_grid_thw"].tolist() == [[2, 2, 2]] * 2 and got["second_per_grid_ts"].tolist() == [0.5, 0.5]
+    assert set(got) == {"image_copies", "video_copies"}
+    assert got["image_copies"].tolist() == [0, 1, 0, 1, 2, 2] and got["video_copies"].tolist() == [0, 0]
+    # NOTE: the encoded features (a merged token's value is its index): A 0-3, B 4-5, C 6, then V 7-8
+    features = torch.arange(9).unsqueeze(-1).float()
+    out, image_grid, video_grid = repeat_copies(features, 4, (grids, got["image_copies"]),
+                                                (videos["video_grid_thw"], got["video_copies"]))
+    a, b, c, v = [0, 1, 2, 3], [4, 5], [6], [7, 8]
+    assert out.squeeze(-1).long().tolist() == a + b + a + b + c + c + v + v
+    assert image_grid.tolist() == [[1, 4, 4], [1, 2, 4]] * 2 + [[1, 2, 2]] * 2
+    assert video_grid.tolist() == [[2, 2, 2]] * 2
+    per_row = copied_vision({**inputs, **got})
+    assert torch.equal(per_row["image_grid_thw"], image_grid) and per_row["second_per_grid_ts"].tolist() == [0.5, 0.5]
+    assert "image_copies" not in per_row and per_row["pixel_values"] is inputs["pixel_values"]
     with pytest.raises(ValueError, match="into whole images"):
         expand_vision_inputs(model, torch.zeros_like(kinds), dict(inputs, image_grid_thw=grids[[0, 2, 1]]), 2)
 
@@ -162,6 +172,12 @@ def test_cached_steps_run_one_token(ranks, layout):
         assert all(p[0] < every for p in seen), seen
     else:  # NOTE: under PP the second stage has no tower
         assert all(p == [every, every] for p in seen[:1 if layout.startswith("pp2") else None]), seen
+    # NOTE: a prefill of rows expanded for 3 beams encodes each image once (the copies take its features)
+    beams = [res["beam_patches"] for res in ranks[layout]]
+    if layout in ("cp2", "tp2_encoder_data_parallel"):
+        assert sum(p[0] for p in beams) == every and all(len(p) == 1 for p in beams), beams
+    else:
+        assert all(p == [every] for p in beams[:1 if layout.startswith("pp2") else None]), beams
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
