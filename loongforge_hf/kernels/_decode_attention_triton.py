@@ -2,12 +2,15 @@
 decode step over one rank's share of a KV cache sharded over context parallelism (``attention.partial_attention``).
 
 Flash-decoding's split: a one-token query has too little work per (batch, key head) to fill a GPU, so the keys are
-cut into splits, one program per (batch, key head, split). Each program loads its key head's query rows once (the
+cut into splits (a fixed count per batch x key heads and GPU: ``split_count``), one program per (batch, key head,
+split). Each program loads its key head's query rows once (the
 query heads of a grouped-query group and the step's positions, ``GROUPS x SQ`` rows, padded to at least 16 for
 ``tl.dot``), walks its split in blocks of ``BLOCK_N`` keys with an online softmax (fp32 scores and statistics; the
 probabilities rounded to the values' dtype for ``p @ v``, as flash attention does) and writes its output and
-log-sum-exp. A second kernel combines the splits of each row by their log-sum-exps. Keys and values are read in
-place through their strides (a slice of a longer cache buffer is not copied); ``allowed`` may be broadcast over the
+log-sum-exp, packed in one fp32 tensor (``split_partials``). A second kernel combines the splits of each row by their
+log-sum-exps (``combine``); for a CP-sharded cache the splits of every CP rank are all-gathered first and combined
+in one pass, straight into the query's dtype (``attention.sharded_attention``). Keys and values are read in place
+through their strides (a slice of a longer cache buffer is not copied); ``allowed`` may be broadcast over the
 batch. Rows with no allowed key give zeros and a log-sum-exp of -inf.
 
 NOTE: off CUDA (Triton's interpreter) the operands of ``tl.dot`` are widened to fp32 first (``DOT_FP32``): the
@@ -29,7 +32,7 @@ _LN2 = math.log(2.0)
 
 
 @triton.jit
-def _split_attention(Q, K, V, ALLOWED, OUT, LSE, sq_b, sq_h, sq_s, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sa_b, sa_s,
+def _split_attention(Q, K, V, ALLOWED, PARTS, sq_b, sq_h, sq_s, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sa_b, sa_s,
                      sa_n, H_KV, N, SQ, SPLIT_LEN, ROWS_TOTAL, scale_log2, GROUPS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -54,7 +57,7 @@ def _split_attention(Q, K, V, ALLOWED, OUT, LSE, sq_b, sq_h, sq_s, sk_b, sk_h, s
     first = split * SPLIT_LEN
     k_base = K + b * sk_b + kv_head * sk_h
     v_base = V + b * sv_b + kv_head * sv_h
-    for start in range(first, first + SPLIT_LEN, BLOCK_N):
+    for start in range(first, tl.minimum(first + SPLIT_LEN, N), BLOCK_N):  # NOTE: a split past N does nothing
         keys = start + tl.arange(0, BLOCK_N)
         live_keys = keys < N
         k = tl.load(k_base + keys[None, :].to(tl.int64) * sk_n + dq[:, None],
@@ -80,30 +83,32 @@ def _split_attention(Q, K, V, ALLOWED, OUT, LSE, sq_b, sq_h, sq_s, sk_b, sk_h, s
     some = mass > 0.0
     out = acc / tl.where(some, mass, 1.0)[:, None]
     lse = tl.where(some, (best + tl.log2(tl.where(some, mass, 1.0))) * 0.6931471805599453, float("-inf"))
-    # NOTE: OUT [splits, b, h, sq, DV], LSE [splits, b, h, sq], contiguous: row (b, head, pos) is (b h + head) sq + pos
+    # NOTE: PARTS [splits, b h sq, DV + 1] fp32: each row's output, then its log-sum-exp; row (b, head, pos) is
+    # (b h + head) sq + pos
     row_ids = (b * H_KV * GROUPS + head) * SQ + pos
-    tl.store(OUT + (split * ROWS_TOTAL + row_ids[:, None]) * DV + dv[None, :], out,
-             mask=live_rows[:, None] & (dv[None, :] < DV))
-    tl.store(LSE + split * ROWS_TOTAL + row_ids, lse, mask=live_rows)
+    base = PARTS + (split * ROWS_TOTAL + row_ids) * (DV + 1)
+    tl.store(base[:, None] + dv[None, :], out, mask=live_rows[:, None] & (dv[None, :] < DV))
+    tl.store(base + DV, lse, mask=live_rows)
 
 
 @triton.jit
-def _combine_splits(OUT_P, LSE_P, OUT, LSE, SPLITS, ROWS_TOTAL, DV: tl.constexpr, BLOCK_P: tl.constexpr,
-                    BLOCK_DV: tl.constexpr):
+def _combine_parts(PARTS, OUT, LSE, COUNT, ROWS_TOTAL, DV: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, WRITE_LSE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     parts = tl.arange(0, BLOCK_P)
-    live = parts < SPLITS
+    live = parts < COUNT
     dv = tl.arange(0, BLOCK_DV)
-    lses = tl.load(LSE_P + parts * ROWS_TOTAL + row, mask=live, other=float("-inf"))
+    base = PARTS + (parts.to(tl.int64) * ROWS_TOTAL + row) * (DV + 1)
+    lses = tl.load(base + DV, mask=live, other=float("-inf"))
     top = tl.max(lses, axis=0)
     shift = tl.where(top == float("-inf"), 0.0, top)
-    weights = tl.exp(lses - shift)
+    weights = tl.exp(lses - shift)  # NOTE: 0 for an empty part (and for a row no part attends anywhere)
     total = tl.sum(weights, axis=0)
-    outs = tl.load(OUT_P + (parts[:, None] * ROWS_TOTAL + row) * DV + dv[None, :],
-                   mask=live[:, None] & (dv[None, :] < DV), other=0.0)
+    outs = tl.load(base[:, None] + dv[None, :], mask=live[:, None] & (dv[None, :] < DV), other=0.0)
     out = tl.sum(weights[:, None] * outs, axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(OUT + row * DV + dv, out, mask=dv < DV)
-    tl.store(LSE + row, tl.where(total > 0.0, shift + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf")))
+    tl.store(OUT + row * DV + dv, out, mask=dv < DV)  # NOTE: in OUT's dtype
+    if WRITE_LSE:
+        tl.store(LSE + row, tl.where(total > 0.0, shift + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf")))
 
 
 def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -116,40 +121,56 @@ def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
             and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1 and key.dtype == query.dtype)
 
 
-def _programs(device: torch.device) -> int:
+def split_count(batch: int, key_heads: int, device: torch.device) -> int:
+    """How many splits of the keys: about two programs per SM over the batch's key heads (a fixed number for a GPU
+    and shape, whatever the keys' length: the same on every rank holding a share, and in a CUDA graph)."""
     if device.type == "cuda":
         from loongforge_hf.xpu import get_backend
 
-        return 2 * get_backend().multiprocessor_count(device)
-    return 4
+        programs = 2 * get_backend().multiprocessor_count(device)
+    else:
+        programs = 4  # NOTE: Triton's interpreter
+    return max(1, min(64, triton.cdiv(programs, batch * key_heads)))
 
 
-def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, allowed: torch.Tensor,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention.partial_attention`` (same arguments and results) through the two kernels above."""
+def split_partials(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, allowed: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Each split's attention of ``query [b, h, sq, d]`` over its part of ``key / value [b, h_kv, n, d]`` under
+    ``allowed`` (``attention.partial_attention``'s arguments) -> ``[splits, b h sq, d_v + 1]`` fp32: the outputs and,
+    in the last column, their log-sum-exps, what ``combine`` takes (stacked over CP ranks too)."""
     b, h, sq, d = query.shape
     h_kv, n, d_v = key.shape[1], key.shape[-2], value.shape[-1]
     allowed = (allowed if allowed.dtype == torch.bool else allowed != 0).expand(b, 1, sq, n).view(torch.uint8)
-    # NOTE: enough programs to fill the GPU (two per SM), each split a whole number of key blocks
-    splits = max(1, min(triton.cdiv(n, BLOCK_N), triton.cdiv(_programs(query.device), b * h_kv)))
-    split_len = max(BLOCK_N, triton.cdiv(triton.cdiv(n, splits), BLOCK_N) * BLOCK_N)
-    splits = max(1, triton.cdiv(n, split_len))
+    splits = split_count(b, h_kv, query.device)
+    split_len = max(1, triton.cdiv(triton.cdiv(n, splits), BLOCK_N)) * BLOCK_N  # NOTE: whole key blocks
     rows_total = b * h * sq
-    out_p = torch.empty((splits, b, h, sq, d_v), dtype=torch.float32, device=query.device)
-    lse_p = torch.empty((splits, b, h, sq), dtype=torch.float32, device=query.device)
+    parts = torch.empty((splits, rows_total, d_v + 1), dtype=torch.float32, device=query.device)
     groups = h // h_kv
     _split_attention[(b * h_kv, splits)](
-        query, key, value, allowed, out_p, lse_p, query.stride(0), query.stride(1), query.stride(2),
+        query, key, value, allowed, parts, query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         allowed.stride(0), allowed.stride(2), allowed.stride(3), h_kv, n, sq, split_len, rows_total,
         scale / _LN2, GROUPS=groups, BLOCK_M=max(16, triton.next_power_of_2(groups * sq)), BLOCK_N=BLOCK_N, D=d,
         DV=d_v, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         DOT_FP32=not query.is_cuda)
-    if splits == 1:
-        return out_p[0], lse_p[0]
-    out = torch.empty((b, h, sq, d_v), dtype=torch.float32, device=query.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=query.device)
-    _combine_splits[(rows_total,)](out_p, lse_p, out, lse, splits, rows_total, DV=d_v,
-                                   BLOCK_P=triton.next_power_of_2(splits),
-                                   BLOCK_DV=triton.next_power_of_2(d_v))
-    return out, lse
+    return parts
+
+
+def combine(parts: torch.Tensor, shape: tuple, *, dtype: torch.dtype = torch.float32, with_lse: bool = True):
+    """``split_partials``' results, any number stacked (``[count, rows, d_v + 1]``: the splits of one rank or of
+    every CP rank) -> the attention over all their keys ``shape [b, h, sq, d_v]`` in ``dtype`` (and its log-sum-exp
+    ``[b, h, sq]`` fp32 with ``with_lse``). Rows no part attends anywhere give zeros (and -inf)."""
+    count, rows_total, width = parts.shape
+    out = torch.empty(shape, dtype=dtype, device=parts.device)
+    lse = torch.empty(shape[:-1], dtype=torch.float32, device=parts.device) if with_lse else out
+    _combine_parts[(rows_total,)](parts, out, lse, count, rows_total, DV=width - 1,
+                                  BLOCK_P=triton.next_power_of_2(count),
+                                  BLOCK_DV=max(16, triton.next_power_of_2(width - 1)), WRITE_LSE=with_lse)
+    return (out, lse) if with_lse else out
+
+
+def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, allowed: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention.partial_attention`` (same arguments and results) through the two kernels above."""
+    b, h, sq, _ = query.shape
+    return combine(split_partials(query, key, value, allowed=allowed, scale=scale), (b, h, sq, value.shape[-1]))

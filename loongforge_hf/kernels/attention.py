@@ -184,12 +184,19 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     over 16k keys, 16 / 8 heads of 128, in a CUDA graph on an H200: 23 µs, the public SDPA without the log-sum-exp
     29 µs, cuDNN's SDPA with its statistics 336 µs, scripts/bench_decode_attention.py). Elsewhere (CPU, fp32, no
     Triton) ``_blocked_partial_attention``."""
-    if use_triton(query):
-        from loongforge_hf.kernels import _decode_attention_triton
-
-        if _decode_attention_triton.usable(query, key, value):
-            return _decode_attention_triton.partial_attention(query, key, value, allowed=allowed, scale=scale)
+    kernels = _decode_kernels(query, key, value)
+    if kernels is not None:
+        return kernels.partial_attention(query, key, value, allowed=allowed, scale=scale)
     return _blocked_partial_attention(query, key, value, allowed=allowed, scale=scale, block=block)
+
+
+def _decode_kernels(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """The Triton split-key kernels' module where they take these tensors, else None."""
+    if not use_triton(query):
+        return None
+    from loongforge_hf.kernels import _decode_attention_triton
+
+    return _decode_attention_triton if _decode_attention_triton.usable(query, key, value) else None
 
 
 def _blocked_partial_attention(query, key, value, *, allowed: torch.Tensor, scale: float, block: int = 512):
@@ -227,7 +234,14 @@ def sharded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """Attention of ``query [b, h, sq, d]`` (the same on every rank of ``group``) over the keys all ranks of
     ``group`` hold between them, this rank's share ``key / value [b, h_kv, n, d]`` under ``allowed``
     (``partial_attention``) -> ``[b, h, sq, d_v]`` in the query's dtype on every rank (``merge_partial_attention``):
-    a KV cache sharded over context parallelism (``kv_cache.CPShard``)."""
+    a KV cache sharded over context parallelism (``kv_cache.CPShard``). With the Triton kernels every rank's splits
+    are all-gathered as they are and combined in one kernel (the same split count on every rank)."""
+    kernels = _decode_kernels(query, key, value)
+    if kernels is not None:
+        mine = kernels.split_partials(query, key, value, allowed=allowed, scale=scale)
+        every = mine.new_empty((dist.get_world_size(group) * mine.shape[0], *mine.shape[1:]))
+        _all_gather(every, mine, group=group)
+        return kernels.combine(every, (*query.shape[:3], value.shape[-1]), dtype=query.dtype, with_lse=False)
     out, lse = partial_attention(query, key, value, allowed=allowed, scale=scale)
     return merge_partial_attention(out, lse, group).to(query.dtype)
 

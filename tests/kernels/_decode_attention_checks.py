@@ -6,7 +6,7 @@ import torch
 
 from loongforge_hf.kernels import _decode_attention_triton
 from loongforge_hf.kernels._triton import triton_paths
-from loongforge_hf.kernels.attention import partial_attention
+from loongforge_hf.kernels.attention import _blocked_partial_attention, partial_attention
 
 # (batch, heads, key heads, query rows, keys, head dim, value head dim, allowed over the batch, key buffer):
 # several splits (one batch and key head: four programs on the interpreter), grouped-query heads, head sizes that are
@@ -47,8 +47,8 @@ def check_decode_attention(device: str = "cpu", dtypes=(torch.float32, torch.bfl
             allowed[-1, 0, 0] = False  # NOTE: a row with no allowed key
         for dtype in dtypes:
             qd, kd, vd = (t.to(dtype) for t in (q, k, v))
-            with triton_paths(False):
-                ref_out, ref_lse = partial_attention(qd.float(), kd.float(), vd.float(), allowed=allowed, scale=0.3)
+            ref_out, ref_lse = _blocked_partial_attention(qd.float(), kd.float(), vd.float(), allowed=allowed,
+                                                          scale=0.3)
             args = (qd.to(device), _keys(kd, layout).to(device), _keys(vd, layout).to(device))
             assert _decode_attention_triton.usable(*args)
             with triton_paths(True):
@@ -60,4 +60,12 @@ def check_decode_attention(device: str = "cpu", dtypes=(torch.float32, torch.bfl
             torch.testing.assert_close(lse.cpu()[finite], ref_lse[finite], atol=tol / 2, rtol=0)
             assert torch.equal(out.cpu()[~finite], torch.zeros_like(out.cpu()[~finite]))
             checked.append(f"{b}x{h}/{h_kv}x{sq}x{n} d{d}/{d_v} {layout} {dtype}")
+            # NOTE: a CP-sharded cache's merge: the splits of 3 round-robin shares (the third empty for n < 3)
+            # stacked, combined in one pass into the query's dtype
+            parts = [_decode_attention_triton.split_partials(
+                args[0], args[1][:, :, r::3], args[2][:, :, r::3], allowed=allowed[..., r::3].to(device), scale=0.3)
+                for r in range(3)]
+            merged = _decode_attention_triton.combine(torch.cat(parts), (b, h, sq, d_v), dtype=dtype, with_lse=False)
+            assert merged.dtype == dtype
+            torch.testing.assert_close(merged.float().cpu(), ref_out, atol=tol, rtol=tol)
     return checked
