@@ -3,11 +3,11 @@ decode step over one rank's share of a KV cache sharded over context parallelism
 
 Flash-decoding's split: a one-token query has too little work per (batch, key head) to fill a GPU, so the keys are
 cut into splits (a fixed count per batch x key heads and GPU: ``split_count``), one program per (batch, key head,
-split). Each program loads its key head's query rows once (the
-query heads of a grouped-query group and the step's positions, ``GROUPS x SQ`` rows, padded to at least 16 for
-``tl.dot``), walks its split in blocks of ``BLOCK_N`` keys with an online softmax (fp32 scores and statistics; the
-probabilities rounded to the values' dtype for ``p @ v``, as flash attention does) and writes its output and
-log-sum-exp, packed in one fp32 tensor (``split_partials``). A second kernel combines the splits of each row by their
+split). Each program loads its key head's query rows once (the query heads of a grouped-query group and the step's
+positions, ``GROUPS x SQ`` rows, padded to at least 16 for ``tl.dot``), walks its split in blocks of ``BLOCK_N``
+keys with an online softmax (fp32 scores and statistics; the probabilities rounded to the values' dtype for
+``p @ v``, as flash attention does) and writes its output and log-sum-exp, packed in one fp32 tensor
+(``split_partials``). A second kernel combines the splits of each row by their
 log-sum-exps (``combine``); for a CP-sharded cache the splits of every CP rank are all-gathered first and combined
 in one pass, straight into the query's dtype (``attention.sharded_attention``). Keys and values are read in place
 through their strides (a slice of a longer cache buffer is not copied); ``allowed`` may be broadcast over the

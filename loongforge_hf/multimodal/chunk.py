@@ -178,10 +178,9 @@ def repeat_copies(features: torch.Tensor, merge2: int, *kinds) -> tuple:
             copies = torch.arange(len(grid), device=features.device)
         copies = copies.to(features.device)
         count = tokens[copies]
-        # NOTE: item copies[j]'s tokens, in order: its start, then 0 .. count - 1
-        first = torch.repeat_interleave(starts[copies], count)
-        within = torch.arange(int(count.sum()), device=features.device) - torch.repeat_interleave(count.cumsum(0)
-                                                                                                  - count, count)
-        pieces.append(first + within)
+        # NOTE: copy j's rows: its item's first row, + 0 .. count[j] - 1
+        before = torch.repeat_interleave(count.cumsum(0) - count, count)  # NOTE: rows of the copies before j
+        pieces.append(torch.repeat_interleave(starts[copies], count)
+                      + torch.arange(int(count.sum()), device=features.device) - before)
         grids.append(grid[copies.to(grid.device)])
     return features.index_select(0, torch.cat(pieces)), *grids
