@@ -22,7 +22,9 @@ Choices:
   transformers moved to the hub (DoLa, contrastive, group and constrained beam search), ``custom_generate``,
   ``inputs_embeds``, ``output_attentions`` and ``output_hidden_states``; and what a model class adds
   (``generation_refusal``: image-text models, ``multimodal/generation.py``).
-- Eval mode (no dropout) and no grad for the call; the caller's mode comes back after. NOTE: transformers' generate
+- Eval mode (no dropout) and no grad for the call; the caller's mode comes back after. At tensor-parallel size 1
+  megatron's linear layers run as plain matrix products for the call (``lean_linears``: the same ops without the
+  autograd machinery, which a one-token step spends most of its host time in). NOTE: transformers' generate
   leaves the mode alone, so a transformers model in training mode with dropout in its config generates with dropout;
   here it never does (dropout would draw from the generator sampling uses, differently on each pipeline stage).
 - ``forward`` is collective over one model replica: the tensor x context x pipeline parallel ranks of a data-parallel
@@ -48,6 +50,8 @@ import torch
 import torch.distributed as dist
 from transformers.generation import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
+
+from loongforge_hf.lean_linear import lean_linears
 
 _MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 _OWN_CACHE = ("generate makes its own KV cache per call (a LoongKVCache: each rank holds its own layers and heads); "
@@ -154,7 +158,8 @@ class GenerationGlue(GenerationMixin):
         self.eval()
         self.__dict__["_cp_kv_cache"] = cp_kv_cache  # NOTE: read by _prepare_cache_for_generation, this call only
         try:
-            with torch.no_grad(), _replica_rng(self, _sampling_device(self, inputs, kwargs), sampling):
+            with torch.no_grad(), _replica_rng(self, _sampling_device(self, inputs, kwargs), sampling), \
+                    lean_linears(self):
                 return super().generate(inputs, generation_config, **kwargs)
         finally:
             self.__dict__.pop("_cp_kv_cache", None)

@@ -27,7 +27,9 @@ Choices:
   prompt in time and in each GPU's peak memory. ``--skip-no-cache`` leaves out ``use_cache=False`` (a whole-sequence
   forward per new token: minutes at long prompts). ``--cp-kv-cache sharded,replicated`` runs our cached stacks once
   per layout of the KV cache over CP (``generate(cp_kv_cache=...)``: each rank's share, merged per layer, or the
-  whole cache on every rank); default ``sharded``.
+  whole cache on every rank); default ``sharded``. ``--compare-lean-linears`` adds our KV cache with megatron's own
+  linear forwards (``LOONGFORGE_LEAN_LINEARS=0``; by default generate runs them as plain matrix products at TP 1,
+  ``loongforge_hf/lean_linear.py``).
 
     python scripts/bench_generate.py [--batch 8] [--prompt 512] [--new 128] [--reps 3] [--warmup 1]
                                      [--out outputs/bench_generate.json]
@@ -55,7 +57,8 @@ STACKS = {"transformers": "transformers generate (DynamicCache)",
           "transformers_static": "transformers generate (StaticCache, torch.compile)",
           "loongforge_cache": "loongforge-hf, KV cache",
           "loongforge_static": "loongforge-hf, static cache (CUDA graph)",
-          "loongforge_no_cache": "loongforge-hf, use_cache=False"}
+          "loongforge_no_cache": "loongforge-hf, use_cache=False",
+          "loongforge_cache_megatron_linears": "loongforge-hf, KV cache, megatron's linear forwards"}
 
 
 def _measure(model, ids, args, device: H.Device, **extra) -> dict:
@@ -94,6 +97,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="under torchrun with as many processes")
     p.add_argument("--context-parallel-size", type=int, default=1, help="under torchrun with as many processes")
     p.add_argument("--skip-no-cache", action="store_true", help="leave out loongforge-hf's use_cache=False run")
+    p.add_argument("--compare-lean-linears", action="store_true",
+                   help="also run our KV cache with megatron's own linear forwards (LOONGFORGE_LEAN_LINEARS=0)")
     p.add_argument("--cp-kv-cache", default="sharded",
                    help="under --context-parallel-size: comma-separated layouts of the KV cache, sharded,replicated")
     args = p.parse_args(argv)
@@ -154,6 +159,12 @@ def main(argv: list[str]) -> int:
                              return_dict_in_generate=True).cache
         static["kept_step_reused"] = kept.reused_kept_step
         del kept
+    if args.compare_lean_linears:
+        os.environ["LOONGFORGE_LEAN_LINEARS"] = "0"
+        try:
+            results["loongforge_cache_megatron_linears"] = _measure(ours, ids, args, device)
+        finally:
+            del os.environ["LOONGFORGE_LEAN_LINEARS"]
     if not args.skip_no_cache:
         results["loongforge_no_cache"] = _measure(ours, ids, args, device, use_cache=False)
     theirs = results["transformers"]["tokens"]

@@ -1,0 +1,68 @@
+"""megatron's linear layers without their training machinery, for forwards that take no gradients (``generate``).
+
+megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` run every forward through an autograd ``Function`` (its
+``ctx``, saved tensors, ``custom_fwd``) and, at tensor-parallel size 1 too, through the tensor-parallel mappings'
+identity ``Function``s. In a one-token decode step these are most of a linear layer's cost on the host
+(``scripts/bench_generate.py --compare-lean-linears`` runs generate with and without this, side by side).
+``lean_linears`` turns each such layer of a model at tensor-parallel size 1 into a subclass whose ``forward``
+computes what megatron's does there, the same ops in the same order (``matmul(x, w.t())``, then ``+ bias``; the bias
+returned instead with ``skip_bias_add``), and turns it back on exit. Left alone: subclasses (LoRA's layers), layers
+with their own ``_forward_impl`` (FP8) or ``forward``, experts with explicit communication, any layer when tensor
+parallelism is on. ``LOONGFORGE_LEAN_LINEARS=0`` turns it off (megatron's forward everywhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def _column_forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+    out = torch.matmul(input_, (self.weight if weight is None else weight).t())
+    if self.skip_bias_add:
+        return out, self.bias
+    return (out + self.bias if self.bias is not None else out), None
+
+
+def _row_forward(self, input_: torch.Tensor):
+    out = torch.matmul(input_, self.weight.t())
+    if self.skip_bias_add:
+        return out, self.bias
+    return (out + self.bias if self.bias is not None else out), None
+
+
+class _LeanColumn(ColumnParallelLinear):
+    forward = _column_forward
+
+
+class _LeanRow(RowParallelLinear):
+    forward = _row_forward
+
+
+_LEAN = {ColumnParallelLinear: _LeanColumn, RowParallelLinear: _LeanRow}
+
+
+@contextlib.contextmanager
+def lean_linears(model):
+    """Inside, the eligible linear layers of ``model``'s chunks (see the module docstring) are of a subclass with the
+    lean forward (the same class every call: the static cache's kept graph compares the modules' classes, and no
+    attribute is added); only where no gradient is taken (the caller's promise: ``generate`` runs under
+    ``torch.no_grad``)."""
+    swapped = []
+    if model.parallel.tensor_parallel_size == 1 and os.environ.get("LOONGFORGE_LEAN_LINEARS", "1") != "0":
+        for chunk in model.chunks:
+            for module in chunk.modules():
+                lean = _LEAN.get(type(module))
+                if lean is None or "_forward_impl" in module.__dict__ or "forward" in module.__dict__ \
+                        or module.explicit_expert_comm:
+                    continue
+                swapped.append((module, type(module)))
+                module.__class__ = lean
+    try:
+        yield
+    finally:
+        for module, kind in swapped:
+            module.__class__ = kind
