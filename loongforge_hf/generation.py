@@ -22,9 +22,9 @@ Choices:
   transformers moved to the hub (DoLa, contrastive, group and constrained beam search), ``custom_generate``,
   ``inputs_embeds``, ``output_attentions`` and ``output_hidden_states``; and what a model class adds
   (``generation_refusal``: image-text models, ``multimodal/generation.py``).
-- Eval mode (no dropout) and no grad for the call; the caller's mode comes back after. At tensor-parallel size 1
-  megatron's linear layers run as plain matrix products for the call (``lean_linears``: the same ops without the
-  autograd machinery, which a one-token step spends most of its host time in). NOTE: transformers' generate
+- Eval mode (no dropout) and no grad for the call; the caller's mode comes back after. megatron's linear layers run
+  without their autograd machinery for the call (``lean_linear.lean_linears``: the same ops and collectives; a
+  one-token step spent most of its host time in that machinery). NOTE: transformers' generate
   leaves the mode alone, so a transformers model in training mode with dropout in its config generates with dropout;
   here it never does (dropout would draw from the generator sampling uses, differently on each pipeline stage).
 - ``forward`` is collective over one model replica: the tensor x context x pipeline parallel ranks of a data-parallel
