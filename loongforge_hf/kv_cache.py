@@ -39,15 +39,15 @@ Choices:
   load-balanced chunks, so it runs the whole step's tokens on every rank of the CP group
   (``context_parallel.whole_sequence_on_every_rank``: no CP split of the inputs, no CP gather of the logits, the
   modules that take their CP share themselves hold no CP group); each attention adds the new tokens of its slots to
-  its share, attends the queries over its share (``partial_attention``: the outputs and their log-sum-exp) and one
-  all-gather over the group merges the shares (``merge_partial_attention``), which equals attention over the whole
-  cache. megatron's 1-D rotary embedding counts a CP rank's rotary length times CP and takes its CP share of the
-  table: ``attached`` gives it the whole sequence's rows instead (the 3-D one of image-text models reads positions:
-  it only loses its CP group). The static cache's buffers hold a rank's share too (``static_cache.py``).
-  ``generate(cp_kv_cache="replicated")`` (``shard_over_cp=False``) keeps the whole cache on every CP rank instead:
-  the prefill writes all the prompt's keys there and the decode steps attend over it without a merge.
-  ``cached_forward`` picks the step; image-text models go through it too
-  (``multimodal/generation.py``).
+  its share, attends the queries over its share (outputs and their log-sum-exps) and one all-gather over the group
+  merges the shares, which equals attention over the whole cache (``kernels.attention.sharded_attention``: on a GPU
+  the Triton split-key kernels, every rank's splits combined in one kernel). megatron's 1-D rotary embedding counts
+  a CP rank's rotary length times CP and takes its CP share of the table: ``attached`` gives it the whole sequence's
+  rows instead (the 3-D one of image-text models reads positions: it only loses its CP group). The static cache's
+  buffers hold a rank's share too (``static_cache.py``). ``generate(cp_kv_cache="replicated")``
+  (``shard_over_cp=False``) keeps the whole cache on every CP rank instead: the prefill writes all the prompt's keys
+  there and the decode steps attend over it without a merge. ``cached_forward`` picks the step; image-text models go
+  through it too (``multimodal/generation.py``).
   ``forward`` refuses labels with a cache.
 """
 

@@ -394,7 +394,7 @@ def _fixed_attention(module, query, key, value, attention_mask, attn_mask_type=N
     placeholders after it under SP); the token's key and value are written at the layer's count and every query
     attends over the whole buffer under ``allowed``. Under CP (``shard``) the key and value go to this rank's slot
     for the token (``decode.write_at``: the scratch slot where the token is another rank's), the queries attend over
-    this rank's share and the CP group merges the shares (``kernels.attention.merge_partial_attention``)."""
+    this rank's share and the CP group merges the shares (``kernels.attention.sharded_attention``)."""
     from loongforge_hf.kernels.attention import sharded_attention
 
     if attention_bias is not None or packed_seq_params is not None:
