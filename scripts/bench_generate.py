@@ -28,8 +28,8 @@ Choices:
   forward per new token: minutes at long prompts). ``--cp-kv-cache sharded,replicated`` runs our cached stacks once
   per layout of the KV cache over CP (``generate(cp_kv_cache=...)``: each rank's share, merged per layer, or the
   whole cache on every rank); default ``sharded``. ``--compare-lean-linears`` adds our KV cache with megatron's own
-  linear forwards (``LOONGFORGE_LEAN_LINEARS=0``; by default generate runs them as plain matrix products at TP 1,
-  ``loongforge_hf/lean_linear.py``).
+  linear forwards (``LOONGFORGE_LEAN_LINEARS=0``; by default generate runs them without megatron's autograd
+  machinery, ``loongforge_hf/lean_linear.py``).
 
     python scripts/bench_generate.py [--batch 8] [--prompt 512] [--new 128] [--reps 3] [--warmup 1]
                                      [--out outputs/bench_generate.json]
@@ -160,11 +160,15 @@ def main(argv: list[str]) -> int:
         static["kept_step_reused"] = kept.reused_kept_step
         del kept
     if args.compare_lean_linears:
+        saved = os.environ.get("LOONGFORGE_LEAN_LINEARS")
         os.environ["LOONGFORGE_LEAN_LINEARS"] = "0"
         try:
             results["loongforge_cache_megatron_linears"] = _measure(ours, ids, args, device)
         finally:
-            del os.environ["LOONGFORGE_LEAN_LINEARS"]
+            if saved is None:
+                del os.environ["LOONGFORGE_LEAN_LINEARS"]
+            else:
+                os.environ["LOONGFORGE_LEAN_LINEARS"] = saved
     if not args.skip_no_cache:
         results["loongforge_no_cache"] = _measure(ours, ids, args, device, use_cache=False)
     theirs = results["transformers"]["tokens"]
