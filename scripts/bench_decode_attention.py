@@ -11,6 +11,7 @@ graph, the graph replayed ``--reps`` times after ``--warmup`` (CUDA events), med
 checked against the blocked path in fp32 first (``max |diff|``).
 
     python scripts/bench_decode_attention.py [--keys 4096,16384,32768] [--batch 1] [--out outputs/decode_attn.json]
+    python scripts/bench_decode_attention.py --device cpu --paths blocks,sdpa --keys 64 --reps 1   # a dry run
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--graph-calls", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run (no graph; the triton path only "
+                                                    "under TRITON_INTERPRET=1)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     import torch
@@ -54,14 +57,15 @@ def main(argv: list[str]) -> int:
 
     paths = _paths()
 
-    device = H.Device("cuda")
+    device = H.Device(args.device)
+    where = device.device
     g = torch.Generator().manual_seed(0)
     h, h_kv, d, scale = 16, 8, 128, 128 ** -0.5
     rows, report = [], {"device": device.describe(), "batch": args.batch, "heads": [h, h_kv, d], "results": {}}
     for n in (int(x) for x in args.keys.split(",")):
-        q = torch.randn(args.batch, h, 1, d, generator=g).bfloat16().cuda()
-        k, v = (torch.randn(args.batch, h_kv, n, d, generator=g).bfloat16().cuda() for _ in range(2))
-        allowed = torch.ones(args.batch, 1, 1, n, dtype=torch.bool, device="cuda")
+        q = torch.randn(args.batch, h, 1, d, generator=g).bfloat16().to(where)
+        k, v = (torch.randn(args.batch, h_kv, n, d, generator=g).bfloat16().to(where) for _ in range(2))
+        allowed = torch.ones(args.batch, 1, 1, n, dtype=torch.bool, device=where)
         allowed[..., -1] = False
         ref = _blocked_partial_attention(q.float(), k.float(), v.float(), allowed=allowed, scale=scale)[0]
         for name in args.paths.split(","):
@@ -69,20 +73,26 @@ def main(argv: list[str]) -> int:
                 return fn(q, k, v, allowed=allowed, scale=scale)
 
             diff = (call()[0].float() - ref).abs().max().item()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                call()  # NOTE: compiled / warmed outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(args.graph_calls):
-                    call()
-            us = H.median_ms(graph.replay, cuda=True, warmup=args.warmup, reps=args.reps) * 1e3 / args.graph_calls
+            if device.is_cuda:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    call()  # NOTE: compiled / warmed outside the capture
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(args.graph_calls):
+                        call()
+                run = graph.replay
+            else:  # NOTE: a dry run: the calls one after the other, the host clock (its numbers mean nothing)
+                def run():
+                    for _ in range(args.graph_calls):
+                        call()
+            us = H.median_ms(run, cuda=device.is_cuda, warmup=args.warmup, reps=args.reps) * 1e3 / args.graph_calls
             report["results"][f"{name}@{n}"] = {"us": us, "max_abs_diff": diff}
             rows.append([n, name, f"{us:.1f}", f"{diff:.2e}"])
-            del graph
-    print(H.markdown_table(["keys", "path", "µs / call (graphed)", "max |diff| vs fp32"], rows))
+    timed = "µs / call (graphed)" if device.is_cuda else "µs / call (host clock, dry run)"
+    print(H.markdown_table(["keys", "path", timed, "max |diff| vs fp32"], rows))
     if args.out:
         H.save_json(report, Path(args.out))
     return 0
