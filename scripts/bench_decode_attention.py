@@ -26,17 +26,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _bench_harness as H  # noqa: E402
 
 
-def _paths():
+def _path(name: str):
+    """The function of one path (``triton`` imports triton, so only where asked for)."""
     import torch.nn.functional as F
 
-    from loongforge_hf.kernels import _decode_attention_triton, attention
+    from loongforge_hf.kernels import attention
 
-    return {
-        "triton": _decode_attention_triton.partial_attention,
-        "blocks": attention._blocked_partial_attention,
-        "sdpa": lambda q, k, v, *, allowed, scale: (F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True), None),
-    }
+    if name == "triton":
+        from loongforge_hf.kernels import _decode_attention_triton
+
+        return _decode_attention_triton.partial_attention
+    if name == "blocks":
+        return attention._blocked_partial_attention
+    if name == "sdpa":
+        return lambda q, k, v, *, allowed, scale: (F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True), None)
+    raise SystemExit(f"--paths: unknown path {name!r} (triton, blocks, sdpa)")
 
 
 def main(argv: list[str]) -> int:
@@ -55,7 +60,7 @@ def main(argv: list[str]) -> int:
 
     from loongforge_hf.kernels.attention import _blocked_partial_attention
 
-    paths = _paths()
+    paths = {name: _path(name) for name in args.paths.split(",")}
 
     device = H.Device(args.device)
     where = device.device

@@ -88,8 +88,9 @@ def generation_refusal(model, config, kwargs: dict) -> str | None:
     return None
 
 
-# (name, pixels, grids, mm_token_type_ids code) of each vision kind
-_KINDS = (("image", "pixel_values", "image_grid_thw", 1), ("video", "pixel_values_videos", "video_grid_thw", 2))
+# (name, pixels, per-item inputs a row's copies take: grids first, mm_token_type_ids code) of each vision kind
+_KINDS = (("image", "pixel_values", ("image_grid_thw",), 1),
+          ("video", "pixel_values_videos", ("video_grid_thw", "second_per_grid_ts"), 2))
 
 
 def expand_vision_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, expand_size: int) -> dict:
@@ -100,7 +101,7 @@ def expand_vision_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, exp
     merge = model.bridge.vision_config.spatial_merge_size ** 2
     kinds, mask = model_kwargs.get("mm_token_type_ids"), model_kwargs.get("attention_mask")
     expanded = {}
-    for name, pixels_key, grid_key, code in _KINDS:
+    for name, pixels_key, (grid_key, *_), code in _KINDS:
         pixels, grid = model_kwargs.get(pixels_key), model_kwargs.get(grid_key)
         if pixels is None or grid is None or len(grid) == 0:
             continue
@@ -127,11 +128,11 @@ def copied_vision(vision: dict) -> dict:
     """``vision`` (generate's vision inputs) with each kind's grids and ``second_per_grid_ts`` taken for its copies
     (``image_copies`` / ``video_copies``): the per-row view that the positions are computed from."""
     vision = dict(vision)
-    for name, _, grid_key, code in _KINDS:
+    for name, _, per_item, _ in _KINDS:
         copies = vision.pop(f"{name}_copies", None)
-        for key in (grid_key, "second_per_grid_ts") if code == 2 else (grid_key,):
-            if copies is not None and vision.get(key) is not None:
-                value = vision[key]
+        for key in per_item if copies is not None else ():
+            value = vision.get(key)
+            if value is not None:
                 vision[key] = value[copies.to(value.device)] if torch.is_tensor(value) else \
                     [value[i] for i in copies.tolist()]
     return vision

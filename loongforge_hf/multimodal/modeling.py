@@ -114,8 +114,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         if expand_size == 1:
             return input_ids, model_kwargs
         # NOTE: transformers repeats every tensor along dim 0 (and [3, b, s] positions along dim 1); the vision
-        # inputs are per image / video / patch instead, so they are expanded per row here
-        # (they stay as given; image_copies / video_copies say which the expanded rows take)
+        # inputs are per image / video / patch instead: they stay as given, and image_copies / video_copies say which
+        # of them the expanded rows take
         vision = {k: model_kwargs.pop(k) for k in PER_ITEM_INPUTS if k in model_kwargs}
         copies = expand_vision_inputs(self, input_ids, {**model_kwargs, **vision}, expand_size)
         input_ids, model_kwargs = super()._expand_inputs_for_generation(
