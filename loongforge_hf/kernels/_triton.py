@@ -21,6 +21,20 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Inputs at most this many elements (a one-token decode step's activations: batch x hidden, or batch x heads x head
+# dim) leave a CUDA step bound by the host's launches: there a Triton launch (~25-40 us of host time through Triton's
+# launcher with a kernel's dozen arguments) costs more than the one or two aten ops that do the same work (~7-10 us
+# each); scripts/bench_launch_cost.py measures both. ``LOONGFORGE_LAUNCH_BOUND_NUMEL=0`` (read at import) keeps the
+# Triton kernels for every size.
+LAUNCH_BOUND_NUMEL = int(os.environ.get("LOONGFORGE_LAUNCH_BOUND_NUMEL", str(1 << 18)))
+
+
+def launch_bound(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a small CUDA input outside a CUDA-graph capture: inference kernels then take the aten ops
+    that cost the host least (a captured graph pays no launch cost, so it keeps the fused kernels' fewer launches)."""
+    return x.is_cuda and x.numel() <= LAUNCH_BOUND_NUMEL and not torch.cuda.is_current_stream_capturing()
+
+
 def row_programs(rows: int, device: torch.device) -> int:
     """How many programs a row-reduction kernel starts: a few per SM on a GPU, few on the interpreter."""
     if device.type == "cuda":

@@ -12,6 +12,9 @@ Choices:
   tensor-parallel group when sequence parallelism splits the tokens; megatron's own torch norm refuses that layout.
 - On CUDA with Triton installed, forward and backward are one Triton kernel each (``_rmsnorm_triton.py``: fp32 math,
   the same two roundings, the weight grad reduced in fp32); the torch code below is the CPU path and the reference.
+- Inference on a small CUDA input (a decode step: ``_triton.launch_bound``) runs torch's fused ``F.rms_norm``
+  without the weight, then the weight multiply: HF's two roundings, two aten launches that cost the host less than
+  one Triton launch.
 - ``config.layernorm_zero_centered_gamma`` stores ``weight - 1`` (initialised at zero) and applies ``1 + weight``.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.kernels._saved import needs_autograd, standalone
-from loongforge_hf.kernels._triton import use_triton
+from loongforge_hf.kernels._triton import launch_bound, use_triton
 from loongforge_hf.xpu import get_backend
 
 
@@ -80,7 +83,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},) for an input "
                          f"of shape {tuple(x.shape)}.")
     if not needs_autograd(x, weight):
-        return _forward(x, weight, eps, zero_centered_gamma, use_triton(x))[0]
+        triton = use_triton(x)
+        if triton and launch_bound(x):
+            gamma = weight + 1 if zero_centered_gamma else weight
+            return gamma * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
+        return _forward(x, weight, eps, zero_centered_gamma, triton)[0]
     return _RMSNormFunction.apply(x, weight, eps, zero_centered_gamma)
 
 

@@ -5,7 +5,8 @@ Choices:
 - A ``torch.autograd.Function`` keeps only the fc1 output for the backward (autograd would keep gate, up and
   silu(gate)) and recomputes the sigmoid in fp32 there.
 - On CUDA with Triton installed, forward and backward are one Triton kernel each (``_swiglu_triton.py``, same
-  numerics); the torch code below is the CPU path and the reference.
+  numerics); the torch code below is the CPU path and the reference, and inference's path on small CUDA inputs
+  (``_triton.launch_bound``: two aten launches cost a decode step's host less than one Triton launch).
 - ``SwiGLU(config)`` fills megatron's ``MLPSubmodules.activation_func`` slot. megatron-core 0.16 builds that slot only
   when ``config.use_te_activation_func`` is True (transformer/mlp.py, MLP.__init__) and then calls it on the whole fc1
   output; otherwise megatron applies ``config.activation_func`` (silu) to the gate itself: the same math. The dense
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge_hf.kernels._saved import needs_autograd
-from loongforge_hf.kernels._triton import use_triton
+from loongforge_hf.kernels._triton import launch_bound, use_triton
 
 
 def _forward(x: torch.Tensor, triton: bool) -> torch.Tensor:
@@ -58,7 +59,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dimension ({x.shape[-1]}) must be even: it holds [gate, up].")
     if not needs_autograd(x):
-        return _forward(x, use_triton(x))
+        return _forward(x, use_triton(x) and not launch_bound(x))
     return _SwiGLUFunction.apply(x)
 
 

@@ -130,3 +130,54 @@ def test_decode_attention_kernels_cases_on_cuda():
     from tests.kernels._decode_attention_checks import check_decode_attention
 
     assert len(check_decode_attention("cuda", dtypes=(torch.bfloat16, torch.float16))) == 10
+
+
+def _hf_rms_norm(x, weight, eps):
+    """transformers' Qwen3RMSNorm / LlamaRMSNorm forward."""
+    xf = x.to(torch.float32)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_inference_inputs_take_the_aten_paths(monkeypatch, dtype):
+    """A decode step's small inputs without grad (``_triton.launch_bound``) run RMSNorm as torch's ``F.rms_norm`` and
+    the weight multiply, and SwiGLU as ``silu(gate) * up``, not the Triton kernels: HF's expressions (RMSNorm within
+    one rounding of the normalised value: fp32 reductions may differ in their last bit; SwiGLU exactly). Inside a
+    CUDA-graph capture and for large inputs the Triton kernels still run."""
+    from loongforge_hf.kernels import _rmsnorm_triton, _swiglu_triton
+
+    launched = []
+    for module in (_rmsnorm_triton, _swiglu_triton):
+        real = module.forward
+        monkeypatch.setattr(module, "forward", lambda *a, _real=real, _m=module.__name__: launched.append(_m)
+                            or _real(*a))
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(8, 1, 3 * 128, generator=g).to(dtype).cuda()
+    k = qkv[..., 128:256]  # NOTE: a strided view, as megatron's k is for the k norm
+    weight = (1 + 0.1 * torch.randn(128, generator=g)).to(dtype).cuda()
+    h = torch.randn(8, 1, 2 * 96, generator=g).to(dtype).cuda()
+    with torch.no_grad():
+        got_norm, got_act = rms_norm(k, weight, 1e-6), swiglu(h)
+    assert launched == []
+    want = _hf_rms_norm(k, weight, 1e-6)
+    step = 2 * torch.finfo(dtype).eps * want.abs().clamp_min(1)  # NOTE: one rounding of the normalised value, x w
+    assert bool(((got_norm - want).abs() <= step).all()), (got_norm - want).abs().max()
+    gate, up = h.chunk(2, -1)
+    assert torch.equal(got_act, torch.nn.functional.silu(gate) * up)
+
+    big = torch.randn(4096, 128, generator=g).to(dtype).cuda()
+    with torch.no_grad():
+        rms_norm(big, weight, 1e-6)
+    assert launched == ["loongforge_hf.kernels._rmsnorm_triton"]
+    launched.clear()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        rms_norm(k, weight, 1e-6), swiglu(h)  # NOTE: Triton compiles outside the capture
+        launched.clear()
+        with torch.cuda.graph(graph, stream=stream):
+            out = rms_norm(k, weight, 1e-6)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    assert launched == ["loongforge_hf.kernels._rmsnorm_triton"]
+    torch.testing.assert_close(out, want, atol=ATOL, rtol=RTOL)
