@@ -5,7 +5,9 @@ loongforge-hf's with its dynamic KV cache, with its static cache (decode steps r
 
 Choices:
 - The model is bench_train.py's workload (a) (Qwen3-0.6B shape), random bf16 weights written once by transformers
-  (``bench_train.write_checkpoint``); ``--tiny`` shrinks it (same code paths) for dry runs.
+  (``bench_train.write_checkpoint``); ``--shape c`` takes workload (c) instead (Qwen3-30B-A3B cut to 4 layers: 128
+  experts, top-8; a mixture-of-experts decode step, which our static cache runs without a CUDA graph) and ``--shape
+  b`` workload (b); ``--tiny`` shrinks it (same code paths) for dry runs.
 - Inputs: ``--batch`` rows of ``--prompt`` random token ids (no padding), greedy, exactly ``--new`` new tokens
   (``min_new_tokens`` = ``max_new_tokens``: eos never stops a row early), the same ids for every stack.
 - Time: ``_bench_harness.median_ms`` over ``--reps`` whole generate calls after ``--warmup`` (CUDA events on a GPU,
@@ -91,6 +93,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--shape", default="a", choices=sorted(BT.WORKLOADS), help="bench_train.py's workload (model)")
     p.add_argument("--skip-compile", action="store_true", help="leave out transformers' compiled static-cache run")
     p.add_argument("--checkpoint", default=None, help="folder for the random checkpoint (default: a temporary one)")
     p.add_argument("--out", default=None)
@@ -121,10 +124,11 @@ def main(argv: list[str]) -> int:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     device = H.Device(args.device)
-    workload = BT.WORKLOADS["a"]
+    workload = BT.WORKLOADS[args.shape]
     if args.checkpoint is None and world > 1:
         raise SystemExit("more than one rank needs --checkpoint (a folder every rank reads).")
-    folder = Path(args.checkpoint or tempfile.mkdtemp(prefix="bench_generate_")) / ("tiny" if args.tiny else "a")
+    name = ("tiny" if args.shape == "a" else f"tiny_{args.shape}") if args.tiny else args.shape
+    folder = Path(args.checkpoint or tempfile.mkdtemp(prefix="bench_generate_")) / name
     if rank == 0 and not folder.is_dir():
         BT.write_checkpoint(workload, tiny=args.tiny, folder=folder, device=device)
     if world > 1:

@@ -15,13 +15,17 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_generate.py"
 
 
-def test_tiny_dry_run_times_the_four_cpu_stacks(tmp_path):
+@pytest.mark.parametrize("shape", ["a", "c"])
+def test_tiny_dry_run_times_the_four_cpu_stacks(tmp_path, shape):
+    """Workload (a)'s dense model, and (c)'s mixture of experts (``--shape c``)."""
     out = tmp_path / "bench_generate.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--reps", "1", "--warmup", "0",
                            "--batch", "2", "--prompt", "16", "--new", "4", "--checkpoint", str(tmp_path),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--shape", shape, "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["workload"].startswith({"a": "Qwen3-0.6B", "c": "Qwen3-30B-A3B"}[shape])
+    assert (tmp_path / ("tiny" if shape == "a" else "tiny_c") / "config.json").is_file()
     assert set(report["results"]) == {"transformers", "loongforge_cache", "loongforge_static", "loongforge_no_cache"}
     for r in report["results"].values():
         assert r["ms"] > 0 and 0.0 <= r["same_tokens_as_transformers"] <= 1.0
