@@ -32,11 +32,7 @@ LAUNCH_BOUND_NUMEL = int(os.environ.get("LOONGFORGE_LAUNCH_BOUND_NUMEL", str(1 <
 def launch_bound(x: torch.Tensor) -> bool:
     """Whether ``x`` is a small CUDA input outside a CUDA-graph capture: inference kernels then take the aten ops
     that cost the host least (a captured graph pays no launch cost, so it keeps the fused kernels' fewer launches)."""
-    if not x.is_cuda or x.numel() > LAUNCH_BOUND_NUMEL:
-        return False
-    from loongforge_hf.xpu import get_backend
-
-    return not get_backend().capturing()
+    return x.is_cuda and x.numel() <= LAUNCH_BOUND_NUMEL and not torch.cuda.is_current_stream_capturing()
 
 
 def row_programs(rows: int, device: torch.device) -> int:

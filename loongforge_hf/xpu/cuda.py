@@ -62,9 +62,6 @@ class CudaBackend(Backend):
         current.wait_stream(side)
         return out
 
-    def capturing(self) -> bool:
-        return torch.cuda.is_current_stream_capturing()
-
     def capture(self, run):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -69,10 +69,6 @@ class Backend:
         kernel autotuning: none of which a capture may do)."""
         return run()
 
-    def capturing(self) -> bool:
-        """Whether work queued now is being recorded into a device graph (inside ``capture``) rather than run."""
-        return False
-
     def capture(self, run: Callable[[], object]) -> tuple[Callable[[], None], object]:
         """Record ``run()`` as a device graph, without running it: ``(replay, the recorded call's output)``; each
         replay reruns its kernels on the same buffers and rewrites that output."""

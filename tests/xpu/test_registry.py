@@ -92,14 +92,3 @@ def test_backends_without_device_graphs_say_so():
     with pytest.raises(NotImplementedError, match="no device graphs"):
         backend.capture(lambda: calls.append(2))
     assert calls == [1]
-
-
-def test_nothing_is_captured_on_a_backend_without_graphs():
-    """``capturing()`` is what the small-input kernel paths ask (``kernels._triton.launch_bound``): never on the CPU
-    backend, so CPU tensors keep their torch paths; the CUDA backend's answer is checked inside a real capture by
-    ``tests/kernels/test_gpu_paths.py::test_small_inference_inputs_take_the_aten_paths``."""
-    from loongforge_hf.kernels._triton import launch_bound
-    from loongforge_hf.xpu.cpu import CpuBackend
-
-    assert CpuBackend().capturing() is False
-    assert launch_bound(torch.zeros(8, 1, 1024)) is False
