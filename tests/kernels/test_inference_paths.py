@@ -63,3 +63,12 @@ def test_one_query_causal_attention_sees_every_key():
     reference = torch.softmax(q @ k.transpose(-1, -2) * 0.3, dim=-1) @ v
     torch.testing.assert_close(got, reference, atol=1e-6, rtol=0)
     torch.testing.assert_close(explicit, reference, atol=1e-6, rtol=0)
+
+
+def test_cpu_tensors_are_never_launch_bound():
+    """``_triton.launch_bound`` (small CUDA inputs outside a graph capture take aten ops instead of Triton
+    launches) never holds for CPU tensors: they keep their torch paths. Its CUDA side is
+    ``tests/kernels/test_gpu_paths.py::test_small_inference_inputs_take_the_aten_paths``."""
+    from loongforge_hf.kernels._triton import launch_bound
+
+    assert launch_bound(torch.zeros(8, 1, 1024)) is False
