@@ -41,6 +41,9 @@ Choices:
   (``Backend.run_before_capture``: a side stream; its output is returned; lazy initialisations, NCCL's first use and
   Triton autotuning happen here) and is then captured; each later step copies its inputs into the buffers and
   replays the graph. A capture that fails logs a warning with the reason and the steps run eagerly (same results).
+  Where a GPU run gets no graph (``graph_refusal``: a mixture-of-experts model, expert parallelism, TE's FP8, dropout
+  in training mode) the decode steps run as the dynamic cache's over the static buffers instead (``cached_step``:
+  the eager fixed step fills and applies a mask over every slot each step, measured slower), logged at INFO.
   Elsewhere (CPU, gloo) the fixed step runs eagerly, which is what the CPU tests check against transformers. Module
   hooks run at the warm-up and the capture, not at the replays (as with any CUDA graph).
 - Kept from one call to the next (``Kept``, on the model), as transformers keeps its compiled step and its CUDA
@@ -117,6 +120,7 @@ class LoongStaticCache(LoongKVCache):
         self.max_cache_len = self.kept.max_cache_len
         self.decode: FixedDecode | None = None
         self.fixed_steps = 0  # NOTE: decode steps run by FixedDecode (tests check where it applies)
+        self.eager_refusal: str | None = None  # NOTE: why no decode step of this call runs at the fixed shape
         self.reused_kept_step = False  # NOTE: whether this call's steps ran the fixed step kept from a past call
 
     @classmethod
@@ -140,9 +144,18 @@ class LoongStaticCache(LoongKVCache):
                    position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The ``[b, 1, V]`` logits of a one-token decode step run by ``FixedDecode``, or None where it does not apply
         (the caller runs the step as with the dynamic cache)."""
-        if input_ids.shape[-1] != 1 or self.filled == 0 or not fixed_step_applies(model):
+        if input_ids.shape[-1] != 1 or self.filled == 0 or not fixed_step_applies(model) or self.eager_refusal:
             return None
         if self.decode is None:
+            refusal = graph_refusal(model, draws_random=_draws_random(model)) if _backend_has_graphs() else None
+            if refusal is not None:
+                # NOTE: on a backend with device graphs a step that is not captured runs as the dynamic cache's over
+                # these buffers: faster than the fixed step run eagerly (it fills and applies a mask over every slot
+                # each step; workload (c)'s MoE, 8 x 512 -> 64 on an H200: 771 against 643 ms a call)
+                self.eager_refusal = refusal
+                logger.info("generate: the static cache's decode steps run as the dynamic cache's over its buffers, "
+                            "not as a device graph: %s.", refusal)
+                return None
             self.decode = self._kept_or_new_decode(model, batch=input_ids.shape[0], mrope=position_ids is not None)
         logits = self.decode(model, self, input_ids, attention_mask, position_ids)
         self.filled += 1
@@ -255,10 +268,8 @@ class FixedDecode:
         whole = {"packed_seq": True} if model.parallel.context_parallel_size > 1 else {}
         self.tables = [type(rope).forward(rope, cache.max_cache_len, **whole) for rope in cache.rotary_embeddings]
         self.draws_random = _draws_random(model)
-        refusal = graph_refusal(model, draws_random=self.draws_random)
-        if refusal is not None and _backend_has_graphs():  # NOTE: why a GPU run asking for speed gets none
-            logger.info("generate: the static cache's decode steps run eagerly, not as a device graph: %s.", refusal)
-        self.capture = refusal is None
+        # NOTE: on a backend with graphs a refused model never gets here (LoongStaticCache.fixed_step)
+        self.capture = graph_refusal(model, draws_random=self.draws_random) is None
         self.replay = None  # NOTE: the captured step's replay, once captured
         self.logits: torch.Tensor | None = None
 

@@ -150,6 +150,38 @@ def test_random_draws_and_rng_forks(checkpoints):
                     "cpu refusal": "the cpu backend has no device graphs"}, seen
 
 
+def _ungraphed_world(folder: str) -> dict:
+    import torch
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf import static_cache
+
+    from ._generation import prompts_for, run_scenarios
+
+    static_cache._backend_has_graphs = lambda: True  # NOTE: as on a GPU (a capture is never reached here)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    inputs = prompts_for(transformers.PreTrainedTokenizerFast.from_pretrained(folder), CACHE_PROMPTS)
+    scenarios = {name: CACHE_SCENARIOS[name] for name in ("greedy", "beam")}
+    out = model.generate(**inputs, max_new_tokens=4, cache_implementation="static", return_dict_in_generate=True)
+    static = {name: {**kw, "cache_implementation": "static"} for name, kw in scenarios.items()}
+    return {"dynamic": run_scenarios(model, inputs, scenarios), "static": run_scenarios(model, inputs, static),
+            "cache": (out.cache.fixed_steps, out.cache.decode is None, out.cache.eager_refusal,
+                      out.cache.get_seq_length())}
+
+
+def test_static_cache_without_a_graph_runs_the_dynamic_step(checkpoints):
+    """On a backend with device graphs (stood in for here), a model whose decode step cannot be captured (Qwen3-MoE:
+    tokens dispatched at data-dependent shapes) runs its static-cache decode steps as the dynamic cache's over the
+    static buffers, not the eager fixed step (slower on a GPU: docs/benchmarks.md): no fixed step made, the refusal
+    kept for the call, and the dynamic cache's tokens and scores (1e-5) under greedy and beam search."""
+    got = run_distributed(_ungraphed_world, 1, checkpoints["qwen3_moe"][0], timeout=180)[0]
+    fixed, no_decode, refusal, cached = got["cache"]
+    assert fixed == 0 and no_decode and "mixture-of-experts" in refusal and cached > 0, got["cache"]
+    for name in got["dynamic"]:
+        assert_same_generation(got["static"][name], got["dynamic"][name], name, atol=ATOL)
+
+
 @pytest.mark.parametrize("layout", ["tp1", "tp2_sp", "cp2"])
 def test_static_cache_kept_across_calls(checkpoints, layout):
     """The static cache's buffers and fixed step (with its graph, on GPUs) are kept by the model: a later call with the
