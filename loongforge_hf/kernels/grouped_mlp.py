@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from loongforge_hf.kernels._saved import needs_autograd
 from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
 
 __all__ = ["DenseGrad", "GroupedMLP", "LowRank", "grouped_gated_mlp", "grouped_mm_supported"]
@@ -160,7 +161,8 @@ def _grouped(x, fc1, fc2, tokens_per_expert: torch.Tensor, probs, adapters):
         return out + gemm(gemm(t, lr.A), lr.B) * lr.scaling
 
     act = scale_by_probs(swiglu(project(x, fc1, adapters[0])), probs)
-    return DenseGrad.apply(project(act, fc2, adapters[1]))
+    out = project(act, fc2, adapters[1])
+    return DenseGrad.apply(out) if needs_autograd(out) else out
 
 
 def grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tokens_per_expert,

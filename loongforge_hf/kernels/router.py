@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from loongforge_hf.kernels._saved import needs_autograd
 from loongforge_hf.kernels._triton import use_triton
 
 logger = logging.getLogger("loongforge_hf.kernels")
@@ -72,15 +73,19 @@ def _triton_router_ok(device_index: int) -> bool:
     return ok
 
 
+def _topk_softmax_forward(logits, topk, pre_softmax, scaling_factor):
+    """(probabilities, routing map, selected indices, selected probabilities): the Triton kernel where it runs."""
+    if use_triton(logits) and (not logits.is_cuda or _triton_router_ok(logits.device.index or 0)):
+        from loongforge_hf.kernels import _router_triton
+
+        return _router_triton.topk_softmax_fwd(logits, topk, pre_softmax, scaling_factor)
+    return _topk_softmax_torch(logits, topk, pre_softmax, scaling_factor)
+
+
 class _TopKSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, topk, pre_softmax, scaling_factor):
-        if use_triton(logits) and (not logits.is_cuda or _triton_router_ok(logits.device.index or 0)):
-            from loongforge_hf.kernels import _router_triton
-
-            dense, routing_map, idx, psel = _router_triton.topk_softmax_fwd(logits, topk, pre_softmax, scaling_factor)
-        else:
-            dense, routing_map, idx, psel = _topk_softmax_torch(logits, topk, pre_softmax, scaling_factor)
+        dense, routing_map, idx, psel = _topk_softmax_forward(logits, topk, pre_softmax, scaling_factor)
         ctx.save_for_backward(logits if pre_softmax else None, idx, psel)
         ctx.pre_softmax, ctx.scale = pre_softmax, float(scaling_factor or 1.0)
         ctx.mark_non_differentiable(routing_map)
@@ -107,6 +112,8 @@ def topk_softmax(logits: torch.Tensor, topk: int, *, pre_softmax: bool = False,
         raise ValueError(f"topk_softmax: expects logits [tokens, experts], got shape {tuple(logits.shape)}.")
     if not 0 < topk <= logits.shape[1]:
         raise ValueError(f"topk_softmax: topk={topk} must lie in [1, {logits.shape[1]}] (the number of experts).")
+    if not needs_autograd(logits):  # NOTE: inference (generate's decode steps): no Function, nothing kept
+        return _topk_softmax_forward(logits, topk, bool(pre_softmax), scaling_factor)[:2]
     return _TopKSoftmax.apply(logits, topk, bool(pre_softmax), scaling_factor)
 
 

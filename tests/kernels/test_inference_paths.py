@@ -1,5 +1,6 @@
-"""Inference calls of the RMSNorm, SwiGLU and rope kernels (no grad needed: generate's decode steps, evaluation) skip
-their autograd Function and give the same output as the training path; a call that needs grad still records it.
+"""Inference calls of the RMSNorm, SwiGLU and rope kernels and of a MoE layer's router, permute and grouped experts
+(no grad needed: generate's decode steps, evaluation) skip their autograd Function and give the same output as the
+training path; a call that needs grad still records it.
 The rope kernel's Function exists on the Triton path only (a GPU): here its output is compared; its inference path ran
 on the GPU in tests/test_generation_gpu.py."""
 
@@ -72,3 +73,36 @@ def test_cpu_tensors_are_never_launch_bound():
     from loongforge_hf.kernels._triton import launch_bound
 
     assert launch_bound(torch.zeros(8, 1, 1024)) is False
+
+
+def test_moe_kernels_without_grad_skip_their_functions(monkeypatch):
+    """A MoE layer's kernels in inference (generate's decode steps): the router's top-k softmax, the token permute
+    and un-permute and the grouped experts' dense-gradient identity run without their autograd Functions and give
+    what the training path gives (equal); a call that needs grad still records them."""
+    from loongforge_hf.kernels import grouped_mlp, moe_permute, router
+
+    g = torch.Generator().manual_seed(4)
+    tokens, experts, hidden, ffn, topk = 6, 4, 16, 8, 2
+    logits = torch.randn(tokens, experts, generator=g, requires_grad=True)
+    x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    fc1 = torch.randn(experts, 2 * ffn, hidden, generator=g, requires_grad=True)
+    fc2 = torch.randn(experts, hidden, ffn, generator=g, requires_grad=True)
+
+    def layer():
+        probs, routing = router.topk_softmax(logits, topk)
+        permuted, permuted_probs, row_map = moe_permute.permute(x, routing, probs)
+        counts = routing.sum(0)
+        out = grouped_mlp.grouped_gated_mlp(permuted, fc1, fc2, counts, permuted_probs,
+                                            use_grouped_mm=hasattr(torch, "_grouped_mm"))
+        return probs, routing, permuted, out, moe_permute.unpermute(out, row_map, x.shape)
+
+    expected = layer()
+    assert expected[-1].grad_fn is not None
+    for function in (router._TopKSoftmax, moe_permute._Permute, moe_permute._Unpermute, grouped_mlp.DenseGrad):
+        _refusing(monkeypatch, function)
+    with torch.no_grad():
+        got = layer()
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b.detach())
+    with pytest.raises(AssertionError, match="needs no grad"):
+        layer()
