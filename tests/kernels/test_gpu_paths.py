@@ -181,3 +181,11 @@ def test_small_inference_inputs_take_the_aten_paths(monkeypatch, dtype):
     graph.replay()
     assert launched == ["loongforge_hf.kernels._rmsnorm_triton"]
     torch.testing.assert_close(out, want, atol=ATOL, rtol=RTOL)
+
+
+def test_moe_kernels_without_grad_on_cuda(monkeypatch):
+    """The MoE kernels' inference paths (no autograd Function) on CUDA, Triton kernels included: equal to the
+    training path's outputs (tests/kernels/test_inference_paths.py)."""
+    from .test_inference_paths import check_moe_kernels_without_grad
+
+    check_moe_kernels_without_grad(monkeypatch, "cuda")

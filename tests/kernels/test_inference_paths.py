@@ -75,25 +75,28 @@ def test_cpu_tensors_are_never_launch_bound():
     assert launch_bound(torch.zeros(8, 1, 1024)) is False
 
 
-def test_moe_kernels_without_grad_skip_their_functions(monkeypatch):
+def check_moe_kernels_without_grad(monkeypatch, device: str = "cpu") -> None:
     """A MoE layer's kernels in inference (generate's decode steps): the router's top-k softmax, the token permute
     and un-permute and the grouped experts' dense-gradient identity run without their autograd Functions and give
-    what the training path gives (equal); a call that needs grad still records them."""
+    what the training path gives (equal); a call that needs grad still records them. (On CUDA: the Triton kernels;
+    ``tests/kernels/test_gpu_paths.py``.)"""
     from loongforge_hf.kernels import grouped_mlp, moe_permute, router
 
     g = torch.Generator().manual_seed(4)
     tokens, experts, hidden, ffn, topk = 6, 4, 16, 8, 2
-    logits = torch.randn(tokens, experts, generator=g, requires_grad=True)
-    x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
-    fc1 = torch.randn(experts, 2 * ffn, hidden, generator=g, requires_grad=True)
-    fc2 = torch.randn(experts, hidden, ffn, generator=g, requires_grad=True)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).to(device).requires_grad_()
+
+    logits, x = leaf(tokens, experts), leaf(tokens, hidden)
+    fc1, fc2 = leaf(experts, 2 * ffn, hidden), leaf(experts, hidden, ffn)
 
     def layer():
         probs, routing = router.topk_softmax(logits, topk)
         permuted, permuted_probs, row_map = moe_permute.permute(x, routing, probs)
         counts = routing.sum(0)
         out = grouped_mlp.grouped_gated_mlp(permuted, fc1, fc2, counts, permuted_probs,
-                                            use_grouped_mm=hasattr(torch, "_grouped_mm"))
+                                            use_grouped_mm=None if device == "cuda" else hasattr(torch, "_grouped_mm"))
         return probs, routing, permuted, out, moe_permute.unpermute(out, row_map, x.shape)
 
     expected = layer()
@@ -106,3 +109,7 @@ def test_moe_kernels_without_grad_skip_their_functions(monkeypatch):
         assert torch.equal(a, b.detach())
     with pytest.raises(AssertionError, match="needs no grad"):
         layer()
+
+
+def test_moe_kernels_without_grad_skip_their_functions(monkeypatch):
+    check_moe_kernels_without_grad(monkeypatch)
