@@ -78,8 +78,9 @@ def test_cpu_tensors_are_never_launch_bound():
 def check_moe_kernels_without_grad(monkeypatch, device: str = "cpu") -> None:
     """A MoE layer's kernels in inference (generate's decode steps): the router's top-k softmax, the token permute
     and un-permute and the grouped experts' dense-gradient identity run without their autograd Functions and give
-    what the training path gives (equal); a call that needs grad still records them. (On CUDA: the Triton kernels;
-    ``tests/kernels/test_gpu_paths.py``.)"""
+    what the training path gives (equal; on CUDA, where the experts' small SwiGLU takes aten ops without grad and
+    the Triton kernel with it, the experts' outputs within fp32 rounding); a call that needs grad still records
+    them. (On CUDA: ``tests/kernels/test_gpu_paths.py``.)"""
     from loongforge_hf.kernels import grouped_mlp, moe_permute, router
 
     g = torch.Generator().manual_seed(4)
@@ -105,8 +106,13 @@ def check_moe_kernels_without_grad(monkeypatch, device: str = "cpu") -> None:
         _refusing(monkeypatch, function)
     with torch.no_grad():
         got = layer()
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b.detach())
+    for name, a, b in zip(("probs", "routing", "permuted", "experts", "unpermuted"), got, expected):
+        if device == "cpu" or name in ("probs", "routing", "permuted"):
+            assert torch.equal(a, b.detach()), name
+        else:
+            # NOTE: on CUDA the experts' SwiGLU of a small input without grad is aten's silu(gate) * up, with grad
+            # the Triton kernel (``_triton.launch_bound``): fp32 results one rounding apart
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
     with pytest.raises(AssertionError, match="needs no grad"):
         layer()
 
