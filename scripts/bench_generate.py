@@ -17,7 +17,8 @@ Choices:
   sanity check, not a parity test; the tests do parity in fp32).
 - Our static cache keeps its buffers and captured decode step from one call to the next (``static_cache.Kept``):
   the warm-up call captures, the timed ones replay (reported: ``kept_step_reused`` of one more call), as
-  transformers' compiled step is compiled in its warm-up call.
+  transformers' compiled step is compiled in its warm-up call. Its row says whether the steps replayed a CUDA graph
+  (``graphed``; a MoE model's and a CPU run's do not).
 - One process, stacks one after the other; loongforge-hf runs on one rank (TP=1), as ``python script.py`` starts it.
 - ``--tensor-parallel-size N`` under ``torchrun --nproc-per-node N``: every stack on the N ranks, transformers with
   its own tensor parallelism (``tp_plan="auto"``), loongforge-hf with ``tensor_parallel_size=N``; the same prompts on
@@ -58,7 +59,7 @@ import bench_train as BT  # noqa: E402
 STACKS = {"transformers": "transformers generate (DynamicCache)",
           "transformers_static": "transformers generate (StaticCache, torch.compile)",
           "loongforge_cache": "loongforge-hf, KV cache",
-          "loongforge_static": "loongforge-hf, static cache (CUDA graph)",
+          "loongforge_static": "loongforge-hf, static cache",
           "loongforge_no_cache": "loongforge-hf, use_cache=False",
           "loongforge_cache_megatron_linears": "loongforge-hf, KV cache, megatron's linear forwards"}
 
@@ -162,6 +163,8 @@ def main(argv: list[str]) -> int:
         kept = ours.generate(**_generate_kwargs(ids, args, cache_implementation="static", **extra),
                              return_dict_in_generate=True).cache
         static["kept_step_reused"] = kept.reused_kept_step
+        # NOTE: whether its decode steps replay a device graph (not for a MoE model, nor on CPU)
+        static["graphed"] = kept.decode is not None and kept.decode.replay is not None
         del kept
     if args.compare_lean_linears:
         saved = os.environ.get("LOONGFORGE_LEAN_LINEARS")
@@ -181,6 +184,8 @@ def main(argv: list[str]) -> int:
         r["same_tokens_as_transformers"] = float((r.pop("tokens") == theirs).float().mean())
         stack, _, layout = key.rpartition("_")
         name = STACKS[key] if key in STACKS else f"{STACKS[stack]} (CP KV cache {layout})"
+        if "graphed" in r:
+            name = name.replace("static cache", f"static cache ({'CUDA graph' if r['graphed'] else 'no graph'})")
         rows.append([name, f"{r['ms']:.1f}", f"{r['new_tokens_per_s']:.1f}", f"{r['peak_gib']:.2f}",
                      f"{r['same_tokens_as_transformers']:.3f}"])
     report = {"device": device.describe(), "workload": workload.title, "tiny": args.tiny, "batch": args.batch,

@@ -30,6 +30,7 @@ def test_tiny_dry_run_times_the_four_cpu_stacks(tmp_path, shape):
     for r in report["results"].values():
         assert r["ms"] > 0 and 0.0 <= r["same_tokens_as_transformers"] <= 1.0
     assert report["results"]["loongforge_static"]["kept_step_reused"] is True  # NOTE: the timed calls replay
+    assert report["results"]["loongforge_static"]["graphed"] is False  # NOTE: no device graph on CPU
     assert "tokens = transformers'" in proc.stdout
 
 
@@ -60,6 +61,6 @@ def test_tiny_parallel_dry_run_under_torchrun(tmp_path, layout):
         layouts = ("sharded", "replicated")
         assert set(report["results"]) == {"transformers", *(f"{s}_{c}" for s in ours for c in layouts)}
         static = ["loongforge_static_sharded", "loongforge_static_replicated"]
-        assert "loongforge-hf, static cache (CUDA graph) (CP KV cache replicated)" in proc.stdout
+        assert "loongforge-hf, static cache (no graph) (CP KV cache replicated)" in proc.stdout  # NOTE: CPU
     assert all(r["ms"] > 0 for r in report["results"].values())
     assert all(report["results"][key]["kept_step_reused"] is True for key in static)

@@ -26,7 +26,18 @@ def use_triton(x: torch.Tensor) -> bool:
 # launcher with a kernel's dozen arguments) costs more than the one or two aten ops that do the same work (~7-10 us
 # each); scripts/bench_launch_cost.py measures both. ``LOONGFORGE_LAUNCH_BOUND_NUMEL=0`` (read at import) keeps the
 # Triton kernels for every size.
-LAUNCH_BOUND_NUMEL = int(os.environ.get("LOONGFORGE_LAUNCH_BOUND_NUMEL", str(1 << 18)))
+def _launch_bound_numel() -> int:
+    value = os.environ.get("LOONGFORGE_LAUNCH_BOUND_NUMEL", "").strip()
+    if not value:
+        return 1 << 18
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"LOONGFORGE_LAUNCH_BOUND_NUMEL={value!r}: expected an integer element count (0 keeps "
+                         "the Triton kernels for every input size).") from None
+
+
+LAUNCH_BOUND_NUMEL = _launch_bound_numel()
 
 
 def launch_bound(x: torch.Tensor) -> bool:

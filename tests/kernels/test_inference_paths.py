@@ -119,3 +119,17 @@ def check_moe_kernels_without_grad(monkeypatch, device: str = "cpu") -> None:
 
 def test_moe_kernels_without_grad_skip_their_functions(monkeypatch):
     check_moe_kernels_without_grad(monkeypatch)
+
+
+def test_launch_bound_size_from_the_environment(monkeypatch):
+    """``LOONGFORGE_LAUNCH_BOUND_NUMEL`` (read at import): unset or empty the default 2^18 elements, an integer as
+    given, anything else a ValueError naming the variable."""
+    from loongforge_hf.kernels import _triton
+
+    monkeypatch.delenv("LOONGFORGE_LAUNCH_BOUND_NUMEL", raising=False)
+    assert _triton._launch_bound_numel() == 1 << 18
+    monkeypatch.setenv("LOONGFORGE_LAUNCH_BOUND_NUMEL", "0")
+    assert _triton._launch_bound_numel() == 0
+    monkeypatch.setenv("LOONGFORGE_LAUNCH_BOUND_NUMEL", "lots")
+    with pytest.raises(ValueError, match="LOONGFORGE_LAUNCH_BOUND_NUMEL='lots'"):
+        _triton._launch_bound_numel()
