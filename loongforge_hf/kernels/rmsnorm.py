@@ -14,7 +14,8 @@ Choices:
   the same two roundings, the weight grad reduced in fp32); the torch code below is the CPU path and the reference.
 - Inference on a small CUDA input (a decode step: ``_triton.launch_bound``) runs torch's fused ``F.rms_norm``
   without the weight, then the weight multiply: HF's two roundings, two aten launches that cost the host less than
-  one Triton launch.
+  one Triton launch. Only where torch has the fused kernel (``aten._fused_rms_norm``, torch 2.8+): before it
+  ``F.rms_norm`` is the op-by-op composite, dearer than the Triton launch.
 - ``config.layernorm_zero_centered_gamma`` stores ``weight - 1`` (initialised at zero) and applies ``1 + weight``.
 """
 
@@ -25,6 +26,8 @@ import torch
 from loongforge_hf.kernels._saved import needs_autograd, standalone
 from loongforge_hf.kernels._triton import launch_bound, use_triton
 from loongforge_hf.xpu import get_backend
+
+FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")
 
 
 def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
                          f"of shape {tuple(x.shape)}.")
     if not needs_autograd(x, weight):
         triton = use_triton(x)
-        if triton and launch_bound(x):
+        if triton and FUSED_RMS_NORM and launch_bound(x):
             gamma = weight + 1 if zero_centered_gamma else weight
             return gamma * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
         return _forward(x, weight, eps, zero_centered_gamma, triton)[0]
