@@ -13,6 +13,8 @@
   dynamic cache's tokens and scores / logits within 1e-4.
 - The graph kept across calls (one GPU and TP2): replayed by a later call where the model's host state is unchanged,
   also over weights updated in place, captured anew otherwise; the dynamic cache's tokens and scores (1e-4).
+- A mixture-of-experts model (no graph for its step): its static cache's steps run as the dynamic cache's, same
+  tokens and scores.
 - On two GPUs over NCCL (TP2, TP2 + SP, CP2, PP2): transformers' tokens, scores and logits (fp32, 1e-4) on both
   ranks; the static cache's step is a CUDA graph on both ranks (with its collectives) in all but PP2.
 """
@@ -245,3 +247,35 @@ def test_static_cache_capture_failure_runs_eagerly(tmp_path):
     assert torch.equal(got["static"]["sequences"].cpu(), got["cached"]["sequences"].cpu())
     for key in ("scores", "logits"):
         torch.testing.assert_close(got["static"][key], got["cached"][key], atol=1e-4, rtol=0)
+
+
+def _moe_static_world(folder: str) -> dict:
+    import transformers
+
+    import loongforge_hf as lf
+
+    pickleable_month_day_nano()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    inputs = {k: v.cuda() for k, v in prompts_for(tok, CACHE_PROMPTS).items()}
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    scenarios = {name: CACHE_SCENARIOS[name] for name in ("greedy", "beam")}
+    static = {name: {**kw, "cache_implementation": "static"} for name, kw in scenarios.items()}
+    cache = model.generate(**inputs, max_new_tokens=4, cache_implementation="static",
+                           return_dict_in_generate=True).cache
+    return {"cached": run_scenarios(model, inputs, scenarios), "static": run_scenarios(model, inputs, static),
+            "cache": (cache.fixed_steps, cache.decode is None, cache.eager_refusal)}
+
+
+def test_moe_static_cache_runs_the_dynamic_step_on_cuda(tmp_path):
+    """A mixture-of-experts model gets no CUDA graph for its decode step (data-dependent token dispatch): its
+    static-cache steps run as the dynamic cache's over the static buffers (no fixed step, the refusal kept), with
+    the dynamic cache's tokens and scores / logits (fp32, 1e-4)."""
+    folder = make_tiny_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe")
+    got = run_distributed(_moe_static_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    fixed, no_decode, refusal = got["cache"]
+    assert fixed == 0 and no_decode and "mixture-of-experts" in refusal, got["cache"]
+    for name, ours in got["static"].items():
+        assert torch.equal(ours["sequences"].cpu(), got["cached"][name]["sequences"].cpu()), name
+        for key in set(ours) - {"sequences"}:
+            torch.testing.assert_close(ours[key], got["cached"][name][key], atol=1e-4, rtol=0)
