@@ -55,6 +55,12 @@ def _top_k_router():
         balance = None
         recorder = None
 
+        def _apply_expert_bias(self, routing_map, padding_mask=None):
+            # NOTE: megatron's is torch.compile'd: every call pays dynamo's guard checks (~30 us a layer on an H200's
+            # host, a decode step's cost) also where it has nothing to do: without an expert bias
+            if self.enable_expert_bias:
+                super()._apply_expert_bias(routing_map, padding_mask=padding_mask)
+
         def routing(self, logits, padding_mask=None):
             probs, routing_map = super().routing(logits, padding_mask=padding_mask)
             if self.recorder is not None:

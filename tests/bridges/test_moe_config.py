@@ -212,3 +212,40 @@ def test_cuda_graphs_refused_for_moe_before_any_collective():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device") as dense:
         check_megatron_config(bridge("qwen3"), {"cuda_graph_impl": "local"})
     assert "MoE" not in str(dense.value)
+
+
+def _expert_bias_calls_world(folders: dict) -> dict:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    import loongforge_hf as lf
+
+    calls = []
+    compiled = TopKRouter._apply_expert_bias
+    TopKRouter._apply_expert_bias = lambda self, *a, **k: calls.append(type(self).__name__) or compiled(self, *a, **k)
+    seen = {}
+    for arch, folder in folders.items():
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        ids = torch.randint(3, 50, (1, 8), generator=torch.Generator().manual_seed(0))
+        routers = [m for chunk in model.chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+        calls.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        seen[arch] = {"routers": len(routers), "calls": len(calls),
+                      "bias": [bool(r.enable_expert_bias) for r in routers],
+                      "counted": [float(r.local_tokens_per_expert.sum()) if r.enable_expert_bias else None
+                                  for r in routers]}
+    return seen
+
+
+def test_expert_bias_update_runs_only_where_there_is_a_bias(tmp_path):
+    """The MoE router (``router_balance.BalanceRouter``) calls megatron's torch.compile'd expert-bias update only
+    where the router has an expert bias (DeepSeek-V3: it counts each layer's routed tokens), not for Qwen3-MoE (the
+    compiled call would do nothing and costs dynamo's guard checks on every layer of every decode step)."""
+    from loongforge_hf.parallel.spawn import run_distributed
+    from loongforge_hf.testing import make_tiny_checkpoint
+
+    folders = {arch: str(make_tiny_checkpoint(tmp_path / arch, arch)) for arch in ("qwen3_moe", "deepseek_v3")}
+    seen = run_distributed(_expert_bias_calls_world, 1, folders, timeout=240)[0]
+    qwen, deepseek = seen["qwen3_moe"], seen["deepseek_v3"]
+    assert qwen["routers"] > 0 and not any(qwen["bias"]) and qwen["calls"] == 0, qwen
+    assert deepseek["routers"] > 0 and all(deepseek["bias"]) and deepseek["calls"] == deepseek["routers"], deepseek
+    assert all(c > 0 for c in deepseek["counted"]), deepseek
