@@ -203,13 +203,31 @@ def graph_refusal(model, *, draws_random: bool) -> str | None:
             return f"tensor-parallel collectives over {backend!r} cannot be captured"
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    if any(isinstance(m, MoELayer) for chunk in model.chunks for m in chunk.modules()):
+    moe = [m for chunk in model.chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+    if moe and not all(_fixed_shape_moe(m) for m in moe):
         return "mixture-of-experts layers dispatch tokens at data-dependent shapes"
     if getattr(model.megatron.config, "fp8", None):
         return "Transformer Engine FP8 keeps its scaling state on the host"
     if draws_random:
         return "the model is in training mode with dropout (megatron's RNG tracker switches generator states)"
     return None
+
+
+def _fixed_shape_moe(layer) -> bool:
+    """Whether a MoE layer's step runs at fixed shapes with no host read: megatron's allgather dispatcher as this
+    package's sync-free subclass with every expert local and our permutation (T x top-k permuted rows, the counts
+    left on the device), and grouped experts through ``torch._grouped_mm`` (bf16, its offsets read on the device),
+    no FP8 forward swapped in. UNVERIFIED on a GPU (branch moe-decode-graph): capture, replay, tokens."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from loongforge_hf.kernels.grouped_mlp import GroupedMLP
+
+    config, experts = layer.config, layer.experts
+    return (getattr(layer.token_dispatcher, "sync_free", False)
+            and layer.num_local_experts == config.num_moe_experts and config.moe_permute_fusion
+            and getattr(token_dispatcher.permute, "loongforge_fused", False)
+            and type(experts) is GroupedMLP and "forward" not in experts.__dict__
+            and experts.linear_fc1.weight.dtype == torch.bfloat16 and experts.linear_fc1.weight.is_cuda)
 
 
 def _draws_random(model) -> bool:
