@@ -286,8 +286,9 @@ class FixedDecode:
         whole = {"packed_seq": True} if model.parallel.context_parallel_size > 1 else {}
         self.tables = [type(rope).forward(rope, cache.max_cache_len, **whole) for rope in cache.rotary_embeddings]
         self.draws_random = _draws_random(model)
-        # NOTE: on a backend with graphs a refused model never gets here (LoongStaticCache.fixed_step)
-        self.capture = graph_refusal(model, draws_random=self.draws_random) is None
+        # NOTE: graph_refusal was asked by LoongStaticCache.fixed_step: on a backend with graphs a refused model
+        # never gets here, so whether the backend has graphs is the answer
+        self.capture = _backend_has_graphs()
         self.replay = None  # NOTE: the captured step's replay, once captured
         self.logits: torch.Tensor | None = None
 

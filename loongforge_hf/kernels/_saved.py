@@ -18,8 +18,8 @@ def standalone(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def needs_autograd(*tensors: torch.Tensor) -> bool:
+def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     """Whether a kernel's call must record its backward: grad mode on and an input that requires grad. Inference
     (generate's decode steps, evaluation) skips the ``autograd.Function`` and what it keeps (its per-call cost is a
     large share of a one-token step)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -43,10 +43,9 @@ LAUNCH_BOUND_NUMEL = _launch_bound_numel()
 def launch_bound(x: torch.Tensor) -> bool:
     """Whether ``x`` is a small CUDA input outside a CUDA-graph capture: inference kernels then take the aten ops
     that cost the host least (a captured graph pays no launch cost, so it keeps the fused kernels' fewer launches)."""
-    # NOTE: the capture state of the CUDA stream this tensor's kernels are queued on, whatever backend the process
-    # was set to (a CUDA tensor under LOONGFORGE_DEVICE=cpu, as in the GPU tests, is still launched on a CUDA
-    # stream; asking the active backend measured wrong there)
-    return x.is_cuda and x.numel() <= LAUNCH_BOUND_NUMEL and not torch.cuda.is_current_stream_capturing()
+    from loongforge_hf.xpu import stream_capturing
+
+    return x.is_cuda and x.numel() <= LAUNCH_BOUND_NUMEL and not stream_capturing(x.device)
 
 
 def row_programs(rows: int, device: torch.device) -> int:

@@ -147,7 +147,7 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     if num_out_tokens is None:
         num_out_tokens = int(routing_map.sum())
     row_map = _row_map(routing_map, int(num_out_tokens))
-    if not needs_autograd(*(t for t in (tokens, probs) if t is not None)):  # NOTE: inference: no Function
+    if not needs_autograd(tokens, probs):  # NOTE: inference: no Function
         out, out_probs = _scatter(tokens, row_map, int(num_out_tokens), probs, scale=False,
                                   copy_probs=probs is not None)
         return out, out_probs, row_map
@@ -162,7 +162,7 @@ def unpermute(permuted_tokens: torch.Tensor, row_map: torch.Tensor, restore_shap
     if tuple(restore_shape) != (row_map.shape[0], permuted_tokens.shape[-1]):
         raise ValueError(f"unpermute: restore_shape {tuple(restore_shape)} does not match the row map "
                          f"({row_map.shape[0]} tokens) and hidden size {permuted_tokens.shape[-1]}")
-    if not needs_autograd(*(t for t in (permuted_tokens, probs) if t is not None)):  # NOTE: inference
+    if not needs_autograd(permuted_tokens, probs):  # NOTE: inference
         return _gather_sum(permuted_tokens, row_map, probs, permuted_tokens.dtype)
     return _Unpermute.apply(permuted_tokens, probs, row_map)
 

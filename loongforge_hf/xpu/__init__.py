@@ -7,6 +7,6 @@ Choices made here:
 - A backend owns the patches megatron-core needs on its device; they are applied once, in ``Backend.setup()``.
 """
 
-from loongforge_hf.xpu.registry import Backend, available_backends, get_backend, register_backend
+from loongforge_hf.xpu.registry import Backend, available_backends, get_backend, register_backend, stream_capturing
 
-__all__ = ["Backend", "available_backends", "get_backend", "register_backend"]
+__all__ = ["Backend", "available_backends", "get_backend", "register_backend", "stream_capturing"]

@@ -62,6 +62,10 @@ class CudaBackend(Backend):
         current.wait_stream(side)
         return out
 
+    @staticmethod
+    def stream_capturing() -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
     def capture(self, run):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass
@@ -69,6 +70,11 @@ class Backend:
         kernel autotuning: none of which a capture may do)."""
         return run()
 
+    @staticmethod
+    def stream_capturing() -> bool:
+        """Whether work queued now on this backend's current stream is recorded into a device graph, not run."""
+        return False
+
     def capture(self, run: Callable[[], object]) -> tuple[Callable[[], None], object]:
         """Record ``run()`` as a device graph, without running it: ``(replay, the recorded call's output)``; each
         replay reruns its kernels on the same buffers and rewrites that output."""
@@ -105,6 +111,20 @@ def register_backend(name: str, *, module: str, cls: str, is_available: Callable
                      missing: Callable[[], str]) -> None:
     """Register a backend: ``missing()`` returns a sentence naming what an unavailable backend lacks."""
     _REGISTRY[name] = _Entry(module, cls, is_available, missing)
+    _backend_class.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_class(device_type: str) -> type:
+    entry = _REGISTRY.get(device_type)
+    return getattr(importlib.import_module(entry.module), entry.cls) if entry is not None else Backend
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """Whether work queued on ``device``'s current stream is being recorded into a device graph: asked of the
+    backend of the device's type, whichever backend the process runs (a CUDA tensor in a process whose backend is
+    cpu, as in the GPU tests, is still queued on a CUDA stream)."""
+    return _backend_class(device.type).stream_capturing()
 
 
 def available_backends() -> list[str]:

@@ -14,6 +14,8 @@ from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
 from loongforge_hf.kernels.rmsnorm import FUSED_RMS_NORM, rms_norm
 from loongforge_hf.kernels.swiglu import swiglu
 
+from .test_rmsnorm import reference as hf_rms_norm
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -132,12 +134,6 @@ def test_decode_attention_kernels_cases_on_cuda():
     assert len(check_decode_attention("cuda", dtypes=(torch.bfloat16, torch.float16))) == 10
 
 
-def _hf_rms_norm(x, weight, eps):
-    """transformers' Qwen3RMSNorm / LlamaRMSNorm forward."""
-    xf = x.to(torch.float32)
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_small_inference_inputs_take_the_aten_paths(monkeypatch, dtype):
     """A decode step's small inputs without grad (``_triton.launch_bound``) run RMSNorm as torch's ``F.rms_norm`` and
@@ -161,7 +157,7 @@ def test_small_inference_inputs_take_the_aten_paths(monkeypatch, dtype):
     # NOTE: a torch without the fused RMSNorm kernel keeps the Triton one (rmsnorm.FUSED_RMS_NORM)
     assert launched == ([] if FUSED_RMS_NORM else ["loongforge_hf.kernels._rmsnorm_triton"])
     launched.clear()
-    want = _hf_rms_norm(k, weight, 1e-6)
+    want = hf_rms_norm(k, weight, 1e-6)
     step = 2 * torch.finfo(dtype).eps * want.abs().clamp_min(1)  # NOTE: one rounding of the normalised value, x w
     assert bool(((got_norm - want).abs() <= step).all()), (got_norm - want).abs().max()
     gate, up = h.chunk(2, -1)
@@ -175,7 +171,8 @@ def test_small_inference_inputs_take_the_aten_paths(monkeypatch, dtype):
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.no_grad(), torch.cuda.stream(stream):
-        rms_norm(k, weight, 1e-6), swiglu(h)  # NOTE: Triton compiles outside the capture
+        rms_norm(k, weight, 1e-6), swiglu(h)  # NOTE: a warm-up outside the capture (the norm's Triton kernel was
+        # compiled by the large call above, with the same constants)
         launched.clear()
         with torch.cuda.graph(graph, stream=stream):
             out = rms_norm(k, weight, 1e-6)

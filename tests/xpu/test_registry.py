@@ -92,3 +92,16 @@ def test_backends_without_device_graphs_say_so():
     with pytest.raises(NotImplementedError, match="no device graphs"):
         backend.capture(lambda: calls.append(2))
     assert calls == [1]
+
+
+def test_stream_capturing_asks_the_backend_of_the_device_type():
+    """``stream_capturing(device)`` (what the small-input kernel paths ask, ``kernels._triton.launch_bound``) goes to
+    the backend class registered for the device's type, whichever backend the process runs; a backend without
+    device graphs, or a device type no backend claims, is never capturing."""
+    from loongforge_hf.xpu import stream_capturing
+    from loongforge_hf.xpu.cpu import CpuBackend
+    from loongforge_hf.xpu.cuda import CudaBackend
+
+    assert registry._backend_class("cpu") is CpuBackend and registry._backend_class("cuda") is CudaBackend
+    assert registry._backend_class("meta") is registry.Backend
+    assert stream_capturing(torch.device("cpu")) is False and stream_capturing(torch.device("meta")) is False
