@@ -33,17 +33,20 @@ Choices:
   (``pipeline_parallel_size == 1``): its stages pass activations at data-dependent times.
 - The graph (``Backend.capture``: the CUDA backend's CUDA graphs): on GPUs, with tensor parallelism over NCCL too
   (its all-reduces and the logits' all-gather are captured with the step; every rank of the group captures and
-  replays the same sequence of collectives), not with expert parallelism or a mixture-of-experts layer (the token
-  dispatch has data-dependent shapes) nor a Transformer Engine FP8 recipe (its scaling state lives on the host)
-  nor dropout in training mode (megatron's RNG tracker switches generator states; where nothing draws, its forks
+  replays the same sequence of collectives), also with mixture-of-experts layers at expert parallel 1 whose step has
+  fixed shapes (``_fixed_shape_moe``: the sync-free allgather dispatcher, every expert local, bf16 grouped experts
+  on ``torch._grouped_mm``), not with expert parallelism or other MoE layers (data-dependent shapes or host reads:
+  fp32 experts loop over the counts on the host) nor a Transformer Engine FP8 recipe (its scaling state lives on the
+  host) nor dropout in training mode (megatron's RNG tracker switches generator states; where nothing draws, its forks
   are skipped in the step: sequence parallelism forks around every block); why a GPU run gets no graph is logged at
   INFO. The first fixed step runs for real first
   (``Backend.run_before_capture``: a side stream; its output is returned; lazy initialisations, NCCL's first use and
   Triton autotuning happen here) and is then captured; each later step copies its inputs into the buffers and
   replays the graph. A capture that fails logs a warning with the reason and the steps run eagerly (same results).
-  Where a GPU run gets no graph (``graph_refusal``: a mixture-of-experts model, expert parallelism, TE's FP8, dropout
-  in training mode) the decode steps run as the dynamic cache's over the static buffers instead (``cached_step``:
-  the eager fixed step fills and applies a mask over every slot each step, measured slower), logged at INFO.
+  Where a GPU run gets no graph (``graph_refusal``: a mixture-of-experts model other than the above, expert
+  parallelism, TE's FP8, dropout in training mode) the decode steps run as the dynamic cache's over the static
+  buffers instead (``cached_step``: the eager fixed step fills and applies a mask over every slot each step,
+  measured slower), logged at INFO.
   Elsewhere (CPU, gloo) the fixed step runs eagerly, which is what the CPU tests check against transformers. Module
   hooks run at the warm-up and the capture, not at the replays (as with any CUDA graph).
 - Kept from one call to the next (``Kept``, on the model), as transformers keeps its compiled step and its CUDA
@@ -214,20 +217,23 @@ def graph_refusal(model, *, draws_random: bool) -> str | None:
 
 
 def _fixed_shape_moe(layer) -> bool:
-    """Whether a MoE layer's step runs at fixed shapes with no host read: megatron's allgather dispatcher as this
-    package's sync-free subclass with every expert local and our permutation (T x top-k permuted rows, the counts
-    left on the device), and grouped experts through ``torch._grouped_mm`` (bf16, its offsets read on the device),
-    no FP8 forward swapped in. UNVERIFIED on a GPU (branch moe-decode-graph): capture, replay, tokens."""
+    """Whether a MoE layer's step runs at fixed shapes with no host read, so that it can be captured: megatron's
+    allgather dispatcher as this package's sync-free subclass with every expert local and this package's
+    permutation (T x top-k permuted rows, the counts left on the device), and the grouped experts through
+    ``torch._grouped_mm`` (bf16 on CUDA: its offsets are read on the device; the per-expert loop reads the counts on
+    the host), no FP8 or adapter forward swapped in."""
     from megatron.core.transformer.moe import token_dispatcher
 
-    from loongforge_hf.kernels.grouped_mlp import GroupedMLP
+    from loongforge_hf.kernels import grouped_mlp
 
     config, experts = layer.config, layer.experts
-    return (getattr(layer.token_dispatcher, "sync_free", False)
-            and layer.num_local_experts == config.num_moe_experts and config.moe_permute_fusion
+    if not (getattr(layer.token_dispatcher, "sync_free", False) and config.moe_permute_fusion
+            and layer.num_local_experts == config.num_moe_experts
             and getattr(token_dispatcher.permute, "loongforge_fused", False)
-            and type(experts) is GroupedMLP and "forward" not in experts.__dict__
-            and experts.linear_fc1.weight.dtype == torch.bfloat16 and experts.linear_fc1.weight.is_cuda)
+            and type(experts) is grouped_mlp.GroupedMLP and "forward" not in experts.__dict__):
+        return False
+    fc1, fc2 = experts.linear_fc1.weight, experts.linear_fc2.weight
+    return grouped_mlp.grouped_mm_supported(fc1.new_empty(1, fc1.shape[-1]), fc1, fc2)
 
 
 def _draws_random(model) -> bool:

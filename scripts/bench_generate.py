@@ -6,7 +6,7 @@ loongforge-hf's with its dynamic KV cache, with its static cache (decode steps r
 Choices:
 - The model is bench_train.py's workload (a) (Qwen3-0.6B shape), random bf16 weights written once by transformers
   (``bench_train.write_checkpoint``); ``--shape c`` takes workload (c) instead (Qwen3-30B-A3B cut to 4 layers: 128
-  experts, top-8; a mixture-of-experts decode step, which our static cache runs without a CUDA graph) and ``--shape
+  experts, top-8; a mixture-of-experts decode step; bf16 at EP 1, so our static cache captures it too) and ``--shape
   b`` workload (b); ``--tiny`` shrinks it (same code paths) for dry runs.
 - Inputs: ``--batch`` rows of ``--prompt`` random token ids (no padding), greedy, exactly ``--new`` new tokens
   (``min_new_tokens`` = ``max_new_tokens``: eos never stops a row early), the same ids for every stack.
@@ -18,7 +18,7 @@ Choices:
 - Our static cache keeps its buffers and captured decode step from one call to the next (``static_cache.Kept``):
   the warm-up call captures, the timed ones replay (reported: ``kept_step_reused`` of one more call), as
   transformers' compiled step is compiled in its warm-up call. Its row says whether the steps replayed a CUDA graph
-  (``graphed``; a MoE model's and a CPU run's do not).
+  (``graphed``; a CPU run's does not).
 - One process, stacks one after the other; loongforge-hf runs on one rank (TP=1), as ``python script.py`` starts it.
 - ``--tensor-parallel-size N`` under ``torchrun --nproc-per-node N``: every stack on the N ranks, transformers with
   its own tensor parallelism (``tp_plan="auto"``), loongforge-hf with ``tensor_parallel_size=N``; the same prompts on

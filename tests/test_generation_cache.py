@@ -171,15 +171,59 @@ def _ungraphed_world(folder: str) -> dict:
 
 
 def test_static_cache_without_a_graph_runs_the_dynamic_step(checkpoints):
-    """On a backend with device graphs (stood in for here), a model whose decode step cannot be captured (Qwen3-MoE:
-    tokens dispatched at data-dependent shapes) runs its static-cache decode steps as the dynamic cache's over the
-    static buffers, not the eager fixed step (slower on a GPU: docs/benchmarks.md): no fixed step made, the refusal
-    kept for the call, and the dynamic cache's tokens and scores (1e-5) under greedy and beam search."""
+    """On a backend with device graphs (stood in for here), a model whose decode step cannot be captured (Qwen3-MoE
+    in fp32: its experts loop over the routed counts on the host) runs its static-cache decode steps as the dynamic
+    cache's over the static buffers, not the eager fixed step (slower on a GPU: docs/benchmarks.md): no fixed step
+    made, the refusal kept for the call, and the dynamic cache's tokens and scores (1e-5) under greedy and beam
+    search."""
     got = run_distributed(_ungraphed_world, 1, checkpoints["qwen3_moe"][0], timeout=180)[0]
     fixed, no_decode, refusal, cached = got["cache"]
     assert fixed == 0 and no_decode and "mixture-of-experts" in refusal and cached > 0, got["cache"]
     for name in got["dynamic"]:
         assert_same_generation(got["static"][name], got["dynamic"][name], name, atol=ATOL)
+
+
+def _moe_refusal_world(folder: str) -> dict:
+    import torch
+
+    import loongforge_hf as lf
+    from loongforge_hf import static_cache
+    from loongforge_hf.kernels import grouped_mlp
+
+    static_cache._backend_has_graphs = lambda: True
+    # NOTE: as on CUDA, where bf16 expert stacks take torch._grouped_mm (this CPU process has no CUDA tensor)
+    grouped_mlp.grouped_mm_supported = lambda x, fc1, fc2, **kw: {x.dtype, fc1.dtype, fc2.dtype} == {torch.bfloat16}
+
+    def refusal(model):
+        return static_cache.graph_refusal(model, draws_random=False)
+
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        out[str(dtype)] = refusal(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype))
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    layers = [m for m in model.chunks[0].modules() if type(m).__name__ == "MoELayer"]
+    layers[-1].token_dispatcher.sync_free = False
+    out["megatron dispatcher"] = refusal(model)
+    layers[-1].token_dispatcher.sync_free = True
+    layers[0].experts.forward = layers[0].experts.forward  # NOTE: what an FP8 or adapter swap does
+    out["experts forward swapped"] = refusal(model)
+    del layers[0].experts.forward
+    out["restored"] = refusal(model)
+    out["layers"] = len(layers)
+    return out
+
+
+def test_moe_graph_refusal_at_fixed_shapes(checkpoints):
+    """Which mixture-of-experts models' static-cache step may be captured as a device graph (``_fixed_shape_moe``):
+    bf16 grouped experts (``torch._grouped_mm``, stood in as on CUDA) behind the sync-free dispatcher with every
+    expert local; refused in fp32 (the expert loop reads the counts on the host), with megatron's own dispatcher in
+    any layer, or with an experts forward swapped in (FP8, adapters). The GPU capture itself:
+    ``tests/test_generation_gpu.py::test_moe_bf16_static_cache_step_is_a_cuda_graph``."""
+    got = run_distributed(_moe_refusal_world, 1, checkpoints["qwen3_moe"][0], timeout=180)[0]
+    assert got["layers"] >= 2, got
+    assert got["torch.bfloat16"] is None and got["restored"] is None, got
+    for case in ("torch.float32", "megatron dispatcher", "experts forward swapped"):
+        assert got[case] and "mixture-of-experts" in got[case], (case, got)
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2_sp", "cp2"])

@@ -268,9 +268,10 @@ def _moe_static_world(folder: str) -> dict:
 
 
 def test_moe_static_cache_runs_the_dynamic_step_on_cuda(tmp_path):
-    """A mixture-of-experts model gets no CUDA graph for its decode step (data-dependent token dispatch): its
-    static-cache steps run as the dynamic cache's over the static buffers (no fixed step, the refusal kept), with
-    the dynamic cache's tokens and scores / logits (fp32, 1e-4)."""
+    """A mixture-of-experts model in fp32 gets no CUDA graph for its decode step (its experts loop over the routed
+    counts on the host; bf16 ones are captured: the next test): its static-cache steps run as the dynamic cache's
+    over the static buffers (no fixed step, the refusal kept), with the dynamic cache's tokens and scores / logits
+    (fp32, 1e-4)."""
     folder = make_tiny_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe")
     got = run_distributed(_moe_static_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
     fixed, no_decode, refusal = got["cache"]
