@@ -442,7 +442,7 @@ class AutoModelForCausalLM:
         # {"overlap_moe_expert_parallel_comm": True}; docs/parallelism.md lists the ones that run without TE.
         # ``unused``: transformers' other from_pretrained keywords and config overrides (bridges/load_kwargs.py).
         arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
-        from loongforge_hf.bridges import get_bridge, router_balance
+        from loongforge_hf.bridges import get_bridge, moe_graphs, router_balance
         from loongforge_hf.bridges.builder import (build_megatron_model, check_megatron_config,
                                                    interleaved_p2p_settings)
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
@@ -498,6 +498,8 @@ class AutoModelForCausalLM:
                                or hf_config.num_attention_heads,
                                vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
             check_megatron_config(bridge, megatron_config)
+            moe_graphs.check_layout(bridge, hf_config, megatron_config,
+                                    expert_parallel_size=layout.expert_parallel_size, dtype=param_dtype)
             router_balance.check_layout(hf_config, bridge)
             if layout.interleaved_stages:
                 interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
@@ -520,6 +522,7 @@ class AutoModelForCausalLM:
                     megatron_model.fp8 = te_report(megatron_model.chunks, te_recipe)
                 elif fp8 is not None:
                     megatron_model.fp8 = enable_fp8(megatron_model.chunks, fp8, recipe=fp8_recipe)
+                moe_graphs.check_built(megatron_model)
         finally:
             reader.close()
         hf_config.dtype = param_dtype

@@ -31,13 +31,13 @@ Choices:
   every step, as a graph needs), attends over its share, and the shares are merged by one all-gather over the CP
   group (captured with the step). Not under a pipeline
   (``pipeline_parallel_size == 1``): its stages pass activations at data-dependent times.
-- The graph (``Backend.capture``: the CUDA backend's CUDA graphs): on GPUs, with tensor parallelism over NCCL too
-  (its all-reduces and the logits' all-gather are captured with the step; every rank of the group captures and
-  replays the same sequence of collectives), also with mixture-of-experts layers at expert parallel 1 whose step has
-  fixed shapes (``_fixed_shape_moe``: the sync-free allgather dispatcher, every expert local, bf16 grouped experts
-  on ``torch._grouped_mm``), not with expert parallelism or other MoE layers (data-dependent shapes or host reads:
-  fp32 experts loop over the counts on the host) nor a Transformer Engine FP8 recipe (its scaling state lives on the
-  host) nor dropout in training mode (megatron's RNG tracker switches generator states; where nothing draws, its forks
+- The graph (``Backend.capture``: the CUDA backend's CUDA graphs): on GPUs, with tensor parallelism over NCCL too (its
+  all-reduces and the logits' all-gather are captured with the step; every rank of the group captures and replays the
+  same sequence of collectives), also with mixture-of-experts layers at expert parallel 1 whose step has fixed shapes
+  (``moe_permute.fixed_shape_moe``: the sync-free allgather dispatcher, every expert local, bf16 grouped experts on
+  ``torch._grouped_mm``), not with expert parallelism or other MoE layers (data-dependent shapes or host reads: fp32
+  experts loop over the counts on the host) nor a Transformer Engine FP8 recipe (its scaling state lives on the host)
+  nor dropout in training mode (megatron's RNG tracker switches generator states; where nothing draws, its forks
   are skipped in the step: sequence parallelism forks around every block); why a GPU run gets no graph is logged at
   INFO. The first fixed step runs for real first
   (``Backend.run_before_capture``: a side stream; its output is returned; lazy initialisations, NCCL's first use and
@@ -206,34 +206,16 @@ def graph_refusal(model, *, draws_random: bool) -> str | None:
             return f"tensor-parallel collectives over {backend!r} cannot be captured"
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from loongforge_hf.kernels.moe_permute import fixed_shape_moe
+
     moe = [m for chunk in model.chunks for m in chunk.modules() if isinstance(m, MoELayer)]
-    if moe and not all(_fixed_shape_moe(m) for m in moe):
+    if moe and not all(fixed_shape_moe(m) for m in moe):
         return "mixture-of-experts layers dispatch tokens at data-dependent shapes"
     if getattr(model.megatron.config, "fp8", None):
         return "Transformer Engine FP8 keeps its scaling state on the host"
     if draws_random:
         return "the model is in training mode with dropout (megatron's RNG tracker switches generator states)"
     return None
-
-
-def _fixed_shape_moe(layer) -> bool:
-    """Whether a MoE layer's step runs at fixed shapes with no host read, so that it can be captured: megatron's
-    allgather dispatcher as this package's sync-free subclass with every expert local and this package's
-    permutation (T x top-k permuted rows, the counts left on the device), and the grouped experts through
-    ``torch._grouped_mm`` (bf16 on CUDA: its offsets are read on the device; the per-expert loop reads the counts on
-    the host), no FP8 or adapter forward swapped in."""
-    from megatron.core.transformer.moe import token_dispatcher
-
-    from loongforge_hf.kernels import grouped_mlp
-
-    config, experts = layer.config, layer.experts
-    if not (getattr(layer.token_dispatcher, "sync_free", False) and config.moe_permute_fusion
-            and layer.num_local_experts == config.num_moe_experts
-            and getattr(token_dispatcher.permute, "loongforge_fused", False)
-            and type(experts) is grouped_mlp.GroupedMLP and "forward" not in experts.__dict__):
-        return False
-    fc1, fc2 = experts.linear_fc1.weight, experts.linear_fc2.weight
-    return grouped_mlp.grouped_mm_supported(fc1.new_empty(1, fc1.shape[-1]), fc1, fc2)
 
 
 def _draws_random(model) -> bool:

@@ -214,11 +214,11 @@ def _moe_refusal_world(folder: str) -> dict:
 
 
 def test_moe_graph_refusal_at_fixed_shapes(checkpoints):
-    """Which mixture-of-experts models' static-cache step may be captured as a device graph (``_fixed_shape_moe``):
-    bf16 grouped experts (``torch._grouped_mm``, stood in as on CUDA) behind the sync-free dispatcher with every
-    expert local; refused in fp32 (the expert loop reads the counts on the host), with megatron's own dispatcher in
-    any layer, or with an experts forward swapped in (FP8, adapters). The GPU capture itself:
-    ``tests/test_generation_gpu.py::test_moe_bf16_static_cache_step_is_a_cuda_graph``."""
+    """Which mixture-of-experts models' static-cache step may be captured as a device graph
+    (``moe_permute.fixed_shape_moe``): bf16 grouped experts (``torch._grouped_mm``, stood in as on CUDA) behind the
+    sync-free dispatcher with every expert local; refused in fp32 (the expert loop reads the counts on the host), with
+    megatron's own dispatcher in any layer, or with an experts forward swapped in (FP8, adapters). The GPU capture
+    itself: ``tests/test_generation_gpu.py::test_moe_bf16_static_cache_step_is_a_cuda_graph``."""
     got = run_distributed(_moe_refusal_world, 1, checkpoints["qwen3_moe"][0], timeout=180)[0]
     assert got["layers"] >= 2, got
     assert got["torch.bfloat16"] is None and got["restored"] is None, got

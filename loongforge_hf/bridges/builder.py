@@ -106,12 +106,6 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
     elif graphs == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
         problems.append("cuda_graph_impl='transformer_engine' needs Transformer Engine, which is not installed "
                         "(cuda_graph_impl='local' is megatron's own implementation)")
-    if graphs == "local" and kw.get("num_moe_experts"):
-        # NOTE: verified on dense layers only (tests/kernels/test_gpu_cuda_graphs.py); megatron-core 0.16's token
-        # dispatchers read the routed token counts on the host inside the layer (token_dispatcher.py: .cpu() in the
-        # allgather dispatcher, .tolist() for the all-to-all splits), which a captured graph cannot do.
-        problems.append("cuda_graph_impl='local' with MoE layers: not supported (megatron's token dispatchers read "
-                        "the routed token counts on the host inside the layer)")
     if problems:
         raise ValueError("megatron_config: " + "; ".join(problems) + ".")
 

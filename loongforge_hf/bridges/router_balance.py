@@ -41,6 +41,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from loongforge_hf.bridges import moe_graphs
 from loongforge_hf.bridges.balance_tally import Tally
 from loongforge_hf.bridges.config_map import router_aux_loss_coef_of
 
@@ -209,6 +210,8 @@ def _switch(model, output_router_logits: bool | None, *, zero_coef: bool) -> tup
 
     config = model.config
     on = asked(config, output_router_logits)
+    if on and moe_graphs.asked(model.megatron.config):
+        raise ValueError(f"{moe_graphs.ROUTER_OUTPUTS}: not with cuda_graph_impl='local'.")
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0
     check_layout(config, model.bridge, coef=coef)
     balance = getattr(model, "router_balance", None)

@@ -32,6 +32,10 @@ Choices:
   layer, each leaving the GPU idle until the host has queued work again (~15 ms of a 95 ms step of workload (c)).
   ``SyncFreeAllGatherDispatcher`` keeps the counts on the device (the grouped experts take them there) and permutes
   the probabilities with the tokens, in the same order ``masked_select`` gives.
+- ``fixed_shape_moe(layer)``: whether a built MoE layer's forward and backward run at fixed shapes with no host read
+  (this dispatcher with every expert local, and grouped experts on ``torch._grouped_mm``, which reads its offsets on
+  the device), i.e. can be captured in a CUDA graph: the static cache's decode step (``static_cache.graph_refusal``)
+  and megatron's per-layer training graphs (``bridges/builder.check_graphed_moe_layers``) ask it.
 """
 
 from __future__ import annotations
@@ -249,3 +253,23 @@ def enable_megatron_fused_permute(config) -> bool:
         moe_layer.MoEAllGatherTokenDispatcher = _sync_free_dispatcher()
     config.moe_permute_fusion = True
     return True
+
+
+def fixed_shape_moe(layer) -> bool:
+    """Whether megatron MoE layer ``layer`` runs at fixed shapes with no host read, so that it can be captured:
+    megatron's allgather dispatcher as ``SyncFreeAllGatherDispatcher`` with every expert local and this module's
+    permutation (T x top-k permuted rows, the counts left on the device), and this package's grouped experts on
+    ``torch._grouped_mm`` (bf16 on CUDA, 16-byte aligned: offsets read on the device; the per-expert loop reads the
+    counts on the host), no FP8 or adapter forward swapped in."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from loongforge_hf.kernels import grouped_mlp
+
+    config, experts = layer.config, layer.experts
+    if not (getattr(layer.token_dispatcher, "sync_free", False) and config.moe_permute_fusion
+            and layer.num_local_experts == config.num_moe_experts
+            and getattr(token_dispatcher.permute, "loongforge_fused", False)
+            and type(experts) is grouped_mlp.GroupedMLP and "forward" not in experts.__dict__):
+        return False
+    fc1, fc2 = experts.linear_fc1.weight, experts.linear_fc2.weight
+    return grouped_mlp.grouped_mm_supported(fc1.new_empty(1, fc1.shape[-1]), fc1, fc2)
