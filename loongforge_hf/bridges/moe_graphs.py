@@ -17,7 +17,8 @@ Choices:
 - ``check_built`` asks every built MoE layer (after FP8 and the permutation are in place) and refuses with the
   layers that do not qualify (FP8 experts, Transformer Engine's permutation, ...): ``from_pretrained`` calls it
   where a failure is agreed by every rank.
-- Verified on a GPU: ``tests/kernels/test_gpu_cuda_graphs.py`` (a bf16 Qwen3-MoE trains as in eager).
+- Verified on a GPU: ``tests/kernels/test_gpu_cuda_graphs.py`` (bf16 Qwen3-MoE, Mixtral and DeepSeek-V3, whose
+  expert bias moves by token counts accumulated inside the captured forwards: the same losses and bias as eager).
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ def _switch(model, output_router_logits: bool | None, *, zero_coef: bool) -> tup
 
     config = model.config
     on = asked(config, output_router_logits)
-    if on and moe_graphs.asked(model.megatron.config):
+    if on and moe_graphs.asked(getattr(getattr(model, "megatron", None), "config", None)):
         raise ValueError(f"{moe_graphs.ROUTER_OUTPUTS}: not with cuda_graph_impl='local'.")
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0
     check_layout(config, model.bridge, coef=coef)
