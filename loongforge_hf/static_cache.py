@@ -210,7 +210,8 @@ def graph_refusal(model, *, draws_random: bool) -> str | None:
 
     moe = [m for chunk in model.chunks for m in chunk.modules() if isinstance(m, MoELayer)]
     if moe and not all(fixed_shape_moe(m) for m in moe):
-        return "mixture-of-experts layers dispatch tokens at data-dependent shapes"
+        return ("mixture-of-experts layers that dispatch tokens at data-dependent shapes or read counts on the host "
+                "(a graph needs expert parallel 1 and bf16 grouped experts: moe_permute.fixed_shape_moe)")
     if getattr(model.megatron.config, "fp8", None):
         return "Transformer Engine FP8 keeps its scaling state on the host"
     if draws_random:

@@ -35,7 +35,7 @@ Choices:
 - ``fixed_shape_moe(layer)``: whether a built MoE layer's forward and backward run at fixed shapes with no host read
   (this dispatcher with every expert local, and grouped experts on ``torch._grouped_mm``, which reads its offsets on
   the device), i.e. can be captured in a CUDA graph: the static cache's decode step (``static_cache.graph_refusal``)
-  and megatron's per-layer training graphs (``bridges/builder.check_graphed_moe_layers``) ask it.
+  and megatron's per-layer training graphs (``bridges/moe_graphs.check_built``) ask it.
 """
 
 from __future__ import annotations
