@@ -52,6 +52,10 @@ class Device:
     def allocated(self) -> int:
         return self.torch.cuda.memory_allocated() if self.is_cuda else 0
 
+    def empty_cache(self) -> None:
+        if self.is_cuda:
+            self.torch.cuda.empty_cache()
+
     def peak(self) -> int:
         return self.torch.cuda.max_memory_allocated() if self.is_cuda else 0
 
