@@ -136,6 +136,12 @@ def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
         raise LoraConfigError("This model already has LoRA adapters; apply one LoraConfig per model.")
     if type(model) is not LoongModelForCausalLM:
         raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM models, got {type(model).__name__}.")
+    if getattr(model.megatron.config, "cuda_graph_impl", "none") == "local":
+        # NOTE: tried on an H200 (2026-11-29, a tiny Qwen3 with adapters on every linear): megatron's capture of the
+        # adapted layers failed in its backward warm-up (cuda_graphs.create_fwd_graph's autograd.grad)
+        raise LoraConfigError("LoRA adapters with megatron_config={'cuda_graph_impl': 'local'} are not supported: "
+                              "megatron's capture of the adapted layers fails; load the model without "
+                              "cuda_graph_impl to train or load adapters.")
     return plan_lora(model.bridge, peft_config)
 
 

@@ -120,6 +120,33 @@ def test_unadaptable_target_refused_before_any_change(checkpoints):
     assert result["requires_grad_unchanged"] and result["adapters"] == [], result
 
 
+def _lora_under_local_graphs(folder: str) -> dict:
+    import peft
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.megatron.config.cuda_graph_impl = "local"  # NOTE: as megatron_config gives it on a GPU
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    try:
+        get_peft_model(model, peft.LoraConfig(target_modules="all-linear", r=4))
+    except ValueError as err:
+        return {"error": str(err), "unchanged": before == {n: p.requires_grad for n, p in model.named_parameters()},
+                "adapters": [n for n, m in model.named_modules() if hasattr(m, "lora")]}
+    return {"error": None}
+
+
+def test_lora_refused_under_local_cuda_graphs(checkpoints):
+    """Adapters on a model loaded with megatron's per-layer CUDA graphs are refused before any change (an H200 run
+    of a tiny Qwen3 with adapters on every linear failed in megatron's capture, 2026-11-29)."""
+    from loongforge_hf.parallel.spawn import run_distributed
+
+    [result] = run_distributed(_lora_under_local_graphs, 1, str(checkpoints["llama"]), timeout=300)
+    assert result["error"] and "cuda_graph_impl" in result["error"] and "not supported" in result["error"], result
+    assert result["unchanged"] and result["adapters"] == [], result
+
+
 @pytest.fixture(scope="module")
 def two_rank_results(checkpoints, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora-out")
