@@ -137,8 +137,8 @@ def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
     if type(model) is not LoongModelForCausalLM:
         raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM models, got {type(model).__name__}.")
     if getattr(model.megatron.config, "cuda_graph_impl", "none") == "local":
-        # NOTE: tried on an H200 (2026-11-29, a tiny Qwen3 with adapters on every linear): megatron's capture of the
-        # adapted layers failed in its backward warm-up (cuda_graphs.create_fwd_graph's autograd.grad)
+        # NOTE: tried on an H200 (2026-11-29, tiny Qwen3 / Qwen3-MoE with adapters on every linear): megatron's
+        # capture failed in its backward warm-up (cuda_graphs.create_fwd_graph's autograd.grad); not verified since
         raise LoraConfigError("LoRA adapters with megatron_config={'cuda_graph_impl': 'local'} are not supported: "
                               "megatron's capture of the adapted layers fails; load the model without "
                               "cuda_graph_impl to train or load adapters.")
