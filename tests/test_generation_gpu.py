@@ -249,7 +249,8 @@ def test_static_cache_capture_failure_runs_eagerly(tmp_path):
         torch.testing.assert_close(got["static"][key], got["cached"][key], atol=1e-4, rtol=0)
 
 
-def _moe_static_world(folder: str) -> dict:
+def _moe_cache_setup(folder: str, dtype) -> tuple:
+    """(model, inputs, scenarios, their static-cache variants) of the MoE static-cache tests."""
     import transformers
 
     import loongforge_hf as lf
@@ -258,9 +259,20 @@ def _moe_static_world(folder: str) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     inputs = {k: v.cuda() for k, v in prompts_for(tok, CACHE_PROMPTS).items()}
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     scenarios = {name: CACHE_SCENARIOS[name] for name in ("greedy", "beam")}
-    static = {name: {**kw, "cache_implementation": "static"} for name, kw in scenarios.items()}
+    return model, inputs, scenarios, {name: {**kw, "cache_implementation": "static"} for name, kw in scenarios.items()}
+
+
+def _assert_static_as_cached(got: dict, atol: float) -> None:
+    for name, ours in got["static"].items():
+        assert torch.equal(ours["sequences"].cpu(), got["cached"][name]["sequences"].cpu()), name
+        for key in set(ours) - {"sequences"}:
+            torch.testing.assert_close(ours[key], got["cached"][name][key], atol=atol, rtol=0)
+
+
+def _moe_static_world(folder: str) -> dict:
+    model, inputs, scenarios, static = _moe_cache_setup(folder, torch.float32)
     cache = model.generate(**inputs, max_new_tokens=4, cache_implementation="static",
                            return_dict_in_generate=True).cache
     return {"cached": run_scenarios(model, inputs, scenarios), "static": run_scenarios(model, inputs, static),
@@ -276,24 +288,13 @@ def test_moe_static_cache_runs_the_dynamic_step_on_cuda(tmp_path):
     got = run_distributed(_moe_static_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
     fixed, no_decode, refusal = got["cache"]
     assert fixed == 0 and no_decode and "mixture-of-experts" in refusal, got["cache"]
-    for name, ours in got["static"].items():
-        assert torch.equal(ours["sequences"].cpu(), got["cached"][name]["sequences"].cpu()), name
-        for key in set(ours) - {"sequences"}:
-            torch.testing.assert_close(ours[key], got["cached"][name][key], atol=1e-4, rtol=0)
+    _assert_static_as_cached(got, atol=1e-4)
 
 
 def _moe_bf16_graph_world(folder: str) -> dict:
-    import transformers
-
-    import loongforge_hf as lf
     from loongforge_hf.static_cache import graph_refusal
 
-    pickleable_month_day_nano()
-    tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
-    inputs = {k: v.cuda() for k, v in prompts_for(tok, CACHE_PROMPTS).items()}
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    scenarios = {name: CACHE_SCENARIOS[name] for name in ("greedy", "beam")}
-    static = {name: {**kw, "cache_implementation": "static"} for name, kw in scenarios.items()}
+    model, inputs, scenarios, static = _moe_cache_setup(folder, torch.bfloat16)
     return {"refusal": graph_refusal(model, draws_random=False), "graphed": _graphed(model, inputs),
             "cached": run_scenarios(model, inputs, scenarios), "static": run_scenarios(model, inputs, static)}
 
@@ -305,7 +306,4 @@ def test_moe_bf16_static_cache_step_is_a_cuda_graph(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe")
     got = run_distributed(_moe_bf16_graph_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
     assert got["refusal"] is None and got["graphed"] == (3, True), (got["refusal"], got["graphed"])
-    for name, ours in got["static"].items():
-        assert torch.equal(ours["sequences"].cpu(), got["cached"][name]["sequences"].cpu()), name
-        for key in set(ours) - {"sequences"}:
-            torch.testing.assert_close(ours[key], got["cached"][name][key], atol=BF16_ATOL, rtol=0)
+    _assert_static_as_cached(got, atol=BF16_ATOL)
