@@ -499,7 +499,7 @@ class AutoModelForCausalLM:
                                vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
             check_megatron_config(bridge, megatron_config)
             moe_graphs.check_layout(bridge, hf_config, megatron_config,
-                                    expert_parallel_size=layout.expert_parallel_size, dtype=param_dtype)
+                                    expert_parallel_size=layout.expert_parallel_size, dtype=param_dtype, fp8=fp8)
             router_balance.check_layout(hf_config, bridge)
             if layout.interleaved_stages:
                 interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})

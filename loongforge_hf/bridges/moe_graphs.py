@@ -10,14 +10,15 @@ offsets on the device (``kernels/moe_permute.fixed_shape_moe``); such layers are
 Choices:
 - ``check_layout`` (pure, before any collective: every rank raises alike) refuses what the arguments already tell:
   expert parallelism (the all-to-all dispatch), a dtype other than bf16 (the experts' per-expert loop reads the
-  counts), megatron's ``SequentialMLP`` (``LOONGFORGE_MOE_GROUPED_GEMM=0``), and transformers' router outputs
+  counts), megatron's ``SequentialMLP`` (``LOONGFORGE_MOE_GROUPED_GEMM=0``), FP8 (the FP8 experts are not verified
+  under graphs), Transformer Engine installed (its permutation keeps megatron's dispatcher, which reads the counts
+  on the host), and transformers' router outputs
   (``output_router_logits``): the router logits and the load-balancing loss are gathered across the layers of a
   forward outside the layers' graphs (``router_balance``, ``router_logits``); switched on after loading (TRL does
   for its trainers), they are refused where they are asked for (``router_balance._switch``).
 - ``check_built`` asks every built MoE layer (after FP8 and the permutation are in place) and refuses with the
-  layers that do not qualify (Transformer Engine's permutation, FP8 experts: their grouped GEMMs pad without a host
-  sync, but that path is not verified under graphs): ``from_pretrained`` calls it where a failure is agreed by every
-  rank.
+  layers that still do not qualify (the same conditions read from the modules themselves: a safety net behind
+  ``check_layout``); ``from_pretrained`` calls it where a failure is agreed by every rank.
 - Verified on a GPU: ``tests/kernels/test_gpu_cuda_graphs.py`` (bf16 Qwen3-MoE, Mixtral and DeepSeek-V3, whose
   expert bias moves by token counts accumulated inside the captured forwards: the same losses and bias as eager).
 """
@@ -36,11 +37,13 @@ def asked(megatron_config) -> bool:
     return value == "local"
 
 
-def check_layout(bridge, hf_config, megatron_config: dict | None, *, expert_parallel_size: int, dtype) -> None:
+def check_layout(bridge, hf_config, megatron_config: dict | None, *, expert_parallel_size: int, dtype,
+                 fp8: str | None = None) -> None:
     """``ValueError`` where ``cuda_graph_impl="local"`` is asked for MoE layers that cannot be captured (pure)."""
     if not asked(megatron_config or {}) or not bridge.num_experts():
         return
     from loongforge_hf.bridges.moe import GROUPED_GEMM_ENV
+    from loongforge_hf.kernels.moe_permute import te_fills_permute
 
     problems = []
     if expert_parallel_size > 1:
@@ -53,6 +56,12 @@ def check_layout(bridge, hf_config, megatron_config: dict | None, *, expert_para
         problems.append(f"{GROUPED_GEMM_ENV}=0: megatron's SequentialMLP reads the routed counts on the host")
     if getattr(hf_config, "output_router_logits", False):
         problems.append(ROUTER_OUTPUTS)
+    if fp8 is not None:
+        problems.append(f"fp8={fp8!r}: FP8 experts (this package's or Transformer Engine's) are not verified under "
+                        "graphs")
+    if te_fills_permute():
+        problems.append("Transformer Engine is installed: its fused permutation fills megatron's slot and "
+                        "megatron's own allgather dispatcher, which reads the routed counts on the host, runs")
     if problems:
         raise ValueError("cuda_graph_impl='local' with MoE layers: " + "; ".join(problems) + ".")
 

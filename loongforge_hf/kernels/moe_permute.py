@@ -234,15 +234,23 @@ def _sync_free_dispatcher():
     return SyncFreeAllGatherDispatcher
 
 
+def te_fills_permute() -> bool:
+    """Whether Transformer Engine's fused permutation fills megatron's slot (``moe_utils`` defines it only where TE
+    imports): then megatron's own dispatchers run, not ``SyncFreeAllGatherDispatcher``."""
+    from megatron.core.transformer.moe import moe_utils
+
+    return getattr(moe_utils, "fused_permute", None) is not None
+
+
 def enable_megatron_fused_permute(config) -> bool:
     """Route the MoE token permutation of this config's dispatcher through ``permute`` / ``unpermute`` (or TE's
     fused kernels where TE filled the slot). False, changing nothing, for dispatcher paths not served (see the
     module docstring)."""
-    from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import moe_layer, token_dispatcher
 
     if not config.num_moe_experts or not _dispatcher_paths_served(config):
         return False
-    te_fused = getattr(moe_utils, "fused_permute", None) is not None  # moe_utils defines it only with TE
+    te_fused = te_fills_permute()
     if not te_fused and not getattr(token_dispatcher.permute, "loongforge_fused", False):
         (token_dispatcher.permute, token_dispatcher.unpermute,
          token_dispatcher.sort_chunks_by_idxs) = _fused_to_ours(

@@ -215,19 +215,27 @@ def test_cuda_graphs_for_moe_checked_before_any_collective(monkeypatch):
     local = {"cuda_graph_impl": "local"}
     moe = bridge("qwen3_moe")
 
-    def check(b=moe, ep=1, dtype=torch.bfloat16, config=local):
-        moe_graphs.check_layout(b, b.hf_config, config, expert_parallel_size=ep, dtype=dtype)
+    def check(b=moe, ep=1, dtype=torch.bfloat16, config=local, fp8=None):
+        moe_graphs.check_layout(b, b.hf_config, config, expert_parallel_size=ep, dtype=dtype, fp8=fp8)
 
     check()
     check(dtype=torch.float32, config={})  # NOTE: nothing asked, nothing checked
     check(b=bridge("qwen3"), dtype=torch.float32)  # NOTE: no MoE layers
     for kwargs, reason in (({"ep": 2}, "expert_parallel_size=2: the all-to-all"),
                            ({"dtype": torch.float32}, "dtype=torch.float32: the grouped experts"),
-                           ({"b": bridge("qwen3_moe", output_router_logits=True)}, "output_router_logits=True")):
+                           ({"b": bridge("qwen3_moe", output_router_logits=True)}, "output_router_logits=True"),
+                           ({"fp8": "adaptive"}, "fp8='adaptive': FP8 experts")):
         with pytest.raises(ValueError, match="cuda_graph_impl='local' with MoE layers: " + reason):
             check(**kwargs)
     monkeypatch.setenv(GROUPED_GEMM_ENV, "0")
     with pytest.raises(ValueError, match=f"{GROUPED_GEMM_ENV}=0: megatron's SequentialMLP"):
+        check(b=bridge("qwen3_moe"))
+    monkeypatch.delenv(GROUPED_GEMM_ENV)
+    # NOTE: Transformer Engine importable (its fused permutation in megatron's moe_utils) keeps megatron's dispatcher
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.setattr(moe_utils, "fused_permute", lambda *a, **k: None, raising=False)
+    with pytest.raises(ValueError, match="Transformer Engine is installed: its fused permutation"):
         check(b=bridge("qwen3_moe"))
     # NOTE: the CPU backend refuses graphs for every model, MoE or not, with the same reason
     for arch in ("qwen3_moe", "qwen3"):
