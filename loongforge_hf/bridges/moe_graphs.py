@@ -86,4 +86,4 @@ def check_built(model) -> None:
                          "reads: they need expert parallel 1 with the allgather dispatch, this package's token "
                          "permutation rather than Transformer Engine's, and bf16 grouped experts on CUDA with their "
                          "own forward; the FP8 forward fp8='on' / 'adaptive' give the experts is not verified under "
-                         "graphs).")
+                         "graphs.")
