@@ -211,7 +211,10 @@ def test_cuda_graphs_for_moe_checked_before_any_collective(monkeypatch):
     from loongforge_hf.bridges.builder import check_megatron_config
     from loongforge_hf.bridges.moe import GROUPED_GEMM_ENV
 
+    from megatron.core.transformer.moe import moe_utils
+
     monkeypatch.delenv(GROUPED_GEMM_ENV, raising=False)
+    monkeypatch.setattr(moe_utils, "fused_permute", None, raising=False)  # NOTE: as without Transformer Engine
     local = {"cuda_graph_impl": "local"}
     moe = bridge("qwen3_moe")
 
@@ -232,8 +235,6 @@ def test_cuda_graphs_for_moe_checked_before_any_collective(monkeypatch):
         check(b=bridge("qwen3_moe"))
     monkeypatch.delenv(GROUPED_GEMM_ENV)
     # NOTE: Transformer Engine importable (its fused permutation in megatron's moe_utils) keeps megatron's dispatcher
-    from megatron.core.transformer.moe import moe_utils
-
     monkeypatch.setattr(moe_utils, "fused_permute", lambda *a, **k: None, raising=False)
     with pytest.raises(ValueError, match="Transformer Engine is installed: its fused permutation"):
         check(b=bridge("qwen3_moe"))
