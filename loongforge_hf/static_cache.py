@@ -178,6 +178,11 @@ class LoongStaticCache(LoongKVCache):
         return self.kept.decode
 
     @property
+    def graphed(self) -> bool:
+        """Whether this cache's decode steps replay a captured device graph."""
+        return self.decode is not None and self.decode.replay is not None
+
+    @property
     def is_compileable(self) -> bool:
         # NOTE: False: transformers then passes the 2-D padding mask (not its 4-D masks) and compiles nothing
         return False
@@ -204,12 +209,9 @@ def graph_refusal(model, *, draws_random: bool) -> str | None:
         backend = dist.get_backend(ps.get_tensor_model_parallel_group())
         if backend != "nccl":  # NOTE: NCCL's collectives can be captured (after a first eager call: the warm-up)
             return f"tensor-parallel collectives over {backend!r} cannot be captured"
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from loongforge_hf.kernels.moe_permute import unfixed_moe_layers
 
-    from loongforge_hf.kernels.moe_permute import fixed_shape_moe
-
-    moe = [m for chunk in model.chunks for m in chunk.modules() if isinstance(m, MoELayer)]
-    if moe and not all(fixed_shape_moe(m) for m in moe):
+    if unfixed_moe_layers(model.chunks):
         return ("mixture-of-experts layers that dispatch tokens at data-dependent shapes or read counts on the host "
                 "(a graph needs expert parallel 1 and bf16 grouped experts: moe_permute.fixed_shape_moe)")
     if getattr(model.megatron.config, "fp8", None):

@@ -170,8 +170,8 @@ def main(argv: list[str]) -> int:
         kept = ours.generate(**_generate_kwargs(ids, args, cache_implementation="static", **extra),
                              return_dict_in_generate=True).cache
         static["kept_step_reused"] = kept.reused_kept_step
-        # NOTE: whether its decode steps replay a device graph (not for a MoE model, nor on CPU)
-        static["graphed"] = kept.decode is not None and kept.decode.replay is not None
+        # NOTE: whether its decode steps replay a device graph (not on CPU, nor where graph_refusal refuses one)
+        static["graphed"] = kept.graphed
         del kept
     if args.compare_lean_linears:
         saved = os.environ.get("LOONGFORGE_LEAN_LINEARS")

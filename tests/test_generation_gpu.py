@@ -61,7 +61,7 @@ def _graphed(model, inputs) -> tuple:
     """(fixed-shape decode steps, whether they were replayed from a CUDA graph) of a static-cache generate."""
     cache = model.generate(**inputs, max_new_tokens=4, cache_implementation="static",
                            return_dict_in_generate=True).cache
-    return cache.fixed_steps, cache.decode is not None and cache.decode.replay is not None
+    return cache.fixed_steps, cache.graphed
 
 
 def test_generate_on_cuda_as_transformers(tmp_path):

@@ -75,12 +75,9 @@ def check_built(model) -> None:
     cannot be captured."""
     if not asked(model.config):
         return
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from loongforge_hf.kernels.moe_permute import unfixed_moe_layers
 
-    from loongforge_hf.kernels.moe_permute import fixed_shape_moe
-
-    bad = [f"chunk {i} {name}" for i, chunk in enumerate(model.chunks) for name, m in chunk.named_modules()
-           if isinstance(m, MoELayer) and not fixed_shape_moe(m)]
+    bad = unfixed_moe_layers(model.chunks)
     if bad:
         raise ValueError(f"cuda_graph_impl='local': the MoE layers {bad} do not run at fixed shapes without host "
                          "reads: they need expert parallel 1 with the allgather dispatch, this package's token "

@@ -215,10 +215,13 @@ def _sync_free_dispatcher():
 
         sync_free = True
 
+        def runs_sync_free(self) -> bool:
+            """Whether this dispatcher's own path applies: every expert local and this module's permutation."""
+            return (self.num_local_experts == self.config.num_moe_experts and self.config.moe_permute_fusion
+                    and getattr(token_dispatcher.permute, "loongforge_fused", False))
+
         def dispatch_postprocess(self, hidden_states, probs):
-            if (self.num_local_experts != self.config.num_moe_experts
-                    or not getattr(token_dispatcher.permute, "loongforge_fused", False)
-                    or not self.config.moe_permute_fusion):
+            if not self.runs_sync_free():
                 return super().dispatch_postprocess(hidden_states, probs)
             self.hidden_shape_before_permute = hidden_states.shape
             self.local_map = self.routing_map
@@ -269,15 +272,19 @@ def fixed_shape_moe(layer) -> bool:
     permutation (T x top-k permuted rows, the counts left on the device), and this package's grouped experts on
     ``torch._grouped_mm`` (bf16 on CUDA, 16-byte aligned: offsets read on the device; the per-expert loop reads the
     counts on the host), no FP8 or adapter forward swapped in."""
-    from megatron.core.transformer.moe import token_dispatcher
-
     from loongforge_hf.kernels import grouped_mlp
 
-    config, experts = layer.config, layer.experts
-    if not (getattr(layer.token_dispatcher, "sync_free", False) and config.moe_permute_fusion
-            and layer.num_local_experts == config.num_moe_experts
-            and getattr(token_dispatcher.permute, "loongforge_fused", False)
+    dispatcher, experts = layer.token_dispatcher, layer.experts
+    if not (getattr(dispatcher, "sync_free", False) and dispatcher.runs_sync_free()
             and type(experts) is grouped_mlp.GroupedMLP and "forward" not in experts.__dict__):
         return False
     fc1, fc2 = experts.linear_fc1.weight, experts.linear_fc2.weight
     return grouped_mlp.grouped_mm_supported(fc1.new_empty(1, fc1.shape[-1]), fc1, fc2)
+
+
+def unfixed_moe_layers(chunks) -> list[str]:
+    """The MoE layers of ``chunks`` (megatron model chunks) that ``fixed_shape_moe`` does not pass, by name."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [f"chunk {i} {name}" for i, chunk in enumerate(chunks) for name, m in chunk.named_modules()
+            if isinstance(m, MoELayer) and not fixed_shape_moe(m)]

@@ -136,8 +136,7 @@ def _run_generate_bf16(folder: str) -> dict:
     ours = model.generate(**inputs, **kw)
     static = model.generate(**inputs, **kw, cache_implementation="static")
     return {"device": str(model.device),
-            "graphed": (static.cache.fixed_steps, static.cache.decode is not None
-                        and static.cache.decode.replay is not None),
+            "graphed": (static.cache.fixed_steps, static.cache.graphed),
             "ours": (ours.sequences.cpu(), torch.stack(ours.scores).float().cpu(),
                      torch.stack(ours.logits).float().cpu()),
             "static": (static.sequences.cpu(), torch.stack(static.scores).float().cpu(),
