@@ -136,12 +136,6 @@ def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
         raise LoraConfigError("This model already has LoRA adapters; apply one LoraConfig per model.")
     if type(model) is not LoongModelForCausalLM:
         raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM models, got {type(model).__name__}.")
-    if getattr(model.megatron.config, "cuda_graph_impl", "none") == "local":
-        # NOTE: tried on an H200 (2026-11-29, tiny Qwen3 / Qwen3-MoE with adapters on every linear): megatron's
-        # capture failed in its backward warm-up (cuda_graphs.create_fwd_graph's autograd.grad); not verified since
-        raise LoraConfigError("LoRA adapters with megatron_config={'cuda_graph_impl': 'local'} are not supported: "
-                              "megatron's capture of the adapted layers fails; load the model without "
-                              "cuda_graph_impl to train or load adapters.")
     return plan_lora(model.bridge, peft_config)
 
 
@@ -212,10 +206,30 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         for chunk, name in megatron_params_of(model, saved, owners, pp_rank):
             dict(chunk.named_parameters())[name].requires_grad_(True)
 
+    if getattr(model.megatron.config, "cuda_graph_impl", "none") == "local":
+        _graph_inputs_require_grad(model)
     model.__class__ = LoongLoraModelForCausalLM
     model.lora_config = copy.deepcopy(plan.config)
     model.lora_plan = plan
     return model
+
+
+def _graph_inputs_require_grad(model) -> None:
+    """megatron's local CUDA graphs: the capture's warm-up takes the gradient of each graphed layer with respect to
+    its inputs that require grad and fails where none does, the first layer's after a frozen embedding
+    (``torch.autograd.grad`` with no inputs; an H200 run, 2026-11-29). As transformers' ``enable_input_require_grads``
+    does for checkpointing with PEFT, the embedding's output requires grad in training (one more input gradient in
+    the first layer's backward, the same weight gradients)."""
+    for chunk in model.chunks:
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None and not getattr(embedding, "output_requires_grad", False):
+            embedding.register_forward_hook(_output_requires_grad)
+            embedding.output_requires_grad = True
+
+
+def _output_requires_grad(module, args, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
 
 
 def megatron_params_of(model, saved, owners, pp_rank):
