@@ -246,6 +246,7 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
         return engine.train_step([{"input_ids": ids, "labels": ids} for ids in micro_batches]).loss
 
     step.fp8_report = fp8_report
+    step.model = model  # NOTE: bench_fp8_modes.py swaps FP8 layers on and off the built model
     return step, info
 
 
