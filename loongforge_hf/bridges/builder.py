@@ -191,6 +191,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
         model.to(device)
         if config.cuda_graph_impl == "local":
             _keep_graph_input(model)
+            _graphs_in_training_only(model)
         chunks.append(model)
         offsets.append(get_transformer_layer_offset(config, vp_stage=stage))
         counts.append(get_num_layers_to_build(config, vp_stage=stage))
@@ -219,6 +220,29 @@ def _keep_graph_input(chunk) -> None:
         raise ValueError(f"cuda_graph_impl='local' needs this project's RMSNorm as the first layer's input norm "
                          f"(got {type(norm).__name__}, e.g. from a Transformer Engine spec).")
     norm.copy_input = True
+
+
+def _graphs_in_training_only(chunk) -> None:
+    """megatron's local CUDA graphs serve the training step only: a call of a graphed module in eval mode or without
+    grad (evaluation, ``generate``, a static cache's own capture) runs the module eagerly.
+
+    NOTE: megatron-core 0.16 sends every call of a graphed layer to its graph manager once any graph exists. A call at
+    another shape than the training step's then fails (``cudagraph_created is set to True but no matching cudagraph
+    runners were found``), and one at the same shape replays the training forward graph, which holds none of the
+    work a KV cache adds around megatron's modules. A recomputed layer's first pass runs without grad inside
+    megatron's checkpointing and stays on the graphs, as megatron handles it.
+    """
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    for module in chunk.modules():
+        if hasattr(module, "cudagraph_manager") and "_should_call_local_cudagraph" not in vars(module):
+            megatrons = module._should_call_local_cudagraph
+
+            def should_call(*args, _module=module, _megatrons=megatrons, **kwargs):
+                in_step = _module.training and (torch.is_grad_enabled() or megatron_random.is_checkpointing())
+                return in_step and _megatrons(*args, **kwargs)
+
+            module._should_call_local_cudagraph = should_call
 
 
 def layer_owners(config, parallel: ParallelConfig) -> dict[int, tuple[int, int | None, int]]:
