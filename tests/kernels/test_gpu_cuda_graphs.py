@@ -215,3 +215,47 @@ def test_local_cuda_graphs_then_evaluate_and_generate(tmp_path):
         torch.testing.assert_close(torch.from_numpy(graphed[key]), torch.from_numpy(eager[key]), rtol=1e-4,
                                    atol=1e-4, msg=key)
     assert graphed["generated"] == eager["generated"]
+
+
+def _loong_trainer(folder: str, out_dir: str, graphs: bool, fp8) -> dict:
+    import os
+    import sys
+
+    import loongforge_hf as lf
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    from tests.trainer._train_parity import losses_of, make_dataset, training_args
+
+    if graphs:
+        os.environ["NCCL_GRAPH_REGISTER"] = "0"
+    model = lf.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, fp8=fp8, megatron_config={"cuda_graph_impl": "local"} if graphs else None)
+    # NOTE: evaluation every 4 steps at batch 1 (training runs batch 2): the second one after the graphs were captured
+    args = training_args(out_dir, use_cpu=False, bf16=True, max_steps=8, gradient_accumulation_steps=1,
+                         learning_rate=1e-3, eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=1)
+    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset(n=16),
+                              eval_dataset=make_dataset(n=4, seed=11))
+    trainer.train()
+    graphed = sum(any(r.fwd_graph_recorded for r in m.cudagraph_manager.cudagraph_runners)
+                  for m in model.chunks[0].modules() if hasattr(m, "cudagraph_manager"))
+    return {"losses": losses_of(trainer.state.log_history),
+            "eval": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h], "graphed": graphed,
+            "fp8_swapped": len(model.megatron.fp8.swapped) if fp8 else 0}
+
+
+@pytest.mark.parametrize("fp8", [None, "on"])
+def test_local_cuda_graphs_under_loong_trainer_with_evaluation(tmp_path, fp8):
+    """LoongTrainer's loop on a graphed bf16 model (this backend's FP8 linears too), evaluating every 4 steps at
+    another batch size than training's: training and evaluation losses equal the eager run's within 2e-3 (bf16)."""
+    from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=False, hidden_size=128,
+                                  intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    env = {"LOONGFORGE_DEVICE": "cuda", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    [eager] = run_distributed(_loong_trainer, 1, str(folder), str(tmp_path / "e"), False, fp8, timeout=600, env=env)
+    [graphed] = run_distributed(_loong_trainer, 1, str(folder), str(tmp_path / "g"), True, fp8, timeout=600, env=env)
+    assert eager["graphed"] == 0 and graphed["graphed"] >= 2, graphed
+    assert (graphed["fp8_swapped"] > 0) == (fp8 is not None), graphed
+    assert len(graphed["losses"]) == 8 and len(graphed["eval"]) == 2, graphed
+    torch.testing.assert_close(torch.tensor(graphed["losses"]), torch.tensor(eager["losses"]), rtol=0, atol=2e-3)
+    torch.testing.assert_close(torch.tensor(graphed["eval"]), torch.tensor(eager["eval"]), rtol=0, atol=2e-3)
