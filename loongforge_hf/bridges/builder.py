@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -232,17 +233,17 @@ def _graphs_in_training_only(chunk) -> None:
     work a KV cache adds around megatron's modules. A recomputed layer's first pass runs without grad inside
     megatron's checkpointing and stays on the graphs, as megatron handles it.
     """
-    from megatron.core.tensor_parallel import random as megatron_random
-
     for module in chunk.modules():
         if hasattr(module, "cudagraph_manager") and "_should_call_local_cudagraph" not in vars(module):
-            megatrons = module._should_call_local_cudagraph
+            module._should_call_local_cudagraph = types.MethodType(_graphed_call_in_training_step, module)
 
-            def should_call(*args, _module=module, _megatrons=megatrons, **kwargs):
-                in_step = _module.training and (torch.is_grad_enabled() or megatron_random.is_checkpointing())
-                return in_step and _megatrons(*args, **kwargs)
 
-            module._should_call_local_cudagraph = should_call
+def _graphed_call_in_training_step(self, *args, **kwargs) -> bool:
+    """megatron's ``_should_call_local_cudagraph``, and only in the training step (see ``_graphs_in_training_only``)."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    in_step = self.training and (torch.is_grad_enabled() or megatron_random.is_checkpointing())
+    return in_step and type(self)._should_call_local_cudagraph(self, *args, **kwargs)
 
 
 def layer_owners(config, parallel: ParallelConfig) -> dict[int, tuple[int, int | None, int]]:
