@@ -169,6 +169,11 @@ def _auto_layout(hf_config, param_dtype: torch.dtype) -> ParallelConfig:
     return layout
 
 
+def _output_requires_grad(module, args, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+
+
 class LoongModelForCausalLM(GenerationGlue, nn.Module):
     """A causal LM whose layers are megatron-core modules, laid out by a ``ParallelConfig``; ``generate()`` is
     transformers' (``loongforge_hf/generation.py``)."""
@@ -314,14 +319,24 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
             config.recompute_method = "uniform" if on else None
             config.recompute_num_layers = 1 if on else None
         # NOTE: megatron's recompute is reentrant: a checkpointed layer gets gradients only if its input requires
-        # grad, which a frozen embedding (LoRA, freezing) does not give; make the embeddings' output require it.
+        # grad, which a frozen embedding (LoRA, freezing) does not give.
+        self.embedding_output_requires_grad("recompute", on)
+
+    def embedding_output_requires_grad(self, reason: str, on: bool) -> None:
+        """Make each chunk's embedding output require grad in training while any ``reason`` asks for it (as
+        transformers' ``enable_input_require_grads``): megatron's reentrant recompute (``"recompute"``) and the
+        capture warm-up of its CUDA graphs (``"cuda_graphs"``, under LoRA) need the first layer's input to require
+        grad, which a frozen embedding does not give. One hook per chunk, removed when no reason is left."""
         for chunk in self.chunks:
             embedding = getattr(chunk, "embedding", None)
+            if embedding is None:
+                continue
+            reasons = chunk.__dict__.setdefault("_loong_input_grad_reasons", set())
+            (reasons.add if on else reasons.discard)(reason)
             handle = getattr(chunk, "_loong_input_grad_hook", None)
-            if on and embedding is not None and handle is None:
-                chunk._loong_input_grad_hook = embedding.register_forward_hook(
-                    lambda module, args, out: out.requires_grad_(True) if not out.requires_grad else out)
-            elif not on and handle is not None:
+            if reasons and handle is None:
+                chunk._loong_input_grad_hook = embedding.register_forward_hook(_output_requires_grad)
+            elif not reasons and handle is not None:
                 handle.remove()
                 chunk._loong_input_grad_hook = None
 

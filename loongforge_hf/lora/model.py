@@ -207,29 +207,13 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             dict(chunk.named_parameters())[name].requires_grad_(True)
 
     if getattr(model.megatron.config, "cuda_graph_impl", "none") == "local":
-        _graph_inputs_require_grad(model)
+        # NOTE: megatron's capture warm-up takes each graphed layer's input gradient and fails where no input
+        # requires grad, the first layer's behind the frozen embedding (an H200 run, 2026-11-29)
+        model.embedding_output_requires_grad("cuda_graphs", True)
     model.__class__ = LoongLoraModelForCausalLM
     model.lora_config = copy.deepcopy(plan.config)
     model.lora_plan = plan
     return model
-
-
-def _graph_inputs_require_grad(model) -> None:
-    """megatron's local CUDA graphs: the capture's warm-up takes the gradient of each graphed layer with respect to
-    its inputs that require grad and fails where none does, the first layer's after a frozen embedding
-    (``torch.autograd.grad`` with no inputs; an H200 run, 2026-11-29). As transformers' ``enable_input_require_grads``
-    does for checkpointing with PEFT, the embedding's output requires grad in training (one more input gradient in
-    the first layer's backward, the same weight gradients)."""
-    for chunk in model.chunks:
-        embedding = getattr(chunk, "embedding", None)
-        if embedding is not None and not getattr(embedding, "output_requires_grad", False):
-            embedding.register_forward_hook(_output_requires_grad)
-            embedding.output_requires_grad = True
-
-
-def _output_requires_grad(module, args, output):
-    if torch.is_grad_enabled() and not output.requires_grad:
-        output.requires_grad_(True)
 
 
 def megatron_params_of(model, saved, owners, pp_rank):

@@ -141,18 +141,26 @@ def _lora_under_local_graphs(folder: str) -> dict:
         model(input_ids=ids, labels=ids).loss.backward()
         out[graphs] = {"first_input_requires_grad": seen,
                        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}}
+        # recomputation asks for the same hook for its own reason; switching it off leaves the graphs' one
+        model.activation_checkpointing_enable()
+        model.activation_checkpointing_disable()
+        seen.clear()
+        model(input_ids=ids, labels=ids)
+        out[graphs]["after_recompute_off"] = seen
     return out
 
 
 def test_lora_under_local_cuda_graphs_feeds_the_first_layer_an_input_with_grad(checkpoints):
     """megatron's local CUDA graphs take each graphed layer's gradient with respect to its inputs that require grad
     and fail where none does: with adapters (embedding frozen) the first decoder layer's input then requires grad
-    (``lora.model._graph_inputs_require_grad``), and the adapters' gradients stay exactly those without graphs."""
+    (``LoongModelForCausalLM.embedding_output_requires_grad``), and the adapters' gradients stay exactly those
+    without graphs; recomputation switched off again leaves the graphs' reason standing."""
     from loongforge_hf.parallel.spawn import run_distributed
 
     [result] = run_distributed(_lora_under_local_graphs, 1, str(checkpoints["llama"]), timeout=300)
     assert result[False]["first_input_requires_grad"] == [False], result[False]["first_input_requires_grad"]
     assert result[True]["first_input_requires_grad"] == [True], result[True]["first_input_requires_grad"]
+    assert result[False]["after_recompute_off"] == [False] and result[True]["after_recompute_off"] == [True]
     plain, graphed = result[False]["grads"], result[True]["grads"]
     assert plain.keys() == graphed.keys() and len(plain) > 0
     for name, grad in plain.items():

@@ -150,7 +150,8 @@ def _train_lora(folder: str, out_dir: str, graphs: bool) -> dict:
 def test_local_cuda_graphs_train_lora_like_eager(tmp_path, arch):
     """LoRA adapters (attached after from_pretrained set the graphs up; experts and router included on the MoE
     model) under megatron's per-layer graphs: the layers are captured and the 8 losses equal the eager run's within
-    2e-3 (bf16, lr 1e-4). Needs the embedding output to require grad (``lora.model._graph_inputs_require_grad``)."""
+    2e-3 (bf16, lr 1e-4). Needs the embedding output to require grad
+    (``LoongModelForCausalLM.embedding_output_requires_grad``)."""
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
     folder = make_tiny_checkpoint(tmp_path / "ckpt", arch, tokenizer=False, hidden_size=128, num_attention_heads=4,
