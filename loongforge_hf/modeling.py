@@ -209,6 +209,25 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         # save_pretrained writes the fields changed since
         self._config_at_load = config_at_load if config_at_load is not None else hf_config.to_dict()
 
+    def __deepcopy__(self, memo: dict) -> "LoongModelForCausalLM":
+        """``copy.deepcopy(model)`` (a reference model, an EMA copy), as for a transformers model: its own
+        parameters, buffers and config; the same process groups, which megatron's modules hold and which cannot be
+        copied (a communicator; copying one raised ``cannot pickle ... ProcessGroup``)."""
+        import copy
+
+        if any(hasattr(p, "main_grad") for p in self.parameters()):
+            raise TypeError("copy.deepcopy: this model is held by a training engine (megatron's DDP gradient buffers "
+                            "and hooks are attached to its parameters); copy it before training starts (as TRL builds "
+                            "its reference model), or release the engine first (trainer.engine.release()).")
+        if dist.is_available() and dist.is_initialized():
+            for group in list(dist.distributed_c10d._world.pg_map):
+                memo.setdefault(id(group), group)
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            clone.__dict__[key] = copy.deepcopy(value, memo)
+        return clone
+
     def config_changes(self) -> dict:
         """The fields of ``self.config`` changed since load (``save_pretrained`` writes them into config.json)."""
         from loongforge_hf.bridges.export_files import changed_config_fields
