@@ -1,13 +1,14 @@
 """``copy.deepcopy(model)`` as transformers users do it (a reference model for preference training, an EMA copy):
 the copy has its own parameters (changing them leaves the original alone), gives the same logits, exports the same
-HF checkpoint and trains on its own; the process groups megatron's modules hold are shared, not copied (copying
-one raised ``cannot pickle ... ProcessGroup``). One CPU process and tensor parallel 2 (logits compared on every
-rank), and a LoRA model, whose copy keeps its class and adapters. A model held by a training engine (megatron's DDP
-hooks and buffers on its parameters) is refused with a message until the engine releases it. fp32: exact equality
-where nothing changed."""
+HF checkpoint and trains on its own; the process groups megatron's modules hold are shared, not copied (copying one
+raised ``cannot pickle ... ProcessGroup``). A dense and a MoE model on one CPU process, tensor parallel 2 (logits
+compared on every rank), and a LoRA model, whose copy keeps its class and adapters. A model held by a training
+engine (megatron's DDP hooks and buffers on its parameters) is refused with a message until the engine releases it.
+fp32: exact equality where nothing changed."""
 
 import copy
 
+import pytest
 import torch
 
 from loongforge_hf.parallel.spawn import run_distributed
@@ -42,10 +43,11 @@ def _copy_world(folder: str, out_dir: str, tp: int) -> dict:
     return out
 
 
-def test_deepcopy_of_a_model(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_deepcopy_of_a_model(tmp_path, arch):
     from safetensors.torch import load_file
 
-    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
+    folder = make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False)
     [got] = run_distributed(_copy_world, 1, str(folder), str(tmp_path / "out"), 1, timeout=300)
     assert got["same_logits"] and got["names_equal"] and got["groups_shared"], got
     assert got["type"] == "LoongModelForCausalLM" and not got["shared_storage"], got
