@@ -341,6 +341,15 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         # grad, which a frozen embedding (LoRA, freezing) does not give.
         self.embedding_output_requires_grad("recompute", on)
 
+    def enable_input_require_grads(self) -> None:
+        """transformers' API (PEFT and custom loops call it with frozen embeddings and checkpointing): the
+        embeddings' output requires grad in training."""
+        self.embedding_output_requires_grad("user", True)
+
+    def disable_input_require_grads(self) -> None:
+        """Undo ``enable_input_require_grads`` (what recompute or CUDA graphs ask for stays)."""
+        self.embedding_output_requires_grad("user", False)
+
     def embedding_output_requires_grad(self, reason: str, on: bool) -> None:
         """Make each chunk's embedding output require grad in training while any ``reason`` asks for it (as
         transformers' ``enable_input_require_grads``): megatron's reentrant recompute (``"recompute"``) and the
