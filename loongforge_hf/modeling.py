@@ -245,6 +245,26 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
     def dtype(self) -> torch.dtype:
         return self.megatron.config.params_dtype
 
+    def _apply(self, fn, recurse: bool = True):
+        """``model.to(dtype)`` / ``.bfloat16()`` / ``.float()`` as in transformers, and megatron's configs kept in
+        step: ``params_dtype`` (``model.dtype``, the dtype ``save_pretrained`` writes), ``pipeline_dtype`` (pipeline
+        receive buffers) and the bf16 / fp16 flags follow the parameters' new dtype. Refused while a training engine
+        holds the model (its gradient buffers and optimizer state keep the old dtype)."""
+        before = self.megatron.config.params_dtype
+        changes = fn(torch.empty(0, dtype=before)).dtype != before
+        if changes and any(hasattr(p, "main_grad") for p in self.parameters()):
+            raise TypeError("Changing the dtype of a model held by a training engine is not supported (its gradient "
+                            "buffers and optimizer state keep the old dtype); load it with from_pretrained(dtype=...).")
+        out = super()._apply(fn, recurse)
+        dtypes = {p.dtype for p in self.parameters() if p.is_floating_point()}
+        if changes and len(dtypes) == 1:
+            (dtype,) = dtypes
+            configs = {id(c.config): c.config for c in self.chunks} | {id(self.megatron.config): self.megatron.config}
+            for config in configs.values():
+                config.params_dtype = config.pipeline_dtype = dtype
+                config.bf16, config.fp16 = dtype == torch.bfloat16, dtype == torch.float16
+        return out
+
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
