@@ -127,6 +127,11 @@ class LoongTrainer(Trainer):
             problems.append(f"label_smoothing_factor with a {self.model.config.model_type} model (transformers."
                             "Trainer smooths an image-text model's logits against unshifted labels; the megatron "
                             "loss predicts the next token: use LoongSFTTrainer, which shifts as TRL does)")
+        full_eval = torch.bfloat16 if args.bf16_full_eval else torch.float16 if args.fp16_full_eval else None
+        if full_eval is not None and getattr(self.model, "dtype", full_eval) != full_eval:
+            problems.append(f"{'bf16' if args.bf16_full_eval else 'fp16'}_full_eval with a model in "
+                            f"{self.model.dtype} (Trainer's evaluate() would cast the trained weights in place; load "
+                            "the model in that dtype or evaluate in the model's)")
         if problems:
             raise ValueError("LoongTrainer does not support: " + "; ".join(problems) + ".")
         # NOTE: transformers' router balancing loss (output_router_logits) trains as transformers.Trainer adds it

@@ -156,6 +156,7 @@ def refused_arguments(folder: str, out_dir: str) -> dict:
                                       {"eval_dataset": make_dataset(n=8, seed=11)}),
              "batch_rebalance": ({"train_sampling_strategy": "batch_rebalance"}, {}),
              "use_liger_kernel": ({"use_liger_kernel": True}, {}),
+             "bf16_full_eval": ({"bf16_full_eval": True}, {}),  # NOTE: evaluate() would cast the fp32 model
              "accepted": ({"optim": "adamw_torch_fused"}, {})}
     out = {}
     for name, (args_kw, trainer_kw) in cases.items():

@@ -95,6 +95,7 @@ def test_arguments_loong_trainer_cannot_honour_are_refused(single_process_refere
     for name, message in out.items():
         assert message is not None and "LoongTrainer does not support" in message, (name, message)
     assert "optim='sgd'" in out["optim"]
+    assert "bf16_full_eval with a model in torch.float32" in out["bf16_full_eval"]
 
 
 def test_settings_without_effect_warn_and_empty_cache_steps_apply(single_process_reference, tmp_path):
