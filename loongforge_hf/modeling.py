@@ -361,6 +361,17 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         # grad, which a frozen embedding (LoRA, freezing) does not give.
         self.embedding_output_requires_grad("recompute", on)
 
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True):
+        """Refused with a way round: megatron's vocabulary-parallel embedding and output layer are sized (and
+        sharded over tensor parallelism) at load; TRL's ``clone_chat_template`` and users adding tokens call this."""
+        raise NotImplementedError(
+            f"resize_token_embeddings({new_num_tokens}) is not supported on a loongforge-hf model (megatron's "
+            f"vocabulary-parallel embedding and output layer, {self.config.vocab_size} rows, are sized at load). "
+            "Resize with transformers and load the result: m = transformers.AutoModelForCausalLM.from_pretrained(src); "
+            "m.resize_token_embeddings(n); m.save_pretrained(dst); then loongforge_hf.AutoModelForCausalLM"
+            ".from_pretrained(dst, ...).")
+
     def enable_input_require_grads(self) -> None:
         """transformers' API (PEFT and custom loops call it with frozen embeddings and checkpointing): the
         embeddings' output requires grad in training."""
