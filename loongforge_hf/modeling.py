@@ -215,7 +215,7 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         copied (a communicator; copying one raised ``cannot pickle ... ProcessGroup``)."""
         import copy
 
-        if any(hasattr(p, "main_grad") for p in self.parameters()):
+        if self._held_by_engine():
             raise TypeError("copy.deepcopy: this model is held by a training engine (megatron's DDP gradient buffers "
                             "and hooks are attached to its parameters); copy it before training starts (as TRL builds "
                             "its reference model), or release the engine first (trainer.engine.release()).")
@@ -251,19 +251,30 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         receive buffers) and the bf16 / fp16 flags follow the parameters' new dtype. Refused while a training engine
         holds the model (its gradient buffers and optimizer state keep the old dtype)."""
         before = self.megatron.config.params_dtype
-        changes = fn(torch.empty(0, dtype=before)).dtype != before
-        if changes and any(hasattr(p, "main_grad") for p in self.parameters()):
+        if fn(torch.empty(0, dtype=before)).dtype == before:  # NOTE: a device move (.to(device), .cuda())
+            return super()._apply(fn, recurse)
+        if self._held_by_engine():
             raise TypeError("Changing the dtype of a model held by a training engine is not supported (its gradient "
                             "buffers and optimizer state keep the old dtype); load it with from_pretrained(dtype=...).")
         out = super()._apply(fn, recurse)
         dtypes = {p.dtype for p in self.parameters() if p.is_floating_point()}
-        if changes and len(dtypes) == 1:
+        if len(dtypes) == 1:
             (dtype,) = dtypes
-            configs = {id(c.config): c.config for c in self.chunks} | {id(self.megatron.config): self.megatron.config}
-            for config in configs.values():
+            for config in self._megatron_configs():
                 config.params_dtype = config.pipeline_dtype = dtype
                 config.bf16, config.fp16 = dtype == torch.bfloat16, dtype == torch.float16
         return out
+
+    def _held_by_engine(self) -> bool:
+        """Whether a training engine (``trainer.engine.MegatronEngine``, not released) wraps this model's chunks."""
+        from loongforge_hf.trainer.engine import wrapping_engines
+
+        return any(not e.released for e in wrapping_engines(self.megatron.chunks))
+
+    def _megatron_configs(self) -> list:
+        """megatron's config objects of this model (the model's and each chunk's, each once)."""
+        configs = {id(c.config): c.config for c in self.chunks} | {id(self.megatron.config): self.megatron.config}
+        return list(configs.values())
 
     @property
     def device(self) -> torch.device:
@@ -352,8 +363,7 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         return self.megatron.config.recompute_granularity == "full"
 
     def _set_recompute(self, on: bool) -> None:
-        configs = {id(c.config): c.config for c in self.chunks} | {id(self.megatron.config): self.megatron.config}
-        for config in configs.values():
+        for config in self._megatron_configs():
             config.recompute_granularity = "full" if on else None
             config.recompute_method = "uniform" if on else None
             config.recompute_num_layers = 1 if on else None

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from loongforge_hf.bridges import moe_graphs
 from loongforge_hf.bridges import transforms as T
 from loongforge_hf.lora.plan import LoraConfigError, LoraPlan, plan_lora
 from loongforge_hf.modeling import LoongModelForCausalLM
@@ -206,7 +207,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         for chunk, name in megatron_params_of(model, saved, owners, pp_rank):
             dict(chunk.named_parameters())[name].requires_grad_(True)
 
-    if getattr(model.megatron.config, "cuda_graph_impl", "none") == "local":
+    if moe_graphs.asked(model.megatron.config):
         # NOTE: megatron's capture warm-up takes each graphed layer's input gradient and fails where no input
         # requires grad, the first layer's behind the frozen embedding (an H200 run, 2026-11-29)
         model.embedding_output_requires_grad("cuda_graphs", True)

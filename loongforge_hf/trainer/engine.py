@@ -82,6 +82,12 @@ _CONFIG_FIELDS = ("finalize_model_grads_func", "grad_scale_func", "no_sync_func"
 _WRAPPED_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def wrapping_engines(chunks) -> list["MegatronEngine"]:
+    """The engines (still alive, released or not) that wrapped any of the model ``chunks`` last."""
+    engines = (ref() for ref in map(_WRAPPED_BY.get, chunks) if ref is not None)
+    return list({id(e): e for e in engines if e is not None}.values())
+
+
 @dataclass
 class StepResult:
     loss: float              # mean over label tokens of the global batch
@@ -180,8 +186,7 @@ class MegatronEngine:
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=mixed, overlap_grad_reduce=overlap_grad_reduce,
                                                    use_distributed_optimizer=mixed, average_in_collective=False)
         _mark_replicated_expert_params(model.megatron.chunks)
-        for previous in {id(e): e for e in (ref() for ref in map(_WRAPPED_BY.get, model.megatron.chunks)
-                                            if ref is not None) if e is not None}.values():
+        for previous in wrapping_engines(model.megatron.chunks):
             previous.release()
         self.released = False
         self._config_saved = {name: getattr(config, name, None) for name in _CONFIG_FIELDS}

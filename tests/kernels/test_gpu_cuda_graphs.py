@@ -20,26 +20,44 @@ pytestmark = [pytest.mark.gpu,
 STEPS = 8
 
 
-def _train(folder: str, out_dir: str, graphs: bool, optimizer_precision: str) -> dict:
+def _load(folder: str, graphs: bool, **kwargs):
+    """``from_pretrained`` with megatron's local CUDA graphs asked for, or not."""
     import os
 
-    import transformers
-
     import loongforge_hf as lf
-    from loongforge_hf.trainer.engine import MegatronEngine
 
     if graphs:
         os.environ["NCCL_GRAPH_REGISTER"] = "0"  # megatron's check with expandable segments (no NCCL use here)
-    model = lf.AutoModelForCausalLM.from_pretrained(
-        folder, tensor_parallel_size=1, dtype=torch.float32,
-        megatron_config={"cuda_graph_impl": "local"} if graphs else None)
-    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-3, weight_decay=0.01,
+    return lf.AutoModelForCausalLM.from_pretrained(
+        folder, megatron_config={"cuda_graph_impl": "local"} if graphs else None, **kwargs)
+
+
+def _train_steps(model, out_dir: str, *, lr: float, weight_decay: float = 0.0, optimizer_precision: str = "fp32"):
+    """(engine, STEPS losses, the two batches, their generator): a MegatronEngine's steps on two batches in turn
+    (later steps on the same batch must have learnt it: random tokens otherwise carry nothing)."""
+    import transformers
+
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=lr, weight_decay=weight_decay,
                                           max_grad_norm=1.0, report_to=[])
     engine = MegatronEngine(model, args=args, optimizer_precision=optimizer_precision)
     g = torch.Generator().manual_seed(3)
-    # two batches in turn: later steps on the same batch must have learnt it (random tokens otherwise carry nothing)
     pair = [torch.randint(4, model.config.vocab_size, (2, 64), generator=g).cuda() for _ in range(2)]
     losses = [engine.train_step([{"input_ids": pair[i % 2], "labels": pair[i % 2]}]).loss for i in range(STEPS)]
+    return engine, losses, pair, g
+
+
+def _recorded(chunk) -> list:
+    """The modules of ``chunk`` whose forward graph megatron recorded."""
+    return [m for m in chunk.modules() if hasattr(m, "cudagraph_manager")
+            and any(r.fwd_graph_recorded for r in m.cudagraph_manager.cudagraph_runners)]
+
+
+def _train(folder: str, out_dir: str, graphs: bool, optimizer_precision: str) -> dict:
+    model = _load(folder, graphs, tensor_parallel_size=1, dtype=torch.float32)
+    engine, losses, _, _ = _train_steps(model, out_dir, lr=1e-3, weight_decay=0.01,
+                                        optimizer_precision=optimizer_precision)
     # numpy: tensors from a finished child process cannot be rebuilt from its shared memory
     weights = {k: v.float().cpu().numpy() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     return {"losses": losses, "weights": weights, "fused_wgrad_layers": engine.fused_wgrad_layers,
@@ -67,27 +85,12 @@ def test_local_cuda_graphs_train_like_eager(tmp_path, optimizer_precision):
 
 
 def _train_moe(folder: str, out_dir: str, graphs: bool) -> dict:
-    import os
-
-    import transformers
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    import loongforge_hf as lf
-    from loongforge_hf.trainer.engine import MegatronEngine
-
-    if graphs:
-        os.environ["NCCL_GRAPH_REGISTER"] = "0"
-    model = lf.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, megatron_config={"cuda_graph_impl": "local"} if graphs else None)
-    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-4, weight_decay=0.01,
-                                          max_grad_norm=1.0, report_to=[])
-    engine = MegatronEngine(model, args=args, optimizer_precision="fp32")
-    g = torch.Generator().manual_seed(3)
-    pair = [torch.randint(4, model.config.vocab_size, (2, 64), generator=g).cuda() for _ in range(2)]
-    losses = [engine.train_step([{"input_ids": pair[i % 2], "labels": pair[i % 2]}]).loss for i in range(STEPS)]
+    model = _load(folder, graphs, dtype=torch.bfloat16)
+    _, losses, _, _ = _train_steps(model, out_dir, lr=1e-4, weight_decay=0.01)
     layers = [m for m in model.chunks[0].modules() if hasattr(m, "cudagraph_manager")]
-    moe_graphed = [m for m in layers if isinstance(getattr(m, "mlp", None), MoELayer)
-                   and any(r.fwd_graph_recorded for r in m.cudagraph_manager.cudagraph_runners)]
+    moe_graphed = [m for m in _recorded(model.chunks[0]) if isinstance(getattr(m, "mlp", None), MoELayer)]
     bias = [m.expert_bias.float().cpu().numpy() for m in model.chunks[0].modules()
             if getattr(m, "expert_bias", None) is not None]
     return {"losses": losses, "layers": len(layers), "moe_graphed": len(moe_graphed), "expert_bias": bias}
@@ -120,29 +123,16 @@ def test_local_cuda_graphs_train_a_moe_model_like_eager(tmp_path, arch):
 
 
 def _train_lora(folder: str, out_dir: str, graphs: bool) -> dict:
-    import os
-
     import peft
-    import transformers
 
-    import loongforge_hf as lf
     from loongforge_hf.lora import get_peft_model
-    from loongforge_hf.trainer.engine import MegatronEngine
 
-    if graphs:
-        os.environ["NCCL_GRAPH_REGISTER"] = "0"
-    model = lf.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, megatron_config={"cuda_graph_impl": "local"} if graphs else None)
+    model = _load(folder, graphs, dtype=torch.bfloat16)
     torch.manual_seed(0)
     model = get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
                                                   init_lora_weights=False))
-    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-4, max_grad_norm=1.0, report_to=[])
-    engine = MegatronEngine(model, args=args, optimizer_precision="fp32")
-    g = torch.Generator().manual_seed(3)
-    pair = [torch.randint(4, model.config.vocab_size, (2, 64), generator=g).cuda() for _ in range(2)]
-    losses = [engine.train_step([{"input_ids": pair[i % 2], "labels": pair[i % 2]}]).loss for i in range(STEPS)]
-    graphed = [m for m in model.chunks[0].modules() if hasattr(m, "cudagraph_manager")
-               and any(r.fwd_graph_recorded for r in m.cudagraph_manager.cudagraph_runners)]
+    _, losses, _, _ = _train_steps(model, out_dir, lr=1e-4)
+    graphed = _recorded(model.chunks[0])
     return {"losses": losses, "graphed": len(graphed)}
 
 
@@ -166,26 +156,10 @@ def test_local_cuda_graphs_train_lora_like_eager(tmp_path, arch):
 def _train_then_use(folder: str, out_dir: str, graphs: bool) -> dict:
     """Train STEPS graphed (or eager) steps, then what a user does next: evaluate at the training shape and at
     another one (eval mode, no grad), call the model without grad in train mode, and generate."""
-    import os
-
-    import transformers
-
-    import loongforge_hf as lf
-    from loongforge_hf.trainer.engine import MegatronEngine
-
-    if graphs:
-        os.environ["NCCL_GRAPH_REGISTER"] = "0"
-    model = lf.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, megatron_config={"cuda_graph_impl": "local"} if graphs else None)
-    args = transformers.TrainingArguments(output_dir=out_dir, learning_rate=1e-3, max_grad_norm=1.0, report_to=[])
-    engine = MegatronEngine(model, args=args, optimizer_precision="fp32")
-    g = torch.Generator().manual_seed(3)
-    pair = [torch.randint(4, model.config.vocab_size, (2, 64), generator=g).cuda() for _ in range(2)]
-    losses = [engine.train_step([{"input_ids": pair[i % 2], "labels": pair[i % 2]}]).loss for i in range(STEPS)]
+    model = _load(folder, graphs, dtype=torch.float32)
+    _, losses, pair, g = _train_steps(model, out_dir, lr=1e-3)
     other = torch.randint(4, model.config.vocab_size, (1, 40), generator=g).cuda()
-    out = {"losses": losses,
-           "graphed": sum(any(r.fwd_graph_recorded for r in m.cudagraph_manager.cudagraph_runners)
-                          for m in model.chunks[0].modules() if hasattr(m, "cudagraph_manager"))}
+    out = {"losses": losses, "graphed": len(_recorded(model.chunks[0]))}
     with torch.no_grad():
         out["train_mode_no_grad"] = model(input_ids=other).logits.cpu().numpy()
         model.eval()
@@ -227,20 +201,16 @@ def _loong_trainer(folder: str, out_dir: str, graphs: bool, fp8) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
     from tests.trainer._train_parity import losses_of, make_dataset, training_args
 
-    if graphs:
-        os.environ["NCCL_GRAPH_REGISTER"] = "0"
-    model = lf.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, fp8=fp8, megatron_config={"cuda_graph_impl": "local"} if graphs else None)
+    model = _load(folder, graphs, dtype=torch.bfloat16, fp8=fp8)
     # NOTE: evaluation every 4 steps at batch 1 (training runs batch 2): the second one after the graphs were captured
     args = training_args(out_dir, use_cpu=False, bf16=True, max_steps=8, gradient_accumulation_steps=1,
                          learning_rate=1e-3, eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=1)
     trainer = lf.LoongTrainer(model=model, args=args, train_dataset=make_dataset(n=16),
                               eval_dataset=make_dataset(n=4, seed=11))
     trainer.train()
-    graphed = sum(any(r.fwd_graph_recorded for r in m.cudagraph_manager.cudagraph_runners)
-                  for m in model.chunks[0].modules() if hasattr(m, "cudagraph_manager"))
     return {"losses": losses_of(trainer.state.log_history),
-            "eval": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h], "graphed": graphed,
+            "eval": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+            "graphed": len(_recorded(model.chunks[0])),
             "fp8_swapped": len(model.megatron.fp8.swapped) if fp8 else 0}
 
 
