@@ -373,14 +373,30 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True):
-        """Refused with a way round: megatron's vocabulary-parallel embedding and output layer are sized (and
-        sharded over tensor parallelism) at load; TRL's ``clone_chat_template`` and users adding tokens call this."""
-        raise NotImplementedError(
-            f"resize_token_embeddings({new_num_tokens}) is not supported on a loongforge-hf model (megatron's "
-            f"vocabulary-parallel embedding and output layer, {self.config.vocab_size} rows, are sized at load). "
-            "Resize with transformers and load the result: m = transformers.AutoModelForCausalLM.from_pretrained(src); "
-            "m.resize_token_embeddings(n); m.save_pretrained(dst); then loongforge_hf.AutoModelForCausalLM"
-            ".from_pretrained(dst, ...).")
+        """transformers' ``resize_token_embeddings`` (TRL's ``clone_chat_template`` and users adding tokens call it):
+        the embedding and an untied LM head get ``new_num_tokens`` rows (rounded up to ``pad_to_multiple_of``), the
+        first ones kept, added ones drawn as transformers draws them (``bridges/vocab_resize.py``);
+        ``config.vocab_size`` follows. Collective: every rank calls it. Returns the first pipeline stage's embedding
+        module (None on other stages)."""
+        from loongforge_hf.bridges.vocab_resize import resize_vocabulary, resized_vocab_size
+
+        text = self.config.get_text_config()
+        size = resized_vocab_size(text.vocab_size, new_num_tokens, pad_to_multiple_of)
+        if size != text.vocab_size:
+            if self._held_by_engine():
+                raise TypeError("resize_token_embeddings: this model is held by a training engine (its gradient "
+                                "buffers and optimizer state are sized for the current vocabulary); resize before "
+                                "creating the trainer, or release the engine first (trainer.engine.release()).")
+            if "lora_plan" in self.__dict__:
+                raise TypeError("resize_token_embeddings: resize the base model before applying LoRA (as with "
+                                "PEFT): the adapters' modules_to_save and files are sized at get_peft_model.")
+            resize_vocabulary(self, size, mean_resizing=mean_resizing)
+        return next((c.embedding for c in self.chunks if getattr(c, "pre_process", False)), None)
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary size (``config.vocab_size``; transformers' models and TRL read ``model.vocab_size``)."""
+        return self.config.get_text_config().vocab_size
 
     def enable_input_require_grads(self) -> None:
         """transformers' API (PEFT and custom loops call it with frozen embeddings and checkpointing): the

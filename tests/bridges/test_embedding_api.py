@@ -2,7 +2,7 @@
 ``disable_input_require_grads()``: with every parameter but the last layer's frozen, the first decoder layer's input
 requires grad only while enabled (and while recomputation asks for it too, whichever is switched off first), and the
 gradients of the trainable parameters are the same either way (the extra input gradient changes none of them).
-``resize_token_embeddings``: refused with the way round."""
+``resize_token_embeddings``: tests/bridges/test_vocab_resize.py."""
 
 import torch
 
@@ -48,22 +48,3 @@ def test_input_require_grads_as_transformers(tmp_path):
     # plain, enabled, no grad, recompute on (the layer runs twice: forward and its recomputation), all off
     assert got["seen"] == [False, True, False, True, True, False], got
     assert got["same_grads"], got
-
-
-def _resize_world(folder: str) -> str:
-    import loongforge_hf as lf
-
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    try:
-        model.resize_token_embeddings(model.config.vocab_size + 8)
-    except NotImplementedError as err:
-        return str(err)
-    return "resized"
-
-
-def test_resize_token_embeddings_refused_with_the_way_round(tmp_path):
-    """transformers' ``resize_token_embeddings`` (TRL's ``clone_chat_template`` calls it) is refused with how to do it
-    instead: resize with transformers, save, load the result."""
-    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
-    [message] = run_distributed(_resize_world, 1, str(folder), timeout=300)
-    assert "not supported" in message and "m.resize_token_embeddings(n); m.save_pretrained(dst)" in message, message

@@ -1,0 +1,150 @@
+"""``resize_token_embeddings`` as transformers': the embedding and an untied LM head get the new rows in every layout
+(TP2 moves rows between ranks as the padded size changes; PP2 with tied weights updates the last stage's copy).
+
+Checks, against the real thing:
+- the resized model's logits equal transformers' logits of the folder it exports (fp32, 1e-4: the usual parity), so
+  forward, loss masking and export all use the new rows; the exported config has the new ``vocab_size``;
+- the kept rows are the source's exactly; added rows lie within 1e-5 of those transformers' own resize draws (both
+  at the old rows' mean) and spread around the mean like transformers' (within 2x: drawn with 1e-9 x the
+  covariance, not the mean alone); ``mean_resizing=False`` draws them with std ``initializer_range`` (within 15%);
+- the loss equals that of transformers' resized model (1e-4 relative: only the added rows' tiny random spread
+  differs); shrinking keeps the first rows;
+- refused with a message: bad sizes (on every rank, before any collective), a model held by a training engine, a
+  LoRA model.
+"""
+
+import json
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+IDS = torch.tensor([[5, 6, 7, 205, 210, 11, 262, 12, 140, 3]])
+SHRINK_IDS = torch.tensor([[5, 6, 7, 120, 149, 11, 100, 12]])
+
+
+def _resize_world(folder: str, out_dir: str, layout: dict, cases: list) -> dict:
+    import loongforge_hf as lf
+
+    out = {}
+    for name, new, multiple, ids in cases:
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+        returned = model.resize_token_embeddings(new, pad_to_multiple_of=multiple)
+        with torch.no_grad():
+            result = model(input_ids=ids, labels=ids)
+        model.save_pretrained(f"{out_dir}/{name}")
+        out[name] = {"loss": result.loss.item(), "logits": result.logits, "vocab_size": model.vocab_size,
+                     "returned": type(returned).__name__}
+    return out
+
+
+def _reference(folder, new: int, multiple, ids: torch.Tensor, mean_resizing: bool = True):
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf.resize_token_embeddings(new, pad_to_multiple_of=multiple, mean_resizing=mean_resizing)
+    with torch.no_grad():
+        return hf, hf(input_ids=ids, labels=ids)
+
+
+def _exported_logits(path, ids):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return hf, hf(input_ids=ids).logits
+
+
+def _check(src, out, got: dict, new: int, multiple, ids: torch.Tensor) -> None:
+    from safetensors.torch import load_file
+
+    ref, ref_out = _reference(src, new, multiple, ids)
+    size = ref.config.vocab_size
+    assert got["vocab_size"] == size and json.loads((out / "config.json").read_text())["vocab_size"] == size
+    exported, logits = _exported_logits(out, ids)
+    assert got["logits"].shape == logits.shape == (1, ids.shape[1], size)
+    torch.testing.assert_close(got["logits"], logits, atol=1e-4, rtol=0)
+    assert got["loss"] == pytest.approx(ref_out.loss.item(), rel=1e-4)
+    source = {}
+    for f in src.glob("*.safetensors"):
+        source.update(load_file(str(f)))
+    heads = [("model.embed_tokens.weight", exported.get_input_embeddings(), ref.get_input_embeddings())]
+    if not ref.config.tie_word_embeddings:
+        heads.append(("lm_head.weight", exported.get_output_embeddings(), ref.get_output_embeddings()))
+    old = source["model.embed_tokens.weight"].shape[0]
+    for name, ours, theirs in heads:
+        ours, theirs, kept = ours.weight.detach(), theirs.weight.detach(), min(old, size)
+        assert torch.equal(ours[:kept], source[name][:kept]), name
+        if size > old:
+            torch.testing.assert_close(ours[old:], theirs[old:], atol=1e-5, rtol=0)
+            mean = source[name].mean(0)
+            spread, ref_spread = (ours[old:] - mean).std(), (theirs[old:] - mean).std()
+            assert 0.5 < spread / ref_spread < 2.0, (name, spread, ref_spread)
+
+
+@pytest.mark.parametrize("arch, tied, layout, cases", [
+    ("llama", False, {}, [("grow", 263, None, IDS), ("shrink", 150, None, SHRINK_IDS)]),
+    ("qwen3", True, {"tensor_parallel_size": 2}, [("grow", 300, 64, IDS)]),
+    ("qwen3", True, {"pipeline_parallel_size": 2}, [("grow", 263, None, IDS)]),
+    ("llama", False, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, [("grow", 263, 64, IDS)]),
+], ids=["tp1", "tp2-tied", "pp2-tied", "tp2xpp2"])
+def test_resize_matches_transformers(tmp_path, arch, tied, layout, cases):
+    src = make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False, tie_word_embeddings=tied)
+    ranks = layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1)
+    got = run_distributed(_resize_world, ranks, str(src), str(tmp_path / "out"), layout, cases, timeout=400)
+    for name, new, multiple, ids in cases:
+        for rank in got:
+            assert rank[name]["loss"] == pytest.approx(got[0][name]["loss"], rel=1e-6)
+        assert got[0][name]["returned"] == "LanguageModelEmbedding"
+        _check(src, tmp_path / "out" / name, got[-1][name], new, multiple, ids)
+
+
+def _refusals_world(folder: str, out_dir: str) -> dict:
+    import peft
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    out = {}
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for key, kwargs in (("zero", {"new_num_tokens": 0}), ("float", {"new_num_tokens": 300, "pad_to_multiple_of": 1.5})):
+        try:
+            model.resize_token_embeddings(**kwargs)
+        except ValueError as err:
+            out[key] = str(err)
+    out["none"] = (model.resize_token_embeddings() is not None, model.vocab_size)
+    model.resize_token_embeddings(pad_to_multiple_of=64)
+    out["rounded"] = model.vocab_size
+    model.resize_token_embeddings(300, mean_resizing=False)
+    added = model.chunks[0].embedding.word_embeddings.weight[256:300].detach()
+    out["plain_std"] = added.std().item()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    engine = MegatronEngine(model, args=transformers.TrainingArguments(out_dir, use_cpu=True, report_to=[]))
+    engine.train_step([{"input_ids": ids, "labels": ids}])
+    try:
+        model.resize_token_embeddings(400)
+    except TypeError as err:
+        out["held"] = str(err)
+    lora = get_peft_model(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                          peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    try:
+        lora.resize_token_embeddings(400)
+    except TypeError as err:
+        out["lora"] = str(err)
+    return out
+
+
+def test_resize_refusals_and_plain_init(tmp_path):
+    src = make_tiny_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
+    [got] = run_distributed(_refusals_world, 1, str(src), str(tmp_path / "out"), timeout=300)
+    assert "new_num_tokens must be a positive integer" in got["zero"], got
+    assert "pad_to_multiple_of must be a positive integer" in got["float"], got
+    assert got["none"] == (True, 203) and got["rounded"] == 256, got
+    assert got["plain_std"] == pytest.approx(0.02, rel=0.15), got  # normal(0, initializer_range)
+    assert "held by a training engine" in got["held"], got
+    assert "before applying LoRA" in got["lora"], got
