@@ -378,7 +378,7 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         first ones kept, added ones drawn as transformers draws them (``bridges/vocab_resize.py``);
         ``config.vocab_size`` follows. Collective: every rank calls it. Returns the first pipeline stage's embedding
         module (None on other stages)."""
-        from loongforge_hf.bridges.vocab_resize import resize_vocabulary, resized_vocab_size
+        from loongforge_hf.bridges.vocab_resize import language_chunks, resize_vocabulary, resized_vocab_size
 
         text = self.config.get_text_config()
         size = resized_vocab_size(text.vocab_size, new_num_tokens, pad_to_multiple_of)
@@ -391,7 +391,7 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
                 raise TypeError("resize_token_embeddings: resize the base model before applying LoRA (as with "
                                 "PEFT): the adapters' modules_to_save and files are sized at get_peft_model.")
             resize_vocabulary(self, size, mean_resizing=mean_resizing)
-        return next((c.embedding for c in self.chunks if getattr(c, "pre_process", False)), None)
+        return next((c.embedding for c in language_chunks(self) if getattr(c, "pre_process", False)), None)
 
     @property
     def vocab_size(self) -> int:

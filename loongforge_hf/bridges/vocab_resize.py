@@ -55,7 +55,7 @@ def resize_vocabulary(model, new_size: int, *, mean_resizing: bool) -> None:
     seed = _shared_seed()
     std = float(getattr(text, "initializer_range", 0.02))
     tied_copy = None
-    for chunk in model.chunks:
+    for chunk in language_chunks(model):
         if getattr(chunk, "pre_process", False):
             embedding = chunk.embedding.word_embeddings
             _replace_rows(embedding.weight, old=old, new=new_size, padded=padded, seed=seed,
@@ -75,8 +75,17 @@ def resize_vocabulary(model, new_size: int, *, mean_resizing: bool) -> None:
         chunk.vocab_size = padded
     if model.bridge.tied and ps.get_pipeline_model_parallel_world_size() > 1:
         _sync_tied_copy(model, tied_copy)
-    model.megatron.padded_vocab = padded
-    text.vocab_size = new_size
+    for holder in (model.megatron, getattr(model, "language_model", None)):  # NOTE: a VLM keeps two views
+        if holder is not None:
+            holder.padded_vocab = padded
+    for config in (text, model.config):  # NOTE: loongforge's VLMs mirror vocab_size on the top-level config
+        if hasattr(config, "vocab_size"):
+            config.vocab_size = new_size
+
+
+def language_chunks(model) -> list:
+    """megatron's language-model module of each chunk (a vision-language chunk wraps one)."""
+    return [getattr(chunk, "language", chunk) for chunk in model.chunks]
 
 
 def _shared_seed() -> int:
@@ -136,5 +145,6 @@ def _sync_tied_copy(model, tied_copy) -> None:
         return
     weight = tied_copy
     if weight is None:
-        weight = next(c.embedding.word_embeddings.weight for c in model.chunks if getattr(c, "pre_process", False))
+        weight = next(c.embedding.word_embeddings.weight for c in language_chunks(model)
+                      if getattr(c, "pre_process", False))
     dist.all_reduce(weight.data, group=ps.get_embedding_group())

@@ -148,3 +148,32 @@ def test_resize_refusals_and_plain_init(tmp_path):
     assert got["plain_std"] == pytest.approx(0.02, rel=0.15), got  # normal(0, initializer_range)
     assert "held by a training engine" in got["held"], got
     assert "before applying LoRA" in got["lora"], got
+
+
+def _vl_world(folder: str, out_dir: str) -> dict:
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2)
+    old = model.config.text_config.vocab_size
+    model.resize_token_embeddings(old + 40)
+    ids = torch.tensor([[5, 6, 7, old + 3, old + 20, 11, 12]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    model.save_pretrained(out_dir)
+    return {"logits": logits, "ids": ids, "vocab_size": model.vocab_size, "old": old}
+
+
+def test_resize_vision_language_model_tp2(tmp_path):
+    """Qwen2.5-VL: the language model's embedding and LM head are resized; the exported folder loads in transformers
+    with the new ``text_config.vocab_size`` and gives the same logits (fp32, 1e-4)."""
+    import transformers
+
+    from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
+
+    src = make_tiny_qwen2_5_vl(tmp_path / "vl")
+    got = run_distributed(_vl_world, 2, str(src), str(tmp_path / "out"), timeout=300)[0]
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert got["vocab_size"] == hf.config.text_config.vocab_size == got["old"] + 40
+    with torch.no_grad():
+        ref = hf(input_ids=got["ids"]).logits
+    torch.testing.assert_close(got["logits"], ref, atol=1e-4, rtol=0)
