@@ -8,10 +8,11 @@ Choices:
 - Each stage holding the embedding or an untied output layer gathers that tensor's tensor-parallel slices (the whole
   matrix, as transformers holds it on one device), builds the new matrix and keeps its own rows: the padded size
   changes the rows each TP rank holds, so rows move between ranks.
-- Added rows are drawn as transformers draws them: with ``mean_resizing`` from a normal with the old rows' mean and
-  1e-9 x their covariance (their mean alone where that covariance is not positive definite), otherwise from
-  normal(0, ``initializer_range``). The seed comes from global rank 0's default generator (one broadcast), so every
-  tensor- and data-parallel rank builds the same rows; the output layer draws from the next seed.
+- Added rows are transformers' own numbers for the same seed: with ``mean_resizing`` drawn from a normal with the
+  old rows' mean and 1e-9 x their covariance (their mean alone where that covariance is not positive definite),
+  otherwise from normal(0, ``initializer_range``), from the default generator in transformers' order and amounts
+  (``_added_rows``). Global rank 0 draws them and broadcasts them, so every tensor- and data-parallel rank builds
+  the same rows; the other ranks make the same draws, so every generator moves on alike.
 - A tied output layer's copy on the last pipeline stage gets the first stage's new matrix through megatron's
   embedding group, as megatron sets that copy up at build (zeros, then an all-reduce).
 - The parameters keep their identity (``weight.data`` is replaced, as transformers does): the attributes megatron set
@@ -22,6 +23,8 @@ Choices:
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -52,26 +55,30 @@ def resize_vocabulary(model, new_size: int, *, mean_resizing: bool) -> None:
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     padded = padded_vocab_size(new_size, tensor_parallel_size=tp)
     per_rank = padded // tp
-    seed = _shared_seed()
-    std = float(getattr(text, "initializer_range", 0.02))
+    chunks = language_chunks(model)
+    first = next((c for c in chunks if getattr(c, "pre_process", False)), None)
+    last = next((c for c in chunks if getattr(c, "post_process", False)), None)
+    head = last.output_layer.weight if last is not None and not model.bridge.tied else None
+    embedding_rows = None if first is None else _whole(first.embedding.word_embeddings.weight, old)
+    head_rows = None if head is None else _whole(head, old)
+    added = _added_rows(model, embedding_rows, head_rows, old=old, new=new_size, mean_resizing=mean_resizing,
+                        std=float(getattr(text, "initializer_range", 0.02)))
+    if first is not None:
+        embedding = first.embedding.word_embeddings
+        embedding.weight.data = _local_rows(embedding_rows, added[0], new=new_size, padded=padded)
+        embedding.num_embeddings, embedding.num_embeddings_per_partition = padded, per_rank
+        embedding.vocab_start_index, embedding.vocab_end_index = tp_rank * per_rank, (tp_rank + 1) * per_rank
+        first.embedding.vocab_size = padded
     tied_copy = None
-    for chunk in language_chunks(model):
-        if getattr(chunk, "pre_process", False):
-            embedding = chunk.embedding.word_embeddings
-            _replace_rows(embedding.weight, old=old, new=new_size, padded=padded, seed=seed,
-                          mean_resizing=mean_resizing, std=std)
-            embedding.num_embeddings, embedding.num_embeddings_per_partition = padded, per_rank
-            embedding.vocab_start_index, embedding.vocab_end_index = tp_rank * per_rank, (tp_rank + 1) * per_rank
-            chunk.embedding.vocab_size = padded
-        head = chunk.output_layer if getattr(chunk, "post_process", False) else None
+    if last is not None:
+        layer = last.output_layer
         if head is not None:
-            if head.weight is not None and model.bridge.tied:  # NOTE: the last stage's copy of the embedding
-                head.weight.data = head.weight.data.new_zeros(per_rank, head.weight.shape[1])
-                tied_copy = head.weight
-            elif head.weight is not None:
-                _replace_rows(head.weight, old=old, new=new_size, padded=padded, seed=seed + 1,
-                              mean_resizing=mean_resizing, std=std)
-            head.output_size, head.output_size_per_partition = padded, per_rank
+            head.data = _local_rows(head_rows, added[1], new=new_size, padded=padded)
+        elif layer.weight is not None:  # NOTE: tied, the last stage's copy of the embedding
+            layer.weight.data = layer.weight.data.new_zeros(per_rank, layer.weight.shape[1])
+            tied_copy = layer.weight
+        layer.output_size, layer.output_size_per_partition = padded, per_rank
+    for chunk in chunks:
         chunk.vocab_size = padded
     if model.bridge.tied and ps.get_pipeline_model_parallel_world_size() > 1:
         _sync_tied_copy(model, tied_copy)
@@ -88,52 +95,107 @@ def language_chunks(model) -> list:
     return [getattr(chunk, "language", chunk) for chunk in model.chunks]
 
 
-def _shared_seed() -> int:
-    """A seed drawn from global rank 0's default generator, the same on every rank."""
-    seed = int(torch.randint(0, 2**62, (1,)).item())
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [seed]
-        dist.broadcast_object_list(box, src=0)
-        seed = box[0]
-    return seed
-
-
-def _replace_rows(weight: torch.Tensor, *, old: int, new: int, padded: int, seed: int, mean_resizing: bool,
-                  std: float) -> None:
-    """This TP rank's slice of the ``[padded, H]`` matrix: the first ``min(old, new)`` rows of the gathered old
-    matrix, added rows up to ``new``, zero rows up to ``padded``."""
+def _whole(weight: torch.Tensor, old: int) -> torch.Tensor:
+    """The first ``old`` rows of a vocabulary-parallel ``weight``, gathered over tensor parallelism."""
     from megatron.core import parallel_state as ps
 
-    group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     local = weight.data.contiguous()
-    parts = [local]
-    if tp > 1:
-        parts = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(parts, local, group=group)
-    whole = torch.cat(parts)[:old]
-    rows = [whole[:min(old, new)]]
-    if new > old:
-        rows.append(added_rows(whole, new - old, seed=seed, mean_resizing=mean_resizing, std=std).to(local.dtype))
-    rows.append(local.new_zeros(padded - new, local.shape[1]))
-    per_rank = padded // tp
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return local[:old]
+    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts)[:old]
+
+
+def _local_rows(whole: torch.Tensor, added: torch.Tensor | None, *, new: int, padded: int) -> torch.Tensor:
+    """This TP rank's slice of the ``[padded, H]`` matrix: the kept rows, the added ones, zero rows."""
+    from megatron.core import parallel_state as ps
+
+    rows = [whole[:new]]
+    if added is not None:
+        rows.append(added.to(device=whole.device, dtype=whole.dtype))
+    rows.append(whole.new_zeros(padded - new, whole.shape[1]))
+    per_rank = padded // ps.get_tensor_model_parallel_world_size()
     start = ps.get_tensor_model_parallel_rank() * per_rank
-    weight.data = torch.cat(rows)[start:start + per_rank].clone()
+    return torch.cat(rows)[start:start + per_rank].clone()
 
 
-def added_rows(old_rows: torch.Tensor, count: int, *, seed: int, mean_resizing: bool, std: float) -> torch.Tensor:
-    """``count`` new rows (fp32) for a vocabulary matrix whose existing rows are ``old_rows``, drawn with ``seed``."""
-    generator = torch.Generator(device=old_rows.device).manual_seed(seed)
-    noise = torch.randn(count, old_rows.shape[1], generator=generator, device=old_rows.device, dtype=torch.float32)
-    if not mean_resizing:
-        return noise * std
-    rows = old_rows.float()
-    mean = rows.mean(dim=0)
-    centered = rows - mean
-    covariance = centered.T @ centered / rows.shape[0]
-    factor, info = torch.linalg.cholesky_ex(_COVARIANCE_SCALE * covariance)
-    if int(info) != 0:  # NOTE: not positive definite (fewer rows than dimensions, a constant column): the mean
-        return mean.expand(count, -1).clone()
-    return mean + noise @ factor.T
+def _added_rows(model, embedding: torch.Tensor | None, head: torch.Tensor | None, *, old: int, new: int,
+                mean_resizing: bool, std: float) -> tuple:
+    """(embedding rows, untied LM head rows) to append, ``[new - old, H]`` fp32 each ((None, None) when not growing).
+
+    Drawn as transformers draws them, from the default generator, in its order and amounts (the new embedding's own
+    initialisation, then its added rows; the new LM head's, then its rows): global rank 0 keeps its values and
+    broadcasts them, every other rank makes the same draws and drops them, so that each rank's generator moves on as
+    rank 0's (LoRA then draws its initial adapters alike on every rank). Under pipeline parallelism the last stage
+    sends rank 0 the LM head's mean and covariance."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.xpu import get_backend
+
+    if new <= old:
+        return None, None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    untied = not model.bridge.tied
+    hidden = model.config.get_text_config().hidden_size
+    device, dtype = get_backend().device(), model.dtype
+    moments: list = [None, None]
+    if mean_resizing and rank == 0:
+        moments[0] = _moments(embedding)
+    if mean_resizing and untied:
+        if head is not None and rank == 0:
+            moments[1] = _moments(head)
+        elif ps.get_pipeline_model_parallel_world_size() > 1:  # NOTE: the LM head is on the last stage
+            if rank == 0:
+                moments[1] = (torch.empty(hidden, device=device), torch.empty(hidden, hidden, device=device))
+                for t in moments[1]:
+                    dist.recv(t, src=ps.get_pipeline_model_parallel_last_rank())
+            elif head is not None and ps.get_pipeline_model_parallel_first_rank() == 0:
+                for t in _moments(head):
+                    dist.send(t.contiguous(), dst=0)
+    # NOTE: whether each covariance is positive definite decides whether transformers draws: rank 0's verdict
+    definite = torch.tensor([_definite(m) for m in moments], dtype=torch.int32, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(definite, src=0)
+    rows = []
+    for part, init in enumerate(("embedding", "linear")[:1 + untied]):
+        fresh = torch.empty(new, hidden, device=device, dtype=dtype)
+        if init == "embedding":  # NOTE: nn.Embedding's and nn.Linear's own initialisation of the new module
+            fresh.normal_()
+        else:
+            torch.nn.init.kaiming_uniform_(fresh, a=math.sqrt(5))
+        if not mean_resizing:  # NOTE: transformers' _init_weights of the whole new module
+            rows.append(fresh.normal_(0.0, std)[old:].float())
+        elif not definite[part]:
+            rows.append(moments[part][0][None, :].repeat(new - old, 1) if rank == 0 else
+                        torch.empty(new - old, hidden, device=device))
+        else:
+            rows.append(_sample(moments[part], new - old, dtype) if rank == 0 else
+                        torch.empty(new - old, hidden, device=device).normal_())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for t in rows:
+            dist.broadcast(t, src=0)
+    return rows[0], rows[1] if untied else None
+
+
+def _moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and covariance (fp32) of a vocabulary matrix's rows, computed as transformers computes them."""
+    values = rows.to(torch.float32)
+    mean = torch.mean(values, dim=0)
+    centered = values - mean
+    return mean, centered.T @ centered / values.shape[0]
+
+
+def _definite(moments) -> bool:
+    """Whether 1e-9 x the covariance is positive definite (transformers draws only then)."""
+    return moments is not None and int(torch.linalg.cholesky_ex(_COVARIANCE_SCALE * moments[1]).info) == 0
+
+
+def _sample(moments, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` rows from a normal with the moments' mean and 1e-9 x their covariance, rounded to ``dtype``."""
+    mean, covariance = moments
+    normal = torch.distributions.MultivariateNormal(mean, covariance_matrix=_COVARIANCE_SCALE * covariance)
+    return normal.sample(sample_shape=(count,)).to(dtype).float()
 
 
 def _sync_tied_copy(model, tied_copy) -> None:

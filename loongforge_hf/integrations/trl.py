@@ -139,22 +139,29 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
             raise ValueError("LoongSFTTrainer: gradient_checkpointing_kwargs={'selective': True} (torch's selective "
                              "activation checkpointing on transformers' layers) is not supported; drop 'selective' to "
                              "recompute whole layers with megatron-core.")
+        template_path = args.chat_template_path
         if peft_config is not None:
             from transformers import set_seed
 
             from loongforge_hf.lora import get_peft_model
 
-            # NOTE: TRL seeds right before creating the adapters; doing the same gives PEFT's initial values.
+            # NOTE: TRL seeds before a chat template's clone (whose resize draws the added rows) and the adapters;
+            # doing the same gives transformers' rows and PEFT's initial values.
             set_seed(args.seed)
+            processing_class = _clone_chat_template_before_lora(model, processing_class, args, peft_config)
             model = get_peft_model(model, peft_config)
         if model.generation_config is None:
             from transformers import GenerationConfig
 
             model.generation_config = GenerationConfig.from_model_config(model.config)
-        super().__init__(model, args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, compute_metrics=compute_metrics,
-                         callbacks=callbacks, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-                         peft_config=None, formatting_func=formatting_func)
+        try:
+            super().__init__(model, args, data_collator=data_collator, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, processing_class=processing_class,
+                             compute_metrics=compute_metrics, callbacks=callbacks,
+                             preprocess_logits_for_metrics=preprocess_logits_for_metrics, peft_config=None,
+                             formatting_func=formatting_func)
+        finally:
+            args.chat_template_path = template_path
         if data_collator is None and getattr(self, "_is_vision_dataset", False):
             multiple = _vision_pad_multiple(self.model.parallel, args)
             if multiple > 1:  # NOTE: TRL's prompt-completion vision collation refuses any pad_to_multiple_of
@@ -238,6 +245,41 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
             # NOTE: as trl.SFTTrainer: the smoother on the logits, labels shifted for every model
             loss = self.label_smoother(outputs, inputs["labels"], shift_labels=True)
         return (loss, outputs) if return_outputs else loss
+
+
+def _clone_chat_template_before_lora(model, processing_class, args: SFTConfig, peft_config):
+    """TRL clones a chat template (``chat_template_path`` naming a tokenizer or model folder: its special tokens added,
+    the embeddings resized) before it applies PEFT, and then trains the added tokens' embedding rows
+    (``trainable_token_indices``) and the LM head (``modules_to_save``). LoRA is applied before TRL's ``__init__``
+    here, so the clone and those LoraConfig changes are made first, as TRL makes them, and ``__init__`` does not clone
+    again (``args.chat_template_path`` is set back after it). Returns the processing class (loaded as TRL loads it
+    when not given)."""
+    import os
+
+    from trl.chat_template_utils import clone_chat_template
+
+    path = args.chat_template_path
+    if path is None or os.path.isfile(path) and path.endswith((".jinja", ".j2")):
+        return processing_class
+    if processing_class is None:
+        from transformers import AutoProcessor
+
+        processing_class = AutoProcessor.from_pretrained(model.name_or_path, trust_remote_code=args.trust_remote_code)
+    _, processing_class, added_tokens = clone_chat_template(model, processing_class, path)
+    args.chat_template_path = None
+    if added_tokens:
+        indices = peft_config.trainable_token_indices
+        if indices is None:
+            peft_config.trainable_token_indices = {"embed_tokens": added_tokens}
+        elif "embed_tokens" not in indices:
+            indices["embed_tokens"] = added_tokens
+        else:
+            indices["embed_tokens"].extend(added_tokens)
+        if "lm_head" not in (peft_config.modules_to_save or []):
+            logger.warning("Cloning the chat template added tokens: 'lm_head' joins LoRA's modules_to_save, as TRL "
+                           "adds it, so that the model can learn to generate them.")
+            peft_config.modules_to_save = [*(peft_config.modules_to_save or []), "lm_head"]
+    return processing_class
 
 
 def _data_parallel_mean(value: float, device) -> float:

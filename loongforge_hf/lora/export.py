@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from loongforge_hf.bridges.distribution import broadcast_outcome, gather_to_first, recv_tensor, send_tensor
 from loongforge_hf.lora.expert_export import expert_adapter_tensors
+from loongforge_hf.lora.tokens import DELTA, peft_names, vocab_resized
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -50,12 +51,17 @@ def _lora_deltas(model):
 @contextlib.contextmanager
 def merged_weights(model):
     """Adapted weights hold ``W + scaling * B @ A`` inside the block; the exact originals come back after it."""
+    from loongforge_hf.lora.tokens import merged_token_rows
+
     saved = []
     try:
         with torch.no_grad():
             for weight, delta in _lora_deltas(model):
                 saved.append((weight, weight.detach().to("cpu", copy=True)))
                 weight.add_(delta.to(weight.dtype))
+            for weight, rows, values in merged_token_rows(model):  # NOTE: PEFT's merge: index_copy of the rows
+                saved.append((weight, weight.detach().to("cpu", copy=True)))
+                weight.index_copy_(0, rows, values.to(weight.dtype))
         yield
     finally:
         with torch.no_grad():
@@ -164,15 +170,37 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
             out.update(streamer.collect(owner_pp, vp, name, split=split_dim is not None, export=export,
                                         shapes={hf_name: shape}, dtype=dtype))
     out.update(expert_adapter_tensors(model, plan.targets, streamer, dtype))
-    for s in plan.saved:
+    whole = [(s, f"base_model.model.{s.hf_name}") for s in plan.saved]
+    if vocab_resized(model):
+        names = peft_names(plan)
+        carried = vocabulary_tensors(model, set(names) - {s.hf_name for s in plan.saved})
+        whole += [(s, names[s.hf_name]) for s in carried]
+    for s, hf_name in whole:
         owner_pp, vp, name = streamer.owner_of(s.layer, s.mapping.megatron)
-        hf_name = f"base_model.model.{s.hf_name}"
 
         def export(shards, s=s, hf_name=hf_name):
             return {hf_name: s.mapping.export(shards, streamer.ctx, s.layer)[s.hf_name]}
         out.update(streamer.collect(owner_pp, vp, name, split=s.mapping.tp_split is not None, export=export,
                                     shapes={hf_name: plan.hf_shapes[s.hf_name]}, dtype=dtype))
+    if model.bridge.tied and vocab_resized(model) and streamer.rank == 0:
+        embedding = out.get(peft_names(plan)[f"{plan.embedding_name}.weight"])
+        if embedding is not None:  # NOTE: PEFT writes the tied LM head under its own name too
+            out["base_model.model.lm_head.weight"] = embedding
+    if plan.token_indices:
+        hf_name = f"base_model.model.{plan.embedding_name}.{DELTA}"
+        shape = (len(plan.token_indices), model.config.hidden_size)
+        out.update(streamer.collect(0, 0, f"embedding.{DELTA}", split=False, export=lambda shards: {hf_name: shards[0]},
+                                    shapes={hf_name: shape}, dtype=dtype))
     return out
+
+
+def vocabulary_tensors(model, hf_names: set[str]) -> list:
+    """The embedding and an untied LM head among ``hf_names`` as ``SavedTensor`` entries (whole tensors an adapter
+    file carries when the vocabulary was resized: ``tokens.py``; a tied LM head has no tensor of its own)."""
+    from loongforge_hf.lora.plan import SavedTensor
+
+    mappings = [model.bridge.embedding_mapping(), *model.bridge.final_mappings()]
+    return [SavedTensor(hf_name=m.hf, mapping=m, layer=None) for m in mappings if m.hf in hf_names]
 
 
 def export_adapter(model, out_dir: Path, *, dtype: torch.dtype | None = None,

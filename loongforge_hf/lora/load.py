@@ -111,21 +111,34 @@ class _AdapterReader:
         return part if out is None else out.copy_(part)
 
 
-def _check_tensors(folder: Path, plan, tensors: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (A, B) of every target, in float32; one error listing every missing or misshapen tensor."""
+def _check_tensors(folder: Path, model, plan, tensors: dict[str, torch.Tensor]):
+    """(the (A, B) of every target in float32, the trainable token rows or None, {HF name: PEFT name} of the resized
+    embedding layers the file carries); one error listing every missing or misshapen tensor."""
+    from loongforge_hf.lora.tokens import DELTA, peft_names
+
     expected = {}
     for t in plan.targets:
         expected[f"{PREFIX}{t.hf_module}.lora_A.weight"] = t.a_shape
         expected[f"{PREFIX}{t.hf_module}.lora_B.weight"] = t.b_shape
     for s in plan.saved:
         expected[PREFIX + s.hf_name] = tuple(plan.hf_shapes[s.hf_name])
+    delta = f"{PREFIX}{plan.embedding_name}.{DELTA}"
+    if plan.token_indices:
+        expected[delta] = (len(plan.token_indices), model.config.hidden_size)
+    # NOTE: PEFT writes the embedding layers whole when the vocabulary was resized: optional, but at this size
+    vocabulary = {hf: name for hf, name in peft_names(plan).items() if name in tensors}
+    for hf, name in vocabulary.items():
+        expected.setdefault(name, tuple(plan.hf_shapes.get(hf, plan.hf_shapes[f"{plan.embedding_name}.weight"])))
     problems = []
     for name, shape in expected.items():
         found = tensors.get(name)
         if found is None:
             problems.append(f"{name!r}: missing (expected shape {shape})")
         elif tuple(found.shape) != shape:
-            problems.append(f"{name!r}: expected shape {shape}, found {tuple(found.shape)}")
+            hint = (f" (the adapter was saved from a model with a vocabulary of {found.shape[0]} tokens: resize this "
+                    f"one first, model.resize_token_embeddings({found.shape[0]}), as with PEFT)"
+                    if name in vocabulary.values() and found.dim() == 2 else "")
+            problems.append(f"{name!r}: expected shape {shape}, found {tuple(found.shape)}{hint}")
         elif not found.is_floating_point():
             problems.append(f"{name!r}: stored as {found.dtype}, expected floating point")
     unused = sorted(set(tensors) - set(expected))
@@ -136,8 +149,20 @@ def _check_tensors(folder: Path, plan, tensors: dict[str, torch.Tensor]) -> list
         shown = "\n  ".join(problems[:20])
         raise CheckpointError(f"The adapter at {folder} does not match this model and its adapter_config.json "
                               f"({len(problems)} problem(s)):\n  {shown}")
-    return [(tensors[f"{PREFIX}{t.hf_module}.lora_A.weight"].float(),
-             tensors[f"{PREFIX}{t.hf_module}.lora_B.weight"].float()) for t in plan.targets]
+    pairs = [(tensors[f"{PREFIX}{t.hf_module}.lora_A.weight"].float(),
+              tensors[f"{PREFIX}{t.hf_module}.lora_B.weight"].float()) for t in plan.targets]
+    return pairs, tensors[delta] if plan.token_indices else None, vocabulary
+
+
+def _check_vocabulary(folder: Path, model, tensors: dict[str, torch.Tensor]) -> None:
+    """An adapter saved from a model with a resized vocabulary carries the embedding (PEFT's files and ours): this
+    model must have been resized alike first, as with PEFT."""
+    rows = next((t.shape[0] for n, t in tensors.items() if t.dim() == 2 and n.endswith(
+        ("embed_tokens.weight", "embed_tokens.token_adapter.base_layer.weight"))), None)
+    if rows is not None and rows != model.config.vocab_size:
+        raise CheckpointError(f"The adapter at {folder} was saved from a model with a vocabulary of {rows} tokens, "
+                              f"this model has {model.config.vocab_size}: resize it first, "
+                              f"model.resize_token_embeddings({rows}), as with PEFT.")
 
 
 def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = False, allow_pickle: bool = False):
@@ -147,22 +172,27 @@ def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = 
 
     from loongforge_hf.bridges.builder import layer_owners
     from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.export import vocabulary_tensors
     from loongforge_hf.lora.model import attach_lora, check_stages_train, megatron_params_of, plan_for
 
     folder = Path(adapter_dir)
     config, tensors = read_adapter(folder, allow_pickle=allow_pickle)
     config.inference_mode = not is_trainable
+    _check_vocabulary(folder, model, tensors)
     plan = plan_for(model, config)
     owners = layer_owners(model.megatron.config, model.parallel)
     if is_trainable:
         check_stages_train(model, plan, owners)
-    initial = _check_tensors(folder, plan, tensors)
-    model = attach_lora(model, config, plan, initial)
-    reader = _AdapterReader(tensors)
+    initial, token_rows, vocabulary = _check_tensors(folder, model, plan, tensors)
+    # NOTE: the resized embedding layers (base weights, frozen) go in through the bridge's mappings as the
+    # modules_to_save do; a tied model's LM head is its embedding
+    resized = vocabulary_tensors(model, set(vocabulary) - {s.hf_name for s in plan.saved})
+    model = attach_lora(model, config, plan, initial, token_rows=None if token_rows is None else token_rows.float())
+    reader = _AdapterReader({**tensors, **{PREFIX + hf: tensors[name] for hf, name in vocabulary.items()}})
     ctx = shard_context(model.bridge, tp_rank=ps.get_tensor_model_parallel_rank(),
                         tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
     with torch.no_grad():
-        for saved in plan.saved:
+        for saved in [*plan.saved, *resized]:
             for chunk, name in megatron_params_of(model, saved, owners, ps.get_pipeline_model_parallel_rank()):
                 param = dict(chunk.named_parameters())[name]
                 param.copy_(saved.mapping.load(reader, ctx, saved.layer).to(param.dtype))

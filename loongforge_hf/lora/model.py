@@ -54,6 +54,7 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
         """(trainable, all) parameters of the whole model, counted as PEFT counts them on the HF model."""
         trainable = sum(t.r * t.num_experts * (t.in_features + t.out_features) for t in self.lora_plan.targets)
         trainable += sum(math.prod(self.lora_plan.hf_shapes[s.hf_name]) for s in self.lora_plan.saved)
+        trainable += len(self.lora_plan.token_indices) * self.config.hidden_size
         return trainable, self.lora_plan.hf_param_count + trainable
 
     def print_trainable_parameters(self) -> None:
@@ -113,7 +114,7 @@ def check_stages_train(model, plan: LoraPlan, owners) -> None:
     if model.parallel.pipeline_parallel_size == 1:
         return
     first_stage = {layer for layer, (pp, _, _) in owners.items() if pp == 0}
-    if any(t.layer in first_stage for t in plan.targets) or any(
+    if plan.token_indices or any(t.layer in first_stage for t in plan.targets) or any(
             s.layer in first_stage or s.hf_name == model.bridge.embedding_mapping().hf for s in plan.saved):
         return
     raise LoraConfigError(f"pipeline_parallel_size={model.parallel.pipeline_parallel_size}: the first pipeline stage "
@@ -141,9 +142,11 @@ def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
 
 
 def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
-                initial: list[tuple[torch.Tensor, torch.Tensor]]) -> LoongLoraModelForCausalLM:
+                initial: list[tuple[torch.Tensor, torch.Tensor]],
+                token_rows: torch.Tensor | None = None) -> LoongLoraModelForCausalLM:
     """Adapters with the HF-shaped ``initial`` (A, B) of each target of ``plan``, each rank keeping its slices; the
-    base frozen but for ``modules_to_save``; ``model`` becomes a ``LoongLoraModelForCausalLM`` (in place)."""
+    base frozen but for ``modules_to_save``; the trainable token rows (``tokens.py``: ``token_rows``, or the
+    embedding's own); ``model`` becomes a ``LoongLoraModelForCausalLM`` (in place)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.bridges.builder import layer_owners
@@ -206,6 +209,10 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     for saved in plan.saved:
         for chunk, name in megatron_params_of(model, saved, owners, pp_rank):
             dict(chunk.named_parameters())[name].requires_grad_(True)
+    if plan.token_indices:
+        from loongforge_hf.lora.tokens import attach_trainable_tokens
+
+        attach_trainable_tokens(model, plan.token_indices, token_rows)
 
     if moe_graphs.asked(model.megatron.config):
         # NOTE: megatron's capture warm-up takes each graphed layer's input gradient and fails where no input

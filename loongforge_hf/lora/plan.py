@@ -24,8 +24,8 @@ Choices:
   ``experts.py``). A fused half named alone (``gate_proj`` without ``up_proj``) is refused as PEFT refuses it.
 - Refused with a clear message: DoRA, ``lora_bias``, ``rank_pattern``/``alpha_pattern`` other than the rewrite's own
   entry, ``target_parameters`` other than the MoE models' expert stacks and router, ``lora_dropout`` with parameter
-  targets, ``trainable_token_indices``, ``layer_replication``, initialisations other than ``True``/``False``/
-  ``"gaussian"``, models with multi-latent attention (DeepSeek-V2/V3).
+  targets, ``layer_replication``, initialisations other than ``True``/``False``/
+  ``"gaussian"``, models with multi-latent attention (DeepSeek-V2/V3). ``trainable_token_indices``: ``tokens.py``.
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ class LoraPlan:
     config: object                          # the LoraConfig as PEFT holds it (rewritten for MoE models, see above)
     hf_param_count: int                     # parameters of the HF model without adapters
     hf_shapes: dict[str, tuple[int, ...]] = field(repr=False, default_factory=dict)
+    token_indices: tuple[int, ...] = ()     # trainable_token_indices of the input embedding (tokens.py)
+    embedding_name: str = "model.embed_tokens"
 
 
 def _hf_skeleton(hf_config):
@@ -115,7 +117,7 @@ def _check_config(config) -> None:
         raise LoraConfigError(f"loongforge-hf applies LoRA (peft.LoraConfig); got {type(config).__name__}.")
     refused = {
         "use_dora": config.use_dora, "lora_bias": config.lora_bias,
-        "trainable_token_indices": config.trainable_token_indices, "layer_replication": config.layer_replication,
+        "layer_replication": config.layer_replication,
         "fan_in_fan_out": config.fan_in_fan_out,
     }
     set_fields = {k: v for k, v in refused.items() if v}
@@ -159,6 +161,7 @@ def plan_lora(bridge, config) -> LoraPlan:
     from torch import nn
 
     from loongforge_hf.lora.param_targets import plan_param_targets
+    from loongforge_hf.lora.tokens import token_indices_of
 
     _check_config(config)
     if getattr(bridge, "multi_latent_attention", False):
@@ -208,11 +211,15 @@ def plan_lora(bridge, config) -> LoraPlan:
                               f"{sorted({n.rsplit('.', 1)[-1] for n in linear_names})} or 'all-linear'.")
 
     saved = _saved_tensors(config, modules, index, bridge)
+    embedding = skeleton.get_input_embeddings()
+    embedding_name = next(n for n, mod in modules if mod is embedding)
+    token_indices = token_indices_of(config, bridge, embedding_name)
     shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
     target_modules = sorted({t.name for t in targets}) if all_linear else (
         config.target_modules if isinstance(config.target_modules, str) else sorted(config.target_modules or []))
     return LoraPlan(targets=targets, saved=saved, target_modules=target_modules, config=config,
-                    hf_param_count=sum(math.prod(s) for s in shapes.values()), hf_shapes=shapes)
+                    hf_param_count=sum(math.prod(s) for s in shapes.values()), hf_shapes=shapes,
+                    token_indices=token_indices, embedding_name=embedding_name)
 
 
 def _as_peft_rewrites(config, skeleton, bridge):

@@ -1,8 +1,9 @@
 """``SFTConfig(chat_template_path=<tokenizer folder>)``: TRL's ``clone_chat_template`` copies the folder's chat
-template, adds its special tokens and resizes the model's embeddings (to a multiple of 64); LoongSFTTrainer at TP=1
-and TP=2 then logs trl.SFTTrainer's losses on the transformers model within 1e-4 relative (fp32; the added rows
-differ only by transformers' tiny random spread around the old rows' mean), and the saved folder loads in transformers
-with the resized vocabulary, the tokenizer as long."""
+template, adds its special tokens and resizes the model's embeddings (to a multiple of 64); with a LoraConfig TRL then
+also trains the added tokens' embedding rows (PEFT's ``trainable_token_indices``) and the LM head. LoongSFTTrainer at
+TP=1, TP=2, TP=2 with sequence parallelism and PP=2 logs trl.SFTTrainer's losses (with PEFT for LoRA) on the
+transformers model within 1e-4 relative (fp32), the saved folder loads in transformers with the resized vocabulary
+(the tokenizer as long), and the saved adapter on the transformers model gives the trained model's logits (1e-4)."""
 
 import pytest
 import torch
@@ -26,48 +27,78 @@ def _template_source(folder) -> str:
     return str(folder)
 
 
-def _run(folder: str, template: str, out_dir: str, layout: dict | None) -> dict:
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def _run(folder: str, template: str, out_dir: str, layout: dict | None, lora: bool) -> dict:
+    import peft
     import transformers
     import trl
 
     import loongforge_hf as lf
 
-    args = sft_config(out_dir, chat_template_path=template)
+    args = sft_config(out_dir, chat_template_path=template, **({"learning_rate": 2e-2} if lora else {}))
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    kw = dict(args=args, train_dataset=make_dataset("messages"), processing_class=tokenizer,
+              peft_config=peft.LoraConfig(**LORA) if lora else None)
     if layout is None:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=make_dataset("messages"),
-                                 processing_class=tokenizer)
+        trainer = trl.SFTTrainer(model=model, **kw)
     else:
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
-        trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=make_dataset("messages"),
-                                     processing_class=tokenizer)
+        trainer = lf.LoongSFTTrainer(model=model, **kw)
     trainer.train()
     trainer.save_model(out_dir + "/final")
-    return {"losses": _losses(trainer), "vocab": model.vocab_size, "tokens": len(trainer.processing_class)}
+    out = {"losses": _losses(trainer), "vocab": trainer.model.vocab_size, "tokens": len(trainer.processing_class)}
+    if lora and layout is not None:
+        # the trained model's logits against PEFT's with the saved adapter on the resized transformers model
+        ids = torch.tensor([[203, 5, 6, 204, 7, 8, 203, 9, 204, 10]])
+        with torch.no_grad():
+            out["logits"] = trainer.model(input_ids=ids).logits
+        out["ids"] = ids
+    return out
 
 
 def _world(folder: str, template: str, out_dir: str, layouts: dict) -> dict:
-    """{name: run} for each ``layouts`` entry (None: trl.SFTTrainer on the transformers model)."""
-    return {name: _run(folder, template, f"{out_dir}/{name}", layout) for name, layout in layouts.items()}
+    """{name: run} for each ``layouts`` entry (None: trl.SFTTrainer on the transformers model), full fine-tuning and
+    LoRA (TRL then trains the added tokens' embedding rows, PEFT's trainable_token_indices, and the LM head)."""
+    return {f"{name}{suffix}": _run(folder, template, f"{out_dir}/{name}{suffix}", layout, lora=bool(suffix))
+            for name, layout in layouts.items() for suffix in ("", "_lora")}
+
+
+TWO_RANKS = {"tp2": {"tensor_parallel_size": 2}, "tp2sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
+             "pp2": {"pipeline_parallel_size": 2}}
 
 
 def test_clone_chat_template_matches_trl(tmp_path):
+    import peft
     import transformers
 
     src = make_tiny_checkpoint(tmp_path / "llama", "llama")
     template = _template_source(tmp_path / "template")
     [one] = run_distributed(_world, 1, str(src), template, str(tmp_path), {"trl": None, "tp1": {}}, timeout=400)
-    two = run_distributed(_world, 2, str(src), template, str(tmp_path), {"tp2": {"tensor_parallel_size": 2}},
-                          timeout=400)
-    ref = one["trl"]
-    assert ref["vocab"] == ref["tokens"] == 256, ref  # 203 + 2 special tokens, rounded up to 64 by TRL
-    for got in (one["tp1"], two[0]["tp2"]):
-        assert got["vocab"] == got["tokens"] == 256, got
-        assert len(got["losses"]) == len(ref["losses"]) == 3
-        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
-    for folder in (tmp_path / "tp1" / "final", tmp_path / "tp2" / "final"):
+    two = run_distributed(_world, 2, str(src), template, str(tmp_path), TWO_RANKS, timeout=600)
+    runs = {**one, **two[-1]}
+    for suffix in ("", "_lora"):
+        ref = runs["trl" + suffix]
+        assert ref["vocab"] == ref["tokens"] == 256, ref  # 203 + 2 special tokens, rounded up to 64 by TRL
+        for name in ("tp1", *TWO_RANKS):
+            got = runs[name + suffix]
+            assert got["vocab"] == got["tokens"] == 256, (name + suffix, got)
+            assert len(got["losses"]) == len(ref["losses"]) == 3
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4), name + suffix
+    for name in ("tp1", *TWO_RANKS):
+        folder = tmp_path / name / "final"
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
         assert model.config.vocab_size == len(tokenizer) == 256
         assert tokenizer.chat_template == TEMPLATE and tokenizer.eos_token == "<|im_end|>"
+        # the adapter (LoRA, the added tokens' trained rows, the LM head, the resized embedding) on the transformers
+        # model resized as TRL resizes it: the trained model's logits (1e-4)
+        got = runs[name + "_lora"]
+        base = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        base.resize_token_embeddings(256)
+        loaded = peft.PeftModel.from_pretrained(base, tmp_path / f"{name}_lora" / "final")
+        with torch.no_grad():
+            logits = loaded(input_ids=got["ids"]).logits
+        torch.testing.assert_close(got["logits"], logits, atol=1e-4, rtol=0)

@@ -1,0 +1,156 @@
+"""PEFT's ``trainable_token_indices`` on megatron's embedding, and the embedding layers an adapter carries when the
+vocabulary was resized (TRL's ``clone_chat_template`` does both: it resizes, then trains the added tokens' rows).
+
+Choices:
+- As PEFT's ``TrainableTokensWrapper``: the embedding rows of the listed tokens are replaced by a trainable
+  ``[n, H]`` tensor (``trainable_tokens_delta``, initialised to those rows; despite its name it holds the rows, not a
+  difference), the rest of the embedding stays frozen. Here the tensor is whole on every tensor-parallel rank of the
+  first pipeline stage (n is small) and the embedding module's output rows of those tokens are replaced after it runs
+  (a forward hook; under sequence parallelism this rank's sequence slice, the tensor's gradient then all-reduced over
+  TP by megatron like a norm's). The replacement is exact (``torch.where``), as PEFT's ``index_copy``.
+- Only the input embedding, of a model with untied embeddings, is supported: PEFT trains the tied LM head's rows with
+  the same tensor (the output GEMM and the fused loss would need them), and names other than the embedding (an
+  ``lm_head`` entry) wrap the LM head. Both are refused with a message.
+- Adapter files as PEFT writes them: ``base_model.model.<embedding>.token_adapter.trainable_tokens_delta``; and where
+  the vocabulary differs from the source's config (resized since load), the whole embedding and LM head
+  (``base_model.model.<embedding>.weight``, ``.token_adapter.base_layer.weight`` when wrapped, and
+  ``base_model.model.lm_head.weight``, written for a tied model too), which PEFT writes so that the added tokens'
+  rows survive; loading such a file needs the model resized to its vocabulary first, as with PEFT.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loongforge_hf.lora.plan import LoraConfigError
+
+DELTA = "token_adapter.trainable_tokens_delta"
+
+
+def token_indices_of(config, bridge, embedding_name: str) -> tuple[int, ...]:
+    """The token indices ``config.trainable_token_indices`` trains (empty when unset); refused with a message where
+    PEFT would do something this implementation does not."""
+    spec = config.trainable_token_indices
+    if not spec:
+        return ()
+    if isinstance(spec, dict):
+        others = [name for name in spec if not (embedding_name == name or embedding_name.endswith("." + name))]
+        if others or len(spec) != 1:
+            raise LoraConfigError(f"trainable_token_indices={spec}: only the input embedding ({embedding_name}) is "
+                                  f"supported; {others or sorted(spec)} would wrap another layer (the LM head).")
+        (spec,) = spec.values()
+    indices = tuple(spec)
+    vocab = bridge.hf_config.vocab_size
+    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab]
+    if bad or len(set(indices)) != len(indices):
+        raise LoraConfigError(f"trainable_token_indices: {bad or 'repeated indices'}: expected distinct token ids in "
+                              f"[0, {vocab}).")
+    if bridge.tied:
+        raise LoraConfigError("trainable_token_indices on a model with tied embeddings (tie_word_embeddings=True) is "
+                              "not supported: PEFT trains the LM head's rows of those tokens too. Train the model "
+                              "fully, or resize an untied model.")
+    saved = config.modules_to_save or []
+    if any(embedding_name.endswith(m) for m in saved):
+        raise LoraConfigError(f"The embedding layer is already trained fully (modules_to_save={saved}); give either "
+                              "modules_to_save or trainable_token_indices for it, not both (as PEFT).")
+    return indices
+
+
+class TrainableTokens(nn.Module):
+    """The trainable rows of the listed tokens (``trainable_tokens_delta``, ``[n, H]``) and where each token's row is
+    (``slot``: a token's position in the list, -1 for the others)."""
+
+    def __init__(self, indices: tuple[int, ...], rows: torch.Tensor, *, vocab_rows: int, sequence_parallel: bool):
+        super().__init__()
+        self.indices = indices
+        self.trainable_tokens_delta = nn.Parameter(rows)
+        # NOTE: under sequence parallelism each TP rank replaces its sequence slice only: megatron all-reduces the
+        # gradients of parameters marked so over TP (as a norm's)
+        self.trainable_tokens_delta.sequence_parallel = sequence_parallel
+        slot = torch.full((vocab_rows,), -1, dtype=torch.long, device=rows.device)
+        slot[list(indices)] = torch.arange(len(indices), device=rows.device)
+        self.register_buffer("slot", slot, persistent=False)
+
+    def replace(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """``embeddings`` ([s, b, H], or this rank's sequence slice under SP) with the listed tokens' rows replaced."""
+        position = self.slot[input_ids].transpose(0, 1).contiguous()  # [s, b]
+        if embeddings.shape[0] != position.shape[0]:  # NOTE: sequence parallel: this rank's slice
+            from megatron.core import parallel_state as ps
+
+            start = ps.get_tensor_model_parallel_rank() * embeddings.shape[0]
+            position = position[start:start + embeddings.shape[0]]
+        rows = self.trainable_tokens_delta[position.clamp(min=0)].to(embeddings.dtype)
+        return torch.where((position >= 0).unsqueeze(-1), rows, embeddings).contiguous()
+
+
+def _replace_output(module, args, kwargs, output):
+    input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+    return module.token_adapter.replace(input_ids, output)
+
+
+def embedding_rows(weight: torch.Tensor, indices: tuple[int, ...]) -> torch.Tensor:
+    """The rows ``indices`` of a vocabulary-parallel ``weight`` (this rank's slice), whole on every TP rank."""
+    from megatron.core import parallel_state as ps
+
+    per_rank = weight.shape[0]
+    start = ps.get_tensor_model_parallel_rank() * per_rank
+    rows = weight.new_zeros(len(indices), weight.shape[1])
+    for k, index in enumerate(indices):
+        if start <= index < start + per_rank:
+            rows[k] = weight[index - start]
+    if ps.get_tensor_model_parallel_world_size() > 1:  # NOTE: one rank holds each row, the others add zeros
+        dist.all_reduce(rows, group=ps.get_tensor_model_parallel_group())
+    return rows
+
+
+def attach_trainable_tokens(model, indices: tuple[int, ...], rows: torch.Tensor | None = None) -> None:
+    """Give the first pipeline stage's embedding a ``TrainableTokens`` (rows: the embedding's own, or ``rows``)."""
+    for chunk in model.chunks:
+        if not getattr(chunk, "pre_process", False):
+            continue
+        weight = chunk.embedding.word_embeddings.weight
+        with torch.no_grad():
+            start = embedding_rows(weight.detach(), indices) if rows is None else rows
+        adapter = TrainableTokens(indices, start.to(device=weight.device, dtype=weight.dtype).clone(),
+                                  vocab_rows=model.megatron.padded_vocab,
+                                  sequence_parallel=bool(chunk.config.sequence_parallel))
+        chunk.embedding.token_adapter = adapter
+        chunk.embedding.register_forward_hook(_replace_output, with_kwargs=True)
+
+
+def token_adapters(model) -> list[TrainableTokens]:
+    return [c.embedding.token_adapter for c in model.chunks
+            if getattr(c, "pre_process", False) and hasattr(c.embedding, "token_adapter")]
+
+
+def merged_token_rows(model):
+    """(embedding weight, local row indices, their trained rows) on this rank, for the merged export."""
+    from megatron.core import parallel_state as ps
+
+    for chunk in model.chunks:
+        adapter = getattr(getattr(chunk, "embedding", None), "token_adapter", None)
+        if adapter is None:
+            continue
+        weight = chunk.embedding.word_embeddings.weight
+        start = ps.get_tensor_model_parallel_rank() * weight.shape[0]
+        local = [(k, i - start) for k, i in enumerate(adapter.indices) if start <= i < start + weight.shape[0]]
+        if local:
+            ks, rows = zip(*local)
+            yield weight, torch.tensor(rows, device=weight.device), adapter.trainable_tokens_delta[list(ks)]
+
+
+def vocab_resized(model) -> bool:
+    """Whether the vocabulary differs from the source's config (PEFT then writes the embedding layers)."""
+    at_load = model._config_at_load.get("vocab_size")
+    return at_load is not None and at_load != model.config.vocab_size
+
+
+def peft_names(plan) -> dict[str, str]:
+    """{HF parameter: its name in a PEFT adapter file} of the embedding layers written with a resized vocabulary."""
+    wrapped, embedding_name = bool(plan.token_indices), plan.embedding_name
+    names = {f"{embedding_name}.weight": f"base_model.model.{embedding_name}."
+                                         + ("token_adapter.base_layer.weight" if wrapped else "weight")}
+    names["lm_head.weight"] = "base_model.model.lm_head.weight"
+    return names
