@@ -13,8 +13,9 @@ Choices:
   otherwise from normal(0, ``initializer_range``), from the default generator of the model's device in
   transformers' order and amounts (``_added_rows``): transformers draws on the device its model is on, so the rows
   equal those of a transformers model resized on the same kind of device after the same seed (a CPU-loaded one
-  draws others: ``trl.SFTTrainer`` given a model object loads nothing to the GPU before it clones a template). Global rank 0 draws them and broadcasts them, so every tensor- and data-parallel rank builds
-  the same rows; the other ranks make the same draws, so every generator moves on alike.
+  draws others: ``trl.SFTTrainer`` given a model object loads nothing to the GPU before it clones a template).
+  Global rank 0 draws them and broadcasts them, so every tensor- and data-parallel rank builds the same rows; the
+  other ranks make the same draws, so every generator moves on alike.
 - A tied output layer's copy on the last pipeline stage gets the first stage's new matrix through megatron's
   embedding group, as megatron sets that copy up at build (zeros, then an all-reduce).
 - The parameters keep their identity (``weight.data`` is replaced, as transformers does): the attributes megatron set
