@@ -139,7 +139,7 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
             raise ValueError("LoongSFTTrainer: gradient_checkpointing_kwargs={'selective': True} (torch's selective "
                              "activation checkpointing on transformers' layers) is not supported; drop 'selective' to "
                              "recompute whole layers with megatron-core.")
-        template_path = args.chat_template_path
+        given = {"chat_template_path": args.chat_template_path, "eos_token": args.eos_token}
         if peft_config is not None:
             from transformers import set_seed
 
@@ -161,7 +161,8 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
                              preprocess_logits_for_metrics=preprocess_logits_for_metrics, peft_config=None,
                              formatting_func=formatting_func)
         finally:
-            args.chat_template_path = template_path
+            for name, value in given.items():
+                setattr(args, name, value)
         if data_collator is None and getattr(self, "_is_vision_dataset", False):
             multiple = _vision_pad_multiple(self.model.parallel, args)
             if multiple > 1:  # NOTE: TRL's prompt-completion vision collation refuses any pad_to_multiple_of
@@ -252,8 +253,10 @@ def _clone_chat_template_before_lora(model, processing_class, args: SFTConfig, p
     the embeddings resized) before it applies PEFT, and then trains the added tokens' embedding rows
     (``trainable_token_indices``) and the LM head (``modules_to_save``). LoRA is applied before TRL's ``__init__``
     here, so the clone and those LoraConfig changes are made first, as TRL makes them, and ``__init__`` does not clone
-    again (``args.chat_template_path`` is set back after it). Returns the processing class (loaded as TRL loads it
-    when not given)."""
+    again (``args.chat_template_path`` is set back after it). TRL sets ``args.eos_token`` before it clones, and the
+    clone's EOS token replaces it: ``__init__`` is given the clone's (``args.eos_token`` is set back after it too), a
+    token not in the tokenizer is left for ``__init__`` to refuse as TRL refuses it, before any clone. Returns the
+    processing class (loaded as TRL loads it when not given)."""
     import os
 
     from trl.chat_template_utils import clone_chat_template
@@ -265,8 +268,12 @@ def _clone_chat_template_before_lora(model, processing_class, args: SFTConfig, p
         from transformers import AutoProcessor
 
         processing_class = AutoProcessor.from_pretrained(model.name_or_path, trust_remote_code=args.trust_remote_code)
+    if args.eos_token is not None and args.eos_token not in processing_class.get_vocab():
+        return processing_class
     _, processing_class, added_tokens = clone_chat_template(model, processing_class, path)
     args.chat_template_path = None
+    if args.eos_token is not None:
+        args.eos_token = processing_class.eos_token
     if added_tokens:
         indices = peft_config.trainable_token_indices
         if indices is None:

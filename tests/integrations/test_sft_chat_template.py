@@ -30,14 +30,14 @@ def _template_source(folder) -> str:
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
 
-def _run(folder: str, template: str, out_dir: str, layout: dict | None, lora: bool) -> dict:
+def _run(folder: str, template: str, out_dir: str, layout: dict | None, lora: bool, **overrides) -> dict:
     import peft
     import transformers
     import trl
 
     import loongforge_hf as lf
 
-    args = sft_config(out_dir, chat_template_path=template, **({"learning_rate": 2e-2} if lora else {}))
+    args = sft_config(out_dir, chat_template_path=template, **({"learning_rate": 2e-2} if lora else {}), **overrides)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     kw = dict(args=args, train_dataset=make_dataset("messages"), processing_class=tokenizer,
               peft_config=peft.LoraConfig(**LORA) if lora else None)
@@ -49,7 +49,9 @@ def _run(folder: str, template: str, out_dir: str, layout: dict | None, lora: bo
         trainer = lf.LoongSFTTrainer(model=model, **kw)
     trainer.train()
     trainer.save_model(out_dir + "/final")
-    out = {"losses": _losses(trainer), "vocab": trainer.model.vocab_size, "tokens": len(trainer.processing_class)}
+    out = {"losses": _losses(trainer), "vocab": trainer.model.vocab_size, "tokens": len(trainer.processing_class),
+           "eos": (trainer.processing_class.eos_token, trainer.model.config.eos_token_id,
+                   trainer.model.generation_config.eos_token_id, args.eos_token)}
     if lora and layout is not None:
         # the trained model's logits against PEFT's with the saved adapter on the resized transformers model
         ids = torch.tensor([[203, 5, 6, 204, 7, 8, 203, 9, 204, 10]])
@@ -102,3 +104,20 @@ def test_clone_chat_template_matches_trl(tmp_path):
         with torch.no_grad():
             logits = loaded(input_ids=got["ids"]).logits
         torch.testing.assert_close(got["logits"], logits, atol=1e-4, rtol=0)
+
+
+def _eos_world(folder: str, template: str, out_dir: str) -> dict:
+    return {name: _run(folder, template, f"{out_dir}/{name}", layout, lora=True, eos_token="tok7")
+            for name, layout in (("trl", None), ("tp1", {}))}
+
+
+def test_eos_token_with_a_cloned_template_and_lora(tmp_path):
+    """SFTConfig(eos_token=...) with a cloned template under LoRA: TRL sets the EOS token, then the clone replaces it
+    with the template's; LoongSFTTrainer (which clones before applying LoRA) ends with the same tokens, ids and
+    losses, and leaves ``args.eos_token`` as given."""
+    src = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    template = _template_source(tmp_path / "template")
+    [got] = run_distributed(_eos_world, 1, str(src), template, str(tmp_path), timeout=400)
+    assert got["trl"]["eos"][0] == "<|im_end|>" and got["trl"]["eos"][3] == "tok7", got["trl"]
+    assert got["tp1"]["eos"] == got["trl"]["eos"], got
+    assert got["tp1"]["losses"] == pytest.approx(got["trl"]["losses"], rel=1e-4)
