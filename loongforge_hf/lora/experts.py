@@ -60,7 +60,8 @@ class LoraGroupedMLP(GroupedMLP):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
         x, probs = routed_inputs(self.config, permuted_local_hidden_states, permuted_probs)
-        adapters = tuple(self.lora[name].low_rank() if name in self.lora else None for name in _STACKS)
+        adapters = tuple(self.lora[name].low_rank() if name in self.lora and not self.__dict__.get("lora_disabled")
+                         else None for name in _STACKS)
         return grouped_gated_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, tokens_per_expert, probs,
                                  adapters=adapters), None
 
@@ -96,7 +97,8 @@ def _lora_router_class(base: type) -> type:
             from megatron.core.transformer.moe.moe_utils import router_gating_linear
 
             adapter = self.lora["router"]
-            weight = self.weight + ((adapter.B @ adapter.A) * adapter.scaling).to(self.weight.dtype)
+            weight = self.weight if self.__dict__.get("lora_disabled") else \
+                self.weight + ((adapter.B @ adapter.A) * adapter.scaling).to(self.weight.dtype)
             router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
                                                                               input.dtype)
             return router_gating_linear(input, weight, self.bias, router_dtype)

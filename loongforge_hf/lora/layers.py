@@ -109,6 +109,8 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         out = super()._forward_impl(input, weight, *args, **kwargs)
+        if self.__dict__.get("lora_disabled"):  # NOTE: inside disable_adapter() (unload.py)
+            return out
         return out + self.lora_delta(input, sequence_parallel=bool(kwargs.get("sequence_parallel")),
                                      allreduce_dgrad=bool(kwargs.get("allreduce_dgrad")))
 
@@ -151,7 +153,7 @@ class LoraRowParallelLinear(RowParallelLinear):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         out = super()._forward_impl(input, weight, *args, **kwargs)
-        return out + self.lora_delta(input)
+        return out if self.__dict__.get("lora_disabled") else out + self.lora_delta(input)
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         tp = _tp_size(self)

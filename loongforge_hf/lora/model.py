@@ -63,6 +63,29 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
             print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
                   f"trainable%: {100 * trainable / total:.4f}")
 
+    def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):
+        """PEFT's: the adapters merged into the base weights and removed; returns this model, now a plain
+        ``LoongModelForCausalLM`` (``unload.py``)."""
+        from loongforge_hf.lora.unload import merge_and_unload
+
+        return merge_and_unload(self, safe_merge=safe_merge, adapter_names=adapter_names)
+
+    def unload(self):
+        """PEFT's: the adapters removed, not merged; returns this model, now a plain ``LoongModelForCausalLM``."""
+        from loongforge_hf.lora.unload import unload
+
+        return unload(self)
+
+    def disable_adapter(self):
+        """PEFT's context manager: the base model's outputs inside the block (``unload.py``)."""
+        from loongforge_hf.lora.unload import disable_adapter
+
+        return disable_adapter(self)
+
+    def get_base_model(self):
+        """PEFT's: the model under the adapters; the adapters live in this model's own layers, so itself."""
+        return self
+
     def save_pretrained(self, save_directory: str | os.PathLike, *, merged: bool = False,
                         max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
                         side_files_dir: str | os.PathLike | None = None, **unused) -> None:

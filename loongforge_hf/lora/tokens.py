@@ -75,6 +75,8 @@ class TrainableTokens(nn.Module):
 
     def replace(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """``embeddings`` ([s, b, H], or this rank's sequence slice under SP) with the listed tokens' rows replaced."""
+        if self.__dict__.get("lora_disabled"):  # NOTE: inside disable_adapter() (unload.py)
+            return embeddings
         position = self.slot[input_ids].transpose(0, 1).contiguous()  # [s, b]
         if embeddings.shape[0] != position.shape[0]:  # NOTE: sequence parallel: this rank's slice
             from megatron.core import parallel_state as ps
@@ -117,12 +119,13 @@ def attach_trainable_tokens(model, indices: tuple[int, ...], rows: torch.Tensor 
                                   vocab_rows=model.megatron.padded_vocab,
                                   sequence_parallel=bool(chunk.config.sequence_parallel))
         chunk.embedding.token_adapter = adapter
-        chunk.embedding.register_forward_hook(_replace_output, with_kwargs=True)
+        chunk.embedding.token_adapter_hook = chunk.embedding.register_forward_hook(_replace_output, with_kwargs=True)
 
 
-def token_adapters(model) -> list[TrainableTokens]:
-    return [c.embedding.token_adapter for c in model.chunks
-            if getattr(c, "pre_process", False) and hasattr(c.embedding, "token_adapter")]
+def token_embeddings(model) -> list:
+    """The embedding modules of ``model`` that carry a ``TrainableTokens`` (the first stage's)."""
+    return [c.embedding for c in model.chunks
+            if getattr(c, "pre_process", False) and "token_adapter" in c.embedding._modules]
 
 
 def merged_token_rows(model):

@@ -1,0 +1,92 @@
+"""PEFT's ``merge_and_unload`` / ``unload`` / ``disable_adapter`` on a ``LoongLoraModelForCausalLM``.
+
+Choices:
+- ``merge_and_unload`` adds ``scaling * B @ A`` into every adapted weight (float32 product added in the weight's
+  dtype, as the merged export does), writes the trained token rows into the embedding, then removes the adapters:
+  each adapted megatron module gets its own class back (the LoRA classes are direct subclasses of megatron's), loses
+  its ``lora`` child, and the model becomes a ``LoongModelForCausalLM`` again, in place. The base parameters keep
+  their ``requires_grad`` (frozen but for ``modules_to_save``, as after PEFT's), so the result saves as a plain HF
+  checkpoint or trains on.
+- ``unload`` removes the adapters without merging them (the base model as it was, but for ``modules_to_save``, which
+  are trained in place here: PEFT keeps their originals, this model does not).
+- ``disable_adapter()`` (a context manager) runs the base model: every adapter and trainable token row is skipped.
+  With ``modules_to_save`` it is refused: those tensors are trained in place, the originals PEFT would switch back
+  to are not kept.
+- All three refuse a model held by a training engine (its gradient buffers and optimizer hold the adapters), so
+  release the engine first (``trainer.engine.release()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def _check_free(model, what: str) -> None:
+    if model._held_by_engine():
+        raise TypeError(f"{what}: this model is held by a training engine (its gradient buffers and optimizer hold "
+                        "the adapters); release it first (trainer.engine.release()).")
+
+
+def _lora_modules(model) -> list:
+    return [m for chunk in model.chunks for m in chunk.modules() if "lora" in m._modules]
+
+
+def merge_and_unload(model, *, safe_merge: bool = False, adapter_names=None):
+    """Merge the adapters into the base weights and remove them; returns ``model`` (a ``LoongModelForCausalLM``)."""
+    from loongforge_hf.lora.export import _lora_deltas
+    from loongforge_hf.lora.tokens import merged_token_rows
+
+    _check_free(model, "merge_and_unload")
+    if adapter_names not in (None, ["default"]):
+        raise ValueError(f"merge_and_unload(adapter_names={adapter_names!r}): this model has one adapter, 'default'.")
+    with torch.no_grad():
+        merged = [(weight, weight + delta.to(weight.dtype)) for weight, delta in _lora_deltas(model)]
+        merged += [(weight, weight.index_copy(0, rows, values.to(weight.dtype)))
+                   for weight, rows, values in merged_token_rows(model)]
+        if safe_merge and not all(bool(torch.isfinite(new).all()) for _, new in merged):
+            raise ValueError("merge_and_unload(safe_merge=True): the merged weights have NaN or inf values; the "
+                             "adapters seem to be broken. Nothing was merged.")
+        for weight, new in merged:
+            weight.copy_(new)
+    return unload(model)
+
+
+def unload(model):
+    """Remove the adapters without merging them; returns ``model`` (a ``LoongModelForCausalLM``)."""
+    from loongforge_hf.lora.tokens import token_embeddings
+    from loongforge_hf.modeling import LoongModelForCausalLM
+
+    _check_free(model, "unload")
+    for module in _lora_modules(model):
+        del module.lora
+        module.__dict__.pop("lora_layout", None)
+        module.__class__ = type(module).__mro__[1]
+    for embedding in token_embeddings(model):
+        embedding.token_adapter_hook.remove()
+        del embedding.token_adapter
+        del embedding.token_adapter_hook
+    model.__class__ = LoongModelForCausalLM
+    for name in ("lora_config", "lora_plan"):
+        model.__dict__.pop(name, None)
+    return model
+
+
+@contextlib.contextmanager
+def disable_adapter(model):
+    """The base model inside the block: adapters and trainable token rows skipped."""
+    from loongforge_hf.lora.tokens import token_embeddings
+
+    if model.lora_plan.saved:
+        raise ValueError("disable_adapter: this model trains modules_to_save "
+                         f"({[s.hf_name for s in model.lora_plan.saved]}) in place; their original values, which "
+                         "PEFT switches back to, are not kept.")
+    switched = _lora_modules(model) + [e.token_adapter for e in token_embeddings(model)]
+    for module in switched:
+        module.lora_disabled = True
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.lora_disabled = False

@@ -1,0 +1,99 @@
+"""PEFT's ``disable_adapter()``, ``merge_and_unload()`` and ``unload()`` on a loongforge LoRA model, against PEFT on
+the transformers model (same LoraConfig after the same seed, fp32, logits within 1e-4):
+
+- inside ``disable_adapter()`` the logits are the base model's (and PEFT's inside its own), outside they are the
+  adapted ones again; with ``modules_to_save`` it is refused (those tensors are trained in place here);
+- ``merge_and_unload()`` gives PEFT's merged logits and leaves a plain ``LoongModelForCausalLM`` (no adapter
+  parameter, the same number of trainable parameters as PEFT's merged model), whose export loads in transformers
+  with those logits; ``unload()`` gives the base model's logits;
+- a Llama with q/v adapters and trainable token rows at TP1 and TP2, and a Qwen3-MoE with every linear adapted
+  (attention, experts, router) at TP1; a model held by a training engine refuses to merge.
+"""
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+DENSE = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+             trainable_token_indices=[5, 9, 100])
+MOE = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+
+
+def _world(folder: str, out_dir: str, layout: dict, kw: dict) -> dict:
+    import peft
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    from ._lora_checks import lora_pair
+
+    ids = torch.randint(4, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids[0, :3] = torch.tensor([5, 9, 100])
+
+    def diff(a, b):
+        return float((a - b).abs().max())
+
+    model, hf, ref = lora_pair(folder, layout, kw)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    out = {}
+    with torch.no_grad():
+        base_logits, adapted = base(input_ids=ids).logits, ref(input_ids=ids).logits
+        with model.disable_adapter(), ref.disable_adapter():
+            out["disabled"] = (diff(model(input_ids=ids).logits, base_logits), diff(ref(input_ids=ids).logits,
+                                                                                    base_logits))
+        out["enabled_again"] = diff(model(input_ids=ids).logits, adapted)
+        out["adapted_vs_base"] = diff(adapted, base_logits)
+        merged = model.merge_and_unload()
+        ref_merged = ref.merge_and_unload()
+        out["merged"] = diff(merged(input_ids=ids).logits, ref_merged(input_ids=ids).logits)
+    out["type"] = type(merged).__name__
+    out["adapter_params"] = [n for n, _ in merged.named_parameters() if "lora" in n or "token_adapter" in n]
+    out["trainable"] = (sum(p.requires_grad for p in merged.parameters()) if layout == {} else None,
+                        sum(p.requires_grad for p in ref_merged.parameters()))
+    merged.save_pretrained(f"{out_dir}/merged")
+    with torch.no_grad():
+        out["merged_logits"] = merged(input_ids=ids).logits
+    out["ids"] = ids
+
+    model, _, _ = lora_pair(folder, layout, kw)
+    with torch.no_grad():
+        out["unloaded"] = diff(model.unload()(input_ids=ids).logits, base_logits)
+
+    model = get_peft_model(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout),
+                           peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["norm"]))
+    try:
+        with model.disable_adapter():
+            pass
+    except ValueError as err:
+        out["saved_refused"] = str(err)
+    MegatronEngine(model, args=transformers.TrainingArguments(out_dir + "/engine", use_cpu=True, report_to=[]))
+    try:
+        model.merge_and_unload()
+    except TypeError as err:
+        out["held"] = str(err)
+    return out
+
+
+@pytest.mark.parametrize("arch, kw, layout", [
+    ("llama", DENSE, {}), ("llama", DENSE, {"tensor_parallel_size": 2}), ("qwen3_moe", MOE, {}),
+], ids=["llama-tp1", "llama-tp2", "qwen3_moe-tp1"])
+def test_disable_merge_unload_match_peft(tmp_path, arch, kw, layout):
+    import transformers
+
+    folder = make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False)
+    ranks = layout.get("tensor_parallel_size", 1)
+    got = run_distributed(_world, ranks, str(folder), str(tmp_path / "out"), layout, kw, timeout=400)[0]
+    assert got["adapted_vs_base"] > 1e-2, got  # the adapters change the logits: the checks below mean something
+    assert max(got["disabled"]) < 1e-4 and got["enabled_again"] < 1e-4, got
+    assert got["merged"] < 1e-4 and got["unloaded"] < 1e-4, got
+    assert got["type"] == "LoongModelForCausalLM" and got["adapter_params"] == [], got
+    if layout == {}:
+        assert got["trainable"][0] == got["trainable"][1], got
+    assert "modules_to_save" in got["saved_refused"] and "training engine" in got["held"], got
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=got["ids"]).logits, got["merged_logits"], atol=1e-4, rtol=0)
