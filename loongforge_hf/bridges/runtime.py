@@ -106,9 +106,12 @@ def local_logits_token_stats(local_logits: torch.Tensor, labels: torch.Tensor, *
 
 
 def output_weight(head: torch.nn.Module) -> torch.Tensor:
-    """The TP-local ``[V_local, h]`` output weight of a language model: the embedding's when tied."""
+    """The TP-local ``[V_local, h]`` output weight of a language model: the embedding's when tied (with LoRA's
+    trainable token rows where they are trained: ``lora/tokens.py``)."""
     if head.share_embeddings_and_output_weights:
-        return head.shared_embedding_or_output_weight()
+        weight = head.shared_embedding_or_output_weight()
+        adapter = head.embedding._modules.get("token_adapter") if getattr(head, "pre_process", False) else None
+        return weight if adapter is None else adapter.head_weight(weight)
     return head.output_layer.weight
 
 

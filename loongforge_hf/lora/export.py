@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from loongforge_hf.bridges.distribution import broadcast_outcome, gather_to_first, recv_tensor, send_tensor
 from loongforge_hf.lora.expert_export import expert_adapter_tensors
-from loongforge_hf.lora.tokens import DELTA, peft_names, vocab_resized
+from loongforge_hf.lora.tokens import DELTA, peft_names, tied_head_delta, vocab_resized
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -171,8 +171,9 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
                                         shapes={hf_name: shape}, dtype=dtype))
     out.update(expert_adapter_tensors(model, plan.targets, streamer, dtype))
     whole = [(s, f"base_model.model.{s.hf_name}") for s in plan.saved]
+    tied = model.bridge.tied
     if vocab_resized(model):
-        names = peft_names(plan)
+        names = peft_names(plan, tied)
         carried = vocabulary_tensors(model, set(names) - {s.hf_name for s in plan.saved})
         whole += [(s, names[s.hf_name]) for s in carried]
     for s, hf_name in whole:
@@ -182,15 +183,19 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
             return {hf_name: s.mapping.export(shards, streamer.ctx, s.layer)[s.hf_name]}
         out.update(streamer.collect(owner_pp, vp, name, split=s.mapping.tp_split is not None, export=export,
                                     shapes={hf_name: plan.hf_shapes[s.hf_name]}, dtype=dtype))
-    if model.bridge.tied and vocab_resized(model) and streamer.rank == 0:
-        embedding = out.get(peft_names(plan)[f"{plan.embedding_name}.weight"])
+    if tied and vocab_resized(model) and streamer.rank == 0:
+        names = peft_names(plan, tied)
+        embedding = out.get(names[f"{plan.embedding_name}.weight"])
         if embedding is not None:  # NOTE: PEFT writes the tied LM head under its own name too
-            out["base_model.model.lm_head.weight"] = embedding
+            out[names["lm_head.weight"]] = embedding.clone()  # NOTE: safetensors refuses shared storage
     if plan.token_indices:
         hf_name = f"base_model.model.{plan.embedding_name}.{DELTA}"
         shape = (len(plan.token_indices), model.config.hidden_size)
         out.update(streamer.collect(0, 0, f"embedding.{DELTA}", split=False, export=lambda shards: {hf_name: shards[0]},
                                     shapes={hf_name: shape}, dtype=dtype))
+        head_delta = tied_head_delta(plan, tied, vocab_resized(model))
+        if head_delta is not None and hf_name in out:
+            out[head_delta] = out[hf_name].clone()
     return out
 
 

@@ -114,7 +114,7 @@ class _AdapterReader:
 def _check_tensors(folder: Path, model, plan, tensors: dict[str, torch.Tensor]):
     """(the (A, B) of every target in float32, the trainable token rows or None, {HF name: PEFT name} of the resized
     embedding layers the file carries); one error listing every missing or misshapen tensor."""
-    from loongforge_hf.lora.tokens import DELTA, peft_names
+    from loongforge_hf.lora.tokens import DELTA, peft_names, tied_head_delta
 
     expected = {}
     for t in plan.targets:
@@ -126,9 +126,12 @@ def _check_tensors(folder: Path, model, plan, tensors: dict[str, torch.Tensor]):
     if plan.token_indices:
         expected[delta] = (len(plan.token_indices), model.config.hidden_size)
     # NOTE: PEFT writes the embedding layers whole when the vocabulary was resized: optional, but at this size
-    vocabulary = {hf: name for hf, name in peft_names(plan).items() if name in tensors}
+    vocabulary = {hf: name for hf, name in peft_names(plan, model.bridge.tied).items() if name in tensors}
     for hf, name in vocabulary.items():
         expected.setdefault(name, tuple(plan.hf_shapes.get(hf, plan.hf_shapes[f"{plan.embedding_name}.weight"])))
+    head_delta = tied_head_delta(plan, model.bridge.tied, True)
+    if head_delta in tensors:  # NOTE: a tied LM head's copy of the trained rows: the same tensor
+        expected[head_delta] = (len(plan.token_indices), model.config.hidden_size)
     problems = []
     for name, shape in expected.items():
         found = tensors.get(name)

@@ -196,6 +196,9 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         raise LoraConfigError("LoRA on the routed experts is not supported with FP8 experts (fp8='on' / "
                               "'adaptive' or a Transformer Engine recipe); load the model without fp8, or adapt "
                               "only the attention projections.")
+    from loongforge_hf.lora.tokens import check_tied_layout
+
+    check_tied_layout(model, plan.token_indices)
     for (vp, path), members in groups.items():  # every target adaptable before anything changes
         module, kind = model.chunks[vp].get_submodule(path), members[0][0].kind
         if kind in PARAM_KINDS:

@@ -210,7 +210,7 @@ def plan_lora(bridge, config) -> LoraPlan:
                               f"{type(skeleton).__name__}; targetable: "
                               f"{sorted({n.rsplit('.', 1)[-1] for n in linear_names})} or 'all-linear'.")
 
-    saved = _saved_tensors(config, modules, index, bridge)
+    saved = _saved_tensors(config, modules, index, bridge, output_embedding)
     embedding = skeleton.get_input_embeddings()
     embedding_name = next(n for n, mod in modules if mod is embedding)
     token_indices = token_indices_of(config, bridge, embedding_name)
@@ -243,7 +243,7 @@ def _as_peft_rewrites(config, skeleton, bridge):
     return rewritten
 
 
-def _saved_tensors(config, modules, index, bridge) -> list[SavedTensor]:
+def _saved_tensors(config, modules, index, bridge, skeleton_output=None) -> list[SavedTensor]:
     wanted = list(config.modules_to_save or [])
     if not wanted:
         return []
@@ -258,6 +258,10 @@ def _saved_tensors(config, modules, index, bridge) -> list[SavedTensor]:
                 continue
             seen.add(full)
             entry = index.get(full)
+            if entry is None and bridge.tied and module is skeleton_output:
+                raise LoraConfigError(f"modules_to_save={wanted}: {full} is the embedding's own weight "
+                                      "(tie_word_embeddings=True), which is not supported; train the added tokens' "
+                                      "rows with trainable_token_indices (PEFT ties the LM head's rows to them).")
             if entry is None or not isinstance(entry[0], (Replicated, VocabParallel)):
                 raise LoraConfigError(f"modules_to_save={wanted}: {name} ({full}) is a tensor-parallel linear that "
                                       "megatron fuses with others; modules_to_save supports norms, embed_tokens "

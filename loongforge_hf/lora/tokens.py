@@ -8,9 +8,11 @@ Choices:
   first pipeline stage (n is small) and the embedding module's output rows of those tokens are replaced after it runs
   (a forward hook; under sequence parallelism this rank's sequence slice, the tensor's gradient then all-reduced over
   TP by megatron like a norm's). The replacement is exact (``torch.where``), as PEFT's ``index_copy``.
-- Only the input embedding, of a model with untied embeddings, is supported: PEFT trains the tied LM head's rows with
-  the same tensor (the output GEMM and the fused loss would need them), and names other than the embedding (an
-  ``lm_head`` entry) wrap the LM head. Both are refused with a message.
+- With tied embeddings PEFT's LM head uses the same rows: the output layer's weight (in the logits' GEMM and in the
+  fused loss, ``runtime.output_weight``) is the embedding with those rows replaced (``index_copy``, as PEFT), on this
+  TP rank's vocabulary slice. Not under pipeline parallelism (the last stage's copy of the embedding would need its
+  own rows kept equal to the first stage's): refused there with a message, as is an entry naming another layer than
+  the embedding (an ``lm_head`` entry: PEFT wraps the LM head on its own then).
 - Adapter files as PEFT writes them: ``base_model.model.<embedding>.token_adapter.trainable_tokens_delta``; and where
   the vocabulary differs from the source's config (resized since load), the whole embedding and LM head
   (``base_model.model.<embedding>.weight``, ``.token_adapter.base_layer.weight`` when wrapped, and
@@ -19,6 +21,8 @@ Choices:
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -47,10 +51,6 @@ def token_indices_of(config, bridge, embedding_name: str) -> tuple[int, ...]:
     if bad or len(set(indices)) != len(indices):
         raise LoraConfigError(f"trainable_token_indices: {bad or 'repeated indices'}: expected distinct token ids in "
                               f"[0, {vocab}).")
-    if bridge.tied:
-        raise LoraConfigError("trainable_token_indices on a model with tied embeddings (tie_word_embeddings=True) is "
-                              "not supported: PEFT trains the LM head's rows of those tokens too. Train the model "
-                              "fully, or resize an untied model.")
     saved = config.modules_to_save or []
     if any(embedding_name.endswith(m) for m in saved):
         raise LoraConfigError(f"The embedding layer is already trained fully (modules_to_save={saved}); give either "
@@ -72,6 +72,31 @@ class TrainableTokens(nn.Module):
         slot = torch.full((vocab_rows,), -1, dtype=torch.long, device=rows.device)
         slot[list(indices)] = torch.arange(len(indices), device=rows.device)
         self.register_buffer("slot", slot, persistent=False)
+        # NOTE: this TP rank's rows of a vocabulary-parallel weight and the trained rows they take (tied LM head)
+        from megatron.core import parallel_state as ps
+
+        per_rank = vocab_rows // ps.get_tensor_model_parallel_world_size()
+        start = ps.get_tensor_model_parallel_rank() * per_rank
+        local = [(k, i - start) for k, i in enumerate(indices) if start <= i < start + per_rank]
+        self.register_buffer("local_slots", torch.tensor([k for k, _ in local], dtype=torch.long,
+                                                         device=rows.device), persistent=False)
+        self.register_buffer("local_rows", torch.tensor([r for _, r in local], dtype=torch.long,
+                                                        device=rows.device), persistent=False)
+
+    def head_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A tied LM head's weight (this rank's ``[V_local, H]`` slice of the embedding) with the rows replaced."""
+        if self.__dict__.get("lora_disabled"):
+            return weight
+        rows = self.trainable_tokens_delta
+        if not rows.sequence_parallel:
+            # NOTE: each TP rank's LM head gives the gradient of its own vocabulary rows: summed over TP here (identity
+            # forward, all-reduce backward); under SP megatron all-reduces the whole gradient (embedding shares too)
+            from megatron.core import parallel_state as ps
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+            if ps.get_tensor_model_parallel_world_size() > 1:
+                rows = copy_to_tensor_model_parallel_region(rows)
+        return weight.index_copy(0, self.local_rows, rows[self.local_slots].to(weight.dtype))
 
     def replace(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """``embeddings`` ([s, b, H], or this rank's sequence slice under SP) with the listed tokens' rows replaced."""
@@ -90,6 +115,18 @@ class TrainableTokens(nn.Module):
 def _replace_output(module, args, kwargs, output):
     input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
     return module.token_adapter.replace(input_ids, output)
+
+
+def _tied_head_weight(adapter: TrainableTokens, layer, args, kwargs):
+    """The output layer's ``weight`` argument (the tied embedding's) with the trained rows, but where the layer's
+    forward is the fused loss's stand-in (``output_layer.hidden_states_out``: the loss takes ``runtime.output_weight``
+    instead, which applies them too)."""
+    from loongforge_hf.bridges.output_layer import _pass_hidden_states
+
+    patched = layer.__dict__.get("forward")
+    if kwargs.get("weight") is None or getattr(patched, "__func__", None) is _pass_hidden_states:
+        return None
+    return args, {**kwargs, "weight": adapter.head_weight(kwargs["weight"])}
 
 
 def embedding_rows(weight: torch.Tensor, indices: tuple[int, ...]) -> torch.Tensor:
@@ -120,6 +157,18 @@ def attach_trainable_tokens(model, indices: tuple[int, ...], rows: torch.Tensor 
                                   sequence_parallel=bool(chunk.config.sequence_parallel))
         chunk.embedding.token_adapter = adapter
         chunk.embedding.token_adapter_hook = chunk.embedding.register_forward_hook(_replace_output, with_kwargs=True)
+        if getattr(chunk, "share_embeddings_and_output_weights", False) and getattr(chunk, "post_process", False):
+            chunk.output_layer.token_adapter_hook = chunk.output_layer.register_forward_pre_hook(
+                functools.partial(_tied_head_weight, adapter), with_kwargs=True)
+
+
+def check_tied_layout(model, indices: tuple[int, ...]) -> None:
+    """Refuse (every rank alike, before any change) trainable tokens of a tied model under pipeline parallelism."""
+    if indices and model.bridge.tied and model.parallel.pipeline_parallel_size > 1:
+        raise LoraConfigError(f"trainable_token_indices on a model with tied embeddings is not supported with "
+                              f"pipeline_parallel_size={model.parallel.pipeline_parallel_size} (the last stage's copy "
+                              "of the embedding, the LM head, would need the trained rows too); use "
+                              "pipeline_parallel_size=1 or train the model fully.")
 
 
 def token_embeddings(model) -> list:
@@ -150,10 +199,16 @@ def vocab_resized(model) -> bool:
     return at_load is not None and at_load != model.config.vocab_size
 
 
-def peft_names(plan) -> dict[str, str]:
-    """{HF parameter: its name in a PEFT adapter file} of the embedding layers written with a resized vocabulary."""
+def peft_names(plan, tied: bool) -> dict[str, str]:
+    """{HF parameter: its name in a PEFT adapter file} of the embedding layers written with a resized vocabulary (a
+    tied LM head is wrapped like the embedding when tokens are trained; PEFT then writes its rows too:
+    ``tied_head_delta``)."""
     wrapped, embedding_name = bool(plan.token_indices), plan.embedding_name
-    names = {f"{embedding_name}.weight": f"base_model.model.{embedding_name}."
-                                         + ("token_adapter.base_layer.weight" if wrapped else "weight")}
-    names["lm_head.weight"] = "base_model.model.lm_head.weight"
-    return names
+    base = "token_adapter.base_layer.weight" if wrapped else "weight"
+    return {f"{embedding_name}.weight": f"base_model.model.{embedding_name}.{base}",
+            "lm_head.weight": f"base_model.model.lm_head.{base if tied else 'weight'}"}
+
+
+def tied_head_delta(plan, tied: bool, resized: bool) -> str | None:
+    """The name PEFT writes a tied LM head's copy of the trained rows under (with a resized vocabulary), or None."""
+    return "base_model.model.lm_head." + DELTA if plan.token_indices and tied and resized else None

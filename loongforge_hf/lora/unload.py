@@ -67,6 +67,11 @@ def unload(model):
         embedding.token_adapter_hook.remove()
         del embedding.token_adapter
         del embedding.token_adapter_hook
+    for chunk in model.chunks:  # NOTE: a tied LM head's hook (tokens.py)
+        handle = getattr(getattr(chunk, "output_layer", None), "token_adapter_hook", None)
+        if handle is not None:
+            handle.remove()
+            del chunk.output_layer.token_adapter_hook
     model.__class__ = LoongModelForCausalLM
     for name in ("lora_config", "lora_plan"):
         model.__dict__.pop(name, None)

@@ -9,8 +9,9 @@ the transformers model (fp32):
 - resized in place (203 -> 210 tokens) before LoRA: the adapter carries the embedding layers, as PEFT's does, so PEFT
   on a transformers model resized to 210 reproduces our logits though its own resize drew other rows; loading that
   adapter onto a model that was not resized fails with the resize to do;
-- refused with a message: tied embeddings, an ``lm_head`` entry, the embedding in ``modules_to_save`` as well, token
-  ids outside the vocabulary.
+- Llama (untied) and Qwen3 with tied embeddings (the LM head's rows of the tokens are the trained ones too, as with
+  PEFT's tied adapter); refused with a message: an ``lm_head`` entry, the embedding in ``modules_to_save`` as well,
+  token ids outside the vocabulary, and tied embeddings under pipeline parallelism (nothing attached).
 """
 
 import pytest
@@ -44,12 +45,17 @@ def _pair_world(folder: str, out_dir: str, layout: dict) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def base210(tmp_path_factory):
+ARCHS = {"llama": ("llama", False), "qwen3-tied": ("qwen3", True)}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def base210(request, tmp_path_factory):
+    """(source checkpoint, the same resized to 210 tokens by transformers)."""
     import transformers
 
+    arch, tied = ARCHS[request.param]
     tmp = tmp_path_factory.mktemp("tokens")
-    src = make_tiny_checkpoint(tmp / "llama", "llama", tokenizer=False)
+    src = make_tiny_checkpoint(tmp / arch, arch, tokenizer=False, tie_word_embeddings=tied)
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     hf.resize_token_embeddings(210)
     hf.save_pretrained(tmp / "base210")
@@ -58,6 +64,7 @@ def base210(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
 def test_trainable_tokens_match_peft(base210, tmp_path, layout):
+    """With tied embeddings the LM head's rows of the tokens are the trained ones too (PEFT's tied adapter)."""
     from safetensors.torch import load_file
 
     ranks = layout.get("tensor_parallel_size", 1)
@@ -101,6 +108,8 @@ def _resized_world(src: str, out_dir: str, peft_dir: str) -> dict:
 
 
 def test_adapter_of_a_resized_vocabulary_matches_peft(base210, tmp_path):
+    """The adapter file has PEFT's tensor names and shapes (with tied embeddings PEFT writes the LM head's base
+    weight and trained rows too)."""
     import peft
     import transformers
     from safetensors.torch import load_file
@@ -130,12 +139,12 @@ def test_adapter_of_a_resized_vocabulary_matches_peft(base210, tmp_path):
 
 
 @pytest.mark.parametrize("arch, kw, match", [
-    ("qwen3_tied", {"trainable_token_indices": [5, 6]}, "tied embeddings"),
     ("llama", {"trainable_token_indices": {"lm_head": [5]}}, "only the input embedding"),
     ("llama", {"trainable_token_indices": [5], "modules_to_save": ["embed_tokens"]}, "not both"),
     ("llama", {"trainable_token_indices": [5, 203]}, r"\[203\]"),
 ])
 def test_refused(tmp_path, arch, kw, match):
+    """Refused when the plan is made (every rank alike, before any change)."""
     import peft
 
     from loongforge_hf.lora.plan import LoraConfigError, plan_lora
@@ -143,9 +152,7 @@ def test_refused(tmp_path, arch, kw, match):
 
     from transformers import AutoConfig
 
-    tied = arch.endswith("_tied")
-    folder = make_tiny_checkpoint(tmp_path / arch, arch.removesuffix("_tied"), tokenizer=False,
-                                  tie_word_embeddings=tied)
+    folder = make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False)
     with pytest.raises(LoraConfigError, match=match):
         plan_lora(get_bridge(AutoConfig.from_pretrained(folder)),
                   peft.LoraConfig(r=2, target_modules=["q_proj"], **kw))
@@ -164,3 +171,49 @@ def test_trainable_tokens_resume_from_a_checkpoint(tmp_path):
     src = make_tiny_checkpoint(tmp_path / "llama", "llama")
     got = run_distributed(_resume_world, 2, str(src), str(tmp_path / "run"), timeout=400)[0]
     assert got["resumed"] == got["full"] and len(got["full"]) == 4, got
+
+
+def _tied_pp2_world(folder: str) -> str:
+    import peft
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
+    try:
+        get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], trainable_token_indices=[5]))
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return f"{type(err).__name__}: {err} / lora={any('lora' in n for n, _ in model.named_parameters())}"
+    return "applied"
+
+
+def test_tied_trainable_tokens_refused_under_pipeline_parallelism(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", tokenizer=False, tie_word_embeddings=True)
+    for message in run_distributed(_tied_pp2_world, 2, str(folder), timeout=300):
+        assert message.startswith("LoraConfigError") and "pipeline_parallel_size=2" in message, message
+        assert message.endswith("lora=False"), message  # nothing attached
+
+
+def _layout_world(folder: str, out_dir: str, layouts: dict) -> dict:
+    from ._sft_parity import run_loong
+
+    scenario = {"tokens": ("text", {"learning_rate": 2e-2},
+                           dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                trainable_token_indices=list(range(4, 60))))}
+    return {name: run_loong(folder, f"{out_dir}/{name}", layout, ["tokens"], scenario)["tokens"]["losses"]
+            for name, layout in layouts.items()}
+
+
+def test_tied_trainable_tokens_train_alike_in_every_layout(tmp_path):
+    """Qwen3 with tied embeddings, LoongSFTTrainer with trainable tokens (the rows trained through the embedding and
+    the LM head): TP2 and TP2 with sequence parallelism log TP1's losses (1e-5 relative; TP1's forward and gradients
+    are PEFT's, test_trainable_tokens_match_peft). trl.SFTTrainer itself fails on this model
+    ('TrainableTokensWrapper' object has no attribute 'bias', trl 1.16), so TP1 is the reference."""
+    folder = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", tie_word_embeddings=True)
+    [one] = run_distributed(_layout_world, 1, str(folder), str(tmp_path), {"tp1": {}}, timeout=300)
+    two = run_distributed(_layout_world, 2, str(folder), str(tmp_path),
+                          {"tp2": {"tensor_parallel_size": 2},
+                           "tp2sp": {"tensor_parallel_size": 2, "sequence_parallel": True}}, timeout=400)[0]
+    assert len(one["tp1"]) == 3 and one["tp1"][0] != one["tp1"][-1], one
+    for name in ("tp2", "tp2sp"):
+        assert two[name] == pytest.approx(one["tp1"], rel=1e-5), (name, two[name], one["tp1"])
