@@ -6,8 +6,9 @@ the transformers model (same LoraConfig after the same seed, fp32, logits within
 - ``merge_and_unload()`` gives PEFT's merged logits and leaves a plain ``LoongModelForCausalLM`` (no adapter
   parameter, the same number of trainable parameters as PEFT's merged model), whose export loads in transformers
   with those logits; ``unload()`` gives the base model's logits;
-- a Llama with q/v adapters and trainable token rows at TP1 and TP2, and a Qwen3-MoE with every linear adapted
-  (attention, experts, router) at TP1; a model held by a training engine refuses to merge.
+- a Llama with q/v adapters and trainable token rows at TP1 and TP2, the same on a Qwen3 with tied embeddings at TP2
+  (the LM head's rows trained too), and a Qwen3-MoE with every linear adapted (attention, experts, router) at TP1; a
+  model held by a training engine refuses to merge.
 """
 
 import pytest
@@ -80,11 +81,13 @@ def _world(folder: str, out_dir: str, layout: dict, kw: dict) -> dict:
 
 @pytest.mark.parametrize("arch, kw, layout", [
     ("llama", DENSE, {}), ("llama", DENSE, {"tensor_parallel_size": 2}), ("qwen3_moe", MOE, {}),
-], ids=["llama-tp1", "llama-tp2", "qwen3_moe-tp1"])
+    ("qwen3-tied", DENSE, {"tensor_parallel_size": 2}),
+], ids=["llama-tp1", "llama-tp2", "qwen3_moe-tp1", "qwen3-tied-tp2"])
 def test_disable_merge_unload_match_peft(tmp_path, arch, kw, layout):
     import transformers
 
-    folder = make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False)
+    folder = make_tiny_checkpoint(tmp_path / arch, arch.removesuffix("-tied"), tokenizer=False,
+                                  tie_word_embeddings=arch.endswith("-tied"))
     ranks = layout.get("tensor_parallel_size", 1)
     got = run_distributed(_world, ranks, str(folder), str(tmp_path / "out"), layout, kw, timeout=400)[0]
     assert got["adapted_vs_base"] > 1e-2, got  # the adapters change the logits: the checks below mean something
