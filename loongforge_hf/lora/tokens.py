@@ -156,10 +156,21 @@ def attach_trainable_tokens(model, indices: tuple[int, ...], rows: torch.Tensor 
                                   vocab_rows=model.megatron.padded_vocab,
                                   sequence_parallel=bool(chunk.config.sequence_parallel))
         chunk.embedding.token_adapter = adapter
-        chunk.embedding.token_adapter_hook = chunk.embedding.register_forward_hook(_replace_output, with_kwargs=True)
+        chunk.embedding.register_forward_hook(_replace_output, with_kwargs=True)
         if getattr(chunk, "share_embeddings_and_output_weights", False) and getattr(chunk, "post_process", False):
-            chunk.output_layer.token_adapter_hook = chunk.output_layer.register_forward_pre_hook(
-                functools.partial(_tied_head_weight, adapter), with_kwargs=True)
+            chunk.output_layer.register_forward_pre_hook(functools.partial(_tied_head_weight, adapter),
+                                                         with_kwargs=True)
+
+
+def remove_token_hooks(chunk) -> None:
+    """Remove what ``attach_trainable_tokens`` hooked onto ``chunk`` (found by function, not by a stored handle: a
+    handle of a ``copy.deepcopy``-ed model would still point at the original's hooks)."""
+    for module, kind, ours in ((getattr(chunk, "embedding", None), "_forward_hooks", _replace_output),
+                               (getattr(chunk, "output_layer", None), "_forward_pre_hooks", _tied_head_weight)):
+        hooks = getattr(module, kind, {})
+        for key in [k for k, f in hooks.items() if f is ours or getattr(f, "func", None) is ours]:
+            del hooks[key]
+            getattr(module, kind + "_with_kwargs").pop(key, None)
 
 
 def check_tied_layout(model, indices: tuple[int, ...]) -> None:

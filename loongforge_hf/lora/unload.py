@@ -55,7 +55,7 @@ def merge_and_unload(model, *, safe_merge: bool = False, adapter_names=None):
 
 def unload(model):
     """Remove the adapters without merging them; returns ``model`` (a ``LoongModelForCausalLM``)."""
-    from loongforge_hf.lora.tokens import token_embeddings
+    from loongforge_hf.lora.tokens import remove_token_hooks, token_embeddings
     from loongforge_hf.modeling import LoongModelForCausalLM
 
     _check_free(model, "unload")
@@ -64,14 +64,9 @@ def unload(model):
         module.__dict__.pop("lora_layout", None)
         module.__class__ = type(module).__mro__[1]
     for embedding in token_embeddings(model):
-        embedding.token_adapter_hook.remove()
         del embedding.token_adapter
-        del embedding.token_adapter_hook
-    for chunk in model.chunks:  # NOTE: a tied LM head's hook (tokens.py)
-        handle = getattr(getattr(chunk, "output_layer", None), "token_adapter_hook", None)
-        if handle is not None:
-            handle.remove()
-            del chunk.output_layer.token_adapter_hook
+    for chunk in model.chunks:
+        remove_token_hooks(chunk)
     model.__class__ = LoongModelForCausalLM
     for name in ("lora_config", "lora_plan"):
         model.__dict__.pop(name, None)

@@ -100,3 +100,33 @@ def test_disable_merge_unload_match_peft(tmp_path, arch, kw, layout):
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged", dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=got["ids"]).logits, got["merged_logits"], atol=1e-4, rtol=0)
+
+
+def _copy_world(folder: str) -> dict:
+    import copy
+
+    import peft
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+
+    model = get_peft_model(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                           peft.LoraConfig(**DENSE))
+    ids = torch.tensor([[5, 9, 100, 7, 8]])
+    with torch.no_grad():
+        model.chunks[0].embedding.token_adapter.trainable_tokens_delta.add_(1.0)
+        adapted = model(input_ids=ids).logits
+        twin = copy.deepcopy(model)
+        twin.unload()
+        return {"original_kept": torch.equal(model(input_ids=ids).logits, adapted),
+                "twin_unloaded": not torch.equal(twin(input_ids=ids).logits, adapted),
+                "twin_type": type(twin).__name__, "original_type": type(model).__name__}
+
+
+def test_unloading_a_copy_leaves_the_original(tmp_path):
+    """``copy.deepcopy`` of a LoRA model with trainable tokens (a reference model), then ``unload()`` of the copy: the
+    original keeps its adapters and trainable rows (the copy's hooks are its own)."""
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
+    [got] = run_distributed(_copy_world, 1, str(folder), timeout=300)
+    assert got == {"original_kept": True, "twin_unloaded": True, "twin_type": "LoongModelForCausalLM",
+                   "original_type": "LoongLoraModelForCausalLM"}, got
