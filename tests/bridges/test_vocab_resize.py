@@ -36,7 +36,7 @@ def _resize_world(folder: str, out_dir: str, layout: dict, cases: list) -> dict:
             result = model(input_ids=ids, labels=ids)
         model.save_pretrained(f"{out_dir}/{name}")
         out[name] = {"loss": result.loss.item(), "logits": result.logits, "vocab_size": model.vocab_size,
-                     "returned": type(returned).__name__}
+                     "returned": type(returned).__name__, "after": torch.rand(2)}  # NOTE: each generator moved alike
     return out
 
 
@@ -82,19 +82,22 @@ def _check(src, out, got: dict, new: int, multiple, ids: torch.Tensor) -> None:
         assert torch.equal(ours[kept:], theirs[kept:]), name  # the added rows: transformers' draws, bit for bit
 
 
-@pytest.mark.parametrize("arch, tied, layout, cases", [
-    ("llama", False, {}, [("grow", 263, None, IDS), ("shrink", 150, None, SHRINK_IDS)]),
-    ("qwen3", True, {"tensor_parallel_size": 2}, [("grow", 300, 64, IDS)]),
-    ("qwen3", True, {"pipeline_parallel_size": 2}, [("grow", 263, None, IDS)]),
-    ("llama", False, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, [("grow", 263, 64, IDS)]),
-], ids=["tp1", "tp2-tied", "pp2-tied", "tp2xpp2"])
-def test_resize_matches_transformers(tmp_path, arch, tied, layout, cases):
+@pytest.mark.parametrize("arch, tied, layout, ranks, cases", [
+    ("llama", False, {}, 1, [("grow", 263, None, IDS), ("shrink", 150, None, SHRINK_IDS)]),
+    ("qwen3", True, {"tensor_parallel_size": 2}, 2, [("grow", 300, 64, IDS)]),
+    ("qwen3", True, {"pipeline_parallel_size": 2}, 2, [("grow", 263, None, IDS)]),
+    ("qwen3", True, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, 2, [("grow", 263, None, IDS)]),
+    ("llama", False, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 4, [("grow", 263, 64, IDS)]),
+    ("llama", False, {}, 2, [("grow", 263, None, IDS)]),
+], ids=["tp1", "tp2-tied", "pp2-tied", "pp2-vpp2-tied", "tp2xpp2", "dp2"])
+def test_resize_matches_transformers(tmp_path, arch, tied, layout, ranks, cases):
+    """Every rank draws as rank 0 (dp2: both replicas get transformers' rows)."""
     src = make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False, tie_word_embeddings=tied)
-    ranks = layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1)
     got = run_distributed(_resize_world, ranks, str(src), str(tmp_path / "out"), layout, cases, timeout=400)
     for name, new, multiple, ids in cases:
         for rank in got:
             assert rank[name]["loss"] == pytest.approx(got[0][name]["loss"], rel=1e-6)
+            assert torch.equal(rank[name]["after"], got[0][name]["after"])
         assert got[0][name]["returned"] == "LanguageModelEmbedding"
         _check(src, tmp_path / "out" / name, got[-1][name], new, multiple, ids)
 
