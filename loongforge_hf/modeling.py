@@ -550,7 +550,7 @@ class AutoModelForCausalLM:
         from loongforge_hf.bridges.load_kwargs import (check_device, finish_load, load_config, loading_info,
                                                        sort_load_kwargs)
         from loongforge_hf.bridges.loader import load_into
-        from loongforge_hf.lora.load import adapter_base_model, is_adapter_folder, load_adapter
+        from loongforge_hf.lora.load import adapter_base_model, carried_vocabulary, is_adapter_folder, load_adapter
         from loongforge_hf.parallel import initialize_parallel
 
         # --- local checks: same verdict on every rank, before any collective -------------------------------
@@ -563,8 +563,13 @@ class AutoModelForCausalLM:
             # (with these same arguments, revision included), then the adapter onto it (frozen, as
             # PeftModel.from_pretrained's default).
             loaded = cls.from_pretrained(adapter_base_model(folder), **arguments, **unused)
-            model = load_adapter(loaded[0] if options.output_loading_info else loaded, folder,
-                                 allow_pickle=allow_pickle)
+            base = loaded[0] if options.output_loading_info else loaded
+            vocabulary = carried_vocabulary(folder)
+            if vocabulary is not None and vocabulary != base.vocab_size:
+                # NOTE: saved after a resize (TRL's chat template clone): the adapter carries the whole embedding
+                # and LM head, which overwrite every row the resize makes (PEFT asks the user to resize first)
+                base.resize_token_embeddings(vocabulary)
+            model = load_adapter(base, folder, allow_pickle=allow_pickle)
             return (model, loaded[1]) if options.output_loading_info else model
         te_recipe = None  # a Transformer Engine FP8 recipe: built into the model (kernels/fp8_te.py)
         if fp8 is not None:  # NOTE: FP8 linear layers, see docs/fp8.md

@@ -157,11 +157,29 @@ def _check_tensors(folder: Path, model, plan, tensors: dict[str, torch.Tensor]):
     return pairs, tensors[delta] if plan.token_indices else None, vocabulary
 
 
+_CARRIED_EMBEDDING = ("embed_tokens.weight", "embed_tokens.token_adapter.base_layer.weight")
+
+
+def carried_vocabulary(adapter_dir: str | os.PathLike) -> int | None:
+    """The vocabulary size of the embedding an adapter file carries (saved from a model whose vocabulary was resized,
+    as PEFT saves it), read from the safetensors header only; None when it carries none (or is a pickle file)."""
+    from safetensors import safe_open
+
+    weights = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        return None
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            name = next((n for n in f.keys() if n.endswith(_CARRIED_EMBEDDING)), None)
+            return None if name is None else f.get_slice(name).get_shape()[0]
+    except Exception:  # noqa: BLE001 - an unreadable file is reported by read_adapter, with its reason
+        return None
+
+
 def _check_vocabulary(folder: Path, model, tensors: dict[str, torch.Tensor]) -> None:
     """An adapter saved from a model with a resized vocabulary carries the embedding (PEFT's files and ours): this
     model must have been resized alike first, as with PEFT."""
-    rows = next((t.shape[0] for n, t in tensors.items() if t.dim() == 2 and n.endswith(
-        ("embed_tokens.weight", "embed_tokens.token_adapter.base_layer.weight"))), None)
+    rows = next((t.shape[0] for n, t in tensors.items() if t.dim() == 2 and n.endswith(_CARRIED_EMBEDDING)), None)
     if rows is not None and rows != model.config.vocab_size:
         raise CheckpointError(f"The adapter at {folder} was saved from a model with a vocabulary of {rows} tokens, "
                               f"this model has {model.config.vocab_size}: resize it first, "

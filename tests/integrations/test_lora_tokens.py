@@ -8,7 +8,8 @@ the transformers model (fp32):
   with the same logits;
 - resized in place (203 -> 210 tokens) before LoRA: the adapter carries the embedding layers, as PEFT's does, so PEFT
   on a transformers model resized to 210 reproduces our logits though its own resize drew other rows; loading that
-  adapter onto a model that was not resized fails with the resize to do;
+  adapter onto a model that was not resized fails with the resize to do, while ``from_pretrained(adapter folder)``
+  resizes the base to the carried vocabulary itself (ours and PEFT's folders);
 - Llama (untied) and Qwen3 with tied embeddings (the LM head's rows of the tokens are the trained ones too, as with
   PEFT's tied adapter); refused with a message: an ``lm_head`` entry, the embedding in ``modules_to_save`` as well,
   token ids outside the vocabulary, and tied embeddings under pipeline parallelism (nothing attached).
@@ -104,6 +105,12 @@ def _resized_world(src: str, out_dir: str, peft_dir: str) -> dict:
         load_adapter(lf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), peft_dir)
     except Exception as err:  # noqa: BLE001 - the message is the result
         out["not_resized"] = str(err)
+    # from_pretrained(adapter folder) loads the base, resizes it to the carried vocabulary, then the adapter
+    with torch.no_grad():
+        out["from_peft_folder"] = lf.AutoModelForCausalLM.from_pretrained(peft_dir, dtype=torch.float32)(
+            input_ids=IDS).logits
+        out["from_our_folder"] = lf.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)(
+            input_ids=IDS).logits
     return out
 
 
@@ -136,6 +143,8 @@ def test_adapter_of_a_resized_vocabulary_matches_peft(base210, tmp_path):
     torch.testing.assert_close(got["logits"], logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(got["peft_loaded"], ref_logits, atol=1e-4, rtol=0)
     assert "model.resize_token_embeddings(210)" in got["not_resized"], got["not_resized"]
+    torch.testing.assert_close(got["from_peft_folder"], ref_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got["from_our_folder"], got["logits"], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("arch, kw, match", [
