@@ -465,9 +465,11 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
 
                 shutil.rmtree(base, ignore_errors=True)
 
-    def num_parameters(self, *, only_trainable: bool = False) -> int:
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameters held by this rank; the rows megatron pads the vocabulary with (to a multiple of 128 x TP) are not
-        counted, so one rank of an unsplit model counts what transformers counts."""
+        counted, so one rank of an unsplit model counts what transformers counts. ``exclude_embeddings``: without the
+        input embedding (transformers leaves out its ``nn.Embedding`` weights; a tied LM head is that weight, also as
+        the last pipeline stage's copy of it)."""
         from megatron.core import parallel_state as ps
 
         padded, vocab = self.megatron.padded_vocab, self.config.vocab_size
@@ -475,7 +477,10 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         first = ps.get_tensor_model_parallel_rank() * rows
         pad_rows = max(0, first + rows - max(first, vocab))  # this rank's share of the padding rows
         total = 0
+        embeddings = ("embedding.word_embeddings.weight",) + (("output_layer.weight",) if self.bridge.tied else ())
         for name, p in self.named_parameters():
+            if exclude_embeddings and name.endswith(embeddings):
+                continue
             if p.requires_grad or not only_trainable:
                 total += p.numel()
                 if name.endswith(("embedding.word_embeddings.weight", "output_layer.weight")) and p.shape[0] == rows:

@@ -68,6 +68,11 @@ def model_api_checks(folders: dict, out: str) -> dict:
             refused[sorted(kwargs)[-1]] = f"{type(e).__name__}: {e}"
     res["forward"]["refused"] = refused
     res["num_parameters"] = (model.num_parameters(), ref.num_parameters())
+    tied = lf.AutoModelForCausalLM.from_pretrained(folders["tied"], dtype=torch.float32)
+    tied_ref = transformers.AutoModelForCausalLM.from_pretrained(folders["tied"], dtype=torch.float32)
+    res["num_parameters_variants"] = [(m.num_parameters(*args), r.num_parameters(*args))
+                                      for m, r in ((model, ref), (tied, tied_ref))
+                                      for args in ((True, False), (False, True), (True, True))]
 
     # --- save_pretrained: config / generation config follow the model, dtype follows the tensors ------------------
     model.save_pretrained(out / "same")

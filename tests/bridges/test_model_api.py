@@ -30,7 +30,8 @@ def api(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
     folders = {"qwen3": make_tiny_checkpoint(tmp / "qwen3", "qwen3", vocab_size=203),
                "dropout": make_tiny_checkpoint(tmp / "dropout", "qwen2", tokenizer=False, attention_dropout=0.3),
-               "bf16": make_tiny_checkpoint(tmp / "bf16", "llama", tokenizer=False, dtype=torch.bfloat16)}
+               "bf16": make_tiny_checkpoint(tmp / "bf16", "llama", tokenizer=False, dtype=torch.bfloat16),
+               "tied": make_tiny_checkpoint(tmp / "tied", "qwen3", tokenizer=False, tie_word_embeddings=True)}
     no_dtype = make_tiny_checkpoint(tmp / "no_dtype", "llama", tokenizer=False, dtype=torch.bfloat16)
     cfg = json.loads((no_dtype / "config.json").read_text())
     cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
@@ -75,6 +76,9 @@ def test_forward_keywords_as_transformers(api):
 def test_num_parameters_leaves_out_vocab_padding(api):
     ours, theirs = api[0]["num_parameters"]
     assert ours == theirs
+    # transformers' positional only_trainable and exclude_embeddings (Trainer's floating_point_ops asks for it)
+    for ours, theirs in api[0]["num_parameters_variants"]:
+        assert ours == theirs
 
 
 def test_save_follows_config_changes_and_dtype(api):
