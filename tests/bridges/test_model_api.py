@@ -76,7 +76,7 @@ def test_forward_keywords_as_transformers(api):
 def test_num_parameters_leaves_out_vocab_padding(api):
     ours, theirs = api[0]["num_parameters"]
     assert ours == theirs
-    # transformers' positional only_trainable and exclude_embeddings (Trainer's floating_point_ops asks for it)
+    # transformers' positional only_trainable and exclude_embeddings (what its floating_point_ops and users ask)
     for ours, theirs in api[0]["num_parameters_variants"]:
         assert ours == theirs
 
