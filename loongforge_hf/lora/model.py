@@ -49,6 +49,7 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
 
     lora_config: object
     lora_plan: LoraPlan
+    lora_originals: list  # (modules_to_save parameter, its value before training): unload.py
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable, all) parameters of the whole model, counted as PEFT counts them on the HF model."""
@@ -232,9 +233,12 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             adapters[t.name].stacked_layers = tuple(sorted(carriers[(t.megatron_module, t.name)]))
         attach_adapters(module, adapters, layout)
 
+    originals = []  # NOTE: modules_to_save train in place; PEFT keeps the originals (disable_adapter, unload)
     for saved in plan.saved:
         for chunk, name in megatron_params_of(model, saved, owners, pp_rank):
-            dict(chunk.named_parameters())[name].requires_grad_(True)
+            param = dict(chunk.named_parameters())[name]
+            param.requires_grad_(True)
+            originals.append((param, param.detach().clone()))
     if plan.token_indices:
         from loongforge_hf.lora.tokens import attach_trainable_tokens
 
@@ -247,6 +251,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     model.__class__ = LoongLoraModelForCausalLM
     model.lora_config = copy.deepcopy(plan.config)
     model.lora_plan = plan
+    model.lora_originals = originals
     return model
 
 

@@ -7,11 +7,12 @@ Choices:
   its ``lora`` child, and the model becomes a ``LoongModelForCausalLM`` again, in place. The base parameters keep
   their ``requires_grad`` (frozen but for ``modules_to_save``, as after PEFT's), so the result saves as a plain HF
   checkpoint or trains on.
-- ``unload`` removes the adapters without merging them (the base model as it was, but for ``modules_to_save``, which
-  are trained in place here: PEFT keeps their originals, this model does not).
-- ``disable_adapter()`` (a context manager) runs the base model: every adapter and trainable token row is skipped.
-  With ``modules_to_save`` it is refused: those tensors are trained in place, the originals PEFT would switch back
-  to are not kept.
+- ``modules_to_save`` train in place; their values at ``get_peft_model`` (or ``load_adapter``) are kept aside, as
+  PEFT keeps the original modules beside the trained copies (``lora_originals``: one more copy of those tensors).
+  ``unload`` removes the adapters without merging them and puts those originals back: the base model as it was.
+- ``disable_adapter()`` (a context manager) runs the base model: every adapter and trainable token row is skipped
+  and the ``modules_to_save`` tensors hold their originals inside the block (copied in and back, so megatron's
+  buffers and the optimizer keep their tensors).
 - All three refuse a model held by a training engine (its gradient buffers and optimizer hold the adapters), so
   release the engine first (``trainer.engine.release()``).
 """
@@ -50,15 +51,24 @@ def merge_and_unload(model, *, safe_merge: bool = False, adapter_names=None):
                              "adapters seem to be broken. Nothing was merged.")
         for weight, new in merged:
             weight.copy_(new)
-    return unload(model)
+    return _remove_adapters(model, restore_saved=False)  # NOTE: PEFT keeps the trained modules_to_save copies
 
 
 def unload(model):
-    """Remove the adapters without merging them; returns ``model`` (a ``LoongModelForCausalLM``)."""
+    """Remove the adapters without merging them, ``modules_to_save`` back to their originals; returns ``model`` (a
+    ``LoongModelForCausalLM``)."""
+    _check_free(model, "unload")
+    return _remove_adapters(model, restore_saved=True)
+
+
+def _remove_adapters(model, *, restore_saved: bool):
     from loongforge_hf.lora.tokens import remove_token_hooks, token_embeddings
     from loongforge_hf.modeling import LoongModelForCausalLM
 
-    _check_free(model, "unload")
+    if restore_saved:
+        with torch.no_grad():
+            for param, original in model.lora_originals:
+                param.copy_(original)
     for module in _lora_modules(model):
         del module.lora
         module.__dict__.pop("lora_layout", None)
@@ -68,7 +78,7 @@ def unload(model):
     for chunk in model.chunks:
         remove_token_hooks(chunk)
     model.__class__ = LoongModelForCausalLM
-    for name in ("lora_config", "lora_plan"):
+    for name in ("lora_config", "lora_plan", "lora_originals"):
         model.__dict__.pop(name, None)
     return model
 
@@ -78,11 +88,11 @@ def disable_adapter(model):
     """The base model inside the block: adapters and trainable token rows skipped."""
     from loongforge_hf.lora.tokens import token_embeddings
 
-    if model.lora_plan.saved:
-        raise ValueError("disable_adapter: this model trains modules_to_save "
-                         f"({[s.hf_name for s in model.lora_plan.saved]}) in place; their original values, which "
-                         "PEFT switches back to, are not kept.")
     switched = _lora_modules(model) + [e.token_adapter for e in token_embeddings(model)]
+    with torch.no_grad():
+        trained = [(param, param.detach().clone()) for param, _ in model.lora_originals]
+        for param, original in model.lora_originals:
+            param.copy_(original)
     for module in switched:
         module.lora_disabled = True
     try:
@@ -90,3 +100,6 @@ def disable_adapter(model):
     finally:
         for module in switched:
             module.lora_disabled = False
+        with torch.no_grad():
+            for param, values in trained:
+                param.copy_(values)

@@ -2,7 +2,8 @@
 the transformers model (same LoraConfig after the same seed, fp32, logits within 1e-4):
 
 - inside ``disable_adapter()`` the logits are the base model's (and PEFT's inside its own), outside they are the
-  adapted ones again; with ``modules_to_save`` it is refused (those tensors are trained in place here);
+  adapted ones again; with trained ``modules_to_save`` too (their originals inside the block, as PEFT's original
+  modules; ``unload()`` puts them back, ``merge_and_unload()`` keeps the trained ones, as PEFT);
 - ``merge_and_unload()`` gives PEFT's merged logits and leaves a plain ``LoongModelForCausalLM`` (no adapter
   parameter, the same number of trainable parameters as PEFT's merged model), whose export loads in transformers
   with those logits; ``unload()`` gives the base model's logits;
@@ -66,11 +67,6 @@ def _world(folder: str, out_dir: str, layout: dict, kw: dict) -> dict:
 
     model = get_peft_model(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout),
                            peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["norm"]))
-    try:
-        with model.disable_adapter():
-            pass
-    except ValueError as err:
-        out["saved_refused"] = str(err)
     MegatronEngine(model, args=transformers.TrainingArguments(out_dir + "/engine", use_cpu=True, report_to=[]))
     try:
         model.merge_and_unload()
@@ -96,7 +92,7 @@ def test_disable_merge_unload_match_peft(tmp_path, arch, kw, layout):
     assert got["type"] == "LoongModelForCausalLM" and got["adapter_params"] == [], got
     if layout == {}:
         assert got["trainable"][0] == got["trainable"][1], got
-    assert "modules_to_save" in got["saved_refused"] and "training engine" in got["held"], got
+    assert "training engine" in got["held"], got
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged", dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=got["ids"]).logits, got["merged_logits"], atol=1e-4, rtol=0)
@@ -130,3 +126,59 @@ def test_unloading_a_copy_leaves_the_original(tmp_path):
     [got] = run_distributed(_copy_world, 1, str(folder), timeout=300)
     assert got == {"original_kept": True, "twin_unloaded": True, "twin_type": "LoongModelForCausalLM",
                    "original_type": "LoongLoraModelForCausalLM"}, got
+
+
+SAVED = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+             modules_to_save=["post_attention_layernorm", "norm", "lm_head"])
+
+
+def _saved_world(folder: str, out_dir: str) -> dict:
+    import copy
+
+    import peft
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora.load import load_adapter
+
+    ids = torch.randint(4, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+    transformers.set_seed(5)
+    ref = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                              peft.LoraConfig(**SAVED))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # NOTE: "trained" modules_to_save copies
+        for name, p in ref.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    ref.save_pretrained(f"{out_dir}/peft")
+    model = load_adapter(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), f"{out_dir}/peft",
+                         is_trainable=True)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+    def diff(a, b):
+        return float((a - b).abs().max())
+
+    out = {}
+    with torch.no_grad():
+        base_logits, adapted = base(input_ids=ids).logits, ref(input_ids=ids).logits
+        out["adapted"] = diff(model(input_ids=ids).logits, adapted)
+        with model.disable_adapter(), ref.disable_adapter():
+            out["disabled"] = (diff(model(input_ids=ids).logits, base_logits),
+                               diff(ref(input_ids=ids).logits, base_logits))
+        out["enabled_again"] = diff(model(input_ids=ids).logits, adapted)
+        out["unloaded"] = diff(copy.deepcopy(model).unload()(input_ids=ids).logits, base_logits)
+        out["merged"] = diff(model.merge_and_unload()(input_ids=ids).logits,
+                             ref.merge_and_unload()(input_ids=ids).logits)
+        out["adapted_vs_base"] = diff(adapted, base_logits)
+    return out
+
+
+def test_modules_to_save_under_disable_unload_and_merge(tmp_path):
+    """LoRA with trained norms and LM head (``modules_to_save``, a PEFT-written adapter loaded onto our model):
+    ``disable_adapter()`` runs them with their original values and ``unload()`` restores those, as PEFT's original
+    modules; ``merge_and_unload()`` keeps the trained ones, as PEFT (logits 1e-4)."""
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", tokenizer=False)
+    [got] = run_distributed(_saved_world, 1, str(folder), str(tmp_path), timeout=300)
+    assert got["adapted_vs_base"] > 1e-2, got
+    assert got["adapted"] < 1e-4 and max(got["disabled"]) < 1e-4 and got["enabled_again"] < 1e-4, got
+    assert got["unloaded"] < 1e-4 and got["merged"] < 1e-4, got
