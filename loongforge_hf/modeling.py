@@ -251,7 +251,7 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         receive buffers) and the bf16 / fp16 flags follow the parameters' new dtype. Refused while a training engine
         holds the model (its gradient buffers and optimizer state keep the old dtype)."""
         before = self.megatron.config.params_dtype
-        if fn(torch.empty(0, dtype=before)).dtype == before:  # NOTE: a device move (.to(device), .cuda())
+        if fn(torch.empty(0, dtype=before)).dtype == before:  # NOTE: a move to another device, dtype kept
             return super()._apply(fn, recurse)
         if self._held_by_engine():
             raise TypeError("Changing the dtype of a model held by a training engine is not supported (its gradient "
@@ -387,9 +387,6 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
                 raise TypeError("resize_token_embeddings: this model is held by a training engine (its gradient "
                                 "buffers and optimizer state are sized for the current vocabulary); resize before "
                                 "creating the trainer, or release the engine first (trainer.engine.release()).")
-            if "lora_plan" in self.__dict__:
-                raise TypeError("resize_token_embeddings: resize the base model before applying LoRA (as with "
-                                "PEFT): the adapters' modules_to_save and files are sized at get_peft_model.")
             resize_vocabulary(self, size, mean_resizing=mean_resizing)
         return next((c.embedding for c in language_chunks(self) if getattr(c, "pre_process", False)), None)
 
@@ -477,13 +474,14 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         first = ps.get_tensor_model_parallel_rank() * rows
         pad_rows = max(0, first + rows - max(first, vocab))  # this rank's share of the padding rows
         total = 0
-        embeddings = ("embedding.word_embeddings.weight",) + (("output_layer.weight",) if self.bridge.tied else ())
+        vocabulary = ("embedding.word_embeddings.weight", "output_layer.weight")
+        embeddings = vocabulary if self.bridge.tied else vocabulary[:1]
         for name, p in self.named_parameters():
             if exclude_embeddings and name.endswith(embeddings):
                 continue
             if p.requires_grad or not only_trainable:
                 total += p.numel()
-                if name.endswith(("embedding.word_embeddings.weight", "output_layer.weight")) and p.shape[0] == rows:
+                if name.endswith(vocabulary) and p.shape[0] == rows:
                     total -= pad_rows * p[0].numel()
         return total
 

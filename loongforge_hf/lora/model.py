@@ -64,6 +64,17 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
             print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
                   f"trainable%: {100 * trainable / total:.4f}")
 
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True):
+        """Refused once the vocabulary would change: resize the base model before applying LoRA, as with PEFT (the
+        adapters' ``modules_to_save``, trainable token rows and files are sized at ``get_peft_model``)."""
+        from loongforge_hf.bridges.vocab_resize import resized_vocab_size
+
+        if resized_vocab_size(self.vocab_size, new_num_tokens, pad_to_multiple_of) != self.vocab_size:
+            raise TypeError("resize_token_embeddings: resize the base model before applying LoRA (as with PEFT): the "
+                            "adapters' modules_to_save and files are sized at get_peft_model.")
+        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+
     def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):
         """PEFT's: the adapters merged into the base weights and removed; returns this model, now a plain
         ``LoongModelForCausalLM`` (``unload.py``)."""

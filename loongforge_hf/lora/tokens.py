@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongforge_hf.bridges.output_layer import _pass_hidden_states
 from loongforge_hf.lora.plan import LoraConfigError
 
 DELTA = "token_adapter.trainable_tokens_delta"
@@ -121,8 +122,6 @@ def _tied_head_weight(adapter: TrainableTokens, layer, args, kwargs):
     """The output layer's ``weight`` argument (the tied embedding's) with the trained rows, but where the layer's
     forward is the fused loss's stand-in (``output_layer.hidden_states_out``: the loss takes ``runtime.output_weight``
     instead, which applies them too)."""
-    from loongforge_hf.bridges.output_layer import _pass_hidden_states
-
     patched = layer.__dict__.get("forward")
     if kwargs.get("weight") is None or getattr(patched, "__func__", None) is _pass_hidden_states:
         return None
@@ -190,18 +189,11 @@ def token_embeddings(model) -> list:
 
 def merged_token_rows(model):
     """(embedding weight, local row indices, their trained rows) on this rank, for the merged export."""
-    from megatron.core import parallel_state as ps
-
-    for chunk in model.chunks:
-        adapter = getattr(getattr(chunk, "embedding", None), "token_adapter", None)
-        if adapter is None:
-            continue
-        weight = chunk.embedding.word_embeddings.weight
-        start = ps.get_tensor_model_parallel_rank() * weight.shape[0]
-        local = [(k, i - start) for k, i in enumerate(adapter.indices) if start <= i < start + weight.shape[0]]
-        if local:
-            ks, rows = zip(*local)
-            yield weight, torch.tensor(rows, device=weight.device), adapter.trainable_tokens_delta[list(ks)]
+    for embedding in token_embeddings(model):
+        adapter = embedding.token_adapter
+        if adapter.local_rows.numel():
+            yield (embedding.word_embeddings.weight, adapter.local_rows,
+                   adapter.trainable_tokens_delta[adapter.local_slots])
 
 
 def vocab_resized(model) -> bool:
