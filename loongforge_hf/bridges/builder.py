@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.mla_latent import full_width_kv_latent
 from loongforge_hf.bridges.transforms import padded_vocab_size
 from loongforge_hf.kernels.fp8_te import TE_CONFIG_FIELDS, te_config_fields
 from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
@@ -190,6 +191,8 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
             model.rotary_pos_emb.inv_freq = llama3_inv_freq(model.rotary_pos_emb.inv_freq.float(), rope)
         device = backend.device()
         model.to(device)
+        if config.multi_latent_attention and config.sequence_parallel:
+            full_width_kv_latent(model)
         if config.cuda_graph_impl == "local":
             _keep_graph_input(model)
             _graphs_in_training_only(model)

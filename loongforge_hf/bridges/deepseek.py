@@ -3,7 +3,9 @@
 Choices:
 - MLA maps one to one onto megatron's ``MLASelfAttention`` (local spec): ``q_proj`` or ``q_a_proj`` / ``q_a_layernorm``
   / ``q_b_proj`` (with ``q_lora_rank``), ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``, ``o_proj``.
-  megatron's local spec splits the down projections over TP too (column-parallel, gathered before the norms).
+  megatron's local spec splits the down projections over TP too (column-parallel, gathered before the norms); under
+  TP + SP the KV latent reaches megatron at full width (``mla_latent.py``: megatron's own gather of it lost the other
+  ranks' share of the rotary key's gradient).
 - Rotary dims: megatron's MLA reads them as interleaved pairs, like V2 (complex rotation of pairs) and V3 with
   ``rope_interleave=True``; V3 with ``rope_interleave=False`` keeps halves, so its rotary rows are interleaved on load
   and put back on export (``RopeColumnParallel``). Plain rope and YaRN (``config_map.mla_rope_kwargs``).
