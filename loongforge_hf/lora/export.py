@@ -165,8 +165,9 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
             shape = t.a_shape if factor == "A" else t.b_shape
             owner_pp, vp, name = streamer.owner_of(t.layer, f"{base}.{factor}")
 
-            def export(shards, hf_name=hf_name, split_dim=split_dim):
-                return {hf_name: shards[0] if split_dim is None else torch.cat(shards, dim=split_dim)}
+            def export(shards, hf_name=hf_name, split_dim=split_dim, to_hf=t.b_to_hf if factor == "B" else None):
+                full = shards[0] if split_dim is None else torch.cat(shards, dim=split_dim)
+                return {hf_name: full if to_hf is None else to_hf(full)}
             out.update(streamer.collect(owner_pp, vp, name, split=split_dim is not None, export=export,
                                         shapes={hf_name: shape}, dtype=dtype))
     out.update(expert_adapter_tensors(model, plan.targets, streamer, dtype))

@@ -236,7 +236,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             if t.kind == "row":
                 a, b = a[:, slices[t.name]], b
             else:
-                b = b[slices[t.name]]
+                b = t.b_to_megatron(b)[slices[t.name]]
             adapters[t.name] = LoraAdapter(a.to(device=device, dtype=dtype).contiguous().clone(),
                                            b.to(device=device, dtype=dtype).contiguous().clone(),
                                            scaling=t.scaling, dropout=float(peft_config.lora_dropout),

@@ -25,7 +25,13 @@ Choices:
 - Refused with a clear message: DoRA, ``lora_bias``, ``rank_pattern``/``alpha_pattern`` other than the rewrite's own
   entry, ``target_parameters`` other than the MoE models' expert stacks and router, ``lora_dropout`` with parameter
   targets, ``layer_replication``, initialisations other than ``True``/``False``/
-  ``"gaussian"``, models with multi-latent attention (DeepSeek-V2/V3). ``trainable_token_indices``: ``tokens.py``.
+  ``"gaussian"``. ``trainable_token_indices``: ``tokens.py``.
+- DeepSeek-V2/V3 (multi-latent attention): each HF projection is one megatron linear (``q_proj`` or ``q_a_proj`` /
+  ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``: column-parallel, the down projections too; ``o_proj``:
+  row-parallel), adapted as any plain linear. Where the checkpoint keeps rotary rows in halves and megatron in pairs
+  (``RopeColumnParallel``), B's rows are permuted like the weight's on the way in and back on the way out
+  (``Target.b_to_megatron`` / ``b_to_hf``). PEFT's rewrite takes the expert names (``gate_proj``, ``up_proj``,
+  ``down_proj``) from the modules there too, so the shared experts and the dense first layers' MLPs carry none.
 """
 
 from __future__ import annotations
@@ -33,10 +39,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP
+import torch
+
+from loongforge_hf.bridges import transforms as T
+from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParallel
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 
-_LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RowParallel: "row"}
+_LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
+                 RowParallel: "row"}
 _INITS = (True, False, "gaussian")
 
 
@@ -79,6 +89,19 @@ class Target:
     def b_shape(self) -> tuple[int, int]:
         return (self.out_features, self.r * self.num_experts)
 
+    def b_to_megatron(self, b: torch.Tensor) -> torch.Tensor:
+        """B [out, r] at HF shape with its rows in the order megatron holds the weight's rows (rotary rows in
+        pairs where the checkpoint keeps them in halves: ``RopeColumnParallel``)."""
+        if isinstance(self.mapping, RopeColumnParallel):
+            return T.interleave_rope_rows(b, block=self.mapping.block, rope_dim=self.mapping.rope_dim)
+        return b
+
+    def b_to_hf(self, b: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``b_to_megatron`` (the gathered B of this target, back in the checkpoint's row order)."""
+        if isinstance(self.mapping, RopeColumnParallel):
+            return T.deinterleave_rope_rows(b, block=self.mapping.block, rope_dim=self.mapping.rope_dim)
+        return b
+
 
 @dataclass(frozen=True)
 class SavedTensor:
@@ -103,7 +126,6 @@ class LoraPlan:
 
 def _hf_skeleton(hf_config):
     """The HF model class built on the meta device: names, module types and shapes, no memory."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -164,10 +186,6 @@ def plan_lora(bridge, config) -> LoraPlan:
     from loongforge_hf.lora.tokens import token_indices_of
 
     _check_config(config)
-    if getattr(bridge, "multi_latent_attention", False):
-        raise LoraConfigError(f"LoRA is not supported on {bridge.architectures[0]}: its multi-latent attention "
-                              "projections (q_a_proj, kv_a_proj_with_mqa, ...) are fused differently in megatron. "
-                              "Supported: dense decoders and the mixture-of-experts models Qwen3-MoE and Mixtral.")
     skeleton = _hf_skeleton(bridge.hf_config)
     config = _as_peft_rewrites(config, skeleton, bridge)
     param_targets = plan_param_targets(config, skeleton, bridge)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._lora_checks import _close, _gather_full, export_checks, lora_pair
+from ._lora_checks import _close, export_checks, lora_pair
 from ._lora_load import write_peft_adapter
 
 # the attention projections (modules in PEFT) with modules_to_save
@@ -36,25 +36,39 @@ def _probe() -> torch.Tensor:
     return torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def _check_adapter_grads(model, ref, hf_config) -> None:
-    """q_proj of layer 1 (A replicated, B split by heads) and o_proj of layer 2 (A split by columns, B replicated)."""
+def _check_adapter_grads(model, ref, layers: tuple[int, ...] = (1, 2)) -> None:
+    """Every module adapter of ``layers`` (q/k/v slots of linear_qkv or MLA's projections; column: A replicated,
+    B split by rows; row: A split by columns, B replicated) against PEFT's gradient, sliced as the rank holds it
+    (B's rows in megatron's order: rotary rows in pairs where the checkpoint keeps halves)."""
+    from collections import defaultdict
+
     from megatron.core import parallel_state as ps
 
+    from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.model import PARAM_KINDS, _layout_and_slices
+
     ref_params = dict(ref.named_parameters())
-    heads = hf_config.num_attention_heads
-    hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    chunk = dict(model.chunks[0].named_parameters())
-    rows = slice(tp_rank * heads // tp * hd, (tp_rank + 1) * heads // tp * hd)
-    prefix, qkv, proj = "base_model.model.model.layers", "self_attention.linear_qkv.lora", "self_attention.linear_proj"
-    _close(chunk[f"decoder.layers.1.{qkv}.q_proj.A"].grad,
-           ref_params[f"{prefix}.1.self_attn.q_proj.lora_A.default.weight"].grad, "dA q_proj")
-    _close(chunk[f"decoder.layers.1.{qkv}.q_proj.B"].grad,
-           ref_params[f"{prefix}.1.self_attn.q_proj.lora_B.default.weight"].grad[rows], "dB q_proj")
-    _close(_gather_full(chunk[f"decoder.layers.2.{proj}.lora.o_proj.A"].grad, dim=1),
-           ref_params[f"{prefix}.2.self_attn.o_proj.lora_A.default.weight"].grad, "dA o_proj")
-    _close(chunk[f"decoder.layers.2.{proj}.lora.o_proj.B"].grad,
-           ref_params[f"{prefix}.2.self_attn.o_proj.lora_B.default.weight"].grad, "dB o_proj")
+    ctx = shard_context(model.bridge, tp_rank=ps.get_tensor_model_parallel_rank(),
+                        tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
+    chunk = dict(model.chunks[0].named_parameters())  # NOTE: one pipeline stage: local layer = global layer
+    modules = defaultdict(list)
+    for t in model.lora_plan.targets:
+        if t.kind not in PARAM_KINDS and t.layer in layers:
+            modules[(t.layer, t.megatron_module)].append(t)
+    checked = 0
+    for (layer, module), targets in modules.items():
+        _, slices = _layout_and_slices(targets, ctx, layer)
+        for t in targets:
+            ours = [chunk[f"{module.format(layer=layer)}.lora.{t.name}.{f}"].grad for f in "AB"]
+            theirs = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
+            if t.kind == "row":
+                theirs[0] = theirs[0][:, slices[t.name]]
+            else:
+                theirs[1] = t.b_to_megatron(theirs[1])[slices[t.name]]
+            for f, a, b in zip("AB", ours, theirs):
+                _close(a, b, f"d{f} {t.hf_module}")
+                checked += 1
+    assert checked >= 4, checked
 
 
 def _check_expert_grads(model, ref, layer: int = 1) -> None:
@@ -80,7 +94,12 @@ def _check_expert_grads(model, ref, layer: int = 1) -> None:
         else:
             per = t.num_experts // ep
             local = slice(ep_rank * per, (ep_rank + 1) * per)
-            ours = [chunk[f"decoder.layers.{layer}.mlp.experts.lora.{t.name}.{f}"].grad for f in "AB"]
+            ours = [chunk[f"decoder.layers.{layer}.mlp.experts.lora.{t.name}.{f}"].grad.clone() for f in "AB"]
+            # NOTE: replicas of these experts (the expert-data-parallel group: TP ranks with experts whole and EP1)
+            # each see their own tokens; their sum is what every data-parallel batch gives
+            if ps.get_expert_data_parallel_world_size() > 1:
+                for g in ours:
+                    dist.all_reduce(g, group=ps.get_expert_data_parallel_group())
             theirs = [dp * theirs[0].reshape(t.num_experts, t.r, t.in_features)[local],
                       dp * theirs[1].reshape(t.out_features, t.r, t.num_experts).permute(2, 0, 1)[local]]
         for f, a, b in zip("AB", ours, theirs):
@@ -97,10 +116,11 @@ def _ddp_groups(model, out_dir: str) -> dict:
     from loongforge_hf.trainer.engine import MegatronEngine
 
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    # expert adapters under expert parallelism reduce over the expert-data-parallel group, as the experts do
-    experts = {id(p) for p in model.parameters() if p.requires_grad and not getattr(p, "allreduce", True)}
     engine = MegatronEngine(model, args=transformers.TrainingArguments(out_dir + "/unused", use_cpu=True,
                                                                        report_to=[]))
+    # expert adapters under expert parallelism, or with the experts whole on each TP rank (marked by the engine),
+    # reduce over the expert-data-parallel group, as the experts do
+    experts = {id(p) for p in model.parameters() if p.requires_grad and not getattr(p, "allreduce", True)}
     dense = {id(p) for c in engine.chunks for b in c.buffers for p in b.params}
     expert = {id(p) for c in engine.chunks for b in c.expert_parallel_buffers for p in b.params}
     groups = {getattr(g, "intra_distributed_optimizer_instance_size", None) or g.data_parallel_group.size()
@@ -130,8 +150,8 @@ def moe_model_checks(folder: str, out_dir: str, layout: dict, peft_adapter: str,
         theirs.loss.backward()
         if any(t.kind in ("experts", "router") for t in model.lora_plan.targets):
             _check_expert_grads(model, ref)
-        if {"q_proj", "o_proj"} <= {t.name for t in model.lora_plan.targets}:
-            _check_adapter_grads(model, ref, hf.config)
+        if any(t.kind not in ("experts", "router") for t in model.lora_plan.targets):
+            _check_adapter_grads(model, ref)
         model.zero_grad(set_to_none=True)
     result.update(_ddp_groups(model, out_dir))
 

@@ -27,7 +27,7 @@ projections are adapted as on a dense model, in every layer (MoE or dense). Both
   logs the uninterrupted run's losses exactly.
 - Refused with messages naming the way out: fused gate/up named by half (PEFT refuses it), lora_dropout with expert
   targets (PEFT refuses it), other parameters, other rank/alpha patterns, megatron's SequentialMLP experts, experts
-  split over expert-tensor parallelism, multi-latent attention (DeepSeek-V3).
+  split over expert-tensor parallelism. DeepSeek-V2/V3 (multi-latent attention): test_lora_mla.py.
 """
 
 from __future__ import annotations
@@ -131,17 +131,6 @@ def test_sequential_mlp_experts_are_refused(setup, monkeypatch):
     with pytest.raises(LoraConfigError, match="LOONGFORGE_MOE_GROUPED_GEMM=0"):
         plan_lora(bridge, peft.LoraConfig(target_modules=["down_proj", "up_proj", "gate_proj"]))
     assert plan_lora(bridge, peft.LoraConfig(target_modules=["q_proj"])).targets
-
-
-def test_multi_latent_attention_is_refused(tmp_path):
-    import peft
-
-    from loongforge_hf.lora import LoraConfigError
-    from loongforge_hf.lora.plan import plan_lora
-
-    folder = make_tiny_checkpoint(tmp_path / "dsv3", "deepseek_v3", tokenizer=False)
-    with pytest.raises(LoraConfigError, match="multi-latent attention.*Qwen3-MoE and Mixtral"):
-        plan_lora(_bridge(str(folder)), peft.LoraConfig(target_modules=["q_a_proj"]))
 
 
 @pytest.fixture(scope="module")
