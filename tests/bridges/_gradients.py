@@ -10,20 +10,29 @@ import torch.distributed as dist
 
 def _reduce_as_megatron(model) -> None:
     """The sums megatron's DDP and ``finalize_model_grads`` make after a backward, on the raw ``.grad``: replicated
-    parameters that see only this rank's sequence-parallel tokens (norms, router) over TP; experts whole on each
-    rank that see only their own tokens over the expert-data-parallel group (the engine's ``allreduce=False``)."""
+    parameters that see only this rank's sequence-parallel tokens (norms, router) or heads (q / k norms) over TP;
+    every dense parameter
+    over the context-parallel ranks; experts that see only their own tokens over the expert-data-parallel group
+    (the engine's ``allreduce=False``)."""
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
-    expert_dp = ps.get_expert_data_parallel_world_size()
+    expert_dp, cp = ps.get_expert_data_parallel_world_size(), ps.get_context_parallel_world_size()
     for chunk in model.chunks:
         for name, p in chunk.named_parameters():
             if p.grad is None:
                 continue
-            if getattr(p, "sequence_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
+            if ".mlp.experts." in f".{name}":
+                if expert_dp > 1:
+                    dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
+                continue
+            # NOTE: megatron's finalize_model_grads: by attribute, and q/k norms by name (each rank's heads)
+            qk_norm = model.megatron.config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+            split = getattr(p, "sequence_parallel", False) and model.megatron.config.sequence_parallel
+            if (split or qk_norm) and ps.get_tensor_model_parallel_world_size() > 1:
                 dist.all_reduce(p.grad, group=tp_group)
-            elif ".mlp.experts." in f".{name}" and expert_dp > 1:
-                dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
+            if cp > 1:  # each context-parallel rank holds its share of the sequence
+                dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
 
 
 def gradient_checks(cases: list[tuple[str, str, dict]]) -> dict:

@@ -1,5 +1,5 @@
-"""Gradients of every parameter against transformers', for the mixture-of-experts models under tensor + sequence
-parallelism (where a forward can be exact and a backward not).
+"""Gradients of every parameter against transformers', under tensor, sequence, context and expert parallelism (where
+a forward can be exact and a backward not).
 
 Our model's loss backward, the gradients reduced as megatron's DDP reduces them (norms and router over the TP ranks
 that split the tokens; experts whole on each rank over the expert-data-parallel group), then written through the
@@ -9,9 +9,11 @@ multi-latent attention with column-parallel down projections lost the other rank
 gradient, 0.3% off on the last layer's ``kv_a_proj_with_mqa`` and more on every earlier tensor, before
 ``bridges/mla_latent.py``).
 
-Layouts: TP1, TP2 + SP with the experts whole on each rank (expert_tensor_parallel_size=1), TP2 + SP + EP2.
-Models: DeepSeek-V3 (q_lora_rank; rotary rows in pairs), DeepSeek-V3 with rotary rows in halves and no q_lora_rank,
-DeepSeek-V2, and Qwen3-MoE.
+Layouts and models: the mixture-of-experts models (DeepSeek-V3 with q_lora_rank and rotary rows in pairs,
+DeepSeek-V3 with rotary rows in halves and no q_lora_rank, DeepSeek-V2, Qwen3-MoE, Mixtral) at TP1, TP2 + SP with
+the experts whole on each rank (expert_tensor_parallel_size=1), TP2 + SP + EP2, CP2 and CP2 + EP2; dense models
+(Qwen3 with tied embeddings, Qwen2 with attention biases, Llama 3 with its rope scaling) at TP1, TP2, TP2 + SP and
+CP2.
 """
 
 from __future__ import annotations
@@ -28,13 +30,25 @@ CHECKPOINTS = {
     "deepseek_v3_halves": ("deepseek_v3", {"rope_interleave": False, "q_lora_rank": None}),
     "deepseek_v2": ("deepseek_v2", {}),
     "qwen3_moe": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", {}),
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {}),  # attention biases
+    "llama3": ("llama3", {}),
 }
+MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral")
+DENSE = ("qwen3_tied", "qwen2", "llama3")
+# name -> (processes, layout, checkpoints)
 LAYOUTS = {
-    "tp1": (1, {}),
-    "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}),
+    "tp1": (1, {}, MOE + DENSE),
+    "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}, MOE),
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
-                       "expert_tensor_parallel_size": 1}),
+                       "expert_tensor_parallel_size": 1}, MOE),
+    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE),
+    "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
+    "tp2": (2, {"tensor_parallel_size": 2}, DENSE),
+    "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}, DENSE),
 }
+CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
 TOL = 1e-4
 
 
@@ -44,15 +58,14 @@ def results(tmp_path_factory):
     folders = {n: str(make_tiny_checkpoint(base / n, arch, tokenizer=False, **kw))
                for n, (arch, kw) in CHECKPOINTS.items()}
     out = {}
-    for size in sorted({s for s, _ in LAYOUTS.values()}):
-        cases = [(f"{layout}/{model}", folders[model], kw) for layout, (s, kw) in LAYOUTS.items() if s == size
-                 for model in CHECKPOINTS]
+    for size in sorted({s for s, _, _ in LAYOUTS.values()}):
+        cases = [(f"{layout}/{model}", folders[model], kw) for layout, (s, kw, models) in LAYOUTS.items()
+                 if s == size for model in models]
         out.update(run_distributed(gradient_checks, size, cases, timeout=600)[0])
     return out
 
 
-@pytest.mark.parametrize("model", list(CHECKPOINTS))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout, model", CASES, ids=[f"{layout}-{model}" for layout, model in CASES])
 def test_gradients_match_transformers(results, layout, model):
     res = results[f"{layout}/{model}"]
     assert not res["missing"], res["missing"]
