@@ -122,26 +122,21 @@ def _megatron_builds_torch_adamw():
         megatron_optimizer.USING_PYTORCH_OPTIMIZER = saved
 
 
-def expert_layout_differs() -> bool:
-    """Whether the routed experts are not split like the tensor-parallel layers (expert_tensor_parallel_size !=
-    tensor_parallel_size): their weights are then reduced as expert parameters (``_mark_replicated_expert_params``)."""
-    from megatron.core import parallel_state as ps
+def _mark_expert_params(chunks) -> None:
+    """Routed-expert weights (and their LoRA adapters) are expert parameters in every layout: megatron's DDP reduces
+    them over the expert data-parallel group and its optimizer steps them in a part of its own.
 
-    return ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()
-
-
-def _mark_replicated_expert_params(chunks) -> None:
-    """Routed-expert weights whose expert layout is not the dense one (expert_tensor_parallel_size !=
-    tensor_parallel_size) must have their gradients reduced over the expert data-parallel group.
-
-    megatron (and kernels.grouped_mlp) mark expert weights ``allreduce=False`` (reduced over the expert data-parallel
-    group) only under expert parallelism. With expert_parallel_size=1 and expert_tensor_parallel_size=1 <
-    tensor_parallel_size, every tensor-parallel rank holds the whole experts and runs them on its own sequence-parallel
-    tokens: DDP then reduced their gradients over the dense data-parallel group, which does not contain the other
-    tensor-parallel ranks, so each rank stepped its copy of the experts on its own tokens' gradient alone (the copies
-    drifted apart and the run no longer matched one process)."""
-    if not expert_layout_differs():
-        return
+    megatron (and kernels.grouped_mlp) mark expert weights ``allreduce=False`` only under expert parallelism.
+    - With expert_parallel_size=1 and expert_tensor_parallel_size=1 < tensor_parallel_size, every tensor-parallel rank
+      holds the whole experts and runs them on its own sequence-parallel tokens: DDP reduced their gradients over the
+      dense data-parallel group, which does not contain the other tensor-parallel ranks, so each rank stepped its
+      copy of the experts on its own tokens' gradient alone (the copies drifted apart and the run no longer matched
+      one process).
+    - Where the expert layout is the dense one (expert_parallel_size=1, expert_tensor_parallel_size=tensor_parallel_
+      size) the expert data-parallel group is the dense one (data x context parallel), so marking them changes no
+      sum; it keeps megatron's optimizer a dense + expert chain in every layout of a mixture-of-experts model, so a
+      checkpoint written under expert parallelism resumes without it and the other way round (the chain's parts are
+      keyed by place in megatron's distributed checkpoint; a one-part optimizer's keys differ)."""
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             if ".mlp.experts." in f".{name}":
@@ -185,7 +180,7 @@ class MegatronEngine:
         # dtype) instead of reduce-scattering it; with the overlap it still starts bucket by bucket during backward.
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=mixed, overlap_grad_reduce=overlap_grad_reduce,
                                                    use_distributed_optimizer=mixed, average_in_collective=False)
-        _mark_replicated_expert_params(model.megatron.chunks)
+        _mark_expert_params(model.megatron.chunks)
         for previous in wrapping_engines(model.megatron.chunks):
             previous.release()
         self.released = False

@@ -1,7 +1,7 @@
 """The state of megatron's optimizer for distributed checkpointing (``checkpoint.py``), whatever its parts hold.
 
 megatron's ``get_megatron_optimizer`` chains one part for the dense parameters and one for the expert parameters
-(under expert parallelism, or where the engine marks the routed experts as expert parameters: ETP != TP), and gives
+(the routed experts of a mixture-of-experts model, in every layout: ``engine._mark_expert_params``), and gives
 every rank the parameter groups of all ranks (megatron-core 0.16.1 optimizer/__init__.py:181). A part is one of
 three things on a rank:
 - a stub (``engine.is_stub``): no rank trains a parameter of its kind (the dense part of LoRA on the routed experts

@@ -13,7 +13,7 @@ projections are adapted as on a dense model, in every layer (MoE or dense). Both
   pair, and PP2 (Qwen3-MoE): logits within 1e-4 (1e-5 where experts or the router are adapted: measured ~1e-6),
   loss within 1e-5, adapter gradients within 1e-5 of PEFT's (fp32, as test_lora.py; expert adapters of this rank's
   experts); PEFT's parameter counts; megatron's DDP holds only the trainable tensors, attention / router adapters in
-  its dense buffers, expert adapters in its expert buffers under expert parallelism; the adapter folder loads in
+  its dense buffers, expert adapters in its expert buffers (every layout); the adapter folder loads in
   ``PeftModel.from_pretrained`` and the merged export (the full MoE checkpoint) in transformers with the Loong
   model's logits (1e-4); a PEFT-written adapter (random B) loads onto the Loong model with PEFT's logits and loss.
 - LoongSFTTrainer with a LoraConfig on Qwen3-MoE (attention with and without the router balancing loss, and
@@ -145,13 +145,13 @@ def two_ranks(setup):
     return run_distributed(two_rank_checks, 2, folders["qwen3_moe"], str(base / "two"), adapters, timeout=600)
 
 
-def _assert_model_matches_peft(ranks: list[dict], *, experts: bool = False, expert_parallel: bool = False) -> None:
+def _assert_model_matches_peft(ranks: list[dict], *, experts: bool = False) -> None:
     for res in ranks:
         assert tuple(res["counts"]) == tuple(res["peft_counts"]), res
         assert res["logits_diff"] < (1e-5 if experts else 1e-4) and res["loss_diff"] < 1e-5, res
         assert res["ddp_holds_trainable_only"] and res["dense_buffers_hold_all"] and res["expert_buffers_hold"], res
-        # expert adapters follow the experts: in the expert buffers under expert parallelism, else dense
-        assert (res["expert_adapters"] > 0) == (experts and expert_parallel), res
+        # expert adapters follow the experts: in megatron's expert buffers, in every layout
+        assert (res["expert_adapters"] > 0) == experts, res
         assert res["dense_group_sizes"] == [res["data_parallel_size"]], res
         assert res["unchanged_after_merged_export"], res
         loaded = res["peft_adapter"]
@@ -169,9 +169,7 @@ def test_tp1_matches_peft(one_rank, case):
 @pytest.mark.parametrize("case", list(TWO_RANK_CASES))
 @pytest.mark.parametrize("layout", list(TWO_RANK_LAYOUTS))
 def test_two_ranks_match_peft(two_ranks, layout, case):
-    expert_parallel = TWO_RANK_LAYOUTS[layout].get("expert_parallel_size", 1) > 1
-    _assert_model_matches_peft([r[f"{layout}/{case}"] for r in two_ranks], experts=case != "attention",
-                               expert_parallel=expert_parallel)
+    _assert_model_matches_peft([r[f"{layout}/{case}"] for r in two_ranks], experts=case != "attention")
     if layout == "ep2_dp2":
         assert two_ranks[0][f"{layout}/{case}"]["data_parallel_size"] == 2
 
