@@ -11,9 +11,9 @@ gradient, 0.3% off on the last layer's ``kv_a_proj_with_mqa`` and more on every 
 
 Layouts and models: the mixture-of-experts models (DeepSeek-V3 with q_lora_rank and rotary rows in pairs,
 DeepSeek-V3 with rotary rows in halves and no q_lora_rank, DeepSeek-V2, Qwen3-MoE, Mixtral) at TP1, TP2 + SP with
-the experts whole on each rank (expert_tensor_parallel_size=1), TP2 + SP + EP2, CP2 and CP2 + EP2; dense models
-(Qwen3 with tied embeddings, Qwen2 with attention biases, Llama 3 with its rope scaling) at TP1, TP2, TP2 + SP and
-CP2.
+the experts whole on each rank (expert_tensor_parallel_size=1) and split over TP (its default), TP2 + SP + EP2, CP2
+and CP2 + EP2; dense models (Qwen3 with tied embeddings, Qwen2 with attention biases, Llama 3 with its rope scaling)
+at TP1, TP2, TP2 + SP and CP2.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ LAYOUTS = {
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE),
-    "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}, DENSE),
+    "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}, MOE + DENSE),  # MoE: experts split too
 }
 CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
 TOL = 1e-4
