@@ -5,7 +5,7 @@ smoothed loss and grad) included. Same scenarios, tolerances and checks as test_
 logged loss and eval loss within 1e-4, entropy 1e-4, mean_token_accuracy 1e-6, num_tokens exactly. And a Qwen3-MoE
 with TRL's router load-balancing loss (``test_sft.py::test_moe_router_aux_loss`` on CUDA: the grouped experts, the
 fused router and ``BalanceRouter``'s tally): losses and aux_loss within 1e-4, on one GPU and, where there are two,
-with pipeline parallel 2."""
+with pipeline parallel 2. LoRA "all-linear" on Qwen3-MoE and DeepSeek-V3 (MLA) against TRL + PEFT on CUDA."""
 
 import pytest
 import torch
@@ -76,15 +76,16 @@ def test_moe_router_aux_loss_pp2_on_two_gpus(tmp_path):
             assert r["loong"][key] == pytest.approx(ref[key], rel=1e-4), (key, r["loong"], ref)
 
 
-def _moe_lora_world(folder: str, out_dir: str) -> dict:
-    from ._lora_moe import SFT_SCENARIOS
+def _moe_lora_world(folder: str, out_dir: str, mla: bool = False) -> dict:
+    from . import _lora_mla, _lora_moe
 
+    scenarios = (_lora_mla if mla else _lora_moe).SFT_SCENARIOS
     pickleable_month_day_nano()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     names = ["lora_all_linear"]
-    return {"trl": run_trl(folder, out_dir + "/trl", names, SFT_SCENARIOS, use_cpu=False),
-            "loong": run_loong(folder, out_dir + "/loong", {}, names, SFT_SCENARIOS, use_cpu=False)}
+    return {"trl": run_trl(folder, out_dir + "/trl", names, scenarios, use_cpu=False),
+            "loong": run_loong(folder, out_dir + "/loong", {}, names, scenarios, use_cpu=False)}
 
 
 def test_moe_lora_all_linear_on_cuda(tmp_path):
@@ -95,5 +96,17 @@ def test_moe_lora_all_linear_on_cuda(tmp_path):
 
     folder = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe")
     res = run_distributed(_moe_lora_world, 1, str(folder), str(tmp_path / "out"), timeout=600,
+                          env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    assert_matches("lora_all_linear", res["trl"]["lora_all_linear"], res["loong"]["lora_all_linear"], SFT_SCENARIOS)
+
+
+def test_mla_lora_all_linear_on_cuda(tmp_path):
+    """DeepSeek-V3 (multi-latent attention, shared experts, a dense first layer) with ``target_modules="all-linear"``
+    (MLA's projections, the routed experts and the router) on CUDA, chat messages with the loss on the assistant
+    turns: LoongSFTTrainer's logged losses and token metrics are trl.SFTTrainer + PEFT's (``assert_matches``: 1e-4)."""
+    from ._lora_mla import SFT_SCENARIOS
+
+    folder = make_tiny_checkpoint(tmp_path / "mla", "deepseek_v3")
+    res = run_distributed(_moe_lora_world, 1, str(folder), str(tmp_path / "out"), True, timeout=600,
                           env={"LOONGFORGE_DEVICE": "cuda"})[0]
     assert_matches("lora_all_linear", res["trl"]["lora_all_linear"], res["loong"]["lora_all_linear"], SFT_SCENARIOS)
