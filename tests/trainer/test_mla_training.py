@@ -87,3 +87,35 @@ def test_resume_continues_the_same_losses(tmp_path, resume_nprocs, resume_layout
     assert len(set(full.values())) == 6
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(full[step], rel=TOL), (step, resumed[step], full[step])
+
+
+def _train_one_part_optimizer(folder: str, out_dir: str) -> list:
+    """As a loongforge-hf from before the routed experts were expert parameters in every layout: without expert
+    parallelism megatron's optimizer was one part."""
+    from loongforge_hf.trainer import engine
+
+    from ._train_parity import train_loong_resumable
+
+    engine._mark_expert_params = lambda chunks: None
+    return train_loong_resumable(folder, out_dir, {}, stop_after=3)
+
+
+def _resume_error(folder: str, out_dir: str) -> str:
+    from loongforge_hf.bridges.checkpoint_files import CheckpointError
+
+    from ._train_parity import train_loong_resumable
+
+    try:
+        train_loong_resumable(folder, out_dir, {}, resume=f"{out_dir}/checkpoint-3")
+    except CheckpointError as err:
+        return str(err)
+    return "resumed"
+
+
+def test_one_part_optimizer_checkpoint_is_refused_with_a_message(tmp_path):
+    """A DeepSeek-V3 checkpoint whose optimizer was one part (written by the earlier rule) resumed now (a dense +
+    expert chain): refused before megatron's load with what happened and the way out, not megatron's KeyError."""
+    src = str(make_tiny_checkpoint(tmp_path / "src", "deepseek_v3", tokenizer=False))
+    run_distributed(_train_one_part_optimizer, 1, src, str(tmp_path / "run"), timeout=300)
+    message = run_distributed(_resume_error, 1, src, str(tmp_path / "run"), timeout=300)[0]
+    assert "written by a one-part optimizer" in message and "from_pretrained(" in message, message
