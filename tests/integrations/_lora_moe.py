@@ -1,10 +1,11 @@
 """Rank functions for test_lora_moe.py: LoRA on Qwen3-MoE and Mixtral against PEFT on the transformers model.
 
-``moe_model_checks`` (one layout): logits, loss and adapter gradients (q_proj: column split, o_proj: row split, on an
-MoE layer) against ``peft.get_peft_model``; PEFT's parameter counts; megatron's DDP holds only the adapters and
-``modules_to_save``, all in its dense buffers (reduced over the dense data-parallel group, none over the expert
-one); the adapter folder loads in ``PeftModel.from_pretrained`` and the merged export (the full MoE checkpoint) in
-transformers with the Loong model's logits; a PEFT-written adapter loads onto the Loong model with PEFT's logits.
+``moe_model_checks`` (one layout): logits, loss and adapter gradients (every attention adapter of layers 1-2, column
+and row split; expert and router adapters of layer 1) against ``peft.get_peft_model``; PEFT's parameter counts;
+megatron's DDP holds only the adapters and ``modules_to_save``, the expert adapters in its expert buffers and the
+others in its dense ones; the adapter folder loads in ``PeftModel.from_pretrained`` and the merged export (the full
+MoE checkpoint) in transformers with the Loong model's logits; a PEFT-written adapter loads onto the Loong model with
+PEFT's logits.
 """
 
 from __future__ import annotations
