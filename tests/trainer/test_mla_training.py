@@ -66,25 +66,38 @@ def test_steps_match_one_process(results, layout, model):
         assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=TOL), (got, ref)
 
 
+@pytest.fixture(scope="module")
+def deepseek_run(tmp_path_factory):
+    """LoongTrainer on DeepSeek-V3 at TP2 + SP + EP2: the uninterrupted run's losses, and a run killed after its
+    step-3 checkpoint (megatron's distributed checkpoint of MLA, shared and routed experts)."""
+    from ._train_parity import train_loong_resumable
+
+    base = tmp_path_factory.mktemp("mla-resume")
+    src = str(make_tiny_checkpoint(base / "src", "deepseek_v3", tokenizer=False))
+    layout = LAYOUTS["tp2_sp_ep2"]
+    full = dict(run_distributed(train_loong_resumable, 2, src, str(base / "full"), layout, timeout=600)[0])
+    killed = run_distributed(train_loong_resumable, 2, src, str(base / "killed"), layout, stop_after=3,
+                             timeout=600)[0]
+    assert [s for s, _ in killed] == [1, 2, 3]
+    assert len(set(full.values())) == 6
+    return src, full, base / "killed"
+
+
 @pytest.mark.parametrize("resume_nprocs, resume_layout", [
     pytest.param(2, LAYOUTS["tp2_sp_ep2"], id="same-layout"),
     pytest.param(2, LAYOUTS["pp2"], id="tp2-sp-ep2-to-pp2"),
 ])
-def test_resume_continues_the_same_losses(tmp_path, resume_nprocs, resume_layout):
-    """LoongTrainer on DeepSeek-V3 at TP2 + SP + EP2, killed after its step-3 checkpoint (megatron's distributed
-    checkpoint of MLA, shared and routed experts), resumed in the same layout and in PP2: steps 4-6 log the
-    uninterrupted run's losses (1e-5 relative)."""
+def test_resume_continues_the_same_losses(deepseek_run, tmp_path, resume_nprocs, resume_layout):
+    """The killed run resumed in the same layout and in PP2: steps 4-6 log the uninterrupted run's losses (1e-5
+    relative)."""
+    import shutil
+
     from ._train_parity import train_loong_resumable
 
-    src = str(make_tiny_checkpoint(tmp_path / "src", "deepseek_v3", tokenizer=False))
-    layout = LAYOUTS["tp2_sp_ep2"]
-    full = dict(run_distributed(train_loong_resumable, 2, src, str(tmp_path / "full"), layout, timeout=600)[0])
-    killed = run_distributed(train_loong_resumable, 2, src, str(tmp_path / "run"), layout, stop_after=3,
-                             timeout=600)[0]
-    assert [s for s, _ in killed] == [1, 2, 3]
-    resumed = dict(run_distributed(train_loong_resumable, resume_nprocs, src, str(tmp_path / "run"), resume_layout,
-                                   resume=str(tmp_path / "run" / "checkpoint-3"), timeout=600)[0])
-    assert len(set(full.values())) == 6
+    src, full, killed = deepseek_run
+    run = shutil.copytree(killed, tmp_path / "run")
+    resumed = dict(run_distributed(train_loong_resumable, resume_nprocs, src, str(run), resume_layout,
+                                   resume=str(run / "checkpoint-3"), timeout=600)[0])
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(full[step], rel=TOL), (step, resumed[step], full[step])
 
