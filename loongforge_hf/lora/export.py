@@ -172,9 +172,9 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
                                         shapes={hf_name: shape}, dtype=dtype))
     out.update(expert_adapter_tensors(model, plan.targets, streamer, dtype))
     whole = [(s, f"base_model.model.{s.hf_name}") for s in plan.saved]
-    tied = model.bridge.tied
-    if vocab_resized(model):
-        names = peft_names(plan, tied)
+    tied, resized = model.bridge.tied, vocab_resized(model)
+    names = peft_names(plan, tied)
+    if resized:
         carried = vocabulary_tensors(model, set(names) - {s.hf_name for s in plan.saved})
         whole += [(s, names[s.hf_name]) for s in carried]
     for s, hf_name in whole:
@@ -184,8 +184,7 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
             return {hf_name: s.mapping.export(shards, streamer.ctx, s.layer)[s.hf_name]}
         out.update(streamer.collect(owner_pp, vp, name, split=s.mapping.tp_split is not None, export=export,
                                     shapes={hf_name: plan.hf_shapes[s.hf_name]}, dtype=dtype))
-    if tied and vocab_resized(model) and streamer.rank == 0:
-        names = peft_names(plan, tied)
+    if tied and resized and streamer.rank == 0:
         embedding = out.get(names[f"{plan.embedding_name}.weight"])
         if embedding is not None:  # NOTE: PEFT writes the tied LM head under its own name too
             out[names["lm_head.weight"]] = embedding.clone()  # NOTE: safetensors refuses shared storage
@@ -194,7 +193,7 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
         shape = (len(plan.token_indices), model.config.hidden_size)
         out.update(streamer.collect(0, 0, f"embedding.{DELTA}", split=False, export=lambda shards: {hf_name: shards[0]},
                                     shapes={hf_name: shape}, dtype=dtype))
-        head_delta = tied_head_delta(plan, tied, vocab_resized(model))
+        head_delta = tied_head_delta(plan, tied, resized)
         if head_delta is not None and hf_name in out:
             out[head_delta] = out[hf_name].clone()
     return out

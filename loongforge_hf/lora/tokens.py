@@ -76,13 +76,11 @@ class TrainableTokens(nn.Module):
         # NOTE: this TP rank's rows of a vocabulary-parallel weight and the trained rows they take (tied LM head)
         from megatron.core import parallel_state as ps
 
-        per_rank = vocab_rows // ps.get_tensor_model_parallel_world_size()
-        start = ps.get_tensor_model_parallel_rank() * per_rank
-        local = [(k, i - start) for k, i in enumerate(indices) if start <= i < start + per_rank]
-        self.register_buffer("local_slots", torch.tensor([k for k, _ in local], dtype=torch.long,
-                                                         device=rows.device), persistent=False)
-        self.register_buffer("local_rows", torch.tensor([r for _, r in local], dtype=torch.long,
-                                                        device=rows.device), persistent=False)
+        slots, local = _local_rows(indices, vocab_rows // ps.get_tensor_model_parallel_world_size())
+        self.register_buffer("local_slots", torch.tensor(slots, dtype=torch.long, device=rows.device),
+                             persistent=False)
+        self.register_buffer("local_rows", torch.tensor(local, dtype=torch.long, device=rows.device),
+                             persistent=False)
 
     def head_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """A tied LM head's weight (this rank's ``[V_local, H]`` slice of the embedding) with the rows replaced."""
@@ -128,16 +126,23 @@ def _tied_head_weight(adapter: TrainableTokens, layer, args, kwargs):
     return args, {**kwargs, "weight": adapter.head_weight(kwargs["weight"])}
 
 
+def _local_rows(indices: tuple[int, ...], per_rank: int) -> tuple[list[int], list[int]]:
+    """(positions in ``indices``, rows in this TP rank's slice) of the listed tokens that fall in that slice of a
+    vocabulary-parallel weight of ``per_rank`` rows a rank."""
+    from megatron.core import parallel_state as ps
+
+    start = ps.get_tensor_model_parallel_rank() * per_rank
+    local = [(k, i - start) for k, i in enumerate(indices) if start <= i < start + per_rank]
+    return [k for k, _ in local], [r for _, r in local]
+
+
 def embedding_rows(weight: torch.Tensor, indices: tuple[int, ...]) -> torch.Tensor:
     """The rows ``indices`` of a vocabulary-parallel ``weight`` (this rank's slice), whole on every TP rank."""
     from megatron.core import parallel_state as ps
 
-    per_rank = weight.shape[0]
-    start = ps.get_tensor_model_parallel_rank() * per_rank
     rows = weight.new_zeros(len(indices), weight.shape[1])
-    for k, index in enumerate(indices):
-        if start <= index < start + per_rank:
-            rows[k] = weight[index - start]
+    slots, local = _local_rows(indices, weight.shape[0])
+    rows[slots] = weight[local]
     if ps.get_tensor_model_parallel_world_size() > 1:  # NOTE: one rank holds each row, the others add zeros
         dist.all_reduce(rows, group=ps.get_tensor_model_parallel_group())
     return rows

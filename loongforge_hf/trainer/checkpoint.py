@@ -33,6 +33,7 @@ import torch.distributed as dist
 from loongforge_hf.bridges.checkpoint_files import CheckpointError
 from loongforge_hf.bridges.distribution import failing_alike
 from loongforge_hf.trainer import optimizer_state
+from loongforge_hf.trainer.engine import optimizer_parts
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +263,8 @@ def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None
     same_world = rng_file.is_file() and saved_world == world
     run_everywhere(f"{rng_file}: cannot be read (rank {_rank()})",
                    lambda: box.setdefault("rng", torch.load(rng_file, weights_only=True)), on=same_world)
-    run_everywhere(f"{ckpt}: cannot be resumed with this optimizer", lambda: _check_optimizer_parts(template, ckpt))
+    run_everywhere(f"{ckpt}: cannot be resumed with this optimizer",
+                   lambda: _check_optimizer_parts(len(optimizer_parts(engine.optimizer)) > 1, ckpt))
     run_everywhere(f"{ckpt}: the megatron state cannot be loaded into this model (was the checkpoint written for "
                    "another model?)", lambda: box.setdefault("loaded", dist_checkpointing.load(template, str(ckpt))))
     loaded = box.pop("loaded")
@@ -277,19 +279,17 @@ def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None
                        saved_world, world)
 
 
-def _check_optimizer_parts(template: dict, ckpt: Path) -> None:
-    """The optimizer that wrote ``ckpt`` and this one are both megatron chains of parts (keys ``chained_{i}.``) or
-    both one part: a mixture-of-experts checkpoint written before the routed experts were expert parameters in every
-    layout (one part where there was no expert parallelism) cannot fill a dense + expert chain. Local reads only."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
+def _check_optimizer_parts(chained: bool, ckpt: Path) -> None:
+    """The optimizer that wrote ``ckpt`` and this one (``chained``: more than one part, whose state is keyed
+    ``chained_{i}.``, ``optimizer_state.py``) are both chains or both one part: a mixture-of-experts checkpoint
+    written before the routed experts were expert parameters in every layout (one part where there was no expert
+    parallelism) cannot fill a dense + expert chain. Local reads only."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    ours = {getattr(v, "key", "") for v in nested_values(template["optimizer"])}
-    theirs = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    chained = [any(k.startswith("chained_") for k in keys) for keys in (ours, theirs)]
-    if chained[0] != chained[1]:
+    theirs = any(k.startswith("chained_") for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    if chained != theirs:
         how = ("a one-part optimizer (a mixture-of-experts model saved without expert parallelism by a loongforge-hf "
-               "from before the routed experts were expert parameters in every layout)") if chained[0] else \
+               "from before the routed experts were expert parameters in every layout)") if chained else \
             "a dense + expert optimizer chain, this model's optimizer has one part"
         raise CheckpointError(f"the checkpoint's optimizer state was written by {how}; resume it with the version and "
                               f"layout that wrote it, or start a new run from its weights: "
