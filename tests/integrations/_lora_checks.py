@@ -3,7 +3,8 @@
 ``layer_checks``: megatron's Column/RowParallelLinear with adapters against plain torch on full HF-shaped tensors,
 outputs and gradients (input, A, B), TP=2 with and without sequence parallelism.
 ``model_checks``: a tiny Llama with LoRA against ``peft.get_peft_model`` on the transformers model: logits, loss,
-adapter gradients, parameter counts, what megatron's optimizer holds, the PEFT adapter folder and the merged export.
+adapter gradients (summed over context-parallel ranks, as megatron's DDP sums them), parameter counts, what megatron's
+optimizer holds, the PEFT adapter folder and the merged export.
 """
 
 from __future__ import annotations
@@ -155,6 +156,10 @@ def _check_adapter_grads(model, ref, our_loss, their_loss) -> None:
 
     our_loss.backward()
     their_loss.backward()
+    if ps.get_context_parallel_world_size() > 1:   # each CP rank holds its sequence share's part, as DDP sums them
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
     ref_params = dict(ref.named_parameters())
     heads, hd = 4, 16
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -191,6 +196,7 @@ def lora_pair(folder: str, layout: dict, lora_kw: dict):
 
 def model_checks(folder: str, out_dir: str, layout: dict) -> dict:
     import transformers
+    from megatron.core import parallel_state as ps
 
     from loongforge_hf.trainer.engine import MegatronEngine
 
@@ -209,10 +215,13 @@ def model_checks(folder: str, out_dir: str, layout: dict) -> dict:
     engine = MegatronEngine(model, args=transformers.TrainingArguments(out_dir + "/unused", use_cpu=True,
                                                                        report_to=[]))
     optimized = [p for opt in engine.inner_optimizers() for group in opt.param_groups for p in group["params"]]
+    # the distributed optimizer's shards over the data-parallel (with context-parallel) ranks cover exactly the
+    # trainable parameters
+    numel = torch.tensor([sum(p.numel() for p in optimized)])
+    dist.all_reduce(numel, group=ps.get_data_parallel_group(with_context_parallel=True))
     result["ddp_holds_trainable_only"] = {id(p) for c in engine.chunks for p in c.params_with_grad} == \
         {id(p) for p in trainable}
-    # one data-parallel rank: the distributed optimizer's shards cover exactly the trainable parameters
-    result["optimizer_numel"] = (sum(p.numel() for p in optimized), sum(p.numel() for p in trainable))
+    result["optimizer_numel"] = (int(numel), sum(p.numel() for p in trainable))
     result["frozen_tensors"] = sum(1 for p in model.parameters() if not p.requires_grad)
 
     result.update(export_checks(model, folder, out_dir, ids, ours.logits))
@@ -240,10 +249,11 @@ def export_checks(model, folder: str, out_dir: str, ids: torch.Tensor, logits: t
 
 
 def tp2_and_pp2_checks(folder: str, out_dir: str) -> dict:
-    """One 2-rank world: the layer checks, the model checks under TP=2 and PP=2, dropout under TP=2 (+SP)."""
+    """One 2-rank world: the layer checks, the model checks under TP=2, PP=2 and CP=2, dropout under TP=2 (+SP)."""
     return {"layers": layer_checks(),
             "tp2": model_checks(folder, out_dir + "/tp2", {"tensor_parallel_size": 2}),
             "pp2": model_checks(folder, out_dir + "/pp2", {"pipeline_parallel_size": 2}),
+            "cp2": model_checks(folder, out_dir + "/cp2", {"context_parallel_size": 2}),
             "dropout": dropout_keeps_replicas_in_step(folder, {"tensor_parallel_size": 2}),
             "dropout_sp": dropout_keeps_replicas_in_step(folder, {"tensor_parallel_size": 2,
                                                                   "sequence_parallel": True})}

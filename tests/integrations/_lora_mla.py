@@ -35,6 +35,9 @@ TWO_RANK_LAYOUTS = {
                     ("deepseek_v3_halves/all_linear", "deepseek_v3/attention")),
     "ep2_dp2": ({"expert_parallel_size": 2}, ("deepseek_v2/all_linear",)),
     "pp2": ({"pipeline_parallel_size": 2}, ("deepseek_v3/attention",)),
+    # each rank half of every sequence, the experts split over the same two ranks
+    "cp2_ep2": ({"context_parallel_size": 2, "expert_parallel_size": 2},
+                ("deepseek_v3/attention", "deepseek_v2/all_linear")),
 }
 # chat messages with the loss on the assistant turns (the tiny model learns to end them: TRL's token accuracy moves)
 SFT_SCENARIOS = {
@@ -74,4 +77,6 @@ def two_rank_checks(folders: dict, out_dir: str, adapters: dict) -> dict:
                                                             layout, adapters[case], LORA_KW[kw])
     layout = {**TWO_RANK_LAYOUTS["tp2_sp_etp1"][0], "expert_parallel_size": 2}
     out["sft"] = run_loong(folders["deepseek_v3"], out_dir + "/sft", layout, list(SFT_SCENARIOS), SFT_SCENARIOS)
+    out["sft_cp2_ep2"] = run_loong(folders["deepseek_v3"], out_dir + "/sft-cp", TWO_RANK_LAYOUTS["cp2_ep2"][0],
+                                   list(SFT_SCENARIOS), SFT_SCENARIOS)
     return out

@@ -109,6 +109,20 @@ def _check_expert_grads(model, ref, layer: int = 1) -> None:
     assert checked >= 2, checked
 
 
+def _sum_dense_grads_over_cp(model) -> None:
+    """Under context parallelism each rank's dense gradients hold its sequence share's part; megatron's DDP sums them
+    over the CP ranks (within its data-parallel group). Experts' adapters see every rank's tokens through the
+    dispatcher already."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None and getattr(p, "allreduce", True):
+            dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
+
+
 def _ddp_groups(model, out_dir: str) -> dict:
     """Which of megatron's DDP buffers hold the trainable parameters, and over how many ranks each reduces."""
     import transformers
@@ -149,6 +163,7 @@ def moe_model_checks(folder: str, out_dir: str, layout: dict, peft_adapter: str,
     if model.parallel.pipeline_parallel_size == 1:
         ours.loss.backward()
         theirs.loss.backward()
+        _sum_dense_grads_over_cp(model)
         if any(t.kind in ("experts", "router") for t in model.lora_plan.targets):
             _check_expert_grads(model, ref)
         if any(t.kind not in ("experts", "router") for t in model.lora_plan.targets):
@@ -233,6 +248,8 @@ TWO_RANK_LAYOUTS = {
     # EP2 over a dense data-parallel pair: the adapters reduce over both ranks, the experts over none
     "ep2_dp2": {"expert_parallel_size": 2},
     "pp2": {"pipeline_parallel_size": 2},
+    # each rank half of every sequence (two of its four chunks), the experts split over the same two ranks
+    "cp2_ep2": {"context_parallel_size": 2, "expert_parallel_size": 2},
 }
 
 

@@ -3,7 +3,7 @@
 - Initial adapters: the same tensors as ``peft.get_peft_model`` after the same seed (bit for bit), for several
   LoraConfigs (all-linear, lists, regex, layers_to_transform, exclude_modules, gaussian / no init, rsLoRA).
 - TP=2 (with and without sequence parallelism) layer math: outputs and gradients against plain torch.
-- Whole model, TP=2 and PP=2: logits, loss and adapter gradients against PEFT; megatron's DDP/optimizer hold only
+- Whole model, TP=2, PP=2 and CP=2: logits, loss and adapter gradients against PEFT; megatron's DDP/optimizer hold only
   the adapters (and modules_to_save); the adapter folder loads in ``PeftModel.from_pretrained`` and the merged
   export in transformers, both giving the Loong model's logits; merged export leaves the model as it was.
 """
@@ -186,9 +186,9 @@ def test_dropout_keeps_tp_replicas_in_step(two_rank_results, layout):
     assert any(n.endswith(".B") and "linear_fc2" in n for n in names)     # row-parallel: B replicated
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "cp2"])
 def test_model_matches_peft(two_rank_results, layout):
-    """Logits, loss and (TP2) adapter gradients are asserted inside the ranks; exports are checked on rank 0."""
+    """Logits, loss and (TP2, CP2) adapter gradients are asserted inside the ranks; exports are checked on rank 0."""
     import peft  # noqa: F401 - the ranks need it; fail here with a clear import error otherwise
 
     rank0 = two_rank_results[0][layout]

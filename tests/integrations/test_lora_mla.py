@@ -9,14 +9,15 @@ Here each projection is one megatron linear (the down projections column-paralle
   attention projections, ``kv_a_layernorm`` and the LM head trained whole; a multi-token-prediction layer in the
   checkpoint copied through the merged export), DeepSeek-V3 with rotary rows in halves on disk (``rope_interleave=
   False``: B's rows permuted as the weight's) and DeepSeek-V2 with ``"all-linear"``; at TP1, TP2 + sequence parallel
-  (experts whole, expert_tensor_parallel_size=1), EP2 over a data-parallel pair and PP2: logits within 1e-4 (1e-5
+  (experts whole, expert_tensor_parallel_size=1), EP2 over a data-parallel pair, PP2 and CP2 x EP2 (gradients summed
+  over the CP ranks, as megatron's DDP sums them): logits within 1e-4 (1e-5
   with expert or router adapters), loss within 1e-5, every attention adapter's gradient of layers 1-2 within 1e-5
   (one stage), PEFT's parameter counts, megatron's DDP holding the trainable tensors only, the adapter folder in
   ``PeftModel.from_pretrained`` and the merged export in transformers (1e-4), a PEFT-written adapter (random B)
   loaded with PEFT's logits and loss.
 - LoongSFTTrainer with ``"all-linear"`` on DeepSeek-V3 (chat messages, assistant-only loss) against trl.SFTTrainer
-  + PEFT: every logged loss within 1e-4 relative and TRL's token metrics, at TP1 and TP2 + SP + EP2 (both ranks
-  logging the same), the saved adapter in PEFT with the trained logits (1e-3).
+  + PEFT: every logged loss within 1e-4 relative and TRL's token metrics, at TP1, TP2 + SP + EP2 and CP2 x EP2
+  (both ranks logging the same), the saved adapter in PEFT with the trained logits (1e-3).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def test_sft_matches_trl(one_rank, two_ranks, name):
 
     ref = one_rank["sft"]["trl"][name]
     assert_matches(name, ref, one_rank["sft"]["loong"][name], SFT_SCENARIOS)
-    for rank in two_ranks:
-        assert rank["sft"][name]["losses"] == two_ranks[0]["sft"][name]["losses"]
-    assert_matches(name, ref, two_ranks[0]["sft"][name], SFT_SCENARIOS)
+    for key in ("sft", "sft_cp2_ep2"):
+        for rank in two_ranks:
+            assert rank[key][name]["losses"] == two_ranks[0][key][name]["losses"], key
+        assert_matches(name, ref, two_ranks[0][key][name], SFT_SCENARIOS)

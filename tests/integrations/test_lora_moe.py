@@ -7,15 +7,16 @@ projections are adapted as on a dense model, in every layer (MoE or dense). Both
 
 - Targets: the same modules and parameters as ``peft.get_peft_model`` (a regex naming one layer's q_proj adapts every
   layer's, as PEFT's rewrite does), the same initial tensors after the same seed (bit for bit), the same scaling.
-- Whole model, for the attention projections (with modules_to_save), "all-linear" (attention, experts, router) and
-  the expert projections alone: TP1 (Qwen3-MoE with a dense first layer; Mixtral with attention and with
+- Whole model, for the attention projections (with modules_to_save), "all-linear" (attention, experts, router) and the
+  expert projections alone: TP1 (Qwen3-MoE with a dense first layer; Mixtral with attention and with
   q_proj/w1/w2/w3/gate), TP2 + sequence parallel + EP2 (experts not split over TP), EP2 over a dense data-parallel
-  pair, and PP2 (Qwen3-MoE): logits within 1e-4 (1e-5 where experts or the router are adapted: measured ~1e-6),
-  loss within 1e-5, adapter gradients within 1e-5 of PEFT's (fp32, as test_lora.py; expert adapters of this rank's
-  experts); PEFT's parameter counts; megatron's DDP holds only the trainable tensors, attention / router adapters in
-  its dense buffers, expert adapters in its expert buffers (every layout); the adapter folder loads in
-  ``PeftModel.from_pretrained`` and the merged export (the full MoE checkpoint) in transformers with the Loong
-  model's logits (1e-4); a PEFT-written adapter (random B) loads onto the Loong model with PEFT's logits and loss.
+  pair, PP2 and CP2 x EP2 (Qwen3-MoE; dense gradients summed over the CP ranks, as megatron's DDP sums them): logits
+  within 1e-4 (1e-5 where experts or the router are adapted: measured ~1e-6), loss within 1e-5, adapter gradients
+  within 1e-5 of PEFT's (fp32, as test_lora.py; expert adapters of this rank's experts); PEFT's parameter counts;
+  megatron's DDP holds only the trainable tensors, attention / router adapters in its dense buffers, expert adapters
+  in its expert buffers (every layout); the adapter folder loads in ``PeftModel.from_pretrained`` and the merged
+  export (the full MoE checkpoint) in transformers with the Loong model's logits (1e-4); a PEFT-written adapter
+  (random B) loads onto the Loong model with PEFT's logits and loss.
 - LoongSFTTrainer with a LoraConfig on Qwen3-MoE (attention with and without the router balancing loss, and
   "all-linear" with it, whose gradient then reaches the router's adapter): the logged losses of trl.SFTTrainer (1e-4
   relative), at TP1 and at TP2 + SP + EP2; the "all-linear" LoRA checkpoint at TP2 + SP + EP2 resumes exactly.

@@ -4,8 +4,9 @@ Scenarios (see ``_sft_parity.SCENARIOS``): LoRA on all linears over a text datas
 modules_to_save over chat messages with assistant_only_loss; full fine-tuning over prompt/completion (completion-only
 loss); full fine-tuning with packing (BFD, padding-free batches); LoRA with NEFTune; LoRA with label smoothing
 (evaluating after every step). TP=1 and TP=2; the chat LoRA, NEFTune and label-smoothing scenarios also with sequence
-parallelism and at PP=2, as packing. The LoRA text scenario also evaluates after every step. At TP=2, a LoRA run resumed
-from its step-2 checkpoint logs the losses of the uninterrupted run.
+parallelism and at PP=2, as packing; all but the prompt/completion scenario at CP=2. The LoRA text scenario also
+evaluates after every step. At TP=2, a LoRA run resumed from its step-2 checkpoint logs the losses of the uninterrupted
+run.
 
 Tolerances (fp32): every logged loss (and eval loss) within 1e-4 relative: only reduction order differs, so later steps
 agree as closely as the first; TRL's entropy (1e-4), mean_token_accuracy (1e-6) and num_tokens (exact) in every train
@@ -49,6 +50,7 @@ def _tp2_world(folder: str, out_dir: str) -> dict:
     return {"loong": run_loong(folder, out_dir + "/runs", layout, NAMES),
             "sp": run_loong(folder, out_dir + "/sp", {**layout, "sequence_parallel": True}, SP_NAMES),
             "pp": run_loong(folder, out_dir + "/pp", {"pipeline_parallel_size": 2}, PP_NAMES),
+            "cp": run_loong(folder, out_dir + "/cp", {"context_parallel_size": 2}, CP_NAMES),
             "gc": run_loong(folder, out_dir + "/gc", layout, GC_NAMES, gradient_checkpointing=True),
             "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", layout),
             **{f"resume_partial_{name}": resume_matches_uninterrupted(folder, f"{out_dir}/resume-partial-{name}",
@@ -67,6 +69,7 @@ PARTIAL_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_pr
 PARTIAL_LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}, "dp2": {}}
 GC_NAMES = ["lora_qv_messages", "full_prompt_completion", "lora_neftune"]
 SP_NAMES = ["lora_qv_messages", "lora_neftune", "lora_label_smoothing"]
+CP_NAMES = ["lora_text", "lora_qv_messages", "full_packing", "lora_neftune", "lora_label_smoothing"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -105,6 +108,16 @@ def test_pp2_matches_trl(tp1, tp2, name):
     # NOTE: the engine pads each step's micro-batches to one length for the pipeline after TRL's collator, so the
     # token counts are TRL's (packed, padding-free batches included)
     assert_matches(name, tp1["trl"][name], tp2[0]["pp"][name])
+
+
+@pytest.mark.parametrize("name", CP_NAMES)
+def test_cp2_matches_trl(tp1, tp2, name):
+    """Context parallelism: each rank holds two of the four sequence chunks (megatron's load-balanced causal split);
+    the engine pads TRL's batches to a multiple of 2 x CP (packed padding-free rows with a document of pads), and the
+    losses, token metrics and evaluation are TRL's on the whole sequences."""
+    for rank in tp2:
+        assert rank["cp"][name]["losses"] == tp2[0]["cp"][name]["losses"]
+    assert_matches(name, tp1["trl"][name], tp2[0]["cp"][name])
 
 
 DP_NAMES = ["lora_text", "lora_label_smoothing"]
