@@ -45,6 +45,31 @@ class VisionLanguageChunk(nn.Module):
     def set_input_tensor(self, input_tensor) -> None:
         self.language.set_input_tensor(input_tensor)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """GPTModel's state (its keys as a text model's) and, on the first stage, the vision tower's under
+        ``vision.`` (``vision_weights.vision_sharded_state_dict``): training checkpoints hold both."""
+        from loongforge_hf.multimodal.vision_weights import vision_sharded_state_dict
+
+        state = self.language.sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.vision is not None:
+            tp_group = self.vision.blocks[0].attn.tp_group if len(self.vision.blocks) else None
+            state.update(vision_sharded_state_dict(self.vision, prefix=f"{prefix}vision.", tp_group=tp_group))
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """The inverse of ``sharded_state_dict``'s keys: ``vision.*`` into the tower, the rest into GPTModel."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        vision = {k[len("vision."):]: v for k, v in state_dict.items() if k.startswith("vision.")}
+        if vision and self.vision is None:
+            raise RuntimeError(f"VisionLanguageChunk: {len(vision)} vision tower tensors for a stage without it.")
+        results = [("", self.language.load_state_dict({k: v for k, v in state_dict.items()
+                                                       if not k.startswith("vision.")}, strict=strict, assign=assign))]
+        if self.vision is not None:
+            results.append(("vision.", self.vision.load_state_dict(vision, strict=strict, assign=assign)))
+        return _IncompatibleKeys([p + k for p, r in results for k in r.missing_keys],
+                                 [p + k for p, r in results for k in r.unexpected_keys])
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,

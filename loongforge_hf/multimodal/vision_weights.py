@@ -58,3 +58,49 @@ def vision_export_tensors(tower, bridge, *, tp_group=None, holds: bool) -> Itera
             shards = [local]
         if tp_rank == 0:
             yield from mapping.export(shards, ctx, layer).items()
+
+
+# tower parameter name suffix -> the axis it is split on over TP when the tower is (``VisionTower`` with a TP group);
+# ``attn.qkv`` rows are split per block of q, k, v (``_qkv_factory``); every other tensor is whole on each rank
+_SPLIT_AXIS = {"attn.proj.weight": 1, "mlp.gate_proj.weight": 0, "mlp.gate_proj.bias": 0, "mlp.up_proj.weight": 0,
+               "mlp.up_proj.bias": 0, "mlp.down_proj.weight": 1}
+
+
+def vision_sharded_state_dict(tower, *, prefix: str, tp_group=None) -> dict:
+    """The tower's parameters (LoRA adapters included) as megatron dist-checkpointing tensors keyed
+    ``{prefix}{name}``, at the tower's HF shapes whatever its layout, so a checkpoint resumes under another TP size or
+    vision layout: whole tensors are replicas over the TP and data-parallel ranks (rank (0, 0, 0) of them writes);
+    a split tower's tensors are shards along their split axis, the fused ``qkv`` rows as a [3, rows, ...] view split
+    on its second axis (the q, k, v blocks each split by heads)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    tp_rank, tp_size = _group_rank_size(tp_group)
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+    whole = (0, ps.get_tensor_model_parallel_rank(), dp_rank)  # a replica on every TP rank of an unsplit tower
+    out = {}
+    for name, param in tower.named_parameters():
+        key = f"{prefix}{name}"
+        suffix = name.split(".", 2)[-1] if name.startswith("blocks.") else ""
+        if suffix in ("attn.qkv.weight", "attn.qkv.bias"):  # NOTE: the same global shape in every layout
+            out[key] = _qkv_factory(key, param, tp_rank, tp_size, (0, 0, dp_rank) if tp_size > 1 else whole)
+        elif tp_size > 1 and suffix in _SPLIT_AXIS:
+            out[key] = ShardedTensor.from_rank_offsets(key, param, (_SPLIT_AXIS[suffix], tp_rank, tp_size),
+                                                       replica_id=(0, 0, dp_rank))
+        else:
+            out[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=whole)
+    return out
+
+
+def _qkv_factory(key: str, param, tp_rank: int, tp_size: int, replica_id: tuple):
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    def build(k, t, replica, flattened_range):
+        blocks = t.reshape(3, t.shape[0] // 3, *t.shape[1:])
+        return ShardedTensor.from_rank_offsets(k, blocks, (1, tp_rank, tp_size), replica_id=replica)
+
+    def merge(blocks):
+        return blocks.reshape(-1, *blocks.shape[2:])
+
+    return ShardedTensorFactory(key, param, build, merge, replica_id)
