@@ -39,10 +39,11 @@ def _lora_deltas(model):
     """(adapted megatron weight, its float32 delta ``scaling * B @ A``) on this rank."""
     from loongforge_hf.lora.experts import is_param_lora
     from loongforge_hf.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
+    from loongforge_hf.lora.vision import LoraVisionLinear
 
     for chunk in model.chunks:
         for module in chunk.modules():
-            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear)):
+            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear, LoraVisionLinear)):
                 yield module.weight, module.lora_delta_weight()
             elif is_param_lora(module):
                 yield from module.lora_deltas()
@@ -78,9 +79,13 @@ def adapter_config_text(model) -> str:
                 inference_mode=True, peft_version=peft_version)
     if data.get("task_type") is None:
         # NOTE: what PeftModel.save_pretrained adds without a task type: peft's AutoPeftModel loads the base by it
-        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-        hf_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)]
+        from loongforge_hf.lora.vision import LoongModelForImageTextToText
+
+        mapping = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if isinstance(model, LoongModelForImageTextToText) \
+            else MODEL_FOR_CAUSAL_LM_MAPPING
+        hf_class = mapping[type(model.config)]
         data["auto_mapping"] = {"base_model_class": hf_class.__name__, "parent_library": hf_class.__module__}
 
     def plain(value):
@@ -103,6 +108,7 @@ class _Streamer:
 
         from loongforge_hf.bridges.builder import layer_owners
         from loongforge_hf.bridges.loader import shard_context
+        from loongforge_hf.lora.vision import chunk_params, text_bridge
 
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -113,10 +119,10 @@ class _Streamer:
             if dist.is_initialized() else [0]
         self.owners = layer_owners(model.megatron.config, model.parallel)
         self.last_pp = model.parallel.pipeline_parallel_size - 1
-        self.ctx = shard_context(model.bridge, tp_rank=self.tp_rank,
+        self.ctx = shard_context(text_bridge(model), tp_rank=self.tp_rank,
                                  tp_size=ps.get_tensor_model_parallel_world_size(),
                                  padded_vocab=model.megatron.padded_vocab)
-        self.params = [dict(chunk.named_parameters()) for chunk in model.chunks]
+        self.params = [chunk_params(chunk) for chunk in model.chunks]
         self.device = model.device
 
     def owner_of(self, layer: int | None, megatron_name: str) -> tuple[int, int, str]:
@@ -124,7 +130,7 @@ class _Streamer:
         if layer is not None:
             pp, vp, local = self.owners[layer]
             return pp, vp or 0, megatron_name.format(layer=local)
-        if megatron_name.startswith("embedding."):
+        if megatron_name.startswith(("embedding.", "vision.")):  # NOTE: the vision tower: first stage
             return 0, 0, megatron_name
         return self.last_pp, len(self.params) - 1, megatron_name
 
@@ -159,7 +165,7 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
             continue
         prefix = f"base_model.model.{t.hf_module}"
         base = t.megatron_module + f".lora.{t.name}"
-        split = {"row": "A", "router": None}.get(t.kind, "B")
+        split = {"row": "A", "router": None, "vision": None}.get(t.kind, "B")
         for factor, split_dim in (("A", 1 if split == "A" else None), ("B", 0 if split == "B" else None)):
             hf_name = f"{prefix}.lora_{factor}.weight"
             shape = t.a_shape if factor == "A" else t.b_shape
@@ -181,7 +187,7 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
         owner_pp, vp, name = streamer.owner_of(s.layer, s.mapping.megatron)
 
         def export(shards, s=s, hf_name=hf_name):
-            return {hf_name: s.mapping.export(shards, streamer.ctx, s.layer)[s.hf_name]}
+            return {hf_name: s.mapping.export(shards, streamer.ctx, s.layer)[s.checkpoint_name]}
         out.update(streamer.collect(owner_pp, vp, name, split=s.mapping.tp_split is not None, export=export,
                                     shapes={hf_name: plan.hf_shapes[s.hf_name]}, dtype=dtype))
     if tied and resized and streamer.rank == 0:
@@ -204,7 +210,9 @@ def vocabulary_tensors(model, hf_names: set[str]) -> list:
     file carries when the vocabulary was resized: ``tokens.py``; a tied LM head has no tensor of its own)."""
     from loongforge_hf.lora.plan import SavedTensor
 
-    mappings = [model.bridge.embedding_mapping(), *model.bridge.final_mappings()]
+    from loongforge_hf.lora.vision import text_bridge
+
+    mappings = [text_bridge(model).embedding_mapping(), *text_bridge(model).final_mappings()]
     return [SavedTensor(hf_name=m.hf, mapping=m, layer=None) for m in mappings if m.hf in hf_names]
 
 

@@ -192,6 +192,7 @@ def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = 
     from loongforge_hf.bridges.loader import shard_context
     from loongforge_hf.lora.export import vocabulary_tensors
     from loongforge_hf.lora.model import attach_lora, check_stages_train, megatron_params_of, plan_for
+    from loongforge_hf.lora.vision import text_bridge
 
     folder = Path(adapter_dir)
     config, tensors = read_adapter(folder, allow_pickle=allow_pickle)
@@ -206,13 +207,15 @@ def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = 
     # modules_to_save do; a tied model's LM head is its embedding
     resized = vocabulary_tensors(model, set(vocabulary) - {s.hf_name for s in plan.saved})
     model = attach_lora(model, config, plan, initial, token_rows=None if token_rows is None else token_rows.float())
-    reader = _AdapterReader({**tensors, **{PREFIX + hf: tensors[name] for hf, name in vocabulary.items()}})
-    ctx = shard_context(model.bridge, tp_rank=ps.get_tensor_model_parallel_rank(),
+    # NOTE: the mappings read checkpoint names, the file has PEFT's (the module tree's: image-text models differ)
+    reader = _AdapterReader({**tensors, **{PREFIX + hf: tensors[name] for hf, name in vocabulary.items()},
+                             **{PREFIX + s.checkpoint_name: tensors[PREFIX + s.hf_name] for s in plan.saved}})
+    ctx = shard_context(text_bridge(model), tp_rank=ps.get_tensor_model_parallel_rank(),
                         tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
     with torch.no_grad():
         for saved in [*plan.saved, *resized]:
-            for chunk, name in megatron_params_of(model, saved, owners, ps.get_pipeline_model_parallel_rank()):
-                param = dict(chunk.named_parameters())[name]
+            for params, name in megatron_params_of(model, saved, owners, ps.get_pipeline_model_parallel_rank()):
+                param = params[name]
                 param.copy_(saved.mapping.load(reader, ctx, saved.layer).to(param.dtype))
     if not is_trainable:
         for p in model.parameters():

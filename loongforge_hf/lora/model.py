@@ -55,7 +55,7 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
         """(trainable, all) parameters of the whole model, counted as PEFT counts them on the HF model."""
         trainable = sum(t.r * t.num_experts * (t.in_features + t.out_features) for t in self.lora_plan.targets)
         trainable += sum(math.prod(self.lora_plan.hf_shapes[s.hf_name]) for s in self.lora_plan.saved)
-        trainable += len(self.lora_plan.token_indices) * self.config.hidden_size
+        trainable += len(self.lora_plan.token_indices) * getattr(self.bridge, "text", self.bridge).hf_config.hidden_size
         return trainable, self.lora_plan.hf_param_count + trainable
 
     def print_trainable_parameters(self) -> None:
@@ -148,9 +148,12 @@ def check_stages_train(model, plan: LoraPlan, owners) -> None:
     """Refuse (every rank alike) a plan that leaves the first pipeline stage without anything to train."""
     if model.parallel.pipeline_parallel_size == 1:
         return
+    from loongforge_hf.lora.vision import text_bridge
+
     first_stage = {layer for layer, (pp, _, _) in owners.items() if pp == 0}
-    if plan.token_indices or any(t.layer in first_stage for t in plan.targets) or any(
-            s.layer in first_stage or s.hf_name == model.bridge.embedding_mapping().hf for s in plan.saved):
+    embedding = text_bridge(model).embedding_mapping().hf
+    if plan.token_indices or any(t.layer in first_stage or t.kind == "vision" for t in plan.targets) or any(
+            s.layer in first_stage or s.checkpoint_name == embedding for s in plan.saved):
         return
     raise LoraConfigError(f"pipeline_parallel_size={model.parallel.pipeline_parallel_size}: the first pipeline stage "
                           f"(layers {sorted(first_stage)}) has no adapter, so it has nothing to train; adapt one of "
@@ -168,11 +171,16 @@ def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelF
 
 
 def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
-    """The LoRA plan of ``peft_config`` on ``model`` (refused: a model with adapters already, or not a text model)."""
+    """The LoRA plan of ``peft_config`` on ``model`` (refused: a model with adapters already, or not ours)."""
+    from loongforge_hf.lora.vision import LoongModelForImageTextToText, plan_image_text
+
     if isinstance(model, LoongLoraModelForCausalLM):
         raise LoraConfigError("This model already has LoRA adapters; apply one LoraConfig per model.")
+    if type(model) is LoongModelForImageTextToText:
+        return plan_image_text(model, peft_config)
     if type(model) is not LoongModelForCausalLM:
-        raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM models, got {type(model).__name__}.")
+        raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM and AutoModelForImageTextToText "
+                              f"models, got {type(model).__name__}.")
     return plan_lora(model.bridge, peft_config)
 
 
@@ -188,13 +196,18 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     from loongforge_hf.bridges.loader import shard_context
     from loongforge_hf.lora.experts import attach_param_adapters, check_param_adaptable
     from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable
+    from loongforge_hf.lora.vision import attach_vision_adapters, lora_class_for, text_bridge
 
     owners = layer_owners(model.megatron.config, model.parallel)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    ctx = shard_context(model.bridge, tp_rank=tp_rank, tp_size=tp_size, padded_vocab=model.megatron.padded_vocab)
+    ctx = shard_context(text_bridge(model), tp_rank=tp_rank, tp_size=tp_size,
+                        padded_vocab=model.megatron.padded_vocab)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     groups: dict[tuple[int, str], list] = defaultdict(list)
+    vision = [(t, w) for t, w in zip(plan.targets, initial) if t.kind == "vision"]
     for target, weights in zip(plan.targets, initial):
+        if target.kind == "vision":
+            continue
         owner_pp, vp, local = owners[target.layer]
         if owner_pp == pp_rank:
             groups[(vp or 0, target.megatron_module.format(layer=local))].append((target, weights))
@@ -243,11 +256,12 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
                                            split="A" if t.kind == "row" else "B")
             adapters[t.name].stacked_layers = tuple(sorted(carriers[(t.megatron_module, t.name)]))
         attach_adapters(module, adapters, layout)
+    attach_vision_adapters(model, vision, dropout=float(peft_config.lora_dropout), dtype=dtype, device=device)
 
     originals = []  # NOTE: modules_to_save train in place; PEFT keeps the originals (disable_adapter, unload)
     for saved in plan.saved:
-        for chunk, name in megatron_params_of(model, saved, owners, pp_rank):
-            param = dict(chunk.named_parameters())[name]
+        for params, name in megatron_params_of(model, saved, owners, pp_rank):
+            param = params[name]
             param.requires_grad_(True)
             originals.append((param, param.detach().clone()))
     if plan.token_indices:
@@ -259,7 +273,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         # NOTE: megatron's capture warm-up takes each graphed layer's input gradient and fails where no input
         # requires grad, the first layer's behind the frozen embedding (an H200 run, 2026-11-29)
         model.embedding_output_requires_grad("cuda_graphs", True)
-    model.__class__ = LoongLoraModelForCausalLM
+    model.lora_base_class = type(model)
+    model.__class__ = lora_class_for(model)
     model.lora_config = copy.deepcopy(plan.config)
     model.lora_plan = plan
     model.lora_originals = originals
@@ -267,10 +282,13 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
 
 
 def megatron_params_of(model, saved, owners, pp_rank):
-    """(chunk, megatron parameter name) of a ``modules_to_save`` tensor on this rank (none when another stage)."""
+    """(parameters by megatron name, the name) of a ``modules_to_save`` tensor on this rank (none when another
+    stage)."""
     from megatron.core import parallel_state as ps
 
-    chunks = model.chunks
+    from loongforge_hf.lora.vision import chunk_params
+
+    chunks = [chunk_params(c) for c in model.chunks]
     if saved.layer is not None:
         owner_pp, vp, local = owners[saved.layer]
         if owner_pp == pp_rank:

@@ -2,7 +2,7 @@
 stacks and the router of Qwen3-MoE and Mixtral, as PEFT adapts them on the transformers 5 model.
 
 Choices:
-- PEFT's config rewrite for these models (``plan._as_peft_rewrites``) turns expert projection names into
+- PEFT's config rewrite for these models (``as_peft_rewrites``) turns expert projection names into
   ``gate_up_proj`` / ``down_proj`` and the router's into ``gate.weight``; ``"all-linear"`` names all three. They are
   matched as PEFT's ``_inject_parameters`` matches them: every parameter of the HF module tree whose name is a target or
   ends with ``"." + target``, in ``named_modules`` order, then in the module's registration order: the order PEFT
@@ -108,3 +108,24 @@ def _mapping(bridge, layer: int, suffix: str):
         if m.megatron.endswith(suffix):
             return m
     raise LoraConfigError(f"{bridge.architectures[0]} layer {layer} has no megatron tensor '*.{suffix}'.")
+
+
+def as_peft_rewrites(config, skeleton, bridge):
+    """A copy of ``config`` as PEFT rewrites it for ``skeleton``'s architecture (MoE models on transformers 5; any
+    other model keeps it as it is)."""
+    import copy
+
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a PEFT without the rewrite adapts modules by name only
+        return config
+    rewritten = copy.deepcopy(config)
+    try:
+        convert_peft_config_for_transformers(rewritten, model=skeleton, conversions=None)
+    except ValueError as err:
+        raise LoraConfigError(f"target_modules={config.target_modules!r} on {bridge.architectures[0]}: PEFT "
+                              f"refuses it ({err}).") from err
+    for name in ("target_modules", "target_parameters"):
+        if isinstance(getattr(rewritten, name), (set, frozenset)):
+            setattr(rewritten, name, sorted(getattr(rewritten, name)))
+    return rewritten

@@ -107,9 +107,14 @@ class Target:
 class SavedTensor:
     """A whole HF parameter trained and saved because its module is in ``modules_to_save``."""
 
-    hf_name: str
+    hf_name: str                # the parameter in the HF module tree (PEFT's key)
     mapping: Mapping
     layer: int | None
+    file_name: str | None = None  # its name in the checkpoint, where it differs (image-text models)
+
+    @property
+    def checkpoint_name(self) -> str:
+        return self.file_name or self.hf_name
 
 
 @dataclass
@@ -124,12 +129,13 @@ class LoraPlan:
     embedding_name: str = "model.embed_tokens"
 
 
-def _hf_skeleton(hf_config):
+def _hf_skeleton(hf_config, image_text: bool = False):
     """The HF model class built on the meta device: names, module types and shapes, no memory."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    auto = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
+        return auto.from_config(hf_config)
 
 
 def _check_config(config) -> None:
@@ -177,17 +183,19 @@ def _hf_tensor_index(bridge) -> dict[str, tuple[Mapping, int | None, int]]:
     return index
 
 
-def plan_lora(bridge, config) -> LoraPlan:
-    """Resolve ``config`` against the HF module tree of ``bridge``'s model (same verdict on every rank)."""
+def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
+    """Resolve ``config`` against the HF module tree of ``bridge``'s model (same verdict on every rank); for an
+    image-text model, ``bridge`` is its language model's and ``vl_bridge`` the whole model's (``vision.py``)."""
     from peft.tuners.tuners_utils import check_target_module_exists
     from torch import nn
 
-    from loongforge_hf.lora.param_targets import plan_param_targets
+    from loongforge_hf.lora.param_targets import as_peft_rewrites, plan_param_targets
     from loongforge_hf.lora.tokens import token_indices_of
+    from loongforge_hf.lora.vision import checkpoint_names, vision_index
 
     _check_config(config)
-    skeleton = _hf_skeleton(bridge.hf_config)
-    config = _as_peft_rewrites(config, skeleton, bridge)
+    skeleton = _hf_skeleton((vl_bridge or bridge).hf_config, image_text=vl_bridge is not None)
+    config = as_peft_rewrites(config, skeleton, bridge)
     param_targets = plan_param_targets(config, skeleton, bridge)
     output_embedding = skeleton.get_output_embeddings()
     modules = list(skeleton.named_modules())
@@ -200,19 +208,20 @@ def plan_lora(bridge, config) -> LoraPlan:
         matcher = copy(config)
         matcher.target_modules = linear_names
 
-    index = _hf_tensor_index(bridge)
+    index, on_disk = {**_hf_tensor_index(bridge), **vision_index(vl_bridge)}, checkpoint_names(vl_bridge)
     targets: list[Target] = []
     refused: list[str] = []
     for name, module in modules:
         # NOTE: an excluded module comes back as a falsy marker object.
         if not name or not check_target_module_exists(matcher, name):
             continue
-        entry = index.get(f"{name}.weight")
-        kind = _LINEAR_KINDS.get(type(entry[0])) if entry is not None else None
-        if not isinstance(module, nn.Linear) or kind is None or entry[1] is None:
+        entry = index.get(on_disk(f"{name}.weight"))
+        kind = entry[3] if entry is not None and len(entry) > 3 else \
+            _LINEAR_KINDS.get(type(entry[0])) if entry is not None else None
+        if not isinstance(module, nn.Linear) or kind is None or (entry[1] is None and kind != "vision"):
             refused.append(name)
             continue
-        mapping, layer, slot = entry
+        mapping, layer, slot = entry[:3]
         r = config.r
         scaling = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
         targets.append(Target(hf_module=name, layer=layer, mapping=mapping, slot=slot, kind=kind,
@@ -228,40 +237,33 @@ def plan_lora(bridge, config) -> LoraPlan:
                               f"{type(skeleton).__name__}; targetable: "
                               f"{sorted({n.rsplit('.', 1)[-1] for n in linear_names})} or 'all-linear'.")
 
-    saved = _saved_tensors(config, modules, index, bridge, output_embedding)
+    saved = _saved_tensors(config, modules, index, bridge, output_embedding, on_disk)
     embedding = skeleton.get_input_embeddings()
     embedding_name = next(n for n, mod in modules if mod is embedding)
     token_indices = token_indices_of(config, bridge, embedding_name)
     shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
-    target_modules = sorted({t.name for t in targets}) if all_linear else (
+    target_modules = _saved_all_linear(linear_names, [n for n, _ in modules]) if all_linear else (
         config.target_modules if isinstance(config.target_modules, str) else sorted(config.target_modules or []))
     return LoraPlan(targets=targets, saved=saved, target_modules=target_modules, config=config,
                     hf_param_count=sum(math.prod(s) for s in shapes.values()), hf_shapes=shapes,
                     token_indices=token_indices, embedding_name=embedding_name)
 
 
-def _as_peft_rewrites(config, skeleton, bridge):
-    """A copy of ``config`` as PEFT rewrites it for ``skeleton``'s architecture (MoE models on transformers 5; any
-    other model keeps it as it is)."""
-    import copy
+def _saved_all_linear(names: set[str], module_names: list[str]) -> list[str]:
+    """``target_modules`` as PEFT saves "all-linear": the full names, condensed to the shortest unambiguous suffixes
+    (``q_proj``, ``attn.proj``, ``mlp.0``) where there are at least PEFT's threshold of them."""
+    from peft.tuners.tuners_utils import _find_minimal_target_modules
+    from peft.utils.constants import MIN_TARGET_MODULES_FOR_OPTIMIZATION
 
-    try:
-        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-    except ImportError:  # a PEFT without the rewrite adapts modules by name only
-        return config
-    rewritten = copy.deepcopy(config)
-    try:
-        convert_peft_config_for_transformers(rewritten, model=skeleton, conversions=None)
-    except ValueError as err:
-        raise LoraConfigError(f"target_modules={config.target_modules!r} on {bridge.architectures[0]}: PEFT "
-                              f"refuses it ({err}).") from err
-    for name in ("target_modules", "target_parameters"):
-        if isinstance(getattr(rewritten, name), (set, frozenset)):
-            setattr(rewritten, name, sorted(getattr(rewritten, name)))
-    return rewritten
+    if len(names) < MIN_TARGET_MODULES_FOR_OPTIMIZATION:
+        return sorted(names)
+    suffixes = tuple("." + n for n in names)
+    minimal = _find_minimal_target_modules(names, [n for n in module_names if n not in names
+                                                   and not n.endswith(suffixes)])
+    return sorted(minimal if len(minimal) < len(names) else names)
 
 
-def _saved_tensors(config, modules, index, bridge, skeleton_output=None) -> list[SavedTensor]:
+def _saved_tensors(config, modules, index, bridge, skeleton_output, on_disk) -> list[SavedTensor]:
     wanted = list(config.modules_to_save or [])
     if not wanted:
         return []
@@ -275,19 +277,19 @@ def _saved_tensors(config, modules, index, bridge, skeleton_output=None) -> list
             if full in seen:
                 continue
             seen.add(full)
-            entry = index.get(full)
+            entry = index.get(on_disk(full))
             if entry is None and bridge.tied and module is skeleton_output:
                 raise LoraConfigError(f"modules_to_save={wanted}: {full} is the embedding's own weight "
                                       "(tie_word_embeddings=True), which is not supported; train the added tokens' "
                                       "rows with trainable_token_indices (PEFT ties the LM head's rows to them).")
-            if entry is None or not isinstance(entry[0], (Replicated, VocabParallel)):
+            if entry is None or not isinstance(entry[0], (Replicated, VocabParallel)) or len(entry) > 3:
                 raise LoraConfigError(f"modules_to_save={wanted}: {name} ({full}) is a tensor-parallel linear that "
                                       "megatron fuses with others; modules_to_save supports norms, embed_tokens "
                                       "and lm_head.")
             if isinstance(entry[0], VocabParallel) and bridge.tied:
                 raise LoraConfigError(f"modules_to_save={wanted}: {full} is tied to the LM head "
                                       "(tie_word_embeddings=True), which is not supported.")
-            saved.append(SavedTensor(hf_name=full, mapping=entry[0], layer=entry[1]))
+            saved.append(SavedTensor(hf_name=full, mapping=entry[0], layer=entry[1], file_name=on_disk(full)))
     if not saved:
         raise LoraConfigError(f"modules_to_save={wanted} match no module of the model.")
     return saved

@@ -63,7 +63,6 @@ def unload(model):
 
 def _remove_adapters(model, *, restore_saved: bool):
     from loongforge_hf.lora.tokens import remove_token_hooks, token_embeddings
-    from loongforge_hf.modeling import LoongModelForCausalLM
 
     if restore_saved:
         with torch.no_grad():
@@ -77,8 +76,8 @@ def _remove_adapters(model, *, restore_saved: bool):
         del embedding.token_adapter
     for chunk in model.chunks:
         remove_token_hooks(chunk)
-    model.__class__ = LoongModelForCausalLM
-    for name in ("lora_config", "lora_plan", "lora_originals"):
+    model.__class__ = model.lora_base_class
+    for name in ("lora_config", "lora_plan", "lora_originals", "lora_base_class"):
         model.__dict__.pop(name, None)
     return model
 

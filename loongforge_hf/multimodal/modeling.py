@@ -308,6 +308,7 @@ class AutoModelForImageTextToText:
                         seed: int = 1234, fp8: str | None = None, fp8_recipe: str | None = None,
                         **unused: Any) -> LoongModelForImageTextToText:
         # NOTE: ``unused``: transformers' other from_pretrained keywords and config overrides (bridges/load_kwargs.py)
+        arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
         from loongforge_hf.bridges.builder import build_megatron_model
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.hub import resolve_checkpoint
@@ -315,6 +316,7 @@ class AutoModelForImageTextToText:
                                                        sort_load_kwargs)
         from loongforge_hf.bridges.loader import load_into
         from loongforge_hf.bridges.qwen2_5_vl import get_vl_bridge
+        from loongforge_hf.lora.load import adapter_base_model, is_adapter_folder, load_adapter
         from loongforge_hf.multimodal.chunk import VisionLanguageChunk
         from loongforge_hf.multimodal.vision import VisionTower
         from loongforge_hf.multimodal.vision_weights import load_vision
@@ -343,6 +345,13 @@ class AutoModelForImageTextToText:
         hub = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token,
                    allow_pickle=allow_pickle, **options.hub)
         folder = resolve_checkpoint(pretrained_model_name_or_path, **hub)
+        if is_adapter_folder(folder):
+            # NOTE: as AutoModelForCausalLM's: a PEFT adapter loads its base model with these same arguments, then
+            # the adapter onto it (frozen, as PeftModel.from_pretrained's default)
+            loaded = cls.from_pretrained(adapter_base_model(folder), **arguments, **unused)
+            base = loaded[0] if options.output_loading_info else loaded
+            model = load_adapter(base, folder, allow_pickle=allow_pickle)
+            return (model, loaded[1]) if options.output_loading_info else model
         hf_config, config_on_file = load_config(folder, options, trust_remote_code=trust_remote_code, hub=hub)
         reader = CheckpointReader(folder, allow_pickle=allow_pickle, **options.files)
         try:

@@ -1,0 +1,133 @@
+"""LoRA on Qwen2.5-VL (``lf.AutoModelForImageTextToText``): the language model's layers as on a text model, and the
+vision tower's linears (ViT attention and MLP, the patch merger) as PEFT adapts them.
+
+Choices:
+- Targets are matched on transformers' own image-text module tree (``model.language_model.layers.N...``,
+  ``model.visual.blocks.N...``, ``lm_head``), the names PEFT matches and writes adapter keys with; each is looked up
+  in the checkpoint under the names the bridge read (hub: ``model.layers.N...`` / ``visual.*``; older files:
+  ``model.language_model.*`` / ``model.visual.*``). ``"all-linear"`` adapts the tower's linears too, as PEFT does.
+- Language targets and ``modules_to_save`` (norms, an untied LM head, the embedding) go through the text-model
+  machinery on the language chunks (``model.py``), unchanged.
+- Vision targets: the tower's ``VisionLinear`` becomes ``LoraVisionLinear``, whose one matmul (which the tower's
+  row-split projections call without their bias) adds ``scaling * B (A dropout(x))``. The tower lives on the first
+  pipeline stage; with the default layout it is replicated over TP (every TP rank encodes every image and gets the
+  whole gradient), so A and B are whole and replicated too, like the tower's own weights, and dropout draws from
+  the default generator, which megatron keeps in step over TP. Under ``vision_tensor_parallel_size > 1`` or
+  ``vision_data_parallel=True`` adapters on the tower are refused with a message (the split adapters are not
+  implemented); language targets work in every layout.
+- Not here: ``trainable_token_indices`` on an image-text model (refused), and modules_to_save in the vision tower
+  (refused: name them in the adapter's targets, or train the tower whole without LoRA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loongforge_hf.lora.model import LoongLoraModelForCausalLM
+from loongforge_hf.lora.plan import LoraConfigError
+from loongforge_hf.multimodal.modeling import LoongModelForImageTextToText
+from loongforge_hf.multimodal.vision import VisionLinear
+
+TREE_TEXT, TREE_VISION = "model.language_model.", "model.visual."
+
+
+class LoongLoraModelForImageTextToText(LoongLoraModelForCausalLM, LoongModelForImageTextToText):
+    """A ``LoongModelForImageTextToText`` with LoRA adapters (made by ``get_peft_model``)."""
+
+
+def lora_class_for(model) -> type:
+    return LoongLoraModelForImageTextToText if isinstance(model, LoongModelForImageTextToText) \
+        else LoongLoraModelForCausalLM
+
+
+def text_bridge(model):
+    """The bridge of the model's language layers (the model's own for a text model)."""
+    return getattr(model.bridge, "text", model.bridge)
+
+
+def chunk_params(chunk) -> dict[str, nn.Parameter]:
+    """A chunk's parameters by megatron name (an image-text chunk's language parameters without ``language.``)."""
+    return {n.removeprefix("language."): p for n, p in chunk.named_parameters()}
+
+
+def checkpoint_names(vl_bridge):
+    """HF module-tree name -> checkpoint name (identity for a text model)."""
+    if vl_bridge is None:
+        return lambda name: name
+    prefixes = ((TREE_TEXT, vl_bridge.text_prefix + "."), (TREE_VISION, vl_bridge.vision_prefix + "."))
+
+    def on_disk(name: str) -> str:
+        for tree, disk in prefixes:
+            if name.startswith(tree):
+                return disk + name[len(tree):]
+        return name
+    return on_disk
+
+
+def vision_index(vl_bridge) -> dict:
+    """Checkpoint name of each tower linear's weight -> (its mapping, renamed to the module in the chunk, None, 0,
+    "vision"); empty for a text model."""
+    if vl_bridge is None:
+        return {}
+    out = {}
+    for name, (mapping, block) in vl_bridge.vision_mapping_table().items():
+        if name.endswith(".weight") and "norm" not in name and "ln_q" not in name and "patch_embed" not in name:
+            out[mapping.hf_names(block)[0]] = (replace(mapping, megatron=f"vision.{name}"), None, 0, "vision")
+    return out
+
+
+def plan_image_text(model, config):
+    """The LoRA plan of ``config`` on an image-text ``model``; refused, before anything changes, what this module
+    does not do."""
+    from loongforge_hf.lora.plan import plan_lora
+
+    plan = plan_lora(model.bridge.text, config, vl_bridge=model.bridge)
+    if plan.token_indices:
+        raise LoraConfigError("trainable_token_indices is not supported on image-text models; train the embedding "
+                              "whole (modules_to_save=['embed_tokens']) or use a text model.")
+    vision = [t.hf_module for t in plan.targets if t.kind == "vision"]
+    if vision and model.vision_layout != "replicated":
+        raise LoraConfigError(f"LoRA on the vision tower ({vision[0]} ...) needs the tower replicated "
+                              f"(vision_tensor_parallel_size=1, vision_data_parallel=False; this model's layout is "
+                              f"{model.vision_layout!r}); or leave the tower out of the targets, e.g. "
+                              "exclude_modules=r'.*visual.*'.")
+    return plan
+
+
+class LoraVisionLinear(VisionLinear):
+    """A vision tower linear plus LoRA adapters (whole A and B; ``lora`` holds one, keyed by the HF module's name)."""
+
+    lora: nn.ModuleDict
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = super()._linear(x, bias)
+        if self.__dict__.get("lora_disabled"):  # NOTE: inside disable_adapter() (unload.py)
+            return out
+        for adapter in self.lora.values():
+            h = F.linear(adapter.drop(x, input_is_split=False), adapter.A)
+            out = out + adapter.scaling * F.linear(h, adapter.B)
+        return out
+
+    def lora_delta_weight(self) -> torch.Tensor:
+        return sum(a.scaling * (a.B.float() @ a.A.float()) for a in self.lora.values())
+
+
+def attach_vision_adapters(model, members, *, dropout: float, dtype, device) -> None:
+    """The vision targets' adapters (``members``: (target, (A, B)) at HF shapes) on this rank's tower, if any."""
+    from loongforge_hf.lora.layers import LoraAdapter
+
+    tower_chunk = model.chunks[0]
+    if getattr(tower_chunk, "vision", None) is None:
+        return  # another pipeline stage
+    for t, (a, b) in members:
+        module = tower_chunk.get_submodule(t.megatron_module)
+        if type(module) is not VisionLinear:
+            raise LoraConfigError(f"{t.hf_module}: expected the tower's VisionLinear, found {type(module).__name__}.")
+        module.__class__ = LoraVisionLinear
+        module.lora = nn.ModuleDict({t.name: LoraAdapter(a.to(device=device, dtype=dtype).contiguous().clone(),
+                                                         b.to(device=device, dtype=dtype).contiguous().clone(),
+                                                         scaling=t.scaling, dropout=dropout, split=None)})

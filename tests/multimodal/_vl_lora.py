@@ -1,0 +1,255 @@
+"""Rank functions for test_qwen2_5_vl_lora.py: LoRA on Qwen2.5-VL against PEFT (and TRL) on the transformers model."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from ._vl_parity import make_batch, train_features, vl_training_args
+
+# init_lora_weights=False keeps B random, so every adapter changes the logits
+CONFIGS = {
+    # the language model's q/v projections only (the tower's attention is one fused `qkv`), rsLoRA
+    "language_qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                        use_rslora=True),
+    # every linear but the LM head, the tower's (ViT attention and MLP, patch merger) included, as PEFT's
+    # "all-linear"; the LM head and the language norms trained whole. NOTE: scaling 1: with random B at a larger
+    # scaling the tower's activations grow until its attention amplifies fp32 rounding (at rsLoRA's 4 the logits
+    # differ from PEFT's by 1e-4, at 2 by 2e-6, at 1 by 9e-7; the base model's by 3e-7)
+    "all_linear": dict(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False,
+                       modules_to_save=["lm_head", "post_attention_layernorm"]),
+}
+GRAD_TOL = 2e-5
+
+
+def _pair(folder: str, layout: dict, kw: dict):
+    import peft
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    transformers.set_seed(5)
+    model = get_peft_model(model, peft.LoraConfig(**kw))
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    transformers.set_seed(5)
+    return model, peft.get_peft_model(hf, peft.LoraConfig(**kw))
+
+
+def _check_grads(model, ref) -> dict:
+    """Every adapter's gradient against PEFT's (one pipeline stage): the tower's whole, the language model's as this
+    TP rank holds them (B's rows of a column-parallel target, A's columns of a row-parallel one)."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.model import _layout_and_slices
+    from loongforge_hf.lora.vision import chunk_params, text_bridge
+
+    ref_params = dict(ref.named_parameters())
+    ours = chunk_params(model.chunks[0])
+    ctx = shard_context(text_bridge(model), tp_rank=ps.get_tensor_model_parallel_rank(),
+                        tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
+    counts = {"vision": 0, "language": 0}
+    for t in model.lora_plan.targets:
+        module = t.megatron_module.format(layer=t.layer)
+        got = [ours[f"{module}.lora.{t.name}.{f}"].grad for f in "AB"]
+        want = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
+        if t.kind != "vision":
+            _, slices = _layout_and_slices([t], ctx, t.layer)
+            if t.kind == "row":
+                want[0] = want[0][:, slices[t.name]]
+            else:
+                want[1] = want[1][slices[t.name]]
+        for f, a, b in zip("AB", got, want):
+            # NOTE: within 2e-5 of the tensor's largest entry (measured: up to ~3e-6 for the tower's adapters,
+            # whose attention runs other kernels than transformers' eager one)
+            diff, scale = float((a - b).abs().max()), float(b.abs().max())
+            assert scale > 0 and diff <= GRAD_TOL * scale, (f"d{f} {t.hf_module}", diff, scale)
+        counts["vision" if t.kind == "vision" else "language"] += 1
+    return counts
+
+
+def model_checks(folder: str, out_dir: str, layout: dict, name: str) -> dict:
+    """Logits, loss, adapter gradients (one stage), PEFT's counts; the adapter folder in PEFT and the merged export in
+    transformers (differences from our logits, rank 0), ``adapter_config.json``'s target_modules against PEFT's."""
+    import peft
+    import transformers
+
+    batch = make_batch(folder)
+    model, ref = _pair(folder, layout, CONFIGS[name])
+    ours, theirs = model(**batch), ref(**batch)
+    result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters(),
+              "logits_diff": float((ours.logits - theirs.logits).abs().max()),
+              "loss_diff": float((ours.loss - theirs.loss).abs())}
+    if model.parallel.pipeline_parallel_size == 1:
+        ours.loss.backward()
+        theirs.loss.backward()
+        result["grads_checked"] = _check_grads(model, ref)
+        model.zero_grad(set_to_none=True)
+    logits = ours.logits.detach()
+    model.save_pretrained(f"{out_dir}/adapter")
+    model.save_pretrained(f"{out_dir}/merged", merged=True)
+    with torch.no_grad():
+        result["unchanged_after_merged_export"] = torch.equal(model(**batch).logits, logits)
+    if dist.get_rank() == 0:
+        ref.save_pretrained(f"{out_dir}/peft")
+        written = [json.load(open(f"{out_dir}/{d}/adapter_config.json"))["target_modules"] for d in ("adapter", "peft")]
+        result["target_modules"] = written
+        with torch.no_grad():
+            base = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+            loaded = peft.PeftModel.from_pretrained(base, f"{out_dir}/adapter")
+            result["adapter_logits_diff"] = float((loaded(**batch).logits - logits).abs().max())
+            merged = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(f"{out_dir}/merged",
+                                                                                     dtype=torch.float32)
+            result["merged_logits_diff"] = float((merged(**batch).logits - logits).abs().max())
+    return result
+
+
+def peft_adapter_checks(folder: str, out_dir: str, layout: dict) -> dict:
+    """A PEFT-written adapter ("all-linear", random B, norms and LM head whole) loaded here: ``from_pretrained`` of the
+    adapter folder (frozen) and ``load_adapter(..., is_trainable=True)`` against ``PeftModel.from_pretrained``; then
+    ``disable_adapter`` and ``merge_and_unload`` against PEFT's (differences of logits)."""
+    import peft
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import load_adapter
+
+    batch = make_batch(folder)
+    adapter = f"{out_dir}/peft-written"
+    if dist.get_rank() == 0:
+        hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        transformers.set_seed(1)
+        peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules="all-linear", init_lora_weights=False,
+                                                modules_to_save=["lm_head", "norm"])).save_pretrained(adapter)
+        config = json.load(open(f"{adapter}/adapter_config.json"))
+        json.dump({**config, "base_model_name_or_path": folder}, open(f"{adapter}/adapter_config.json", "w"))
+    dist.barrier()
+    with torch.no_grad():
+        ref = peft.PeftModel.from_pretrained(
+            transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32), adapter)
+        expected = ref(**batch).logits
+        with ref.disable_adapter():
+            expected_base = ref(**batch).logits
+        frozen = lf.AutoModelForImageTextToText.from_pretrained(adapter, dtype=torch.float32, **layout)
+        out = {"class": type(frozen).__name__, "trainable": sum(p.requires_grad for p in frozen.parameters()),
+               "logits_diff": float((frozen(**batch).logits - expected).abs().max())}
+        model = load_adapter(lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout),
+                             adapter, is_trainable=True)
+        out["trainable_counts"] = model.get_nb_trainable_parameters()
+        with model.disable_adapter():
+            out["disabled_diff"] = float((model(**batch).logits - expected_base).abs().max())
+        merged = model.merge_and_unload()
+        out["merged_class"] = type(merged).__name__
+        out["merged_diff"] = float((merged(**batch).logits - expected).abs().max())
+    return out
+
+
+def refused_under_split_tower(folder: str) -> str:
+    """Adapters on the tower with the tower split over TP: the message (nothing changed before it)."""
+    import peft
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+    from loongforge_hf.lora.plan import LoraConfigError
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2,
+                                                           vision_tensor_parallel_size=2)
+    try:
+        get_peft_model(model, peft.LoraConfig(**CONFIGS["all_linear"]))
+    except LoraConfigError as err:
+        assert all(p.requires_grad for p in model.parameters()), "refused after changing the model"
+        return str(err)
+    return "not refused"
+
+
+def two_rank_checks(folder: str, out_dir: str) -> dict:
+    out = {f"{layout_name}/{name}": model_checks(folder, f"{out_dir}/{layout_name}-{name}", layout, name)
+           for layout_name, layout in (("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2}))
+           for name in CONFIGS}
+    # the tower split over TP: adapters on the language model only
+    out["tp2_split_tower/language_qv"] = model_checks(
+        folder, f"{out_dir}/split-language_qv", {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2},
+        "language_qv")
+    out["refused"] = refused_under_split_tower(folder)
+    out["peft_adapter"] = peft_adapter_checks(folder, out_dir, {"tensor_parallel_size": 2})
+    out["resume"] = resume_matches_uninterrupted(folder, f"{out_dir}/resume", {"tensor_parallel_size": 2},
+                                                 {"pipeline_parallel_size": 2})
+    return out
+
+
+SFT_LORA = dict(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def sft_losses(folder: str, out_dir: str, loong: bool) -> list[float]:
+    """3 steps of LoRA ("all-linear", PEFT's initialisation) through LoongSFTTrainer or trl.SFTTrainer + PEFT on the
+    transformers model, the same SFTConfig, rows of processor outputs and collator: the logged losses."""
+    import datasets
+    import peft
+    import transformers
+    import trl
+    from transformers import AutoTokenizer
+
+    import loongforge_hf as lf
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+    from loongforge_hf.testing.tiny_vl import make_processor
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    args = trl.SFTConfig(**{**vl_training_args(out_dir).to_dict(), "hub_token": None, "learning_rate": 2e-2,
+                            "dataset_kwargs": {"skip_prepare_dataset": True}})
+    rows = datasets.Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train_features(folder)])
+    collator = DataCollatorForImageText.from_processor(make_processor(tok))
+    if loong:
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+        trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collator,
+                                     processing_class=tok, peft_config=peft.LoraConfig(**SFT_LORA))
+    else:
+        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collator,
+                                 processing_class=tok, peft_config=peft.LoraConfig(**SFT_LORA))
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def one_rank_checks(folder: str, out_dir: str) -> dict:
+    out = {name: model_checks(folder, f"{out_dir}/{name}", {}, name) for name in CONFIGS}
+    out["sft"] = {"trl": sft_losses(folder, out_dir + "/trl", loong=False),
+                  "loong": sft_losses(folder, out_dir + "/loong", loong=True)}
+    return out
+
+
+def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict, resume_layout: dict) -> dict:
+    """LoongSFTTrainer with "all-linear" LoRA (the tower's adapters included), 4 steps in ``layout`` saving at step 2,
+    then a new run in ``resume_layout`` resumed from that checkpoint: the logged losses of both, the checkpoint's
+    files."""
+    import os
+
+    import datasets
+    import peft
+    import trl
+    from transformers import AutoTokenizer
+
+    import loongforge_hf as lf
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+    from loongforge_hf.testing.tiny_vl import make_processor
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    rows = datasets.Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train_features(folder)] * 2)
+
+    def run(resume: str | None, layout: dict) -> list[float]:
+        args = trl.SFTConfig(**{**vl_training_args(out_dir).to_dict(), "hub_token": None, "learning_rate": 2e-2,
+                                "max_steps": 4, "save_strategy": "steps", "save_steps": 2,
+                                "dataset_kwargs": {"skip_prepare_dataset": True}})
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+        trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok,
+                                     data_collator=DataCollatorForImageText.from_processor(make_processor(tok)),
+                                     peft_config=peft.LoraConfig(**SFT_LORA))
+        trainer.train(resume_from_checkpoint=resume)
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    full = run(None, layout)
+    checkpoint = f"{out_dir}/checkpoint-2"
+    return {"full": full, "resumed": run(checkpoint, resume_layout), "files": sorted(os.listdir(checkpoint))}

@@ -1,0 +1,107 @@
+"""LoRA on Qwen2.5-VL (``lf.AutoModelForImageTextToText`` + ``loongforge_hf.lora.get_peft_model``) against PEFT on
+transformers' ``Qwen2_5_VLForConditionalGeneration``.
+
+- The language model's q/v projections (rsLoRA), and PEFT's "all-linear" (the language model's linears and the vision
+  tower's: ViT ``qkv`` / ``proj`` / MLP, the patch merger's two linears) with the LM head and the language norms in
+  ``modules_to_save``, after the same seed (init_lora_weights=False: random B, so every adapter moves the logits):
+  logits and loss within 1e-5 (fp32), every adapter's gradient within 2e-5 of its largest entry (one pipeline stage;
+  the language model's as each TP rank holds them, the tower's whole), PEFT's parameter counts,
+  ``adapter_config.json``'s ``target_modules`` as PEFT writes them ("all-linear" condensed to ``attn.proj``, ``mlp.0``
+  ...), the adapter folder in ``PeftModel.from_pretrained`` and the merged export in transformers with our logits
+  (1e-5), the model unchanged by the merged export; at TP1, TP2 (tower replicated, the default) and PP2 (tower on the
+  first stage).
+- A PEFT-written adapter loaded at TP2 (``from_pretrained`` of its folder, ``load_adapter``), ``disable_adapter`` and
+  ``merge_and_unload`` against PEFT's.
+- The tower split over TP (``vision_tensor_parallel_size=2``): language adapters as above; adapters on the tower
+  refused with a message before anything changes.
+- LoongSFTTrainer with "all-linear" LoRA (PEFT's initialisation) against trl.SFTTrainer + PEFT on the transformers
+  model, same SFTConfig, rows and collator, 3 steps: logged losses within 1e-4 relative; its checkpoint written at
+  TP2 resumes at PP2 with the uninterrupted run's losses.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
+
+from ._vl_lora import CONFIGS, one_rank_checks, two_rank_checks
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("vl-lora") / "vl"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoint, tmp_path_factory):
+    return run_distributed(one_rank_checks, 1, checkpoint, str(tmp_path_factory.mktemp("vl-lora-one")),
+                           timeout=500)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint, tmp_path_factory):
+    return run_distributed(two_rank_checks, 2, checkpoint, str(tmp_path_factory.mktemp("vl-lora-two")), timeout=600)
+
+
+def _assert_matches_peft(ranks: list[dict], name: str) -> None:
+    for res in ranks:
+        assert tuple(res["counts"]) == tuple(res["peft_counts"]), res
+        assert res["logits_diff"] < 1e-5 and res["loss_diff"] < 1e-5, res
+        assert res["unchanged_after_merged_export"]
+        if "grads_checked" in res:
+            expected_vision = 2 * 5 + 2 if name == "all_linear" else 0   # 2 ViT blocks x 5 linears, the merger's 2
+            assert res["grads_checked"]["vision"] == expected_vision, res["grads_checked"]
+            assert res["grads_checked"]["language"] >= 8, res["grads_checked"]
+    rank0 = ranks[0]
+    assert rank0["adapter_logits_diff"] < 1e-5 and rank0["merged_logits_diff"] < 1e-5, rank0
+    ours, peft_s = rank0["target_modules"]
+    assert sorted(ours) == sorted(peft_s), (ours, peft_s)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tp1_matches_peft(one_rank, name):
+    _assert_matches_peft([one_rank[name]], name)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_ranks_match_peft(two_ranks, layout, name):
+    _assert_matches_peft([r[f"{layout}/{name}"] for r in two_ranks], name)
+    if layout == "pp2":
+        assert all("grads_checked" not in r[f"{layout}/{name}"] for r in two_ranks)
+
+
+def test_split_tower_adapts_the_language_model_and_refuses_the_tower(two_ranks):
+    _assert_matches_peft([r["tp2_split_tower/language_qv"] for r in two_ranks], "language_qv")
+    for r in two_ranks:
+        assert "needs the tower replicated" in r["refused"] and "exclude_modules" in r["refused"], r["refused"]
+
+
+def test_sft_matches_trl(one_rank):
+    ref, got = one_rank["sft"]["trl"], one_rank["sft"]["loong"]
+    assert len(ref) == len(got) == 3 and ref[0] != ref[-1], (ref, got)
+    assert got == pytest.approx(ref, rel=1e-4), (ref, got)
+
+
+def test_lora_checkpoint_resumes_in_another_layout(two_ranks):
+    """A LoongSFTTrainer checkpoint with adapters on the tower and the language model, written at TP2 (step 2), resumed
+    at PP2: the uninterrupted run's losses (1e-5 relative)."""
+    res = two_ranks[0]["resume"]
+    assert len(res["full"]) == 4 and res["full"][2] != res["full"][3], res
+    assert res["resumed"] == pytest.approx(res["full"], rel=1e-5), res
+    assert {"adapter_config.json", "adapter_model.safetensors", "megatron"} <= set(res["files"]), res["files"]
+
+
+def test_peft_written_adapter_loads_unloads_and_merges(two_ranks):
+    """A PEFT-written "all-linear" adapter (random B; norms and LM head whole) at TP2: ``from_pretrained(adapter
+    folder)`` gives a frozen LoRA model with PEFT's logits, ``load_adapter(is_trainable=True)`` PEFT's trainable count,
+    ``disable_adapter`` the base model's logits and ``merge_and_unload`` PEFT's merged logits, as a plain image-text
+    model again (1e-5)."""
+    for r in two_ranks:
+        res = r["peft_adapter"]
+        assert res["class"] == "LoongLoraModelForImageTextToText" and res["trainable"] == 0, res
+        assert res["merged_class"] == "LoongModelForImageTextToText", res
+        assert res["trainable_counts"][0] > 0, res
+        assert max(res["logits_diff"], res["disabled_diff"], res["merged_diff"]) < 1e-5, res
