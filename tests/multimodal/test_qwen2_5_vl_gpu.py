@@ -161,3 +161,64 @@ def test_cuda_bf16_generate_as_transformers(tmp_path):
         assert torch.equal(seq, ref_seq), (which, seq, ref_seq)
         torch.testing.assert_close(scores, ref_scores, atol=GENERATE_BF16_ATOL, rtol=0, msg=lambda m: f"{which}: {m}")
         torch.testing.assert_close(logits, ref_logits, atol=GENERATE_BF16_ATOL, rtol=0, msg=lambda m: f"{which}: {m}")
+
+
+def _run_lora_and_resume(folder: str, out_dir: str) -> dict:
+    import peft
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+
+    from ._vl_checkpoint import train
+    from ._vl_lora import CONFIGS, resume_matches_uninterrupted
+    from ._vl_parity import make_batch
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batch = {k: v.cuda() for k, v in make_batch(folder).items()}
+    kw = CONFIGS["all_linear"]
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    transformers.set_seed(5)
+    model = get_peft_model(model, peft.LoraConfig(**kw))
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
+                                                                         attn_implementation="sdpa").cuda()
+    transformers.set_seed(5)
+    ref = peft.get_peft_model(hf, peft.LoraConfig(**kw))
+    ours, theirs = model(**batch), ref(**batch)
+    ours.loss.backward()
+    theirs.loss.backward()
+    from loongforge_hf.lora.vision import chunk_params
+
+    params, ref_params = chunk_params(model.chunks[0]), dict(ref.named_parameters())
+    grad_diff = max(float((params[f"{t.megatron_module}.lora.{t.name}.{f}"].grad
+                           - ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad).abs().max()
+                          / ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad.abs().max())
+                    for t in model.lora_plan.targets if t.kind == "vision" for f in "AB")
+    valid = batch["attention_mask"].bool()
+    result = {"device": str(model.device), "logit_diff": float((ours.logits - theirs.logits).abs()[valid].max()),
+              "loss_diff": float((ours.loss - theirs.loss).abs()), "vision_grad_diff": grad_diff}
+    del model, ref, hf
+    result["lora_resume"] = resume_matches_uninterrupted(folder, f"{out_dir}/lora", {}, {})
+    full = train(folder, f"{out_dir}/full", {})
+    result["full"] = (full["losses"], train(folder, f"{out_dir}/resumed", {},
+                                            resume=f"{out_dir}/full/checkpoint-2")["losses"])
+    return result
+
+
+def test_cuda_lora_and_checkpoint_resume(tmp_path):
+    """On one GPU (the ViT's CUDA attention path): LoRA "all-linear" (the tower's adapters too) against PEFT on
+    transformers' model on the same GPU in fp32 (TF32 off): logits 1e-3, loss 1e-4, the tower adapters' gradients within
+    1e-3 of their largest entry; a LoongSFTTrainer LoRA run and a full fine-tuning LoongTrainer run, each resumed from
+    its step-2 checkpoint, log the uninterrupted losses (1e-5 relative)."""
+    from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
+
+    folder = make_tiny_qwen2_5_vl(tmp_path / "src")
+    [r] = run_distributed(_run_lora_and_resume, 1, str(folder), str(tmp_path / "out"), timeout=600,
+                          env={"LOONGFORGE_DEVICE": "cuda"})
+    assert r["device"].startswith("cuda"), r
+    assert r["logit_diff"] < 1e-3 and r["loss_diff"] < 1e-4 and r["vision_grad_diff"] < 1e-3, r
+    lora = r["lora_resume"]
+    assert lora["resumed"] == pytest.approx(lora["full"], rel=1e-5), lora
+    full, resumed = r["full"]
+    assert len(full) == 4 and resumed == pytest.approx(full, rel=1e-5), r["full"]
