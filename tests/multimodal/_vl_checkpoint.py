@@ -12,13 +12,15 @@ from ._vl_features import collator
 from ._vl_parity import train_features, vl_training_args
 
 
-def train(folder: str, out_dir: str, layout: dict, resume: str | None = None) -> dict:
+def train(folder: str, out_dir: str, layout: dict, resume: str | None = None, use_cpu: bool = True) -> dict:
     """LoongTrainer, every parameter trained (tower and projector too), 4 steps of 2 samples, a checkpoint at step 2
     (or resumed from ``resume``, a copy of one): the logged losses and the trained vision tower's export on rank 0."""
+    import transformers
+
     import loongforge_hf as lf
 
-    args = vl_training_args(out_dir)
-    args.max_steps, args.save_strategy, args.save_steps = 4, "steps", 2
+    args = transformers.TrainingArguments(**{**vl_training_args(out_dir).to_dict(), "hub_token": None, "max_steps": 4,
+                                             "save_strategy": "steps", "save_steps": 2, "use_cpu": use_cpu})
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
     trainer = lf.LoongTrainer(model=model, args=args, train_dataset=train_features(folder),
                               data_collator=collator(folder, pad_to_multiple_of=4))

@@ -221,7 +221,8 @@ def one_rank_checks(folder: str, out_dir: str) -> dict:
     return out
 
 
-def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict, resume_layout: dict) -> dict:
+def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict, resume_layout: dict,
+                                 use_cpu: bool = True) -> dict:
     """LoongSFTTrainer with "all-linear" LoRA (the tower's adapters included), 4 steps in ``layout`` saving at step 2,
     then a new run in ``resume_layout`` resumed from that checkpoint: the logged losses of both, the checkpoint's
     files."""
@@ -241,7 +242,7 @@ def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict, resume
 
     def run(resume: str | None, layout: dict) -> list[float]:
         args = trl.SFTConfig(**{**vl_training_args(out_dir).to_dict(), "hub_token": None, "learning_rate": 2e-2,
-                                "max_steps": 4, "save_strategy": "steps", "save_steps": 2,
+                                "max_steps": 4, "save_strategy": "steps", "save_steps": 2, "use_cpu": use_cpu,
                                 "dataset_kwargs": {"skip_prepare_dataset": True}})
         model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
         trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok,

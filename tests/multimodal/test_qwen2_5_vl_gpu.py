@@ -199,10 +199,10 @@ def _run_lora_and_resume(folder: str, out_dir: str) -> dict:
     result = {"device": str(model.device), "logit_diff": float((ours.logits - theirs.logits).abs()[valid].max()),
               "loss_diff": float((ours.loss - theirs.loss).abs()), "vision_grad_diff": grad_diff}
     del model, ref, hf
-    result["lora_resume"] = resume_matches_uninterrupted(folder, f"{out_dir}/lora", {}, {})
-    full = train(folder, f"{out_dir}/full", {})
-    result["full"] = (full["losses"], train(folder, f"{out_dir}/resumed", {},
-                                            resume=f"{out_dir}/full/checkpoint-2")["losses"])
+    result["lora_resume"] = resume_matches_uninterrupted(folder, f"{out_dir}/lora", {}, {}, use_cpu=False)
+    full = train(folder, f"{out_dir}/full", {}, use_cpu=False)
+    result["full"] = (full["losses"], train(folder, f"{out_dir}/resumed", {}, resume=f"{out_dir}/full/checkpoint-2",
+                                            use_cpu=False)["losses"])
     return result
 
 
