@@ -55,7 +55,8 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
         """(trainable, all) parameters of the whole model, counted as PEFT counts them on the HF model."""
         trainable = sum(t.r * t.num_experts * (t.in_features + t.out_features) for t in self.lora_plan.targets)
         trainable += sum(math.prod(self.lora_plan.hf_shapes[s.hf_name]) for s in self.lora_plan.saved)
-        trainable += len(self.lora_plan.token_indices) * getattr(self.bridge, "text", self.bridge).hf_config.hidden_size
+        hidden = self.lora_plan.hf_shapes[f"{self.lora_plan.embedding_name}.weight"][1]
+        trainable += len(self.lora_plan.token_indices) * hidden
         return trainable, self.lora_plan.hf_param_count + trainable
 
     def print_trainable_parameters(self) -> None:
@@ -282,8 +283,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
 
 
 def megatron_params_of(model, saved, owners, pp_rank):
-    """(parameters by megatron name, the name) of a ``modules_to_save`` tensor on this rank (none when another
-    stage)."""
+    """(parameters by megatron name, name) of a ``modules_to_save`` tensor on this rank (none on another stage)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.lora.vision import chunk_params

@@ -216,12 +216,11 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         if not name or not check_target_module_exists(matcher, name):
             continue
         entry = index.get(on_disk(f"{name}.weight"))
-        kind = entry[3] if entry is not None and len(entry) > 3 else \
-            _LINEAR_KINDS.get(type(entry[0])) if entry is not None else None
+        kind = None if entry is None else "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(type(entry[0]))
         if not isinstance(module, nn.Linear) or kind is None or (entry[1] is None and kind != "vision"):
             refused.append(name)
             continue
-        mapping, layer, slot = entry[:3]
+        mapping, layer, slot = entry
         r = config.r
         scaling = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
         targets.append(Target(hf_module=name, layer=layer, mapping=mapping, slot=slot, kind=kind,
@@ -247,6 +246,10 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     return LoraPlan(targets=targets, saved=saved, target_modules=target_modules, config=config,
                     hf_param_count=sum(math.prod(s) for s in shapes.values()), hf_shapes=shapes,
                     token_indices=token_indices, embedding_name=embedding_name)
+
+
+def _in_tower(mapping: Mapping) -> bool:
+    return mapping.megatron.startswith("vision.")  # NOTE: image-text models' tower linears (vision.vision_index)
 
 
 def _saved_all_linear(names: set[str], module_names: list[str]) -> list[str]:
@@ -282,10 +285,11 @@ def _saved_tensors(config, modules, index, bridge, skeleton_output, on_disk) -> 
                 raise LoraConfigError(f"modules_to_save={wanted}: {full} is the embedding's own weight "
                                       "(tie_word_embeddings=True), which is not supported; train the added tokens' "
                                       "rows with trainable_token_indices (PEFT ties the LM head's rows to them).")
-            if entry is None or not isinstance(entry[0], (Replicated, VocabParallel)) or len(entry) > 3:
-                raise LoraConfigError(f"modules_to_save={wanted}: {name} ({full}) is a tensor-parallel linear that "
-                                      "megatron fuses with others; modules_to_save supports norms, embed_tokens "
-                                      "and lm_head.")
+            if entry is None or not isinstance(entry[0], (Replicated, VocabParallel)) or _in_tower(entry[0]):
+                raise LoraConfigError(f"modules_to_save={wanted}: {name} ({full}) cannot be trained whole here (a "
+                                      "tensor-parallel linear megatron fuses with others, or the vision tower); "
+                                      "modules_to_save supports the language model's norms, embed_tokens and "
+                                      "lm_head.")
             if isinstance(entry[0], VocabParallel) and bridge.tied:
                 raise LoraConfigError(f"modules_to_save={wanted}: {full} is tied to the LM head "
                                       "(tie_word_embeddings=True), which is not supported.")

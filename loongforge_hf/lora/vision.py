@@ -69,14 +69,14 @@ def checkpoint_names(vl_bridge):
 
 
 def vision_index(vl_bridge) -> dict:
-    """Checkpoint name of each tower linear's weight -> (its mapping, renamed to the module in the chunk, None, 0,
-    "vision"); empty for a text model."""
+    """Checkpoint name of each tower linear's weight -> (its mapping, renamed to the module in the chunk,
+    ``vision.*``, None, 0); empty for a text model."""
     if vl_bridge is None:
         return {}
     out = {}
     for name, (mapping, block) in vl_bridge.vision_mapping_table().items():
         if name.endswith(".weight") and "norm" not in name and "ln_q" not in name and "patch_embed" not in name:
-            out[mapping.hf_names(block)[0]] = (replace(mapping, megatron=f"vision.{name}"), None, 0, "vision")
+            out[mapping.hf_names(block)[0]] = (replace(mapping, megatron=f"vision.{name}"), None, 0)
     return out
 
 

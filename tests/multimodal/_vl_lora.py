@@ -214,8 +214,31 @@ def sft_losses(folder: str, out_dir: str, loong: bool) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def refusals(folder: str) -> dict:
+    """What LoRA on the image-text model refuses (the messages), the model unchanged after each."""
+    import peft
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+    from loongforge_hf.lora.plan import LoraConfigError
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    out = {}
+    for name, kw in {"tower_saved": dict(target_modules=["q_proj"], modules_to_save=["merger.ln_q"]),
+                     "tokens": dict(target_modules=["q_proj"], trainable_token_indices=[5, 6])}.items():
+        try:
+            get_peft_model(model, peft.LoraConfig(**kw))
+            out[name] = "not refused"
+        except LoraConfigError as err:
+            out[name] = str(err)
+        assert type(model).__name__ == "LoongModelForImageTextToText" and all(p.requires_grad for p in
+                                                                              model.parameters())
+    return out
+
+
 def one_rank_checks(folder: str, out_dir: str) -> dict:
     out = {name: model_checks(folder, f"{out_dir}/{name}", {}, name) for name in CONFIGS}
+    out["refused"] = refusals(folder)
     out["sft"] = {"trl": sft_losses(folder, out_dir + "/trl", loong=False),
                   "loong": sft_losses(folder, out_dir + "/loong", loong=True)}
     return out

@@ -13,7 +13,7 @@ transformers' ``Qwen2_5_VLForConditionalGeneration``.
 - A PEFT-written adapter loaded at TP2 (``from_pretrained`` of its folder, ``load_adapter``), ``disable_adapter`` and
   ``merge_and_unload`` against PEFT's.
 - The tower split over TP (``vision_tensor_parallel_size=2``): language adapters as above; adapters on the tower
-  refused with a message before anything changes.
+  refused with a message before anything changes; so are modules_to_save in the tower and trainable_token_indices.
 - LoongSFTTrainer with "all-linear" LoRA (PEFT's initialisation) against trl.SFTTrainer + PEFT on the transformers
   model, same SFTConfig, rows and collator, 3 steps: logged losses within 1e-4 relative; its checkpoint written at
   TP2 resumes at PP2 with the uninterrupted run's losses.
@@ -105,3 +105,10 @@ def test_peft_written_adapter_loads_unloads_and_merges(two_ranks):
         assert res["merged_class"] == "LoongModelForImageTextToText", res
         assert res["trainable_counts"][0] > 0, res
         assert max(res["logits_diff"], res["disabled_diff"], res["merged_diff"]) < 1e-5, res
+
+
+def test_refused_on_the_image_text_model(one_rank):
+    """modules_to_save in the vision tower and trainable_token_indices: refused with messages, nothing changed."""
+    refused = one_rank["refused"]
+    assert "modules_to_save" in refused["tower_saved"] and "vision tower" in refused["tower_saved"], refused
+    assert "trainable_token_indices is not supported on image-text models" in refused["tokens"], refused
