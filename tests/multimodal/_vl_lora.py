@@ -72,13 +72,23 @@ def _check_grads(model, ref) -> dict:
     return counts
 
 
+def _sum_over_context_parallel(model) -> None:
+    """Each CP rank's gradients are its sequence share's (and its share of the images'): megatron's DDP sums them."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
+
+
 def model_checks(folder: str, out_dir: str, layout: dict, name: str) -> dict:
     """Logits, loss, adapter gradients (one stage), PEFT's counts; the adapter folder in PEFT and the merged export in
     transformers (differences from our logits, rank 0), ``adapter_config.json``'s target_modules against PEFT's."""
     import peft
     import transformers
 
-    batch = make_batch(folder)
+    batch = make_batch(folder, pad_to_multiple_of=4)  # NOTE: CP2 takes lengths that divide by 2 x CP
     model, ref = _pair(folder, layout, CONFIGS[name])
     ours, theirs = model(**batch), ref(**batch)
     result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters(),
@@ -87,6 +97,7 @@ def model_checks(folder: str, out_dir: str, layout: dict, name: str) -> dict:
     if model.parallel.pipeline_parallel_size == 1:
         ours.loss.backward()
         theirs.loss.backward()
+        _sum_over_context_parallel(model)
         result["grads_checked"] = _check_grads(model, ref)
         model.zero_grad(set_to_none=True)
     logits = ours.logits.detach()
@@ -168,7 +179,8 @@ def refused_under_split_tower(folder: str) -> str:
 
 def two_rank_checks(folder: str, out_dir: str) -> dict:
     out = {f"{layout_name}/{name}": model_checks(folder, f"{out_dir}/{layout_name}-{name}", layout, name)
-           for layout_name, layout in (("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2}))
+           for layout_name, layout in (("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2}),
+                                       ("cp2", {"context_parallel_size": 2}))
            for name in CONFIGS}
     # the tower split over TP: adapters on the language model only
     out["tp2_split_tower/language_qv"] = model_checks(

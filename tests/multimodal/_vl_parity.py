@@ -15,8 +15,8 @@ ONE_IMAGE = [("tok5 <|vision_start|><|image_pad|><|vision_end|> tok6", [(28, 56)
 SAMPLE_SETS = {"default": SAMPLES, "one_image": ONE_IMAGE}
 
 
-def make_batch(folder: str, samples=SAMPLES, seed: int = 3) -> dict:
-    """Each sample through the real processor, then the collator."""
+def make_batch(folder: str, samples=SAMPLES, seed: int = 3, **collator_kwargs) -> dict:
+    """Each sample through the real processor, then the collator (``collator_kwargs``: e.g. pad_to_multiple_of)."""
     from transformers import AutoTokenizer
 
     from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
@@ -28,7 +28,7 @@ def make_batch(folder: str, samples=SAMPLES, seed: int = 3) -> dict:
     for text, sizes in samples:
         images = [rng.randint(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
         features.append(dict(processor(text=[text], images=images or None, return_tensors="pt")))
-    return DataCollatorForImageText.from_processor(processor)(features)
+    return DataCollatorForImageText.from_processor(processor, **collator_kwargs)(features)
 
 
 def hf_reference(folder: str, batch: dict):

@@ -8,8 +8,9 @@ transformers' ``Qwen2_5_VLForConditionalGeneration``.
   the language model's as each TP rank holds them, the tower's whole), PEFT's parameter counts,
   ``adapter_config.json``'s ``target_modules`` as PEFT writes them ("all-linear" condensed to ``attn.proj``, ``mlp.0``
   ...), the adapter folder in ``PeftModel.from_pretrained`` and the merged export in transformers with our logits
-  (1e-5), the model unchanged by the merged export; at TP1, TP2 (tower replicated, the default) and PP2 (tower on the
-  first stage).
+  (1e-5), the model unchanged by the merged export; at TP1, TP2 (tower replicated, the default), PP2 (tower on the
+  first stage) and CP2 (each rank's gradients, of its sequence share and its share of the images, summed as megatron's
+  DDP sums them).
 - A PEFT-written adapter loaded at TP2 (``from_pretrained`` of its folder, ``load_adapter``), ``disable_adapter`` and
   ``merge_and_unload`` against PEFT's.
 - The tower split over TP (``vision_tensor_parallel_size=2``): language adapters as above; adapters on the tower
@@ -65,7 +66,7 @@ def test_tp1_matches_peft(one_rank, name):
     _assert_matches_peft([one_rank[name]], name)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "cp2"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_ranks_match_peft(two_ranks, layout, name):
     _assert_matches_peft([r[f"{layout}/{name}"] for r in two_ranks], name)
