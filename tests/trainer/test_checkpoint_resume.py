@@ -41,6 +41,7 @@ def test_checkpoint_layout_and_rotation(uninterrupted):
     pytest.param((2, {"tensor_parallel_size": 2}), id="same-layout-tp2"),
     pytest.param((2, {"pipeline_parallel_size": 2}), id="tp2-to-pp2"),
     pytest.param((1, {}), id="tp2-to-tp1"),
+    pytest.param((2, {"context_parallel_size": 2}), id="tp2-to-cp2"),
 ])
 def test_resume_continues_the_same_losses(uninterrupted, tmp_path, resume_layout):
     src, full, _ = uninterrupted
