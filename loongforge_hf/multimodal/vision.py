@@ -91,6 +91,17 @@ def _tp_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _mark_split(linear: nn.Linear, axis: int, *, bias: bool) -> None:
+    """megatron's tensor-parallel attributes on a split linear's weight (and bias, split with its rows): its gradient
+    norm then counts every rank's shard, not TP rank 0's alone (megatron takes a parameter without them for a
+    replica)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    set_tensor_model_parallel_attributes(linear.weight, True, axis, 1)
+    if bias:
+        set_tensor_model_parallel_attributes(linear.bias, True, 0, 1)
+
+
 def _into_split(x: torch.Tensor, group) -> torch.Tensor:
     if _tp_size(group) == 1:
         return x
@@ -143,6 +154,9 @@ class VisionAttention(nn.Module):
         self.local_heads = num_heads // tp
         self.qkv = VisionLinear(dim, 3 * self.local_heads * self.head_dim, bias=True)
         self.proj = VisionLinear(self.local_heads * self.head_dim, dim, bias=True)
+        if tp > 1:
+            _mark_split(self.qkv, 0, bias=True)
+            _mark_split(self.proj, 1, bias=False)  # NOTE: its bias is added after the reduction, whole
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -182,6 +196,10 @@ class VisionMLP(nn.Module):
         self.up_proj = VisionLinear(dim, hidden // tp, bias=True)
         self.down_proj = VisionLinear(hidden // tp, dim, bias=True)
         self.act = ACT2FN[act]
+        if tp > 1:
+            _mark_split(self.gate_proj, 0, bias=True)
+            _mark_split(self.up_proj, 0, bias=True)
+            _mark_split(self.down_proj, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _into_split(x, self.tp_group)

@@ -30,6 +30,23 @@ def train(folder: str, out_dir: str, layout: dict, resume: str | None = None, us
             "checkpoint_files": sorted(os.listdir(f"{out_dir}/checkpoint-2")) if resume is None else None}
 
 
+def clipped_tower_training(folder: str, out_dir: str, layout: dict) -> list[tuple[float, float]]:
+    """LoongTrainer with the language model frozen (the tower and projector trained) and the gradients clipped at
+    0.05 (below their norm): the logged (loss, grad_norm) of 3 steps."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    args = transformers.TrainingArguments(**{**vl_training_args(out_dir).to_dict(), "hub_token": None,
+                                             "max_grad_norm": 0.05})
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, freeze_language=True,
+                                                           **layout)
+    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=train_features(folder),
+                              data_collator=collator(folder, pad_to_multiple_of=4))
+    trainer.train()
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
 def copy_checkpoint(src: str, dst: str) -> str:
     """A copy of ``src`` (rank 0 copies, every rank waits): each resume starts from the same files."""
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -48,8 +65,10 @@ def two_rank_runs(folder: str, out_dir: str) -> dict:
                          ("pp2", {"pipeline_parallel_size": 2})):
         resume = copy_checkpoint(f"{out_dir}/full/checkpoint-2", f"{out_dir}/{name}-from")
         out[name] = train(folder, f"{out_dir}/{name}", layout, resume=resume)
+    out["clipped_split"] = clipped_tower_training(folder, f"{out_dir}/clipped", split)
     return out
 
 
 def one_rank_resume(folder: str, out_dir: str, checkpoint: str) -> dict:
-    return train(folder, f"{out_dir}/tp1", {}, resume=copy_checkpoint(checkpoint, f"{out_dir}/tp1-from"))
+    return {**train(folder, f"{out_dir}/tp1", {}, resume=copy_checkpoint(checkpoint, f"{out_dir}/tp1-from")),
+            "clipped": clipped_tower_training(folder, f"{out_dir}/clipped", {})}

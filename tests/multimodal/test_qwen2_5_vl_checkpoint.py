@@ -2,7 +2,8 @@
 run at TP2 with the tower split over TP saves at step 2 and the runs resumed from a copy of that checkpoint (at TP2
 with the tower split, at TP2 with it replicated, at PP2, and at TP1 in one process) log the uninterrupted run's
 losses for steps 3-4 (1e-5 relative; fp32) and export the same trained tower (1e-5). Before, saving any Qwen2.5-VL
-training checkpoint failed (megatron's optimizer found the tower's parameters in no model state)."""
+training checkpoint failed (megatron's optimizer found the tower's parameters in no model state). And the gradient
+norm with the tower split over TP (clipping) equals one process's."""
 
 from __future__ import annotations
 
@@ -50,3 +51,15 @@ def test_resumed_run_matches_uninterrupted(runs, name):
     assert any(not torch.equal(trained[k], original[k]) for k in trained)  # the tower trained
     for k in trained:
         torch.testing.assert_close(resumed[k], trained[k], atol=1e-5, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_split_tower_gradient_norm_counts_every_shard(runs):
+    """The tower trained alone (language frozen), clipped at 0.05: with the tower split over TP the logged grad norms
+    and losses are one process's (1e-5 relative). Before, the split weights carried no tensor-parallel attributes, so
+    megatron's norm counted TP rank 0's shards only (0.98368 against 0.98372 here, more where the ViT's weights carry
+    more of the gradient) and clipping scaled by that."""
+    _, two, one = runs
+    ref, got = one["clipped"], two[0]["clipped_split"]
+    assert len(ref) == len(got) == 3 and all(norm > 0.05 for _, norm in ref), (ref, got)
+    for (loss, norm), (ref_loss, ref_norm) in zip(got, ref):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5), (got, ref)
