@@ -12,9 +12,10 @@ Choices:
   row-split projections call without their bias) adds ``scaling * B (A dropout(x))``. The tower lives on the first
   pipeline stage; with the default layout it is replicated over TP (every TP rank encodes every image and gets the
   whole gradient), so A and B are whole and replicated too, like the tower's own weights, and dropout draws from
-  the default generator, which megatron keeps in step over TP. Under ``vision_tensor_parallel_size > 1`` or
-  ``vision_data_parallel=True`` adapters on the tower are refused with a message (the split adapters are not
-  implemented); language targets work in every layout.
+  the default generator, which megatron keeps in step over TP. With ``vision_data_parallel=True`` each TP rank
+  encodes a share of the images and the tower's trainable parameters, the adapters among them, have their gradients
+  summed over TP (``encoder_parallel``). Under ``vision_tensor_parallel_size > 1`` adapters on the tower are refused
+  with a message (split adapters are not implemented); language targets work in every layout.
 - Not here: ``trainable_token_indices`` on an image-text model (refused), and modules_to_save in the vision tower
   (refused: name them in the adapter's targets, or train the tower whole without LoRA).
 """
@@ -90,10 +91,10 @@ def plan_image_text(model, config):
         raise LoraConfigError("trainable_token_indices is not supported on image-text models; train the embedding "
                               "whole (modules_to_save=['embed_tokens']) or use a text model.")
     vision = [t.hf_module for t in plan.targets if t.kind == "vision"]
-    if vision and model.vision_layout != "replicated":
-        raise LoraConfigError(f"LoRA on the vision tower ({vision[0]} ...) needs the tower replicated "
-                              f"(vision_tensor_parallel_size=1, vision_data_parallel=False; this model's layout is "
-                              f"{model.vision_layout!r}); or leave the tower out of the targets, e.g. "
+    if vision and model.vision_layout == "tensor_parallel":
+        raise LoraConfigError(f"LoRA on the vision tower ({vision[0]} ...) needs the tower whole on each rank "
+                              "(vision_tensor_parallel_size=1; vision_data_parallel=True is fine), this model's is "
+                              "split over TP; or leave the tower out of the targets, e.g. "
                               "exclude_modules=r'.*visual.*'.")
     return plan
 

@@ -180,7 +180,8 @@ def refused_under_split_tower(folder: str) -> str:
 def two_rank_checks(folder: str, out_dir: str) -> dict:
     out = {f"{layout_name}/{name}": model_checks(folder, f"{out_dir}/{layout_name}-{name}", layout, name)
            for layout_name, layout in (("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2}),
-                                       ("cp2", {"context_parallel_size": 2}))
+                                       ("cp2", {"context_parallel_size": 2}),
+                                       ("tp2_encoder_dp", {"tensor_parallel_size": 2, "vision_data_parallel": True}))
            for name in CONFIGS}
     # the tower split over TP: adapters on the language model only
     out["tp2_split_tower/language_qv"] = model_checks(
