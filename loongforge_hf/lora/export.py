@@ -158,21 +158,29 @@ class _Streamer:
 def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every adapter tensor at HF shape on rank 0 (empty dict elsewhere), in ``dtype`` (default the model's);
     collective."""
+    from loongforge_hf.lora.vision import gathered_factor, tower_split
+
     plan, streamer, dtype = model.lora_plan, _Streamer(model), dtype or model.dtype
+    split_tower = getattr(model, "vision_layout", None) == "tensor_parallel"
     out: dict[str, torch.Tensor] = {}
     for t in plan.targets:
         if t.kind == "experts":  # below, all at once
             continue
         prefix = f"base_model.model.{t.hf_module}"
         base = t.megatron_module + f".lora.{t.name}"
-        split = {"row": "A", "router": None, "vision": None}.get(t.kind, "B")
+        split, kind = {"row": "A", "router": None}.get(t.kind, "B"), None
+        if t.kind == "vision":  # NOTE: whole unless the tower is split (lora/vision.py)
+            kind = tower_split(t) if split_tower else None
+            split = {None: None, "row": "A"}.get(kind, "B")
         for factor, split_dim in (("A", 1 if split == "A" else None), ("B", 0 if split == "B" else None)):
             hf_name = f"{prefix}.lora_{factor}.weight"
             shape = t.a_shape if factor == "A" else t.b_shape
             owner_pp, vp, name = streamer.owner_of(t.layer, f"{base}.{factor}")
 
-            def export(shards, hf_name=hf_name, split_dim=split_dim, to_hf=t.b_to_hf if factor == "B" else None):
-                full = shards[0] if split_dim is None else torch.cat(shards, dim=split_dim)
+            def export(shards, hf_name=hf_name, split_dim=split_dim, to_hf=t.b_to_hf if factor == "B" else None,
+                       vision=kind):
+                full = shards[0] if split_dim is None else gathered_factor(vision, shards) if vision else \
+                    torch.cat(shards, dim=split_dim)
                 return {hf_name: full if to_hf is None else to_hf(full)}
             out.update(streamer.collect(owner_pp, vp, name, split=split_dim is not None, export=export,
                                         shapes={hf_name: shape}, dtype=dtype))

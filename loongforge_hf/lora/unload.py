@@ -71,6 +71,7 @@ def _remove_adapters(model, *, restore_saved: bool):
     for module in _lora_modules(model):
         del module.lora
         module.__dict__.pop("lora_layout", None)
+        module.__dict__.pop("lora_tp_group", None)
         module.__class__ = type(module).__mro__[1]
     for embedding in token_embeddings(model):
         del embedding.token_adapter

@@ -14,8 +14,15 @@ Choices:
   whole gradient), so A and B are whole and replicated too, like the tower's own weights, and dropout draws from
   the default generator, which megatron keeps in step over TP. With ``vision_data_parallel=True`` each TP rank
   encodes a share of the images and the tower's trainable parameters, the adapters among them, have their gradients
-  summed over TP (``encoder_parallel``). Under ``vision_tensor_parallel_size > 1`` adapters on the tower are refused
-  with a message (split adapters are not implemented); language targets work in every layout.
+  summed over TP (``encoder_parallel``).
+- The tower split over TP (``vision_tensor_parallel_size > 1``): adapters split as the weight is. Column-split
+  (``qkv`` by heads in each of its q, k, v blocks, MLP gate / up by rows): B holds this rank's rows, A is whole and
+  enters through megatron's copy-to-TP-region (its gradient, partial per rank, summed); the input gradient is summed
+  by the tower's own copy-to-region before the linear. Row-split (attention ``proj``, MLP down): A holds this rank's
+  input columns (dropout from megatron's model-parallel RNG tracker: each shard its own mask), the partial
+  ``B (A_r x_r)`` is summed by the tower's reduction with the weight's, and B is whole, its gradient summed the same
+  way. The merger stays whole. Split factors carry megatron's tensor-parallel attributes (the gradient norm counts
+  every shard), and checkpoints hold them at HF shapes (``multimodal.vision_weights``).
 - Not here: ``trainable_token_indices`` on an image-text model (refused), and modules_to_save in the vision tower
   (refused: name them in the adapter's targets, or train the tower whole without LoRA).
 """
@@ -90,13 +97,37 @@ def plan_image_text(model, config):
     if plan.token_indices:
         raise LoraConfigError("trainable_token_indices is not supported on image-text models; train the embedding "
                               "whole (modules_to_save=['embed_tokens']) or use a text model.")
-    vision = [t.hf_module for t in plan.targets if t.kind == "vision"]
-    if vision and model.vision_layout == "tensor_parallel":
-        raise LoraConfigError(f"LoRA on the vision tower ({vision[0]} ...) needs the tower whole on each rank "
-                              "(vision_tensor_parallel_size=1; vision_data_parallel=True is fine), this model's is "
-                              "split over TP; or leave the tower out of the targets, e.g. "
-                              "exclude_modules=r'.*visual.*'.")
     return plan
+
+
+def tower_split(t) -> str | None:
+    """How a tower target's adapter is split when the tower is: "qkv" (B's rows in each of the q, k, v blocks),
+    "column" (B's rows), "row" (A's columns) or None (the merger, whole)."""
+    from loongforge_hf.bridges.mappings import ColumnParallel, RowParallel
+    from loongforge_hf.bridges.qwen2_5_vl import FusedQKVRows
+
+    return "qkv" if isinstance(t.mapping, FusedQKVRows) else "column" if isinstance(t.mapping, ColumnParallel) \
+        else "row" if isinstance(t.mapping, RowParallel) else None
+
+
+def local_factors(split: str | None, a: torch.Tensor, b: torch.Tensor, rank: int, size: int):
+    """This TP rank's (A, B) of an adapter at HF shapes on a tower split ``size`` ways (``tower_split``)."""
+    if size == 1 or split is None:
+        return a, b
+    if split == "row":
+        per = a.shape[1] // size
+        return a[:, rank * per:(rank + 1) * per], b
+    blocks = b.reshape(3 if split == "qkv" else 1, -1, b.shape[1])
+    per = blocks.shape[1] // size
+    return a, blocks[:, rank * per:(rank + 1) * per].reshape(-1, b.shape[1])
+
+
+def gathered_factor(split: str | None, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The HF-shaped split factor from the TP ranks' shards (``local_factors``' inverse)."""
+    if split == "row":
+        return torch.cat(shards, dim=1)
+    blocks = torch.cat([s.reshape(3 if split == "qkv" else 1, -1, s.shape[1]) for s in shards], dim=1)
+    return blocks.reshape(-1, blocks.shape[2])
 
 
 class LoraVisionLinear(VisionLinear):
@@ -108,9 +139,17 @@ class LoraVisionLinear(VisionLinear):
         out = super()._linear(x, bias)
         if self.__dict__.get("lora_disabled"):  # NOTE: inside disable_adapter() (unload.py)
             return out
+        group = self.__dict__.get("lora_tp_group")  # set: the tower is split over this group
         for adapter in self.lora.values():
-            h = F.linear(adapter.drop(x, input_is_split=False), adapter.A)
-            out = out + adapter.scaling * F.linear(h, adapter.B)
+            a, b, row = adapter.A, adapter.B, adapter.tower_split == "row"
+            if group is not None and adapter.tower_split is not None:
+                from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+                # NOTE: the whole factor's gradient is partial per rank (module docstring): summed over the group
+                a, b = (a, copy_to_tensor_model_parallel_region(b, group=group)) if row else \
+                    (copy_to_tensor_model_parallel_region(a, group=group), b)
+            h = F.linear(adapter.drop(x, input_is_split=row and group is not None), a)
+            out = out + adapter.scaling * F.linear(h, b)
         return out
 
     def lora_delta_weight(self) -> torch.Tensor:
@@ -121,6 +160,8 @@ def attach_vision_adapters(model, members, *, dropout: float, dtype, device) -> 
     """The vision targets' adapters (``members``: (target, (A, B)) at HF shapes) on this rank's tower, if any."""
     from loongforge_hf.lora.layers import LoraAdapter
 
+    import torch.distributed as dist
+
     tower_chunk = model.chunks[0]
     if getattr(tower_chunk, "vision", None) is None:
         return  # another pipeline stage
@@ -128,7 +169,14 @@ def attach_vision_adapters(model, members, *, dropout: float, dtype, device) -> 
         module = tower_chunk.get_submodule(t.megatron_module)
         if type(module) is not VisionLinear:
             raise LoraConfigError(f"{t.hf_module}: expected the tower's VisionLinear, found {type(module).__name__}.")
+        group = getattr(tower_chunk.get_submodule(t.megatron_module.rsplit(".", 1)[0]), "tp_group", None)
+        split = tower_split(t) if group is not None else None
+        a, b = local_factors(split, a, b, dist.get_rank(group) if split else 0, dist.get_world_size(group) if split
+                             else 1)
+        adapter = LoraAdapter(a.to(device=device, dtype=dtype).contiguous().clone(),
+                              b.to(device=device, dtype=dtype).contiguous().clone(), scaling=t.scaling,
+                              dropout=dropout, split={None: None, "row": "A"}.get(split, "B"))
+        adapter.tower_split = split
         module.__class__ = LoraVisionLinear
-        module.lora = nn.ModuleDict({t.name: LoraAdapter(a.to(device=device, dtype=dtype).contiguous().clone(),
-                                                         b.to(device=device, dtype=dtype).contiguous().clone(),
-                                                         scaling=t.scaling, dropout=dropout, split=None)})
+        module.lora = nn.ModuleDict({t.name: adapter})
+        module.lora_tp_group = group

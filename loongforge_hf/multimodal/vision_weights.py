@@ -10,6 +10,7 @@ Choices:
 
 from __future__ import annotations
 
+import re
 from typing import Iterator
 
 import torch
@@ -60,18 +61,17 @@ def vision_export_tensors(tower, bridge, *, tp_group=None, holds: bool) -> Itera
             yield from mapping.export(shards, ctx, layer).items()
 
 
-# tower parameter name suffix -> the axis it is split on over TP when the tower is (``VisionTower`` with a TP group);
-# ``attn.qkv`` rows are split per block of q, k, v (``_qkv_factory``); every other tensor is whole on each rank
-_SPLIT_AXIS = {"attn.proj.weight": 1, "mlp.gate_proj.weight": 0, "mlp.gate_proj.bias": 0, "mlp.up_proj.weight": 0,
-               "mlp.up_proj.bias": 0, "mlp.down_proj.weight": 1}
+# tensors whose rows are ``attn.qkv``'s [q; k; v] (its weight, bias and a LoRA adapter's B): split per block
+_QKV_ROWS = re.compile(r"^blocks\.\d+\.attn\.qkv\.(weight|bias|lora\.[^.]+\.B)$")
 
 
 def vision_sharded_state_dict(tower, *, prefix: str, tp_group=None) -> dict:
     """The tower's parameters (LoRA adapters included) as megatron dist-checkpointing tensors keyed
     ``{prefix}{name}``, at the tower's HF shapes whatever its layout, so a checkpoint resumes under another TP size or
     vision layout: whole tensors are replicas over the TP and data-parallel ranks (rank (0, 0, 0) of them writes);
-    a split tower's tensors are shards along their split axis, the fused ``qkv`` rows as a [3, rows, ...] view split
-    on its second axis (the q, k, v blocks each split by heads)."""
+    a split tower's split tensors (megatron's ``tensor_model_parallel`` attributes: ``vision.py``, LoRA factors) are
+    shards along their ``partition_dim``, tensors of the fused ``qkv`` rows a [3, rows, ...] view (in every layout)
+    split on its second axis (the q, k, v blocks each split by heads)."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -81,11 +81,12 @@ def vision_sharded_state_dict(tower, *, prefix: str, tp_group=None) -> dict:
     out = {}
     for name, param in tower.named_parameters():
         key = f"{prefix}{name}"
-        suffix = name.split(".", 2)[-1] if name.startswith("blocks.") else ""
-        if suffix in ("attn.qkv.weight", "attn.qkv.bias"):  # NOTE: the same global shape in every layout
-            out[key] = _qkv_factory(key, param, tp_rank, tp_size, (0, 0, dp_rank) if tp_size > 1 else whole)
-        elif tp_size > 1 and suffix in _SPLIT_AXIS:
-            out[key] = ShardedTensor.from_rank_offsets(key, param, (_SPLIT_AXIS[suffix], tp_rank, tp_size),
+        split = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
+        if _QKV_ROWS.match(name):  # NOTE: the same global shape in every layout
+            out[key] = _qkv_factory(key, param, tp_rank if split else 0, tp_size if split else 1,
+                                    (0, 0, dp_rank) if split else whole)
+        elif split:
+            out[key] = ShardedTensor.from_rank_offsets(key, param, (param.partition_dim, tp_rank, tp_size),
                                                        replica_id=(0, 0, dp_rank))
         else:
             out[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=whole)
