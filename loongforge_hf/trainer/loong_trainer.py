@@ -218,7 +218,10 @@ class LoongTrainer(Trainer):
         from functools import partial
 
         collator = self.data_collator
-        if is_training and isinstance(dataset, datasets.Dataset) and "input_ids" not in dataset.column_names:
+        # NOTE: TRL's image datasets stay messages / images: its vision collator tokenizes them batch by batch
+        tokenized_by_collator = getattr(self, "_is_vision_dataset", False)
+        if is_training and isinstance(dataset, datasets.Dataset) and "input_ids" not in dataset.column_names \
+                and not tokenized_by_collator:
             raise DataError(f"train_dataset has no 'input_ids' column (columns: {dataset.column_names}). "
                             "Tokenize it first, e.g. dataset.map(lambda b: tokenizer(b['text']), batched=True).")
         if is_training and not isinstance(dataset, torch.utils.data.IterableDataset) and len(dataset) == 0:

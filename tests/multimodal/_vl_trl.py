@@ -1,0 +1,80 @@
+"""Rank functions for test_qwen2_5_vl_trl.py: TRL's own image-dataset flow (conversations with images, TRL's vision
+collator applying the processor batch by batch) through LoongSFTTrainer and trl.SFTTrainer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# renders an image entry of a message as Qwen2.5-VL's vision tokens (the processor expands the image pad)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' }}{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '</s>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+LORA = dict(r=4, lora_alpha=8, target_modules="all-linear")
+
+
+def conversations():
+    """8 user turns with an image (two sizes) and a reply: the dataset format of TRL's vision-language SFT."""
+    import datasets
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    rows = []
+    for i in range(8):
+        image = Image.fromarray(rng.randint(0, 256, (28 * (1 + i % 2), 56, 3), dtype=np.uint8))
+        rows.append({"messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f" tok{5 + i} tok{6 + i}"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": f" tok{30 + i} tok{40 + i} tok{50 + i}"}]}],
+            "images": [image]})
+    return datasets.Dataset.from_list(rows)
+
+
+def sft_losses(folder: str, out_dir: str, *, loong: bool, layout: dict | None = None, lora: bool = True,
+               max_length: int | None = None) -> list[float]:
+    """3 steps of SFT on ``conversations()`` with the processor as processing_class, through LoongSFTTrainer (in
+    ``layout``) or trl.SFTTrainer on transformers' model: the logged losses."""
+    import peft
+    import transformers
+    import trl
+    from transformers import AutoTokenizer
+
+    import loongforge_hf as lf
+    from loongforge_hf.testing.tiny_vl import make_processor
+
+    processor = make_processor(AutoTokenizer.from_pretrained(folder))
+    processor.chat_template = CHAT_TEMPLATE
+    args = trl.SFTConfig(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=3,
+                         learning_rate=2e-2, lr_scheduler_type="constant", logging_steps=1, seed=0, report_to=[],
+                         save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, max_length=max_length)
+    peft_config = peft.LoraConfig(**LORA) if lora else None
+    if loong:
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **(layout or {}))
+        trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=conversations(),
+                                     processing_class=processor, peft_config=peft_config)
+    else:
+        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=conversations(), processing_class=processor,
+                                 peft_config=peft_config)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def one_rank(folder: str, out_dir: str) -> dict:
+    return {f"{who}/{kind}": sft_losses(folder, f"{out_dir}/{who}-{kind}", loong=who == "loong", lora=kind == "lora")
+            for who in ("trl", "loong") for kind in ("full", "lora")}
+
+
+TWO_RANK_LAYOUTS = {
+    "tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
+    "tp2_split_tower": {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2},
+    "cp2": {"context_parallel_size": 2},
+    "pp2": {"pipeline_parallel_size": 2},  # NOTE: batches of one length: TRL's collator pads to max_length
+}
+
+
+def two_ranks(folder: str, out_dir: str) -> dict:
+    return {name: sft_losses(folder, f"{out_dir}/{name}", loong=True, layout=layout,
+                             max_length=64 if name == "pp2" else None)
+            for name, layout in TWO_RANK_LAYOUTS.items()}
