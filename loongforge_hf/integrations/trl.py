@@ -165,7 +165,14 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
                 setattr(args, name, value)
         if data_collator is None and getattr(self, "_is_vision_dataset", False):
             multiple = _vision_pad_multiple(self.model.parallel, args)
-            if multiple > 1:  # NOTE: TRL's prompt-completion vision collation refuses any pad_to_multiple_of
+            if multiple > 1 and "prompt" in (getattr(train_dataset, "column_names", None) or ()):
+                # NOTE: TRL's prompt-completion vision collation refuses any pad_to_multiple_of: padded after it
+                from loongforge_hf.integrations.vl_collator import PadToMultiple
+
+                tokenizer = getattr(processing_class, "tokenizer", processing_class)
+                self.data_collator = PadToMultiple(self.data_collator, math.lcm(args.pad_to_multiple_of or 1, multiple),
+                                                   pad_id=getattr(tokenizer, "pad_token_id", None) or 0)
+            elif multiple > 1:
                 self.data_collator.pad_to_multiple_of = math.lcm(args.pad_to_multiple_of or 1, multiple)
         vars(self.model).pop("forward", None)  # TRL's fused-LM-head patch (see the module docstring)
         self._check_router_aux_loss()

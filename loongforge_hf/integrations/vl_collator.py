@@ -179,3 +179,32 @@ class DataCollatorForImageText:
             out["position_ids"][0, i, :n] = text[0]
             out["position_ids"][1:, i, :n] = rope
         return self._vision(features, out)
+
+
+class PadToMultiple:
+    """Another collator, then its batch right-padded to a length that divides by ``multiple``: token columns of the
+    input ids' shape get ``pad_id`` (``input_ids``), -100 (``labels``) or 0 (masks, token types), images are left as
+    they are. For TRL's vision collator on prompt-completion data, which refuses ``pad_to_multiple_of`` itself
+    (``integrations/trl.py``). The pads carry no loss and, being last, change no real token's output."""
+
+    _FILL = {"labels": IGNORE_INDEX, "attention_mask": 0, "completion_mask": 0, "assistant_masks": 0,
+             "token_type_ids": 0, "mm_token_type_ids": 0}
+
+    def __init__(self, collator, multiple: int, pad_id: int) -> None:
+        self.collator, self.multiple, self.pad_id = collator, multiple, pad_id
+
+    def __getattr__(self, name: str):
+        if name == "collator":  # NOTE: not set yet (copy / unpickling): no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(self.collator, name)
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        ids = batch["input_ids"]
+        extra = -ids.shape[-1] % self.multiple
+        if extra:
+            for key, value in list(batch.items()):
+                fill = self.pad_id if key == "input_ids" else self._FILL.get(key)
+                if fill is not None and isinstance(value, torch.Tensor) and value.shape == ids.shape:
+                    batch[key] = torch.nn.functional.pad(value, (0, extra), value=fill)
+        return batch

@@ -15,8 +15,9 @@ CHAT_TEMPLATE = (
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear")
 
 
-def conversations():
-    """8 user turns with an image (two sizes) and a reply: the dataset format of TRL's vision-language SFT."""
+def conversations(prompt_completion: bool = False):
+    """8 user turns with an image (two sizes) and a reply: the dataset formats of TRL's vision-language SFT
+    (``messages``, or ``prompt`` / ``completion`` whose loss is on the completion)."""
     import datasets
     from PIL import Image
 
@@ -24,15 +25,15 @@ def conversations():
     rows = []
     for i in range(8):
         image = Image.fromarray(rng.randint(0, 256, (28 * (1 + i % 2), 56, 3), dtype=np.uint8))
-        rows.append({"messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f" tok{5 + i} tok{6 + i}"}]},
-            {"role": "assistant", "content": [{"type": "text", "text": f" tok{30 + i} tok{40 + i} tok{50 + i}"}]}],
-            "images": [image]})
+        user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f" tok{5 + i} tok{6 + i}"}]}
+        reply = {"role": "assistant", "content": [{"type": "text", "text": f" tok{30 + i} tok{40 + i} tok{50 + i}"}]}
+        turns = {"prompt": [user], "completion": [reply]} if prompt_completion else {"messages": [user, reply]}
+        rows.append({**turns, "images": [image]})
     return datasets.Dataset.from_list(rows)
 
 
 def sft_losses(folder: str, out_dir: str, *, loong: bool, layout: dict | None = None, lora: bool = True,
-               max_length: int | None = None) -> list[float]:
+               max_length: int | None = None, prompt_completion: bool = False) -> list[float]:
     """3 steps of SFT on ``conversations()`` with the processor as processing_class, through LoongSFTTrainer (in
     ``layout``) or trl.SFTTrainer on transformers' model: the logged losses."""
     import peft
@@ -51,19 +52,21 @@ def sft_losses(folder: str, out_dir: str, *, loong: bool, layout: dict | None = 
     peft_config = peft.LoraConfig(**LORA) if lora else None
     if loong:
         model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **(layout or {}))
-        trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=conversations(),
+        trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=conversations(prompt_completion),
                                      processing_class=processor, peft_config=peft_config)
     else:
         model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=conversations(), processing_class=processor,
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=conversations(prompt_completion),
+                                 processing_class=processor,
                                  peft_config=peft_config)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 def one_rank(folder: str, out_dir: str) -> dict:
-    return {f"{who}/{kind}": sft_losses(folder, f"{out_dir}/{who}-{kind}", loong=who == "loong", lora=kind == "lora")
-            for who in ("trl", "loong") for kind in ("full", "lora")}
+    return {f"{who}/{kind}": sft_losses(folder, f"{out_dir}/{who}-{kind}", loong=who == "loong", lora=kind != "full",
+                                        prompt_completion=kind == "prompt_completion")
+            for who in ("trl", "loong") for kind in ("full", "lora", "prompt_completion")}
 
 
 TWO_RANK_LAYOUTS = {
@@ -74,7 +77,15 @@ TWO_RANK_LAYOUTS = {
 }
 
 
+# prompt-completion data: TRL's collator refuses pad_to_multiple_of, the batch is padded after it
+PROMPT_COMPLETION_LAYOUTS = ("tp2_sp", "cp2")
+
+
 def two_ranks(folder: str, out_dir: str) -> dict:
-    return {name: sft_losses(folder, f"{out_dir}/{name}", loong=True, layout=layout,
-                             max_length=64 if name == "pp2" else None)
-            for name, layout in TWO_RANK_LAYOUTS.items()}
+    out = {name: sft_losses(folder, f"{out_dir}/{name}", loong=True, layout=layout,
+                            max_length=64 if name == "pp2" else None)
+           for name, layout in TWO_RANK_LAYOUTS.items()}
+    out.update({f"prompt_completion/{name}": sft_losses(folder, f"{out_dir}/pc-{name}", loong=True,
+                                                        layout=TWO_RANK_LAYOUTS[name], prompt_completion=True)
+                for name in PROMPT_COMPLETION_LAYOUTS})
+    return out

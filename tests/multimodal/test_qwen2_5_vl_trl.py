@@ -2,10 +2,12 @@
 
 The dataset is what TRL's vision-language SFT takes: conversations whose user turns hold an image (``messages`` with
 ``{"type": "image"}`` entries, an ``images`` column of PIL images), the processor as ``processing_class``. TRL keeps
-such a dataset untokenized and its vision collator applies the chat template and the processor batch by batch. Full fine-tuning and LoRA ("all-linear": the language model and the vision tower)
-at TP1 against trl.SFTTrainer (+ PEFT), and LoRA at TP2 + SP, TP2 with the tower split, CP2 and PP2 (batches padded to
-``max_length``): every logged loss within 1e-5 relative (fp32), both ranks logging the same. Before, LoongSFTTrainer
-refused this dataset for lacking an ``input_ids`` column."""
+such a dataset untokenized and its vision collator applies the chat template and the processor batch by batch. Full
+fine-tuning and LoRA ("all-linear": the language model and the vision tower) at TP1 against trl.SFTTrainer (+ PEFT), and
+LoRA at TP2 + SP, TP2 with the tower split, CP2 and PP2 (batches padded to ``max_length``); prompt / completion
+conversations (loss on the completion) with LoRA at TP1, TP2 + SP and CP2: every logged loss within 1e-5 relative
+(fp32), both ranks logging the same. Before, LoongSFTTrainer refused these datasets for lacking an ``input_ids`` column
+(and TRL's collator refused the padding prompt-completion data needs under SP / CP)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
 
-from ._vl_trl import TWO_RANK_LAYOUTS, one_rank, two_ranks
+from ._vl_trl import PROMPT_COMPLETION_LAYOUTS, TWO_RANK_LAYOUTS, one_rank, two_ranks
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def runs(tmp_path_factory):
             run_distributed(two_ranks, 2, folder, str(base / "two"), timeout=600))
 
 
-@pytest.mark.parametrize("kind", ["full", "lora"])
+@pytest.mark.parametrize("kind", ["full", "lora", "prompt_completion"])
 def test_tp1_matches_trl(runs, kind):
     one, _ = runs
     ref, got = one[f"trl/{kind}"], one[f"loong/{kind}"]
@@ -38,3 +40,13 @@ def test_two_ranks_match_trl(runs, layout):
     one, two = runs
     assert two[0][layout] == two[1][layout], two
     assert two[0][layout] == pytest.approx(one["trl/lora"], rel=1e-5), (layout, two[0][layout], one["trl/lora"])
+
+
+@pytest.mark.parametrize("layout", PROMPT_COMPLETION_LAYOUTS)
+def test_prompt_completion_padded_after_trls_collator(runs, layout):
+    """TRL's vision collator refuses pad_to_multiple_of on prompt-completion data (NotImplementedError): under
+    sequence and context parallelism the batch is right-padded after it (``vl_collator.PadToMultiple``)."""
+    one, two = runs
+    got = two[0][f"prompt_completion/{layout}"]
+    assert got == two[1][f"prompt_completion/{layout}"]
+    assert got == pytest.approx(one["trl/prompt_completion"], rel=1e-5), (layout, got, one["trl/prompt_completion"])
