@@ -22,7 +22,10 @@ Choices:
   parallelism), and under pipeline parallelism one length for every micro-batch of a step: the engine pads each
   step's text micro-batches so (``trainer.data.pad_micro_batches``), after TRL's collator, so the batches TRL's
   metrics count are the ones TRL would build; TRL's vision collator is given that ``pad_to_multiple_of`` instead
-  (combined with the user's; pipeline parallelism pads images' batches to ``max_length``). Pads carry no loss.
+  (combined with the user's; pipeline parallelism pads images' batches to ``max_length``), or, on prompt-completion
+  data where it refuses one, its batches are padded after it (``vl_collator.PadToMultiple``). Pads carry no loss.
+  TRL's image datasets stay untokenized (its vision collator applies the processor), so LoongTrainer's check for an
+  ``input_ids`` column stands aside for them.
 - Data-parallel load balancing (``dp_load_balance``, on unless a ``LoongSFTConfig`` turns it off) goes through
   LoongTrainer's ``_get_dataloader`` like any LoongTrainer run: it applies when TRL's collator is padding-free
   (``padding_free=True``, or packing with ``bfd`` / ``bfd_split``) and re-collates each rank's redistributed samples
