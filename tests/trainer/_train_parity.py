@@ -328,3 +328,23 @@ def resume_runs(folder: str, out_dir: str, rows: int, args_kw: dict) -> dict:
     resumed = train_loong_resumable(folder, out_dir + "/run", {}, resume=out_dir + "/run/checkpoint-3", rows=rows,
                                     args_kw=args_kw)
     return {"uninterrupted": dict(full), "resumed": dict(resumed)}
+
+
+def streamed_losses(folder: str, out_dir: str, loong: bool, layout: dict | None = None) -> list:
+    """4 steps on a ``datasets.IterableDataset`` (``to_iterable_dataset()`` of 32 ragged rows) with
+    transformers.Trainer or LoongTrainer (in ``layout``): the logged losses."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    dataset = make_dataset(n=32, ragged=True).to_iterable_dataset()
+    args = training_args(out_dir)
+    if loong:
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **(layout or {}))
+        trainer = lf.LoongTrainer(model=model, args=args, train_dataset=dataset)
+    else:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    return losses_of(trainer.state.log_history)
