@@ -233,8 +233,22 @@ def refusals(folder: str) -> dict:
     return out
 
 
+def generate_matches(folder: str) -> tuple[bool, float]:
+    """Greedy cached ``generate`` (images of two sizes, left padding, a text-only row) with "all-linear" adapters
+    against PEFT's model's: same tokens, largest score difference."""
+    from ._vl_generate import prompt_batch
+
+    model, ref = _pair(folder, {}, CONFIGS["all_linear"])
+    kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        ours, theirs = model.generate(**prompt_batch(folder), **kw), ref.generate(**prompt_batch(folder), **kw)
+    diff = (torch.stack(ours.scores) - torch.stack(theirs.scores)).abs().max()
+    return torch.equal(ours.sequences, theirs.sequences), float(diff)
+
+
 def one_rank_checks(folder: str, out_dir: str) -> dict:
     out = {name: model_checks(folder, f"{out_dir}/{name}", {}, name) for name in CONFIGS}
+    out["generate"] = generate_matches(folder)
     out["refused"] = refusals(folder)
     out["sft"] = {"trl": sft_losses(folder, out_dir + "/trl", loong=False),
                   "loong": sft_losses(folder, out_dir + "/loong", loong=True)}

@@ -115,3 +115,9 @@ def test_refused_on_the_image_text_model(one_rank):
     refused = one_rank["refused"]
     assert "modules_to_save" in refused["tower_saved"] and "vision tower" in refused["tower_saved"], refused
     assert "trainable_token_indices is not supported on image-text models" in refused["tokens"], refused
+
+
+def test_generate_matches_peft(one_rank):
+    """``generate`` of the adapted model (tower adapters included): PEFT's tokens, scores within 1e-5."""
+    same, diff = one_rank["generate"]
+    assert same and diff < 1e-5, one_rank["generate"]
