@@ -33,9 +33,10 @@ def conversations(prompt_completion: bool = False):
 
 
 def sft_losses(folder: str, out_dir: str, *, loong: bool, layout: dict | None = None, lora: bool = True,
-               max_length: int | None = None, prompt_completion: bool = False) -> list[float]:
-    """3 steps of SFT on ``conversations()`` with the processor as processing_class, through LoongSFTTrainer (in
-    ``layout``) or trl.SFTTrainer on transformers' model: the logged losses."""
+               max_length: int | None = None, prompt_completion: bool = False) -> dict:
+    """3 steps of SFT on ``conversations()`` with the processor as processing_class, evaluating on 4 of them after
+    each step, through LoongSFTTrainer (in ``layout``) or trl.SFTTrainer on transformers' model: the logged losses
+    and eval losses."""
     import peft
     import transformers
     import trl
@@ -48,19 +49,20 @@ def sft_losses(folder: str, out_dir: str, *, loong: bool, layout: dict | None = 
     processor.chat_template = CHAT_TEMPLATE
     args = trl.SFTConfig(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=3,
                          learning_rate=2e-2, lr_scheduler_type="constant", logging_steps=1, seed=0, report_to=[],
-                         save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, max_length=max_length)
+                         save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, max_length=max_length,
+                         eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2)
+    evaluation = conversations(prompt_completion).select(range(4))
     peft_config = peft.LoraConfig(**LORA) if lora else None
     if loong:
         model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **(layout or {}))
         trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=conversations(prompt_completion),
-                                     processing_class=processor, peft_config=peft_config)
+                                     eval_dataset=evaluation, processing_class=processor, peft_config=peft_config)
     else:
         model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=conversations(prompt_completion),
-                                 processing_class=processor,
-                                 peft_config=peft_config)
+                                 eval_dataset=evaluation, processing_class=processor, peft_config=peft_config)
     trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {key: [h[key] for h in trainer.state.log_history if key in h] for key in ("loss", "eval_loss")}
 
 
 def one_rank(folder: str, out_dir: str) -> dict:

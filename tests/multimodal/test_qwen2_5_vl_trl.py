@@ -3,11 +3,12 @@
 The dataset is what TRL's vision-language SFT takes: conversations whose user turns hold an image (``messages`` with
 ``{"type": "image"}`` entries, an ``images`` column of PIL images), the processor as ``processing_class``. TRL keeps
 such a dataset untokenized and its vision collator applies the chat template and the processor batch by batch. Full
-fine-tuning and LoRA ("all-linear": the language model and the vision tower) at TP1 against trl.SFTTrainer (+ PEFT), and
-LoRA at TP2 + SP, TP2 with the tower split, CP2 and PP2 (batches padded to ``max_length``); prompt / completion
-conversations (loss on the completion) with LoRA at TP1, TP2 + SP and CP2: every logged loss within 1e-5 relative
-(fp32), both ranks logging the same. Before, LoongSFTTrainer refused these datasets for lacking an ``input_ids`` column
-(and TRL's collator refused the padding prompt-completion data needs under SP / CP)."""
+fine-tuning and LoRA ("all-linear": the language model and the vision tower) at TP1 against trl.SFTTrainer (+ PEFT),
+and LoRA at TP2 + SP, TP2 with the tower split, CP2 and PP2 (batches padded to ``max_length``); prompt / completion
+conversations (loss on the completion) with LoRA at TP1, TP2 + SP and CP2: every logged loss and eval loss (4
+conversations after each step) within 1e-5 relative (fp32), both ranks logging the same. Before, LoongSFTTrainer
+refused these datasets for lacking an ``input_ids`` column (and TRL's collator refused the padding prompt-completion
+data needs under SP / CP)."""
 
 from __future__ import annotations
 
@@ -31,15 +32,17 @@ def runs(tmp_path_factory):
 def test_tp1_matches_trl(runs, kind):
     one, _ = runs
     ref, got = one[f"trl/{kind}"], one[f"loong/{kind}"]
-    assert len(ref) == 3 and ref[0] != ref[-1], ref
-    assert got == pytest.approx(ref, rel=1e-5), (ref, got)
+    assert len(ref["loss"]) == len(ref["eval_loss"]) == 3 and ref["loss"][0] != ref["loss"][-1], ref
+    for key in ("loss", "eval_loss"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-5), (key, ref, got)
 
 
 @pytest.mark.parametrize("layout", list(TWO_RANK_LAYOUTS))
 def test_two_ranks_match_trl(runs, layout):
     one, two = runs
     assert two[0][layout] == two[1][layout], two
-    assert two[0][layout] == pytest.approx(one["trl/lora"], rel=1e-5), (layout, two[0][layout], one["trl/lora"])
+    for key in ("loss", "eval_loss"):
+        assert two[0][layout][key] == pytest.approx(one["trl/lora"][key], rel=1e-5), (layout, key, two[0][layout])
 
 
 @pytest.mark.parametrize("layout", PROMPT_COMPLETION_LAYOUTS)
@@ -49,4 +52,5 @@ def test_prompt_completion_padded_after_trls_collator(runs, layout):
     one, two = runs
     got = two[0][f"prompt_completion/{layout}"]
     assert got == two[1][f"prompt_completion/{layout}"]
-    assert got == pytest.approx(one["trl/prompt_completion"], rel=1e-5), (layout, got, one["trl/prompt_completion"])
+    for key in ("loss", "eval_loss"):
+        assert got[key] == pytest.approx(one["trl/prompt_completion"][key], rel=1e-5), (layout, key, got)
