@@ -21,11 +21,11 @@ Choices:
 - megatron needs the sequence length to divide by TP under sequence parallelism (2 x CP under context
   parallelism), and under pipeline parallelism one length for every micro-batch of a step: the engine pads each
   step's text micro-batches so (``trainer.data.pad_micro_batches``), after TRL's collator, so the batches TRL's
-  metrics count are the ones TRL would build; TRL's vision collator is given that ``pad_to_multiple_of`` instead
-  (combined with the user's; pipeline parallelism pads images' batches to ``max_length``), or, on prompt-completion
-  data where it refuses one, its batches are padded after it (``vl_collator.PadToMultiple``). Pads carry no loss.
-  TRL's image datasets stay untokenized (its vision collator applies the processor), so LoongTrainer's check for an
-  ``input_ids`` column stands aside for them.
+  metrics count are the ones TRL would build; batches of TRL's vision collator are padded right after it instead
+  (``vl_collator.PadToMultiple``, to a multiple of that and the user's ``pad_to_multiple_of``; pipeline parallelism
+  pads images' batches to ``max_length``; TRL's collator itself refuses the option on prompt-completion data). Pads
+  carry no loss. TRL's image datasets stay untokenized (its vision collator applies the processor), so
+  LoongTrainer's check for an ``input_ids`` column stands aside for them (``_dataset_tokenized_by_collator``).
 - Data-parallel load balancing (``dp_load_balance``, on unless a ``LoongSFTConfig`` turns it off) goes through
   LoongTrainer's ``_get_dataloader`` like any LoongTrainer run: it applies when TRL's collator is padding-free
   (``padding_free=True``, or packing with ``bfd`` / ``bfd_split``) and re-collates each rank's redistributed samples
@@ -108,7 +108,7 @@ def _refuse_unsupported(args: SFTConfig, **given) -> None:
 
 
 def _vision_pad_multiple(parallel, args: SFTConfig) -> int:
-    """What TRL's vision collator must pad every batch to a multiple of, for megatron: TP under sequence
+    """What batches of TRL's vision collator must be padded to a multiple of, for megatron: TP under sequence
     parallelism, 2 x CP under context parallelism, and under pipeline parallelism the full ``max_length``, since
     every micro-batch of a pipelined step must have one shape. (Text batches are padded by the engine instead, per
     step: ``trainer.data.pad_micro_batches``; batches with images reach it as their collator made them.)"""
@@ -166,19 +166,20 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
         finally:
             for name, value in given.items():
                 setattr(args, name, value)
-        if data_collator is None and getattr(self, "_is_vision_dataset", False):
-            multiple = _vision_pad_multiple(self.model.parallel, args)
-            if multiple > 1 and "prompt" in (getattr(train_dataset, "column_names", None) or ()):
-                # NOTE: TRL's prompt-completion vision collation refuses any pad_to_multiple_of: padded after it
-                from loongforge_hf.integrations.vl_collator import PadToMultiple
+        multiple = _vision_pad_multiple(self.model.parallel, args) if self._dataset_tokenized_by_collator() else 1
+        if data_collator is None and multiple > 1:
+            # NOTE: padded after TRL's vision collator (which refuses pad_to_multiple_of on prompt-completion data)
+            from loongforge_hf.integrations.vl_collator import PadToMultiple
 
-                tokenizer = getattr(processing_class, "tokenizer", processing_class)
-                self.data_collator = PadToMultiple(self.data_collator, math.lcm(args.pad_to_multiple_of or 1, multiple),
-                                                   pad_id=getattr(tokenizer, "pad_token_id", None) or 0)
-            elif multiple > 1:
-                self.data_collator.pad_to_multiple_of = math.lcm(args.pad_to_multiple_of or 1, multiple)
+            tokenizer = getattr(processing_class, "tokenizer", processing_class)
+            self.data_collator = PadToMultiple(self.data_collator, math.lcm(args.pad_to_multiple_of or 1, multiple),
+                                               pad_id=getattr(tokenizer, "pad_token_id", None) or 0)
         vars(self.model).pop("forward", None)  # TRL's fused-LM-head patch (see the module docstring)
         self._check_router_aux_loss()
+
+    def _dataset_tokenized_by_collator(self) -> bool:
+        """TRL's image datasets stay messages / images: its vision collator applies the processor batch by batch."""
+        return bool(getattr(self, "_is_vision_dataset", False))
 
     def _check_router_aux_loss(self) -> None:
         """A MoE model: trl.SFTTrainer adds ``router_aux_loss_coef * aux_loss`` (transformers' balance loss over the

@@ -184,8 +184,8 @@ class DataCollatorForImageText:
 class PadToMultiple:
     """Another collator, then its batch right-padded to a length that divides by ``multiple``: token columns of the
     input ids' shape get ``pad_id`` (``input_ids``), -100 (``labels``) or 0 (masks, token types), images are left as
-    they are. For TRL's vision collator on prompt-completion data, which refuses ``pad_to_multiple_of`` itself
-    (``integrations/trl.py``). The pads carry no loss and, being last, change no real token's output."""
+    they are. For TRL's vision collator (``integrations/trl.py``), which refuses ``pad_to_multiple_of`` on
+    prompt-completion data. The pads carry no loss and, being last, change no real token's output."""
 
     _FILL = {"labels": IGNORE_INDEX, "attention_mask": 0, "completion_mask": 0, "assistant_masks": 0,
              "token_type_ids": 0, "mm_token_type_ids": 0}

@@ -158,7 +158,7 @@ class _Streamer:
 def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every adapter tensor at HF shape on rank 0 (empty dict elsewhere), in ``dtype`` (default the model's);
     collective."""
-    from loongforge_hf.lora.vision import gathered_factor, tower_split
+    from loongforge_hf.lora.vision import gathered_factor, split_factor, tower_split
 
     plan, streamer, dtype = model.lora_plan, _Streamer(model), dtype or model.dtype
     split_tower = getattr(model, "vision_layout", None) == "tensor_parallel"
@@ -171,7 +171,7 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
         split, kind = {"row": "A", "router": None}.get(t.kind, "B"), None
         if t.kind == "vision":  # NOTE: whole unless the tower is split (lora/vision.py)
             kind = tower_split(t) if split_tower else None
-            split = {None: None, "row": "A"}.get(kind, "B")
+            split = split_factor(kind)
         for factor, split_dim in (("A", 1 if split == "A" else None), ("B", 0 if split == "B" else None)):
             hf_name = f"{prefix}.lora_{factor}.weight"
             shape = t.a_shape if factor == "A" else t.b_shape

@@ -32,7 +32,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from torch import nn
 
 from loongforge_hf.lora.model import LoongLoraModelForCausalLM
@@ -110,6 +112,11 @@ def tower_split(t) -> str | None:
         else "row" if isinstance(t.mapping, RowParallel) else None
 
 
+def split_factor(split: str | None) -> str | None:
+    """Which factor of an adapter is split over TP for a tower split as ``tower_split`` says ("A", "B" or None)."""
+    return {None: None, "row": "A"}.get(split, "B")
+
+
 def local_factors(split: str | None, a: torch.Tensor, b: torch.Tensor, rank: int, size: int):
     """This TP rank's (A, B) of an adapter at HF shapes on a tower split ``size`` ways (``tower_split``)."""
     if size == 1 or split is None:
@@ -143,8 +150,6 @@ class LoraVisionLinear(VisionLinear):
         for adapter in self.lora.values():
             a, b, row = adapter.A, adapter.B, adapter.tower_split == "row"
             if group is not None and adapter.tower_split is not None:
-                from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-
                 # NOTE: the whole factor's gradient is partial per rank (module docstring): summed over the group
                 a, b = (a, copy_to_tensor_model_parallel_region(b, group=group)) if row else \
                     (copy_to_tensor_model_parallel_region(a, group=group), b)
@@ -160,8 +165,6 @@ def attach_vision_adapters(model, members, *, dropout: float, dtype, device) -> 
     """The vision targets' adapters (``members``: (target, (A, B)) at HF shapes) on this rank's tower, if any."""
     from loongforge_hf.lora.layers import LoraAdapter
 
-    import torch.distributed as dist
-
     tower_chunk = model.chunks[0]
     if getattr(tower_chunk, "vision", None) is None:
         return  # another pipeline stage
@@ -175,7 +178,7 @@ def attach_vision_adapters(model, members, *, dropout: float, dtype, device) -> 
                              else 1)
         adapter = LoraAdapter(a.to(device=device, dtype=dtype).contiguous().clone(),
                               b.to(device=device, dtype=dtype).contiguous().clone(), scaling=t.scaling,
-                              dropout=dropout, split={None: None, "row": "A"}.get(split, "B"))
+                              dropout=dropout, split=split_factor(split))
         adapter.tower_split = split
         module.__class__ = LoraVisionLinear
         module.lora = nn.ModuleDict({t.name: adapter})

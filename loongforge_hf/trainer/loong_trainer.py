@@ -212,16 +212,19 @@ class LoongTrainer(Trainer):
         return self._train_batch_size * args.gradient_accumulation_steps * dp_rank_and_size()[1]
 
     # ---- data ----------------------------------------------------------------------------------------------------
+    def _dataset_tokenized_by_collator(self) -> bool:
+        """Whether the training set is tokenized by the data collator, batch by batch (LoongSFTTrainer: TRL's image
+        datasets), rather than holding ``input_ids`` itself."""
+        return False
+
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
                         dataloader_key=None):
         import datasets
         from functools import partial
 
         collator = self.data_collator
-        # NOTE: TRL's image datasets stay messages / images: its vision collator tokenizes them batch by batch
-        tokenized_by_collator = getattr(self, "_is_vision_dataset", False)
         if is_training and isinstance(dataset, datasets.Dataset) and "input_ids" not in dataset.column_names \
-                and not tokenized_by_collator:
+                and not self._dataset_tokenized_by_collator():
             raise DataError(f"train_dataset has no 'input_ids' column (columns: {dataset.column_names}). "
                             "Tokenize it first, e.g. dataset.map(lambda b: tokenizer(b['text']), batched=True).")
         if is_training and not isinstance(dataset, torch.utils.data.IterableDataset) and len(dataset) == 0:

@@ -177,19 +177,20 @@ def _check_adapter_grads(model, ref, our_loss, their_loss) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def lora_pair(folder: str, layout: dict, lora_kw: dict):
+def lora_pair(folder: str, layout: dict, lora_kw: dict, *, image_text: bool = False):
     """(our model with adapters, the transformers model, PEFT's model on it): the same LoraConfig after the same
-    seed, so both start from PEFT's values."""
+    seed, so both start from PEFT's values (``image_text``: the Auto*ForImageTextToText classes)."""
     import peft
     import transformers
 
     import loongforge_hf as lf
     from loongforge_hf.lora import get_peft_model
 
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    auto = "AutoModelForImageTextToText" if image_text else "AutoModelForCausalLM"
+    model = getattr(lf, auto).from_pretrained(folder, dtype=torch.float32, **layout)
     transformers.set_seed(5)
     model = get_peft_model(model, peft.LoraConfig(**lora_kw))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf = getattr(transformers, auto).from_pretrained(folder, dtype=torch.float32)
     transformers.set_seed(5)
     return model, hf, peft.get_peft_model(hf, peft.LoraConfig(**lora_kw))
 

@@ -7,6 +7,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from ..integrations._lora_checks import lora_pair
 from ._vl_parity import make_batch, train_features, vl_training_args
 
 # init_lora_weights=False keeps B random, so every adapter changes the logits
@@ -23,21 +24,6 @@ CONFIGS = {
 }
 GRAD_TOL = 2e-5
 SPLIT_TOWER = {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2}
-
-
-def _pair(folder: str, layout: dict, kw: dict):
-    import peft
-    import transformers
-
-    import loongforge_hf as lf
-    from loongforge_hf.lora import get_peft_model
-
-    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
-    transformers.set_seed(5)
-    model = get_peft_model(model, peft.LoraConfig(**kw))
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
-    transformers.set_seed(5)
-    return model, peft.get_peft_model(hf, peft.LoraConfig(**kw))
 
 
 def _check_grads(model, ref) -> dict:
@@ -93,7 +79,7 @@ def model_checks(folder: str, out_dir: str, layout: dict, name: str) -> dict:
     import transformers
 
     batch = make_batch(folder, pad_to_multiple_of=4)  # NOTE: CP2 takes lengths that divide by 2 x CP
-    model, ref = _pair(folder, layout, CONFIGS[name])
+    model, _, ref = lora_pair(folder, layout, CONFIGS[name], image_text=True)
     ours, theirs = model(**batch), ref(**batch)
     result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters(),
               "logits_diff": float((ours.logits - theirs.logits).abs().max()),
@@ -238,7 +224,7 @@ def generate_matches(folder: str) -> tuple[bool, float]:
     against PEFT's model's: same tokens, largest score difference."""
     from ._vl_generate import prompt_batch
 
-    model, ref = _pair(folder, {}, CONFIGS["all_linear"])
+    model, _, ref = lora_pair(folder, {}, CONFIGS["all_linear"], image_text=True)
     kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
     with torch.no_grad():
         ours, theirs = model.generate(**prompt_batch(folder), **kw), ref.generate(**prompt_batch(folder), **kw)
