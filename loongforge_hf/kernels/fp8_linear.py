@@ -264,9 +264,9 @@ class Fp8ForwardImpl(_LayerPrecision):
         if hasattr(module, "lora_delta"):
             from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-            out = out + (module.lora_delta(input, sequence_parallel=sequence_parallel,
+            out = out + (module.lora_delta(input, base=out, bias=bias, sequence_parallel=sequence_parallel,
                                            allreduce_dgrad=allreduce_dgrad)
-                         if isinstance(module, ColumnParallelLinear) else module.lora_delta(input))
+                         if isinstance(module, ColumnParallelLinear) else module.lora_delta(input, base=out))
         return out
 
 

@@ -4,7 +4,8 @@ Choices:
 - Adapter folder = what ``PeftModel.save_pretrained`` writes and ``PeftModel.from_pretrained(hf_model, dir)`` reads:
   ``adapter_model.safetensors`` with PEFT's names (``base_model.model.<HF module>.lora_A.weight`` / ``lora_B``, and
   ``base_model.model.<HF parameter>`` for ``modules_to_save``) at HF shapes, and ``adapter_config.json`` (the
-  LoraConfig, ``target_modules`` as PEFT saves them: "all-linear" becomes the module names it matched).
+  LoraConfig, ``target_modules`` as PEFT saves them: "all-linear" becomes the module names it matched). DoRA adds
+  ``base_model.model.<HF module>.lora_magnitude_vector`` [out] per target.
 - Tensors stream as the HF exporter's do: on the owning pipeline stage's first data-parallel replica, the first TP
   rank gathers a split factor's shards (concatenated along the split dim) or takes its own copy of a replicated one,
   and sends the full tensor to global rank 0 (expert stacks: each expert-parallel rank sends its experts' factors,
@@ -12,7 +13,8 @@ Choices:
   folder renamed into place, so an interrupted save never leaves a folder that looks complete. Failures are shared
   with every rank, which all raise the same error.
 - Merged export: every adapted megatron weight (each expert of an expert stack) gets ``scaling * B @ A`` (computed
-  in float32, added in the weight's dtype, as PEFT's ``merge_and_unload``), the regular HF export runs, and the
+  in float32, added in the weight's dtype, as PEFT's ``merge_and_unload``; DoRA: ``dora.merge_delta``), the regular
+  HF export runs, and the
   original weights are copied back from a CPU copy: the model continues unmerged, bit for bit.
 """
 
@@ -36,14 +38,17 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _lora_deltas(model):
-    """(adapted megatron weight, its float32 delta ``scaling * B @ A``) on this rank."""
+    """(adapted megatron weight, its float32 merge delta: ``scaling * B @ A``, DoRA's ``dora.merge_delta``) on this
+    rank; collective over TP where DoRA's row norms are."""
     from loongforge_hf.lora.experts import is_param_lora
     from loongforge_hf.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
     from loongforge_hf.lora.vision import LoraVisionLinear
 
     for chunk in model.chunks:
         for module in chunk.modules():
-            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear, LoraVisionLinear)):
+            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear)):
+                yield module.weight, module.lora_merge_delta()
+            elif isinstance(module, LoraVisionLinear):
                 yield module.weight, module.lora_delta_weight()
             elif is_param_lora(module):
                 yield from module.lora_deltas()
@@ -172,13 +177,16 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
         if t.kind == "vision":  # NOTE: whole unless the tower is split (lora/vision.py)
             kind = tower_split(t) if split_tower else None
             split = split_factor(kind)
-        for factor, split_dim in (("A", 1 if split == "A" else None), ("B", 0 if split == "B" else None)):
-            hf_name = f"{prefix}.lora_{factor}.weight"
-            shape = t.a_shape if factor == "A" else t.b_shape
+        factors = [("A", 1 if split == "A" else None), ("B", 0 if split == "B" else None)]
+        if plan.config.use_dora:  # NOTE: DoRA's magnitude: split over TP as B's rows are, else replicated
+            factors.append(("magnitude", 0 if split == "B" else None))
+        for factor, split_dim in factors:
+            hf_name = f"{prefix}.lora_magnitude_vector" if factor == "magnitude" else f"{prefix}.lora_{factor}.weight"
+            shape = {"A": t.a_shape, "B": t.b_shape, "magnitude": (t.out_features,)}[factor]
             owner_pp, vp, name = streamer.owner_of(t.layer, f"{base}.{factor}")
+            to_hf = {"B": t.b_to_hf, "magnitude": lambda m, t=t: t.b_to_hf(m[:, None])[:, 0]}.get(factor)
 
-            def export(shards, hf_name=hf_name, split_dim=split_dim, to_hf=t.b_to_hf if factor == "B" else None,
-                       vision=kind):
+            def export(shards, hf_name=hf_name, split_dim=split_dim, to_hf=to_hf, vision=kind):
                 full = shards[0] if split_dim is None else gathered_factor(vision, shards) if vision else \
                     torch.cat(shards, dim=split_dim)
                 return {hf_name: full if to_hf is None else to_hf(full)}

@@ -58,9 +58,15 @@ class LoraAdapter(nn.Module):
         self.scaling = scaling
         self.stacked_layers: tuple[int, ...] = ()  # every layer holding this target (model.attach_lora)
         self.dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
+        self.register_parameter("magnitude", None)  # DoRA's m (dora.py); None for plain LoRA
         split_factor = {"A": self.A, "B": self.B}.get(split)  # None: both replicated (the router's)
         for p in (self.A, self.B):
             set_tensor_model_parallel_attributes(p, p is split_factor, 0 if split == "B" else 1, 1)
+
+    def add_magnitude(self, m: torch.Tensor, *, split: bool) -> None:
+        """DoRA: the magnitude vector ``m`` over this rank's output rows (``split``) or all of them."""
+        self.magnitude = nn.Parameter(m)
+        set_tensor_model_parallel_attributes(self.magnitude, split, 0, 1)
 
     def drop(self, x: torch.Tensor, *, input_is_split: bool) -> torch.Tensor:
         if isinstance(self.dropout, nn.Identity) or not self.training:
@@ -84,17 +90,26 @@ class FusedLayout:
     groups: int
     slots: tuple[tuple[str, int], ...]
 
-    def interleave(self, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-target tensors [..., groups * rows] -> the fused last dimension; absent targets are zeros."""
+    def interleave(self, pieces: dict[str, torch.Tensor], fill: float = 0.0) -> torch.Tensor:
+        """Per-target tensors [..., groups * rows] -> the fused last dimension; absent targets are ``fill``."""
         like = next(iter(pieces.values()))
         lead = like.shape[:-1]
         parts = []
         for name, rows in self.slots:
             piece = pieces.get(name)
             if piece is None:
-                piece = like.new_zeros(*lead, self.groups * rows)
+                piece = like.new_full((*lead, self.groups * rows), fill)
             parts.append(piece.reshape(*lead, self.groups, rows))
         return torch.cat(parts, dim=-1).reshape(*lead, -1)
+
+    def slot(self, fused: torch.Tensor, name: str) -> torch.Tensor:
+        """The rows of target ``name`` in ``fused`` [groups * all slots' rows, ...] (the inverse of ``interleave``
+        along the first dimension)."""
+        names = [n for n, _ in self.slots]
+        offset = sum(rows for _, rows in self.slots[:names.index(name)])
+        rows = self.slots[names.index(name)][1]
+        grouped = fused.reshape(self.groups, -1, *fused.shape[1:])
+        return grouped.narrow(1, offset, rows).reshape(self.groups * rows, *fused.shape[1:])
 
 
 def _tp_size(module) -> int:
@@ -111,26 +126,52 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
         out = super()._forward_impl(input, weight, *args, **kwargs)
         if self.__dict__.get("lora_disabled"):  # NOTE: inside disable_adapter() (unload.py)
             return out
-        return out + self.lora_delta(input, sequence_parallel=bool(kwargs.get("sequence_parallel")),
+        return out + self.lora_delta(input, base=out, bias=kwargs.get("bias"),
+                                     sequence_parallel=bool(kwargs.get("sequence_parallel")),
                                      allreduce_dgrad=bool(kwargs.get("allreduce_dgrad")))
 
-    def lora_delta(self, x: torch.Tensor, *, sequence_parallel: bool, allreduce_dgrad: bool) -> torch.Tensor:
+    def lora_delta(self, x: torch.Tensor, *, base: torch.Tensor, bias: torch.Tensor | None, sequence_parallel: bool,
+                   allreduce_dgrad: bool) -> torch.Tensor:
+        """What the adapters add to ``base``, the base layer's output on ``x`` (``bias`` included if not None)."""
+        from loongforge_hf.lora import dora
+
         tp = _tp_size(self)
         if tp > 1 and not sequence_parallel and not allreduce_dgrad:
             # NOTE: megatron then copies the input into the TP region itself, which would sum the adapter's
             # input gradient a second time; none of the linears LoRA targets is built that way.
             raise RuntimeError("LoRA on a ColumnParallelLinear without gradient all-reduce is not supported.")
-        pieces = {}
+        pieces, dropped = {}, {}
         for name, adapter in self.lora.items():
             a = adapter.A
             if tp > 1 and sequence_parallel:
                 a = copy_to_tensor_model_parallel_region(a, group=self.tp_group)
-            h = F.linear(adapter.drop(x, input_is_split=tp > 1 and sequence_parallel), a)
+            xd = adapter.drop(x, input_is_split=tp > 1 and sequence_parallel)
+            if xd is not x and adapter.magnitude is not None:
+                dropped[name] = xd
+            h = F.linear(xd, a)
             if tp > 1:
-                h = gather_from_sequence_parallel_region(h, group=self.tp_group) if sequence_parallel \
-                    else copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+                h = self._to_full_sequence(h, sequence_parallel)
             pieces[name] = F.linear(h, adapter.B) * adapter.scaling
-        return self.lora_layout.interleave(pieces)
+        delta = self.lora_layout.interleave(pieces)
+        if next(iter(self.lora.values())).magnitude is None:
+            return delta
+        if dropped:  # NOTE: PEFT's DoRA rescales W applied to the dropped input then, one product per target
+            weight = self.weight.detach()
+            base = self.lora_layout.interleave({
+                n: F.linear(self._to_full_sequence(xd, sequence_parallel), self.lora_layout.slot(weight, n))
+                for n, xd in dropped.items()})
+        elif bias is not None:
+            base = base - bias
+        return dora.rescaled(delta, base, dora.column_scale(self))
+
+    def _to_full_sequence(self, h: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        """``h`` (the rank's input or a product of it with a replicated factor) as this rank's output rows take it:
+        the sequence gathered under sequence parallelism, else its gradient summed over the TP ranks."""
+        if _tp_size(self) == 1:
+            return h
+        if sequence_parallel:
+            return gather_from_sequence_parallel_region(h, group=self.tp_group)
+        return copy_to_tensor_model_parallel_region(h, group=self.tp_group)
 
     @torch.no_grad()
     def lora_delta_weight(self) -> torch.Tensor:
@@ -138,8 +179,14 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
         pieces = {n: (a.A.float().t() @ a.B.float().t()) * a.scaling for n, a in self.lora.items()}
         return self.lora_layout.interleave(pieces).t()
 
+    def lora_merge_delta(self) -> torch.Tensor:
+        """What merging adds to ``weight`` (float32): ``scaling * B @ A``, or with DoRA ``s * (W + ΔW) - W``."""
+        from loongforge_hf.lora import dora
+
+        return dora.merge_delta(self.weight, self.lora_delta_weight(), self.lora, lambda: dora.column_scale(self))
+
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        axes = {"weight": 0, "bias": 0, **{f"lora.{n}.B": 0 for n in self.lora}}
+        axes = {"weight": 0, "bias": 0, **{f"lora.{n}.{f}": 0 for n in self.lora for f in ("B", "magnitude")}}
         out = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
                                                   sharded_offsets, tp_group=self.tp_group,
                                                   dp_cp_group=metadata["dp_cp_group"])
@@ -153,19 +200,34 @@ class LoraRowParallelLinear(RowParallelLinear):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         out = super()._forward_impl(input, weight, *args, **kwargs)
-        return out if self.__dict__.get("lora_disabled") else out + self.lora_delta(input)
+        return out if self.__dict__.get("lora_disabled") else out + self.lora_delta(input, base=out)
 
-    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+    def lora_delta(self, x: torch.Tensor, *, base: torch.Tensor) -> torch.Tensor:
+        """What the adapter adds to ``base``, this rank's partial output on its input columns ``x`` (summed over TP
+        by megatron's reduction afterwards, with the base)."""
+        from loongforge_hf.lora import dora
+
         tp = _tp_size(self)
         (adapter,) = self.lora.values()
         b = copy_to_tensor_model_parallel_region(adapter.B, group=self.tp_group) if tp > 1 else adapter.B
-        h = F.linear(adapter.drop(x, input_is_split=tp > 1), adapter.A)
-        return F.linear(h, b) * adapter.scaling
+        xd = adapter.drop(x, input_is_split=tp > 1)
+        delta = F.linear(F.linear(xd, adapter.A), b) * adapter.scaling
+        if adapter.magnitude is None:
+            return delta
+        if xd is not x:  # NOTE: PEFT's DoRA rescales W applied to the dropped input then
+            base = F.linear(xd, self.weight.detach())
+        return dora.rescaled(delta, base, dora.row_scale(self))
 
     @torch.no_grad()
     def lora_delta_weight(self) -> torch.Tensor:
         (adapter,) = self.lora.values()
         return (adapter.B.float() @ adapter.A.float()) * adapter.scaling
+
+    def lora_merge_delta(self) -> torch.Tensor:
+        """What merging adds to ``weight`` (float32; collective over TP with DoRA: the row norms)."""
+        from loongforge_hf.lora import dora
+
+        return dora.merge_delta(self.weight, self.lora_delta_weight(), self.lora, lambda: dora.row_scale(self))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         axes = {"weight": 1, **{f"lora.{n}.A": 1 for n in self.lora}}
@@ -184,7 +246,7 @@ def stack_over_adapted_layers(sharded: dict, prefix: str, adapters: nn.ModuleDic
     axis, layer, _ = sharded_offsets[0]
     for name, adapter in adapters.items():
         layers = adapter.stacked_layers
-        for factor in ("A", "B"):
+        for factor in ("A", "B") if adapter.magnitude is None else ("A", "B", "magnitude"):
             key = f"{prefix}{name}.{factor}"
             t = sharded[key]
             sharded[key] = dataclasses.replace(

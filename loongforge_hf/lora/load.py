@@ -4,7 +4,8 @@ transformers model.
 Choices:
 - The folder is what PEFT (or ``LoongLoraModelForCausalLM.save_pretrained``) writes: ``adapter_config.json`` (a
   ``LoraConfig``) and ``adapter_model.safetensors`` with PEFT's names (``base_model.model.<HF module>.lora_A.weight``
-  / ``lora_B``, ``base_model.model.<HF parameter>`` for ``modules_to_save``) at HF shapes. A pickle
+  / ``lora_B``, ``.lora_magnitude_vector`` with DoRA, ``base_model.model.<HF parameter>`` for ``modules_to_save``)
+  at HF shapes. A pickle
   ``adapter_model.bin`` is read only with ``allow_pickle=True``, through ``torch.load(weights_only=True)``.
 - The adapters are attached as ``get_peft_model`` attaches them (same plan, same slicing over TP, PP and fused
   layers), with the file's A and B instead of freshly drawn ones; ``modules_to_save`` tensors go through the base
@@ -113,13 +114,16 @@ class _AdapterReader:
 
 def _check_tensors(folder: Path, model, plan, tensors: dict[str, torch.Tensor]):
     """(the (A, B) of every target in float32, the trainable token rows or None, {HF name: PEFT name} of the resized
-    embedding layers the file carries); one error listing every missing or misshapen tensor."""
+    embedding layers the file carries, DoRA's magnitudes by HF module or None); one error listing every missing or
+    misshapen tensor."""
     from loongforge_hf.lora.tokens import DELTA, peft_names, tied_head_delta
 
     expected = {}
     for t in plan.targets:
         expected[f"{PREFIX}{t.hf_module}.lora_A.weight"] = t.a_shape
         expected[f"{PREFIX}{t.hf_module}.lora_B.weight"] = t.b_shape
+        if plan.config.use_dora:
+            expected[f"{PREFIX}{t.hf_module}.lora_magnitude_vector"] = (t.out_features,)
     for s in plan.saved:
         expected[PREFIX + s.hf_name] = tuple(plan.hf_shapes[s.hf_name])
     delta = f"{PREFIX}{plan.embedding_name}.{DELTA}"
@@ -151,7 +155,9 @@ def _check_tensors(folder: Path, model, plan, tensors: dict[str, torch.Tensor]):
                               f"({len(problems)} problem(s)):\n  {shown}")
     pairs = [(tensors[f"{PREFIX}{t.hf_module}.lora_A.weight"].float(),
               tensors[f"{PREFIX}{t.hf_module}.lora_B.weight"].float()) for t in plan.targets]
-    return pairs, tensors[delta] if plan.token_indices else None, vocabulary
+    magnitudes = {t.hf_module: tensors[f"{PREFIX}{t.hf_module}.lora_magnitude_vector"] for t in plan.targets} \
+        if plan.config.use_dora else None
+    return pairs, tensors[delta] if plan.token_indices else None, vocabulary, magnitudes
 
 
 _CARRIED_EMBEDDING = ("embed_tokens.weight", "embed_tokens.token_adapter.base_layer.weight")
@@ -202,11 +208,12 @@ def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = 
     owners = layer_owners(model.megatron.config, model.parallel)
     if is_trainable:
         check_stages_train(model, plan, owners)
-    initial, token_rows, vocabulary = _check_tensors(folder, model, plan, tensors)
+    initial, token_rows, vocabulary, magnitudes = _check_tensors(folder, model, plan, tensors)
     # NOTE: the resized embedding layers (base weights, frozen) go in through the bridge's mappings as the
     # modules_to_save do; a tied model's LM head is its embedding
     resized = vocabulary_tensors(model, set(vocabulary) - {s.hf_name for s in plan.saved})
-    model = attach_lora(model, config, plan, initial, token_rows=None if token_rows is None else token_rows.float())
+    model = attach_lora(model, config, plan, initial, token_rows=None if token_rows is None else token_rows.float(),
+                        magnitudes=magnitudes)
     # NOTE: the mappings read checkpoint names, the file has PEFT's (the module tree's: image-text models differ)
     reader = _AdapterReader({**tensors, **{PREFIX + hf: tensors[name] for hf, name in vocabulary.items()},
                              **{PREFIX + s.checkpoint_name: tensors[PREFIX + s.hf_name] for s in plan.saved}})

@@ -10,9 +10,8 @@ Choices:
   ``transformers.set_seed(seed)`` first to get PEFT's numbers for that seed (LoongSFTTrainer does, as TRL does).
 - Adapter weights have the model's dtype; megatron's optimizer keeps their float32 master copies (what PEFT's
   float32 adapters on a bf16 model are for).
-- ``save_pretrained(dir)`` writes a PEFT adapter folder that ``peft.PeftModel.from_pretrained(hf_model, dir)`` loads
-  as it is; ``save_pretrained(dir, merged=True)`` writes a plain HF checkpoint with ``W + scaling * B @ A`` in every
-  adapted weight (the model itself is left unmerged). Both are collective; rank 0 writes, atomically.
+- ``save_pretrained(dir)`` writes a PEFT adapter folder (``peft.PeftModel.from_pretrained(hf_model, dir)`` loads it);
+  ``save_pretrained(dir, merged=True)`` a plain HF checkpoint of the merged weights (``export.py``).
 - Mixture-of-experts models (Qwen3-MoE, Mixtral) get the adapters PEFT gives them (``plan.py``): attention
   projections as modules, routed experts and router as parameters (``experts.py``). Attention and router adapters
   reduce over the dense data-parallel group; expert adapters are expert parameters (under expert parallelism, or
@@ -38,6 +37,7 @@ import torch.distributed as dist
 
 from loongforge_hf.bridges import moe_graphs
 from loongforge_hf.bridges import transforms as T
+from loongforge_hf.lora import unload as unload_
 from loongforge_hf.lora.plan import LoraConfigError, LoraPlan, plan_lora
 from loongforge_hf.modeling import LoongModelForCausalLM
 
@@ -53,7 +53,9 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable, all) parameters of the whole model, counted as PEFT counts them on the HF model."""
-        trainable = sum(t.r * t.num_experts * (t.in_features + t.out_features) for t in self.lora_plan.targets)
+        dora = bool(self.lora_config.use_dora)  # NOTE: DoRA's magnitude: one value per output row
+        trainable = sum(t.r * t.num_experts * (t.in_features + t.out_features) + dora * t.out_features
+                        for t in self.lora_plan.targets)
         trainable += sum(math.prod(self.lora_plan.hf_shapes[s.hf_name]) for s in self.lora_plan.saved)
         hidden = self.lora_plan.hf_shapes[f"{self.lora_plan.embedding_name}.weight"][1]
         trainable += len(self.lora_plan.token_indices) * hidden
@@ -79,21 +81,15 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
     def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):
         """PEFT's: the adapters merged into the base weights and removed; returns this model, now a plain
         ``LoongModelForCausalLM`` (``unload.py``)."""
-        from loongforge_hf.lora.unload import merge_and_unload
-
-        return merge_and_unload(self, safe_merge=safe_merge, adapter_names=adapter_names)
+        return unload_.merge_and_unload(self, safe_merge=safe_merge, adapter_names=adapter_names)
 
     def unload(self):
         """PEFT's: the adapters removed, not merged; returns this model, now a plain ``LoongModelForCausalLM``."""
-        from loongforge_hf.lora.unload import unload
-
-        return unload(self)
+        return unload_.unload(self)
 
     def disable_adapter(self):
         """PEFT's context manager: the base model's outputs inside the block (``unload.py``)."""
-        from loongforge_hf.lora.unload import disable_adapter
-
-        return disable_adapter(self)
+        return unload_.disable_adapter(self)
 
     def get_base_model(self):
         """PEFT's: the model under the adapters; the adapters live in this model's own layers, so itself."""
@@ -186,15 +182,17 @@ def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
 
 
 def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
-                initial: list[tuple[torch.Tensor, torch.Tensor]],
-                token_rows: torch.Tensor | None = None) -> LoongLoraModelForCausalLM:
-    """Adapters with the HF-shaped ``initial`` (A, B) of each target of ``plan``, each rank keeping its slices; the
-    base frozen but for ``modules_to_save``; the trainable token rows (``tokens.py``: ``token_rows``, or the
-    embedding's own); ``model`` becomes a ``LoongLoraModelForCausalLM`` (in place)."""
+                initial: list[tuple[torch.Tensor, torch.Tensor]], token_rows: torch.Tensor | None = None,
+                magnitudes: dict[str, torch.Tensor] | None = None) -> LoongLoraModelForCausalLM:
+    """Adapters with the HF-shaped ``initial`` (A, B) of each target of ``plan`` (and DoRA ``magnitudes`` by HF module,
+    else PEFT's initial ones), each rank keeping its slices; the base frozen but for ``modules_to_save``; the
+    trainable token rows (``tokens.py``: ``token_rows``, or the embedding's own); ``model`` becomes a
+    ``LoongLoraModelForCausalLM`` (in place)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.bridges.builder import layer_owners
     from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.dora import add_magnitudes
     from loongforge_hf.lora.experts import attach_param_adapters, check_param_adaptable
     from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable
     from loongforge_hf.lora.vision import attach_vision_adapters, lora_class_for, text_bridge
@@ -239,8 +237,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     for t in plan.targets:
         carriers[(t.megatron_module, t.name)].append(t.layer)
     for (vp, path), members in groups.items():
-        targets = [t for t, _ in members]
-        module = model.chunks[vp].get_submodule(path)
+        targets, module = [t for t, _ in members], model.chunks[vp].get_submodule(path)
         if targets[0].kind in PARAM_KINDS:
             attach_param_adapters(module, members, dtype=dtype, device=device)
             continue
@@ -257,6 +254,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
                                            split="A" if t.kind == "row" else "B")
             adapters[t.name].stacked_layers = tuple(sorted(carriers[(t.megatron_module, t.name)]))
         attach_adapters(module, adapters, layout)
+        if peft_config.use_dora:
+            add_magnitudes(module, targets, slices, magnitudes)
     attach_vision_adapters(model, vision, dropout=float(peft_config.lora_dropout), dtype=dtype, device=device)
 
     originals = []  # NOTE: modules_to_save train in place; PEFT keeps the originals (disable_adapter, unload)

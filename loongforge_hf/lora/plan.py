@@ -22,9 +22,9 @@ Choices:
   every layer). The same rewrite runs here, with PEFT's own function, on the skeleton; what it leaves in
   ``target_modules`` is matched as above, its ``target_parameters`` by ``param_targets.py`` (adapted by
   ``experts.py``). A fused half named alone (``gate_proj`` without ``up_proj``) is refused as PEFT refuses it.
-- Refused with a clear message: DoRA, ``lora_bias``, ``rank_pattern``/``alpha_pattern`` other than the rewrite's own
-  entry, ``target_parameters`` other than the MoE models' expert stacks and router, ``lora_dropout`` with parameter
-  targets, ``layer_replication``, initialisations other than ``True``/``False``/
+- ``use_dora``: ``dora.py``. Refused with a clear message: ``lora_bias``, ``rank_pattern``/``alpha_pattern`` other
+  than the rewrite's own entry, ``target_parameters`` other than the MoE models' expert stacks and router,
+  ``lora_dropout`` with parameter targets, ``layer_replication``, initialisations other than ``True``/``False``/
   ``"gaussian"``. ``trainable_token_indices``: ``tokens.py``.
 - DeepSeek-V2/V3 (multi-latent attention): each HF projection is one megatron linear (``q_proj`` or ``q_a_proj`` /
   ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``: column-parallel, the down projections too; ``o_proj``:
@@ -143,17 +143,14 @@ def _check_config(config) -> None:
 
     if not isinstance(config, LoraConfig):
         raise LoraConfigError(f"loongforge-hf applies LoRA (peft.LoraConfig); got {type(config).__name__}.")
-    refused = {
-        "use_dora": config.use_dora, "lora_bias": config.lora_bias,
-        "layer_replication": config.layer_replication,
-        "fan_in_fan_out": config.fan_in_fan_out,
-    }
+    refused = {"lora_bias": config.lora_bias, "layer_replication": config.layer_replication,
+               "fan_in_fan_out": config.fan_in_fan_out}
     set_fields = {k: v for k, v in refused.items() if v}
     if set_fields:
         raise LoraConfigError(f"LoraConfig fields {sorted(set_fields)} are not supported on megatron layers; "
                               "supported: r, lora_alpha, lora_dropout, use_rslora, target_modules, exclude_modules, "
-                              "layers_to_transform, layers_pattern, modules_to_save, init_lora_weights "
-                              "(True, False, 'gaussian').")
+                              "layers_to_transform, layers_pattern, modules_to_save, use_dora, "
+                              "init_lora_weights (True, False, 'gaussian').")
     if config.bias != "none":
         raise LoraConfigError(f"LoraConfig(bias={config.bias!r}) is not supported; use bias='none'.")
     if config.init_lora_weights not in _INITS:
@@ -189,6 +186,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     from peft.tuners.tuners_utils import check_target_module_exists
     from torch import nn
 
+    from loongforge_hf.lora.dora import check_dora
     from loongforge_hf.lora.param_targets import as_peft_rewrites, plan_param_targets
     from loongforge_hf.lora.tokens import token_indices_of
     from loongforge_hf.lora.vision import checkpoint_names, vision_index
@@ -231,6 +229,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
                               f"cannot carry a LoRA adapter on megatron layers; targetable modules: {suffixes} "
                               "or 'all-linear'.")
     targets += param_targets
+    check_dora(config, targets)
     if not targets:
         raise LoraConfigError(f"target_modules={config.target_modules!r} match no module of "
                               f"{type(skeleton).__name__}; targetable: "

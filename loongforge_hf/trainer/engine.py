@@ -47,7 +47,8 @@ Choices:
   into the optimizer, the functions it set on the model's config), then wraps the chunks afresh and builds a new
   optimizer over their current weights, so the new run starts as a fresh one, as a new transformers.Trainer does.
 - Hyper-parameters come from ``TrainingArguments``: lr, AdamW betas/eps, weight_decay (megatron's default exclusions,
-  biases and 1-D params, equal Trainer's for these models), max_grad_norm. LR schedules are transformers' own
+  biases and 1-D params, equal Trainer's for these models but for DoRA's magnitude vectors, which Trainer decays and
+  so does this: ``_weight_decay_overrides``), max_grad_norm. LR schedules are transformers' own
   schedulers stepping megatron's inner optimizer(s).
 - megatron's optimizer is a chain of parts (dense, then expert parameters where the experts have their own gradient
   buffers) used as megatron builds it: a part with nothing to train anywhere (the dense one of LoRA on the routed
@@ -86,6 +87,19 @@ def wrapping_engines(chunks) -> list["MegatronEngine"]:
     """The engines (still alive, released or not) that wrapped any of the model ``chunks`` last."""
     engines = (ref() for ref in map(_WRAPPED_BY.get, chunks) if ref is not None)
     return list({id(e): e for e in engines if e is not None}.values())
+
+
+def _weight_decay_overrides() -> dict:
+    """megatron's standard exclusion from weight decay (biases and 1-D parameters), but for the DoRA magnitudes
+    (``lora.<target>.magnitude``): transformers.Trainer decides by name (biases and norms), so it decays them."""
+    from megatron.core.optimizer import ParamGroupOverride, ParamKey
+    from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
+
+    def no_decay(param, name: str) -> bool:
+        return (len(param.shape) == 1 or name.endswith(".bias")) and not name.endswith(".magnitude")
+
+    return {ParamKey(with_name_predicate=ParamWithNamePredicate(name="loong_no_wd", fn=no_decay)):
+            ParamGroupOverride(wd_mult=0.0)}
 
 
 @dataclass
@@ -224,7 +238,7 @@ class MegatronEngine:
         # points each param.grad at DDP's main_grad (model dtype) before clipping and the step. The model's config
         # keeps bf16/fp16 for the model itself.
         with _megatron_builds_torch_adamw():
-            self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
+            self.optimizer = get_megatron_optimizer(opt_config, self.chunks, config_overrides=_weight_decay_overrides())
         # NOTE: megatron's own LR/WD scheduler applies the per-group multipliers (no decay on biases and 1-D params);
         # transformers' schedulers don't, so the multipliers are applied to the groups once, here.
         for opt in self.inner_optimizers():

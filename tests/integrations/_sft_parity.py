@@ -61,6 +61,10 @@ SCENARIOS = {
     "lora_qv_messages": ("messages", {"assistant_only_loss": True, "learning_rate": 2e-2},
                          dict(r=4, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj"],
                               modules_to_save=["norm"], task_type="CAUSAL_LM")),
+    # NOTE: DoRA's magnitudes are weight-decayed, as transformers.Trainer decays them (1-D, but not norms or biases);
+    # a large decay, so that a difference there shows in the losses
+    "dora_messages": ("messages", {"assistant_only_loss": True, "learning_rate": 2e-2, "weight_decay": 5.0},
+                      dict(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear", task_type="CAUSAL_LM")),
     "full_prompt_completion": ("prompt_completion", {}, None),
     "full_packing": ("text", {"packing": True}, None),
     # NOTE: NEFTune's noise is drawn as TRL (transformers.Trainer) draws it, scaled by each padded batch's length

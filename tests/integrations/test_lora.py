@@ -66,7 +66,6 @@ def test_initial_adapters_are_peft_s(checkpoints, case):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(target_modules=["q_proj"], use_dora=True), "use_dora"),
     (dict(target_modules=["q_proj"], rank_pattern={"q_proj": 8}), "rank_pattern"),
     (dict(target_modules=["lm_head"]), "cannot carry a LoRA adapter"),
     (dict(target_modules=["embed_tokens"]), "cannot carry a LoRA adapter"),

@@ -1,7 +1,7 @@
 """LoongSFTTrainer against trl.SFTTrainer (with PEFT for LoRA) on the transformers model, same SFTConfig.
 
 Scenarios (see ``_sft_parity.SCENARIOS``): LoRA on all linears over a text dataset; rsLoRA on q/v with norms in
-modules_to_save over chat messages with assistant_only_loss; full fine-tuning over prompt/completion (completion-only
+modules_to_save over chat messages with assistant_only_loss; DoRA on all linears over the same messages; full fine-tuning over prompt/completion (completion-only
 loss); full fine-tuning with packing (BFD, padding-free batches); LoRA with NEFTune; LoRA with label smoothing
 (evaluating after every step). TP=1 and TP=2; the chat LoRA, NEFTune and label-smoothing scenarios also with sequence
 parallelism and at PP=2, as packing; all but the prompt/completion scenario at CP=2. The LoRA text scenario also
@@ -53,6 +53,8 @@ def _tp2_world(folder: str, out_dir: str) -> dict:
             "cp": run_loong(folder, out_dir + "/cp", {"context_parallel_size": 2}, CP_NAMES),
             "gc": run_loong(folder, out_dir + "/gc", layout, GC_NAMES, gradient_checkpointing=True),
             "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", layout),
+            "resume_dora_tp2_sp": resume_matches_uninterrupted(folder, out_dir + "/resume-dora",
+                                                               {**layout, "sequence_parallel": True}, PARTIAL_DORA),
             **{f"resume_partial_{name}": resume_matches_uninterrupted(folder, f"{out_dir}/resume-partial-{name}",
                                                                       partial_layout, PARTIAL_LORA)
                for name, partial_layout in PARTIAL_LAYOUTS.items()}}
@@ -66,9 +68,10 @@ def tp2(src, tmp_path_factory):
 # LoRA on layers 0 and 2 of 4: megatron stacks a layer's tensors over all 4 layers; the adapters' over the two
 PARTIAL_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                        "down_proj"], layers_to_transform=[0, 2])
+PARTIAL_DORA = {**PARTIAL_LORA, "use_dora": True}
 PARTIAL_LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}, "dp2": {}}
 GC_NAMES = ["lora_qv_messages", "full_prompt_completion", "lora_neftune"]
-SP_NAMES = ["lora_qv_messages", "lora_neftune", "lora_label_smoothing"]
+SP_NAMES = ["lora_qv_messages", "lora_neftune", "lora_label_smoothing", "dora_messages"]
 CP_NAMES = ["lora_text", "lora_qv_messages", "full_packing", "lora_neftune", "lora_label_smoothing"]
 
 
@@ -149,6 +152,14 @@ def test_partial_layer_lora_resume_matches_uninterrupted_run(tp2, layout):
     uninterrupted run's losses exactly (TP2: split adapters; PP2: one adapted layer a stage; DP2: replicated)."""
     for rank in tp2:
         res = rank[f"resume_partial_{layout}"]
+        assert res["resumed"] == res["full"] and len(res["full"]) == 4, res
+
+
+def test_partial_layer_dora_resume_matches_uninterrupted_run(tp2):
+    """DoRA's magnitudes in the megatron checkpoint (split over TP with column-parallel rows, replicated with
+    row-parallel ones; stacked over the adapted layers): the resumed run logs the uninterrupted one's losses."""
+    for rank in tp2:
+        res = rank["resume_dora_tp2_sp"]
         assert res["resumed"] == res["full"] and len(res["full"]) == 4, res
 
 

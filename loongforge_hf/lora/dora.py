@@ -1,0 +1,113 @@
+"""DoRA (``LoraConfig(use_dora=True)``) on megatron's tensor-parallel linears: PEFT's math, split as the weight is.
+
+Choices:
+- PEFT's DoRA (``peft.tuners.lora.dora.DoraLinearLayer``): each adapted HF linear gets a magnitude vector ``m`` (one
+  value per output row, initialised to the row norms of ``W + scaling * B @ A``) and outputs
+  ``W x + (s - 1) * (W x) + s * scaling * B A x`` with ``s = m / ||W + scaling * B @ A||`` per output row, the norm
+  detached from the graph (section 4.3 of the paper), the bias left out of the rescaling. With ``lora_dropout``
+  active PEFT rescales ``W`` applied to the dropped input instead (one more product per target); so does this.
+- Column-parallel linears (``linear_qkv``, ``linear_fc1``, the plain column ones) hold whole rows: the norm of each
+  local row is local, and ``m`` is split over TP like B's rows (q / k / v and gate / up each have their own ``m``
+  over their rows of the fused output; rows of targets not adapted keep ``s = 1``). Row-parallel linears
+  (``linear_proj``, ``linear_fc2``) hold a slice of each row: the squared row norms are summed over the TP group
+  (an all-reduce, no gradient), ``m`` is replicated and enters through ``copy_to_tensor_model_parallel_region`` so
+  its gradient, partial per rank like B's, is summed; the rescaled term is linear in the rank's partial output, so
+  it is added before megatron's reduction.
+- Merging (``merge_and_unload``, the merged export) writes ``s * (W + scaling * B @ A)``, ``s`` from the unmerged
+  weight, as PEFT's ``merge_safe``.
+- Refused as PEFT refuses it: DoRA on ``target_parameters`` (expert stacks, router). Refused here: the vision tower
+  of image-text models (its linears are not megatron's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def check_dora(config, targets) -> None:
+    """Refuse DoRA on targets it does not cover (``LoraConfigError``), before anything changes."""
+    from loongforge_hf.lora.plan import LoraConfigError
+
+    if not config.use_dora:
+        return
+    params = sorted({t.hf_module for t in targets if t.kind in ("experts", "router")})
+    if params:
+        raise LoraConfigError(f"use_dora=True: DoRA does not apply to target_parameters ({params[:3]}; PEFT's "
+                              "ParamWrapper refuses it too, and PEFT turns MoE expert and router names into such "
+                              "targets): adapt the attention projections only, or use plain LoRA.")
+    tower = sorted({t.hf_module for t in targets if t.kind == "vision"})
+    if tower:
+        raise LoraConfigError(f"use_dora=True is not supported on the vision tower ({tower[:3]} ...); restrict "
+                              "target_modules to the language model (e.g. a regex on 'model.language_model') or "
+                              "use plain LoRA.")
+
+
+def _tp(module) -> int:
+    return module.tp_group.size() if module.tp_group is not None else 1
+
+
+@torch.no_grad()
+def _column_norms(module) -> torch.Tensor:
+    """||W + scaling * B @ A|| of each local output row of a LoRA column-parallel linear (float32)."""
+    return torch.linalg.vector_norm(module.weight.float() + module.lora_delta_weight(), dim=1)
+
+
+@torch.no_grad()
+def _row_norms(module) -> torch.Tensor:
+    """The same for a row-parallel linear, whose rows are split over TP: squares summed over the group."""
+    squares = (module.weight.float() + module.lora_delta_weight()).square().sum(dim=1)
+    if _tp(module) > 1:
+        dist.all_reduce(squares, group=module.tp_group)
+    return squares.sqrt()
+
+
+def column_scale(module) -> torch.Tensor:
+    """``s = m / ||W + ΔW||`` over the fused local output rows (1 where no target is adapted)."""
+    layout, norms = module.lora_layout, _column_norms(module)
+    return layout.interleave({n: a.magnitude / layout.slot(norms, n).to(a.magnitude.dtype)
+                              for n, a in module.lora.items()}, fill=1.0)
+
+
+def row_scale(module) -> torch.Tensor:
+    """``s`` over the (whole) output rows of a row-parallel linear; m's gradient summed over TP."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    (adapter,) = module.lora.values()
+    m = adapter.magnitude
+    if _tp(module) > 1:
+        m = copy_to_tensor_model_parallel_region(m, group=module.tp_group)
+    return m / _row_norms(module).to(m.dtype)
+
+
+def rescaled(delta: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """DoRA's addition to the base output: ``(s - 1) * W x + s * delta`` (``delta``: scaling * B A x)."""
+    return (scale - 1) * base + scale * delta
+
+
+@torch.no_grad()
+def merge_delta(weight: torch.Tensor, lora_delta: torch.Tensor, adapters, scale) -> torch.Tensor:
+    """What merging adds to ``weight`` (float32): ``lora_delta``, or with DoRA ``s * (W + lora_delta) - W``
+    (``scale()`` gives ``s``)."""
+    if next(iter(adapters.values())).magnitude is None:
+        return lora_delta
+    w = weight.float()
+    return (w + lora_delta) * scale().float()[:, None] - w
+
+
+def add_magnitudes(module, targets, slices: dict[str, slice], given: dict[str, torch.Tensor] | None) -> None:
+    """Give each adapter of ``module`` its DoRA magnitude: this rank's part of ``given`` (HF-shaped [out], by HF
+    module name: a loaded adapter) or, as PEFT initialises it, the row norms of ``W + scaling * B @ A``."""
+    from loongforge_hf.lora.layers import LoraColumnParallelLinear
+
+    column = isinstance(module, LoraColumnParallelLinear)
+    norms = None if given else _column_norms(module) if column else _row_norms(module)
+    for t in targets:
+        if given:
+            m = given[t.hf_module].float()
+            m = t.b_to_megatron(m[:, None])[slices[t.name], 0] if column else m
+        else:
+            m = module.lora_layout.slot(norms, t.name) if column else norms
+        adapter = module.lora[t.name]
+        adapter.add_magnitude(m.to(device=adapter.A.device, dtype=adapter.A.dtype).contiguous().clone(),
+                              split=column)

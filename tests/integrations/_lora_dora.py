@@ -1,0 +1,234 @@
+"""Rank functions for test_lora_dora.py: DoRA (``LoraConfig(use_dora=True)``) against PEFT and plain torch.
+
+``layer_checks``: megatron's Column/RowParallelLinear with DoRA adapters against the formula on full HF-shaped
+tensors (magnitudes away from the row norms, a bias on the column layer, with and without an active "dropout"),
+outputs and gradients of the input, A, B and the magnitude, TP=2 with and without sequence parallelism.
+``model_checks``: a PEFT-written DoRA adapter (every factor and magnitude moved off its initial value) loaded here and
+in PEFT: logits, loss, every adapter tensor's gradient, PEFT's counts, the adapter saved again (the same tensors),
+the merged export in transformers, merge_and_unload. ``init_checks``: get_peft_model's magnitudes are PEFT's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from loongforge_hf.bridges import transforms as T
+
+from ._lora_checks import _close, _gather_full, _linear_config, lora_pair
+
+DORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, use_dora=True)
+
+
+class _Doubling(nn.Module):
+    """A deterministic stand-in for an active dropout (not nn.Identity, so DoRA takes its dropout path)."""
+
+    def forward(self, x):
+        return 2 * x
+
+
+def _dora_ref(x, w, bias, a, b, m, scaling, dropout):
+    """PEFT's DoRA output of one HF linear: ``W x + bias + (s - 1) W xd + s scaling B A xd``, the norm detached."""
+    xd = 2 * x if dropout else x
+    norm = torch.linalg.vector_norm(w + scaling * (b @ a), dim=1).detach()
+    s = m / norm
+    out = F.linear(x, w) + (s - 1) * F.linear(xd, w) + s * F.linear(F.linear(xd, a), b) * scaling
+    return out if bias is None else out + bias
+
+
+def _column_qkv_check(sp: bool, dropout: bool) -> None:
+    """linear_qkv (4 heads, 2 KV groups, head_dim 3, with bias) with DoRA on q_proj and v_proj only."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from loongforge_hf.lora.layers import FusedLayout, LoraAdapter, attach_adapters
+
+    rank, tp = dist.get_rank(), 2
+    heads, groups, hd, hidden, r, s, b = 4, 2, 3, 16, 2, 6, 2
+    g = torch.Generator().manual_seed(1)
+    wq, wk, wv = (torch.randn(n * hd, hidden, generator=g) for n in (heads, groups, groups))
+    bq, bk, bv = (torch.randn(n * hd, generator=g) for n in (heads, groups, groups))
+    aq, bbq, mq = torch.randn(r, hidden, generator=g), torch.randn(heads * hd, r, generator=g), \
+        torch.rand(heads * hd, generator=g) + 3
+    av, bbv, mv = torch.randn(r, hidden, generator=g), torch.randn(groups * hd, r, generator=g), \
+        torch.rand(groups * hd, generator=g) + 3
+    x = torch.randn(s, b, hidden, generator=g)
+    proj = torch.randn(s, b, (heads + 2 * groups) * hd, generator=g)
+    scaling = 0.7
+
+    ref = [t.clone().requires_grad_() for t in (x, aq, bbq, mq, av, bbv, mv)]
+    rx, raq, rbq, rmq, rav, rbv, rmv = ref
+    q = _dora_ref(rx, wq, bq, raq, rbq, rmq, scaling, dropout)
+    k = F.linear(rx, wk) + bk
+    v = _dora_ref(rx, wv, bv, rav, rbv, rmv, scaling, dropout)
+    hl, gl = heads // tp, groups // tp
+
+    def local(t, n, i):
+        return t[..., i * n * hd:(i + 1) * n * hd]
+
+    fused = [T.fuse_qkv(local(q, hl, i).movedim(-1, 0), local(k, gl, i).movedim(-1, 0), local(v, gl, i).movedim(-1, 0),
+                        num_heads=hl, num_kv_heads=gl, head_dim=hd).movedim(0, -1) for i in range(tp)]
+    sum((f * p).sum() for f, p in zip(fused, proj.chunk(tp, dim=-1))).backward()
+
+    module = ColumnParallelLinear(hidden, (heads + 2 * groups) * hd, config=_linear_config(sp), init_method=None,
+                                  bias=True, gather_output=False, skip_bias_add=False)
+    with torch.no_grad():
+        module.weight.copy_(T.fuse_qkv(local(wq.t(), hl, rank).t(), local(wk.t(), gl, rank).t(),
+                                       local(wv.t(), gl, rank).t(), num_heads=hl, num_kv_heads=gl, head_dim=hd))
+        module.bias.copy_(T.fuse_qkv(local(bq, hl, rank), local(bk, gl, rank), local(bv, gl, rank),
+                                     num_heads=hl, num_kv_heads=gl, head_dim=hd))
+    module.weight.requires_grad_(False)
+    module.bias.requires_grad_(False)
+    layout = FusedLayout(groups=gl, slots=(("q_proj", heads // groups * hd), ("k_proj", hd), ("v_proj", hd)))
+    adapters = {}
+    for name, a, bb, m, n in (("q_proj", aq, bbq, mq, hl), ("v_proj", av, bbv, mv, gl)):
+        adapters[name] = LoraAdapter(a.clone(), local(bb.t(), n, rank).t().clone(), scaling=scaling, dropout=0.0,
+                                     split="B")
+        adapters[name].add_magnitude(local(m, n, rank).clone(), split=True)
+        if dropout:
+            adapters[name].dropout = _Doubling()
+    attach_adapters(module, adapters, layout)
+    xin = (x.chunk(tp, dim=0)[rank] if sp else x).clone().requires_grad_()
+    out, _ = module(xin)
+    (out * proj.chunk(tp, dim=-1)[rank]).sum().backward()
+    what = f"DoRA column qkv sp={sp} dropout={dropout}"
+    _close(out, fused[rank], f"{what} output")
+    _close(xin.grad, rx.grad.chunk(tp, dim=0)[rank] if sp else rx.grad, f"{what} input grad")
+    for name, ra, rb, rm, n in (("q_proj", raq, rbq, rmq, hl), ("v_proj", rav, rbv, rmv, gl)):
+        adapter = module.lora[name]
+        _close(adapter.A.grad, ra.grad, f"{what} A({name}) grad")
+        _close(adapter.B.grad, local(rb.grad.t(), n, rank).t(), f"{what} B({name}) grad")
+        _close(adapter.magnitude.grad, local(rm.grad, n, rank), f"{what} magnitude({name}) grad")
+
+
+def _row_check(sp: bool, dropout: bool) -> None:
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    from loongforge_hf.lora.layers import LoraAdapter, attach_adapters
+
+    rank, tp = dist.get_rank(), 2
+    inp, hidden, r, s, b = 12, 16, 3, 6, 2
+    g = torch.Generator().manual_seed(2)
+    w, a, bb = (torch.randn(*shape, generator=g) for shape in ((hidden, inp), (r, inp), (hidden, r)))
+    m = torch.rand(hidden, generator=g) + 3
+    x, proj = torch.randn(s, b, inp, generator=g), torch.randn(s, b, hidden, generator=g)
+    scaling = 1.3
+    rx, ra, rb, rm = (t.clone().requires_grad_() for t in (x, a, bb, m))
+    ref = _dora_ref(rx, w, None, ra, rb, rm, scaling, dropout)
+    (ref * proj).sum().backward()
+
+    module = RowParallelLinear(inp, hidden, config=_linear_config(sp), init_method=None, bias=False,
+                               input_is_parallel=True, skip_bias_add=True)
+    with torch.no_grad():
+        module.weight.copy_(w.chunk(tp, dim=1)[rank])
+    module.weight.requires_grad_(False)
+    adapter = LoraAdapter(a.chunk(tp, dim=1)[rank].clone(), bb.clone(), scaling=scaling, dropout=0.0, split="A")
+    adapter.add_magnitude(m.clone(), split=False)
+    if dropout:
+        adapter.dropout = _Doubling()
+    attach_adapters(module, {"o_proj": adapter}, None)
+    xin = x.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+    out, _ = module(xin)
+    (out * (proj.chunk(tp, dim=0)[rank] if sp else proj)).sum().backward()
+    what = f"DoRA row sp={sp} dropout={dropout}"
+    _close(out, ref.chunk(tp, dim=0)[rank] if sp else ref, f"{what} output")
+    _close(xin.grad, rx.grad.chunk(tp, dim=-1)[rank], f"{what} input grad")
+    _close(adapter.A.grad, ra.grad.chunk(tp, dim=1)[rank], f"{what} A grad")
+    _close(adapter.B.grad, rb.grad, f"{what} B grad")
+    _close(adapter.magnitude.grad, rm.grad, f"{what} magnitude grad")
+
+
+def layer_checks() -> list[str]:
+    from loongforge_hf.parallel import ParallelConfig, initialize_parallel
+
+    initialize_parallel(ParallelConfig(tensor_parallel_size=2))
+    done = []
+    for sp in (False, True):
+        for dropout in (False, True):
+            _column_qkv_check(sp, dropout)
+            _row_check(sp, dropout)
+            done += [f"column_sp{int(sp)}_drop{int(dropout)}", f"row_sp{int(sp)}_drop{int(dropout)}"]
+    return done
+
+
+# ---------------------------------------------------------------------------------------------------- whole model
+
+def _adapter_grads_match(model, ref) -> int:
+    """Every adapter tensor's gradient (A, B, magnitude) at HF shape against PEFT's; returns how many were compared."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() > 1:  # NOTE: each CP rank holds its sequence share's part, as DDP sums
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
+    theirs = dict(ref.named_parameters())
+    compared = 0
+    for t in model.lora_plan.targets:
+        adapter = model.chunks[0].get_submodule(t.megatron_module.format(layer=t.layer)).lora[t.name]
+        column = t.kind != "row"
+        ours = {"lora_A.default.weight": _gather_full(adapter.A.grad, None if column else 1),
+                "lora_B.default.weight": t.b_to_hf(_gather_full(adapter.B.grad, 0 if column else None)),
+                "lora_magnitude_vector.default.weight":
+                    t.b_to_hf(_gather_full(adapter.magnitude.grad, 0 if column else None)[:, None])[:, 0]}
+        for key, grad in ours.items():
+            _close(grad, theirs[f"base_model.model.{t.hf_module}.{key}"].grad, f"{t.hf_module} {key} grad")
+            compared += 1
+    return compared
+
+
+def model_checks(folder: str, adapter_dir: str, out_dir: str, layout: dict) -> dict:
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import load_adapter
+
+    from ._lora_checks import export_checks
+
+    ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = load_adapter(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout), adapter_dir,
+                         is_trainable=True)
+    ref = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(folder,
+                                                                                           dtype=torch.float32),
+                                         adapter_dir, is_trainable=True)
+    result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters()}
+    ours, theirs = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    _close(ours.logits, theirs.logits, "logits", atol=1e-4, rtol=1e-4)
+    _close(ours.loss, theirs.loss, "loss")
+    with torch.no_grad(), ref.disable_adapter():
+        result["adapter_vs_base_logits"] = float((theirs.logits - ref(input_ids=ids).logits).abs().max())
+    if model.parallel.pipeline_parallel_size == 1:
+        ours.loss.backward()
+        theirs.loss.backward()
+        result["grads_compared"] = _adapter_grads_match(model, ref)
+        model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    result.update(export_checks(model, folder, out_dir, ids, logits))
+    if dist.get_rank() == 0:
+        before, after = load_file(adapter_dir + "/adapter_model.safetensors"), load_file(
+            out_dir + "/adapter/adapter_model.safetensors")
+        result["same_tensors"] = sorted(before) == sorted(after) and all(
+            torch.equal(before[n], after[n]) for n in before)
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        result["merge_and_unload_diff"] = float((merged(input_ids=ids).logits - logits).abs().max())
+    return result
+
+
+def init_checks(folder: str, out_dir: str, layout: dict) -> dict:
+    """get_peft_model's DoRA magnitudes (saved in the adapter folder) against PEFT's initial ones."""
+    from safetensors.torch import load_file
+
+    model, _, ref = lora_pair(folder, layout, DORA_KW)
+    model.save_pretrained(out_dir)
+    result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters()}
+    if dist.get_rank() == 0:
+        saved, theirs = load_file(out_dir + "/adapter_model.safetensors"), dict(ref.named_parameters())
+        magnitudes = [n for n in saved if n.endswith(".lora_magnitude_vector")]
+        for name in magnitudes:
+            _close(saved[name], theirs[name + ".default.weight"], name, atol=1e-6, rtol=1e-6)
+        result["magnitudes"] = len(magnitudes)
+    return result
