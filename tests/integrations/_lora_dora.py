@@ -193,7 +193,8 @@ def model_checks(folder: str, adapter_dir: str, out_dir: str, layout: dict) -> d
     ref = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(folder,
                                                                                            dtype=torch.float32),
                                          adapter_dir, is_trainable=True)
-    result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters()}
+    result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters(),
+              "targets": len(model.lora_plan.targets)}
     ours, theirs = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
     _close(ours.logits, theirs.logits, "logits", atol=1e-4, rtol=1e-4)
     _close(ours.loss, theirs.loss, "loss")

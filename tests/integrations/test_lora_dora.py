@@ -3,7 +3,9 @@
 - Layer math at TP=2, with and without sequence parallelism and an active dropout: outputs and the gradients of the
   input, A, B and the magnitude against the DoRA formula on full tensors (fp32, 1e-5).
 - A DoRA adapter written by PEFT (factors and magnitudes moved off their initial values, so the rescaling is not 1)
-  loaded at TP=1 (Qwen2: biased q/k/v), TP=2, TP=2 + SP, PP=2 and CP=2 (Llama): logits (1e-4) and loss (1e-5) against
+  loaded at TP=1 (Qwen2: biased q/k/v; DeepSeek-V3's multi-latent attention, rotary rows kept in halves in the
+  checkpoint and in pairs by megatron, so B's rows and the magnitudes are permuted), TP=2, TP=2 + SP, PP=2 and CP=2
+  (Llama; DeepSeek-V3 at TP=2 + SP): logits (1e-4) and loss (1e-5) against
   PEFT's, every adapter gradient (A, B, magnitude; not under PP, where the loss is on the last stage only) within
   1e-5, PEFT's parameter counts; saved again it is the same file; the merged export in transformers and
   merge_and_unload give the same logits (1e-4).
@@ -22,6 +24,8 @@ from loongforge_hf.testing import make_tiny_checkpoint
 from ._lora_dora import DORA_KW, init_checks, layer_checks, model_checks
 from ._lora_load import write_peft_adapter
 
+MLA = {"rope_interleave": False, "q_lora_rank": None}  # NOTE: q_proj; rotary rows in halves (RopeColumnParallel)
+MLA_DORA = {**DORA_KW, "target_modules": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
 TWO_RANK_LAYOUTS = {"tp2": {"tensor_parallel_size": 2},
                     "tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
                     "pp2": {"pipeline_parallel_size": 2}, "cp2": {"context_parallel_size": 2}}
@@ -31,9 +35,9 @@ TWO_RANK_LAYOUTS = {"tp2": {"tensor_parallel_size": 2},
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("dora-src")
     out = {}
-    for arch in ("llama", "qwen2"):
-        folder = make_tiny_checkpoint(base / arch, arch)
-        write_peft_adapter(str(folder), str(base / f"{arch}-adapter"), DORA_KW)
+    for arch, overrides, kw in (("llama", {}, DORA_KW), ("qwen2", {}, DORA_KW), ("deepseek_v3", MLA, MLA_DORA)):
+        folder = make_tiny_checkpoint(base / arch, arch, **overrides)
+        write_peft_adapter(str(folder), str(base / f"{arch}-adapter"), kw)
         out[arch] = (str(folder), str(base / f"{arch}-adapter"))
     return out
 
@@ -41,7 +45,8 @@ def checkpoints(tmp_path_factory):
 def _one_rank(checkpoints: dict, out_dir: str) -> dict:
     folder, adapter = checkpoints["qwen2"]
     return {"model": model_checks(folder, adapter, out_dir + "/tp1", {}),
-            "init": init_checks(folder, out_dir + "/init", {})}
+            "init": init_checks(folder, out_dir + "/init", {}),
+            "mla": model_checks(*checkpoints["deepseek_v3"], out_dir + "/mla", {})}
 
 
 def _two_ranks(checkpoints: dict, out_dir: str) -> dict:
@@ -49,6 +54,8 @@ def _two_ranks(checkpoints: dict, out_dir: str) -> dict:
     out = {"layers": layer_checks(), "init": init_checks(folder, out_dir + "/init", {"tensor_parallel_size": 2})}
     for name, layout in TWO_RANK_LAYOUTS.items():
         out[name] = model_checks(folder, adapter, f"{out_dir}/{name}", layout)
+    out["mla_tp2_sp"] = model_checks(*checkpoints["deepseek_v3"], out_dir + "/mla",
+                                     TWO_RANK_LAYOUTS["tp2_sp"])
     return out
 
 
@@ -67,11 +74,12 @@ def test_layer_math_matches_the_formula(two_ranks):
         assert r["layers"] == [f"{kind}_sp{sp}_drop{d}" for sp in (0, 1) for d in (0, 1) for kind in ("column", "row")]
 
 
-def _check_model(res: dict, rank0: bool, pipeline: bool) -> None:
+def _check_model(res: dict, rank0: bool, pipeline: bool, targets: int = 7 * 4) -> None:
     assert res["counts"] == res["peft_counts"]
+    assert res["targets"] == targets  # 7 linears in each of 4 layers (Llama, Qwen2)
     assert res["adapter_vs_base_logits"] > 1e-2  # NOTE: the adapter moves the logits: the comparisons test it
     if not pipeline:
-        assert res["grads_compared"] == 3 * 7 * 4  # A, B, magnitude of 7 linears in each of 4 layers
+        assert res["grads_compared"] == 3 * targets  # A, B and magnitude of each
     assert res["unchanged_after_merged_export"]
     assert res["merge_and_unload_diff"] < 1e-4
     if rank0:
@@ -81,6 +89,12 @@ def _check_model(res: dict, rank0: bool, pipeline: bool) -> None:
 
 def test_tp1_biased_qkv_matches_peft(one_rank):
     _check_model(one_rank["model"], True, False)
+
+
+def test_multi_latent_attention_matches_peft(one_rank, two_ranks):
+    _check_model(one_rank["mla"], True, False, targets=4 * 4)  # q, kv_a, kv_b, o in each of 4 layers
+    for rank, r in enumerate(two_ranks):
+        _check_model(r["mla_tp2_sp"], rank == 0, False, targets=4 * 4)
 
 
 @pytest.mark.parametrize("layout", list(TWO_RANK_LAYOUTS))
