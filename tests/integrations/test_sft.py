@@ -1,12 +1,12 @@
 """LoongSFTTrainer against trl.SFTTrainer (with PEFT for LoRA) on the transformers model, same SFTConfig.
 
 Scenarios (see ``_sft_parity.SCENARIOS``): LoRA on all linears over a text dataset; rsLoRA on q/v with norms in
-modules_to_save over chat messages with assistant_only_loss; DoRA on all linears over the same messages; full fine-tuning over prompt/completion (completion-only
-loss); full fine-tuning with packing (BFD, padding-free batches); LoRA with NEFTune; LoRA with label smoothing
-(evaluating after every step). TP=1 and TP=2; the chat LoRA, NEFTune and label-smoothing scenarios also with sequence
-parallelism and at PP=2, as packing; all but the prompt/completion scenario at CP=2. The LoRA text scenario also
-evaluates after every step. At TP=2, a LoRA run resumed from its step-2 checkpoint logs the losses of the uninterrupted
-run.
+modules_to_save over chat messages with assistant_only_loss; DoRA on all linears over the same messages (also with
+sequence parallelism); full fine-tuning over prompt/completion (completion-only loss); full fine-tuning with packing
+(BFD, padding-free batches); LoRA with NEFTune; LoRA with label smoothing (evaluating after every step). TP=1 and TP=2;
+the chat LoRA, NEFTune and label-smoothing scenarios also with sequence parallelism and at PP=2, as packing; all but the
+prompt/completion scenario at CP=2. The LoRA text scenario also evaluates after every step. At TP=2, a LoRA run resumed
+from its step-2 checkpoint logs the losses of the uninterrupted run.
 
 Tolerances (fp32): every logged loss (and eval loss) within 1e-4 relative: only reduction order differs, so later steps
 agree as closely as the first; TRL's entropy (1e-4), mean_token_accuracy (1e-6) and num_tokens (exact) in every train

@@ -21,6 +21,9 @@ CONFIGS = {
     # differ from PEFT's by 1e-4, at 2 by 2e-6, at 1 by 9e-7; the base model's by 3e-7)
     "all_linear": dict(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False,
                        modules_to_save=["lm_head", "post_attention_layernorm"]),
+    # DoRA on the language model's attention (the tower's own linears are refused with DoRA)
+    "language_dora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False,
+                          use_dora=True),
 }
 GRAD_TOL = 2e-5
 SPLIT_TOWER = {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2}
