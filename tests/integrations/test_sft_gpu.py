@@ -5,7 +5,8 @@ smoothed loss and grad) included. Same scenarios, tolerances and checks as test_
 logged loss and eval loss within 1e-4, entropy 1e-4, mean_token_accuracy 1e-6, num_tokens exactly. And a Qwen3-MoE
 with TRL's router load-balancing loss (``test_sft.py::test_moe_router_aux_loss`` on CUDA: the grouped experts, the
 fused router and ``BalanceRouter``'s tally): losses and aux_loss within 1e-4, on one GPU and, where there are two,
-with pipeline parallel 2. LoRA "all-linear" on Qwen3-MoE and DeepSeek-V3 (MLA) against TRL + PEFT on CUDA."""
+with pipeline parallel 2. LoRA "all-linear" on Qwen3-MoE and DeepSeek-V3 (MLA) against TRL + PEFT on CUDA; DoRA
+("all-linear", ``dora_messages``) against TRL + PEFT on CUDA."""
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from ._sft_parity import SCENARIOS, assert_matches, moe_sft, run_loong, run_trl
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-NAMES = ["lora_text", "full_packing", "lora_neftune", "lora_label_smoothing"]
+NAMES = ["lora_text", "full_packing", "lora_neftune", "lora_label_smoothing", "dora_messages"]
 # NOTE: NEFTune's noise comes from the CUDA generator here, and with 2 rows a micro-batch TRL's reference made no
 # top-1 hit on an H100 (assert_matches wants some, so that the accuracy is compared on something); 4 rows give hits
 _KIND, _OVERRIDES, _LORA = SCENARIOS["lora_neftune"]
