@@ -10,6 +10,8 @@ Choices:
   names). On the MoE workload (c) PEFT turns "all-linear" into target_parameters for the routed experts and the router
   (gate_up_proj with r and alpha doubled); loongforge-hf's LoRA applies the same rewrite. Each row shows its trainable
   parameter count as the stack counts it (``get_nb_trainable_parameters``); the script warns when the stacks differ.
+  ``--use-dora``: DoRA (``use_dora=True``) on every stack (not with expert or router targets, which PEFT refuses: on
+  (c) pass the attention projections as ``--lora-targets``).
 - Adapters are created right after ``transformers.set_seed(0)`` on every stack, as TRL and LoongSFTTrainer do:
   PEFT's initial values (B = 0), so the first step's loss is the base model's on every stack and is printed for each;
   the last loss shows whether the adapters trained alike.
@@ -32,7 +34,7 @@ Choices:
   Liger stack, which patches transformers' classes for the rest of the process.
 
     python scripts/bench_lora.py [--shapes a,c] [--stacks peft,liger,loongforge] [--lora-r 16] [--lora-alpha 32]
-                                 [--lora-targets all-linear] [--steps 10] [--warmup 3] [--profile c]
+                                 [--lora-targets all-linear] [--use-dora] [--steps 10] [--warmup 3] [--profile c]
                                  [--out outputs/bench_lora.json]
     python scripts/bench_lora.py --tiny --device cpu --stacks peft,loongforge --shapes a,c    # a dry run
 """
@@ -59,13 +61,13 @@ BASELINE = "peft"
 LORA_DROPOUT = 0.0
 
 
-def lora_config(*, r: int, alpha: int, targets: str):
+def lora_config(*, r: int, alpha: int, targets: str, dora: bool = False):
     """The ``peft.LoraConfig`` every stack gets; ``targets``: "all-linear" or a comma list of module names."""
     import peft
 
     target_modules = targets if targets == "all-linear" else [t for t in targets.split(",") if t]
     return peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=LORA_DROPOUT, target_modules=target_modules,
-                           task_type="CAUSAL_LM")
+                           use_dora=dora, task_type="CAUSAL_LM")
 
 
 # ---- worker side -----------------------------------------------------------------------------------------------
@@ -81,7 +83,7 @@ def adapter(args, info: dict):
             from loongforge_hf.lora import get_peft_model
         else:
             from peft import get_peft_model
-        config = lora_config(r=args.lora_r, alpha=args.lora_alpha, targets=args.lora_targets)
+        config = lora_config(r=args.lora_r, alpha=args.lora_alpha, targets=args.lora_targets, dora=args.use_dora)
         transformers.set_seed(BT.SEED)  # NOTE: as TRL (and LoongSFTTrainer) right before the adapters
         model = get_peft_model(model, config)
         trainable, total = model.get_nb_trainable_parameters()
@@ -92,7 +94,7 @@ def adapter(args, info: dict):
                     lora_config={k: (sorted(v) if isinstance(v, set) else v)
                                  for k, v in held.to_dict().items()
                                  if k in ("r", "lora_alpha", "target_modules", "target_parameters",
-                                          "rank_pattern", "alpha_pattern", "lora_dropout")})
+                                          "rank_pattern", "alpha_pattern", "lora_dropout", "use_dora")})
         return model
 
     return adapt
@@ -118,6 +120,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--lora-r", type=int, required=True)
     p.add_argument("--lora-alpha", type=int, required=True)
     p.add_argument("--lora-targets", required=True)
+    p.add_argument("--use-dora", action="store_true")
     args = p.parse_args(argv)
     # NOTE: loongforge-hf picks its device backend from this variable; set before anything imports the package.
     os.environ["LOONGFORGE_DEVICE"] = args.device
@@ -177,6 +180,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lora-alpha", type=int, default=32)
     p.add_argument("--lora-targets", default="all-linear",
                    help="'all-linear' or a comma list of module names (e.g. q_proj,k_proj,v_proj,o_proj)")
+    p.add_argument("--use-dora", action="store_true", help="DoRA (LoraConfig(use_dora=True)) on every stack")
     p.add_argument("--in-process", action="store_true", help="run the workers in this process (CPU dry runs, "
                    "tests; not with liger)")
     args = p.parse_args(argv)
@@ -198,7 +202,8 @@ def main(argv: list[str]) -> int:
                            "betas": BT.BETAS, "eps": BT.EPS, "weight_decay": BT.WEIGHT_DECAY,
                            "max_grad_norm": BT.MAX_GRAD_NORM, "seed": BT.SEED, "tiny": args.tiny,
                            "lora": {"r": args.lora_r, "lora_alpha": args.lora_alpha, "lora_dropout": LORA_DROPOUT,
-                                    "target_modules": args.lora_targets, "task_type": "CAUSAL_LM"},
+                                    "target_modules": args.lora_targets, "use_dora": args.use_dora,
+                                    "task_type": "CAUSAL_LM"},
                            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
               "workloads": {}}
     run_here = worker if args.in_process else None
@@ -208,7 +213,8 @@ def main(argv: list[str]) -> int:
         cfg, seq, mb = BT.sizes(w, args.tiny)
         entry = {"title": w.title, "config": cfg, "seq": seq, "micro_batch": mb, "results": {}}
         report["workloads"][key] = entry
-        print(f"[{key}] {w.title}{' (tiny)' if args.tiny else ''}: LoRA r={args.lora_r} alpha={args.lora_alpha} "
+        kind = "DoRA" if args.use_dora else "LoRA"
+        print(f"[{key}] {w.title}{' (tiny)' if args.tiny else ''}: {kind} r={args.lora_r} alpha={args.lora_alpha} "
               f"targets={args.lora_targets}", flush=True)
         folder = BT.ensure_checkpoint(args, w, entry, log, in_process=args.in_process)
         if folder is None:
@@ -218,7 +224,7 @@ def main(argv: list[str]) -> int:
             common = [__file__, "--worker", "run", "--shape", key, "--stack", stack, "--folder", str(folder),
                       "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
                       "--lora-r", str(args.lora_r), "--lora-alpha", str(args.lora_alpha),
-                      "--lora-targets", args.lora_targets]
+                      "--lora-targets", args.lora_targets] + (["--use-dora"] if args.use_dora else [])
             common += (["--tiny"] if args.tiny else []) + (
                 ["--profile"] if stack == "loongforge" and key in args.profile.split(",") else [])
             entry["results"][stack] = BT.measure_worker(common, args=args, label=STACK_TITLES[stack], micro_batch=mb,
@@ -226,7 +232,7 @@ def main(argv: list[str]) -> int:
             H.save_json(report, out_path)
         rows = summarize(entry["results"])
         entry["agreement"] = agreement(entry["results"])
-        tables.append(f"### ({key}) {w.title}, LoRA\n\n" + H.markdown_table(HEADER, rows) + "\n\n"
+        tables.append(f"### ({key}) {w.title}, {kind}\n\n" + H.markdown_table(HEADER, rows) + "\n\n"
                       + "\n".join(entry["agreement"]))
         H.save_json(report, out_path)
         if not args.keep_checkpoints:

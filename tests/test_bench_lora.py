@@ -41,3 +41,23 @@ def test_tiny_dry_run_trains_the_same_adapters_on_both_stacks(tmp_path):
     assert sorted(report["workloads"]["c"]["results"]["loongforge"]["lora_config"]["target_parameters"]) == [
         "down_proj", "gate.weight", "gate_up_proj"]
     assert "first-step loss:" in proc.stdout
+
+
+def test_tiny_dora_dry_run(tmp_path):
+    """``--use-dora`` on the dense workload: PEFT's and loongforge-hf's DoRA train the same parameters (magnitudes
+    included) from the same first loss."""
+    out = tmp_path / "bench_dora.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--in-process", "--use-dora",
+                           "--stacks", "peft,loongforge", "--shapes", "a", "--steps", "1", "--warmup", "0",
+                           "--out", str(out), "--checkpoints", str(tmp_path / "checkpoints")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["lora"]["use_dora"] is True
+    results = report["workloads"]["a"]["results"]
+    for stack, r in results.items():
+        assert r["status"] == "ok", f"{stack}: {r.get('error')}"
+        assert r["lora_config"]["use_dora"] is True
+    assert results["loongforge"]["trainable_parameters"] == results["peft"]["trainable_parameters"] > 0
+    assert results["loongforge"]["losses"][0] == pytest.approx(results["peft"]["losses"][0], rel=FIRST_LOSS_REL)
+    assert "DoRA r=16" in proc.stdout
