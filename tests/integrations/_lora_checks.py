@@ -256,13 +256,16 @@ def tp2_and_pp2_checks(folder: str, out_dir: str) -> dict:
             "pp2": model_checks(folder, out_dir + "/pp2", {"pipeline_parallel_size": 2}),
             "cp2": model_checks(folder, out_dir + "/cp2", {"context_parallel_size": 2}),
             "dropout": dropout_keeps_replicas_in_step(folder, {"tensor_parallel_size": 2}),
+            "dora_dropout_sp": dropout_keeps_replicas_in_step(
+                folder, {"tensor_parallel_size": 2, "sequence_parallel": True}, dora=True),
             "dropout_sp": dropout_keeps_replicas_in_step(folder, {"tensor_parallel_size": 2,
                                                                   "sequence_parallel": True})}
 
 
-def dropout_keeps_replicas_in_step(folder: str, layout: dict) -> list[str]:
-    """lora_dropout > 0 under TP: a replicated factor (A of a column-parallel target, B of a row-parallel one) must get
-    the same gradient on every TP rank, or the replicas drift apart. Returns the factors compared."""
+def dropout_keeps_replicas_in_step(folder: str, layout: dict, dora: bool = False) -> list[str]:
+    """lora_dropout > 0 under TP: a replicated factor (A of a column-parallel target, B of a row-parallel one, DoRA's
+    magnitude of a row-parallel one) must get the same gradient on every TP rank, or the replicas drift apart.
+    Returns the factors compared."""
     import peft
     import transformers
 
@@ -272,7 +275,7 @@ def dropout_keeps_replicas_in_step(folder: str, layout: dict) -> list[str]:
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     transformers.set_seed(5)
     model = get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules="all-linear",
-                                                  init_lora_weights=False))
+                                                  init_lora_weights=False, use_dora=dora))
     model.train()
     ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()

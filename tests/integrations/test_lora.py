@@ -177,12 +177,15 @@ def test_tp2_layer_math_matches_torch(two_rank_results):
         assert r["layers"] == ["column_qkv_sp0", "row_sp0", "column_qkv_sp1", "row_sp1"]
 
 
-@pytest.mark.parametrize("layout", ["dropout", "dropout_sp"])
+@pytest.mark.parametrize("layout", ["dropout", "dropout_sp", "dora_dropout_sp"])
 def test_dropout_keeps_tp_replicas_in_step(two_rank_results, layout):
-    """Replicated adapter factors get equal gradients on both TP ranks with lora_dropout > 0 (compared in-rank)."""
+    """Replicated adapter factors get equal gradients on both TP ranks with lora_dropout > 0 (compared in-rank; DoRA:
+    its dropout path multiplies W by the dropped input again, and a row-parallel magnitude is replicated)."""
     names = two_rank_results[0][layout]
     assert any(n.endswith(".A") and "linear_qkv" in n for n in names)     # column-parallel: A replicated
     assert any(n.endswith(".B") and "linear_fc2" in n for n in names)     # row-parallel: B replicated
+    if layout.startswith("dora"):
+        assert any(n.endswith(".magnitude") and "linear_proj" in n for n in names)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "cp2"])

@@ -26,7 +26,7 @@ from ._sft_parity import (SCENARIOS, assert_matches, moe_sft, plain_trainers_ref
 
 NAMES = list(SCENARIOS)
 # variable-length batches: one length per step under PP
-PP_NAMES = ["lora_qv_messages", "full_packing", "lora_neftune", "lora_label_smoothing"]
+PP_NAMES = ["lora_qv_messages", "full_packing", "lora_neftune", "lora_label_smoothing", "dora_messages"]
 
 
 def _tp1_world(folder: str, out_dir: str) -> dict:
@@ -70,7 +70,7 @@ PARTIAL_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_pr
                                                        "down_proj"], layers_to_transform=[0, 2])
 PARTIAL_DORA = {**PARTIAL_LORA, "use_dora": True}
 PARTIAL_LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}, "dp2": {}}
-GC_NAMES = ["lora_qv_messages", "full_prompt_completion", "lora_neftune"]
+GC_NAMES = ["lora_qv_messages", "full_prompt_completion", "lora_neftune", "dora_messages"]
 SP_NAMES = ["lora_qv_messages", "lora_neftune", "lora_label_smoothing", "dora_messages"]
 CP_NAMES = ["lora_text", "lora_qv_messages", "full_packing", "lora_neftune", "lora_label_smoothing"]
 
