@@ -56,7 +56,8 @@ class LoraAdapter(nn.Module):
         self.A = nn.Parameter(a)
         self.B = nn.Parameter(b)
         self.scaling = scaling
-        self.stacked_layers: tuple[int, ...] = ()  # every layer holding this target (model.attach_lora)
+        self.stacked_layers: tuple[int, ...] = ()  # every layer holding this target at this rank (stacking)
+        self.stack_suffix = ""  # its checkpoint key's suffix (stacking)
         self.dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
         self.register_parameter("magnitude", None)  # DoRA's m (dora.py); None for plain LoRA
         split_factor = {"A": self.A, "B": self.B}.get(split)  # None: both replicated (the router's)
@@ -250,10 +251,23 @@ def stack_over_adapted_layers(sharded: dict, prefix: str, adapters: nn.ModuleDic
             key = f"{prefix}{name}.{factor}"
             t = sharded[key]
             sharded[key] = dataclasses.replace(
-                t, global_shape=_at(t.global_shape, axis, len(layers)),
+                t, key=t.key + adapter.stack_suffix, global_shape=_at(t.global_shape, axis, len(layers)),
                 global_offset=_at(t.global_offset, axis, layers.index(layer)),
                 axis_fragmentations=_at(t.axis_fragmentations, axis, len(layers)))
     return sharded
+
+
+def stacking(targets) -> dict[tuple[str, str, int], tuple[tuple[int, ...], str]]:
+    """(megatron module, target name, r) -> (the layers whose adapter of that target has rank r, the suffix of its
+    checkpoint keys): the suffix is "" where all the target's adapters have one rank, else ``.r{r}``, so that each
+    rank's stack has keys of its own (``rank_pattern`` naming some layers' modules)."""
+    from collections import defaultdict
+
+    layers, ranks = defaultdict(list), defaultdict(set)
+    for t in targets:
+        layers[(t.megatron_module, t.name, t.r)].append(t.layer)
+        ranks[(t.megatron_module, t.name)].add(t.r)
+    return {k: (tuple(sorted(v)), "" if len(ranks[k[:2]]) == 1 else f".r{k[2]}") for k, v in layers.items()}
 
 
 def _at(values: tuple | None, axis: int, value: int) -> tuple | None:

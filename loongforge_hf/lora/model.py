@@ -194,7 +194,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     from loongforge_hf.bridges.loader import shard_context
     from loongforge_hf.lora.dora import add_magnitudes
     from loongforge_hf.lora.experts import attach_param_adapters, check_param_adaptable
-    from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable
+    from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable, stacking
     from loongforge_hf.lora.vision import attach_vision_adapters, lora_class_for, text_bridge
 
     owners = layer_owners(model.megatron.config, model.parallel)
@@ -232,10 +232,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     for p in model.parameters():
         p.requires_grad_(False)
     device, dtype = model.device, model.dtype
-    # NOTE: (module, target): the layers holding it, which checkpoints stack its adapter over (layers.py)
-    carriers: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for t in plan.targets:
-        carriers[(t.megatron_module, t.name)].append(t.layer)
+    stacks = stacking(plan.targets)  # NOTE: the layers each adapter is stacked over in checkpoints (layers.py)
     for (vp, path), members in groups.items():
         targets, module = [t for t, _ in members], model.chunks[vp].get_submodule(path)
         if targets[0].kind in PARAM_KINDS:
@@ -252,7 +249,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
                                            b.to(device=device, dtype=dtype).contiguous().clone(),
                                            scaling=t.scaling, dropout=float(peft_config.lora_dropout),
                                            split="A" if t.kind == "row" else "B")
-            adapters[t.name].stacked_layers = tuple(sorted(carriers[(t.megatron_module, t.name)]))
+            adapters[t.name].stacked_layers, adapters[t.name].stack_suffix = stacks[(t.megatron_module, t.name, t.r)]
         attach_adapters(module, adapters, layout)
         if peft_config.use_dora:
             add_magnitudes(module, targets, slices, magnitudes)

@@ -8,9 +8,9 @@ Choices:
   ends with ``"." + target``, in ``named_modules`` order, then in the module's registration order: the order PEFT
   creates the adapters in (and draws their initial values in, after all module targets). As in PEFT,
   ``layers_to_transform`` and ``exclude_modules`` do not apply to parameters.
-- Rank and alpha per parameter: ``rank_pattern`` / ``alpha_pattern`` resolved with PEFT's ``get_pattern_key``. The only
-  pattern key accepted is the one PEFT's rewrite writes, ``.*\\.gate_up_proj`` (gate and up fused: r and alpha doubled,
-  so each half keeps PEFT's scaling); any other pattern is refused, as before.
+- Rank and alpha per parameter (and per module target: ``rank_and_alpha``): ``rank_pattern`` / ``alpha_pattern``
+  resolved with PEFT's ``get_pattern_key`` on the full name, as PEFT's ``_create_and_replace``; PEFT's rewrite adds
+  ``.*\\.gate_up_proj`` itself (gate and up fused: r and alpha doubled, so each half keeps PEFT's scaling).
 - An expert stack ``[E, out, in]`` gets A ``[r * E, in]`` (expert e's rows ``e * r .. e * r + r - 1``) and B
   ``[out, r * E]`` (expert e's columns ``e, E + e, 2E + e, ...``: PEFT reads B as ``[out, r, E]``); the router
   ``[E, H]`` a plain A ``[r, H]``, B ``[E, r]``.
@@ -29,17 +29,20 @@ import re
 from loongforge_hf.lora.plan import LoraConfigError, Target
 
 _PARAM = re.compile(r"^model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
-FUSED_PATTERN = rf".*\.{re.escape('gate_up_proj')}"   # what PEFT's rewrite puts in rank_pattern / alpha_pattern
 SUPPORTED = "'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' (router) of Qwen3-MoE / Mixtral"
 
 
-def _check_patterns(config) -> None:
-    for field in ("rank_pattern", "alpha_pattern"):
-        extra = sorted(set(getattr(config, field) or {}) - {FUSED_PATTERN})
-        if extra:
-            raise LoraConfigError(f"LoraConfig fields ['{field}'] are not supported on megatron layers (keys {extra});"
-                                  f" only the {FUSED_PATTERN!r} entry PEFT writes itself for the fused expert "
-                                  "gate/up stack is honoured.")
+def rank_and_alpha(config, key: str) -> tuple[int, float]:
+    """(r, lora_alpha) of the module or parameter ``key`` (its full HF name): PEFT's ``rank_pattern`` /
+    ``alpha_pattern`` lookup, else the config's ``r`` / ``lora_alpha``."""
+    from peft.utils.other import get_pattern_key
+
+    r = (config.rank_pattern or {}).get(get_pattern_key((config.rank_pattern or {}).keys(), key), config.r)
+    alpha = (config.alpha_pattern or {}).get(get_pattern_key((config.alpha_pattern or {}).keys(), key),
+                                             config.lora_alpha)
+    if not isinstance(r, int) or r < 1:
+        raise LoraConfigError(f"LoraConfig(rank_pattern=...) gives {key} r={r!r}: r must be a positive integer.")
+    return r, alpha
 
 
 def _matches(key: str, names) -> bool:
@@ -48,9 +51,6 @@ def _matches(key: str, names) -> bool:
 
 def plan_param_targets(config, skeleton, bridge) -> list[Target]:
     """The parameter targets of (rewritten) ``config`` on ``skeleton``, in PEFT's creation order."""
-    from peft.utils.other import get_pattern_key
-
-    _check_patterns(config)
     names = list(config.target_parameters or [])
     if not names:
         return []
@@ -86,8 +86,7 @@ def plan_param_targets(config, skeleton, bridge) -> list[Target]:
     for module_name, pname, key, shape in found:
         layer = int(_PARAM.match(key).group(1))
         wrapped_after = len(per_module[module_name]) - 1 - per_module[module_name].index(pname)
-        r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), key), config.r)
-        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), key), config.lora_alpha)
+        r, alpha = rank_and_alpha(config, key)
         common = dict(hf_module=module_name + ".base_layer" * wrapped_after, layer=layer, slot=0, r=r,
                       scaling=alpha / (math.sqrt(r) if config.use_rslora else r))
         if len(shape) == 3:   # [E, out, in]

@@ -22,8 +22,8 @@ Choices:
   every layer). The same rewrite runs here, with PEFT's own function, on the skeleton; what it leaves in
   ``target_modules`` is matched as above, its ``target_parameters`` by ``param_targets.py`` (adapted by
   ``experts.py``). A fused half named alone (``gate_proj`` without ``up_proj``) is refused as PEFT refuses it.
-- ``use_dora``: ``dora.py``. Refused with a clear message: ``lora_bias``, ``rank_pattern``/``alpha_pattern`` other
-  than the rewrite's own entry, ``target_parameters`` other than the MoE models' expert stacks and router,
+- ``use_dora``: ``dora.py``; ``rank_pattern`` / ``alpha_pattern``: ``param_targets.rank_and_alpha``. Refused with a
+  clear message: ``lora_bias``, ``target_parameters`` other than the MoE models' expert stacks and router,
   ``lora_dropout`` with parameter targets, ``layer_replication``, initialisations other than ``True``/``False``/
   ``"gaussian"``. ``trainable_token_indices``: ``tokens.py``.
 - DeepSeek-V2/V3 (multi-latent attention): each HF projection is one megatron linear (``q_proj`` or ``q_a_proj`` /
@@ -148,9 +148,9 @@ def _check_config(config) -> None:
     set_fields = {k: v for k, v in refused.items() if v}
     if set_fields:
         raise LoraConfigError(f"LoraConfig fields {sorted(set_fields)} are not supported on megatron layers; "
-                              "supported: r, lora_alpha, lora_dropout, use_rslora, target_modules, exclude_modules, "
-                              "layers_to_transform, layers_pattern, modules_to_save, use_dora, "
-                              "init_lora_weights (True, False, 'gaussian').")
+                              "supported: r, lora_alpha, rank_pattern, alpha_pattern, lora_dropout, use_rslora, "
+                              "target_modules, exclude_modules, layers_to_transform, layers_pattern, modules_to_save, "
+                              "use_dora, init_lora_weights (True, False, 'gaussian').")
     if config.bias != "none":
         raise LoraConfigError(f"LoraConfig(bias={config.bias!r}) is not supported; use bias='none'.")
     if config.init_lora_weights not in _INITS:
@@ -187,7 +187,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     from torch import nn
 
     from loongforge_hf.lora.dora import check_dora
-    from loongforge_hf.lora.param_targets import as_peft_rewrites, plan_param_targets
+    from loongforge_hf.lora.param_targets import as_peft_rewrites, plan_param_targets, rank_and_alpha
     from loongforge_hf.lora.tokens import token_indices_of
     from loongforge_hf.lora.vision import checkpoint_names, vision_index
 
@@ -219,8 +219,8 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
             refused.append(name)
             continue
         mapping, layer, slot = entry
-        r = config.r
-        scaling = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
+        r, alpha = rank_and_alpha(config, name)
+        scaling = alpha / (math.sqrt(r) if config.use_rslora else r)
         targets.append(Target(hf_module=name, layer=layer, mapping=mapping, slot=slot, kind=kind,
                               in_features=module.in_features, out_features=module.out_features, r=r, scaling=scaling))
     if refused:

@@ -18,6 +18,11 @@ from loongforge_hf.bridges import transforms as T
 ATOL = RTOL = 1e-5
 LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                modules_to_save=["post_attention_layernorm", "lm_head"])
+# per-module ranks and alphas (PEFT's rank_pattern / alpha_pattern): q_proj at r 8 everywhere, one layer's down_proj
+# at r 2, v_proj's alpha 32, one layer's o_proj's alpha 3
+PATTERN_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                  rank_pattern={"q_proj": 8, "model.layers.1.mlp.down_proj": 2},
+                  alpha_pattern={"v_proj": 32, r"layers\.3\.self_attn\.o_proj": 3})
 
 
 def _close(actual, expected, what, atol=ATOL, rtol=RTOL):
@@ -195,14 +200,14 @@ def lora_pair(folder: str, layout: dict, lora_kw: dict, *, image_text: bool = Fa
     return model, hf, peft.get_peft_model(hf, peft.LoraConfig(**lora_kw))
 
 
-def model_checks(folder: str, out_dir: str, layout: dict) -> dict:
+def model_checks(folder: str, out_dir: str, layout: dict, lora_kw: dict = LORA_KW) -> dict:
     import transformers
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.trainer.engine import MegatronEngine
 
     ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
-    model, hf, ref = lora_pair(folder, layout, LORA_KW)
+    model, hf, ref = lora_pair(folder, layout, lora_kw)
     result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters()}
 
     ours, theirs = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
@@ -255,6 +260,10 @@ def tp2_and_pp2_checks(folder: str, out_dir: str) -> dict:
             "tp2": model_checks(folder, out_dir + "/tp2", {"tensor_parallel_size": 2}),
             "pp2": model_checks(folder, out_dir + "/pp2", {"pipeline_parallel_size": 2}),
             "cp2": model_checks(folder, out_dir + "/cp2", {"context_parallel_size": 2}),
+            "tp2_sp_patterns": model_checks(folder, out_dir + "/tp2-sp-patterns",
+                                            {"tensor_parallel_size": 2, "sequence_parallel": True}, PATTERN_KW),
+            "pp2_patterns": model_checks(folder, out_dir + "/pp2-patterns", {"pipeline_parallel_size": 2},
+                                         PATTERN_KW),
             "dropout": dropout_keeps_replicas_in_step(folder, {"tensor_parallel_size": 2}),
             "dora_dropout_sp": dropout_keeps_replicas_in_step(
                 folder, {"tensor_parallel_size": 2, "sequence_parallel": True}, dora=True),

@@ -1,9 +1,11 @@
 """LoRA on megatron parallel layers against PEFT on the transformers model.
 
 - Initial adapters: the same tensors as ``peft.get_peft_model`` after the same seed (bit for bit), for several
-  LoraConfigs (all-linear, lists, regex, layers_to_transform, exclude_modules, gaussian / no init, rsLoRA).
+  LoraConfigs (all-linear, lists, regex, layers_to_transform, exclude_modules, gaussian / no init, rsLoRA,
+  rank_pattern / alpha_pattern by suffix, full name and regex).
 - TP=2 (with and without sequence parallelism) layer math: outputs and gradients against plain torch.
-- Whole model, TP=2, PP=2 and CP=2: logits, loss and adapter gradients against PEFT; megatron's DDP/optimizer hold only
+- Whole model, TP=2, PP=2 and CP=2 (and TP=2 + SP and PP=2 with per-module ranks and alphas): logits, loss and
+  adapter gradients against PEFT; megatron's DDP/optimizer hold only
   the adapters (and modules_to_save); the adapter folder loads in ``PeftModel.from_pretrained`` and the merged
   export in transformers, both giving the Loong model's logits; merged export leaves the model as it was.
 """
@@ -16,7 +18,7 @@ import torch
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._lora_checks import tp2_and_pp2_checks
+from ._lora_checks import PATTERN_KW, tp2_and_pp2_checks
 
 INIT_CASES = {
     "all_linear": ("llama", dict(r=4, lora_alpha=8, target_modules="all-linear")),
@@ -26,6 +28,10 @@ INIT_CASES = {
                                            init_lora_weights=False, use_rslora=True)),
     "exclude": ("llama", dict(r=2, target_modules=["gate_proj", "o_proj"],
                               exclude_modules=["model.layers.0.mlp.gate_proj"])),
+    "patterns": ("llama", PATTERN_KW),
+    "patterns_rslora": ("qwen3", dict(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], use_rslora=True,
+                                      rank_pattern={r"layers\.[02]\.self_attn\.q_proj": 6},
+                                      alpha_pattern={"down_proj": 1})),
 }
 
 
@@ -66,7 +72,6 @@ def test_initial_adapters_are_peft_s(checkpoints, case):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(target_modules=["q_proj"], rank_pattern={"q_proj": 8}), "rank_pattern"),
     (dict(target_modules=["lm_head"]), "cannot carry a LoRA adapter"),
     (dict(target_modules=["embed_tokens"]), "cannot carry a LoRA adapter"),
     (dict(target_modules=["nothing_like_this"]), "match no module"),
@@ -188,7 +193,7 @@ def test_dropout_keeps_tp_replicas_in_step(two_rank_results, layout):
         assert any(n.endswith(".magnitude") and "linear_proj" in n for n in names)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "cp2", "tp2_sp_patterns", "pp2_patterns"])
 def test_model_matches_peft(two_rank_results, layout):
     """Logits, loss and (TP2, CP2) adapter gradients are asserted inside the ranks; exports are checked on rank 0."""
     import peft  # noqa: F401 - the ranks need it; fail here with a clear import error otherwise

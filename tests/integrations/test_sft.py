@@ -55,6 +55,8 @@ def _tp2_world(folder: str, out_dir: str) -> dict:
             "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", layout),
             "resume_dora_tp2_sp": resume_matches_uninterrupted(folder, out_dir + "/resume-dora",
                                                                {**layout, "sequence_parallel": True}, PARTIAL_DORA),
+            "resume_patterns": resume_matches_uninterrupted(folder, out_dir + "/resume-patterns", layout,
+                                                            PATTERN_LORA),
             **{f"resume_partial_{name}": resume_matches_uninterrupted(folder, f"{out_dir}/resume-partial-{name}",
                                                                       partial_layout, PARTIAL_LORA)
                for name, partial_layout in PARTIAL_LAYOUTS.items()}}
@@ -69,6 +71,9 @@ def tp2(src, tmp_path_factory):
 PARTIAL_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                        "down_proj"], layers_to_transform=[0, 2])
 PARTIAL_DORA = {**PARTIAL_LORA, "use_dora": True}
+# q_proj at r 8 in layer 1 only (its checkpoint stacks: r 4 over layers 0, 2, 3 and r 8 over layer 1), v_proj's alpha
+PATTERN_LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"model.layers.1.self_attn.q_proj": 8},
+                    alpha_pattern={"v_proj": 16})
 PARTIAL_LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}, "dp2": {}}
 GC_NAMES = ["lora_qv_messages", "full_prompt_completion", "lora_neftune", "dora_messages"]
 SP_NAMES = ["lora_qv_messages", "lora_neftune", "lora_label_smoothing", "dora_messages"]
@@ -160,6 +165,14 @@ def test_partial_layer_dora_resume_matches_uninterrupted_run(tp2):
     row-parallel ones; stacked over the adapted layers): the resumed run logs the uninterrupted one's losses."""
     for rank in tp2:
         res = rank["resume_dora_tp2_sp"]
+        assert res["resumed"] == res["full"] and len(res["full"]) == 4, res
+
+
+def test_rank_pattern_lora_resume_matches_uninterrupted_run(tp2):
+    """rank_pattern giving one layer's q_proj another rank: megatron's stack of that adapter over the layers splits in
+    one stack per rank (keys of their own); the step-2 checkpoint writes and the resumed run logs the same losses."""
+    for rank in tp2:
+        res = rank["resume_patterns"]
         assert res["resumed"] == res["full"] and len(res["full"]) == 4, res
 
 
