@@ -27,7 +27,7 @@ projections are adapted as on a dense model, in every layer (MoE or dense). Both
   slow) with the final norm trained too, so the first stage's dense optimizer holds no parameter, a resumed run
   logs the uninterrupted run's losses exactly.
 - Refused with messages naming the way out: fused gate/up named by half (PEFT refuses it), lora_dropout with expert
-  targets (PEFT refuses it), other parameters, other rank/alpha patterns, megatron's SequentialMLP experts, experts
+  targets (PEFT refuses it), other parameters, megatron's SequentialMLP experts, experts
   split over expert-tensor parallelism. DeepSeek-V2/V3 (multi-latent attention): test_lora_mla.py.
 """
 
@@ -69,6 +69,11 @@ def _bridge(folder: str):
     ("qwen3_moe", dict(r=3, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"])),
     ("mixtral", dict(r=2, target_modules=["w1", "w3", "gate"], init_lora_weights="gaussian")),
     ("mixtral", dict(r=2, target_modules=["q_proj"], target_parameters=["model.layers.1.mlp.experts.down_proj"])),
+    # per-module / per-parameter ranks and alphas beside the rewrite's own gate_up_proj entry
+    ("qwen3_moe", dict(r=2, lora_alpha=4, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"],
+                       rank_pattern={"q_proj": 8, r"layers\.1\.mlp\.experts\.down_proj": 3},
+                       alpha_pattern={"o_proj": 1, "down_proj": 7})),
+    ("mixtral", dict(r=2, target_modules=["w2", "v_proj"], alpha_pattern={r".*\.down_proj": 8})),
 ])
 def test_targets_and_initial_adapters_are_peft_s(setup, arch, kw):
     import peft
@@ -107,8 +112,6 @@ def test_targets_and_initial_adapters_are_peft_s(setup, arch, kw):
     ("qwen3_moe", dict(target_modules="all-linear", lora_dropout=0.05), "lora_dropout=0.05 .*set lora_dropout=0"),
     ("qwen3_moe", dict(target_modules=["q_proj"], target_parameters=["post_attention_layernorm.weight"]),
      "cannot carry a LoRA adapter here; supported: 'gate_up_proj'"),
-    ("qwen3_moe", dict(target_modules=["q_proj"], rank_pattern={"q_proj": 8}), "rank_pattern"),
-    ("mixtral", dict(target_modules=["w2"], alpha_pattern={r".*\.down_proj": 8}), "alpha_pattern"),
 ])
 def test_unsupported_expert_configs_are_refused(setup, arch, kw, match):
     import peft
