@@ -11,7 +11,7 @@ Choices:
   of the input before it (again in the backward), reduce-scatter or all-reduce of the input gradient after it,
   overlapped with the weight-gradient GEMM, and the weight gradient added into ``main_grad`` under
   ``gradient_accumulation_fusion`` (written into it by the GEMM where the buffer is known to hold zeros:
-  ``kernels/main_grad.py``). A LoRA-adapted layer (``lora_delta``) gets its adapter term added as its own class
+  ``kernels/main_grad.py``). A LoRA-adapted layer (``lora_output``) gets its adapter term added as its own class
   would. Where every GEMM of a call is to stay in bf16, the class's own method runs.
 - A vision tower's linears (``multimodal.vision.VisionLinear``: qkv / proj, the MLP, the patch merger; not the
   patch embedding), given as ``towers``, get an ``fp8_impl`` (``Fp8VisionImpl``): ``kernels.fp8.fp8_linear`` around
@@ -261,12 +261,12 @@ class Fp8ForwardImpl(_LayerPrecision):
         accumulate = bool(gradient_accumulation_fusion and hasattr(weight, "main_grad"))
         out = _Fp8ParallelLinear.apply(input, weight, bias, self.settings.recipe, precision, sequence_parallel,
                                        allreduce_dgrad, group, accumulate)
-        if hasattr(module, "lora_delta") and not module.__dict__.get("lora_disabled"):  # NOTE: disable_adapter()
+        if hasattr(module, "lora_output") and not module.__dict__.get("lora_disabled"):  # NOTE: disable_adapter()
             from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-            out = out + (module.lora_delta(input, base=out, bias=bias, sequence_parallel=sequence_parallel,
-                                           allreduce_dgrad=allreduce_dgrad)
-                         if isinstance(module, ColumnParallelLinear) else module.lora_delta(input, base=out))
+            out = module.lora_output(input, out, bias=bias, sequence_parallel=sequence_parallel,
+                                     allreduce_dgrad=allreduce_dgrad) \
+                if isinstance(module, ColumnParallelLinear) else module.lora_output(input, out)
         return out
 
 

@@ -13,6 +13,10 @@ Choices:
   (an all-reduce, no gradient), ``m`` is replicated and enters through ``copy_to_tensor_model_parallel_region`` so
   its gradient, partial per rank like B's, is summed; the rescaled term is linear in the rank's partial output, so
   it is added before megatron's reduction.
+- The output is computed as ``s * (W x + scaling * B A x) + bias``: one product with ``s`` where the formula above
+  takes two (without dropout; with it, as above). The row norms are computed without the ``out x in`` matrix
+  ``W + scaling * B @ A`` (PEFT builds it every forward): ``||W_i||^2 + 2 scaling (B * W A^T)_i 1 + scaling^2
+  (B A A^T * B)_i 1`` in float32, from a reduction over W and two ``out x r`` products.
 - Merging (``merge_and_unload``, the merged export) writes ``s * (W + scaling * B @ A)``, ``s`` from the unmerged
   weight, as PEFT's ``merge_safe``.
 - Refused as PEFT refuses it: DoRA on ``target_parameters`` (expert stacks, router). Refused here: the vision tower
@@ -47,16 +51,31 @@ def _tp(module) -> int:
     return module.tp_group.size() if module.tp_group is not None else 1
 
 
+def _weight_squares(module) -> torch.Tensor:
+    """Each local row's sum of squared weights, accumulated in float32."""
+    return torch.linalg.vector_norm(module.weight.detach(), dim=1, dtype=torch.float32).square()
+
+
+def _squares(w_squares: torch.Tensor, wa: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float):
+    """||W + scaling * B @ A||^2 of each row from its ||W||^2, ``W A^T`` [rows, r], A and B."""
+    a, b = a.detach().float(), b.detach().float()
+    return w_squares + 2 * scaling * (wa.float() * b).sum(dim=1) + scaling ** 2 * ((b @ (a @ a.t())) * b).sum(dim=1)
+
+
 @torch.no_grad()
-def _column_norms(module) -> torch.Tensor:
-    """||W + scaling * B @ A|| of each local output row of a LoRA column-parallel linear (float32)."""
-    return torch.linalg.vector_norm(module.weight.float() + module.lora_delta_weight(), dim=1)
+def _column_norms(module) -> dict[str, torch.Tensor]:
+    """||W + scaling * B @ A|| of each local output row of each target of a LoRA column-parallel linear (float32)."""
+    layout, weight, w_squares = module.lora_layout, module.weight.detach(), _weight_squares(module)
+    return {n: _squares(layout.slot(w_squares, n), layout.slot(weight @ a.A.detach().t().to(weight.dtype), n),
+                        a.A, a.B, a.scaling).sqrt() for n, a in module.lora.items()}
 
 
 @torch.no_grad()
 def _row_norms(module) -> torch.Tensor:
     """The same for a row-parallel linear, whose rows are split over TP: squares summed over the group."""
-    squares = (module.weight.float() + module.lora_delta_weight()).square().sum(dim=1)
+    (a,) = module.lora.values()
+    weight = module.weight.detach()
+    squares = _squares(_weight_squares(module), weight @ a.A.detach().t().to(weight.dtype), a.A, a.B, a.scaling)
     if _tp(module) > 1:
         dist.all_reduce(squares, group=module.tp_group)
     return squares.sqrt()
@@ -64,9 +83,9 @@ def _row_norms(module) -> torch.Tensor:
 
 def column_scale(module) -> torch.Tensor:
     """``s = m / ||W + ΔW||`` over the fused local output rows (1 where no target is adapted)."""
-    layout, norms = module.lora_layout, _column_norms(module)
-    return layout.interleave({n: a.magnitude / layout.slot(norms, n).to(a.magnitude.dtype)
-                              for n, a in module.lora.items()}, fill=1.0)
+    norms = _column_norms(module)
+    return module.lora_layout.interleave({n: a.magnitude / norms[n].to(a.magnitude.dtype)
+                                          for n, a in module.lora.items()}, fill=1.0)
 
 
 def row_scale(module) -> torch.Tensor:
@@ -85,6 +104,14 @@ def rescaled(delta: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> to
     return (scale - 1) * base + scale * delta
 
 
+def rescaled_output(out: torch.Tensor, delta: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    """The DoRA layer's output from the base output ``out`` (``bias`` included if not None): the same as
+    ``out + rescaled(delta, out - bias, scale)``, as ``s * (W x + delta) + bias``."""
+    if bias is None:
+        return (out + delta) * scale
+    return (out - bias + delta) * scale + bias
+
+
 @torch.no_grad()
 def merge_delta(weight: torch.Tensor, lora_delta: torch.Tensor, adapters, scale) -> torch.Tensor:
     """What merging adds to ``weight`` (float32): ``lora_delta``, or with DoRA ``s * (W + lora_delta) - W``
@@ -101,13 +128,13 @@ def add_magnitudes(module, targets, slices: dict[str, slice], given: dict[str, t
     from loongforge_hf.lora.layers import LoraColumnParallelLinear
 
     column = isinstance(module, LoraColumnParallelLinear)
-    norms = None if given else _column_norms(module) if column else _row_norms(module)
+    norms = None if given else _column_norms(module) if column else _row_norms(module)  # NOTE: by target if column
     for t in targets:
         if given:
             m = given[t.hf_module].float()
             m = t.b_to_megatron(m[:, None])[slices[t.name], 0] if column else m
         else:
-            m = module.lora_layout.slot(norms, t.name) if column else norms
+            m = norms[t.name] if column else norms
         adapter = module.lora[t.name]
         adapter.add_magnitude(m.to(device=adapter.A.device, dtype=adapter.A.dtype).contiguous().clone(),
                               split=column)

@@ -127,13 +127,13 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
         out = super()._forward_impl(input, weight, *args, **kwargs)
         if self.__dict__.get("lora_disabled"):  # NOTE: inside disable_adapter() (unload.py)
             return out
-        return out + self.lora_delta(input, base=out, bias=kwargs.get("bias"),
-                                     sequence_parallel=bool(kwargs.get("sequence_parallel")),
-                                     allreduce_dgrad=bool(kwargs.get("allreduce_dgrad")))
+        return self.lora_output(input, out, bias=kwargs.get("bias"),
+                                sequence_parallel=bool(kwargs.get("sequence_parallel")),
+                                allreduce_dgrad=bool(kwargs.get("allreduce_dgrad")))
 
-    def lora_delta(self, x: torch.Tensor, *, base: torch.Tensor, bias: torch.Tensor | None, sequence_parallel: bool,
-                   allreduce_dgrad: bool) -> torch.Tensor:
-        """What the adapters add to ``base``, the base layer's output on ``x`` (``bias`` included if not None)."""
+    def lora_output(self, x: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None, sequence_parallel: bool,
+                    allreduce_dgrad: bool) -> torch.Tensor:
+        """``out``, the base layer's output on ``x`` (``bias`` included if not None), with the adapters' term."""
         from loongforge_hf.lora import dora
 
         tp = _tp_size(self)
@@ -155,15 +155,15 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
             pieces[name] = F.linear(h, adapter.B) * adapter.scaling
         delta = self.lora_layout.interleave(pieces)
         if next(iter(self.lora.values())).magnitude is None:
-            return delta
+            return out + delta
+        scale = dora.column_scale(self)
         if dropped:  # NOTE: PEFT's DoRA rescales W applied to the dropped input then, one product per target
             weight = self.weight.detach()
             base = self.lora_layout.interleave({
                 n: F.linear(self._to_full_sequence(xd, sequence_parallel), self.lora_layout.slot(weight, n))
                 for n, xd in dropped.items()})
-        elif bias is not None:
-            base = base - bias
-        return dora.rescaled(delta, base, dora.column_scale(self))
+            return out + dora.rescaled(delta, base, scale)
+        return dora.rescaled_output(out, delta, scale, bias)
 
     def _to_full_sequence(self, h: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
         """``h`` (the rank's input or a product of it with a replicated factor) as this rank's output rows take it:
@@ -201,11 +201,11 @@ class LoraRowParallelLinear(RowParallelLinear):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         out = super()._forward_impl(input, weight, *args, **kwargs)
-        return out if self.__dict__.get("lora_disabled") else out + self.lora_delta(input, base=out)
+        return out if self.__dict__.get("lora_disabled") else self.lora_output(input, out)
 
-    def lora_delta(self, x: torch.Tensor, *, base: torch.Tensor) -> torch.Tensor:
-        """What the adapter adds to ``base``, this rank's partial output on its input columns ``x`` (summed over TP
-        by megatron's reduction afterwards, with the base)."""
+    def lora_output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out``, this rank's partial output on its input columns ``x``, with the adapter's partial term (both
+        summed over TP by megatron's reduction afterwards)."""
         from loongforge_hf.lora import dora
 
         tp = _tp_size(self)
@@ -214,10 +214,10 @@ class LoraRowParallelLinear(RowParallelLinear):
         xd = adapter.drop(x, input_is_split=tp > 1)
         delta = F.linear(F.linear(xd, adapter.A), b) * adapter.scaling
         if adapter.magnitude is None:
-            return delta
+            return out + delta
         if xd is not x:  # NOTE: PEFT's DoRA rescales W applied to the dropped input then
-            base = F.linear(xd, self.weight.detach())
-        return dora.rescaled(delta, base, dora.row_scale(self))
+            return out + dora.rescaled(delta, F.linear(xd, self.weight.detach()), dora.row_scale(self))
+        return dora.rescaled_output(out, delta, dora.row_scale(self), None)
 
     @torch.no_grad()
     def lora_delta_weight(self) -> torch.Tensor:
