@@ -15,8 +15,10 @@ Choices:
   it is added before megatron's reduction.
 - The output is computed as ``s * (W x + scaling * B A x) + bias``: one product with ``s`` where the formula above
   takes two (without dropout; with it, as above). The row norms are computed without the ``out x in`` matrix
-  ``W + scaling * B @ A`` (PEFT builds it every forward): ``||W_i||^2 + 2 scaling (B * W A^T)_i 1 + scaling^2
-  (B A A^T * B)_i 1`` in float32, from a reduction over W and two ``out x r`` products.
+  ``W + scaling * B @ A`` (PEFT builds it every forward): ``||W_i||^2 + 2 (B' * W A^T)_i 1 + (B' A A^T * B')_i 1``
+  in float32 with ``B' = scaling * B``, from a reduction over W and ``out x r`` products, all targets of a fused
+  linear at once (their A stacked, their B' placed block-diagonally), so the number of kernels does not grow with
+  the targets.
 - Merging (``merge_and_unload``, the merged export) writes ``s * (W + scaling * B @ A)``, ``s`` from the unmerged
   weight, as PEFT's ``merge_safe``.
 - Refused as PEFT refuses it: DoRA on ``target_parameters`` (expert stacks, router). Refused here: the vision tower
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def check_dora(config, targets) -> None:
@@ -56,26 +59,36 @@ def _weight_squares(module) -> torch.Tensor:
     return torch.linalg.vector_norm(module.weight.detach(), dim=1, dtype=torch.float32).square()
 
 
-def _squares(w_squares: torch.Tensor, wa: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float):
-    """||W + scaling * B @ A||^2 of each row from its ||W||^2, ``W A^T`` [rows, r], A and B."""
-    a, b = a.detach().float(), b.detach().float()
-    return w_squares + 2 * scaling * (wa.float() * b).sum(dim=1) + scaling ** 2 * ((b @ (a @ a.t())) * b).sum(dim=1)
+def _squares(module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """||W + B' A||^2 of each local row of ``module``'s weight W [rows, in], from ||W||^2, ``W A^T`` and ``A A^T``
+    (``a`` [R, in]: the targets' A stacked; ``b`` [rows, R]: each row's B' = scaling * B in its target's columns)."""
+    weight = module.weight.detach()
+    a = a.to(weight.dtype)
+    wa = (weight @ a.t()).float()
+    a = a.float()
+    return _weight_squares(module) + 2 * (wa * b).sum(dim=1) + ((b @ (a @ a.t())) * b).sum(dim=1)
 
 
 @torch.no_grad()
 def _column_norms(module) -> dict[str, torch.Tensor]:
     """||W + scaling * B @ A|| of each local output row of each target of a LoRA column-parallel linear (float32)."""
-    layout, weight, w_squares = module.lora_layout, module.weight.detach(), _weight_squares(module)
-    return {n: _squares(layout.slot(w_squares, n), layout.slot(weight @ a.A.detach().t().to(weight.dtype), n),
-                        a.A, a.B, a.scaling).sqrt() for n, a in module.lora.items()}
+    layout, adapters = module.lora_layout, list(module.lora.items())
+    ranks = [a.A.shape[0] for _, a in adapters]
+    total, before = sum(ranks), 0
+    placed = {}
+    for (name, a), r in zip(adapters, ranks):  # NOTE: B' in its target's rows and columns, zeros elsewhere
+        placed[name] = F.pad(a.B.detach().float() * a.scaling, (before, total - before - r)).t()
+        before += r
+    squares = _squares(module, torch.cat([a.A.detach() for _, a in adapters]), layout.interleave(placed).t())
+    norms = squares.sqrt()
+    return {name: layout.slot(norms, name) for name, _ in adapters}
 
 
 @torch.no_grad()
 def _row_norms(module) -> torch.Tensor:
     """The same for a row-parallel linear, whose rows are split over TP: squares summed over the group."""
     (a,) = module.lora.values()
-    weight = module.weight.detach()
-    squares = _squares(_weight_squares(module), weight @ a.A.detach().t().to(weight.dtype), a.A, a.B, a.scaling)
+    squares = _squares(module, a.A.detach(), a.B.detach().float() * a.scaling)
     if _tp(module) > 1:
         dist.all_reduce(squares, group=module.tp_group)
     return squares.sqrt()
