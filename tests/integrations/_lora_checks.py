@@ -84,21 +84,38 @@ def _column_qkv_check(sp: bool) -> None:
     layout = FusedLayout(groups=gl, slots=(("q_proj", heads // groups * hd), ("k_proj", hd), ("v_proj", hd)))
     attach_adapters(module, {"q_proj": _adapter(aq, local(bq.t(), hl, rank).t(), scaling=scaling, split="B"),
                              "v_proj": _adapter(av, local(bv.t(), gl, rank).t(), scaling=scaling, split="B")}, layout)
-    xin = (x.chunk(tp, dim=0)[rank] if sp else x).clone().requires_grad_()
-    out, _ = module(xin)
-    (out * proj.chunk(tp, dim=-1)[rank]).sum().backward()
     what = f"column qkv sp={sp}"
-    _close(out, fused[rank], f"{what} output")
-    _close(xin.grad, rx.grad.chunk(tp, dim=0)[rank] if sp else rx.grad, f"{what} input grad")
+    check_column_forward_backward(module, x, proj, sp, fused[rank], rx.grad, what)
     _close(module.lora["q_proj"].A.grad, raq.grad, f"{what} A(q) grad")
     _close(module.lora["v_proj"].A.grad, rav.grad, f"{what} A(v) grad")
     _close(module.lora["q_proj"].B.grad, local(rbq.grad.t(), hl, rank).t(), f"{what} B(q) grad")
     _close(module.lora["v_proj"].B.grad, local(rbv.grad.t(), gl, rank).t(), f"{what} B(v) grad")
 
 
-def _row_check(sp: bool) -> None:
+def frozen_row_parallel(w: torch.Tensor, sp: bool):
+    """megatron's RowParallelLinear (TP=2, no bias) holding this rank's input columns of ``w`` [out, in], frozen."""
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
+    module = RowParallelLinear(w.shape[1], w.shape[0], config=_linear_config(sp), init_method=None, bias=False,
+                               input_is_parallel=True, skip_bias_add=True)
+    with torch.no_grad():
+        module.weight.copy_(w.chunk(2, dim=1)[dist.get_rank()])
+    module.weight.requires_grad_(False)
+    return module
+
+
+def check_column_forward_backward(module, x, proj, sp: bool, expected, expected_x_grad, what: str) -> None:
+    """Run column-parallel ``module`` (TP=2) on ``x`` (its sequence shard under SP), backpropagate ``proj``'s rows
+    of this rank; its output against ``expected`` (this rank's), the input gradient against ``expected_x_grad``."""
+    rank, tp = dist.get_rank(), 2
+    xin = (x.chunk(tp, dim=0)[rank] if sp else x).clone().requires_grad_()
+    out, _ = module(xin)
+    (out * proj.chunk(tp, dim=-1)[rank]).sum().backward()
+    _close(out, expected, f"{what} output")
+    _close(xin.grad, expected_x_grad.chunk(tp, dim=0)[rank] if sp else expected_x_grad, f"{what} input grad")
+
+
+def _row_check(sp: bool) -> None:
     from loongforge_hf.lora.layers import attach_adapters
 
     rank, tp = dist.get_rank(), 2
@@ -111,11 +128,7 @@ def _row_check(sp: bool) -> None:
     ref = F.linear(rx, w) + F.linear(F.linear(rx, ra), rb) * scaling
     (ref * proj).sum().backward()
 
-    module = RowParallelLinear(inp, hidden, config=_linear_config(sp), init_method=None, bias=False,
-                               input_is_parallel=True, skip_bias_add=True)
-    with torch.no_grad():
-        module.weight.copy_(w.chunk(tp, dim=1)[rank])
-    module.weight.requires_grad_(False)
+    module = frozen_row_parallel(w, sp)
     attach_adapters(module, {"o_proj": _adapter(a.chunk(tp, dim=1)[rank], bb, scaling=scaling, split="A")}, None)
     xin = x.chunk(tp, dim=-1)[rank].clone().requires_grad_()
     out, _ = module(xin)

@@ -17,7 +17,8 @@ from torch import nn
 
 from loongforge_hf.bridges import transforms as T
 
-from ._lora_checks import _close, _gather_full, _linear_config, lora_pair
+from ._lora_checks import (_close, _gather_full, _linear_config, check_column_forward_backward, frozen_row_parallel,
+                           lora_pair)
 
 DORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, use_dora=True)
 
@@ -89,12 +90,8 @@ def _column_qkv_check(sp: bool, dropout: bool) -> None:
         if dropout:
             adapters[name].dropout = _Doubling()
     attach_adapters(module, adapters, layout)
-    xin = (x.chunk(tp, dim=0)[rank] if sp else x).clone().requires_grad_()
-    out, _ = module(xin)
-    (out * proj.chunk(tp, dim=-1)[rank]).sum().backward()
     what = f"DoRA column qkv sp={sp} dropout={dropout}"
-    _close(out, fused[rank], f"{what} output")
-    _close(xin.grad, rx.grad.chunk(tp, dim=0)[rank] if sp else rx.grad, f"{what} input grad")
+    check_column_forward_backward(module, x, proj, sp, fused[rank], rx.grad, what)
     for name, ra, rb, rm, n in (("q_proj", raq, rbq, rmq, hl), ("v_proj", rav, rbv, rmv, gl)):
         adapter = module.lora[name]
         _close(adapter.A.grad, ra.grad, f"{what} A({name}) grad")
@@ -103,8 +100,6 @@ def _column_qkv_check(sp: bool, dropout: bool) -> None:
 
 
 def _row_check(sp: bool, dropout: bool) -> None:
-    from megatron.core.tensor_parallel.layers import RowParallelLinear
-
     from loongforge_hf.lora.layers import LoraAdapter, attach_adapters
 
     rank, tp = dist.get_rank(), 2
@@ -118,11 +113,7 @@ def _row_check(sp: bool, dropout: bool) -> None:
     ref = _dora_ref(rx, w, None, ra, rb, rm, scaling, dropout)
     (ref * proj).sum().backward()
 
-    module = RowParallelLinear(inp, hidden, config=_linear_config(sp), init_method=None, bias=False,
-                               input_is_parallel=True, skip_bias_add=True)
-    with torch.no_grad():
-        module.weight.copy_(w.chunk(tp, dim=1)[rank])
-    module.weight.requires_grad_(False)
+    module = frozen_row_parallel(w, sp)
     adapter = LoraAdapter(a.chunk(tp, dim=1)[rank].clone(), bb.clone(), scaling=scaling, dropout=0.0, split="A")
     adapter.add_magnitude(m.clone(), split=False)
     if dropout:
