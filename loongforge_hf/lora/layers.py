@@ -21,6 +21,8 @@ Choices:
 - Dropout is applied to the adapter input, per target, like PEFT. Where the input is the same on every TP rank the
   default generator draws the mask (megatron keeps it in step across TP ranks); where it is split over TP (sequence
   parallel, row-parallel inputs) megatron's model-parallel RNG tracker does, so each shard gets its own mask.
+- DoRA (``use_dora``): each adapter also holds a magnitude (``add_magnitude``: split over TP with the rows of a
+  column-parallel base, replicated on a row-parallel one); ``lora_output`` then rescales as ``dora.py`` says.
 - Adapter parameters carry megatron's tensor-parallel attributes (split factors ``tensor_model_parallel=True``), so
   the gradient norm counts replicated factors once; ``sharded_state_dict`` shards split factors along their TP axis.
 - Checkpoints: megatron stacks a layer's tensors over every layer of the model (TransformerBlock passes the layer
