@@ -198,6 +198,11 @@ def model_checks(folder: str, adapter_dir: str, out_dir: str, layout: dict) -> d
         model.zero_grad(set_to_none=True)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
+        # NOTE: greedy cached generate, every decode step through the DoRA layers: PEFT's tokens and scores
+        kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+        mine, peft_s = model.generate(input_ids=ids[:, :6], **kw), ref.generate(input_ids=ids[:, :6], **kw)
+    result["generate_same_tokens"] = torch.equal(mine.sequences, peft_s.sequences)
+    result["generate_scores_diff"] = float((torch.stack(mine.scores) - torch.stack(peft_s.scores)).abs().max())
     result.update(export_checks(model, folder, out_dir, ids, logits))
     if dist.get_rank() == 0:
         before, after = load_file(adapter_dir + "/adapter_model.safetensors"), load_file(

@@ -7,8 +7,8 @@
   checkpoint and in pairs by megatron, so B's rows and the magnitudes are permuted), TP=2, TP=2 + SP, PP=2 and CP=2
   (Llama; DeepSeek-V3 at TP=2 + SP): logits (1e-4) and loss (1e-5) against
   PEFT's, every adapter gradient (A, B, magnitude; not under PP, where the loss is on the last stage only) within
-  1e-5, PEFT's parameter counts; saved again it is the same file; the merged export in transformers and
-  merge_and_unload give the same logits (1e-4).
+  1e-5, PEFT's parameter counts; greedy cached ``generate`` gives PEFT's tokens (scores 1e-4); saved again it is
+  the same file; the merged export in transformers and merge_and_unload give the same logits (1e-4).
 - get_peft_model's initial magnitudes equal PEFT's (1e-6) at TP=1 and TP=2.
 - Refused as PEFT refuses it: DoRA on MoE experts / router (target_parameters).
 Training against trl.SFTTrainer with DoRA: the ``dora_messages`` scenario of test_sft.py.
@@ -82,6 +82,7 @@ def _check_model(res: dict, rank0: bool, pipeline: bool, targets: int = 7 * 4) -
         assert res["grads_compared"] == 3 * targets  # A, B and magnitude of each
     assert res["unchanged_after_merged_export"]
     assert res["merge_and_unload_diff"] < 1e-4
+    assert res["generate_same_tokens"] and res["generate_scores_diff"] < 1e-4, res
     if rank0:
         assert res["same_tensors"]
         assert res["adapter_logits_diff"] < 1e-4 and res["merged_logits_diff"] < 1e-4
