@@ -19,6 +19,10 @@ Choices:
   in float32 with ``B' = scaling * B``, from a reduction over W and ``out x r`` products, all targets of a fused
   linear at once (their A stacked, their B' placed block-diagonally), so the number of kernels does not grow with
   the targets.
+- Without gradients (evaluation, ``generate``) the rows' squared norms of a layer are kept while its weight, A and
+  B are the same tensors with the same version counters (PEFT's opt-in ``ENABLE_DORA_CACHING``, here always on in
+  that mode), so a decode step does not read each adapted weight twice more; a row-parallel layer still sums its
+  squares over TP every call (no rank can skip a collective another one runs). With gradients they are recomputed.
 - Merging (``merge_and_unload``, the merged export) writes ``s * (W + scaling * B @ A)``, ``s`` from the unmerged
   weight, as PEFT's ``merge_safe``.
 - Refused as PEFT refuses it: DoRA on ``target_parameters`` (expert stacks, router). Refused here: the vision tower
@@ -69,9 +73,29 @@ def _squares(module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _weight_squares(module) + 2 * (wa * b).sum(dim=1) + ((b @ (a @ a.t())) * b).sum(dim=1)
 
 
-@torch.no_grad()
+def _kept(module, compute) -> torch.Tensor:
+    """``compute()`` (run without grad); when the caller runs without grad mode, the value of the last such call while
+    the layer's weight and factors are the same tensors, unchanged (data pointers and version counters)."""
+    if torch.is_grad_enabled():
+        module.__dict__.pop("dora_squares", None)
+        with torch.no_grad():
+            return compute()
+    tensors = [module.weight] + [t for a in module.lora.values() for t in (a.A, a.B)]
+    key = tuple((t.data_ptr(), t._version) for t in tensors)
+    kept = module.__dict__.get("dora_squares")
+    if kept is None or kept[0] != key:
+        kept = (key, compute())
+        module.__dict__["dora_squares"] = kept
+    return kept[1]
+
+
 def _column_norms(module) -> dict[str, torch.Tensor]:
     """||W + scaling * B @ A|| of each local output row of each target of a LoRA column-parallel linear (float32)."""
+    squares = _kept(module, lambda: _column_squares(module))
+    return {name: module.lora_layout.slot(squares, name).sqrt() for name in module.lora}
+
+
+def _column_squares(module) -> torch.Tensor:
     layout, adapters = module.lora_layout, list(module.lora.items())
     ranks = [a.A.shape[0] for _, a in adapters]
     total, before = sum(ranks), 0
@@ -79,17 +103,15 @@ def _column_norms(module) -> dict[str, torch.Tensor]:
     for (name, a), r in zip(adapters, ranks):  # NOTE: B' in its target's rows and columns, zeros elsewhere
         placed[name] = F.pad(a.B.detach().float() * a.scaling, (before, total - before - r)).t()
         before += r
-    squares = _squares(module, torch.cat([a.A.detach() for _, a in adapters]), layout.interleave(placed).t())
-    norms = squares.sqrt()
-    return {name: layout.slot(norms, name) for name, _ in adapters}
+    return _squares(module, torch.cat([a.A.detach() for _, a in adapters]), layout.interleave(placed).t())
 
 
-@torch.no_grad()
 def _row_norms(module) -> torch.Tensor:
     """The same for a row-parallel linear, whose rows are split over TP: squares summed over the group."""
     (a,) = module.lora.values()
-    squares = _squares(module, a.A.detach(), a.B.detach().float() * a.scaling)
+    squares = _kept(module, lambda: _squares(module, a.A.detach(), a.B.detach().float() * a.scaling))
     if _tp(module) > 1:
+        squares = squares.clone()
         dist.all_reduce(squares, group=module.tp_group)
     return squares.sqrt()
 

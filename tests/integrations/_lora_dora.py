@@ -229,3 +229,42 @@ def init_checks(folder: str, out_dir: str, layout: dict) -> dict:
             _close(saved[name], theirs[name + ".default.weight"], name, atol=1e-6, rtol=1e-6)
         result["magnitudes"] = len(magnitudes)
     return result
+
+
+def kept_norm_checks(folder: str) -> dict:
+    """Without grad mode the layers keep their row norms: a second forward computes none, and after an in-place
+    change of a factor, a base weight (under ``no_grad``, as an optimizer step or a load) the logits are those of a
+    forward with grad mode on (which always recomputes), bit for bit."""
+    import loongforge_hf as lf
+    from loongforge_hf.lora import dora, get_peft_model
+
+    ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = get_peft_model(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                           __import__("peft").LoraConfig(**DORA_KW))
+    calls = []
+    real = dora._squares
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dora._squares = counted
+    try:
+        out = {}
+        with torch.no_grad():
+            before = model(input_ids=ids).logits
+            first = len(calls)
+            model(input_ids=ids)
+            out["computed"] = (first, len(calls) - first)
+        chunk = model.chunks[0]
+        with torch.no_grad():
+            chunk.get_submodule("decoder.layers.1.self_attention.linear_qkv").lora["q_proj"].A.mul_(1.5)
+            chunk.get_submodule("decoder.layers.2.mlp.linear_fc2").lora["down_proj"].B.add_(0.1)
+            chunk.get_submodule("decoder.layers.0.mlp.linear_fc1").weight.mul_(0.9)
+            changed = model(input_ids=ids).logits
+        fresh = model(input_ids=ids).logits.detach()
+        out["after_change_equal"] = torch.equal(changed, fresh)
+        out["change_moved_logits"] = float((changed - before).abs().max())
+    finally:
+        dora._squares = real
+    return out

@@ -21,7 +21,7 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._lora_dora import DORA_KW, init_checks, layer_checks, model_checks
+from ._lora_dora import DORA_KW, init_checks, kept_norm_checks, layer_checks, model_checks
 from ._lora_load import write_peft_adapter
 
 MLA = {"rope_interleave": False, "q_lora_rank": None}  # NOTE: q_proj; rotary rows in halves (RopeColumnParallel)
@@ -46,6 +46,7 @@ def _one_rank(checkpoints: dict, out_dir: str) -> dict:
     folder, adapter = checkpoints["qwen2"]
     return {"model": model_checks(folder, adapter, out_dir + "/tp1", {}),
             "init": init_checks(folder, out_dir + "/init", {}),
+            "kept": kept_norm_checks(folder),
             "mla": model_checks(*checkpoints["deepseek_v3"], out_dir + "/mla", {})}
 
 
@@ -108,6 +109,15 @@ def test_initial_magnitudes_are_peft_s(one_rank, two_ranks):
     for res in (one_rank["init"], two_ranks[0]["init"], two_ranks[1]["init"]):
         assert res["counts"] == res["peft_counts"]
     assert one_rank["init"]["magnitudes"] == two_ranks[0]["init"]["magnitudes"] == 7 * 4
+
+
+def test_row_norms_kept_without_grad_until_a_tensor_changes(one_rank):
+    """generate / evaluation: the second no-grad forward computes no row norm (the first: one per megatron linear,
+    qkv, proj, fc1, fc2 in each of 4 layers); after in-place changes of A, B and a base weight the no-grad logits
+    move and equal a grad-mode forward's (which recomputes) bit for bit."""
+    kept = one_rank["kept"]
+    assert kept["computed"] == (4 * 4, 0), kept
+    assert kept["after_change_equal"] and kept["change_moved_logits"] > 1e-3, kept
 
 
 def test_dora_on_expert_parameters_is_refused(tmp_path):
