@@ -47,7 +47,7 @@ from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, 
 
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
                  RowParallel: "row"}
-_INITS = (True, False, "gaussian")
+_INITS = (True, False, "gaussian", "orthogonal")
 
 
 class LoraConfigError(ValueError):
@@ -155,7 +155,7 @@ def _check_config(config) -> None:
         raise LoraConfigError(f"LoraConfig(bias={config.bias!r}) is not supported; use bias='none'.")
     if config.init_lora_weights not in _INITS:
         raise LoraConfigError(f"LoraConfig(init_lora_weights={config.init_lora_weights!r}) is not supported; use "
-                              "True (PEFT's default), False or 'gaussian'.")
+                              "True (PEFT's default), False, 'gaussian' or 'orthogonal'.")
     if not isinstance(config.r, int) or config.r < 1:
         raise LoraConfigError(f"LoraConfig(r={config.r!r}): r must be a positive integer.")
     if config.target_modules is None and not config.target_parameters:

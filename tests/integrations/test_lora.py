@@ -29,6 +29,8 @@ INIT_CASES = {
     "exclude": ("llama", dict(r=2, target_modules=["gate_proj", "o_proj"],
                               exclude_modules=["model.layers.0.mlp.gate_proj"])),
     "patterns": ("llama", PATTERN_KW),
+    "orthogonal": ("qwen2", dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights="orthogonal",
+                                 rank_pattern={"o_proj": 2})),
     "patterns_rslora": ("qwen3", dict(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], use_rslora=True,
                                       rank_pattern={r"layers\.[02]\.self_attn\.q_proj": 6},
                                       alpha_pattern={"down_proj": 1})),
@@ -208,3 +210,19 @@ def test_model_matches_peft(two_rank_results, layout):
         assert res["optimizer_numel"][0] == res["optimizer_numel"][1] > 0
         assert res["frozen_tensors"] > 0
         assert res["unchanged_after_merged_export"]
+
+
+def test_orthogonal_init_needs_an_even_rank(checkpoints):
+    """As PEFT (which raises ValueError for an odd rank): refused before any adapter exists."""
+    import peft
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.lora import LoraConfigError
+    from loongforge_hf.lora.init import draw_initial_weights
+    from loongforge_hf.lora.plan import plan_lora
+
+    config = peft.LoraConfig(r=3, target_modules=["q_proj"], init_lora_weights="orthogonal")
+    plan = plan_lora(get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["llama"])), config)
+    with pytest.raises(LoraConfigError, match="orthogonal' needs an even rank"):
+        draw_initial_weights(plan.targets, config.init_lora_weights)
