@@ -26,7 +26,7 @@ Choices:
 - Merging (``merge_and_unload``, the merged export) writes ``s * (W + scaling * B @ A)``, ``s`` from the unmerged
   weight, as PEFT's ``merge_safe``.
 - Refused as PEFT refuses it: DoRA on ``target_parameters`` (expert stacks, router). Refused here: the vision tower
-  of image-text models (its linears are not megatron's).
+  of image-text models split over tensor parallelism (``tower_output`` covers the whole tower).
 """
 
 from __future__ import annotations
@@ -47,11 +47,33 @@ def check_dora(config, targets) -> None:
         raise LoraConfigError(f"use_dora=True: DoRA does not apply to target_parameters ({params[:3]}; PEFT's "
                               "ParamWrapper refuses it too, and PEFT turns MoE expert and router names into such "
                               "targets): adapt the attention projections only, or use plain LoRA.")
+
+
+def check_tower_dora(model, config, targets) -> None:
+    """DoRA on the vision tower needs it whole on each rank (the default; encoder data parallelism too)."""
+    from loongforge_hf.lora.plan import LoraConfigError
+
     tower = sorted({t.hf_module for t in targets if t.kind == "vision"})
-    if tower:
-        raise LoraConfigError(f"use_dora=True is not supported on the vision tower ({tower[:3]} ...); restrict "
-                              "target_modules to the language model (e.g. a regex on 'model.language_model') or "
-                              "use plain LoRA.")
+    if config.use_dora and tower and getattr(model, "vision_layout", None) == "tensor_parallel":
+        raise LoraConfigError(f"use_dora=True on the vision tower ({tower[:2]} ...) is not supported with the tower "
+                              "split over tensor parallelism (vision_tensor_parallel_size > 1): load it whole, or "
+                              "restrict target_modules to the language model (a regex on 'model.language_model').")
+
+
+def tower_scale(module) -> torch.Tensor:
+    """``s = m / ||W + ΔW||`` of a whole vision-tower linear (one adapter)."""
+    (a,) = module.lora.values()
+    squares = _kept(module, lambda: _squares(module, a.A.detach(), a.B.detach().float() * a.scaling))
+    return a.magnitude / squares.sqrt().to(a.magnitude.dtype)
+
+
+def tower_output(out: torch.Tensor, delta: torch.Tensor, base_x, module, adapter, bias) -> torch.Tensor:
+    """A whole vision-tower linear's DoRA output: ``out`` its base output (``bias`` included if not None), ``delta``
+    the adapter's term, ``base_x`` the dropped input where dropout ran (else None)."""
+    scale = tower_scale(module)
+    if base_x is not None:
+        return out + rescaled(delta, F.linear(base_x, module.weight.detach()), scale)
+    return rescaled_output(out, delta, scale, bias)
 
 
 def _tp(module) -> int:
@@ -160,10 +182,18 @@ def merge_delta(weight: torch.Tensor, lora_delta: torch.Tensor, adapters, scale)
 def add_magnitudes(module, targets, slices: dict[str, slice], given: dict[str, torch.Tensor] | None) -> None:
     """Give each adapter of ``module`` its DoRA magnitude: this rank's part of ``given`` (HF-shaped [out], by HF
     module name: a loaded adapter) or, as PEFT initialises it, the row norms of ``W + scaling * B @ A``."""
-    from loongforge_hf.lora.layers import LoraColumnParallelLinear
+    from loongforge_hf.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
 
     column = isinstance(module, LoraColumnParallelLinear)
-    norms = None if given else _column_norms(module) if column else _row_norms(module)  # NOTE: by target if column
+    if given:
+        norms = None
+    elif column:
+        norms = _column_norms(module)  # NOTE: by target
+    elif isinstance(module, LoraRowParallelLinear):
+        norms = _row_norms(module)
+    else:  # NOTE: a whole vision-tower linear
+        (a,) = module.lora.values()
+        norms = _kept(module, lambda: _squares(module, a.A.detach(), a.B.detach().float() * a.scaling)).sqrt()
     for t in targets:
         if given:
             m = given[t.hf_module].float()

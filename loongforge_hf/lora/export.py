@@ -46,10 +46,8 @@ def _lora_deltas(model):
 
     for chunk in model.chunks:
         for module in chunk.modules():
-            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear)):
+            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear, LoraVisionLinear)):
                 yield module.weight, module.lora_merge_delta()
-            elif isinstance(module, LoraVisionLinear):
-                yield module.weight, module.lora_delta_weight()
             elif is_param_lora(module):
                 yield from module.lora_deltas()
 

@@ -192,7 +192,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
 
     from loongforge_hf.bridges.builder import layer_owners
     from loongforge_hf.bridges.loader import shard_context
-    from loongforge_hf.lora.dora import add_magnitudes
+    from loongforge_hf.lora.dora import add_magnitudes, check_tower_dora
     from loongforge_hf.lora.experts import attach_param_adapters, check_param_adaptable
     from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable, stacking
     from loongforge_hf.lora.vision import attach_vision_adapters, lora_class_for, text_bridge
@@ -223,6 +223,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     from loongforge_hf.lora.tokens import check_tied_layout
 
     check_tied_layout(model, plan.token_indices)
+    check_tower_dora(model, peft_config, plan.targets)
     for (vp, path), members in groups.items():  # every target adaptable before anything changes
         module, kind = model.chunks[vp].get_submodule(path), members[0][0].kind
         if kind in PARAM_KINDS:
@@ -253,7 +254,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         attach_adapters(module, adapters, layout)
         if peft_config.use_dora:
             add_magnitudes(module, targets, slices, magnitudes)
-    attach_vision_adapters(model, vision, dropout=float(peft_config.lora_dropout), dtype=dtype, device=device)
+    attach_vision_adapters(model, vision, dropout=float(peft_config.lora_dropout), dtype=dtype, device=device,
+                           dora=bool(peft_config.use_dora), magnitudes=magnitudes)
 
     originals = []  # NOTE: modules_to_save train in place; PEFT keeps the originals (disable_adapter, unload)
     for saved in plan.saved:

@@ -153,16 +153,29 @@ class LoraVisionLinear(VisionLinear):
                 # NOTE: the whole factor's gradient is partial per rank (module docstring): summed over the group
                 a, b = (a, copy_to_tensor_model_parallel_region(b, group=group)) if row else \
                     (copy_to_tensor_model_parallel_region(a, group=group), b)
-            h = F.linear(adapter.drop(x, input_is_split=row and group is not None), a)
-            out = out + adapter.scaling * F.linear(h, b)
+            xd = adapter.drop(x, input_is_split=row and group is not None)
+            delta = adapter.scaling * F.linear(F.linear(xd, a), b)
+            if adapter.magnitude is not None:  # NOTE: DoRA, on a whole tower only (dora.check_tower_dora)
+                from loongforge_hf.lora.dora import tower_output
+
+                return tower_output(out, delta, None if xd is x else xd, self, adapter, bias)
+            out = out + delta
         return out
 
     def lora_delta_weight(self) -> torch.Tensor:
         return sum(a.scaling * (a.B.float() @ a.A.float()) for a in self.lora.values())
 
+    def lora_merge_delta(self) -> torch.Tensor:
+        """What merging adds to ``weight`` (float32): ``scaling * B @ A``, or with DoRA ``s * (W + ΔW) - W``."""
+        from loongforge_hf.lora import dora
 
-def attach_vision_adapters(model, members, *, dropout: float, dtype, device) -> None:
-    """The vision targets' adapters (``members``: (target, (A, B)) at HF shapes) on this rank's tower, if any."""
+        return dora.merge_delta(self.weight, self.lora_delta_weight(), self.lora, lambda: dora.tower_scale(self))
+
+
+def attach_vision_adapters(model, members, *, dropout: float, dtype, device, dora: bool = False,
+                           magnitudes: dict | None = None) -> None:
+    """The vision targets' adapters (``members``: (target, (A, B)) at HF shapes) on this rank's tower, if any; with
+    ``dora`` their magnitudes (``magnitudes`` by HF module, else the initial row norms: ``dora.add_magnitudes``)."""
     from loongforge_hf.lora.layers import LoraAdapter
 
     tower_chunk = model.chunks[0]
@@ -183,3 +196,7 @@ def attach_vision_adapters(model, members, *, dropout: float, dtype, device) -> 
         module.__class__ = LoraVisionLinear
         module.lora = nn.ModuleDict({t.name: adapter})
         module.lora_tp_group = group
+        if dora:
+            from loongforge_hf.lora.dora import add_magnitudes
+
+            add_magnitudes(module, [t], {}, magnitudes)

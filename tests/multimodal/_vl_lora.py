@@ -21,9 +21,10 @@ CONFIGS = {
     # differ from PEFT's by 1e-4, at 2 by 2e-6, at 1 by 9e-7; the base model's by 3e-7)
     "all_linear": dict(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False,
                        modules_to_save=["lm_head", "post_attention_layernorm"]),
-    # DoRA on the language model's attention (the tower's own linears are refused with DoRA)
+    # DoRA on the language model's attention, and on every linear (the tower's too) at scaling 1 (see all_linear)
     "language_dora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False,
                           use_dora=True),
+    "all_linear_dora": dict(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False, use_dora=True),
 }
 GRAD_TOL = 2e-5
 SPLIT_TOWER = {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2}
@@ -162,6 +163,7 @@ def two_rank_checks(folder: str, out_dir: str) -> dict:
     out["tp2_split_tower/all_linear"] = model_checks(
         folder, f"{out_dir}/split-all_linear", SPLIT_TOWER, "all_linear")
     out["peft_adapter"] = peft_adapter_checks(folder, out_dir, {"tensor_parallel_size": 2})
+    out["peft_dora"] = peft_dora_checks(folder, out_dir, {"tensor_parallel_size": 2})
     out["resume"] = resume_matches_uninterrupted(folder, f"{out_dir}/resume", SPLIT_TOWER,
                                                  {"pipeline_parallel_size": 2})
     return out
@@ -277,3 +279,68 @@ def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict, resume
     full = run(None, layout)
     checkpoint = f"{out_dir}/checkpoint-2"
     return {"full": full, "resumed": run(checkpoint, resume_layout), "files": sorted(os.listdir(checkpoint))}
+
+
+def peft_dora_checks(folder: str, out_dir: str, layout: dict) -> dict:
+    """A PEFT-written DoRA adapter on every linear (the tower's too), every factor and magnitude moved off its initial
+    value (so the rescaling is not 1), loaded here and in PEFT: logits, loss, the tower adapters' gradients (A, B,
+    magnitude), the merged model's logits (differences); and refused on a split tower, nothing changed."""
+    import peft
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import LoraConfigError, load_adapter
+    from loongforge_hf.lora.vision import chunk_params
+
+    batch = make_batch(folder)
+    adapter = f"{out_dir}/peft-dora"
+    if dist.get_rank() == 0:
+        hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        transformers.set_seed(1)
+        model = peft.get_peft_model(hf, peft.LoraConfig(**CONFIGS["all_linear_dora"]))
+        g = torch.Generator().manual_seed(8)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
+        model.save_pretrained(adapter)
+        config = json.load(open(f"{adapter}/adapter_config.json"))
+        json.dump({**config, "base_model_name_or_path": folder}, open(f"{adapter}/adapter_config.json", "w"))
+    dist.barrier()
+    ref = peft.PeftModel.from_pretrained(
+        transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32), adapter,
+        is_trainable=True)
+    model = load_adapter(lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout),
+                         adapter, is_trainable=True)
+    ours, theirs = model(**batch), ref(**batch)
+    with torch.no_grad(), ref.disable_adapter():
+        out = {"adapter_effect": float((theirs.logits - ref(**batch).logits).abs().max())}
+    out.update(logits_diff=float((ours.logits - theirs.logits).abs().max()),
+               loss_diff=float((ours.loss - theirs.loss).abs()))
+    ours.loss.backward()
+    theirs.loss.backward()
+    params, theirs_params = chunk_params(model.chunks[0]), dict(ref.named_parameters())
+    worst, compared = 0.0, 0
+    for t in model.lora_plan.targets:
+        if t.kind != "vision":
+            continue
+        for ours_name, peft_name in (("A", "lora_A.default.weight"), ("B", "lora_B.default.weight"),
+                                     ("magnitude", "lora_magnitude_vector.default.weight")):
+            got = params[f"{t.megatron_module}.lora.{t.name}.{ours_name}"].grad
+            want = theirs_params[f"base_model.model.{t.hf_module}.{peft_name}"].grad
+            worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+            compared += 1
+    out.update(tower_grads_compared=compared, tower_grad_rel_diff=worst)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        logits = model(**batch).logits
+        out["merged_diff"] = float((model.merge_and_unload()(**batch).logits - logits).abs().max())
+    try:
+        split = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **SPLIT_TOWER)
+        load_adapter(split, adapter)
+        out["split_tower"] = "not refused"
+    except LoraConfigError as err:
+        out["split_tower"] = str(err)
+        out["split_tower_untouched"] = type(split).__name__ == "LoongModelForImageTextToText" and not any(
+            "lora" in n for n, _ in split.named_parameters())
+    return out
