@@ -261,7 +261,7 @@ class Fp8ForwardImpl(_LayerPrecision):
         accumulate = bool(gradient_accumulation_fusion and hasattr(weight, "main_grad"))
         out = _Fp8ParallelLinear.apply(input, weight, bias, self.settings.recipe, precision, sequence_parallel,
                                        allreduce_dgrad, group, accumulate)
-        if hasattr(module, "lora_output") and not module.__dict__.get("lora_disabled"):  # NOTE: disable_adapter()
+        if hasattr(module, "lora_output"):
             from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
             out = module.lora_output(input, out, bias=bias, sequence_parallel=sequence_parallel,

@@ -26,7 +26,8 @@ Choices:
 - Merging (``merge_and_unload``, the merged export) writes ``s * (W + scaling * B @ A)``, ``s`` from the unmerged
   weight, as PEFT's ``merge_safe``.
 - Refused as PEFT refuses it: DoRA on ``target_parameters`` (expert stacks, router). Refused here: the vision tower
-  of image-text models split over tensor parallelism (``tower_output`` covers the whole tower).
+  of image-text models split over tensor parallelism (``one_adapter_output`` covers a whole tower's linears
+  as it covers row-parallel ones).
 """
 
 from __future__ import annotations
@@ -60,29 +61,20 @@ def check_tower_dora(model, config, targets) -> None:
                               "restrict target_modules to the language model (a regex on 'model.language_model').")
 
 
-def tower_scale(module) -> torch.Tensor:
-    """``s = m / ||W + ΔW||`` of a whole vision-tower linear (one adapter)."""
-    (a,) = module.lora.values()
-    squares = _kept(module, lambda: _squares(module, a.A.detach(), a.B.detach().float() * a.scaling))
-    return a.magnitude / squares.sqrt().to(a.magnitude.dtype)
-
-
-def tower_output(out: torch.Tensor, delta: torch.Tensor, base_x, module, adapter, bias) -> torch.Tensor:
-    """A whole vision-tower linear's DoRA output: ``out`` its base output (``bias`` included if not None), ``delta``
-    the adapter's term, ``base_x`` the dropped input where dropout ran (else None)."""
-    scale = tower_scale(module)
-    if base_x is not None:
-        return out + rescaled(delta, F.linear(base_x, module.weight.detach()), scale)
+def one_adapter_output(module, out: torch.Tensor, delta: torch.Tensor, dropped_x, bias) -> torch.Tensor:
+    """The DoRA output of a linear with one adapter (row-parallel, or a whole vision-tower linear): ``out`` its base
+    output (``bias`` included if not None), ``delta`` the adapter's term, ``dropped_x`` the dropped input where
+    dropout ran (else None)."""
+    scale = one_adapter_scale(module)
+    if dropped_x is not None:  # NOTE: PEFT's DoRA rescales W applied to the dropped input then
+        return out + rescaled(delta, F.linear(dropped_x, module.weight.detach()), scale)
     return rescaled_output(out, delta, scale, bias)
 
 
-def _tp(module) -> int:
-    return module.tp_group.size() if module.tp_group is not None else 1
-
-
-def _weight_squares(module) -> torch.Tensor:
-    """Each local row's sum of squared weights, accumulated in float32."""
-    return torch.linalg.vector_norm(module.weight.detach(), dim=1, dtype=torch.float32).square()
+def _tp_group(module):
+    """The group a layer's input columns are split over (a row-parallel linear's), or None (whole rows)."""
+    group = getattr(module, "tp_group", None)
+    return group if group is not None and group.size() > 1 else None
 
 
 def _squares(module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -92,7 +84,8 @@ def _squares(module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a = a.to(weight.dtype)
     wa = (weight @ a.t()).float()
     a = a.float()
-    return _weight_squares(module) + 2 * (wa * b).sum(dim=1) + ((b @ (a @ a.t())) * b).sum(dim=1)
+    w_squares = torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).square()
+    return w_squares + 2 * (wa * b).sum(dim=1) + ((b @ (a @ a.t())) * b).sum(dim=1)
 
 
 def _kept(module, compute) -> torch.Tensor:
@@ -128,13 +121,15 @@ def _column_squares(module) -> torch.Tensor:
     return _squares(module, torch.cat([a.A.detach() for _, a in adapters]), layout.interleave(placed).t())
 
 
-def _row_norms(module) -> torch.Tensor:
-    """The same for a row-parallel linear, whose rows are split over TP: squares summed over the group."""
+def _one_adapter_norms(module) -> torch.Tensor:
+    """The same for a linear with one adapter: a row-parallel one, whose rows are split over TP (squares summed over
+    the group), or a whole vision-tower linear."""
     (a,) = module.lora.values()
     squares = _kept(module, lambda: _squares(module, a.A.detach(), a.B.detach().float() * a.scaling))
-    if _tp(module) > 1:
+    group = _tp_group(module)
+    if group is not None:
         squares = squares.clone()
-        dist.all_reduce(squares, group=module.tp_group)
+        dist.all_reduce(squares, group=group)
     return squares.sqrt()
 
 
@@ -145,15 +140,16 @@ def column_scale(module) -> torch.Tensor:
                                           for n, a in module.lora.items()}, fill=1.0)
 
 
-def row_scale(module) -> torch.Tensor:
-    """``s`` over the (whole) output rows of a row-parallel linear; m's gradient summed over TP."""
+def one_adapter_scale(module) -> torch.Tensor:
+    """``s`` over the (whole) output rows of a linear with one adapter; a row-parallel one's m gradient summed over
+    TP."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     (adapter,) = module.lora.values()
-    m = adapter.magnitude
-    if _tp(module) > 1:
-        m = copy_to_tensor_model_parallel_region(m, group=module.tp_group)
-    return m / _row_norms(module).to(m.dtype)
+    m, group = adapter.magnitude, _tp_group(module)
+    if group is not None:
+        m = copy_to_tensor_model_parallel_region(m, group=group)
+    return m / _one_adapter_norms(module).to(m.dtype)
 
 
 def rescaled(delta: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -182,18 +178,10 @@ def merge_delta(weight: torch.Tensor, lora_delta: torch.Tensor, adapters, scale)
 def add_magnitudes(module, targets, slices: dict[str, slice], given: dict[str, torch.Tensor] | None) -> None:
     """Give each adapter of ``module`` its DoRA magnitude: this rank's part of ``given`` (HF-shaped [out], by HF
     module name: a loaded adapter) or, as PEFT initialises it, the row norms of ``W + scaling * B @ A``."""
-    from loongforge_hf.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
+    from loongforge_hf.lora.layers import LoraColumnParallelLinear
 
     column = isinstance(module, LoraColumnParallelLinear)
-    if given:
-        norms = None
-    elif column:
-        norms = _column_norms(module)  # NOTE: by target
-    elif isinstance(module, LoraRowParallelLinear):
-        norms = _row_norms(module)
-    else:  # NOTE: a whole vision-tower linear
-        (a,) = module.lora.values()
-        norms = _kept(module, lambda: _squares(module, a.A.detach(), a.B.detach().float() * a.scaling)).sqrt()
+    norms = None if given else _column_norms(module) if column else _one_adapter_norms(module)  # NOTE: column: dict
     for t in targets:
         if given:
             m = given[t.hf_module].float()

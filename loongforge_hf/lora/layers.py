@@ -127,17 +127,18 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         out = super()._forward_impl(input, weight, *args, **kwargs)
-        if self.__dict__.get("lora_disabled"):  # NOTE: inside disable_adapter() (unload.py)
-            return out
         return self.lora_output(input, out, bias=kwargs.get("bias"),
                                 sequence_parallel=bool(kwargs.get("sequence_parallel")),
                                 allreduce_dgrad=bool(kwargs.get("allreduce_dgrad")))
 
     def lora_output(self, x: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None, sequence_parallel: bool,
                     allreduce_dgrad: bool) -> torch.Tensor:
-        """``out``, the base layer's output on ``x`` (``bias`` included if not None), with the adapters' term."""
+        """``out``, the base layer's output on ``x`` (``bias`` included if not None), with the adapters' term (none
+        inside ``disable_adapter()``, unload.py; the FP8 forward calls this too)."""
         from loongforge_hf.lora import dora
 
+        if self.__dict__.get("lora_disabled"):
+            return out
         tp = _tp_size(self)
         if tp > 1 and not sequence_parallel and not allreduce_dgrad:
             # NOTE: megatron then copies the input into the TP region itself, which would sum the adapter's
@@ -203,13 +204,15 @@ class LoraRowParallelLinear(RowParallelLinear):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         out = super()._forward_impl(input, weight, *args, **kwargs)
-        return out if self.__dict__.get("lora_disabled") else self.lora_output(input, out)
+        return self.lora_output(input, out)
 
     def lora_output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out``, this rank's partial output on its input columns ``x``, with the adapter's partial term (both
-        summed over TP by megatron's reduction afterwards)."""
+        summed over TP by megatron's reduction afterwards); none inside ``disable_adapter()``."""
         from loongforge_hf.lora import dora
 
+        if self.__dict__.get("lora_disabled"):
+            return out
         tp = _tp_size(self)
         (adapter,) = self.lora.values()
         b = copy_to_tensor_model_parallel_region(adapter.B, group=self.tp_group) if tp > 1 else adapter.B
@@ -217,9 +220,7 @@ class LoraRowParallelLinear(RowParallelLinear):
         delta = F.linear(F.linear(xd, adapter.A), b) * adapter.scaling
         if adapter.magnitude is None:
             return out + delta
-        if xd is not x:  # NOTE: PEFT's DoRA rescales W applied to the dropped input then
-            return out + dora.rescaled(delta, F.linear(xd, self.weight.detach()), dora.row_scale(self))
-        return dora.rescaled_output(out, delta, dora.row_scale(self), None)
+        return dora.one_adapter_output(self, out, delta, None if xd is x else xd, None)
 
     @torch.no_grad()
     def lora_delta_weight(self) -> torch.Tensor:
@@ -230,7 +231,7 @@ class LoraRowParallelLinear(RowParallelLinear):
         """What merging adds to ``weight`` (float32; collective over TP with DoRA: the row norms)."""
         from loongforge_hf.lora import dora
 
-        return dora.merge_delta(self.weight, self.lora_delta_weight(), self.lora, lambda: dora.row_scale(self))
+        return dora.merge_delta(self.weight, self.lora_delta_weight(), self.lora, lambda: dora.one_adapter_scale(self))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         axes = {"weight": 1, **{f"lora.{n}.A": 1 for n in self.lora}}

@@ -156,9 +156,9 @@ class LoraVisionLinear(VisionLinear):
             xd = adapter.drop(x, input_is_split=row and group is not None)
             delta = adapter.scaling * F.linear(F.linear(xd, a), b)
             if adapter.magnitude is not None:  # NOTE: DoRA, on a whole tower only (dora.check_tower_dora)
-                from loongforge_hf.lora.dora import tower_output
+                from loongforge_hf.lora.dora import one_adapter_output
 
-                return tower_output(out, delta, None if xd is x else xd, self, adapter, bias)
+                return one_adapter_output(self, out, delta, None if xd is x else xd, bias)
             out = out + delta
         return out
 
@@ -169,7 +169,7 @@ class LoraVisionLinear(VisionLinear):
         """What merging adds to ``weight`` (float32): ``scaling * B @ A``, or with DoRA ``s * (W + ΔW) - W``."""
         from loongforge_hf.lora import dora
 
-        return dora.merge_delta(self.weight, self.lora_delta_weight(), self.lora, lambda: dora.tower_scale(self))
+        return dora.merge_delta(self.weight, self.lora_delta_weight(), self.lora, lambda: dora.one_adapter_scale(self))
 
 
 def attach_vision_adapters(model, members, *, dropout: float, dtype, device, dora: bool = False,

@@ -113,6 +113,13 @@ def model_checks(folder: str, out_dir: str, layout: dict, name: str) -> dict:
     return result
 
 
+def save_naming_base(peft_model, adapter: str, folder: str) -> None:
+    """``peft_model``'s adapter folder, its ``base_model_name_or_path`` the local checkpoint ``folder``."""
+    peft_model.save_pretrained(adapter)
+    config = json.load(open(f"{adapter}/adapter_config.json"))
+    json.dump({**config, "base_model_name_or_path": folder}, open(f"{adapter}/adapter_config.json", "w"))
+
+
 def peft_adapter_checks(folder: str, out_dir: str, layout: dict) -> dict:
     """A PEFT-written adapter ("all-linear", random B, norms and LM head whole) loaded here: ``from_pretrained`` of the
     adapter folder (frozen) and ``load_adapter(..., is_trainable=True)`` against ``PeftModel.from_pretrained``; then
@@ -128,10 +135,10 @@ def peft_adapter_checks(folder: str, out_dir: str, layout: dict) -> dict:
     if dist.get_rank() == 0:
         hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
         transformers.set_seed(1)
-        peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules="all-linear", init_lora_weights=False,
-                                                modules_to_save=["lm_head", "norm"])).save_pretrained(adapter)
-        config = json.load(open(f"{adapter}/adapter_config.json"))
-        json.dump({**config, "base_model_name_or_path": folder}, open(f"{adapter}/adapter_config.json", "w"))
+        peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules="all-linear",
+                                                             init_lora_weights=False,
+                                                             modules_to_save=["lm_head", "norm"]))
+        save_naming_base(peft_model, adapter, folder)
     dist.barrier()
     with torch.no_grad():
         ref = peft.PeftModel.from_pretrained(
@@ -303,9 +310,7 @@ def peft_dora_checks(folder: str, out_dir: str, layout: dict) -> dict:
             for p in model.parameters():
                 if p.requires_grad:
                     p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
-        model.save_pretrained(adapter)
-        config = json.load(open(f"{adapter}/adapter_config.json"))
-        json.dump({**config, "base_model_name_or_path": folder}, open(f"{adapter}/adapter_config.json", "w"))
+        save_naming_base(model, adapter, folder)
     dist.barrier()
     ref = peft.PeftModel.from_pretrained(
         transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32), adapter,
