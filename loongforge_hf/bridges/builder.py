@@ -185,7 +185,8 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=bridge.tied,
             position_embedding_type=getattr(bridge, "position_embedding_type", "rope"),
-            rotary_base=rope["rope_theta"], parallel_output=True, vp_stage=stage,
+            rotary_base=rope["rope_theta"], rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
+            parallel_output=True, vp_stage=stage,
         )
         if hasattr(model, "rotary_pos_emb") and rope["rope_type"] == "llama3":
             model.rotary_pos_emb.inv_freq = llama3_inv_freq(model.rotary_pos_emb.inv_freq.float(), rope)

@@ -90,8 +90,10 @@ def megatron_to_hf(transformer_config, fields: tuple[Field, ...] = DENSE_FIELDS)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
-def rope_parameters(hf_config) -> dict:
-    """``rope_parameters`` as transformers 5 stores them (theta, type and scaling fields in one dict)."""
+def rope_parameters(hf_config, *, partial_rotary: bool = False) -> dict:
+    """``rope_parameters`` as transformers 5 stores them (theta, type and scaling fields in one dict);
+    ``partial_rotary``: the architecture rotates only ``partial_rotary_factor`` of each head (Phi-3), else a factor
+    other than 1 is refused (Llama's attention ignores it)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if not params:
         params = {"rope_type": "default", "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
@@ -103,9 +105,12 @@ def rope_parameters(hf_config) -> dict:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedConfigError(
             f"rope_parameters.rope_type={rope_type!r} is not implemented; supported: {list(SUPPORTED_ROPE_TYPES)}.")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    factor = params.get("partial_rotary_factor", 1.0)
+    if factor != 1.0 and not partial_rotary:
         raise UnsupportedConfigError(
             f"rope_parameters.partial_rotary_factor={params['partial_rotary_factor']} is not supported (only 1.0).")
+    if partial_rotary and not 0.0 < factor <= 1.0:
+        raise UnsupportedConfigError(f"rope_parameters.partial_rotary_factor={factor}: expected a value in (0, 1].")
     return params
 
 

@@ -175,9 +175,10 @@ def merge_delta(weight: torch.Tensor, lora_delta: torch.Tensor, adapters, scale)
     return (w + lora_delta) * scale().float()[:, None] - w
 
 
-def add_magnitudes(module, targets, slices: dict[str, slice], given: dict[str, torch.Tensor] | None) -> None:
+def add_magnitudes(module, targets, slices: dict[str, slice], given: dict[str, torch.Tensor] | None, ctx) -> None:
     """Give each adapter of ``module`` its DoRA magnitude: this rank's part of ``given`` (HF-shaped [out], by HF
-    module name: a loaded adapter) or, as PEFT initialises it, the row norms of ``W + scaling * B @ A``."""
+    module name: a loaded adapter; ``ctx``: the ``ShardContext``) or, as PEFT initialises it, the row norms of
+    ``W + scaling * B @ A``."""
     from loongforge_hf.lora.layers import LoraColumnParallelLinear
 
     column = isinstance(module, LoraColumnParallelLinear)
@@ -185,7 +186,7 @@ def add_magnitudes(module, targets, slices: dict[str, slice], given: dict[str, t
     for t in targets:
         if given:
             m = given[t.hf_module].float()
-            m = t.b_to_megatron(m[:, None])[slices[t.name], 0] if column else m
+            m = t.b_to_megatron(m[:, None], ctx)[slices[t.name], 0] if column else m
         else:
             m = norms[t.name] if column else norms
         adapter = module.lora[t.name]

@@ -182,7 +182,8 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
             hf_name = f"{prefix}.lora_magnitude_vector" if factor == "magnitude" else f"{prefix}.lora_{factor}.weight"
             shape = {"A": t.a_shape, "B": t.b_shape, "magnitude": (t.out_features,)}[factor]
             owner_pp, vp, name = streamer.owner_of(t.layer, f"{base}.{factor}")
-            to_hf = {"B": t.b_to_hf, "magnitude": lambda m, t=t: t.b_to_hf(m[:, None])[:, 0]}.get(factor)
+            to_hf = {"B": lambda b, t=t: t.b_to_hf(b, streamer.ctx),
+                     "magnitude": lambda m, t=t: t.b_to_hf(m[:, None], streamer.ctx)[:, 0]}.get(factor)
 
             def export(shards, hf_name=hf_name, split_dim=split_dim, to_hf=to_hf, vision=kind):
                 full = shards[0] if split_dim is None else gathered_factor(vision, shards) if vision else \

@@ -245,7 +245,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             if t.kind == "row":
                 a, b = a[:, slices[t.name]], b
             else:
-                b = t.b_to_megatron(b)[slices[t.name]]
+                b = t.b_to_megatron(b, ctx)[slices[t.name]]
             adapters[t.name] = LoraAdapter(a.to(device=device, dtype=dtype).contiguous().clone(),
                                            b.to(device=device, dtype=dtype).contiguous().clone(),
                                            scaling=t.scaling, dropout=float(peft_config.lora_dropout),
@@ -253,7 +253,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             adapters[t.name].stacked_layers, adapters[t.name].stack_suffix = stacks[(t.megatron_module, t.name, t.r)]
         attach_adapters(module, adapters, layout)
         if peft_config.use_dora:
-            add_magnitudes(module, targets, slices, magnitudes)
+            add_magnitudes(module, targets, slices, magnitudes, ctx)
     attach_vision_adapters(model, vision, dropout=float(peft_config.lora_dropout), dtype=dtype, device=device,
                            dora=bool(peft_config.use_dora), magnitudes=magnitudes)
 

@@ -32,6 +32,8 @@ Choices:
   (``RopeColumnParallel``), B's rows are permuted like the weight's on the way in and back on the way out
   (``Target.b_to_megatron`` / ``b_to_hf``). PEFT's rewrite takes the expert names (``gate_proj``, ``up_proj``,
   ``down_proj``) from the modules there too, so the shared experts and the dense first layers' MLPs carry none.
+- Phi-3's packed ``qkv_proj`` / ``gate_up_proj``: one adapter each, as in PEFT; B's rows go to megatron's fused order
+  as the weight's do (``packed_mappings``), each TP rank holding those of its own heads / MLP rows.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loongforge_hf.bridges import transforms as T
 from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParallel
+from loongforge_hf.bridges.packed_mappings import PackedGatedMLP, PackedQKV
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
-                 RowParallel: "row"}
+                 PackedQKV: "column", PackedGatedMLP: "column", RowParallel: "row"}
 _INITS = (True, False, "gaussian", "orthogonal")
 
 
@@ -89,18 +91,18 @@ class Target:
     def b_shape(self) -> tuple[int, int]:
         return (self.out_features, self.r * self.num_experts)
 
-    def b_to_megatron(self, b: torch.Tensor) -> torch.Tensor:
-        """B [out, r] at HF shape with its rows in the order megatron holds the weight's rows (rotary rows in
-        pairs where the checkpoint keeps them in halves: ``RopeColumnParallel``)."""
-        if isinstance(self.mapping, RopeColumnParallel):
-            return T.interleave_rope_rows(b, block=self.mapping.block, rope_dim=self.mapping.rope_dim)
-        return b
+    def b_to_megatron(self, b: torch.Tensor, ctx) -> torch.Tensor:
+        """B [out, r] at HF shape with its rows in the order megatron holds the weight's rows, TP rank after TP rank
+        (``ctx``: the ``ShardContext``): rotary rows in pairs where the checkpoint keeps them in halves
+        (``RopeColumnParallel``), q / k / v or gate / up rows of a packed HF linear in megatron's fused layout
+        (``PackedQKV``, ``PackedGatedMLP``)."""
+        permute = getattr(self.mapping, "rows_to_megatron", None)
+        return b if permute is None else permute(b, ctx)
 
-    def b_to_hf(self, b: torch.Tensor) -> torch.Tensor:
+    def b_to_hf(self, b: torch.Tensor, ctx) -> torch.Tensor:
         """The inverse of ``b_to_megatron`` (the gathered B of this target, back in the checkpoint's row order)."""
-        if isinstance(self.mapping, RopeColumnParallel):
-            return T.deinterleave_rope_rows(b, block=self.mapping.block, rope_dim=self.mapping.rope_dim)
-        return b
+        permute = getattr(self.mapping, "rows_to_hf", None)
+        return b if permute is None else permute(b, ctx)
 
 
 @dataclass(frozen=True)

@@ -199,4 +199,4 @@ def attach_vision_adapters(model, members, *, dropout: float, dtype, device, dor
         if dora:
             from loongforge_hf.lora.dora import add_magnitudes
 
-            add_magnitudes(module, [t], {}, magnitudes)
+            add_magnitudes(module, [t], {}, magnitudes, ctx=None)

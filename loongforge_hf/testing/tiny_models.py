@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2")
+TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
+              "deepseek_v2")
 
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
@@ -38,6 +39,10 @@ def _config(arch: str, **overrides):
         cfg = tf.Qwen3Config(**{**common, "head_dim": 24})
     elif arch == "mistral":
         cfg = tf.MistralConfig(**{**common, "sliding_window": 6})
+    elif arch == "phi3":
+        # NOTE: Phi-4-mini's partial rotary (0.75 of each head) and a sliding window that binds at the tests' lengths
+        cfg = tf.Phi3Config(**common, sliding_window=7, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                         "partial_rotary_factor": 0.75})
     elif arch == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(**{**common, "head_dim": 24}, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,

@@ -31,7 +31,7 @@ from loongforge_hf.testing import make_tiny_checkpoint
 
 TP2 = {"tensor_parallel_size": 2}
 INDEX = "model.safetensors.index.json"
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # NOTE: per call, measured inside the rank after the imports; a hang would instead run into run_distributed's timeout.
 QUICK_S = 10.0
 LOAD_CASES = ("missing_shard", "corrupt_header", "truncated_shard", "index_escape", "shape_mismatch", "pickle_refused",

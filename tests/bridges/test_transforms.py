@@ -222,6 +222,7 @@ def test_mappings_load_in_place_and_export_blocks(tmp_path, tp):
     from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP
     from loongforge_hf.bridges.mappings import (ColumnParallel, Replicated, RowParallel, ShardContext, VocabParallel,
                                                 streams_export)
+    from loongforge_hf.bridges.packed_mappings import PackedGatedMLP, PackedQKV
 
     heads, groups, hd, hidden, vocab = 8, 4, 3, 6, 203
     padded = padded_vocab_size(vocab, tensor_parallel_size=tp, multiple=64)  # 256 at TP 4: a rank of padding only
@@ -230,18 +231,23 @@ def test_mappings_load_in_place_and_export_blocks(tmp_path, tp):
              "vb": torch.randn(groups * hd), "gate": torch.randn(16, hidden), "up": torch.randn(16, hidden),
              "o": torch.randn(hidden, heads * hd), "emb": torch.randn(vocab, hidden), "norm": torch.randn(hidden),
              "col": torch.randn(8, hidden)}
+    # NOTE: Phi-3's packing: [q; k; v] and [gate; up] rows in one tensor each
+    state.update(qkv_packed=torch.cat([state["q"], state["k"], state["v"]]),
+                 gate_up_packed=torch.cat([state["gate"], state["up"]]))
     save_file(state, str(tmp_path / "model.safetensors"))
     mappings = [QKV("qkv", "q", "k", "v"), QKV("qkv_bias", "qb", "kb", "vb"), GatedMLP("fc1", "gate", "up"),
                 RowParallel("proj", "o"), VocabParallel("embedding", "emb"), Replicated("ln", "norm"),
-                ColumnParallel("col", "col")]
+                ColumnParallel("col", "col"), PackedQKV("qkv", "qkv_packed"),
+                PackedGatedMLP("fc1", "gate_up_packed", intermediate_size=16)]
 
     def reference(m, r):
         def part(t, dim=0):
             return t.chunk(tp, dim=dim)[r]
-        if isinstance(m, QKV):
-            q, k, v = (state[n] for n in m.hf_names(None))
+        if isinstance(m, (QKV, PackedQKV)):
+            q, k, v = (state[n] for n in m.hf_names(None)) if isinstance(m, QKV) else (state["q"], state["k"],
+                                                                                       state["v"])
             return fuse_qkv(part(q), part(k), part(v), num_heads=heads // tp, num_kv_heads=groups // tp, head_dim=hd)
-        if isinstance(m, GatedMLP):
+        if isinstance(m, (GatedMLP, PackedGatedMLP)):
             return fuse_gate_up(part(state["gate"]), part(state["up"]))
         if isinstance(m, VocabParallel):
             return pad_vocab(state["emb"], padded).chunk(tp)[r]
@@ -259,6 +265,10 @@ def test_mappings_load_in_place_and_export_blocks(tmp_path, tp):
                 assert torch.equal(m.load(_CopyingReader(reader), ctx, None), loaded), (m, r)
                 assert loaded.untyped_storage().nbytes() == loaded.numel() * loaded.element_size()
                 shards.append(loaded)
+            if hasattr(m, "rows_to_megatron"):  # NOTE: a LoRA B's / DoRA magnitude's rows go where the weight's go
+                permuted = m.rows_to_megatron(state[m.hf], ctxs[0])
+                assert torch.equal(permuted, torch.cat(shards)) and torch.equal(m.rows_to_hf(permuted, ctxs[0]),
+                                                                                state[m.hf]), m
             whole = m.export(shards, ctxs[0], None)
             rebuilt = {n: torch.full_like(t, float("nan")) for n, t in whole.items()}
             covered = {n: 0 for n in whole}

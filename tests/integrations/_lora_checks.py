@@ -167,6 +167,17 @@ def _gather_full(tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def lora_shard_context(model):
+    """The ``ShardContext`` of this rank's TP shard of ``model`` (what ``Target.b_to_hf`` / ``b_to_megatron`` take)."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.vision import text_bridge
+
+    return shard_context(text_bridge(model), tp_rank=ps.get_tensor_model_parallel_rank(),
+                         tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
+
+
 def _check_adapter_grads(model, ref, our_loss, their_loss) -> None:
     """Adapter gradients at HF shapes against PEFT's: q_proj of layer 1 (column split) and down_proj of layer 2
     (row split)."""

@@ -18,7 +18,7 @@ from torch import nn
 from loongforge_hf.bridges import transforms as T
 
 from ._lora_checks import (_close, _gather_full, _linear_config, check_column_forward_backward, frozen_row_parallel,
-                           lora_pair)
+                           lora_pair, lora_shard_context)
 
 DORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, use_dora=True)
 
@@ -146,22 +146,24 @@ def layer_checks() -> list[str]:
 # ---------------------------------------------------------------------------------------------------- whole model
 
 def _adapter_grads_match(model, ref) -> int:
-    """Every adapter tensor's gradient (A, B, magnitude) at HF shape against PEFT's; returns how many were compared."""
+    """Every adapter tensor's gradient (A, B, DoRA's magnitude) at HF shape against PEFT's; returns how many were
+    compared."""
     from megatron.core import parallel_state as ps
 
     if ps.get_context_parallel_world_size() > 1:  # NOTE: each CP rank holds its sequence share's part, as DDP sums
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
-    theirs = dict(ref.named_parameters())
+    theirs, ctx = dict(ref.named_parameters()), lora_shard_context(model)
     compared = 0
     for t in model.lora_plan.targets:
         adapter = model.chunks[0].get_submodule(t.megatron_module.format(layer=t.layer)).lora[t.name]
         column = t.kind != "row"
         ours = {"lora_A.default.weight": _gather_full(adapter.A.grad, None if column else 1),
-                "lora_B.default.weight": t.b_to_hf(_gather_full(adapter.B.grad, 0 if column else None)),
-                "lora_magnitude_vector.default.weight":
-                    t.b_to_hf(_gather_full(adapter.magnitude.grad, 0 if column else None)[:, None])[:, 0]}
+                "lora_B.default.weight": t.b_to_hf(_gather_full(adapter.B.grad, 0 if column else None), ctx)}
+        if getattr(adapter, "magnitude", None) is not None:  # NOTE: DoRA
+            ours["lora_magnitude_vector.default.weight"] = \
+                t.b_to_hf(_gather_full(adapter.magnitude.grad, 0 if column else None)[:, None], ctx)[:, 0]
         for key, grad in ours.items():
             _close(grad, theirs[f"base_model.model.{t.hf_module}.{key}"].grad, f"{t.hf_module} {key} grad")
             compared += 1

@@ -65,7 +65,7 @@ def _check_adapter_grads(model, ref, layers: tuple[int, ...] = (1, 2)) -> None:
             if t.kind == "row":
                 theirs[0] = theirs[0][:, slices[t.name]]
             else:
-                theirs[1] = t.b_to_megatron(theirs[1])[slices[t.name]]
+                theirs[1] = t.b_to_megatron(theirs[1], ctx)[slices[t.name]]
             for f, a, b in zip("AB", ours, theirs):
                 _close(a, b, f"d{f} {t.hf_module}")
                 checked += 1

@@ -31,6 +31,7 @@ INIT_CASES = {
     "patterns": ("llama", PATTERN_KW),
     "orthogonal": ("qwen2", dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights="orthogonal",
                                  rank_pattern={"o_proj": 2})),
+    "phi3_packed": ("phi3", dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"gate_up_proj": 2})),
     "patterns_rslora": ("qwen3", dict(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], use_rslora=True,
                                       rank_pattern={r"layers\.[02]\.self_attn\.q_proj": 6},
                                       alpha_pattern={"down_proj": 1})),
@@ -40,7 +41,7 @@ INIT_CASES = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-src")
-    return {arch: make_tiny_checkpoint(base / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
+    return {arch: make_tiny_checkpoint(base / arch, arch) for arch in ("llama", "qwen2", "qwen3", "phi3")}
 
 
 @pytest.mark.parametrize("case", list(INIT_CASES))

@@ -1,0 +1,56 @@
+"""Phi3ForCausalLM (Phi-3, Phi-3.5, Phi-4): the Llama layout with q / k / v packed into one ``qkv_proj`` and gate / up
+into one ``gate_up_proj``, an optional sliding window, partial rotary and residual dropout.
+
+Choices:
+- The packed tensors load straight into megatron's fused ``linear_qkv`` / ``linear_fc1`` (``PackedQKV``,
+  ``PackedGatedMLP``: each TP rank reads its q / k / v heads, gate / up rows) and export packed again.
+- ``partial_rotary_factor`` (Phi-4-mini: 0.75) is megatron's ``rotary_percent``: HF and megatron both rotate the
+  first channels of each head in rotate-half pairs and pass the rest through.
+- ``resid_pdrop`` is megatron's ``hidden_dropout`` (both drop the attention / MLP output before the residual add);
+  ``embd_pdrop`` is not read by transformers' Phi-3 either.
+- ``longrope`` scaling (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini: per-frequency factors switched by sequence length,
+  and a cos / sin scale) is refused by the shared rope check with the types it supports.
+"""
+
+from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.dense import D, L, DenseBridge
+from loongforge_hf.bridges.packed_mappings import PackedGatedMLP, PackedQKV
+from loongforge_hf.bridges.mappings import Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.registry import register_bridge
+
+
+@register_bridge("Phi3ForCausalLM")
+class Phi3Bridge(DenseBridge):
+    supports_sliding_window = True
+
+    def rope_parameters(self) -> dict:
+        return C.rope_parameters(self.hf_config, partial_rotary=True)
+
+    def transformer_config_kwargs(self) -> dict:
+        kw = super().transformer_config_kwargs()
+        kw["hidden_dropout"] = float(getattr(self.hf_config, "resid_pdrop", 0.0) or 0.0)
+        return kw
+
+    def attention_mappings(self) -> list[Mapping]:
+        return [Replicated(f"{D}.input_layernorm.weight", f"{L}.input_layernorm.weight"),
+                PackedQKV(f"{D}.self_attention.linear_qkv.weight", f"{L}.self_attn.qkv_proj.weight"),
+                RowParallel(f"{D}.self_attention.linear_proj.weight", f"{L}.self_attn.o_proj.weight")]
+
+    def dense_mlp_mappings(self) -> list[Mapping]:
+        return [Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
+                PackedGatedMLP(f"{D}.mlp.linear_fc1.weight", f"{L}.mlp.gate_up_proj.weight",
+                               intermediate_size=self.hf_config.intermediate_size),
+                RowParallel(f"{D}.mlp.linear_fc2.weight", f"{L}.mlp.down_proj.weight")]
+
+    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        c = self.hf_config
+        hd, heads = C.head_dim_of(c), c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        return {f"{prefix}.input_layernorm.weight": (c.hidden_size,),
+                f"{prefix}.self_attn.qkv_proj.weight": ((heads + 2 * kv) * hd, c.hidden_size),
+                f"{prefix}.self_attn.o_proj.weight": (c.hidden_size, heads * hd)}
+
+    def dense_mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h, f = self.hf_config.hidden_size, self.hf_config.intermediate_size
+        return {f"{prefix}.post_attention_layernorm.weight": (h,), f"{prefix}.mlp.gate_up_proj.weight": (2 * f, h),
+                f"{prefix}.mlp.down_proj.weight": (h, f)}
