@@ -32,6 +32,24 @@ A, S = f"{D}.self_attention", f"{L}.self_attn"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def mtp_layer_names(hf_config, names) -> list[str]:
+    """The checkpoint's multi-token-prediction tensors (``model.layers.{num_hidden_layers + i}.*``), not built."""
+    layers = hf_config.num_hidden_layers
+    return [n for n in names if (m := _LAYER.match(n)) and int(m.group(1)) >= layers]
+
+
+def sigmoid_routing_kwargs(c) -> dict:
+    """DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores plus a fixed ``e_score_correction_bias``, top-2-sum group
+    scores, ``routed_scaling_factor``; top-k renormalised (megatron always renormalises sigmoid top-k)."""
+    if not c.norm_topk_prob and c.num_experts_per_tok > 1:
+        raise C.UnsupportedConfigError("norm_topk_prob=False is not supported with sigmoid routing (megatron "
+                                       "renormalises the top-k sigmoid scores).")
+    return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_bias_update_rate": 0.0, "moe_router_topk_scaling_factor": c.routed_scaling_factor,
+            **grouped_routing_kwargs(num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok,
+                                     n_group=c.n_group, topk_group=c.topk_group, group_score_top=2)}
+
+
 class DeepseekBridge(MoEBridge):
     shared_experts = "shared_experts"
     router_fp32 = True
@@ -67,8 +85,7 @@ class DeepseekBridge(MoEBridge):
         return layer >= (self.hf_config.first_k_dense_replace or 0)
 
     def passthrough_names(self, names) -> list[str]:
-        layers = self.hf_config.num_hidden_layers
-        return [n for n in names if (m := _LAYER.match(n)) and int(m.group(1)) >= layers]
+        return mtp_layer_names(self.hf_config, names)
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def _rope_rows(self, megatron: str, hf: str, block: int) -> Mapping:
@@ -120,14 +137,7 @@ class DeepseekV3Bridge(DeepseekBridge):
         super().__init__(hf_config)
 
     def routing_kwargs(self) -> dict:
-        c = self.hf_config
-        if not c.norm_topk_prob and c.num_experts_per_tok > 1:
-            raise C.UnsupportedConfigError("norm_topk_prob=False is not supported with sigmoid routing (megatron "
-                                           "renormalises the top-k sigmoid scores).")
-        return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-                "moe_router_bias_update_rate": 0.0, "moe_router_topk_scaling_factor": c.routed_scaling_factor,
-                **grouped_routing_kwargs(num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok,
-                                         n_group=c.n_group, topk_group=c.topk_group, group_score_top=2)}
+        return sigmoid_routing_kwargs(self.hf_config)
 
 
 @register_bridge("DeepseekV2ForCausalLM")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
-              "deepseek_v2")
+              "deepseek_v2", "glm4_moe")
 
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
@@ -56,6 +56,13 @@ def _config(arch: str, **overrides):
     elif arch == "deepseek_v2":
         cfg = tf.DeepseekV2Config(**{**common, **_MLA}, q_lora_rank=None, n_routed_experts=4, n_shared_experts=2,
                                   num_experts_per_tok=2, topk_method="greedy", routed_scaling_factor=1.5)
+    elif arch == "glm4_moe":
+        # NOTE: GLM-4.5's q/k/v biases and half-rotary heads (head_dim 24: not hidden / heads); DeepSeek-V3's routing
+        cfg = tf.Glm4MoeConfig(**{**common, "head_dim": 24}, attention_bias=True, moe_intermediate_size=32,
+                               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
+                               topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.5})
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
     for k, v in overrides.items():

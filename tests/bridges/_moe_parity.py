@@ -76,8 +76,9 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=g)
     labels = ids.clone()
     labels[0, :3] = -100
-    # NOTE: DeepSeek's router_logits (transformers adds no aux loss for them, so the loss compares as before)
-    routed = {"output_router_logits": True} if model.config.model_type.startswith("deepseek") else {}
+    # NOTE: DeepSeek's and GLM-4.5's router_logits (transformers adds no aux loss for them, so the loss compares as
+    # before)
+    routed = {"output_router_logits": True} if model.config.model_type.startswith(("deepseek", "glm4_moe")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)

@@ -20,7 +20,9 @@ the grouped expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, wh
            sequence parallel;
 - pp2ep2:  every model (DeepSeek-V3 with its dense first layer on stage 0);
 - tp2etp1: Qwen3-MoE, Mixtral, DeepSeek-V2 and DeepSeek-V3 with rotary dims in halves on disk (rope_interleave=False),
-           sequence parallel, experts whole on each TP rank (expert_tensor_parallel_size=1).
+           GLM-4.5 with q/k norms, sequence parallel, experts whole on each TP rank (expert_tensor_parallel_size=1).
+GLM-4.5 (``glm4_moe``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's routing and
+shared experts) is one of "every model"; tp1 also runs it with q/k norms and an MTP layer in the checkpoint.
 """
 
 import re
@@ -38,7 +40,7 @@ from ._moe_parity import run_plan
 
 TOL = 1e-4
 ROUTER_TOL = 1e-5  # router_logits: fp32 gating on both sides
-MLA_MOE_LAYERS = 3  # the tiny DeepSeek checkpoints: 4 layers, the first dense (first_k_dense_replace=1)
+MLA_MOE_LAYERS = 3  # the tiny DeepSeek and GLM-4.5 checkpoints: 4 layers, the first dense (first_k_dense_replace=1)
 BF16_TOL = {"logit_diff": 0.1, "loss_diff": 0.02}
 SP = {"sequence_parallel": True}
 
@@ -56,18 +58,23 @@ CHECKPOINTS = {
                                             "n_group": 4, "topk_group": 2}),
     "qwen3_moe_sparse2": ("qwen3_moe", {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []}),
     "qwen3_moe_3_experts": ("qwen3_moe", {"num_experts": 3, "tokenizer": False}),
+    "glm4_moe": ("glm4_moe", {}),
+    # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
+    "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True, "attention_bias": False, "n_group": 1, "topk_group": 1,
+                                      "mtp_layers": 1}),
 }
 
-MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2")
+MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe")
 LAYOUTS = {
-    "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16")),
+    "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16",
+                    "glm4_moe_qk_norm")),
     "ep2": (2, {"expert_parallel_size": 2}, MODELS),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe",)),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP}, MODELS),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
-                ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2")),
+                ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm")),
 }
 CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
 
@@ -140,9 +147,10 @@ def test_parity_and_round_trip(worlds, layout, name):
         assert r["dispatcher_classes"] == (["SyncFreeAllGatherDispatcher"] if single
                                            else ["MoEAlltoAllTokenDispatcher"]), (rank, r)
         assert set(r["mlp_modules"]) <= {"MoELayer", "SwiGLUMLP"} and "MoELayer" in r["mlp_modules"], (rank, r)
-        # transformers' output type; DeepSeek's forward asks for router_logits: per MoE layer, none for dense ones
+        # transformers' output type; DeepSeek's and GLM-4.5's forward asks for router_logits: per MoE layer, none
+        # for dense ones
         assert r["output_type"] == r["ref_output_type"] == "MoeCausalLMOutputWithPast", (rank, r)
-        if mla:
+        if name.startswith(("deepseek", "glm4_moe")):
             assert r["no_aux_loss"] and r["router_counts"] == (MLA_MOE_LAYERS,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < (tol["logit_diff"] if name.endswith("_bf16") else ROUTER_TOL), (rank, r)
@@ -164,10 +172,11 @@ def test_expert_parallel_ranks_read_only_their_experts(worlds):
                 assert r["local_experts"] == [n // 2], (layout, rank, name)
 
 
-def test_mtp_layers_skipped_with_warning_and_written_back(worlds):
-    warned = worlds.run("tp1")[0]["deepseek_v3"]["warnings"]
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_qk_norm"])
+def test_mtp_layers_skipped_with_warning_and_written_back(worlds, name):
+    warned = worlds.run("tp1")[0][name]["warnings"]
     assert any("model.layers.4" in w and "multi-token prediction" in w for w in warned), warned
-    out = read_all(worlds.out("tp1", "deepseek_v3"))
+    out = read_all(worlds.out("tp1", name))
     mtp = sorted(n for n in out if re.match(r"model\.layers\.4\.", n))
     assert "model.layers.4.eh_proj.weight" in mtp and len(mtp) == 9
 
