@@ -136,8 +136,12 @@ def check_dense_config(hf_config, *, qkv_bias: bool, check_rope: bool = True) ->
 
 
 def sliding_window_of(hf_config) -> int | None:
-    """The effective sliding window (None when it can never bind, i.e. it covers every position)."""
+    """The effective sliding window (None when it can never bind: it covers every position, or the config's
+    ``layer_types`` give no layer a sliding window, as Qwen2-MoE's ``sliding_window=0`` without one)."""
     window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types and "sliding_attention" not in layer_types:
+        return None
     if window is None or window >= getattr(hf_config, "max_position_embeddings", 0):
         return None
     return int(window)

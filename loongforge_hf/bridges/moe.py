@@ -121,6 +121,16 @@ class StackedExpert(Expert):
                             for i in range(per_rank)])
 
 
+@dataclass(frozen=True)
+class SharedExpertGate(Replicated):
+    """The shared experts' gate ``[1, H]`` (megatron's ``shared_experts.gate_weight``, HF's ``shared_expert_gate``):
+    replicated, and a plain linear in HF that LoRA adapts (``lora/experts.py``) on its megatron module."""
+
+    @property
+    def module_path(self) -> str:
+        return self.megatron.rsplit(".", 1)[0]
+
+
 def grouped_routing_kwargs(*, num_experts: int, top_k: int, n_group: int | None, topk_group: int | None,
                            group_score_top: int, field_prefix: str = "") -> dict:
     """megatron's group-limited routing for HF ``n_group`` / ``topk_group`` (empty when grouping cannot bind)."""
@@ -141,6 +151,7 @@ class MoEBridge(DenseBridge):
     sparse_block: str = "mlp"                                  # HF module holding router and experts
     expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_experts: str | None = None                          # HF module of always-on experts (DeepSeek)
+    shared_expert_gate: str | None = None                      # HF linear [1, H] whose sigmoid scales them (Qwen2-MoE)
     expert_bias: bool = False                                  # ``gate.e_score_correction_bias`` (DeepSeek-V3)
     router_fp32: bool = False                                  # transformers keeps ``gate.weight`` in fp32
     hf_balance_loss: bool = False                              # transformers' model computes the router aux loss
@@ -183,6 +194,7 @@ class MoEBridge(DenseBridge):
             moe_layer_freq=[int(self.is_moe_layer(i)) for i in range(self.hf_config.num_hidden_layers)],
             moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=None, moe_grouped_gemm=False,
             moe_shared_expert_intermediate_size=self.shared_ffn_size(),
+            moe_shared_expert_gate=self.shared_expert_gate is not None,
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_router_dtype="fp32" if self.router_fp32 else None,
         )
@@ -217,6 +229,9 @@ class MoEBridge(DenseBridge):
             maps += [GatedMLP(f"{D}.mlp.shared_experts.linear_fc1.weight", gate=f"{shared}.gate_proj.weight",
                               up=f"{shared}.up_proj.weight"),
                      RowParallel(f"{D}.mlp.shared_experts.linear_fc2.weight", f"{shared}.down_proj.weight")]
+        if self.shared_expert_gate:
+            gate = f"{s}.{self.shared_expert_gate}.weight"
+            maps.append(SharedExpertGate(f"{D}.mlp.shared_experts.gate_weight", gate))
         return maps
 
     def layer_mappings(self) -> list[Mapping]:
@@ -240,6 +255,8 @@ class MoEBridge(DenseBridge):
             fs, shared = self.shared_ffn_size(), f"{s}.{self.shared_experts}"
             shapes.update({f"{shared}.gate_proj.weight": (fs, h), f"{shared}.up_proj.weight": (fs, h),
                            f"{shared}.down_proj.weight": (h, fs)})
+        if self.shared_expert_gate:
+            shapes[f"{s}.{self.shared_expert_gate}.weight"] = (1, h)
         return shapes
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:

@@ -43,7 +43,7 @@ def check_dora(config, targets) -> None:
 
     if not config.use_dora:
         return
-    params = sorted({t.hf_module for t in targets if t.kind in ("experts", "router")})
+    params = sorted({t.hf_module for t in targets if t.kind in ("experts", "router", "shared_gate")})
     if params:
         raise LoraConfigError(f"use_dora=True: DoRA does not apply to target_parameters ({params[:3]}; PEFT's "
                               "ParamWrapper refuses it too, and PEFT turns MoE expert and router names into such "

@@ -16,6 +16,10 @@ Choices:
   subclass whose ``gating`` uses ``W + s * B A``: what PEFT does for a 2-D parameter (the router is ``[E, H]``).
   A and B are replicated; under sequence parallelism they are marked ``sequence_parallel`` like the router weight,
   so megatron sums their gradients over the tensor-parallel ranks that split the tokens.
+- Shared-expert gate (Qwen2-MoE's ``shared_expert_gate``, a plain ``nn.Linear(H, 1)`` that PEFT adapts as a module,
+  "all-linear" included): megatron's ``SharedExpertMLP`` keeps it as a raw ``gate_weight`` [1, H], so the module is
+  re-classed to a subclass whose forward adds PEFT's term to the gate logits, ``W x + s * B A dropout(x)``; A and B
+  replicated and marked ``sequence_parallel`` like the router's, the dropout mask drawn as ``layers.py`` draws it.
 - ``sharded_state_dict``: expert adapters sharded along the expert axis over expert parallelism, like the stacks.
 """
 
@@ -111,8 +115,36 @@ def _lora_router_class(base: type) -> type:
     return _ROUTERS[base]
 
 
+_SHARED_GATES: dict[type, type] = {}
+
+
+def _lora_shared_gate_class(base: type) -> type:
+    """``base`` (megatron's ``SharedExpertMLP``) whose gate logits carry the ``shared_expert_gate`` adapter's term."""
+    if base not in _SHARED_GATES:
+        def forward(self, hidden_states):
+            # NOTE: stands in for megatron-core 0.16.1 transformer/moe/shared_experts.py:125-132
+            # (SharedExpertMLP.forward) with the adapter's term added to the gate logits.
+            import torch.nn.functional as F
+            from megatron.core.transformer.mlp import MLP
+
+            output, _ = MLP.forward(self, hidden_states)
+            logits = F.linear(hidden_states, self.gate_weight)
+            if not self.__dict__.get("lora_disabled"):
+                adapter = self.lora["shared_expert_gate"]
+                x = adapter.drop(hidden_states, input_is_split=bool(self.config.sequence_parallel))
+                logits = logits + F.linear(F.linear(x, adapter.A), adapter.B) * adapter.scaling
+            return output * torch.sigmoid(logits)
+
+        def lora_deltas(self):
+            adapter = self.lora["shared_expert_gate"]
+            yield self.gate_weight, (adapter.B.detach().float() @ adapter.A.detach().float()) * adapter.scaling
+
+        _SHARED_GATES[base] = type(f"Lora{base.__name__}", (base,), {"forward": forward, "lora_deltas": lora_deltas})
+    return _SHARED_GATES[base]
+
+
 def is_param_lora(module: nn.Module) -> bool:
-    return isinstance(module, LoraGroupedMLP) or type(module) in _ROUTERS.values()
+    return isinstance(module, LoraGroupedMLP) or type(module) in (*_ROUTERS.values(), *_SHARED_GATES.values())
 
 
 def check_param_adaptable(module: nn.Module, kind: str) -> None:
@@ -123,6 +155,13 @@ def check_param_adaptable(module: nn.Module, kind: str) -> None:
         if not isinstance(module, TopKRouter) or type(module) in _ROUTERS.values():
             raise TypeError(f"LoRA on the router needs megatron's TopKRouter; got {type(module).__name__}.")
         return
+    if kind == "shared_gate":
+        from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+        if type(module) is not SharedExpertMLP or not module.use_shared_expert_gate:
+            raise TypeError(f"LoRA on shared_expert_gate needs megatron's SharedExpertMLP with its gate; got "
+                            f"{type(module).__name__}.")
+        return
     if type(module) is not GroupedMLP:
         raise TypeError(f"LoRA on the routed experts needs loongforge's GroupedMLP (the default expert layer); got "
                         f"{type(module).__name__} (FP8 experts, fp8='on' / 'adaptive', are not supported).")
@@ -132,17 +171,18 @@ def check_param_adaptable(module: nn.Module, kind: str) -> None:
                               "tensor_parallel_size), or adapt only the attention projections.")
 
 
-def attach_param_adapters(module: nn.Module, members, *, dtype, device) -> None:
-    """Give ``module`` (a ``GroupedMLP`` or router) the adapters of ``members`` [(Target, (A, B) at HF shape)]."""
+def attach_param_adapters(module: nn.Module, members, *, dtype, device, dropout: float = 0.0) -> None:
+    """Give ``module`` (a ``GroupedMLP``, router or ``SharedExpertMLP``) the adapters of ``members`` [(Target, (A, B)
+    at HF shape)]; ``dropout``: the LoraConfig's (only the shared-expert gate's adapter, a module target, takes it)."""
     kind = members[0][0].kind
     check_param_adaptable(module, kind)
     adapters = {}
     for t, (a, b) in members:
-        if kind == "router":
+        if kind in ("router", "shared_gate"):
             from loongforge_hf.lora.layers import LoraAdapter
 
             adapter = LoraAdapter(a.to(device=device, dtype=dtype).clone(), b.to(device=device, dtype=dtype).clone(),
-                                  scaling=t.scaling, dropout=0.0, split=None)
+                                  scaling=t.scaling, dropout=dropout if kind == "shared_gate" else 0.0, split=None)
             for p in (adapter.A, adapter.B):
                 p.sequence_parallel = bool(module.config.sequence_parallel)
         else:
@@ -155,5 +195,6 @@ def attach_param_adapters(module: nn.Module, members, *, dtype, device) -> None:
                                     b_local.to(device=device, dtype=dtype).contiguous().clone(),
                                     scaling=t.scaling, expert_parallel=ep.size() > 1)
         adapters[t.name] = adapter
-    module.__class__ = _lora_router_class(type(module)) if kind == "router" else LoraGroupedMLP
+    module.__class__ = {"router": _lora_router_class, "shared_gate": _lora_shared_gate_class}.get(
+        kind, lambda base: LoraGroupedMLP)(type(module))
     module.lora = nn.ModuleDict(adapters)

@@ -171,7 +171,7 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
             continue
         prefix = f"base_model.model.{t.hf_module}"
         base = t.megatron_module + f".lora.{t.name}"
-        split, kind = {"row": "A", "router": None}.get(t.kind, "B"), None
+        split, kind = {"row": "A", "router": None, "shared_gate": None}.get(t.kind, "B"), None
         if t.kind == "vision":  # NOTE: whole unless the tower is split (lora/vision.py)
             kind = tower_split(t) if split_tower else None
             split = split_factor(kind)

@@ -31,7 +31,7 @@ def draw_initial_weights(targets, init_lora_weights) -> list[tuple[torch.Tensor,
     out = []
     if init_lora_weights == "orthogonal":
         odd = sorted({t.hf_module for t in targets if t.r % 2})
-        params = sorted({t.hf_module for t in targets if t.kind in ("experts", "router")})
+        params = sorted({t.hf_module for t in targets if t.kind in ("experts", "router", "shared_gate")})
         if odd or params:
             raise LoraConfigError(f"init_lora_weights='orthogonal' needs an even rank (PEFT refuses an odd one) on "
                                   f"linear targets; {odd[:3] or params[:3]} "

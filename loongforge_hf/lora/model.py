@@ -41,7 +41,7 @@ from loongforge_hf.lora import unload as unload_
 from loongforge_hf.lora.plan import LoraConfigError, LoraPlan, plan_lora
 from loongforge_hf.modeling import LoongModelForCausalLM
 
-PARAM_KINDS = ("experts", "router")  # targets on parameters (param_targets.py), attached by experts.py
+PARAM_KINDS = ("experts", "router", "shared_gate")  # adapters on raw parameters, attached by experts.py
 
 
 class LoongLoraModelForCausalLM(LoongModelForCausalLM):
@@ -237,7 +237,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     for (vp, path), members in groups.items():
         targets, module = [t for t, _ in members], model.chunks[vp].get_submodule(path)
         if targets[0].kind in PARAM_KINDS:
-            attach_param_adapters(module, members, dtype=dtype, device=device)
+            attach_param_adapters(module, members, dtype=dtype, device=device, dropout=float(peft_config.lora_dropout))
             continue
         layout, slices = _layout_and_slices(targets, ctx, targets[0].layer)
         adapters = {}

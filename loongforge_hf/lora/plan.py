@@ -8,9 +8,8 @@ Choices:
   suffix, as PEFT's ``ModulesToSaveWrapper`` does (``"norm"`` also matches ``input_layernorm``).
 - The order of ``LoraPlan.targets`` is PEFT's creation order (the order it draws the random initialisation in):
   module targets in HF ``named_modules`` order, then parameter targets (``param_targets.py``).
-- Each target is tied to the bridge mapping that holds its HF weight: ``QKV`` (q/k/v slots of ``linear_qkv``),
-  ``GatedMLP`` (gate/up halves of ``linear_fc1``), ``ColumnParallel`` and ``RowParallel``. An HF linear the bridge
-  fuses another way, the LM head and embeddings are refused with the list of what can be targeted.
+- Each target is tied to the bridge mapping holding its HF weight (``_LINEAR_KINDS``: q/k/v slots of ``linear_qkv``,
+  gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be.
 - ``modules_to_save`` may name norms, ``embed_tokens`` and an untied ``lm_head`` (whole parameters megatron keeps
   replicated or vocab-split); a tensor-parallel linear there is refused (its rows are fused with others' in megatron).
 - Mixture-of-experts models (Qwen3-MoE, Mixtral): PEFT on transformers 5 first rewrites the config of these models
@@ -24,8 +23,8 @@ Choices:
   ``experts.py``). A fused half named alone (``gate_proj`` without ``up_proj``) is refused as PEFT refuses it.
 - ``use_dora``: ``dora.py``; ``rank_pattern`` / ``alpha_pattern``: ``param_targets.rank_and_alpha``. Refused with a
   clear message: ``lora_bias``, ``target_parameters`` other than the MoE models' expert stacks and router,
-  ``lora_dropout`` with parameter targets, ``layer_replication``, initialisations other than ``True``/``False``/
-  ``"gaussian"``. ``trainable_token_indices``: ``tokens.py``.
+  ``lora_dropout`` with parameter targets, ``layer_replication``, other initialisations (PiSSA, OLoRA, ...).
+  ``trainable_token_indices``: ``tokens.py``. Qwen2-MoE's ``shared_expert_gate`` (a raw parameter): ``experts.py``.
 - DeepSeek-V2/V3 (multi-latent attention): each HF projection is one megatron linear (``q_proj`` or ``q_a_proj`` /
   ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``: column-parallel, the down projections too; ``o_proj``:
   row-parallel), adapted as any plain linear. Where the checkpoint keeps rotary rows in halves and megatron in pairs
@@ -46,9 +45,10 @@ import torch
 from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParallel
 from loongforge_hf.bridges.packed_mappings import PackedGatedMLP, PackedQKV
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
+from loongforge_hf.bridges.moe import SharedExpertGate
 
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
-                 PackedQKV: "column", PackedGatedMLP: "column", RowParallel: "row"}
+                 PackedQKV: "column", PackedGatedMLP: "column", RowParallel: "row", SharedExpertGate: "shared_gate"}
 _INITS = (True, False, "gaussian", "orthogonal")
 
 
@@ -64,7 +64,7 @@ class Target:
     layer: int                  # global decoder layer index
     mapping: Mapping            # the bridge mapping holding its weight
     slot: int                   # position of its weight in ``mapping.hf_names(layer)``
-    kind: str                   # "qkv" | "gated" | "column" | "row" | "experts" | "router" (param_targets.py)
+    kind: str                   # "qkv" | "gated" | "column" | "row" | "shared_gate" | "experts" | "router"
     in_features: int
     out_features: int
     r: int
@@ -81,7 +81,7 @@ class Target:
     @property
     def megatron_module(self) -> str:
         """Megatron module path with ``{layer}`` for the local layer index."""
-        return self.module_path or self.mapping.megatron.removesuffix(".weight")
+        return self.module_path or getattr(self.mapping, "module_path", self.mapping.megatron.removesuffix(".weight"))
 
     @property
     def a_shape(self) -> tuple[int, int]:

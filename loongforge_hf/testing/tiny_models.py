@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
-              "deepseek_v2", "glm4_moe")
+              "deepseek_v2", "glm4_moe", "qwen2_moe")
 
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
@@ -56,6 +56,11 @@ def _config(arch: str, **overrides):
     elif arch == "deepseek_v2":
         cfg = tf.DeepseekV2Config(**{**common, **_MLA}, q_lora_rank=None, n_routed_experts=4, n_shared_experts=2,
                                   num_experts_per_tok=2, topk_method="greedy", routed_scaling_factor=1.5)
+    elif arch == "qwen2_moe":
+        # NOTE: Qwen1.5-MoE's softmax routing without renormalisation, a gated shared expert, a dense first layer
+        cfg = tf.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=1,
+                                mlp_only_layers=[0])
     elif arch == "glm4_moe":
         # NOTE: GLM-4.5's q/k/v biases and half-rotary heads (head_dim 24: not hidden / heads); DeepSeek-V3's routing
         cfg = tf.Glm4MoeConfig(**{**common, "head_dim": 24}, attention_bias=True, moe_intermediate_size=32,
@@ -107,6 +112,8 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token
+                p.copy_(0.5 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))

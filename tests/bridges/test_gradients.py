@@ -10,7 +10,8 @@ gradient, 0.3% off on the last layer's ``kv_a_proj_with_mqa`` and more on every 
 ``bridges/mla_latent.py``).
 
 Layouts and models: the mixture-of-experts models (DeepSeek-V3 with q_lora_rank and rotary rows in pairs,
-DeepSeek-V3 with rotary rows in halves and no q_lora_rank, DeepSeek-V2, Qwen3-MoE, Mixtral, GLM-4.5 with q/k norms)
+DeepSeek-V3 with rotary rows in halves and no q_lora_rank, DeepSeek-V2, Qwen3-MoE, Mixtral, GLM-4.5 with q/k norms,
+Qwen2-MoE with its gated shared expert)
 at TP1, TP2 + SP with the experts whole on each rank (expert_tensor_parallel_size=1) and split over TP (its default),
 TP2 + SP + EP2, CP2 and CP2 + EP2; dense models (Qwen3 with tied embeddings, Qwen2 with attention biases, Llama 3
 with its rope scaling, Phi-3 with packed q / k / v and gate / up, partial rotary and a sliding window) at TP1, TP2,
@@ -33,12 +34,13 @@ CHECKPOINTS = {
     "qwen3_moe": ("qwen3_moe", {}),
     "mixtral": ("mixtral", {}),
     "glm4_moe": ("glm4_moe", {"use_qk_norm": True}),  # q/k/v biases, q/k norms, half-rotary heads
+    "qwen2_moe": ("qwen2_moe", {}),  # the shared expert's sigmoid gate
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),  # attention biases
     "llama3": ("llama3", {}),
     "phi3": ("phi3", {}),  # packed qkv_proj / gate_up_proj, partial rotary, a sliding window
 }
-MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe")
+MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe")
 DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {

@@ -22,7 +22,8 @@ the grouped expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, wh
 - tp2etp1: Qwen3-MoE, Mixtral, DeepSeek-V2 and DeepSeek-V3 with rotary dims in halves on disk (rope_interleave=False),
            GLM-4.5 with q/k norms, sequence parallel, experts whole on each TP rank (expert_tensor_parallel_size=1).
 GLM-4.5 (``glm4_moe``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's routing and
-shared experts) is one of "every model"; tp1 also runs it with q/k norms and an MTP layer in the checkpoint.
+shared experts) and Qwen2-MoE (``qwen2_moe``: q/k/v biases, softmax routing without renormalisation, a shared expert
+scaled by its sigmoid gate) are among "every model"; tp1 also runs GLM-4.5 with q/k norms and an MTP layer.
 """
 
 import re
@@ -59,12 +60,13 @@ CHECKPOINTS = {
     "qwen3_moe_sparse2": ("qwen3_moe", {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []}),
     "qwen3_moe_3_experts": ("qwen3_moe", {"num_experts": 3, "tokenizer": False}),
     "glm4_moe": ("glm4_moe", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
     "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True, "attention_bias": False, "n_group": 1, "topk_group": 1,
                                       "mtp_layers": 1}),
 }
 
-MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe")
+MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16",
                     "glm4_moe_qk_norm")),

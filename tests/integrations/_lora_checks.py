@@ -297,8 +297,10 @@ def tp2_and_pp2_checks(folder: str, out_dir: str) -> dict:
 
 def dropout_keeps_replicas_in_step(folder: str, layout: dict, dora: bool = False) -> list[str]:
     """lora_dropout > 0 under TP: a replicated factor (A of a column-parallel target, B of a row-parallel one, DoRA's
-    magnitude of a row-parallel one) must get the same gradient on every TP rank, or the replicas drift apart.
-    Returns the factors compared."""
+    magnitude of a row-parallel one) must get the same gradient on every TP rank, or the replicas drift apart: as
+    megatron steps it, summed over the TP ranks first where it is marked ``sequence_parallel`` (a factor applied to
+    each rank's token shard, as the router's and Qwen2-MoE's shared-expert gate's under SP). Returns the factors
+    compared."""
     import peft
     import transformers
 
@@ -316,8 +318,11 @@ def dropout_keeps_replicas_in_step(folder: str, layout: dict, dora: bool = False
     for name, p in model.named_parameters():
         if p.grad is None or getattr(p, "tensor_model_parallel", True):
             continue
-        grads = [torch.empty_like(p.grad) for _ in range(dist.get_world_size())]
-        dist.all_gather(grads, p.grad.contiguous())
+        grad = p.grad.clone()
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(grad)  # NOTE: the world is the TP group here
+        grads = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(grads, grad.contiguous())
         _close(grads[1], grads[0], f"{name} gradient on TP ranks (dropout)")
         compared.append(name)
     return compared

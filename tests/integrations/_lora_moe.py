@@ -73,7 +73,8 @@ def _check_adapter_grads(model, ref, layers: tuple[int, ...] = (1, 2)) -> None:
 
 
 def _check_expert_grads(model, ref, layer: int = 1) -> None:
-    """Expert and router adapter gradients of ``layer`` against PEFT's (this rank's experts of PEFT's stacks)."""
+    """Expert, router and shared-expert-gate adapter gradients of ``layer`` against PEFT's (this rank's experts of
+    PEFT's stacks)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -84,11 +85,12 @@ def _check_expert_grads(model, ref, layer: int = 1) -> None:
     ep_rank, ep = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
     checked = 0
     for t in model.lora_plan.targets:
-        if t.layer != layer or t.kind not in ("experts", "router"):
+        if t.layer != layer or t.kind not in ("experts", "router", "shared_gate"):
             continue
         theirs = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
-        if t.kind == "router":
-            ours = [chunk[f"decoder.layers.{layer}.mlp.router.lora.router.{f}"].grad.clone() for f in "AB"]
+        if t.kind in ("router", "shared_gate"):  # NOTE: shared_gate: Qwen2-MoE's shared_expert_gate
+            module = t.megatron_module.format(layer=layer)
+            ours = [chunk[f"{module}.lora.{t.name}.{f}"].grad.clone() for f in "AB"]
             if model.megatron.config.sequence_parallel:  # partial over the token shards until megatron sums them
                 for g in ours:
                     dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
@@ -164,9 +166,9 @@ def moe_model_checks(folder: str, out_dir: str, layout: dict, peft_adapter: str,
         ours.loss.backward()
         theirs.loss.backward()
         _sum_dense_grads_over_cp(model)
-        if any(t.kind in ("experts", "router") for t in model.lora_plan.targets):
+        if any(t.kind in ("experts", "router", "shared_gate") for t in model.lora_plan.targets):
             _check_expert_grads(model, ref)
-        if any(t.kind not in ("experts", "router") for t in model.lora_plan.targets):
+        if any(t.kind not in ("experts", "router", "shared_gate") for t in model.lora_plan.targets):
             _check_adapter_grads(model, ref)
         model.zero_grad(set_to_none=True)
     result.update(_ddp_groups(model, out_dir))

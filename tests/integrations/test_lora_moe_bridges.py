@@ -1,0 +1,108 @@
+"""LoRA on GLM-4.5 and Qwen2-MoE against PEFT and TRL.
+
+- GLM-4.5 (``Glm4MoeForCausalLM``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's
+  routing, shared experts, a dense first layer): PEFT adapts q/k/v/o as plain linears (q/k/v slots of megatron's
+  fused ``linear_qkv``, biases untouched) and, through its rewrite on transformers 5, the routed expert stacks and the
+  router as parameters; the shared experts and the dense first layer's MLP then carry none, in PEFT as here.
+- Qwen2-MoE (``Qwen2MoeForCausalLM``): PEFT's ``"all-linear"`` adapts the attention, the shared expert's linears and
+  its ``shared_expert_gate`` (an ``nn.Linear(H, 1)``; megatron's raw ``gate_weight``, adapted by ``lora/experts.py``),
+  the dense first layer's MLP, and not the routed experts (3-D parameters PEFT does not rewrite for this model).
+
+Checks (``_lora_moe.moe_model_checks`` against ``peft.get_peft_model``, the same initial values): the attention
+projections with a norm in ``modules_to_save``, and ``"all-linear"``, at TP1, TP2 + SP with the experts whole
+(expert_tensor_parallel_size=1), EP2 over a data-parallel pair, PP2 and CP2 x EP2: logits 1e-4 (1e-5 with expert or
+router adapters), loss 1e-5, every attention / shared-expert adapter's gradient of layers 1-2 and the expert /
+router / shared-gate adapters' of layer 1 (1e-5), PEFT's counts, megatron's DDP buffers, the adapter folder in PEFT
+and the merged export in transformers, a PEFT-written adapter (random factors) loaded with PEFT's logits and loss.
+LoongSFTTrainer with ``"all-linear"`` over chat messages against trl.SFTTrainer + PEFT (every logged loss 1e-4
+relative, TRL's token metrics) at TP1 and TP2 + SP + EP2. Qwen2-MoE with ``lora_dropout`` at TP2 + SP: the
+replicated factors (the shared gate's A and B among them, summed over the token shards as megatron sums them) get
+equal gradients on both TP ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+from ._lora_load import write_peft_adapter
+from ._lora_mla import SFT_SCENARIOS
+from ._lora_moe import moe_model_checks
+from .test_lora_moe import _assert_model_matches_peft
+
+ATTENTION = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False,
+                 modules_to_save=["post_attention_layernorm"])
+ALL_LINEAR = dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora_weights=False)
+# model -> {case: (LoraConfig kwargs, whether it adapts routed experts / the router)}
+MODELS = {"glm4_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, True)},
+          "qwen2_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, False)}}
+CASES = [(m, c) for m, cases in MODELS.items() for c in cases]
+LAYOUTS = {"tp1": (1, {}),
+           "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}),
+           "ep2_dp2": (2, {"expert_parallel_size": 2}), "pp2": (2, {"pipeline_parallel_size": 2}),
+           "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2})}
+SFT_LAYOUT = {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1,
+              "expert_parallel_size": 2}
+
+
+def _world(folders: dict, adapters: dict, out_dir: str, layouts: list[str]) -> dict:
+    from ._lora_checks import dropout_keeps_replicas_in_step
+    from ._sft_parity import run_loong, run_trl
+
+    out = {f"{layout}/{model}/{case}": moe_model_checks(folders[model], f"{out_dir}/{layout}-{model}-{case}",
+                                                        LAYOUTS[layout][1], adapters[(model, case)],
+                                                        MODELS[model][case][0])
+           for layout in layouts for model, case in CASES}
+    names = list(SFT_SCENARIOS)
+    for model, folder in folders.items():
+        if layouts == ["tp1"]:
+            out[f"trl/{model}"] = run_trl(folder, f"{out_dir}/trl-{model}", names, SFT_SCENARIOS)
+            out[f"sft/{model}"] = run_loong(folder, f"{out_dir}/sft-{model}", {}, names, SFT_SCENARIOS)
+        else:
+            out[f"sft/{model}"] = run_loong(folder, f"{out_dir}/sft-{model}", SFT_LAYOUT, names, SFT_SCENARIOS)
+    if layouts != ["tp1"]:
+        out["dropout"] = dropout_keeps_replicas_in_step(folders["qwen2_moe"], LAYOUTS["tp2_sp_etp1"][1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    base = tmp_path_factory.mktemp("lora-moe-bridges")
+    folders = {model: str(make_tiny_checkpoint(base / model, model)) for model in MODELS}
+    adapters = {}
+    for model, case in CASES:
+        adapters[(model, case)] = str(base / f"{model}-{case}-peft-adapter")
+        write_peft_adapter(folders[model], adapters[(model, case)], MODELS[model][case][0])
+    one = run_distributed(_world, 1, folders, adapters, str(base / "one"), ["tp1"], timeout=600)
+    two = run_distributed(_world, 2, folders, adapters, str(base / "two"), [n for n in LAYOUTS if n != "tp1"],
+                          timeout=1200)
+    return one, two
+
+
+@pytest.mark.parametrize("model, case", CASES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_peft(results, layout, model, case):
+    one, two = results
+    ranks = one if layout == "tp1" else two
+    _assert_model_matches_peft([r[f"{layout}/{model}/{case}"] for r in ranks], experts=MODELS[model][case][1])
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("name", list(SFT_SCENARIOS))
+def test_sft_matches_trl(results, name, model):
+    from ._sft_parity import assert_matches
+
+    one, two = results
+    ref = one[0][f"trl/{model}"][name]
+    assert_matches(name, ref, one[0][f"sft/{model}"][name], SFT_SCENARIOS)
+    for rank in two:
+        assert rank[f"sft/{model}"][name]["losses"] == two[0][f"sft/{model}"][name]["losses"]
+    assert_matches(name, ref, two[0][f"sft/{model}"][name], SFT_SCENARIOS)
+
+
+def test_shared_gate_dropout_keeps_tp_replicas_in_step(results):
+    names = results[1][0]["dropout"]
+    assert any(n.endswith("shared_expert_gate.A") for n in names) and \
+        any(n.endswith("shared_expert_gate.B") for n in names), names
