@@ -118,6 +118,22 @@ def _lora_router_class(base: type) -> type:
 _SHARED_GATES: dict[type, type] = {}
 
 
+class ReplicatedAdapters(nn.ModuleDict):
+    """The shared-expert gate's adapters, whole on every rank; checkpointed as such: megatron's ``MLP`` asks each of
+    its children for its ``sharded_state_dict``, which a plain ``ModuleDict`` lacks."""
+
+    def __init__(self, adapters: dict, *, tp_group) -> None:
+        super().__init__(adapters)
+        self.tp_group = tp_group
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+
 def _lora_shared_gate_class(base: type) -> type:
     """``base`` (megatron's ``SharedExpertMLP``) whose gate logits carry the ``shared_expert_gate`` adapter's term."""
     if base not in _SHARED_GATES:
@@ -197,4 +213,5 @@ def attach_param_adapters(module: nn.Module, members, *, dtype, device, dropout:
         adapters[t.name] = adapter
     module.__class__ = {"router": _lora_router_class, "shared_gate": _lora_shared_gate_class}.get(
         kind, lambda base: LoraGroupedMLP)(type(module))
-    module.lora = nn.ModuleDict(adapters)
+    module.lora = ReplicatedAdapters(adapters, tp_group=module.tp_group) if kind == "shared_gate" else \
+        nn.ModuleDict(adapters)

@@ -17,7 +17,8 @@ and the merged export in transformers, a PEFT-written adapter (random factors) l
 LoongSFTTrainer with ``"all-linear"`` over chat messages against trl.SFTTrainer + PEFT (every logged loss 1e-4
 relative, TRL's token metrics) at TP1 and TP2 + SP + EP2. Qwen2-MoE with ``lora_dropout`` at TP2 + SP: the
 replicated factors (the shared gate's A and B among them, summed over the token shards as megatron sums them) get
-equal gradients on both TP ranks.
+equal gradients on both TP ranks. An "all-linear" Qwen2-MoE run at TP2 + SP + EP2 resumed from its step-2
+checkpoint logs the uninterrupted run's losses exactly.
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ def _world(folders: dict, adapters: dict, out_dir: str, layouts: list[str]) -> d
         else:
             out[f"sft/{model}"] = run_loong(folder, f"{out_dir}/sft-{model}", SFT_LAYOUT, names, SFT_SCENARIOS)
     if layouts != ["tp1"]:
+        from ._sft_parity import resume_matches_uninterrupted
+
         out["dropout"] = dropout_keeps_replicas_in_step(folders["qwen2_moe"], LAYOUTS["tp2_sp_etp1"][1])
+        # NOTE: a checkpoint holding the shared-expert gate's adapter (megatron dist-checkpointing) resumes exactly
+        out["resume"] = resume_matches_uninterrupted(folders["qwen2_moe"], out_dir + "/resume", SFT_LAYOUT,
+                                                     dict(r=4, lora_alpha=8, target_modules="all-linear"))
     return out
 
 
@@ -106,3 +112,11 @@ def test_shared_gate_dropout_keeps_tp_replicas_in_step(results):
     names = results[1][0]["dropout"]
     assert any(n.endswith("shared_expert_gate.A") for n in names) and \
         any(n.endswith("shared_expert_gate.B") for n in names), names
+
+
+def test_shared_gate_lora_resume_matches_uninterrupted_run(results):
+    """Qwen2-MoE, "all-linear" (the shared expert's gate included) at TP2 + SP + EP2: resumed from the step-2
+    checkpoint, steps 3-4 log the uninterrupted run's losses exactly."""
+    for rank in results[1]:
+        res = rank["resume"]
+        assert res["resumed"] == res["full"] and len(res["full"]) == 4, res
