@@ -206,18 +206,26 @@ def test_moe_router_aux_loss(tmp_path):
 
 
 PHI3_NAMES = ["lora_text", "dora_messages", "full_packing"]
+PHI3_LAYOUT = {"tensor_parallel_size": 2, "sequence_parallel": True}
+
+
+def _phi3_world(folder: str, out_dir: str) -> dict:
+    return {"runs": run_loong(folder, out_dir + "/runs", PHI3_LAYOUT, PHI3_NAMES),
+            "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", PHI3_LAYOUT)}
 
 
 def test_phi3_matches_trl(tmp_path):
     """Phi-3 (q / k / v and gate / up packed in one HF linear each, partial rotary, a 7-token sliding window that the
     packed documents outrun): all-linear LoRA (one adapter per packed linear, as PEFT's), DoRA and full fine-tuning
     with packing against trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token metrics as
-    above; the saved adapters in PEFT)."""
+    above; the saved adapters in PEFT); an all-linear LoRA run resumed from its checkpoint logs the same losses."""
     # NOTE: seed 1: the seed-0 weights' lora_text run predicts no label token at all (accuracy 0 in every TRL log)
     folder = str(make_tiny_checkpoint(tmp_path / "phi3", "phi3", seed=1))
     trl_runs = run_distributed(run_trl, 1, folder, str(tmp_path / "trl"), PHI3_NAMES, timeout=400)[0]
-    loong = run_distributed(run_loong, 2, folder, str(tmp_path / "tp2-sp"),
-                            {"tensor_parallel_size": 2, "sequence_parallel": True}, PHI3_NAMES, timeout=400)
+    ranks = run_distributed(_phi3_world, 2, folder, str(tmp_path / "tp2-sp"), timeout=400)
+    loong = [rank["runs"] for rank in ranks]
     for name in PHI3_NAMES:
         assert loong[1][name]["losses"] == loong[0][name]["losses"], name
         assert_matches(name, trl_runs[name], loong[0][name])
+    for rank in ranks:  # an all-linear LoRA run (packed linears, the norms trained) resumed from its step-2 checkpoint
+        assert rank["resume"]["resumed"] == rank["resume"]["full"] and len(rank["resume"]["full"]) == 4, rank
