@@ -96,6 +96,22 @@ def hf_forward_options(unused: dict, labels) -> dict:
             "return_dict": unused.get("return_dict", True) is not False, "cache": cache}
 
 
+def check_position_limit(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, past: int = 0) -> None:
+    """Refuse (every rank alike, before any communication) a forward past the bridge's ``position_limit`` (Phi-3's
+    LongRoPE beyond ``original_max_position_embeddings``): the longest position transformers would rotate is the
+    largest position id + 1, else the cached tokens plus the given ones."""
+    limit = getattr(model.bridge, "position_limit", lambda: None)()
+    if limit is None:
+        return
+    length = int(position_ids.max()) + 1 if position_ids is not None and position_ids.numel() else \
+        past + input_ids.shape[-1]
+    if length > limit:
+        raise ValueError(f"A sequence of {length} positions: {model.bridge.architectures[0]} with LongRoPE is "
+                         f"computed with its short factors up to original_max_position_embeddings={limit}; longer "
+                         "sequences (transformers' long factors) are not supported. Keep sequences (prompt plus new "
+                         f"tokens when generating) within {limit} tokens.")
+
+
 def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux_coef: float = 0.0,
                       router_logits: tuple | None = None, moe: bool = False):
     """``CausalLMOutputWithPast`` (or its tuple) with ``hf_forward_options``' keywords applied; for a model whose
@@ -293,6 +309,8 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
         options = hf_forward_options(unused, labels)
+        check_position_limit(self, input_ids, position_ids,
+                             options["cache"].get_seq_length() if options["cache"] is not None else 0)
         routed = router_balance.forward_outputs(self, unused.get("output_router_logits"))
         moe = getattr(self.bridge, "hf_router_logits", False)  # NOTE: transformers' MoE output type
         keep = options["logits_to_keep"]  # NOTE: an int: the rows cut before the logits cross ranks (runtime.py)

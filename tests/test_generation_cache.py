@@ -13,7 +13,8 @@ prompts of different lengths.
   parallelism, and with CP2; Mistral with a 3-token sliding window (the prompts and the generated tokens outrun it)
   at one rank and at CP2 (the window in the split prefill and over each rank's share); Phi-3 (packed q / k / v,
   partial rotary) with a 3-token window at TP2; GLM-4.5 (biased q/k/v, half-rotary heads, sigmoid-routed experts)
-  at TP2 with sequence parallelism.
+  at TP2 with sequence parallelism; Phi-3 with LongRoPE (prompts and new tokens within its 32 short-factor
+  positions) at one rank.
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here. The output layer
   computes the kept (last) position's logits only where that is exact (not under sequence parallelism).
@@ -34,6 +35,7 @@ import pytest
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
+from loongforge_hf.testing.tiny_models import PHI3_LONGROPE
 
 from ._generation import (CACHE_PROMPTS, CACHE_SCENARIOS, REUSE, assert_refused_alike, assert_same_generation,
                           cache_run, static_reuse_run, transformers_reference)
@@ -53,12 +55,13 @@ LAYOUTS = {
     "sliding_window_cp2": ("mistral_window", 2, {"context_parallel_size": 2}),
     "phi3_tp2": ("phi3", 2, {"tensor_parallel_size": 2}),
     "glm4_moe_tp2_sp": ("glm4_moe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "phi3_longrope": ("phi3_longrope", 1, {}),
 }
 # NOTE: name -> (architecture, config overrides); Mistral with a 3-token sliding window: the prompts (6 positions)
 # and every generated token outrun it
 CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek_v3": ("deepseek_v3", {}),
                "mistral_window": ("mistral", {"sliding_window": 3}), "phi3": ("phi3", {"sliding_window": 3}),
-               "glm4_moe": ("glm4_moe", {})}
+               "glm4_moe": ("glm4_moe", {}), "phi3_longrope": ("phi3", PHI3_LONGROPE)}
 
 
 @pytest.fixture(scope="module")

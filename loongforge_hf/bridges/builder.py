@@ -190,6 +190,12 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
         )
         if hasattr(model, "rotary_pos_emb") and rope["rope_type"] == "llama3":
             model.rotary_pos_emb.inv_freq = llama3_inv_freq(model.rotary_pos_emb.inv_freq.float(), rope)
+        if hasattr(model, "rotary_pos_emb") and rope["rope_type"] == "longrope":
+            from loongforge_hf.kernels.rope import rope_inv_freq, set_megatron_inv_freq
+
+            set_megatron_inv_freq(model.rotary_pos_emb, rope_inv_freq(
+                C.head_dim_of(hf), base=rope["rope_theta"], rope_scaling=rope,
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0))))
         device = backend.device()
         model.to(device)
         if config.multi_latent_attention and config.sequence_parallel:

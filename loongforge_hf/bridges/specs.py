@@ -121,8 +121,8 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
     if bridge.num_experts() is None and not getattr(config, "multi_latent_attention", False):
         from loongforge_hf.kernels.specs import get_block_spec, get_layer_spec
 
-        return _with_te_linears(config, get_block_spec(config, get_layer_spec(qk_norm=bridge.qk_norm),
-                                                       vp_stage=vp_stage))
+        spec = get_layer_spec(qk_norm=bridge.qk_norm, qk_module=getattr(bridge, "qk_module", lambda: None)())
+        return _with_te_linears(config, get_block_spec(config, spec, vp_stage=vp_stage))
     from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",

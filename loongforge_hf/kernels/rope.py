@@ -30,7 +30,7 @@ import torch
 from loongforge_hf.kernels._saved import needs_autograd
 from loongforge_hf.kernels._triton import use_triton
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -105,8 +105,46 @@ def rope_inv_freq(head_dim: int, *, base: float, partial_rotary_factor: float = 
             inv_freq, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
             high_freq_factor=scaling["high_freq_factor"],
             original_max_position_embeddings=scaling["original_max_position_embeddings"])
+    if rope_type == "longrope":
+        # NOTE: the short factors, transformers' frequencies up to original_max_position_embeddings (longer sequences
+        # switch to the long ones there: refused here, see longrope_position_limit)
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32, device=device)
+        if short.shape != inv_freq.shape:
+            raise ValueError(f"longrope short_factor has {short.numel()} values, the {rotary_dim} rotary dims need "
+                             f"{inv_freq.numel()}.")
+        return 1.0 / (short * base ** exponents)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; "
                      f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+
+
+def longrope_attention_factor(scaling: Mapping, max_position_embeddings: int) -> float:
+    """LongRoPE's scale of cos and sin: ``attention_factor`` if given, else ``sqrt(1 + ln(factor) / ln(original))``
+    with ``factor`` (default ``max_position_embeddings / original``), 1 where ``factor <= 1``; as transformers."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rotary_scale_module(factor: float, rotary_dim: int) -> type:
+    """A module for megatron's ``q_layernorm`` / ``k_layernorm`` slots that multiplies each head's first
+    ``rotary_dim`` channels by ``factor`` (before the rotary embedding; the rotation is linear, so this is the
+    rotation with cos and sin scaled by ``factor``, as transformers' LongRoPE applies its attention factor)."""
+
+    class RotaryScale(torch.nn.Module):
+        def __init__(self, config=None, hidden_size: int = 0, eps: float = 0.0) -> None:
+            super().__init__()
+            if not 0 < rotary_dim <= hidden_size:
+                raise ValueError(f"RotaryScale: {rotary_dim} rotary dims do not fit a head of {hidden_size}.")
+            scale = torch.ones(hidden_size, dtype=torch.float32)
+            scale[:rotary_dim] = factor
+            self.register_buffer("scale", scale, persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale.to(device=x.device, dtype=x.dtype)
+
+    return RotaryScale
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32,

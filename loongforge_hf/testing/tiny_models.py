@@ -16,6 +16,12 @@ import torch
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe")
 
+# Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
+# short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
+PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+    "original_max_position_embeddings": 32, "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
 

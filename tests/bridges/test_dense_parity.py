@@ -6,6 +6,7 @@ import torch
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
+from loongforge_hf.testing.tiny_models import PHI3_LONGROPE
 from loongforge_hf.testing.round_trip import check_round_trip
 
 from ._parity import load_compare_export, load_compare_export_many
@@ -97,3 +98,44 @@ def test_export_loads_in_transformers(tmp_path):
         assert torch.equal(ref(ids).logits, back(ids).logits)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("tok5 tok6")["input_ids"] == [5, 6]
+
+
+@pytest.mark.parametrize("layout_name", ["tp1", "tp2", "pp2", "cp2"])
+def test_phi3_longrope(tmp_path, layout_name):
+    """LongRoPE's short factors and attention factor (the logits are 0.003 off without the factor)."""
+    run_case(tmp_path, "phi3", layout_name, **PHI3_LONGROPE)
+
+
+def _longer_than_longrope(folder: str) -> dict:
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2)
+    out, g = {}, torch.Generator().manual_seed(0)  # NOTE: the same tokens on both ranks
+    ids = torch.randint(4, 200, (1, 40), generator=g)
+    for name, kw in {"forward": dict(input_ids=ids),
+                     "packed": dict(input_ids=ids,
+                                    position_ids=torch.cat([torch.arange(20), torch.arange(20)])[None]),
+                     "generate": None}.items():
+        try:
+            if kw is None:
+                model.generate(input_ids=ids[:, :28], max_new_tokens=8, do_sample=False)
+            else:
+                model(**kw)
+            out[name] = "no error"
+        except ValueError as err:
+            out[name] = str(err)
+    dist.barrier()  # NOTE: both ranks got here: nothing waits in a collective
+    return out
+
+
+def test_phi3_longrope_beyond_original_max_refused(tmp_path):
+    """Past original_max_position_embeddings transformers switches to the long factors (not implemented): a forward
+    of 40 positions, and a generate whose 29th position passes 32, are refused on both TP ranks with a message; a
+    packed row of two 20-token documents (positions up to 19) runs."""
+    src = make_tiny_checkpoint(tmp_path / "src", "phi3", **PHI3_LONGROPE)
+    for r in run_distributed(_longer_than_longrope, 2, str(src), timeout=300):
+        assert "A sequence of 40 positions" in r["forward"] and "original_max_position_embeddings=32" in r["forward"]
+        assert r["packed"] == "no error", r
+        assert "A sequence of 33 positions" in r["generate"], r
