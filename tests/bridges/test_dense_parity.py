@@ -132,10 +132,10 @@ def _longer_than_longrope(folder: str) -> dict:
 
 def test_phi3_longrope_beyond_original_max_refused(tmp_path):
     """Past original_max_position_embeddings transformers switches to the long factors (not implemented): a forward
-    of 40 positions, and a generate whose 29th position passes 32, are refused on both TP ranks with a message; a
-    packed row of two 20-token documents (positions up to 19) runs."""
+    of 40 positions, and a generate of 28 + 8 tokens (before its first step), are refused on both TP ranks with a
+    message; a packed row of two 20-token documents (positions up to 19) runs."""
     src = make_tiny_checkpoint(tmp_path / "src", "phi3", **PHI3_LONGROPE)
     for r in run_distributed(_longer_than_longrope, 2, str(src), timeout=300):
         assert "A sequence of 40 positions" in r["forward"] and "original_max_position_embeddings=32" in r["forward"]
         assert r["packed"] == "no error", r
-        assert "A sequence of 33 positions" in r["generate"], r
+        assert r["generate"].startswith("generate: up to 36 positions") and "=32" in r["generate"], r

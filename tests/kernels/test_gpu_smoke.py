@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing.tiny_models import PHI3_LONGROPE
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -48,7 +49,8 @@ def _train_and_compare(folder: str, out_dir: str, device: str) -> dict:
 
 
 @pytest.mark.parametrize("arch,overrides", [("qwen3", {"tie_word_embeddings": True}), ("llama3", {}),
-                                            ("qwen3_moe", {}), ("phi3", {}), ("glm4_moe", {"use_qk_norm": True})])
+                                            ("qwen3_moe", {}), ("phi3", {}), ("phi3", PHI3_LONGROPE),
+                                            ("glm4_moe", {"use_qk_norm": True}), ("qwen2_moe", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
