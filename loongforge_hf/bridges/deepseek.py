@@ -32,12 +32,6 @@ A, S = f"{D}.self_attention", f"{L}.self_attn"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def mtp_layer_names(hf_config, names) -> list[str]:
-    """The checkpoint's multi-token-prediction tensors (``model.layers.{num_hidden_layers + i}.*``), not built."""
-    layers = hf_config.num_hidden_layers
-    return [n for n in names if (m := _LAYER.match(n)) and int(m.group(1)) >= layers]
-
-
 def sigmoid_routing_kwargs(c) -> dict:
     """DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores plus a fixed ``e_score_correction_bias``, top-2-sum group
     scores, ``routed_scaling_factor``; top-k renormalised (megatron always renormalises sigmoid top-k)."""
@@ -50,30 +44,21 @@ def sigmoid_routing_kwargs(c) -> dict:
                                      n_group=c.n_group, topk_group=c.topk_group, group_score_top=2)}
 
 
-class DeepseekBridge(MoEBridge):
+class DeepseekStyleMoE(MoEBridge):
+    """The mixture of experts DeepSeek-V2/V3 and GLM-4.5 share: ``n_routed_experts`` routed experts plus
+    ``n_shared_experts`` always-on ones (``moe_intermediate_size`` each), the first ``first_k_dense_replace`` layers
+    dense, the router in fp32 returning transformers' ``router_logits``, multi-token-prediction layers passed
+    through. Routing and attention are each model's."""
+
     shared_experts = "shared_experts"
     router_fp32 = True
     hf_router_logits = True                                    # transformers returns them; it adds no aux loss
-    interleaved_rope_on_disk = True
     has_passthrough = True
-    multi_latent_attention = True                              # attention is megatron's MLASelfAttention
 
-    # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
         super().check_config()
-        C.check_mla_config(self.hf_config)
         if not self.hf_config.n_shared_experts:
             raise C.UnsupportedConfigError("n_shared_experts=0 is not supported.")
-
-    def rope_parameters(self) -> dict:
-        rope = C.mla_rope_kwargs(self.hf_config)
-        return {"rope_type": rope["rope_type"], "rope_theta": rope["rotary_base"]}
-
-    def transformer_config_kwargs(self) -> dict:
-        kw = super().transformer_config_kwargs()
-        kw.update(C.hf_to_megatron(self.hf_config, C.MLA_FIELDS))
-        kw.update(C.mla_rope_kwargs(self.hf_config), multi_latent_attention=True, qk_layernorm=True)
-        return kw
 
     def num_experts(self) -> int:
         return self.hf_config.n_routed_experts
@@ -85,7 +70,29 @@ class DeepseekBridge(MoEBridge):
         return layer >= (self.hf_config.first_k_dense_replace or 0)
 
     def passthrough_names(self, names) -> list[str]:
-        return mtp_layer_names(self.hf_config, names)
+        """The checkpoint's multi-token-prediction tensors (``model.layers.{num_hidden_layers + i}.*``), not built."""
+        layers = self.hf_config.num_hidden_layers
+        return [n for n in names if (m := _LAYER.match(n)) and int(m.group(1)) >= layers]
+
+
+class DeepseekBridge(DeepseekStyleMoE):
+    interleaved_rope_on_disk = True
+    multi_latent_attention = True                              # attention is megatron's MLASelfAttention
+
+    # ---- config ---------------------------------------------------------------------------------------------
+    def check_config(self) -> None:
+        super().check_config()
+        C.check_mla_config(self.hf_config)
+
+    def rope_parameters(self) -> dict:
+        rope = C.mla_rope_kwargs(self.hf_config)
+        return {"rope_type": rope["rope_type"], "rope_theta": rope["rotary_base"]}
+
+    def transformer_config_kwargs(self) -> dict:
+        kw = super().transformer_config_kwargs()
+        kw.update(C.hf_to_megatron(self.hf_config, C.MLA_FIELDS))
+        kw.update(C.mla_rope_kwargs(self.hf_config), multi_latent_attention=True, qk_layernorm=True)
+        return kw
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def _rope_rows(self, megatron: str, hf: str, block: int) -> Mapping:

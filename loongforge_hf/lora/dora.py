@@ -43,7 +43,12 @@ def check_dora(config, targets) -> None:
 
     if not config.use_dora:
         return
-    params = sorted({t.hf_module for t in targets if t.kind in ("experts", "router", "shared_gate")})
+    gates = sorted({t.hf_module for t in targets if t.kind == "shared_gate"})
+    if gates:
+        raise LoraConfigError(f"use_dora=True on shared_expert_gate ({gates[:2]} ...) is not supported (megatron keeps "
+                              "that gate as a raw [1, H] weight beside the shared expert): leave it out, e.g. "
+                              "exclude_modules=['shared_expert_gate'], or use plain LoRA there.")
+    params = sorted({t.hf_module for t in targets if t.kind in ("experts", "router")})
     if params:
         raise LoraConfigError(f"use_dora=True: DoRA does not apply to target_parameters ({params[:3]}; PEFT's "
                               "ParamWrapper refuses it too, and PEFT turns MoE expert and router names into such "

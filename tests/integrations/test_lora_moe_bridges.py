@@ -120,3 +120,21 @@ def test_shared_gate_lora_resume_matches_uninterrupted_run(results):
     for rank in results[1]:
         res = rank["resume"]
         assert res["resumed"] == res["full"] and len(res["full"]) == 4, res
+
+
+def test_dora_on_the_shared_expert_gate_refused_naming_the_way_out(tmp_path):
+    """Qwen2-MoE: "all-linear" DoRA names the shared_expert_gate (megatron's raw gate weight): refused with a
+    message; excluding the gate, the rest plans."""
+    import peft
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+
+    folder = make_tiny_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe", tokenizer=False)
+    bridge = get_bridge(transformers.AutoConfig.from_pretrained(folder))
+    with pytest.raises(LoraConfigError, match=r"use_dora=True on shared_expert_gate .*exclude_modules"):
+        plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear", use_dora=True))
+    plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear", use_dora=True,
+                                             exclude_modules=["shared_expert_gate"]))
+    assert plan.targets and not any(t.kind == "shared_gate" for t in plan.targets)
