@@ -438,10 +438,7 @@ class LoongTrainer(Trainer):
         grad_norm = learning_rate = None
         ran = False
         consumed = first_update * ga  # NOTE: micro-batches: the epoch fraction is logged as Trainer logs it
-        max_pos, limit_name = self.model.config.max_position_embeddings, "max_position_embeddings"
-        limit = getattr(self.model.bridge, "position_limit", lambda: None)()  # NOTE: Phi-3's LongRoPE (modeling.py)
-        if limit is not None and limit < max_pos:
-            max_pos, limit_name = limit, "LongRoPE's original_max_position_embeddings (longer: not supported)"
+        max_pos = self.model.config.max_position_embeddings
         for update_step in range(first_update, num_update_steps_per_epoch):
             micro = []
             for _ in range(ga):
@@ -455,7 +452,7 @@ class LoongTrainer(Trainer):
             micro = self._whole_interleaved_groups(micro)
             if not micro:
                 break
-            self._check_batches_everywhere(micro, max_pos, limit_name)
+            self._check_batches_everywhere(micro, max_pos)
             ran = True
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             t0 = time.perf_counter()
@@ -516,10 +513,14 @@ class LoongTrainer(Trainer):
                            "groups).", len(micro) - keep, group)
         return micro[:keep]
 
-    def _check_batches_everywhere(self, micro: list[dict], max_positions: int,
-                                  limit_name: str = "max_position_embeddings") -> None:
+    def _check_batches_everywhere(self, micro: list[dict], max_positions: int) -> None:
         """Validate this rank's batches, then agree across ranks so a bad batch on one rank stops all of them."""
         from loongforge_hf.bridges.distribution import agree_on_error
+
+        limit_name = "max_position_embeddings"
+        limit = getattr(self.model.bridge, "position_limit", lambda: None)()  # NOTE: Phi-3's LongRoPE (modeling.py)
+        if limit is not None and limit < max_positions:
+            max_positions, limit_name = limit, "LongRoPE's original_max_position_embeddings (longer: not supported)"
 
         error = None
         try:

@@ -191,11 +191,13 @@ def test_plain_trainers_refuse_loong_models(tp1):
         assert "LoongSFTTrainer" in message and "LoongTrainer" in message
 
 
-def test_moe_router_aux_loss(tmp_path):
-    """Qwen3-MoE with SFTConfig(router_aux_loss_coef=0.1): TRL's router load-balancing loss (transformers' formula,
-    coef * aux / accumulation steps per micro-batch) under activation recompute: the train losses, the aux_loss
-    metric, the eval loss and eval aux_loss are TRL's (1e-4), on one process and with pipeline parallel 2."""
-    folder = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", router_aux_loss_coef=0.01)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_router_aux_loss(tmp_path, arch):
+    """Qwen3-MoE and Qwen2-MoE (its gated shared expert beside the routed ones) with SFTConfig(router_aux_loss_coef=
+    0.1): TRL's router load-balancing loss (transformers' formula, coef * aux / accumulation steps per micro-batch)
+    under activation recompute: the train losses, the aux_loss metric, the eval loss and eval aux_loss are TRL's
+    (1e-4), on one process and with pipeline parallel 2."""
+    folder = make_tiny_checkpoint(tmp_path / "moe", arch, router_aux_loss_coef=0.01)
     res = run_distributed(moe_sft, 1, str(folder), str(tmp_path / "out"), timeout=300)[0]
     pp2 = run_distributed(moe_sft, 2, str(folder), str(tmp_path / "pp2"), True, {"pipeline_parallel_size": 2},
                           timeout=300)
