@@ -202,7 +202,9 @@ def _local_verdict(model, generation_config, kwargs: dict, inputs=None) -> tuple
 def _position_refusal(model, config, kwargs: dict, inputs) -> str | None:
     """Why a generation would pass the bridge's ``position_limit`` (Phi-3's LongRoPE), refused before the first
     step rather than at the step that passes it (``modeling.check_position_limit``)."""
-    limit = getattr(model.bridge, "position_limit", lambda: None)()
+    from loongforge_hf.modeling import position_limit
+
+    limit = position_limit(model)
     prompt = inputs if inputs is not None else kwargs.get("input_ids")
     if limit is None or not torch.is_tensor(prompt):
         return None

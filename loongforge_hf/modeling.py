@@ -96,11 +96,16 @@ def hf_forward_options(unused: dict, labels) -> dict:
             "return_dict": unused.get("return_dict", True) is not False, "cache": cache}
 
 
+def position_limit(model) -> int | None:
+    """The longest sequence ``model`` computes as transformers does, where shorter than its positions (Phi-3's LongRoPE:
+    ``original_max_position_embeddings``); None elsewhere."""
+    return getattr(model.bridge, "position_limit", lambda: None)()
+
+
 def check_position_limit(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, past: int = 0) -> None:
-    """Refuse (every rank alike, before any communication) a forward past the bridge's ``position_limit`` (Phi-3's
-    LongRoPE beyond ``original_max_position_embeddings``): the longest position transformers would rotate is the
-    largest position id + 1, else the cached tokens plus the given ones."""
-    limit = getattr(model.bridge, "position_limit", lambda: None)()
+    """Refuse (every rank alike, before any communication) a forward past ``position_limit``: the longest position
+    transformers would rotate is the largest position id + 1, else the cached tokens plus the given ones."""
+    limit = position_limit(model)
     if limit is None:
         return
     length = int(position_ids.max()) + 1 if position_ids is not None and position_ids.numel() else \

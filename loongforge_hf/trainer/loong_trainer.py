@@ -518,7 +518,9 @@ class LoongTrainer(Trainer):
         from loongforge_hf.bridges.distribution import agree_on_error
 
         limit_name = "max_position_embeddings"
-        limit = getattr(self.model.bridge, "position_limit", lambda: None)()  # NOTE: Phi-3's LongRoPE (modeling.py)
+        from loongforge_hf.modeling import position_limit
+
+        limit = position_limit(self.model)  # NOTE: Phi-3's LongRoPE
         if limit is not None and limit < max_positions:
             max_positions, limit_name = limit, "LongRoPE's original_max_position_embeddings (longer: not supported)"
 
