@@ -94,10 +94,11 @@ def _moe_spec(num_experts: int, moe_grouped_gemm: bool) -> ModuleSpec:
 
 
 def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped_gemm: bool = False,
-                   use_te: bool = False, qk_module: type | None = None) -> ModuleSpec:
-    """A megatron ``TransformerLayer`` spec: pre-norm causal self-attention (optional q/k RMSNorm, or ``qk_module``
-    in the q/k norm slots), then a gated MLP or, with ``num_experts``, an MoE layer (shared experts appear when the
-    config sets their size)."""
+                   use_te: bool = False, qk_module: type | None = None,
+                   attention_module: type | None = None) -> ModuleSpec:
+    """A megatron ``TransformerLayer`` spec: pre-norm causal self-attention (megatron's ``SelfAttention`` or
+    ``attention_module``; optional q/k RMSNorm, or ``qk_module`` in the q/k norm slots), then a gated MLP or, with
+    ``num_experts``, an MoE layer (shared experts appear when the config sets their size)."""
     if use_te:
         _require("transformer_engine", "get_layer_spec(use_te=True)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -112,7 +113,7 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=attention_module or SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=CoreAttention,
                                                    linear_proj=RowParallelLinear, q_layernorm=qk, k_layernorm=qk),

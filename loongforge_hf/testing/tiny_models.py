@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
-              "deepseek_v2", "glm4_moe", "qwen2_moe")
+              "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -62,6 +62,9 @@ def _config(arch: str, **overrides):
     elif arch == "deepseek_v2":
         cfg = tf.DeepseekV2Config(**{**common, **_MLA}, q_lora_rank=None, n_routed_experts=4, n_shared_experts=2,
                                   num_experts_per_tok=2, topk_method="greedy", routed_scaling_factor=1.5)
+    elif arch == "smollm3":
+        # NOTE: layers 1 and 3 without rotary embedding (SmolLM3-3B: every fourth)
+        cfg = tf.SmolLM3Config(**common, no_rope_layer_interval=2)
     elif arch == "qwen2_moe":
         # NOTE: Qwen1.5-MoE's softmax routing without renormalisation, a gated shared expert, a dense first layer
         cfg = tf.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
