@@ -14,7 +14,8 @@ prompts of different lengths.
   at one rank and at CP2 (the window in the split prefill and over each rank's share); Phi-3 (packed q / k / v,
   partial rotary) with a 3-token window at TP2; GLM-4.5 (biased q/k/v, half-rotary heads, sigmoid-routed experts)
   at TP2 with sequence parallelism; Phi-3 with LongRoPE (prompts and new tokens within its 32 short-factor
-  positions) at one rank; SmolLM3 (layers 1 and 3 without rotary embedding, one on each stage) at PP2.
+  positions) at one rank; SmolLM3 (layers 1 and 3 without rotary embedding, one on each stage) at PP2; Qwen3 with
+  YaRN at one rank.
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here. The output layer
   computes the kept (last) position's logits only where that is exact (not under sequence parallelism).
@@ -57,13 +58,16 @@ LAYOUTS = {
     "glm4_moe_tp2_sp": ("glm4_moe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "phi3_longrope": ("phi3_longrope", 1, {}),
     "smollm3_pp2": ("smollm3", 2, {"pipeline_parallel_size": 2}),
+    "qwen3_yarn": ("qwen3_yarn", 1, {}),
 }
 # NOTE: name -> (architecture, config overrides); Mistral with a 3-token sliding window: the prompts (6 positions)
 # and every generated token outrun it
 CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek_v3": ("deepseek_v3", {}),
                "mistral_window": ("mistral", {"sliding_window": 3}), "phi3": ("phi3", {"sliding_window": 3}),
                "glm4_moe": ("glm4_moe", {}), "phi3_longrope": ("phi3", PHI3_LONGROPE),
-               "smollm3": ("smollm3", {})}
+               "smollm3": ("smollm3", {}),
+               "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                            "original_max_position_embeddings": 32}})}
 
 
 @pytest.fixture(scope="module")

@@ -190,7 +190,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
         )
         if hasattr(model, "rotary_pos_emb") and rope["rope_type"] == "llama3":
             model.rotary_pos_emb.inv_freq = llama3_inv_freq(model.rotary_pos_emb.inv_freq.float(), rope)
-        if hasattr(model, "rotary_pos_emb") and rope["rope_type"] == "longrope":
+        if hasattr(model, "rotary_pos_emb") and rope["rope_type"] in ("longrope", "yarn"):
             from loongforge_hf.kernels.rope import rope_inv_freq, set_megatron_inv_freq
 
             set_megatron_inv_freq(model.rotary_pos_emb, rope_inv_freq(

@@ -90,10 +90,11 @@ def megatron_to_hf(transformer_config, fields: tuple[Field, ...] = DENSE_FIELDS)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
-def rope_parameters(hf_config, *, partial_rotary: bool = False, longrope: bool = False) -> dict:
+def rope_parameters(hf_config, *, partial_rotary: bool = False, extra_types: tuple[str, ...] = ()) -> dict:
     """``rope_parameters`` as transformers 5 stores them (theta, type and scaling fields in one dict);
     ``partial_rotary``: the architecture rotates only ``partial_rotary_factor`` of each head (Phi-3), else a factor
-    other than 1 is refused (Llama's attention ignores it); ``longrope``: the architecture takes LongRoPE (Phi-3)."""
+    other than 1 is refused (Llama's attention ignores it); ``extra_types``: rope types beyond ``default`` / ``llama3``
+    the bridge takes (``yarn`` on dense decoders, ``longrope`` on Phi-3: an attention factor on q and k)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if not params:
         params = {"rope_type": "default", "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
@@ -102,13 +103,15 @@ def rope_parameters(hf_config, *, partial_rotary: bool = False, longrope: bool =
             params.update(scaling)
     params.setdefault("rope_type", params.get("type", "default"))
     rope_type = params["rope_type"]
-    supported = [*SUPPORTED_ROPE_TYPES, "longrope"] if longrope else list(SUPPORTED_ROPE_TYPES)
+    supported = [*SUPPORTED_ROPE_TYPES, *extra_types]
     if rope_type not in supported:
         raise UnsupportedConfigError(
             f"rope_parameters.rope_type={rope_type!r} is not implemented; supported: {supported}.")
-    missing = [k for k in ("short_factor", "long_factor", "original_max_position_embeddings") if params.get(k) is None]
-    if rope_type == "longrope" and missing:
-        raise UnsupportedConfigError(f"rope_parameters of type 'longrope' lack {missing}.")
+    needed = {"longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings")}.get(rope_type, ())
+    missing = [k for k in needed if params.get(k) is None]
+    if missing:
+        raise UnsupportedConfigError(f"rope_parameters of type {rope_type!r} lack {missing}.")
     factor = params.get("partial_rotary_factor", 1.0)
     if factor != 1.0 and not partial_rotary:
         raise UnsupportedConfigError(

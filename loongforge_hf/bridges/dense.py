@@ -19,6 +19,7 @@ class DenseBridge:
     qk_norm: bool = False
     qkv_bias: bool = False
     supports_sliding_window: bool = False
+    extra_rope_types: tuple[str, ...] = ("yarn",)  # beyond default / llama3 (config_map.rope_parameters)
     has_passthrough: bool = False  # keeps checkpoint tensors megatron does not build (see passthrough_names)
 
     def __init__(self, hf_config) -> None:
@@ -84,7 +85,20 @@ class DenseBridge:
         return []
 
     def rope_parameters(self) -> dict:
-        return C.rope_parameters(self.hf_config)
+        return C.rope_parameters(self.hf_config, extra_types=self.extra_rope_types)
+
+    def qk_module(self) -> type | None:
+        """For rope types with an attention factor (YaRN, LongRoPE): the q / k norm slots' module that multiplies the
+        rotary channels by it before the rotation (after the q / k norm where the model has one); None without."""
+        from loongforge_hf.kernels.rmsnorm import RMSNorm
+        from loongforge_hf.kernels.rope import rope_attention_factor, rotary_scale_module
+
+        rope = self.rope_parameters()
+        factor = rope_attention_factor(rope, self.hf_config.max_position_embeddings)
+        if factor == 1.0:
+            return None
+        rotary_dim = int(C.head_dim_of(self.hf_config) * rope.get("partial_rotary_factor", 1.0))
+        return rotary_scale_module(factor, rotary_dim, norm=RMSNorm if self.qk_norm else None)
 
     def embedding_mapping(self) -> Mapping:
         return VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight")

@@ -28,7 +28,7 @@ class Glm4MoeBridge(DeepseekStyleMoE):
         super().__init__(hf_config)
 
     def rope_parameters(self) -> dict:
-        return C.rope_parameters(self.hf_config, partial_rotary=True)
+        return C.rope_parameters(self.hf_config, partial_rotary=True, extra_types=self.extra_rope_types)
 
     def routing_kwargs(self) -> dict:
         return sigmoid_routing_kwargs(self.hf_config)

@@ -11,10 +11,10 @@ Choices:
 - ``longrope`` scaling (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini): transformers rotates with the short factors up
   to ``original_max_position_embeddings`` and scales cos and sin by the attention factor. Here the short factors are
   megatron's inverse frequencies and the attention factor multiplies the rotary channels of q and k before the
-  rotation (``kernels.rope.rotary_scale_module`` in the q / k norm slots; the rotation is linear, so the product is
-  the same). Beyond ``original_max_position_embeddings`` transformers switches every position to the long factors
-  (and, generating, keeps the keys it cached before the switch): not implemented, so a forward, ``generate`` step or
-  training batch longer than that is refused on every rank before any communication (``position_limit``).
+  rotation (``DenseBridge.qk_module``; the rotation is linear, so the product is the same). Beyond
+  ``original_max_position_embeddings`` transformers switches every position to the long factors (and, generating,
+  keeps the keys it cached before the switch): not implemented, so a forward, ``generate`` step or training batch
+  longer than that is refused on every rank before any communication (``position_limit``).
 """
 
 from loongforge_hf.bridges import config_map as C
@@ -27,19 +27,10 @@ from loongforge_hf.bridges.registry import register_bridge
 @register_bridge("Phi3ForCausalLM")
 class Phi3Bridge(DenseBridge):
     supports_sliding_window = True
+    extra_rope_types = ("longrope",)  # NOTE: transformers' Phi-3 config turns 'yarn' / 'su' into 'longrope'
 
     def rope_parameters(self) -> dict:
-        return C.rope_parameters(self.hf_config, partial_rotary=True, longrope=True)
-
-    def qk_module(self) -> type | None:
-        """LongRoPE's attention factor on q and k's rotary channels (None without LongRoPE)."""
-        rope = self.rope_parameters()
-        if rope["rope_type"] != "longrope":
-            return None
-        from loongforge_hf.kernels.rope import longrope_attention_factor, rotary_scale_module
-
-        factor = longrope_attention_factor(rope, self.hf_config.max_position_embeddings)
-        return rotary_scale_module(factor, int(C.head_dim_of(self.hf_config) * rope.get("partial_rotary_factor", 1.0)))
+        return C.rope_parameters(self.hf_config, partial_rotary=True, extra_types=self.extra_rope_types)
 
     def position_limit(self) -> int | None:
         """The longest sequence this model computes as transformers does (LongRoPE: its short factors' range)."""

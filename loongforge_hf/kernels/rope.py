@@ -30,7 +30,7 @@ import torch
 from loongforge_hf.kernels._saved import needs_autograd
 from loongforge_hf.kernels._triton import use_triton
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -113,36 +113,79 @@ def rope_inv_freq(head_dim: int, *, base: float, partial_rotary_factor: float = 
             raise ValueError(f"longrope short_factor has {short.numel()} values, the {rotary_dim} rotary dims need "
                              f"{inv_freq.numel()}.")
         return 1.0 / (short * base ** exponents)
+    if rope_type == "yarn":
+        return yarn_inv_freq(base ** exponents, scaling, base=base, rotary_dim=rotary_dim)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; "
                      f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
 
 
-def longrope_attention_factor(scaling: Mapping, max_position_embeddings: int) -> float:
-    """LongRoPE's scale of cos and sin: ``attention_factor`` if given, else ``sqrt(1 + ln(factor) / ln(original))``
-    with ``factor`` (default ``max_position_embeddings / original``), 1 where ``factor <= 1``; as transformers."""
+def yarn_inv_freq(pos_freqs: torch.Tensor, scaling: Mapping, *, base: float, rotary_dim: int) -> torch.Tensor:
+    """YaRN's frequencies from the plain ones' inverses ``pos_freqs`` (``base ** (2i / dim)``): frequencies that turn
+    more than ``beta_fast`` times over ``original_max_position_embeddings`` kept, fewer than ``beta_slow`` times
+    divided by ``factor``, a linear ramp over the dims between (bounds floored / ceiled unless ``truncate`` is
+    False); transformers' formula."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # NOTE: the dim whose frequency turns `rotations` times over `original`
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = (1 - ramp).to(pos_freqs.device)
+    return 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+
+def rope_attention_factor(scaling: Mapping, max_position_embeddings: int) -> float:
+    """The scale transformers puts on cos and sin: ``attention_factor`` if given; else LongRoPE's
+    ``sqrt(1 + ln(factor) / ln(original))`` and YaRN's ``0.1 ln(factor) + 1`` (or its ``mscale`` /
+    ``mscale_all_dim`` ratio), ``factor`` defaulting to ``max_position_embeddings / original``, 1 where it is <= 1;
+    1 for every other rope type."""
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("longrope", "yarn"):
+        return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or max_position_embeddings / original
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if rope_type == "longrope":
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
-def rotary_scale_module(factor: float, rotary_dim: int) -> type:
+def rotary_scale_module(factor: float, rotary_dim: int, norm: type | None = None) -> type:
     """A module for megatron's ``q_layernorm`` / ``k_layernorm`` slots that multiplies each head's first
     ``rotary_dim`` channels by ``factor`` (before the rotary embedding; the rotation is linear, so this is the
-    rotation with cos and sin scaled by ``factor``, as transformers' LongRoPE applies its attention factor)."""
+    rotation with cos and sin scaled by ``factor``, as transformers applies YaRN's / LongRoPE's attention factor);
+    with ``norm`` (the model's q / k norm class), that norm first."""
+    base = norm or torch.nn.Module
 
-    class RotaryScale(torch.nn.Module):
+    class RotaryScale(base):
         def __init__(self, config=None, hidden_size: int = 0, eps: float = 0.0) -> None:
-            super().__init__()
+            if norm is None:
+                super().__init__()
+            else:
+                super().__init__(config, hidden_size, eps)
             if not 0 < rotary_dim <= hidden_size:
                 raise ValueError(f"RotaryScale: {rotary_dim} rotary dims do not fit a head of {hidden_size}.")
             scale = torch.ones(hidden_size, dtype=torch.float32)
             scale[:rotary_dim] = factor
-            self.register_buffer("scale", scale, persistent=False)
+            self.register_buffer("rotary_scale", scale, persistent=False)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * self.scale.to(device=x.device, dtype=x.dtype)
+            if norm is not None:
+                x = super().forward(x)
+            return x * self.rotary_scale.to(device=x.device, dtype=x.dtype)
 
     return RotaryScale
 

@@ -35,7 +35,7 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2
 # NOTE: per call, measured inside the rank after the imports; a hang would instead run into run_distributed's timeout.
 QUICK_S = 10.0
 LOAD_CASES = ("missing_shard", "corrupt_header", "truncated_shard", "index_escape", "shape_mismatch", "pickle_refused",
-              "gpt2", "foo_architecture", "unknown_model_type", "rope_yarn", "sliding_window", "heads_vs_tp",
+              "gpt2", "foo_architecture", "unknown_model_type", "rope_dynamic", "sliding_window", "heads_vs_tp",
               "world_size", "vpp_layers", "hub_id_not_cached")
 
 
@@ -219,10 +219,10 @@ def load_cases(base, tmp_path_factory):
     _edit_json(unknown / "config.json", model_type="foo", architectures=["FooForCausalLM"])
     cases["unknown_model_type"] = (unknown, TP2, "ValueError", ["`foo`"])  # transformers' own AutoConfig error
 
-    yarn = make_tiny_checkpoint(tmp / "yarn", "llama", tokenizer=False, num_hidden_layers=2,
-                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                 "original_max_position_embeddings": 32})
-    cases["rope_yarn"] = (yarn, TP2, "UnsupportedConfigError", ["rope_type='yarn'", "'default'", "'llama3'"])
+    dynamic = make_tiny_checkpoint(tmp / "dynamic", "llama", tokenizer=False, num_hidden_layers=2,
+                                   rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    cases["rope_dynamic"] = (dynamic, TP2, "UnsupportedConfigError",
+                             ["rope_type='dynamic'", "'default'", "'llama3'", "'yarn'"])
 
     window = make_tiny_checkpoint(tmp / "sliding", "qwen2", tokenizer=False, use_sliding_window=True, sliding_window=6,
                                   max_window_layers=0)

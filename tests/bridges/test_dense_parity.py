@@ -139,3 +139,15 @@ def test_phi3_longrope_beyond_original_max_refused(tmp_path):
         assert "A sequence of 40 positions" in r["forward"] and "original_max_position_embeddings=32" in r["forward"]
         assert r["packed"] == "no error", r
         assert r["generate"].startswith("generate: up to 36 positions") and "=32" in r["generate"], r
+
+
+# YaRN (Qwen2.5 / Qwen3's long-context recipe) shrunk: factor 4 over 32 positions, attention factor 0.1 ln 4 + 1
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("arch,layout_name", [("llama", "tp2"), ("llama", "pp2"), ("qwen3", "tp1"), ("qwen3", "tp2"),
+                                              ("qwen3", "cp2")])
+def test_yarn(tmp_path, arch, layout_name):
+    """YaRN's frequencies and attention factor (Qwen3: after its q / k norms); the logits are 0.003 (Llama) and 0.08
+    (Qwen3) off without the factor."""
+    run_case(tmp_path, arch, layout_name, rope_parameters=dict(YARN))

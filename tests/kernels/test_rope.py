@@ -59,9 +59,35 @@ def test_default_and_linear_inv_freq_match_transformers(rope_type, extra):
                                expected, atol=0, rtol=1e-6)
 
 
+YARN = [
+    # Qwen3's recommended long-context setting (head 128, theta 1e6, factor 4 over 32768)
+    dict(head_dim=128, theta=1000000.0, rope={"factor": 4.0, "original_max_position_embeddings": 32768}),
+    # a short context: kept, ramped and divided dims all within 12 frequencies; DeepSeek-style mscale ratio
+    dict(head_dim=24, theta=10000.0, rope={"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16,
+                                           "beta_slow": 2, "mscale": 0.7, "mscale_all_dim": 1.0}),
+    dict(head_dim=16, theta=10000.0, rope={"factor": 4.0, "original_max_position_embeddings": 32, "truncate": False,
+                                           "attention_factor": 1.3}),
+]
+
+
+@pytest.mark.parametrize("case", YARN)
+def test_yarn_inv_freq_and_attention_factor_match_transformers(case):
+    """The frequencies bit for bit (the same ops in the same order) and the cos / sin scale."""
+    from loongforge_hf.kernels.rope import rope_attention_factor
+
+    scaling = {"rope_type": "yarn", **case["rope"]}
+    config = _hf_config(case["head_dim"], case["theta"], scaling)
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config, None)
+    ours = rope_inv_freq(case["head_dim"], base=case["theta"], rope_scaling=scaling)
+    assert torch.equal(ours, expected)
+    assert rope_attention_factor(scaling, config.max_position_embeddings) == pytest.approx(factor, rel=1e-12)
+    unscaled = rope_inv_freq(case["head_dim"], base=case["theta"])
+    assert (ours == unscaled).any() and (ours < unscaled).any()  # some dims kept, some interpolated
+
+
 def test_unknown_rope_type_names_the_supported_ones():
-    with pytest.raises(ValueError, match="supported: default, linear, llama3"):
-        rope_inv_freq(16, base=10000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="supported: default, linear, llama3, longrope, yarn"):
+        rope_inv_freq(16, base=10000.0, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
 
 
 def reference_rotary(x, cos, sin):
