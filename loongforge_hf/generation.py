@@ -202,18 +202,13 @@ def _local_verdict(model, generation_config, kwargs: dict, inputs=None) -> tuple
 def _position_refusal(model, config, kwargs: dict, inputs) -> str | None:
     """Why a generation would pass the bridge's ``position_limit`` (Phi-3's LongRoPE), refused before the first
     step rather than at the step that passes it (``modeling.check_position_limit``)."""
-    from loongforge_hf.modeling import position_limit
+    from loongforge_hf.modeling import position_limit_message
 
-    limit = position_limit(model)
     prompt = inputs if inputs is not None else kwargs.get("input_ids")
-    if limit is None or not torch.is_tensor(prompt):
+    if not torch.is_tensor(prompt):
         return None
     total = prompt.shape[-1] + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
-    if total <= limit:
-        return None
-    return (f"up to {total} positions (prompt plus new tokens): {model.bridge.architectures[0]} with LongRoPE is "
-            f"computed with its short factors up to original_max_position_embeddings={limit}; longer sequences "
-            "(transformers' long factors) are not supported.")
+    return position_limit_message(model, total, "up to {length} positions (prompt plus new tokens)")
 
 
 def _signature(model, inputs, generation_config, kwargs: dict) -> int:

@@ -98,23 +98,32 @@ def hf_forward_options(unused: dict, labels) -> dict:
 
 def position_limit(model) -> int | None:
     """The longest sequence ``model`` computes as transformers does, where shorter than its positions (Phi-3's LongRoPE:
-    ``original_max_position_embeddings``); None elsewhere."""
-    return getattr(model.bridge, "position_limit", lambda: None)()
+    ``original_max_position_embeddings``, set by the bridge at load); None elsewhere."""
+    return getattr(model.bridge, "position_limit", None)
+
+
+def position_limit_message(model, length: int, subject: str = "A sequence of {length} positions") -> str | None:
+    """Why ``length`` positions are refused (``position_limit``), or None when they are not; ``subject`` names what
+    has that many."""
+    limit = position_limit(model)
+    if limit is None or length <= limit:
+        return None
+    return (f"{subject.format(length=length)}: {model.bridge.architectures[0]} with LongRoPE is computed with its "
+            f"short factors up to original_max_position_embeddings={limit}; longer sequences (transformers' long "
+            f"factors) are not supported. Keep sequences (prompt plus new tokens when generating) within {limit} "
+            "tokens.")
 
 
 def check_position_limit(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, past: int = 0) -> None:
     """Refuse (every rank alike, before any communication) a forward past ``position_limit``: the longest position
     transformers would rotate is the largest position id + 1, else the cached tokens plus the given ones."""
-    limit = position_limit(model)
-    if limit is None:
+    if position_limit(model) is None:
         return
     length = int(position_ids.max()) + 1 if position_ids is not None and position_ids.numel() else \
         past + input_ids.shape[-1]
-    if length > limit:
-        raise ValueError(f"A sequence of {length} positions: {model.bridge.architectures[0]} with LongRoPE is "
-                         f"computed with its short factors up to original_max_position_embeddings={limit}; longer "
-                         "sequences (transformers' long factors) are not supported. Keep sequences (prompt plus new "
-                         f"tokens when generating) within {limit} tokens.")
+    message = position_limit_message(model, length)
+    if message:
+        raise ValueError(message)
 
 
 def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux_coef: float = 0.0,

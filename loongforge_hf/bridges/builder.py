@@ -56,20 +56,6 @@ def _uneven_split(num_layers: int, pp: int) -> dict:
     raise ParallelLayoutError(f"num_hidden_layers={num_layers} cannot be split over pipeline_parallel_size={pp}.")
 
 
-def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
-    """Llama 3.x frequency scaling, as defined by Meta's reference and HF's 'llama3' rope type."""
-    factor = params["factor"]
-    low, high = params["low_freq_factor"], params["high_freq_factor"]
-    old_ctx = params["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 # TransformerConfig fields build_megatron_model sets from the layout, the dtype and the backend.
 _BUILDER_FIELDS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -188,9 +174,8 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
             rotary_base=rope["rope_theta"], rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
             parallel_output=True, vp_stage=stage,
         )
-        if hasattr(model, "rotary_pos_emb") and rope["rope_type"] == "llama3":
-            model.rotary_pos_emb.inv_freq = llama3_inv_freq(model.rotary_pos_emb.inv_freq.float(), rope)
-        if hasattr(model, "rotary_pos_emb") and rope["rope_type"] in ("longrope", "yarn"):
+        if hasattr(model, "rotary_pos_emb") and rope["rope_type"] in ("llama3", "longrope", "yarn"):
+            # NOTE: transformers' scaled frequencies (kernels/rope.py); megatron computes the plain ones only
             from loongforge_hf.kernels.rope import rope_inv_freq, set_megatron_inv_freq
 
             set_megatron_inv_freq(model.rotary_pos_emb, rope_inv_freq(

@@ -100,6 +100,10 @@ class DenseBridge:
         rotary_dim = int(C.head_dim_of(self.hf_config) * rope.get("partial_rotary_factor", 1.0))
         return rotary_scale_module(factor, rotary_dim, norm=RMSNorm if self.qk_norm else None)
 
+    def attention_module(self) -> type | None:
+        """The self-attention class of the dense spec where megatron's does not serve (SmolLM3's NoPE layers)."""
+        return None
+
     def embedding_mapping(self) -> Mapping:
         return VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight")
 

@@ -32,10 +32,13 @@ class Phi3Bridge(DenseBridge):
     def rope_parameters(self) -> dict:
         return C.rope_parameters(self.hf_config, partial_rotary=True, extra_types=self.extra_rope_types)
 
-    def position_limit(self) -> int | None:
-        """The longest sequence this model computes as transformers does (LongRoPE: its short factors' range)."""
+    def check_config(self) -> None:
+        super().check_config()
         rope = self.rope_parameters()
-        return int(rope["original_max_position_embeddings"]) if rope["rope_type"] == "longrope" else None
+        # NOTE: the longest sequence computed as transformers does (LongRoPE: its short factors' range), read by
+        # modeling.position_limit on every forward: fixed here, once
+        self.position_limit = int(rope["original_max_position_embeddings"]) if rope["rope_type"] == "longrope" \
+            else None
 
     def transformer_config_kwargs(self) -> dict:
         kw = super().transformer_config_kwargs()

@@ -121,8 +121,8 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
     if bridge.num_experts() is None and not getattr(config, "multi_latent_attention", False):
         from loongforge_hf.kernels.specs import get_block_spec, get_layer_spec
 
-        spec = get_layer_spec(qk_norm=bridge.qk_norm, qk_module=getattr(bridge, "qk_module", lambda: None)(),
-                              attention_module=getattr(bridge, "attention_module", lambda: None)())
+        spec = get_layer_spec(qk_norm=bridge.qk_norm, qk_module=bridge.qk_module(),
+                              attention_module=bridge.attention_module())
         return _with_te_linears(config, get_block_spec(config, spec, vp_stage=vp_stage))
     from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 

@@ -5,7 +5,10 @@ Choices:
   ``cos = cat(freqs, freqs)``. Partial rotary (``partial_rotary_factor`` < 1) rotates the first ``rotary_dim`` channels
   and passes the rest through, as HF's partial-rotary models do.
 - Inverse frequencies are computed in fp32 like HF (``base ** (arange(0, dim, 2) / dim)``); ``rope_scaling`` types
-  ``default``, ``linear`` and ``llama3`` are understood, any other raises and says which are.
+  ``default``, ``linear``, ``llama3``, ``yarn`` and ``longrope`` (its short factors) are understood, any other raises
+  and says which are. YaRN's and LongRoPE's scale on cos and sin (``rope_attention_factor``) is applied to q's and k's
+  rotary channels before the rotation instead (``rotary_scale_module``, megatron's q / k norm slots): the rotation is
+  linear, so the product is the same, and megatron's rotation takes no such scale on its fused path.
 - The op is plain differentiable torch: autograd keeps only ``cos`` and ``sin`` (the inputs), so a hand-written
   backward would save nothing.
 - megatron's ``RotaryEmbedding`` (built inside ``GPTModel``) uses the same layout when ``rotary_interleaved`` is False;

@@ -89,33 +89,60 @@ class LoraGroupedMLP(GroupedMLP):
         return out
 
 
-_ROUTERS: dict[type, type] = {}
+def _router_gating(self, input):
+    # NOTE: stands in for megatron-core 0.16.1 transformer/moe/router.py:79-101 (TopKRouter.gating) with the adapted
+    # weight; its move of CPU weights to the GPU does not apply (the model lives on its device).
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    adapter = self.lora["router"]
+    weight = self.weight if self.__dict__.get("lora_disabled") else \
+        self.weight + ((adapter.B @ adapter.A) * adapter.scaling).to(self.weight.dtype)
+    router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+    return router_gating_linear(input, weight, self.bias, router_dtype)
 
 
-def _lora_router_class(base: type) -> type:
-    """``base`` (megatron's router class) whose gating weight is ``W + scaling * B @ A``."""
-    if base not in _ROUTERS:
-        def gating(self, input):
-            # NOTE: stands in for megatron-core 0.16.1 transformer/moe/router.py:79-101 (TopKRouter.gating) with the
-            # adapted weight; its move of CPU weights to the GPU does not apply (the model lives on its device).
-            from megatron.core.transformer.moe.moe_utils import router_gating_linear
+def _shared_gate_forward(self, hidden_states):
+    # NOTE: stands in for megatron-core 0.16.1 transformer/moe/shared_experts.py:125-132 (SharedExpertMLP.forward)
+    # with the adapter's term added to the gate logits.
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLP
 
-            adapter = self.lora["router"]
-            weight = self.weight if self.__dict__.get("lora_disabled") else \
-                self.weight + ((adapter.B @ adapter.A) * adapter.scaling).to(self.weight.dtype)
-            router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
-                                                                              input.dtype)
-            return router_gating_linear(input, weight, self.bias, router_dtype)
-
-        def lora_deltas(self):
-            adapter = self.lora["router"]
-            yield self.weight, (adapter.B.detach().float() @ adapter.A.detach().float()) * adapter.scaling
-
-        _ROUTERS[base] = type(f"Lora{base.__name__}", (base,), {"gating": gating, "lora_deltas": lora_deltas})
-    return _ROUTERS[base]
+    output, _ = MLP.forward(self, hidden_states)
+    logits = F.linear(hidden_states, self.gate_weight)
+    if not self.__dict__.get("lora_disabled"):
+        adapter = self.lora["shared_expert_gate"]
+        x = adapter.drop(hidden_states, input_is_split=bool(self.config.sequence_parallel))
+        logits = logits + F.linear(F.linear(x, adapter.A), adapter.B) * adapter.scaling
+    return output * torch.sigmoid(logits)
 
 
-_SHARED_GATES: dict[type, type] = {}
+class _WholeWeightAdapter:
+    """What the re-classed router and shared-expert MLP share: one replicated adapter (``lora_key``) on a raw weight
+    (``lora_weight``), and what merging adds to that weight."""
+
+    lora_key: str
+    lora_weight: str
+
+    def lora_deltas(self):
+        adapter = self.lora[self.lora_key]
+        yield getattr(self, self.lora_weight), (adapter.B.detach().float() @ adapter.A.detach().float()) * \
+            adapter.scaling
+
+
+# kind -> what its class changes: the router's gating weight is W + scaling * B @ A; the shared-expert gate's logits
+# get the adapter's term
+_WHOLE_WEIGHT_KINDS = {"router": dict(gating=_router_gating, lora_key="router", lora_weight="weight"),
+                       "shared_gate": dict(forward=_shared_gate_forward, lora_key="shared_expert_gate",
+                                           lora_weight="gate_weight")}
+_ADAPTED: dict[tuple[str, type], type] = {}
+
+
+def _adapted_class(kind: str, base: type) -> type:
+    """``base`` (megatron's router class or ``SharedExpertMLP``) with the ``kind`` adapter; made once per class
+    (``base`` stays the first in the MRO after it: unloading re-classes to ``__mro__[1]``)."""
+    if (kind, base) not in _ADAPTED:
+        _ADAPTED[(kind, base)] = type(f"Lora{base.__name__}", (base, _WholeWeightAdapter), _WHOLE_WEIGHT_KINDS[kind])
+    return _ADAPTED[(kind, base)]
 
 
 class ReplicatedAdapters(nn.ModuleDict):
@@ -134,33 +161,8 @@ class ReplicatedAdapters(nn.ModuleDict):
                                                    dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 
-def _lora_shared_gate_class(base: type) -> type:
-    """``base`` (megatron's ``SharedExpertMLP``) whose gate logits carry the ``shared_expert_gate`` adapter's term."""
-    if base not in _SHARED_GATES:
-        def forward(self, hidden_states):
-            # NOTE: stands in for megatron-core 0.16.1 transformer/moe/shared_experts.py:125-132
-            # (SharedExpertMLP.forward) with the adapter's term added to the gate logits.
-            import torch.nn.functional as F
-            from megatron.core.transformer.mlp import MLP
-
-            output, _ = MLP.forward(self, hidden_states)
-            logits = F.linear(hidden_states, self.gate_weight)
-            if not self.__dict__.get("lora_disabled"):
-                adapter = self.lora["shared_expert_gate"]
-                x = adapter.drop(hidden_states, input_is_split=bool(self.config.sequence_parallel))
-                logits = logits + F.linear(F.linear(x, adapter.A), adapter.B) * adapter.scaling
-            return output * torch.sigmoid(logits)
-
-        def lora_deltas(self):
-            adapter = self.lora["shared_expert_gate"]
-            yield self.gate_weight, (adapter.B.detach().float() @ adapter.A.detach().float()) * adapter.scaling
-
-        _SHARED_GATES[base] = type(f"Lora{base.__name__}", (base,), {"forward": forward, "lora_deltas": lora_deltas})
-    return _SHARED_GATES[base]
-
-
 def is_param_lora(module: nn.Module) -> bool:
-    return isinstance(module, LoraGroupedMLP) or type(module) in (*_ROUTERS.values(), *_SHARED_GATES.values())
+    return isinstance(module, (LoraGroupedMLP, _WholeWeightAdapter))
 
 
 def check_param_adaptable(module: nn.Module, kind: str) -> None:
@@ -168,7 +170,7 @@ def check_param_adaptable(module: nn.Module, kind: str) -> None:
     from megatron.core.transformer.moe.router import TopKRouter
 
     if kind == "router":
-        if not isinstance(module, TopKRouter) or type(module) in _ROUTERS.values():
+        if not isinstance(module, TopKRouter) or isinstance(module, _WholeWeightAdapter):
             raise TypeError(f"LoRA on the router needs megatron's TopKRouter; got {type(module).__name__}.")
         return
     if kind == "shared_gate":
@@ -211,7 +213,6 @@ def attach_param_adapters(module: nn.Module, members, *, dtype, device, dropout:
                                     b_local.to(device=device, dtype=dtype).contiguous().clone(),
                                     scaling=t.scaling, expert_parallel=ep.size() > 1)
         adapters[t.name] = adapter
-    module.__class__ = {"router": _lora_router_class, "shared_gate": _lora_shared_gate_class}.get(
-        kind, lambda base: LoraGroupedMLP)(type(module))
+    module.__class__ = _adapted_class(kind, type(module)) if kind in _WHOLE_WEIGHT_KINDS else LoraGroupedMLP
     module.lora = ReplicatedAdapters(adapters, tp_group=module.tp_group) if kind == "shared_gate" else \
         nn.ModuleDict(adapters)
