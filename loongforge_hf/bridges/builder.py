@@ -181,6 +181,8 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
             set_megatron_inv_freq(model.rotary_pos_emb, rope_inv_freq(
                 C.head_dim_of(hf), base=rope["rope_theta"], rope_scaling=rope,
                 partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0))))
+        if hasattr(bridge, "finish_model"):
+            bridge.finish_model(model)
         device = backend.device()
         model.to(device)
         if config.multi_latent_attention and config.sequence_parallel:

@@ -33,7 +33,12 @@ class Field:
     to_hf: Callable[[Any], Any] = _identity
 
 
-_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu}
+def gelu_tanh(x):
+    """transformers' ``gelu_pytorch_tanh`` (Gemma's MLP): torch's tanh-approximated GELU."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh}
 
 
 def _act_to_megatron(name: str):
@@ -43,7 +48,7 @@ def _act_to_megatron(name: str):
 
 
 def _act_to_hf(fn) -> str:
-    return {F.silu: "silu", F.gelu: "gelu"}[fn]
+    return {F.silu: "silu", F.gelu: "gelu", gelu_tanh: "gelu_pytorch_tanh"}[fn]
 
 
 # HF name, megatron TransformerConfig name, conversions. Order is documentation only.

@@ -104,6 +104,14 @@ class DenseBridge:
         """The self-attention class of the dense spec where megatron's does not serve (SmolLM3's NoPE layers)."""
         return None
 
+    def mlp_module(self) -> type | None:
+        """The dense MLP class where the spec's ``SwiGLUMLP`` does not serve (Gemma 3's post-MLP norm)."""
+        return None
+
+    def finish_model(self, model) -> None:
+        """Changes to a built ``GPTModel`` chunk that its spec cannot express (Gemma's scaled embedding and per-layer
+        rotary bases); called by the builder before the weights load. None for Llama-style models."""
+
     def embedding_mapping(self) -> Mapping:
         return VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight")
 

@@ -18,10 +18,10 @@ from loongforge_hf.kernels._triton import row_programs
 
 @triton.jit
 def _gamma(W, cols, mask, ZERO_CENTERED: tl.constexpr):
-    w = tl.load(W + cols, mask=mask, other=0.0)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
-        w = (w.to(tl.float32) + 1.0).to(W.dtype.element_ty)   # NOTE: `weight + 1` rounds in the weight dtype
-    return w.to(tl.float32)
+        w = w + 1.0   # NOTE: Gemma's `1 + weight.float()`, in fp32
+    return w
 
 
 @triton.jit
@@ -33,7 +33,9 @@ def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, M, N, eps, ZERO_CENTERED: t
     mask = (rows < M) & (cols < N)
     x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-    normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    normed = x * rstd[:, None]
+    if not ZERO_CENTERED:  # NOTE: Llama's numerics round the normalised input; Gemma's round only the product
+        normed = normed.to(X.dtype.element_ty).to(tl.float32)
     y = _gamma(W, cols, cols < N, ZERO_CENTERED) * normed
     tl.store(Y + rows * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + row_ids, rstd, mask=row_ids < M)
@@ -60,7 +62,10 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, M, N, 
         normed = x * rstd
         if NEED_DW:
             # NOTE: the forward multiplies by the rounded normalised input, so the weight grad uses it too.
-            dw += dy * normed.to(X.dtype.element_ty).to(tl.float32)
+            if ZERO_CENTERED:
+                dw += dy * normed
+            else:
+                dw += dy * normed.to(X.dtype.element_ty).to(tl.float32)
         if NEED_DX:
             grad_normed = dy * gamma
             dot = tl.sum(grad_normed * normed, axis=1)[:, None] / N

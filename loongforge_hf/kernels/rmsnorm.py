@@ -16,7 +16,12 @@ Choices:
   without the weight, then the weight multiply: HF's two roundings, two aten launches that cost the host less than
   one Triton launch. Only where torch has the fused kernel (``aten._fused_rms_norm``, torch 2.8+): before it
   ``F.rms_norm`` is the op-by-op composite, dearer than the Triton launch.
-- ``config.layernorm_zero_centered_gamma`` stores ``weight - 1`` (initialised at zero) and applies ``1 + weight``.
+- ``config.layernorm_zero_centered_gamma`` stores ``weight - 1`` (initialised at zero) and applies ``1 + weight``
+  with Gemma's numerics (``Gemma3RMSNorm``, the only HF norm stored that way): ``(x.float() * rstd * (1 +
+  weight.float())).to(x.dtype)``, one rounding at the end, ``1 + weight`` in fp32 (a bf16 ``1 + weight`` would lose
+  the weight's low bits).
+- ``sharded_state_dict``: the weight replicated (megatron's ``MLP`` asks each child for one; a post-MLP norm there,
+  Gemma 3's, needs it).
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_ga
 
         return _rmsnorm_triton.forward(x, weight, eps, zero_centered_gamma)
     normed, rstd = _normalize(x, eps)
-    gamma = weight + 1 if zero_centered_gamma else weight
-    return gamma * normed.to(x.dtype), rstd
+    if zero_centered_gamma:
+        return (normed * (weight.to(torch.float32) + 1)).to(torch.promote_types(x.dtype, weight.dtype)), rstd
+    return weight * normed.to(x.dtype), rstd
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -68,8 +74,9 @@ class _RMSNormFunction(torch.autograd.Function):
         normed = x.to(torch.float32) * rstd
         grad_x = grad_weight = None
         if ctx.needs_input_grad[1]:
-            # NOTE: the forward multiplies by the rounded normalised input, so the weight grad uses it too.
-            rounded = normed.to(x.dtype).to(torch.float32)
+            # NOTE: the forward multiplies by the rounded normalised input, so the weight grad uses it too (Gemma's
+            # zero-centred numerics round after the multiply: the fp32 one)
+            rounded = normed if ctx.zero_centered_gamma else normed.to(x.dtype).to(torch.float32)
             grad_weight = (grad_out.to(torch.float32) * rounded).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
         if ctx.needs_input_grad[0]:
             gamma = weight.to(torch.float32) + 1 if ctx.zero_centered_gamma else weight.to(torch.float32)
@@ -87,9 +94,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
                          f"of shape {tuple(x.shape)}.")
     if not needs_autograd(x, weight):
         triton = use_triton(x)
-        if triton and FUSED_RMS_NORM and launch_bound(x):
-            gamma = weight + 1 if zero_centered_gamma else weight
-            return gamma * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
+        if triton and FUSED_RMS_NORM and launch_bound(x) and not zero_centered_gamma:
+            return weight * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
         return _forward(x, weight, eps, zero_centered_gamma, triton)[0]
     return _RMSNormFunction.apply(x, weight, eps, zero_centered_gamma)
 
@@ -120,6 +126,12 @@ class RMSNorm(torch.nn.Module):
         if self.copy_input:
             x = x.clone()
         return rms_norm(x, self.weight, self.eps, zero_centered_gamma=self.zero_centered_gamma)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
+                                                   sharded_offsets)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"

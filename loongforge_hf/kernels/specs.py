@@ -95,10 +95,11 @@ def _moe_spec(num_experts: int, moe_grouped_gemm: bool) -> ModuleSpec:
 
 def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped_gemm: bool = False,
                    use_te: bool = False, qk_module: type | None = None,
-                   attention_module: type | None = None) -> ModuleSpec:
+                   attention_module: type | None = None, mlp_module: type | None = None) -> ModuleSpec:
     """A megatron ``TransformerLayer`` spec: pre-norm causal self-attention (megatron's ``SelfAttention`` or
-    ``attention_module``; optional q/k RMSNorm, or ``qk_module`` in the q/k norm slots), then a gated MLP or, with
-    ``num_experts``, an MoE layer (shared experts appear when the config sets their size)."""
+    ``attention_module``; optional q/k RMSNorm, or ``qk_module`` in the q/k norm slots), then a gated MLP
+    (``SwiGLUMLP`` or ``mlp_module``, with the same submodules) or, with ``num_experts``, an MoE layer (shared experts
+    appear when the config sets their size)."""
     if use_te:
         _require("transformer_engine", "get_layer_spec(use_te=True)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -106,7 +107,7 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
                                                           qk_layernorm=qk_norm)
     qk = qk_module or (RMSNorm if qk_norm else IdentityOp)
-    mlp = ModuleSpec(module=SwiGLUMLP, submodules=_mlp_submodules()) if num_experts is None \
+    mlp = ModuleSpec(module=mlp_module or SwiGLUMLP, submodules=_mlp_submodules()) if num_experts is None \
         else _moe_spec(num_experts, moe_grouped_gemm)
     return ModuleSpec(
         module=TransformerLayer,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
-              "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3")
+              "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -77,6 +77,17 @@ def _config(arch: str, **overrides):
                                topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.5})
+    elif arch == "gemma3":
+        # NOTE: Gemma 3's layout shrunk: a binding 5-token window on layers 0, 1, 3 (pattern 3), head_dim 24 and
+        # query_pre_attn_scalar 20 (neither hidden / heads), and the 4B+ models' linear scaling on the full layers'
+        # rope (their base 1e6, the sliding layers' 1e4); tied embeddings, as every Gemma 3
+        cfg = tf.Gemma3TextConfig(**{**common, "head_dim": 24, "tie_word_embeddings": True}, sliding_window=5,
+                                  sliding_window_pattern=3, query_pre_attn_scalar=20,
+                                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                      "rope_theta": 1000000.0},
+                                                   "sliding_attention": {"rope_type": "default",
+                                                                         "rope_theta": 10000.0}})
+        cfg.architectures = ["Gemma3ForCausalLM"]
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
     for k, v in overrides.items():

@@ -48,17 +48,31 @@ def test_grads_match_autograd_reference(shape, dtype, atol, rtol):
     torch.testing.assert_close(w1.grad.float(), w2.grad, atol=atol, rtol=rtol)
 
 
-def test_zero_centered_gamma_applies_one_plus_weight():
-    x, w = _inputs((4, 9, 33), torch.float32)
-    x1, w1 = x.clone().requires_grad_(), (w - 1).requires_grad_()
-    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
-    out1 = rms_norm(x1, w1, 1e-5, zero_centered_gamma=True)
-    out2 = rms_norm(x2, w2, 1e-5)
-    torch.testing.assert_close(out1, out2, atol=1e-6, rtol=1e-6)
-    out1.sum().backward()
-    out2.sum().backward()
-    torch.testing.assert_close(x1.grad, x2.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centered_gamma_is_gemma3_rmsnorm(shape, dtype):
+    """``1 + weight`` with Gemma's numerics: the output bit for bit ``Gemma3RMSNorm``'s (fp32 and bf16: one rounding,
+    after the fp32 product), the grads those of autograd through ``Gemma3RMSNorm`` (fp32: 1e-5; bf16: the fp32 grads
+    of the same inputs within bf16's resolution, as above)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    x, w = _inputs(shape, dtype, seed=3)
+    w = (w - 1).to(dtype)  # NOTE: stored zero-centred, as Gemma checkpoints are
+    hf = Gemma3RMSNorm(shape[-1], eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    assert torch.equal(rms_norm(x, w, 1e-6, zero_centered_gamma=True), hf(x))
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    rms_norm(x1, w1, 1e-6, zero_centered_gamma=True).backward(grad)
+    hf32 = Gemma3RMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        hf32.weight.copy_(w.float())
+    x2 = x.float().requires_grad_()
+    hf32(x2).backward(grad.float())
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1.6e-2)
+    torch.testing.assert_close(x1.grad.float(), x2.grad, atol=atol, rtol=rtol)
+    torch.testing.assert_close(w1.grad.float(), hf32.weight.grad, atol=atol, rtol=rtol)
 
 
 def _config(**overrides):
