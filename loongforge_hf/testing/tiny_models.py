@@ -126,10 +126,12 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     with torch.no_grad():
-        # NOTE: random norm weights (HF initialises them to 1), so a bridge that drops a norm cannot pass.
+        # NOTE: random norm weights (HF initialises them to 1), so a bridge that drops a norm cannot pass; Gemma's
+        # store weight - 1 (scales around 1 there too)
+        centre = 0.0 if getattr(cfg, "model_type", "") == "gemma3_text" else 1.0
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_(centre + 0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token

@@ -35,8 +35,8 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2
 # NOTE: per call, measured inside the rank after the imports; a hang would instead run into run_distributed's timeout.
 QUICK_S = 10.0
 LOAD_CASES = ("missing_shard", "corrupt_header", "truncated_shard", "index_escape", "shape_mismatch", "pickle_refused",
-              "gpt2", "foo_architecture", "unknown_model_type", "rope_dynamic", "sliding_window", "heads_vs_tp",
-              "world_size", "vpp_layers", "hub_id_not_cached")
+              "gpt2", "foo_architecture", "unknown_model_type", "rope_dynamic", "sliding_window", "gemma_softcapping",
+              "heads_vs_tp", "world_size", "vpp_layers", "hub_id_not_cached")
 
 
 # ---- what runs inside each rank -------------------------------------------------------------------------------------
@@ -227,6 +227,10 @@ def load_cases(base, tmp_path_factory):
     window = make_tiny_checkpoint(tmp / "sliding", "qwen2", tokenizer=False, use_sliding_window=True, sliding_window=6,
                                   max_window_layers=0)
     cases["sliding_window"] = (window, TP2, "UnsupportedConfigError", ["use_sliding_window=True"])
+
+    capped = make_tiny_checkpoint(tmp / "gemma_softcapping", "gemma3", tokenizer=False, attn_logit_softcapping=50.0)
+    cases["gemma_softcapping"] = (capped, TP2, "UnsupportedConfigError", ["attn_logit_softcapping=50.0",
+                                                                          "soft-capping"])
 
     heads = make_tiny_checkpoint(tmp / "heads3", "qwen3", tokenizer=False, num_attention_heads=3, num_key_value_heads=1)
     cases["heads_vs_tp"] = (heads, TP2, "ParallelLayoutError", ["num_attention_heads=3", "tensor_parallel_size=2"])
