@@ -156,7 +156,6 @@ class MoEBridge(DenseBridge):
     router_fp32: bool = False                                  # transformers keeps ``gate.weight`` in fp32
     hf_balance_loss: bool = False                              # transformers' model computes the router aux loss
     hf_router_logits: bool = False                             # ... returns MoeCausalLMOutputWithPast, router_logits
-    extra_rope_types: tuple[str, ...] = ()                     # NOTE: the MoE spec has no q / k scaling slot
 
     def __init__(self, hf_config) -> None:
         super().__init__(hf_config)

@@ -78,8 +78,10 @@ def _moe_slots(mlp_spec, *, grouped_experts: bool, balance_router: bool):
     return replace(mlp_spec, submodules=replace(mlp_spec.submodules, **slots))
 
 
-def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: bool = False):
-    """``block_spec`` with our RMSNorm in every norm slot and our core attention (see the docstring)."""
+def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: bool = False,
+                  qk_module: type | None = None):
+    """``block_spec`` with our RMSNorm in every norm slot and our core attention (see the docstring); ``qk_module``
+    (YaRN's attention factor on the rotary channels, ``DenseBridge.qk_module``) in both q / k norm slots."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -95,6 +97,8 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
         att_sub = attention.submodules
         norms = {n: RMSNorm for n in _ATTENTION_NORMS
                  if hasattr(att_sub, n) and getattr(att_sub, n) not in (None, IdentityOp)}
+        if qk_module is not None:
+            norms.update(q_layernorm=qk_module, k_layernorm=qk_module)
         norms["core_attention"] = mla_core if attention.module is MLASelfAttention else CoreAttention
         attention = replace(attention, submodules=replace(att_sub, **norms))
         slots = {n: RMSNorm for n in _LAYER_NORMS if getattr(spec.submodules, n) is not IdentityOp}
@@ -137,8 +141,10 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
         from loongforge_hf.kernels.router import enable_megatron_fused_router
 
         enable_megatron_fused_router()
+    qk_module = None if config.multi_latent_attention else bridge.qk_module()  # NOTE: MLA's YaRN is megatron's
     return _with_te_linears(config, _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False),
-                                                  balance_router=getattr(bridge, "hf_router_logits", False)))
+                                                  balance_router=getattr(bridge, "hf_router_logits", False),
+                                                  qk_module=qk_module))
 
 
 def _with_te_linears(config, block_spec):

@@ -21,6 +21,7 @@ the grouped expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, wh
 - pp2ep2:  every model (DeepSeek-V3 with its dense first layer on stage 0);
 - tp2etp1: Qwen3-MoE, Mixtral, DeepSeek-V2 and DeepSeek-V3 with rotary dims in halves on disk (rope_interleave=False),
            GLM-4.5 with q/k norms, sequence parallel, experts whole on each TP rank (expert_tensor_parallel_size=1).
+YaRN on Qwen3-MoE (after its q/k norms) at tp1, cp2ep2 and tp2ep2, on Mixtral (no q/k norms) at tp1 and tp2ep2.
 GLM-4.5 (``glm4_moe``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's routing and
 shared experts) and Qwen2-MoE (``qwen2_moe``: q/k/v biases, softmax routing without renormalisation, a shared expert
 scaled by its sigmoid gate) are among "every model"; tp1 also runs GLM-4.5 with q/k norms and an MTP layer.
@@ -45,6 +46,7 @@ MLA_MOE_LAYERS = 3  # the tiny DeepSeek and GLM-4.5 checkpoints: 4 layers, the f
 BF16_TOL = {"logit_diff": 0.1, "loss_diff": 0.02}
 SP = {"sequence_parallel": True}
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 CHECKPOINTS = {
     "qwen3_moe": ("qwen3_moe", {}),
     "mixtral": ("mixtral", {}),
@@ -62,6 +64,11 @@ CHECKPOINTS = {
     "glm4_moe": ("glm4_moe", {}),
     "qwen2_moe": ("qwen2_moe", {}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
+    # NOTE: YaRN (its attention factor on q's and k's rotary channels: after Qwen3-MoE's q / k norms; in Mixtral's
+    # empty q / k norm slots)
+    "qwen3_moe_yarn": ("qwen3_moe", {"rope_parameters": YARN}),
+    # NOTE: head_dim given: transformers' YaRN reads config.head_dim, which Mixtral's config leaves None
+    "mixtral_yarn": ("mixtral", {"rope_parameters": YARN, "head_dim": 16}),
     "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True, "attention_bias": False, "n_group": 1, "topk_group": 1,
                                       "mtp_layers": 1}),
 }
@@ -69,11 +76,12 @@ CHECKPOINTS = {
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16",
-                    "glm4_moe_qk_norm")),
+                    "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn")),
     "ep2": (2, {"expert_parallel_size": 2}, MODELS),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe",)),
-    "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
-    "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP}, MODELS),
+    "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn")),
+    "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
+               (*MODELS, "qwen3_moe_yarn", "mixtral_yarn")),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
                 ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm")),
@@ -138,7 +146,9 @@ def test_parity_and_round_trip(worlds, layout, name):
         # our kernels in the attention and norm slots; the fused-rope slot for every rope but MLA's own
         mla = name.startswith("deepseek")
         assert r["core_attention"] == ["MLACoreAttention" if mla else "CoreAttention"], (rank, r)
-        assert r["norms"] == ["RMSNorm"], (rank, r)
+        # YaRN's attention factor in the q / k norm slots (kernels.rope.rotary_scale_module)
+        assert r["norms"] == (["RMSNorm", "RotaryScale"] if name.endswith("_yarn") and not mla else ["RMSNorm"]), \
+            (rank, r)
         assert r["rope_fusion"] is (not mla), (rank, r)
         # megatron's allgather dispatcher where expert and expert-tensor parallel are 1 (no chunk-sort copies)
         single = "expert_parallel_size" not in LAYOUTS[layout][1] and (
