@@ -6,11 +6,10 @@ Choices:
   ``layernorm_zero_centered_gamma`` on our ``RMSNorm`` (input, pre-MLP, q / k, final and the two post norms).
 - Each layer normalises its attention output and its MLP output before the residual add (``post_attention_layernorm``,
   ``post_feedforward_layernorm``). megatron's ``TransformerLayer`` has no slot there; the norms live in the attention
-  and MLP modules (``gemma_attention``: megatron's ``SelfAttention``; ``PostNormMLP``: megatron's ``MLP``), applied
-  to their outputs after ``linear_proj`` / ``linear_fc2`` (LoRA's terms included), so the layer's residual adds are
-  megatron's own. Under sequence parallelism they normalise the tokens of their rank, like the input norms.
+  and MLP modules (``layer_outputs.transformed_attention`` / ``transformed_mlp``), applied to their outputs after
+  ``linear_proj`` / ``linear_fc2`` (LoRA's terms included), so the layer's residual adds are megatron's own.
 - The embedding's output is multiplied by ``sqrt(hidden_size)`` rounded to the weights' dtype, as transformers does
-  (``finish_model`` re-classes megatron's embedding; NEFTune's hook sees the scaled output, as on transformers'
+  (``finish_model``: ``layer_outputs.scale_embedding``; NEFTune's hook sees the scaled output, as on transformers'
   ``Gemma3TextScaledWordEmbedding``).
 - Sliding-window layers (``layer_types``) get the window through megatron's ``window_attn_skip_freq`` list, read by
   our core attention per layer (and by the KV cache); the scores are scaled by ``query_pre_attn_scalar ** -0.5``
@@ -32,77 +31,11 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L, DenseBridge
+from loongforge_hf.bridges.layer_outputs import scale_embedding, transformed_attention, transformed_mlp
 from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.registry import register_bridge
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def _with_post_norm(output_with_bias, norm):
-    out, bias = output_with_bias
-    return norm(out if bias is None else out + bias), None
-
-
-def _rope_half(emb, local: bool):
-    """The layer's half of the two angle tables (``_layer_type_rotary``): the sliding layers' or the full layers'."""
-    if emb is None:
-        return None
-    if isinstance(emb, tuple):
-        return tuple(_rope_half(e, local) for e in emb)
-    half = emb.shape[-1] // 2
-    return (emb[..., half:] if local else emb[..., :half]).contiguous()
-
-
-@functools.cache
-def gemma_attention(sliding_layers: frozenset[int]) -> type:
-    """megatron's ``SelfAttention`` with Gemma's post-attention norm; layers ``sliding_layers`` (0-based global
-    indices) rotate with the sliding layers' angles."""
-    from megatron.core.transformer.attention import SelfAttention
-
-    from loongforge_hf.kernels.rmsnorm import RMSNorm
-
-    class GemmaSelfAttention(SelfAttention):
-        def __init__(self, config, *args, **kwargs) -> None:
-            super().__init__(config, *args, **kwargs)
-            self.post_layernorm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
-            # NOTE: megatron numbers layers from 1, offset by the pipeline stage
-            self.local_rope = self.layer_number - 1 in sliding_layers
-
-        def forward(self, *args, **kwargs):
-            kwargs["rotary_pos_emb"] = _rope_half(kwargs.get("rotary_pos_emb"), self.local_rope)
-            return _with_post_norm(super().forward(*args, **kwargs), self.post_layernorm)
-
-    return GemmaSelfAttention
-
-
-@functools.cache
-def post_norm_mlp() -> type:
-    """megatron's ``MLP`` with Gemma's post-feedforward norm on its output."""
-    from megatron.core.transformer.mlp import MLP
-
-    from loongforge_hf.kernels.rmsnorm import RMSNorm
-
-    class PostNormMLP(MLP):
-        def __init__(self, config, *args, **kwargs) -> None:
-            super().__init__(config, *args, **kwargs)
-            self.post_layernorm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
-
-        def forward(self, *args, **kwargs):
-            return _with_post_norm(super().forward(*args, **kwargs), self.post_layernorm)
-
-    return PostNormMLP
-
-
-@functools.cache
-def _scaled_embedding(base: type) -> type:
-    class ScaledEmbedding(base):
-        """megatron's embedding, its output times ``embed_scale`` (a Python float, already rounded to the weights'
-        dtype: the product rounds once, as transformers' bf16 by bf16 one)."""
-
-        def forward(self, *args, **kwargs):
-            return super().forward(*args, **kwargs) * self.embed_scale
-
-    return ScaledEmbedding
 
 
 @functools.cache
@@ -178,19 +111,19 @@ class Gemma3Bridge(DenseBridge):
         return kw
 
     def attention_module(self) -> type | None:
-        return gemma_attention(self.sliding_layers)
+        return transformed_attention(post_norm=True, sliding_layers=self.sliding_layers)
 
     def mlp_module(self) -> type | None:
-        return post_norm_mlp()
+        return transformed_mlp(post_norm=True)
 
     def finish_model(self, model) -> None:
         from loongforge_hf.kernels.rope import rope_inv_freq, set_megatron_inv_freq
 
         c = self.hf_config
         if model.pre_process:
-            weight = model.embedding.word_embeddings.weight
-            model.embedding.__class__ = _scaled_embedding(type(model.embedding))
-            model.embedding.embed_scale = float(torch.tensor(c.hidden_size ** 0.5, dtype=weight.dtype))
+            # NOTE: transformers rounds sqrt(hidden_size) to the weights' dtype before the multiply
+            dtype = model.embedding.word_embeddings.weight.dtype
+            scale_embedding(model, float(torch.tensor(c.hidden_size ** 0.5, dtype=dtype)))
         rope = getattr(model, "rotary_pos_emb", None)
         if rope is None:
             return

@@ -15,8 +15,8 @@ Qwen2-MoE with its gated shared expert)
 at TP1, TP2 + SP with the experts whole on each rank (expert_tensor_parallel_size=1) and split over TP (its default),
 TP2 + SP + EP2, CP2 and CP2 + EP2; dense models (Qwen3 with tied embeddings, Qwen2 with attention biases, Llama 3
 with its rope scaling, Phi-3 with packed q / k / v and gate / up, partial rotary and a sliding window, SmolLM3 with
-layers without rotary embedding, Gemma 3 with its post norms, scaled embedding and two rotary bases) at TP1, TP2,
-TP2 + SP and CP2.
+layers without rotary embedding, Gemma 3 with its post norms, scaled embedding and two rotary bases, Granite with
+its multipliers) at TP1, TP2, TP2 + SP and CP2.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ CHECKPOINTS = {
     "phi3": ("phi3", {}),  # packed qkv_proj / gate_up_proj, partial rotary, a sliding window
     "smollm3": ("smollm3", {}),  # layers without rotary embedding
     "gemma3": ("gemma3", {}),  # post norms, zero-centred norms, scaled embedding, two rope bases, windowed layers
+    "granite": ("granite", {}),  # embedding, residual, attention and logits multipliers
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe")
-DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3")
+DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
     "tp1": (1, {}, MOE + DENSE),

@@ -258,3 +258,15 @@ def test_gemma3_matches_trl(tmp_path):
     for name in SMOLLM3_NAMES:
         assert loong[1][name]["losses"] == loong[0][name]["losses"], name
         assert_matches(name, trl_runs[name], loong[0][name])
+
+
+def test_granite_matches_trl(tmp_path):
+    """Granite (embedding, residual, attention and logits multipliers; tied embeddings): all-linear LoRA and full
+    fine-tuning with packing against trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and
+    token metrics as above)."""
+    folder = str(make_tiny_checkpoint(tmp_path / "granite", "granite", seed=0))
+    trl_runs = run_distributed(run_trl, 1, folder, str(tmp_path / "trl"), SMOLLM3_NAMES, timeout=400)[0]
+    loong = run_distributed(run_loong, 2, folder, str(tmp_path / "tp2-sp"), PHI3_LAYOUT, SMOLLM3_NAMES, timeout=400)
+    for name in SMOLLM3_NAMES:
+        assert loong[1][name]["losses"] == loong[0][name]["losses"], name
+        assert_matches(name, trl_runs[name], loong[0][name])

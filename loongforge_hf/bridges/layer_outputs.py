@@ -1,0 +1,111 @@
+"""Changes to what megatron's modules output, for architectures that differ from Llama's there (Gemma's post norms and
+scaled embedding, Granite's multipliers), as module classes a layer spec takes or a built model is re-classed to.
+
+Choices:
+- Attention and MLP outputs: ``transformed_attention`` / ``transformed_mlp`` subclass megatron's ``SelfAttention`` and
+  the dense spec's ``SwiGLUMLP`` and transform their output after ``linear_proj`` / ``linear_fc2`` (so after LoRA's
+  terms on them): a norm (``post_norm``: our ``RMSNorm``, the state dict's ``post_layernorm``) and / or a constant
+  factor, before megatron's own bias-dropout-add with the residual. Under sequence parallelism they transform the
+  tokens of their rank, as the input norms do.
+- ``scale_embedding`` / ``scale_final_norm`` re-class a built chunk's embedding / final norm to multiply their
+  output by a Python float (one rounding of the product, as transformers' multiply by a float or a same-dtype scalar).
+- ``sliding_layers``: for a model with two rotary tables side by side (``gemma3._layer_type_rotary``), the layers
+  that take the second half.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+def _transform(output_with_bias, norm, scale: float):
+    out, bias = output_with_bias
+    if bias is not None:
+        out = out + bias
+    if norm is not None:
+        out = norm(out)
+    return (out * scale if scale != 1.0 else out), None
+
+
+def _rope_half(emb, second: bool):
+    """A layer's half of two angle tables laid side by side on the last axis."""
+    if emb is None:
+        return None
+    if isinstance(emb, tuple):
+        return tuple(_rope_half(e, second) for e in emb)
+    half = emb.shape[-1] // 2
+    return (emb[..., half:] if second else emb[..., :half]).contiguous()
+
+
+def _post_norm(module, config, post_norm: bool) -> None:
+    from loongforge_hf.kernels.rmsnorm import RMSNorm
+
+    module.post_layernorm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon) if post_norm else None
+
+
+@functools.cache
+def transformed_attention(*, post_norm: bool = False, scale: float = 1.0,
+                          sliding_layers: frozenset[int] | None = None) -> type:
+    """megatron's ``SelfAttention`` with its output normalised (``post_norm``) and / or multiplied by ``scale``;
+    with ``sliding_layers`` (0-based global indices), the layer's half of two side-by-side rotary tables."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    class TransformedSelfAttention(SelfAttention):
+        def __init__(self, config, *args, **kwargs) -> None:
+            super().__init__(config, *args, **kwargs)
+            _post_norm(self, config, post_norm)
+            # NOTE: megatron numbers layers from 1, offset by the pipeline stage
+            self.second_rope = sliding_layers is not None and self.layer_number - 1 in sliding_layers
+
+        def forward(self, *args, **kwargs):
+            if sliding_layers is not None:
+                kwargs["rotary_pos_emb"] = _rope_half(kwargs.get("rotary_pos_emb"), self.second_rope)
+            return _transform(super().forward(*args, **kwargs), self.post_layernorm, scale)
+
+    return TransformedSelfAttention
+
+
+@functools.cache
+def transformed_mlp(*, post_norm: bool = False, scale: float = 1.0) -> type:
+    """The dense spec's ``SwiGLUMLP`` (megatron's ``MLP`` for any other activation) with its output normalised and / or
+    multiplied by ``scale``."""
+    from loongforge_hf.kernels.specs import SwiGLUMLP
+
+    class TransformedMLP(SwiGLUMLP):
+        def __init__(self, config, *args, **kwargs) -> None:
+            super().__init__(config, *args, **kwargs)
+            _post_norm(self, config, post_norm)
+
+        def forward(self, *args, **kwargs):
+            return _transform(super().forward(*args, **kwargs), self.post_layernorm, scale)
+
+    return TransformedMLP
+
+
+@functools.cache
+def _scaled(base: type) -> type:
+    class Scaled(base):
+        """``base``'s output times ``output_scale`` (a Python float)."""
+
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs) * self.output_scale
+
+    Scaled.__name__ = f"Scaled{base.__name__}"
+    return Scaled
+
+
+def _rescale(module, factor: float) -> None:
+    module.__class__ = _scaled(type(module))
+    module.output_scale = float(factor)
+
+
+def scale_embedding(chunk, factor: float) -> None:
+    """Multiply ``chunk``'s embedding output by ``factor`` (first pipeline stage only; elsewhere nothing)."""
+    if chunk.pre_process:
+        _rescale(chunk.embedding, factor)
+
+
+def scale_final_norm(chunk, factor: float) -> None:
+    """Multiply ``chunk``'s final-norm output, the LM head's input, by ``factor`` (last stage only)."""
+    if chunk.post_process:
+        _rescale(chunk.decoder.final_layernorm, factor)
