@@ -21,6 +21,7 @@ class DenseBridge:
     supports_sliding_window: bool = False
     extra_rope_types: tuple[str, ...] = ("yarn",)  # beyond default / llama3 (config_map.rope_parameters)
     has_passthrough: bool = False  # keeps checkpoint tensors megatron does not build (see passthrough_names)
+    pre_norms: bool = True  # input / pre-MLP norms (OLMo 2 has none: it normalises the attention / MLP outputs)
 
     def __init__(self, hf_config) -> None:
         self.hf_config = hf_config
@@ -89,7 +90,8 @@ class DenseBridge:
 
     def qk_module(self) -> type | None:
         """For rope types with an attention factor (YaRN, LongRoPE): the q / k norm slots' module that multiplies the
-        rotary channels by it before the rotation (after the q / k norm where the model has one); None without."""
+        rotary channels by it before the rotation (after the q / k norm where the model has one); None without.
+        A (q, k) pair where the two slots differ (OLMo 2's norms over all heads)."""
         from loongforge_hf.kernels.rmsnorm import RMSNorm
         from loongforge_hf.kernels.rope import rope_attention_factor, rotary_scale_module
 

@@ -94,33 +94,36 @@ def _moe_spec(num_experts: int, moe_grouped_gemm: bool) -> ModuleSpec:
 
 
 def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped_gemm: bool = False,
-                   use_te: bool = False, qk_module: type | None = None,
-                   attention_module: type | None = None, mlp_module: type | None = None) -> ModuleSpec:
+                   use_te: bool = False, qk_module: type | tuple[type, type] | None = None,
+                   attention_module: type | None = None, mlp_module: type | None = None,
+                   pre_norms: bool = True) -> ModuleSpec:
     """A megatron ``TransformerLayer`` spec: pre-norm causal self-attention (megatron's ``SelfAttention`` or
-    ``attention_module``; optional q/k RMSNorm, or ``qk_module`` in the q/k norm slots), then a gated MLP
-    (``SwiGLUMLP`` or ``mlp_module``, with the same submodules) or, with ``num_experts``, an MoE layer (shared experts
-    appear when the config sets their size)."""
+    ``attention_module``; optional q/k RMSNorm, or ``qk_module`` in the q/k norm slots: one class for both or a
+    (q, k) pair), then a gated MLP (``SwiGLUMLP`` or ``mlp_module``, with the same submodules) or, with
+    ``num_experts``, an MoE layer (shared experts appear when the config sets their size). ``pre_norms=False``: no
+    input / pre-MLP norms (OLMo 2 normalises the attention and MLP outputs instead, in its modules)."""
     if use_te:
         _require("transformer_engine", "get_layer_spec(use_te=True)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
                                                           qk_layernorm=qk_norm)
-    qk = qk_module or (RMSNorm if qk_norm else IdentityOp)
+    q, k = qk_module if isinstance(qk_module, tuple) else (qk_module or (RMSNorm if qk_norm else IdentityOp),) * 2
+    pre_norm = RMSNorm if pre_norms else IdentityOp
     mlp = ModuleSpec(module=mlp_module or SwiGLUMLP, submodules=_mlp_submodules()) if num_experts is None \
         else _moe_spec(num_experts, moe_grouped_gemm)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=pre_norm,
             self_attention=ModuleSpec(
                 module=attention_module or SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=CoreAttention,
-                                                   linear_proj=RowParallelLinear, q_layernorm=qk, k_layernorm=qk),
+                                                   linear_proj=RowParallelLinear, q_layernorm=q, k_layernorm=k),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
+            pre_mlp_layernorm=pre_norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),

@@ -276,21 +276,21 @@ def _saved_tensors(config, modules, index, bridge, skeleton_output, on_disk) -> 
     for name, module in modules:
         if not name or not any(name.endswith(m) for m in wanted):
             continue
-        for pname, _ in module.named_parameters():
-            full = f"{name}.{pname}"
-            if full in seen:
+        for pname, param in module.named_parameters():
+            if (full := f"{name}.{pname}") in seen:
                 continue
             seen.add(full)
             entry = index.get(on_disk(full))
             if entry is None and bridge.tied and module is skeleton_output:
-                raise LoraConfigError(f"modules_to_save={wanted}: {full} is the embedding's own weight "
-                                      "(tie_word_embeddings=True), which is not supported; train the added tokens' "
-                                      "rows with trainable_token_indices (PEFT ties the LM head's rows to them).")
-            if entry is None or not isinstance(entry[0], (Replicated, VocabParallel)) or _in_tower(entry[0]):
+                raise LoraConfigError(f"modules_to_save={wanted}: {full} is the embedding's own weight (tie_word_"
+                                      "embeddings=True), which is not supported; train the added tokens' rows with "
+                                      "trainable_token_indices (PEFT ties the LM head's rows to them).")
+            # NOTE: whole tensors, or a 1-D one split over TP on its own (OLMo 2's q / k norms)
+            if entry is None or _in_tower(entry[0]) or not (isinstance(entry[0], (Replicated, VocabParallel)) or (
+                    type(entry[0]) is ColumnParallel and param.dim() == 1)):
                 raise LoraConfigError(f"modules_to_save={wanted}: {name} ({full}) cannot be trained whole here (a "
-                                      "tensor-parallel linear megatron fuses with others, or the vision tower); "
-                                      "modules_to_save supports the language model's norms, embed_tokens and "
-                                      "lm_head.")
+                                      "tensor-parallel linear megatron fuses with others, or the vision tower); it "
+                                      "supports the language model's norms, embed_tokens and lm_head.")
             if isinstance(entry[0], VocabParallel) and bridge.tied:
                 raise LoraConfigError(f"modules_to_save={wanted}: {full} is tied to the LM head "
                                       "(tie_word_embeddings=True), which is not supported.")

@@ -15,7 +15,7 @@ import torch
 
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
-              "granite")
+              "granite", "olmo2")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -89,6 +89,8 @@ def _config(arch: str, **overrides):
                                                    "sliding_attention": {"rope_type": "default",
                                                                          "rope_theta": 10000.0}})
         cfg.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "olmo2":
+        cfg = tf.Olmo2Config(**common)
     elif arch == "granite":
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,

@@ -270,3 +270,23 @@ def test_granite_matches_trl(tmp_path):
     for name in SMOLLM3_NAMES:
         assert loong[1][name]["losses"] == loong[0][name]["losses"], name
         assert_matches(name, trl_runs[name], loong[0][name])
+
+
+def test_olmo2_matches_trl(tmp_path):
+    """OLMo 2 (norms after the sublayers only, q / k norms over all heads, split over the two TP ranks): all-linear
+    LoRA and full fine-tuning with packing against trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval
+    losses and token metrics as above); an all-linear LoRA run resumed from its checkpoint logs the same losses."""
+    folder = str(make_tiny_checkpoint(tmp_path / "olmo2", "olmo2", seed=0))
+    trl_runs = run_distributed(run_trl, 1, folder, str(tmp_path / "trl"), SMOLLM3_NAMES, timeout=400)[0]
+    ranks = run_distributed(_olmo2_world, 2, folder, str(tmp_path / "tp2-sp"), timeout=400)
+    loong = [rank["runs"] for rank in ranks]
+    for name in SMOLLM3_NAMES:
+        assert loong[1][name]["losses"] == loong[0][name]["losses"], name
+        assert_matches(name, trl_runs[name], loong[0][name])
+    for rank in ranks:  # the TP-split q / k norm weights through megatron's distributed checkpoint and back
+        assert rank["resume"]["resumed"] == rank["resume"]["full"] and len(rank["resume"]["full"]) == 4, rank
+
+
+def _olmo2_world(folder: str, out_dir: str) -> dict:
+    return {"runs": run_loong(folder, out_dir + "/runs", PHI3_LAYOUT, SMOLLM3_NAMES),
+            "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", PHI3_LAYOUT)}
