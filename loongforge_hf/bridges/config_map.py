@@ -128,8 +128,9 @@ def rope_parameters(hf_config, *, partial_rotary: bool = False, extra_types: tup
 
 # ---- checks for dense decoders -----------------------------------------------------------------------------------
 
-def check_dense_config(hf_config, *, qkv_bias: bool, check_rope: bool = True) -> None:
-    """Raise ``UnsupportedConfigError`` for values a dense bridge cannot reproduce exactly."""
+def check_dense_config(hf_config, *, qkv_bias: bool, check_rope: bool = True, layer_types: bool = False) -> None:
+    """Raise ``UnsupportedConfigError`` for values a dense bridge cannot reproduce exactly (``layer_types``: the
+    bridge implements sliding-window layers, ``bridges.layer_types``)."""
     if check_rope:
         rope_parameters(hf_config)
     if getattr(hf_config, "mlp_bias", False):
@@ -141,9 +142,9 @@ def check_dense_config(hf_config, *, qkv_bias: bool, check_rope: bool = True) ->
     if getattr(hf_config, "use_sliding_window", False):
         raise UnsupportedConfigError(
             "use_sliding_window=True is not supported (per-layer sliding windows, max_window_layers).")
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise UnsupportedConfigError(f"layer_types={sorted(set(layer_types))} is not supported (only full_attention).")
+    kinds = getattr(hf_config, "layer_types", None)
+    if kinds and not layer_types and any(t != "full_attention" for t in kinds):
+        raise UnsupportedConfigError(f"layer_types={sorted(set(kinds))} is not supported (only full_attention).")
     _act_to_megatron(hf_config.hidden_act)
 
 

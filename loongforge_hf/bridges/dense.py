@@ -22,6 +22,7 @@ class DenseBridge:
     extra_rope_types: tuple[str, ...] = ("yarn",)  # beyond default / llama3 (config_map.rope_parameters)
     has_passthrough: bool = False  # keeps checkpoint tensors megatron does not build (see passthrough_names)
     pre_norms: bool = True  # input / pre-MLP norms (OLMo 2 has none: it normalises the attention / MLP outputs)
+    per_layer_types: bool = False  # implements sliding-window layers (``layer_types``: bridges/layer_types.py)
 
     def __init__(self, hf_config) -> None:
         self.hf_config = hf_config
@@ -30,7 +31,8 @@ class DenseBridge:
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
         self.rope_parameters()
-        C.check_dense_config(self.hf_config, qkv_bias=self.qkv_bias, check_rope=False)
+        C.check_dense_config(self.hf_config, qkv_bias=self.qkv_bias, check_rope=False,
+                             layer_types=self.per_layer_types)
         if C.sliding_window_of(self.hf_config) is not None and not self.supports_sliding_window:
             raise C.UnsupportedConfigError(
                 f"sliding_window={self.hf_config.sliding_window} is not supported for {self.architectures[0]}.")

@@ -45,9 +45,11 @@ def _post_norm(module, config, post_norm: bool) -> None:
 
 @functools.cache
 def transformed_attention(*, post_norm: bool = False, scale: float = 1.0,
-                          sliding_layers: frozenset[int] | None = None) -> type:
+                          sliding_layers: frozenset[int] | None = None, full_qk_scale: float = 1.0) -> type:
     """megatron's ``SelfAttention`` with its output normalised (``post_norm``) and / or multiplied by ``scale``;
-    with ``sliding_layers`` (0-based global indices), the layer's half of two side-by-side rotary tables."""
+    with ``sliding_layers`` (0-based global indices), the layer's half of two side-by-side rotary tables, and the
+    other layers' q / k norm outputs multiplied by ``full_qk_scale`` (a rope attention factor, where the rotation
+    covers whole heads: before the rotation, as cos and sin scaled)."""
     from megatron.core.transformer.attention import SelfAttention
 
     class TransformedSelfAttention(SelfAttention):
@@ -56,6 +58,9 @@ def transformed_attention(*, post_norm: bool = False, scale: float = 1.0,
             _post_norm(self, config, post_norm)
             # NOTE: megatron numbers layers from 1, offset by the pipeline stage
             self.second_rope = sliding_layers is not None and self.layer_number - 1 in sliding_layers
+            if full_qk_scale != 1.0 and not self.second_rope:
+                _rescale(self.q_layernorm, full_qk_scale)
+                _rescale(self.k_layernorm, full_qk_scale)
 
         def forward(self, *args, **kwargs):
             if sliding_layers is not None:

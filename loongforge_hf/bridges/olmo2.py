@@ -1,4 +1,5 @@
-"""Olmo2ForCausalLM (AllenAI's OLMo 2): the Llama tensor layout with the norms moved after the sublayers.
+"""Olmo2ForCausalLM (AllenAI's OLMo 2) and Olmo3ForCausalLM (OLMo 3: OLMo 2 with sliding-window layers): the Llama
+tensor layout with the norms moved after the sublayers.
 
 Choices:
 - No input / pre-MLP norms; the attention's and the MLP's outputs are normalised before the residual adds
@@ -10,7 +11,7 @@ Choices:
   ``finalize_model_grads`` does not sum these sliced weights' grads over TP as it does per-head norms'.
 - OLMo 2's norms round once (``(weight * x_fp32 * rstd).to(dtype)``); the post norms here use Llama's numerics (the
   normalised input rounded before the weight multiply): the same in fp32, one bf16 rounding apart in bf16.
-- Plain rope or llama3 scaling; YaRN is refused (its attention factor would need the full-width norms' slot).
+- OLMo 2: plain rope or llama3 scaling; YaRN is refused. OLMo 3: see ``Olmo3Bridge``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L, DenseBridge
 from loongforge_hf.bridges.layer_outputs import transformed_attention, transformed_mlp
+from loongforge_hf.bridges.layer_types import LayerTypes
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
 from loongforge_hf.bridges.fused_mappings import QKV
 from loongforge_hf.bridges.registry import register_bridge
@@ -133,3 +135,35 @@ class Olmo2Bridge(DenseBridge):
         shapes = super().dense_mlp_shapes(prefix)
         h = shapes.pop(f"{prefix}.post_attention_layernorm.weight")
         return {**shapes, f"{prefix}.post_feedforward_layernorm.weight": h}
+
+
+@register_bridge("Olmo3ForCausalLM")
+class Olmo3Bridge(LayerTypes, Olmo2Bridge):
+    """OLMo 3: OLMo 2 with sliding-window layers (``layer_types``; three of four in OLMo-3-7B) and per-kind rope
+    (``layer_types.LayerTypes``); YaRN on the full layers (OLMo 3's long-context setting): its frequencies as those
+    layers' table, its attention factor on their q / k norm outputs (the rotation covers whole heads)."""
+
+    supports_sliding_window = True
+    extra_rope_types = ("linear", "yarn")
+
+    def check_config(self) -> None:
+        super().check_config()
+        self.check_layer_types()
+        if self._attention_factor("sliding_attention") != 1.0:
+            raise C.UnsupportedConfigError("rope_parameters['sliding_attention'] with an attention factor (YaRN) is "
+                                           "not supported; the full layers' may have one.")
+
+    def _attention_factor(self, kind: str) -> float:
+        from loongforge_hf.kernels.rope import rope_attention_factor
+
+        return rope_attention_factor(self.rope_for(kind), self.hf_config.max_position_embeddings)
+
+    def transformer_config_kwargs(self) -> dict:
+        return {**super().transformer_config_kwargs(), **self.window_kwargs()}
+
+    def attention_module(self) -> type | None:
+        return transformed_attention(post_norm=True, sliding_layers=self.sliding_layers,
+                                     full_qk_scale=self._attention_factor("full_attention"))
+
+    def finish_model(self, model) -> None:
+        self.set_rotary_tables(model)

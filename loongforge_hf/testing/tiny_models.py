@@ -15,7 +15,7 @@ import torch
 
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
-              "granite", "olmo2")
+              "granite", "olmo2", "olmo3")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -91,6 +91,15 @@ def _config(arch: str, **overrides):
         cfg.architectures = ["Gemma3ForCausalLM"]
     elif arch == "olmo2":
         cfg = tf.Olmo2Config(**common)
+    elif arch == "olmo3":
+        # NOTE: OLMo 3's layout shrunk: a binding 5-token window on layers 0, 1, 3, YaRN on the full layer's rope (its
+        # attention factor 1.14)
+        kinds = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        cfg = tf.Olmo3Config(**common, sliding_window=5, layer_types=kinds,
+                             rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                                 "original_max_position_embeddings": 32,
+                                                                 "rope_theta": 500000.0},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})
     elif arch == "granite":
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,

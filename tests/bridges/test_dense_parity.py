@@ -41,7 +41,7 @@ def run_case(tmp_path, arch, layout_name, *, padded=False, **model_kw):
     return out
 
 
-ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2"]
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3"]
 
 
 def check_results(results, arch):

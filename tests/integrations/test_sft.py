@@ -290,3 +290,15 @@ def test_olmo2_matches_trl(tmp_path):
 def _olmo2_world(folder: str, out_dir: str) -> dict:
     return {"runs": run_loong(folder, out_dir + "/runs", PHI3_LAYOUT, SMOLLM3_NAMES),
             "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", PHI3_LAYOUT)}
+
+
+def test_olmo3_matches_trl(tmp_path):
+    """OLMo 3 (OLMo 2 with a 5-token window on three of four layers, YaRN on the full layer): all-linear LoRA and full
+    fine-tuning with packing against trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token
+    metrics as above)."""
+    folder = str(make_tiny_checkpoint(tmp_path / "olmo3", "olmo3", seed=0))
+    trl_runs = run_distributed(run_trl, 1, folder, str(tmp_path / "trl"), SMOLLM3_NAMES, timeout=400)[0]
+    loong = run_distributed(run_loong, 2, folder, str(tmp_path / "tp2-sp"), PHI3_LAYOUT, SMOLLM3_NAMES, timeout=400)
+    for name in SMOLLM3_NAMES:
+        assert loong[1][name]["losses"] == loong[0][name]["losses"], name
+        assert_matches(name, trl_runs[name], loong[0][name])

@@ -1,0 +1,91 @@
+"""Models whose layers are of two kinds (``layer_types``: full and sliding-window attention), each kind with its own
+rope parameters (transformers keeps one dict per kind: Gemma 3, OLMo 3).
+
+Choices:
+- The window goes to megatron's ``window_attn_skip_freq`` as a per-layer list, read by our core attention per layer
+  (and by the KV cache).
+- Two rotary tables: the model's rotary embedding returns the full layers' and the sliding layers' angles side by
+  side on the last axis (``_two_table_rotary``; every slicing of it, by context parallelism or a KV cache, is along
+  positions) and each layer's attention keeps its half (``layer_outputs.transformed_attention(sliding_layers=...)``).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+
+from loongforge_hf.bridges import config_map as C
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@functools.cache
+def _two_table_rotary(base: type) -> type:
+    class TwoTableRotary(base):
+        """megatron's rotary embedding whose angle table is ``[positions, 1, 1, 2 * rotary_dim]``: the full layers'
+        angles (``inv_freq``), then the sliding layers' (``local_inv_freq``)."""
+
+        def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+            full = super().get_emb(max_seq_len, offset)
+            inv = self.local_inv_freq.to(full.device)
+            positions = torch.arange(max_seq_len, device=full.device, dtype=inv.dtype) + offset
+            freqs = torch.outer(positions, inv)
+            return torch.cat((full, torch.cat((freqs, freqs), dim=-1)[:, None, None, :]), dim=-1)
+
+    return TwoTableRotary
+
+
+class LayerTypes:
+    """Mixed into a dense bridge: the checks, window and rope of a model with per-kind layers."""
+
+    extra_rope_types: tuple[str, ...] = ("linear",)
+    per_layer_types = True
+
+    def check_layer_types(self) -> None:
+        c = self.hf_config
+        unknown = sorted(set(c.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise C.UnsupportedConfigError(f"layer_types {unknown} are not supported for {self.architectures[0]}; "
+                                           f"supported: {list(LAYER_TYPES)}.")
+        for kind in LAYER_TYPES:
+            self.rope_for(kind)
+        if "sliding_attention" in c.layer_types and not c.sliding_window:
+            raise C.UnsupportedConfigError(f"sliding_window={c.sliding_window} with sliding_attention layers.")
+
+    def rope_for(self, layer_type: str) -> dict:
+        """The rope parameters of ``layer_type``'s layers."""
+        params = dict((self.hf_config.rope_parameters or {}).get(layer_type) or {})
+        if "rope_theta" not in params:
+            raise C.UnsupportedConfigError(f"rope_parameters[{layer_type!r}] has no rope_theta.")
+        return C.rope_parameters(SimpleNamespace(rope_parameters=params), extra_types=self.extra_rope_types)
+
+    def rope_parameters(self) -> dict:
+        return self.rope_for("full_attention")
+
+    @property
+    def sliding_layers(self) -> frozenset[int]:
+        return frozenset(i for i, t in enumerate(self.hf_config.layer_types) if t == "sliding_attention")
+
+    def window_kwargs(self) -> dict:
+        """megatron's window settings: the window on the sliding layers only."""
+        c = self.hf_config
+        if not self.sliding_layers:
+            return {}
+        # NOTE: HF lets a query see itself and the window-1 tokens before it; megatron's (left, right) bounds
+        return {"window_size": (c.sliding_window - 1, 0),
+                "window_attn_skip_freq": [int(i in self.sliding_layers) for i in range(c.num_hidden_layers)]}
+
+    def set_rotary_tables(self, chunk) -> None:
+        """The full and the sliding layers' frequencies in ``chunk``'s rotary embedding (see the docstring)."""
+        from loongforge_hf.kernels.rope import rope_inv_freq, set_megatron_inv_freq
+
+        rope = getattr(chunk, "rotary_pos_emb", None)
+        if rope is None:
+            return
+        inv = {kind: rope_inv_freq(C.head_dim_of(self.hf_config), base=self.rope_for(kind)["rope_theta"],
+                                   rope_scaling=self.rope_for(kind)) for kind in LAYER_TYPES}
+        set_megatron_inv_freq(rope, inv["full_attention"])
+        rope.__class__ = _two_table_rotary(type(rope))
+        rope.local_inv_freq = inv["sliding_attention"]
