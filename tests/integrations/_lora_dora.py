@@ -270,3 +270,40 @@ def kept_norm_checks(folder: str) -> dict:
     finally:
         dora._squares = real
     return out
+
+
+def write_adapters(base, arch: str, adapters: dict) -> tuple[str, dict]:
+    """A tiny ``arch`` checkpoint under ``base`` and, per name, a PEFT-written adapter of ``adapters[name]``'s
+    LoraConfig kwargs (``_lora_load.write_peft_adapter``): (checkpoint folder, {name: adapter folder})."""
+    from loongforge_hf.testing import make_tiny_checkpoint
+
+    from ._lora_load import write_peft_adapter
+
+    folder = make_tiny_checkpoint(base / "src", arch)
+    for name, kw in adapters.items():
+        write_peft_adapter(str(folder), str(base / name), kw)
+    return str(folder), {name: str(base / name) for name in adapters}
+
+
+def adapters_checks(folder: str, adapters: dict, out_dir: str, layout: dict) -> dict:
+    """``model_checks`` of each adapter, by name (one rank's)."""
+    return {name: model_checks(folder, adapter, f"{out_dir}/{name}", layout) for name, adapter in adapters.items()}
+
+
+def assert_adapters_match_peft(results: list[dict], *, targets: int, pipeline: bool) -> None:
+    """Every rank's ``adapters_checks``: counts, adapter tensors saved again bit for bit, PEFT's and transformers'
+    logits from the adapter / merged folders, cached generate and merge_and_unload (1e-4), and (not under a pipeline,
+    where the loss is on the last stage only) every A / B gradient, DoRA's magnitudes too, of ``targets`` adapters."""
+    for name, rank0 in results[0].items():
+        assert rank0["counts"] == rank0["peft_counts"], name
+        assert rank0["targets"] == targets, name
+        assert rank0["adapter_vs_base_logits"] > 1e-2, name  # the adapter changes the logits
+        assert rank0["same_tensors"], name
+        assert rank0["adapter_logits_diff"] < 1e-4 and rank0["merged_logits_diff"] < 1e-4, (name, rank0)
+        for r in results:
+            res = r[name]
+            assert res["generate_same_tokens"] and res["generate_scores_diff"] < 1e-4, (name, res)
+            assert res["merge_and_unload_diff"] < 1e-4, (name, res)
+            assert res["unchanged_after_merged_export"], name
+            if not pipeline:
+                assert res["grads_compared"] == targets * (3 if name == "dora" else 2), (name, res["grads_compared"])
