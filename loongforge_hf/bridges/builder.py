@@ -88,6 +88,9 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
     problems += [f"{k}: Transformer Engine FP8 is chosen with from_pretrained(fp8='on', fp8_recipe='te_...'), which "
                  "also puts TE's linears into the layer spec (docs/fp8.md)" for k in te_fields]
     graphs = megatron_config.get("cuda_graph_impl", "none")
+    if graphs == "local" and not getattr(bridge, "pre_norms", True):
+        problems.append(f"cuda_graph_impl='local' is not supported for {bridge.architectures[0]}: its layers have no "
+                        "input norm, which keeps a copy of the graphed first layer's input (builder._keep_graph_input)")
     if graphs != "none" and get_backend().name != "cuda":
         problems.append(f"cuda_graph_impl={graphs!r}: CUDA graphs need a CUDA device, this run's backend is "
                         f"{get_backend().name!r}")

@@ -9,8 +9,8 @@ Choices:
   tokens of their rank, as the input norms do.
 - ``scale_embedding`` / ``scale_final_norm`` re-class a built chunk's embedding / final norm to multiply their
   output by a Python float (one rounding of the product, as transformers' multiply by a float or a same-dtype scalar).
-- ``sliding_layers``: for a model with two rotary tables side by side (``gemma3._layer_type_rotary``), the layers
-  that take the second half.
+- ``sliding_layers``: for a model with two rotary tables side by side (``layer_types._two_table_rotary``), the
+  layers that take the second half.
 """
 
 from __future__ import annotations

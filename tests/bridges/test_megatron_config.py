@@ -44,3 +44,20 @@ def test_megatron_config(tmp_path):
     assert kind == "ValueError" and "CUDA graphs need a CUDA device" in message and not started
     assert out["taken"] == (True, True)
     assert out["finite"]
+
+
+def test_local_cuda_graphs_refused_without_input_norms():
+    """OLMo 2 / 3 have no input norm to keep the graphed first layer's input (builder._keep_graph_input): refused
+    by the pure check from_pretrained runs before any collective, naming the architecture."""
+    import pytest
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.bridges.builder import check_megatron_config
+    from loongforge_hf.testing.tiny_models import _config
+
+    for arch, name in (("olmo2", "Olmo2ForCausalLM"), ("olmo3", "Olmo3ForCausalLM")):
+        config = _config(arch)
+        config.architectures = [name]
+        with pytest.raises(ValueError, match=f"cuda_graph_impl='local' is not supported for {name}: its layers have "
+                                             "no input norm"):
+            check_megatron_config(get_bridge(config), {"cuda_graph_impl": "local"})
