@@ -122,6 +122,14 @@ class GenerationGlue(GenerationMixin):
         yield  # NOTE: transformers switches its own experts kernels here; megatron's stay
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any) -> dict:
+        switch = getattr(self.bridge, "longrope_switch", None)
+        cache = kwargs.get("cache")
+        if switch is not None and cache is not None and input_ids.shape[1] > switch \
+                and 0 < cache.get_seq_length() <= switch:
+            # NOTE: transformers' Phi-3 (LongRoPE): the step whose sequence first passes the switch to the long
+            # factors runs the whole sequence again with them, the cached keys (short factors) dropped
+            cache.restart()
+            kwargs["next_sequence_length"] = None
         inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
         if inputs.get("cache") is not None:
             # NOTE: generate returns no router logits; the cached forward refuses to record them
@@ -145,7 +153,7 @@ class GenerationGlue(GenerationMixin):
         replica, with a KV cache unless ``use_cache=False``; see ``loongforge_hf.generation``. ``cp_kv_cache``
         (context parallelism only): ``"sharded"`` (each CP rank holds 1 / CP of the cache) or ``"replicated"``
         (each holds all of it; a decode step then runs as on one GPU, without the shares' merge)."""
-        refusal, sampling = _local_verdict(self, generation_config, kwargs, inputs)
+        refusal, sampling = _local_verdict(self, generation_config, kwargs)
         if cp_kv_cache not in ("sharded", "replicated") and refusal is None:
             refusal = f"cp_kv_cache must be 'sharded' or 'replicated', got {cp_kv_cache!r}."
         if self.parallel.expert_parallel_size > 1 and kwargs.get("synced_gpus") is None:
@@ -166,7 +174,7 @@ class GenerationGlue(GenerationMixin):
             self.train(was_training)
 
 
-def _local_verdict(model, generation_config, kwargs: dict, inputs=None) -> tuple[str | None, bool]:
+def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, bool]:
     """(why this call is refused or None, whether it samples), from this rank's arguments alone."""
     # NOTE: `is` tests: a tensor (inputs_embeds) has no truth value to compare with
     bad = sorted(k for k in _REFUSED_KWARGS if k not in _CONFIG_FIELDS and kwargs.get(k) is not None
@@ -193,22 +201,10 @@ def _local_verdict(model, generation_config, kwargs: dict, inputs=None) -> tuple
         return ("cache_implementation='static' is not supported with expert parallelism or synced_gpus: a rank "
                 "whose sequences are done keeps running forward steps, past the static cache's length; use the "
                 "default dynamic cache."), False
-    refusal = model.generation_refusal(config, kwargs) or _position_refusal(model, config, kwargs, inputs)
+    refusal = model.generation_refusal(config, kwargs)
     if refusal:
         return refusal, False
     return None, bool(config.do_sample)
-
-
-def _position_refusal(model, config, kwargs: dict, inputs) -> str | None:
-    """Why a generation would pass the bridge's ``position_limit`` (Phi-3's LongRoPE), refused before the first
-    step rather than at the step that passes it (``modeling.check_position_limit``)."""
-    from loongforge_hf.modeling import position_limit_message
-
-    prompt = inputs if inputs is not None else kwargs.get("input_ids")
-    if not torch.is_tensor(prompt):
-        return None
-    total = prompt.shape[-1] + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
-    return position_limit_message(model, total, "up to {length} positions (prompt plus new tokens)")
 
 
 def _signature(model, inputs, generation_config, kwargs: dict) -> int:

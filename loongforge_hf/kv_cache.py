@@ -85,6 +85,12 @@ class LoongKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.filled
 
+    def restart(self) -> None:
+        """Empty the cache (static buffers kept, zeroed): the next step prefills the whole sequence again."""
+        for layer in self.layers:
+            layer.reset()
+        self.filled = 0
+
     def fixed_step(self, model, *, input_ids: torch.Tensor, attention_mask,
                    position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The logits of a step this cache runs at a fixed shape, or None: the step runs through ``cached_step``

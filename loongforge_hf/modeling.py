@@ -96,34 +96,25 @@ def hf_forward_options(unused: dict, labels) -> dict:
             "return_dict": unused.get("return_dict", True) is not False, "cache": cache}
 
 
-def position_limit(model) -> int | None:
-    """The longest sequence ``model`` computes as transformers does, where shorter than its positions (Phi-3's LongRoPE:
-    ``original_max_position_embeddings``, set by the bridge at load); None elsewhere."""
-    return getattr(model.bridge, "position_limit", None)
+def longrope_modules(model) -> list:
+    """The LongRoPE rotary embeddings of ``model``'s chunks (Phi-3 with LongRoPE; found once), or []."""
+    if getattr(model.bridge, "longrope_switch", None) is None:
+        return []
+    if "_longrope_modules" not in vars(model):
+        model._longrope_modules = [m for c in model.chunks for m in c.modules() if hasattr(m, "long_inv_freq")]
+    return model._longrope_modules
 
 
-def position_limit_message(model, length: int, subject: str = "A sequence of {length} positions") -> str | None:
-    """Why ``length`` positions are refused (``position_limit``), or None when they are not; ``subject`` names what
-    has that many."""
-    limit = position_limit(model)
-    if limit is None or length <= limit:
-        return None
-    return (f"{subject.format(length=length)}: {model.bridge.architectures[0]} with LongRoPE is computed with its "
-            f"short factors up to original_max_position_embeddings={limit}; longer sequences (transformers' long "
-            f"factors) are not supported. Keep sequences (prompt plus new tokens when generating) within {limit} "
-            "tokens.")
+def select_longrope_for(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, past: int = 0) -> None:
+    """LongRoPE's short or long frequencies for this forward, as transformers picks them: by the largest position id
+    + 1, else the cached tokens plus the given ones (``kernels.rope.select_longrope``). Nothing for other models."""
+    modules = longrope_modules(model)
+    if modules:
+        from loongforge_hf.kernels.rope import select_longrope
 
-
-def check_position_limit(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, past: int = 0) -> None:
-    """Refuse (every rank alike, before any communication) a forward past ``position_limit``: the longest position
-    transformers would rotate is the largest position id + 1, else the cached tokens plus the given ones."""
-    if position_limit(model) is None:
-        return
-    length = int(position_ids.max()) + 1 if position_ids is not None and position_ids.numel() else \
-        past + input_ids.shape[-1]
-    message = position_limit_message(model, length)
-    if message:
-        raise ValueError(message)
+        length = int(position_ids.max()) + 1 if position_ids is not None and position_ids.numel() else \
+            past + input_ids.shape[-1]
+        select_longrope(modules, length)
 
 
 def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux_coef: float = 0.0,
@@ -323,8 +314,8 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
         options = hf_forward_options(unused, labels)
-        check_position_limit(self, input_ids, position_ids,
-                             options["cache"].get_seq_length() if options["cache"] is not None else 0)
+        select_longrope_for(self, input_ids, position_ids,
+                            options["cache"].get_seq_length() if options["cache"] is not None else 0)
         routed = router_balance.forward_outputs(self, unused.get("output_router_logits"))
         moe = getattr(self.bridge, "hf_router_logits", False)  # NOTE: transformers' MoE output type
         keep = options["logits_to_keep"]  # NOTE: an int: the rows cut before the logits cross ranks (runtime.py)

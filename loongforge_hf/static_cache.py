@@ -272,10 +272,12 @@ class FixedDecode:
         # NOTE: under CP (cache.shard): the buffer slot this rank writes the token's key and value at (its own slot
         # or the scratch one)
         self.write_at = torch.zeros(1, dtype=torch.long, device=device)
-        # NOTE: each rotary embedding's output for every slot, by its own forward (the offset patch is not on here);
-        # packed_seq=True: the whole table on every CP rank (megatron would take this rank's CP chunks of it)
+        # NOTE: each rotary embedding's output for every slot, by its own forward (the offset patch is not on here), or
+        # its decode_table where each row's frequencies depend on the step (LongRoPE's); packed_seq=True: the whole
+        # table on every CP rank (megatron would take this rank's CP chunks of it)
         whole = {"packed_seq": True} if model.parallel.context_parallel_size > 1 else {}
-        self.tables = [type(rope).forward(rope, cache.max_cache_len, **whole) for rope in cache.rotary_embeddings]
+        self.tables = [rope.decode_table(cache.max_cache_len, **whole) if hasattr(rope, "decode_table")
+                       else type(rope).forward(rope, cache.max_cache_len, **whole) for rope in cache.rotary_embeddings]
         self.draws_random = _draws_random(model)
         # NOTE: graph_refusal was asked by LoongStaticCache.fixed_step: on a backend with graphs a refused model
         # never gets here, so whether the backend has graphs is the answer

@@ -65,6 +65,7 @@ LAYOUTS = {
     "granite_pp2": ("granite", 2, {"pipeline_parallel_size": 2}),
     "olmo2_tp2_sp": ("olmo2", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "olmo3_cp2": ("olmo3", 2, {"context_parallel_size": 2}),
+    "gemma_tp2": ("gemma", 2, {"tensor_parallel_size": 2}),
 }
 # NOTE: name -> (architecture, config overrides); Mistral with a 3-token sliding window: the prompts (6 positions)
 # and every generated token outrun it
@@ -73,7 +74,7 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "glm4_moe": ("glm4_moe", {}), "phi3_longrope": ("phi3", PHI3_LONGROPE),
                "smollm3": ("smollm3", {}), "gemma3": ("gemma3", {"sliding_window": 3}),
                "granite": ("granite", {}), "olmo2": ("olmo2", {}),
-               "olmo3": ("olmo3", {"sliding_window": 3}),
+               "olmo3": ("olmo3", {"sliding_window": 3}), "gemma": ("gemma", {}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),
                "qwen3_moe_yarn": ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,

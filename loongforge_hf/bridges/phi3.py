@@ -8,13 +8,15 @@ Choices:
   first channels of each head in rotate-half pairs and pass the rest through.
 - ``resid_pdrop`` is megatron's ``hidden_dropout`` (both drop the attention / MLP output before the residual add);
   ``embd_pdrop`` is not read by transformers' Phi-3 either.
-- ``longrope`` scaling (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini): transformers rotates with the short factors up
-  to ``original_max_position_embeddings`` and scales cos and sin by the attention factor. Here the short factors are
-  megatron's inverse frequencies and the attention factor multiplies the rotary channels of q and k before the
-  rotation (``DenseBridge.qk_module``; the rotation is linear, so the product is the same). Beyond
-  ``original_max_position_embeddings`` transformers switches every position to the long factors (and, generating,
-  keeps the keys it cached before the switch): not implemented, so a forward, ``generate`` step or training batch
-  longer than that is refused on every rank before any communication (``position_limit``).
+- ``longrope`` scaling (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini): transformers rotates a forward whose positions
+  stay within ``original_max_position_embeddings`` with the short factors and a longer one (all its positions) with
+  the long factors, and scales cos and sin by the attention factor. Here the model's rotary embedding holds both sets
+  (``kernels.rope.longrope_rotary``) and each forward picks by its length as transformers does (the largest position
+  id + 1: ``modeling`` for forwards and cached ``generate`` steps; the training engine per micro-batch, from the
+  collator's length or position ids; a static cache's decode table row by row). ``generate``: the step whose sequence
+  first passes the switch runs the whole sequence again with the long factors, the cache emptied, as transformers'
+  Phi-3 does (``generation.prepare_inputs_for_generation``). The attention factor multiplies the rotary channels of q
+  and k before the rotation (``DenseBridge.qk_module``; the rotation is linear, so the product is the same).
 """
 
 from loongforge_hf.bridges import config_map as C
@@ -35,10 +37,20 @@ class Phi3Bridge(DenseBridge):
     def check_config(self) -> None:
         super().check_config()
         rope = self.rope_parameters()
-        # NOTE: the longest sequence computed as transformers does (LongRoPE: its short factors' range), read by
-        # modeling.position_limit on every forward: fixed here, once
-        self.position_limit = int(rope["original_max_position_embeddings"]) if rope["rope_type"] == "longrope" \
+        # NOTE: where LongRoPE switches to its long factors (modeling / the engine pick per forward); None without
+        self.longrope_switch = int(rope["original_max_position_embeddings"]) if rope["rope_type"] == "longrope" \
             else None
+
+    def finish_model(self, model) -> None:
+        from loongforge_hf.kernels.rope import make_longrope, rope_inv_freq
+
+        rope = self.rope_parameters()
+        if self.longrope_switch is None or getattr(model, "rotary_pos_emb", None) is None:
+            return
+        inv = {long: rope_inv_freq(C.head_dim_of(self.hf_config), base=rope["rope_theta"], rope_scaling=rope,
+                                   partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+                                   longrope_long=long) for long in (False, True)}
+        make_longrope(model.rotary_pos_emb, short=inv[False], long=inv[True], original_max=self.longrope_switch)
 
     def transformer_config_kwargs(self) -> dict:
         kw = super().transformer_config_kwargs()

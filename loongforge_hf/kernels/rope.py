@@ -5,10 +5,12 @@ Choices:
   ``cos = cat(freqs, freqs)``. Partial rotary (``partial_rotary_factor`` < 1) rotates the first ``rotary_dim`` channels
   and passes the rest through, as HF's partial-rotary models do.
 - Inverse frequencies are computed in fp32 like HF (``base ** (arange(0, dim, 2) / dim)``); ``rope_scaling`` types
-  ``default``, ``linear``, ``llama3``, ``yarn`` and ``longrope`` (its short factors) are understood, any other raises
-  and says which are. YaRN's and LongRoPE's scale on cos and sin (``rope_attention_factor``) is applied to q's and k's
-  rotary channels before the rotation instead (``rotary_scale_module``, megatron's q / k norm slots): the rotation is
-  linear, so the product is the same, and megatron's rotation takes no such scale on its fused path.
+  ``default``, ``linear``, ``llama3``, ``yarn`` and ``longrope`` (short or long factors) are understood, any other
+  raises and says which are. YaRN's and LongRoPE's scale on cos and sin (``rope_attention_factor``) is applied to
+  q's and k's rotary channels before the rotation instead (``rotary_scale_module``, megatron's q / k norm slots): the
+  rotation is linear, so the product is the same, and megatron's rotation takes no such scale on its fused path.
+- LongRoPE's two sets of frequencies in one rotary embedding (``longrope_rotary``), picked per forward by its length
+  (``select_longrope``), as transformers picks them.
 - The op is plain differentiable torch: autograd keeps only ``cos`` and ``sin`` (the inputs), so a hand-written
   backward would save nothing.
 - megatron's ``RotaryEmbedding`` (built inside ``GPTModel``) uses the same layout when ``rotary_interleaved`` is False;
@@ -25,6 +27,7 @@ Choices:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Mapping
 
@@ -82,10 +85,13 @@ def llama3_scale_inv_freq(inv_freq: torch.Tensor, *, factor: float, low_freq_fac
 
 
 def rope_inv_freq(head_dim: int, *, base: float, partial_rotary_factor: float = 1.0,
-                  rope_scaling: Mapping | None = None, device: torch.device | None = None) -> torch.Tensor:
+                  rope_scaling: Mapping | None = None, device: torch.device | None = None,
+                  longrope_long: bool = False) -> torch.Tensor:
     """Inverse frequencies ``[rotary_dim // 2]`` (fp32) for a head of ``head_dim`` channels.
 
-    ``rope_scaling`` is an HF ``rope_scaling`` / ``rope_parameters`` dict (``rope_type`` or legacy ``type``).
+    ``rope_scaling`` is an HF ``rope_scaling`` / ``rope_parameters`` dict (``rope_type`` or legacy ``type``);
+    ``longrope_long``: LongRoPE's long factors (transformers' for sequences past ``original_max_position_embeddings``)
+    instead of its short ones.
     """
     rotary_dim = int(head_dim * partial_rotary_factor)
     if rotary_dim < 2:
@@ -109,13 +115,13 @@ def rope_inv_freq(head_dim: int, *, base: float, partial_rotary_factor: float = 
             high_freq_factor=scaling["high_freq_factor"],
             original_max_position_embeddings=scaling["original_max_position_embeddings"])
     if rope_type == "longrope":
-        # NOTE: the short factors, transformers' frequencies up to original_max_position_embeddings (longer sequences
-        # switch to the long ones there: refused here, see longrope_position_limit)
-        short = torch.tensor(scaling["short_factor"], dtype=torch.float32, device=device)
-        if short.shape != inv_freq.shape:
-            raise ValueError(f"longrope short_factor has {short.numel()} values, the {rotary_dim} rotary dims need "
+        # NOTE: transformers' frequencies up to original_max_position_embeddings (short), past it (long)
+        key = "long_factor" if longrope_long else "short_factor"
+        factors = torch.tensor(scaling[key], dtype=torch.float32, device=device)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope {key} has {factors.numel()} values, the {rotary_dim} rotary dims need "
                              f"{inv_freq.numel()}.")
-        return 1.0 / (short * base ** exponents)
+        return 1.0 / (factors * base ** exponents)
     if rope_type == "yarn":
         return yarn_inv_freq(base ** exponents, scaling, base=base, rotary_dim=rotary_dim)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; "
@@ -214,6 +220,49 @@ def set_megatron_inv_freq(rotary_embedding: torch.nn.Module, inv_freq: torch.Ten
     cache_clear = getattr(type(rotary_embedding).forward, "cache_clear", None)
     if cache_clear is not None:
         cache_clear()
+
+
+@functools.cache
+def longrope_rotary(base: type) -> type:
+    """megatron's rotary embedding with LongRoPE's two sets of frequencies: ``short_inv_freq``, or ``long_inv_freq``
+    while ``use_long`` is set (``select_longrope``: transformers uses the long ones for a forward whose positions go
+    past ``original_max``). ``decode_table``: a table of every position up to a length for one-token decode steps,
+    each row as transformers computes that step (short rows below ``original_max``, long ones from it)."""
+
+    class LongRopeRotary(base):
+        use_long = False
+
+        def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+            return self._angles(max_seq_len, offset, packed_seq, cp_group, self.use_long)
+
+        @functools.lru_cache(maxsize=32)
+        def _angles(self, max_seq_len: int, offset: int, packed_seq: bool, cp_group, use_long: bool):
+            self.inv_freq = self.long_inv_freq if use_long else self.short_inv_freq
+            return base.forward.__wrapped__(self, max_seq_len, offset, packed_seq, cp_group)
+
+        def decode_table(self, max_seq_len: int, **kwargs) -> torch.Tensor:
+            short = self._angles(max_seq_len, 0, kwargs.get("packed_seq", False), kwargs.get("cp_group"), False)
+            long = self._angles(max_seq_len, 0, kwargs.get("packed_seq", False), kwargs.get("cp_group"), True)
+            return torch.cat((short[:self.original_max], long[self.original_max:]))
+
+    return LongRopeRotary
+
+
+def make_longrope(rotary_embedding: torch.nn.Module, *, short: torch.Tensor, long: torch.Tensor,
+                  original_max: int) -> None:
+    """Turn megatron's ``RotaryEmbedding`` into ``longrope_rotary``'s, with these frequencies."""
+    set_megatron_inv_freq(rotary_embedding, short)
+    rotary_embedding.__class__ = longrope_rotary(type(rotary_embedding))
+    device = rotary_embedding.inv_freq.device
+    rotary_embedding.short_inv_freq, rotary_embedding.long_inv_freq = short.to(device), long.to(device)
+    rotary_embedding.original_max = int(original_max)
+
+
+def select_longrope(modules, length: int) -> None:
+    """Before a forward of ``length`` positions (transformers': the largest position id + 1): the long frequencies in
+    ``modules``' LongRoPE rotary embeddings where ``length`` passes their ``original_max``, else the short ones."""
+    for module in modules:
+        module.use_long = length > module.original_max
 
 
 class _RotarySBHD(torch.autograd.Function):

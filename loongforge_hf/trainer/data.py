@@ -88,8 +88,7 @@ def check_even_shards(dataloader, *, num_ranks: int, split_batches: bool, even_b
                         "count that gives every rank as many batches.")
 
 
-def check_batch(batch: dict, *, max_positions: int, micro_batch_size: int | None = None,
-                limit_name: str = "max_position_embeddings") -> None:
+def check_batch(batch: dict, *, max_positions: int, micro_batch_size: int | None = None) -> None:
     """Clear errors for batches the engine cannot use."""
     for key in ("input_ids", "labels"):
         if key not in batch:
@@ -105,9 +104,9 @@ def check_batch(batch: dict, *, max_positions: int, micro_batch_size: int | None
         longest = int(positions.max()) + 1
         if longest > max_positions:
             raise DataError(f"A document of {longest} tokens (position_ids up to {longest - 1}) is longer than the "
-                            f"model's {limit_name} ({max_positions}); truncate the data before packing.")
+                            f"model's max_position_embeddings ({max_positions}); truncate the data before packing.")
     elif ids.shape[1] > max_positions:
-        raise DataError(f"Sequence length {ids.shape[1]} is longer than the model's {limit_name} "
+        raise DataError(f"Sequence length {ids.shape[1]} is longer than the model's max_position_embeddings "
                         f"({max_positions}); truncate the data (e.g. tokenizer(..., truncation=True, max_length=...)).")
 
 

@@ -429,6 +429,7 @@ class MegatronEngine:
         check_interleaved_micro_batches(layout, len(micro_batches))
         balance = self._router_balance(micro_batches)
         given = [b["input_ids"].shape[1] for b in micro_batches]
+        rope_lengths = self._longrope_lengths(micro_batches)
         if layout is not None:
             # NOTE: lengths megatron needs (ParallelConfig.sequence_multiple), one length per step under PP.
             micro_batches = pad_micro_batches(micro_batches, multiple=layout.sequence_multiple,
@@ -440,6 +441,8 @@ class MegatronEngine:
             balance["balance"].step_start()
         # NOTE: NEFTune scales its noise by each micro-batch's length as the collator made it (neftune.py)
         lengths = {id(b): n for b, n in zip(micro_batches, given)}
+        if rope_lengths is not None:
+            rope_lengths = {id(b): n for b, n in zip(micro_batches, rope_lengths)}
         self.model.train()  # NOTE: as Trainer.training_step (from_pretrained and evaluate() leave it in eval mode)
         for c in self.chunks:
             c.zero_grad_buffer()
@@ -447,7 +450,7 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         seq = micro_batches[0]["input_ids"].shape[1]
         mbs = micro_batches[0]["input_ids"].shape[0]
-        forward_step = self._forward_step_func(self.model.config.vocab_size, balance, lengths)
+        forward_step = self._forward_step_func(self.model.config.vocab_size, balance, lengths, rope_lengths)
         vpp = len(self.chunks)
         data = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
         # NOTE: FP8 layers quantise each weight once for all micro-batches of the step (weights change only in the
@@ -515,12 +518,28 @@ class MegatronEngine:
         return {"balance": on[0], "coef": on[1], "scale": scale,
                 "inputs": [(b.get("attention_mask"), tuple(b["input_ids"].shape)) for b in micro_batches]}
 
-    def _forward_step_func(self, vocab_size: int, balance: dict | None = None, lengths: dict | None = None):
+    def _longrope_lengths(self, micro_batches: list[dict]) -> list[int] | None:
+        """Per micro-batch, the length by which LongRoPE picks its frequencies as transformers does (the largest
+        position id + 1, else the collator's length: before the layout's padding); None for other models."""
+        from loongforge_hf.modeling import longrope_modules
+
+        if not longrope_modules(self.model):
+            return None
+        return [int(b["position_ids"].max()) + 1 if b.get("position_ids") is not None and b["position_ids"].numel()
+                else b["input_ids"].shape[1] for b in micro_batches]
+
+    def _forward_step_func(self, vocab_size: int, balance: dict | None = None, lengths: dict | None = None,
+                           rope_lengths: dict | None = None):
         def forward_step(data_iterator, chunk, return_schedule_plan: bool = False):
             batch = next(data_iterator)
             device = self.model.device
             if self.neftune is not None:
                 self.neftune.set_length(lengths[id(batch)])
+            if rope_lengths is not None:  # NOTE: Phi-3's LongRoPE: short or long frequencies for this micro-batch
+                from loongforge_hf.kernels.rope import select_longrope
+                from loongforge_hf.modeling import longrope_modules
+
+                select_longrope(longrope_modules(self.model), rope_lengths[id(batch)])
             tally = None
             if balance:
                 # NOTE: the user's mask (all ones without one), zeros over the engine's layout pads

@@ -517,17 +517,10 @@ class LoongTrainer(Trainer):
         """Validate this rank's batches, then agree across ranks so a bad batch on one rank stops all of them."""
         from loongforge_hf.bridges.distribution import agree_on_error
 
-        limit_name = "max_position_embeddings"
-        from loongforge_hf.modeling import position_limit
-
-        limit = position_limit(self.model)  # NOTE: Phi-3's LongRoPE
-        if limit is not None and limit < max_positions:
-            max_positions, limit_name = limit, "LongRoPE's original_max_position_embeddings (longer: not supported)"
-
         error = None
         try:
             for b in micro:
-                check_batch(b, max_positions=max_positions, limit_name=limit_name)
+                check_batch(b, max_positions=max_positions)
         except DataError as e:
             error = str(e)
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.model.device)

@@ -41,7 +41,8 @@ def run_case(tmp_path, arch, layout_name, *, padded=False, **model_kw):
     return out
 
 
-ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3"]
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3",
+         "gemma"]
 
 
 def check_results(results, arch):
@@ -106,39 +107,58 @@ def test_phi3_longrope(tmp_path, layout_name):
     run_case(tmp_path, "phi3", layout_name, **PHI3_LONGROPE)
 
 
-def _longer_than_longrope(folder: str) -> dict:
-    import torch.distributed as dist
+def _past_original_max(folder: str) -> dict:
+    """Phi-3 with LongRoPE at TP2, past original_max_position_embeddings (32): each result's largest difference from
+    transformers (fp32, the same tokens on both ranks)."""
+    import transformers
 
     import loongforge_hf as lf
+    from loongforge_hf.trainer.engine import MegatronEngine
 
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2)
-    out, g = {}, torch.Generator().manual_seed(0)  # NOTE: the same tokens on both ranks
-    ids = torch.randint(4, 200, (1, 40), generator=g)
-    for name, kw in {"forward": dict(input_ids=ids),
-                     "packed": dict(input_ids=ids,
-                                    position_ids=torch.cat([torch.arange(20), torch.arange(20)])[None]),
-                     "generate": None}.items():
-        try:
-            if kw is None:
-                model.generate(input_ids=ids[:, :28], max_new_tokens=8, do_sample=False)
-            else:
-                model(**kw)
-            out[name] = "no error"
-        except ValueError as err:
-            out[name] = str(err)
-    dist.barrier()  # NOTE: both ranks got here: nothing waits in a collective
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(4, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    out = {}
+    with torch.no_grad():
+        for length in (40, 33, 32, 24):  # NOTE: the long factors from 33 positions on
+            out[f"forward_{length}"] = float((model(input_ids=ids[:, :length]).logits
+                                              - ref(input_ids=ids[:, :length]).logits).abs().max())
+        # NOTE: a row packing two 20-token documents: positions up to 19, the short factors (transformers: each
+        # document on its own)
+        packed = model(input_ids=ids[:1], position_ids=torch.cat([torch.arange(20), torch.arange(20)])[None]).logits
+        out["packed"] = float(max((packed[0, :20] - ref(input_ids=ids[:1, :20]).logits[0]).abs().max(),
+                                  (packed[0, 20:] - ref(input_ids=ids[:1, 20:]).logits[0]).abs().max()))
+        # NOTE: 28 prompt tokens + 8 new: transformers switches to the long factors at the step past position 31 and
+        # keeps the keys it cached before; the dynamic and the static cache must do the same
+        kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True)
+        expected = ref.generate(input_ids=ids[:, :28], **kw)
+        for cache in ("dynamic", "static"):
+            got = model.generate(input_ids=ids[:, :28], cache_implementation=cache, **kw)
+            out[f"generate_{cache}"] = (torch.equal(got.sequences, expected.sequences),
+                                        float(max((a - b).abs().max() for a, b in zip(got.scores, expected.scores))))
+    # NOTE: a training step's loss on a 40-token batch (the engine picks per micro-batch) and on a 24-token one
+    engine = MegatronEngine(model, args=transformers.TrainingArguments("/tmp/unused", learning_rate=0.0,
+                                                                       use_cpu=True, report_to=[]))
+    for length in (40, 24):
+        batch = {"input_ids": ids[:, :length], "labels": ids[:, :length]}
+        loss = engine.train_step([batch]).loss
+        with torch.no_grad():
+            out[f"train_{length}"] = abs(loss - float(ref(**batch).loss))
     return out
 
 
-def test_phi3_longrope_beyond_original_max_refused(tmp_path):
-    """Past original_max_position_embeddings transformers switches to the long factors (not implemented): a forward
-    of 40 positions, and a generate of 28 + 8 tokens (before its first step), are refused on both TP ranks with a
-    message; a packed row of two 20-token documents (positions up to 19) runs."""
+def test_phi3_longrope_past_original_max(tmp_path):
+    """Past original_max_position_embeddings transformers rotates every position with LongRoPE's long factors: logits
+    of 40 and 33 positions (long), 32 and 24 (short) and a packed row of two 20-token documents (short) within 1e-4
+    of transformers'; greedy generate of 28 + 8 tokens crossing the switch (dynamic and static cache) with
+    transformers' tokens and scores (1e-4); training losses on 40- and 24-token batches (1e-4)."""
     src = make_tiny_checkpoint(tmp_path / "src", "phi3", **PHI3_LONGROPE)
-    for r in run_distributed(_longer_than_longrope, 2, str(src), timeout=300):
-        assert "A sequence of 40 positions" in r["forward"] and "original_max_position_embeddings=32" in r["forward"]
-        assert r["packed"] == "no error", r
-        assert r["generate"].startswith("generate: up to 36 positions") and "=32" in r["generate"], r
+    for r in run_distributed(_past_original_max, 2, str(src), timeout=300):
+        for key, value in r.items():
+            if key.startswith("generate"):
+                assert value[0] and value[1] < TOL, (key, value)
+            else:
+                assert value < TOL, (key, value)
 
 
 # YaRN (Qwen2.5 / Qwen3's long-context recipe) shrunk: factor 4 over 32 positions, attention factor 0.1 ln 4 + 1

@@ -85,6 +85,18 @@ def test_yarn_inv_freq_and_attention_factor_match_transformers(case):
     assert (ours == unscaled).any() and (ours < unscaled).any()  # some dims kept, some interpolated
 
 
+@pytest.mark.parametrize("long", [False, True])
+def test_longrope_short_and_long_frequencies_match_transformers(long):
+    """LongRoPE's short factors (a forward within original_max_position_embeddings) and long ones (past it), bit for
+    bit transformers' (``seq_len`` past the switch picks the long factors there)."""
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 32,
+               "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0, 3.5, 4.0],
+               "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}
+    config = _hf_config(16, 10000.0, scaling)
+    expected, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=33 if long else None)
+    assert torch.equal(rope_inv_freq(16, base=10000.0, rope_scaling=scaling, longrope_long=long), expected)
+
+
 def test_unknown_rope_type_names_the_supported_ones():
     with pytest.raises(ValueError, match="supported: default, linear, llama3, longrope, yarn"):
         rope_inv_freq(16, base=10000.0, rope_scaling={"rope_type": "dynamic", "factor": 4.0})

@@ -1,7 +1,7 @@
-"""Gemma3ForCausalLM (Gemma 3 text models: gemma-3-270m, gemma-3-1b; the causal-LM form of the larger ones' text part):
-the Llama tensor layout with Gemma's differences.
+"""GemmaForCausalLM (Gemma, CodeGemma) and Gemma3ForCausalLM (Gemma 3 text models: gemma-3-270m, gemma-3-1b; the
+causal-LM form of the larger ones' text part): the Llama tensor layout with Gemma's differences.
 
-Choices:
+Choices (Gemma: the zero-centred norms and the scaled embedding; Gemma 3: all of them):
 - Norms store ``weight - 1`` and apply ``1 + weight`` with Gemma's numerics: megatron's
   ``layernorm_zero_centered_gamma`` on our ``RMSNorm`` (input, pre-MLP, q / k, final and the two post norms).
 - Each layer normalises its attention output and its MLP output before the residual add (``post_attention_layernorm``,
@@ -28,6 +28,29 @@ from loongforge_hf.bridges.layer_outputs import scale_embedding, transformed_att
 from loongforge_hf.bridges.layer_types import LayerTypes
 from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.registry import register_bridge
+
+
+def scale_gemma_embedding(chunk, hidden_size: int) -> None:
+    """The embedding's output times ``sqrt(hidden_size)``, rounded to the weights' dtype first as transformers does."""
+    if chunk.pre_process:
+        dtype = chunk.embedding.word_embeddings.weight.dtype
+        scale_embedding(chunk, float(torch.tensor(hidden_size ** 0.5, dtype=dtype)))
+
+
+@register_bridge("GemmaForCausalLM")
+class GemmaBridge(DenseBridge):
+    """Gemma: the Llama layout with zero-centred norms and the scaled embedding (tied to the LM head)."""
+
+    def check_config(self) -> None:
+        super().check_config()
+        if getattr(self.hf_config, "use_bidirectional_attention", False):
+            raise C.UnsupportedConfigError("use_bidirectional_attention=True is not supported (causal attention only).")
+
+    def transformer_config_kwargs(self) -> dict:
+        return {**super().transformer_config_kwargs(), "layernorm_zero_centered_gamma": True}
+
+    def finish_model(self, model) -> None:
+        scale_gemma_embedding(model, self.hf_config.hidden_size)
 
 
 @register_bridge("Gemma3ForCausalLM")
@@ -67,10 +90,7 @@ class Gemma3Bridge(LayerTypes, DenseBridge):
         return transformed_mlp(post_norm=True)
 
     def finish_model(self, model) -> None:
-        if model.pre_process:
-            # NOTE: transformers rounds sqrt(hidden_size) to the weights' dtype before the multiply
-            dtype = model.embedding.word_embeddings.weight.dtype
-            scale_embedding(model, float(torch.tensor(self.hf_config.hidden_size ** 0.5, dtype=dtype)))
+        scale_gemma_embedding(model, self.hf_config.hidden_size)
         self.set_rotary_tables(model)
 
     # ---- tensors --------------------------------------------------------------------------------------------
