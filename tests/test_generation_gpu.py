@@ -15,6 +15,8 @@
   also over weights updated in place, captured anew otherwise; the dynamic cache's tokens and scores (1e-4).
 - A mixture-of-experts model (no graph for its step): its static cache's steps run as the dynamic cache's, same
   tokens and scores.
+- Phi-3 with LongRoPE, generating across the switch to its long factors (transformers runs the whole sequence
+  again there): the dynamic and the static cache (graphed decode steps) give transformers' tokens and scores (1e-4).
 - On two GPUs over NCCL (TP2, TP2 + SP, CP2, PP2): transformers' tokens, scores and logits (fp32, 1e-4) on both
   ranks; the static cache's step is a CUDA graph on both ranks (with its collectives) in all but PP2.
 """
@@ -307,3 +309,39 @@ def test_moe_bf16_static_cache_step_is_a_cuda_graph(tmp_path):
     got = run_distributed(_moe_bf16_graph_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
     assert got["refusal"] is None and got["graphed"] == (3, True), (got["refusal"], got["graphed"])
     _assert_static_as_cached(got, atol=BF16_ATOL)
+
+
+def _longrope_world(folder: str) -> dict:
+    import transformers
+
+    import loongforge_hf as lf
+
+    pickleable_month_day_nano()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ids = torch.randint(4, 200, (2, 28), generator=torch.Generator().manual_seed(0)).cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    expected = ref.generate(input_ids=ids, **kw)
+    del ref
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    out = {}
+    for cache in ("dynamic", "static"):
+        got = ours.generate(input_ids=ids, cache_implementation=cache, **kw)
+        out[cache] = (torch.equal(got.sequences, expected.sequences),
+                      float(max((a - b).abs().max() for a, b in zip(got.scores, expected.scores))),
+                      getattr(got.cache, "graphed", None))
+    return out
+
+
+def test_longrope_generate_past_the_switch_on_cuda(tmp_path):
+    """Phi-3 with LongRoPE (short factors up to 32 positions): greedy generate of 28 + 8 tokens crossing the switch
+    to the long factors, where transformers runs the whole sequence again; the dynamic cache and the static one (its
+    decode steps a CUDA graph, the re-run prefill eager) give transformers' tokens and scores (fp32, 1e-4)."""
+    from loongforge_hf.testing.tiny_models import PHI3_LONGROPE
+
+    folder = make_tiny_checkpoint(tmp_path / "phi3", "phi3", **PHI3_LONGROPE)
+    got = run_distributed(_longrope_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    for cache, (same, diff, _) in got.items():
+        assert same and diff < 1e-4, (cache, got)
+    assert got["static"][2] is True, got
