@@ -161,22 +161,24 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
                       packed_seq_params=None, *, cache: LoongKVCache, index: int, step: _Step):
     """Stands in for ``CoreAttention.forward`` during a cached step: ``query [sq, b, h, d]``, ``key / value
     [sq, b, h_kv, d]`` of the new (padded) tokens -> ``[sq, b, h * d_v]`` over cache + new keys."""
-    from loongforge_hf.kernels.attention import CAUSAL_MASK_TYPES, sdpa
+    from loongforge_hf.kernels.attention import CAUSAL_MASK_TYPES, score_softcap, sdpa
 
     mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
     if attention_bias is not None or packed_seq_params is not None or mask_type not in CAUSAL_MASK_TYPES:
         raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
     k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, h_kv, s, d]
     if cache.shard is not None:
-        return _sharded_attention(module, query, k, v, cache=cache, index=index, step=step)
+        with score_softcap(module.softcap):  # NOTE: refused by the partial attention
+            return _sharded_attention(module, query, k, v, cache=cache, index=index, step=step)
     keys, values = cache.update(k[:, :, :step.given], v[:, :, :step.given], index)
     # NOTE: a static layer returns its whole buffer: the filled slots only (a dynamic layer's keys are those)
     keys, values = keys[:, :, :step.past + step.given], values[:, :, :step.past + step.given]
     if step.padded > step.given:  # NOTE: the layout's padding: seen by this step only, never cached
         keys = torch.cat((keys, k[:, :, step.given:]), dim=2)
         values = torch.cat((values, v[:, :, step.given:]), dim=2)
-    out = sdpa(query.permute(1, 2, 0, 3), keys, values, causal=True, scale=module.softmax_scale,
-               window=module.window, mask=step.mask)
+    with score_softcap(module.softcap):
+        out = sdpa(query.permute(1, 2, 0, 3), keys, values, causal=True, scale=module.softmax_scale,
+                   window=module.window, mask=step.mask)
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 

@@ -189,8 +189,9 @@ class LoongStaticCache(LoongKVCache):
 
 
 def fixed_step_applies(model) -> bool:
-    """Whether a one-token step of ``model`` can run at a fixed shape (no pipeline)."""
-    return model.parallel.pipeline_parallel_size == 1
+    """Whether a one-token step of ``model`` can run at a fixed shape (no pipeline; no soft-capped attention scores,
+    which the fixed step's attention does not compute: those steps run as the dynamic cache's)."""
+    return model.parallel.pipeline_parallel_size == 1 and getattr(model.bridge, "attention_softcap", None) is None
 
 
 def graph_refusal(model, *, draws_random: bool) -> str | None:

@@ -1,7 +1,8 @@
-"""GemmaForCausalLM (Gemma, CodeGemma) and Gemma3ForCausalLM (Gemma 3 text models: gemma-3-270m, gemma-3-1b; the
-causal-LM form of the larger ones' text part): the Llama tensor layout with Gemma's differences.
+"""GemmaForCausalLM (Gemma, CodeGemma), Gemma2ForCausalLM (Gemma 2) and Gemma3ForCausalLM (Gemma 3 text models:
+gemma-3-270m, gemma-3-1b; the causal-LM form of the larger ones' text part): the Llama tensor layout with Gemma's
+differences.
 
-Choices (Gemma: the zero-centred norms and the scaled embedding; Gemma 3: all of them):
+Choices (Gemma: the zero-centred norms and the scaled embedding; Gemma 2 and 3: all of them):
 - Norms store ``weight - 1`` and apply ``1 + weight`` with Gemma's numerics: megatron's
   ``layernorm_zero_centered_gamma`` on our ``RMSNorm`` (input, pre-MLP, q / k, final and the two post norms).
 - Each layer normalises its attention output and its MLP output before the residual add (``post_attention_layernorm``,
@@ -14,8 +15,13 @@ Choices (Gemma: the zero-centred norms and the scaled embedding; Gemma 3: all of
 - Sliding-window layers (``layer_types``) and two rotary bases: full-attention layers rotate with
   ``rope_parameters['full_attention']`` (default or linear scaling), sliding ones with ``['sliding_attention']``
   (``layer_types.LayerTypes``); the scores are scaled by ``query_pre_attn_scalar ** -0.5`` (``softmax_scale``).
-- Refused with a message: attention / final logit soft-capping (Gemma 2's, not used by Gemma 3), bidirectional
-  attention (EmbeddingGemma), attention biases, layer types other than full / sliding attention.
+- Gemma 2: one rotary base; its scores soft-capped (``attn_logit_softcapping``: ``CoreAttention.softcap``, computed
+  on materialised scores as transformers' eager attention, the only one transformers runs Gemma 2 with) and its
+  logits soft-capped (``final_logit_softcapping``: the output layer's logits, and the fused loss of the training step,
+  ``kernels.cross_entropy``'s ``softcap``). A static cache's decode steps run as the dynamic cache's (the fixed step's
+  attention takes no cap); a KV cache sharded over context parallelism is refused.
+- Refused with a message: bidirectional attention (EmbeddingGemma), attention biases, layer types other than full /
+  sliding attention; soft-capping on Gemma 3 (transformers' Gemma 3 applies none by default).
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L, DenseBridge
-from loongforge_hf.bridges.layer_outputs import scale_embedding, transformed_attention, transformed_mlp
-from loongforge_hf.bridges.layer_types import LayerTypes
+from loongforge_hf.bridges.layer_outputs import (scale_embedding, softcap_logits, transformed_attention,
+                                                 transformed_mlp)
+from loongforge_hf.bridges.layer_types import LAYER_TYPES, LayerTypes, layer_windows
 from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.registry import register_bridge
 
@@ -53,45 +60,32 @@ class GemmaBridge(DenseBridge):
         scale_gemma_embedding(model, self.hf_config.hidden_size)
 
 
-@register_bridge("Gemma3ForCausalLM")
-class Gemma3Bridge(LayerTypes, DenseBridge):
-    qk_norm = True
-    supports_sliding_window = True
+class _SandwichNorms(DenseBridge):
+    """Gemma 2 / 3: zero-centred norms, a norm before and after the attention and the MLP, the scaled embedding,
+    ``query_pre_attn_scalar``, sliding-window layers."""
 
-    # ---- config ---------------------------------------------------------------------------------------------
+    supports_sliding_window = True
+    per_layer_types = True
+
     def check_config(self) -> None:
         c = self.hf_config
-        self.check_layer_types()
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(c, name, None) is not None:
-                raise C.UnsupportedConfigError(f"{name}={getattr(c, name)} is not supported (logit soft-capping).")
         if getattr(c, "use_bidirectional_attention", False):
             raise C.UnsupportedConfigError("use_bidirectional_attention=True is not supported (causal attention only).")
         if getattr(c, "attention_bias", False):
-            raise C.UnsupportedConfigError("attention_bias=True is not supported for Gemma3ForCausalLM.")
+            raise C.UnsupportedConfigError(f"attention_bias=True is not supported for {self.architectures[0]}.")
         C._act_to_megatron(c.hidden_activation)
-
-    def qk_module(self) -> type | None:
-        return None  # NOTE: default and linear rope have no attention factor
 
     def transformer_config_kwargs(self) -> dict:
         c = self.hf_config
         kw = C.hf_to_megatron(c, tuple(f for f in C.DENSE_FIELDS if f.hf != "hidden_act"))
         kw.update(activation_func=C._act_to_megatron(c.hidden_activation), normalization="RMSNorm",
                   layernorm_zero_centered_gamma=True, gated_linear_unit=True, add_bias_linear=False,
-                  add_qkv_bias=False, qk_layernorm=True, hidden_dropout=0.0,
-                  softmax_scale=float(c.query_pre_attn_scalar) ** -0.5, **self.window_kwargs())
+                  add_qkv_bias=False, qk_layernorm=self.qk_norm, hidden_dropout=0.0,
+                  softmax_scale=float(c.query_pre_attn_scalar) ** -0.5, **layer_windows(c))
         return kw
-
-    def attention_module(self) -> type | None:
-        return transformed_attention(post_norm=True, sliding_layers=self.sliding_layers)
 
     def mlp_module(self) -> type | None:
         return transformed_mlp(post_norm=True)
-
-    def finish_model(self, model) -> None:
-        scale_gemma_embedding(model, self.hf_config.hidden_size)
-        self.set_rotary_tables(model)
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def attention_mappings(self) -> list[Mapping]:
@@ -112,3 +106,52 @@ class Gemma3Bridge(LayerTypes, DenseBridge):
         h = shapes.pop(f"{prefix}.post_attention_layernorm.weight")
         return {**shapes, f"{prefix}.pre_feedforward_layernorm.weight": h,
                 f"{prefix}.post_feedforward_layernorm.weight": h}
+
+
+@register_bridge("Gemma2ForCausalLM")
+class Gemma2Bridge(_SandwichNorms):
+    def check_config(self) -> None:
+        super().check_config()
+        self.rope_parameters()
+        kinds = sorted(set(self.hf_config.layer_types or []) - set(LAYER_TYPES))
+        if kinds:
+            raise C.UnsupportedConfigError(f"layer_types {kinds} are not supported; supported: {list(LAYER_TYPES)}.")
+        # NOTE: read by the static cache (its fixed decode step takes no cap)
+        self.attention_softcap = getattr(self.hf_config, "attn_logit_softcapping", None)
+
+    def attention_module(self) -> type | None:
+        return transformed_attention(post_norm=True)
+
+    def finish_model(self, model) -> None:
+        from loongforge_hf.kernels.attention import CoreAttention
+
+        scale_gemma_embedding(model, self.hf_config.hidden_size)
+        for module in model.modules():
+            if isinstance(module, CoreAttention):
+                module.softcap = self.attention_softcap
+        cap = getattr(self.hf_config, "final_logit_softcapping", None)
+        if cap is not None:
+            softcap_logits(model, cap)
+
+
+@register_bridge("Gemma3ForCausalLM")
+class Gemma3Bridge(LayerTypes, _SandwichNorms):
+    qk_norm = True
+
+    def check_config(self) -> None:
+        super().check_config()
+        self.check_layer_types()
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(self.hf_config, name, None) is not None:
+                raise C.UnsupportedConfigError(f"{name}={getattr(self.hf_config, name)} is not supported "
+                                               "(logit soft-capping).")
+
+    def qk_module(self) -> type | None:
+        return None  # NOTE: default and linear rope have no attention factor
+
+    def attention_module(self) -> type | None:
+        return transformed_attention(post_norm=True, sliding_layers=self.sliding_layers)
+
+    def finish_model(self, model) -> None:
+        scale_gemma_embedding(model, self.hf_config.hidden_size)
+        self.set_rotary_tables(model)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 
 def _transform(output_with_bias, norm, scale: float):
     out, bias = output_with_bias
@@ -114,3 +116,24 @@ def scale_final_norm(chunk, factor: float) -> None:
     """Multiply ``chunk``'s final-norm output, the LM head's input, by ``factor`` (last stage only)."""
     if chunk.post_process:
         _rescale(chunk.decoder.final_layernorm, factor)
+
+
+@functools.cache
+def _softcapped_output(base: type) -> type:
+    class SoftcappedOutput(base):
+        """megatron's output layer with its logits soft-capped: ``cap * tanh(logits / cap)`` (``logit_softcap``)."""
+
+        def forward(self, *args, **kwargs):
+            logits, bias = super().forward(*args, **kwargs)
+            return torch.tanh(logits / self.logit_softcap) * self.logit_softcap, bias
+
+    return SoftcappedOutput
+
+
+def softcap_logits(chunk, cap: float) -> None:
+    """Soft-cap ``chunk``'s logits at ``cap`` (last stage only): the output layer's, and the fused training loss's
+    (``runtime.fused_loss_sum`` reads ``chunk.logit_softcap``)."""
+    if chunk.post_process:
+        layer = chunk.output_layer
+        layer.__class__ = _softcapped_output(type(layer))
+        layer.logit_softcap = chunk.logit_softcap = float(cap)

@@ -37,6 +37,16 @@ def _two_table_rotary(base: type) -> type:
     return TwoTableRotary
 
 
+def layer_windows(hf_config) -> dict:
+    """megatron's window settings for ``hf_config``'s ``layer_types``: the window on the sliding layers only."""
+    kinds = list(getattr(hf_config, "layer_types", None) or [])
+    if "sliding_attention" not in kinds:
+        return {}
+    # NOTE: HF lets a query see itself and the window-1 tokens before it; megatron's (left, right) bounds
+    return {"window_size": (hf_config.sliding_window - 1, 0),
+            "window_attn_skip_freq": [int(kind == "sliding_attention") for kind in kinds]}
+
+
 class LayerTypes:
     """Mixed into a dense bridge: the checks, window and rope of a model with per-kind layers."""
 
@@ -67,15 +77,6 @@ class LayerTypes:
     @property
     def sliding_layers(self) -> frozenset[int]:
         return frozenset(i for i, t in enumerate(self.hf_config.layer_types) if t == "sliding_attention")
-
-    def window_kwargs(self) -> dict:
-        """megatron's window settings: the window on the sliding layers only."""
-        c = self.hf_config
-        if not self.sliding_layers:
-            return {}
-        # NOTE: HF lets a query see itself and the window-1 tokens before it; megatron's (left, right) bounds
-        return {"window_size": (c.sliding_window - 1, 0),
-                "window_attn_skip_freq": [int(i in self.sliding_layers) for i in range(c.num_hidden_layers)]}
 
     def set_rotary_tables(self, chunk) -> None:
         """The full and the sliding layers' frequencies in ``chunk``'s rotary embedding (see the docstring)."""

@@ -23,7 +23,7 @@ import torch
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L, DenseBridge
 from loongforge_hf.bridges.layer_outputs import transformed_attention, transformed_mlp
-from loongforge_hf.bridges.layer_types import LayerTypes
+from loongforge_hf.bridges.layer_types import LayerTypes, layer_windows
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
 from loongforge_hf.bridges.fused_mappings import QKV
 from loongforge_hf.bridges.registry import register_bridge
@@ -159,7 +159,7 @@ class Olmo3Bridge(LayerTypes, Olmo2Bridge):
         return rope_attention_factor(self.rope_for(kind), self.hf_config.max_position_embeddings)
 
     def transformer_config_kwargs(self) -> dict:
-        return {**super().transformer_config_kwargs(), **self.window_kwargs()}
+        return {**super().transformer_config_kwargs(), **layer_windows(self.hf_config)}
 
     def attention_module(self) -> type | None:
         return transformed_attention(post_norm=True, sliding_layers=self.sliding_layers,

@@ -128,7 +128,8 @@ def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Mo
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), output_weight(head), labels.reshape(-1),
                                 ignore_index=IGNORE_INDEX, tp_group=ps.get_tensor_model_parallel_group(),
                                 vocab_size=vocab_size, reduction="sum", weight_grad_dtype=weight_grad_dtype,
-                                token_stats=token_stats, label_smoothing=label_smoothing)
+                                token_stats=token_stats, label_smoothing=label_smoothing,
+                                softcap=getattr(head, "logit_softcap", None))
 
 
 def _run_chunk(chunk, input_ids, position_ids, mask):

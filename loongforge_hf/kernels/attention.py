@@ -20,11 +20,16 @@ Choices:
   equals attention over the whole sequence. ``cp_comm_type`` is accepted and does not change this.
 - ``apply_query_key_layer_scaling`` divides and re-multiplies the same scores in megatron: the result is unchanged, so
   it is not replayed. ``softmax_type`` other than ``vanilla`` and ``attention_bias`` raise.
+- Score soft-capping (Gemma 2's ``attn_logit_softcapping``: ``cap * tanh(scores / cap)`` before the mask and the
+  softmax): a ``CoreAttention`` with ``softcap`` set runs every ``sdpa`` call inside its forward (and its KV cache's)
+  on materialised scores, as transformers' eager attention (``_softcapped``; no fused kernel takes the cap). The
+  context-parallel KV cache's partial attention refuses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import math
 
@@ -53,6 +58,38 @@ except ImportError:  # torch < 2.10
 _VARLEN_KWARGS = frozenset(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else frozenset()
 
 CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+
+# NOTE: the soft-cap of the attention running now (CoreAttention.softcap), read by every sdpa call under it
+_SOFTCAP: contextvars.ContextVar[float | None] = contextvars.ContextVar("loongforge_attention_softcap", default=None)
+
+
+@contextlib.contextmanager
+def score_softcap(cap: float | None):
+    """Inside, ``sdpa`` soft-caps the attention scores at ``cap`` (None: not)."""
+    token = _SOFTCAP.set(cap)
+    try:
+        yield
+    finally:
+        _SOFTCAP.reset(token)
+
+
+def _softcapped(query, key, value, attn_mask, *, scale: float, cap: float, dropout_p: float) -> torch.Tensor:
+    """transformers' eager attention with soft-capped scores: ``[b, h, sq, d]`` over ``[b, h_kv, skv, d]`` under
+    ``attn_mask`` (bool True = may attend, or float added); rows with no allowed key give zeros."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.tanh(torch.matmul(query, key.transpose(-1, -2)) * scale / cap) * cap
+    if attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    else:
+        scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    probs = torch.nan_to_num(probs, nan=0.0).to(query.dtype)  # NOTE: a fully masked row: zeros, as SDPA's
+    if dropout_p:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, value)
+
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -124,7 +161,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     natural = skv - sq
     q_offset = natural if q_offset is None else q_offset
     kwargs = dict(scale=scale, dropout_p=dropout_p, enable_gqa=query.shape[1] != key.shape[1])
-    if window is None and mask is None and (not causal or q_offset == natural):
+    cap = _SOFTCAP.get()
+    if cap is None and window is None and mask is None and (not causal or q_offset == natural):
         if not causal:
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
         if sq == skv:
@@ -149,6 +187,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         attn_mask = allowed & ~mask
     else:
         attn_mask = mask.to(query.dtype).masked_fill(~allowed, float("-inf"))
+    if cap is not None:
+        return _softcapped(query, key, value, attn_mask, scale=scale, cap=cap, dropout_p=dropout_p)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, **kwargs)
 
 
@@ -184,6 +224,9 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     over 16k keys, 16 / 8 heads of 128, in a CUDA graph on an H200: 23 µs, the public SDPA without the log-sum-exp
     29 µs, cuDNN's SDPA with its statistics 336 µs, scripts/bench_decode_attention.py). Elsewhere (CPU, fp32, no
     Triton) ``_blocked_partial_attention``."""
+    if _SOFTCAP.get() is not None:
+        raise ValueError("attention logit soft-capping (Gemma 2) is not supported with a KV cache sharded over "
+                         "context-parallel ranks; generate with context_parallel_size=1.")
     kernels = _decode_kernels(query, key, value)
     if kernels is not None:
         return kernels.partial_attention(query, key, value, allowed=allowed, scale=scale)
@@ -300,8 +343,8 @@ def _bounds(params: PackedSeqParams) -> tuple[list[int], list[int]]:
 
 def _varlen_usable(query: torch.Tensor, key: torch.Tensor, *, cp_size: int, dropout_p: float) -> bool:
     gqa = query.shape[1] != key.shape[1]
-    return (_varlen_attn is not None and query.device.type == "cuda" and cp_size == 1 and dropout_p == 0.0
-            and query.dtype in (torch.float16, torch.bfloat16) and "window_size" in _VARLEN_KWARGS
+    return (_varlen_attn is not None and _SOFTCAP.get() is None and query.device.type == "cuda" and cp_size == 1
+            and dropout_p == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and "window_size" in _VARLEN_KWARGS
             and (not gqa or "enable_gqa" in _VARLEN_KWARGS))
 
 
@@ -399,6 +442,7 @@ class CoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.window = tuple(config.window_size) if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, self.layer_number) else None
+        self.softcap: float | None = None  # NOTE: set by a bridge whose model soft-caps its scores (Gemma 2)
 
     def _dropout_context(self, dropout_p: float):
         # NOTE: like megatron, dropout draws from the model-parallel RNG stream unless sequence parallelism already
@@ -422,7 +466,7 @@ class CoreAttention(MegatronModule):
         # NOTE: v (and k without a k norm or rope) are views into megatron's fused QKV output; SDPA keeps its
         # inputs for the backward, which would hold the whole buffer (_saved.standalone).
         key, value = standalone(key), standalone(value)
-        with self._dropout_context(dropout_p):
+        with self._dropout_context(dropout_p), score_softcap(self.softcap):
             if packed_seq_params is not None:
                 if attention_mask is not None:
                     raise ValueError("packed sequences take their masking from cu_seqlens; attention_mask must be "

@@ -29,6 +29,9 @@ Choices:
   traffic per chunk. ``MegatronEngine`` asks for it with ``optimizer_precision="model"``, whose grads are bf16 anyway.
 - Labels outside ``[0, vocab_size)`` other than ``ignore_index`` raise (one host sync per call) instead of silently
   reading a wrong logit.
+- ``softcap``: the logits soft-capped first, ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``),
+  in fp32 on the torch path; the loss, token statistics and grads are the capped logits' (the logits grad times
+  ``1 - tanh^2``).
 - ``token_stats`` (an fp32 ``[2]`` tensor) receives, summed over the non-ignored tokens, the entropy of each token's
   predicted distribution and whether its label is the top-1 prediction (the first maximum, as ``argmax`` picks it):
   what trl.SFTTrainer logs as ``entropy`` and ``mean_token_accuracy``. They come from the chunk's logits in the same
@@ -57,7 +60,9 @@ class _Plan:
 
     def __init__(self, labels: torch.Tensor, *, v_local: int, vocab_start: int, vocab_size: int, ignore_index: int,
                  z_loss: float, group, weight_grad_dtype: torch.dtype = torch.float32,
-                 token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0) -> None:
+                 token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0,
+                 softcap: float | None = None) -> None:
+        self.softcap = softcap
         self.weight_grad_dtype = weight_grad_dtype
         self.smoothing = label_smoothing
         self.vocab_size = vocab_size
@@ -79,6 +84,11 @@ class _Plan:
         input dtype from the Triton kernel), times ``row_scale [c]`` when given; ``stats`` adds the rows' entropy and
         top-1 sums to ``token_stats``."""
         stats = stats and self.token_stats is not None
+        if self.softcap is not None:
+            capped = torch.tanh((hidden[rows] @ weight.t()).to(torch.float32) / self.softcap)
+            loss, grad = self.scores(capped * self.softcap, rows, with_grad=with_grad, row_scale=row_scale,
+                                     stats=stats)
+            return loss, (grad.mul_(1 - capped.square_()) if grad is not None else None)
         if self.group is None and use_triton(hidden):
             from loongforge_hf.kernels import _cross_entropy_triton
 
@@ -240,7 +250,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          vocab_start: int | None = None, vocab_size: int | None = None,
                          chunk_size: int | None = None, z_loss: float = 0.0,
                          reduction: str = "sum", weight_grad_dtype: torch.dtype = torch.float32,
-                         token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
+                         token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0,
+                         softcap: float | None = None) -> torch.Tensor:
     """Cross-entropy of ``hidden [N, H] @ weight[V_local, H].T`` against ``labels [N]``, chunked over tokens.
 
     ``vocab_start`` defaults to ``tp_rank * V_local`` (megatron's even split); ``vocab_size`` to ``V_local * tp_size``.
@@ -248,7 +259,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     ignored tokens). ``weight_grad_dtype``: the dtype the weight grad accumulates in over the chunks (fp32, or the
     weight's own dtype). ``token_stats``: an fp32 ``[2]`` tensor on the device the entropy sum and the top-1 count of
     the non-ignored tokens are added to (see the module docstring). ``label_smoothing``: transformers' label
-    smoothing factor, in ``[0, 1]``.
+    smoothing factor, in ``[0, 1]``. ``softcap``: the logits soft-capped at it first (see the module docstring).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden must be [N, H] and weight [V_local, H]; got "
@@ -265,9 +276,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"linear_cross_entropy: weight_grad_dtype must be torch.float32 or the weight's dtype "
                          f"({weight.dtype}), got {weight_grad_dtype}.")
     if chunk_size is None:
-        triton = tp_group is None and use_triton(hidden)
+        triton = tp_group is None and use_triton(hidden) and softcap is None
+        # NOTE: soft-capping keeps the chunk's tanh beside its fp32 logits
         chunk_size = _default_chunk_size(hidden.shape[0], hidden.shape[1], v_local,
-                                         hidden.element_size() if triton else 4)
+                                         8 if softcap is not None else hidden.element_size() if triton else 4)
     if token_stats is not None and (token_stats.shape != (2,) or token_stats.dtype != torch.float32
                                     or token_stats.device != hidden.device):
         raise ValueError(f"linear_cross_entropy: token_stats must be an fp32 tensor of shape [2] on {hidden.device}, "
@@ -278,7 +290,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     plan = _Plan(labels, v_local=v_local, vocab_start=vocab_start, vocab_size=vocab_size,
                  ignore_index=ignore_index, z_loss=float(z_loss), group=tp_group,
                  weight_grad_dtype=weight_grad_dtype, token_stats=token_stats,
-                 label_smoothing=float(label_smoothing))
+                 label_smoothing=float(label_smoothing), softcap=None if softcap is None else float(softcap))
     return _LinearCrossEntropy.apply(hidden, weight, labels, plan, chunk_size, reduction)
 
 

@@ -15,7 +15,7 @@ import torch
 
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
-              "granite", "olmo2", "olmo3", "gemma")
+              "granite", "olmo2", "olmo3", "gemma", "gemma2")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -82,6 +82,12 @@ def _config(arch: str, **overrides):
         # NOTE: head_dim 24 (Gemma: 256, not hidden / heads), tied embeddings
         cfg = tf.GemmaConfig(**{**common, "head_dim": 24, "tie_word_embeddings": True})
         cfg.architectures = ["GemmaForCausalLM"]
+    elif arch == "gemma2":
+        # NOTE: Gemma 2's layout shrunk: a binding 5-token window on every other layer, head_dim 24 and
+        # query_pre_attn_scalar 20, score and logit soft-capping that bind at the tiny model's magnitudes
+        cfg = tf.Gemma2Config(**{**common, "head_dim": 24, "tie_word_embeddings": True}, sliding_window=5,
+                              query_pre_attn_scalar=20, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+        cfg.architectures = ["Gemma2ForCausalLM"]
     elif arch == "gemma3":
         # NOTE: Gemma 3's layout shrunk: a binding 5-token window on layers 0, 1, 3 (pattern 3), head_dim 24 and
         # query_pre_attn_scalar 20 (neither hidden / heads), and the 4B+ models' linear scaling on the full layers'
@@ -148,7 +154,7 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
     with torch.no_grad():
         # NOTE: random norm weights (HF initialises them to 1), so a bridge that drops a norm cannot pass; Gemma's
         # store weight - 1 (scales around 1 there too)
-        centre = 0.0 if getattr(cfg, "model_type", "") in ("gemma", "gemma3_text") else 1.0
+        centre = 0.0 if getattr(cfg, "model_type", "") in ("gemma", "gemma2", "gemma3_text") else 1.0
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(centre + 0.1 * torch.randn_like(p))

@@ -236,7 +236,7 @@ def test_phi3_matches_trl(tmp_path):
 
 # NOTE: each seed is one whose lora_text run predicts some label token (assert_matches' accuracy guard): SmolLM3's
 # seed 1 and Gemma 3's seeds 0-4 predict none
-ARCH_SEEDS = {"smollm3": 0, "gemma3": 5, "granite": 0, "olmo2": 0, "olmo3": 0, "gemma": 0}
+ARCH_SEEDS = {"smollm3": 0, "gemma3": 5, "granite": 0, "olmo2": 0, "olmo3": 0, "gemma": 0, "gemma2": 0}
 
 
 def _arch_world(folder: str, out_dir: str, resume: bool) -> dict:
@@ -253,7 +253,8 @@ def test_architecture_matches_trl(tmp_path, arch):
     to the LM head, a 5-token window on three of four layers, two rotary bases), Granite (embedding, residual,
     attention and logits multipliers), OLMo 2 (norms after the sublayers only, q / k norms over all heads, split over
     the two TP ranks), OLMo 3 (OLMo 2 with windowed layers, YaRN on the full one), Gemma (zero-centred norms, the
-    scaled embedding tied to the LM head): all-linear LoRA and full
+    scaled embedding tied to the LM head), Gemma 2 (soft-capped scores and logits: the fused loss's): all-linear
+    LoRA and full
     fine-tuning with packing against trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token
     metrics as above). OLMo 2: a LoRA run training the norms (its split q / k norms included) resumed from its
     checkpoint logs the same losses."""

@@ -206,3 +206,37 @@ def test_partial_attention_shares_combine_to_whole(shares, block):
     got = combine_partial_attention(torch.stack(outs), torch.stack(lses))
     torch.testing.assert_close(got.permute(2, 0, 1, 3).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[1, :, 0], torch.zeros_like(got[1, :, 0]))
+
+
+@pytest.mark.parametrize("window", [None, (3, 0)])
+def test_softcapped_scores_match_transformers_eager(window):
+    """Gemma 2's ``attn_logit_softcapping`` (``CoreAttention.softcap``): output and grads as transformers' eager
+    attention (scores ``cap * tanh(q k^T * scale / cap)``, then mask and softmax), with GQA, causal and a window
+    (fp32, 1e-5); 0.05+ off in the output without the cap; packed documents each alone."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    cap = 1.5
+    q, k, v = _qkv(11, 2, 6, 2, seed=3)
+    q = q * 3  # NOTE: scores past the cap's linear range
+    module = _module({"window_size": window} if window else None)
+    module.softcap = cap
+    ours = _run(lambda q, k, v: module(q, k, v, None), q, k, v)
+    allowed = allowed_mask(11, 11, causal=True, window=window)
+    bias = torch.zeros(11, 11).masked_fill(~allowed, float("-inf"))
+
+    def eager(q, k, v):
+        hf = SimpleNamespace(num_key_value_groups=3, training=False)
+        out, _ = eager_attention_forward(hf, q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                                         bias, scaling=SCALE, softcap=cap)
+        return out.permute(1, 0, 2, 3).reshape(11, 2, -1)
+
+    _assert_all_close(ours, _run(eager, q, k, v), atol=1e-5, rtol=1e-5)
+    module.softcap = None
+    assert (module(q, k, v, None) - ours[0]).abs().max() > 0.05
+    module.softcap = cap
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32),
+                             cu_seqlens_kv=torch.tensor([0, 5, 11], dtype=torch.int32), max_seqlen_q=6,
+                             max_seqlen_kv=6)
+    packed = module(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=params)
+    alone = torch.cat([module(q[a:b, :1], k[a:b, :1], v[a:b, :1], None)[:, 0] for a, b in ((0, 5), (5, 11))])
+    torch.testing.assert_close(packed, alone, atol=1e-6, rtol=1e-6)

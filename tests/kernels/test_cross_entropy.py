@@ -50,6 +50,33 @@ def test_sum_matches_cross_entropy_on_materialised_logits_fp32(chunk_size, z_los
     assert torch.equal(gw[V_REAL:], torch.zeros(V_PADDED - V_REAL, H))  # padded rows take no gradient
 
 
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_softcap_is_cross_entropy_of_soft_capped_logits(reduction):
+    """Gemma 2's final-logit soft-capping: loss, token stats and the grads of hidden and weight those of
+    ``cap * tanh(logits / cap)`` through autograd (fp32, 1e-5), chunked; the cap matters here (logits up to ~5)."""
+    hidden, weight, labels = _inputs(torch.float32, seed=4)
+    hidden = hidden * 2
+    cap = 3.0
+
+    def capped(h, w, y, **kw):
+        logits = (h @ w[:V_REAL].t()).float()
+        logits = torch.tanh(logits / cap) * cap
+        loss = F.cross_entropy(logits, y, ignore_index=-100, reduction="none")
+        return loss.sum() if kw.get("reduction", "sum") == "sum" else loss
+
+    grad_out = None if reduction == "sum" else torch.rand(N, generator=torch.Generator().manual_seed(1))
+    stats = torch.zeros(2)
+    ours = _grads(linear_cross_entropy, hidden, weight, labels, grad_out, vocab_size=V_REAL, chunk_size=5,
+                  softcap=cap, reduction=reduction, token_stats=stats)
+    ref = _grads(capped, hidden, weight, labels, grad_out, reduction=reduction)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    plain = _grads(linear_cross_entropy, hidden, weight, labels, grad_out, vocab_size=V_REAL, reduction=reduction)
+    assert (plain[0] - ref[0]).abs().max() > 1e-2  # NOTE: the cap changes the loss
+    logits = torch.tanh((hidden @ weight[:V_REAL].t()) / cap) * cap
+    torch.testing.assert_close(stats, logits_token_stats(logits, labels), atol=1e-4, rtol=1e-5)
+
+
 def test_scaled_sum_backward_scales_the_precomputed_grads():
     hidden, weight, labels = _inputs(torch.float32, seed=3)
     f = lambda h, w, y, **kw: 0.25 * linear_cross_entropy(h, w, y, vocab_size=V_REAL, **kw)  # noqa: E731
