@@ -15,7 +15,7 @@ import torch
 
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
-              "granite", "olmo2", "olmo3", "gemma", "gemma2")
+              "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -110,6 +110,14 @@ def _config(arch: str, **overrides):
                                                                  "original_max_position_embeddings": 32,
                                                                  "rope_theta": 500000.0},
                                               "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})
+    elif arch == "ministral":
+        # NOTE: a binding 5-token window on layers 0 and 2 only (Ministral's layer_types); head_dim given (transformers
+        # reads it, Ministral's config leaves it None)
+        cfg = tf.MinistralConfig(**{**common, "head_dim": 16}, sliding_window=5,
+                                 layer_types=["sliding_attention", "full_attention"] * 2)
+    elif arch == "seed_oss":
+        # NOTE: q/k/v biases, head_dim 24 (Seed-OSS: 128, not hidden / heads); dropouts off (parity runs train too)
+        cfg = tf.SeedOssConfig(**{**common, "head_dim": 24}, attention_dropout=0.0, residual_dropout=0.0)
     elif arch == "granite":
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,
