@@ -38,7 +38,12 @@ def gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
-_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh}
+def relu2(x):
+    """transformers' ``relu2`` (Arcee's MLP): the squared ReLU."""
+    return F.relu(x).square()
+
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh, "relu2": relu2}
 
 
 def _act_to_megatron(name: str):
@@ -48,7 +53,7 @@ def _act_to_megatron(name: str):
 
 
 def _act_to_hf(fn) -> str:
-    return {F.silu: "silu", F.gelu: "gelu", gelu_tanh: "gelu_pytorch_tanh"}[fn]
+    return {F.silu: "silu", F.gelu: "gelu", gelu_tanh: "gelu_pytorch_tanh", relu2: "relu2"}[fn]
 
 
 # HF name, megatron TransformerConfig name, conversions. Order is documentation only.
