@@ -32,7 +32,7 @@ from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L, DenseBridge
 from loongforge_hf.bridges.layer_outputs import (scale_embedding, softcap_logits, transformed_attention,
                                                  transformed_mlp)
-from loongforge_hf.bridges.layer_types import LAYER_TYPES, LayerTypes, layer_windows
+from loongforge_hf.bridges.layer_types import LayerTypes, check_layer_kinds, layer_windows
 from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.registry import register_bridge
 
@@ -113,9 +113,7 @@ class Gemma2Bridge(_SandwichNorms):
     def check_config(self) -> None:
         super().check_config()
         self.rope_parameters()
-        kinds = sorted(set(self.hf_config.layer_types or []) - set(LAYER_TYPES))
-        if kinds:
-            raise C.UnsupportedConfigError(f"layer_types {kinds} are not supported; supported: {list(LAYER_TYPES)}.")
+        check_layer_kinds(self.hf_config, self.architectures[0])
         # NOTE: read by the static cache (its fixed decode step takes no cap)
         self.attention_softcap = getattr(self.hf_config, "attn_logit_softcapping", None)
 

@@ -37,6 +37,14 @@ def _two_table_rotary(base: type) -> type:
     return TwoTableRotary
 
 
+def check_layer_kinds(hf_config, architecture: str) -> None:
+    """``UnsupportedConfigError`` for layer types other than full and sliding-window attention."""
+    unknown = sorted(set(getattr(hf_config, "layer_types", None) or []) - set(LAYER_TYPES))
+    if unknown:
+        raise C.UnsupportedConfigError(f"layer_types {unknown} are not supported for {architecture}; supported: "
+                                       f"{list(LAYER_TYPES)}.")
+
+
 def layer_windows(hf_config) -> dict:
     """megatron's window settings for ``hf_config``'s ``layer_types``: the window on the sliding layers only."""
     kinds = list(getattr(hf_config, "layer_types", None) or [])
@@ -55,10 +63,7 @@ class LayerTypes:
 
     def check_layer_types(self) -> None:
         c = self.hf_config
-        unknown = sorted(set(c.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise C.UnsupportedConfigError(f"layer_types {unknown} are not supported for {self.architectures[0]}; "
-                                           f"supported: {list(LAYER_TYPES)}.")
+        check_layer_kinds(c, self.architectures[0])
         for kind in LAYER_TYPES:
             self.rope_for(kind)
         if "sliding_attention" in c.layer_types and not c.sliding_window:

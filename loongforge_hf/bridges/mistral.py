@@ -2,8 +2,7 @@
 MinistralForCausalLM (Ministral-8B): Mistral with the window on the layers ``layer_types`` marks."""
 
 from loongforge_hf.bridges.dense import DenseBridge
-from loongforge_hf.bridges.layer_types import LAYER_TYPES, layer_windows
-from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.layer_types import check_layer_kinds, layer_windows
 from loongforge_hf.bridges.registry import register_bridge
 
 
@@ -18,9 +17,7 @@ class MinistralBridge(MistralBridge):
 
     def check_config(self) -> None:
         super().check_config()
-        kinds = sorted(set(self.hf_config.layer_types or []) - set(LAYER_TYPES))
-        if kinds:
-            raise C.UnsupportedConfigError(f"layer_types {kinds} are not supported; supported: {list(LAYER_TYPES)}.")
+        check_layer_kinds(self.hf_config, self.architectures[0])
 
     def transformer_config_kwargs(self) -> dict:
         kw = super().transformer_config_kwargs()

@@ -366,3 +366,19 @@ def test_save_over_existing_folder_swaps_weights_and_keeps_other_files(base, sav
     assert sorted(new) == sorted(src)
     for name in src:
         assert torch.equal(new[name], src[name]), name
+
+
+@pytest.mark.parametrize("arch,name", [("ministral", "MinistralForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
+                                       ("gemma3", "Gemma3ForCausalLM"), ("olmo3", "Olmo3ForCausalLM")])
+def test_layer_types_other_than_full_and_sliding_refused(arch, name):
+    """A layer kind the bridges do not implement (Llama 4's chunked attention) is refused by the bridge's pure check,
+    which from_pretrained runs before any collective, naming the kinds it takes."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    config = _config(arch)
+    config.architectures = [name]
+    config.layer_types = ["chunked_attention", *config.layer_types[1:]]
+    with pytest.raises(UnsupportedConfigError, match=rf"layer_types \['chunked_attention'\] are not supported for "
+                                                     rf"{name}; supported: \['full_attention', 'sliding_attention'\]"):
+        get_bridge(config)
