@@ -84,6 +84,8 @@ def hf_to_megatron(hf_config, fields: tuple[Field, ...] = DENSE_FIELDS) -> dict:
             value = head_dim_of(hf_config)
         elif f.hf == "num_key_value_heads":
             value = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        elif f.hf == "attention_dropout":  # NOTE: a config without the field (ERNIE 4.5) drops nothing
+            value = float(getattr(hf_config, "attention_dropout", 0.0) or 0.0)
         else:
             value = getattr(hf_config, f.hf)
         out[f.megatron] = f.to_megatron(value)

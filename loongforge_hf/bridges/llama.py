@@ -1,5 +1,9 @@
-"""LlamaForCausalLM: Llama 2, 3, 3.1, 3.2 (llama3 rope scaling is handled by the shared rope code)."""
+"""LlamaForCausalLM: Llama 2, 3, 3.1, 3.2 (llama3 rope scaling is handled by the shared rope code); HeliumForCausalLM
+(Kyutai's Helium) and Ernie4_5ForCausalLM (ERNIE 4.5 dense): the Llama layout rotating interleaved channel pairs
+(``x[2i], x[2i+1]``, transformers' ``repeat_interleave`` cos / sin): megatron's ``rotary_interleaved``, on its own
+rotary path (the fused-rope slot takes rotate-half pairs only)."""
 
+from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import DenseBridge
 from loongforge_hf.bridges.registry import register_bridge
 
@@ -7,3 +11,17 @@ from loongforge_hf.bridges.registry import register_bridge
 @register_bridge("LlamaForCausalLM")
 class LlamaBridge(DenseBridge):
     pass
+
+
+@register_bridge("HeliumForCausalLM")
+class HeliumBridge(DenseBridge):
+    def transformer_config_kwargs(self) -> dict:
+        return {**super().transformer_config_kwargs(), "rotary_interleaved": True}
+
+
+@register_bridge("Ernie4_5ForCausalLM")
+class Ernie45Bridge(HeliumBridge):
+    def check_config(self) -> None:
+        super().check_config()
+        if getattr(self.hf_config, "use_bias", False):
+            raise C.UnsupportedConfigError("use_bias=True (biases on every linear) is not supported.")

@@ -16,7 +16,7 @@ import torch
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
-              "arcee")
+              "arcee", "helium", "ernie4_5")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -121,6 +121,10 @@ def _config(arch: str, **overrides):
         cfg = tf.SeedOssConfig(**{**common, "head_dim": 24}, attention_dropout=0.0, residual_dropout=0.0)
     elif arch == "arcee":
         cfg = tf.ArceeConfig(**common)  # NOTE: relu2, an MLP without a gate
+    elif arch == "helium":
+        cfg = tf.HeliumConfig(**{**common, "head_dim": 16})  # NOTE: interleaved rotary pairs
+    elif arch == "ernie4_5":
+        cfg = tf.Ernie4_5Config(**{**common, "head_dim": 24})  # NOTE: interleaved rotary pairs
     elif arch == "granite":
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,

@@ -18,8 +18,8 @@ with its rope scaling, Phi-3 with packed q / k / v and gate / up, partial rotary
 layers without rotary embedding, Gemma 3 with its post norms, scaled embedding and two rotary bases, Granite with
 its multipliers, OLMo 2 with its post norms and full-width q / k norms, OLMo 3 with windowed layers and YaRN on the
 full one, Gemma with zero-centred norms and its scaled embedding, Gemma 2 with soft-capped scores and logits,
-Ministral with the window on every other layer, Seed-OSS with q/k/v biases, Arcee with its ungated relu2 MLP) at
-TP1, TP2, TP2 + SP and CP2.
+Ministral with the window on every other layer, Seed-OSS with q/k/v biases, Arcee with its ungated relu2 MLP,
+Helium and ERNIE 4.5 with interleaved rotary pairs) at TP1, TP2, TP2 + SP and CP2.
 """
 
 from __future__ import annotations
@@ -53,10 +53,13 @@ CHECKPOINTS = {
     "ministral": ("ministral", {}),  # the window on every other layer
     "seed_oss": ("seed_oss", {}),  # q/k/v biases, head_dim of its own
     "arcee": ("arcee", {}),  # an MLP without a gate, relu2
+    "helium": ("helium", {}),  # interleaved rotary pairs
+    "ernie4_5": ("ernie4_5", {}),  # interleaved rotary pairs, tied embeddings, head_dim of its own
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe")
 DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3", "gemma",
-         "gemma2", "ministral", "seed_oss", "arcee")
+         "gemma2", "ministral", "seed_oss", "arcee",
+         "helium", "ernie4_5")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
     "tp1": (1, {}, MOE + DENSE),

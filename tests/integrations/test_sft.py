@@ -237,7 +237,8 @@ def test_phi3_matches_trl(tmp_path):
 # NOTE: each seed is one whose lora_text run predicts some label token (assert_matches' accuracy guard): SmolLM3's
 # seed 1, Gemma 3's seeds 0-4 and Ministral's 0-1 predict none
 ARCH_SEEDS = {"smollm3": 0, "gemma3": 5, "granite": 0, "olmo2": 0, "olmo3": 0, "gemma": 0, "gemma2": 0,
-              "ministral": 2, "seed_oss": 0, "arcee": 0}
+              "ministral": 2, "seed_oss": 0, "arcee": 0,
+              "helium": 0, "ernie4_5": 0}
 
 
 def _arch_world(folder: str, out_dir: str, resume: bool) -> dict:
@@ -255,10 +256,10 @@ def test_architecture_matches_trl(tmp_path, arch):
     attention and logits multipliers), OLMo 2 (norms after the sublayers only, q / k norms over all heads, split over
     the two TP ranks), OLMo 3 (OLMo 2 with windowed layers, YaRN on the full one), Gemma (zero-centred norms, the
     scaled embedding tied to the LM head), Gemma 2 (soft-capped scores and logits: the fused loss's), Ministral (the
-    window on every other layer), Seed-OSS (q/k/v biases), Arcee (an ungated relu2 MLP): all-linear LoRA and full
-    fine-tuning with packing against trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token
-    metrics as above). OLMo 2: a LoRA run training the norms (its split q / k norms included) resumed from its
-    checkpoint logs the same losses."""
+    window on every other layer), Seed-OSS (q/k/v biases), Arcee (an ungated relu2 MLP), Helium and ERNIE 4.5
+    (interleaved rotary pairs): all-linear LoRA and full fine-tuning with packing against trl.SFTTrainer, at TP=2
+    with sequence parallelism (losses, eval losses and token metrics as above). OLMo 2: a LoRA run training the norms
+    (its split q / k norms included) resumed from its checkpoint logs the same losses."""
     folder = str(make_tiny_checkpoint(tmp_path / arch, arch, seed=ARCH_SEEDS[arch]))
     trl_runs = run_distributed(run_trl, 1, folder, str(tmp_path / "trl"), SMOLLM3_NAMES, timeout=400)[0]
     ranks = run_distributed(_arch_world, 2, folder, str(tmp_path / "tp2-sp"), arch == "olmo2", timeout=400)
