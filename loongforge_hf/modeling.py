@@ -105,16 +105,22 @@ def longrope_modules(model) -> list:
     return model._longrope_modules
 
 
+def rope_length(input_ids: torch.Tensor, position_ids: torch.Tensor | None, past: int = 0) -> int:
+    """The length transformers' LongRoPE picks its frequencies by: the largest position id + 1, else the cached tokens
+    plus the given ones."""
+    if position_ids is not None and position_ids.numel():
+        return int(position_ids.max()) + 1
+    return past + input_ids.shape[-1]
+
+
 def select_longrope_for(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, past: int = 0) -> None:
-    """LongRoPE's short or long frequencies for this forward, as transformers picks them: by the largest position id
-    + 1, else the cached tokens plus the given ones (``kernels.rope.select_longrope``). Nothing for other models."""
+    """LongRoPE's short or long frequencies for this forward, as transformers picks them (``rope_length``,
+    ``kernels.rope.select_longrope``). Nothing for other models."""
     modules = longrope_modules(model)
     if modules:
         from loongforge_hf.kernels.rope import select_longrope
 
-        length = int(position_ids.max()) + 1 if position_ids is not None and position_ids.numel() else \
-            past + input_ids.shape[-1]
-        select_longrope(modules, length)
+        select_longrope(modules, rope_length(input_ids, position_ids, past))
 
 
 def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux_coef: float = 0.0,

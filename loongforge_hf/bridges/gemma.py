@@ -144,9 +144,6 @@ class Gemma3Bridge(LayerTypes, _SandwichNorms):
                 raise C.UnsupportedConfigError(f"{name}={getattr(self.hf_config, name)} is not supported "
                                                "(logit soft-capping).")
 
-    def qk_module(self) -> type | None:
-        return None  # NOTE: default and linear rope have no attention factor
-
     def attention_module(self) -> type | None:
         return transformed_attention(post_norm=True, sliding_layers=self.sliding_layers)
 

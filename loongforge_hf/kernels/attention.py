@@ -63,9 +63,14 @@ CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskT
 _SOFTCAP: contextvars.ContextVar[float | None] = contextvars.ContextVar("loongforge_attention_softcap", default=None)
 
 
-@contextlib.contextmanager
 def score_softcap(cap: float | None):
-    """Inside, ``sdpa`` soft-caps the attention scores at ``cap`` (None: not)."""
+    """Inside, ``sdpa`` soft-caps the attention scores at ``cap``; None: a plain ``nullcontext`` (every attention call
+    of a model without a cap goes through here)."""
+    return contextlib.nullcontext() if cap is None else _softcap_scope(cap)
+
+
+@contextlib.contextmanager
+def _softcap_scope(cap: float):
     token = _SOFTCAP.set(cap)
     try:
         yield

@@ -521,12 +521,11 @@ class MegatronEngine:
     def _longrope_lengths(self, micro_batches: list[dict]) -> list[int] | None:
         """Per micro-batch, the length by which LongRoPE picks its frequencies as transformers does (the largest
         position id + 1, else the collator's length: before the layout's padding); None for other models."""
-        from loongforge_hf.modeling import longrope_modules
+        from loongforge_hf.modeling import longrope_modules, rope_length
 
         if not longrope_modules(self.model):
             return None
-        return [int(b["position_ids"].max()) + 1 if b.get("position_ids") is not None and b["position_ids"].numel()
-                else b["input_ids"].shape[1] for b in micro_batches]
+        return [rope_length(b["input_ids"], b.get("position_ids")) for b in micro_batches]
 
     def _forward_step_func(self, vocab_size: int, balance: dict | None = None, lengths: dict | None = None,
                            rope_lengths: dict | None = None):
