@@ -161,14 +161,15 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
                       packed_seq_params=None, *, cache: LoongKVCache, index: int, step: _Step):
     """Stands in for ``CoreAttention.forward`` during a cached step: ``query [sq, b, h, d]``, ``key / value
     [sq, b, h_kv, d]`` of the new (padded) tokens -> ``[sq, b, h * d_v]`` over cache + new keys."""
-    from loongforge_hf.kernels.attention import CAUSAL_MASK_TYPES, score_softcap, sdpa
+    from loongforge_hf.kernels.attention import CAUSAL_MASK_TYPES, attention_scores, sdpa
 
     mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
     if attention_bias is not None or packed_seq_params is not None or mask_type not in CAUSAL_MASK_TYPES:
         raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
     k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, h_kv, s, d]
     if cache.shard is not None:
-        with score_softcap(module.softcap):  # NOTE: refused by the partial attention
+        # NOTE: a soft-cap is refused there; sinks weight the merged shares
+        with attention_scores(softcap=module.softcap, sinks=module.sinks):
             return _sharded_attention(module, query, k, v, cache=cache, index=index, step=step)
     keys, values = cache.update(k[:, :, :step.given], v[:, :, :step.given], index)
     # NOTE: a static layer returns its whole buffer: the filled slots only (a dynamic layer's keys are those)
@@ -176,7 +177,7 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
     if step.padded > step.given:  # NOTE: the layout's padding: seen by this step only, never cached
         keys = torch.cat((keys, k[:, :, step.given:]), dim=2)
         values = torch.cat((values, v[:, :, step.given:]), dim=2)
-    with score_softcap(module.softcap):
+    with attention_scores(softcap=module.softcap, sinks=module.sinks):
         out = sdpa(query.permute(1, 2, 0, 3), keys, values, causal=True, scale=module.softmax_scale,
                    window=module.window, mask=step.mask)
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
@@ -342,7 +343,8 @@ def _split_prefill_attention(module, query, key, value, attention_mask, attn_mas
     cache."""
     import torch.distributed as dist
 
-    from loongforge_hf.kernels.attention import CAUSAL_MASK_TYPES, _cp_chunks, _cp_global_index, _gather_kv
+    from loongforge_hf.kernels.attention import (CAUSAL_MASK_TYPES, _cp_chunks, _cp_global_index, _gather_kv,
+                                                 attention_scores)
 
     mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
     if attention_bias is not None or packed_seq_params is not None or mask_type not in CAUSAL_MASK_TYPES:
@@ -354,6 +356,8 @@ def _split_prefill_attention(module, query, key, value, attention_mask, attn_mas
     # NOTE: the prompt's keys and values: this rank's share of them (CPShard), or all of them (replicated)
     share = slice(cache.shard.rank, step.given, cache.shard.size) if cache.shard is not None else slice(step.given)
     cache.update(keys[:, :, share], values[:, :, share], index)
-    out = _cp_chunks(query.permute(1, 2, 0, 3), keys, values, cp_rank=dist.get_rank(group), cp_size=cp_size,
-                     causal=True, scale=module.softmax_scale, dropout_p=0.0, window=module.window, mask=step.mask)
+    with attention_scores(softcap=module.softcap, sinks=module.sinks):
+        out = _cp_chunks(query.permute(1, 2, 0, 3), keys, values, cp_rank=dist.get_rank(group), cp_size=cp_size,
+                         causal=True, scale=module.softmax_scale, dropout_p=0.0, window=module.window,
+                         mask=step.mask)
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)

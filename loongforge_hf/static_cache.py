@@ -18,8 +18,9 @@ Choices:
   copied into static buffers first: the token ids, the rotary position (``past``) and, per attention window, a
   ``[b, 1, 1, max_cache_len]`` mask of the keys the query may see (transformers' padding mask over the filled
   slots, the window's left bound; unfilled slots never). Inside, each core attention writes its key and value at
-  the layer's count and attends the query over the whole buffer under that mask, and each rotary embedding returns
-  its table row of that position (the table is computed once, at the first step, by the embedding itself); an
+  the layer's count and attends the query over the whole buffer under that mask (attention sinks, gpt-oss's, on
+  materialised scores: ``kernels.attention.masked_attention``), and each rotary embedding returns its table row
+  of that position (the table is computed once, at the first step, by the embedding itself); an
   image-text model's ``[3, b, 1]`` mRoPE positions (from generate) are copied into a position buffer instead and
   its multimodal rotary embedding computes the rows inside the step (``multimodal/generation.py``). Under
   sequence parallelism the step is the token and ``tensor_parallel_size - 1`` placeholders after it (megatron splits
@@ -68,7 +69,6 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import StaticLayer
 
 from loongforge_hf.kv_cache import LoongKVCache, check_step_mask, cp_shard, patched
@@ -419,22 +419,24 @@ def _fixed_attention(module, query, key, value, attention_mask, attn_mask_type=N
     attends over the whole buffer under ``allowed``. Under CP (``shard``) the key and value go to this rank's slot
     for the token (``decode.write_at``: the scratch slot where the token is another rank's), the queries attend over
     this rank's share and the CP group merges the shares (``kernels.attention.sharded_attention``)."""
-    from loongforge_hf.kernels.attention import sharded_attention
+    from loongforge_hf.kernels.attention import attention_scores, masked_attention, sharded_attention
 
     if attention_bias is not None or packed_seq_params is not None:
         raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
     q = query.permute(1, 2, 0, 3)
-    if shard is not None:
-        # NOTE: written where decode.write_at says; the layer's own count is not read again before the next
-        # prefill resets it (cache.filled counts the tokens)
-        layer.keys.index_copy_(2, decode.write_at, key[:1].permute(1, 2, 0, 3))
-        layer.values.index_copy_(2, decode.write_at, value[:1].permute(1, 2, 0, 3))
-        out = sharded_attention(q, layer.keys, layer.values, allowed=allowed, scale=module.softmax_scale,
-                                group=shard.group)
-    else:
-        keys, values = layer.update(key[:1].permute(1, 2, 0, 3), value[:1].permute(1, 2, 0, 3))
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=module.softmax_scale,
-                                             enable_gqa=q.shape[1] != keys.shape[1])
+    # NOTE: attention sinks (gpt-oss) apply here on materialised scores; soft-capped models never get here
+    # (fixed_step_applies), and the CP-sharded attention refuses a cap
+    with attention_scores(softcap=module.softcap, sinks=module.sinks):
+        if shard is not None:
+            # NOTE: written where decode.write_at says; the layer's own count is not read again before the next
+            # prefill resets it (cache.filled counts the tokens)
+            layer.keys.index_copy_(2, decode.write_at, key[:1].permute(1, 2, 0, 3))
+            layer.values.index_copy_(2, decode.write_at, value[:1].permute(1, 2, 0, 3))
+            out = sharded_attention(q, layer.keys, layer.values, allowed=allowed, scale=module.softmax_scale,
+                                    group=shard.group)
+        else:
+            keys, values = layer.update(key[:1].permute(1, 2, 0, 3), value[:1].permute(1, 2, 0, 3))
+            out = masked_attention(q, keys, values, allowed=allowed, scale=module.softmax_scale)
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 

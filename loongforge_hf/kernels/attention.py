@@ -19,11 +19,21 @@ Choices:
   their grads; each local query chunk then attends to the global keys up to its own end, causally aligned. The result
   equals attention over the whole sequence. ``cp_comm_type`` is accepted and does not change this.
 - ``apply_query_key_layer_scaling`` divides and re-multiplies the same scores in megatron: the result is unchanged, so
-  it is not replayed. ``softmax_type`` other than ``vanilla`` and ``attention_bias`` raise.
-- Score soft-capping (Gemma 2's ``attn_logit_softcapping``: ``cap * tanh(scores / cap)`` before the mask and the
-  softmax): a ``CoreAttention`` with ``softcap`` set runs every ``sdpa`` call inside its forward (and its KV cache's)
-  on materialised scores, as transformers' eager attention (``_softcapped``; no fused kernel takes the cap). The
-  context-parallel KV cache's partial attention refuses it.
+  it is not replayed. An ``attention_bias`` raises.
+- Score rules (``attention_scores``: a context the ``CoreAttention`` forward and its KV caches enter; none set, a
+  plain ``nullcontext``, and every call takes the fused paths above). Under one, every ``sdpa`` call runs on
+  materialised scores, as transformers' eager attention (``_materialised``; no fused kernel takes them), softmaxed in
+  fp32 (transformers softmaxes gpt-oss's in the inputs' dtype), and the varlen kernel is skipped:
+  - soft-capping (Gemma 2's ``attn_logit_softcapping``, ``CoreAttention.softcap``): ``cap * tanh(scores / cap)``
+    before the mask. The context-parallel KV cache's partial attention refuses it.
+  - attention sinks (megatron's ``softmax_type``, gpt-oss's ``sinks``, ``CoreAttention.sinks``): one more logit per
+    query head, after the cap and the mask, in the softmax only (its value is zero): ``softmax([s, sink])[:-1] @ V``,
+    i.e. the plain attention times ``sigmoid(lse - sink)``, ``lse`` the log-sum-exp of the row's allowed scores.
+    ``learnable``: a parameter ``softmax_offset [heads of this TP rank]`` (megatron's name, split over TP on dim 0,
+    zeros at init: a bridge loads the checkpoint's); ``off-by-one``: a sink fixed at 0; ``vanilla``: none. A row
+    with no allowed key gives zeros with or without a sink. Each packed document and each context-parallel query
+    chunk is one call over every key its queries may see, so its sink is the whole row's. The context-parallel KV
+    cache applies it to the merged shares by their total log-sum-exp (``combine_partial_attention``).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import contextlib
 import contextvars
 import inspect
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,13 +53,16 @@ from torch.nn.attention.bias import causal_lower_right
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is_layer_window_attention,
+                                             make_sharded_tensors_for_checkpoint)
 from megatron.core.utils import divide
 
 from loongforge_hf.kernels._saved import standalone
 from loongforge_hf.kernels._triton import use_triton
+from loongforge_hf.xpu import get_backend
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -59,41 +73,83 @@ _VARLEN_KWARGS = frozenset(inspect.signature(_varlen_attn).parameters) if _varle
 
 CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
-# NOTE: the soft-cap of the attention running now (CoreAttention.softcap), read by every sdpa call under it
-_SOFTCAP: contextvars.ContextVar[float | None] = contextvars.ContextVar("loongforge_attention_softcap", default=None)
+Sinks = torch.Tensor | float  # NOTE: a logit per query head (``[h]``), or one for every head (off-by-one's 0)
 
 
-def score_softcap(cap: float | None):
-    """Inside, ``sdpa`` soft-caps the attention scores at ``cap``; None: a plain ``nullcontext`` (every attention call
-    of a model without a cap goes through here)."""
-    return contextlib.nullcontext() if cap is None else _softcap_scope(cap)
+class _ScoreRule(NamedTuple):
+    softcap: float | None
+    sinks: torch.Tensor | float | None
+
+
+# NOTE: the score rule of the attention running now (module docstring), read by every sdpa call under it
+_SCORES: contextvars.ContextVar[_ScoreRule | None] = contextvars.ContextVar("loongforge_attention_scores",
+                                                                            default=None)
+
+
+def attention_scores(*, softcap: float | None = None, sinks: Sinks | None = None):
+    """Inside, ``sdpa`` (and the context-parallel KV cache's ``sharded_attention``) soft-cap the scores at ``softcap``
+    and add the ``sinks`` logits (``[h]``, one per query head, or a float for all) to the softmax; both None: a plain
+    ``nullcontext`` (every attention call of a model without them goes through here)."""
+    if softcap is None and sinks is None:
+        return contextlib.nullcontext()
+    return _scores_scope(_ScoreRule(softcap, sinks))
 
 
 @contextlib.contextmanager
-def _softcap_scope(cap: float):
-    token = _SOFTCAP.set(cap)
+def _scores_scope(rule: _ScoreRule):
+    token = _SCORES.set(rule)
     try:
         yield
     finally:
-        _SOFTCAP.reset(token)
+        _SCORES.reset(token)
 
 
-def _softcapped(query, key, value, attn_mask, *, scale: float, cap: float, dropout_p: float) -> torch.Tensor:
-    """transformers' eager attention with soft-capped scores: ``[b, h, sq, d]`` over ``[b, h_kv, skv, d]`` under
-    ``attn_mask`` (bool True = may attend, or float added); rows with no allowed key give zeros."""
+def _sinks_now() -> Sinks | None:
+    rule = _SCORES.get()
+    return None if rule is None else rule.sinks
+
+
+def _refuse_softcap() -> None:
+    rule = _SCORES.get()
+    if rule is not None and rule.softcap is not None:
+        raise ValueError("attention logit soft-capping (Gemma 2) is not supported with a KV cache sharded over "
+                         "context-parallel ranks; generate with context_parallel_size=1.")
+
+
+def _materialised(query, key, value, attn_mask, *, scale: float, rule: _ScoreRule, dropout_p: float) -> torch.Tensor:
+    """transformers' eager attention under ``rule``: ``[b, h, sq, d]`` over ``[b, h_kv, skv, d]`` under ``attn_mask``
+    (bool True = may attend, or float added); the scores soft-capped, masked, then a sink column appended, softmaxed
+    in fp32 and the sink's probability dropped. Rows with no allowed key give zeros."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = torch.tanh(torch.matmul(query, key.transpose(-1, -2)) * scale / cap) * cap
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if rule.softcap is not None:
+        scores = torch.tanh(scores / rule.softcap) * rule.softcap
     if attn_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
     else:
         scores = scores + attn_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    probs = torch.nan_to_num(probs, nan=0.0).to(query.dtype)  # NOTE: a fully masked row: zeros, as SDPA's
+    if rule.sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        probs = torch.nan_to_num(probs, nan=0.0)  # NOTE: a fully masked row: zeros, as SDPA's
+    else:  # NOTE: a fully masked row puts all its mass on the sink: zeros too
+        scores = scores.float()
+        if isinstance(rule.sinks, torch.Tensor):
+            column = rule.sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        else:
+            column = scores.new_full((*scores.shape[:-1], 1), float(rule.sinks))
+        probs = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+    probs = probs.to(query.dtype)
     if dropout_p:
         probs = F.dropout(probs, p=dropout_p)
     return torch.matmul(probs, value)
+
+
+def _sink_weight(lse: torch.Tensor, sinks: Sinks) -> torch.Tensor:
+    """``sigmoid(lse - sink)`` for ``lse [b, h, sq]`` (fp32): the share of a row's softmax mass its keys keep."""
+    sink = sinks.float().view(1, -1, 1) if isinstance(sinks, torch.Tensor) else float(sinks)
+    return torch.sigmoid(lse - sink)
 
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -161,13 +217,14 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     Query i sits at key position ``q_offset + i`` (default ``skv - sq``: the queries are the last keys). ``window``
     is megatron's ``(left, right)``: key j is allowed for query at position p when ``p - left <= j <= p + right``
     (a negative bound is unbounded). ``mask`` is megatron's: bool True = not allowed, or float = added to the scores.
+    Under ``attention_scores`` (a soft-cap, sinks) the scores are materialised (``_materialised``).
     """
     sq, skv = query.shape[-2], key.shape[-2]
     natural = skv - sq
     q_offset = natural if q_offset is None else q_offset
     kwargs = dict(scale=scale, dropout_p=dropout_p, enable_gqa=query.shape[1] != key.shape[1])
-    cap = _SOFTCAP.get()
-    if cap is None and window is None and mask is None and (not causal or q_offset == natural):
+    rule = _SCORES.get()
+    if rule is None and window is None and mask is None and (not causal or q_offset == natural):
         if not causal:
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
         if sq == skv:
@@ -192,9 +249,21 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         attn_mask = allowed & ~mask
     else:
         attn_mask = mask.to(query.dtype).masked_fill(~allowed, float("-inf"))
-    if cap is not None:
-        return _softcapped(query, key, value, attn_mask, scale=scale, cap=cap, dropout_p=dropout_p)
+    if rule is not None:
+        return _materialised(query, key, value, attn_mask, scale=scale, rule=rule, dropout_p=dropout_p)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, allowed: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of ``query [b, h, sq, d]`` over ``key / value [b, h_kv, skv, d]`` under ``allowed`` (bool, True = may
+    attend, broadcast to ``[b, h, sq, skv]``; every row allows a key) and the score rule of the scope: a static KV
+    cache's fixed decode step over its whole buffer."""
+    rule = _SCORES.get()
+    if rule is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale,
+                                              enable_gqa=query.shape[1] != key.shape[1])
+    return _materialised(query, key, value, allowed, scale=scale, rule=rule, dropout_p=0.0)
 
 
 def _cp_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, cp_rank: int, cp_size: int,
@@ -228,10 +297,9 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     On CUDA in bf16 / fp16 with Triton: flash-decoding's split-key kernels (``_decode_attention_triton``; one token
     over 16k keys, 16 / 8 heads of 128, in a CUDA graph on an H200: 23 µs, the public SDPA without the log-sum-exp
     29 µs, cuDNN's SDPA with its statistics 336 µs, scripts/bench_decode_attention.py). Elsewhere (CPU, fp32, no
-    Triton) ``_blocked_partial_attention``."""
-    if _SOFTCAP.get() is not None:
-        raise ValueError("attention logit soft-capping (Gemma 2) is not supported with a KV cache sharded over "
-                         "context-parallel ranks; generate with context_parallel_size=1.")
+    Triton) ``_blocked_partial_attention``. The scope's sinks are not applied here (a share's log-sum-exp is not the
+    row's): ``combine_partial_attention`` applies them; its soft-cap is refused."""
+    _refuse_softcap()
     kernels = _decode_kernels(query, key, value)
     if kernels is not None:
         return kernels.partial_attention(query, key, value, allowed=allowed, scale=scale)
@@ -283,34 +351,51 @@ def sharded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     ``group`` hold between them, this rank's share ``key / value [b, h_kv, n, d]`` under ``allowed``
     (``partial_attention``) -> ``[b, h, sq, d_v]`` in the query's dtype on every rank (``merge_partial_attention``):
     a KV cache sharded over context parallelism (``kv_cache.CPShard``). With the Triton kernels every rank's splits
-    are all-gathered as they are and combined in one kernel (the same split count on every rank)."""
+    are all-gathered as they are and combined in one kernel (the same split count on every rank). The scope's sinks
+    weight the merged result by its total log-sum-exp; its soft-cap is refused."""
+    _refuse_softcap()
+    sinks = _sinks_now()
     kernels = _decode_kernels(query, key, value)
     if kernels is not None:
         mine = kernels.split_partials(query, key, value, allowed=allowed, scale=scale)
         every = mine.new_empty((dist.get_world_size(group) * mine.shape[0], *mine.shape[1:]))
         _all_gather(every, mine, group=group)
-        return kernels.combine(every, (*query.shape[:3], value.shape[-1]), dtype=query.dtype, with_lse=False)
+        shape = (*query.shape[:3], value.shape[-1])
+        if sinks is None:
+            return kernels.combine(every, shape, dtype=query.dtype, with_lse=False)
+        out, lse = kernels.combine(every, shape)
+        return (out * _sink_weight(lse, sinks).unsqueeze(-1)).to(query.dtype)
     out, lse = partial_attention(query, key, value, allowed=allowed, scale=scale)
-    return merge_partial_attention(out, lse, group).to(query.dtype)
+    return merge_partial_attention(out, lse, group, sinks=sinks).to(query.dtype)
 
 
-def merge_partial_attention(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tensor:
+def merge_partial_attention(out: torch.Tensor, lse: torch.Tensor, group, *,
+                            sinks: Sinks | None = None) -> torch.Tensor:
     """The attention over every rank's share of the keys from each rank's ``partial_attention`` (``out [b, h, sq, d]``,
     ``lse [b, h, sq]``, fp32) -> ``[b, h, sq, d]`` fp32 on every rank of ``group``: one all-gather of both, then each
-    share weighted by its softmax mass (``exp(lse_r - max lse)``). Rows no rank attends anywhere give zeros."""
+    share weighted by its softmax mass (``exp(lse_r - max lse)``; ``sinks``: ``combine_partial_attention``). Rows no
+    rank attends anywhere give zeros."""
     mine = torch.cat((out, lse.unsqueeze(-1)), dim=-1).unsqueeze(0)
     every = mine.new_empty((dist.get_world_size(group), *mine.shape[1:]))
     _all_gather(every, mine.contiguous(), group=group)
-    return combine_partial_attention(every[..., :-1], every[..., -1])
+    return combine_partial_attention(every[..., :-1], every[..., -1], sinks=sinks)
 
 
-def combine_partial_attention(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+def combine_partial_attention(outs: torch.Tensor, lses: torch.Tensor, *, sinks: Sinks | None = None) -> torch.Tensor:
     """``partial_attention``'s results of every share, stacked (``outs [r, b, h, sq, d]``, ``lses [r, b, h, sq]``)
-    -> the attention over all the shares' keys ``[b, h, sq, d]``."""
+    -> the attention over all the shares' keys ``[b, h, sq, d]``; with ``sinks`` (``[h]`` or a float) times
+    ``sigmoid(lse - sink)``, ``lse`` the log-sum-exp over every share: what a sink column in the softmax gives."""
     top = lses.amax(dim=0)
-    weights = torch.exp(lses - top.masked_fill(top == float("-inf"), 0.0))  # NOTE: exp(-inf) = 0 for empty shares
+    shift = top.masked_fill(top == float("-inf"), 0.0)
+    weights = torch.exp(lses - shift)  # NOTE: exp(-inf) = 0 for empty shares
     total = weights.sum(dim=0)
-    return (weights.unsqueeze(-1) * outs).sum(dim=0) / total.clamp(min=torch.finfo(total.dtype).tiny).unsqueeze(-1)
+    kept = total.clamp(min=torch.finfo(total.dtype).tiny)
+    out = (weights.unsqueeze(-1) * outs).sum(dim=0) / kept.unsqueeze(-1)
+    if sinks is None:
+        return out
+    # NOTE: masked_fill, not log(0): a row no share attends gets -inf (weight 0) and no NaN in the backward
+    lse = (shift + torch.log(kept)).masked_fill(total == 0, float("-inf"))
+    return out * _sink_weight(lse, sinks).unsqueeze(-1)
 
 
 def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
@@ -348,7 +433,7 @@ def _bounds(params: PackedSeqParams) -> tuple[list[int], list[int]]:
 
 def _varlen_usable(query: torch.Tensor, key: torch.Tensor, *, cp_size: int, dropout_p: float) -> bool:
     gqa = query.shape[1] != key.shape[1]
-    return (_varlen_attn is not None and _SOFTCAP.get() is None and query.device.type == "cuda" and cp_size == 1
+    return (_varlen_attn is not None and _SCORES.get() is None and query.device.type == "cuda" and cp_size == 1
             and dropout_p == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and "window_size" in _VARLEN_KWARGS
             and (not gqa or "enable_gqa" in _VARLEN_KWARGS))
 
@@ -423,9 +508,10 @@ class CoreAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None) -> None:
         super().__init__(config=config)
-        if config.softmax_type != "vanilla":
-            raise ValueError(f"loongforge CoreAttention supports softmax_type='vanilla' only, got "
-                             f"{config.softmax_type!r}.")
+        if config.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"loongforge CoreAttention: softmax_type must be 'vanilla', 'off-by-one' or 'learnable', "
+                             f"got {config.softmax_type!r}.")
+        self.softmax_type = config.softmax_type
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -448,6 +534,29 @@ class CoreAttention(MegatronModule):
         self.window = tuple(config.window_size) if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, self.layer_number) else None
         self.softcap: float | None = None  # NOTE: set by a bridge whose model soft-caps its scores (Gemma 2)
+        if config.softmax_type == "learnable":
+            device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(self.num_heads_per_partition,
+                                                                 dtype=config.params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.softmax_offset, is_parallel=True, dim=0, stride=1)
+        else:
+            self.softmax_offset = None
+
+    @property
+    def sinks(self) -> Sinks | None:
+        """The attention sinks of ``softmax_type`` (module docstring): ``softmax_offset`` (``learnable``), 0.0
+        (``off-by-one``) or None (``vanilla``)."""
+        if self.softmax_offset is not None:
+            return self.softmax_offset
+        return 0.0 if self.softmax_type == "off-by-one" else None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """``softmax_offset`` (where learnable) split along dim 0 over tensor parallelism, as megatron's
+        ``DotProductAttention``; nothing else."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                                   {"softmax_offset": 0}, sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
 
     def _dropout_context(self, dropout_p: float):
         # NOTE: like megatron, dropout draws from the model-parallel RNG stream unless sequence parallelism already
@@ -471,7 +580,7 @@ class CoreAttention(MegatronModule):
         # NOTE: v (and k without a k norm or rope) are views into megatron's fused QKV output; SDPA keeps its
         # inputs for the backward, which would hold the whole buffer (_saved.standalone).
         key, value = standalone(key), standalone(value)
-        with self._dropout_context(dropout_p), score_softcap(self.softcap):
+        with self._dropout_context(dropout_p), attention_scores(softcap=self.softcap, sinks=self.sinks):
             if packed_seq_params is not None:
                 if attention_mask is not None:
                     raise ValueError("packed sequences take their masking from cu_seqlens; attention_mask must be "

@@ -160,8 +160,8 @@ def test_eval_mode_ignores_dropout_and_bad_calls_raise():
         module(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
     with pytest.raises(ValueError, match="attention_mask must be None"):
         module(q[:, 0], k[:, 0], v[:, 0], torch.zeros(1, dtype=torch.bool), packed_seq_params=_packed_params([0, 6]))
-    with pytest.raises(ValueError, match="softmax_type='vanilla'"):
-        _module({"softmax_type": "off-by-one"})
+    with pytest.raises(ValueError, match="softmax_type must be"):
+        _module({"softmax_type": "sigmoid"})
 
 
 def test_softmax_scale_from_argument():
