@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from loongforge_hf.bridges.fp8_checkpoint import drop_fp8_quantization
+from loongforge_hf.bridges.fp8_checkpoint import drop_dequantized_quantization
 
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
               "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -66,7 +66,7 @@ def config_text(source: Path | None, hf_config, dtype: torch.dtype, changes: dic
             and "quantization_config" not in data:
         return text
     data.update(changes or {})
-    drop_fp8_quantization(data)  # NOTE: the weights written are dequantised (bridges/fp8_checkpoint.py)
+    drop_dequantized_quantization(data)  # NOTE: the weights written are dequantised (fp8_checkpoint.py)
     data["dtype"] = name
     if "torch_dtype" in data:
         data["torch_dtype"] = name

@@ -9,8 +9,10 @@ Choices:
   checkpoints were trained in; the model's own dtype is applied when the value is copied in) and the scales vanish
   from ``keys()``, so bridges see an ordinary bf16 checkpoint. A tensor-parallel slice reads only the FP8 rows or
   columns it needs and the scale blocks that cover them.
-- Export writes plain bf16 (or ``dtype=``) weights; ``drop_fp8_quantization`` removes the FP8
-  ``quantization_config`` from the exported config.json so transformers does not take them for FP8 ones.
+- ``dequantizing_reader`` is the one entry point for every format read dequantised: it also applies the MXFP4
+  wrapper (gpt-oss experts, ``mxfp4_checkpoint.py``) beneath the FP8 one, so a bridge never sees quantised tensors.
+- Export writes plain bf16 (or ``dtype=``) weights; ``drop_dequantized_quantization`` removes an FP8 or MXFP4
+  ``quantization_config`` from the exported config.json so transformers does not take them for quantised ones.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.bridges.checkpoint_io import CheckpointError
+from loongforge_hf.bridges.mxfp4_checkpoint import mxfp4_reader
 from loongforge_hf.kernels.fp8 import GROUP, Fp8Error, dequantize_blocks
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 DEQUANT_DTYPE = torch.bfloat16
+DEQUANTIZED_METHODS = ("fp8", "mxfp4")  # quant_method of the checkpoints read back dequantised here
 
 
 def fp8_weight_names(reader) -> list[str]:
@@ -31,15 +35,17 @@ def fp8_weight_names(reader) -> list[str]:
     return [n for n in names if n + SCALE_SUFFIX in names and reader.dtype(n) in FP8_DTYPES]
 
 
-def is_fp8_quantization(quantization_config) -> bool:
+def quant_method(quantization_config) -> str | None:
+    """The ``quant_method`` of a ``quantization_config`` (a dict or a transformers config object), if any."""
     qc = quantization_config if isinstance(quantization_config, dict) else getattr(quantization_config, "__dict__",
                                                                                    None) or {}
-    return qc.get("quant_method") == "fp8"
+    return qc.get("quant_method")
 
 
-def drop_fp8_quantization(config: dict) -> bool:
-    """Remove an FP8 ``quantization_config`` from a config dict (export writes dequantised weights); say if it did."""
-    if is_fp8_quantization(config.get("quantization_config")):
+def drop_dequantized_quantization(config: dict) -> bool:
+    """Remove an FP8 or MXFP4 ``quantization_config`` from a config dict (export writes dequantised weights); say
+    if it did."""
+    if quant_method(config.get("quantization_config")) in DEQUANTIZED_METHODS:
         del config["quantization_config"]
         return True
     return False
@@ -104,8 +110,10 @@ class DequantizingReader:
 
 
 def dequantizing_reader(reader):
-    """``reader`` itself, or a ``DequantizingReader`` over it when the checkpoint holds FP8 block-scaled weights."""
+    """``reader`` itself, or wrapped so that its MXFP4 tensors (``mxfp4_checkpoint.Mxfp4Reader``) and FP8
+    block-scaled weights (a ``DequantizingReader`` on top) read back dequantised."""
     if isinstance(reader, DequantizingReader):
         return reader
+    reader = mxfp4_reader(reader)
     names = fp8_weight_names(reader)
     return DequantizingReader(reader, names) if names else reader
