@@ -3,7 +3,8 @@
 Choices:
 - Eligible layers are megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` whose name ends in one of
   ``ELIGIBLE`` (attention qkv / output and MLA projections, MLP and expert fc1 / fc2, shared experts), and grouped
-  expert modules (``kernels.grouped_mlp.GroupedMLP``, whose ``forward`` is swapped, see ``Fp8GroupedExperts``). The
+  expert modules (``kernels.grouped_mlp.GroupedMLP``, whose ``forward`` is swapped, see ``Fp8GroupedExperts``; one
+  with biases or another activation than SwiGLU, gpt-oss's, stays in its dtype, listed in the report). The
   LM head (``output_layer``), embeddings, router and norms are other modules or other names and stay in their dtype. A
   layer whose local weight dimensions are not multiples of the recipe's GEMM granule stays too (listed in the report).
 - The swap gives each eligible module an instance ``_forward_impl`` (the one method megatron's ``forward`` calls for
@@ -296,6 +297,22 @@ def fp8_experts(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tokens_pe
     return expert_loop(x, fc1, fc2, [int(c) for c in counts], probs, linear=linear)
 
 
+def fp8_experts_refusal(module) -> str | None:
+    """Why the FP8 experts (``fp8_experts``: SwiGLU, no biases) cannot compute grouped expert module ``module``'s
+    math, or None where they can."""
+    from loongforge_hf.kernels.swiglu import SwiGLU
+
+    problems = []
+    if any(getattr(stack, "bias", None) is not None for stack in (module.linear_fc1, module.linear_fc2)):
+        problems.append("expert biases (add_bias_linear)")
+    activation = getattr(module, "activation", None)  # None: a stand-in for the SwiGLU module
+    if activation is not None and not isinstance(activation, SwiGLU):
+        problems.append(f"the activation {type(activation).__name__} (only SwiGLU)")
+    if not problems:
+        return None
+    return "FP8 grouped experts do not support " + " or ".join(problems)
+
+
 class Fp8GroupedExperts(_LayerPrecision):
     """The instance ``forward`` of a grouped expert module (``kernels.grouped_mlp.GroupedMLP``): the same math per
     expert (``swiglu(x @ W1.T)``, times the routing probability, ``@ W2.T``) with both projections in FP8
@@ -311,6 +328,9 @@ class Fp8GroupedExperts(_LayerPrecision):
     """
 
     def __init__(self, module, *, name: str, settings: Fp8Settings) -> None:
+        refusal = fp8_experts_refusal(module)
+        if refusal:
+            raise Fp8Error(f"{name}: {refusal}.")
         super().__init__(name=name, settings=settings)
         self.module_ref = module
 
@@ -395,6 +415,10 @@ def swap_linears(chunks, *, mode: str, recipe: str, cache_path: str | os.PathLik
     for name, module in eligible_linears(chunks):
         swap(name, module, "_forward_impl", functools.partial(Fp8ForwardImpl, module), [module.weight])
     for name, module in grouped_experts(chunks):  # fc1 [E, 2F, H], fc2 [E, H, F]
+        refusal = fp8_experts_refusal(module)
+        if refusal:
+            skipped[name] = f"{refusal}: left in the model's dtype"
+            continue
         swap(name, module, "forward", functools.partial(Fp8GroupedExperts, module),
              [module.linear_fc1.weight, module.linear_fc2.weight])
     for name, module in vision_linears(towers):

@@ -17,31 +17,59 @@ Choices:
   with zero rows of A and columns of B to the next multiple of 8 for the GEMMs (the same sum: the added products
   are zeros; autograd hands the padded factors' gradients back to the real ones), so one small rank does not send
   the whole layer to the loop. Frozen stacks get no weight gradient: ``_grouped_mm``'s backward computes only the
-  gradients autograd asks for.
-- Math per expert: ``swiglu(x @ W1[e].T)``, times the token's routing probability (cast back to the activation dtype,
-  as megatron's expert MLP does), ``@ W2[e].T``. With ``moe_apply_probs_on_input`` the probabilities scale the input
-  instead (megatron allows this only for top-1). SwiGLU is ``kernels.swiglu`` (saves only the fc1 output).
+  gradients autograd asks for. A projection's bias is added after its adapter term. (The LoRA layer itself,
+  ``lora/experts.py``, and the FP8 experts, ``fp8_linear.Fp8GroupedExperts``, refuse biases and the clamped GLU.)
+- Math per expert: ``act(x @ W1[e].T + b1[e])``, times the token's routing probability (cast back to the activation
+  dtype, as megatron's expert MLP does), ``@ W2[e].T``, plus ``b2[e]`` times the probability (megatron's
+  ``MLP.forward`` with ``per_token_scale`` and ``TEGroupedMLP._apply_bias``: ``(out + b2 * p)`` in fp32 when the
+  probabilities are, cast back once). With ``moe_apply_probs_on_input`` the probabilities scale the input instead
+  (megatron allows this only for top-1) and ``b2`` is added as is (megatron's probabilities are ones then).
+- Activation from the config: SwiGLU (``kernels.swiglu``, ``activation_func=silu``) or gpt-oss's clamped GLU
+  (``kernels.clamped_glu``, ``activation_func=quick_gelu`` with ``glu_linear_offset`` and
+  ``activation_func_clamp_value``); both save only the fc1 output for the backward. Anything else is refused.
+- Biases (``add_bias_linear``): ``linear_fc1.bias`` ``[E, 2F / etp]`` (each expert's ``[gate_r; up_r]`` like its
+  weight rows) and ``linear_fc2.bias`` ``[E, H]``, zero at initialisation (megatron's). The loop adds ``b[e]`` to
+  expert ``e``'s rows; the grouped path gathers each row's bias by its expert (``bucketize`` of the row index in the
+  offsets: no host sync; rows past the last offset, which the GEMMs leave alone, read the last expert's) and sums
+  the bias gradient per expert in fp32 as differences of one running sum at the offsets (``_ExpertBias``: in
+  order, rounded once like the loop's sum; an atomic ``index_add`` would add in any order, a grouped GEMM of bf16
+  operands would round each ``p * grad`` term first), keeping only the row indices for the backward.
 - Expert-tensor parallelism: each rank holds its slice of F; no communication here: megatron's dispatcher gathers
-  tokens over the expert-tensor-parallel group and reduce-scatters the partial fc2 outputs.
+  tokens over the expert-tensor-parallel group and reduce-scatters (sums) the partial fc2 outputs. So ``b1`` is split
+  like fc1's rows, and ``b2`` (fc2's output is not split) is whole on every rank and added on expert-TP rank 0 only
+  (``_FirstRankOnly``: zeros elsewhere, else the sum would hold it etp times); its gradient reaches every rank alike
+  (the combine's backward all-gathers the output gradient, so each rank sums the same ``p * grad``), which keeps the
+  replicas equal without communication.
 - Parameters carry megatron's attributes: ``allreduce=False`` under expert parallelism (gradients are reduced over
-  the expert-data-parallel group), tensor-parallel attributes for gradient-norm bookkeeping.
+  the expert-data-parallel group), tensor-parallel attributes for gradient-norm bookkeeping: megatron's optimizer
+  counts a parameter marked ``tensor_model_parallel`` on every rank and an unmarked one only on rank 0 of the
+  (dense) tensor-parallel group (``param_is_not_tensor_parallel_duplicate``). The stacks and ``b1`` are marked (split,
+  or distinct experts under expert parallelism); ``b2`` is marked only with ``etp == 1`` and, replicated over
+  expert-TP otherwise, left unmarked, which counts it once per expert-TP group where those groups are the dense
+  tensor-parallel groups: expert-TP > 1 with biases therefore needs ``expert_tensor_parallel_size ==
+  tensor_model_parallel_size`` (megatron-core 0.16's ``TransformerConfig`` asserts etp == 1 for MoE biases anyway).
+  ``b2`` is never marked ``sequence_parallel``: megatron would sum its gradient over the tensor-parallel ranks,
+  which hold other experts or the same gradient.
 - ``sharded_state_dict``: the same keys and global shapes as megatron's ``SequentialMLP`` with a gated local MLP
   (``{prefix}experts.linear_fc1.weight`` ``[N, 2F, H]`` with gate rows then up rows, ``...linear_fc2.weight``
-  ``[N, H, F]``); the expert axis is the stack's first dimension, sharded over expert parallelism.
+  ``[N, H, F]``, ``...linear_fc1.bias`` ``[N, 2F]`` split gate / up like the weight, ``...linear_fc2.bias``
+  ``[N, H]`` replicated over expert-TP); the expert axis is the stack's first dimension, sharded over expert
+  parallelism.
 - An expert with no tokens still gets a (zero) gradient; a rank with no tokens at all runs the loop on empty splits.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from megatron.core.transformer.module import MegatronModule
 
 from loongforge_hf.kernels._saved import needs_autograd
+from loongforge_hf.kernels.clamped_glu import ClampedGLU
 from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
 
-__all__ = ["DenseGrad", "GroupedMLP", "LowRank", "grouped_gated_mlp", "grouped_mm_supported"]
+__all__ = ["DenseGrad", "GroupedMLP", "LowRank", "gated_activation", "grouped_gated_mlp", "grouped_mm_supported"]
 
 
 class LowRank(NamedTuple):
@@ -54,16 +82,18 @@ class LowRank(NamedTuple):
 
 
 NO_ADAPTERS = (None, None)
+NO_BIASES = (None, None)
 
 
 def grouped_mm_supported(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
-                         adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS) -> bool:
+                         adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS,
+                         biases: tuple[torch.Tensor | None, torch.Tensor | None] = NO_BIASES) -> bool:
     """Whether ``torch._grouped_mm`` takes these operands: CUDA, bf16 throughout, 16-byte aligned strides of the
     expert stacks (an adapter's rank is padded to alignment where needed, ``_aligned``)."""
     if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.shape[0] == 0:
         return False
     factors = [w for a in adapters if a is not None for w in (a.A, a.B)]
-    if any(t.dtype != torch.bfloat16 for t in (x, fc1, fc2, *factors)):
+    if any(t.dtype != torch.bfloat16 for t in (x, fc1, fc2, *factors, *(b for b in biases if b is not None))):
         return False
     align = 16 // x.element_size()
     return all(d % align == 0 for w in (fc1, fc2) for d in w.shape[1:])
@@ -80,19 +110,22 @@ def _aligned(lr: LowRank) -> LowRank:
 
 
 def check_expert_shapes(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, counts: torch.Tensor,
-                        where: str, adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS) -> None:
+                        where: str, adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS,
+                        biases: tuple[torch.Tensor | None, torch.Tensor | None] = NO_BIASES) -> None:
     """``ValueError`` unless fc1 is ``[E, 2F, H]``, fc2 ``[E, H, F]`` for tokens ``[T, H]`` and ``E`` token counts,
-    and each adapter's A is ``[E, r, in]`` and B ``[E, out, r]`` of its projection."""
+    each adapter's A is ``[E, r, in]`` and B ``[E, out, r]`` of its projection, and each bias ``[E, out]``."""
     if fc1.dim() != 3 or fc2.dim() != 3 or fc1.shape[0] != fc2.shape[0] or fc1.shape[1] != 2 * fc2.shape[2] \
             or fc1.shape[2] != x.shape[-1] or fc2.shape[1] != x.shape[-1]:
         raise ValueError(f"{where}: fc1 {tuple(fc1.shape)} must be [E, 2F, H] and fc2 {tuple(fc2.shape)} "
                          f"[E, H, F] for tokens {tuple(x.shape)}.")
     if counts.numel() != fc1.shape[0]:
         raise ValueError(f"{where}: {counts.numel()} token counts for {fc1.shape[0]} experts.")
-    for name, w, a in zip(("fc1", "fc2"), (fc1, fc2), adapters):
+    for name, w, a, b in zip(("fc1", "fc2"), (fc1, fc2), adapters, biases):
+        e, out, inp = w.shape
+        if b is not None and tuple(b.shape) != (e, out):
+            raise ValueError(f"{where}: {name}'s bias {tuple(b.shape)} must be [E, out] = {(e, out)}.")
         if a is None:
             continue
-        e, out, inp = w.shape
         if a.A.dim() != 3 or a.B.dim() != 3 or tuple(a.A.shape[::2]) != (e, inp) \
                 or tuple(a.B.shape[:2]) != (e, out) or a.A.shape[1] != a.B.shape[2]:
             raise ValueError(f"{where}: {name}'s adapter A {tuple(a.A.shape)} must be [E, r, in] and B "
@@ -106,6 +139,14 @@ def scale_by_probs(act: torch.Tensor, probs: torch.Tensor | None) -> torch.Tenso
     return (act * probs.unsqueeze(-1)).to(act.dtype)
 
 
+def add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``out + bias`` (``bias`` one row ``[N]`` or one per row ``[T, N]``, already times the probabilities for
+    megatron's expert fc2 bias, maybe in fp32), cast back to ``out``'s dtype once."""
+    if bias is None:
+        return out
+    return (out + bias).to(out.dtype)
+
+
 def routed_inputs(config, x: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The experts' tokens and the probabilities still to apply after them: with ``moe_apply_probs_on_input`` the
     probabilities scale the tokens first (top-1 routing only) and none are left."""
@@ -116,20 +157,29 @@ def routed_inputs(config, x: torch.Tensor, probs: torch.Tensor) -> tuple[torch.T
     return x, probs
 
 
-def expert_loop(x, fc1, fc2, counts: list[int], probs, linear=None, adapters=NO_ADAPTERS):
+def expert_loop(x, fc1, fc2, counts: list[int], probs, linear=None, adapters=NO_ADAPTERS, biases=NO_BIASES,
+                activation: Callable[[torch.Tensor], torch.Tensor] = swiglu):
     """The experts one after the other: ``linear(t, w)`` (default ``t @ w.T``) for each projection; an expert
     without tokens still runs its (empty) products, so its weights get a zero gradient. ``adapters``: for fc1 and
-    fc2, None or a ``LowRank`` whose term is added to each expert's product."""
+    fc2, None or a ``LowRank`` whose term is added to each expert's product; ``biases``: for fc1 and fc2, None or
+    ``[E, out]`` (fc2's times the probabilities)."""
     linear = linear or (lambda t, w: t @ w.t())
 
     def project(t, weights, e, lr):
         out = linear(t, weights[e])
         return out if lr is None else out + (t @ lr.A[e].t()) @ lr.B[e].t() * lr.scaling
 
+    def bias_of(b, e, p=None):  # NOTE: _ExpertBias's forward for one expert
+        if b is None:
+            return None
+        return b[e] if p is None else b[e] * p.unsqueeze(-1)
+
     xs = torch.split(x, counts)
     ps = torch.split(probs, counts) if probs is not None else [None] * len(counts)
-    outs = [project(scale_by_probs(swiglu(project(t, fc1, e, adapters[0])), p), fc2, e, adapters[1])
-            for e, (t, p) in enumerate(zip(xs, ps))]
+    outs = []
+    for e, (t, p) in enumerate(zip(xs, ps)):
+        act = scale_by_probs(activation(add_bias(project(t, fc1, e, adapters[0]), bias_of(biases[0], e))), p)
+        outs.append(add_bias(project(act, fc2, e, adapters[1]), bias_of(biases[1], e, p)))
     return torch.cat(outs, dim=0)
 
 
@@ -147,8 +197,43 @@ class DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _grouped(x, fc1, fc2, tokens_per_expert: torch.Tensor, probs, adapters):
+class _ExpertBias(torch.autograd.Function):
+    """Each row's expert bias, ``bias[rows]`` (``rows``: the expert index per row), times the row's probability
+    where ``probs`` is given (the loop's ``b[e] * p``, in the promoted dtype). Backward: each expert's rows of
+    ``grad * p`` summed in fp32 as differences of one running sum at the offsets (in order, deterministic, exactly
+    zero for an expert without rows, rows past the last offset left out) and rounded once, as the loop's broadcast
+    sum does; keeps only the row indices, not the ``[T, out]`` rows."""
+
+    @staticmethod
+    def forward(ctx, bias, rows, offs, probs):
+        ctx.save_for_backward(bias, rows, offs, probs)
+        out = bias.index_select(0, rows)
+        return out if probs is None else out * probs.unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        bias, rows, offs, probs = ctx.saved_tensors
+        grad_bias = grad_probs = None
+        if ctx.needs_input_grad[0]:
+            running = grad.new_zeros(grad.shape[0] + 1, grad.shape[1], dtype=torch.float32)
+            if probs is None:
+                running[1:].copy_(grad)
+            else:
+                torch.mul(grad, probs.unsqueeze(-1), out=running[1:])
+            running[1:].cumsum_(0)
+            ends = running.index_select(0, torch.cat((offs.new_zeros(1), offs)).long())
+            grad_bias = (ends[1:] - ends[:-1]).to(bias.dtype)
+        if probs is not None and ctx.needs_input_grad[3]:
+            grad_probs = (grad * bias.index_select(0, rows)).sum(-1).to(probs.dtype)
+        return grad_bias, None, None, grad_probs
+
+
+def _grouped(x, fc1, fc2, tokens_per_expert: torch.Tensor, probs, adapters, biases, activation):
     offs = torch.cumsum(tokens_per_expert, dim=0).to(device=x.device, dtype=torch.int32, non_blocking=True)
+    rows = None
+    if any(b is not None for b in biases):
+        rows = torch.bucketize(torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), offs, right=True)
+        rows = rows.clamp_(max=fc1.shape[0] - 1)
 
     def gemm(t, w):
         return torch._grouped_mm(t, w.transpose(-2, -1), offs=offs)
@@ -160,39 +245,86 @@ def _grouped(x, fc1, fc2, tokens_per_expert: torch.Tensor, probs, adapters):
         lr = _aligned(lr)
         return out + gemm(gemm(t, lr.A), lr.B) * lr.scaling
 
-    act = scale_by_probs(swiglu(project(x, fc1, adapters[0])), probs)
-    out = project(act, fc2, adapters[1])
+    def bias_rows(b, p=None):
+        return None if b is None else _ExpertBias.apply(b, rows, offs, p)
+
+    act = scale_by_probs(activation(add_bias(project(x, fc1, adapters[0]), bias_rows(biases[0]))), probs)
+    out = add_bias(project(act, fc2, adapters[1]), bias_rows(biases[1], probs))
     return DenseGrad.apply(out) if needs_autograd(out) else out
 
 
 def grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tokens_per_expert,
                       probs: torch.Tensor | None = None, *,
                       adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS,
+                      biases: tuple[torch.Tensor | None, torch.Tensor | None] = NO_BIASES,
+                      activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
                       use_grouped_mm: bool | None = None) -> torch.Tensor:
-    """Experts' SwiGLU MLPs over tokens sorted by expert.
+    """Experts' gated MLPs over tokens sorted by expert.
 
     x ``[T, H]`` (expert 0's tokens first), fc1 ``[E, 2F, H]`` (rows ``[gate; up]``), fc2 ``[E, H, F]``,
     ``tokens_per_expert`` ``[E]`` (tensor or list, summing to T), ``probs`` ``[T]`` or None. Returns ``[T, H]``.
-    ``adapters``: for fc1 and fc2, None or a ``LowRank`` term added to the projection.
+    ``adapters``: for fc1 and fc2, None or a ``LowRank`` term added to the projection. ``biases``: for fc1 and fc2,
+    None or ``[E, out]`` added to each expert's rows (fc2's times the probabilities). ``activation``: ``[..., 2F] ->
+    [..., F]`` on the fc1 output (``swiglu``; ``gated_activation(config)`` picks it from a config).
     ``use_grouped_mm`` forces a path (None: ``_grouped_mm`` where ``grouped_mm_supported``)."""
     counts = tokens_per_expert if isinstance(tokens_per_expert, torch.Tensor) else torch.tensor(tokens_per_expert)
-    check_expert_shapes(x, fc1, fc2, counts, "grouped_gated_mlp", adapters)
-    grouped = grouped_mm_supported(x, fc1, fc2, adapters=adapters) if use_grouped_mm is None else use_grouped_mm
+    check_expert_shapes(x, fc1, fc2, counts, "grouped_gated_mlp", adapters, biases)
+    grouped = grouped_mm_supported(x, fc1, fc2, adapters=adapters, biases=biases) if use_grouped_mm is None \
+        else use_grouped_mm
     if grouped:
-        return _grouped(x, fc1, fc2, counts, probs, adapters)
-    return expert_loop(x, fc1, fc2, [int(c) for c in counts.tolist()], probs, adapters=adapters)
+        return _grouped(x, fc1, fc2, counts, probs, adapters, biases, activation)
+    return expert_loop(x, fc1, fc2, [int(c) for c in counts.tolist()], probs, adapters=adapters, biases=biases,
+                       activation=activation)
+
+
+def gated_activation(config) -> torch.nn.Module:
+    """The experts' activation on the fc1 output that ``config`` asks for: ``SwiGLU`` (``activation_func=silu``) or
+    ``ClampedGLU`` (``activation_func=quick_gelu``, gpt-oss); each checks the rest of the config."""
+    import torch.nn.functional as F
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    if config.activation_func is quick_gelu:
+        return ClampedGLU(config)
+    if config.activation_func is not F.silu:
+        raise ValueError("loongforge GroupedMLP does not match this TransformerConfig: activation_func must be "
+                         "torch.nn.functional.silu (SwiGLU) or megatron.core.fusions.fused_bias_geglu.quick_gelu "
+                         f"(gpt-oss's clamped GLU), got {config.activation_func!r}.")
+    return SwiGLU(config)
+
+
+class _FirstRankOnly(torch.autograd.Function):
+    """``t`` on the first rank of a group and zeros on the others in the forward; the gradient handed to ``t`` on
+    every rank in the backward (a term that the group sums afterwards, whose gradient each rank sees whole)."""
+
+    @staticmethod
+    def forward(ctx, t, first: bool):
+        return t.view_as(t) if first else torch.zeros_like(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 class _StackedWeight(torch.nn.Module):
-    """Holds one projection's weights of every local expert: ``weight`` ``[E, out, in]``."""
+    """Holds one projection's weights of every local expert: ``weight`` ``[E, out, in]`` and, with ``bias``, a
+    ``bias`` ``[E, out]`` (zero, like megatron's) marked split along ``bias_partition_dim`` (None: left unmarked, a
+    replica on every expert-tensor-parallel rank)."""
 
-    def __init__(self, shape: tuple[int, int, int], *, dtype, device, partition_dim: int, expert_parallel: bool):
+    def __init__(self, shape: tuple[int, int, int], *, dtype, device, partition_dim: int, expert_parallel: bool,
+                 bias: bool = False, bias_partition_dim: int | None = None):
         super().__init__()
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         self.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=1)
         self.weight.allreduce = not expert_parallel
+        if not bias:
+            self.register_parameter("bias", None)
+            return
+        self.bias = torch.nn.Parameter(torch.zeros(shape[:2], dtype=dtype, device=device))
+        set_tensor_model_parallel_attributes(self.bias, is_parallel=bias_partition_dim is not None,
+                                             dim=-1 if bias_partition_dim is None else bias_partition_dim, stride=1)
+        self.bias.allreduce = not expert_parallel
 
 
 class GroupedMLP(MegatronModule):
@@ -203,8 +335,6 @@ class GroupedMLP(MegatronModule):
         from megatron.core.tensor_parallel.utils import divide
 
         problems = []
-        if config.add_bias_linear:
-            problems.append("add_bias_linear must be False")
         if getattr(config, "moe_latent_size", None):
             problems.append("moe_latent_size must be None")
         # NOTE: config.fp8 is set only by a Transformer Engine recipe (kernels/fp8_te.py), whose FP8 context this
@@ -215,20 +345,31 @@ class GroupedMLP(MegatronModule):
         if problems:
             raise ValueError("loongforge GroupedMLP does not match this TransformerConfig: " + "; ".join(problems)
                              + ".")
-        SwiGLU(config)  # the same checks as the dense MLP's activation (gated, silu, no clamp or offset)
+        self.activation = gated_activation(config)  # the same checks as the dense MLP's activation
         if pg_collection is None:
             from megatron.core.transformer.moe.moe_utils import ProcessGroupCollection
 
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.num_local_experts = num_local_experts
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
-        hidden, ffn = config.hidden_size, divide(config.moe_ffn_hidden_size, self.tp_group.size())
+        etp = self.tp_group.size()
+        if config.add_bias_linear and etp > 1 and etp != config.tensor_model_parallel_size:
+            raise ValueError(f"loongforge GroupedMLP with add_bias_linear and expert_tensor_parallel_size={etp} needs "
+                             f"expert_tensor_parallel_size == tensor_model_parallel_size (got "
+                             f"{config.tensor_model_parallel_size}): the fc2 bias, whole on every expert-TP rank, is "
+                             "counted once per tensor-parallel group in the gradient norm.")
+        hidden, ffn = config.hidden_size, divide(config.moe_ffn_hidden_size, etp)
         from loongforge_hf.xpu import get_backend
 
         device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
-        kw = {"dtype": config.params_dtype, "device": device, "expert_parallel": config.expert_model_parallel_size > 1}
-        self.linear_fc1 = _StackedWeight((num_local_experts, 2 * ffn, hidden), partition_dim=1, **kw)
-        self.linear_fc2 = _StackedWeight((num_local_experts, hidden, ffn), partition_dim=2, **kw)
+        kw = {"dtype": config.params_dtype, "device": device, "expert_parallel": config.expert_model_parallel_size > 1,
+              "bias": config.add_bias_linear}
+        # NOTE: fc2's bias, whole on each expert-TP rank, is marked (on the expert axis, distinct per expert-parallel
+        # rank like the stacks) only where it has no expert-TP replicas; see the module docstring
+        self.linear_fc1 = _StackedWeight((num_local_experts, 2 * ffn, hidden), partition_dim=1, bias_partition_dim=1,
+                                         **kw)
+        self.linear_fc2 = _StackedWeight((num_local_experts, hidden, ffn), partition_dim=2,
+                                         bias_partition_dim=0 if etp == 1 else None, **kw)
         if config.perform_initialization:
             self._initialize()
 
@@ -247,10 +388,18 @@ class GroupedMLP(MegatronModule):
         else:
             init()
 
+    def biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """fc1's and fc2's biases as this rank adds them (fc2's: on expert-TP rank 0 only, ``_FirstRankOnly``)."""
+        b1, b2 = self.linear_fc1.bias, self.linear_fc2.bias
+        if b2 is not None and self.tp_group.size() > 1:
+            b2 = _FirstRankOnly.apply(b2, self.tp_group.rank() == 0)
+        return b1, b2
+
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         x, probs = routed_inputs(self.config, permuted_local_hidden_states, permuted_probs)
-        out = grouped_gated_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, tokens_per_expert, probs)
+        out = grouped_gated_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, tokens_per_expert, probs,
+                                biases=self.biases(), activation=self.activation)
         return out, None
 
     def backward_dw(self) -> None:
@@ -271,7 +420,8 @@ class GroupedMLP(MegatronModule):
 
         def build_fc1(k, t, replica, flattened_range):
             # NOTE: each expert's rows are [gate_r; up_r]: gate rows are shard r of 2 * tp_size of the global
-            # [gate; up] rows, up rows shard tp_size + r (the layout SequentialMLP's gated fc1 saves).
+            # [gate; up] rows, up rows shard tp_size + r (the layout SequentialMLP's gated fc1 saves); the bias
+            # [E, 2F / etp] alike
             gate, up = torch.chunk(t, 2, dim=1)
             return [ShardedTensor.from_rank_offsets(k, part.contiguous(), *sharded_offsets, ep,
                                                     (axis + 1, index, 2 * tp_size), replica_id=replica,
@@ -281,10 +431,19 @@ class GroupedMLP(MegatronModule):
         def merge_fc1(parts):
             return torch.cat(parts, dim=1)
 
-        return {
+        out = {
             f"{prefix}linear_fc1.weight": ShardedTensorFactory(f"{key}linear_fc1.weight", fc1, build_fc1, merge_fc1,
                                                                replica_id),
             f"{prefix}linear_fc2.weight": ShardedTensor.from_rank_offsets(
                 f"{key}linear_fc2.weight", fc2, *sharded_offsets, ep, (axis + 2, tp_rank, tp_size),
                 replica_id=replica_id, prepend_axis_num=axis),
         }
+        b1, b2 = self.linear_fc1.bias, self.linear_fc2.bias
+        if b1 is not None:
+            out[f"{prefix}linear_fc1.bias"] = ShardedTensorFactory(f"{key}linear_fc1.bias", b1, build_fc1, merge_fc1,
+                                                                   replica_id)
+        if b2 is not None:  # whole on every expert-TP rank: the ranks past the first hold replicas
+            out[f"{prefix}linear_fc2.bias"] = ShardedTensor.from_rank_offsets(
+                f"{key}linear_fc2.bias", b2, *sharded_offsets, ep, replica_id=(0, tp_rank, self.dp_group.rank()),
+                prepend_axis_num=axis)
+        return out

@@ -11,7 +11,8 @@ Choices:
   expert width multiples of 8; a rank that is not is padded with zeros there), else the per-expert loop.
 - Expert adapters carry the expert weights' attributes (``allreduce=False`` under expert parallelism, so megatron's
   DDP keeps them in its expert buffers and reduces them over the expert-data-parallel group).
-- Experts split over expert-tensor parallelism are refused for LoRA (``expert_tensor_parallel_size=1`` is the way).
+- Experts split over expert-tensor parallelism are refused for LoRA (``expert_tensor_parallel_size=1`` is the way),
+  and so are experts with biases or another activation than SwiGLU (gpt-oss's), whose forward is not this one.
 - Router: megatron's router (``TopKRouter``, or ``BalanceRouter`` with the HF balancing loss) is re-classed to a
   subclass whose ``gating`` uses ``W + s * B A``: what PEFT does for a 2-D parameter (the router is ``[E, H]``).
   A and B are replicated; under sequence parallelism they are marked ``sequence_parallel`` like the router weight,
@@ -30,6 +31,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from torch import nn
 
 from loongforge_hf.kernels.grouped_mlp import GroupedMLP, LowRank, grouped_gated_mlp, routed_inputs
+from loongforge_hf.kernels.swiglu import SwiGLU
 from loongforge_hf.lora.plan import LoraConfigError
 
 _STACKS = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
@@ -183,6 +185,12 @@ def check_param_adaptable(module: nn.Module, kind: str) -> None:
     if type(module) is not GroupedMLP:
         raise TypeError(f"LoRA on the routed experts needs loongforge's GroupedMLP (the default expert layer); got "
                         f"{type(module).__name__} (FP8 experts, fp8='on' / 'adaptive', are not supported).")
+    unsupported = (["biases (add_bias_linear)"] if module.linear_fc1.bias is not None else []) + \
+        ([f"the activation {type(module.activation).__name__}"] if not isinstance(module.activation, SwiGLU) else [])
+    if unsupported:
+        raise LoraConfigError("LoRA on the routed experts supports SwiGLU experts without biases only; these have "
+                              f"{' and '.join(unsupported)} (gpt-oss's experts): adapt only the attention "
+                              "projections.")
     if module.tp_group.size() != 1:
         raise LoraConfigError(f"LoRA on the routed experts needs them whole on each rank: pass "
                               f"expert_tensor_parallel_size=1 (got {module.tp_group.size()}; it defaults to "
