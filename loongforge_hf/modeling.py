@@ -578,10 +578,12 @@ class AutoModelForCausalLM:
         from loongforge_hf.bridges.builder import (build_megatron_model, check_megatron_config,
                                                    interleaved_p2p_settings)
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
+        from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader
         from loongforge_hf.bridges.hub import resolve_checkpoint
         from loongforge_hf.bridges.load_kwargs import (check_device, finish_load, load_config, loading_info,
                                                        sort_load_kwargs)
         from loongforge_hf.bridges.loader import load_into
+        from loongforge_hf.bridges.moe import whole_experts_layout
         from loongforge_hf.lora.load import adapter_base_model, carried_vocabulary, is_adapter_folder, load_adapter
         from loongforge_hf.parallel import initialize_parallel
 
@@ -628,6 +630,7 @@ class AutoModelForCausalLM:
             param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, reader)
             if auto:
                 layout = _auto_layout(hf_config, param_dtype)
+            layout = whole_experts_layout(bridge, layout)
             layout.check_world_size(read_launch_env().world_size)
             layout.check_model(num_layers=hf_config.num_hidden_layers,
                                num_attention_heads=hf_config.num_attention_heads,
@@ -640,7 +643,7 @@ class AutoModelForCausalLM:
             router_balance.check_layout(hf_config, bridge)
             if layout.interleaved_stages:
                 interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
-            reader.validate_shapes(bridge.expected_hf_shapes())
+            dequantizing_reader(reader).validate_shapes(bridge.expected_hf_shapes())  # NOTE: MXFP4 by its values
             info = loading_info(reader, bridge) if options.output_loading_info else None
             # --- collective part ----------------------------------------------------------------------------
             initialize_parallel(layout, seed=seed,

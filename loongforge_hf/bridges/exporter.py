@@ -67,10 +67,32 @@ def _export_items(bridge, model, parallel):
 
 
 def _planned_tensors(bridge, model, parallel, shapes, dtype):
-    """(name, shape, dtype) of each tensor the export loop writes, in its order: the writer streams them to disk."""
+    """(name, shape, dtype) of each tensor the export loop writes, in its order: the writer streams them to disk. A
+    tensor written in blocks by several mappings (``Mapping.hf_block``) is planned once, whole."""
+    planned = set()
     for _, _, _, mapping, layer, _ in _export_items(bridge, model, parallel):
         for n in mapping.hf_names(layer):
-            yield n, shapes[n], mapping.hf_dtype or dtype
+            if n not in planned:
+                planned.add(n)
+                yield n, shapes[n], mapping.hf_dtype or dtype
+
+
+def _exported_shape(mapping, layer, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of what ``mapping.export`` gives for an HF tensor of ``shape``: one block of it (``hf_block``) or
+    all of it."""
+    block = mapping.hf_block(layer)
+    if block is None:
+        return tuple(shape)
+    return (*shape[:block[0]], 1, *shape[block[0] + 1:])
+
+
+def _write(writer, mapping, layer, name: str, tensor: torch.Tensor) -> None:
+    """``tensor`` (``mapping.export``'s for ``name``) to the writer: whole, or as its block (``hf_block``)."""
+    block = mapping.hf_block(layer)
+    if block is None:
+        writer.add(name, tensor)
+    else:
+        writer.add_part(name, tensor, dim=block[0], start=block[1])
 
 
 def _for_each_part(local: torch.Tensor, mapping, ctx, layer, group, sink) -> None:
@@ -229,12 +251,13 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
                     tensors = hf_tensors
                 else:
                     src = pp_ranks[owner_pp] if src is None else src
-                    tensors = {n: recv_tensor(shapes[n], out_dtype, src=src, device=device)
+                    tensors = {n: recv_tensor(_exported_shape(mapping, layer, shapes[n]), out_dtype, src=src,
+                                              device=device)
                                for n in mapping.hf_names(layer)}
                 if error is None:
                     try:
                         for n, t in tensors.items():
-                            writer.add(n, t.to(out_dtype).cpu())
+                            _write(writer, mapping, layer, n, t.to(out_dtype).cpu())
                     except Exception as e:  # noqa: BLE001 - shared with every rank below
                         error = f"{type(e).__name__}: {e}"
             elif holds and first:

@@ -43,7 +43,9 @@ _NO_EFFECT = {
 }
 # accepted only with the value that changes nothing (the first), refused otherwise (the second says why)
 _DEFAULT_ONLY = {
-    "quantization_config": (None, "quantized loading is not supported; for FP8 training pass fp8='on' (docs/fp8.md)"),
+    "quantization_config": (None, "quantized loading is not supported (MXFP4 / FP8 checkpoints are dequantised on "
+                                  "load: a config with dequantize=True is accepted); for FP8 training pass "
+                                  "fp8='on' (docs/fp8.md)"),
     "tp_plan": (None, f"tensor parallelism is megatron-core's here: {_LAYOUT}"),
     "tp_size": (None, f"tensor parallelism is megatron-core's here: {_LAYOUT}"),
     "distributed_config": (None, f"tensor parallelism is megatron-core's here: {_LAYOUT}"),
@@ -85,9 +87,20 @@ class LoadOptions:
     overrides: dict = field(default_factory=dict)
 
 
+def _dequantizes(quantization_config) -> bool:
+    """Whether a ``quantization_config`` asks for what loading does anyway: MXFP4 or FP8 weights dequantised
+    (transformers' ``Mxfp4Config(dequantize=True)``, gpt-oss's fine-tuning recipe)."""
+    qc = quantization_config
+    get = qc.get if isinstance(qc, dict) else (lambda key, default=None: getattr(qc, key, default))
+    return get("quant_method") in ("mxfp4", "fp8") and get("dequantize", False) is True
+
+
 def sort_load_kwargs(kwargs: dict, *, allow_pickle: bool) -> LoadOptions:
     """Sort ``kwargs`` (what ``from_pretrained`` has no parameter for); refuse what cannot be honoured."""
     kwargs = dict(kwargs)
+    if kwargs.get("quantization_config") is not None and _dequantizes(kwargs["quantization_config"]):
+        logger.info("from_pretrained(quantization_config=%r): MXFP4 / FP8 weights are dequantised on load anyway.",
+                    kwargs.pop("quantization_config"))
     refused = {k: why for k, (default, why) in _DEFAULT_ONLY.items()
                if k in kwargs and not _is_default(kwargs.pop(k), default)}
     if refused:

@@ -91,6 +91,12 @@ class Mapping:
     def export(self, shards: list[torch.Tensor], ctx: ShardContext, layer: int | None) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def hf_block(self, layer: int | None) -> tuple[int, int] | None:
+        """``(dim, index)`` where ``export`` gives one block of a larger HF tensor (one expert of gpt-oss's stacked
+        experts: its tensor of length 1 along ``dim`` at ``index``; the exporter plans the whole tensor once); None
+        where it gives whole tensors."""
+        return None
+
     def export_parts(self, shard: torch.Tensor, rank: int, ctx: ShardContext, layer: int | None) -> list[Part]:
         """The blocks of HF tensors that TP rank ``rank``'s ``shard`` holds: ``(HF name, dim, start, block)``, each
         ``block`` the HF tensor's rows ``start:start + block.shape[dim]`` along ``dim`` (all of every other dim).

@@ -88,6 +88,9 @@ class ExpertSlice(Mapping):
     def hf_names(self, layer):
         return self.inner.hf_names(layer)
 
+    def hf_block(self, layer):
+        return self.inner.hf_block(layer)
+
     def load(self, reader, ctx, layer):
         return self.inner.load(reader, ctx, layer)
 
@@ -145,6 +148,21 @@ def grouped_routing_kwargs(*, num_experts: int, top_k: int, n_group: int | None,
     return {"moe_router_num_groups": n_group, "moe_router_group_topk": topk_group}
 
 
+def whole_experts_layout(bridge, layout):
+    """``layout`` with every expert whole on its rank (``expert_tensor_parallel_size=1``) for a bridge whose experts
+    cannot be split over tensor parallelism (``splits_experts`` False: gpt-oss's expert biases, which megatron-core's
+    MoE takes at expert-tensor-parallel size 1 only) when the size was left to default to TP's; an explicit larger
+    size is refused (before any collective)."""
+    from loongforge_hf.parallel.config import ParallelLayoutError
+
+    if getattr(bridge, "splits_experts", True) or layout.etp_size == 1:
+        return layout
+    if layout.expert_tensor_parallel_size is not None:
+        raise ParallelLayoutError(f"expert_tensor_parallel_size={layout.expert_tensor_parallel_size} is not supported "
+                                  f"for {bridge.architectures[0]} (expert biases): use 1, the default for it.")
+    return replace(layout, expert_tensor_parallel_size=1)
+
+
 class MoEBridge(DenseBridge):
     """A decoder whose MLPs are (some or all) mixtures of experts; subclasses declare names and routing."""
 
@@ -156,6 +174,7 @@ class MoEBridge(DenseBridge):
     router_fp32: bool = False                                  # transformers keeps ``gate.weight`` in fp32
     hf_balance_loss: bool = False                              # transformers' model computes the router aux loss
     hf_router_logits: bool = False                             # ... returns MoeCausalLMOutputWithPast, router_logits
+    splits_experts: bool = True                                # experts may split over TP (whole_experts_layout)
 
     def __init__(self, hf_config) -> None:
         super().__init__(hf_config)

@@ -16,7 +16,7 @@ import torch
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
-              "arcee", "helium", "ernie4_5")
+              "arcee", "helium", "ernie4_5", "gpt_oss")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -125,6 +125,16 @@ def _config(arch: str, **overrides):
         cfg = tf.HeliumConfig(**{**common, "head_dim": 16})  # NOTE: interleaved rotary pairs
     elif arch == "ernie4_5":
         cfg = tf.Ernie4_5Config(**{**common, "head_dim": 24})  # NOTE: interleaved rotary pairs
+    elif arch == "gpt_oss":
+        # NOTE: gpt-oss's layout shrunk: a binding 5-token window on every other layer, YaRN as the hub's (truncate
+        # off) over 32 original positions, 4 experts (top 2), and a swiglu_limit that binds at the tiny model's
+        # magnitudes (biases, sinks and router are randomised in make_tiny_checkpoint)
+        cfg = tf.GptOssConfig(**{**common, "intermediate_size": 48, "head_dim": 16}, num_local_experts=4,
+                              num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.3,
+                              layer_types=["sliding_attention", "full_attention"] * 2,
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 32})
     elif arch == "granite":
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,
@@ -177,6 +187,10 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token
                 p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith(("router.weight", "self_attn.sinks")):  # NOTE: gpt-oss (its init leaves sinks empty)
+                p.copy_((0.2 if name.endswith("weight") else 1.0) * torch.randn_like(p))
+            elif name.endswith("bias") and getattr(cfg, "model_type", "") == "gpt_oss":  # NOTE: HF zeroes them
+                p.copy_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))

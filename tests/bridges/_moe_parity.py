@@ -18,12 +18,19 @@ class _RecordingReader:
     def __getattr__(self, item):
         return getattr(self.reader, item)
 
+    def _record(self, name, rows: range | None = None) -> None:
+        # NOTE: gpt-oss stacks its experts in one tensor per projection: a read of rows of it reads those experts
+        if re.search(r"\.experts\.(gate_up_proj|down_proj)(_bias)?$", name):
+            self.read.update(f"{name}.{e}." for e in (rows or range(self.reader.shape(name)[0])))
+        else:
+            self.read.add(name)
+
     def get(self, name):
-        self.read.add(name)
+        self._record(name)
         return self.reader.get(name)
 
     def get_slice(self, name, **kwargs):
-        self.read.add(name)
+        self._record(name, range(kwargs["start"], kwargs["stop"]) if kwargs.get("dim") == 0 else None)
         return self.reader.get_slice(name, **kwargs)
 
 
@@ -38,7 +45,8 @@ def _expert_reads(model, folder: str) -> dict:
         recording = _RecordingReader(reader)
         load_into(model.megatron, model.bridge, recording, tp_rank=ps.get_tensor_model_parallel_rank(),
                   tp_size=ps.get_tensor_model_parallel_world_size())
-    read = sorted({int(m.group(1)) for n in recording.read if (m := re.search(r"\.experts\.(\d+)\.", n))})
+    read = sorted({int(m.group(1)) for n in recording.read
+                   if (m := re.search(r"\.experts\.(?:\w+\.)?(\d+)\.", n))})
     experts = [m for chunk in model.megatron.chunks for n, m in chunk.named_modules() if n.endswith("mlp.experts")]
     core = [m for chunk in model.megatron.chunks for n, m in chunk.named_modules() if n.endswith("core_attention")]
     norms = [m for chunk in model.megatron.chunks for n, m in chunk.named_modules()

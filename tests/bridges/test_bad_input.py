@@ -36,7 +36,8 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2
 QUICK_S = 10.0
 LOAD_CASES = ("missing_shard", "corrupt_header", "truncated_shard", "index_escape", "shape_mismatch", "pickle_refused",
               "gpt2", "foo_architecture", "unknown_model_type", "rope_dynamic", "sliding_window", "gemma_softcapping",
-              "heads_vs_tp", "world_size", "vpp_layers", "hub_id_not_cached")
+              "heads_vs_tp", "world_size", "vpp_layers", "hub_id_not_cached", "gpt_oss_split_experts",
+              "gpt_oss_alpha")
 
 
 # ---- what runs inside each rank -------------------------------------------------------------------------------------
@@ -248,6 +249,14 @@ def load_cases(base, tmp_path_factory):
     cases["hub_id_not_cached"] = ("loongforge-tests/not-in-any-cache", {**TP2, "cache_dir": str(empty_cache)},
                                   "CheckpointError", ["'loongforge-tests/not-in-any-cache'", "offline mode on",
                                                       str(empty_cache)])
+
+    gpt_oss = make_tiny_checkpoint(tmp / "gpt_oss", "gpt_oss", tokenizer=False)
+    cases["gpt_oss_split_experts"] = (gpt_oss, {**TP2, "sequence_parallel": True, "expert_tensor_parallel_size": 2},
+                                      "ParallelLayoutError", ["expert_tensor_parallel_size=2 is not supported",
+                                                              "GptOssForCausalLM", "expert biases"])
+    alpha = make_tiny_checkpoint(tmp / "gpt_oss_alpha", "gpt_oss", tokenizer=False,
+                                 swiglu_alpha=1.5)
+    cases["gpt_oss_alpha"] = (alpha, TP2, "UnsupportedConfigError", ["swiglu_alpha=1.5", "1.702"])
     assert tuple(cases) == LOAD_CASES
     return cases
 

@@ -39,6 +39,7 @@ CHECKPOINTS = {
     "mixtral": ("mixtral", {}),
     "glm4_moe": ("glm4_moe", {"use_qk_norm": True}),  # q/k/v biases, q/k norms, half-rotary heads
     "qwen2_moe": ("qwen2_moe", {}),  # the shared expert's sigmoid gate
+    "gpt_oss": ("gpt_oss", {}),  # sinks, biases everywhere, windowed layers, YaRN, stacked experts, clamped GLU
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),  # attention biases
     "llama3": ("llama3", {}),
@@ -56,7 +57,8 @@ CHECKPOINTS = {
     "helium": ("helium", {}),  # interleaved rotary pairs
     "ernie4_5": ("ernie4_5", {}),  # interleaved rotary pairs, tied embeddings, head_dim of its own
 }
-MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe")
+MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
+       "gpt_oss")
 DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3", "gemma",
          "gemma2", "ministral", "seed_oss", "arcee",
          "helium", "ernie4_5")

@@ -24,7 +24,9 @@ the grouped expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, wh
 YaRN on Qwen3-MoE (after its q/k norms) at tp1, cp2ep2 and tp2ep2, on Mixtral (no q/k norms) at tp1 and tp2ep2.
 GLM-4.5 (``glm4_moe``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's routing and
 shared experts) and Qwen2-MoE (``qwen2_moe``: q/k/v biases, softmax routing without renormalisation, a shared expert
-scaled by its sigmoid gate) are among "every model"; tp1 also runs GLM-4.5 with q/k norms and an MTP layer.
+scaled by its sigmoid gate) and gpt-oss (``gpt_oss``: attention sinks, biases on every linear, sliding-window layers,
+YaRN, experts stacked on disk with a clamped GLU and biases; also at tp2etp1) are among "every model"; tp1 also runs
+GLM-4.5 with q/k norms and an MTP layer.
 """
 
 import re
@@ -63,6 +65,8 @@ CHECKPOINTS = {
     "qwen3_moe_3_experts": ("qwen3_moe", {"num_experts": 3, "tokenizer": False}),
     "glm4_moe": ("glm4_moe", {}),
     "qwen2_moe": ("qwen2_moe", {}),
+    # NOTE: sinks, biases on every linear, windowed layers, YaRN, stacked experts with a clamped GLU
+    "gpt_oss": ("gpt_oss", {}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
     # NOTE: YaRN (its attention factor on q's and k's rotary channels: after Qwen3-MoE's q / k norms; in Mixtral's
     # empty q / k norm slots)
@@ -73,7 +77,7 @@ CHECKPOINTS = {
                                       "mtp_layers": 1}),
 }
 
-MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe")
+MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16",
                     "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn")),
@@ -84,7 +88,7 @@ LAYOUTS = {
                (*MODELS, "qwen3_moe_yarn", "mixtral_yarn")),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
-                ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm")),
+                ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss")),
 }
 CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
 
@@ -147,7 +151,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         mla = name.startswith("deepseek")
         assert r["core_attention"] == ["MLACoreAttention" if mla else "CoreAttention"], (rank, r)
         # YaRN's attention factor in the q / k norm slots (kernels.rope.rotary_scale_module)
-        assert r["norms"] == (["RMSNorm", "RotaryScale"] if name.endswith("_yarn") and not mla else ["RMSNorm"]), \
+        yarn = name.endswith("_yarn") or name == "gpt_oss"
+        assert r["norms"] == (["RMSNorm", "RotaryScale"] if yarn and not mla else ["RMSNorm"]), \
             (rank, r)
         assert r["rope_fusion"] is (not mla), (rank, r)
         # megatron's allgather dispatcher where expert and expert-tensor parallel are 1 (no chunk-sort copies)

@@ -1,0 +1,204 @@
+"""GptOssForCausalLM (OpenAI's gpt-oss-20b / -120b): grouped-query attention with biases and a learned sink logit per
+head, sliding-window layers every other layer (``layer_types``), YaRN, and every MLP a mixture of experts whose
+weights are stacked on disk.
+
+Choices:
+- Biases on every linear but the LM head (q / k / v / o, router, experts): megatron's ``add_bias_linear``.
+- The sinks (``self_attn.sinks`` ``[heads]``) are megatron's learnable softmax offset (``softmax_type="learnable"``,
+  ``core_attention.softmax_offset``), split over TP with the heads; our core attention appends it as a score column
+  (``kernels.attention``).
+- The experts' activation is megatron's quick-GELU GLU with a clamp and an offset (``activation_func_clamp_value`` =
+  ``swiglu_limit``, ``glu_linear_offset`` = 1): ``gate * sigmoid(1.702 gate) * (up + 1)``, the gate clamped above
+  and up on both sides; megatron's ``quick_gelu`` fixes alpha at 1.702, so another ``swiglu_alpha`` is refused.
+- On disk each layer's experts are one tensor per projection: ``experts.gate_up_proj`` ``[E, H, 2I]`` with gate and
+  up in alternating columns, ``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj`` ``[E, I, H]``, ``down_proj_bias``
+  ``[E, H]``. The per-expert mappings below read expert ``e``'s row of the stack (``get_slice`` along dim 0, only
+  that expert's bytes) and write it back as the block ``e`` of the stacked tensor (``Mapping.hf_block``: the
+  exporter plans each stacked tensor once and fills it expert by expert, ``CheckpointWriter.add_part``).
+- MXFP4 checkpoints (the hub's gpt-oss: ``*_blocks`` / ``*_scales``) are dequantised while they load
+  (``fp8_checkpoint.dequantizing_reader``); export writes plain tensors.
+- The router: top-k of the biased logits, softmax over the k chosen (megatron's ``moe_router_pre_softmax=False``);
+  transformers' balancing loss and ``router_logits`` as for Mixtral (``moe.py``).
+- The norms: transformers keeps them in fp32 (``_keep_in_fp32_modules``); here they take the model's dtype like
+  every other norm (a bf16 model exports bf16 norms, which transformers loads into its fp32 ones exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges import transforms as T
+from loongforge_hf.bridges.dense import D, L
+from loongforge_hf.bridges.layer_types import check_layer_kinds, layer_windows
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, _fmt
+from loongforge_hf.bridges.moe import EXPERT, GROUPED_GEMM_ENV, MoEBridge, StackedExpert, grouped_experts_enabled
+from loongforge_hf.bridges.registry import register_bridge
+
+QUICK_GELU_ALPHA = 1.702  # megatron's quick_gelu: x * sigmoid(1.702 x)
+
+
+@dataclass(frozen=True)
+class _StackRow(Mapping):
+    """Expert ``expert`` (``{expert}`` until bound) of an HF tensor stacking every expert along dim 0."""
+
+    megatron: str
+    hf: str
+    expert: str = EXPERT
+
+    def hf_names(self, layer):
+        return [_fmt(self.hf, layer)]
+
+    def hf_block(self, layer):
+        return 0, int(self.expert)
+
+    def _row(self, reader, layer) -> torch.Tensor:
+        e = int(self.expert)
+        return reader.get_slice(_fmt(self.hf, layer), dim=0, start=e, stop=e + 1)[0]
+
+    def _block(self, layer, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {_fmt(self.hf, layer): value.unsqueeze(0)}
+
+
+def _halves(t: torch.Tensor, ctx, name: str) -> torch.Tensor:
+    """``[gate_r; up_r]`` of this rank from ``t`` whose dim 0 alternates gate and up rows."""
+    gate, up = t[0::2], t[1::2]
+    start, stop = T.shard_range(gate.shape[0], rank=ctx.tp_rank, world=ctx.tp_size, name=name)
+    return torch.cat((gate[start:stop], up[start:stop]))
+
+
+def _interleave(shards: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of ``_halves`` over every rank's shard: gate and up rows alternating again."""
+    parts = [T.split_gate_up(s) for s in shards]
+    gate, up = torch.cat([g for g, _ in parts]), torch.cat([u for _, u in parts])
+    return torch.stack((gate, up), dim=1).flatten(0, 1)
+
+
+@dataclass(frozen=True)
+class StackedGateUp(_StackRow):
+    """``gate_up_proj`` ``[E, H, 2I]`` (gate / up alternating columns) or its bias ``[E, 2I]`` -> megatron's gated fc1
+    ``[gate_r; up_r]`` (``[2I / tp, H]``, or ``[2I / tp]``)."""
+
+    tp_split = "column"
+
+    def load(self, reader, ctx, layer):
+        row = self._row(reader, layer)
+        return _halves(row.t() if row.dim() == 2 else row, ctx, _fmt(self.hf, layer)).contiguous()
+
+    def export(self, shards, ctx, layer):
+        fused = _interleave(shards)
+        return self._block(layer, fused.t().contiguous() if fused.dim() == 2 else fused)
+
+
+@dataclass(frozen=True)
+class StackedDown(_StackRow):
+    """``down_proj`` ``[E, I, H]`` -> megatron's fc2 ``[H, I / tp]`` (split along I)."""
+
+    tp_split = "row"
+
+    def load(self, reader, ctx, layer):
+        row = self._row(reader, layer).t()
+        start, stop = T.shard_range(row.shape[1], rank=ctx.tp_rank, world=ctx.tp_size, name=_fmt(self.hf, layer))
+        return row[:, start:stop].contiguous()
+
+    def export(self, shards, ctx, layer):
+        return self._block(layer, torch.cat(shards, dim=1).t().contiguous())
+
+
+@dataclass(frozen=True)
+class StackedRow(_StackRow):
+    """A tensor not split over TP, one row per expert (``down_proj_bias`` ``[E, H]``)."""
+
+    def load(self, reader, ctx, layer):
+        return self._row(reader, layer).clone()
+
+    def export(self, shards, ctx, layer):
+        return self._block(layer, shards[0])
+
+
+@register_bridge("GptOssForCausalLM")
+class GptOssBridge(MoEBridge):
+    qkv_bias = True
+    supports_sliding_window = True
+    per_layer_types = True
+    hf_balance_loss = True
+    hf_router_logits = True
+    splits_experts = False  # NOTE: megatron-core's MoE takes expert biases at expert_tensor_parallel_size 1 only
+
+    def num_experts(self) -> int:
+        return self.hf_config.num_local_experts
+
+    def expert_ffn_size(self) -> int:
+        return self.hf_config.intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return True
+
+    def routing_kwargs(self) -> dict:
+        return {"moe_router_score_function": "softmax", "moe_router_pre_softmax": False}
+
+    def check_config(self) -> None:
+        super().check_config()
+        c = self.hf_config
+        check_layer_kinds(c, self.architectures[0])
+        if "sliding_attention" in (c.layer_types or []) and not c.sliding_window:
+            raise C.UnsupportedConfigError(f"sliding_window={c.sliding_window} with sliding_attention layers.")
+        alpha = getattr(c, "swiglu_alpha", QUICK_GELU_ALPHA)
+        if abs(alpha - QUICK_GELU_ALPHA) > 1e-9:
+            raise C.UnsupportedConfigError(f"swiglu_alpha={alpha} is not supported (megatron's quick_gelu: "
+                                           f"{QUICK_GELU_ALPHA}).")
+        if not grouped_experts_enabled():  # NOTE: check_config runs before MoEBridge sets grouped_experts
+            # NOTE: megatron's SequentialMLP adds the fc2 bias in place onto RowParallelLinear's output, a view
+            # autograd refuses at one expert-tensor rank (megatron-core 0.16)
+            raise C.UnsupportedConfigError(f"{GROUPED_GEMM_ENV}=0 (megatron's SequentialMLP experts) is not supported "
+                                           "for GptOssForCausalLM (expert biases); unset it for the grouped experts.")
+        if not getattr(c, "attention_bias", True):
+            raise C.UnsupportedConfigError("attention_bias=False is not supported for GptOssForCausalLM.")
+
+    def transformer_config_kwargs(self) -> dict:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kw = super().transformer_config_kwargs()
+        kw.update(layer_windows(self.hf_config))
+        kw.update(add_bias_linear=True, add_qkv_bias=True, softmax_type="learnable", activation_func=quick_gelu,
+                  glu_linear_offset=1.0, activation_func_clamp_value=float(self.hf_config.swiglu_limit))
+        return kw
+
+    # ---- tensors --------------------------------------------------------------------------------------------
+    def attention_mappings(self) -> list[Mapping]:
+        return super().attention_mappings() + [
+            Replicated(f"{D}.self_attention.linear_proj.bias", f"{L}.self_attn.o_proj.bias"),
+            ColumnParallel(f"{D}.self_attention.core_attention.softmax_offset", f"{L}.self_attn.sinks"),
+        ]
+
+    def moe_mappings(self) -> list[Mapping]:
+        s, experts = f"{L}.mlp", f"{D}.mlp.experts"
+        per_expert = {  # megatron name in the stack -> (the mapping of one expert, its HF tensor)
+            "linear_fc1.weight": (StackedGateUp, f"{s}.experts.gate_up_proj"),
+            "linear_fc1.bias": (StackedGateUp, f"{s}.experts.gate_up_proj_bias"),
+            "linear_fc2.weight": (StackedDown, f"{s}.experts.down_proj"),
+            "linear_fc2.bias": (StackedRow, f"{s}.experts.down_proj_bias"),
+        }
+        routed = [StackedExpert(cls(f"{experts}.{name}", hf), f"{experts}.{name}", self.num_experts())
+                  for name, (cls, hf) in per_expert.items()]
+        return [
+            Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
+            Replicated(f"{D}.mlp.router.weight", f"{s}.router.weight"),
+            Replicated(f"{D}.mlp.router.bias", f"{s}.router.bias"),
+            *routed,
+        ]
+
+    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        c = self.hf_config
+        return {**super().attention_shapes(prefix), f"{prefix}.self_attn.o_proj.bias": (c.hidden_size,),
+                f"{prefix}.self_attn.sinks": (c.num_attention_heads,)}
+
+    def moe_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h, f, n = self.hf_config.hidden_size, self.expert_ffn_size(), self.num_experts()
+        s = f"{prefix}.mlp"
+        return {f"{prefix}.post_attention_layernorm.weight": (h,), f"{s}.router.weight": (n, h),
+                f"{s}.router.bias": (n,), f"{s}.experts.gate_up_proj": (n, h, 2 * f),
+                f"{s}.experts.gate_up_proj_bias": (n, 2 * f), f"{s}.experts.down_proj": (n, f, h),
+                f"{s}.experts.down_proj_bias": (n, h)}
