@@ -138,6 +138,37 @@ def test_mxfp4_checkpoint_loads_as_transformers_and_exports_plain(quantised, tmp
         torch.testing.assert_close(back(input_ids=ids).logits, exp.logits, atol=TOL, rtol=0)
 
 
+def _packed_row(folder: str) -> dict:
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2,
+                                                    sequence_parallel=True)
+    ids, positions = _packed_inputs()
+    with torch.no_grad():
+        return {"packed": model(input_ids=ids, position_ids=positions).logits,
+                "alone": [model(input_ids=ids[:, a:b]).logits for a, b in ((0, 17), (17, 30))]}
+
+
+def _packed_inputs():
+    ids = torch.randint(4, 200, (1, 30), generator=torch.Generator().manual_seed(1))
+    return ids, torch.cat([torch.arange(17), torch.arange(13)])[None]
+
+
+def test_packed_documents_attend_only_to_themselves(tmp_path):
+    """A padding-free row of two documents (positions restarting at 0, as TRL packs them): each document's logits
+    are its own, as transformers gives them for the document alone (transformers' eager gpt-oss attention, the only
+    one with sinks on CPU, lets the second document see the first: 0.07 off there; flash / flex attention do not)."""
+    src = make_tiny_checkpoint(tmp_path / "src", "gpt_oss", tokenizer=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    ids, _ = _packed_inputs()
+    with torch.no_grad():
+        alone = [ref(input_ids=ids[:, a:b]).logits for a, b in ((0, 17), (17, 30))]
+    for rank in run_distributed(_packed_row, 2, str(src), timeout=300):
+        torch.testing.assert_close(rank["packed"], torch.cat(alone, dim=1), atol=TOL, rtol=0)
+        for ours, theirs in zip(rank["alone"], alone):
+            torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+
+
 def test_sequential_experts_refused(monkeypatch, tmp_path):
     from loongforge_hf.bridges import get_bridge
     from loongforge_hf.bridges.config_map import UnsupportedConfigError

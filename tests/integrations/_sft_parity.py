@@ -67,6 +67,9 @@ SCENARIOS = {
                       dict(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear", task_type="CAUSAL_LM")),
     "full_prompt_completion": ("prompt_completion", {}, None),
     "full_packing": ("text", {"packing": True}, None),
+    # NOTE: a decay large enough that what is decayed shows in the losses (gpt-oss's sinks, 1-D, left undecayed:
+    # the third loss 3e-4 off)
+    "full_weight_decay": ("text", {"learning_rate": 1e-2, "weight_decay": 50.0}, None),
     # NOTE: NEFTune's noise is drawn as TRL (transformers.Trainer) draws it, scaled by each padded batch's length
     "lora_neftune": ("text", {"neftune_noise_alpha": 5.0, "learning_rate": 2e-2},
                      dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")),
