@@ -97,8 +97,8 @@ def _weight_decay_overrides() -> dict:
     from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 
     def no_decay(param, name: str) -> bool:
-        return (len(param.shape) == 1 or name.endswith(".bias")) and not name.endswith((".magnitude",
-                                                                                      ".softmax_offset"))
+        kept = name.endswith((".magnitude", ".softmax_offset"))
+        return (len(param.shape) == 1 or name.endswith(".bias")) and not kept
 
     return {ParamKey(with_name_predicate=ParamWithNamePredicate(name="loong_no_wd", fn=no_decay)):
             ParamGroupOverride(wd_mult=0.0)}
