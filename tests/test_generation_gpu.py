@@ -345,3 +345,16 @@ def test_longrope_generate_past_the_switch_on_cuda(tmp_path):
     for cache, (same, diff, _) in got.items():
         assert same and diff < 1e-4, (cache, got)
     assert got["static"][2] is True, got
+
+
+def test_gpt_oss_generate_on_cuda(tmp_path):
+    """gpt-oss (attention sinks, a 3-token window on every other layer, biased experts with a clamped GLU): fp32
+    generate on CUDA gives transformers' tokens, scores and logits (1e-4) with the dynamic and the static cache; in
+    bf16 its static-cache decode step (the sinks on the fixed step's scores) is a captured CUDA graph with the
+    dynamic cache's tokens and scores / logits within bf16's 3e-2."""
+    folder = make_tiny_checkpoint(tmp_path / "gpt_oss", "gpt_oss", sliding_window=3)
+    got = run_distributed(_cuda_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    _same_as_transformers(got, "gpt-oss")
+    bf16 = run_distributed(_moe_bf16_graph_world, 1, str(folder), timeout=300, env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    assert bf16["refusal"] is None and bf16["graphed"] == (3, True), (bf16["refusal"], bf16["graphed"])
+    _assert_static_as_cached(bf16, atol=BF16_ATOL)
