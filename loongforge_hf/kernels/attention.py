@@ -60,6 +60,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is
                                              make_sharded_tensors_for_checkpoint)
 from megatron.core.utils import divide
 
+from loongforge_hf.kernels import sink_attention
 from loongforge_hf.kernels._saved import standalone
 from loongforge_hf.kernels._triton import use_triton
 from loongforge_hf.xpu import get_backend
@@ -217,7 +218,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     Query i sits at key position ``q_offset + i`` (default ``skv - sq``: the queries are the last keys). ``window``
     is megatron's ``(left, right)``: key j is allowed for query at position p when ``p - left <= j <= p + right``
     (a negative bound is unbounded). ``mask`` is megatron's: bool True = not allowed, or float = added to the scores.
-    Under ``attention_scores`` (a soft-cap, sinks) the scores are materialised (``_materialised``).
+    Under ``attention_scores`` (a soft-cap, sinks) the scores are materialised (``_materialised``), but for sinks on
+    CUDA where the flash kernel serves (``sink_attention``).
     """
     sq, skv = query.shape[-2], key.shape[-2]
     natural = skv - sq
@@ -232,6 +234,9 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         if sq == 1:  # NOTE: the last query sees every key (a one-token decode step): no mask object to dispatch
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(sq, skv), **kwargs)
+    aligned = mask is None and (not causal or q_offset == natural)
+    if aligned and sink_attention.usable(query, key, value, dropout_p=dropout_p, rule=rule):
+        return sink_attention.dense(query, key, value, sinks=rule.sinks, causal=causal, scale=scale, window=window)
     rel = (torch.arange(skv, device=query.device)[None, :]
            - torch.arange(q_offset, q_offset + sq, device=query.device)[:, None])
     allowed = torch.ones(sq, skv, dtype=torch.bool, device=query.device)
@@ -438,14 +443,21 @@ def _varlen_usable(query: torch.Tensor, key: torch.Tensor, *, cp_size: int, drop
             and (not gqa or "enable_gqa" in _VARLEN_KWARGS))
 
 
-def _varlen(query, key, value, params: PackedSeqParams, *, causal: bool, scale: float, window) -> torch.Tensor:
-    """torch's flash-attention varlen kernel; padded documents span their padded extent, as on the torch path."""
+def _varlen_bounds(params: PackedSeqParams) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(cu_seqlens_q, cu_seqlens_kv, max_q, max_kv) for a varlen kernel: padded documents span their padded extent,
+    as on the torch path."""
     cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
     cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
     cu_kv = cu_q if cu_kv is None else cu_kv
     padded = params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None
     max_q = params.max_seqlen_q if params.max_seqlen_q is not None and not padded else int(cu_q.diff().max())
     max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None and not padded else int(cu_kv.diff().max())
+    return cu_q, cu_kv, max_q, max_kv
+
+
+def _varlen(query, key, value, params: PackedSeqParams, *, causal: bool, scale: float, window) -> torch.Tensor:
+    """torch's flash-attention varlen kernel."""
+    cu_q, cu_kv, max_q, max_kv = _varlen_bounds(params)
     left, right = window if window is not None else (-1, -1)
     gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
     return _varlen_attn(query, key, value, cu_q.to(torch.int32), cu_kv.to(torch.int32), max_q, max_kv, scale=scale,
@@ -460,6 +472,10 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
     if _varlen_usable(query, key, cp_size=cp_size, dropout_p=dropout_p):
         return _varlen(query, key, value, params, causal=causal, scale=scale, window=window)
+    rule = _SCORES.get()
+    if cp_size == 1 and sink_attention.usable(query, key, value, dropout_p=dropout_p, rule=rule):
+        return sink_attention.packed(query, key, value, *_varlen_bounds(params), sinks=rule.sinks, causal=causal,
+                                     scale=scale, window=window)
     bounds_q, bounds_kv = _bounds(params)
     if bounds_q[-1] != query.shape[0] * cp_size or bounds_kv[-1] != key.shape[0] * cp_size:
         raise ValueError(f"packed attention: cu_seqlens end at {bounds_q[-1]} / {bounds_kv[-1]} tokens but the inputs "
