@@ -34,10 +34,10 @@ from loongforge_hf.bridges import transforms as T
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.layer_types import check_layer_kinds, layer_windows
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, _fmt
-from loongforge_hf.bridges.moe import EXPERT, GROUPED_GEMM_ENV, MoEBridge, StackedExpert, grouped_experts_enabled
+from loongforge_hf.bridges.mixtral import MixtralBridge
+from loongforge_hf.bridges.moe import EXPERT, GROUPED_GEMM_ENV, StackedExpert, grouped_experts_enabled
 from loongforge_hf.bridges.registry import register_bridge
-
-QUICK_GELU_ALPHA = 1.702  # megatron's quick_gelu: x * sigmoid(1.702 x)
+from loongforge_hf.kernels.clamped_glu import QUICK_GELU_ALPHA
 
 
 @dataclass(frozen=True)
@@ -119,25 +119,15 @@ class StackedRow(_StackRow):
 
 
 @register_bridge("GptOssForCausalLM")
-class GptOssBridge(MoEBridge):
+class GptOssBridge(MixtralBridge):
+    """Mixtral's expert counts and routing (``num_local_experts``, ``intermediate_size``, every layer sparse, softmax
+    over the top k); its own tensors (module docstring)."""
+
     qkv_bias = True
-    supports_sliding_window = True
     per_layer_types = True
     hf_balance_loss = True
     hf_router_logits = True
     splits_experts = False  # NOTE: megatron-core's MoE takes expert biases at expert_tensor_parallel_size 1 only
-
-    def num_experts(self) -> int:
-        return self.hf_config.num_local_experts
-
-    def expert_ffn_size(self) -> int:
-        return self.hf_config.intermediate_size
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return True
-
-    def routing_kwargs(self) -> dict:
-        return {"moe_router_score_function": "softmax", "moe_router_pre_softmax": False}
 
     def check_config(self) -> None:
         super().check_config()

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from loongforge_hf.kernels.clamped_glu import ClampedGLU, clamped_glu
 from loongforge_hf.kernels.grouped_mlp import GroupedMLP, LowRank, grouped_gated_mlp
 
+from .test_grouped_mlp import _Group
+
 FP32 = dict(atol=1e-5, rtol=1e-5)
 LIMIT = 2.0  # small, so that moderate inputs cross it
 HIDDEN, FFN, EXPERTS, TOPK, EMPTY = 16, 12, 4, 2, 2  # expert EMPTY gets no tokens
@@ -238,17 +240,6 @@ def test_bias_shapes_are_checked():
 
 
 # ---- the megatron module ---------------------------------------------------------------------------------------------
-class _Group:
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
-
-
 def _config(**kw):
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
     from megatron.core.transformer.transformer_config import TransformerConfig
