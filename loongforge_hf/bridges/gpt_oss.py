@@ -91,6 +91,15 @@ class StackedGateUp(_StackRow):
         fused = _interleave(shards)
         return self._block(layer, fused.t().contiguous() if fused.dim() == 2 else fused)
 
+    def rows_to_megatron(self, rows: torch.Tensor, ctx=None) -> torch.Tensor:
+        """A tensor with this projection's output rows in HF's order (gate / up alternating: a LoRA B of
+        ``target_parameters``) in megatron's ``[gate; up]`` of an expert whole on its rank (LoRA's experts are)."""
+        return torch.cat((rows[0::2], rows[1::2]))
+
+    def rows_to_hf(self, rows: torch.Tensor, ctx=None) -> torch.Tensor:
+        """The inverse of ``rows_to_megatron``."""
+        return _interleave([rows])
+
 
 @dataclass(frozen=True)
 class StackedDown(_StackRow):

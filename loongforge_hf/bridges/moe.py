@@ -116,6 +116,16 @@ class StackedExpert(Expert):
     def bind(self, *, global_expert: int, local_expert: int) -> Mapping:
         return ExpertSlice(self.stack, _bind_names(self.inner, hf_index=global_expert), local_expert)
 
+    def rows_to_megatron(self, rows: torch.Tensor, ctx=None) -> torch.Tensor:
+        """A tensor with one expert's HF output rows (an expert LoRA's B) in the stack's row order."""
+        permute = getattr(self.inner, "rows_to_megatron", None)
+        return rows if permute is None else permute(rows, ctx)
+
+    def rows_to_hf(self, rows: torch.Tensor, ctx=None) -> torch.Tensor:
+        """The inverse of ``rows_to_megatron``."""
+        permute = getattr(self.inner, "rows_to_hf", None)
+        return rows if permute is None else permute(rows, ctx)
+
     def load(self, reader, ctx, layer):
         per_rank = self.num_experts // ctx.ep_size
         expert_ctx = ctx.for_experts()

@@ -5,7 +5,8 @@ Choices:
   expert-data-parallel replica of each expert-parallel rank sends its ``A [local, r, in]`` and ``B [local, out, r]``
   to global rank 0 (experts are whole on each rank: expert_tensor_parallel_size is 1 for adapted experts).
 - Rank 0 concatenates them by expert and writes PEFT's layout: A ``[E * r, in]`` (expert-major rows), B
-  ``[out, r * E]`` (``[out, r, E]`` flattened: expert-minor columns).
+  ``[out, r * E]`` (``[out, r, E]`` flattened: expert-minor columns; its rows in the checkpoint's order,
+  ``Target.b_to_hf``: gpt-oss's gate and up alternating).
 - Collective: every rank calls it for every expert target, in the plan's order (as the other adapter tensors).
 """
 
@@ -63,5 +64,6 @@ def expert_adapter_tensors(model, targets, streamer, dtype: torch.dtype) -> dict
         a, b = torch.cat(parts["A"]).cpu(), torch.cat(parts["B"]).cpu()
         prefix = f"base_model.model.{t.hf_module}"
         out[f"{prefix}.lora_A.weight"] = a.reshape(t.num_experts * t.r, t.in_features)
-        out[f"{prefix}.lora_B.weight"] = b.permute(1, 2, 0).reshape(t.out_features, t.r * t.num_experts)
+        out[f"{prefix}.lora_B.weight"] = t.b_to_hf(b.permute(1, 2, 0).reshape(t.out_features, t.r * t.num_experts),
+                                                   streamer.ctx)
     return out

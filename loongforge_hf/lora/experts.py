@@ -11,8 +11,10 @@ Choices:
   expert width multiples of 8; a rank that is not is padded with zeros there), else the per-expert loop.
 - Expert adapters carry the expert weights' attributes (``allreduce=False`` under expert parallelism, so megatron's
   DDP keeps them in its expert buffers and reduces them over the expert-data-parallel group).
-- Experts split over expert-tensor parallelism are refused for LoRA (``expert_tensor_parallel_size=1`` is the way),
-  and so are experts with biases or another activation than SwiGLU (gpt-oss's), whose forward is not this one.
+- Experts split over expert-tensor parallelism are refused for LoRA (``expert_tensor_parallel_size=1`` is the way).
+  Experts with biases and gpt-oss's clamped GLU take the adapters like SwiGLU ones (the biases added after the
+  low-rank terms, as PEFT's merged weight gives); gpt-oss's B rows come in megatron's ``[gate; up]`` order
+  (``Target.b_to_megatron``) and go back alternating on export.
 - Router: megatron's router (``TopKRouter``, or ``BalanceRouter`` with the HF balancing loss) is re-classed to a
   subclass whose ``gating`` uses ``W + s * B A``: what PEFT does for a 2-D parameter (the router is ``[E, H]``).
   A and B are replicated; under sequence parallelism they are marked ``sequence_parallel`` like the router weight,
@@ -31,7 +33,6 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from torch import nn
 
 from loongforge_hf.kernels.grouped_mlp import GroupedMLP, LowRank, grouped_gated_mlp, routed_inputs
-from loongforge_hf.kernels.swiglu import SwiGLU
 from loongforge_hf.lora.plan import LoraConfigError
 
 _STACKS = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
@@ -69,7 +70,7 @@ class LoraGroupedMLP(GroupedMLP):
         adapters = tuple(self.lora[name].low_rank() if name in self.lora and not self.__dict__.get("lora_disabled")
                          else None for name in _STACKS)
         return grouped_gated_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, tokens_per_expert, probs,
-                                 adapters=adapters), None
+                                 adapters=adapters, biases=self.biases(), activation=self.activation), None
 
     def lora_deltas(self):
         """(base stack, its float32 delta) for each adapted stack."""
@@ -185,21 +186,16 @@ def check_param_adaptable(module: nn.Module, kind: str) -> None:
     if type(module) is not GroupedMLP:
         raise TypeError(f"LoRA on the routed experts needs loongforge's GroupedMLP (the default expert layer); got "
                         f"{type(module).__name__} (FP8 experts, fp8='on' / 'adaptive', are not supported).")
-    unsupported = (["biases (add_bias_linear)"] if module.linear_fc1.bias is not None else []) + \
-        ([f"the activation {type(module.activation).__name__}"] if not isinstance(module.activation, SwiGLU) else [])
-    if unsupported:
-        raise LoraConfigError("LoRA on the routed experts supports SwiGLU experts without biases only; these have "
-                              f"{' and '.join(unsupported)} (gpt-oss's experts): adapt only the attention "
-                              "projections.")
     if module.tp_group.size() != 1:
         raise LoraConfigError(f"LoRA on the routed experts needs them whole on each rank: pass "
                               f"expert_tensor_parallel_size=1 (got {module.tp_group.size()}; it defaults to "
                               "tensor_parallel_size), or adapt only the attention projections.")
 
 
-def attach_param_adapters(module: nn.Module, members, *, dtype, device, dropout: float = 0.0) -> None:
+def attach_param_adapters(module: nn.Module, members, *, dtype, device, dropout: float = 0.0, ctx=None) -> None:
     """Give ``module`` (a ``GroupedMLP``, router or ``SharedExpertMLP``) the adapters of ``members`` [(Target, (A, B)
-    at HF shape)]; ``dropout``: the LoraConfig's (only the shared-expert gate's adapter, a module target, takes it)."""
+    at HF shape)]; ``dropout``: the LoraConfig's (only the shared-expert gate's adapter, a module target, takes it);
+    ``ctx``: the ``ShardContext`` B's rows are put in megatron's order with."""
     kind = members[0][0].kind
     check_param_adaptable(module, kind)
     adapters = {}
@@ -216,7 +212,7 @@ def attach_param_adapters(module: nn.Module, members, *, dtype, device, dropout:
             per = num // ep.size()
             local = slice(ep.rank() * per, (ep.rank() + 1) * per)
             a_local = a.reshape(num, t.r, t.in_features)[local]
-            b_local = b.reshape(t.out_features, t.r, num).permute(2, 0, 1)[local]
+            b_local = t.b_to_megatron(b, ctx).reshape(t.out_features, t.r, num).permute(2, 0, 1)[local]
             adapter = ExpertAdapter(a_local.to(device=device, dtype=dtype).contiguous().clone(),
                                     b_local.to(device=device, dtype=dtype).contiguous().clone(),
                                     scaling=t.scaling, expert_parallel=ep.size() > 1)

@@ -237,7 +237,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     for (vp, path), members in groups.items():
         targets, module = [t for t, _ in members], model.chunks[vp].get_submodule(path)
         if targets[0].kind in PARAM_KINDS:
-            attach_param_adapters(module, members, dtype=dtype, device=device, dropout=float(peft_config.lora_dropout))
+            attach_param_adapters(module, members, dtype=dtype, device=device, dropout=float(peft_config.lora_dropout),
+                                  ctx=ctx)
             continue
         layout, slices = _layout_and_slices(targets, ctx, targets[0].layer)
         adapters = {}

@@ -13,7 +13,9 @@ Choices:
   ``.*\\.gate_up_proj`` itself (gate and up fused: r and alpha doubled, so each half keeps PEFT's scaling).
 - An expert stack ``[E, out, in]`` gets A ``[r * E, in]`` (expert e's rows ``e * r .. e * r + r - 1``) and B
   ``[out, r * E]`` (expert e's columns ``e, E + e, 2E + e, ...``: PEFT reads B as ``[out, r, E]``); the router
-  ``[E, H]`` a plain A ``[r, H]``, B ``[E, r]``.
+  ``[E, H]`` a plain A ``[r, H]``, B ``[E, r]``. A stack its module marks ``is_transposed`` (gpt-oss's, ``[E, in,
+  out]``) keeps PEFT's in / out as they are there; its B's rows, gate and up alternating, take megatron's ``[gate;
+  up]`` order through the bridge's mapping (``Target.b_to_megatron``).
 - Names as PEFT saves them: ParamWrappers on one module nest in creation order, the first innermost, so with both
   stacks adapted ``gate_up_proj``'s adapter is ``<...>.mlp.experts.base_layer.lora_A.weight`` and ``down_proj``'s
   ``<...>.mlp.experts.lora_A.weight``; the router's ``<...>.mlp.gate.lora_A.weight``.
@@ -28,8 +30,10 @@ import re
 
 from loongforge_hf.lora.plan import LoraConfigError, Target
 
-_PARAM = re.compile(r"^model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
-SUPPORTED = "'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' (router) of Qwen3-MoE / Mixtral"
+_PARAM = re.compile(r"^model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight|"
+                    r"router\.weight)$")
+SUPPORTED = ("'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' / 'router.weight' (router) of "
+             "Qwen3-MoE / Mixtral / gpt-oss")
 
 
 def rank_and_alpha(config, key: str) -> tuple[int, float]:
@@ -54,7 +58,7 @@ def plan_param_targets(config, skeleton, bridge) -> list[Target]:
     names = list(config.target_parameters or [])
     if not names:
         return []
-    found: list[tuple[str, str, str, tuple[int, ...]]] = []   # (module, parameter, key, shape)
+    found: list[tuple[str, str, str, tuple[int, ...]]] = []   # (module, parameter, key, [E,] out, in)
     refused = []
     for module_name, module in skeleton.named_modules():
         for pname, param in module.named_parameters(recurse=False):
@@ -64,6 +68,8 @@ def plan_param_targets(config, skeleton, bridge) -> list[Target]:
             m = _PARAM.match(key)
             if m is None or not bridge.is_moe_layer(int(m.group(1))):
                 refused.append(key)
+            elif param.dim() == 3 and getattr(module, "is_transposed", False):  # NOTE: gpt-oss: [E, in, out]
+                found.append((module_name, pname, key, (param.shape[0], param.shape[2], param.shape[1])))
             else:
                 found.append((module_name, pname, key, tuple(param.shape)))
     if refused or not found:

@@ -103,8 +103,9 @@ def _check_expert_grads(model, ref, layer: int = 1) -> None:
             if ps.get_expert_data_parallel_world_size() > 1:
                 for g in ours:
                     dist.all_reduce(g, group=ps.get_expert_data_parallel_group())
+            b = t.b_to_megatron(theirs[1], None)  # NOTE: B's rows in megatron's order (gpt-oss: [gate; up])
             theirs = [dp * theirs[0].reshape(t.num_experts, t.r, t.in_features)[local],
-                      dp * theirs[1].reshape(t.out_features, t.r, t.num_experts).permute(2, 0, 1)[local]]
+                      dp * b.reshape(t.out_features, t.r, t.num_experts).permute(2, 0, 1)[local]]
         for f, a, b in zip("AB", ours, theirs):
             _close(a, b, f"d{f} {t.hf_module}")
             checked += 1

@@ -1,4 +1,4 @@
-"""LoRA on GLM-4.5 and Qwen2-MoE against PEFT and TRL.
+"""LoRA on GLM-4.5, Qwen2-MoE and gpt-oss against PEFT and TRL.
 
 - GLM-4.5 (``Glm4MoeForCausalLM``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's
   routing, shared experts, a dense first layer): PEFT adapts q/k/v/o as plain linears (q/k/v slots of megatron's
@@ -7,6 +7,9 @@
 - Qwen2-MoE (``Qwen2MoeForCausalLM``): PEFT's ``"all-linear"`` adapts the attention, the shared expert's linears and
   its ``shared_expert_gate`` (an ``nn.Linear(H, 1)``; megatron's raw ``gate_weight``, adapted by ``lora/experts.py``),
   the dense first layer's MLP, and not the routed experts (3-D parameters PEFT does not rewrite for this model).
+- gpt-oss (``GptOssForCausalLM``): ``"all-linear"`` on its attention plus ``target_parameters`` on the expert stacks
+  (``[E, in, out]`` in transformers, gate and up in alternating columns; biases and the clamped GLU in the forward)
+  and the router, as PEFT's ``ParamWrapper`` adapts them.
 
 Checks (``_lora_moe.moe_model_checks`` against ``peft.get_peft_model``, the same initial values): the attention
 projections with a norm in ``modules_to_save``, and ``"all-linear"``, at TP1, TP2 + SP with the experts whole
@@ -37,8 +40,13 @@ ATTENTION = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"
                  modules_to_save=["post_attention_layernorm"])
 ALL_LINEAR = dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora_weights=False)
 # model -> {case: (LoraConfig kwargs, whether it adapts routed experts / the router)}
+# NOTE: gpt-oss: PEFT's "all-linear" adapts its attention only; the experts' stacks ([E, in, out], gate / up
+# alternating, with biases and the clamped GLU) and the router as target_parameters (the OpenAI cookbook's recipe)
+GPT_OSS_PARAMS = dict(ALL_LINEAR, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                                     "mlp.router.weight"])
 MODELS = {"glm4_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, True)},
-          "qwen2_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, False)}}
+          "qwen2_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, False)},
+          "gpt_oss": {"all_linear_experts": (GPT_OSS_PARAMS, True)}}
 CASES = [(m, c) for m, cases in MODELS.items() for c in cases]
 LAYOUTS = {"tp1": (1, {}),
            "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}),
