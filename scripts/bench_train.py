@@ -7,6 +7,9 @@ Workloads (random init, bf16 weights, random tokens, one optimizer step per micr
      seq 8192, micro-batch 1
   c  Qwen3-30B-A3B shape cut to 4 layers (hidden 2048, 32 heads, 4 KV heads, head_dim 128, 128 experts, top-8,
      moe_intermediate 768, vocab 151936, untied); seq 4096, micro-batch 2
+  d  gpt-oss-20b shape cut to 2 layers, one sliding (128-token window) and one full (hidden 2880, 64 heads of 64,
+     8 KV heads, sinks, 32 experts of 2880 with biases, top-4, YaRN, vocab 201088, untied); seq 4096, micro-batch 2.
+     transformers runs gpt-oss's eager attention (its only one with sinks without a hub kernel); no Liger row.
 
 Each workload's checkpoint is written once by transformers (``from_config`` + ``save_pretrained``, bf16, seed 0) and
 every stack loads it from that folder: transformers with ``from_pretrained``, Liger after
@@ -104,8 +107,25 @@ WORKLOADS = {
                        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
                   seq=4096, micro_batch=2, tiny=dict(_TINY, num_experts=8, num_experts_per_tok=2,
                                                      moe_intermediate_size=32, seq=64, micro_batch=2)),
+    # NOTE: gpt-oss-20b's layer shape (sinks, a 128-token window on the sliding layer, 32 experts with biases and
+    # the clamped GLU, YaRN) on two layers, one of each kind
+    "d": Workload("d", "gpt-oss-20b shape cut to 2 layers (sliding + full), seq 4096, micro-batch 2", "gpt_oss",
+                  dict(num_hidden_layers=2, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                       num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                       vocab_size=201088, tie_word_embeddings=False, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+                       swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                          "original_max_position_embeddings": 4096}),
+                  seq=4096, micro_batch=2,
+                  tiny=dict(_TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, seq=64,
+                            micro_batch=2)),
 }
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM"}
+# NOTE: transformers' attention per model type: gpt-oss's sinks are in its eager attention only (its flash kernel
+# comes from the hub, which the GPU machine cannot reach)
+HF_ATTENTION = {"gpt_oss": "eager"}
 
 
 def sizes(w: Workload, tiny: bool) -> tuple[dict, int, int]:
@@ -158,9 +178,13 @@ def build_transformers(folder: str, device: H.Device, *, liger: bool, adapt=None
         apply = {"qwen3": lk.apply_liger_kernel_to_qwen3, "llama": lk.apply_liger_kernel_to_llama,
                  "qwen3_moe": lk.apply_liger_kernel_to_qwen3_moe}
         model_type = transformers.AutoConfig.from_pretrained(folder).model_type
+        if model_type not in apply:
+            raise SystemExit(f"Liger-Kernel has no apply_liger_kernel_to_{model_type} here")
         apply[model_type](rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
         info["liger"] = f"apply_liger_kernel_to_{model_type}(rope, rms_norm, swiglu, fused_linear_cross_entropy)"
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa",
+    model_type = transformers.AutoConfig.from_pretrained(folder).model_type
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                              attn_implementation=HF_ATTENTION.get(model_type, "sdpa"),
                                                               device_map=str(device.device))
     if adapt is not None:
         model = adapt(model)
@@ -407,6 +431,8 @@ def summarize(w: Workload, results: dict, *, flops: float, peak_flops: float) ->
     for stack, r in results.items():
         name = STACK_TITLES.get(stack) or STACK_TITLES["loongforge"].replace("loongforge-hf", stack.replace(
             "loongforge", "loongforge-hf"))
+        if stack == "transformers" and HF_ATTENTION.get(w.model_type):
+            name = f"transformers ({HF_ATTENTION[w.model_type]})"
         if r.get("status") != "ok":
             rows.append([name, "—", f"**{r.get('status')}**", "—", _gib(r.get("peak_gib")), "—", "—", "—", "—"])
             continue

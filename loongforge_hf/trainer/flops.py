@@ -10,9 +10,11 @@ def model_flops_per_token(hf_config, *, seq_len: int) -> float:
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     hd = getattr(hf_config, "head_dim", None) or h // heads
     layers = hf_config.num_hidden_layers
-    ffn = getattr(hf_config, "moe_intermediate_size", None) if getattr(hf_config, "num_experts", None) else None
-    active = getattr(hf_config, "num_experts_per_tok", 1) if ffn else 1
-    ffn = ffn or hf_config.intermediate_size
+    # NOTE: the experts' width is moe_intermediate_size where the config has one (Qwen3-MoE), else intermediate_size
+    # (Mixtral, gpt-oss: num_local_experts)
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    ffn = (getattr(hf_config, "moe_intermediate_size", None) if experts else None) or hf_config.intermediate_size
+    active = getattr(hf_config, "num_experts_per_tok", 1) if experts else 1
     attn_proj = 2 * h * (heads * hd + 2 * kv * hd) + 2 * heads * hd * h
     mlp = 2 * 3 * h * ffn * active
     attn_scores = 2 * 2 * heads * hd * seq_len / 2  # QK^T and AV, causal half
