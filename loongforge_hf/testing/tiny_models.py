@@ -16,7 +16,7 @@ import torch
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
-              "arcee", "helium", "ernie4_5", "gpt_oss")
+              "arcee", "helium", "ernie4_5", "gpt_oss", "glm4")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -135,6 +135,12 @@ def _config(arch: str, **overrides):
                               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                "original_max_position_embeddings": 32})
+    elif arch == "glm4":
+        # NOTE: GLM-4-0414's layout: q/k/v biases, head_dim 24, half of each head rotated in interleaved pairs, the
+        # sandwich norms, gate_up_proj packed
+        cfg = tf.Glm4Config(**{**common, "head_dim": 24}, attention_bias=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5})
     elif arch == "granite":
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,

@@ -238,7 +238,7 @@ def test_phi3_matches_trl(tmp_path):
 # seed 1, Gemma 3's seeds 0-4 and Ministral's 0-1 predict none
 ARCH_SEEDS = {"smollm3": 0, "gemma3": 5, "granite": 0, "olmo2": 0, "olmo3": 0, "gemma": 0, "gemma2": 0,
               "ministral": 2, "seed_oss": 0, "arcee": 0,
-              "helium": 0, "ernie4_5": 0, "gpt_oss": 0}
+              "helium": 0, "ernie4_5": 0, "gpt_oss": 0, "glm4": 0}
 
 
 # NOTE: gpt-oss: transformers' eager attention (the only one with its sinks on CPU: flex attention refuses them there)
@@ -263,10 +263,11 @@ def test_architecture_matches_trl(tmp_path, arch):
     the two TP ranks), OLMo 3 (OLMo 2 with windowed layers, YaRN on the full one), Gemma (zero-centred norms, the
     scaled embedding tied to the LM head), Gemma 2 (soft-capped scores and logits: the fused loss's), Ministral (the
     window on every other layer), Seed-OSS (q/k/v biases), Arcee (an ungated relu2 MLP), Helium and ERNIE 4.5
-    (interleaved rotary pairs), gpt-oss (attention sinks, biases, windowed layers, YaRN, experts with a clamped GLU:
-    all-linear LoRA adapts its attention, as PEFT's; fully fine-tuned without packing, with weight decay):
-    all-linear LoRA and full fine-tuning with packing against trl.SFTTrainer, at TP=2
-    with sequence parallelism (losses, eval losses and token metrics as above). OLMo 2: a LoRA run training the norms
+    (interleaved rotary pairs), GLM-4 (half-rotary heads in interleaved pairs, norms after the sublayers, packed
+    gate / up: one adapter, as PEFT's), gpt-oss (attention sinks, biases, windowed layers, YaRN, experts with a
+    clamped GLU: all-linear LoRA adapts its attention, as PEFT's; fully fine-tuned without packing, with weight
+    decay): all-linear LoRA and full fine-tuning with packing against trl.SFTTrainer, at TP=2 with sequence
+    parallelism (losses, eval losses and token metrics as above). OLMo 2: a LoRA run training the norms
     (its split q / k norms included) resumed from its checkpoint logs the same losses."""
     folder = str(make_tiny_checkpoint(tmp_path / arch, arch, seed=ARCH_SEEDS[arch]))
     names = ARCH_NAMES.get(arch, SMOLLM3_NAMES)

@@ -54,7 +54,8 @@ def _train_and_compare(folder: str, out_dir: str, device: str) -> dict:
                                             ("smollm3", {}), ("gemma3", {}), ("granite", {}), ("olmo2", {}),
                                             ("olmo3", {}), ("gemma", {}), ("gemma2", {}),
                                             ("ministral", {}), ("seed_oss", {}), ("arcee", {}),
-                                            ("helium", {}), ("ernie4_5", {}), ("gpt_oss", {})])
+                                            ("helium", {}), ("ernie4_5", {}), ("gpt_oss", {}),
+                                            ("glm4", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
