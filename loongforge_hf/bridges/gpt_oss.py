@@ -12,9 +12,7 @@ Choices:
   and up on both sides; megatron's ``quick_gelu`` fixes alpha at 1.702, so another ``swiglu_alpha`` is refused.
 - On disk each layer's experts are one tensor per projection: ``experts.gate_up_proj`` ``[E, H, 2I]`` with gate and
   up in alternating columns, ``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj`` ``[E, I, H]``, ``down_proj_bias``
-  ``[E, H]``. The per-expert mappings below read expert ``e``'s row of the stack (``get_slice`` along dim 0, only
-  that expert's bytes) and write it back as the block ``e`` of the stacked tensor (``Mapping.hf_block``: the
-  exporter plans each stacked tensor once and fills it expert by expert, ``CheckpointWriter.add_part``).
+  ``[E, H]``: read one expert at a time and written back block by block (``stacked_experts.py``).
 - MXFP4 checkpoints (the hub's gpt-oss: ``*_blocks`` / ``*_scales``) are dequantised while they load
   (``fp8_checkpoint.dequantizing_reader``); export writes plain tensors.
 - The router: top-k of the biased logits, softmax over the k chosen (megatron's ``moe_router_pre_softmax=False``);
@@ -25,106 +23,15 @@ Choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges import transforms as T
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.layer_types import check_layer_kinds, layer_windows
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, _fmt
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated
 from loongforge_hf.bridges.mixtral import MixtralBridge
-from loongforge_hf.bridges.moe import EXPERT, GROUPED_GEMM_ENV, StackedExpert, grouped_experts_enabled
+from loongforge_hf.bridges.moe import GROUPED_GEMM_ENV, StackedExpert, grouped_experts_enabled
 from loongforge_hf.bridges.registry import register_bridge
+from loongforge_hf.bridges.stacked_experts import StackedDown, StackedGateUp, StackedRow
 from loongforge_hf.kernels.clamped_glu import QUICK_GELU_ALPHA
-
-
-@dataclass(frozen=True)
-class _StackRow(Mapping):
-    """Expert ``expert`` (``{expert}`` until bound) of an HF tensor stacking every expert along dim 0."""
-
-    megatron: str
-    hf: str
-    expert: str = EXPERT
-
-    def hf_names(self, layer):
-        return [_fmt(self.hf, layer)]
-
-    def hf_block(self, layer):
-        return 0, int(self.expert)
-
-    def _row(self, reader, layer) -> torch.Tensor:
-        e = int(self.expert)
-        return reader.get_slice(_fmt(self.hf, layer), dim=0, start=e, stop=e + 1)[0]
-
-    def _block(self, layer, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {_fmt(self.hf, layer): value.unsqueeze(0)}
-
-
-def _halves(t: torch.Tensor, ctx, name: str) -> torch.Tensor:
-    """``[gate_r; up_r]`` of this rank from ``t`` whose dim 0 alternates gate and up rows."""
-    gate, up = t[0::2], t[1::2]
-    start, stop = T.shard_range(gate.shape[0], rank=ctx.tp_rank, world=ctx.tp_size, name=name)
-    return torch.cat((gate[start:stop], up[start:stop]))
-
-
-def _interleave(shards: list[torch.Tensor]) -> torch.Tensor:
-    """The inverse of ``_halves`` over every rank's shard: gate and up rows alternating again."""
-    parts = [T.split_gate_up(s) for s in shards]
-    gate, up = torch.cat([g for g, _ in parts]), torch.cat([u for _, u in parts])
-    return torch.stack((gate, up), dim=1).flatten(0, 1)
-
-
-@dataclass(frozen=True)
-class StackedGateUp(_StackRow):
-    """``gate_up_proj`` ``[E, H, 2I]`` (gate / up alternating columns) or its bias ``[E, 2I]`` -> megatron's gated fc1
-    ``[gate_r; up_r]`` (``[2I / tp, H]``, or ``[2I / tp]``)."""
-
-    tp_split = "column"
-
-    def load(self, reader, ctx, layer):
-        row = self._row(reader, layer)
-        return _halves(row.t() if row.dim() == 2 else row, ctx, _fmt(self.hf, layer)).contiguous()
-
-    def export(self, shards, ctx, layer):
-        fused = _interleave(shards)
-        return self._block(layer, fused.t().contiguous() if fused.dim() == 2 else fused)
-
-    def rows_to_megatron(self, rows: torch.Tensor, ctx=None) -> torch.Tensor:
-        """A tensor with this projection's output rows in HF's order (gate / up alternating: a LoRA B of
-        ``target_parameters``) in megatron's ``[gate; up]`` of an expert whole on its rank (LoRA's experts are)."""
-        return torch.cat((rows[0::2], rows[1::2]))
-
-    def rows_to_hf(self, rows: torch.Tensor, ctx=None) -> torch.Tensor:
-        """The inverse of ``rows_to_megatron``."""
-        return _interleave([rows])
-
-
-@dataclass(frozen=True)
-class StackedDown(_StackRow):
-    """``down_proj`` ``[E, I, H]`` -> megatron's fc2 ``[H, I / tp]`` (split along I)."""
-
-    tp_split = "row"
-
-    def load(self, reader, ctx, layer):
-        row = self._row(reader, layer).t()
-        start, stop = T.shard_range(row.shape[1], rank=ctx.tp_rank, world=ctx.tp_size, name=_fmt(self.hf, layer))
-        return row[:, start:stop].contiguous()
-
-    def export(self, shards, ctx, layer):
-        return self._block(layer, torch.cat(shards, dim=1).t().contiguous())
-
-
-@dataclass(frozen=True)
-class StackedRow(_StackRow):
-    """A tensor not split over TP, one row per expert (``down_proj_bias`` ``[E, H]``)."""
-
-    def load(self, reader, ctx, layer):
-        return self._row(reader, layer).clone()
-
-    def export(self, shards, ctx, layer):
-        return self._block(layer, shards[0])
 
 
 @register_bridge("GptOssForCausalLM")
@@ -174,14 +81,16 @@ class GptOssBridge(MixtralBridge):
 
     def moe_mappings(self) -> list[Mapping]:
         s, experts = f"{L}.mlp", f"{D}.mlp.experts"
-        per_expert = {  # megatron name in the stack -> (the mapping of one expert, its HF tensor)
-            "linear_fc1.weight": (StackedGateUp, f"{s}.experts.gate_up_proj"),
-            "linear_fc1.bias": (StackedGateUp, f"{s}.experts.gate_up_proj_bias"),
-            "linear_fc2.weight": (StackedDown, f"{s}.experts.down_proj"),
-            "linear_fc2.bias": (StackedRow, f"{s}.experts.down_proj_bias"),
+        per_expert = {  # megatron name in the stack -> the mapping of one expert ([in, out], gate / up alternating)
+            "linear_fc1.weight": StackedGateUp(f"{experts}.linear_fc1.weight", f"{s}.experts.gate_up_proj",
+                                               transposed=True, alternating=True),
+            "linear_fc1.bias": StackedGateUp(f"{experts}.linear_fc1.bias", f"{s}.experts.gate_up_proj_bias",
+                                             alternating=True),
+            "linear_fc2.weight": StackedDown(f"{experts}.linear_fc2.weight", f"{s}.experts.down_proj",
+                                             transposed=True),
+            "linear_fc2.bias": StackedRow(f"{experts}.linear_fc2.bias", f"{s}.experts.down_proj_bias"),
         }
-        routed = [StackedExpert(cls(f"{experts}.{name}", hf), f"{experts}.{name}", self.num_experts())
-                  for name, (cls, hf) in per_expert.items()]
+        routed = [StackedExpert(one, f"{experts}.{name}", self.num_experts()) for name, one in per_expert.items()]
         return [
             Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
             Replicated(f"{D}.mlp.router.weight", f"{s}.router.weight"),
