@@ -71,6 +71,7 @@ LAYOUTS = {
     "helium_tp2": ("helium", 2, {"tensor_parallel_size": 2}),
     "gpt_oss_ep2": ("gpt_oss", 2, {"expert_parallel_size": 2}),
     "glm4_tp2_sp": ("glm4", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "granitemoe_tp2_sp": ("granitemoe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "gpt_oss_cp2": ("gpt_oss", 2, {"context_parallel_size": 2}),
     "gpt_oss_tp2_sp": ("gpt_oss", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
 }
@@ -84,6 +85,7 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "olmo3": ("olmo3", {"sliding_window": 3}), "gemma": ("gemma", {}),
                "gemma2": ("gemma2", {"sliding_window": 3}), "ministral": ("ministral", {"sliding_window": 3}),
                "helium": ("helium", {}), "gpt_oss": ("gpt_oss", {"sliding_window": 3}), "glm4": ("glm4", {}),
+               "granitemoe": ("granitemoe", {}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),
                "qwen3_moe_yarn": ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,

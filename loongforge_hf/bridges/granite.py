@@ -1,4 +1,5 @@
-"""GraniteForCausalLM (IBM Granite 3.x dense models): the Llama layout with four multipliers.
+"""GraniteForCausalLM (IBM Granite 3.x dense models) and GraniteMoeForCausalLM (Granite 3.x MoE: granite-3.1-1b-a400m,
+3b-a800m): the Llama layout with four multipliers.
 
 Choices:
 - ``embedding_multiplier``: the embedding's output times it (``layer_outputs.scale_embedding``).
@@ -9,12 +10,22 @@ Choices:
   multiplied by ``1 / logits_scaling`` (``layer_outputs.scale_final_norm``): the head is linear, so the logits are
   the same up to rounding (fp32: ~1e-7 relative), and the fused loss (``kernels.cross_entropy``) needs no change.
 - Attention / MLP biases are refused by the shared dense checks.
+- GraniteMoE: every layer a softmax top-k mixture (Mixtral's routing, renormalised over the k chosen; transformers'
+  balancing loss and ``router_logits``), the experts stacked on disk (``block_sparse_moe.input_linear.weight``
+  ``[E, 2I, H]`` with ``[gate; up]`` rows, ``output_linear.weight`` ``[E, H, I]``: ``stacked_experts.py``), the router
+  ``block_sparse_moe.router.layer.weight``. Its residual multiplier scales megatron's own attention and MoE layer
+  outputs (``layer_outputs.scale_sublayer_outputs``: the MoE spec keeps megatron's modules).
 """
 
-from loongforge_hf.bridges.dense import DenseBridge
-from loongforge_hf.bridges.layer_outputs import (scale_embedding, scale_final_norm, transformed_attention,
-                                                 transformed_mlp)
+from loongforge_hf.bridges.dense import D, L, DenseBridge
+from loongforge_hf.bridges.layer_outputs import (scale_embedding, scale_final_norm, scale_sublayer_outputs,
+                                                 transformed_attention, transformed_mlp)
+from loongforge_hf.bridges.mappings import Mapping, Replicated
+from loongforge_hf.bridges.mixtral import MixtralBridge
+from loongforge_hf.bridges.fused_mappings import Expert
+from loongforge_hf.bridges.moe import EXPERT, StackedExpert
 from loongforge_hf.bridges.registry import register_bridge
+from loongforge_hf.bridges.stacked_experts import StackedDown, StackedGateUp
 
 
 @register_bridge("GraniteForCausalLM")
@@ -34,3 +45,36 @@ class GraniteBridge(DenseBridge):
     def finish_model(self, model) -> None:
         scale_embedding(model, self._multiplier("embedding_multiplier"))
         scale_final_norm(model, 1.0 / self._multiplier("logits_scaling"))
+
+
+@register_bridge("GraniteMoeForCausalLM")
+class GraniteMoeBridge(MixtralBridge):
+    _multiplier = GraniteBridge._multiplier
+
+    def transformer_config_kwargs(self) -> dict:
+        return {**super().transformer_config_kwargs(), "softmax_scale": self._multiplier("attention_multiplier")}
+
+    def finish_model(self, model) -> None:
+        GraniteBridge.finish_model(self, model)
+        scale_sublayer_outputs(model, self._multiplier("residual_multiplier"))
+
+    def moe_mappings(self) -> list[Mapping]:
+        s = f"{L}.block_sparse_moe"
+        return [Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
+                Replicated(f"{D}.mlp.router.weight", f"{s}.router.layer.weight"),
+                *(self._routed(cls, name, f"{s}.{hf}") for cls, name, hf in (
+                    (StackedGateUp, "linear_fc1.weight", "input_linear.weight"),
+                    (StackedDown, "linear_fc2.weight", "output_linear.weight")))]
+
+    def _routed(self, cls, name: str, hf: str) -> Mapping:
+        """One projection of the routed experts: the grouped MLP's stack, or megatron's ``SequentialMLP`` experts."""
+        experts = f"{D}.mlp.experts"
+        if self.grouped_experts:
+            return StackedExpert(cls(f"{experts}.{name}", hf), f"{experts}.{name}", self.num_experts())
+        return Expert(cls(f"{experts}.local_experts.{EXPERT}.{name}", hf))
+
+    def moe_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h, f, n = self.hf_config.hidden_size, self.expert_ffn_size(), self.num_experts()
+        s = f"{prefix}.block_sparse_moe"
+        return {f"{prefix}.post_attention_layernorm.weight": (h,), f"{s}.router.layer.weight": (n, h),
+                f"{s}.input_linear.weight": (n, 2 * f, h), f"{s}.output_linear.weight": (n, h, f)}

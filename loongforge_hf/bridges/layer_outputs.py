@@ -7,6 +7,8 @@ Choices:
   terms on them): a norm (``post_norm``: our ``RMSNorm``, the state dict's ``post_layernorm``) and / or a constant
   factor, before megatron's own bias-dropout-add with the residual. Under sequence parallelism they transform the
   tokens of their rank, as the input norms do.
+- ``scale_sublayer_outputs`` re-classes a built chunk's attention and MLP / MoE layers to multiply their output (for
+  specs whose modules are megatron's own: the MoE spec).
 - ``scale_embedding`` / ``scale_final_norm`` re-class a built chunk's embedding / final norm to multiply their
   output by a Python float (one rounding of the product, as transformers' multiply by a float or a same-dtype scalar).
 - ``sliding_layers``: for a model with two rotary tables side by side (``layer_types._two_table_rotary``), the
@@ -104,6 +106,28 @@ def _scaled(base: type) -> type:
 def _rescale(module, factor: float) -> None:
     module.__class__ = _scaled(type(module))
     module.output_scale = float(factor)
+
+
+@functools.cache
+def _scaled_sublayer(base: type) -> type:
+    class ScaledSublayer(base):
+        """``base``'s ``(output, bias)`` times ``output_scale``: a residual branch scaled before megatron's add."""
+
+        def forward(self, *args, **kwargs):
+            out, bias = super().forward(*args, **kwargs)
+            return out * self.output_scale, None if bias is None else bias * self.output_scale
+
+    ScaledSublayer.__name__ = f"Scaled{base.__name__}"
+    return ScaledSublayer
+
+
+def scale_sublayer_outputs(chunk, factor: float) -> None:
+    """Multiply the attention's and the MLP's (or MoE layer's) output of every layer of ``chunk`` by ``factor`` (the
+    MoE spec's modules, which ``transformed_attention`` / ``transformed_mlp`` do not replace: GraniteMoE)."""
+    for layer in chunk.decoder.layers:
+        for module in (layer.self_attention, layer.mlp):
+            module.__class__ = _scaled_sublayer(type(module))
+            module.output_scale = float(factor)
 
 
 def scale_embedding(chunk, factor: float) -> None:

@@ -16,7 +16,7 @@ import torch
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
-              "arcee", "helium", "ernie4_5", "gpt_oss", "glm4")
+              "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -141,6 +141,11 @@ def _config(arch: str, **overrides):
         cfg = tf.Glm4Config(**{**common, "head_dim": 24}, attention_bias=True,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                              "partial_rotary_factor": 0.5})
+    elif arch == "granitemoe":
+        # NOTE: granite-3.1-3b-a800m's multipliers and a mixture of 4 experts (top 2) in every layer, stacked on disk
+        cfg = tf.GraniteMoeConfig(**{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+                                  embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.1,
+                                  logits_scaling=6.0)
     elif arch == "granite":
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,

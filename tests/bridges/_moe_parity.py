@@ -19,9 +19,10 @@ class _RecordingReader:
         return getattr(self.reader, item)
 
     def _record(self, name, rows: range | None = None) -> None:
-        # NOTE: gpt-oss stacks its experts in one tensor per projection: a read of rows of it reads those experts
-        if re.search(r"\.experts\.(gate_up_proj|down_proj)(_bias)?$", name):
-            self.read.update(f"{name}.{e}." for e in (rows or range(self.reader.shape(name)[0])))
+        # NOTE: gpt-oss and GraniteMoE stack their experts in one tensor per projection: a read of rows of it reads
+        # those experts
+        if re.search(r"\.(experts\.(gate_up_proj|down_proj)(_bias)?|(input|output)_linear\.weight)$", name):
+            self.read.update(f"{name}#expert{e}" for e in (rows or range(self.reader.shape(name)[0])))
         else:
             self.read.add(name)
 
@@ -45,8 +46,8 @@ def _expert_reads(model, folder: str) -> dict:
         recording = _RecordingReader(reader)
         load_into(model.megatron, model.bridge, recording, tp_rank=ps.get_tensor_model_parallel_rank(),
                   tp_size=ps.get_tensor_model_parallel_world_size())
-    read = sorted({int(m.group(1)) for n in recording.read
-                   if (m := re.search(r"\.experts\.(?:\w+\.)?(\d+)\.", n))})
+    read = sorted({int(m.group(1) or m.group(2)) for n in recording.read
+                   if (m := re.search(r"\.experts\.(\d+)\.|#expert(\d+)$", n))})
     experts = [m for chunk in model.megatron.chunks for n, m in chunk.named_modules() if n.endswith("mlp.experts")]
     core = [m for chunk in model.megatron.chunks for n, m in chunk.named_modules() if n.endswith("core_attention")]
     norms = [m for chunk in model.megatron.chunks for n, m in chunk.named_modules()

@@ -40,6 +40,7 @@ CHECKPOINTS = {
     "mixtral": ("mixtral", {}),
     "glm4_moe": ("glm4_moe", {"use_qk_norm": True}),  # q/k/v biases, q/k norms, half-rotary heads
     "qwen2_moe": ("qwen2_moe", {}),  # the shared expert's sigmoid gate
+    "granitemoe": ("granitemoe", {}),  # Granite's multipliers on megatron's MoE layers, experts stacked on disk
     "gpt_oss": ("gpt_oss", {}),  # sinks, biases everywhere, windowed layers, YaRN, stacked experts, clamped GLU
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),  # attention biases
@@ -60,7 +61,7 @@ CHECKPOINTS = {
     "glm4": ("glm4", {}),  # q/k/v biases, half-rotary heads in interleaved pairs, sandwich norms, packed gate_up
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
-       "gpt_oss")
+       "gpt_oss", "granitemoe")
 DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3", "gemma",
          "gemma2", "ministral", "seed_oss", "arcee",
          "helium", "ernie4_5", "glm4")

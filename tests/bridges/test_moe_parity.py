@@ -14,7 +14,7 @@ the grouped expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, wh
            keep both dtypes; parity there is bf16's, against transformers in bf16);
 - ep2:     every model; each rank must read exactly the experts it owns; a model whose experts do not divide by
            expert_parallel_size is refused on every rank before the process group starts;
-- ep2seq:  Qwen3-MoE with SequentialMLP experts (the same checkpoint, the other expert layout);
+- ep2seq:  Qwen3-MoE and GraniteMoE with SequentialMLP experts (the same checkpoints, the other expert layout);
 - cp2ep2:  every model, the sequence split over two context-parallel ranks that are also the two expert ranks;
 - tp2ep2:  every model: Qwen3-MoE (q/k norms), Mixtral, DeepSeek-V3 and DeepSeek-V2 (MLA without q_lora_rank),
            sequence parallel;
@@ -25,8 +25,9 @@ YaRN on Qwen3-MoE (after its q/k norms) at tp1, cp2ep2 and tp2ep2, on Mixtral (n
 GLM-4.5 (``glm4_moe``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's routing and
 shared experts) and Qwen2-MoE (``qwen2_moe``: q/k/v biases, softmax routing without renormalisation, a shared expert
 scaled by its sigmoid gate) and gpt-oss (``gpt_oss``: attention sinks, biases on every linear, sliding-window layers,
-YaRN, experts stacked on disk with a clamped GLU and biases; also at tp2etp1) are among "every model"; tp1 also runs
-GLM-4.5 with q/k norms and an MTP layer.
+YaRN, experts stacked on disk with a clamped GLU and biases; also at tp2etp1) and GraniteMoE (``granitemoe``: Granite's
+multipliers, experts stacked on disk; also at ep2seq) are among "every model"; tp1 also runs GLM-4.5 with q/k norms
+and an MTP layer.
 """
 
 import re
@@ -67,6 +68,8 @@ CHECKPOINTS = {
     "qwen2_moe": ("qwen2_moe", {}),
     # NOTE: sinks, biases on every linear, windowed layers, YaRN, stacked experts with a clamped GLU
     "gpt_oss": ("gpt_oss", {}),
+    # NOTE: Granite's four multipliers, experts stacked on disk with [gate; up] rows
+    "granitemoe": ("granitemoe", {}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
     # NOTE: YaRN (its attention factor on q's and k's rotary channels: after Qwen3-MoE's q / k norms; in Mixtral's
     # empty q / k norm slots)
@@ -77,12 +80,12 @@ CHECKPOINTS = {
                                       "mtp_layers": 1}),
 }
 
-MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss")
+MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16",
                     "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn")),
     "ep2": (2, {"expert_parallel_size": 2}, MODELS),
-    "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe",)),
+    "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
                (*MODELS, "qwen3_moe_yarn", "mixtral_yarn")),
@@ -152,7 +155,10 @@ def test_parity_and_round_trip(worlds, layout, name):
         assert r["core_attention"] == ["MLACoreAttention" if mla else "CoreAttention"], (rank, r)
         # YaRN's attention factor in the q / k norm slots (kernels.rope.rotary_scale_module)
         yarn = name.endswith("_yarn") or name == "gpt_oss"
-        assert r["norms"] == (["RMSNorm", "RotaryScale"] if yarn and not mla else ["RMSNorm"]), \
+        # NOTE: GraniteMoE's final norm scaled by 1 / logits_scaling (on the last stage), its layers' outputs by the
+        # residual multiplier
+        scaled = {"ScaledRMSNorm"} if name == "granitemoe" else set()
+        assert sorted(set(r["norms"]) - scaled) == (["RMSNorm", "RotaryScale"] if yarn and not mla else ["RMSNorm"]), \
             (rank, r)
         assert r["rope_fusion"] is (not mla), (rank, r)
         # megatron's allgather dispatcher where expert and expert-tensor parallel are 1 (no chunk-sort copies)
@@ -163,7 +169,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         # ... in its host-sync-free form (kernels/moe_permute.py), whose dispatch these parity checks go through
         assert r["dispatcher_classes"] == (["SyncFreeAllGatherDispatcher"] if single
                                            else ["MoEAlltoAllTokenDispatcher"]), (rank, r)
-        assert set(r["mlp_modules"]) <= {"MoELayer", "SwiGLUMLP"} and "MoELayer" in r["mlp_modules"], (rank, r)
+        mlp = {m.removeprefix("Scaled") if name == "granitemoe" else m for m in r["mlp_modules"]}
+        assert mlp <= {"MoELayer", "SwiGLUMLP"} and "MoELayer" in mlp, (rank, r)
         # transformers' output type; DeepSeek's and GLM-4.5's forward asks for router_logits: per MoE layer, none
         # for dense ones
         assert r["output_type"] == r["ref_output_type"] == "MoeCausalLMOutputWithPast", (rank, r)
