@@ -72,6 +72,7 @@ LAYOUTS = {
     "gpt_oss_ep2": ("gpt_oss", 2, {"expert_parallel_size": 2}),
     "glm4_tp2_sp": ("glm4", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "granitemoe_tp2_sp": ("granitemoe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "exaone4_cp2": ("exaone4", 2, {"context_parallel_size": 2}),
     "gpt_oss_cp2": ("gpt_oss", 2, {"context_parallel_size": 2}),
     "gpt_oss_tp2_sp": ("gpt_oss", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
 }
@@ -85,7 +86,7 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "olmo3": ("olmo3", {"sliding_window": 3}), "gemma": ("gemma", {}),
                "gemma2": ("gemma2", {"sliding_window": 3}), "ministral": ("ministral", {"sliding_window": 3}),
                "helium": ("helium", {}), "gpt_oss": ("gpt_oss", {"sliding_window": 3}), "glm4": ("glm4", {}),
-               "granitemoe": ("granitemoe", {}),
+               "granitemoe": ("granitemoe", {}), "exaone4": ("exaone4", {"sliding_window": 3}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),
                "qwen3_moe_yarn": ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,

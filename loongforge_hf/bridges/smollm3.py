@@ -13,11 +13,12 @@ from loongforge_hf.bridges.dense import DenseBridge
 from loongforge_hf.bridges.registry import register_bridge
 
 
-def no_rope_attention(nope_layers: frozenset[int]) -> type:
-    """megatron's ``SelfAttention`` whose layers ``nope_layers`` (0-based global indices) take no rotary embedding."""
+def no_rope_attention(nope_layers: frozenset[int], base: type | None = None) -> type:
+    """megatron's ``SelfAttention`` (or ``base``, a subclass of it) whose layers ``nope_layers`` (0-based global
+    indices) take no rotary embedding."""
     from megatron.core.transformer.attention import SelfAttention
 
-    class NoRopeSelfAttention(SelfAttention):
+    class NoRopeSelfAttention(base or SelfAttention):
         def forward(self, *args, **kwargs):
             if self.layer_number - 1 in nope_layers:  # NOTE: megatron numbers layers from 1, offset by the stage
                 kwargs.update(rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None)

@@ -16,7 +16,8 @@ import torch
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
-              "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe")
+              "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe",
+              "exaone4")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -141,6 +142,13 @@ def _config(arch: str, **overrides):
         cfg = tf.Glm4Config(**{**common, "head_dim": 24}, attention_bias=True,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                              "partial_rotary_factor": 0.5})
+    elif arch == "exaone4":
+        # NOTE: EXAONE-4.0-32B's layout shrunk: post norms only, per-head q / k norms, a binding 5-token window on
+        # layers 0-2 and a full layer without rotary embedding (layer 3), llama3 rope scaling
+        cfg = tf.Exaone4Config(**{**common, "head_dim": 24}, sliding_window=5, sliding_window_pattern=4,
+                               rope_parameters={"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 32})
     elif arch == "granitemoe":
         # NOTE: granite-3.1-3b-a800m's multipliers and a mixture of 4 experts (top 2) in every layer, stacked on disk
         cfg = tf.GraniteMoeConfig(**{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,

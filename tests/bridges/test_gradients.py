@@ -20,7 +20,8 @@ its multipliers, OLMo 2 with its post norms and full-width q / k norms, OLMo 3 w
 full one, Gemma with zero-centred norms and its scaled embedding, Gemma 2 with soft-capped scores and logits,
 Ministral with the window on every other layer, Seed-OSS with q/k/v biases, Arcee with its ungated relu2 MLP,
 Helium and ERNIE 4.5 with interleaved rotary pairs, GLM-4 with half of each head rotated in interleaved pairs, norms
-after the sublayers and a packed gate / up) at TP1, TP2, TP2 + SP and CP2.
+after the sublayers and a packed gate / up, EXAONE 4 with windowed layers and a full one without rotary embedding) at
+TP1, TP2, TP2 + SP and CP2.
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ CHECKPOINTS = {
     "helium": ("helium", {}),  # interleaved rotary pairs
     "ernie4_5": ("ernie4_5", {}),  # interleaved rotary pairs, tied embeddings, head_dim of its own
     "glm4": ("glm4", {}),  # q/k/v biases, half-rotary heads in interleaved pairs, sandwich norms, packed gate_up
+    "exaone4": ("exaone4", {}),  # post norms, per-head q / k norms, windowed layers and a full one without rope
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe")
 DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3", "gemma",
          "gemma2", "ministral", "seed_oss", "arcee",
-         "helium", "ernie4_5", "glm4")
+         "helium", "ernie4_5", "glm4", "exaone4")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
     "tp1": (1, {}, MOE + DENSE),

@@ -238,7 +238,7 @@ def test_phi3_matches_trl(tmp_path):
 # seed 1, Gemma 3's seeds 0-4 and Ministral's 0-1 predict none
 ARCH_SEEDS = {"smollm3": 0, "gemma3": 5, "granite": 0, "olmo2": 0, "olmo3": 0, "gemma": 0, "gemma2": 0,
               "ministral": 2, "seed_oss": 0, "arcee": 0,
-              "helium": 0, "ernie4_5": 0, "gpt_oss": 0, "glm4": 0, "granitemoe": 0}
+              "helium": 0, "ernie4_5": 0, "gpt_oss": 0, "glm4": 0, "granitemoe": 0, "exaone4": 0}
 
 
 # NOTE: gpt-oss: transformers' eager attention (the only one with its sinks on CPU: flex attention refuses them there)
@@ -267,7 +267,8 @@ def test_architecture_matches_trl(tmp_path, arch):
     embedding tied to the LM head), Gemma 2 (soft-capped scores and logits: the fused loss's), Ministral (the window
     on every other layer), Seed-OSS (q/k/v biases), Arcee (an ungated relu2 MLP), Helium and ERNIE 4.5 (interleaved
     rotary pairs), GLM-4 (half-rotary heads in interleaved pairs, norms after the sublayers, packed gate / up: one
-    adapter, as PEFT's), GraniteMoE (Granite's multipliers on megatron's MoE layers), gpt-oss (attention sinks,
+    adapter, as PEFT's), EXAONE 4 (post norms, windowed layers, a full layer without rotary embedding), GraniteMoE
+    (Granite's multipliers on megatron's MoE layers), gpt-oss (attention sinks,
     biases, windowed layers, YaRN, experts with a clamped GLU: all-linear LoRA adapts its attention, as PEFT's; fully
     fine-tuned without packing, with weight decay): all-linear LoRA and full fine-tuning with packing against
     trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token metrics as above). OLMo 2: a LoRA

@@ -55,7 +55,8 @@ def _train_and_compare(folder: str, out_dir: str, device: str) -> dict:
                                             ("olmo3", {}), ("gemma", {}), ("gemma2", {}),
                                             ("ministral", {}), ("seed_oss", {}), ("arcee", {}),
                                             ("helium", {}), ("ernie4_5", {}), ("gpt_oss", {}),
-                                            ("glm4", {}), ("granitemoe", {})])
+                                            ("glm4", {}), ("granitemoe", {}),
+                                            ("exaone4", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
