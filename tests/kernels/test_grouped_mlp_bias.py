@@ -390,12 +390,34 @@ def test_fp8_experts_refuse_biases_and_the_clamped_glu():
         Fp8GroupedExperts(plain, name="experts", settings=settings)
 
 
-def test_lora_on_experts_refuses_biases_and_the_clamped_glu():
-    from loongforge_hf.lora.experts import check_param_adaptable
-    from loongforge_hf.lora.plan import LoraConfigError
+def test_lora_experts_take_the_biases_and_the_clamped_glu():
+    """LoRA on experts with biases and gpt-oss's clamped GLU: the module is adaptable, and the adapted forward is
+    ``grouped_gated_mlp`` with the adapters' terms, the biases and the clamped GLU (which differs from the frozen
+    experts'). Parity with PEFT on a whole gpt-oss: tests/integrations/test_lora_moe_bridges.py."""
+    from torch import nn
 
-    with pytest.raises(LoraConfigError, match=r"biases \(add_bias_linear\) and the activation ClampedGLU"):
-        check_param_adaptable(_module(_config()), "experts")
+    from loongforge_hf.lora.experts import ExpertAdapter, LoraGroupedMLP, check_param_adaptable
+
+    m = _module(_config())
+    check_param_adaptable(m, "experts")  # NOTE: no refusal
+    hf, x, indices, weights, _ = _case(seed=9)
+    _load(m, _megatron(hf))
+    g = torch.Generator().manual_seed(10)
+    terms = (_low_rank(EXPERTS, 2 * FFN, HIDDEN, 3, g, 2.0), _low_rank(EXPERTS, HIDDEN, FFN, 3, g, 2.0))
+    token, flat, counts = _permute(indices)
+    inputs = (x[token], counts, weights.flatten()[flat])
+    with torch.no_grad():
+        frozen, _ = m(*inputs)
+        m.__class__ = LoraGroupedMLP
+        m.lora = nn.ModuleDict({name: ExpertAdapter(t.A.detach().clone(), t.B.detach().clone(), scaling=t.scaling,
+                                                    expert_parallel=True)
+                                for name, t in zip(("gate_up_proj", "down_proj"), terms)})
+        adapted, _ = m(*inputs)
+        expected = grouped_gated_mlp(inputs[0], m.linear_fc1.weight, m.linear_fc2.weight, counts, inputs[2],
+                                     adapters=terms, biases=(m.linear_fc1.bias, m.linear_fc2.bias),
+                                     activation=m.activation)
+    torch.testing.assert_close(adapted, expected, **FP32)
+    assert (adapted - frozen).abs().max() > 1e-3
 
 
 # ---- CUDA: the grouped GEMMs against the loop in bf16 -------------------------------------------------------------
