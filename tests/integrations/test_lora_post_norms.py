@@ -1,6 +1,8 @@
-"""LoRA and DoRA on Gemma 3 and OLMo 2, whose layers normalise the attention and MLP outputs (post norms inside
-megatron's attention and MLP modules here: the adapters' terms must land before them); Gemma's embedding is scaled and
-tied to the LM head, OLMo 2's q / k norms span all heads (their weights split over TP).
+"""LoRA and DoRA on Gemma 3, OLMo 2, GLM-4 and EXAONE 4, whose layers normalise the attention and MLP outputs (post
+norms inside megatron's attention and MLP modules here: the adapters' terms must land before them); Gemma's embedding
+is scaled and tied to the LM head, OLMo 2's q / k norms span all heads (their weights split over TP), GLM-4 packs gate
+and up in one linear and rotates half of each head in interleaved pairs, EXAONE 4 has a full layer without rotary
+embedding.
 
 Checked against PEFT on the transformers model, from adapters PEFT wrote (every factor, magnitude and modules_to_save
 tensor moved off its initial value), at TP=2 + SP, PP=2 and CP=2: logits (1e-4) and loss (1e-5), every A / B /
@@ -23,7 +25,13 @@ ADAPTERS = {
                             modules_to_save=POST_NORMS), "dora": DORA_KW},
     "olmo2": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                            modules_to_save=[*POST_NORMS, "q_norm", "k_norm"]), "dora": DORA_KW},
+    # NOTE: GLM-4's post norms have names of their own, and gate / up are one packed linear (6 targets a layer)
+    "glm4": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                          modules_to_save=["post_self_attn_layernorm", "post_mlp_layernorm"]), "dora": DORA_KW},
+    "exaone4": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                             modules_to_save=[*POST_NORMS, "q_norm", "k_norm"]), "dora": DORA_KW},
 }
+TARGETS_PER_LAYER = {"glm4": 6}  # NOTE: else q, k, v, o, gate, up, down
 LAYOUTS = {"tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
            "pp2": (2, {"pipeline_parallel_size": 2}), "cp2": (2, {"context_parallel_size": 2})}
 
@@ -31,13 +39,13 @@ LAYOUTS = {"tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True})
 @pytest.fixture(scope="module", params=list(ADAPTERS))
 def model(request, tmp_path_factory):
     base = tmp_path_factory.mktemp(f"{request.param}-lora")
-    return (*write_adapters(base, request.param, ADAPTERS[request.param]), base)
+    return (*write_adapters(base, request.param, ADAPTERS[request.param]), base, request.param)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_adapters_match_peft(model, layout):
-    folder, adapters, base = model
+    folder, adapters, base, arch = model
     nprocs, sizes = LAYOUTS[layout]
     results = run_distributed(adapters_checks, nprocs, folder, adapters, str(base / layout), sizes, timeout=400)
-    # NOTE: q, k, v, o, gate, up, down of 4 layers
-    assert_adapters_match_peft(results, targets=7 * 4, pipeline=sizes.get("pipeline_parallel_size", 1) > 1)
+    assert_adapters_match_peft(results, targets=TARGETS_PER_LAYER.get(arch, 7) * 4,
+                               pipeline=sizes.get("pipeline_parallel_size", 1) > 1)
