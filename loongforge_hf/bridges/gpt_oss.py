@@ -49,8 +49,6 @@ class GptOssBridge(MixtralBridge):
         super().check_config()
         c = self.hf_config
         check_layer_kinds(c, self.architectures[0])
-        if "sliding_attention" in (c.layer_types or []) and not c.sliding_window:
-            raise C.UnsupportedConfigError(f"sliding_window={c.sliding_window} with sliding_attention layers.")
         alpha = getattr(c, "swiglu_alpha", QUICK_GELU_ALPHA)
         if abs(alpha - QUICK_GELU_ALPHA) > 1e-9:
             raise C.UnsupportedConfigError(f"swiglu_alpha={alpha} is not supported (megatron's quick_gelu: "

@@ -38,11 +38,15 @@ def _two_table_rotary(base: type) -> type:
 
 
 def check_layer_kinds(hf_config, architecture: str) -> None:
-    """``UnsupportedConfigError`` for layer types other than full and sliding-window attention."""
-    unknown = sorted(set(getattr(hf_config, "layer_types", None) or []) - set(LAYER_TYPES))
+    """``UnsupportedConfigError`` for layer types other than full and sliding-window attention, and for sliding-window
+    layers without a window."""
+    kinds = getattr(hf_config, "layer_types", None) or []
+    unknown = sorted(set(kinds) - set(LAYER_TYPES))
     if unknown:
         raise C.UnsupportedConfigError(f"layer_types {unknown} are not supported for {architecture}; supported: "
                                        f"{list(LAYER_TYPES)}.")
+    if "sliding_attention" in kinds and not hf_config.sliding_window:
+        raise C.UnsupportedConfigError(f"sliding_window={hf_config.sliding_window} with sliding_attention layers.")
 
 
 def layer_windows(hf_config) -> dict:
@@ -66,8 +70,6 @@ class LayerTypes:
         check_layer_kinds(c, self.architectures[0])
         for kind in LAYER_TYPES:
             self.rope_for(kind)
-        if "sliding_attention" in c.layer_types and not c.sliding_window:
-            raise C.UnsupportedConfigError(f"sliding_window={c.sliding_window} with sliding_attention layers.")
 
     def rope_for(self, layer_type: str) -> dict:
         """The rope parameters of ``layer_type``'s layers."""

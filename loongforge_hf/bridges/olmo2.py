@@ -86,11 +86,50 @@ def full_width_norm(which: str) -> type:
     return FullWidthRMSNorm
 
 
-@register_bridge("Olmo2ForCausalLM")
-class Olmo2Bridge(DenseBridge):
+class PostNorms(DenseBridge):
+    """No input / pre-MLP norms; the attention's and the MLP's outputs normalised before the residual adds
+    (``post_attention_layernorm``, ``post_feedforward_layernorm``), q / k norms: OLMo 2, EXAONE 4."""
+
     qk_norm = True
     pre_norms = False
+    qk_norm_mapping: type = Replicated  # per-head q / k norms (OLMo 2's span all heads: split over TP)
+
+    def attention_module(self) -> type | None:
+        return transformed_attention(post_norm=True)
+
+    def mlp_module(self) -> type | None:
+        return transformed_mlp(post_norm=True)
+
+    def attention_mappings(self) -> list[Mapping]:
+        norm = self.qk_norm_mapping
+        return [
+            QKV(f"{D}.self_attention.linear_qkv.weight", q=f"{L}.self_attn.q_proj.weight",
+                k=f"{L}.self_attn.k_proj.weight", v=f"{L}.self_attn.v_proj.weight"),
+            RowParallel(f"{D}.self_attention.linear_proj.weight", f"{L}.self_attn.o_proj.weight"),
+            norm(f"{D}.self_attention.q_layernorm.weight", f"{L}.self_attn.q_norm.weight"),
+            norm(f"{D}.self_attention.k_layernorm.weight", f"{L}.self_attn.k_norm.weight"),
+            Replicated(f"{D}.self_attention.post_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
+        ]
+
+    def dense_mlp_mappings(self) -> list[Mapping]:
+        _, fc1, fc2 = super().dense_mlp_mappings()
+        return [fc1, fc2, Replicated(f"{D}.mlp.post_layernorm.weight", f"{L}.post_feedforward_layernorm.weight")]
+
+    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        shapes = super().attention_shapes(prefix)
+        shapes.pop(f"{prefix}.input_layernorm.weight")
+        return {**shapes, f"{prefix}.post_attention_layernorm.weight": (self.hf_config.hidden_size,)}
+
+    def dense_mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        shapes = super().dense_mlp_shapes(prefix)
+        h = shapes.pop(f"{prefix}.post_attention_layernorm.weight")
+        return {**shapes, f"{prefix}.post_feedforward_layernorm.weight": h}
+
+
+@register_bridge("Olmo2ForCausalLM")
+class Olmo2Bridge(PostNorms):
     extra_rope_types = ()
+    qk_norm_mapping = ColumnParallel
 
     def transformer_config_kwargs(self) -> dict:
         # NOTE: the q / k norm modules come from the spec (qk_module); megatron's qk_layernorm flag would make
@@ -101,40 +140,12 @@ class Olmo2Bridge(DenseBridge):
     def qk_module(self) -> tuple[type, type]:
         return full_width_norm("q"), full_width_norm("k")
 
-    def attention_module(self) -> type | None:
-        return transformed_attention(post_norm=True)
-
-    def mlp_module(self) -> type | None:
-        return transformed_mlp(post_norm=True)
-
-    def attention_mappings(self) -> list[Mapping]:
-        return [
-            QKV(f"{D}.self_attention.linear_qkv.weight", q=f"{L}.self_attn.q_proj.weight",
-                k=f"{L}.self_attn.k_proj.weight", v=f"{L}.self_attn.v_proj.weight"),
-            RowParallel(f"{D}.self_attention.linear_proj.weight", f"{L}.self_attn.o_proj.weight"),
-            ColumnParallel(f"{D}.self_attention.q_layernorm.weight", f"{L}.self_attn.q_norm.weight"),
-            ColumnParallel(f"{D}.self_attention.k_layernorm.weight", f"{L}.self_attn.k_norm.weight"),
-            Replicated(f"{D}.self_attention.post_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
-        ]
-
-    def dense_mlp_mappings(self) -> list[Mapping]:
-        _, fc1, fc2 = super().dense_mlp_mappings()
-        return [fc1, fc2, Replicated(f"{D}.mlp.post_layernorm.weight", f"{L}.post_feedforward_layernorm.weight")]
-
     def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         c = self.hf_config
         hd, heads = C.head_dim_of(c), c.num_attention_heads
         kv = getattr(c, "num_key_value_heads", None) or heads
-        shapes = super().attention_shapes(prefix)
-        shapes.pop(f"{prefix}.input_layernorm.weight")
-        return {**shapes, f"{prefix}.self_attn.q_norm.weight": (heads * hd,),
-                f"{prefix}.self_attn.k_norm.weight": (kv * hd,),
-                f"{prefix}.post_attention_layernorm.weight": (c.hidden_size,)}
-
-    def dense_mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        shapes = super().dense_mlp_shapes(prefix)
-        h = shapes.pop(f"{prefix}.post_attention_layernorm.weight")
-        return {**shapes, f"{prefix}.post_feedforward_layernorm.weight": h}
+        return {**super().attention_shapes(prefix), f"{prefix}.self_attn.q_norm.weight": (heads * hd,),
+                f"{prefix}.self_attn.k_norm.weight": (kv * hd,)}
 
 
 @register_bridge("Olmo3ForCausalLM")
