@@ -41,10 +41,12 @@ def _renamed(mapping: Mapping, old: str, new: str) -> Mapping:
     return replace(mapping, **values)
 
 
-class Qwen2_5_VLTextBridge(Qwen2Bridge):
-    """The language model of Qwen2.5-VL for megatron: Qwen2 with mrope, under ``text_prefix``."""
+class MRopeText:
+    """The language model of an image-text model for megatron: its causal-LM bridge (the next base class) over
+    ``text_config``, with mrope, its tensors under ``text_prefix``."""
 
     position_embedding_type = "mrope"
+    family = "Qwen2.5-VL"
 
     def __init__(self, text_config, *, tied: bool, text_prefix: str = "model") -> None:
         self._tied = tied
@@ -61,7 +63,7 @@ class Qwen2_5_VLTextBridge(Qwen2Bridge):
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in _ROPE_TYPES:
             raise C.UnsupportedConfigError(f"text_config.rope_parameters.rope_type={rope_type!r} is not implemented "
-                                           f"for Qwen2.5-VL; supported: {list(_ROPE_TYPES)}.")
+                                           f"for {self.family}; supported: {list(_ROPE_TYPES)}.")
         params["rope_type"] = "default"
         params.setdefault("rope_theta", getattr(self.hf_config, "rope_theta", 10000.0))
         return params
@@ -98,6 +100,10 @@ class Qwen2_5_VLTextBridge(Qwen2Bridge):
                 for n, s in super().expected_hf_shapes().items()}
 
 
+class Qwen2_5_VLTextBridge(MRopeText, Qwen2Bridge):
+    """The language model of Qwen2.5-VL for megatron: Qwen2 with mrope, under ``text_prefix``."""
+
+
 @dataclass(frozen=True)
 class FusedQKVRows(Mapping):
     """A ``[q; k; v]`` row-stacked tensor (weight or bias) split by heads: rank r holds ``[q_r; k_r; v_r]``."""
@@ -126,13 +132,15 @@ class Qwen2_5_VLBridge:
     """Declaration of ``Qwen2_5_VLForConditionalGeneration``: the text bridge, the vision tensor table, the checks."""
 
     architectures = ("Qwen2_5_VLForConditionalGeneration",)
+    text_bridge_class = Qwen2_5_VLTextBridge
+    frames_apart = False  # NOTE: True: a video's frames are separate items of the 3-D positions (Qwen3-VL)
 
     def __init__(self, hf_config, checkpoint_names=()) -> None:
         self.hf_config = hf_config
         names = set(checkpoint_names)
         self.text_prefix, self.vision_prefix = NESTED_NAMES if f"{NESTED_NAMES[0]}.embed_tokens.weight" in names \
             else HUB_NAMES
-        self.text = Qwen2_5_VLTextBridge(hf_config.text_config, tied=self.tied, text_prefix=self.text_prefix)
+        self.text = self.text_bridge_class(hf_config.text_config, tied=self.tied, text_prefix=self.text_prefix)
         self.check_vision_config()
 
     @property
@@ -228,11 +236,19 @@ class Qwen2_5_VLBridge:
     def is_projector(self, vision_param_name: str) -> bool:
         return vision_param_name.startswith("merger.")
 
+    def vision_tower(self, *, tp_group=None, recompute: bool = False):
+        """The tower module for ``vision_config`` (weights empty; ``vision_weights.load_vision`` fills them)."""
+        from loongforge_hf.multimodal.vision import VisionTower
+
+        return VisionTower(self.vision_config, tp_group=tp_group, recompute=recompute)
+
 
 VL_BRIDGES = {arch: Qwen2_5_VLBridge for arch in Qwen2_5_VLBridge.architectures}
 
 
 def get_vl_bridge(hf_config, checkpoint_names=()) -> Qwen2_5_VLBridge:
+    from loongforge_hf.bridges import qwen3_vl  # noqa: F401  (registers its bridge in VL_BRIDGES)
+
     for arch in getattr(hf_config, "architectures", None) or []:
         if arch in VL_BRIDGES:
             return VL_BRIDGES[arch](hf_config, checkpoint_names)

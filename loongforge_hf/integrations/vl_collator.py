@@ -48,6 +48,7 @@ class DataCollatorForImageText:
     max_length: int | None = None          # packing: longest row
     spatial_merge_size: int | None = None  # packing: to compute each sample's 3-D positions
     tokens_per_second: float = 1.0         # packing: vision_config.tokens_per_second (video time positions)
+    frames_apart: bool = False             # packing: a video's frames are separate position items (Qwen3-VL)
 
     def __post_init__(self) -> None:
         if self.padding_side not in ("left", "right"):
@@ -58,10 +59,15 @@ class DataCollatorForImageText:
 
     @classmethod
     def from_processor(cls, processor, config=None, **kwargs) -> "DataCollatorForImageText":
-        """From a Qwen2.5-VL processor; ``config`` (the model's) supplies ``tokens_per_second`` for videos."""
+        """From a Qwen2.5-VL or Qwen3-VL processor; ``config`` (the model's) supplies ``tokens_per_second`` for
+        videos."""
+        from transformers import Qwen3VLProcessor
+
         tok = processor.tokenizer
         image = getattr(processor, "image_processor", None)
-        defaults = {"spatial_merge_size": getattr(image, "merge_size", None)}
+        defaults = {"spatial_merge_size": getattr(image, "merge_size", None),
+                    "frames_apart": isinstance(processor, Qwen3VLProcessor)
+                    or getattr(config, "model_type", None) == "qwen3_vl"}
         vision = getattr(config, "vision_config", None)
         if vision is not None and getattr(vision, "tokens_per_second", None) is not None:
             defaults["tokens_per_second"] = vision.tokens_per_second
@@ -145,7 +151,7 @@ class DataCollatorForImageText:
                                   spatial_merge_size=self.spatial_merge_size,
                                   second_per_grid_ts=None if seconds is None
                                   else torch.as_tensor(seconds, dtype=torch.float32).reshape(-1),
-                                  tokens_per_second=self.tokens_per_second)[:, 0]
+                                  tokens_per_second=self.tokens_per_second, frames_apart=self.frames_apart)[:, 0]
 
     def _pack(self, features: list[dict]) -> dict[str, torch.Tensor]:
         rows: list[list[tuple]] = [[]]

@@ -18,12 +18,62 @@ Choices:
 - The vision layouts: replicated tower (every TP rank encodes every image), tower split over TP (``VisionTower`` built
   with the TP group), or encoder data parallel (``encoder_parallel``: each TP rank encodes a share of the images).
   Under CP the CP ranks share out the images and videos the same way (``encode``), the TP split inside a CP share.
+- DeepStack (Qwen3-VL): the tower's output carries ``deepstack_count`` more feature blocks beside the embeddings
+  (``vision_qwen3.py``); they travel with the embeddings to this rank's rows, and the output hidden states of decoder
+  layer ``k`` (global, 0-based) get block ``k`` added at the image / video rows for the duration of the call
+  (forward hooks; the rows are the local ones, after the CP share and the sequence-parallel split, as the
+  embeddings'). These layers must sit on the first pipeline stage's first chunk, beside the tower
+  (``check_deepstack_layers``); the recomputation of megatron's own full recompute would run them without their
+  features, so it is refused with DeepStack (``language_recompute=True`` checkpoints each layer with the hooks
+  outside).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+
+
+def check_deepstack_layers(language, count: int) -> None:
+    """Raise where DeepStack's first ``count`` decoder layers are not all on this rank's pre-processing chunk, or
+    megatron's own recompute would recompute them (see the module docstring)."""
+    if not count:
+        return
+    if getattr(language.config, "recompute_granularity", None) is not None:
+        raise ValueError("DeepStack models (Qwen3-VL) take language_recompute=True for activation recompute, not "
+                         "megatron's recompute_granularity.")
+    for chunk in language.chunks:
+        outside = [layer.layer_number for layer in chunk.decoder.layers
+                   if layer.layer_number <= count and not chunk.pre_process]
+        if outside:
+            from loongforge_hf.parallel import ParallelLayoutError
+
+            raise ParallelLayoutError(f"DeepStack adds vision features to the outputs of the first {count} decoder "
+                                      f"layers; layer(s) {outside} fall outside the first pipeline stage's first "
+                                      "chunk, beside the vision tower. Use fewer pipeline stages (or virtual stages) "
+                                      f"so that it holds at least {count} layers.")
+
+
+@contextlib.contextmanager
+def deepstack_added(language, where: tuple, features: list[torch.Tensor]):
+    """Inside, decoder layer ``k`` (global, 0-based) of ``language`` (a GPTModel) adds ``features[k]`` to its output
+    hidden states ``[s, b, h]`` at the rows ``where``."""
+    def hook(k):
+        def add(module, args, output):
+            hidden, *rest = output if isinstance(output, tuple) else (output,)
+            hidden = hidden.index_put(where, features[k].to(hidden.dtype), accumulate=True)
+            return (hidden, *rest) if isinstance(output, tuple) else hidden
+        return add
+
+    handles = [layer.register_forward_hook(hook(layer.layer_number - 1)) for layer in language.decoder.layers
+               if layer.layer_number <= len(features)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class VisionLanguageChunk(nn.Module):
@@ -82,12 +132,16 @@ class VisionLanguageChunk(nn.Module):
             index = cp_token_index(input_ids.shape[1], cp_size, cp_rank, device=input_ids.device)
             if attention_mask is not None:
                 attention_mask = attention_mask[:, :, index] if attention_mask.shape[2] > 1 else attention_mask
-        decoder_input = None
+        decoder_input, added = None, contextlib.nullcontext()
         if self.language.pre_process:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                                       index=index, image_copies=image_copies, video_copies=video_copies)
+            decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                                  video_grid_thw, index=index, image_copies=image_copies,
+                                                  video_copies=video_copies, deepstack=True)
+            if deepstack is not None:
+                added = deepstack_added(self.language, *deepstack)
         local_ids = input_ids if index is None else input_ids[:, index]
-        return self.language(local_ids, position_ids, attention_mask, decoder_input=decoder_input)
+        with added:
+            return self.language(local_ids, position_ids, attention_mask, decoder_input=decoder_input)
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Embeddings of every image / video of ``grid_thw`` on this rank; under context parallelism (also in a step
@@ -118,8 +172,9 @@ class VisionLanguageChunk(nn.Module):
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
               pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None, *,
               index: torch.Tensor | None = None, image_copies: torch.Tensor | None = None,
-              video_copies: torch.Tensor | None = None) -> torch.Tensor:
-        """``[s_local (/ tp under sequence parallelism), b, h]`` embeddings with images and videos in place;
+              video_copies: torch.Tensor | None = None, deepstack: bool = False):
+        """``[s_local (/ tp under sequence parallelism), b, h]`` embeddings with images and videos in place
+        (``deepstack``: and the DeepStack rows and features for ``deepstack_added``, None without them);
         ``index``: the global positions this rank holds (context parallelism), all when None. ``image_copies`` /
         ``video_copies`` (generate's rows expanded for beams or return sequences): the images (videos) the
         placeholders take, in order, as indices into those given; each given one is encoded once."""
@@ -134,7 +189,7 @@ class VisionLanguageChunk(nn.Module):
                 trainable = [p for p in self.vision.parameters() if p.requires_grad]
                 if trainable:
                     embeddings = embeddings + 0.0 * sum(p.reshape(-1)[:1].sum() for p in trainable).to(embeddings.dtype)
-            return embeddings
+            return (embeddings, None) if deepstack else embeddings
         if self.vision is None:
             raise ValueError("pixel_values / pixel_values_videos need a model with a vision tower.")
         if (pixel_values is not None and image_grid_thw is None) or \
@@ -184,7 +239,12 @@ class VisionLanguageChunk(nn.Module):
         rows = is_vision[:, positions].t()
         where = rows.nonzero(as_tuple=True)
         picked = vision[source[:, positions].t()[where]].to(embeddings.dtype)
-        return embeddings.index_put(where, picked)
+        width = embeddings.shape[-1]
+        merged = embeddings.index_put(where, picked[:, :width])
+        if not deepstack:
+            return merged
+        features = list(picked[:, width:].split(width, dim=-1)) if picked.shape[1] > width else []
+        return merged, ((where, features) if features else None)
 
 
 def repeat_copies(features: torch.Tensor, merge2: int, *kinds) -> tuple:

@@ -140,7 +140,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                                   spatial_merge_size=vision.spatial_merge_size, video_grid_thw=video_grid_thw,
                                   video_token_id=self.bridge.video_token_id, second_per_grid_ts=second_per_grid_ts,
                                   tokens_per_second=getattr(vision, "tokens_per_second", 1),
-                                  document_ids=document_ids)
+                                  document_ids=document_ids, frames_apart=self.bridge.frames_apart)
 
     def megatron_forward_inputs(self, batch: dict) -> tuple[tuple, dict]:
         """(args, kwargs) for one model chunk from a collated batch: what a training step passes to each chunk."""
@@ -317,8 +317,7 @@ class AutoModelForImageTextToText:
         from loongforge_hf.bridges.loader import load_into
         from loongforge_hf.bridges.qwen2_5_vl import get_vl_bridge
         from loongforge_hf.lora.load import adapter_base_model, is_adapter_folder, load_adapter
-        from loongforge_hf.multimodal.chunk import VisionLanguageChunk
-        from loongforge_hf.multimodal.vision import VisionTower
+        from loongforge_hf.multimodal.chunk import VisionLanguageChunk, check_deepstack_layers
         from loongforge_hf.multimodal.vision_weights import load_vision
         from loongforge_hf.parallel import initialize_parallel
         from loongforge_hf.xpu import get_backend
@@ -379,14 +378,15 @@ class AutoModelForImageTextToText:
             with failing_alike(pretrained_model_name_or_path):
                 check_device(options.device)
                 language = build_megatron_model(bridge.text, layout, dtype=param_dtype)
+                check_deepstack_layers(language, getattr(bridge, "deepstack_count", 0))
                 if language_recompute:
                     _recompute_every_layer(language)
                 load_into(language, bridge.text, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
                           tp_size=ps.get_tensor_model_parallel_world_size())
                 for i, chunk in enumerate(language.chunks):
                     if chunk.pre_process:
-                        towers[i] = VisionTower(bridge.vision_config, recompute=vision_recompute,
-                                                tp_group=tp_group if vision_layout == "tensor_parallel" else None)
+                        towers[i] = bridge.vision_tower(
+                            recompute=vision_recompute, tp_group=tp_group if vision_layout == "tensor_parallel" else None)
                         towers[i].to(device=get_backend().device(), dtype=param_dtype)
                         load_vision(towers[i], bridge, reader,
                                     tp_group=tp_group if vision_layout == "tensor_parallel" else None)

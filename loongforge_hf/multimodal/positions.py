@@ -10,6 +10,8 @@ Choices:
 - Which tokens are image (1) or video (2) tokens comes from ``mm_token_type_ids`` when the processor gave them,
   otherwise from ``input_ids == image_token_id / video_token_id``. Images and videos are consumed in order, each kind
   from its own grid list, row after row; a run of vision tokens may hold several images (or videos) back to back.
+- ``frames_apart`` (Qwen3-VL, whose processor puts a timestamp between a video's frames): each frame of a video is
+  an item of its own (grid ``(1, h, w)``, temporal position ``p``), without ``second_per_grid_ts`` time scaling.
 - ``document_ids`` (packed rows, see ``integrations.vl_collator``): positions restart at 0 where a new document
   starts, so each packed sample gets the positions it would get alone.
 """
@@ -30,9 +32,14 @@ def mrope_position_ids(input_ids: torch.Tensor, *, image_grid_thw: torch.Tensor 
                        spatial_merge_size: int, attention_mask: torch.Tensor | None = None,
                        mm_token_type_ids: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
                        video_token_id: int | None = None, second_per_grid_ts: torch.Tensor | None = None,
-                       tokens_per_second: float = 1.0, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                       tokens_per_second: float = 1.0, document_ids: torch.Tensor | None = None,
+                       frames_apart: bool = False) -> torch.Tensor:
     """``[3, b, s]`` position ids (int64, on ``input_ids``' device)."""
     b, s = input_ids.shape
+    if frames_apart and video_grid_thw is not None:
+        video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+        video_grid_thw[:, 0] = 1
+        second_per_grid_ts = None
     device = input_ids.device
     if image_grid_thw is None and video_grid_thw is None and document_ids is None:
         return torch.arange(s, device=device).view(1, 1, s).expand(3, b, s).clone()

@@ -235,14 +235,32 @@ class PatchMerger(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, *, bias: bool = False) -> None:
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
+
+
+class AxialRotary(nn.Module):
+    """The ViT's 2-D rope: ``forward(positions [n, 2]) -> cos, sin [n, head_dim]``, angles of h then w over a
+    quarter of the head each, the pair repeated (rotate-half layout)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        head_dim = config.hidden_size // config.num_heads
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.int64).float() / (head_dim // 2)
+        self.register_buffer("inv_freq", 1.0 / (theta ** quarter), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions[..., None].float() * self.inv_freq.to(positions.device)    # [n, 2, head_dim / 4]
+        angles = angles.flatten(1)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
 
 
 class VisionTower(nn.Module):
@@ -258,17 +276,7 @@ class VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(config)
         self.blocks = nn.ModuleList([VisionBlock(config, tp_group=tp_group) for _ in range(config.depth)])
         self.merger = PatchMerger(config)
-        head_dim = config.hidden_size // config.num_heads
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.int64).float() / (head_dim // 2)
-        self.register_buffer("inv_freq", 1.0 / (theta ** quarter), persistent=False)
-
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, head_dim]: angles of h then w, the pair repeated (rotate-half layout)."""
-        angles = positions[..., None].float() * self.inv_freq.to(positions.device)    # [n, 2, head_dim / 4]
-        angles = angles.flatten(1)
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
+        self.rotary = AxialRotary(config)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         layout = vision_layout(grid_thw.cpu(), merge=self.merge, window=self.window)

@@ -1,11 +1,15 @@
-"""A tiny random Qwen2.5-VL checkpoint and its processor, written by ``transformers`` itself (no download).
+"""Tiny random Qwen2.5-VL and Qwen3-VL checkpoints and their processors, written by ``transformers`` itself (no
+download).
 
 Sizes: ViT depth 2 (block 0 windowed, block 1 full attention), hidden 32, 2 heads, patch 14, 2x2 merge, windows of
 2x2 merged tokens (so a 56x84-pixel image spans several); a 4-layer Qwen2 decoder, hidden 64, GQA (4 heads, 2 KV
 heads), mrope sections (2, 3, 3); a word-level tokenizer with Qwen's vision special tokens appended. Norm weights and
 biases are random (transformers initialises norms to 1 and biases to 0, which would hide a dropped tensor).
 
-The processor is ``Qwen2_5_VLProcessor``'s own code with an image processor and a tokenizer but no video processor:
+Qwen3-VL (``make_tiny_qwen3_vl``): ViT depth 3 (patch 16, a 4x4 learned position grid, DeepStack from blocks 0
+and 1 into decoder layers 0 and 1), a 4-layer Qwen3 decoder (head_dim 16, q/k norms), interleaved mrope (2, 3, 3).
+
+The processor is ``Qwen2_5_VLProcessor``'s (``Qwen3VLProcessor``'s) own code with an image processor and a tokenizer but no video processor:
 transformers' video processors need torchvision, which the CPU test environment does not install.
 """
 
@@ -28,26 +32,38 @@ def make_vl_tokenizer(folder: str | Path):
     return tok
 
 
-def image_processor():
+def image_processor(patch_size: int = 14):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 64, patch_size=14, merge_size=2,
-                                    temporal_patch_size=2)
+    side = 2 * patch_size
+    return Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=side * side * 64, patch_size=patch_size,
+                                    merge_size=2, temporal_patch_size=2)
 
 
-def make_processor(tokenizer, images=None):
-    """``Qwen2_5_VLProcessor`` over ``tokenizer`` and a small-image Qwen2-VL image processor (no video processor)."""
-    from transformers import Qwen2_5_VLProcessor
+def make_processor(tokenizer, images=None, *, qwen3: bool = False):
+    """``Qwen2_5_VLProcessor`` (``qwen3``: ``Qwen3VLProcessor`` with 16-pixel patches) over ``tokenizer`` and a
+    small-image Qwen2-VL image processor (no video processor)."""
+    from transformers import Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
-    class ImageTextProcessor(Qwen2_5_VLProcessor):
+    class ImageTextProcessor(Qwen3VLProcessor if qwen3 else Qwen2_5_VLProcessor):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             self.image_token, self.video_token = IMAGE_PAD, VIDEO_PAD
             self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
             self.video_token_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    return ImageTextProcessor(image_processor=images or image_processor(), tokenizer=tokenizer)
+    return ImageTextProcessor(image_processor=images or image_processor(16 if qwen3 else 14), tokenizer=tokenizer)
+
+
+def processor_for(folder: str | Path):
+    """The tiny processor of the tiny checkpoint in ``folder`` (its tokenizer; Qwen3-VL's or Qwen2.5-VL's)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
+    return make_processor(AutoTokenizer.from_pretrained(folder), qwen3=model_type == "qwen3_vl")
 
 
 def tiny_vl_config(**text_overrides):
@@ -84,4 +100,44 @@ def make_tiny_qwen2_5_vl(folder: str | Path, *, seed: int = 0, max_shard_size: s
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     tok = make_vl_tokenizer(folder)
     make_processor(tok).save_pretrained(folder)
+    return folder
+
+
+def tiny_qwen3_vl_config(**text_overrides):
+    from transformers import Qwen3VLConfig
+
+    text = dict(vocab_size=TEXT_VOCAB + 4, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    text.update(text_overrides)
+    tie = text.pop("tie_word_embeddings", False)
+    deepstack = text.pop("deepstack_visual_indexes", [0, 1])
+    vision = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=16,
+                  deepstack_visual_indexes=deepstack)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, vision_start_token_id=TEXT_VOCAB,
+                         vision_end_token_id=TEXT_VOCAB + 1, image_token_id=TEXT_VOCAB + 2,
+                         video_token_id=TEXT_VOCAB + 3, tie_word_embeddings=tie)
+
+
+def make_tiny_qwen3_vl(folder: str | Path, *, seed: int = 0, max_shard_size: str = "60KB", **text_overrides) -> Path:
+    """Write a tiny random Qwen3-VL (weights, config, tokenizer, image processor) and return its folder."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(**text_overrides)).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith(".weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+            elif "pos_embed" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    tok = make_vl_tokenizer(folder)
+    make_processor(tok, qwen3=True).save_pretrained(folder)
     return folder

@@ -17,12 +17,10 @@ SAMPLE_SETS = {"default": SAMPLES, "one_image": ONE_IMAGE}
 
 def make_batch(folder: str, samples=SAMPLES, seed: int = 3, **collator_kwargs) -> dict:
     """Each sample through the real processor, then the collator (``collator_kwargs``: e.g. pad_to_multiple_of)."""
-    from transformers import AutoTokenizer
-
     from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
-    from loongforge_hf.testing.tiny_vl import make_processor
+    from loongforge_hf.testing.tiny_vl import processor_for
 
-    processor = make_processor(AutoTokenizer.from_pretrained(folder))
+    processor = processor_for(folder)
     rng = np.random.RandomState(seed)
     features = []
     for text, sizes in samples:
@@ -34,7 +32,7 @@ def make_batch(folder: str, samples=SAMPLES, seed: int = 3, **collator_kwargs) -
 def hf_reference(folder: str, batch: dict):
     import transformers
 
-    ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
     out = ref(**batch)
     out.loss.backward()
     grads = {n[len("model.visual."):]: p.grad for n, p in ref.named_parameters() if n.startswith("model.visual.")}
@@ -66,18 +64,20 @@ def vision_grads(model) -> dict:
 _REFERENCE: dict = {}
 
 
-def reference(folder: str, samples: str):
-    """(batch, transformers' logits, loss, vision grads) for ``folder`` and a sample set, computed once per process."""
-    if (folder, samples) not in _REFERENCE:
-        batch = make_batch(folder, SAMPLE_SETS[samples])
-        _REFERENCE[folder, samples] = (batch, *hf_reference(folder, batch))
-    return _REFERENCE[folder, samples]
+def reference(folder: str, samples: str, multiple: int | None = None):
+    """(batch, transformers' logits, loss, vision grads) for ``folder`` and a sample set (padded to a ``multiple`` of
+    tokens when given), computed once per process."""
+    if (folder, samples, multiple) not in _REFERENCE:
+        batch = make_batch(folder, SAMPLE_SETS[samples], pad_to_multiple_of=multiple)
+        _REFERENCE[folder, samples, multiple] = (batch, *hf_reference(folder, batch))
+    return _REFERENCE[folder, samples, multiple]
 
 
-def compare_and_export(folder: str, layout: dict, out_dir: str, samples: str = "default") -> dict:
+def compare_and_export(folder: str, layout: dict, out_dir: str, samples: str = "default",
+                       multiple: int | None = None) -> dict:
     import loongforge_hf as lf
 
-    batch, ref_logits, ref_loss, ref_grads = reference(folder, samples)
+    batch, ref_logits, ref_loss, ref_grads = reference(folder, samples, multiple)
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
     out = model(**batch)
     valid = batch["attention_mask"].bool()
@@ -87,6 +87,12 @@ def compare_and_export(folder: str, layout: dict, out_dir: str, samples: str = "
     if layout.get("pipeline_parallel_size", 1) == 1:
         out.loss.backward()
         grads = vision_grads(model)
+        if layout.get("context_parallel_size", 1) > 1:  # NOTE: each CP rank's gradient is its share's
+            import torch.distributed as dist
+            from megatron.core import parallel_state as ps
+
+            for g in grads.values():
+                dist.all_reduce(g, group=ps.get_context_parallel_group())
         assert sorted(grads) == sorted(ref_grads), sorted(set(grads) ^ set(ref_grads))
         result["grad_diff"] = max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
     model.save_pretrained(out_dir, max_shard_size="60KB")

@@ -1,0 +1,166 @@
+"""Qwen3VLForConditionalGeneration: a Qwen3 decoder with interleaved multimodal rope, a ViT with a learned position
+table, and DeepStack (features of intermediate ViT blocks added to the first decoder layers' outputs).
+
+Choices:
+- The language model is the Qwen3 declaration (per-head q/k RMSNorm) over ``text_config``, built by megatron with
+  ``position_embedding_type="mrope"``; its rotary embedding is swapped for ``InterleavedMRoPE``: Qwen3-VL takes the
+  frequency channels of the (temporal, height, width) axes interleaved (channel ``j`` is height's when ``j % 3 == 1``
+  and ``j < 3 * mrope_section[1]``, width's when ``j % 3 == 2`` and ``j < 3 * mrope_section[2]``, temporal's
+  otherwise), where megatron's ``MultimodalRotaryEmbedding`` takes contiguous sections (Qwen2-VL's layout).
+- Tensor names: the hub's checkpoints and transformers 5 write ``model.language_model.*`` / ``model.visual.*``; the
+  flat naming is accepted as for Qwen2.5-VL and export writes the names that were read.
+- Vision tensors are named like ``multimodal.vision_qwen3.Qwen3VisionTower``'s modules, split over TP as Qwen2.5-VL's
+  tower (attention by heads, the fused ``qkv`` rows as three blocks; ``linear_fc1`` by rows, ``linear_fc2`` by
+  columns); norms, biases added after the reduction, the patch embedding, the position table and the mergers
+  (DeepStack's included, all "projector" for ``freeze_projector``) are replicated.
+- A video's frames are separate items of the 3-D positions (the processor puts a timestamp between them): each frame
+  takes temporal position ``p`` and the text after it continues at ``p + max(h, w)`` (``frames_apart``).
+- Refused: a ViT activation transformers does not know, a non-axial ViT rope, a non-square position table,
+  DeepStack indexes outside the ViT or more of them than decoder layers; DeepStack layers outside the first
+  pipeline stage are refused at load (``multimodal.chunk.check_deepstack_layers``).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, FusedQKVRows, MRopeText, Qwen2_5_VLBridge
+from loongforge_hf.bridges.qwen3 import Qwen3Bridge
+
+
+def interleaved_axes(mrope_section: list[int], channels: int, device=None) -> torch.Tensor:
+    """``[channels]`` axis (0 temporal, 1 height, 2 width) of each frequency channel, Qwen3-VL's interleaving."""
+    j = torch.arange(channels, device=device)
+    axes = torch.zeros(channels, dtype=torch.long, device=device)
+    for axis in (1, 2):
+        axes[(j % 3 == axis) & (j < 3 * mrope_section[axis])] = axis
+    return axes
+
+
+class InterleavedMRoPE(MultimodalRotaryEmbedding):
+    """megatron's multimodal rotary embedding with the axes' channels interleaved (see the module docstring): the
+    same ``forward(position_ids [3, b, s], mrope_section)`` -> angles ``[s, b, 1, dim]`` (CP share sliced)."""
+
+    def forward(self, position_ids: torch.Tensor, mrope_section: list[int], cp_group=None) -> torch.Tensor:
+        from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+        if self.rotary_interleaved or self.seq_len_interpolation_factor is not None:
+            raise ValueError("InterleavedMRoPE: rotary_interleaved and seq_len_interpolation_factor are not supported.")
+        positions = position_ids.to(device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[..., None] * self.inv_freq.float()                       # [3, b, s, dim / 2]
+        axes = interleaved_axes(mrope_section, freqs.shape[-1], device=freqs.device)
+        half = freqs.gather(0, axes.expand(1, *freqs.shape[1:]))[0]                # [b, s, dim / 2]
+        emb = torch.cat([half, half], dim=-1)[..., None, :].transpose(0, 1).contiguous()
+        cp_group = cp_group if cp_group is not None else self.cp_group
+        if cp_group is not None and cp_group.size() > 1:
+            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+        return emb
+
+
+class Qwen3VLTextBridge(MRopeText, Qwen3Bridge):
+    """The language model of Qwen3-VL for megatron: Qwen3 with interleaved mrope, under ``text_prefix``."""
+
+    family = "Qwen3-VL"
+
+    def finish_model(self, model) -> None:
+        super().finish_model(model)
+        if isinstance(getattr(model, "rotary_pos_emb", None), MultimodalRotaryEmbedding):
+            model.rotary_pos_emb.__class__ = InterleavedMRoPE
+
+
+class Qwen3VLBridge(Qwen2_5_VLBridge):
+    """Declaration of ``Qwen3VLForConditionalGeneration``."""
+
+    architectures = ("Qwen3VLForConditionalGeneration",)
+    text_bridge_class = Qwen3VLTextBridge
+    frames_apart = True
+
+    @property
+    def deepstack_count(self) -> int:
+        return len(self.vision_config.deepstack_visual_indexes or ())
+
+    def check_vision_config(self) -> None:
+        from transformers.activations import ACT2FN
+
+        v = self.vision_config
+        if v.hidden_act not in ACT2FN:
+            raise C.UnsupportedConfigError(f"vision_config.hidden_act={v.hidden_act!r} is not an activation "
+                                           "transformers knows.")
+        rope_type = (getattr(v, "rope_parameters", None) or {}).get("rope_type", "axial")
+        if rope_type != "axial":
+            raise C.UnsupportedConfigError(f"vision_config.rope_parameters.rope_type={rope_type!r} is not supported "
+                                           "(only 'axial').")
+        if v.hidden_size % v.num_heads or (v.hidden_size // v.num_heads) % 4:
+            raise C.UnsupportedConfigError(f"vision_config: hidden_size={v.hidden_size} / num_heads={v.num_heads} "
+                                           "must be a whole head size divisible by 4 (axial rope over h and w).")
+        side = int(round(v.num_position_embeddings ** 0.5))
+        if side * side != v.num_position_embeddings:
+            raise C.UnsupportedConfigError(f"vision_config.num_position_embeddings={v.num_position_embeddings} must "
+                                           "be a square (the learned position grid).")
+        indexes = list(v.deepstack_visual_indexes or ())
+        if len(set(indexes)) != len(indexes) or any(not 0 <= i < v.depth for i in indexes):
+            raise C.UnsupportedConfigError(f"vision_config.deepstack_visual_indexes={indexes} must be distinct block "
+                                           f"indexes of the ViT (depth {v.depth}).")
+        if len(indexes) > self.hf_config.text_config.num_hidden_layers:
+            raise C.UnsupportedConfigError(f"{len(indexes)} DeepStack features for "
+                                           f"{self.hf_config.text_config.num_hidden_layers} decoder layers.")
+
+    # ---- vision tensors ----------------------------------------------------------------------------------------
+    def vision_block_mappings(self) -> list[Mapping]:
+        b, p = "blocks.{layer}", f"{self.vision_prefix}.blocks.{{layer}}"
+        maps: list[Mapping] = [Replicated(f"{b}.{n}.{k}", f"{p}.{n}.{k}") for n in ("norm1", "norm2")
+                               for k in ("weight", "bias")]
+        maps += [FusedQKVRows(f"{b}.attn.qkv.{k}", f"{p}.attn.qkv.{k}") for k in ("weight", "bias")]
+        maps += [RowParallel(f"{b}.attn.proj.weight", f"{p}.attn.proj.weight"),
+                 Replicated(f"{b}.attn.proj.bias", f"{p}.attn.proj.bias")]
+        maps += [ColumnParallel(f"{b}.mlp.linear_fc1.{k}", f"{p}.mlp.linear_fc1.{k}") for k in ("weight", "bias")]
+        maps += [RowParallel(f"{b}.mlp.linear_fc2.weight", f"{p}.mlp.linear_fc2.weight"),
+                 Replicated(f"{b}.mlp.linear_fc2.bias", f"{p}.mlp.linear_fc2.bias")]
+        return maps
+
+    def _merger_names(self) -> list[str]:
+        mergers = ["merger"] + [f"deepstack_merger_list.{k}" for k in range(self.deepstack_count)]
+        return [f"{m}.{n}.{k}" for m in mergers for n in ("norm", "linear_fc1", "linear_fc2")
+                for k in ("weight", "bias")]
+
+    def vision_mapping_table(self) -> dict[str, tuple[Mapping, int | None]]:
+        table = {n: (Replicated(n, f"{self.vision_prefix}.{n}"), None)
+                 for n in ("patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight")}
+        for i in range(self.vision_config.depth):
+            table.update({m.megatron.format(layer=i): (m, i) for m in self.vision_block_mappings()})
+        table.update({n: (Replicated(n, f"{self.vision_prefix}.{n}"), None) for n in self._merger_names()})
+        return table
+
+    def vision_shapes(self) -> dict[str, tuple[int, ...]]:
+        v, p = self.vision_config, self.vision_prefix
+        d, f, wide = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
+        shapes = {f"{p}.patch_embed.proj.weight": (d, v.in_channels, v.temporal_patch_size, v.patch_size,
+                                                    v.patch_size),
+                  f"{p}.patch_embed.proj.bias": (d,), f"{p}.pos_embed.weight": (v.num_position_embeddings, d)}
+        for i in range(v.depth):
+            b = f"{p}.blocks.{i}"
+            shapes.update({f"{b}.norm1.weight": (d,), f"{b}.norm1.bias": (d,), f"{b}.norm2.weight": (d,),
+                           f"{b}.norm2.bias": (d,), f"{b}.attn.qkv.weight": (3 * d, d), f"{b}.attn.qkv.bias": (3 * d,),
+                           f"{b}.attn.proj.weight": (d, d), f"{b}.attn.proj.bias": (d,),
+                           f"{b}.mlp.linear_fc1.weight": (f, d), f"{b}.mlp.linear_fc1.bias": (f,),
+                           f"{b}.mlp.linear_fc2.weight": (d, f), f"{b}.mlp.linear_fc2.bias": (d,)})
+        for name in self._merger_names():
+            norm = d if name.startswith("merger.norm") else wide
+            layer = {"norm": (norm,), "linear_fc1": (wide, wide), "linear_fc2": (v.out_hidden_size, wide)}
+            shape = layer[name.split(".")[-2]]
+            shapes[f"{p}.{name}"] = shape if name.endswith(".weight") else shape[:1]
+        return shapes
+
+    def is_projector(self, vision_param_name: str) -> bool:
+        return vision_param_name.startswith(("merger.", "deepstack_merger_list."))
+
+    def vision_tower(self, *, tp_group=None, recompute: bool = False):
+        from loongforge_hf.multimodal.vision_qwen3 import Qwen3VisionTower
+
+        return Qwen3VisionTower(self.vision_config, tp_group=tp_group, recompute=recompute)
+
+
+VL_BRIDGES.update({arch: Qwen3VLBridge for arch in Qwen3VLBridge.architectures})
