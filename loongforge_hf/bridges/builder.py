@@ -56,6 +56,15 @@ def _uneven_split(num_layers: int, pp: int) -> dict:
     raise ParallelLayoutError(f"num_hidden_layers={num_layers} cannot be split over pipeline_parallel_size={pp}.")
 
 
+def first_chunk_layers(num_layers: int, parallel: ParallelConfig) -> int:
+    """How many decoder layers the first pipeline stage's first (virtual) chunk holds, as ``build_megatron_model``
+    splits them."""
+    pp, vpp = parallel.pipeline_parallel_size, parallel.interleaved_stages
+    if vpp:
+        return num_layers // (pp * vpp)
+    return _uneven_split(num_layers, pp).get("num_layers_in_first_pipeline_stage", num_layers // pp)
+
+
 # TransformerConfig fields build_megatron_model sets from the layout, the dtype and the backend.
 _BUILDER_FIELDS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",

@@ -7,8 +7,8 @@ Choices:
   frequency channels of the (temporal, height, width) axes interleaved (channel ``j`` is height's when ``j % 3 == 1``
   and ``j < 3 * mrope_section[1]``, width's when ``j % 3 == 2`` and ``j < 3 * mrope_section[2]``, temporal's
   otherwise), where megatron's ``MultimodalRotaryEmbedding`` takes contiguous sections (Qwen2-VL's layout).
-- Tensor names: the hub's checkpoints and transformers 5 write ``model.language_model.*`` / ``model.visual.*``; the
-  flat naming is accepted as for Qwen2.5-VL and export writes the names that were read.
+- Tensor names: the hub's checkpoints and transformers 5 write ``model.language_model.*`` / ``model.visual.*``
+  (transformers loads no other naming of Qwen3-VL); export writes the names that were read.
 - Vision tensors are named like ``multimodal.vision_qwen3.Qwen3VisionTower``'s modules, split over TP as Qwen2.5-VL's
   tower (attention by heads, the fused ``qkv`` rows as three blocks; ``linear_fc1`` by rows, ``linear_fc2`` by
   columns); norms, biases added after the reduction, the patch embedding, the position table and the mergers

@@ -23,9 +23,8 @@ Choices:
   layer ``k`` (global, 0-based) get block ``k`` added at the image / video rows for the duration of the call
   (forward hooks; the rows are the local ones, after the CP share and the sequence-parallel split, as the
   embeddings'). These layers must sit on the first pipeline stage's first chunk, beside the tower
-  (``check_deepstack_layers``); the recomputation of megatron's own full recompute would run them without their
-  features, so it is refused with DeepStack (``language_recompute=True`` checkpoints each layer with the hooks
-  outside).
+  (``check_deepstack_layers``). ``language_recompute=True`` checkpoints each layer inside its call, the hooks
+  outside.
 """
 
 from __future__ import annotations
@@ -36,24 +35,18 @@ import torch
 from torch import nn
 
 
-def check_deepstack_layers(language, count: int) -> None:
-    """Raise where DeepStack's first ``count`` decoder layers are not all on this rank's pre-processing chunk, or
-    megatron's own recompute would recompute them (see the module docstring)."""
-    if not count:
-        return
-    if getattr(language.config, "recompute_granularity", None) is not None:
-        raise ValueError("DeepStack models (Qwen3-VL) take language_recompute=True for activation recompute, not "
-                         "megatron's recompute_granularity.")
-    for chunk in language.chunks:
-        outside = [layer.layer_number for layer in chunk.decoder.layers
-                   if layer.layer_number <= count and not chunk.pre_process]
-        if outside:
-            from loongforge_hf.parallel import ParallelLayoutError
+def check_deepstack_layers(count: int, num_layers: int, parallel) -> None:
+    """Raise (before any collective) where DeepStack's first ``count`` decoder layers are not all on the first
+    pipeline stage's first chunk, beside the vision tower."""
+    from loongforge_hf.bridges.builder import first_chunk_layers
 
-            raise ParallelLayoutError(f"DeepStack adds vision features to the outputs of the first {count} decoder "
-                                      f"layers; layer(s) {outside} fall outside the first pipeline stage's first "
-                                      "chunk, beside the vision tower. Use fewer pipeline stages (or virtual stages) "
-                                      f"so that it holds at least {count} layers.")
+    held = first_chunk_layers(num_layers, parallel)
+    if count > held:
+        from loongforge_hf.parallel import ParallelLayoutError
+
+        raise ParallelLayoutError(f"DeepStack adds vision features to the outputs of the first {count} decoder "
+                                  f"layers, but the first pipeline stage's first chunk holds {held} of the "
+                                  f"{num_layers}: use fewer pipeline (or virtual pipeline) stages.")
 
 
 @contextlib.contextmanager

@@ -360,6 +360,7 @@ class AutoModelForImageTextToText:
             layout.check_model(num_layers=text.num_hidden_layers, num_attention_heads=text.num_attention_heads,
                                num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
                                vocab_size=text.vocab_size, num_experts=None)
+            check_deepstack_layers(getattr(bridge, "deepstack_count", 0), text.num_hidden_layers, layout)
             vision_layout = _vision_layout(vision_tensor_parallel_size=vision_tensor_parallel_size,
                                            vision_data_parallel=vision_data_parallel,
                                            tensor_parallel_size=layout.tensor_parallel_size,
@@ -378,7 +379,6 @@ class AutoModelForImageTextToText:
             with failing_alike(pretrained_model_name_or_path):
                 check_device(options.device)
                 language = build_megatron_model(bridge.text, layout, dtype=param_dtype)
-                check_deepstack_layers(language, getattr(bridge, "deepstack_count", 0))
                 if language_recompute:
                     _recompute_every_layer(language)
                 load_into(language, bridge.text, reader, tp_rank=ps.get_tensor_model_parallel_rank(),

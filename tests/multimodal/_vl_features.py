@@ -18,10 +18,17 @@ VIDEO_SAMPLES = [
 
 def hand_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7) -> list:
     """Processor-like features built by hand (transformers' video processor needs torchvision): token ids from the
-    tokenizer, random patches, grids, ``second_per_grid_ts``, ``mm_token_type_ids``."""
-    from transformers import AutoTokenizer
+    tokenizer, random patches (the checkpoint's patch size), grids, ``mm_token_type_ids``; Qwen2.5-VL's videos take
+    ``second_per_grid_ts`` and one run of placeholders, Qwen3-VL's (``qwen3_vl``) none and its processor's layout:
+    ``<|vision_start|>``, then per frame a timestamp (two text tokens) and ``<|vision_start|>`` + the frame's
+    placeholders + ``<|vision_end|>``, then ``<|vision_end|>``."""
+    from transformers import AutoConfig, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder)
+    vision, frames_apart = config.vision_config, config.model_type == "qwen3_vl"
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2 \
+        if frames_apart else PATCH  # NOTE: C x temporal patch x patch x patch
     gen = torch.Generator().manual_seed(seed)
     features = []
     for pieces in samples:
@@ -35,14 +42,24 @@ def hand_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7) -> list:
             kind, (t, h, w) = piece[0], piece[1]
             n = t * h * w // 4
             token, code = (IMAGE, 1) if kind == "image" else (VIDEO, 2)
-            ids += [V_START] + [token] * n + [V_END]
-            kinds += [0] + [code] * n + [0]
+            if kind == "video" and frames_apart:
+                ids.append(V_START)
+                kinds.append(0)
+                for frame in range(t):
+                    stamp = tok.convert_tokens_to_ids([f"tok{150 + frame}", "tok149"])  # NOTE: "<t seconds>"
+                    ids += stamp + [V_START] + [token] * (h * w // 4) + [V_END]
+                    kinds += [0] * (len(stamp) + 1) + [code] * (h * w // 4) + [0]
+                ids.append(V_END)
+                kinds.append(0)
+            else:
+                ids += [V_START] + [token] * n + [V_END]
+                kinds += [0] + [code] * n + [0]
             pixels, grid = ("pixel_values", "image_grid_thw") if kind == "image" else \
                 ("pixel_values_videos", "video_grid_thw")
-            f[pixels] = torch.cat([f[pixels], torch.randn(t * h * w, PATCH, generator=gen)]) if pixels in f \
-                else torch.randn(t * h * w, PATCH, generator=gen)
+            f[pixels] = torch.cat([f[pixels], torch.randn(t * h * w, patch, generator=gen)]) if pixels in f \
+                else torch.randn(t * h * w, patch, generator=gen)
             f[grid] = torch.cat([f.get(grid, torch.zeros(0, 3, dtype=torch.long)), torch.tensor([[t, h, w]])])
-            if kind == "video":
+            if kind == "video" and not frames_apart:
                 f["second_per_grid_ts"] = torch.cat([f.get("second_per_grid_ts", torch.zeros(0)),
                                                      torch.tensor([piece[2]])])
         f.update(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -52,13 +69,13 @@ def hand_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7) -> list:
 
 
 def collator(folder: str, **kwargs):
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
-    from loongforge_hf.testing.tiny_vl import make_processor
+    from loongforge_hf.testing.tiny_vl import processor_for
 
-    return DataCollatorForImageText.from_processor(make_processor(AutoTokenizer.from_pretrained(folder)),
-                                                   AutoConfig.from_pretrained(folder), **kwargs)
+    return DataCollatorForImageText.from_processor(processor_for(folder), AutoConfig.from_pretrained(folder),
+                                                   **kwargs)
 
 
 _REFERENCE: dict = {}

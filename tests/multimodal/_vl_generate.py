@@ -1,5 +1,6 @@
-"""Rank functions for tests/multimodal/test_qwen2_5_vl_generate.py (module-level so spawned ranks can import them),
-and the transformers reference they are compared with."""
+"""Rank functions for tests/multimodal/test_qwen2_5_vl_generate.py and test_qwen3_vl_generate.py (module-level so
+spawned ranks can import them), and the transformers reference they are compared with; either checkpoint (its
+processor, its patch size, its video layout: ``_vl_features.hand_features``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import torch
 
 from tests._generation import _plain, refusals, step_lengths
 
-# a left-padded batch: two prompts with images of different sizes (6 and 2 merged tokens) and a text-only one
-PROMPTS = [("tok5 tok6 <|vision_start|><|image_pad|><|vision_end|> tok7 tok8 tok9", [(56, 84)]),
-           ("<|vision_start|><|image_pad|><|vision_end|> tok10", [(28, 56)]),
+# a left-padded batch: two prompts with images of different sizes (6 and 2 merged tokens) and a text-only one; image
+# sizes in patches (56 x 84 and 28 x 56 pixels with Qwen2.5-VL's 14-pixel patches, 64 x 96 and 32 x 64 with
+# Qwen3-VL's 16)
+PROMPTS = [("tok5 tok6 <|vision_start|><|image_pad|><|vision_end|> tok7 tok8 tok9", [(4, 6)]),
+           ("<|vision_start|><|image_pad|><|vision_end|> tok10", [(2, 4)]),
            ("tok20 tok21 tok22 tok23", [])]
 TEXT_ONLY = [("tok30 tok31", []), ("tok40 tok41 tok42 tok43 tok44", [])]
 NEW_TOKENS = 6
@@ -30,23 +33,23 @@ SEED = 3
 
 
 def prompt_batch(folder: str, prompts=PROMPTS, seed: int = 3) -> dict:
-    """The processor's left-padded batch (input_ids, attention_mask, mm_token_type_ids, pixel_values,
+    """The checkpoint's processor's left-padded batch (input_ids, attention_mask, mm_token_type_ids, pixel_values,
     image_grid_thw)."""
-    from transformers import AutoTokenizer
+    from loongforge_hf.testing.tiny_vl import processor_for
 
-    from loongforge_hf.testing.tiny_vl import make_processor
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.padding_side = "left"
+    processor = processor_for(folder)
+    processor.tokenizer.padding_side = "left"
+    patch = processor.image_processor.patch_size
     rng = np.random.RandomState(seed)
-    images = [rng.randint(0, 256, (h, w, 3), dtype=np.uint8) for _, sizes in prompts for h, w in sizes]
-    return dict(make_processor(tokenizer)(text=[t for t, _ in prompts], images=images or None, padding=True,
-                                          return_tensors="pt"))
+    images = [rng.randint(0, 256, (h * patch, w * patch, 3), dtype=np.uint8) for _, sizes in prompts
+              for h, w in sizes]
+    return dict(processor(text=[t for t, _ in prompts], images=images or None, padding=True, return_tensors="pt"))
 
 
 def video_batch(folder: str) -> dict:
-    """A left-padded batch with videos (``second_per_grid_ts`` 1.5 s and 0.5 s), an image and a text-only row,
-    built by hand (transformers' video processor needs torchvision) and collated."""
+    """A left-padded batch with videos (Qwen2.5-VL: ``second_per_grid_ts`` 1.5 s and 0.5 s; Qwen3-VL: each frame
+    after its timestamp, none), an image and a text-only row, built by hand (transformers' video processor needs
+    torchvision) and collated."""
     from ._vl_features import collator, hand_features
 
     batch = collator(folder, padding_side="left")(hand_features(folder))
@@ -66,7 +69,7 @@ def run_scenarios(model, inputs: dict, scenarios: dict = SCENARIOS, **extra) -> 
 def transformers_reference(folder: str) -> dict:
     import transformers
 
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     return {"images": run_scenarios(model, prompt_batch(folder)),
             "text_only": run_scenarios(model, prompt_batch(folder, TEXT_ONLY), {"greedy": SCENARIOS["greedy"]}),
             "videos": run_scenarios(model, video_batch(folder), {"greedy": SCENARIOS["greedy"]}),

@@ -1,4 +1,5 @@
-"""Rank functions for test_qwen2_5_vl_lora.py: LoRA on Qwen2.5-VL against PEFT (and TRL) on the transformers model."""
+"""Rank functions for test_qwen2_5_vl_lora.py and test_qwen3_vl_lora.py: LoRA on Qwen2.5-VL / Qwen3-VL against PEFT
+(and TRL) on the transformers model (its class from the checkpoint's config: ``AutoModelForImageTextToText``)."""
 
 from __future__ import annotations
 
@@ -76,14 +77,15 @@ def _sum_over_context_parallel(model) -> None:
                 dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
 
 
-def model_checks(folder: str, out_dir: str, layout: dict, name: str) -> dict:
+def model_checks(folder: str, out_dir: str, layout: dict, name: str, configs: dict | None = None) -> dict:
     """Logits, loss, adapter gradients (one stage), PEFT's counts; the adapter folder in PEFT and the merged export in
-    transformers (differences from our logits, rank 0), ``adapter_config.json``'s target_modules against PEFT's."""
+    transformers (differences from our logits, rank 0), ``adapter_config.json``'s target_modules against PEFT's
+    (the LoraConfig ``configs[name]``, ``CONFIGS`` by default)."""
     import peft
     import transformers
 
     batch = make_batch(folder, pad_to_multiple_of=4)  # NOTE: CP2 takes lengths that divide by 2 x CP
-    model, _, ref = lora_pair(folder, layout, CONFIGS[name], image_text=True)
+    model, _, ref = lora_pair(folder, layout, (configs or CONFIGS)[name], image_text=True)
     ours, theirs = model(**batch), ref(**batch)
     result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters(),
               "logits_diff": float((ours.logits - theirs.logits).abs().max()),
@@ -104,10 +106,10 @@ def model_checks(folder: str, out_dir: str, layout: dict, name: str) -> dict:
         written = [json.load(open(f"{out_dir}/{d}/adapter_config.json"))["target_modules"] for d in ("adapter", "peft")]
         result["target_modules"] = written
         with torch.no_grad():
-            base = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+            base = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
             loaded = peft.PeftModel.from_pretrained(base, f"{out_dir}/adapter")
             result["adapter_logits_diff"] = float((loaded(**batch).logits - logits).abs().max())
-            merged = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(f"{out_dir}/merged",
+            merged = transformers.AutoModelForImageTextToText.from_pretrained(f"{out_dir}/merged",
                                                                                      dtype=torch.float32)
             result["merged_logits_diff"] = float((merged(**batch).logits - logits).abs().max())
     return result
@@ -120,10 +122,11 @@ def save_naming_base(peft_model, adapter: str, folder: str) -> None:
     json.dump({**config, "base_model_name_or_path": folder}, open(f"{adapter}/adapter_config.json", "w"))
 
 
-def peft_adapter_checks(folder: str, out_dir: str, layout: dict) -> dict:
-    """A PEFT-written adapter ("all-linear", random B, norms and LM head whole) loaded here: ``from_pretrained`` of the
-    adapter folder (frozen) and ``load_adapter(..., is_trainable=True)`` against ``PeftModel.from_pretrained``; then
-    ``disable_adapter`` and ``merge_and_unload`` against PEFT's (differences of logits)."""
+def peft_adapter_checks(folder: str, out_dir: str, layout: dict, saved: tuple = ("lm_head", "norm")) -> dict:
+    """A PEFT-written adapter ("all-linear", random B, norms and LM head whole: ``saved`` its modules_to_save) loaded
+    here: ``from_pretrained`` of the adapter folder (frozen) and ``load_adapter(..., is_trainable=True)`` against
+    ``PeftModel.from_pretrained``; then ``disable_adapter`` and ``merge_and_unload`` against PEFT's (differences of
+    logits)."""
     import peft
     import transformers
 
@@ -133,16 +136,16 @@ def peft_adapter_checks(folder: str, out_dir: str, layout: dict) -> dict:
     batch = make_batch(folder)
     adapter = f"{out_dir}/peft-written"
     if dist.get_rank() == 0:
-        hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        hf = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
         transformers.set_seed(1)
         peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules="all-linear",
                                                              init_lora_weights=False,
-                                                             modules_to_save=["lm_head", "norm"]))
+                                                             modules_to_save=list(saved)))
         save_naming_base(peft_model, adapter, folder)
     dist.barrier()
     with torch.no_grad():
         ref = peft.PeftModel.from_pretrained(
-            transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32), adapter)
+            transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32), adapter)
         expected = ref(**batch).logits
         with ref.disable_adapter():
             expected_base = ref(**batch).logits
@@ -190,27 +193,28 @@ def sft_losses(folder: str, out_dir: str, loong: bool) -> list[float]:
 
     import loongforge_hf as lf
     from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
-    from loongforge_hf.testing.tiny_vl import make_processor
+    from loongforge_hf.testing.tiny_vl import processor_for
 
     tok = AutoTokenizer.from_pretrained(folder)
     args = trl.SFTConfig(**{**vl_training_args(out_dir).to_dict(), "hub_token": None, "learning_rate": 2e-2,
                             "dataset_kwargs": {"skip_prepare_dataset": True}})
     rows = datasets.Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train_features(folder)])
-    collator = DataCollatorForImageText.from_processor(make_processor(tok))
+    collator = DataCollatorForImageText.from_processor(processor_for(folder))
     if loong:
         model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
         trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collator,
                                      processing_class=tok, peft_config=peft.LoraConfig(**SFT_LORA))
     else:
-        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=collator,
                                  processing_class=tok, peft_config=peft.LoraConfig(**SFT_LORA))
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def refusals(folder: str) -> dict:
-    """What LoRA on the image-text model refuses (the messages), the model unchanged after each."""
+def refusals(folder: str, tower_module: str = "merger.ln_q") -> dict:
+    """What LoRA on the image-text model refuses (the messages), the model unchanged after each (``tower_module``: a
+    module of the tower named in modules_to_save)."""
     import peft
 
     import loongforge_hf as lf
@@ -219,7 +223,7 @@ def refusals(folder: str) -> dict:
 
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
     out = {}
-    for name, kw in {"tower_saved": dict(target_modules=["q_proj"], modules_to_save=["merger.ln_q"]),
+    for name, kw in {"tower_saved": dict(target_modules=["q_proj"], modules_to_save=[tower_module]),
                      "tokens": dict(target_modules=["q_proj"], trainable_token_indices=[5, 6])}.items():
         try:
             get_peft_model(model, peft.LoraConfig(**kw))
@@ -267,7 +271,7 @@ def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict, resume
 
     import loongforge_hf as lf
     from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
-    from loongforge_hf.testing.tiny_vl import make_processor
+    from loongforge_hf.testing.tiny_vl import processor_for
 
     tok = AutoTokenizer.from_pretrained(folder)
     rows = datasets.Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train_features(folder)] * 2)
@@ -278,7 +282,7 @@ def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict, resume
                                 "dataset_kwargs": {"skip_prepare_dataset": True}})
         model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
         trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok,
-                                     data_collator=DataCollatorForImageText.from_processor(make_processor(tok)),
+                                     data_collator=DataCollatorForImageText.from_processor(processor_for(folder)),
                                      peft_config=peft.LoraConfig(**SFT_LORA))
         trainer.train(resume_from_checkpoint=resume)
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -302,7 +306,7 @@ def peft_dora_checks(folder: str, out_dir: str, layout: dict) -> dict:
     batch = make_batch(folder)
     adapter = f"{out_dir}/peft-dora"
     if dist.get_rank() == 0:
-        hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        hf = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
         transformers.set_seed(1)
         model = peft.get_peft_model(hf, peft.LoraConfig(**CONFIGS["all_linear_dora"]))
         g = torch.Generator().manual_seed(8)
@@ -313,7 +317,7 @@ def peft_dora_checks(folder: str, out_dir: str, layout: dict) -> dict:
         save_naming_base(model, adapter, folder)
     dist.barrier()
     ref = peft.PeftModel.from_pretrained(
-        transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32), adapter,
+        transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32), adapter,
         is_trainable=True)
     model = load_adapter(lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout),
                          adapter, is_trainable=True)
@@ -348,4 +352,57 @@ def peft_dora_checks(folder: str, out_dir: str, layout: dict) -> dict:
         out["split_tower"] = str(err)
         out["split_tower_untouched"] = type(split).__name__ == "LoongModelForImageTextToText" and not any(
             "lora" in n for n, _ in split.named_parameters())
+    return out
+
+
+# Qwen3-VL (test_qwen3_vl_lora.py): its tower's targets by name (ViT attention ``qkv`` / ``attn.proj``, MLP
+# ``linear_fc1`` / ``linear_fc2``, which also name the patch merger's and DeepStack mergers' linears) with the language
+# model's q/v (rsLoRA), "all-linear" and its DoRA (scaling 1, see all_linear), DoRA on the language model's attention
+QWEN3_CONFIGS = {
+    "tower_named": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "qkv", "attn.proj", "linear_fc1",
+                                                           "linear_fc2"], init_lora_weights=False, use_rslora=True),
+    "all_linear": CONFIGS["all_linear"],
+    "all_linear_dora": CONFIGS["all_linear_dora"],
+    "language_dora": CONFIGS["language_dora"],
+}
+QWEN3_SPLIT_SP = {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2, "sequence_parallel": True}
+QWEN3_CASES = {  # layout -> (its arguments, the configs checked there); DoRA on a split tower is refused
+    "tp1": ({}, ("tower_named", "all_linear", "all_linear_dora")),
+    "tp2_split_sp": (QWEN3_SPLIT_SP, ("tower_named", "all_linear", "language_dora")),
+    "pp2": ({"pipeline_parallel_size": 2}, ("tower_named", "all_linear", "all_linear_dora")),
+    "cp2": ({"context_parallel_size": 2}, ("tower_named", "all_linear", "all_linear_dora")),
+}
+
+
+def split_tower_dora_refused(folder: str, layout: dict) -> dict:
+    """get_peft_model with DoRA on the tower's linears, the tower split over TP: the message, the model unchanged."""
+    import peft
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import LoraConfigError, get_peft_model
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    try:
+        get_peft_model(model, peft.LoraConfig(**QWEN3_CONFIGS["all_linear_dora"]))
+        out = {"message": "not refused"}
+    except LoraConfigError as err:
+        out = {"message": str(err)}
+    out["untouched"] = type(model).__name__ == "LoongModelForImageTextToText" and not any(
+        "lora" in n for n, _ in model.named_parameters()) and all(p.requires_grad for p in model.parameters())
+    return out
+
+
+def qwen3_checks(folder: str, out_dir: str, ranks: int) -> dict:
+    """``model_checks`` of QWEN3_CASES' layouts for a world of ``ranks`` (1: tp1; 2: the others), then on one rank the
+    refusals, on two a PEFT-written adapter loaded with the tower split and DoRA refused there."""
+    out = {f"{layout_name}/{name}": model_checks(folder, f"{out_dir}/{layout_name}-{name}", layout, name,
+                                                 QWEN3_CONFIGS)
+           for layout_name, (layout, names) in QWEN3_CASES.items()
+           if (layout_name == "tp1") == (ranks == 1) for name in names}
+    if ranks == 1:
+        out["refused"] = refusals(folder, tower_module="merger.norm")
+    else:
+        out["peft_adapter"] = peft_adapter_checks(folder, out_dir, QWEN3_SPLIT_SP,
+                                                  saved=("lm_head", "language_model.norm"))
+        out["split_tower_dora"] = split_tower_dora_refused(folder, QWEN3_SPLIT_SP)
     return out

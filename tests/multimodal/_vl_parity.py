@@ -142,11 +142,9 @@ TRAIN_SAMPLES = [(f"tok{5 + i} <|vision_start|><|image_pad|><|vision_end|> tok{3
 
 
 def train_features(folder: str) -> list:
-    from transformers import AutoTokenizer
+    from loongforge_hf.testing.tiny_vl import processor_for
 
-    from loongforge_hf.testing.tiny_vl import make_processor
-
-    processor = make_processor(AutoTokenizer.from_pretrained(folder))
+    processor = processor_for(folder)
     rng = np.random.RandomState(5)
     return [dict(processor(text=[text], images=[rng.randint(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
                            or None, return_tensors="pt")) for text, sizes in TRAIN_SAMPLES]
@@ -170,13 +168,12 @@ def train_both(folder: str, out_dir: str) -> dict:
 def train_vl(folder: str, out_dir: str, *, loong: bool, layout: dict | None = None) -> list:
     """Train 3 steps with the vision tower (not the projector) frozen; return the logged losses."""
     import transformers
-    from transformers import AutoTokenizer
 
     import loongforge_hf as lf
     from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
-    from loongforge_hf.testing.tiny_vl import make_processor
+    from loongforge_hf.testing.tiny_vl import processor_for
 
-    collator = DataCollatorForImageText.from_processor(make_processor(AutoTokenizer.from_pretrained(folder)))
+    collator = DataCollatorForImageText.from_processor(processor_for(folder))
     args = vl_training_args(out_dir)
     if loong:
         model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, freeze_vision=True,
@@ -185,9 +182,9 @@ def train_vl(folder: str, out_dir: str, *, loong: bool, layout: dict | None = No
                                   data_collator=collator)
     else:
         torch.manual_seed(0)
-        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
-        for name, p in model.model.visual.named_parameters():
-            p.requires_grad_(name.startswith("merger."))
+        model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+        for name, p in model.model.visual.named_parameters():  # NOTE: the projector trains (DeepStack's too)
+            p.requires_grad_(name.startswith(("merger.", "deepstack_merger_list.")))
         trainer = transformers.Trainer(model=model, args=args, train_dataset=train_features(folder),
                                        data_collator=collator)
     trainer.train()
