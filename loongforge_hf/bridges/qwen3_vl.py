@@ -137,8 +137,8 @@ class Qwen3VLBridge(Qwen2_5_VLBridge):
     def vision_shapes(self) -> dict[str, tuple[int, ...]]:
         v, p = self.vision_config, self.vision_prefix
         d, f, wide = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
-        shapes = {f"{p}.patch_embed.proj.weight": (d, v.in_channels, v.temporal_patch_size, v.patch_size,
-                                                    v.patch_size),
+        patch = (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+        shapes = {f"{p}.patch_embed.proj.weight": patch,
                   f"{p}.patch_embed.proj.bias": (d,), f"{p}.pos_embed.weight": (v.num_position_embeddings, d)}
         for i in range(v.depth):
             b = f"{p}.blocks.{i}"

@@ -385,8 +385,8 @@ class AutoModelForImageTextToText:
                           tp_size=ps.get_tensor_model_parallel_world_size())
                 for i, chunk in enumerate(language.chunks):
                     if chunk.pre_process:
-                        towers[i] = bridge.vision_tower(
-                            recompute=vision_recompute, tp_group=tp_group if vision_layout == "tensor_parallel" else None)
+                        towers[i] = bridge.vision_tower(recompute=vision_recompute, tp_group=tp_group
+                                                        if vision_layout == "tensor_parallel" else None)
                         towers[i].to(device=get_backend().device(), dtype=param_dtype)
                         load_vision(towers[i], bridge, reader,
                                     tp_group=tp_group if vision_layout == "tensor_parallel" else None)

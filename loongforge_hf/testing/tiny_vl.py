@@ -9,8 +9,9 @@ biases are random (transformers initialises norms to 1 and biases to 0, which wo
 Qwen3-VL (``make_tiny_qwen3_vl``): ViT depth 3 (patch 16, a 4x4 learned position grid, DeepStack from blocks 0
 and 1 into decoder layers 0 and 1), a 4-layer Qwen3 decoder (head_dim 16, q/k norms), interleaved mrope (2, 3, 3).
 
-The processor is ``Qwen2_5_VLProcessor``'s (``Qwen3VLProcessor``'s) own code with an image processor and a tokenizer but no video processor:
-transformers' video processors need torchvision, which the CPU test environment does not install.
+The processor is ``Qwen2_5_VLProcessor``'s (``Qwen3VLProcessor``'s) own code with an image processor and a tokenizer
+but no video processor: transformers' video processors need torchvision, which the CPU test environment does not
+install.
 """
 
 from __future__ import annotations
