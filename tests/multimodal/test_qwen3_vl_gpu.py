@@ -1,0 +1,73 @@
+"""Qwen3-VL on the CUDA path (varlen flash attention in the ViT under bf16, SDPA in the language model), against
+transformers on the same GPU: images + videos in fp32 (logits, loss, vision gradients, DeepStack included) and bf16
+(loss); ``fp8="on"`` through ``from_pretrained`` (the ViT's linears, the mergers' and the language model's)."""
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _run(folder: str) -> dict:
+    import transformers
+
+    import loongforge_hf as lf
+
+    from ._vl_parity import vision_grads
+    from ._vl_qwen3 import collate, video_features
+
+    # NOTE: fp32 means fp32 on both sides (transformers' Conv3d would take TF32 through cuDNN)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batch = {k: v.cuda() for k, v in collate(folder, video_features(folder), pad_to_multiple_of=4).items()}
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype,
+                                                                       attn_implementation="sdpa").cuda()
+        exp = ref(**batch)
+        exp.loss.backward()
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype)
+        out = model(**batch)
+        out.loss.backward()
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        result[name] = {"device": str(model.device), "loss": out.loss.item(), "ref_loss": exp.loss.item()}
+        if dtype == torch.float32:
+            ref_grads = {n[len("model.visual."):]: p.grad for n, p in ref.named_parameters()
+                         if n.startswith("model.visual.")}
+            grads = vision_grads(model)
+            valid = batch["attention_mask"].bool()
+            result[name].update(logit_diff=(out.logits - exp.logits).abs()[valid].max().item(),
+                                grad_diff=max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads))
+        else:
+            bf16_loss = out.loss.item()
+        del ref, model
+    # NOTE: the tiny model's widths are multiples of 16, not of 128: row-wise scaling
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16, fp8="on",
+                                                           fp8_recipe="rowwise")
+    out = model(**batch)
+    out.loss.backward()
+    result["fp8"] = {"loss": out.loss.item(), "bf16_loss": bf16_loss, "swapped": model.megatron.fp8.swapped,
+                     "grads_ok": all(p.grad is not None and bool(torch.isfinite(p.grad).all())
+                                     for p in model.vision_tower.parameters())}
+    return result
+
+
+def test_cuda_images_videos_and_fp8_match(tmp_path):
+    from loongforge_hf.testing.tiny_vl import make_tiny_qwen3_vl
+
+    folder = make_tiny_qwen3_vl(tmp_path / "src")
+    [r] = run_distributed(_run, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
+    assert r["fp32"]["device"].startswith("cuda"), r
+    # fp32 on the same GPU, TF32 off: summation order only
+    assert r["fp32"]["logit_diff"] < 1e-3 and r["fp32"]["grad_diff"] < 1e-3, r
+    assert abs(r["fp32"]["loss"] - r["fp32"]["ref_loss"]) < 1e-4, r
+    # bf16: flash varlen in the ViT vs transformers' kernels, bf16 rounding throughout
+    assert abs(r["bf16"]["loss"] - r["bf16"]["ref_loss"]) < 3e-2, r
+    fp8 = r["fp8"]
+    assert fp8["grads_ok"], fp8
+    assert {"vision.0.merger.linear_fc1", "vision.0.deepstack_merger_list.0.linear_fc2",
+            "vision.0.blocks.0.mlp.linear_fc1"} <= set(fp8["swapped"]), fp8
+    assert abs(fp8["loss"] - fp8["bf16_loss"]) < 0.03 * abs(fp8["bf16_loss"]), fp8
