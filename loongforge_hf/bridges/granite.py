@@ -22,10 +22,8 @@ from loongforge_hf.bridges.layer_outputs import (scale_embedding, scale_final_no
                                                  transformed_attention, transformed_mlp)
 from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.mixtral import MixtralBridge
-from loongforge_hf.bridges.fused_mappings import Expert
-from loongforge_hf.bridges.moe import EXPERT, StackedExpert
 from loongforge_hf.bridges.registry import register_bridge
-from loongforge_hf.bridges.stacked_experts import StackedDown, StackedGateUp
+from loongforge_hf.bridges.stacked_experts import StackedDown, StackedGateUp, routed_stack
 
 
 @register_bridge("GraniteForCausalLM")
@@ -62,16 +60,9 @@ class GraniteMoeBridge(MixtralBridge):
         s = f"{L}.block_sparse_moe"
         return [Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
                 Replicated(f"{D}.mlp.router.weight", f"{s}.router.layer.weight"),
-                *(self._routed(cls, name, f"{s}.{hf}") for cls, name, hf in (
+                *(routed_stack(self, cls, name, f"{s}.{hf}") for cls, name, hf in (
                     (StackedGateUp, "linear_fc1.weight", "input_linear.weight"),
                     (StackedDown, "linear_fc2.weight", "output_linear.weight")))]
-
-    def _routed(self, cls, name: str, hf: str) -> Mapping:
-        """One projection of the routed experts: the grouped MLP's stack, or megatron's ``SequentialMLP`` experts."""
-        experts = f"{D}.mlp.experts"
-        if self.grouped_experts:
-            return StackedExpert(cls(f"{experts}.{name}", hf), f"{experts}.{name}", self.num_experts())
-        return Expert(cls(f"{experts}.local_experts.{EXPERT}.{name}", hf))
 
     def moe_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         h, f, n = self.hf_config.hidden_size, self.expert_ffn_size(), self.num_experts()

@@ -32,12 +32,17 @@ _ROPE_TYPES = ("default", "mrope")
 
 
 def _renamed(mapping: Mapping, old: str, new: str) -> Mapping:
-    """``mapping`` with every HF name starting with ``old`` starting with ``new`` instead."""
+    """``mapping`` with every HF name starting with ``old`` (and not already with ``new``) starting with ``new``
+    instead, in the mappings it wraps too (a routed expert's)."""
     if old == new:
         return mapping
-    values = {f.name: new + getattr(mapping, f.name)[len(old):] for f in fields(mapping)
-              if f.name != "megatron" and isinstance(getattr(mapping, f.name), str)
-              and getattr(mapping, f.name).startswith(old)}
+    values = {}
+    for f in fields(mapping):
+        value = getattr(mapping, f.name)
+        if isinstance(value, Mapping):
+            values[f.name] = _renamed(value, old, new)
+        elif f.name != "megatron" and isinstance(value, str) and value.startswith(old) and not value.startswith(new):
+            values[f.name] = new + value[len(old):]
     return replace(mapping, **values)
 
 
@@ -86,7 +91,7 @@ class MRopeText:
         return [self._name(m) for m in super().layer_mappings()]
 
     def mappings_for_layer(self, layer: int) -> list[Mapping]:
-        return self.layer_mappings()
+        return [self._name(m) for m in super().mappings_for_layer(layer)]
 
     def embedding_mapping(self) -> Mapping:
         return self._name(super().embedding_mapping())
@@ -135,13 +140,17 @@ class Qwen2_5_VLBridge:
     text_bridge_class = Qwen2_5_VLTextBridge
     frames_apart = False  # NOTE: True: a video's frames are separate items of the 3-D positions (Qwen3-VL)
 
-    def __init__(self, hf_config, checkpoint_names=()) -> None:
+    def __init__(self, hf_config, checkpoint_names=(), shape_of=None) -> None:
+        """``checkpoint_names`` / ``shape_of(name)``: the checkpoint's tensor names and shapes (the layout it uses)."""
         self.hf_config = hf_config
         names = set(checkpoint_names)
         self.text_prefix, self.vision_prefix = NESTED_NAMES if f"{NESTED_NAMES[0]}.embed_tokens.weight" in names \
             else HUB_NAMES
-        self.text = self.text_bridge_class(hf_config.text_config, tied=self.tied, text_prefix=self.text_prefix)
+        self.text = self.text_bridge(names, shape_of)
         self.check_vision_config()
+
+    def text_bridge(self, checkpoint_names: set, shape_of):
+        return self.text_bridge_class(self.hf_config.text_config, tied=self.tied, text_prefix=self.text_prefix)
 
     @property
     def tied(self) -> bool:
@@ -246,12 +255,12 @@ class Qwen2_5_VLBridge:
 VL_BRIDGES = {arch: Qwen2_5_VLBridge for arch in Qwen2_5_VLBridge.architectures}
 
 
-def get_vl_bridge(hf_config, checkpoint_names=()) -> Qwen2_5_VLBridge:
+def get_vl_bridge(hf_config, checkpoint_names=(), shape_of=None) -> Qwen2_5_VLBridge:
     from loongforge_hf.bridges import qwen3_vl  # noqa: F401  (registers its bridge in VL_BRIDGES)
 
     for arch in getattr(hf_config, "architectures", None) or []:
         if arch in VL_BRIDGES:
-            return VL_BRIDGES[arch](hf_config, checkpoint_names)
+            return VL_BRIDGES[arch](hf_config, checkpoint_names, shape_of)
     named = ", ".join(getattr(hf_config, "architectures", None) or []) or repr(getattr(hf_config, "model_type", None))
     raise UnsupportedArchitectureError(f"No loongforge-hf image-text-to-text bridge for {named}. Supported "
                                        f"architectures: {', '.join(sorted(VL_BRIDGES))}.")

@@ -26,9 +26,12 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
 from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.dense import L
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, FusedQKVRows, MRopeText, Qwen2_5_VLBridge
 from loongforge_hf.bridges.qwen3 import Qwen3Bridge
+from loongforge_hf.bridges.qwen3_moe import Qwen3MoeBridge
+from loongforge_hf.bridges.stacked_experts import StackedDown, StackedGateUp, routed_stack
 
 
 def interleaved_axes(mrope_section: list[int], channels: int, device=None) -> torch.Tensor:
@@ -60,15 +63,45 @@ class InterleavedMRoPE(MultimodalRotaryEmbedding):
         return emb
 
 
-class Qwen3VLTextBridge(MRopeText, Qwen3Bridge):
-    """The language model of Qwen3-VL for megatron: Qwen3 with interleaved mrope, under ``text_prefix``."""
-
-    family = "Qwen3-VL"
+class InterleavedRope:
+    """A text bridge whose built model takes ``InterleavedMRoPE`` for megatron's multimodal rotary embedding."""
 
     def finish_model(self, model) -> None:
         super().finish_model(model)
         if isinstance(getattr(model, "rotary_pos_emb", None), MultimodalRotaryEmbedding):
             model.rotary_pos_emb.__class__ = InterleavedMRoPE
+
+
+class Qwen3VLTextBridge(InterleavedRope, MRopeText, Qwen3Bridge):
+    """The language model of Qwen3-VL for megatron: Qwen3 with interleaved mrope, under ``text_prefix``."""
+
+    family = "Qwen3-VL"
+
+
+class Qwen3VLMoeTextBridge(InterleavedRope, MRopeText, Qwen3MoeBridge):
+    """The language model of Qwen3-VL-MoE: Qwen3-MoE (softmax top-k, renormalised) with interleaved mrope, its routed
+    experts stacked on disk: ``experts.gate_up_proj`` ``[E, 2I, H]`` (``[gate; up]`` rows) and ``experts.down_proj``
+    ``[E, H, I]`` as transformers 5 writes them, or each transposed (``[E, H, 2I]``, ``[E, I, H]``) as the hub's
+    checkpoints hold them (``experts_transposed``, from the checkpoint's shapes; export writes the layout read)."""
+
+    family = "Qwen3-VL-MoE"
+    experts_transposed = False
+
+    def routing_kwargs(self) -> dict:
+        return {"moe_router_score_function": "softmax", "moe_router_pre_softmax": False}
+
+    def moe_mappings(self) -> list[Mapping]:
+        norm_and_router = super().moe_mappings()[:2]
+        s = f"{L}.mlp.experts"
+        return norm_and_router + [routed_stack(self, cls, name, f"{s}.{hf}", transposed=self.experts_transposed)
+                                  for cls, name, hf in ((StackedGateUp, "linear_fc1.weight", "gate_up_proj"),
+                                                        (StackedDown, "linear_fc2.weight", "down_proj"))]
+
+    def moe_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h, f, n = self.hf_config.hidden_size, self.expert_ffn_size(), self.num_experts()
+        gate_up, down = ((n, h, 2 * f), (n, f, h)) if self.experts_transposed else ((n, 2 * f, h), (n, h, f))
+        return {f"{prefix}.post_attention_layernorm.weight": (h,), f"{prefix}.mlp.gate.weight": (n, h),
+                f"{prefix}.mlp.experts.gate_up_proj": gate_up, f"{prefix}.mlp.experts.down_proj": down}
 
 
 class Qwen3VLBridge(Qwen2_5_VLBridge):
@@ -163,4 +196,23 @@ class Qwen3VLBridge(Qwen2_5_VLBridge):
         return Qwen3VisionTower(self.vision_config, tp_group=tp_group, recompute=recompute)
 
 
-VL_BRIDGES.update({arch: Qwen3VLBridge for arch in Qwen3VLBridge.architectures})
+class Qwen3VLMoeBridge(Qwen3VLBridge):
+    """Declaration of ``Qwen3VLMoeForConditionalGeneration``: Qwen3-VL's vision side, a Qwen3-MoE language model."""
+
+    architectures = ("Qwen3VLMoeForConditionalGeneration",)
+    text_bridge_class = Qwen3VLMoeTextBridge
+
+    def text_bridge(self, checkpoint_names: set, shape_of):
+        text = super().text_bridge(checkpoint_names, shape_of)
+        t = text.hf_config
+        moe = [i for i in range(t.num_hidden_layers) if text.is_moe_layer(i)]
+        name = f"{self.text_prefix}.layers.{moe[0]}.mlp.experts.gate_up_proj" if moe else None
+        if name in checkpoint_names and shape_of is not None:
+            # NOTE: as transformers decides: the module's layout when the shape is its, else transposed
+            n, h, f = t.num_experts, t.hidden_size, t.moe_intermediate_size
+            shape = tuple(shape_of(name))
+            text.experts_transposed = shape != (n, 2 * f, h) and shape == (n, h, 2 * f)
+        return text
+
+
+VL_BRIDGES.update({arch: cls for cls in (Qwen3VLBridge, Qwen3VLMoeBridge) for arch in cls.architectures})

@@ -21,8 +21,20 @@ from dataclasses import dataclass
 import torch
 
 from loongforge_hf.bridges import transforms as T
+from loongforge_hf.bridges.dense import D
+from loongforge_hf.bridges.fused_mappings import Expert
 from loongforge_hf.bridges.mappings import Mapping, _fmt
-from loongforge_hf.bridges.moe import EXPERT
+from loongforge_hf.bridges.moe import EXPERT, StackedExpert
+
+
+def routed_stack(bridge, cls, name: str, hf: str, **kwargs) -> Mapping:
+    """One projection of a bridge's routed experts stacked on disk in ``hf`` (``cls``: ``StackedGateUp`` /
+    ``StackedDown`` / ``StackedRow``, ``name`` megatron's tensor of it): the grouped MLP's stack, or megatron's
+    ``SequentialMLP`` experts."""
+    experts = f"{D}.mlp.experts"
+    if bridge.grouped_experts:
+        return StackedExpert(cls(f"{experts}.{name}", hf, **kwargs), f"{experts}.{name}", bridge.num_experts())
+    return Expert(cls(f"{experts}.local_experts.{EXPERT}.{name}", hf, **kwargs))
 
 
 @dataclass(frozen=True)

@@ -298,6 +298,7 @@ class AutoModelForImageTextToText:
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *,
                         tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
                         virtual_pipeline_parallel_size: int | None = None, context_parallel_size: int | None = None,
+                        expert_parallel_size: int | None = None, expert_tensor_parallel_size: int | None = None,
                         sequence_parallel: bool | None = None, parallel=None, vision_tensor_parallel_size: int = 1,
                         vision_data_parallel: bool = False, vision_recompute: bool = False,
                         language_recompute: bool = False,
@@ -336,8 +337,8 @@ class AutoModelForImageTextToText:
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them.")
         sizes = dict(zip(PARALLEL_KWARGS, (tensor_parallel_size, pipeline_parallel_size,
-                                           virtual_pipeline_parallel_size, context_parallel_size, None, None,
-                                           sequence_parallel)))
+                                           virtual_pipeline_parallel_size, context_parallel_size,
+                                           expert_parallel_size, expert_tensor_parallel_size, sequence_parallel)))
         layout = resolve_parallel(parallel, sizes)
 
         # --- local checks: same verdict on every rank, before any collective -------------------------------
@@ -354,12 +355,16 @@ class AutoModelForImageTextToText:
         hf_config, config_on_file = load_config(folder, options, trust_remote_code=trust_remote_code, hub=hub)
         reader = CheckpointReader(folder, allow_pickle=allow_pickle, **options.files)
         try:
-            bridge = get_vl_bridge(hf_config, reader.keys())
+            bridge = get_vl_bridge(hf_config, reader.keys(), reader.shape)
             text = hf_config.text_config
             layout.check_world_size(read_launch_env().world_size)
             layout.check_model(num_layers=text.num_hidden_layers, num_attention_heads=text.num_attention_heads,
                                num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
-                               vocab_size=text.vocab_size, num_experts=None)
+                               vocab_size=text.vocab_size, num_experts=bridge.text.num_experts())
+            if getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", 0):
+                raise ValueError("text_config.output_router_logits with router_aux_loss_coef: transformers' router "
+                                 "load-balancing loss is not computed for image-text models yet; set "
+                                 "output_router_logits=False.")
             check_deepstack_layers(getattr(bridge, "deepstack_count", 0), text.num_hidden_layers, layout)
             vision_layout = _vision_layout(vision_tensor_parallel_size=vision_tensor_parallel_size,
                                            vision_data_parallel=vision_data_parallel,

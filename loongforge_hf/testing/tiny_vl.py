@@ -64,7 +64,7 @@ def processor_for(folder: str | Path):
     from transformers import AutoTokenizer
 
     model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
-    return make_processor(AutoTokenizer.from_pretrained(folder), qwen3=model_type == "qwen3_vl")
+    return make_processor(AutoTokenizer.from_pretrained(folder), qwen3=model_type in ("qwen3_vl", "qwen3_vl_moe"))
 
 
 def tiny_vl_config(**text_overrides):
@@ -139,6 +139,55 @@ def make_tiny_qwen3_vl(folder: str | Path, *, seed: int = 0, max_shard_size: str
             elif "pos_embed" in name:
                 p.copy_(0.5 * torch.randn_like(p))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
+    tok = make_vl_tokenizer(folder)
+    make_processor(tok, qwen3=True).save_pretrained(folder)
+    return folder
+
+
+def tiny_qwen3_vl_moe_config(**text_overrides):
+    """Qwen3-VL's tiny vision side over a 4-layer Qwen3-MoE decoder: 4 experts of width 48 (2 per token), layer 1
+    dense (``mlp_only_layers``)."""
+    from transformers import Qwen3VLMoeConfig
+
+    base = tiny_qwen3_vl_config().to_dict()
+    text = {**{k: v for k, v in base["text_config"].items() if k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "bos_token_id", "eos_token_id",
+        "pad_token_id", "rope_parameters")},
+        "moe_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+        "mlp_only_layers": [1], **text_overrides}
+    tie = text.pop("tie_word_embeddings", False)
+    return Qwen3VLMoeConfig(text_config=text, vision_config=base["vision_config"],
+                            vision_start_token_id=TEXT_VOCAB, vision_end_token_id=TEXT_VOCAB + 1,
+                            image_token_id=TEXT_VOCAB + 2, video_token_id=TEXT_VOCAB + 3, tie_word_embeddings=tie)
+
+
+def make_tiny_qwen3_vl_moe(folder: str | Path, *, seed: int = 0, max_shard_size: str = "60KB",
+                           hub_expert_layout: bool = False, **text_overrides) -> Path:
+    """Write a tiny random Qwen3-VL-MoE and return its folder; ``hub_expert_layout``: the routed experts' stacks
+    transposed as the hub's checkpoints hold them (``[E, H, 2I]``, ``[E, I, H]``), not as transformers 5 writes them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(tiny_qwen3_vl_moe_config(**text_overrides)).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith(".weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+            elif "pos_embed" in name or name.endswith(("gate_up_proj", "down_proj")):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if hub_expert_layout:
+        for file in folder.glob("*.safetensors"):
+            tensors = load_file(file)
+            stacked = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+            if stacked:
+                tensors.update({k: tensors[k].transpose(1, 2).contiguous() for k in stacked})
+                save_file(tensors, str(file), metadata={"format": "pt"})
     tok = make_vl_tokenizer(folder)
     make_processor(tok, qwen3=True).save_pretrained(folder)
     return folder
