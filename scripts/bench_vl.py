@@ -1,10 +1,14 @@
-"""Single-device training speed of Qwen2.5-VL, side by side: transformers (sdpa) vs loongforge-hf.
+"""Single-device training speed of Qwen2.5-VL or Qwen3-VL, side by side: transformers (sdpa) vs loongforge-hf.
 
-Workload: the Qwen2.5-VL-3B shape cut in layers (language model 36 -> 8 layers: hidden 2048, intermediate 11008,
-16 heads, 2 KV heads, vocab 151936, tied embeddings, mrope sections 16/24/24; vision tower depth 32 -> 8: hidden 1280,
-intermediate 3420, 16 heads, patch 14, 2x2 merge, windows of 112 pixels, block 7 full attention), random init written
-once by transformers (``Qwen2_5_VLForConditionalGeneration(config)`` in bf16, seed 0, ``save_pretrained``). A batch is
-``--samples`` samples of ``--images`` random 448x448 images (1024 patches, 256 merged tokens each) and ``--text``
+Workload (``--model qwen2_5_vl``, the default): the Qwen2.5-VL-3B shape cut in layers (language model 36 -> 8
+layers: hidden 2048, intermediate 11008, 16 heads, 2 KV heads, vocab 151936, tied embeddings, mrope sections
+16/24/24; vision tower depth 32 -> 8: hidden 1280, intermediate 3420, 16 heads, patch 14, 2x2 merge, windows of 112
+pixels, block 7 full attention), random init written once by transformers (``Qwen2_5_VLForConditionalGeneration(config)`` in bf16, seed 0, ``save_pretrained``).
+``--model qwen3_vl``: the Qwen3-VL-4B shape cut the same way (language model 36 -> 8 layers: hidden 2560,
+intermediate 9728, 32 heads, 8 KV heads of 128, vocab 151936, tied embeddings, interleaved mrope sections 24/20/20;
+vision tower depth 24 -> 8: hidden 1024, intermediate 4096, 16 heads, patch 16, 2x2 merge, a 48x48 learned position
+grid, DeepStack from blocks 1, 3, 5). A batch is ``--samples`` samples of ``--images`` random 448x448 images (1024
+patches and 256 merged tokens each; 784 and 196 with Qwen3-VL's 16-pixel patches) and ``--text``
 text tokens; image tokens carry label -100. Both stacks get the same tensors (``input_ids``, ``labels``,
 ``mm_token_type_ids``, ``pixel_values``, ``image_grid_thw``); the 3-D rope positions are computed by each stack from
 them, as in training.
@@ -15,7 +19,8 @@ One training step: forward with labels (mean loss over label tokens), backward, 
 optimizer, fp32 main weights and gradients), the step LoongTrainer takes. Each stack runs in its own process
 (``_bench_harness``): median step time over ``--steps`` after ``--warmup``, allocator peak, losses; JSON to --out.
 
-    python scripts/bench_vl.py [--steps 10] [--warmup 3] [--samples 4] [--images 1] [--text 1024]
+    python scripts/bench_vl.py [--model qwen2_5_vl|qwen3_vl] [--steps 10] [--warmup 3] [--samples 4] [--images 1]
+                               [--text 1024]
                                [--stacks transformers,loongforge] [--vision-recompute] [--language-recompute]
                                [--out outputs/bench_vl.json]
     python scripts/bench_vl.py --tiny --device cpu          # a dry run
@@ -41,7 +46,13 @@ LR, MAX_GRAD_NORM, SEED = 1e-5, 1.0, 0
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 151655, 151656, 151652, 151653
 
 
-def config_kwargs(tiny: bool) -> dict:
+MODELS = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+          "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}
+
+
+def config_kwargs(tiny: bool, model: str = "qwen2_5_vl") -> dict:
+    if model == "qwen3_vl":
+        return qwen3_vl_config_kwargs(tiny)
     if tiny:
         text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -62,19 +73,43 @@ def config_kwargs(tiny: bool) -> dict:
     return {"text_config": text, "vision_config": vision, "tie_word_embeddings": True, **ids}
 
 
-def image_side(tiny: bool) -> int:
-    return 56 if tiny else 448
+def qwen3_vl_config_kwargs(tiny: bool) -> dict:
+    ids = dict(vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, image_token_id=IMAGE_TOKEN,
+               video_token_id=VIDEO_TOKEN)
+    if tiny:
+        text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                                     "mrope_interleaved": True})
+        vision = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, patch_size=16, spatial_merge_size=2,
+                      temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0, 1])
+        ids = dict(vision_start_token_id=500, vision_end_token_id=501, image_token_id=502, video_token_id=503)
+    else:
+        text = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=8,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                    rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                        "mrope_section": [24, 20, 20], "mrope_interleaved": True})
+        vision = dict(depth=8, hidden_size=1024, num_heads=16, intermediate_size=4096, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2560, num_position_embeddings=2304,
+                      deepstack_visual_indexes=[1, 3, 5], in_channels=3)
+    return {"text_config": text, "vision_config": vision, "tie_word_embeddings": True, **ids}
 
 
-def write_checkpoint(*, tiny: bool, folder: Path, device: H.Device) -> dict:
+def image_side(tiny: bool, model: str = "qwen2_5_vl") -> int:
+    return (64 if model == "qwen3_vl" else 56) if tiny else 448
+
+
+def write_checkpoint(*, tiny: bool, folder: Path, device: H.Device, model_name: str) -> dict:
     import torch
     import transformers
 
-    cfg = transformers.Qwen2_5_VLConfig(**config_kwargs(tiny))
-    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config_class, model_class = MODELS[model_name]
+    cfg = getattr(transformers, config_class)(**config_kwargs(tiny, model_name))
+    cfg.architectures = [model_class]
     torch.manual_seed(SEED)
     with device.device:
-        model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16)
+        model = getattr(transformers, model_class)(cfg).to(torch.bfloat16)
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
@@ -87,9 +122,9 @@ def make_batch(args, gen, device) -> dict:
     """One step's batch: per sample, ``images`` x (vision start, image tokens, vision end) then text tokens."""
     import torch
 
-    kw = config_kwargs(args.tiny)
+    kw = config_kwargs(args.tiny, args.model)
     patch, merge = kw["vision_config"]["patch_size"], kw["vision_config"]["spatial_merge_size"]
-    side = image_side(args.tiny) // patch
+    side = image_side(args.tiny, args.model) // patch
     per_image = side * side // merge ** 2
     width = 3 * kw["vision_config"]["temporal_patch_size"] * patch * patch
     rows, kinds = [], []
@@ -117,7 +152,7 @@ def build_transformers(folder: str, device: H.Device):
     import torch
     import transformers
 
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+    model = transformers.AutoModelForImageTextToText.from_pretrained(
         folder, dtype=torch.bfloat16, attn_implementation="sdpa", device_map=str(device.device))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -188,6 +223,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--folder", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--model", choices=tuple(MODELS), default="qwen2_5_vl")
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--images", type=int, default=1)
     p.add_argument("--text", type=int, default=1024)
@@ -200,7 +236,8 @@ def worker(argv: list[str]) -> int:
     os.environ["LOONGFORGE_DEVICE"] = args.device
     device = H.Device(args.device)
     if args.worker == "write":
-        run = lambda: write_checkpoint(tiny=args.tiny, folder=Path(args.folder), device=device)  # noqa: E731
+        run = lambda: write_checkpoint(tiny=args.tiny, folder=Path(args.folder), device=device,  # noqa: E731
+                                       model_name=args.model)
     else:
         run = lambda: run_stack(args, device)  # noqa: E731
     return H.worker_main(run, result_path=args.result, device=device)
@@ -217,6 +254,7 @@ def _brief(r: dict) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stacks", default=",".join(STACKS))
+    p.add_argument("--model", choices=tuple(MODELS), default="qwen2_5_vl")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--samples", type=int, default=4)
@@ -241,14 +279,16 @@ def main(argv: list[str]) -> int:
     log = out_path.with_suffix(".log")
     log.write_text("")
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python", *sys.argv]), "config": config_kwargs(args.tiny),
-              "settings": {k: getattr(args, k) for k in ("steps", "warmup", "samples", "images", "text", "tiny",
-                                                         "vision_recompute", "language_recompute")}
-              | {"image_side": image_side(args.tiny), "lr": LR, "max_grad_norm": MAX_GRAD_NORM}, "results": {}}
-    folder = Path(args.checkpoint + ("-tiny" if args.tiny else ""))
+              "command": " ".join(["python", *sys.argv]), "config": config_kwargs(args.tiny, args.model),
+              "settings": {k: getattr(args, k) for k in ("model", "steps", "warmup", "samples", "images", "text",
+                                                         "tiny", "vision_recompute", "language_recompute")}
+              | {"image_side": image_side(args.tiny, args.model), "lr": LR, "max_grad_norm": MAX_GRAD_NORM},
+              "results": {}}
+    folder = Path(f"{args.checkpoint}-{args.model}" + ("-tiny" if args.tiny else ""))
     if not (folder / "config.json").is_file():
-        written = H.run_worker([__file__, "--worker", "write", "--folder", str(folder), "--device", args.device]
-                               + (["--tiny"] if args.tiny else []), log_path=log, timeout_s=args.worker_timeout)
+        written = H.run_worker([__file__, "--worker", "write", "--folder", str(folder), "--device", args.device,
+                                "--model", args.model] + (["--tiny"] if args.tiny else []), log_path=log,
+                               timeout_s=args.worker_timeout)
         report["checkpoint"] = written
         if written["status"] != "ok":
             print(f"writing the checkpoint failed: {_brief(written)}")
@@ -256,7 +296,8 @@ def main(argv: list[str]) -> int:
             return 1
         print(f"checkpoint: {written['parameters'] / 1e9:.3f} B parameters "
               f"({written['vision_parameters'] / 1e9:.3f} B vision), {written['worker_wall_s']} s", flush=True)
-    common = ["--folder", str(folder), "--device", args.device, "--steps", str(args.steps), "--warmup",
+    common = ["--folder", str(folder), "--device", args.device, "--model", args.model, "--steps", str(args.steps),
+              "--warmup",
               str(args.warmup), "--samples", str(args.samples), "--images", str(args.images), "--text",
               str(args.text)] + (["--tiny"] if args.tiny else []) \
         + (["--vision-recompute"] if args.vision_recompute else []) \
