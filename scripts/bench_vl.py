@@ -3,7 +3,8 @@
 Workload (``--model qwen2_5_vl``, the default): the Qwen2.5-VL-3B shape cut in layers (language model 36 -> 8
 layers: hidden 2048, intermediate 11008, 16 heads, 2 KV heads, vocab 151936, tied embeddings, mrope sections
 16/24/24; vision tower depth 32 -> 8: hidden 1280, intermediate 3420, 16 heads, patch 14, 2x2 merge, windows of 112
-pixels, block 7 full attention), random init written once by transformers (``Qwen2_5_VLForConditionalGeneration(config)`` in bf16, seed 0, ``save_pretrained``).
+pixels, block 7 full attention), random init written once by transformers
+(``Qwen2_5_VLForConditionalGeneration(config)`` in bf16, seed 0, ``save_pretrained``).
 ``--model qwen3_vl``: the Qwen3-VL-4B shape cut the same way (language model 36 -> 8 layers: hidden 2560,
 intermediate 9728, 32 heads, 8 KV heads of 128, vocab 151936, tied embeddings, interleaved mrope sections 24/20/20;
 vision tower depth 24 -> 8: hidden 1024, intermediate 4096, 16 heads, patch 16, 2x2 merge, a 48x48 learned position
