@@ -1,5 +1,6 @@
-"""LoRA on Qwen2.5-VL (``lf.AutoModelForImageTextToText``): the language model's layers as on a text model, and the
-vision tower's linears (ViT attention and MLP, the patch merger) as PEFT adapts them.
+"""LoRA on Qwen2.5-VL and Qwen3-VL (``lf.AutoModelForImageTextToText``): the language model's layers as on a text
+model, and the vision tower's linears (ViT attention and MLP, the patch merger, Qwen3-VL's DeepStack mergers) as PEFT
+adapts them.
 
 Choices:
 - Targets are matched on transformers' own image-text module tree (``model.language_model.layers.N...``,
@@ -16,13 +17,14 @@ Choices:
   encodes a share of the images and the tower's trainable parameters, the adapters among them, have their gradients
   summed over TP (``encoder_parallel``).
 - The tower split over TP (``vision_tensor_parallel_size > 1``): adapters split as the weight is. Column-split
-  (``qkv`` by heads in each of its q, k, v blocks, MLP gate / up by rows): B holds this rank's rows, A is whole and
-  enters through megatron's copy-to-TP-region (its gradient, partial per rank, summed); the input gradient is summed
-  by the tower's own copy-to-region before the linear. Row-split (attention ``proj``, MLP down): A holds this rank's
-  input columns (dropout from megatron's model-parallel RNG tracker: each shard its own mask), the partial
-  ``B (A_r x_r)`` is summed by the tower's reduction with the weight's, and B is whole, its gradient summed the same
-  way. The merger stays whole. Split factors carry megatron's tensor-parallel attributes (the gradient norm counts
-  every shard), and checkpoints hold them at HF shapes (``multimodal.vision_weights``).
+  (``qkv`` by heads in each of its q, k, v blocks, MLP gate / up / ``linear_fc1`` by rows): B holds this rank's rows,
+  A is whole and enters through megatron's copy-to-TP-region (its gradient, partial per rank, summed); the input
+  gradient is summed by the tower's own copy-to-region before the linear. Row-split (attention ``proj``, MLP down /
+  ``linear_fc2``): A holds this rank's input columns (dropout from megatron's model-parallel RNG tracker: each shard
+  its own mask), the partial ``B (A_r x_r)`` is summed by the tower's reduction with the weight's, and B is whole, its
+  gradient summed the same way. The mergers (DeepStack's too) stay whole. Split factors carry megatron's
+  tensor-parallel attributes (the gradient norm counts every shard), and checkpoints hold them at HF shapes
+  (``multimodal.vision_weights``).
 - Not here: ``trainable_token_indices`` on an image-text model (refused), and modules_to_save in the vision tower
   (refused: name them in the adapter's targets, or train the tower whole without LoRA).
 """

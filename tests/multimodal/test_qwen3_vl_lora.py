@@ -10,12 +10,15 @@ transformers' ``Qwen3VLForConditionalGeneration``.
   parameter counts, ``adapter_config.json``'s ``target_modules`` as PEFT writes them, the adapter folder in
   ``PeftModel.from_pretrained`` and the merged export in transformers with our logits (1e-5), the model unchanged by
   the merged export; at TP1, TP2 with the tower split (``vision_tensor_parallel_size=2``) and sequence parallelism,
-  PP2 (the tower and DeepStack's layers on the first stage) and CP2 (each rank's gradients summed as megatron's DDP
-  sums them).
-- A PEFT-written "all-linear" adapter loaded with the tower split: ``from_pretrained`` of its folder,
-  ``load_adapter``, ``disable_adapter`` and ``merge_and_unload`` against PEFT's.
-- Refused with messages, nothing changed: DoRA on a split tower, modules_to_save in the tower,
-  trainable_token_indices.
+  PP2 (the tower and DeepStack's layers on the first stage), CP2 (each rank's gradients summed as megatron's DDP
+  sums them) and TP2 with encoder data parallelism (each TP rank encodes a share of the images, DeepStack's features
+  with them).
+- A PEFT-written "all-linear" adapter (scaling 1, ``_vl_lora.qwen3_checks`` says why) loaded with the tower split
+  (TP2 + SP): ``from_pretrained`` of its folder, ``load_adapter``, ``disable_adapter`` and ``merge_and_unload``
+  against PEFT's. A PEFT-written DoRA adapter on every linear at TP2 (the tower whole): logits, loss, the tower's
+  A / B / magnitude gradients, merge_and_unload; refused on a split tower, nothing changed.
+- LoongSFTTrainer with "all-linear" LoRA against trl.SFTTrainer + PEFT, 3 steps: the logged losses.
+- Refused with messages, nothing changed: modules_to_save in the tower, trainable_token_indices.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen3_vl
 
-from ._vl_lora import QWEN3_CASES, qwen3_checks
+from ._vl_lora import GRAD_TOL, QWEN3_CASES, qwen3_checks
 
 # ViT blocks x (qkv, attn.proj, linear_fc1, linear_fc2) + the merger's 2 + 2 DeepStack mergers x 2 (tiny_vl: depth 3)
 TOWER_TARGETS = 3 * 4 + 2 + 2 * 2
@@ -89,12 +92,48 @@ def test_peft_written_adapter_on_a_split_tower(two_ranks):
         assert max(res["logits_diff"], res["disabled_diff"]) < 1e-5 and res["merged_diff"] < 3e-5, res
 
 
-def test_refused(one_rank, two_ranks):
-    """DoRA on a split tower, modules_to_save in the tower (its merger's norm), trainable_token_indices: refused with
-    messages, nothing changed."""
+def test_peft_written_dora_adapter_on_the_whole_tower(two_ranks):
+    """A PEFT-written "all-linear" DoRA adapter (factors and magnitudes moved, so the rescaling is not 1) at TP2 with
+    the tower whole on each rank: logits and loss of PEFT's model (1e-5), the tower adapters' A, B and magnitude
+    gradients (the DeepStack mergers' included) within 2e-5 of their largest entry, merge_and_unload's logits (3e-5);
+    with the tower split it is refused and the model left as it was."""
     for r in two_ranks:
-        res = r["split_tower_dora"]
-        assert "not supported with the tower split" in res["message"] and res["untouched"], res
+        res = r["peft_dora"]
+        assert res["adapter_effect"] > 1e-2, res
+        assert res["logits_diff"] < 1e-5 and res["loss_diff"] < 1e-5, res
+        assert res["tower_grads_compared"] == 3 * TOWER_TARGETS and res["tower_grad_rel_diff"] < GRAD_TOL, res
+        assert res["merged_diff"] < 3e-5, res
+        assert "not supported with the tower split" in res["split_tower"] and res["split_tower_untouched"], res
+
+
+def test_sft_matches_trl(one_rank):
+    """LoongSFTTrainer with "all-linear" LoRA (PEFT's initialisation, the tower's linears included) against
+    trl.SFTTrainer + PEFT on transformers' model, the same SFTConfig, rows and collator: 3 logged losses (1e-4 rel)."""
+    ref, got = one_rank["sft"]["trl"], one_rank["sft"]["loong"]
+    assert len(ref) == len(got) == 3 and ref[0] != ref[-1], (ref, got)
+    assert got == pytest.approx(ref, rel=1e-4), (ref, got)
+
+
+def test_refused_on_the_image_text_model(one_rank):
+    """modules_to_save in the vision tower (its merger's norm) and trainable_token_indices: refused with messages,
+    nothing changed."""
     refused = one_rank["refused"]
     assert "modules_to_save" in refused["tower_saved"] and "vision tower" in refused["tower_saved"], refused
     assert "trainable_token_indices is not supported on image-text models" in refused["tokens"], refused
+
+
+def test_lora_checkpoint_resumes_in_another_layout(two_ranks):
+    """A LoongSFTTrainer checkpoint with adapters on the tower (the DeepStack mergers' included) and the language
+    model, written at TP2 + SP with the tower split (step 2), resumed at PP2 (the tower whole): the uninterrupted
+    run's losses (1e-5 relative)."""
+    res = two_ranks[0]["resume"]
+    assert len(res["full"]) == 4 and res["full"][2] != res["full"][3], res
+    assert res["resumed"] == pytest.approx(res["full"], rel=1e-5), res
+    assert {"adapter_config.json", "adapter_model.safetensors", "megatron"} <= set(res["files"]), res["files"]
+
+
+def test_generate_matches_peft(one_rank):
+    """``generate`` of the adapted model ("all-linear", the tower's and DeepStack's adapters included): PEFT's tokens,
+    scores within 1e-5."""
+    same, diff = one_rank["generate"]
+    assert same and diff < 1e-5, one_rank["generate"]
