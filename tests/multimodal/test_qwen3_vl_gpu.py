@@ -1,4 +1,4 @@
-"""Qwen3-VL on the CUDA path (varlen flash attention in the ViT under bf16, SDPA in the language model), against
+"""Qwen3-VL and Qwen3-VL-MoE on the CUDA path (varlen flash attention in the ViT under bf16, SDPA in the language model), against
 transformers on the same GPU: images + videos in fp32 (logits, loss, vision gradients, DeepStack included) and bf16
 (loss); ``fp8="on"`` through ``from_pretrained`` (the ViT's linears, the mergers' and the language model's)."""
 
@@ -55,10 +55,13 @@ def _run(folder: str) -> dict:
     return result
 
 
-def test_cuda_images_videos_and_fp8_match(tmp_path):
-    from loongforge_hf.testing.tiny_vl import make_tiny_qwen3_vl
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_cuda_images_videos_and_fp8_match(tmp_path, moe):
+    """Qwen3-VL, and Qwen3-VL-MoE with the hub's expert layout (grouped experts on the GPU)."""
+    from loongforge_hf.testing.tiny_vl import make_tiny_qwen3_vl, make_tiny_qwen3_vl_moe
 
-    folder = make_tiny_qwen3_vl(tmp_path / "src")
+    folder = make_tiny_qwen3_vl_moe(tmp_path / "src", hub_expert_layout=True) if moe \
+        else make_tiny_qwen3_vl(tmp_path / "src")
     [r] = run_distributed(_run, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
     assert r["fp32"]["device"].startswith("cuda"), r
     # fp32 on the same GPU, TF32 off: summation order only
