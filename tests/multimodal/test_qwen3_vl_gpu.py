@@ -1,7 +1,7 @@
 """Qwen3-VL and Qwen3-VL-MoE on the CUDA path (varlen flash attention in the ViT under bf16, SDPA in the language
-model), against
-transformers on the same GPU: images + videos in fp32 (logits, loss, vision gradients, DeepStack included) and bf16
-(loss); ``fp8="on"`` through ``from_pretrained`` (the ViT's linears, the mergers' and the language model's)."""
+model), against transformers on the same GPU: images + videos in fp32 (logits, loss, vision gradients, DeepStack
+included) and bf16 (loss); ``fp8="on"`` through ``from_pretrained`` (the ViT's linears, the mergers' and the language
+model's)."""
 
 import pytest
 import torch
