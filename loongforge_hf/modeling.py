@@ -123,6 +123,26 @@ def select_longrope_for(model, input_ids: torch.Tensor, position_ids: torch.Tens
         select_longrope(modules, rope_length(input_ids, position_ids, past))
 
 
+def router_outputs(model, routed, run, *, attention_mask, shape: tuple, length: int) -> tuple:
+    """``run()`` (a forward: (loss, logits)) with the routers' logits recorded and, where ``routed``
+    (``router_balance.forward_outputs``' answer) says so, transformers' balancing loss tallied over ``shape``'s
+    tokens (``length``: with the layout's padding): (its result, ``hf_forward_output``'s router keywords)."""
+    from loongforge_hf.bridges.router_logits import RouterLogits, recording
+
+    balance, coef = routed if routed is not None else (None, 0.0)  # NOTE: None: no aux loss (DeepSeek)
+    tally = None
+    if balance is not None:
+        # NOTE: the pipelined forward runs without grad (runtime._forward_pipelined): so does the term
+        tally = balance.begin(attention_mask, shape, device=model.device, length=length,
+                              graph=torch.is_grad_enabled() and model.parallel.pipeline_parallel_size == 1)
+    recorder = RouterLogits(model.megatron.config, batch=shape[0], seq=length, given=shape[-1])
+    with recording(model.routers, recorder):
+        result = run()
+    # NOTE: in the graph: the routers' gradient follows its use
+    aux = balance.finish_everywhere(tally) if balance is not None else None
+    return result, {"aux_loss": aux, "aux_coef": coef, "router_logits": recorder.collect(model.device)}
+
+
 def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux_coef: float = 0.0,
                       router_logits: tuple | None = None, moe: bool = False):
     """``CausalLMOutputWithPast`` (or its tuple) with ``hf_forward_options``' keywords applied; for a model whose
@@ -223,9 +243,10 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         from loongforge_hf.bridges import router_balance
         from loongforge_hf.bridges.router_logits import recording_routers
 
-        self.routers = recording_routers(self.chunks, bridge)  # those that record router_logits
+        text = getattr(bridge, "text", bridge)  # NOTE: an image-text model's language bridge
+        self.routers = recording_routers(self.chunks, text)  # those that record router_logits
         # None: no router tallies the balancing loss
-        self.router_balance = router_balance.attach(self.routers, self.chunks, bridge)
+        self.router_balance = router_balance.attach(self.routers, self.chunks, text)
 
         self._generation_at_load = None  # the source file's, as a diff dict: copied while the config equals it
         if source is not None and (source / "generation_config.json").is_file():
@@ -316,7 +337,7 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
         from loongforge_hf.bridges import router_balance
-        from loongforge_hf.bridges.router_logits import RouterLogits, asked, recording
+        from loongforge_hf.bridges.router_logits import asked
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
         options = hf_forward_options(unused, labels)
@@ -339,19 +360,10 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
             return hf_forward_output(*forward_causal_lm(self, **inputs), labels, options, moe=moe)
         multiple = self.parallel.sequence_multiple
         length = -(-input_ids.shape[-1] // multiple) * multiple  # NOTE: as forward_causal_lm pads for the layout
-        balance, coef = routed if routed is not None else (None, 0.0)  # NOTE: None: no aux loss (DeepSeek)
-        tally = None
-        if balance is not None:
-            # NOTE: the pipelined forward runs without grad (runtime._forward_pipelined): so does the term
-            tally = balance.begin(attention_mask, tuple(input_ids.shape), device=self.device, length=length,
-                                  graph=torch.is_grad_enabled() and self.parallel.pipeline_parallel_size == 1)
-        recorder = RouterLogits(self.megatron.config, batch=input_ids.shape[0], seq=length, given=input_ids.shape[-1])
-        with recording(self.routers, recorder):
-            loss, logits = forward_causal_lm(self, **inputs)
-        # NOTE: in the graph: the routers' gradient follows its use
-        aux = balance.finish_everywhere(tally) if balance is not None else None
-        return hf_forward_output(loss, logits, labels, options, aux_loss=aux, aux_coef=coef,
-                                 router_logits=recorder.collect(self.device), moe=moe)
+        (loss, logits), router = router_outputs(self, routed, lambda: forward_causal_lm(self, **inputs),
+                                                attention_mask=attention_mask, shape=tuple(input_ids.shape),
+                                                length=length)
+        return hf_forward_output(loss, logits, labels, options, moe=moe, **router)
 
     # ---- activation checkpointing (what transformers.Trainer calls for `activation_checkpointing=True`) ---------
     supports_gradient_checkpointing = True

@@ -46,6 +46,23 @@ def _renamed(mapping: Mapping, old: str, new: str) -> Mapping:
     return replace(mapping, **values)
 
 
+def check_vit(v) -> None:
+    """What the Qwen ViTs need of ``vision_config``: an activation transformers knows, the axial rope, a head size
+    divisible by 4."""
+    from transformers.activations import ACT2FN
+
+    if v.hidden_act not in ACT2FN:
+        raise C.UnsupportedConfigError(f"vision_config.hidden_act={v.hidden_act!r} is not an activation "
+                                       "transformers knows.")
+    rope_type = (getattr(v, "rope_parameters", None) or {}).get("rope_type", "axial")
+    if rope_type != "axial":
+        raise C.UnsupportedConfigError(f"vision_config.rope_parameters.rope_type={rope_type!r} is not supported "
+                                       "(only 'axial').")
+    if v.hidden_size % v.num_heads or (v.hidden_size // v.num_heads) % 4:
+        raise C.UnsupportedConfigError(f"vision_config: hidden_size={v.hidden_size} / num_heads={v.num_heads} "
+                                       "must be a whole head size divisible by 4 (axial rope over h and w).")
+
+
 class MRopeText:
     """The language model of an image-text model for megatron: its causal-LM bridge (the next base class) over
     ``text_config``, with mrope, its tensors under ``text_prefix``."""
@@ -170,19 +187,8 @@ class Qwen2_5_VLBridge:
         return None if token is None else int(token)
 
     def check_vision_config(self) -> None:
-        from transformers.activations import ACT2FN
-
         v = self.vision_config
-        if v.hidden_act not in ACT2FN:
-            raise C.UnsupportedConfigError(f"vision_config.hidden_act={v.hidden_act!r} is not an activation "
-                                           "transformers knows.")
-        rope_type = (getattr(v, "rope_parameters", None) or {}).get("rope_type", "axial")
-        if rope_type != "axial":
-            raise C.UnsupportedConfigError(f"vision_config.rope_parameters.rope_type={rope_type!r} is not supported "
-                                           "(only 'axial').")
-        if v.hidden_size % v.num_heads or (v.hidden_size // v.num_heads) % 4:
-            raise C.UnsupportedConfigError(f"vision_config: hidden_size={v.hidden_size} / num_heads={v.num_heads} "
-                                           "must be a whole head size divisible by 4 (axial rope over h and w).")
+        check_vit(v)
         if v.window_size % (v.spatial_merge_size * v.patch_size):
             raise C.UnsupportedConfigError(f"vision_config.window_size={v.window_size} must be a multiple of "
                                            f"spatial_merge_size x patch_size = {v.spatial_merge_size * v.patch_size}.")

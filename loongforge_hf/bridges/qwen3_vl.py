@@ -28,7 +28,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import Multimod
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import L
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
-from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, FusedQKVRows, MRopeText, Qwen2_5_VLBridge
+from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, FusedQKVRows, MRopeText, Qwen2_5_VLBridge, check_vit
 from loongforge_hf.bridges.qwen3 import Qwen3Bridge
 from loongforge_hf.bridges.qwen3_moe import Qwen3MoeBridge
 from loongforge_hf.bridges.stacked_experts import StackedDown, StackedGateUp, routed_stack
@@ -116,19 +116,8 @@ class Qwen3VLBridge(Qwen2_5_VLBridge):
         return len(self.vision_config.deepstack_visual_indexes or ())
 
     def check_vision_config(self) -> None:
-        from transformers.activations import ACT2FN
-
         v = self.vision_config
-        if v.hidden_act not in ACT2FN:
-            raise C.UnsupportedConfigError(f"vision_config.hidden_act={v.hidden_act!r} is not an activation "
-                                           "transformers knows.")
-        rope_type = (getattr(v, "rope_parameters", None) or {}).get("rope_type", "axial")
-        if rope_type != "axial":
-            raise C.UnsupportedConfigError(f"vision_config.rope_parameters.rope_type={rope_type!r} is not supported "
-                                           "(only 'axial').")
-        if v.hidden_size % v.num_heads or (v.hidden_size // v.num_heads) % 4:
-            raise C.UnsupportedConfigError(f"vision_config: hidden_size={v.hidden_size} / num_heads={v.num_heads} "
-                                           "must be a whole head size divisible by 4 (axial rope over h and w).")
+        check_vit(v)
         side = int(round(v.num_position_embeddings ** 0.5))
         if side * side != v.num_position_embeddings:
             raise C.UnsupportedConfigError(f"vision_config.num_position_embeddings={v.num_position_embeddings} must "
@@ -154,22 +143,29 @@ class Qwen3VLBridge(Qwen2_5_VLBridge):
                  Replicated(f"{b}.mlp.linear_fc2.bias", f"{p}.mlp.linear_fc2.bias")]
         return maps
 
-    def _merger_names(self) -> list[str]:
-        mergers = ["merger"] + [f"deepstack_merger_list.{k}" for k in range(self.deepstack_count)]
-        return [f"{m}.{n}.{k}" for m in mergers for n in ("norm", "linear_fc1", "linear_fc2")
-                for k in ("weight", "bias")]
+    def _merger_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The mergers' tensors (``merger.*``, ``deepstack_merger_list.{k}.*``) and their shapes."""
+        v = self.vision_config
+        wide = v.hidden_size * v.spatial_merge_size ** 2
+        shapes = {}
+        for m in ["merger"] + [f"deepstack_merger_list.{k}" for k in range(self.deepstack_count)]:
+            norm = v.hidden_size if m == "merger" else wide  # NOTE: DeepStack's norm follows the 2x2 shuffle
+            for layer, shape in (("norm", (norm,)), ("linear_fc1", (wide, wide)),
+                                 ("linear_fc2", (v.out_hidden_size, wide))):
+                shapes.update({f"{m}.{layer}.weight": shape, f"{m}.{layer}.bias": shape[:1]})
+        return shapes
 
     def vision_mapping_table(self) -> dict[str, tuple[Mapping, int | None]]:
         table = {n: (Replicated(n, f"{self.vision_prefix}.{n}"), None)
                  for n in ("patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight")}
         for i in range(self.vision_config.depth):
             table.update({m.megatron.format(layer=i): (m, i) for m in self.vision_block_mappings()})
-        table.update({n: (Replicated(n, f"{self.vision_prefix}.{n}"), None) for n in self._merger_names()})
+        table.update({n: (Replicated(n, f"{self.vision_prefix}.{n}"), None) for n in self._merger_shapes()})
         return table
 
     def vision_shapes(self) -> dict[str, tuple[int, ...]]:
         v, p = self.vision_config, self.vision_prefix
-        d, f, wide = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
+        d, f = v.hidden_size, v.intermediate_size
         patch = (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
         shapes = {f"{p}.patch_embed.proj.weight": patch,
                   f"{p}.patch_embed.proj.bias": (d,), f"{p}.pos_embed.weight": (v.num_position_embeddings, d)}
@@ -180,11 +176,7 @@ class Qwen3VLBridge(Qwen2_5_VLBridge):
                            f"{b}.attn.proj.weight": (d, d), f"{b}.attn.proj.bias": (d,),
                            f"{b}.mlp.linear_fc1.weight": (f, d), f"{b}.mlp.linear_fc1.bias": (f,),
                            f"{b}.mlp.linear_fc2.weight": (d, f), f"{b}.mlp.linear_fc2.bias": (d,)})
-        for name in self._merger_names():
-            norm = d if name.startswith("merger.norm") else wide
-            layer = {"norm": (norm,), "linear_fc1": (wide, wide), "linear_fc2": (v.out_hidden_size, wide)}
-            shape = layer[name.split(".")[-2]]
-            shapes[f"{p}.{name}"] = shape if name.endswith(".weight") else shape[:1]
+        shapes.update({f"{p}.{n}": shape for n, shape in self._merger_shapes().items()})
         return shapes
 
     def is_projector(self, vision_param_name: str) -> bool:

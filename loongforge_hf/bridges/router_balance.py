@@ -208,12 +208,12 @@ def forward_outputs(model, output_router_logits: bool | None = None) -> tuple[Ro
 def _switch(model, output_router_logits: bool | None, *, zero_coef: bool) -> tuple[RouterBalance, float] | None:
     from loongforge_hf.bridges.router_logits import asked
 
-    config = model.config
+    config = model.config.get_text_config()  # NOTE: an image-text model's: its language model's
     on = asked(config, output_router_logits)
     if on and moe_graphs.asked(getattr(getattr(model, "megatron", None), "config", None)):
         raise ValueError(f"{moe_graphs.ROUTER_OUTPUTS}: not with cuda_graph_impl='local'.")
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0
-    check_layout(config, model.bridge, coef=coef)
+    check_layout(config, getattr(model.bridge, "text", model.bridge), coef=coef)
     balance = getattr(model, "router_balance", None)
     if balance is None or not on or not (coef or zero_coef):
         if balance is not None:

@@ -67,7 +67,7 @@ class DataCollatorForImageText:
         image = getattr(processor, "image_processor", None)
         defaults = {"spatial_merge_size": getattr(image, "merge_size", None),
                     "frames_apart": isinstance(processor, Qwen3VLProcessor)
-                    or getattr(config, "model_type", None) == "qwen3_vl"}
+                    or getattr(config, "model_type", None) in ("qwen3_vl", "qwen3_vl_moe")}
         vision = getattr(config, "vision_config", None)
         if vision is not None and getattr(vision, "tokens_per_second", None) is not None:
             defaults["tokens_per_second"] = vision.tokens_per_second

@@ -40,6 +40,8 @@ def check_deepstack_layers(count: int, num_layers: int, parallel) -> None:
     pipeline stage's first chunk, beside the vision tower."""
     from loongforge_hf.bridges.builder import first_chunk_layers
 
+    if not count:
+        return
     held = first_chunk_layers(num_layers, parallel)
     if count > held:
         from loongforge_hf.parallel import ParallelLayoutError
@@ -129,7 +131,7 @@ class VisionLanguageChunk(nn.Module):
         if self.language.pre_process:
             decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                                   video_grid_thw, index=index, image_copies=image_copies,
-                                                  video_copies=video_copies, deepstack=True)
+                                                  video_copies=video_copies)
             if deepstack is not None:
                 added = deepstack_added(self.language, *deepstack)
         local_ids = input_ids if index is None else input_ids[:, index]
@@ -165,9 +167,9 @@ class VisionLanguageChunk(nn.Module):
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
               pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None, *,
               index: torch.Tensor | None = None, image_copies: torch.Tensor | None = None,
-              video_copies: torch.Tensor | None = None, deepstack: bool = False):
-        """``[s_local (/ tp under sequence parallelism), b, h]`` embeddings with images and videos in place
-        (``deepstack``: and the DeepStack rows and features for ``deepstack_added``, None without them);
+              video_copies: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple | None]:
+        """``[s_local (/ tp under sequence parallelism), b, h]`` embeddings with images and videos in place, and the
+        DeepStack rows and features for ``deepstack_added`` (None without them);
         ``index``: the global positions this rank holds (context parallelism), all when None. ``image_copies`` /
         ``video_copies`` (generate's rows expanded for beams or return sequences): the images (videos) the
         placeholders take, in order, as indices into those given; each given one is encoded once."""
@@ -182,7 +184,7 @@ class VisionLanguageChunk(nn.Module):
                 trainable = [p for p in self.vision.parameters() if p.requires_grad]
                 if trainable:
                     embeddings = embeddings + 0.0 * sum(p.reshape(-1)[:1].sum() for p in trainable).to(embeddings.dtype)
-            return (embeddings, None) if deepstack else embeddings
+            return embeddings, None
         if self.vision is None:
             raise ValueError("pixel_values / pixel_values_videos need a model with a vision tower.")
         if (pixel_values is not None and image_grid_thw is None) or \
@@ -234,8 +236,6 @@ class VisionLanguageChunk(nn.Module):
         picked = vision[source[:, positions].t()[where]].to(embeddings.dtype)
         width = embeddings.shape[-1]
         merged = embeddings.index_put(where, picked[:, :width])
-        if not deepstack:
-            return merged
         features = list(picked[:, width:].split(width, dim=-1)) if picked.shape[1] > width else []
         return merged, ((where, features) if features else None)
 

@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from loongforge_hf.modeling import (LoongModelForCausalLM, _resolve_dtype, failing_alike, hf_forward_options,
-                                    hf_forward_output, keep_hub_name, refuse_save_options, resolve_parallel)
+                                    hf_forward_output, keep_hub_name, refuse_save_options, resolve_parallel,
+                                    router_outputs)
 from loongforge_hf.parallel import ParallelLayoutError, read_launch_env
 from loongforge_hf.parallel.config import PARALLEL_KWARGS
 
@@ -187,7 +188,9 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                 mm_token_type_ids: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
                 video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
+        from loongforge_hf.bridges import router_balance
         from loongforge_hf.bridges.output_layer import full_logits
+        from loongforge_hf.bridges.router_logits import asked
         from loongforge_hf.bridges.runtime import IGNORE_INDEX, shift_labels, token_losses
         from loongforge_hf.parallel.context_parallel import (cp_gather_sequence, cp_group_and_size, cp_loss,
                                                              cp_token_index)
@@ -234,14 +237,23 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                     logits = cp_gather_sequence(logits.detach(), seq, cp_group, dim=1)
             return loss, logits
 
-        if self.parallel.pipeline_parallel_size == 1:
-            loss, logits = finish(self.chunks[0](*args, **inputs))
-        else:
+        def run():
+            if self.parallel.pipeline_parallel_size == 1:
+                return finish(self.chunks[0](*args, **inputs))
             from loongforge_hf.bridges.runtime import _forward_pipelined
 
-            loss, logits = _forward_pipelined(self.bound_chunks(inputs), input_ids, position_ids, mask, finish,
-                                              return_logits, labels is not None)
-        return hf_forward_output(loss, logits, labels, options)
+            return _forward_pipelined(self.bound_chunks(inputs), input_ids, position_ids, mask, finish,
+                                      return_logits, labels is not None)
+
+        # NOTE: a MoE language model (Qwen3-VL-MoE) returns transformers' MoE outputs; with output_router_logits
+        # (its text_config's, or the keyword) the router logits and the balancing loss, as its transformers class
+        routed = router_balance.forward_outputs(self, unused.get("output_router_logits"))
+        moe = getattr(self.bridge.text, "hf_router_logits", False)
+        if not (moe and asked(self.config.get_text_config(), unused.get("output_router_logits"))):
+            return hf_forward_output(*run(), labels, options, moe=moe)
+        (loss, logits), router = router_outputs(self, routed, run, attention_mask=attention_mask,
+                                                shape=tuple(input_ids.shape), length=seq)
+        return hf_forward_output(loss, logits, labels, options, moe=True, **router)
 
     # ---- export --------------------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
@@ -310,6 +322,7 @@ class AutoModelForImageTextToText:
                         **unused: Any) -> LoongModelForImageTextToText:
         # NOTE: ``unused``: transformers' other from_pretrained keywords and config overrides (bridges/load_kwargs.py)
         arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
+        from loongforge_hf.bridges import router_balance
         from loongforge_hf.bridges.builder import build_megatron_model
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.hub import resolve_checkpoint
@@ -361,10 +374,7 @@ class AutoModelForImageTextToText:
             layout.check_model(num_layers=text.num_hidden_layers, num_attention_heads=text.num_attention_heads,
                                num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
                                vocab_size=text.vocab_size, num_experts=bridge.text.num_experts())
-            if getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", 0):
-                raise ValueError("text_config.output_router_logits with router_aux_loss_coef: transformers' router "
-                                 "load-balancing loss is not computed for image-text models yet; set "
-                                 "output_router_logits=False.")
+            router_balance.check_layout(text, bridge.text)
             check_deepstack_layers(getattr(bridge, "deepstack_count", 0), text.num_hidden_layers, layout)
             vision_layout = _vision_layout(vision_tensor_parallel_size=vision_tensor_parallel_size,
                                            vision_data_parallel=vision_data_parallel,

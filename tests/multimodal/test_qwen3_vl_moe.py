@@ -2,7 +2,8 @@
 within 1e-4 (fp32; measured below 1e-6) with the routed experts in either on-disk layout (transformers 5's
 ``[E, 2I, H]`` / ``[E, H, I]`` stacks and the hub's transposed ones, each exported as read, bit for bit), at TP1, EP2,
 TP2 + SP with the tower and the experts split over TP, PP2 and CP2; LoongTrainer against transformers.Trainer; the
-router load-balancing loss refused before anything is built."""
+router outputs and transformers' router load-balancing loss (``output_router_logits``) in the forward and in
+training."""
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.round_trip import check_round_trip as _check_round_trip, read_all
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen3_vl_moe
 
-from ._vl_parity import compare_many, train_both
+from ._vl_parity import compare_many, train_both, train_vl
+from ._vl_qwen3 import compare_router_outputs
 
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -80,9 +82,27 @@ def test_trainer_matches_transformers_trainer(checkpoints, tmp_path):
         assert src[name].shape == out[name].shape and not torch.equal(src[name], out[name]), name
 
 
-def test_router_balance_loss_refused(tmp_path):
-    import loongforge_hf as lf
+def _router_worlds(folder, layouts):
+    return {name: compare_router_outputs(folder, layout) for name, layout in layouts}
 
-    folder = make_tiny_qwen3_vl_moe(tmp_path / "aux", output_router_logits=True)
-    with pytest.raises(ValueError, match="router load-balancing loss is not computed for image-text models"):
-        lf.AutoModelForImageTextToText.from_pretrained(folder)
+
+def test_router_outputs_and_balance_loss_match_transformers(tmp_path):
+    """text_config.output_router_logits with router_aux_loss_coef 0.3: the loss (language model + 0.3 x aux),
+    ``aux_loss``, ``router_logits`` (one per MoE layer) and the routers' gradients equal transformers' at TP1, EP2,
+    CP2 and TP2 + SP (1e-5); then LoongTrainer logs transformers.Trainer's losses, the aux term included."""
+    folder = make_tiny_qwen3_vl_moe(tmp_path / "aux", output_router_logits=True, router_aux_loss_coef=0.3)
+    one = run_distributed(_router_worlds, 1, str(folder), [("tp1", {})], timeout=300)[0]
+    two = run_distributed(_router_worlds, 2, str(folder), [
+        ("ep2", {"expert_parallel_size": 2}), ("cp2", {"context_parallel_size": 2}),
+        ("tp2_sp", {"tensor_parallel_size": 2, "sequence_parallel": True})], timeout=400)
+    for results in (one, *two):
+        for name, r in results.items():
+            assert r["router_layers"] == (3, 3) and r["aux"] > 1.0, (name, r)
+            for key in ("loss_diff", "aux_diff", "router_logit_diff", "router_grad_diff", "logit_diff"):
+                assert r[key] < 1e-5, (name, key, r)
+    # NOTE: transformers.Trainer runs here, in a process without torch.distributed: in a spawned rank it wraps the
+    # model in DDP, whose output pytree cannot rebuild transformers' vision output once it records router logits
+    hf = train_vl(str(folder), str(tmp_path / "hf"), loong=False)
+    loong = run_distributed(train_vl, 1, str(folder), str(tmp_path / "loong"), loong=True, timeout=300)[0]
+    assert len(loong) == len(hf) == 3
+    assert loong == pytest.approx(hf, rel=1e-4)
