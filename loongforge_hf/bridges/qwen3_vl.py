@@ -35,12 +35,12 @@ from loongforge_hf.bridges.stacked_experts import StackedDown, StackedGateUp, ro
 
 
 def interleaved_axes(mrope_section: list[int], channels: int, device=None) -> torch.Tensor:
-    """``[channels]`` axis (0 temporal, 1 height, 2 width) of each frequency channel, Qwen3-VL's interleaving."""
+    """``[channels]`` axis (0 temporal, 1 height, 2 width) of each frequency channel, Qwen3-VL's interleaving (no
+    host sync: a static cache's decode step captures it in a CUDA graph)."""
     j = torch.arange(channels, device=device)
-    axes = torch.zeros(channels, dtype=torch.long, device=device)
-    for axis in (1, 2):
-        axes[(j % 3 == axis) & (j < 3 * mrope_section[axis])] = axis
-    return axes
+    height = (j % 3 == 1) & (j < 3 * mrope_section[1])
+    width = (j % 3 == 2) & (j < 3 * mrope_section[2])
+    return height.long() + 2 * width.long()
 
 
 class InterleavedMRoPE(MultimodalRotaryEmbedding):

@@ -128,8 +128,8 @@ def _run_generate_bf16(folder: str) -> dict:
 
     inputs = {k: v.cuda() for k, v in prompt_batch(folder).items()}
     kw = dict(max_new_tokens=GENERATE_STEPS, return_dict_in_generate=True, output_scores=True, output_logits=True)
-    ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16,
-                                                                          attn_implementation="sdpa").cuda().eval()
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16,
+                                                                   attn_implementation="sdpa").cuda().eval()
     theirs = ref.generate(**inputs, **kw)
     del ref
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16)

@@ -1,7 +1,7 @@
 """Qwen3-VL and Qwen3-VL-MoE on the CUDA path (varlen flash attention in the ViT under bf16, SDPA in the language
 model), against transformers on the same GPU: images + videos in fp32 (logits, loss, vision gradients, DeepStack
 included) and bf16 (loss); ``fp8="on"`` through ``from_pretrained`` (the ViT's linears, the mergers' and the language
-model's)."""
+model's); bf16 ``generate`` with the dynamic and the static cache (CUDA-graphed decode steps)."""
 
 import pytest
 import torch
@@ -75,3 +75,23 @@ def test_cuda_images_videos_and_fp8_match(tmp_path, moe):
     assert {"vision.0.merger.linear_fc1", "vision.0.deepstack_merger_list.0.linear_fc2",
             "vision.0.blocks.0.mlp.linear_fc1"} <= set(fp8["swapped"]), fp8
     assert abs(fp8["loss"] - fp8["bf16_loss"]) < 0.03 * abs(fp8["bf16_loss"]), fp8
+
+
+def test_cuda_bf16_generate_as_transformers(tmp_path):
+    """Cached greedy generate in bf16 on one GPU against transformers' in bf16 on the same GPU: the first steps'
+    tokens equal, scores and logits within 3e-2; the same with the static cache, its decode steps (interleaved 3-D
+    rope positions) replayed from a CUDA graph."""
+    from loongforge_hf.testing.tiny_vl import make_tiny_qwen3_vl
+
+    from .test_qwen2_5_vl_gpu import GENERATE_BF16_ATOL, GENERATE_STEPS, _run_generate_bf16
+
+    folder = make_tiny_qwen3_vl(tmp_path / "src", seed=1)
+    [r] = run_distributed(_run_generate_bf16, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
+    assert r["device"].startswith("cuda"), r
+    assert r["graphed"] == (GENERATE_STEPS - 1, True), r["graphed"]
+    ref_seq, ref_scores, ref_logits = r["theirs"]
+    for which in ("ours", "static"):
+        seq, scores, logits = r[which]
+        assert torch.equal(seq, ref_seq), (which, seq, ref_seq)
+        torch.testing.assert_close(scores, ref_scores, atol=GENERATE_BF16_ATOL, rtol=0, msg=lambda m: f"{which}: {m}")
+        torch.testing.assert_close(logits, ref_logits, atol=GENERATE_BF16_ATOL, rtol=0, msg=lambda m: f"{which}: {m}")
