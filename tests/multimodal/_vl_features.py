@@ -26,7 +26,7 @@ def hand_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7) -> list:
 
     tok = AutoTokenizer.from_pretrained(folder)
     config = AutoConfig.from_pretrained(folder)
-    vision, frames_apart = config.vision_config, config.model_type == "qwen3_vl"
+    vision, frames_apart = config.vision_config, config.model_type in ("qwen3_vl", "qwen3_vl_moe")
     patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2 \
         if frames_apart else PATCH  # NOTE: C x temporal patch x patch x patch
     gen = torch.Generator().manual_seed(seed)

@@ -106,3 +106,27 @@ def test_router_outputs_and_balance_loss_match_transformers(tmp_path):
     loong = run_distributed(train_vl, 1, str(folder), str(tmp_path / "loong"), loong=True, timeout=300)[0]
     assert len(loong) == len(hf) == 3
     assert loong == pytest.approx(hf, rel=1e-4)
+
+
+def test_generate_as_transformers(tmp_path):
+    """Qwen3-VL-MoE ``generate`` (images, a text-only batch, videos; greedy and sampling; dynamic cache, static cache
+    and uncached) against transformers' in fp32 within 1e-5 (TP1, hub expert layout; the two-rank layouts are
+    test_qwen3_vl_generate.py's for the dense model and the text MoE models' generate tests)."""
+    from tests._generation import assert_same_generation
+
+    from ._vl_generate import SCENARIOS, generate_many, transformers_reference
+
+    folder = str(make_tiny_qwen3_vl_moe(tmp_path / "gen", seed=1, hub_expert_layout=True))
+    ref = transformers_reference(folder)
+    runs = {"tp1": run_distributed(generate_many, 1, folder, [("tp1", {}, False)], timeout=300)}
+    for layout, per_rank in runs.items():
+        for rank, res in enumerate(r[layout] for r in per_rank):
+            for name in SCENARIOS:
+                for kind in ("cached", "static", "uncached"):
+                    assert_same_generation(res[kind][name], ref["images"][name], f"{layout} {rank} {name} {kind}",
+                                           atol=1e-5)
+            assert_same_generation(res["text_only"]["greedy"], ref["text_only"]["greedy"], f"{layout} text",
+                                   atol=1e-5)
+            for kind in ("videos", "videos_static", "videos_uncached"):
+                assert_same_generation(res[kind]["greedy"], ref["videos"]["greedy"], f"{layout} {rank} {kind}",
+                                       atol=1e-5)
