@@ -1,5 +1,6 @@
 """Which parameters a LoraConfig's ``target_parameters`` names (PEFT's ``ParamWrapper``): the routed experts' 3-D
-stacks and the router of Qwen3-MoE and Mixtral, as PEFT adapts them on the transformers 5 model.
+stacks and the router of Qwen3-MoE, Mixtral, gpt-oss and Qwen3-VL-MoE, as PEFT adapts them on the transformers 5
+model.
 
 Choices:
 - PEFT's config rewrite for these models (``as_peft_rewrites``) turns expert projection names into
@@ -16,6 +17,11 @@ Choices:
   ``[E, H]`` a plain A ``[r, H]``, B ``[E, r]``. A stack its module marks ``is_transposed`` (gpt-oss's, ``[E, in,
   out]``) keeps PEFT's in / out as they are there; its B's rows, gate and up alternating, take megatron's ``[gate;
   up]`` order through the bridge's mapping (``Target.b_to_megatron``).
+- Qwen3-VL-MoE: the language layers' stacks and router (``model.language_model.layers.N.mlp...``), with no PEFT
+  rewrite for this model (``target_parameters`` name them; ``gate_proj`` / ``up_proj`` / ``down_proj`` are the dense
+  layers' linears). Its module's stacks are ``[E, 2I, H]`` / ``[E, H, I]`` whatever the checkpoint holds (the hub's
+  transposed stacks are transposed by transformers at load), so the adapters' shapes and PEFT's names are the same
+  for both on-disk layouts; only the base weights' mapping differs (``StackedGateUp(transposed=...)``).
 - Names as PEFT saves them: ParamWrappers on one module nest in creation order, the first innermost, so with both
   stacks adapted ``gate_up_proj``'s adapter is ``<...>.mlp.experts.base_layer.lora_A.weight`` and ``down_proj``'s
   ``<...>.mlp.experts.lora_A.weight``; the router's ``<...>.mlp.gate.lora_A.weight``.
@@ -30,10 +36,11 @@ import re
 
 from loongforge_hf.lora.plan import LoraConfigError, Target
 
-_PARAM = re.compile(r"^model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight|"
-                    r"router\.weight)$")
+# NOTE: an image-text model's language layers are ``model.language_model.layers.N`` (Qwen3-VL-MoE)
+_PARAM = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|"
+                    r"gate\.weight|router\.weight)$")
 SUPPORTED = ("'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' / 'router.weight' (router) of "
-             "Qwen3-MoE / Mixtral / gpt-oss")
+             "Qwen3-MoE / Mixtral / gpt-oss / Qwen3-VL-MoE")
 
 
 def rank_and_alpha(config, key: str) -> tuple[int, float]:
@@ -74,7 +81,7 @@ def plan_param_targets(config, skeleton, bridge) -> list[Target]:
                 found.append((module_name, pname, key, tuple(param.shape)))
     if refused or not found:
         what = f"match {refused[:3]}, which cannot" if refused else "match no parameter that can"
-        raise LoraConfigError(f"target_parameters={sorted(names)} on {bridge.architectures[0]} {what} carry a LoRA "
+        raise LoraConfigError(f"target_parameters={sorted(names)} on {type(skeleton).__name__} {what} carry a LoRA "
                               f"adapter here; supported: {SUPPORTED}.")
     if float(config.lora_dropout):
         raise LoraConfigError(f"lora_dropout={config.lora_dropout} with LoRA on the routed experts or the router "

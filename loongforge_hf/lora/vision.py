@@ -8,7 +8,8 @@ Choices:
   in the checkpoint under the names the bridge read (hub: ``model.layers.N...`` / ``visual.*``; older files:
   ``model.language_model.*`` / ``model.visual.*``). ``"all-linear"`` adapts the tower's linears too, as PEFT does.
 - Language targets and ``modules_to_save`` (norms, an untied LM head, the embedding) go through the text-model
-  machinery on the language chunks (``model.py``), unchanged.
+  machinery on the language chunks (``model.py``), unchanged; so do Qwen3-VL-MoE's routed experts and routers, named
+  by PEFT's ``target_parameters`` (``param_targets.py``, ``experts.py``).
 - Vision targets: the tower's ``VisionLinear`` becomes ``LoraVisionLinear``, whose one matmul (which the tower's
   row-split projections call without their bias) adds ``scaling * B (A dropout(x))``. The tower lives on the first
   pipeline stage; with the default layout it is replicated over TP (every TP rank encodes every image and gets the

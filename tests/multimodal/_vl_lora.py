@@ -46,6 +46,8 @@ def _check_grads(model, ref) -> dict:
                         tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
     counts = {"vision": 0, "language": 0}
     for t in model.lora_plan.targets:
+        if t.kind in ("experts", "router"):  # NOTE: PEFT's target_parameters (Qwen3-VL-MoE): _check_param_grads
+            continue
         module = t.megatron_module.format(layer=t.layer)
         got = [ours[f"{module}.lora.{t.name}.{f}"].grad for f in "AB"]
         want = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
@@ -64,7 +66,49 @@ def _check_grads(model, ref) -> dict:
             diff, scale = float((a - b).abs().max()), float(b.abs().max())
             assert scale > 0 and diff <= GRAD_TOL * scale, (f"d{f} {t.hf_module}", diff, scale)
         counts["vision" if t.kind == "vision" else "language"] += 1
+    if any(t.kind in ("experts", "router") for t in model.lora_plan.targets):
+        counts["params"] = _check_param_grads(model, ref)
     return counts
+
+
+def _check_param_grads(model, ref) -> int:
+    """The routed experts' and routers' adapters (PEFT's ``target_parameters``, every MoE layer, one pipeline stage)
+    against PEFT's gradients, within GRAD_TOL of the largest entry: the router's whole (summed over the TP ranks that
+    split the tokens under SP, as megatron sums them), an expert stack's this expert-parallel rank's experts (summed
+    over the expert-data-parallel replicas, each with its own tokens; PEFT's times the data-parallel ranks, which all
+    feed the same batch to these experts)."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.lora.vision import chunk_params
+
+    ref_params, ours = dict(ref.named_parameters()), chunk_params(model.chunks[0])
+    dp = ps.get_data_parallel_world_size()
+    ep_rank, ep = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+    checked = 0
+    for t in model.lora_plan.targets:
+        if t.kind not in ("experts", "router"):
+            continue
+        want = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
+        module = t.megatron_module.format(layer=t.layer)
+        got = [ours[f"{module}.lora.{t.name}.{f}"].grad.clone() for f in "AB"]
+        if t.kind == "router":
+            if model.megatron.config.sequence_parallel:
+                for g in got:
+                    dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+        else:
+            if ps.get_expert_data_parallel_world_size() > 1:
+                for g in got:
+                    dist.all_reduce(g, group=ps.get_expert_data_parallel_group())
+            per = t.num_experts // ep
+            local = slice(ep_rank * per, (ep_rank + 1) * per)
+            b = t.b_to_megatron(want[1], None)
+            want = [dp * want[0].reshape(t.num_experts, t.r, t.in_features)[local],
+                    dp * b.reshape(t.out_features, t.r, t.num_experts).permute(2, 0, 1)[local]]
+        for f, a, b in zip("AB", got, want):
+            diff, scale = float((a - b).abs().max()), float(b.abs().max())
+            assert scale > 0 and diff <= GRAD_TOL * scale, (f"d{f} {t.hf_module}", diff, scale)
+            checked += 1
+    return checked
 
 
 def _sum_over_context_parallel(model) -> None:
