@@ -261,9 +261,15 @@ class Qwen2_5_VLBridge:
 VL_BRIDGES = {arch: Qwen2_5_VLBridge for arch in Qwen2_5_VLBridge.architectures}
 
 
-def get_vl_bridge(hf_config, checkpoint_names=(), shape_of=None) -> Qwen2_5_VLBridge:
-    from loongforge_hf.bridges import qwen3_vl  # noqa: F401  (registers its bridge in VL_BRIDGES)
+def image_text_architectures() -> list[str]:
+    """The HF architectures ``lf.AutoModelForImageTextToText`` loads."""
+    from loongforge_hf.bridges import qwen3_vl  # noqa: F401  (registers its bridges in VL_BRIDGES)
 
+    return sorted(VL_BRIDGES)
+
+
+def get_vl_bridge(hf_config, checkpoint_names=(), shape_of=None) -> Qwen2_5_VLBridge:
+    image_text_architectures()  # NOTE: every image-text bridge registered
     for arch in getattr(hf_config, "architectures", None) or []:
         if arch in VL_BRIDGES:
             return VL_BRIDGES[arch](hf_config, checkpoint_names, shape_of)

@@ -30,6 +30,12 @@ def get_bridge(hf_config):
     for arch in archs:
         if arch in _BRIDGES:
             return _BRIDGES[arch](hf_config)
+    from loongforge_hf.bridges.qwen2_5_vl import image_text_architectures
+
+    image_text = [arch for arch in archs if arch in image_text_architectures()]
+    if image_text:
+        raise UnsupportedArchitectureError(f"{image_text[0]} is an image-text model: load it with "
+                                           "lf.AutoModelForImageTextToText.from_pretrained(...).")
     named = ", ".join(archs) if archs else f"model_type={getattr(hf_config, 'model_type', None)!r}"
     raise UnsupportedArchitectureError(
         f"No loongforge-hf bridge for {named}. Supported architectures: {', '.join(supported_architectures())}.")

@@ -206,3 +206,12 @@ def test_bad_configs_are_refused(tmp_path):
     config = tiny_qwen3_vl_config(num_hidden_layers=1)
     with pytest.raises(UnsupportedConfigError, match="2 DeepStack features for 1 decoder layers"):
         Qwen3VLBridge(config)
+
+
+def test_causal_lm_loader_points_to_the_image_text_one(checkpoint):
+    import loongforge_hf as lf
+    from loongforge_hf.bridges.registry import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError, match="Qwen3VLForConditionalGeneration is an image-text model: "
+                                                           "load it with lf.AutoModelForImageTextToText"):
+        lf.AutoModelForCausalLM.from_pretrained(checkpoint)
