@@ -2,20 +2,20 @@
 dynamic cache and against our own ``use_cache=False`` path, on tiny fp32 checkpoints and a left-padded batch of two
 prompts of different lengths.
 
-- Greedy (scores and raw logits), beam search (3 beams, 2 sequences returned, scores) and seeded top-k sampling
-  (logits) give transformers' tokens, and scores / logits within 1e-5 of transformers' and of ``use_cache=False``'s,
-  on every rank of: one rank, TP2, TP2 with sequence parallelism (a one-token step padded to two), PP2, PP2 x VPP2
-  (a rank's cache spans its two virtual chunks), Qwen3-MoE with EP2, CP2 (the prefill is split over CP, its keys
-  and values gathered and each rank's round-robin share kept in its cache; later cached steps run whole on both CP
-  ranks, each attending over its share, the shares merged; uncached ones are split over CP: each rank's cache
-  holds its share of the positions, the static cache's buffers its share and a scratch slot) and DeepSeek-V3
-  (MLA: its own rotary embedding, query / key and value heads of different sizes) with TP2 and sequence
-  parallelism, and with CP2; Mistral with a 3-token sliding window (the prompts and the generated tokens outrun it)
-  at one rank and at CP2 (the window in the split prefill and over each rank's share); Phi-3 (packed q / k / v,
-  partial rotary) with a 3-token window at TP2; GLM-4.5 (biased q/k/v, half-rotary heads, sigmoid-routed experts)
-  at TP2 with sequence parallelism; Phi-3 with LongRoPE (prompts and new tokens within its 32 short-factor
-  positions) at one rank; SmolLM3 (layers 1 and 3 without rotary embedding, one on each stage) at PP2; Qwen3 with
-  YaRN at one rank.
+- Greedy (scores and raw logits), beam search (3 beams, 2 sequences returned, scores) and seeded top-k sampling (logits)
+  give transformers' tokens, and scores / logits within 1e-5 of transformers' and of ``use_cache=False``'s, on every
+  rank of: one rank, TP2, TP2 with sequence parallelism (a one-token step padded to two), PP2, PP2 x VPP2 (a rank's
+  cache spans its two virtual chunks), Qwen3-MoE with EP2, CP2 (the prefill is split over CP, its keys and values
+  gathered and each rank's round-robin share kept in its cache; later cached steps run whole on both CP ranks, each
+  attending over its share, the shares merged; uncached ones are split over CP: each rank's cache holds its share of the
+  positions, the static cache's buffers its share and a scratch slot) and DeepSeek-V3 (MLA: its own rotary embedding,
+  query / key and value heads of different sizes) with TP2 and sequence parallelism, and with CP2; Mistral with a
+  3-token sliding window (the prompts and the generated tokens outrun it) at one rank and at CP2 (the window in the
+  split prefill and over each rank's share); Phi-3 (packed q / k / v, partial rotary) with a 3-token window at TP2;
+  GLM-4.5 (biased q/k/v, half-rotary heads, sigmoid-routed experts) at TP2 with sequence parallelism; ERNIE 4.5 MoE
+  (interleaved rotary pairs, tied embeddings, experts chosen on softmax scores plus a fixed bias) at TP2 with sequence
+  parallelism and at CP2; Phi-3 with LongRoPE (prompts and new tokens within its 32 short-factor positions) at one rank;
+  SmolLM3 (layers 1 and 3 without rotary embedding, one on each stage) at PP2; Qwen3 with YaRN at one rank.
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here. The output layer
   computes the kept (last) position's logits only where that is exact (not under sequence parallelism).
@@ -75,6 +75,8 @@ LAYOUTS = {
     "exaone4_cp2": ("exaone4", 2, {"context_parallel_size": 2}),
     "gpt_oss_cp2": ("gpt_oss", 2, {"context_parallel_size": 2}),
     "gpt_oss_tp2_sp": ("gpt_oss", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "ernie4_5_moe_tp2_sp": ("ernie4_5_moe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "ernie4_5_moe_cp2": ("ernie4_5_moe", 2, {"context_parallel_size": 2}),
 }
 # NOTE: name -> (architecture, config overrides); Mistral with a 3-token sliding window: the prompts (6 positions)
 # and every generated token outrun it
@@ -87,6 +89,7 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "gemma2": ("gemma2", {"sliding_window": 3}), "ministral": ("ministral", {"sliding_window": 3}),
                "helium": ("helium", {}), "gpt_oss": ("gpt_oss", {"sliding_window": 3}), "glm4": ("glm4", {}),
                "granitemoe": ("granitemoe", {}), "exaone4": ("exaone4", {"sliding_window": 3}),
+               "ernie4_5_moe": ("ernie4_5_moe", {}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),
                "qwen3_moe_yarn": ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,

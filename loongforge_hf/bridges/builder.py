@@ -93,6 +93,8 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
     taken = sorted(set(megatron_config) & (set(kw) | set(_BUILDER_FIELDS)))
     problems = [f"{k}: not a megatron-core {config_class.__name__} field" for k in unknown]
     problems += [f"{k}: set from the checkpoint's config or the layout, not through megatron_config" for k in taken]
+    problems += [f"{k}: {bridge.architectures[0]} routes with its own function, which does not apply it"
+                 for k in sorted(set(megatron_config) & set(getattr(bridge, "unserved_megatron_fields", ())))]
     te_fields = sorted(set(megatron_config) & set(TE_CONFIG_FIELDS))
     problems += [f"{k}: Transformer Engine FP8 is chosen with from_pretrained(fp8='on', fp8_recipe='te_...'), which "
                  "also puts TE's linears into the layer spec (docs/fp8.md)" for k in te_fields]

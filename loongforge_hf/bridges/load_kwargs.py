@@ -236,12 +236,21 @@ def load_config(folder: Path, options: LoadOptions, *, trust_remote_code: bool, 
 def loading_info(reader, bridge) -> dict:
     """transformers' ``output_loading_info``: nothing missing or mismatched (either fails the load here), and the
     checkpoint tensors the model does not load as ``unexpected_keys``, as transformers lists them: DeepSeek's
-    multi-token-prediction layers included, which transformers drops and the export here carries through unchanged."""
+    multi-token-prediction layers included, which transformers drops and the export here carries through unchanged;
+    those its model class ignores (``_keys_to_ignore_on_load_unexpected``: ERNIE 4.5 MoE's ``mtp``) left out."""
+    import re
+
+    import transformers
+
     from .fp8_checkpoint import dequantizing_reader
 
-    names = dequantizing_reader(reader).keys()
-    return {"missing_keys": set(), "unexpected_keys": set(names) - set(bridge.expected_hf_shapes()),
-            "mismatched_keys": set(), "error_msgs": []}
+    names = set(dequantizing_reader(reader).keys()) - set(bridge.expected_hf_shapes())
+    archs = getattr(bridge.hf_config, "architectures", None) or [""]
+    ignored = getattr(getattr(transformers, archs[0], None), "_keys_to_ignore_on_load_unexpected", None) or ()
+    if ignored:
+        pattern = re.compile("|".join(f"({p})" for p in ignored))
+        names = {n for n in names if pattern.search(n) is None}
+    return {"missing_keys": set(), "unexpected_keys": names, "mismatched_keys": set(), "error_msgs": []}
 
 
 def finish_load(model, options: LoadOptions, info: dict | None):

@@ -22,7 +22,9 @@ Choices:
   ``n_group`` / ``topk_group`` -> ``moe_router_num_groups`` / ``moe_router_group_topk``: megatron scores a group by the
                                   sum of its top ``k / topk_group`` scores, which must equal the model's own rule
                                   (``group_score_top``: 2 for V3's top-2 sum, 1 for V2's max);
-  ``routed_scaling_factor``    -> ``moe_router_topk_scaling_factor``.
+  ``routed_scaling_factor``    -> ``moe_router_topk_scaling_factor``;
+  softmax plus a fixed bias    -> ``biased_routing.route`` in the router (ERNIE 4.5: megatron-core 0.16 adds an
+                                  expert bias to sigmoid scores only).
   A setting megatron cannot reproduce raises ``UnsupportedConfigError`` naming the field.
 - The router load-balancing loss (``output_router_logits`` with ``router_aux_loss_coef``) is transformers' own, over
   all MoE layers of a forward, for bridges that declare ``hf_balance_loss`` (their router is

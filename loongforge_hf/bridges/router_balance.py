@@ -1,7 +1,7 @@
-"""transformers' router load-balancing loss for the MoE bridges whose HF models compute it (Qwen3-MoE, Mixtral): the
-config's ``output_router_logits`` with a nonzero ``router_aux_loss_coef`` (``config_map.router_aux_loss_coef_of``)
-in training (``active``); the model's forward returns it whenever ``output_router_logits`` is on, a coefficient of 0
-included, as transformers' does (``forward_outputs``).
+"""transformers' router load-balancing loss for the MoE bridges whose HF models compute it (Qwen3-MoE, Mixtral, ERNIE
+4.5 MoE): the config's ``output_router_logits`` with a nonzero ``router_aux_loss_coef``
+(``config_map.router_aux_loss_coef_of``) in training (``active``); the model's forward returns it whenever
+``output_router_logits`` is on, a coefficient of 0 included, as transformers' does (``forward_outputs``).
 
 Choices:
 - The formula is transformers' ``load_balancing_loss_func``: over the router logits of every MoE layer of one forward,
@@ -10,12 +10,14 @@ Choices:
   ``R`` = layers x weighted tokens. megatron's own balancing losses (per layer, divided by top-k) stay off.
 - ``BalanceRouter`` is megatron's ``TopKRouter`` in the MoE layers' router slot (``specs.py``). While a forward is
   tallied (``RouterBalance.begin``) each layer adds its three sums (slot counts, probability sums, weight sum) to
-  the forward's ``Tally``; its chosen experts are the routing map megatron dispatches with. It also hands its
-  logits to the forward's ``router_logits.RouterLogits`` while the model's forward records them (all it does for
-  bridges with ``hf_router_logits`` alone, DeepSeek: ``balance`` None, ``routing`` is megatron's). Token weights: the
-  user's attention mask, 0 for the pads the engine adds for its layout (``trainer.data``), 1 everywhere for
-  padding-free rows, as transformers counts them. ``Tally.finish`` sums the layers and the ranks that split the
-  tokens (tensor-parallel ranks under sequence parallelism, context-parallel ranks) and returns the loss.
+  the forward's ``Tally``; its chosen experts are the routing map megatron dispatches with (a router with ERNIE 4.5's
+  softmax expert bias, which routes by ``biased_routing.route``: the top k without the bias, as transformers counts
+  them). It also hands its logits to the forward's ``router_logits.RouterLogits`` while the model's forward records
+  them (all it does for bridges with ``hf_router_logits`` alone, DeepSeek: ``balance`` None, ``routing`` is
+  megatron's). Token weights: the user's attention mask, 0 for the pads the engine adds for its layout
+  (``trainer.data``), 1 everywhere for padding-free rows, as transformers counts them. ``Tally.finish`` sums the
+  layers and the ranks that split the tokens (tensor-parallel ranks under sequence parallelism, context-parallel
+  ranks) and returns the loss.
 - The gradient: ``Tally.finish`` returns the loss in the graph (``_AuxOut``), and each layer's probability sums join
   it through an identity op on the router's output (``_SumsGrad``). Whatever reaches ``aux_loss`` in the backward
   (``coef`` from ``loss = lm + coef * aux``, times anything that scaled the loss afterwards: gradient accumulation,
@@ -41,7 +43,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from loongforge_hf.bridges import moe_graphs
+from loongforge_hf.bridges import biased_routing, moe_graphs
 from loongforge_hf.bridges.balance_tally import Tally
 from loongforge_hf.bridges.config_map import router_aux_loss_coef_of
 
@@ -55,6 +57,7 @@ def _top_k_router():
 
         balance = None
         recorder = None
+        norm_min = None  # set with a softmax router's expert bias (ERNIE 4.5): it routes by biased_routing.route
 
         def _apply_expert_bias(self, routing_map, padding_mask=None):
             # NOTE: megatron's is torch.compile'd: every call pays dynamo's guard checks (~30 us a layer on an H200's
@@ -63,11 +66,17 @@ def _top_k_router():
                 super()._apply_expert_bias(routing_map, padding_mask=padding_mask)
 
         def routing(self, logits, padding_mask=None):
-            probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+            flat = logits.view(-1, self.config.num_moe_experts)
+            if self.norm_min is None:
+                probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+            else:
+                probs, routing_map = biased_routing.route(flat, self.topk, self.expert_bias, self.norm_min)
             if self.recorder is not None:
                 self.recorder.record(self, logits)
-            if self.balance is not None:
-                probs = self.balance.take(self, logits, routing_map, probs)
+            if self.balance is not None and self.balance.tally is not None:
+                # NOTE: transformers' balancing loss counts the top k without an expert bias
+                counted = routing_map if self.norm_min is None else biased_routing.unbiased_map(flat, self.topk)
+                probs = self.balance.take(self, logits, counted, probs)
             return probs, routing_map
 
     return BalanceRouter

@@ -16,7 +16,7 @@ Choices:
   - the rotary embedding goes through the fused-rope slot (``rope.enable_megatron_fused_rope``; MLA keeps megatron's
     own rotary path, which the slot does not serve);
   - the router's top-k softmax routing is ``kernels.router.topk_softmax`` (one op; sigmoid / grouped / biased
-    routing stays megatron's);
+    routing stays megatron's, but for softmax scores with an expert bias, ERNIE 4.5's: ``biased_routing.py``);
   - a dense layer's MLP (DeepSeek's first layers, Qwen3-MoE's ``mlp_only_layers``) is the dense spec's
     ``SwiGLUMLP`` (megatron's ``MLP`` with our ``swiglu``); shared experts stay megatron's ``SharedExpertMLP``.
   And one more with ``bridge.grouped_experts`` (the default, see ``moe.py``): the routed experts of every MoE layer are

@@ -4,7 +4,8 @@ Sizes are chosen to exercise what the bridges must get right: GQA (heads != KV h
 Qwen3, several safetensors shards, vocab not a multiple of 128 (so padding is tested), odd layer counts on request.
 MoE models have a dense first layer where the architecture allows one, 4-8 experts, and router weights large enough
 that no two experts tie for a token (a near tie could flip with summation order and make parity flaky);
-DeepSeek-V3's ``e_score_correction_bias`` is random too, and ``mtp_layers`` appends multi-token-prediction tensors.
+DeepSeek-V3's and ERNIE 4.5 MoE's ``e_score_correction_bias`` is random too, and ``mtp_layers`` appends
+multi-token-prediction tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
               "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe",
-              "exaone4")
+              "exaone4", "ernie4_5_moe")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -154,6 +155,13 @@ def _config(arch: str, **overrides):
         cfg = tf.GraniteMoeConfig(**{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
                                   embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.1,
                                   logits_scaling=6.0)
+    elif arch == "ernie4_5_moe":
+        # NOTE: ERNIE-4.5-21B-A3B's layout shrunk: tied embeddings, a dense first and last layer (start / end index),
+        # 8 experts (top 3) and 2 shared ones in between; its e_score_correction_bias is randomised in
+        # make_tiny_checkpoint, large enough to change some tokens' experts
+        cfg = tf.Ernie4_5_MoeConfig(**{**common, "tie_word_embeddings": True}, moe_num_experts=8, moe_k=3,
+                                    moe_intermediate_size=32, moe_num_shared_experts=2, moe_layer_start_index=1,
+                                    moe_layer_end_index=2)
     elif arch == "granite":
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,
@@ -210,6 +218,8 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
                 p.copy_((0.2 if name.endswith("weight") else 1.0) * torch.randn_like(p))
             elif name.endswith("bias") and getattr(cfg, "model_type", "") == "gpt_oss":  # NOTE: HF zeroes them
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("e_score_correction_bias"):  # NOTE: ERNIE 4.5's (a frozen parameter)
+                p.copy_(0.05 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
@@ -222,7 +232,8 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
 
 
 def _append_mtp_layers(folder: Path, cfg, count: int, *, dtype: torch.dtype) -> None:
-    """Random tensors named like DeepSeek-V3's multi-token-prediction layers, in a shard of their own."""
+    """Random tensors named like DeepSeek-V3's (or ERNIE 4.5 MoE's) multi-token-prediction layers, in a shard of their
+    own."""
     import json
 
     from safetensors.torch import save_file
@@ -233,12 +244,20 @@ def _append_mtp_layers(folder: Path, cfg, count: int, *, dtype: torch.dtype) -> 
     h, v = cfg.hidden_size, cfg.vocab_size
     tensors = {}
     for i in range(count):
-        p = f"model.layers.{cfg.num_hidden_layers + i}"
-        shapes = {"embed_tokens.weight": (v, h), "enorm.weight": (h,), "hnorm.weight": (h,),
-                  "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h),
-                  "input_layernorm.weight": (h,), "self_attn.o_proj.weight": (h, h),
-                  "mlp.experts.0.down_proj.weight": (h, cfg.moe_intermediate_size)}
-        tensors.update({f"{p}.{n}": torch.randn(shape).to(dtype) for n, shape in shapes.items()})
+        if cfg.model_type == "ernie4_5_moe":  # NOTE: the hub's ERNIE-4.5-21B-A3B-PT: model.mtp_*.{i} beside the layers
+            shapes = {f"model.mtp_emb_norm.{i}.weight": (h,), f"model.mtp_hidden_norm.{i}.weight": (h,),
+                      f"model.mtp_linear_proj.{i}.weight": (h, 2 * h),
+                      f"model.mtp_block.{i}.input_layernorm.weight": (h,),
+                      f"model.mtp_block.{i}.self_attn.o_proj.weight": (h, h),
+                      f"model.mtp_block.{i}.mlp.experts.0.down_proj.weight": (h, cfg.moe_intermediate_size)}
+        else:
+            p = f"model.layers.{cfg.num_hidden_layers + i}"
+            shapes = {f"{p}.{n}": shape for n, shape in {
+                "embed_tokens.weight": (v, h), "enorm.weight": (h,), "hnorm.weight": (h,),
+                "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h),
+                "input_layernorm.weight": (h,), "self_attn.o_proj.weight": (h, h),
+                "mlp.experts.0.down_proj.weight": (h, cfg.moe_intermediate_size)}.items()}
+        tensors.update({n: torch.randn(shape).to(dtype) for n, shape in shapes.items()})
     shard = "model-mtp.safetensors"
     save_file(tensors, str(folder / shard), metadata={"format": "pt"})
     index = json.loads(index_path.read_text())

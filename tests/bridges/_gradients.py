@@ -65,6 +65,9 @@ def gradient_checks(cases: list[tuple[str, str, dict]]) -> dict:
             if n not in ours:
                 missing.append(n)
                 continue
+            if p.grad is None:  # NOTE: no gradient (ERNIE 4.5's e_score_correction_bias, a fixed bias): ours unchanged
+                diffs[n] = 0.0 if torch.equal(ours[n].detach(), p.detach()) else float("inf")
+                continue
             scale = float(p.grad.abs().max()) or 1.0
             diffs[n] = float((ours[n].detach() - p.grad).abs().max()) / scale
         out[name] = {"diffs": diffs, "missing": missing}

@@ -86,8 +86,9 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     labels = ids.clone()
     labels[0, :3] = -100
     # NOTE: DeepSeek's and GLM-4.5's router_logits (transformers adds no aux loss for them, so the loss compares as
-    # before)
-    routed = {"output_router_logits": True} if model.config.model_type.startswith(("deepseek", "glm4_moe")) else {}
+    # before); ERNIE 4.5 MoE's with transformers' balancing loss (its coefficient times it in the loss)
+    routed = {"output_router_logits": True} if model.config.model_type.startswith(
+        ("deepseek", "glm4_moe", "ernie4_5_moe")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)
@@ -107,8 +108,10 @@ def _router_outputs(out, exp) -> dict:
     ours, theirs = out.get("router_logits") or (), exp.get("router_logits") or ()
     diffs = [(a.detach().float() - b.float()).abs().max().item() if a.shape == b.shape else float("inf")
              for a, b in zip(ours, theirs)]
+    aux, ref_aux = out.get("aux_loss"), exp.get("aux_loss")
     return {"output_type": type(out).__name__, "ref_output_type": type(exp).__name__,
-            "no_aux_loss": out.get("aux_loss") is None, "router_counts": (len(ours), len(theirs)),
+            "no_aux_loss": aux is None, "router_counts": (len(ours), len(theirs)),
+            "aux_diff": None if aux is None or ref_aux is None else abs(aux.item() - ref_aux.item()),
             "router_dtypes": sorted({str(t.dtype) for t in ours}), "router_diff": max(diffs, default=None)}
 
 

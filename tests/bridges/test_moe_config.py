@@ -42,6 +42,15 @@ def test_routing_translation():
     assert v2["moe_router_topk_scaling_factor"] == 1.5 and "moe_router_num_groups" not in v2
     assert v2["q_lora_rank"] is None and v2["moe_shared_expert_intermediate_size"] == 64
 
+    # NOTE: ERNIE 4.5 MoE routes by biased_routing.route (its expert bias is none of megatron's: softmax scores)
+    e = bridge("ernie4_5_moe").transformer_config_kwargs()
+    assert e["moe_layer_freq"] == [0, 1, 1, 0] and (e["num_moe_experts"], e["moe_router_topk"]) == (8, 3)
+    assert e["moe_shared_expert_intermediate_size"] == 64 and not e["moe_shared_expert_gate"]
+    assert e["moe_router_dtype"] == "fp32" and e["rotary_interleaved"] and not e.get("moe_router_enable_expert_bias")
+    assert bridge("ernie4_5_moe", moe_layer_interval=2, moe_layer_start_index=0, moe_layer_end_index=-1,
+                  moe_num_shared_experts=0).transformer_config_kwargs()["moe_layer_freq"] == [0, 1, 0, 1]
+    assert bridge("ernie4_5_moe", moe_num_shared_experts=0).shared_ffn_size() is None
+
 
 @pytest.mark.parametrize("arch,overrides,field", [
     ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=False"),
@@ -54,6 +63,10 @@ def test_routing_translation():
     ("deepseek_v3", {"n_shared_experts": 0}, "n_shared_experts=0"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
     ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=True"),
+    ("ernie4_5_moe", {"use_bias": True}, "use_bias=True"),
+    ("ernie4_5_moe", {"moe_norm_min": None}, "moe_norm_min=None"),
+    ("ernie4_5_moe", {"moe_layer_start_index": 4}, "no MoE layer"),
+    ("ernie4_5_moe", {"moe_layer_interval": 0}, "moe_layer_interval=0 must be at least 1"),
 ])
 def test_refused_configs_name_the_field(arch, overrides, field):
     with pytest.raises(UnsupportedConfigError, match=field.replace("(", r"\(").replace("[", r"\[")):
@@ -73,6 +86,7 @@ def test_aux_loss_coefficient():
         assert b.hf_balance_loss and b.hf_router_logits
     for arch in ("deepseek_v3", "deepseek_v2"):  # transformers returns their router_logits and adds no aux loss
         assert bridge(arch).hf_router_logits and not bridge(arch).hf_balance_loss
+    assert bridge("ernie4_5_moe").hf_balance_loss and bridge("ernie4_5_moe").hf_router_logits
 
 
 def test_moe_with_tensor_parallel_needs_sequence_parallel():
@@ -97,6 +111,11 @@ def test_expected_shapes_follow_the_hub_layout():
     mixtral = bridge("mixtral").expected_hf_shapes()
     assert mixtral["model.layers.0.block_sparse_moe.experts.3.w3.weight"] == (48, 64)
     assert "model.layers.0.mlp.gate_proj.weight" not in mixtral
+    ernie = bridge("ernie4_5_moe").expected_hf_shapes()
+    assert ernie["model.layers.1.mlp.moe_statics.e_score_correction_bias"] == (1, 8)  # NOTE: transformers' [1, E]
+    assert ernie["model.layers.2.mlp.experts.7.gate_proj.weight"] == (32, 64) and "lm_head.weight" not in ernie
+    assert ernie["model.layers.2.mlp.shared_experts.down_proj.weight"] == (64, 64)
+    assert ernie["model.layers.3.mlp.gate_proj.weight"] == (96, 64)  # dense last layer (moe_layer_end_index=2)
 
 
 def test_expert_mapping_binds_local_and_global_indices():
@@ -120,6 +139,9 @@ def test_passthrough_names_are_layers_past_the_model():
     assert bridge("deepseek_v3").passthrough_names(names) == ["model.layers.4.eh_proj.weight",
                                                               "model.layers.12.enorm.weight"]
     assert bridge("qwen3_moe").passthrough_names(names) == []
+    ernie = ["model.mtp_block.0.input_layernorm.weight", "model.mtp_linear_proj.0.weight", "model.norm.weight",
+             "model.layers.1.mlp.moe_statics.e_score_correction_bias"]
+    assert bridge("ernie4_5_moe").passthrough_names(ernie) == ernie[:2]
 
 
 def test_rope_row_interleave_round_trip():
@@ -332,3 +354,11 @@ def test_expert_bias_update_runs_only_where_there_is_a_bias(tmp_path):
     assert qwen["routers"] > 0 and not any(qwen["bias"]) and qwen["calls"] == 0, qwen
     assert deepseek["routers"] > 0 and all(deepseek["bias"]) and deepseek["calls"] == deepseek["routers"], deepseek
     assert all(c > 0 for c in deepseek["counted"]), deepseek
+
+
+def test_ernie_refuses_megatron_routing_fields_its_routing_skips():
+    from loongforge_hf.bridges.builder import check_megatron_config
+
+    with pytest.raises(ValueError, match="moe_z_loss_coeff: Ernie4_5_MoeForCausalLM routes with its own function"):
+        check_megatron_config(bridge("ernie4_5_moe"), {"moe_z_loss_coeff": 1e-3})
+    check_megatron_config(bridge("qwen3_moe"), {"moe_z_loss_coeff": 1e-3})  # megatron's own routing applies it

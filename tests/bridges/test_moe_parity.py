@@ -25,12 +25,14 @@ YaRN on Qwen3-MoE (after its q/k norms) at tp1, cp2ep2 and tp2ep2, on Mixtral (n
 GLM-4.5 (``glm4_moe``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's routing and
 shared experts) and Qwen2-MoE (``qwen2_moe``: q/k/v biases, softmax routing without renormalisation, a shared expert
 scaled by its sigmoid gate) and gpt-oss (``gpt_oss``: attention sinks, biases on every linear, sliding-window layers,
-YaRN, experts stacked on disk with a clamped GLU and biases; also at tp2etp1) and GraniteMoE (``granitemoe``: Granite's
-multipliers, experts stacked on disk; also at ep2seq) are among "every model"; tp1 also runs GLM-4.5 with q/k norms
-and an MTP layer.
+YaRN, experts stacked on disk with a clamped GLU and biases; also at tp2etp1), GraniteMoE (``granitemoe``: Granite's
+multipliers, experts stacked on disk; also at ep2seq) and ERNIE 4.5 MoE (``ernie4_5_moe``: interleaved rotary pairs,
+tied embeddings, dense first and last layers, shared experts, softmax routing on the scores plus a fixed expert bias
+that changes some tokens' experts; its ``router_logits`` and transformers' balancing loss within 1e-5; the hub's
+multi-token-prediction tensors passed through; also at tp2etp1) are among "every model"; tp1 also runs GLM-4.5 with
+q/k norms and an MTP layer.
 """
 
-import re
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,8 @@ from ._moe_parity import run_plan
 TOL = 1e-4
 ROUTER_TOL = 1e-5  # router_logits: fp32 gating on both sides
 MLA_MOE_LAYERS = 3  # the tiny DeepSeek and GLM-4.5 checkpoints: 4 layers, the first dense (first_k_dense_replace=1)
+ERNIE_MOE_LAYERS = 2  # the tiny ERNIE 4.5 MoE: layers 1 and 2 of 4 (moe_layer_start_index=1, moe_layer_end_index=2)
+INTERLEAVED_ROPE = ("ernie4_5_moe",)  # megatron's own rotary path (rotary_interleaved), not the fused-rope slot
 BF16_TOL = {"logit_diff": 0.1, "loss_diff": 0.02}
 SP = {"sequence_parallel": True}
 
@@ -70,6 +74,9 @@ CHECKPOINTS = {
     "gpt_oss": ("gpt_oss", {}),
     # NOTE: Granite's four multipliers, experts stacked on disk with [gate; up] rows
     "granitemoe": ("granitemoe", {}),
+    # NOTE: interleaved rotary pairs, tied embeddings, dense first and last layers, shared experts, softmax routing on
+    # scores plus a bias that changes some tokens' experts, the hub's multi-token-prediction tensors
+    "ernie4_5_moe": ("ernie4_5_moe", {"mtp_layers": 1}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
     # NOTE: YaRN (its attention factor on q's and k's rotary channels: after Qwen3-MoE's q / k norms; in Mixtral's
     # empty q / k norm slots)
@@ -80,7 +87,8 @@ CHECKPOINTS = {
                                       "mtp_layers": 1}),
 }
 
-MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe")
+MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
+          "ernie4_5_moe")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16",
                     "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn")),
@@ -91,7 +99,8 @@ LAYOUTS = {
                (*MODELS, "qwen3_moe_yarn", "mixtral_yarn")),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
-                ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss")),
+                ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss",
+                 "ernie4_5_moe")),
 }
 CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
 
@@ -160,7 +169,7 @@ def test_parity_and_round_trip(worlds, layout, name):
         scaled = {"ScaledRMSNorm"} if name == "granitemoe" else set()
         assert sorted(set(r["norms"]) - scaled) == (["RMSNorm", "RotaryScale"] if yarn and not mla else ["RMSNorm"]), \
             (rank, r)
-        assert r["rope_fusion"] is (not mla), (rank, r)
+        assert r["rope_fusion"] is (not mla and name not in INTERLEAVED_ROPE), (rank, r)
         # megatron's allgather dispatcher where expert and expert-tensor parallel are 1 (no chunk-sort copies)
         single = "expert_parallel_size" not in LAYOUTS[layout][1] and (
             LAYOUTS[layout][1].get("expert_tensor_parallel_size", LAYOUTS[layout][1].get("tensor_parallel_size", 1))
@@ -178,6 +187,9 @@ def test_parity_and_round_trip(worlds, layout, name):
             assert r["no_aux_loss"] and r["router_counts"] == (MLA_MOE_LAYERS,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < (tol["logit_diff"] if name.endswith("_bf16") else ROUTER_TOL), (rank, r)
+        if name.startswith("ernie4_5_moe"):  # NOTE: router_logits and transformers' balancing loss (in the loss too)
+            assert r["router_counts"] == (ERNIE_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
+            assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
     src, out = worlds.source(name), worlds.out(layout, name)
     check_round_trip(src, out)
     check_loads_in_transformers(src, out)
@@ -196,13 +208,36 @@ def test_expert_parallel_ranks_read_only_their_experts(worlds):
                 assert r["local_experts"] == [n // 2], (layout, rank, name)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_qk_norm"])
-def test_mtp_layers_skipped_with_warning_and_written_back(worlds, name):
+@pytest.mark.parametrize("name,prefix,tensor,count", [
+    ("deepseek_v3", "model.layers.4.", "model.layers.4.eh_proj.weight", 9),
+    ("glm4_moe_qk_norm", "model.layers.4.", "model.layers.4.eh_proj.weight", 9),
+    ("ernie4_5_moe", "model.mtp_", "model.mtp_linear_proj.0.weight", 6)])
+def test_mtp_layers_skipped_with_warning_and_written_back(worlds, name, prefix, tensor, count):
     warned = worlds.run("tp1")[0][name]["warnings"]
-    assert any("model.layers.4" in w and "multi-token prediction" in w for w in warned), warned
+    assert any(prefix.rstrip(".") in w and "multi-token prediction" in w for w in warned), warned
     out = read_all(worlds.out("tp1", name))
-    mtp = sorted(n for n in out if re.match(r"model\.layers\.4\.", n))
-    assert "model.layers.4.eh_proj.weight" in mtp and len(mtp) == 9
+    mtp = sorted(n for n in out if n.startswith(prefix))
+    assert tensor in mtp and len(mtp) == count
+
+
+def test_ernie_expert_bias_changes_the_routing(worlds):
+    """The tiny ERNIE 4.5 MoE's ``e_score_correction_bias`` changes some of the parity input's tokens' experts in every
+    MoE layer, and leaves others' (so the parity above holds the bias and the scores to account)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(worlds.source("ernie4_5_moe"), dtype=torch.float32)
+    changed = []
+
+    def count(router, args, _out):
+        scores = torch.softmax(torch.nn.functional.linear(args[0].float(), router.weight), dim=-1)
+        bias = router.moe_statics.e_score_correction_bias
+        biased, plain = (torch.topk(s, router.top_k).indices.sort(-1).values for s in (scores + bias, scores))
+        changed.append(((biased != plain).any(-1).sum().item(), scores.shape[0]))
+
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.register_forward_hook(count)
+    with torch.no_grad():  # NOTE: _moe_parity's input
+        model(torch.randint(0, 203, (2, 12), generator=torch.Generator().manual_seed(7)))
+    assert len(changed) == ERNIE_MOE_LAYERS and all(0 < n < tokens for n, tokens in changed), changed
 
 
 def test_experts_not_divisible_by_expert_parallel_size(worlds):

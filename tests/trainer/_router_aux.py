@@ -149,20 +149,21 @@ def forward_values(folder: str, model) -> dict:
 RECOMPUTE = {"gradient_checkpointing": True, "gradient_accumulation_steps": 4, "per_device_train_batch_size": 1}
 
 
-def one_process(folder: str, out_dir: str, mixtral: str) -> dict:
-    """Qwen3-MoE (``folder``) and Mixtral (``mixtral``): training with transformers.Trainer and LoongTrainer, and
-    the forward checks."""
+def one_process(folder: str, out_dir: str, mixtral: str, ernie: str) -> dict:
+    """Qwen3-MoE (``folder``), Mixtral (``mixtral``) and ERNIE 4.5 MoE (``ernie``): training with
+    transformers.Trainer and LoongTrainer, and the forward checks."""
     import loongforge_hf as lf
 
     hf = train_hf(folder, out_dir + "/hf")
     one = train_loong(folder, out_dir + "/lf", {})
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    mixtral_model = lf.AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.float32)
     out = {"hf": hf, "one": one, "forward": forward_checks(folder, model),
-           "forward_mixtral": forward_checks(mixtral, mixtral_model),
-           "mixtral_hf": train_hf(mixtral, out_dir + "/mixtral_hf"),
-           "mixtral_one": train_loong(mixtral, out_dir + "/mixtral_lf", {}),
            "recompute": train_loong(folder, out_dir + "/recompute", {}, RECOMPUTE)}
+    for name, other in (("mixtral", mixtral), ("ernie", ernie)):
+        other_model = lf.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
+        out[f"forward_{name}"] = forward_checks(other, other_model)
+        out[f"{name}_hf"] = train_hf(other, f"{out_dir}/{name}_hf")
+        out[f"{name}_one"] = train_loong(other, f"{out_dir}/{name}_lf", {})
     # activation recompute: each forward's backward before the next forward, or refused (a recomputed layer would
     # take the newer forward's tally)
     ids, mask, labels = _batch()
