@@ -183,18 +183,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
+def split_hidden(hidden: int, tp_group) -> int:
+    """This TP rank's share of the ViT MLP's ``hidden`` width."""
+    tp = _tp_size(tp_group)
+    if hidden % tp:
+        raise ValueError(f"vision intermediate_size={hidden} is not divisible by vision_tensor_parallel_size={tp}.")
+    return hidden // tp
+
+
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str, *, tp_group=None) -> None:
         super().__init__()
         from transformers.activations import ACT2FN
 
-        tp = _tp_size(tp_group)
-        if hidden % tp:
-            raise ValueError(f"vision intermediate_size={hidden} is not divisible by vision_tensor_parallel_size={tp}.")
+        tp, local = _tp_size(tp_group), split_hidden(hidden, tp_group)
         self.tp_group = tp_group
-        self.gate_proj = VisionLinear(dim, hidden // tp, bias=True)
-        self.up_proj = VisionLinear(dim, hidden // tp, bias=True)
-        self.down_proj = VisionLinear(hidden // tp, dim, bias=True)
+        self.gate_proj = VisionLinear(dim, local, bias=True)
+        self.up_proj = VisionLinear(dim, local, bias=True)
+        self.down_proj = VisionLinear(local, dim, bias=True)
         self.act = ACT2FN[act]
         if tp > 1:
             _mark_split(self.gate_proj, 0, bias=True)

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loongforge_hf.multimodal.vision import (VISION_NORM_EPS, AxialRotary, PatchEmbed, VisionAttention, VisionLinear,
-                                             _into_split, _mark_split, _out_of_split, _tp_size, vision_layout)
+                                             _into_split, _mark_split, _out_of_split, _tp_size, split_hidden,
+                                             vision_layout)
 
 
 class Qwen3VisionMLP(nn.Module):
@@ -37,12 +38,10 @@ class Qwen3VisionMLP(nn.Module):
         super().__init__()
         from transformers.activations import ACT2FN
 
-        tp = _tp_size(tp_group)
-        if hidden % tp:
-            raise ValueError(f"vision intermediate_size={hidden} is not divisible by vision_tensor_parallel_size={tp}.")
+        tp, local = _tp_size(tp_group), split_hidden(hidden, tp_group)
         self.tp_group = tp_group
-        self.linear_fc1 = VisionLinear(dim, hidden // tp, bias=True)
-        self.linear_fc2 = VisionLinear(hidden // tp, dim, bias=True)
+        self.linear_fc1 = VisionLinear(dim, local, bias=True)
+        self.linear_fc2 = VisionLinear(local, dim, bias=True)
         self.act = ACT2FN[act]
         if tp > 1:
             _mark_split(self.linear_fc1, 0, bias=True)

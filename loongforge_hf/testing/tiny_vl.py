@@ -130,18 +130,23 @@ def make_tiny_qwen3_vl(folder: str | Path, *, seed: int = 0, max_shard_size: str
     folder = Path(folder)
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(**text_overrides)).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith(".weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.05 * torch.randn_like(p))
-            elif "pos_embed" in name:
-                p.copy_(0.5 * torch.randn_like(p))
+    _randomise(model, scaled=("pos_embed",))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
-    tok = make_vl_tokenizer(folder)
-    make_processor(tok, qwen3=True).save_pretrained(folder)
+    make_processor(make_vl_tokenizer(folder), qwen3=True).save_pretrained(folder)
     return folder
+
+
+@torch.no_grad()
+def _randomise(model, *, scaled: tuple[str, ...]) -> None:
+    """Norm weights near 1, biases and the parameters named by ``scaled`` random (transformers initialises norms to
+    1, biases to 0 and some tables to 0, which would hide a dropped or misplaced tensor)."""
+    for name, p in model.named_parameters():
+        if "norm" in name and name.endswith(".weight"):
+            p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        elif name.endswith(".bias"):
+            p.copy_(0.05 * torch.randn_like(p))
+        elif any(s in name for s in scaled):
+            p.copy_(0.5 * torch.randn_like(p))
 
 
 def tiny_qwen3_vl_moe_config(**text_overrides):
@@ -172,14 +177,7 @@ def make_tiny_qwen3_vl_moe(folder: str | Path, *, seed: int = 0, max_shard_size:
     folder = Path(folder)
     torch.manual_seed(seed)
     model = Qwen3VLMoeForConditionalGeneration(tiny_qwen3_vl_moe_config(**text_overrides)).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith(".weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.05 * torch.randn_like(p))
-            elif "pos_embed" in name or name.endswith(("gate_up_proj", "down_proj")):
-                p.copy_(0.5 * torch.randn_like(p))
+    _randomise(model, scaled=("pos_embed", "experts.gate_up_proj", "experts.down_proj"))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     if hub_expert_layout:
         for file in folder.glob("*.safetensors"):
@@ -188,6 +186,5 @@ def make_tiny_qwen3_vl_moe(folder: str | Path, *, seed: int = 0, max_shard_size:
             if stacked:
                 tensors.update({k: tensors[k].transpose(1, 2).contiguous() for k in stacked})
                 save_file(tensors, str(file), metadata={"format": "pt"})
-    tok = make_vl_tokenizer(folder)
-    make_processor(tok, qwen3=True).save_pretrained(folder)
+    make_processor(make_vl_tokenizer(folder), qwen3=True).save_pretrained(folder)
     return folder

@@ -1,65 +1,23 @@
-"""Rank functions for test_qwen3_vl.py: Qwen3-VL with videos (timestamps between frames) against transformers, and
-refusals."""
+"""Rank functions for test_qwen3_vl.py and test_qwen3_vl_moe.py: Qwen3-VL with videos (timestamps between frames),
+packing and the MoE router outputs against transformers, and refusals."""
 
 import torch
 
 from ._vl_parity import vision_grads
 
-V_START, V_END, IMAGE, VIDEO = 200, 201, 202, 203
-PATCH = 3 * 2 * 16 * 16  # C x temporal patch x patch x patch
 
-# pieces per sample: ("text", "tok5 tok6"), ("image", (1, h, w)), ("video", (t, h, w)): a video's frames each follow
-# a timestamp token, as Qwen3-VL's processor lays them out
-VIDEO_SAMPLES = [
-    [("text", "tok5 tok6"), ("image", (1, 4, 6)), ("text", "tok7"), ("video", (2, 4, 4)), ("text", "tok8 tok9")],
-    [("video", (3, 2, 4)), ("text", "tok10 tok11 tok12")],
-    [("text", "tok20 tok21 tok22 tok23")],
-]
+def video_features(folder: str) -> list:
+    """Images and videos mixed (``_vl_features.VIDEO_SAMPLES`` in Qwen3-VL's processor layout: a timestamp before
+    each frame)."""
+    from ._vl_features import VIDEO_SAMPLES, hand_features
 
-
-def video_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7) -> list:
-    """Processor-like features built by hand (transformers' video processor needs torchvision)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    gen = torch.Generator().manual_seed(seed)
-    features = []
-    for pieces in samples:
-        ids, kinds, f = [], [], {}
-        for piece in pieces:
-            if piece[0] == "text":
-                words = tok.convert_tokens_to_ids(piece[1].split())
-                ids += words
-                kinds += [0] * len(words)
-                continue
-            kind, (t, h, w) = piece
-            token, code = (IMAGE, 1) if kind == "image" else (VIDEO, 2)
-            for frame in range(t if kind == "video" else 1):
-                if kind == "video":  # NOTE: the frame's timestamp ("<1.0 seconds>" in the real processor)
-                    ids.append(tok.convert_tokens_to_ids(f"tok{50 + frame}"))
-                    kinds.append(0)
-                n = (1 if kind == "video" else t) * h * w // 4
-                ids += [V_START] + [token] * n + [V_END]
-                kinds += [0] + [code] * n + [0]
-            pixels, grid = ("pixel_values", "image_grid_thw") if kind == "image" else \
-                ("pixel_values_videos", "video_grid_thw")
-            rows = torch.randn(t * h * w, PATCH, generator=gen)
-            f[pixels] = torch.cat([f[pixels], rows]) if pixels in f else rows
-            f[grid] = torch.cat([f.get(grid, torch.zeros(0, 3, dtype=torch.long)), torch.tensor([[t, h, w]])])
-        f.update(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                 mm_token_type_ids=torch.tensor([kinds]))
-        features.append(f)
-    return features
+    return hand_features(folder, VIDEO_SAMPLES)
 
 
 def collate(folder: str, features: list, **kwargs) -> dict:
-    from transformers import AutoConfig
+    from ._vl_features import collator
 
-    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
-    from loongforge_hf.testing.tiny_vl import processor_for
-
-    return DataCollatorForImageText.from_processor(processor_for(folder), AutoConfig.from_pretrained(folder),
-                                                   **kwargs)(features)
+    return collator(folder, **kwargs)(features)
 
 
 _REFERENCE: dict = {}
