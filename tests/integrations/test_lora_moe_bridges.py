@@ -1,4 +1,4 @@
-"""LoRA on GLM-4.5, Qwen2-MoE and gpt-oss against PEFT and TRL.
+"""LoRA on GLM-4.5, Qwen2-MoE, gpt-oss and ERNIE 4.5 MoE against PEFT and TRL.
 
 - GLM-4.5 (``Glm4MoeForCausalLM``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's
   routing, shared experts, a dense first layer): PEFT adapts q/k/v/o as plain linears (q/k/v slots of megatron's
@@ -10,6 +10,8 @@
 - gpt-oss (``GptOssForCausalLM``): ``"all-linear"`` on its attention plus ``target_parameters`` on the expert stacks
   (``[E, in, out]`` in transformers, gate and up in alternating columns; biases and the clamped GLU in the forward)
   and the router, as PEFT's ``ParamWrapper`` adapts them.
+- ERNIE 4.5 MoE (``Ernie4_5_MoeForCausalLM``): ``"all-linear"`` (attention, dense layers, shared experts) plus
+  ``target_parameters`` on the expert stacks and the fp32 router, whose routing adds a fixed expert bias.
 
 Checks (``_lora_moe.moe_model_checks`` against ``peft.get_peft_model``, the same initial values): the attention
 projections with a norm in ``modules_to_save``, and ``"all-linear"``, at TP1, TP2 + SP with the experts whole
@@ -44,9 +46,14 @@ ALL_LINEAR = dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora_weig
 # alternating, with biases and the clamped GLU) and the router as target_parameters (the OpenAI cookbook's recipe)
 GPT_OSS_PARAMS = dict(ALL_LINEAR, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
                                                      "mlp.router.weight"])
+# NOTE: ERNIE 4.5 MoE: "all-linear" (attention, the dense layers' and the shared experts' linears) plus the expert
+# stacks and the fp32 router (routed on softmax + its fixed expert bias) as target_parameters
+ERNIE_PARAMS = dict(ALL_LINEAR, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                                   "mlp.gate.weight"])
 MODELS = {"glm4_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, True)},
           "qwen2_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, False)},
-          "gpt_oss": {"all_linear_experts": (GPT_OSS_PARAMS, True)}}
+          "gpt_oss": {"all_linear_experts": (GPT_OSS_PARAMS, True)},
+          "ernie4_5_moe": {"all_linear_experts": (ERNIE_PARAMS, True)}}
 CASES = [(m, c) for m, cases in MODELS.items() for c in cases]
 LAYOUTS = {"tp1": (1, {}),
            "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}),
