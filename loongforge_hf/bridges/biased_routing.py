@@ -20,20 +20,21 @@ from __future__ import annotations
 import torch
 
 
-def route(logits: torch.Tensor, topk: int, bias: torch.Tensor, norm_min: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(routing probabilities ``[T, E]`` in the logits' dtype, routing map ``[T, E]`` bool) for logits ``[T, E]``."""
-    scores = torch.softmax(logits.float(), dim=-1)
+def route(scores: torch.Tensor, topk: int, bias: torch.Tensor, norm_min: float, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routing probabilities ``[T, E]`` in ``dtype``, routing map ``[T, E]`` bool) for the fp32 softmax ``scores``
+    ``[T, E]`` of the router's logits."""
     chosen = torch.topk(scores + bias, k=topk, dim=-1).indices
     weights = scores.gather(1, chosen)
     weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=norm_min)
-    probs = torch.zeros_like(scores).scatter(1, chosen, weights).to(logits.dtype)
+    probs = torch.zeros_like(scores).scatter(1, chosen, weights).to(dtype)
     return probs, torch.zeros_like(scores, dtype=torch.bool).scatter(1, chosen, True)
 
 
-def unbiased_map(logits: torch.Tensor, topk: int) -> torch.Tensor:
-    """The ``[T, E]`` map of the top k of the softmax of logits ``[T, E]``, without the bias."""
-    chosen = torch.topk(torch.softmax(logits.float(), dim=-1), k=topk, dim=-1).indices
-    return torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, chosen, True)
+def unbiased_map(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The ``[T, E]`` map of the top k of the softmax ``scores`` ``[T, E]``, without the bias."""
+    chosen = torch.topk(scores, k=topk, dim=-1).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter(1, chosen, True)
 
 
 def attach(chunk, *, num_experts: int, norm_min: float) -> None:

@@ -28,9 +28,9 @@ from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.layer_types import check_layer_kinds, layer_windows
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated
 from loongforge_hf.bridges.mixtral import MixtralBridge
-from loongforge_hf.bridges.moe import GROUPED_GEMM_ENV, StackedExpert, grouped_experts_enabled
+from loongforge_hf.bridges.moe import GROUPED_GEMM_ENV, grouped_experts_enabled
 from loongforge_hf.bridges.registry import register_bridge
-from loongforge_hf.bridges.stacked_experts import StackedDown, StackedGateUp, StackedRow
+from loongforge_hf.bridges.stacked_experts import StackedDown, StackedGateUp, StackedRow, routed_stack
 from loongforge_hf.kernels.clamped_glu import QUICK_GELU_ALPHA
 
 
@@ -78,17 +78,14 @@ class GptOssBridge(MixtralBridge):
         ]
 
     def moe_mappings(self) -> list[Mapping]:
-        s, experts = f"{L}.mlp", f"{D}.mlp.experts"
-        per_expert = {  # megatron name in the stack -> the mapping of one expert ([in, out], gate / up alternating)
-            "linear_fc1.weight": StackedGateUp(f"{experts}.linear_fc1.weight", f"{s}.experts.gate_up_proj",
-                                               transposed=True, alternating=True),
-            "linear_fc1.bias": StackedGateUp(f"{experts}.linear_fc1.bias", f"{s}.experts.gate_up_proj_bias",
-                                             alternating=True),
-            "linear_fc2.weight": StackedDown(f"{experts}.linear_fc2.weight", f"{s}.experts.down_proj",
-                                             transposed=True),
-            "linear_fc2.bias": StackedRow(f"{experts}.linear_fc2.bias", f"{s}.experts.down_proj_bias"),
-        }
-        routed = [StackedExpert(one, f"{experts}.{name}", self.num_experts()) for name, one in per_expert.items()]
+        s = f"{L}.mlp"
+        # NOTE: each expert's matrices [in, out], gate / up alternating (the grouped MLP only: check_config)
+        routed = [routed_stack(self, StackedGateUp, "linear_fc1.weight", f"{s}.experts.gate_up_proj", transposed=True,
+                               alternating=True),
+                  routed_stack(self, StackedGateUp, "linear_fc1.bias", f"{s}.experts.gate_up_proj_bias",
+                               alternating=True),
+                  routed_stack(self, StackedDown, "linear_fc2.weight", f"{s}.experts.down_proj", transposed=True),
+                  routed_stack(self, StackedRow, "linear_fc2.bias", f"{s}.experts.down_proj_bias")]
         return [
             Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
             Replicated(f"{D}.mlp.router.weight", f"{s}.router.weight"),

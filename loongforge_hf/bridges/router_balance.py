@@ -66,16 +66,18 @@ def _top_k_router():
                 super()._apply_expert_bias(routing_map, padding_mask=padding_mask)
 
         def routing(self, logits, padding_mask=None):
-            flat = logits.view(-1, self.config.num_moe_experts)
+            scores = None  # NOTE: ERNIE 4.5's fp32 softmax over all experts (biased_routing)
             if self.norm_min is None:
                 probs, routing_map = super().routing(logits, padding_mask=padding_mask)
             else:
-                probs, routing_map = biased_routing.route(flat, self.topk, self.expert_bias, self.norm_min)
+                scores = torch.softmax(logits.view(-1, self.config.num_moe_experts).float(), dim=-1)
+                probs, routing_map = biased_routing.route(scores, self.topk, self.expert_bias, self.norm_min,
+                                                          logits.dtype)
             if self.recorder is not None:
                 self.recorder.record(self, logits)
             if self.balance is not None and self.balance.tally is not None:
                 # NOTE: transformers' balancing loss counts the top k without an expert bias
-                counted = routing_map if self.norm_min is None else biased_routing.unbiased_map(flat, self.topk)
+                counted = routing_map if scores is None else biased_routing.unbiased_map(scores, self.topk)
                 probs = self.balance.take(self, logits, counted, probs)
             return probs, routing_map
 

@@ -45,17 +45,16 @@ class VisionLayout:
     cu_frames: torch.Tensor      # int32 frame boundaries
 
 
-def vision_layout(grid_thw: torch.Tensor, *, merge: int, window: int) -> VisionLayout:
-    """Patch positions and window order for images of ``grid_thw`` (patches) with ``merge`` x ``merge`` merging and
-    windows of ``window`` x ``window`` merged tokens.
+def _cu(sizes) -> torch.Tensor:
+    """int32 cumulative boundaries ``[0, s0, s0 + s1, ...]``."""
+    return F.pad(torch.cumsum(torch.as_tensor(sizes, dtype=torch.int64), 0), (1, 0)).to(torch.int32)
 
-    Patches arrive block-major (the processor's order): per frame, each ``merge x merge`` block's patches together,
-    blocks row-major. Windows tile each frame's merged grid row-major (the last row/column of windows may be
-    narrower); inside a window, merged tokens stay row-major.
-    """
-    unit = merge * merge
-    positions, order, window_sizes, frame_sizes = [], [], [], []
-    offset = 0
+
+def patch_positions(grid_thw: torch.Tensor, *, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``[N, 2]`` (h, w) of each patch of images of ``grid_thw`` in the processor's order, int32 frame boundaries).
+
+    Patches arrive block-major: per frame, each ``merge x merge`` block's patches together, blocks row-major."""
+    positions, frame_sizes = [], []
     for t, h, w in grid_thw.tolist():
         if h % merge or w % merge:
             raise ValueError(f"image_grid_thw row {(t, h, w)}: height and width must be multiples of "
@@ -64,6 +63,23 @@ def vision_layout(grid_thw: torch.Tensor, *, merge: int, window: int) -> VisionL
         rows = torch.arange(h).view(bh, merge, 1, 1).expand(bh, merge, bw, merge).permute(0, 2, 1, 3).reshape(-1)
         cols = torch.arange(w).view(1, 1, bw, merge).expand(bh, merge, bw, merge).permute(0, 2, 1, 3).reshape(-1)
         positions.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+        frame_sizes += [h * w] * t
+    return (torch.cat(positions) if positions else torch.zeros(0, 2, dtype=torch.long)), _cu(frame_sizes)
+
+
+def vision_layout(grid_thw: torch.Tensor, *, merge: int, window: int) -> VisionLayout:
+    """Patch positions (``patch_positions``) and window order for images of ``grid_thw`` (patches) with ``merge`` x
+    ``merge`` merging and windows of ``window`` x ``window`` merged tokens.
+
+    Windows tile each frame's merged grid row-major (the last row/column of windows may be narrower); inside a window,
+    merged tokens stay row-major.
+    """
+    positions, cu_frames = patch_positions(grid_thw, merge=merge)
+    unit = merge * merge
+    order, window_sizes = [], []
+    offset = 0
+    for t, h, w in grid_thw.tolist():
+        bh, bw = h // merge, w // merge
         r = torch.arange(bh).view(bh, 1).expand(bh, bw)
         c = torch.arange(bw).view(1, bw).expand(bh, bw)
         window_id = ((r // window) * math.ceil(bw / window) + c // window).reshape(-1)
@@ -72,17 +88,11 @@ def vision_layout(grid_thw: torch.Tensor, *, merge: int, window: int) -> VisionL
         for f in range(t):
             order.append(in_frame + offset + f * bh * bw)
             window_sizes.append(sizes)
-            frame_sizes.append(h * w)
         offset += t * bh * bw
     merged_order = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
     patch_order = (merged_order[:, None] * unit + torch.arange(unit)).reshape(-1)
-
-    def cu(sizes):
-        return F.pad(torch.cumsum(torch.as_tensor(sizes, dtype=torch.int64), 0), (1, 0)).to(torch.int32)
-
-    return VisionLayout(patch_order=patch_order, restore=torch.argsort(merged_order),
-                        positions=torch.cat(positions) if positions else torch.zeros(0, 2, dtype=torch.long),
-                        cu_windows=cu(torch.cat(window_sizes) if window_sizes else []), cu_frames=cu(frame_sizes))
+    return VisionLayout(patch_order=patch_order, restore=torch.argsort(merged_order), positions=positions,
+                        cu_windows=_cu(torch.cat(window_sizes) if window_sizes else []), cu_frames=cu_frames)
 
 
 # ---- modules -----------------------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loongforge_hf.multimodal.vision import (VISION_NORM_EPS, AxialRotary, PatchEmbed, VisionAttention, VisionLinear,
-                                             _into_split, _mark_split, _out_of_split, _tp_size, split_hidden,
-                                             vision_layout)
+                                             _into_split, _mark_split, _out_of_split, _tp_size, patch_positions,
+                                             split_hidden)
 
 
 class Qwen3VisionMLP(nn.Module):
@@ -120,14 +120,12 @@ class Qwen3VisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grid = grid_thw.cpu()
-        # NOTE: windows as large as any frame: the patches keep their order, attention spans each frame
-        layout = vision_layout(grid, merge=self.merge, window=max([1] + grid[:, 1:].flatten().tolist()))
+        positions, cu_frames = patch_positions(grid, merge=self.merge)
         device = pixel_values.device
-        positions = layout.positions.to(device)
+        positions, cu_frames = positions.to(device), cu_frames.to(device)
         x = self.patch_embed(pixel_values)
         x = x + self.position_table(grid, positions).to(x.dtype)
         cos, sin = self.rotary(positions)
-        cu_frames = layout.cu_frames.to(device)
         deepstack = []
         for i, block in enumerate(self.blocks):
             if self.recompute and self.training and torch.is_grad_enabled():

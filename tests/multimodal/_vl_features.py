@@ -87,7 +87,7 @@ def hf_reference(folder: str, multiple: int):
 
     if (folder, multiple) not in _REFERENCE:
         batch = collator(folder, pad_to_multiple_of=multiple)(hand_features(folder))
-        ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
         out = ref(**batch)
         out.loss.backward()
         grads = {n[len("model.visual."):]: p.grad for n, p in ref.named_parameters() if n.startswith("model.visual.")}

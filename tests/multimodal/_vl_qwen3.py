@@ -1,65 +1,8 @@
-"""Rank functions for test_qwen3_vl.py and test_qwen3_vl_moe.py: Qwen3-VL with videos (timestamps between frames),
-packing and the MoE router outputs against transformers, and refusals."""
+"""Rank functions for test_qwen3_vl.py and test_qwen3_vl_moe.py: packed videos (timestamps between frames) against
+the same padded, the MoE router outputs against transformers, and refusals (videos against transformers:
+``_vl_features.compare_videos``)."""
 
 import torch
-
-from ._vl_parity import vision_grads
-
-
-def video_features(folder: str) -> list:
-    """Images and videos mixed (``_vl_features.VIDEO_SAMPLES`` in Qwen3-VL's processor layout: a timestamp before
-    each frame)."""
-    from ._vl_features import VIDEO_SAMPLES, hand_features
-
-    return hand_features(folder, VIDEO_SAMPLES)
-
-
-def collate(folder: str, features: list, **kwargs) -> dict:
-    from ._vl_features import collator
-
-    return collator(folder, **kwargs)(features)
-
-
-_REFERENCE: dict = {}
-
-
-def hf_reference(folder: str, multiple: int):
-    """(batch, logits, loss, vision grads) of transformers on the video samples padded to ``multiple``."""
-    import transformers
-
-    if (folder, multiple) not in _REFERENCE:
-        batch = collate(folder, video_features(folder), pad_to_multiple_of=multiple)
-        ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-        out = ref(**batch)
-        out.loss.backward()
-        grads = {n[len("model.visual."):]: p.grad for n, p in ref.named_parameters() if n.startswith("model.visual.")}
-        _REFERENCE[folder, multiple] = (batch, out.logits.detach(), out.loss.detach(), grads)
-    return _REFERENCE[folder, multiple]
-
-
-def compare_videos(folder: str, layout: dict, multiple: int = 4) -> dict:
-    """Logits, loss and vision gradients (summed over the CP group) against transformers; the model in training
-    mode (recomputation acts there)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    import loongforge_hf as lf
-
-    batch, ref_logits, ref_loss, ref_grads = hf_reference(folder, multiple)
-    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
-    model.train()
-    out = model(**batch)
-    out.loss.backward()
-    grads = vision_grads(model)
-    if ps.get_context_parallel_world_size() > 1:
-        for g in grads.values():
-            dist.all_reduce(g, group=ps.get_context_parallel_group())
-    valid = batch["attention_mask"].bool()
-    return {"logit_diff": (out.logits - ref_logits).abs()[valid].max().item(),
-            "loss_diff": abs(out.loss.item() - ref_loss.item()),
-            "grad_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
-            "same_grad_names": sorted(grads) == sorted(ref_grads), "shape": tuple(out.logits.shape),
-            "batch_shape": tuple(batch["input_ids"].shape)}
 
 
 def packed_against_padded(folder: str) -> dict:
@@ -67,10 +10,11 @@ def packed_against_padded(folder: str) -> dict:
     loss and each sample's logits."""
     import loongforge_hf as lf
 
-    features = video_features(folder)
+    from ._vl_features import collator, hand_features
+
+    features = hand_features(folder)
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    padded = collate(folder, features)
-    packed = collate(folder, features, packing=True)
+    padded, packed = collator(folder)(features), collator(folder, packing=True)(features)
     with torch.no_grad():
         out_padded, out_packed = model(**padded), model(**packed)
     diffs, start = [], 0

@@ -14,7 +14,8 @@ from loongforge_hf.testing.round_trip import check_round_trip as _check_round_tr
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen3_vl, tiny_qwen3_vl_config
 
 from ._vl_parity import compare_many, train_both
-from ._vl_qwen3 import compare_videos, load_error, packed_against_padded
+from ._vl_features import compare_videos
+from ._vl_qwen3 import load_error, packed_against_padded
 
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

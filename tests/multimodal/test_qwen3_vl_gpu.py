@@ -18,12 +18,12 @@ def _run(folder: str) -> dict:
     import loongforge_hf as lf
 
     from ._vl_parity import vision_grads
-    from ._vl_qwen3 import collate, video_features
+    from ._vl_features import collator, hand_features
 
     # NOTE: fp32 means fp32 on both sides (transformers' Conv3d would take TF32 through cuDNN)
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    batch = {k: v.cuda() for k, v in collate(folder, video_features(folder), pad_to_multiple_of=4).items()}
+    batch = {k: v.cuda() for k, v in collator(folder, pad_to_multiple_of=4)(hand_features(folder)).items()}
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
         ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype,
