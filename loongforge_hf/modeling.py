@@ -596,6 +596,7 @@ class AutoModelForCausalLM:
                                                        sort_load_kwargs)
         from loongforge_hf.bridges.loader import load_into
         from loongforge_hf.bridges.moe import whole_experts_layout
+        from loongforge_hf.bridges.qwen2_5_vl import loads_as_causal_lm
         from loongforge_hf.lora.load import adapter_base_model, carried_vocabulary, is_adapter_folder, load_adapter
         from loongforge_hf.parallel import initialize_parallel
 
@@ -636,6 +637,17 @@ class AutoModelForCausalLM:
         layout = None if auto else resolve_parallel(parallel, sizes)
 
         hf_config, config_on_file = load_config(folder, options, trust_remote_code=trust_remote_code, hub=hub)
+        if loads_as_causal_lm(hf_config):
+            # NOTE: as transformers' AutoModelForCausalLM: a Gemma 3 image-text checkpoint (gemma-3-4b-it ...) loads
+            # as its image-text model, which takes text alone as well
+            from loongforge_hf.multimodal.modeling import AutoModelForImageTextToText
+
+            if megatron_config or auto:
+                raise ValueError(f"{hf_config.architectures[0]} loads as an image-text model: megatron_config and "
+                                 "parallel='auto' are not taken there; pass the parallel sizes.")
+            return AutoModelForImageTextToText.from_pretrained(
+                pretrained_model_name_or_path, **{k: v for k, v in arguments.items() if k != "megatron_config"},
+                **unused)
         bridge = get_bridge(hf_config)
         reader = CheckpointReader(folder, allow_pickle=allow_pickle, **options.files)
         try:

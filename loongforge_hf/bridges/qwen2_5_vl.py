@@ -63,12 +63,9 @@ def check_vit(v) -> None:
                                        "must be a whole head size divisible by 4 (axial rope over h and w).")
 
 
-class MRopeText:
+class PrefixedText:
     """The language model of an image-text model for megatron: its causal-LM bridge (the next base class) over
-    ``text_config``, with mrope, its tensors under ``text_prefix``."""
-
-    position_embedding_type = "mrope"
-    family = "Qwen2.5-VL"
+    ``text_config``, its tensors under ``text_prefix`` where the causal LM's are under ``model``."""
 
     def __init__(self, text_config, *, tied: bool, text_prefix: str = "model") -> None:
         self._tied = tied
@@ -78,6 +75,33 @@ class MRopeText:
     @property
     def tied(self) -> bool:
         return self._tied
+
+    def _name(self, mapping: Mapping) -> Mapping:
+        return _renamed(mapping, "model.", self.text_prefix + ".")
+
+    def layer_mappings(self) -> list[Mapping]:
+        return [self._name(m) for m in super().layer_mappings()]
+
+    def mappings_for_layer(self, layer: int) -> list[Mapping]:
+        return [self._name(m) for m in super().mappings_for_layer(layer)]
+
+    def embedding_mapping(self) -> Mapping:
+        return self._name(super().embedding_mapping())
+
+    def final_mappings(self) -> list[Mapping]:
+        return [self._name(m) for m in super().final_mappings()]
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        old = "model."
+        return {(self.text_prefix + "." + n[len(old):] if n.startswith(old) else n): s
+                for n, s in super().expected_hf_shapes().items()}
+
+
+class MRopeText(PrefixedText):
+    """``PrefixedText`` with mrope (Qwen's image-text models)."""
+
+    position_embedding_type = "mrope"
+    family = "Qwen2.5-VL"
 
     def rope_parameters(self) -> dict:
         params = dict(getattr(self.hf_config, "rope_parameters", None) or {})
@@ -100,26 +124,6 @@ class MRopeText:
 
     def transformer_config_kwargs(self) -> dict:
         return {**super().transformer_config_kwargs(), "mrope_section": self.mrope_section()}
-
-    def _name(self, mapping: Mapping) -> Mapping:
-        return _renamed(mapping, "model.", self.text_prefix + ".")
-
-    def layer_mappings(self) -> list[Mapping]:
-        return [self._name(m) for m in super().layer_mappings()]
-
-    def mappings_for_layer(self, layer: int) -> list[Mapping]:
-        return [self._name(m) for m in super().mappings_for_layer(layer)]
-
-    def embedding_mapping(self) -> Mapping:
-        return self._name(super().embedding_mapping())
-
-    def final_mappings(self) -> list[Mapping]:
-        return [self._name(m) for m in super().final_mappings()]
-
-    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        old = "model."
-        return {(self.text_prefix + "." + n[len(old):] if n.startswith(old) else n): s
-                for n, s in super().expected_hf_shapes().items()}
 
 
 class Qwen2_5_VLTextBridge(MRopeText, Qwen2Bridge):
@@ -156,6 +160,9 @@ class Qwen2_5_VLBridge:
     architectures = ("Qwen2_5_VLForConditionalGeneration",)
     text_bridge_class = Qwen2_5_VLTextBridge
     frames_apart = False  # NOTE: True: a video's frames are separate items of the 3-D positions (Qwen3-VL)
+    mrope = True  # NOTE: False: the language model takes 1-D positions (Gemma 3)
+    bidirectional_images = False  # NOTE: True: an image's tokens attend to each other both ways (Gemma 3)
+    causal_lm_auto = False  # NOTE: True: transformers' AutoModelForCausalLM loads it as this class (Gemma 3)
 
     def __init__(self, hf_config, checkpoint_names=(), shape_of=None) -> None:
         """``checkpoint_names`` / ``shape_of(name)``: the checkpoint's tensor names and shapes (the layout it uses)."""
@@ -176,6 +183,19 @@ class Qwen2_5_VLBridge:
     @property
     def vision_config(self):
         return self.hf_config.vision_config
+
+    @property
+    def vision_heads(self) -> int:
+        return self.vision_config.num_heads
+
+    @property
+    def vision_merge(self) -> int:
+        """Vision tokens per image side are the tower's patches per side over this."""
+        return self.vision_config.spatial_merge_size
+
+    def vision_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None):
+        """(pixels, grid) as the tower takes them from the processor's: Qwen's are already patches and grids."""
+        return pixel_values, grid_thw
 
     @property
     def image_token_id(self) -> int:
@@ -263,9 +283,17 @@ VL_BRIDGES = {arch: Qwen2_5_VLBridge for arch in Qwen2_5_VLBridge.architectures}
 
 def image_text_architectures() -> list[str]:
     """The HF architectures ``lf.AutoModelForImageTextToText`` loads."""
-    from loongforge_hf.bridges import qwen3_vl  # noqa: F401  (registers its bridges in VL_BRIDGES)
+    from loongforge_hf.bridges import gemma3_vl, qwen3_vl  # noqa: F401  (register their bridges in VL_BRIDGES)
 
     return sorted(VL_BRIDGES)
+
+
+def loads_as_causal_lm(hf_config) -> bool:
+    """Whether transformers' ``AutoModelForCausalLM`` loads this image-text checkpoint as its image-text class (Gemma
+    3's ``Gemma3ForConditionalGeneration``), so ``lf.AutoModelForCausalLM`` does too."""
+    image_text_architectures()
+    return any(getattr(VL_BRIDGES.get(arch), "causal_lm_auto", False)
+               for arch in getattr(hf_config, "architectures", None) or [])
 
 
 def get_vl_bridge(hf_config, checkpoint_names=(), shape_of=None) -> Qwen2_5_VLBridge:

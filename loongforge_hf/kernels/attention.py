@@ -34,6 +34,12 @@ Choices:
     with no allowed key gives zeros with or without a sink. Each packed document and each context-parallel query
     chunk is one call over every key its queries may see, so its sink is the whole row's. The context-parallel KV
     cache applies it to the merged shares by their total log-sum-exp (``combine_partial_attention``).
+- Bidirectional blocks (``bidirectional_blocks``: Gemma 3's images; a context as the score rules): block ids ``[b, S]``
+  over the sequence's positions (-1 outside a block); inside, a query may also see every key of its own block, later
+  ones included, as transformers' ``OR(causal, blockwise)`` (a sliding window still bounds the keys behind the query:
+  ``AND(window, OR(causal, blockwise))``); a padding / document mask never applies inside a block. Such calls build a
+  mask (no fused causal kernel); a context-parallel query chunk then takes every key, not just those up to its end.
+  Packed (``thd``) inputs and the context-parallel KV cache's shares refuse them.
 """
 
 from __future__ import annotations
@@ -103,6 +109,38 @@ def _scores_scope(rule: _ScoreRule):
         yield
     finally:
         _SCORES.reset(token)
+
+
+# NOTE: the bidirectional blocks of the attention running now (module docstring): [b, S] block ids, -1 outside
+_BLOCKS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("loongforge_attention_blocks",
+                                                                             default=None)
+
+
+@contextlib.contextmanager
+def bidirectional_blocks(block_ids: torch.Tensor | None):
+    """Inside, every attention call lets a query see all keys of its block: ``block_ids [b, S]`` (long, -1 for tokens
+    outside any block) over the key positions ``0 .. S - 1``; None: no change."""
+    token = _BLOCKS.set(block_ids)
+    try:
+        yield
+    finally:
+        _BLOCKS.reset(token)
+
+
+def _same_block(q_offset: int, sq: int, skv: int) -> torch.Tensor | None:
+    """``[b, sq, skv]`` True where query ``q_offset + i`` and key ``j`` sit in one bidirectional block (None without
+    blocks); positions past the block ids are outside every block."""
+    blocks = _BLOCKS.get()
+    if blocks is None:
+        return None
+    padded = F.pad(blocks, (0, max(0, q_offset + sq - blocks.shape[1], skv - blocks.shape[1])), value=-1)
+    qb, kb = padded[:, q_offset:q_offset + sq], padded[:, :skv]
+    return (qb[:, :, None] == kb[:, None, :]) & (qb[:, :, None] >= 0)
+
+
+def _refuse_blocks(where: str) -> None:
+    if _BLOCKS.get() is not None:
+        raise ValueError(f"bidirectional attention blocks (Gemma 3's images) are not supported with {where}.")
 
 
 def _sinks_now() -> Sinks | None:
@@ -226,7 +264,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     q_offset = natural if q_offset is None else q_offset
     kwargs = dict(scale=scale, dropout_p=dropout_p, enable_gqa=query.shape[1] != key.shape[1])
     rule = _SCORES.get()
-    if rule is None and window is None and mask is None and (not causal or q_offset == natural):
+    same = _same_block(q_offset, sq, skv) if causal else None
+    if rule is None and same is None and window is None and mask is None and (not causal or q_offset == natural):
         if not causal:
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
         if sq == skv:
@@ -234,20 +273,25 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         if sq == 1:  # NOTE: the last query sees every key (a one-token decode step): no mask object to dispatch
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(sq, skv), **kwargs)
-    aligned = mask is None and (not causal or q_offset == natural)
+    aligned = mask is None and same is None and (not causal or q_offset == natural)
     if aligned and sink_attention.usable(query, key, value, dropout_p=dropout_p, rule=rule):
         return sink_attention.dense(query, key, value, sinks=rule.sinks, causal=causal, scale=scale, window=window)
     rel = (torch.arange(skv, device=query.device)[None, :]
            - torch.arange(q_offset, q_offset + sq, device=query.device)[:, None])
     allowed = torch.ones(sq, skv, dtype=torch.bool, device=query.device)
+    behind = torch.ones(sq, skv, dtype=torch.bool, device=query.device)  # NOTE: the window's bound behind the query
     if causal:
         allowed &= rel <= 0
     if window is not None:
         left, right = window
         if left >= 0:
-            allowed &= rel >= -left
+            behind = rel >= -left
         if right >= 0:
             allowed &= rel <= right
+    allowed &= behind
+    if same is not None:  # NOTE: AND(window, OR(causal, blockwise)); a padding / document mask never cuts a block
+        allowed = (allowed | (same & behind)).unsqueeze(1)
+        mask = mask & ~same.unsqueeze(1) if mask is not None and mask.dtype == torch.bool else mask
     if mask is None:
         attn_mask = allowed
     elif mask.dtype == torch.bool:
@@ -278,8 +322,9 @@ def _cp_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, c
     outs = []
     for half, j in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
         rows = slice(half * chunk, (half + 1) * chunk)
-        # NOTE: under a causal rule chunk j sees nothing past its own end: later keys are not even passed in.
-        end = (j + 1) * chunk if causal else key.shape[-2]
+        # NOTE: under a causal rule chunk j sees nothing past its own end (but for bidirectional blocks): later keys
+        # are not even passed in.
+        end = (j + 1) * chunk if causal and _BLOCKS.get() is None else key.shape[-2]
         outs.append(sdpa(query[:, :, rows], key[:, :, :end], value[:, :, :end], causal=causal, scale=scale,
                          dropout_p=dropout_p, window=window, mask=_slice_mask(mask, rows, slice(0, end)),
                          q_offset=j * chunk))
@@ -305,6 +350,7 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     Triton) ``_blocked_partial_attention``. The scope's sinks are not applied here (a share's log-sum-exp is not the
     row's): ``combine_partial_attention`` applies them; its soft-cap is refused."""
     _refuse_softcap()
+    _refuse_blocks("a KV cache sharded over context-parallel ranks")
     kernels = _decode_kernels(query, key, value)
     if kernels is not None:
         return kernels.partial_attention(query, key, value, allowed=allowed, scale=scale)
@@ -469,6 +515,7 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Packed documents: ``query [t, h, d]``, ``key / value [t_kv, h_kv, d]`` -> ``[t, h, d_v]``, no attention across
     documents. Under context parallelism the ``cu_seqlens`` are global and every document is load-balanced."""
+    _refuse_blocks("packed (thd) sequences")
     cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
     if _varlen_usable(query, key, cp_size=cp_size, dropout_p=dropout_p):
         return _varlen(query, key, value, params, causal=causal, scale=scale, window=window)

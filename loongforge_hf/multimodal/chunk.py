@@ -5,7 +5,9 @@ Choices:
   pixel_values_videos=, video_grid_thw=)`` is what megatron's schedules and DDP see as a model chunk; any attribute it
   lacks is GPTModel's (``set_input_tensor``, ``config``, ``pre_process`` ...), so megatron treats it as the GPTModel
   it wraps, with the tower's parameters added.
-- It takes the whole sequence (``input_ids`` [b, s], 3-D ``position_ids`` [3, b, s], mask [b, 1, s, s] or None).
+- It takes the whole sequence (``input_ids`` [b, s], 3-D ``position_ids`` [3, b, s] (1-D [b, s] for Gemma 3), mask
+  [b, 1, s, s] or None). With ``token_type_ids`` (Gemma 3) each image's tokens attend to each other both ways on
+  every stage (``image_blocks``, ``kernels.attention.bidirectional_blocks``).
   Under context parallelism it keeps this rank's load-balanced share of the tokens and of the mask rows
   (``context_parallel.cp_token_index``); the positions go to megatron whole (its mrope slices them itself).
 - First stage: megatron's own embedding (dropout, sequence-parallel scatter included) gives the text embeddings; the
@@ -71,6 +73,14 @@ def deepstack_added(language, where: tuple, features: list[torch.Tensor]):
             handle.remove()
 
 
+def image_blocks(token_type_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` block ids of the image tokens (``token_type_ids == 1``: each run of them one block, numbered from 0
+    per row), -1 elsewhere: what ``kernels.attention.bidirectional_blocks`` takes (Gemma 3)."""
+    is_image = token_type_ids == 1
+    starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
+    return torch.where(is_image, torch.cumsum(starts.long(), dim=1) - 1, -1)
+
+
 class VisionLanguageChunk(nn.Module):
     def __init__(self, language, *, vision=None, image_token_id: int, video_token_id: int | None = None,
                  encoder_group=None) -> None:
@@ -118,7 +128,9 @@ class VisionLanguageChunk(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
-                image_copies: torch.Tensor | None = None, video_copies: torch.Tensor | None = None):
+                image_copies: torch.Tensor | None = None, video_copies: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None):
+        from loongforge_hf.kernels.attention import bidirectional_blocks
         from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_token_index
 
         _, cp_size, cp_rank = cp_group_and_size()
@@ -135,7 +147,8 @@ class VisionLanguageChunk(nn.Module):
             if deepstack is not None:
                 added = deepstack_added(self.language, *deepstack)
         local_ids = input_ids if index is None else input_ids[:, index]
-        with added:
+        blocks = image_blocks(token_type_ids) if token_type_ids is not None else None
+        with added, bidirectional_blocks(blocks):
             return self.language(local_ids, position_ids, attention_mask, decoder_input=decoder_input)
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

@@ -63,14 +63,16 @@ COPIES = ("image_copies", "video_copies")  # NOTE: generate's expanded rows' ima
 
 
 def generation_positions(model, input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
-    """The prompt's ``[3, b, s]`` mRoPE positions (see the module docstring)."""
+    """The prompt's ``[3, b, s]`` mRoPE positions (see the module docstring); ``[b, s]`` text positions for a model
+    without mRoPE (Gemma 3)."""
     mask = model_kwargs.get("attention_mask")
-    if model_kwargs.get("image_grid_thw") is None and model_kwargs.get("video_grid_thw") is None:
+    mrope = model.bridge.mrope
+    if not mrope or (model_kwargs.get("image_grid_thw") is None and model_kwargs.get("video_grid_thw") is None):
         if mask is None:
             text = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
         else:
             text = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        return text.unsqueeze(0).expand(3, -1, -1).clone()
+        return text.unsqueeze(0).expand(3, -1, -1).clone() if mrope else text.clone()
     return model.rope_position_ids(input_ids, image_grid_thw=model_kwargs.get("image_grid_thw"), attention_mask=mask,
                                    mm_token_type_ids=model_kwargs.get("mm_token_type_ids"),
                                    video_grid_thw=model_kwargs.get("video_grid_thw"),
@@ -82,6 +84,11 @@ def generation_refusal(model, config, kwargs: dict) -> str | None:
     if kwargs.get("mm_encoder_outputs") is not None:
         return "mm_encoder_outputs is not supported: pass pixel_values / pixel_values_videos."
     positions = kwargs.get("position_ids")
+    if not model.bridge.mrope:
+        if positions is not None and positions.dim() != 2:
+            return (f"position_ids of shape {list(positions.shape)} are not supported: pass [batch, seq] positions, "
+                    "or none.")
+        return None
     if positions is not None and (positions.dim() != 3 or positions.shape[0] != 3):
         return (f"position_ids of shape {list(positions.shape)} are not supported: pass [3, batch, seq] mRoPE "
                 "positions, or none (they are computed from the inputs).")
@@ -98,7 +105,7 @@ def expand_vision_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, exp
     ``r`` becomes rows ``r * expand_size ..``): the images (videos) the expanded rows' placeholders take, in order, as
     indices into those of ``model_kwargs`` (each row's repeated as a group; see the module docstring). ``input_ids``
     and ``model_kwargs`` are the batch before expansion."""
-    merge = model.bridge.vision_config.spatial_merge_size ** 2
+    merge = model.bridge.vision_merge ** 2
     kinds, mask = model_kwargs.get("mm_token_type_ids"), model_kwargs.get("attention_mask")
     expanded = {}
     for name, pixels_key, (grid_key, *_), code in _KINDS:
@@ -160,8 +167,9 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
                              "position_ids (generate passes them).")
         position_ids = generation_positions(model, input_ids, {"attention_mask": attention_mask,
                                                                **copied_vision(vision)})
-    if position_ids.dim() != 3 or tuple(position_ids.shape) != (3, batch, given):
-        raise ValueError(f"position_ids must be [3, {batch}, {given}] mRoPE positions, got "
+    mrope = model.bridge.mrope
+    if tuple(position_ids.shape) != ((3, batch, given) if mrope else (batch, given)):
+        raise ValueError(f"position_ids must be [{'3, ' if mrope else ''}{batch}, {given}] positions, got "
                          f"{list(position_ids.shape)}.")
     # NOTE: padded for sequence parallelism only: under context parallelism every CP rank runs the whole sequence
     # (context_parallel.whole_sequence_on_every_rank), as the text models' cached steps do (kv_cache.py), but for the
@@ -170,6 +178,12 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     rows = keep_rows(given, keep)
     vocab = model.config.text_config.vocab_size
     inputs = {name: vision.get(name) for name in VISION_INPUTS + COPIES}
+    if inputs["pixel_values"] is not None:
+        inputs["pixel_values"], inputs["image_grid_thw"] = model.bridge.vision_inputs(inputs["pixel_values"],
+                                                                                      inputs["image_grid_thw"])
+    if model.bridge.bidirectional_images and (cache is None or cache.get_seq_length() == 0):
+        # NOTE: as transformers: an image's tokens see each other at the prefill (and in every uncached step)
+        inputs["token_type_ids"] = vision.get("token_type_ids")
 
     def run(ids, mask):
         positions = F.pad(position_ids.to(device), (0, ids.shape[-1] - given))  # NOTE: the pads' never reach a token
@@ -188,8 +202,9 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     if cache is not None:
         from loongforge_hf.kv_cache import cached_forward
 
+        # NOTE: 1-D rope (Gemma 3) rotates by the cache's slots, as for text models: no positions for the cache
         return cached_forward(model, cache, input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, run=lambda ids: run(ids, None))
+                              position_ids=position_ids if mrope else None, run=lambda ids: run(ids, None))
     ids, attention_mask, _, _ = pad_model_inputs(
         input_ids, attention_mask.to(device) if attention_mask is not None else None, None, None, multiple=multiple)
     whole = whole_sequence_on_every_rank(cp_group_holders(model.chunks)) if model.parallel.context_parallel_size > 1 \

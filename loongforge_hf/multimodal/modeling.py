@@ -91,6 +91,11 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         # NOTE: forward runs generate's steps through generation_forward (padded to the layout, mRoPE positions
         # given) while this is set, with or without the KV cache; a plain forward call never does
         self._generating = True
+        if kwargs.get("pixel_values") is not None:
+            # NOTE: the tower's patches and grids from the start (Gemma 3's processor gives [n, C, H, W] images), so
+            # beam copies and each step's inputs are per patch and per grid as for Qwen's
+            kwargs["pixel_values"], kwargs["image_grid_thw"] = self.bridge.vision_inputs(
+                kwargs["pixel_values"], kwargs.get("image_grid_thw"))
         try:
             return super().generate(inputs, generation_config, **kwargs)
         finally:
@@ -135,6 +140,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                           document_ids=None) -> torch.Tensor:
         from loongforge_hf.multimodal.positions import mrope_position_ids
 
+        if not self.bridge.mrope:  # NOTE: 1-D positions (Gemma 3), as transformers' forward takes them: 0 .. s - 1
+            return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
         vision = self.bridge.vision_config
         return mrope_position_ids(input_ids, image_grid_thw=image_grid_thw, attention_mask=attention_mask,
                                   mm_token_type_ids=mm_token_type_ids, image_token_id=self.bridge.image_token_id,
@@ -158,7 +165,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4:
             text_positions, position_ids = position_ids[0], position_ids[1:]
         elif position_ids is not None and position_ids.dim() == 2:
-            text_positions, position_ids = position_ids, None
+            text_positions, position_ids = position_ids, None if self.bridge.mrope else position_ids
         if position_ids is None:
             documents = torch.cumsum((text_positions == 0).long(), dim=-1) if is_packed(text_positions) else None
             position_ids = self.rope_position_ids(input_ids, image_grid_thw=get("image_grid_thw"),
@@ -170,6 +177,11 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         mask = megatron_attention_mask(attention_mask, input_ids.shape[1], text_positions)
         kwargs = {name: get(name) for name in ("pixel_values", "image_grid_thw", "pixel_values_videos",
                                                "video_grid_thw")}
+        if kwargs["pixel_values"] is not None:
+            kwargs["pixel_values"], kwargs["image_grid_thw"] = self.bridge.vision_inputs(kwargs["pixel_values"],
+                                                                                         kwargs["image_grid_thw"])
+        if self.bridge.bidirectional_images:  # NOTE: as transformers, only where token_type_ids are given
+            kwargs["token_type_ids"] = get("token_type_ids")
         return (input_ids, position_ids.to(device), mask), kwargs
 
     def megatron_local_labels(self, labels: torch.Tensor) -> torch.Tensor:
@@ -186,8 +198,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 mm_token_type_ids: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
-                video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None, *,
-                return_logits: bool = True, **unused: Any):
+                video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, *, return_logits: bool = True, **unused: Any):
         from loongforge_hf.bridges import router_balance
         from loongforge_hf.bridges.output_layer import full_logits
         from loongforge_hf.bridges.router_logits import asked
@@ -203,7 +215,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
             vision = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
                       "pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw,
                       "mm_token_type_ids": mm_token_type_ids, "second_per_grid_ts": second_per_grid_ts,
-                      "image_copies": unused.get("image_copies"), "video_copies": unused.get("video_copies")}
+                      "image_copies": unused.get("image_copies"), "video_copies": unused.get("video_copies"),
+                      "token_type_ids": token_type_ids}
             logits = generation_forward(self, cache=options["cache"], input_ids=input_ids,
                                         attention_mask=attention_mask, position_ids=position_ids, vision=vision,
                                         keep=keep if isinstance(keep, int) else 0)
@@ -211,7 +224,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values,
                  "image_grid_thw": image_grid_thw, "position_ids": position_ids,
                  "mm_token_type_ids": mm_token_type_ids, "pixel_values_videos": pixel_values_videos,
-                 "video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts}
+                 "video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts,
+                 "token_type_ids": token_type_ids}
         args, inputs = self.megatron_forward_inputs(batch)
         input_ids, position_ids, mask = args
         vocab = self.config.text_config.vocab_size
@@ -281,7 +295,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
 
 
 def _vision_layout(*, vision_tensor_parallel_size: int, vision_data_parallel: bool, tensor_parallel_size: int,
-                   vision_config) -> str:
+                   vision_config, vision_heads: int) -> str:
     """'replicated' | 'tensor_parallel' | 'data_parallel', or ``ParallelLayoutError``."""
     vtp = vision_tensor_parallel_size
     if vtp not in (1, tensor_parallel_size):
@@ -291,11 +305,10 @@ def _vision_layout(*, vision_tensor_parallel_size: int, vision_data_parallel: bo
         raise ParallelLayoutError("vision_data_parallel=True shares the images out over the tensor-parallel group; "
                                   "it needs vision_tensor_parallel_size=1.")
     if vtp > 1:
-        for field, value in (("num_heads", vision_config.num_heads),
-                             ("intermediate_size", vision_config.intermediate_size)):
+        for field, value in (("the vision tower's attention heads", vision_heads),
+                             ("vision_config.intermediate_size", vision_config.intermediate_size)):
             if value % vtp:
-                raise ParallelLayoutError(f"vision_config.{field}={value} is not divisible by "
-                                          f"vision_tensor_parallel_size={vtp}.")
+                raise ParallelLayoutError(f"{field} ({value}) is not divisible by vision_tensor_parallel_size={vtp}.")
         return "tensor_parallel"
     return "data_parallel" if vision_data_parallel and tensor_parallel_size > 1 else "replicated"
 
@@ -379,7 +392,7 @@ class AutoModelForImageTextToText:
             vision_layout = _vision_layout(vision_tensor_parallel_size=vision_tensor_parallel_size,
                                            vision_data_parallel=vision_data_parallel,
                                            tensor_parallel_size=layout.tensor_parallel_size,
-                                           vision_config=bridge.vision_config)
+                                           vision_config=bridge.vision_config, vision_heads=bridge.vision_heads)
             param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, reader)
             reader.validate_shapes(bridge.expected_hf_shapes())
             info = loading_info(reader, bridge) if options.output_loading_info else None

@@ -175,7 +175,8 @@ class VisionAttention(nn.Module):
 
         n = x.shape[0]
         q, k, v = self.qkv(_into_split(x, self.tp_group)).view(n, 3, self.local_heads, self.head_dim).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if cos is not None:  # NOTE: None: a ViT without rope (SigLIP's learned positions)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if n == 0:
             # NOTE: a rank without images (encoder data parallel) still runs the tower, so every parameter is in
             # its graph; there is nothing to attend.
@@ -251,10 +252,19 @@ class PatchMerger(nn.Module):
 
 
 class PatchEmbed(nn.Module):
+    """The patch convolution (kernel = stride) as one matmul over flattened patches: ``Conv3d`` over (frames, h, w)
+    where ``config`` has a ``temporal_patch_size`` (Qwen's ViTs), else ``Conv2d`` (SigLIP)."""
+
     def __init__(self, config, *, bias: bool = False) -> None:
         super().__init__()
-        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
+        temporal = getattr(config, "temporal_patch_size", None)
+        channels = getattr(config, "in_channels", None) or config.num_channels
+        if temporal is None:
+            kernel = (config.patch_size, config.patch_size)
+            self.proj = nn.Conv2d(channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
+        else:
+            kernel = (temporal, config.patch_size, config.patch_size)
+            self.proj = nn.Conv3d(channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight

@@ -53,11 +53,14 @@ class Qwen3VisionMLP(nn.Module):
 
 
 class Qwen3VisionBlock(nn.Module):
-    def __init__(self, config, *, tp_group=None) -> None:
+    """LayerNorm, attention, LayerNorm, MLP (pre-norm residuals); also SigLIP's encoder layer (``heads``, ``eps``
+    given: its config names them otherwise; no rope)."""
+
+    def __init__(self, config, *, tp_group=None, heads: int | None = None, eps: float = VISION_NORM_EPS) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=VISION_NORM_EPS)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=VISION_NORM_EPS)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads, tp_group=tp_group)
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.attn = VisionAttention(config.hidden_size, heads or config.num_heads, tp_group=tp_group)
         self.mlp = Qwen3VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp_group=tp_group)
 
     def forward(self, x, cu_seqlens, cos, sin):

@@ -188,3 +188,75 @@ def make_tiny_qwen3_vl_moe(folder: str | Path, *, seed: int = 0, max_shard_size:
                 save_file(tensors, str(file), metadata={"format": "pt"})
     make_processor(make_vl_tokenizer(folder), qwen3=True).save_pretrained(folder)
     return folder
+
+
+# ---- Gemma 3 (image-text) -------------------------------------------------------------------------------------------
+GEMMA3_BOI, GEMMA3_EOI, GEMMA3_IMAGE = TEXT_VOCAB, TEXT_VOCAB + 1, TEXT_VOCAB + 2  # ids of its three vision tokens
+# (text, vision, projector) prefixes of each on-disk naming (bridges/gemma3_vl.py): what transformers 5 writes, the
+# hub's checkpoints, the module names
+GEMMA3_NAMINGS = {"transformers": ("language_model.model", "vision_tower", "multi_modal_projector"),
+                  "hub": ("language_model.model", "vision_tower.vision_model", "multi_modal_projector"),
+                  "modules": ("model.language_model", "model.vision_tower.vision_model", "model.multi_modal_projector")}
+
+
+def tiny_gemma3_vl_config(**text_overrides):
+    """A 4-layer Gemma 3 decoder (sliding layers 0 and 2 with a window of 8, two rotary bases, head_dim 16, GQA)
+    under a 2-block SigLIP ViT (56x56 images of 7-pixel patches: 8x8 patches, pooled 2x2 to 16 tokens)."""
+    from transformers import Gemma3Config
+
+    text = dict(vocab_size=TEXT_VOCAB + 4, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                sliding_window=8, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0, layer_types=["sliding_attention", "full_attention"] * 2)
+    text.update(text_overrides)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                  patch_size=7, layer_norm_eps=1e-6, vision_use_head=False)
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16, boi_token_index=GEMMA3_BOI,
+                        eoi_token_index=GEMMA3_EOI, image_token_index=GEMMA3_IMAGE)
+
+
+def make_tiny_gemma3_vl(folder: str | Path, *, seed: int = 0, naming: str = "transformers",
+                        max_shard_size: str = "60KB", **text_overrides) -> Path:
+    """Write a tiny random Gemma 3 image-text checkpoint (weights under ``naming``'s prefixes, config, tokenizer) and
+    return its folder."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3ForConditionalGeneration
+
+    from loongforge_hf.testing.tiny_models import make_tiny_tokenizer
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(tiny_gemma3_vl_config(**text_overrides)).to(torch.float32)
+    _randomise(model, scaled=("mm_input_projection_weight", "position_embedding"))
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if naming != "transformers":
+        renames = dict(zip(GEMMA3_NAMINGS["transformers"], GEMMA3_NAMINGS[naming]))
+
+        def rename(name: str) -> str:
+            old = next(p for p in renames if name.startswith(p + "."))
+            return renames[old] + name[len(old):]
+
+        index_file = folder / "model.safetensors.index.json"
+        index = json.loads(index_file.read_text()) if index_file.exists() else None
+        for shard in sorted(folder.glob("*.safetensors")):
+            save_file({rename(k): v for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
+        if index is not None:
+            index["weight_map"] = {rename(k): v for k, v in index["weight_map"].items()}
+            index_file.write_text(json.dumps(index, indent=2))
+    tok = make_tiny_tokenizer(folder, vocab_size=TEXT_VOCAB)
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>",
+                                                          "<image_soft_token>"]})
+    tok.save_pretrained(folder)
+    return folder
+
+
+def gemma3_image_prompt(rows: list[list[int]], *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``input_ids [b, s]``, ``token_type_ids``) as Gemma 3's processor lays an image out: ``boi``, 16 image tokens,
+    ``eoi``, where a row holds -1; other entries are text ids (every row the same length)."""
+    ids = []
+    for row in rows:
+        ids.append([t for x in row for t in ([GEMMA3_BOI] + [GEMMA3_IMAGE] * 16 + [GEMMA3_EOI] if x == -1 else [x])])
+    input_ids = torch.tensor(ids)
+    return input_ids, (input_ids == GEMMA3_IMAGE).long()
