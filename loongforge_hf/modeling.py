@@ -596,7 +596,7 @@ class AutoModelForCausalLM:
                                                        sort_load_kwargs)
         from loongforge_hf.bridges.loader import load_into
         from loongforge_hf.bridges.moe import whole_experts_layout
-        from loongforge_hf.bridges.qwen2_5_vl import loads_as_causal_lm
+        from loongforge_hf.bridges.registry import loads_as_causal_lm
         from loongforge_hf.lora.load import adapter_base_model, carried_vocabulary, is_adapter_folder, load_adapter
         from loongforge_hf.parallel import initialize_parallel
 

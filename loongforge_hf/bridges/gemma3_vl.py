@@ -152,7 +152,8 @@ class Gemma3VLBridge(Qwen2_5_VLBridge):
         before = {"patch_embed.proj.weight": f"{v}.embeddings.patch_embedding.weight",
                   "patch_embed.proj.bias": f"{v}.embeddings.patch_embedding.bias",
                   "position_embedding.weight": f"{v}.embeddings.position_embedding.weight"}
-        after = {"post_layernorm.weight": f"{v}.post_layernorm.weight", "post_layernorm.bias": f"{v}.post_layernorm.bias",
+        after = {"post_layernorm.weight": f"{v}.post_layernorm.weight",
+                 "post_layernorm.bias": f"{v}.post_layernorm.bias",
                  "projector.norm": f"{mp}.mm_soft_emb_norm.weight",
                  "projector.weight": f"{mp}.mm_input_projection_weight"}
         return before, after

@@ -288,14 +288,6 @@ def image_text_architectures() -> list[str]:
     return sorted(VL_BRIDGES)
 
 
-def loads_as_causal_lm(hf_config) -> bool:
-    """Whether transformers' ``AutoModelForCausalLM`` loads this image-text checkpoint as its image-text class (Gemma
-    3's ``Gemma3ForConditionalGeneration``), so ``lf.AutoModelForCausalLM`` does too."""
-    image_text_architectures()
-    return any(getattr(VL_BRIDGES.get(arch), "causal_lm_auto", False)
-               for arch in getattr(hf_config, "architectures", None) or [])
-
-
 def get_vl_bridge(hf_config, checkpoint_names=(), shape_of=None) -> Qwen2_5_VLBridge:
     image_text_architectures()  # NOTE: every image-text bridge registered
     for arch in getattr(hf_config, "architectures", None) or []:

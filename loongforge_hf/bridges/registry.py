@@ -25,6 +25,16 @@ def supported_architectures() -> list[str]:
     return sorted(_BRIDGES)
 
 
+def loads_as_causal_lm(hf_config) -> bool:
+    """Whether transformers' ``AutoModelForCausalLM`` loads this image-text checkpoint as its image-text class (Gemma
+    3's ``Gemma3ForConditionalGeneration``), so ``lf.AutoModelForCausalLM`` does too."""
+    from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, image_text_architectures
+
+    image_text_architectures()
+    return any(getattr(VL_BRIDGES.get(arch), "causal_lm_auto", False)
+               for arch in getattr(hf_config, "architectures", None) or [])
+
+
 def get_bridge(hf_config):
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:

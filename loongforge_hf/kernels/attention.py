@@ -113,7 +113,7 @@ def _scores_scope(rule: _ScoreRule):
 
 # NOTE: the bidirectional blocks of the attention running now (module docstring): [b, S] block ids, -1 outside
 _BLOCKS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("loongforge_attention_blocks",
-                                                                             default=None)
+                                                                              default=None)
 
 
 @contextlib.contextmanager
