@@ -19,6 +19,10 @@ Choices:
 - Labels default to the input ids; padding, and image / video tokens when ``mask_image_labels`` (the usual choice:
   the model never has to predict a placeholder), are set to -100. Labels a sample brings are kept as they are, padding
   aside.
+- Gemma 3 (``mrope=False``; ``from_processor`` sets it for a ``Gemma3Processor``): ``pixel_values`` are whole images
+  ``[n, C, H, W]`` without grids, ``token_type_ids`` (1 on image tokens: the model's bidirectional image blocks) are
+  padded or packed like ``mm_token_type_ids``, and packed rows take 2-D ``position_ids`` [rows, length] counting from
+  0 in every sample (the model's rope is 1-D).
 """
 
 from __future__ import annotations
@@ -49,22 +53,26 @@ class DataCollatorForImageText:
     spatial_merge_size: int | None = None  # packing: to compute each sample's 3-D positions
     tokens_per_second: float = 1.0         # packing: vision_config.tokens_per_second (video time positions)
     frames_apart: bool = False             # packing: a video's frames are separate position items (Qwen3-VL)
+    mrope: bool = True                     # False: 1-D positions, token_type_ids, whole images (Gemma 3)
 
     def __post_init__(self) -> None:
         if self.padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {self.padding_side!r}.")
-        if self.packing and (self.spatial_merge_size is None or self.image_token_id is None):
+        if self.packing and self.mrope and (self.spatial_merge_size is None or self.image_token_id is None):
             raise ValueError("packing=True needs spatial_merge_size and image_token_id (from_processor sets both) "
                              "to compute each sample's 3-D rope positions.")
 
     @classmethod
     def from_processor(cls, processor, config=None, **kwargs) -> "DataCollatorForImageText":
-        """From a Qwen2.5-VL or Qwen3-VL processor; ``config`` (the model's) supplies ``tokens_per_second`` for
-        videos."""
-        from transformers import Qwen3VLProcessor
+        """From a Qwen2.5-VL, Qwen3-VL or Gemma 3 processor; ``config`` (the model's) supplies ``tokens_per_second``
+        for videos."""
+        from transformers import Gemma3Processor, Qwen3VLProcessor
 
         tok = processor.tokenizer
         image = getattr(processor, "image_processor", None)
+        if isinstance(processor, Gemma3Processor) or getattr(config, "model_type", None) == "gemma3":
+            # NOTE: its image_token_id is the begin-of-image id it expands; the image tokens are the tokenizer's
+            return cls(pad_token_id=tok.pad_token_id, image_token_id=tok.image_token_id, mrope=False, **kwargs)
         defaults = {"spatial_merge_size": getattr(image, "merge_size", None),
                     "frames_apart": isinstance(processor, Qwen3VLProcessor)
                     or getattr(config, "model_type", None) in ("qwen3_vl", "qwen3_vl_moe")}
@@ -114,7 +122,8 @@ class DataCollatorForImageText:
             having = [f for f in features if f.get(pixels) is not None]
             if having:
                 batch[pixels] = torch.cat([torch.as_tensor(f[pixels]) for f in having], dim=0)
-                batch[grid] = torch.cat([torch.as_tensor(f[grid]).reshape(-1, 3) for f in having], dim=0)
+                if all(f.get(grid) is not None for f in having):  # NOTE: none for Gemma 3's whole images
+                    batch[grid] = torch.cat([torch.as_tensor(f[grid]).reshape(-1, 3) for f in having], dim=0)
         videos = [f for f in features if f.get("pixel_values_videos") is not None]
         if videos and all(f.get("second_per_grid_ts") is not None for f in videos):
             batch["second_per_grid_ts"] = torch.cat([torch.as_tensor(f["second_per_grid_ts"], dtype=torch.float32)
@@ -131,8 +140,9 @@ class DataCollatorForImageText:
         masks = [_row(f["attention_mask"]).long() if f.get("attention_mask") is not None
                  else torch.ones_like(r) for f, r in zip(features, ids)]
         batch = {"input_ids": self._pad(ids, length, self.pad_token_id), "attention_mask": self._pad(masks, length, 0)}
-        if all(f.get("mm_token_type_ids") is not None for f in features):
-            batch["mm_token_type_ids"] = self._pad([_row(f["mm_token_type_ids"]).long() for f in features], length, 0)
+        for kinds in ("mm_token_type_ids", "token_type_ids"):
+            if all(f.get(kinds) is not None for f in features):
+                batch[kinds] = self._pad([_row(f[kinds]).long() for f in features], length, 0)
         batch["labels"] = self._pad([self._labels(f, r) for f, r in zip(features, ids)], length, IGNORE_INDEX)
         batch["labels"][batch["attention_mask"] == 0] = IGNORE_INDEX
         return self._vision(features, batch)
@@ -140,6 +150,9 @@ class DataCollatorForImageText:
     # ---- packing ---------------------------------------------------------------------------------------------------
     def _sample_positions(self, feature: dict, ids: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
         from loongforge_hf.multimodal.positions import mrope_position_ids
+
+        if not self.mrope:
+            return torch.arange(ids.numel())[None]
 
         def grid(name):
             return torch.as_tensor(feature[name]).reshape(-1, 3) if feature.get(name) is not None else None
@@ -167,7 +180,8 @@ class DataCollatorForImageText:
             if self.max_length is not None and used + n > self.max_length and rows[-1]:
                 rows.append([])
                 used = 0
-            kinds = self._token_types(f, ids)
+            kinds = _row(f["token_type_ids"]).long() if not self.mrope and f.get("token_type_ids") is not None \
+                else self._token_types(f, ids)
             lab = self._labels(f, ids).clone()
             lab[0] = IGNORE_INDEX
             rows[-1].append((ids, lab, kinds, torch.arange(n)[None].expand(1, n),
@@ -175,15 +189,19 @@ class DataCollatorForImageText:
             used += n
         cat = [[torch.cat([s[k] for s in row], dim=-1) for k in range(5)] for row in rows]
         length = self._length(max(c[0].numel() for c in cat))
+        kinds_key = "mm_token_type_ids" if self.mrope else "token_type_ids"
         out = {"input_ids": torch.full((len(rows), length), self.pad_token_id, dtype=torch.long),
                "labels": torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long),
-               "mm_token_type_ids": torch.zeros(len(rows), length, dtype=torch.long),
-               "position_ids": torch.zeros(4, len(rows), length, dtype=torch.long)}
+               kinds_key: torch.zeros(len(rows), length, dtype=torch.long),
+               "position_ids": torch.zeros(4 if self.mrope else 1, len(rows), length, dtype=torch.long)}
         for i, (ids, lab, kinds, text, rope) in enumerate(cat):
             n = ids.numel()
-            out["input_ids"][i, :n], out["labels"][i, :n], out["mm_token_type_ids"][i, :n] = ids, lab, kinds
+            out["input_ids"][i, :n], out["labels"][i, :n], out[kinds_key][i, :n] = ids, lab, kinds
             out["position_ids"][0, i, :n] = text[0]
-            out["position_ids"][1:, i, :n] = rope
+            if self.mrope:
+                out["position_ids"][1:, i, :n] = rope
+        if not self.mrope:
+            out["position_ids"] = out["position_ids"][0]
         return self._vision(features, out)
 
 

@@ -58,12 +58,15 @@ def make_processor(tokenizer, images=None, *, qwen3: bool = False):
 
 
 def processor_for(folder: str | Path):
-    """The tiny processor of the tiny checkpoint in ``folder`` (its tokenizer; Qwen3-VL's or Qwen2.5-VL's)."""
+    """The tiny processor of the tiny checkpoint in ``folder`` (its tokenizer; Qwen3-VL's, Qwen2.5-VL's or Gemma
+    3's, which the folder holds whole)."""
     import json
 
-    from transformers import AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
     model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
+    if model_type == "gemma3":
+        return AutoProcessor.from_pretrained(folder)
     return make_processor(AutoTokenizer.from_pretrained(folder), qwen3=model_type in ("qwen3_vl", "qwen3_vl_moe"))
 
 
@@ -217,14 +220,12 @@ def tiny_gemma3_vl_config(**text_overrides):
 
 def make_tiny_gemma3_vl(folder: str | Path, *, seed: int = 0, naming: str = "transformers",
                         max_shard_size: str = "60KB", **text_overrides) -> Path:
-    """Write a tiny random Gemma 3 image-text checkpoint (weights under ``naming``'s prefixes, config, tokenizer) and
+    """Write a tiny random Gemma 3 image-text checkpoint (weights under ``naming``'s prefixes, config, processor) and
     return its folder."""
     import json
 
     from safetensors.torch import load_file, save_file
     from transformers import Gemma3ForConditionalGeneration
-
-    from loongforge_hf.testing.tiny_models import make_tiny_tokenizer
 
     folder = Path(folder)
     torch.manual_seed(seed)
@@ -245,11 +246,26 @@ def make_tiny_gemma3_vl(folder: str | Path, *, seed: int = 0, naming: str = "tra
         if index is not None:
             index["weight_map"] = {rename(k): v for k, v in index["weight_map"].items()}
             index_file.write_text(json.dumps(index, indent=2))
-    tok = make_tiny_tokenizer(folder, vocab_size=TEXT_VOCAB)
-    tok.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>",
-                                                          "<image_soft_token>"]})
-    tok.save_pretrained(folder)
+    make_gemma3_processor(folder).save_pretrained(folder)
     return folder
+
+
+def make_gemma3_processor(folder: str | Path):
+    """``Gemma3Processor``'s own code over a word-level tokenizer (``tok4`` ..) with Gemma 3's three vision tokens
+    (ids 200 - 202, named as the tokenizer's ``boi_token`` / ``eoi_token`` / ``image_token``) and a 56x56 image
+    processor; its 16 image tokens per image."""
+    from transformers import AutoTokenizer, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from loongforge_hf.testing.tiny_models import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer(folder, vocab_size=TEXT_VOCAB)
+    tokens = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok.add_special_tokens({"additional_special_tokens": list(tokens.values())})
+    tok._set_model_specific_special_tokens(special_tokens=tokens)
+    tok.save_pretrained(folder)
+    return Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 56, "width": 56}),
+                           tokenizer=AutoTokenizer.from_pretrained(folder), image_seq_length=16)
 
 
 def gemma3_image_prompt(rows: list[list[int]], *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -150,3 +150,78 @@ def generate_both(folder: str, layout: dict) -> dict:
         out[name] = {"same_sequences": torch.equal(got.sequences, want.sequences), "max_diff": max(diffs),
                      "steps": len(diffs)}
     return out
+
+
+# ---- the processor, the collator, training ---------------------------------------------------------------------------
+
+TRAIN_TEXTS = [f"tok{5 + i} <start_of_image> tok{30 + i} tok{40 + i}" for i in range(4)] + \
+    [f"tok{60 + i} tok{70 + i} tok{80 + i}" for i in range(4)]
+
+
+def train_features(folder: str) -> list:
+    """Each sample through the checkpoint's ``Gemma3Processor`` (a random image of another size, resized to 56x56)."""
+    import numpy as np
+
+    from loongforge_hf.testing.tiny_vl import processor_for
+
+    processor = processor_for(folder)
+    rng = np.random.RandomState(5)
+    return [dict(processor(text=[text], images=[[rng.randint(0, 256, (40, 70, 3), dtype=np.uint8)]]
+                           if "<start_of_image>" in text else None, return_tensors="pt")) for text in TRAIN_TEXTS]
+
+
+def train(folder: str, out_dir: str, *, loong: bool) -> list:
+    """Three steps of batches of 2 with the ViT frozen (the projector trains): the logged losses."""
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+    from loongforge_hf.testing.tiny_vl import processor_for
+
+    from ._vl_parity import vl_training_args
+
+    collator = DataCollatorForImageText.from_processor(processor_for(folder))
+    args = vl_training_args(out_dir)
+    if loong:
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, freeze_vision=True)
+        trainer = lf.LoongTrainer(model=model, args=args, train_dataset=train_features(folder),
+                                  data_collator=collator)
+    else:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+        model.model.vision_tower.requires_grad_(False)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=train_features(folder),
+                                       data_collator=collator)
+    trainer.train()
+    trainer.save_model(out_dir + "/final")
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def train_both(folder: str, out_dir: str) -> dict:
+    return {"hf": train(folder, out_dir + "/hf", loong=False), "loong": train(folder, out_dir + "/loong", loong=True)}
+
+
+def packed_against_padded(folder: str) -> dict:
+    """The processor's samples collated padded and packed (one row, 2-D positions restarting per sample): the same
+    logits at every real token, and transformers' padded batch's."""
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+    from loongforge_hf.testing.tiny_vl import processor_for
+
+    features = train_features(folder)[2:6]
+    collator = DataCollatorForImageText.from_processor(processor_for(folder))
+    padded = collator(features)
+    packed = DataCollatorForImageText.from_processor(processor_for(folder), packing=True)(features)
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        got_padded = model(**padded).logits
+        got_packed = model(**packed).logits
+        want = ref(**padded).logits
+    valid = padded["attention_mask"].bool()
+    return {"packed_shape": tuple(packed["input_ids"].shape), "positions": tuple(packed["position_ids"].shape),
+            "token_types": int(packed["token_type_ids"].sum()),
+            "packed_diff": (got_packed[0] - got_padded[valid]).abs().max().item(),
+            "padded_diff": (got_padded - want).abs()[valid].max().item()}

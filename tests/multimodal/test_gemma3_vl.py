@@ -13,10 +13,11 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.round_trip import check_round_trip as _check_round_trip, read_all
 from loongforge_hf.testing.tiny_vl import make_tiny_gemma3_vl, tiny_gemma3_vl_config
 
-from ._vl_gemma3 import TEXT_ROWS, compare_many, generate_both, make_batch
+from ._vl_gemma3 import TEXT_ROWS, compare_many, generate_both, make_batch, packed_against_padded, train_both
 
 TOL = 1e-4
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "processor_config.json")
 TWO_RANKS = {  # name: from_pretrained keywords
     "tp2_sp_vision_tp2": {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor_parallel_size": 2},
     "tp2_encoder_data_parallel": {"tensor_parallel_size": 2, "vision_data_parallel": True, "vision_recompute": True,
@@ -138,3 +139,23 @@ def test_bad_configs_are_refused(checkpoint, tmp_path):
     config.tie_word_embeddings = False
     with pytest.raises(UnsupportedConfigError, match="tie_word_embeddings=False"):
         Gemma3VLBridge(config)
+
+
+def test_processor_batches_train_as_transformers(checkpoint, tmp_path):
+    """Gemma3Processor's samples through DataCollatorForImageText: padded logits as transformers'; packed (one row,
+    2-D positions) as padded; LoongTrainer (ViT frozen) logs transformers.Trainer's three losses, and the frozen
+    ViT comes out of save_model bit for bit while the projector moved."""
+    got = run_distributed(_processor_and_training, 1, str(checkpoint), str(tmp_path), timeout=400)[0]
+    packed = got["packed"]
+    assert packed["packed_shape"][0] == 1 and len(packed["positions"]) == 2 and packed["token_types"] == 32, packed
+    assert packed["padded_diff"] < TOL and packed["packed_diff"] < 1e-5, packed
+    assert len(got["loong"]) == len(got["hf"]) == 3
+    assert got["loong"] == pytest.approx(got["hf"], rel=1e-4)
+    src, out = read_all(checkpoint), read_all(tmp_path / "loong" / "final")
+    moved = sorted(n for n in src if not torch.equal(src[n], out[n]))
+    assert all(not n.startswith("vision_tower.") for n in moved), moved
+    assert any(n.startswith("multi_modal_projector.") for n in moved), moved
+
+
+def _processor_and_training(folder, out_dir):
+    return {"packed": packed_against_padded(folder), **train_both(folder, out_dir)}
