@@ -1,4 +1,4 @@
-"""Single-device training speed of Qwen2.5-VL or Qwen3-VL, side by side: transformers (sdpa) vs loongforge-hf.
+"""Single-device training speed of Qwen2.5-VL, Qwen3-VL or Gemma 3, side by side: transformers (sdpa) vs loongforge-hf.
 
 Workload (``--model qwen2_5_vl``, the default): the Qwen2.5-VL-3B shape cut in layers (language model 36 -> 8
 layers: hidden 2048, intermediate 11008, 16 heads, 2 KV heads, vocab 151936, tied embeddings, mrope sections
@@ -8,7 +8,12 @@ pixels, block 7 full attention), random init written once by transformers
 ``--model qwen3_vl``: the Qwen3-VL-4B shape cut the same way (language model 36 -> 8 layers: hidden 2560,
 intermediate 9728, 32 heads, 8 KV heads of 128, vocab 151936, tied embeddings, interleaved mrope sections 24/20/20;
 vision tower depth 24 -> 8: hidden 1024, intermediate 4096, 16 heads, patch 16, 2x2 merge, a 48x48 learned position
-grid, DeepStack from blocks 1, 3, 5). A batch is ``--samples`` samples of ``--images`` random 448x448 images (1024
+grid, DeepStack from blocks 1, 3, 5). ``--model gemma3``: the gemma-3-4b shape cut the same way (language model
+34 -> 8 layers: hidden 2560, intermediate 10240, 8 heads, 4 KV heads of 256, vocab 262208, sliding windows of 1024
+on all but layer 5, rope 1e4 / 1e6 with linear factor 8; SigLIP depth 27 -> 8: hidden 1152, intermediate 4304, 16
+heads, 896x896 images of 14-pixel patches pooled to 256 tokens); its images are 896x896 (its only size) and each
+stack gets ``token_type_ids`` (bidirectional attention within an image) and whole ``[n, 3, 896, 896]`` images.
+A batch is ``--samples`` samples of ``--images`` random 448x448 images (1024
 patches and 256 merged tokens each; 784 and 196 with Qwen3-VL's 16-pixel patches) and ``--text``
 text tokens; image tokens carry label -100. Both stacks get the same tensors (``input_ids``, ``labels``,
 ``mm_token_type_ids``, ``pixel_values``, ``image_grid_thw``); the 3-D rope positions are computed by each stack from
@@ -20,7 +25,7 @@ One training step: forward with labels (mean loss over label tokens), backward, 
 optimizer, fp32 main weights and gradients), the step LoongTrainer takes. Each stack runs in its own process
 (``_bench_harness``): median step time over ``--steps`` after ``--warmup``, allocator peak, losses; JSON to --out.
 
-    python scripts/bench_vl.py [--model qwen2_5_vl|qwen3_vl] [--steps 10] [--warmup 3] [--samples 4] [--images 1]
+    python scripts/bench_vl.py [--model qwen2_5_vl|qwen3_vl|gemma3] [--steps 10] [--warmup 3] [--samples 4] [--images 1]
                                [--text 1024]
                                [--stacks transformers,loongforge] [--vision-recompute] [--language-recompute]
                                [--out outputs/bench_vl.json]
@@ -48,12 +53,16 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 151655, 151656, 151652, 151
 
 
 MODELS = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
-          "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}
+          "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+          "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration")}
+GEMMA3_BOI, GEMMA3_EOI, GEMMA3_IMAGE = 255999, 256000, 262144
 
 
 def config_kwargs(tiny: bool, model: str = "qwen2_5_vl") -> dict:
     if model == "qwen3_vl":
         return qwen3_vl_config_kwargs(tiny)
+    if model == "gemma3":
+        return gemma3_config_kwargs(tiny)
     if tiny:
         text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -97,7 +106,30 @@ def qwen3_vl_config_kwargs(tiny: bool) -> dict:
     return {"text_config": text, "vision_config": vision, "tie_word_embeddings": True, **ids}
 
 
+def gemma3_config_kwargs(tiny: bool) -> dict:
+    if tiny:
+        text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096)
+        vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                      patch_size=7, vision_use_head=False)
+        return {"text_config": text, "vision_config": vision, "mm_tokens_per_image": 16, "boi_token_index": 500,
+                "eoi_token_index": 501, "image_token_index": 502}
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2
+    text = dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                sliding_window=1024, layer_types=layer_types, max_position_embeddings=131072,
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    vision = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=8, num_attention_heads=16,
+                  image_size=896, patch_size=14, vision_use_head=False)
+    return {"text_config": text, "vision_config": vision, "mm_tokens_per_image": 256, "boi_token_index": GEMMA3_BOI,
+            "eoi_token_index": GEMMA3_EOI, "image_token_index": GEMMA3_IMAGE}
+
+
 def image_side(tiny: bool, model: str = "qwen2_5_vl") -> int:
+    if model == "gemma3":
+        return 56 if tiny else 896
     return (64 if model == "qwen3_vl" else 56) if tiny else 448
 
 
@@ -116,13 +148,16 @@ def write_checkpoint(*, tiny: bool, folder: Path, device: H.Device, model_name: 
     model.save_pretrained(partial)
     os.replace(partial, folder)
     return {"parameters": sum(p.numel() for p in model.parameters()),
-            "vision_parameters": sum(p.numel() for p in model.model.visual.parameters()), "folder": str(folder)}
+            "vision_parameters": sum(p.numel() for p in getattr(model.model, "visual", None) or
+                                     model.model.vision_tower.parameters()), "folder": str(folder)}
 
 
 def make_batch(args, gen, device) -> dict:
     """One step's batch: per sample, ``images`` x (vision start, image tokens, vision end) then text tokens."""
     import torch
 
+    if args.model == "gemma3":
+        return gemma3_batch(args, gen, device)
     kw = config_kwargs(args.tiny, args.model)
     patch, merge = kw["vision_config"]["patch_size"], kw["vision_config"]["spatial_merge_size"]
     side = image_side(args.tiny, args.model) // patch
@@ -147,6 +182,23 @@ def make_batch(args, gen, device) -> dict:
     return {k: v.to(device) for k, v in dict(input_ids=input_ids, labels=labels, mm_token_type_ids=torch.stack(kinds),
                                              attention_mask=torch.ones_like(input_ids), pixel_values=pixels,
                                              image_grid_thw=grid).items()}
+
+
+def gemma3_batch(args, gen, device) -> dict:
+    """Per sample, ``images`` x (begin-of-image, 256 image tokens, end-of-image) then text tokens; whole images."""
+    import torch
+
+    kw = config_kwargs(args.tiny, "gemma3")
+    per_image, side = kw["mm_tokens_per_image"], image_side(args.tiny, "gemma3")
+    image = [kw["boi_token_index"]] + [kw["image_token_index"]] * per_image + [kw["eoi_token_index"]]
+    rows = [torch.tensor(image * args.images + torch.randint(10, kw["boi_token_index"] - 1, (args.text,),
+                                                             generator=gen).tolist()) for _ in range(args.samples)]
+    input_ids = torch.stack(rows)
+    types = (input_ids == kw["image_token_index"]).long()
+    labels = input_ids.masked_fill(types == 1, -100)
+    pixels = torch.randn(args.samples * args.images, 3, side, side, generator=gen)
+    return {k: v.to(device) for k, v in dict(input_ids=input_ids, labels=labels, token_type_ids=types,
+                                             attention_mask=torch.ones_like(input_ids), pixel_values=pixels).items()}
 
 
 def build_transformers(folder: str, device: H.Device):

@@ -141,7 +141,7 @@ def generate_both(folder: str, layout: dict) -> dict:
     ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
     out = {}
-    for name, kwargs in SCENARIOS.items():
+    for name, kwargs in {**SCENARIOS, "static": {**SCENARIOS["greedy"], "cache_implementation": "static"}}.items():
         want = ref.generate(**inputs, **kwargs, pad_token_id=0)
         got = model.generate(**inputs, **kwargs, pad_token_id=0)
         steps = "scores" if name == "beam" else "logits"
