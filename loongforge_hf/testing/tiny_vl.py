@@ -231,6 +231,10 @@ def make_tiny_gemma3_vl(folder: str | Path, *, seed: int = 0, naming: str = "tra
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(tiny_gemma3_vl_config(**text_overrides)).to(torch.float32)
     _randomise(model, scaled=("mm_input_projection_weight", "position_embedding"))
+    with torch.no_grad():  # NOTE: Gemma's RMSNorms store weight - 1: around 0 (the ViT's LayerNorms around 1)
+        for name, p in model.named_parameters():
+            if "norm" in name and not name.startswith("model.vision_tower."):
+                p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     if naming != "transformers":
         renames = dict(zip(GEMMA3_NAMINGS["transformers"], GEMMA3_NAMINGS[naming]))

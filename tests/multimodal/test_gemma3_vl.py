@@ -159,3 +159,21 @@ def test_processor_batches_train_as_transformers(checkpoint, tmp_path):
 
 def _processor_and_training(folder, out_dir):
     return {"packed": packed_against_padded(folder), **train_both(folder, out_dir)}
+
+
+TEXT_SFT = ["full_packing", "full_prompt_completion", "lora_neftune"]
+
+
+def test_text_sft_through_causal_lm_matches_trl(checkpoint, tmp_path):
+    """Text-only fine-tuning of the image-text checkpoint as users run it on gemma-3-4b-it: ``lf.AutoModelForCausalLM``
+    + LoongSFTTrainer at TP2 with sequence parallelism against ``transformers.AutoModelForCausalLM`` (which gives
+    ``Gemma3ForConditionalGeneration`` too) + trl.SFTTrainer: full fine-tuning packed and prompt/completion, LoRA on
+    q / v with NEFTune; losses and token metrics within tests/integrations/test_sft.py's tolerances."""
+    from tests.integrations._sft_parity import assert_matches, run_loong, run_trl
+
+    trl_runs = run_distributed(run_trl, 1, str(checkpoint), str(tmp_path / "trl"), TEXT_SFT, timeout=400)[0]
+    ranks = run_distributed(run_loong, 2, str(checkpoint), str(tmp_path / "tp2"),
+                            {"tensor_parallel_size": 2, "sequence_parallel": True}, TEXT_SFT, timeout=400)
+    for name in TEXT_SFT:
+        assert ranks[1][name]["losses"] == ranks[0][name]["losses"], name
+        assert_matches(name, trl_runs[name], ranks[0][name])

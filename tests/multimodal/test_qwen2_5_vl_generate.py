@@ -124,8 +124,7 @@ def test_expanded_vision_inputs_follow_the_rows():
     from loongforge_hf.multimodal.chunk import repeat_copies
     from loongforge_hf.multimodal.generation import copied_vision, expand_vision_inputs
 
-    model = SimpleNamespace(bridge=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2),
-                                                   image_token_id=7, video_token_id=8))
+    model = SimpleNamespace(bridge=SimpleNamespace(vision_merge=2, image_token_id=7, video_token_id=8))
     kinds = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 2, 2, 0, 0]])
     grids = torch.tensor([[1, 4, 4], [1, 2, 4], [1, 2, 2]])
     videos = {"pixel_values_videos": torch.zeros(8, 1), "video_grid_thw": torch.tensor([[2, 2, 2]]),
