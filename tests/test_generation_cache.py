@@ -12,10 +12,14 @@ prompts of different lengths.
   query / key and value heads of different sizes) with TP2 and sequence parallelism, and with CP2; Mistral with a
   3-token sliding window (the prompts and the generated tokens outrun it) at one rank and at CP2 (the window in the
   split prefill and over each rank's share); Phi-3 (packed q / k / v, partial rotary) with a 3-token window at TP2;
+  StarCoder2 (LayerNorms and linears with biases, an ungated MLP) with a 3-token window at TP2 with sequence
+  parallelism;
   GLM-4.5 (biased q/k/v, half-rotary heads, sigmoid-routed experts) at TP2 with sequence parallelism; ERNIE 4.5 MoE
   (interleaved rotary pairs, tied embeddings, experts chosen on softmax scores plus a fixed bias) at TP2 with sequence
-  parallelism and at CP2; Phi-3 with LongRoPE (prompts and new tokens within its 32 short-factor positions) at one rank;
-  SmolLM3 (layers 1 and 3 without rotary embedding, one on each stage) at PP2; Qwen3 with YaRN at one rank.
+  parallelism and at CP2; OLMoE (q / k norms over all heads, split over TP with the heads; every layer sparse) at TP2
+  with sequence parallelism and at CP2; Phi-3 with LongRoPE (prompts and new tokens within its 32 short-factor
+  positions) at one rank; SmolLM3 (layers 1 and 3 without rotary embedding, one on each stage) at PP2; Qwen3 with YaRN
+  at one rank.
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here. The output layer
   computes the kept (last) position's logits only where that is exact (not under sequence parallelism).
@@ -73,10 +77,13 @@ LAYOUTS = {
     "glm4_tp2_sp": ("glm4", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "granitemoe_tp2_sp": ("granitemoe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "exaone4_cp2": ("exaone4", 2, {"context_parallel_size": 2}),
+    "starcoder2_tp2_sp": ("starcoder2", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "gpt_oss_cp2": ("gpt_oss", 2, {"context_parallel_size": 2}),
     "gpt_oss_tp2_sp": ("gpt_oss", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "ernie4_5_moe_tp2_sp": ("ernie4_5_moe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "ernie4_5_moe_cp2": ("ernie4_5_moe", 2, {"context_parallel_size": 2}),
+    "olmoe_tp2_sp": ("olmoe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "olmoe_cp2": ("olmoe", 2, {"context_parallel_size": 2}),
 }
 # NOTE: name -> (architecture, config overrides); Mistral with a 3-token sliding window: the prompts (6 positions)
 # and every generated token outrun it
@@ -89,7 +96,8 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "gemma2": ("gemma2", {"sliding_window": 3}), "ministral": ("ministral", {"sliding_window": 3}),
                "helium": ("helium", {}), "gpt_oss": ("gpt_oss", {"sliding_window": 3}), "glm4": ("glm4", {}),
                "granitemoe": ("granitemoe", {}), "exaone4": ("exaone4", {"sliding_window": 3}),
-               "ernie4_5_moe": ("ernie4_5_moe", {}),
+               "starcoder2": ("starcoder2", {"sliding_window": 3}),
+               "ernie4_5_moe": ("ernie4_5_moe", {}), "olmoe": ("olmoe", {}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),
                "qwen3_moe_yarn": ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,

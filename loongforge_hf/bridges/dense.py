@@ -23,6 +23,7 @@ class DenseBridge:
     has_passthrough: bool = False  # keeps checkpoint tensors megatron does not build (see passthrough_names)
     pre_norms: bool = True  # input / pre-MLP norms (OLMo 2 has none: it normalises the attention / MLP outputs)
     per_layer_types: bool = False  # implements sliding-window layers (``layer_types``: bridges/layer_types.py)
+    config_fields: tuple[C.Field, ...] = C.DENSE_FIELDS  # the HF <-> megatron config table (config_map.py)
 
     def __init__(self, hf_config) -> None:
         self.hf_config = hf_config
@@ -42,7 +43,7 @@ class DenseBridge:
         return bool(getattr(self.hf_config, "tie_word_embeddings", False))
 
     def transformer_config_kwargs(self) -> dict:
-        kw = C.hf_to_megatron(self.hf_config)
+        kw = C.hf_to_megatron(self.hf_config, self.config_fields)
         kw.update(normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
                   add_qkv_bias=self.qkv_bias, qk_layernorm=self.qk_norm, hidden_dropout=0.0)
         window = C.sliding_window_of(self.hf_config)

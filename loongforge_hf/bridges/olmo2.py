@@ -48,8 +48,9 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 @functools.cache
-def full_width_norm(which: str) -> type:
-    """The q (``which="q"``) or k norm slot's module: RMSNorm over all heads of the projection."""
+def full_width_norm(which: str, *, round_first: bool = False) -> type:
+    """The q (``which="q"``) or k norm slot's module: RMSNorm over all heads of the projection; OLMo 2's numerics (one
+    rounding) or, with ``round_first``, Llama's (the normalised input rounded before the weight multiply: OLMoE)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -74,6 +75,8 @@ def full_width_norm(which: str) -> type:
             if self.tp > 1:
                 squares = _SumOverGroup.apply(squares, ps.get_tensor_model_parallel_group())
             normed = flat * torch.rsqrt(squares / self.full + self.eps)
+            if round_first:
+                return (self.weight * normed.to(x.dtype)).reshape(shape)
             return (self.weight.to(torch.float32) * normed).to(x.dtype).reshape(shape)
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):

@@ -3,7 +3,7 @@
 Choices:
 - Dense decoders: our kernels' spec (``kernels/specs.py``): SDPA core attention (no materialised scores, GQA
   without repeated K/V, sliding windows, packed documents, context parallel) and our RMSNorm (HF numerics, sequence
-  parallel), with megatron's parallel linears.
+  parallel; our LayerNorm where the config's ``normalization`` says so: StarCoder2), with megatron's parallel linears.
 - MoE and MLA decoders: megatron's decoder block spec from the config (``moe_layer_freq`` says which layers are
   sparse, ``multi_latent_attention`` picks ``MLASelfAttention``), megatron's local linear, MoE and MLA modules,
   sliced to the layers this pipeline stage (and virtual stage) builds, with our kernels in three slots, as in the
@@ -79,9 +79,10 @@ def _moe_slots(mlp_spec, *, grouped_experts: bool, balance_router: bool):
 
 
 def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: bool = False,
-                  qk_module: type | None = None):
+                  qk_module: type | tuple[type, type] | None = None):
     """``block_spec`` with our RMSNorm in every norm slot and our core attention (see the docstring); ``qk_module``
-    (YaRN's attention factor on the rotary channels, ``DenseBridge.qk_module``) in both q / k norm slots."""
+    (YaRN's attention factor on the rotary channels, ``DenseBridge.qk_module``) in both q / k norm slots, or a (q, k)
+    pair (OLMoE's norms over all heads)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -98,7 +99,8 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
         norms = {n: RMSNorm for n in _ATTENTION_NORMS
                  if hasattr(att_sub, n) and getattr(att_sub, n) not in (None, IdentityOp)}
         if qk_module is not None:
-            norms.update(q_layernorm=qk_module, k_layernorm=qk_module)
+            q, k = qk_module if isinstance(qk_module, tuple) else (qk_module,) * 2
+            norms.update(q_layernorm=q, k_layernorm=k)
         norms["core_attention"] = mla_core if attention.module is MLASelfAttention else CoreAttention
         attention = replace(attention, submodules=replace(att_sub, **norms))
         slots = {n: RMSNorm for n in _LAYER_NORMS if getattr(spec.submodules, n) is not IdentityOp}
@@ -127,7 +129,7 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
 
         spec = get_layer_spec(qk_norm=bridge.qk_norm, qk_module=bridge.qk_module(),
                               attention_module=bridge.attention_module(), mlp_module=bridge.mlp_module(),
-                              pre_norms=bridge.pre_norms)
+                              pre_norms=bridge.pre_norms, normalization=config.normalization)
         return _with_te_linears(config, get_block_spec(config, spec, vp_stage=vp_stage))
     from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 

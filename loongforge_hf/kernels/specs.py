@@ -2,8 +2,9 @@
 
 Choices:
 - Linear layers are megatron's own tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear``; norms are our
-  ``RMSNorm`` (input, pre-MLP, q/k and final), core attention our ``CoreAttention``; MoE layer, router and token
-  dispatchers are megatron's.
+  ``RMSNorm`` (input, pre-MLP, q/k and final), or for a config with ``normalization="LayerNorm"`` our ``LayerNorm``
+  (weight and bias: input, pre-MLP and final; StarCoder2), core attention our ``CoreAttention``; MoE layer, router
+  and token dispatchers are megatron's.
 - The dense MLP is ``SwiGLUMLP``: megatron's ``MLP`` (same parameters, state dict and TP layout) whose gated activation
   is our ``swiglu`` (one Triton kernel each way on CUDA). megatron-core 0.16's ``MLP.forward`` applies the
   ``activation_func`` slot only with ``config.use_te_activation_func`` (a config-wide switch that also changes the
@@ -37,9 +38,20 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from loongforge_hf.kernels.attention import CoreAttention
+from loongforge_hf.kernels.layernorm import LayerNorm
 from loongforge_hf.kernels.rmsnorm import RMSNorm
 from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
+
+
+_NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
+
+
+def norm_class(normalization: str) -> type:
+    """Our module for megatron's ``normalization`` setting (``RMSNorm`` or ``LayerNorm``)."""
+    if normalization not in _NORMS:
+        raise ValueError(f"normalization={normalization!r} is not supported; supported: {sorted(_NORMS)}.")
+    return _NORMS[normalization]
 
 
 def _require(package: str, why: str) -> None:
@@ -96,12 +108,13 @@ def _moe_spec(num_experts: int, moe_grouped_gemm: bool) -> ModuleSpec:
 def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped_gemm: bool = False,
                    use_te: bool = False, qk_module: type | tuple[type, type] | None = None,
                    attention_module: type | None = None, mlp_module: type | None = None,
-                   pre_norms: bool = True) -> ModuleSpec:
+                   pre_norms: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
     """A megatron ``TransformerLayer`` spec: pre-norm causal self-attention (megatron's ``SelfAttention`` or
     ``attention_module``; optional q/k RMSNorm, or ``qk_module`` in the q/k norm slots: one class for both or a
     (q, k) pair), then a gated MLP (``SwiGLUMLP`` or ``mlp_module``, with the same submodules) or, with
     ``num_experts``, an MoE layer (shared experts appear when the config sets their size). ``pre_norms=False``: no
-    input / pre-MLP norms (OLMo 2 normalises the attention and MLP outputs instead, in its modules)."""
+    input / pre-MLP norms (OLMo 2 normalises the attention and MLP outputs instead, in its modules);
+    ``normalization``: the kind of the input / pre-MLP norms (``norm_class``)."""
     if use_te:
         _require("transformer_engine", "get_layer_spec(use_te=True)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -109,7 +122,7 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
                                                           qk_layernorm=qk_norm)
     q, k = qk_module if isinstance(qk_module, tuple) else (qk_module or (RMSNorm if qk_norm else IdentityOp),) * 2
-    pre_norm = RMSNorm if pre_norms else IdentityOp
+    pre_norm = norm_class(normalization) if pre_norms else IdentityOp
     mlp = ModuleSpec(module=mlp_module or SwiGLUMLP, submodules=_mlp_submodules()) if num_experts is None \
         else _moe_spec(num_experts, moe_grouped_gemm)
     return ModuleSpec(
@@ -130,14 +143,14 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
     )
 
 
-def final_norm_spec(*, use_te: bool = False) -> type:
+def final_norm_spec(*, use_te: bool = False, normalization: str = "RMSNorm") -> type:
     """The module for the norm after the last layer."""
     if use_te:
         _require("transformer_engine", "final_norm_spec(use_te=True)")
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
-    return RMSNorm
+    return norm_class(normalization)
 
 
 def get_block_spec(config, layer_spec: ModuleSpec, *, use_te: bool = False, vp_stage: int | None = None,
@@ -146,4 +159,5 @@ def get_block_spec(config, layer_spec: ModuleSpec, *, use_te: bool = False, vp_s
     if not use_te:
         enable_megatron_fused_rope(config)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
-                                      layer_norm=final_norm_spec(use_te=use_te))
+                                      layer_norm=final_norm_spec(use_te=use_te,
+                                                                 normalization=config.normalization))

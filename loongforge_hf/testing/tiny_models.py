@@ -17,8 +17,8 @@ import torch
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
-              "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe",
-              "exaone4", "ernie4_5_moe")
+              "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe", "starcoder2",
+              "exaone4", "ernie4_5_moe", "olmoe")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -123,6 +123,12 @@ def _config(arch: str, **overrides):
         cfg = tf.SeedOssConfig(**{**common, "head_dim": 24}, attention_dropout=0.0, residual_dropout=0.0)
     elif arch == "arcee":
         cfg = tf.ArceeConfig(**common)  # NOTE: relu2, an MLP without a gate
+    elif arch == "starcoder2":
+        # NOTE: StarCoder2's layout shrunk: LayerNorms (norm_epsilon), biases on every linear and norm (randomised in
+        # make_tiny_checkpoint), an ungated gelu-tanh MLP, a binding 5-token window on every layer, tied embeddings
+        cfg = tf.Starcoder2Config(**{**{k: v for k, v in common.items() if k != "rms_norm_eps"},
+                                     "tie_word_embeddings": True}, norm_epsilon=1e-5, sliding_window=5,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
     elif arch == "helium":
         cfg = tf.HeliumConfig(**{**common, "head_dim": 16})  # NOTE: interleaved rotary pairs
     elif arch == "ernie4_5":
@@ -162,6 +168,11 @@ def _config(arch: str, **overrides):
         cfg = tf.Ernie4_5_MoeConfig(**{**common, "tie_word_embeddings": True}, moe_num_experts=8, moe_k=3,
                                     moe_intermediate_size=32, moe_num_shared_experts=2, moe_layer_start_index=1,
                                     moe_layer_end_index=2)
+    elif arch == "olmoe":
+        # NOTE: OLMoE-1B-7B's layout shrunk: q / k norms over all heads (GQA here, so the k norm is narrower), 8
+        # experts (top 3) in every layer, softmax scores not renormalised (norm_topk_prob off, as the hub's)
+        cfg = tf.OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=3,
+                             norm_topk_prob=False)
     elif arch == "granite":
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,
@@ -208,15 +219,15 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
         # store weight - 1 (scales around 1 there too)
         centre = 0.0 if getattr(cfg, "model_type", "") in ("gemma", "gemma2", "gemma3_text") else 1.0
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(centre + 0.1 * torch.randn_like(p))
+            if "norm" in name:  # NOTE: LayerNorms' biases (StarCoder2) around 0
+                p.copy_((0.0 if name.endswith("bias") else centre) + 0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith(("router.weight", "self_attn.sinks")):  # NOTE: gpt-oss (its init leaves sinks empty)
                 p.copy_((0.2 if name.endswith("weight") else 1.0) * torch.randn_like(p))
-            elif name.endswith("bias") and getattr(cfg, "model_type", "") == "gpt_oss":  # NOTE: HF zeroes them
+            elif name.endswith("bias") and getattr(cfg, "model_type", "") in ("gpt_oss", "starcoder2"):  # HF: zeros
                 p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith("e_score_correction_bias"):  # NOTE: ERNIE 4.5's (a frozen parameter)
                 p.copy_(0.05 * torch.randn_like(p))

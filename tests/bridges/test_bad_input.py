@@ -391,3 +391,20 @@ def test_layer_types_other_than_full_and_sliding_refused(arch, name):
     with pytest.raises(UnsupportedConfigError, match=rf"layer_types \['chunked_attention'\] are not supported for "
                                                      rf"{name}; supported: \['full_attention', 'sliding_attention'\]"):
         get_bridge(config)
+
+
+def test_starcoder2_dropouts_megatron_cannot_tell_apart_refused():
+    """megatron's embedding drops with ``hidden_dropout``, StarCoder2's ``residual_dropout``: an ``embedding_dropout``
+    that differs is refused by the bridge's pure check (before any collective), naming both; equal ones are taken."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    config = _config("starcoder2", residual_dropout=0.1, embedding_dropout=0.0)
+    config.architectures = ["Starcoder2ForCausalLM"]
+    with pytest.raises(UnsupportedConfigError, match=r"embedding_dropout=0.0 with residual_dropout=0.1 is not "
+                                                     r"supported for Starcoder2ForCausalLM"):
+        get_bridge(config)
+    config.embedding_dropout = 0.1
+    kw = get_bridge(config).transformer_config_kwargs()
+    assert kw["hidden_dropout"] == 0.1 and kw["normalization"] == "LayerNorm" and kw["layernorm_epsilon"] == 1e-5
+    assert kw["add_bias_linear"] and kw["add_qkv_bias"] and not kw["gated_linear_unit"]

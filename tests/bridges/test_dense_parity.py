@@ -43,7 +43,7 @@ def run_case(tmp_path, arch, layout_name, *, padded=False, **model_kw):
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3",
          "gemma", "gemma2", "ministral", "seed_oss", "arcee",
-         "helium", "ernie4_5", "glm4", "exaone4"]
+         "helium", "ernie4_5", "glm4", "exaone4", "starcoder2"]
 
 
 def check_results(results, arch):
@@ -68,6 +68,19 @@ def test_parity_and_round_trip(tmp_path, layout_name):
     for i, arch in enumerate(ARCHS):
         check_results([rank_results[i] for rank_results in per_rank], arch)
         check_round_trip(tmp_path / arch / "src", tmp_path / arch / "out")
+
+
+@pytest.mark.parametrize("layout_name", ["tp2", "pp2"])
+def test_starcoder2_without_biases(tmp_path, layout_name):
+    """StarCoder2 with ``use_bias=False``: no linear biases (its LayerNorms keep theirs)."""
+    out = run_case(tmp_path, "starcoder2", layout_name, use_bias=False)
+    assert not any("proj.bias" in name or "c_fc.bias" in name for name in _weight_names(out))
+
+
+def _weight_names(folder) -> list[str]:
+    import json
+
+    return list(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
 
 
 @pytest.mark.parametrize("layout_name", ["tp1", "tp2pp2"])

@@ -12,16 +12,17 @@ gradient, 0.3% off on the last layer's ``kv_a_proj_with_mqa`` and more on every 
 Layouts and models: the mixture-of-experts models (DeepSeek-V3 with q_lora_rank and rotary rows in pairs, DeepSeek-V3
 with rotary rows in halves and no q_lora_rank, DeepSeek-V2, Qwen3-MoE, Mixtral, GLM-4.5 with q/k norms, Qwen2-MoE with
 its gated shared expert, gpt-oss, GraniteMoE, ERNIE 4.5 MoE with its expert bias, which takes no gradient:
-``e_score_correction_bias`` must come back unchanged) at TP1, TP2 + SP with the experts whole on each rank
-(expert_tensor_parallel_size=1) and split over TP (its default), TP2 + SP + EP2, CP2 and CP2 + EP2; dense models (Qwen3
-with tied embeddings, Qwen2 with attention biases, Llama 3 with its rope scaling, Phi-3 with packed q / k / v and gate /
-up, partial rotary and a sliding window, SmolLM3 with layers without rotary embedding, Gemma 3 with its post norms,
-scaled embedding and two rotary bases, Granite with its multipliers, OLMo 2 with its post norms and full-width q / k
-norms, OLMo 3 with windowed layers and YaRN on the full one, Gemma with zero-centred norms and its scaled embedding,
-Gemma 2 with soft-capped scores and logits, Ministral with the window on every other layer, Seed-OSS with q/k/v biases,
-Arcee with its ungated relu2 MLP, Helium and ERNIE 4.5 with interleaved rotary pairs, GLM-4 with half of each head
-rotated in interleaved pairs, norms after the sublayers and a packed gate / up, EXAONE 4 with windowed layers and a full
-one without rotary embedding) at TP1, TP2, TP2 + SP and CP2.
+``e_score_correction_bias`` must come back unchanged, OLMoE with q / k norms over all heads) at TP1, TP2 + SP with the
+experts whole on each rank (expert_tensor_parallel_size=1) and split over TP (its default), TP2 + SP + EP2, CP2 and CP2
++ EP2; dense models (Qwen3 with tied embeddings, Qwen2 with attention biases, Llama 3 with its rope scaling, Phi-3 with
+packed q / k / v and gate / up, partial rotary and a sliding window, SmolLM3 with layers without rotary embedding, Gemma
+3 with its post norms, scaled embedding and two rotary bases, Granite with its multipliers, OLMo 2 with its post norms
+and full-width q / k norms, OLMo 3 with windowed layers and YaRN on the full one, Gemma with zero-centred norms and its
+scaled embedding, Gemma 2 with soft-capped scores and logits, Ministral with the window on every other layer, Seed-OSS
+with q/k/v biases, Arcee with its ungated relu2 MLP, Helium and ERNIE 4.5 with interleaved rotary pairs, GLM-4 with half
+of each head rotated in interleaved pairs, norms after the sublayers and a packed gate / up, EXAONE 4 with windowed
+layers and a full one without rotary embedding, StarCoder2 with LayerNorms and linears with biases, an ungated MLP and a
+window) at TP1, TP2, TP2 + SP and CP2.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ CHECKPOINTS = {
     "gpt_oss": ("gpt_oss", {}),  # sinks, biases everywhere, windowed layers, YaRN, stacked experts, clamped GLU
     # NOTE: interleaved rotary pairs, tied embeddings, shared experts, softmax routing on scores plus a fixed bias
     "ernie4_5_moe": ("ernie4_5_moe", {}),
+    "olmoe": ("olmoe", {}),  # q / k norms over all heads (split over TP) before the rotation, every layer sparse
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),  # attention biases
     "llama3": ("llama3", {}),
@@ -63,12 +65,13 @@ CHECKPOINTS = {
     "ernie4_5": ("ernie4_5", {}),  # interleaved rotary pairs, tied embeddings, head_dim of its own
     "glm4": ("glm4", {}),  # q/k/v biases, half-rotary heads in interleaved pairs, sandwich norms, packed gate_up
     "exaone4": ("exaone4", {}),  # post norms, per-head q / k norms, windowed layers and a full one without rope
+    "starcoder2": ("starcoder2", {}),  # LayerNorms with biases, biases on every linear, an ungated MLP, a window
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
-       "gpt_oss", "granitemoe", "ernie4_5_moe")
+       "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe")
 DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3", "gemma",
          "gemma2", "ministral", "seed_oss", "arcee",
-         "helium", "ernie4_5", "glm4", "exaone4")
+         "helium", "ernie4_5", "glm4", "exaone4", "starcoder2")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
     "tp1": (1, {}, MOE + DENSE),

@@ -51,6 +51,16 @@ def test_routing_translation():
                   moe_num_shared_experts=0).transformer_config_kwargs()["moe_layer_freq"] == [0, 1, 0, 1]
     assert bridge("ernie4_5_moe", moe_num_shared_experts=0).shared_ffn_size() is None
 
+    # NOTE: OLMoE: every layer sparse, Qwen3-MoE's softmax routing; its q / k norms (over all heads) are the spec's
+    # modules, not megatron's qk_layernorm
+    o = bridge("olmoe").transformer_config_kwargs()
+    assert o["moe_layer_freq"] == [1, 1, 1, 1] and (o["num_moe_experts"], o["moe_router_topk"]) == (8, 3)
+    assert o["moe_ffn_hidden_size"] == 32 and o["moe_shared_expert_intermediate_size"] is None
+    assert (o["moe_router_score_function"], o["moe_router_pre_softmax"]) == ("softmax", True)
+    assert not o["qk_layernorm"] and o["moe_router_dtype"] is None
+    assert bridge("olmoe", norm_topk_prob=True).transformer_config_kwargs()["moe_router_pre_softmax"] is False
+    assert [m.__name__ for m in bridge("olmoe").qk_module()] == ["FullWidthQNorm", "FullWidthKNorm"]
+
 
 @pytest.mark.parametrize("arch,overrides,field", [
     ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=False"),
@@ -67,6 +77,12 @@ def test_routing_translation():
     ("ernie4_5_moe", {"moe_norm_min": None}, "moe_norm_min=None"),
     ("ernie4_5_moe", {"moe_layer_start_index": 4}, "no MoE layer"),
     ("ernie4_5_moe", {"moe_layer_interval": 0}, "moe_layer_interval=0 must be at least 1"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+    ("olmoe", {"head_dim": 24}, "head_dim=24"),
+    ("olmoe", {"num_experts": 0}, "num_experts=0"),
+    ("olmoe", {"attention_bias": True}, "attention_bias=True"),
+    ("olmoe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                   "original_max_position_embeddings": 32}}, "yarn"),
 ])
 def test_refused_configs_name_the_field(arch, overrides, field):
     with pytest.raises(UnsupportedConfigError, match=field.replace("(", r"\(").replace("[", r"\[")):
@@ -87,6 +103,7 @@ def test_aux_loss_coefficient():
     for arch in ("deepseek_v3", "deepseek_v2"):  # transformers returns their router_logits and adds no aux loss
         assert bridge(arch).hf_router_logits and not bridge(arch).hf_balance_loss
     assert bridge("ernie4_5_moe").hf_balance_loss and bridge("ernie4_5_moe").hf_router_logits
+    assert bridge("olmoe").hf_balance_loss and bridge("olmoe").hf_router_logits
 
 
 def test_moe_with_tensor_parallel_needs_sequence_parallel():
@@ -116,6 +133,11 @@ def test_expected_shapes_follow_the_hub_layout():
     assert ernie["model.layers.2.mlp.experts.7.gate_proj.weight"] == (32, 64) and "lm_head.weight" not in ernie
     assert ernie["model.layers.2.mlp.shared_experts.down_proj.weight"] == (64, 64)
     assert ernie["model.layers.3.mlp.gate_proj.weight"] == (96, 64)  # dense last layer (moe_layer_end_index=2)
+    olmoe = bridge("olmoe").expected_hf_shapes()  # NOTE: q / k norms over all (kv) heads
+    assert olmoe["model.layers.0.self_attn.q_norm.weight"] == (64,)
+    assert olmoe["model.layers.0.self_attn.k_norm.weight"] == (32,)
+    assert olmoe["model.layers.0.mlp.experts.7.up_proj.weight"] == (32, 64)
+    assert olmoe["model.layers.3.mlp.gate.weight"] == (8, 64) and "model.layers.0.mlp.gate_proj.weight" not in olmoe
 
 
 def test_expert_mapping_binds_local_and_global_indices():
@@ -362,3 +384,28 @@ def test_ernie_refuses_megatron_routing_fields_its_routing_skips():
     with pytest.raises(ValueError, match="moe_z_loss_coeff: Ernie4_5_MoeForCausalLM routes with its own function"):
         check_megatron_config(bridge("ernie4_5_moe"), {"moe_z_loss_coeff": 1e-3})
     check_megatron_config(bridge("qwen3_moe"), {"moe_z_loss_coeff": 1e-3})  # megatron's own routing applies it
+
+
+def test_olmoe_q_norm_rounds_as_transformers():
+    """In bf16 the q / k norm over all heads rounds as transformers' norm of each model: OLMoE's as Llama's (the
+    normalised input rounded, then the weight multiply: ``round_first``), OLMo 2's once at the end; the two differ."""
+    from types import SimpleNamespace
+
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+
+    from loongforge_hf.bridges.olmo2 import full_width_norm
+
+    g = torch.Generator().manual_seed(0)
+    cfg = SimpleNamespace(num_attention_heads=4, num_query_groups=2, tensor_model_parallel_size=1,
+                          use_cpu_initialization=True, params_dtype=torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    x = torch.randn(3, 5, 64, generator=g).to(torch.bfloat16)
+    got = {}
+    for round_first, ref_cls in ((True, OlmoeRMSNorm), (False, Olmo2RMSNorm)):
+        ours, ref = full_width_norm("q", round_first=round_first)(cfg, 16, eps=1e-6), ref_cls(64, eps=1e-6)
+        ours.weight.data.copy_(weight)
+        ref.weight.data = weight.clone()
+        got[round_first] = ours(x.view(3, 5, 4, 16)).reshape(3, 5, 64)
+        assert got[round_first].dtype == torch.bfloat16 and torch.equal(got[round_first], ref(x)), round_first
+    assert not torch.equal(got[True], got[False])

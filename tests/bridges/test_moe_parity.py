@@ -29,8 +29,10 @@ YaRN, experts stacked on disk with a clamped GLU and biases; also at tp2etp1), G
 multipliers, experts stacked on disk; also at ep2seq) and ERNIE 4.5 MoE (``ernie4_5_moe``: interleaved rotary pairs,
 tied embeddings, dense first and last layers, shared experts, softmax routing on the scores plus a fixed expert bias
 that changes some tokens' experts; its ``router_logits`` and transformers' balancing loss within 1e-5; the hub's
-multi-token-prediction tensors passed through; also at tp2etp1) are among "every model"; tp1 also runs GLM-4.5 with
-q/k norms and an MTP layer.
+multi-token-prediction tensors passed through; also at tp2etp1) and OLMoE (``olmoe``: q / k norms over all heads,
+split over TP with the heads, every layer sparse, softmax routing without renormalisation; its ``router_logits`` and
+transformers' balancing loss within 1e-5; also at tp2etp1) are among "every model"; tp1 also runs GLM-4.5 with q/k
+norms and an MTP layer, and OLMoE with norm_topk_prob on.
 """
 
 from pathlib import Path
@@ -49,6 +51,7 @@ TOL = 1e-4
 ROUTER_TOL = 1e-5  # router_logits: fp32 gating on both sides
 MLA_MOE_LAYERS = 3  # the tiny DeepSeek and GLM-4.5 checkpoints: 4 layers, the first dense (first_k_dense_replace=1)
 ERNIE_MOE_LAYERS = 2  # the tiny ERNIE 4.5 MoE: layers 1 and 2 of 4 (moe_layer_start_index=1, moe_layer_end_index=2)
+OLMOE_MOE_LAYERS = 4  # the tiny OLMoE: every layer
 INTERLEAVED_ROPE = ("ernie4_5_moe",)  # megatron's own rotary path (rotary_interleaved), not the fused-rope slot
 BF16_TOL = {"logit_diff": 0.1, "loss_diff": 0.02}
 SP = {"sequence_parallel": True}
@@ -77,6 +80,10 @@ CHECKPOINTS = {
     # NOTE: interleaved rotary pairs, tied embeddings, dense first and last layers, shared experts, softmax routing on
     # scores plus a bias that changes some tokens' experts, the hub's multi-token-prediction tensors
     "ernie4_5_moe": ("ernie4_5_moe", {"mtp_layers": 1}),
+    # NOTE: q / k norms over all heads (the k norm over the 2 kv heads), top 3 of 8 experts in every layer, not
+    # renormalised (as the hub's), and renormalised
+    "olmoe": ("olmoe", {}),
+    "olmoe_norm_topk": ("olmoe", {"norm_topk_prob": True}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
     # NOTE: YaRN (its attention factor on q's and k's rotary channels: after Qwen3-MoE's q / k norms; in Mixtral's
     # empty q / k norm slots)
@@ -88,10 +95,10 @@ CHECKPOINTS = {
 }
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
-          "ernie4_5_moe")
+          "ernie4_5_moe", "olmoe")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16",
-                    "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn")),
+                    "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk")),
     "ep2": (2, {"expert_parallel_size": 2}, MODELS),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn")),
@@ -100,7 +107,7 @@ LAYOUTS = {
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
                 ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss",
-                 "ernie4_5_moe")),
+                 "ernie4_5_moe", "olmoe")),
 }
 CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
 
@@ -167,8 +174,10 @@ def test_parity_and_round_trip(worlds, layout, name):
         # NOTE: GraniteMoE's final norm scaled by 1 / logits_scaling (on the last stage), its layers' outputs by the
         # residual multiplier
         scaled = {"ScaledRMSNorm"} if name == "granitemoe" else set()
-        assert sorted(set(r["norms"]) - scaled) == (["RMSNorm", "RotaryScale"] if yarn and not mla else ["RMSNorm"]), \
-            (rank, r)
+        # NOTE: OLMoE's q / k norms over all heads (olmo2.full_width_norm) in the q / k norm slots
+        full_width = ["FullWidthKNorm", "FullWidthQNorm"] if name.startswith("olmoe") else []
+        assert sorted(set(r["norms"]) - scaled) == sorted(
+            ["RMSNorm", *full_width, *(["RotaryScale"] if yarn and not mla else [])]), (rank, r)
         assert r["rope_fusion"] is (not mla and name not in INTERLEAVED_ROPE), (rank, r)
         # megatron's allgather dispatcher where expert and expert-tensor parallel are 1 (no chunk-sort copies)
         single = "expert_parallel_size" not in LAYOUTS[layout][1] and (
@@ -189,6 +198,9 @@ def test_parity_and_round_trip(worlds, layout, name):
             assert r["router_diff"] < (tol["logit_diff"] if name.endswith("_bf16") else ROUTER_TOL), (rank, r)
         if name.startswith("ernie4_5_moe"):  # NOTE: router_logits and transformers' balancing loss (in the loss too)
             assert r["router_counts"] == (ERNIE_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
+            assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
+        if name.startswith("olmoe"):  # NOTE: router_logits (in the model's dtype) and the balancing loss, as ERNIE's
+            assert r["router_counts"] == (OLMOE_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
     src, out = worlds.source(name), worlds.out(layout, name)
     check_round_trip(src, out)

@@ -1,4 +1,4 @@
-"""LoRA on GLM-4.5, Qwen2-MoE, gpt-oss and ERNIE 4.5 MoE against PEFT and TRL.
+"""LoRA on GLM-4.5, Qwen2-MoE, gpt-oss, ERNIE 4.5 MoE and OLMoE against PEFT and TRL.
 
 - GLM-4.5 (``Glm4MoeForCausalLM``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's
   routing, shared experts, a dense first layer): PEFT adapts q/k/v/o as plain linears (q/k/v slots of megatron's
@@ -12,6 +12,9 @@
   and the router, as PEFT's ``ParamWrapper`` adapts them.
 - ERNIE 4.5 MoE (``Ernie4_5_MoeForCausalLM``): ``"all-linear"`` (attention, dense layers, shared experts) plus
   ``target_parameters`` on the expert stacks and the fp32 router, whose routing adds a fixed expert bias.
+- OLMoE (``OlmoeForCausalLM``): q/k/v/o adapted in front of its q / k norms over all heads (split over TP with the
+  heads); ``"all-linear"``, through PEFT's rewrite on transformers 5 (as GLM-4.5's), adapts the attention, the
+  routed expert stacks and the router.
 
 Checks (``_lora_moe.moe_model_checks`` against ``peft.get_peft_model``, the same initial values): the attention
 projections with a norm in ``modules_to_save``, and ``"all-linear"``, at TP1, TP2 + SP with the experts whole
@@ -53,7 +56,8 @@ ERNIE_PARAMS = dict(ALL_LINEAR, target_parameters=["mlp.experts.gate_up_proj", "
 MODELS = {"glm4_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, True)},
           "qwen2_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, False)},
           "gpt_oss": {"all_linear_experts": (GPT_OSS_PARAMS, True)},
-          "ernie4_5_moe": {"all_linear_experts": (ERNIE_PARAMS, True)}}
+          "ernie4_5_moe": {"all_linear_experts": (ERNIE_PARAMS, True)},
+          "olmoe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, True)}}
 CASES = [(m, c) for m, cases in MODELS.items() for c in cases]
 LAYOUTS = {"tp1": (1, {}),
            "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}),

@@ -235,10 +235,11 @@ def test_phi3_matches_trl(tmp_path):
 
 
 # NOTE: each seed is one whose lora_text run predicts some label token (assert_matches' accuracy guard): SmolLM3's
-# seed 1, Gemma 3's seeds 0-4 and Ministral's 0-1 predict none
+# seed 1, Gemma 3's seeds 0-4, Ministral's 0-1 and OLMoE's 0-2 predict none
 ARCH_SEEDS = {"smollm3": 0, "gemma3": 5, "granite": 0, "olmo2": 0, "olmo3": 0, "gemma": 0, "gemma2": 0,
               "ministral": 2, "seed_oss": 0, "arcee": 0,
-              "helium": 0, "ernie4_5": 0, "gpt_oss": 0, "glm4": 0, "granitemoe": 0, "exaone4": 0, "ernie4_5_moe": 0}
+              "helium": 0, "ernie4_5": 0, "gpt_oss": 0, "glm4": 0, "granitemoe": 0, "exaone4": 0, "ernie4_5_moe": 0,
+              "starcoder2": 0, "olmoe": 3}
 
 
 # NOTE: gpt-oss: transformers' eager attention (the only one with its sinks on CPU: flex attention refuses them there)
@@ -248,9 +249,9 @@ ARCH_NAMES = {"gpt_oss": ["lora_text", "full_weight_decay"]}
 # NOTE: TRL 1.16's fused loss reads the balancing loss's expert count from config.num_experts, which GraniteMoeConfig
 # does not have (num_local_experts): the reference run needs the field (the bridge reads num_local_experts)
 ARCH_OVERRIDES = {"granitemoe": {"num_experts": 4}}
-# NOTE: PEFT rewrites ERNIE 4.5 MoE's "all-linear" (as Qwen2-MoE's) into adapters on the routed expert stacks, which
-# LoRA here adapts with every expert whole on its rank
-ARCH_LAYOUTS = {"ernie4_5_moe": {**PHI3_LAYOUT, "expert_tensor_parallel_size": 1}}
+# NOTE: PEFT rewrites ERNIE 4.5 MoE's and OLMoE's "all-linear" (as Qwen2-MoE's) into adapters on the routed expert
+# stacks, which LoRA here adapts with every expert whole on its rank
+ARCH_LAYOUTS = {arch: {**PHI3_LAYOUT, "expert_tensor_parallel_size": 1} for arch in ("ernie4_5_moe", "olmoe")}
 
 
 def _arch_world(folder: str, out_dir: str, resume: bool, names: list[str], layout: dict) -> dict:
@@ -270,10 +271,12 @@ def test_architecture_matches_trl(tmp_path, arch):
     embedding tied to the LM head), Gemma 2 (soft-capped scores and logits: the fused loss's), Ministral (the window
     on every other layer), Seed-OSS (q/k/v biases), Arcee (an ungated relu2 MLP), Helium and ERNIE 4.5 (interleaved
     rotary pairs), GLM-4 (half-rotary heads in interleaved pairs, norms after the sublayers, packed gate / up: one
-    adapter, as PEFT's), EXAONE 4 (post norms, windowed layers, a full layer without rotary embedding), GraniteMoE
+    adapter, as PEFT's), EXAONE 4 (post norms, windowed layers, a full layer without rotary embedding), StarCoder2
+    (LayerNorms and linears with biases, an ungated gelu-tanh MLP, a window on every layer), GraniteMoE
     (Granite's multipliers on megatron's MoE layers), ERNIE 4.5 MoE (interleaved rotary pairs, tied embeddings,
     shared experts, experts chosen on softmax scores plus a fixed bias, transformers' balancing loss, which TRL turns
-    on), gpt-oss (attention sinks,
+    on), OLMoE (q / k norms over all heads, split over the TP ranks; experts in every layer; the balancing loss),
+    gpt-oss (attention sinks,
     biases, windowed layers, YaRN, experts with a clamped GLU: all-linear LoRA adapts its attention, as PEFT's; fully
     fine-tuned without packing, with weight decay): all-linear LoRA and full fine-tuning with packing against
     trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token metrics as above). OLMo 2: a LoRA

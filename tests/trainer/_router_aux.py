@@ -149,8 +149,8 @@ def forward_values(folder: str, model) -> dict:
 RECOMPUTE = {"gradient_checkpointing": True, "gradient_accumulation_steps": 4, "per_device_train_batch_size": 1}
 
 
-def one_process(folder: str, out_dir: str, mixtral: str, ernie: str) -> dict:
-    """Qwen3-MoE (``folder``), Mixtral (``mixtral``) and ERNIE 4.5 MoE (``ernie``): training with
+def one_process(folder: str, out_dir: str, mixtral: str, ernie: str, olmoe: str) -> dict:
+    """Qwen3-MoE (``folder``), Mixtral (``mixtral``), ERNIE 4.5 MoE (``ernie``) and OLMoE (``olmoe``): training with
     transformers.Trainer and LoongTrainer, and the forward checks."""
     import loongforge_hf as lf
 
@@ -159,7 +159,7 @@ def one_process(folder: str, out_dir: str, mixtral: str, ernie: str) -> dict:
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     out = {"hf": hf, "one": one, "forward": forward_checks(folder, model),
            "recompute": train_loong(folder, out_dir + "/recompute", {}, RECOMPUTE)}
-    for name, other in (("mixtral", mixtral), ("ernie", ernie)):
+    for name, other in (("mixtral", mixtral), ("ernie", ernie), ("olmoe", olmoe)):
         other_model = lf.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
         out[f"forward_{name}"] = forward_checks(other, other_model)
         out[f"{name}_hf"] = train_hf(other, f"{out_dir}/{name}_hf")

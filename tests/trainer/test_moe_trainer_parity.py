@@ -14,14 +14,15 @@ one process: the logged losses of four steps.
     largest entry) as the caller backpropagates it (a scaled loss: scaled; loss - coef * aux: none), and an
     objective on the router logits alone gives them transformers' gradient (1e-4); the forward keyword
     output_router_logits=False turns it off (router_logits None), True turns it on over a config without it; for
-    Mixtral and ERNIE 4.5 MoE too (one process; ERNIE's experts chosen with its expert bias, its balancing loss
-    counting them without); at TP2 + sequence parallel and at CP2 too (the 15-token batch is padded to 16 by the
-    model: a pad that does not count, trimmed from the router logits; each rank's router gradient is its own
-    tokens' part, summed over the ranks that split the tokens); under activation recompute the router logits are
-    transformers' values, detached, and two forwards before one backward are refused;
+    Mixtral, ERNIE 4.5 MoE and OLMoE too (one process; ERNIE's experts chosen with its expert bias, its balancing
+    loss counting them without; OLMoE's top k not renormalised); at TP2 + sequence parallel and at CP2 too (the
+    15-token batch is padded to 16 by the model: a pad that does not count, trimmed from the router logits; each
+    rank's router gradient is its own tokens' part, summed over the ranks that split the tokens); under activation
+    recompute the router logits are transformers' values, detached, and two forwards before one backward are
+    refused;
   - LoongTrainer's logged losses (which include coef * aux, summed over the step's micro-batches) equal
-    transformers.Trainer's (1e-5) on one process, for Qwen3-MoE, Mixtral and ERNIE 4.5 MoE, and TP2 + sequence
-    parallel and CP2 repeat them (1e-5);
+    transformers.Trainer's (1e-5) on one process, for Qwen3-MoE, Mixtral, ERNIE 4.5 MoE and OLMoE, and TP2 +
+    sequence parallel and CP2 repeat them (1e-5);
   - EP2 (2 processes: data parallel 2, the experts split over the two ranks) with gradient accumulation 1 repeats
     the one-process run with accumulation 2 (1e-5): the same 4 rows a step in the same 2-row micro-batches (rank r
     gets the loader's batch r). That is the right reference for transformers.Trainer's semantics
@@ -82,7 +83,10 @@ def router_aux(tmp_path_factory):
     # NOTE: ERNIE 4.5 MoE with 3 MoE layers (1-3): the balancing loss counts the top k without its expert bias
     ernie = make_tiny_checkpoint(tmp / "ernie", "ernie4_5_moe", tokenizer=False, output_router_logits=True,
                                  router_aux_loss_coef=0.1, moe_layer_end_index=3)
-    one = run_distributed(one_process, 1, str(src), str(tmp / "one"), str(mixtral), str(ernie), timeout=300)[0]
+    olmoe = make_tiny_checkpoint(tmp / "olmoe", "olmoe", tokenizer=False, output_router_logits=True,
+                                 router_aux_loss_coef=0.1)
+    one = run_distributed(one_process, 1, str(src), str(tmp / "one"), str(mixtral), str(ernie), str(olmoe),
+                          timeout=300)[0]
     return src, one
 
 
@@ -95,6 +99,7 @@ def test_router_aux_loss_in_forward(router_aux):
     assert_forward(router_aux[1]["forward"])
     assert_forward(router_aux[1]["forward_mixtral"])
     assert_forward(router_aux[1]["forward_ernie"])
+    assert_forward(router_aux[1]["forward_olmoe"])
     assert_router_logits(router_aux[1]["recompute_router"], grad=False)
 
 
@@ -103,6 +108,7 @@ def test_router_aux_loss_matches_transformers_trainer(router_aux):
     assert one["one"]["losses"] == pytest.approx(one["hf"], rel=1e-5, abs=1e-5)
     assert one["mixtral_one"]["losses"] == pytest.approx(one["mixtral_hf"], rel=1e-5, abs=1e-5)
     assert one["ernie_one"]["losses"] == pytest.approx(one["ernie_hf"], rel=1e-5, abs=1e-5)
+    assert one["olmoe_one"]["losses"] == pytest.approx(one["olmoe_hf"], rel=1e-5, abs=1e-5)
 
 
 def test_router_aux_loss_tp2_sp_ep2_cp2_pp2_vpp(router_aux, tmp_path):

@@ -1,0 +1,105 @@
+"""Starcoder2ForCausalLM (BigCode's StarCoder2-3B / 7B / 15B and their fine-tunes): grouped-query attention with a
+sliding window, LayerNorms with biases, biases on every linear but the LM head and an MLP without a gate.
+
+Choices:
+- The norms (input, post-attention, final) are LayerNorms with weight and bias (``norm_epsilon``): megatron's
+  ``normalization="LayerNorm"``, built as our ``kernels.layernorm.LayerNorm`` (``F.layer_norm``, ``nn.LayerNorm``'s
+  op; sequence parallel) by the dense spec (``kernels.specs.norm_class``).
+- ``use_bias`` (biases on q / k / v / o, ``c_fc`` and ``c_proj``) is megatron's ``add_bias_linear`` (and
+  ``add_qkv_bias``): the q / k / v biases fused into ``linear_qkv``'s like Qwen2's, ``c_fc``'s split with its rows
+  over TP, ``o_proj``'s and ``c_proj``'s whole on every rank (megatron adds them after the row-parallel reduction).
+- The MLP is ``c_proj(act(c_fc(x)))``: megatron's ``MLP`` without ``gated_linear_unit``, ``c_fc`` as its
+  ``linear_fc1``, ``c_proj`` as its ``linear_fc2``; ``hidden_act`` (``gelu_pytorch_tanh``) through the shared table.
+- ``sliding_window``: transformers masks every layer with it (StarCoder2-3B / 7B: 4096 of 16384 positions), as
+  Mistral's; megatron's ``window_size`` on every layer (``DenseBridge``).
+- Dropouts: ``residual_dropout`` drops the attention and MLP outputs before each residual add (megatron's
+  ``hidden_dropout``, the bias added first in both), ``embedding_dropout`` the embedding output, which megatron's
+  embedding drops with ``hidden_dropout`` too: the two must be equal (the hub's checkpoints set both to 0.1), else the
+  config is refused. ``attention_dropout`` through the shared table.
+- ``tie_word_embeddings`` (its default) shares the embedding with the LM head (``DenseBridge.tied``).
+"""
+
+from __future__ import annotations
+
+from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.dense import D, L, DenseBridge
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.registry import register_bridge
+
+# NOTE: StarCoder2 names the norms' eps ``norm_epsilon`` (its norms are LayerNorms); the rest of the table is Llama's
+STARCODER2_FIELDS = tuple(C.Field("norm_epsilon", "layernorm_epsilon") if f.hf == "rms_norm_eps" else f
+                          for f in C.DENSE_FIELDS)
+
+
+def _dropout(hf_config, name: str) -> float:
+    return float(getattr(hf_config, name, 0.0) or 0.0)
+
+
+@register_bridge("Starcoder2ForCausalLM")
+class Starcoder2Bridge(DenseBridge):
+    supports_sliding_window = True
+    config_fields = STARCODER2_FIELDS
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.bias
+
+    @property
+    def bias(self) -> bool:
+        """Biases on every linear but the LM head (``use_bias``)."""
+        return bool(getattr(self.hf_config, "use_bias", True))
+
+    def check_config(self) -> None:
+        super().check_config()
+        residual, embedding = (_dropout(self.hf_config, n) for n in ("residual_dropout", "embedding_dropout"))
+        if residual != embedding:
+            raise C.UnsupportedConfigError(
+                f"embedding_dropout={embedding} with residual_dropout={residual} is not supported for "
+                f"{self.architectures[0]}: megatron drops the embedding output and the sublayer outputs with one "
+                "probability (hidden_dropout); set both to the same value.")
+
+    def transformer_config_kwargs(self) -> dict:
+        return {**super().transformer_config_kwargs(), "normalization": "LayerNorm", "gated_linear_unit": False,
+                "add_bias_linear": self.bias, "add_qkv_bias": self.bias,
+                "hidden_dropout": _dropout(self.hf_config, "residual_dropout")}
+
+    # ---- tensors --------------------------------------------------------------------------------------------
+    def attention_mappings(self) -> list[Mapping]:
+        maps = [*super().attention_mappings(),
+                Replicated(f"{D}.input_layernorm.bias", f"{L}.input_layernorm.bias")]
+        if self.bias:
+            maps.append(Replicated(f"{D}.self_attention.linear_proj.bias", f"{L}.self_attn.o_proj.bias"))
+        return maps
+
+    def dense_mlp_mappings(self) -> list[Mapping]:
+        maps: list[Mapping] = [
+            Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
+            Replicated(f"{D}.pre_mlp_layernorm.bias", f"{L}.post_attention_layernorm.bias"),
+            ColumnParallel(f"{D}.mlp.linear_fc1.weight", f"{L}.mlp.c_fc.weight"),
+            RowParallel(f"{D}.mlp.linear_fc2.weight", f"{L}.mlp.c_proj.weight"),
+        ]
+        if self.bias:
+            maps += [ColumnParallel(f"{D}.mlp.linear_fc1.bias", f"{L}.mlp.c_fc.bias"),
+                     Replicated(f"{D}.mlp.linear_fc2.bias", f"{L}.mlp.c_proj.bias")]
+        return maps
+
+    def final_mappings(self) -> list[Mapping]:
+        return [*super().final_mappings(), Replicated("decoder.final_layernorm.bias", "model.norm.bias")]
+
+    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h = self.hf_config.hidden_size
+        shapes = {**super().attention_shapes(prefix), f"{prefix}.input_layernorm.bias": (h,)}
+        if self.bias:
+            shapes[f"{prefix}.self_attn.o_proj.bias"] = (h,)
+        return shapes
+
+    def dense_mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h, f, p = self.hf_config.hidden_size, self.hf_config.intermediate_size, prefix
+        shapes = {f"{p}.post_attention_layernorm.weight": (h,), f"{p}.post_attention_layernorm.bias": (h,),
+                  f"{p}.mlp.c_fc.weight": (f, h), f"{p}.mlp.c_proj.weight": (h, f)}
+        if self.bias:
+            shapes.update({f"{p}.mlp.c_fc.bias": (f,), f"{p}.mlp.c_proj.bias": (h,)})
+        return shapes
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {**super().expected_hf_shapes(), "model.norm.bias": (self.hf_config.hidden_size,)}

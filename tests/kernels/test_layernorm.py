@@ -1,0 +1,59 @@
+"""``kernels.layernorm.LayerNorm`` against ``torch.nn.LayerNorm`` (what transformers' StarCoder2 runs): outputs and the
+input, weight and bias gradients bit for bit in fp32 and bf16 on an odd shape; megatron's ``sequence_parallel`` mark
+on both parameters; configs it does not implement refused; the dense spec's norm slots for each normalization."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from loongforge_hf.kernels.layernorm import LayerNorm
+from loongforge_hf.kernels.rmsnorm import RMSNorm
+from loongforge_hf.kernels.specs import final_norm_spec, get_layer_spec, norm_class
+
+
+def _config(**kw):
+    base = dict(normalization="LayerNorm", layernorm_zero_centered_gamma=False, use_cpu_initialization=True,
+                params_dtype=torch.float32, sequence_parallel=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_torch_layer_norm(dtype):
+    g = torch.Generator().manual_seed(0)
+    hidden = 341
+    ours = LayerNorm(_config(params_dtype=dtype), hidden, eps=1e-5)
+    ref = torch.nn.LayerNorm(hidden, eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        for p in (ours.weight, ours.bias):
+            p.copy_(torch.randn(hidden, generator=g).to(dtype))
+        ref.weight.copy_(ours.weight)
+        ref.bias.copy_(ours.bias)
+    x = (3 * torch.randn(9, 41, hidden, generator=g) + 1).to(dtype)
+    x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad = torch.randn(9, 41, hidden, generator=g).to(dtype)
+    y_ours, y_ref = ours(x_ours), ref(x_ref)
+    assert torch.equal(y_ours, y_ref)
+    y_ours.backward(grad)
+    y_ref.backward(grad)
+    assert torch.equal(x_ours.grad, x_ref.grad)
+    assert torch.equal(ours.weight.grad, ref.weight.grad) and torch.equal(ours.bias.grad, ref.bias.grad)
+
+
+def test_sequence_parallel_mark_and_refusals():
+    norm = LayerNorm(_config(sequence_parallel=True), 8)
+    assert norm.weight.sequence_parallel and norm.bias.sequence_parallel
+    assert not LayerNorm(_config(), 8).bias.sequence_parallel
+    with pytest.raises(ValueError, match="normalization='RMSNorm'"):
+        LayerNorm(_config(normalization="RMSNorm"), 8)
+    with pytest.raises(ValueError, match="layernorm_zero_centered_gamma"):
+        LayerNorm(_config(layernorm_zero_centered_gamma=True), 8)
+
+
+def test_spec_norms_follow_normalization():
+    sub = get_layer_spec(qk_norm=False, normalization="LayerNorm").submodules
+    assert sub.input_layernorm is LayerNorm and sub.pre_mlp_layernorm is LayerNorm
+    assert final_norm_spec(normalization="LayerNorm") is LayerNorm and final_norm_spec() is RMSNorm
+    assert norm_class("RMSNorm") is RMSNorm
+    with pytest.raises(ValueError, match="normalization='L2Norm' is not supported"):
+        norm_class("L2Norm")
