@@ -27,7 +27,7 @@ Choices:
   weight, as PEFT's ``merge_safe``.
 - Refused as PEFT refuses it: DoRA on ``target_parameters`` (expert stacks, router). Refused here: the vision tower
   of image-text models split over tensor parallelism (``one_adapter_output`` covers a whole tower's linears
-  as it covers row-parallel ones).
+  as it covers row-parallel ones), and Gemma 3's SigLIP q / k / v (three HF linears in one fused tower linear).
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ def check_dora(config, targets) -> None:
         raise LoraConfigError(f"use_dora=True on shared_expert_gate ({gates[:2]} ...) is not supported (megatron keeps "
                               "that gate as a raw [1, H] weight beside the shared expert): leave it out, e.g. "
                               "exclude_modules=['shared_expert_gate'], or use plain LoRA there.")
+    fused = sorted({t.hf_module for t in targets if t.kind == "vision" and len(t.mapping.hf_names(None)) > 1})
+    if fused:
+        raise LoraConfigError(f"use_dora=True on {fused[:2]} ... is not supported: the vision tower holds these "
+                              "q / k / v projections as one fused linear (Gemma 3's SigLIP); leave them out, e.g. "
+                              "target_modules=r'.*language_model.*(q|k|v|o)_proj', or use plain LoRA there.")
     params = sorted({t.hf_module for t in targets if t.kind in ("experts", "router")})
     if params:
         raise LoraConfigError(f"use_dora=True: DoRA does not apply to target_parameters ({params[:3]}; PEFT's "

@@ -10,6 +10,8 @@ Choices:
 - The adapters are attached as ``get_peft_model`` attaches them (same plan, same slicing over TP, PP and fused
   layers), with the file's A and B instead of freshly drawn ones; ``modules_to_save`` tensors go through the base
   bridge's own mapping (the one its checkpoint loads with) into their megatron parameters.
+- Names are the installed transformers' module names, as PEFT writes them; an adapter written against an older
+  transformers (other module names) is renamed as PEFT renames it on loading (``_current_names``).
 - Every tensor the config implies is checked (present, HF shape, floating point) before anything changes, with one
   error listing the problems. The checks read only the folder, which every rank reads alike, so a bad folder fails
   on every rank, before any collective.
@@ -189,6 +191,25 @@ def _check_vocabulary(folder: Path, model, tensors: dict[str, torch.Tensor]) -> 
                               f"model.resize_token_embeddings({rows}), as with PEFT.")
 
 
+def _current_names(model, plan, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the installed transformers' module names: as they are when they hold every target's
+    factors, else renamed as PEFT renames an adapter written against an older transformers when it loads one
+    (``convert_peft_adapter_state_dict_for_transformers`` on the module tree: e.g. Gemma 3's transformers 4 names
+    ``model.vision_tower.vision_model.*``, ``language_model.model.*``)."""
+    if all(f"{PREFIX}{t.hf_module}.lora_A.weight" in tensors for t in plan.targets):
+        return tensors
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+    except ImportError:  # a PEFT without the conversion loads names as they are
+        return tensors
+    from loongforge_hf.lora.plan import _hf_skeleton
+    from loongforge_hf.lora.vision import LoongModelForImageTextToText
+
+    skeleton = _hf_skeleton(model.bridge.hf_config, image_text=isinstance(model, LoongModelForImageTextToText))
+    return convert_peft_adapter_state_dict_for_transformers(
+        model=skeleton, peft_config=plan.config, adapter_state_dict=dict(tensors))
+
+
 def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = False, allow_pickle: bool = False):
     """Attach the PEFT adapter saved in ``adapter_dir`` to ``model`` (a ``LoongModelForCausalLM``), in place; returns
     the ``LoongLoraModelForCausalLM`` it becomes. Collective only in what the model's layers share (nothing here)."""
@@ -205,6 +226,7 @@ def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = 
     config.inference_mode = not is_trainable
     _check_vocabulary(folder, model, tensors)
     plan = plan_for(model, config)
+    tensors = _current_names(model, plan, tensors)
     owners = layer_owners(model.megatron.config, model.parallel)
     if is_trainable:
         check_stages_train(model, plan, owners)

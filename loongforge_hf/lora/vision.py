@@ -26,6 +26,14 @@ Choices:
   gradient summed the same way. The mergers (DeepStack's too) stay whole. Split factors carry megatron's
   tensor-parallel attributes (the gradient norm counts every shard), and checkpoints hold them at HF shapes
   (``multimodal.vision_weights``).
+- Gemma 3 (``Gemma3ForConditionalGeneration``): the module tree is ``model.language_model.*``,
+  ``model.vision_tower.*`` (SigLIP) and ``model.multi_modal_projector.*``, PEFT's names whatever the checkpoint's
+  naming (``bridges/gemma3_vl.py``). SigLIP's ``q_proj`` / ``k_proj`` / ``v_proj`` are three HF linears the tower
+  holds as one fused ``attn.qkv`` (``[q; k; v]`` rows, each split by heads under TP): each keeps its own adapter, whose
+  term is added to its block of the fused output (``rows``) and merged into those rows; under a split tower B holds
+  this rank's heads' rows (as a column-split linear). ``out_proj`` / ``fc1`` / ``fc2`` are the tower's ``attn.proj`` /
+  ``mlp.linear_fc1`` / ``mlp.linear_fc2``; the projector's ``mm_input_projection_weight`` is a parameter, not a
+  linear (PEFT adapts none there either). DoRA on the fused q / k / v is refused (``dora.check_dora``).
 - Not here: ``trainable_token_indices`` on an image-text model (refused), and modules_to_save in the vision tower
   (refused: name them in the adapter's targets, or train the tower whole without LoRA).
 """
@@ -46,6 +54,9 @@ from loongforge_hf.multimodal.modeling import LoongModelForImageTextToText
 from loongforge_hf.multimodal.vision import VisionLinear
 
 TREE_TEXT, TREE_VISION = "model.language_model.", "model.visual."
+# module-tree prefix (PEFT's names) -> the bridge attribute holding its checkpoint prefix, by architecture
+MODULE_TREES = {"Gemma3ForConditionalGeneration": ((TREE_TEXT, "text_prefix"), ("model.vision_tower.", "vision_prefix"),
+                                                   ("model.multi_modal_projector.", "projector_prefix"))}
 
 
 class LoongLoraModelForImageTextToText(LoongLoraModelForCausalLM, LoongModelForImageTextToText):
@@ -71,7 +82,8 @@ def checkpoint_names(vl_bridge):
     """HF module-tree name -> checkpoint name (identity for a text model)."""
     if vl_bridge is None:
         return lambda name: name
-    prefixes = ((TREE_TEXT, vl_bridge.text_prefix + "."), (TREE_VISION, vl_bridge.vision_prefix + "."))
+    trees = MODULE_TREES.get(vl_bridge.architectures[0], ((TREE_TEXT, "text_prefix"), (TREE_VISION, "vision_prefix")))
+    prefixes = [(tree, getattr(vl_bridge, attribute) + ".") for tree, attribute in trees]
 
     def on_disk(name: str) -> str:
         for tree, disk in prefixes:
@@ -83,13 +95,15 @@ def checkpoint_names(vl_bridge):
 
 def vision_index(vl_bridge) -> dict:
     """Checkpoint name of each tower linear's weight -> (its mapping, renamed to the module in the chunk,
-    ``vision.*``, None, 0); empty for a text model."""
+    ``vision.*``, None, its position among the mapping's HF names: Gemma 3's q / k / v in the fused ``qkv``); empty
+    for a text model."""
     if vl_bridge is None:
         return {}
     out = {}
     for name, (mapping, block) in vl_bridge.vision_mapping_table().items():
         if name.endswith(".weight") and "norm" not in name and "ln_q" not in name and "patch_embed" not in name:
-            out[mapping.hf_names(block)[0]] = (replace(mapping, megatron=f"vision.{name}"), None, 0)
+            for slot, hf_name in enumerate(mapping.hf_names(block)):
+                out[hf_name] = (replace(mapping, megatron=f"vision.{name}"), None, slot)
     return out
 
 
@@ -108,11 +122,16 @@ def plan_image_text(model, config):
 def tower_split(t) -> str | None:
     """How a tower target's adapter is split when the tower is: "qkv" (B's rows in each of the q, k, v blocks),
     "column" (B's rows), "row" (A's columns) or None (the merger, whole)."""
+    from loongforge_hf.bridges.gemma3_vl import QKVRows
     from loongforge_hf.bridges.mappings import ColumnParallel, RowParallel
     from loongforge_hf.bridges.qwen2_5_vl import FusedQKVRows
 
-    return "qkv" if isinstance(t.mapping, FusedQKVRows) else "column" if isinstance(t.mapping, ColumnParallel) \
-        else "row" if isinstance(t.mapping, RowParallel) else None
+    if isinstance(t.mapping, FusedQKVRows):
+        return "qkv"
+    # NOTE: Gemma 3's q / k / v (QKVRows) are each a column-split linear of their own, one block of the fused rows
+    if isinstance(t.mapping, (ColumnParallel, QKVRows)):
+        return "column"
+    return "row" if isinstance(t.mapping, RowParallel) else None
 
 
 def split_factor(split: str | None) -> str | None:
@@ -140,8 +159,18 @@ def gathered_factor(split: str | None, shards: list[torch.Tensor]) -> torch.Tens
     return blocks.reshape(-1, blocks.shape[2])
 
 
+def placed(adapter, delta: torch.Tensor, width: int, *, weight: bool = False) -> torch.Tensor:
+    """An adapter's output ``[..., rows]`` (or its weight delta ``[rows, in]``) at its rows among the module's
+    ``width`` outputs: its block of a fused ``qkv`` (``adapter.rows``: (start, stop)), else all of them."""
+    rows = getattr(adapter, "rows", None)
+    if rows is None:
+        return delta
+    return F.pad(delta, (0, 0) * weight + (rows[0], width - rows[1]))
+
+
 class LoraVisionLinear(VisionLinear):
-    """A vision tower linear plus LoRA adapters (whole A and B; ``lora`` holds one, keyed by the HF module's name)."""
+    """A vision tower linear plus LoRA adapters (``lora`` keyed by the HF module's name: one, or Gemma 3's q / k / v
+    on a fused ``qkv``, each at its ``rows``)."""
 
     lora: nn.ModuleDict
 
@@ -157,7 +186,7 @@ class LoraVisionLinear(VisionLinear):
                 a, b = (a, copy_to_tensor_model_parallel_region(b, group=group)) if row else \
                     (copy_to_tensor_model_parallel_region(a, group=group), b)
             xd = adapter.drop(x, input_is_split=row and group is not None)
-            delta = adapter.scaling * F.linear(F.linear(xd, a), b)
+            delta = placed(adapter, adapter.scaling * F.linear(F.linear(xd, a), b), self.out_features)
             if adapter.magnitude is not None:  # NOTE: DoRA, on a whole tower only (dora.check_tower_dora)
                 from loongforge_hf.lora.dora import one_adapter_output
 
@@ -166,7 +195,8 @@ class LoraVisionLinear(VisionLinear):
         return out
 
     def lora_delta_weight(self) -> torch.Tensor:
-        return sum(a.scaling * (a.B.float() @ a.A.float()) for a in self.lora.values())
+        return sum(placed(a, a.scaling * (a.B.float() @ a.A.float()), self.out_features, weight=True)
+                   for a in self.lora.values())
 
     def lora_merge_delta(self) -> torch.Tensor:
         """What merging adds to ``weight`` (float32): ``scaling * B @ A``, or with DoRA ``s * (W + ΔW) - W``."""
@@ -184,10 +214,12 @@ def attach_vision_adapters(model, members, *, dropout: float, dtype, device, dor
     tower_chunk = model.chunks[0]
     if getattr(tower_chunk, "vision", None) is None:
         return  # another pipeline stage
+    for t, _ in members:  # every target adaptable before anything changes
+        if type(tower_chunk.get_submodule(t.megatron_module)) is not VisionLinear:
+            raise LoraConfigError(f"{t.hf_module}: expected the tower's VisionLinear, found "
+                                  f"{type(tower_chunk.get_submodule(t.megatron_module)).__name__}.")
     for t, (a, b) in members:
         module = tower_chunk.get_submodule(t.megatron_module)
-        if type(module) is not VisionLinear:
-            raise LoraConfigError(f"{t.hf_module}: expected the tower's VisionLinear, found {type(module).__name__}.")
         group = getattr(tower_chunk.get_submodule(t.megatron_module.rsplit(".", 1)[0]), "tp_group", None)
         split = tower_split(t) if group is not None else None
         a, b = local_factors(split, a, b, dist.get_rank(group) if split else 0, dist.get_world_size(group) if split
@@ -196,9 +228,13 @@ def attach_vision_adapters(model, members, *, dropout: float, dtype, device, dor
                               b.to(device=device, dtype=dtype).contiguous().clone(), scaling=t.scaling,
                               dropout=dropout, split=split_factor(split))
         adapter.tower_split = split
-        module.__class__ = LoraVisionLinear
-        module.lora = nn.ModuleDict({t.name: adapter})
-        module.lora_tp_group = group
+        if len(t.mapping.hf_names(None)) > 1:  # NOTE: Gemma 3's q / k / v: this target's block of the fused rows
+            adapter.rows = (t.slot * b.shape[0], (t.slot + 1) * b.shape[0])
+        if type(module) is VisionLinear:
+            module.__class__ = LoraVisionLinear
+            module.lora = nn.ModuleDict()
+            module.lora_tp_group = group
+        module.lora[t.name] = adapter
         if dora:
             from loongforge_hf.lora.dora import add_magnitudes
 

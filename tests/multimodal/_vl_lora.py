@@ -31,9 +31,10 @@ GRAD_TOL = 2e-5
 SPLIT_TOWER = {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2}
 
 
-def _check_grads(model, ref) -> dict:
-    """Every adapter's gradient against PEFT's (one pipeline stage): the tower's whole, the language model's as this
-    TP rank holds them (B's rows of a column-parallel target, A's columns of a row-parallel one)."""
+def _check_grads(model, ref, tol: float = GRAD_TOL, worst: list | None = None) -> dict:
+    """Every adapter's gradient against PEFT's (one pipeline stage), within ``tol`` of its largest entry: the tower's
+    whole, the language model's as this TP rank holds them (B's rows of a column-parallel target, A's columns of a
+    row-parallel one); the counts of each, and the largest relative difference in ``worst`` (a list, appended)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.bridges.loader import shard_context
@@ -44,7 +45,7 @@ def _check_grads(model, ref) -> dict:
     ours = chunk_params(model.chunks[0])
     ctx = shard_context(text_bridge(model), tp_rank=ps.get_tensor_model_parallel_rank(),
                         tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
-    counts = {"vision": 0, "language": 0}
+    counts, largest = {"vision": 0, "language": 0}, 0.0
     for t in model.lora_plan.targets:
         if t.kind in ("experts", "router"):  # NOTE: PEFT's target_parameters (Qwen3-VL-MoE): _check_param_grads
             continue
@@ -64,10 +65,13 @@ def _check_grads(model, ref) -> dict:
             # NOTE: within 2e-5 of the tensor's largest entry (measured: up to ~3e-6 for the tower's adapters,
             # whose attention runs other kernels than transformers' eager one)
             diff, scale = float((a - b).abs().max()), float(b.abs().max())
-            assert scale > 0 and diff <= GRAD_TOL * scale, (f"d{f} {t.hf_module}", diff, scale)
+            assert scale > 0 and diff <= tol * scale, (f"d{f} {t.hf_module}", diff, scale)
+            largest = max(largest, diff / scale)
         counts["vision" if t.kind == "vision" else "language"] += 1
     if any(t.kind in ("experts", "router") for t in model.lora_plan.targets):
         counts["params"] = _check_param_grads(model, ref)
+    if worst is not None:
+        worst.append(largest)
     return counts
 
 
@@ -121,14 +125,21 @@ def _sum_over_context_parallel(model) -> None:
                 dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
 
 
-def model_checks(folder: str, out_dir: str, layout: dict, name: str, configs: dict | None = None) -> dict:
-    """Logits, loss, adapter gradients (one stage), PEFT's counts; the adapter folder in PEFT and the merged export in
-    transformers (differences from our logits, rank 0), ``adapter_config.json``'s target_modules against PEFT's
-    (the LoraConfig ``configs[name]``, ``CONFIGS`` by default)."""
+def padded_batch(folder: str) -> dict:
+    return make_batch(folder, pad_to_multiple_of=4)  # NOTE: CP2 takes lengths that divide by 2 x CP
+
+
+def model_checks(folder: str, out_dir: str, layout: dict, name: str, configs: dict | None = None,
+                 batch_for=padded_batch, grad_tol: float = GRAD_TOL) -> dict:
+    """Logits, loss, adapter gradients (one stage, ``_check_grads`` within ``grad_tol``), PEFT's counts; the adapter
+    folder in PEFT and the merged export in transformers (differences from our logits, rank 0),
+    ``adapter_config.json``'s target_modules against PEFT's (the LoraConfig ``configs[name]``, ``CONFIGS`` by default;
+    the batch ``batch_for(folder)``)."""
     import peft
     import transformers
+    from safetensors import safe_open
 
-    batch = make_batch(folder, pad_to_multiple_of=4)  # NOTE: CP2 takes lengths that divide by 2 x CP
+    batch = batch_for(folder)
     model, _, ref = lora_pair(folder, layout, (configs or CONFIGS)[name], image_text=True)
     ours, theirs = model(**batch), ref(**batch)
     result = {"counts": model.get_nb_trainable_parameters(), "peft_counts": ref.get_nb_trainable_parameters(),
@@ -138,7 +149,9 @@ def model_checks(folder: str, out_dir: str, layout: dict, name: str, configs: di
         ours.loss.backward()
         theirs.loss.backward()
         _sum_over_context_parallel(model)
-        result["grads_checked"] = _check_grads(model, ref)
+        worst: list[float] = []
+        result["grads_checked"] = _check_grads(model, ref, grad_tol, worst)
+        result["grad_worst"] = worst[0]
         model.zero_grad(set_to_none=True)
     logits = ours.logits.detach()
     model.save_pretrained(f"{out_dir}/adapter")
@@ -149,6 +162,10 @@ def model_checks(folder: str, out_dir: str, layout: dict, name: str, configs: di
         ref.save_pretrained(f"{out_dir}/peft")
         written = [json.load(open(f"{out_dir}/{d}/adapter_config.json"))["target_modules"] for d in ("adapter", "peft")]
         result["target_modules"] = written
+        # the tensors' names (PEFT's: the module tree's) and shapes as PEFT writes them
+        files = [safe_open(f"{out_dir}/{d}/adapter_model.safetensors", "pt") for d in ("adapter", "peft")]
+        shapes = [{k: f.get_slice(k).get_shape() for k in f.keys()} for f in files]
+        result["adapter_tensors"] = (len(shapes[0]), shapes[0] == shapes[1])
         with torch.no_grad():
             base = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
             loaded = peft.PeftModel.from_pretrained(base, f"{out_dir}/adapter")
@@ -166,18 +183,19 @@ def save_naming_base(peft_model, adapter: str, folder: str) -> None:
 
 
 def peft_adapter_checks(folder: str, out_dir: str, layout: dict, saved: tuple = ("lm_head", "norm"),
-                        multiple: int | None = None, lora_alpha: int = 8) -> dict:
+                        multiple: int | None = None, lora_alpha: int = 8, batch: dict | None = None) -> dict:
     """A PEFT-written adapter ("all-linear" at r 2, random B, norms and LM head whole: ``saved`` its modules_to_save)
     loaded here: ``from_pretrained`` of the adapter folder (frozen) and ``load_adapter(..., is_trainable=True)`` against
     ``PeftModel.from_pretrained``; then ``disable_adapter`` and ``merge_and_unload`` against PEFT's (differences of
-    logits; the batch padded to a ``multiple`` of tokens when given, as sequence parallelism needs)."""
+    logits; ``batch``, else the processor's padded to a ``multiple`` of tokens when given, as sequence parallelism
+    needs)."""
     import peft
     import transformers
 
     import loongforge_hf as lf
     from loongforge_hf.lora import load_adapter
 
-    batch = make_batch(folder, pad_to_multiple_of=multiple)
+    batch = batch if batch is not None else make_batch(folder, pad_to_multiple_of=multiple)
     adapter = f"{out_dir}/peft-written"
     if dist.get_rank() == 0:
         hf = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
@@ -226,9 +244,10 @@ def two_rank_checks(folder: str, out_dir: str) -> dict:
 SFT_LORA = dict(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
-def sft_losses(folder: str, out_dir: str, loong: bool) -> list[float]:
+def sft_losses(folder: str, out_dir: str, loong: bool, features_for=train_features) -> list[float]:
     """3 steps of LoRA ("all-linear", PEFT's initialisation) through LoongSFTTrainer or trl.SFTTrainer + PEFT on the
-    transformers model, the same SFTConfig, rows of processor outputs and collator: the logged losses."""
+    transformers model, the same SFTConfig, rows of processor outputs (``features_for(folder)``) and collator: the
+    logged losses."""
     import datasets
     import peft
     import transformers
@@ -242,7 +261,7 @@ def sft_losses(folder: str, out_dir: str, loong: bool) -> list[float]:
     tok = AutoTokenizer.from_pretrained(folder)
     args = trl.SFTConfig(**{**vl_training_args(out_dir).to_dict(), "hub_token": None, "learning_rate": 2e-2,
                             "dataset_kwargs": {"skip_prepare_dataset": True}})
-    rows = datasets.Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train_features(folder)])
+    rows = datasets.Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in features_for(folder)])
     collator = DataCollatorForImageText.from_processor(processor_for(folder))
     if loong:
         model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
