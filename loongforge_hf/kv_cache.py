@@ -246,6 +246,20 @@ def attached(chunks, cache: LoongKVCache, step: _Step):
                                                                   step=step), rope_forward)
 
 
+@contextlib.contextmanager
+def whole_sequence_ropes(chunks, cp: int):
+    """Inside, the 1-D rotary embeddings of ``chunks`` give the rows of a step run whole on every CP rank from slot 0
+    (an uncached generate step of an image-text model with 1-D rope: Gemma 3)."""
+    ropes = _rotary_embeddings(chunks)
+    for rope in ropes:
+        rope.forward = functools.partial(_whole_sequence_rope, rope, 0, cp)
+    try:
+        yield
+    finally:
+        for rope in ropes:
+            del rope.forward
+
+
 def _whole_sequence_rope(rope, past: int, cp: int, max_seq_len: int, *args, **kwargs):
     """A rotary embedding's rows for a cached step run whole on every CP rank: megatron asks for ``tokens x CP``
     rows (a CP rank's share times CP); ``packed_seq=True`` is what skips its CP slicing of the table."""

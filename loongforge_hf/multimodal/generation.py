@@ -38,7 +38,7 @@ Choices:
   computes its own of the kept rows' logits and encodes its share of the images, as in training); every other step,
   cached or not, runs the whole sequence on every CP rank (``context_parallel.whole_sequence_on_every_rank``, as the
   text models' cached steps: ``kv_cache.py``; an uncached step shares the images out over CP all the same:
-  ``chunk.encode``).
+  ``chunk.encode``; a 1-D rope (Gemma 3) then gives the whole sequence's rows: ``kv_cache.whole_sequence_ropes``).
 - ``cache_implementation="static"``: the prefill as above, then each one-token step runs the static cache's
   fixed-shape decode (``static_cache.py``; a CUDA graph on GPUs, kept across calls) with the token's ``[3, b, 1]``
   positions copied into its position buffer (megatron's ``MultimodalRotaryEmbedding`` computes the rows inside the
@@ -207,7 +207,13 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
                               position_ids=position_ids if mrope else None, run=lambda ids: run(ids, None))
     ids, attention_mask, _, _ = pad_model_inputs(
         input_ids, attention_mask.to(device) if attention_mask is not None else None, None, None, multiple=multiple)
-    whole = whole_sequence_on_every_rank(cp_group_holders(model.chunks)) if model.parallel.context_parallel_size > 1 \
-        else contextlib.nullcontext()
+    cp = model.parallel.context_parallel_size
+    whole = contextlib.ExitStack()
+    if cp > 1:
+        from loongforge_hf.kv_cache import whole_sequence_ropes
+
+        whole.enter_context(whole_sequence_on_every_rank(cp_group_holders(model.chunks)))
+        if not mrope:  # NOTE: megatron's 1-D rope would take a CP share of its rows
+            whole.enter_context(whole_sequence_ropes(model.chunks, cp))
     with whole:
         return run(ids, megatron_attention_mask(attention_mask, ids.shape[-1]) if attention_mask is not None else None)

@@ -225,3 +225,8 @@ def packed_against_padded(folder: str) -> dict:
             "token_types": int(packed["token_type_ids"].sum()),
             "packed_diff": (got_packed[0] - got_padded[valid]).abs().max().item(),
             "padded_diff": (got_padded - want).abs()[valid].max().item()}
+
+
+def generate_layouts(folder: str, layouts: dict) -> dict:
+    """``generate_both`` under each of ``layouts`` in one world."""
+    return {name: generate_both(folder, layout) for name, layout in layouts.items()}

@@ -13,7 +13,8 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.round_trip import check_round_trip as _check_round_trip, read_all
 from loongforge_hf.testing.tiny_vl import make_tiny_gemma3_vl, tiny_gemma3_vl_config
 
-from ._vl_gemma3 import TEXT_ROWS, compare_many, generate_both, make_batch, packed_against_padded, train_both
+from ._vl_gemma3 import (TEXT_ROWS, compare_many, generate_both, generate_layouts, make_batch,
+                         packed_against_padded, train_both)
 
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -87,6 +88,21 @@ def test_generate_matches_transformers(checkpoint):
     got = run_distributed(generate_both, 1, str(checkpoint), {}, timeout=400)[0]
     for name, r in got.items():
         assert r["same_sequences"] and r["max_diff"] < TOL and r["steps"] >= 4, (name, r)
+
+
+GENERATE_LAYOUTS = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True,
+                               "vision_tensor_parallel_size": 2},
+                    "pp2": {"pipeline_parallel_size": 2}, "cp2": {"context_parallel_size": 2}}
+
+
+def test_generate_matches_transformers_two_ranks(checkpoint):
+    """The same scenarios at TP2 + SP with the tower split, PP2 and CP2 (the cached prefill split over the CP ranks,
+    an image across its chunks)."""
+    per_rank = run_distributed(generate_layouts, 2, str(checkpoint), GENERATE_LAYOUTS, timeout=600)
+    for got in per_rank:
+        for layout, scenarios in got.items():
+            for name, r in scenarios.items():
+                assert r["same_sequences"] and r["max_diff"] < TOL and r["steps"] >= 4, (layout, name, r)
 
 
 # ---- pure pieces ---------------------------------------------------------------------------------------------------
