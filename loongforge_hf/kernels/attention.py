@@ -111,16 +111,20 @@ def _scores_scope(rule: _ScoreRule):
         _SCORES.reset(token)
 
 
-# NOTE: the bidirectional blocks of the attention running now (module docstring): [b, S] block ids, -1 outside
-_BLOCKS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("loongforge_attention_blocks",
-                                                                              default=None)
+# NOTE: the bidirectional blocks of the attention running now (module docstring)
+_BLOCKS: contextvars.ContextVar = contextvars.ContextVar("loongforge_attention_blocks", default=None)
+
+
+class _Blocks(NamedTuple):
+    ids: torch.Tensor          # [b, S] block ids, -1 outside
+    same: dict                 # (q_offset, sq, skv) -> the [b, sq, skv] mask: built once per forward, not per layer
 
 
 @contextlib.contextmanager
 def bidirectional_blocks(block_ids: torch.Tensor | None):
     """Inside, every attention call lets a query see all keys of its block: ``block_ids [b, S]`` (long, -1 for tokens
     outside any block) over the key positions ``0 .. S - 1``; None: no change."""
-    token = _BLOCKS.set(block_ids)
+    token = _BLOCKS.set(None if block_ids is None else _Blocks(block_ids, {}))
     try:
         yield
     finally:
@@ -133,9 +137,13 @@ def _same_block(q_offset: int, sq: int, skv: int) -> torch.Tensor | None:
     blocks = _BLOCKS.get()
     if blocks is None:
         return None
-    padded = F.pad(blocks, (0, max(0, q_offset + sq - blocks.shape[1], skv - blocks.shape[1])), value=-1)
-    qb, kb = padded[:, q_offset:q_offset + sq], padded[:, :skv]
-    return (qb[:, :, None] == kb[:, None, :]) & (qb[:, :, None] >= 0)
+    key = (q_offset, sq, skv)
+    if key not in blocks.same:
+        ids = blocks.ids
+        padded = F.pad(ids, (0, max(0, q_offset + sq - ids.shape[1], skv - ids.shape[1])), value=-1)
+        qb, kb = padded[:, q_offset:q_offset + sq], padded[:, :skv]
+        blocks.same[key] = (qb[:, :, None] == kb[:, None, :]) & (qb[:, :, None] >= 0)
+    return blocks.same[key]
 
 
 def _refuse_blocks(where: str) -> None:

@@ -34,6 +34,7 @@ Choices:
 
 from __future__ import annotations
 
+import contextvars
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -92,10 +93,11 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         # given) while this is set, with or without the KV cache; a plain forward call never does
         self._generating = True
         if kwargs.get("pixel_values") is not None:
-            # NOTE: the tower's patches and grids from the start (Gemma 3's processor gives [n, C, H, W] images), so
-            # beam copies and each step's inputs are per patch and per grid as for Qwen's
+            # NOTE: the tower's patches and grids from the start (Gemma 3's and Mistral 3's processors give
+            # [n, C, H, W] images, Mistral 3's with image_sizes), so beam copies and each step's inputs are per patch
+            # and per grid as for Qwen's
             kwargs["pixel_values"], kwargs["image_grid_thw"] = self.bridge.vision_inputs(
-                kwargs["pixel_values"], kwargs.get("image_grid_thw"))
+                kwargs["pixel_values"], kwargs.get("image_grid_thw"), image_sizes=kwargs.pop("image_sizes", None))
         try:
             return super().generate(inputs, generation_config, **kwargs)
         finally:
@@ -178,8 +180,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         kwargs = {name: get(name) for name in ("pixel_values", "image_grid_thw", "pixel_values_videos",
                                                "video_grid_thw")}
         if kwargs["pixel_values"] is not None:
-            kwargs["pixel_values"], kwargs["image_grid_thw"] = self.bridge.vision_inputs(kwargs["pixel_values"],
-                                                                                         kwargs["image_grid_thw"])
+            kwargs["pixel_values"], kwargs["image_grid_thw"] = self.bridge.vision_inputs(
+                kwargs["pixel_values"], kwargs["image_grid_thw"], image_sizes=get("image_sizes"))
         if self.bridge.bidirectional_images:  # NOTE: as transformers, only where token_type_ids are given
             kwargs["token_type_ids"] = get("token_type_ids")
         return (input_ids, position_ids.to(device), mask), kwargs
@@ -199,7 +201,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 mm_token_type_ids: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
                 video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, *, return_logits: bool = True, **unused: Any):
+                token_type_ids: torch.Tensor | None = None, image_sizes: torch.Tensor | None = None, *,
+                return_logits: bool = True, **unused: Any):
         from loongforge_hf.bridges import router_balance
         from loongforge_hf.bridges.output_layer import full_logits
         from loongforge_hf.bridges.router_logits import asked
@@ -216,7 +219,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                       "pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw,
                       "mm_token_type_ids": mm_token_type_ids, "second_per_grid_ts": second_per_grid_ts,
                       "image_copies": unused.get("image_copies"), "video_copies": unused.get("video_copies"),
-                      "token_type_ids": token_type_ids}
+                      "token_type_ids": token_type_ids, "image_sizes": image_sizes}
             logits = generation_forward(self, cache=options["cache"], input_ids=input_ids,
                                         attention_mask=attention_mask, position_ids=position_ids, vision=vision,
                                         keep=keep if isinstance(keep, int) else 0)
@@ -225,7 +228,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                  "image_grid_thw": image_grid_thw, "position_ids": position_ids,
                  "mm_token_type_ids": mm_token_type_ids, "pixel_values_videos": pixel_values_videos,
                  "video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts,
-                 "token_type_ids": token_type_ids}
+                 "token_type_ids": token_type_ids, "image_sizes": image_sizes}
         args, inputs = self.megatron_forward_inputs(batch)
         input_ids, position_ids, mask = args
         vocab = self.config.text_config.vocab_size
@@ -460,7 +463,11 @@ def _recompute_every_layer(language) -> None:
 def _checkpointed(layer, forward):
     def run(*args, **kwargs):
         if layer.training and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            # NOTE: the recomputation (in the backward) runs in the context variables of the forward: the attention's
+            # bidirectional image blocks (Gemma 3) are set only for the forward's duration
+            context = contextvars.copy_context()
+            return torch.utils.checkpoint.checkpoint(lambda *a, **k: context.run(forward, *a, **k), *args,
+                                                     use_reentrant=False, **kwargs)
         return forward(*args, **kwargs)
     return run
 

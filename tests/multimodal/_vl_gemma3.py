@@ -78,6 +78,8 @@ def compare(folder: str, layout: dict, out_dir: str | None = None, *, batch: dic
     batch = batch if batch is not None else make_batch()
     ref_logits, ref_loss, ref_grads = hf_reference(folder, batch)
     model = getattr(lf, auto_class).from_pretrained(folder, dtype=torch.float32, **layout)
+    if layout.get("language_recompute"):
+        model.train()  # NOTE: recompute runs in training only (no dropout in these models)
     out = model(**batch)
     valid = batch["attention_mask"].bool()
     result = {"class": type(model).__name__, "logit_diff": (out.logits - ref_logits).abs()[valid].max().item(),
