@@ -105,7 +105,7 @@ class Gemma3VLBridge(Qwen2_5_VLBridge):
     def tokens_per_side(self) -> int:
         return int(round(self.hf_config.mm_tokens_per_image ** 0.5))
 
-    def vision_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None):
+    def vision_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None, image_sizes=None):
         """The processor's ``[n, C, H, W]`` images as the tower's patches and grids (``vision_siglip.as_patches``);
         patches as given where ``grid_thw`` comes with them (generate's later steps, a collated batch)."""
         from loongforge_hf.multimodal.vision_siglip import as_patches

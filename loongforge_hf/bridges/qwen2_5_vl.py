@@ -193,8 +193,9 @@ class Qwen2_5_VLBridge:
         """Vision tokens per image side are the tower's patches per side over this."""
         return self.vision_config.spatial_merge_size
 
-    def vision_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None):
-        """(pixels, grid) as the tower takes them from the processor's: Qwen's are already patches and grids."""
+    def vision_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None, image_sizes=None):
+        """(pixels, grid) as the tower takes them from the processor's: Qwen's are already patches and grids;
+        ``image_sizes``: each padded image's size in pixels (Mistral 3's processor gives them), else None."""
         return pixel_values, grid_thw
 
     @property

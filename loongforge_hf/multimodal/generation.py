@@ -179,8 +179,8 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
     vocab = model.config.text_config.vocab_size
     inputs = {name: vision.get(name) for name in VISION_INPUTS + COPIES}
     if inputs["pixel_values"] is not None:
-        inputs["pixel_values"], inputs["image_grid_thw"] = model.bridge.vision_inputs(inputs["pixel_values"],
-                                                                                      inputs["image_grid_thw"])
+        inputs["pixel_values"], inputs["image_grid_thw"] = model.bridge.vision_inputs(
+            inputs["pixel_values"], inputs["image_grid_thw"], image_sizes=vision.get("image_sizes"))
     if model.bridge.bidirectional_images and (cache is None or cache.get_seq_length() == 0):
         # NOTE: as transformers: an image's tokens see each other at the prefill (and in every uncached step)
         inputs["token_type_ids"] = vision.get("token_type_ids")
