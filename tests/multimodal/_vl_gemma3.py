@@ -48,23 +48,9 @@ def hf_reference(folder: str, batch: dict):
 
 def vision_grads(model) -> dict:
     """HF name (``_hf_name``) -> full gradient of every vision tower and projector parameter, first stage."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from ._vl_parity import vision_grads as grads_by_name
 
-    bridge, tower = model.bridge, model.vision_tower
-    split = model.vision_layout == "tensor_parallel"
-    group = ps.get_tensor_model_parallel_group()
-    ctx = bridge.vision_shard_context(tp_rank=ps.get_tensor_model_parallel_rank() if split else 0,
-                                      tp_size=dist.get_world_size(group) if split else 1)
-    params = dict(tower.named_parameters())
-    out = {}
-    for name, (mapping, layer) in bridge.vision_mapping_table().items():
-        shards = [params[name].grad]
-        if split and mapping.tp_split is not None:
-            shards = [torch.empty_like(shards[0]) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(shards, params[name].grad.contiguous(), group=group)
-        out.update({_hf_name(n): g for n, g in mapping.export(shards, ctx, layer).items()})
-    return out
+    return grads_by_name(model, rename=_hf_name)
 
 
 def compare(folder: str, layout: dict, out_dir: str | None = None, *, batch: dict | None = None,

@@ -39,8 +39,9 @@ def hf_reference(folder: str, batch: dict):
     return out.logits.detach(), out.loss.detach(), grads
 
 
-def vision_grads(model) -> dict:
-    """Name after ``visual.`` -> full gradient of every vision parameter (TP shards gathered), first stage."""
+def vision_grads(model, rename=None) -> dict:
+    """HF name (after ``visual.``, or ``rename(name)``) -> full gradient of every vision parameter (TP shards
+    gathered), first stage."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -57,7 +58,8 @@ def vision_grads(model) -> dict:
         if split and mapping.tp_split is not None:
             shards = [torch.empty_like(grad) for _ in range(dist.get_world_size(group))]
             dist.all_gather(shards, grad.contiguous(), group=group)
-        out.update({n.split("visual.", 1)[1]: g for n, g in mapping.export(shards, ctx, layer).items()})
+        out.update({rename(n) if rename else n.split("visual.", 1)[1]: g
+                    for n, g in mapping.export(shards, ctx, layer).items()})
     return out
 
 

@@ -10,9 +10,6 @@ from loongforge_hf.parallel.spawn import run_distributed
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-GENERATE_STEPS = 3  # NOTE: bf16 may break a near tie later on; the first steps' tokens must agree
-GENERATE_BF16_ATOL = 3e-2  # NOTE: bf16 rounds to 2^-8 relative; the tiny model's logits stay below 1 (fp32, CPU)
-
 
 def _run(folder: str) -> dict:
     import transformers
@@ -59,44 +56,15 @@ def test_cuda_matches_transformers(tmp_path):
     assert abs(r["bf16"]["loss"] - r["bf16"]["ref_loss"]) < 3e-2, r
 
 
-def _run_generate_bf16(folder: str) -> dict:
-    import transformers
-
-    import loongforge_hf as lf
-
-    from ._vl_gemma3 import prompts
-
-    inputs = {k: v.cuda() for k, v in prompts().items()}
-    kw = dict(max_new_tokens=GENERATE_STEPS, return_dict_in_generate=True, output_scores=True, output_logits=True,
-              pad_token_id=0)
-    ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(
-        folder, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-    theirs = ref.generate(**inputs, **kw)
-    del ref
-    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16)
-    ours = model.generate(**inputs, **kw)
-    static = model.generate(**inputs, **kw, cache_implementation="static")
-
-    def cpu(out):
-        return (out.sequences.cpu(), torch.stack(out.scores).float().cpu(), torch.stack(out.logits).float().cpu())
-
-    return {"device": str(model.device), "graphed": (static.cache.fixed_steps, static.cache.graphed),
-            "ours": cpu(ours), "static": cpu(static), "theirs": cpu(theirs)}
-
-
 def test_cuda_bf16_generate_as_transformers(tmp_path):
     """Cached greedy generate in bf16 (two left-padded prompts with images, the image blocks at the prefill) against
     transformers' in bf16 on the same GPU: the first steps' tokens equal, scores and logits within 3e-2; the same
     with the static cache, its decode steps replayed from a CUDA graph."""
     from loongforge_hf.testing.tiny_vl import make_tiny_gemma3_vl
 
+    from ._vl_gemma3 import prompts
+    from .test_qwen2_5_vl_gpu import _run_generate_bf16, check_generate_bf16
+
     folder = make_tiny_gemma3_vl(tmp_path / "src", seed=1)
-    [r] = run_distributed(_run_generate_bf16, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
-    assert r["device"].startswith("cuda"), r
-    assert r["graphed"] == (GENERATE_STEPS - 1, True), r["graphed"]
-    ref_seq, ref_scores, ref_logits = r["theirs"]
-    for which in ("ours", "static"):
-        seq, scores, logits = r[which]
-        assert torch.equal(seq, ref_seq), (which, seq, ref_seq)
-        torch.testing.assert_close(scores, ref_scores, atol=GENERATE_BF16_ATOL, rtol=0, msg=lambda m: f"{which}: {m}")
-        torch.testing.assert_close(logits, ref_logits, atol=GENERATE_BF16_ATOL, rtol=0, msg=lambda m: f"{which}: {m}")
+    check_generate_bf16(run_distributed(_run_generate_bf16, 1, str(folder), prompts, timeout=600,
+                                        env={"LOONGFORGE_DEVICE": "cuda"})[0])

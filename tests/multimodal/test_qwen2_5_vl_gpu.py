@@ -119,15 +119,18 @@ GENERATE_STEPS = 3  # NOTE: bf16 may break a near tie later on; the first steps'
 GENERATE_BF16_ATOL = 3e-2  # NOTE: bf16 rounds to 2^-8 relative; the tiny model's logits stay below 0.6 (fp32, CPU)
 
 
-def _run_generate_bf16(folder: str) -> dict:
+def _run_generate_bf16(folder: str, prompts=None) -> dict:
+    """transformers' and ours bf16 ``generate`` (dynamic and static cache) on ``prompts()`` (default: the
+    checkpoint's processor's left-padded batch, ``_vl_generate.prompt_batch``)."""
     import transformers
 
     import loongforge_hf as lf
 
     from ._vl_generate import prompt_batch
 
-    inputs = {k: v.cuda() for k, v in prompt_batch(folder).items()}
-    kw = dict(max_new_tokens=GENERATE_STEPS, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    inputs = {k: v.cuda() for k, v in (prompts() if prompts is not None else prompt_batch(folder)).items()}
+    kw = dict(max_new_tokens=GENERATE_STEPS, return_dict_in_generate=True, output_scores=True, output_logits=True,
+              pad_token_id=0)
     ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16,
                                                                    attn_implementation="sdpa").cuda().eval()
     theirs = ref.generate(**inputs, **kw)
@@ -152,7 +155,13 @@ def test_cuda_bf16_generate_as_transformers(tmp_path):
     from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_5_vl
 
     folder = make_tiny_qwen2_5_vl(tmp_path / "src")
-    [r] = run_distributed(_run_generate_bf16, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
+    check_generate_bf16(run_distributed(_run_generate_bf16, 1, str(folder), timeout=600,
+                                        env={"LOONGFORGE_DEVICE": "cuda"})[0])
+
+
+def check_generate_bf16(r: dict) -> None:
+    """``_run_generate_bf16``'s result: on the GPU, the static cache's decode steps graphed, our tokens (dynamic and
+    static cache) transformers', scores and logits within ``GENERATE_BF16_ATOL``."""
     assert r["device"].startswith("cuda"), r
     assert r["graphed"] == (GENERATE_STEPS - 1, True), r["graphed"]
     ref_seq, ref_scores, ref_logits = r["theirs"]
