@@ -242,7 +242,7 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
         # NOTE: what the model's forward takes of TRL's batch (its masks are the collator's own); images and videos
         # too, for an image-text model
         keep = ("input_ids", "attention_mask", "position_ids", "labels", "pixel_values", "image_grid_thw",
-                "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids")
+                "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids", "image_sizes")
         outputs = model(**{k: v for k, v in inputs.items() if k in keep})
         mode = "train" if self.model.training else "eval"
         if inputs.get("labels") is not None and outputs.logits is not None:

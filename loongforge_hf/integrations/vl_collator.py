@@ -23,6 +23,9 @@ Choices:
   ``[n, C, H, W]`` without grids, ``token_type_ids`` (1 on image tokens: the model's bidirectional image blocks) are
   padded or packed like ``mm_token_type_ids``, and packed rows take 2-D ``position_ids`` [rows, length] counting from
   0 in every sample (the model's rope is 1-D).
+- Mistral 3 (``mrope=False`` too; ``from_processor`` sets it for a ``PixtralProcessor``): each sample's padded
+  images ``[n, C, H, W]`` come with ``image_sizes [n, 2]``; images of different sizes are padded bottom-right with
+  zeros to the largest, as Pixtral's image processor pads a batch, and ``image_sizes`` are concatenated with them.
 """
 
 from __future__ import annotations
@@ -38,6 +41,15 @@ _VISION_KEYS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "vid
 def _row(value) -> torch.Tensor:
     t = torch.as_tensor(value)
     return t[0] if t.dim() == 2 and t.shape[0] == 1 else t
+
+
+def _cat_images(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenated along dim 0; whole images ``[n, C, H, W]`` of different sizes padded bottom-right with zeros to
+    the largest first (Pixtral's image processor's batch padding)."""
+    if pieces[0].dim() == 4 and len({p.shape[-2:] for p in pieces}) > 1:
+        height, width = max(p.shape[-2] for p in pieces), max(p.shape[-1] for p in pieces)
+        pieces = [torch.nn.functional.pad(p, (0, width - p.shape[-1], 0, height - p.shape[-2])) for p in pieces]
+    return torch.cat(pieces, dim=0)
 
 
 @dataclass(kw_only=True)
@@ -69,6 +81,9 @@ class DataCollatorForImageText:
         from transformers import Gemma3Processor, Qwen3VLProcessor
 
         tok = processor.tokenizer
+        # NOTE: by name: PixtralProcessor is a placeholder where torchvision is missing
+        if type(processor).__name__ == "PixtralProcessor" or getattr(config, "model_type", None) == "mistral3":
+            return cls(pad_token_id=tok.pad_token_id, image_token_id=processor.image_token_id, mrope=False, **kwargs)
         image = getattr(processor, "image_processor", None)
         if isinstance(processor, Gemma3Processor) or getattr(config, "model_type", None) == "gemma3":
             # NOTE: its image_token_id is the begin-of-image id it expands; the image tokens are the tokenizer's
@@ -121,9 +136,12 @@ class DataCollatorForImageText:
         for pixels, grid in _VISION_KEYS:
             having = [f for f in features if f.get(pixels) is not None]
             if having:
-                batch[pixels] = torch.cat([torch.as_tensor(f[pixels]) for f in having], dim=0)
+                batch[pixels] = _cat_images([torch.as_tensor(f[pixels]) for f in having])
                 if all(f.get(grid) is not None for f in having):  # NOTE: none for Gemma 3's whole images
                     batch[grid] = torch.cat([torch.as_tensor(f[grid]).reshape(-1, 3) for f in having], dim=0)
+        having = [f for f in features if f.get("pixel_values") is not None]
+        if having and all(f.get("image_sizes") is not None for f in having):  # NOTE: Mistral 3's
+            batch["image_sizes"] = torch.cat([torch.as_tensor(f["image_sizes"]).reshape(-1, 2) for f in having])
         videos = [f for f in features if f.get("pixel_values_videos") is not None]
         if videos and all(f.get("second_per_grid_ts") is not None for f in videos):
             batch["second_per_grid_ts"] = torch.cat([torch.as_tensor(f["second_per_grid_ts"], dtype=torch.float32)

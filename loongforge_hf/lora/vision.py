@@ -34,6 +34,10 @@ Choices:
   this rank's heads' rows (as a column-split linear). ``out_proj`` / ``fc1`` / ``fc2`` are the tower's ``attn.proj`` /
   ``mlp.linear_fc1`` / ``mlp.linear_fc2``; the projector's ``mm_input_projection_weight`` is a parameter, not a
   linear (PEFT adapts none there either). DoRA on the fused q / k / v is refused (``dora.check_dora``).
+- Mistral 3 (``Mistral3ForConditionalGeneration``): ``model.language_model.*``, ``lm_head``, ``model.vision_tower.*``
+  (Pixtral: its ``attention.q_proj`` / ``k_proj`` / ``v_proj`` on the fused ``qkv`` as Gemma 3's, ``o_proj``,
+  ``feed_forward.gate_proj`` / ``up_proj`` / ``down_proj``) and ``model.multi_modal_projector.*`` (``linear_1``,
+  ``linear_2``, ``patch_merger.merging_layer``: whole), whatever the checkpoint's naming.
 - Not here: ``trainable_token_indices`` on an image-text model (refused), and modules_to_save in the vision tower
   (refused: name them in the adapter's targets, or train the tower whole without LoRA).
 """
@@ -56,7 +60,10 @@ from loongforge_hf.multimodal.vision import VisionLinear
 TREE_TEXT, TREE_VISION = "model.language_model.", "model.visual."
 # module-tree prefix (PEFT's names) -> the bridge attribute holding its checkpoint prefix, by architecture
 MODULE_TREES = {"Gemma3ForConditionalGeneration": ((TREE_TEXT, "text_prefix"), ("model.vision_tower.", "vision_prefix"),
-                                                   ("model.multi_modal_projector.", "projector_prefix"))}
+                                                   ("model.multi_modal_projector.", "projector_prefix")),
+                "Mistral3ForConditionalGeneration": ((TREE_TEXT, "text_prefix"), ("lm_head.", "head_prefix"),
+                                                     ("model.vision_tower.", "vision_prefix"),
+                                                     ("model.multi_modal_projector.", "projector_prefix"))}
 
 
 class LoongLoraModelForImageTextToText(LoongLoraModelForCausalLM, LoongModelForImageTextToText):

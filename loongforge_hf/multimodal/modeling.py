@@ -148,7 +148,10 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         return mrope_position_ids(input_ids, image_grid_thw=image_grid_thw, attention_mask=attention_mask,
                                   mm_token_type_ids=mm_token_type_ids, image_token_id=self.bridge.image_token_id,
                                   spatial_merge_size=vision.spatial_merge_size, video_grid_thw=video_grid_thw,
-                                  video_token_id=self.bridge.video_token_id, second_per_grid_ts=second_per_grid_ts,
+                                  video_token_id=self.bridge.video_token_id,
+                                  # NOTE: Qwen2-VL's bridge says video_time_scaled=False: no time scaling
+                                  second_per_grid_ts=second_per_grid_ts
+                                  if getattr(self.bridge, "video_time_scaled", True) else None,
                                   tokens_per_second=getattr(vision, "tokens_per_second", 1),
                                   document_ids=document_ids, frames_apart=self.bridge.frames_apart)
 

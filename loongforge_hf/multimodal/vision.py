@@ -120,12 +120,12 @@ def _into_split(x: torch.Tensor, group) -> torch.Tensor:
     return copy_to_tensor_model_parallel_region(x, group=group)
 
 
-def _out_of_split(x: torch.Tensor, bias: torch.Tensor, group) -> torch.Tensor:
-    if _tp_size(group) == 1:
-        return x + bias
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+def _out_of_split(x: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
+    if _tp_size(group) > 1:
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-    return reduce_from_tensor_model_parallel_region(x, group=group) + bias
+        x = reduce_from_tensor_model_parallel_region(x, group=group)
+    return x if bias is None else x + bias
 
 
 class VisionLinear(nn.Linear):
@@ -145,16 +145,19 @@ class VisionLinear(nn.Linear):
 
 
 class VisionRMSNorm(nn.Module):
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, eps: float = VISION_NORM_EPS) -> None:
         super().__init__()
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, VISION_NORM_EPS)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, *, tp_group=None) -> None:
+    """Attention within each image (``cu_seqlens``), fused ``qkv`` rows; ``bias=False``: no biases (Pixtral)."""
+
+    def __init__(self, dim: int, num_heads: int, *, tp_group=None, bias: bool = True) -> None:
         super().__init__()
         tp = _tp_size(tp_group)
         if num_heads % tp:
@@ -162,10 +165,10 @@ class VisionAttention(nn.Module):
         self.tp_group = tp_group
         self.head_dim = dim // num_heads
         self.local_heads = num_heads // tp
-        self.qkv = VisionLinear(dim, 3 * self.local_heads * self.head_dim, bias=True)
-        self.proj = VisionLinear(self.local_heads * self.head_dim, dim, bias=True)
+        self.qkv = VisionLinear(dim, 3 * self.local_heads * self.head_dim, bias=bias)
+        self.proj = VisionLinear(self.local_heads * self.head_dim, dim, bias=bias)
         if tp > 1:
-            _mark_split(self.qkv, 0, bias=True)
+            _mark_split(self.qkv, 0, bias=bias)
             _mark_split(self.proj, 1, bias=False)  # NOTE: its bias is added after the reduction, whole
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -203,19 +206,21 @@ def split_hidden(hidden: int, tp_group) -> int:
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str, *, tp_group=None) -> None:
+    """Gated MLP ``down(act(gate(x)) * up(x))``; ``bias=False``: no biases (Pixtral)."""
+
+    def __init__(self, dim: int, hidden: int, act: str, *, tp_group=None, bias: bool = True) -> None:
         super().__init__()
         from transformers.activations import ACT2FN
 
         tp, local = _tp_size(tp_group), split_hidden(hidden, tp_group)
         self.tp_group = tp_group
-        self.gate_proj = VisionLinear(dim, local, bias=True)
-        self.up_proj = VisionLinear(dim, local, bias=True)
-        self.down_proj = VisionLinear(local, dim, bias=True)
+        self.gate_proj = VisionLinear(dim, local, bias=bias)
+        self.up_proj = VisionLinear(dim, local, bias=bias)
+        self.down_proj = VisionLinear(local, dim, bias=bias)
         self.act = ACT2FN[act]
         if tp > 1:
-            _mark_split(self.gate_proj, 0, bias=True)
-            _mark_split(self.up_proj, 0, bias=True)
+            _mark_split(self.gate_proj, 0, bias=bias)
+            _mark_split(self.up_proj, 0, bias=bias)
             _mark_split(self.down_proj, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,9 @@ Sizes: ViT depth 2 (block 0 windowed, block 1 full attention), hidden 32, 2 head
 heads), mrope sections (2, 3, 3); a word-level tokenizer with Qwen's vision special tokens appended. Norm weights and
 biases are random (transformers initialises norms to 1 and biases to 0, which would hide a dropped tensor).
 
+Qwen2-VL (``make_tiny_qwen2_vl``): the same decoder under a Qwen2-VL ViT (LayerNorm blocks, quick-GELU ``fc1`` /
+``fc2``, ``embed_dim`` 32, the LayerNorm merger into 64), its processor ``Qwen2VLProcessor``'s code.
+
 Qwen3-VL (``make_tiny_qwen3_vl``): ViT depth 3 (patch 16, a 4x4 learned position grid, DeepStack from blocks 0
 and 1 into decoder layers 0 and 1), a 4-layer Qwen3 decoder (head_dim 16, q/k norms), interleaved mrope (2, 3, 3).
 
@@ -41,13 +44,13 @@ def image_processor(patch_size: int = 14):
                                     merge_size=2, temporal_patch_size=2)
 
 
-def make_processor(tokenizer, images=None, *, qwen3: bool = False):
-    """``Qwen2_5_VLProcessor`` (``qwen3``: ``Qwen3VLProcessor`` with 16-pixel patches) over ``tokenizer`` and a
-    small-image Qwen2-VL image processor (no video processor)."""
+def make_processor(tokenizer, images=None, *, qwen3: bool = False, base=None):
+    """``Qwen2_5_VLProcessor`` (``qwen3``: ``Qwen3VLProcessor`` with 16-pixel patches; ``base``: that processor class,
+    e.g. ``Qwen2VLProcessor``) over ``tokenizer`` and a small-image Qwen2-VL image processor (no video processor)."""
     from transformers import Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
-    class ImageTextProcessor(Qwen3VLProcessor if qwen3 else Qwen2_5_VLProcessor):
+    class ImageTextProcessor(base or (Qwen3VLProcessor if qwen3 else Qwen2_5_VLProcessor)):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             self.image_token, self.video_token = IMAGE_PAD, VIDEO_PAD
             self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
@@ -58,15 +61,17 @@ def make_processor(tokenizer, images=None, *, qwen3: bool = False):
 
 
 def processor_for(folder: str | Path):
-    """The tiny processor of the tiny checkpoint in ``folder`` (its tokenizer; Qwen3-VL's, Qwen2.5-VL's or Gemma
-    3's, which the folder holds whole)."""
+    """The tiny processor of the tiny checkpoint in ``folder`` (its tokenizer; Qwen3-VL's, Qwen2.5-VL's, Qwen2-VL's
+    or Gemma 3's, which the folder holds whole)."""
     import json
 
-    from transformers import AutoProcessor, AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer, Qwen2VLProcessor
 
     model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
     if model_type == "gemma3":
         return AutoProcessor.from_pretrained(folder)
+    if model_type == "qwen2_vl":
+        return make_processor(AutoTokenizer.from_pretrained(folder), base=Qwen2VLProcessor)
     return make_processor(AutoTokenizer.from_pretrained(folder), qwen3=model_type in ("qwen3_vl", "qwen3_vl_moe"))
 
 
@@ -104,6 +109,40 @@ def make_tiny_qwen2_5_vl(folder: str | Path, *, seed: int = 0, max_shard_size: s
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     tok = make_vl_tokenizer(folder)
     make_processor(tok).save_pretrained(folder)
+    return folder
+
+
+def tiny_qwen2_vl_config(**text_overrides):
+    """Qwen2.5-VL's tiny language model under a Qwen2-VL ViT: depth 2, width 32 (``embed_dim``), 2 heads, MLP width
+    64 (``mlp_ratio`` 2, quick GELU), patch 14, 2x2 merge into the decoder's 64 (``hidden_size``)."""
+    from transformers import Qwen2VLConfig
+
+    text = dict(vocab_size=TEXT_VOCAB + 4, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    text.update(text_overrides)
+    tie = text.pop("tie_word_embeddings", False)
+    vision = dict(depth=2, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu")
+    return Qwen2VLConfig(text_config=text, vision_config=vision, vision_start_token_id=TEXT_VOCAB,
+                         vision_end_token_id=TEXT_VOCAB + 1, image_token_id=TEXT_VOCAB + 2,
+                         video_token_id=TEXT_VOCAB + 3, tie_word_embeddings=tie)
+
+
+def make_tiny_qwen2_vl(folder: str | Path, *, seed: int = 0, max_shard_size: str = "60KB", **text_overrides) -> Path:
+    """Write a tiny random Qwen2-VL (weights, config, tokenizer, image processor) and return its folder."""
+    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(tiny_qwen2_vl_config(**text_overrides)).to(torch.float32)
+    _randomise(model, scaled=())
+    with torch.no_grad():  # NOTE: the merger's LayerNorm is named ln_q
+        for p in model.model.visual.merger.ln_q.parameters():
+            p.copy_(p + 0.1 * torch.randn_like(p))
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    make_processor(make_vl_tokenizer(folder), base=Qwen2VLProcessor).save_pretrained(folder)
     return folder
 
 
@@ -280,3 +319,99 @@ def gemma3_image_prompt(rows: list[list[int]], *, seed: int = 0) -> tuple[torch.
         ids.append([t for x in row for t in ([GEMMA3_BOI] + [GEMMA3_IMAGE] * 16 + [GEMMA3_EOI] if x == -1 else [x])])
     input_ids = torch.tensor(ids)
     return input_ids, (input_ids == GEMMA3_IMAGE).long()
+
+
+# ---- Mistral 3 (image-text) -----------------------------------------------------------------------------------------
+MISTRAL3_IMG, MISTRAL3_BREAK, MISTRAL3_END = TEXT_VOCAB, TEXT_VOCAB + 1, TEXT_VOCAB + 2  # [IMG] [IMG_BREAK] [IMG_END]
+MISTRAL3_PATCH = 4
+# (text prefix, LM head, vision prefix, projector prefix) of each on-disk naming (bridges/mistral3_vl.py): the hub's,
+# which transformers 5 writes too, and the module names
+MISTRAL3_NAMINGS = {"hub": ("language_model.model", "language_model.lm_head", "vision_tower", "multi_modal_projector"),
+                    "modules": ("model.language_model", "lm_head", "model.vision_tower",
+                                "model.multi_modal_projector")}
+
+
+def tiny_mistral3_config(*, projector_bias: bool = False, tie_word_embeddings: bool = False, **text_overrides):
+    """A 4-layer Mistral decoder (head_dim 16, GQA, untied head as Mistral-Small-3.1's) under a 2-block Pixtral ViT
+    (hidden 32, 2 heads, 4-pixel patches, 2x2 patch merger); ``[IMG]`` / ``[IMG_BREAK]`` / ``[IMG_END]`` are ids
+    200 - 202."""
+    from transformers import Mistral3Config
+
+    text = dict(vocab_size=TEXT_VOCAB + 4, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                rms_norm_eps=1e-5, sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                tie_word_embeddings=tie_word_embeddings,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    text.update(text_overrides)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                  patch_size=MISTRAL3_PATCH, rope_parameters={"rope_type": "axial", "rope_theta": 100.0})
+    return Mistral3Config(text_config=text, vision_config=vision, image_token_index=MISTRAL3_IMG,
+                          spatial_merge_size=2, multimodal_projector_bias=projector_bias,
+                          tie_word_embeddings=tie_word_embeddings)
+
+
+def make_tiny_mistral3(folder: str | Path, *, seed: int = 0, naming: str = "hub", max_shard_size: str = "60KB",
+                       **config_overrides) -> Path:
+    """Write a tiny random Mistral 3 image-text checkpoint (weights under ``naming``'s prefixes, config, a word-level
+    tokenizer with the three image tokens) and return its folder."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Mistral3ForConditionalGeneration
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    model = Mistral3ForConditionalGeneration(tiny_mistral3_config(**config_overrides)).to(torch.float32)
+    _randomise(model, scaled=())
+    with torch.no_grad():  # NOTE: ln_pre is a norm whose name does not say so
+        ln_pre = model.model.vision_tower.ln_pre.weight
+        ln_pre.copy_(1.0 + 0.1 * torch.randn_like(ln_pre))
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if naming != "hub":
+        renames = dict(zip(MISTRAL3_NAMINGS["hub"], MISTRAL3_NAMINGS[naming]))
+
+        def rename(name: str) -> str:
+            old = next(p for p in renames if name.startswith(p + "."))
+            return renames[old] + name[len(old):]
+
+        index_file = folder / "model.safetensors.index.json"
+        index = json.loads(index_file.read_text()) if index_file.exists() else None
+        for shard in sorted(folder.glob("*.safetensors")):
+            save_file({rename(k): v for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
+        if index is not None:
+            index["weight_map"] = {rename(k): v for k, v in index["weight_map"].items()}
+            index_file.write_text(json.dumps(index, indent=2))
+    from loongforge_hf.testing.tiny_models import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer(folder, vocab_size=TEXT_VOCAB)
+    tok.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    tok.save_pretrained(folder)
+    return folder
+
+
+def mistral3_image_tokens(height: int, width: int, *, merge: int = 2) -> list[int]:
+    """The ids Pixtral's processor puts for an image of ``height x width`` pixels: per row of merged tokens, one
+    ``[IMG]`` per column then ``[IMG_BREAK]``, the last break ``[IMG_END]``."""
+    side = MISTRAL3_PATCH * merge
+    row = [MISTRAL3_IMG] * (width // side) + [MISTRAL3_BREAK]
+    ids = row * (height // side)
+    return ids[:-1] + [MISTRAL3_END]
+
+
+def mistral3_image_prompt(rows: list[list], *, seed: int = 0) -> dict:
+    """(``input_ids [b, s]``, ``pixel_values [n, 3, H, W]`` padded bottom-right with zeros to the largest, as
+    Pixtral's processor pads them, ``image_sizes [n, 2]``) where a row holds an image's ``(height, width)``; other
+    entries are text ids (every row the same length)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids, sizes = [], []
+    for row in rows:
+        ids.append([t for x in row for t in (mistral3_image_tokens(*x) if isinstance(x, tuple) else [x])])
+        sizes += [x for x in row if isinstance(x, tuple)]
+    out = {"input_ids": torch.tensor(ids)}
+    if sizes:
+        height, width = max(h for h, _ in sizes), max(w for _, w in sizes)
+        pixels = torch.zeros(len(sizes), 3, height, width)
+        for i, (h, w) in enumerate(sizes):
+            pixels[i, :, :h, :w] = torch.randn(3, h, w, generator=generator)
+        out.update(pixel_values=pixels, image_sizes=torch.tensor(sizes))
+    return out

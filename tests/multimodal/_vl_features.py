@@ -16,10 +16,12 @@ VIDEO_SAMPLES = [
 ]
 
 
-def hand_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7) -> list:
+def hand_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7, seconds: bool | None = None) -> list:
     """Processor-like features built by hand (transformers' video processor needs torchvision): token ids from the
     tokenizer, random patches (the checkpoint's patch size), grids, ``mm_token_type_ids``; Qwen2.5-VL's videos take
-    ``second_per_grid_ts`` and one run of placeholders, Qwen3-VL's (``qwen3_vl``) none and its processor's layout:
+    ``second_per_grid_ts`` (``seconds``: whether to give them; by default where the vision config has
+    ``tokens_per_second``, so not Qwen2-VL's, whose generate refuses them) and one run of placeholders, Qwen2-VL's the
+    same, Qwen3-VL's (``qwen3_vl``) none and its processor's layout:
     ``<|vision_start|>``, then per frame a timestamp (two text tokens) and ``<|vision_start|>`` + the frame's
     placeholders + ``<|vision_end|>``, then ``<|vision_end|>``."""
     from transformers import AutoConfig, AutoTokenizer
@@ -27,6 +29,7 @@ def hand_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7) -> list:
     tok = AutoTokenizer.from_pretrained(folder)
     config = AutoConfig.from_pretrained(folder)
     vision, frames_apart = config.vision_config, config.model_type in ("qwen3_vl", "qwen3_vl_moe")
+    seconds = hasattr(vision, "tokens_per_second") if seconds is None else seconds
     patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2 \
         if frames_apart else PATCH  # NOTE: C x temporal patch x patch x patch
     gen = torch.Generator().manual_seed(seed)
@@ -59,7 +62,7 @@ def hand_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7) -> list:
             f[pixels] = torch.cat([f[pixels], torch.randn(t * h * w, patch, generator=gen)]) if pixels in f \
                 else torch.randn(t * h * w, patch, generator=gen)
             f[grid] = torch.cat([f.get(grid, torch.zeros(0, 3, dtype=torch.long)), torch.tensor([[t, h, w]])])
-            if kind == "video" and not frames_apart:
+            if kind == "video" and not frames_apart and seconds:
                 f["second_per_grid_ts"] = torch.cat([f.get("second_per_grid_ts", torch.zeros(0)),
                                                      torch.tensor([piece[2]])])
         f.update(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

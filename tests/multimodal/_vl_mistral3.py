@@ -1,0 +1,253 @@
+"""Rank functions for tests/multimodal/test_mistral3_vl.py (module-level so spawned ranks can import them) and the
+transformers reference they are compared with: hand-built Mistral 3 batches (``[IMG]`` per merged token, a
+``[IMG_BREAK]`` after each row, ``[IMG_END]`` last, as Pixtral's processor lays an image out), random images of
+different sizes padded to the largest with their ``image_sizes``."""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge_hf.testing.tiny_vl import MISTRAL3_BREAK, MISTRAL3_END, MISTRAL3_IMG, mistral3_image_prompt
+
+# two rows of 36 tokens, three images of three sizes (8x6, 4x10 and 6x8 patches; one spans the CP2 chunks'
+# boundaries), the first row padded by one token
+ROWS = [[5, 6, (32, 24), 7, 8, 9, (16, 40), 10, 11, 0], [12, (24, 32)] + list(range(13, 33))]
+TEXT_ROWS = [list(range(5, 25)), list(range(30, 50))]
+IMAGE_IDS = (MISTRAL3_IMG, MISTRAL3_BREAK, MISTRAL3_END)
+
+
+def make_batch(rows=ROWS, *, seed: int = 1) -> dict:
+    """input_ids, attention_mask (0 on the pad id 0), labels (-100 there and on the image's tokens), pixel_values
+    ``[n, 3, 32, 40]``, image_sizes."""
+    batch = mistral3_image_prompt(rows, seed=seed)
+    ids = batch["input_ids"]
+    mask = (ids != 0).long()  # NOTE: id 0 is the pad token; the rows' text ids start at 5
+    image = sum(ids == t for t in IMAGE_IDS).bool()
+    return {**batch, "attention_mask": mask, "labels": ids.masked_fill((mask == 0) | image, -100)}
+
+
+def _hf_name(name: str) -> str:
+    """A transformers parameter or checkpoint name without the naming's prefixes: ``vision_tower.…``,
+    ``multi_modal_projector.…``."""
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def hf_reference(folder: str, batch: dict):
+    import transformers
+
+    ref = transformers.Mistral3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    out = ref(**batch)
+    out.loss.backward()
+    grads = {_hf_name(n): p.grad for n, p in ref.named_parameters()
+             if n.startswith(("model.vision_tower.", "model.multi_modal_projector.")) and p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def vision_grads(model) -> dict:
+    """HF name (``_hf_name``) -> full gradient of every vision tower and projector parameter, first stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    bridge, tower = model.bridge, model.vision_tower
+    split = model.vision_layout == "tensor_parallel"
+    group = ps.get_tensor_model_parallel_group()
+    ctx = bridge.vision_shard_context(tp_rank=ps.get_tensor_model_parallel_rank() if split else 0,
+                                      tp_size=dist.get_world_size(group) if split else 1)
+    params = dict(tower.named_parameters())
+    out = {}
+    for name, (mapping, layer) in bridge.vision_mapping_table().items():
+        shards = [params[name].grad]
+        if split and mapping.tp_split is not None:
+            shards = [torch.empty_like(shards[0]) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(shards, params[name].grad.contiguous(), group=group)
+        out.update({_hf_name(n): g for n, g in mapping.export(shards, ctx, layer).items()})
+    return out
+
+
+def compare(folder: str, layout: dict, out_dir: str | None = None, *, batch: dict | None = None) -> dict:
+    """Logits (kept tokens), loss and vision gradients against transformers'; the model exported to ``out_dir``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import loongforge_hf as lf
+
+    batch = batch if batch is not None else make_batch()
+    ref_logits, ref_loss, ref_grads = hf_reference(folder, batch)
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    out = model(**batch)
+    valid = batch["attention_mask"].bool()
+    result = {"class": type(model).__name__, "logit_diff": (out.logits - ref_logits).abs()[valid].max().item(),
+              "loss_diff": abs(out.loss.item() - ref_loss.item()), "grad_diff": None, "grads": 0,
+              "vision_layout": model.vision_layout, "logits_shape": tuple(out.logits.shape)}
+    if layout.get("pipeline_parallel_size", 1) == 1:
+        out.loss.backward()
+        grads = vision_grads(model)
+        if layout.get("context_parallel_size", 1) > 1:  # NOTE: each CP rank's gradient is its share's
+            for g in grads.values():
+                dist.all_reduce(g, group=ps.get_context_parallel_group())
+        if ref_grads:
+            assert sorted(grads) == sorted(ref_grads), sorted(set(grads) ^ set(ref_grads))
+            result["grad_diff"] = max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
+            result["grads"] = len(ref_grads)
+    if out_dir is not None:
+        model.save_pretrained(out_dir, max_shard_size="60KB")
+    return result
+
+
+def compare_many(cases: list) -> dict:
+    """``compare`` for each (name, folder, layout, out_dir, extra keywords) in one world."""
+    return {name: compare(folder, layout, out_dir, **extra) for name, folder, layout, out_dir, extra in cases}
+
+
+# ---- generate ------------------------------------------------------------------------------------------------------
+
+def prompts() -> dict:
+    """A left-padded prompt batch: a row with two images of different sizes, a row with one, as ``generate`` takes
+    them."""
+    batch = mistral3_image_prompt([[5, (16, 24), 6, 7, (24, 16), 8], [0] * 11 + [9, 10, (16, 16), 11, 12]], seed=4)
+    return {**batch, "attention_mask": (batch["input_ids"] != 0).long()}
+
+
+SCENARIOS = {"greedy": dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_logits=True),
+             "uncached": dict(max_new_tokens=5, do_sample=False, use_cache=False, return_dict_in_generate=True,
+                              output_logits=True),
+             "beam": dict(max_new_tokens=4, num_beams=3, num_return_sequences=2, do_sample=False,
+                          return_dict_in_generate=True, output_scores=True)}
+
+
+def generate_both(folder: str, layout: dict) -> dict:
+    """transformers' and ours ``generate`` on ``prompts()`` per scenario: sequences equal, logits / scores within."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    inputs = prompts()
+    ref = transformers.Mistral3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    out = {}
+    for name, kwargs in SCENARIOS.items():
+        want = ref.generate(**inputs, **kwargs, pad_token_id=0)
+        got = model.generate(**inputs, **kwargs, pad_token_id=0)
+        steps = "scores" if name == "beam" else "logits"
+        diffs = [(a - b).abs().masked_fill(torch.isinf(a) & torch.isinf(b), 0).max().item()
+                 for a, b in zip(getattr(got, steps), getattr(want, steps))]
+        out[name] = {"same_sequences": torch.equal(got.sequences, want.sequences), "max_diff": max(diffs),
+                     "steps": len(diffs)}
+    return out
+
+
+def generate_layouts(folder: str, layouts: dict) -> dict:
+    """``generate_both`` under each of ``layouts`` in one world."""
+    return {name: generate_both(folder, layout) for name, layout in layouts.items()}
+
+
+# ---- the collator, training ------------------------------------------------------------------------------------------
+
+# per sample: tokens, an image's (height, width) where a tuple stands; three samples with images of three sizes
+TRAIN_ROWS = [[5 + i, (16 + 8 * (i % 3), 32 - 8 * (i % 2)), 30 + i, 40 + i] for i in range(4)] + \
+    [[60 + i, 70 + i, 80 + i] for i in range(4)]
+
+
+class PixtralProcessorStandIn:
+    """What the collator reads of a ``PixtralProcessor`` (whose class needs torchvision, which the CPU test
+    environment does not install): its name, tokenizer and ``image_token_id``."""
+
+    def __init__(self, folder: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids("[IMG]")
+
+
+PixtralProcessorStandIn.__name__ = "PixtralProcessor"
+
+
+def train_features() -> list:
+    """Each sample as Pixtral's processor returns one: ``input_ids`` / ``attention_mask`` ``[1, s]``, its image
+    ``[1, 3, h, w]`` (at its own size) and ``image_sizes [1, 2]``."""
+    features = []
+    for i, row in enumerate(TRAIN_ROWS):
+        batch = mistral3_image_prompt([row], seed=10 + i)
+        feature = {"input_ids": batch["input_ids"], "attention_mask": torch.ones_like(batch["input_ids"])}
+        if "pixel_values" in batch:
+            feature.update(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"])
+        features.append(feature)
+    return features
+
+
+def collated_against_transformers(folder: str) -> dict:
+    """Samples with images of different sizes collated padded (images padded to the largest, ``image_sizes``
+    carried) and packed (one row, 2-D positions restarting per sample): ours against transformers' on the padded
+    batch, packed against padded at every real token."""
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+
+    features = train_features()[:3] + train_features()[5:6]
+    processor = PixtralProcessorStandIn(folder)
+    padded = DataCollatorForImageText.from_processor(processor)(features)
+    packed = DataCollatorForImageText.from_processor(processor, packing=True)(features)
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        got_padded, got_packed, want = model(**padded).logits, model(**packed).logits, ref(**padded).logits
+    valid = padded["attention_mask"].bool()
+    return {"pixels": tuple(padded["pixel_values"].shape), "image_sizes": padded["image_sizes"].tolist(),
+            "packed_shape": tuple(packed["input_ids"].shape), "positions": tuple(packed["position_ids"].shape),
+            "packed_diff": (got_packed[0] - got_padded[valid]).abs().max().item(),
+            "padded_diff": (got_padded - want).abs()[valid].max().item()}
+
+
+def train(folder: str, out_dir: str, *, loong: bool) -> list:
+    """Three steps of batches of 2 with the ViT frozen (the projector trains): the logged losses."""
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+
+    from ._vl_parity import vl_training_args
+
+    collator = DataCollatorForImageText.from_processor(PixtralProcessorStandIn(folder))
+    args = vl_training_args(out_dir)
+    if loong:
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, freeze_vision=True)
+        trainer = lf.LoongTrainer(model=model, args=args, train_dataset=train_features(), data_collator=collator)
+    else:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+        model.model.vision_tower.requires_grad_(False)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=train_features(), data_collator=collator)
+    trainer.train()
+    trainer.save_model(out_dir + "/final")
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def collate_and_train(folder: str, out_dir: str) -> dict:
+    return {"collated": collated_against_transformers(folder), "hf": train(folder, out_dir + "/hf", loong=False),
+            "loong": train(folder, out_dir + "/loong", loong=True)}
+
+
+# ---- LoRA against PEFT ---------------------------------------------------------------------------------------------
+
+# init_lora_weights=False keeps B random, so every adapter changes the logits; scaling 1 as _vl_gemma3_lora.CONFIGS
+LORA_CONFIGS = {
+    # PEFT matches these by suffix: the language model's q / v and Pixtral's, two of the three slots of the fused qkv
+    "qv": dict(r=4, lora_alpha=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_rslora=True),
+    # every language and Pixtral linear and the projector's three (not the LM head), a language norm trained whole
+    "all_linear": dict(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False,
+                       modules_to_save=["post_attention_layernorm"]),
+}
+LORA_CASES = {1: {"tp1": ({}, ("qv", "all_linear"))},
+              2: {"tp2_split_sp": ({"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2,
+                                    "sequence_parallel": True}, ("all_linear",))}}
+
+
+def lora_checks(folder: str, out_dir: str, ranks: int) -> dict:
+    """``_vl_lora.model_checks`` (logits, loss, adapter gradients, PEFT's counts, adapter and merged files) of
+    ``LORA_CASES[ranks]`` on ``make_batch()``."""
+    from . import _vl_lora as V
+
+    return {f"{case}/{name}": V.model_checks(folder, f"{out_dir}/{case}-{name}", layout, name, LORA_CONFIGS,
+                                             batch_for=lambda _: make_batch(), grad_tol=5e-5)
+            for case, (layout, names) in LORA_CASES[ranks].items() for name in names}
