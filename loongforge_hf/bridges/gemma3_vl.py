@@ -65,11 +65,38 @@ class QKVRows(Mapping):
         return dict(zip(self.hf_names(layer), full.unbind(0)))
 
 
+class OuterTableBridge(Qwen2_5_VLBridge):
+    """An image-text bridge whose ViT config names its depth ``num_hidden_layers`` and its heads
+    ``num_attention_heads`` (SigLIP's, Pixtral's), its tower's tensors those before the blocks, the blocks' and those
+    after them (``_outer_names``: tower name -> HF name)."""
+
+    @property
+    def vision_heads(self) -> int:
+        return self.vision_config.num_attention_heads
+
+    def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:
+        raise NotImplementedError
+
+    def vision_mapping_table(self) -> dict[str, tuple[Mapping, int | None]]:
+        before, after = self._outer_names()
+        table = {n: (Replicated(n, hf), None) for n, hf in before.items()}
+        for i in range(self.vision_config.num_hidden_layers):
+            table.update({m.megatron.format(layer=i): (m, i) for m in self.vision_block_mappings()})
+        table.update({n: (Replicated(n, hf), None) for n, hf in after.items()})
+        return table
+
+    def vision_shard_context(self, *, tp_rank: int, tp_size: int) -> ShardContext:
+        v = self.vision_config
+        return ShardContext(tp_rank=tp_rank, tp_size=tp_size, num_heads=v.num_attention_heads,
+                            num_kv_heads=v.num_attention_heads, head_dim=v.hidden_size // v.num_attention_heads,
+                            vocab_size=0, padded_vocab=0)
+
+
 class Gemma3VLTextBridge(PrefixedText, Gemma3Bridge):
     """The language model of Gemma 3's image-text models: Gemma 3 under ``text_prefix``."""
 
 
-class Gemma3VLBridge(Qwen2_5_VLBridge):
+class Gemma3VLBridge(OuterTableBridge):
     """Declaration of ``Gemma3ForConditionalGeneration``."""
 
     architectures = ("Gemma3ForConditionalGeneration",)
@@ -94,10 +121,6 @@ class Gemma3VLBridge(Qwen2_5_VLBridge):
         return bool(getattr(self.hf_config, "tie_word_embeddings", True))
 
     @property
-    def vision_heads(self) -> int:
-        return self.vision_config.num_attention_heads
-
-    @property
     def vision_merge(self) -> int:
         return self.vision_config.image_size // self.vision_config.patch_size // self.tokens_per_side
 
@@ -106,13 +129,13 @@ class Gemma3VLBridge(Qwen2_5_VLBridge):
         return int(round(self.hf_config.mm_tokens_per_image ** 0.5))
 
     def vision_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None, image_sizes=None):
-        """The processor's ``[n, C, H, W]`` images as the tower's patches and grids (``vision_siglip.as_patches``);
+        """The processor's ``[n, C, H, W]`` images as the tower's patches and grids (``vision.as_image_patches``);
         patches as given where ``grid_thw`` comes with them (generate's later steps, a collated batch)."""
-        from loongforge_hf.multimodal.vision_siglip import as_patches
+        from loongforge_hf.multimodal.vision import as_image_patches
 
         if grid_thw is not None or pixel_values.dim() != 4:
             return pixel_values, grid_thw
-        return as_patches(pixel_values, self.vision_config.patch_size)
+        return as_image_patches(pixel_values, self.vision_config.patch_size)
 
     def check_vision_config(self) -> None:
         from transformers.activations import ACT2FN
@@ -157,20 +180,6 @@ class Gemma3VLBridge(Qwen2_5_VLBridge):
                  "projector.norm": f"{mp}.mm_soft_emb_norm.weight",
                  "projector.weight": f"{mp}.mm_input_projection_weight"}
         return before, after
-
-    def vision_mapping_table(self) -> dict[str, tuple[Mapping, int | None]]:
-        before, after = self._outer_names()
-        table = {n: (Replicated(n, hf), None) for n, hf in before.items()}
-        for i in range(self.vision_config.num_hidden_layers):
-            table.update({m.megatron.format(layer=i): (m, i) for m in self.vision_block_mappings()})
-        table.update({n: (Replicated(n, hf), None) for n, hf in after.items()})
-        return table
-
-    def vision_shard_context(self, *, tp_rank: int, tp_size: int) -> ShardContext:
-        v = self.vision_config
-        return ShardContext(tp_rank=tp_rank, tp_size=tp_size, num_heads=v.num_attention_heads,
-                            num_kv_heads=v.num_attention_heads, head_dim=v.hidden_size // v.num_attention_heads,
-                            vocab_size=0, padded_vocab=0)
 
     def vision_shapes(self) -> dict[str, tuple[int, ...]]:
         v, p = self.vision_config, f"{self.vision_prefix}.encoder.layers"

@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.gemma3_vl import QKVRows
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, ShardContext
+from loongforge_hf.bridges.gemma3_vl import OuterTableBridge, QKVRows
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
 from loongforge_hf.bridges.mistral import MistralBridge
-from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, PrefixedText, Qwen2_5_VLBridge, _renamed
+from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, PrefixedText, _renamed
 
 # (text prefix, LM head, vision prefix, projector prefix) of each naming, found by its tensors
 _NAMINGS = (("language_model.model", "language_model.lm_head", "vision_tower", "multi_modal_projector"),
@@ -51,7 +51,7 @@ class Mistral3TextBridge(PrefixedText, MistralBridge):
                 for n, s in super().expected_hf_shapes().items()}
 
 
-class Mistral3VLBridge(Qwen2_5_VLBridge):
+class Mistral3VLBridge(OuterTableBridge):
     """Declaration of ``Mistral3ForConditionalGeneration``."""
 
     architectures = ("Mistral3ForConditionalGeneration",)
@@ -76,18 +76,14 @@ class Mistral3VLBridge(Qwen2_5_VLBridge):
         return bool(getattr(self.hf_config, "tie_word_embeddings", True))
 
     @property
-    def vision_heads(self) -> int:
-        return self.vision_config.num_attention_heads
-
-    @property
     def vision_merge(self) -> int:
         return int(self.hf_config.spatial_merge_size)
 
     def vision_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None, image_sizes=None):
         """The processor's padded ``[n, C, H, W]`` images cropped to ``image_sizes`` as the tower's patches and
-        grids (``vision_pixtral.as_image_patches``); patches as given where ``grid_thw`` comes with them
+        grids (``vision.as_image_patches``); patches as given where ``grid_thw`` comes with them
         (generate's later steps, a collated batch already converted)."""
-        from loongforge_hf.multimodal.vision_pixtral import as_image_patches
+        from loongforge_hf.multimodal.vision import as_image_patches
 
         if grid_thw is not None or pixel_values.dim() != 4:
             return pixel_values, grid_thw
@@ -138,20 +134,6 @@ class Mistral3VLBridge(Qwen2_5_VLBridge):
         for k in ("weight", "bias") if self.hf_config.multimodal_projector_bias else ("weight",):
             after.update({f"projector.{n}.{k}": f"{mp}.{n}.{k}" for n in ("linear_1", "linear_2")})
         return before, after
-
-    def vision_mapping_table(self) -> dict[str, tuple[Mapping, int | None]]:
-        before, after = self._outer_names()
-        table = {n: (Replicated(n, hf), None) for n, hf in before.items()}
-        for i in range(self.vision_config.num_hidden_layers):
-            table.update({m.megatron.format(layer=i): (m, i) for m in self.vision_block_mappings()})
-        table.update({n: (Replicated(n, hf), None) for n, hf in after.items()})
-        return table
-
-    def vision_shard_context(self, *, tp_rank: int, tp_size: int) -> ShardContext:
-        v = self.vision_config
-        return ShardContext(tp_rank=tp_rank, tp_size=tp_size, num_heads=v.num_attention_heads,
-                            num_kv_heads=v.num_attention_heads, head_dim=v.hidden_size // v.num_attention_heads,
-                            vocab_size=0, padded_vocab=0)
 
     def vision_shapes(self) -> dict[str, tuple[int, ...]]:
         v, p = self.vision_config, f"{self.vision_prefix}.transformer.layers"

@@ -95,6 +95,27 @@ def vision_layout(grid_thw: torch.Tensor, *, merge: int, window: int) -> VisionL
                         cu_windows=_cu(torch.cat(window_sizes) if window_sizes else []), cu_frames=cu_frames)
 
 
+def as_image_patches(pixel_values: torch.Tensor, patch: int,
+                     image_sizes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded ``[n, C, H, W]`` images and each one's ``(height, width)`` in pixels (all of ``H x W`` when None) ->
+    (``[sum h w, C * P * P]`` patches, each image's ``h = height // P`` by ``w = width // P`` top-left patches
+    row-major, channels first in a patch as the convolution's weight; ``grid_thw [n, 3]`` = ``(1, h, w)``)."""
+    n, c, height, width = pixel_values.shape
+    sizes = [(height, width)] * n if image_sizes is None else [tuple(s) for s in torch.as_tensor(image_sizes).tolist()]
+    if len(sizes) != n:
+        raise ValueError(f"image_sizes gives {len(sizes)} sizes for {n} images in pixel_values.")
+    pieces, grid = [], []
+    for image, (size_h, size_w) in zip(pixel_values, sizes):
+        h, w = int(size_h) // patch, int(size_w) // patch
+        if not 0 < h * patch <= height or not 0 < w * patch <= width:
+            raise ValueError(f"image_sizes entry {(size_h, size_w)} does not fit pixel_values of {height}x{width} "
+                             f"pixels with {patch}-pixel patches.")
+        crop = image[:, :h * patch, :w * patch].reshape(c, h, patch, w, patch)
+        pieces.append(crop.permute(1, 3, 0, 2, 4).reshape(h * w, c * patch * patch))
+        grid.append((1, h, w))
+    return torch.cat(pieces), torch.tensor(grid, dtype=torch.long, device=pixel_values.device).reshape(n, 3)
+
+
 # ---- modules -----------------------------------------------------------------------------------------------------
 
 def _tp_size(group) -> int:

@@ -4,8 +4,9 @@ model's width); optionally split over TP.
 
 Choices:
 - Inputs as the Qwen towers take them, so the chunk's machinery (encoder data parallel, CP shares of the images,
-  beam copies) serves it unchanged: ``pixel_values [N, C * P * P]``, each image's patches row-major (``as_patches``
-  turns the processor's ``[n, C, H, W]`` into them), and ``grid_thw [n, 3]`` = ``(1, H / P, W / P)`` per image;
+  beam copies) serves it unchanged: ``pixel_values [N, C * P * P]``, each image's patches row-major
+  (``vision.as_image_patches`` turns the processor's ``[n, C, H, W]`` into them), and ``grid_thw [n, 3]`` =
+  ``(1, H / P, W / P)`` per image;
   ``merge`` is the pooling kernel, so an image gives ``h w / merge^2`` tokens as a Qwen tower's.
 - The arithmetic is transformers' (``SiglipVisionModel`` without its pooling head, ``Gemma3MultiModalProjector``):
   the patch convolution as one matmul (bias included), the learned table added at positions ``0 .. h w - 1`` (images
@@ -25,18 +26,6 @@ from torch import nn
 
 from loongforge_hf.multimodal.vision import PatchEmbed, _cu
 from loongforge_hf.multimodal.vision_qwen3 import Qwen3VisionBlock
-
-
-def as_patches(pixel_values: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[n, C, H, W]`` images -> (``[n * H/P * W/P, C * P * P]`` patches, each image's row-major, channels first in
-    a patch as the convolution's weight; ``grid_thw [n, 3]`` = ``(1, H/P, W/P)``)."""
-    n, c, height, width = pixel_values.shape
-    if height % patch or width % patch:
-        raise ValueError(f"pixel_values of {height}x{width} pixels are not a whole number of {patch}-pixel patches.")
-    h, w = height // patch, width // patch
-    patches = pixel_values.reshape(n, c, h, patch, w, patch).permute(0, 2, 4, 1, 3, 5).reshape(n * h * w, -1)
-    grid = torch.tensor([[1, h, w]] * n, dtype=torch.long, device=pixel_values.device).reshape(n, 3)
-    return patches, grid
 
 
 class Gemma3Projector(nn.Module):

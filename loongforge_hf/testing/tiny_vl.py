@@ -261,9 +261,6 @@ def make_tiny_gemma3_vl(folder: str | Path, *, seed: int = 0, naming: str = "tra
                         max_shard_size: str = "60KB", **text_overrides) -> Path:
     """Write a tiny random Gemma 3 image-text checkpoint (weights under ``naming``'s prefixes, config, processor) and
     return its folder."""
-    import json
-
-    from safetensors.torch import load_file, save_file
     from transformers import Gemma3ForConditionalGeneration
 
     folder = Path(folder)
@@ -276,21 +273,29 @@ def make_tiny_gemma3_vl(folder: str | Path, *, seed: int = 0, naming: str = "tra
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     if naming != "transformers":
-        renames = dict(zip(GEMMA3_NAMINGS["transformers"], GEMMA3_NAMINGS[naming]))
-
-        def rename(name: str) -> str:
-            old = next(p for p in renames if name.startswith(p + "."))
-            return renames[old] + name[len(old):]
-
-        index_file = folder / "model.safetensors.index.json"
-        index = json.loads(index_file.read_text()) if index_file.exists() else None
-        for shard in sorted(folder.glob("*.safetensors")):
-            save_file({rename(k): v for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
-        if index is not None:
-            index["weight_map"] = {rename(k): v for k, v in index["weight_map"].items()}
-            index_file.write_text(json.dumps(index, indent=2))
+        rename_prefixes(folder, dict(zip(GEMMA3_NAMINGS["transformers"], GEMMA3_NAMINGS[naming])))
     make_gemma3_processor(folder).save_pretrained(folder)
     return folder
+
+
+def rename_prefixes(folder: Path, renames: dict[str, str]) -> None:
+    """Rewrite the checkpoint in ``folder`` (its shards and index) with each tensor name's prefix ``old`` (a key of
+    ``renames``) replaced by ``renames[old]``: another on-disk naming of the same model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    def rename(name: str) -> str:
+        old = next(p for p in renames if name.startswith(p + "."))
+        return renames[old] + name[len(old):]
+
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else None
+    for shard in sorted(folder.glob("*.safetensors")):
+        save_file({rename(k): v for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
+    if index is not None:
+        index["weight_map"] = {rename(k): v for k, v in index["weight_map"].items()}
+        index_file.write_text(json.dumps(index, indent=2))
 
 
 def make_gemma3_processor(folder: str | Path):
@@ -354,9 +359,6 @@ def make_tiny_mistral3(folder: str | Path, *, seed: int = 0, naming: str = "hub"
                        **config_overrides) -> Path:
     """Write a tiny random Mistral 3 image-text checkpoint (weights under ``naming``'s prefixes, config, a word-level
     tokenizer with the three image tokens) and return its folder."""
-    import json
-
-    from safetensors.torch import load_file, save_file
     from transformers import Mistral3ForConditionalGeneration
 
     folder = Path(folder)
@@ -368,19 +370,7 @@ def make_tiny_mistral3(folder: str | Path, *, seed: int = 0, naming: str = "hub"
         ln_pre.copy_(1.0 + 0.1 * torch.randn_like(ln_pre))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     if naming != "hub":
-        renames = dict(zip(MISTRAL3_NAMINGS["hub"], MISTRAL3_NAMINGS[naming]))
-
-        def rename(name: str) -> str:
-            old = next(p for p in renames if name.startswith(p + "."))
-            return renames[old] + name[len(old):]
-
-        index_file = folder / "model.safetensors.index.json"
-        index = json.loads(index_file.read_text()) if index_file.exists() else None
-        for shard in sorted(folder.glob("*.safetensors")):
-            save_file({rename(k): v for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
-        if index is not None:
-            index["weight_map"] = {rename(k): v for k, v in index["weight_map"].items()}
-            index_file.write_text(json.dumps(index, indent=2))
+        rename_prefixes(folder, dict(zip(MISTRAL3_NAMINGS["hub"], MISTRAL3_NAMINGS[naming])))
     from loongforge_hf.testing.tiny_models import make_tiny_tokenizer
 
     tok = make_tiny_tokenizer(folder, vocab_size=TEXT_VOCAB)

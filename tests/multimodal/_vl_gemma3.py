@@ -119,17 +119,20 @@ SCENARIOS = {"greedy": dict(max_new_tokens=5, do_sample=False, return_dict_in_ge
                           return_dict_in_generate=True, output_scores=True)}
 
 
-def generate_both(folder: str, layout: dict) -> dict:
-    """transformers' and ours ``generate`` on ``prompts()`` per scenario: sequences equal, logits / scores within."""
+def generate_both(folder: str, layout: dict, prompts=prompts, scenarios: dict | None = None) -> dict:
+    """transformers' (``AutoModelForImageTextToText``) and ours ``generate`` on ``prompts()`` per scenario (default:
+    ``SCENARIOS`` and the static cache): sequences equal, logits / scores within."""
     import transformers
 
     import loongforge_hf as lf
 
     inputs = prompts()
-    ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    if scenarios is None:
+        scenarios = {**SCENARIOS, "static": {**SCENARIOS["greedy"], "cache_implementation": "static"}}
     out = {}
-    for name, kwargs in {**SCENARIOS, "static": {**SCENARIOS["greedy"], "cache_implementation": "static"}}.items():
+    for name, kwargs in scenarios.items():
         want = ref.generate(**inputs, **kwargs, pad_token_id=0)
         got = model.generate(**inputs, **kwargs, pad_token_id=0)
         steps = "scores" if name == "beam" else "logits"

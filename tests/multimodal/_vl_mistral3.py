@@ -108,32 +108,11 @@ def prompts() -> dict:
     return {**batch, "attention_mask": (batch["input_ids"] != 0).long()}
 
 
-SCENARIOS = {"greedy": dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_logits=True),
-             "uncached": dict(max_new_tokens=5, do_sample=False, use_cache=False, return_dict_in_generate=True,
-                              output_logits=True),
-             "beam": dict(max_new_tokens=4, num_beams=3, num_return_sequences=2, do_sample=False,
-                          return_dict_in_generate=True, output_scores=True)}
-
-
 def generate_both(folder: str, layout: dict) -> dict:
-    """transformers' and ours ``generate`` on ``prompts()`` per scenario: sequences equal, logits / scores within."""
-    import transformers
+    """``_vl_gemma3.generate_both`` on ``prompts()``: greedy, uncached, beams."""
+    from ._vl_gemma3 import SCENARIOS, generate_both as both
 
-    import loongforge_hf as lf
-
-    inputs = prompts()
-    ref = transformers.Mistral3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
-    out = {}
-    for name, kwargs in SCENARIOS.items():
-        want = ref.generate(**inputs, **kwargs, pad_token_id=0)
-        got = model.generate(**inputs, **kwargs, pad_token_id=0)
-        steps = "scores" if name == "beam" else "logits"
-        diffs = [(a - b).abs().masked_fill(torch.isinf(a) & torch.isinf(b), 0).max().item()
-                 for a, b in zip(getattr(got, steps), getattr(want, steps))]
-        out[name] = {"same_sequences": torch.equal(got.sequences, want.sequences), "max_diff": max(diffs),
-                     "steps": len(diffs)}
-    return out
+    return both(folder, layout, prompts, SCENARIOS)
 
 
 def generate_layouts(folder: str, layouts: dict) -> dict:
