@@ -36,9 +36,10 @@ def _hf_name(name: str) -> str:
 
 
 def hf_reference(folder: str, batch: dict):
+    """transformers' logits, loss and vision tower / projector gradients (``_hf_name``) on ``batch``."""
     import transformers
 
-    ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
     out = ref(**batch)
     out.loss.backward()
     grads = {_hf_name(n): p.grad for n, p in ref.named_parameters()
@@ -54,14 +55,15 @@ def vision_grads(model) -> dict:
 
 
 def compare(folder: str, layout: dict, out_dir: str | None = None, *, batch: dict | None = None,
-            auto_class: str = "AutoModelForImageTextToText") -> dict:
-    """Logits (kept tokens), loss and vision gradients against transformers'; the model exported to ``out_dir``."""
+            auto_class: str = "AutoModelForImageTextToText", batch_for=None) -> dict:
+    """Logits (kept tokens), loss and vision gradients against transformers' on ``batch`` (default:
+    ``(batch_for or make_batch)()``); the model exported to ``out_dir``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     import loongforge_hf as lf
 
-    batch = batch if batch is not None else make_batch()
+    batch = batch if batch is not None else (batch_for or make_batch)()
     ref_logits, ref_loss, ref_grads = hf_reference(folder, batch)
     model = getattr(lf, auto_class).from_pretrained(folder, dtype=torch.float32, **layout)
     if layout.get("language_recompute"):
@@ -69,7 +71,7 @@ def compare(folder: str, layout: dict, out_dir: str | None = None, *, batch: dic
     out = model(**batch)
     valid = batch["attention_mask"].bool()
     result = {"class": type(model).__name__, "logit_diff": (out.logits - ref_logits).abs()[valid].max().item(),
-              "loss_diff": abs(out.loss.item() - ref_loss.item()), "grad_diff": None,
+              "loss_diff": abs(out.loss.item() - ref_loss.item()), "grad_diff": None, "grads": 0,
               "vision_layout": model.vision_layout, "logits_shape": tuple(out.logits.shape)}
     if layout.get("pipeline_parallel_size", 1) == 1:
         out.loss.backward()
@@ -80,6 +82,7 @@ def compare(folder: str, layout: dict, out_dir: str | None = None, *, batch: dic
         if ref_grads:
             assert sorted(grads) == sorted(ref_grads), sorted(set(grads) ^ set(ref_grads))
             result["grad_diff"] = max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
+            result["grads"] = len(ref_grads)
     if out_dir is not None:
         model.save_pretrained(out_dir, max_shard_size="60KB")
     return result

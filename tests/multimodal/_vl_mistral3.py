@@ -26,72 +26,11 @@ def make_batch(rows=ROWS, *, seed: int = 1) -> dict:
     return {**batch, "attention_mask": mask, "labels": ids.masked_fill((mask == 0) | image, -100)}
 
 
-def _hf_name(name: str) -> str:
-    """A transformers parameter or checkpoint name without the naming's prefixes: ``vision_tower.…``,
-    ``multi_modal_projector.…``."""
-    return name[len("model."):] if name.startswith("model.") else name
-
-
-def hf_reference(folder: str, batch: dict):
-    import transformers
-
-    ref = transformers.Mistral3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
-    out = ref(**batch)
-    out.loss.backward()
-    grads = {_hf_name(n): p.grad for n, p in ref.named_parameters()
-             if n.startswith(("model.vision_tower.", "model.multi_modal_projector.")) and p.grad is not None}
-    return out.logits.detach(), out.loss.detach(), grads
-
-
-def vision_grads(model) -> dict:
-    """HF name (``_hf_name``) -> full gradient of every vision tower and projector parameter, first stage."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    bridge, tower = model.bridge, model.vision_tower
-    split = model.vision_layout == "tensor_parallel"
-    group = ps.get_tensor_model_parallel_group()
-    ctx = bridge.vision_shard_context(tp_rank=ps.get_tensor_model_parallel_rank() if split else 0,
-                                      tp_size=dist.get_world_size(group) if split else 1)
-    params = dict(tower.named_parameters())
-    out = {}
-    for name, (mapping, layer) in bridge.vision_mapping_table().items():
-        shards = [params[name].grad]
-        if split and mapping.tp_split is not None:
-            shards = [torch.empty_like(shards[0]) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(shards, params[name].grad.contiguous(), group=group)
-        out.update({_hf_name(n): g for n, g in mapping.export(shards, ctx, layer).items()})
-    return out
-
-
 def compare(folder: str, layout: dict, out_dir: str | None = None, *, batch: dict | None = None) -> dict:
-    """Logits (kept tokens), loss and vision gradients against transformers'; the model exported to ``out_dir``."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    """``_vl_gemma3.compare`` on this file's batches."""
+    from ._vl_gemma3 import compare as compare_with
 
-    import loongforge_hf as lf
-
-    batch = batch if batch is not None else make_batch()
-    ref_logits, ref_loss, ref_grads = hf_reference(folder, batch)
-    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
-    out = model(**batch)
-    valid = batch["attention_mask"].bool()
-    result = {"class": type(model).__name__, "logit_diff": (out.logits - ref_logits).abs()[valid].max().item(),
-              "loss_diff": abs(out.loss.item() - ref_loss.item()), "grad_diff": None, "grads": 0,
-              "vision_layout": model.vision_layout, "logits_shape": tuple(out.logits.shape)}
-    if layout.get("pipeline_parallel_size", 1) == 1:
-        out.loss.backward()
-        grads = vision_grads(model)
-        if layout.get("context_parallel_size", 1) > 1:  # NOTE: each CP rank's gradient is its share's
-            for g in grads.values():
-                dist.all_reduce(g, group=ps.get_context_parallel_group())
-        if ref_grads:
-            assert sorted(grads) == sorted(ref_grads), sorted(set(grads) ^ set(ref_grads))
-            result["grad_diff"] = max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
-            result["grads"] = len(ref_grads)
-    if out_dir is not None:
-        model.save_pretrained(out_dir, max_shard_size="60KB")
-    return result
+    return compare_with(folder, layout, out_dir, batch=batch, batch_for=make_batch)
 
 
 def compare_many(cases: list) -> dict:

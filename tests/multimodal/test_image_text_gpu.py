@@ -1,6 +1,7 @@
-"""Gemma 3 image-text on the CUDA path (the bidirectional image blocks through SDPA with a mask in the language model,
-varlen flash attention in the ViT under bf16), against transformers on the same GPU: fp32 (logits, loss, vision
-gradients) and bf16 (loss); bf16 ``generate`` with the dynamic and the static cache (CUDA-graphed decode steps)."""
+"""Gemma 3, Mistral 3 and Qwen2-VL image-text on the CUDA path (Gemma 3's bidirectional image blocks through SDPA
+with a mask in the language model, varlen flash attention in the ViTs under bf16), against transformers on the same
+GPU: fp32 (logits, loss, vision gradients) and bf16 (loss); Gemma 3's bf16 ``generate`` with the dynamic and the
+static cache (CUDA-graphed decode steps)."""
 
 import pytest
 import torch
@@ -11,20 +12,39 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _run(folder: str) -> dict:
+def gemma3_batch(folder: str) -> dict:
+    from ._vl_gemma3 import make_batch
+
+    return make_batch()
+
+
+def mistral3_batch(folder: str) -> dict:
+    from ._vl_mistral3 import make_batch
+
+    return make_batch()
+
+
+def processor_batch(folder: str) -> dict:
+    from ._vl_parity import make_batch
+
+    return make_batch(folder)
+
+
+def _run(folder: str, batch_for=gemma3_batch) -> dict:
+    """fp32 (logits, loss, vision gradients) and bf16 (loss) on the GPU against transformers' there."""
     import transformers
 
     import loongforge_hf as lf
 
-    from ._vl_gemma3 import _hf_name, make_batch, vision_grads
+    from ._vl_gemma3 import _hf_name, vision_grads
 
-    # NOTE: fp32 means fp32 on both sides (transformers' Conv2d would take TF32 through cuDNN)
+    # NOTE: fp32 means fp32 on both sides (transformers' convolutions would take TF32 through cuDNN)
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    batch = {k: v.cuda() for k, v in make_batch().items()}
+    batch = {k: v.cuda() for k, v in batch_for(folder).items()}
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
-        ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        ref = transformers.AutoModelForImageTextToText.from_pretrained(
             folder, dtype=dtype, attn_implementation="sdpa").cuda()
         exp = ref(**batch)
         exp.loss.backward()
@@ -35,7 +55,7 @@ def _run(folder: str) -> dict:
         result[name] = {"device": str(model.device), "loss": out.loss.item(), "ref_loss": exp.loss.item()}
         if dtype == torch.float32:
             ref_grads = {_hf_name(n): p.grad for n, p in ref.named_parameters()
-                         if n.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
+                         if not n.startswith(("model.language_model.", "lm_head")) and p.grad is not None}
             grads = vision_grads(model)
             valid = batch["attention_mask"].bool()
             result[name].update(logit_diff=(out.logits - exp.logits).abs()[valid].max().item(),
@@ -44,11 +64,16 @@ def _run(folder: str) -> dict:
     return result
 
 
-def test_cuda_matches_transformers(tmp_path):
-    from loongforge_hf.testing.tiny_vl import make_tiny_gemma3_vl
+@pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl"])
+def test_cuda_matches_transformers(tmp_path, model):
+    """Gemma 3 (the image blocks), Mistral 3 (images of three sizes) and Qwen2-VL (the processor's batch)."""
+    from loongforge_hf.testing import tiny_vl
 
-    folder = make_tiny_gemma3_vl(tmp_path / "src")
-    [r] = run_distributed(_run, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
+    writer, batch_for = {"gemma3": (tiny_vl.make_tiny_gemma3_vl, gemma3_batch),
+                         "mistral3": (tiny_vl.make_tiny_mistral3, mistral3_batch),
+                         "qwen2_vl": (tiny_vl.make_tiny_qwen2_vl, processor_batch)}[model]
+    folder = writer(tmp_path / "src")
+    [r] = run_distributed(_run, 1, str(folder), batch_for, timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
     assert r["fp32"]["device"].startswith("cuda"), r
     # fp32 on the same GPU, TF32 off: summation order only
     assert r["fp32"]["logit_diff"] < 1e-3 and r["fp32"]["grad_diff"] < 1e-3, r
