@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges import transforms as T
 from loongforge_hf.bridges.gemma import Gemma3Bridge
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, ShardContext, _fmt
+from loongforge_hf.bridges.mappings import (ColumnParallel, Mapping, Replicated, RowParallel, ShardContext, _fmt,
+                                            _tp_slice)
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, PrefixedText, Qwen2_5_VLBridge
 
 # (text prefix, vision prefix, projector prefix) of each naming, found by its tensors
@@ -54,11 +54,7 @@ class QKVRows(Mapping):
         return [_fmt(n, layer) for n in (self.q, self.k, self.v)]
 
     def load(self, reader, ctx, layer):
-        parts = []
-        for name in self.hf_names(layer):
-            start, stop = T.shard_range(reader.shape(name)[0], rank=ctx.tp_rank, world=ctx.tp_size, name=name)
-            parts.append(reader.get_slice(name, dim=0, start=start, stop=stop))
-        return torch.cat(parts)
+        return torch.cat([_tp_slice(reader, name, ctx, dim=0) for name in self.hf_names(layer)])
 
     def export(self, shards, ctx, layer):
         full = torch.cat([s.reshape(3, s.shape[0] // 3, *s.shape[1:]) for s in shards], dim=1)
@@ -104,6 +100,9 @@ class Gemma3VLBridge(OuterTableBridge):
     mrope = False
     bidirectional_images = True
     causal_lm_auto = True
+    # NOTE: transformers' module-tree prefixes (PEFT's adapter names) and the attributes holding the checkpoint's
+    module_trees = (("model.language_model.", "text_prefix"), ("model.vision_tower.", "vision_prefix"),
+                    ("model.multi_modal_projector.", "projector_prefix"))
 
     def __init__(self, hf_config, checkpoint_names=(), shape_of=None) -> None:
         self.hf_config = hf_config

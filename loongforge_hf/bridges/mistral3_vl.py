@@ -28,7 +28,7 @@ from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.gemma3_vl import OuterTableBridge, QKVRows
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
 from loongforge_hf.bridges.mistral import MistralBridge
-from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, PrefixedText, _renamed
+from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, PrefixedText, _renamed, check_vit
 
 # (text prefix, LM head, vision prefix, projector prefix) of each naming, found by its tensors
 _NAMINGS = (("language_model.model", "language_model.lm_head", "vision_tower", "multi_modal_projector"),
@@ -57,6 +57,9 @@ class Mistral3VLBridge(OuterTableBridge):
     architectures = ("Mistral3ForConditionalGeneration",)
     text_bridge_class = Mistral3TextBridge
     mrope = False
+    # NOTE: transformers' module-tree prefixes (PEFT's adapter names) and the attributes holding the checkpoint's
+    module_trees = (("model.language_model.", "text_prefix"), ("lm_head.", "head_prefix"),
+                    ("model.vision_tower.", "vision_prefix"), ("model.multi_modal_projector.", "projector_prefix"))
 
     def __init__(self, hf_config, checkpoint_names=(), shape_of=None) -> None:
         self.hf_config = hf_config
@@ -93,23 +96,15 @@ class Mistral3VLBridge(OuterTableBridge):
         from transformers.activations import ACT2FN
 
         v, hf = self.vision_config, self.hf_config
-        for field, act in (("vision_config.hidden_act", v.hidden_act),
-                           ("projector_hidden_act", hf.projector_hidden_act)):
-            if act not in ACT2FN:
-                raise C.UnsupportedConfigError(f"{field}={act!r} is not an activation transformers knows.")
+        check_vit(v, "num_attention_heads")
+        if hf.projector_hidden_act not in ACT2FN:
+            raise C.UnsupportedConfigError(f"projector_hidden_act={hf.projector_hidden_act!r} is not an activation "
+                                           "transformers knows.")
         if hf.vision_feature_layer != -1:
             raise C.UnsupportedConfigError(f"vision_feature_layer={hf.vision_feature_layer!r} is not supported: only "
                                            "-1 (the last ViT block's output, as the hub's checkpoints use).")
         if getattr(v, "attention_dropout", 0.0):
             raise C.UnsupportedConfigError(f"vision_config.attention_dropout={v.attention_dropout} is not supported.")
-        rope_type = (getattr(v, "rope_parameters", None) or {}).get("rope_type", "axial")
-        if rope_type != "axial":
-            raise C.UnsupportedConfigError(f"vision_config.rope_parameters.rope_type={rope_type!r} is not supported "
-                                           "(only Pixtral's 'axial').")
-        if v.hidden_size % v.num_attention_heads or (v.hidden_size // v.num_attention_heads) % 4:
-            raise C.UnsupportedConfigError(f"vision_config: hidden_size={v.hidden_size} / num_attention_heads="
-                                           f"{v.num_attention_heads} must be a whole head size divisible by 4 "
-                                           "(2-D rope over rows and columns).")
         if self.vision_merge < 1:
             raise C.UnsupportedConfigError(f"spatial_merge_size={self.vision_merge} must be at least 1.")
 

@@ -46,9 +46,9 @@ def _renamed(mapping: Mapping, old: str, new: str) -> Mapping:
     return replace(mapping, **values)
 
 
-def check_vit(v) -> None:
-    """What the Qwen ViTs need of ``vision_config``: an activation transformers knows, the axial rope, a head size
-    divisible by 4."""
+def check_vit(v, heads_field: str = "num_heads") -> None:
+    """What the ViTs with an axial 2-D rope need of ``vision_config`` (its head count in ``heads_field``): an
+    activation transformers knows, the axial rope, a head size divisible by 4."""
     from transformers.activations import ACT2FN
 
     if v.hidden_act not in ACT2FN:
@@ -58,8 +58,9 @@ def check_vit(v) -> None:
     if rope_type != "axial":
         raise C.UnsupportedConfigError(f"vision_config.rope_parameters.rope_type={rope_type!r} is not supported "
                                        "(only 'axial').")
-    if v.hidden_size % v.num_heads or (v.hidden_size // v.num_heads) % 4:
-        raise C.UnsupportedConfigError(f"vision_config: hidden_size={v.hidden_size} / num_heads={v.num_heads} "
+    heads = getattr(v, heads_field)
+    if v.hidden_size % heads or (v.hidden_size // heads) % 4:
+        raise C.UnsupportedConfigError(f"vision_config: hidden_size={v.hidden_size} / {heads_field}={heads} "
                                        "must be a whole head size divisible by 4 (axial rope over h and w).")
 
 

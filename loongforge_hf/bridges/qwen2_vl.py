@@ -28,9 +28,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.qwen2 import Qwen2Bridge
-from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, FusedQKVRows, MRopeText, Qwen2_5_VLBridge
+from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, MRopeText, Qwen2_5_VLBridge, check_vit
 
 
 class Qwen2VLTextBridge(MRopeText, Qwen2Bridge):
@@ -60,19 +60,8 @@ class Qwen2VLBridge(Qwen2_5_VLBridge):
         return tower_config(self.hf_config.vision_config)
 
     def check_vision_config(self) -> None:
-        from transformers.activations import ACT2FN
-
+        check_vit(self.vision_config)  # NOTE: the view's hidden_size is embed_dim
         v = self.hf_config.vision_config
-        if v.hidden_act not in ACT2FN:
-            raise C.UnsupportedConfigError(f"vision_config.hidden_act={v.hidden_act!r} is not an activation "
-                                           "transformers knows.")
-        rope_type = (getattr(v, "rope_parameters", None) or {}).get("rope_type", "axial")
-        if rope_type != "axial":
-            raise C.UnsupportedConfigError(f"vision_config.rope_parameters.rope_type={rope_type!r} is not supported "
-                                           "(only 'axial').")
-        if v.embed_dim % v.num_heads or (v.embed_dim // v.num_heads) % 4:
-            raise C.UnsupportedConfigError(f"vision_config: embed_dim={v.embed_dim} / num_heads={v.num_heads} must be "
-                                           "a whole head size divisible by 4 (axial rope over h and w).")
         head_dim = getattr(v, "head_dim", None)
         if head_dim and head_dim != v.embed_dim // v.num_heads:
             raise C.UnsupportedConfigError(f"vision_config.head_dim={head_dim} differs from embed_dim / num_heads = "
@@ -80,16 +69,9 @@ class Qwen2VLBridge(Qwen2_5_VLBridge):
 
     # ---- vision tensors ----------------------------------------------------------------------------------------
     def vision_block_mappings(self) -> list[Mapping]:
-        b, p = "blocks.{layer}", f"{self.vision_prefix}.blocks.{{layer}}"
-        maps: list[Mapping] = [Replicated(f"{b}.{n}.{k}", f"{p}.{n}.{k}") for n in ("norm1", "norm2")
-                               for k in ("weight", "bias")]
-        maps += [FusedQKVRows(f"{b}.attn.qkv.{k}", f"{p}.attn.qkv.{k}") for k in ("weight", "bias")]
-        maps += [RowParallel(f"{b}.attn.proj.weight", f"{p}.attn.proj.weight"),
-                 Replicated(f"{b}.attn.proj.bias", f"{p}.attn.proj.bias")]
-        maps += [ColumnParallel(f"{b}.mlp.linear_fc1.{k}", f"{p}.mlp.fc1.{k}") for k in ("weight", "bias")]
-        maps += [RowParallel(f"{b}.mlp.linear_fc2.weight", f"{p}.mlp.fc2.weight"),
-                 Replicated(f"{b}.mlp.linear_fc2.bias", f"{p}.mlp.fc2.bias")]
-        return maps
+        from loongforge_hf.bridges.qwen3_vl import layer_norm_block_mappings
+
+        return layer_norm_block_mappings(self.vision_prefix, ("fc1", "fc2"))
 
     def vision_other_mappings(self) -> list[Mapping]:
         """The patch embedding (first) and the merger, replicated."""

@@ -104,6 +104,21 @@ class Qwen3VLMoeTextBridge(InterleavedRope, MRopeText, Qwen3MoeBridge):
                 f"{prefix}.mlp.experts.gate_up_proj": gate_up, f"{prefix}.mlp.experts.down_proj": down}
 
 
+def layer_norm_block_mappings(vision_prefix: str, mlp: tuple[str, str] = ("linear_fc1", "linear_fc2")) -> list[Mapping]:
+    """One block of a LayerNorm ViT with a fused ``qkv`` and an ungated MLP (Qwen3-VL's, Qwen2-VL's: its HF names
+    ``mlp``, the tower's ``linear_fc1`` / ``linear_fc2``), ``{layer}`` the block index."""
+    b, p = "blocks.{layer}", f"{vision_prefix}.blocks.{{layer}}"
+    maps: list[Mapping] = [Replicated(f"{b}.{n}.{k}", f"{p}.{n}.{k}") for n in ("norm1", "norm2")
+                           for k in ("weight", "bias")]
+    maps += [FusedQKVRows(f"{b}.attn.qkv.{k}", f"{p}.attn.qkv.{k}") for k in ("weight", "bias")]
+    maps += [RowParallel(f"{b}.attn.proj.weight", f"{p}.attn.proj.weight"),
+             Replicated(f"{b}.attn.proj.bias", f"{p}.attn.proj.bias")]
+    maps += [ColumnParallel(f"{b}.mlp.linear_fc1.{k}", f"{p}.mlp.{mlp[0]}.{k}") for k in ("weight", "bias")]
+    maps += [RowParallel(f"{b}.mlp.linear_fc2.weight", f"{p}.mlp.{mlp[1]}.weight"),
+             Replicated(f"{b}.mlp.linear_fc2.bias", f"{p}.mlp.{mlp[1]}.bias")]
+    return maps
+
+
 class Qwen3VLBridge(Qwen2_5_VLBridge):
     """Declaration of ``Qwen3VLForConditionalGeneration``."""
 
@@ -132,16 +147,7 @@ class Qwen3VLBridge(Qwen2_5_VLBridge):
 
     # ---- vision tensors ----------------------------------------------------------------------------------------
     def vision_block_mappings(self) -> list[Mapping]:
-        b, p = "blocks.{layer}", f"{self.vision_prefix}.blocks.{{layer}}"
-        maps: list[Mapping] = [Replicated(f"{b}.{n}.{k}", f"{p}.{n}.{k}") for n in ("norm1", "norm2")
-                               for k in ("weight", "bias")]
-        maps += [FusedQKVRows(f"{b}.attn.qkv.{k}", f"{p}.attn.qkv.{k}") for k in ("weight", "bias")]
-        maps += [RowParallel(f"{b}.attn.proj.weight", f"{p}.attn.proj.weight"),
-                 Replicated(f"{b}.attn.proj.bias", f"{p}.attn.proj.bias")]
-        maps += [ColumnParallel(f"{b}.mlp.linear_fc1.{k}", f"{p}.mlp.linear_fc1.{k}") for k in ("weight", "bias")]
-        maps += [RowParallel(f"{b}.mlp.linear_fc2.weight", f"{p}.mlp.linear_fc2.weight"),
-                 Replicated(f"{b}.mlp.linear_fc2.bias", f"{p}.mlp.linear_fc2.bias")]
-        return maps
+        return layer_norm_block_mappings(self.vision_prefix)
 
     def _merger_shapes(self) -> dict[str, tuple[int, ...]]:
         """The mergers' tensors (``merger.*``, ``deepstack_merger_list.{k}.*``) and their shapes."""

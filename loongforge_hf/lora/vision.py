@@ -26,14 +26,14 @@ Choices:
   gradient summed the same way. The mergers (DeepStack's too) stay whole. Split factors carry megatron's
   tensor-parallel attributes (the gradient norm counts every shard), and checkpoints hold them at HF shapes
   (``multimodal.vision_weights``).
-- Gemma 3 (``Gemma3ForConditionalGeneration``): the module tree is ``model.language_model.*``,
-  ``model.vision_tower.*`` (SigLIP) and ``model.multi_modal_projector.*``, PEFT's names whatever the checkpoint's
-  naming (``bridges/gemma3_vl.py``). SigLIP's ``q_proj`` / ``k_proj`` / ``v_proj`` are three HF linears the tower
-  holds as one fused ``attn.qkv`` (``[q; k; v]`` rows, each split by heads under TP): each keeps its own adapter, whose
-  term is added to its block of the fused output (``rows``) and merged into those rows; under a split tower B holds
-  this rank's heads' rows (as a column-split linear). ``out_proj`` / ``fc1`` / ``fc2`` are the tower's ``attn.proj`` /
-  ``mlp.linear_fc1`` / ``mlp.linear_fc2``; the projector's ``mm_input_projection_weight`` is a parameter, not a
-  linear (PEFT adapts none there either). DoRA on the fused q / k / v is refused (``dora.check_dora``).
+- Gemma 3 (``Gemma3ForConditionalGeneration``): the module tree is ``model.language_model.*``, ``model.vision_tower.*``
+  (SigLIP) and ``model.multi_modal_projector.*``, PEFT's names whatever the checkpoint's naming (the bridge's
+  ``module_trees``, ``bridges/gemma3_vl.py``). SigLIP's ``q_proj`` / ``k_proj`` / ``v_proj`` are three HF linears the
+  tower holds as one fused ``attn.qkv`` (``[q; k; v]`` rows, each split by heads under TP): each keeps its own adapter,
+  whose term is added to its block of the fused output (``rows``) and merged into those rows; under a split tower B
+  holds this rank's heads' rows (as a column-split linear). ``out_proj`` / ``fc1`` / ``fc2`` are the tower's
+  ``attn.proj`` / ``mlp.linear_fc1`` / ``mlp.linear_fc2``; the projector's ``mm_input_projection_weight`` is a
+  parameter, not a linear (PEFT adapts none there either). DoRA on the fused q / k / v is refused (``dora.check_dora``).
 - Mistral 3 (``Mistral3ForConditionalGeneration``): ``model.language_model.*``, ``lm_head``, ``model.vision_tower.*``
   (Pixtral: its ``attention.q_proj`` / ``k_proj`` / ``v_proj`` on the fused ``qkv`` as Gemma 3's, ``o_proj``,
   ``feed_forward.gate_proj`` / ``up_proj`` / ``down_proj``) and ``model.multi_modal_projector.*`` (``linear_1``,
@@ -58,12 +58,6 @@ from loongforge_hf.multimodal.modeling import LoongModelForImageTextToText
 from loongforge_hf.multimodal.vision import VisionLinear
 
 TREE_TEXT, TREE_VISION = "model.language_model.", "model.visual."
-# module-tree prefix (PEFT's names) -> the bridge attribute holding its checkpoint prefix, by architecture
-MODULE_TREES = {"Gemma3ForConditionalGeneration": ((TREE_TEXT, "text_prefix"), ("model.vision_tower.", "vision_prefix"),
-                                                   ("model.multi_modal_projector.", "projector_prefix")),
-                "Mistral3ForConditionalGeneration": ((TREE_TEXT, "text_prefix"), ("lm_head.", "head_prefix"),
-                                                     ("model.vision_tower.", "vision_prefix"),
-                                                     ("model.multi_modal_projector.", "projector_prefix"))}
 
 
 class LoongLoraModelForImageTextToText(LoongLoraModelForCausalLM, LoongModelForImageTextToText):
@@ -89,7 +83,8 @@ def checkpoint_names(vl_bridge):
     """HF module-tree name -> checkpoint name (identity for a text model)."""
     if vl_bridge is None:
         return lambda name: name
-    trees = MODULE_TREES.get(vl_bridge.architectures[0], ((TREE_TEXT, "text_prefix"), (TREE_VISION, "vision_prefix")))
+    # NOTE: (module-tree prefix, the bridge attribute holding its checkpoint prefix): the bridge's, else Qwen's
+    trees = getattr(vl_bridge, "module_trees", None) or ((TREE_TEXT, "text_prefix"), (TREE_VISION, "vision_prefix"))
     prefixes = [(tree, getattr(vl_bridge, attribute) + ".") for tree, attribute in trees]
 
     def on_disk(name: str) -> str:

@@ -218,6 +218,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
+def run_block(tower: nn.Module, block: nn.Module, *args) -> torch.Tensor:
+    """``block(*args)``, checkpointed (non-reentrant ``torch.utils.checkpoint``) when ``tower.recompute`` is set and
+    ``tower`` trains with gradients enabled."""
+    if tower.recompute and tower.training and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+    return block(*args)
+
+
 def split_hidden(hidden: int, tp_group) -> int:
     """This TP rank's share of the ViT MLP's ``hidden`` width."""
     tp = _tp_size(tp_group)
@@ -338,9 +346,5 @@ class VisionTower(nn.Module):
         cos, sin = self.rotary(layout.positions.to(device)[order])
         cu_windows, cu_frames = layout.cu_windows.to(device), layout.cu_frames.to(device)
         for i, block in enumerate(self.blocks):
-            cu = cu_frames if i in self.full_attention else cu_windows
-            if self.recompute and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, cu, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cu, cos, sin)
+            x = run_block(self, block, x, cu_frames if i in self.full_attention else cu_windows, cos, sin)
         return self.merger(x)[layout.restore.to(device)]

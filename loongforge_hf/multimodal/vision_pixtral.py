@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from loongforge_hf.multimodal.vision import (PatchEmbed, VisionAttention, VisionLinear, VisionMLP,  # noqa: F401
-                                             VisionRMSNorm, _cu, as_image_patches)
+                                             VisionRMSNorm, _cu, as_image_patches, run_block)
 
 PIXTRAL_NORM_EPS = 1e-5  # NOTE: transformers' PixtralRMSNorm layers are built with eps=1e-5, not from the config
 
@@ -120,8 +120,5 @@ class PixtralTower(nn.Module):
         x = self.pre_norm(self.patch_embed(pixel_values))
         cu_images = _cu([h * w for _, h, w in grid]).to(device)
         for block in self.blocks:
-            if self.recompute and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, cu_images, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cu_images, cos, sin)
+            x = run_block(self, block, x, cu_images, cos, sin)
         return self.projector(x, grid)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from loongforge_hf.multimodal.vision import (VISION_NORM_EPS, AxialRotary, PatchEmbed, VisionLinear,
-                                             patch_positions)
+                                             patch_positions, run_block)
 from loongforge_hf.multimodal.vision_qwen3 import Qwen3VisionBlock
 
 
@@ -60,8 +60,5 @@ class Qwen2VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         cos, sin = self.rotary(positions.to(device))
         for block in self.blocks:
-            if self.recompute and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, cu_frames, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cu_frames, cos, sin)
+            x = run_block(self, block, x, cu_frames, cos, sin)
         return self.merger(x)

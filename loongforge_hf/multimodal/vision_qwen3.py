@@ -30,7 +30,7 @@ from torch import nn
 
 from loongforge_hf.multimodal.vision import (VISION_NORM_EPS, AxialRotary, PatchEmbed, VisionAttention, VisionLinear,
                                              _into_split, _mark_split, _out_of_split, _tp_size, patch_positions,
-                                             split_hidden)
+                                             run_block, split_hidden)
 
 
 class Qwen3VisionMLP(nn.Module):
@@ -131,10 +131,7 @@ class Qwen3VisionTower(nn.Module):
         cos, sin = self.rotary(positions)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            if self.recompute and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, cu_frames, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cu_frames, cos, sin)
+            x = run_block(self, block, x, cu_frames, cos, sin)
             if i in self.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
         return torch.cat([self.merger(x), *deepstack], dim=-1) if deepstack else self.merger(x)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loongforge_hf.multimodal.vision import PatchEmbed, _cu
+from loongforge_hf.multimodal.vision import PatchEmbed, _cu, run_block
 from loongforge_hf.multimodal.vision_qwen3 import Qwen3VisionBlock
 
 
@@ -79,8 +79,5 @@ class SiglipTower(nn.Module):
         x = x + self.position_embedding.weight.to(x.dtype).repeat(len(grid), 1)
         cu_images = _cu([h * w for _, h, w in grid]).to(x.device)
         for block in self.blocks:
-            if self.recompute and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, cu_images, None, None, use_reentrant=False)
-            else:
-                x = block(x, cu_images, None, None)
+            x = run_block(self, block, x, cu_images, None, None)
         return self.projector(self.post_layernorm(x), grid)

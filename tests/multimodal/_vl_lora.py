@@ -225,6 +225,16 @@ def peft_adapter_checks(folder: str, out_dir: str, layout: dict, saved: tuple = 
     return out
 
 
+def check_peft_adapter(res: dict) -> None:
+    """``peft_adapter_checks``' result: the adapter folder loads frozen as a LoRA model, ``load_adapter`` trains it,
+    ``disable_adapter`` and ``merge_and_unload`` give PEFT's logits (1e-5; merged 3e-5: test_qwen2_5_vl_lora.py says
+    why)."""
+    assert res["class"] == "LoongLoraModelForImageTextToText" and res["trainable"] == 0, res
+    assert res["merged_class"] == "LoongModelForImageTextToText", res
+    assert res["trainable_counts"][0] > 0, res
+    assert max(res["logits_diff"], res["disabled_diff"]) < 1e-5 and res["merged_diff"] < 3e-5, res
+
+
 def two_rank_checks(folder: str, out_dir: str) -> dict:
     out = {f"{layout_name}/{name}": model_checks(folder, f"{out_dir}/{layout_name}-{name}", layout, name)
            for layout_name, layout in (("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2}),

@@ -13,6 +13,14 @@ SAMPLES = [
 # one image: under encoder data parallel over two ranks, one rank encodes nothing
 ONE_IMAGE = [("tok5 <|vision_start|><|image_pad|><|vision_end|> tok6", [(28, 56)]), ("tok7 tok8 tok9", [])]
 SAMPLE_SETS = {"default": SAMPLES, "one_image": ONE_IMAGE}
+# the two-rank layouts of the image-text parity tests: name -> from_pretrained keywords
+TWO_RANKS = {
+    "tp2_sp_vision_tp2": {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor_parallel_size": 2},
+    "tp2_encoder_data_parallel": {"tensor_parallel_size": 2, "vision_data_parallel": True, "vision_recompute": True,
+                                  "language_recompute": True},
+    "pp2": {"pipeline_parallel_size": 2},
+    "cp2": {"context_parallel_size": 2},
+}
 
 
 def make_batch(folder: str, samples=SAMPLES, seed: int = 3, **collator_kwargs) -> dict:

@@ -13,19 +13,13 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.round_trip import check_round_trip as _check_round_trip, read_all
 from loongforge_hf.testing.tiny_vl import make_tiny_gemma3_vl, tiny_gemma3_vl_config
 
+from ._vl_parity import TWO_RANKS
 from ._vl_gemma3 import (TEXT_ROWS, compare_many, generate_both, generate_layouts, make_batch,
                          packed_against_padded, train_both)
 
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "processor_config.json")
-TWO_RANKS = {  # name: from_pretrained keywords
-    "tp2_sp_vision_tp2": {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor_parallel_size": 2},
-    "tp2_encoder_data_parallel": {"tensor_parallel_size": 2, "vision_data_parallel": True, "vision_recompute": True,
-                                  "language_recompute": True},
-    "pp2": {"pipeline_parallel_size": 2},
-    "cp2": {"context_parallel_size": 2},
-}
 
 
 @pytest.fixture(scope="module")

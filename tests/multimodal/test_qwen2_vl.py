@@ -15,18 +15,11 @@ from loongforge_hf.testing.round_trip import check_round_trip as _check_round_tr
 from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_vl, tiny_qwen2_vl_config
 
 from ._vl_features import compare_videos
-from ._vl_parity import compare_many, train_both
+from ._vl_parity import TWO_RANKS, compare_many, train_both
 from .test_qwen2_5_vl import SIDE_FILES, nested_naming_copy
 
 TOL = 1e-4
 GEN_ATOL = 1e-5  # NOTE: fp32 greedy scores
-TWO_RANKS = {  # name: from_pretrained keywords
-    "tp2_sp_vision_tp2": {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor_parallel_size": 2},
-    "tp2_encoder_data_parallel": {"tensor_parallel_size": 2, "vision_data_parallel": True, "vision_recompute": True,
-                                  "language_recompute": True},
-    "pp2": {"pipeline_parallel_size": 2},
-    "cp2": {"context_parallel_size": 2},
-}
 # ViT blocks x (qkv, attn.proj, fc1, fc2) + the merger's mlp.0 and mlp.2 (tiny_vl: depth 2)
 TOWER_TARGETS = 2 * 4 + 2
 
