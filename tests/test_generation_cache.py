@@ -13,7 +13,7 @@ prompts of different lengths.
   3-token sliding window (the prompts and the generated tokens outrun it) at one rank and at CP2 (the window in the
   split prefill and over each rank's share); Phi-3 (packed q / k / v, partial rotary) with a 3-token window at TP2;
   StarCoder2 (LayerNorms and linears with biases, an ungated MLP) with a 3-token window at TP2 with sequence
-  parallelism;
+  parallelism; GPT-NeoX (the attention and the MLP side by side, partial rotary) at PP2;
   GLM-4.5 (biased q/k/v, half-rotary heads, sigmoid-routed experts) at TP2 with sequence parallelism; ERNIE 4.5 MoE
   (interleaved rotary pairs, tied embeddings, experts chosen on softmax scores plus a fixed bias) at TP2 with sequence
   parallelism and at CP2; OLMoE (q / k norms over all heads, split over TP with the heads; every layer sparse) at TP2
@@ -78,6 +78,7 @@ LAYOUTS = {
     "granitemoe_tp2_sp": ("granitemoe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "exaone4_cp2": ("exaone4", 2, {"context_parallel_size": 2}),
     "starcoder2_tp2_sp": ("starcoder2", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "gpt_neox_pp2": ("gpt_neox", 2, {"pipeline_parallel_size": 2}),
     "gpt_oss_cp2": ("gpt_oss", 2, {"context_parallel_size": 2}),
     "gpt_oss_tp2_sp": ("gpt_oss", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "ernie4_5_moe_tp2_sp": ("ernie4_5_moe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
@@ -96,7 +97,7 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "gemma2": ("gemma2", {"sliding_window": 3}), "ministral": ("ministral", {"sliding_window": 3}),
                "helium": ("helium", {}), "gpt_oss": ("gpt_oss", {"sliding_window": 3}), "glm4": ("glm4", {}),
                "granitemoe": ("granitemoe", {}), "exaone4": ("exaone4", {"sliding_window": 3}),
-               "starcoder2": ("starcoder2", {"sliding_window": 3}),
+               "starcoder2": ("starcoder2", {"sliding_window": 3}), "gpt_neox": ("gpt_neox", {}),
                "ernie4_5_moe": ("ernie4_5_moe", {}), "olmoe": ("olmoe", {}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),

@@ -12,8 +12,10 @@ Choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Any, Callable
 
+import torch
 import torch.nn.functional as F
 
 
@@ -38,12 +40,23 @@ def gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
+def gelu_new(x):
+    """transformers' ``gelu_new`` (GPT-2's and Phi-2's tanh GELU), written as transformers computes it."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def gelu_fast(x):
+    """transformers' ``gelu_fast`` (GPT-NeoX-20B's MLP), written as transformers computes it."""
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
 def relu2(x):
     """transformers' ``relu2`` (Arcee's MLP): the squared ReLU."""
     return F.relu(x).square()
 
 
-_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh, "relu2": relu2}
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh, "relu2": relu2,
+                "gelu_new": gelu_new, "gelu_fast": gelu_fast}
 
 
 def _act_to_megatron(name: str):
@@ -53,7 +66,8 @@ def _act_to_megatron(name: str):
 
 
 def _act_to_hf(fn) -> str:
-    return {F.silu: "silu", F.gelu: "gelu", gelu_tanh: "gelu_pytorch_tanh", relu2: "relu2"}[fn]
+    return {F.silu: "silu", F.gelu: "gelu", gelu_tanh: "gelu_pytorch_tanh", relu2: "relu2", gelu_new: "gelu_new",
+            gelu_fast: "gelu_fast"}[fn]
 
 
 # HF name, megatron TransformerConfig name, conversions. Order is documentation only.

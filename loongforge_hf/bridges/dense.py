@@ -22,6 +22,7 @@ class DenseBridge:
     extra_rope_types: tuple[str, ...] = ("yarn",)  # beyond default / llama3 (config_map.rope_parameters)
     has_passthrough: bool = False  # keeps checkpoint tensors megatron does not build (see passthrough_names)
     pre_norms: bool = True  # input / pre-MLP norms (OLMo 2 has none: it normalises the attention / MLP outputs)
+    parallel_residual: str | None = None  # "separate" / "shared": MLP beside the attention (kernels.specs)
     per_layer_types: bool = False  # implements sliding-window layers (``layer_types``: bridges/layer_types.py)
     config_fields: tuple[C.Field, ...] = C.DENSE_FIELDS  # the HF <-> megatron config table (config_map.py)
 

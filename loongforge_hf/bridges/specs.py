@@ -129,7 +129,8 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
 
         spec = get_layer_spec(qk_norm=bridge.qk_norm, qk_module=bridge.qk_module(),
                               attention_module=bridge.attention_module(), mlp_module=bridge.mlp_module(),
-                              pre_norms=bridge.pre_norms, normalization=config.normalization)
+                              pre_norms=bridge.pre_norms, normalization=config.normalization,
+                              parallel_residual=getattr(bridge, "parallel_residual", None))
         return _with_te_linears(config, get_block_spec(config, spec, vp_stage=vp_stage))
     from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 

@@ -17,6 +17,12 @@ Choices:
   bridges do not use it (they load the local layout): with a TE FP8 recipe they keep this spec and put megatron's TE
   linears in its linear slots only (``kernels/fp8_te.py``).
 - ``get_block_spec`` also turns on the fused rotary embedding for the config (``rope.enable_megatron_fused_rope``).
+- Parallel residual (GPT-NeoX / Pythia): ``ParallelResidualLayer``, megatron's ``TransformerLayer`` whose MLP reads
+  the layer's input instead of the attention's output, ``x + attn(norm1(x)) + mlp(norm2(x))``. megatron's own
+  attention and MLP paths run unchanged (bias-dropout-add after each, selective recompute, chunked prefill, the KV
+  cache): only the pre-MLP norm's input differs. With ``shared_norm`` (one norm before both sublayers: Phi-2, Cohere)
+  the pre-MLP slot is empty and the MLP reads the input norm's output again (the norm recomputed: one elementwise
+  pass, no second weight to keep in step).
 - MoE experts are megatron's ``SequentialMLP``; ``moe_grouped_gemm=True`` without TE means megatron's legacy
   ``GroupedMLP``, which needs the ``grouped_gemm`` package: checked here, before any model is built.
 """
@@ -81,6 +87,39 @@ class SwiGLUMLP(MLP):
         return self.linear_fc2(swiglu(fc1))
 
 
+class ParallelResidualLayer(TransformerLayer):
+    """``TransformerLayer`` with the MLP beside the attention: ``out = x + attn(norm1(x)) + mlp(norm2(x))`` (see the
+    module docstring); ``shared_norm``: ``norm2`` is ``norm1`` (the spec leaves ``pre_mlp_layernorm`` empty)."""
+
+    shared_norm = False
+
+    def forward(self, *args, **kwargs):
+        kwargs.pop("dynamic_inference_decode_only", None)
+        self._layer_input = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        try:
+            after_attention, context = self._forward_attention(*args, **kwargs)
+            # NOTE: megatron's MLP path adds its output to ``after_attention`` (x + attn); the norm reads the input
+            output = self._forward_mlp(after_attention, kwargs.get("inference_context"),
+                                       padding_mask=kwargs.get("padding_mask"))
+        finally:
+            self._layer_input = None
+        return output, context
+
+    def _forward_pre_mlp_layernorm(self, hidden_states):
+        if self.shared_norm:
+            return self.input_layernorm(self._layer_input)
+        return super()._forward_pre_mlp_layernorm(self._layer_input)
+
+
+class SharedNormParallelLayer(ParallelResidualLayer):
+    """``ParallelResidualLayer`` with one norm before both sublayers."""
+
+    shared_norm = True
+
+
+_PARALLEL_LAYERS = {None: TransformerLayer, "separate": ParallelResidualLayer, "shared": SharedNormParallelLayer}
+
+
 def _mlp_submodules() -> MLPSubmodules:
     return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU)
 
@@ -108,13 +147,16 @@ def _moe_spec(num_experts: int, moe_grouped_gemm: bool) -> ModuleSpec:
 def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped_gemm: bool = False,
                    use_te: bool = False, qk_module: type | tuple[type, type] | None = None,
                    attention_module: type | None = None, mlp_module: type | None = None,
-                   pre_norms: bool = True, normalization: str = "RMSNorm") -> ModuleSpec:
+                   pre_norms: bool = True, normalization: str = "RMSNorm",
+                   parallel_residual: str | None = None) -> ModuleSpec:
     """A megatron ``TransformerLayer`` spec: pre-norm causal self-attention (megatron's ``SelfAttention`` or
     ``attention_module``; optional q/k RMSNorm, or ``qk_module`` in the q/k norm slots: one class for both or a
     (q, k) pair), then a gated MLP (``SwiGLUMLP`` or ``mlp_module``, with the same submodules) or, with
     ``num_experts``, an MoE layer (shared experts appear when the config sets their size). ``pre_norms=False``: no
     input / pre-MLP norms (OLMo 2 normalises the attention and MLP outputs instead, in its modules);
-    ``normalization``: the kind of the input / pre-MLP norms (``norm_class``)."""
+    ``normalization``: the kind of the input / pre-MLP norms (``norm_class``); ``parallel_residual``: ``"separate"``
+    (the MLP beside the attention, each with its norm) or ``"shared"`` (one norm before both), see
+    ``ParallelResidualLayer``."""
     if use_te:
         _require("transformer_engine", "get_layer_spec(use_te=True)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -122,11 +164,13 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
                                                           qk_layernorm=qk_norm)
     q, k = qk_module if isinstance(qk_module, tuple) else (qk_module or (RMSNorm if qk_norm else IdentityOp),) * 2
+    if parallel_residual not in _PARALLEL_LAYERS:
+        raise ValueError(f"parallel_residual={parallel_residual!r}; expected one of {list(_PARALLEL_LAYERS)}.")
     pre_norm = norm_class(normalization) if pre_norms else IdentityOp
     mlp = ModuleSpec(module=mlp_module or SwiGLUMLP, submodules=_mlp_submodules()) if num_experts is None \
         else _moe_spec(num_experts, moe_grouped_gemm)
     return ModuleSpec(
-        module=TransformerLayer,
+        module=_PARALLEL_LAYERS[parallel_residual],
         submodules=TransformerLayerSubmodules(
             input_layernorm=pre_norm,
             self_attention=ModuleSpec(
@@ -136,7 +180,7 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
                                                    linear_proj=RowParallelLinear, q_layernorm=q, k_layernorm=k),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=pre_norm,
+            pre_mlp_layernorm=IdentityOp if parallel_residual == "shared" else pre_norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),

@@ -18,7 +18,7 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
               "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe", "starcoder2",
-              "exaone4", "ernie4_5_moe", "olmoe")
+              "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -26,6 +26,7 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
     "original_max_position_embeddings": 32, "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
+_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox")  # linears' biases randomised in the tiny checkpoints
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
 
@@ -129,6 +130,13 @@ def _config(arch: str, **overrides):
         cfg = tf.Starcoder2Config(**{**{k: v for k, v in common.items() if k != "rms_norm_eps"},
                                      "tie_word_embeddings": True}, norm_epsilon=1e-5, sliding_window=5,
                                   rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    elif arch == "gpt_neox":
+        # NOTE: Pythia's layout shrunk: parallel residual, LayerNorms and linears with biases (randomised in
+        # make_tiny_checkpoint), q / k / v fused per head (no GQA), a quarter of each head rotated, exact GELU
+        cfg = tf.GPTNeoXConfig(**{k: v for k, v in common.items() if k not in ("rms_norm_eps", "num_key_value_heads")},
+                               layer_norm_eps=1e-5, hidden_act="gelu", use_parallel_residual=True,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.25})
     elif arch == "helium":
         cfg = tf.HeliumConfig(**{**common, "head_dim": 16})  # NOTE: interleaved rotary pairs
     elif arch == "ernie4_5":
@@ -227,7 +235,7 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith(("router.weight", "self_attn.sinks")):  # NOTE: gpt-oss (its init leaves sinks empty)
                 p.copy_((0.2 if name.endswith("weight") else 1.0) * torch.randn_like(p))
-            elif name.endswith("bias") and getattr(cfg, "model_type", "") in ("gpt_oss", "starcoder2"):  # HF: zeros
+            elif name.endswith("bias") and getattr(cfg, "model_type", "") in _RANDOM_BIASES:  # NOTE: HF: zeros
                 p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith("e_score_correction_bias"):  # NOTE: ERNIE 4.5's (a frozen parameter)
                 p.copy_(0.05 * torch.randn_like(p))

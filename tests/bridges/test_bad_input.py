@@ -408,3 +408,21 @@ def test_starcoder2_dropouts_megatron_cannot_tell_apart_refused():
     kw = get_bridge(config).transformer_config_kwargs()
     assert kw["hidden_dropout"] == 0.1 and kw["normalization"] == "LayerNorm" and kw["layernorm_epsilon"] == 1e-5
     assert kw["add_bias_linear"] and kw["add_qkv_bias"] and not kw["gated_linear_unit"]
+
+
+def test_gpt_neox_attention_without_biases_refused():
+    """GPT-NeoX with ``attention_bias=False`` keeps its MLP biases; megatron gives the attention output projection a
+    bias exactly when the MLP's linears have one: refused by the bridge's pure check, naming the field."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    config = _config("gpt_neox", attention_bias=False)
+    config.architectures = ["GPTNeoXForCausalLM"]
+    with pytest.raises(UnsupportedConfigError, match=r"attention_bias=False is not supported for GPTNeoXForCausalLM"):
+        get_bridge(config)
+    config.attention_bias = True
+    kw = get_bridge(config).transformer_config_kwargs()
+    assert kw["normalization"] == "LayerNorm" and kw["add_bias_linear"] and not kw["gated_linear_unit"]
+    assert get_bridge(config).parallel_residual == "separate"
+    config.use_parallel_residual = False
+    assert get_bridge(config).parallel_residual is None

@@ -22,7 +22,8 @@ scaled embedding, Gemma 2 with soft-capped scores and logits, Ministral with the
 with q/k/v biases, Arcee with its ungated relu2 MLP, Helium and ERNIE 4.5 with interleaved rotary pairs, GLM-4 with half
 of each head rotated in interleaved pairs, norms after the sublayers and a packed gate / up, EXAONE 4 with windowed
 layers and a full one without rotary embedding, StarCoder2 with LayerNorms and linears with biases, an ungated MLP and a
-window) at TP1, TP2, TP2 + SP and CP2.
+window, GPT-NeoX with the attention and the MLP side by side and q / k / v fused per head) at TP1, TP2, TP2 + SP and
+CP2.
 """
 
 from __future__ import annotations
@@ -66,12 +67,13 @@ CHECKPOINTS = {
     "glm4": ("glm4", {}),  # q/k/v biases, half-rotary heads in interleaved pairs, sandwich norms, packed gate_up
     "exaone4": ("exaone4", {}),  # post norms, per-head q / k norms, windowed layers and a full one without rope
     "starcoder2": ("starcoder2", {}),  # LayerNorms with biases, biases on every linear, an ungated MLP, a window
+    "gpt_neox": ("gpt_neox", {}),  # attention and MLP side by side, LayerNorms, q / k / v fused per head
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe")
 DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3", "gemma",
          "gemma2", "ministral", "seed_oss", "arcee",
-         "helium", "ernie4_5", "glm4", "exaone4", "starcoder2")
+         "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
     "tp1": (1, {}, MOE + DENSE),

@@ -3,7 +3,8 @@ norms inside megatron's attention and MLP modules here: the adapters' terms must
 is scaled and tied to the LM head, OLMo 2's q / k norms span all heads (their weights split over TP), GLM-4 packs gate
 and up in one linear and rotates half of each head in interleaved pairs, EXAONE 4 has a full layer without rotary
 embedding. StarCoder2's norms are LayerNorms with biases and all its linears have biases (the adapters' terms beside
-them, DoRA's rescaling without them); its two norms a layer are trained whole, weight and bias.
+them, DoRA's rescaling without them); its two norms a layer are trained whole, weight and bias. GPT-NeoX runs its
+attention and MLP side by side, with q / k / v in one linear (one adapter).
 
 Checked against PEFT on the transformers model, from adapters PEFT wrote (every factor, magnitude and modules_to_save
 tensor moved off its initial value), at TP=2 + SP, PP=2 and CP=2: logits (1e-4) and loss (1e-5), every A / B /
@@ -33,8 +34,12 @@ ADAPTERS = {
                              modules_to_save=[*POST_NORMS, "q_norm", "k_norm"]), "dora": DORA_KW},
     "starcoder2": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                                 modules_to_save=["input_layernorm", "post_attention_layernorm"]), "dora": DORA_KW},
+    # NOTE: GPT-NeoX's q / k / v are one linear (one adapter, its B rows in megatron's per-head order as they are)
+    "gpt_neox": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                              modules_to_save=["input_layernorm", "post_attention_layernorm"]), "dora": DORA_KW},
 }
-TARGETS_PER_LAYER = {"glm4": 6, "starcoder2": 6}  # NOTE: else q, k, v, o, gate, up, down; StarCoder2's c_fc, c_proj
+# NOTE: else q, k, v, o, gate, up, down; StarCoder2's c_fc, c_proj; GPT-NeoX's query_key_value, dense and two MLP ones
+TARGETS_PER_LAYER = {"glm4": 6, "starcoder2": 6, "gpt_neox": 4}
 LAYOUTS = {"tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
            "pp2": (2, {"pipeline_parallel_size": 2}), "cp2": (2, {"context_parallel_size": 2})}
 

@@ -239,7 +239,7 @@ def test_phi3_matches_trl(tmp_path):
 ARCH_SEEDS = {"smollm3": 0, "gemma3": 5, "granite": 0, "olmo2": 0, "olmo3": 0, "gemma": 0, "gemma2": 0,
               "ministral": 2, "seed_oss": 0, "arcee": 0,
               "helium": 0, "ernie4_5": 0, "gpt_oss": 0, "glm4": 0, "granitemoe": 0, "exaone4": 0, "ernie4_5_moe": 0,
-              "starcoder2": 0, "olmoe": 3}
+              "starcoder2": 0, "olmoe": 3, "gpt_neox": 0}
 
 
 # NOTE: gpt-oss: transformers' eager attention (the only one with its sinks on CPU: flex attention refuses them there)
@@ -272,7 +272,8 @@ def test_architecture_matches_trl(tmp_path, arch):
     on every other layer), Seed-OSS (q/k/v biases), Arcee (an ungated relu2 MLP), Helium and ERNIE 4.5 (interleaved
     rotary pairs), GLM-4 (half-rotary heads in interleaved pairs, norms after the sublayers, packed gate / up: one
     adapter, as PEFT's), EXAONE 4 (post norms, windowed layers, a full layer without rotary embedding), StarCoder2
-    (LayerNorms and linears with biases, an ungated gelu-tanh MLP, a window on every layer), GraniteMoE
+    (LayerNorms and linears with biases, an ungated gelu-tanh MLP, a window on every layer), GPT-NeoX (the attention
+    and the MLP side by side, q / k / v in one linear, a quarter of each head rotated), GraniteMoE
     (Granite's multipliers on megatron's MoE layers), ERNIE 4.5 MoE (interleaved rotary pairs, tied embeddings,
     shared experts, experts chosen on softmax scores plus a fixed bias, transformers' balancing loss, which TRL turns
     on), OLMoE (q / k norms over all heads, split over the TP ranks; experts in every layer; the balancing loss),
