@@ -107,10 +107,31 @@ def legacy_adapter_checks(folder: str, out_dir: str) -> dict:
     return out
 
 
+def generate_checks(folder: str, layout: dict) -> dict:
+    """``generate`` (``_vl_gemma3.SCENARIOS``: greedy, uncached, beams; left-padded prompts with images) of our model
+    with "all_linear" adapters against PEFT's ``get_peft_model`` on transformers' model (the same seed: random B),
+    then of both after ``merge_and_unload`` (``_vl_gemma3.generate_pair``'s results by scenario; the merged ones
+    prefixed ``merged_``, with the classes merged)."""
+    from ..integrations._lora_checks import lora_pair
+    from ._vl_gemma3 import SCENARIOS, generate_pair, prompts
+
+    model, _, ref = lora_pair(folder, layout, CONFIGS["all_linear"], image_text=True)
+    with torch.no_grad():
+        out = generate_pair(model, ref.eval(), prompts())
+        with model.disable_adapter():  # NOTE: the adapters change the tokens, so the checks see them
+            base = generate_pair(model, ref, prompts(), {"greedy": SCENARIOS["greedy"]})["greedy"]
+        out["adapter_changes_tokens"] = not base["same_sequences"]
+        merged, ref_merged = model.merge_and_unload(), ref.merge_and_unload()
+        out.update({f"merged_{name}": r for name, r in generate_pair(merged, ref_merged.eval(), prompts(),
+                                                                     SCENARIOS).items()})
+    out["merged_classes"] = (type(merged).__name__, type(ref_merged).__name__)
+    return out
+
+
 def checks(folders: dict, out_dir: str, ranks: int) -> dict:
     """``model_checks`` of CASES for a world of ``ranks`` (``folders``: checkpoint by naming); then on one rank the
-    refusals and SFT against TRL, on two a PEFT-written "all-linear" adapter (hub naming) loaded with the tower split
-    (TP2 + SP)."""
+    refusals, SFT against TRL and ``generate_checks``, on two a PEFT-written "all-linear" adapter (hub naming) loaded
+    with the tower split (TP2 + SP) and ``generate_checks`` in that layout."""
     out = {f"{case}/{name}": V.model_checks(folders[naming], f"{out_dir}/{case}-{name}", layout, name, CONFIGS,
                                             batch_for=batch_for, grad_tol=GRAD_TOL)
            for case, (layout, names, naming) in CASES.items() if case.startswith("tp1") == (ranks == 1)
@@ -121,7 +142,9 @@ def checks(folders: dict, out_dir: str, ranks: int) -> dict:
         out["legacy"] = legacy_adapter_checks(folder, out_dir)
         out["sft"] = {"trl": V.sft_losses(folder, out_dir + "/trl", loong=False, features_for=train_features),
                       "loong": V.sft_losses(folder, out_dir + "/loong", loong=True, features_for=train_features)}
+        out["generate"] = generate_checks(folder, {})
     else:
+        out["generate"] = generate_checks(folders["hub"], SPLIT_SP)
         out["peft_adapter"] = V.peft_adapter_checks(folders["hub"], out_dir, SPLIT_SP, lora_alpha=2,
                                                     saved=("language_model.norm",), batch=make_batch())
     return out

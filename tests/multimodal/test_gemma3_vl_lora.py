@@ -16,6 +16,8 @@ on transformers' ``Gemma3ForConditionalGeneration``.
   summed as megatron's DDP sums them).
 - A PEFT-written "all-linear" adapter on the hub-named checkpoint, loaded with the tower split (TP2 + SP):
   ``from_pretrained`` of its folder, ``load_adapter``, ``disable_adapter`` and ``merge_and_unload`` against PEFT's.
+- ``generate`` with "all-linear" adapters (greedy cached and uncached, beams; prompts with images) against PEFT's
+  model, and after ``merge_and_unload`` of both: the same tokens; at TP1 and TP2 + SP with the tower split.
 - LoongSFTTrainer with "all-linear" LoRA against trl.SFTTrainer + PEFT, 3 steps on the processor's rows: the losses.
 - Refused with messages, nothing changed: a SigLIP norm in modules_to_save, trainable_token_indices, DoRA on SigLIP's
   fused q / k / v.
@@ -78,6 +80,25 @@ def test_tp1_matches_peft(one_rank, case, name):
 def test_two_ranks_match_peft(two_ranks, case, name):
     _assert_matches_peft([r[f"{case}/{name}"] for r in two_ranks], name)
     assert all(("grads_checked" in r[f"{case}/{name}"]) == (case != "pp2") for r in two_ranks)
+
+
+def _assert_generate_matches_peft(res: dict) -> None:
+    assert res["adapter_changes_tokens"], res
+    assert res["merged_classes"] == ("LoongModelForImageTextToText", "Gemma3ForConditionalGeneration"), res
+    for name in ("greedy", "uncached", "beam"):
+        for r in (res[name], res[f"merged_{name}"]):
+            assert r["same_sequences"] and r["max_diff"] < 1e-4 and r["steps"] >= 4, (name, res)
+
+
+def test_generate_matches_peft(one_rank, two_ranks):
+    """Image-text ``generate`` with "all-linear" adapters (random B: the adapters change the greedy tokens) against
+    PEFT's ``get_peft_model`` on transformers' model, greedy with and without the KV cache and beam search on
+    left-padded prompts with images (test_gemma3_vl.py's); then both after ``merge_and_unload`` (ours a plain
+    image-text model again): the same tokens, logits / scores within 1e-4; at TP1 and at TP2 + SP with the tower
+    split (hub naming)."""
+    _assert_generate_matches_peft(one_rank["generate"])
+    for r in two_ranks:
+        _assert_generate_matches_peft(r["generate"])
 
 
 def test_peft_written_adapter_on_a_split_tower(two_ranks):

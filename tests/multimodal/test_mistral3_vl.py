@@ -75,10 +75,17 @@ def test_generate_matches_transformers(checkpoint):
         assert r["same_sequences"] and r["max_diff"] < TOL and r["steps"] >= 4, (name, r)
 
 
+GENERATE_LAYOUTS = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True,
+                               "vision_tensor_parallel_size": 2},
+                    "pp2": {"pipeline_parallel_size": 2}, "cp2": {"context_parallel_size": 2}}
+
+
 def test_generate_matches_transformers_two_ranks(checkpoint):
-    """The same scenarios at TP2 + SP with the tower split."""
-    layouts = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor_parallel_size": 2}}
-    for got in run_distributed(generate_layouts, 2, str(checkpoint), layouts, timeout=600):
+    """The same scenarios at TP2 + SP with the tower split, PP2 and CP2 (the cached prefill split over the CP ranks,
+    an image across its chunks)."""
+    per_rank = run_distributed(generate_layouts, 2, str(checkpoint), GENERATE_LAYOUTS, timeout=600)
+    assert [sorted(got) for got in per_rank] == [sorted(GENERATE_LAYOUTS)] * 2, per_rank
+    for got in per_rank:
         for layout, scenarios in got.items():
             for name, r in scenarios.items():
                 assert r["same_sequences"] and r["max_diff"] < TOL and r["steps"] >= 4, (layout, name, r)
