@@ -10,6 +10,9 @@ Workloads (random init, bf16 weights, random tokens, one optimizer step per micr
   d  gpt-oss-20b shape cut to 2 layers, one sliding (128-token window) and one full (hidden 2880, 64 heads of 64,
      8 KV heads, sinks, 32 experts of 2880 with biases, top-4, YaRN, vocab 201088, untied); seq 4096, micro-batch 2.
      transformers runs gpt-oss's eager attention (its only one with sinks without a hub kernel); no Liger row.
+  e  Pythia-1.4B shape (24 layers, hidden 2048, 16 heads, intermediate 8192, vocab 50304, untied; the attention and
+     the MLP side by side, LayerNorms and biases, partial rotary 0.25, GELU); seq 2048, micro-batch 8. No Liger row
+     (Liger-Kernel has no GPT-NeoX patch).
 
 Each workload's checkpoint is written once by transformers (``from_config`` + ``save_pretrained``, bf16, seed 0) and
 every stack loads it from that folder: transformers with ``from_pretrained``, Liger after
@@ -29,9 +32,9 @@ bf16 parameters, as in the transformers rows).
 
 MFU counts model FLOPs (``loongforge_hf.trainer.flops.model_flops_per_token``), per token:
   3 * (L * (2*h*(q + 2*kv) + 2*q*h + 6*h*f*k + 2*q*s) + 2*h*V)
-with q = heads*head_dim, kv = kv_heads*head_dim, f the (expert) MLP width, k the active experts (1 when dense), s the
-sequence, V the vocabulary: 6 * (active matmul parameters) per token plus causal attention 12*L*q*s/2, against a peak
-of --peak-tflops (989 for H100/H200 dense bf16).
+with q = heads*head_dim, kv = kv_heads*head_dim, f the (expert) MLP width, k the active experts (1 when dense; 6*h*f
+is 4*h*f for an ungated MLP, workload e), s the sequence, V the vocabulary: 6 * (active matmul parameters) per
+token plus causal attention 12*L*q*s/2, against a peak of --peak-tflops (989 for H100/H200 dense bf16).
 
 A stack that runs out of memory at the workload's micro-batch is measured again at micro-batch 1 with gradient
 accumulation over as many micro-batches (same tokens per optimizer step), and both facts are reported.
@@ -120,9 +123,20 @@ WORKLOADS = {
                   seq=4096, micro_batch=2,
                   tiny=dict(_TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, seq=64,
                             micro_batch=2)),
+    # NOTE: Pythia-1.4B whole: the attention and the MLP side by side, LayerNorms and biases, a quarter of each head
+    # rotated, an ungated GELU MLP; no Liger row (Liger-Kernel has no GPT-NeoX patch)
+    "e": Workload("e", "Pythia-1.4B shape, seq 2048, micro-batch 8", "gpt_neox",
+                  dict(num_hidden_layers=24, hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                       vocab_size=50304, tie_word_embeddings=False, max_position_embeddings=2048,
+                       layer_norm_eps=1e-5, hidden_act="gelu", use_parallel_residual=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": 0.25}),
+                  seq=2048, micro_batch=8,
+                  tiny={k: v for k, v in dict(_TINY, seq=64, micro_batch=2).items()
+                        if k not in ("num_key_value_heads", "head_dim")}),
 }
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "gpt_neox": "GPTNeoXForCausalLM"}
 # NOTE: transformers' attention per model type: gpt-oss's sinks are in its eager attention only (its flash kernel
 # comes from the hub, which the GPU machine cannot reach)
 HF_ATTENTION = {"gpt_oss": "eager"}
@@ -553,7 +567,7 @@ def main(argv: list[str]) -> int:
                            "weight_decay": WEIGHT_DECAY, "max_grad_norm": MAX_GRAD_NORM, "tiny": args.tiny,
                            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
               "mfu_formula": "model_flops_per_token (loongforge_hf/trainer/flops.py): 3*(L*(2h(q+2kv) + 2qh + 6hfk "
-                             "+ 2qs) + 2hV) per token", "workloads": {}}
+                             "+ 2qs) + 2hV) per token (4hfk for an ungated MLP)", "workloads": {}}
     tables = []
     for key in shapes:
         w = WORKLOADS[key]

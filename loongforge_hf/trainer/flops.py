@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# NOTE: model types whose MLP is two matrices (``fc2(act(fc1(x)))``), not gate / up / down
+UNGATED_MLP = ("gpt_neox", "starcoder2", "arcee", "phi")
+
 
 def model_flops_per_token(hf_config, *, seq_len: int) -> float:
     """Matmul FLOPs per token of one training step: projections, MLP (active experts), LM head, causal attention."""
@@ -16,7 +19,7 @@ def model_flops_per_token(hf_config, *, seq_len: int) -> float:
     ffn = (getattr(hf_config, "moe_intermediate_size", None) if experts else None) or hf_config.intermediate_size
     active = getattr(hf_config, "num_experts_per_tok", 1) if experts else 1
     attn_proj = 2 * h * (heads * hd + 2 * kv * hd) + 2 * heads * hd * h
-    mlp = 2 * 3 * h * ffn * active
+    mlp = 2 * (2 if getattr(hf_config, "model_type", None) in UNGATED_MLP else 3) * h * ffn * active
     attn_scores = 2 * 2 * heads * hd * seq_len / 2  # QK^T and AV, causal half
     head = 2 * h * hf_config.vocab_size
     return 3.0 * (layers * (attn_proj + mlp + attn_scores) + head)
