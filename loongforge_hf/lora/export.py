@@ -15,7 +15,18 @@ Choices:
 - Merged export: every adapted megatron weight (each expert of an expert stack) gets ``scaling * B @ A`` (computed
   in float32, added in the weight's dtype, as PEFT's ``merge_and_unload``; DoRA: ``dora.merge_delta``), the regular
   HF export runs, and the
-  original weights are copied back from a CPU copy: the model continues unmerged, bit for bit.
+  original weights are copied back from a CPU copy: the model continues unmerged, bit for bit. With PiSSA / OLoRA the
+  base weights are the residual (``init.py``), so the merged weights are the original ones plus what training added.
+- PiSSA / OLoRA: the adapter folder holds A and B as they are and the config's ``init_lora_weights`` as given, as
+  PEFT's plain ``save_pretrained`` (loading it, PEFT and ``load.py`` decompose the original base weights again).
+  ``path_initial_model_for_weight_conversion`` (PEFT's): rank 0 reads the initial adapter from that folder (saved
+  right after ``get_peft_model``) and writes ``lora_A = [A; A0]``, ``lora_B = [B, -B0]`` (so ``scaling' * B' A' =
+  scaling * (B A - B0 A0)``, what training added, on the original weights) with PEFT's config changes: r, the rank
+  pattern and the alpha pattern doubled, ``lora_alpha`` doubled (times sqrt 2 with rsLoRA), ``init_lora_weights`` True.
+  Unlike PEFT, ``modules_to_save`` and trainable token rows are written too (PEFT drops all but the LoRA factors),
+  and the initial folder's adapter_config.json is left as it is (PEFT rewrites it with ``init_lora_weights=True``).
+  Refused as PEFT refuses it: rsLoRA with rank / alpha patterns; refused here: DoRA (a rescaled update is no low-rank
+  difference), expert stacks, ``merged=True``.
 """
 
 from __future__ import annotations
@@ -73,13 +84,19 @@ def merged_weights(model):
                 weight.copy_(original)
 
 
-def adapter_config_text(model) -> str:
-    """adapter_config.json as PEFT writes it for this model's LoraConfig."""
+def adapter_config_text(model, *, converted: bool = False) -> str:
+    """adapter_config.json as PEFT writes it for this model's LoraConfig (``converted``: for the plain LoRA adapter
+    ``converted_to_lora`` writes, as PEFT's ``path_initial_model_for_weight_conversion``)."""
     from peft import __version__ as peft_version
 
     data = model.lora_config.to_dict()
     data.update(target_modules=model.lora_plan.target_modules, base_model_name_or_path=model.name_or_path or None,
                 inference_mode=True, peft_version=peft_version)
+    if converted:
+        data.update(init_lora_weights=True, r=2 * data["r"],
+                    lora_alpha=data["lora_alpha"] * (2 ** 0.5 if data.get("use_rslora") else 2),
+                    rank_pattern={k: 2 * v for k, v in (data.get("rank_pattern") or {}).items()},
+                    alpha_pattern={k: 2 * v for k, v in (data.get("alpha_pattern") or {}).items()})
     if data.get("task_type") is None:
         # NOTE: what PeftModel.save_pretrained adds without a task type: peft's AutoPeftModel loads the base by it
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
@@ -220,6 +237,53 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
     return out
 
 
+def check_convertible(model, merged: bool) -> None:
+    """``save_pretrained(path_initial_model_for_weight_conversion=...)`` refused (``ValueError``, on every rank alike,
+    before anything is written) where the conversion cannot hold the adapter."""
+    config = model.lora_config
+    if merged:
+        raise ValueError("save_pretrained(merged=True) writes the merged weights; path_initial_model_for_weight_"
+                         "conversion converts an adapter folder: pass one or the other.")
+    if config.use_rslora and (config.rank_pattern or config.alpha_pattern):
+        raise ValueError("Passing `path_initial_model_for_weight_conversion` to `save_pretrained` is not supported "
+                         "when using `rank_pattern` or `alpha_pattern` at the same time as `use_rslora=True`.")
+    if config.use_dora:
+        raise ValueError("path_initial_model_for_weight_conversion: a DoRA adapter (use_dora=True) rescales the whole "
+                         "weight, so its update is no low-rank difference; save the adapter as it is, or the merged "
+                         "weights (merged=True).")
+    if any(t.num_experts > 1 for t in model.lora_plan.targets):
+        raise ValueError("path_initial_model_for_weight_conversion is not supported with adapters on expert stacks "
+                         "(their factors hold every expert's rank; doubling them would mix the experts' rows).")
+
+
+def converted_to_lora(tensors: dict[str, torch.Tensor], initial_dir: Path) -> dict[str, torch.Tensor]:
+    """The adapter ``tensors`` as a plain LoRA adapter of twice the rank for the original base weights (PEFT's
+    ``subtract_mutated_init``): ``[A; A0]`` and ``[B, -B0]`` with (A0, B0) from the adapter folder ``initial_dir``
+    saved right after ``get_peft_model``; the other tensors as they are."""
+    from safetensors.torch import load_file
+
+    path = initial_dir / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"path_initial_model_for_weight_conversion={os.fspath(initial_dir)!r} has no "
+                                f"{ADAPTER_WEIGHTS}: pass the adapter folder saved (save_pretrained) right after "
+                                "get_peft_model, before training.")
+    initial = load_file(str(path))
+    out = {}
+    for name, tensor in tensors.items():
+        factor = "A" if name.endswith(".lora_A.weight") else "B" if name.endswith(".lora_B.weight") else None
+        if factor is None:
+            out[name] = tensor
+            continue
+        start = initial.get(name)
+        if start is None or start.shape != tensor.shape:
+            raise ValueError(f"the initial adapter at {os.fspath(initial_dir)!r} does not match this one: {name} is "
+                             f"{'missing' if start is None else tuple(start.shape)} there, {tuple(tensor.shape)} "
+                             "here.")
+        start = start.to(tensor.dtype)
+        out[name] = torch.cat([tensor, start], dim=0) if factor == "A" else torch.cat([tensor, -start], dim=1)
+    return out
+
+
 def vocabulary_tensors(model, hf_names: set[str]) -> list:
     """The embedding and an untied LM head among ``hf_names`` as ``SavedTensor`` entries (whole tensors an adapter
     file carries when the vocabulary was resized: ``tokens.py``; a tied LM head has no tensor of its own)."""
@@ -232,10 +296,10 @@ def vocabulary_tensors(model, hf_names: set[str]) -> list:
 
 
 def export_adapter(model, out_dir: Path, *, dtype: torch.dtype | None = None,
-                   side_files_dir: str | os.PathLike | None = None) -> None:
+                   side_files_dir: str | os.PathLike | None = None, initial_dir: Path | None = None) -> None:
     """Write ``model``'s adapters as a PEFT adapter folder (collective; rank 0 writes, atomically), with the files of
     ``side_files_dir`` (read on rank 0). The folder's other files are kept, as PEFT's save_pretrained keeps them (an
-    old ``adapter_model.bin`` goes)."""
+    old ``adapter_model.bin`` goes). ``initial_dir``: converted to a plain LoRA adapter (``converted_to_lora``)."""
     from loongforge_hf.bridges.export_files import copy_folder_into
     from safetensors.torch import save_file
 
@@ -255,11 +319,13 @@ def export_adapter(model, out_dir: Path, *, dtype: torch.dtype | None = None,
     tensors = _adapter_tensors(model, dtype)
     if rank == 0:
         try:
+            if initial_dir is not None:
+                tensors = converted_to_lora(tensors, initial_dir)
             with tempfile.TemporaryDirectory(prefix="loongforge-adapter-") as tmp:
                 path = Path(tmp) / ADAPTER_WEIGHTS
                 save_file({n: t.contiguous() for n, t in tensors.items()}, str(path), metadata={"format": "pt"})
                 writer.copy_file(ADAPTER_WEIGHTS, path)
-            writer.write_text(ADAPTER_CONFIG, adapter_config_text(model))
+            writer.write_text(ADAPTER_CONFIG, adapter_config_text(model, converted=initial_dir is not None))
             if side_files_dir is not None:
                 copy_folder_into(writer, side_files_dir)
             writer.__exit__(None, None, None)

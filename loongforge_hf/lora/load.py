@@ -15,6 +15,11 @@ Choices:
 - Every tensor the config implies is checked (present, HF shape, floating point) before anything changes, with one
   error listing the problems. The checks read only the folder, which every rank reads alike, so a bad folder fails
   on every rank, before any collective.
+- An adapter whose config says ``init_lora_weights="pissa"`` / ``"pissa_niter_<n>"`` / ``"olora"`` (as PEFT's plain
+  ``save_pretrained`` writes it) loads as PEFT loads it: onto the original base model, whose weights are decomposed
+  again (``init.decomposed_initial_weights``; ``pissa_niter_<n>`` draws afresh, as PEFT) and left as the residual,
+  the file's A and B then taking the adapters' place. To load onto a saved residual model, set the config's
+  ``init_lora_weights`` to True first, as PEFT's PiSSA example does. Collective then (every rank loads alike).
 - ``is_trainable=False`` (PEFT's default) leaves every parameter frozen (evaluation, generation of logits);
   ``is_trainable=True`` leaves the adapters and ``modules_to_save`` trainable, to train on from there.
 """
@@ -212,12 +217,14 @@ def _current_names(model, plan, tensors: dict[str, torch.Tensor]) -> dict[str, t
 
 def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = False, allow_pickle: bool = False):
     """Attach the PEFT adapter saved in ``adapter_dir`` to ``model`` (a ``LoongModelForCausalLM``), in place; returns
-    the ``LoongLoraModelForCausalLM`` it becomes. Collective only in what the model's layers share (nothing here)."""
+    the ``LoongLoraModelForCausalLM`` it becomes. Collective only in what the model's layers share (nothing here;
+    a PiSSA / OLoRA adapter's decomposition)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.bridges.builder import layer_owners
     from loongforge_hf.bridges.loader import shard_context
     from loongforge_hf.lora.export import vocabulary_tensors
+    from loongforge_hf.lora.init import decomposed_initial_weights, is_decomposition
     from loongforge_hf.lora.model import attach_lora, check_stages_train, megatron_params_of, plan_for
     from loongforge_hf.lora.vision import text_bridge
 
@@ -234,8 +241,11 @@ def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = 
     # NOTE: the resized embedding layers (base weights, frozen) go in through the bridge's mappings as the
     # modules_to_save do; a tied model's LM head is its embedding
     resized = vocabulary_tensors(model, set(vocabulary) - {s.hf_name for s in plan.saved})
+    residual = None
+    if is_decomposition(config.init_lora_weights):  # NOTE: PiSSA / OLoRA: PEFT decomposes the base weights again
+        residual = decomposed_initial_weights(model, plan.targets, config.init_lora_weights)
     model = attach_lora(model, config, plan, initial, token_rows=None if token_rows is None else token_rows.float(),
-                        magnitudes=magnitudes)
+                        magnitudes=magnitudes, residual=residual)
     # NOTE: the mappings read checkpoint names, the file has PEFT's (the module tree's: image-text models differ)
     reader = _AdapterReader({**tensors, **{PREFIX + hf: tensors[name] for hf, name in vocabulary.items()},
                              **{PREFIX + s.checkpoint_name: tensors[PREFIX + s.hf_name] for s in plan.saved}})

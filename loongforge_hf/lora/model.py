@@ -8,6 +8,10 @@ Choices:
   and update only the adapters). The returned object is the model passed in.
 - Initial values are PEFT's, drawn at HF shapes on every rank (``init.py``) and sliced to this rank's part; call
   ``transformers.set_seed(seed)`` first to get PEFT's numbers for that seed (LoongSFTTrainer does, as TRL does).
+  PiSSA / OLoRA (``init_lora_weights="pissa"``, ``"pissa_niter_<n>"``, ``"olora"``) decompose the base weights
+  (``init.decomposed_initial_weights``, collective) and leave the residual ``W - scaling * B @ A`` in them, placed
+  as the adapters are (``attach_lora``'s ``residual``): ``unload()`` / ``disable_adapter()`` then give that residual
+  model, ``merge_and_unload()`` / the merged export the original weights, as PEFT's do.
 - Adapter weights have the model's dtype; megatron's optimizer keeps their float32 master copies (what PEFT's
   float32 adapters on a bf16 model are for).
 - ``save_pretrained(dir)`` writes a PEFT adapter folder (``peft.PeftModel.from_pretrained(hf_model, dir)`` loads it);
@@ -97,20 +101,28 @@ class LoongLoraModelForCausalLM(LoongModelForCausalLM):
 
     def save_pretrained(self, save_directory: str | os.PathLike, *, merged: bool = False,
                         max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
-                        side_files_dir: str | os.PathLike | None = None, **unused) -> None:
+                        side_files_dir: str | os.PathLike | None = None,
+                        path_initial_model_for_weight_conversion: str | os.PathLike | None = None, **unused) -> None:
         """The PEFT adapter folder (adapter tensors in ``dtype``, default the model's; one file, as PEFT writes, so
         ``max_shard_size`` only applies to the merged checkpoint), or with ``merged=True`` a plain HF checkpoint of
-        the merged weights; ``side_files_dir`` as ``LoongModelForCausalLM.save_pretrained``."""
+        the merged weights; ``side_files_dir`` as ``LoongModelForCausalLM.save_pretrained``.
+        ``path_initial_model_for_weight_conversion`` (PiSSA / OLoRA, as PEFT's): the adapter folder saved right after
+        ``get_peft_model``; the adapter is then written as a plain LoRA adapter of twice the rank for the original
+        base model (``export.converted_to_lora``)."""
         from loongforge_hf.bridges.export_files import check_export_dtype
-        from loongforge_hf.lora.export import export_adapter, merged_weights
+        from loongforge_hf.lora.export import check_convertible, export_adapter, merged_weights
         from loongforge_hf.modeling import refuse_save_options
 
         refuse_save_options({k: v for k, v in unused.items()
                              if (k, v) not in (("selected_adapters", None), ("selected_adapters", ["default"]),
                                                ("save_embedding_layers", "auto"))})
+        initial = path_initial_model_for_weight_conversion
+        if initial is not None:
+            check_convertible(self, merged)
         if not merged:
             check_export_dtype(dtype)
-            export_adapter(self, Path(save_directory), dtype=dtype, side_files_dir=side_files_dir)
+            export_adapter(self, Path(save_directory), dtype=dtype, side_files_dir=side_files_dir,
+                           initial_dir=None if initial is None else Path(initial))
             return
         with merged_weights(self):
             super().save_pretrained(save_directory, max_shard_size=max_shard_size, dtype=dtype,
@@ -141,6 +153,26 @@ def _layout_and_slices(target_group, ctx, layer: int):
     return None, {names[0]: slice(start, stop)}
 
 
+def _local_factors(t, a: torch.Tensor, b: torch.Tensor, slices, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of target ``t``'s HF-shaped (A, B): A's input columns of a row-parallel linear, else B's rows
+    in megatron's row order (``Target.b_to_megatron``)."""
+    if t.kind == "row":
+        return a[:, slices[t.name]], b
+    return a, t.b_to_megatron(b, ctx)[slices[t.name]]
+
+
+@torch.no_grad()
+def _leave_residual(weight: torch.Tensor, layout, removed: dict) -> None:
+    """``weight`` (this rank's part of one megatron linear) minus ``scaling * B @ A`` of each ``removed[name] =
+    (scaling, A, B)`` (this rank's slices), in float32 and cast back, as PEFT's ``pissa_init``; a fused linear's
+    rows of other targets unchanged."""
+    pieces = {n: (scaling * b.float().to(weight.device)) @ a.float().to(weight.device)
+              for n, (scaling, a, b) in removed.items()}
+    delta = next(iter(pieces.values())) if layout is None else \
+        layout.interleave({n: p.t() for n, p in pieces.items()}).t()
+    weight.copy_((weight.float() - delta).to(weight.dtype))
+
+
 def check_stages_train(model, plan: LoraPlan, owners) -> None:
     """Refuse (every rank alike) a plan that leaves the first pipeline stage without anything to train."""
     if model.parallel.pipeline_parallel_size == 1:
@@ -160,10 +192,13 @@ def check_stages_train(model, plan: LoraPlan, owners) -> None:
 def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelForCausalLM:
     """Add LoRA adapters described by ``peft_config`` (a ``peft.LoraConfig``) to ``model``, in place."""
     from loongforge_hf.bridges.builder import layer_owners
-    from loongforge_hf.lora.init import draw_initial_weights
+    from loongforge_hf.lora.init import decomposed_initial_weights, draw_initial_weights, is_decomposition
 
     plan = plan_for(model, peft_config)
     check_stages_train(model, plan, layer_owners(model.megatron.config, model.parallel))
+    if is_decomposition(peft_config.init_lora_weights):  # NOTE: PiSSA / OLoRA: A and B from the base weights
+        initial = decomposed_initial_weights(model, plan.targets, peft_config.init_lora_weights)
+        return attach_lora(model, peft_config, plan, initial, residual=initial)
     return attach_lora(model, peft_config, plan, draw_initial_weights(plan.targets, peft_config.init_lora_weights))
 
 
@@ -183,11 +218,14 @@ def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
 
 def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
                 initial: list[tuple[torch.Tensor, torch.Tensor]], token_rows: torch.Tensor | None = None,
-                magnitudes: dict[str, torch.Tensor] | None = None) -> LoongLoraModelForCausalLM:
+                magnitudes: dict[str, torch.Tensor] | None = None,
+                residual: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> LoongLoraModelForCausalLM:
     """Adapters with the HF-shaped ``initial`` (A, B) of each target of ``plan`` (and DoRA ``magnitudes`` by HF module,
     else PEFT's initial ones), each rank keeping its slices; the base frozen but for ``modules_to_save``; the
     trainable token rows (``tokens.py``: ``token_rows``, or the embedding's own); ``model`` becomes a
-    ``LoongLoraModelForCausalLM`` (in place)."""
+    ``LoongLoraModelForCausalLM`` (in place). ``residual`` (PiSSA / OLoRA): the HF-shaped (A, B) of each target whose
+    ``scaling * B @ A`` leaves its base weight (in float32, sliced and placed as the adapters are), before DoRA's
+    magnitudes are taken, as PEFT's ``pissa_init`` / ``olora_init`` do."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.bridges.builder import layer_owners
@@ -234,6 +272,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         p.requires_grad_(False)
     device, dtype = model.device, model.dtype
     stacks = stacking(plan.targets)  # NOTE: the layers each adapter is stacked over in checkpoints (layers.py)
+    removed_of = {} if residual is None else {id(t): pair for t, pair in zip(plan.targets, residual)}
     for (vp, path), members in groups.items():
         targets, module = [t for t, _ in members], model.chunks[vp].get_submodule(path)
         if targets[0].kind in PARAM_KINDS:
@@ -241,18 +280,19 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
                                   ctx=ctx)
             continue
         layout, slices = _layout_and_slices(targets, ctx, targets[0].layer)
-        adapters = {}
+        adapters, removed = {}, {}
         for t, (a, b) in members:
-            if t.kind == "row":
-                a, b = a[:, slices[t.name]], b
-            else:
-                b = t.b_to_megatron(b, ctx)[slices[t.name]]
+            a, b = _local_factors(t, a, b, slices, ctx)
+            if id(t) in removed_of:
+                removed[t.name] = (t.scaling, *_local_factors(t, *removed_of[id(t)], slices, ctx))
             adapters[t.name] = LoraAdapter(a.to(device=device, dtype=dtype).contiguous().clone(),
                                            b.to(device=device, dtype=dtype).contiguous().clone(),
                                            scaling=t.scaling, dropout=float(peft_config.lora_dropout),
                                            split="A" if t.kind == "row" else "B")
             adapters[t.name].stacked_layers, adapters[t.name].stack_suffix = stacks[(t.megatron_module, t.name, t.r)]
         attach_adapters(module, adapters, layout)
+        if removed:
+            _leave_residual(module.weight, layout, removed)
         if peft_config.use_dora:
             add_magnitudes(module, targets, slices, magnitudes, ctx)
     attach_vision_adapters(model, vision, dropout=float(peft_config.lora_dropout), dtype=dtype, device=device,

@@ -23,7 +23,9 @@ Choices:
   ``experts.py``). A fused half named alone (``gate_proj`` without ``up_proj``) is refused as PEFT refuses it.
 - ``use_dora``: ``dora.py``; ``rank_pattern`` / ``alpha_pattern``: ``param_targets.rank_and_alpha``. Refused with a
   clear message: ``lora_bias``, ``target_parameters`` other than the MoE models' expert stacks and router,
-  ``lora_dropout`` with parameter targets, ``layer_replication``, other initialisations (PiSSA, OLoRA, ...).
+  ``lora_dropout`` with parameter targets, ``layer_replication``, other initialisations (LoftQ, EVA, CorDA, MiCA,
+  LoRA-GA, ...). ``init_lora_weights``: True, False, "gaussian", "orthogonal", and the ones that decompose the base
+  weight, "pissa", "pissa_niter_<n>", "olora" (``init.py``; not on expert stacks, the router or a vision tower).
   ``trainable_token_indices``: ``tokens.py``. Qwen2-MoE's ``shared_expert_gate`` (a raw parameter): ``experts.py``.
 - DeepSeek-V2/V3 (multi-latent attention): each HF projection is one megatron linear (``q_proj`` or ``q_a_proj`` /
   ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``: column-parallel, the down projections too; ``o_proj``:
@@ -152,12 +154,16 @@ def _check_config(config) -> None:
         raise LoraConfigError(f"LoraConfig fields {sorted(set_fields)} are not supported on megatron layers; "
                               "supported: r, lora_alpha, rank_pattern, alpha_pattern, lora_dropout, use_rslora, "
                               "target_modules, exclude_modules, layers_to_transform, layers_pattern, modules_to_save, "
-                              "use_dora, init_lora_weights (True, False, 'gaussian').")
+                              "use_dora, init_lora_weights (True, False, 'gaussian', 'orthogonal', 'pissa', "
+                              "'pissa_niter_<n>', 'olora').")
     if config.bias != "none":
         raise LoraConfigError(f"LoraConfig(bias={config.bias!r}) is not supported; use bias='none'.")
-    if config.init_lora_weights not in _INITS:
+    from loongforge_hf.lora.init import is_decomposition
+
+    if config.init_lora_weights not in _INITS and not is_decomposition(config.init_lora_weights):
         raise LoraConfigError(f"LoraConfig(init_lora_weights={config.init_lora_weights!r}) is not supported; use "
-                              "True (PEFT's default), False, 'gaussian' or 'orthogonal'.")
+                              "True (PEFT's default), False, 'gaussian', 'orthogonal', 'pissa', 'pissa_niter_<n>' "
+                              "(n: a number of subspace iterations, e.g. 'pissa_niter_4') or 'olora'.")
     if not isinstance(config.r, int) or config.r < 1:
         raise LoraConfigError(f"LoraConfig(r={config.r!r}): r must be a positive integer.")
     if config.target_modules is None and not config.target_parameters:
@@ -189,6 +195,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     from torch import nn
 
     from loongforge_hf.lora.dora import check_dora
+    from loongforge_hf.lora.init import check_decomposition
     from loongforge_hf.lora.param_targets import as_peft_rewrites, plan_param_targets, rank_and_alpha
     from loongforge_hf.lora.tokens import token_indices_of
     from loongforge_hf.lora.vision import checkpoint_names, vision_index
@@ -232,6 +239,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
                               "or 'all-linear'.")
     targets += param_targets
     check_dora(config, targets)
+    check_decomposition(config.init_lora_weights, targets)
     if not targets:
         raise LoraConfigError(f"target_modules={config.target_modules!r} match no module of "
                               f"{type(skeleton).__name__}; targetable: "

@@ -79,7 +79,7 @@ def test_initial_adapters_are_peft_s(checkpoints, case):
     (dict(target_modules=["embed_tokens"]), "cannot carry a LoRA adapter"),
     (dict(target_modules=["nothing_like_this"]), "match no module"),
     (dict(target_modules=["q_proj"], modules_to_save=["k_proj"]), "modules_to_save"),
-    (dict(target_modules=["q_proj"], init_lora_weights="pissa"), "init_lora_weights"),
+    (dict(target_modules=["q_proj"], init_lora_weights="eva"), "init_lora_weights"),
     (dict(target_modules=["q_proj"], lora_bias=True), "lora_bias"),
 ])
 def test_unsupported_configs_are_refused(checkpoints, kw, match):
