@@ -35,8 +35,9 @@ _NAMINGS = (("language_model.model", "language_model.lm_head", "vision_tower", "
             ("model.language_model", "lm_head", "model.vision_tower", "model.multi_modal_projector"))
 
 
-class Mistral3TextBridge(PrefixedText, MistralBridge):
-    """The language model of Mistral 3: Mistral under ``text_prefix``, its LM head named ``head_prefix``."""
+class HeadPrefixedText(PrefixedText):
+    """``PrefixedText`` whose LM head is named ``head_prefix`` (llava's namings: ``language_model.lm_head`` on the
+    hub, ``lm_head`` in the module tree); Mistral 3's and InternVL's."""
 
     def __init__(self, text_config, *, tied: bool, text_prefix: str = "model", head_prefix: str = "lm_head") -> None:
         self.head_prefix = head_prefix
@@ -49,6 +50,10 @@ class Mistral3TextBridge(PrefixedText, MistralBridge):
         old = "lm_head."
         return {(self.head_prefix + "." + n[len(old):] if n.startswith(old) else n): s
                 for n, s in super().expected_hf_shapes().items()}
+
+
+class Mistral3TextBridge(HeadPrefixedText, MistralBridge):
+    """The language model of Mistral 3: Mistral under ``text_prefix``, its LM head named ``head_prefix``."""
 
 
 class Mistral3VLBridge(OuterTableBridge):

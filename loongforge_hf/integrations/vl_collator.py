@@ -26,6 +26,8 @@ Choices:
 - Mistral 3 (``mrope=False`` too; ``from_processor`` sets it for a ``PixtralProcessor``): each sample's padded
   images ``[n, C, H, W]`` come with ``image_sizes [n, 2]``; images of different sizes are padded bottom-right with
   zeros to the largest, as Pixtral's image processor pads a batch, and ``image_sizes`` are concatenated with them.
+- InternVL (``mrope=False`` too; ``from_processor`` sets it for an ``InternVLProcessor``): each sample's tiles
+  ``[n, C, H, W]`` (all at the configured size) are concatenated; only ``<IMG_CONTEXT>`` tokens are image tokens.
 """
 
 from __future__ import annotations
@@ -76,13 +78,14 @@ class DataCollatorForImageText:
 
     @classmethod
     def from_processor(cls, processor, config=None, **kwargs) -> "DataCollatorForImageText":
-        """From a Qwen2.5-VL, Qwen3-VL or Gemma 3 processor; ``config`` (the model's) supplies ``tokens_per_second``
-        for videos."""
-        from transformers import Gemma3Processor, Qwen3VLProcessor
+        """From a Qwen2.5-VL, Qwen3-VL, Gemma 3, Mistral 3 (Pixtral) or InternVL processor; ``config`` (the model's)
+        supplies ``tokens_per_second`` for videos."""
+        from transformers import Gemma3Processor, InternVLProcessor, Qwen3VLProcessor
 
         tok = processor.tokenizer
         # NOTE: by name: PixtralProcessor is a placeholder where torchvision is missing
-        if type(processor).__name__ == "PixtralProcessor" or getattr(config, "model_type", None) == "mistral3":
+        if type(processor).__name__ == "PixtralProcessor" or isinstance(processor, InternVLProcessor) \
+                or getattr(config, "model_type", None) in ("mistral3", "internvl"):
             return cls(pad_token_id=tok.pad_token_id, image_token_id=processor.image_token_id, mrope=False, **kwargs)
         image = getattr(processor, "image_processor", None)
         if isinstance(processor, Gemma3Processor) or getattr(config, "model_type", None) == "gemma3":

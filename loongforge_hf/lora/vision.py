@@ -38,6 +38,9 @@ Choices:
   (Pixtral: its ``attention.q_proj`` / ``k_proj`` / ``v_proj`` on the fused ``qkv`` as Gemma 3's, ``o_proj``,
   ``feed_forward.gate_proj`` / ``up_proj`` / ``down_proj``) and ``model.multi_modal_projector.*`` (``linear_1``,
   ``linear_2``, ``patch_merger.merging_layer``: whole), whatever the checkpoint's naming.
+- InternVL (``InternVLForConditionalGeneration``): the same trees as Mistral 3's, InternViT's
+  ``attention.q_proj`` / ``k_proj`` / ``v_proj`` on the fused ``qkv`` as Gemma 3's, ``projection_layer``,
+  ``mlp.fc1`` / ``fc2``, the projector's ``linear_1`` / ``linear_2`` (whole).
 - Not here: ``trainable_token_indices`` on an image-text model (refused), and modules_to_save in the vision tower
   (refused: name them in the adapter's targets, or train the tower whole without LoRA).
 """

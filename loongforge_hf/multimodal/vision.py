@@ -176,9 +176,11 @@ class VisionRMSNorm(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    """Attention within each image (``cu_seqlens``), fused ``qkv`` rows; ``bias=False``: no biases (Pixtral)."""
+    """Attention within each image (``cu_seqlens``), fused ``qkv`` rows; ``bias=False``: no biases (Pixtral);
+    ``proj_bias``: the output projection's own (InternViT: biased whatever its q / k / v)."""
 
-    def __init__(self, dim: int, num_heads: int, *, tp_group=None, bias: bool = True) -> None:
+    def __init__(self, dim: int, num_heads: int, *, tp_group=None, bias: bool = True,
+                 proj_bias: bool | None = None) -> None:
         super().__init__()
         tp = _tp_size(tp_group)
         if num_heads % tp:
@@ -187,7 +189,7 @@ class VisionAttention(nn.Module):
         self.head_dim = dim // num_heads
         self.local_heads = num_heads // tp
         self.qkv = VisionLinear(dim, 3 * self.local_heads * self.head_dim, bias=bias)
-        self.proj = VisionLinear(self.local_heads * self.head_dim, dim, bias=bias)
+        self.proj = VisionLinear(self.local_heads * self.head_dim, dim, bias=bias if proj_bias is None else proj_bias)
         if tp > 1:
             _mark_split(self.qkv, 0, bias=bias)
             _mark_split(self.proj, 1, bias=False)  # NOTE: its bias is added after the reduction, whole
@@ -198,7 +200,7 @@ class VisionAttention(nn.Module):
         from loongforge_hf.kernels.attention import packed_attention
 
         n = x.shape[0]
-        q, k, v = self.qkv(_into_split(x, self.tp_group)).view(n, 3, self.local_heads, self.head_dim).unbind(1)
+        q, k, v = self.split_qkv(x)
         if cos is not None:  # NOTE: None: a ViT without rope (SigLIP's learned positions)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if n == 0:
@@ -210,6 +212,10 @@ class VisionAttention(nn.Module):
             out = packed_attention(q, k, v, params, causal=False, scale=self.head_dim ** -0.5)
         out = out.reshape(n, self.local_heads * self.head_dim)
         return _out_of_split(self.proj.matmul(out), self.proj.bias, self.tp_group)
+
+    def split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's heads of q, k, v ``[n, local_heads, head_dim]`` each (InternViT's q / k norms act here)."""
+        return self.qkv(_into_split(x, self.tp_group)).view(x.shape[0], 3, self.local_heads, self.head_dim).unbind(1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
