@@ -424,6 +424,10 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         text = self.config.get_text_config()
         size = resized_vocab_size(text.vocab_size, new_num_tokens, pad_to_multiple_of)
         if size != text.vocab_size:
+            if getattr(self.bridge, "lm_head_bias", False):
+                raise NotImplementedError(f"resize_token_embeddings is not supported for {self.bridge.architectures[0]}"
+                                          ": its LM head has a bias, whose added rows transformers draws in its own "
+                                          "way (not reproduced here).")
             if self._held_by_engine():
                 raise TypeError("resize_token_embeddings: this model is held by a training engine (its gradient "
                                 "buffers and optimizer state are sized for the current vocabulary); resize before "
@@ -515,8 +519,9 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         first = ps.get_tensor_model_parallel_rank() * rows
         pad_rows = max(0, first + rows - max(first, vocab))  # this rank's share of the padding rows
         total = 0
-        vocabulary = ("embedding.word_embeddings.weight", "output_layer.weight")
-        embeddings = vocabulary if self.bridge.tied else vocabulary[:1]
+        # NOTE: an LM head's bias (Phi's) is vocabulary-split and padded too, and not an embedding
+        vocabulary = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+        embeddings = vocabulary[:2] if self.bridge.tied else vocabulary[:1]
         for name, p in self.named_parameters():
             if exclude_embeddings and name.endswith(embeddings):
                 continue

@@ -13,7 +13,11 @@ prompts of different lengths.
   3-token sliding window (the prompts and the generated tokens outrun it) at one rank and at CP2 (the window in the
   split prefill and over each rank's share); Phi-3 (packed q / k / v, partial rotary) with a 3-token window at TP2;
   StarCoder2 (LayerNorms and linears with biases, an ungated MLP) with a 3-token window at TP2 with sequence
-  parallelism; GPT-NeoX (the attention and the MLP side by side, partial rotary) at PP2;
+  parallelism; GPT-NeoX (the attention and the MLP side by side, partial rotary) at PP2; Cohere (one LayerNorm before
+  the attention and the MLP side by side, interleaved rotary pairs, per-head q / k norms split over TP, scaled logits)
+  at TP2 with sequence parallelism; Cohere2 with a 3-token window on layers 0-2 and a full layer without rotary
+  embedding at CP2; Phi (one LayerNorm before the attention and the MLP side by side, partial rotary, the LM head's
+  bias over the vocabulary split) at TP2 with sequence parallelism;
   GLM-4.5 (biased q/k/v, half-rotary heads, sigmoid-routed experts) at TP2 with sequence parallelism; ERNIE 4.5 MoE
   (interleaved rotary pairs, tied embeddings, experts chosen on softmax scores plus a fixed bias) at TP2 with sequence
   parallelism and at CP2; OLMoE (q / k norms over all heads, split over TP with the heads; every layer sparse) at TP2
@@ -79,6 +83,9 @@ LAYOUTS = {
     "exaone4_cp2": ("exaone4", 2, {"context_parallel_size": 2}),
     "starcoder2_tp2_sp": ("starcoder2", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "gpt_neox_pp2": ("gpt_neox", 2, {"pipeline_parallel_size": 2}),
+    "cohere_tp2_sp": ("cohere", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "cohere2_cp2": ("cohere2", 2, {"context_parallel_size": 2}),
+    "phi_tp2_sp": ("phi", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "gpt_oss_cp2": ("gpt_oss", 2, {"context_parallel_size": 2}),
     "gpt_oss_tp2_sp": ("gpt_oss", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "ernie4_5_moe_tp2_sp": ("ernie4_5_moe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
@@ -98,6 +105,7 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "helium": ("helium", {}), "gpt_oss": ("gpt_oss", {"sliding_window": 3}), "glm4": ("glm4", {}),
                "granitemoe": ("granitemoe", {}), "exaone4": ("exaone4", {"sliding_window": 3}),
                "starcoder2": ("starcoder2", {"sliding_window": 3}), "gpt_neox": ("gpt_neox", {}),
+               "cohere": ("cohere", {}), "cohere2": ("cohere2", {"sliding_window": 3}), "phi": ("phi", {}),
                "ernie4_5_moe": ("ernie4_5_moe", {}), "olmoe": ("olmoe", {}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),

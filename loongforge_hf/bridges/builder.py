@@ -7,6 +7,8 @@ Choices:
   the extra layers through megatron's ``num_layers_in_first/last_pipeline_stage``; a split megatron cannot
   express raises ``ParallelLayoutError``.
 - Rotary frequencies follow the HF config exactly (llama3 scaling included) by overwriting megatron's ``inv_freq``.
+- What a bridge declares beyond its spec: ``embedding_dropout`` (the embedding output's dropout where it is not
+  ``hidden_dropout``) and ``lm_head_bias`` (``output_layer.add_output_bias``), applied to each built chunk.
 - ``megatron_config`` (from ``from_pretrained``) adds TransformerConfig fields the checkpoint and the layout do not
   decide (e.g. ``overlap_moe_expert_parallel_comm``, ``fine_grained_activation_offloading``); a field the bridge or the
   layout sets, or one TransformerConfig does not have, raises ``ValueError`` (``check_megatron_config``, called by
@@ -25,6 +27,7 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.mla_latent import full_width_kv_latent
+from loongforge_hf.bridges.output_layer import add_output_bias
 from loongforge_hf.bridges.transforms import padded_vocab_size
 from loongforge_hf.kernels.fp8_te import TE_CONFIG_FIELDS, te_config_fields
 from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
@@ -198,6 +201,11 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
                 partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0))))
         if hasattr(bridge, "finish_model"):
             bridge.finish_model(model)
+        if getattr(bridge, "embedding_dropout", None) is not None and model.pre_process:
+            # NOTE: megatron's embedding drops its output with hidden_dropout (Phi-2's embd_pdrop differs)
+            model.embedding.embedding_dropout.p = float(bridge.embedding_dropout)
+        if getattr(bridge, "lm_head_bias", False):
+            add_output_bias(model)
         device = backend.device()
         model.to(device)
         if config.multi_latent_attention and config.sequence_parallel:

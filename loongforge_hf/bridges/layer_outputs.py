@@ -11,6 +11,9 @@ Choices:
   specs whose modules are megatron's own: the MoE spec).
 - ``scale_embedding`` / ``scale_final_norm`` re-class a built chunk's embedding / final norm to multiply their
   output by a Python float (one rounding of the product, as transformers' multiply by a float or a same-dtype scalar).
+- ``scale_logits`` / ``softcap_logits``: the output layer's logits multiplied by a Python float (Cohere's
+  ``logit_scale``: the same rounding as transformers' multiply) / soft-capped (Gemma 2), and the fused training
+  loss's the same way (``runtime.fused_loss_sum`` reads the chunk's ``logit_scale`` / ``logit_softcap``).
 - ``sliding_layers``: for a model with two rotary tables side by side (``layer_types._two_table_rotary``), the
   layers that take the second half.
 """
@@ -140,6 +143,27 @@ def scale_final_norm(chunk, factor: float) -> None:
     """Multiply ``chunk``'s final-norm output, the LM head's input, by ``factor`` (last stage only)."""
     if chunk.post_process:
         _rescale(chunk.decoder.final_layernorm, factor)
+
+
+@functools.cache
+def _scaled_output(base: type) -> type:
+    class ScaledOutput(base):
+        """megatron's output layer with its logits multiplied by ``logit_scale`` (a Python float)."""
+
+        def forward(self, *args, **kwargs):
+            logits, bias = super().forward(*args, **kwargs)
+            return logits * self.logit_scale, bias
+
+    return ScaledOutput
+
+
+def scale_logits(chunk, factor: float) -> None:
+    """Multiply ``chunk``'s logits by ``factor`` (last stage only): the output layer's, and the fused training loss's
+    (``runtime.fused_loss_sum`` reads ``chunk.logit_scale``)."""
+    if chunk.post_process:
+        layer = chunk.output_layer
+        layer.__class__ = _scaled_output(type(layer))
+        layer.logit_scale = chunk.logit_scale = float(factor)
 
 
 @functools.cache

@@ -15,6 +15,12 @@ Choices:
   indices of its share of them (``context_parallel.cp_local_rows``). Not under sequence parallelism (the layer's
   input is this rank's sequence slice, gathered inside it): the caller cuts the logits after the layer there
   (``runtime.forward_padded``).
+- ``add_output_bias`` gives the output layer a bias (Phi's ``lm_head.bias``; megatron's ``GPTModel`` builds it
+  without one): a parameter of megatron's ``ColumnParallelLinear`` as that class builds its own, this rank's rows of
+  the padded vocabulary (``tensor_model_parallel``, split on dim 0), so megatron's forward adds it after the GEMM
+  (logits, ``head_rows``, generate and its KV cache, ``lean_linear``), its gradient is this rank's rows' (no
+  reduction), the checkpoint shards it as the weight and the loader fills it (``VocabParallel``). The fused training
+  loss reads it beside the weight (``runtime.output_bias``).
 """
 
 from __future__ import annotations
@@ -78,6 +84,21 @@ def language_head(chunk: torch.nn.Module) -> torch.nn.Module | None:
                 and hasattr(module, "shared_embedding_or_output_weight"):
             return module
     return None
+
+
+def add_output_bias(chunk: torch.nn.Module) -> None:
+    """A zero bias on ``chunk``'s output layer (its last pipeline stage; nothing elsewhere), to be loaded."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    if not getattr(chunk, "post_process", False):
+        return
+    layer = chunk.output_layer
+    anchor = next(chunk.parameters())  # NOTE: the weight is absent on a tied first stage
+    bias = torch.nn.Parameter(torch.zeros(layer.output_size_per_partition, dtype=chunk.config.params_dtype,
+                                          device=anchor.device))
+    set_tensor_model_parallel_attributes(bias, True, 0, 1)
+    bias.allreduce = True  # NOTE: as ColumnParallelLinear marks its own bias (megatron's DDP reads it)
+    layer.bias = bias
 
 
 def _pass_hidden_states(layer, input_, weight=None, runtime_gather_output=None, **unused):

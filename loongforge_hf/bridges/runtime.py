@@ -10,8 +10,9 @@ Choices:
 - When only the loss is wanted (training; ``forward(labels=..., return_logits=False)``), the language model's output
   layer passes the final hidden states through (``hidden_states_out``) and the loss is the fused, chunked
   ``kernels.cross_entropy.linear_cross_entropy`` of those states and the output weight (tied or not, vocab-parallel
-  under TP): the ``[b, s, V]`` logits are never built. Under sequence parallelism the states are gathered over TP with
-  a backward that keeps this rank's slice, since the kernel already all-reduces their gradient.
+  under TP; its bias too where it has one, Phi's): the ``[b, s, V]`` logits are never built. Under sequence
+  parallelism the states are gathered over TP with a backward that keeps this rank's slice, since the kernel already
+  all-reduces their gradient.
 - With ``logits_to_keep`` (generate's prefill) the output layer computes the kept positions only where that is
   exact, else the logits are cut after it, before the TP gather (``output_layer.head_rows``).
 """
@@ -115,12 +116,18 @@ def output_weight(head: torch.nn.Module) -> torch.Tensor:
     return head.output_layer.weight
 
 
+def output_bias(head: torch.nn.Module) -> torch.Tensor | None:
+    """The TP-local ``[V_local]`` bias of a language model's output layer (Phi's: ``output_layer.add_output_bias``),
+    or None."""
+    return getattr(head.output_layer, "bias", None)
+
+
 def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, *,
                    vocab_size: int, weight_grad_dtype: torch.dtype = torch.float32,
                    token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
     """fp32 sum over label tokens of the cross-entropy of ``hidden [b, s, h]`` (from ``hidden_states_out``) through
-    ``head``'s output layer against shifted ``labels [b, s]``, without the logits (``weight_grad_dtype`` and
-    ``token_stats``, ``label_smoothing``: see ``kernels.cross_entropy``)."""
+    ``head``'s output layer (its bias too, where it has one) against shifted ``labels [b, s]``, without the logits
+    (``weight_grad_dtype`` and ``token_stats``, ``label_smoothing``: see ``kernels.cross_entropy``)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
@@ -129,7 +136,8 @@ def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Mo
                                 ignore_index=IGNORE_INDEX, tp_group=ps.get_tensor_model_parallel_group(),
                                 vocab_size=vocab_size, reduction="sum", weight_grad_dtype=weight_grad_dtype,
                                 token_stats=token_stats, label_smoothing=label_smoothing,
-                                softcap=getattr(head, "logit_softcap", None))
+                                softcap=getattr(head, "logit_softcap", None),
+                                logit_scale=getattr(head, "logit_scale", None), bias=output_bias(head))
 
 
 def _run_chunk(chunk, input_ids, position_ids, mask):

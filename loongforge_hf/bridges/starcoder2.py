@@ -13,9 +13,9 @@ Choices:
 - ``sliding_window``: transformers masks every layer with it (StarCoder2-3B / 7B: 4096 of 16384 positions), as
   Mistral's; megatron's ``window_size`` on every layer (``DenseBridge``).
 - Dropouts: ``residual_dropout`` drops the attention and MLP outputs before each residual add (megatron's
-  ``hidden_dropout``, the bias added first in both), ``embedding_dropout`` the embedding output, which megatron's
-  embedding drops with ``hidden_dropout`` too: the two must be equal (the hub's checkpoints set both to 0.1), else the
-  config is refused. ``attention_dropout`` through the shared table.
+  ``hidden_dropout``, the bias added first in both), ``embedding_dropout`` the embedding output: the builder sets the
+  embedding's own dropout to it (``embedding_dropout``; megatron would use ``hidden_dropout``), so the two may differ
+  (the hub's checkpoints set both to 0.1). ``attention_dropout`` through the shared table.
 - ``tie_word_embeddings`` (its default) shares the embedding with the LM head (``DenseBridge.tied``).
 """
 
@@ -49,14 +49,9 @@ class Starcoder2Bridge(DenseBridge):
         """Biases on every linear but the LM head (``use_bias``)."""
         return bool(getattr(self.hf_config, "use_bias", True))
 
-    def check_config(self) -> None:
-        super().check_config()
-        residual, embedding = (_dropout(self.hf_config, n) for n in ("residual_dropout", "embedding_dropout"))
-        if residual != embedding:
-            raise C.UnsupportedConfigError(
-                f"embedding_dropout={embedding} with residual_dropout={residual} is not supported for "
-                f"{self.architectures[0]}: megatron drops the embedding output and the sublayer outputs with one "
-                "probability (hidden_dropout); set both to the same value.")
+    @property
+    def embedding_dropout(self) -> float:
+        return _dropout(self.hf_config, "embedding_dropout")
 
     def transformer_config_kwargs(self) -> dict:
         return {**super().transformer_config_kwargs(), "normalization": "LayerNorm", "gated_linear_unit": False,

@@ -22,7 +22,8 @@ Choices:
   on them (partitioning, shared embedding) and ``requires_grad`` stay.
 - Refused before any collective, with the same message on every rank: sizes that are not positive integers, a model
   held by a training engine (its gradient buffers and optimizer state are sized at wrap), a LoRA model (its
-  ``modules_to_save`` copies and adapter files are sized at wrap: resize first, as with PEFT).
+  ``modules_to_save`` copies and adapter files are sized at wrap: resize first, as with PEFT), a model whose LM head
+  has a bias (Phi's: transformers draws its added rows in its own way, not reproduced here).
 """
 
 from __future__ import annotations

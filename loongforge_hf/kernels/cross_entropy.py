@@ -32,6 +32,11 @@ Choices:
 - ``softcap``: the logits soft-capped first, ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``),
   in fp32 on the torch path; the loss, token statistics and grads are the capped logits' (the logits grad times
   ``1 - tanh^2``).
+- ``logit_scale``: the logits multiplied by it first, in their own dtype (Cohere's ``logits * logit_scale``: the
+  same rounding), before any soft-capping; the logits grad times it (with the rows' scale, in fp32).
+- ``bias``: the LM head's bias (Phi's ``lm_head.bias``, this rank's vocabulary rows) added to each chunk's logits in
+  the GEMM (``addmm``, as ``nn.Linear``), before any scaling; its gradient is the logits grad summed over the tokens
+  (fp32 over the chunks, rounded to the bias's dtype once).
 - ``token_stats`` (an fp32 ``[2]`` tensor) receives, summed over the non-ignored tokens, the entropy of each token's
   predicted distribution and whether its label is the top-1 prediction (the first maximum, as ``argmax`` picks it):
   what trl.SFTTrainer logs as ``entropy`` and ``mean_token_accuracy``. They come from the chunk's logits in the same
@@ -61,8 +66,11 @@ class _Plan:
     def __init__(self, labels: torch.Tensor, *, v_local: int, vocab_start: int, vocab_size: int, ignore_index: int,
                  z_loss: float, group, weight_grad_dtype: torch.dtype = torch.float32,
                  token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, logit_scale: float | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        self.bias = bias
         self.softcap = softcap
+        self.logit_scale = logit_scale
         self.weight_grad_dtype = weight_grad_dtype
         self.smoothing = label_smoothing
         self.vocab_size = vocab_size
@@ -84,15 +92,18 @@ class _Plan:
         input dtype from the Triton kernel), times ``row_scale [c]`` when given; ``stats`` adds the rows' entropy and
         top-1 sums to ``token_stats``."""
         stats = stats and self.token_stats is not None
+        if self.logit_scale is not None and with_grad:  # NOTE: d(scaled logits) / d(logits)
+            row_scale = row_scale * self.logit_scale if row_scale is not None else torch.full(
+                (rows.stop - rows.start,), self.logit_scale, dtype=torch.float32, device=hidden.device)
         if self.softcap is not None:
-            capped = torch.tanh((hidden[rows] @ weight.t()).to(torch.float32) / self.softcap)
+            capped = torch.tanh(self._logits(hidden, weight, rows).to(torch.float32) / self.softcap)
             loss, grad = self.scores(capped * self.softcap, rows, with_grad=with_grad, row_scale=row_scale,
                                      stats=stats)
             return loss, (grad.mul_(1 - capped.square_()) if grad is not None else None)
         if self.group is None and use_triton(hidden):
             from loongforge_hf.kernels import _cross_entropy_triton
 
-            logits = hidden[rows] @ weight.t()
+            logits = self._logits(hidden, weight, rows)
             loss, *extra = _cross_entropy_triton.chunk_loss(
                 logits, self.local_label[rows], self.in_shard[rows], self.valid[rows], real_cols=self.real_rows,
                 z_loss=self.z_loss, smoothing=self.smoothing, vocab_size=self.vocab_size, with_grad=with_grad,
@@ -101,8 +112,13 @@ class _Plan:
                 entropy, first_max = extra
                 self._add_stats(rows, entropy, first_max.to(torch.int64) + self.vocab_start)
             return loss, (logits if with_grad else None)
-        return self.scores((hidden[rows] @ weight.t()).to(torch.float32), rows, with_grad=with_grad,
+        return self.scores(self._logits(hidden, weight, rows).to(torch.float32), rows, with_grad=with_grad,
                            row_scale=row_scale, stats=stats)
+
+    def _logits(self, hidden: torch.Tensor, weight: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The logits ``[c, V_local]`` of the tokens in ``rows``, in the input dtype, times ``logit_scale``."""
+        logits = hidden[rows] @ weight.t() if self.bias is None else torch.addmm(self.bias, hidden[rows], weight.t())
+        return logits.mul_(self.logit_scale) if self.logit_scale is not None else logits
 
     def scores(self, logits: torch.Tensor, rows: slice, *, with_grad: bool, row_scale: torch.Tensor | None = None,
                stats: bool = False):
@@ -176,32 +192,35 @@ def _chunks(n: int, size: int):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, plan: _Plan, chunk_size: int, reduction: str):
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        precompute = reduction == "sum" and (need_hidden or need_weight)
+    def forward(ctx, hidden, weight, labels, plan: _Plan, chunk_size: int, reduction: str, bias=None):
+        need_hidden, need_weight, need_bias = (ctx.needs_input_grad[i] for i in (0, 1, 6))
+        precompute = reduction == "sum" and (need_hidden or need_weight or need_bias)
         n = hidden.shape[0]
         loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if precompute and need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=plan.weight_grad_dtype, device=weight.device) \
             if precompute and need_weight else None
+        grad_bias = _bias_grad_buffer(bias) if precompute and need_bias else None
         for rows in _chunks(n, chunk_size):
             loss[rows], grad_logits = plan.chunk(hidden, weight, rows, with_grad=precompute, stats=True)
             if precompute:
-                _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight)
+                _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight,
+                            grad_bias)
         if grad_hidden is not None:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, plan.group)
         ctx.plan, ctx.chunk_size, ctx.reduction, ctx.weight_dtype = plan, chunk_size, reduction, weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         if precompute:
-            ctx.save_for_backward(grad_hidden, grad_weight)
+            ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         else:
             ctx.save_for_backward(hidden, weight)
         return loss.sum() if reduction == "sum" else loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_hidden, need_weight, need_bias = (ctx.needs_input_grad[i] for i in (0, 1, 6))
         if ctx.reduction == "sum":
-            grad_hidden, grad_weight = ctx.saved_tensors
+            grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
             if grad_hidden is not None:
                 grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
             if grad_weight is not None:
@@ -209,22 +228,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight = torch.mul(grad_weight, grad_loss,
                                         out=torch.empty(grad_weight.shape, dtype=ctx.weight_dtype,
                                                         device=grad_weight.device))
-            return grad_hidden, grad_weight, None, None, None, None
+            if grad_bias is not None:
+                grad_bias = (grad_bias * grad_loss).to(ctx.bias_dtype)
+            return grad_hidden, grad_weight, None, None, None, None, grad_bias
         hidden, weight = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=ctx.plan.weight_grad_dtype, device=weight.device) \
             if need_weight else None
+        grad_bias = _bias_grad_buffer(ctx.plan.bias) if need_bias else None
         for rows in _chunks(hidden.shape[0], ctx.chunk_size):
             _, grad_logits = ctx.plan.chunk(hidden, weight, rows, with_grad=True, row_scale=grad_loss[rows])
-            _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight)
+            _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight,
+                        grad_bias)
         if grad_hidden is not None:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.plan.group)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, \
+            grad_bias.to(ctx.bias_dtype) if grad_bias is not None else None
 
 
-def _accumulate(grad_logits, hidden_rows, weight, rows, grad_hidden, grad_weight) -> None:
+def _bias_grad_buffer(bias: torch.Tensor) -> torch.Tensor:
+    """The fp32 accumulator of the logits bias's gradient over the chunks."""
+    return torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+
+
+def _accumulate(grad_logits, hidden_rows, weight, rows, grad_hidden, grad_weight, grad_bias=None) -> None:
+    if grad_bias is not None:  # NOTE: the bias's gradient is the logits' summed over the tokens
+        grad_bias.add_(grad_logits.sum(dim=0, dtype=torch.float32))
     if grad_hidden is not None:
         torch.mm(grad_logits, weight, out=grad_hidden[rows])
     if grad_weight is not None:
@@ -251,15 +282,19 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          chunk_size: int | None = None, z_loss: float = 0.0,
                          reduction: str = "sum", weight_grad_dtype: torch.dtype = torch.float32,
                          token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0,
-                         softcap: float | None = None) -> torch.Tensor:
-    """Cross-entropy of ``hidden [N, H] @ weight[V_local, H].T`` against ``labels [N]``, chunked over tokens.
+                         softcap: float | None = None, logit_scale: float | None = None,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``hidden [N, H] @ weight[V_local, H].T (+ bias[V_local])`` against ``labels [N]``, chunked
+    over tokens.
 
     ``vocab_start`` defaults to ``tp_rank * V_local`` (megatron's even split); ``vocab_size`` to ``V_local * tp_size``.
     Returns the fp32 sum over non-ignored tokens (``reduction="sum"``) or the fp32 per-token losses (``"none"``, 0 at
     ignored tokens). ``weight_grad_dtype``: the dtype the weight grad accumulates in over the chunks (fp32, or the
     weight's own dtype). ``token_stats``: an fp32 ``[2]`` tensor on the device the entropy sum and the top-1 count of
     the non-ignored tokens are added to (see the module docstring). ``label_smoothing``: transformers' label
-    smoothing factor, in ``[0, 1]``. ``softcap``: the logits soft-capped at it first (see the module docstring).
+    smoothing factor, in ``[0, 1]``. ``softcap``: the logits soft-capped at it first; ``logit_scale``: the logits
+    multiplied by it first (see the module docstring). ``bias``: the LM head's bias (this rank's ``[V_local]`` rows,
+    added before any scaling; its gradient is the logits' summed over the tokens, accumulated in fp32).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden must be [N, H] and weight [V_local, H]; got "
@@ -269,6 +304,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if reduction not in ("sum", "none"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'sum' or 'none', got {reduction!r}.")
     v_local = weight.shape[0]
+    if bias is not None and bias.shape != (v_local,):
+        raise ValueError(f"linear_cross_entropy: bias must be [{v_local}] (the weight's rows), got "
+                         f"{tuple(bias.shape)}.")
     tp_group, vocab_start, vocab_size = _vocab_layout("linear_cross_entropy", labels, v_local, tp_group=tp_group,
                                                       vocab_start=vocab_start, vocab_size=vocab_size,
                                                       ignore_index=ignore_index)
@@ -290,8 +328,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     plan = _Plan(labels, v_local=v_local, vocab_start=vocab_start, vocab_size=vocab_size,
                  ignore_index=ignore_index, z_loss=float(z_loss), group=tp_group,
                  weight_grad_dtype=weight_grad_dtype, token_stats=token_stats,
-                 label_smoothing=float(label_smoothing), softcap=None if softcap is None else float(softcap))
-    return _LinearCrossEntropy.apply(hidden, weight, labels, plan, chunk_size, reduction)
+                 label_smoothing=float(label_smoothing), softcap=None if softcap is None else float(softcap),
+                 logit_scale=None if logit_scale is None else float(logit_scale), bias=bias)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, plan, chunk_size, reduction, bias)
 
 
 def smoothing_term(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,

@@ -1,9 +1,13 @@
 """LayerNorm (weight and bias) with Hugging Face's ``nn.LayerNorm`` numerics, as a module megatron-core builds from a
-layer spec (StarCoder2's input, pre-MLP and final norms).
+layer spec (StarCoder2's and GPT-NeoX's input, pre-MLP and final norms), and without the bias (``LayerNormWithoutBias``:
+Cohere's ``CohereLayerNorm``).
 
 Choices:
 - The forward is torch's ``F.layer_norm`` with the module's weight, bias and eps, the op ``nn.LayerNorm`` runs: the
   same results, bit for bit, in every dtype, and torch's fused kernels on every device (no Triton kernel of our own).
+- ``LayerNormWithoutBias``: the same op with no bias (``F.layer_norm(x, ..., weight, None, eps)``), which is
+  Cohere's norm: the mean subtracted, the biased variance, ``weight * (x - mean) * rsqrt(var + eps)``, computed in
+  fp32 and rounded once to the input's dtype (torch's kernels accumulate in fp32 for 16-bit inputs).
 - ``LayerNorm(config, hidden_size, eps)`` has the keyword contract megatron uses for every norm slot, as our
   ``RMSNorm``. Weight and bias carry ``sequence_parallel`` so megatron all-reduces their grads over the
   tensor-parallel group when sequence parallelism splits the tokens; megatron's own torch norm
@@ -24,6 +28,8 @@ class LayerNorm(torch.nn.Module):
     """The norm for megatron's ``input_layernorm`` / ``pre_mlp_layernorm`` / final-norm slots of a config with
     ``normalization="LayerNorm"``: ``build_module(LayerNorm, config=config, hidden_size=..., eps=...)``."""
 
+    with_bias = True
+
     def __init__(self, config, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
         if getattr(config, "normalization", None) != "LayerNorm":
@@ -36,11 +42,13 @@ class LayerNorm(torch.nn.Module):
         self.eps = eps
         device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device)) \
+            if self.with_bias else None
         # NOTE: with sequence parallelism each TP rank normalises different tokens, so each holds a partial grad
         # (megatron's finalize_model_grads sums the params marked `sequence_parallel` over the TP group)
         for p in (self.weight, self.bias):
-            p.sequence_parallel = bool(config.sequence_parallel)
+            if p is not None:
+                p.sequence_parallel = bool(config.sequence_parallel)
         self.copy_input = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,4 +63,10 @@ class LayerNorm(torch.nn.Module):
                                                    sharded_offsets)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}" + ("" if self.with_bias else ", bias=False")
+
+
+class LayerNormWithoutBias(LayerNorm):
+    """``LayerNorm`` with a weight only (Cohere's norms)."""
+
+    with_bias = False

@@ -3,8 +3,8 @@
 Choices:
 - Linear layers are megatron's own tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear``; norms are our
   ``RMSNorm`` (input, pre-MLP, q/k and final), or for a config with ``normalization="LayerNorm"`` our ``LayerNorm``
-  (weight and bias: input, pre-MLP and final; StarCoder2), core attention our ``CoreAttention``; MoE layer, router
-  and token dispatchers are megatron's.
+  (weight and bias: input, pre-MLP and final; StarCoder2; without the bias where the bridge says ``norm_bias =
+  False``: Cohere), core attention our ``CoreAttention``; MoE layer, router and token dispatchers are megatron's.
 - The dense MLP is ``SwiGLUMLP``: megatron's ``MLP`` (same parameters, state dict and TP layout) whose gated activation
   is our ``swiglu`` (one Triton kernel each way on CUDA). megatron-core 0.16's ``MLP.forward`` applies the
   ``activation_func`` slot only with ``config.use_te_activation_func`` (a config-wide switch that also changes the
@@ -44,7 +44,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from loongforge_hf.kernels.attention import CoreAttention
-from loongforge_hf.kernels.layernorm import LayerNorm
+from loongforge_hf.kernels.layernorm import LayerNorm, LayerNormWithoutBias
 from loongforge_hf.kernels.rmsnorm import RMSNorm
 from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
@@ -53,11 +53,12 @@ from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
 _NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
 
 
-def norm_class(normalization: str) -> type:
-    """Our module for megatron's ``normalization`` setting (``RMSNorm`` or ``LayerNorm``)."""
+def norm_class(normalization: str, *, bias: bool = True) -> type:
+    """Our module for megatron's ``normalization`` setting (``RMSNorm`` or ``LayerNorm``); ``bias=False``: a LayerNorm
+    without bias (Cohere's; RMSNorm has none either way)."""
     if normalization not in _NORMS:
         raise ValueError(f"normalization={normalization!r} is not supported; supported: {sorted(_NORMS)}.")
-    return _NORMS[normalization]
+    return LayerNormWithoutBias if normalization == "LayerNorm" and not bias else _NORMS[normalization]
 
 
 def _require(package: str, why: str) -> None:
@@ -147,16 +148,16 @@ def _moe_spec(num_experts: int, moe_grouped_gemm: bool) -> ModuleSpec:
 def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped_gemm: bool = False,
                    use_te: bool = False, qk_module: type | tuple[type, type] | None = None,
                    attention_module: type | None = None, mlp_module: type | None = None,
-                   pre_norms: bool = True, normalization: str = "RMSNorm",
+                   pre_norms: bool = True, normalization: str = "RMSNorm", norm_bias: bool = True,
                    parallel_residual: str | None = None) -> ModuleSpec:
     """A megatron ``TransformerLayer`` spec: pre-norm causal self-attention (megatron's ``SelfAttention`` or
     ``attention_module``; optional q/k RMSNorm, or ``qk_module`` in the q/k norm slots: one class for both or a
     (q, k) pair), then a gated MLP (``SwiGLUMLP`` or ``mlp_module``, with the same submodules) or, with
     ``num_experts``, an MoE layer (shared experts appear when the config sets their size). ``pre_norms=False``: no
     input / pre-MLP norms (OLMo 2 normalises the attention and MLP outputs instead, in its modules);
-    ``normalization``: the kind of the input / pre-MLP norms (``norm_class``); ``parallel_residual``: ``"separate"``
-    (the MLP beside the attention, each with its norm) or ``"shared"`` (one norm before both), see
-    ``ParallelResidualLayer``."""
+    ``normalization`` / ``norm_bias``: the kind of the input / pre-MLP norms (``norm_class``);
+    ``parallel_residual``: ``"separate"`` (the MLP beside the attention, each with its norm) or ``"shared"`` (one norm
+    before both), see ``ParallelResidualLayer``."""
     if use_te:
         _require("transformer_engine", "get_layer_spec(use_te=True)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -166,7 +167,7 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
     q, k = qk_module if isinstance(qk_module, tuple) else (qk_module or (RMSNorm if qk_norm else IdentityOp),) * 2
     if parallel_residual not in _PARALLEL_LAYERS:
         raise ValueError(f"parallel_residual={parallel_residual!r}; expected one of {list(_PARALLEL_LAYERS)}.")
-    pre_norm = norm_class(normalization) if pre_norms else IdentityOp
+    pre_norm = norm_class(normalization, bias=norm_bias) if pre_norms else IdentityOp
     mlp = ModuleSpec(module=mlp_module or SwiGLUMLP, submodules=_mlp_submodules()) if num_experts is None \
         else _moe_spec(num_experts, moe_grouped_gemm)
     return ModuleSpec(
@@ -187,21 +188,22 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
     )
 
 
-def final_norm_spec(*, use_te: bool = False, normalization: str = "RMSNorm") -> type:
-    """The module for the norm after the last layer."""
+def final_norm_spec(*, use_te: bool = False, normalization: str = "RMSNorm", norm_bias: bool = True) -> type:
+    """The module for the norm after the last layer (``norm_bias``: see ``norm_class``)."""
     if use_te:
         _require("transformer_engine", "final_norm_spec(use_te=True)")
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
-    return norm_class(normalization)
+    return norm_class(normalization, bias=norm_bias)
 
 
 def get_block_spec(config, layer_spec: ModuleSpec, *, use_te: bool = False, vp_stage: int | None = None,
-                   pp_rank: int | None = None) -> TransformerBlockSubmodules:
-    """The spec to pass as ``GPTModel(transformer_layer_spec=...)``: this stage's layers plus our final norm."""
+                   pp_rank: int | None = None, norm_bias: bool = True) -> TransformerBlockSubmodules:
+    """The spec to pass as ``GPTModel(transformer_layer_spec=...)``: this stage's layers plus our final norm
+    (``norm_bias``: see ``norm_class``)."""
     if not use_te:
         enable_megatron_fused_rope(config)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
-                                      layer_norm=final_norm_spec(use_te=use_te,
-                                                                 normalization=config.normalization))
+                                      layer_norm=final_norm_spec(use_te=use_te, normalization=config.normalization,
+                                                                 norm_bias=norm_bias))

@@ -18,7 +18,7 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
               "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe", "starcoder2",
-              "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox")
+              "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -26,7 +26,7 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
     "original_max_position_embeddings": 32, "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
-_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox")  # linears' biases randomised in the tiny checkpoints
+_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi")  # linears' biases randomised in the tiny checkpoints
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
 
@@ -137,6 +137,21 @@ def _config(arch: str, **overrides):
                                layer_norm_eps=1e-5, hidden_act="gelu", use_parallel_residual=True,
                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.25})
+    elif arch in ("cohere", "cohere2"):
+        # NOTE: Command-R's layout shrunk: one LayerNorm (no bias) before the attention and the MLP side by side,
+        # interleaved rotary pairs, tied embeddings, logits scaled by 0.3; Cohere: Command R+'s per-head q / k norms;
+        # Cohere2: Command R7B's binding window (5 tokens) on layers 0-2 and a full layer without rotary embedding
+        kw = dict(**{**{k: v for k, v in common.items() if k != "rms_norm_eps"}, "tie_word_embeddings": True},
+                  layer_norm_eps=1e-5, logit_scale=0.3, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cfg = tf.CohereConfig(**kw, use_qk_norm=True) if arch == "cohere" else tf.Cohere2Config(
+            **kw, sliding_window=5, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    elif arch == "phi":
+        # NOTE: phi-2's layout shrunk: one LayerNorm before the attention and the MLP side by side, biases on every
+        # linear and the LM head (randomised in make_tiny_checkpoint), 0.4 of each 20-channel head rotated (8), gelu_new
+        cfg = tf.PhiConfig(**{**{k: v for k, v in common.items() if k != "rms_norm_eps"}, "hidden_size": 80},
+                           layer_norm_eps=1e-5, resid_pdrop=0.0, embd_pdrop=0.0,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.4})
     elif arch == "helium":
         cfg = tf.HeliumConfig(**{**common, "head_dim": 16})  # NOTE: interleaved rotary pairs
     elif arch == "ernie4_5":

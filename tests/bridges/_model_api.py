@@ -74,6 +74,22 @@ def model_api_checks(folders: dict, out: str) -> dict:
                                       for m, r in ((model, ref), (tied, tied_ref))
                                       for args in ((True, False), (False, True), (True, True))]
 
+    # --- the embedding's own dropout (Phi-2's embd_pdrop 0.0 beside resid_pdrop 0.1; StarCoder2's alike); the LM
+    # head's bias counted as transformers counts it (padding rows left out), tied or not; resizing refused -----------
+    res["embedding_dropout"], res["num_parameters_bias"] = {}, []
+    for name in ("starcoder2_dropouts", "phi_tied", "phi_dropouts"):
+        m = lf.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32)
+        r = transformers.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32)
+        res["embedding_dropout"][name] = (m.chunks[0].embedding.embedding_dropout.p, m.megatron.config.hidden_dropout)
+        if name.startswith("phi"):
+            res["num_parameters_bias"] += [(m.num_parameters(*args), r.num_parameters(*args))
+                                           for args in ((False, False), (True, False), (False, True))]
+    try:
+        m.resize_token_embeddings(300)
+        res["resize_bias"] = None
+    except NotImplementedError as e:
+        res["resize_bias"] = str(e)
+
     # --- save_pretrained: config / generation config follow the model, dtype follows the tensors ------------------
     model.save_pretrained(out / "same")
     same = (out / "same" / "config.json").read_bytes()

@@ -393,21 +393,59 @@ def test_layer_types_other_than_full_and_sliding_refused(arch, name):
         get_bridge(config)
 
 
-def test_starcoder2_dropouts_megatron_cannot_tell_apart_refused():
-    """megatron's embedding drops with ``hidden_dropout``, StarCoder2's ``residual_dropout``: an ``embedding_dropout``
-    that differs is refused by the bridge's pure check (before any collective), naming both; equal ones are taken."""
-    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+def test_starcoder2_dropouts_taken_apart():
+    """StarCoder2's ``embedding_dropout`` other than its ``residual_dropout`` (megatron's ``hidden_dropout``) is the
+    embedding's own dropout (``embedding_dropout``, set by the builder: test_model_api.py), not refused."""
+    from loongforge_hf.bridges import get_bridge
     from loongforge_hf.testing.tiny_models import _config
 
     config = _config("starcoder2", residual_dropout=0.1, embedding_dropout=0.0)
     config.architectures = ["Starcoder2ForCausalLM"]
-    with pytest.raises(UnsupportedConfigError, match=r"embedding_dropout=0.0 with residual_dropout=0.1 is not "
-                                                     r"supported for Starcoder2ForCausalLM"):
-        get_bridge(config)
-    config.embedding_dropout = 0.1
-    kw = get_bridge(config).transformer_config_kwargs()
-    assert kw["hidden_dropout"] == 0.1 and kw["normalization"] == "LayerNorm" and kw["layernorm_epsilon"] == 1e-5
+    bridge = get_bridge(config)
+    kw = bridge.transformer_config_kwargs()
+    assert kw["hidden_dropout"] == 0.1 and bridge.embedding_dropout == 0.0
+    assert kw["normalization"] == "LayerNorm" and kw["layernorm_epsilon"] == 1e-5
     assert kw["add_bias_linear"] and kw["add_qkv_bias"] and not kw["gated_linear_unit"]
+
+
+@pytest.mark.parametrize("arch,name,fields,expected", [
+    ("phi", "PhiForCausalLM", {"resid_pdrop": 0.1, "embd_pdrop": 0.0}, 0.0),
+    ("starcoder2", "Starcoder2ForCausalLM", {"residual_dropout": 0.1, "embedding_dropout": 0.2}, 0.2),
+    ("phi3", "Phi3ForCausalLM", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, 0.0),  # NOTE: transformers reads no embd_pdrop
+    ("seed_oss", "SeedOssForCausalLM", {"residual_dropout": 0.1}, 0.0)])
+def test_embedding_dropout_as_transformers_drops(arch, name, fields, expected):
+    """The embedding output's dropout where transformers' differs from its sublayers' (megatron's ``hidden_dropout``,
+    0.1 here): Phi's ``embd_pdrop``, StarCoder2's ``embedding_dropout``, none in Phi-3's and Seed-OSS's; the builder
+    sets it on megatron's embedding (tests/bridges/test_model_api.py)."""
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    bridge = get_bridge(_config(arch, **fields, architectures=[name]))
+    assert bridge.transformer_config_kwargs()["hidden_dropout"] == 0.1 and bridge.embedding_dropout == expected
+
+
+def test_phi_rope_megatron_cannot_express_refused():
+    """Phi with a rope type other than default / llama3 (dynamic NTK, YaRN) or a partial rotary factor outside (0, 1]:
+    refused by the bridge's pure check, naming the field; phi-2's settings are taken (0.4 of each head rotated, one
+    norm before both sublayers, the LM head's bias, its own embedding dropout, q / k LayerNorms when asked)."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    for rope, match in (({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.4},
+                         r"rope_type='dynamic' is not implemented; supported: \['default', 'llama3'\]"),
+                        ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "partial_rotary_factor": 0.4,
+                          "original_max_position_embeddings": 32}, r"rope_type='yarn' is not implemented"),
+                        ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5},
+                         r"partial_rotary_factor=1.5: expected a value in \(0, 1\]")):
+        with pytest.raises(UnsupportedConfigError, match=match):
+            get_bridge(_config("phi", rope_parameters=rope, architectures=["PhiForCausalLM"]))
+    bridge = get_bridge(_config("phi", resid_pdrop=0.1, embd_pdrop=0.0, qk_layernorm=True,
+                                architectures=["PhiForCausalLM"]))
+    kw = bridge.transformer_config_kwargs()
+    assert kw["hidden_dropout"] == 0.1 and bridge.embedding_dropout == 0.0 and bridge.lm_head_bias
+    assert kw["normalization"] == "LayerNorm" and kw["qk_layernorm"] and not kw["gated_linear_unit"]
+    assert bridge.parallel_residual == "shared" and bridge.rope_parameters()["partial_rotary_factor"] == 0.4
+    assert "lm_head.bias" in bridge.expected_hf_shapes()
 
 
 def test_gpt_neox_attention_without_biases_refused():
@@ -426,3 +464,31 @@ def test_gpt_neox_attention_without_biases_refused():
     assert get_bridge(config).parallel_residual == "separate"
     config.use_parallel_residual = False
     assert get_bridge(config).parallel_residual is None
+
+
+@pytest.mark.parametrize("arch", ["cohere", "cohere2"])
+def test_cohere_fields_megatron_cannot_express_refused(arch):
+    """Cohere / Cohere2 with ``attention_bias=True`` (a bias on o_proj, none in the MLP: megatron's output projection
+    has one exactly when the MLP's linears do), Cohere's ``logit_scale=None`` (transformers' forward cannot run;
+    Cohere2's config refuses it itself) or YaRN: refused by the bridge's pure check, naming the field; the hub's
+    settings are taken."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    name = "CohereForCausalLM" if arch == "cohere" else "Cohere2ForCausalLM"
+    cases = [("attention_bias", True, rf"attention_bias=True is not supported for {name}"),
+             ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                  "original_max_position_embeddings": 32}, r"rope_type='yarn' is not implemented")]
+    if arch == "cohere":
+        cases.append(("logit_scale", None, rf"logit_scale=None is not supported for {name}"))
+    for field, value, match in cases:
+        config = _config(arch, **{field: value}, architectures=[name])
+        with pytest.raises(UnsupportedConfigError, match=match):
+            get_bridge(config)
+    bridge = get_bridge(_config(arch, architectures=[name]))
+    kw = bridge.transformer_config_kwargs()
+    assert kw["normalization"] == "LayerNorm" and kw["rotary_interleaved"] and not kw["qk_layernorm"]
+    assert bridge.parallel_residual == "shared" and not bridge.norm_bias and bridge.tied
+    assert (bridge.qk_module() is not None) == (arch == "cohere")
+    if arch == "cohere2":
+        assert kw["window_size"] == (4, 0) and kw["window_attn_skip_freq"] == [1, 1, 1, 0]

@@ -22,8 +22,11 @@ scaled embedding, Gemma 2 with soft-capped scores and logits, Ministral with the
 with q/k/v biases, Arcee with its ungated relu2 MLP, Helium and ERNIE 4.5 with interleaved rotary pairs, GLM-4 with half
 of each head rotated in interleaved pairs, norms after the sublayers and a packed gate / up, EXAONE 4 with windowed
 layers and a full one without rotary embedding, StarCoder2 with LayerNorms and linears with biases, an ungated MLP and a
-window, GPT-NeoX with the attention and the MLP side by side and q / k / v fused per head) at TP1, TP2, TP2 + SP and
-CP2.
+window, GPT-NeoX with the attention and the MLP side by side and q / k / v fused per head, Cohere with one LayerNorm
+without bias before both, interleaved rotary pairs, scaled logits and per-head q / k norms split over TP, Cohere2 with
+windowed layers and a full one without rotary embedding, Phi with one LayerNorm before the attention and MLP side by
+side, biases on every linear and on the LM head (its gradient too, the head's weight tied to the embedding), partial
+rotary and per-head q / k LayerNorms with biases split over TP) at TP1, TP2, TP2 + SP and CP2.
 """
 
 from __future__ import annotations
@@ -68,12 +71,20 @@ CHECKPOINTS = {
     "exaone4": ("exaone4", {}),  # post norms, per-head q / k norms, windowed layers and a full one without rope
     "starcoder2": ("starcoder2", {}),  # LayerNorms with biases, biases on every linear, an ungated MLP, a window
     "gpt_neox": ("gpt_neox", {}),  # attention and MLP side by side, LayerNorms, q / k / v fused per head
+    # NOTE: one LayerNorm without bias before the attention and MLP side by side, interleaved rotary pairs, scaled
+    # logits; Cohere with per-head q / k norms (split over TP), Cohere2 with windowed layers and a full one without rope
+    "cohere": ("cohere", {}),
+    "cohere2": ("cohere2", {}),
+    # NOTE: one LayerNorm before both sublayers, biases everywhere incl. the LM head's (its weight tied here), partial
+    # rotary, q / k LayerNorms over each head (off in the hub's checkpoints). Worst measured 2.4e-5, q_layernorm.bias:
+    # transformers' own fp32 gradient is 1.4e-5 off its fp64 one there (the norms' small inputs)
+    "phi": ("phi", {"qk_layernorm": True, "tie_word_embeddings": True}),
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe")
 DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3", "gemma",
          "gemma2", "ministral", "seed_oss", "arcee",
-         "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox")
+         "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox", "cohere", "cohere2", "phi")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
     "tp1": (1, {}, MOE + DENSE),

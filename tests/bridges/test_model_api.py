@@ -8,7 +8,9 @@
 - ``save_pretrained`` writes config.json verbatim when nothing changed, the user's config / generation config changes
   otherwise, with the dtype of the tensors written; transformers keywords that would change what is written are
   refused before anything is written; extra chat templates are copied.
-- ``num_parameters()`` does not count megatron's vocabulary padding rows.
+- ``num_parameters()`` does not count megatron's vocabulary padding rows (nor those of Phi's LM head bias).
+- An embedding dropout other than the sublayers' (Phi-2's ``embd_pdrop``, StarCoder2's ``embedding_dropout``) is the
+  embedding's own; ``resize_token_embeddings`` is refused for an LM head with a bias.
 - A LoRA adapter folder loads with PEFT's ``AutoPeftModelForCausalLM`` (``auto_mapping``), same logits.
 
 Tolerances: fp32 logits 1e-5, losses 1e-6 relative.
@@ -31,7 +33,13 @@ def api(tmp_path_factory):
     folders = {"qwen3": make_tiny_checkpoint(tmp / "qwen3", "qwen3", vocab_size=203),
                "dropout": make_tiny_checkpoint(tmp / "dropout", "qwen2", tokenizer=False, attention_dropout=0.3),
                "bf16": make_tiny_checkpoint(tmp / "bf16", "llama", tokenizer=False, dtype=torch.bfloat16),
-               "tied": make_tiny_checkpoint(tmp / "tied", "qwen3", tokenizer=False, tie_word_embeddings=True)}
+               "tied": make_tiny_checkpoint(tmp / "tied", "qwen3", tokenizer=False, tie_word_embeddings=True),
+               # NOTE: phi-2's dropouts (the embedding's 0, the sublayers' 0.1) and StarCoder2's alike
+               "phi_dropouts": make_tiny_checkpoint(tmp / "phi_dropouts", "phi", tokenizer=False, embd_pdrop=0.0,
+                                                    resid_pdrop=0.1),
+               "phi_tied": make_tiny_checkpoint(tmp / "phi_tied", "phi", tokenizer=False, tie_word_embeddings=True),
+               "starcoder2_dropouts": make_tiny_checkpoint(tmp / "starcoder2_dropouts", "starcoder2", tokenizer=False,
+                                                           embedding_dropout=0.0, residual_dropout=0.1)}
     no_dtype = make_tiny_checkpoint(tmp / "no_dtype", "llama", tokenizer=False, dtype=torch.bfloat16)
     cfg = json.loads((no_dtype / "config.json").read_text())
     cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
@@ -79,6 +87,18 @@ def test_num_parameters_leaves_out_vocab_padding(api):
     # transformers' positional only_trainable and exclude_embeddings (what its floating_point_ops and users ask)
     for ours, theirs in api[0]["num_parameters_variants"]:
         assert ours == theirs
+
+
+def test_embedding_dropout_of_its_own_and_the_lm_head_bias(api):
+    """Phi-2's ``embd_pdrop`` (0) and StarCoder2's ``embedding_dropout`` (0) drop the embedding output while the
+    sublayers' dropout (megatron's ``hidden_dropout``) is 0.1; Phi's LM head bias counts as in transformers (its
+    padding rows left out, tied or not), and resizing the vocabulary is refused for it."""
+    res = api[0]
+    assert res["embedding_dropout"] == {"phi_dropouts": (0.0, 0.1), "phi_tied": (0.0, 0.0),
+                                        "starcoder2_dropouts": (0.0, 0.1)}
+    for ours, theirs in res["num_parameters_bias"]:
+        assert ours == theirs
+    assert "resize_token_embeddings is not supported for PhiForCausalLM" in res["resize_bias"]
 
 
 def test_save_follows_config_changes_and_dtype(api):

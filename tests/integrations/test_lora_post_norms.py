@@ -4,7 +4,10 @@ is scaled and tied to the LM head, OLMo 2's q / k norms span all heads (their we
 and up in one linear and rotates half of each head in interleaved pairs, EXAONE 4 has a full layer without rotary
 embedding. StarCoder2's norms are LayerNorms with biases and all its linears have biases (the adapters' terms beside
 them, DoRA's rescaling without them); its two norms a layer are trained whole, weight and bias. GPT-NeoX runs its
-attention and MLP side by side, with q / k / v in one linear (one adapter).
+attention and MLP side by side, with q / k / v in one linear (one adapter). Cohere runs them side by side after one
+LayerNorm without bias (trained), with per-head q / k norms split over TP, rotates interleaved pairs and scales its
+tied logits. Phi runs them side by side after one LayerNorm with bias, with biases on every linear and on the LM
+head, which is trained whole (weight and bias, split over the vocabulary) through ``modules_to_save``.
 
 Checked against PEFT on the transformers model, from adapters PEFT wrote (every factor, magnitude and modules_to_save
 tensor moved off its initial value), at TP=2 + SP, PP=2 and CP=2: logits (1e-4) and loss (1e-5), every A / B /
@@ -37,9 +40,16 @@ ADAPTERS = {
     # NOTE: GPT-NeoX's q / k / v are one linear (one adapter, its B rows in megatron's per-head order as they are)
     "gpt_neox": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                               modules_to_save=["input_layernorm", "post_attention_layernorm"]), "dora": DORA_KW},
+    # NOTE: Cohere's one norm a layer feeds both sublayers (its per-head q / k norms, [heads, head_dim] split over TP,
+    # are not among what modules_to_save trains whole here: lora/plan.py takes 1-D split tensors only)
+    "cohere": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                            modules_to_save=["input_layernorm"]), "dora": DORA_KW},
+    # NOTE: Phi's LM head (weight and bias, split over the vocabulary) is not a LoRA target: trained whole
+    "phi": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                         modules_to_save=["input_layernorm", "lm_head"]), "dora": DORA_KW},
 }
 # NOTE: else q, k, v, o, gate, up, down; StarCoder2's c_fc, c_proj; GPT-NeoX's query_key_value, dense and two MLP ones
-TARGETS_PER_LAYER = {"glm4": 6, "starcoder2": 6, "gpt_neox": 4}
+TARGETS_PER_LAYER = {"glm4": 6, "starcoder2": 6, "gpt_neox": 4, "phi": 6}
 LAYOUTS = {"tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
            "pp2": (2, {"pipeline_parallel_size": 2}), "cp2": (2, {"context_parallel_size": 2})}
 

@@ -235,11 +235,11 @@ def test_phi3_matches_trl(tmp_path):
 
 
 # NOTE: each seed is one whose lora_text run predicts some label token (assert_matches' accuracy guard): SmolLM3's
-# seed 1, Gemma 3's seeds 0-4, Ministral's 0-1 and OLMoE's 0-2 predict none
+# seed 1, Gemma 3's seeds 0-4, Ministral's 0-1, OLMoE's 0-2 and Phi's 0 predict none
 ARCH_SEEDS = {"smollm3": 0, "gemma3": 5, "granite": 0, "olmo2": 0, "olmo3": 0, "gemma": 0, "gemma2": 0,
               "ministral": 2, "seed_oss": 0, "arcee": 0,
               "helium": 0, "ernie4_5": 0, "gpt_oss": 0, "glm4": 0, "granitemoe": 0, "exaone4": 0, "ernie4_5_moe": 0,
-              "starcoder2": 0, "olmoe": 3, "gpt_neox": 0}
+              "starcoder2": 0, "olmoe": 3, "gpt_neox": 0, "cohere": 0, "phi": 1}
 
 
 # NOTE: gpt-oss: transformers' eager attention (the only one with its sinks on CPU: flex attention refuses them there)
@@ -273,7 +273,10 @@ def test_architecture_matches_trl(tmp_path, arch):
     rotary pairs), GLM-4 (half-rotary heads in interleaved pairs, norms after the sublayers, packed gate / up: one
     adapter, as PEFT's), EXAONE 4 (post norms, windowed layers, a full layer without rotary embedding), StarCoder2
     (LayerNorms and linears with biases, an ungated gelu-tanh MLP, a window on every layer), GPT-NeoX (the attention
-    and the MLP side by side, q / k / v in one linear, a quarter of each head rotated), GraniteMoE
+    and the MLP side by side, q / k / v in one linear, a quarter of each head rotated), Cohere (one LayerNorm without
+    bias before the attention and the MLP side by side, interleaved rotary pairs, per-head q / k norms, logits scaled
+    in the fused loss too), Phi (one LayerNorm before the attention and the MLP side by side, biases on every linear
+    and on the LM head: the fused loss's, 0.4 of each head rotated), GraniteMoE
     (Granite's multipliers on megatron's MoE layers), ERNIE 4.5 MoE (interleaved rotary pairs, tied embeddings,
     shared experts, experts chosen on softmax scores plus a fixed bias, transformers' balancing loss, which TRL turns
     on), OLMoE (q / k norms over all heads, split over the TP ranks; experts in every layer; the balancing loss),

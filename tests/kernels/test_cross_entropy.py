@@ -77,6 +77,76 @@ def test_softcap_is_cross_entropy_of_soft_capped_logits(reduction):
     torch.testing.assert_close(stats, logits_token_stats(logits, labels), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_bias_is_cross_entropy_of_biased_logits(reduction, chunk_size):
+    """Phi's LM head bias: loss, token stats and the grads of hidden, weight and bias those of autograd through
+    ``hidden @ weight.T + bias`` (fp32, 1e-5), with z-loss and label smoothing, padded rows taking no gradient; the
+    bias matters here (its scale is the logits')."""
+    hidden, weight, labels = _inputs(torch.float32, seed=5)
+    bias = torch.randn(V_PADDED, generator=torch.Generator().manual_seed(6))
+    grad_out = None if reduction == "sum" else torch.rand(N, generator=torch.Generator().manual_seed(1))
+    kw = dict(z_loss=1e-3, label_smoothing=0.2, reduction=reduction)
+
+    def run(fn, **extra):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        loss = fn(h, w, b, **extra)
+        loss.backward(grad_out)
+        return loss.detach(), h.grad, w.grad, b.grad
+
+    def biased(h, w, b):
+        logits = (h @ w[:V_REAL].t() + b[:V_REAL]).float()
+        loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none", label_smoothing=0.2)
+        loss = loss + 1e-3 * torch.logsumexp(logits, dim=-1).square() * (labels != -100)
+        return loss.sum() if reduction == "sum" else loss
+
+    stats = torch.zeros(2)
+    ours = run(lambda h, w, b: linear_cross_entropy(h, w, labels, vocab_size=V_REAL, chunk_size=chunk_size, bias=b,
+                                                    token_stats=stats, **kw))
+    ref = run(biased)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours[3][V_REAL:], torch.zeros(V_PADDED - V_REAL))
+    plain = linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL, **kw)
+    assert (plain - ref[0]).abs().max() > 1e-2  # NOTE: the bias changes the loss
+    torch.testing.assert_close(stats, logits_token_stats(hidden @ weight[:V_REAL].t() + bias[:V_REAL], labels),
+                               atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"bias must be \[48\]"):
+        linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL, bias=bias[:V_REAL])
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logit_scale_is_cross_entropy_of_scaled_logits(reduction, dtype):
+    """Cohere's ``logit_scale``: loss, token stats and the grads of hidden and weight those of autograd through
+    ``(hidden @ weight.T) * scale`` (the product rounded to the input dtype, as transformers' multiply), with z-loss and
+    label smoothing, chunked (fp32: 1e-5; bf16: the loss 1e-5, the grads within one bf16 rounding); the scale matters
+    here."""
+    hidden, weight, labels = _inputs(dtype, seed=7)
+    scale = 0.3
+    kw = dict(z_loss=1e-3, label_smoothing=0.2, reduction=reduction)
+
+    def scaled(h, w, y, **unused):
+        logits = ((h @ w[:V_REAL].t()) * scale).float()
+        loss = F.cross_entropy(logits, y, ignore_index=-100, reduction="none", label_smoothing=0.2)
+        loss = loss + 1e-3 * torch.logsumexp(logits, dim=-1).square() * (y != -100)
+        return loss.sum() if reduction == "sum" else loss
+
+    grad_out = None if reduction == "sum" else torch.rand(N, generator=torch.Generator().manual_seed(1))
+    stats = torch.zeros(2)
+    ours = _grads(linear_cross_entropy, hidden, weight, labels, grad_out, vocab_size=V_REAL, chunk_size=5,
+                  logit_scale=scale, token_stats=stats, **kw)
+    ref = _grads(scaled, hidden, weight, labels, grad_out)
+    grad_tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours[0], ref[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(ours[1:], ref[1:]):
+        torch.testing.assert_close(a.float(), b.float(), atol=grad_tol, rtol=grad_tol)
+    plain = linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL, **kw)
+    assert (plain - ref[0]).abs().max() > 1e-2  # NOTE: the scale changes the loss
+    logits = (hidden @ weight[:V_REAL].t()) * scale
+    torch.testing.assert_close(stats, logits_token_stats(logits, labels), atol=1e-4, rtol=1e-5)
+
+
 def test_scaled_sum_backward_scales_the_precomputed_grads():
     hidden, weight, labels = _inputs(torch.float32, seed=3)
     f = lambda h, w, y, **kw: 0.25 * linear_cross_entropy(h, w, y, vocab_size=V_REAL, **kw)  # noqa: E731

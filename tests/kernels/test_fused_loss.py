@@ -2,7 +2,8 @@
 
 The checks run inside the ranks (``_fused_loss.py``): forward loss and parameter gradients, then one MegatronEngine step
 with label smoothing, fused vs. materialised, fp32 within 1e-5, for a tied Qwen3 (TP2 with and without sequence
-parallelism, PP2) and an untied Llama (DP2).
+parallelism, PP2), an untied Llama (DP2) and Phi, whose LM head has a bias (vocabulary-split: its gradient from the
+fused kernel; TP2 with sequence parallelism, PP2).
 """
 
 import pytest
@@ -17,7 +18,8 @@ from ._fused_loss import fused_matches_materialised
 def checkpoints(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fused-loss")
     return {"qwen3": make_tiny_checkpoint(tmp / "qwen3", "qwen3", tie_word_embeddings=True, tokenizer=False),
-            "llama": make_tiny_checkpoint(tmp / "llama", "llama", tokenizer=False)}
+            "llama": make_tiny_checkpoint(tmp / "llama", "llama", tokenizer=False),
+            "phi": make_tiny_checkpoint(tmp / "phi", "phi", tokenizer=False)}
 
 
 def test_tied_qwen3_tp2_sp_and_pp2(checkpoints, tmp_path):
@@ -31,3 +33,10 @@ def test_untied_llama_dp2(checkpoints, tmp_path):
     results = run_distributed(fused_matches_materialised, 2, str(checkpoints["llama"]), str(tmp_path), ["dp2"],
                               timeout=400)
     assert [sorted(r) for r in results] == [["dp2"]] * 2
+
+
+def test_phi_lm_head_bias_tp2_sp_and_pp2(checkpoints, tmp_path):
+    layouts = ["tp2_sp", "pp2"]
+    results = run_distributed(fused_matches_materialised, 2, str(checkpoints["phi"]), str(tmp_path), layouts,
+                              timeout=400)
+    assert [sorted(r) for r in results] == [sorted(layouts)] * 2

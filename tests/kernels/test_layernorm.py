@@ -1,13 +1,18 @@
 """``kernels.layernorm.LayerNorm`` against ``torch.nn.LayerNorm`` (what transformers' StarCoder2 runs): outputs and the
 input, weight and bias gradients bit for bit in fp32 and bf16 on an odd shape; megatron's ``sequence_parallel`` mark
-on both parameters; configs it does not implement refused; the dense spec's norm slots for each normalization."""
+on both parameters; configs it does not implement refused; the dense spec's norm slots for each normalization.
+``LayerNormWithoutBias`` against transformers' ``CohereLayerNorm`` (fp32 math, one rounding): outputs and gradients
+within 1e-5 in fp32, outputs within one bf16 rounding in bf16; no bias parameter; the spec's slots with
+``norm_bias=False``."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from loongforge_hf.kernels.layernorm import LayerNorm
+from megatron.core.transformer.identity_op import IdentityOp
+
+from loongforge_hf.kernels.layernorm import LayerNorm, LayerNormWithoutBias
 from loongforge_hf.kernels.rmsnorm import RMSNorm
 from loongforge_hf.kernels.specs import final_norm_spec, get_layer_spec, norm_class
 
@@ -57,3 +62,38 @@ def test_spec_norms_follow_normalization():
     assert norm_class("RMSNorm") is RMSNorm
     with pytest.raises(ValueError, match="normalization='L2Norm' is not supported"):
         norm_class("L2Norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_bias_matches_cohere_layer_norm(dtype):
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    g = torch.Generator().manual_seed(1)
+    hidden = 341
+    ours = LayerNormWithoutBias(_config(params_dtype=dtype, sequence_parallel=True), hidden, eps=1e-5)
+    ref = CohereLayerNorm(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_((1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype))
+        ref.weight.copy_(ours.weight)
+    assert ours.bias is None and [n for n, _ in ours.named_parameters()] == ["weight"] and ours.weight.sequence_parallel
+    x = (3 * torch.randn(9, 41, hidden, generator=g) + 1).to(dtype)
+    x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad = torch.randn(9, 41, hidden, generator=g).to(dtype)
+    y_ours, y_ref = ours(x_ours), ref(x_ref)
+    assert y_ours.dtype == dtype
+    if dtype == torch.bfloat16:  # NOTE: both round once from fp32; the fp32 results differ in the last bits
+        torch.testing.assert_close(y_ours, y_ref, atol=0, rtol=2 ** -7)  # NOTE: one bf16 ulp at most
+        return
+    torch.testing.assert_close(y_ours, y_ref, atol=1e-5, rtol=1e-5)
+    y_ours.backward(grad)
+    y_ref.backward(grad)
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad, atol=1e-4, rtol=1e-5)
+
+
+def test_spec_norms_without_bias():
+    sub = get_layer_spec(qk_norm=False, normalization="LayerNorm", norm_bias=False,
+                         parallel_residual="shared").submodules
+    assert sub.input_layernorm is LayerNormWithoutBias and sub.pre_mlp_layernorm is IdentityOp
+    assert final_norm_spec(normalization="LayerNorm", norm_bias=False) is LayerNormWithoutBias
+    assert norm_class("RMSNorm", bias=False) is RMSNorm
