@@ -341,6 +341,9 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
         options = hf_forward_options(unused, labels)
+        if unused.get("token_type_ids") is not None and getattr(self.bridge, "token_type_embeddings", False):
+            raise TypeError(f"forward: token_type_ids are not supported for {self.bridge.architectures[0]} "
+                            "(transformers adds their embeddings to the tokens'); pass input_ids alone.")
         select_longrope_for(self, input_ids, position_ids,
                             options["cache"].get_seq_length() if options["cache"] is not None else 0)
         routed = router_balance.forward_outputs(self, unused.get("output_router_logits"))

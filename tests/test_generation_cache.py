@@ -17,7 +17,9 @@ prompts of different lengths.
   the attention and the MLP side by side, interleaved rotary pairs, per-head q / k norms split over TP, scaled logits)
   at TP2 with sequence parallelism; Cohere2 with a 3-token window on layers 0-2 and a full layer without rotary
   embedding at CP2; Phi (one LayerNorm before the attention and the MLP side by side, partial rotary, the LM head's
-  bias over the vocabulary split) at TP2 with sequence parallelism;
+  bias over the vocabulary split) at TP2 with sequence parallelism; GPT-J (the same, part of each head rotated in
+  interleaved pairs, biases on the MLP only) at TP2 with sequence parallelism; StableLM (the attention and the MLP side
+  by side, per-head q / k LayerNorms, a quarter of each head rotated, GQA) at CP2;
   GLM-4.5 (biased q/k/v, half-rotary heads, sigmoid-routed experts) at TP2 with sequence parallelism; ERNIE 4.5 MoE
   (interleaved rotary pairs, tied embeddings, experts chosen on softmax scores plus a fixed bias) at TP2 with sequence
   parallelism and at CP2; OLMoE (q / k norms over all heads, split over TP with the heads; every layer sparse) at TP2
@@ -86,6 +88,8 @@ LAYOUTS = {
     "cohere_tp2_sp": ("cohere", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "cohere2_cp2": ("cohere2", 2, {"context_parallel_size": 2}),
     "phi_tp2_sp": ("phi", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "gptj_tp2_sp": ("gptj", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "stablelm_cp2": ("stablelm", 2, {"context_parallel_size": 2}),
     "gpt_oss_cp2": ("gpt_oss", 2, {"context_parallel_size": 2}),
     "gpt_oss_tp2_sp": ("gpt_oss", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "ernie4_5_moe_tp2_sp": ("ernie4_5_moe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
@@ -106,6 +110,7 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "granitemoe": ("granitemoe", {}), "exaone4": ("exaone4", {"sliding_window": 3}),
                "starcoder2": ("starcoder2", {"sliding_window": 3}), "gpt_neox": ("gpt_neox", {}),
                "cohere": ("cohere", {}), "cohere2": ("cohere2", {"sliding_window": 3}), "phi": ("phi", {}),
+               "gptj": ("gptj", {}), "stablelm": ("stablelm", {}),
                "ernie4_5_moe": ("ernie4_5_moe", {}), "olmoe": ("olmoe", {}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),

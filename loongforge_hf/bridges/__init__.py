@@ -2,8 +2,9 @@
 
 # NOTE: importing a bridge module registers its architectures.
 from loongforge_hf.bridges import (arcee, cohere, deepseek, ernie4_5_moe, exaone4, gemma, glm4,  # noqa: F401
-                                   glm4_moe, gpt_neox, gpt_oss, granite, llama, mistral, mixtral, olmo2, olmoe,
-                                   phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, starcoder2)
+                                   glm4_moe, gpt_neox, gpt_oss, gptj, granite, llama, mistral, mixtral, olmo2,
+                                   olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm,
+                                   starcoder2)
 from loongforge_hf.bridges.config_map import UnsupportedConfigError
 from loongforge_hf.bridges.registry import (UnsupportedArchitectureError, get_bridge, register_bridge,
                                             supported_architectures)

@@ -41,6 +41,11 @@ Choices:
 - InternVL (``InternVLForConditionalGeneration``): the same trees as Mistral 3's, InternViT's
   ``attention.q_proj`` / ``k_proj`` / ``v_proj`` on the fused ``qkv`` as Gemma 3's, ``projection_layer``,
   ``mlp.fc1`` / ``fc2``, the projector's ``linear_1`` / ``linear_2`` (whole).
+- LLaVA (``LlavaForConditionalGeneration``): the same trees, CLIP's ``self_attn.q_proj`` / ``k_proj`` / ``v_proj`` on
+  the fused ``qkv`` as Gemma 3's, ``out_proj``, ``mlp.fc1`` / ``fc2``, the projector's two (whole). The ViT blocks after
+  the feature layer take adapters as in PEFT; they never run, so their gradient is zero (PEFT's None).
+- SmolVLM / Idefics3: ``model.text_model.*``, ``lm_head``, ``model.vision_model.*`` (SigLIP, as Gemma 3's) and
+  ``model.connector.modality_projection.proj`` (whole), the checkpoint's names too.
 - Not here: ``trainable_token_indices`` on an image-text model (refused), and modules_to_save in the vision tower
   (refused: name them in the adapter's targets, or train the tower whole without LoRA).
 """

@@ -15,9 +15,9 @@ Choices:
   ``integrations.vl_collator`` packs them). 2-D ``position_ids`` that restart mark packed samples too; the 3-D
   positions are then computed per sample. Gradients flow when pipeline_parallel_size == 1. Models with 1-D rope
   (Gemma 3, Mistral 3, InternVL: ``bridge.mrope`` False) take 2-D positions as text models do; whole images
-  ``[n, C, H, W]`` (with Mistral 3's ``image_sizes``; InternVL's tiles) become the tower's patches and grids
-  (``bridge.vision_inputs``); Gemma 3's ``token_type_ids`` make each image's tokens attend both ways
-  (``chunk.image_blocks``), as in transformers.
+  ``[n, C, H, W]`` (with Mistral 3's ``image_sizes``; InternVL's tiles; Idefics3's ``[b, n, C, H, W]`` tiles with
+  their ``pixel_attention_mask``) become the tower's patches and grids (``bridge.vision_inputs``); Gemma 3's
+  ``token_type_ids`` make each image's tokens attend both ways (``chunk.image_blocks``), as in transformers.
 - Context parallelism (``context_parallel_size``): the language model runs on megatron's load-balanced share of the
   sequence on each CP rank (``parallel.context_parallel``); the sequence length must be a multiple of 2 x CP. The
   returned loss and logits are the whole sequence's; each rank's gradient is its share's (megatron's DDP sums them).
@@ -73,6 +73,17 @@ class _WithInputs(nn.Module):
         return self.chunk(input_ids, position_ids, attention_mask, **self.inputs)
 
 
+def _refuse_vision_overrides(config, unused: dict) -> None:
+    """transformers' per-call ``vision_feature_layer`` / ``vision_feature_select_strategy`` (LLaVA's forward and
+    generate take them): the config's are built into the tower here, so another value is refused, not ignored."""
+    for name in ("vision_feature_layer", "vision_feature_select_strategy"):
+        value = unused.get(name)
+        if value is not None and value != getattr(config, name, None):
+            raise ValueError(f"forward: {name}={value!r} differs from the checkpoint config's "
+                             f"{getattr(config, name, None)!r}, which the vision tower is built for; set it in the "
+                             "config before from_pretrained.")
+
+
 class LoongModelForImageTextToText(LoongModelForCausalLM):
     """A vision-language model: megatron-core language model, vision tower beside it."""
 
@@ -101,7 +112,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
             # [n, C, H, W] images, Mistral 3's with image_sizes), so beam copies and each step's inputs are per patch
             # and per grid as for Qwen's
             kwargs["pixel_values"], kwargs["image_grid_thw"] = self.bridge.vision_inputs(
-                kwargs["pixel_values"], kwargs.get("image_grid_thw"), image_sizes=kwargs.pop("image_sizes", None))
+                kwargs["pixel_values"], kwargs.get("image_grid_thw"), image_sizes=kwargs.pop("image_sizes", None),
+                **_pixel_mask(kwargs.pop("pixel_attention_mask", None)))
         try:
             return super().generate(inputs, generation_config, **kwargs)
         finally:
@@ -188,7 +200,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                                                "video_grid_thw")}
         if kwargs["pixel_values"] is not None:
             kwargs["pixel_values"], kwargs["image_grid_thw"] = self.bridge.vision_inputs(
-                kwargs["pixel_values"], kwargs["image_grid_thw"], image_sizes=get("image_sizes"))
+                kwargs["pixel_values"], kwargs["image_grid_thw"], image_sizes=get("image_sizes"),
+                **_pixel_mask(get("pixel_attention_mask")))
         if self.bridge.bidirectional_images:  # NOTE: as transformers, only where token_type_ids are given
             kwargs["token_type_ids"] = get("token_type_ids")
         return (input_ids, position_ids.to(device), mask), kwargs
@@ -218,6 +231,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                                                              cp_token_index)
 
         options = hf_forward_options(unused, labels)
+        _refuse_vision_overrides(self.config, unused)
         if options["cache"] is not None or self._generating:
             from loongforge_hf.multimodal.generation import generation_forward
 
@@ -235,7 +249,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                  "image_grid_thw": image_grid_thw, "position_ids": position_ids,
                  "mm_token_type_ids": mm_token_type_ids, "pixel_values_videos": pixel_values_videos,
                  "video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts,
-                 "token_type_ids": token_type_ids, "image_sizes": image_sizes}
+                 "token_type_ids": token_type_ids, "image_sizes": image_sizes,
+                 "pixel_attention_mask": unused.get("pixel_attention_mask")}
         args, inputs = self.megatron_forward_inputs(batch)
         input_ids, position_ids, mask = args
         vocab = self.config.text_config.vocab_size
@@ -302,6 +317,11 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                   max_shard_size=max_shard_size, dtype=dtype, extra_tensors=extra, config_changes=self.config_changes(),
                   generation_config=self.generation_config_to_write(),
                   side_files_dir=side_files_dir)
+
+
+def _pixel_mask(mask: torch.Tensor | None) -> dict:
+    """``vision_inputs``' keywords for a ``pixel_attention_mask`` (Idefics3's processors give one): none without."""
+    return {} if mask is None else {"pixel_attention_mask": mask}
 
 
 def _vision_layout(*, vision_tensor_parallel_size: int, vision_data_parallel: bool, tensor_parallel_size: int,

@@ -118,13 +118,19 @@ class InternVLProjector(nn.Module):
         self.linear_2 = VisionLinear(text_hidden, text_hidden)
 
     def forward(self, x: torch.Tensor, grid: list[tuple[int, int, int]]) -> torch.Tensor:
-        m, pieces, offset = self.merge, [], 0
-        for _, h, w in grid:
-            tile = x[offset:offset + h * w].reshape(h // m, m, w // m, m, -1)
-            pieces.append(tile.permute(0, 2, 1, 3, 4).reshape((h // m) * (w // m), -1))
-            offset += h * w
-        shuffled = torch.cat(pieces) if pieces else x.reshape(0, self.norm.normalized_shape[0])
-        return self.linear_2(self.act(self.linear_1(self.norm(shuffled))))
+        return self.linear_2(self.act(self.linear_1(self.norm(pixel_shuffle(x, grid, self.merge)))))
+
+
+def pixel_shuffle(x: torch.Tensor, grid: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
+    """``[sum h w, d]`` patch features of images of ``grid`` (each row-major) -> ``[sum h w / merge^2, d merge^2]``:
+    each ``merge x merge`` block's features (row, column) row-major, channels last, the blocks row-major (InternVL's
+    and Idefics3's pixel shuffle)."""
+    m, pieces, offset = merge, [], 0
+    for _, h, w in grid:
+        tile = x[offset:offset + h * w].reshape(h // m, m, w // m, m, -1)
+        pieces.append(tile.permute(0, 2, 1, 3, 4).reshape((h // m) * (w // m), -1))
+        offset += h * w
+    return torch.cat(pieces) if pieces else x.reshape(0, x.shape[-1] * m * m)
 
 
 class InternViTTower(nn.Module):

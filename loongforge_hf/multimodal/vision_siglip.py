@@ -13,6 +13,8 @@ Choices:
   at the configured ``image_size`` only: transformers does not interpolate the table for Gemma 3), full attention
   within each image, LayerNorm at ``layer_norm_eps``, ``AvgPool2d`` over ``merge x merge`` patches, the RMSNorm in
   fp32 with ``1 + weight``, then ``@ mm_input_projection_weight`` in the model's dtype.
+- ``projector`` replaces Gemma 3's and ``position_ids`` can be overridden: Idefics3's tower
+  (``vision_idefics3.py``) is this ViT with its own projector and its bucketed position ids.
 - Tensor parallelism, FP8 and ``recompute`` as the Qwen towers (``vision.VisionAttention`` with fused ``qkv`` rows,
   ``vision_qwen3.Qwen3VisionMLP``): attention split by heads, ``fc1`` by rows and ``fc2`` by columns (bias after the
   reduction); norms, the patch embedding, the position table and the projector are replicated.
@@ -52,8 +54,10 @@ class Gemma3Projector(nn.Module):
 class SiglipTower(nn.Module):
     """``forward(pixel_values [N, C*P*P], grid_thw [n, 3]) -> [N / merge^2, text_hidden]`` image embeddings."""
 
+    family = "Gemma 3"
+
     def __init__(self, config, *, text_hidden: int, tokens_per_image: int, tp_group=None,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, projector: nn.Module | None = None) -> None:
         super().__init__()
         self.config = config
         self.recompute = recompute
@@ -66,17 +70,22 @@ class SiglipTower(nn.Module):
             Qwen3VisionBlock(config, tp_group=tp_group, heads=config.num_attention_heads, eps=config.layer_norm_eps)
             for _ in range(config.num_hidden_layers)])
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.projector = Gemma3Projector(config.hidden_size, text_hidden, merge=self.merge, eps=config.layer_norm_eps)
+        self.projector = projector if projector is not None else \
+            Gemma3Projector(config.hidden_size, text_hidden, merge=self.merge, eps=config.layer_norm_eps)
+
+    def position_ids(self, grid: list[tuple[int, int, int]], device) -> torch.Tensor:
+        """Each patch's row of the position table: ``0 .. h w - 1`` per image (the images are whole tiles)."""
+        return torch.arange(self.side * self.side, device=device).repeat(len(grid))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grid = [tuple(row) for row in grid_thw.tolist()]
         for t, h, w in grid:
             if (t, h, w) != (1, self.side, self.side):
-                raise ValueError(f"Gemma 3's vision tower takes {self.config.image_size}x{self.config.image_size} "
-                                 f"images ({self.side}x{self.side} patches of {self.config.patch_size}); got a "
-                                 f"{t}x{h}x{w} grid.")
+                size = self.config.image_size
+                raise ValueError(f"{self.family}'s vision tower takes {size}x{size} images ({self.side}x{self.side} "
+                                 f"patches of {self.config.patch_size}); got a {t}x{h}x{w} grid.")
         x = self.patch_embed(pixel_values)
-        x = x + self.position_embedding.weight.to(x.dtype).repeat(len(grid), 1)
+        x = x + self.position_embedding(self.position_ids(grid, x.device)).to(x.dtype)
         cu_images = _cu([h * w for _, h, w in grid]).to(x.device)
         for block in self.blocks:
             x = run_block(self, block, x, cu_images, None, None)

@@ -18,7 +18,7 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
               "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe", "starcoder2",
-              "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi")
+              "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi", "gptj", "stablelm")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -26,7 +26,8 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
     "original_max_position_embeddings": 32, "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
-_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi")  # linears' biases randomised in the tiny checkpoints
+# linears' biases randomised in the tiny checkpoints
+_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm")
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
 
@@ -152,6 +153,21 @@ def _config(arch: str, **overrides):
                            layer_norm_eps=1e-5, resid_pdrop=0.0, embd_pdrop=0.0,
                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                             "partial_rotary_factor": 0.4})
+    elif arch == "gptj":
+        # NOTE: GPT-J-6B's layout shrunk: one LayerNorm (ln_1) before the attention and the MLP side by side, biases on
+        # the MLP and the LM head only (randomised in make_tiny_checkpoint), 6 of each 16-channel head rotated in
+        # interleaved pairs, gelu_new
+        cfg = tf.GPTJConfig(vocab_size=203, n_positions=128, n_embd=64, n_layer=4, n_head=4, rotary_dim=6, n_inner=96,
+                            activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            layer_norm_epsilon=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0)
+    elif arch == "stablelm":
+        # NOTE: StableLM 2 12B's layout shrunk, with 1.6B's q / k / v biases: LayerNorms, one before the attention and
+        # the MLP side by side, per-head q / k LayerNorms, a quarter of each head rotated, GQA
+        cfg = tf.StableLmConfig(**{k: v for k, v in common.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5,
+                                use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.25})
     elif arch == "helium":
         cfg = tf.HeliumConfig(**{**common, "head_dim": 16})  # NOTE: interleaved rotary pairs
     elif arch == "ernie4_5":
@@ -242,7 +258,7 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
         # store weight - 1 (scales around 1 there too)
         centre = 0.0 if getattr(cfg, "model_type", "") in ("gemma", "gemma2", "gemma3_text") else 1.0
         for name, p in model.named_parameters():
-            if "norm" in name:  # NOTE: LayerNorms' biases (StarCoder2) around 0
+            if "norm" in name or ".ln_" in name:  # NOTE: LayerNorms' biases (StarCoder2) around 0; GPT-J's ln_1 / ln_f
                 p.copy_((0.0 if name.endswith("bias") else centre) + 0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(0.2 * torch.randn_like(p))

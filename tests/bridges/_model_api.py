@@ -90,6 +90,15 @@ def model_api_checks(folders: dict, out: str) -> dict:
     except NotImplementedError as e:
         res["resize_bias"] = str(e)
 
+    # --- where dropouts fall, made deterministic by a probability of 1, in training mode on both sides: StableLM's
+    # hidden_dropout on the MLP's output only, GPT-J's resid_pdrop on both sublayers' and not the embedding's -------
+    res["dropout_placement"] = {}
+    for name in ("stablelm_dropouts", "gptj_dropouts"):
+        m = lf.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32).train()
+        r = transformers.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32).train()
+        with torch.no_grad():
+            res["dropout_placement"][name] = float((m(input_ids=ids).logits - r(input_ids=ids).logits).abs().max())
+
     # --- save_pretrained: config / generation config follow the model, dtype follows the tensors ------------------
     model.save_pretrained(out / "same")
     same = (out / "same" / "config.json").read_bytes()

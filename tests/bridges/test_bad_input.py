@@ -492,3 +492,69 @@ def test_cohere_fields_megatron_cannot_express_refused(arch):
     assert (bridge.qk_module() is not None) == (arch == "cohere")
     if arch == "cohere2":
         assert kw["window_size"] == (4, 0) and kw["window_attn_skip_freq"] == [1, 1, 1, 0]
+
+
+def test_gptj_fields_megatron_cannot_express_refused():
+    """GPT-J with an odd ``rotary_dim`` or one wider than a head (transformers' forward fails on both), or an
+    activation the shared table lacks: refused by the bridge's pure check,
+    naming the field; the hub's settings are taken (no attention biases, the MLP's built with them, the LM head's
+    bias, interleaved pairs over ``rotary_dim`` channels: 30 of 44 too, which ``rotary_dim / head_dim`` alone gives
+    megatron one short), the three dropouts each where transformers puts it; ``token_type_ids`` are refused by the
+    forward (transformers adds their embeddings)."""
+    import types
+
+    import torch
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.gptj import biased_mlp
+    from loongforge_hf.modeling import LoongModelForCausalLM
+    from loongforge_hf.testing.tiny_models import _config
+
+    name = "GPTJForCausalLM"
+    for field, value, match in (("rotary_dim", 5, r"rotary_dim=5 is not supported for GPTJForCausalLM"),
+                                ("rotary_dim", 18, r"rotary_dim=18 is not supported.*\(0, 16\]"),
+                                ("activation_function", "relu", r"hidden_act='relu' is not supported")):
+        with pytest.raises(UnsupportedConfigError, match=match):
+            get_bridge(_config("gptj", **{field: value}, architectures=[name]))
+    bridge = get_bridge(_config("gptj", resid_pdrop=0.1, embd_pdrop=0.2, attn_pdrop=0.3, n_inner=None,
+                                architectures=[name]))
+    kw = bridge.transformer_config_kwargs()
+    assert kw["hidden_dropout"] == 0.1 and bridge.embedding_dropout == 0.2 and kw["attention_dropout"] == 0.3
+    assert kw["normalization"] == "LayerNorm" and kw["rotary_interleaved"] and not kw["gated_linear_unit"]
+    assert not kw["add_bias_linear"] and not kw["add_qkv_bias"] and bridge.mlp_module() is biased_mlp()
+    assert kw["ffn_hidden_size"] == 256 and kw["layernorm_epsilon"] == 1e-5 and bridge.lm_head_bias
+    assert bridge.parallel_residual == "shared" and "transformer.h.3.mlp.fc_in.bias" in bridge.expected_hf_shapes()
+    assert int(16 * bridge.rope_parameters()["partial_rotary_factor"]) == 6
+    wide = get_bridge(_config("gptj", n_embd=176, rotary_dim=30, architectures=[name]))
+    assert int(44 * wide.rope_parameters()["partial_rotary_factor"]) == 30 and int(44 * (30 / 44)) == 29
+    with pytest.raises(TypeError, match=r"token_type_ids are not supported for GPTJForCausalLM"):
+        LoongModelForCausalLM.forward(types.SimpleNamespace(bridge=bridge), torch.zeros(1, 3, dtype=torch.long),
+                                      token_type_ids=torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_stablelm_fields_megatron_cannot_express_refused():
+    """StableLM with a rope type other than default / llama3: refused by the bridge's pure check, naming the field;
+    the hub's settings are taken: StableLM 2 12B's (one norm before both sublayers, per-head q / k LayerNorms) and
+    1.6B's (sequential, q / k / v biases); ``hidden_dropout`` drops the MLP's output only (megatron's
+    ``hidden_dropout``, both sublayers', stays 0) and nothing drops the embedding output."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.cohere import per_head_layer_norm
+    from loongforge_hf.bridges.stablelm import dropped_mlp
+    from loongforge_hf.testing.tiny_models import _config
+
+    name = "StableLmForCausalLM"
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "partial_rotary_factor": 0.25,
+            "original_max_position_embeddings": 32}
+    with pytest.raises(UnsupportedConfigError, match=r"rope_type='yarn' is not implemented"):
+        get_bridge(_config("stablelm", rope_parameters=rope, architectures=[name]))
+    big = get_bridge(_config("stablelm", use_qkv_bias=False, hidden_dropout=0.1, architectures=[name]))
+    kw = big.transformer_config_kwargs()
+    assert kw["hidden_dropout"] == 0.0 and big.embedding_dropout == 0.0 and big.mlp_module() is dropped_mlp(0.1)
+    assert kw["normalization"] == "LayerNorm" and not kw["add_qkv_bias"] and not kw["qk_layernorm"]
+    assert big.parallel_residual == "shared" and big.qk_module() == (per_head_layer_norm("q"), per_head_layer_norm("k"))
+    assert "model.layers.0.self_attn.k_layernorm.norms.1.weight" in big.expected_hf_shapes()
+    small = get_bridge(_config("stablelm", qk_layernorm=False, use_parallel_residual=False, architectures=[name]))
+    kw = small.transformer_config_kwargs()
+    assert kw["add_qkv_bias"] and small.parallel_residual is None and small.qk_module() is None
+    assert small.mlp_module() is None and small.rope_parameters()["partial_rotary_factor"] == 0.25
+    assert "model.layers.0.post_attention_layernorm.bias" in small.expected_hf_shapes()

@@ -43,7 +43,8 @@ def run_case(tmp_path, arch, layout_name, *, padded=False, **model_kw):
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3",
          "gemma", "gemma2", "ministral", "seed_oss", "arcee",
-         "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox", "cohere", "cohere2", "phi"]
+         "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox", "cohere", "cohere2", "phi", "gptj",
+         "stablelm"]
 
 
 def check_results(results, arch):

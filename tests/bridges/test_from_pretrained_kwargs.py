@@ -290,8 +290,8 @@ def loading_info_cases(folders: dict) -> dict:
 def test_loading_info_matches_transformers_on_every_architecture(tmp_path):
     """``output_loading_info`` of every tiny architecture equals transformers' (nothing missing, and the same
     unexpected keys), with a DeepSeek-V3 checkpoint that carries multi-token-prediction layers transformers skips, an
-    ERNIE 4.5 MoE one whose multi-token-prediction tensors transformers ignores, and a checkpoint with a tensor no
-    model reads."""
+    ERNIE 4.5 MoE one whose multi-token-prediction tensors transformers ignores, a GPT-J one with older checkpoints'
+    attention buffers (ignored too) and a checkpoint with a tensor no model reads."""
     from loongforge_hf.testing.tiny_models import TINY_ARCHS
 
     folders = {arch: str(make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False)) for arch in TINY_ARCHS}
@@ -307,6 +307,12 @@ def test_loading_info_matches_transformers_on_every_architecture(tmp_path):
     save_file({**weights, "model.unused_probe.weight": torch.ones(3)}, extra / "model.safetensors",
               metadata={"format": "pt"})
     folders["qwen3_extra_tensor"] = str(extra)
+    # NOTE: older GPT-J checkpoints' attention buffers, which transformers ignores (_keys_to_ignore_on_load_unexpected)
+    legacy = make_tiny_checkpoint(tmp_path / "gptj_legacy", "gptj", tokenizer=False, max_shard_size="10GB")
+    weights = load_file(legacy / "model.safetensors")
+    buffers = {f"transformer.h.{i}.attn.{n}": torch.ones(1) for i in range(4) for n in ("bias", "masked_bias")}
+    save_file({**weights, **buffers}, legacy / "model.safetensors", metadata={"format": "pt"})
+    folders["gptj_attention_buffers"] = str(legacy)
     results = run_distributed(loading_info_cases, 1, folders, env=CPU, timeout=300)[0]
     for name, (mine, theirs) in results.items():
         # NOTE: our names are the checkpoint's own; transformers 5 lists a per-expert tensor under the merged name

@@ -26,7 +26,11 @@ window, GPT-NeoX with the attention and the MLP side by side and q / k / v fused
 without bias before both, interleaved rotary pairs, scaled logits and per-head q / k norms split over TP, Cohere2 with
 windowed layers and a full one without rotary embedding, Phi with one LayerNorm before the attention and MLP side by
 side, biases on every linear and on the LM head (its gradient too, the head's weight tied to the embedding), partial
-rotary and per-head q / k LayerNorms with biases split over TP) at TP1, TP2, TP2 + SP and CP2.
+rotary and per-head q / k LayerNorms with biases split over TP, GPT-J with one LayerNorm before both, biases on the MLP
+and the LM head but not the attention and part of each head rotated in interleaved pairs, StableLM with LayerNorms, q /
+k / v biases, a quarter of each head rotated and, as StableLM 2 12B, the attention and the MLP side by side with a
+LayerNorm per head on q and k (each head's weight its own, split over TP), or sequential as StableLM 2 1.6B) at TP1,
+TP2, TP2 + SP and CP2.
 """
 
 from __future__ import annotations
@@ -79,12 +83,19 @@ CHECKPOINTS = {
     # rotary, q / k LayerNorms over each head (off in the hub's checkpoints). Worst measured 2.4e-5, q_layernorm.bias:
     # transformers' own fp32 gradient is 1.4e-5 off its fp64 one there (the norms' small inputs)
     "phi": ("phi", {"qk_layernorm": True, "tie_word_embeddings": True}),
+    # NOTE: one LayerNorm before both sublayers, biases on the MLP and the LM head only, interleaved partial rotary.
+    # Worst measured 1.2e-5 (the last layer's q_proj at TP2; 5.7e-6 at TP1)
+    "gptj": ("gptj", {}),
+    # NOTE: StableLM 2 12B's layout (per-head q / k LayerNorms split over TP, side by side) and 1.6B's (sequential)
+    "stablelm": ("stablelm", {}),
+    "stablelm_sequential": ("stablelm", {"qk_layernorm": False, "use_parallel_residual": False}),
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe")
 DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3", "gemma",
          "gemma2", "ministral", "seed_oss", "arcee",
-         "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox", "cohere", "cohere2", "phi")
+         "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox", "cohere", "cohere2", "phi", "gptj",
+         "stablelm", "stablelm_sequential")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
     "tp1": (1, {}, MOE + DENSE),

@@ -10,7 +10,8 @@
   refused before anything is written; extra chat templates are copied.
 - ``num_parameters()`` does not count megatron's vocabulary padding rows (nor those of Phi's LM head bias).
 - An embedding dropout other than the sublayers' (Phi-2's ``embd_pdrop``, StarCoder2's ``embedding_dropout``) is the
-  embedding's own; ``resize_token_embeddings`` is refused for an LM head with a bias.
+  embedding's own; ``resize_token_embeddings`` is refused for an LM head with a bias. StableLM's ``hidden_dropout``
+  drops the MLP's output alone, GPT-J's ``resid_pdrop`` both sublayers' (probability 1: transformers' logits).
 - A LoRA adapter folder loads with PEFT's ``AutoPeftModelForCausalLM`` (``auto_mapping``), same logits.
 
 Tolerances: fp32 logits 1e-5, losses 1e-6 relative.
@@ -39,7 +40,13 @@ def api(tmp_path_factory):
                                                     resid_pdrop=0.1),
                "phi_tied": make_tiny_checkpoint(tmp / "phi_tied", "phi", tokenizer=False, tie_word_embeddings=True),
                "starcoder2_dropouts": make_tiny_checkpoint(tmp / "starcoder2_dropouts", "starcoder2", tokenizer=False,
-                                                           embedding_dropout=0.0, residual_dropout=0.1)}
+                                                           embedding_dropout=0.0, residual_dropout=0.1),
+               # NOTE: dropouts of probability 1 (deterministic): StableLM's on the MLP output, GPT-J's on both
+               # sublayers' outputs, its embedding's 0
+               "stablelm_dropouts": make_tiny_checkpoint(tmp / "stablelm_dropouts", "stablelm", tokenizer=False,
+                                                         hidden_dropout=1.0),
+               "gptj_dropouts": make_tiny_checkpoint(tmp / "gptj_dropouts", "gptj", tokenizer=False, resid_pdrop=1.0,
+                                                     embd_pdrop=0.0)}
     no_dtype = make_tiny_checkpoint(tmp / "no_dtype", "llama", tokenizer=False, dtype=torch.bfloat16)
     cfg = json.loads((no_dtype / "config.json").read_text())
     cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
@@ -99,6 +106,14 @@ def test_embedding_dropout_of_its_own_and_the_lm_head_bias(api):
     for ours, theirs in res["num_parameters_bias"]:
         assert ours == theirs
     assert "resize_token_embeddings is not supported for PhiForCausalLM" in res["resize_bias"]
+
+
+def test_dropouts_fall_where_transformers_puts_them(api):
+    """In training mode with a dropout probability of 1 (so both sides drop the same: everything): StableLM's
+    ``hidden_dropout`` drops the MLP's output only (the attention's and the embedding's kept), GPT-J's ``resid_pdrop``
+    both sublayers' outputs and not the embedding's (``embd_pdrop`` 0): transformers' logits within 1e-5."""
+    for name, diff in api[0]["dropout_placement"].items():
+        assert diff < 1e-5, (name, diff)
 
 
 def test_save_follows_config_changes_and_dtype(api):

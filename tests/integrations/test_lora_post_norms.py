@@ -7,7 +7,10 @@ them, DoRA's rescaling without them); its two norms a layer are trained whole, w
 attention and MLP side by side, with q / k / v in one linear (one adapter). Cohere runs them side by side after one
 LayerNorm without bias (trained), with per-head q / k norms split over TP, rotates interleaved pairs and scales its
 tied logits. Phi runs them side by side after one LayerNorm with bias, with biases on every linear and on the LM
-head, which is trained whole (weight and bias, split over the vocabulary) through ``modules_to_save``.
+head, which is trained whole (weight and bias, split over the vocabulary) through ``modules_to_save``. GPT-J runs them
+side by side after one LayerNorm with bias, with biases on the MLP's linears and the LM head (trained whole) but not on
+the attention's, and rotates part of each head in interleaved pairs. StableLM runs them side by side after one
+LayerNorm with bias, with q / k / v biases, per-head q / k LayerNorms split over TP and GQA.
 
 Checked against PEFT on the transformers model, from adapters PEFT wrote (every factor, magnitude and modules_to_save
 tensor moved off its initial value), at TP=2 + SP, PP=2 and CP=2: logits (1e-4) and loss (1e-5), every A / B /
@@ -47,9 +50,16 @@ ADAPTERS = {
     # NOTE: Phi's LM head (weight and bias, split over the vocabulary) is not a LoRA target: trained whole
     "phi": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                          modules_to_save=["input_layernorm", "lm_head"]), "dora": DORA_KW},
+    # NOTE: GPT-J's biases are on the MLP's linears only (the attention's adapters without one); its LM head with bias
+    "gptj": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                          modules_to_save=["ln_1", "lm_head"]), "dora": DORA_KW},
+    # NOTE: StableLM's per-head q / k LayerNorms ([heads, head_dim] split over TP) are not trained whole, as Cohere's
+    "stablelm": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                              modules_to_save=["input_layernorm"]), "dora": DORA_KW},
 }
-# NOTE: else q, k, v, o, gate, up, down; StarCoder2's c_fc, c_proj; GPT-NeoX's query_key_value, dense and two MLP ones
-TARGETS_PER_LAYER = {"glm4": 6, "starcoder2": 6, "gpt_neox": 4, "phi": 6}
+# NOTE: else q, k, v, o, gate, up, down; StarCoder2's c_fc, c_proj; GPT-NeoX's query_key_value, dense and two MLP
+# ones; GPT-J's q, k, v, out_proj, fc_in, fc_out
+TARGETS_PER_LAYER = {"glm4": 6, "starcoder2": 6, "gpt_neox": 4, "phi": 6, "gptj": 6}
 LAYOUTS = {"tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
            "pp2": (2, {"pipeline_parallel_size": 2}), "cp2": (2, {"context_parallel_size": 2})}
 

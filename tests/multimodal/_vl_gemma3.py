@@ -28,6 +28,10 @@ def make_batch(rows=ROWS, *, images: int | None = None, seed: int = 1, token_typ
     return batch
 
 
+# transformers' vision tower and projector modules: llava's naming (Gemma 3, Mistral 3, InternVL), Idefics3's
+VISION_TREES = ("model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.", "model.connector.")
+
+
 def _hf_name(name: str) -> str:
     """A transformers parameter or checkpoint name without the naming's prefixes: ``vision_tower.…``,
     ``multi_modal_projector.…``."""
@@ -43,7 +47,7 @@ def hf_reference(folder: str, batch: dict):
     out = ref(**batch)
     out.loss.backward()
     grads = {_hf_name(n): p.grad for n, p in ref.named_parameters()
-             if n.startswith(("model.vision_tower.", "model.multi_modal_projector.")) and p.grad is not None}
+             if n.startswith(VISION_TREES) and p.grad is not None}
     return out.logits.detach(), out.loss.detach(), grads
 
 

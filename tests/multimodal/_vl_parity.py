@@ -62,6 +62,8 @@ def vision_grads(model, rename=None) -> dict:
     out = {}
     for name, (mapping, layer) in bridge.vision_mapping_table().items():
         grad = params[name].grad
+        if grad is None:  # NOTE: a tensor the features never pass through (LLaVA's ViT blocks after its feature layer)
+            continue
         shards = [grad]
         if split and mapping.tp_split is not None:
             shards = [torch.empty_like(grad) for _ in range(dist.get_world_size(group))]
