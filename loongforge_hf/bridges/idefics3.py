@@ -31,7 +31,7 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, OuterTableBridge
-from loongforge_hf.bridges.internvl import InternVLLlamaText
+from loongforge_hf.bridges.internvl import InternVLLlamaText, decoder_text_bridge
 from loongforge_hf.bridges.mappings import Mapping
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES
 
@@ -53,11 +53,7 @@ class Idefics3Bridge(OuterTableBridge):
         self.text = self.text_bridge(set(checkpoint_names), shape_of)
 
     def text_bridge(self, checkpoint_names: set, shape_of):
-        text = self.hf_config.text_config
-        if text.model_type != "llama":
-            raise C.UnsupportedConfigError(f"{type(self.hf_config).__name__} with text_config.model_type="
-                                           f"{text.model_type!r} is not supported; supported decoder: 'llama'.")
-        return InternVLLlamaText(text, tied=self.tied, text_prefix=self.text_prefix, head_prefix=self.head_prefix)
+        return decoder_text_bridge(self, {"llama": InternVLLlamaText}, type(self.hf_config).__name__)
 
     @property
     def tied(self) -> bool:

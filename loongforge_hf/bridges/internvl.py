@@ -53,6 +53,18 @@ class InternVLLlamaText(HeadPrefixedText, LlamaBridge):
 TEXT_BRIDGES = {"qwen2": InternVLQwen2Text, "qwen3": InternVLQwen3Text, "llama": InternVLLlamaText}
 
 
+def decoder_text_bridge(bridge, decoders: dict, model: str):
+    """``bridge``'s language model: the class ``decoders`` gives for its ``text_config.model_type``, under the
+    bridge's text / head prefixes (InternVL, LLaVA, Idefics3: one image-text class over several decoders); refused
+    naming ``model`` for another decoder."""
+    text = bridge.hf_config.text_config
+    cls = decoders.get(text.model_type)
+    if cls is None:
+        raise C.UnsupportedConfigError(f"{model} with text_config.model_type={text.model_type!r} is not supported; "
+                                       f"supported decoders: {sorted(decoders)}.")
+    return cls(text, tied=bridge.tied, text_prefix=bridge.text_prefix, head_prefix=bridge.head_prefix)
+
+
 class InternVLBridge(OuterTableBridge):
     """Declaration of ``InternVLForConditionalGeneration``."""
 
@@ -72,12 +84,7 @@ class InternVLBridge(OuterTableBridge):
         self.text = self.text_bridge(names, shape_of)
 
     def text_bridge(self, checkpoint_names: set, shape_of):
-        text = self.hf_config.text_config
-        bridge = TEXT_BRIDGES.get(text.model_type)
-        if bridge is None:
-            raise C.UnsupportedConfigError(f"InternVL with text_config.model_type={text.model_type!r} is not "
-                                           f"supported; supported decoders: {sorted(TEXT_BRIDGES)}.")
-        return bridge(text, tied=self.tied, text_prefix=self.text_prefix, head_prefix=self.head_prefix)
+        return decoder_text_bridge(self, TEXT_BRIDGES, "InternVL")
 
     @property
     def tied(self) -> bool:

@@ -30,7 +30,7 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, OuterTableBridge
-from loongforge_hf.bridges.internvl import TEXT_BRIDGES as INTERNVL_TEXT
+from loongforge_hf.bridges.internvl import TEXT_BRIDGES as INTERNVL_TEXT, decoder_text_bridge
 from loongforge_hf.bridges.mistral3_vl import Mistral3TextBridge
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES
 
@@ -62,12 +62,7 @@ class LlavaBridge(OuterTableBridge):
         self.text = self.text_bridge(names, shape_of)
 
     def text_bridge(self, checkpoint_names: set, shape_of):
-        text = self.hf_config.text_config
-        bridge = TEXT_BRIDGES.get(text.model_type)
-        if bridge is None:
-            raise C.UnsupportedConfigError(f"LLaVA with text_config.model_type={text.model_type!r} is not "
-                                           f"supported; supported decoders: {sorted(TEXT_BRIDGES)}.")
-        return bridge(text, tied=self.tied, text_prefix=self.text_prefix, head_prefix=self.head_prefix)
+        return decoder_text_bridge(self, TEXT_BRIDGES, "LLaVA")
 
     @property
     def tied(self) -> bool:

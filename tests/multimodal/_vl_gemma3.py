@@ -175,29 +175,12 @@ def train_features(folder: str) -> list:
 
 def train(folder: str, out_dir: str, *, loong: bool) -> list:
     """Three steps of batches of 2 with the ViT frozen (the projector trains): the logged losses."""
-    import transformers
-
-    import loongforge_hf as lf
-    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
     from loongforge_hf.testing.tiny_vl import processor_for
 
-    from ._vl_parity import vl_training_args
+    from ._vl_parity import frozen, trained_losses
 
-    collator = DataCollatorForImageText.from_processor(processor_for(folder))
-    args = vl_training_args(out_dir)
-    if loong:
-        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, freeze_vision=True)
-        trainer = lf.LoongTrainer(model=model, args=args, train_dataset=train_features(folder),
-                                  data_collator=collator)
-    else:
-        torch.manual_seed(0)
-        model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-        model.model.vision_tower.requires_grad_(False)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=train_features(folder),
-                                       data_collator=collator)
-    trainer.train()
-    trainer.save_model(out_dir + "/final")
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trained_losses(folder, out_dir, loong=loong, processor=processor_for(folder),
+                          features=train_features(folder), freeze=frozen("vision_tower"))
 
 
 def train_both(folder: str, out_dir: str) -> dict:

@@ -10,6 +10,8 @@ import torch
 
 from loongforge_hf.testing.tiny_idefics3 import IMAGE_ID, image_prompt
 
+from ._vl_gemma3_lora import CONFIGS
+
 # two rows of 64 tokens: three tiles (one spans the CP2 chunks' boundary; the second row's pixel_values padded with a
 # zero image), the first row padded by one token
 ROWS = [[5, 6, -1, 7, 8, 9, -1, 10, 11, 0], [12, -1] + list(range(13, 48))]
@@ -119,29 +121,12 @@ def collated_against_transformers(folder: str) -> dict:
 
 def train(folder: str, out_dir: str, *, loong: bool) -> list:
     """Three steps of batches of 2 with the ViT frozen (the connector trains): the logged losses."""
-    import transformers
-
-    import loongforge_hf as lf
-    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
     from loongforge_hf.testing.tiny_idefics3 import processor_for
 
-    from ._vl_parity import vl_training_args
+    from ._vl_parity import frozen, trained_losses
 
-    collator = DataCollatorForImageText.from_processor(processor_for(folder))
-    args = vl_training_args(out_dir)
-    if loong:
-        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, freeze_vision=True)
-        trainer = lf.LoongTrainer(model=model, args=args, train_dataset=train_features(folder),
-                                  data_collator=collator)
-    else:
-        torch.manual_seed(0)
-        model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-        model.model.vision_model.requires_grad_(False)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=train_features(folder),
-                                       data_collator=collator)
-    trainer.train()
-    trainer.save_model(out_dir + "/final")
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trained_losses(folder, out_dir, loong=loong, processor=processor_for(folder),
+                          features=train_features(folder), freeze=frozen("vision_model"))
 
 
 def collate_and_train(folder: str, out_dir: str) -> dict:
@@ -151,14 +136,9 @@ def collate_and_train(folder: str, out_dir: str) -> dict:
 
 # ---- LoRA against PEFT ---------------------------------------------------------------------------------------------
 
-# init_lora_weights=False keeps B random, so every adapter changes the logits; scaling 1 as _vl_gemma3_lora.CONFIGS
-LORA_CONFIGS = {
-    # PEFT matches these by suffix: the language model's q / v and SigLIP's, two of the three slots of the fused qkv
-    "qv": dict(r=4, lora_alpha=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_rslora=True),
-    # every language and SigLIP linear and the connector's (not the LM head), a language norm trained whole
-    "all_linear": dict(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False,
-                       modules_to_save=["post_attention_layernorm"]),
-}
+# NOTE: Gemma 3's two configs ("qv": the language model's and the tower's q / v, rsLoRA; "all_linear" with a language
+# norm trained whole): PEFT matches the same names on every tower
+LORA_CONFIGS = CONFIGS
 # ranks -> case -> (layout, configs)
 LORA_CASES = {1: {"tp1": ({}, ("qv", "all_linear"))},
               2: {"tp2_split_sp": ({"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2,

@@ -9,6 +9,8 @@ import torch
 
 from loongforge_hf.testing.tiny_vl import MISTRAL3_BREAK, MISTRAL3_END, MISTRAL3_IMG, mistral3_image_prompt
 
+from ._vl_gemma3_lora import CONFIGS
+
 # two rows of 36 tokens, three images of three sizes (8x6, 4x10 and 6x8 patches; one spans the CP2 chunks'
 # boundaries), the first row padded by one token
 ROWS = [[5, 6, (32, 24), 7, 8, 9, (16, 40), 10, 11, 0], [12, (24, 32)] + list(range(13, 33))]
@@ -119,26 +121,10 @@ def collated_against_transformers(folder: str) -> dict:
 
 def train(folder: str, out_dir: str, *, loong: bool) -> list:
     """Three steps of batches of 2 with the ViT frozen (the projector trains): the logged losses."""
-    import transformers
+    from ._vl_parity import frozen, trained_losses
 
-    import loongforge_hf as lf
-    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
-
-    from ._vl_parity import vl_training_args
-
-    collator = DataCollatorForImageText.from_processor(PixtralProcessorStandIn(folder))
-    args = vl_training_args(out_dir)
-    if loong:
-        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, freeze_vision=True)
-        trainer = lf.LoongTrainer(model=model, args=args, train_dataset=train_features(), data_collator=collator)
-    else:
-        torch.manual_seed(0)
-        model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-        model.model.vision_tower.requires_grad_(False)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=train_features(), data_collator=collator)
-    trainer.train()
-    trainer.save_model(out_dir + "/final")
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trained_losses(folder, out_dir, loong=loong, processor=PixtralProcessorStandIn(folder),
+                          features=train_features(), freeze=frozen("vision_tower"))
 
 
 def collate_and_train(folder: str, out_dir: str) -> dict:
@@ -148,14 +134,9 @@ def collate_and_train(folder: str, out_dir: str) -> dict:
 
 # ---- LoRA against PEFT ---------------------------------------------------------------------------------------------
 
-# init_lora_weights=False keeps B random, so every adapter changes the logits; scaling 1 as _vl_gemma3_lora.CONFIGS
-LORA_CONFIGS = {
-    # PEFT matches these by suffix: the language model's q / v and Pixtral's, two of the three slots of the fused qkv
-    "qv": dict(r=4, lora_alpha=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_rslora=True),
-    # every language and Pixtral linear and the projector's three (not the LM head), a language norm trained whole
-    "all_linear": dict(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False,
-                       modules_to_save=["post_attention_layernorm"]),
-}
+# NOTE: Gemma 3's two configs ("qv": the language model's and the tower's q / v, rsLoRA; "all_linear" with a language
+# norm trained whole): PEFT matches the same names on every tower
+LORA_CONFIGS = CONFIGS
 LORA_CASES = {1: {"tp1": ({}, ("qv", "all_linear"))},
               2: {"tp2_split_sp": ({"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2,
                                     "sequence_parallel": True}, ("all_linear",))}}

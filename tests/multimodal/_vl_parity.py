@@ -179,26 +179,43 @@ def train_both(folder: str, out_dir: str) -> dict:
 
 def train_vl(folder: str, out_dir: str, *, loong: bool, layout: dict | None = None) -> list:
     """Train 3 steps with the vision tower (not the projector) frozen; return the logged losses."""
+    from loongforge_hf.testing.tiny_vl import processor_for
+
+    def freeze(model):
+        for name, p in model.model.visual.named_parameters():  # NOTE: the projector trains (DeepStack's too)
+            p.requires_grad_(name.startswith(("merger.", "deepstack_merger_list.")))
+
+    return trained_losses(folder, out_dir, loong=loong, processor=processor_for(folder),
+                          features=train_features(folder), freeze=freeze, layout=layout)
+
+
+def frozen(tower: str):
+    """``trained_losses``' ``freeze`` for transformers' image-text models whose tower is ``model.model.<tower>``."""
+    return lambda model: getattr(model.model, tower).requires_grad_(False)
+
+
+def trained_losses(folder: str, out_dir: str, *, loong: bool, processor, features: list, freeze=None,
+                   layout: dict | None = None) -> list:
+    """Three steps of batches of 2 of ``features`` (``vl_training_args``) through ``processor``'s collator, with
+    LoongTrainer (``loong``; ``freeze_vision`` when ``freeze`` is given, in ``layout``) or transformers.Trainer (the
+    tensors ``freeze(model)`` freezes): the logged losses; the model saved under ``out_dir/final``."""
     import transformers
 
     import loongforge_hf as lf
     from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
-    from loongforge_hf.testing.tiny_vl import processor_for
 
-    collator = DataCollatorForImageText.from_processor(processor_for(folder))
+    collator = DataCollatorForImageText.from_processor(processor)
     args = vl_training_args(out_dir)
     if loong:
-        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, freeze_vision=True,
-                                                               **(layout or {}))
-        trainer = lf.LoongTrainer(model=model, args=args, train_dataset=train_features(folder),
-                                  data_collator=collator)
+        model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
+                                                               freeze_vision=freeze is not None, **(layout or {}))
+        trainer = lf.LoongTrainer(model=model, args=args, train_dataset=features, data_collator=collator)
     else:
         torch.manual_seed(0)
         model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-        for name, p in model.model.visual.named_parameters():  # NOTE: the projector trains (DeepStack's too)
-            p.requires_grad_(name.startswith(("merger.", "deepstack_merger_list.")))
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=train_features(folder),
-                                       data_collator=collator)
+        if freeze is not None:
+            freeze(model)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=features, data_collator=collator)
     trainer.train()
     trainer.save_model(out_dir + "/final")
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
