@@ -5,8 +5,6 @@ tiny ``InternVLProcessor`` for the collator and training."""
 
 from __future__ import annotations
 
-import torch
-
 from loongforge_hf.testing.tiny_internvl import IMG_CONTEXT, internvl_image_prompt
 
 from ._vl_gemma3_lora import CONFIGS
@@ -85,25 +83,13 @@ def train_features(folder: str) -> list:
 def collated_against_transformers(folder: str) -> dict:
     """The processor's samples collated padded and packed (one row, 2-D positions restarting per sample): ours
     against transformers' on the padded batch, packed against padded at every real token."""
-    import transformers
-
-    import loongforge_hf as lf
-    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
     from loongforge_hf.testing.tiny_internvl import internvl_processor_for
 
+    from ._vl_parity import collated_logits
+
     features = train_features(folder)[:3] + train_features(folder)[5:6]
-    processor = internvl_processor_for(folder)
-    padded = DataCollatorForImageText.from_processor(processor)(features)
-    packed = DataCollatorForImageText.from_processor(processor, packing=True)(features)
-    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    with torch.no_grad():
-        got_padded, got_packed, want = model(**padded).logits, model(**packed).logits, ref(**padded).logits
-    valid = padded["attention_mask"].bool()
-    return {"tiles": padded["pixel_values"].shape[0], "packed_shape": tuple(packed["input_ids"].shape),
-            "positions": tuple(packed["position_ids"].shape),
-            "packed_diff": (got_packed[0] - got_padded[valid]).abs().max().item(),
-            "padded_diff": (got_padded - want).abs()[valid].max().item()}
+    padded, packed, out = collated_logits(folder, internvl_processor_for(folder), features)
+    return {"tiles": padded["pixel_values"].shape[0], **out}
 
 
 def train(folder: str, out_dir: str, *, loong: bool) -> list:

@@ -99,24 +99,11 @@ def collated_against_transformers(folder: str) -> dict:
     """Samples with images of different sizes collated padded (images padded to the largest, ``image_sizes``
     carried) and packed (one row, 2-D positions restarting per sample): ours against transformers' on the padded
     batch, packed against padded at every real token."""
-    import transformers
-
-    import loongforge_hf as lf
-    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+    from ._vl_parity import collated_logits
 
     features = train_features()[:3] + train_features()[5:6]
-    processor = PixtralProcessorStandIn(folder)
-    padded = DataCollatorForImageText.from_processor(processor)(features)
-    packed = DataCollatorForImageText.from_processor(processor, packing=True)(features)
-    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    with torch.no_grad():
-        got_padded, got_packed, want = model(**padded).logits, model(**packed).logits, ref(**padded).logits
-    valid = padded["attention_mask"].bool()
-    return {"pixels": tuple(padded["pixel_values"].shape), "image_sizes": padded["image_sizes"].tolist(),
-            "packed_shape": tuple(packed["input_ids"].shape), "positions": tuple(packed["position_ids"].shape),
-            "packed_diff": (got_packed[0] - got_padded[valid]).abs().max().item(),
-            "padded_diff": (got_padded - want).abs()[valid].max().item()}
+    padded, packed, out = collated_logits(folder, PixtralProcessorStandIn(folder), features)
+    return {"pixels": tuple(padded["pixel_values"].shape), "image_sizes": padded["image_sizes"].tolist(), **out}
 
 
 def train(folder: str, out_dir: str, *, loong: bool) -> list:

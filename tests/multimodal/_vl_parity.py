@@ -189,6 +189,28 @@ def train_vl(folder: str, out_dir: str, *, loong: bool, layout: dict | None = No
                           features=train_features(folder), freeze=freeze, layout=layout)
 
 
+def collated_logits(folder: str, processor, features: list) -> tuple[dict, dict, dict]:
+    """``features`` collated by ``processor``'s collator padded and packed (one row, 2-D positions restarting per
+    sample): (padded batch, packed batch, {shapes, "packed_diff": packed against padded at every real token,
+    "padded_diff": ours against transformers' on the padded batch})."""
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+
+    padded = DataCollatorForImageText.from_processor(processor)(features)
+    packed = DataCollatorForImageText.from_processor(processor, packing=True)(features)
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        got_padded, got_packed, want = model(**padded).logits, model(**packed).logits, ref(**padded).logits
+    valid = padded["attention_mask"].bool()
+    return padded, packed, {"packed_shape": tuple(packed["input_ids"].shape),
+                            "positions": tuple(packed["position_ids"].shape),
+                            "packed_diff": (got_packed[0] - got_padded[valid]).abs().max().item(),
+                            "padded_diff": (got_padded - want).abs()[valid].max().item()}
+
+
 def frozen(tower: str):
     """``trained_losses``' ``freeze`` for transformers' image-text models whose tower is ``model.model.<tower>``."""
     return lambda model: getattr(model.model, tower).requires_grad_(False)
