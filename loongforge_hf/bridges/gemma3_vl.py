@@ -28,8 +28,8 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.gemma import Gemma3Bridge
-from loongforge_hf.bridges.mappings import (ColumnParallel, Mapping, Replicated, RowParallel, ShardContext, _fmt,
-                                            _tp_slice)
+from loongforge_hf.bridges.mappings import (Mapping, Replicated, RowParallel, ShardContext, _fmt,
+                                            _tp_slice, biased_mlp_mappings)
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, PrefixedText, Qwen2_5_VLBridge
 
 # (text prefix, vision prefix, projector prefix) of each naming, found by its tensors
@@ -59,6 +59,19 @@ class QKVRows(Mapping):
     def export(self, shards, ctx, layer):
         full = torch.cat([s.reshape(3, s.shape[0] // 3, *s.shape[1:]) for s in shards], dim=1)
         return dict(zip(self.hf_names(layer), full.unbind(0)))
+
+
+def encoder_layer_shapes(prefix: str, layers: int, d: int, f: int) -> dict[str, tuple[int, ...]]:
+    """HF shapes of a SigLIP / CLIP encoder's ``layers`` blocks under ``prefix`` (``{prefix}.{i}.self_attn.q_proj``,
+    ...): width ``d``, MLP width ``f``, biases everywhere."""
+    shapes = {}
+    for i in range(layers):
+        for n in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                  "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
+            rows, cols = (f, d) if n == "mlp.fc1" else (d, f) if n == "mlp.fc2" else (d, d)
+            shapes[f"{prefix}.{i}.{n}.bias"] = (rows,)
+            shapes[f"{prefix}.{i}.{n}.weight"] = (rows,) if n.startswith("layer_norm") else (rows, cols)
+    return shapes
 
 
 class OuterTableBridge(Qwen2_5_VLBridge):
@@ -163,10 +176,7 @@ class Gemma3VLBridge(OuterTableBridge):
                  for k in ("weight", "bias")]
         maps += [RowParallel(f"{b}.attn.proj.weight", f"{p}.self_attn.out_proj.weight"),
                  Replicated(f"{b}.attn.proj.bias", f"{p}.self_attn.out_proj.bias")]
-        maps += [ColumnParallel(f"{b}.mlp.linear_fc1.{k}", f"{p}.mlp.fc1.{k}") for k in ("weight", "bias")]
-        maps += [RowParallel(f"{b}.mlp.linear_fc2.weight", f"{p}.mlp.fc2.weight"),
-                 Replicated(f"{b}.mlp.linear_fc2.bias", f"{p}.mlp.fc2.bias")]
-        return maps
+        return maps + biased_mlp_mappings(f"{b}.mlp", f"{p}.mlp.fc1", f"{p}.mlp.fc2")
 
     def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:
         """(tower name -> HF name) of the tensors before the blocks, and of those after them."""
@@ -185,12 +195,7 @@ class Gemma3VLBridge(OuterTableBridge):
         d, f, side = v.hidden_size, v.intermediate_size, v.image_size // v.patch_size
         before, after = self._outer_names()
         shapes = dict(zip(before.values(), ((d, v.num_channels, v.patch_size, v.patch_size), (d,), (side * side, d))))
-        for i in range(v.num_hidden_layers):
-            for n in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                      "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
-                rows, cols = (f, d) if n == "mlp.fc1" else (d, f) if n == "mlp.fc2" else (d, d)
-                shapes[f"{p}.{i}.{n}.bias"] = (rows,)
-                shapes[f"{p}.{i}.{n}.weight"] = (rows,) if n.startswith("layer_norm") else (rows, cols)
+        shapes.update(encoder_layer_shapes(p, v.num_hidden_layers, d, f))
         text_hidden = self.hf_config.text_config.hidden_size
         shapes.update(dict(zip(after.values(), ((d,), (d,), (d,), (d, text_hidden)))))
         return shapes

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import DenseBridge
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
+from loongforge_hf.bridges.mappings import (ColumnParallel, Mapping, Replicated,
+                                            RowParallel, VocabParallel, biased_mlp_mappings)
 from loongforge_hf.bridges.registry import register_bridge
 
 L = "gpt_neox.layers.{layer}"
@@ -69,10 +70,7 @@ class GPTNeoXBridge(DenseBridge):
     def dense_mlp_mappings(self) -> list[Mapping]:
         return [Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
                 Replicated(f"{D}.pre_mlp_layernorm.bias", f"{L}.post_attention_layernorm.bias"),
-                ColumnParallel(f"{D}.mlp.linear_fc1.weight", f"{L}.mlp.dense_h_to_4h.weight"),
-                ColumnParallel(f"{D}.mlp.linear_fc1.bias", f"{L}.mlp.dense_h_to_4h.bias"),
-                RowParallel(f"{D}.mlp.linear_fc2.weight", f"{L}.mlp.dense_4h_to_h.weight"),
-                Replicated(f"{D}.mlp.linear_fc2.bias", f"{L}.mlp.dense_4h_to_h.bias")]
+                *biased_mlp_mappings(f"{D}.mlp", f"{L}.mlp.dense_h_to_4h", f"{L}.mlp.dense_4h_to_h")]
 
     def embedding_mapping(self) -> Mapping:
         return VocabParallel("embedding.word_embeddings.weight", "gpt_neox.embed_in.weight")

@@ -38,7 +38,7 @@ import math
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import DenseBridge
 from loongforge_hf.bridges.fused_mappings import QKV
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
+from loongforge_hf.bridges.mappings import Mapping, Replicated, RowParallel, VocabParallel, biased_mlp_mappings
 from loongforge_hf.bridges.registry import register_bridge
 
 L = "transformer.h.{layer}"
@@ -139,10 +139,7 @@ class GPTJBridge(DenseBridge):
                 RowParallel(f"{D}.self_attention.linear_proj.weight", f"{a}.out_proj.weight")]
 
     def dense_mlp_mappings(self) -> list[Mapping]:
-        return [ColumnParallel(f"{D}.mlp.linear_fc1.weight", f"{L}.mlp.fc_in.weight"),
-                ColumnParallel(f"{D}.mlp.linear_fc1.bias", f"{L}.mlp.fc_in.bias"),
-                RowParallel(f"{D}.mlp.linear_fc2.weight", f"{L}.mlp.fc_out.weight"),
-                Replicated(f"{D}.mlp.linear_fc2.bias", f"{L}.mlp.fc_out.bias")]
+        return biased_mlp_mappings(f"{D}.mlp", f"{L}.mlp.fc_in", f"{L}.mlp.fc_out")
 
     def embedding_mapping(self) -> Mapping:
         return VocabParallel("embedding.word_embeddings.weight", "transformer.wte.weight")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, OuterTableBridge
+from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, OuterTableBridge, encoder_layer_shapes
 from loongforge_hf.bridges.internvl import InternVLLlamaText, decoder_text_bridge
 from loongforge_hf.bridges.mappings import Mapping
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES
@@ -127,12 +127,7 @@ class Idefics3Bridge(OuterTableBridge):
         d, f, side = v.hidden_size, v.intermediate_size, v.image_size // v.patch_size
         before, after = self._outer_names()
         shapes = dict(zip(before.values(), ((d, v.num_channels, v.patch_size, v.patch_size), (d,), (side * side, d))))
-        for i in range(v.num_hidden_layers):
-            for n in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                      "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
-                rows, cols = (f, d) if n == "mlp.fc1" else (d, f) if n == "mlp.fc2" else (d, d)
-                shapes[f"{p}.{i}.{n}.bias"] = (rows,)
-                shapes[f"{p}.{i}.{n}.weight"] = (rows,) if n.startswith("layer_norm") else (rows, cols)
+        shapes.update(encoder_layer_shapes(p, v.num_hidden_layers, d, f))
         text_hidden = self.hf_config.text_config.hidden_size
         shapes.update(dict(zip(after.values(), ((d,), (d,), (text_hidden, d * self.vision_merge ** 2)))))
         return shapes

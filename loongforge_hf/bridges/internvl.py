@@ -31,7 +31,7 @@ import torch
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.gemma3_vl import OuterTableBridge, QKVRows
 from loongforge_hf.bridges.llama import LlamaBridge
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, biased_mlp_mappings
 from loongforge_hf.bridges.mistral3_vl import _NAMINGS as LLAVA_NAMINGS, HeadPrefixedText
 from loongforge_hf.bridges.qwen2 import Qwen2Bridge
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES
@@ -149,9 +149,7 @@ class InternVLBridge(OuterTableBridge):
             maps += [ColumnParallel(f"{b}.attn.{x}_norm.weight", f"{p}.attention.{x}_norm.weight") for x in "qk"]
         maps += [RowParallel(f"{b}.attn.proj.weight", f"{p}.attention.projection_layer.weight"),
                  Replicated(f"{b}.attn.proj.bias", f"{p}.attention.projection_layer.bias")]
-        maps += [ColumnParallel(f"{b}.mlp.linear_fc1.{k}", f"{p}.mlp.fc1.{k}") for k in ("weight", "bias")]
-        maps += [RowParallel(f"{b}.mlp.linear_fc2.weight", f"{p}.mlp.fc2.weight"),
-                 Replicated(f"{b}.mlp.linear_fc2.bias", f"{p}.mlp.fc2.bias")]
+        maps += biased_mlp_mappings(f"{b}.mlp", f"{p}.mlp.fc1", f"{p}.mlp.fc2")
         return maps + [Replicated(f"{b}.lambda_{i}", f"{p}.lambda_{i}") for i in (1, 2)]
 
     def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, OuterTableBridge
+from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, OuterTableBridge, encoder_layer_shapes
 from loongforge_hf.bridges.internvl import TEXT_BRIDGES as INTERNVL_TEXT, decoder_text_bridge
 from loongforge_hf.bridges.mistral3_vl import Mistral3TextBridge
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES
@@ -146,12 +146,7 @@ class LlavaBridge(OuterTableBridge):
                  "projector.linear_2.bias": (text,)}
         before, after = self._outer_names()
         shapes = {hf: sizes.get(n, (d,)) for n, hf in {**before, **after}.items()}
-        for i in range(v.num_hidden_layers):
-            for n in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                      "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
-                rows, cols = (f, d) if n == "mlp.fc1" else (d, f) if n == "mlp.fc2" else (d, d)
-                shapes[f"{p}.{i}.{n}.bias"] = (rows,)
-                shapes[f"{p}.{i}.{n}.weight"] = (rows,) if n.startswith("layer_norm") else (rows, cols)
+        shapes.update(encoder_layer_shapes(p, v.num_hidden_layers, d, f))
         return shapes
 
     @property

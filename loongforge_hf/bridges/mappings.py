@@ -204,3 +204,13 @@ class FP32Replicated(Replicated):
     """A replicated tensor transformers keeps in float32 whatever the model dtype (``_keep_in_fp32_modules``)."""
 
     hf_dtype = torch.float32
+
+
+def biased_mlp_mappings(megatron: str, fc1: str, fc2: str) -> list[Mapping]:
+    """An ungated MLP's two linears with biases (megatron's ``{megatron}.linear_fc1`` / ``linear_fc2``, HF's ``fc1`` /
+    ``fc2`` module names): ``fc1`` split by rows over TP with its bias, ``fc2`` row-parallel with its bias whole on
+    every rank (megatron adds it after the row-parallel reduction)."""
+    return [ColumnParallel(f"{megatron}.linear_fc1.weight", f"{fc1}.weight"),
+            ColumnParallel(f"{megatron}.linear_fc1.bias", f"{fc1}.bias"),
+            RowParallel(f"{megatron}.linear_fc2.weight", f"{fc2}.weight"),
+            Replicated(f"{megatron}.linear_fc2.bias", f"{fc2}.bias")]

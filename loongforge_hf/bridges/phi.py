@@ -32,7 +32,7 @@ from __future__ import annotations
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L, DenseBridge
 from loongforge_hf.bridges.fused_mappings import QKV
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
+from loongforge_hf.bridges.mappings import Mapping, Replicated, RowParallel, VocabParallel, biased_mlp_mappings
 from loongforge_hf.bridges.registry import register_bridge
 
 # NOTE: Phi names the norms' eps ``layer_norm_eps`` (LayerNorms); the rest of the table is Llama's
@@ -92,10 +92,7 @@ class PhiBridge(DenseBridge):
         return maps
 
     def dense_mlp_mappings(self) -> list[Mapping]:
-        return [ColumnParallel(f"{D}.mlp.linear_fc1.weight", f"{L}.mlp.fc1.weight"),
-                ColumnParallel(f"{D}.mlp.linear_fc1.bias", f"{L}.mlp.fc1.bias"),
-                RowParallel(f"{D}.mlp.linear_fc2.weight", f"{L}.mlp.fc2.weight"),
-                Replicated(f"{D}.mlp.linear_fc2.bias", f"{L}.mlp.fc2.bias")]
+        return biased_mlp_mappings(f"{D}.mlp", f"{L}.mlp.fc1", f"{L}.mlp.fc2")
 
     def final_mappings(self) -> list[Mapping]:
         maps: list[Mapping] = [Replicated("decoder.final_layernorm.weight", "model.final_layernorm.weight"),
