@@ -46,8 +46,7 @@ from loongforge_hf.bridges.mappings import ColumnParallel, Mapping
 from loongforge_hf.bridges.registry import register_bridge
 from loongforge_hf.bridges.smollm3 import no_rope_attention
 
-COHERE_FIELDS = tuple(C.Field("layer_norm_eps", "layernorm_epsilon") if f.hf == "rms_norm_eps" else f
-                      for f in C.DENSE_FIELDS)
+COHERE_FIELDS = C.fields_with_eps("layer_norm_eps")
 
 
 @functools.cache

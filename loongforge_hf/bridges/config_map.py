@@ -85,6 +85,17 @@ DENSE_FIELDS: tuple[Field, ...] = (
 )
 
 
+def fields_with_eps(eps_name: str) -> tuple[Field, ...]:
+    """``DENSE_FIELDS`` with the norms' epsilon read from ``eps_name`` (LayerNorm models: ``layer_norm_eps``;
+    StarCoder2's ``norm_epsilon``)."""
+    return tuple(Field(eps_name, "layernorm_epsilon") if f.hf == "rms_norm_eps" else f for f in DENSE_FIELDS)
+
+
+def dropout_of(hf_config, name: str) -> float:
+    """The dropout probability in the HF config's ``name`` (0 where the field is absent or None)."""
+    return float(getattr(hf_config, name, 0.0) or 0.0)
+
+
 def head_dim_of(hf_config) -> int:
     head_dim = getattr(hf_config, "head_dim", None)
     return head_dim if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
@@ -99,7 +110,7 @@ def hf_to_megatron(hf_config, fields: tuple[Field, ...] = DENSE_FIELDS) -> dict:
         elif f.hf == "num_key_value_heads":
             value = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         elif f.hf == "attention_dropout":  # NOTE: a config without the field (ERNIE 4.5) drops nothing
-            value = float(getattr(hf_config, "attention_dropout", 0.0) or 0.0)
+            value = dropout_of(hf_config, "attention_dropout")
         else:
             value = getattr(hf_config, f.hf)
         out[f.megatron] = f.to_megatron(value)

@@ -61,6 +61,20 @@ class QKVRows(Mapping):
         return dict(zip(self.hf_names(layer), full.unbind(0)))
 
 
+def siglip_shapes(bridge, projector: tuple) -> dict[str, tuple[int, ...]]:
+    """HF shapes of ``bridge``'s SigLIP tower (patch embedding, position table, encoder layers, post-LayerNorm: the
+    first names of its ``_outer_names``) and of its projector's tensors (``projector``: their shapes, in the order
+    ``_outer_names`` gives them after the post-LayerNorm): Gemma 3, SmolVLM / Idefics3."""
+    v = bridge.vision_config
+    d, side = v.hidden_size, v.image_size // v.patch_size
+    before, after = bridge._outer_names()
+    shapes = dict(zip(before.values(), ((d, v.num_channels, v.patch_size, v.patch_size), (d,), (side * side, d))))
+    shapes.update(encoder_layer_shapes(f"{bridge.vision_prefix}.encoder.layers", v.num_hidden_layers, d,
+                                       v.intermediate_size))
+    shapes.update(dict(zip(after.values(), ((d,), (d,), *projector))))
+    return shapes
+
+
 def encoder_layer_shapes(prefix: str, layers: int, d: int, f: int) -> dict[str, tuple[int, ...]]:
     """HF shapes of a SigLIP / CLIP encoder's ``layers`` blocks under ``prefix`` (``{prefix}.{i}.self_attn.q_proj``,
     ...): width ``d``, MLP width ``f``, biases everywhere."""
@@ -191,14 +205,8 @@ class Gemma3VLBridge(OuterTableBridge):
         return before, after
 
     def vision_shapes(self) -> dict[str, tuple[int, ...]]:
-        v, p = self.vision_config, f"{self.vision_prefix}.encoder.layers"
-        d, f, side = v.hidden_size, v.intermediate_size, v.image_size // v.patch_size
-        before, after = self._outer_names()
-        shapes = dict(zip(before.values(), ((d, v.num_channels, v.patch_size, v.patch_size), (d,), (side * side, d))))
-        shapes.update(encoder_layer_shapes(p, v.num_hidden_layers, d, f))
-        text_hidden = self.hf_config.text_config.hidden_size
-        shapes.update(dict(zip(after.values(), ((d,), (d,), (d,), (d, text_hidden)))))
-        return shapes
+        d, text_hidden = self.vision_config.hidden_size, self.hf_config.text_config.hidden_size
+        return siglip_shapes(self, ((d,), (d, text_hidden)))
 
     def is_projector(self, vision_param_name: str) -> bool:
         return vision_param_name.startswith("projector.")

@@ -30,8 +30,7 @@ from loongforge_hf.bridges.registry import register_bridge
 
 L = "gpt_neox.layers.{layer}"
 D = "decoder.layers.{layer}"
-NEOX_FIELDS = tuple(C.Field("layer_norm_eps", "layernorm_epsilon") if f.hf == "rms_norm_eps" else f
-                    for f in C.DENSE_FIELDS)
+NEOX_FIELDS = C.fields_with_eps("layer_norm_eps")
 
 
 @register_bridge("GPTNeoXForCausalLM")
@@ -56,7 +55,7 @@ class GPTNeoXBridge(DenseBridge):
     def transformer_config_kwargs(self) -> dict:
         return {**super().transformer_config_kwargs(), "normalization": "LayerNorm", "gated_linear_unit": False,
                 "add_bias_linear": True, "add_qkv_bias": True,
-                "hidden_dropout": float(getattr(self.hf_config, "hidden_dropout", 0.0) or 0.0)}
+                "hidden_dropout": C.dropout_of(self.hf_config, "hidden_dropout")}
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def attention_mappings(self) -> list[Mapping]:

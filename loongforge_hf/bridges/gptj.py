@@ -51,10 +51,6 @@ GPTJ_FIELDS = tuple(replace(f, hf=_RENAMED[f.hf], to_megatron=float) if f.hf == 
                     if f.hf != "intermediate_size")
 
 
-def _dropout(hf_config, name: str) -> float:
-    return float(getattr(hf_config, name, 0.0) or 0.0)
-
-
 def rotary_fraction(rotary_dim: int, head_dim: int) -> float:
     """The smallest float ``f >= rotary_dim / head_dim`` with ``int(head_dim * f) == rotary_dim`` (megatron's rotary
     width from its ``rotary_percent``): the plain quotient comes out one channel short for some sizes (30 of 44)."""
@@ -102,7 +98,7 @@ class GPTJBridge(DenseBridge):
 
     @property
     def embedding_dropout(self) -> float:
-        return _dropout(self.hf_config, "embd_pdrop")
+        return C.dropout_of(self.hf_config, "embd_pdrop")
 
     @property
     def ffn_hidden_size(self) -> int:
@@ -124,7 +120,7 @@ class GPTJBridge(DenseBridge):
     def transformer_config_kwargs(self) -> dict:
         return {**super().transformer_config_kwargs(), "normalization": "LayerNorm", "gated_linear_unit": False,
                 "rotary_interleaved": True, "ffn_hidden_size": self.ffn_hidden_size,
-                "hidden_dropout": _dropout(self.hf_config, "resid_pdrop")}
+                "hidden_dropout": C.dropout_of(self.hf_config, "resid_pdrop")}
 
     def mlp_module(self) -> type | None:
         return biased_mlp()

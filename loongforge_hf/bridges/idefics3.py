@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, OuterTableBridge, encoder_layer_shapes
+from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, OuterTableBridge, siglip_shapes
 from loongforge_hf.bridges.internvl import InternVLLlamaText, decoder_text_bridge
 from loongforge_hf.bridges.mappings import Mapping
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES
@@ -123,14 +123,8 @@ class Idefics3Bridge(OuterTableBridge):
         return before, after
 
     def vision_shapes(self) -> dict[str, tuple[int, ...]]:
-        v, p = self.vision_config, f"{self.vision_prefix}.encoder.layers"
-        d, f, side = v.hidden_size, v.intermediate_size, v.image_size // v.patch_size
-        before, after = self._outer_names()
-        shapes = dict(zip(before.values(), ((d, v.num_channels, v.patch_size, v.patch_size), (d,), (side * side, d))))
-        shapes.update(encoder_layer_shapes(p, v.num_hidden_layers, d, f))
-        text_hidden = self.hf_config.text_config.hidden_size
-        shapes.update(dict(zip(after.values(), ((d,), (d,), (text_hidden, d * self.vision_merge ** 2)))))
-        return shapes
+        d, text_hidden = self.vision_config.hidden_size, self.hf_config.text_config.hidden_size
+        return siglip_shapes(self, ((text_hidden, d * self.vision_merge ** 2),))
 
     def is_projector(self, vision_param_name: str) -> bool:
         return vision_param_name.startswith("projector.")

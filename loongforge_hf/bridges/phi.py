@@ -36,12 +36,7 @@ from loongforge_hf.bridges.mappings import Mapping, Replicated, RowParallel, Voc
 from loongforge_hf.bridges.registry import register_bridge
 
 # NOTE: Phi names the norms' eps ``layer_norm_eps`` (LayerNorms); the rest of the table is Llama's
-PHI_FIELDS = tuple(C.Field("layer_norm_eps", "layernorm_epsilon") if f.hf == "rms_norm_eps" else f
-                   for f in C.DENSE_FIELDS)
-
-
-def _dropout(hf_config, name: str) -> float:
-    return float(getattr(hf_config, name, 0.0) or 0.0)
+PHI_FIELDS = C.fields_with_eps("layer_norm_eps")
 
 
 @register_bridge("PhiForCausalLM")
@@ -58,7 +53,7 @@ class PhiBridge(DenseBridge):
 
     @property
     def embedding_dropout(self) -> float:
-        return _dropout(self.hf_config, "embd_pdrop")
+        return C.dropout_of(self.hf_config, "embd_pdrop")
 
     def rope_parameters(self) -> dict:
         return C.rope_parameters(self.hf_config, partial_rotary=True, extra_types=self.extra_rope_types)
@@ -71,7 +66,7 @@ class PhiBridge(DenseBridge):
     def transformer_config_kwargs(self) -> dict:
         return {**super().transformer_config_kwargs(), "normalization": "LayerNorm", "gated_linear_unit": False,
                 "add_bias_linear": True, "add_qkv_bias": True,
-                "hidden_dropout": _dropout(self.hf_config, "resid_pdrop")}
+                "hidden_dropout": C.dropout_of(self.hf_config, "resid_pdrop")}
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def attention_mappings(self) -> list[Mapping]:

@@ -56,7 +56,7 @@ class Phi3Bridge(DenseBridge):
 
     def transformer_config_kwargs(self) -> dict:
         kw = super().transformer_config_kwargs()
-        kw["hidden_dropout"] = float(getattr(self.hf_config, "resid_pdrop", 0.0) or 0.0)
+        kw["hidden_dropout"] = C.dropout_of(self.hf_config, "resid_pdrop")
         return kw
 
     def attention_mappings(self) -> list[Mapping]:

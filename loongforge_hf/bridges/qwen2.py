@@ -24,4 +24,4 @@ class SeedOssBridge(Qwen2Bridge):
 
     def transformer_config_kwargs(self) -> dict:
         return {**super().transformer_config_kwargs(),
-                "hidden_dropout": float(getattr(self.hf_config, "residual_dropout", 0.0) or 0.0)}
+                "hidden_dropout": C.dropout_of(self.hf_config, "residual_dropout")}

@@ -41,8 +41,7 @@ from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.per_head_mappings import PerHeadStack
 from loongforge_hf.bridges.registry import register_bridge
 
-STABLELM_FIELDS = tuple(C.Field("layer_norm_eps", "layernorm_epsilon") if f.hf == "rms_norm_eps" else f
-                        for f in C.DENSE_FIELDS)
+STABLELM_FIELDS = C.fields_with_eps("layer_norm_eps")
 
 
 @functools.cache
@@ -91,7 +90,7 @@ class StableLmBridge(DenseBridge):
         return (per_head_layer_norm("q"), per_head_layer_norm("k")) if self.per_head_qk_norm else None
 
     def mlp_module(self) -> type | None:
-        p = float(getattr(self.hf_config, "hidden_dropout", 0.0) or 0.0)
+        p = C.dropout_of(self.hf_config, "hidden_dropout")
         return dropped_mlp(p) if p else None
 
     # ---- tensors --------------------------------------------------------------------------------------------

@@ -27,12 +27,7 @@ from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, 
 from loongforge_hf.bridges.registry import register_bridge
 
 # NOTE: StarCoder2 names the norms' eps ``norm_epsilon`` (its norms are LayerNorms); the rest of the table is Llama's
-STARCODER2_FIELDS = tuple(C.Field("norm_epsilon", "layernorm_epsilon") if f.hf == "rms_norm_eps" else f
-                          for f in C.DENSE_FIELDS)
-
-
-def _dropout(hf_config, name: str) -> float:
-    return float(getattr(hf_config, name, 0.0) or 0.0)
+STARCODER2_FIELDS = C.fields_with_eps("norm_epsilon")
 
 
 @register_bridge("Starcoder2ForCausalLM")
@@ -51,12 +46,12 @@ class Starcoder2Bridge(DenseBridge):
 
     @property
     def embedding_dropout(self) -> float:
-        return _dropout(self.hf_config, "embedding_dropout")
+        return C.dropout_of(self.hf_config, "embedding_dropout")
 
     def transformer_config_kwargs(self) -> dict:
         return {**super().transformer_config_kwargs(), "normalization": "LayerNorm", "gated_linear_unit": False,
                 "add_bias_linear": self.bias, "add_qkv_bias": self.bias,
-                "hidden_dropout": _dropout(self.hf_config, "residual_dropout")}
+                "hidden_dropout": C.dropout_of(self.hf_config, "residual_dropout")}
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def attention_mappings(self) -> list[Mapping]:

@@ -241,3 +241,11 @@ def trained_losses(folder: str, out_dir: str, *, loong: bool, processor, feature
     trainer.train()
     trainer.save_model(out_dir + "/final")
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def check_generate(per_layout: dict, tol: float = 1e-4) -> None:
+    """Each layout's generate scenarios (``_vl_gemma3.generate_pair``'s results): transformers' sequences, logits /
+    scores within ``tol``, at least 4 steps."""
+    for layout, scenarios in per_layout.items():
+        for name, r in scenarios.items():
+            assert r["same_sequences"] and r["max_diff"] < tol and r["steps"] >= 4, (layout, name, r)
