@@ -7,8 +7,9 @@ Choices:
   the extra layers through megatron's ``num_layers_in_first/last_pipeline_stage``; a split megatron cannot
   express raises ``ParallelLayoutError``.
 - Rotary frequencies follow the HF config exactly (llama3 scaling included) by overwriting megatron's ``inv_freq``.
-- What a bridge declares beyond its spec: ``embedding_dropout`` (the embedding output's dropout where it is not
-  ``hidden_dropout``) and ``lm_head_bias`` (``output_layer.add_output_bias``), applied to each built chunk.
+- What a bridge declares beyond its spec: ``embedding_dropout`` (the embedding output's dropout, which megatron would
+  take from ``hidden_dropout``: none in Llama-family models) and ``lm_head_bias`` (``output_layer.add_output_bias``),
+  applied to each built chunk.
 - ``megatron_config`` (from ``from_pretrained``) adds TransformerConfig fields the checkpoint and the layout do not
   decide (e.g. ``overlap_moe_expert_parallel_comm``, ``fine_grained_activation_offloading``); a field the bridge or the
   layout sets, or one TransformerConfig does not have, raises ``ValueError`` (``check_megatron_config``, called by
@@ -202,7 +203,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
         if hasattr(bridge, "finish_model"):
             bridge.finish_model(model)
         if getattr(bridge, "embedding_dropout", None) is not None and model.pre_process:
-            # NOTE: megatron's embedding drops its output with hidden_dropout (Phi-2's embd_pdrop differs)
+            # NOTE: megatron's embedding drops its output with hidden_dropout; the bridge says the model's own
             model.embedding.embedding_dropout.p = float(bridge.embedding_dropout)
         if getattr(bridge, "lm_head_bias", False):
             add_output_bias(model)

@@ -24,7 +24,9 @@ class DenseBridge:
     pre_norms: bool = True  # input / pre-MLP norms (OLMo 2 has none: it normalises the attention / MLP outputs)
     parallel_residual: str | None = None  # "separate" / "shared": MLP beside the attention (kernels.specs)
     per_layer_types: bool = False  # implements sliding-window layers (``layer_types``: bridges/layer_types.py)
-    embedding_dropout: float | None = None  # the embedding output's dropout where not hidden_dropout (builder)
+    # NOTE: the embedding output's dropout (the builder sets megatron's, which would be hidden_dropout): none in
+    # transformers' Llama-family decoders; a bridge whose model drops it says how much (GPT-NeoX, Phi, StarCoder2)
+    embedding_dropout: float | None = 0.0
     lm_head_bias: bool = False  # the LM head has a bias (Phi's): output_layer.add_output_bias, by the builder
     config_fields: tuple[C.Field, ...] = C.DENSE_FIELDS  # the HF <-> megatron config table (config_map.py)
 

@@ -42,6 +42,11 @@ class GPTNeoXBridge(DenseBridge):
     def parallel_residual(self) -> str | None:
         return "separate" if getattr(self.hf_config, "use_parallel_residual", True) else None
 
+    @property
+    def embedding_dropout(self) -> float:
+        """GPT-NeoX drops the embedding output with ``hidden_dropout`` too."""
+        return C.dropout_of(self.hf_config, "hidden_dropout")
+
     def rope_parameters(self) -> dict:
         return C.rope_parameters(self.hf_config, partial_rotary=True, extra_types=self.extra_rope_types)
 

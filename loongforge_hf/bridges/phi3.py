@@ -8,7 +8,7 @@ Choices:
   first channels of each head in rotate-half pairs and pass the rest through.
 - ``resid_pdrop`` is megatron's ``hidden_dropout`` (both drop the attention / MLP output before the residual add);
   ``embd_pdrop`` is not read by transformers' Phi-3 either, which drops nothing from the embedding output: neither
-  does megatron's embedding here (``embedding_dropout = 0``; it would drop with ``hidden_dropout``).
+  does megatron's embedding here (``DenseBridge.embedding_dropout``, 0; it would drop with ``hidden_dropout``).
 - ``longrope`` scaling (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini): transformers rotates a forward whose positions
   stay within ``original_max_position_embeddings`` with the short factors and a longer one (all its positions) with
   the long factors, and scales cos and sin by the attention factor. Here the model's rotary embedding holds both sets
@@ -31,7 +31,6 @@ from loongforge_hf.bridges.registry import register_bridge
 class Phi3Bridge(DenseBridge):
     supports_sliding_window = True
     extra_rope_types = ("longrope",)  # NOTE: transformers' Phi-3 config turns 'yarn' / 'su' into 'longrope'
-    embedding_dropout = 0.0
 
     def rope_parameters(self) -> dict:
         return C.rope_parameters(self.hf_config, partial_rotary=True, extra_types=self.extra_rope_types)

@@ -1,7 +1,7 @@
 """Qwen2ForCausalLM (Qwen2, Qwen2.5): bias on q, k and v projections; SeedOssForCausalLM (Seed-OSS): the same with
 ``head_dim`` of its own and ``residual_dropout`` (megatron's ``hidden_dropout``: both drop the attention and MLP
 outputs before the residual adds; transformers drops nothing from the embedding output, nor does megatron's embedding
-here: ``embedding_dropout = 0``)."""
+here: ``DenseBridge.embedding_dropout``, 0)."""
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import DenseBridge
@@ -15,7 +15,6 @@ class Qwen2Bridge(DenseBridge):
 
 @register_bridge("SeedOssForCausalLM")
 class SeedOssBridge(Qwen2Bridge):
-    embedding_dropout = 0.0
 
     def check_config(self) -> None:
         super().check_config()

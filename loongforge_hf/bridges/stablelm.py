@@ -66,7 +66,6 @@ def dropped_mlp(p: float) -> type:
 class StableLmBridge(DenseBridge):
     config_fields = STABLELM_FIELDS
     extra_rope_types = ()
-    embedding_dropout = 0.0
 
     def __init__(self, hf_config) -> None:
         self.qkv_bias = bool(getattr(hf_config, "use_qkv_bias", False))
