@@ -1,7 +1,7 @@
-"""Gemma 3, Mistral 3 and Qwen2-VL image-text on the CUDA path (Gemma 3's bidirectional image blocks through SDPA
-with a mask in the language model, varlen flash attention in the ViTs under bf16), against transformers on the same
-GPU: fp32 (logits, loss, vision gradients) and bf16 (loss); Gemma 3's bf16 ``generate`` with the dynamic and the
-static cache (CUDA-graphed decode steps)."""
+"""Gemma 3, Mistral 3, Qwen2-VL, InternVL, LLaVA-1.5 and SmolVLM image-text on the CUDA path (Gemma 3's bidirectional
+image blocks through SDPA with a mask in the language model, varlen flash attention in the ViTs under bf16), against
+transformers on the same GPU: fp32 (logits, loss, vision gradients) and bf16 (loss); bf16 ``generate`` with the
+dynamic and the static cache (CUDA-graphed decode steps)."""
 
 import pytest
 import torch
@@ -24,6 +24,24 @@ def mistral3_batch(folder: str) -> dict:
     return make_batch()
 
 
+def internvl_batch(folder: str) -> dict:
+    from ._vl_internvl import make_batch
+
+    return make_batch()
+
+
+def llava_batch(folder: str) -> dict:
+    from ._vl_llava import make_batch
+
+    return make_batch()
+
+
+def smolvlm_batch(folder: str) -> dict:
+    from ._vl_idefics3 import make_batch
+
+    return make_batch()
+
+
 def processor_batch(folder: str) -> dict:
     from ._vl_parity import make_batch
 
@@ -36,7 +54,7 @@ def _run(folder: str, batch_for=gemma3_batch) -> dict:
 
     import loongforge_hf as lf
 
-    from ._vl_gemma3 import _hf_name, vision_grads
+    from ._vl_gemma3 import VISION_TREES, _hf_name, vision_grads
 
     # NOTE: fp32 means fp32 on both sides (transformers' convolutions would take TF32 through cuDNN)
     torch.backends.cudnn.allow_tf32 = False
@@ -55,7 +73,7 @@ def _run(folder: str, batch_for=gemma3_batch) -> dict:
         result[name] = {"device": str(model.device), "loss": out.loss.item(), "ref_loss": exp.loss.item()}
         if dtype == torch.float32:
             ref_grads = {_hf_name(n): p.grad for n, p in ref.named_parameters()
-                         if not n.startswith(("model.language_model.", "lm_head")) and p.grad is not None}
+                         if n.startswith(VISION_TREES) and p.grad is not None}
             grads = vision_grads(model)
             valid = batch["attention_mask"].bool()
             result[name].update(logit_diff=(out.logits - exp.logits).abs()[valid].max().item(),
@@ -64,14 +82,19 @@ def _run(folder: str, batch_for=gemma3_batch) -> dict:
     return result
 
 
-@pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl"])
+@pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl", "internvl", "llava", "smolvlm"])
 def test_cuda_matches_transformers(tmp_path, model):
-    """Gemma 3 (the image blocks), Mistral 3 (images of three sizes) and Qwen2-VL (the processor's batch)."""
-    from loongforge_hf.testing import tiny_vl
+    """Gemma 3 (the image blocks), Mistral 3 (images of three sizes), Qwen2-VL (the processor's batch), InternVL
+    (InternViT tiles, pixel shuffle), LLaVA-1.5 (CLIP, the penultimate layer) and SmolVLM (SigLIP, the connector's
+    pixel shuffle)."""
+    from loongforge_hf.testing import tiny_idefics3, tiny_internvl, tiny_llava, tiny_vl
 
     writer, batch_for = {"gemma3": (tiny_vl.make_tiny_gemma3_vl, gemma3_batch),
                          "mistral3": (tiny_vl.make_tiny_mistral3, mistral3_batch),
-                         "qwen2_vl": (tiny_vl.make_tiny_qwen2_vl, processor_batch)}[model]
+                         "qwen2_vl": (tiny_vl.make_tiny_qwen2_vl, processor_batch),
+                         "internvl": (tiny_internvl.make_tiny_internvl, internvl_batch),
+                         "llava": (tiny_llava.make_tiny_llava, llava_batch),
+                         "smolvlm": (tiny_idefics3.make_tiny_idefics3, smolvlm_batch)}[model]
     folder = writer(tmp_path / "src")
     [r] = run_distributed(_run, 1, str(folder), batch_for, timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
     assert r["fp32"]["device"].startswith("cuda"), r
@@ -81,15 +104,20 @@ def test_cuda_matches_transformers(tmp_path, model):
     assert abs(r["bf16"]["loss"] - r["bf16"]["ref_loss"]) < 3e-2, r
 
 
-def test_cuda_bf16_generate_as_transformers(tmp_path):
-    """Cached greedy generate in bf16 (two left-padded prompts with images, the image blocks at the prefill) against
-    transformers' in bf16 on the same GPU: the first steps' tokens equal, scores and logits within 3e-2; the same
-    with the static cache, its decode steps replayed from a CUDA graph."""
-    from loongforge_hf.testing.tiny_vl import make_tiny_gemma3_vl
+@pytest.mark.parametrize("model", ["gemma3", "internvl", "llava", "smolvlm"])
+def test_cuda_bf16_generate_as_transformers(tmp_path, model):
+    """Cached greedy generate in bf16 (two left-padded prompts with images; Gemma 3's image blocks at the prefill)
+    against transformers' in bf16 on the same GPU: the first steps' tokens equal, scores and logits within 3e-2; the
+    same with the static cache, its decode steps replayed from a CUDA graph."""
+    from loongforge_hf.testing import tiny_idefics3, tiny_internvl, tiny_llava, tiny_vl
 
-    from ._vl_gemma3 import prompts
+    from . import _vl_gemma3, _vl_idefics3, _vl_internvl, _vl_llava
     from .test_qwen2_5_vl_gpu import _run_generate_bf16, check_generate_bf16
 
-    folder = make_tiny_gemma3_vl(tmp_path / "src", seed=1)
+    writer, prompts = {"gemma3": (tiny_vl.make_tiny_gemma3_vl, _vl_gemma3.prompts),
+                       "internvl": (tiny_internvl.make_tiny_internvl, _vl_internvl.prompts),
+                       "llava": (tiny_llava.make_tiny_llava, _vl_llava.prompts),
+                       "smolvlm": (tiny_idefics3.make_tiny_idefics3, _vl_idefics3.prompts)}[model]
+    folder = writer(tmp_path / "src", seed=1)
     check_generate_bf16(run_distributed(_run_generate_bf16, 1, str(folder), prompts, timeout=600,
                                         env={"LOONGFORGE_DEVICE": "cuda"})[0])
