@@ -215,13 +215,19 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
     if resized:
         carried = vocabulary_tensors(model, set(names) - {s.hf_name for s in plan.saved})
         whole += [(s, names[s.hf_name]) for s in carried]
+    by_tensor: dict = {}  # NOTE: one collect a megatron tensor (StableLM's per-head norms: an HF tensor per head)
     for s, hf_name in whole:
-        owner_pp, vp, name = streamer.owner_of(s.layer, s.mapping.megatron)
+        by_tensor.setdefault((s.layer, s.mapping.megatron), []).append((s, hf_name))
+    for (layer, megatron), members in by_tensor.items():
+        owner_pp, vp, name = streamer.owner_of(layer, megatron)
+        mapping = members[0][0].mapping
 
-        def export(shards, s=s, hf_name=hf_name):
-            return {hf_name: s.mapping.export(shards, streamer.ctx, s.layer)[s.checkpoint_name]}
-        out.update(streamer.collect(owner_pp, vp, name, split=s.mapping.tp_split is not None, export=export,
-                                    shapes={hf_name: plan.hf_shapes[s.hf_name]}, dtype=dtype))
+        def export(shards, mapping=mapping, layer=layer, members=members):
+            tensors = mapping.export(shards, streamer.ctx, layer)
+            return {hf_name: tensors[s.checkpoint_name] for s, hf_name in members}
+        out.update(streamer.collect(owner_pp, vp, name, split=mapping.tp_split is not None, export=export,
+                                    shapes={hf_name: plan.hf_shapes[s.hf_name] for s, hf_name in members},
+                                    dtype=dtype))
     if tied and resized and streamer.rank == 0:
         embedding = out.get(names[f"{plan.embedding_name}.weight"])
         if embedding is not None:  # NOTE: PEFT writes the tied LM head under its own name too

@@ -252,10 +252,12 @@ def load_adapter(model, adapter_dir: str | os.PathLike, *, is_trainable: bool = 
     ctx = shard_context(text_bridge(model), tp_rank=ps.get_tensor_model_parallel_rank(),
                         tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
     with torch.no_grad():
+        done = set()  # NOTE: StableLM's per-head norms: several saved HF tensors, one megatron tensor
         for saved in [*plan.saved, *resized]:
             for params, name in megatron_params_of(model, saved, owners, ps.get_pipeline_model_parallel_rank()):
-                param = params[name]
-                param.copy_(saved.mapping.load(reader, ctx, saved.layer).to(param.dtype))
+                if id(param := params[name]) not in done:
+                    param.copy_(saved.mapping.load(reader, ctx, saved.layer).to(param.dtype))
+                    done.add(id(param))
     if not is_trainable:
         for p in model.parameters():
             p.requires_grad_(False)

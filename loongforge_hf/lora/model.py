@@ -298,12 +298,11 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     attach_vision_adapters(model, vision, dropout=float(peft_config.lora_dropout), dtype=dtype, device=device,
                            dora=bool(peft_config.use_dora), magnitudes=magnitudes)
 
-    originals = []  # NOTE: modules_to_save train in place; PEFT keeps the originals (disable_adapter, unload)
-    for saved in plan.saved:
-        for params, name in megatron_params_of(model, saved, owners, pp_rank):
-            param = params[name]
-            param.requires_grad_(True)
-            originals.append((param, param.detach().clone()))
+    # NOTE: modules_to_save train in place; PEFT keeps the originals (disable_adapter, unload); StableLM's per-head
+    # norms are several HF tensors in one megatron tensor
+    trained = {id(params[name]): params[name] for saved in plan.saved
+               for params, name in megatron_params_of(model, saved, owners, pp_rank)}
+    originals = [(param.requires_grad_(True), param.detach().clone()) for param in trained.values()]
     if plan.token_indices:
         from loongforge_hf.lora.tokens import attach_trainable_tokens
 

@@ -48,6 +48,7 @@ from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParall
 from loongforge_hf.bridges.packed_mappings import PackedGatedMLP, PackedQKV
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 from loongforge_hf.bridges.moe import SharedExpertGate
+from loongforge_hf.bridges.per_head_mappings import PerHeadStack
 
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
                  PackedQKV: "column", PackedGatedMLP: "column", RowParallel: "row", SharedExpertGate: "shared_gate"}
@@ -293,9 +294,10 @@ def _saved_tensors(config, modules, index, bridge, skeleton_output, on_disk) -> 
                 raise LoraConfigError(f"modules_to_save={wanted}: {full} is the embedding's own weight (tie_word_"
                                       "embeddings=True), which is not supported; train the added tokens' rows with "
                                       "trainable_token_indices (PEFT ties the LM head's rows to them).")
-            # NOTE: whole tensors, or a 1-D one split over TP on its own (OLMo 2's q / k norms)
+            # NOTE: whole tensors, or a norm's own weight split over TP with the heads (OLMo 2's q / k norms over all
+            # heads, Cohere's [heads, head_dim], StableLM's one tensor per head stacked), never a linear's
             if entry is None or _in_tower(entry[0]) or not (isinstance(entry[0], (Replicated, VocabParallel)) or (
-                    type(entry[0]) is ColumnParallel and param.dim() == 1)):
+                    type(entry[0]) in (ColumnParallel, PerHeadStack) and not isinstance(module, torch.nn.Linear))):
                 raise LoraConfigError(f"modules_to_save={wanted}: {name} ({full}) cannot be trained whole here (a "
                                       "tensor-parallel linear megatron fuses with others, or the vision tower); it "
                                       "supports the language model's norms, embed_tokens and lm_head.")

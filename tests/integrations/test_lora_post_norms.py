@@ -1,16 +1,16 @@
 """LoRA and DoRA on Gemma 3, OLMo 2, GLM-4 and EXAONE 4, whose layers normalise the attention and MLP outputs (post
-norms inside megatron's attention and MLP modules here: the adapters' terms must land before them); Gemma's embedding
-is scaled and tied to the LM head, OLMo 2's q / k norms span all heads (their weights split over TP), GLM-4 packs gate
-and up in one linear and rotates half of each head in interleaved pairs, EXAONE 4 has a full layer without rotary
-embedding. StarCoder2's norms are LayerNorms with biases and all its linears have biases (the adapters' terms beside
-them, DoRA's rescaling without them); its two norms a layer are trained whole, weight and bias. GPT-NeoX runs its
-attention and MLP side by side, with q / k / v in one linear (one adapter). Cohere runs them side by side after one
-LayerNorm without bias (trained), with per-head q / k norms split over TP, rotates interleaved pairs and scales its
-tied logits. Phi runs them side by side after one LayerNorm with bias, with biases on every linear and on the LM
-head, which is trained whole (weight and bias, split over the vocabulary) through ``modules_to_save``. GPT-J runs them
-side by side after one LayerNorm with bias, with biases on the MLP's linears and the LM head (trained whole) but not on
-the attention's, and rotates part of each head in interleaved pairs. StableLM runs them side by side after one
-LayerNorm with bias, with q / k / v biases, per-head q / k LayerNorms split over TP and GQA.
+norms inside megatron's attention and MLP modules here: the adapters' terms must land before them); Gemma's embedding is
+scaled and tied to the LM head, OLMo 2's q / k norms span all heads (their weights split over TP), GLM-4 packs gate and
+up in one linear and rotates half of each head in interleaved pairs, EXAONE 4 has a full layer without rotary embedding.
+StarCoder2's norms are LayerNorms with biases and all its linears have biases (the adapters' terms beside them, DoRA's
+rescaling without them); its two norms a layer are trained whole, weight and bias. GPT-NeoX runs its attention and MLP
+side by side, with q / k / v in one linear (one adapter). Cohere runs them side by side after one LayerNorm without bias
+(trained), with per-head q / k norms split over TP (trained), rotates interleaved pairs and scales its tied logits. Phi
+runs them side by side after one LayerNorm with bias, with biases on every linear and on the LM head, which is trained
+whole (weight and bias, split over the vocabulary) through ``modules_to_save``. GPT-J runs them side by side after one
+LayerNorm with bias, with biases on the MLP's linears and the LM head (trained whole) but not on the attention's, and
+rotates part of each head in interleaved pairs. StableLM runs them side by side after one LayerNorm with bias, with q /
+k / v biases, per-head q / k LayerNorms split over TP (trained: an HF tensor per head) and GQA.
 
 Checked against PEFT on the transformers model, from adapters PEFT wrote (every factor, magnitude and modules_to_save
 tensor moved off its initial value), at TP=2 + SP, PP=2 and CP=2: logits (1e-4) and loss (1e-5), every A / B /
@@ -43,19 +43,19 @@ ADAPTERS = {
     # NOTE: GPT-NeoX's q / k / v are one linear (one adapter, its B rows in megatron's per-head order as they are)
     "gpt_neox": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                               modules_to_save=["input_layernorm", "post_attention_layernorm"]), "dora": DORA_KW},
-    # NOTE: Cohere's one norm a layer feeds both sublayers (its per-head q / k norms, [heads, head_dim] split over TP,
-    # are not among what modules_to_save trains whole here: lora/plan.py takes 1-D split tensors only)
+    # NOTE: Cohere's one norm a layer feeds both sublayers; its per-head q / k norms are [heads, head_dim], split
+    # over TP with the heads
     "cohere": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
-                            modules_to_save=["input_layernorm"]), "dora": DORA_KW},
+                            modules_to_save=["input_layernorm", "q_norm", "k_norm"]), "dora": DORA_KW},
     # NOTE: Phi's LM head (weight and bias, split over the vocabulary) is not a LoRA target: trained whole
     "phi": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                          modules_to_save=["input_layernorm", "lm_head"]), "dora": DORA_KW},
     # NOTE: GPT-J's biases are on the MLP's linears only (the attention's adapters without one); its LM head with bias
     "gptj": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                           modules_to_save=["ln_1", "lm_head"]), "dora": DORA_KW},
-    # NOTE: StableLM's per-head q / k LayerNorms ([heads, head_dim] split over TP) are not trained whole, as Cohere's
+    # NOTE: StableLM's per-head q / k LayerNorms: an HF tensor per head, one megatron tensor split over TP
     "stablelm": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
-                              modules_to_save=["input_layernorm"]), "dora": DORA_KW},
+                              modules_to_save=["input_layernorm", "q_layernorm", "k_layernorm"]), "dora": DORA_KW},
 }
 # NOTE: else q, k, v, o, gate, up, down; StarCoder2's c_fc, c_proj; GPT-NeoX's query_key_value, dense and two MLP
 # ones; GPT-J's q, k, v, out_proj, fc_in, fc_out
