@@ -20,7 +20,8 @@ Choices:
   the padded vocabulary (``tensor_model_parallel``, split on dim 0), so megatron's forward adds it after the GEMM
   (logits, ``head_rows``, generate and its KV cache, ``lean_linear``), its gradient is this rank's rows' (no
   reduction), the checkpoint shards it as the weight and the loader fills it (``VocabParallel``). The fused training
-  loss reads it beside the weight (``runtime.output_bias``).
+  loss reads it beside the weight (``runtime.output_bias``). Beside a frozen weight, a trained bias is added after
+  megatron's GEMM (its frozen-weight function would return the bias no gradient).
 """
 
 from __future__ import annotations
@@ -99,6 +100,15 @@ def add_output_bias(chunk: torch.nn.Module) -> None:
     set_tensor_model_parallel_attributes(bias, True, 0, 1)
     bias.allreduce = True  # NOTE: as ColumnParallelLinear marks its own bias (megatron's DDP reads it)
     layer.bias = bias
+    layer._forward_impl = types.MethodType(_bias_after_frozen_weight, layer)
+
+
+def _bias_after_frozen_weight(layer, input, weight, *args, bias=None, **kwargs):
+    """megatron's ``_forward_impl``, except beside a frozen weight a trained bias is added after the GEMM: megatron's
+    frozen-weight function (``linear_with_frozen_weight``) adds it inside and returns it no gradient."""
+    if weight.requires_grad or bias is None or not bias.requires_grad:
+        return type(layer)._forward_impl(layer, input, weight, *args, bias=bias, **kwargs)
+    return type(layer)._forward_impl(layer, input, weight, *args, bias=None, **kwargs) + bias
 
 
 def _pass_hidden_states(layer, input_, weight=None, runtime_gather_output=None, **unused):

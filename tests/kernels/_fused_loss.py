@@ -17,6 +17,8 @@ LAYOUTS = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
            "tp2": {"tensor_parallel_size": 2},
            "pp2": {"pipeline_parallel_size": 2},
            "dp2": {}}
+# NOTE: the LM head's weight frozen (its bias, where it has one, still trained)
+FROZEN_HEAD_WEIGHT = "_frozen_head_weight"
 
 
 def _batches(vocab: int, n: int, rank_seed: int):
@@ -52,12 +54,15 @@ def fused_matches_materialised(folder: str, out_dir: str, layouts: list[str]) ->
                                           max_grad_norm=1.0, report_to=[])
     checked = {}
     for name in layouts:
-        layout = LAYOUTS[name]
+        layout = LAYOUTS[name.removesuffix(FROZEN_HEAD_WEIGHT)]
         dp = "dp" in name
         results = {}
         for fused in (True, False):
             runtime.token_losses = engine_module.token_losses = refuse if fused else materialised
             model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+            if name.endswith(FROZEN_HEAD_WEIGHT):
+                for n, p in model.named_parameters():
+                    p.requires_grad_(not n.endswith("output_layer.weight"))
             batches = _batches(model.config.vocab_size, 2, dist.get_rank() if dp else 0)
             res = {}
             if model.parallel.pipeline_parallel_size == 1:
@@ -84,6 +89,9 @@ def fused_matches_materialised(folder: str, out_dir: str, layouts: list[str]) ->
         _close(on["loss"], off["loss"], f"{name} forward loss")
         if "grads" in on:
             assert sorted(on["grads"]) == sorted(off["grads"]) and on["grads"], name
+            assert any(n.endswith("output_layer.bias") for n in on["grads"]) == model.bridge.lm_head_bias, name
+            if name.endswith(FROZEN_HEAD_WEIGHT):
+                assert not any(n.endswith("output_layer.weight") for n in on["grads"]), name
             for n in on["grads"]:
                 _close(on["grads"][n], off["grads"][n], f"{name} grad {n}")
         assert on["step"][2] == off["step"][2], name

@@ -36,7 +36,10 @@ def test_untied_llama_dp2(checkpoints, tmp_path):
 
 
 def test_phi_lm_head_bias_tp2_sp_and_pp2(checkpoints, tmp_path):
-    layouts = ["tp2_sp", "pp2"]
+    """Phi's LM-head bias, its weight trained or frozen (the bias trained beside it either way)."""
+    from ._fused_loss import FROZEN_HEAD_WEIGHT
+
+    layouts = ["tp2_sp", "pp2", "tp2_sp" + FROZEN_HEAD_WEIGHT]
     results = run_distributed(fused_matches_materialised, 2, str(checkpoints["phi"]), str(tmp_path), layouts,
                               timeout=400)
     assert [sorted(r) for r in results] == [sorted(layouts)] * 2
