@@ -95,7 +95,8 @@ class LoongKVCache(Cache):
                    position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The logits of a step this cache runs at a fixed shape, or None: the step runs through ``cached_step``
         (always, for this dynamic cache; ``static_cache.LoongStaticCache`` runs its one-token decode steps).
-        ``position_ids``: an image-text model's ``[3, b, new]`` mRoPE positions (text models: None)."""
+        ``position_ids``: an image-text model's ``[3, b, new]`` mRoPE positions, a model with learned absolute
+        positions' ``[b, new]`` (rotary text models: None)."""
         return None
 
     @classmethod
@@ -306,15 +307,34 @@ def cached_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attentio
     cache.filled += given
 
 
-def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, keep: int):
+def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, keep: int,
+                       position_ids: torch.Tensor | None = None):
     """The logits (``[b, given, V]``, the last ``keep`` positions when ``keep`` > 0) of ``input_ids``, the tokens
-    after the ``cache.get_seq_length()`` cached ones, on every rank; their keys and values join the cache."""
+    after the ``cache.get_seq_length()`` cached ones, on every rank; their keys and values join the cache.
+    ``position_ids``: the new tokens' (generate's), read by a model with learned absolute positions only
+    (``bridges.absolute_positions``: default ``past ..``); rotary models rotate by slot (module docstring)."""
+    from loongforge_hf.bridges.absolute_positions import learned_positions, step_positions
     from loongforge_hf.bridges.runtime import forward_padded, keep_rows
 
     rows = keep_rows(input_ids.shape[-1], keep)
+    batch, given = input_ids.shape
+    if learned_positions(model.bridge):
+        position_ids = step_positions(position_ids, batch=batch, past=cache.get_seq_length(), given=given,
+                                      padded=given, device=model.device)
+    else:
+        position_ids = None
+
+    def positions(ids):  # NOTE: the new tokens' and the layout's padding after them
+        if position_ids is None:
+            return None
+        return step_positions(position_ids, batch=batch, past=0, given=given, padded=ids.shape[-1],
+                              device=model.device)
+
     return cached_forward(model, cache, input_ids=input_ids, attention_mask=attention_mask,
-                          run=lambda ids: forward_padded(model, input_ids=ids, attention_mask=None, position_ids=None,
-                                                         labels=None, return_logits=True, rows=rows)[1])
+                          position_ids=position_ids,
+                          run=lambda ids: forward_padded(model, input_ids=ids, attention_mask=None,
+                                                         position_ids=positions(ids), labels=None,
+                                                         return_logits=True, rows=rows)[1])
 
 
 def cached_forward(model, cache: LoongKVCache, *, input_ids: torch.Tensor, attention_mask, run,
@@ -322,7 +342,8 @@ def cached_forward(model, cache: LoongKVCache, *, input_ids: torch.Tensor, atten
     """A cached forward of ``input_ids`` (the tokens after the cached ones): the cache's fixed-shape step where it
     runs one (``LoongKVCache.fixed_step``), else ``run(padded_ids)`` (the model's forward of the padded ids, with no
     attention mask, to the kept rows' logits) inside the step the cache is at: the prefill split over CP under
-    context parallelism (``split_prefill_step``), else ``cached_step``. ``position_ids``: an image-text model's."""
+    context parallelism (``split_prefill_step``), else ``cached_step``. ``position_ids``: an image-text model's
+    ``[3, b, new]``, or a model with learned absolute positions' ``[b, new]`` (for the fixed step)."""
     logits = cache.fixed_step(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     if logits is not None:
         return logits

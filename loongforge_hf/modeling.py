@@ -337,6 +337,7 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
         from loongforge_hf.bridges import router_balance
+        from loongforge_hf.bridges.absolute_positions import check_positions, learned_positions
         from loongforge_hf.bridges.router_logits import asked
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
@@ -344,8 +345,11 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         if unused.get("token_type_ids") is not None and getattr(self.bridge, "token_type_embeddings", False):
             raise TypeError(f"forward: token_type_ids are not supported for {self.bridge.architectures[0]} "
                             "(transformers adds their embeddings to the tokens'); pass input_ids alone.")
-        select_longrope_for(self, input_ids, position_ids,
-                            options["cache"].get_seq_length() if options["cache"] is not None else 0)
+        past = options["cache"].get_seq_length() if options["cache"] is not None else 0
+        select_longrope_for(self, input_ids, position_ids, past)
+        if learned_positions(self.bridge):
+            check_positions(self.config.max_position_embeddings, length=input_ids.shape[-1], past=past,
+                            position_ids=position_ids, arch=self.bridge.architectures[0])
         routed = router_balance.forward_outputs(self, unused.get("output_router_logits"))
         moe = getattr(self.bridge, "hf_router_logits", False)  # NOTE: transformers' MoE output type
         keep = options["logits_to_keep"]  # NOTE: an int: the rows cut before the logits cross ranks (runtime.py)
@@ -357,7 +361,7 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
             if moe and asked(self.config, unused.get("output_router_logits")):
                 raise ValueError("forward: output_router_logits with a KV cache is not supported.")
             logits = forward_with_cache(self, options["cache"], input_ids=input_ids, attention_mask=attention_mask,
-                                        keep=inputs["keep"])
+                                        keep=inputs["keep"], position_ids=position_ids)
             return hf_forward_output(None, logits, labels, options, moe=moe)
         if not (moe and asked(self.config, unused.get("output_router_logits"))):
             return hf_forward_output(*forward_causal_lm(self, **inputs), labels, options, moe=moe)
@@ -524,7 +528,8 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         total = 0
         # NOTE: an LM head's bias (Phi's) is vocabulary-split and padded too, and not an embedding
         vocabulary = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
-        embeddings = vocabulary[:2] if self.bridge.tied else vocabulary[:1]
+        # NOTE: a learned position table (GPT-2's wpe) is an nn.Embedding too
+        embeddings = (*(vocabulary[:2] if self.bridge.tied else vocabulary[:1]), "embedding.position_embeddings.weight")
         for name, p in self.named_parameters():
             if exclude_embeddings and name.endswith(embeddings):
                 continue
@@ -598,6 +603,7 @@ class AutoModelForCausalLM:
         from loongforge_hf.bridges.builder import (build_megatron_model, check_megatron_config,
                                                    interleaved_p2p_settings)
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
+        from loongforge_hf.bridges.config_map import kv_heads_of
         from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader
         from loongforge_hf.bridges.hub import resolve_checkpoint
         from loongforge_hf.bridges.load_kwargs import (check_device, finish_load, load_config, loading_info,
@@ -666,8 +672,7 @@ class AutoModelForCausalLM:
             layout.check_world_size(read_launch_env().world_size)
             layout.check_model(num_layers=hf_config.num_hidden_layers,
                                num_attention_heads=hf_config.num_attention_heads,
-                               num_key_value_heads=getattr(hf_config, "num_key_value_heads", None)
-                               or hf_config.num_attention_heads,
+                               num_key_value_heads=kv_heads_of(hf_config),
                                vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
             check_megatron_config(bridge, megatron_config)
             moe_graphs.check_layout(bridge, hf_config, megatron_config,

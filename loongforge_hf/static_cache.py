@@ -159,7 +159,8 @@ class LoongStaticCache(LoongKVCache):
                 logger.info("generate: the static cache's decode steps run as the dynamic cache's over its buffers, "
                             "not as a device graph: %s.", refusal)
                 return None
-            self.decode = self._kept_or_new_decode(model, batch=input_ids.shape[0], mrope=position_ids is not None)
+            mrope = position_ids is not None and position_ids.dim() == 3  # NOTE: [b, 1]: learned absolute positions
+            self.decode = self._kept_or_new_decode(model, batch=input_ids.shape[0], mrope=mrope)
         logits = self.decode(model, self, input_ids, attention_mask, position_ids)
         self.filled += 1
         self.fixed_steps += 1
@@ -264,10 +265,12 @@ class FixedDecode:
         self.buffers = _buffer_addresses(cache.layers)  # NOTE: the cache buffers its steps (and graph) write
         self.state: tuple | None = None  # NOTE: the model's host state after the first step (host_state)
         self.ids = torch.zeros(batch, width, dtype=torch.long, device=device)
-        # NOTE: the chunk's position ids: unread by a text model (its rotary rows are the table's), an image-text
-        # model's [3, b, w] mRoPE positions (the token's from generate; the placeholders' 0)
+        # NOTE: the chunk's position ids: unread by a rotary text model (its rotary rows are the table's), an
+        # image-text model's [3, b, w] mRoPE positions (the token's from generate; the placeholders' 0), a model with
+        # learned absolute positions' [b, w] (the token's, the placeholders' after it)
         self.positions = torch.zeros(*((3,) if mrope else ()), batch, width, dtype=torch.long, device=device)
         self.position = torch.zeros(width, dtype=torch.long, device=device)  # NOTE: the placeholders' rows too
+        self.steps = torch.arange(width, device=device)  # NOTE: a learned position's offsets: token, placeholders
         self.allowed = {window: torch.zeros(batch, 1, 1, cache.slots, dtype=torch.bool, device=device)
                         for window in {_window(a) for a in cache.attentions}}
         # NOTE: under CP (cache.shard): the buffer slot this rank writes the token's key and value at (its own slot
@@ -313,6 +316,11 @@ class FixedDecode:
                 raise ValueError(f"static KV cache: an image-text decode step needs [3, {batch}, 1] mRoPE "
                                  f"position_ids, got {None if position_ids is None else list(position_ids.shape)}.")
             self.positions[:, :, :1].copy_(position_ids, non_blocking=True)
+        elif position_ids is not None:
+            # NOTE: learned absolute positions (GPT-2's; bridges/absolute_positions.py): the token's position from
+            # generate, the placeholders' after it
+            self.positions.copy_(position_ids.to(self.positions.device).reshape(batch, 1) + self.steps,
+                                 non_blocking=True)
         self.ids[:, :1].copy_(input_ids, non_blocking=True)
         self.position.fill_(past)
         shard = cache.shard

@@ -23,9 +23,13 @@ prompts of different lengths.
   GLM-4.5 (biased q/k/v, half-rotary heads, sigmoid-routed experts) at TP2 with sequence parallelism; ERNIE 4.5 MoE
   (interleaved rotary pairs, tied embeddings, experts chosen on softmax scores plus a fixed bias) at TP2 with sequence
   parallelism and at CP2; OLMoE (q / k norms over all heads, split over TP with the heads; every layer sparse) at TP2
-  with sequence parallelism and at CP2; Phi-3 with LongRoPE (prompts and new tokens within its 32 short-factor
-  positions) at one rank; SmolLM3 (layers 1 and 3 without rotary embedding, one on each stage) at PP2; Qwen3 with YaRN
-  at one rank.
+  with sequence parallelism and at CP2; Llama 4 (5-position attention chunks that the prompts and new tokens cross,
+  a NoPE layer's query temperature by slot, sigmoid top-1 experts) at EP2; Phi-3 with LongRoPE (prompts and new
+  tokens within its 32 short-factor positions) at one rank; SmolLM3 (layers 1 and 3 without rotary embedding, one on
+  each stage) at PP2; Qwen3 with YaRN at one rank; Falcon (40B's two LayerNorms side by side, two KV groups fused
+  group by group, biases, tied embeddings) at TP2 with sequence parallelism and Falcon-7B's multi-query attention
+  (one KV head cached) at one rank; GPT-2 (learned absolute positions: the left-padded rows' counted from their first
+  real token, as transformers' generate counts them) at CP2 and at TP2 with sequence parallelism.
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here. The output layer
   computes the kept (last) position's logits only where that is exact (not under sequence parallelism).
@@ -96,6 +100,15 @@ LAYOUTS = {
     "ernie4_5_moe_cp2": ("ernie4_5_moe", 2, {"context_parallel_size": 2}),
     "olmoe_tp2_sp": ("olmoe", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     "olmoe_cp2": ("olmoe", 2, {"context_parallel_size": 2}),
+    "falcon_tp2_sp": ("falcon", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "falcon_mqa": ("falcon_mqa", 1, {}),
+    # NOTE: learned absolute positions: generate's (from each row's first real token) in the split prefill, the
+    # steps run whole on both CP ranks and the fixed step; after the layout's padding under SP
+    "gpt2_cp2": ("gpt2", 2, {"context_parallel_size": 2}),
+    "gpt2_tp2_sp": ("gpt2", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    # NOTE: chunked attention (5 positions: the left-padded prompts and new tokens cross chunks), a NoPE layer's query
+    # temperature by slot; EP: the static cache and the CP-sharded one refuse chunked attention
+    "llama4_ep2": ("llama4", 2, {"expert_parallel_size": 2}),
 }
 # NOTE: name -> (architecture, config overrides); Mistral with a 3-token sliding window: the prompts (6 positions)
 # and every generated token outrun it
@@ -110,8 +123,9 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "granitemoe": ("granitemoe", {}), "exaone4": ("exaone4", {"sliding_window": 3}),
                "starcoder2": ("starcoder2", {"sliding_window": 3}), "gpt_neox": ("gpt_neox", {}),
                "cohere": ("cohere", {}), "cohere2": ("cohere2", {"sliding_window": 3}), "phi": ("phi", {}),
-               "gptj": ("gptj", {}), "stablelm": ("stablelm", {}),
-               "ernie4_5_moe": ("ernie4_5_moe", {}), "olmoe": ("olmoe", {}),
+               "gptj": ("gptj", {}), "stablelm": ("stablelm", {}), "falcon": ("falcon", {}),
+               "falcon_mqa": ("falcon_mqa", {}), "gpt2": ("gpt2", {}),
+               "ernie4_5_moe": ("ernie4_5_moe", {}), "olmoe": ("olmoe", {}), "llama4": ("llama4", {}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),
                "qwen3_moe_yarn": ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,

@@ -192,7 +192,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
             rotary_base=rope["rope_theta"], rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
             parallel_output=True, vp_stage=stage,
         )
-        if hasattr(model, "rotary_pos_emb") and rope["rope_type"] in ("llama3", "yarn"):
+        if hasattr(model, "rotary_pos_emb") and rope["rope_type"] in ("linear", "llama3", "yarn"):
             # NOTE: transformers' scaled frequencies (kernels/rope.py); megatron computes the plain ones only.
             # LongRoPE's two sets go in with Phi3Bridge.finish_model
             from loongforge_hf.kernels.rope import rope_inv_freq, set_megatron_inv_freq

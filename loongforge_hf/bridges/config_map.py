@@ -101,6 +101,16 @@ def head_dim_of(hf_config) -> int:
     return head_dim if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def kv_heads_of(hf_config) -> int:
+    """The key / value heads (megatron's query groups): ``num_key_value_heads`` (None: one per query head). Falcon's
+    config has ``num_kv_heads``, which its older layout reads only without ``multi_query`` (one KV head with it)."""
+    if getattr(hf_config, "model_type", None) == "falcon":
+        if hf_config.new_decoder_architecture or not hf_config.multi_query:
+            return hf_config.num_kv_heads
+        return 1
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
 def hf_to_megatron(hf_config, fields: tuple[Field, ...] = DENSE_FIELDS) -> dict:
     """The megatron TransformerConfig kwargs the table derives from ``hf_config``."""
     out = {}

@@ -36,7 +36,7 @@ from loongforge_hf.bridges.builder import layer_owners
 from loongforge_hf.bridges.distribution import broadcast_outcome, gather_to_first, recv_tensor, send_tensor
 from loongforge_hf.bridges.export_files import check_export_dtype, keeps_old_entry, write_side_files
 from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader
-from loongforge_hf.bridges.loader import shard_context
+from loongforge_hf.bridges.loader import first_stage_mappings, shard_context
 from loongforge_hf.bridges.mappings import streams_export
 
 
@@ -53,6 +53,8 @@ def _export_items(bridge, model, parallel):
     per_rank = num_experts // parallel.expert_parallel_size
     emb = bridge.embedding_mapping()
     yield 0, first_vp, emb.megatron, emb, None, None
+    for m in first_stage_mappings(bridge):
+        yield 0, first_vp, m.megatron, m, None, None
     for layer in range(bridge.hf_config.num_hidden_layers):
         pp_rank, vp, local = owners[layer]
         for m in bridge.mappings_for_layer(layer):

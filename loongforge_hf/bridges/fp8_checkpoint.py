@@ -10,7 +10,9 @@ Choices:
   from ``keys()``, so bridges see an ordinary bf16 checkpoint. A tensor-parallel slice reads only the FP8 rows or
   columns it needs and the scale blocks that cover them.
 - ``dequantizing_reader`` is the one entry point for every format read dequantised: it also applies the MXFP4
-  wrapper (gpt-oss experts, ``mxfp4_checkpoint.py``) beneath the FP8 one, so a bridge never sees quantised tensors.
+  wrapper (gpt-oss experts, ``mxfp4_checkpoint.py``) beneath the FP8 one, so a bridge never sees quantised tensors,
+  and beneath both the names of a GPT-2-family base-model checkpoint get their ``transformer.`` prefix
+  (``base_model_prefix.py``).
 - Export writes plain bf16 (or ``dtype=``) weights; ``drop_dequantized_quantization`` removes an FP8 or MXFP4
   ``quantization_config`` from the exported config.json so transformers does not take them for quantised ones.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from loongforge_hf.bridges.base_model_prefix import base_model_reader
 from loongforge_hf.bridges.checkpoint_io import CheckpointError
 from loongforge_hf.bridges.mxfp4_checkpoint import mxfp4_reader
 from loongforge_hf.kernels.fp8 import GROUP, Fp8Error, dequantize_blocks
@@ -114,6 +117,6 @@ def dequantizing_reader(reader):
     block-scaled weights (a ``DequantizingReader`` on top) read back dequantised."""
     if isinstance(reader, DequantizingReader):
         return reader
-    reader = mxfp4_reader(reader)
+    reader = mxfp4_reader(base_model_reader(reader))
     names = fp8_weight_names(reader)
     return DequantizingReader(reader, names) if names else reader

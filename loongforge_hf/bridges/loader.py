@@ -41,12 +41,19 @@ def param_index(bridge, *, tied_output_on_last_stage: bool) -> list[tuple[re.Pat
             seen.add(m.megatron)
             entries.append((_pattern_to_regex(m.megatron), m, True))
     entries.append((_pattern_to_regex(bridge.embedding_mapping().megatron), bridge.embedding_mapping(), False))
+    # NOTE: the first stage's tensors beside the token embedding (GPT-2's position table)
+    entries += [(_pattern_to_regex(m.megatron), m, False) for m in first_stage_mappings(bridge)]
     entries += [(_pattern_to_regex(m.megatron), m, False) for m in bridge.final_mappings()]
     if tied_output_on_last_stage:
         emb = bridge.embedding_mapping()
         entries.append((_pattern_to_regex("output_layer.weight"), VocabParallel("output_layer.weight", emb.hf),
                         False))
     return entries
+
+
+def first_stage_mappings(bridge) -> list[Mapping]:
+    """The first pipeline stage's mappings beside the token embedding (a learned position table), or []."""
+    return list(getattr(bridge, "first_stage_mappings", list)())
 
 
 def match_param(name: str, index) -> tuple[Mapping, int | None]:
@@ -69,11 +76,10 @@ def match_param_full(name: str, index) -> tuple[Mapping, int | None, int | None]
 
 def shard_context(bridge, *, tp_rank: int, tp_size: int, padded_vocab: int, ep_rank: int = 0, ep_size: int = 1,
                   etp_rank: int | None = None, etp_size: int | None = None) -> ShardContext:
-    from loongforge_hf.bridges.config_map import head_dim_of
+    from loongforge_hf.bridges.config_map import head_dim_of, kv_heads_of
 
     c = bridge.hf_config
-    return ShardContext(tp_rank=tp_rank, tp_size=tp_size, num_heads=c.num_attention_heads,
-                        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+    return ShardContext(tp_rank=tp_rank, tp_size=tp_size, num_heads=c.num_attention_heads, num_kv_heads=kv_heads_of(c),
                         head_dim=head_dim_of(c), vocab_size=c.vocab_size, padded_vocab=padded_vocab,
                         ep_rank=ep_rank, ep_size=ep_size, etp_rank=tp_rank if etp_rank is None else etp_rank,
                         etp_size=tp_size if etp_size is None else etp_size)

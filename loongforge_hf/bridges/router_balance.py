@@ -193,7 +193,7 @@ def check_layout(hf_config, bridge, *, coef: float | None = None) -> None:
     """``ValueError`` where the loss is asked for (``coef``, default the config's) and cannot be computed (pure:
     every rank raises alike)."""
     coef = router_aux_loss_coef_of(hf_config) if coef is None else coef
-    if not coef:
+    if not coef or getattr(bridge, "hf_ignores_aux_loss_coef", False):  # NOTE: Llama 4's model never adds the loss
         return
     if not getattr(bridge, "hf_balance_loss", False):
         raise ValueError(f"router_aux_loss_coef={coef} with output_router_logits: {type(bridge).__name__} does not "

@@ -79,10 +79,11 @@ def _moe_slots(mlp_spec, *, grouped_experts: bool, balance_router: bool):
 
 
 def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: bool = False,
-                  qk_module: type | tuple[type, type] | None = None):
+                  qk_module: type | tuple[type, type] | None = None, attention_module: type | None = None):
     """``block_spec`` with our RMSNorm in every norm slot and our core attention (see the docstring); ``qk_module``
     (YaRN's attention factor on the rotary channels, ``DenseBridge.qk_module``) in both q / k norm slots, or a (q, k)
-    pair (OLMoE's norms over all heads)."""
+    pair (OLMoE's norms over all heads); ``attention_module`` (``DenseBridge.attention_module``: Llama 4's) for
+    megatron's ``SelfAttention``."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -103,6 +104,8 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
             norms.update(q_layernorm=q, k_layernorm=k)
         norms["core_attention"] = mla_core if attention.module is MLASelfAttention else CoreAttention
         attention = replace(attention, submodules=replace(att_sub, **norms))
+        if attention_module is not None and attention.module is not MLASelfAttention:
+            attention = replace(attention, module=attention_module)
         slots = {n: RMSNorm for n in _LAYER_NORMS if getattr(spec.submodules, n) is not IdentityOp}
         mlp = spec.submodules.mlp
         if getattr(mlp, "module", None) is MLP:
@@ -149,7 +152,9 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
     qk_module = None if config.multi_latent_attention else bridge.qk_module()  # NOTE: MLA's YaRN is megatron's
     return _with_te_linears(config, _swap_modules(block, grouped_experts=getattr(bridge, "grouped_experts", False),
                                                   balance_router=getattr(bridge, "hf_router_logits", False),
-                                                  qk_module=qk_module))
+                                                  qk_module=qk_module,
+                                                  attention_module=None if config.multi_latent_attention
+                                                  else bridge.attention_module()))
 
 
 def _with_te_linears(config, block_spec):

@@ -29,6 +29,9 @@ Choices:
 - InternVL (``mrope=False`` too; ``from_processor`` sets it for an ``InternVLProcessor``): each sample's tiles
   ``[n, C, H, W]`` (all at the configured size) are concatenated; only ``<IMG_CONTEXT>`` tokens are image tokens.
   LLaVA's images (a ``LlavaProcessor``) the same way, its ``<image>`` tokens the image tokens.
+- LLaVA-NeXT (``mrope=False`` too; ``from_processor`` sets it for a ``LlavaNextProcessor``): each sample's crops
+  ``[n, crops, C, H, W]`` come with ``image_sizes [n, 2]``; samples with fewer crops are padded with zero crops to
+  the most, as its image processor pads a batch, and ``image_sizes`` are concatenated with them.
 - SmolVLM / Idefics3 (``mrope=False`` too; ``from_processor`` sets it for a ``SmolVLMProcessor`` or an
   ``Idefics3Processor``): each sample's tiles ``[1, n, C, H, W]`` and ``pixel_attention_mask [1, n, H, W]`` are
   joined into one ``[1, sum n, ...]`` (transformers' forward drops all-zero padding tiles wherever they sit and
@@ -53,6 +56,13 @@ def _row(value) -> torch.Tensor:
 def _join_tiles(pieces: list[torch.Tensor]) -> torch.Tensor:
     """Idefics3's per-sample ``[1, n, ...]`` tiles (or their pixel masks) as one ``[1, sum n, ...]``."""
     return torch.cat([p.reshape(-1, *p.shape[2:]) for p in pieces])[None]
+
+
+def _cat_crops(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """LLaVA-NeXT's per-sample ``[n, crops, C, H, W]`` concatenated along dim 0, padded with zero crops to the most
+    (its image processor's batch padding)."""
+    most = max(p.shape[1] for p in pieces)
+    return torch.cat([torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in pieces])
 
 
 def _cat_images(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -90,14 +100,16 @@ class DataCollatorForImageText:
     def from_processor(cls, processor, config=None, **kwargs) -> "DataCollatorForImageText":
         """From a Qwen2.5-VL, Qwen3-VL, Gemma 3, Mistral 3 (Pixtral), InternVL, LLaVA, SmolVLM or Idefics3
         processor; ``config`` (the model's) supplies ``tokens_per_second`` for videos."""
-        from transformers import (Gemma3Processor, Idefics3Processor, InternVLProcessor, LlavaProcessor,
-                                  Qwen3VLProcessor, SmolVLMProcessor)
+        from transformers import (Gemma3Processor, Idefics3Processor, InternVLProcessor, LlavaNextProcessor,
+                                  LlavaProcessor, Qwen3VLProcessor, SmolVLMProcessor)
 
         tok = processor.tokenizer
         # NOTE: by name: PixtralProcessor is a placeholder where torchvision is missing
         if type(processor).__name__ == "PixtralProcessor" \
-                or isinstance(processor, (InternVLProcessor, LlavaProcessor, Idefics3Processor, SmolVLMProcessor)) \
-                or getattr(config, "model_type", None) in ("mistral3", "internvl", "llava", "idefics3", "smolvlm"):
+                or isinstance(processor, (InternVLProcessor, LlavaProcessor, LlavaNextProcessor, Idefics3Processor,
+                                          SmolVLMProcessor)) \
+                or getattr(config, "model_type", None) in ("mistral3", "internvl", "llava", "llava_next", "idefics3",
+                                                           "smolvlm"):
             return cls(pad_token_id=tok.pad_token_id, image_token_id=processor.image_token_id, mrope=False, **kwargs)
         image = getattr(processor, "image_processor", None)
         if isinstance(processor, Gemma3Processor) or getattr(config, "model_type", None) == "gemma3":
@@ -152,13 +164,15 @@ class DataCollatorForImageText:
             having = [f for f in features if f.get(pixels) is not None]
             if having:
                 stacks = [torch.as_tensor(f[pixels]) for f in having]
-                batch[pixels] = _join_tiles(stacks) if stacks[0].dim() == 5 else _cat_images(stacks)
+                crops = stacks[0].dim() == 5 and all(f.get("image_sizes") is not None for f in having)
+                batch[pixels] = _cat_crops(stacks) if crops else _join_tiles(stacks) if stacks[0].dim() == 5 \
+                    else _cat_images(stacks)
                 if all(f.get(grid) is not None for f in having):  # NOTE: none for Gemma 3's whole images
                     batch[grid] = torch.cat([torch.as_tensor(f[grid]).reshape(-1, 3) for f in having], dim=0)
         having = [f for f in features if f.get("pixel_values") is not None]
         if having and all(f.get("pixel_attention_mask") is not None for f in having):  # NOTE: Idefics3's
             batch["pixel_attention_mask"] = _join_tiles([torch.as_tensor(f["pixel_attention_mask"]) for f in having])
-        if having and all(f.get("image_sizes") is not None for f in having):  # NOTE: Mistral 3's
+        if having and all(f.get("image_sizes") is not None for f in having):  # NOTE: Mistral 3's, LLaVA-NeXT's
             batch["image_sizes"] = torch.cat([torch.as_tensor(f["image_sizes"]).reshape(-1, 2) for f in having])
         videos = [f for f in features if f.get("pixel_values_videos") is not None]
         if videos and all(f.get("second_per_grid_ts") is not None for f in videos):

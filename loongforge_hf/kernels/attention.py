@@ -25,7 +25,9 @@ Choices:
   materialised scores, as transformers' eager attention (``_materialised``; no fused kernel takes them), softmaxed in
   fp32 (transformers softmaxes gpt-oss's in the inputs' dtype), and the varlen kernel is skipped:
   - soft-capping (Gemma 2's ``attn_logit_softcapping``, ``CoreAttention.softcap``): ``cap * tanh(scores / cap)``
-    before the mask. The context-parallel KV cache's partial attention refuses it.
+    before the mask. Where Triton runs, in fp16 / bf16 (no sinks, bidirectional blocks or chunks), flash-style
+    kernels take it without materialising the scores (``softcap_attention``). The context-parallel KV cache's
+    partial attention refuses it.
   - attention sinks (megatron's ``softmax_type``, gpt-oss's ``sinks``, ``CoreAttention.sinks``): one more logit per
     query head, after the cap and the mask, in the softmax only (its value is zero): ``softmax([s, sink])[:-1] @ V``,
     i.e. the plain attention times ``sigmoid(lse - sink)``, ``lse`` the log-sum-exp of the row's allowed scores.
@@ -40,6 +42,11 @@ Choices:
   ``AND(window, OR(causal, blockwise))``); a padding / document mask never applies inside a block. Such calls build a
   mask (no fused causal kernel); a context-parallel query chunk then takes every key, not just those up to its end.
   Packed (``thd``) inputs and the context-parallel KV cache's shares refuse them.
+- Chunked attention (``attention_chunks``: Llama 4's ``attention_chunk_size`` layers; a context as the score rules):
+  a query sees only the keys of its own chunk of ``size`` positions, counted from the first key it may see under the
+  causal and padding / document masks (transformers counts them from a row's first real token, a packed document's
+  start). Such calls build a mask (no fused kernel, no varlen kernel); the static KV cache's fixed step and the
+  context-parallel KV cache's shares (``masked_attention``, ``partial_attention``, ``sharded_attention``) refuse it.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is
                                              make_sharded_tensors_for_checkpoint)
 from megatron.core.utils import divide
 
-from loongforge_hf.kernels import sink_attention
+from loongforge_hf.kernels import sink_attention, softcap_attention
 from loongforge_hf.kernels._saved import standalone
 from loongforge_hf.kernels._triton import use_triton
 from loongforge_hf.xpu import get_backend
@@ -144,6 +151,38 @@ def _same_block(q_offset: int, sq: int, skv: int) -> torch.Tensor | None:
         qb, kb = padded[:, q_offset:q_offset + sq], padded[:, :skv]
         blocks.same[key] = (qb[:, :, None] == kb[:, None, :]) & (qb[:, :, None] >= 0)
     return blocks.same[key]
+
+
+# NOTE: the chunk size of the chunked attention running now (module docstring)
+_CHUNK: contextvars.ContextVar[int | None] = contextvars.ContextVar("loongforge_attention_chunk", default=None)
+
+
+@contextlib.contextmanager
+def attention_chunks(size: int | None):
+    """Inside, every attention call lets a query see only the keys of its chunk of ``size`` positions (module
+    docstring); None: no change."""
+    token = _CHUNK.set(size)
+    try:
+        yield
+    finally:
+        _CHUNK.reset(token)
+
+
+def within_chunks(allowed: torch.Tensor, *, size: int, q_offset: int) -> torch.Tensor:
+    """``allowed`` (bool ``[.., sq, skv]``, True = may attend; query i at key position ``q_offset + i``) cut to each
+    query's chunk: positions counted from the first key the query may see."""
+    sq, skv = allowed.shape[-2:]
+    first = allowed.int().argmax(dim=-1, keepdim=True)  # NOTE: a row with no allowed key keeps none
+    keys = torch.arange(skv, device=allowed.device)
+    queries = torch.arange(q_offset, q_offset + sq, device=allowed.device)[:, None]
+    return allowed & (torch.div(keys - first, size, rounding_mode="floor")
+                      == torch.div(queries - first, size, rounding_mode="floor"))
+
+
+def _refuse_chunks(where: str) -> None:
+    if _CHUNK.get() is not None:
+        raise ValueError(f"chunked attention (Llama 4's attention_chunk_size) is not supported with {where}; generate "
+                         "with the dynamic KV cache (and cp_kv_cache='replicated' under context parallelism).")
 
 
 def _refuse_blocks(where: str) -> None:
@@ -265,7 +304,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     is megatron's ``(left, right)``: key j is allowed for query at position p when ``p - left <= j <= p + right``
     (a negative bound is unbounded). ``mask`` is megatron's: bool True = not allowed, or float = added to the scores.
     Under ``attention_scores`` (a soft-cap, sinks) the scores are materialised (``_materialised``), but for sinks on
-    CUDA where the flash kernel serves (``sink_attention``).
+    CUDA where the flash kernel serves (``sink_attention``) and a soft-cap where its kernels do (``softcap_attention``).
     """
     sq, skv = query.shape[-2], key.shape[-2]
     natural = skv - sq
@@ -273,7 +312,9 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     kwargs = dict(scale=scale, dropout_p=dropout_p, enable_gqa=query.shape[1] != key.shape[1])
     rule = _SCORES.get()
     same = _same_block(q_offset, sq, skv) if causal else None
-    if rule is None and same is None and window is None and mask is None and (not causal or q_offset == natural):
+    chunk = _CHUNK.get()
+    if (rule is None and same is None and window is None and mask is None and chunk is None
+            and (not causal or q_offset == natural)):
         if not causal:
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
         if sq == skv:
@@ -281,9 +322,13 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         if sq == 1:  # NOTE: the last query sees every key (a one-token decode step): no mask object to dispatch
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(sq, skv), **kwargs)
-    aligned = mask is None and same is None and (not causal or q_offset == natural)
+    aligned = mask is None and same is None and chunk is None and (not causal or q_offset == natural)
     if aligned and sink_attention.usable(query, key, value, dropout_p=dropout_p, rule=rule):
         return sink_attention.dense(query, key, value, sinks=rule.sinks, causal=causal, scale=scale, window=window)
+    if same is None and chunk is None and softcap_attention.usable(query, key, value, mask, dropout_p=dropout_p,
+                                                                   rule=rule):
+        return softcap_attention.softcap_attention(query, key, value, cap=rule.softcap, scale=scale, causal=causal,
+                                                   q_offset=q_offset, window=window, mask=mask)
     rel = (torch.arange(skv, device=query.device)[None, :]
            - torch.arange(q_offset, q_offset + sq, device=query.device)[:, None])
     allowed = torch.ones(sq, skv, dtype=torch.bool, device=query.device)
@@ -306,6 +351,12 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         attn_mask = allowed & ~mask
     else:
         attn_mask = mask.to(query.dtype).masked_fill(~allowed, float("-inf"))
+    if chunk is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = within_chunks(attn_mask, size=chunk, q_offset=q_offset)
+        else:
+            attn_mask = attn_mask.masked_fill(~within_chunks(attn_mask > float("-inf"), size=chunk, q_offset=q_offset),
+                                              float("-inf"))
     if rule is not None:
         return _materialised(query, key, value, attn_mask, scale=scale, rule=rule, dropout_p=dropout_p)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, **kwargs)
@@ -316,6 +367,7 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Attention of ``query [b, h, sq, d]`` over ``key / value [b, h_kv, skv, d]`` under ``allowed`` (bool, True = may
     attend, broadcast to ``[b, h, sq, skv]``; every row allows a key) and the score rule of the scope: a static KV
     cache's fixed decode step over its whole buffer."""
+    _refuse_chunks("a static KV cache")
     rule = _SCORES.get()
     if rule is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale,
@@ -359,6 +411,7 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     row's): ``combine_partial_attention`` applies them; its soft-cap is refused."""
     _refuse_softcap()
     _refuse_blocks("a KV cache sharded over context-parallel ranks")
+    _refuse_chunks("a KV cache sharded over context-parallel ranks")
     kernels = _decode_kernels(query, key, value)
     if kernels is not None:
         return kernels.partial_attention(query, key, value, allowed=allowed, scale=scale)
@@ -413,6 +466,7 @@ def sharded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     are all-gathered as they are and combined in one kernel (the same split count on every rank). The scope's sinks
     weight the merged result by its total log-sum-exp; its soft-cap is refused."""
     _refuse_softcap()
+    _refuse_chunks("a KV cache sharded over context-parallel ranks")
     sinks = _sinks_now()
     kernels = _decode_kernels(query, key, value)
     if kernels is not None:
@@ -492,7 +546,8 @@ def _bounds(params: PackedSeqParams) -> tuple[list[int], list[int]]:
 
 def _varlen_usable(query: torch.Tensor, key: torch.Tensor, *, cp_size: int, dropout_p: float) -> bool:
     gqa = query.shape[1] != key.shape[1]
-    return (_varlen_attn is not None and _SCORES.get() is None and query.device.type == "cuda" and cp_size == 1
+    return (_varlen_attn is not None and _SCORES.get() is None and _CHUNK.get() is None
+            and query.device.type == "cuda" and cp_size == 1
             and dropout_p == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and "window_size" in _VARLEN_KWARGS
             and (not gqa or "enable_gqa" in _VARLEN_KWARGS))
 
@@ -528,7 +583,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if _varlen_usable(query, key, cp_size=cp_size, dropout_p=dropout_p):
         return _varlen(query, key, value, params, causal=causal, scale=scale, window=window)
     rule = _SCORES.get()
-    if cp_size == 1 and sink_attention.usable(query, key, value, dropout_p=dropout_p, rule=rule):
+    if (cp_size == 1 and _CHUNK.get() is None
+            and sink_attention.usable(query, key, value, dropout_p=dropout_p, rule=rule)):
         return sink_attention.packed(query, key, value, *_varlen_bounds(params), sinks=rule.sinks, causal=causal,
                                      scale=scale, window=window)
     bounds_q, bounds_kv = _bounds(params)

@@ -15,6 +15,8 @@ Choices:
   tokens in order take the images' embeddings in order, video tokens the videos'), and the result is GPTModel's
   ``decoder_input``. Images and videos go through the tower in one call (its attention never crosses an image or a
   frame). Image (video) tokens stay text when no pixel_values (pixel_values_videos) are given, as in transformers.
+  An item gives its grid's ``t h w / merge^2`` embeddings, or the tower's own count where its grid rows are not
+  patch grids (LLaVA-NeXT's ``(crops, height, width)``: ``vision.item_tokens`` / ``item_patches``).
   Each rank replaces only the rows it holds (its CP share, its sequence-parallel part of that); under sequence
   parallelism the gradient of the vision embeddings is summed over the TP group, so the tower gets all of it.
 - The vision layouts: replicated tower (every TP rank encodes every image), tower split over TP (``VisionTower`` built
@@ -186,6 +188,8 @@ class VisionLanguageChunk(nn.Module):
         ``index``: the global positions this rank holds (context parallelism), all when None. ``image_copies`` /
         ``video_copies`` (generate's rows expanded for beams or return sequences): the images (videos) the
         placeholders take, in order, as indices into those given; each given one is encoded once."""
+        from loongforge_hf.multimodal.vision import item_tokens
+
         local_ids = input_ids if index is None else input_ids[:, index]
         embeddings = self.language.embedding(input_ids=local_ids, position_ids=None)
         if pixel_values is None and pixel_values_videos is None:
@@ -212,7 +216,8 @@ class VisionLanguageChunk(nn.Module):
         if image_copies is not None or video_copies is not None:
             vision, image_grid_thw, video_grid_thw = repeat_copies(
                 vision, self.vision.merge ** 2, (image_grid_thw if pixel_values is not None else None, image_copies),
-                (video_grid_thw if pixel_values_videos is not None else None, video_copies))
+                (video_grid_thw if pixel_values_videos is not None else None, video_copies),
+                tokens_of=lambda grid: item_tokens(self.vision, grid))
         if self.language.config.sequence_parallel and self.language.config.tensor_model_parallel_size > 1:
             from megatron.core import parallel_state as ps
             from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
@@ -220,8 +225,7 @@ class VisionLanguageChunk(nn.Module):
             # NOTE: each TP rank splices only the rows of its sequence part, so its gradient reaches only those
             # images' embeddings; summed over the group (this identity's backward) it is the whole one on every rank.
             vision = copy_to_tensor_model_parallel_region(vision, group=ps.get_tensor_model_parallel_group())
-        merge2 = self.vision.merge ** 2
-        n_image = int(image_grid_thw.prod(-1).sum()) // merge2 if pixel_values is not None else 0
+        n_image = int(item_tokens(self.vision, image_grid_thw).sum()) if pixel_values is not None else 0
         # NOTE: a kind without inputs keeps its tokens' text embeddings, as transformers does (a placeholder id that
         # generate sampled in an uncached step of a batch without videos, say)
         is_image = (input_ids == self.image_token_id) & (pixel_values is not None)
@@ -253,16 +257,18 @@ class VisionLanguageChunk(nn.Module):
         return merged, ((where, features) if features else None)
 
 
-def repeat_copies(features: torch.Tensor, merge2: int, *kinds) -> tuple:
+def repeat_copies(features: torch.Tensor, merge2: int, *kinds, tokens_of=None) -> tuple:
     """The encoded ``features`` of the images then the videos as given (``[tokens, h]``, each item its grid's
-    ``t h w / merge2`` merged tokens) -> (the features of their copies, the copies' grids of each kind); ``kinds``:
-    (``grid_thw`` or None, ``copies`` or None: all items once) of images, then of videos."""
+    ``t h w / merge2`` merged tokens, or ``tokens_of(grid)`` [n] where given: ``vision.item_tokens``) -> (the features
+    of their copies, the copies' grids of each kind); ``kinds``: (``grid_thw`` or None, ``copies`` or None: all items
+    once) of images, then of videos."""
     pieces, grids, offset = [], [], 0
     for grid, copies in kinds:
         if grid is None:
             grids.append(None)
             continue
-        tokens = grid.to(features.device).prod(-1) // merge2
+        grid_here = grid.to(features.device)
+        tokens = tokens_of(grid_here) if tokens_of is not None else grid_here.prod(-1) // merge2
         starts = offset + tokens.cumsum(0) - tokens
         offset += int(tokens.sum())
         if copies is None:

@@ -88,9 +88,10 @@ def encode_images_data_parallel(tower, pixel_values: torch.Tensor, grid_thw: tor
     """Image embeddings of all images, each encoded by one rank of ``group``, on every rank of it. ``sum_rows``:
     the ranks' losses differ (context parallelism, module docstring); ``encode(pixels, grid)`` encodes a rank's share
     there (default: the tower)."""
+    from loongforge_hf.multimodal.vision import item_patches, item_tokens
+
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    merge2 = tower.merge ** 2
-    patches = [int(t * h * w) for t, h, w in grid_thw.tolist()]
+    patches, tokens = item_patches(tower, grid_thw).tolist(), item_tokens(tower, grid_thw).tolist()
     ranges = split_images(patches, size)
     first, last = ranges[rank]
     rows = sum(patches[:first]), sum(patches[:last])
@@ -102,5 +103,5 @@ def encode_images_data_parallel(tower, pixel_values: torch.Tensor, grid_thw: tor
         local = torch.func.functional_call(tower, dict(zip([n for n, _ in trainable], synced)), share, strict=False)
     else:
         local = (encode or tower)(*share)
-    counts = [sum(patches[a:b]) // merge2 for a, b in ranges]
+    counts = [sum(tokens[a:b]) for a, b in ranges]
     return _GatherRows.apply(local, counts, group, sum_rows)

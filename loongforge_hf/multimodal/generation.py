@@ -117,7 +117,10 @@ def expand_vision_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, exp
         if mask is not None:
             tokens = tokens & mask.bool()
         per_row = tokens.long().sum(-1).cpu()  # this kind's placeholder tokens per row
-        item_end, row_end = (grid.prod(-1).cpu() // merge).cumsum(0), per_row.cumsum(0)
+        # NOTE: a bridge whose grid rows are not patch grids counts each item's embeddings itself (LLaVA-NeXT's)
+        count = getattr(model.bridge, "vision_item_tokens", None)
+        tokens = count(grid.cpu()) if count is not None else grid.prod(-1).cpu() // merge
+        item_end, row_end = tokens.cumsum(0), per_row.cumsum(0)
         # NOTE: the rows must split the items where the placeholders do (the same check on every rank: the inputs
         # are the same over the replica)
         if row_end[-1] != item_end[-1] or not set(row_end.tolist()) <= set(item_end.tolist()) | {0}:

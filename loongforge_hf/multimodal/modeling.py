@@ -16,8 +16,9 @@ Choices:
   positions are then computed per sample. Gradients flow when pipeline_parallel_size == 1. Models with 1-D rope
   (Gemma 3, Mistral 3, InternVL: ``bridge.mrope`` False) take 2-D positions as text models do; whole images
   ``[n, C, H, W]`` (with Mistral 3's ``image_sizes``; InternVL's tiles; Idefics3's ``[b, n, C, H, W]`` tiles with
-  their ``pixel_attention_mask``) become the tower's patches and grids (``bridge.vision_inputs``); Gemma 3's
-  ``token_type_ids`` make each image's tokens attend both ways (``chunk.image_blocks``), as in transformers.
+  their ``pixel_attention_mask``; LLaVA-NeXT's ``[n, crops, C, H, W]`` crops with ``image_sizes``) become the
+  tower's patches and grids (``bridge.vision_inputs``); Gemma 3's ``token_type_ids`` make each image's tokens
+  attend both ways (``chunk.image_blocks``), as in transformers.
 - Context parallelism (``context_parallel_size``): the language model runs on megatron's load-balanced share of the
   sequence on each CP rank (``parallel.context_parallel``); the sequence length must be a multiple of 2 x CP. The
   returned loss and logits are the whole sequence's; each rank's gradient is its share's (megatron's DDP sums them).

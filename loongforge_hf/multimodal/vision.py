@@ -116,6 +116,20 @@ def as_image_patches(pixel_values: torch.Tensor, patch: int,
     return torch.cat(pieces), torch.tensor(grid, dtype=torch.long, device=pixel_values.device).reshape(n, 3)
 
 
+def item_patches(tower, grid_thw: torch.Tensor) -> torch.Tensor:
+    """``[n]`` rows of ``pixel_values`` each image / video of ``grid_thw`` takes: ``t h w`` patches, or the tower's
+    own count where its grid rows are not patch grids (``tower.item_patches``: LLaVA-NeXT's)."""
+    own = getattr(tower, "item_patches", None)
+    return own(grid_thw) if own is not None else grid_thw.prod(-1)
+
+
+def item_tokens(tower, grid_thw: torch.Tensor) -> torch.Tensor:
+    """``[n]`` embeddings the tower gives each image / video of ``grid_thw``: ``t h w / merge^2``, or the tower's own
+    count (``tower.item_tokens``: LLaVA-NeXT's, which depends on each image's size)."""
+    own = getattr(tower, "item_tokens", None)
+    return own(grid_thw) if own is not None else grid_thw.prod(-1) // tower.merge ** 2
+
+
 # ---- modules -----------------------------------------------------------------------------------------------------
 
 def _tp_size(group) -> int:

@@ -18,7 +18,8 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
               "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe", "starcoder2",
-              "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi", "gptj", "stablelm")
+              "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi", "gptj", "stablelm",
+              "llama4", "falcon", "falcon_mqa", "gpt2")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -27,7 +28,7 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
     "original_max_position_embeddings": 32, "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
 # linears' biases randomised in the tiny checkpoints
-_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm")
+_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm", "falcon", "gpt2")
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
 
@@ -161,6 +162,15 @@ def _config(arch: str, **overrides):
                             activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             layer_norm_epsilon=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                             pad_token_id=0)
+    elif arch == "gpt2":
+        # NOTE: GPT-2's layout shrunk: learned absolute positions (128), Conv1D weights ([in, out]), c_attn packing
+        # q / k / v, LayerNorms and biases on every linear (randomised in make_tiny_checkpoint), gelu_new, tied
+        # embeddings
+        cfg = tf.GPT2Config(vocab_size=203, n_positions=128, n_embd=64, n_layer=4, n_head=4, n_inner=96,
+                            activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            layer_norm_epsilon=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0)
+        cfg.architectures = ["GPT2LMHeadModel"]
     elif arch == "stablelm":
         # NOTE: StableLM 2 12B's layout shrunk, with 1.6B's q / k / v biases: LayerNorms, one before the attention and
         # the MLP side by side, per-head q / k LayerNorms, a quarter of each head rotated, GQA
@@ -168,6 +178,18 @@ def _config(arch: str, **overrides):
                                 use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True,
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                  "partial_rotary_factor": 0.25})
+    elif arch in ("falcon", "falcon_mqa"):
+        # NOTE: falcon: Falcon-40B's layout shrunk (2 KV groups fused as [group, (q, q, k, v)], ln_attn / ln_mlp both
+        # reading the layer input), with biases on every linear (the hub's have none; randomised in
+        # make_tiny_checkpoint) and tied embeddings; falcon_mqa: Falcon-7B's (one input_layernorm before the
+        # attention and the MLP side by side, multi-query attention: one KV head), no biases, an untied LM head
+        kw = dict(vocab_size=203, hidden_size=64, ffn_hidden_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  max_position_embeddings=128, layer_norm_epsilon=1e-5, activation="gelu", bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cfg = tf.FalconConfig(**kw, new_decoder_architecture=True, num_kv_heads=2, bias=True,
+                              tie_word_embeddings=True) if arch == "falcon" else tf.FalconConfig(
+            **kw, new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
+            tie_word_embeddings=False)
     elif arch == "helium":
         cfg = tf.HeliumConfig(**{**common, "head_dim": 16})  # NOTE: interleaved rotary pairs
     elif arch == "ernie4_5":
@@ -212,6 +234,16 @@ def _config(arch: str, **overrides):
         # experts (top 3) in every layer, softmax scores not renormalised (norm_topk_prob off, as the hub's)
         cfg = tf.OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=3,
                              norm_topk_prob=False)
+    elif arch == "llama4":
+        # NOTE: Llama 4 Scout's layout shrunk: dense (intermediate_size_mlp) and MoE layers alternating (4 experts,
+        # top 1, a shared expert), layer 3 NoPE with a temperature that varies at the tests' lengths (floor_scale 3),
+        # L2 q / k norms and 5-position attention chunks on the rotary layers, llama3 rope scaling
+        cfg = tf.Llama4TextConfig(**{**common, "intermediate_size": 32, "head_dim": 16}, intermediate_size_mlp=96,
+                                  num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                  attention_chunk_size=5, floor_scale=3, attn_scale=0.5, use_qk_norm=True,
+                                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 32})
     elif arch == "granite":
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,

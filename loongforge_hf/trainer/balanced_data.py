@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler
 from torch.utils.data._utils.pin_memory import pin_memory
 
+from loongforge_hf.bridges.config_map import kv_heads_of
 from loongforge_hf.trainer.balance import CostModel, balance, imbalance
 from loongforge_hf.trainer.data import DataError, dp_rank_and_size
 
@@ -359,10 +360,13 @@ def cost_model_for(config) -> CostModel:
     if getattr(text, "num_experts_per_tok", None):
         moe = dict(num_experts_per_tok=text.num_experts_per_tok + (getattr(text, "n_shared_experts", None) or 0),
                    moe_intermediate_size=getattr(text, "moe_intermediate_size", None) or text.intermediate_size)
+    # NOTE: GPT-J names the MLP width n_inner (None: 4 x hidden), Falcon ffn_hidden_size
+    width = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) \
+        or getattr(text, "ffn_hidden_size", None) or 4 * text.hidden_size
     return CostModel.from_model_dims(
         hidden_size=text.hidden_size, num_layers=text.num_hidden_layers, num_attention_heads=heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        intermediate_size=text.intermediate_size, vocab_size=text.vocab_size, **moe)
+        num_key_value_heads=kv_heads_of(text), head_dim=head_dim, intermediate_size=width,
+        vocab_size=text.vocab_size, **moe)
 
 
 def _why_unsupported(loader) -> str | None:

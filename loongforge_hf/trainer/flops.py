@@ -2,25 +2,44 @@
 
 from __future__ import annotations
 
+from loongforge_hf.bridges.config_map import kv_heads_of
+
 # NOTE: model types whose MLP is two matrices (``fc2(act(fc1(x)))``), not gate / up / down
-UNGATED_MLP = ("gpt_neox", "starcoder2", "arcee", "phi", "gptj")
+UNGATED_MLP = ("gpt_neox", "starcoder2", "arcee", "phi", "gptj", "falcon", "gpt2")
 
 
 def model_flops_per_token(hf_config, *, seq_len: int) -> float:
     """Matmul FLOPs per token of one training step: projections, MLP (active experts), LM head, causal attention."""
     h = hf_config.hidden_size
     heads = hf_config.num_attention_heads
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    kv = kv_heads_of(hf_config)
     hd = getattr(hf_config, "head_dim", None) or h // heads
     layers = hf_config.num_hidden_layers
     # NOTE: the experts' width is moe_intermediate_size where the config has one (Qwen3-MoE), else intermediate_size
-    # (Mixtral, gpt-oss: num_local_experts); GPT-J names it n_inner (None: 4 x hidden)
+    # (Mixtral, gpt-oss: num_local_experts); GPT-J and GPT-2 name it n_inner (None: 4 x hidden), Falcon ffn_hidden_size
     experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-    dense = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) or 4 * h
+    dense = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) \
+        or getattr(hf_config, "ffn_hidden_size", None) or 4 * h
     ffn = (getattr(hf_config, "moe_intermediate_size", None) if experts else None) or dense
     active = getattr(hf_config, "num_experts_per_tok", 1) if experts else 1
     attn_proj = 2 * h * (heads * hd + 2 * kv * hd) + 2 * heads * hd * h
     mlp = 2 * (2 if getattr(hf_config, "model_type", None) in UNGATED_MLP else 3) * h * ffn * active
     attn_scores = 2 * 2 * heads * hd * seq_len / 2  # QK^T and AV, causal half
     head = 2 * h * hf_config.vocab_size
+    if getattr(hf_config, "model_type", None) == "llama4_text":
+        return 3.0 * (layers * attn_proj + _llama4_mlps_and_scores(hf_config, seq_len=seq_len) + head)
     return 3.0 * (layers * (attn_proj + mlp + attn_scores) + head)
+
+
+def _llama4_mlps_and_scores(hf_config, *, seq_len: int) -> float:
+    """Llama 4's layers past their projections: dense MLPs of ``intermediate_size_mlp``, MoE layers' top-k experts
+    plus the shared expert (``intermediate_size`` each), and chunked layers' scores over at most a chunk of keys."""
+    c = hf_config
+    h, heads, hd = c.hidden_size, c.num_attention_heads, c.head_dim
+    moe, kinds = set(c.moe_layers or []), list(c.layer_types or [])
+    total = 0.0
+    for i in range(c.num_hidden_layers):
+        width = (c.num_experts_per_tok + 1) * c.intermediate_size if i in moe else c.intermediate_size_mlp
+        keys = min(seq_len, c.attention_chunk_size) if i < len(kinds) and kinds[i] == "chunked_attention" else seq_len
+        total += 2 * 3 * h * width + 2 * 2 * heads * hd * keys / 2
+    return total

@@ -558,3 +558,98 @@ def test_stablelm_fields_megatron_cannot_express_refused():
     assert kw["add_qkv_bias"] and small.parallel_residual is None and small.qk_module() is None
     assert small.mlp_module() is None and small.rope_parameters()["partial_rotary_factor"] == 0.25
     assert "model.layers.0.post_attention_layernorm.bias" in small.expected_hf_shapes()
+
+
+def test_falcon_fields_megatron_cannot_express_refused():
+    """Falcon with ALiBi (megatron has none), a layout transformers' forward cannot run (the new decoder architecture
+    without ``parallel_attn`` or with three norms, two norms in the older layout, the older layout's ``num_kv_heads``
+    other than its heads, KV groups that do not divide the heads), dropouts megatron puts elsewhere, an activation the
+    shared table lacks or dynamic rope scaling: refused by the bridge's pure check, naming the field; the hub's
+    settings are taken (40B's two norms side by side, Falcon2-11B's and 7B's one, the sequential layer; 1, the groups
+    or every head as KV heads; biases with ``bias``), and one KV head at TP 2 by the layout check."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.config_map import kv_heads_of
+    from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
+    from loongforge_hf.testing.tiny_models import _config
+
+    name = "FalconForCausalLM"
+    cases = [("falcon", {"alibi": True}, rf"alibi=True is not supported for {name}"),
+             ("falcon", {"parallel_attn": False}, r"parallel_attn=False with new_decoder_architecture=True"),
+             ("falcon", {"num_ln_in_parallel_attn": 3}, r"num_ln_in_parallel_attn=3 is not supported"),
+             ("falcon_mqa", {"num_ln_in_parallel_attn": 2}, r"num_ln_in_parallel_attn=2 with new_decoder_arch"),
+             ("falcon_mqa", {"multi_query": False, "num_kv_heads": 2}, r"num_kv_heads=2 with multi_query=False"),
+             ("falcon", {"num_kv_heads": 3}, r"num_kv_heads=3 is not supported.*divide num_attention_heads=4"),
+             ("falcon", {"hidden_dropout": 0.1}, r"hidden_dropout=0.1 is not supported .* side by side"),
+             ("falcon_mqa", {"parallel_attn": False, "attention_dropout": 0.1},
+              r"attention_dropout=0.1 with hidden_dropout=0.0 is not supported"),
+             ("falcon", {"activation": "relu"}, r"activation='relu' is not supported for FalconForCausalLM"),
+             ("falcon", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+              r"rope_type='dynamic' is not implemented")]
+    for arch, overrides, match in cases:
+        with pytest.raises(UnsupportedConfigError, match=match):
+            get_bridge(_config(arch, **overrides, architectures=[name]))
+    big = get_bridge(_config("falcon", architectures=[name]))
+    kw = big.transformer_config_kwargs()
+    assert big.parallel_residual == "separate" and kw["num_query_groups"] == 2 and kw["add_bias_linear"]
+    assert kw["add_qkv_bias"] and kw["normalization"] == "LayerNorm" and not kw["gated_linear_unit"]
+    assert kw["ffn_hidden_size"] == 96 and kw["layernorm_epsilon"] == 1e-5 and kw["attention_dropout"] == 0.0
+    shapes = big.expected_hf_shapes()
+    assert shapes["transformer.h.0.self_attention.query_key_value.weight"] == (128, 64) and big.tied
+    assert "transformer.h.0.ln_mlp.bias" in shapes and "lm_head.weight" not in shapes
+    falcon2 = get_bridge(_config("falcon", num_ln_in_parallel_attn=1, architectures=[name]))
+    assert falcon2.parallel_residual == "shared" and "transformer.h.0.input_layernorm.weight" in \
+        falcon2.expected_hf_shapes()
+    small = get_bridge(_config("falcon_mqa", architectures=[name]))
+    kw = small.transformer_config_kwargs()
+    assert small.parallel_residual == "shared" and kw["num_query_groups"] == 1 and not kw["add_bias_linear"]
+    shapes = small.expected_hf_shapes()
+    assert shapes["transformer.h.0.self_attention.query_key_value.weight"] == (96, 64) and "lm_head.weight" in shapes
+    assert not any(n.endswith("dense.bias") for n in shapes)
+    sequential = get_bridge(_config("falcon_mqa", parallel_attn=False, multi_query=False, hidden_dropout=0.1,
+                                    attention_dropout=0.1, architectures=[name]))
+    kw = sequential.transformer_config_kwargs()
+    assert sequential.parallel_residual is None and kw["num_query_groups"] == 4 and kw["hidden_dropout"] == 0.1
+    assert kw["attention_dropout"] == 0.0 and sequential.embedding_dropout == 0.0
+    assert "transformer.h.0.post_attention_layernorm.weight" in sequential.expected_hf_shapes()
+    config = _config("falcon_mqa", architectures=[name])
+    with pytest.raises(ParallelLayoutError, match=r"num_key_value_heads=1 is not divisible by tensor_parallel_size=2"):
+        ParallelConfig(tensor_parallel_size=2).check_model(num_layers=4, num_attention_heads=4,
+                                                           num_key_value_heads=kv_heads_of(config))
+
+
+def test_llama4_fields_megatron_cannot_express_refused():
+    """Llama 4 with top-2 routing (megatron renormalises sigmoid top-k scores and scales the experts' input at top-1
+    only), ``attention_bias``, an unknown layer type, chunked layers without a chunk size, a rope type other than
+    default / llama3, or ``no_rope_layers`` shorter than the layers: refused by the bridge's pure check, naming the
+    field; the hub's settings are taken. Chunked attention is refused by the static KV cache's fixed step and the
+    CP-sharded cache's attention (ValueError naming it)."""
+    import torch
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.llama4 import L2Norm
+    from loongforge_hf.kernels.attention import attention_chunks, masked_attention, partial_attention
+    from loongforge_hf.testing.tiny_models import _config
+
+    name = "Llama4ForCausalLM"
+    for field, value, match in (
+            ("num_experts_per_tok", 2, r"num_experts_per_tok=2 is not supported for Llama4ForCausalLM \(only 1\)"),
+            ("attention_bias", True, r"attention_bias=True is not supported for Llama4ForCausalLM"),
+            ("layer_types", ["sliding_attention"] * 4, r"layer_types \['sliding_attention'\] are not supported"),
+            ("attention_chunk_size", None, r"attention_chunk_size=None with chunked_attention"),
+            ("no_rope_layers", [1, 1], r"no_rope_layers has 2 entries for 4 layers"),
+            ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                 "original_max_position_embeddings": 32}, r"rope_type='yarn' is not implemented")):
+        with pytest.raises(UnsupportedConfigError, match=match):
+            get_bridge(_config("llama4", **{field: value}, architectures=[name]))
+    bridge = get_bridge(_config("llama4", architectures=[name]))
+    kw = bridge.transformer_config_kwargs()
+    assert kw["moe_router_score_function"] == "sigmoid" and kw["moe_apply_probs_on_input"] and kw["rotary_interleaved"]
+    assert kw["moe_layer_freq"] == [0, 1, 0, 1] and kw["ffn_hidden_size"] == 96 and kw["moe_ffn_hidden_size"] == 32
+    assert kw["moe_shared_expert_intermediate_size"] == 32 and not kw["moe_shared_expert_gate"]
+    assert bridge.qk_module() is L2Norm
+    assert bridge.expected_hf_shapes()["model.layers.1.feed_forward.experts.gate_up_proj"] == (4, 64, 64)
+    q = torch.zeros(1, 2, 1, 4)
+    with attention_chunks(5), pytest.raises(ValueError, match=r"chunked attention .* static KV cache"):
+        masked_attention(q, q, q, allowed=torch.ones(1, 1, 1, 1, dtype=torch.bool), scale=1.0)
+    with attention_chunks(5), pytest.raises(ValueError, match=r"chunked attention .* context-parallel ranks"):
+        partial_attention(q, q, q, allowed=torch.ones(1, 1, 1, 1, dtype=torch.bool), scale=1.0)

@@ -44,7 +44,9 @@ def run_case(tmp_path, arch, layout_name, *, padded=False, **model_kw):
 ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3",
          "gemma", "gemma2", "ministral", "seed_oss", "arcee",
          "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox", "cohere", "cohere2", "phi", "gptj",
-         "stablelm"]
+         "stablelm", "falcon", "falcon_mqa", "gpt2"]
+# NOTE: one KV head (Falcon-7B's multi-query attention) does not split over TP: run in the layouts without TP
+TP1_ONLY = ("falcon_mqa",)
 
 
 def check_results(results, arch):
@@ -61,12 +63,13 @@ def check_results(results, arch):
 def test_parity_and_round_trip(tmp_path, layout_name):
     """Every dense architecture under ``layout_name`` (one world per layout keeps process starts few)."""
     nprocs, layout = LAYOUTS[layout_name]
+    archs = [arch for arch in ARCHS if arch not in TP1_ONLY or "tensor_parallel_size" not in layout]
     cases = []
-    for arch in ARCHS:
+    for arch in archs:
         src = make_tiny_checkpoint(tmp_path / arch / "src", arch)
         cases.append((str(src), str(tmp_path / arch / "out")))
     per_rank = run_distributed(load_compare_export_many, nprocs, cases, layout, timeout=600)
-    for i, arch in enumerate(ARCHS):
+    for i, arch in enumerate(archs):
         check_results([rank_results[i] for rank_results in per_rank], arch)
         check_round_trip(tmp_path / arch / "src", tmp_path / arch / "out")
 
@@ -76,6 +79,30 @@ def test_starcoder2_without_biases(tmp_path, layout_name):
     """StarCoder2 with ``use_bias=False``: no linear biases (its LayerNorms keep theirs)."""
     out = run_case(tmp_path, "starcoder2", layout_name, use_bias=False)
     assert not any("proj.bias" in name or "c_fc.bias" in name for name in _weight_names(out))
+
+
+# NOTE: Falcon2-11B's layout (the new decoder architecture with one norm before both sublayers, no biases, its rope
+# base, linear rope scaling) and the older layout run sequentially with q / k / v per head and biases
+FALCON_VARIANTS = {
+    "falcon2": ("falcon", {"num_ln_in_parallel_attn": 1, "bias": False,
+                           "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500042.0}}),
+    "falcon_sequential": ("falcon_mqa", {"parallel_attn": False, "multi_query": False, "bias": True}),
+}
+
+
+def test_falcon_variants(tmp_path):
+    """The Falcon layouts beyond the tiny checkpoints' (one TP2 world for both)."""
+    cases = [(str(make_tiny_checkpoint(tmp_path / name / "src", arch, **kw)), str(tmp_path / name / "out"))
+             for name, (arch, kw) in FALCON_VARIANTS.items()]
+    per_rank = run_distributed(load_compare_export_many, 2, cases, LAYOUTS["tp2"][1], timeout=300)
+    for i, name in enumerate(FALCON_VARIANTS):
+        check_results([rank_results[i] for rank_results in per_rank], name)
+        check_round_trip(tmp_path / name / "src", tmp_path / name / "out")
+    falcon2, sequential = (_weight_names(tmp_path / name / "out") for name in FALCON_VARIANTS)
+    layer = "transformer.h.0"
+    assert {f"{layer}.post_attention_layernorm.bias", f"{layer}.mlp.dense_4h_to_h.bias"} <= set(sequential)
+    assert f"{layer}.input_layernorm.weight" in falcon2 and not any(".ln_" in n and "ln_f" not in n for n in falcon2)
+    assert all("layernorm" in n or "ln_f" in n for n in falcon2 if n.endswith(".bias"))  # NOTE: no linear's bias
 
 
 def _weight_names(folder) -> list[str]:

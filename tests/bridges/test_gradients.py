@@ -31,6 +31,11 @@ and the LM head but not the attention and part of each head rotated in interleav
 k / v biases, a quarter of each head rotated and, as StableLM 2 12B, the attention and the MLP side by side with a
 LayerNorm per head on q and k (each head's weight its own, split over TP), or sequential as StableLM 2 1.6B) at TP1,
 TP2, TP2 + SP and CP2.
+Falcon (40B's two LayerNorms side by side with KV groups fused group by group and biases; the older layout run
+sequentially with q / k / v per head) is among the dense models; Falcon-7B's multi-query attention (one KV head) runs
+at TP1 and CP2.
+Llama 4 (sigmoid top-1 routing on the experts' input, a shared expert, L2 q / k norms, chunked attention and a NoPE
+layer's query temperature) is among the mixture-of-experts models.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ CHECKPOINTS = {
     # NOTE: interleaved rotary pairs, tied embeddings, shared experts, softmax routing on scores plus a fixed bias
     "ernie4_5_moe": ("ernie4_5_moe", {}),
     "olmoe": ("olmoe", {}),  # q / k norms over all heads (split over TP) before the rotation, every layer sparse
+    # NOTE: sigmoid top-1 routing on the experts' input, a shared expert, dense layers between, L2 q / k norms,
+    # chunked attention, a NoPE layer with a query temperature
+    "llama4": ("llama4", {}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),  # attention biases
     "llama3": ("llama3", {}),
@@ -89,20 +97,28 @@ CHECKPOINTS = {
     # NOTE: StableLM 2 12B's layout (per-head q / k LayerNorms split over TP, side by side) and 1.6B's (sequential)
     "stablelm": ("stablelm", {}),
     "stablelm_sequential": ("stablelm", {"qk_layernorm": False, "use_parallel_residual": False}),
+    # NOTE: Falcon-40B's layout (two norms side by side, 2 KV groups fused group by group, biases), the older layout
+    # run sequentially with q / k / v per head, and Falcon-7B's multi-query attention (one KV head: no TP)
+    "falcon": ("falcon", {}),
+    "falcon_sequential": ("falcon_mqa", {"parallel_attn": False, "multi_query": False, "bias": True}),
+    "falcon_mqa": ("falcon_mqa", {}),
+    # NOTE: learned absolute positions (their table's gradient too, on every TP rank alike), Conv1D weights, c_attn
+    "gpt2": ("gpt2", {}),
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
-       "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe")
+       "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe", "llama4")
 DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite", "olmo2", "olmo3", "gemma",
          "gemma2", "ministral", "seed_oss", "arcee",
          "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox", "cohere", "cohere2", "phi", "gptj",
-         "stablelm", "stablelm_sequential")
+         "stablelm", "stablelm_sequential", "falcon", "falcon_sequential", "gpt2")
+NO_TP = ("falcon_mqa",)  # NOTE: one KV head does not split over TP
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
-    "tp1": (1, {}, MOE + DENSE),
+    "tp1": (1, {}, MOE + DENSE + NO_TP),
     "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}, MOE),
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
                        "expert_tensor_parallel_size": 1}, MOE),
-    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE),
+    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + NO_TP),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}, MOE + DENSE),  # MoE: experts split too

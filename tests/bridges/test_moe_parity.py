@@ -32,7 +32,10 @@ that changes some tokens' experts; its ``router_logits`` and transformers' balan
 multi-token-prediction tensors passed through; also at tp2etp1) and OLMoE (``olmoe``: q / k norms over all heads,
 split over TP with the heads, every layer sparse, softmax routing without renormalisation; its ``router_logits`` and
 transformers' balancing loss within 1e-5; also at tp2etp1) are among "every model"; tp1 also runs GLM-4.5 with q/k
-norms and an MTP layer, and OLMoE with norm_topk_prob on.
+norms and an MTP layer, and OLMoE with norm_topk_prob on. Llama 4 (``llama4``: dense and MoE layers alternating,
+sigmoid top-1 routing that scales the expert's input, a shared expert, L2 q / k norms and 5-position attention chunks
+on the rotary layers, a NoPE layer with a query temperature, experts stacked on disk; its ``router_logits``, no
+balancing loss; also at tp2etp1) is among "every model".
 """
 
 from pathlib import Path
@@ -52,7 +55,9 @@ ROUTER_TOL = 1e-5  # router_logits: fp32 gating on both sides
 MLA_MOE_LAYERS = 3  # the tiny DeepSeek and GLM-4.5 checkpoints: 4 layers, the first dense (first_k_dense_replace=1)
 ERNIE_MOE_LAYERS = 2  # the tiny ERNIE 4.5 MoE: layers 1 and 2 of 4 (moe_layer_start_index=1, moe_layer_end_index=2)
 OLMOE_MOE_LAYERS = 4  # the tiny OLMoE: every layer
-INTERLEAVED_ROPE = ("ernie4_5_moe",)  # megatron's own rotary path (rotary_interleaved), not the fused-rope slot
+LLAMA4_MOE_LAYERS = 2  # the tiny Llama 4: layers 1 and 3 (interleave_moe_layer_step=2)
+# NOTE: megatron's own rotary path (rotary_interleaved), not the fused-rope slot
+INTERLEAVED_ROPE = ("ernie4_5_moe", "llama4")
 BF16_TOL = {"logit_diff": 0.1, "loss_diff": 0.02}
 SP = {"sequence_parallel": True}
 
@@ -84,6 +89,10 @@ CHECKPOINTS = {
     # renormalised (as the hub's), and renormalised
     "olmoe": ("olmoe", {}),
     "olmoe_norm_topk": ("olmoe", {"norm_topk_prob": True}),
+    # NOTE: dense and MoE layers alternating, sigmoid top-1 routing on the experts' input, a shared expert, L2 q / k
+    # norms and 5-position attention chunks on the rotary layers (CP2's query chunks are 3 long), a NoPE layer with a
+    # query temperature, interleaved rotary pairs, experts stacked on disk
+    "llama4": ("llama4", {}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
     # NOTE: YaRN (its attention factor on q's and k's rotary channels: after Qwen3-MoE's q / k norms; in Mixtral's
     # empty q / k norm slots)
@@ -95,7 +104,7 @@ CHECKPOINTS = {
 }
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
-          "ernie4_5_moe", "olmoe")
+          "ernie4_5_moe", "olmoe", "llama4")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2", "deepseek_v3_bf16",
                     "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk")),
@@ -107,7 +116,7 @@ LAYOUTS = {
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, MODELS),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
                 ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss",
-                 "ernie4_5_moe", "olmoe")),
+                 "ernie4_5_moe", "olmoe", "llama4")),
 }
 CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
 
@@ -176,8 +185,12 @@ def test_parity_and_round_trip(worlds, layout, name):
         scaled = {"ScaledRMSNorm"} if name == "granitemoe" else set()
         # NOTE: OLMoE's q / k norms over all heads (olmo2.full_width_norm) in the q / k norm slots
         full_width = ["FullWidthKNorm", "FullWidthQNorm"] if name.startswith("olmoe") else []
+        # NOTE: Llama 4's L2 q / k norms (rotary layers) and query temperature (its NoPE layer 3: on the last stage
+        # under PP, checked below) in the q / k slots
+        llama4 = ["L2Norm"] if name == "llama4" else []
+        scaled |= {"QueryTemperature"} if name == "llama4" else set()
         assert sorted(set(r["norms"]) - scaled) == sorted(
-            ["RMSNorm", *full_width, *(["RotaryScale"] if yarn and not mla else [])]), (rank, r)
+            ["RMSNorm", *full_width, *llama4, *(["RotaryScale"] if yarn and not mla else [])]), (rank, r)
         assert r["rope_fusion"] is (not mla and name not in INTERLEAVED_ROPE), (rank, r)
         # megatron's allgather dispatcher where expert and expert-tensor parallel are 1 (no chunk-sort copies)
         single = "expert_parallel_size" not in LAYOUTS[layout][1] and (
@@ -192,6 +205,9 @@ def test_parity_and_round_trip(worlds, layout, name):
         # transformers' output type; DeepSeek's and GLM-4.5's forward asks for router_logits: per MoE layer, none
         # for dense ones
         assert r["output_type"] == r["ref_output_type"] == "MoeCausalLMOutputWithPast", (rank, r)
+        if name == "llama4":  # NOTE: router_logits; transformers' Llama 4 adds no balancing loss
+            assert r["no_aux_loss"] and r["router_counts"] == (LLAMA4_MOE_LAYERS,) * 2, (rank, r)
+            assert r["router_dtypes"] == ["torch.float32"] and r["router_diff"] < ROUTER_TOL, (rank, r)
         if name.startswith(("deepseek", "glm4_moe")):
             assert r["no_aux_loss"] and r["router_counts"] == (MLA_MOE_LAYERS,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"], (rank, r)
@@ -202,6 +218,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name.startswith("olmoe"):  # NOTE: router_logits (in the model's dtype) and the balancing loss, as ERNIE's
             assert r["router_counts"] == (OLMOE_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
+    if name == "llama4":
+        assert any("QueryTemperature" in results[name]["norms"] for results in worlds.run(layout))
     src, out = worlds.source(name), worlds.out(layout, name)
     check_round_trip(src, out)
     check_loads_in_transformers(src, out)

@@ -10,7 +10,9 @@ runs them side by side after one LayerNorm with bias, with biases on every linea
 whole (weight and bias, split over the vocabulary) through ``modules_to_save``. GPT-J runs them side by side after one
 LayerNorm with bias, with biases on the MLP's linears and the LM head (trained whole) but not on the attention's, and
 rotates part of each head in interleaved pairs. StableLM runs them side by side after one LayerNorm with bias, with q /
-k / v biases, per-head q / k LayerNorms split over TP (trained: an HF tensor per head) and GQA.
+k / v biases, per-head q / k LayerNorms split over TP (trained: an HF tensor per head) and GQA. Falcon
+(40B's layout) runs them side by side after a LayerNorm each (trained), with biases on every linear, q / k / v in one
+linear whose rows are megatron's per-KV-group order as they are (two groups) and tied embeddings.
 
 Checked against PEFT on the transformers model, from adapters PEFT wrote (every factor, magnitude and modules_to_save
 tensor moved off its initial value), at TP=2 + SP, PP=2 and CP=2: logits (1e-4) and loss (1e-5), every A / B /
@@ -56,10 +58,13 @@ ADAPTERS = {
     # NOTE: StableLM's per-head q / k LayerNorms: an HF tensor per head, one megatron tensor split over TP
     "stablelm": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                               modules_to_save=["input_layernorm", "q_layernorm", "k_layernorm"]), "dora": DORA_KW},
+    # NOTE: Falcon-40B's two norms side by side (trained whole); q / k / v in one linear fused group by group
+    "falcon": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                            modules_to_save=["ln_attn", "ln_mlp"]), "dora": DORA_KW},
 }
 # NOTE: else q, k, v, o, gate, up, down; StarCoder2's c_fc, c_proj; GPT-NeoX's query_key_value, dense and two MLP
 # ones; GPT-J's q, k, v, out_proj, fc_in, fc_out
-TARGETS_PER_LAYER = {"glm4": 6, "starcoder2": 6, "gpt_neox": 4, "phi": 6, "gptj": 6}
+TARGETS_PER_LAYER = {"glm4": 6, "starcoder2": 6, "gpt_neox": 4, "phi": 6, "gptj": 6, "falcon": 4}
 LAYOUTS = {"tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
            "pp2": (2, {"pipeline_parallel_size": 2}), "cp2": (2, {"context_parallel_size": 2})}
 

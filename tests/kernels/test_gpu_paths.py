@@ -1,5 +1,5 @@
 """The CUDA-only paths (flash varlen for packed documents, SDPA's fused kernels, the Triton split-key kernels of a
-CP-sharded KV cache's partial attention) against the torch paths on CPU."""
+CP-sharded KV cache's partial attention, the soft-capped attention kernels) against the torch paths on CPU."""
 
 import math
 
@@ -132,6 +132,63 @@ def test_decode_attention_kernels_cases_on_cuda():
     from tests.kernels._decode_attention_checks import check_decode_attention
 
     assert len(check_decode_attention("cuda", dtypes=(torch.bfloat16, torch.float16))) == 10
+
+
+def test_softcap_attention_kernels_cases_on_cuda():
+    """The interpreter's cases of the soft-capped flash-style kernels (GQA, queries at an offset, a sliding window, a
+    padding mask with an empty row, packed documents) in bf16 and fp16 on the GPU against the fp32 eager math."""
+    pytest.importorskip("triton")
+    from tests.kernels._softcap_attention_checks import check_softcap_attention
+
+    assert len(check_softcap_attention("cuda", dtypes=(torch.bfloat16, torch.float16))) == 14
+
+
+def _gemma2_bf16(folder: str) -> dict:
+    """Gemma 2 in bf16 on the GPU, a right-padded batch: our loss and embedding gradient (the soft-cap kernels
+    counted) against transformers' eager attention in bf16. NOTE: not left-padded: transformers' loss then counts
+    the last pad position's prediction of the first token, from a query that sees no key (uniform over the masked
+    keys there, zeros here)."""
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.kernels import softcap_attention
+
+    calls = []
+    kernel = softcap_attention.softcap_attention
+    softcap_attention.softcap_attention = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    ids = torch.randint(5, 200, (2, 96), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, -17:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    result = {}
+    for name in ("ours", "theirs"):
+        if name == "ours":
+            model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                                      attn_implementation="eager").cuda()
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grad = next(p.grad for n, p in model.named_parameters() if "embed" in n and p.grad is not None)
+        result[name] = (out.loss.item(), grad.float().cpu()[:200])
+        del model
+    result["calls"] = len(calls)
+    return result
+
+
+def test_gemma2_bf16_training_step_takes_the_softcap_kernels(tmp_path):
+    """Gemma 2's soft-capped attention (alternating sliding-window layers) in bf16 through the Triton kernels on
+    every layer: loss within 2e-2 of transformers' eager bf16, embedding gradient within bf16's resolution (5e-2 of
+    its largest)."""
+    from loongforge_hf.parallel.spawn import run_distributed
+    from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "gemma2", "gemma2", tokenizer=False, sliding_window=24)
+    [r] = run_distributed(_gemma2_bf16, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
+    assert r["calls"] > 0, r["calls"]
+    assert abs(r["ours"][0] - r["theirs"][0]) < 2e-2, (r["ours"][0], r["theirs"][0])
+    ours, theirs = r["ours"][1], r["theirs"][1]
+    assert (ours - theirs).abs().max() <= 5e-2 * theirs.abs().max(), (ours - theirs).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -58,7 +58,8 @@ def _train_and_compare(folder: str, out_dir: str, device: str) -> dict:
                                             ("glm4", {}), ("granitemoe", {}),
                                             ("exaone4", {}), ("ernie4_5_moe", {}), ("starcoder2", {}),
                                             ("olmoe", {}), ("gpt_neox", {}), ("phi", {}), ("cohere", {}),
-                                            ("cohere2", {}), ("gptj", {}), ("stablelm", {})])
+                                            ("cohere2", {}), ("gptj", {}), ("stablelm", {}),
+                                            ("falcon", {}), ("falcon_mqa", {}), ("llama4", {}), ("gpt2", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 

@@ -34,3 +34,12 @@ def test_decode_attention_kernels_in_the_interpreter():
     checked = run_interpreted("from tests.kernels._decode_attention_checks import check_decode_attention\n"
                               "check_decode_attention()")
     assert len(checked) == 10
+
+
+def test_softcap_attention_kernels_in_the_interpreter():
+    """The soft-capped flash-style attention (forward, dq, dk / dv) against the eager math: fp32 within 2e-5, bf16
+    within its resolution."""
+    checked = run_interpreted("import torch\n"
+                              "from tests.kernels._softcap_attention_checks import check_softcap_attention\n"
+                              "check_softcap_attention(dtypes=(torch.float32, torch.bfloat16))")
+    assert len(checked) == 14

@@ -28,8 +28,10 @@ def make_batch(rows=ROWS, *, images: int | None = None, seed: int = 1, token_typ
     return batch
 
 
-# transformers' vision tower and projector modules: llava's naming (Gemma 3, Mistral 3, InternVL), Idefics3's
-VISION_TREES = ("model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.", "model.connector.")
+# transformers' vision tower and projector modules: llava's naming (Gemma 3, Mistral 3, InternVL), Idefics3's;
+# LLaVA-NeXT's image_newline
+VISION_TREES = ("model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.", "model.connector.",
+                "model.image_newline")
 
 
 def _hf_name(name: str) -> str:

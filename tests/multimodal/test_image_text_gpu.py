@@ -1,7 +1,7 @@
-"""Gemma 3, Mistral 3, Qwen2-VL, InternVL, LLaVA-1.5 and SmolVLM image-text on the CUDA path (Gemma 3's bidirectional
-image blocks through SDPA with a mask in the language model, varlen flash attention in the ViTs under bf16), against
-transformers on the same GPU: fp32 (logits, loss, vision gradients) and bf16 (loss); bf16 ``generate`` with the
-dynamic and the static cache (CUDA-graphed decode steps)."""
+"""Gemma 3, Mistral 3, Qwen2-VL, InternVL, LLaVA-1.5, LLaVA-NeXT and SmolVLM image-text on the CUDA path (Gemma 3's
+bidirectional image blocks through SDPA with a mask in the language model, varlen flash attention in the ViTs under
+bf16), against transformers on the same GPU: fp32 (logits, loss, vision gradients) and bf16 (loss); bf16 ``generate``
+with the dynamic and the static cache (CUDA-graphed decode steps)."""
 
 import pytest
 import torch
@@ -34,6 +34,12 @@ def llava_batch(folder: str) -> dict:
     from ._vl_llava import make_batch
 
     return make_batch()
+
+
+def llava_next_batch(folder: str) -> dict:
+    from ._vl_llava_next import make_batch
+
+    return make_batch(folder)
 
 
 def smolvlm_batch(folder: str) -> dict:
@@ -82,18 +88,19 @@ def _run(folder: str, batch_for=gemma3_batch) -> dict:
     return result
 
 
-@pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl", "internvl", "llava", "smolvlm"])
+@pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl", "internvl", "llava", "llava_next", "smolvlm"])
 def test_cuda_matches_transformers(tmp_path, model):
     """Gemma 3 (the image blocks), Mistral 3 (images of three sizes), Qwen2-VL (the processor's batch), InternVL
-    (InternViT tiles, pixel shuffle), LLaVA-1.5 (CLIP, the penultimate layer) and SmolVLM (SigLIP, the connector's
-    pixel shuffle)."""
-    from loongforge_hf.testing import tiny_idefics3, tiny_internvl, tiny_llava, tiny_vl
+    (InternViT tiles, pixel shuffle), LLaVA-1.5 (CLIP, the penultimate layer), LLaVA-NeXT (any-resolution crops of
+    three pictures, unpadded, ``image_newline``) and SmolVLM (SigLIP, the connector's pixel shuffle)."""
+    from loongforge_hf.testing import tiny_idefics3, tiny_internvl, tiny_llava, tiny_llava_next, tiny_vl
 
     writer, batch_for = {"gemma3": (tiny_vl.make_tiny_gemma3_vl, gemma3_batch),
                          "mistral3": (tiny_vl.make_tiny_mistral3, mistral3_batch),
                          "qwen2_vl": (tiny_vl.make_tiny_qwen2_vl, processor_batch),
                          "internvl": (tiny_internvl.make_tiny_internvl, internvl_batch),
                          "llava": (tiny_llava.make_tiny_llava, llava_batch),
+                         "llava_next": (tiny_llava_next.make_tiny_llava_next, llava_next_batch),
                          "smolvlm": (tiny_idefics3.make_tiny_idefics3, smolvlm_batch)}[model]
     folder = writer(tmp_path / "src")
     [r] = run_distributed(_run, 1, str(folder), batch_for, timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})

@@ -217,6 +217,16 @@ def test_cost_model_for_moe_and_mla_configs():
         intermediate_size=48, vocab_size=203, num_experts_per_tok=2, moe_intermediate_size=48)
 
 
+def test_cost_model_for_falcon_configs():
+    """Falcon's MLP width is ffn_hidden_size, its KV heads num_kv_heads (40B's groups) or one (7B's multi_query)."""
+    from loongforge_hf.testing.tiny_models import _config
+
+    for arch, kv in (("falcon", 2), ("falcon_mqa", 1)):
+        assert cost_model_for(_config(arch)) == CostModel.from_model_dims(
+            hidden_size=64, num_layers=4, num_attention_heads=4, num_key_value_heads=kv, head_dim=16,
+            intermediate_size=96, vocab_size=203), arch
+
+
 # ---- the compute timer (megatron's timers protocol) --------------------------------------------------------------
 class _Recorder:
     def __init__(self):

@@ -5,14 +5,40 @@ from loongforge_hf.trainer.flops import model_flops_per_token
 
 
 def test_gated_and_ungated_mlps_counted_by_their_matrices():
-    """Llama's gated MLP is three h x f matrices, GPT-NeoX's, StarCoder2's and GPT-J's (f its n_inner) two; attention
-    q / k / v / o, the causal half of the scores and the LM head as written in the function's docstring (3x forward)."""
+    """Llama's gated MLP is three h x f matrices, GPT-NeoX's, StarCoder2's, GPT-J's and GPT-2's (f their n_inner)
+    two; attention q / k / v / o, the causal half of the scores and the LM head as written in the function's docstring
+    (3x forward)."""
     seq = 32
-    for arch, matrices in (("llama", 3), ("gpt_neox", 2), ("starcoder2", 2), ("gptj", 2)):
+    for arch, matrices in (("llama", 3), ("gpt_neox", 2), ("starcoder2", 2), ("gptj", 2), ("gpt2", 2)):
         c = _config(arch)
-        f = c.n_inner if arch == "gptj" else c.intermediate_size
+        f = c.n_inner if arch in ("gptj", "gpt2") else c.intermediate_size
         h, heads, layers, v = c.hidden_size, c.num_attention_heads, c.num_hidden_layers, 203
         kv = getattr(c, "num_key_value_heads", None) or heads
         hd = h // heads
         per_layer = 2 * h * (heads + 2 * kv) * hd + 2 * heads * hd * h + 2 * matrices * h * f + 2 * heads * hd * seq
+        assert model_flops_per_token(c, seq_len=seq) == 3.0 * (layers * per_layer + 2 * h * v), arch
+
+
+def test_llama4_dense_moe_and_chunked_layers_counted():
+    """Llama 4: dense layers' MLP of intermediate_size_mlp, MoE layers' top-1 expert plus the shared expert, the chunked
+    (rotary) layers' scores over at most a chunk of keys, the NoPE layer's over the whole causal half."""
+    c = _config("llama4")
+    seq, h, hd, heads, kv, v = 32, c.hidden_size, 16, c.num_attention_heads, c.num_key_value_heads, 203
+    proj = 2 * h * (heads + 2 * kv) * hd + 2 * heads * hd * h
+    dense, moe = 2 * 3 * h * c.intermediate_size_mlp, 2 * 3 * h * 2 * c.intermediate_size
+    chunked, full = 2 * heads * hd * 5, 2 * heads * hd * seq  # NOTE: layers 0-2 chunked by 5, layer 3 full
+    layers = (proj + dense + chunked) + (proj + moe + chunked) + (proj + dense + chunked) + (proj + moe + full)
+    assert model_flops_per_token(c, seq_len=seq) == 3.0 * (layers + 2 * h * v)
+
+
+def test_falcon_kv_heads_and_mlp_width():
+    """Falcon: its MLP two h x f matrices (f its ffn_hidden_size), q / k / v of its KV groups (40B's num_kv_heads) or
+    of one KV head (7B's multi_query, whatever num_kv_heads says)."""
+    seq = 32
+    for arch, kv in (("falcon", 2), ("falcon_mqa", 1)):
+        c = _config(arch)
+        h, heads, layers, v, f = c.hidden_size, c.num_attention_heads, c.num_hidden_layers, 203, c.ffn_hidden_size
+        hd = h // heads
+        assert f == 96 and c.num_kv_heads == (2 if arch == "falcon" else heads)
+        per_layer = 2 * h * (heads + 2 * kv) * hd + 2 * heads * hd * h + 2 * 2 * h * f + 2 * heads * hd * seq
         assert model_flops_per_token(c, seq_len=seq) == 3.0 * (layers * per_layer + 2 * h * v), arch

@@ -1,0 +1,79 @@
+"""Learned absolute position embeddings (GPT-2's ``wpe``): megatron's ``LanguageModelEmbedding`` with
+``position_embedding_type="learned_absolute"`` adds ``position_embeddings(position_ids)`` to the token embeddings.
+
+Choices:
+- A bridge says ``position_embedding_type = "learned_absolute"`` (the builder passes it to ``GPTModel``, whose table
+  has ``max_position_embeddings`` rows: GPT-2's ``n_positions``). The table is a plain ``nn.Embedding`` on the first
+  pipeline stage, whole on every TP rank (megatron does not split it; its gradient is the same on every TP rank, as
+  a norm's) and loaded / exported by the bridge's ``first_stage_mappings``.
+- The positions are the tokens' true ones wherever the embedding runs: the forward's ``position_ids`` (or
+  ``0 .. s-1``), cut to each context-parallel rank's load-balanced chunks with the tokens
+  (``context_parallel.cp_local_inputs`` keeps global positions); generate's positions (transformers counts them from
+  each row's first real token under left padding: ``cumsum(attention_mask) - 1``) in the uncached and the cached
+  forward alike; a cached step without them continues the cached tokens (``past + 0 .. given-1``, transformers'
+  default) (``step_positions``).
+- Too long: a forward whose positions reach past the table raises ``ValueError`` naming ``max_position_embeddings``
+  before anything runs (``check_positions``; the trainer's ``check_batch`` does the same for a training batch). The
+  padding rows the layout adds after the real tokens (sequence / context parallelism) may get positions past the
+  table: ``PositionTable`` reads the last row for them (their outputs are never used: causality keeps them out of
+  the real tokens').
+"""
+
+from __future__ import annotations
+
+import torch
+
+LEARNED = "learned_absolute"
+
+
+def learned_positions(bridge) -> bool:
+    """Whether ``bridge``'s model adds learned absolute position embeddings."""
+    return getattr(bridge, "position_embedding_type", "rope") == LEARNED
+
+
+def check_positions(max_positions: int, *, length: int, past: int = 0, position_ids: torch.Tensor | None = None,
+                    arch: str = "this model") -> None:
+    """``ValueError`` where a forward of ``length`` new tokens after ``past`` cached ones (or its ``position_ids``)
+    needs positions outside ``0 .. max_positions - 1``."""
+    if position_ids is not None and position_ids.numel():
+        low, high = int(position_ids.min()), int(position_ids.max())
+        if low < 0 or high >= max_positions:
+            raise ValueError(f"position_ids from {low} to {high} are outside {arch}'s learned position table of "
+                             f"max_position_embeddings={max_positions} rows (positions 0 .. {max_positions - 1}).")
+        return
+    if past + length > max_positions:
+        raise ValueError(f"{past + length} positions ({past} cached + {length} given) are more than {arch}'s "
+                         f"max_position_embeddings={max_positions} (a learned position table); truncate the input "
+                         "to that length.")
+
+
+def step_positions(position_ids: torch.Tensor | None, *, batch: int, past: int, given: int, padded: int,
+                   device) -> torch.Tensor:
+    """``[batch, padded]`` positions of a cached step's ``given`` new tokens (``position_ids``, else ``past ..``),
+    followed by the layout's ``padded - given`` padding tokens, which continue them."""
+    if position_ids is None:
+        position_ids = torch.arange(past, past + given, device=device).expand(batch, given)
+    position_ids = position_ids.to(device).expand(batch, given)
+    if padded == given:
+        return position_ids
+    tail = position_ids[:, -1:] + torch.arange(1, padded - given + 1, device=device)
+    return torch.cat([position_ids, tail], dim=1)
+
+
+class PositionTable(torch.nn.Embedding):
+    """megatron's position embedding table, with positions past it (the layout's padding only: the forward refuses
+    longer inputs first) reading its last row."""
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return super().forward(positions.clamp(max=self.num_embeddings - 1))
+
+
+def use_position_table(chunk) -> None:
+    """Put a ``PositionTable`` (same weight) in place of ``chunk``'s position embedding (first pipeline stage)."""
+    embedding = getattr(chunk, "embedding", None)
+    old = getattr(embedding, "position_embeddings", None)
+    if old is None:
+        return
+    table = PositionTable(old.num_embeddings, old.embedding_dim, device="meta")
+    table.weight = old.weight
+    embedding.position_embeddings = table

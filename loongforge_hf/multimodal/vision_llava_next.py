@@ -1,0 +1,101 @@
+"""LLaVA-NeXT's vision tower: LLaVA's CLIP ViT and projector (``vision_clip.ClipTower``) over each image's
+any-resolution crops, the tiles' features unpadded to the picture's aspect ratio with ``image_newline`` closing each
+row, the base image's features first.
+
+Choices:
+- Inputs as the other towers take them, so the chunk's machinery (encoder data parallel, CP shares of the images,
+  beam copies) serves it: ``pixel_values [N, C * P * P]``, each image's crops (the base image resized whole, then
+  the tiles of its best ``image_grid_pinpoints`` resolution, row-major) one after another, each crop's patches
+  row-major (``vision.as_image_patches``). A ``grid_thw`` row is not a patch grid here but ``(crops, height,
+  width)``: the crop count and the picture's size in pixels (the processor's ``image_sizes``), what the token count
+  depends on; ``item_patches`` / ``item_tokens`` say how many ``pixel_values`` rows and embeddings an image takes
+  (``vision.item_patches`` / ``item_tokens`` read them).
+- The arithmetic is transformers' (``LlavaNextModel.get_image_features`` / ``pack_image_features``, the processor's
+  token count): the best resolution is ``image_processing_utils.select_best_resolution`` of the picture's size over
+  the pinpoints (the rule the processor resizes by), ``rows x cols`` tiles of ``image_size`` pixels. Every crop goes
+  through the CLIP tower and the projector as a LLaVA image (``h w`` embeddings, class token dropped). The tiles'
+  features form one ``rows h x cols w`` map, which is cut back to the picture's aspect ratio (the rows, or the
+  columns, of the processor's padding dropped evenly from both sides, the kept count rounded as transformers rounds
+  it); ``image_newline`` follows each of its rows; the base crop's ``h w`` embeddings come before all of them.
+- ``image_newline`` is a tower parameter (in the text model's width), replicated under vision tensor parallelism;
+  the bridge counts it with the projector (``freeze_projector`` freezes it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loongforge_hf.multimodal.vision_clip import ClipTower, square_side
+
+
+def anyres_layout(height: int, width: int, *, pinpoints: list, tile: int, side: int) -> tuple[int, int, slice, slice]:
+    """(tile rows, tile columns, kept rows, kept columns of the tiles' ``rows side x cols side`` feature map) of a
+    ``height x width``-pixel picture, ``tile``-pixel tiles of ``side x side`` features."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    best_h, best_w = select_best_resolution((int(height), int(width)), pinpoints)
+    rows, cols = best_h // tile, best_w // tile
+    map_h, map_w = rows * side, cols * side
+    # NOTE: the processor scaled the picture to fit the map and padded the other side evenly; the float arithmetic
+    # is transformers' (unpad_image), so the kept count is the one the processor counted tokens for
+    if width / height > map_w / map_h:
+        kept = int(round(height * (map_w / width), 7))
+        pad = (map_h - kept) // 2
+        return rows, cols, slice(pad, map_h - pad), slice(0, map_w)
+    kept = int(round(width * (map_h / height), 7))
+    pad = (map_w - kept) // 2
+    return rows, cols, slice(0, map_h), slice(pad, map_w - pad)
+
+
+def anyres_counts(grid: torch.Tensor, *, pinpoints: list, tile: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``[n]`` crops, ``[n]`` embeddings) of the pictures of ``grid`` rows ``(crops, height, width)``: ``1 + rows
+    cols`` crops; ``side^2`` base embeddings, then each kept row of the tiles' map with its ``image_newline``."""
+    crops, tokens = [], []
+    for _, height, width in grid.tolist():
+        rows, cols, keep_h, keep_w = anyres_layout(height, width, pinpoints=pinpoints, tile=tile, side=side)
+        crops.append(1 + rows * cols)
+        tokens.append(side * side + (keep_h.stop - keep_h.start) * (keep_w.stop - keep_w.start + 1))
+    as_tensor = dict(dtype=torch.long, device=grid.device)
+    return torch.tensor(crops, **as_tensor), torch.tensor(tokens, **as_tensor)
+
+
+class LlavaNextTower(ClipTower):
+    """``forward(pixel_values [N, C*P*P], grid_thw [n, 3] of (crops, height, width)) -> [tokens, text_hidden]``: each
+    image's base embeddings, then its unpadded tile rows each closed by ``image_newline``."""
+
+    def __init__(self, config, *, text_hidden: int, pinpoints: list, **clip) -> None:
+        super().__init__(config, text_hidden=text_hidden, **clip)
+        self.pinpoints = [list(p) for p in pinpoints]
+        self.tile = square_side(config.image_size, "image_size")
+        self.image_newline = nn.Parameter(torch.zeros(text_hidden))
+
+    def counts(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return anyres_counts(grid_thw, pinpoints=self.pinpoints, tile=self.tile, side=self.side)
+
+    def item_patches(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        return grid_thw[:, 0] * self.side * self.side
+
+    def item_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.counts(grid_thw)[1]
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        side, crops = self.side, grid_thw[:, 0].tolist()
+        expected = self.counts(grid_thw)[0].tolist()
+        if crops != expected:
+            raise ValueError(f"LLaVA-NeXT images of sizes {grid_thw[:, 1:].tolist()} take {expected} crops with "
+                             f"image_grid_pinpoints={self.pinpoints}; grid_thw gives {crops}.")
+        per_crop = torch.tensor([[1, side, side]], device=grid_thw.device).expand(sum(crops), 3)
+        features = super().forward(pixel_values, per_crop)
+        features = features.reshape(sum(crops), side * side, features.shape[-1])
+        pieces = []
+        for image, (_, height, width) in zip(features.split(crops), grid_thw.tolist()):
+            rows, cols, keep_h, keep_w = anyres_layout(height, width, pinpoints=self.pinpoints, tile=self.tile,
+                                                       side=side)
+            d = image.shape[-1]
+            # NOTE: tile (r, c)'s feature (i, j) sits at (r side + i, c side + j) of the map
+            tiles = image[1:].reshape(rows, cols, side, side, d).permute(0, 2, 1, 3, 4)
+            kept = tiles.reshape(rows * side, cols * side, d)[keep_h, keep_w]
+            newline = self.image_newline.to(kept.dtype).expand(kept.shape[0], 1, d)
+            pieces += [image[0], torch.cat([kept, newline], dim=1).reshape(-1, d)]
+        return torch.cat(pieces)
