@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _bench_harness as H  # noqa: E402
-from bench_sink_attention import _allowed, _grads, _rel_diff  # noqa: E402
+from bench_sink_attention import _allowed, _grads, finish, measure_paths  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, CAP = 16, 8, 256, 50.0
 
@@ -88,21 +88,9 @@ def main(argv: list[str]) -> int:
             ref_in = [t.detach().float().requires_grad_() for t in tensors]
             ref = _grads(_path("transformers"), ref_in, grad.float(), window=window, scale=scale)
             del ref_in
-            for name, fn in paths.items():
-                diff = _rel_diff(_grads(fn, tensors, grad, window=window, scale=scale), ref)
-                if device.is_cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                _grads(fn, tensors, grad, window=window, scale=scale)
-                peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.is_cuda else 0.0
-                ms = H.median_ms(lambda fn=fn: _grads(fn, tensors, grad, window=window, scale=scale),
-                                 cuda=device.is_cuda, warmup=args.warmup, reps=args.reps)
-                report["results"][f"{name}@{s}/{layer}"] = {"ms": ms, "peak_mib": peak_mib, "max_rel_diff": diff}
-                rows.append([s, layer, name, f"{ms:.2f}", f"{peak_mib:.0f}", f"{diff:.1e}"])
-    print(H.markdown_table(["tokens", "layer", "path", "fwd+bwd ms", "peak MiB", "max rel diff vs fp32"], rows))
-    if args.out:
-        H.save_json(report, Path(args.out))
+            measure_paths(paths, tensors, grad, ref, window=window, scale=scale, device=device, args=args,
+                          where=(s, layer), report=report, rows=rows)
+    finish(report, rows, args.out)
     return 0
 
 

@@ -71,6 +71,28 @@ def _key_range(start_m, sq, skv, q_offset, left, right, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
+def _rows(X, base, offs, stride, offs_d, ok):
+    """Rows ``offs`` of a ``[.., s, D]`` tensor at ``base`` (zeros where not ``ok``)."""
+    return tl.load(X + base + offs[:, None] * stride + offs_d[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
+def _probs_and_score_grads(q, k, v, do, lse, delta, offs_m, offs_n, b, sq, skv, q_offset, scale, cap, left, right,
+                           M, smb, smq, smk, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                           HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr):
+    """A tile's probabilities (from the forward's log-sum-exp) and the gradient of its raw scores, the cap's
+    ``1 - tanh^2`` included."""
+    s, t = _capped_scores(q, k, scale, cap, SOFTCAP, DOT_FP32)
+    ok = _allowed(offs_m, offs_n, b, sq, skv, q_offset, left, right, M, smb, smq, smk,
+                  CAUSAL, HAS_LEFT, HAS_RIGHT, HAS_MASK)
+    p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+    ds = p * (_mm(do, tl.trans(v), DOT_FP32) - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return p, ds
+
+
+@triton.jit
 def _forward(Q, K, V, M, Out, LSE,
              sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, smb, smq, smk,
              H, sq, skv, q_offset, scale, cap, left, right,
@@ -85,8 +107,7 @@ def _forward(Q, K, V, M, Out, LSE,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :],
-                mask=(offs_m[:, None] < sq) & d_ok[None, :], other=0.0)
+    q = _rows(Q, b * sqb + h * sqh, offs_m, sqs, offs_d, (offs_m[:, None] < sq) & d_ok[None, :])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -94,8 +115,8 @@ def _forward(Q, K, V, M, Out, LSE,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = (offs_n[:, None] < skv) & d_ok[None, :]
-        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_ok, other=0.0)
+        k = _rows(K, b * skb + hk * skh, offs_n, sks, offs_d, kv_ok)
+        v = _rows(V, b * svb + hk * svh, offs_n, svs, offs_d, kv_ok)
         s, _ = _capped_scores(q, k, scale, cap, SOFTCAP, DOT_FP32)
         ok = _allowed(offs_m, offs_n, b, sq, skv, q_offset, left, right, M, smb, smq, smk,
                       CAUSAL, HAS_LEFT, HAS_RIGHT, HAS_MASK)
@@ -132,8 +153,8 @@ def _backward_dkdv(Q, K, V, M, DO, LSE, DELTA, DK, DV,
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     kv_ok = (offs_n[:, None] < skv) & d_ok[None, :]
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_ok, other=0.0)
+    k = _rows(K, b * skb + hk * skh, offs_n, sks, offs_d, kv_ok)
+    v = _rows(V, b * svb + hk * svh, offs_n, svs, offs_d, kv_ok)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # NOTE: the queries that may see this block: causal / a right bound start them at its first key's position
@@ -149,19 +170,14 @@ def _backward_dkdv(Q, K, V, M, DO, LSE, DELTA, DK, DV,
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_ok = (offs_m[:, None] < sq) & d_ok[None, :]
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_ok, other=0.0)
-        do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=q_ok, other=0.0)
+        q = _rows(Q, b * sqb + h * sqh, offs_m, sqs, offs_d, q_ok)
+        do = _rows(DO, b * sob + h * soh, offs_m, sos, offs_d, q_ok)
         lse = tl.load(LSE + bh * sq + offs_m, mask=offs_m < sq, other=float("inf"))
         delta = tl.load(DELTA + bh * sq + offs_m, mask=offs_m < sq, other=0.0)
-        s, t = _capped_scores(q, k, scale, cap, SOFTCAP, DOT_FP32)
-        ok = _allowed(offs_m, offs_n, b, sq, skv, q_offset, left, right, M, smb, smq, smk,
-                      CAUSAL, HAS_LEFT, HAS_RIGHT, HAS_MASK)
-        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        p, ds = _probs_and_score_grads(q, k, v, do, lse, delta, offs_m, offs_n, b, sq, skv, q_offset, scale, cap,
+                                       left, right, M, smb, smq, smk, SOFTCAP, CAUSAL, HAS_LEFT, HAS_RIGHT,
+                                       HAS_MASK, DOT_FP32)
         dv += _mm(tl.trans(p.to(do.dtype)), do, DOT_FP32)
-        dp = _mm(do, tl.trans(v), DOT_FP32)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
         dk += _mm(tl.trans(ds.to(q.dtype)), q, DOT_FP32)
     out_ok = (offs_n[:, None] < skv) & d_ok[None, :]
     base = bh * skv * D + offs_n[:, None] * D + offs_d[None, :]
@@ -186,8 +202,8 @@ def _backward_dq(Q, K, V, M, DO, LSE, DELTA, DQ,
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     q_ok = (offs_m[:, None] < sq) & d_ok[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_ok, other=0.0)
-    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=q_ok, other=0.0)
+    q = _rows(Q, b * sqb + h * sqh, offs_m, sqs, offs_d, q_ok)
+    do = _rows(DO, b * sob + h * soh, offs_m, sos, offs_d, q_ok)
     lse = tl.load(LSE + bh * sq + offs_m, mask=offs_m < sq, other=float("inf"))
     delta = tl.load(DELTA + bh * sq + offs_m, mask=offs_m < sq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -195,16 +211,11 @@ def _backward_dq(Q, K, V, M, DO, LSE, DELTA, DQ,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = (offs_n[:, None] < skv) & d_ok[None, :]
-        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_ok, other=0.0)
-        s, t = _capped_scores(q, k, scale, cap, SOFTCAP, DOT_FP32)
-        ok = _allowed(offs_m, offs_n, b, sq, skv, q_offset, left, right, M, smb, smq, smk,
-                      CAUSAL, HAS_LEFT, HAS_RIGHT, HAS_MASK)
-        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-        dp = _mm(do, tl.trans(v), DOT_FP32)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
+        k = _rows(K, b * skb + hk * skh, offs_n, sks, offs_d, kv_ok)
+        v = _rows(V, b * svb + hk * svh, offs_n, svs, offs_d, kv_ok)
+        _, ds = _probs_and_score_grads(q, k, v, do, lse, delta, offs_m, offs_n, b, sq, skv, q_offset, scale, cap,
+                                       left, right, M, smb, smq, smk, SOFTCAP, CAUSAL, HAS_LEFT, HAS_RIGHT,
+                                       HAS_MASK, DOT_FP32)
         dq += _mm(ds.to(k.dtype), k, DOT_FP32)
     tl.store(DQ + bh * sq * D + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=q_ok)

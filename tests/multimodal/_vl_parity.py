@@ -249,3 +249,24 @@ def check_generate(per_layout: dict, tol: float = 1e-4) -> None:
     for layout, scenarios in per_layout.items():
         for name, r in scenarios.items():
             assert r["same_sequences"] and r["max_diff"] < tol and r["steps"] >= 4, (layout, name, r)
+
+
+def check_llava_two_ranks(per_rank: list, out, folders: dict, *, check, grads: dict, side_files) -> None:
+    """test_llava / test_llava_next's two-rank world: each layout of ``TWO_RANKS`` and the Qwen2 variant split under
+    SP as transformers (``check``; vision gradients ``grads[variant]`` counted but under PP), generate, the towers'
+    layouts as asked, each layout exported bit for bit."""
+    from loongforge_hf.testing.round_trip import check_round_trip
+
+    for got in per_rank:
+        results = got["parity"]
+        for n, layout in TWO_RANKS.items():
+            check(results[n], grads=grads["llama"] if layout.get("pipeline_parallel_size", 1) == 1 else None)
+        check(results["qwen2_split_sp"], grads=grads["qwen2"])
+        check_generate(got["generate"])
+    parity = per_rank[0]["parity"]
+    assert parity["tp2_sp_vision_tp2"]["vision_layout"] == parity["qwen2_split_sp"]["vision_layout"] \
+        == "tensor_parallel"
+    assert parity["tp2_encoder_data_parallel"]["vision_layout"] == "data_parallel"
+    for n in TWO_RANKS:
+        check_round_trip(folders["llama"], out / n, side_files=side_files)
+    check_round_trip(folders["qwen2"], out / "qwen2_split_sp", side_files=side_files)

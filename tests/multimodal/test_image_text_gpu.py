@@ -3,6 +3,8 @@ bidirectional image blocks through SDPA with a mask in the language model, varle
 bf16), against transformers on the same GPU: fp32 (logits, loss, vision gradients) and bf16 (loss); bf16 ``generate``
 with the dynamic and the static cache (CUDA-graphed decode steps)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -111,20 +113,23 @@ def test_cuda_matches_transformers(tmp_path, model):
     assert abs(r["bf16"]["loss"] - r["bf16"]["ref_loss"]) < 3e-2, r
 
 
-@pytest.mark.parametrize("model", ["gemma3", "internvl", "llava", "smolvlm"])
+@pytest.mark.parametrize("model", ["gemma3", "internvl", "llava", "llava_next", "smolvlm"])
 def test_cuda_bf16_generate_as_transformers(tmp_path, model):
     """Cached greedy generate in bf16 (two left-padded prompts with images; Gemma 3's image blocks at the prefill)
     against transformers' in bf16 on the same GPU: the first steps' tokens equal, scores and logits within 3e-2; the
     same with the static cache, its decode steps replayed from a CUDA graph."""
-    from loongforge_hf.testing import tiny_idefics3, tiny_internvl, tiny_llava, tiny_vl
+    from loongforge_hf.testing import tiny_idefics3, tiny_internvl, tiny_llava, tiny_llava_next, tiny_vl
 
-    from . import _vl_gemma3, _vl_idefics3, _vl_internvl, _vl_llava
+    from . import _vl_gemma3, _vl_idefics3, _vl_internvl, _vl_llava, _vl_llava_next
     from .test_qwen2_5_vl_gpu import _run_generate_bf16, check_generate_bf16
 
     writer, prompts = {"gemma3": (tiny_vl.make_tiny_gemma3_vl, _vl_gemma3.prompts),
                        "internvl": (tiny_internvl.make_tiny_internvl, _vl_internvl.prompts),
                        "llava": (tiny_llava.make_tiny_llava, _vl_llava.prompts),
+                       "llava_next": (tiny_llava_next.make_tiny_llava_next, _vl_llava_next.prompts),
                        "smolvlm": (tiny_idefics3.make_tiny_idefics3, _vl_idefics3.prompts)}[model]
     folder = writer(tmp_path / "src", seed=1)
+    if model == "llava_next":  # NOTE: its prompts go through the checkpoint's processor (crops per picture size)
+        prompts = functools.partial(prompts, str(folder))
     check_generate_bf16(run_distributed(_run_generate_bf16, 1, str(folder), prompts, timeout=600,
                                         env={"LOONGFORGE_DEVICE": "cuda"})[0])

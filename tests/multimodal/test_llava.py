@@ -26,7 +26,7 @@ from loongforge_hf.testing.round_trip import check_round_trip as _check_round_tr
 from loongforge_hf.testing.tiny_llava import make_tiny_llava, tiny_llava_config
 
 from ._vl_llava import LORA_CASES, TEXT_ROWS, checks, make_batch
-from ._vl_parity import TWO_RANKS, check_generate
+from ._vl_parity import TWO_RANKS, check_generate, check_llava_two_ranks
 
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -126,20 +126,7 @@ def test_parity_round_trip_and_generate_one_rank(one_rank, folders):
 
 def test_parity_round_trip_and_generate_two_ranks(two_ranks, folders):
     """The layouts of ``two_ranks`` as transformers (PP2: logits and loss), each exported bit for bit."""
-    per_rank, out = two_ranks
-    for got in per_rank:
-        results = got["parity"]
-        for n, layout in TWO_RANKS.items():
-            check(results[n], grads=GRADS["llama"] if layout.get("pipeline_parallel_size", 1) == 1 else None)
-        check(results["qwen2_split_sp"], grads=GRADS["qwen2"])
-        check_generate(got["generate"])
-    parity = per_rank[0]["parity"]
-    assert parity["tp2_sp_vision_tp2"]["vision_layout"] == parity["qwen2_split_sp"]["vision_layout"] \
-        == "tensor_parallel"
-    assert parity["tp2_encoder_data_parallel"]["vision_layout"] == "data_parallel"
-    for n in TWO_RANKS:
-        _check_round_trip(folders["llama"], out / n, side_files=SIDE_FILES)
-    _check_round_trip(folders["qwen2"], out / "qwen2_split_sp", side_files=SIDE_FILES)
+    check_llava_two_ranks(*two_ranks, folders, check=check, grads=GRADS, side_files=SIDE_FILES)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
