@@ -134,12 +134,23 @@ WORKLOADS = {
                   seq=2048, micro_batch=8,
                   tiny={k: v for k, v in dict(_TINY, seq=64, micro_batch=2).items()
                         if k not in ("num_key_value_heads", "head_dim")}),
+    # NOTE: Gemma-2-2B whole: soft-capped attention scores (transformers runs them in its eager attention only: SDPA
+    # has no cap, and the flash-attn package is not on the GPU machine) and logits, a 4096-token window on every
+    # other layer, GeGLU, post norms, a 256k tied vocabulary
+    "f": Workload("f", "Gemma-2-2B shape, seq 4096, micro-batch 2", "gemma2",
+                  dict(num_hidden_layers=26, hidden_size=2304, intermediate_size=9216, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=256, vocab_size=256000, tie_word_embeddings=True,
+                       max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+                       query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                  seq=4096, micro_batch=2, tiny=dict(_TINY, sliding_window=24, query_pre_attn_scalar=16, seq=64,
+                                                     micro_batch=2)),
 }
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM", "gpt_neox": "GPTNeoXForCausalLM"}
-# NOTE: transformers' attention per model type: gpt-oss's sinks are in its eager attention only (its flash kernel
-# comes from the hub, which the GPU machine cannot reach)
-HF_ATTENTION = {"gpt_oss": "eager"}
+                 "gpt_oss": "GptOssForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+# NOTE: transformers' attention per model type: gpt-oss's sinks and Gemma 2's soft-cap are in its eager attention
+# only (their flash kernels come from the hub or the flash-attn package, which the GPU machine does not have)
+HF_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager"}
 
 
 def sizes(w: Workload, tiny: bool) -> tuple[dict, int, int]:
@@ -190,12 +201,13 @@ def build_transformers(folder: str, device: H.Device, *, liger: bool, adapt=None
         import liger_kernel.transformers as lk
 
         apply = {"qwen3": lk.apply_liger_kernel_to_qwen3, "llama": lk.apply_liger_kernel_to_llama,
-                 "qwen3_moe": lk.apply_liger_kernel_to_qwen3_moe}
+                 "qwen3_moe": lk.apply_liger_kernel_to_qwen3_moe, "gemma2": lk.apply_liger_kernel_to_gemma2}
         model_type = transformers.AutoConfig.from_pretrained(folder).model_type
         if model_type not in apply:
             raise SystemExit(f"Liger-Kernel has no apply_liger_kernel_to_{model_type} here")
-        apply[model_type](rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
-        info["liger"] = f"apply_liger_kernel_to_{model_type}(rope, rms_norm, swiglu, fused_linear_cross_entropy)"
+        mlp = "geglu" if model_type == "gemma2" else "swiglu"
+        apply[model_type](rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True, **{mlp: True})
+        info["liger"] = f"apply_liger_kernel_to_{model_type}(rope, rms_norm, {mlp}, fused_linear_cross_entropy)"
     model_type = transformers.AutoConfig.from_pretrained(folder).model_type
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
                                                               attn_implementation=HF_ATTENTION.get(model_type, "sdpa"),
