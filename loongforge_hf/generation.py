@@ -144,8 +144,10 @@ class GenerationGlue(GenerationMixin):
 
     def generation_refusal(self, generation_config, kwargs: dict) -> str | None:
         """Why a model class refuses this call beyond the refusals above (None: it runs), from this rank's resolved
-        generation config and keyword arguments alone; a subclass adds its own (image-text models)."""
-        return None
+        generation config and keyword arguments alone; a subclass adds its own (image-text models), a bridge its
+        own (``bridge.generation_refusal``: Qwen3.5's, no cache)."""
+        refusal = getattr(getattr(self, "bridge", None), "generation_refusal", None)
+        return refusal(generation_config) if refusal is not None else None
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, *, cp_kv_cache: str = "sharded",
                  **kwargs: Any):

@@ -29,7 +29,9 @@ prompts of different lengths.
   each stage) at PP2; Qwen3 with YaRN at one rank; Falcon (40B's two LayerNorms side by side, two KV groups fused
   group by group, biases, tied embeddings) at TP2 with sequence parallelism and Falcon-7B's multi-query attention
   (one KV head cached) at one rank; GPT-2 (learned absolute positions: the left-padded rows' counted from their first
-  real token, as transformers' generate counts them) at CP2 and at TP2 with sequence parallelism.
+  real token, as transformers' generate counts them) at CP2 and at TP2 with sequence parallelism; GPTBigCode
+  (StarCoder: GPT-2's layer with nn.Linear weights) with multi-query attention at CP2 and without it at TP2 with
+  sequence parallelism.
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here. The output layer
   computes the kept (last) position's logits only where that is exact (not under sequence parallelism).
@@ -106,6 +108,10 @@ LAYOUTS = {
     # steps run whole on both CP ranks and the fixed step; after the layout's padding under SP
     "gpt2_cp2": ("gpt2", 2, {"context_parallel_size": 2}),
     "gpt2_tp2_sp": ("gpt2", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    # NOTE: GPTBigCode (StarCoder): learned positions with multi-query attention (one KV head cached, CP-sharded), and
+    # without multi_query under SP
+    "gpt_bigcode_cp2": ("gpt_bigcode", 2, {"context_parallel_size": 2}),
+    "gpt_bigcode_mha_tp2_sp": ("gpt_bigcode_mha", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
     # NOTE: chunked attention (5 positions: the left-padded prompts and new tokens cross chunks), a NoPE layer's query
     # temperature by slot; EP: the static cache and the CP-sharded one refuse chunked attention
     "llama4_ep2": ("llama4", 2, {"expert_parallel_size": 2}),
@@ -125,6 +131,7 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "cohere": ("cohere", {}), "cohere2": ("cohere2", {"sliding_window": 3}), "phi": ("phi", {}),
                "gptj": ("gptj", {}), "stablelm": ("stablelm", {}), "falcon": ("falcon", {}),
                "falcon_mqa": ("falcon_mqa", {}), "gpt2": ("gpt2", {}),
+               "gpt_bigcode": ("gpt_bigcode", {}), "gpt_bigcode_mha": ("gpt_bigcode_mha", {}),
                "ernie4_5_moe": ("ernie4_5_moe", {}), "olmoe": ("olmoe", {}), "llama4": ("llama4", {}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),

@@ -103,11 +103,14 @@ def head_dim_of(hf_config) -> int:
 
 def kv_heads_of(hf_config) -> int:
     """The key / value heads (megatron's query groups): ``num_key_value_heads`` (None: one per query head). Falcon's
-    config has ``num_kv_heads``, which its older layout reads only without ``multi_query`` (one KV head with it)."""
+    config has ``num_kv_heads``, which its older layout reads only without ``multi_query`` (one KV head with it);
+    GPTBigCode's ``multi_query`` is one KV head, else one per query head."""
     if getattr(hf_config, "model_type", None) == "falcon":
         if hf_config.new_decoder_architecture or not hf_config.multi_query:
             return hf_config.num_kv_heads
         return 1
+    if getattr(hf_config, "model_type", None) == "gpt_bigcode":  # NOTE: what its attention reads, as Falcon's
+        return 1 if hf_config.multi_query else hf_config.num_attention_heads
     return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
 
 

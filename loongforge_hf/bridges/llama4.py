@@ -14,6 +14,9 @@ Choices:
   ``Llama4ForCausalLM`` adds no balancing loss.
 - Experts stacked on disk: ``feed_forward.experts.gate_up_proj`` ``[E, H, 2I]`` (each expert's matrix ``[in, out]``,
   gate then up halves) and ``down_proj`` ``[E, I, H]`` (``stacked_experts.py``, ``transposed``).
+- LoRA (PEFT): the stacks and the router as ``target_parameters`` (PEFT's factors on the stacks the other way round:
+  ``hf_experts_in_out``, ``lora/param_targets.py``); the router as a module (``"all-linear"`` included) is refused,
+  PEFT's LoRA layer failing on its (scores, logits) output.
 - Rotary: transformers multiplies channel pairs ``(2i, 2i + 1)`` as complex numbers: megatron's
   ``rotary_interleaved``; default or llama3 scaling (the hub's Scout), other rope types refused.
 - The attention (``llama4_attention``, megatron's ``SelfAttention`` with per-layer choices by global layer number):
@@ -125,6 +128,7 @@ class Llama4Bridge(MoEBridge):
     hf_router_logits = True                                    # transformers returns them; it adds no aux loss
     hf_ignores_aux_loss_coef = True                            # ... whatever router_aux_loss_coef says
     per_layer_types = True                                     # chunked_attention layers (checked here)
+    hf_experts_in_out = True                                   # [E, in, out] stacks PEFT reads as [E, out, in]
     extra_rope_types = ()
 
     # ---- config ---------------------------------------------------------------------------------------------

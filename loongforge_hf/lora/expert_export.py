@@ -6,7 +6,8 @@ Choices:
   to global rank 0 (experts are whole on each rank: expert_tensor_parallel_size is 1 for adapted experts).
 - Rank 0 concatenates them by expert and writes PEFT's layout: A ``[E * r, in]`` (expert-major rows), B
   ``[out, r * E]`` (``[out, r, E]`` flattened: expert-minor columns; its rows in the checkpoint's order,
-  ``Target.b_to_hf``: gpt-oss's gate and up alternating).
+  ``Target.b_to_hf``: gpt-oss's gate and up alternating; Llama 4's factors the other way round:
+  ``experts.peft_factors``).
 - Collective: every rank calls it for every expert target, in the plan's order (as the other adapter tensors).
 """
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.bridges.distribution import recv_tensor, send_tensor
+from loongforge_hf.lora.experts import peft_factors
 
 
 def _senders() -> tuple[dict[tuple[int, int], int], bool]:
@@ -47,7 +49,8 @@ def expert_adapter_tensors(model, targets, streamer, dtype: torch.dtype) -> dict
         vp = vp or 0
         per = t.num_experts // ep_size
         base = f"decoder.layers.{local}.mlp.experts.lora.{t.name}"
-        shapes = {"A": (per, t.r, t.in_features), "B": (per, t.out_features, t.r)}
+        width_in, width_out = (t.out_features, t.in_features) if t.factors_swapped else (t.in_features, t.out_features)
+        shapes = {"A": (per, t.r, width_in), "B": (per, width_out, t.r)}  # NOTE: megatron's (experts.megatron_factors)
         mine = {}
         if owner_pp == streamer.pp_rank and sends:
             mine = {f: streamer.params[vp][f"{base}.{f}"].detach().to(dtype) for f in shapes}
@@ -63,7 +66,5 @@ def expert_adapter_tensors(model, targets, streamer, dtype: torch.dtype) -> dict
                 parts[f].append(mine[f] if src == 0 else recv_tensor(shape, dtype, src=src, device=streamer.device))
         a, b = torch.cat(parts["A"]).cpu(), torch.cat(parts["B"]).cpu()
         prefix = f"base_model.model.{t.hf_module}"
-        out[f"{prefix}.lora_A.weight"] = a.reshape(t.num_experts * t.r, t.in_features)
-        out[f"{prefix}.lora_B.weight"] = t.b_to_hf(b.permute(1, 2, 0).reshape(t.out_features, t.r * t.num_experts),
-                                                   streamer.ctx)
+        out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = peft_factors(t, a, b, streamer.ctx)
     return out

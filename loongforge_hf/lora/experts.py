@@ -14,7 +14,8 @@ Choices:
 - Experts split over expert-tensor parallelism are refused for LoRA (``expert_tensor_parallel_size=1`` is the way).
   Experts with biases and gpt-oss's clamped GLU take the adapters like SwiGLU ones (the biases added after the
   low-rank terms, as PEFT's merged weight gives); gpt-oss's B rows come in megatron's ``[gate; up]`` order
-  (``Target.b_to_megatron``) and go back alternating on export.
+  (``Target.b_to_megatron``) and go back alternating on export. Llama 4's PEFT factors work the other way round
+  (``Target.factors_swapped``): ``megatron_factors`` / ``peft_factors`` transpose and swap them.
 - Router: megatron's router (``TopKRouter``, or ``BalanceRouter`` with the HF balancing loss) is re-classed to a
   subclass whose ``gating`` uses ``W + s * B A``: what PEFT does for a 2-D parameter (the router is ``[E, H]``).
   A and B are replicated; under sequence parallelism they are marked ``sequence_parallel`` like the router weight,
@@ -192,6 +193,29 @@ def check_param_adaptable(module: nn.Module, kind: str) -> None:
                               "tensor_parallel_size), or adapt only the attention projections.")
 
 
+def megatron_factors(t, a: torch.Tensor, b: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert target's PEFT-shaped (A ``[r * E, in]``, B ``[out, r * E]``; or their gradients) as every expert's
+    A ``[E, r, in]`` and B ``[E, out, r]`` of the megatron stack, fc1's rows in megatron's order. Where PEFT's
+    factors are the other way round (``t.factors_swapped``, Llama 4: its A on the stack's output side), A_e is PEFT's
+    B_e transposed and B_e its A_e transposed: the same ``B_e A_e``, transposed as the megatron stack is."""
+    num = t.num_experts
+    if t.factors_swapped:  # NOTE: PEFT's in_features is the stack's output width
+        a_meg = b.reshape(t.out_features, t.r, num).permute(2, 1, 0)
+        b_meg = t.b_to_megatron(a.t(), ctx).reshape(t.in_features, num, t.r).permute(1, 0, 2)
+        return a_meg, b_meg
+    b_meg = t.b_to_megatron(b, ctx).reshape(t.out_features, t.r, num).permute(2, 0, 1)
+    return a.reshape(num, t.r, t.in_features), b_meg
+
+
+def peft_factors(t, a: torch.Tensor, b: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``megatron_factors``: every expert's A ``[E, r, in]`` and B ``[E, out, r]`` as PEFT's A and B."""
+    num = t.num_experts
+    if t.factors_swapped:
+        a_peft = t.b_to_hf(b.permute(1, 0, 2).reshape(t.in_features, num * t.r), ctx).t()
+        return a_peft.contiguous(), a.permute(2, 1, 0).reshape(t.out_features, t.r * num)
+    return a.reshape(num * t.r, t.in_features), t.b_to_hf(b.permute(1, 2, 0).reshape(t.out_features, t.r * num), ctx)
+
+
 def attach_param_adapters(module: nn.Module, members, *, dtype, device, dropout: float = 0.0, ctx=None) -> None:
     """Give ``module`` (a ``GroupedMLP``, router or ``SharedExpertMLP``) the adapters of ``members`` [(Target, (A, B)
     at HF shape)]; ``dropout``: the LoraConfig's (only the shared-expert gate's adapter, a module target, takes it);
@@ -211,8 +235,8 @@ def attach_param_adapters(module: nn.Module, members, *, dtype, device, dropout:
             num, ep = t.num_experts, module.ep_group
             per = num // ep.size()
             local = slice(ep.rank() * per, (ep.rank() + 1) * per)
-            a_local = a.reshape(num, t.r, t.in_features)[local]
-            b_local = t.b_to_megatron(b, ctx).reshape(t.out_features, t.r, num).permute(2, 0, 1)[local]
+            a_full, b_full = megatron_factors(t, a, b, ctx)
+            a_local, b_local = a_full[local], b_full[local]
             adapter = ExpertAdapter(a_local.to(device=device, dtype=dtype).contiguous().clone(),
                                     b_local.to(device=device, dtype=dtype).contiguous().clone(),
                                     scaling=t.scaling, expert_parallel=ep.size() > 1)

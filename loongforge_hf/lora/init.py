@@ -22,7 +22,8 @@ Choices:
   ``residual``), so ``W_res + scaling * B @ A`` (the merged export, ``merge_and_unload``) is W again.
 - W comes from the model itself, not the checkpoint (it may have been changed since loading): each TP group
   all-gathers the megatron weight holding a target and turns it back into HF tensors with the bridge mapping's own
-  ``export`` (what the HF exporter does), so the decomposition sees exactly PEFT's W. The targets of a pipeline
+  ``export`` (what the HF exporter does), so the decomposition sees exactly PEFT's W (a ``Conv1D`` weight, stored
+  ``[in, out]``, transposed to ``[out, in]`` as PEFT's ``fan_in_fan_out`` does). The targets of a pipeline
   stage are dealt round-robin over the stage's ranks (TP x DP x CP), each decomposes its share on the model's device
   and broadcasts A and B over the stage: every rank gets the same factors, computed once. On the CPU (the tests)
   LAPACK gives PEFT's singular vectors, signs included, bit for bit; on a GPU the factors are those of cuSOLVER (a
@@ -201,7 +202,8 @@ def decomposed_initial_weights(model, targets, init) -> list[tuple[torch.Tensor,
             hf = mapping.export(shards, ctx, layer)
             for i in mine:
                 t = targets[i]
-                a, b = _decompose(hf[mapping.hf_names(layer)[t.slot]], t, init, states[i])
+                weight = hf[mapping.hf_names(layer)[t.slot]]
+                a, b = _decompose(weight.t() if t.stored_transposed else weight, t, init, states[i])
                 out[i] = (a.to(device).contiguous(), b.to(device).contiguous())
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             error = f"{type(e).__name__}: {e}"

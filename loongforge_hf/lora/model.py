@@ -177,12 +177,11 @@ def check_stages_train(model, plan: LoraPlan, owners) -> None:
     """Refuse (every rank alike) a plan that leaves the first pipeline stage without anything to train."""
     if model.parallel.pipeline_parallel_size == 1:
         return
-    from loongforge_hf.lora.vision import text_bridge
-
     first_stage = {layer for layer, (pp, _, _) in owners.items() if pp == 0}
-    embedding = text_bridge(model).embedding_mapping().hf
+    # NOTE: the first stage's own tensors (megatron_params_of): the embedding, GPT-2's position table
     if plan.token_indices or any(t.layer in first_stage or t.kind == "vision" for t in plan.targets) or any(
-            s.layer in first_stage or s.checkpoint_name == embedding for s in plan.saved):
+            s.layer in first_stage or (s.layer is None and s.mapping.megatron.startswith("embedding."))
+            for s in plan.saved):
         return
     raise LoraConfigError(f"pipeline_parallel_size={model.parallel.pipeline_parallel_size}: the first pipeline stage "
                           f"(layers {sorted(first_stage)}) has no adapter, so it has nothing to train; adapt one of "

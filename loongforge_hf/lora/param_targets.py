@@ -17,6 +17,15 @@ Choices:
   ``[E, H]`` a plain A ``[r, H]``, B ``[E, r]``. A stack its module marks ``is_transposed`` (gpt-oss's, ``[E, in,
   out]``) keeps PEFT's in / out as they are there; its B's rows, gate and up alternating, take megatron's ``[gate;
   up]`` order through the bridge's mapping (``Target.b_to_megatron``).
+- Llama 4 (``feed_forward.experts.gate_up_proj`` / ``down_proj``, ``feed_forward.router.weight``; no PEFT rewrite:
+  ``target_parameters`` name them): its stacks are ``[E, in, out]`` (``x @ W_e``) but its module does not say so
+  (``is_transposed``), so PEFT takes in and out the other way round: its A ``[r * E, out]`` works on the stack's
+  output side and B ``[in, r * E]`` on its input, ``W_e + s * B_e A_e`` all the same. The targets keep PEFT's in /
+  out (its shapes, on load and export) and say so (``Target.factors_swapped``); ``experts.megatron_factors`` turns
+  them into the megatron orientation (A ``[E, r, in]`` = PEFT's B transposed, B ``[E, out, r]`` = its A transposed).
+  Its router is an ``nn.Linear`` returning routing scores and logits: PEFT's LoRA layer on it (its name in
+  ``target_modules``, ``"all-linear"`` included) fails in the forward, so that is refused
+  (``refuse_own_forward_linears``), naming ``target_parameters=['feed_forward.router.weight']`` instead.
 - Qwen3-VL-MoE: the language layers' stacks and router (``model.language_model.layers.N.mlp...``), with no PEFT
   rewrite for this model (``target_parameters`` name them; ``gate_proj`` / ``up_proj`` / ``down_proj`` are the dense
   layers' linears). Its module's stacks are ``[E, 2I, H]`` / ``[E, H, I]`` whatever the checkpoint holds (the hub's
@@ -37,10 +46,10 @@ import re
 from loongforge_hf.lora.plan import LoraConfigError, Target
 
 # NOTE: an image-text model's language layers are ``model.language_model.layers.N`` (Qwen3-VL-MoE)
-_PARAM = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|"
-                    r"gate\.weight|router\.weight)$")
+_PARAM = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|feed_forward)\.(experts\.gate_up_proj|"
+                    r"experts\.down_proj|gate\.weight|router\.weight)$")
 SUPPORTED = ("'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' / 'router.weight' (router) of "
-             "Qwen3-MoE / Mixtral / gpt-oss / Qwen3-VL-MoE")
+             "Qwen3-MoE / Mixtral / gpt-oss / Qwen3-VL-MoE / Llama 4 (under 'feed_forward.')")
 
 
 def rank_and_alpha(config, key: str) -> tuple[int, float]:
@@ -77,7 +86,7 @@ def plan_param_targets(config, skeleton, bridge) -> list[Target]:
                 refused.append(key)
             elif param.dim() == 3 and getattr(module, "is_transposed", False):  # NOTE: gpt-oss: [E, in, out]
                 found.append((module_name, pname, key, (param.shape[0], param.shape[2], param.shape[1])))
-            else:
+            else:  # NOTE: Llama 4's [E, in, out] too: PEFT's in / out (module docstring)
                 found.append((module_name, pname, key, tuple(param.shape)))
     if refused or not found:
         what = f"match {refused[:3]}, which cannot" if refused else "match no parameter that can"
@@ -96,6 +105,7 @@ def plan_param_targets(config, skeleton, bridge) -> list[Target]:
     for module_name, pname, _, _ in found:
         per_module.setdefault(module_name, []).append(pname)
     targets = []
+    swapped = bool(getattr(bridge, "hf_experts_in_out", False))  # NOTE: Llama 4 (module docstring)
     for module_name, pname, key, shape in found:
         layer = int(_PARAM.match(key).group(1))
         wrapped_after = len(per_module[module_name]) - 1 - per_module[module_name].index(pname)
@@ -106,13 +116,35 @@ def plan_param_targets(config, skeleton, bridge) -> list[Target]:
             fc = "linear_fc1" if pname == "gate_up_proj" else "linear_fc2"
             mapping = _mapping(bridge, layer, f"mlp.experts.{fc}.weight")
             targets.append(Target(mapping=mapping, kind="experts", in_features=shape[2], out_features=shape[1],
-                                  num_experts=shape[0], slot_name=pname,
+                                  num_experts=shape[0], slot_name=pname, factors_swapped=swapped,
                                   module_path="decoder.layers.{layer}.mlp.experts", **common))
         else:                 # the router [E, H]
             mapping = _mapping(bridge, layer, "mlp.router.weight")
             targets.append(Target(mapping=mapping, kind="router", in_features=shape[1], out_features=shape[0],
                                   slot_name="router", **common))
     return targets
+
+
+def refuse_own_forward_linears(refused: list[str], modules: dict) -> None:
+    """Raise for a matched ``nn.Linear`` subclass whose forward returns something else than a tensor (Llama 4's
+    router: routing scores and logits; tried on the meta skeleton): PEFT's LoRA layer adds its term to what the module
+    returns and fails there."""
+    import torch
+    from torch import nn
+
+    def returns_more(m: nn.Module) -> bool:
+        return type(m).forward is not nn.Linear.forward and \
+            not isinstance(m(torch.empty(1, m.in_features, device="meta")), torch.Tensor)
+
+    own = [n for n in refused if isinstance(modules[n], nn.Linear) and returns_more(modules[n])]
+    if own:
+        cls, leaf = type(modules[own[0]]).__name__, own[0].rsplit(".", 1)[-1]
+        param = ".".join(own[0].split(".")[-2:]) + ".weight"
+        raise LoraConfigError(f"target_modules match {own[:4]}{' ...' if len(own) > 4 else ''} ({cls}: an nn.Linear "
+                              "whose forward returns more than its output), which PEFT's LoRA layer cannot wrap (its "
+                              f"forward fails there); adapt its weight as a parameter, target_parameters=['{param}'], "
+                              f"and leave the module out: exclude_modules=['{leaf}'] (with 'all-linear') or a "
+                              "target_modules list without it.")
 
 
 def _mapping(bridge, layer: int, suffix: str):

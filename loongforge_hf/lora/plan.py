@@ -4,8 +4,9 @@ Choices:
 - Names are matched exactly as PEFT matches them, on the HF module tree itself: the model class is built on the meta
   device from the HF config (no memory, no RNG), and ``peft.tuners.tuners_utils.check_target_module_exists`` decides
   each module (suffix lists, regex strings, ``exclude_modules``, ``layers_to_transform``/``layers_pattern``).
-  ``"all-linear"`` means every ``nn.Linear`` but the output embedding, as in PEFT. ``modules_to_save`` match by name
-  suffix, as PEFT's ``ModulesToSaveWrapper`` does (``"norm"`` also matches ``input_layernorm``).
+  ``"all-linear"`` means every ``nn.Linear`` (and transformers' ``Conv1D``) but the output embedding, as in PEFT.
+  ``modules_to_save`` match by name suffix, as PEFT's ``ModulesToSaveWrapper`` does (``"norm"`` also matches
+  ``input_layernorm``); GPT-2's position table (a first-stage tensor, ``first_stage_mappings``) is one of them.
 - The order of ``LoraPlan.targets`` is PEFT's creation order (the order it draws the random initialisation in):
   module targets in HF ``named_modules`` order, then parameter targets (``param_targets.py``).
 - Each target is tied to the bridge mapping holding its HF weight (``_LINEAR_KINDS``: q/k/v slots of ``linear_qkv``,
@@ -35,6 +36,12 @@ Choices:
   ``down_proj``) from the modules there too, so the shared experts and the dense first layers' MLPs carry none.
 - Phi-3's packed ``qkv_proj`` / ``gate_up_proj``: one adapter each, as in PEFT; B's rows go to megatron's fused order
   as the weight's do (``packed_mappings``), each TP rank holding those of its own heads / MLP rows.
+- transformers' ``Conv1D`` (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``: a linear whose weight is stored ``[in, out]``,
+  ``conv1d_mappings.Transposed``) is a linear here as in PEFT (``"all-linear"`` included): A ``[r, in]``, B
+  ``[out, r]``, DoRA's magnitude over the output features, the delta ``(B @ A)^T`` in the stored layout, which is
+  what megatron's ``[out, in]`` weight gets as ``B @ A``; the adapter kind is the wrapped mapping's. As PEFT, the
+  config's ``fan_in_fan_out`` is set to whether the targets are ``Conv1D`` ones (with PEFT's warning where that
+  changes it).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loongforge_hf.bridges.conv1d_mappings import Transposed
 from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParallel
 from loongforge_hf.bridges.packed_mappings import PackedGatedMLP, PackedQKV
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
@@ -73,6 +81,8 @@ class Target:
     r: int
     scaling: float
     num_experts: int = 1        # PEFT's ParamWrapper on a 3-D expert stack: A [r * E, in], B [out, r * E]
+    factors_swapped: bool = False   # PEFT's A on the stack's output side, B on its input (experts.py: Llama 4's
+    #                                 [E, in, out] stacks, which PEFT reads as [E, out, in])
     slot_name: str | None = None    # adapter key in the megatron module when not the HF module's last component
     module_path: str | None = None  # megatron module (with ``{layer}``) when not the mapping's weight's module
 
@@ -85,6 +95,12 @@ class Target:
     def megatron_module(self) -> str:
         """Megatron module path with ``{layer}`` for the local layer index."""
         return self.module_path or getattr(self.mapping, "module_path", self.mapping.megatron.removesuffix(".weight"))
+
+    @property
+    def stored_transposed(self) -> bool:
+        """Whether the checkpoint stores the weight ``[in, out]`` (transformers' ``Conv1D``: PEFT's
+        ``fan_in_fan_out``); A and B have the usual shapes all the same."""
+        return isinstance(self.mapping, Transposed)
 
     @property
     def a_shape(self) -> tuple[int, int]:
@@ -148,15 +164,14 @@ def _check_config(config) -> None:
 
     if not isinstance(config, LoraConfig):
         raise LoraConfigError(f"loongforge-hf applies LoRA (peft.LoraConfig); got {type(config).__name__}.")
-    refused = {"lora_bias": config.lora_bias, "layer_replication": config.layer_replication,
-               "fan_in_fan_out": config.fan_in_fan_out}
+    refused = {"lora_bias": config.lora_bias, "layer_replication": config.layer_replication}
     set_fields = {k: v for k, v in refused.items() if v}
     if set_fields:
         raise LoraConfigError(f"LoraConfig fields {sorted(set_fields)} are not supported on megatron layers; "
                               "supported: r, lora_alpha, rank_pattern, alpha_pattern, lora_dropout, use_rslora, "
                               "target_modules, exclude_modules, layers_to_transform, layers_pattern, modules_to_save, "
-                              "use_dora, init_lora_weights (True, False, 'gaussian', 'orthogonal', 'pissa', "
-                              "'pissa_niter_<n>', 'olora').")
+                              "use_dora, fan_in_fan_out (set as PEFT sets it), init_lora_weights (True, False, "
+                              "'gaussian', 'orthogonal', 'pissa', 'pissa_niter_<n>', 'olora').")
     if config.bias != "none":
         raise LoraConfigError(f"LoraConfig(bias={config.bias!r}) is not supported; use bias='none'.")
     from loongforge_hf.lora.init import is_decomposition
@@ -175,6 +190,7 @@ def _check_config(config) -> None:
 def _hf_tensor_index(bridge) -> dict[str, tuple[Mapping, int | None, int]]:
     """HF tensor name -> (bridge mapping, global layer or None, position among the mapping's HF names)."""
     from loongforge_hf.bridges.fused_mappings import Expert
+    from loongforge_hf.bridges.loader import first_stage_mappings
 
     index: dict[str, tuple[Mapping, int | None, int]] = {}
     for layer in range(bridge.hf_config.num_hidden_layers):
@@ -183,7 +199,7 @@ def _hf_tensor_index(bridge) -> dict[str, tuple[Mapping, int | None, int]]:
                 continue
             for i, n in enumerate(m.hf_names(layer)):
                 index[n] = (m, layer, i)
-    for m in [bridge.embedding_mapping(), *bridge.final_mappings()]:
+    for m in [bridge.embedding_mapping(), *first_stage_mappings(bridge), *bridge.final_mappings()]:
         for i, n in enumerate(m.hf_names(None)):
             index[n] = (m, None, i)
     return index
@@ -194,10 +210,12 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     image-text model, ``bridge`` is its language model's and ``vl_bridge`` the whole model's (``vision.py``)."""
     from peft.tuners.tuners_utils import check_target_module_exists
     from torch import nn
+    from transformers.pytorch_utils import Conv1D
 
     from loongforge_hf.lora.dora import check_dora
     from loongforge_hf.lora.init import check_decomposition
-    from loongforge_hf.lora.param_targets import as_peft_rewrites, plan_param_targets, rank_and_alpha
+    from loongforge_hf.lora.param_targets import (as_peft_rewrites, plan_param_targets, rank_and_alpha,
+                                                  refuse_own_forward_linears)
     from loongforge_hf.lora.tokens import token_indices_of
     from loongforge_hf.lora.vision import checkpoint_names, vision_index
 
@@ -207,7 +225,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     param_targets = plan_param_targets(config, skeleton, bridge)
     output_embedding = skeleton.get_output_embeddings()
     modules = list(skeleton.named_modules())
-    linear_names = {n for n, mod in modules if isinstance(mod, nn.Linear) and mod is not output_embedding}
+    linear_names = {n for n, mod in modules if isinstance(mod, (nn.Linear, Conv1D)) and mod is not output_embedding}
     all_linear = isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
     matcher = config
     if all_linear:
@@ -219,25 +237,31 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     index, on_disk = {**_hf_tensor_index(bridge), **vision_index(vl_bridge)}, checkpoint_names(vl_bridge)
     targets: list[Target] = []
     refused: list[str] = []
+    conv1d = None  # NOTE: whether the last module target is a Conv1D: PEFT's fan_in_fan_out ends so
     for name, module in modules:
         # NOTE: an excluded module comes back as a falsy marker object.
         if not name or not check_target_module_exists(matcher, name):
             continue
         entry = index.get(on_disk(f"{name}.weight"))
-        kind = None if entry is None else "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(type(entry[0]))
-        if not isinstance(module, nn.Linear) or kind is None or (entry[1] is None and kind != "vision"):
+        kind = None if entry is None else "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(type(_unwrapped(
+            entry[0])))
+        if not isinstance(module, (nn.Linear, Conv1D)) or kind is None or (entry[1] is None and kind != "vision"):
             refused.append(name)
             continue
         mapping, layer, slot = entry
         r, alpha = rank_and_alpha(config, name)
         scaling = alpha / (math.sqrt(r) if config.use_rslora else r)
+        conv1d = isinstance(module, Conv1D)
+        in_features, out_features = (module.nx, module.nf) if conv1d else (module.in_features, module.out_features)
         targets.append(Target(hf_module=name, layer=layer, mapping=mapping, slot=slot, kind=kind,
-                              in_features=module.in_features, out_features=module.out_features, r=r, scaling=scaling))
+                              in_features=in_features, out_features=out_features, r=r, scaling=scaling))
     if refused:
+        refuse_own_forward_linears(refused, dict(modules))
         suffixes = sorted({n.rsplit(".", 1)[-1] for n in linear_names})
         raise LoraConfigError(f"target_modules match {refused[:4]}{' ...' if len(refused) > 4 else ''}, which "
                               f"cannot carry a LoRA adapter on megatron layers; targetable modules: {suffixes} "
                               "or 'all-linear'.")
+    _set_fan_in_fan_out(config, conv1d, bool(param_targets))
     targets += param_targets
     check_dora(config, targets)
     check_decomposition(config.init_lora_weights, targets)
@@ -256,6 +280,29 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     return LoraPlan(targets=targets, saved=saved, target_modules=target_modules, config=config,
                     hf_param_count=sum(math.prod(s) for s in shapes.values()), hf_shapes=shapes,
                     token_indices=token_indices, embedding_name=embedding_name)
+
+
+def _unwrapped(mapping: Mapping) -> Mapping:
+    """The mapping a weight stored transposed (``Conv1D``) would have as an ``nn.Linear`` weight; others as they are."""
+    return mapping.inner if isinstance(mapping, Transposed) else mapping
+
+
+def _set_fan_in_fan_out(config, conv1d: bool | None, params: bool) -> None:
+    """``config.fan_in_fan_out`` as PEFT leaves it (``lora.layer.dispatch_default``: True on a ``Conv1D`` target,
+    False on an ``nn.Linear`` one, the last module target deciding; ``conv1d`` None: no module target), with PEFT's
+    warning where that changes it; refused where it stays True for parameter targets (``params``), as PEFT's
+    ``ParamWrapper`` refuses it."""
+    import warnings
+
+    if conv1d is None and config.fan_in_fan_out and params:
+        raise LoraConfigError("LoraConfig(fan_in_fan_out=True) does not apply to target_parameters (PEFT's "
+                              "ParamWrapper refuses it too): leave fan_in_fan_out False.")
+    if conv1d is None or bool(config.fan_in_fan_out) == conv1d:
+        return
+    warnings.warn("fan_in_fan_out is set to False but the target module is `Conv1D`. Setting fan_in_fan_out to True."
+                  if conv1d else "fan_in_fan_out is set to True but the target module is `torch.nn.Linear`. Setting "
+                  "fan_in_fan_out to False.")
+    config.fan_in_fan_out = conv1d
 
 
 def _in_tower(mapping: Mapping) -> bool:

@@ -19,7 +19,7 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
               "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe", "starcoder2",
               "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi", "gptj", "stablelm",
-              "llama4", "falcon", "falcon_mqa", "gpt2")
+              "llama4", "falcon", "falcon_mqa", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "qwen3_5")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -28,7 +28,7 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
     "original_max_position_embeddings": 32, "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
 # linears' biases randomised in the tiny checkpoints
-_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm", "falcon", "gpt2")
+_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm", "falcon", "gpt2", "gpt_bigcode")
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
 
@@ -171,6 +171,17 @@ def _config(arch: str, **overrides):
                             layer_norm_epsilon=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                             pad_token_id=0)
         cfg.architectures = ["GPT2LMHeadModel"]
+    elif arch in ("gpt_bigcode", "gpt_bigcode_mha"):
+        # NOTE: gpt_bigcode: StarCoder's layout shrunk: GPT-2's layer with nn.Linear weights, multi-query attention
+        # (c_attn [q of every head, k, v]), learned positions (128), gelu_pytorch_tanh, tied embeddings (biases
+        # randomised in make_tiny_checkpoint); gpt_bigcode_mha: without multi_query (c_attn [head, (q, k, v)]), an
+        # untied LM head
+        mqa = arch == "gpt_bigcode"
+        cfg = tf.GPTBigCodeConfig(vocab_size=203, n_positions=128, n_embd=64, n_layer=4, n_head=4, n_inner=96,
+                                  activation_function="gelu_pytorch_tanh", resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0, layer_norm_epsilon=1e-5, multi_query=mqa, tie_word_embeddings=mqa,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        cfg.architectures = ["GPTBigCodeForCausalLM"]
     elif arch == "stablelm":
         # NOTE: StableLM 2 12B's layout shrunk, with 1.6B's q / k / v biases: LayerNorms, one before the attention and
         # the MLP side by side, per-head q / k LayerNorms, a quarter of each head rotated, GQA
@@ -248,6 +259,16 @@ def _config(arch: str, **overrides):
         # NOTE: Granite 3's four multipliers, none of them 1 (granite-3.1-2b: 12, 0.22, 0.015625, 8), tied embeddings
         cfg = tf.GraniteConfig(**{**common, "tie_word_embeddings": True}, embedding_multiplier=12.0,
                                residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=8.0)
+    elif arch == "qwen3_5":
+        # NOTE: Qwen3.5's layout shrunk: Gated DeltaNet layers 0, 1, 3 (2 key heads serving 4 value heads of another
+        # size) and a gated full-attention layer 2 with partial rotary (a quarter of each head), zero-centred norms
+        cfg = tf.Qwen3_5TextConfig(**{**common, "head_dim": 16}, linear_num_key_heads=2, linear_num_value_heads=4,
+                                   linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                                   layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                "linear_attention"],
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.25})
+        cfg.architectures = ["Qwen3_5ForCausalLM"]
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
     for k, v in overrides.items():
@@ -288,10 +309,14 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
     with torch.no_grad():
         # NOTE: random norm weights (HF initialises them to 1), so a bridge that drops a norm cannot pass; Gemma's
         # store weight - 1 (scales around 1 there too)
-        centre = 0.0 if getattr(cfg, "model_type", "") in ("gemma", "gemma2", "gemma3_text") else 1.0
+        centre = 0.0 if getattr(cfg, "model_type", "") in ("gemma", "gemma2", "gemma3_text", "qwen3_5_text") else 1.0
         for name, p in model.named_parameters():
-            if "norm" in name or ".ln_" in name:  # NOTE: LayerNorms' biases (StarCoder2) around 0; GPT-J's ln_1 / ln_f
+            if "linear_attn.norm" in name:  # NOTE: Qwen3.5's gated norm stores its weight itself (around 1)
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "norm" in name or ".ln_" in name:  # NOTE: LayerNorms' biases (StarCoder2) around 0; GPT-J's ln_*
                 p.copy_((0.0 if name.endswith("bias") else centre) + 0.1 * torch.randn_like(p))
+            elif name.endswith("linear_attn.dt_bias"):  # NOTE: HF: ones (so that a swap with A_log would show)
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token

@@ -91,13 +91,14 @@ def wrapping_engines(chunks) -> list["MegatronEngine"]:
 
 def _weight_decay_overrides() -> dict:
     """megatron's standard exclusion from weight decay (biases and 1-D parameters), but for the DoRA magnitudes
-    (``lora.<target>.magnitude``) and attention sinks (gpt-oss's ``sinks``, megatron's ``softmax_offset``):
-    transformers.Trainer decides by name (biases and norms), so it decays them."""
+    (``lora.<target>.magnitude``), attention sinks (gpt-oss's ``sinks``, megatron's ``softmax_offset``) and Gated
+    DeltaNet's ``A_log`` (Qwen3.5; its ``dt_bias`` is a "bias" to Trainer too): transformers.Trainer decides by name
+    (biases and norms), so it decays them."""
     from megatron.core.optimizer import ParamGroupOverride, ParamKey
     from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 
     def no_decay(param, name: str) -> bool:
-        kept = name.endswith((".magnitude", ".softmax_offset"))
+        kept = name.endswith((".magnitude", ".softmax_offset", ".A_log"))
         return (len(param.shape) == 1 or name.endswith(".bias")) and not kept
 
     return {ParamKey(with_name_predicate=ParamWithNamePredicate(name="loong_no_wd", fn=no_decay)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from loongforge_hf.bridges.config_map import kv_heads_of
 
 # NOTE: model types whose MLP is two matrices (``fc2(act(fc1(x)))``), not gate / up / down
-UNGATED_MLP = ("gpt_neox", "starcoder2", "arcee", "phi", "gptj", "falcon", "gpt2")
+UNGATED_MLP = ("gpt_neox", "starcoder2", "arcee", "phi", "gptj", "falcon", "gpt2", "gpt_bigcode")
 
 
 def model_flops_per_token(hf_config, *, seq_len: int) -> float:
@@ -16,7 +16,8 @@ def model_flops_per_token(hf_config, *, seq_len: int) -> float:
     hd = getattr(hf_config, "head_dim", None) or h // heads
     layers = hf_config.num_hidden_layers
     # NOTE: the experts' width is moe_intermediate_size where the config has one (Qwen3-MoE), else intermediate_size
-    # (Mixtral, gpt-oss: num_local_experts); GPT-J and GPT-2 name it n_inner (None: 4 x hidden), Falcon ffn_hidden_size
+    # (Mixtral, gpt-oss: num_local_experts); GPT-J, GPT-2 and GPTBigCode name it n_inner (None: 4 x hidden), Falcon
+    # ffn_hidden_size
     experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     dense = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) \
         or getattr(hf_config, "ffn_hidden_size", None) or 4 * h
@@ -28,6 +29,8 @@ def model_flops_per_token(hf_config, *, seq_len: int) -> float:
     head = 2 * h * hf_config.vocab_size
     if getattr(hf_config, "model_type", None) == "llama4_text":
         return 3.0 * (layers * attn_proj + _llama4_mlps_and_scores(hf_config, seq_len=seq_len) + head)
+    if getattr(hf_config, "model_type", None) == "qwen3_5_text":
+        return 3.0 * (_qwen3_5_mixers(hf_config, seq_len=seq_len) + layers * mlp + head)
     return 3.0 * (layers * (attn_proj + mlp + attn_scores) + head)
 
 
@@ -43,3 +46,17 @@ def _llama4_mlps_and_scores(hf_config, *, seq_len: int) -> float:
         keys = min(seq_len, c.attention_chunk_size) if i < len(kinds) and kinds[i] == "chunked_attention" else seq_len
         total += 2 * 3 * h * width + 2 * 2 * heads * hd * keys / 2
     return total
+
+
+def _qwen3_5_mixers(hf_config, *, seq_len: int) -> float:
+    """Qwen3.5's token mixers: full-attention layers with the output gate's rows in q_proj; Gated DeltaNet layers'
+    in-projections (q, k, v, z, b, a), depthwise conv and out_proj, and the delta rule at its recurrent cost (per value
+    head and token three products with the ``k_dim x v_dim`` state: the read of k, the write, the read of q)."""
+    c = hf_config
+    h, heads, kv, hd = c.hidden_size, c.num_attention_heads, kv_heads_of(c), c.head_dim
+    kd, vd = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+    nv = c.linear_num_value_heads
+    full = 2 * h * (2 * heads * hd + 2 * kv * hd) + 2 * heads * hd * h + 2 * 2 * heads * hd * seq_len / 2
+    linear = (2 * h * (2 * kd + 2 * vd + 2 * nv) + 2 * vd * h + 2 * c.linear_conv_kernel_dim * (2 * kd + vd)
+              + 3 * 2 * nv * c.linear_key_head_dim * c.linear_value_head_dim)
+    return sum(linear if kind == "linear_attention" else full for kind in c.layer_types)

@@ -37,7 +37,7 @@ QUICK_S = 10.0
 LOAD_CASES = ("missing_shard", "corrupt_header", "truncated_shard", "index_escape", "shape_mismatch", "pickle_refused",
               "opt", "foo_architecture", "unknown_model_type", "rope_dynamic", "sliding_window", "gemma_softcapping",
               "heads_vs_tp", "world_size", "vpp_layers", "hub_id_not_cached", "gpt_oss_split_experts",
-              "gpt_oss_alpha")
+              "gpt_oss_alpha", "qwen3_5_context_parallel")
 
 
 # ---- what runs inside each rank -------------------------------------------------------------------------------------
@@ -257,6 +257,10 @@ def load_cases(base, tmp_path_factory):
     alpha = make_tiny_checkpoint(tmp / "gpt_oss_alpha", "gpt_oss", tokenizer=False,
                                  swiglu_alpha=1.5)
     cases["gpt_oss_alpha"] = (alpha, TP2, "UnsupportedConfigError", ["swiglu_alpha=1.5", "1.702"])
+    qwen3_5 = make_tiny_checkpoint(tmp / "qwen3_5", "qwen3_5", tokenizer=False)
+    cases["qwen3_5_context_parallel"] = (qwen3_5, {"context_parallel_size": 2}, "UnsupportedConfigError",
+                                         ["context_parallel_size=2 is not supported", "Qwen3_5ForCausalLM",
+                                          "recurrent state"])
     assert tuple(cases) == LOAD_CASES
     return cases
 
@@ -617,6 +621,62 @@ def test_falcon_fields_megatron_cannot_express_refused():
                                                            num_key_value_heads=kv_heads_of(config))
 
 
+def test_gpt_bigcode_fields_megatron_cannot_express_refused():
+    """GPTBigCode with unscaled scores, cross-attention or an activation the shared table lacks: refused by the
+    bridge's pure check, naming the field; the hub's settings are taken (one KV head with ``multi_query``, whatever a
+    stale ``num_key_value_heads`` says, every head without it; ``n_inner`` None as 4 x ``n_embd``, the three dropouts,
+    LayerNorms and biases, learned positions, the tied head), and one KV head at TP 2 by the layout check. The two
+    softmax-in-fp32 flags are taken either way: transformers' attention does not read them (its fp32 logits are the
+    same bit for bit with both off). ``token_type_ids`` are refused by the forward."""
+    import types
+
+    import torch
+    import transformers
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.config_map import gelu_tanh, kv_heads_of
+    from loongforge_hf.modeling import LoongModelForCausalLM
+    from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
+    from loongforge_hf.testing.tiny_models import _config
+
+    name = "GPTBigCodeForCausalLM"
+    for field, value, match in (("scale_attn_weights", False, rf"scale_attn_weights=False is not supported for {name}"),
+                                ("add_cross_attention", True, r"add_cross_attention=True is not supported"),
+                                ("activation_function", "relu", r"hidden_act='relu' is not supported")):
+        with pytest.raises(UnsupportedConfigError, match=match):
+            get_bridge(_config("gpt_bigcode", **{field: value}))
+    mqa = get_bridge(_config("gpt_bigcode", resid_pdrop=0.1, embd_pdrop=0.2, attn_pdrop=0.3, n_inner=None))
+    kw = mqa.transformer_config_kwargs()
+    assert kw["num_query_groups"] == 1 and kw["hidden_dropout"] == 0.1 and mqa.embedding_dropout == 0.2
+    assert kw["attention_dropout"] == 0.3 and kw["ffn_hidden_size"] == 256 and kw["normalization"] == "LayerNorm"
+    assert kw["add_bias_linear"] and kw["add_qkv_bias"] and not kw["gated_linear_unit"] and mqa.tied
+    assert kw["activation_func"] is gelu_tanh and kw["layernorm_epsilon"] == 1e-5
+    shapes = mqa.expected_hf_shapes()
+    assert shapes["transformer.h.0.attn.c_attn.weight"] == (96, 64) and "lm_head.weight" not in shapes
+    assert shapes["transformer.h.0.mlp.c_fc.weight"] == (256, 64) and shapes["transformer.wpe.weight"] == (128, 64)
+    assert mqa.position_embedding_type == "learned_absolute"
+    mha = get_bridge(_config("gpt_bigcode", multi_query=False))  # NOTE: num_key_value_heads stays 1 (set at init)
+    assert mha.transformer_config_kwargs()["num_query_groups"] == 4
+    assert mha.expected_hf_shapes()["transformer.h.0.attn.c_attn.weight"] == (192, 64)
+    assert "lm_head.weight" in get_bridge(_config("gpt_bigcode_mha")).expected_hf_shapes()
+    flags = dict(attention_softmax_in_fp32=False, scale_attention_softmax_in_fp32=False)
+    assert get_bridge(_config("gpt_bigcode", **flags)).transformer_config_kwargs() == \
+        get_bridge(_config("gpt_bigcode")).transformer_config_kwargs()
+    torch.manual_seed(0)
+    ref = transformers.GPTBigCodeForCausalLM(_config("gpt_bigcode")).eval()
+    off = transformers.GPTBigCodeForCausalLM(_config("gpt_bigcode", **flags)).eval()
+    off.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 203, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, off(ids).logits)
+    with pytest.raises(ParallelLayoutError, match=r"num_key_value_heads=1 is not divisible by tensor_parallel_size=2"):
+        ParallelConfig(tensor_parallel_size=2).check_model(num_layers=4, num_attention_heads=4,
+                                                           num_key_value_heads=kv_heads_of(_config("gpt_bigcode")))
+    with pytest.raises(TypeError, match=rf"token_type_ids are not supported for {name}"):
+        LoongModelForCausalLM.forward(types.SimpleNamespace(bridge=mqa), torch.zeros(1, 3, dtype=torch.long),
+                                      token_type_ids=torch.zeros(1, 3, dtype=torch.long))
+
+
 def test_llama4_fields_megatron_cannot_express_refused():
     """Llama 4 with top-2 routing (megatron renormalises sigmoid top-k scores and scales the experts' input at top-1
     only), ``attention_bias``, an unknown layer type, chunked layers without a chunk size, a rope type other than
@@ -653,3 +713,38 @@ def test_llama4_fields_megatron_cannot_express_refused():
         masked_attention(q, q, q, allowed=torch.ones(1, 1, 1, 1, dtype=torch.bool), scale=1.0)
     with attention_chunks(5), pytest.raises(ValueError, match=r"chunked attention .* context-parallel ranks"):
         partial_attention(q, q, q, allowed=torch.ones(1, 1, 1, 1, dtype=torch.bool), scale=1.0)
+
+
+def test_qwen3_5_fields_and_layouts_megatron_cannot_express_refused():
+    """Qwen3.5 with an unknown layer type, layer types not one per layer, value heads that do not group over the key
+    heads, another activation, ``attention_bias``; context parallelism and linear heads that do not split over TP
+    (the layout check); a KV-cache generate: each refused naming the field (pure, before any collective)."""
+    from types import SimpleNamespace
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel import ParallelConfig
+    from loongforge_hf.testing.tiny_models import _config
+
+    for field, value, match in (
+            ("layer_types", ["sliding_attention"] * 4, r"layer_types \['sliding_attention'\] are not supported for "
+                                                       r"Qwen3_5ForCausalLM"),
+            ("layer_types", ["full_attention"] * 3, r"layer_types has 3 entries for 4 layers"),
+            ("linear_num_value_heads", 3, r"linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
+            ("hidden_act", "gelu", r"hidden_act='gelu' is not supported for Qwen3_5ForCausalLM"),
+            ("attention_bias", True, r"attention_bias=True is not supported for Qwen3_5ForCausalLM")):
+        with pytest.raises(UnsupportedConfigError, match=match):
+            get_bridge(_config("qwen3_5", **{field: value}))
+    bridge = get_bridge(_config("qwen3_5"))
+    kw = bridge.transformer_config_kwargs()
+    assert kw["attention_output_gate"] and kw["layernorm_zero_centered_gamma"] and kw["qk_layernorm"]
+    assert bridge.rope_parameters()["partial_rotary_factor"] == 0.25
+    with pytest.raises(UnsupportedConfigError, match=r"context_parallel_size=2 is not supported for "
+                                                     r"Qwen3_5ForCausalLM"):
+        bridge.check_layout(ParallelConfig(context_parallel_size=2))
+    bridge.check_layout(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True))
+    odd = get_bridge(_config("qwen3_5", linear_num_key_heads=1, linear_num_value_heads=3))
+    with pytest.raises(UnsupportedConfigError, match=r"linear_num_key_heads=1 does not split over "
+                                                     r"tensor_parallel_size=2"):
+        odd.check_layout(ParallelConfig(tensor_parallel_size=2))
+    assert "use_cache=False" in bridge.generation_refusal(SimpleNamespace(use_cache=True))
+    assert bridge.generation_refusal(SimpleNamespace(use_cache=False)) is None

@@ -78,6 +78,8 @@ def _check_expert_grads(model, ref, layer: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from loongforge_hf.lora.experts import megatron_factors
+
     ref_params = dict(ref.named_parameters())
     chunk = dict(model.chunks[0].named_parameters())
     # every data-parallel rank feeds the same batch, and each routes it to this rank's experts
@@ -103,9 +105,8 @@ def _check_expert_grads(model, ref, layer: int = 1) -> None:
             if ps.get_expert_data_parallel_world_size() > 1:
                 for g in ours:
                     dist.all_reduce(g, group=ps.get_expert_data_parallel_group())
-            b = t.b_to_megatron(theirs[1], None)  # NOTE: B's rows in megatron's order (gpt-oss: [gate; up])
-            theirs = [dp * theirs[0].reshape(t.num_experts, t.r, t.in_features)[local],
-                      dp * b.reshape(t.out_features, t.r, t.num_experts).permute(2, 0, 1)[local]]
+            # NOTE: megatron's orientation: B's rows in its order (gpt-oss: [gate; up]), Llama 4's factors swapped
+            theirs = [dp * g[local] for g in megatron_factors(t, *theirs)]
         for f, a, b in zip("AB", ours, theirs):
             _close(a, b, f"d{f} {t.hf_module}")
             checked += 1

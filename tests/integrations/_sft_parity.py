@@ -139,6 +139,15 @@ def run_trl(folder: str, out_dir: str, names: list[str], scenarios: dict = SCENA
     for name in names:
         kind, overrides, lora = scenarios[name]
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if not hasattr(model, model.base_model_prefix):
+            # NOTE: TRL 1.16's fused loss runs model.base_model as the backbone, which is the whole model where
+            # base_model_prefix names no attribute (Llama4ForCausalLM's "language_model"; its backbone is .model)
+            model.base_model_prefix = "model"
+        if model.loss_type is None:
+            # NOTE: transformers' Trainer counts num_items_in_batch over labels[..., 1:] (the shifted targets) only
+            # where the model's loss_type, taken from its class name, is ForCausalLM; GPT2LMHeadModel's is None, so
+            # it counts each row's first label too and scales the loss (and gradients) by targets / labels
+            model.loss_type = "ForCausalLM"
         trainer = trl.SFTTrainer(model=model, args=sft_config(f"{out_dir}/{name}", **overrides, **extra),
                                  train_dataset=make_dataset(kind), eval_dataset=_eval_dataset(kind, overrides),
                                  processing_class=_tokenizer(folder),

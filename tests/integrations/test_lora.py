@@ -35,13 +35,15 @@ INIT_CASES = {
     "patterns_rslora": ("qwen3", dict(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], use_rslora=True,
                                       rank_pattern={r"layers\.[02]\.self_attn\.q_proj": 6},
                                       alpha_pattern={"down_proj": 1})),
+    # NOTE: GPT-2's Conv1D linears (weights stored [in, out]): A [r, in], B [out, r] as for nn.Linear
+    "gpt2_conv1d": ("gpt2", dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"mlp.c_proj": 2})),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-src")
-    return {arch: make_tiny_checkpoint(base / arch, arch) for arch in ("llama", "qwen2", "qwen3", "phi3")}
+    return {arch: make_tiny_checkpoint(base / arch, arch) for arch in ("llama", "qwen2", "qwen3", "phi3", "gpt2")}
 
 
 @pytest.mark.parametrize("case", list(INIT_CASES))
@@ -93,6 +95,55 @@ def test_unsupported_configs_are_refused(checkpoints, kw, match):
     bridge = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["llama"]))
     with pytest.raises(LoraConfigError, match=match):
         plan_lora(bridge, peft.LoraConfig(**kw))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(target_modules=["c_attn"], modules_to_save=["wte"]), "tied to the LM head"),
+    (dict(target_modules=["c_attn"], modules_to_save=["lm_head"]), "embedding's own weight"),
+    (dict(target_modules=["c_attn"], modules_to_save=["c_fc"]), "cannot be trained whole"),
+    (dict(target_modules=["lm_head"]), r"cannot carry a LoRA adapter.*'c_attn', 'c_fc', 'c_proj'"),
+])
+def test_gpt2_unsupported_configs_are_refused(checkpoints, kw, match):
+    """GPT-2: the embedding (tied to the LM head) and its Conv1D linears cannot be trained whole; the LM head is no
+    LoRA target (the message lists the Conv1D modules that are)."""
+    import peft
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.lora import LoraConfigError
+    from loongforge_hf.lora.plan import plan_lora
+
+    bridge = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["gpt2"]))
+    with pytest.raises(LoraConfigError, match=match):
+        plan_lora(bridge, peft.LoraConfig(**kw))
+
+
+@pytest.mark.parametrize("arch, given, expected", [("gpt2", False, True), ("gpt2", True, True),
+                                                   ("llama", True, False), ("llama", False, False)])
+def test_fan_in_fan_out_set_as_peft_sets_it(checkpoints, arch, given, expected):
+    """PEFT sets ``fan_in_fan_out`` True on Conv1D targets and False on nn.Linear ones, warning where it changes it;
+    the plan's config (what adapter_config.json gets) says the same, the user's config is left as it was."""
+    import warnings
+
+    import peft
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.lora.plan import plan_lora
+
+    kw = dict(r=2, target_modules="all-linear", fan_in_fan_out=given)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as theirs:
+        warnings.simplefilter("always")
+        ref = peft.get_peft_model(hf, peft.LoraConfig(**kw))
+    config = peft.LoraConfig(**kw)
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        plan = plan_lora(get_bridge(transformers.AutoConfig.from_pretrained(checkpoints[arch])), config)
+    assert plan.config.fan_in_fan_out is expected is ref.peft_config["default"].fan_in_fan_out
+    assert config.fan_in_fan_out is given
+    said = [[str(w.message) for w in caught if "fan_in_fan_out" in str(w.message)] for caught in (ours, theirs)]
+    assert said[0] == said[1] and len(said[1]) == (given != expected), said
 
 
 def _other_linear_in_a_target_slot(folder: str) -> dict:

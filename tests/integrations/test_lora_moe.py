@@ -112,6 +112,9 @@ def test_targets_and_initial_adapters_are_peft_s(setup, arch, kw):
     ("qwen3_moe", dict(target_modules="all-linear", lora_dropout=0.05), "lora_dropout=0.05 .*set lora_dropout=0"),
     ("qwen3_moe", dict(target_modules=["q_proj"], target_parameters=["post_attention_layernorm.weight"]),
      "cannot carry a LoRA adapter here; supported: 'gate_up_proj'"),
+    # NOTE: PEFT's rewrite leaves only expert stacks: its ParamWrapper refuses fan_in_fan_out
+    ("qwen3_moe", dict(target_modules=["gate_proj", "up_proj"], fan_in_fan_out=True),
+     r"fan_in_fan_out=True\) does not apply to target_parameters"),
 ])
 def test_unsupported_expert_configs_are_refused(setup, arch, kw, match):
     import peft

@@ -1,4 +1,4 @@
-"""LoRA on GLM-4.5, Qwen2-MoE, gpt-oss, ERNIE 4.5 MoE and OLMoE against PEFT and TRL.
+"""LoRA on GLM-4.5, Qwen2-MoE, gpt-oss, ERNIE 4.5 MoE, OLMoE and Llama 4 against PEFT and TRL.
 
 - GLM-4.5 (``Glm4MoeForCausalLM``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's
   routing, shared experts, a dense first layer): PEFT adapts q/k/v/o as plain linears (q/k/v slots of megatron's
@@ -15,6 +15,12 @@
 - OLMoE (``OlmoeForCausalLM``): q/k/v/o adapted in front of its q / k norms over all heads (split over TP with the
   heads); ``"all-linear"``, through PEFT's rewrite on transformers 5 (as GLM-4.5's), adapts the attention, the
   routed expert stacks and the router.
+- Llama 4 (``Llama4ForCausalLM``): ``"all-linear"`` without the router (attention, the dense layers' MLPs, the shared
+  experts) plus ``target_parameters`` on the expert stacks (``[E, in, out]``, which PEFT reads as ``[E, out, in]``:
+  its A on the stacks' output side) and the router's weight, whose top-1 sigmoid score scales the expert's input;
+  DoRA on the same linears.
+  The router as a module (PEFT's ``"all-linear"`` picks it: an ``nn.Linear`` returning scores and logits, on which
+  PEFT's forward fails) is refused, naming the way out.
 
 Checks (``_lora_moe.moe_model_checks`` against ``peft.get_peft_model``, the same initial values): the attention
 projections with a norm in ``modules_to_save``, and ``"all-linear"``, at TP1, TP2 + SP with the experts whole
@@ -53,16 +59,28 @@ GPT_OSS_PARAMS = dict(ALL_LINEAR, target_parameters=["mlp.experts.gate_up_proj",
 # stacks and the fp32 router (routed on softmax + its fixed expert bias) as target_parameters
 ERNIE_PARAMS = dict(ALL_LINEAR, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
                                                    "mlp.gate.weight"])
+# NOTE: Llama 4: "all-linear" less the router (an nn.Linear returning scores and logits: PEFT's LoRA layer fails on
+# it), plus the expert stacks and the router's weight as target_parameters
+LLAMA4_PARAMS = dict(ALL_LINEAR, exclude_modules=["router"], target_parameters=[
+    "feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj", "feed_forward.router.weight"])
+# DoRA on the same linears (PEFT refuses it on parameter targets)
+LLAMA4_DORA = dict(ALL_LINEAR, exclude_modules=["router"], use_dora=True)
 MODELS = {"glm4_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, True)},
           "qwen2_moe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, False)},
           "gpt_oss": {"all_linear_experts": (GPT_OSS_PARAMS, True)},
           "ernie4_5_moe": {"all_linear_experts": (ERNIE_PARAMS, True)},
-          "olmoe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, True)}}
+          "olmoe": {"attention": (ATTENTION, False), "all_linear": (ALL_LINEAR, True)},
+          "llama4": {"all_linear_experts": (LLAMA4_PARAMS, True), "dora": (LLAMA4_DORA, False)}}
 CASES = [(m, c) for m, cases in MODELS.items() for c in cases]
 LAYOUTS = {"tp1": (1, {}),
            "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}),
            "ep2_dp2": (2, {"expert_parallel_size": 2}), "pp2": (2, {"pipeline_parallel_size": 2}),
            "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2})}
+# NOTE: Llama 4's SFT LoRA as its model check's; no balancing loss (the reference's TRL 1.16 cannot compute one for
+# Llama 4, whose transformers model adds none: test_sft.py)
+SFT_BY_MODEL = {"llama4": {"lora_all_linear": (SFT_SCENARIOS["lora_all_linear"][0], {
+    **SFT_SCENARIOS["lora_all_linear"][1], "router_aux_loss_coef": 0.0}, {
+    **SFT_SCENARIOS["lora_all_linear"][2], **{k: LLAMA4_PARAMS[k] for k in ("exclude_modules", "target_parameters")}})}}
 SFT_LAYOUT = {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1,
               "expert_parallel_size": 2}
 
@@ -77,11 +95,12 @@ def _world(folders: dict, adapters: dict, out_dir: str, layouts: list[str]) -> d
            for layout in layouts for model, case in CASES}
     names = list(SFT_SCENARIOS)
     for model, folder in folders.items():
+        scenarios = SFT_BY_MODEL.get(model, SFT_SCENARIOS)
         if layouts == ["tp1"]:
-            out[f"trl/{model}"] = run_trl(folder, f"{out_dir}/trl-{model}", names, SFT_SCENARIOS)
-            out[f"sft/{model}"] = run_loong(folder, f"{out_dir}/sft-{model}", {}, names, SFT_SCENARIOS)
+            out[f"trl/{model}"] = run_trl(folder, f"{out_dir}/trl-{model}", names, scenarios)
+            out[f"sft/{model}"] = run_loong(folder, f"{out_dir}/sft-{model}", {}, names, scenarios)
         else:
-            out[f"sft/{model}"] = run_loong(folder, f"{out_dir}/sft-{model}", SFT_LAYOUT, names, SFT_SCENARIOS)
+            out[f"sft/{model}"] = run_loong(folder, f"{out_dir}/sft-{model}", SFT_LAYOUT, names, scenarios)
     if layouts != ["tp1"]:
         from ._sft_parity import resume_matches_uninterrupted
 
@@ -120,11 +139,12 @@ def test_sft_matches_trl(results, name, model):
     from ._sft_parity import assert_matches
 
     one, two = results
+    scenarios = SFT_BY_MODEL.get(model, SFT_SCENARIOS)
     ref = one[0][f"trl/{model}"][name]
-    assert_matches(name, ref, one[0][f"sft/{model}"][name], SFT_SCENARIOS)
+    assert_matches(name, ref, one[0][f"sft/{model}"][name], scenarios)
     for rank in two:
         assert rank[f"sft/{model}"][name]["losses"] == two[0][f"sft/{model}"][name]["losses"]
-    assert_matches(name, ref, two[0][f"sft/{model}"][name], SFT_SCENARIOS)
+    assert_matches(name, ref, two[0][f"sft/{model}"][name], scenarios)
 
 
 def test_shared_gate_dropout_keeps_tp_replicas_in_step(results):
@@ -157,3 +177,30 @@ def test_dora_on_the_shared_expert_gate_refused_naming_the_way_out(tmp_path):
     plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear", use_dora=True,
                                              exclude_modules=["shared_expert_gate"]))
     assert plan.targets and not any(t.kind == "shared_gate" for t in plan.targets)
+
+
+def test_llama4_router_as_a_module_refused_naming_the_way_out(tmp_path):
+    """Llama 4: PEFT's "all-linear" (or "router" by name) wraps Llama4Router, an nn.Linear returning routing scores
+    and logits, and PEFT's forward then fails: refused, naming target_parameters and exclude_modules; done so, the
+    plan holds the attention, dense-MLP and shared-expert linears and the experts / router as parameters."""
+    import peft
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+
+    folder = make_tiny_checkpoint(tmp_path / "llama4", "llama4", tokenizer=False)
+    bridge = get_bridge(transformers.AutoConfig.from_pretrained(folder))
+    message = r"layers.1.feed_forward.router.*Llama4Router.*target_parameters=\['feed_forward.router.weight'\].*" \
+        r"exclude_modules=\['router'\]"
+    for targets in ("all-linear", ["q_proj", "router"]):
+        with pytest.raises(LoraConfigError, match=message):
+            plan_lora(bridge, peft.LoraConfig(r=2, target_modules=targets))
+    plan = plan_lora(bridge, peft.LoraConfig(**{**LLAMA4_PARAMS, "init_lora_weights": True}))
+    modules = {t.hf_module.split(".layers.")[1].split(".", 1)[1] for t in plan.targets}
+    assert modules == {f"self_attn.{p}_proj" for p in "qkvo"} | {f"feed_forward.{p}_proj" for p in
+                                                                 ("gate", "up", "down")} | \
+        {f"feed_forward.shared_expert.{p}_proj" for p in ("gate", "up", "down")} | \
+        {"feed_forward.experts", "feed_forward.experts.base_layer", "feed_forward.router"}, modules
+    assert {t.layer for t in plan.targets if t.kind in ("experts", "router")} == {1, 3}
+    assert all(t.factors_swapped for t in plan.targets if t.kind == "experts")

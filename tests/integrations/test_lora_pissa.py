@@ -1,8 +1,9 @@
 """PiSSA and OLoRA (``LoraConfig(init_lora_weights="pissa" | "pissa_niter_<n>" | "olora")``) against PEFT.
 
 One single-rank run (tiny Llama, all-linear, one ``rank_pattern`` entry; Phi-3's packed ``qkv_proj`` /
-``gate_up_proj``; DoRA on PiSSA) and one two-rank run (TP2 + SP with ``pissa_niter_2``, PP2 with OLoRA, Phi-3 at TP2
-with PiSSA), each against ``peft.get_peft_model`` on the transformers model after the same seed:
+``gate_up_proj``; GPT-2's Conv1D linears, stored ``[in, out]``; DoRA on PiSSA) and one two-rank run (TP2 + SP
+with ``pissa_niter_2``, PP2 with OLoRA, Phi-3 at TP2 with PiSSA), each against ``peft.get_peft_model`` on the
+transformers model after the same seed:
 - every A and B and every residual base weight (the bridge's HF export of the base, ``W - scaling * B @ A``) equal to
   PEFT's bit for bit at TP1 (LAPACK in the same process: same singular vectors, signs included), and the CPU
   generator left where PEFT leaves it (``pissa_niter``'s draws replayed on the rank that decomposes each target);
@@ -33,6 +34,8 @@ SEED = 5
 LLAMA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"o_proj": 2})
 PHI3_KW = dict(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                init_lora_weights="pissa")
+# NOTE: GPT-2's Conv1D weights are stored [in, out]: PEFT decomposes them transposed (fan_in_fan_out)
+GPT2_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights="pissa")
 
 
 def _ids() -> torch.Tensor:
@@ -141,8 +144,9 @@ def parity_checks(folder: str, out: str, layout: dict, kw: dict, *, exports: boo
         residual, original = CheckpointReader(out + "/residual"), CheckpointReader(folder)
         merged, theirs = CheckpointReader(out + "/merged-init"), ref.get_base_model().state_dict()
 
-        def peft_residual(name):  # NOTE: an adapted linear's weight is its base_layer's in PEFT's module tree
-            return theirs.get(name.replace(".weight", ".base_layer.weight"), theirs.get(name))
+        def peft_residual(name):  # NOTE: an adapted linear's weight (and bias) is its base_layer's in PEFT's tree
+            module, _, param = name.rpartition(".")
+            return theirs.get(f"{module}.base_layer.{param}", theirs.get(name))
 
         names = original.keys()
         res["residual_diff"] = max(float((residual.get(n) - peft_residual(n)).abs().max()) for n in names)
@@ -205,7 +209,7 @@ def parity_checks(folder: str, out: str, layout: dict, kw: dict, *, exports: boo
     return res
 
 
-def one_rank_checks(llama: str, phi3: str, out: str) -> dict:
+def one_rank_checks(llama: str, phi3: str, gpt2: str, out: str) -> dict:
     return {"pissa": parity_checks(llama, out + "/pissa", {}, dict(LLAMA_KW, init_lora_weights="pissa"),
                                    exports=True),
             "olora": parity_checks(llama, out + "/olora", {}, dict(LLAMA_KW, init_lora_weights="olora"),
@@ -214,7 +218,8 @@ def one_rank_checks(llama: str, phi3: str, out: str) -> dict:
                                          exports=False),
             "dora": parity_checks(llama, out + "/dora", {}, dict(LLAMA_KW, init_lora_weights="pissa", use_dora=True),
                                   exports=False),
-            "phi3": parity_checks(phi3, out + "/phi3", {}, PHI3_KW, exports=False)}
+            "phi3": parity_checks(phi3, out + "/phi3", {}, PHI3_KW, exports=False),
+            "gpt2": parity_checks(gpt2, out + "/gpt2", {}, GPT2_KW, exports=False)}
 
 
 def two_rank_checks(llama: str, phi3: str, out: str) -> dict:
@@ -228,13 +233,14 @@ def two_rank_checks(llama: str, phi3: str, out: str) -> dict:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("pissa-src")
-    return {arch: str(make_tiny_checkpoint(base / arch, arch)) for arch in ("llama", "phi3")}
+    return {arch: str(make_tiny_checkpoint(base / arch, arch)) for arch in ("llama", "phi3", "gpt2")}
 
 
 @pytest.fixture(scope="module")
 def one_rank(checkpoints, tmp_path_factory):
     out = tmp_path_factory.mktemp("pissa-tp1")
-    [result] = run_distributed(one_rank_checks, 1, checkpoints["llama"], checkpoints["phi3"], str(out), timeout=400)
+    [result] = run_distributed(one_rank_checks, 1, checkpoints["llama"], checkpoints["phi3"], checkpoints["gpt2"],
+                               str(out), timeout=400)
     return result
 
 
@@ -256,7 +262,7 @@ def _assert_parity(res: dict, *, pipeline: bool = False) -> None:
         assert res["stepped_loss_diff"] < 1e-5 and res["step_moved_loss"] > 1e-3, res
 
 
-@pytest.mark.parametrize("case", ["pissa", "olora", "pissa_niter", "dora", "phi3"])
+@pytest.mark.parametrize("case", ["pissa", "olora", "pissa_niter", "dora", "phi3", "gpt2"])
 def test_one_rank_matches_peft(one_rank, case):
     res = one_rank[case]
     _assert_parity(res)

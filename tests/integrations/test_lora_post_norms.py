@@ -12,7 +12,12 @@ LayerNorm with bias, with biases on the MLP's linears and the LM head (trained w
 rotates part of each head in interleaved pairs. StableLM runs them side by side after one LayerNorm with bias, with q /
 k / v biases, per-head q / k LayerNorms split over TP (trained: an HF tensor per head) and GQA. Falcon
 (40B's layout) runs them side by side after a LayerNorm each (trained), with biases on every linear, q / k / v in one
-linear whose rows are megatron's per-KV-group order as they are (two groups) and tied embeddings.
+linear whose rows are megatron's per-KV-group order as they are (two groups) and tied embeddings. GPT-2's linears
+are transformers' Conv1D (weights stored [in, out]; PEFT adapts them with fan_in_fan_out, A [r, in] / B [out, r] as
+for a linear), q / k / v packed in c_attn (one adapter, B's rows reordered per head like the weight's), with learned
+positions (the table trained whole through ``modules_to_save`` with the LayerNorms) and tied embeddings.
+GPTBigCode (StarCoder's layer without multi_query; LoRA only) has GPT-2's layout with nn.Linear weights: c_attn's
+per-head q / k / v rows as megatron's, its LayerNorms and untied LM head trained whole.
 
 Checked against PEFT on the transformers model, from adapters PEFT wrote (every factor, magnitude and modules_to_save
 tensor moved off its initial value), at TP=2 + SP, PP=2 and CP=2: logits (1e-4) and loss (1e-5), every A / B /
@@ -61,10 +66,21 @@ ADAPTERS = {
     # NOTE: Falcon-40B's two norms side by side (trained whole); q / k / v in one linear fused group by group
     "falcon": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                             modules_to_save=["ln_attn", "ln_mlp"]), "dora": DORA_KW},
+    # NOTE: GPT-2's linears are Conv1D (PEFT's fan_in_fan_out), c_attn's q / k / v one adapter (B's rows reordered
+    # per head); its norms and the position table are trained whole (wte is tied to the LM head: refused)
+    "gpt2": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                          modules_to_save=["ln_1", "ln_2", "ln_f", "wpe"]), "dora": DORA_KW},
+    # NOTE: GPTBigCode without multi_query (MQA's one KV head does not split over TP): nn.Linear c_attn (q / k / v
+    # per head, megatron's rows as they are), c_proj (attention and MLP), c_fc named as PEFT matches them; its
+    # LayerNorms and the untied LM head trained whole. LoRA only (DoRA on the same column / row-parallel linears with
+    # biases: StarCoder2's, Falcon's), to keep the suite's time
+    "gpt_bigcode_mha": {"lora": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],
+                                     init_lora_weights=False, modules_to_save=["ln_1", "ln_2", "lm_head"])},
 }
 # NOTE: else q, k, v, o, gate, up, down; StarCoder2's c_fc, c_proj; GPT-NeoX's query_key_value, dense and two MLP
-# ones; GPT-J's q, k, v, out_proj, fc_in, fc_out
-TARGETS_PER_LAYER = {"glm4": 6, "starcoder2": 6, "gpt_neox": 4, "phi": 6, "gptj": 6, "falcon": 4}
+# ones; GPT-J's q, k, v, out_proj, fc_in, fc_out; GPT-2's c_attn, attn.c_proj, c_fc, mlp.c_proj
+TARGETS_PER_LAYER = {"glm4": 6, "starcoder2": 6, "gpt_neox": 4, "phi": 6, "gptj": 6, "falcon": 4, "gpt2": 4,
+                     "gpt_bigcode_mha": 4}
 LAYOUTS = {"tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
            "pp2": (2, {"pipeline_parallel_size": 2}), "cp2": (2, {"context_parallel_size": 2})}
 

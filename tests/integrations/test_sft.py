@@ -235,26 +235,41 @@ def test_phi3_matches_trl(tmp_path):
 
 
 # NOTE: each seed is one whose lora_text run predicts some label token (assert_matches' accuracy guard): SmolLM3's
-# seed 1, Gemma 3's seeds 0-4, Ministral's 0-1, OLMoE's 0-2 and Phi's 0 predict none
+# seed 1, Gemma 3's seeds 0-4, Ministral's 0-1, OLMoE's 0-2 and Phi's 0 predict none (Qwen3.5's full_weight_decay
+# run: seeds 0-2)
 ARCH_SEEDS = {"smollm3": 0, "gemma3": 5, "granite": 0, "olmo2": 0, "olmo3": 0, "gemma": 0, "gemma2": 0,
               "ministral": 2, "seed_oss": 0, "arcee": 0,
               "helium": 0, "ernie4_5": 0, "gpt_oss": 0, "glm4": 0, "granitemoe": 0, "exaone4": 0, "ernie4_5_moe": 0,
               "starcoder2": 0, "olmoe": 3, "gpt_neox": 0, "cohere": 0, "phi": 1, "gptj": 0, "stablelm": 0, "falcon": 0,
-              "gpt2": 0}
+              "gpt2": 0, "gpt_bigcode": 0, "llama4": 0, "qwen3_5": 3}
 
 
 # NOTE: gpt-oss: transformers' eager attention (the only one with its sinks on CPU: flex attention refuses them there)
 # lets packed documents attend to each other, so the full fine-tuning compared is unpacked, with a weight decay that
 # shows in the losses (the sinks are decayed, as Trainer decays them); packed rows: tests/bridges/test_gpt_oss.py
-# NOTE: GPT-2: full fine-tuning with packing (learned positions restarting per document); LoRA on its Conv1D
-# linears is not supported yet (refused by the plan)
-ARCH_NAMES = {"gpt_oss": ["lora_text", "full_weight_decay"], "gpt2": ["full_packing"]}
+# NOTE: GPT-2: all-linear LoRA on its Conv1D linears (PEFT's fan_in_fan_out) and full fine-tuning with packing
+# (learned positions restarting per document), the default pair
+ARCH_NAMES = {"gpt_oss": ["lora_text", "full_weight_decay"]}
+# NOTE: Llama 4: PEFT's "all-linear" wraps its router (an nn.Linear returning scores and logits) and fails, so LoRA
+# (the experts and the router as target_parameters) is compared with TRL in test_lora_moe_bridges.py
+ARCH_NAMES["llama4"] = ["full_packing"]
+# NOTE: Qwen3.5: transformers' torch fallback (no fla kernels here) runs a packed row's Gated DeltaNet recurrence across
+# documents, which ours restarts (tests/bridges/test_qwen3_5.py), and LoRA on its in-projections / gated q_proj is
+# refused ("all-linear" with it): full fine-tuning without packing, with a decay that shows (A_log, dt_bias, the conv)
+ARCH_NAMES["qwen3_5"] = ["full_weight_decay"]
+# NOTE: Llama 4's transformers model adds no router balancing loss whatever router_aux_loss_coef says (0.001 in its
+# config, which turns TRL's on): the engine adds none (bridges/router_balance.py); TRL 1.16's own would need
+# config.num_experts (Llama 4 has num_local_experts), so its reference run is told the coefficient is 0
+ARCH_TRL_ARGS = {"llama4": {"router_aux_loss_coef": 0.0}}
 # NOTE: TRL 1.16's fused loss reads the balancing loss's expert count from config.num_experts, which GraniteMoeConfig
 # does not have (num_local_experts): the reference run needs the field (the bridge reads num_local_experts)
 ARCH_OVERRIDES = {"granitemoe": {"num_experts": 4}}
 # NOTE: PEFT rewrites ERNIE 4.5 MoE's and OLMoE's "all-linear" (as Qwen2-MoE's) into adapters on the routed expert
 # stacks, which LoRA here adapts with every expert whole on its rank
 ARCH_LAYOUTS = {arch: {**PHI3_LAYOUT, "expert_tensor_parallel_size": 1} for arch in ("ernie4_5_moe", "olmoe")}
+# NOTE: GPTBigCode's multi-query attention (StarCoder's; one KV head does not split over TP): CP2 (all-linear LoRA on
+# its nn.Linear c_attn / c_proj / c_fc, as PEFT's)
+ARCH_LAYOUTS["gpt_bigcode"] = {"context_parallel_size": 2}
 
 
 def _arch_world(folder: str, out_dir: str, resume: bool, names: list[str], layout: dict) -> dict:
@@ -282,10 +297,16 @@ def test_architecture_matches_trl(tmp_path, arch):
     and on the LM head: the fused loss's, 0.4 of each head rotated), GPT-J (Phi's layer with biases on the MLP and
     the LM head only, part of each head rotated in interleaved pairs), StableLM (LayerNorms, q / k / v biases, a
     quarter of each head rotated, the attention and the MLP side by side, per-head q / k LayerNorms), Falcon (40B's
-    LayerNorms side by side, KV groups fused with q in one linear, biases, tied embeddings), GraniteMoE
+    LayerNorms side by side, KV groups fused with q in one linear, biases, tied embeddings), GPT-2 (learned positions,
+    Conv1D linears adapted as PEFT's fan_in_fan_out, q / k / v packed in c_attn, tied embeddings), GPTBigCode
+    (StarCoder:
+    learned positions, one KV head fused after the query heads in c_attn; at CP=2, one KV head not splitting over
+    TP), GraniteMoE
     (Granite's multipliers on megatron's MoE layers), ERNIE 4.5 MoE (interleaved rotary pairs, tied embeddings,
     shared experts, experts chosen on softmax scores plus a fixed bias, transformers' balancing loss, which TRL turns
     on), OLMoE (q / k norms over all heads, split over the TP ranks; experts in every layer; the balancing loss),
+    Llama 4 (dense and MoE layers alternating, top-1 sigmoid routing on the experts' input, a shared expert, chunked
+    attention and a NoPE layer's query temperature over packed rows; no balancing loss, as its transformers model),
     gpt-oss (attention sinks,
     biases, windowed layers, YaRN, experts with a clamped GLU: all-linear LoRA adapts its attention, as PEFT's; fully
     fine-tuned without packing, with weight decay): all-linear LoRA and full fine-tuning with packing against
@@ -293,7 +314,8 @@ def test_architecture_matches_trl(tmp_path, arch):
     run training the norms (its split q / k norms included) resumed from its checkpoint logs the same losses."""
     folder = str(make_tiny_checkpoint(tmp_path / arch, arch, seed=ARCH_SEEDS[arch], **ARCH_OVERRIDES.get(arch, {})))
     names = ARCH_NAMES.get(arch, SMOLLM3_NAMES)
-    trl_runs = run_distributed(run_trl, 1, folder, str(tmp_path / "trl"), names, timeout=400)[0]
+    trl_runs = run_distributed(run_trl, 1, folder, str(tmp_path / "trl"), names, timeout=400,
+                               **ARCH_TRL_ARGS.get(arch, {}))[0]
     ranks = run_distributed(_arch_world, 2, folder, str(tmp_path / "tp2-sp"), arch == "olmo2", names,
                             ARCH_LAYOUTS.get(arch, PHI3_LAYOUT), timeout=400)
     for name in names:

@@ -42,3 +42,28 @@ def test_falcon_kv_heads_and_mlp_width():
         assert f == 96 and c.num_kv_heads == (2 if arch == "falcon" else heads)
         per_layer = 2 * h * (heads + 2 * kv) * hd + 2 * heads * hd * h + 2 * 2 * h * f + 2 * heads * hd * seq
         assert model_flops_per_token(c, seq_len=seq) == 3.0 * (layers * per_layer + 2 * h * v), arch
+
+
+def test_gpt_bigcode_kv_heads_and_mlp_width():
+    """GPTBigCode: its MLP two h x f matrices (f its n_inner), q / k / v of one KV head with multi_query (StarCoder's),
+    of every head without it."""
+    seq = 32
+    for arch, kv in (("gpt_bigcode", 1), ("gpt_bigcode_mha", 4)):
+        c = _config(arch)
+        h, heads, layers, v, f = c.hidden_size, c.num_attention_heads, c.num_hidden_layers, 203, c.n_inner
+        hd = h // heads
+        per_layer = 2 * h * (heads + 2 * kv) * hd + 2 * heads * hd * h + 2 * 2 * h * f + 2 * heads * hd * seq
+        assert model_flops_per_token(c, seq_len=seq) == 3.0 * (layers * per_layer + 2 * h * v), arch
+
+
+def test_qwen3_5_linear_and_gated_full_layers_counted():
+    """Qwen3.5: the full-attention layer's q_proj twice as wide (its output gate); each Gated DeltaNet layer's in- /
+    out-projections, depthwise conv and three state products per value head and token (no term in the length); the
+    gated MLP in every layer."""
+    c = _config("qwen3_5")
+    seq, h, hd, heads, kv, v, f = 32, c.hidden_size, 16, c.num_attention_heads, c.num_key_value_heads, 203, 96
+    full = 2 * h * (2 * heads + 2 * kv) * hd + 2 * heads * hd * h + 2 * heads * hd * seq
+    kd, vd, nv = 2 * 8, 4 * 12, 4  # NOTE: 2 key heads of 8, 4 value heads of 12
+    linear = 2 * h * (2 * kd + 2 * vd + 2 * nv) + 2 * vd * h + 2 * 4 * (2 * kd + vd) + 3 * 2 * nv * 8 * 12
+    mlp = 2 * 3 * h * f
+    assert model_flops_per_token(c, seq_len=seq) == 3.0 * (3 * linear + full + 4 * mlp + 2 * h * v)

@@ -1,0 +1,100 @@
+"""Mappings of Qwen3.5 / Qwen3-Next's attention tensors: the full-attention layers' q projection with its output gate,
+and the linear-attention layers' projections and conv split by heads.
+
+Choices:
+- ``GatedQKV``: transformers' ``q_proj`` gives each head ``2 * head_dim`` rows, its query then its output gate
+  (``[heads, 2, head_dim]``); megatron's ``linear_qkv`` with ``attention_output_gate`` holds per KV group its queries,
+  then their gates, then the group's key and value (``[groups, (2 * heads / groups + 2) * head_dim]``). TP splits whole
+  KV groups, as ``QKV``. Each rank's shard is assembled from its heads' rows in memory.
+- ``HeadSections``: one megatron column-parallel tensor made of row sections of one or more HF tensors, each section
+  split evenly over TP and a rank's pieces concatenated in order (the linear-attention ``in_proj``: q, k, v of
+  ``in_proj_qkv``, then ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; the conv's q, k, v channels). The caller checks
+  that every section divides by the TP size (whole heads per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loongforge_hf.bridges.mappings import Mapping, _fmt
+
+
+def _rows(reader, name: str, start: int, stop: int) -> torch.Tensor:
+    return reader.get_slice(name, dim=0, start=start, stop=stop)
+
+
+@dataclass(frozen=True)
+class GatedQKV(Mapping):
+    """``q_proj`` (queries and gates per head), ``k_proj``, ``v_proj`` -> megatron's gated ``linear_qkv``."""
+
+    megatron: str
+    q: str
+    k: str
+    v: str
+    tp_split = "column"
+
+    def hf_names(self, layer):
+        return [_fmt(self.q, layer), _fmt(self.k, layer), _fmt(self.v, layer)]
+
+    def load(self, reader, ctx, layer):
+        q_name, k_name, v_name = self.hf_names(layer)
+        heads, groups, hd = ctx.num_heads // ctx.tp_size, ctx.num_kv_heads // ctx.tp_size, ctx.head_dim
+        r = ctx.tp_rank
+        qg = _rows(reader, q_name, r * heads * 2 * hd, (r + 1) * heads * 2 * hd)
+        k = _rows(reader, k_name, r * groups * hd, (r + 1) * groups * hd)
+        v = _rows(reader, v_name, r * groups * hd, (r + 1) * groups * hd)
+        width = qg.shape[1:]
+        qg = qg.reshape(groups, heads // groups, 2, hd, *width)
+        fused = torch.cat([qg[:, :, 0].reshape(groups, -1, *width), qg[:, :, 1].reshape(groups, -1, *width),
+                           k.reshape(groups, hd, *width), v.reshape(groups, hd, *width)], dim=1)
+        return fused.reshape(-1, *width).contiguous()
+
+    def export(self, shards, ctx, layer):
+        heads, groups, hd = ctx.num_heads // ctx.tp_size, ctx.num_kv_heads // ctx.tp_size, ctx.head_dim
+        per = heads // groups
+        qs, ks, vs = [], [], []
+        for shard in shards:
+            width = shard.shape[1:]
+            grouped = shard.reshape(groups, (2 * per + 2) * hd, *width)
+            q, gate, k, v = torch.split(grouped, [per * hd, per * hd, hd, hd], dim=1)
+            qg = torch.stack([q.reshape(groups, per, hd, *width), gate.reshape(groups, per, hd, *width)], dim=2)
+            qs.append(qg.reshape(-1, *width))
+            ks.append(k.reshape(-1, *width))
+            vs.append(v.reshape(-1, *width))
+        names = self.hf_names(layer)
+        return {names[0]: torch.cat(qs).contiguous(), names[1]: torch.cat(ks).contiguous(),
+                names[2]: torch.cat(vs).contiguous()}
+
+
+@dataclass(frozen=True)
+class HeadSections(Mapping):
+    """A column-parallel tensor of ``parts``: ``(HF name pattern, section sizes along its rows)`` in order."""
+
+    megatron: str
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    tp_split = "column"
+
+    def hf_names(self, layer):
+        return [_fmt(name, layer) for name, _ in self.parts]
+
+    def _pieces(self, layer, tp_size: int):
+        """(HF name, first row of the section, rows per rank) for each section, in megatron's order."""
+        for name, sections in self.parts:
+            start = 0
+            for size in sections:
+                yield _fmt(name, layer), start, size // tp_size
+                start += size
+
+    def load(self, reader, ctx, layer):
+        return torch.cat([_rows(reader, name, start + ctx.tp_rank * per, start + (ctx.tp_rank + 1) * per)
+                          for name, start, per in self._pieces(layer, ctx.tp_size)], dim=0)
+
+    def export(self, shards, ctx, layer):
+        pieces = list(self._pieces(layer, ctx.tp_size))
+        split = [torch.split(shard, [per for _, _, per in pieces], dim=0) for shard in shards]
+        out: dict[str, list[torch.Tensor]] = {name: [] for name in self.hf_names(layer)}
+        for i, (name, _, _) in enumerate(pieces):
+            out[name] += [rank_pieces[i] for rank_pieces in split]  # NOTE: a section's rank blocks, in rank order
+        return {name: torch.cat(blocks, dim=0).contiguous() for name, blocks in out.items()}

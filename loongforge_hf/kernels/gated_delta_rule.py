@@ -1,0 +1,73 @@
+"""The gated delta rule (Gated DeltaNet's linear attention: Qwen3.5, Qwen3-Next) in torch, chunked, fp32 state.
+
+Choices:
+- Per value head a state ``S`` of ``[k_dim, v_dim]``, zero at the start of each call (training and uncached
+  forwards: no state comes in or goes out). Token ``t`` decays it by ``exp(g_t)`` (``g_t <= 0``), writes the
+  correction ``u_t = beta_t (v_t - (exp(g_t) S)^T k_t)`` along ``k_t`` and reads ``o_t = S_t^T q_t``.
+- q and k are L2-normalised over their channels as ``x * rsqrt(sum(x^2) + 1e-6)`` and q is scaled by
+  ``k_dim^-1/2`` (transformers' torch fallback, which follows the fla kernels), all in fp32.
+- Grouped value heads: q / k head ``i`` serves value heads ``i * r .. i * r + r - 1`` (``r = v_heads / k_heads``).
+- Chunked form: inside a chunk of ``chunk_size`` tokens the corrections ``U`` solve one unit lower-triangular system
+  ``(I + A) U = beta V - beta exp(G) K S0`` (``A[t, j] = beta_t exp(G_t - G_j) k_t . k_j`` for ``j < t``, ``G`` the
+  decay's running sum inside the chunk, ``S0`` the state at the chunk's start), so the only loop is over chunks; the
+  state crosses chunks in fp32. The same numbers as the token-by-token recurrence up to fp32 rounding (the tests
+  compare with transformers' chunked and recurrent torch code). Autograd differentiates it as written.
+- Inputs in any dtype; the output in the query's dtype, rounded once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim (fla's convention, as transformers')."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, *, chunk_size: int = 64) -> torch.Tensor:
+    """``query`` / ``key`` ``[batch, seq, k_heads, k_dim]``, ``value`` ``[batch, seq, v_heads, v_dim]``, ``g`` (log
+    decay) and ``beta`` ``[batch, seq, v_heads]`` -> ``[batch, seq, v_heads, v_dim]`` (see the module docstring)."""
+    batch, seq, k_heads, k_dim = key.shape
+    v_heads = value.shape[2]
+    if v_heads % k_heads:
+        raise ValueError(f"gated_delta_rule: {v_heads} value heads do not group over {k_heads} key heads.")
+    out_dtype = query.dtype
+    q = l2_normalize(query.float()) * k_dim ** -0.5
+    k = l2_normalize(key.float())
+    if v_heads != k_heads:
+        q, k = (x.repeat_interleave(v_heads // k_heads, dim=2) for x in (q, k))
+    # NOTE: [batch, heads, seq, ...] from here on
+    q, k, v = (x.transpose(1, 2) for x in (q, k, value.float()))
+    g, beta = (x.float().transpose(1, 2) for x in (g, beta))
+    pad = (-seq) % chunk_size
+    if pad:  # NOTE: zero tokens at the end (no decay, no write) change nothing before them
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    chunks = (seq + pad) // chunk_size
+    q, k, v = (x.reshape(batch, v_heads, chunks, chunk_size, -1) for x in (q, k, v))
+    g, beta = (x.reshape(batch, v_heads, chunks, chunk_size) for x in (g, beta))
+
+    running = g.cumsum(dim=-1)                                              # G: the decay since the chunk's start
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # NOTE: exp(G_t - G_j) for j <= t, 0 above the diagonal (masked before exp: the differences there are >= 0)
+    pair_decay = (running[..., :, None] - running[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * pair_decay                 # A below the diagonal (unitriangular solve)
+    solve = dict(upper=False, unitriangular=True)
+    u_free = torch.linalg.solve_triangular(system, v * beta[..., None], **solve)           # U with S0 = 0
+    u_state = torch.linalg.solve_triangular(system, k_beta * running.exp()[..., None], **solve)  # U's S0 factor
+    within = (q @ k.transpose(-1, -2)) * pair_decay                      # reads of this chunk's writes
+    q_from_start = q * running.exp()[..., None]                           # reads of S0
+    k_to_end = k * (running[..., -1:] - running).exp()[..., None]         # writes as seen at the chunk's end
+    end_decay = running[..., -1].exp()[..., None, None]
+
+    state = q.new_zeros(batch, v_heads, k.shape[-1], v.shape[-1])
+    outputs = []
+    for i in range(chunks):
+        u = u_free[:, :, i] - u_state[:, :, i] @ state
+        outputs.append(q_from_start[:, :, i] @ state + within[:, :, i] @ u)
+        state = state * end_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    out = torch.stack(outputs, dim=2).reshape(batch, v_heads, chunks * chunk_size, -1)[:, :, :seq]
+    return out.transpose(1, 2).to(out_dtype)
