@@ -279,8 +279,34 @@ def _arch_world(folder: str, out_dir: str, resume: bool, names: list[str], layou
     return out
 
 
+def _trl_runs(cases: list) -> dict:
+    """``run_trl`` of each (arch, folder, out_dir, names, extra keywords) in one process."""
+    return {arch: run_trl(folder, out_dir, names, **extra) for arch, folder, out_dir, names, extra in cases}
+
+
+def _arch_worlds(cases: list) -> dict:
+    """``_arch_world`` of each (arch, folder, out_dir, resume, names, layout) in one world."""
+    return {arch: _arch_world(*args) for arch, *args in cases}
+
+
+@pytest.fixture(scope="module")
+def architectures(tmp_path_factory):
+    """Every architecture of ARCH_SEEDS: the TRL references in one process, ours in one two-rank world (a launch
+    each, not one per architecture)."""
+    root = tmp_path_factory.mktemp("sft-architectures")
+    folders = {arch: str(make_tiny_checkpoint(root / arch, arch, seed=seed, **ARCH_OVERRIDES.get(arch, {})))
+               for arch, seed in ARCH_SEEDS.items()}
+    names = {arch: ARCH_NAMES.get(arch, SMOLLM3_NAMES) for arch in ARCH_SEEDS}
+    trl = run_distributed(_trl_runs, 1, [(arch, folders[arch], str(root / arch / "trl"), names[arch],
+                                          ARCH_TRL_ARGS.get(arch, {})) for arch in ARCH_SEEDS], timeout=1500)[0]
+    ranks = run_distributed(_arch_worlds, 2, [(arch, folders[arch], str(root / arch / "tp2-sp"), arch == "olmo2",
+                                               names[arch], ARCH_LAYOUTS.get(arch, PHI3_LAYOUT))
+                                              for arch in ARCH_SEEDS], timeout=1500)
+    return trl, ranks, names
+
+
 @pytest.mark.parametrize("arch", list(ARCH_SEEDS))
-def test_architecture_matches_trl(tmp_path, arch):
+def test_architecture_matches_trl(architectures, arch):
     """Architectures with layer code of their own: SmolLM3 (the model TRL's examples train; layers 1 and 3 without
     rotary embedding), Gemma 3 (zero-centred norms, post-attention / post-MLP norms, the scaled embedding tied to the
     LM head, a 5-token window on three of four layers, two rotary bases), Granite (embedding, residual, attention and
@@ -312,15 +338,11 @@ def test_architecture_matches_trl(tmp_path, arch):
     fine-tuned without packing, with weight decay): all-linear LoRA and full fine-tuning with packing against
     trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token metrics as above). OLMo 2: a LoRA
     run training the norms (its split q / k norms included) resumed from its checkpoint logs the same losses."""
-    folder = str(make_tiny_checkpoint(tmp_path / arch, arch, seed=ARCH_SEEDS[arch], **ARCH_OVERRIDES.get(arch, {})))
-    names = ARCH_NAMES.get(arch, SMOLLM3_NAMES)
-    trl_runs = run_distributed(run_trl, 1, folder, str(tmp_path / "trl"), names, timeout=400,
-                               **ARCH_TRL_ARGS.get(arch, {}))[0]
-    ranks = run_distributed(_arch_world, 2, folder, str(tmp_path / "tp2-sp"), arch == "olmo2", names,
-                            ARCH_LAYOUTS.get(arch, PHI3_LAYOUT), timeout=400)
-    for name in names:
+    trl, per_rank, names = architectures
+    ranks = [rank[arch] for rank in per_rank]
+    for name in names[arch]:
         assert ranks[1]["runs"][name]["losses"] == ranks[0]["runs"][name]["losses"], name
-        assert_matches(name, trl_runs[name], ranks[0]["runs"][name])
+        assert_matches(name, trl[arch][name], ranks[0]["runs"][name])
     for rank in ranks:
         if "resume" in rank:
             assert rank["resume"]["resumed"] == rank["resume"]["full"] and len(rank["resume"]["full"]) == 4, rank
