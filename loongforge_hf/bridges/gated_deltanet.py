@@ -3,7 +3,7 @@ self-attention slot that picks it or megatron's ``SelfAttention`` by layer.
 
 Choices:
 - Our own module, not megatron-core 0.16's experimental ``ssm/gated_delta_net.py``: that one needs the fla package's
-  kernels (an ImportError without them), allocates on ``torch.cuda.current_device()``, ignores the padding mask and
+  kernels (an ImportError without them), allocates on the accelerator whatever the backend, ignores the padding mask and
   splits its fused in-projection evenly over TP, which needs a per-rank reordering of the checkpoint anyway.
 - Tensor parallelism splits by heads: rank ``r`` holds key heads ``r * Hk / tp ..`` and the value heads they serve
   (``Hv / Hk`` consecutive ones each). One column-parallel ``in_proj`` holds this rank's rows of transformers'

@@ -285,8 +285,7 @@ VL_BRIDGES = {arch: Qwen2_5_VLBridge for arch in Qwen2_5_VLBridge.architectures}
 
 def image_text_architectures() -> list[str]:
     """The HF architectures ``lf.AutoModelForImageTextToText`` loads."""
-    from loongforge_hf.bridges import (gemma3_vl, idefics3, internvl, llava, llava_next, mistral3_vl,  # noqa
-                                       qwen2_vl, qwen3_vl)
+    from . import gemma3_vl, idefics3, internvl, llava, llava_next, mistral3_vl, qwen2_vl, qwen3_vl  # noqa: F401
 
     return sorted(VL_BRIDGES)
 
