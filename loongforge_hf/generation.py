@@ -145,7 +145,7 @@ class GenerationGlue(GenerationMixin):
     def generation_refusal(self, generation_config, kwargs: dict) -> str | None:
         """Why a model class refuses this call beyond the refusals above (None: it runs), from this rank's resolved
         generation config and keyword arguments alone; a subclass adds its own (image-text models), a bridge its
-        own (``bridge.generation_refusal``: Qwen3.5's, no cache)."""
+        own (``bridge.generation_refusal``: Qwen3.5's, no static cache)."""
         refusal = getattr(getattr(self, "bridge", None), "generation_refusal", None)
         return refusal(generation_config) if refusal is not None else None
 

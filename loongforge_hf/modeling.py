@@ -600,7 +600,7 @@ class AutoModelForCausalLM:
         # ``unused``: transformers' other from_pretrained keywords and config overrides (bridges/load_kwargs.py).
         arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
         from loongforge_hf.bridges import get_bridge, moe_graphs, router_balance
-        from loongforge_hf.bridges.builder import (build_megatron_model, check_megatron_config,
+        from loongforge_hf.bridges.builder import (build_megatron_model, check_kv_replication, check_megatron_config,
                                                    interleaved_p2p_settings)
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.config_map import kv_heads_of
@@ -675,6 +675,7 @@ class AutoModelForCausalLM:
                                num_key_value_heads=kv_heads_of(hf_config),
                                vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
             check_megatron_config(bridge, megatron_config)
+            check_kv_replication(bridge, layout)
             moe_graphs.check_layout(bridge, hf_config, megatron_config,
                                     expert_parallel_size=layout.expert_parallel_size, dtype=param_dtype, fp8=fp8)
             router_balance.check_layout(hf_config, bridge)

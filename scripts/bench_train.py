@@ -13,6 +13,11 @@ Workloads (random init, bf16 weights, random tokens, one optimizer step per micr
   e  Pythia-1.4B shape (24 layers, hidden 2048, 16 heads, intermediate 8192, vocab 50304, untied; the attention and
      the MLP side by side, LayerNorms and biases, partial rotary 0.25, GELU); seq 2048, micro-batch 8. No Liger row
      (Liger-Kernel has no GPT-NeoX patch).
+  f  Gemma-2-2B shape (26 layers, soft-capped attention and logits, a 4096-token window on every other layer, GeGLU,
+     vocab 256000, tied); seq 4096, micro-batch 2. transformers runs Gemma 2's eager attention (its cap).
+  g  Qwen3.5-style dense shape (our sizes: 24 layers, 18 Gated DeltaNet (16 key / 32 value heads of 128) and 6 gated
+     full attentions (16 heads, 2 KV heads of 256, partial rotary 0.25), hidden 2048, intermediate 6144, vocab 248320,
+     tied); seq 4096, micro-batch 2. Liger without rope (its Qwen3.5 patch has none); no fla package for any row.
 
 Each workload's checkpoint is written once by transformers (``from_config`` + ``save_pretrained``, bf16, seed 0) and
 every stack loads it from that folder: transformers with ``from_pretrained``, Liger after
@@ -145,12 +150,32 @@ WORKLOADS = {
                        final_logit_softcapping=30.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
                   seq=4096, micro_batch=2, tiny=dict(_TINY, sliding_window=24, query_pre_attn_scalar=16, seq=64,
                                                      micro_batch=2)),
+    # NOTE: a Qwen3.5-style dense text model (our choice of sizes: Qwen3-Next's layer widths on a dense MLP):
+    # three Gated DeltaNet layers to one gated full attention, partial rotary 0.25, zero-centred norms, the
+    # Qwen3.5 vocabulary, tied. transformers runs its torch delta rule (the fla package is not installed for this
+    # row: fla refuses its gated backward on Hopper with the GPU machine's Triton); Liger has no rope for it
+    "g": Workload("g", "Qwen3.5-style dense shape (hidden 2048, 24 layers, 18 Gated DeltaNet), seq 4096, "
+                  "micro-batch 2", "qwen3_5_text",
+                  dict(num_hidden_layers=24, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                       num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                       linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                       layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+                       vocab_size=248320, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                        "partial_rotary_factor": 0.25}),
+                  seq=4096, micro_batch=2,
+                  tiny=dict(_TINY, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=16, linear_value_head_dim=16,
+                            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                            seq=100, micro_batch=2)),
 }
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM"}
 # NOTE: transformers' attention per model type: gpt-oss's sinks and Gemma 2's soft-cap are in its eager attention
 # only (their flash kernels come from the hub or the flash-attn package, which the GPU machine does not have)
 HF_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager"}
+NO_LIGER_ROPE = ("qwen3_5_text",)  # NOTE: Liger-Kernel 0.8.5's Qwen3.5 patch has no rope (hybrid attention)
 
 
 def sizes(w: Workload, tiny: bool) -> tuple[dict, int, int]:
@@ -201,13 +226,16 @@ def build_transformers(folder: str, device: H.Device, *, liger: bool, adapt=None
         import liger_kernel.transformers as lk
 
         apply = {"qwen3": lk.apply_liger_kernel_to_qwen3, "llama": lk.apply_liger_kernel_to_llama,
-                 "qwen3_moe": lk.apply_liger_kernel_to_qwen3_moe, "gemma2": lk.apply_liger_kernel_to_gemma2}
+                 "qwen3_moe": lk.apply_liger_kernel_to_qwen3_moe, "gemma2": lk.apply_liger_kernel_to_gemma2,
+                 "qwen3_5_text": lk.apply_liger_kernel_to_qwen3_5}
         model_type = transformers.AutoConfig.from_pretrained(folder).model_type
         if model_type not in apply:
             raise SystemExit(f"Liger-Kernel has no apply_liger_kernel_to_{model_type} here")
         mlp = "geglu" if model_type == "gemma2" else "swiglu"
-        apply[model_type](rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True, **{mlp: True})
-        info["liger"] = f"apply_liger_kernel_to_{model_type}(rope, rms_norm, {mlp}, fused_linear_cross_entropy)"
+        rope = model_type not in NO_LIGER_ROPE
+        apply[model_type](rope=rope, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True, **{mlp: True})
+        info["liger"] = (f"apply_liger_kernel_to_{model_type}({'rope, ' if rope else ''}rms_norm, {mlp}, "
+                         "fused_linear_cross_entropy)")
     model_type = transformers.AutoConfig.from_pretrained(folder).model_type
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
                                                               attn_implementation=HF_ATTENTION.get(model_type, "sdpa"),
@@ -280,7 +308,9 @@ def build_loongforge(folder: str, device: H.Device, fp8: str | None = None, opti
                          f"(foreach={inner[0].defaults.get('foreach')}, fused={inner[0].defaults.get('fused')})",
             "optimizer_precision": optimizer_precision, "cuda_graphs": cuda_graphs,
             "token_stats": engine.token_stats,
-            "attention": type(model.chunks[0].decoder.layers[0].self_attention.core_attention).__name__,
+            "attention": next(type(layer.self_attention.core_attention).__name__
+                              for layer in model.chunks[0].decoder.layers
+                              if hasattr(layer.self_attention, "core_attention")),
             "loss": "fused linear cross-entropy" if engine.fused_loss else "materialised logits",
             "triton_kernels": _triton_on(model.device),
             "fused_rope": bool(model.megatron.config.apply_rope_fusion)}

@@ -12,9 +12,10 @@ Choices:
 - ``query_key_value`` is megatron's ``linear_qkv`` layout as it is in all three attention kinds: the new layout's
   ``[num_kv_heads groups, (q heads of the group, k, v), head_dim]``, ``multi_query``'s (7B) ``[q of every head, k,
   v]`` (one group), and the older layout without it ``[heads, (q, k, v), head_dim]`` (a group per head; its
-  ``num_kv_heads`` must equal the heads, which transformers' forward needs). It loads as a plain column-parallel
-  weight (each TP rank whole groups), bias likewise, and exports unchanged; the KV head count is
-  ``config_map.kv_heads_of`` (``multi_query`` at TP 2 is refused by the layout check: one group).
+  ``num_kv_heads`` must equal the heads, which transformers' forward needs). It loads as ``GroupedQKV`` (each TP
+  rank whole groups, or with more TP ranks than KV heads, ``multi_query``'s one included, a replica of one group's
+  k / v beside its share of the group's query heads), bias likewise, and exports unchanged; the KV head count is
+  ``config_map.kv_heads_of``.
 - ``bias`` (off in every hub checkpoint) puts a bias on every linear but the LM head: megatron's ``add_bias_linear``
   and ``add_qkv_bias`` together. Norms are LayerNorms with weight and bias (``layer_norm_epsilon``). The MLP is
   ``dense_4h_to_h(act(dense_h_to_4h(x)))``, ``ffn_hidden_size`` wide: megatron's ungated ``MLP``, ``activation``
@@ -40,6 +41,7 @@ from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import DenseBridge
 from loongforge_hf.bridges.mappings import (ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel,
                                             biased_mlp_mappings)
+from loongforge_hf.bridges.packed_mappings import GroupedQKV
 from loongforge_hf.bridges.registry import register_bridge
 
 L = "transformer.h.{layer}"
@@ -127,10 +129,10 @@ class FalconBridge(DenseBridge):
         maps: list[Mapping] = [
             Replicated(f"{D}.input_layernorm.weight", f"{L}.{self.norms[0]}.weight"),
             Replicated(f"{D}.input_layernorm.bias", f"{L}.{self.norms[0]}.bias"),
-            ColumnParallel(f"{D}.self_attention.linear_qkv.weight", f"{a}.query_key_value.weight"),
+            GroupedQKV(f"{D}.self_attention.linear_qkv.weight", f"{a}.query_key_value.weight"),
             RowParallel(f"{D}.self_attention.linear_proj.weight", f"{a}.dense.weight")]
         if self.bias:
-            maps += [ColumnParallel(f"{D}.self_attention.linear_qkv.bias", f"{a}.query_key_value.bias"),
+            maps += [GroupedQKV(f"{D}.self_attention.linear_qkv.bias", f"{a}.query_key_value.bias"),
                      Replicated(f"{D}.self_attention.linear_proj.bias", f"{a}.dense.bias")]
         return maps
 

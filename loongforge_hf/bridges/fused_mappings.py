@@ -27,15 +27,22 @@ from loongforge_hf.bridges.mappings import Mapping, _fmt, _read_into
 
 
 class _QKVRows(Mapping):
-    """q, k, v rows fused in megatron's per-KV-group layout; TP splits whole KV groups. Subclasses say where the
-    three come from (``_sources``: an HF tensor and the row q / k / v starts at in it) and how ``export`` names them;
-    each defines ``export_parts`` (``_parts``) beside its ``export``."""
+    """q, k, v rows fused in megatron's per-KV-group layout; TP splits whole KV groups, or, with more TP ranks than
+    KV heads, gives each rank one replica of one KV head (``ShardContext.kv_replicas``: read on every replica, exported
+    from the first). Subclasses say where the three come from (``_sources``: an HF tensor and the row q / k / v starts
+    at in it) and how ``export`` names them; each defines ``export_parts`` (``_parts``) beside its ``export``."""
 
     def _sources(self, layer, ctx) -> list[tuple[str, int]]:
         raise NotImplementedError
 
+    @staticmethod
+    def _first_rows(ctx, rank: int) -> tuple[int, int, int]:
+        """The first row of q, k and v that TP rank ``rank`` holds (a replicated KV head: its HF head's rows)."""
+        kv_row = ctx.first_kv_head(rank) * ctx.head_dim
+        return rank * (ctx.num_heads // ctx.tp_size) * ctx.head_dim, kv_row, kv_row
+
     def load(self, reader, ctx, layer):
-        heads, groups = ctx.num_heads // ctx.tp_size, ctx.num_kv_heads // ctx.tp_size
+        heads, groups = ctx.num_heads // ctx.tp_size, ctx.local_kv_heads
         hd = ctx.head_dim
         sources = self._sources(layer, ctx)
         dtypes = {reader.dtype(n) for n, _ in sources}
@@ -45,24 +52,30 @@ class _QKVRows(Mapping):
         # NOTE: each block of q, k and v is read straight into its place in the fused tensor (what fuse_qkv builds,
         # without reading the three slices first and concatenating them).
         out = torch.empty((heads + 2 * groups) * hd, *reader.shape(sources[0][0])[1:], dtype=dtypes.pop())
-        first_row = (ctx.tp_rank * heads * hd, ctx.tp_rank * groups * hd, ctx.tp_rank * groups * hd)
+        first_row = self._first_rows(ctx, ctx.tp_rank)
         for which, src, dst, rows in T.qkv_blocks(num_heads=heads, num_kv_heads=groups, head_dim=hd):
             name, base = sources[which]
             _read_into(reader, name, out[dst:dst + rows], dim=0, start=base + first_row[which] + src)
         return out
 
     def _split(self, shards, ctx):
-        return T.split_qkv(torch.cat(shards, dim=0), num_heads=ctx.num_heads, num_kv_heads=ctx.num_kv_heads,
-                           head_dim=ctx.head_dim)
+        r = ctx.kv_replicas
+        q, k, v = T.split_qkv(torch.cat(shards, dim=0), num_heads=ctx.num_heads, num_kv_heads=ctx.num_kv_heads * r,
+                              head_dim=ctx.head_dim)
+        return q, T.first_replicas(k, replicas=r, head_dim=ctx.head_dim), \
+            T.first_replicas(v, replicas=r, head_dim=ctx.head_dim)
 
     def _parts(self, shard, rank, ctx, layer):
-        heads, groups, hd = ctx.num_heads // ctx.tp_size, ctx.num_kv_heads // ctx.tp_size, ctx.head_dim
+        heads, groups, hd = ctx.num_heads // ctx.tp_size, ctx.local_kv_heads, ctx.head_dim
         if shard.dim() == 0 or shard.shape[0] != (heads + 2 * groups) * hd:
             raise ValueError(f"{self.megatron}: a TP shard must have {(heads + 2 * groups) * hd} rows, got shape "
                              f"{tuple(shard.shape)}.")
-        sources, first_row = self._sources(layer, ctx), (rank * heads * hd, rank * groups * hd, rank * groups * hd)
+        sources, first_row = self._sources(layer, ctx), self._first_rows(ctx, rank)
+        # NOTE: a replicated KV head is written once, from its first replica
+        keeps_kv = rank % ctx.kv_replicas == 0
         return [(sources[which][0], 0, sources[which][1] + first_row[which] + src, shard[dst:dst + rows])
-                for which, src, dst, rows in T.qkv_blocks(num_heads=heads, num_kv_heads=groups, head_dim=hd)]
+                for which, src, dst, rows in T.qkv_blocks(num_heads=heads, num_kv_heads=groups, head_dim=hd)
+                if which == 0 or keeps_kv]
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,22 @@ Choices:
   ``[b, 1, s, s]`` mask: a token masked from itself) are zeroed (transformers zeroes their hidden states; the
   projections have no bias, so zeroing after ``in_proj`` is the same), then the causal depthwise conv with ``silu``
   (in the weight's dtype), L2-normalised q / k, ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``
-  in fp32, the gated delta rule (``kernels.gated_delta_rule``), the gated RMSNorm (``weight * norm(x)`` in the
+  in fp32, the gated delta rule (``kernels.gated_delta_rule``; fla's kernels through ``kernels.fla_delta_rule``
+  where that module says, for more than one token), the gated RMSNorm (``weight * norm(x)`` in the
   input's dtype times ``silu(z)`` in fp32, rounded once) and ``out_proj``.
 - Packed documents (megatron's mask blocks attention between documents): the conv and the recurrence restart at each
   document's start (a token masked from the one before it while both are real), each document run on its own.
   transformers' torch fallback runs a packed row as one sequence; its fla kernels restart per document as here.
-- No recurrent-state cache: a KV-cache forward (``inference_context``) and THD ``packed_seq_params`` are refused.
+- Cached generate (``kv_cache.py``: its ``LoongKVCache`` holds one of transformers' ``LinearAttentionLayer`` per
+  Gated DeltaNet of the rank, after the attentions' layers, as transformers' dynamic cache for Qwen3.5 holds them):
+  during a cached step the cache gives each layer a ``CachedStep`` (an instance ``forward``, as it does the core
+  attentions). The layer runs the step's first ``given`` new tokens (the layout's padding after them never enters
+  a state; its outputs are zero), zeroes those that transformers' 2-D mask marks as padding (a left-padded prompt:
+  from the zero state they change neither state, as in transformers), convolves them after the conv state (the
+  last ``conv_kernel - 1`` inputs, zero before the first) and runs the delta rule from the recurrent state (fp32,
+  ``[b, v_heads, k_dim, v_dim]``: this rank's heads), keeping both new states. Beam search reorders them with the
+  cache (transformers' ``reorder_cache``). megatron's ``inference_context`` and THD ``packed_seq_params`` are
+  refused.
 - ``hybrid_self_attention(linear=...)`` is the layer spec's self-attention class: ``GatedDeltaNet`` for the
   0-based global layer indices in ``linear`` (megatron numbers layers from 1, offset by the pipeline stage), megatron's
   ``SelfAttention`` for the others.
@@ -30,9 +40,22 @@ Choices:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class CachedStep:
+    """What a cached generate step gives a Gated DeltaNet layer: the cache (a ``transformers.Cache``) and the index of
+    the layer's states in it; the step's ``given`` new tokens (the layout's padding after them); ``real`` ``[b, given]``
+    False where transformers' mask marks a token as padding (None: all real)."""
+
+    cache: object
+    index: int
+    given: int
+    real: torch.Tensor | None
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -71,21 +94,19 @@ class GatedDeltaNet(torch.nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                inference_context=None, packed_seq_params=None, **_: object):
+                inference_context=None, packed_seq_params=None, cached: CachedStep | None = None, **_: object):
         if inference_context is not None:
-            raise ValueError("Gated DeltaNet layers keep no recurrent-state cache: generate with use_cache=False.")
+            raise ValueError("Gated DeltaNet layers do not take megatron's inference_context: generate() keeps their "
+                             "states in its own cache (loongforge_hf.kv_cache).")
         if packed_seq_params is not None:
             raise ValueError("Gated DeltaNet layers do not take THD packed_seq_params; pack documents into rows "
                              "(position ids restarting at 0).")
+        if cached is not None:
+            return self._cached_forward(hidden_states, cached)
         mixed, _ = self.in_proj(hidden_states)                            # [s, b, local]: all tokens
         mixed = mixed.transpose(0, 1)                                     # [b, s, local]
         real, starts = _token_layout(attention_mask, mixed.shape[0], mixed.shape[1])
-        if real is not None:
-            mixed = mixed * real[..., None].to(mixed.dtype)
-        v_size = self.v_heads * self.value_dim
-        qkv, z, b, a = torch.split(mixed, [self.qkv_size, v_size, self.v_heads, self.v_heads], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        qkv, z, beta, g = self._split(mixed, real)
         if starts is None:
             core = self._mix(qkv, g, beta)
         else:  # NOTE: each document of each row on its own (see the module docstring)
@@ -96,23 +117,57 @@ class GatedDeltaNet(torch.nn.Module):
                                                  beta[row:row + 1, lo:hi]) for lo, hi in zip(bounds, bounds[1:])],
                                       dim=1))
             core = torch.cat(rows, dim=0)
-        out = self._gated_norm(core, z.reshape(*z.shape[:2], self.v_heads, self.value_dim))
+        out = self._gated_norm(core, z)
         return self.out_proj(out.reshape(*out.shape[:2], -1).transpose(0, 1).contiguous())
 
-    def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        """The conv and the delta rule over ``qkv`` ``[b, s, qkv_size]`` from a zero state -> ``[b, s, Hv, Dv]``."""
+    def _split(self, mixed: torch.Tensor, real: torch.Tensor | None):
+        """``in_proj``'s output ``[b, s, local]`` with the tokens where ``real`` ``[b, s]`` is False zeroed (None:
+        none) -> ``qkv`` ``[b, s, qkv_size]``, the gate ``z`` ``[b, s, Hv, Dv]``, ``beta`` and ``g`` (fp32)."""
+        if real is not None:
+            mixed = mixed * real[..., None].to(mixed.dtype)
+        v_size = self.v_heads * self.value_dim
+        qkv, z, b, a = torch.split(mixed, [self.qkv_size, v_size, self.v_heads, self.v_heads], dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return qkv, z.reshape(*z.shape[:2], self.v_heads, self.value_dim), b.sigmoid(), g
+
+    def _cached_forward(self, hidden_states: torch.Tensor, step: CachedStep):
+        """A cached generate step (see the module docstring): ``hidden_states`` ``[s, b, h]`` (this rank's slice
+        under sequence parallelism), of which the first ``step.given`` tokens are the step's."""
+        mixed, _ = self.in_proj(hidden_states)
+        padded = mixed.shape[0]
+        qkv, z, beta, g = self._split(mixed.transpose(0, 1)[:, :step.given], step.real)  # NOTE: [b, given, ...]
+        cache, index = step.cache, step.index
+        core, state = self._mix(qkv, g, beta, history=cache.get_conv_state(index),
+                                state=cache.get_recurrent_state(index), cached=True)
+        cache.update_conv_state(qkv.transpose(1, 2), index, conv_kernel_size=self.conv_weight.shape[-1] - 1)
+        cache.update_recurrent_state(state, index)
+        out = self._gated_norm(core, z)
+        out = F.pad(out.reshape(*out.shape[:2], -1), (0, 0, 0, padded - step.given))  # NOTE: the layout's padding
+        return self.out_proj(out.transpose(0, 1).contiguous())
+
+    def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, history: torch.Tensor | None = None,
+             state: torch.Tensor | None = None, cached: bool = False):
+        """The conv and the delta rule over ``qkv`` ``[b, s, qkv_size]`` -> ``[b, s, Hv, Dv]``. Uncached (zero
+        states): the output only. Cached: the conv after ``history`` (its last ``conv_kernel - 1`` inputs
+        ``[b, qkv_size, conv_kernel - 1]``) and the rule from ``state``, each None for zero; (output, final state)."""
+        from loongforge_hf.kernels import fla_delta_rule
         from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule
 
         batch, seq, _ = qkv.shape
         weight = self.conv_weight
-        conv = F.conv1d(qkv.transpose(1, 2).to(weight.dtype), weight, padding=weight.shape[-1] - 1,
-                        groups=self.qkv_size)[..., :seq]
-        conv = F.silu(conv).to(qkv.dtype).transpose(1, 2)
+        inputs = qkv.transpose(1, 2).to(weight.dtype)
+        inputs = F.pad(inputs, (weight.shape[-1] - 1, 0)) if history is None \
+            else torch.cat((history.to(weight.dtype), inputs), dim=-1)
+        conv = F.silu(F.conv1d(inputs, weight, groups=self.qkv_size)).to(qkv.dtype).transpose(1, 2)
         kd = self.k_heads * self.key_dim
         q, k, v = torch.split(conv, [kd, kd, self.v_heads * self.value_dim], dim=-1)
-        return gated_delta_rule(q.reshape(batch, seq, self.k_heads, self.key_dim),
-                                k.reshape(batch, seq, self.k_heads, self.key_dim),
-                                v.reshape(batch, seq, self.v_heads, self.value_dim), g, beta)
+        rule = gated_delta_rule
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (conv, g, beta))
+        if seq > 1 and fla_delta_rule.available(qkv.device, backward=needs_grad):
+            rule = fla_delta_rule.gated_delta_rule_rows
+        heads = (batch, seq, self.k_heads, self.key_dim)
+        return rule(q.reshape(heads), k.reshape(heads), v.reshape(batch, seq, self.v_heads, self.value_dim), g, beta,
+                    initial_state=state, output_final_state=cached)
 
     def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region

@@ -10,6 +10,10 @@ Choices:
   split evenly over TP and a rank's pieces concatenated in order (the linear-attention ``in_proj``: q, k, v of
   ``in_proj_qkv``, then ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; the conv's q, k, v channels). The caller checks
   that every section divides by the TP size (whole heads per rank).
+- ``KeyHeadGroups``: the same megatron tensor from HF tensors whose rows run key head by key head, each head's
+  group holding its sections in turn (Qwen3-Next's ``in_proj_qkvz``: per key head its q, k, then the v and z rows of
+  the value heads it serves; ``in_proj_ba``: their b, then their a). A rank reads its key heads' rows in one block
+  and regroups them section by section, so both layouts give megatron the same ``in_proj``.
 """
 
 from __future__ import annotations
@@ -97,4 +101,39 @@ class HeadSections(Mapping):
         out: dict[str, list[torch.Tensor]] = {name: [] for name in self.hf_names(layer)}
         for i, (name, _, _) in enumerate(pieces):
             out[name] += [rank_pieces[i] for rank_pieces in split]  # NOTE: a section's rank blocks, in rank order
+        return {name: torch.cat(blocks, dim=0).contiguous() for name, blocks in out.items()}
+
+
+@dataclass(frozen=True)
+class KeyHeadGroups(Mapping):
+    """A column-parallel tensor of ``parts``: ``(HF name pattern, section sizes within one key head's group)``, each
+    HF tensor ``[groups * sum(sections), ...]``; megatron holds a rank's groups section by section, part by part."""
+
+    megatron: str
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    groups: int
+    tp_split = "column"
+
+    def hf_names(self, layer):
+        return [_fmt(name, layer) for name, _ in self.parts]
+
+    def load(self, reader, ctx, layer):
+        local = self.groups // ctx.tp_size
+        pieces = []
+        for name, sections in self.parts:
+            width = sum(sections)
+            rows = _rows(reader, _fmt(name, layer), ctx.tp_rank * local * width, (ctx.tp_rank + 1) * local * width)
+            grouped = rows.reshape(local, width, *rows.shape[1:])
+            pieces += [s.reshape(-1, *rows.shape[1:]) for s in torch.split(grouped, list(sections), dim=1)]
+        return torch.cat(pieces, dim=0).contiguous()
+
+    def export(self, shards, ctx, layer):
+        local = self.groups // ctx.tp_size
+        sizes = [local * size for _, sections in self.parts for size in sections]
+        out: dict[str, list[torch.Tensor]] = {name: [] for name in self.hf_names(layer)}
+        for shard in shards:
+            pieces = iter(torch.split(shard, sizes, dim=0))
+            for name, sections in self.parts:
+                own = [next(pieces).reshape(local, size, *shard.shape[1:]) for size in sections]
+                out[_fmt(name, layer)].append(torch.cat(own, dim=1).reshape(-1, *shard.shape[1:]))
         return {name: torch.cat(blocks, dim=0).contiguous() for name, blocks in out.items()}

@@ -11,10 +11,10 @@ Choices:
 - The weights are ``nn.Linear``'s ``[out, in]``, megatron's own: nothing is transposed.
 - ``c_attn``'s rows are megatron's ``linear_qkv`` layout as they are in both attention kinds: ``multi_query``
   (StarCoder's, SantaCoder's) is ``[q of every head, k, v]`` with one KV head (one query group); without it
-  transformers views each head's rows as ``[q, k, v]`` (a group per head). It loads as a plain column-parallel weight
-  (each TP rank whole groups), bias likewise, and exports unchanged; the KV head count is ``config_map.kv_heads_of``
-  (``multi_query`` at TP 2 is refused by the layout check: one group). ``c_proj`` is row-parallel, its bias whole on
-  every rank.
+  transformers views each head's rows as ``[q, k, v]`` (a group per head). It loads as ``GroupedQKV`` (each TP rank
+  whole groups; ``multi_query`` at TP > 1: a replica of the one k / v head beside the rank's query heads), bias
+  likewise, and exports unchanged; the KV head count is ``config_map.kv_heads_of``. ``c_proj`` is row-parallel, its
+  bias whole on every rank.
 - Attention scale ``1 / sqrt(head_dim)`` (``scale_attn_weights``: off is refused). ``attention_softmax_in_fp32`` /
   ``scale_attention_softmax_in_fp32`` are taken whatever their values: transformers' attention does not read them
   (its eager softmax always runs in fp32, its SDPA in the input dtype), so they change no result.
@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.gpt2 import GPT2Bridge
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, biased_mlp_mappings
+from loongforge_hf.bridges.mappings import Mapping, Replicated, RowParallel, biased_mlp_mappings
+from loongforge_hf.bridges.packed_mappings import GroupedQKV
 from loongforge_hf.bridges.registry import register_bridge
 
 L = "transformer.h.{layer}"
@@ -56,8 +57,8 @@ class GPTBigCodeBridge(GPT2Bridge):
         a = f"{L}.attn"
         return [Replicated(f"{D}.input_layernorm.weight", f"{L}.ln_1.weight"),
                 Replicated(f"{D}.input_layernorm.bias", f"{L}.ln_1.bias"),
-                ColumnParallel(f"{D}.self_attention.linear_qkv.weight", f"{a}.c_attn.weight"),
-                ColumnParallel(f"{D}.self_attention.linear_qkv.bias", f"{a}.c_attn.bias"),
+                GroupedQKV(f"{D}.self_attention.linear_qkv.weight", f"{a}.c_attn.weight"),
+                GroupedQKV(f"{D}.self_attention.linear_qkv.bias", f"{a}.c_attn.bias"),
                 RowParallel(f"{D}.self_attention.linear_proj.weight", f"{a}.c_proj.weight"),
                 Replicated(f"{D}.self_attention.linear_proj.bias", f"{a}.c_proj.bias")]
 

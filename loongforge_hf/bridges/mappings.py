@@ -12,6 +12,8 @@ Choices:
 - Fused tensors (``QKV``, ``GatedMLP``), interleaved rotary rows (``RopeColumnParallel``) and routed experts
   (``Expert``) live in ``fused_mappings.py``, built on ``Mapping`` and the read helpers here.
 - ``hf_dtype`` pins the dtype transformers keeps a tensor in whatever the model's dtype (DeepSeek's router in fp32).
+- More TP ranks than KV heads: each rank holds one replica of one HF KV head (``ShardContext.kv_replicas``); the q / k /
+  v mappings read a head's rows on each of its replicas and export it from the first.
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ class ShardContext:
     def for_experts(self) -> "ShardContext":
         """The context an expert's tensors are split in: the expert-tensor-parallel rank and size stand for TP."""
         return replace(self, tp_rank=self.etp_rank, tp_size=self.etp_size)
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many TP ranks hold each KV head: ``tp_size / num_kv_heads`` where TP exceeds the KV heads (each rank
+        then holds one replica of one head, ``parallel/kv_replicas.py``), else 1."""
+        return max(1, self.tp_size // self.num_kv_heads)
+
+    @property
+    def local_kv_heads(self) -> int:
+        """The KV heads (megatron's query groups) of one TP rank."""
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    def first_kv_head(self, rank: int) -> int:
+        """The first HF KV head TP rank ``rank`` holds."""
+        return rank * self.local_kv_heads // self.kv_replicas
 
 
 def _fmt(pattern: str, layer: int | None) -> str:

@@ -7,6 +7,10 @@ Choices:
 - ``rows_to_megatron`` / ``rows_to_hf`` permute any tensor with the HF weight's rows (a LoRA B, a DoRA magnitude) as
   the weight's rows are permuted: TP rank after TP rank, each rank's rows in megatron's order
   (``lora.plan.Target.b_to_megatron``).
+- ``GroupedQKV``: one HF tensor already in megatron's per-KV-group layout (Falcon's ``query_key_value``, GPTBigCode's
+  ``c_attn``): a plain column-parallel split while each TP rank holds whole groups; with more TP ranks than KV heads,
+  each rank reads its query heads and its KV head's k / v rows (``ShardContext.kv_replicas``), and a head's k / v are
+  exported from its first replica.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 from loongforge_hf.bridges import transforms as T
 from loongforge_hf.bridges.fused_mappings import _GateUpRows, _QKVRows
-from loongforge_hf.bridges.mappings import _fmt
+from loongforge_hf.bridges.mappings import Mapping, _fmt, _read_into
 
 
 @dataclass(frozen=True)
@@ -44,10 +48,12 @@ class PackedQKV(_QKVRows):
 
     def rows_to_megatron(self, rows: torch.Tensor, ctx) -> torch.Tensor:
         """A tensor with this HF weight's rows (a LoRA B, a DoRA magnitude) in ``linear_qkv``'s row order, each TP
-        rank's rows contiguous."""
-        q_rows, kv_rows = ctx.num_heads * ctx.head_dim, ctx.num_kv_heads * ctx.head_dim
+        rank's rows contiguous (a replicated KV head's rows on each of its replicas)."""
+        q_rows, kv_rows, r, hd = ctx.num_heads * ctx.head_dim, ctx.num_kv_heads * ctx.head_dim, ctx.kv_replicas, \
+            ctx.head_dim
         q, k, v = rows.split([q_rows, kv_rows, kv_rows])
-        return T.fuse_qkv(q, k, v, num_heads=ctx.num_heads, num_kv_heads=ctx.num_kv_heads, head_dim=ctx.head_dim)
+        k, v = (T.replicate_heads(t, replicas=r, head_dim=hd) for t in (k, v))
+        return T.fuse_qkv(q, k, v, num_heads=ctx.num_heads, num_kv_heads=ctx.num_kv_heads * r, head_dim=hd)
 
     def rows_to_hf(self, rows: torch.Tensor, ctx) -> torch.Tensor:
         """The inverse of ``rows_to_megatron`` (the TP ranks' rows concatenated in rank order)."""
@@ -92,3 +98,53 @@ class PackedGatedMLP(_GateUpRows):
     def rows_to_hf(self, rows: torch.Tensor, ctx) -> torch.Tensor:
         """The inverse of ``rows_to_megatron``."""
         return torch.cat(self._halves(list(rows.chunk(ctx.tp_size))), dim=0)
+
+
+@dataclass(frozen=True)
+class GroupedQKV(Mapping):
+    """One HF tensor holding q / k / v in megatron's ``linear_qkv`` layout (per KV group: its query heads, its key,
+    its value), weight or bias, as megatron's ``linear_qkv``."""
+
+    megatron: str
+    hf: str
+    tp_split = "column"
+
+    def hf_names(self, layer):
+        return [_fmt(self.hf, layer)]
+
+    def _blocks(self, ctx, rank: int) -> list[tuple[int, int, int]]:
+        """(row in the HF tensor, row in rank ``rank``'s shard, rows) of each block that rank holds."""
+        hd, r = ctx.head_dim, ctx.kv_replicas
+        per_group, heads = ctx.num_heads // ctx.num_kv_heads, ctx.num_heads // ctx.tp_size
+        group = ctx.first_kv_head(rank)
+        base = group * (per_group + 2) * hd
+        if r == 1:  # NOTE: whole groups, one contiguous block
+            rows = ctx.local_kv_heads * (per_group + 2) * hd
+            return [(base, 0, rows)]
+        q_start = base + (rank % r) * heads * hd  # NOTE: this replica's share of its group's query heads
+        return [(q_start, 0, heads * hd), (base + per_group * hd, heads * hd, 2 * hd)]
+
+    def load(self, reader, ctx, layer):
+        name = _fmt(self.hf, layer)
+        blocks = self._blocks(ctx, ctx.tp_rank)
+        out = torch.empty(sum(rows for _, _, rows in blocks), *reader.shape(name)[1:], dtype=reader.dtype(name))
+        for src, dst, rows in blocks:
+            _read_into(reader, name, out[dst:dst + rows], dim=0, start=src)
+        return out
+
+    def export(self, shards, ctx, layer):
+        rows = (ctx.num_heads + 2 * ctx.num_kv_heads) * ctx.head_dim
+        full = torch.empty(rows, *shards[0].shape[1:], dtype=shards[0].dtype)
+        for rank, shard in enumerate(shards):
+            for _, _, start, block in self.export_parts(shard, rank, ctx, layer):
+                full[start:start + block.shape[0]] = block
+        return {_fmt(self.hf, layer): full}
+
+    def export_parts(self, shard, rank, ctx, layer):
+        blocks = self._blocks(ctx, rank)
+        if shard.dim() == 0 or shard.shape[0] != sum(rows for _, _, rows in blocks):
+            raise ValueError(f"{self.megatron}: a TP shard must have {sum(rows for _, _, rows in blocks)} rows, got "
+                             f"shape {tuple(shard.shape)}.")
+        if rank % ctx.kv_replicas:  # NOTE: a replicated KV head is written once, from its first replica
+            blocks = blocks[:1]
+        return [(_fmt(self.hf, layer), 0, src, shard[dst:dst + rows]) for src, dst, rows in blocks]

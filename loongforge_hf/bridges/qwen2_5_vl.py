@@ -33,17 +33,22 @@ _ROPE_TYPES = ("default", "mrope")
 
 def _renamed(mapping: Mapping, old: str, new: str) -> Mapping:
     """``mapping`` with every HF name starting with ``old`` (and not already with ``new``) starting with ``new``
-    instead, in the mappings it wraps too (a routed expert's)."""
+    instead, in the mappings it wraps too (a routed expert's) and in tuples of names (``HeadSections``' parts)."""
     if old == new:
         return mapping
-    values = {}
-    for f in fields(mapping):
-        value = getattr(mapping, f.name)
-        if isinstance(value, Mapping):
-            values[f.name] = _renamed(value, old, new)
-        elif f.name != "megatron" and isinstance(value, str) and value.startswith(old) and not value.startswith(new):
-            values[f.name] = new + value[len(old):]
+    values = {f.name: _renamed_value(getattr(mapping, f.name), old, new) for f in fields(mapping)
+              if f.name != "megatron"}
     return replace(mapping, **values)
+
+
+def _renamed_value(value, old: str, new: str):
+    if isinstance(value, Mapping):
+        return _renamed(value, old, new)
+    if isinstance(value, tuple):
+        return tuple(_renamed_value(v, old, new) for v in value)
+    if isinstance(value, str) and value.startswith(old) and not value.startswith(new):
+        return new + value[len(old):]
+    return value
 
 
 def check_vit(v, heads_field: str = "num_heads") -> None:
@@ -104,6 +109,10 @@ class MRopeText(PrefixedText):
     position_embedding_type = "mrope"
     family = "Qwen2.5-VL"
 
+    def check_config(self) -> None:
+        super().check_config()
+        self.mrope_section()  # NOTE: at load, before any collective (the builder reads it too)
+
     def rope_parameters(self) -> dict:
         params = dict(getattr(self.hf_config, "rope_parameters", None) or {})
         # NOTE: older configs say rope_type "mrope"; its frequencies are the default ones.
@@ -116,11 +125,14 @@ class MRopeText(PrefixedText):
         return params
 
     def mrope_section(self) -> list[int]:
-        section = list(self.rope_parameters().get("mrope_section") or [])
-        half = C.head_dim_of(self.hf_config) // 2
+        params = self.rope_parameters()
+        section = list(params.get("mrope_section") or [])
+        # NOTE: the rotary channels' half: all of head_dim but with partial_rotary_factor (Qwen3.5's 0.25)
+        half = int(C.head_dim_of(self.hf_config) * params.get("partial_rotary_factor", 1.0)) // 2
         if len(section) != 3 or sum(section) != half:
             raise C.UnsupportedConfigError(f"text_config.rope_parameters.mrope_section={section} must be three sizes "
-                                           f"(temporal, height, width) adding up to head_dim / 2 = {half}.")
+                                           f"(temporal, height, width) adding up to head_dim x partial_rotary_factor "
+                                           f"/ 2 = {half}.")
         return section
 
     def transformer_config_kwargs(self) -> dict:
@@ -163,7 +175,7 @@ class Qwen2_5_VLBridge:
     frames_apart = False  # NOTE: True: a video's frames are separate items of the 3-D positions (Qwen3-VL)
     mrope = True  # NOTE: False: the language model takes 1-D positions (Gemma 3)
     bidirectional_images = False  # NOTE: True: an image's tokens attend to each other both ways (Gemma 3)
-    causal_lm_auto = False  # NOTE: True: transformers' AutoModelForCausalLM loads it as this class (Gemma 3)
+    causal_lm_auto = False  # NOTE: True: transformers' AutoModelForCausalLM loads it (Gemma 3, Qwen3.5)
 
     def __init__(self, hf_config, checkpoint_names=(), shape_of=None) -> None:
         """``checkpoint_names`` / ``shape_of(name)``: the checkpoint's tensor names and shapes (the layout it uses)."""
@@ -285,7 +297,8 @@ VL_BRIDGES = {arch: Qwen2_5_VLBridge for arch in Qwen2_5_VLBridge.architectures}
 
 def image_text_architectures() -> list[str]:
     """The HF architectures ``lf.AutoModelForImageTextToText`` loads."""
-    from . import gemma3_vl, idefics3, internvl, llava, llava_next, mistral3_vl, qwen2_vl, qwen3_vl  # noqa: F401
+    from . import gemma3_vl, idefics3, internvl, llava, llava_next, mistral3_vl, qwen2_vl  # noqa: F401
+    from . import qwen3_5_vl, qwen3_vl  # noqa: F401
 
     return sorted(VL_BRIDGES)
 

@@ -17,10 +17,12 @@ Choices:
 - Norms are zero-centred (``Qwen3_5RMSNorm``: ``weight`` stored, ``1 + weight`` applied in fp32): megatron's
   ``layernorm_zero_centered_gamma`` on our RMSNorm (input, post-attention, q / k and final norms), as Gemma's.
 - Tied embeddings (the small Qwen3.5 checkpoints) as ``DenseBridge``.
+- ``generate`` with the dynamic cache: the full-attention layers' keys and values and the Gated DeltaNet layers'
+  conv and recurrent states (``kv_cache.py``, ``gated_deltanet.py``), as transformers' dynamic cache for Qwen3.5.
 - Refused: context parallelism (the recurrence runs along the whole sequence; ``check_layout``), linear heads that
-  do not split over TP, a KV-cache ``generate`` (no recurrent-state cache: ``generation_refusal``),
-  ``attention_bias`` (megatron ties o_proj's bias to the MLP's), ``hidden_act`` other than silu (the conv's and the
-  gated norm's activation), unknown ``layer_types``.
+  do not split over TP, ``cache_implementation="static"`` (its fixed-shape decode step keeps no recurrent state:
+  ``generation_refusal``), ``attention_bias`` (megatron ties o_proj's bias to the MLP's), ``hidden_act`` other
+  than silu (the conv's and the gated norm's activation), unknown ``layer_types``.
 """
 
 from __future__ import annotations
@@ -79,9 +81,9 @@ class Qwen3_5Bridge(DenseBridge):
                                                f"tensor_parallel_size={tp} for {arch}.")
 
     def generation_refusal(self, generation_config) -> str | None:
-        if generation_config.use_cache:
-            return (f"{self.architectures[0]} generates without a cache only (its Gated DeltaNet layers need a "
-                    "recurrent-state cache, which loongforge's caches do not keep): pass use_cache=False.")
+        if generation_config.use_cache and generation_config.cache_implementation == "static":
+            return (f"cache_implementation='static' is not supported for {self.architectures[0]}: the static cache's "
+                    "fixed-shape decode step keeps no Gated DeltaNet state; use the default dynamic cache.")
         return None
 
     def rope_parameters(self) -> dict:

@@ -128,7 +128,7 @@ class Qwen3VLBridge(Qwen2_5_VLBridge):
 
     @property
     def deepstack_count(self) -> int:
-        return len(self.vision_config.deepstack_visual_indexes or ())
+        return len(getattr(self.vision_config, "deepstack_visual_indexes", None) or ())  # NOTE: Qwen3.5: none
 
     def check_vision_config(self) -> None:
         v = self.vision_config
@@ -137,7 +137,7 @@ class Qwen3VLBridge(Qwen2_5_VLBridge):
         if side * side != v.num_position_embeddings:
             raise C.UnsupportedConfigError(f"vision_config.num_position_embeddings={v.num_position_embeddings} must "
                                            "be a square (the learned position grid).")
-        indexes = list(v.deepstack_visual_indexes or ())
+        indexes = list(getattr(v, "deepstack_visual_indexes", None) or ())
         if len(set(indexes)) != len(indexes) or any(not 0 <= i < v.depth for i in indexes):
             raise C.UnsupportedConfigError(f"vision_config.deepstack_visual_indexes={indexes} must be distinct block "
                                            f"indexes of the ViT (depth {v.depth}).")

@@ -26,8 +26,8 @@ def supported_architectures() -> list[str]:
 
 
 def loads_as_causal_lm(hf_config) -> bool:
-    """Whether transformers' ``AutoModelForCausalLM`` loads this image-text checkpoint as its image-text class (Gemma
-    3's ``Gemma3ForConditionalGeneration``), so ``lf.AutoModelForCausalLM`` does too."""
+    """Whether transformers' ``AutoModelForCausalLM`` loads this image-text checkpoint (Gemma 3's as its image-text
+    class, Qwen3.5's as its text model), so ``lf.AutoModelForCausalLM`` loads it, as the image-text model."""
     from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, image_text_architectures
 
     image_text_architectures()

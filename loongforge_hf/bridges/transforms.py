@@ -95,6 +95,28 @@ def split_qkv(
     )
 
 
+def first_replicas(rows: torch.Tensor, *, replicas: int, head_dim: int) -> torch.Tensor:
+    """K (or V) rows of ``heads x replicas`` heads, each head's replicas side by side, -> the first replica of each
+    head (more TP ranks than KV heads: rank ``t`` holds a replica of head ``t // replicas``)."""
+    _positive(replicas=replicas, head_dim=head_dim)
+    if replicas == 1:
+        return rows
+    if rows.dim() == 0 or rows.shape[0] % (replicas * head_dim):
+        raise ValueError(f"rows must hold whole replicated heads ({replicas} replicas x head_dim={head_dim}), got "
+                         f"shape {tuple(rows.shape)}.")
+    rest = rows.shape[1:]
+    return rows.reshape(-1, replicas, head_dim, *rest)[:, 0].reshape(-1, *rest).contiguous()
+
+
+def replicate_heads(rows: torch.Tensor, *, replicas: int, head_dim: int) -> torch.Tensor:
+    """The inverse of ``first_replicas``: each head's rows repeated ``replicas`` times, side by side."""
+    _positive(replicas=replicas, head_dim=head_dim)
+    if replicas == 1:
+        return rows
+    rest = rows.shape[1:]
+    return rows.reshape(-1, 1, head_dim, *rest).expand(-1, replicas, head_dim, *rest).reshape(-1, *rest)
+
+
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """HF ``gate_proj``/``up_proj`` -> megatron-core gated ``linear_fc1`` (``[gate; up]``)."""
     if gate.shape != up.shape or gate.dtype != up.dtype:

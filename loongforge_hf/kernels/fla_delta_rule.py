@@ -72,3 +72,17 @@ def gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value: torch
                         initial_state=initial_state, output_final_state=output_final_state,
                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
     return out.to(query.dtype), state
+
+
+def gated_delta_rule_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, *, initial_state: torch.Tensor | None = None,
+                          output_final_state: bool = False):
+    """``kernels.gated_delta_rule.gated_delta_rule``'s signature and returns (``[b, s, ...]`` rows, each its own
+    sequence) through fla: the rows flattened into one varlen call."""
+    batch, seq = query.shape[:2]
+    cu = torch.arange(0, (batch + 1) * seq, seq, device=query.device)
+    flat = [x.reshape(1, batch * seq, *x.shape[2:]) for x in (query, key, value, g, beta)]
+    out, state = gated_delta_rule_varlen(*flat, cu_seqlens=cu, initial_state=initial_state,
+                                         output_final_state=output_final_state)
+    out = out.reshape(batch, seq, *out.shape[2:])
+    return (out, state.float()) if output_final_state else out

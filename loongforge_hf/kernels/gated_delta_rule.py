@@ -1,9 +1,13 @@
 """The gated delta rule (Gated DeltaNet's linear attention: Qwen3.5, Qwen3-Next) in torch, chunked, fp32 state.
 
 Choices:
-- Per value head a state ``S`` of ``[k_dim, v_dim]``, zero at the start of each call (training and uncached
-  forwards: no state comes in or goes out). Token ``t`` decays it by ``exp(g_t)`` (``g_t <= 0``), writes the
-  correction ``u_t = beta_t (v_t - (exp(g_t) S)^T k_t)`` along ``k_t`` and reads ``o_t = S_t^T q_t``.
+- Per value head a state ``S`` of ``[k_dim, v_dim]``, zero at the start of a call unless ``initial_state`` is given
+  (training and uncached forwards: no state comes in or goes out). Token ``t`` decays it by ``exp(g_t)``
+  (``g_t <= 0``), writes the correction ``u_t = beta_t (v_t - (exp(g_t) S)^T k_t)`` along ``k_t`` and reads
+  ``o_t = S_t^T q_t``.
+- A cached generate carries the state from call to call (``bridges/gated_deltanet.py``): ``initial_state`` /
+  ``output_final_state`` (``[batch, v_heads, k_dim, v_dim]``, fp32). A call of one token with a state coming in (a
+  decode step) runs that token's recurrence step directly (the chunked form would pad it to a whole chunk).
 - q and k are L2-normalised over their channels as ``x * rsqrt(sum(x^2) + 1e-6)`` and q is scaled by
   ``k_dim^-1/2`` (transformers' torch fallback, which follows the fla kernels), all in fp32.
 - Grouped value heads: q / k head ``i`` serves value heads ``i * r .. i * r + r - 1`` (``r = v_heads / k_heads``).
@@ -12,7 +16,7 @@ Choices:
   decay's running sum inside the chunk, ``S0`` the state at the chunk's start), so the only loop is over chunks; the
   state crosses chunks in fp32. The same numbers as the token-by-token recurrence up to fp32 rounding (the tests
   compare with transformers' chunked and recurrent torch code). Autograd differentiates it as written.
-- Inputs in any dtype; the output in the query's dtype, rounded once at the end.
+- Inputs in any dtype; the output in the query's dtype, rounded once at the end; the final state in fp32.
 """
 
 from __future__ import annotations
@@ -26,13 +30,19 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, *, chunk_size: int = 64) -> torch.Tensor:
+                     beta: torch.Tensor, *, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+                     output_final_state: bool = False):
     """``query`` / ``key`` ``[batch, seq, k_heads, k_dim]``, ``value`` ``[batch, seq, v_heads, v_dim]``, ``g`` (log
-    decay) and ``beta`` ``[batch, seq, v_heads]`` -> ``[batch, seq, v_heads, v_dim]`` (see the module docstring)."""
+    decay) and ``beta`` ``[batch, seq, v_heads]`` -> ``[batch, seq, v_heads, v_dim]``, and the final state
+    ``[batch, v_heads, k_dim, v_dim]`` (fp32) after it when ``output_final_state``; ``initial_state``: the state
+    before the first token (None: zero). See the module docstring."""
     batch, seq, k_heads, k_dim = key.shape
-    v_heads = value.shape[2]
+    v_heads, v_dim = value.shape[2:]
     if v_heads % k_heads:
         raise ValueError(f"gated_delta_rule: {v_heads} value heads do not group over {k_heads} key heads.")
+    if initial_state is not None and tuple(initial_state.shape) != (batch, v_heads, k_dim, v_dim):
+        raise ValueError(f"gated_delta_rule: initial_state of shape {tuple(initial_state.shape)}, expected "
+                         f"{(batch, v_heads, k_dim, v_dim)} [batch, v_heads, k_dim, v_dim].")
     out_dtype = query.dtype
     q = l2_normalize(query.float()) * k_dim ** -0.5
     k = l2_normalize(key.float())
@@ -41,6 +51,11 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     # NOTE: [batch, heads, seq, ...] from here on
     q, k, v = (x.transpose(1, 2) for x in (q, k, value.float()))
     g, beta = (x.float().transpose(1, 2) for x in (g, beta))
+    state = q.new_zeros(batch, v_heads, k_dim, v_dim) if initial_state is None else initial_state.float()
+    if seq == 1 and initial_state is not None:
+        out, state = _step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], state)
+        out = out[:, None].to(out_dtype)
+        return (out, state) if output_final_state else out
     pad = (-seq) % chunk_size
     if pad:  # NOTE: zero tokens at the end (no decay, no write) change nothing before them
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -63,11 +78,21 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     k_to_end = k * (running[..., -1:] - running).exp()[..., None]         # writes as seen at the chunk's end
     end_decay = running[..., -1].exp()[..., None, None]
 
-    state = q.new_zeros(batch, v_heads, k.shape[-1], v.shape[-1])
     outputs = []
     for i in range(chunks):
         u = u_free[:, :, i] - u_state[:, :, i] @ state
         outputs.append(q_from_start[:, :, i] @ state + within[:, :, i] @ u)
         state = state * end_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
     out = torch.stack(outputs, dim=2).reshape(batch, v_heads, chunks * chunk_size, -1)[:, :, :seq]
-    return out.transpose(1, 2).to(out_dtype)
+    out = out.transpose(1, 2).to(out_dtype)
+    return (out, state) if output_final_state else out
+
+
+def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+          state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's recurrence: ``q`` / ``k`` ``[b, h, k_dim]`` (normalised, grouped), ``v`` ``[b, h, v_dim]``,
+    ``g`` / ``beta`` ``[b, h]``, ``state`` ``[b, h, k_dim, v_dim]`` -> its output ``[b, h, v_dim]``, the new state."""
+    state = state * g.exp()[..., None, None]
+    u = beta[..., None] * (v - (k[..., None, :] @ state)[..., 0, :])
+    state = state + k[..., :, None] * u[..., None, :]
+    return (q[..., None, :] @ state)[..., 0, :], state

@@ -24,6 +24,9 @@ Choices:
   ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``) under any of these layouts, a
   pipeline stage training nothing dense included: megatron's dense optimizer is then a stub or holds empty groups
   on that stage, which LoongTrainer's engine and checkpoints take as they are (``trainer/optimizer_state.py``).
+- More TP ranks than KV heads (each KV head replicated, ``parallel/kv_replicas.py``): ``q_proj`` and the other
+  linears are adapted as usual; adapters on key / value rows (``k_proj``, ``v_proj``, a packed q / k / v linear) are
+  refused (``check_kv_targets``).
 - With pipeline parallelism the first stage must hold something trainable (its input, the embedding, does not
   require grad, so a stage without adapters would have nothing to back-propagate into).
 """
@@ -137,14 +140,11 @@ def _layout_and_slices(target_group, ctx, layer: int):
     names = [n.removesuffix(".weight").rsplit(".", 1)[-1] for n in first.mapping.hf_names(layer)]
     tp, rank = ctx.tp_size, ctx.tp_rank
     if first.kind == "qkv":
-        heads, groups, hd = ctx.num_heads // tp, ctx.num_kv_heads // tp, ctx.head_dim
-        per_group = ctx.num_heads // ctx.num_kv_heads
+        heads, groups, hd = ctx.num_heads // tp, ctx.local_kv_heads, ctx.head_dim
         q, k, v = names
-        layout = FusedLayout(groups=groups, slots=((q, per_group * hd), (k, hd), (v, hd)))
-        slices = {q: slice(rank * heads * hd, (rank + 1) * heads * hd),
-                  k: slice(rank * groups * hd, (rank + 1) * groups * hd),
-                  v: slice(rank * groups * hd, (rank + 1) * groups * hd)}
-        return layout, slices
+        layout = FusedLayout(groups=groups, slots=((q, heads // groups * hd), (k, hd), (v, hd)))
+        kv_rows = slice(ctx.first_kv_head(rank) * hd, (ctx.first_kv_head(rank) + groups) * hd)
+        return layout, {q: slice(rank * heads * hd, (rank + 1) * heads * hd), k: kv_rows, v: kv_rows}
     if first.kind in ("gated", "column"):
         start, stop = T.shard_range(first.out_features, rank=rank, world=tp, name=first.hf_module)
         layout = FusedLayout(groups=1, slots=tuple((n, stop - start) for n in names))
@@ -208,11 +208,37 @@ def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
     if isinstance(model, LoongLoraModelForCausalLM):
         raise LoraConfigError("This model already has LoRA adapters; apply one LoraConfig per model.")
     if type(model) is LoongModelForImageTextToText:
-        return plan_image_text(model, peft_config)
+        plan = plan_image_text(model, peft_config)
+        check_kv_targets(plan, model.bridge.text, model.parallel.tensor_parallel_size)
+        return plan
     if type(model) is not LoongModelForCausalLM:
         raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM and AutoModelForImageTextToText "
                               f"models, got {type(model).__name__}.")
-    return plan_lora(model.bridge, peft_config)
+    plan = plan_lora(model.bridge, peft_config)
+    check_kv_targets(plan, model.bridge, model.parallel.tensor_parallel_size)
+    return plan
+
+
+def check_kv_targets(plan: LoraPlan, bridge, tensor_parallel_size: int) -> None:
+    """Refuse (pure, every rank alike) adapters on K / V rows where more TP ranks than KV heads replicate each head
+    (``parallel/kv_replicas.py``): their B rows would be replicas whose gradients are not summed. ``q_proj`` (and
+    every other linear) is adapted as usual."""
+    from loongforge_hf.bridges.config_map import kv_heads_of
+    from loongforge_hf.parallel.kv_replicas import replicas_of
+
+    kv = kv_heads_of(bridge.hf_config)
+    if replicas_of(kv, tensor_parallel_size) == 1:
+        return
+    # NOTE: a "column" target on linear_qkv is a packed q / k / v HF linear (Phi-3's qkv_proj, Falcon's
+    # query_key_value, GPTBigCode's c_attn): its rows hold K / V too
+    kv_targets = [t.hf_module for t in plan.targets if (t.kind == "qkv" and t.slot > 0) or (
+        t.kind == "column" and t.megatron_module.endswith("self_attention.linear_qkv"))]
+    if kv_targets:
+        raise LoraConfigError(
+            f"LoRA on {kv_targets[0]}{' ...' if len(kv_targets) > 1 else ''}: tensor_parallel_size="
+            f"{tensor_parallel_size} replicates each of the {kv} KV heads on {replicas_of(kv, tensor_parallel_size)} "
+            "ranks, and adapters on key / value rows are not supported there; adapt q_proj / o_proj / the MLP, or "
+            f"use a tensor_parallel_size of at most {kv} that divides it.")
 
 
 def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,

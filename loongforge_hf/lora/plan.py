@@ -53,13 +53,14 @@ import torch
 
 from loongforge_hf.bridges.conv1d_mappings import Transposed
 from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParallel
-from loongforge_hf.bridges.packed_mappings import PackedGatedMLP, PackedQKV
+from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedGatedMLP, PackedQKV
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 from loongforge_hf.bridges.moe import SharedExpertGate
 from loongforge_hf.bridges.per_head_mappings import PerHeadStack
 
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
-                 PackedQKV: "column", PackedGatedMLP: "column", RowParallel: "row", SharedExpertGate: "shared_gate"}
+                 PackedQKV: "column", GroupedQKV: "column", PackedGatedMLP: "column", RowParallel: "row",
+                 SharedExpertGate: "shared_gate"}
 _INITS = (True, False, "gaussian", "orthogonal")
 
 

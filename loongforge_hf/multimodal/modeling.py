@@ -123,7 +123,9 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
     def generation_refusal(self, generation_config, kwargs: dict) -> str | None:
         from loongforge_hf.multimodal.generation import generation_refusal
 
-        return generation_refusal(self, generation_config, kwargs)
+        # NOTE: the bridge's own first (Qwen3.5's, from its text model)
+        return super().generation_refusal(generation_config, kwargs) or \
+            generation_refusal(self, generation_config, kwargs)
 
     def _prepare_position_ids_for_generation(self, inputs_tensor: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
         from loongforge_hf.multimodal.generation import generation_positions
@@ -367,7 +369,7 @@ class AutoModelForImageTextToText:
         # NOTE: ``unused``: transformers' other from_pretrained keywords and config overrides (bridges/load_kwargs.py)
         arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
         from loongforge_hf.bridges import router_balance
-        from loongforge_hf.bridges.builder import build_megatron_model
+        from loongforge_hf.bridges.builder import build_megatron_model, check_kv_replication
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.hub import resolve_checkpoint
         from loongforge_hf.bridges.load_kwargs import (check_device, finish_load, load_config, loading_info,
@@ -419,6 +421,9 @@ class AutoModelForImageTextToText:
                                num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
                                vocab_size=text.vocab_size, num_experts=bridge.text.num_experts())
             router_balance.check_layout(text, bridge.text)
+            check_kv_replication(bridge.text, layout)
+            if hasattr(bridge, "check_layout"):  # NOTE: a layout the architecture cannot run (Qwen3.5: no CP)
+                bridge.check_layout(layout)
             check_deepstack_layers(getattr(bridge, "deepstack_count", 0), text.num_hidden_layers, layout)
             vision_layout = _vision_layout(vision_tensor_parallel_size=vision_tensor_parallel_size,
                                            vision_data_parallel=vision_data_parallel,

@@ -14,9 +14,10 @@ Choices:
   attention, as the Qwen2.5-VL tower's full-attention blocks.
 - DeepStack: the output of block ``deepstack_visual_indexes[k]`` goes through ``deepstack_merger_list[k]`` (LayerNorm
   after the ``merge x merge`` shuffle); ``forward`` returns the merged embeddings with these features concatenated on
-  the feature axis, ``[N / merge^2, out_hidden_size * (1 + len(deepstack_visual_indexes))]``, so the chunk's machinery
-  (encoder data parallel, CP shares, sequence-parallel splice) moves them with the embeddings as one tensor
-  (``chunk.py`` splits them off and adds them to the first decoder layers' outputs).
+  the feature axis, ``[N / merge^2, out_hidden_size * (1 + len(deepstack_visual_indexes))]``, so the chunk's
+  machinery (encoder data parallel, CP shares, sequence-parallel splice) moves them with the embeddings as one tensor
+  (``chunk.py`` splits them off and adds them to the first decoder layers' outputs). Qwen3.5's tower has none (its
+  ``vision_config`` no ``deepstack_visual_indexes``): the merged embeddings alone.
 - Tensor parallelism, FP8 and ``recompute`` as ``vision.VisionTower`` (the same ``VisionAttention``, ``VisionLinear``);
   the MLP's ``linear_fc1`` is split by rows, ``linear_fc2`` by columns (bias after the reduction); norms, the position
   table, the patch embedding and the mergers are replicated.
@@ -95,7 +96,8 @@ class Qwen3VisionTower(nn.Module):
         self.config = config
         self.recompute = recompute
         self.merge = config.spatial_merge_size
-        self.deepstack_visual_indexes = list(config.deepstack_visual_indexes or ())
+        # NOTE: Qwen3.5's vision_config has no DeepStack field
+        self.deepstack_visual_indexes = list(getattr(config, "deepstack_visual_indexes", None) or ())
         self.patch_embed = PatchEmbed(config, bias=True)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.side = int(config.num_position_embeddings ** 0.5)

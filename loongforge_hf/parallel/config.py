@@ -93,9 +93,11 @@ class ParallelConfig:
         if num_attention_heads % tp:
             raise ParallelLayoutError(f"num_attention_heads={num_attention_heads} is not divisible by "
                                       f"tensor_parallel_size={tp}.")
-        if num_key_value_heads % tp:
-            raise ParallelLayoutError(f"num_key_value_heads={num_key_value_heads} is not divisible by "
-                                      f"tensor_parallel_size={tp}.")
+        if num_key_value_heads % tp and tp % num_key_value_heads:
+            # NOTE: tp a multiple of the KV heads replicates each head on tp / kv ranks (parallel/kv_replicas.py)
+            raise ParallelLayoutError(f"num_key_value_heads={num_key_value_heads} and tensor_parallel_size={tp}: "
+                                      "one must divide the other (whole KV heads per rank, or each KV head "
+                                      "replicated on the same number of ranks).")
         vpp = self.virtual_pipeline_parallel_size or 1
         stages = pp * vpp
         if num_layers < stages:

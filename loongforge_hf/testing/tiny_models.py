@@ -19,7 +19,8 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "granite", "olmo2", "olmo3", "gemma", "gemma2", "ministral", "seed_oss",
               "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe", "starcoder2",
               "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi", "gptj", "stablelm",
-              "llama4", "falcon", "falcon_mqa", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "qwen3_5")
+              "llama4", "falcon", "falcon_mqa", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "qwen3_5",
+              "qwen3_next", "qwen3_5_moe")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -269,6 +270,21 @@ def _config(arch: str, **overrides):
                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                     "partial_rotary_factor": 0.25})
         cfg.architectures = ["Qwen3_5ForCausalLM"]
+    elif arch in ("qwen3_next", "qwen3_5_moe"):
+        # NOTE: Qwen3-Next's / Qwen3.5-MoE's layout shrunk: Gated DeltaNet layers 0 and 2 (2 key heads serving 4 value
+        # heads of another size) and gated full-attention layers 1 and 3 (a full one on each of two pipeline stages),
+        # 4 experts (top 2) and a gated shared expert; Qwen3-Next's first layer dense (mlp_only_layers)
+        kw = dict(**{**common, "head_dim": 16}, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "full_attention"] * 2, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+        if arch == "qwen3_next":
+            cfg = tf.Qwen3NextConfig(**kw, mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=True)
+            cfg.architectures = ["Qwen3NextForCausalLM"]
+        else:
+            cfg = tf.Qwen3_5MoeTextConfig(**kw)
+            cfg.architectures = ["Qwen3_5MoeForCausalLM"]
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
     for k, v in overrides.items():
@@ -309,7 +325,8 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
     with torch.no_grad():
         # NOTE: random norm weights (HF initialises them to 1), so a bridge that drops a norm cannot pass; Gemma's
         # store weight - 1 (scales around 1 there too)
-        centre = 0.0 if getattr(cfg, "model_type", "") in ("gemma", "gemma2", "gemma3_text", "qwen3_5_text") else 1.0
+        zero_centred = ("gemma", "gemma2", "gemma3_text", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
+        centre = 0.0 if getattr(cfg, "model_type", "") in zero_centred else 1.0
         for name, p in model.named_parameters():
             if "linear_attn.norm" in name:  # NOTE: Qwen3.5's gated norm stores its weight itself (around 1)
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
@@ -339,8 +356,8 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
 
 
 def _append_mtp_layers(folder: Path, cfg, count: int, *, dtype: torch.dtype) -> None:
-    """Random tensors named like DeepSeek-V3's (or ERNIE 4.5 MoE's) multi-token-prediction layers, in a shard of their
-    own."""
+    """Random tensors named like DeepSeek-V3's (or ERNIE 4.5 MoE's, Qwen3-Next's) multi-token-prediction layers, in a
+    shard of their own."""
     import json
 
     from safetensors.torch import save_file
@@ -357,6 +374,11 @@ def _append_mtp_layers(folder: Path, cfg, count: int, *, dtype: torch.dtype) -> 
                       f"model.mtp_block.{i}.input_layernorm.weight": (h,),
                       f"model.mtp_block.{i}.self_attn.o_proj.weight": (h, h),
                       f"model.mtp_block.{i}.mlp.experts.0.down_proj.weight": (h, cfg.moe_intermediate_size)}
+        elif cfg.model_type in ("qwen3_next", "qwen3_5_moe_text"):  # NOTE: the hub's: mtp.* beside the model
+            shapes = {"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,), "mtp.pre_fc_norm_embedding.weight": (h,),
+                      "mtp.pre_fc_norm_hidden.weight": (h,), f"mtp.layers.{i}.input_layernorm.weight": (h,),
+                      f"mtp.layers.{i}.self_attn.o_proj.weight": (h, h),
+                      f"mtp.layers.{i}.mlp.experts.0.down_proj.weight": (h, cfg.moe_intermediate_size)}
         else:
             p = f"model.layers.{cfg.num_hidden_layers + i}"
             shapes = {f"{p}.{n}": shape for n, shape in {

@@ -12,6 +12,10 @@ Qwen2-VL (``make_tiny_qwen2_vl``): the same decoder under a Qwen2-VL ViT (LayerN
 Qwen3-VL (``make_tiny_qwen3_vl``): ViT depth 3 (patch 16, a 4x4 learned position grid, DeepStack from blocks 0
 and 1 into decoder layers 0 and 1), a 4-layer Qwen3 decoder (head_dim 16, q/k norms), interleaved mrope (2, 3, 3).
 
+Qwen3.5 (``make_tiny_qwen3_5_vl``): Qwen3-VL's ViT at depth 2 without DeepStack, a 4-layer Qwen3.5 decoder (Gated
+DeltaNet layers 0, 1, 3, a gated full-attention layer 2 with head_dim 64, a quarter of it rotary), interleaved mrope
+(2, 3, 3) over the 16 rotary channels; zero-centred text norms stored near 0.
+
 The processor is ``Qwen2_5_VLProcessor``'s (``Qwen3VLProcessor``'s) own code with an image processor and a tokenizer
 but no video processor: transformers' video processors need torchvision, which the CPU test environment does not
 install.
@@ -65,13 +69,17 @@ def processor_for(folder: str | Path):
     or Gemma 3's, which the folder holds whole)."""
     import json
 
-    from transformers import AutoProcessor, AutoTokenizer, Qwen2VLProcessor
+    from transformers import AutoProcessor, AutoTokenizer, PreTrainedTokenizerFast, Qwen2VLProcessor
 
     model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
     if model_type == "gemma3":
         return AutoProcessor.from_pretrained(folder)
     if model_type == "qwen2_vl":
         return make_processor(AutoTokenizer.from_pretrained(folder), base=Qwen2VLProcessor)
+    if model_type == "qwen3_5":
+        # NOTE: AutoTokenizer gives Qwen3.5's checkpoints Qwen3_5Tokenizer (a byte-level BPE) whatever the folder
+        # holds: the tiny word-level tokenizer loads as itself
+        return make_processor(PreTrainedTokenizerFast.from_pretrained(folder), qwen3=True)
     return make_processor(AutoTokenizer.from_pretrained(folder), qwen3=model_type in ("qwen3_vl", "qwen3_vl_moe"))
 
 
@@ -173,6 +181,45 @@ def make_tiny_qwen3_vl(folder: str | Path, *, seed: int = 0, max_shard_size: str
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(**text_overrides)).to(torch.float32)
     _randomise(model, scaled=("pos_embed",))
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    make_processor(make_vl_tokenizer(folder), qwen3=True).save_pretrained(folder)
+    return folder
+
+
+def tiny_qwen3_5_vl_config(**text_overrides):
+    from transformers import Qwen3_5Config
+
+    text = dict(vocab_size=TEXT_VOCAB + 4, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    text.update(text_overrides)
+    tie = text.pop("tie_word_embeddings", False)
+    vision = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=16)
+    return Qwen3_5Config(text_config=text, vision_config=vision, vision_start_token_id=TEXT_VOCAB,
+                         vision_end_token_id=TEXT_VOCAB + 1, image_token_id=TEXT_VOCAB + 2,
+                         video_token_id=TEXT_VOCAB + 3, tie_word_embeddings=tie)
+
+
+def make_tiny_qwen3_5_vl(folder: str | Path, *, seed: int = 0, max_shard_size: str = "60KB",
+                         **text_overrides) -> Path:
+    """Write a tiny random Qwen3.5 image-text model (weights, config, tokenizer, image processor), return its folder."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(tiny_qwen3_5_vl_config(**text_overrides)).to(torch.float32)
+    _randomise(model, scaled=("pos_embed",))
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():
+            if "norm" in name and "linear_attn.norm" not in name:  # NOTE: zero-centred: 1 + weight applied
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("linear_attn.dt_bias"):  # NOTE: transformers: ones
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     make_processor(make_vl_tokenizer(folder), qwen3=True).save_pretrained(folder)
     return folder

@@ -42,6 +42,8 @@ Choices:
   it is 0), each micro-batch's backpropagated loss adds ``coef * aux * N`` ("sum") or ``coef * aux * N / (DP *
   micro-batches)`` ("mean"), so megatron's loss scale applies to it too; the logged loss adds the term to the
   language-model loss.
+- More TP ranks than KV heads (each KV head replicated, ``parallel/kv_replicas.py``): the finalize step sums the
+  replicas' K / V gradient rows after megatron's, and the gradient norm counts each HF head once.
 - One engine wraps a model's chunks at a time: a new engine on the same model (a second trainer) first releases the
   one before it (``release``: megatron DDP's gradient hooks, its buffers and the parameters' links into them and
   into the optimizer, the functions it set on the model's config), then wraps the chunks afresh and builds a new
@@ -73,6 +75,7 @@ from loongforge_hf.bridges.runtime import (IGNORE_INDEX, fused_loss_sum, hidden_
 from loongforge_hf.kernels import main_grad as main_grad_state
 from loongforge_hf.kernels.fp8 import weight_cache as fp8_weight_cache
 from loongforge_hf.parallel.context_parallel import cp_local_inputs
+from loongforge_hf.parallel.kv_replicas import replica_grad_sq, sum_replica_grads
 
 
 OPTIMIZER_PRECISIONS = ("fp32", "model")
@@ -338,6 +341,8 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         self._finalize_megatron(model_chunks, None, *args, **kwargs)
+        # NOTE: replicas of one KV head (more TP ranks than KV heads) take the sum of their gradients
+        sum_replica_grads(model_chunks, getattr(kwargs.get("pg_collection"), "tp", None))
         self._num_tokens = None
         if num_tokens is None:
             return
@@ -369,7 +374,7 @@ class MegatronEngine:
         tokens = self._num_tokens
         scale = one if tokens is None else torch.where(tokens > 0, 1.0 / tokens.to(device, torch.float64), one)
         # NOTE: the norm also without clipping: transformers.Trainer logs grad_norm either way
-        grad_norm = _grad_norm_on_device(opt, device) * scale
+        grad_norm = _grad_norm_on_device(opt, device, self.chunks) * scale
         factor = scale
         if self.clip_grad > 0:
             coeff = self.clip_grad / (grad_norm + 1.0e-6)
@@ -635,21 +640,23 @@ def is_stub(part) -> bool:
     return bool(getattr(part, "is_stub_optimizer", False))
 
 
-def _grad_norm_on_device(opt, device: torch.device) -> torch.Tensor:
+def _grad_norm_on_device(opt, device: torch.device, chunks=()) -> torch.Tensor:
     """megatron's ``get_grad_norm`` (``optimizer.py``, ``clip_grads.get_grad_norm_fp32``: which grads count, the
     squared l2 norm summed over each optimizer's grad-stats group, a chained optimizer's two cases) as an fp64 device
-    scalar, without its closing ``.item()``. The engine builds megatron DDP, not its FSDP, so no grad is a DTensor."""
+    scalar, without its closing ``.item()``. The engine builds megatron DDP, not its FSDP, so no grad is a DTensor.
+    A KV head replicated over TP ranks (``parallel/kv_replicas.py``) counts once: the model ``chunks``' other
+    replicas' rows are taken off."""
     from loongforge_hf.xpu.common import l2_norm
 
     subs = optimizer_parts(opt)
     if len(subs) == 1 or opt.grads_states_parallel_group_is_shared():
         parts = [([g for o in subs for g in o.get_main_grads_for_grad_norm()],
-                  (subs[0] if len(subs) == 1 else opt).get_grad_stats_parallel_group())]
+                  (subs[0] if len(subs) == 1 else opt).get_grad_stats_parallel_group(), subs)]
     else:
-        parts = [(o.get_main_grads_for_grad_norm(), o.get_grad_stats_parallel_group()) for o in subs]
+        parts = [(o.get_main_grads_for_grad_norm(), o.get_grad_stats_parallel_group(), [o]) for o in subs]
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for grads, group in parts:
-        squared = l2_norm(grads, device) ** 2
+    for grads, group, owners in parts:
+        squared = l2_norm(grads, device) ** 2 - replica_grad_sq(owners, chunks, device)
         dist.all_reduce(squared, group=group)
         total = total + squared.double().reshape(())
     return total.sqrt()

@@ -13,8 +13,11 @@ def _reduce_as_megatron(model) -> None:
     parameters that see only this rank's sequence-parallel tokens (norms, router) or heads (q / k norms) over TP;
     every dense parameter
     over the context-parallel ranks; experts that see only their own tokens over the expert-data-parallel group
-    (the engine's ``allreduce=False``)."""
+    (the engine's ``allreduce=False``); then the engine's sum over the replicas of a KV head (more TP ranks than KV
+    heads, ``parallel/kv_replicas.py``)."""
     from megatron.core import parallel_state as ps
+
+    from loongforge_hf.parallel.kv_replicas import sum_replica_grads
 
     tp_group = ps.get_tensor_model_parallel_group()
     expert_dp, cp = ps.get_expert_data_parallel_world_size(), ps.get_context_parallel_world_size()
@@ -33,6 +36,7 @@ def _reduce_as_megatron(model) -> None:
                 dist.all_reduce(p.grad, group=tp_group)
             if cp > 1:  # each context-parallel rank holds its share of the sequence
                 dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
+    sum_replica_grads(model.chunks)
 
 
 def gradient_checks(cases: list[tuple[str, str, dict]]) -> dict:

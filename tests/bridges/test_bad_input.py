@@ -36,7 +36,7 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2
 QUICK_S = 10.0
 LOAD_CASES = ("missing_shard", "corrupt_header", "truncated_shard", "index_escape", "shape_mismatch", "pickle_refused",
               "opt", "foo_architecture", "unknown_model_type", "rope_dynamic", "sliding_window", "gemma_softcapping",
-              "heads_vs_tp", "world_size", "vpp_layers", "hub_id_not_cached", "gpt_oss_split_experts",
+              "heads_vs_tp", "kv_replication", "world_size", "vpp_layers", "hub_id_not_cached", "gpt_oss_split_experts",
               "gpt_oss_alpha", "qwen3_5_context_parallel")
 
 
@@ -235,6 +235,10 @@ def load_cases(base, tmp_path_factory):
 
     heads = make_tiny_checkpoint(tmp / "heads3", "qwen3", tokenizer=False, num_attention_heads=3, num_key_value_heads=1)
     cases["heads_vs_tp"] = (heads, TP2, "ParallelLayoutError", ["num_attention_heads=3", "tensor_parallel_size=2"])
+    # NOTE: one KV head at TP2 is replicated, but OLMo 2's k norm over all KV heads cannot be (kv_replicas.py)
+    k_norm = make_tiny_checkpoint(tmp / "olmo2_kv1", "olmo2", tokenizer=False, num_key_value_heads=1)
+    cases["kv_replication"] = (k_norm, TP2, "ParallelLayoutError", ["tensor_parallel_size=2 is more than the 1 KV "
+                                                                    "heads of Olmo2ForCausalLM", "k_layernorm"])
 
     cases["world_size"] = (base, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "ParallelLayoutError",
                            ["World size 2", "tensor_parallel_size (2)", "pipeline_parallel_size (2)", "= 4"])
@@ -570,10 +574,12 @@ def test_falcon_fields_megatron_cannot_express_refused():
     other than its heads, KV groups that do not divide the heads), dropouts megatron puts elsewhere, an activation the
     shared table lacks or dynamic rope scaling: refused by the bridge's pure check, naming the field; the hub's
     settings are taken (40B's two norms side by side, Falcon2-11B's and 7B's one, the sequential layer; 1, the groups
-    or every head as KV heads; biases with ``bias``), and one KV head at TP 2 by the layout check."""
+    or every head as KV heads; biases with ``bias``); one KV head at TP 2 passes the layout checks (replicated on both
+    ranks: tests/parallel/test_kv_replicas.py)."""
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.builder import check_kv_replication
     from loongforge_hf.bridges.config_map import kv_heads_of
-    from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
+    from loongforge_hf.parallel import ParallelConfig
     from loongforge_hf.testing.tiny_models import _config
 
     name = "FalconForCausalLM"
@@ -616,16 +622,17 @@ def test_falcon_fields_megatron_cannot_express_refused():
     assert kw["attention_dropout"] == 0.0 and sequential.embedding_dropout == 0.0
     assert "transformer.h.0.post_attention_layernorm.weight" in sequential.expected_hf_shapes()
     config = _config("falcon_mqa", architectures=[name])
-    with pytest.raises(ParallelLayoutError, match=r"num_key_value_heads=1 is not divisible by tensor_parallel_size=2"):
-        ParallelConfig(tensor_parallel_size=2).check_model(num_layers=4, num_attention_heads=4,
-                                                           num_key_value_heads=kv_heads_of(config))
+    ParallelConfig(tensor_parallel_size=2).check_model(num_layers=4, num_attention_heads=4,
+                                                       num_key_value_heads=kv_heads_of(config))
+    check_kv_replication(get_bridge(config), ParallelConfig(tensor_parallel_size=2))
 
 
 def test_gpt_bigcode_fields_megatron_cannot_express_refused():
     """GPTBigCode with unscaled scores, cross-attention or an activation the shared table lacks: refused by the
     bridge's pure check, naming the field; the hub's settings are taken (one KV head with ``multi_query``, whatever a
     stale ``num_key_value_heads`` says, every head without it; ``n_inner`` None as 4 x ``n_embd``, the three dropouts,
-    LayerNorms and biases, learned positions, the tied head), and one KV head at TP 2 by the layout check. The two
+    LayerNorms and biases, learned positions, the tied head); one KV head at TP 2 passes the layout checks (replicated:
+    tests/parallel/test_kv_replicas.py). The two
     softmax-in-fp32 flags are taken either way: transformers' attention does not read them (its fp32 logits are the
     same bit for bit with both off). ``token_type_ids`` are refused by the forward."""
     import types
@@ -634,9 +641,10 @@ def test_gpt_bigcode_fields_megatron_cannot_express_refused():
     import transformers
 
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.builder import check_kv_replication
     from loongforge_hf.bridges.config_map import gelu_tanh, kv_heads_of
     from loongforge_hf.modeling import LoongModelForCausalLM
-    from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
+    from loongforge_hf.parallel import ParallelConfig
     from loongforge_hf.testing.tiny_models import _config
 
     name = "GPTBigCodeForCausalLM"
@@ -669,9 +677,9 @@ def test_gpt_bigcode_fields_megatron_cannot_express_refused():
     ids = torch.randint(0, 203, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(ref(ids).logits, off(ids).logits)
-    with pytest.raises(ParallelLayoutError, match=r"num_key_value_heads=1 is not divisible by tensor_parallel_size=2"):
-        ParallelConfig(tensor_parallel_size=2).check_model(num_layers=4, num_attention_heads=4,
-                                                           num_key_value_heads=kv_heads_of(_config("gpt_bigcode")))
+    ParallelConfig(tensor_parallel_size=2).check_model(num_layers=4, num_attention_heads=4,
+                                                       num_key_value_heads=kv_heads_of(_config("gpt_bigcode")))
+    check_kv_replication(mqa, ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(TypeError, match=rf"token_type_ids are not supported for {name}"):
         LoongModelForCausalLM.forward(types.SimpleNamespace(bridge=mqa), torch.zeros(1, 3, dtype=torch.long),
                                       token_type_ids=torch.zeros(1, 3, dtype=torch.long))
@@ -718,7 +726,7 @@ def test_llama4_fields_megatron_cannot_express_refused():
 def test_qwen3_5_fields_and_layouts_megatron_cannot_express_refused():
     """Qwen3.5 with an unknown layer type, layer types not one per layer, value heads that do not group over the key
     heads, another activation, ``attention_bias``; context parallelism and linear heads that do not split over TP
-    (the layout check); a KV-cache generate: each refused naming the field (pure, before any collective)."""
+    (the layout check); a static-cache generate: each refused naming the field (pure, before any collective)."""
     from types import SimpleNamespace
 
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
@@ -746,5 +754,53 @@ def test_qwen3_5_fields_and_layouts_megatron_cannot_express_refused():
     with pytest.raises(UnsupportedConfigError, match=r"linear_num_key_heads=1 does not split over "
                                                      r"tensor_parallel_size=2"):
         odd.check_layout(ParallelConfig(tensor_parallel_size=2))
-    assert "use_cache=False" in bridge.generation_refusal(SimpleNamespace(use_cache=True))
-    assert bridge.generation_refusal(SimpleNamespace(use_cache=False)) is None
+    assert "cache_implementation='static' is not supported for Qwen3_5ForCausalLM" in bridge.generation_refusal(
+        SimpleNamespace(use_cache=True, cache_implementation="static"))
+    for use_cache, implementation in ((True, None), (True, "dynamic"), (False, "static")):
+        assert bridge.generation_refusal(SimpleNamespace(use_cache=use_cache,
+                                                         cache_implementation=implementation)) is None
+
+
+@pytest.mark.parametrize("arch,name", [("qwen3_next", "Qwen3NextForCausalLM"),
+                                       ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")])
+def test_qwen3_5_moe_and_qwen3_next_refusals_and_declarations(arch, name):
+    """Qwen3-Next and Qwen3.5-MoE (Qwen3.5's layers with experts): Qwen3.5's refusals (an unknown layer type, value
+    heads that do not group over the key heads, another activation, no experts; context parallelism and linear heads
+    that do not split over TP, the layout check) naming the model, pure, before any collective; the MoE layout megatron
+    gets (sparse layers, the gated shared expert, top-k renormalisation) and the checkpoint's in-projections."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel import ParallelConfig
+    from loongforge_hf.testing.tiny_models import _config
+
+    for field, value, match in (
+            ("layer_types", ["sliding_attention"] * 4, rf"layer_types \['sliding_attention'\] are not supported for "
+                                                       rf"{name}"),
+            ("linear_num_value_heads", 3, r"linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
+            ("hidden_act", "gelu", rf"hidden_act='gelu' is not supported for {name}"),
+            ("num_experts", 0, rf"num_experts=0 is not supported for {name}")):
+        with pytest.raises(UnsupportedConfigError, match=match):
+            get_bridge(_config(arch, **{field: value}))
+    bridge = get_bridge(_config(arch))
+    with pytest.raises(UnsupportedConfigError, match=rf"context_parallel_size=2 is not supported for {name}"):
+        bridge.check_layout(ParallelConfig(context_parallel_size=2, expert_parallel_size=2))
+    odd = get_bridge(_config(arch, linear_num_key_heads=1, linear_num_value_heads=3))
+    with pytest.raises(UnsupportedConfigError, match=r"linear_num_key_heads=1 does not split over "
+                                                     r"tensor_parallel_size=2"):
+        odd.check_layout(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2))
+    kw = bridge.transformer_config_kwargs()
+    assert kw["attention_output_gate"] and kw["layernorm_zero_centered_gamma"] and kw["qk_layernorm"]
+    assert kw["moe_layer_freq"] == ([0, 1, 1, 1] if arch == "qwen3_next" else [1] * 4)
+    assert kw["moe_shared_expert_gate"] and kw["moe_shared_expert_intermediate_size"] == 48
+    assert kw["num_moe_experts"] == 4 and kw["moe_ffn_hidden_size"] == 32 and not kw["moe_router_pre_softmax"]
+    shapes = bridge.expected_hf_shapes()
+    fused = {"model.layers.0.linear_attn.in_proj_qkvz.weight": (2 * (8 + 8 + 2 * 12 + 2 * 12), 64),
+             "model.layers.0.linear_attn.in_proj_ba.weight": (8, 64)}
+    split = {"model.layers.0.linear_attn.in_proj_qkv.weight": (2 * 8 + 2 * 8 + 4 * 12, 64),
+             "model.layers.0.linear_attn.in_proj_z.weight": (48, 64)}
+    for tensor, shape in (fused if arch == "qwen3_next" else split).items():
+        assert shapes[tensor] == shape, tensor
+    assert not set(split if arch == "qwen3_next" else fused) & set(shapes)
+    if arch == "qwen3_next":  # NOTE: Qwen3-MoE's choice of sparse layers and renormalisation
+        sparse2 = get_bridge(_config(arch, mlp_only_layers=[], decoder_sparse_step=2, norm_topk_prob=False))
+        kw = sparse2.transformer_config_kwargs()
+        assert kw["moe_layer_freq"] == [0, 1, 0, 1] and kw["moe_router_pre_softmax"]

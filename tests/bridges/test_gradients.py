@@ -32,11 +32,14 @@ k / v biases, a quarter of each head rotated and, as StableLM 2 12B, the attenti
 LayerNorm per head on q and k (each head's weight its own, split over TP), or sequential as StableLM 2 1.6B) at TP1,
 TP2, TP2 + SP and CP2.
 Falcon (40B's two LayerNorms side by side with KV groups fused group by group and biases; the older layout run
-sequentially with q / k / v per head) is among the dense models; Falcon-7B's multi-query attention (one KV head) runs
-at TP1 and CP2, as GPTBigCode's (StarCoder: GPT-2's layer with nn.Linear weights); GPTBigCode without multi_query (q /
-k / v per head, an untied LM head) is among the dense models.
+sequentially with q / k / v per head) is among the dense models; Falcon-7B's multi-query attention (one KV head)
+runs at TP1, CP2 and TP2 + SP (the head replicated on both ranks, their gradients summed as the engine sums them), as
+GPTBigCode's (StarCoder: GPT-2's layer with nn.Linear weights); GPTBigCode without multi_query (q / k / v per head, an
+untied LM head) is among the dense models.
 Llama 4 (sigmoid top-1 routing on the experts' input, a shared expert, L2 q / k norms, chunked attention and a NoPE
 layer's query temperature) is among the mixture-of-experts models.
+Qwen3-Next (Gated DeltaNet in-projections fused per key head, a dense first layer, a sigmoid-gated shared expert) at
+TP1 and TP2 + SP + EP2, Qwen3.5-MoE's text model at TP1 (no CP: refused).
 """
 
 from __future__ import annotations
@@ -99,19 +102,22 @@ CHECKPOINTS = {
     "stablelm": ("stablelm", {}),
     "stablelm_sequential": ("stablelm", {"qk_layernorm": False, "use_parallel_residual": False}),
     # NOTE: Falcon-40B's layout (two norms side by side, 2 KV groups fused group by group, biases), the older layout
-    # run sequentially with q / k / v per head, and Falcon-7B's multi-query attention (one KV head: no TP)
+    # run sequentially with q / k / v per head, and Falcon-7B's multi-query attention (one KV head)
     "falcon": ("falcon", {}),
     "falcon_sequential": ("falcon_mqa", {"parallel_attn": False, "multi_query": False, "bias": True}),
     "falcon_mqa": ("falcon_mqa", {}),
     # NOTE: learned absolute positions (their table's gradient too, on every TP rank alike), Conv1D weights, c_attn
     "gpt2": ("gpt2", {}),
-    # NOTE: GPTBigCode (StarCoder): GPT-2's layer with nn.Linear weights and multi-query attention (one KV head: no
-    # TP), and without multi_query (q / k / v per head) with an untied LM head
+    # NOTE: GPTBigCode (StarCoder): GPT-2's layer with nn.Linear weights and multi-query attention (one KV head), and
+    # without multi_query (q / k / v per head) with an untied LM head
     "gpt_bigcode": ("gpt_bigcode", {}),
     "gpt_bigcode_mha": ("gpt_bigcode_mha", {}),
     # NOTE: Gated DeltaNet layers (in-projections, conv, A_log / dt_bias split by heads over TP, the gated norm's
     # weight shared by the heads) and a gated full-attention layer with zero-centred q / k norms; no CP (refused)
     "qwen3_5": ("qwen3_5", {}),
+    # NOTE: Qwen3.5's layers with experts and a gated shared expert; Qwen3-Next's in-projections fused per key head
+    "qwen3_next": ("qwen3_next", {}),
+    "qwen3_5_moe": ("qwen3_5_moe", {}),
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe", "llama4")
@@ -119,19 +125,20 @@ DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite"
          "gemma2", "ministral", "seed_oss", "arcee",
          "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox", "cohere", "cohere2", "phi", "gptj",
          "stablelm", "stablelm_sequential", "falcon", "falcon_sequential", "gpt2", "gpt_bigcode_mha")
-NO_TP = ("falcon_mqa", "gpt_bigcode")  # NOTE: one KV head does not split over TP
+MQA = ("falcon_mqa", "gpt_bigcode")  # NOTE: one KV head, replicated on each TP rank (parallel/kv_replicas.py)
 NO_CP = ("qwen3_5",)  # NOTE: context parallelism refused (the recurrence runs along the whole sequence)
+NO_CP_MOE = ("qwen3_next", "qwen3_5_moe")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
-    "tp1": (1, {}, MOE + DENSE + NO_TP + NO_CP),
+    "tp1": (1, {}, MOE + DENSE + MQA + NO_CP + NO_CP_MOE),
     "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}, MOE),
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
-                       "expert_tensor_parallel_size": 1}, MOE),
-    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + NO_TP),
+                       "expert_tensor_parallel_size": 1}, MOE + ("qwen3_next",)),
+    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + NO_CP),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},
-               MOE + DENSE + NO_CP),  # MoE: experts split too
+               MOE + DENSE + NO_CP + MQA),  # MoE: experts split too
 }
 CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
 TOL = 1e-4

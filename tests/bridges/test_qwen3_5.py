@@ -1,7 +1,9 @@
 """Qwen3.5 (Gated DeltaNet and gated full-attention layers) beyond the shared parity suites: sequences across several
-of the delta rule's chunks, packed documents, left padding, uncached generate and the refused KV cache; fp32 against
-transformers within 1e-4 (the layouts, round trips and gradients run in test_dense_parity / test_gradients). The
-models run in a one-rank world (megatron sets process environment variables when it builds a model)."""
+of the delta rule's chunks, packed documents, left padding, generate without and with the cache (the Gated DeltaNets'
+conv and recurrent states, greedy and beam search over a left-padded batch of two, at one rank and at TP2 with
+sequence parallelism) and the refused static cache; fp32 against transformers within 1e-4 (the layouts, round trips
+and gradients run in test_dense_parity / test_gradients). The models run in worlds (megatron sets process
+environment variables when it builds a model)."""
 
 import pytest
 import torch
@@ -49,18 +51,62 @@ def _checks(folder: str) -> dict:
     want = ref.generate(input_ids=ids, **kw)
     out["generate"] = (torch.equal(got.sequences, want.sequences),
                        max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)))
+    out.update(_cached_generate(ours, ref, beams=True))
     try:
-        ours.generate(input_ids=ids, max_new_tokens=2)
-        out["cache_refusal"] = None
+        ours.generate(input_ids=ids, max_new_tokens=2, cache_implementation="static")
+        out["static_refusal"] = None
     except ValueError as e:
-        out["cache_refusal"] = str(e)
+        out["static_refusal"] = str(e)
     return out
 
 
+def _cached_generate(ours, ref, *, beams: bool) -> dict:
+    """Greedy (and, with ``beams``, 2-beam) cached generate of a left-padded batch of two (the second prompt 4 tokens
+    shorter): (sequences equal, largest score difference) against transformers' dynamic cache; the greedy call's
+    cache layers; the lengths each of our forwards ran (the prefill, then one token a step)."""
+    from tests._generation import step_lengths
+
+    ids = _ids((2, 9), seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    out = {}
+    for name, extra in {"greedy": {}, "beam": {"num_beams": 2}}.items() if beams else {"greedy": {}}.items():
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                  output_scores=True, **extra)
+        got, want = ours.generate(**kw), ref.generate(**kw)
+        out[f"cached_{name}"] = (torch.equal(got.sequences, want.sequences),
+                                 max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)))
+        if name == "greedy":  # NOTE: the returned cache's layers, and a Gated DeltaNet's states (shape, dtype)
+            layers = got.cache.layers
+            out["cache_layers"] = ([type(layer).__name__ for layer in layers],
+                                   [(tuple(t.shape), t.dtype) for t in (layers[-1].conv_states[0],
+                                                                        layers[-1].recurrent_states[0])])
+    out["cached_lengths"] = step_lengths(ours, lambda: ours.generate(input_ids=ids, attention_mask=mask,
+                                                                     max_new_tokens=4))
+    return out
+
+
+def _tp2_checks(folder: str) -> dict:
+    """Cached greedy generate at TP2 with sequence parallelism (each rank its heads' states; a one-token step padded
+    to two, the padding kept out of the states)."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2,
+                                                   sequence_parallel=True)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return _cached_generate(ours, ref, beams=False)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "src", "qwen3_5")
-    return run_distributed(_checks, 1, str(folder), timeout=300)[0]
+def folder(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "src", "qwen3_5"))
+
+
+@pytest.fixture(scope="module")
+def results(folder):
+    return run_distributed(_checks, 1, folder, timeout=300)[0]
 
 
 def test_long_sequences_and_left_padding(results):
@@ -75,8 +121,39 @@ def test_packed_documents_restart_the_recurrence(results):
     assert max(results["packed"]) < TOL, results["packed"]
 
 
-def test_generate_without_cache_and_the_cache_refused(results):
+def test_generate_without_cache(results):
     same, scores = results["generate"]
     assert same and scores < TOL, results["generate"]
-    assert results["cache_refusal"] is not None and "Qwen3_5ForCausalLM generates without a cache only" in \
-        results["cache_refusal"] and "use_cache=False" in results["cache_refusal"], results["cache_refusal"]
+
+
+def test_cached_generate_left_padded_batch(results):
+    """Greedy and beam search with the cache: transformers' tokens and scores; after the prefill each forward runs
+    the new token only."""
+    for name in ("cached_greedy", "cached_beam"):
+        same, scores = results[name]
+        assert same and scores < TOL, (name, results[name])
+    assert results["cached_lengths"] == [9, 1, 1, 1], results["cached_lengths"]
+    _check_cache_layers(results["cache_layers"], heads=4)
+
+
+def _check_cache_layers(layers, *, heads: int) -> None:
+    """One KV layer for the full-attention layer, then one state layer per Gated DeltaNet (layers 0, 1, 3): the
+    last ``conv_kernel - 1`` = 3 inputs of the q / k / v channels (2 * 2 * 8 + 4 * 12 over all heads), in the
+    activations' dtype; the fp32 state ``[batch, value heads, key dim, value dim]`` of this rank's heads."""
+    kinds, states = layers
+    assert kinds == ["DynamicLayer"] + ["LinearAttentionLayer"] * 3, kinds
+    assert states == [((2, 80 * heads // 4, 3), torch.float32), ((2, heads, 8, 12), torch.float32)], states
+
+
+def test_static_cache_refused(results):
+    assert results["static_refusal"] is not None and "cache_implementation='static' is not supported for " \
+        "Qwen3_5ForCausalLM" in results["static_refusal"] and "dynamic cache" in results["static_refusal"], \
+        results["static_refusal"]
+
+
+def test_cached_generate_tp2_sequence_parallel(folder):
+    for rank, res in enumerate(run_distributed(_tp2_checks, 2, folder, timeout=300)):
+        same, scores = res["cached_greedy"]
+        assert same and scores < TOL, (rank, res)
+        assert res["cached_lengths"] == [10, 2, 2, 2], (rank, res["cached_lengths"])  # NOTE: padded to TP
+        _check_cache_layers(res["cache_layers"], heads=2)

@@ -70,8 +70,9 @@ ADAPTERS = {
     # per head); its norms and the position table are trained whole (wte is tied to the LM head: refused)
     "gpt2": {"lora": dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                           modules_to_save=["ln_1", "ln_2", "ln_f", "wpe"]), "dora": DORA_KW},
-    # NOTE: GPTBigCode without multi_query (MQA's one KV head does not split over TP): nn.Linear c_attn (q / k / v
-    # per head, megatron's rows as they are), c_proj (attention and MLP), c_fc named as PEFT matches them; its
+    # NOTE: GPTBigCode without multi_query (MQA's one KV head is replicated over TP, where an adapter on c_attn is
+    # refused): nn.Linear c_attn (q / k / v per head, megatron's rows as they are), c_proj (attention and MLP), c_fc
+    # named as PEFT matches them; its
     # LayerNorms and the untied LM head trained whole. LoRA only (DoRA on the same column / row-parallel linears with
     # biases: StarCoder2's, Falcon's), to keep the suite's time
     "gpt_bigcode_mha": {"lora": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],

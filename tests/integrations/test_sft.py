@@ -236,12 +236,12 @@ def test_phi3_matches_trl(tmp_path):
 
 # NOTE: each seed is one whose lora_text run predicts some label token (assert_matches' accuracy guard): SmolLM3's
 # seed 1, Gemma 3's seeds 0-4, Ministral's 0-1, OLMoE's 0-2 and Phi's 0 predict none (Qwen3.5's full_weight_decay
-# run: seeds 0-2)
+# run: seeds 0-2; Qwen3-Next's: seeds 0 and 3)
 ARCH_SEEDS = {"smollm3": 0, "gemma3": 5, "granite": 0, "olmo2": 0, "olmo3": 0, "gemma": 0, "gemma2": 0,
               "ministral": 2, "seed_oss": 0, "arcee": 0,
               "helium": 0, "ernie4_5": 0, "gpt_oss": 0, "glm4": 0, "granitemoe": 0, "exaone4": 0, "ernie4_5_moe": 0,
               "starcoder2": 0, "olmoe": 3, "gpt_neox": 0, "cohere": 0, "phi": 1, "gptj": 0, "stablelm": 0, "falcon": 0,
-              "gpt2": 0, "gpt_bigcode": 0, "llama4": 0, "qwen3_5": 3}
+              "gpt2": 0, "gpt_bigcode": 0, "llama4": 0, "qwen3_5": 3, "qwen3_next": 1}
 
 
 # NOTE: gpt-oss: transformers' eager attention (the only one with its sinks on CPU: flex attention refuses them there)
@@ -257,6 +257,8 @@ ARCH_NAMES["llama4"] = ["full_packing"]
 # documents, which ours restarts (tests/bridges/test_qwen3_5.py), and LoRA on its in-projections / gated q_proj is
 # refused ("all-linear" with it): full fine-tuning without packing, with a decay that shows (A_log, dt_bias, the conv)
 ARCH_NAMES["qwen3_5"] = ["full_weight_decay"]
+# NOTE: Qwen3-Next (Qwen3.5's layers with experts, a gated shared expert and TRL's balancing loss): as Qwen3.5
+ARCH_NAMES["qwen3_next"] = ["full_weight_decay"]
 # NOTE: Llama 4's transformers model adds no router balancing loss whatever router_aux_loss_coef says (0.001 in its
 # config, which turns TRL's on): the engine adds none (bridges/router_balance.py); TRL 1.16's own would need
 # config.num_experts (Llama 4 has num_local_experts), so its reference run is told the coefficient is 0
@@ -267,8 +269,8 @@ ARCH_OVERRIDES = {"granitemoe": {"num_experts": 4}}
 # NOTE: PEFT rewrites ERNIE 4.5 MoE's and OLMoE's "all-linear" (as Qwen2-MoE's) into adapters on the routed expert
 # stacks, which LoRA here adapts with every expert whole on its rank
 ARCH_LAYOUTS = {arch: {**PHI3_LAYOUT, "expert_tensor_parallel_size": 1} for arch in ("ernie4_5_moe", "olmoe")}
-# NOTE: GPTBigCode's multi-query attention (StarCoder's; one KV head does not split over TP): CP2 (all-linear LoRA on
-# its nn.Linear c_attn / c_proj / c_fc, as PEFT's)
+# NOTE: GPTBigCode's multi-query attention (StarCoder's; TP replicates its one KV head, where an adapter on c_attn's
+# k / v rows is refused): CP2 (all-linear LoRA on its nn.Linear c_attn / c_proj / c_fc, as PEFT's)
 ARCH_LAYOUTS["gpt_bigcode"] = {"context_parallel_size": 2}
 
 
@@ -333,6 +335,8 @@ def test_architecture_matches_trl(architectures, arch):
     on), OLMoE (q / k norms over all heads, split over the TP ranks; experts in every layer; the balancing loss),
     Llama 4 (dense and MoE layers alternating, top-1 sigmoid routing on the experts' input, a shared expert, chunked
     attention and a NoPE layer's query temperature over packed rows; no balancing loss, as its transformers model),
+    Qwen3.5 and Qwen3-Next (Gated DeltaNet and gated full-attention layers; Qwen3-Next's experts, gated shared expert
+    and balancing loss; fully fine-tuned without packing, with weight decay),
     gpt-oss (attention sinks,
     biases, windowed layers, YaRN, experts with a clamped GLU: all-linear LoRA adapts its attention, as PEFT's; fully
     fine-tuned without packing, with weight decay): all-linear LoRA and full fine-tuning with packing against

@@ -10,22 +10,25 @@ TOL = 1e-5
 
 
 def _recurrence(q, k, v, g, beta):
-    """The rule token by token, straight from its definition (fp32)."""
+    """The rule token by token, straight from its definition (fp32), from a zero state."""
+    return _recurrence_from(q, k, v, g, beta, torch.zeros(v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]))[0]
+
+
+def _recurrence_from(q, k, v, g, beta, state):
+    """The rule token by token from ``state`` ``[b, h, k_dim, v_dim]``, straight from its definition (fp32): (outputs,
+    final state)."""
     rep = v.shape[2] // k.shape[2]
     q = q.float() * torch.rsqrt((q.float() ** 2).sum(-1, keepdim=True) + 1e-6)
     k = k.float() * torch.rsqrt((k.float() ** 2).sum(-1, keepdim=True) + 1e-6)
     q = q.repeat_interleave(rep, dim=2) * q.shape[-1] ** -0.5
     k = k.repeat_interleave(rep, dim=2)
-    batch, seq, heads, dv = v.shape
-    state = torch.zeros(batch, heads, k.shape[-1], dv)
     out = []
-    for t in range(seq):
+    for t in range(v.shape[1]):
         state = state * g[:, t].float().exp()[..., None, None]
-        read = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
-        u = beta[:, t].float()[..., None] * (v[:, t].float() - read)
+        u = beta[:, t].float()[..., None] * (v[:, t].float() - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
         state = state + k[:, t][..., None] * u[..., None, :]
         out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
-    return torch.stack(out, dim=1)
+    return torch.stack(out, dim=1), state
 
 
 def _inputs(batch, seq, k_heads, v_heads, dk, dv, seed=0):
@@ -71,3 +74,29 @@ def test_value_heads_must_group_over_key_heads():
     q, k, v, g, beta = _inputs(1, 4, 2, 3, 4, 4)
     with pytest.raises(ValueError, match="3 value heads do not group over 2 key heads"):
         gated_delta_rule(q, k, v, g, beta)
+
+
+def test_state_carried_across_calls():
+    """The final state (fp32) of a prefill equals the recurrence's; prefills in pieces of 10, 1, 19, 1 and 6 tokens
+    (the one-token pieces run the recurrence step) from each piece's final state give one prefill's outputs and final
+    state; a state coming in is the recurrence's from that state."""
+    q, k, v, g, beta = _inputs(2, 37, 2, 4, 8, 12, seed=5)
+    whole, final = gated_delta_rule(q, k, v, g, beta, chunk_size=7, output_final_state=True)
+    ref, ref_final = _recurrence_from(q, k, v, g, beta, torch.zeros(2, 4, 8, 12))
+    assert final.dtype == torch.float32 and final.shape == (2, 4, 8, 12)
+    assert (whole - ref).abs().max() < TOL and (final - ref_final).abs().max() < TOL
+    outs, state = [], None
+    for lo, hi in ((0, 10), (10, 11), (11, 30), (30, 31), (31, 37)):
+        out, state = gated_delta_rule(*(t[:, lo:hi] for t in (q, k, v, g, beta)), chunk_size=7, initial_state=state,
+                                      output_final_state=True)
+        outs.append(out)
+    assert (torch.cat(outs, dim=1) - whole).abs().max() < TOL and (state - final).abs().max() < TOL
+    start = torch.randn(2, 4, 8, 12, generator=torch.Generator().manual_seed(6))
+    for lo, hi in ((0, 37), (5, 6)):  # NOTE: chunked, and one token (the recurrence step)
+        piece = [t[:, lo:hi] for t in (q, k, v, g, beta)]
+        out, end = gated_delta_rule(*piece, chunk_size=7, initial_state=start, output_final_state=True)
+        ref, ref_end = _recurrence_from(*piece, start)
+        assert (out - ref).abs().max() < TOL and (end - ref_end).abs().max() < TOL, (lo, hi)
+    assert torch.equal(gated_delta_rule(*piece, initial_state=start), out)  # NOTE: the output alone
+    with pytest.raises(ValueError, match=r"initial_state of shape \(2, 4, 8\), expected \(2, 4, 8, 12\)"):
+        gated_delta_rule(q, k, v, g, beta, initial_state=start[..., 0])

@@ -58,3 +58,57 @@ def test_fla_matches_the_torch_code(dtype, tol, bounds):
         assert rel < tol, (name, rel)
     if not backward:
         pytest.skip("forward checked; fla refuses its gated backward on this GPU / Triton (fla issue #640)")
+
+
+def _qwen3_5_fla(folder: str) -> dict:
+    """Qwen3.5 in bf16 on the GPU without gradients: logits of a left-padded batch and greedy cached generate with
+    fla's kernels counted, then with ``LOONGFORGE_DELTA_RULE=torch``, and transformers' (its fla path)."""
+    import os
+
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.kernels import fla_delta_rule
+
+    calls = []
+    kernel = fla_delta_rule.gated_delta_rule_varlen
+    fla_delta_rule.gated_delta_rule_varlen = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    ids = torch.randint(5, 200, (2, 150), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    out = {}
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    for name in ("fla", "torch"):
+        os.environ["LOONGFORGE_DELTA_RULE"] = "" if name == "fla" else "torch"
+        with torch.no_grad():
+            out[name] = (model(input_ids=ids, attention_mask=mask).logits.float().cpu(),
+                         model.generate(input_ids=ids, attention_mask=mask, **kw).sequences.cpu())
+        out[f"{name}_calls"] = len(calls)
+    os.environ.pop("LOONGFORGE_DELTA_RULE")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
+    with torch.no_grad():
+        out["transformers"] = (ref(input_ids=ids, attention_mask=mask).logits.float().cpu(),
+                               ref.generate(input_ids=ids, attention_mask=mask, **kw).sequences.cpu())
+    out["real"] = mask.bool().cpu()
+    return out
+
+
+def test_qwen3_5_inference_takes_fla(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers take fla's kernels in gradient-free bf16 forwards (every linear layer of the
+    forward and the prefill counted; decode steps keep the one-token recurrence): logits within bf16's resolution
+    (3e-2 of the largest) of our torch code and of transformers on the real tokens, the same greedy tokens."""
+    from loongforge_hf.kernels import fla_delta_rule
+    from loongforge_hf.parallel.spawn import run_distributed
+    from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
+
+    if not fla_delta_rule.available(torch.device("cuda")):
+        pytest.skip("the fla package is not installed")
+    folder = make_tiny_checkpoint(tmp_path / "qwen3_5", "qwen3_5", tokenizer=False)
+    [r] = run_distributed(_qwen3_5_fla, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
+    assert r["fla_calls"] > 0 and r["torch_calls"] == r["fla_calls"], (r["fla_calls"], r["torch_calls"])
+    real = r["real"]
+    for other in ("torch", "transformers"):
+        got, want = r["fla"][0][real], r[other][0][real]
+        assert (got - want).abs().max() <= 3e-2 * want.abs().max(), (other, (got - want).abs().max())
+        assert torch.equal(r["fla"][1], r[other][1]), other

@@ -24,11 +24,13 @@ def hand_features(folder: str, samples=VIDEO_SAMPLES, seed: int = 7, seconds: bo
     same, Qwen3-VL's (``qwen3_vl``) none and its processor's layout:
     ``<|vision_start|>``, then per frame a timestamp (two text tokens) and ``<|vision_start|>`` + the frame's
     placeholders + ``<|vision_end|>``, then ``<|vision_end|>``."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    tok = AutoTokenizer.from_pretrained(folder)
+    from loongforge_hf.testing.tiny_vl import processor_for
+
+    tok = processor_for(folder).tokenizer
     config = AutoConfig.from_pretrained(folder)
-    vision, frames_apart = config.vision_config, config.model_type in ("qwen3_vl", "qwen3_vl_moe")
+    vision, frames_apart = config.vision_config, config.model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
     seconds = hasattr(vision, "tokens_per_second") if seconds is None else seconds
     patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2 \
         if frames_apart else PATCH  # NOTE: C x temporal patch x patch x patch

@@ -1,7 +1,8 @@
-"""Qwen3-VL and Qwen3-VL-MoE on the CUDA path (varlen flash attention in the ViT under bf16, SDPA in the language
-model), against transformers on the same GPU: images + videos in fp32 (logits, loss, vision gradients, DeepStack
-included) and bf16 (loss); ``fp8="on"`` through ``from_pretrained`` (the ViT's linears, the mergers' and the language
-model's); bf16 ``generate`` with the dynamic and the static cache (CUDA-graphed decode steps)."""
+"""Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 image-text on the CUDA path (varlen flash attention in the ViT under bf16, SDPA
+in the language model), against transformers on the same GPU: images + videos in fp32 (logits, loss, vision
+gradients, DeepStack included) and bf16 (loss); ``fp8="on"`` through ``from_pretrained`` (the ViT's linears, the
+mergers' and the language model's; not Qwen3.5's); bf16 ``generate`` with the dynamic and the static cache
+(CUDA-graphed decode steps)."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _run(folder: str) -> dict:
+def _run(folder: str, fp8: bool = True) -> dict:
     import transformers
 
     import loongforge_hf as lf
@@ -45,6 +46,8 @@ def _run(folder: str) -> dict:
         else:
             bf16_loss = out.loss.item()
         del ref, model
+    if not fp8:
+        return result
     # NOTE: the tiny model's widths are multiples of 16, not of 128: row-wise scaling
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16, fp8="on",
                                                            fp8_recipe="rowwise")
@@ -75,6 +78,19 @@ def test_cuda_images_videos_and_fp8_match(tmp_path, moe):
     assert {"vision.0.merger.linear_fc1", "vision.0.deepstack_merger_list.0.linear_fc2",
             "vision.0.blocks.0.mlp.linear_fc1"} <= set(fp8["swapped"]), fp8
     assert abs(fp8["loss"] - fp8["bf16_loss"]) < 0.03 * abs(fp8["bf16_loss"]), fp8
+
+
+def test_cuda_qwen3_5_images_videos_match(tmp_path):
+    """Qwen3.5 image-text (Gated DeltaNet layers beside the gated full-attention one, no DeepStack): images + videos
+    in fp32 (logits, loss, vision gradients) and bf16 (loss) against transformers on the same GPU."""
+    from loongforge_hf.testing.tiny_vl import make_tiny_qwen3_5_vl
+
+    folder = make_tiny_qwen3_5_vl(tmp_path / "src")
+    [r] = run_distributed(_run, 1, str(folder), False, timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
+    assert r["fp32"]["device"].startswith("cuda"), r
+    assert r["fp32"]["logit_diff"] < 1e-3 and r["fp32"]["grad_diff"] < 1e-3, r
+    assert abs(r["fp32"]["loss"] - r["fp32"]["ref_loss"]) < 1e-4, r
+    assert abs(r["bf16"]["loss"] - r["bf16"]["ref_loss"]) < 3e-2, r
 
 
 def test_cuda_bf16_generate_as_transformers(tmp_path):

@@ -25,7 +25,7 @@ def test_world_and_model_checks_name_the_sizes():
     with pytest.raises(ParallelLayoutError, match="World size 6 is not divisible .* = 4"):
         layout.check_world_size(6)
     assert layout.data_parallel_size(8) == 2
-    with pytest.raises(ParallelLayoutError, match="num_key_value_heads=3 is not divisible by tensor_parallel_size=2"):
+    with pytest.raises(ParallelLayoutError, match="num_key_value_heads=3 and tensor_parallel_size=2: one must divide"):
         layout.check_model(num_layers=4, num_attention_heads=6, num_key_value_heads=3)
     with pytest.raises(ParallelLayoutError, match="num_experts=6 is not divisible by expert_parallel_size=4"):
         ParallelConfig(expert_parallel_size=4).check_model(num_layers=2, num_attention_heads=4,

@@ -1,0 +1,150 @@
+"""More tensor-parallel ranks than KV heads: each HF key / value head replicated on ``tp / kv`` ranks.
+
+Choices:
+- megatron-core splits attention by whole query groups (``num_query_groups % tp == 0``). With ``tp = r * kv`` (MQA:
+  Falcon-7B, StarCoder; GQA: Qwen2.5-7B's 4 KV heads at TP 8) the model is built with ``num_query_groups = tp``
+  (``query_groups``): TP rank ``t`` holds one group, a replica of HF KV head ``t // r``, with the query heads that
+  use that head in transformers (``repeat_kv``), so the forward is the HF model's. The bridges' q / k / v mappings
+  read each replica from its head's rows and export a head from its first replica (``ShardContext.kv_replicas``).
+- Training: the replicas of one HF head stay equal. Each replica's weight (and bias) gradient holds only its own
+  query heads' share; the gradient of the HF tensor is their sum. ``sum_replica_grads`` sums the K / V rows of
+  ``linear_qkv``'s gradient over the replicas once per step, after megatron's ``finalize_model_grads`` (the engine's
+  finalize, which megatron's schedule calls before the optimizer step; a hand-written loop calls it after its
+  backward), where megatron sums the sequence-parallel norms' gradients over TP: after the data-parallel
+  reduce(-scatter), on the grad buffer (the TP ranks of one data-parallel rank own the same range of it, so the sum
+  is right where the optimizer reads it). Equal gradients into equal weights and AdamW states keep the replicas
+  equal. Not a gradient hook: megatron's fused weight-gradient GEMM adds into ``main_grad`` without calling one, and
+  a hook would reduce once per micro-batch, not once per step.
+- One all-reduce over the TP group for every layer: each rank puts its K / V rows in the slot of its HF head of a
+  ``kv``-slot buffer (zeros elsewhere); no extra process groups (communicators) are made. With one KV head (MQA) it
+  sends exactly the rows; with ``kv`` heads ``kv`` times them.
+- Gradient norm (clipping, logging): each HF head counts once. megatron counts a tensor-parallel parameter's rows on
+  every rank; ``replica_grad_sq`` is the squared norm of what the non-first replicas repeat (their K / V rows, over
+  the part this rank's optimizer holds), which the engine takes off before summing over ranks.
+- Parameters holding replicas carry a ``kv_replica`` attribute (``KVReplica``, set by ``mark_replicas`` at build).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_QKV_NAMES = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+
+
+@dataclass(frozen=True)
+class KVReplica:
+    """What one rank's ``linear_qkv`` weight or bias holds of a replicated KV head."""
+
+    head: int               # the HF KV head
+    heads: int              # HF KV heads
+    replicas: int           # TP ranks holding each head
+    first: bool             # whether this rank holds the head's first replica (the one exported and counted)
+    rows: tuple[int, int]   # the K / V rows (dim 0) of the local tensor
+
+
+def replicas_of(num_key_value_heads: int, tensor_parallel_size: int) -> int:
+    """How many TP ranks hold each KV head (1: whole heads per rank)."""
+    kv, tp = num_key_value_heads, tensor_parallel_size
+    return tp // kv if tp > kv and tp % kv == 0 else 1
+
+
+def query_groups(num_key_value_heads: int, tensor_parallel_size: int) -> int:
+    """megatron's ``num_query_groups`` for a model with ``num_key_value_heads`` at ``tensor_parallel_size``: the KV
+    heads, or one group per TP rank when each head is replicated."""
+    return num_key_value_heads * replicas_of(num_key_value_heads, tensor_parallel_size)
+
+
+def mark_replicas(chunks, *, num_key_value_heads: int, head_dim: int, tp_rank: int, tp_size: int) -> int:
+    """Set ``kv_replica`` on each ``linear_qkv`` weight and bias of ``chunks`` where heads are replicated; returns how
+    many were marked. A rank holds one group, its K / V rows last (megatron's ``[q heads, k, v]``)."""
+    r = replicas_of(num_key_value_heads, tp_size)
+    if r == 1:
+        return 0
+    marked = 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if name.endswith(_QKV_NAMES):
+                rows = param.shape[0]
+                param.kv_replica = KVReplica(head=tp_rank // r, heads=num_key_value_heads, replicas=r,
+                                             first=tp_rank % r == 0, rows=(rows - 2 * head_dim, rows))
+                marked += 1
+    return marked
+
+
+def _grad(param) -> torch.Tensor | None:
+    """The gradient megatron's optimizer reads: DDP's ``main_grad`` where the parameter has one, else ``.grad``."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def replicated_params(modules) -> list:
+    """The trainable parameters of ``modules`` (chunks, DDP-wrapped or not) holding replicated KV heads."""
+    return [p for m in modules for p in m.parameters() if p.requires_grad and getattr(p, "kv_replica", None)]
+
+
+@torch.no_grad()
+def sum_replica_grads(modules, tp_group=None) -> None:
+    """Sum the K / V rows of every replicated ``linear_qkv`` gradient over the replicas of its head (collective
+    over the TP group; every TP rank holds the same parameters, so all join or none). ``tp_group``: megatron's."""
+    params = [p for p in replicated_params(modules) if _grad(p) is not None]
+    if not params:
+        return
+    if tp_group is None:
+        from megatron.core import parallel_state as ps
+
+        tp_group = ps.get_tensor_model_parallel_group()
+    info = params[0].kv_replica
+    rows = [_grad(p)[p.kv_replica.rows[0]:p.kv_replica.rows[1]] for p in params]
+    flat = torch.cat([r.reshape(-1) for r in rows])
+    # NOTE: one slot per HF head: the TP-wide sum of a slot is the sum over that head's replicas
+    slots = flat.new_zeros(info.heads, flat.numel())
+    slots[info.head] = flat
+    dist.all_reduce(slots, group=tp_group)
+    offset = 0
+    for r in rows:
+        r.copy_(slots[info.head, offset:offset + r.numel()].view_as(r))
+        offset += r.numel()
+
+
+def _owned(part, param, held: set[int]) -> tuple[int, int] | None:
+    """The flat range of ``param`` whose gradient optimizer ``part`` reads (the distributed optimizer: this
+    data-parallel rank's shard of it), or None where the part does not hold it (``held``: the ids of the parameters
+    a non-distributed part's torch optimizer steps)."""
+    gbuf_map = getattr(part, "model_param_gbuf_map", None)
+    if gbuf_map is not None:  # NOTE: megatron's DistributedOptimizer
+        if param not in gbuf_map:
+            return None
+        r = part._get_model_param_range_map(param)["param"]
+        return r.start, r.end
+    return (0, param.numel()) if id(param) in held else None
+
+
+def _held(part) -> set[int]:
+    torch_opt = getattr(part, "optimizer", None)
+    return set() if torch_opt is None else {id(p) for g in torch_opt.param_groups for p in g["params"]}
+
+
+@torch.no_grad()
+def replica_grad_sq(parts, modules, device: torch.device) -> torch.Tensor:
+    """The squared l2 norm (fp32, shape ``[1]``) of the K / V gradient rows this rank's non-first replicas hold in
+    optimizer ``parts``: megatron's gradient norm counts each replica; taken off, each HF head counts once."""
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    params = [p for p in replicated_params(modules) if not p.kv_replica.first and _grad(p) is not None]
+    if not params:
+        return total
+    held = [_held(part) for part in parts]
+    for param in params:
+        info, grad = param.kv_replica, _grad(param)
+        width = param[0].numel() if param.dim() > 1 else 1
+        kv_start, kv_stop = info.rows[0] * width, info.rows[1] * width
+        for part, ids in zip(parts, held):
+            owned = _owned(part, param, ids)
+            if owned is None:
+                continue
+            start, stop = max(owned[0], kv_start), min(owned[1], kv_stop)
+            if start < stop:
+                total += grad.reshape(-1)[start:stop].float().square().sum().to(device)
+    return total

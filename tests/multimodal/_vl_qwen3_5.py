@@ -1,0 +1,72 @@
+"""Rank functions for test_qwen3_5_vl.py: the parity worlds (images, videos, packing, text through
+``lf.AutoModelForCausalLM``, generate, refusals), each a dict of numbers the tests read."""
+
+import torch
+
+from tests._generation import _plain
+
+from ._vl_features import compare_videos
+from ._vl_generate import SCENARIOS, prompt_batch
+from ._vl_parity import compare_many, train_both
+from ._vl_qwen3 import load_error, packed_against_padded
+
+GENERATE = SCENARIOS["greedy"]  # NOTE: scores and raw logits of 6 greedy steps
+
+
+def generate_reference(folder: str) -> dict:
+    """transformers' greedy generate (its own cache) on the image batch."""
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    return _plain(model.generate(**prompt_batch(folder), **GENERATE))
+
+
+def generate_ours(folder: str, layout: dict) -> dict:
+    """Ours: greedy with and without the cache (the Gated DeltaNet states in it) on the same batch; the static
+    cache's error (None when it runs)."""
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    out = {name: _plain(model.generate(**prompt_batch(folder), use_cache=name == "cached", **GENERATE))
+           for name in ("cached", "uncached")}
+    try:
+        model.generate(**prompt_batch(folder), max_new_tokens=2, cache_implementation="static")
+        out["static_refusal"] = None
+    except ValueError as err:
+        out["static_refusal"] = str(err)
+    return out
+
+
+def causal_lm_text(folder: str) -> dict:
+    """``lf.AutoModelForCausalLM`` on the image-text checkpoint against ``transformers.AutoModelForCausalLM`` (its
+    text model, ``Qwen3_5ForCausalLM``) on a left-padded text batch: both classes and the logits' difference."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    ids = torch.randint(4, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        diff = (ours(input_ids=ids, attention_mask=mask).logits - ref(input_ids=ids, attention_mask=mask).logits)
+    return {"classes": (type(ours).__name__, type(ref).__name__), "logit_diff": diff.abs()[mask.bool()].max().item()}
+
+
+def one_rank(cases: list, folder: str, out_dir: str) -> dict:
+    out = compare_many(cases)
+    out["packed"] = packed_against_padded(folder)
+    out["causal_lm"] = causal_lm_text(folder)
+    out["generate"] = generate_ours(folder, {})
+    out["train"] = train_both(folder, out_dir)
+    return out
+
+
+def two_ranks(cases: list, folder: str, generate_layouts: dict) -> dict:
+    out = compare_many(cases)
+    out["videos_tp2_sp"] = compare_videos(folder, {"tensor_parallel_size": 2, "sequence_parallel": True,
+                                                   "vision_tensor_parallel_size": 2})
+    out["cp2"] = load_error(folder, {"context_parallel_size": 2})
+    out["generate"] = {name: generate_ours(folder, layout) for name, layout in generate_layouts.items()}
+    return out
