@@ -163,13 +163,22 @@ def hf_forward_output(loss, logits, labels, options: dict, *, aux_loss=None, aux
         logits = logits[:, -keep:] if isinstance(keep, int) else logits[:, keep.to(logits.device)]
     cache = options.get("cache")
     if aux_loss is None and not moe:
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        out = with_cache(CausalLMOutputWithPast, cache, loss=loss, logits=logits)
     else:
         if loss is not None and aux_loss is not None:
             loss = loss + aux_coef * aux_loss.to(loss)
-        out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, router_logits=router_logits,
-                                        cache=cache)
+        out = with_cache(MoeCausalLMOutputWithPast, cache, loss=loss, aux_loss=aux_loss, logits=logits,
+                         router_logits=router_logits)
     return out if options["return_dict"] else out.to_tuple()
+
+
+def with_cache(output_class: type, cache, **fields):
+    """``output_class(**fields)`` with ``cache`` in the class's cache field: ``cache`` in recent transformers,
+    ``past_key_values`` in 5.17 (the oldest we support), whichever it has."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(output_class)}
+    return output_class(**fields, **{"cache" if "cache" in names else "past_key_values": cache})
 
 
 # transformers save_pretrained keywords and the values that change nothing here; others are refused

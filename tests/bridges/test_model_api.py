@@ -141,3 +141,24 @@ def test_lora_adapter_loads_with_peft_auto_class(tmp_path):
     assert res["auto_mapping"] == {"base_model_class": "Qwen3ForCausalLM",
                                    "parent_library": "transformers.models.qwen3.modeling_qwen3"}
     assert res["diff"] < 1e-5
+
+
+def test_output_cache_field_of_either_transformers():
+    """The forward's output puts the cache in the output class's cache field: ``cache`` in this transformers,
+    ``past_key_values`` in transformers 5.17 (a class with that field stands in for it)."""
+    import dataclasses
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from loongforge_hf.modeling import with_cache
+
+    @dataclasses.dataclass
+    class Older:
+        loss: object = None
+        logits: object = None
+        past_key_values: object = None
+
+    marker = object()
+    assert with_cache(Older, marker, logits=1).past_key_values is marker
+    field = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+    assert getattr(with_cache(CausalLMOutputWithPast, marker, logits=1), field) is marker

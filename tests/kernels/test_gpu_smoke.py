@@ -60,7 +60,8 @@ def _train_and_compare(folder: str, out_dir: str, device: str) -> dict:
                                             ("olmoe", {}), ("gpt_neox", {}), ("phi", {}), ("cohere", {}),
                                             ("cohere2", {}), ("gptj", {}), ("stablelm", {}),
                                             ("falcon", {}), ("falcon_mqa", {}), ("llama4", {}), ("gpt2", {}),
-                                            ("gpt_bigcode", {}), ("gpt_bigcode_mha", {}), ("qwen3_5", {})])
+                                            ("gpt_bigcode", {}), ("gpt_bigcode_mha", {}), ("qwen3_5", {}),
+                                            ("qwen3_next", {}), ("qwen3_5_moe", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
