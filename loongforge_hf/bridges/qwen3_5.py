@@ -17,6 +17,8 @@ Choices:
 - Norms are zero-centred (``Qwen3_5RMSNorm``: ``weight`` stored, ``1 + weight`` applied in fp32): megatron's
   ``layernorm_zero_centered_gamma`` on our RMSNorm (input, post-attention, q / k and final norms), as Gemma's.
 - Tied embeddings (the small Qwen3.5 checkpoints) as ``DenseBridge``.
+- The hub checkpoints' multi-token-prediction tensors (``mtp.*``, which transformers skips) are not built, and
+  ``save_pretrained`` copies them unchanged from the source folder (``passthrough_names``), as DeepSeek's.
 - ``generate`` with the dynamic cache: the full-attention layers' keys and values and the Gated DeltaNet layers'
   conv and recurrent states (``kv_cache.py``, ``gated_deltanet.py``), as transformers' dynamic cache for Qwen3.5.
 - Refused: context parallelism (the recurrence runs along the whole sequence; ``check_layout``), linear heads that
@@ -43,6 +45,7 @@ class Qwen3_5Bridge(DenseBridge):
     qk_norm = True
     per_layer_types = True  # NOTE: layer_types checked here
     extra_rope_types = ()
+    has_passthrough = True
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
@@ -107,6 +110,9 @@ class Qwen3_5Bridge(DenseBridge):
                                      eps=c.rms_norm_eps)
 
     # ---- tensors --------------------------------------------------------------------------------------------
+    def passthrough_names(self, names) -> list[str]:
+        return [n for n in names if n.startswith("mtp.")]
+
     def attention_mappings(self) -> list[Mapping]:
         return [
             Replicated(f"{D}.input_layernorm.weight", f"{L}.input_layernorm.weight"),

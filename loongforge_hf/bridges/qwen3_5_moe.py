@@ -11,8 +11,7 @@ Choices:
   ``decoder_sparse_step`` or ``norm_topk_prob``): ``moe_router_pre_softmax=False``.
 - Experts on disk one tensor per expert and projection (``mlp.experts.{e}.gate_proj`` ...), as transformers 5 writes
   them (its ``qwen2_moe`` conversion stacks them on load and splits them again on save).
-- The hub checkpoints' multi-token-prediction tensors (``mtp.*``, which transformers skips) are not built, and
-  ``save_pretrained`` copies them unchanged from the source folder (``passthrough_names``), as DeepSeek's.
+- The hub checkpoints' multi-token-prediction tensors (``mtp.*``) pass through as Qwen3.5's.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from loongforge_hf.bridges.registry import register_bridge
 class Qwen3_5MoeBridge(Qwen3_5Bridge, Qwen3MoeBridge):
     shared_experts = "shared_expert"
     shared_expert_gate = "shared_expert_gate"
-    has_passthrough = True
 
     def shared_ffn_size(self) -> int:
         return self.hf_config.shared_expert_intermediate_size
@@ -46,9 +44,6 @@ class Qwen3_5MoeBridge(Qwen3_5Bridge, Qwen3MoeBridge):
         return {"moe_router_score_function": "softmax", "moe_router_pre_softmax": not self.renormalises_top_k()}
 
     # ---- tensors --------------------------------------------------------------------------------------------
-    def passthrough_names(self, names) -> list[str]:
-        return [n for n in names if n.startswith("mtp.")]
-
     def mlp_mappings(self, layer: int) -> list[Mapping]:
         return self.moe_mappings() if self.is_moe_layer(layer) else self.dense_mlp_mappings()
 

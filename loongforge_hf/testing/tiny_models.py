@@ -374,11 +374,13 @@ def _append_mtp_layers(folder: Path, cfg, count: int, *, dtype: torch.dtype) -> 
                       f"model.mtp_block.{i}.input_layernorm.weight": (h,),
                       f"model.mtp_block.{i}.self_attn.o_proj.weight": (h, h),
                       f"model.mtp_block.{i}.mlp.experts.0.down_proj.weight": (h, cfg.moe_intermediate_size)}
-        elif cfg.model_type in ("qwen3_next", "qwen3_5_moe_text"):  # NOTE: the hub's: mtp.* beside the model
+        elif cfg.model_type in ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_text"):  # NOTE: the hub's: mtp.* beside
+            mlp = "mlp.down_proj.weight" if cfg.model_type == "qwen3_5_text" else "mlp.experts.0.down_proj.weight"
             shapes = {"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,), "mtp.pre_fc_norm_embedding.weight": (h,),
                       "mtp.pre_fc_norm_hidden.weight": (h,), f"mtp.layers.{i}.input_layernorm.weight": (h,),
                       f"mtp.layers.{i}.self_attn.o_proj.weight": (h, h),
-                      f"mtp.layers.{i}.mlp.experts.0.down_proj.weight": (h, cfg.moe_intermediate_size)}
+                      f"mtp.layers.{i}.{mlp}": (h, getattr(cfg, "moe_intermediate_size", None)
+                                                or cfg.intermediate_size)}
         else:
             p = f"model.layers.{cfg.num_hidden_layers + i}"
             shapes = {f"{p}.{n}": shape for n, shape in {

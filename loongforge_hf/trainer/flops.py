@@ -29,8 +29,8 @@ def model_flops_per_token(hf_config, *, seq_len: int) -> float:
     head = 2 * h * hf_config.vocab_size
     if getattr(hf_config, "model_type", None) == "llama4_text":
         return 3.0 * (layers * attn_proj + _llama4_mlps_and_scores(hf_config, seq_len=seq_len) + head)
-    if getattr(hf_config, "model_type", None) == "qwen3_5_text":
-        return 3.0 * (_qwen3_5_mixers(hf_config, seq_len=seq_len) + layers * mlp + head)
+    if getattr(hf_config, "model_type", None) in ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"):
+        return 3.0 * (_qwen3_5_mixers(hf_config, seq_len=seq_len) + _qwen3_5_mlps(hf_config) + head)
     return 3.0 * (layers * (attn_proj + mlp + attn_scores) + head)
 
 
@@ -60,3 +60,17 @@ def _qwen3_5_mixers(hf_config, *, seq_len: int) -> float:
     linear = (2 * h * (2 * kd + 2 * vd + 2 * nv) + 2 * vd * h + 2 * c.linear_conv_kernel_dim * (2 * kd + vd)
               + 3 * 2 * nv * c.linear_key_head_dim * c.linear_value_head_dim)
     return sum(linear if kind == "linear_attention" else full for kind in c.layer_types)
+
+
+def _qwen3_5_mlps(hf_config) -> float:
+    """Qwen3.5's gated MLPs; Qwen3-Next's / Qwen3.5-MoE's: on MoE layers (not in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th) the top-k experts of ``moe_intermediate_size`` plus the shared expert of
+    ``shared_expert_intermediate_size``, dense MLPs of ``intermediate_size`` elsewhere (router and the shared
+    expert's gate left out, as for the other MoE models)."""
+    c = hf_config
+    h, dense = c.hidden_size, 2 * 3 * c.hidden_size * c.intermediate_size
+    if not getattr(c, "num_experts", None):
+        return c.num_hidden_layers * dense
+    dense_only, step = set(getattr(c, "mlp_only_layers", None) or []), getattr(c, "decoder_sparse_step", None) or 1
+    sparse = 2 * 3 * h * (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size)
+    return sum(sparse if i not in dense_only and (i + 1) % step == 0 else dense for i in range(c.num_hidden_layers))

@@ -41,7 +41,7 @@ zero-centred norms, partial rotary, a dense first layer, a sigmoid-gated shared 
 (``qwen3_5_moe``: the same layers with Qwen3.5's separate in-projections, every layer sparse) run at tp1 and tp2ep2,
 Qwen3-Next also at ep2 and pp2ep2 (not cp2ep2: their linear-attention layers refuse context parallelism), with their
 ``router_logits`` and transformers' balancing loss within 1e-5, Qwen3-Next's hub ``mtp.*`` tensors passed through
-(padding, packed documents, generate: test_qwen3_next).
+(padding, packed documents, generate: test_qwen3_5).
 """
 
 from pathlib import Path

@@ -1,9 +1,12 @@
-"""Qwen3.5 (Gated DeltaNet and gated full-attention layers) beyond the shared parity suites: sequences across several
-of the delta rule's chunks, packed documents, left padding, generate without and with the cache (the Gated DeltaNets'
-conv and recurrent states, greedy and beam search over a left-padded batch of two, at one rank and at TP2 with
-sequence parallelism) and the refused static cache; fp32 against transformers within 1e-4 (the layouts, round trips
-and gradients run in test_dense_parity / test_gradients). The models run in worlds (megatron sets process
-environment variables when it builds a model)."""
+"""Qwen3.5 (Gated DeltaNet and gated full-attention layers), and Qwen3-Next / Qwen3.5-MoE's text model (the same
+layers with a mixture of experts and a gated shared expert), beyond the shared parity suites: sequences across several
+of the delta rule's chunks with left padding (the MoE models' loss and transformers' balancing loss too, which weighs
+the router by the attention mask), packed documents, generate without and with the cache (the Gated DeltaNets' conv
+and recurrent states; greedy over a left-padded batch of two, Qwen3.5 also beam search and at TP2 with sequence
+parallelism) and the refused static cache; fp32 against transformers within 1e-4 (1e-5 for the balancing loss). The
+layouts, round trips and gradients run in test_dense_parity / test_moe_parity / test_gradients, the refusals in
+test_bad_input. The three models run in one one-rank world (megatron sets process environment variables when it
+builds a model)."""
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 TOL = 1e-4
+AUX_TOL = 1e-5
+MOE_ARCHS = ("qwen3_next", "qwen3_5_moe")
 LENGTHS = (7, 20, 11)  # NOTE: the packed row's documents
 
 
@@ -19,23 +24,31 @@ def _ids(shape, seed=0):
     return torch.randint(4, 203, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _checks(folder: str) -> dict:
-    """Each test's numbers, ours against transformers' on the same inputs."""
+def _models(folder: str):
     import transformers
 
     import loongforge_hf as lf
 
-    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    out = {}
-    # NOTE: 150 tokens (three chunks of the delta rule: the state crosses chunks), the second row left-padded by 9
+    return (lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+            transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+
+
+def _padded_and_packed(ours, ref, *, moe: bool) -> dict:
+    """150 tokens (three chunks of the delta rule: the state crosses chunks), the second row left-padded by 9: the
+    logits' largest difference on real tokens (MoE: and the loss's, the balancing loss's and its value); a packed row
+    (position ids restarting at 0) against each document alone."""
     ids = _ids((2, 150))
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
+    kw = dict(input_ids=ids, attention_mask=mask)
+    if moe:
+        kw.update(labels=ids.masked_fill(mask == 0, -100), output_router_logits=True)
     with torch.no_grad():
-        got, want = ours(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits
-    out["padded"] = float((got - want).abs()[mask.bool()].max())
-    # NOTE: a packed row (position ids restarting at 0) against each document alone
+        got, want = ours(**kw), ref(**kw)
+    out = {"padded": float((got.logits - want.logits).abs()[mask.bool()].max())}
+    if moe:
+        out["moe"] = {"loss": abs(got.loss.item() - want.loss.item()),
+                      "aux": abs(got.aux_loss.item() - want.aux_loss.item()), "aux_value": want.aux_loss.item()}
     ids = _ids((1, sum(LENGTHS)), seed=1)
     positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     with torch.no_grad():
@@ -45,6 +58,23 @@ def _checks(folder: str) -> dict:
             alone = ref(input_ids=ids[:, start:start + n]).logits[0]
             out["packed"].append(float((packed[start:start + n] - alone).abs().max()))
             start += n
+    return out
+
+
+def _checks(folder: str) -> dict:
+    """Qwen3.5's numbers, ours against transformers' on the same inputs; the hub's ``mtp.*`` tensors after a save."""
+    import tempfile
+
+    from loongforge_hf.bridges.checkpoint_io import CheckpointReader
+
+    ours, ref = _models(folder)
+    out = _padded_and_packed(ours, ref, moe=False)
+    with tempfile.TemporaryDirectory() as saved:
+        ours.save_pretrained(saved)
+        source, written = CheckpointReader(folder), CheckpointReader(saved)
+        names = sorted(n for n in source.keys() if n.startswith("mtp."))
+        out["mtp"] = (names, sorted(n for n in written.keys() if n.startswith("mtp.")),
+                      all(torch.equal(source.get(n), written.get(n)) for n in names))
     ids = _ids((1, 6), seed=2)
     kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
     got = ours.generate(input_ids=ids, use_cache=False, **kw)
@@ -58,6 +88,27 @@ def _checks(folder: str) -> dict:
     except ValueError as e:
         out["static_refusal"] = str(e)
     return out
+
+
+def _moe_checks(folder: str) -> dict:
+    """Qwen3-Next's / Qwen3.5-MoE's numbers: as Qwen3.5's with the losses, greedy generate without and with the
+    cache."""
+    ours, ref = _models(folder)
+    out = _padded_and_packed(ours, ref, moe=True)
+    ids = _ids((2, 9), seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    for name, use_cache in (("uncached", False), ("cached", True)):
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=use_cache,
+                  return_dict_in_generate=True, output_scores=True)
+        got, want = ours.generate(**kw), ref.generate(**kw)
+        out[name] = (torch.equal(got.sequences, want.sequences),
+                     max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)))
+    return out
+
+
+def _all(folders: dict) -> dict:
+    return {arch: (_checks if arch == "qwen3_5" else _moe_checks)(folder) for arch, folder in folders.items()}
 
 
 def _cached_generate(ours, ref, *, beams: bool) -> dict:
@@ -100,25 +151,57 @@ def _tp2_checks(folder: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "src", "qwen3_5"))
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_5")
+    # NOTE: Qwen3.5's with the hub's multi-token-prediction tensors (mtp.*), which it passes through
+    return {arch: str(make_tiny_checkpoint(root / arch, arch, mtp_layers=int(arch == "qwen3_5")))
+            for arch in ("qwen3_5",) + MOE_ARCHS}
 
 
 @pytest.fixture(scope="module")
-def results(folder):
-    return run_distributed(_checks, 1, folder, timeout=300)[0]
+def everything(folders):
+    return run_distributed(_all, 1, folders, timeout=400)[0]
 
 
-def test_long_sequences_and_left_padding(results):
-    """150 tokens (three chunks of the delta rule: the state crosses chunks) with the second row left-padded by 9."""
-    assert results["padded"] < TOL, results["padded"]
+@pytest.fixture(scope="module")
+def results(everything):
+    return everything["qwen3_5"]
 
 
-def test_packed_documents_restart_the_recurrence(results):
+@pytest.fixture(scope="module")
+def folder(folders):
+    return folders["qwen3_5"]
+
+
+@pytest.mark.parametrize("arch", ("qwen3_5",) + MOE_ARCHS)
+def test_long_sequences_and_left_padding(everything, arch):
+    """150 tokens (three chunks of the delta rule: the state crosses chunks) with the second row left-padded by 9;
+    the MoE models' loss and balancing loss too."""
+    r = everything[arch]
+    assert r["padded"] < TOL, r["padded"]
+    if arch in MOE_ARCHS:
+        assert r["moe"]["loss"] < TOL and r["moe"]["aux"] < AUX_TOL and r["moe"]["aux_value"] > 0.1, r["moe"]
+
+
+@pytest.mark.parametrize("arch", ("qwen3_5",) + MOE_ARCHS)
+def test_packed_documents_restart_the_recurrence(everything, arch):
     """A row packing documents of 7, 20 and 11 tokens (position ids restarting at 0) gives each document's logits as
     transformers gives them for the document alone (the conv and the state restart; transformers' torch fallback
     would run on across documents, its fla kernels restart as we do)."""
-    assert max(results["packed"]) < TOL, results["packed"]
+    assert max(everything[arch]["packed"]) < TOL, everything[arch]["packed"]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("mode", ("uncached", "cached"))
+def test_moe_generate_left_padded_batch(everything, arch, mode):
+    same, scores = everything[arch][mode]
+    assert same and scores < TOL, everything[arch][mode]
+
+
+def test_mtp_tensors_written_back(results):
+    """The hub's ``mtp.*`` tensors (not built, as transformers skips them) come back unchanged from save_pretrained."""
+    source, written, equal = results["mtp"]
+    assert len(source) == 7 and written == source and equal, results["mtp"]
 
 
 def test_generate_without_cache(results):

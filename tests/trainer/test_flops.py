@@ -67,3 +67,16 @@ def test_qwen3_5_linear_and_gated_full_layers_counted():
     linear = 2 * h * (2 * kd + 2 * vd + 2 * nv) + 2 * vd * h + 2 * 4 * (2 * kd + vd) + 3 * 2 * nv * 8 * 12
     mlp = 2 * 3 * h * f
     assert model_flops_per_token(c, seq_len=seq) == 3.0 * (3 * linear + full + 4 * mlp + 2 * h * v)
+
+
+def test_qwen3_next_and_qwen3_5_moe_experts_and_shared_expert_counted():
+    """Qwen3-Next / Qwen3.5-MoE: Qwen3.5's mixers; on MoE layers the top-2 experts of 32 and the shared expert of 48;
+    Qwen3-Next's layer 0 is in mlp_only_layers (a dense MLP of 96)."""
+    seq, h, v = 32, 64, 203
+    full = 2 * h * (2 * 4 + 2 * 2) * 16 + 2 * 4 * 16 * h + 2 * 4 * 16 * seq
+    kd, vd, nv = 2 * 8, 4 * 12, 4
+    linear = 2 * h * (2 * kd + 2 * vd + 2 * nv) + 2 * vd * h + 2 * 4 * (2 * kd + vd) + 3 * 2 * nv * 8 * 12
+    sparse, dense = 2 * 3 * h * (2 * 32 + 48), 2 * 3 * h * 96
+    for arch, mlps in (("qwen3_next", dense + 3 * sparse), ("qwen3_5_moe", 4 * sparse)):
+        c = _config(arch)
+        assert model_flops_per_token(c, seq_len=seq) == 3.0 * (2 * linear + 2 * full + mlps + 2 * h * v), arch
