@@ -40,6 +40,7 @@ Choices:
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -189,11 +190,25 @@ class GatedDeltaNet(torch.nn.Module):
         return out
 
 
+_LAYOUT_MEMO: list = [None]  # NOTE: (weakref to the mask, its version, batch, seq, layout) of the last mask read
+
+
 def _token_layout(mask: torch.Tensor | None, batch: int, seq: int):
     """From megatron's ``[b, 1, s, s]`` mask (True = masked; None = plain causal): the real tokens ``[b, s]`` (None
-    when all are) and each row's document starts after its first token (None when no row is packed)."""
+    when all are) and each row's document starts after its first token (None when no row is packed). Reading it
+    waits for the device; megatron hands every layer of a forward the same mask tensor, so the layout is kept for
+    that tensor (while it lives and is not written to) and the wait happens once per forward, not once per layer."""
     if mask is None:
         return None, None
+    memo = _LAYOUT_MEMO[0]
+    if memo is not None and memo[0]() is mask and memo[1:4] == (mask._version, batch, seq):
+        return memo[4]
+    layout = _read_layout(mask, batch, seq)
+    _LAYOUT_MEMO[0] = (weakref.ref(mask), mask._version, batch, seq, layout)
+    return layout
+
+
+def _read_layout(mask: torch.Tensor, batch: int, seq: int):
     rows = mask[:, 0] if mask.dim() == 4 else mask
     if tuple(rows.shape[-2:]) != (seq, seq):
         raise ValueError(f"Gated DeltaNet: attention mask of shape {tuple(mask.shape)} for {seq} tokens.")

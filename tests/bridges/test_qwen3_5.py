@@ -240,3 +240,25 @@ def test_cached_generate_tp2_sequence_parallel(folder):
         assert same and scores < TOL, (rank, res)
         assert res["cached_lengths"] == [10, 2, 2, 2], (rank, res["cached_lengths"])  # NOTE: padded to TP
         _check_cache_layers(res["cache_layers"], heads=2)
+
+
+def test_mask_layout_read_once_per_mask(monkeypatch):
+    """The Gated DeltaNet layers read a mask's layout (a wait for the device) once per mask tensor: again for a new
+    mask, or after the mask is written to; the layout itself (padding, packed document starts) as read."""
+    from loongforge_hf.bridges import gated_deltanet
+
+    reads = []
+    real_read = gated_deltanet._read_layout
+    monkeypatch.setattr(gated_deltanet, "_read_layout", lambda *a: reads.append(1) or real_read(*a))
+    causal = ~torch.ones(6, 6, dtype=torch.bool).tril()
+    mask = causal.repeat(2, 1, 1, 1)
+    mask[1, 0, :, :2] = True  # NOTE: row 1 left-padded by 2
+    mask[1, 0, 2:, :2] = True
+    for _ in range(3):
+        real, starts = gated_deltanet._token_layout(mask, 2, 6)
+    assert len(reads) == 1 and starts is None and real.tolist() == [[True] * 6, [False] * 2 + [True] * 4]
+    mask[0, 0, 3:, :3] = True  # NOTE: row 0 now packs documents of 3 and 3 tokens
+    real, starts = gated_deltanet._token_layout(mask, 2, 6)
+    assert len(reads) == 2 and starts == [[3], []], starts
+    gated_deltanet._token_layout(mask.clone(), 2, 6)
+    assert len(reads) == 3
