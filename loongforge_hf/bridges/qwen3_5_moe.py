@@ -26,6 +26,12 @@ from loongforge_hf.bridges.registry import register_bridge
 @register_bridge("Qwen3_5MoeForCausalLM")
 class Qwen3_5MoeBridge(Qwen3_5Bridge, Qwen3MoeBridge):
     shared_experts = "shared_expert"
+
+    @property
+    def config_fields(self) -> tuple[C.Field, ...]:
+        # NOTE: Qwen3_5MoeTextConfig has no intermediate_size (no dense layer; Qwen3-Next's has, for its dense
+        # layers): without it megatron's dense width stays its default, unused
+        return tuple(f for f in C.DENSE_FIELDS if f.hf != "intermediate_size" or hasattr(self.hf_config, f.hf))
     shared_expert_gate = "shared_expert_gate"
 
     def shared_ffn_size(self) -> int:

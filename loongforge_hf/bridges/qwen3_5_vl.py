@@ -1,6 +1,7 @@
 """Qwen3_5ForConditionalGeneration (the hub's Qwen3.5 checkpoints, ``model_type`` ``qwen3_5``): Qwen3.5's hybrid
 decoder (Gated DeltaNet and gated full-attention layers) with Qwen3-VL's interleaved multimodal rope, and Qwen3-VL's
-ViT without DeepStack.
+ViT without DeepStack; Qwen3_5MoeForConditionalGeneration (``qwen3_5_moe``, the hub's Qwen3.5-MoE checkpoints): the
+same with Qwen3.5-MoE's decoder.
 
 Choices:
 - The language model is the Qwen3.5 text declaration (``qwen3_5.py``: token mixers, zero-centred norms, its
@@ -18,12 +19,17 @@ Choices:
 - ``lf.AutoModelForCausalLM`` loads the checkpoint as this image-text model (``causal_lm_auto``): transformers'
   ``AutoModelForCausalLM`` loads it too, as ``Qwen3_5ForCausalLM`` (the text model alone, the vision tensors left
   unread); ours gives the same logits on text and saves the whole checkpoint.
+- Qwen3.5-MoE: the language model is the Qwen3.5-MoE text declaration (``qwen3_5_moe.py``: routed experts one tensor
+  per expert as transformers 5 writes them, the gated shared expert, the balancing loss) under the same prefix; the
+  vision side and the refusals are the dense model's. The hub's ``mtp.*`` tensors sit at the top level, beside
+  ``model.*``: the text declaration's ``passthrough_names`` (``mtp.``) keeps them for export as the text model's.
 """
 
 from __future__ import annotations
 
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, MRopeText
 from loongforge_hf.bridges.qwen3_5 import Qwen3_5Bridge
+from loongforge_hf.bridges.qwen3_5_moe import Qwen3_5MoeBridge
 from loongforge_hf.bridges.qwen3_vl import InterleavedRope, Qwen3VLBridge
 
 
@@ -49,4 +55,19 @@ class Qwen3_5VLBridge(Qwen3VLBridge):
         return self.text.generation_refusal(generation_config)
 
 
-VL_BRIDGES.update({arch: Qwen3_5VLBridge for arch in Qwen3_5VLBridge.architectures})
+class Qwen3_5MoeVLTextBridge(InterleavedRope, MRopeText, Qwen3_5MoeBridge):
+    """The language model of Qwen3.5-MoE image-text: Qwen3.5-MoE with interleaved mrope, under ``text_prefix``."""
+
+    architectures = ("Qwen3_5MoeForConditionalGeneration",)  # NOTE: the name the text model's refusals give
+    family = "Qwen3.5-MoE"
+
+
+class Qwen3_5MoeVLBridge(Qwen3_5VLBridge):
+    """Declaration of ``Qwen3_5MoeForConditionalGeneration``: the dense model's vision side and refusals, a
+    Qwen3.5-MoE language model."""
+
+    architectures = ("Qwen3_5MoeForConditionalGeneration",)
+    text_bridge_class = Qwen3_5MoeVLTextBridge
+
+
+VL_BRIDGES.update({arch: cls for cls in (Qwen3_5VLBridge, Qwen3_5MoeVLBridge) for arch in cls.architectures})

@@ -283,7 +283,8 @@ def _config(arch: str, **overrides):
             cfg = tf.Qwen3NextConfig(**kw, mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=True)
             cfg.architectures = ["Qwen3NextForCausalLM"]
         else:
-            cfg = tf.Qwen3_5MoeTextConfig(**kw)
+            # NOTE: transformers' Qwen3.5-MoE config has no intermediate_size (every layer sparse): none passed
+            cfg = tf.Qwen3_5MoeTextConfig(**{k: v for k, v in kw.items() if k != "intermediate_size"})
             cfg.architectures = ["Qwen3_5MoeForCausalLM"]
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")

@@ -15,6 +15,8 @@ and 1 into decoder layers 0 and 1), a 4-layer Qwen3 decoder (head_dim 16, q/k no
 Qwen3.5 (``make_tiny_qwen3_5_vl``): Qwen3-VL's ViT at depth 2 without DeepStack, a 4-layer Qwen3.5 decoder (Gated
 DeltaNet layers 0, 1, 3, a gated full-attention layer 2 with head_dim 64, a quarter of it rotary), interleaved mrope
 (2, 3, 3) over the 16 rotary channels; zero-centred text norms stored near 0.
+Qwen3.5-MoE (``make_tiny_qwen3_5_moe_vl``): the same with every decoder layer's MLP 4 routed experts (top 2) and a
+gated shared expert.
 
 The processor is ``Qwen2_5_VLProcessor``'s (``Qwen3VLProcessor``'s) own code with an image processor and a tokenizer
 but no video processor: transformers' video processors need torchvision, which the CPU test environment does not
@@ -76,7 +78,7 @@ def processor_for(folder: str | Path):
         return AutoProcessor.from_pretrained(folder)
     if model_type == "qwen2_vl":
         return make_processor(AutoTokenizer.from_pretrained(folder), base=Qwen2VLProcessor)
-    if model_type == "qwen3_5":
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
         # NOTE: AutoTokenizer gives Qwen3.5's checkpoints Qwen3_5Tokenizer (a byte-level BPE) whatever the folder
         # holds: the tiny word-level tokenizer loads as itself
         return make_processor(PreTrainedTokenizerFast.from_pretrained(folder), qwen3=True)
@@ -210,10 +212,45 @@ def make_tiny_qwen3_5_vl(folder: str | Path, *, seed: int = 0, max_shard_size: s
     """Write a tiny random Qwen3.5 image-text model (weights, config, tokenizer, image processor), return its folder."""
     from transformers import Qwen3_5ForConditionalGeneration
 
-    folder = Path(folder)
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(tiny_qwen3_5_vl_config(**text_overrides)).to(torch.float32)
-    _randomise(model, scaled=("pos_embed",))
+    return _save_qwen3_5(model, Path(folder), scaled=("pos_embed",), max_shard_size=max_shard_size)
+
+
+def tiny_qwen3_5_moe_vl_config(**text_overrides):
+    """The tiny Qwen3.5 image-text model with Qwen3.5-MoE's decoder: 4 experts of width 32 (2 per token) and a
+    gated shared expert of width 48 in every layer."""
+    from transformers import Qwen3_5MoeConfig
+
+    base = tiny_qwen3_5_vl_config().to_dict()
+    text = {**{k: v for k, v in base["text_config"].items() if k in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "max_position_embeddings", "rms_norm_eps", "bos_token_id", "eos_token_id", "pad_token_id",
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+        "linear_conv_kernel_dim", "layer_types", "rope_parameters")},
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        **text_overrides}
+    tie = text.pop("tie_word_embeddings", False)
+    return Qwen3_5MoeConfig(text_config=text, vision_config=base["vision_config"], vision_start_token_id=TEXT_VOCAB,
+                            vision_end_token_id=TEXT_VOCAB + 1, image_token_id=TEXT_VOCAB + 2,
+                            video_token_id=TEXT_VOCAB + 3, tie_word_embeddings=tie)
+
+
+def make_tiny_qwen3_5_moe_vl(folder: str | Path, *, seed: int = 0, max_shard_size: str = "60KB",
+                             **text_overrides) -> Path:
+    """Write a tiny random Qwen3.5-MoE image-text model (routed experts one tensor per expert, as transformers 5
+    writes them) and return its folder."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration(tiny_qwen3_5_moe_vl_config(**text_overrides)).to(torch.float32)
+    return _save_qwen3_5(model, Path(folder), scaled=("pos_embed", "experts."),
+                         max_shard_size=max_shard_size)
+
+
+def _save_qwen3_5(model, folder: Path, *, scaled: tuple[str, ...], max_shard_size: str) -> Path:
+    """Randomise a Qwen3.5 image-text model (its zero-centred text norms near 0), save it with its processor."""
+    _randomise(model, scaled=scaled)
     with torch.no_grad():
         for name, p in model.model.language_model.named_parameters():
             if "norm" in name and "linear_attn.norm" not in name:  # NOTE: zero-centred: 1 + weight applied

@@ -68,7 +68,8 @@ def _qwen3_5_mlps(hf_config) -> float:
     ``shared_expert_intermediate_size``, dense MLPs of ``intermediate_size`` elsewhere (router and the shared
     expert's gate left out, as for the other MoE models)."""
     c = hf_config
-    h, dense = c.hidden_size, 2 * 3 * c.hidden_size * c.intermediate_size
+    h = c.hidden_size
+    dense = 2 * 3 * h * (getattr(c, "intermediate_size", None) or 0)  # NOTE: Qwen3.5-MoE's config has none
     if not getattr(c, "num_experts", None):
         return c.num_hidden_layers * dense
     dense_only, step = set(getattr(c, "mlp_only_layers", None) or []), getattr(c, "decoder_sparse_step", None) or 1

@@ -1,5 +1,6 @@
 """Rank functions for test_qwen3_5_vl.py: the parity worlds (images, videos, packing, text through
-``lf.AutoModelForCausalLM``, generate, refusals), each a dict of numbers the tests read."""
+``lf.AutoModelForCausalLM``, generate, refusals; Qwen3.5-MoE's router outputs), each a dict of numbers the tests
+read."""
 
 import torch
 
@@ -8,7 +9,7 @@ from tests._generation import _plain
 from ._vl_features import compare_videos
 from ._vl_generate import SCENARIOS, prompt_batch
 from ._vl_parity import compare_many, train_both
-from ._vl_qwen3 import load_error, packed_against_padded
+from ._vl_qwen3 import compare_router_outputs, load_error, packed_against_padded
 
 GENERATE = SCENARIOS["greedy"]  # NOTE: scores and raw logits of 6 greedy steps
 
@@ -54,8 +55,9 @@ def causal_lm_text(folder: str) -> dict:
     return {"classes": (type(ours).__name__, type(ref).__name__), "logit_diff": diff.abs()[mask.bool()].max().item()}
 
 
-def one_rank(cases: list, folder: str, out_dir: str) -> dict:
+def one_rank(cases: list, folder: str, out_dir: str, moe_folder: str) -> dict:
     out = compare_many(cases)
+    out["moe_router"] = compare_router_outputs(moe_folder, {})
     out["packed"] = packed_against_padded(folder)
     out["causal_lm"] = causal_lm_text(folder)
     out["generate"] = generate_ours(folder, {})
@@ -63,8 +65,9 @@ def one_rank(cases: list, folder: str, out_dir: str) -> dict:
     return out
 
 
-def two_ranks(cases: list, folder: str, generate_layouts: dict) -> dict:
+def two_ranks(cases: list, folder: str, generate_layouts: dict, moe_folder: str) -> dict:
     out = compare_many(cases)
+    out["moe_router_ep2"] = compare_router_outputs(moe_folder, {"expert_parallel_size": 2})
     out["videos_tp2_sp"] = compare_videos(folder, {"tensor_parallel_size": 2, "sequence_parallel": True,
                                                    "vision_tensor_parallel_size": 2})
     out["cp2"] = load_error(folder, {"context_parallel_size": 2})

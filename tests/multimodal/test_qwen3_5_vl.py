@@ -4,8 +4,11 @@ and vision gradients within 1e-4 (fp32; measured below 1e-6) on images with a te
 two-rank layout of the tower and the language model (TP2 + SP with the tower split, TP2 with the tower
 encoder-data-parallel and both recomputed, PP2), on videos (a timestamp before each frame) at TP2 + SP; packed
 samples; bit-exact HF round trips; generate with and without the cache; LoongTrainer against transformers.Trainer;
-``lf.AutoModelForCausalLM`` on the checkpoint; refusals (context parallelism, the static cache) on every rank. Two
-worlds: one rank, two ranks."""
+``lf.AutoModelForCausalLM`` on the checkpoint; refusals (context parallelism, the static cache) on every rank.
+Qwen3.5-MoE image-text (``Qwen3_5MoeForConditionalGeneration``, routed experts one tensor per expert, a gated shared
+expert) in the same worlds: logits, loss and vision gradients at TP1 and EP2, bit-exact round trips, and with
+``output_router_logits`` (coefficient 0.3) the loss, ``aux_loss``, ``router_logits`` and the routers' gradients
+against transformers' (1e-5). Two worlds: one rank, two ranks."""
 
 from pathlib import Path
 
@@ -13,7 +16,8 @@ import pytest
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.round_trip import check_round_trip as _check_round_trip, read_all
-from loongforge_hf.testing.tiny_vl import make_tiny_qwen3_5_vl, tiny_qwen3_5_vl_config
+from loongforge_hf.testing.tiny_vl import (make_tiny_qwen3_5_moe_vl, make_tiny_qwen3_5_vl, tiny_qwen3_5_moe_vl_config,
+                                           tiny_qwen3_5_vl_config)
 
 from tests._generation import assert_same_generation
 
@@ -25,11 +29,18 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "processor_config.json")
 LAYOUTS = {n: layout for n, layout in TWO_RANKS.items() if n != "cp2"}  # NOTE: CP is refused (test_refusals)
 GENERATE_LAYOUTS = {"tp2_sp_vision_tp2": TWO_RANKS["tp2_sp_vision_tp2"], "pp2": TWO_RANKS["pp2"]}
+MOE_EP2 = {"expert_parallel_size": 2}
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return make_tiny_qwen3_5_vl(tmp_path_factory.mktemp("qwen3_5_vl") / "src")
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_qwen3_5_moe_vl(tmp_path_factory.mktemp("qwen3_5_moe_vl") / "src", output_router_logits=True,
+                                    router_aux_loss_coef=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +54,17 @@ def out(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one(checkpoint, out) -> dict:
-    cases = [("tp1", str(checkpoint), {}, str(out / "tp1"))]
-    return run_distributed(one_rank, 1, cases, str(checkpoint), str(out / "train"), timeout=400)[0]
+def one(checkpoint, moe_checkpoint, out) -> dict:
+    cases = [("tp1", str(checkpoint), {}, str(out / "tp1")), ("moe_tp1", str(moe_checkpoint), {}, str(out / "moe_tp1"))]
+    return run_distributed(one_rank, 1, cases, str(checkpoint), str(out / "train"), str(moe_checkpoint),
+                           timeout=400)[0]
 
 
 @pytest.fixture(scope="module")
-def two(checkpoint, out) -> list:
+def two(checkpoint, moe_checkpoint, out) -> list:
     cases = [(n, str(checkpoint), layout, str(out / n), "default", 4) for n, layout in LAYOUTS.items()]
-    return run_distributed(two_ranks, 2, cases, str(checkpoint), GENERATE_LAYOUTS, timeout=600)
+    cases.append(("moe_ep2", str(moe_checkpoint), MOE_EP2, str(out / "moe_ep2"), "default", 4))
+    return run_distributed(two_ranks, 2, cases, str(checkpoint), GENERATE_LAYOUTS, str(moe_checkpoint), timeout=600)
 
 
 def check(result: dict, *, grads: bool) -> None:
@@ -91,6 +104,29 @@ def test_round_trips(one, two, checkpoint, out):
     names = read_all(out / "tp1")
     assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
     assert "model.visual.pos_embed.weight" in names and not any("deepstack" in n for n in names)
+
+
+def test_moe_parity_and_round_trips(one, two, moe_checkpoint, out):
+    """Qwen3.5-MoE image-text at TP1 and EP2 (images and a text-only row, the balancing loss in the loss); each
+    export is the checkpoint bit for bit, its routed experts one tensor per expert as transformers writes them."""
+    check(one["moe_tp1"], grads=True)
+    for results in two:
+        check(results["moe_ep2"], grads=True)
+    for n in ("moe_tp1", "moe_ep2"):
+        _check_round_trip(moe_checkpoint, out / n, side_files=SIDE_FILES)
+    names = read_all(out / "moe_tp1")
+    assert "model.language_model.layers.3.mlp.experts.3.gate_proj.weight" in names
+    assert "model.language_model.layers.0.mlp.shared_expert_gate.weight" in names
+
+
+def test_moe_router_outputs_and_balance_loss(one, two):
+    """text_config.output_router_logits with router_aux_loss_coef 0.3: the loss (language model + 0.3 x aux),
+    ``aux_loss``, ``router_logits`` (one per layer) and the routers' gradients equal transformers' at TP1 and EP2."""
+    runs = [("tp1", one["moe_router"])] + [(f"ep2 rank {i}", got["moe_router_ep2"]) for i, got in enumerate(two)]
+    for name, r in runs:
+        assert r["router_layers"] == (4, 4) and r["aux"] > 1.0, (name, r)
+        for key in ("loss_diff", "aux_diff", "router_logit_diff", "router_grad_diff", "logit_diff"):
+            assert r[key] < 1e-5, (name, key, r)
 
 
 def test_generate_as_transformers(one, two, reference):
@@ -139,7 +175,7 @@ def test_refusals(two):
 
 def test_bad_configs_are_refused():
     from loongforge_hf.bridges.config_map import UnsupportedConfigError
-    from loongforge_hf.bridges.qwen3_5_vl import Qwen3_5VLBridge
+    from loongforge_hf.bridges.qwen3_5_vl import Qwen3_5MoeVLBridge, Qwen3_5VLBridge
 
     for change, message in (({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor":
                                                   0.25, "mrope_section": [4, 6, 6]}},
@@ -148,6 +184,9 @@ def test_bad_configs_are_refused():
                                               "linear_attention"]}, "layer_types"),):
         with pytest.raises(UnsupportedConfigError, match=message):
             Qwen3_5VLBridge(tiny_qwen3_5_vl_config(**change))
+    with pytest.raises(UnsupportedConfigError, match="num_experts=0 is not supported for "
+                                                     "Qwen3_5MoeForConditionalGeneration"):
+        Qwen3_5MoeVLBridge(tiny_qwen3_5_moe_vl_config(num_experts=0))
     config = tiny_qwen3_5_vl_config()
     config.vision_config.num_position_embeddings = 15
     with pytest.raises(UnsupportedConfigError, match="must be a square"):
