@@ -211,15 +211,20 @@ def resolve_parallel(parallel: ParallelConfig | None, sizes: dict) -> ParallelCo
     return ParallelConfig.from_kwargs({**accelerate_megatron_layout(), **given})
 
 
-def _auto_layout(hf_config, param_dtype: torch.dtype) -> ParallelConfig:
+def _auto_layout(hf_config, param_dtype: torch.dtype, bridge) -> ParallelConfig:
+    from loongforge_hf.bridges.builder import check_kv_replication
     from loongforge_hf.parallel.auto import choose_layout, model_size_of
     from loongforge_hf.xpu import get_backend
 
-    env = read_launch_env()
-    layout, reason = choose_layout(model_size_of(hf_config), world_size=env.world_size,
-                                   local_world_size=env.local_world_size,
+    env, size = read_launch_env(), model_size_of(hf_config)
+    try:  # NOTE: whether the bridge can replicate KV heads (a TP of twice the KV heads stands for any multiple)
+        check_kv_replication(bridge, ParallelConfig(tensor_parallel_size=2 * size.num_key_value_heads))
+        kv_replication = True
+    except ParallelLayoutError:
+        kv_replication = False
+    layout, reason = choose_layout(size, world_size=env.world_size, local_world_size=env.local_world_size,
                                    device_memory=get_backend().memory_per_device(),
-                                   dtype_bytes=torch.finfo(param_dtype).bits // 8)
+                                   dtype_bytes=torch.finfo(param_dtype).bits // 8, kv_replication=kv_replication)
     if env.rank == 0:
         print(reason, flush=True)
     return layout
@@ -676,7 +681,7 @@ class AutoModelForCausalLM:
         try:
             param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, reader)
             if auto:
-                layout = _auto_layout(hf_config, param_dtype)
+                layout = _auto_layout(hf_config, param_dtype, bridge)
             layout = whole_experts_layout(bridge, layout)
             layout.check_world_size(read_launch_env().world_size)
             layout.check_model(num_layers=hf_config.num_hidden_layers,

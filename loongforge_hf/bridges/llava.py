@@ -50,13 +50,15 @@ class LlavaBridge(OuterTableBridge):
     module_trees = (("model.language_model.", "text_prefix"), ("lm_head.", "head_prefix"),
                     ("model.vision_tower.", "vision_prefix"), ("model.multi_modal_projector.", "projector_prefix"))
     vision_block_mappings = Gemma3VLBridge.vision_block_mappings  # NOTE: CLIP's encoder layers are SigLIP's
+    # NOTE: the tower's model_type, the feature strategy, a tensor the hub's nested naming has under "vision_model"
+    tower_type, feature_strategy, nested_probe = "clip_vision_model", "default", "embeddings.class_embedding"
 
     def __init__(self, hf_config, checkpoint_names=(), shape_of=None) -> None:
         self.hf_config = hf_config
         names = set(checkpoint_names)
         modules = f"{_NAMINGS[1][0]}.embed_tokens.weight" in names
         self.text_prefix, self.head_prefix, tower, self.projector_prefix = _NAMINGS[1 if modules else 0]
-        nested = f"{tower}.vision_model.embeddings.class_embedding" in names or not names and not modules
+        nested = f"{tower}.vision_model.{self.nested_probe}" in names or not names and not modules
         self.vision_prefix = f"{tower}.vision_model" if nested else tower
         self.check_vision_config()
         self.text = self.text_bridge(names, shape_of)
@@ -99,16 +101,16 @@ class LlavaBridge(OuterTableBridge):
         from loongforge_hf.multimodal.vision_clip import square_side
 
         v, hf = self.vision_config, self.hf_config
-        if v.model_type != "clip_vision_model":
-            raise C.UnsupportedConfigError(f"LLaVA with vision_config.model_type={v.model_type!r} is not supported: "
-                                           "only 'clip_vision_model' (CLIP's ViT).")
+        if v.model_type != self.tower_type:
+            raise C.UnsupportedConfigError(f"{self.architectures[0]} with vision_config.model_type={v.model_type!r} "
+                                           f"is not supported: only {self.tower_type!r}.")
         for field, act in (("vision_config.hidden_act", v.hidden_act),
                            ("projector_hidden_act", hf.projector_hidden_act)):
             if act not in ACT2FN:
                 raise C.UnsupportedConfigError(f"{field}={act!r} is not an activation transformers knows.")
-        if hf.vision_feature_select_strategy != "default":
+        if hf.vision_feature_select_strategy != self.feature_strategy:
             raise C.UnsupportedConfigError(f"vision_feature_select_strategy={hf.vision_feature_select_strategy!r} "
-                                           "is not supported: only 'default' (the class token dropped).")
+                                           f"is not supported: only {self.feature_strategy!r}.")
         layers, count = hf.vision_feature_layer, v.num_hidden_layers
         layers = [layers] if isinstance(layers, int) else list(layers)
         if not layers or any(not isinstance(k, int) or not -count - 1 <= k <= count for k in layers):

@@ -204,9 +204,12 @@ class VisionLanguageChunk(nn.Module):
             return embeddings, None
         if self.vision is None:
             raise ValueError("pixel_values / pixel_values_videos need a model with a vision tower.")
-        if (pixel_values is not None and image_grid_thw is None) or \
-                (pixel_values_videos is not None and video_grid_thw is None):
-            raise ValueError("pixel_values need image_grid_thw and pixel_values_videos need video_grid_thw.")
+        if pixel_values_videos is not None and video_grid_thw is None:
+            raise ValueError("pixel_values_videos without video_grid_thw: videos are supported for the Qwen-VL "
+                             "family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), whose processors give "
+                             "video_grid_thw; not for LLaVA-OneVision / LLaVA-NeXT-Video's videos.")
+        if pixel_values is not None and image_grid_thw is None:
+            raise ValueError("pixel_values need image_grid_thw.")
         pixels = [p for p in (pixel_values, pixel_values_videos) if p is not None]
         grids = [g for p, g in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
                  if p is not None]

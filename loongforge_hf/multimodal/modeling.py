@@ -77,12 +77,16 @@ class _WithInputs(nn.Module):
 def _refuse_vision_overrides(config, unused: dict) -> None:
     """transformers' per-call ``vision_feature_layer`` / ``vision_feature_select_strategy`` (LLaVA's forward and
     generate take them): the config's are built into the tower here, so another value is refused, not ignored."""
-    for name in ("vision_feature_layer", "vision_feature_select_strategy"):
+    for name in ("vision_feature_layer", "vision_feature_select_strategy", "vision_aspect_ratio"):
         value = unused.get(name)
         if value is not None and value != getattr(config, name, None):
             raise ValueError(f"forward: {name}={value!r} differs from the checkpoint config's "
                              f"{getattr(config, name, None)!r}, which the vision tower is built for; set it in the "
                              "config before from_pretrained.")
+    counts = unused.get("batch_num_images")
+    if counts is not None and any(int(n) != 1 for n in torch.as_tensor(counts).reshape(-1).tolist()):
+        raise ValueError(f"forward: batch_num_images={torch.as_tensor(counts).tolist()}: LLaVA-OneVision's "
+                         "multi-image samples (each image its base crop only) are not supported; one image a sample.")
 
 
 class LoongModelForImageTextToText(LoongModelForCausalLM):

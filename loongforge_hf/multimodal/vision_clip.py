@@ -66,6 +66,8 @@ class ClipTower(nn.Module):
     the hidden states read (0 .. ``num_hidden_layers``, as transformers' non-negative ``hidden_states`` indices)."""
 
     merge = 1
+    family = "CLIP"
+    lead = 1  # NOTE: tokens before the patches' (the class token), dropped from the features
 
     def __init__(self, config, *, text_hidden: int, feature_layers: tuple[int, ...], projector_act: str,
                  projector_bias: bool, tp_group=None, recompute: bool = False) -> None:
@@ -75,11 +77,7 @@ class ClipTower(nn.Module):
         self.recompute = recompute
         self.feature_layers = tuple(feature_layers)
         self.side = square_side(config.image_size, "image_size") // patch
-        self.patch_embed = PatchEmbed(SimpleNamespace(hidden_size=d, patch_size=patch,
-                                                      num_channels=config.num_channels))
-        self.class_embedding = nn.Parameter(torch.zeros(d))
-        self.position_embedding = nn.Parameter(torch.zeros(self.side * self.side + 1, d))
-        self.pre_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.build_embeddings(config, d, patch)
         self.blocks = nn.ModuleList([
             Qwen3VisionBlock(config, tp_group=tp_group, heads=config.num_attention_heads, eps=config.layer_norm_eps)
             for _ in range(config.num_hidden_layers)])
@@ -88,6 +86,21 @@ class ClipTower(nn.Module):
                                         bias=projector_bias)
         for module in self.unused():
             module.requires_grad_(False)
+
+    def build_embeddings(self, config, d: int, patch: int) -> None:
+        """CLIP's: the patch convolution without bias, the class token, the position table, the pre-LayerNorm."""
+        self.patch_embed = PatchEmbed(SimpleNamespace(hidden_size=d, patch_size=patch,
+                                                      num_channels=config.num_channels))
+        self.class_embedding = nn.Parameter(torch.zeros(d))
+        self.position_embedding = nn.Parameter(torch.zeros(self.side * self.side + 1, d))
+        self.pre_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+
+    def embed(self, pixel_values: torch.Tensor, n: int) -> torch.Tensor:
+        """``[n, lead + side^2, d]``: the ``n`` images' tokens before the blocks, the class token first."""
+        d = self.config.hidden_size
+        x = self.patch_embed(pixel_values).reshape(n, self.side * self.side, d)
+        x = torch.cat([self.class_embedding.to(x.dtype).expand(n, 1, d), x], dim=1)
+        return self.pre_norm(x + self.position_embedding.to(x.dtype))
 
     def unused(self) -> list[nn.Module]:
         """The modules the features never pass through: the blocks after the deepest feature layer, the post-norm."""
@@ -98,16 +111,15 @@ class ClipTower(nn.Module):
         side, d, n = self.side, self.config.hidden_size, len(grid)
         for t, h, w in grid:
             if (t, h, w) != (1, side, side):
-                raise ValueError(f"LLaVA's CLIP tower takes {self.config.image_size}-pixel images ({side}x{side} "
-                                 f"patches); got a {t}x{h}x{w} grid.")
-        x = self.patch_embed(pixel_values).reshape(n, side * side, d)
-        x = torch.cat([self.class_embedding.to(x.dtype).expand(n, 1, d), x], dim=1)
-        x = self.pre_norm(x + self.position_embedding.to(x.dtype)).reshape(-1, d)
-        cu_images = _cu([side * side + 1] * n).to(x.device)
+                raise ValueError(f"LLaVA's {self.family} tower takes {self.config.image_size}-pixel images "
+                                 f"({side}x{side} patches); got a {t}x{h}x{w} grid.")
+        lead = self.lead
+        x = self.embed(pixel_values, n).reshape(-1, d)
+        cu_images = _cu([side * side + lead] * n).to(x.device)
         states = {0: x}
         for k, block in enumerate(self.blocks[:max(self.feature_layers)], start=1):
             x = states[k] = run_block(self, block, x, cu_images, None, None)
-        features = [states[k].reshape(n, side * side + 1, d)[:, 1:] for k in self.feature_layers]
+        features = [states[k].reshape(n, side * side + lead, d)[:, lead:] for k in self.feature_layers]
         out = self.projector(torch.cat(features, dim=-1).reshape(n * side * side, -1))
         idle = [p for module in self.unused() for p in module.parameters() if p.requires_grad]
         if idle and torch.is_grad_enabled():

@@ -90,12 +90,16 @@ class LlavaNextTower(ClipTower):
         features = features.reshape(sum(crops), side * side, features.shape[-1])
         pieces = []
         for image, (_, height, width) in zip(features.split(crops), grid_thw.tolist()):
-            rows, cols, keep_h, keep_w = anyres_layout(height, width, pinpoints=self.pinpoints, tile=self.tile,
-                                                       side=side)
-            d = image.shape[-1]
-            # NOTE: tile (r, c)'s feature (i, j) sits at (r side + i, c side + j) of the map
-            tiles = image[1:].reshape(rows, cols, side, side, d).permute(0, 2, 1, 3, 4)
-            kept = tiles.reshape(rows * side, cols * side, d)[keep_h, keep_w]
-            newline = self.image_newline.to(kept.dtype).expand(kept.shape[0], 1, d)
-            pieces += [image[0], torch.cat([kept, newline], dim=1).reshape(-1, d)]
+            kept = self.kept_map(image[1:], height, width)
+            newline = self.image_newline.to(kept.dtype).expand(kept.shape[0], 1, kept.shape[-1])
+            pieces += [image[0], torch.cat([kept, newline], dim=1).reshape(-1, kept.shape[-1])]
         return torch.cat(pieces)
+
+    def kept_map(self, tiles: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """``[kept rows, kept columns, d]``: the ``[rows cols, side^2, d]`` tiles' features of a ``height x
+        width`` picture as one map, unpadded."""
+        side = self.side
+        rows, cols, keep_h, keep_w = anyres_layout(height, width, pinpoints=self.pinpoints, tile=self.tile, side=side)
+        # NOTE: tile (r, c)'s feature (i, j) sits at (r side + i, c side + j) of the map
+        tiles = tiles.reshape(rows, cols, side, side, tiles.shape[-1]).permute(0, 2, 1, 3, 4)
+        return tiles.reshape(rows * side, cols * side, tiles.shape[-1])[keep_h, keep_w]

@@ -6,6 +6,10 @@ Choices (printed as the reason on rank 0):
 - Prefer data parallelism (no communication in the forward pass); add tensor parallelism within a node (a divisor
   of the attention and KV heads, at most the local GPU count) until the model states fit; then pipeline parallelism
   over the layers. Experts, when present, are spread with expert parallelism over data-parallel ranks first.
+- A TP size that is a multiple of the KV heads (each head replicated on ``tp / kv`` ranks, ``kv_replicas.py``) is
+  tried only when no dividing TP fits at that pipeline size, and before a larger pipeline size: replication costs each
+  rank one head's whole K / V weights (counted) and one all-reduce of their gradients per layer and step, a pipeline
+  stage a bubble every step. Not where the model cannot replicate its heads (``kv_replication=False``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class ModelSize:
     num_attention_heads: int
     num_key_value_heads: int
     num_experts: int | None = None
+    kv_params: int = 0  # of num_params: the K / V projections' weights (what each replica of a head repeats)
 
 
 def model_size_of(hf_config) -> ModelSize:
@@ -38,20 +43,37 @@ def model_size_of(hf_config) -> ModelSize:
     per_layer = h * hd * (heads + 2 * kv) + heads * hd * h + 3 * h * ffn * (experts or 1) + 2 * h
     embeddings = hf_config.vocab_size * h * (1 if getattr(hf_config, "tie_word_embeddings", False) else 2)
     return ModelSize(num_params=layers * per_layer + embeddings, num_layers=layers, num_attention_heads=heads,
-                     num_key_value_heads=kv, num_experts=experts)
+                     num_key_value_heads=kv, num_experts=experts, kv_params=layers * 2 * h * hd * kv)
 
 
 def state_bytes_per_rank(size: ModelSize, *, tp: int, pp: int, dp: int, ep: int, dtype_bytes: int) -> float:
-    params = size.num_params / (tp * pp * (ep if size.num_experts else 1))
+    """Weights, gradients and (sharded over ``dp``) optimizer state of one rank; K / V split over at most the KV
+    heads (a replicating TP holds one head's whole on each rank)."""
+    shards = pp * (ep if size.num_experts else 1)
+    kv_shards = shards * min(tp, size.num_key_value_heads)
+    params = (size.num_params - size.kv_params) / (tp * shards) + size.kv_params / kv_shards
     return params * (2 * dtype_bytes + 12 / dp)
 
 
+def tp_candidates(size: ModelSize, *, world_size: int, local_world_size: int,
+                  kv_replication: bool = True) -> tuple[list[int], list[int]]:
+    """TP sizes within a node that divide the world and the attention heads: those that divide the KV heads, and
+    (with ``kv_replication``) those that are a multiple of them, each head replicated."""
+    fits = [t for t in (1, 2, 4, 8) if t <= local_world_size and world_size % t == 0
+            and size.num_attention_heads % t == 0]
+    kv = size.num_key_value_heads
+    return ([t for t in fits if kv % t == 0],
+            [t for t in fits if kv_replication and t > kv and t % kv == 0])
+
+
 def choose_layout(size: ModelSize, *, world_size: int, local_world_size: int, device_memory: float,
-                  dtype_bytes: int = 2) -> tuple[ParallelConfig, str]:
-    """The layout and a one-line reason; raises ParallelLayoutError when nothing fits."""
+                  dtype_bytes: int = 2, kv_replication: bool = True) -> tuple[ParallelConfig, str]:
+    """The layout and a one-line reason; raises ParallelLayoutError when nothing fits. ``kv_replication``: whether
+    TP sizes above the KV heads (each head replicated) may be picked, when no dividing one fits."""
     budget = device_memory * (1 - ACTIVATION_SHARE)
-    tp_options = [t for t in (1, 2, 4, 8) if t <= local_world_size and world_size % t == 0
-                  and size.num_attention_heads % t == 0 and size.num_key_value_heads % t == 0]
+    dividing, replicating = tp_candidates(size, world_size=world_size, local_world_size=local_world_size,
+                                          kv_replication=kv_replication)
+    tp_options = dividing + replicating
     for pp in [p for p in range(1, size.num_layers + 1) if world_size % p == 0]:
         for tp in tp_options:
             if world_size % (tp * pp):
@@ -67,6 +89,8 @@ def choose_layout(size: ModelSize, *, world_size: int, local_world_size: int, de
                 reason = (f"parallel='auto': {size.num_params / 1e9:.2f}B parameters need ~{need / 2**30:.1f} GiB of "
                           f"model and optimizer state per rank with TP={tp} x PP={pp} x DP={dp}"
                           + (f" x EP={ep}" if ep > 1 else "")
+                          + (f" (each of the {size.num_key_value_heads} KV heads on {tp // size.num_key_value_heads}"
+                             " ranks)" if tp in replicating else "")
                           + f", within {budget / 2**30:.1f} GiB of {device_memory / 2**30:.1f} GiB "
                           "(the rest is left for activations)"
                           + ("; smaller TP/PP did not fit." if tp * pp > 1 else "; no model parallelism needed."))

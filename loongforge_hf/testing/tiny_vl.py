@@ -370,7 +370,7 @@ def rename_prefixes(folder: Path, renames: dict[str, str]) -> None:
     from safetensors.torch import load_file, save_file
 
     def rename(name: str) -> str:
-        old = next(p for p in renames if name.startswith(p + "."))
+        old = next(p for p in renames if name == p or name.startswith(p + "."))
         return renames[old] + name[len(old):]
 
     index_file = folder / "model.safetensors.index.json"

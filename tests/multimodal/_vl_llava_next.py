@@ -38,18 +38,41 @@ def prompts(folder: str) -> dict:
                              [(30, 70), (56, 40), (20, 40)], seed=4, padding_side="left")
 
 
-def checks(*, cases: list, folder: str, generate: dict, out_dir: str, train: bool = False) -> dict:
+def checks(*, cases: list, folder: str, generate: dict, out_dir: str, lora: dict, train: bool = False) -> dict:
     """Everything one world checks, so each world size is one launch: ``compare`` for each (name, folder, layout,
     out_dir, extra keywords) of ``cases``; ``_vl_gemma3.generate_both`` (greedy, uncached, beams) of ``folder`` on
-    ``prompts`` under each of ``generate``; with ``train``, ``collate_and_train`` of ``folder``."""
+    ``prompts`` under each of ``generate``; ``lora_checks`` of ``folder`` under ``lora`` (``LORA_CASES``' form);
+    with ``train``, ``collate_and_train`` of ``folder``."""
     from ._vl_gemma3 import SCENARIOS, generate_both
 
     out = {"parity": {name: compare(f, layout, o, **extra) for name, f, layout, o, extra in cases},
            "generate": {name: generate_both(folder, layout, lambda: prompts(folder), SCENARIOS)
-                        for name, layout in generate.items()}}
+                        for name, layout in generate.items()},
+           "lora": lora_checks(lora, folder, f"{out_dir}/lora")}
     if train:
         out.update(collate_and_train(folder, f"{out_dir}/train"))
     return out
+
+
+# ---- LoRA against PEFT ---------------------------------------------------------------------------------------------
+
+# NOTE: LLaVA's configs (``_vl_gemma3_lora.CONFIGS``: "qv", the language model's and CLIP's q / v, rsLoRA;
+# "all_linear", the projector's two linears too, a language norm trained whole); ``image_newline`` stays frozen
+SPLIT_SP = {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor_parallel_size": 2}
+LORA_CASES = {1: {"tp1": ({}, ("qv", "all_linear"))},  # ranks -> case -> (layout, configs)
+              2: {"tp2_split_sp": (SPLIT_SP, ("all_linear",))}}
+
+
+def lora_checks(cases: dict, folder: str, out_dir: str) -> dict:
+    """``_vl_lora.model_checks`` (logits, loss, adapter gradients within 5e-5 of their largest entry, PEFT's counts,
+    the adapter folder in PEFT, the merged export in transformers) of each case on ``make_batch``'s any-resolution
+    crops."""
+    from . import _vl_lora as V
+    from ._vl_gemma3_lora import CONFIGS
+
+    return {f"{case}/{name}": V.model_checks(folder, f"{out_dir}/{case}-{name}", layout, name, CONFIGS,
+                                             batch_for=make_batch, grad_tol=5e-5)
+            for case, (layout, names) in cases.items() for name in names}
 
 
 # ---- the processor, the collator, training ---------------------------------------------------------------------------

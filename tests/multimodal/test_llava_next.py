@@ -9,7 +9,14 @@ size one launch (a module fixture) whose checks the tests below read:
 - ``generate`` (greedy cached and uncached, beams) as transformers';
 - the processor's samples through the collator (crops padded to the most), LoongTrainer against
   transformers.Trainer;
-- the token count of every picture size against the processor's, and the refusals.
+- the token count of every picture size against the processor's, and the refusals;
+- LoRA against PEFT: ``target_modules=["q_proj", "v_proj"]`` (rsLoRA; the language model's and CLIP's) and
+  "all-linear" (the language model's, CLIP's and the projector's linears) with a language norm in
+  ``modules_to_save``, the same seed on both sides (random B), on the any-resolution batch: logits and loss within
+  1e-5, every adapter's gradient within 5e-5 of its largest entry (those of the ViT block after the feature layer
+  have none in PEFT and a zero one here), PEFT's counts, ``target_modules`` and the adapter file's names and shapes,
+  the adapter folder in ``PeftModel.from_pretrained`` and the merged export in transformers (1e-5; merged 3e-5); at
+  TP1 and at TP2 + SP with the tower split.
 """
 
 import tempfile
@@ -21,7 +28,7 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.round_trip import check_round_trip as _check_round_trip, read_all
 from loongforge_hf.testing.tiny_llava_next import PINPOINTS, make_tiny_llava_next, tiny_llava_next_config
 
-from ._vl_llava_next import checks
+from ._vl_llava_next import LORA_CASES, SPLIT_SP, checks
 from ._vl_parity import TWO_RANKS, check_generate, check_llava_two_ranks
 
 TOL = 1e-4
@@ -29,7 +36,11 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 # vision tensors with a gradient: LLaVA's (class token, patch conv, table, pre-norm (2), 2 x 16 block tensors, the
 # projector (4; the qwen2 variant's without biases: 2)) and image_newline
 GRADS = {"llama": 42, "qwen2": 40}
-SPLIT_SP = {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor_parallel_size": 2}
+# LoRA: adapted linears with a gradient (CLIP's and the projector's, the language model's: 4 layers), those of ViT
+# block 2 (no gradient), the tensors trained whole
+LORA_TARGETS = {"qv": (2 * 2, 4 * 2), "all_linear": (2 * 6 + 2, 4 * 7)}
+LORA_IDLE = {"qv": 2, "all_linear": 6}
+LORA_SAVED = {"qv": 0, "all_linear": 4}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +61,7 @@ def one_rank(folders, tmp_path_factory):
     cases = [(n, str(src), {}, str(out / n), {}) for n, src in folders.items()]
     cases.append(("text_only", str(folders["llama"]), {}, None, {"text_only": True}))
     got = run_distributed(checks, 1, cases=cases, folder=str(folders["llama"]), generate={"tp1": {}},
-                          out_dir=str(out), train=True, timeout=600)
+                          out_dir=str(out), lora=LORA_CASES[1], train=True, timeout=600)
     return got[0], out
 
 
@@ -64,7 +75,7 @@ def two_ranks(folders, tmp_path_factory):
     cases = [(n, str(folders["llama"]), layout, str(out / n), {}) for n, layout in TWO_RANKS.items()]
     cases.append(("qwen2_split_sp", str(folders["qwen2"]), SPLIT_SP, str(out / "qwen2_split_sp"), {}))
     got = run_distributed(checks, 2, cases=cases, folder=str(folders["llama"]), generate={"tp2_sp": SPLIT_SP},
-                          out_dir=str(out), timeout=600)
+                          out_dir=str(out), lora=LORA_CASES[2], timeout=600)
     return got, out
 
 
@@ -95,6 +106,27 @@ def test_parity_round_trip_and_generate_one_rank(one_rank, folders):
 def test_parity_round_trip_and_generate_two_ranks(two_ranks, folders):
     """The layouts of ``two_ranks`` as transformers (PP2: logits and loss), each exported bit for bit."""
     check_llava_two_ranks(*two_ranks, folders, check=check, grads=GRADS, side_files=SIDE_FILES)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_lora_matches_peft(one_rank, two_ranks, ranks):
+    """TP1: "qv" and "all_linear"; TP2 + SP with the tower split: "all_linear"."""
+    per_rank = [one_rank[0]] if ranks == 1 else two_ranks[0]
+    for case, (_, names) in LORA_CASES[ranks].items():
+        for name in names:
+            for res in (r["lora"][f"{case}/{name}"] for r in per_rank):
+                assert tuple(res["counts"]) == tuple(res["peft_counts"]), res
+                assert res["logits_diff"] < 1e-5 and res["loss_diff"] < 1e-5, res
+                assert res["unchanged_after_merged_export"]
+                checked = res["grads_checked"]
+                assert (checked["vision"], checked["language"], checked["idle"]) == \
+                    (*LORA_TARGETS[name], LORA_IDLE[name]), (case, name, res)
+            rank0 = per_rank[0]["lora"][f"{case}/{name}"]
+            assert rank0["adapter_logits_diff"] < 1e-5 and rank0["merged_logits_diff"] < 3e-5, rank0
+            ours, theirs = rank0["target_modules"]
+            assert sorted(ours) == sorted(theirs), (ours, theirs)
+            tensors = 2 * (sum(LORA_TARGETS[name]) + LORA_IDLE[name]) + LORA_SAVED[name]
+            assert rank0["adapter_tensors"] == (tensors, True), rank0["adapter_tensors"]
 
 
 def test_collated_batches_train_as_transformers(one_rank, folders):

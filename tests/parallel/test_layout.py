@@ -62,6 +62,49 @@ def test_auto_adds_tensor_then_pipeline_parallelism():
         choose_layout(huge, world_size=8, local_world_size=8, device_memory=80 * GiB)
 
 
+def test_auto_replicates_kv_heads_only_when_no_dividing_tp_fits(monkeypatch):
+    """Two KV heads, four attention heads, 8 ranks: a TP of 4 (each KV head on 2 ranks, its K / V counted whole) only
+    when TP 2 does not fit, and before a second pipeline stage; never where the model cannot replicate its heads
+    (``kv_replication=False``; ``from_pretrained``'s check of the bridge: an OLMo 2's k norm spans the heads)."""
+    import loongforge_hf.xpu
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.modeling import _auto_layout
+    from loongforge_hf.parallel.auto import model_size_of, state_bytes_per_rank, tp_candidates
+    from loongforge_hf.testing.tiny_models import _config
+
+    config = _config("llama", architectures=["LlamaForCausalLM"])
+    size = model_size_of(config)
+    assert (size.num_key_value_heads, size.kv_params) == (2, 4 * 2 * 64 * 16 * 2)
+    assert tp_candidates(size, world_size=8, local_world_size=8) == ([1, 2], [4])
+    assert tp_candidates(size, world_size=8, local_world_size=8, kv_replication=False) == ([1, 2], [])
+
+    def need(tp, pp):
+        return state_bytes_per_rank(size, tp=tp, pp=pp, dp=8 // (tp * pp), ep=1, dtype_bytes=2)
+
+    # each TP4 rank holds one head's K / V whole: half the K / V, not a quarter
+    assert need(4, 1) == pytest.approx((size.num_params - size.kv_params) / 4 * 10 + size.kv_params / 2 * 10)
+    memory = need(4, 1) / 0.65 * 1.001  # NOTE: TP4 x DP2 just fits (35% kept for activations), TP2 x DP4 not
+    assert need(2, 1) > 0.65 * memory >= need(2, 2)
+    layout, reason = choose_layout(size, world_size=8, local_world_size=8, device_memory=memory)
+    assert (layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.sequence_parallel) == (4, 1, True)
+    assert "TP=4 x PP=1 x DP=2 (each of the 2 KV heads on 2 ranks)" in reason, reason
+    layout, reason = choose_layout(size, world_size=8, local_world_size=8, device_memory=memory,
+                                   kv_replication=False)
+    assert (layout.tensor_parallel_size, layout.pipeline_parallel_size) == (2, 2) and "KV heads" not in reason
+    layout, reason = choose_layout(size, world_size=8, local_world_size=8, device_memory=4 * memory)
+    assert layout.tensor_parallel_size == 1 and "KV heads" not in reason  # a dividing TP that fits wins
+
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "8"), ("LOCAL_WORLD_SIZE", "8")):
+        monkeypatch.setenv(key, value)
+    backend = type("Backend", (), {"memory_per_device": lambda self: memory})()
+    monkeypatch.setattr(loongforge_hf.xpu, "get_backend", lambda: backend)
+    olmo2 = _config("olmo2", architectures=["Olmo2ForCausalLM"])
+    got = {name: _auto_layout(cfg, torch.bfloat16, get_bridge(cfg))
+           for name, cfg in (("llama", config), ("olmo2", olmo2))}
+    assert (got["llama"].tensor_parallel_size, got["olmo2"].tensor_parallel_size, got["olmo2"].pipeline_parallel_size) \
+        == (4, 2, 2), got
+
+
 def _auto_load(folder):
     import loongforge_hf as lf
 
