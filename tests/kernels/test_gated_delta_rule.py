@@ -100,3 +100,63 @@ def test_state_carried_across_calls():
     assert torch.equal(gated_delta_rule(*piece, initial_state=start), out)  # NOTE: the output alone
     with pytest.raises(ValueError, match=r"initial_state of shape \(2, 4, 8\), expected \(2, 4, 8, 12\)"):
         gated_delta_rule(q, k, v, g, beta, initial_state=start[..., 0])
+
+
+def _fake_fla_kernel(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     cu_seqlens):
+    """fla's ``chunk_gated_delta_rule`` contract (one flattened row, documents at ``cu_seqlens``, q / k normalised
+    in the kernel, q scaled by ``scale``) over our torch code, for checking what is handed to it on CPU."""
+    assert q.shape[0] == 1 and use_qk_l2norm_in_kernel and scale == k.shape[-1] ** -0.5
+    outs, states = [], []
+    bounds = cu_seqlens.tolist()
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        state = None if initial_state is None else initial_state[i:i + 1]
+        out, final = gated_delta_rule(*(x[:, lo:hi] for x in (q, k, v, g, beta)), initial_state=state,
+                                      output_final_state=True)
+        outs.append(out)
+        states.append(final)
+    return torch.cat(outs, 1), (torch.cat(states) if output_final_state else None)
+
+
+def test_fla_rows_flatten_to_one_varlen_call(monkeypatch):
+    """``fla_delta_rule.gated_delta_rule_rows`` (what Gated DeltaNet layers call when fla runs) hands fla's kernel
+    the rows as one flattened row with a document per row and each row's initial state, and returns outputs and
+    final states per row: the same as our torch code on the rows (the kernel stood in for by our code, fp32)."""
+    from loongforge_hf.kernels import fla_delta_rule
+
+    monkeypatch.setattr(fla_delta_rule, "_chunk_kernel", lambda: _fake_fla_kernel)
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(3, 37, 2, 8, generator=gen) for _ in range(2))
+    v = torch.randn(3, 37, 4, 6, generator=gen)
+    g = -torch.rand(3, 37, 4, generator=gen)
+    beta = torch.rand(3, 37, 4, generator=gen)
+    state = torch.randn(3, 4, 8, 6, generator=gen)
+    got, got_state = fla_delta_rule.gated_delta_rule_rows(q, k, v, g, beta, initial_state=state,
+                                                          output_final_state=True)
+    want, want_state = gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    assert (got - want).abs().max() < TOL and (got_state - want_state).abs().max() < TOL
+    alone = fla_delta_rule.gated_delta_rule_rows(q, k, v, g, beta)  # NOTE: zero states, the output only
+    assert (alone - gated_delta_rule(q, k, v, g, beta)).abs().max() < TOL
+
+
+def test_fla_taken_only_where_it_runs(monkeypatch):
+    """fla is used on CUDA only; its gated backward is refused on Hopper with Triton 3.4 - 3.7.0 unless tilelang is
+    there (fla's own flags, read from the installed fla); ``LOONGFORGE_DELTA_RULE=torch`` turns it off."""
+    import sys
+    import types
+
+    from loongforge_hf.kernels import fla_delta_rule
+
+    monkeypatch.setattr(fla_delta_rule, "_chunk_kernel", lambda: _fake_fla_kernel)
+    assert not fla_delta_rule.available(torch.device("cpu"))
+    for above_3_7_1, refused in ((False, True), (True, False)):
+        utils = types.SimpleNamespace(IS_NVIDIA_HOPPER=True, TRITON_ABOVE_3_4_0=True, TRITON_ABOVE_3_7_1=above_3_7_1)
+        monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(utils=utils))
+        fla_delta_rule._backward_refused.cache_clear()
+        assert fla_delta_rule._backward_refused() is refused
+        assert fla_delta_rule.available(torch.device("cuda")) is True
+        assert fla_delta_rule.available(torch.device("cuda"), backward=True) is not refused
+        monkeypatch.setenv("LOONGFORGE_DELTA_RULE", "torch")
+        assert not fla_delta_rule.available(torch.device("cuda"))
+        monkeypatch.delenv("LOONGFORGE_DELTA_RULE")
+    fla_delta_rule._backward_refused.cache_clear()
