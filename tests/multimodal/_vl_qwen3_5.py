@@ -14,21 +14,21 @@ from ._vl_qwen3 import compare_router_outputs, load_error, packed_against_padded
 GENERATE = SCENARIOS["greedy"]  # NOTE: scores and raw logits of 6 greedy steps
 
 
-def generate_reference(folder: str) -> dict:
-    """transformers' greedy generate (its own cache) on the image batch."""
+def generate_reference(folder: str, **extra) -> dict:
+    """transformers' greedy generate (its own cache) on the image batch (``extra``: more generate keywords)."""
     import transformers
 
     model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    return _plain(model.generate(**prompt_batch(folder), **GENERATE))
+    return _plain(model.generate(**prompt_batch(folder), **GENERATE, **extra))
 
 
-def generate_ours(folder: str, layout: dict) -> dict:
-    """Ours: greedy with and without the cache (the Gated DeltaNet states in it) on the same batch; the static
-    cache's error (None when it runs)."""
+def generate_ours(folder: str, layout: dict, **extra) -> dict:
+    """Ours: greedy with and without the cache (the Gated DeltaNet states in it) on the same batch (``extra``: more
+    generate keywords); the static cache's error (None when it runs)."""
     import loongforge_hf as lf
 
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
-    out = {name: _plain(model.generate(**prompt_batch(folder), use_cache=name == "cached", **GENERATE))
+    out = {name: _plain(model.generate(**prompt_batch(folder), use_cache=name == "cached", **GENERATE, **extra))
            for name in ("cached", "uncached")}
     try:
         model.generate(**prompt_batch(folder), max_new_tokens=2, cache_implementation="static")
@@ -61,6 +61,9 @@ def one_rank(cases: list, folder: str, out_dir: str, moe_folder: str) -> dict:
     out["packed"] = packed_against_padded(folder)
     out["causal_lm"] = causal_lm_text(folder)
     out["generate"] = generate_ours(folder, {})
+    # NOTE: without router logits (the checkpoint asks for them): transformers' generate fails computing the
+    # balancing loss on its cached steps (a mask longer than the step's tokens)
+    out["moe_generate"] = generate_ours(moe_folder, {}, output_router_logits=False)
     out["train"] = train_both(folder, out_dir)
     return out
 

@@ -49,6 +49,11 @@ def reference(checkpoint) -> dict:
 
 
 @pytest.fixture(scope="module")
+def moe_reference(moe_checkpoint) -> dict:
+    return generate_reference(str(moe_checkpoint), output_router_logits=False)
+
+
+@pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("qwen3_5_vl_out")
 
@@ -141,6 +146,16 @@ def test_generate_as_transformers(one, two, reference):
         refusal = got["static_refusal"] or ""
         assert "cache_implementation='static' is not supported for Qwen3_5ForConditionalGeneration" in refusal \
             and "dynamic cache" in refusal, (what, refusal)
+
+
+def test_moe_generate_as_transformers(one, moe_reference):
+    """Qwen3.5-MoE: greedy with and without the cache gives transformers' tokens, scores and logits within 1e-4 (one
+    rank); the static cache is refused naming the class."""
+    got = one["moe_generate"]
+    for cache in ("uncached", "cached"):
+        assert_same_generation(got[cache], moe_reference, f"moe {cache}", atol=TOL)
+    assert "cache_implementation='static' is not supported for Qwen3_5MoeForConditionalGeneration" in \
+        (got["static_refusal"] or ""), got["static_refusal"]
 
 
 def test_trainer_matches_transformers_trainer(one, checkpoint, out):
