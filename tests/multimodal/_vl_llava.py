@@ -104,6 +104,11 @@ def collate_and_train(folder: str, out_dir: str) -> dict:
 # norm trained whole): PEFT matches the same names on every tower
 LORA_CONFIGS = CONFIGS
 SPLIT_SP = {"tensor_parallel_size": 2, "vision_tensor_parallel_size": 2, "sequence_parallel": True}
+# NOTE: LoRA on LLaVA's and LLaVA-NeXT's tiny models: adapted linears with a gradient (CLIP's and the projector's,
+# the language model's: 4 layers), those of ViT block 2 (no gradient), the tensors trained whole
+LORA_TARGETS = {"qv": (2 * 2, 4 * 2), "all_linear": (2 * 6 + 2, 4 * 7)}
+LORA_IDLE = {"qv": 2, "all_linear": 6}
+LORA_SAVED = {"qv": 0, "all_linear": 4}
 # ranks -> case -> (checkpoint: "llama" or "qwen2", layout, configs)
 LORA_CASES = {1: {"tp1": ("llama", {}, ("qv", "all_linear"))},
               2: {"tp2_split_sp": ("llama", SPLIT_SP, ("all_linear",)),

@@ -22,7 +22,7 @@ from loongforge_hf.testing.round_trip import check_round_trip as _check_round_tr
 from loongforge_hf.testing.tiny_idefics3 import make_tiny_idefics3, tiny_idefics3_config
 
 from ._vl_idefics3 import LORA_CASES, TEXT_ROWS, checks, make_batch
-from ._vl_parity import TWO_RANKS, check_generate
+from ._vl_parity import TWO_RANKS, check_generate, check_lora_vs_peft
 
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -70,22 +70,6 @@ def check(result: dict, *, grads: bool = True) -> None:
         assert result["grad_diff"] is not None and result["grad_diff"] < TOL and result["grads"] == GRADS, result
 
 
-def check_lora(per_rank: list, ranks: int) -> None:
-    for case, (_, names) in LORA_CASES[ranks].items():
-        for name in names:
-            for res in (r["lora"][f"{case}/{name}"] for r in per_rank):
-                assert tuple(res["counts"]) == tuple(res["peft_counts"]), res
-                assert res["logits_diff"] < 1e-5 and res["loss_diff"] < 1e-5, res
-                assert res["unchanged_after_merged_export"]
-                checked = res["grads_checked"]
-                assert (checked["vision"], checked["language"]) == TARGETS[name], (case, name, res)
-            rank0 = per_rank[0]["lora"][f"{case}/{name}"]
-            assert rank0["adapter_logits_diff"] < 1e-5 and rank0["merged_logits_diff"] < 3e-5, rank0
-            ours, theirs = rank0["target_modules"]
-            assert sorted(ours) == sorted(theirs), (ours, theirs)
-            assert rank0["adapter_tensors"] == (2 * sum(TARGETS[name]) + SAVED[name], True), rank0["adapter_tensors"]
-
-
 def test_parity_round_trip_and_generate_one_rank(folders, one_rank):
     """Both models at TP1, each exported under the names it was read (the untied head written, the tied one not);
     greedy (cached, uncached) and beam ``generate`` with left-padded prompts of two tiles and one (its pixel_values
@@ -122,8 +106,10 @@ def test_parity_round_trip_and_generate_two_ranks(folders, two_ranks):
 
 def test_lora_matches_peft(one_rank, two_ranks):
     """"qv" and "all-linear" at TP1, "all-linear" at TP2 + SP with the tower split (its adapters split)."""
-    check_lora([one_rank], 1)
-    check_lora(two_ranks, 2)
+    check_lora_vs_peft([one_rank], {c: names for c, (_, names) in LORA_CASES[1].items()}, targets=TARGETS,
+                       saved=SAVED)
+    check_lora_vs_peft(two_ranks, {c: names for c, (_, names) in LORA_CASES[2].items()}, targets=TARGETS,
+                       saved=SAVED)
 
 
 def test_bad_configs_and_inputs_are_refused(one_rank):

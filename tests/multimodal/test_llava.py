@@ -25,8 +25,8 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.round_trip import check_round_trip as _check_round_trip, read_all
 from loongforge_hf.testing.tiny_llava import make_tiny_llava, tiny_llava_config
 
-from ._vl_llava import LORA_CASES, TEXT_ROWS, checks, make_batch
-from ._vl_parity import TWO_RANKS, check_generate, check_llava_two_ranks
+from ._vl_llava import LORA_CASES, LORA_IDLE, LORA_SAVED, LORA_TARGETS, TEXT_ROWS, checks, make_batch
+from ._vl_parity import TWO_RANKS, check_generate, check_llava_two_ranks, check_lora_vs_peft
 
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -34,11 +34,6 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 # post_layernorm get none), the projector (4; the qwen2 variant's without biases: 2)
 GRADS = {"llama": 41, "qwen2": 39}
 SPLIT_SP = {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor_parallel_size": 2}
-# LoRA: adapted linears with a gradient (CLIP's and the projector's, the language model's: 4 layers), those of ViT
-# block 2 (no gradient), the tensors trained whole
-LORA_TARGETS = {"qv": (2 * 2, 4 * 2), "all_linear": (2 * 6 + 2, 4 * 7)}
-LORA_IDLE = {"qv": 2, "all_linear": 6}
-LORA_SAVED = {"qv": 0, "all_linear": 4}
 
 
 @pytest.fixture(scope="module")
@@ -88,24 +83,6 @@ def check(result: dict, *, grads: int | None) -> None:
         assert result["grad_diff"] is not None and result["grad_diff"] < TOL and result["grads"] == grads, result
 
 
-def check_lora(per_rank: list, ranks: int) -> None:
-    for case, (_, _, names) in LORA_CASES[ranks].items():
-        for name in names:
-            for res in (r["lora"][f"{case}/{name}"] for r in per_rank):
-                assert tuple(res["counts"]) == tuple(res["peft_counts"]), res
-                assert res["logits_diff"] < 1e-5 and res["loss_diff"] < 1e-5, res
-                assert res["unchanged_after_merged_export"]
-                checked = res["grads_checked"]
-                assert (checked["vision"], checked["language"], checked["idle"]) == \
-                    (*LORA_TARGETS[name], LORA_IDLE[name]), (case, name, res)
-            rank0 = per_rank[0]["lora"][f"{case}/{name}"]
-            assert rank0["adapter_logits_diff"] < 1e-5 and rank0["merged_logits_diff"] < 3e-5, rank0
-            ours, theirs = rank0["target_modules"]
-            assert sorted(ours) == sorted(theirs), (ours, theirs)
-            tensors = 2 * (sum(LORA_TARGETS[name]) + LORA_IDLE[name]) + LORA_SAVED[name]
-            assert rank0["adapter_tensors"] == (tensors, True), rank0["adapter_tensors"]
-
-
 def test_parity_round_trip_and_generate_one_rank(one_rank, folders):
     """TP1 in each naming (a text-only batch too), each exported under its own names; greedy (cached, uncached) and
     beam ``generate`` with left-padded prompts of two images and one: the same tokens, logits and scores within
@@ -132,7 +109,9 @@ def test_parity_round_trip_and_generate_two_ranks(two_ranks, folders):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_lora_matches_peft(one_rank, two_ranks, ranks):
     """TP1: "qv" and "all_linear"; TP2 + SP with the tower split: "all_linear", and "qv" on the Qwen2 variant."""
-    check_lora([one_rank[0]] if ranks == 1 else two_ranks[0], ranks)
+    check_lora_vs_peft([one_rank[0]] if ranks == 1 else two_ranks[0],
+                       {case: names for case, (_, _, names) in LORA_CASES[ranks].items()}, targets=LORA_TARGETS,
+                       idle=LORA_IDLE, saved=LORA_SAVED)
 
 
 def test_bad_configs_are_refused():

@@ -29,18 +29,14 @@ from loongforge_hf.testing.round_trip import check_round_trip as _check_round_tr
 from loongforge_hf.testing.tiny_llava_next import PINPOINTS, make_tiny_llava_next, tiny_llava_next_config
 
 from ._vl_llava_next import LORA_CASES, SPLIT_SP, checks
-from ._vl_parity import TWO_RANKS, check_generate, check_llava_two_ranks
+from ._vl_llava import LORA_IDLE, LORA_SAVED, LORA_TARGETS
+from ._vl_parity import TWO_RANKS, check_generate, check_llava_two_ranks, check_lora_vs_peft
 
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 # vision tensors with a gradient: LLaVA's (class token, patch conv, table, pre-norm (2), 2 x 16 block tensors, the
 # projector (4; the qwen2 variant's without biases: 2)) and image_newline
 GRADS = {"llama": 42, "qwen2": 40}
-# LoRA: adapted linears with a gradient (CLIP's and the projector's, the language model's: 4 layers), those of ViT
-# block 2 (no gradient), the tensors trained whole
-LORA_TARGETS = {"qv": (2 * 2, 4 * 2), "all_linear": (2 * 6 + 2, 4 * 7)}
-LORA_IDLE = {"qv": 2, "all_linear": 6}
-LORA_SAVED = {"qv": 0, "all_linear": 4}
 
 
 @pytest.fixture(scope="module")
@@ -111,22 +107,9 @@ def test_parity_round_trip_and_generate_two_ranks(two_ranks, folders):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_lora_matches_peft(one_rank, two_ranks, ranks):
     """TP1: "qv" and "all_linear"; TP2 + SP with the tower split: "all_linear"."""
-    per_rank = [one_rank[0]] if ranks == 1 else two_ranks[0]
-    for case, (_, names) in LORA_CASES[ranks].items():
-        for name in names:
-            for res in (r["lora"][f"{case}/{name}"] for r in per_rank):
-                assert tuple(res["counts"]) == tuple(res["peft_counts"]), res
-                assert res["logits_diff"] < 1e-5 and res["loss_diff"] < 1e-5, res
-                assert res["unchanged_after_merged_export"]
-                checked = res["grads_checked"]
-                assert (checked["vision"], checked["language"], checked["idle"]) == \
-                    (*LORA_TARGETS[name], LORA_IDLE[name]), (case, name, res)
-            rank0 = per_rank[0]["lora"][f"{case}/{name}"]
-            assert rank0["adapter_logits_diff"] < 1e-5 and rank0["merged_logits_diff"] < 3e-5, rank0
-            ours, theirs = rank0["target_modules"]
-            assert sorted(ours) == sorted(theirs), (ours, theirs)
-            tensors = 2 * (sum(LORA_TARGETS[name]) + LORA_IDLE[name]) + LORA_SAVED[name]
-            assert rank0["adapter_tensors"] == (tensors, True), rank0["adapter_tensors"]
+    check_lora_vs_peft([one_rank[0]] if ranks == 1 else two_ranks[0],
+                       {case: names for case, (_, names) in LORA_CASES[ranks].items()}, targets=LORA_TARGETS,
+                       idle=LORA_IDLE, saved=LORA_SAVED)
 
 
 def test_collated_batches_train_as_transformers(one_rank, folders):
