@@ -212,7 +212,7 @@ def resolve_parallel(parallel: ParallelConfig | None, sizes: dict) -> ParallelCo
 
 
 def _auto_layout(hf_config, param_dtype: torch.dtype, bridge) -> ParallelConfig:
-    from loongforge_hf.bridges.builder import check_kv_replication
+    from loongforge_hf.parallel.kv_replicas import check_kv_replication
     from loongforge_hf.parallel.auto import choose_layout, model_size_of
     from loongforge_hf.xpu import get_backend
 
@@ -614,8 +614,8 @@ class AutoModelForCausalLM:
         # ``unused``: transformers' other from_pretrained keywords and config overrides (bridges/load_kwargs.py).
         arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
         from loongforge_hf.bridges import get_bridge, moe_graphs, router_balance
-        from loongforge_hf.bridges.builder import (build_megatron_model, check_kv_replication, check_megatron_config,
-                                                   interleaved_p2p_settings)
+        from loongforge_hf.bridges.builder import build_megatron_model, check_megatron_config, interleaved_p2p_settings
+        from loongforge_hf.parallel.kv_replicas import check_kv_replication
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.config_map import kv_heads_of
         from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader

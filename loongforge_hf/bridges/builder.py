@@ -16,7 +16,7 @@ Choices:
   from_pretrained before any collective). ``fp8`` / ``fp8_recipe`` are refused there: a Transformer Engine recipe
   comes through ``te_fp8_recipe`` (``from_pretrained(fp8_recipe="te_...")``), which also changes the layer spec.
 - More TP ranks than KV heads: ``num_query_groups`` is the TP size and each ``linear_qkv`` carries its replica's
-  rows (``parallel/kv_replicas.py``); ``check_kv_replication`` refuses attention layouts that cannot replicate.
+  rows (``parallel/kv_replicas.py``, whose ``check_kv_replication`` refuses layouts that cannot replicate).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from loongforge_hf.bridges.output_layer import add_output_bias
 from loongforge_hf.bridges.transforms import padded_vocab_size
 from loongforge_hf.kernels.fp8_te import TE_CONFIG_FIELDS, te_config_fields
 from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
-from loongforge_hf.parallel.kv_replicas import mark_replicas, query_groups, replicas_of
+from loongforge_hf.parallel.kv_replicas import mark_replicas, query_groups
 from loongforge_hf.xpu import get_backend
 
 
@@ -228,29 +228,6 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
                       tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=parallel.tensor_parallel_size)
     return MegatronModel(chunks=chunks, config=config, layer_offsets=offsets, layer_counts=counts,
                          padded_vocab=padded)
-
-
-def check_kv_replication(bridge, parallel: ParallelConfig) -> None:
-    """Refuse (pure, before any collective) a tensor-parallel size above the KV heads where the attention splits a
-    tensor by KV heads other than through the q / k / v mappings that give each rank its replica of a head
-    (``parallel/kv_replicas.py``): a ``linear_qkv`` of another layout (Qwen3.5's gated q projection), k norms split
-    over TP (per head, or over all heads)."""
-    from loongforge_hf.bridges.fused_mappings import QKV
-    from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedQKV
-
-    kv, tp = bridge.transformer_config_kwargs().get("num_query_groups"), parallel.tensor_parallel_size
-    if not kv or replicas_of(kv, tp) == 1:
-        return
-    for layer in range(bridge.hf_config.num_hidden_layers):
-        for m in bridge.mappings_for_layer(layer):
-            qkv = m.megatron.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"))
-            if m.tp_split == "column" and (qkv and not isinstance(m, (QKV, PackedQKV, GroupedQKV))
-                                           or "self_attention.k_layernorm." in m.megatron):
-                raise ParallelLayoutError(
-                    f"tensor_parallel_size={tp} is more than the {kv} KV heads of {bridge.architectures[0]}: each "
-                    f"rank would hold a replica of one head, which {m.megatron.format(layer=layer)} "
-                    f"({type(m).__name__}) cannot be split into; use a tensor_parallel_size of at most {kv} that "
-                    "divides it.")
 
 
 def _keep_graph_input(chunk) -> None:

@@ -18,7 +18,7 @@ Choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -231,3 +231,23 @@ def biased_mlp_mappings(megatron: str, fc1: str, fc2: str) -> list[Mapping]:
             ColumnParallel(f"{megatron}.linear_fc1.bias", f"{fc1}.bias"),
             RowParallel(f"{megatron}.linear_fc2.weight", f"{fc2}.weight"),
             Replicated(f"{megatron}.linear_fc2.bias", f"{fc2}.bias")]
+
+
+def renamed(mapping: Mapping, old: str, new: str) -> Mapping:
+    """``mapping`` with every HF name starting with ``old`` (and not already with ``new``) starting with ``new``
+    instead, in the mappings it wraps too (a routed expert's) and in tuples of names (``HeadSections``' parts)."""
+    if old == new:
+        return mapping
+    values = {f.name: _renamed_value(getattr(mapping, f.name), old, new) for f in fields(mapping)
+              if f.name != "megatron"}
+    return replace(mapping, **values)
+
+
+def _renamed_value(value, old: str, new: str):
+    if isinstance(value, Mapping):
+        return renamed(value, old, new)
+    if isinstance(value, tuple):
+        return tuple(_renamed_value(v, old, new) for v in value)
+    if isinstance(value, str) and value.startswith(old) and not value.startswith(new):
+        return new + value[len(old):]
+    return value

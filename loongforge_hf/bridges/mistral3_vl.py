@@ -26,9 +26,9 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.gemma3_vl import OuterTableBridge, QKVRows
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, renamed
 from loongforge_hf.bridges.mistral import MistralBridge
-from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, PrefixedText, _renamed, check_vit
+from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, PrefixedText, check_vit
 
 # (text prefix, LM head, vision prefix, projector prefix) of each naming, found by its tensors
 _NAMINGS = (("language_model.model", "language_model.lm_head", "vision_tower", "multi_modal_projector"),
@@ -44,7 +44,7 @@ class HeadPrefixedText(PrefixedText):
         super().__init__(text_config, tied=tied, text_prefix=text_prefix)
 
     def _name(self, mapping: Mapping) -> Mapping:
-        return _renamed(super()._name(mapping), "lm_head.", self.head_prefix + ".")
+        return renamed(super()._name(mapping), "lm_head.", self.head_prefix + ".")
 
     def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
         old = "lm_head."

@@ -16,39 +16,20 @@ Choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges import transforms as T
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, ShardContext, _fmt
+from loongforge_hf.bridges.mappings import (ColumnParallel, Mapping, Replicated, RowParallel, ShardContext, _fmt,
+                                            renamed)
 from loongforge_hf.bridges.qwen2 import Qwen2Bridge
 from loongforge_hf.bridges.registry import UnsupportedArchitectureError
 
 HUB_NAMES = ("model", "visual")                        # what transformers 5 and the hub's checkpoints use
 NESTED_NAMES = ("model.language_model", "model.visual")  # what transformers 4.5x wrote
 _ROPE_TYPES = ("default", "mrope")
-
-
-def _renamed(mapping: Mapping, old: str, new: str) -> Mapping:
-    """``mapping`` with every HF name starting with ``old`` (and not already with ``new``) starting with ``new``
-    instead, in the mappings it wraps too (a routed expert's) and in tuples of names (``HeadSections``' parts)."""
-    if old == new:
-        return mapping
-    values = {f.name: _renamed_value(getattr(mapping, f.name), old, new) for f in fields(mapping)
-              if f.name != "megatron"}
-    return replace(mapping, **values)
-
-
-def _renamed_value(value, old: str, new: str):
-    if isinstance(value, Mapping):
-        return _renamed(value, old, new)
-    if isinstance(value, tuple):
-        return tuple(_renamed_value(v, old, new) for v in value)
-    if isinstance(value, str) and value.startswith(old) and not value.startswith(new):
-        return new + value[len(old):]
-    return value
 
 
 def check_vit(v, heads_field: str = "num_heads") -> None:
@@ -83,7 +64,7 @@ class PrefixedText:
         return self._tied
 
     def _name(self, mapping: Mapping) -> Mapping:
-        return _renamed(mapping, "model.", self.text_prefix + ".")
+        return renamed(mapping, "model.", self.text_prefix + ".")
 
     def layer_mappings(self) -> list[Mapping]:
         return [self._name(m) for m in super().layer_mappings()]

@@ -373,7 +373,8 @@ class AutoModelForImageTextToText:
         # NOTE: ``unused``: transformers' other from_pretrained keywords and config overrides (bridges/load_kwargs.py)
         arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
         from loongforge_hf.bridges import router_balance
-        from loongforge_hf.bridges.builder import build_megatron_model, check_kv_replication
+        from loongforge_hf.bridges.builder import build_megatron_model
+        from loongforge_hf.parallel.kv_replicas import check_kv_replication
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.hub import resolve_checkpoint
         from loongforge_hf.bridges.load_kwargs import (check_device, finish_load, load_config, loading_info,

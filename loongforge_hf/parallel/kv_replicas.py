@@ -57,6 +57,30 @@ def query_groups(num_key_value_heads: int, tensor_parallel_size: int) -> int:
     return num_key_value_heads * replicas_of(num_key_value_heads, tensor_parallel_size)
 
 
+def check_kv_replication(bridge, parallel) -> None:
+    """Refuse (pure, before any collective) a tensor-parallel size above the KV heads where the attention splits a
+    tensor by KV heads other than through the q / k / v mappings that give each rank its replica of a head
+    (``parallel/kv_replicas.py``): a ``linear_qkv`` of another layout (Qwen3.5's gated q projection), k norms split
+    over TP (per head, or over all heads)."""
+    from loongforge_hf.bridges.fused_mappings import QKV
+    from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedQKV
+    from loongforge_hf.parallel.config import ParallelLayoutError
+
+    kv, tp = bridge.transformer_config_kwargs().get("num_query_groups"), parallel.tensor_parallel_size
+    if not kv or replicas_of(kv, tp) == 1:
+        return
+    for layer in range(bridge.hf_config.num_hidden_layers):
+        for m in bridge.mappings_for_layer(layer):
+            qkv = m.megatron.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"))
+            if m.tp_split == "column" and (qkv and not isinstance(m, (QKV, PackedQKV, GroupedQKV))
+                                           or "self_attention.k_layernorm." in m.megatron):
+                raise ParallelLayoutError(
+                    f"tensor_parallel_size={tp} is more than the {kv} KV heads of {bridge.architectures[0]}: each "
+                    f"rank would hold a replica of one head, which {m.megatron.format(layer=layer)} "
+                    f"({type(m).__name__}) cannot be split into; use a tensor_parallel_size of at most {kv} that "
+                    "divides it.")
+
+
 def mark_replicas(chunks, *, num_key_value_heads: int, head_dim: int, tp_rank: int, tp_size: int) -> int:
     """Set ``kv_replica`` on each ``linear_qkv`` weight and bias of ``chunks`` where heads are replicated; returns how
     many were marked. A rank holds one group, its K / V rows last (megatron's ``[q heads, k, v]``)."""

@@ -577,7 +577,7 @@ def test_falcon_fields_megatron_cannot_express_refused():
     or every head as KV heads; biases with ``bias``); one KV head at TP 2 passes the layout checks (replicated on both
     ranks: tests/parallel/test_kv_replicas.py)."""
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
-    from loongforge_hf.bridges.builder import check_kv_replication
+    from loongforge_hf.parallel.kv_replicas import check_kv_replication
     from loongforge_hf.bridges.config_map import kv_heads_of
     from loongforge_hf.parallel import ParallelConfig
     from loongforge_hf.testing.tiny_models import _config
@@ -641,7 +641,7 @@ def test_gpt_bigcode_fields_megatron_cannot_express_refused():
     import transformers
 
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
-    from loongforge_hf.bridges.builder import check_kv_replication
+    from loongforge_hf.parallel.kv_replicas import check_kv_replication
     from loongforge_hf.bridges.config_map import gelu_tanh, kv_heads_of
     from loongforge_hf.modeling import LoongModelForCausalLM
     from loongforge_hf.parallel import ParallelConfig

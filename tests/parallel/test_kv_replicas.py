@@ -137,7 +137,7 @@ def test_layouts_refused_before_any_collective():
     """Neither the KV heads nor the TP size dividing the other, and attention tensors that split by KV heads beyond
     q / k / v (per-head k norms, Qwen3.5's gated q projection): refused by the pure checks, naming the fields."""
     from loongforge_hf.bridges import get_bridge
-    from loongforge_hf.bridges.builder import check_kv_replication
+    from loongforge_hf.parallel.kv_replicas import check_kv_replication
     from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
     from loongforge_hf.parallel.kv_replicas import query_groups, replicas_of
     from loongforge_hf.testing.tiny_models import _config
