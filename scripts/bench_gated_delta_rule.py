@@ -1,11 +1,13 @@
 """The gated delta rule (Qwen3.5 / Qwen3-Next linear attention), forward and backward, side by side on one GPU.
 
 Paths: ``transformers`` (transformers' torch fallback ``torch_chunk_gated_delta_rule``: what its Qwen3.5 model runs
-without the fla package; it has no document restarts), ``torch`` (``kernels.gated_delta_rule``: ours without fla;
-packed documents one call each) and ``fla`` (``kernels.fla_delta_rule``: fla's Triton kernels, every row and document
-in one varlen call). Shape: a Qwen3.5 linear-attention layer (16 key heads and 32 value heads of 128), bf16 inputs,
+without the fla package; it has no document restarts), ``torch`` (``kernels.gated_delta_rule``: ours without fla,
+its chunk-to-chunk state pass a Triton kernel each way; packed documents one call each), ``torch-loop`` (the same
+with that pass a torch loop over the chunks, ``LOONGFORGE_TRITON=0``; also the fp32 reference) and ``fla``
+(``kernels.fla_delta_rule``: fla's Triton kernels, every row and document in one varlen call). Shape: a Qwen3.5
+linear-attention layer (16 key heads and 32 value heads of 128), bf16 inputs,
 ``--batch`` rows of each of ``--seq`` tokens, either one document per row or ``--docs`` equal documents packed per
-row. Each path's output and gradients are checked against ``torch`` in fp32 (largest difference relative to the
+row. Each path's output and gradients are checked against ``torch-loop`` in fp32 (largest difference relative to the
 largest value). Time: median of ``--reps`` forward + backward calls after ``--warmup`` (CUDA events), or forwards
 without gradients with ``--forward-only`` (evaluation, a prefill); memory: the peak allocated during one call beyond
 its inputs. fla's row says "refused" where fla refuses its gated backward (Hopper with Triton 3.4 - 3.7.0).
@@ -52,14 +54,16 @@ def _path(name: str, bounds: list[list[int]]):
             q, k = (x.repeat_interleave(r, dim=2) for x in (q, k))
             return fallback(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
         return run
-    if name == "torch":
+    if name in ("torch", "torch-loop"):
+        from loongforge_hf.kernels._triton import triton_paths
         from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule
 
         def run(q, k, v, g, beta):
             rows = []
-            for row, cuts in enumerate(bounds):
-                rows.append(torch.cat([gated_delta_rule(*(x[row:row + 1, lo:hi] for x in (q, k, v, g, beta)))
-                                       for lo, hi in zip(cuts, cuts[1:])], dim=1))
+            with triton_paths(name == "torch"):
+                for row, cuts in enumerate(bounds):
+                    rows.append(torch.cat([gated_delta_rule(*(x[row:row + 1, lo:hi] for x in (q, k, v, g, beta)))
+                                           for lo, hi in zip(cuts, cuts[1:])], dim=1))
             return torch.cat(rows, dim=0)
         return run
     if name == "fla":
@@ -72,7 +76,7 @@ def _path(name: str, bounds: list[list[int]]):
             flat = [x.reshape(1, -1, *x.shape[2:]) for x in (q, k, v, g, beta)]
             return gated_delta_rule_varlen(*flat, cu_seqlens=cu)[0].reshape(*v.shape)
         return run
-    raise SystemExit(f"--paths: unknown path {name!r} (transformers, torch, fla)")
+    raise SystemExit(f"--paths: unknown path {name!r} (transformers, torch, torch-loop, fla)")
 
 
 def _fla_trains(device) -> bool:
@@ -113,7 +117,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seq", default="2048,4096,8192")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--docs", type=int, default=8, help="documents per row in the packed case (1: that case is off)")
-    p.add_argument("--paths", default="transformers,torch,fla")
+    p.add_argument("--paths", default="transformers,torch,torch-loop,fla")
     p.add_argument("--forward-only", action="store_true", help="time forwards without gradients")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
@@ -137,7 +141,7 @@ def main(argv: list[str]) -> int:
             tensors = _inputs(args.batch, s, where, dtype, gen)
             grad = torch.randn(args.batch, s, V_HEADS, V_DIM, generator=gen).to(where, dtype)
             ref_in = [t.detach().float().requires_grad_() for t in tensors]
-            ref = call(_path("torch", bounds), ref_in, grad.float())
+            ref = call(_path("torch-loop", bounds), ref_in, grad.float())
             del ref_in
             for name in names:
                 if name == "fla" and not args.forward_only and not _fla_trains(where):

@@ -6,6 +6,8 @@ import torch
 
 from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule
 
+from ._interpret import needs_triton, run_interpreted
+
 TOL = 1e-5
 
 
@@ -160,3 +162,27 @@ def test_fla_taken_only_where_it_runs(monkeypatch):
         assert not fla_delta_rule.available(torch.device("cuda"))
         monkeypatch.delenv("LOONGFORGE_DELTA_RULE")
     fla_delta_rule._backward_refused.cache_clear()
+
+
+def test_gradients_reach_the_initial_state_through_the_final_state():
+    """With a state coming in that requires grad and a loss on the outputs and the final state (what context
+    parallelism chains), every gradient, the initial state's included, is the recurrence's."""
+    q, k, v, g, beta = _inputs(1, 19, 1, 2, 6, 5, seed=7)
+    start = torch.randn(1, 2, 6, 5, generator=torch.Generator().manual_seed(8))
+    weights = torch.randn(1, 19, 2, 5, generator=torch.Generator().manual_seed(9))
+    grads = []
+    for fn in (lambda *a: gated_delta_rule(*a[:5], chunk_size=8, initial_state=a[5], output_final_state=True),
+               _recurrence_from):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v, g, beta, start)]
+        out, final = fn(*inputs)
+        grads.append(torch.autograd.grad((out * weights).sum() + final.square().sum(), inputs))
+    for name, a, b in zip("q k v g beta initial".split(), *grads):
+        assert (a - b).abs().max() < TOL * max(1.0, float(b.abs().max())), name
+
+
+@needs_triton
+def test_triton_state_pass_matches_the_torch_loop_in_the_interpreter():
+    """The Triton kernels of the chunk-to-chunk state pass (forward and reverse walks) against the torch loop: every
+    output and input gradient within 1e-5 of the largest value (fp32)."""
+    worst = run_interpreted("from tests.kernels._delta_rule_checks import check_state_pass\ncheck_state_pass()")
+    assert len(worst) == 2 * 8 and max(worst) < 1e-5, worst
