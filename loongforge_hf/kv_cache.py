@@ -18,7 +18,8 @@ Choices:
   cache does for Qwen3.5: the conv and the recurrent state; beam search reorders them, ``restart`` zeroes them); a
   cached step gives each layer its states through an instance ``forward`` too (``bridges/gated_deltanet.py``:
   ``CachedStep``, with the step's new tokens and which of them transformers' mask marks as padding). Their steps
-  have no CP split (Qwen3.5 refuses context parallelism) nor a fixed-shape form (the static cache is refused).
+  have no CP split (under context parallelism the split prefill cannot fill their states: ``patched`` refuses it,
+  so such models generate without the cache there) nor a fixed-shape form (the static cache is refused).
 - How a step runs (``forward_with_cache``): the new tokens are right-padded to ``sequence_multiple`` (sequence
   parallelism) as the uncached forward pads them; while the step runs, ``attached`` gives each core attention of the
   model an instance ``forward`` (the class's stays: no cost outside generate) that appends the first ``given`` new
@@ -243,8 +244,8 @@ def patched(chunks, cache: LoongKVCache, attention_forward, rope_forward, deltan
         raise ValueError("KV cache: the cache was made for another model's attention layers; use a cache made by "
                          "this model's generate().")
     if cache.deltanets and deltanet_step is None:
-        raise ValueError("KV cache: this step cannot carry the states of Gated DeltaNet layers; use the dynamic "
-                         "cache without context parallelism.")
+        raise ValueError("KV cache: this step cannot carry the states of Gated DeltaNet layers; under context "
+                         "parallelism generate with use_cache=False (or with context_parallel_size=1).")
     for index, module in enumerate(cache.attentions):
         module.forward = types.MethodType(attention_forward(index), module)
     for index, rope in enumerate(cache.rotary_embeddings):

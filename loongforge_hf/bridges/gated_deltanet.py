@@ -22,6 +22,13 @@ Choices:
 - Packed documents (megatron's mask blocks attention between documents): the conv and the recurrence restart at each
   document's start (a token masked from the one before it while both are real), each document run on its own.
   transformers' torch fallback runs a packed row as one sequence; its fla kernels restart per document as here.
+- Context parallelism (megatron's load-balanced chunks: the inputs, the mask's rows ``[b, 1, s_local, s]``): the
+  layer runs its own tokens and passes the conv's tail and the recurrent state between the chunks over the CP group
+  (``parallel/delta_rule_cp.py``: the rule as an affine map of the incoming state, all-gathered and scanned), the
+  same outputs and gradients as one run over the whole sequence; padding and packed documents as above. The group
+  is megatron's, read at each forward (``context_parallel.cp_group_and_size``, as the runtime that split the
+  inputs). Cached steps never run under CP (generate's cached steps run whole on every rank; its split prefill
+  cannot carry the states and is refused by ``kv_cache.patched``).
 - Cached generate (``kv_cache.py``: its ``LoongKVCache`` holds one of transformers' ``LinearAttentionLayer`` per
   Gated DeltaNet of the rank, after the attentions' layers, as transformers' dynamic cache for Qwen3.5 holds them):
   during a cached step the cache gives each layer a ``CachedStep`` (an instance ``forward``, as it does the core
@@ -45,6 +52,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from loongforge_hf.parallel.context_parallel import cp_group_and_size
+from loongforge_hf.parallel.delta_rule_cp import context_parallel_mix, read_cp_layout
 
 
 @dataclass(frozen=True)
@@ -106,9 +116,12 @@ class GatedDeltaNet(torch.nn.Module):
             return self._cached_forward(hidden_states, cached)
         mixed, _ = self.in_proj(hidden_states)                            # [s, b, local]: all tokens
         mixed = mixed.transpose(0, 1)                                     # [b, s, local]
-        real, starts = _token_layout(attention_mask, mixed.shape[0], mixed.shape[1])
+        group, cp, _ = cp_group_and_size()
+        real, starts = _token_layout(attention_mask, mixed.shape[0], mixed.shape[1], group=group)
         qkv, z, beta, g = self._split(mixed, real)
-        if starts is None:
+        if cp > 1:  # NOTE: this rank's two load-balanced chunks, states passed over the CP group
+            core = context_parallel_mix(self, qkv, g, beta, group=group, starts=starts)
+        elif starts is None:
             core = self._mix(qkv, g, beta)
         else:  # NOTE: each document of each row on its own (see the module docstring)
             rows = []
@@ -154,6 +167,17 @@ class GatedDeltaNet(torch.nn.Module):
         from loongforge_hf.kernels import fla_delta_rule
         from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule
 
+        q, k, v = self.conv_heads(qkv, history)
+        rule = gated_delta_rule
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, g, beta))
+        if qkv.shape[1] > 1 and fla_delta_rule.available(qkv.device, backward=needs_grad):
+            rule = fla_delta_rule.gated_delta_rule_rows
+        return rule(q, k, v, g, beta, initial_state=state, output_final_state=cached)
+
+    def conv_heads(self, qkv: torch.Tensor, history: torch.Tensor | None = None):
+        """The causal depthwise conv (``silu``, in the weight's dtype) over ``qkv`` ``[b, s, qkv_size]`` after
+        ``history`` (``[b, qkv_size, conv_kernel - 1]``; None: zeros) -> q, k ``[b, s, Hk, Dk]``, v ``[b, s, Hv, Dv]``
+        in ``qkv``'s dtype."""
         batch, seq, _ = qkv.shape
         weight = self.conv_weight
         inputs = qkv.transpose(1, 2).to(weight.dtype)
@@ -162,13 +186,8 @@ class GatedDeltaNet(torch.nn.Module):
         conv = F.silu(F.conv1d(inputs, weight, groups=self.qkv_size)).to(qkv.dtype).transpose(1, 2)
         kd = self.k_heads * self.key_dim
         q, k, v = torch.split(conv, [kd, kd, self.v_heads * self.value_dim], dim=-1)
-        rule = gated_delta_rule
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (conv, g, beta))
-        if seq > 1 and fla_delta_rule.available(qkv.device, backward=needs_grad):
-            rule = fla_delta_rule.gated_delta_rule_rows
         heads = (batch, seq, self.k_heads, self.key_dim)
-        return rule(q.reshape(heads), k.reshape(heads), v.reshape(batch, seq, self.v_heads, self.value_dim), g, beta,
-                    initial_state=state, output_final_state=cached)
+        return q.reshape(heads), k.reshape(heads), v.reshape(batch, seq, self.v_heads, self.value_dim)
 
     def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -190,21 +209,23 @@ class GatedDeltaNet(torch.nn.Module):
         return out
 
 
-_LAYOUT_MEMO: list = [None]  # NOTE: (weakref to the mask, its version, batch, seq, layout) of the last mask read
+_LAYOUT_MEMO: list = [None]  # NOTE: (weakref to the mask, its version, batch, seq, CP group, layout) of the last read
 
 
-def _token_layout(mask: torch.Tensor | None, batch: int, seq: int):
+def _token_layout(mask: torch.Tensor | None, batch: int, seq: int, *, group=None):
     """From megatron's ``[b, 1, s, s]`` mask (True = masked; None = plain causal): the real tokens ``[b, s]`` (None
-    when all are) and each row's document starts after its first token (None when no row is packed). Reading it
-    waits for the device; megatron hands every layer of a forward the same mask tensor, so the layout is kept for
-    that tensor (while it lives and is not written to) and the wait happens once per forward, not once per layer."""
+    when all are) and each row's document starts after its first token (None when no row is packed). Under context
+    parallelism (``group``) the mask is this rank's rows ``[b, 1, s_local, s]`` and the layout
+    ``delta_rule_cp.read_cp_layout``'s (collective: every rank of the group reads the same masks). Reading it waits
+    for the device; megatron hands every layer of a forward the same mask tensor, so the layout is kept for that
+    tensor (while it lives and is not written to) and the wait happens once per forward, not once per layer."""
     if mask is None:
         return None, None
     memo = _LAYOUT_MEMO[0]
-    if memo is not None and memo[0]() is mask and memo[1:4] == (mask._version, batch, seq):
-        return memo[4]
-    layout = _read_layout(mask, batch, seq)
-    _LAYOUT_MEMO[0] = (weakref.ref(mask), mask._version, batch, seq, layout)
+    if memo is not None and memo[0]() is mask and memo[1:5] == (mask._version, batch, seq, group):
+        return memo[5]
+    layout = _read_layout(mask, batch, seq) if group is None else read_cp_layout(mask, batch, seq, group)
+    _LAYOUT_MEMO[0] = (weakref.ref(mask), mask._version, batch, seq, group, layout)
     return layout
 
 

@@ -21,10 +21,13 @@ Choices:
   ``save_pretrained`` copies them unchanged from the source folder (``passthrough_names``), as DeepSeek's.
 - ``generate`` with the dynamic cache: the full-attention layers' keys and values and the Gated DeltaNet layers'
   conv and recurrent states (``kv_cache.py``, ``gated_deltanet.py``), as transformers' dynamic cache for Qwen3.5.
-- Refused: context parallelism (the recurrence runs along the whole sequence; ``check_layout``), linear heads that
-  do not split over TP, ``cache_implementation="static"`` (its fixed-shape decode step keeps no recurrent state:
-  ``generation_refusal``), ``attention_bias`` (megatron ties o_proj's bias to the MLP's), ``hidden_act`` other
-  than silu (the conv's and the gated norm's activation), unknown ``layer_types``.
+- Context parallelism: the full-attention layers as every model's; the Gated DeltaNet layers pass the conv's tail
+  and the recurrent state between the load-balanced chunks (``parallel/delta_rule_cp.py``), padding and packed
+  documents included. ``generate`` under CP runs without the cache only (``use_cache=False``): the split prefill
+  cannot fill the layers' states (``kv_cache.patched`` refuses it, on every rank before the forward).
+- Refused: linear heads that do not split over TP, ``cache_implementation="static"`` (its fixed-shape decode step
+  keeps no recurrent state: ``generation_refusal``), ``attention_bias`` (megatron ties o_proj's bias to the MLP's),
+  ``hidden_act`` other than silu (the conv's and the gated norm's activation), unknown ``layer_types``.
 """
 
 from __future__ import annotations
@@ -73,10 +76,6 @@ class Qwen3_5Bridge(DenseBridge):
         """``UnsupportedConfigError`` for a parallel layout the linear-attention layers cannot run (pure: called
         before any collective, every rank raises alike)."""
         c, arch = self.hf_config, self.architectures[0]
-        if layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(
-                f"context_parallel_size={layout.context_parallel_size} is not supported for {arch}: its Gated "
-                "DeltaNet layers carry a recurrent state along the whole sequence; use context_parallel_size=1.")
         tp = layout.tensor_parallel_size
         for field in ("linear_num_key_heads", "linear_num_value_heads"):
             if getattr(c, field) % tp:

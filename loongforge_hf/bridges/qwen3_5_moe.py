@@ -2,8 +2,8 @@
 DeltaNet and gated full-attention layers, ``layer_types``) with a mixture of experts in every layer.
 
 Choices:
-- Token mixers, norms, rope and refusals are ``Qwen3_5Bridge``'s (context parallelism, linear heads that do not split
-  over TP, a KV-cache ``generate``, ``attention_bias``, ``hidden_act`` other than silu, unknown ``layer_types``).
+- Token mixers, norms, rope, context parallelism and refusals are ``Qwen3_5Bridge``'s (linear heads that do not
+  split over TP, the static cache, ``attention_bias``, ``hidden_act`` other than silu, unknown ``layer_types``).
 - The MLP is ``Qwen3MoeBridge``'s softmax top-k experts plus Qwen2-MoE's always-on ``shared_expert`` scaled per token
   by ``sigmoid(shared_expert_gate(x))`` (megatron's gated shared experts); transformers' balancing loss
   (``output_router_logits``, ``router_aux_loss_coef``) and ``router_logits`` as Qwen3-MoE's.

@@ -13,9 +13,10 @@ Choices:
   ``vision_qwen3.Qwen3VisionTower``) with no DeepStack: ``vision_config`` has no ``deepstack_visual_indexes``, so the
   tower returns the merger's embeddings alone. Video frames as Qwen3-VL's (a timestamp between frames:
   ``frames_apart``).
-- The text model's refusals hold for the image-text model, named after this architecture: context parallelism
-  (``check_layout``, at load, on every rank before any collective) and the generate calls the text model refuses
-  (``generation_refusal``).
+- The text model's refusals hold for the image-text model, named after this architecture (``check_layout``, at
+  load, on every rank before any collective; ``generation_refusal``). Context parallelism, which the text model
+  runs (``parallel/delta_rule_cp.py``), stays refused here: the image-text path under CP (images spliced by global
+  position, 3-D rope) has not been checked with Gated DeltaNet layers against transformers.
 - ``lf.AutoModelForCausalLM`` loads the checkpoint as this image-text model (``causal_lm_auto``): transformers'
   ``AutoModelForCausalLM`` loads it too, as ``Qwen3_5ForCausalLM`` (the text model alone, the vision tensors left
   unread); ours gives the same logits on text and saves the whole checkpoint.
@@ -27,6 +28,7 @@ Choices:
 
 from __future__ import annotations
 
+from loongforge_hf.bridges.config_map import UnsupportedConfigError
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, MRopeText
 from loongforge_hf.bridges.qwen3_5 import Qwen3_5Bridge
 from loongforge_hf.bridges.qwen3_5_moe import Qwen3_5MoeBridge
@@ -49,6 +51,11 @@ class Qwen3_5VLBridge(Qwen3VLBridge):
     causal_lm_auto = True
 
     def check_layout(self, layout) -> None:
+        if layout.context_parallel_size > 1:
+            raise UnsupportedConfigError(
+                f"context_parallel_size={layout.context_parallel_size} is not supported for "
+                f"{self.architectures[0]}: context parallelism of Gated DeltaNet layers is tested on the text "
+                "models only (Qwen3_5ForCausalLM); use context_parallel_size=1.")
         self.text.check_layout(layout)
 
     def generation_refusal(self, generation_config) -> str | None:

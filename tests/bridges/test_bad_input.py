@@ -37,7 +37,7 @@ QUICK_S = 10.0
 LOAD_CASES = ("missing_shard", "corrupt_header", "truncated_shard", "index_escape", "shape_mismatch", "pickle_refused",
               "opt", "foo_architecture", "unknown_model_type", "rope_dynamic", "sliding_window", "gemma_softcapping",
               "heads_vs_tp", "kv_replication", "world_size", "vpp_layers", "hub_id_not_cached", "gpt_oss_split_experts",
-              "gpt_oss_alpha", "qwen3_5_context_parallel")
+              "gpt_oss_alpha")
 
 
 # ---- what runs inside each rank -------------------------------------------------------------------------------------
@@ -261,10 +261,6 @@ def load_cases(base, tmp_path_factory):
     alpha = make_tiny_checkpoint(tmp / "gpt_oss_alpha", "gpt_oss", tokenizer=False,
                                  swiglu_alpha=1.5)
     cases["gpt_oss_alpha"] = (alpha, TP2, "UnsupportedConfigError", ["swiglu_alpha=1.5", "1.702"])
-    qwen3_5 = make_tiny_checkpoint(tmp / "qwen3_5", "qwen3_5", tokenizer=False)
-    cases["qwen3_5_context_parallel"] = (qwen3_5, {"context_parallel_size": 2}, "UnsupportedConfigError",
-                                         ["context_parallel_size=2 is not supported", "Qwen3_5ForCausalLM",
-                                          "recurrent state"])
     assert tuple(cases) == LOAD_CASES
     return cases
 
@@ -725,8 +721,9 @@ def test_llama4_fields_megatron_cannot_express_refused():
 
 def test_qwen3_5_fields_and_layouts_megatron_cannot_express_refused():
     """Qwen3.5 with an unknown layer type, layer types not one per layer, value heads that do not group over the key
-    heads, another activation, ``attention_bias``; context parallelism and linear heads that do not split over TP
-    (the layout check); a static-cache generate: each refused naming the field (pure, before any collective)."""
+    heads, another activation, ``attention_bias``; linear heads that do not split over TP (the layout check, which
+    lets context parallelism through); a static-cache generate: each refused naming the field (pure, before any
+    collective)."""
     from types import SimpleNamespace
 
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
@@ -746,10 +743,8 @@ def test_qwen3_5_fields_and_layouts_megatron_cannot_express_refused():
     kw = bridge.transformer_config_kwargs()
     assert kw["attention_output_gate"] and kw["layernorm_zero_centered_gamma"] and kw["qk_layernorm"]
     assert bridge.rope_parameters()["partial_rotary_factor"] == 0.25
-    with pytest.raises(UnsupportedConfigError, match=r"context_parallel_size=2 is not supported for "
-                                                     r"Qwen3_5ForCausalLM"):
-        bridge.check_layout(ParallelConfig(context_parallel_size=2))
-    bridge.check_layout(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True))
+    bridge.check_layout(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True,
+                                       context_parallel_size=2))  # NOTE: CP runs (parallel/delta_rule_cp.py)
     odd = get_bridge(_config("qwen3_5", linear_num_key_heads=1, linear_num_value_heads=3))
     with pytest.raises(UnsupportedConfigError, match=r"linear_num_key_heads=1 does not split over "
                                                      r"tensor_parallel_size=2"):
@@ -765,9 +760,10 @@ def test_qwen3_5_fields_and_layouts_megatron_cannot_express_refused():
                                        ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")])
 def test_qwen3_5_moe_and_qwen3_next_refusals_and_declarations(arch, name):
     """Qwen3-Next and Qwen3.5-MoE (Qwen3.5's layers with experts): Qwen3.5's refusals (an unknown layer type, value
-    heads that do not group over the key heads, another activation, no experts; context parallelism and linear heads
-    that do not split over TP, the layout check) naming the model, pure, before any collective; the MoE layout megatron
-    gets (sparse layers, the gated shared expert, top-k renormalisation) and the checkpoint's in-projections."""
+    heads that do not group over the key heads, another activation, no experts; linear heads that do not split over
+    TP, the layout check, which lets context parallelism through) naming the model, pure, before any collective; the
+    MoE layout megatron gets (sparse layers, the gated shared expert, top-k renormalisation) and the checkpoint's
+    in-projections."""
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
     from loongforge_hf.parallel import ParallelConfig
     from loongforge_hf.testing.tiny_models import _config
@@ -781,8 +777,7 @@ def test_qwen3_5_moe_and_qwen3_next_refusals_and_declarations(arch, name):
         with pytest.raises(UnsupportedConfigError, match=match):
             get_bridge(_config(arch, **{field: value}))
     bridge = get_bridge(_config(arch))
-    with pytest.raises(UnsupportedConfigError, match=rf"context_parallel_size=2 is not supported for {name}"):
-        bridge.check_layout(ParallelConfig(context_parallel_size=2, expert_parallel_size=2))
+    bridge.check_layout(ParallelConfig(context_parallel_size=2, expert_parallel_size=2))  # NOTE: CP runs
     odd = get_bridge(_config(arch, linear_num_key_heads=1, linear_num_value_heads=3))
     with pytest.raises(UnsupportedConfigError, match=r"linear_num_key_heads=1 does not split over "
                                                      r"tensor_parallel_size=2"):

@@ -45,8 +45,6 @@ ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gem
          "gemma", "gemma2", "ministral", "seed_oss", "arcee",
          "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox", "cohere", "cohere2", "phi", "gptj",
          "stablelm", "falcon", "falcon_mqa", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "qwen3_5"]
-# NOTE: Qwen3.5's Gated DeltaNet layers refuse context parallelism (test_qwen3_5_refuses_context_parallelism)
-NO_CP = ("qwen3_5",)
 
 
 def check_results(results, arch):
@@ -64,13 +62,12 @@ def test_parity_and_round_trip(tmp_path, layout_name):
     """Every dense architecture under ``layout_name`` (one world per layout keeps process starts few)."""
     nprocs, layout = LAYOUTS[layout_name]
     # NOTE: Falcon-7B's and StarCoder's one KV head runs under TP too, replicated on each rank (kv_replicas.py)
-    archs = [arch for arch in ARCHS if arch not in NO_CP or "context_parallel_size" not in layout]
     cases = []
-    for arch in archs:
+    for arch in ARCHS:
         src = make_tiny_checkpoint(tmp_path / arch / "src", arch)
         cases.append((str(src), str(tmp_path / arch / "out")))
     per_rank = run_distributed(load_compare_export_many, nprocs, cases, layout, timeout=600)
-    for i, arch in enumerate(archs):
+    for i, arch in enumerate(ARCHS):
         check_results([rank_results[i] for rank_results in per_rank], arch)
         check_round_trip(tmp_path / arch / "src", tmp_path / arch / "out")
 

@@ -39,7 +39,8 @@ untied LM head) is among the dense models.
 Llama 4 (sigmoid top-1 routing on the experts' input, a shared expert, L2 q / k norms, chunked attention and a NoPE
 layer's query temperature) is among the mixture-of-experts models.
 Qwen3-Next (Gated DeltaNet in-projections fused per key head, a dense first layer, a sigmoid-gated shared expert) at
-TP1 and TP2 + SP + EP2, Qwen3.5-MoE's text model at TP1 (no CP: refused).
+TP1 and TP2 + SP + EP2, Qwen3.5-MoE's text model at TP1; Qwen3.5 (Gated DeltaNet layers, their states passed
+between the CP ranks) at TP1, TP2, TP2 + SP and CP2.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ CHECKPOINTS = {
     "gpt_bigcode": ("gpt_bigcode", {}),
     "gpt_bigcode_mha": ("gpt_bigcode_mha", {}),
     # NOTE: Gated DeltaNet layers (in-projections, conv, A_log / dt_bias split by heads over TP, the gated norm's
-    # weight shared by the heads) and a gated full-attention layer with zero-centred q / k norms; no CP (refused)
+    # weight shared by the heads) and a gated full-attention layer with zero-centred q / k norms; CP passes the states
     "qwen3_5": ("qwen3_5", {}),
     # NOTE: Qwen3.5's layers with experts and a gated shared expert; Qwen3-Next's in-projections fused per key head
     "qwen3_next": ("qwen3_next", {}),
@@ -126,19 +127,19 @@ DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite"
          "helium", "ernie4_5", "glm4", "exaone4", "starcoder2", "gpt_neox", "cohere", "cohere2", "phi", "gptj",
          "stablelm", "stablelm_sequential", "falcon", "falcon_sequential", "gpt2", "gpt_bigcode_mha")
 MQA = ("falcon_mqa", "gpt_bigcode")  # NOTE: one KV head, replicated on each TP rank (parallel/kv_replicas.py)
-NO_CP = ("qwen3_5",)  # NOTE: context parallelism refused (the recurrence runs along the whole sequence)
-NO_CP_MOE = ("qwen3_next", "qwen3_5_moe")
+DELTANET = ("qwen3_5",)  # NOTE: Gated DeltaNet layers (under CP: parallel/delta_rule_cp.py)
+DELTANET_MOE = ("qwen3_next", "qwen3_5_moe")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
-    "tp1": (1, {}, MOE + DENSE + MQA + NO_CP + NO_CP_MOE),
+    "tp1": (1, {}, MOE + DENSE + MQA + DELTANET + DELTANET_MOE),
     "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}, MOE),
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
                        "expert_tensor_parallel_size": 1}, MOE + ("qwen3_next",)),
-    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA),
+    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
-    "tp2": (2, {"tensor_parallel_size": 2}, DENSE + NO_CP),
+    "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},
-               MOE + DENSE + NO_CP + MQA),  # MoE: experts split too
+               MOE + DENSE + DELTANET + MQA),  # MoE: experts split too
 }
 CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
 TOL = 1e-4

@@ -39,7 +39,8 @@ balancing loss; also at tp2etp1) is among "every model".
 Qwen3-Next (``qwen3_next``: Gated DeltaNet layers with in-projections fused per key head, gated full-attention layers,
 zero-centred norms, partial rotary, a dense first layer, a sigmoid-gated shared expert) and Qwen3.5-MoE's text model
 (``qwen3_5_moe``: the same layers with Qwen3.5's separate in-projections, every layer sparse) run at tp1 and tp2ep2,
-Qwen3-Next also at ep2 and pp2ep2 (not cp2ep2: their linear-attention layers refuse context parallelism), with their
+Qwen3-Next also at ep2 and pp2ep2, Qwen3.5-MoE also at cp2ep2 (the Gated DeltaNets' states passed between the
+context-parallel ranks, ``parallel/delta_rule_cp.py``), with their
 ``router_logits`` and transformers' balancing loss within 1e-5, Qwen3-Next's hub ``mtp.*`` tensors passed through
 (padding, packed documents, generate: test_qwen3_5).
 """
@@ -114,13 +115,13 @@ CHECKPOINTS = {
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
           "ernie4_5_moe", "olmoe", "llama4")
-HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers: no context parallelism
+HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, *HYBRID, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2",
                     "deepseek_v3_bf16", "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk")),
     "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next")),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
-    "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn")),
+    "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
                (*MODELS, *HYBRID, "qwen3_moe_yarn", "mixtral_yarn")),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_next")),

@@ -6,7 +6,9 @@ and recurrent states; greedy over a left-padded batch of two, Qwen3.5 also beam 
 parallelism) and the refused static cache; fp32 against transformers within 1e-4 (1e-5 for the balancing loss). The
 layouts, round trips and gradients run in test_dense_parity / test_moe_parity / test_gradients, the refusals in
 test_bad_input. The three models run in one one-rank world (megatron sets process environment variables when it
-builds a model)."""
+builds a model); Qwen3.5's TP2 cached generate and its context parallelism (CP2: padding and packed documents with
+logits, loss and every gradient against transformers, an uncached generate, the refused cached one) in one two-rank
+world."""
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ TOL = 1e-4
 AUX_TOL = 1e-5
 MOE_ARCHS = ("qwen3_next", "qwen3_5_moe")
 LENGTHS = (7, 20, 11)  # NOTE: the packed row's documents
+CP_LENGTHS = (38, 35, 34, 45)  # NOTE: the packed row's documents under CP2 (chunks of 38 tokens)
 
 
 def _ids(shape, seed=0):
@@ -137,9 +140,9 @@ def _cached_generate(ours, ref, *, beams: bool) -> dict:
     return out
 
 
-def _tp2_checks(folder: str) -> dict:
+def _two_rank_checks(folder: str) -> dict:
     """Cached greedy generate at TP2 with sequence parallelism (each rank its heads' states; a one-token step padded
-    to two, the padding kept out of the states)."""
+    to two, the padding kept out of the states); then context parallelism over the same two ranks (``_cp2_checks``)."""
     import transformers
 
     import loongforge_hf as lf
@@ -147,7 +150,74 @@ def _tp2_checks(folder: str) -> dict:
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2,
                                                    sequence_parallel=True)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return _cached_generate(ours, ref, beams=False)
+    out = _cached_generate(ours, ref, beams=False)
+    del ours
+    out["cp2"] = _cp2_checks(folder, ref)
+    return out
+
+
+def _cp2_checks(folder: str, ref) -> dict:
+    """CP2: an uncached greedy generate of a 6-token prompt (8 with the layout's padding: chunks of 2, shorter than
+    the conv's 3-token history) and the refused cached one; then ``_cp2_padded_and_packed``."""
+    import loongforge_hf as lf
+
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
+    prompt = _ids((1, 6), seed=2)
+    kw = dict(input_ids=prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    got, want = ours.generate(use_cache=False, **kw), ref.generate(**kw)
+    out = {"generate": (torch.equal(got.sequences, want.sequences),
+                        max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)))}
+    try:
+        ours.generate(input_ids=prompt, max_new_tokens=2)
+        out["cached_refusal"] = None
+    except ValueError as e:
+        out["cached_refusal"] = str(e)
+    return {**out, **_cp2_padded_and_packed(ours, ref, folder)}
+
+
+def _cp2_padded_and_packed(ours, ref, folder: str) -> dict:
+    """CP2 (four chunks of 38 tokens, each rank two): one batch of a row packing documents of 38, 35, 34 and 45
+    tokens (starts at a chunk's first token and two inside chunks, one 2 tokens before a chunk's end) and a row
+    left-padded by 9, labels ignored on padding and across documents. Against transformers (each document alone,
+    the padded row with its mask): the logits, the loss, and every parameter's gradient (reduced over CP as
+    megatron's DDP, exported through the bridge; relative to each tensor's largest, rank 0)."""
+    import torch.distributed as dist
+    import transformers
+
+    from ._gradients import _reduce_as_megatron
+
+    ids = _ids((2, 152), seed=4)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in CP_LENGTHS]), torch.arange(152)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, positions[0] == 0] = -100  # NOTE: no document predicts the next one's first token
+    got = ours(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels)
+    got.loss.backward()
+    parts, start = [], 0  # NOTE: transformers' pieces: each document alone, the padded row with its mask
+    for n in CP_LENGTHS:
+        parts.append(dict(input_ids=ids[:1, start:start + n], labels=labels[:1, start:start + n]))
+        start += n
+    parts.append(dict(input_ids=ids[1:], attention_mask=mask[1:], labels=labels[1:]))
+    counts = [int((p["labels"][:, 1:] != -100).sum()) for p in parts]
+    results = [ref(**p) for p in parts]
+    loss = sum(res.loss * n for res, n in zip(results, counts)) / sum(counts)
+    loss.backward()
+    want = torch.cat([res.logits[0] for res in results[:-1]])
+    out = {"logits": max(float((got.logits[0] - want).abs().max()),
+                         float((got.logits[1] - results[-1].logits[0]).abs()[mask[1].bool()].max())),
+           "loss": abs(got.loss.item() - loss.item())}
+    _reduce_as_megatron(ours)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(p.grad)
+    ours.save_pretrained(f"{folder}-cp2-grads")
+    if dist.get_rank() == 0:
+        exported = dict(transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-cp2-grads", dtype=torch.float32)
+                        .named_parameters())
+        out["grads"] = {n: float((exported[n] - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
+                        for n, p in ref.named_parameters()}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -234,12 +304,40 @@ def test_static_cache_refused(results):
         results["static_refusal"]
 
 
-def test_cached_generate_tp2_sequence_parallel(folder):
-    for rank, res in enumerate(run_distributed(_tp2_checks, 2, folder, timeout=300)):
+@pytest.fixture(scope="module")
+def two_ranks(folder):
+    return run_distributed(_two_rank_checks, 2, folder, timeout=300)
+
+
+def test_cached_generate_tp2_sequence_parallel(two_ranks):
+    for rank, res in enumerate(two_ranks):
         same, scores = res["cached_greedy"]
         assert same and scores < TOL, (rank, res)
         assert res["cached_lengths"] == [10, 2, 2, 2], (rank, res["cached_lengths"])  # NOTE: padded to TP
         _check_cache_layers(res["cache_layers"], heads=2)
+
+
+def test_context_parallel_padding_and_packed_documents(two_ranks):
+    """CP2 over packed documents and left padding (``_cp2_padded_and_packed``): transformers' logits, loss and
+    gradients of every tensor (the Gated DeltaNets' too) on both ranks' shares."""
+    for rank, res in enumerate(two_ranks):
+        cp = res["cp2"]
+        assert cp["logits"] < TOL and cp["loss"] < TOL, (rank, cp)
+    grads = two_ranks[0]["cp2"]["grads"]
+    assert any(".linear_attn." in n for n in grads) and len(grads) == 56, sorted(grads)
+    worst = max(grads.items(), key=lambda kv: kv[1])
+    assert worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
+
+
+def test_context_parallel_generate(two_ranks):
+    """An uncached greedy generate under CP2 (a short prompt: chunks shorter than the conv's history) gives
+    transformers' tokens and scores; a cached one is refused on every rank, naming the way out."""
+    for rank, res in enumerate(two_ranks):
+        same, scores = res["cp2"]["generate"]
+        assert same and scores < TOL, (rank, res["cp2"]["generate"])
+        assert "cannot carry the states of Gated DeltaNet layers; under context parallelism generate with " \
+            "use_cache=False" in res["cp2"]["cached_refusal"], \
+            (rank, res["cp2"]["cached_refusal"])
 
 
 def test_mask_layout_read_once_per_mask(monkeypatch):

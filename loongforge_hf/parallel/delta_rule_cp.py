@@ -1,0 +1,191 @@
+"""Context parallelism for the Gated DeltaNet layers (Qwen3.5, Qwen3-Next, Qwen3.5-MoE; ``bridges/gated_deltanet.py``):
+each CP rank runs the conv and the gated delta rule on its own tokens and the states cross the chunks, exactly.
+
+Choices:
+- The split is megatron's (``context_parallel``): ``2 * cp`` chunks of ``c`` tokens, rank r holds chunks r and
+  ``2 * cp - 1 - r``. A rank runs its projections, conv and delta rule on its ``2c`` tokens only; what crosses chunks
+  is small and of fixed size: the conv's last ``conv_kernel - 1`` inputs and the recurrent state. Not chosen:
+  all-gathering the sequence and running the recurrence over all of it on every rank (CP x the work, the whole
+  sequence's activations on each rank).
+- Passing the state, not the sequence: the delta rule is affine in the state a chunk starts from,
+  ``S_out = A S_in + B`` and ``o = o0 + Qeff S_in``. One call of ``kernels.gated_delta_rule`` per chunk from the
+  state ``[0 | I]`` with the values ``[v | 0]`` (the state's value columns evolve independently) gives ``o0 | Qeff``
+  as its output and ``B | A`` as its final state (fp32, ``[Hv, Dk, Dv + Dk]`` per row). ``(A, B)`` of every chunk
+  are all-gathered over the CP group; each rank scans them in global chunk order for its chunks' ``S_in``
+  (``2 * cp`` small products) and adds ``Qeff S_in``, rounded once to the activations' dtype. Costs over CP=1: the
+  kernel's value width is ``Dv + Dk`` (its value-side products about twice), and per layer two all-gathers (the
+  conv's tails; the chunks' states, ``2 * cp x b x Hv x Dk x (Dv + Dk)`` fp32, which autograd keeps for the
+  backward).
+- The conv's halo: each chunk's last ``min(c, conv_kernel - 1)`` inputs are all-gathered; each rank folds them in
+  global order into the history each chunk starts with (a chunk shorter than the kernel passes on part of the one
+  before it too: the short prompts of an uncached generate), zeros before the first chunk.
+- Gradients by autograd through the two all-gathers (``kernels.attention``'s: the backward reduce-scatters, i.e. sums
+  each chunk's gradients from every rank, as every rank's loss share reads every earlier chunk's state).
+- Padding (tokens zeroed before the conv, ``GatedDeltaNet._split``) is per token and needs nothing more. Packed
+  documents: the conv and the recurrence restart at each document start, as without CP; a chunk with a start passes
+  on ``A = 0`` and its last document's state as ``B``, its tokens before the first start read ``S_in``, the later
+  ones none, and its tail keeps its last document's inputs only. The starts come from the mask rows a rank holds
+  (``[b, 1, s_local, s]``, every key column): a token masked from the one before it while both are real; those two
+  flags of every token are all-gathered once per mask (``read_cp_layout``, kept per mask as without CP).
+- The CP group is megatron's, read at each forward (``context_parallel.cp_group_and_size``): the same call decides
+  whether the runtime split the inputs, so the layer and its inputs always agree (also inside
+  ``whole_sequence_on_every_rank``, generate's cached steps, where it gives none).
+- fla's kernels (``kernels.fla_delta_rule``) are not used under CP: ``kernels.gated_delta_rule`` (torch, its state
+  pass in Triton on GPUs) runs every chunk, differentiable in the state it starts from.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from loongforge_hf.parallel.context_parallel import cp_token_index
+
+
+def read_cp_layout(mask: torch.Tensor, batch: int, seq: int, group):
+    """This rank's rows of megatron's mask (``[b, 1, seq, seq * cp]``, True = masked) -> (this rank's real tokens
+    ``[b, seq]``, None when all are; the document starts ``[b, seq * cp]`` of the whole sequence, on the host, None
+    when no row is packed). Collective over ``group`` (one all-gather of two flags per token)."""
+    from loongforge_hf.kernels.attention import _all_gather
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = mask[:, 0] if mask.dim() == 4 else mask
+    total = seq * size
+    if tuple(rows.shape[-2:]) != (seq, total):
+        raise ValueError(f"Gated DeltaNet: attention mask of shape {tuple(mask.shape)} for {seq} tokens of a "
+                         f"context-parallel rank ({size} ranks: [b, 1, {seq}, {total}] expected).")
+    index = cp_token_index(total, size, rank, device=rows.device)
+    local = torch.arange(seq, device=rows.device)
+    real = ~rows[..., local, index].expand(batch, seq)
+    before = (rows[..., local, (index - 1).clamp(min=0)] & (index > 0)).expand(batch, seq)  # masked from t - 1
+    flags = torch.stack((real, before)).to(torch.uint8).contiguous()
+    parts = flags.new_empty(size * 2, batch, seq)
+    _all_gather(parts, flags, group=group)
+    order = torch.cat([cp_token_index(total, size, r) for r in range(size)])
+    whole = torch.empty(2, batch, total, dtype=torch.bool)
+    whole[..., order] = parts.cpu().view(size, 2, batch, seq).permute(1, 2, 0, 3).reshape(2, batch, total).bool()
+    every, masked = whole
+    starts = F.pad(masked[:, 1:] & every[:, 1:] & every[:, :-1], (1, 0))
+    return (None if bool(real.all()) else real), (starts if bool(starts.any()) else None)
+
+
+def context_parallel_mix(layer, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, group,
+                         starts: torch.Tensor | None) -> torch.Tensor:
+    """The conv and the delta rule of ``layer`` (a ``GatedDeltaNet``) over this CP rank's chunks: ``qkv``
+    ``[b, 2c, qkv_size]``, ``g`` / ``beta`` ``[b, 2c, Hv]`` (chunks r and ``2 * cp - 1 - r``, in that order) ->
+    ``[b, 2c, Hv, Dv]``, as the whole sequence's run gives for these tokens. ``starts``: ``read_cp_layout``'s."""
+    from loongforge_hf.kernels.attention import _GatherSequence
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    batch, local, _ = qkv.shape
+    c = local // 2
+    order = (rank, 2 * size - 1 - rank)
+    cuts = None if starts is None else starts.view(batch, 2 * size, c)
+    histories = _histories(qkv, cuts, group=group, order=order, width=layer.conv_weight.shape[-1] - 1)
+    runs = [_chunk(layer, qkv[:, i * c:(i + 1) * c], g[:, i * c:(i + 1) * c], beta[:, i * c:(i + 1) * c],
+                   histories[i], None if cuts is None else cuts[:, j]) for i, j in enumerate(order)]
+    every = _GatherSequence.apply(torch.stack([final for _, _, final in runs]), group)  # NOTE: (r, 2cp-1-r) per rank
+    before = incoming_states([every[_slot(j, size)] for j in range(max(order))], value_dim=layer.value_dim)
+    out = [o0 + torch.einsum("bshk,bhkv->bshv", q_eff, before[j]) for (o0, q_eff, _), j in zip(runs, order)]
+    return torch.cat(out, dim=1).to(qkv.dtype)
+
+
+def incoming_states(finals: list[torch.Tensor], *, value_dim: int) -> list[torch.Tensor]:
+    """The chunks' ``B | A`` (``affine_delta_rule``'s final states ``[b, Hv, Dk, Dv + Dk]``) in sequence order ->
+    the state each chunk starts from, one more than given (the first is zero): ``S_in(j + 1) = A_j S_in(j) + B_j``."""
+    states = [torch.zeros_like(finals[0][..., :value_dim])] if finals else []
+    for final in finals:
+        states.append(final[..., value_dim:] @ states[-1] + final[..., :value_dim])
+    return states
+
+
+def _slot(chunk: int, size: int) -> int:
+    """Where chunk ``chunk``'s entry sits in an all-gather of every rank's (chunk r, chunk 2cp-1-r) pair."""
+    return 2 * chunk if chunk < size else 2 * (2 * size - 1 - chunk) + 1
+
+
+def _histories(qkv: torch.Tensor, cuts: torch.Tensor | None, *, group, order: tuple[int, int], width: int):
+    """The conv's history (its ``width`` inputs before the chunk, ``[b, qkv_size, width]``) of each of this rank's
+    chunks: every chunk's tail all-gathered, folded in global order; zero at a document start."""
+    from loongforge_hf.kernels.attention import _GatherSequence
+
+    size = dist.get_world_size(group)
+    batch, local, channels = qkv.shape
+    c = local // 2
+    keep = min(c, width)
+    tails = []
+    for i, j in enumerate(order):
+        tail = qkv[:, (i + 1) * c - keep:(i + 1) * c]
+        if cuts is not None:  # NOTE: the inputs of the chunk's last document only (no start after them)
+            count = cuts[:, j].int()
+            later = count.flip(-1).cumsum(-1).flip(-1) - count
+            tail = tail * (later[:, c - keep:] == 0).to(tail)[..., None]
+        tails.append(tail)
+    every = _GatherSequence.apply(torch.stack(tails), group)
+    history, out = qkv.new_zeros(batch, width, channels), {}
+    for j in range(max(order) + 1):
+        fresh = None if cuts is None else cuts[:, j].to(qkv.device)  # NOTE: [b, c] document starts
+        out[j] = history if fresh is None else history * (~fresh[:, 0]).to(history)[:, None, None]
+        if fresh is not None:
+            history = history * (~fresh.any(-1)).to(history)[:, None, None]
+        history = torch.cat((history, every[_slot(j, size)]), dim=1)
+        history = history[:, history.shape[1] - width:]
+    return [out[j].transpose(1, 2) for j in order]
+
+
+def _chunk(layer, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, history: torch.Tensor,
+           cuts: torch.Tensor | None):
+    """One chunk ``[b, c, ..]`` after ``history`` -> (``o0`` ``[b, c, Hv, Dv]``, ``Qeff`` ``[b, c, Hv, Dk]``, the
+    final ``B | A`` ``[b, Hv, Dk, Dv + Dk]``), fp32. ``cuts`` ``[b, c]`` (host): document starts in it, or None."""
+    if cuts is None or not bool(cuts.any()):
+        return _affine(layer, qkv, g, beta, history, carried=True)
+    runs = [_documents(layer, qkv[r:r + 1], g[r:r + 1], beta[r:r + 1], history[r:r + 1],
+                       cuts[r].nonzero().flatten().tolist()) for r in range(qkv.shape[0])]
+    return tuple(torch.cat(parts, dim=0) for parts in zip(*runs))
+
+
+def _documents(layer, qkv, g, beta, history, starts: list[int]):
+    """``_chunk`` for one row whose documents start at ``starts`` (positions in the chunk): the tokens before the
+    first start read the state coming in, the others run from zero; the chunk passes on its last document's state."""
+    c = qkv.shape[1]
+    bounds = sorted({0, *starts, c})
+    carried = not starts or starts[0] > 0
+    outs, effs, final = [], [], None
+    for lo, hi in zip(bounds, bounds[1:]):
+        reads = lo == 0 and carried
+        o0, q_eff, final = _affine(layer, qkv[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], history if reads else None,
+                                   carried=reads)
+        outs.append(o0)
+        effs.append(q_eff)
+    if starts:
+        dv = layer.value_dim
+        final = torch.cat((final[..., :dv], torch.zeros_like(final[..., dv:])), dim=-1)  # NOTE: A = 0
+    return torch.cat(outs, dim=1), torch.cat(effs, dim=1), final
+
+
+def _affine(layer, qkv, g, beta, history, *, carried: bool):
+    """The conv and the delta rule over ``qkv`` ``[b, n, qkv_size]`` as an affine map of the incoming state:
+    (``o0``, ``Qeff``, ``B | A``), fp32. Not ``carried`` (a document starting here): from zero, ``Qeff`` and ``A``
+    zero."""
+    return affine_delta_rule(*layer.conv_heads(qkv, history), g, beta, carried=carried)
+
+
+def affine_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                      carried: bool = True):
+    """``kernels.gated_delta_rule``'s arguments (``[b, n, heads, dim]``) -> the rule as an affine map of the state it
+    starts from (module docstring): ``o0`` ``[b, n, Hv, Dv]``, ``Qeff`` ``[b, n, Hv, Dk]`` and ``B | A``
+    ``[b, Hv, Dk, Dv + Dk]``, fp32; the output from ``S_in`` is ``o0 + Qeff S_in``, the final state ``A S_in + B``.
+    Not ``carried``: from zero only (``Qeff`` and ``A`` zero)."""
+    from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule
+
+    batch, n, heads, dv = v.shape
+    dk = k.shape[-1]
+    if not carried:
+        o0, b = gated_delta_rule(q.float(), k, v, g, beta, output_final_state=True)
+        return o0, o0.new_zeros(batch, n, heads, dk), torch.cat((b, b.new_zeros(batch, heads, dk, dk)), dim=-1)
+    values = torch.cat((v.float(), v.new_zeros(batch, n, heads, dk, dtype=torch.float32)), dim=-1)
+    eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(batch, heads, dk, dk)
+    start = torch.cat((eye.new_zeros(batch, heads, dk, dv), eye), dim=-1)
+    out, final = gated_delta_rule(q.float(), k, values, g, beta, initial_state=start, output_final_state=True)
+    return out[..., :dv], out[..., dv:], final
