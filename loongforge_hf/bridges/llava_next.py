@@ -57,11 +57,20 @@ class LlavaNextBridge(LlavaBridge):
 
         return anyres_counts(grid_thw, pinpoints=self.pinpoints, tile=self.patch * self.side, side=self.side)[1]
 
-    def vision_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None, image_sizes=None):
-        """The processor's crops and ``image_sizes`` as the tower's patches and ``(crops, height, width)`` rows;
-        patches as given where ``grid_thw`` comes with them (generate's later steps, a collated batch)."""
-        from loongforge_hf.multimodal.vision import as_image_patches
+    def image_grid(self, sizes: torch.Tensor) -> torch.Tensor:
+        """``[n, 3]`` tower rows ``(crops, height, width)`` of pictures of ``sizes [n, 2]`` (height, width)."""
         from loongforge_hf.multimodal.vision_llava_next import anyres_counts
+
+        grid = torch.cat([torch.zeros_like(sizes[:, :1]), sizes], dim=1)
+        grid[:, 0] = anyres_counts(grid, pinpoints=self.pinpoints, tile=self.patch * self.side, side=self.side)[0]
+        return grid
+
+    def vision_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None, image_sizes=None,
+                      **per_sample):
+        """The processor's crops and ``image_sizes`` as the tower's patches and ``(crops, height, width)`` rows
+        (``image_grid``, which takes ``per_sample``); patches as given where ``grid_thw`` comes with them
+        (generate's later steps, a collated batch)."""
+        from loongforge_hf.multimodal.vision import as_image_patches
 
         if grid_thw is not None:
             return pixel_values, grid_thw
@@ -70,9 +79,8 @@ class LlavaNextBridge(LlavaBridge):
                              f"[crops, C, H, W]) with image_sizes [images, 2]; got pixel_values of shape "
                              f"{list(pixel_values.shape)}{'' if image_sizes is not None else ' without image_sizes'}.")
         sizes = torch.as_tensor(image_sizes).reshape(-1, 2).to(torch.long)
-        grid = torch.cat([torch.zeros_like(sizes[:, :1]), sizes], dim=1)
-        crops = anyres_counts(grid, pinpoints=self.pinpoints, tile=self.patch * self.side, side=self.side)[0]
-        grid[:, 0] = crops
+        grid = self.image_grid(sizes, **per_sample)
+        crops = grid[:, 0]
         if pixel_values.dim() == 5:
             if pixel_values.shape[0] != len(sizes) or pixel_values.shape[1] < int(crops.max()):
                 raise ValueError(f"pixel_values of shape {list(pixel_values.shape)} do not hold the {crops.tolist()} "

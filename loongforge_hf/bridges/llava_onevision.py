@@ -7,10 +7,17 @@ Choices:
   and the strategy ``"full"`` (the hub's; SigLIP has no class token, and transformers' ``"default"`` would drop a
   patch and then refuse the crops itself). The ViT's tensors outside the blocks are SigLIP's (``embeddings.
   patch_embedding`` with its bias, ``embeddings.position_embedding``, ``post_layernorm``), all replicated.
-- An image takes the tokens ``multimodal.vision_llava_onevision.onevision_counts`` gives (the processor's count).
+- An image or a video takes the tokens ``multimodal.vision_llava_onevision.onevision_counts`` gives (the
+  processor's count).
+- Multi-image samples: with transformers' ``batch_num_images`` (the processor's: images per sample), each image of
+  a sample with more than one takes its base crop only (``image_grid`` gives its row ``(1, height, width)``; the
+  processor's ``pixel_values`` pad it with zero crops, which are dropped), ``side^2 + 1`` ``<image>`` tokens.
+- Videos: the processor's ``pixel_values_videos [videos, frames, C, H, W]`` (``video_inputs``) become the frames'
+  patches and one ``(frames, 0, 0)`` row per video, ``frames ceil(side / 2)^2 + 1`` ``<video>`` tokens
+  (``video_token_id``); frames must be ``vision_config.image_size`` pixels a side, as the processor resizes them.
 - Refused besides LLaVA-NeXT's: a SigLIP pooling head (``vision_config.vision_use_head``; the hub's towers have
-  none), ``vision_aspect_ratio`` not of the form ``anyres_max_N``; at forward, multi-image samples
-  (``batch_num_images`` above 1). Videos (2x2-pooled frames) are not supported.
+  none), ``vision_aspect_ratio`` not of the form ``anyres_max_N``; at forward, ``batch_num_images`` that do not add
+  up to the images given, videos not as one ``[videos, frames, C, image_size, image_size]`` tensor.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ class LlavaOnevisionBridge(LlavaNextBridge):
     """Declaration of ``LlavaOnevisionForConditionalGeneration``."""
 
     architectures = ("LlavaOnevisionForConditionalGeneration",)
+    multi_image_samples = True  # NOTE: takes transformers' batch_num_images (multimodal.modeling)
     tower_type, feature_strategy, nested_probe = "siglip_vision_model", "full", "embeddings.patch_embedding.weight"
 
     @property
@@ -49,6 +57,33 @@ class LlavaOnevisionBridge(LlavaNextBridge):
 
         return onevision_counts(grid_thw, pinpoints=self.pinpoints, tile=self.patch * self.side, side=self.side,
                                 tiles=self.max_tiles)[1]
+
+    def image_grid(self, sizes: torch.Tensor, batch_num_images=None) -> torch.Tensor:
+        """LLaVA-NeXT's rows, ``(1, height, width)`` for the images of samples with more than one
+        (``batch_num_images``, as transformers' ``get_image_features`` reads it)."""
+        grid = super().image_grid(sizes)
+        if batch_num_images is None:
+            return grid
+        counts = [int(n) for n in torch.as_tensor(batch_num_images).reshape(-1).tolist()]
+        if sum(counts) != len(sizes) or min(counts, default=0) < 0:
+            raise ValueError(f"batch_num_images={counts} does not add up to the {len(sizes)} images of image_sizes.")
+        grid[torch.tensor([n != 1 for n in counts for _ in range(n)], dtype=torch.bool), 0] = 1
+        return grid
+
+    def video_inputs(self, pixel_values_videos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The processor's ``pixel_values_videos [videos, frames, C, H, W]`` as the tower's patches and ``(frames,
+        0, 0)`` rows."""
+        from loongforge_hf.multimodal.vision import as_image_patches
+
+        tile = self.patch * self.side
+        shape = list(pixel_values_videos.shape) if torch.is_tensor(pixel_values_videos) else None
+        if shape is None or len(shape) != 5 or shape[-2:] != [tile, tile] or 0 in shape[:2]:
+            raise ValueError(f"LLaVA-OneVision takes pixel_values_videos as one [videos, frames, C, {tile}, {tile}] "
+                             f"tensor (frames of vision_config.image_size pixels, as its processor resizes them); got "
+                             f"{shape if shape is not None else type(pixel_values_videos).__name__}.")
+        patches, _ = as_image_patches(pixel_values_videos.flatten(0, 1), self.patch)
+        grid = torch.tensor([[shape[1], 0, 0]], dtype=torch.long, device=patches.device).expand(shape[0], 3)
+        return patches, grid.contiguous()
 
     # ---- vision tensors ----------------------------------------------------------------------------------------
     def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:

@@ -16,9 +16,11 @@ Choices:
   positions are then computed per sample. Gradients flow when pipeline_parallel_size == 1. Models with 1-D rope
   (Gemma 3, Mistral 3, InternVL: ``bridge.mrope`` False) take 2-D positions as text models do; whole images
   ``[n, C, H, W]`` (with Mistral 3's ``image_sizes``; InternVL's tiles; Idefics3's ``[b, n, C, H, W]`` tiles with
-  their ``pixel_attention_mask``; LLaVA-NeXT's ``[n, crops, C, H, W]`` crops with ``image_sizes``) become the
-  tower's patches and grids (``bridge.vision_inputs``); Gemma 3's ``token_type_ids`` make each image's tokens
-  attend both ways (``chunk.image_blocks``), as in transformers.
+  their ``pixel_attention_mask``; LLaVA-NeXT's ``[n, crops, C, H, W]`` crops with ``image_sizes``, and
+  LLaVA-OneVision's with ``batch_num_images``) become the tower's patches and grids (``bridge.vision_inputs``), as
+  do LLaVA-OneVision's videos ``pixel_values_videos [v, frames, C, H, W]`` (``bridge.video_inputs``); another
+  model refuses ``batch_num_images`` above 1. Gemma 3's ``token_type_ids`` make each image's tokens attend both
+  ways (``chunk.image_blocks``), as in transformers.
 - Context parallelism (``context_parallel_size``): the language model runs on megatron's load-balanced share of the
   sequence on each CP rank (``parallel.context_parallel``); the sequence length must be a multiple of 2 x CP. The
   returned loss and logits are the whole sequence's; each rank's gradient is its share's (megatron's DDP sums them).
@@ -83,10 +85,32 @@ def _refuse_vision_overrides(config, unused: dict) -> None:
             raise ValueError(f"forward: {name}={value!r} differs from the checkpoint config's "
                              f"{getattr(config, name, None)!r}, which the vision tower is built for; set it in the "
                              "config before from_pretrained.")
-    counts = unused.get("batch_num_images")
-    if counts is not None and any(int(n) != 1 for n in torch.as_tensor(counts).reshape(-1).tolist()):
-        raise ValueError(f"forward: batch_num_images={torch.as_tensor(counts).tolist()}: LLaVA-OneVision's "
-                         "multi-image samples (each image its base crop only) are not supported; one image a sample.")
+
+
+def _sample_images(bridge, counts) -> dict:
+    """``vision_inputs``' keywords for transformers' ``batch_num_images`` (images per sample): none where absent or
+    all 1; LLaVA-OneVision's multi-image samples (``bridge.multi_image_samples``) take them, other models refuse."""
+    if counts is None or all(int(n) == 1 for n in torch.as_tensor(counts).reshape(-1).tolist()):
+        return {}
+    if not getattr(bridge, "multi_image_samples", False):
+        raise ValueError(f"forward: batch_num_images={torch.as_tensor(counts).tolist()}: multi-image samples that "
+                         "encode their images otherwise are LLaVA-OneVision's; this model takes one image a sample.")
+    return {"batch_num_images": counts}
+
+
+def _tower_inputs(bridge, get) -> dict:
+    """``pixel_values`` / ``image_grid_thw`` / ``pixel_values_videos`` / ``video_grid_thw`` as the tower takes them,
+    from the processor's (``get``: input name -> value): images through ``bridge.vision_inputs`` (with
+    ``image_sizes``, ``pixel_attention_mask`` and ``batch_num_images`` where given), LLaVA-OneVision's videos
+    without ``video_grid_thw`` through ``bridge.video_inputs``."""
+    out = {name: get(name) for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+    if out["pixel_values"] is not None:
+        out["pixel_values"], out["image_grid_thw"] = bridge.vision_inputs(
+            out["pixel_values"], out["image_grid_thw"], image_sizes=get("image_sizes"),
+            **_pixel_mask(get("pixel_attention_mask")), **_sample_images(bridge, get("batch_num_images")))
+    if out["pixel_values_videos"] is not None and out["video_grid_thw"] is None and hasattr(bridge, "video_inputs"):
+        out["pixel_values_videos"], out["video_grid_thw"] = bridge.video_inputs(out["pixel_values_videos"])
+    return out
 
 
 class LoongModelForImageTextToText(LoongModelForCausalLM):
@@ -112,13 +136,13 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         # NOTE: forward runs generate's steps through generation_forward (padded to the layout, mRoPE positions
         # given) while this is set, with or without the KV cache; a plain forward call never does
         self._generating = True
-        if kwargs.get("pixel_values") is not None:
+        if kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None:
             # NOTE: the tower's patches and grids from the start (Gemma 3's and Mistral 3's processors give
-            # [n, C, H, W] images, Mistral 3's with image_sizes), so beam copies and each step's inputs are per patch
-            # and per grid as for Qwen's
-            kwargs["pixel_values"], kwargs["image_grid_thw"] = self.bridge.vision_inputs(
-                kwargs["pixel_values"], kwargs.get("image_grid_thw"), image_sizes=kwargs.pop("image_sizes", None),
-                **_pixel_mask(kwargs.pop("pixel_attention_mask", None)))
+            # [n, C, H, W] images, Mistral 3's with image_sizes; LLaVA-OneVision's videos [v, frames, C, H, W]), so
+            # beam copies and each step's inputs are per patch and per grid as for Qwen's
+            given = {**kwargs, **{k: kwargs.pop(k, None) for k in ("image_sizes", "pixel_attention_mask",
+                                                                   "batch_num_images")}}
+            kwargs.update({k: v for k, v in _tower_inputs(self.bridge, given.get).items() if v is not None})
         try:
             return super().generate(inputs, generation_config, **kwargs)
         finally:
@@ -203,12 +227,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                                                   second_per_grid_ts=get("second_per_grid_ts"),
                                                   document_ids=documents)
         mask = megatron_attention_mask(attention_mask, input_ids.shape[1], text_positions)
-        kwargs = {name: get(name) for name in ("pixel_values", "image_grid_thw", "pixel_values_videos",
-                                               "video_grid_thw")}
-        if kwargs["pixel_values"] is not None:
-            kwargs["pixel_values"], kwargs["image_grid_thw"] = self.bridge.vision_inputs(
-                kwargs["pixel_values"], kwargs["image_grid_thw"], image_sizes=get("image_sizes"),
-                **_pixel_mask(get("pixel_attention_mask")))
+        kwargs = _tower_inputs(self.bridge, get)
         if self.bridge.bidirectional_images:  # NOTE: as transformers, only where token_type_ids are given
             kwargs["token_type_ids"] = get("token_type_ids")
         return (input_ids, position_ids.to(device), mask), kwargs
@@ -243,10 +262,13 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
             from loongforge_hf.multimodal.generation import generation_forward
 
             keep = options["logits_to_keep"]
-            vision = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
-                      "pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw,
-                      "mm_token_type_ids": mm_token_type_ids, "second_per_grid_ts": second_per_grid_ts,
-                      "image_copies": unused.get("image_copies"), "video_copies": unused.get("video_copies"),
+            given = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw, "image_sizes": image_sizes,
+                     "pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw,
+                     "pixel_attention_mask": unused.get("pixel_attention_mask"),
+                     "batch_num_images": unused.get("batch_num_images")}
+            vision = {**_tower_inputs(self.bridge, given.get), "mm_token_type_ids": mm_token_type_ids,
+                      "second_per_grid_ts": second_per_grid_ts, "image_copies": unused.get("image_copies"),
+                      "video_copies": unused.get("video_copies"),
                       "token_type_ids": token_type_ids, "image_sizes": image_sizes}
             logits = generation_forward(self, cache=options["cache"], input_ids=input_ids,
                                         attention_mask=attention_mask, position_ids=position_ids, vision=vision,
@@ -257,7 +279,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                  "mm_token_type_ids": mm_token_type_ids, "pixel_values_videos": pixel_values_videos,
                  "video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts,
                  "token_type_ids": token_type_ids, "image_sizes": image_sizes,
-                 "pixel_attention_mask": unused.get("pixel_attention_mask")}
+                 "pixel_attention_mask": unused.get("pixel_attention_mask"),
+                 "batch_num_images": unused.get("batch_num_images")}
         args, inputs = self.megatron_forward_inputs(batch)
         input_ids, position_ids, mask = args
         vocab = self.config.text_config.vocab_size

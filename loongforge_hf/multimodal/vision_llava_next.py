@@ -88,12 +88,15 @@ class LlavaNextTower(ClipTower):
         per_crop = torch.tensor([[1, side, side]], device=grid_thw.device).expand(sum(crops), 3)
         features = super().forward(pixel_values, per_crop)
         features = features.reshape(sum(crops), side * side, features.shape[-1])
-        pieces = []
-        for image, (_, height, width) in zip(features.split(crops), grid_thw.tolist()):
-            kept = self.kept_map(image[1:], height, width)
-            newline = self.image_newline.to(kept.dtype).expand(kept.shape[0], 1, kept.shape[-1])
-            pieces += [image[0], torch.cat([kept, newline], dim=1).reshape(-1, kept.shape[-1])]
-        return torch.cat(pieces)
+        return torch.cat([piece for item, row in zip(features.split(crops), grid_thw.tolist())
+                          for piece in self.pack(item, *row)])
+
+    def pack(self, crops: torch.Tensor, count: int, height: int, width: int) -> list[torch.Tensor]:
+        """The embeddings of one item of ``grid_thw`` row ``(count, height, width)`` from its ``[count, side^2, d]``
+        crops' features: the base crop's, then the kept tile rows each closed by ``image_newline``."""
+        kept = self.kept_map(crops[1:], height, width)
+        newline = self.image_newline.to(kept.dtype).expand(kept.shape[0], 1, kept.shape[-1])
+        return [crops[0], torch.cat([kept, newline], dim=1).reshape(-1, kept.shape[-1])]
 
     def kept_map(self, tiles: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``[kept rows, kept columns, d]``: the ``[rows cols, side^2, d]`` tiles' features of a ``height x

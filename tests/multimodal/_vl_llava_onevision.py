@@ -1,30 +1,51 @@
-"""Rank functions for tests/multimodal/test_llava_onevision.py (module-level so spawned ranks can import them): a batch
-of three pictures of three sizes through the tiny LLaVA-OneVision inputs (2 crops, nothing unpadded; 3 crops,
-unpadded; 5 crops, unpadded and shrunk by ``anyres_max_2``), compared with transformers."""
+"""Rank functions for tests/multimodal/test_llava_onevision.py (module-level so spawned ranks can import them), compared
+with transformers: ``"pictures"``, three pictures of three sizes through the tiny LLaVA-OneVision inputs (2 crops,
+nothing unpadded; 3 crops, unpadded; 5 crops, unpadded and shrunk by ``anyres_max_2``); ``"video"``, a 2-frame video
+beside a picture; ``"multi"``, a sample of two pictures (base crops only) beside a sample of one."""
 
 from __future__ import annotations
 
 from loongforge_hf.testing.tiny_llava import IMAGE
-from loongforge_hf.testing.tiny_llava_onevision import llava_onevision_inputs
+from loongforge_hf.testing.tiny_llava_onevision import VIDEO, llava_onevision_inputs
 
-TEXTS = ["tok5 <image> tok7 tok8", "tok9 <image> tok10", "tok3 <image> " + " ".join(f"tok{i}" for i in range(13, 20))]
-SIZES = [(20, 20), (20, 40), (50, 36)]
+# (texts, picture sizes, frames a video) of each batch
+BATCHES = {"pictures": (["tok5 <image> tok7 tok8", "tok9 <image> tok10",
+                         "tok3 <image> " + " ".join(f"tok{i}" for i in range(13, 20))],
+                        [(20, 20), (20, 40), (50, 36)], 0),
+           "video": (["tok5 <video> tok7 tok8 tok9", "tok9 <image> tok10"], [(20, 40)], 2),
+           "multi": (["tok3 <image> tok4 <image> tok6", "tok9 <image> tok10 tok11"], [(20, 40), (50, 36), (20, 20)],
+                     0)}
 
 
-def make_batch(folder: str) -> dict:
-    batch = llava_onevision_inputs(folder, TEXTS, SIZES, seed=1, pad_to_multiple_of=4)
+def make_batch(folder: str, name: str = "pictures") -> dict:
+    texts, sizes, frames = BATCHES[name]
+    batch = llava_onevision_inputs(folder, texts, sizes, seed=1, pad_to_multiple_of=4, frames=frames)
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    return {**batch, "labels": ids.masked_fill((mask == 0) | (ids == IMAGE), -100)}
+    return {**batch, "labels": ids.masked_fill((mask == 0) | (ids == IMAGE) | (ids == VIDEO), -100)}
 
 
-def checks(*, cases: list) -> dict:
-    """``_vl_gemma3.compare`` (logits, loss, vision gradients, ``image_newline``'s included; the export) for each
-    (name, folder, layout, out_dir) of ``cases``, on ``make_batch``."""
+def checks(*, cases: list, generation: tuple | None = None) -> dict:
+    """``_vl_gemma3.compare`` (logits, loss, vision gradients, ``image_newline``'s included; the export where
+    ``out_dir`` is given) for each (name, folder, layout, out_dir, batch name) of ``cases``, on ``make_batch``; with
+    ``generation`` (folder, scenarios), ``generate`` as ``out["generate"]``."""
     from ._vl_gemma3 import compare
 
-    out = {}
-    for name, folder, layout, out_dir in cases:
-        batch = make_batch(folder)
+    out = {} if generation is None else {"generate": generate(folder=generation[0], layout={},
+                                                              scenarios=generation[1])}
+    for name, folder, layout, out_dir, batch_name in cases:
+        batch = make_batch(folder, batch_name)
         out[name] = {**compare(folder, layout, out_dir, batch=batch),
-                     "image_tokens": (batch["input_ids"] == IMAGE).sum(-1).tolist()}
+                     "image_tokens": (batch["input_ids"] == IMAGE).sum(-1).tolist(),
+                     "video_tokens": (batch["input_ids"] == VIDEO).sum(-1).tolist()}
     return out
+
+
+def generate(*, folder: str, layout: dict, scenarios: dict) -> dict:
+    """``_vl_gemma3.generate_both`` on the ``"video"`` batch's prompts, left-padded, per scenario."""
+    from ._vl_gemma3 import generate_both
+
+    def prompts() -> dict:
+        texts, sizes, frames = BATCHES["video"]
+        return llava_onevision_inputs(folder, texts, sizes, seed=1, padding_side="left", frames=frames)
+
+    return generate_both(folder, layout, prompts=prompts, scenarios=scenarios)
