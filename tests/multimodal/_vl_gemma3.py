@@ -29,9 +29,9 @@ def make_batch(rows=ROWS, *, images: int | None = None, seed: int = 1, token_typ
 
 
 # transformers' vision tower and projector modules: llava's naming (Gemma 3, Mistral 3, InternVL), Idefics3's;
-# LLaVA-NeXT's image_newline
+# LLaVA-NeXT's image_newline; Llama 4's (top-level vision_model / multi_modal_projector)
 VISION_TREES = ("model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.", "model.connector.",
-                "model.image_newline")
+                "model.image_newline", "vision_model.", "multi_modal_projector.")
 
 
 def _hf_name(name: str) -> str:

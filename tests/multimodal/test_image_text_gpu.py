@@ -1,7 +1,7 @@
-"""Gemma 3, Mistral 3, Qwen2-VL, InternVL, LLaVA-1.5, LLaVA-NeXT and SmolVLM image-text on the CUDA path (Gemma 3's
-bidirectional image blocks through SDPA with a mask in the language model, varlen flash attention in the ViTs under
-bf16), against transformers on the same GPU: fp32 (logits, loss, vision gradients) and bf16 (loss); bf16 ``generate``
-with the dynamic and the static cache (CUDA-graphed decode steps)."""
+"""Gemma 3, Mistral 3, Qwen2-VL, InternVL, LLaVA-1.5, LLaVA-NeXT, SmolVLM and Llama 4 image-text on the CUDA path
+(Gemma 3's bidirectional image blocks through SDPA with a mask in the language model, varlen flash attention in the
+ViTs under bf16), against transformers on the same GPU: fp32 (logits, loss, vision gradients) and bf16 (loss); bf16
+``generate`` with the dynamic and the static cache (CUDA-graphed decode steps)."""
 
 import functools
 
@@ -50,6 +50,12 @@ def smolvlm_batch(folder: str) -> dict:
     return make_batch()
 
 
+def llama4_batch(folder: str) -> dict:
+    from ._vl_llama4 import make_batch  # NOTE: its import lets transformers' Llama 4 forward run (_vl_llama4.py)
+
+    return make_batch()
+
+
 def processor_batch(folder: str) -> dict:
     from ._vl_parity import make_batch
 
@@ -72,10 +78,13 @@ def _run(folder: str, batch_for=gemma3_batch) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         ref = transformers.AutoModelForImageTextToText.from_pretrained(
             folder, dtype=dtype, attn_implementation="sdpa").cuda()
-        exp = ref(**batch)
+        # NOTE: pixels in the model's dtype, as a processor's output `.to(model.dtype)` (transformers' Llama 4
+        # does not cast them itself)
+        inputs = {k: v.to(dtype) if k.startswith("pixel_values") else v for k, v in batch.items()}
+        exp = ref(**inputs)
         exp.loss.backward()
         model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype)
-        out = model(**batch)
+        out = model(**inputs)
         out.loss.backward()
         name = "fp32" if dtype == torch.float32 else "bf16"
         result[name] = {"device": str(model.device), "loss": out.loss.item(), "ref_loss": exp.loss.item()}
@@ -90,12 +99,14 @@ def _run(folder: str, batch_for=gemma3_batch) -> dict:
     return result
 
 
-@pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl", "internvl", "llava", "llava_next", "smolvlm"])
+@pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl", "internvl", "llava", "llava_next", "smolvlm",
+                                   "llama4"])
 def test_cuda_matches_transformers(tmp_path, model):
     """Gemma 3 (the image blocks), Mistral 3 (images of three sizes), Qwen2-VL (the processor's batch), InternVL
     (InternViT tiles, pixel shuffle), LLaVA-1.5 (CLIP, the penultimate layer), LLaVA-NeXT (any-resolution crops of
-    three pictures, unpadded, ``image_newline``) and SmolVLM (SigLIP, the connector's pixel shuffle)."""
-    from loongforge_hf.testing import tiny_idefics3, tiny_internvl, tiny_llava, tiny_llava_next, tiny_vl
+    three pictures, unpadded, ``image_newline``), SmolVLM (SigLIP, the connector's pixel shuffle) and Llama 4 (its
+    ViT's complex-pair rope, pixel shuffle, the MoE decoder)."""
+    from loongforge_hf.testing import tiny_idefics3, tiny_internvl, tiny_llama4_vl, tiny_llava, tiny_llava_next, tiny_vl
 
     writer, batch_for = {"gemma3": (tiny_vl.make_tiny_gemma3_vl, gemma3_batch),
                          "mistral3": (tiny_vl.make_tiny_mistral3, mistral3_batch),
@@ -103,7 +114,8 @@ def test_cuda_matches_transformers(tmp_path, model):
                          "internvl": (tiny_internvl.make_tiny_internvl, internvl_batch),
                          "llava": (tiny_llava.make_tiny_llava, llava_batch),
                          "llava_next": (tiny_llava_next.make_tiny_llava_next, llava_next_batch),
-                         "smolvlm": (tiny_idefics3.make_tiny_idefics3, smolvlm_batch)}[model]
+                         "smolvlm": (tiny_idefics3.make_tiny_idefics3, smolvlm_batch),
+                         "llama4": (tiny_llama4_vl.make_tiny_llama4_vl, llama4_batch)}[model]
     folder = writer(tmp_path / "src")
     [r] = run_distributed(_run, 1, str(folder), batch_for, timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
     assert r["fp32"]["device"].startswith("cuda"), r

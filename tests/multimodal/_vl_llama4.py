@@ -1,0 +1,72 @@
+"""Rank functions for tests/multimodal/test_llama4_vl.py (module-level so spawned ranks can import them) and the
+transformers reference they are compared with: hand-built Llama 4 batches (each picture's tiles and global view laid
+out as ``Llama4Processor`` lays them: ``tiny_llama4_vl.llama4_image_prompt``), random 24x24 tiles.
+
+NOTE: transformers 5.24's ``Llama4ForConditionalGeneration.forward`` reads ``image_outputs`` off its language model's
+output, a ``MoeCausalLMOutputWithPast``, which has no such field, and raises AttributeError on every call (generate
+included); importing this module gives that output class the attribute (None), in the test processes only. Every
+number transformers computes stays its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+from loongforge_hf.testing.tiny_llama4_vl import PATCH, llama4_image_prompt
+
+if not hasattr(MoeCausalLMOutputWithPast, "image_outputs"):
+    MoeCausalLMOutputWithPast.image_outputs = None
+
+# two rows of 40 tokens: a picture of 2x1 tiles and its global view (3 tiles), a picture of one tile (its global view
+# alone); the first row padded by one token
+ROWS = [[5, 6, (2, 1), 7, 8, 9, 10, 11, 0], [12, (1, 1)] + list(range(13, 40))]
+TEXT_ROWS = [list(range(5, 25)), list(range(30, 50))]
+
+
+def make_batch(rows=ROWS, *, seed: int = 1) -> dict:
+    """input_ids, attention_mask (0 on the pad id 0), labels (-100 there and on ``<|patch|>``), pixel_values
+    ``[tiles, 3, 24, 24]``."""
+    batch = llama4_image_prompt(rows, seed=seed)
+    ids = batch["input_ids"]
+    mask = (ids != 0).long()  # NOTE: id 0 is the pad token; the rows' text ids start at 5
+    return {**batch, "attention_mask": mask, "labels": ids.masked_fill((mask == 0) | (ids == PATCH), -100)}
+
+
+def prompts() -> dict:
+    """A left-padded prompt batch: a row with a 2x1-tiled picture, a row with a one-tile picture."""
+    batch = llama4_image_prompt([[5, (2, 1), 6], [0] * 19 + [7, (1, 1), 8, 9]], seed=4)
+    return {**batch, "attention_mask": (batch["input_ids"] != 0).long()}
+
+
+def compare(folder: str, layout: dict, out_dir: str | None = None, *, batch: dict | None = None,
+            auto_class: str = "AutoModelForImageTextToText") -> dict:
+    """``_vl_gemma3.compare`` on this file's batches."""
+    from ._vl_gemma3 import compare as compare_with
+
+    return compare_with(folder, layout, out_dir, batch=batch, batch_for=make_batch, auto_class=auto_class)
+
+
+def reloaded_diff(folder: str, exported: str) -> float:
+    """transformers' logits on ``make_batch()`` from the export against those from the source folder."""
+    import transformers
+
+    batch = make_batch()
+    with torch.no_grad():
+        want, got = (transformers.AutoModelForImageTextToText.from_pretrained(f, dtype=torch.float32)(**batch).logits
+                     for f in (folder, exported))
+    return (got - want).abs().max().item()
+
+
+def world(cases: list, folder: str, generate: dict, exported: str | None = None) -> dict:
+    """``compare`` for each (name, folder, layout, out_dir, extra keywords), greedy ``generate`` against
+    transformers' under each of ``generate`` (name -> layout) and, with ``exported``, ``reloaded_diff`` of it: in one
+    world."""
+    from ._vl_gemma3 import SCENARIOS, generate_both
+
+    out = {"parity": {name: compare(f, layout, out_dir, **extra) for name, f, layout, out_dir, extra in cases},
+           "generate": {name: generate_both(folder, layout, prompts, {"greedy": SCENARIOS["greedy"]})
+                        for name, layout in generate.items()}}
+    if exported is not None:
+        out["reloaded_diff"] = reloaded_diff(folder, exported)
+    return out
