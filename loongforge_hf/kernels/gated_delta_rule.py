@@ -15,11 +15,13 @@ Choices:
   ``(I + A) U = beta V - beta exp(G) K S0`` (``A[t, j] = beta_t exp(G_t - G_j) k_t . k_j`` for ``j < t``, ``G`` the
   decay's running sum inside the chunk, ``S0`` the state at the chunk's start), so the only loop is over chunks; the
   state crosses chunks in fp32. The same numbers as the token-by-token recurrence up to fp32 rounding (the tests
-  compare with transformers' chunked and recurrent torch code). Autograd differentiates it as written but for
-  the state's pass from chunk to chunk (``state_pass``: its own backward, a Triton kernel each way where
-  ``_triton.use_triton`` allows, else a torch loop over the chunks; autograd through a per-chunk loop kept a
-  full-size gradient per chunk slice and launched ~20 ops per chunk: on an H200 one 4096-token row of Qwen3.5's 32
-  value heads took ~100 ms of host time for 33 ms of device time).
+  compare with transformers' chunked and recurrent torch code).
+- Backward (``_ChunkedRule``): the state's pass from chunk to chunk (``state_pass``) has a hand-written backward, a
+  Triton kernel each way where ``_triton.use_triton`` allows, else a torch loop over the chunks (autograd through a
+  per-chunk loop kept a full-size gradient per chunk slice and launched ~20 ops per chunk: on an H200 one
+  4096-token row of Qwen3.5's 32 value heads took ~100 ms of host time for 33 ms of device time). The batched rest
+  is recomputed in the backward from the inputs and differentiated by autograd there: the forward keeps only the
+  inputs, each chunk's starting state and corrections.
 - Inputs in any dtype; the output in the query's dtype, rounded once at the end; the final state in fp32.
 """
 
@@ -47,27 +49,51 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if initial_state is not None and tuple(initial_state.shape) != (batch, v_heads, k_dim, v_dim):
         raise ValueError(f"gated_delta_rule: initial_state of shape {tuple(initial_state.shape)}, expected "
                          f"{(batch, v_heads, k_dim, v_dim)} [batch, v_heads, k_dim, v_dim].")
-    out_dtype = query.dtype
-    q = l2_normalize(query.float()) * k_dim ** -0.5
-    k = l2_normalize(key.float())
+    if seq == 1 and initial_state is not None:
+        q, k = _normalized(query, key)
+        if v_heads != k_heads:
+            q, k = (x.repeat_interleave(v_heads // k_heads, dim=2) for x in (q, k))
+        out, state = _step(q[:, 0], k[:, 0], value[:, 0].float(), g[:, 0].float(), beta[:, 0].float(),
+                           initial_state.float())
+        out = out[:, None].to(query.dtype)
+        return (out, state) if output_final_state else out
+    state = key.new_zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32) if initial_state is None \
+        else initial_state.float()
+    out, state = _ChunkedRule.apply(query, key, value, g.float(), beta.float(), state, chunk_size, query.dtype)
+    return (out, state) if output_final_state else out
+
+
+def _normalized(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k L2-normalised in fp32, q scaled by ``k_dim^-1/2``."""
+    return l2_normalize(query.float()) * query.shape[-1] ** -0.5, l2_normalize(key.float())
+
+
+def _layout(q, k, v, g, beta, chunk_size: int):
+    """``[b, s, heads, dim]`` (q / k on their key heads) -> ``[b, v_heads, chunks, chunk, ...]`` fp32, q / k
+    normalised and grouped onto the value heads, the sequence padded with zero tokens to whole chunks (no decay, no
+    write: they change nothing before them)."""
+    batch, seq, k_heads, _ = k.shape
+    v_heads = v.shape[2]
+    q, k = _normalized(q, k)
     if v_heads != k_heads:
         q, k = (x.repeat_interleave(v_heads // k_heads, dim=2) for x in (q, k))
-    # NOTE: [batch, heads, seq, ...] from here on
-    q, k, v = (x.transpose(1, 2) for x in (q, k, value.float()))
-    g, beta = (x.float().transpose(1, 2) for x in (g, beta))
-    state = q.new_zeros(batch, v_heads, k_dim, v_dim) if initial_state is None else initial_state.float()
-    if seq == 1 and initial_state is not None:
-        out, state = _step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], state)
-        out = out[:, None].to(out_dtype)
-        return (out, state) if output_final_state else out
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))        # NOTE: [batch, heads, seq, ...] from here on
+    g, beta = (x.transpose(1, 2) for x in (g, beta))
     pad = (-seq) % chunk_size
-    if pad:  # NOTE: zero tokens at the end (no decay, no write) change nothing before them
+    if pad:
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
     chunks = (seq + pad) // chunk_size
     q, k, v = (x.reshape(batch, v_heads, chunks, chunk_size, -1) for x in (q, k, v))
     g, beta = (x.reshape(batch, v_heads, chunks, chunk_size) for x in (g, beta))
+    return q, k, v, g, beta
 
+
+def _prepare(q, k, v, g, beta, chunk_size: int):
+    """Everything of the chunked form without a chunk-to-chunk dependence (batched over chunks), from the rule's
+    inputs: (``state_pass``'s w, u, k_end and decay; q as it reads a chunk's starting state; the reads of the chunk's
+    own writes ``[.., chunk, chunk]``)."""
+    q, k, v, g, beta = _layout(q, k, v, g, beta, chunk_size)
     running = g.cumsum(dim=-1)                                              # G: the decay since the chunk's start
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     # NOTE: exp(G_t - G_j) for j <= t, 0 above the diagonal (masked before exp: the differences there are >= 0)
@@ -80,11 +106,49 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     within = (q @ k.transpose(-1, -2)) * pair_decay                      # reads of this chunk's writes
     q_from_start = q * running.exp()[..., None]                           # reads of S0
     k_to_end = k * (running[..., -1:] - running).exp()[..., None]         # writes as seen at the chunk's end
+    return u_state, u_free, k_to_end, running[..., -1].exp(), q_from_start, within
 
-    states, fresh, state = state_pass(u_state, u_free, k_to_end, running[..., -1].exp(), state)
-    out = (q_from_start @ states + within @ fresh).reshape(batch, v_heads, chunks * chunk_size, -1)[:, :, :seq]
-    out = out.transpose(1, 2).to(out_dtype)
-    return (out, state) if output_final_state else out
+
+def _chunked_grad(d_out: torch.Tensor, seq: int, chunk_size: int) -> torch.Tensor:
+    """The output's gradient ``[b, s, v_heads, v_dim]`` in the chunked layout (fp32, zero on the padding)."""
+    d = d_out.float().transpose(1, 2)
+    pad = (-seq) % chunk_size
+    if pad:
+        d = torch.nn.functional.pad(d, (0, 0, 0, pad))
+    return d.reshape(*d.shape[:2], -1, chunk_size, d.shape[-1])
+
+
+class _ChunkedRule(torch.autograd.Function):
+    """The chunked rule from q / k (key heads), values, log decays and betas as given: (output in ``out_dtype``, final
+    state). Keeps only its inputs, the chunks' starting states and corrections for the backward (0.25 GiB for a
+    4096-token row of Qwen3.5's 32 value heads in bf16, where autograd through the batched algebra kept 1.2 GiB) and
+    recomputes the batched part there (no chunk-to-chunk dependence: cheap against the pass it saves)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial, chunk_size, out_dtype):
+        w, u, k_end, decay, q_start, within = _prepare(q, k, v, g, beta, chunk_size)
+        states, fresh, final = state_pass(w, u, k_end, decay, initial)
+        out = q_start @ states + within @ fresh
+        seq = q.shape[1]
+        out = out.reshape(*out.shape[:2], -1, out.shape[-1])[:, :, :seq].transpose(1, 2).to(out_dtype)
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(q, k, v, g, beta, states, fresh)
+        return out, final
+
+    @staticmethod
+    def backward(ctx, d_out, d_final):
+        q, k, v, g, beta, states, fresh = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
+            w, u, k_end, decay, q_start, within = _prepare(*leaves, ctx.chunk_size)
+        d = _chunked_grad(d_out, q.shape[1], ctx.chunk_size)
+        d_states, d_fresh = q_start.detach().transpose(-1, -2) @ d, within.detach().transpose(-1, -2) @ d
+        d_w, d_u, d_k_end, d_decay, d_initial = _state_pass_grads(w.detach(), k_end.detach(), decay.detach(), states,
+                                                                  fresh, d_states, d_fresh, d_final.float())
+        grads = torch.autograd.grad((w, u, k_end, decay, q_start, within), leaves,
+                                    (d_w, d_u, d_k_end, d_decay, d @ states.transpose(-1, -2),
+                                     d @ fresh.transpose(-1, -2)))
+        return (*grads, d_initial, None, None)
 
 
 def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -103,45 +167,41 @@ def state_pass(w: torch.Tensor, u: torch.Tensor, k_end: torch.Tensor, decay: tor
     initial`` ``[b, h, k, v]``, chunk ``i`` writes ``F_i = u_i - w_i S_i`` (``u`` ``[b, h, n, c, v]``: its corrections
     from a zero state; ``w`` ``[b, h, n, c, k]``: their dependence on the state) and leaves ``S_{i+1} = decay_i S_i +
     k_end_i^T F_i`` (``k_end`` ``[b, h, n, c, k]``, ``decay`` ``[b, h, n]``). Returns (each chunk's starting state
-    ``S_i`` ``[b, h, n, k, v]``, ``F`` ``[b, h, n, c, v]``, the final state), fp32, differentiable in every input."""
-    return _StatePass.apply(*(t.float().contiguous() for t in (w, u, k_end, decay, initial)))
+    ``S_i`` ``[b, h, n, k, v]``, ``F`` ``[b, h, n, c, v]``, the final state), fp32, without autograd
+    (``_state_pass_grads`` is its backward): a Triton kernel where ``_triton.use_triton`` allows, else a torch loop."""
+    from loongforge_hf.kernels._triton import use_triton
+
+    w, u, k_end, decay, initial = (t.detach().float().contiguous() for t in (w, u, k_end, decay, initial))
+    if use_triton(w):
+        from loongforge_hf.kernels import _delta_rule_triton
+
+        return _delta_rule_triton.state_pass_forward(w, u, k_end, decay, initial)
+    with torch.no_grad():
+        return _state_pass_loop(w, u, k_end, decay, initial)
 
 
-class _StatePass(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w, u, k_end, decay, initial):
-        from loongforge_hf.kernels._triton import use_triton
+def _state_pass_grads(w, k_end, decay, states, fresh, d_states, d_fresh, d_final):
+    """``state_pass``'s backward: the gradients of (w, u, k_end, decay, initial) from those of its three outputs."""
+    from loongforge_hf.kernels._triton import use_triton
 
-        ctx.triton = use_triton(w)
-        if ctx.triton:
-            from loongforge_hf.kernels import _delta_rule_triton
+    w, k_end, decay, d_states, d_fresh, d_final = (
+        t.contiguous() for t in (w, k_end, decay, d_states, d_fresh, d_final))
+    if use_triton(w):
+        from loongforge_hf.kernels import _delta_rule_triton
 
-            states, fresh, final = _delta_rule_triton.state_pass_forward(w, u, k_end, decay, initial)
-        else:
-            states, fresh, final = _state_pass_loop(w, u, k_end, decay, initial)
-        ctx.save_for_backward(w, k_end, decay, states, fresh)
-        return states, fresh, final
-
-    @staticmethod
-    def backward(ctx, d_states, d_fresh, d_final):
-        w, k_end, decay, states, fresh = ctx.saved_tensors
-        d_states, d_fresh, d_final = (t.contiguous() for t in (d_states, d_fresh, d_final))
-        if ctx.triton:
-            from loongforge_hf.kernels import _delta_rule_triton
-
-            d_u, d_next, d_initial = _delta_rule_triton.state_pass_backward(w, k_end, decay, d_states, d_fresh,
-                                                                            d_final)
-        else:
+        d_u, d_next, d_initial = _delta_rule_triton.state_pass_backward(w, k_end, decay, d_states, d_fresh, d_final)
+    else:
+        with torch.no_grad():
             d_u, d_next, d_initial = _state_pass_loop_backward(w, k_end, decay, d_states, d_fresh, d_final)
-        # NOTE: the rest has no chunk-to-chunk dependence: one batched product each
-        d_w = -(d_u @ states.transpose(-1, -2))
-        d_k_end = fresh @ d_next.transpose(-1, -2)
-        d_decay = (states * d_next).sum(dim=(-1, -2))
-        return d_w, d_u, d_k_end, d_decay, d_initial
+    # NOTE: the rest has no chunk-to-chunk dependence: one batched product each
+    d_w = -(d_u @ states.transpose(-1, -2))
+    d_k_end = fresh @ d_next.transpose(-1, -2)
+    d_decay = (states * d_next).sum(dim=(-1, -2))
+    return d_w, d_u, d_k_end, d_decay, d_initial
 
 
 def _state_pass_loop(w, u, k_end, decay, state):
-    """``state_pass`` in torch, one chunk at a time (no autograd: ``_StatePass`` holds the backward)."""
+    """``state_pass`` in torch, one chunk at a time."""
     states = w.new_empty(*w.shape[:3], *state.shape[-2:])
     fresh = torch.empty_like(u)
     for i in range(w.shape[2]):
