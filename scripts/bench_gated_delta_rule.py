@@ -2,7 +2,8 @@
 
 Paths: ``transformers`` (transformers' torch fallback ``torch_chunk_gated_delta_rule``: what its Qwen3.5 model runs
 without the fla package; it has no document restarts), ``torch`` (``kernels.gated_delta_rule``: ours without fla,
-its chunk-to-chunk state pass a Triton kernel each way; packed documents one call each), ``torch-loop`` (the same
+its chunk-to-chunk state pass a Triton kernel each way; packed documents in one call,
+``gated_delta_rule_packed``), ``torch-loop`` (the same
 with that pass a torch loop over the chunks, ``LOONGFORGE_TRITON=0``; also the fp32 reference) and ``fla``
 (``kernels.fla_delta_rule``: fla's Triton kernels, every row and document in one varlen call). Shape: a Qwen3.5
 linear-attention layer (16 key heads and 32 value heads of 128), bf16 inputs,
@@ -56,15 +57,13 @@ def _path(name: str, bounds: list[list[int]]):
         return run
     if name in ("torch", "torch-loop"):
         from loongforge_hf.kernels._triton import triton_paths
-        from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule
+        from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_packed
 
         def run(q, k, v, g, beta):
-            rows = []
             with triton_paths(name == "torch"):
-                for row, cuts in enumerate(bounds):
-                    rows.append(torch.cat([gated_delta_rule(*(x[row:row + 1, lo:hi] for x in (q, k, v, g, beta)))
-                                           for lo, hi in zip(cuts, cuts[1:])], dim=1))
-            return torch.cat(rows, dim=0)
+                if any(len(b) > 2 for b in bounds):
+                    return gated_delta_rule_packed(q, k, v, g, beta, bounds)
+                return gated_delta_rule(q, k, v, g, beta)
         return run
     if name == "fla":
         from loongforge_hf.kernels.fla_delta_rule import gated_delta_rule_varlen

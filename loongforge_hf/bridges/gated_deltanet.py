@@ -20,7 +20,8 @@ Choices:
   where that module says, for more than one token), the gated RMSNorm (``weight * norm(x)`` in the
   input's dtype times ``silu(z)`` in fp32, rounded once) and ``out_proj``.
 - Packed documents (megatron's mask blocks attention between documents): the conv and the recurrence restart at each
-  document's start (a token masked from the one before it while both are real), each document run on its own.
+  document's start (a token masked from the one before it while both are real): the conv per document, the rule
+  once for all rows and documents (``kernels.gated_delta_rule.gated_delta_rule_packed``, or fla's varlen kernel).
   transformers' torch fallback runs a packed row as one sequence; its fla kernels restart per document as here.
 - Context parallelism (megatron's load-balanced chunks: the inputs, the mask's rows ``[b, 1, s_local, s]``): the
   layer runs its own tokens and passes the conv's tail and the recurrent state between the chunks over the CP group
@@ -123,14 +124,8 @@ class GatedDeltaNet(torch.nn.Module):
             core = context_parallel_mix(self, qkv, g, beta, group=group, starts=starts)
         elif starts is None:
             core = self._mix(qkv, g, beta)
-        else:  # NOTE: each document of each row on its own (see the module docstring)
-            rows = []
-            for row, cuts in enumerate(starts):
-                bounds = [0, *cuts, qkv.shape[1]]
-                rows.append(torch.cat([self._mix(qkv[row:row + 1, lo:hi], g[row:row + 1, lo:hi],
-                                                 beta[row:row + 1, lo:hi]) for lo, hi in zip(bounds, bounds[1:])],
-                                      dim=1))
-            core = torch.cat(rows, dim=0)
+        else:
+            core = self._mix_packed(qkv, g, beta, [[0, *cuts, qkv.shape[1]] for cuts in starts])
         out = self._gated_norm(core, z)
         return self.out_proj(out.reshape(*out.shape[:2], -1).transpose(0, 1).contiguous())
 
@@ -173,6 +168,24 @@ class GatedDeltaNet(torch.nn.Module):
         if qkv.shape[1] > 1 and fla_delta_rule.available(qkv.device, backward=needs_grad):
             rule = fla_delta_rule.gated_delta_rule_rows
         return rule(q, k, v, g, beta, initial_state=state, output_final_state=cached)
+
+    def _mix_packed(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, bounds: list[list[int]]):
+        """``_mix`` over rows packing documents (``bounds``: each row's ``[0, .., seq]``): the conv per document,
+        the delta rule once for all rows and documents, each document from zero states."""
+        from loongforge_hf.kernels import fla_delta_rule
+        from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule_packed
+
+        pieces = [[self.conv_heads(qkv[row:row + 1, lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
+                  for row, cuts in enumerate(bounds)]
+        q, k, v = (torch.cat([torch.cat([p[i] for p in row], dim=1) for row in pieces]) for i in range(3))
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, g, beta))
+        if not fla_delta_rule.available(qkv.device, backward=needs_grad):
+            return gated_delta_rule_packed(q, k, v, g, beta, bounds)
+        batch, seq = qkv.shape[:2]
+        cu = torch.tensor([row * seq + c for row, cuts in enumerate(bounds) for c in cuts[:-1]] + [batch * seq],
+                          device=qkv.device)
+        flat = [x.reshape(1, batch * seq, *x.shape[2:]) for x in (q, k, v, g, beta)]
+        return fla_delta_rule.gated_delta_rule_varlen(*flat, cu_seqlens=cu)[0].reshape(*v.shape)
 
     def conv_heads(self, qkv: torch.Tensor, history: torch.Tensor | None = None):
         """The causal depthwise conv (``silu``, in the weight's dtype) over ``qkv`` ``[b, s, qkv_size]`` after

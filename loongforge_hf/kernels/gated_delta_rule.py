@@ -27,6 +27,8 @@ Choices:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -63,6 +65,45 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return (out, state) if output_final_state else out
 
 
+def gated_delta_rule_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, bounds: list[list[int]], *, chunk_size: int = 64) -> torch.Tensor:
+    """``gated_delta_rule`` over rows that pack documents, every document from a zero state, in one call: ``bounds``
+    holds each row's document bounds ``[0, .., seq]``. Each document is laid out on whole chunks of its own (zero
+    tokens after it: no decay, no write), the documents' chunks side by side in one sequence, and the state is not
+    carried past a document's last chunk; the outputs are read back in place. The same numbers as one call per
+    document (fp32 rounding apart) without a call per document."""
+    batch, seq = key.shape[:2]
+    if len(bounds) != batch or any(b[0] != 0 or b[-1] != seq or sorted(b) != b for b in bounds):
+        raise ValueError(f"gated_delta_rule_packed: bounds {bounds} are not {batch} rows of sorted document bounds "
+                         f"from 0 to {seq}.")
+    slots, places, carry = _packed_layout(tuple(map(tuple, bounds)), seq, chunk_size, key.device)
+
+    def laid_out(x):
+        flat = x.reshape(batch * seq, *x.shape[2:])
+        return torch.cat((flat, flat.new_zeros(1, *flat.shape[1:])))[slots][None]
+
+    q, k, v, gl, bl = (laid_out(x) for x in (query, key, value, g.float(), beta.float()))
+    initial = key.new_zeros(1, value.shape[2], key.shape[-1], value.shape[-1], dtype=torch.float32)
+    out, _ = _ChunkedRule.apply(q, k, v, gl, bl, initial, chunk_size, query.dtype, carry)
+    return out[0][places].reshape(batch, seq, *out.shape[2:])
+
+
+@functools.lru_cache(maxsize=16)
+def _packed_layout(bounds: tuple, seq: int, chunk_size: int, device: torch.device):
+    """``gated_delta_rule_packed``'s layout, kept for the next layers of a forward (same bounds): (the token of each
+    slot, ``batch * seq`` for the zero token; the slot of each token; the carry mask of the chunks)."""
+    spans = [(row * seq + lo, hi - lo) for row, cuts in enumerate(bounds) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+    chunks = [-(-length // chunk_size) for _, length in spans]
+    slots = torch.full((sum(chunks) * chunk_size,), len(bounds) * seq, dtype=torch.long)
+    places, carry, at = [], torch.ones(sum(chunks)), 0
+    for (start, length), n in zip(spans, chunks):
+        slots[at * chunk_size:at * chunk_size + length] = torch.arange(start, start + length)
+        places.append(torch.arange(at * chunk_size, at * chunk_size + length))
+        at += n
+        carry[at - 1] = 0.0
+    return tuple(t.to(device) for t in (slots, torch.cat(places), carry))
+
+
 def _normalized(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k L2-normalised in fp32, q scaled by ``k_dim^-1/2``."""
     return l2_normalize(query.float()) * query.shape[-1] ** -0.5, l2_normalize(key.float())
@@ -89,10 +130,11 @@ def _layout(q, k, v, g, beta, chunk_size: int):
     return q, k, v, g, beta
 
 
-def _prepare(q, k, v, g, beta, chunk_size: int):
+def _prepare(q, k, v, g, beta, chunk_size: int, carry: torch.Tensor | None = None):
     """Everything of the chunked form without a chunk-to-chunk dependence (batched over chunks), from the rule's
     inputs: (``state_pass``'s w, u, k_end and decay; q as it reads a chunk's starting state; the reads of the chunk's
-    own writes ``[.., chunk, chunk]``)."""
+    own writes ``[.., chunk, chunk]``). ``carry`` ``[chunks]`` (None: all 1): 0 after a chunk whose state the next
+    one must not see (a document's last chunk: the next starts from zero)."""
     q, k, v, g, beta = _layout(q, k, v, g, beta, chunk_size)
     running = g.cumsum(dim=-1)                                              # G: the decay since the chunk's start
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
@@ -106,7 +148,10 @@ def _prepare(q, k, v, g, beta, chunk_size: int):
     within = (q @ k.transpose(-1, -2)) * pair_decay                      # reads of this chunk's writes
     q_from_start = q * running.exp()[..., None]                           # reads of S0
     k_to_end = k * (running[..., -1:] - running).exp()[..., None]         # writes as seen at the chunk's end
-    return u_state, u_free, k_to_end, running[..., -1].exp(), q_from_start, within
+    decay = running[..., -1].exp()
+    if carry is not None:
+        k_to_end, decay = k_to_end * carry[:, None, None], decay * carry
+    return u_state, u_free, k_to_end, decay, q_from_start, within
 
 
 def _chunked_grad(d_out: torch.Tensor, seq: int, chunk_size: int) -> torch.Tensor:
@@ -125,13 +170,13 @@ class _ChunkedRule(torch.autograd.Function):
     recomputes the batched part there (no chunk-to-chunk dependence: cheap against the pass it saves)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial, chunk_size, out_dtype):
-        w, u, k_end, decay, q_start, within = _prepare(q, k, v, g, beta, chunk_size)
+    def forward(ctx, q, k, v, g, beta, initial, chunk_size, out_dtype, carry=None):
+        w, u, k_end, decay, q_start, within = _prepare(q, k, v, g, beta, chunk_size, carry)
         states, fresh, final = state_pass(w, u, k_end, decay, initial)
         out = q_start @ states + within @ fresh
         seq = q.shape[1]
         out = out.reshape(*out.shape[:2], -1, out.shape[-1])[:, :, :seq].transpose(1, 2).to(out_dtype)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.carry = chunk_size, carry
         ctx.save_for_backward(q, k, v, g, beta, states, fresh)
         return out, final
 
@@ -140,7 +185,7 @@ class _ChunkedRule(torch.autograd.Function):
         q, k, v, g, beta, states, fresh = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
-            w, u, k_end, decay, q_start, within = _prepare(*leaves, ctx.chunk_size)
+            w, u, k_end, decay, q_start, within = _prepare(*leaves, ctx.chunk_size, ctx.carry)
         d = _chunked_grad(d_out, q.shape[1], ctx.chunk_size)
         d_states, d_fresh = q_start.detach().transpose(-1, -2) @ d, within.detach().transpose(-1, -2) @ d
         d_w, d_u, d_k_end, d_decay, d_initial = _state_pass_grads(w.detach(), k_end.detach(), decay.detach(), states,
@@ -148,7 +193,7 @@ class _ChunkedRule(torch.autograd.Function):
         grads = torch.autograd.grad((w, u, k_end, decay, q_start, within), leaves,
                                     (d_w, d_u, d_k_end, d_decay, d @ states.transpose(-1, -2),
                                      d @ fresh.transpose(-1, -2)))
-        return (*grads, d_initial, None, None)
+        return (*grads, d_initial, None, None, None)
 
 
 def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -186,3 +186,23 @@ def test_triton_state_pass_matches_the_torch_loop_in_the_interpreter():
     output and input gradient within 1e-5 of the largest value (fp32)."""
     worst = run_interpreted("from tests.kernels._delta_rule_checks import check_state_pass\ncheck_state_pass()")
     assert len(worst) == 2 * 8 and max(worst) < 1e-5, worst
+
+
+def test_packed_documents_in_one_call_match_one_call_each():
+    """``gated_delta_rule_packed`` (documents on chunks of their own, the state not carried past a document's last
+    chunk) against one ``gated_delta_rule`` call per document: outputs and every input gradient (fp32, 1e-5), with
+    documents shorter than, equal to and longer than a chunk, of one token, and bad bounds refused."""
+    from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule_packed
+
+    bounds = [[0, 1, 9, 17, 30], [0, 30]]
+    inputs = [t.requires_grad_() for t in _inputs(2, 30, 2, 4, 6, 5, seed=11)]
+    weights = torch.randn(2, 30, 4, 5, generator=torch.Generator().manual_seed(12))
+    packed = gated_delta_rule_packed(*inputs, bounds, chunk_size=8)
+    one_each = torch.cat([torch.cat([gated_delta_rule(*(t[row:row + 1, lo:hi] for t in inputs), chunk_size=8)
+                                     for lo, hi in zip(cuts, cuts[1:])], dim=1) for row, cuts in enumerate(bounds)])
+    assert (packed - one_each).abs().max() < TOL
+    grads = [torch.autograd.grad((out * weights).sum(), inputs) for out in (packed, one_each)]
+    for name, a, b in zip("q k v g beta".split(), *grads):
+        assert (a - b).abs().max() < TOL * max(1.0, float(b.abs().max())), name
+    with pytest.raises(ValueError, match="are not 2 rows of sorted document bounds from 0 to 30"):
+        gated_delta_rule_packed(*inputs, [[0, 30], [0, 12, 29]])
