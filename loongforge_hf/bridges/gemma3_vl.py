@@ -61,6 +61,19 @@ class QKVRows(Mapping):
         return dict(zip(self.hf_names(layer), full.unbind(0)))
 
 
+def biased_vit_block_mappings(hf_block: str, norms: tuple[str, str], out_proj: str) -> list[Mapping]:
+    """A pre-norm ViT block with biases everywhere (SigLIP's, Llama 4's) -> our tower's ``blocks.{layer}`` names:
+    the two norms (HF names ``norms``), q / k / v fused by heads (``QKVRows``), the row-parallel output projection
+    ``self_attn.<out_proj>`` (its bias added after the reduction) and the ``mlp.fc1`` / ``mlp.fc2`` MLP."""
+    b, p = "blocks.{layer}", hf_block
+    maps: list[Mapping] = [Replicated(f"{b}.{n}.{k}", f"{p}.{hf}.{k}") for k in ("weight", "bias")
+                           for n, hf in zip(("norm1", "norm2"), norms)]
+    maps += [QKVRows(f"{b}.attn.qkv.{k}", *(f"{p}.self_attn.{x}_proj.{k}" for x in "qkv")) for k in ("weight", "bias")]
+    maps += [RowParallel(f"{b}.attn.proj.weight", f"{p}.self_attn.{out_proj}.weight"),
+             Replicated(f"{b}.attn.proj.bias", f"{p}.self_attn.{out_proj}.bias")]
+    return maps + biased_mlp_mappings(f"{b}.mlp", f"{p}.mlp.fc1", f"{p}.mlp.fc2")
+
+
 def siglip_shapes(bridge, projector: tuple) -> dict[str, tuple[int, ...]]:
     """HF shapes of ``bridge``'s SigLIP tower (patch embedding, position table, encoder layers, post-LayerNorm: the
     first names of its ``_outer_names``) and of its projector's tensors (``projector``: their shapes, in the order
@@ -183,14 +196,8 @@ class Gemma3VLBridge(OuterTableBridge):
 
     # ---- vision tensors ----------------------------------------------------------------------------------------
     def vision_block_mappings(self) -> list[Mapping]:
-        b, p = "blocks.{layer}", f"{self.vision_prefix}.encoder.layers.{{layer}}"
-        maps: list[Mapping] = [Replicated(f"{b}.{n}.{k}", f"{p}.layer_{n[:4]}{n[4:]}.{k}")
-                               for n in ("norm1", "norm2") for k in ("weight", "bias")]
-        maps += [QKVRows(f"{b}.attn.qkv.{k}", *(f"{p}.self_attn.{x}_proj.{k}" for x in "qkv"))
-                 for k in ("weight", "bias")]
-        maps += [RowParallel(f"{b}.attn.proj.weight", f"{p}.self_attn.out_proj.weight"),
-                 Replicated(f"{b}.attn.proj.bias", f"{p}.self_attn.out_proj.bias")]
-        return maps + biased_mlp_mappings(f"{b}.mlp", f"{p}.mlp.fc1", f"{p}.mlp.fc2")
+        return biased_vit_block_mappings(f"{self.vision_prefix}.encoder.layers.{{layer}}",
+                                         ("layer_norm1", "layer_norm2"), "out_proj")
 
     def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:
         """(tower name -> HF name) of the tensors before the blocks, and of those after them."""

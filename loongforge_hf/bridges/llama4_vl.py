@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.gemma3_vl import OuterTableBridge, QKVRows
+from loongforge_hf.bridges.gemma3_vl import OuterTableBridge, biased_vit_block_mappings
 from loongforge_hf.bridges.llama4 import Llama4Bridge
-from loongforge_hf.bridges.mappings import Mapping, Replicated, RowParallel, biased_mlp_mappings
+from loongforge_hf.bridges.mappings import Mapping
 from loongforge_hf.bridges.mistral3_vl import HeadPrefixedText
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES
 
@@ -127,14 +127,8 @@ class Llama4VLBridge(OuterTableBridge):
 
     # ---- vision tensors ----------------------------------------------------------------------------------------
     def vision_block_mappings(self) -> list[Mapping]:
-        b, p = "blocks.{layer}", f"{self.vision_prefix}.model.layers.{{layer}}"
-        maps: list[Mapping] = [Replicated(f"{b}.{n}.{k}", f"{p}.{hf}.{k}") for k in ("weight", "bias")
-                               for n, hf in (("norm1", "input_layernorm"), ("norm2", "post_attention_layernorm"))]
-        maps += [QKVRows(f"{b}.attn.qkv.{k}", *(f"{p}.self_attn.{x}_proj.{k}" for x in "qkv"))
-                 for k in ("weight", "bias")]
-        maps += [RowParallel(f"{b}.attn.proj.weight", f"{p}.self_attn.o_proj.weight"),
-                 Replicated(f"{b}.attn.proj.bias", f"{p}.self_attn.o_proj.bias")]
-        return maps + biased_mlp_mappings(f"{b}.mlp", f"{p}.mlp.fc1", f"{p}.mlp.fc2")
+        return biased_vit_block_mappings(f"{self.vision_prefix}.model.layers.{{layer}}",
+                                         ("input_layernorm", "post_attention_layernorm"), "o_proj")
 
     def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:
         """(tower name -> HF name) of the tensors before the blocks, and of those after them."""

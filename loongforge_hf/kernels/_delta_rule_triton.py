@@ -15,14 +15,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _state_pass_fwd(W, U, KEND, DECAY, S0, STATES, FRESH, FINAL, N, C, K, V, HAS_S0: tl.constexpr,
-                    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+def _program_tiles(C, K, V, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """This program's row x head, its chunk / key / value offsets and masks, its state tile's offsets and mask."""
     bh = tl.program_id(0).to(tl.int64)
     rc, rk = tl.arange(0, BC), tl.arange(0, BK)
     rv = tl.program_id(1) * BV + tl.arange(0, BV)
     mc, mk, mv = rc < C, rk < K, rv < V
-    kv = rk[:, None] * V + rv[None, :]
-    kv_mask = mk[:, None] & mv[None, :]
+    return bh, rc, rk, rv, mc, mk, mv, rk[:, None] * V + rv[None, :], mk[:, None] & mv[None, :]
+
+
+@triton.jit
+def _state_pass_fwd(W, U, KEND, DECAY, S0, STATES, FRESH, FINAL, N, C, K, V, HAS_S0: tl.constexpr,
+                    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    bh, rc, rk, rv, mc, mk, mv, kv, kv_mask = _program_tiles(C, K, V, BC, BK, BV)
     if HAS_S0:
         state = tl.load(S0 + bh * K * V + kv, mask=kv_mask, other=0.0)
     else:
@@ -44,12 +49,7 @@ def _state_pass_fwd(W, U, KEND, DECAY, S0, STATES, FRESH, FINAL, N, C, K, V, HAS
 @triton.jit
 def _state_pass_bwd(W, KEND, DECAY, D_STATES, D_FRESH, D_FINAL, D_U, D_NEXT, D_S0, N, C, K, V,
                     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    rc, rk = tl.arange(0, BC), tl.arange(0, BK)
-    rv = tl.program_id(1) * BV + tl.arange(0, BV)
-    mc, mk, mv = rc < C, rk < K, rv < V
-    kv = rk[:, None] * V + rv[None, :]
-    kv_mask = mk[:, None] & mv[None, :]
+    bh, rc, rk, rv, mc, mk, mv, kv, kv_mask = _program_tiles(C, K, V, BC, BK, BV)
     d_state = tl.load(D_FINAL + bh * K * V + kv, mask=kv_mask, other=0.0)   # NOTE: d of the state after the chunk
     for i in range(N):
         chunk = bh * N + (N - 1 - i)

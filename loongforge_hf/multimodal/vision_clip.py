@@ -46,6 +46,15 @@ def square_side(value, name: str) -> int:
     return int(pair[0])
 
 
+def check_square_grids(grid_thw: torch.Tensor, side: int, takes: str) -> int:
+    """The number of images in ``grid_thw`` ``[n, 3]`` when every one is a single ``side x side`` grid of patches;
+    ValueError (``takes`` first: what the tower takes) otherwise."""
+    for t, h, w in grid_thw.tolist():
+        if (t, h, w) != (1, side, side):
+            raise ValueError(f"{takes} ({side}x{side} patches); got a {t}x{h}x{w} grid.")
+    return grid_thw.shape[0]
+
+
 class LlavaProjector(nn.Module):
     """``[n, width]`` selected features -> ``[n, text_hidden]``: Linear, act, Linear (biases as configured)."""
 
@@ -107,12 +116,9 @@ class ClipTower(nn.Module):
         return [*self.blocks[max(self.feature_layers):], self.post_layernorm]
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        grid = [tuple(row) for row in grid_thw.tolist()]
-        side, d, n = self.side, self.config.hidden_size, len(grid)
-        for t, h, w in grid:
-            if (t, h, w) != (1, side, side):
-                raise ValueError(f"LLaVA's {self.family} tower takes {self.config.image_size}-pixel images "
-                                 f"({side}x{side} patches); got a {t}x{h}x{w} grid.")
+        side, d = self.side, self.config.hidden_size
+        n = check_square_grids(grid_thw, side,
+                               f"LLaVA's {self.family} tower takes {self.config.image_size}-pixel images")
         lead = self.lead
         x = self.embed(pixel_values, n).reshape(-1, d)
         cu_images = _cu([side * side + lead] * n).to(x.device)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from loongforge_hf.multimodal.vision import VisionAttention, VisionLinear, _cu, run_block
+from loongforge_hf.multimodal.vision_clip import check_square_grids
 from loongforge_hf.multimodal.vision_qwen3 import Qwen3VisionBlock
 
 LLAMA4_NORM_EPS = 1e-5  # NOTE: transformers builds nn.LayerNorm(hidden_size) without the config's norm_eps
@@ -117,12 +118,8 @@ class Llama4VisionTower(nn.Module):
         self.rotary = Llama4Rotary(d // config.num_attention_heads, theta)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        grid = [tuple(row) for row in grid_thw.tolist()]
-        side, d, n = self.side, self.config.hidden_size, len(grid)
-        for t, h, w in grid:
-            if (t, h, w) != (1, side, side):
-                raise ValueError(f"Llama 4's vision tower takes {self.config.image_size}-pixel tiles ({side}x{side} "
-                                 f"patches); got a {t}x{h}x{w} grid.")
+        side, d = self.side, self.config.hidden_size
+        n = check_square_grids(grid_thw, side, f"Llama 4's vision tower takes {self.config.image_size}-pixel tiles")
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype)).reshape(n, side * side, d)
         x = torch.cat([x, self.class_embedding.to(x.dtype).expand(n, 1, d)], dim=1)
         x = self.pre_norm(x + self.position_embedding.to(x.dtype)).reshape(n * (side * side + 1), d)
