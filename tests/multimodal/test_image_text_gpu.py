@@ -90,7 +90,8 @@ def _run(folder: str, batch_for=gemma3_batch) -> dict:
         result[name] = {"device": str(model.device), "loss": out.loss.item(), "ref_loss": exp.loss.item()}
         if dtype == torch.float32:
             ref_grads = {_hf_name(n): p.grad for n, p in ref.named_parameters()
-                         if n.startswith(VISION_TREES) and p.grad is not None}
+                         if n.startswith((*VISION_TREES, "model.visual.")) and p.grad is not None}
+            assert ref_grads, "no vision gradients in transformers' model: its tower's prefix is not listed"
             grads = vision_grads(model)
             valid = batch["attention_mask"].bool()
             result[name].update(logit_diff=(out.logits - exp.logits).abs()[valid].max().item(),
