@@ -693,7 +693,7 @@ class AutoModelForCausalLM:
             moe_graphs.check_layout(bridge, hf_config, megatron_config,
                                     expert_parallel_size=layout.expert_parallel_size, dtype=param_dtype, fp8=fp8)
             router_balance.check_layout(hf_config, bridge)
-            if hasattr(bridge, "check_layout"):  # NOTE: a layout the architecture cannot run (Qwen3.5: no CP)
+            if hasattr(bridge, "check_layout"):  # NOTE: a layout the architecture cannot run (Qwen3.5: heads vs TP)
                 bridge.check_layout(layout)
             if layout.interleaved_stages:
                 interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})

@@ -14,9 +14,13 @@ Choices:
   tower returns the merger's embeddings alone. Video frames as Qwen3-VL's (a timestamp between frames:
   ``frames_apart``).
 - The text model's refusals hold for the image-text model, named after this architecture (``check_layout``, at
-  load, on every rank before any collective; ``generation_refusal``). Context parallelism, which the text model
-  runs (``parallel/delta_rule_cp.py``), stays refused here: the image-text path under CP (images spliced by global
-  position, 3-D rope) has not been checked with Gated DeltaNet layers against transformers.
+  load, on every rank before any collective; ``generation_refusal``). Context parallelism composes from parts that
+  know nothing of each other: the chunk splices the images by global position and keeps megatron's load-balanced
+  share (``multimodal/chunk.py``), megatron's mrope slices the whole 3-D positions by the same rule, and the Gated
+  DeltaNet layers pass their states between the ranks' chunks (``parallel/delta_rule_cp.py``), packed samples' starts
+  read from the mask rows the chunk keeps. ``generate`` under CP runs without the cache only, as the text model's
+  (``kv_cache.patched`` refuses the cached one on every rank before the forward: the split prefill cannot fill the
+  layers' states).
 - ``lf.AutoModelForCausalLM`` loads the checkpoint as this image-text model (``causal_lm_auto``): transformers'
   ``AutoModelForCausalLM`` loads it too, as ``Qwen3_5ForCausalLM`` (the text model alone, the vision tensors left
   unread); ours gives the same logits on text and saves the whole checkpoint.
@@ -28,7 +32,6 @@ Choices:
 
 from __future__ import annotations
 
-from loongforge_hf.bridges.config_map import UnsupportedConfigError
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, MRopeText
 from loongforge_hf.bridges.qwen3_5 import Qwen3_5Bridge
 from loongforge_hf.bridges.qwen3_5_moe import Qwen3_5MoeBridge
@@ -51,11 +54,6 @@ class Qwen3_5VLBridge(Qwen3VLBridge):
     causal_lm_auto = True
 
     def check_layout(self, layout) -> None:
-        if layout.context_parallel_size > 1:
-            raise UnsupportedConfigError(
-                f"context_parallel_size={layout.context_parallel_size} is not supported for "
-                f"{self.architectures[0]}: context parallelism of Gated DeltaNet layers is tested on the text "
-                "models only (Qwen3_5ForCausalLM); use context_parallel_size=1.")
         self.text.check_layout(layout)
 
     def generation_refusal(self, generation_config) -> str | None:

@@ -5,16 +5,17 @@ the same padded, the MoE router outputs against transformers, and refusals (vide
 import torch
 
 
-def packed_against_padded(folder: str) -> dict:
+def packed_against_padded(folder: str, layout: dict | None = None, multiple: int | None = None) -> dict:
     """The video samples packed in one row (per-frame positions from the collator) against the same padded: the
-    loss and each sample's logits."""
+    loss and each sample's logits (in ``layout``, both batches padded to a ``multiple`` of tokens when given)."""
     import loongforge_hf as lf
 
     from ._vl_features import collator, hand_features
 
     features = hand_features(folder)
-    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    padded, packed = collator(folder)(features), collator(folder, packing=True)(features)
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **(layout or {}))
+    padded = collator(folder, pad_to_multiple_of=multiple)(features)
+    packed = collator(folder, packing=True, pad_to_multiple_of=multiple)(features)
     with torch.no_grad():
         out_padded, out_packed = model(**padded), model(**packed)
     diffs, start = [], 0

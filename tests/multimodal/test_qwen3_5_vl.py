@@ -2,11 +2,12 @@
 interleaved mrope over a quarter of each head, Qwen3-VL's ViT without DeepStack) against transformers: logits, loss
 and vision gradients within 1e-4 (fp32; measured below 1e-6) on images with a text-only row in one rank and in each
 two-rank layout of the tower and the language model (TP2 + SP with the tower split, TP2 with the tower
-encoder-data-parallel and both recomputed, PP2), on videos (a timestamp before each frame) at TP2 + SP; packed
-samples; bit-exact HF round trips; generate with and without the cache; LoongTrainer against transformers.Trainer;
-``lf.AutoModelForCausalLM`` on the checkpoint; refusals (context parallelism, the static cache) on every rank.
+encoder-data-parallel and both recomputed, PP2, CP2), on videos (a timestamp before each frame) at TP2 + SP and CP2;
+packed samples (also at CP2); bit-exact HF round trips; generate with and without the cache (without it at CP2, where
+the cached one is refused); LoongTrainer against transformers.Trainer; ``lf.AutoModelForCausalLM`` on the checkpoint;
+refusals (the static cache, the cache under CP) on every rank.
 Qwen3.5-MoE image-text (``Qwen3_5MoeForConditionalGeneration``, routed experts one tensor per expert, a gated shared
-expert) in the same worlds: logits, loss and vision gradients at TP1 and EP2, bit-exact round trips, and with
+expert) in the same worlds: logits, loss and vision gradients at TP1, EP2 and CP2, bit-exact round trips, and with
 ``output_router_logits`` (coefficient 0.3) the loss, ``aux_loss``, ``router_logits`` and the routers' gradients
 against transformers' (1e-5). Two worlds: one rank, two ranks."""
 
@@ -27,9 +28,9 @@ from ._vl_qwen3_5 import generate_reference, one_rank, two_ranks
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "processor_config.json")
-LAYOUTS = {n: layout for n, layout in TWO_RANKS.items() if n != "cp2"}  # NOTE: CP is refused (test_refusals)
+LAYOUTS = TWO_RANKS
 GENERATE_LAYOUTS = {"tp2_sp_vision_tp2": TWO_RANKS["tp2_sp_vision_tp2"], "pp2": TWO_RANKS["pp2"]}
-MOE_EP2 = {"expert_parallel_size": 2}
+MOE_TWO_RANKS = {"moe_ep2": {"expert_parallel_size": 2}, "moe_cp2": {"context_parallel_size": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def one(checkpoint, moe_checkpoint, out) -> dict:
 @pytest.fixture(scope="module")
 def two(checkpoint, moe_checkpoint, out) -> list:
     cases = [(n, str(checkpoint), layout, str(out / n), "default", 4) for n, layout in LAYOUTS.items()]
-    cases.append(("moe_ep2", str(moe_checkpoint), MOE_EP2, str(out / "moe_ep2"), "default", 4))
+    cases += [(n, str(moe_checkpoint), layout, str(out / n), "default", 4) for n, layout in MOE_TWO_RANKS.items()]
     return run_distributed(two_ranks, 2, cases, str(checkpoint), GENERATE_LAYOUTS, str(moe_checkpoint), timeout=600)
 
 
@@ -93,11 +94,15 @@ def test_parity_one_rank(one):
 
 
 def test_parity_two_ranks(two):
-    """Each layout on images; videos and images mixed at TP2 + SP with the tower split."""
+    """Each layout on images; videos and images mixed at TP2 + SP with the tower split and at CP2; at CP2 the video
+    samples packed in one row give the logits they give padded."""
     for results in two:
         for n, layout in LAYOUTS.items():
             check(results[n], grads=layout.get("pipeline_parallel_size", 1) == 1)
         check_videos(results["videos_tp2_sp"])
+        check_videos(results["videos_cp2"])
+        packed = results["packed_cp2"]
+        assert packed["rows"] == (1, 60) and packed["position_rows"][0] == 4 and packed["logit_diff"] < 1e-5, packed
     assert two[0]["tp2_sp_vision_tp2"]["vision_layout"] == "tensor_parallel"
     assert two[0]["tp2_encoder_data_parallel"]["vision_layout"] == "data_parallel"
 
@@ -112,12 +117,13 @@ def test_round_trips(one, two, checkpoint, out):
 
 
 def test_moe_parity_and_round_trips(one, two, moe_checkpoint, out):
-    """Qwen3.5-MoE image-text at TP1 and EP2 (images and a text-only row, the balancing loss in the loss); each
+    """Qwen3.5-MoE image-text at TP1, EP2 and CP2 (images and a text-only row, the balancing loss in the loss); each
     export is the checkpoint bit for bit, its routed experts one tensor per expert as transformers writes them."""
     check(one["moe_tp1"], grads=True)
     for results in two:
-        check(results["moe_ep2"], grads=True)
-    for n in ("moe_tp1", "moe_ep2"):
+        for n in MOE_TWO_RANKS:
+            check(results[n], grads=True)
+    for n in ("moe_tp1", *MOE_TWO_RANKS):
         _check_round_trip(moe_checkpoint, out / n, side_files=SIDE_FILES)
     names = read_all(out / "moe_tp1")
     assert "model.language_model.layers.3.mlp.experts.3.gate_proj.weight" in names
@@ -181,11 +187,15 @@ def test_causal_lm_loader_gives_the_image_text_model(one):
     assert got["logit_diff"] < TOL, got
 
 
-def test_refusals(two):
-    """Context parallelism is refused at load on both ranks, before any collective, naming the field."""
-    for got in two:
-        assert got["cp2"].startswith("UnsupportedConfigError: context_parallel_size=2 is not supported for "
-                                     "Qwen3_5ForConditionalGeneration"), got["cp2"]
+def test_context_parallel_generate(two, reference):
+    """CP2: greedy without the cache gives transformers' tokens, scores and logits within 1e-4 on both ranks; the
+    cached generate is refused on both (its split prefill cannot fill the Gated DeltaNet states), naming the way
+    out."""
+    for rank, got in enumerate(two):
+        cp = got["generate_cp2"]
+        assert_same_generation(cp["uncached"], reference, f"cp2 rank {rank} uncached", atol=TOL)
+        assert "cannot carry the states of Gated DeltaNet layers; under context parallelism generate with " \
+            "use_cache=False" in (cp["cached_refusal"] or ""), (rank, cp["cached_refusal"])
 
 
 def test_bad_configs_are_refused():
