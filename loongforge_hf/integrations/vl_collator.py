@@ -36,6 +36,12 @@ Choices:
   ``Idefics3Processor``): each sample's tiles ``[1, n, C, H, W]`` and ``pixel_attention_mask [1, n, H, W]`` are
   joined into one ``[1, sum n, ...]`` (transformers' forward drops all-zero padding tiles wherever they sit and
   takes the rest in order); only ``<image>`` tokens are image tokens.
+- LLaVA-OneVision (``mrope=False`` too; ``from_processor`` sets it, and ``video_token_id``, for a
+  ``LlavaOnevisionProcessor``): images as LLaVA-NeXT's, and each sample's ``batch_num_images`` (its image count; one
+  sample with more than one image takes base crops only) concatenated over the samples with images, as the
+  processor gives a batch of them; a sample without it counts its ``pixel_values``. Videos ``pixel_values_videos
+  [videos, frames, C, H, W]`` (no grid) are concatenated along dim 0, so all videos of a batch must have the same
+  frame count and size (transformers' one tensor): other shapes are refused, naming the field.
 """
 
 from __future__ import annotations
@@ -63,6 +69,28 @@ def _cat_crops(pieces: list[torch.Tensor]) -> torch.Tensor:
     (its image processor's batch padding)."""
     most = max(p.shape[1] for p in pieces)
     return torch.cat([torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in pieces])
+
+
+def _cat_videos(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """LLaVA-OneVision's per-sample ``[videos, frames, C, H, W]`` concatenated along dim 0 (one tensor: transformers'
+    ``get_video_features`` reshapes it whole, so frame counts and sizes must agree)."""
+    shapes = [tuple(p.shape[1:]) for p in pieces]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"pixel_values_videos: videos of [frames, C, H, W] {sorted(set(shapes))} cannot be batched "
+                         "(LLaVA-OneVision takes one [videos, frames, C, H, W] tensor); sample the same number of "
+                         "frames per video, or put such videos in batches of their own.")
+    return torch.cat(pieces, dim=0)
+
+
+def _images_a_sample(feature: dict) -> torch.Tensor:
+    """A feature's ``batch_num_images`` (its ``pixel_values``' image count where absent), checked against them."""
+    images = torch.as_tensor(feature["pixel_values"]).shape[0]
+    given = feature.get("batch_num_images")
+    counts = torch.tensor([images]) if given is None else torch.as_tensor(given).reshape(-1).long()
+    if int(counts.sum()) != images or bool((counts < 0).any()):
+        raise ValueError(f"batch_num_images={counts.tolist()} does not add up to the {images} images of the "
+                         "sample's pixel_values.")
+    return counts
 
 
 def _cat_images(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -98,12 +126,15 @@ class DataCollatorForImageText:
 
     @classmethod
     def from_processor(cls, processor, config=None, **kwargs) -> "DataCollatorForImageText":
-        """From a Qwen2.5-VL, Qwen3-VL, Gemma 3, Mistral 3 (Pixtral), InternVL, LLaVA, SmolVLM or Idefics3
-        processor; ``config`` (the model's) supplies ``tokens_per_second`` for videos."""
+        """From a Qwen2.5-VL, Qwen3-VL, Gemma 3, Mistral 3 (Pixtral), InternVL, LLaVA (-NeXT, -OneVision), SmolVLM or
+        Idefics3 processor; ``config`` (the model's) supplies ``tokens_per_second`` for videos."""
         from transformers import (Gemma3Processor, Idefics3Processor, InternVLProcessor, LlavaNextProcessor,
-                                  LlavaProcessor, Qwen3VLProcessor, SmolVLMProcessor)
+                                  LlavaOnevisionProcessor, LlavaProcessor, Qwen3VLProcessor, SmolVLMProcessor)
 
         tok = processor.tokenizer
+        if isinstance(processor, LlavaOnevisionProcessor) or getattr(config, "model_type", None) == "llava_onevision":
+            return cls(pad_token_id=tok.pad_token_id, image_token_id=processor.image_token_id,
+                       video_token_id=processor.video_token_id, mrope=False, **kwargs)
         # NOTE: by name: PixtralProcessor is a placeholder where torchvision is missing
         if type(processor).__name__ == "PixtralProcessor" \
                 or isinstance(processor, (InternVLProcessor, LlavaProcessor, LlavaNextProcessor, Idefics3Processor,
@@ -165,13 +196,18 @@ class DataCollatorForImageText:
             if having:
                 stacks = [torch.as_tensor(f[pixels]) for f in having]
                 crops = stacks[0].dim() == 5 and all(f.get("image_sizes") is not None for f in having)
-                batch[pixels] = _cat_crops(stacks) if crops else _join_tiles(stacks) if stacks[0].dim() == 5 \
-                    else _cat_images(stacks)
+                if pixels == "pixel_values_videos" and stacks[0].dim() == 5:  # NOTE: LLaVA-OneVision's
+                    batch[pixels] = _cat_videos(stacks)
+                else:
+                    batch[pixels] = _cat_crops(stacks) if crops else _join_tiles(stacks) if stacks[0].dim() == 5 \
+                        else _cat_images(stacks)
                 if all(f.get(grid) is not None for f in having):  # NOTE: none for Gemma 3's whole images
                     batch[grid] = torch.cat([torch.as_tensor(f[grid]).reshape(-1, 3) for f in having], dim=0)
         having = [f for f in features if f.get("pixel_values") is not None]
         if having and all(f.get("pixel_attention_mask") is not None for f in having):  # NOTE: Idefics3's
             batch["pixel_attention_mask"] = _join_tiles([torch.as_tensor(f["pixel_attention_mask"]) for f in having])
+        if any(f.get("batch_num_images") is not None for f in having):  # NOTE: LLaVA-OneVision's
+            batch["batch_num_images"] = torch.cat([_images_a_sample(f) for f in having])
         if having and all(f.get("image_sizes") is not None for f in having):  # NOTE: Mistral 3's, LLaVA-NeXT's
             batch["image_sizes"] = torch.cat([torch.as_tensor(f["image_sizes"]).reshape(-1, 2) for f in having])
         videos = [f for f in features if f.get("pixel_values_videos") is not None]

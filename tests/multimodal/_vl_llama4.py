@@ -58,10 +58,10 @@ def reloaded_diff(folder: str, exported: str) -> float:
     return (got - want).abs().max().item()
 
 
-def world(cases: list, folder: str, generate: dict, exported: str | None = None) -> dict:
+def world(cases: list, folder: str, generate: dict, exported: str | None = None, lora_dir: str | None = None) -> dict:
     """``compare`` for each (name, folder, layout, out_dir, extra keywords), greedy ``generate`` against
-    transformers' under each of ``generate`` (name -> layout) and, with ``exported``, ``reloaded_diff`` of it: in one
-    world."""
+    transformers' under each of ``generate`` (name -> layout), with ``exported`` ``reloaded_diff`` of it and with
+    ``lora_dir`` ``lora_checks`` there: in one world."""
     from ._vl_gemma3 import SCENARIOS, generate_both
 
     out = {"parity": {name: compare(f, layout, out_dir, **extra) for name, f, layout, out_dir, extra in cases},
@@ -69,4 +69,29 @@ def world(cases: list, folder: str, generate: dict, exported: str | None = None)
                         for name, layout in generate.items()}}
     if exported is not None:
         out["reloaded_diff"] = reloaded_diff(folder, exported)
+    if lora_dir is not None:
+        out["lora"] = lora_checks(folder, lora_dir)
     return out
+
+
+# ---- LoRA against PEFT ---------------------------------------------------------------------------------------------
+
+# PEFT's "all-linear" on every tower (the ViT's attention and MLP, the adapter's fc1 / fc2, the projector; the
+# language model's attention, dense MLPs and shared experts), the untied LM head and the final norm trained whole,
+# random B. NOTE: two modules left out, as loongforge's refusals ask: the router (an nn.Linear whose forward returns
+# a tuple, which PEFT's LoRA layer cannot wrap) and the ViT's patch linear (not a megatron layer)
+LORA_CONFIGS = {"all_linear": dict(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False,
+                                   exclude_modules=["router", "patch_embedding.linear"],
+                                   modules_to_save=["lm_head", "language_model.model.norm"])}
+# (vision, language) adapters with gradients; whole tensors in the adapter file
+LORA_TARGETS = {"all_linear": (2 * 6 + 2 + 1, 4 * 4 + 4 * 3)}
+LORA_SAVED = {"all_linear": 2}
+
+
+def lora_checks(folder: str, out_dir: str) -> dict:
+    """``_vl_lora.model_checks`` (logits, loss, adapter gradients, PEFT's counts, adapter and merged files) of each
+    of ``LORA_CONFIGS`` at TP1 on ``make_batch()``."""
+    from . import _vl_lora as V
+
+    return {f"tp1/{name}": V.model_checks(folder, f"{out_dir}/{name}", {}, name, LORA_CONFIGS,
+                                          batch_for=lambda _: make_batch(), grad_tol=5e-5) for name in LORA_CONFIGS}

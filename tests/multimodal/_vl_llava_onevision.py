@@ -1,7 +1,9 @@
 """Rank functions for tests/multimodal/test_llava_onevision.py (module-level so spawned ranks can import them), compared
 with transformers: ``"pictures"``, three pictures of three sizes through the tiny LLaVA-OneVision inputs (2 crops,
 nothing unpadded; 3 crops, unpadded; 5 crops, unpadded and shrunk by ``anyres_max_2``); ``"video"``, a 2-frame video
-beside a picture; ``"multi"``, a sample of two pictures (base crops only) beside a sample of one."""
+beside a picture; ``"multi"``, a sample of two pictures (base crops only) beside a sample of one; ``"collated"``, a
+video sample, a two-picture sample and a one-picture sample, each through the processor alone, batched by
+``DataCollatorForImageText``."""
 
 from __future__ import annotations
 
@@ -16,8 +18,33 @@ BATCHES = {"pictures": (["tok5 <image> tok7 tok8", "tok9 <image> tok10",
            "multi": (["tok3 <image> tok4 <image> tok6", "tok9 <image> tok10 tok11"], [(20, 40), (50, 36), (20, 20)],
                      0)}
 
+# (text, picture sizes, frames a video) of each sample collated
+SAMPLES = [("tok5 <video> tok7 tok8 tok9", [], 2), ("tok3 <image> tok4 <image> tok6", [(20, 40), (50, 36)], 0),
+           ("tok9 <image> tok10 tok11", [(20, 20)], 0)]
+
+
+def collated_batch(folder: str) -> dict:
+    """``SAMPLES``, each through the processor alone (its leading batch dimension kept, as ``return_tensors="pt"``
+    gives it), collated by ``DataCollatorForImageText.from_processor`` (the config's branch: the processor itself
+    needs torchvision) padded to a multiple of 4."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+    from loongforge_hf.testing.tiny_llava_onevision import tiny_llava_onevision_config
+
+    features = [llava_onevision_inputs(folder, [text], sizes, seed=k, frames=frames)
+                for k, (text, sizes, frames) in enumerate(SAMPLES)]
+    processor = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(folder), image_token_id=IMAGE,
+                                video_token_id=VIDEO)
+    collator = DataCollatorForImageText.from_processor(processor, tiny_llava_onevision_config(), pad_to_multiple_of=4)
+    return collator(features)
+
 
 def make_batch(folder: str, name: str = "pictures") -> dict:
+    if name == "collated":
+        return collated_batch(folder)
     texts, sizes, frames = BATCHES[name]
     batch = llava_onevision_inputs(folder, texts, sizes, seed=1, pad_to_multiple_of=4, frames=frames)
     ids, mask = batch["input_ids"], batch["attention_mask"]

@@ -2,7 +2,7 @@
 projector, the Llama 4 MoE decoder) against transformers: logits, loss and vision gradients within 1e-4 (fp32) with
 a picture cut into tiles and a one-tile picture in one batch, a text-only batch through ``lf.AutoModelForCausalLM``;
 TP1, TP2 + SP with the tower split over TP or encoder data parallel, PP2, CP2; bit-exact round trips that
-transformers loads back; greedy generate; refusals."""
+transformers loads back; greedy generate; LoRA against PEFT at TP1; refusals."""
 
 from pathlib import Path
 
@@ -12,8 +12,8 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.round_trip import check_round_trip, read_all
 from loongforge_hf.testing.tiny_llama4_vl import make_tiny_llama4_vl, tiny_llama4_vl_config
 
-from ._vl_llama4 import TEXT_ROWS, make_batch, world
-from ._vl_parity import check_generate
+from ._vl_llama4 import LORA_CONFIGS, LORA_SAVED, LORA_TARGETS, TEXT_ROWS, make_batch, world
+from ._vl_parity import check_generate, check_lora_vs_peft
 
 TOL = 1e-4
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -41,15 +41,22 @@ def check(result: dict, *, grads: bool = True) -> None:
         assert result["grad_diff"] is not None and result["grad_diff"] < TOL and result["grads"] == GRADS, result
 
 
-def test_parity_round_trip_and_generate_one_rank(checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(checkpoint, tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("llama4_vl_one_rank")
+    cases = [("tp1", str(checkpoint), {}, str(out / "tp1"), {}),
+             ("text_only", str(checkpoint), {}, None,
+              {"batch": make_batch(TEXT_ROWS), "auto_class": "AutoModelForCausalLM"})]
+    return run_distributed(world, 1, cases, str(checkpoint), {"tp1": {}}, str(out / "tp1"), str(out / "lora"),
+                           timeout=400)[0], out
+
+
+def test_parity_round_trip_and_generate_one_rank(checkpoint, one_rank):
     """TP1: 4 tiles (a 2x1-tiled picture with its global view, a one-tile picture) as transformers; a text-only batch
     through ``lf.AutoModelForCausalLM`` (the image-text model, as transformers' auto class loads the checkpoint);
     the export bit-exact, transformers' logits from it equal; greedy ``generate`` with left-padded prompts: the same
     tokens, logits within 1e-4."""
-    cases = [("tp1", str(checkpoint), {}, str(tmp_path / "tp1"), {}),
-             ("text_only", str(checkpoint), {}, None,
-              {"batch": make_batch(TEXT_ROWS), "auto_class": "AutoModelForCausalLM"})]
-    got = run_distributed(world, 1, cases, str(checkpoint), {"tp1": {}}, str(tmp_path / "tp1"), timeout=400)[0]
+    got, tmp_path = one_rank
     results = got["parity"]
     check(results["tp1"])
     text = results["text_only"]
@@ -60,6 +67,14 @@ def test_parity_round_trip_and_generate_one_rank(checkpoint, tmp_path):
     names = read_all(tmp_path / "tp1")
     assert "vision_model.vision_adapter.mlp.fc1.weight" in names and "language_model.lm_head.weight" in names
     check_generate(got["generate"])
+
+
+def test_lora_matches_peft(one_rank):
+    """PEFT's "all-linear" (router and patch linear left out; LM head and final norm whole) at TP1 with random
+    adapters against PEFT on transformers' model: trainable counts, logits and loss within 1e-5, the 15 tower and 28
+    language adapters' gradients within 5e-5 of their largest entry, the saved adapter's logits in PEFT, the merged
+    export's in transformers."""
+    check_lora_vs_peft([one_rank[0]], {"tp1": tuple(LORA_CONFIGS)}, targets=LORA_TARGETS, saved=LORA_SAVED)
 
 
 def test_parity_and_round_trip_two_ranks(checkpoint, tmp_path):

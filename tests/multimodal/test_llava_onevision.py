@@ -8,6 +8,9 @@ multi-image samples of base crops) against transformers, one launch per world si
   split; a 2-frame video (9 ``<video>`` tokens) beside a picture, at TP1 and at TP2 with the tower encoder data
   parallel (one item a rank); a sample of two pictures (17 tokens each: base crop and newline) beside a sample of
   one, at TP1 and at TP2 + SP with the tower split; bit-exact round trips;
+- a video sample, a two-picture sample and a one-picture sample, each through the processor alone and batched by
+  ``DataCollatorForImageText`` (``batch_num_images``, crops padded, the videos' tensor), at TP1, and what the
+  collator refuses (videos of different frame counts, ``batch_num_images`` not matching a sample's images);
 - greedy (with and without the KV cache) and beam search ``generate`` on the video batch: the same sequences as
   transformers', logits / scores within 1e-4;
 - the token count of many picture sizes (alone and in multi-image samples) and of videos against the processor's,
@@ -35,7 +38,7 @@ SPLIT_SP = {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor
 ENCODER_DP = {"tensor_parallel_size": 2, "vision_data_parallel": True}
 # batch name -> (logits shape, <image> tokens a row, <video> tokens a row)
 EXPECTED = {"pictures": ((3, 56, 204), [36, 52, 46], [0, 0, 0]), "video": ((2, 56, 204), [0, 52], [9, 0]),
-            "multi": ((2, 40, 204), [34, 36], [0, 0])}
+            "multi": ((2, 40, 204), [34, 36], [0, 0]), "collated": ((3, 40, 204), [0, 34, 36], [9, 0, 0])}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,7 @@ def one_rank(folders, tmp_path_factory):
     out = tmp_path_factory.mktemp("llava-onevision-one-rank")
     hub = str(folders["hub"])
     cases = [(n, str(f), {}, str(out / n), "pictures") for n, f in folders.items()] + \
-        [(n, hub, {}, None, n) for n in ("video", "multi")]
+        [(n, hub, {}, None, n) for n in ("video", "multi", "collated")]
     got = run_distributed(checks, 1, cases=cases, generation=(hub, SCENARIOS), timeout=600)
     return got[0], out
 
@@ -86,6 +89,30 @@ def test_video_and_multi_image_one_rank(one_rank):
     """A video beside a picture, a two-picture sample beside a one-picture sample, at TP1 as transformers."""
     for batch in ("video", "multi"):
         check(one_rank[0][batch], batch)
+
+
+def test_collated_samples_one_rank(one_rank):
+    """A video sample, a two-picture sample and a one-picture sample, each prepared alone and batched by
+    ``DataCollatorForImageText`` (``batch_num_images [2, 1]``), at TP1 as transformers on that batch."""
+    check(one_rank[0]["collated"], "collated")
+
+
+def test_collator_refuses_what_cannot_be_batched():
+    """Videos of different frame counts (one [videos, frames, C, H, W] tensor) and ``batch_num_images`` that do not
+    add up to a sample's images raise, naming the field."""
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+
+    collator = DataCollatorForImageText(pad_token_id=0, image_token_id=200, video_token_id=201, mrope=False)
+    ids = torch.tensor([[5, 201, 6]])
+    videos = [{"input_ids": ids, "pixel_values_videos": torch.zeros(1, n, 3, 28, 28)} for n in (2, 3)]
+    with pytest.raises(ValueError, match=r"pixel_values_videos: videos of \[frames, C, H, W\]"):
+        collator(videos)
+    image = {"input_ids": ids, "pixel_values": torch.zeros(2, 1, 3, 28, 28), "image_sizes": torch.tensor([[9, 9]] * 2),
+             "batch_num_images": torch.tensor([1])}
+    with pytest.raises(ValueError, match=r"batch_num_images=\[1\] does not add up to the 2 images"):
+        collator([image])
+    del image["batch_num_images"]
+    assert "batch_num_images" not in collator([image])  # NOTE: only where the samples bring it (LLaVA-NeXT's none)
 
 
 def test_generate_with_a_video(one_rank):
