@@ -23,8 +23,10 @@ from loongforge_hf.bridges.registry import register_bridge
 
 @register_bridge("Glm4ForCausalLM")
 class Glm4Bridge(DenseBridge):
+    qkv_bias_always = False  # NOTE: True: q / k / v biases whatever the config says (GLM-4.1V's decoder)
+
     def __init__(self, hf_config) -> None:
-        self.qkv_bias = bool(getattr(hf_config, "attention_bias", False))
+        self.qkv_bias = self.qkv_bias_always or bool(getattr(hf_config, "attention_bias", False))
         super().__init__(hf_config)
 
     def rope_parameters(self) -> dict:

@@ -45,18 +45,24 @@ def interleaved_axes(mrope_section: list[int], channels: int, device=None) -> to
 
 class InterleavedMRoPE(MultimodalRotaryEmbedding):
     """megatron's multimodal rotary embedding with the axes' channels interleaved (see the module docstring): the
-    same ``forward(position_ids [3, b, s], mrope_section)`` -> angles ``[s, b, 1, dim]`` (CP share sliced)."""
+    same ``forward(position_ids [3, b, s], mrope_section)`` -> angles ``[s, b, 1, dim]`` (CP share sliced).
+    Subclasses pick the frequency channels' axes otherwise (``channel_axes``: GLM-4.1V's contiguous sections); with
+    ``rotary_interleaved`` each frequency turns a channel pair ``(2i, 2i + 1)``, else channels ``i`` and
+    ``i + dim / 2``."""
+
+    channel_axes = staticmethod(interleaved_axes)
 
     def forward(self, position_ids: torch.Tensor, mrope_section: list[int], cp_group=None) -> torch.Tensor:
         from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
 
-        if self.rotary_interleaved or self.seq_len_interpolation_factor is not None:
-            raise ValueError("InterleavedMRoPE: rotary_interleaved and seq_len_interpolation_factor are not supported.")
+        if self.seq_len_interpolation_factor is not None:
+            raise ValueError(f"{type(self).__name__}: seq_len_interpolation_factor is not supported.")
         positions = position_ids.to(device=self.inv_freq.device, dtype=torch.float32)
         freqs = positions[..., None] * self.inv_freq.float()                       # [3, b, s, dim / 2]
-        axes = interleaved_axes(mrope_section, freqs.shape[-1], device=freqs.device)
+        axes = self.channel_axes(mrope_section, freqs.shape[-1], device=freqs.device)
         half = freqs.gather(0, axes.expand(1, *freqs.shape[1:]))[0]                # [b, s, dim / 2]
-        emb = torch.cat([half, half], dim=-1)[..., None, :].transpose(0, 1).contiguous()
+        full = half.repeat_interleave(2, dim=-1) if self.rotary_interleaved else torch.cat([half, half], dim=-1)
+        emb = full[..., None, :].transpose(0, 1).contiguous()
         cp_group = cp_group if cp_group is not None else self.cp_group
         if cp_group is not None and cp_group.size() > 1:
             emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
@@ -64,12 +70,15 @@ class InterleavedMRoPE(MultimodalRotaryEmbedding):
 
 
 class InterleavedRope:
-    """A text bridge whose built model takes ``InterleavedMRoPE`` for megatron's multimodal rotary embedding."""
+    """A text bridge whose built model takes ``InterleavedMRoPE`` (or its ``rope_class``) for megatron's multimodal
+    rotary embedding."""
+
+    rope_class = InterleavedMRoPE
 
     def finish_model(self, model) -> None:
         super().finish_model(model)
         if isinstance(getattr(model, "rotary_pos_emb", None), MultimodalRotaryEmbedding):
-            model.rotary_pos_emb.__class__ = InterleavedMRoPE
+            model.rotary_pos_emb.__class__ = self.rope_class
 
 
 class Qwen3VLTextBridge(InterleavedRope, MRopeText, Qwen3Bridge):

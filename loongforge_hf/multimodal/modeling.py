@@ -104,6 +104,8 @@ def _tower_inputs(bridge, get) -> dict:
     ``image_sizes``, ``pixel_attention_mask`` and ``batch_num_images`` where given), LLaVA-OneVision's videos
     without ``video_grid_thw`` through ``bridge.video_inputs``."""
     out = {name: get(name) for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+    if out["pixel_values_videos"] is not None and getattr(bridge, "video_refusal", None):
+        raise ValueError(bridge.video_refusal)
     if out["pixel_values"] is not None:
         out["pixel_values"], out["image_grid_thw"] = bridge.vision_inputs(
             out["pixel_values"], out["image_grid_thw"], image_sizes=get("image_sizes"),
@@ -213,6 +215,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
             return value.to(device) if isinstance(value, torch.Tensor) else value
 
         input_ids, attention_mask = get("input_ids"), get("attention_mask")
+        kwargs = _tower_inputs(self.bridge, get)  # NOTE: first: its refusals come before the positions' checks
         position_ids, text_positions = get("position_ids"), None
         if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4:
             text_positions, position_ids = position_ids[0], position_ids[1:]
@@ -227,7 +230,6 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                                                   second_per_grid_ts=get("second_per_grid_ts"),
                                                   document_ids=documents)
         mask = megatron_attention_mask(attention_mask, input_ids.shape[1], text_positions)
-        kwargs = _tower_inputs(self.bridge, get)
         if self.bridge.bidirectional_images:  # NOTE: as transformers, only where token_type_ids are given
             kwargs["token_type_ids"] = get("token_type_ids")
         return (input_ids, position_ids.to(device), mask), kwargs
@@ -450,7 +452,7 @@ class AutoModelForImageTextToText:
                                vocab_size=text.vocab_size, num_experts=bridge.text.num_experts())
             router_balance.check_layout(text, bridge.text)
             check_kv_replication(bridge.text, layout)
-            if hasattr(bridge, "check_layout"):  # NOTE: a layout the architecture cannot run (Qwen3.5: no CP)
+            if hasattr(bridge, "check_layout"):  # NOTE: a layout the architecture cannot run (Qwen3.5: heads vs TP)
                 bridge.check_layout(layout)
             check_deepstack_layers(getattr(bridge, "deepstack_count", 0), text.num_hidden_layers, layout)
             vision_layout = _vision_layout(vision_tensor_parallel_size=vision_tensor_parallel_size,

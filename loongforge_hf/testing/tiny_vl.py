@@ -78,6 +78,10 @@ def processor_for(folder: str | Path):
         return AutoProcessor.from_pretrained(folder)
     if model_type == "qwen2_vl":
         return make_processor(AutoTokenizer.from_pretrained(folder), base=Qwen2VLProcessor)
+    if model_type in ("glm4v", "glm4v_moe"):
+        from loongforge_hf.testing.tiny_glm4v import make_glm4v_processor
+
+        return make_glm4v_processor(AutoTokenizer.from_pretrained(folder))
     if model_type in ("qwen3_5", "qwen3_5_moe"):
         # NOTE: AutoTokenizer gives Qwen3.5's checkpoints Qwen3_5Tokenizer (a byte-level BPE) whatever the folder
         # holds: the tiny word-level tokenizer loads as itself

@@ -101,13 +101,15 @@ def _run(folder: str, batch_for=gemma3_batch) -> dict:
 
 
 @pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl", "internvl", "llava", "llava_next", "smolvlm",
-                                   "llama4"])
+                                   "llama4", "glm4v"])
 def test_cuda_matches_transformers(tmp_path, model):
     """Gemma 3 (the image blocks), Mistral 3 (images of three sizes), Qwen2-VL (the processor's batch), InternVL
     (InternViT tiles, pixel shuffle), LLaVA-1.5 (CLIP, the penultimate layer), LLaVA-NeXT (any-resolution crops of
-    three pictures, unpadded, ``image_newline``), SmolVLM (SigLIP, the connector's pixel shuffle) and Llama 4 (its
-    ViT's complex-pair rope, pixel shuffle, the MoE decoder)."""
-    from loongforge_hf.testing import tiny_idefics3, tiny_internvl, tiny_llama4_vl, tiny_llava, tiny_llava_next, tiny_vl
+    three pictures, unpadded, ``image_newline``), SmolVLM (SigLIP, the connector's pixel shuffle), Llama 4 (its
+    ViT's complex-pair rope, pixel shuffle, the MoE decoder) and GLM-4.1V (the processor's batch: the bicubic
+    position grid, the downsample, the sectioned pair mrope)."""
+    from loongforge_hf.testing import (tiny_glm4v, tiny_idefics3, tiny_internvl, tiny_llama4_vl, tiny_llava,
+                                       tiny_llava_next, tiny_vl)
 
     writer, batch_for = {"gemma3": (tiny_vl.make_tiny_gemma3_vl, gemma3_batch),
                          "mistral3": (tiny_vl.make_tiny_mistral3, mistral3_batch),
@@ -116,7 +118,8 @@ def test_cuda_matches_transformers(tmp_path, model):
                          "llava": (tiny_llava.make_tiny_llava, llava_batch),
                          "llava_next": (tiny_llava_next.make_tiny_llava_next, llava_next_batch),
                          "smolvlm": (tiny_idefics3.make_tiny_idefics3, smolvlm_batch),
-                         "llama4": (tiny_llama4_vl.make_tiny_llama4_vl, llama4_batch)}[model]
+                         "llama4": (tiny_llama4_vl.make_tiny_llama4_vl, llama4_batch),
+                         "glm4v": (tiny_glm4v.make_tiny_glm4v, processor_batch)}[model]
     folder = writer(tmp_path / "src")
     [r] = run_distributed(_run, 1, str(folder), batch_for, timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
     assert r["fp32"]["device"].startswith("cuda"), r
