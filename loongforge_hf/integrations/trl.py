@@ -121,6 +121,14 @@ def _vision_pad_multiple(parallel, args: SFTConfig) -> int:
     return multiple
 
 
+# NOTE: what a model's forward takes of TRL's batch in evaluation (its masks are the collator's own); images and
+# videos too, for an image-text model (Idefics3's pixel mask, Gemma 3's token types, LLaVA-OneVision's images per
+# sample)
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels", "pixel_values", "image_grid_thw",
+                "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids", "image_sizes",
+                "pixel_attention_mask", "token_type_ids", "batch_num_images")
+
+
 class LoongSFTTrainer(LoongTrainer, SFTTrainer):
     """A drop-in ``trl.SFTTrainer`` for ``LoongModelForCausalLM`` models (``peft_config`` gives megatron LoRA)."""
 
@@ -239,11 +247,7 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
         from loongforge_hf.bridges.runtime import IGNORE_INDEX, shift_labels
         from loongforge_hf.kernels.cross_entropy import logits_token_stats
 
-        # NOTE: what the model's forward takes of TRL's batch (its masks are the collator's own); images and videos
-        # too, for an image-text model
-        keep = ("input_ids", "attention_mask", "position_ids", "labels", "pixel_values", "image_grid_thw",
-                "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids", "image_sizes")
-        outputs = model(**{k: v for k, v in inputs.items() if k in keep})
+        outputs = model(**{k: v for k, v in inputs.items() if k in MODEL_INPUTS})
         mode = "train" if self.model.training else "eval"
         if inputs.get("labels") is not None and outputs.logits is not None:
             labels = shift_labels(inputs["labels"].to(outputs.logits.device))

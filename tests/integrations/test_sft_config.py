@@ -158,3 +158,26 @@ def test_sft_settings_the_engine_cannot_honour_are_refused(tmp_path, field, valu
     args = trl.SFTConfig(str(tmp_path), use_cpu=True, report_to=[], bf16=False, **{field: value})
     with pytest.raises(ValueError, match=re.escape(message)):
         _refuse_unsupported(args)
+
+
+def test_evaluation_forward_gets_every_vision_input():
+    """LoongSFTTrainer's evaluation ``compute_loss`` hands the model what its forward takes of a collated image-text
+    batch (Idefics3's pixel mask, Gemma 3's token types, LLaVA-OneVision's images per sample among them) and drops
+    TRL's other keys."""
+    import types
+
+    from loongforge_hf.integrations.trl import LoongSFTTrainer
+
+    seen = {}
+
+    def model(**kwargs):
+        seen.update(kwargs)
+        return types.SimpleNamespace(logits=None, loss=torch.tensor(1.5), aux_loss=None)
+
+    metrics = {"eval": {"num_tokens": []}}
+    trainer = types.SimpleNamespace(model=types.SimpleNamespace(training=False), _metrics=metrics,
+                                    _total_train_tokens=7, aux_loss_enabled=False, label_smoother=None)
+    vision = {"pixel_values": 1, "pixel_attention_mask": 2, "token_type_ids": 3, "batch_num_images": 4,
+              "image_sizes": 5}
+    loss = LoongSFTTrainer.compute_loss(trainer, model, {"input_ids": 0, "completion_mask": 9, **vision})
+    assert float(loss) == 1.5 and seen == {"input_ids": 0, **vision} and metrics["eval"]["num_tokens"] == [7]
