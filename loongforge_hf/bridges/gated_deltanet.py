@@ -170,18 +170,23 @@ class GatedDeltaNet(torch.nn.Module):
         return rule(q, k, v, g, beta, initial_state=state, output_final_state=cached)
 
     def _mix_packed(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, bounds: list[list[int]]):
-        """``_mix`` over rows packing documents (``bounds``: each row's ``[0, .., seq]``): the conv per document,
-        the delta rule once for all rows and documents, each document from zero states."""
+        """``_mix`` over rows packing documents (``bounds``: each row's ``[0, .., seq]``), each document from zero
+        states, in one call each: the conv over the documents laid out after ``conv_kernel - 1`` zero slots each, the
+        delta rule over all rows and documents."""
         from loongforge_hf.kernels import fla_delta_rule
         from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule_packed
 
-        pieces = [[self.conv_heads(qkv[row:row + 1, lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
-                  for row, cuts in enumerate(bounds)]
-        q, k, v = (torch.cat([torch.cat([p[i] for p in row], dim=1) for row in pieces]) for i in range(3))
+        batch, seq, width = qkv.shape
+        weight = self.conv_weight
+        gap = weight.shape[-1] - 1
+        slots, places = _gapped_slots(tuple(map(tuple, bounds)), seq, gap, qkv.device)
+        flat = qkv.reshape(batch * seq, width)
+        inputs = torch.cat((flat, flat.new_zeros(1, width)))[slots].t().to(weight.dtype)[None]
+        conv = F.silu(F.conv1d(inputs, weight, groups=self.qkv_size))[0].t()[places - gap]
+        q, k, v = self._heads(conv.to(qkv.dtype).reshape(batch, seq, width))
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, g, beta))
         if not fla_delta_rule.available(qkv.device, backward=needs_grad):
             return gated_delta_rule_packed(q, k, v, g, beta, bounds)
-        batch, seq = qkv.shape[:2]
         cu = torch.tensor([row * seq + c for row, cuts in enumerate(bounds) for c in cuts[:-1]] + [batch * seq],
                           device=qkv.device)
         flat = [x.reshape(1, batch * seq, *x.shape[2:]) for x in (q, k, v, g, beta)]
@@ -191,12 +196,15 @@ class GatedDeltaNet(torch.nn.Module):
         """The causal depthwise conv (``silu``, in the weight's dtype) over ``qkv`` ``[b, s, qkv_size]`` after
         ``history`` (``[b, qkv_size, conv_kernel - 1]``; None: zeros) -> q, k ``[b, s, Hk, Dk]``, v ``[b, s, Hv, Dv]``
         in ``qkv``'s dtype."""
-        batch, seq, _ = qkv.shape
         weight = self.conv_weight
         inputs = qkv.transpose(1, 2).to(weight.dtype)
         inputs = F.pad(inputs, (weight.shape[-1] - 1, 0)) if history is None \
             else torch.cat((history.to(weight.dtype), inputs), dim=-1)
-        conv = F.silu(F.conv1d(inputs, weight, groups=self.qkv_size)).to(qkv.dtype).transpose(1, 2)
+        return self._heads(F.silu(F.conv1d(inputs, weight, groups=self.qkv_size)).to(qkv.dtype).transpose(1, 2))
+
+    def _heads(self, conv: torch.Tensor):
+        """The conv's output ``[b, s, qkv_size]`` -> q, k ``[b, s, Hk, Dk]``, v ``[b, s, Hv, Dv]``."""
+        batch, seq, _ = conv.shape
         kd = self.k_heads * self.key_dim
         q, k, v = torch.split(conv, [kd, kd, self.v_heads * self.value_dim], dim=-1)
         heads = (batch, seq, self.k_heads, self.key_dim)
@@ -240,6 +248,19 @@ def _token_layout(mask: torch.Tensor | None, batch: int, seq: int, *, group=None
     layout = _read_layout(mask, batch, seq) if group is None else read_cp_layout(mask, batch, seq, group)
     _LAYOUT_MEMO[0] = (weakref.ref(mask), mask._version, batch, seq, group, layout)
     return layout
+
+
+@functools.lru_cache(maxsize=16)
+def _gapped_slots(bounds: tuple, seq: int, gap: int, device: torch.device):
+    """Each row's documents (``bounds``) one after another, each after ``gap`` zero slots: (the token of each slot,
+    ``rows * seq`` for a zero; the slot of each token), kept for the next layers of a forward."""
+    zero, slots, places = len(bounds) * seq, [], []
+    for row, cuts in enumerate(bounds):
+        for lo, hi in zip(cuts, cuts[1:]):
+            slots += [zero] * gap
+            places += range(len(slots), len(slots) + hi - lo)
+            slots += range(row * seq + lo, row * seq + hi)
+    return torch.tensor(slots, device=device), torch.tensor(places, device=device)
 
 
 def _read_layout(mask: torch.Tensor, batch: int, seq: int):
