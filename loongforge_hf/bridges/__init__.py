@@ -5,6 +5,7 @@ from loongforge_hf.bridges import falcon  # noqa: F401
 from loongforge_hf.bridges import gpt2  # noqa: F401
 from loongforge_hf.bridges import gpt_bigcode  # noqa: F401
 from loongforge_hf.bridges import llama4  # noqa: F401
+from loongforge_hf.bridges import minimax_m2  # noqa: F401
 from loongforge_hf.bridges import qwen3_5  # noqa: F401
 from loongforge_hf.bridges import qwen3_5_moe, qwen3_next  # noqa: F401
 from loongforge_hf.bridges import (arcee, cohere, deepseek, ernie4_5_moe, exaone4, gemma, glm4,  # noqa: F401

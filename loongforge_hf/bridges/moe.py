@@ -183,6 +183,7 @@ class MoEBridge(DenseBridge):
     shared_experts: str | None = None                          # HF module of always-on experts (DeepSeek)
     shared_expert_gate: str | None = None                      # HF linear [1, H] whose sigmoid scales them (Qwen2-MoE)
     expert_bias: bool = False                                  # ``gate.e_score_correction_bias`` (DeepSeek-V3)
+    expert_bias_name: str = "gate.e_score_correction_bias"     # ... in the sparse block (MiniMax-M2: beside gate)
     router_fp32: bool = False                                  # transformers keeps ``gate.weight`` in fp32
     hf_balance_loss: bool = False                              # transformers' model computes the router aux loss
     hf_router_logits: bool = False                             # ... returns MoeCausalLMOutputWithPast, router_logits
@@ -254,7 +255,7 @@ class MoEBridge(DenseBridge):
             *routed,
         ]
         if self.expert_bias:
-            maps.append(FP32Replicated(f"{D}.mlp.router.expert_bias", f"{s}.gate.e_score_correction_bias"))
+            maps.append(FP32Replicated(f"{D}.mlp.router.expert_bias", f"{s}.{self.expert_bias_name}"))
         if self.shared_experts:
             shared = f"{s}.{self.shared_experts}"
             maps += [GatedMLP(f"{D}.mlp.shared_experts.linear_fc1.weight", gate=f"{shared}.gate_proj.weight",
@@ -281,7 +282,7 @@ class MoEBridge(DenseBridge):
             shapes.update({f"{s}.experts.{e}.{gate}.weight": (f, h), f"{s}.experts.{e}.{up}.weight": (f, h),
                            f"{s}.experts.{e}.{down}.weight": (h, f)})
         if self.expert_bias:
-            shapes[f"{s}.gate.e_score_correction_bias"] = (n,)
+            shapes[f"{s}.{self.expert_bias_name}"] = (n,)
         if self.shared_experts:
             fs, shared = self.shared_ffn_size(), f"{s}.{self.shared_experts}"
             shapes.update({f"{shared}.gate_proj.weight": (fs, h), f"{shared}.up_proj.weight": (fs, h),

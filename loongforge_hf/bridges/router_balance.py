@@ -9,15 +9,15 @@ Choices:
   probability (over all experts), both summed over layers and tokens weighted by the attention mask, divided by
   ``R`` = layers x weighted tokens. megatron's own balancing losses (per layer, divided by top-k) stay off.
 - ``BalanceRouter`` is megatron's ``TopKRouter`` in the MoE layers' router slot (``specs.py``). While a forward is
-  tallied (``RouterBalance.begin``) each layer adds its three sums (slot counts, probability sums, weight sum) to
-  the forward's ``Tally``; its chosen experts are the routing map megatron dispatches with (a router with ERNIE 4.5's
-  softmax expert bias, which routes by ``biased_routing.route``: the top k without the bias, as transformers counts
-  them). It also hands its logits to the forward's ``router_logits.RouterLogits`` while the model's forward records
-  them (all it does for bridges with ``hf_router_logits`` alone, DeepSeek: ``balance`` None, ``routing`` is
-  megatron's). Token weights: the user's attention mask, 0 for the pads the engine adds for its layout
-  (``trainer.data``), 1 everywhere for padding-free rows, as transformers counts them. ``Tally.finish`` sums the
-  layers and the ranks that split the tokens (tensor-parallel ranks under sequence parallelism, context-parallel
-  ranks) and returns the loss.
+  tallied (``RouterBalance.begin``) each layer adds its three sums (slot counts, probability sums, weight sum) to the
+  forward's ``Tally``; its chosen experts are the routing map megatron dispatches with (a router with an expert bias,
+  ERNIE 4.5's softmax one, which routes by ``biased_routing.route``, or MiniMax-M2's sigmoid one, megatron's
+  ``expert_bias``: the top k without the bias, as transformers counts them). It also hands its logits to the forward's
+  ``router_logits.RouterLogits`` while the model's forward records them (all it does for bridges with
+  ``hf_router_logits`` alone, DeepSeek: ``balance`` None, ``routing`` is megatron's). Token weights: the user's
+  attention mask, 0 for the pads the engine adds for its layout (``trainer.data``), 1 everywhere for padding-free rows,
+  as transformers counts them. ``Tally.finish`` sums the layers and the ranks that split the tokens (tensor-parallel
+  ranks under sequence parallelism, context-parallel ranks) and returns the loss.
 - The gradient: ``Tally.finish`` returns the loss in the graph (``_AuxOut``), and each layer's probability sums join
   it through an identity op on the router's output (``_SumsGrad``). Whatever reaches ``aux_loss`` in the backward
   (``coef`` from ``loss = lm + coef * aux``, times anything that scaled the loss afterwards: gradient accumulation,
@@ -76,8 +76,13 @@ def _top_k_router():
             if self.recorder is not None:
                 self.recorder.record(self, logits)
             if self.balance is not None and self.balance.tally is not None:
-                # NOTE: transformers' balancing loss counts the top k without an expert bias
-                counted = routing_map if scores is None else biased_routing.unbiased_map(scores, self.topk)
+                # NOTE: transformers' balancing loss counts the top k without an expert bias (ERNIE 4.5's softmax
+                # one; MiniMax-M2's sigmoid one, megatron's expert_bias: the top k of the logits is the softmax's)
+                counted = routing_map
+                if scores is not None:
+                    counted = biased_routing.unbiased_map(scores, self.topk)
+                elif self.enable_expert_bias:
+                    counted = biased_routing.unbiased_map(logits.view(-1, self.config.num_moe_experts), self.topk)
                 probs = self.balance.take(self, logits, counted, probs)
             return probs, routing_map
 

@@ -4,7 +4,7 @@ Sizes are chosen to exercise what the bridges must get right: GQA (heads != KV h
 Qwen3, several safetensors shards, vocab not a multiple of 128 (so padding is tested), odd layer counts on request.
 MoE models have a dense first layer where the architecture allows one, 4-8 experts, and router weights large enough
 that no two experts tie for a token (a near tie could flip with summation order and make parity flaky);
-DeepSeek-V3's and ERNIE 4.5 MoE's ``e_score_correction_bias`` is random too, and ``mtp_layers`` appends
+DeepSeek-V3's, ERNIE 4.5 MoE's and MiniMax-M2's ``e_score_correction_bias`` is random too, and ``mtp_layers`` appends
 multi-token-prediction tensors.
 """
 
@@ -20,7 +20,7 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe", "starcoder2",
               "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi", "gptj", "stablelm",
               "llama4", "falcon", "falcon_mqa", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "qwen3_5",
-              "qwen3_next", "qwen3_5_moe")
+              "qwen3_next", "qwen3_5_moe", "minimax_m2")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -246,6 +246,12 @@ def _config(arch: str, **overrides):
         # experts (top 3) in every layer, softmax scores not renormalised (norm_topk_prob off, as the hub's)
         cfg = tf.OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=3,
                              norm_topk_prob=False)
+    elif arch == "minimax_m2":
+        # NOTE: MiniMax-M2's layout shrunk: q / k norms over all heads (GQA here, so the k norm is narrower), half of
+        # each head rotary (rotary_dim 12 of 24, as 64 of 128), 8 experts (top 3) in every layer, sigmoid routing on
+        # the scores plus an e_score_correction_bias randomised below (large enough to change some tokens' experts)
+        cfg = tf.MiniMaxM2Config(**{**common, "intermediate_size": 32, "head_dim": 24}, rotary_dim=12,
+                                 num_local_experts=8, num_experts_per_tok=3)
     elif arch == "llama4":
         # NOTE: Llama 4 Scout's layout shrunk: dense (intermediate_size_mlp) and MoE layers alternating (4 experts,
         # top 1, a shared expert), layer 3 NoPE with a temperature that varies at the tests' lengths (floor_scale 3),

@@ -89,7 +89,8 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     # before); ERNIE 4.5 MoE's, OLMoE's, Qwen3-Next's and Qwen3.5-MoE's with transformers' balancing loss (its
     # coefficient times it in the loss)
     routed = {"output_router_logits": True} if model.config.model_type.startswith(
-        ("deepseek", "glm4_moe", "ernie4_5_moe", "olmoe", "llama4", "qwen3_next", "qwen3_5_moe")) else {}
+        ("deepseek", "glm4_moe", "ernie4_5_moe", "olmoe", "llama4", "qwen3_next", "qwen3_5_moe",
+         "minimax_m2")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)

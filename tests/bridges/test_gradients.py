@@ -37,7 +37,8 @@ runs at TP1, CP2 and TP2 + SP (the head replicated on both ranks, their gradient
 GPTBigCode's (StarCoder: GPT-2's layer with nn.Linear weights); GPTBigCode without multi_query (q / k / v per head, an
 untied LM head) is among the dense models.
 Llama 4 (sigmoid top-1 routing on the experts' input, a shared expert, L2 q / k norms, chunked attention and a NoPE
-layer's query temperature) is among the mixture-of-experts models.
+layer's query temperature) is among the mixture-of-experts models. MiniMax-M2 (q / k norms over all heads, split over
+TP, half-rotary heads, sigmoid routing plus a fixed expert bias) at TP2 + SP + EP2.
 Qwen3-Next (Gated DeltaNet in-projections fused per key head, a dense first layer, a sigmoid-gated shared expert) at
 TP1 and TP2 + SP + EP2, Qwen3.5-MoE's text model at TP1; Qwen3.5 (Gated DeltaNet layers, their states passed
 between the CP ranks) at TP1, TP2, TP2 + SP and CP2.
@@ -68,6 +69,8 @@ CHECKPOINTS = {
     # NOTE: sigmoid top-1 routing on the experts' input, a shared expert, dense layers between, L2 q / k norms,
     # chunked attention, a NoPE layer with a query temperature
     "llama4": ("llama4", {}),
+    # NOTE: q / k norms over all heads (split over TP), half-rotary heads, sigmoid routing plus a fixed expert bias
+    "minimax_m2": ("minimax_m2", {}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),  # attention biases
     "llama3": ("llama3", {}),
@@ -134,7 +137,7 @@ LAYOUTS = {
     "tp1": (1, {}, MOE + DENSE + MQA + DELTANET + DELTANET_MOE),
     "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}, MOE),
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
-                       "expert_tensor_parallel_size": 1}, MOE + ("qwen3_next",)),
+                       "expert_tensor_parallel_size": 1}, MOE + ("qwen3_next", "minimax_m2")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),

@@ -61,6 +61,22 @@ def test_routing_translation():
     assert bridge("olmoe", norm_topk_prob=True).transformer_config_kwargs()["moe_router_pre_softmax"] is False
     assert [m.__name__ for m in bridge("olmoe").qk_module()] == ["FullWidthQNorm", "FullWidthKNorm"]
 
+    # NOTE: MiniMax-M2: every layer sparse, sigmoid scores plus a fixed expert bias (no groups, no scaling), the router
+    # in the model's dtype; q / k norms over all heads as OLMoE's; rotary_dim 12 of 24 as megatron's rotary_percent
+    m = bridge("minimax_m2")
+    k = m.transformer_config_kwargs()
+    assert k["moe_layer_freq"] == [1, 1, 1, 1] and (k["num_moe_experts"], k["moe_router_topk"]) == (8, 3)
+    assert (k["moe_router_score_function"], k["moe_router_enable_expert_bias"]) == ("sigmoid", True)
+    assert k["moe_router_bias_update_rate"] == 0.0 and "moe_router_topk_scaling_factor" not in k
+    assert k["moe_ffn_hidden_size"] == 32 and k["moe_shared_expert_intermediate_size"] is None
+    assert not k["qk_layernorm"] and k["moe_router_dtype"] is None and k["kv_channels"] == 24
+    assert m.rope_parameters()["partial_rotary_factor"] == 0.5
+    assert [c.__name__ for c in m.qk_module()] == ["FullWidthQNorm", "FullWidthKNorm"]
+    assert m.hf_balance_loss and m.hf_router_logits
+    # NOTE: transformers keeps its bias in the model's dtype (DeepSeek-V3's: fp32), so it is written in that dtype
+    assert [(type(x).__name__, x.hf_dtype) for x in m.moe_mappings() if x.megatron.endswith("expert_bias")] == [
+        ("Replicated", None)]
+
 
 @pytest.mark.parametrize("arch,overrides,field", [
     ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=False"),
@@ -83,6 +99,10 @@ def test_routing_translation():
     ("olmoe", {"attention_bias": True}, "attention_bias=True"),
     ("olmoe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                    "original_max_position_embeddings": 32}}, "yarn"),
+    ("minimax_m2", {"num_experts_per_tok": 1}, "num_experts_per_tok=1"),
+    ("minimax_m2", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+    ("minimax_m2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                        "original_max_position_embeddings": 32}}, "yarn"),
 ])
 def test_refused_configs_name_the_field(arch, overrides, field):
     with pytest.raises(UnsupportedConfigError, match=field.replace("(", r"\(").replace("[", r"\[")):
@@ -138,6 +158,12 @@ def test_expected_shapes_follow_the_hub_layout():
     assert olmoe["model.layers.0.self_attn.k_norm.weight"] == (32,)
     assert olmoe["model.layers.0.mlp.experts.7.up_proj.weight"] == (32, 64)
     assert olmoe["model.layers.3.mlp.gate.weight"] == (8, 64) and "model.layers.0.mlp.gate_proj.weight" not in olmoe
+    m2 = bridge("minimax_m2").expected_hf_shapes()  # NOTE: transformers' save_pretrained names (Mixtral's experts)
+    assert m2["model.layers.0.self_attn.q_norm.weight"] == (96,)  # NOTE: heads * head_dim, kv heads * head_dim
+    assert m2["model.layers.0.self_attn.k_norm.weight"] == (48,)
+    assert m2["model.layers.3.block_sparse_moe.e_score_correction_bias"] == (8,)
+    assert m2["model.layers.3.block_sparse_moe.experts.7.w2.weight"] == (64, 32)
+    assert m2["model.layers.3.block_sparse_moe.gate.weight"] == (8, 64)
 
 
 def test_expert_mapping_binds_local_and_global_indices():

@@ -31,7 +31,10 @@ tied embeddings, dense first and last layers, shared experts, softmax routing on
 that changes some tokens' experts; its ``router_logits`` and transformers' balancing loss within 1e-5; the hub's
 multi-token-prediction tensors passed through; also at tp2etp1) and OLMoE (``olmoe``: q / k norms over all heads,
 split over TP with the heads, every layer sparse, softmax routing without renormalisation; its ``router_logits`` and
-transformers' balancing loss within 1e-5; also at tp2etp1) are among "every model"; tp1 also runs GLM-4.5 with q/k
+transformers' balancing loss within 1e-5; also at tp2etp1) and MiniMax-M2 (``minimax_m2``: q / k norms over all
+heads as OLMoE's, half of each head rotary, every layer sparse, sigmoid routing on the scores plus a fixed expert bias
+that changes some tokens' experts, which transformers' balancing loss does not count; its ``router_logits`` and that
+loss within 1e-5; Mixtral's names on disk) are among "every model"; tp1 also runs GLM-4.5 with q/k
 norms and an MTP layer, and OLMoE with norm_topk_prob on. Llama 4 (``llama4``: dense and MoE layers alternating,
 sigmoid top-1 routing that scales the expert's input, a shared expert, L2 q / k norms and 5-position attention chunks
 on the rotary layers, a NoPE layer with a query temperature, experts stacked on disk; its ``router_logits``, no
@@ -62,6 +65,7 @@ ROUTER_TOL = 1e-5  # router_logits: fp32 gating on both sides
 MLA_MOE_LAYERS = 3  # the tiny DeepSeek and GLM-4.5 checkpoints: 4 layers, the first dense (first_k_dense_replace=1)
 ERNIE_MOE_LAYERS = 2  # the tiny ERNIE 4.5 MoE: layers 1 and 2 of 4 (moe_layer_start_index=1, moe_layer_end_index=2)
 OLMOE_MOE_LAYERS = 4  # the tiny OLMoE: every layer
+MINIMAX_MOE_LAYERS = 4  # the tiny MiniMax-M2: every layer
 LLAMA4_MOE_LAYERS = 2  # the tiny Llama 4: layers 1 and 3 (interleave_moe_layer_step=2)
 HYBRID_MOE_LAYERS = {"qwen3_next": 3, "qwen3_5_moe": 4}  # NOTE: Qwen3-Next's first layer dense (mlp_only_layers)
 # NOTE: megatron's own rotary path (rotary_interleaved), not the fused-rope slot
@@ -97,6 +101,9 @@ CHECKPOINTS = {
     # renormalised (as the hub's), and renormalised
     "olmoe": ("olmoe", {}),
     "olmoe_norm_topk": ("olmoe", {"norm_topk_prob": True}),
+    # NOTE: q / k norms over all heads, half of each head rotary, sigmoid routing on the scores plus a bias that
+    # changes some tokens' experts, Mixtral's names on disk (block_sparse_moe, w1 / w3 / w2)
+    "minimax_m2": ("minimax_m2", {}),
     # NOTE: dense and MoE layers alternating, sigmoid top-1 routing on the experts' input, a shared expert, L2 q / k
     # norms and 5-position attention chunks on the rotary layers (CP2's query chunks are 3 long), a NoPE layer with a
     # query temperature, interleaved rotary pairs, experts stacked on disk
@@ -114,7 +121,7 @@ CHECKPOINTS = {
 }
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
-          "ernie4_5_moe", "olmoe", "llama4")
+          "ernie4_5_moe", "olmoe", "llama4", "minimax_m2")
 HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, *HYBRID, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2",
@@ -200,7 +207,7 @@ def test_parity_and_round_trip(worlds, layout, name):
         # residual multiplier
         scaled = {"ScaledRMSNorm"} if name == "granitemoe" else set()
         # NOTE: OLMoE's q / k norms over all heads (olmo2.full_width_norm) in the q / k norm slots
-        full_width = ["FullWidthKNorm", "FullWidthQNorm"] if name.startswith("olmoe") else []
+        full_width = ["FullWidthKNorm", "FullWidthQNorm"] if name.startswith(("olmoe", "minimax_m2")) else []
         # NOTE: Llama 4's L2 q / k norms (rotary layers) and query temperature (its NoPE layer 3: on the last stage
         # under PP, checked below) in the q / k slots
         llama4 = ["L2Norm"] if name == "llama4" else []
@@ -231,8 +238,9 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name.startswith("ernie4_5_moe"):  # NOTE: router_logits and transformers' balancing loss (in the loss too)
             assert r["router_counts"] == (ERNIE_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
-        if name.startswith("olmoe"):  # NOTE: router_logits (in the model's dtype) and the balancing loss, as ERNIE's
-            assert r["router_counts"] == (OLMOE_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
+        if name.startswith(("olmoe", "minimax_m2")):  # NOTE: router_logits (model dtype), the balancing loss
+            layers = OLMOE_MOE_LAYERS if name.startswith("olmoe") else MINIMAX_MOE_LAYERS
+            assert r["router_counts"] == (layers,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
         if name in HYBRID:  # NOTE: router_logits and the balancing loss (in the loss too), as OLMoE's
             assert r["router_counts"] == (HYBRID_MOE_LAYERS[name],) * 2, (rank, r)
@@ -289,6 +297,25 @@ def test_ernie_expert_bias_changes_the_routing(worlds):
     with torch.no_grad():  # NOTE: _moe_parity's input
         model(torch.randint(0, 203, (2, 12), generator=torch.Generator().manual_seed(7)))
     assert len(changed) == ERNIE_MOE_LAYERS and all(0 < n < tokens for n, tokens in changed), changed
+
+
+def test_minimax_m2_expert_bias_changes_the_routing(worlds):
+    """The tiny MiniMax-M2's ``e_score_correction_bias`` changes some of the parity input's tokens' experts in every
+    layer (so the parity above holds the bias, and the balancing loss's unbiased counts, to account)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(worlds.source("minimax_m2"), dtype=torch.float32)
+    changed = []
+
+    def count(block, args, _out):
+        scores = torch.sigmoid(torch.nn.functional.linear(args[0].flatten(0, 1), block.gate.weight))
+        biased, plain = (torch.topk(s, block.top_k).indices.sort(-1).values
+                         for s in (scores + block.e_score_correction_bias, scores))
+        changed.append(((biased != plain).any(-1).sum().item(), scores.shape[0]))
+
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(count)
+    with torch.no_grad():  # NOTE: _moe_parity's input
+        model(torch.randint(0, 203, (2, 12), generator=torch.Generator().manual_seed(7)))
+    assert len(changed) == MINIMAX_MOE_LAYERS and all(0 < n < tokens for n, tokens in changed), changed
 
 
 def test_experts_not_divisible_by_expert_parallel_size(worlds):
