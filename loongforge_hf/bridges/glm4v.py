@@ -17,6 +17,12 @@ Choices:
 - 3-D positions as Qwen2-VL's for images (``multimodal.positions``; transformers' ``get_rope_index`` gives the same:
   ``p + h_i``, ``p + w_i``, the text after at ``p + max(h, w)``), the image tokens from the processor's
   ``mm_token_type_ids``.
+- Videos as transformers takes them: the processor marks a video's frames with the image token (a timestamp between
+  frames) and ``mm_token_type_ids`` 2; ``mark_video_tokens`` turns those placeholders into ``video_token_id`` before
+  the splice (their text embeddings are replaced either way), so the videos' embeddings fill them in order. The
+  tower encodes each frame as an image; each frame is its own 3-D position item (``frames_apart``, temporal position
+  ``p``: transformers' ``get_rope_index`` splits ``video_grid_thw`` per frame). Image and video rows may share a
+  batch (transformers' forward refuses that: its image mask also holds the video frames).
 - Tensor names: ``model.language_model.*`` / ``model.visual.*`` / ``lm_head``, as transformers 5 and the hub write
   them (export writes the names read).
 - Vision tensors are named like ``multimodal.vision_glm4v.Glm4vVisionTower``'s modules; under
@@ -25,11 +31,12 @@ Choices:
   the downsample and the merger are replicated. "Projector" (``freeze_projector``): the downsample and the merger.
 - ``vision_config`` is a view of GLM-4.1V's with the tower's names (``tower_config``): ``intermediate_size`` the
   blocks' MLP width (GLM's ``out_hidden_size``), ``merger_size`` the merger's (GLM's ``intermediate_size``).
-- Refused: videos (GLM-4.1V / 4.5V mark a video's frames with the image token and a timestamp; not implemented),
-  a ViT activation transformers does not know, a non-axial ViT rope, a head size that is not a whole multiple of 4,
-  a ``head_dim`` other than ``hidden_size / num_heads``, an ``image_size`` that is not a whole number of patches, an
-  ``out_hidden_size`` other than the decoder's ``hidden_size``; on the text side what the GLM-4 (GLM-4.5) and
-  Qwen2.5-VL text declarations refuse (another rope type, a bad ``mrope_section``).
+- Refused: videos without ``mm_token_type_ids`` (nothing else tells their frames from images), videos in
+  ``generate`` (``multimodal.modeling``), a ViT activation transformers does not know, a non-axial ViT rope, a head
+  size that is not a whole multiple of 4, a ``head_dim`` other than ``hidden_size / num_heads``, an ``image_size``
+  that is not a whole number of patches, an ``out_hidden_size`` other than the decoder's ``hidden_size``; on the text
+  side what the GLM-4 (GLM-4.5) and Qwen2.5-VL text declarations refuse (another rope type, a bad
+  ``mrope_section``).
 """
 
 from __future__ import annotations
@@ -90,8 +97,21 @@ class Glm4vBridge(Qwen2_5_VLBridge):
 
     architectures = ("Glm4vForConditionalGeneration",)
     text_bridge_class = Glm4vTextBridge
-    video_refusal = ("pixel_values_videos: GLM-4.1V's videos (frames marked with the image token and timestamps) are "
-                     "not supported; pass images.")
+    frames_apart = True  # NOTE: a timestamp between a video's frames: each frame its own 3-D position item
+
+    def mark_video_tokens(self, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        """``input_ids`` with the video placeholders (image tokens that ``mm_token_type_ids`` marks 2) as
+        ``video_token_id``, so the splice gives them the videos' embeddings; text embeddings of those rows are
+        replaced either way."""
+        if mm_token_type_ids is None:
+            raise ValueError("mm_token_type_ids: GLM-4.1V marks a video's frames with the image token; the processor's "
+                             "mm_token_type_ids (2: video) tell them from images and are needed with "
+                             "pixel_values_videos.")
+        kinds = mm_token_type_ids.to(input_ids.device)
+        if kinds.shape != input_ids.shape or bool(((kinds == 2) & (input_ids != self.image_token_id)).any()):
+            raise ValueError(f"mm_token_type_ids: shape {tuple(kinds.shape)} and its video tokens (2) must match "
+                             f"input_ids {tuple(input_ids.shape)}'s image tokens (id {self.image_token_id}).")
+        return torch.where(kinds == 2, self.video_token_id, input_ids)
 
     @property
     def vision_config(self) -> SimpleNamespace:

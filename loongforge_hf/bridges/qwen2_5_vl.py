@@ -157,7 +157,6 @@ class Qwen2_5_VLBridge:
     mrope = True  # NOTE: False: the language model takes 1-D positions (Gemma 3)
     bidirectional_images = False  # NOTE: True: an image's tokens attend to each other both ways (Gemma 3)
     causal_lm_auto = False  # NOTE: True: transformers' AutoModelForCausalLM loads it (Gemma 3, Qwen3.5)
-    video_refusal: str | None = None  # NOTE: set: the error pixel_values_videos raise (GLM-4.1V)
 
     def __init__(self, hf_config, checkpoint_names=(), shape_of=None) -> None:
         """``checkpoint_names`` / ``shape_of(name)``: the checkpoint's tensor names and shapes (the layout it uses)."""

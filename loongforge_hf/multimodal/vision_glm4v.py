@@ -13,6 +13,8 @@ Choices:
 - The patch convolution (bias included) is normalised, then the learned square grid is resampled to each image's
   ``h x w`` patches (bicubic, corners not aligned, border padding: transformers' ``grid_sample`` at patch centres)
   and added. Attention is full within each frame, packed over images (``kernels.attention``'s packed attention).
+  A video of grid ``(t, h, w)`` is ``t`` frames of ``(1, h, w)`` (each frame's grid and attention its own), as
+  transformers' ``get_video_features`` splits it.
 - The downsample is a ``merge x merge`` convolution with stride ``merge`` over each block of patches (the processor
   gives a block's patches together), run as one matmul over the block's flattened patches.
 - Tensor parallelism, FP8 and ``recompute`` as ``vision.VisionTower`` (the same ``VisionAttention``, ``VisionMLP``):

@@ -13,7 +13,8 @@ shared expert; rope in rotate-half pairs).
 
 The processor is ``Glm4vProcessor``'s own code over Qwen's tiny word-level tokenizer (``tiny_vl``: its
 ``<|image_pad|>`` is the image token, so the shared samples of ``tests/multimodal/_vl_parity.py`` serve) and GLM-4.1V's
-PIL image processor (images of 28x28 pixels and up); no video processor (transformers' need torchvision).
+PIL image processor (images of 28x28 pixels and up); no video processor (transformers' need torchvision: tests
+build video batches by hand, ``tests/multimodal/test_glm4v.py``).
 """
 
 from __future__ import annotations

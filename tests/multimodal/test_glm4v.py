@@ -1,7 +1,8 @@
 """GLM-4.1V and GLM-4.5V against transformers' ``Glm4vForConditionalGeneration`` / ``Glm4vMoeForConditionalGeneration``:
 logits, loss and vision gradients within 1e-4 (fp32) on images of three sizes (two sizes in one row) and a text-only
 row, replicated (two data-parallel replicas) and under TP2 with sequence parallelism and the tower split over TP
-(GLM-4.5V: its experts split over TP too); bit-exact HF round trips; greedy ``generate`` (cached, GLM-4.1V) against
+(GLM-4.5V: its experts split over TP too); an image row and a two-frame video row in one batch (TP2 + SP, vs
+transformers row by row); bit-exact HF round trips; greedy ``generate`` (cached, GLM-4.1V) against
 transformers'; the sectioned pair mrope against transformers' rotary embedding; refusals."""
 
 from pathlib import Path
@@ -37,11 +38,82 @@ def _generate_and_refuse(folder: str, layout: dict) -> dict:
     out = {"ref": run_scenarios(ref, batch, greedy)["greedy"], "ours": run_scenarios(model, batch, greedy)["greedy"]}
     videos = dict(batch, pixel_values_videos=batch["pixel_values"], video_grid_thw=batch["image_grid_thw"])
     try:
-        model(**videos)
+        model.generate(**videos, max_new_tokens=1)
         out["videos"] = ""
     except ValueError as err:
         out["videos"] = str(err)
     return out
+
+
+def _video_batch(folder: str) -> tuple[list, dict]:
+    """(each row's processor-like features, the right-padded batch): an image row and a video row of two frames built
+    by hand as GLM-4.1V's processor lays them out (transformers' video processor needs torchvision): per frame
+    ``<|begin_of_image|>``, the frame's image tokens (``mm_token_type_ids`` 2), ``<|end_of_image|>``, a timestamp."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok, config = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
+    begin, end, image = config.image_start_token_id, config.image_end_token_id, config.image_token_id
+    words = tok.convert_tokens_to_ids
+    v = config.vision_config
+    gen = torch.Generator().manual_seed(5)
+
+    def patches(t, h, w):
+        return torch.randn(t * h * w, v.in_channels * v.temporal_patch_size * v.patch_size ** 2, generator=gen)
+
+    ids0 = words(["tok5", "tok6"]) + [begin] + [image] * 6 + [end] + words(["tok7"])
+    row0 = {"input_ids": ids0, "mm_token_type_ids": [0, 0, 0] + [1] * 6 + [0, 0],
+            "pixel_values": patches(1, 4, 6), "image_grid_thw": torch.tensor([[1, 4, 6]])}
+    frame = [begin] + [image] * 4 + [end]
+    ids1 = words(["tok10"]) + frame + words(["tok150"]) + frame + words(["tok151", "tok11", "tok12"])
+    row1 = {"input_ids": ids1, "mm_token_type_ids": [0, 0] + [2] * 4 + [0, 0, 0] + [2] * 4 + [0] * 4,
+            "pixel_values_videos": patches(2, 4, 4), "video_grid_thw": torch.tensor([[2, 4, 4]])}
+    rows = [{k: torch.tensor([x]) if isinstance(x, list) else x for k, x in r.items()} for r in (row0, row1)]
+    width = -(-max(len(ids0), len(ids1)) // 4) * 4  # NOTE: sequence parallelism over 2
+
+    def pad(x, value):
+        return torch.cat([x, torch.full((1, width - x.shape[1]), value)], dim=1)
+
+    batch = {"input_ids": torch.cat([pad(r["input_ids"], 0) for r in rows]),
+             "attention_mask": torch.cat([pad(torch.ones_like(r["input_ids"]), 0) for r in rows]),
+             "mm_token_type_ids": torch.cat([pad(r["mm_token_type_ids"], 0) for r in rows]),
+             **{k: rows[i][k] for i, keys in ((0, ("pixel_values", "image_grid_thw")),
+                                              (1, ("pixel_values_videos", "video_grid_thw"))) for k in keys}}
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return rows, batch
+
+
+def _compare_videos(folder: str, layout: dict) -> dict:
+    """An image row and a video row in one batch, ours against transformers row by row (transformers' forward refuses
+    images and videos in one batch: its image mask also holds the video frames): logits, the batch loss (the rows'
+    losses weighted by their token counts) and vision gradients."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    from ._vl_parity import vision_grads
+
+    rows, batch = _video_batch(folder)
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    counts = [r["input_ids"].shape[1] - 1 for r in rows]
+    ref_logits, ref_loss = [], 0.0
+    for row, count in zip(rows, counts):
+        out = ref(**row, labels=row["input_ids"])
+        (out.loss * count / sum(counts)).backward()
+        ref_logits.append(out.logits.detach()[0])
+        ref_loss += out.loss.item() * count / sum(counts)
+    ref_grads = {n[len("model.visual."):]: p.grad for n, p in ref.named_parameters() if n.startswith("model.visual.")}
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    out = model(**batch)
+    out.loss.backward()
+    grads = vision_grads(model)
+    out_plain = {"no_types": ""}
+    try:
+        model(**{k: x for k, x in batch.items() if k != "mm_token_type_ids"})
+    except ValueError as err:
+        out_plain["no_types"] = str(err)
+    return {"logit_diff": max((out.logits[i, :len(r)] - r).abs().max().item() for i, r in enumerate(ref_logits)),
+            "loss_diff": abs(out.loss.item() - ref_loss), "same_grad_names": sorted(grads) == sorted(ref_grads),
+            "grad_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads), **out_plain}
 
 
 def _two_ranks(folder: str, moe_folder: str, out_dir: str) -> dict:
@@ -50,6 +122,7 @@ def _two_ranks(folder: str, moe_folder: str, out_dir: str) -> dict:
                         for model, src in (("glm4v", folder), ("glm4v_moe", moe_folder))
                         for name, layout in LAYOUTS.items()])
     out["generate"] = _generate_and_refuse(folder, LAYOUTS["tp2_sp_vision_tp2"])
+    out["videos"] = _compare_videos(folder, LAYOUTS["tp2_sp_vision_tp2"])
     return out
 
 
@@ -87,7 +160,18 @@ def test_greedy_generate_matches_transformers(two_ranks):
     for results in two_ranks[0]:
         got = results["generate"]
         assert_same_generation(got["ours"], got["ref"], "greedy", atol=GEN_ATOL)
-        assert got["videos"].startswith("pixel_values_videos: GLM-4.1V's videos"), got["videos"]
+        assert got["videos"].startswith("pixel_values_videos: generate with GLM-4.1V"), got["videos"]
+
+
+def test_videos_match_transformers(two_ranks):
+    """A batch of an image row and a two-frame video row (frames marked with the image token, told apart by
+    ``mm_token_type_ids``), TP2 + SP with the tower split: transformers' logits (each row alone), batch loss and
+    vision gradients within 1e-4; without ``mm_token_type_ids`` the videos are refused by name."""
+    for results in two_ranks[0]:
+        got = results["videos"]
+        assert got["logit_diff"] < TOL and got["loss_diff"] < TOL and got["grad_diff"] < TOL, got
+        assert got["same_grad_names"], got
+        assert got["no_types"].startswith("mm_token_type_ids: GLM-4.1V marks"), got["no_types"]
 
 
 def test_sectioned_pair_mrope_matches_transformers():
