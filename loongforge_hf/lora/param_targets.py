@@ -26,6 +26,10 @@ Choices:
   Its router is an ``nn.Linear`` returning routing scores and logits: PEFT's LoRA layer on it (its name in
   ``target_modules``, ``"all-linear"`` included) fails in the forward, so that is refused
   (``refuse_own_forward_linears``), naming ``target_parameters=['feed_forward.router.weight']`` instead.
+- Image-text models: the language layers are found under the text bridge's ``text_prefix`` (the checkpoint's name of
+  the language model; ``"model"`` for a text model), each module-tree name taken to the checkpoint's by the plan's
+  ``on_disk`` (``vision.checkpoint_names``): ``model.language_model.layers.N`` for Qwen3-VL-MoE / Qwen3.5-MoE,
+  ``language_model.model.layers.N`` for Llama 4, whatever else a bridge declares.
 - Qwen3-VL-MoE: the language layers' stacks and router (``model.language_model.layers.N.mlp...``), with no PEFT
   rewrite for this model (``target_parameters`` name them; ``gate_proj`` / ``up_proj`` / ``down_proj`` are the dense
   layers' linears). Its module's stacks are ``[E, 2I, H]`` / ``[E, H, I]`` whatever the checkpoint holds (the hub's
@@ -45,9 +49,8 @@ import re
 
 from loongforge_hf.lora.plan import LoraConfigError, Target
 
-# NOTE: an image-text model's language layers are ``model.language_model.layers.N`` (Qwen3-VL-MoE)
-_PARAM = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|feed_forward)\.(experts\.gate_up_proj|"
-                    r"experts\.down_proj|gate\.weight|router\.weight)$")
+_PARAM = (r"\.layers\.(\d+)\.(?:mlp|feed_forward)\.(?:experts\.gate_up_proj|experts\.down_proj|gate\.weight|"
+          r"router\.weight)$")
 SUPPORTED = ("'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' / 'router.weight' (router) of "
              "Qwen3-MoE / Mixtral / gpt-oss / Qwen3-VL-MoE / Llama 4 (under 'feed_forward.')")
 
@@ -69,11 +72,18 @@ def _matches(key: str, names) -> bool:
     return key in names or any(key.endswith(f".{n}") for n in names)
 
 
-def plan_param_targets(config, skeleton, bridge) -> list[Target]:
-    """The parameter targets of (rewritten) ``config`` on ``skeleton``, in PEFT's creation order."""
+def param_pattern(bridge) -> re.Pattern:
+    """The checkpoint names of the parameters that can be targets: under the language model's ``text_prefix``."""
+    return re.compile("^" + re.escape(getattr(bridge, "text_prefix", "model")) + _PARAM)
+
+
+def plan_param_targets(config, skeleton, bridge, on_disk=lambda name: name) -> list[Target]:
+    """The parameter targets of (rewritten) ``config`` on ``skeleton``, in PEFT's creation order (``on_disk``: a
+    module-tree name -> the checkpoint's, ``vision.checkpoint_names``)."""
     names = list(config.target_parameters or [])
     if not names:
         return []
+    pattern = param_pattern(bridge)
     found: list[tuple[str, str, str, tuple[int, ...]]] = []   # (module, parameter, key, [E,] out, in)
     refused = []
     for module_name, module in skeleton.named_modules():
@@ -81,7 +91,7 @@ def plan_param_targets(config, skeleton, bridge) -> list[Target]:
             key = f"{module_name}.{pname}"
             if not _matches(key, names):
                 continue
-            m = _PARAM.match(key)
+            m = pattern.match(on_disk(key))
             if m is None or not bridge.is_moe_layer(int(m.group(1))):
                 refused.append(key)
             elif param.dim() == 3 and getattr(module, "is_transposed", False):  # NOTE: gpt-oss: [E, in, out]
@@ -107,7 +117,7 @@ def plan_param_targets(config, skeleton, bridge) -> list[Target]:
     targets = []
     swapped = bool(getattr(bridge, "hf_experts_in_out", False))  # NOTE: Llama 4 (module docstring)
     for module_name, pname, key, shape in found:
-        layer = int(_PARAM.match(key).group(1))
+        layer = int(pattern.match(on_disk(key)).group(1))
         wrapped_after = len(per_module[module_name]) - 1 - per_module[module_name].index(pname)
         r, alpha = rank_and_alpha(config, key)
         common = dict(hf_module=module_name + ".base_layer" * wrapped_after, layer=layer, slot=0, r=r,

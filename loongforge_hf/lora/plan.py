@@ -223,7 +223,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     _check_config(config)
     skeleton = _hf_skeleton((vl_bridge or bridge).hf_config, image_text=vl_bridge is not None)
     config = as_peft_rewrites(config, skeleton, bridge)
-    param_targets = plan_param_targets(config, skeleton, bridge)
+    param_targets = plan_param_targets(config, skeleton, bridge, checkpoint_names(vl_bridge))
     output_embedding = skeleton.get_output_embeddings()
     modules = list(skeleton.named_modules())
     linear_names = {n for n, mod in modules if isinstance(mod, (nn.Linear, Conv1D)) and mod is not output_embedding}

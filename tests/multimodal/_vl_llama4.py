@@ -82,10 +82,17 @@ def world(cases: list, folder: str, generate: dict, exported: str | None = None,
 # a tuple, which PEFT's LoRA layer cannot wrap) and the ViT's patch linear (not a megatron layer)
 LORA_CONFIGS = {"all_linear": dict(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False,
                                    exclude_modules=["router", "patch_embedding.linear"],
-                                   modules_to_save=["lm_head", "language_model.model.norm"])}
-# (vision, language) adapters with gradients; whole tensors in the adapter file
-LORA_TARGETS = {"all_linear": (2 * 6 + 2 + 1, 4 * 4 + 4 * 3)}
-LORA_SAVED = {"all_linear": 2}
+                                   modules_to_save=["lm_head", "language_model.model.norm"]),
+                # PEFT's target_parameters on the routed experts' stacks and the router (as on the text model), with
+                # q / v of both towers
+                "experts": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                                target_parameters=["feed_forward.experts.gate_up_proj",
+                                                   "feed_forward.experts.down_proj", "feed_forward.router.weight"])}
+# (vision, language) adapters with gradients; whole tensors in the adapter file; parameter adapters (2 MoE layers x
+# gate_up_proj, down_proj, router)
+LORA_TARGETS = {"all_linear": (2 * 6 + 2 + 1, 4 * 4 + 4 * 3), "experts": (2 * 2, 4 * 2)}
+LORA_SAVED = {"all_linear": 2, "experts": 0}
+LORA_PARAMS = {"experts": 2 * 3}
 
 
 def lora_checks(folder: str, out_dir: str) -> dict:

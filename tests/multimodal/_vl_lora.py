@@ -87,6 +87,7 @@ def _check_param_grads(model, ref) -> int:
     feed the same batch to these experts)."""
     from megatron.core import parallel_state as ps
 
+    from loongforge_hf.lora.experts import megatron_factors
     from loongforge_hf.lora.vision import chunk_params
 
     ref_params, ours = dict(ref.named_parameters()), chunk_params(model.chunks[0])
@@ -109,9 +110,7 @@ def _check_param_grads(model, ref) -> int:
                     dist.all_reduce(g, group=ps.get_expert_data_parallel_group())
             per = t.num_experts // ep
             local = slice(ep_rank * per, (ep_rank + 1) * per)
-            b = t.b_to_megatron(want[1], None)
-            want = [dp * want[0].reshape(t.num_experts, t.r, t.in_features)[local],
-                    dp * b.reshape(t.out_features, t.r, t.num_experts).permute(2, 0, 1)[local]]
+            want = [dp * g[local] for g in megatron_factors(t, *want)]  # NOTE: Llama 4's swapped factors too
         for f, a, b in zip("AB", got, want):
             diff, scale = float((a - b).abs().max()), float(b.abs().max())
             assert scale > 0 and diff <= GRAD_TOL * scale, (f"d{f} {t.hf_module}", diff, scale)

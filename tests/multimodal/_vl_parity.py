@@ -273,12 +273,14 @@ def check_llava_two_ranks(per_rank: list, out, folders: dict, *, check, grads: d
 
 
 def check_lora_vs_peft(per_rank: list, names_by_case: dict, *, targets: dict, saved: dict,
-                       idle: dict | None = None) -> None:
+                       idle: dict | None = None, params: dict | None = None) -> None:
     """The LoRA-vs-PEFT results (``r["lora"]["{case}/{name}"]`` of each rank's dict) for each case's adapter config
     names: PEFT's trainable counts, logits / loss within 1e-5, our model unchanged by the merged export, the adapters
     whose gradients were checked (vision, language and, with ``idle``, those PEFT gives none: ``targets[name]``,
     ``idle[name]``); on rank 0 the saved adapter's logits in PEFT (1e-5), the merged export's in transformers (3e-5),
-    ``target_modules`` as PEFT's and the file's tensor count (two per adapter plus ``saved[name]`` whole tensors)."""
+    ``target_modules`` as PEFT's and the file's tensor count (two per adapter plus ``saved[name]`` whole tensors);
+    with ``params``, the number of PEFT ``target_parameters`` adapters (expert stacks, routers) whose gradients were
+    checked (``params[name]``, 0 where absent)."""
     for case, names in names_by_case.items():
         for name in names:
             want = (*targets[name], idle[name]) if idle else tuple(targets[name])
@@ -289,9 +291,11 @@ def check_lora_vs_peft(per_rank: list, names_by_case: dict, *, targets: dict, sa
                 checked = res["grads_checked"]
                 got = (checked["vision"], checked["language"]) + ((checked["idle"],) if idle else ())
                 assert got == want, (case, name, res)
+                if params is not None:
+                    assert checked.get("params", 0) == 2 * params.get(name, 0), (case, name, res)
             rank0 = per_rank[0]["lora"][f"{case}/{name}"]
             assert rank0["adapter_logits_diff"] < 1e-5 and rank0["merged_logits_diff"] < 3e-5, rank0
             ours, theirs = rank0["target_modules"]
             assert sorted(ours) == sorted(theirs), (ours, theirs)
-            tensors = 2 * sum(want) + saved[name]
+            tensors = 2 * (sum(want) + (params or {}).get(name, 0)) + saved[name]
             assert rank0["adapter_tensors"] == (tensors, True), rank0["adapter_tensors"]

@@ -2,7 +2,8 @@
 projector, the Llama 4 MoE decoder) against transformers: logits, loss and vision gradients within 1e-4 (fp32) with
 a picture cut into tiles and a one-tile picture in one batch, a text-only batch through ``lf.AutoModelForCausalLM``;
 TP1, TP2 + SP with the tower split over TP or encoder data parallel, PP2, CP2; bit-exact round trips that
-transformers loads back; greedy generate; LoRA against PEFT at TP1; refusals."""
+transformers loads back; greedy generate; LoRA against PEFT at TP1 (the routed experts and the router through
+target_parameters too); refusals."""
 
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.round_trip import check_round_trip, read_all
 from loongforge_hf.testing.tiny_llama4_vl import make_tiny_llama4_vl, tiny_llama4_vl_config
 
-from ._vl_llama4 import LORA_CONFIGS, LORA_SAVED, LORA_TARGETS, TEXT_ROWS, make_batch, world
+from ._vl_llama4 import LORA_CONFIGS, LORA_PARAMS, LORA_SAVED, LORA_TARGETS, TEXT_ROWS, make_batch, world
 from ._vl_parity import check_generate, check_lora_vs_peft
 
 TOL = 1e-4
@@ -73,8 +74,11 @@ def test_lora_matches_peft(one_rank):
     """PEFT's "all-linear" (router and patch linear left out; LM head and final norm whole) at TP1 with random
     adapters against PEFT on transformers' model: trainable counts, logits and loss within 1e-5, the 15 tower and 28
     language adapters' gradients within 5e-5 of their largest entry, the saved adapter's logits in PEFT, the merged
-    export's in transformers."""
-    check_lora_vs_peft([one_rank[0]], {"tp1": tuple(LORA_CONFIGS)}, targets=LORA_TARGETS, saved=LORA_SAVED)
+    export's in transformers. PEFT's ``target_parameters`` on the routed experts' stacks and the router
+    (``language_model.model.layers.N.feed_forward...``; PEFT's A / B the other way round on Llama 4's ``[E, in, out]``
+    stacks) with q / v of both towers: the same checks, the 6 parameter adapters' gradients within 2e-5."""
+    check_lora_vs_peft([one_rank[0]], {"tp1": tuple(LORA_CONFIGS)}, targets=LORA_TARGETS, saved=LORA_SAVED,
+                       params=LORA_PARAMS)
 
 
 def test_parity_and_round_trip_two_ranks(checkpoint, tmp_path):

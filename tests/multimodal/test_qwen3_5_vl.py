@@ -7,7 +7,8 @@ packed samples (also at CP2); bit-exact HF round trips; generate with and withou
 the cached one is refused); LoongTrainer against transformers.Trainer; ``lf.AutoModelForCausalLM`` on the checkpoint;
 refusals (the static cache, the cache under CP) on every rank.
 Qwen3.5-MoE image-text (``Qwen3_5MoeForConditionalGeneration``, routed experts one tensor per expert, a gated shared
-expert) in the same worlds: logits, loss and vision gradients at TP1, EP2 and CP2, bit-exact round trips, and with
+expert) in the same worlds: logits, loss and vision gradients at TP1, EP2, CP2 and TP2 + SP (the tower split, the
+experts over EP2 with ETP1), logits and loss at PP2, bit-exact round trips, and with
 ``output_router_logits`` (coefficient 0.3) the loss, ``aux_loss``, ``router_logits`` and the routers' gradients
 against transformers' (1e-5). Two worlds: one rank, two ranks."""
 
@@ -30,7 +31,11 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "processor_config.json")
 LAYOUTS = TWO_RANKS
 GENERATE_LAYOUTS = {"tp2_sp_vision_tp2": TWO_RANKS["tp2_sp_vision_tp2"], "pp2": TWO_RANKS["pp2"]}
-MOE_TWO_RANKS = {"moe_ep2": {"expert_parallel_size": 2}, "moe_cp2": {"context_parallel_size": 2}}
+# NOTE: TP2 + SP with the tower split and the experts split over the TP ranks (EP2, ETP1), as the text model's
+MOE_TWO_RANKS = {"moe_ep2": {"expert_parallel_size": 2}, "moe_cp2": {"context_parallel_size": 2},
+                 "moe_tp2_sp_ep2": {**TWO_RANKS["tp2_sp_vision_tp2"], "expert_parallel_size": 2,
+                                    "expert_tensor_parallel_size": 1},
+                 "moe_pp2": {"pipeline_parallel_size": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +122,13 @@ def test_round_trips(one, two, checkpoint, out):
 
 
 def test_moe_parity_and_round_trips(one, two, moe_checkpoint, out):
-    """Qwen3.5-MoE image-text at TP1, EP2 and CP2 (images and a text-only row, the balancing loss in the loss); each
+    """Qwen3.5-MoE image-text at TP1, EP2, CP2, TP2 + SP (the tower split, the experts over EP2 / ETP1) and PP2
+    (forward) (images and a text-only row, the balancing loss in the loss); each
     export is the checkpoint bit for bit, its routed experts one tensor per expert as transformers writes them."""
     check(one["moe_tp1"], grads=True)
     for results in two:
-        for n in MOE_TWO_RANKS:
-            check(results[n], grads=True)
+        for n, layout in MOE_TWO_RANKS.items():
+            check(results[n], grads=layout.get("pipeline_parallel_size", 1) == 1)
     for n in ("moe_tp1", *MOE_TWO_RANKS):
         _check_round_trip(moe_checkpoint, out / n, side_files=SIDE_FILES)
     names = read_all(out / "moe_tp1")
