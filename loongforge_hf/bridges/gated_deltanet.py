@@ -20,8 +20,9 @@ Choices:
   where that module says, for more than one token), the gated RMSNorm (``weight * norm(x)`` in the
   input's dtype times ``silu(z)`` in fp32, rounded once) and ``out_proj``.
 - Packed documents (megatron's mask blocks attention between documents): the conv and the recurrence restart at each
-  document's start (a token masked from the one before it while both are real): the conv per document, the rule
-  once for all rows and documents (``kernels.gated_delta_rule.gated_delta_rule_packed``, or fla's varlen kernel).
+  document's start (a token masked from the one before it while both are real), all rows and documents in one call
+  each: the conv over the documents laid out after ``conv_kernel - 1`` zero slots each
+  (``kernels.gated_delta_rule.document_slots``), the rule through ``gated_delta_rule_packed`` or fla's varlen kernel.
   transformers' torch fallback runs a packed row as one sequence; its fla kernels restart per document as here.
 - Context parallelism (megatron's load-balanced chunks: the inputs, the mask's rows ``[b, 1, s_local, s]``): the
   layer runs its own tokens and passes the conv's tail and the recurrent state between the chunks over the CP group
@@ -174,21 +175,19 @@ class GatedDeltaNet(torch.nn.Module):
         states, in one call each: the conv over the documents laid out after ``conv_kernel - 1`` zero slots each, the
         delta rule over all rows and documents."""
         from loongforge_hf.kernels import fla_delta_rule
-        from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule_packed
+        from loongforge_hf.kernels.gated_delta_rule import document_slots, gated_delta_rule_packed, in_slots
 
         batch, seq, width = qkv.shape
         weight = self.conv_weight
         gap = weight.shape[-1] - 1
-        slots, places = _gapped_slots(tuple(map(tuple, bounds)), seq, gap, qkv.device)
-        flat = qkv.reshape(batch * seq, width)
-        inputs = torch.cat((flat, flat.new_zeros(1, width)))[slots].t().to(weight.dtype)[None]
+        slots, places, _ = document_slots(tuple(map(tuple, bounds)), seq, qkv.device, lead=gap)
+        inputs = in_slots(qkv, slots).t().to(weight.dtype)[None]
         conv = F.silu(F.conv1d(inputs, weight, groups=self.qkv_size))[0].t()[places - gap]
         q, k, v = self._heads(conv.to(qkv.dtype).reshape(batch, seq, width))
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, g, beta))
         if not fla_delta_rule.available(qkv.device, backward=needs_grad):
             return gated_delta_rule_packed(q, k, v, g, beta, bounds)
-        cu = torch.tensor([row * seq + c for row, cuts in enumerate(bounds) for c in cuts[:-1]] + [batch * seq],
-                          device=qkv.device)
+        cu = _cu_seqlens(tuple(map(tuple, bounds)), seq, qkv.device)
         flat = [x.reshape(1, batch * seq, *x.shape[2:]) for x in (q, k, v, g, beta)]
         return fla_delta_rule.gated_delta_rule_varlen(*flat, cu_seqlens=cu)[0].reshape(*v.shape)
 
@@ -251,16 +250,10 @@ def _token_layout(mask: torch.Tensor | None, batch: int, seq: int, *, group=None
 
 
 @functools.lru_cache(maxsize=16)
-def _gapped_slots(bounds: tuple, seq: int, gap: int, device: torch.device):
-    """Each row's documents (``bounds``) one after another, each after ``gap`` zero slots: (the token of each slot,
-    ``rows * seq`` for a zero; the slot of each token), kept for the next layers of a forward."""
-    zero, slots, places = len(bounds) * seq, [], []
-    for row, cuts in enumerate(bounds):
-        for lo, hi in zip(cuts, cuts[1:]):
-            slots += [zero] * gap
-            places += range(len(slots), len(slots) + hi - lo)
-            slots += range(row * seq + lo, row * seq + hi)
-    return torch.tensor(slots, device=device), torch.tensor(places, device=device)
+def _cu_seqlens(bounds: tuple, seq: int, device: torch.device) -> torch.Tensor:
+    """fla's ``cu_seqlens`` of the rows' documents flattened into one row, kept for the next layers of a forward."""
+    return torch.tensor([row * seq + c for row, cuts in enumerate(bounds) for c in cuts[:-1]] + [len(bounds) * seq],
+                        device=device)
 
 
 def _read_layout(mask: torch.Tensor, batch: int, seq: int):

@@ -27,15 +27,14 @@ Choices:
 """
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.dense import D, L
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated
+from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.mixtral import MixtralBridge
-from loongforge_hf.bridges.olmo2 import full_width_norm
+from loongforge_hf.bridges.olmo2 import FullWidthQKNorms
 from loongforge_hf.bridges.registry import register_bridge
 
 
 @register_bridge("MiniMaxM2ForCausalLM")
-class MiniMaxM2Bridge(MixtralBridge):
+class MiniMaxM2Bridge(FullWidthQKNorms, MixtralBridge):
     """Mixtral's expert naming and counts (``block_sparse_moe``, ``w1`` / ``w3`` / ``w2``, ``num_local_experts``,
     every layer sparse, transformers' router logits and balancing loss) with MiniMax-M2's routing and attention."""
 
@@ -62,31 +61,12 @@ class MiniMaxM2Bridge(MixtralBridge):
     def rope_parameters(self) -> dict:
         return C.rope_parameters(self.hf_config, partial_rotary=True, extra_types=self.extra_rope_types)
 
-    def transformer_config_kwargs(self) -> dict:
-        # NOTE: the q / k norms come from the spec (qk_module); megatron's qk_layernorm would sum their TP-split
-        # weights' grads over TP (see olmo2.py)
-        return {**super().transformer_config_kwargs(), "qk_layernorm": False}
-
     def routing_kwargs(self) -> dict:
         return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
                 "moe_router_bias_update_rate": 0.0}
 
-    def qk_module(self) -> tuple[type, type]:
-        return full_width_norm("q", round_first=True), full_width_norm("k", round_first=True)
-
     # ---- tensors --------------------------------------------------------------------------------------------
-    def attention_mappings(self) -> list[Mapping]:
-        return [*super().attention_mappings(),
-                ColumnParallel(f"{D}.self_attention.q_layernorm.weight", f"{L}.self_attn.q_norm.weight"),
-                ColumnParallel(f"{D}.self_attention.k_layernorm.weight", f"{L}.self_attn.k_norm.weight")]
-
     def moe_mappings(self) -> list[Mapping]:
         # NOTE: transformers keeps this bias in the model's dtype (a plain buffer), not in fp32 as DeepSeek-V3's
         return [Replicated(m.megatron, m.hf) if m.megatron.endswith(".router.expert_bias") else m
                 for m in super().moe_mappings()]
-
-    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        c = self.hf_config
-        hd = C.head_dim_of(c)
-        return {**super().attention_shapes(prefix), f"{prefix}.self_attn.q_norm.weight": (c.num_attention_heads * hd,),
-                f"{prefix}.self_attn.k_norm.weight": (C.kv_heads_of(c) * hd,)}

@@ -89,6 +89,29 @@ def full_width_norm(which: str, *, round_first: bool = False) -> type:
     return FullWidthRMSNorm
 
 
+class FullWidthQKNorms:
+    """Mixin for a bridge whose q / k RMSNorms span all heads' channels with Llama's rounding (OLMoE, MiniMax-M2):
+    ``full_width_norm`` in megatron's q / k norm slots, split over TP like the heads, megatron's ``qk_layernorm``
+    off (it would sum the TP-split weights' grads over TP)."""
+
+    def transformer_config_kwargs(self) -> dict:
+        return {**super().transformer_config_kwargs(), "qk_layernorm": False}
+
+    def qk_module(self) -> tuple[type, type]:
+        return full_width_norm("q", round_first=True), full_width_norm("k", round_first=True)
+
+    def attention_mappings(self) -> list[Mapping]:
+        return [*super().attention_mappings(),
+                ColumnParallel(f"{D}.self_attention.q_layernorm.weight", f"{L}.self_attn.q_norm.weight"),
+                ColumnParallel(f"{D}.self_attention.k_layernorm.weight", f"{L}.self_attn.k_norm.weight")]
+
+    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        c = self.hf_config
+        hd = C.head_dim_of(c)
+        return {**super().attention_shapes(prefix), f"{prefix}.self_attn.q_norm.weight": (c.num_attention_heads * hd,),
+                f"{prefix}.self_attn.k_norm.weight": (C.kv_heads_of(c) * hd,)}
+
+
 class PostNorms(DenseBridge):
     """No input / pre-MLP norms; the attention's and the MLP's outputs normalised before the residual adds
     (``post_attention_layernorm``, ``post_feedforward_layernorm``), q / k norms: OLMo 2, EXAONE 4."""

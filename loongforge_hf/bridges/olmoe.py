@@ -19,15 +19,13 @@ Choices:
 """
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.dense import D, L
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping
 from loongforge_hf.bridges.moe import MoEBridge
-from loongforge_hf.bridges.olmo2 import full_width_norm
+from loongforge_hf.bridges.olmo2 import FullWidthQKNorms
 from loongforge_hf.bridges.registry import register_bridge
 
 
 @register_bridge("OlmoeForCausalLM")
-class OlmoeBridge(MoEBridge):
+class OlmoeBridge(FullWidthQKNorms, MoEBridge):
     extra_rope_types = ()
     hf_balance_loss = True
     hf_router_logits = True
@@ -42,11 +40,6 @@ class OlmoeBridge(MoEBridge):
                                            f"hidden_size={c.hidden_size}, so head_dim must be hidden_size / heads.")
         super().check_config()
 
-    def transformer_config_kwargs(self) -> dict:
-        # NOTE: the q / k norms come from the spec (qk_module); megatron's qk_layernorm would sum their TP-split
-        # weights' grads over TP (see olmo2.py)
-        return {**super().transformer_config_kwargs(), "qk_layernorm": False}
-
     def num_experts(self) -> int:
         return self.hf_config.num_experts
 
@@ -60,18 +53,3 @@ class OlmoeBridge(MoEBridge):
         if self.num_experts() <= 0:
             raise C.UnsupportedConfigError(f"num_experts={self.num_experts()}: OLMoE needs at least one expert.")
         return {"moe_router_score_function": "softmax", "moe_router_pre_softmax": not self.hf_config.norm_topk_prob}
-
-    def qk_module(self) -> tuple[type, type]:
-        return full_width_norm("q", round_first=True), full_width_norm("k", round_first=True)
-
-    # ---- tensors --------------------------------------------------------------------------------------------
-    def attention_mappings(self) -> list[Mapping]:
-        return [*super().attention_mappings(),
-                ColumnParallel(f"{D}.self_attention.q_layernorm.weight", f"{L}.self_attn.q_norm.weight"),
-                ColumnParallel(f"{D}.self_attention.k_layernorm.weight", f"{L}.self_attn.k_norm.weight")]
-
-    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        c = self.hf_config
-        kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        return {**super().attention_shapes(prefix), f"{prefix}.self_attn.q_norm.weight": (c.hidden_size,),
-                f"{prefix}.self_attn.k_norm.weight": (kv * C.head_dim_of(c),)}

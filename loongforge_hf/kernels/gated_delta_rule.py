@@ -77,31 +77,43 @@ def gated_delta_rule_packed(query: torch.Tensor, key: torch.Tensor, value: torch
         raise ValueError(f"gated_delta_rule_packed: bounds {bounds} are not {batch} rows of sorted document bounds "
                          f"from 0 to {seq}.")
     slots, places, carry = _packed_layout(tuple(map(tuple, bounds)), seq, chunk_size, key.device)
-
-    def laid_out(x):
-        flat = x.reshape(batch * seq, *x.shape[2:])
-        return torch.cat((flat, flat.new_zeros(1, *flat.shape[1:])))[slots][None]
-
-    q, k, v, gl, bl = (laid_out(x) for x in (query, key, value, g.float(), beta.float()))
+    q, k, v, gl, bl = (in_slots(x, slots)[None] for x in (query, key, value, g.float(), beta.float()))
     initial = key.new_zeros(1, value.shape[2], key.shape[-1], value.shape[-1], dtype=torch.float32)
     out, _ = _ChunkedRule.apply(q, k, v, gl, bl, initial, chunk_size, query.dtype, carry)
     return out[0][places].reshape(batch, seq, *out.shape[2:])
 
 
+@functools.lru_cache(maxsize=32)
+def document_slots(bounds: tuple, seq: int, device: torch.device, *, lead: int = 0, multiple: int = 1):
+    """Each row's documents (``bounds``: each row's ``[0, .., seq]``) laid out one after another, each after ``lead``
+    zero slots and followed by zero slots up to a multiple of ``multiple`` slots: (the token of each slot, ``rows *
+    seq`` for a zero; the slot of each token; the slot after each document's last), kept for the next layers of a
+    forward (same bounds)."""
+    zero, slots, places, ends = len(bounds) * seq, [], [], []
+    for row, cuts in enumerate(bounds):
+        for lo, hi in zip(cuts, cuts[1:]):
+            if hi > lo:
+                slots += [zero] * lead
+                places += range(len(slots), len(slots) + hi - lo)
+                slots += range(row * seq + lo, row * seq + hi)
+                ends.append(len(slots))
+                slots += [zero] * (-len(slots) % multiple)
+    return tuple(torch.tensor(t, dtype=torch.long, device=device) for t in (slots, places, ends))
+
+
+def in_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, seq, ...]`` laid out by ``document_slots``' slots: ``[slots, ...]``, zeros in the gaps."""
+    flat = x.reshape(-1, *x.shape[2:])
+    return torch.cat((flat, flat.new_zeros(1, *flat.shape[1:])))[slots]
+
+
 @functools.lru_cache(maxsize=16)
 def _packed_layout(bounds: tuple, seq: int, chunk_size: int, device: torch.device):
-    """``gated_delta_rule_packed``'s layout, kept for the next layers of a forward (same bounds): (the token of each
-    slot, ``batch * seq`` for the zero token; the slot of each token; the carry mask of the chunks)."""
-    spans = [(row * seq + lo, hi - lo) for row, cuts in enumerate(bounds) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
-    chunks = [-(-length // chunk_size) for _, length in spans]
-    slots = torch.full((sum(chunks) * chunk_size,), len(bounds) * seq, dtype=torch.long)
-    places, carry, at = [], torch.ones(sum(chunks)), 0
-    for (start, length), n in zip(spans, chunks):
-        slots[at * chunk_size:at * chunk_size + length] = torch.arange(start, start + length)
-        places.append(torch.arange(at * chunk_size, at * chunk_size + length))
-        at += n
-        carry[at - 1] = 0.0
-    return tuple(t.to(device) for t in (slots, torch.cat(places), carry))
+    """``gated_delta_rule_packed``'s layout: documents on whole chunks of their own (slots, places) and the carry mask
+    of the chunks (0 after a document's last)."""
+    slots, places, ends = document_slots(bounds, seq, device, multiple=chunk_size)
+    carry = torch.ones(slots.numel() // chunk_size, device=device).index_fill_(0, (ends - 1) // chunk_size, 0.0)
+    return slots, places, carry
 
 
 def _normalized(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
