@@ -162,7 +162,7 @@ def _cp2_checks(folder: str, ref) -> dict:
     import loongforge_hf as lf
 
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
-    prompt = _ids((1, 6), seed=2)
+    prompt = _ids((1, 6), seed=2).to(ref.device)
     kw = dict(input_ids=prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
     got, want = ours.generate(use_cache=False, **kw), ref.generate(**kw)
     out = {"generate": (torch.equal(got.sequences, want.sequences),
@@ -180,14 +180,14 @@ def _cp2_padded_and_packed(ours, ref, folder: str) -> dict:
     tokens (starts at a chunk's first token and two inside chunks, one 2 tokens before a chunk's end) and a row
     left-padded by 9, labels ignored on padding and across documents. Against transformers (each document alone,
     the padded row with its mask): the logits, the loss, and every parameter's gradient (reduced over CP as
-    megatron's DDP, exported through the bridge; relative to each tensor's largest, rank 0)."""
+    megatron's DDP, exported through the bridge; relative to each tensor's largest, rank 0). On ``ref``'s device."""
     import torch.distributed as dist
     import transformers
 
     from ._gradients import _reduce_as_megatron
 
-    ids = _ids((2, 152), seed=4)
-    positions = torch.stack([torch.cat([torch.arange(n) for n in CP_LENGTHS]), torch.arange(152)])
+    ids = _ids((2, 152), seed=4).to(ref.device)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in CP_LENGTHS]), torch.arange(152)]).to(ref.device)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
     labels = ids.masked_fill(mask == 0, -100)
@@ -215,7 +215,7 @@ def _cp2_padded_and_packed(ours, ref, folder: str) -> dict:
     if dist.get_rank() == 0:
         exported = dict(transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-cp2-grads", dtype=torch.float32)
                         .named_parameters())
-        out["grads"] = {n: float((exported[n] - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
+        out["grads"] = {n: float((exported[n].to(p.device) - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
                         for n, p in ref.named_parameters()}
     return out
 
