@@ -175,21 +175,34 @@ class GatedDeltaNet(torch.nn.Module):
         states, in one call each: the conv over the documents laid out after ``conv_kernel - 1`` zero slots each, the
         delta rule over all rows and documents."""
         from loongforge_hf.kernels import fla_delta_rule
-        from loongforge_hf.kernels.gated_delta_rule import document_slots, gated_delta_rule_packed, in_slots
+        from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule_packed
 
-        batch, seq, width = qkv.shape
-        weight = self.conv_weight
-        gap = weight.shape[-1] - 1
-        slots, places, _ = document_slots(tuple(map(tuple, bounds)), seq, qkv.device, lead=gap)
-        inputs = in_slots(qkv, slots).t().to(weight.dtype)[None]
-        conv = F.silu(F.conv1d(inputs, weight, groups=self.qkv_size))[0].t()[places - gap]
-        q, k, v = self._heads(conv.to(qkv.dtype).reshape(batch, seq, width))
+        batch, seq, _ = qkv.shape
+        q, k, v = self.packed_conv_heads(qkv, bounds)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, g, beta))
         if not fla_delta_rule.available(qkv.device, backward=needs_grad):
             return gated_delta_rule_packed(q, k, v, g, beta, bounds)
         cu = _cu_seqlens(tuple(map(tuple, bounds)), seq, qkv.device)
         flat = [x.reshape(1, batch * seq, *x.shape[2:]) for x in (q, k, v, g, beta)]
         return fla_delta_rule.gated_delta_rule_varlen(*flat, cu_seqlens=cu)[0].reshape(*v.shape)
+
+    def packed_conv_heads(self, qkv: torch.Tensor, bounds: list[list[int]], history: torch.Tensor | None = None):
+        """``conv_heads`` over rows packing documents (``bounds``: each row's ``[0, .., seq]``) in one call: each
+        document laid out after ``conv_kernel - 1`` zero inputs, a row's first after its ``history`` instead (None:
+        zeros)."""
+        from loongforge_hf.kernels.gated_delta_rule import document_slots
+
+        batch, seq, width = qkv.shape
+        weight, gap = self.conv_weight, self.conv_weight.shape[-1] - 1
+        slots, places, _ = document_slots(tuple(map(tuple, bounds)), seq, qkv.device, lead=gap)
+        table = [qkv.reshape(-1, width), qkv.new_zeros(1, width)]  # NOTE: the tokens, the zero, the histories
+        if history is not None:
+            lead = (places[::seq, None] - gap + torch.arange(gap, device=qkv.device)).flatten()
+            slots = slots.index_put((lead,), torch.arange(batch * gap, device=qkv.device) + batch * seq + 1)
+            table.append(history.transpose(1, 2).reshape(-1, width).to(qkv.dtype))
+        inputs = torch.cat(table)[slots].t().to(weight.dtype)[None]
+        conv = F.silu(F.conv1d(inputs, weight, groups=self.qkv_size))[0].t()[places - gap]
+        return self._heads(conv.to(qkv.dtype).reshape(batch, seq, width))
 
     def conv_heads(self, qkv: torch.Tensor, history: torch.Tensor | None = None):
         """The causal depthwise conv (``silu``, in the weight's dtype) over ``qkv`` ``[b, s, qkv_size]`` after

@@ -24,7 +24,9 @@ Choices:
 - Padding (tokens zeroed before the conv, ``GatedDeltaNet._split``) is per token and needs nothing more. Packed
   documents: the conv and the recurrence restart at each document start, as without CP; a chunk with a start passes
   on ``A = 0`` and its last document's state as ``B``, its tokens before the first start read ``S_in``, the later
-  ones none, and its tail keeps its last document's inputs only. The starts come from the mask rows a rank holds
+  ones none, and its tail keeps its last document's inputs only. A chunk with starts costs three calls of the rule
+  for all its rows and documents however many there are (``_documents``), not one per document. The starts come
+  from the mask rows a rank holds
   (``[b, 1, s_local, s]``, every key column): a token masked from the one before it while both are real; those two
   flags of every token are all-gathered once per mask (``read_cp_layout``, kept per mask as without CP).
 - The CP group is megatron's, read at each forward (``context_parallel.cp_group_and_size``): the same call decides
@@ -140,28 +142,42 @@ def _chunk(layer, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, histor
     final ``B | A`` ``[b, Hv, Dk, Dv + Dk]``), fp32. ``cuts`` ``[b, c]`` (host): document starts in it, or None."""
     if cuts is None or not bool(cuts.any()):
         return _affine(layer, qkv, g, beta, history, carried=True)
-    runs = [_documents(layer, qkv[r:r + 1], g[r:r + 1], beta[r:r + 1], history[r:r + 1],
-                       cuts[r].nonzero().flatten().tolist()) for r in range(qkv.shape[0])]
-    return tuple(torch.cat(parts, dim=0) for parts in zip(*runs))
+    return _documents(layer, qkv, g, beta, history, [row.nonzero().flatten().tolist() for row in cuts])
 
 
-def _documents(layer, qkv, g, beta, history, starts: list[int]):
-    """``_chunk`` for one row whose documents start at ``starts`` (positions in the chunk): the tokens before the
-    first start read the state coming in, the others run from zero; the chunk passes on its last document's state."""
-    c = qkv.shape[1]
-    bounds = sorted({0, *starts, c})
-    carried = not starts or starts[0] > 0
-    outs, effs, final = [], [], None
-    for lo, hi in zip(bounds, bounds[1:]):
-        reads = lo == 0 and carried
-        o0, q_eff, final = _affine(layer, qkv[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], history if reads else None,
-                                   carried=reads)
-        outs.append(o0)
-        effs.append(q_eff)
-    if starts:
-        dv = layer.value_dim
-        final = torch.cat((final[..., :dv], torch.zeros_like(final[..., dv:])), dim=-1)  # NOTE: A = 0
-    return torch.cat(outs, dim=1), torch.cat(effs, dim=1), final
+def _documents(layer, qkv, g, beta, history, starts: list[list[int]]):
+    """``_chunk`` for rows whose documents start at ``starts`` (each row's positions in the chunk; a row may have
+    none), three calls of the rule for all rows and documents: the conv over the documents laid out one after
+    another (``packed_conv_heads``, a row's first document after its ``history``); the tokens before each row's first
+    start as the affine map of the incoming state (one call over the longest such prefix); the other documents from
+    zero (``gated_delta_rule_packed``); the state a row with a start passes on, its last document's (``A = 0``): one
+    run over the chunk from its earliest last start, the tokens before a row's own zeroed (zero tokens keep a zero
+    state: no decay, no write)."""
+    from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_packed
+
+    batch, c, _ = qkv.shape
+    bounds = [sorted({0, *row, c}) for row in starts]
+    q, k, v = layer.packed_conv_heads(qkv, bounds, history)
+    position = torch.arange(c, device=qkv.device)
+    first, last = ([row[0] if row else c for row in starts], [row[-1] if row else c for row in starts])
+    reads = (position < torch.tensor(first, device=qkv.device)[:, None])[..., None, None]  # NOTE: [b, c, 1, 1]
+    rest = gated_delta_rule_packed(q, k, v, g, beta, bounds).float()
+    longest = max(first)
+    if longest:
+        o0, q_eff, final = affine_delta_rule(*(t[:, :longest] for t in (q, k, v, g, beta)))
+        o0, q_eff = (F.pad(t, (0, 0, 0, 0, 0, c - longest)) for t in (o0, q_eff))
+        o0, q_eff = torch.where(reads, o0, rest), q_eff * reads
+    else:
+        o0, q_eff, final = rest, rest.new_zeros(*q.shape[:2], rest.shape[2], q.shape[-1]), None
+    lo = min(last)
+    tail = (position[lo:] >= torch.tensor(last, device=qkv.device)[:, None]).float()  # NOTE: [b, c - lo]
+    cut = [t[:, lo:] * tail.view(batch, c - lo, *[1] * (t.dim() - 2)).to(t.dtype) for t in (q, k, v, g, beta)]
+    _, state = gated_delta_rule(*cut, output_final_state=True)
+    passed = torch.cat((state, torch.zeros_like(state[..., :q.shape[-1]])), dim=-1)
+    if not all(starts):  # NOTE: a row without a start passes on the prefix call's B | A (its prefix: the chunk)
+        whole = torch.tensor([not row for row in starts], device=qkv.device)[:, None, None, None]
+        passed = torch.where(whole, final, passed)
+    return o0, q_eff, passed
 
 
 def _affine(layer, qkv, g, beta, history, *, carried: bool):

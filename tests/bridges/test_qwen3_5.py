@@ -20,7 +20,7 @@ TOL = 1e-4
 AUX_TOL = 1e-5
 MOE_ARCHS = ("qwen3_next", "qwen3_5_moe")
 LENGTHS = (7, 20, 11)  # NOTE: the packed row's documents
-CP_LENGTHS = (38, 35, 34, 45)  # NOTE: the packed row's documents under CP2 (chunks of 38 tokens)
+CP_LENGTHS = (38, 35, 10, 12, 57)  # NOTE: the packed row's documents under CP2 (chunks of 38 tokens)
 
 
 def _ids(shape, seed=0):
@@ -176,8 +176,9 @@ def _cp2_checks(folder: str, ref) -> dict:
 
 
 def _cp2_padded_and_packed(ours, ref, folder: str) -> dict:
-    """CP2 (four chunks of 38 tokens, each rank two): one batch of a row packing documents of 38, 35, 34 and 45
-    tokens (starts at a chunk's first token and two inside chunks, one 2 tokens before a chunk's end) and a row
+    """CP2 (four chunks of 38 tokens, each rank two): one batch of a row packing documents of 38, 35, 10, 12 and 57
+    tokens (starts at a chunk's first token, 3 tokens before a chunk's end, and twice inside the next chunk: its
+    first 7 tokens read the state coming in, one document lies within it, the last runs on to the end) and a row
     left-padded by 9, labels ignored on padding and across documents. Against transformers (each document alone,
     the padded row with its mask): the logits, the loss, and every parameter's gradient (reduced over CP as
     megatron's DDP, exported through the bridge; relative to each tensor's largest, rank 0). On ``ref``'s device."""
