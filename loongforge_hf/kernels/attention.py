@@ -45,7 +45,9 @@ Choices:
 - Chunked attention (``attention_chunks``: Llama 4's ``attention_chunk_size`` layers; a context as the score rules):
   a query sees only the keys of its own chunk of ``size`` positions, counted from the first key it may see under the
   causal and padding / document masks (transformers counts them from a row's first real token, a packed document's
-  start). Such calls build a mask (no fused kernel, no varlen kernel); the static KV cache's fixed step and the
+  start). Such calls build a mask (no fused kernel, no varlen kernel), but for two: keys that fit in one chunk (the
+  rule cuts nothing) and queries and keys the same tokens without a mask (the chunks as one batch of causal SDPA
+  calls, ``_causal_chunks``); the static KV cache's fixed step and the
   context-parallel KV cache's shares (``masked_attention``, ``partial_attention``, ``sharded_attention``) refuse it.
 """
 
@@ -313,6 +315,11 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     rule = _SCORES.get()
     same = _same_block(q_offset, sq, skv) if causal else None
     chunk = _CHUNK.get()
+    if chunk is not None and skv <= chunk:
+        chunk = None  # NOTE: the keys a query may see all lie in its chunk (they span at most skv positions)
+    if (rule is None and same is None and window is None and mask is None and chunk is not None and causal
+            and sq == skv and q_offset == 0):
+        return _causal_chunks(query, key, value, size=chunk, **kwargs)
     if (rule is None and same is None and window is None and mask is None and chunk is None
             and (not causal or q_offset == natural)):
         if not causal:
@@ -360,6 +367,26 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     if rule is not None:
         return _materialised(query, key, value, attn_mask, scale=scale, rule=rule, dropout_p=dropout_p)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+def _causal_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, size: int, **kwargs) -> torch.Tensor:
+    """Causal attention within chunks of ``size`` positions, queries and keys the same tokens without a mask: the
+    whole chunks as one batch of causal SDPA calls (the fused kernels), the last partial chunk apart; no ``[s, s]``
+    mask. The chunks then start at position 0, as ``within_chunks`` counts them without padding or documents."""
+    batch, heads, seq = query.shape[:3]
+    count = seq // size
+    outs = []
+    if count:
+        def fold(x):  # NOTE: [b, h, count * size, d] -> [b * count, h, size, d]
+            return x[:, :, :count * size].unflatten(2, (count, size)).transpose(1, 2).flatten(0, 1)
+
+        out = F.scaled_dot_product_attention(fold(query), fold(key), fold(value), is_causal=True, **kwargs)
+        outs.append(out.unflatten(0, (batch, count)).transpose(1, 2).flatten(2, 3))
+    if count * size < seq:
+        rest = slice(count * size, seq)
+        outs.append(F.scaled_dot_product_attention(query[:, :, rest], key[:, :, rest], value[:, :, rest],
+                                                   is_causal=True, **kwargs))
+    return torch.cat(outs, dim=2)
 
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, allowed: torch.Tensor,

@@ -110,6 +110,25 @@ def test_sliding_window_from_config():
     assert skipped.window is None
 
 
+@pytest.mark.parametrize("sq,size", [(17, 5), (15, 5), (6, 8)])
+def test_chunked_attention_without_a_mask(sq, size, monkeypatch):
+    """Llama 4's chunked attention (``attention_chunks``) on queries and keys of the same tokens without a mask runs as
+    causal SDPA over the chunks batched (17 tokens: three whole chunks of 5 and a partial one; 15: whole chunks
+    only), and keys that fit in one chunk (6 of 8) as plain causal attention: both the reference within chunks (fp32,
+    1e-5), and neither builds a mask (``within_chunks`` not called)."""
+    from loongforge_hf.kernels import attention
+
+    q, k, v = _qkv(sq, 2, 4, 2)
+    module = _module(heads=4)
+    monkeypatch.setattr(attention, "within_chunks", lambda *a, **kw: pytest.fail("a chunk mask was built"))
+    with attention.attention_chunks(size):
+        ours = _run(lambda q, k, v: module(q, k, v, None), q, k, v)
+    pos = torch.arange(sq)
+    allowed = allowed_mask(sq, sq, causal=True) & (pos[:, None] // size == pos[None, :] // size)
+    ref = _run(lambda q, k, v: attention_reference(q, k, v, scale=SCALE, allowed=allowed), q, k, v)
+    _assert_all_close(ours, ref, 1e-5, 1e-5)
+
+
 def _packed_params(cu, cu_padded=None):
     cu = torch.tensor(cu, dtype=torch.int32)
     padded = None if cu_padded is None else torch.tensor(cu_padded, dtype=torch.int32)
