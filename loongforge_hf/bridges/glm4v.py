@@ -22,7 +22,8 @@ Choices:
   the splice (their text embeddings are replaced either way), so the videos' embeddings fill them in order. The
   tower encodes each frame as an image; each frame is its own 3-D position item (``frames_apart``, temporal position
   ``p``: transformers' ``get_rope_index`` splits ``video_grid_thw`` per frame). Image and video rows may share a
-  batch (transformers' forward refuses that: its image mask also holds the video frames).
+  batch (transformers' forward refuses that: its image mask also holds the video frames). ``generate`` marks them the
+  same way at each step that takes videos (``multimodal.generation``).
 - Tensor names: ``model.language_model.*`` / ``model.visual.*`` / ``lm_head``, as transformers 5 and the hub write
   them (export writes the names read).
 - Vision tensors are named like ``multimodal.vision_glm4v.Glm4vVisionTower``'s modules; under
@@ -31,12 +32,11 @@ Choices:
   the downsample and the merger are replicated. "Projector" (``freeze_projector``): the downsample and the merger.
 - ``vision_config`` is a view of GLM-4.1V's with the tower's names (``tower_config``): ``intermediate_size`` the
   blocks' MLP width (GLM's ``out_hidden_size``), ``merger_size`` the merger's (GLM's ``intermediate_size``).
-- Refused: videos without ``mm_token_type_ids`` (nothing else tells their frames from images), videos in
-  ``generate`` (``multimodal.modeling``), a ViT activation transformers does not know, a non-axial ViT rope, a head
-  size that is not a whole multiple of 4, a ``head_dim`` other than ``hidden_size / num_heads``, an ``image_size``
-  that is not a whole number of patches, an ``out_hidden_size`` other than the decoder's ``hidden_size``; on the text
-  side what the GLM-4 (GLM-4.5) and Qwen2.5-VL text declarations refuse (another rope type, a bad
-  ``mrope_section``).
+- Refused: videos without ``mm_token_type_ids`` (nothing else tells their frames from images; in ``generate`` too),
+  a ViT activation transformers does not know, a non-axial ViT rope, a head size that is not a whole multiple of 4,
+  a ``head_dim`` other than ``hidden_size / num_heads``, an ``image_size`` that is not a whole number of patches, an
+  ``out_hidden_size`` other than the decoder's ``hidden_size``; on the text side what the GLM-4 (GLM-4.5) and
+  Qwen2.5-VL text declarations refuse (another rope type, a bad ``mrope_section``).
 """
 
 from __future__ import annotations

@@ -42,6 +42,12 @@ Choices:
   processor gives a batch of them; a sample without it counts its ``pixel_values``. Videos ``pixel_values_videos
   [videos, frames, C, H, W]`` (no grid) are concatenated along dim 0, so all videos of a batch must have the same
   frame count and size (transformers' one tensor): other shapes are refused, naming the field.
+- GLM-4.1V / GLM-4.5V (``from_processor`` sets ``video_markers`` and ``frames_apart`` for a ``Glm4vProcessor``):
+  its processor marks a video's frames with the image token (between ``<|begin_of_video|>`` and
+  ``<|end_of_video|>``, a timestamp after each frame), so ``mm_token_type_ids`` (2: video, 1: image, 0: text) are the
+  only thing that tells them apart: padded batches always carry them (a feature without them gets its processor's:
+  image tokens between the markers 2, other image tokens 1); ``pixel_values_videos [patches, C*T*P*P]`` and
+  ``video_grid_thw`` are concatenated as images are; packed rows give each frame its own 3-D position item.
 """
 
 from __future__ import annotations
@@ -116,6 +122,7 @@ class DataCollatorForImageText:
     tokens_per_second: float = 1.0         # packing: vision_config.tokens_per_second (video time positions)
     frames_apart: bool = False             # packing: a video's frames are separate position items (Qwen3-VL)
     mrope: bool = True                     # False: 1-D positions, token_type_ids, whole images (Gemma 3)
+    video_markers: tuple[int, int] | None = None  # GLM-4V: a video's (begin, end) ids; image tokens between: frames
 
     def __post_init__(self) -> None:
         if self.padding_side not in ("left", "right"):
@@ -126,10 +133,12 @@ class DataCollatorForImageText:
 
     @classmethod
     def from_processor(cls, processor, config=None, **kwargs) -> "DataCollatorForImageText":
-        """From a Qwen2.5-VL, Qwen3-VL, Gemma 3, Mistral 3 (Pixtral), InternVL, LLaVA (-NeXT, -OneVision), SmolVLM or
-        Idefics3 processor; ``config`` (the model's) supplies ``tokens_per_second`` for videos."""
-        from transformers import (Gemma3Processor, Idefics3Processor, InternVLProcessor, LlavaNextProcessor,
-                                  LlavaOnevisionProcessor, LlavaProcessor, Qwen3VLProcessor, SmolVLMProcessor)
+        """From a Qwen2.5-VL, Qwen3-VL, GLM-4.1V / GLM-4.5V, Gemma 3, Mistral 3 (Pixtral), InternVL, LLaVA (-NeXT,
+        -OneVision), SmolVLM or Idefics3 processor; ``config`` (the model's) supplies ``tokens_per_second`` for
+        videos."""
+        from transformers import (Gemma3Processor, Glm4vProcessor, Idefics3Processor, InternVLProcessor,
+                                  LlavaNextProcessor, LlavaOnevisionProcessor, LlavaProcessor, Qwen3VLProcessor,
+                                  SmolVLMProcessor)
 
         tok = processor.tokenizer
         if isinstance(processor, LlavaOnevisionProcessor) or getattr(config, "model_type", None) == "llava_onevision":
@@ -146,9 +155,12 @@ class DataCollatorForImageText:
         if isinstance(processor, Gemma3Processor) or getattr(config, "model_type", None) == "gemma3":
             # NOTE: its image_token_id is the begin-of-image id it expands; the image tokens are the tokenizer's
             return cls(pad_token_id=tok.pad_token_id, image_token_id=tok.image_token_id, mrope=False, **kwargs)
+        glm = isinstance(processor, Glm4vProcessor) or getattr(config, "model_type", None) in ("glm4v", "glm4v_moe")
         defaults = {"spatial_merge_size": getattr(image, "merge_size", None),
-                    "frames_apart": isinstance(processor, Qwen3VLProcessor)
+                    "frames_apart": glm or isinstance(processor, Qwen3VLProcessor)
                     or getattr(config, "model_type", None) in ("qwen3_vl", "qwen3_vl_moe")}
+        if glm:  # NOTE: ids the tokenizer lacks are never in input_ids (the tiny test processor's -1)
+            defaults["video_markers"] = tuple(getattr(processor, f"video_{end}_id", -1) for end in ("start", "end"))
         vision = getattr(config, "vision_config", None)
         if vision is not None and getattr(vision, "tokens_per_second", None) is not None:
             defaults["tokens_per_second"] = vision.tokens_per_second
@@ -175,13 +187,21 @@ class DataCollatorForImageText:
         return lab
 
     def _token_types(self, feature: dict, ids: torch.Tensor) -> torch.Tensor:
+        """The feature's ``mm_token_type_ids``, else its processor's (see the module docstring)."""
         if feature.get("mm_token_type_ids") is not None:
-            return _row(feature["mm_token_type_ids"]).long()
+            kinds = _row(feature["mm_token_type_ids"]).long()
+            if kinds.shape != ids.shape:
+                raise ValueError(f"mm_token_type_ids: {list(kinds.shape)} values for input_ids of {list(ids.shape)}.")
+            return kinds
         kinds = torch.zeros_like(ids)
         if self.image_token_id is not None:
             kinds[ids == self.image_token_id] = 1
         if self.video_token_id is not None:
             kinds[ids == self.video_token_id] = 2
+        if self.video_markers is not None:  # NOTE: GLM-4V's Glm4vProcessor.create_mm_token_type_ids
+            begin, end = self.video_markers
+            inside = (ids == begin).long().cumsum(0) > (ids == end).long().cumsum(0)
+            kinds[(ids == self.image_token_id) & inside] = 2
         return kinds
 
     def _length(self, length: int) -> int:
@@ -226,9 +246,11 @@ class DataCollatorForImageText:
         masks = [_row(f["attention_mask"]).long() if f.get("attention_mask") is not None
                  else torch.ones_like(r) for f, r in zip(features, ids)]
         batch = {"input_ids": self._pad(ids, length, self.pad_token_id), "attention_mask": self._pad(masks, length, 0)}
-        for kinds in ("mm_token_type_ids", "token_type_ids"):
-            if all(f.get(kinds) is not None for f in features):
-                batch[kinds] = self._pad([_row(f[kinds]).long() for f in features], length, 0)
+        # NOTE: GLM-4V's always: nothing else tells a video's frames from images
+        if self.video_markers is not None or all(f.get("mm_token_type_ids") is not None for f in features):
+            batch["mm_token_type_ids"] = self._pad([self._token_types(f, r) for f, r in zip(features, ids)], length, 0)
+        if all(f.get("token_type_ids") is not None for f in features):
+            batch["token_type_ids"] = self._pad([_row(f["token_type_ids"]).long() for f in features], length, 0)
         batch["labels"] = self._pad([self._labels(f, r) for f, r in zip(features, ids)], length, IGNORE_INDEX)
         batch["labels"][batch["attention_mask"] == 0] = IGNORE_INDEX
         return self._vision(features, batch)

@@ -43,8 +43,13 @@ Choices:
   fixed-shape decode (``static_cache.py``; a CUDA graph on GPUs, kept across calls) with the token's ``[3, b, 1]``
   positions copied into its position buffer (megatron's ``MultimodalRotaryEmbedding`` computes the rows inside the
   step); not under a pipeline (those steps run as with the dynamic cache).
+- GLM-4.1V / GLM-4.5V videos (frames marked with the image token, ``mm_token_type_ids`` 2): each step that takes
+  ``pixel_values_videos`` (the prefill; every uncached step) turns the frames' placeholders into video tokens first
+  (``bridge.mark_video_tokens``, as the forward does); their positions are transformers' ``get_rope_index``'s, each
+  frame its own item (``frames_apart``), and decode steps continue after them as above (transformers' ``rope_deltas``
+  give the same where the prompt ends in text). Beam copies find each row's videos from ``mm_token_type_ids`` 2.
 - Refused (ValueError, on every rank alike before any collective): ``mm_encoder_outputs`` (pass the pixels),
-  ``position_ids`` other than ``[3, batch, seq]``.
+  ``position_ids`` other than ``[3, batch, seq]``, GLM-4V videos without ``mm_token_type_ids``.
 - A placeholder id sampled into the sequence (say a video token in a batch without videos) stays a text token in
   the uncached steps, as in transformers (``chunk.py`` splices only the kinds given); one of a kind the batch has
   (an image token among images) makes the uncached step's placeholders outnumber the grids and raises there, as
@@ -83,6 +88,10 @@ def generation_refusal(model, config, kwargs: dict) -> str | None:
     """Why this image-text generate call is refused, or None (see the module docstring)."""
     if kwargs.get("mm_encoder_outputs") is not None:
         return "mm_encoder_outputs is not supported: pass pixel_values / pixel_values_videos."
+    if kwargs.get("pixel_values_videos") is not None and kwargs.get("mm_token_type_ids") is None \
+            and hasattr(model.bridge, "mark_video_tokens"):
+        return ("mm_token_type_ids: GLM-4.1V / GLM-4.5V mark a video's frames with the image token; pass the "
+                "processor's mm_token_type_ids (2: video) with pixel_values_videos.")
     positions = kwargs.get("position_ids")
     if not model.bridge.mrope:
         if positions is not None and positions.dim() != 2:
@@ -163,6 +172,8 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
 
     device = model.device
     input_ids = input_ids.to(device)
+    if vision.get("pixel_values_videos") is not None and hasattr(model.bridge, "mark_video_tokens"):
+        input_ids = model.bridge.mark_video_tokens(input_ids, vision.get("mm_token_type_ids"))  # NOTE: GLM-4V's
     batch, given = input_ids.shape
     if position_ids is None:
         if cache is not None and cache.get_seq_length() > 0:

@@ -20,9 +20,9 @@ Choices:
   LLaVA-OneVision's with ``batch_num_images``) become the tower's patches and grids (``bridge.vision_inputs``), as
   do LLaVA-OneVision's videos ``pixel_values_videos [v, frames, C, H, W]`` (``bridge.video_inputs``); another
   model refuses ``batch_num_images`` above 1. GLM-4.1V's video placeholders (image tokens that
-  ``mm_token_type_ids`` marks 2) become video tokens first (``bridge.mark_video_tokens``); its ``generate`` refuses
-  videos. Gemma 3's ``token_type_ids`` make each image's tokens attend both
-  ways (``chunk.image_blocks``), as in transformers.
+  ``mm_token_type_ids`` marks 2) become video tokens first (``bridge.mark_video_tokens``), in ``generate``'s steps
+  too. Gemma 3's ``token_type_ids`` make each image's tokens attend both ways (``chunk.image_blocks``), as in
+  transformers.
 - Context parallelism (``context_parallel_size``): the language model runs on megatron's load-balanced share of the
   sequence on each CP rank (``parallel.context_parallel``); the sequence length must be a multiple of 2 x CP. The
   returned loss and logits are the whole sequence's; each rank's gradient is its share's (megatron's DDP sums them).
@@ -100,13 +100,6 @@ def _sample_images(bridge, counts) -> dict:
     return {"batch_num_images": counts}
 
 
-def _refuse_generation_videos(bridge, videos) -> None:
-    """GLM-4.1V's videos (``bridge.mark_video_tokens``) go through forward, not through generate's cached steps."""
-    if videos is not None and hasattr(bridge, "mark_video_tokens"):
-        raise ValueError("pixel_values_videos: generate with GLM-4.1V / GLM-4.5V videos is not supported (their "
-                         "frames are marked with the image token); forward and training take them.")
-
-
 def _tower_inputs(bridge, get) -> dict:
     """``pixel_values`` / ``image_grid_thw`` / ``pixel_values_videos`` / ``video_grid_thw`` as the tower takes them,
     from the processor's (``get``: input name -> value): images through ``bridge.vision_inputs`` (with
@@ -144,7 +137,6 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         ``loongforge_hf.multimodal.generation``."""
         # NOTE: forward runs generate's steps through generation_forward (padded to the layout, mRoPE positions
         # given) while this is set, with or without the KV cache; a plain forward call never does
-        _refuse_generation_videos(self.bridge, kwargs.get("pixel_values_videos"))
         self._generating = True
         if kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None:
             # NOTE: the tower's patches and grids from the start (Gemma 3's and Mistral 3's processors give
@@ -273,7 +265,6 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         if options["cache"] is not None or self._generating:
             from loongforge_hf.multimodal.generation import generation_forward
 
-            _refuse_generation_videos(self.bridge, pixel_values_videos)
             keep = options["logits_to_keep"]
             given = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw, "image_sizes": image_sizes,
                      "pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw,

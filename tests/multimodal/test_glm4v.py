@@ -1,9 +1,10 @@
 """GLM-4.1V and GLM-4.5V against transformers' ``Glm4vForConditionalGeneration`` / ``Glm4vMoeForConditionalGeneration``:
 logits, loss and vision gradients within 1e-4 (fp32) on images of three sizes (two sizes in one row) and a text-only
 row, replicated (two data-parallel replicas) and under TP2 with sequence parallelism and the tower split over TP
-(GLM-4.5V: its experts split over TP too); an image row and a two-frame video row in one batch (TP2 + SP, vs
-transformers row by row); bit-exact HF round trips; greedy ``generate`` (cached, GLM-4.1V) against
-transformers'; the sectioned pair mrope against transformers' rotary embedding; refusals."""
+(GLM-4.5V: its experts split over TP too); an image sample and a two-frame video sample collated into one batch by
+``DataCollatorForImageText`` (TP2 + SP, vs transformers row by row; LoongTrainer's first loss); the collated batch
+itself; bit-exact HF round trips; greedy ``generate`` (GLM-4.1V) against transformers' with images and with videos;
+the sectioned pair mrope against transformers' rotary embedding; refusals."""
 
 from pathlib import Path
 
@@ -23,8 +24,57 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 LAYOUTS = {"dp2": {}, "tp2_sp_vision_tp2": TWO_RANKS["tp2_sp_vision_tp2"]}
 
 
+def _glm_features(folder: str, samples=("image", "video")) -> tuple:
+    """(the processor, one processor-like feature per sample): built by hand exactly as ``Glm4vProcessor`` lays a
+    sample out (transformers' video processor needs torchvision), its own ``create_mm_token_type_ids`` giving the
+    types. The tiny tokenizer has no video markers: two of its words stand in for ``<|begin_of_video|>`` /
+    ``<|end_of_video|>``, two more for the frames' timestamps. "image": ``<|begin_of_image|>``, 6 image tokens,
+    ``<|end_of_image|>``; "video" (and the shorter "video2"): between the markers, per frame ``<|begin_of_image|>``,
+    the frame's image tokens, ``<|end_of_image|>``, its timestamp."""
+    from transformers import AutoConfig
+
+    from loongforge_hf.testing.tiny_vl import processor_for
+
+    processor, config = processor_for(folder), AutoConfig.from_pretrained(folder)
+    words = processor.tokenizer.convert_tokens_to_ids
+    processor.video_start_id, processor.video_end_id = words(["tok198", "tok199"])
+    begin, end, image = config.image_start_token_id, config.image_end_token_id, config.image_token_id
+    v = config.vision_config
+    gen = torch.Generator().manual_seed(5)
+    layouts = {"image": (["tok5", "tok6"], "image", (1, 4, 6), ["tok7"]),
+               "video": (["tok10"], "video", (2, 4, 4), ["tok11", "tok12"]),
+               "video2": ([], "video", (2, 2, 4), ["tok13"])}
+    features = []
+    for name in samples:
+        before, kind, (t, h, w), after = layouts[name]
+        frame = [begin] + [image] * (h * w // 4) + [end]
+        vision = frame if kind == "image" else [processor.video_start_id] + [
+            i for k in range(t) for i in frame + words([f"tok{150 + k}"])] + [processor.video_end_id]
+        ids = words(before) + vision + words(after)
+        pixels, grid = ("pixel_values", "image_grid_thw") if kind == "image" else \
+            ("pixel_values_videos", "video_grid_thw")
+        features.append({"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+                         "mm_token_type_ids": torch.tensor(processor.create_mm_token_type_ids([ids])),
+                         pixels: torch.randn(t * h * w, v.in_channels * v.temporal_patch_size * v.patch_size ** 2,
+                                             generator=gen),
+                         grid: torch.tensor([[t, h, w]])})
+    return processor, features
+
+
+def _collate(folder: str, samples=("image", "video"), **kwargs) -> tuple:
+    """(the features, ``DataCollatorForImageText.from_processor``'s collator, their batch)."""
+    from transformers import AutoConfig
+
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+
+    processor, features = _glm_features(folder, samples)
+    collate = DataCollatorForImageText.from_processor(processor, AutoConfig.from_pretrained(folder), **kwargs)
+    return features, collate, collate(features)
+
+
 def _generate_and_refuse(folder: str, layout: dict) -> dict:
-    """Greedy generate (scores) on a left-padded batch, ours (cached) and transformers'; the error videos raise."""
+    """Greedy generate (scores) on a left-padded batch, ours (cached) and transformers'; the same on a left-padded
+    batch of two videos (collated), ours cached and uncached; videos without ``mm_token_type_ids`` refused."""
     import transformers
 
     import loongforge_hf as lf
@@ -33,71 +83,40 @@ def _generate_and_refuse(folder: str, layout: dict) -> dict:
 
     greedy = {"greedy": SCENARIOS["greedy"]}
     batch = prompt_batch(folder)
+    videos = {k: x for k, x in _collate(folder, ("video", "video2"), padding_side="left")[2].items()
+              if k != "labels"}
     ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
-    out = {"ref": run_scenarios(ref, batch, greedy)["greedy"], "ours": run_scenarios(model, batch, greedy)["greedy"]}
-    videos = dict(batch, pixel_values_videos=batch["pixel_values"], video_grid_thw=batch["image_grid_thw"])
+    out = {"ref": run_scenarios(ref, batch, greedy)["greedy"], "ours": run_scenarios(model, batch, greedy)["greedy"],
+           "videos_ref": run_scenarios(ref, videos, greedy)["greedy"],
+           "videos": run_scenarios(model, videos, greedy)["greedy"],
+           "videos_uncached": run_scenarios(model, videos, greedy, use_cache=False)["greedy"]}
     try:
-        model.generate(**videos, max_new_tokens=1)
-        out["videos"] = ""
+        model.generate(**{k: x for k, x in videos.items() if k != "mm_token_type_ids"}, max_new_tokens=1)
+        out["no_types"] = ""
     except ValueError as err:
-        out["videos"] = str(err)
+        out["no_types"] = str(err)
     return out
 
 
-def _video_batch(folder: str) -> tuple[list, dict]:
-    """(each row's processor-like features, the right-padded batch): an image row and a video row of two frames built
-    by hand as GLM-4.1V's processor lays them out (transformers' video processor needs torchvision): per frame
-    ``<|begin_of_image|>``, the frame's image tokens (``mm_token_type_ids`` 2), ``<|end_of_image|>``, a timestamp."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    tok, config = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
-    begin, end, image = config.image_start_token_id, config.image_end_token_id, config.image_token_id
-    words = tok.convert_tokens_to_ids
-    v = config.vision_config
-    gen = torch.Generator().manual_seed(5)
-
-    def patches(t, h, w):
-        return torch.randn(t * h * w, v.in_channels * v.temporal_patch_size * v.patch_size ** 2, generator=gen)
-
-    ids0 = words(["tok5", "tok6"]) + [begin] + [image] * 6 + [end] + words(["tok7"])
-    row0 = {"input_ids": ids0, "mm_token_type_ids": [0, 0, 0] + [1] * 6 + [0, 0],
-            "pixel_values": patches(1, 4, 6), "image_grid_thw": torch.tensor([[1, 4, 6]])}
-    frame = [begin] + [image] * 4 + [end]
-    ids1 = words(["tok10"]) + frame + words(["tok150"]) + frame + words(["tok151", "tok11", "tok12"])
-    row1 = {"input_ids": ids1, "mm_token_type_ids": [0, 0] + [2] * 4 + [0, 0, 0] + [2] * 4 + [0] * 4,
-            "pixel_values_videos": patches(2, 4, 4), "video_grid_thw": torch.tensor([[2, 4, 4]])}
-    rows = [{k: torch.tensor([x]) if isinstance(x, list) else x for k, x in r.items()} for r in (row0, row1)]
-    width = -(-max(len(ids0), len(ids1)) // 4) * 4  # NOTE: sequence parallelism over 2
-
-    def pad(x, value):
-        return torch.cat([x, torch.full((1, width - x.shape[1]), value)], dim=1)
-
-    batch = {"input_ids": torch.cat([pad(r["input_ids"], 0) for r in rows]),
-             "attention_mask": torch.cat([pad(torch.ones_like(r["input_ids"]), 0) for r in rows]),
-             "mm_token_type_ids": torch.cat([pad(r["mm_token_type_ids"], 0) for r in rows]),
-             **{k: rows[i][k] for i, keys in ((0, ("pixel_values", "image_grid_thw")),
-                                              (1, ("pixel_values_videos", "video_grid_thw"))) for k in keys}}
-    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    return rows, batch
-
-
 def _compare_videos(folder: str, layout: dict) -> dict:
-    """An image row and a video row in one batch, ours against transformers row by row (transformers' forward refuses
-    images and videos in one batch: its image mask also holds the video frames): logits, the batch loss (the rows'
-    losses weighted by their token counts) and vision gradients."""
+    """An image sample and a video sample collated into one batch (``from_processor``), ours against transformers
+    row by row (transformers' forward refuses images and videos in one batch: its image mask also holds the video
+    frames): logits, the batch loss (the rows' losses weighted by their label counts) and vision gradients; the loss
+    LoongTrainer logs for its first step on that batch."""
     import transformers
 
     import loongforge_hf as lf
 
-    from ._vl_parity import vision_grads
+    from ._vl_parity import vision_grads, vl_training_args
 
-    rows, batch = _video_batch(folder)
+    features, collate, batch = _collate(folder, pad_to_multiple_of=4)  # NOTE: sequence parallelism over 2
     ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    counts = [r["input_ids"].shape[1] - 1 for r in rows]
+    rows = [{**f, "labels": batch["labels"][i:i + 1, :f["input_ids"].shape[1]]} for i, f in enumerate(features)]
+    counts = [int((r["labels"][0, 1:] != -100).sum()) for r in rows]
     ref_logits, ref_loss = [], 0.0
     for row, count in zip(rows, counts):
-        out = ref(**row, labels=row["input_ids"])
+        out = ref(**row)
         (out.loss * count / sum(counts)).backward()
         ref_logits.append(out.logits.detach()[0])
         ref_loss += out.loss.item() * count / sum(counts)
@@ -106,14 +125,20 @@ def _compare_videos(folder: str, layout: dict) -> dict:
     out = model(**batch)
     out.loss.backward()
     grads = vision_grads(model)
-    out_plain = {"no_types": ""}
+    result = {"no_types": ""}
     try:
         model(**{k: x for k, x in batch.items() if k != "mm_token_type_ids"})
     except ValueError as err:
-        out_plain["no_types"] = str(err)
+        result["no_types"] = str(err)
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    args = vl_training_args(f"{folder}_train")
+    args.max_steps = 1
+    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=features, data_collator=collate)
+    trainer.train()
     return {"logit_diff": max((out.logits[i, :len(r)] - r).abs().max().item() for i, r in enumerate(ref_logits)),
             "loss_diff": abs(out.loss.item() - ref_loss), "same_grad_names": sorted(grads) == sorted(ref_grads),
-            "grad_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads), **out_plain}
+            "grad_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+            "trained_loss_diff": abs(trainer.state.log_history[0]["loss"] - ref_loss), **result}
 
 
 def _two_ranks(folder: str, moe_folder: str, out_dir: str) -> dict:
@@ -127,9 +152,14 @@ def _two_ranks(folder: str, moe_folder: str, out_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> tuple[list, Path, Path]:
+def folders(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("glm4v")
-    folders = {"glm4v": make_tiny_glm4v(out / "src"), "glm4v_moe": make_tiny_glm4v(out / "moe_src", moe=True)}
+    return {"glm4v": make_tiny_glm4v(out / "src"), "glm4v_moe": make_tiny_glm4v(out / "moe_src", moe=True)}, out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folders) -> tuple[list, Path, Path]:
+    folders, out = folders
     return run_distributed(_two_ranks, 2, *map(str, folders.values()), str(out), timeout=500), folders, out
 
 
@@ -153,25 +183,80 @@ def test_parity_and_round_trip(two_ranks):
 
 
 def test_greedy_generate_matches_transformers(two_ranks):
-    """Greedy, left-padded (images of two sizes, a text-only row), TP2 + SP: transformers' tokens, scores within
-    1e-5; videos refused by name."""
+    """Greedy, left-padded, TP2 + SP: images of two sizes and a text-only row; two videos of two frames (4 and 2
+    tokens each) collated by ``from_processor``, with the KV cache and without: transformers' tokens, scores within
+    1e-5; videos without ``mm_token_type_ids`` refused by name."""
     from tests._generation import assert_same_generation
 
     for results in two_ranks[0]:
         got = results["generate"]
         assert_same_generation(got["ours"], got["ref"], "greedy", atol=GEN_ATOL)
-        assert got["videos"].startswith("pixel_values_videos: generate with GLM-4.1V"), got["videos"]
+        assert_same_generation(got["videos"], got["videos_ref"], "videos", atol=GEN_ATOL)
+        assert_same_generation(got["videos_uncached"], got["videos_ref"], "videos uncached", atol=GEN_ATOL)
+        assert got["no_types"].startswith("generate: mm_token_type_ids: GLM-4.1V"), got["no_types"]
 
 
 def test_videos_match_transformers(two_ranks):
-    """A batch of an image row and a two-frame video row (frames marked with the image token, told apart by
-    ``mm_token_type_ids``), TP2 + SP with the tower split: transformers' logits (each row alone), batch loss and
-    vision gradients within 1e-4; without ``mm_token_type_ids`` the videos are refused by name."""
+    """An image sample and a two-frame video sample (frames marked with the image token, told apart by
+    ``mm_token_type_ids``) collated by ``from_processor``, TP2 + SP with the tower split: transformers' logits (each
+    row alone), batch loss and vision gradients within 1e-4, and LoongTrainer's first logged loss on the batch within
+    1e-4 of that loss; without ``mm_token_type_ids`` the videos are refused by name."""
     for results in two_ranks[0]:
         got = results["videos"]
         assert got["logit_diff"] < TOL and got["loss_diff"] < TOL and got["grad_diff"] < TOL, got
+        assert got["trained_loss_diff"] < TOL, got
         assert got["same_grad_names"], got
         assert got["no_types"].startswith("mm_token_type_ids: GLM-4.1V marks"), got["no_types"]
+
+
+def test_collator_builds_glm4v_batches(folders):
+    """``from_processor`` on a ``Glm4vProcessor``: an image sample and a longer video sample padded to a multiple of
+    4 as transformers' model takes them (ids with the pad id, types 1 / 2 / 0 as the processor gives them, labels
+    -100 on image and video tokens and padding, the image's and the video's patches and grids); the same batch from
+    features without ``mm_token_type_ids`` (the processor's types recomputed); packed rows give each sample
+    transformers' ``get_rope_index`` positions (each frame its own item); types of another length refused by
+    name."""
+    from dataclasses import replace
+
+    from transformers import Glm4vModel
+
+    folder = str(folders[0]["glm4v"])
+    processor, features = _glm_features(folder)
+    features, collate, batch = _collate(folder, pad_to_multiple_of=4)
+    assert collate.frames_apart and collate.video_markers == (processor.video_start_id, processor.video_end_id)
+    lengths = [f["input_ids"].shape[1] for f in features]
+    width = -(-max(lengths) // 4) * 4
+    assert lengths[0] < lengths[1] < width, lengths
+
+    def pad(x, value):
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    ids = torch.cat([pad(f["input_ids"], collate.pad_token_id) for f in features])
+    types = torch.cat([pad(f["mm_token_type_ids"], 0) for f in features])
+    assert [types[i].bincount(minlength=3).tolist()[1:] for i in range(2)] == [[6, 0], [0, 8]], types
+    expected = {"input_ids": ids, "attention_mask": torch.cat([pad(f["attention_mask"], 0) for f in features]),
+                "mm_token_type_ids": types, "labels": ids.masked_fill(types > 0, -100),
+                "pixel_values": features[0]["pixel_values"], "image_grid_thw": features[0]["image_grid_thw"],
+                "pixel_values_videos": features[1]["pixel_values_videos"],
+                "video_grid_thw": features[1]["video_grid_thw"]}
+    expected["labels"][expected["attention_mask"] == 0] = -100
+    assert sorted(batch) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(batch[key], value), key
+    untyped = collate([{k: x for k, x in f.items() if k != "mm_token_type_ids"} for f in features])
+    assert all(torch.equal(untyped[key], value) for key, value in expected.items())
+    packed = replace(collate, packing=True)(features)
+    ref = Glm4vModel(tiny_glm4v_config())
+    start = 0
+    for f in features:
+        grids = {k: f[k] for k in ("image_grid_thw", "video_grid_thw") if k in f}
+        rope, _ = ref.get_rope_index(f["input_ids"], f["mm_token_type_ids"], **grids)
+        n = f["input_ids"].shape[1]
+        assert torch.equal(packed["position_ids"][1:, 0, start:start + n], rope[:, 0]), f
+        start += n
+    short = dict(features[0], mm_token_type_ids=features[0]["mm_token_type_ids"][:, 1:])
+    with pytest.raises(ValueError, match="mm_token_type_ids: "):
+        collate([short, features[1]])
 
 
 def test_sectioned_pair_mrope_matches_transformers():
