@@ -15,6 +15,9 @@ Choices:
 - Refused besides LLaVA's: ``image_grid_pinpoints`` that are not a list of ``[height, width]`` pairs of positive
   multiples of ``vision_config.image_size`` (transformers counts the crops of other sizes one way and lays them out
   another).
+- Shared with the bridges built on this one (LLaVA-OneVision, LLaVA-NeXT-Video): the tower's keywords
+  (``tower_options``) and their videos' ``[videos, frames, C, H, W]`` as frames' patches and ``(frames, 0, 0)`` rows
+  (``frame_video_inputs``); this model itself takes no videos.
 """
 
 from __future__ import annotations
@@ -103,14 +106,34 @@ class LlavaNextBridge(LlavaBridge):
     def is_projector(self, vision_param_name: str) -> bool:
         return super().is_projector(vision_param_name) or vision_param_name == "image_newline"
 
+    def tower_options(self) -> dict:
+        """The keywords of ``LlavaNextTower`` (and of the towers built on it) that the config gives."""
+        hf = self.hf_config
+        return dict(text_hidden=hf.text_config.hidden_size, pinpoints=self.pinpoints,
+                    feature_layers=self.feature_layers, projector_act=hf.projector_hidden_act,
+                    projector_bias=bool(hf.multimodal_projector_bias))
+
     def vision_tower(self, *, tp_group=None, recompute: bool = False):
         from loongforge_hf.multimodal.vision_llava_next import LlavaNextTower
 
-        hf = self.hf_config
-        return LlavaNextTower(self.vision_config, text_hidden=hf.text_config.hidden_size, pinpoints=self.pinpoints,
-                              feature_layers=self.feature_layers, projector_act=hf.projector_hidden_act,
-                              projector_bias=bool(hf.multimodal_projector_bias), tp_group=tp_group,
-                              recompute=recompute)
+        return LlavaNextTower(self.vision_config, tp_group=tp_group, recompute=recompute, **self.tower_options())
+
+
+def frame_video_inputs(bridge: LlavaNextBridge, pixel_values_videos, model: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A processor's ``pixel_values_videos [videos, frames, C, H, W]`` (frames of ``vision_config.image_size``
+    pixels) as the tower's patches and ``(frames, 0, 0)`` rows (LLaVA-OneVision's and LLaVA-NeXT-Video's videos);
+    ValueError naming ``model`` otherwise."""
+    from loongforge_hf.multimodal.vision import as_image_patches
+
+    tile = bridge.patch * bridge.side
+    shape = list(pixel_values_videos.shape) if torch.is_tensor(pixel_values_videos) else None
+    if shape is None or len(shape) != 5 or shape[-2:] != [tile, tile] or 0 in shape[:2]:
+        raise ValueError(f"{model} takes pixel_values_videos as one [videos, frames, C, {tile}, {tile}] tensor "
+                         f"(frames of vision_config.image_size pixels, as its processor resizes them); got "
+                         f"{shape if shape is not None else type(pixel_values_videos).__name__}.")
+    patches, _ = as_image_patches(pixel_values_videos.flatten(0, 1), bridge.patch)
+    grid = torch.tensor([[shape[1], 0, 0]], dtype=torch.long, device=patches.device).expand(shape[0], 3)
+    return patches, grid.contiguous()
 
 
 VL_BRIDGES.update({arch: LlavaNextBridge for arch in LlavaNextBridge.architectures})

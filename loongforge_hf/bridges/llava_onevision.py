@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.llava_next import LlavaNextBridge
+from loongforge_hf.bridges.llava_next import LlavaNextBridge, frame_video_inputs
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES
 
 
@@ -72,18 +72,8 @@ class LlavaOnevisionBridge(LlavaNextBridge):
 
     def video_inputs(self, pixel_values_videos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The processor's ``pixel_values_videos [videos, frames, C, H, W]`` as the tower's patches and ``(frames,
-        0, 0)`` rows."""
-        from loongforge_hf.multimodal.vision import as_image_patches
-
-        tile = self.patch * self.side
-        shape = list(pixel_values_videos.shape) if torch.is_tensor(pixel_values_videos) else None
-        if shape is None or len(shape) != 5 or shape[-2:] != [tile, tile] or 0 in shape[:2]:
-            raise ValueError(f"LLaVA-OneVision takes pixel_values_videos as one [videos, frames, C, {tile}, {tile}] "
-                             f"tensor (frames of vision_config.image_size pixels, as its processor resizes them); got "
-                             f"{shape if shape is not None else type(pixel_values_videos).__name__}.")
-        patches, _ = as_image_patches(pixel_values_videos.flatten(0, 1), self.patch)
-        grid = torch.tensor([[shape[1], 0, 0]], dtype=torch.long, device=patches.device).expand(shape[0], 3)
-        return patches, grid.contiguous()
+        0, 0)`` rows (``llava_next.frame_video_inputs``)."""
+        return frame_video_inputs(self, pixel_values_videos, "LLaVA-OneVision")
 
     # ---- vision tensors ----------------------------------------------------------------------------------------
     def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:
@@ -102,12 +92,8 @@ class LlavaOnevisionBridge(LlavaNextBridge):
     def vision_tower(self, *, tp_group=None, recompute: bool = False):
         from loongforge_hf.multimodal.vision_llava_onevision import LlavaOnevisionTower
 
-        hf = self.hf_config
-        return LlavaOnevisionTower(self.vision_config, text_hidden=hf.text_config.hidden_size,
-                                   pinpoints=self.pinpoints, max_tiles=self.max_tiles,
-                                   feature_layers=self.feature_layers, projector_act=hf.projector_hidden_act,
-                                   projector_bias=bool(hf.multimodal_projector_bias), tp_group=tp_group,
-                                   recompute=recompute)
+        return LlavaOnevisionTower(self.vision_config, max_tiles=self.max_tiles, tp_group=tp_group,
+                                   recompute=recompute, **self.tower_options())
 
 
 VL_BRIDGES.update({arch: LlavaOnevisionBridge for arch in LlavaOnevisionBridge.architectures})

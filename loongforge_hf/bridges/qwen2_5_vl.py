@@ -281,6 +281,7 @@ def image_text_architectures() -> list[str]:
     from . import gemma3_vl, idefics3, internvl, llava, llava_next, mistral3_vl, qwen2_vl  # noqa: F401
     from . import qwen3_5_vl, qwen3_vl  # noqa: F401
     from . import llava_onevision  # noqa: F401
+    from . import llava_next_video  # noqa: F401
     from . import llama4_vl  # noqa: F401
     from . import glm4v  # noqa: F401
 

@@ -16,8 +16,8 @@ Choices:
   ``decoder_input``. Images and videos go through the tower in one call (its attention never crosses an image or a
   frame). Image (video) tokens stay text when no pixel_values (pixel_values_videos) are given, as in transformers.
   An item gives its grid's ``t h w / merge^2`` embeddings, or the tower's own count where its grid rows are not
-  patch grids (LLaVA-NeXT's ``(crops, height, width)``, LLaVA-OneVision's videos ``(frames, 0, 0)``:
-  ``vision.item_tokens`` / ``item_patches``).
+  patch grids (LLaVA-NeXT's ``(crops, height, width)``, LLaVA-OneVision's and LLaVA-NeXT-Video's videos
+  ``(frames, 0, 0)``: ``vision.item_tokens`` / ``item_patches``).
   Each rank replaces only the rows it holds (its CP share, its sequence-parallel part of that); under sequence
   parallelism the gradient of the vision embeddings is summed over the TP group, so the tower gets all of it.
 - The vision layouts: replicated tower (every TP rank encodes every image), tower split over TP (``VisionTower`` built
@@ -208,8 +208,9 @@ class VisionLanguageChunk(nn.Module):
         if pixel_values_videos is not None and video_grid_thw is None:
             raise ValueError("pixel_values_videos without video_grid_thw: videos are supported for the Qwen-VL "
                              "family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), whose processors give "
-                             "video_grid_thw, and for LLaVA-OneVision, whose [videos, frames, C, H, W] videos the "
-                             "model's forward turns into patches and grids; not for this model's.")
+                             "video_grid_thw, and for LLaVA-OneVision and LLaVA-NeXT-Video, whose [videos, "
+                             "frames, C, H, W] videos the model's forward turns into patches and grids; not for this "
+                             "model's.")
         if pixel_values is not None and image_grid_thw is None:
             raise ValueError("pixel_values need image_grid_thw.")
         pixels = [p for p in (pixel_values, pixel_values_videos) if p is not None]

@@ -116,17 +116,23 @@ class ClipTower(nn.Module):
         return [*self.blocks[max(self.feature_layers):], self.post_layernorm]
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        side, d = self.side, self.config.hidden_size
-        n = check_square_grids(grid_thw, side,
+        n = check_square_grids(grid_thw, self.side,
                                f"LLaVA's {self.family} tower takes {self.config.image_size}-pixel images")
-        lead = self.lead
+        return self.touch_unused(self.projector(self.features(pixel_values, n).flatten(0, 1)))
+
+    def features(self, pixel_values: torch.Tensor, n: int) -> torch.Tensor:
+        """``[n, side^2, width]``: the ``n`` images' selected features (``feature_layers``, the class token dropped),
+        before the projector."""
+        side, d, lead = self.side, self.config.hidden_size, self.lead
         x = self.embed(pixel_values, n).reshape(-1, d)
         cu_images = _cu([side * side + lead] * n).to(x.device)
         states = {0: x}
         for k, block in enumerate(self.blocks[:max(self.feature_layers)], start=1):
             x = states[k] = run_block(self, block, x, cu_images, None, None)
-        features = [states[k].reshape(n, side * side + lead, d)[:, lead:] for k in self.feature_layers]
-        out = self.projector(torch.cat(features, dim=-1).reshape(n * side * side, -1))
+        return torch.cat([states[k].reshape(n, side * side + lead, d)[:, lead:] for k in self.feature_layers], dim=-1)
+
+    def touch_unused(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus a zero term of each trainable parameter of ``unused`` (see the module docstring)."""
         idle = [p for module in self.unused() for p in module.parameters() if p.requires_grad]
         if idle and torch.is_grad_enabled():
             out = out + 0.0 * sum(p.reshape(-1)[:1].sum() for p in idle).to(out.dtype)

@@ -13,7 +13,8 @@ Choices:
 - The arithmetic is transformers' (``LlavaNextModel.get_image_features`` / ``pack_image_features``, the processor's
   token count): the best resolution is ``image_processing_utils.select_best_resolution`` of the picture's size over
   the pinpoints (the rule the processor resizes by), ``rows x cols`` tiles of ``image_size`` pixels. Every crop goes
-  through the CLIP tower and the projector as a LLaVA image (``h w`` embeddings, class token dropped). The tiles'
+  through the CLIP tower and the projector as a LLaVA image (``h w`` embeddings, class token dropped; the projector
+  in one call over all items, ``project``, where LLaVA-NeXT-Video pools its videos' frames first). The tiles'
   features form one ``rows h x cols w`` map, which is cut back to the picture's aspect ratio (the rows, or the
   columns, of the processor's padding dropped evenly from both sides, the kept count rounded as transformers rounds
   it); ``image_newline`` follows each of its rows; the base crop's ``h w`` embeddings come before all of them.
@@ -80,16 +81,24 @@ class LlavaNextTower(ClipTower):
         return self.counts(grid_thw)[1]
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        side, crops = self.side, grid_thw[:, 0].tolist()
+        crops = grid_thw[:, 0].tolist()
         expected = self.counts(grid_thw)[0].tolist()
         if crops != expected:
             raise ValueError(f"LLaVA-NeXT images of sizes {grid_thw[:, 1:].tolist()} take {expected} crops with "
                              f"image_grid_pinpoints={self.pinpoints}; grid_thw gives {crops}.")
-        per_crop = torch.tensor([[1, side, side]], device=grid_thw.device).expand(sum(crops), 3)
-        features = super().forward(pixel_values, per_crop)
-        features = features.reshape(sum(crops), side * side, features.shape[-1])
-        return torch.cat([piece for item, row in zip(features.split(crops), grid_thw.tolist())
-                          for piece in self.pack(item, *row)])
+        rows, features = grid_thw.tolist(), self.features(pixel_values, sum(crops))
+        if not rows:  # NOTE: an empty share (encoder data parallel): no rows, the parameters still in the graph
+            return self.touch_unused(self.projector(features.flatten(0, 1)))
+        items = self.project(list(features.split(crops)), rows)
+        return self.touch_unused(torch.cat([piece for item, row in zip(items, rows)
+                                            for piece in self.pack(item, *row)]))
+
+    def project(self, items: list[torch.Tensor], rows: list) -> list[torch.Tensor]:
+        """Each item's ``[crops, tokens, width]`` selected features through the projector (one call for all):
+        ``[crops, tokens, text_hidden]``; ``rows``: their ``grid_thw`` rows."""
+        out = self.projector(torch.cat([item.flatten(0, 1) for item in items]))
+        return [piece.view(*item.shape[:2], -1) for piece, item in zip(out.split([i.shape[0] * i.shape[1]
+                                                                                  for i in items]), items)]
 
     def pack(self, crops: torch.Tensor, count: int, height: int, width: int) -> list[torch.Tensor]:
         """The embeddings of one item of ``grid_thw`` row ``(count, height, width)`` from its ``[count, side^2, d]``

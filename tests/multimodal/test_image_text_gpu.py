@@ -1,7 +1,7 @@
-"""Gemma 3, Mistral 3, Qwen2-VL, InternVL, LLaVA-1.5, LLaVA-NeXT, SmolVLM and Llama 4 image-text on the CUDA path
-(Gemma 3's bidirectional image blocks through SDPA with a mask in the language model, varlen flash attention in the
-ViTs under bf16), against transformers on the same GPU: fp32 (logits, loss, vision gradients) and bf16 (loss); bf16
-``generate`` with the dynamic and the static cache (CUDA-graphed decode steps)."""
+"""Gemma 3, Mistral 3, Qwen2-VL, InternVL, LLaVA-1.5, LLaVA-NeXT (-Video), SmolVLM and Llama 4 image-text on the
+CUDA path (Gemma 3's bidirectional image blocks through SDPA with a mask in the language model, varlen flash
+attention in the ViTs under bf16), against transformers on the same GPU: fp32 (logits, loss, vision gradients) and
+bf16 (loss); bf16 ``generate`` with the dynamic and the static cache (CUDA-graphed decode steps)."""
 
 import functools
 
@@ -40,6 +40,12 @@ def llava_batch(folder: str) -> dict:
 
 def llava_next_batch(folder: str) -> dict:
     from ._vl_llava_next import make_batch
+
+    return make_batch(folder)
+
+
+def llava_next_video_batch(folder: str) -> dict:
+    from ._vl_llava_next_video import make_batch
 
     return make_batch(folder)
 
@@ -100,16 +106,17 @@ def _run(folder: str, batch_for=gemma3_batch) -> dict:
     return result
 
 
-@pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl", "internvl", "llava", "llava_next", "smolvlm",
-                                   "llama4", "glm4v"])
+@pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl", "internvl", "llava", "llava_next",
+                                   "llava_next_video", "smolvlm", "llama4", "glm4v"])
 def test_cuda_matches_transformers(tmp_path, model):
     """Gemma 3 (the image blocks), Mistral 3 (images of three sizes), Qwen2-VL (the processor's batch), InternVL
     (InternViT tiles, pixel shuffle), LLaVA-1.5 (CLIP, the penultimate layer), LLaVA-NeXT (any-resolution crops of
-    three pictures, unpadded, ``image_newline``), SmolVLM (SigLIP, the connector's pixel shuffle), Llama 4 (its
-    ViT's complex-pair rope, pixel shuffle, the MoE decoder) and GLM-4.1V (the processor's batch: the bicubic
-    position grid, the downsample, the sectioned pair mrope)."""
+    three pictures, unpadded, ``image_newline``), LLaVA-NeXT-Video (videos' pooled frames beside pictures),
+    SmolVLM (SigLIP, the connector's pixel shuffle), Llama 4 (its ViT's complex-pair rope, pixel shuffle, the MoE
+    decoder) and GLM-4.1V (the processor's batch: the bicubic position grid, the downsample, the sectioned pair
+    mrope)."""
     from loongforge_hf.testing import (tiny_glm4v, tiny_idefics3, tiny_internvl, tiny_llama4_vl, tiny_llava,
-                                       tiny_llava_next, tiny_vl)
+                                       tiny_llava_next, tiny_llava_next_video, tiny_vl)
 
     writer, batch_for = {"gemma3": (tiny_vl.make_tiny_gemma3_vl, gemma3_batch),
                          "mistral3": (tiny_vl.make_tiny_mistral3, mistral3_batch),
@@ -117,6 +124,8 @@ def test_cuda_matches_transformers(tmp_path, model):
                          "internvl": (tiny_internvl.make_tiny_internvl, internvl_batch),
                          "llava": (tiny_llava.make_tiny_llava, llava_batch),
                          "llava_next": (tiny_llava_next.make_tiny_llava_next, llava_next_batch),
+                         "llava_next_video": (tiny_llava_next_video.make_tiny_llava_next_video,
+                                              llava_next_video_batch),
                          "smolvlm": (tiny_idefics3.make_tiny_idefics3, smolvlm_batch),
                          "llama4": (tiny_llama4_vl.make_tiny_llama4_vl, llama4_batch),
                          "glm4v": (tiny_glm4v.make_tiny_glm4v, processor_batch)}[model]
