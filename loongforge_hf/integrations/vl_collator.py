@@ -41,7 +41,8 @@ Choices:
   sample with more than one image takes base crops only) concatenated over the samples with images, as the
   processor gives a batch of them; a sample without it counts its ``pixel_values``. Videos ``pixel_values_videos
   [videos, frames, C, H, W]`` (no grid) are concatenated along dim 0, so all videos of a batch must have the same
-  frame count and size (transformers' one tensor): other shapes are refused, naming the field.
+  frame count and size (transformers' one tensor): other shapes are refused, naming the field. LLaVA-NeXT-Video
+  (a ``LlavaNextVideoProcessor``) the same way: LLaVA-NeXT's crops, these videos.
 - GLM-4.1V / GLM-4.5V (``from_processor`` sets ``video_markers`` and ``frames_apart`` for a ``Glm4vProcessor``):
   its processor marks a video's frames with the image token (between ``<|begin_of_video|>`` and
   ``<|end_of_video|>``, a timestamp after each frame), so ``mm_token_type_ids`` (2: video, 1: image, 0: text) are the
@@ -78,13 +79,13 @@ def _cat_crops(pieces: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _cat_videos(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """LLaVA-OneVision's per-sample ``[videos, frames, C, H, W]`` concatenated along dim 0 (one tensor: transformers'
-    ``get_video_features`` reshapes it whole, so frame counts and sizes must agree)."""
+    """LLaVA-OneVision's / LLaVA-NeXT-Video's per-sample ``[videos, frames, C, H, W]`` concatenated along dim 0 (one
+    tensor: transformers' ``get_video_features`` reshapes it whole, so frame counts and sizes must agree)."""
     shapes = [tuple(p.shape[1:]) for p in pieces]
     if len(set(shapes)) > 1:
         raise ValueError(f"pixel_values_videos: videos of [frames, C, H, W] {sorted(set(shapes))} cannot be batched "
-                         "(LLaVA-OneVision takes one [videos, frames, C, H, W] tensor); sample the same number of "
-                         "frames per video, or put such videos in batches of their own.")
+                         "(LLaVA-OneVision and LLaVA-NeXT-Video take one [videos, frames, C, H, W] tensor); sample "
+                         "the same number of frames per video, or put such videos in batches of their own.")
     return torch.cat(pieces, dim=0)
 
 
@@ -134,14 +135,15 @@ class DataCollatorForImageText:
     @classmethod
     def from_processor(cls, processor, config=None, **kwargs) -> "DataCollatorForImageText":
         """From a Qwen2.5-VL, Qwen3-VL, GLM-4.1V / GLM-4.5V, Gemma 3, Mistral 3 (Pixtral), InternVL, LLaVA (-NeXT,
-        -OneVision), SmolVLM or Idefics3 processor; ``config`` (the model's) supplies ``tokens_per_second`` for
-        videos."""
+        -NeXT-Video, -OneVision), SmolVLM or Idefics3 processor; ``config`` (the model's) supplies
+        ``tokens_per_second`` for videos."""
         from transformers import (Gemma3Processor, Glm4vProcessor, Idefics3Processor, InternVLProcessor,
-                                  LlavaNextProcessor, LlavaOnevisionProcessor, LlavaProcessor, Qwen3VLProcessor,
-                                  SmolVLMProcessor)
+                                  LlavaNextProcessor, LlavaNextVideoProcessor, LlavaOnevisionProcessor, LlavaProcessor,
+                                  Qwen3VLProcessor, SmolVLMProcessor)
 
         tok = processor.tokenizer
-        if isinstance(processor, LlavaOnevisionProcessor) or getattr(config, "model_type", None) == "llava_onevision":
+        if isinstance(processor, (LlavaOnevisionProcessor, LlavaNextVideoProcessor)) \
+                or getattr(config, "model_type", None) in ("llava_onevision", "llava_next_video"):
             return cls(pad_token_id=tok.pad_token_id, image_token_id=processor.image_token_id,
                        video_token_id=processor.video_token_id, mrope=False, **kwargs)
         # NOTE: by name: PixtralProcessor is a placeholder where torchvision is missing

@@ -151,3 +151,36 @@ def test_bad_inputs_and_configs_are_refused():
                    torch.zeros(1, 0, 3, 28, 28)):
         with pytest.raises(ValueError, match=r"LLaVA-NeXT-Video takes pixel_values_videos as one \[videos, frames"):
             _tower_inputs(bridge, {"pixel_values_videos": videos}.get)
+
+
+def test_collator_from_processor_batches_as_the_processor(folder):
+    """``DataCollatorForImageText.from_processor`` with a ``LlavaNextVideoProcessor`` (made without its video
+    processor, which needs torchvision): each row's tokens, crops, image size and video collated alone give the batch
+    the processor made for both rows (ids and mask padded to 4, labels -100 on padding and vision tokens, the crops
+    padded to the most, the videos stacked); ``packing=True`` takes it too (no 3-D positions to compute)."""
+    from transformers import AutoTokenizer, LlavaNextVideoProcessor
+
+    from loongforge_hf.integrations.vl_collator import DataCollatorForImageText
+    from loongforge_hf.testing.tiny_llava import IMAGE
+    from loongforge_hf.testing.tiny_llava_next_video import VIDEO
+
+    from ._vl_llava_next_video import make_batch
+
+    processor = object.__new__(LlavaNextVideoProcessor)
+    processor.__dict__.update(tokenizer=AutoTokenizer.from_pretrained(folder), image_token_id=IMAGE,
+                              video_token_id=VIDEO)
+    want = make_batch(folder)
+    features = []
+    for row in range(2):
+        real = want["attention_mask"][row].bool()
+        crops = want["pixel_values"][row]
+        crops = crops[:int(crops.flatten(1).abs().sum(-1).gt(0).sum())]  # NOTE: without the processor's zero crops
+        features.append({"input_ids": want["input_ids"][row][real], "pixel_values": crops[None],
+                         "image_sizes": want["image_sizes"][row:row + 1],
+                         "pixel_values_videos": want["pixel_values_videos"][row:row + 1]})
+    got = DataCollatorForImageText.from_processor(processor, pad_to_multiple_of=4)(features)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    packed = DataCollatorForImageText.from_processor(processor, packing=True)(features)
+    assert torch.equal(packed["pixel_values_videos"], want["pixel_values_videos"])
