@@ -58,10 +58,11 @@ def reloaded_diff(folder: str, exported: str) -> float:
     return (got - want).abs().max().item()
 
 
-def world(cases: list, folder: str, generate: dict, exported: str | None = None, lora_dir: str | None = None) -> dict:
+def world(cases: list, folder: str, generate: dict, exported: str | None = None, lora_dir: str | None = None,
+          lora_layouts: tuple = ("tp1",)) -> dict:
     """``compare`` for each (name, folder, layout, out_dir, extra keywords), greedy ``generate`` against
     transformers' under each of ``generate`` (name -> layout), with ``exported`` ``reloaded_diff`` of it and with
-    ``lora_dir`` ``lora_checks`` there: in one world."""
+    ``lora_dir`` ``lora_checks`` there in ``lora_layouts``: in one world."""
     from ._vl_gemma3 import SCENARIOS, generate_both
 
     out = {"parity": {name: compare(f, layout, out_dir, **extra) for name, f, layout, out_dir, extra in cases},
@@ -70,7 +71,7 @@ def world(cases: list, folder: str, generate: dict, exported: str | None = None,
     if exported is not None:
         out["reloaded_diff"] = reloaded_diff(folder, exported)
     if lora_dir is not None:
-        out["lora"] = lora_checks(folder, lora_dir)
+        out["lora"] = lora_checks(folder, lora_dir, lora_layouts)
     return out
 
 
@@ -95,10 +96,47 @@ LORA_SAVED = {"all_linear": 2, "experts": 0}
 LORA_PARAMS = {"experts": 2 * 3}
 
 
-def lora_checks(folder: str, out_dir: str) -> dict:
+SPLIT_SP = {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor_parallel_size": 2}
+# layout name -> (from_pretrained keywords, the LORA_CONFIGS run there). NOTE: LoRA on the routed experts needs them
+# whole on each rank (expert_tensor_parallel_size=1 beside TP2; at its default, TP's 2, it is refused: lora_checks)
+LORA_LAYOUTS = {"tp1": ({}, tuple(LORA_CONFIGS)),
+                "tp2_split_sp": (SPLIT_SP, ("all_linear",)),
+                "tp2_split_sp_etp1": ({**SPLIT_SP, "expert_tensor_parallel_size": 1}, ("experts",)),
+                "ep2": ({"expert_parallel_size": 2}, ("experts",)),
+                "tp2_sp_ep2": ({"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
+                                "expert_tensor_parallel_size": 1}, ("experts",))}
+
+
+def lora_checks(folder: str, out_dir: str, layouts: tuple = ("tp1",)) -> dict:
     """``_vl_lora.model_checks`` (logits, loss, adapter gradients, PEFT's counts, adapter and merged files) of each
-    of ``LORA_CONFIGS`` at TP1 on ``make_batch()``."""
+    of ``LORA_LAYOUTS[layout]``'s configs in each of ``layouts`` on ``make_batch()``; on two ranks also the experts'
+    refusal at TP2 + SP with expert_tensor_parallel_size at its default (the message; whether the model is
+    untouched)."""
+    import torch.distributed as dist
+
     from . import _vl_lora as V
 
-    return {f"tp1/{name}": V.model_checks(folder, f"{out_dir}/{name}", {}, name, LORA_CONFIGS,
-                                          batch_for=lambda _: make_batch(), grad_tol=5e-5) for name in LORA_CONFIGS}
+    out = {f"{layout}/{name}": V.model_checks(folder, f"{out_dir}/{layout}-{name}", LORA_LAYOUTS[layout][0], name,
+                                              LORA_CONFIGS, batch_for=lambda _: make_batch(), grad_tol=5e-5)
+           for layout in layouts for name in LORA_LAYOUTS[layout][1]}
+    if dist.get_world_size() == 2:
+        out["refused"] = experts_refusal(folder)
+    return out
+
+
+def experts_refusal(folder: str) -> tuple[str, bool]:
+    """(the error of LoRA on the routed experts at TP2 + SP, expert_tensor_parallel_size left at TP's 2; whether the
+    model is untouched after it)."""
+    import peft
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import LoraConfigError, get_peft_model
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **SPLIT_SP)
+    try:
+        get_peft_model(model, peft.LoraConfig(**LORA_CONFIGS["experts"]))
+        message = "not refused"
+    except LoraConfigError as err:
+        message = str(err)
+    return message, type(model).__name__ == "LoongModelForImageTextToText" and all(
+        p.requires_grad for p in model.parameters()) and not any("lora" in n for n, _ in model.named_parameters())

@@ -2,9 +2,10 @@
 logits, loss and vision gradients within 1e-4 (fp32) on images of three sizes (two sizes in one row) and a text-only
 row, replicated (two data-parallel replicas) and under TP2 with sequence parallelism and the tower split over TP
 (GLM-4.5V: its experts split over TP too); an image sample and a two-frame video sample collated into one batch by
-``DataCollatorForImageText`` (TP2 + SP, vs transformers row by row; LoongTrainer's first loss); the collated batch
-itself; bit-exact HF round trips; greedy ``generate`` (GLM-4.1V) against transformers' with images and with videos;
-the sectioned pair mrope against transformers' rotary embedding; refusals."""
+``DataCollatorForImageText`` (TP2 + SP, vs transformers row by row; LoongTrainer's first loss), the same for GLM-4.5V
+at PP2, CP2, EP2 and TP2 + SP + EP2 and for GLM-4.1V at CP2 (one more two-rank world); the collated batch itself;
+bit-exact HF round trips; greedy ``generate`` (GLM-4.1V) against transformers' with images and with videos; the
+sectioned pair mrope against transformers' rotary embedding; refusals."""
 
 from pathlib import Path
 
@@ -22,6 +23,13 @@ GEN_ATOL = 1e-5  # NOTE: fp32 greedy scores
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "processor_config.json")
 LAYOUTS = {"dp2": {}, "tp2_sp_vision_tp2": TWO_RANKS["tp2_sp_vision_tp2"]}
+# the other two-rank layouts of GLM-4.5V (and GLM-4.1V's own rope under CP2): name -> (model, layout)
+MORE_LAYOUTS = {"glm4v_moe_pp2": ("glm4v_moe", {"pipeline_parallel_size": 2}),
+                "glm4v_moe_cp2": ("glm4v_moe", {"context_parallel_size": 2}),
+                "glm4v_moe_ep2": ("glm4v_moe", {"expert_parallel_size": 2}),
+                "glm4v_moe_tp2_sp_ep2": ("glm4v_moe", {**TWO_RANKS["tp2_sp_vision_tp2"], "expert_parallel_size": 2,
+                                                       "expert_tensor_parallel_size": 1}),
+                "glm4v_cp2": ("glm4v", {"context_parallel_size": 2})}
 
 
 def _glm_features(folder: str, samples=("image", "video")) -> tuple:
@@ -99,46 +107,69 @@ def _generate_and_refuse(folder: str, layout: dict) -> dict:
     return out
 
 
-def _compare_videos(folder: str, layout: dict) -> dict:
-    """An image sample and a video sample collated into one batch (``from_processor``), ours against transformers
-    row by row (transformers' forward refuses images and videos in one batch: its image mask also holds the video
-    frames): logits, the batch loss (the rows' losses weighted by their label counts) and vision gradients; the loss
-    LoongTrainer logs for its first step on that batch."""
+_VIDEO_REFERENCE: dict = {}
+
+
+def _videos_reference(folder: str) -> tuple:
+    """(features, collator, batch, transformers' logits per row, batch loss, vision gradients) for an image sample
+    and a video sample collated into one batch (``from_processor``, padded to a multiple of 4: sequence parallelism
+    and CP over 2), transformers row by row (its forward refuses images and videos in one batch: its image mask also
+    holds the video frames), the batch loss the rows' losses weighted by their label counts; once per process."""
     import transformers
+
+    if folder not in _VIDEO_REFERENCE:
+        features, collate, batch = _collate(folder, pad_to_multiple_of=4)
+        ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+        rows = [{**f, "labels": batch["labels"][i:i + 1, :f["input_ids"].shape[1]]} for i, f in enumerate(features)]
+        counts = [int((r["labels"][0, 1:] != -100).sum()) for r in rows]
+        ref_logits, ref_loss = [], 0.0
+        for row, count in zip(rows, counts):
+            out = ref(**row)
+            (out.loss * count / sum(counts)).backward()
+            ref_logits.append(out.logits.detach()[0])
+            ref_loss += out.loss.item() * count / sum(counts)
+        grads = {n[len("model.visual."):]: p.grad for n, p in ref.named_parameters() if n.startswith("model.visual.")}
+        _VIDEO_REFERENCE[folder] = (features, collate, batch, ref_logits, ref_loss, grads)
+    return _VIDEO_REFERENCE[folder]
+
+
+def _compare_videos(folder: str, layout: dict, out_dir: str | None = None) -> dict:
+    """``_videos_reference``'s batch in ``layout`` against transformers: logits, loss, vision gradients (summed over
+    the CP ranks, each holding its share's; not under PP: forward only), the loss LoongTrainer logs for its first
+    step on that batch; videos without ``mm_token_type_ids`` refused; the model exported to ``out_dir`` when
+    given."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     import loongforge_hf as lf
 
     from ._vl_parity import vision_grads, vl_training_args
 
-    features, collate, batch = _collate(folder, pad_to_multiple_of=4)  # NOTE: sequence parallelism over 2
-    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    rows = [{**f, "labels": batch["labels"][i:i + 1, :f["input_ids"].shape[1]]} for i, f in enumerate(features)]
-    counts = [int((r["labels"][0, 1:] != -100).sum()) for r in rows]
-    ref_logits, ref_loss = [], 0.0
-    for row, count in zip(rows, counts):
-        out = ref(**row)
-        (out.loss * count / sum(counts)).backward()
-        ref_logits.append(out.logits.detach()[0])
-        ref_loss += out.loss.item() * count / sum(counts)
-    ref_grads = {n[len("model.visual."):]: p.grad for n, p in ref.named_parameters() if n.startswith("model.visual.")}
+    features, collate, batch, ref_logits, ref_loss, ref_grads = _videos_reference(folder)
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
     out = model(**batch)
-    out.loss.backward()
-    grads = vision_grads(model)
-    result = {"no_types": ""}
+    result = {"logit_diff": max((out.logits[i, :len(r)] - r).abs().max().item() for i, r in enumerate(ref_logits)),
+              "loss_diff": abs(out.loss.item() - ref_loss), "grad_diff": None, "no_types": ""}
+    if model.parallel.pipeline_parallel_size == 1:
+        out.loss.backward()
+        grads = vision_grads(model)
+        if ps.get_context_parallel_world_size() > 1:
+            for g in grads.values():
+                dist.all_reduce(g, group=ps.get_context_parallel_group())
+        result["same_grad_names"] = sorted(grads) == sorted(ref_grads)
+        result["grad_diff"] = max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
     try:
         model(**{k: x for k, x in batch.items() if k != "mm_token_type_ids"})
     except ValueError as err:
         result["no_types"] = str(err)
+    if out_dir is not None:
+        model.save_pretrained(out_dir, max_shard_size="60KB")
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
     args = vl_training_args(f"{folder}_train")
     args.max_steps = 1
     trainer = lf.LoongTrainer(model=model, args=args, train_dataset=features, data_collator=collate)
     trainer.train()
-    return {"logit_diff": max((out.logits[i, :len(r)] - r).abs().max().item() for i, r in enumerate(ref_logits)),
-            "loss_diff": abs(out.loss.item() - ref_loss), "same_grad_names": sorted(grads) == sorted(ref_grads),
-            "grad_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
-            "trained_loss_diff": abs(trainer.state.log_history[0]["loss"] - ref_loss), **result}
+    return {**result, "trained_loss_diff": abs(trainer.state.log_history[0]["loss"] - ref_loss)}
 
 
 def _two_ranks(folder: str, moe_folder: str, out_dir: str) -> dict:
@@ -151,6 +182,12 @@ def _two_ranks(folder: str, moe_folder: str, out_dir: str) -> dict:
     return out
 
 
+def _more_layouts(folders: dict, out_dir: str) -> dict:
+    """``_compare_videos`` in each of ``MORE_LAYOUTS`` (one world, groups rebuilt for each), each exported."""
+    return {name: _compare_videos(folders[model], layout, f"{out_dir}/{name}")
+            for name, (model, layout) in MORE_LAYOUTS.items()}
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("glm4v")
@@ -161,6 +198,12 @@ def folders(tmp_path_factory) -> tuple[dict, Path]:
 def two_ranks(folders) -> tuple[list, Path, Path]:
     folders, out = folders
     return run_distributed(_two_ranks, 2, *map(str, folders.values()), str(out), timeout=500), folders, out
+
+
+@pytest.fixture(scope="module")
+def more_layouts(folders) -> list:
+    folders, out = folders
+    return run_distributed(_more_layouts, 2, {k: str(v) for k, v in folders.items()}, str(out), timeout=400)
 
 
 def test_parity_and_round_trip(two_ranks):
@@ -207,6 +250,25 @@ def test_videos_match_transformers(two_ranks):
         assert got["trained_loss_diff"] < TOL, got
         assert got["same_grad_names"], got
         assert got["no_types"].startswith("mm_token_type_ids: GLM-4.1V marks"), got["no_types"]
+
+
+def test_more_layouts_match_transformers(more_layouts, folders):
+    """GLM-4.5V under PP2 (forward; LoongTrainer's first loss through the pipeline schedule), CP2 (the chunks cut the
+    image and the video; vision gradients summed over the CP ranks), EP2 (two experts a rank) and TP2 + SP with the
+    tower split and EP2 (expert_tensor_parallel_size=1); GLM-4.1V under CP2: on the image + video batch,
+    transformers' logits (each row alone), batch loss and vision gradients within 1e-4, LoongTrainer's first logged
+    loss within 1e-4 of that loss, videos without ``mm_token_type_ids`` refused by name; each export bit for bit the
+    source checkpoint."""
+    folders, out = folders
+    for results in more_layouts:
+        for name, (model, layout) in MORE_LAYOUTS.items():
+            got = results[name]
+            assert got["logit_diff"] < TOL and got["loss_diff"] < TOL and got["trained_loss_diff"] < TOL, (name, got)
+            if layout.get("pipeline_parallel_size", 1) == 1:
+                assert got["same_grad_names"] and got["grad_diff"] < TOL, (name, got)
+            assert got["no_types"].startswith("mm_token_type_ids: GLM-4.1V marks"), (name, got["no_types"])
+    for name, (model, _) in MORE_LAYOUTS.items():
+        check_round_trip(folders[model], out / name, side_files=SIDE_FILES)
 
 
 def test_collator_builds_glm4v_batches(folders):

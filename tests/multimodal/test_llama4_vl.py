@@ -3,7 +3,7 @@ projector, the Llama 4 MoE decoder) against transformers: logits, loss and visio
 a picture cut into tiles and a one-tile picture in one batch, a text-only batch through ``lf.AutoModelForCausalLM``;
 TP1, TP2 + SP with the tower split over TP or encoder data parallel, PP2, CP2; bit-exact round trips that
 transformers loads back; greedy generate; LoRA against PEFT at TP1 (the routed experts and the router through
-target_parameters too); refusals."""
+target_parameters too), and at TP2 + SP, EP2, TP2 + SP + EP2 in the two-rank world; refusals."""
 
 from pathlib import Path
 
@@ -13,7 +13,8 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing.round_trip import check_round_trip, read_all
 from loongforge_hf.testing.tiny_llama4_vl import make_tiny_llama4_vl, tiny_llama4_vl_config
 
-from ._vl_llama4 import LORA_CONFIGS, LORA_PARAMS, LORA_SAVED, LORA_TARGETS, TEXT_ROWS, make_batch, world
+from ._vl_llama4 import (LORA_LAYOUTS, LORA_PARAMS, LORA_SAVED, LORA_TARGETS, SPLIT_SP, TEXT_ROWS, make_batch,
+                         world)
 from ._vl_parity import check_generate, check_lora_vs_peft
 
 TOL = 1e-4
@@ -21,7 +22,6 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 # vision tensors with a gradient: patch linear, class token, table, pre-norm (2), 2 x 16 block tensors, post-norm
 # (2), the adapter's fc1 / fc2, the projector's linear_1
 GRADS = 42
-SPLIT_SP = {"tensor_parallel_size": 2, "sequence_parallel": True, "vision_tensor_parallel_size": 2}
 # the two-rank layouts (``_vl_parity.TWO_RANKS``' with sequence parallelism wherever TP2 meets the MoE decoder)
 TWO_RANKS = {"tp2_split_sp": SPLIT_SP,
              "tp2_sp_encoder_data_parallel": {"tensor_parallel_size": 2, "sequence_parallel": True,
@@ -77,16 +77,24 @@ def test_lora_matches_peft(one_rank):
     export's in transformers. PEFT's ``target_parameters`` on the routed experts' stacks and the router
     (``language_model.model.layers.N.feed_forward...``; PEFT's A / B the other way round on Llama 4's ``[E, in, out]``
     stacks) with q / v of both towers: the same checks, the 6 parameter adapters' gradients within 2e-5."""
-    check_lora_vs_peft([one_rank[0]], {"tp1": tuple(LORA_CONFIGS)}, targets=LORA_TARGETS, saved=LORA_SAVED,
+    check_lora_vs_peft([one_rank[0]], {"tp1": LORA_LAYOUTS["tp1"][1]}, targets=LORA_TARGETS, saved=LORA_SAVED,
                        params=LORA_PARAMS)
 
 
-def test_parity_and_round_trip_two_ranks(checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint, tmp_path_factory) -> tuple[list, Path]:
+    out = tmp_path_factory.mktemp("llama4_vl_two_ranks")
+    cases = [(n, str(checkpoint), layout, str(out / n), {}) for n, layout in TWO_RANKS.items()]
+    lora = tuple(n for n in LORA_LAYOUTS if n != "tp1")
+    return run_distributed(world, 2, cases, str(checkpoint), {}, None, str(out / "lora"), lora, timeout=600), out
+
+
+def test_parity_and_round_trip_two_ranks(checkpoint, two_ranks):
     """TP2 with sequence parallelism and the tower split over TP (q / k / v fused by heads); TP2 + SP with the tower
     encoder-data-parallel and both components recomputed; PP2 (forward); CP2 (the tiled picture spans both ranks'
     chunks; gradients summed over the CP ranks); each exported bit for bit."""
-    cases = [(n, str(checkpoint), layout, str(tmp_path / n), {}) for n, layout in TWO_RANKS.items()]
-    for got in run_distributed(world, 2, cases, str(checkpoint), {}, timeout=600):
+    per_rank, tmp_path = two_ranks
+    for got in per_rank:
         results = got["parity"]
         for n, layout in TWO_RANKS.items():
             check(results[n], grads=layout.get("pipeline_parallel_size", 1) == 1)
@@ -94,6 +102,21 @@ def test_parity_and_round_trip_two_ranks(checkpoint, tmp_path):
         assert results["tp2_sp_encoder_data_parallel"]["vision_layout"] == "data_parallel"
     for n in TWO_RANKS:
         check_round_trip(checkpoint, tmp_path / n, side_files=SIDE_FILES)
+
+
+def test_lora_matches_peft_two_ranks(two_ranks):
+    """``test_lora_matches_peft``'s checks beyond TP1: "all-linear" at TP2 + SP with the tower split (each rank's
+    slices of the language adapters' gradients, the tower's adapters split by heads / rows); the routed experts'
+    stacks and the router through ``target_parameters`` at TP2 + SP + the tower split with
+    expert_tensor_parallel_size=1, at EP2 (each rank its two experts' adapters) and at TP2 + SP + EP2; the same
+    config with expert_tensor_parallel_size left at TP's 2 refused by name, the model untouched."""
+    per_rank, _ = two_ranks
+    check_lora_vs_peft(per_rank, {n: names for n, (_, names) in LORA_LAYOUTS.items() if n != "tp1"},
+                       targets=LORA_TARGETS, saved=LORA_SAVED, params=LORA_PARAMS)
+    for got in per_rank:
+        message, untouched = got["lora"]["refused"]
+        assert message.startswith("LoRA on the routed experts needs them whole on each rank: pass "
+                                  "expert_tensor_parallel_size=1 (got 2;") and untouched, got["lora"]["refused"]
 
 
 def test_bad_configs_are_refused():
