@@ -344,14 +344,15 @@ def forward_with_cache(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
                        position_ids: torch.Tensor | None = None):
     """The logits (``[b, given, V]``, the last ``keep`` positions when ``keep`` > 0) of ``input_ids``, the tokens
     after the ``cache.get_seq_length()`` cached ones, on every rank; their keys and values join the cache.
-    ``position_ids``: the new tokens' (generate's), read by a model with learned absolute positions only
-    (``bridges.absolute_positions``: default ``past ..``); rotary models rotate by slot (module docstring)."""
-    from loongforge_hf.bridges.absolute_positions import learned_positions, step_positions
+    ``position_ids``: the new tokens' (generate's), read by a model with learned absolute positions or a rotation by
+    position ids only (``bridges.absolute_positions.reads_positions``: default ``past ..``); other rotary models
+    rotate by slot (module docstring)."""
+    from loongforge_hf.bridges.absolute_positions import reads_positions, step_positions
     from loongforge_hf.bridges.runtime import forward_padded, keep_rows
 
     rows = keep_rows(input_ids.shape[-1], keep)
     batch, given = input_ids.shape
-    if learned_positions(model.bridge):
+    if reads_positions(model.bridge):
         position_ids = step_positions(position_ids, batch=batch, past=cache.get_seq_length(), given=given,
                                       padded=given, device=model.device)
     else:

@@ -31,7 +31,9 @@ prompts of different lengths.
   (one KV head cached) at one rank; GPT-2 (learned absolute positions: the left-padded rows' counted from their first
   real token, as transformers' generate counts them) at CP2 and at TP2 with sequence parallelism; GPTBigCode
   (StarCoder: GPT-2's layer with nn.Linear weights) with multi-query attention at CP2 and without it at TP2 with
-  sequence parallelism.
+  sequence parallelism; dots.llm1 (per-head q / k norms, sigmoid-routed experts with a fixed bias, a 3-token window
+  on its last two layers) at CP2; OLMo (q / k / v clamped by ``clip_qkv``, which binds; norms without parameters) at
+  TP2 with sequence parallelism.
 - After the prefill each cached forward runs the new token only (padded to TP under sequence parallelism), where
   ``use_cache=False`` runs the whole sequence so far: a return to the O(n^2) path fails here. The output layer
   computes the kept (last) position's logits only where that is exact (not under sequence parallelism).
@@ -115,6 +117,12 @@ LAYOUTS = {
     # NOTE: chunked attention (5 positions: the left-padded prompts and new tokens cross chunks), a NoPE layer's query
     # temperature by slot; EP: the static cache and the CP-sharded one refuse chunked attention
     "llama4_ep2": ("llama4", 2, {"expert_parallel_size": 2}),
+    # NOTE: OLMo's q / k / v clamped (binding) in the prefill and the one-token steps, its norms without parameters
+    "olmo_tp2_sp": ("olmo", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "dots1_cp2": ("dots1", 2, {"context_parallel_size": 2}),
+    # NOTE: HunYuan rotates by position ids (its q / k norms after the rotation see the absolute angle): generate's,
+    # from each row's first real token, in the CP split prefill and the steps
+    "hunyuan_v1_moe_cp2": ("hunyuan_v1_moe", 2, {"context_parallel_size": 2}),
 }
 # NOTE: name -> (architecture, config overrides); Mistral with a 3-token sliding window: the prompts (6 positions)
 # and every generated token outrun it
@@ -133,6 +141,8 @@ CHECKPOINTS = {"qwen2": ("qwen2", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek
                "falcon_mqa": ("falcon_mqa", {}), "gpt2": ("gpt2", {}),
                "gpt_bigcode": ("gpt_bigcode", {}), "gpt_bigcode_mha": ("gpt_bigcode_mha", {}),
                "ernie4_5_moe": ("ernie4_5_moe", {}), "olmoe": ("olmoe", {}), "llama4": ("llama4", {}),
+               "olmo": ("olmo", {}),
+               "dots1": ("dots1", {"sliding_window": 3}), "hunyuan_v1_moe": ("hunyuan_v1_moe", {}),
                "qwen3_yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                             "original_max_position_embeddings": 32}}),
                "qwen3_moe_yarn": ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,

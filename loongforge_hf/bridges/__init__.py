@@ -5,9 +5,13 @@ from loongforge_hf.bridges import falcon  # noqa: F401
 from loongforge_hf.bridges import gpt2  # noqa: F401
 from loongforge_hf.bridges import gpt_bigcode  # noqa: F401
 from loongforge_hf.bridges import llama4  # noqa: F401
+from loongforge_hf.bridges import dots1  # noqa: F401
+from loongforge_hf.bridges import hunyuan_v1_moe  # noqa: F401
 from loongforge_hf.bridges import minimax_m2  # noqa: F401
 from loongforge_hf.bridges import qwen3_5  # noqa: F401
+from loongforge_hf.bridges import granitemoehybrid  # noqa: F401
 from loongforge_hf.bridges import qwen3_5_moe, qwen3_next  # noqa: F401
+from loongforge_hf.bridges import glm, nemotron, olmo  # noqa: F401
 from loongforge_hf.bridges import (arcee, cohere, deepseek, ernie4_5_moe, exaone4, gemma, glm4,  # noqa: F401
                                    glm4_moe, gpt_neox, gpt_oss, gptj, granite, llama, mistral, mixtral, olmo2,
                                    olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm,

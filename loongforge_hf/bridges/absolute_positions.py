@@ -31,6 +31,13 @@ def learned_positions(bridge) -> bool:
     return getattr(bridge, "position_embedding_type", "rope") == LEARNED
 
 
+def reads_positions(bridge) -> bool:
+    """Whether ``bridge``'s model reads the forward's ``position_ids``: learned absolute positions, or a rotation by
+    them (``rotary_by_position_ids``: HunYuan's, whose q / k norms after the rotation see the absolute angle) instead
+    of megatron's by slot."""
+    return learned_positions(bridge) or getattr(bridge, "rotary_by_position_ids", False)
+
+
 def check_positions(max_positions: int, *, length: int, past: int = 0, position_ids: torch.Tensor | None = None,
                     arch: str = "this model") -> None:
     """``ValueError`` where a forward of ``length`` new tokens after ``past`` cached ones (or its ``position_ids``)

@@ -130,12 +130,12 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
     if bridge.num_experts() is None and not getattr(config, "multi_latent_attention", False):
         from loongforge_hf.kernels.specs import get_block_spec, get_layer_spec
 
-        norm_bias = getattr(bridge, "norm_bias", True)
+        norms = {"norm_bias": getattr(bridge, "norm_bias", True), "norm_weight": getattr(bridge, "norm_weight", True)}
         spec = get_layer_spec(qk_norm=bridge.qk_norm, qk_module=bridge.qk_module(),
                               attention_module=bridge.attention_module(), mlp_module=bridge.mlp_module(),
-                              pre_norms=bridge.pre_norms, normalization=config.normalization, norm_bias=norm_bias,
+                              pre_norms=bridge.pre_norms, normalization=config.normalization, **norms,
                               parallel_residual=getattr(bridge, "parallel_residual", None))
-        return _with_te_linears(config, get_block_spec(config, spec, vp_stage=vp_stage, norm_bias=norm_bias))
+        return _with_te_linears(config, get_block_spec(config, spec, vp_stage=vp_stage, **norms))
     from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",

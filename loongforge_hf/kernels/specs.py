@@ -4,7 +4,8 @@ Choices:
 - Linear layers are megatron's own tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear``; norms are our
   ``RMSNorm`` (input, pre-MLP, q/k and final), or for a config with ``normalization="LayerNorm"`` our ``LayerNorm``
   (weight and bias: input, pre-MLP and final; StarCoder2; without the bias where the bridge says ``norm_bias =
-  False``: Cohere), core attention our ``CoreAttention``; MoE layer, router and token dispatchers are megatron's.
+  False``: Cohere; without either where it says ``norm_weight = False``: OLMo), core attention our
+  ``CoreAttention``; MoE layer, router and token dispatchers are megatron's.
 - The dense MLP is ``SwiGLUMLP``: megatron's ``MLP`` (same parameters, state dict and TP layout) whose gated activation
   is our ``swiglu`` (one Triton kernel each way on CUDA). megatron-core 0.16's ``MLP.forward`` applies the
   ``activation_func`` slot only with ``config.use_te_activation_func`` (a config-wide switch that also changes the
@@ -44,7 +45,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from loongforge_hf.kernels.attention import CoreAttention
-from loongforge_hf.kernels.layernorm import LayerNorm, LayerNormWithoutBias
+from loongforge_hf.kernels.layernorm import LayerNorm, LayerNormWithoutBias, LayerNormWithoutParameters
 from loongforge_hf.kernels.rmsnorm import RMSNorm
 from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
@@ -53,11 +54,16 @@ from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
 _NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
 
 
-def norm_class(normalization: str, *, bias: bool = True) -> type:
+def norm_class(normalization: str, *, bias: bool = True, weight: bool = True) -> type:
     """Our module for megatron's ``normalization`` setting (``RMSNorm`` or ``LayerNorm``); ``bias=False``: a LayerNorm
-    without bias (Cohere's; RMSNorm has none either way)."""
+    without bias (Cohere's; RMSNorm has none either way); ``weight=False``: a LayerNorm without weight or bias
+    (OLMo's)."""
     if normalization not in _NORMS:
         raise ValueError(f"normalization={normalization!r} is not supported; supported: {sorted(_NORMS)}.")
+    if not weight:
+        if normalization != "LayerNorm":
+            raise ValueError(f"a norm without weight is implemented for LayerNorm only, not {normalization!r}.")
+        return LayerNormWithoutParameters
     return LayerNormWithoutBias if normalization == "LayerNorm" and not bias else _NORMS[normalization]
 
 
@@ -149,13 +155,13 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
                    use_te: bool = False, qk_module: type | tuple[type, type] | None = None,
                    attention_module: type | None = None, mlp_module: type | None = None,
                    pre_norms: bool = True, normalization: str = "RMSNorm", norm_bias: bool = True,
-                   parallel_residual: str | None = None) -> ModuleSpec:
+                   norm_weight: bool = True, parallel_residual: str | None = None) -> ModuleSpec:
     """A megatron ``TransformerLayer`` spec: pre-norm causal self-attention (megatron's ``SelfAttention`` or
     ``attention_module``; optional q/k RMSNorm, or ``qk_module`` in the q/k norm slots: one class for both or a
     (q, k) pair), then a gated MLP (``SwiGLUMLP`` or ``mlp_module``, with the same submodules) or, with
     ``num_experts``, an MoE layer (shared experts appear when the config sets their size). ``pre_norms=False``: no
     input / pre-MLP norms (OLMo 2 normalises the attention and MLP outputs instead, in its modules);
-    ``normalization`` / ``norm_bias``: the kind of the input / pre-MLP norms (``norm_class``);
+    ``normalization`` / ``norm_bias`` / ``norm_weight``: the kind of the input / pre-MLP norms (``norm_class``);
     ``parallel_residual``: ``"separate"`` (the MLP beside the attention, each with its norm) or ``"shared"`` (one norm
     before both), see ``ParallelResidualLayer``."""
     if use_te:
@@ -167,7 +173,7 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
     q, k = qk_module if isinstance(qk_module, tuple) else (qk_module or (RMSNorm if qk_norm else IdentityOp),) * 2
     if parallel_residual not in _PARALLEL_LAYERS:
         raise ValueError(f"parallel_residual={parallel_residual!r}; expected one of {list(_PARALLEL_LAYERS)}.")
-    pre_norm = norm_class(normalization, bias=norm_bias) if pre_norms else IdentityOp
+    pre_norm = norm_class(normalization, bias=norm_bias, weight=norm_weight) if pre_norms else IdentityOp
     mlp = ModuleSpec(module=mlp_module or SwiGLUMLP, submodules=_mlp_submodules()) if num_experts is None \
         else _moe_spec(num_experts, moe_grouped_gemm)
     return ModuleSpec(
@@ -188,22 +194,24 @@ def get_layer_spec(*, qk_norm: bool, num_experts: int | None = None, moe_grouped
     )
 
 
-def final_norm_spec(*, use_te: bool = False, normalization: str = "RMSNorm", norm_bias: bool = True) -> type:
-    """The module for the norm after the last layer (``norm_bias``: see ``norm_class``)."""
+def final_norm_spec(*, use_te: bool = False, normalization: str = "RMSNorm", norm_bias: bool = True,
+                    norm_weight: bool = True) -> type:
+    """The module for the norm after the last layer (``norm_bias`` / ``norm_weight``: see ``norm_class``)."""
     if use_te:
         _require("transformer_engine", "final_norm_spec(use_te=True)")
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
-    return norm_class(normalization, bias=norm_bias)
+    return norm_class(normalization, bias=norm_bias, weight=norm_weight)
 
 
 def get_block_spec(config, layer_spec: ModuleSpec, *, use_te: bool = False, vp_stage: int | None = None,
-                   pp_rank: int | None = None, norm_bias: bool = True) -> TransformerBlockSubmodules:
+                   pp_rank: int | None = None, norm_bias: bool = True,
+                   norm_weight: bool = True) -> TransformerBlockSubmodules:
     """The spec to pass as ``GPTModel(transformer_layer_spec=...)``: this stage's layers plus our final norm
-    (``norm_bias``: see ``norm_class``)."""
+    (``norm_bias`` / ``norm_weight``: see ``norm_class``)."""
     if not use_te:
         enable_megatron_fused_rope(config)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
                                       layer_norm=final_norm_spec(use_te=use_te, normalization=config.normalization,
-                                                                 norm_bias=norm_bias))
+                                                                 norm_bias=norm_bias, norm_weight=norm_weight))

@@ -4,8 +4,8 @@ Sizes are chosen to exercise what the bridges must get right: GQA (heads != KV h
 Qwen3, several safetensors shards, vocab not a multiple of 128 (so padding is tested), odd layer counts on request.
 MoE models have a dense first layer where the architecture allows one, 4-8 experts, and router weights large enough
 that no two experts tie for a token (a near tie could flip with summation order and make parity flaky);
-DeepSeek-V3's, ERNIE 4.5 MoE's and MiniMax-M2's ``e_score_correction_bias`` is random too, and ``mtp_layers`` appends
-multi-token-prediction tensors.
+DeepSeek-V3's, ERNIE 4.5 MoE's, MiniMax-M2's and dots.llm1's ``e_score_correction_bias`` is random too, and
+``mtp_layers`` appends multi-token-prediction tensors.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "arcee", "helium", "ernie4_5", "gpt_oss", "glm4", "granitemoe", "starcoder2",
               "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi", "gptj", "stablelm",
               "llama4", "falcon", "falcon_mqa", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "qwen3_5",
-              "qwen3_next", "qwen3_5_moe", "minimax_m2")
+              "qwen3_next", "qwen3_5_moe", "minimax_m2", "glm", "olmo", "nemotron", "dots1", "hunyuan_v1_moe",
+              "granitemoehybrid")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -29,7 +30,8 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
     "original_max_position_embeddings": 32, "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
 # linears' biases randomised in the tiny checkpoints
-_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm", "falcon", "gpt2", "gpt_bigcode")
+_RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm", "falcon", "gpt2", "gpt_bigcode",
+                  "glm", "nemotron", "granitemoehybrid")
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
 
@@ -222,6 +224,22 @@ def _config(arch: str, **overrides):
         cfg = tf.Glm4Config(**{**common, "head_dim": 24}, attention_bias=True,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                              "partial_rotary_factor": 0.5})
+    elif arch == "glm":
+        # NOTE: GLM-4-9B's layout: q/k/v biases (randomised in make_tiny_checkpoint), head_dim 24, half of each head
+        # rotated in interleaved pairs, gate_up_proj packed, no post norms
+        cfg = tf.GlmConfig(**{**common, "head_dim": 24}, attention_bias=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.5})
+    elif arch == "olmo":
+        # NOTE: OLMo's layout: norms without weight or bias, q / k / v clamped at 0.25 (OLMo-7B-0424: 8.0), which
+        # binds for about one entry in ten at the tiny model's magnitudes
+        cfg = tf.OlmoConfig(**{k: v for k, v in common.items() if k != "rms_norm_eps"}, clip_qkv=0.25)
+    elif arch == "nemotron":
+        # NOTE: Minitron's layout shrunk: LayerNorm1P (weight stored minus one, around 0 here) with biases, an ungated
+        # relu2 MLP, half of each head rotated in rotate-half pairs, head_dim 24 (not hidden / heads)
+        cfg = tf.NemotronConfig(**{**{k: v for k, v in common.items() if k != "rms_norm_eps"}, "head_dim": 24},
+                                norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                "partial_rotary_factor": 0.5})
     elif arch == "exaone4":
         # NOTE: EXAONE-4.0-32B's layout shrunk: post norms only, per-head q / k norms, a binding 5-token window on
         # layers 0-2 and a full layer without rotary embedding (layer 3), llama3 rope scaling
@@ -252,6 +270,20 @@ def _config(arch: str, **overrides):
         # the scores plus an e_score_correction_bias randomised below (large enough to change some tokens' experts)
         cfg = tf.MiniMaxM2Config(**{**common, "intermediate_size": 32, "head_dim": 24}, rotary_dim=12,
                                  num_local_experts=8, num_experts_per_tok=3)
+    elif arch == "dots1":
+        # NOTE: dots.llm1's layout shrunk: Qwen3's per-head q / k norms (head_dim 24), a dense first layer, 8 experts
+        # (top 3) and 2 shared ones, sigmoid routing on the scores plus an e_score_correction_bias randomised below,
+        # renormalised and scaled by 2.5, no expert groups (as the hub's); a binding 5-token window on layers 2 and 3
+        # (max_window_layers: the hub's models have none)
+        cfg = tf.Dots1Config(**{**common, "head_dim": 24}, moe_intermediate_size=32, n_routed_experts=8,
+                             n_shared_experts=2, num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=True,
+                             routed_scaling_factor=2.5, first_k_dense_replace=1, sliding_window=5, max_window_layers=2)
+    elif arch == "hunyuan_v1_moe":
+        # NOTE: Hunyuan-A13B's layout shrunk: per-head q / k norms after the rotation, the hub's fixed NTK-alpha rope,
+        # 8 experts (top 3) of intermediate_size beside a shared MLP of that size, in every layer
+        cfg = tf.HunYuanMoEV1Config(**{**common, "intermediate_size": 32, "head_dim": 24}, num_experts=8, moe_topk=3,
+                                    rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                     "rope_theta": 10000.0})
     elif arch == "llama4":
         # NOTE: Llama 4 Scout's layout shrunk: dense (intermediate_size_mlp) and MoE layers alternating (4 experts,
         # top 1, a shared expert), layer 3 NoPE with a temperature that varies at the tests' lengths (floor_scale 3),
@@ -292,6 +324,17 @@ def _config(arch: str, **overrides):
             # NOTE: transformers' Qwen3.5-MoE config has no intermediate_size (every layer sparse): none passed
             cfg = tf.Qwen3_5MoeTextConfig(**{k: v for k, v in kw.items() if k != "intermediate_size"})
             cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    elif arch == "granitemoehybrid":
+        # NOTE: Granite 4.0 H's layout shrunk: Mamba2 layers 0, 1, 3 (8 heads of 16 in 2 groups, chunks of 16 tokens,
+        # a time-step limit that binds) and an attention layer 2 without rope, 4 experts (top 2) and a shared MLP in
+        # every layer, Granite's four multipliers
+        cfg = tf.GraniteMoeHybridConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
+                                        num_experts_per_tok=2, shared_intermediate_size=48,
+                                        layer_types=["mamba", "mamba", "attention", "mamba"],
+                                        position_embedding_type=None, mamba_n_heads=8, mamba_n_groups=2,
+                                        mamba_d_state=8, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2,
+                                        mamba_chunk_size=16, time_step_limit=(0.0, 1.5), embedding_multiplier=12.0,
+                                        residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=6.0)
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
     for k, v in overrides.items():
@@ -332,16 +375,18 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
     with torch.no_grad():
         # NOTE: random norm weights (HF initialises them to 1), so a bridge that drops a norm cannot pass; Gemma's
         # store weight - 1 (scales around 1 there too)
-        zero_centred = ("gemma", "gemma2", "gemma3_text", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
+        zero_centred = ("gemma", "gemma2", "gemma3_text", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text",
+                        "nemotron")
         centre = 0.0 if getattr(cfg, "model_type", "") in zero_centred else 1.0
         for name, p in model.named_parameters():
             if "linear_attn.norm" in name:  # NOTE: Qwen3.5's gated norm stores its weight itself (around 1)
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif "norm" in name or ".ln_" in name:  # NOTE: LayerNorms' biases (StarCoder2) around 0; GPT-J's ln_*
                 p.copy_((0.0 if name.endswith("bias") else centre) + 0.1 * torch.randn_like(p))
-            elif name.endswith("linear_attn.dt_bias"):  # NOTE: HF: ones (so that a swap with A_log would show)
+            elif name.endswith(("linear_attn.dt_bias", "mamba.dt_bias", "mamba.D")):  # NOTE: HF: ones (so that a
+                # swap with A_log would show)
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight")):
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token
                 p.copy_(0.5 * torch.randn_like(p))

@@ -564,6 +564,39 @@ def test_stablelm_fields_megatron_cannot_express_refused():
     assert "model.layers.0.post_attention_layernorm.bias" in small.expected_hf_shapes()
 
 
+def test_glm_olmo_nemotron_fields_megatron_cannot_express_refused():
+    """OLMo with ``attention_bias`` (o_proj's bias without the MLP's), a ``clip_qkv`` that is not a positive number, or
+    ``clip_qkv`` with YaRN (its attention factor would scale q / k before the clamp); Nemotron with biases or YaRN:
+    refused by the bridges' pure checks, naming the field. The hub's settings translate: GLM's interleaved half
+    rotary with q / k / v biases, OLMo's parameterless norms and clamp, Nemotron's LayerNorm1P and ungated relu2."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.olmo import clipped_attention
+    from loongforge_hf.testing.tiny_models import _config
+
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32}
+    olmo = ["OlmoForCausalLM"]
+    for overrides, field in (({"attention_bias": True}, "attention_bias=True"), ({"clip_qkv": 0.0}, "clip_qkv=0.0"),
+                             ({"clip_qkv": -1.0}, "clip_qkv=-1.0"), ({"rope_parameters": yarn}, "clip_qkv=0.25 with")):
+        with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
+            get_bridge(_config("olmo", architectures=olmo, **overrides))
+    assert get_bridge(_config("olmo", architectures=olmo, clip_qkv=None, rope_parameters=yarn)).qk_module() is not None
+    bridge = get_bridge(_config("olmo", architectures=olmo))
+    kw = bridge.transformer_config_kwargs()
+    assert kw["normalization"] == "LayerNorm" and kw["layernorm_epsilon"] == 1e-5 and not kw["add_bias_linear"]
+    assert bridge.attention_module() is clipped_attention(0.25) and bridge.norm_weight is False
+    assert not any("norm" in name for name in bridge.expected_hf_shapes())
+    nemotron = ["NemotronForCausalLM"]
+    for overrides, field in (({"mlp_bias": True}, "mlp_bias=True"), ({"attention_bias": True}, "attention_bias=True"),
+                             ({"rope_parameters": {**yarn, "partial_rotary_factor": 0.5}}, "rope_type='yarn'")):
+        with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
+            get_bridge(_config("nemotron", architectures=nemotron, **overrides))
+    kw = get_bridge(_config("nemotron", architectures=nemotron)).transformer_config_kwargs()
+    assert kw["layernorm_zero_centered_gamma"] and kw["normalization"] == "LayerNorm" and not kw["gated_linear_unit"]
+    assert kw["kv_channels"] == 24 and kw["layernorm_epsilon"] == 1e-5
+    kw = get_bridge(_config("glm", architectures=["GlmForCausalLM"])).transformer_config_kwargs()
+    assert kw["rotary_interleaved"] and kw["add_qkv_bias"] and kw["normalization"] == "RMSNorm"
+
+
 def test_falcon_fields_megatron_cannot_express_refused():
     """Falcon with ALiBi (megatron has none), a layout transformers' forward cannot run (the new decoder architecture
     without ``parallel_attn`` or with three norms, two norms in the older layout, the older layout's ``num_kv_heads``

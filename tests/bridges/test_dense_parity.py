@@ -47,6 +47,11 @@ ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gem
          "stablelm", "falcon", "falcon_mqa", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "qwen3_5"]
 
 
+# NOTE: GLM-4-9B, OLMo (clip_qkv binding) and Nemotron at these layouts only (CI time): their per-architecture code is
+# norms, MLP and rotary layout, which the other layouts exercise no differently
+LEAN_ARCHS, LEAN_LAYOUTS = ["glm", "olmo", "nemotron"], ("tp1", "tp2", "pp2")
+
+
 def check_results(results, arch):
     for r in results:
         assert r["logits_shape"] == (2, 12, 203), arch
@@ -62,12 +67,13 @@ def test_parity_and_round_trip(tmp_path, layout_name):
     """Every dense architecture under ``layout_name`` (one world per layout keeps process starts few)."""
     nprocs, layout = LAYOUTS[layout_name]
     # NOTE: Falcon-7B's and StarCoder's one KV head runs under TP too, replicated on each rank (kv_replicas.py)
+    archs = ARCHS + (LEAN_ARCHS if layout_name in LEAN_LAYOUTS else [])
     cases = []
-    for arch in ARCHS:
+    for arch in archs:
         src = make_tiny_checkpoint(tmp_path / arch / "src", arch)
         cases.append((str(src), str(tmp_path / arch / "out")))
     per_rank = run_distributed(load_compare_export_many, nprocs, cases, layout, timeout=600)
-    for i, arch in enumerate(ARCHS):
+    for i, arch in enumerate(archs):
         check_results([rank_results[i] for rank_results in per_rank], arch)
         check_round_trip(tmp_path / arch / "src", tmp_path / arch / "out")
 

@@ -38,7 +38,12 @@ GPTBigCode's (StarCoder: GPT-2's layer with nn.Linear weights); GPTBigCode witho
 untied LM head) is among the dense models.
 Llama 4 (sigmoid top-1 routing on the experts' input, a shared expert, L2 q / k norms, chunked attention and a NoPE
 layer's query temperature) is among the mixture-of-experts models. MiniMax-M2 (q / k norms over all heads, split over
-TP, half-rotary heads, sigmoid routing plus a fixed expert bias) at TP2 + SP + EP2.
+TP, half-rotary heads, sigmoid routing plus a fixed expert bias) at TP2 + SP + EP2, as dots.llm1 (per-head q / k norms,
+sigmoid routing plus a fixed expert bias, scaled, shared experts, a dense first layer, windowed last layers) and
+HunYuan-MoE (per-head q / k norms after the rotation, softmax experts beside a shared MLP).
+GLM-4-9B (biased q / k / v, half of each head rotated in interleaved pairs, a packed gate / up), OLMo (norms without
+parameters, q / k / v clamped by ``clip_qkv``) and Nemotron (LayerNorm1P with biases, an ungated relu2 MLP, half-rotary
+heads) at TP2 + SP.
 Qwen3-Next (Gated DeltaNet in-projections fused per key head, a dense first layer, a sigmoid-gated shared expert) at
 TP1 and TP2 + SP + EP2, Qwen3.5-MoE's text model at TP1; Qwen3.5 (Gated DeltaNet layers, their states passed
 between the CP ranks) at TP1, TP2, TP2 + SP and CP2.
@@ -71,6 +76,15 @@ CHECKPOINTS = {
     "llama4": ("llama4", {}),
     # NOTE: q / k norms over all heads (split over TP), half-rotary heads, sigmoid routing plus a fixed expert bias
     "minimax_m2": ("minimax_m2", {}),
+    # NOTE: per-head q / k norms, sigmoid routing plus a fixed expert bias, scaled, shared experts, windowed layers
+    "dots1": ("dots1", {}),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", {}),  # NOTE: q / k norms after the rotation, a shared MLP, NTK-alpha rope
+    # NOTE: GLM-4-9B's half-rotary heads in interleaved pairs with biased q / k / v and a packed gate / up; OLMo's
+    # norms without parameters and q / k / v clamped (the clamp binds); Nemotron's LayerNorm1P with biases and its
+    # ungated relu2 MLP, half-rotary heads: at TP2 + SP
+    "glm": ("glm", {}),
+    "olmo": ("olmo", {}),
+    "nemotron": ("nemotron", {}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),  # attention biases
     "llama3": ("llama3", {}),
@@ -137,12 +151,13 @@ LAYOUTS = {
     "tp1": (1, {}, MOE + DENSE + MQA + DELTANET + DELTANET_MOE),
     "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}, MOE),
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
-                       "expert_tensor_parallel_size": 1}, MOE + ("qwen3_next", "minimax_m2")),
+                       "expert_tensor_parallel_size": 1},
+                   MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},
-               MOE + DENSE + DELTANET + MQA),  # MoE: experts split too
+               MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron")),  # MoE: experts split too
 }
 CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
 TOL = 1e-4

@@ -103,10 +103,57 @@ def test_routing_translation():
     ("minimax_m2", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
     ("minimax_m2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                         "original_max_position_embeddings": 32}}, "yarn"),
+    ("dots1", {"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ("dots1", {"attention_bias": True}, "attention_bias=True"),
+    ("dots1", {"n_shared_experts": 0}, "n_shared_experts=0"),
+    ("dots1", {"sliding_window": None}, "sliding_window=None with sliding_attention layers"),
+    ("hunyuan_v1_moe", {"attention_bias": True}, "attention_bias=True"),
+    ("hunyuan_v1_moe", {"moe_topk": [3, 3, 2, 3]}, "moe_topk=[3, 3, 2, 3]"),
+    ("hunyuan_v1_moe", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     "rope_type='dynamic' without alpha"),
 ])
 def test_refused_configs_name_the_field(arch, overrides, field):
     with pytest.raises(UnsupportedConfigError, match=field.replace("(", r"\(").replace("[", r"\[")):
         bridge(arch, **overrides)
+
+
+def test_dots1_translation():
+    """dots.llm1: Qwen3's per-head q / k norms, DeepSeek-V3's routing without groups (as the hub's), the window on the
+    layers transformers marks sliding (from max_window_layers on)."""
+    d = bridge("dots1")
+    k = d.transformer_config_kwargs()
+    assert k["moe_layer_freq"] == [0, 1, 1, 1] and (k["num_moe_experts"], k["moe_router_topk"]) == (8, 3)
+    assert (k["moe_router_score_function"], k["moe_router_enable_expert_bias"]) == ("sigmoid", True)
+    assert k["moe_router_bias_update_rate"] == 0.0 and k["moe_router_topk_scaling_factor"] == 2.5
+    assert "moe_router_num_groups" not in k and k["moe_router_dtype"] == "fp32"
+    assert k["moe_ffn_hidden_size"] == 32 and k["moe_shared_expert_intermediate_size"] == 64
+    assert k["qk_layernorm"] and k["kv_channels"] == 24 and not k["add_qkv_bias"]
+    assert k["window_size"] == (4, 0) and k["window_attn_skip_freq"] == [0, 0, 1, 1]
+    assert d.hf_router_logits and not d.hf_balance_loss
+    full = bridge("dots1", layer_types=["full_attention"] * 4).transformer_config_kwargs()
+    assert "window_size" not in full and "window_attn_skip_freq" not in full
+    shapes = d.expected_hf_shapes()
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (96, 64)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (24,)
+    assert shapes["model.layers.1.mlp.gate.e_score_correction_bias"] == (8,)
+    assert shapes["model.layers.3.mlp.shared_experts.down_proj.weight"] == (64, 64)
+
+
+def test_hunyuan_translation():
+    """HunYuan-MoE: every layer sparse, softmax top-k renormalised, a shared MLP of intermediate_size, the fixed
+    NTK-alpha base, the q / k norm slots rotating first (their HF names query_layernorm / key_layernorm)."""
+    h = bridge("hunyuan_v1_moe", moe_topk=[3] * 4)
+    k = h.transformer_config_kwargs()
+    assert k["moe_layer_freq"] == [1, 1, 1, 1] and (k["num_moe_experts"], k["moe_router_topk"]) == (8, 3)
+    assert (k["moe_router_score_function"], k["moe_router_pre_softmax"]) == ("softmax", False)
+    assert k["moe_ffn_hidden_size"] == 32 and k["moe_shared_expert_intermediate_size"] == 32
+    assert k["qk_layernorm"] and k["moe_router_dtype"] == "fp32" and not k["moe_shared_expert_gate"]
+    assert h.rope_parameters() == {"rope_type": "default", "rope_theta": 10000.0 * 1000.0 ** (24 / 22)}
+    assert h.qk_module().__name__ == "RotateThenNorm" and h.hf_router_logits and not h.hf_balance_loss
+    shapes = h.expected_hf_shapes()
+    assert shapes["model.layers.0.self_attn.query_layernorm.weight"] == (24,)
+    assert shapes["model.layers.3.mlp.gate.wg.weight"] == (8, 64) and "model.layers.3.mlp.gate.weight" not in shapes
+    assert shapes["model.layers.3.mlp.shared_mlp.up_proj.weight"] == (32, 64)
 
 
 def test_aux_loss_coefficient():

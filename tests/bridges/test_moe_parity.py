@@ -38,7 +38,12 @@ loss within 1e-5; Mixtral's names on disk) are among "every model"; tp1 also run
 norms and an MTP layer, and OLMoE with norm_topk_prob on. Llama 4 (``llama4``: dense and MoE layers alternating,
 sigmoid top-1 routing that scales the expert's input, a shared expert, L2 q / k norms and 5-position attention chunks
 on the rotary layers, a NoPE layer with a query temperature, experts stacked on disk; its ``router_logits``, no
-balancing loss; also at tp2etp1) is among "every model".
+balancing loss; also at tp2etp1) is among "every model". dots.llm1 (``dots1``: Qwen3's per-head q / k norms,
+DeepSeek-V3's sigmoid routing on the scores plus a fixed expert bias that changes some tokens' experts, scaling and
+shared experts, a dense first layer, a binding window on the last two layers; its ``router_logits``, no balancing loss)
+and HunYuan-MoE (``hunyuan_v1_moe``: per-head q / k norms after the rotation, in megatron's q / k norm slots with the
+rotation moved into them, fixed NTK-alpha rope, softmax top-k experts beside a shared MLP in every layer; its
+``router_logits``, no balancing loss) are among "every model".
 Qwen3-Next (``qwen3_next``: Gated DeltaNet layers with in-projections fused per key head, gated full-attention layers,
 zero-centred norms, partial rotary, a dense first layer, a sigmoid-gated shared expert) and Qwen3.5-MoE's text model
 (``qwen3_5_moe``: the same layers with Qwen3.5's separate in-projections, every layer sparse) run at tp1 and tp2ep2,
@@ -62,10 +67,12 @@ from ._moe_parity import run_plan
 
 TOL = 1e-4
 ROUTER_TOL = 1e-5  # router_logits: fp32 gating on both sides
-MLA_MOE_LAYERS = 3  # the tiny DeepSeek and GLM-4.5 checkpoints: 4 layers, the first dense (first_k_dense_replace=1)
+# NOTE: the tiny DeepSeek, GLM-4.5 and dots.llm1 checkpoints: 4 layers, the first dense (first_k_dense_replace=1)
+MLA_MOE_LAYERS = 3
 ERNIE_MOE_LAYERS = 2  # the tiny ERNIE 4.5 MoE: layers 1 and 2 of 4 (moe_layer_start_index=1, moe_layer_end_index=2)
 OLMOE_MOE_LAYERS = 4  # the tiny OLMoE: every layer
 MINIMAX_MOE_LAYERS = 4  # the tiny MiniMax-M2: every layer
+HUNYUAN_MOE_LAYERS = 4  # the tiny HunYuan-MoE: every layer
 LLAMA4_MOE_LAYERS = 2  # the tiny Llama 4: layers 1 and 3 (interleave_moe_layer_step=2)
 HYBRID_MOE_LAYERS = {"qwen3_next": 3, "qwen3_5_moe": 4}  # NOTE: Qwen3-Next's first layer dense (mlp_only_layers)
 # NOTE: megatron's own rotary path (rotary_interleaved), not the fused-rope slot
@@ -108,6 +115,12 @@ CHECKPOINTS = {
     # norms and 5-position attention chunks on the rotary layers (CP2's query chunks are 3 long), a NoPE layer with a
     # query temperature, interleaved rotary pairs, experts stacked on disk
     "llama4": ("llama4", {}),
+    # NOTE: per-head q / k norms, sigmoid routing on the scores plus a bias that changes some tokens' experts, scaled,
+    # two shared experts, a dense first layer, a 5-token window on layers 2 and 3
+    "dots1": ("dots1", {}),
+    # NOTE: per-head q / k norms after the rotation, NTK-alpha rope, softmax top-k experts and a shared MLP, the router
+    # in fp32 (gate.wg)
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", {}),
     "qwen3_next": ("qwen3_next", {"mtp_layers": 1}),  # NOTE: the hub's mtp.* tensors passed through
     "qwen3_5_moe": ("qwen3_5_moe", {}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
@@ -121,7 +134,8 @@ CHECKPOINTS = {
 }
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
-          "ernie4_5_moe", "olmoe", "llama4", "minimax_m2")
+          "ernie4_5_moe", "olmoe", "llama4", "minimax_m2", "dots1",
+          "hunyuan_v1_moe")
 HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, *HYBRID, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2",
@@ -211,6 +225,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         # NOTE: Llama 4's L2 q / k norms (rotary layers) and query temperature (its NoPE layer 3: on the last stage
         # under PP, checked below) in the q / k slots
         llama4 = ["L2Norm"] if name == "llama4" else []
+        # NOTE: HunYuan's q / k norms after the rotation (the rotation in the slot, before the norm)
+        llama4 += ["RotateThenNorm"] if name == "hunyuan_v1_moe" else []
         scaled |= {"QueryTemperature"} if name == "llama4" else set()
         assert sorted(set(r["norms"]) - scaled) == sorted(
             ["RMSNorm", *full_width, *llama4, *(["RotaryScale"] if yarn and not mla else [])]), (rank, r)
@@ -231,7 +247,10 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name == "llama4":  # NOTE: router_logits; transformers' Llama 4 adds no balancing loss
             assert r["no_aux_loss"] and r["router_counts"] == (LLAMA4_MOE_LAYERS,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"] and r["router_diff"] < ROUTER_TOL, (rank, r)
-        if name.startswith(("deepseek", "glm4_moe")):
+        if name == "hunyuan_v1_moe":  # NOTE: router_logits (fp32 gate.wg); transformers adds no balancing loss
+            assert r["no_aux_loss"] and r["router_counts"] == (HUNYUAN_MOE_LAYERS,) * 2, (rank, r)
+            assert r["router_dtypes"] == ["torch.float32"] and r["router_diff"] < ROUTER_TOL, (rank, r)
+        if name.startswith(("deepseek", "glm4_moe", "dots1")):
             assert r["no_aux_loss"] and r["router_counts"] == (MLA_MOE_LAYERS,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < (tol["logit_diff"] if name.endswith("_bf16") else ROUTER_TOL), (rank, r)
@@ -316,6 +335,25 @@ def test_minimax_m2_expert_bias_changes_the_routing(worlds):
     with torch.no_grad():  # NOTE: _moe_parity's input
         model(torch.randint(0, 203, (2, 12), generator=torch.Generator().manual_seed(7)))
     assert len(changed) == MINIMAX_MOE_LAYERS and all(0 < n < tokens for n, tokens in changed), changed
+
+
+def test_dots1_expert_bias_changes_the_routing(worlds):
+    """The tiny dots.llm1's ``e_score_correction_bias`` changes some of the parity input's tokens' experts in every MoE
+    layer (no expert groups there, so the bias alone decides)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(worlds.source("dots1"), dtype=torch.float32)
+    changed = []
+
+    def count(router, args, _out):
+        scores = torch.sigmoid(torch.nn.functional.linear(args[0].flatten(0, 1), router.weight))
+        biased, plain = (torch.topk(s, router.top_k).indices.sort(-1).values
+                         for s in (scores + router.e_score_correction_bias, scores))
+        changed.append(((biased != plain).any(-1).sum().item(), scores.shape[0]))
+
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.register_forward_hook(count)
+    with torch.no_grad():  # NOTE: _moe_parity's input
+        model(torch.randint(0, 203, (2, 12), generator=torch.Generator().manual_seed(7)))
+    assert len(changed) == MLA_MOE_LAYERS and all(0 < n < tokens for n, tokens in changed), changed
 
 
 def test_experts_not_divisible_by_expert_parallel_size(worlds):

@@ -1,0 +1,186 @@
+"""GraniteMoeHybridForCausalLM (IBM Granite 4.0: the hybrid "H" models granite-4.0-h-micro / tiny / small, and the
+attention-only granite-4.0-micro): Mamba2 and attention layers (``layer_types``), Granite MoE's experts beside a
+shared MLP in every layer, Granite's four multipliers.
+
+Choices:
+- ``mamba`` layers (``linear_attention`` once transformers has read the config): ``mamba.*`` -> our ``Mamba2Mixer``
+  in megatron's self-attention slot (``mamba2.py``: TP by heads and groups, the padding mask, packed documents), its
+  tensors mapped by ``gated_mappings.HeadSections``: ``in_proj`` = this rank's rows of each of transformers'
+  ``in_proj`` blocks (z, x, B, C, dt); ``conv_weight`` / ``conv_bias`` = ``conv1d``'s x, B, C channels; ``A_log``,
+  ``D``, ``dt_bias`` and the gated norm's weight split with the heads; ``out_proj`` row-parallel.
+- ``attention`` layers: megatron's ``SelfAttention`` (GQA) with Granite's ``attention_multiplier`` as the softmax
+  scale, rotated only with ``position_embedding_type="rope"`` (the H models have none: megatron's ``"none"``).
+- MLP: Granite MoE's (``granite.py``: softmax top-k renormalised over the k chosen, the experts stacked on disk,
+  transformers' balancing loss and ``router_logits``) plus the always-on ``shared_mlp`` as megatron's shared experts
+  (``input_linear`` ``[gate; up]``, ``output_linear``; no gate); with ``num_local_experts=0`` the shared MLP alone,
+  as a dense layer's MLP.
+- Multipliers as Granite MoE's: the embedding's, the residual one on the mixer's and the MLP's outputs (Mamba2 or
+  attention alike), ``1 / logits_scaling`` on the final norm's output.
+- Refused before any collective: context parallelism, ``mamba_n_heads`` / ``mamba_n_groups`` that do not split over
+  TP (megatron's ``MambaMixer`` rule: the hub's ``n_groups=1`` models run at TP1), ``mamba_proj_bias``,
+  ``attention_bias``, ``hidden_act`` other than silu, unknown ``layer_types``, a cached ``generate`` (generate's
+  cache holds no Mamba2 state: ``use_cache=False`` runs).
+"""
+
+from __future__ import annotations
+
+from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.dense import D, L, DenseBridge
+from loongforge_hf.bridges.gated_mappings import HeadSections
+from loongforge_hf.bridges.granite import GraniteMoeBridge
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.packed_mappings import PackedGatedMLP
+from loongforge_hf.bridges.registry import register_bridge
+
+MAMBA, ATTENTION = ("linear_attention", "mamba"), ("full_attention", "attention")
+M = f"{L}.mamba"
+S = f"{D}.self_attention"
+
+
+@register_bridge("GraniteMoeHybridForCausalLM")
+class GraniteMoeHybridBridge(GraniteMoeBridge):
+    per_layer_types = True  # NOTE: layer_types checked here
+
+    def __init__(self, hf_config) -> None:
+        super().__init__(hf_config)
+        if not self.hf_config.num_local_experts:  # NOTE: granite-4.0-micro: the shared MLP alone
+            self.hf_balance_loss = self.hf_router_logits = False
+        if self.hf_config.position_embedding_type != "rope":
+            self.position_embedding_type = "none"
+
+    # ---- config ---------------------------------------------------------------------------------------------
+    def check_config(self) -> None:
+        c, arch = self.hf_config, self.architectures[0]
+        kinds = list(c.layer_types or [])
+        unknown = sorted(set(kinds) - set(MAMBA + ATTENTION))
+        if unknown or len(kinds) != c.num_hidden_layers:
+            raise C.UnsupportedConfigError(f"layer_types {kinds} is not supported for {arch}: one of "
+                                           f"{list(MAMBA + ATTENTION)} per layer ({c.num_hidden_layers}).")
+        if c.position_embedding_type not in (None, "nope", "rope"):
+            raise C.UnsupportedConfigError(f"position_embedding_type={c.position_embedding_type!r} is not supported "
+                                           f"for {arch} (None, 'nope' or 'rope').")
+        for field, why in (("mamba_proj_bias", "biases of in_proj / out_proj"),
+                           ("attention_bias", "megatron's attention output bias follows the MLP's")):
+            if getattr(c, field, False):
+                raise C.UnsupportedConfigError(f"{field}=True is not supported for {arch} ({why}).")
+        if c.hidden_act != "silu":
+            raise C.UnsupportedConfigError(f"hidden_act={c.hidden_act!r} is not supported for {arch} (only 'silu': "
+                                           "the Mamba2 conv and gated norm use it).")
+        if c.mamba_n_heads % c.mamba_n_groups or c.mamba_n_heads * c.mamba_d_head != c.mamba_expand * c.hidden_size:
+            raise C.UnsupportedConfigError(f"mamba_n_heads={c.mamba_n_heads}, mamba_d_head={c.mamba_d_head}, "
+                                           f"mamba_n_groups={c.mamba_n_groups} do not fit mamba_expand * hidden_size "
+                                           f"for {arch}.")
+        if c.num_local_experts:
+            super().check_config()
+        else:
+            DenseBridge.check_config(self)
+
+    def check_layout(self, layout) -> None:
+        """``UnsupportedConfigError`` for a parallel layout the Mamba2 layers cannot run (pure: called before any
+        collective, every rank raises alike)."""
+        c, arch = self.hf_config, self.architectures[0]
+        if not self.mamba_layers:
+            return
+        if layout.context_parallel_size > 1:
+            raise C.UnsupportedConfigError(f"context_parallel_size={layout.context_parallel_size} is not supported "
+                                           f"for {arch}: the Mamba2 layers' scan does not pass its state between "
+                                           "context-parallel chunks.")
+        tp = layout.tensor_parallel_size
+        for field in ("mamba_n_heads", "mamba_n_groups"):
+            if getattr(c, field) % tp:
+                raise C.UnsupportedConfigError(f"{field}={getattr(c, field)} does not split over "
+                                               f"tensor_parallel_size={tp} for {arch} (Mamba2 layers split by heads "
+                                               "and groups).")
+
+    def generation_refusal(self, generation_config) -> str | None:
+        if generation_config.use_cache and self.mamba_layers:
+            return (f"the KV cache is not supported for {self.architectures[0]}: it holds no Mamba2 conv / SSM "
+                    "state; generate with use_cache=False.")
+        return None
+
+    def rope_parameters(self) -> dict:
+        return C.rope_parameters(self.hf_config, extra_types=self.extra_rope_types)
+
+    @property
+    def mamba_layers(self) -> frozenset[int]:
+        return frozenset(i for i, kind in enumerate(self.hf_config.layer_types) if kind in MAMBA)
+
+    def num_experts(self) -> int | None:
+        return self.hf_config.num_local_experts or None
+
+    def shared_ffn_size(self) -> int:
+        return self.hf_config.shared_intermediate_size
+
+    def transformer_config_kwargs(self) -> dict:
+        if self.hf_config.num_local_experts:
+            return super().transformer_config_kwargs()
+        return {**DenseBridge.transformer_config_kwargs(self), "ffn_hidden_size": self.shared_ffn_size(),
+                "softmax_scale": self._multiplier("attention_multiplier")}
+
+    def attention_module(self) -> type:
+        from loongforge_hf.bridges.mamba2 import hybrid_mamba_attention
+
+        c = self.hf_config
+        limit = tuple(c.time_step_limit) if c.time_step_limit is not None else (0.0, float("inf"))
+        return hybrid_mamba_attention(mamba=self.mamba_layers, heads=c.mamba_n_heads, head_dim=c.mamba_d_head,
+                                      groups=c.mamba_n_groups, d_state=c.mamba_d_state, conv_kernel=c.mamba_d_conv,
+                                      conv_bias=bool(c.mamba_conv_bias), chunk_size=c.mamba_chunk_size,
+                                      time_step_limit=limit, eps=c.rms_norm_eps)
+
+    # ---- tensors --------------------------------------------------------------------------------------------
+    def _sizes(self) -> tuple[int, int, int]:
+        c = self.hf_config
+        return c.mamba_n_heads * c.mamba_d_head, c.mamba_n_groups * c.mamba_d_state, c.mamba_n_heads
+
+    def mamba_mappings(self) -> list[Mapping]:
+        inner, gn, heads = self._sizes()
+        maps = [Replicated(f"{D}.input_layernorm.weight", f"{L}.input_layernorm.weight"),
+                HeadSections(f"{S}.in_proj.weight", ((f"{M}.in_proj.weight", (inner, inner, gn, gn, heads)),)),
+                HeadSections(f"{S}.conv_weight", ((f"{M}.conv1d.weight", (inner, gn, gn)),)),
+                *(ColumnParallel(f"{S}.{name}", f"{M}.{name}") for name in ("A_log", "D", "dt_bias")),
+                ColumnParallel(f"{S}.norm_weight", f"{M}.norm.weight"),
+                RowParallel(f"{S}.out_proj.weight", f"{M}.out_proj.weight")]
+        if self.hf_config.mamba_conv_bias:
+            maps.append(HeadSections(f"{S}.conv_bias", ((f"{M}.conv1d.bias", (inner, gn, gn)),)))
+        return maps
+
+    def mlp_mappings(self) -> list[Mapping]:
+        shared, size = f"{L}.shared_mlp", self.shared_ffn_size()
+        if not self.hf_config.num_local_experts:
+            return [Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
+                    PackedGatedMLP(f"{D}.mlp.linear_fc1.weight", f"{shared}.input_linear.weight", size),
+                    RowParallel(f"{D}.mlp.linear_fc2.weight", f"{shared}.output_linear.weight")]
+        return self.moe_mappings() + [
+            PackedGatedMLP(f"{D}.mlp.shared_experts.linear_fc1.weight", f"{shared}.input_linear.weight", size),
+            RowParallel(f"{D}.mlp.shared_experts.linear_fc2.weight", f"{shared}.output_linear.weight")]
+
+    def layer_mappings(self) -> list[Mapping]:
+        return self.attention_mappings() + self.mamba_mappings()[1:] + self.mlp_mappings()
+
+    def mappings_for_layer(self, layer: int) -> list[Mapping]:
+        mixer = self.mamba_mappings() if layer in self.mamba_layers else self.attention_mappings()
+        return mixer + self.mlp_mappings()
+
+    def mamba_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        c, p = self.hf_config, f"{prefix}.mamba"
+        inner, gn, heads = self._sizes()
+        h, conv = c.hidden_size, inner + 2 * gn
+        shapes = {f"{prefix}.input_layernorm.weight": (h,), f"{p}.in_proj.weight": (inner + conv + heads, h),
+                  f"{p}.conv1d.weight": (conv, 1, c.mamba_d_conv), f"{p}.A_log": (heads,), f"{p}.D": (heads,),
+                  f"{p}.dt_bias": (heads,), f"{p}.norm.weight": (inner,), f"{p}.out_proj.weight": (h, inner)}
+        if c.mamba_conv_bias:
+            shapes[f"{p}.conv1d.bias"] = (conv,)
+        return shapes
+
+    def mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h, size = self.hf_config.hidden_size, self.shared_ffn_size()
+        shapes = {f"{prefix}.shared_mlp.input_linear.weight": (2 * size, h),
+                  f"{prefix}.shared_mlp.output_linear.weight": (h, size)}
+        if self.hf_config.num_local_experts:
+            return {**self.moe_shapes(prefix), **shapes}
+        return {f"{prefix}.post_attention_layernorm.weight": (h,), **shapes}
+
+    def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        prefix = f"model.layers.{layer}"
+        mixer = self.mamba_shapes(prefix) if layer in self.mamba_layers else self.attention_shapes(prefix)
+        return {**mixer, **self.mlp_shapes(prefix)}

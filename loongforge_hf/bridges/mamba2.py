@@ -1,0 +1,164 @@
+"""The Mamba2 mixer (IBM Granite 4.0 H's ``mamba`` layers) as a megatron-style module in the self-attention slot, and
+the slot's class that picks it or megatron's ``SelfAttention`` by layer.
+
+Choices:
+- Our own module, not megatron-core's ``ssm/mamba_mixer.py``: that one needs the mamba_ssm and causal_conv1d
+  packages (CUDA only), has no padding mask, and belongs to megatron's ``MambaModel``, not ``GPTModel``'s layers.
+- Tensor parallelism splits by heads and groups, as megatron's ``MambaMixer``: rank ``r`` holds heads
+  ``r * H / tp ..`` and the ``n_groups / tp`` groups they read (``n_groups`` must divide by TP, megatron's rule).
+  One column-parallel ``in_proj`` holds this rank's rows of transformers' ``in_proj`` in each of its blocks, in
+  order: ``z`` (the gate), ``x``, ``B``, ``C``, ``dt`` (one all-gather of the tokens under sequence parallelism); the
+  depthwise conv's channels (x, B, C) and its bias, ``A_log``, ``D``, ``dt_bias`` and the gated norm's weight are
+  split with them (the norm runs over groups of ``d_inner / n_groups`` channels, which stay whole on a rank);
+  ``out_proj`` is row-parallel.
+- Forward as transformers' ``GraniteMoeHybridMambaLayer`` without a cache (its torch path): padded tokens (the
+  diagonal of megatron's ``[b, 1, s, s]`` mask: a token masked from itself) are zeroed before the conv (after
+  ``in_proj``, which has no bias: the same) and after it; the causal depthwise conv with its bias and ``silu`` (in
+  the weight's dtype); ``dt = clamp(softplus(dt + dt_bias), *time_step_limit)``, ``A = -exp(A_log)``; the chunked
+  SSD scan (``kernels.ssd``, fp32, op for op transformers' ``mamba2_chunk_scan``); the gated RMSNorm (``y *
+  silu(z)`` normalised per group in fp32, times the weight) and ``out_proj``.
+- Packed documents (megatron's mask blocks attention between documents): the conv and the scan restart at each
+  document's first token (the conv masks taps from another document; ``kernels.ssd`` masks the scan), as running
+  each document alone. transformers' torch path runs a packed row as one sequence.
+- Refused, before any collective (``granitemoehybrid.py``): context parallelism, ``n_groups`` or heads that do not
+  split over TP, projection biases; at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
+  generate's KV cache holds no Mamba2 state: the bridge refuses ``use_cache=True`` (generate with
+  ``use_cache=False``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from loongforge_hf.bridges.gated_deltanet import _token_layout
+
+
+class Mamba2Mixer(torch.nn.Module):
+    """One Mamba2 layer's token mixer, this TP rank's heads and groups (see the module docstring)."""
+
+    def __init__(self, config, *, layer_number: int, heads: int, head_dim: int, groups: int, d_state: int,
+                 conv_kernel: int, conv_bias: bool, chunk_size: int, time_step_limit: tuple[float, float],
+                 eps: float, pg_collection=None, **_: object) -> None:
+        from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                          set_tensor_model_parallel_attributes)
+
+        from loongforge_hf.xpu import get_backend
+
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        tp_group = getattr(pg_collection, "tp", None)
+        tp = config.tensor_model_parallel_size
+        self.heads, self.head_dim, self.groups, self.d_state = heads // tp, head_dim, groups // tp, d_state
+        self.chunk_size, self.time_step_limit, self.eps = chunk_size, time_step_limit, eps
+        self.d_inner = self.heads * head_dim
+        self.conv_dim = self.d_inner + 2 * self.groups * d_state
+        local = self.d_inner + self.conv_dim + self.heads
+        self.in_proj = ColumnParallelLinear(config.hidden_size, local * tp, config=config,
+                                            init_method=config.init_method, bias=False, gather_output=False,
+                                            skip_bias_add=True, tp_group=tp_group)
+        self.out_proj = RowParallelLinear(heads * head_dim, config.hidden_size, config=config,
+                                          init_method=config.output_layer_init_method, bias=False,
+                                          input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
+        device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
+        kw = dict(dtype=config.params_dtype, device=device)
+        self.conv_weight = torch.nn.Parameter(torch.zeros(self.conv_dim, 1, conv_kernel, **kw))
+        self.conv_bias = torch.nn.Parameter(torch.zeros(self.conv_dim, **kw)) if conv_bias else None
+        self.A_log = torch.nn.Parameter(torch.zeros(self.heads, **kw))
+        self.D = torch.nn.Parameter(torch.ones(self.heads, **kw))
+        self.dt_bias = torch.nn.Parameter(torch.ones(self.heads, **kw))
+        self.norm_weight = torch.nn.Parameter(torch.ones(self.d_inner, **kw))
+        for p in self._split_parameters().values():
+            set_tensor_model_parallel_attributes(p, True, 0, 1)
+
+    def _split_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self._parameters.items() if p is not None}
+
+    # ---- forward ----------------------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                inference_context=None, packed_seq_params=None, **_: object):
+        from loongforge_hf.kernels.ssd import ssd_scan
+
+        if inference_context is not None:
+            raise ValueError("Mamba2 layers do not take megatron's inference_context; generate with use_cache=False.")
+        if packed_seq_params is not None:
+            raise ValueError("Mamba2 layers do not take THD packed_seq_params; pack documents into rows "
+                             "(position ids restarting at 0).")
+        mixed, _ = self.in_proj(hidden_states)                            # [s, b, local]: all tokens
+        mixed = mixed.transpose(0, 1)                                     # [b, s, local]
+        batch, seq, _ = mixed.shape
+        real, starts = _token_layout(attention_mask, batch, seq)
+        if real is not None:
+            mixed = mixed * real[..., None].to(mixed.dtype)
+        z, xbc, dt = torch.split(mixed, [self.d_inner, self.conv_dim, self.heads], dim=-1)
+        documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
+        xbc = self._conv(xbc, documents)
+        if real is not None:
+            xbc = xbc * real[..., None].to(xbc.dtype)
+        x, B, C = torch.split(xbc, [self.d_inner, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*self.time_step_limit)
+        y = ssd_scan(x.reshape(batch, seq, self.heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
+                     B.reshape(batch, seq, self.groups, self.d_state), C.reshape(batch, seq, self.groups, self.d_state),
+                     chunk_size=self.chunk_size, D=self.D, documents=documents)
+        out = self._gated_norm(y.reshape(batch, seq, -1), z).to(hidden_states.dtype)
+        return self.out_proj(out.transpose(0, 1).contiguous())
+
+    def _conv(self, xbc: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        """The causal depthwise conv with its bias and ``silu`` (in the weight's dtype) over ``xbc`` ``[b, s, ch]``
+        -> ``[b, s, ch]`` in ``xbc``'s dtype; with ``documents`` (``[b, s]`` ids) no tap reads another document."""
+        weight, seq = self.conv_weight, xbc.shape[1]
+        inputs = xbc.transpose(1, 2).to(weight.dtype)
+        kernel = weight.shape[-1]
+        if documents is None:
+            out = F.conv1d(inputs, weight, self.conv_bias, padding=kernel - 1, groups=self.conv_dim)[..., :seq]
+        else:
+            out = 0 if self.conv_bias is None else self.conv_bias[:, None]
+            for back in range(kernel):  # NOTE: tap ``back`` tokens back, where the token is of the same document
+                keep = documents == F.pad(documents, (back, 0), value=-1)[:, :seq]
+                shifted = F.pad(inputs, (back, 0))[..., :seq] * keep[:, None].to(inputs.dtype)
+                out = out + weight[:, :, kernel - 1 - back] * shifted
+        return F.silu(out).to(xbc.dtype).transpose(1, 2)
+
+    def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """transformers' ``GraniteMoeHybridRMSNormGated``: ``y * silu(gate)`` normalised per group (fp32), times the
+        weight."""
+        h = y.float() * F.silu(gate.float())
+        h = h.reshape(*h.shape[:-1], self.groups, -1)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(*y.shape)
+        return self.norm_weight * h.to(y.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+
+        out = {}
+        for name, child in self.named_children():
+            out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
+        own = self._split_parameters()
+        out.update(make_sharded_tensors_for_checkpoint(own, prefix, {n: 0 for n in own}, sharded_offsets))
+        return out
+
+
+def _documents(starts: list[list[int]], batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """Each row's document ids ``[b, s]`` (0, 1, ...) from the starts after its first token."""
+    first = torch.zeros(batch, seq, dtype=torch.long)
+    for row, cuts in enumerate(starts):
+        first[row, cuts] = 1
+    return first.cumsum(-1).to(device)
+
+
+@functools.cache
+def hybrid_mamba_attention(*, mamba: frozenset[int], **dims) -> type:
+    """The self-attention slot's class: ``Mamba2Mixer`` (with ``dims``) on the layers in ``mamba`` (0-based global
+    indices; megatron numbers layers from 1, offset by the pipeline stage), megatron's ``SelfAttention`` elsewhere."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    class HybridMambaAttention:
+        def __new__(cls, config, submodules=None, layer_number: int = 1, **kwargs):
+            if layer_number - 1 in mamba:
+                return Mamba2Mixer(config, layer_number=layer_number, pg_collection=kwargs.get("pg_collection"),
+                                   **dims)
+            return SelfAttention(config, submodules, layer_number, **kwargs)
+
+    return HybridMambaAttention
