@@ -1,7 +1,9 @@
-"""Fixes every backend needs when Transformer Engine is absent (checked against megatron-core 0.16.1)."""
+"""Fixes every backend needs when Transformer Engine is absent, and the tensor-parallel marks of weights built
+without initialisation (checked against megatron-core 0.16.1)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -30,7 +32,36 @@ def apply_without_te_fixes() -> None:
         mla.HAVE_TE = False
     _patch_reshardable_load_without_fused_adam()
     _patch_grad_norm_without_apex()
+    _patch_tp_attributes_without_init()
     _DONE = True
+
+
+def _patch_tp_attributes_without_init() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    # Weights are built without initialisation (perform_initialization=False: the loader fills them), and megatron
+    # marks a weight as tensor-parallel only inside its initialisation: tensor_parallel/layers.py:244 / 265, 855 /
+    # 877 and 1178 / 1201 skip both `_initialize_affine_weight_cpu` (use_cpu_initialization) and
+    # `_initialize_affine_weight_gpu` (on the device). Unmarked shards look like replicas to the optimizer
+    # (`param_is_not_tensor_parallel_duplicate`), which then leaves them out of the grad norm on TP ranks > 0: the
+    # norm of a TP2 model was ~1/sqrt(2) of transformers' on two GPUs, and clipping followed it. This sets the marks
+    # those initialisations set, on every backend.
+    for cls, dim in ((layers.ColumnParallelLinear, 0), (layers.RowParallelLinear, 1),
+                     (layers.VocabParallelEmbedding, 0)):
+        original = cls.__init__
+        if getattr(original, "_loongforge_marks", False):
+            continue
+
+        def init(self, *args, __original=original, __dim=dim, **kwargs):
+            __original(self, *args, **kwargs)
+            weight = getattr(self, "weight", None)
+            if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+                stride = getattr(self, "stride", 1) if __dim == 0 else 1
+                layers.set_tensor_model_parallel_attributes(weight, True, __dim, stride)
+
+        functools.update_wrapper(init, original)
+        init._loongforge_marks = True
+        cls.__init__ = init
 
 
 def l2_norm(tensors: list, device: torch.device) -> torch.Tensor:

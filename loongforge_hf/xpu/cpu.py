@@ -150,7 +150,6 @@ def apply_megatron_patches() -> None:
     _patch_uneven_all_gather()
     _patch_tied_embedding_sync()
     _patch_cuda_spelling()
-    _patch_tp_attributes_without_init()
     _patch_rope_cp_slice()
     apply_without_te_fixes()
     _PATCHED = True
@@ -280,32 +279,6 @@ def _patch_tied_embedding_sync() -> None:
 
     setup_embeddings_and_output_layer._loongforge_cpu = True
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
-
-
-def _patch_tp_attributes_without_init() -> None:
-    from megatron.core.tensor_parallel import layers
-
-    # With use_cpu_initialization=True and perform_initialization=False, tensor_parallel/layers.py:244, 855 and
-    # 1178 skip `_initialize_affine_weight_cpu`, the only place that marks weights as tensor-parallel on that path.
-    # Unmarked shards look like replicas to the optimizer, which then leaves them out of the grad norm on TP
-    # ranks > 0. This sets the marks the GPU path (`_initialize_affine_weight_gpu`) always sets.
-    for cls, dim in ((layers.ColumnParallelLinear, 0), (layers.RowParallelLinear, 1),
-                     (layers.VocabParallelEmbedding, 0)):
-        original = cls.__init__
-        if getattr(original, "_loongforge_cpu", False):
-            continue
-
-        def init(self, *args, __original=original, __dim=dim, **kwargs):
-            __original(self, *args, **kwargs)
-            weight = getattr(self, "weight", None)
-            if weight is not None and not hasattr(weight, "tensor_model_parallel"):
-                stride = getattr(self, "stride", 1) if __dim == 0 else 1
-                layers.set_tensor_model_parallel_attributes(weight, True, __dim, stride)
-
-        init._loongforge_cpu = True
-        functools.update_wrapper(init, original)
-        init._loongforge_cpu = True
-        cls.__init__ = init
 
 
 def _patch_rope_cp_slice() -> None:

@@ -1,6 +1,7 @@
 """Rank function for test_kv_replicas.py: tiny models with fewer KV heads than TP ranks (each head replicated), against
 transformers (fp32): logits, gradients after a backward, two optimizer steps of the engine with clipping active
-against a hand-written transformers step, and LoRA on ``q_proj`` against PEFT."""
+against a hand-written transformers step, and LoRA on ``q_proj`` against PEFT. Our model runs where LOONGFORGE_DEVICE
+puts it (CPU processes over gloo, or two GPUs over NCCL: test_kv_replicas_gpu.py); transformers' on the CPU."""
 
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def _case(name: str, folder: str, precision: str | None, root: str) -> dict:
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = _ids(2)
     out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
-    result = {"logits": float((out.logits - want.logits).abs().max()), "loss": abs(out.loss.item() - want.loss.item()),
+    result = {"logits": float((out.logits.cpu() - want.logits).abs().max()),
+              "loss": abs(out.loss.item() - want.loss.item()),
               "marked": sum(getattr(p, "kv_replica", None) is not None for p in model.parameters())}
     model.save_pretrained(f"{root}/{name}-saved")
     # gradients of a plain backward, reduced as the engine's finalize reduces them (the replicas' sum included)
@@ -119,7 +121,8 @@ def _case(name: str, folder: str, precision: str | None, root: str) -> dict:
     if precision is None:
         return result
     # two optimizer steps of the engine, clipping on every step
-    args = transformers.TrainingArguments(f"{root}/{name}-run", use_cpu=True, learning_rate=LR, weight_decay=WD,
+    args = transformers.TrainingArguments(f"{root}/{name}-run", use_cpu=model.device.type == "cpu",
+                                          learning_rate=LR, weight_decay=WD,
                                           adam_epsilon=EPS, max_grad_norm=MAX_GRAD_NORM, report_to=[])
     engine = MegatronEngine(model, args=args, optimizer_precision=precision)
     result["norms"] = [float(engine.train_step(_micro_batches()).grad_norm) for _ in range(STEPS)]
@@ -155,7 +158,7 @@ def _lora(folder: str) -> dict:
     hf = peft.get_peft_model(hf, peft.LoraConfig(**kw))
     ids = _ids(3)
     with torch.no_grad():
-        diff = float((model(input_ids=ids).logits - hf(input_ids=ids).logits).abs().max())
+        diff = float((model(input_ids=ids).logits.cpu() - hf(input_ids=ids).logits).abs().max())
     return {"logits": diff, "refused": refused}
 
 
