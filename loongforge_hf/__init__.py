@@ -7,15 +7,19 @@ from loongforge_hf.trainer import LoongTrainer, LoongTrainingArguments
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoModelForCausalLM", "AutoModelForImageTextToText", "LoongModelForCausalLM",
-           "LoongModelForImageTextToText", "LoongSFTConfig", "LoongSFTTrainer", "LoongTrainer",
+__all__ = ["AutoModelForCausalLM", "AutoModelForImageTextToText", "LoongDPOConfig", "LoongDPOTrainer",
+           "LoongModelForCausalLM", "LoongModelForImageTextToText", "LoongSFTConfig", "LoongSFTTrainer", "LoongTrainer",
            "LoongTrainingArguments", "ParallelConfig", "ParallelLayoutError", "__version__"]
 
 
 def __getattr__(name: str):
-    # NOTE: trl (and the datasets stack it imports) loads only when LoongSFTTrainer / LoongSFTConfig is asked for.
+    # NOTE: trl (and the datasets stack it imports) loads only when a trainer / config of it is asked for.
     if name in ("LoongSFTConfig", "LoongSFTTrainer"):
         from loongforge_hf.integrations import trl
 
         return getattr(trl, name)
+    if name in ("LoongDPOConfig", "LoongDPOTrainer"):
+        from loongforge_hf.integrations import trl_dpo
+
+        return getattr(trl_dpo, name)
     raise AttributeError(f"module 'loongforge_hf' has no attribute {name!r}")

@@ -42,6 +42,13 @@ Choices:
   it is 0), each micro-batch's backpropagated loss adds ``coef * aux * N`` ("sum") or ``coef * aux * N / (DP *
   micro-batches)`` ("mean"), so megatron's loss scale applies to it too; the logged loss adds the term to the
   language-model loss.
+- A trainer with a loss of its own (LoongDPOTrainer's preference loss) sets ``loss_hook``: each step it is given the
+  step's micro-batches first (``start_step``, on every rank, after the layout padding: it may run collectives, e.g. a
+  reference model's forwards), then called on the last pipeline stage with each micro-batch's output (final hidden
+  states under the fused loss, else TP-local logits), the micro-batch, its shifted labels and the language head; it
+  returns the loss to backpropagate, the count the step's gradients are divided by (summed over micro-batches and
+  data-parallel ranks as the label tokens are), and ``num_stats`` fp32 values that the step sums over the
+  data-parallel ranks and shares with every pipeline stage (``StepResult.hook_stats``).
 - More TP ranks than KV heads (each KV head replicated, ``parallel/kv_replicas.py``): the finalize step sums the
   replicas' K / V gradient rows after megatron's, and the gradient norm counts each HF head once.
 - One engine wraps a model's chunks at a time: a new engine on the same model (a second trainer) first releases the
@@ -118,6 +125,8 @@ class StepResult:
     token_stats: list[tuple[float, float, int]] | None = None
     # per micro-batch, the router load-balancing loss averaged over the data-parallel ranks, with the loss on
     router_aux: list[float] | None = None
+    # per micro-batch, a loss hook's stats summed over the data-parallel ranks (see the module docstring)
+    hook_stats: list[list[float]] | None = None
 
 
 @contextlib.contextmanager
@@ -187,6 +196,8 @@ class MegatronEngine:
         # NOTE: TrainingArguments.label_smoothing_factor: the training loss is transformers' LabelSmoother's (as
         # Trainer normalises it: over the label tokens of the global batch), set by LoongTrainer
         self.label_smoothing = 0.0
+        # NOTE: a trainer's own per-micro-batch loss (see the module docstring), set by LoongDPOTrainer
+        self.loss_hook = None
         # NOTE: TrainingArguments.neftune_noise_alpha's hooks (neftune.NoisyEmbeddings), set by LoongTrainer.train
         self.neftune = None
         self.optimizer_precision = optimizer_precision
@@ -442,6 +453,8 @@ class MegatronEngine:
             # NOTE: lengths megatron needs (ParallelConfig.sequence_multiple), one length per step under PP.
             micro_batches = pad_micro_batches(micro_batches, multiple=layout.sequence_multiple,
                                               same_length=layout.pipeline_parallel_size > 1)
+        if self.loss_hook is not None:
+            self.loss_hook.start_step(micro_batches)
         if balance:
             # NOTE: each micro-batch's mask and shape before the layout padding, found by the batch a (virtual)
             # pipeline stage's forward takes
@@ -476,8 +489,9 @@ class MegatronEngine:
         # token_stats, each micro-batch's (entropy, top-1, tokens) sums the same way
         # the router balancing loss (column 3) the same way, counted once per context-parallel group
         device = self.model.device
-        rows = 1 + (len(micro_batches) if self.token_stats or balance else 0)
-        sums = torch.zeros(rows, 4, dtype=torch.float64, device=device)
+        hooked = self.loss_hook.num_stats if self.loss_hook is not None else 0
+        rows = 1 + (len(micro_batches) if self.token_stats or balance or hooked else 0)
+        sums = torch.zeros(rows, 4 + hooked, dtype=torch.float64, device=device)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             for i, item in enumerate(losses):
                 loss_sum, count = item["lm loss"]
@@ -488,11 +502,13 @@ class MegatronEngine:
                     sums[1 + i, 2] = float(count)
                 if balance and ps.get_context_parallel_rank() == 0:
                     sums[1 + i, 3] = item["router aux"].to(sums)
+                if hooked:
+                    sums[1 + i, 4:] = item["hook stats"].to(sums)
             dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
         last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
         dist.broadcast(sums, src=last, group=ps.get_pipeline_model_parallel_group())
         loss = float(sums[0, 0] / sums[0, 1].clamp(min=1))
-        stats = [(float(e), float(t), int(n)) for e, t, n, _ in sums[1:].tolist()] if self.token_stats else None
+        stats = [(float(e), float(t), int(n)) for e, t, n, *_ in sums[1:].tolist()] if self.token_stats else None
         aux = None
         if balance:
             dp = ps.get_data_parallel_world_size(with_context_parallel=False)
@@ -500,7 +516,8 @@ class MegatronEngine:
             per_step = sum(aux) * dp if self.router_aux_reduction == "sum" else sum(aux) / len(aux)
             loss += balance["coef"] * per_step
         return StepResult(loss=loss, num_tokens=int(sums[0, 1]), grad_norm=None if grad_norm is None
-                          else float(grad_norm), skipped=not update_ok, token_stats=stats, router_aux=aux)
+                          else float(grad_norm), skipped=not update_ok, token_stats=stats, router_aux=aux,
+                          hook_stats=sums[1:, 4:].tolist() if hooked else None)
 
     def _router_balance(self, micro_batches: list[dict]) -> dict | None:
         """What the micro-batches' forwards need for the router balancing loss (None: off): the model's
@@ -582,6 +599,10 @@ class MegatronEngine:
                     output = run(input_ids, position_ids, mask)
 
             def loss_func(output):
+                if self.loss_hook is not None:
+                    loss, count, stats = self.loss_hook(output, batch, labels=labels, head=head)
+                    return loss, count, {"lm loss": (loss.detach().clone(), count.detach().clone()),
+                                         "hook stats": stats.detach()}
                 count = (labels != IGNORE_INDEX).sum()
                 stats = torch.zeros(2, dtype=torch.float32, device=device) if self.token_stats else None
                 if head is not None:

@@ -1,0 +1,499 @@
+"""``LoongDPOTrainer``: trl's DPOTrainer on the outside, LoongTrainer's megatron engine on the inside.
+
+Choices:
+- ``class LoongDPOTrainer(LoongTrainer, DPOTrainer)``, as ``LoongSFTTrainer``: from DPOTrainer its ``__init__``'s
+  dataset preparation (prompt extraction, EOS, tokenisation into prompt / chosen / rejected ids, dropping prompts
+  that fill ``max_length``), its collator (the chosen rows then the rejected rows of each batch, right-padded, a
+  completion mask), its metrics and ``log``; from LoongTrainer data sharding over data-parallel ranks, the training
+  loop, optimizer, checkpoints and ``save_model``. (``_DPOArgsSecond``: LoongTrainer passes ``(model, args)`` as
+  Trainer takes them; DPOTrainer's second parameter is ``ref_model``.)
+- Each optimizer step is one ``MegatronEngine.train_step`` whose per-micro-batch loss is TRL's "sigmoid" DPO loss
+  (``engine.loss_hook`` = ``_PreferenceLoss``): on the last pipeline stage, each row's completion log-probability is
+  the sum over its label tokens of ``-CE`` from the fused, vocab-parallel linear cross-entropy with per-token output
+  (``kernels.cross_entropy.linear_cross_entropy(reduction="none")``: no full-vocabulary logits, no gather over TP);
+  the micro-batch's loss is the mean over its pairs, and the step's gradients are divided by the number of
+  micro-batches times data-parallel ranks (the hook's count, 1 per micro-batch): the mean of the micro-batches'
+  means, averaged over ranks, which is what Trainer's ``loss / gradient_accumulation_steps`` under DDP gives TRL.
+- Reference log-probabilities, as TRL picks them: a ``ref_model`` (a second ``LoongModelForCausalLM`` with the
+  policy's layout; without one, and without LoRA or ``precompute_ref_log_probs``, loaded from the policy's
+  ``name_or_path`` with its layout and dtype, as TRL loads it), the policy with its adapters disabled (a
+  ``LoraConfig`` and no ``ref_model``), or precomputed over the datasets before training
+  (``precompute_ref_log_probs=True``; not cached to disk). Each step runs the reference's forwards over the step's
+  micro-batches with megatron's forward-only schedule (``sequence_logps``) before the policy's schedule, no grad.
+- TRL's ``add_fused_lm_head`` patch of the models' ``forward`` is removed (nothing here calls it). TRL would load a
+  transformers reference model when it sees no PEFT model (megatron LoRA is not ``peft.PeftModel``): it is handed
+  a stand-in for "the policy as reference" instead (``_PolicyAsReference``) and ``ref_model`` is None afterwards,
+  as TRL leaves it with PEFT; the reference log-probs are precomputed here, after TRL's ``__init__``.
+- ``disable_dropout`` (TRL's default): TRL zeroes ``nn.Dropout`` modules (attention, LoRA); megatron's residual
+  dropout (``hidden_dropout``, a float on each layer) is zeroed too.
+- Batches are padded after TRL's collator to what megatron needs (``ParallelConfig.sequence_multiple``; under pipeline
+  parallelism to ``max_length``, one length for every micro-batch) and get ``labels`` (the completion tokens); pads
+  are masked and carry no label.
+- Logged as TRL: ``loss``, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
+  logps/rejected, entropy (completion tokens), mean_token_accuracy (chosen completions), num_tokens; each
+  micro-batch's values over the data-parallel ranks (TRL gathers them), the log their mean since the last one. TRL's
+  ``logits/chosen`` and ``logits/rejected`` (mean logit over the vocabulary) are not logged: the fused head never
+  builds the logits.
+- Refused with a message, on every rank before any collective: a loss type other than "sigmoid" (and
+  ``loss_weights`` other than one weight), ``use_liger_kernel``, ``padding_free``, ``ld_alpha``, ``use_weighting``,
+  a non-default ``f_divergence_type``, ``sync_ref_model``, ``activation_offloading``, ``rpo_alpha`` (older TRL),
+  image datasets / processors, MoE router auxiliary loss, context parallelism, virtual pipeline stages, a
+  ``ref_model`` that is not a loongforge model of the same layout, non-LoRA ``peft_config``, custom ``optimizers``,
+  ``quantization_config``. (TRL 1.16's "sigmoid" loss does not read ``label_smoothing``; neither does this.)
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from trl import DPOConfig, DPOTrainer
+
+from loongforge_hf.trainer.arguments import LoongArgumentsMixin
+from loongforge_hf.trainer.loong_trainer import LoongTrainer
+
+# per micro-batch, summed over the data-parallel ranks: chosen / rejected rewards, reward accuracies, margins,
+# chosen / rejected log-probs, pairs; entropy sum, completion tokens, top-1 hits and tokens of the chosen completions
+_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+          "logps/rejected", "pairs", "entropy", "tokens", "top1", "chosen_tokens")
+
+
+@dataclass
+class LoongDPOConfig(LoongArgumentsMixin, DPOConfig):
+    """trl's ``DPOConfig`` plus LoongTrainer's own knobs, defined once in ``LoongArgumentsMixin``."""
+
+
+def _as_dpo_config(args, model) -> DPOConfig:
+    if args is None:
+        name = (getattr(model.config, "_name_or_path", "") or "model").rstrip("/").split("/")[-1]
+        return DPOConfig(f"{name}-DPO")
+    if not isinstance(args, DPOConfig):
+        raise TypeError(f"args must be a trl.DPOConfig (or loongforge_hf.LoongDPOConfig), got {type(args).__name__}.")
+    return args
+
+
+def _refuse_unsupported(args: DPOConfig, model, ref_model, peft_config, train_dataset, processing_class,
+                        **given) -> None:
+    """Everything checked here is the same on every rank: all raise alike, before any collective."""
+    from loongforge_hf.modeling import LoongModelForCausalLM
+
+    named = [k for k, v in given.items() if v is not None and v != (None, None)]
+    problems = [f"{named} (the megatron engine owns the optimizer)"] if named else []
+    if list(args.loss_type) != ["sigmoid"]:
+        problems.append(f"loss_type={args.loss_type!r} (only 'sigmoid')")
+    if args.loss_weights is not None and len(args.loss_weights) != 1:
+        problems.append(f"loss_weights={args.loss_weights!r}")
+    for field, default in (("use_liger_kernel", False), ("padding_free", False), ("ld_alpha", None),
+                           ("use_weighting", False), ("f_divergence_type", "reverse_kl"), ("sync_ref_model", False),
+                           ("activation_offloading", False), ("rpo_alpha", None)):
+        if getattr(args, field, default) != default:
+            problems.append(f"{field}={getattr(args, field)!r}")
+    sample = next(iter(train_dataset)) if train_dataset is not None else {}
+    if "image" in sample or "images" in sample or hasattr(processing_class, "image_processor"):
+        problems.append("image datasets / processors (vision DPO)")
+    if ref_model is not None and not isinstance(ref_model, LoongModelForCausalLM):
+        problems.append(f"ref_model of type {type(ref_model).__name__} (load it with "
+                        "loongforge_hf.AutoModelForCausalLM.from_pretrained, with the policy's layout)")
+    elif ref_model is not None and ref_model.parallel != model.parallel:
+        problems.append(f"ref_model with layout {ref_model.parallel} (the policy's is {model.parallel})")
+    if peft_config is not None and type(peft_config).__name__ != "LoraConfig":
+        problems.append(f"peft_config of type {type(peft_config).__name__} (LoRA only)")
+    layout = model.parallel
+    if layout.context_parallel_size > 1:
+        problems.append(f"context_parallel_size={layout.context_parallel_size}")
+    if layout.interleaved_stages:
+        problems.append("virtual pipeline stages (virtual_pipeline_parallel_size)")
+    if layout.pipeline_parallel_size > 1 and args.max_length is None:
+        problems.append("pipeline_parallel_size > 1 without DPOConfig(max_length=...) (every micro-batch of a step "
+                        "is padded to it)")
+    if problems:
+        raise ValueError("LoongDPOTrainer does not support: " + "; ".join(problems) + ".")
+
+
+class _PolicyAsReference(torch.nn.Module):
+    """What TRL is handed as ``ref_model`` while the reference is the policy itself (its adapters disabled, or its
+    weights before training when precomputed): TRL would otherwise load a transformers model. Holds no parameters;
+    ``LoongDPOTrainer`` sets ``ref_model`` back to None after TRL's ``__init__``."""
+
+    _is_accelerate_prepared = True  # NOTE: accelerate's prepare_model returns it as it is
+
+    def __init__(self, policy) -> None:
+        super().__init__()
+        self.config = policy.config
+
+
+class _DPOArgsSecond(DPOTrainer):
+    """DPOTrainer taking ``(model, args, ...)`` positionally, as LoongTrainer passes them to the next class."""
+
+    def __init__(self, model, args=None, *, ref_model=None, **kwargs) -> None:
+        DPOTrainer.__init__(self, model, ref_model, args, **kwargs)
+
+
+@torch.no_grad()
+def sequence_logps(model, micro_batches: list[dict], *, everywhere: bool = True) -> list[torch.Tensor | None]:
+    """Each micro-batch's per-row sum of label-token log-probabilities (fp32 ``[rows]``) under ``model`` (a
+    ``LoongModelForCausalLM``; batches padded as megatron needs, with shifted-by-the-step ``labels``), through
+    megatron's forward-only schedule and the fused vocab-parallel head. On the last pipeline stage, or on every rank
+    with ``everywhere`` (broadcast over the pipeline group); None elsewhere."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from loongforge_hf.bridges.output_layer import hidden_states_out, language_head
+
+    device = model.device
+    found: list[torch.Tensor] = []
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        args = _megatron_inputs(batch, device)
+        head = language_head(chunk)
+        labels = _shifted(batch, device)
+        with hidden_states_out([chunk]) if head is not None else nullcontext():
+            output = chunk(*args)
+
+        def loss_func(output):
+            found.append(_token_logps(output, labels, head, vocab_size=model.config.vocab_size).sum(dim=1))
+            return output.sum() * 0.0, {}
+        return output, loss_func
+
+    chunks = list(model.chunks)
+    seq, rows = micro_batches[0]["input_ids"].shape[1], micro_batches[0]["input_ids"].shape[0]
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=chunks[0],
+                                num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=rows,
+                                forward_only=True)
+    if model.parallel.pipeline_parallel_size == 1:
+        return found
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    if not everywhere:
+        return found if last else [None] * len(micro_batches)
+    group = ps.get_pipeline_model_parallel_group()
+    out = []
+    for i, batch in enumerate(micro_batches):
+        values = found[i] if last else torch.empty(batch["input_ids"].shape[0], dtype=torch.float32, device=device)
+        dist.broadcast(values, src=dist.get_process_group_ranks(group)[-1], group=group)
+        out.append(values)
+    return out
+
+
+def _shifted(batch: dict, device) -> torch.Tensor:
+    from loongforge_hf.bridges.runtime import shift_labels
+
+    return shift_labels(batch["labels"].to(device))
+
+
+def _megatron_inputs(batch: dict, device) -> tuple:
+    """(input_ids, position_ids, mask) of a padded text batch, as the engine builds them."""
+    from loongforge_hf.bridges.runtime import megatron_attention_mask
+
+    input_ids = batch["input_ids"].to(device)
+    b, s = input_ids.shape
+    mask = megatron_attention_mask(batch.get("attention_mask"), s, None, device=device)
+    return input_ids, torch.arange(s, device=device).expand(b, s), mask
+
+
+def _token_logps(output: torch.Tensor, labels: torch.Tensor, head, *, vocab_size: int,
+                 stats: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``[b, s]`` log-probabilities of the (shifted) label tokens, 0 elsewhere: from the final hidden states
+    through ``head``'s output layer (fused, chunked, vocab-parallel; ``stats`` gets the entropy and top-1 sums), or
+    from TP-local logits when ``head`` is None. Differentiable."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.bridges.runtime import IGNORE_INDEX, local_logits_token_stats, output_bias, output_weight
+    from loongforge_hf.bridges.runtime import token_losses
+
+    if head is None:
+        if stats is not None:
+            stats += local_logits_token_stats(output, labels, vocab_size=vocab_size)
+        return -token_losses(output, labels, vocab_size=vocab_size)
+    from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
+
+    losses = linear_cross_entropy(output.reshape(-1, output.shape[-1]), output_weight(head), labels.reshape(-1),
+                                  ignore_index=IGNORE_INDEX, tp_group=ps.get_tensor_model_parallel_group(),
+                                  vocab_size=vocab_size, reduction="none", token_stats=stats,
+                                  softcap=getattr(head, "logit_softcap", None),
+                                  logit_scale=getattr(head, "logit_scale", None), bias=output_bias(head))
+    return -losses.view(labels.shape)
+
+
+class _PreferenceBatches:
+    """TRL's preference collator, then padding to ``multiple`` (pads masked out) and ``labels``: the completion
+    tokens (TRL's ``input_ids`` where ``completion_mask``, else -100)."""
+
+    def __init__(self, collator, *, multiple: int, pad_id: int) -> None:
+        self.collator, self.multiple, self.pad_id = collator, multiple, pad_id
+
+    def __call__(self, examples):
+        batch = dict(self.collator(examples))
+        seq = batch["input_ids"].shape[1]
+        extra = -(-seq // self.multiple) * self.multiple - seq
+        if extra:
+            for key, value in (("input_ids", self.pad_id), ("attention_mask", 0), ("completion_mask", 0)):
+                t = batch[key]
+                batch[key] = torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
+        batch["labels"] = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+        return batch
+
+
+class _PreferenceLoss:
+    """``MegatronEngine.loss_hook``: TRL's sigmoid DPO loss of each micro-batch (see the module docstring)."""
+
+    num_stats = len(_STATS)
+
+    def __init__(self, trainer: "LoongDPOTrainer") -> None:
+        self.trainer = trainer
+        self.reference: dict[int, torch.Tensor] = {}
+
+    def start_step(self, micro_batches: list[dict]) -> None:
+        self.reference = {}
+        if self.trainer.precompute_ref_logps:
+            return
+        found = self.trainer.reference_logps(micro_batches, everywhere=False)
+        self.reference = {id(b): v for b, v in zip(micro_batches, found)}
+
+    def __call__(self, output, batch: dict, *, labels: torch.Tensor, head):
+        trainer = self.trainer
+        device = output.device
+        rows = labels.shape[0] // 2
+        chosen_stats = torch.zeros(2, dtype=torch.float32, device=device)
+        rejected_stats = torch.zeros(2, dtype=torch.float32, device=device)
+        vocab = trainer.model.config.vocab_size
+        # NOTE: the chosen and rejected halves apart: TRL's token accuracy counts the chosen completions only
+        halves = [(output[:rows], chosen_stats), (output[rows:], rejected_stats)]
+        logps = torch.cat([_token_logps(out, labels[i * rows:(i + 1) * rows], head, vocab_size=vocab, stats=stats)
+                           .sum(dim=1) for i, (out, stats) in enumerate(halves)])
+        ref = self._reference(batch, device)
+        loss, stats = dpo_sigmoid(logps, ref, beta=trainer.beta)
+        loss = loss * trainer.loss_weights[0]
+        counts = (labels != -100).sum(dim=1).float()
+        tokens = torch.stack([chosen_stats[0] + rejected_stats[0], counts.sum(), chosen_stats[1], counts[:rows].sum()])
+        return loss, torch.ones((), dtype=torch.int64, device=device), torch.cat([stats, tokens])
+
+    def _reference(self, batch: dict, device) -> torch.Tensor:
+        if self.trainer.precompute_ref_logps:
+            return torch.cat([batch["ref_chosen_logps"], batch["ref_rejected_logps"]]).to(device, torch.float32)
+        return self.reference[id(batch)]
+
+
+def dpo_sigmoid(logps: torch.Tensor, ref_logps: torch.Tensor, *, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's "sigmoid" loss (the mean over pairs of ``-logsigmoid(beta * (chosen - rejected log-ratio))``) of a batch
+    of ``[chosen rows, rejected rows]`` sequence log-probs, and the sums of its reward metrics (``_STATS[:7]``)."""
+    chosen, rejected = logps.chunk(2)
+    ref_chosen, ref_rejected = ref_logps.chunk(2)
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    loss = -torch.nn.functional.logsigmoid(beta * (chosen_ratio - rejected_ratio)).mean()
+    with torch.no_grad():
+        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
+        stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
+                             (chosen_rewards > rejected_rewards).float().sum(),
+                             (chosen_rewards - rejected_rewards).sum(), chosen.sum(), rejected.sum(),
+                             torch.tensor(float(chosen.numel()), device=logps.device)])
+    return loss, stats.float()
+
+
+def _append_metrics(metrics: dict, values: list[float]) -> None:
+    """TRL's per-micro-batch metrics from the ``_STATS`` sums of one micro-batch over the data-parallel ranks."""
+    s = dict(zip(_STATS, values))
+    pairs = max(s["pairs"], 1.0)
+    for key in _STATS[:6]:
+        metrics[key].append(s[key] / pairs)
+    metrics["entropy"].append(s["entropy"] / s["tokens"] if s["tokens"] else 0.0)
+    metrics["mean_token_accuracy"].append(s["top1"] / s["chosen_tokens"] if s["chosen_tokens"] else 0.0)
+
+
+def _disable_residual_dropout(model) -> None:
+    """megatron's residual dropout (a float on each layer, read at every forward; TRL zeroes ``nn.Dropout``)."""
+    for module in model.chunks.modules():
+        if isinstance(getattr(module, "hidden_dropout", None), float):
+            module.hidden_dropout = 0.0
+
+
+class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
+    """A drop-in ``trl.DPOTrainer`` for ``LoongModelForCausalLM`` models (``peft_config`` gives megatron LoRA)."""
+
+    def __init__(self, model=None, ref_model=None, args=None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None) -> None:
+        from transformers import GenerationConfig
+
+        from loongforge_hf.modeling import LoongModelForCausalLM
+
+        if not isinstance(model, LoongModelForCausalLM):
+            raise TypeError("LoongDPOTrainer trains a loongforge_hf model: load it with "
+                            "loongforge_hf.AutoModelForCausalLM.from_pretrained(...) "
+                            f"(got {type(model).__name__}).")
+        args = _as_dpo_config(args, model)
+        _refuse_unsupported(args, model, ref_model, peft_config, train_dataset, processing_class,
+                            optimizers=optimizers, quantization_config=quantization_config)
+        if peft_config is not None:
+            from transformers import set_seed
+
+            from loongforge_hf.lora import get_peft_model
+
+            set_seed(args.seed)  # NOTE: as TRL, before the adapters are drawn
+            model = get_peft_model(model, peft_config)
+        precompute = args.precompute_ref_log_probs
+        if ref_model is None and peft_config is None and not precompute:
+            ref_model = _load_reference(model)
+        if ref_model is not None:
+            # NOTE: accelerate must neither move nor wrap it (megatron owns placement), as LoongTrainer's policy
+            ref_model._is_accelerate_prepared = True
+        if model.generation_config is None:
+            model.generation_config = GenerationConfig.from_model_config(model.config)
+        if processing_class is not None and data_collator is None:
+            data_collator = _preference_collator(model, args, processing_class)
+        # NOTE: TRL's own precompute (over accelerate's process sharding, with a hash of the model) stays off: the
+        # reference log-probs are computed below, once TRL's __init__ has prepared the datasets
+        args.precompute_ref_log_probs = False
+        try:
+            super().__init__(model, args, ref_model=ref_model if ref_model is not None else _PolicyAsReference(model),
+                             data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             processing_class=processing_class, compute_metrics=compute_metrics,
+                             callbacks=callbacks, optimizers=optimizers, peft_config=None)
+        finally:
+            args.precompute_ref_log_probs = precompute
+        self.precompute_ref_logps = precompute
+        if isinstance(self.ref_model, _PolicyAsReference):
+            self.ref_model = None
+        if self.aux_loss_enabled:
+            raise ValueError("LoongDPOTrainer does not support the MoE router auxiliary loss: pass "
+                             "DPOConfig(router_aux_loss_coef=0.0).")
+        for m in (self.model, self.ref_model):
+            if m is not None:
+                vars(m).pop("forward", None)  # NOTE: TRL's fused-LM-head patch (see the module docstring)
+                if args.disable_dropout:
+                    _disable_residual_dropout(m)
+        if self.ref_model is not None:
+            self.ref_model.requires_grad_(False)
+        self.data_collator = self._padded(self.data_collator)
+        if precompute:
+            self.train_dataset = self._with_reference_logps(self.train_dataset, args.per_device_train_batch_size)
+            if isinstance(self.eval_dataset, dict):
+                self.eval_dataset = {k: self._with_reference_logps(v, args.per_device_eval_batch_size)
+                                     for k, v in self.eval_dataset.items()}
+            elif self.eval_dataset is not None:
+                self.eval_dataset = self._with_reference_logps(self.eval_dataset, args.per_device_eval_batch_size)
+
+    # ---- data --------------------------------------------------------------------------------------------------
+    def _dataset_tokenized_by_collator(self) -> bool:
+        return True  # NOTE: TRL's prompt / chosen / rejected ids: its collator builds input_ids
+
+    def _padded(self, collator):
+        if isinstance(collator, _PreferenceBatches):
+            return collator
+        layout = self.model.parallel
+        multiple = layout.sequence_multiple
+        if layout.pipeline_parallel_size > 1:
+            multiple = math.lcm(multiple, self.args.max_length)
+        return _PreferenceBatches(collator, multiple=multiple, pad_id=self._tokenizer.pad_token_id)
+
+    def _with_reference_logps(self, dataset, batch_size: int):
+        """``dataset`` with TRL's ``ref_chosen_logps`` / ``ref_rejected_logps`` columns (every rank computes all)."""
+        from torch.utils.data import DataLoader
+
+        if not hasattr(dataset, "add_column"):
+            raise ValueError("precompute_ref_log_probs=True needs a map-style datasets.Dataset.")
+        batch_size = self.args.precompute_ref_batch_size or batch_size
+        columns = [c for c in dataset.column_names if c in ("prompt_ids", "chosen_ids", "rejected_ids")]
+        loader = DataLoader(dataset.select_columns(columns), batch_size=batch_size, collate_fn=self.data_collator,
+                            shuffle=False)
+        chosen, rejected = [], []
+        for batch in loader:
+            logps = self.reference_logps([batch], everywhere=True)[0].cpu()
+            c, r = logps.chunk(2)
+            chosen.append(c)
+            rejected.append(r)
+        dataset = dataset.add_column("ref_chosen_logps", torch.cat(chosen).tolist())
+        return dataset.add_column("ref_rejected_logps", torch.cat(rejected).tolist())
+
+    # ---- reference -------------------------------------------------------------------------------------------------
+    def reference_logps(self, micro_batches: list[dict], *, everywhere: bool) -> list[torch.Tensor | None]:
+        """The reference's per-row completion log-probs of ``micro_batches`` (see ``sequence_logps``)."""
+        if self.ref_model is not None:
+            return sequence_logps(self.ref_model, micro_batches, everywhere=everywhere)
+        adapters = getattr(self.model, "disable_adapter", None)
+        with adapters() if adapters is not None else nullcontext():
+            return sequence_logps(self.model, micro_batches, everywhere=everywhere)
+
+    # ---- training --------------------------------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        self.engine.loss_hook = _PreferenceLoss(self)
+        return optimizer
+
+    def _record_step(self, result, micro: list[dict]) -> None:
+        metrics = self._metrics["train"]
+        for values in result.hook_stats:
+            _append_metrics(metrics, values)
+        self._total_train_tokens += self.count_step_tokens(micro, lambda b: int(b["attention_mask"].sum()),
+                                                           with_padding=False)
+        metrics["num_tokens"] = [self._total_train_tokens]
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # NOTE: trl.DPOTrainer's model card at every checkpoint, then LoongTrainer's checkpoint (as LoongSFTTrainer)
+        from pathlib import Path
+
+        from loongforge_hf.trainer.checkpoint import run_everywhere
+
+        hub_id = self.args.hub_model_id
+        name = hub_id.split("/")[-1] if hub_id else Path(self.args.output_dir).name
+        run_everywhere(f"could not write the model card into {self.args.output_dir}",
+                       lambda: self.create_model_card(model_name=name), on=self.is_world_process_zero())
+        LoongTrainer._save_checkpoint(self, model, trial)
+
+    # ---- evaluation ------------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Evaluation's DPO loss of a batch (this rank's mean over its pairs; training runs in the engine), with TRL's
+        reward metrics over the data-parallel ranks."""
+        from megatron.core import parallel_state as ps
+
+        logps = sequence_logps(self.model, [inputs])[0]
+        if self.precompute_ref_logps:
+            ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).to(logps)
+        else:
+            ref = self.reference_logps([inputs], everywhere=True)[0]
+        loss, stats = dpo_sigmoid(logps, ref, beta=self.beta)
+        # NOTE: no entropy / token accuracy in evaluation (the forward-only pass keeps the log-probs only)
+        values = stats.double()
+        if dist.is_initialized():
+            dist.all_reduce(values, group=ps.get_data_parallel_group())
+        s = dict(zip(_STATS, values.tolist()))
+        for key in _STATS[:6]:
+            self._metrics["eval"][key].append(s[key] / max(s["pairs"], 1.0))
+        loss = loss * self.loss_weights[0]
+        return (loss, None) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss only (TRL's logits for ``compute_metrics`` would need the full-vocabulary forward)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+
+def _load_reference(model):
+    """TRL's default reference: the policy's checkpoint loaded again (here with the policy's layout and dtype)."""
+    from loongforge_hf.modeling import AutoModelForCausalLM
+
+    path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    if not path:
+        raise ValueError("LoongDPOTrainer: the policy has no name_or_path to load the reference model from; pass "
+                         "ref_model=loongforge_hf.AutoModelForCausalLM.from_pretrained(..., same layout).")
+    return AutoModelForCausalLM.from_pretrained(path, parallel=model.parallel, dtype=model.dtype)
+
+
+def _preference_collator(model, args: DPOConfig, processing_class):
+    """TRL's ``DataCollatorForPreference`` as its ``__init__`` builds it (pad token: ``args.pad_token``, else the
+    tokenizer's, else its EOS, set on the tokenizer and the model's configs)."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    tokenizer = processing_class
+    pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
+    if pad_token not in tokenizer.get_vocab():
+        raise ValueError(f"The specified `pad_token` ({pad_token!r}) is not in the vocabulary of the "
+                         f"processing_class ({type(tokenizer).__name__}).")
+    tokenizer.pad_token = pad_token
+    return DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=args.max_length,
+                                     truncation_mode=args.truncation_mode, pad_to_multiple_of=args.pad_to_multiple_of)

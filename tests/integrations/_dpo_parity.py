@@ -1,0 +1,149 @@
+"""Rank functions: the same DPO runs with trl.DPOTrainer on the transformers model and with LoongDPOTrainer.
+
+A scenario is (DPOConfig overrides, LoraConfig kwargs or None, whether a reference model is passed); a world runs
+several so that the process start-up is paid once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORDS = [f"tok{i}" for i in range(4, 203)]
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "entropy", "mean_token_accuracy", "num_tokens")
+
+# name -> (DPOConfig overrides, LoraConfig kwargs or None, ref_model passed)
+SCENARIOS = {
+    "full_ref_model": ({"learning_rate": 2e-3}, None, True),
+    "lora_disabled_adapters": ({"learning_rate": 3e-2, "eval_strategy": "steps", "eval_steps": 2,
+                                "per_device_eval_batch_size": 2},
+                               dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]), False),
+    "full_precomputed": ({"learning_rate": 2e-3, "precompute_ref_log_probs": True}, None, False),
+}
+
+
+def _sentence(g: torch.Generator, low: int, high: int) -> str:
+    n = int(torch.randint(low, high, (1,), generator=g))
+    return " ".join(WORDS[int(i)] for i in torch.randint(2, len(WORDS), (n,), generator=g))
+
+
+def make_dataset(n: int = 16, seed: int = 0):
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    rows = [(_sentence(g, 3, 9), " " + _sentence(g, 2, 8), " " + _sentence(g, 2, 8)) for _ in range(n)]
+    return datasets.Dataset.from_dict({"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows],
+                                       "rejected": [r[2] for r in rows]})
+
+
+def dpo_config(out_dir: str, **overrides):
+    import trl
+
+    kw = dict(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+              lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.1, max_grad_norm=1.0, beta=0.1,
+              logging_steps=1, seed=0, report_to=[], save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True,
+              dataloader_drop_last=True, max_length=24, gradient_checkpointing=False)
+    kw.update(overrides)
+    return trl.DPOConfig(**kw)
+
+
+def _tokenizer(folder: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+EVAL_METRICS = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
+                "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected")
+
+
+def _logs(trainer) -> list[list[float]]:
+    return [[h[k] for k in METRICS] for h in trainer.state.log_history if "loss" in h]
+
+
+def _eval_logs(trainer) -> list[list[float]]:
+    return [[h[k] for k in EVAL_METRICS] for h in trainer.state.log_history if "eval_loss" in h]
+
+
+def _eval_dataset(overrides: dict):
+    return make_dataset(4, seed=3) if overrides.get("eval_strategy") else None
+
+
+def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
+    """trl.DPOTrainer (+ PEFT): {scenario: {"logs", "weights" (the trained tensors, HF / PEFT names)}}."""
+    import peft
+    import transformers
+    import trl
+
+    def load():
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+    out = {}
+    for name in names:
+        overrides, lora, with_ref = SCENARIOS[name]
+        trainer = trl.DPOTrainer(model=load(), ref_model=load() if with_ref else None,
+                                 args=dpo_config(f"{out_dir}/{name}", **overrides), train_dataset=make_dataset(),
+                                 eval_dataset=_eval_dataset(overrides), processing_class=_tokenizer(folder),
+                                 peft_config=peft.LoraConfig(**lora) if lora else None)
+        trainer.train()
+        model = trainer.model
+        weights = peft.get_peft_model_state_dict(model) if lora else model.state_dict()
+        out[name] = {"logs": _logs(trainer), "eval_logs": _eval_logs(trainer),
+                     "weights": {k: v.detach().clone() for k, v in weights.items()}}
+    return out
+
+
+def run_loong(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict:
+    """LoongDPOTrainer: {scenario: {"logs", "weights" (the saved model's or adapter's tensors, rank 0)}}."""
+    import peft
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    import loongforge_hf as lf
+
+    def load():
+        return lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+
+    out = {}
+    for name in names:
+        overrides, lora, with_ref = SCENARIOS[name]
+        trainer = lf.LoongDPOTrainer(model=load(), ref_model=load() if with_ref else None,
+                                     args=dpo_config(f"{out_dir}/{name}", **overrides), train_dataset=make_dataset(),
+                                     eval_dataset=_eval_dataset(overrides), processing_class=_tokenizer(folder),
+                                     peft_config=peft.LoraConfig(**lora) if lora else None)
+        trainer.train()
+        trainer.save_model(f"{out_dir}/{name}/final")
+        result = {"logs": _logs(trainer), "eval_logs": _eval_logs(trainer)}
+        if dist.get_rank() == 0:
+            import glob
+
+            weights = {}
+            for f in glob.glob(f"{out_dir}/{name}/final/*.safetensors"):
+                weights.update(load_file(f))
+            result["weights"] = weights
+        out[name] = result
+    return out
+
+
+def refusals(folder: str, out_dir: str) -> list[str]:
+    """The messages LoongDPOTrainer raises for what it does not support."""
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    messages = []
+    for overrides in ({"loss_type": ["ipo"]}, {"use_liger_kernel": True}, {"padding_free": True},
+                      {"ld_alpha": 0.5}):
+        try:
+            lf.LoongDPOTrainer(model=model, args=dpo_config(out_dir, **overrides), train_dataset=make_dataset(4),
+                               processing_class=_tokenizer(folder))
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def world(folder: str, out_dir: str, layout: dict, names: list[str], with_trl: bool) -> dict:
+    out = {"loong": run_loong(folder, out_dir + "/loong", layout, names)}
+    if with_trl:
+        out["trl"] = run_trl(folder, out_dir + "/trl", names)
+    return out
