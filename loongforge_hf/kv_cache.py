@@ -13,11 +13,12 @@ Choices:
   module order over its pipeline stage(s) / virtual chunks. Each rank holds its own tensor-parallel share of the KV
   heads. transformers' generate drives it as it drives ``DynamicCache``: ``get_seq_length``, ``reorder_cache`` (beam
   search), ``batch_repeat_interleave``. It is made per generate call (``for_model``); a cache passed in is refused.
-- Gated DeltaNet layers (Qwen3.5's linear attention: a recurrent state, no keys): after the attentions' layers the
-  cache holds one of transformers' ``LinearAttentionLayer`` per such layer of this rank (as transformers' dynamic
-  cache does for Qwen3.5: the conv and the recurrent state; beam search reorders them, ``restart`` zeroes them); a
-  cached step gives each layer its states through an instance ``forward`` too (``bridges/gated_deltanet.py``:
-  ``CachedStep``, with the step's new tokens and which of them transformers' mask marks as padding). Their steps
+- Gated DeltaNet layers (Qwen3.5's linear attention: a recurrent state, no keys) and Mamba2 layers (Granite 4.0
+  H's: a conv and an SSM state): after the attentions' layers the cache holds one of transformers'
+  ``LinearAttentionLayer`` per such layer of this rank (as transformers' dynamic cache does for Qwen3.5 and Granite
+  4.0 H: the conv and the recurrent state; beam search reorders them, ``restart`` zeroes them); a cached step gives
+  each layer its states through an instance ``forward`` too (``bridges/gated_deltanet.py``: ``CachedStep``, with
+  the step's new tokens and which of them transformers' mask marks as padding; ``bridges/mamba2.py``). Their steps
   have no CP split (under context parallelism the split prefill cannot fill their states: ``patched`` refuses it,
   so such models generate without the cache there) nor a fixed-shape form (the static cache is refused).
 - How a step runs (``forward_with_cache``): the new tokens are right-padded to ``sequence_multiple`` (sequence
@@ -79,12 +80,12 @@ class LoongKVCache(Cache):
         # each step cost more than a decode step's attention)
         self.chunks = list(chunks)
         self.attentions, self.rotary_embeddings = core_attentions(self.chunks), _rotary_embeddings(self.chunks)
-        self.deltanets = gated_deltanets(self.chunks)
+        self.recurrent = recurrent_mixers(self.chunks)
         if layers is not None and len(layers) != len(self.attentions):
             raise ValueError(f"KV cache: {len(layers)} layers for {len(self.attentions)} attentions.")
         layers = list(layers) if layers is not None else [layer() for _ in self.attentions]
-        # NOTE: the Gated DeltaNets' states after the attentions' layers (module docstring)
-        super().__init__(layers=layers + [LinearAttentionLayer() for _ in self.deltanets])
+        # NOTE: the Gated DeltaNets' / Mamba2 layers' states after the attentions' layers (module docstring)
+        super().__init__(layers=layers + [LinearAttentionLayer() for _ in self.recurrent])
         # NOTE: what a step run whole on every CP rank strips of its CP group (context_parallel.py)
         self.cp_holders = cp_group_holders(self.chunks) \
             if any(getattr(a, "cp_group", None) is not None for a in self.attentions) else []
@@ -161,11 +162,13 @@ def core_attentions(chunks) -> list:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, CoreAttention)]
 
 
-def gated_deltanets(chunks) -> list:
-    """This rank's Gated DeltaNet layers (``bridges/gated_deltanet.py``), in order over its chunks."""
+def recurrent_mixers(chunks) -> list:
+    """This rank's Gated DeltaNet and Mamba2 layers (``bridges/gated_deltanet.py``, ``bridges/mamba2.py``), in order
+    over its chunks."""
     from loongforge_hf.bridges.gated_deltanet import GatedDeltaNet
+    from loongforge_hf.bridges.mamba2 import Mamba2Mixer
 
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, GatedDeltaNet)]
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, (GatedDeltaNet, Mamba2Mixer))]
 
 
 def _rotary_embeddings(chunks) -> list:
@@ -235,27 +238,28 @@ def _share_allowed(step: _Step, shard: CPShard, window, device) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def patched(chunks, cache: LoongKVCache, attention_forward, rope_forward, deltanet_step=None):
+def patched(chunks, cache: LoongKVCache, attention_forward, rope_forward, recurrent_step=None):
     """Inside, the core attention number ``i`` of ``cache`` (made for ``chunks``) runs ``attention_forward(i)`` as its
     ``forward`` (a function of the module's forward arguments), each of its rotary embeddings
-    ``rope_forward(i, rope)`` and its Gated DeltaNet number ``j`` its own forward with ``cached=deltanet_step(j)``
+    ``rope_forward(i, rope)`` and its Gated DeltaNet / Mamba2 layer number ``j`` its own forward with
+    ``cached=recurrent_step(j)``
     (instance attributes, removed at the end; the class's stay)."""
     if len(chunks) != len(cache.chunks) or any(a is not b for a, b in zip(chunks, cache.chunks)):
         raise ValueError("KV cache: the cache was made for another model's attention layers; use a cache made by "
                          "this model's generate().")
-    if cache.deltanets and deltanet_step is None:
+    if cache.recurrent and recurrent_step is None:
         raise ValueError("KV cache: this step cannot carry the states of Gated DeltaNet layers; under context "
                          "parallelism generate with use_cache=False (or with context_parallel_size=1).")
     for index, module in enumerate(cache.attentions):
         module.forward = types.MethodType(attention_forward(index), module)
     for index, rope in enumerate(cache.rotary_embeddings):
         rope.forward = rope_forward(index, rope)
-    for index, module in enumerate(cache.deltanets):
-        module.forward = functools.partial(type(module).forward, module, cached=deltanet_step(index))
+    for index, module in enumerate(cache.recurrent):
+        module.forward = functools.partial(type(module).forward, module, cached=recurrent_step(index))
     try:
         yield
     finally:
-        for module in (*cache.attentions, *cache.rotary_embeddings, *cache.deltanets):
+        for module in (*cache.attentions, *cache.rotary_embeddings, *cache.recurrent):
             del module.forward
 
 
@@ -268,11 +272,12 @@ def attached(chunks, cache: LoongKVCache, step: _Step):
 
     return patched(chunks, cache, lambda index: functools.partial(_cached_attention, cache=cache, index=index,
                                                                   step=step), rope_forward,
-                   functools.partial(_deltanet_step, cache, step))
+                   functools.partial(_recurrent_step, cache, step))
 
 
-def _deltanet_step(cache: LoongKVCache, step: _Step, index: int):
-    """The ``CachedStep`` of ``cache``'s Gated DeltaNet number ``index`` (its states after the attentions' layers):
+def _recurrent_step(cache: LoongKVCache, step: _Step, index: int):
+    """The ``CachedStep`` of ``cache``'s Gated DeltaNet / Mamba2 layer number ``index`` (its states after the
+    attentions' layers):
     the step's new tokens, those transformers' mask marks as padding."""
     from loongforge_hf.bridges.gated_deltanet import CachedStep
 

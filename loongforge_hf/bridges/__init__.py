@@ -6,7 +6,8 @@ from loongforge_hf.bridges import gpt2  # noqa: F401
 from loongforge_hf.bridges import gpt_bigcode  # noqa: F401
 from loongforge_hf.bridges import llama4  # noqa: F401
 from loongforge_hf.bridges import dots1  # noqa: F401
-from loongforge_hf.bridges import hunyuan_v1_moe  # noqa: F401
+from loongforge_hf.bridges import hunyuan_v1_dense, hunyuan_v1_moe  # noqa: F401
+from loongforge_hf.bridges import apertus, exaone, flex_olmo, granitemoeshared  # noqa: F401
 from loongforge_hf.bridges import minimax_m2  # noqa: F401
 from loongforge_hf.bridges import qwen3_5  # noqa: F401
 from loongforge_hf.bridges import granitemoehybrid  # noqa: F401

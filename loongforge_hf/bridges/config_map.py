@@ -173,9 +173,11 @@ def rope_parameters(hf_config, *, partial_rotary: bool = False, extra_types: tup
 
 # ---- checks for dense decoders -----------------------------------------------------------------------------------
 
-def check_dense_config(hf_config, *, qkv_bias: bool, check_rope: bool = True, layer_types: bool = False) -> None:
+def check_dense_config(hf_config, *, qkv_bias: bool, check_rope: bool = True, layer_types: bool = False,
+                       activation: bool = True) -> None:
     """Raise ``UnsupportedConfigError`` for values a dense bridge cannot reproduce exactly (``layer_types``: the
-    bridge implements sliding-window layers, ``bridges.layer_types``)."""
+    bridge implements sliding-window layers, ``bridges.layer_types``; ``activation=False``: the bridge builds the
+    MLP's activation itself, Apertus's xIELU)."""
     if check_rope:
         rope_parameters(hf_config)
     if getattr(hf_config, "mlp_bias", False):
@@ -190,7 +192,8 @@ def check_dense_config(hf_config, *, qkv_bias: bool, check_rope: bool = True, la
     kinds = getattr(hf_config, "layer_types", None)
     if kinds and not layer_types and any(t != "full_attention" for t in kinds):
         raise UnsupportedConfigError(f"layer_types={sorted(set(kinds))} is not supported (only full_attention).")
-    _act_to_megatron(hf_config.hidden_act)
+    if activation:
+        _act_to_megatron(hf_config.hidden_act)
 
 
 def sliding_window_of(hf_config) -> int | None:

@@ -28,6 +28,7 @@ class DenseBridge:
     # transformers' Llama-family decoders; a bridge whose model drops it says how much (GPT-NeoX, Phi, StarCoder2)
     embedding_dropout: float | None = 0.0
     lm_head_bias: bool = False  # the LM head has a bias (Phi's): output_layer.add_output_bias, by the builder
+    own_activation: bool = False  # the MLP module builds hidden_act itself (Apertus's xIELU), not the config table
     config_fields: tuple[C.Field, ...] = C.DENSE_FIELDS  # the HF <-> megatron config table (config_map.py)
 
     def __init__(self, hf_config) -> None:
@@ -38,7 +39,7 @@ class DenseBridge:
     def check_config(self) -> None:
         self.rope_parameters()
         C.check_dense_config(self.hf_config, qkv_bias=self.qkv_bias, check_rope=False,
-                             layer_types=self.per_layer_types)
+                             layer_types=self.per_layer_types, activation=not self.own_activation)
         if C.sliding_window_of(self.hf_config) is not None and not self.supports_sliding_window:
             raise C.UnsupportedConfigError(
                 f"sliding_window={self.hf_config.sliding_window} is not supported for {self.architectures[0]}.")

@@ -9,7 +9,9 @@ Choices:
 - ``HeadSections``: one megatron column-parallel tensor made of row sections of one or more HF tensors, each section
   split evenly over TP and a rank's pieces concatenated in order (the linear-attention ``in_proj``: q, k, v of
   ``in_proj_qkv``, then ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; the conv's q, k, v channels). The caller checks
-  that every section divides by the TP size (whole heads per rank).
+  that every section divides by the TP size (whole heads per rank). A section given as ``(size, units)`` of fewer
+  units (groups) than TP ranks is replicated instead, each unit on ``tp / units`` consecutive ranks, exported from
+  its first (Mamba2's B / C of one group at TP 2: ``parallel/kv_replicas.py``).
 - ``KeyHeadGroups``: the same megatron tensor from HF tensors whose rows run key head by key head, each head's
   group holding its sections in turn (Qwen3-Next's ``in_proj_qkvz``: per key head its q, k, then the v and z rows of
   the value heads it serves; ``in_proj_ba``: their b, then their a). A rank reads its key heads' rows in one block
@@ -74,33 +76,38 @@ class GatedQKV(Mapping):
 
 @dataclass(frozen=True)
 class HeadSections(Mapping):
-    """A column-parallel tensor of ``parts``: ``(HF name pattern, section sizes along its rows)`` in order."""
+    """A column-parallel tensor of ``parts``: ``(HF name pattern, section sizes along its rows)`` in order; a size
+    or ``(size, units)``, replicated where the units are fewer than the TP ranks."""
 
     megatron: str
-    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    parts: tuple[tuple[str, tuple[int | tuple[int, int], ...]], ...]
     tp_split = "column"
 
     def hf_names(self, layer):
         return [_fmt(name, layer) for name, _ in self.parts]
 
     def _pieces(self, layer, tp_size: int):
-        """(HF name, first row of the section, rows per rank) for each section, in megatron's order."""
+        """(HF name, first row of the section, rows per rank, ranks holding each block) for each section, in
+        megatron's order."""
         for name, sections in self.parts:
             start = 0
-            for size in sections:
-                yield _fmt(name, layer), start, size // tp_size
+            for section in sections:
+                size, units = section if isinstance(section, tuple) else (section, tp_size)
+                replicas = max(1, tp_size // units)
+                yield _fmt(name, layer), start, size * replicas // tp_size, replicas
                 start += size
 
     def load(self, reader, ctx, layer):
-        return torch.cat([_rows(reader, name, start + ctx.tp_rank * per, start + (ctx.tp_rank + 1) * per)
-                          for name, start, per in self._pieces(layer, ctx.tp_size)], dim=0)
+        return torch.cat([_rows(reader, name, start + ctx.tp_rank // r * per, start + (ctx.tp_rank // r + 1) * per)
+                          for name, start, per, r in self._pieces(layer, ctx.tp_size)], dim=0)
 
     def export(self, shards, ctx, layer):
         pieces = list(self._pieces(layer, ctx.tp_size))
-        split = [torch.split(shard, [per for _, _, per in pieces], dim=0) for shard in shards]
+        split = [torch.split(shard, [per for _, _, per, _ in pieces], dim=0) for shard in shards]
         out: dict[str, list[torch.Tensor]] = {name: [] for name in self.hf_names(layer)}
-        for i, (name, _, _) in enumerate(pieces):
-            out[name] += [rank_pieces[i] for rank_pieces in split]  # NOTE: a section's rank blocks, in rank order
+        for i, (name, _, _, r) in enumerate(pieces):
+            # NOTE: a section's rank blocks in rank order, a replicated block from its first rank
+            out[name] += [rank_pieces[i] for rank_pieces in split[::r]]
         return {name: torch.cat(blocks, dim=0).contiguous() for name, blocks in out.items()}
 
 

@@ -4,10 +4,12 @@ shared MLP in every layer, Granite's four multipliers.
 
 Choices:
 - ``mamba`` layers (``linear_attention`` once transformers has read the config): ``mamba.*`` -> our ``Mamba2Mixer``
-  in megatron's self-attention slot (``mamba2.py``: TP by heads and groups, the padding mask, packed documents), its
-  tensors mapped by ``gated_mappings.HeadSections``: ``in_proj`` = this rank's rows of each of transformers'
-  ``in_proj`` blocks (z, x, B, C, dt); ``conv_weight`` / ``conv_bias`` = ``conv1d``'s x, B, C channels; ``A_log``,
-  ``D``, ``dt_bias`` and the gated norm's weight split with the heads; ``out_proj`` row-parallel.
+  in megatron's self-attention slot (``mamba2.py``: TP by heads and groups, B / C replicated where TP exceeds the
+  groups, the padding mask, packed documents, the cached generate's states), its tensors mapped by
+  ``gated_mappings.HeadSections``: ``in_proj`` = this rank's rows of each of transformers' ``in_proj`` blocks (z, x,
+  B, C, dt; B / C a replica of its group's where TP exceeds ``mamba_n_groups``, exported from the group's first
+  rank); ``conv_weight`` / ``conv_bias`` = ``conv1d``'s x, B, C channels likewise; ``A_log``, ``D``, ``dt_bias`` and
+  the gated norm's weight split with the heads; ``out_proj`` row-parallel.
 - ``attention`` layers: megatron's ``SelfAttention`` (GQA) with Granite's ``attention_multiplier`` as the softmax
   scale, rotated only with ``position_embedding_type="rope"`` (the H models have none: megatron's ``"none"``).
 - MLP: Granite MoE's (``granite.py``: softmax top-k renormalised over the k chosen, the experts stacked on disk,
@@ -16,10 +18,13 @@ Choices:
   as a dense layer's MLP.
 - Multipliers as Granite MoE's: the embedding's, the residual one on the mixer's and the MLP's outputs (Mamba2 or
   attention alike), ``1 / logits_scaling`` on the final norm's output.
-- Refused before any collective: context parallelism, ``mamba_n_heads`` / ``mamba_n_groups`` that do not split over
-  TP (megatron's ``MambaMixer`` rule: the hub's ``n_groups=1`` models run at TP1), ``mamba_proj_bias``,
-  ``attention_bias``, ``hidden_act`` other than silu, unknown ``layer_types``, a cached ``generate`` (generate's
-  cache holds no Mamba2 state: ``use_cache=False`` runs).
+- Cached ``generate``: the attention layers' keys and values and the Mamba2 layers' conv and SSM states in our
+  KV cache (``kv_cache.py``); greedy, sampling, beam search.
+- Refused before any collective: context parallelism, ``mamba_n_heads`` that do not split over TP,
+  ``mamba_n_groups`` that neither split over TP nor divide it (the hub's ``n_groups=1`` runs at any TP dividing
+  the heads), ``mamba_proj_bias``, ``attention_bias``, ``hidden_act`` other than silu, unknown ``layer_types``,
+  ``cache_implementation="static"`` (its fixed-shape decode step keeps no Mamba2 state; the default dynamic cache
+  runs).
 """
 
 from __future__ import annotations
@@ -85,17 +90,19 @@ class GraniteMoeHybridBridge(GraniteMoeBridge):
             raise C.UnsupportedConfigError(f"context_parallel_size={layout.context_parallel_size} is not supported "
                                            f"for {arch}: the Mamba2 layers' scan does not pass its state between "
                                            "context-parallel chunks.")
-        tp = layout.tensor_parallel_size
-        for field in ("mamba_n_heads", "mamba_n_groups"):
-            if getattr(c, field) % tp:
-                raise C.UnsupportedConfigError(f"{field}={getattr(c, field)} does not split over "
-                                               f"tensor_parallel_size={tp} for {arch} (Mamba2 layers split by heads "
-                                               "and groups).")
+        tp, groups = layout.tensor_parallel_size, c.mamba_n_groups
+        if c.mamba_n_heads % tp:
+            raise C.UnsupportedConfigError(f"mamba_n_heads={c.mamba_n_heads} does not split over "
+                                           f"tensor_parallel_size={tp} for {arch} (Mamba2 layers split by heads).")
+        if groups % tp and tp % groups:
+            raise C.UnsupportedConfigError(f"mamba_n_groups={groups} does not split over tensor_parallel_size={tp} "
+                                           f"for {arch} (Mamba2 layers split the groups, or replicate each on "
+                                           "tp / groups ranks: one a divisor of the other).")
 
     def generation_refusal(self, generation_config) -> str | None:
-        if generation_config.use_cache and self.mamba_layers:
-            return (f"the KV cache is not supported for {self.architectures[0]}: it holds no Mamba2 conv / SSM "
-                    "state; generate with use_cache=False.")
+        if generation_config.use_cache and generation_config.cache_implementation == "static" and self.mamba_layers:
+            return (f"cache_implementation='static' is not supported for {self.architectures[0]}: the static cache's "
+                    "fixed-shape decode step keeps no Mamba2 conv / SSM state; use the default dynamic cache.")
         return None
 
     def rope_parameters(self) -> dict:
@@ -134,6 +141,7 @@ class GraniteMoeHybridBridge(GraniteMoeBridge):
 
     def mamba_mappings(self) -> list[Mapping]:
         inner, gn, heads = self._sizes()
+        gn = (gn, self.hf_config.mamba_n_groups)  # NOTE: B / C: replicated where TP exceeds the groups
         maps = [Replicated(f"{D}.input_layernorm.weight", f"{L}.input_layernorm.weight"),
                 HeadSections(f"{S}.in_proj.weight", ((f"{M}.in_proj.weight", (inner, inner, gn, gn, heads)),)),
                 HeadSections(f"{S}.conv_weight", ((f"{M}.conv1d.weight", (inner, gn, gn)),)),

@@ -1,100 +1,23 @@
-"""HunYuanMoEV1ForCausalLM (Tencent's Hunyuan-A13B): Llama's attention with per-head q / k norms after the rotary
-embedding, and in every layer a softmax top-k mixture of experts beside an always-on shared MLP.
+"""HunYuanMoEV1ForCausalLM (Tencent's Hunyuan-A13B): HunYuan's attention (per-head q / k norms after the rotary
+embedding, rotation by ``position_ids``, NTK-alpha rope: ``hunyuan_v1_dense.HunYuanAttention``) and in every layer a
+softmax top-k mixture of experts beside an always-on shared MLP.
 
 Choices:
-- q / k norms (``query_layernorm`` / ``key_layernorm``, Llama's RMSNorm over each head) run after the rotation in
-  transformers. A rotation keeps each head's norm but not its channels, so the norm's weight does not commute with
-  it: megatron's norm slots (before its rotation) cannot take them as they are. ``rope_first_attention`` hands the
-  layer's rotary angles to its q / k norm slots (``RotateThenNorm``: the rotation of ``kernels.rope.rotary_sbhd``,
-  then the RMSNorm) and calls megatron's attention without them. The angles are the ones megatron gives the layer,
-  so context parallelism's shares and the KV cache's slots (it keeps keys after the norm, as transformers' cache)
-  hold as for any rotary layer. The norm's weight makes the result depend on the absolute rotation, not only on
-  distances, so the angles are the forward's ``position_ids``' as transformers' (``PositionRotary`` in GPTModel's
-  rotary slot, fed by a hook on the model's forward; ``[s, b, 1, d]``), not megatron's by slot: left-padded rows
-  (positions from the first real token) and packed documents (positions restarting) rotate as in transformers, and
-  the KV cache's steps take generate's positions (``absolute_positions.reads_positions``).
-- Rope: default, or transformers' fixed NTK-alpha (``rope_type="dynamic"`` with ``alpha``: the hub's), which only
-  stretches the base, ``theta * alpha ** (d / (d - 2))``: megatron's plain rope with that base. Dynamic NTK without
-  ``alpha`` (frequencies that follow the length) and every other type are refused.
+- Attention, rope and the refused ``attention_bias``: ``hunyuan_v1_dense.py``.
 - Experts: ``num_experts`` experts of ``intermediate_size`` (transformers builds them, and the shared MLP, from it),
   top ``moe_topk``, softmax renormalised over the chosen (megatron's ``pre_softmax=False``: the softmax over the k
   chosen logits), router ``gate.wg`` in fp32 as transformers makes it; ``shared_mlp`` as megatron's shared experts
   (no gate). A per-layer ``moe_topk`` list must hold one value. transformers' ``router_logits``,
   no balancing loss (its ``HunYuanMoEV1ForCausalLM`` adds none).
-- Refused: ``attention_bias`` (a bias on ``o_proj`` too).
 """
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.hunyuan_v1_dense import HunYuanAttention
 from loongforge_hf.bridges.mappings import FP32Replicated, Mapping
 from loongforge_hf.bridges.moe import MoEBridge
 from loongforge_hf.bridges.registry import register_bridge
-from loongforge_hf.kernels.rmsnorm import RMSNorm
-
-_NORMS = {"q_norm": "query_layernorm", "k_norm": "key_layernorm"}
-
-
-class RotateThenNorm(RMSNorm):
-    """A q / k norm slot that rotates ``[s, b, heads, d]`` by ``angles`` (``[s, 1, 1, d]``, set per forward by
-    ``rope_first_attention``) before the RMSNorm."""
-
-    angles: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from loongforge_hf.kernels.rope import rotary_sbhd
-
-        if self.angles is None:
-            raise ValueError("HunYuan q / k norm: the layer got no rotary angles.")
-        return super().forward(rotary_sbhd(x, self.angles))
-
-
-@functools.cache
-def rope_first_attention() -> type:
-    """megatron's ``SelfAttention`` whose rotary embedding runs in its q / k norm slots, before the norms."""
-    from megatron.core.transformer.attention import SelfAttention
-
-    class RopeFirstSelfAttention(SelfAttention):
-        def forward(self, *args, **kwargs):
-            angles = kwargs.get("rotary_pos_emb")
-            q, k = angles if isinstance(angles, tuple) else (angles, angles)
-            self.q_layernorm.angles, self.k_layernorm.angles = q, k
-            kwargs.update(rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None)
-            try:
-                return super().forward(*args, **kwargs)
-            finally:
-                self.q_layernorm.angles = self.k_layernorm.angles = None
-
-    return RopeFirstSelfAttention
-
-
-class PositionRotary(torch.nn.Module):
-    """GPTModel's ``rotary_pos_emb`` slot: the angles of this forward's ``position_ids`` (``[b, s]``, this rank's
-    tokens, put in ``positions`` by ``finish_model``'s hook before GPTModel reads the slot) with megatron's
-    ``inv_freq``, ``[s, b, 1, d]`` fp32; megatron's own (by slot) where a forward gives none."""
-
-    def __init__(self, inner) -> None:
-        super().__init__()
-        self.inner = inner
-        self.positions: torch.Tensor | None = None
-
-    def get_rotary_seq_len(self, *args, **kwargs) -> int:
-        return self.inner.get_rotary_seq_len(*args, **kwargs)
-
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, **kwargs) -> torch.Tensor:
-        if self.positions is None:
-            return self.inner(max_seq_len, offset, packed_seq=packed_seq, **kwargs)
-        freqs = self.positions.t().float()[..., None] * self.inner.inv_freq.float().to(self.positions.device)
-        return torch.cat((freqs, freqs), dim=-1)[:, :, None]
-
-
-def _keep_positions(model, args, kwargs) -> None:
-    positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
-    model.rotary_pos_emb.positions = None if positions is None or positions.dim() != 2 else positions
 
 
 def _one_value(c, field: str) -> int:
@@ -107,22 +30,15 @@ def _one_value(c, field: str) -> int:
 
 
 @register_bridge("HunYuanMoEV1ForCausalLM")
-class HunYuanMoEV1Bridge(MoEBridge):
-    qk_norm = True
+class HunYuanMoEV1Bridge(HunYuanAttention, MoEBridge):
     shared_experts = "shared_mlp"
     router_fp32 = True
     hf_router_logits = True                                    # transformers returns them; it adds no aux loss
-    rotary_by_position_ids = True                              # absolute_positions.reads_positions
-    extra_rope_types = ()
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
-        c = self.hf_config
-        if getattr(c, "attention_bias", False):
-            raise C.UnsupportedConfigError("attention_bias=True is not supported for HunYuanMoEV1ForCausalLM: it "
-                                           "puts a bias on o_proj too.")
         if self.num_experts() < 1:
-            raise C.UnsupportedConfigError(f"num_experts={c.num_experts}: HunYuan-MoE needs experts.")
+            raise C.UnsupportedConfigError(f"num_experts={self.hf_config.num_experts}: HunYuan-MoE needs experts.")
         self.top_k()
         super().check_config()
 
@@ -144,52 +60,10 @@ class HunYuanMoEV1Bridge(MoEBridge):
     def routing_kwargs(self) -> dict:
         return {"moe_router_score_function": "softmax", "moe_router_pre_softmax": False}
 
-    def rope_parameters(self) -> dict:
-        c = self.hf_config
-        params = dict(getattr(c, "rope_parameters", None) or {})
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind == "dynamic" and params.get("alpha"):
-            d = C.head_dim_of(c)
-            return {"rope_type": "default", "rope_theta": params["rope_theta"] * params["alpha"] ** (d / (d - 2))}
-        if kind == "dynamic":
-            raise C.UnsupportedConfigError("rope_parameters.rope_type='dynamic' without alpha is not supported "
-                                           "(frequencies that change with the length).")
-        return C.rope_parameters(c, extra_types=self.extra_rope_types)
-
-    def qk_module(self) -> type:
-        return RotateThenNorm
-
-    def finish_model(self, model) -> None:
-        """Rotate by ``position_ids`` (module docstring)."""
-        model.rotary_pos_emb = PositionRotary(model.rotary_pos_emb)
-        model.register_forward_pre_hook(_keep_positions, with_kwargs=True)
-
-    def attention_module(self) -> type:
-        return rope_first_attention()
-
     # ---- tensors --------------------------------------------------------------------------------------------
-    def attention_mappings(self) -> list[Mapping]:
-        return [_renamed(m) for m in super().attention_mappings()]
-
-    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        return {_rename(n): shape for n, shape in super().attention_shapes(prefix).items()}
-
     def moe_mappings(self) -> list[Mapping]:
         return [FP32Replicated(m.megatron, m.hf.replace(".gate.weight", ".gate.wg.weight"))
                 if m.megatron.endswith(".router.weight") else m for m in super().moe_mappings()]
 
     def moe_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         return {n.replace(".gate.weight", ".gate.wg.weight"): s for n, s in super().moe_shapes(prefix).items()}
-
-
-def _rename(name: str) -> str:
-    for old, new in _NORMS.items():
-        name = name.replace(f".self_attn.{old}.", f".self_attn.{new}.")
-    return name
-
-
-def _renamed(m: Mapping) -> Mapping:
-    from dataclasses import replace
-
-    hf = getattr(m, "hf", None)
-    return replace(m, hf=_rename(hf)) if isinstance(hf, str) and hf != _rename(hf) else m

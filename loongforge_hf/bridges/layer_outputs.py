@@ -7,6 +7,7 @@ Choices:
   terms on them): a norm (``post_norm``: our ``RMSNorm``, the state dict's ``post_layernorm``) and / or a constant
   factor, before megatron's own bias-dropout-add with the residual. Under sequence parallelism they transform the
   tokens of their rank, as the input norms do.
+- MoE outputs: ``transformed_moe`` subclasses megatron's ``MoELayer`` the same way (a post norm: FlexOlmo's).
 - ``scale_sublayer_outputs`` re-classes a built chunk's attention and MLP / MoE layers to multiply their output (for
   specs whose modules are megatron's own: the MoE spec).
 - ``scale_embedding`` / ``scale_final_norm`` re-class a built chunk's embedding / final norm to multiply their
@@ -92,6 +93,22 @@ def transformed_mlp(*, post_norm: bool = False, scale: float = 1.0) -> type:
             return _transform(super().forward(*args, **kwargs), self.post_layernorm, scale)
 
     return TransformedMLP
+
+
+@functools.cache
+def transformed_moe(*, post_norm: bool = False) -> type:
+    """megatron's ``MoELayer`` with its output (routed and shared experts together) normalised (FlexOlmo)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    class TransformedMoELayer(MoELayer):
+        def __init__(self, config, *args, **kwargs) -> None:
+            super().__init__(config, *args, **kwargs)
+            _post_norm(self, config, post_norm)
+
+        def forward(self, *args, **kwargs):
+            return _transform(super().forward(*args, **kwargs), self.post_layernorm, 1.0)
+
+    return TransformedMoELayer
 
 
 @functools.cache

@@ -5,12 +5,17 @@ Choices:
 - Our own module, not megatron-core's ``ssm/mamba_mixer.py``: that one needs the mamba_ssm and causal_conv1d
   packages (CUDA only), has no padding mask, and belongs to megatron's ``MambaModel``, not ``GPTModel``'s layers.
 - Tensor parallelism splits by heads and groups, as megatron's ``MambaMixer``: rank ``r`` holds heads
-  ``r * H / tp ..`` and the ``n_groups / tp`` groups they read (``n_groups`` must divide by TP, megatron's rule).
-  One column-parallel ``in_proj`` holds this rank's rows of transformers' ``in_proj`` in each of its blocks, in
-  order: ``z`` (the gate), ``x``, ``B``, ``C``, ``dt`` (one all-gather of the tokens under sequence parallelism); the
-  depthwise conv's channels (x, B, C) and its bias, ``A_log``, ``D``, ``dt_bias`` and the gated norm's weight are
-  split with them (the norm runs over groups of ``d_inner / n_groups`` channels, which stay whole on a rank);
-  ``out_proj`` is row-parallel.
+  ``r * H / tp ..`` and the ``n_groups / tp`` groups they read. One column-parallel ``in_proj`` holds this rank's
+  rows of transformers' ``in_proj`` in each of its blocks, in order: ``z`` (the gate), ``x``, ``B``, ``C``, ``dt``
+  (one all-gather of the tokens under sequence parallelism); the depthwise conv's channels (x, B, C) and its bias,
+  ``A_log``, ``D``, ``dt_bias`` and the gated norm's weight are split with them (the norm runs over groups of
+  ``d_inner / n_groups`` channels); ``out_proj`` is row-parallel.
+- More TP ranks than groups (megatron's ``MambaMixer`` refuses them; the hub's Granite 4.0 H have one group): each
+  group's B / C rows of ``in_proj`` and conv channels are replicated on the ``tp / n_groups`` ranks that hold its
+  heads (x, z, dt still split), as KV heads are (``parallel/kv_replicas.py``: the rows marked by ``mark_rows``, their
+  gradients summed over the replicas once per step and counted once in the gradient norm); the gated norm's mean
+  square over a group's channels, now spread over those ranks, is their mean (``sum_over_replicas``: one small
+  all-reduce a layer, forward and backward).
 - Forward as transformers' ``GraniteMoeHybridMambaLayer`` without a cache (its torch path): padded tokens (the
   diagonal of megatron's ``[b, 1, s, s]`` mask: a token masked from itself) are zeroed before the conv (after
   ``in_proj``, which has no bias: the same) and after it; the causal depthwise conv with its bias and ``silu`` (in
@@ -20,10 +25,17 @@ Choices:
 - Packed documents (megatron's mask blocks attention between documents): the conv and the scan restart at each
   document's first token (the conv masks taps from another document; ``kernels.ssd`` masks the scan), as running
   each document alone. transformers' torch path runs a packed row as one sequence.
-- Refused, before any collective (``granitemoehybrid.py``): context parallelism, ``n_groups`` or heads that do not
-  split over TP, projection biases; at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
-  generate's KV cache holds no Mamba2 state: the bridge refuses ``use_cache=True`` (generate with
-  ``use_cache=False``).
+- Cached generate (``kv_cache.py``: one of transformers' ``LinearAttentionLayer`` per Mamba2 layer of the rank,
+  after the attentions' layers; a ``CachedStep`` per step, as Gated DeltaNet's): the step's first ``given`` tokens
+  (the layout's padding after them never enters a state; its outputs are zero), those transformers' 2-D mask marks
+  as padding zeroed (before and after the conv, as without the cache: from the zero state they change neither state);
+  the conv after the conv state (the last ``conv_kernel`` inputs, transformers' layout); the scan from the SSM state
+  (fp32 ``[b, heads, head_dim, d_state]``, this rank's heads): a one-token step by ``kernels.ssd.ssd_step`` with
+  ``dt`` not clamped by ``time_step_limit`` (as transformers' and mamba_ssm's one-token step), a longer one (the
+  prefill) by the chunked scan with ``initial_state``. Beam search reorders the states with the cache.
+- Refused, before any collective (``granitemoehybrid.py``): context parallelism, heads that do not split over TP,
+  groups that neither split over TP nor divide it, projection biases, the static cache; at the forward: megatron's
+  ``inference_context`` and THD ``packed_seq_params``.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.gated_deltanet import _token_layout
+from loongforge_hf.bridges.gated_deltanet import CachedStep, _token_layout
 
 
 class Mamba2Mixer(torch.nn.Module):
@@ -45,13 +57,21 @@ class Mamba2Mixer(torch.nn.Module):
         from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                           set_tensor_model_parallel_attributes)
 
+        from loongforge_hf.parallel.kv_replicas import mark_rows
         from loongforge_hf.xpu import get_backend
 
         super().__init__()
         self.config, self.layer_number = config, layer_number
         tp_group = getattr(pg_collection, "tp", None)
+        if tp_group is None:
+            from megatron.core import parallel_state as ps
+
+            tp_group = ps.get_tensor_model_parallel_group(check_initialized=False)
         tp = config.tensor_model_parallel_size
-        self.heads, self.head_dim, self.groups, self.d_state = heads // tp, head_dim, groups // tp, d_state
+        self.tp_group, self.tp_rank = tp_group, (tp_group.rank() if tp > 1 else 0)
+        # NOTE: one group replicated on tp / groups ranks where TP exceeds the groups (parallel/kv_replicas.py)
+        self.heads, self.head_dim, self.groups, self.d_state = heads // tp, head_dim, max(1, groups // tp), d_state
+        self.all_groups = groups
         self.chunk_size, self.time_step_limit, self.eps = chunk_size, time_step_limit, eps
         self.d_inner = self.heads * head_dim
         self.conv_dim = self.d_inner + 2 * self.groups * d_state
@@ -72,46 +92,100 @@ class Mamba2Mixer(torch.nn.Module):
         self.norm_weight = torch.nn.Parameter(torch.ones(self.d_inner, **kw))
         for p in self._split_parameters().values():
             set_tensor_model_parallel_attributes(p, True, 0, 1)
+        bc = 2 * self.groups * d_state  # NOTE: the B / C rows, replicas where TP exceeds the groups
+        for p, start in ((self.in_proj.weight, 2 * self.d_inner), (self.conv_weight, self.d_inner),
+                         (self.conv_bias, self.d_inner)):
+            if p is not None:
+                mark_rows(p, (start, start + bc), groups=groups, tp_rank=self.tp_rank, tp_size=tp)
 
     def _split_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self._parameters.items() if p is not None}
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                inference_context=None, packed_seq_params=None, **_: object):
+                inference_context=None, packed_seq_params=None, cached: CachedStep | None = None, **_: object):
         from loongforge_hf.kernels.ssd import ssd_scan
 
         if inference_context is not None:
-            raise ValueError("Mamba2 layers do not take megatron's inference_context; generate with use_cache=False.")
+            raise ValueError("Mamba2 layers do not take megatron's inference_context: generate() keeps their states in "
+                             "its own cache (loongforge_hf.kv_cache).")
         if packed_seq_params is not None:
             raise ValueError("Mamba2 layers do not take THD packed_seq_params; pack documents into rows "
                              "(position ids restarting at 0).")
         mixed, _ = self.in_proj(hidden_states)                            # [s, b, local]: all tokens
         mixed = mixed.transpose(0, 1)                                     # [b, s, local]
+        if cached is not None:
+            return self._cached_forward(mixed, cached)
         batch, seq, _ = mixed.shape
         real, starts = _token_layout(attention_mask, batch, seq)
+        z, xbc, dt = self._split(mixed, real)
+        documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
+        x, B, C = self._heads(self._conv(xbc, documents), real)
+        y = ssd_scan(x, self._time_steps(dt), -torch.exp(self.A_log.float()), B, C, chunk_size=self.chunk_size,
+                     D=self.D, documents=documents)
+        return self._output(y.reshape(batch, seq, -1), z, padded=seq)
+
+    def _cached_forward(self, mixed: torch.Tensor, step: CachedStep):
+        """A cached generate step (see the module docstring): ``mixed`` ``[b, s, local]``, ``in_proj``'s output of
+        the step's first ``step.given`` tokens and the layout's padding after them."""
+        from loongforge_hf.kernels.ssd import ssd_scan, ssd_step
+
+        z, xbc, dt = self._split(mixed[:, :step.given], step.real)
+        cache, index, A = step.cache, step.index, -torch.exp(self.A_log.float())
+        history, state = cache.get_conv_state(index), cache.get_recurrent_state(index)
+        x, B, C = self._heads(self._conv(xbc, None, history=history), step.real)
+        # NOTE: after the conv read it: the cache writes the state in place
+        cache.update_conv_state(xbc.transpose(1, 2), index, conv_kernel_size=self.conv_weight.shape[-1])
+        if state is not None and step.given == 1:  # NOTE: as transformers' one-token step: no time-step limit
+            y, state = ssd_step(state, x[:, 0], F.softplus(dt[:, 0] + self.dt_bias.to(dt.dtype)), A, B[:, 0],
+                                C[:, 0], D=self.D)
+            y = y[:, None]
+        else:
+            y, state = ssd_scan(x, self._time_steps(dt), A, B, C, chunk_size=self.chunk_size, D=self.D,
+                                initial_state=state, output_final_state=True)
+        cache.update_recurrent_state(state, index)
+        return self._output(y.reshape(*y.shape[:2], -1), z, padded=mixed.shape[1])
+
+    def _split(self, mixed: torch.Tensor, real: torch.Tensor | None):
+        """``in_proj``'s output ``[b, s, local]``, the tokens where ``real`` ``[b, s]`` is False zeroed (None: none)
+        -> the gate ``z``, the conv's input ``xbc``, the raw time steps ``dt``."""
         if real is not None:
             mixed = mixed * real[..., None].to(mixed.dtype)
-        z, xbc, dt = torch.split(mixed, [self.d_inner, self.conv_dim, self.heads], dim=-1)
-        documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
-        xbc = self._conv(xbc, documents)
+        return torch.split(mixed, [self.d_inner, self.conv_dim, self.heads], dim=-1)
+
+    def _heads(self, xbc: torch.Tensor, real: torch.Tensor | None):
+        """The conv's output ``[b, s, conv_dim]`` (padded tokens zeroed again) -> x ``[b, s, heads, head_dim]``, B, C
+        ``[b, s, groups, d_state]``."""
         if real is not None:
             xbc = xbc * real[..., None].to(xbc.dtype)
+        batch, seq, _ = xbc.shape
         x, B, C = torch.split(xbc, [self.d_inner, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
-        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*self.time_step_limit)
-        y = ssd_scan(x.reshape(batch, seq, self.heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
-                     B.reshape(batch, seq, self.groups, self.d_state), C.reshape(batch, seq, self.groups, self.d_state),
-                     chunk_size=self.chunk_size, D=self.D, documents=documents)
-        out = self._gated_norm(y.reshape(batch, seq, -1), z).to(hidden_states.dtype)
+        groups = (batch, seq, self.groups, self.d_state)
+        return x.reshape(batch, seq, self.heads, self.head_dim), B.reshape(groups), C.reshape(groups)
+
+    def _time_steps(self, dt: torch.Tensor) -> torch.Tensor:
+        return F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*self.time_step_limit)
+
+    def _output(self, y: torch.Tensor, z: torch.Tensor, *, padded: int):
+        """The scan's output ``[b, given, d_inner]`` through the gated norm and ``out_proj``, zeros for the layout's
+        padding up to ``padded`` tokens."""
+        out = self._gated_norm(y, z).to(z.dtype)
+        if padded > out.shape[1]:
+            out = F.pad(out, (0, 0, 0, padded - out.shape[1]))
         return self.out_proj(out.transpose(0, 1).contiguous())
 
-    def _conv(self, xbc: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+    def _conv(self, xbc: torch.Tensor, documents: torch.Tensor | None, *,
+              history: torch.Tensor | None = None) -> torch.Tensor:
         """The causal depthwise conv with its bias and ``silu`` (in the weight's dtype) over ``xbc`` ``[b, s, ch]``
-        -> ``[b, s, ch]`` in ``xbc``'s dtype; with ``documents`` (``[b, s]`` ids) no tap reads another document."""
+        -> ``[b, s, ch]`` in ``xbc``'s dtype; with ``documents`` (``[b, s]`` ids) no tap reads another document;
+        after ``history`` (the cache's conv state ``[b, ch, conv_kernel]``, the last inputs; None: zeros)."""
         weight, seq = self.conv_weight, xbc.shape[1]
         inputs = xbc.transpose(1, 2).to(weight.dtype)
         kernel = weight.shape[-1]
-        if documents is None:
+        if history is not None:
+            inputs = torch.cat((history[..., 1:].to(weight.dtype), inputs), dim=-1)
+            out = F.conv1d(inputs, weight, self.conv_bias, groups=self.conv_dim)
+        elif documents is None:
             out = F.conv1d(inputs, weight, self.conv_bias, padding=kernel - 1, groups=self.conv_dim)[..., :seq]
         else:
             out = 0 if self.conv_bias is None else self.conv_bias[:, None]
@@ -124,9 +198,17 @@ class Mamba2Mixer(torch.nn.Module):
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """transformers' ``GraniteMoeHybridRMSNormGated``: ``y * silu(gate)`` normalised per group (fp32), times the
         weight."""
+        from loongforge_hf.parallel.kv_replicas import replicas_of, sum_over_replicas
+
         h = y.float() * F.silu(gate.float())
         h = h.reshape(*h.shape[:-1], self.groups, -1)
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(*y.shape)
+        square = h.pow(2).mean(-1, keepdim=True)
+        tp = self.config.tensor_model_parallel_size
+        replicas = replicas_of(self.all_groups, tp)
+        if replicas > 1:  # NOTE: the group's channels spread over its replicas' ranks: the mean of theirs
+            square = sum_over_replicas(square, groups=self.all_groups, tp_rank=self.tp_rank, tp_size=tp,
+                                       tp_group=self.tp_group) / replicas
+        h = (h * torch.rsqrt(square + self.eps)).reshape(*y.shape)
         return self.norm_weight * h.to(y.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):

@@ -251,3 +251,24 @@ def _renamed_value(value, old: str, new: str):
     if isinstance(value, str) and value.startswith(old) and not value.startswith(new):
         return new + value[len(old):]
     return value
+
+
+def replaced(name: str, table: dict[str, str]) -> str:
+    """``name`` with each ``old`` substring of ``table`` replaced by its ``new``, in the table's order."""
+    for old, new in table.items():
+        name = name.replace(old, new)
+    return name
+
+
+def with_replaced_names(mapping: Mapping, table: dict[str, str]) -> Mapping:
+    """``mapping`` with ``replaced`` HF names (transformers' names that differ by a module's: HunYuan's q / k norms,
+    Apertus's norms, EXAONE 3's layout), in the mappings it wraps too and in tuples of names."""
+    def value(v):
+        if isinstance(v, Mapping):
+            return with_replaced_names(v, table)
+        if isinstance(v, tuple):
+            return tuple(value(x) for x in v)
+        return replaced(v, table) if isinstance(v, str) else v
+
+    return replace(mapping, **{f.name: value(getattr(mapping, f.name)) for f in fields(mapping)
+                               if f.name != "megatron"})

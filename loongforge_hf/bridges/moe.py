@@ -213,6 +213,10 @@ class MoEBridge(DenseBridge):
         """Score function, normalisation, grouping and scaling (see the module docstring)."""
         raise NotImplementedError
 
+    def moe_module(self) -> type | None:
+        """The MoE layer class where megatron's ``MoELayer`` does not serve (FlexOlmo's post norm); None for it."""
+        return None
+
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
         super().check_config()

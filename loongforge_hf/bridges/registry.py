@@ -10,6 +10,7 @@ class UnsupportedArchitectureError(ValueError):
 
 
 _BRIDGES: dict[str, type] = {}
+_BY_MODEL_TYPE: dict[str, type] = {}
 
 
 def register_bridge(*architectures: str) -> Callable[[type], type]:
@@ -17,6 +18,16 @@ def register_bridge(*architectures: str) -> Callable[[type], type]:
         for arch in architectures:
             _BRIDGES[arch] = cls
         cls.architectures = tuple(architectures)
+        return cls
+    return deco
+
+
+def register_model_type(*model_types: str) -> Callable[[type], type]:
+    """A bridge for configs of ``model_types`` whatever architecture they name: transformers loads some with another
+    family's class and writes that class's name on save (EXAONE 3: ``LlamaForCausalLM``, its own tensor names)."""
+    def deco(cls: type) -> type:
+        for model_type in model_types:
+            _BY_MODEL_TYPE[model_type] = cls
         return cls
     return deco
 
@@ -37,6 +48,8 @@ def loads_as_causal_lm(hf_config) -> bool:
 
 def get_bridge(hf_config):
     archs = list(getattr(hf_config, "architectures", None) or [])
+    if getattr(hf_config, "model_type", None) in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[hf_config.model_type](hf_config)
     for arch in archs:
         if arch in _BRIDGES:
             return _BRIDGES[arch](hf_config)

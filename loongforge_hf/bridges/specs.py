@@ -61,9 +61,9 @@ def _mla_core_attention():
     return MLACoreAttention
 
 
-def _moe_slots(mlp_spec, *, grouped_experts: bool, balance_router: bool):
-    """An MoE layer's spec with ``GroupedMLP`` as its routed experts and / or ``BalanceRouter`` as its router; any
-    other MLP spec unchanged."""
+def _moe_slots(mlp_spec, *, grouped_experts: bool, balance_router: bool, module: type | None = None):
+    """An MoE layer's spec with ``GroupedMLP`` as its routed experts and / or ``BalanceRouter`` as its router, and
+    ``module`` (a ``MoELayer`` subclass) in place of megatron's; any other MLP spec unchanged."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -75,15 +75,17 @@ def _moe_slots(mlp_spec, *, grouped_experts: bool, balance_router: bool):
     slots = {"experts": ModuleSpec(module=GroupedMLP)} if grouped_experts else {}
     if balance_router:
         slots["router"] = balance_router_class()
-    return replace(mlp_spec, submodules=replace(mlp_spec.submodules, **slots))
+    return replace(mlp_spec, module=module or MoELayer, submodules=replace(mlp_spec.submodules, **slots))
 
 
 def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: bool = False,
-                  qk_module: type | tuple[type, type] | None = None, attention_module: type | None = None):
+                  qk_module: type | tuple[type, type] | None = None, attention_module: type | None = None,
+                  moe_module: type | None = None, pre_norms: bool = True):
     """``block_spec`` with our RMSNorm in every norm slot and our core attention (see the docstring); ``qk_module``
     (YaRN's attention factor on the rotary channels, ``DenseBridge.qk_module``) in both q / k norm slots, or a (q, k)
     pair (OLMoE's norms over all heads); ``attention_module`` (``DenseBridge.attention_module``: Llama 4's) for
-    megatron's ``SelfAttention``."""
+    megatron's ``SelfAttention``; ``moe_module`` (``MoEBridge.moe_module``: FlexOlmo's post norm) for its
+    ``MoELayer``; without ``pre_norms`` no input / pre-MLP norms (FlexOlmo normalises the sublayers' outputs)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -106,12 +108,14 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
         attention = replace(attention, submodules=replace(att_sub, **norms))
         if attention_module is not None and attention.module is not MLASelfAttention:
             attention = replace(attention, module=attention_module)
-        slots = {n: RMSNorm for n in _LAYER_NORMS if getattr(spec.submodules, n) is not IdentityOp}
+        slots = {n: RMSNorm if pre_norms else IdentityOp for n in _LAYER_NORMS
+                 if getattr(spec.submodules, n) is not IdentityOp}
         mlp = spec.submodules.mlp
         if getattr(mlp, "module", None) is MLP:
             slots["mlp"] = replace(mlp, module=SwiGLUMLP)
-        elif grouped_experts or balance_router:
-            slots["mlp"] = _moe_slots(mlp, grouped_experts=grouped_experts, balance_router=balance_router)
+        elif grouped_experts or balance_router or moe_module is not None:
+            slots["mlp"] = _moe_slots(mlp, grouped_experts=grouped_experts, balance_router=balance_router,
+                                      module=moe_module)
         layers.append(replace(spec, submodules=replace(spec.submodules, self_attention=attention, **slots)))
     return replace(block_spec, layer_specs=layers, layer_norm=RMSNorm)
 
@@ -154,7 +158,9 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
                                                   balance_router=getattr(bridge, "hf_router_logits", False),
                                                   qk_module=qk_module,
                                                   attention_module=None if config.multi_latent_attention
-                                                  else bridge.attention_module()))
+                                                  else bridge.attention_module(),
+                                                  moe_module=getattr(bridge, "moe_module", lambda: None)(),
+                                                  pre_norms=getattr(bridge, "pre_norms", True)))
 
 
 def _with_te_linears(config, block_spec):

@@ -16,7 +16,9 @@ Choices:
   chunk states, the pass between chunks and the reads of a chunk's start state are masked to pairs of positions in
   the same document (ids never decrease, so equal ids at both ends mean no document starts between them).
 - ``initial_state`` ``[b, heads, head_dim, d_state]`` continues a row's first document; ``output_final_state``
-  returns the state after the last token (fp32), as a cached generate needs.
+  returns the state after the last token (fp32), as a cached generate's prefill needs.
+- ``ssd_step``: one token from a state (a cached generate's decode step), as transformers'
+  ``mamba2_selective_state_update`` torch path: ``S' = exp(dt A) S + dt x B^T``, ``y = S' C + D x``, fp32.
 - No Triton kernel: the scan's few large einsums are already batched over chunks; autograd differentiates them.
 """
 
@@ -96,6 +98,22 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         y = y + skip
     y = y[:, :seq]
     return (y, final_state) if output_final_state else y
+
+
+def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, *, D: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: ``state`` ``[b, heads, head_dim, d_state]``, ``x`` ``[b, heads, head_dim]``, ``dt`` ``[b, heads]``
+    (discretised), ``A`` ``[heads]``, ``B`` / ``C`` ``[b, groups, d_state]``, ``D`` ``[heads]`` -> (``y``
+    ``[b, heads, head_dim]``, the new state), both fp32."""
+    heads = x.shape[1]
+    x, dt = x.float(), dt.float()[..., None, None]                                 # dt: [b, h, 1, 1]
+    B = B.float().repeat_interleave(heads // B.shape[1], dim=1, output_size=heads)[:, :, None]
+    C = C.float().repeat_interleave(heads // C.shape[1], dim=1, output_size=heads)
+    state = state.float() * torch.exp(dt * A.float()[:, None, None]) + dt * B * x[..., None]
+    y = torch.einsum("bhpn,bhn->bhp", state, C)
+    if D is not None:
+        y = y + x * D.float()[:, None]
+    return y, state
 
 
 def documents_in_chunks(documents: torch.Tensor, pad: int, chunk_size: int) -> torch.Tensor:

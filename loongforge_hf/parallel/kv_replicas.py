@@ -22,6 +22,11 @@ Choices:
   every rank; ``replica_grad_sq`` is the squared norm of what the non-first replicas repeat (their K / V rows, over
   the part this rank's optimizer holds), which the engine takes off before summing over ranks.
 - Parameters holding replicas carry a ``kv_replica`` attribute (``KVReplica``, set by ``mark_replicas`` at build).
+- Mamba2's groups the same way (``bridges/mamba2.py``: Granite 4.0 H's one group at TP 2 or more): each of the
+  ``groups`` B / C projections and conv channels replicated on ``tp / groups`` ranks, marked by ``mark_rows`` (the
+  same ``KVReplica``, a group for a head), their gradients summed and counted once by the same two functions (one
+  all-reduce per distinct number of heads / groups). ``sum_over_replicas``: a forward sum over the ranks sharing a
+  group (the gated norm's mean square over a group's channels spread over them), differentiable.
 """
 
 from __future__ import annotations
@@ -98,6 +103,42 @@ def mark_replicas(chunks, *, num_key_value_heads: int, head_dim: int, tp_rank: i
     return marked
 
 
+def mark_rows(param, rows: tuple[int, int], *, groups: int, tp_rank: int, tp_size: int) -> None:
+    """Set ``kv_replica`` on ``param`` where its ``rows`` (dim 0) hold a replica of one of ``groups`` groups (TP rank
+    ``t`` holds group ``t // (tp_size / groups)``); nothing where each rank holds whole groups of its own."""
+    r = replicas_of(groups, tp_size)
+    if r > 1:
+        param.kv_replica = KVReplica(head=tp_rank // r, heads=groups, replicas=r, first=tp_rank % r == 0, rows=rows)
+
+
+class _SlotSum(torch.autograd.Function):
+    """All-reduce (sum) of slot buffers over the TP group, backward the same (each rank's use of the sum differs)."""
+
+    @staticmethod
+    def forward(ctx, slots: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        slots = slots.clone()
+        dist.all_reduce(slots, group=group)
+        return slots
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_replicas(x: torch.Tensor, *, groups: int, tp_rank: int, tp_size: int, tp_group) -> torch.Tensor:
+    """``x`` summed over the TP ranks that hold replicas of this rank's group (of ``groups``; collective over the
+    TP group, differentiable), as ``sum_replica_grads`` sums gradients: one slot per group in one all-reduce."""
+    r = replicas_of(groups, tp_size)
+    if r == 1:
+        return x
+    slots = x.new_zeros(groups, *x.shape)
+    slots[tp_rank // r] = x
+    return _SlotSum.apply(slots, tp_group)[tp_rank // r]
+
+
 def _grad(param) -> torch.Tensor | None:
     """The gradient megatron's optimizer reads: DDP's ``main_grad`` where the parameter has one, else ``.grad``."""
     main = getattr(param, "main_grad", None)
@@ -105,14 +146,16 @@ def _grad(param) -> torch.Tensor | None:
 
 
 def replicated_params(modules) -> list:
-    """The trainable parameters of ``modules`` (chunks, DDP-wrapped or not) holding replicated KV heads."""
+    """The trainable parameters of ``modules`` (chunks, DDP-wrapped or not) holding replicated KV heads (or Mamba2
+    groups)."""
     return [p for m in modules for p in m.parameters() if p.requires_grad and getattr(p, "kv_replica", None)]
 
 
 @torch.no_grad()
 def sum_replica_grads(modules, tp_group=None) -> None:
-    """Sum the K / V rows of every replicated ``linear_qkv`` gradient over the replicas of its head (collective
-    over the TP group; every TP rank holds the same parameters, so all join or none). ``tp_group``: megatron's."""
+    """Sum the K / V rows of every replicated ``linear_qkv`` gradient (and Mamba2's B / C rows) over the replicas of
+    its head (group) (collective over the TP group; every TP rank holds the same parameters, so all join or none).
+    ``tp_group``: megatron's."""
     params = [p for p in replicated_params(modules) if _grad(p) is not None]
     if not params:
         return
@@ -120,6 +163,12 @@ def sum_replica_grads(modules, tp_group=None) -> None:
         from megatron.core import parallel_state as ps
 
         tp_group = ps.get_tensor_model_parallel_group()
+    for heads in sorted({p.kv_replica.heads for p in params}):  # NOTE: KV heads, Mamba2 groups: the same on all ranks
+        _sum_rows([p for p in params if p.kv_replica.heads == heads], tp_group)
+
+
+def _sum_rows(params, tp_group) -> None:
+    """``sum_replica_grads`` for parameters replicating one of the same number of heads (or groups)."""
     info = params[0].kv_replica
     rows = [_grad(p)[p.kv_replica.rows[0]:p.kv_replica.rows[1]] for p in params]
     flat = torch.cat([r.reshape(-1) for r in rows])

@@ -21,7 +21,8 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi", "gptj", "stablelm",
               "llama4", "falcon", "falcon_mqa", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "qwen3_5",
               "qwen3_next", "qwen3_5_moe", "minimax_m2", "glm", "olmo", "nemotron", "dots1", "hunyuan_v1_moe",
-              "granitemoehybrid")
+              "granitemoehybrid", "hunyuan_v1_dense", "apertus",
+              "flex_olmo", "granitemoeshared", "exaone")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -240,6 +241,13 @@ def _config(arch: str, **overrides):
         cfg = tf.NemotronConfig(**{**{k: v for k, v in common.items() if k != "rms_norm_eps"}, "head_dim": 24},
                                 norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                 "partial_rotary_factor": 0.5})
+    elif arch == "exaone":
+        # NOTE: EXAONE 3.5's layout shrunk (Llama's under GPT-2-style names), llama3 rope scaling; architectures as
+        # the hub's (transformers writes LlamaForCausalLM: make_tiny_checkpoint puts the hub's name back)
+        cfg = tf.ExaoneConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 1000000.0,
+                                                         "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 32})
     elif arch == "exaone4":
         # NOTE: EXAONE-4.0-32B's layout shrunk: post norms only, per-head q / k norms, a binding 5-token window on
         # layers 0-2 and a full layer without rotary embedding (layer 3), llama3 rope scaling
@@ -252,6 +260,11 @@ def _config(arch: str, **overrides):
         cfg = tf.GraniteMoeConfig(**{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
                                   embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.1,
                                   logits_scaling=6.0)
+    elif arch == "granitemoeshared":
+        # NOTE: Granite MoE's tiny layout (granitemoe's multipliers, 4 experts, top 2) with a shared MLP of 48
+        cfg = tf.GraniteMoeSharedConfig(**{**common, "intermediate_size": 48}, num_local_experts=4,
+                                        num_experts_per_tok=2, shared_intermediate_size=48, embedding_multiplier=12.0,
+                                        residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=6.0)
     elif arch == "ernie4_5_moe":
         # NOTE: ERNIE-4.5-21B-A3B's layout shrunk: tied embeddings, a dense first and last layer (start / end index),
         # 8 experts (top 3) and 2 shared ones in between; its e_score_correction_bias is randomised in
@@ -264,6 +277,11 @@ def _config(arch: str, **overrides):
         # experts (top 3) in every layer, softmax scores not renormalised (norm_topk_prob off, as the hub's)
         cfg = tf.OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=3,
                              norm_topk_prob=False)
+    elif arch == "flex_olmo":
+        # NOTE: FlexOlmo-7x7B's layout shrunk: OLMo 2's post norms and q / k norms over all heads (the k norm over the
+        # 2 kv heads), 8 experts (top 3) in every layer, softmax scores not renormalised (as the hub's)
+        cfg = tf.FlexOlmoConfig(**{**common, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=3,
+                                norm_topk_prob=False)
     elif arch == "minimax_m2":
         # NOTE: MiniMax-M2's layout shrunk: q / k norms over all heads (GQA here, so the k norm is narrower), half of
         # each head rotary (rotary_dim 12 of 24, as 64 of 128), 8 experts (top 3) in every layer, sigmoid routing on
@@ -284,6 +302,18 @@ def _config(arch: str, **overrides):
         cfg = tf.HunYuanMoEV1Config(**{**common, "intermediate_size": 32, "head_dim": 24}, num_experts=8, moe_topk=3,
                                     rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                      "rope_theta": 10000.0})
+    elif arch == "hunyuan_v1_dense":
+        # NOTE: Hunyuan-7B's layout shrunk: per-head q / k norms after the rotation, the hub's fixed NTK-alpha rope
+        cfg = tf.HunYuanDenseV1Config(**{**common, "head_dim": 24},
+                                      rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                       "rope_theta": 10000.0})
+    elif arch == "apertus":
+        # NOTE: Apertus-8B's layout shrunk: per-head q / k norms, an ungated MLP with xIELU (its alpha_p / alpha_n
+        # randomised in make_tiny_checkpoint), llama3 rope scaling
+        cfg = tf.ApertusConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 12000000.0,
+                                                          "factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 32})
     elif arch == "llama4":
         # NOTE: Llama 4 Scout's layout shrunk: dense (intermediate_size_mlp) and MoE layers alternating (4 experts,
         # top 1, a shared expert), layer 3 NoPE with a temperature that varies at the tests' lengths (floor_scale 3),
@@ -386,6 +416,8 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
             elif name.endswith(("linear_attn.dt_bias", "mamba.dt_bias", "mamba.D")):  # NOTE: HF: ones (so that a
                 # swap with A_log would show)
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # NOTE: Apertus's xIELU: HF's init, moved
+                p.add_(0.3 * torch.randn_like(p))
             elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight")):
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token
@@ -400,6 +432,11 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if arch == "exaone":  # NOTE: the hub's architecture name (transformers writes LlamaForCausalLM)
+        import json
+
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "architectures": ["ExaoneForCausalLM"]}, indent=2))
     if mtp_layers:
         _append_mtp_layers(folder, cfg, mtp_layers, dtype=dtype)
     if tokenizer:

@@ -20,8 +20,9 @@ class _RecordingReader:
 
     def _record(self, name, rows: range | None = None) -> None:
         # NOTE: gpt-oss and GraniteMoE stack their experts in one tensor per projection: a read of rows of it reads
-        # those experts
-        if re.search(r"\.(experts\.(gate_up_proj|down_proj)(_bias)?|(input|output)_linear\.weight)$", name):
+        # those experts (a Granite shared_mlp's input / output_linear is no stack)
+        if re.search(r"\.(experts\.(gate_up_proj|down_proj)(_bias)?|block_sparse_moe\.(input|output)_linear\.weight)$",
+                     name):
             self.read.update(f"{name}#expert{e}" for e in (rows or range(self.reader.shape(name)[0])))
         else:
             self.read.add(name)
@@ -90,7 +91,7 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     # transformers' balancing loss (its coefficient times it in the loss)
     routed = {"output_router_logits": True} if model.config.model_type.startswith(
         ("deepseek", "glm4_moe", "ernie4_5_moe", "olmoe", "llama4", "qwen3_next", "qwen3_5_moe",
-         "minimax_m2", "dots1", "hunyuan_v1_moe")) else {}
+         "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)

@@ -597,6 +597,43 @@ def test_glm_olmo_nemotron_fields_megatron_cannot_express_refused():
     assert kw["rotary_interleaved"] and kw["add_qkv_bias"] and kw["normalization"] == "RMSNorm"
 
 
+def test_small_causal_lm_fields_megatron_cannot_express_refused():
+    """HunYuan dense with ``attention_bias`` or dynamic NTK without ``alpha``, Apertus with a bias, FlexOlmo with
+    ``clip_qkv``: refused by the bridges' pure checks, naming the field. The hub's settings translate: HunYuan's
+    NTK-alpha base, Apertus's xIELU (no activation in megatron's config: the MLP module's own), Granite MoE's shared
+    MLP as megatron's shared experts (none at ``shared_intermediate_size=0``), and an EXAONE 3 config that transformers
+    saved (``LlamaForCausalLM``, ``model_type="exaone"``) to the EXAONE bridge, its names the hub's."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.apertus import xielu_mlp
+    from loongforge_hf.testing.tiny_models import _config
+
+    def bridge(arch, name, **overrides):
+        return get_bridge(_config(arch, architectures=[name], **overrides))
+
+    hunyuan = ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM")
+    for overrides, field in (({"attention_bias": True}, "attention_bias=True"),
+                             ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+                              "rope_type='dynamic' without alpha")):
+        with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
+            bridge(*hunyuan, **overrides)
+    assert bridge(*hunyuan).rope_parameters()["rope_theta"] == pytest.approx(1e4 * 1000.0 ** (24 / 22))
+    with pytest.raises(UnsupportedConfigError, match=re.escape("attention_bias=True")):
+        bridge("apertus", "ApertusForCausalLM", attention_bias=True)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("clip_qkv=8.0")):
+        bridge("flex_olmo", "FlexOlmoForCausalLM", clip_qkv=8.0)
+    apertus = bridge("apertus", "ApertusForCausalLM")
+    assert apertus.mlp_module() is xielu_mlp() and "activation_func" not in apertus.transformer_config_kwargs()
+    assert bridge("apertus", "ApertusForCausalLM", hidden_act="relu2").mlp_module() is None
+    shared = bridge("granitemoeshared", "GraniteMoeSharedForCausalLM")
+    assert shared.transformer_config_kwargs()["moe_shared_expert_intermediate_size"] == 48
+    plain = bridge("granitemoeshared", "GraniteMoeSharedForCausalLM", shared_intermediate_size=0)
+    assert plain.transformer_config_kwargs()["moe_shared_expert_intermediate_size"] is None
+    assert not any("shared_mlp" in n for n in plain.expected_hf_shapes())
+    exaone = bridge("exaone", "LlamaForCausalLM")
+    assert type(exaone).__name__ == "ExaoneBridge"
+    assert "transformer.h.0.mlp.c_fc_0.weight" in exaone.expected_hf_shapes()
+
+
 def test_falcon_fields_megatron_cannot_express_refused():
     """Falcon with ALiBi (megatron has none), a layout transformers' forward cannot run (the new decoder architecture
     without ``parallel_attn`` or with three norms, two norms in the older layout, the older layout's ``num_kv_heads``

@@ -50,6 +50,10 @@ ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gem
 # NOTE: GLM-4-9B, OLMo (clip_qkv binding) and Nemotron at these layouts only (CI time): their per-architecture code is
 # norms, MLP and rotary layout, which the other layouts exercise no differently
 LEAN_ARCHS, LEAN_LAYOUTS = ["glm", "olmo", "nemotron"], ("tp1", "tp2", "pp2")
+# NOTE: HunYuan dense (q / k norms after the rotation, by position ids: HunYuan-MoE's attention, whose layouts the MoE
+# suite runs), Apertus (xIELU's learned scalars, their gradients summed over TP: test_gradients) and EXAONE 3 (Llama
+# under other names) at TP1 and TP2 only
+TP_ARCHS, TP_LAYOUTS = ["hunyuan_v1_dense", "apertus", "exaone"], ("tp1", "tp2")
 
 
 def check_results(results, arch):
@@ -68,6 +72,7 @@ def test_parity_and_round_trip(tmp_path, layout_name):
     nprocs, layout = LAYOUTS[layout_name]
     # NOTE: Falcon-7B's and StarCoder's one KV head runs under TP too, replicated on each rank (kv_replicas.py)
     archs = ARCHS + (LEAN_ARCHS if layout_name in LEAN_LAYOUTS else [])
+    archs += TP_ARCHS if layout_name in TP_LAYOUTS else []
     cases = []
     for arch in archs:
         src = make_tiny_checkpoint(tmp_path / arch / "src", arch)

@@ -40,7 +40,10 @@ Llama 4 (sigmoid top-1 routing on the experts' input, a shared expert, L2 q / k 
 layer's query temperature) is among the mixture-of-experts models. MiniMax-M2 (q / k norms over all heads, split over
 TP, half-rotary heads, sigmoid routing plus a fixed expert bias) at TP2 + SP + EP2, as dots.llm1 (per-head q / k norms,
 sigmoid routing plus a fixed expert bias, scaled, shared experts, a dense first layer, windowed last layers) and
-HunYuan-MoE (per-head q / k norms after the rotation, softmax experts beside a shared MLP).
+HunYuan-MoE (per-head q / k norms after the rotation, softmax experts beside a shared MLP), FlexOlmo (OLMo 2's post
+norms, the MoE layer's output too, full-width q / k norms) and Granite MoE with a shared MLP.
+HunYuan dense, Apertus (xIELU's learned scalars, whose gradient each TP rank holds a share of until summed over TP) and
+EXAONE 3 (Llama under GPT-2-style names) at TP2 + SP.
 GLM-4-9B (biased q / k / v, half of each head rotated in interleaved pairs, a packed gate / up), OLMo (norms without
 parameters, q / k / v clamped by ``clip_qkv``) and Nemotron (LayerNorm1P with biases, an ungated relu2 MLP, half-rotary
 heads) at TP2 + SP.
@@ -79,6 +82,15 @@ CHECKPOINTS = {
     # NOTE: per-head q / k norms, sigmoid routing plus a fixed expert bias, scaled, shared experts, windowed layers
     "dots1": ("dots1", {}),
     "hunyuan_v1_moe": ("hunyuan_v1_moe", {}),  # NOTE: q / k norms after the rotation, a shared MLP, NTK-alpha rope
+    # NOTE: OLMo 2's post norms (the MoE layer's output too) and full-width q / k norms with OLMoE's experts; Granite
+    # MoE with a shared MLP: at TP2 + SP + EP2
+    "flex_olmo": ("flex_olmo", {}),
+    "granitemoeshared": ("granitemoeshared", {}),
+    # NOTE: HunYuan dense (q / k norms after the rotation), Apertus (xIELU's two learned scalars per layer, each TP rank
+    # holding a share of their gradient) and EXAONE 3 (Llama under GPT-2-style names): at TP2 + SP
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", {}),
+    "apertus": ("apertus", {}),
+    "exaone": ("exaone", {}),
     # NOTE: GLM-4-9B's half-rotary heads in interleaved pairs with biased q / k / v and a packed gate / up; OLMo's
     # norms without parameters and q / k / v clamped (the clamp binds); Nemotron's LayerNorm1P with biases and its
     # ungated relu2 MLP, half-rotary heads: at TP2 + SP
@@ -152,12 +164,12 @@ LAYOUTS = {
     "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}, MOE),
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
                        "expert_tensor_parallel_size": 1},
-                   MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe")),
+                   MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "granitemoeshared")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
-    "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},
-               MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron")),  # MoE: experts split too
+    "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},  # MoE: experts split too
+               MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron", "hunyuan_v1_dense", "apertus", "exaone")),
 }
 CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
 TOL = 1e-4

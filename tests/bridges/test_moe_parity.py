@@ -38,7 +38,10 @@ loss within 1e-5; Mixtral's names on disk) are among "every model"; tp1 also run
 norms and an MTP layer, and OLMoE with norm_topk_prob on. Llama 4 (``llama4``: dense and MoE layers alternating,
 sigmoid top-1 routing that scales the expert's input, a shared expert, L2 q / k norms and 5-position attention chunks
 on the rotary layers, a NoPE layer with a query temperature, experts stacked on disk; its ``router_logits``, no
-balancing loss; also at tp2etp1) is among "every model". dots.llm1 (``dots1``: Qwen3's per-head q / k norms,
+balancing loss; also at tp2etp1) is among "every model". FlexOlmo (``flex_olmo``: OLMo 2's post norms, the MoE
+layer's output normalised too, and q / k norms over all heads, OLMoE's experts; its ``router_logits`` and transformers'
+balancing loss within 1e-5) and Granite MoE with a shared MLP (``granitemoeshared``) run at tp1 and ep2 (gradients at
+TP2 + SP + EP2: test_gradients). dots.llm1 (``dots1``: Qwen3's per-head q / k norms,
 DeepSeek-V3's sigmoid routing on the scores plus a fixed expert bias that changes some tokens' experts, scaling and
 shared experts, a dense first layer, a binding window on the last two layers; its ``router_logits``, no balancing loss)
 and HunYuan-MoE (``hunyuan_v1_moe``: per-head q / k norms after the rotation, in megatron's q / k norm slots with the
@@ -121,6 +124,10 @@ CHECKPOINTS = {
     # NOTE: per-head q / k norms after the rotation, NTK-alpha rope, softmax top-k experts and a shared MLP, the router
     # in fp32 (gate.wg)
     "hunyuan_v1_moe": ("hunyuan_v1_moe", {}),
+    # NOTE: OLMo 2's post norms (the MoE layer's output normalised) and q / k norms over all heads with OLMoE's experts
+    "flex_olmo": ("flex_olmo", {}),
+    # NOTE: Granite MoE's multipliers and stacked experts with a shared MLP ([gate; up] rows) beside them
+    "granitemoeshared": ("granitemoeshared", {}),
     "qwen3_next": ("qwen3_next", {"mtp_layers": 1}),  # NOTE: the hub's mtp.* tensors passed through
     "qwen3_5_moe": ("qwen3_5_moe", {}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
@@ -137,10 +144,11 @@ MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwe
           "ernie4_5_moe", "olmoe", "llama4", "minimax_m2", "dots1",
           "hunyuan_v1_moe")
 HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers
+LEAN = ("flex_olmo", "granitemoeshared")  # NOTE: at tp1 and ep2 only (CI time); gradients at TP2 + SP + EP2
 LAYOUTS = {
-    "tp1": (1, {}, (*MODELS, *HYBRID, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2",
+    "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2",
                     "deepseek_v3_bf16", "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk")),
-    "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next")),
+    "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN)),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
@@ -219,9 +227,10 @@ def test_parity_and_round_trip(worlds, layout, name):
         yarn = name.endswith("_yarn") or name == "gpt_oss"
         # NOTE: GraniteMoE's final norm scaled by 1 / logits_scaling (on the last stage), its layers' outputs by the
         # residual multiplier
-        scaled = {"ScaledRMSNorm"} if name == "granitemoe" else set()
+        scaled = {"ScaledRMSNorm"} if name.startswith("granitemoe") else set()
         # NOTE: OLMoE's q / k norms over all heads (olmo2.full_width_norm) in the q / k norm slots
-        full_width = ["FullWidthKNorm", "FullWidthQNorm"] if name.startswith(("olmoe", "minimax_m2")) else []
+        full_width = ["FullWidthKNorm", "FullWidthQNorm"] if name.startswith(("olmoe", "minimax_m2", "flex_olmo")) \
+            else []
         # NOTE: Llama 4's L2 q / k norms (rotary layers) and query temperature (its NoPE layer 3: on the last stage
         # under PP, checked below) in the q / k slots
         llama4 = ["L2Norm"] if name == "llama4" else []
@@ -239,8 +248,10 @@ def test_parity_and_round_trip(worlds, layout, name):
         # ... in its host-sync-free form (kernels/moe_permute.py), whose dispatch these parity checks go through
         assert r["dispatcher_classes"] == (["SyncFreeAllGatherDispatcher"] if single
                                            else ["MoEAlltoAllTokenDispatcher"]), (rank, r)
-        mlp = {m.removeprefix("Scaled") if name == "granitemoe" else m for m in r["mlp_modules"]}
-        assert mlp <= {"MoELayer", "SwiGLUMLP"} and "MoELayer" in mlp, (rank, r)
+        mlp = {m.removeprefix("Scaled") if name.startswith("granitemoe") else m for m in r["mlp_modules"]}
+        # NOTE: FlexOlmo's MoE layer with its post norm (layer_outputs.transformed_moe)
+        moe = "TransformedMoELayer" if name == "flex_olmo" else "MoELayer"
+        assert mlp <= {moe, "SwiGLUMLP"} and moe in mlp, (rank, r)
         # transformers' output type; DeepSeek's and GLM-4.5's forward asks for router_logits: per MoE layer, none
         # for dense ones
         assert r["output_type"] == r["ref_output_type"] == "MoeCausalLMOutputWithPast", (rank, r)
@@ -257,8 +268,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name.startswith("ernie4_5_moe"):  # NOTE: router_logits and transformers' balancing loss (in the loss too)
             assert r["router_counts"] == (ERNIE_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
-        if name.startswith(("olmoe", "minimax_m2")):  # NOTE: router_logits (model dtype), the balancing loss
-            layers = OLMOE_MOE_LAYERS if name.startswith("olmoe") else MINIMAX_MOE_LAYERS
+        if name.startswith(("olmoe", "minimax_m2", "flex_olmo")):  # NOTE: router_logits (model dtype), the balancing
+            layers = MINIMAX_MOE_LAYERS if name == "minimax_m2" else OLMOE_MOE_LAYERS  # loss; every layer sparse
             assert r["router_counts"] == (layers,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
         if name in HYBRID:  # NOTE: router_logits and the balancing loss (in the loss too), as OLMoE's

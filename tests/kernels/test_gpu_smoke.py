@@ -63,7 +63,9 @@ def _train_and_compare(folder: str, out_dir: str, device: str) -> dict:
                                             ("gpt_bigcode", {}), ("gpt_bigcode_mha", {}), ("qwen3_5", {}),
                                             ("qwen3_next", {}), ("qwen3_5_moe", {}), ("minimax_m2", {}),
                                             ("dots1", {}), ("glm", {}), ("olmo", {}), ("nemotron", {}),
-                                            ("hunyuan_v1_moe", {}), ("granitemoehybrid", {})])
+                                            ("hunyuan_v1_moe", {}), ("granitemoehybrid", {}),
+                                            ("hunyuan_v1_dense", {}), ("apertus", {}), ("flex_olmo", {}),
+                                            ("granitemoeshared", {}), ("exaone", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 

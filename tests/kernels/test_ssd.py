@@ -1,12 +1,13 @@
 """``kernels.ssd`` (Mamba2's chunked SSD scan) against transformers' torch chunk scan (``mamba2_chunk_scan``, the
 granitemoehybrid / mamba2 torch path: the same ops, so equal) and a token-by-token recurrence written here (outputs
-and gradients, fp32), over odd shapes and several chunks; packed documents against each document alone."""
+and gradients, fp32), over odd shapes and several chunks; packed documents against each document alone; the one-token
+step (``ssd_step``) against transformers' ``mamba2_selective_state_update``."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.kernels.ssd import ssd_scan
+from loongforge_hf.kernels.ssd import ssd_scan, ssd_step
 
 TOL = 1e-5
 
@@ -78,3 +79,23 @@ def test_packed_documents_restart():
                          initial_state=state[:1] if i == 0 else None)
         assert (got[0, part] - alone[0]).abs().max() < TOL, (n, (got[0, part] - alone[0]).abs().max())
         start += n
+
+
+def test_step_equals_transformers_state_update():
+    """One token from a state: transformers' ``mamba2_selective_state_update`` (fed the raw ``dt``, its ``dt_bias``
+    and softplus, its per-head parameters expanded as its Mamba2 layer expands them) to 1e-6, and the recurrence."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_selective_state_update
+
+    x, _, A, B, C, D, state = _inputs(seq=1, heads=6, groups=3)
+    raw, bias = torch.randn(2, 6), torch.randn(6)
+    head_dim, d_state = x.shape[-1], B.shape[-1]
+    want_state = state.clone()
+    want = mamba2_selective_state_update(want_state, x[:, 0], raw[..., None].expand(-1, -1, head_dim),
+                                         A[:, None, None].expand(-1, head_dim, d_state), B[:, 0], C[:, 0],
+                                         D[:, None].expand(-1, head_dim), dt_bias=bias[:, None].expand(-1, head_dim),
+                                         dt_softplus=True)
+    dt = F.softplus(raw + bias)
+    got, got_state = ssd_step(state, x[:, 0], dt, A, B[:, 0], C[:, 0], D=D)
+    assert (got - want).abs().max() < 1e-6 and (got_state - want_state).abs().max() < 1e-6
+    rec, rec_state = _recurrence(x, dt[:, None], A, B, C, D, state)
+    assert (got - rec[:, 0]).abs().max() < TOL and (got_state - rec_state).abs().max() < TOL
