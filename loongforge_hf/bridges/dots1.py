@@ -15,25 +15,14 @@ Choices:
 """
 
 from loongforge_hf.bridges.deepseek import DeepseekStyleMoE, sigmoid_routing_kwargs
-from loongforge_hf.bridges.layer_types import check_layer_kinds, layer_windows
+from loongforge_hf.bridges.layer_types import WindowsByLayerType
 from loongforge_hf.bridges.registry import register_bridge
 
 
 @register_bridge("Dots1ForCausalLM")
-class Dots1Bridge(DeepseekStyleMoE):
+class Dots1Bridge(WindowsByLayerType, DeepseekStyleMoE):
     qk_norm = True
     expert_bias = True
-    supports_sliding_window = True
-    per_layer_types = True
-
-    def check_config(self) -> None:
-        super().check_config()
-        check_layer_kinds(self.hf_config, self.architectures[0])
-
-    def transformer_config_kwargs(self) -> dict:
-        kw = super().transformer_config_kwargs()
-        kw.pop("window_size", None)
-        return {**kw, **layer_windows(self.hf_config)}
 
     def routing_kwargs(self) -> dict:
         return sigmoid_routing_kwargs(self.hf_config)

@@ -59,6 +59,23 @@ def layer_windows(hf_config) -> dict:
             "window_attn_skip_freq": [int(kind == "sliding_attention") for kind in kinds]}
 
 
+class WindowsByLayerType:
+    """Mixed in before a bridge whose ``layer_types`` say which layers slide (Ministral, dots.llm1): the kinds
+    checked, the window on the sliding layers only (none when no layer slides)."""
+
+    supports_sliding_window = True
+    per_layer_types = True
+
+    def check_config(self) -> None:
+        super().check_config()
+        check_layer_kinds(self.hf_config, self.architectures[0])
+
+    def transformer_config_kwargs(self) -> dict:
+        kw = super().transformer_config_kwargs()
+        kw.pop("window_size", None)
+        return {**kw, **layer_windows(self.hf_config)}
+
+
 class LayerTypes:
     """Mixed into a dense bridge: the checks, window and rope of a model with per-kind layers."""
 

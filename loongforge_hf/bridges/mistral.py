@@ -2,7 +2,7 @@
 MinistralForCausalLM (Ministral-8B): Mistral with the window on the layers ``layer_types`` marks."""
 
 from loongforge_hf.bridges.dense import DenseBridge
-from loongforge_hf.bridges.layer_types import check_layer_kinds, layer_windows
+from loongforge_hf.bridges.layer_types import WindowsByLayerType
 from loongforge_hf.bridges.registry import register_bridge
 
 
@@ -12,14 +12,5 @@ class MistralBridge(DenseBridge):
 
 
 @register_bridge("MinistralForCausalLM")
-class MinistralBridge(MistralBridge):
-    per_layer_types = True
-
-    def check_config(self) -> None:
-        super().check_config()
-        check_layer_kinds(self.hf_config, self.architectures[0])
-
-    def transformer_config_kwargs(self) -> dict:
-        kw = super().transformer_config_kwargs()
-        kw.pop("window_size", None)
-        return {**kw, **layer_windows(self.hf_config)}
+class MinistralBridge(WindowsByLayerType, MistralBridge):
+    pass
