@@ -5,11 +5,12 @@ shared MLP in every layer, Granite's four multipliers.
 Choices:
 - ``mamba`` layers (``linear_attention`` once transformers has read the config): ``mamba.*`` -> our ``Mamba2Mixer``
   in megatron's self-attention slot (``mamba2.py``: TP by heads and groups, B / C replicated where TP exceeds the
-  groups, the padding mask, packed documents, the cached generate's states), its tensors mapped by
-  ``gated_mappings.HeadSections``: ``in_proj`` = this rank's rows of each of transformers' ``in_proj`` blocks (z, x,
-  B, C, dt; B / C a replica of its group's where TP exceeds ``mamba_n_groups``, exported from the group's first
-  rank); ``conv_weight`` / ``conv_bias`` = ``conv1d``'s x, B, C channels likewise; ``A_log``, ``D``, ``dt_bias`` and
-  the gated norm's weight split with the heads; ``out_proj`` row-parallel.
+  groups, the padding mask, packed documents, the cached generate's states, context parallelism through
+  ``parallel/ssd_cp.py``), its tensors mapped by ``gated_mappings.HeadSections``: ``in_proj`` = this rank's rows of
+  each of transformers' ``in_proj`` blocks (z, x, B, C, dt; B / C a replica of its group's where TP exceeds
+  ``mamba_n_groups``, exported from the group's first rank); ``conv_weight`` / ``conv_bias`` = ``conv1d``'s x, B, C
+  channels likewise; ``A_log``, ``D``, ``dt_bias`` and the gated norm's weight split with the heads; ``out_proj``
+  row-parallel.
 - ``attention`` layers: megatron's ``SelfAttention`` (GQA) with Granite's ``attention_multiplier`` as the softmax
   scale, rotated only with ``position_embedding_type="rope"`` (the H models have none: megatron's ``"none"``).
 - MLP: Granite MoE's (``granite.py``: softmax top-k renormalised over the k chosen, the experts stacked on disk,
@@ -20,11 +21,12 @@ Choices:
   attention alike), ``1 / logits_scaling`` on the final norm's output.
 - Cached ``generate``: the attention layers' keys and values and the Mamba2 layers' conv and SSM states in our
   KV cache (``kv_cache.py``); greedy, sampling, beam search.
-- Refused before any collective: context parallelism, ``mamba_n_heads`` that do not split over TP,
-  ``mamba_n_groups`` that neither split over TP nor divide it (the hub's ``n_groups=1`` runs at any TP dividing
-  the heads), ``mamba_proj_bias``, ``attention_bias``, ``hidden_act`` other than silu, unknown ``layer_types``,
-  ``cache_implementation="static"`` (its fixed-shape decode step keeps no Mamba2 state; the default dynamic cache
-  runs).
+- Context parallelism: the attention layers as megatron runs them, the Mamba2 layers passing their conv and SSM
+  states between the ranks' chunks (``parallel/ssd_cp.py``); ``generate`` under it without the cache.
+- Refused before any collective: ``mamba_n_heads`` that do not split over TP, ``mamba_n_groups`` that neither split
+  over TP nor divide it (the hub's ``n_groups=1`` runs at any TP dividing the heads), ``mamba_proj_bias``,
+  ``attention_bias``, ``hidden_act`` other than silu, unknown ``layer_types``, ``cache_implementation="static"``
+  (its fixed-shape decode step keeps no Mamba2 state; the default dynamic cache runs).
 """
 
 from __future__ import annotations
@@ -86,10 +88,6 @@ class GraniteMoeHybridBridge(GraniteMoeBridge):
         c, arch = self.hf_config, self.architectures[0]
         if not self.mamba_layers:
             return
-        if layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(f"context_parallel_size={layout.context_parallel_size} is not supported "
-                                           f"for {arch}: the Mamba2 layers' scan does not pass its state between "
-                                           "context-parallel chunks.")
         tp, groups = layout.tensor_parallel_size, c.mamba_n_groups
         if c.mamba_n_heads % tp:
             raise C.UnsupportedConfigError(f"mamba_n_heads={c.mamba_n_heads} does not split over "

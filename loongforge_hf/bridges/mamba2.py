@@ -33,7 +33,14 @@ Choices:
   (fp32 ``[b, heads, head_dim, d_state]``, this rank's heads): a one-token step by ``kernels.ssd.ssd_step`` with
   ``dt`` not clamped by ``time_step_limit`` (as transformers' and mamba_ssm's one-token step), a longer one (the
   prefill) by the chunked scan with ``initial_state``. Beam search reorders the states with the cache.
-- Refused, before any collective (``granitemoehybrid.py``): context parallelism, heads that do not split over TP,
+- Context parallelism (megatron's load-balanced chunks: the inputs, the mask's rows ``[b, 1, s_local, s]``): the
+  layer runs its own tokens and passes the conv's tail and the SSM state between the chunks over the CP group
+  (``parallel/ssd_cp.py``: each chunk's scan as an affine map of its incoming state, a per-head decay and a state,
+  all-gathered and scanned), the same outputs and gradients as one run over the whole sequence; padding and packed
+  documents as above. The group is megatron's, read at each forward (``context_parallel.cp_group_and_size``).
+  Cached steps never run under CP (generate's cached steps run whole on every rank; its split prefill cannot carry
+  the states and is refused by ``kv_cache.patched``): generate under CP runs without the cache.
+- Refused, before any collective (``granitemoehybrid.py``): heads that do not split over TP,
   groups that neither split over TP nor divide it, projection biases, the static cache; at the forward: megatron's
   ``inference_context`` and THD ``packed_seq_params``.
 """
@@ -46,6 +53,8 @@ import torch
 import torch.nn.functional as F
 
 from loongforge_hf.bridges.gated_deltanet import CachedStep, _token_layout
+from loongforge_hf.parallel.context_parallel import cp_group_and_size
+from loongforge_hf.parallel.ssd_cp import context_parallel_scan
 
 
 class Mamba2Mixer(torch.nn.Module):
@@ -117,12 +126,16 @@ class Mamba2Mixer(torch.nn.Module):
         if cached is not None:
             return self._cached_forward(mixed, cached)
         batch, seq, _ = mixed.shape
-        real, starts = _token_layout(attention_mask, batch, seq)
+        group, cp, _ = cp_group_and_size()
+        real, starts = _token_layout(attention_mask, batch, seq, group=group)
         z, xbc, dt = self._split(mixed, real)
-        documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
-        x, B, C = self._heads(self._conv(xbc, documents), real)
-        y = ssd_scan(x, self._time_steps(dt), -torch.exp(self.A_log.float()), B, C, chunk_size=self.chunk_size,
-                     D=self.D, documents=documents)
+        if cp > 1:  # NOTE: this rank's two load-balanced chunks, states passed over the CP group
+            y = context_parallel_scan(self, xbc, dt, real=real, group=group, starts=starts)
+        else:
+            documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
+            x, B, C = self.conv_heads(xbc, real, documents=documents)
+            y = ssd_scan(x, self.time_steps(dt), -torch.exp(self.A_log.float()), B, C, chunk_size=self.chunk_size,
+                         D=self.D, documents=documents)
         return self._output(y.reshape(batch, seq, -1), z, padded=seq)
 
     def _cached_forward(self, mixed: torch.Tensor, step: CachedStep):
@@ -133,7 +146,7 @@ class Mamba2Mixer(torch.nn.Module):
         z, xbc, dt = self._split(mixed[:, :step.given], step.real)
         cache, index, A = step.cache, step.index, -torch.exp(self.A_log.float())
         history, state = cache.get_conv_state(index), cache.get_recurrent_state(index)
-        x, B, C = self._heads(self._conv(xbc, None, history=history), step.real)
+        x, B, C = self.conv_heads(xbc, step.real, history=None if history is None else history[..., 1:])
         # NOTE: after the conv read it: the cache writes the state in place
         cache.update_conv_state(xbc.transpose(1, 2), index, conv_kernel_size=self.conv_weight.shape[-1])
         if state is not None and step.given == 1:  # NOTE: as transformers' one-token step: no time-step limit
@@ -141,7 +154,7 @@ class Mamba2Mixer(torch.nn.Module):
                                 C[:, 0], D=self.D)
             y = y[:, None]
         else:
-            y, state = ssd_scan(x, self._time_steps(dt), A, B, C, chunk_size=self.chunk_size, D=self.D,
+            y, state = ssd_scan(x, self.time_steps(dt), A, B, C, chunk_size=self.chunk_size, D=self.D,
                                 initial_state=state, output_final_state=True)
         cache.update_recurrent_state(state, index)
         return self._output(y.reshape(*y.shape[:2], -1), z, padded=mixed.shape[1])
@@ -153,9 +166,11 @@ class Mamba2Mixer(torch.nn.Module):
             mixed = mixed * real[..., None].to(mixed.dtype)
         return torch.split(mixed, [self.d_inner, self.conv_dim, self.heads], dim=-1)
 
-    def _heads(self, xbc: torch.Tensor, real: torch.Tensor | None):
-        """The conv's output ``[b, s, conv_dim]`` (padded tokens zeroed again) -> x ``[b, s, heads, head_dim]``, B, C
-        ``[b, s, groups, d_state]``."""
+    def conv_heads(self, xbc: torch.Tensor, real: torch.Tensor | None, *, documents: torch.Tensor | None = None,
+                   history: torch.Tensor | None = None):
+        """The conv (``_conv``) over ``xbc`` ``[b, s, conv_dim]``, padded tokens (``real`` False) zeroed again -> x
+        ``[b, s, heads, head_dim]``, B, C ``[b, s, groups, d_state]``."""
+        xbc = self._conv(xbc, documents, history=history)
         if real is not None:
             xbc = xbc * real[..., None].to(xbc.dtype)
         batch, seq, _ = xbc.shape
@@ -163,7 +178,7 @@ class Mamba2Mixer(torch.nn.Module):
         groups = (batch, seq, self.groups, self.d_state)
         return x.reshape(batch, seq, self.heads, self.head_dim), B.reshape(groups), C.reshape(groups)
 
-    def _time_steps(self, dt: torch.Tensor) -> torch.Tensor:
+    def time_steps(self, dt: torch.Tensor) -> torch.Tensor:
         return F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*self.time_step_limit)
 
     def _output(self, y: torch.Tensor, z: torch.Tensor, *, padded: int):
@@ -177,22 +192,22 @@ class Mamba2Mixer(torch.nn.Module):
     def _conv(self, xbc: torch.Tensor, documents: torch.Tensor | None, *,
               history: torch.Tensor | None = None) -> torch.Tensor:
         """The causal depthwise conv with its bias and ``silu`` (in the weight's dtype) over ``xbc`` ``[b, s, ch]``
-        -> ``[b, s, ch]`` in ``xbc``'s dtype; with ``documents`` (``[b, s]`` ids) no tap reads another document;
-        after ``history`` (the cache's conv state ``[b, ch, conv_kernel]``, the last inputs; None: zeros)."""
+        -> ``[b, s, ch]`` in ``xbc``'s dtype, after ``history`` (the ``conv_kernel - 1`` inputs before the first
+        token, ``[b, ch, conv_kernel - 1]``; None: zeros); with ``documents`` (``[b, s]`` non-decreasing ids) no tap
+        reads another document (the history continues the first token's)."""
         weight, seq = self.conv_weight, xbc.shape[1]
-        inputs = xbc.transpose(1, 2).to(weight.dtype)
         kernel = weight.shape[-1]
-        if history is not None:
-            inputs = torch.cat((history[..., 1:].to(weight.dtype), inputs), dim=-1)
-            out = F.conv1d(inputs, weight, self.conv_bias, groups=self.conv_dim)
-        elif documents is None:
-            out = F.conv1d(inputs, weight, self.conv_bias, padding=kernel - 1, groups=self.conv_dim)[..., :seq]
-        else:
-            out = 0 if self.conv_bias is None else self.conv_bias[:, None]
-            for back in range(kernel):  # NOTE: tap ``back`` tokens back, where the token is of the same document
-                keep = documents == F.pad(documents, (back, 0), value=-1)[:, :seq]
-                shifted = F.pad(inputs, (back, 0))[..., :seq] * keep[:, None].to(inputs.dtype)
-                out = out + weight[:, :, kernel - 1 - back] * shifted
+        inputs = xbc.transpose(1, 2).to(weight.dtype)
+        inputs = F.pad(inputs, (kernel - 1, 0)) if history is None \
+            else torch.cat((history.to(weight.dtype), inputs), dim=-1)
+        if documents is None:
+            return F.silu(F.conv1d(inputs, weight, self.conv_bias, groups=self.conv_dim)).to(xbc.dtype).transpose(1, 2)
+        documents = torch.cat((documents[:, :1].expand(-1, kernel - 1), documents), dim=1)
+        out = 0 if self.conv_bias is None else self.conv_bias[:, None]
+        for back in range(kernel):  # NOTE: tap ``back`` tokens back, where the token is of the same document
+            lo = kernel - 1 - back
+            keep = documents[:, kernel - 1:] == documents[:, lo:lo + seq]
+            out = out + weight[:, :, lo] * (inputs[..., lo:lo + seq] * keep[:, None].to(inputs.dtype))
         return F.silu(out).to(xbc.dtype).transpose(1, 2)
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,8 @@ Choices:
   kernel's value width is ``Dv + Dk`` (its value-side products about twice), and per layer two all-gathers (the
   conv's tails; the chunks' states, ``2 * cp x b x Hv x Dk x (Dv + Dk)`` fp32, which autograd keeps for the
   backward).
-- The conv's halo: each chunk's last ``min(c, conv_kernel - 1)`` inputs are all-gathered; each rank folds them in
-  global order into the history each chunk starts with (a chunk shorter than the kernel passes on part of the one
-  before it too: the short prompts of an uncached generate), zeros before the first chunk.
-- Gradients by autograd through the two all-gathers (``kernels.attention``'s: the backward reduce-scatters, i.e. sums
-  each chunk's gradients from every rank, as every rank's loss share reads every earlier chunk's state).
+- The conv's halo (the last ``conv_kernel - 1`` inputs before each chunk), the all-gather of the chunks' ``B | A``
+  in sequence order and the gradients through both: ``recurrent_cp.py``, shared with Mamba2's ``ssd_cp.py``.
 - Padding (tokens zeroed before the conv, ``GatedDeltaNet._split``) is per token and needs nothing more. Packed
   documents: the conv and the recurrence restart at each document start, as without CP; a chunk with a start passes
   on ``A = 0`` and its last document's state as ``B``, its tokens before the first start read ``S_in``, the later
@@ -43,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loongforge_hf.parallel.context_parallel import cp_token_index
+from loongforge_hf.parallel.recurrent_cp import chunk_order, conv_histories, gather_chunks
 
 
 def read_cp_layout(mask: torch.Tensor, batch: int, seq: int, group):
@@ -77,18 +75,15 @@ def context_parallel_mix(layer, qkv: torch.Tensor, g: torch.Tensor, beta: torch.
     """The conv and the delta rule of ``layer`` (a ``GatedDeltaNet``) over this CP rank's chunks: ``qkv``
     ``[b, 2c, qkv_size]``, ``g`` / ``beta`` ``[b, 2c, Hv]`` (chunks r and ``2 * cp - 1 - r``, in that order) ->
     ``[b, 2c, Hv, Dv]``, as the whole sequence's run gives for these tokens. ``starts``: ``read_cp_layout``'s."""
-    from loongforge_hf.kernels.attention import _GatherSequence
-
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size, order = chunk_order(group)
     batch, local, _ = qkv.shape
     c = local // 2
-    order = (rank, 2 * size - 1 - rank)
     cuts = None if starts is None else starts.view(batch, 2 * size, c)
-    histories = _histories(qkv, cuts, group=group, order=order, width=layer.conv_weight.shape[-1] - 1)
+    histories = conv_histories(qkv, cuts, group=group, width=layer.conv_weight.shape[-1] - 1)
     runs = [_chunk(layer, qkv[:, i * c:(i + 1) * c], g[:, i * c:(i + 1) * c], beta[:, i * c:(i + 1) * c],
                    histories[i], None if cuts is None else cuts[:, j]) for i, j in enumerate(order)]
-    every = _GatherSequence.apply(torch.stack([final for _, _, final in runs]), group)  # NOTE: (r, 2cp-1-r) per rank
-    before = incoming_states([every[_slot(j, size)] for j in range(max(order))], value_dim=layer.value_dim)
+    every = gather_chunks([final for _, _, final in runs], group)
+    before = incoming_states(every[:max(order)], value_dim=layer.value_dim)
     out = [o0 + torch.einsum("bshk,bhkv->bshv", q_eff, before[j]) for (o0, q_eff, _), j in zip(runs, order)]
     return torch.cat(out, dim=1).to(qkv.dtype)
 
@@ -100,40 +95,6 @@ def incoming_states(finals: list[torch.Tensor], *, value_dim: int) -> list[torch
     for final in finals:
         states.append(final[..., value_dim:] @ states[-1] + final[..., :value_dim])
     return states
-
-
-def _slot(chunk: int, size: int) -> int:
-    """Where chunk ``chunk``'s entry sits in an all-gather of every rank's (chunk r, chunk 2cp-1-r) pair."""
-    return 2 * chunk if chunk < size else 2 * (2 * size - 1 - chunk) + 1
-
-
-def _histories(qkv: torch.Tensor, cuts: torch.Tensor | None, *, group, order: tuple[int, int], width: int):
-    """The conv's history (its ``width`` inputs before the chunk, ``[b, qkv_size, width]``) of each of this rank's
-    chunks: every chunk's tail all-gathered, folded in global order; zero at a document start."""
-    from loongforge_hf.kernels.attention import _GatherSequence
-
-    size = dist.get_world_size(group)
-    batch, local, channels = qkv.shape
-    c = local // 2
-    keep = min(c, width)
-    tails = []
-    for i, j in enumerate(order):
-        tail = qkv[:, (i + 1) * c - keep:(i + 1) * c]
-        if cuts is not None:  # NOTE: the inputs of the chunk's last document only (no start after them)
-            count = cuts[:, j].int()
-            later = count.flip(-1).cumsum(-1).flip(-1) - count
-            tail = tail * (later[:, c - keep:] == 0).to(tail)[..., None]
-        tails.append(tail)
-    every = _GatherSequence.apply(torch.stack(tails), group)
-    history, out = qkv.new_zeros(batch, width, channels), {}
-    for j in range(max(order) + 1):
-        fresh = None if cuts is None else cuts[:, j].to(qkv.device)  # NOTE: [b, c] document starts
-        out[j] = history if fresh is None else history * (~fresh[:, 0]).to(history)[:, None, None]
-        if fresh is not None:
-            history = history * (~fresh.any(-1)).to(history)[:, None, None]
-        history = torch.cat((history, every[_slot(j, size)]), dim=1)
-        history = history[:, history.shape[1] - width:]
-    return [out[j].transpose(1, 2) for j in order]
 
 
 def _chunk(layer, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, history: torch.Tensor,

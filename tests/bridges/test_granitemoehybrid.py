@@ -7,8 +7,9 @@ the dense variant (``num_local_experts=0``, with rope). In a two-rank world: TP2
 loss, and every parameter's gradient exported through the bridge) and PP2 (logits, loss) on the tiny model's two
 groups; on one group (the hub's ``mamba_n_groups=1``: B / C replicated on both TP ranks) TP2 with sequence
 parallelism (logits, loss, every gradient, the round trip, cached greedy and beam search), EP2 and TP2 + SP + EP2
-(ETP1) (logits, loss, balancing loss). The refused layouts are checked on the bridge alone (pure, before any
-collective)."""
+(ETP1) (logits, loss, balancing loss); CP2 with Qwen3.5's checks (packed documents and left padding across several
+scan chunks per CP chunk: logits, loss, every gradient; an uncached generate with chunks shorter than the conv; the
+refused cached one). The refused layouts are checked on the bridge alone (pure, before any collective)."""
 
 import pytest
 import torch
@@ -143,11 +144,13 @@ def _gradients(ours, ref, folder: str, tag: str) -> dict | None:
 
 
 def _two_ranks(folders: dict) -> dict:
-    """The tiny model's two groups: TP2 with sequence parallelism (logits, loss, every gradient), PP2 (logits, loss).
-    One group (``_one_group``)."""
+    """The tiny model's two groups: TP2 with sequence parallelism (logits, loss, every gradient), PP2 (logits, loss),
+    CP2 (Qwen3.5's checks: ``test_qwen3_5._cp2_checks``). One group (``_one_group``)."""
     import transformers
 
     import loongforge_hf as lf
+
+    from .test_qwen3_5 import _cp2_checks
 
     folder = folders["moe"]
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -158,6 +161,8 @@ def _two_ranks(folders: dict) -> dict:
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
     out["pp2"] = _padded(ours, ref)
     del ours
+    ref.zero_grad()  # NOTE: rank 0's TP2 gradients (``_gradients``)
+    out["cp2"] = _cp2_checks(folder, ref)
     return {**out, **_one_group(folders["g1"])}
 
 
@@ -283,6 +288,30 @@ def test_one_group_tp2_round_trip_and_cached_generate(two_ranks):
         _check_cached_generate(res["g1_generate"], lengths=[10, 2, 2], channels=64 + 2 * 8, heads=4)
 
 
+def test_context_parallel_padded_and_packed(two_ranks):
+    """CP2 (four chunks of 38 tokens: three of the scan's 16-token chunks each) over a row packing documents of 38,
+    35, 10, 12 and 57 tokens and a row left-padded by 9 (``test_qwen3_5._cp2_padded_and_packed``): transformers'
+    logits and loss on both ranks' shares, every parameter's gradient (reduced over CP as megatron's DDP)."""
+    for rank, res in enumerate(two_ranks):
+        cp = res["cp2"]
+        assert cp["logits"] < TOL and cp["loss"] < TOL, (rank, cp)
+    grads = two_ranks[0]["cp2"]["grads"]
+    mamba = [n for n in grads if ".mamba." in n]
+    assert len(mamba) == 3 * 8 and any(".mamba.conv1d.bias" in n for n in mamba), sorted(grads)
+    worst = max(grads.items(), key=lambda kv: kv[1])
+    assert worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
+
+
+def test_context_parallel_generate(two_ranks):
+    """An uncached greedy generate under CP2 (a 6-token prompt padded to 8: chunks of 2, shorter than the conv's
+    3-token history) gives transformers' tokens and scores; a cached one is refused on every rank."""
+    for rank, res in enumerate(two_ranks):
+        same, scores = res["cp2"]["generate"]
+        assert same and scores < TOL, (rank, res["cp2"]["generate"])
+        assert "under context parallelism generate with use_cache=False" in res["cp2"]["cached_refusal"], \
+            (rank, res["cp2"]["cached_refusal"])
+
+
 def _refused_config(folder: str, **changes):
     import transformers
 
@@ -295,8 +324,7 @@ def _refused_config(folder: str, **changes):
 @pytest.mark.parametrize("changes, layout, field", [
     ({}, {"tensor_parallel_size": 16}, "mamba_n_heads=8 does not split"),
     ({"mamba_expand": 3, "mamba_n_heads": 12, "mamba_n_groups": 4}, {"tensor_parallel_size": 6},
-     "mamba_n_groups=4 does not split over tensor_parallel_size=6"),
-    ({}, {"context_parallel_size": 2}, "context_parallel_size=2 is not supported")])
+     "mamba_n_groups=4 does not split over tensor_parallel_size=6")])
 def test_refused_layouts(folders, changes, layout, field):
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
     from loongforge_hf.parallel import ParallelConfig
