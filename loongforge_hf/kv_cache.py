@@ -248,8 +248,8 @@ def patched(chunks, cache: LoongKVCache, attention_forward, rope_forward, recurr
         raise ValueError("KV cache: the cache was made for another model's attention layers; use a cache made by "
                          "this model's generate().")
     if cache.recurrent and recurrent_step is None:
-        raise ValueError("KV cache: this step cannot carry the states of Gated DeltaNet layers; under context "
-                         "parallelism generate with use_cache=False (or with context_parallel_size=1).")
+        raise ValueError("KV cache: this step cannot carry the states of recurrent (Gated DeltaNet / Mamba2) layers; "
+                         "under context parallelism generate with use_cache=False (or with context_parallel_size=1).")
     for index, module in enumerate(cache.attentions):
         module.forward = types.MethodType(attention_forward(index), module)
     for index, rope in enumerate(cache.rotary_embeddings):

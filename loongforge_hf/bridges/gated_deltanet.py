@@ -272,7 +272,7 @@ def _cu_seqlens(bounds: tuple, seq: int, device: torch.device) -> torch.Tensor:
 def _read_layout(mask: torch.Tensor, batch: int, seq: int):
     rows = mask[:, 0] if mask.dim() == 4 else mask
     if tuple(rows.shape[-2:]) != (seq, seq):
-        raise ValueError(f"Gated DeltaNet: attention mask of shape {tuple(mask.shape)} for {seq} tokens.")
+        raise ValueError(f"Gated DeltaNet / Mamba2: attention mask of shape {tuple(mask.shape)} for {seq} tokens.")
     real = ~rows.diagonal(dim1=-2, dim2=-1).expand(batch, seq)
     before = rows.diagonal(offset=-1, dim1=-2, dim2=-1).expand(batch, seq - 1)  # token t masked from t - 1
     cut = before & real[:, 1:] & real[:, :-1]

@@ -53,8 +53,8 @@ def read_cp_layout(mask: torch.Tensor, batch: int, seq: int, group):
     rows = mask[:, 0] if mask.dim() == 4 else mask
     total = seq * size
     if tuple(rows.shape[-2:]) != (seq, total):
-        raise ValueError(f"Gated DeltaNet: attention mask of shape {tuple(mask.shape)} for {seq} tokens of a "
-                         f"context-parallel rank ({size} ranks: [b, 1, {seq}, {total}] expected).")
+        raise ValueError(f"Gated DeltaNet / Mamba2 layers: attention mask of shape {tuple(mask.shape)} for {seq} "
+                         f"tokens of a context-parallel rank ({size} ranks: [b, 1, {seq}, {total}] expected).")
     index = cp_token_index(total, size, rank, device=rows.device)
     local = torch.arange(seq, device=rows.device)
     real = ~rows[..., local, index].expand(batch, seq)

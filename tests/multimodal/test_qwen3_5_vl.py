@@ -200,8 +200,8 @@ def test_context_parallel_generate(two, reference):
     for rank, got in enumerate(two):
         cp = got["generate_cp2"]
         assert_same_generation(cp["uncached"], reference, f"cp2 rank {rank} uncached", atol=TOL)
-        assert "cannot carry the states of Gated DeltaNet layers; under context parallelism generate with " \
-            "use_cache=False" in (cp["cached_refusal"] or ""), (rank, cp["cached_refusal"])
+        assert "cannot carry the states of recurrent (Gated DeltaNet / Mamba2) layers; under context parallelism " \
+            "generate with use_cache=False" in (cp["cached_refusal"] or ""), (rank, cp["cached_refusal"])
 
 
 def test_bad_configs_are_refused():
