@@ -7,13 +7,17 @@ Choices:
   completion mask), its metrics and ``log``; from LoongTrainer data sharding over data-parallel ranks, the training
   loop, optimizer, checkpoints and ``save_model``. (``_DPOArgsSecond``: LoongTrainer passes ``(model, args)`` as
   Trainer takes them; DPOTrainer's second parameter is ``ref_model``.)
-- Each optimizer step is one ``MegatronEngine.train_step`` whose per-micro-batch loss is TRL's "sigmoid" DPO loss
-  (``engine.loss_hook`` = ``_PreferenceLoss``): on the last pipeline stage, each row's completion log-probability is
-  the sum over its label tokens of ``-CE`` from the fused, vocab-parallel linear cross-entropy with per-token output
-  (``kernels.cross_entropy.linear_cross_entropy(reduction="none")``: no full-vocabulary logits, no gather over TP);
-  the micro-batch's loss is the mean over its pairs, and the step's gradients are divided by the number of
-  micro-batches times data-parallel ranks (the hook's count, 1 per micro-batch): the mean of the micro-batches'
-  means, averaged over ranks, which is what Trainer's ``loss / gradient_accumulation_steps`` under DDP gives TRL.
+- Each optimizer step is one ``MegatronEngine.train_step`` whose per-micro-batch loss is TRL's DPO loss of the
+  config's ``loss_type`` (every TRL 1.16 type, weighted by ``loss_weights``, with ``label_smoothing``,
+  ``discopop_tau`` and ``f_divergence_type``: ``dpo_losses.DPOLoss``, from the rows' completion log-probabilities and
+  token counts; ``engine.loss_hook`` = ``_PreferenceLoss``): on the last pipeline stage, each row's completion
+  log-probability is the sum over its label tokens of ``-CE`` from the fused, vocab-parallel linear cross-entropy
+  with per-token output (``kernels.cross_entropy.linear_cross_entropy(reduction="none")``: no full-vocabulary
+  logits, no gather over TP);
+  the micro-batch's loss is TRL's over its pairs (means over the pairs; "aot" sorts within the micro-batch), and the
+  step's gradients are divided by the number of micro-batches times data-parallel ranks (the hook's count, 1 per
+  micro-batch): the mean of the micro-batches' losses, averaged over ranks, which is what Trainer's
+  ``loss / gradient_accumulation_steps`` under DDP gives TRL.
 - Reference log-probabilities, as TRL picks them: a ``ref_model`` (a second ``LoongModelForCausalLM`` with the
   policy's layout; without one, and without LoRA or ``precompute_ref_log_probs``, loaded from the policy's
   ``name_or_path`` with its layout and dtype, as TRL loads it), the policy with its adapters disabled (a
@@ -34,12 +38,14 @@ Choices:
   micro-batch's values over the data-parallel ranks (TRL gathers them), the log their mean since the last one. TRL's
   ``logits/chosen`` and ``logits/rejected`` (mean logit over the vocabulary) are not logged: the fused head never
   builds the logits.
-- Refused with a message, on every rank before any collective: a loss type other than "sigmoid" (and
-  ``loss_weights`` other than one weight), ``use_liger_kernel``, ``padding_free``, ``ld_alpha``, ``use_weighting``,
-  a non-default ``f_divergence_type``, ``sync_ref_model``, ``activation_offloading``, ``rpo_alpha`` (older TRL),
+- Refused with a message, on every rank before any collective: a loss type TRL 1.16 does not know,
+  ``use_liger_kernel``, ``padding_free``, ``ld_alpha``, ``use_weighting`` (WPO: the vocabulary's squared
+  probabilities at each token), ``sync_ref_model``, ``activation_offloading``, ``rpo_alpha`` (an older TRL's field;
+  TRL 1.16 writes RPO as ``loss_type=["sigmoid", "sft"]``, ``loss_weights=[1, alpha]``, which runs here),
   image datasets / processors, MoE router auxiliary loss, context parallelism, virtual pipeline stages, a
   ``ref_model`` that is not a loongforge model of the same layout, non-LoRA ``peft_config``, custom ``optimizers``,
-  ``quantization_config``. (TRL 1.16's "sigmoid" loss does not read ``label_smoothing``; neither does this.)
+  ``quantization_config``. TRL's own checks (``label_smoothing`` of "exo_pair", which loss types take an
+  ``f_divergence_type``) run in its ``__init__``, on every rank alike.
 """
 
 from __future__ import annotations
@@ -52,13 +58,14 @@ import torch
 import torch.distributed as dist
 from trl import DPOConfig, DPOTrainer
 
+from loongforge_hf.integrations.dpo_losses import LOSS_TYPES, DPOLoss, reward_stats
+from loongforge_hf.integrations.dpo_losses import STATS as REWARD_STATS
 from loongforge_hf.trainer.arguments import LoongArgumentsMixin
 from loongforge_hf.trainer.loong_trainer import LoongTrainer
 
-# per micro-batch, summed over the data-parallel ranks: chosen / rejected rewards, reward accuracies, margins,
-# chosen / rejected log-probs, pairs; entropy sum, completion tokens, top-1 hits and tokens of the chosen completions
-_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-          "logps/rejected", "pairs", "entropy", "tokens", "top1", "chosen_tokens")
+# per micro-batch, summed over the data-parallel ranks: the reward metrics (dpo_losses.STATS); entropy sum,
+# completion tokens, top-1 hits and tokens of the chosen completions
+_STATS = REWARD_STATS + ("entropy", "tokens", "top1", "chosen_tokens")
 
 
 @dataclass
@@ -82,15 +89,18 @@ def _refuse_unsupported(args: DPOConfig, model, ref_model, peft_config, train_da
 
     named = [k for k, v in given.items() if v is not None and v != (None, None)]
     problems = [f"{named} (the megatron engine owns the optimizer)"] if named else []
-    if list(args.loss_type) != ["sigmoid"]:
-        problems.append(f"loss_type={args.loss_type!r} (only 'sigmoid')")
-    if args.loss_weights is not None and len(args.loss_weights) != 1:
-        problems.append(f"loss_weights={args.loss_weights!r}")
-    for field, default in (("use_liger_kernel", False), ("padding_free", False), ("ld_alpha", None),
-                           ("use_weighting", False), ("f_divergence_type", "reverse_kl"), ("sync_ref_model", False),
-                           ("activation_offloading", False), ("rpo_alpha", None)):
+    unknown = [t for t in args.loss_type if t not in LOSS_TYPES]
+    if unknown:
+        problems.append(f"loss_type {unknown!r} (TRL 1.16's are {list(LOSS_TYPES)})")
+    for field, default, why in (
+            ("use_liger_kernel", False, ""), ("padding_free", False, ""),
+            ("ld_alpha", None, " (per-token weights of the longer completion's tail)"),
+            ("use_weighting", False, " (WPO weights need the whole vocabulary's probabilities at each token)"),
+            ("sync_ref_model", False, ""), ("activation_offloading", False, ""),
+            ("rpo_alpha", None, " (an older TRL's field: write loss_type=['sigmoid', 'sft'], "
+                                "loss_weights=[1.0, rpo_alpha], as TRL 1.16 does)")):
         if getattr(args, field, default) != default:
-            problems.append(f"{field}={getattr(args, field)!r}")
+            problems.append(f"{field}={getattr(args, field)!r}{why}")
     sample = next(iter(train_dataset)) if train_dataset is not None else {}
     if "image" in sample or "images" in sample or hasattr(processing_class, "image_processor"):
         problems.append("image datasets / processors (vision DPO)")
@@ -238,7 +248,7 @@ class _PreferenceBatches:
 
 
 class _PreferenceLoss:
-    """``MegatronEngine.loss_hook``: TRL's sigmoid DPO loss of each micro-batch (see the module docstring)."""
+    """``MegatronEngine.loss_hook``: the DPO loss of each micro-batch (see the module docstring)."""
 
     num_stats = len(_STATS)
 
@@ -265,9 +275,10 @@ class _PreferenceLoss:
         logps = torch.cat([_token_logps(out, labels[i * rows:(i + 1) * rows], head, vocab_size=vocab, stats=stats)
                            .sum(dim=1) for i, (out, stats) in enumerate(halves)])
         ref = self._reference(batch, device)
-        loss, stats = dpo_sigmoid(logps, ref, beta=trainer.beta)
-        loss = loss * trainer.loss_weights[0]
         counts = (labels != -100).sum(dim=1).float()
+        loss = trainer.preference_loss(logps, ref, lengths=batch["completion_mask"].to(device).sum(dim=1),
+                                       label_tokens=counts)
+        stats = reward_stats(logps, ref, beta=trainer.beta)
         tokens = torch.stack([chosen_stats[0] + rejected_stats[0], counts.sum(), chosen_stats[1], counts[:rows].sum()])
         return loss, torch.ones((), dtype=torch.int64, device=device), torch.cat([stats, tokens])
 
@@ -277,22 +288,6 @@ class _PreferenceLoss:
         return self.reference[id(batch)]
 
 
-def dpo_sigmoid(logps: torch.Tensor, ref_logps: torch.Tensor, *, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRL's "sigmoid" loss (the mean over pairs of ``-logsigmoid(beta * (chosen - rejected log-ratio))``) of a batch
-    of ``[chosen rows, rejected rows]`` sequence log-probs, and the sums of its reward metrics (``_STATS[:7]``)."""
-    chosen, rejected = logps.chunk(2)
-    ref_chosen, ref_rejected = ref_logps.chunk(2)
-    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    loss = -torch.nn.functional.logsigmoid(beta * (chosen_ratio - rejected_ratio)).mean()
-    with torch.no_grad():
-        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
-        stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
-                             (chosen_rewards > rejected_rewards).float().sum(),
-                             (chosen_rewards - rejected_rewards).sum(), chosen.sum(), rejected.sum(),
-                             torch.tensor(float(chosen.numel()), device=logps.device)])
-    return loss, stats.float()
-
-
 def _append_metrics(metrics: dict, values: list[float]) -> None:
     """TRL's per-micro-batch metrics from the ``_STATS`` sums of one micro-batch over the data-parallel ranks."""
     s = dict(zip(_STATS, values))
@@ -300,7 +295,9 @@ def _append_metrics(metrics: dict, values: list[float]) -> None:
     for key in _STATS[:6]:
         metrics[key].append(s[key] / pairs)
     metrics["entropy"].append(s["entropy"] / s["tokens"] if s["tokens"] else 0.0)
-    metrics["mean_token_accuracy"].append(s["top1"] / s["chosen_tokens"] if s["chosen_tokens"] else 0.0)
+    # NOTE: TRL divides the token counts in fp32
+    accuracy = torch.tensor(s["top1"]) / torch.tensor(s["chosen_tokens"]) if s["chosen_tokens"] else 0.0
+    metrics["mean_token_accuracy"].append(float(accuracy))
 
 
 def _disable_residual_dropout(model) -> None:
@@ -355,6 +352,7 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
         finally:
             args.precompute_ref_log_probs = precompute
         self.precompute_ref_logps = precompute
+        self.preference_loss = DPOLoss.from_args(args)
         if isinstance(self.ref_model, _PolicyAsReference):
             self.ref_model = None
         if self.aux_loss_enabled:
@@ -454,15 +452,15 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
             ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).to(logps)
         else:
             ref = self.reference_logps([inputs], everywhere=True)[0]
-        loss, stats = dpo_sigmoid(logps, ref, beta=self.beta)
+        loss = self.preference_loss(logps, ref, lengths=inputs["completion_mask"].to(logps.device).sum(dim=1),
+                                    label_tokens=(_shifted(inputs, logps.device) != -100).sum(dim=1))
         # NOTE: no entropy / token accuracy in evaluation (the forward-only pass keeps the log-probs only)
-        values = stats.double()
+        values = reward_stats(logps, ref, beta=self.beta).double()
         if dist.is_initialized():
             dist.all_reduce(values, group=ps.get_data_parallel_group())
         s = dict(zip(_STATS, values.tolist()))
         for key in _STATS[:6]:
             self._metrics["eval"][key].append(s[key] / max(s["pairs"], 1.0))
-        loss = loss * self.loss_weights[0]
         return (loss, None) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -10,7 +10,7 @@ import torch
 
 WORDS = [f"tok{i}" for i in range(4, 203)]
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected", "entropy", "mean_token_accuracy", "num_tokens")
+           "logps/rejected", "entropy", "mean_token_accuracy", "num_tokens", "grad_norm")
 
 # name -> (DPOConfig overrides, LoraConfig kwargs or None, ref_model passed)
 SCENARIOS = {
@@ -20,6 +20,26 @@ SCENARIOS = {
                                dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]), False),
     "full_precomputed": ({"learning_rate": 2e-3, "precompute_ref_log_probs": True}, None, False),
 }
+
+# TRL 1.16's other loss types, each in a 2-step full fine-tuning run against a passed reference, with label smoothing
+# where they read it, each f-divergence with one loss type that takes it, and RPO ("sigmoid" plus "sft", weighted);
+# the ones that count tokens also evaluate after each step: name -> DPOConfig overrides
+_EVAL_EACH_STEP = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 2}
+_LOSS_OVERRIDES = {
+    "hinge": {"loss_type": "hinge"}, "ipo": {"loss_type": "ipo", **_EVAL_EACH_STEP},
+    "exo_pair": {"loss_type": "exo_pair", "label_smoothing": 1e-3}, "nca_pair": {"loss_type": "nca_pair"},
+    "robust_js": {"loss_type": "robust", "label_smoothing": 0.1, "f_divergence_type": "js_divergence"},
+    "bco_pair": {"loss_type": "bco_pair"}, "sppo_hard": {"loss_type": "sppo_hard"},
+    "aot": {"loss_type": "aot", "label_smoothing": 0.1}, "aot_unpaired": {"loss_type": "aot_unpaired"},
+    "apo_zero": {"loss_type": "apo_zero"}, "apo_down": {"loss_type": "apo_down"},
+    "discopop_alpha": {"loss_type": "discopop", "discopop_tau": 0.2, "f_divergence_type": "alpha_divergence",
+                       "f_alpha_divergence_coef": 0.3},
+    "sigmoid_norm_fkl": {"loss_type": "sigmoid_norm", "f_divergence_type": "forward_kl"},
+    # an older TRL's rpo_alpha=0.5
+    "rpo": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], **_EVAL_EACH_STEP},
+}
+LOSS_SCENARIOS = {name: ({"learning_rate": 2e-3, "max_steps": 2, **overrides}, None, True)
+                  for name, overrides in _LOSS_OVERRIDES.items()}
 
 
 def _sentence(g: torch.Generator, low: int, high: int) -> str:
@@ -69,8 +89,8 @@ def _eval_dataset(overrides: dict):
     return make_dataset(4, seed=3) if overrides.get("eval_strategy") else None
 
 
-def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
-    """trl.DPOTrainer (+ PEFT): {scenario: {"logs", "weights" (the trained tensors, HF / PEFT names)}}."""
+def run_trl(folder: str, out_dir: str, names: list[str], scenarios: dict = SCENARIOS) -> dict:
+    """trl.DPOTrainer (+ PEFT): {scenario: {"logs", "weights" (the trained tensors, HF / PEFT names; rank 0)}}."""
     import peft
     import transformers
     import trl
@@ -80,7 +100,7 @@ def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
 
     out = {}
     for name in names:
-        overrides, lora, with_ref = SCENARIOS[name]
+        overrides, lora, with_ref = scenarios[name]
         trainer = trl.DPOTrainer(model=load(), ref_model=load() if with_ref else None,
                                  args=dpo_config(f"{out_dir}/{name}", **overrides), train_dataset=make_dataset(),
                                  eval_dataset=_eval_dataset(overrides), processing_class=_tokenizer(folder),
@@ -93,7 +113,7 @@ def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
     return out
 
 
-def run_loong(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict:
+def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], scenarios: dict = SCENARIOS) -> dict:
     """LoongDPOTrainer: {scenario: {"logs", "weights" (the saved model's or adapter's tensors, rank 0)}}."""
     import peft
     import torch.distributed as dist
@@ -106,7 +126,7 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict
 
     out = {}
     for name in names:
-        overrides, lora, with_ref = SCENARIOS[name]
+        overrides, lora, with_ref = scenarios[name]
         trainer = lf.LoongDPOTrainer(model=load(), ref_model=load() if with_ref else None,
                                      args=dpo_config(f"{out_dir}/{name}", **overrides), train_dataset=make_dataset(),
                                      eval_dataset=_eval_dataset(overrides), processing_class=_tokenizer(folder),
@@ -131,10 +151,13 @@ def refusals(folder: str, out_dir: str) -> list[str]:
 
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     messages = []
-    for overrides in ({"loss_type": ["ipo"]}, {"use_liger_kernel": True}, {"padding_free": True},
-                      {"ld_alpha": 0.5}):
+    for overrides in ({"loss_type": ["sigmoid", "kto"]}, {"use_liger_kernel": True}, {"padding_free": True},
+                      {"ld_alpha": 0.5}, {"use_weighting": True}, {}):
+        args = dpo_config(out_dir, **overrides)
+        if not overrides:
+            args.rpo_alpha = 0.5  # NOTE: a field of older TRLs' DPOConfig (TRL 1.16 has none)
         try:
-            lf.LoongDPOTrainer(model=model, args=dpo_config(out_dir, **overrides), train_dataset=make_dataset(4),
+            lf.LoongDPOTrainer(model=model, args=args, train_dataset=make_dataset(4),
                                processing_class=_tokenizer(folder))
             messages.append("no error")
         except ValueError as e:
