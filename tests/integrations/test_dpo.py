@@ -33,22 +33,12 @@ ALL_SCENARIOS = {**SCENARIOS, **LOSS_SCENARIOS}
 DP_NAMES = ["lora_disabled_adapters", *LOSS_SCENARIOS]
 
 
-def _fewer_gc_walks() -> None:
-    """Each Trainer.train() starts with accelerate's ``free_memory``: a full ``gc.collect`` walks every object of the
-    imported modules (about 0.3 s a trainer here); frozen, they are not walked again."""
-    import gc
-
-    gc.freeze()
-
-
 def _tp1_world(folder: str, out_dir: str) -> dict:
-    _fewer_gc_walks()
     return {"trl": run_trl(folder, out_dir + "/trl", NAMES), "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
             "refusals": refusals(folder, out_dir + "/refused")}
 
 
 def _two_rank_world(folder: str, out_dir: str) -> dict:
-    _fewer_gc_walks()
     out = {name: run_loong(folder, f"{out_dir}/{name}", layout, TWO_RANK_NAMES) for name, layout in LAYOUTS.items()}
     # NOTE: trl.DPOTrainer's accelerate runs DDP over this world's gloo group, as under torchrun
     out["trl_ddp"] = run_trl(folder, out_dir + "/trl-ddp", DP_NAMES, ALL_SCENARIOS)
