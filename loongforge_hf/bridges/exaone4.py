@@ -12,24 +12,14 @@ Choices:
 """
 
 from loongforge_hf.bridges.layer_outputs import transformed_attention
-from loongforge_hf.bridges.layer_types import check_layer_kinds, layer_windows
+from loongforge_hf.bridges.layer_types import WindowsByLayerType
 from loongforge_hf.bridges.olmo2 import PostNorms
 from loongforge_hf.bridges.registry import register_bridge
 from loongforge_hf.bridges.smollm3 import no_rope_attention
 
 
 @register_bridge("Exaone4ForCausalLM")
-class Exaone4Bridge(PostNorms):
-    supports_sliding_window = True
-    per_layer_types = True
-
-    def check_config(self) -> None:
-        super().check_config()
-        check_layer_kinds(self.hf_config, self.architectures[0])
-
-    def transformer_config_kwargs(self) -> dict:
-        return {**super().transformer_config_kwargs(), **layer_windows(self.hf_config)}
-
+class Exaone4Bridge(WindowsByLayerType, PostNorms):
     def attention_module(self) -> type | None:
         c = self.hf_config
         post_norm = transformed_attention(post_norm=True)

@@ -60,7 +60,7 @@ def layer_windows(hf_config) -> dict:
 
 
 class WindowsByLayerType:
-    """Mixed in before a bridge whose ``layer_types`` say which layers slide (Ministral, dots.llm1): the kinds
+    """Mixed in before a bridge whose ``layer_types`` say which layers slide (Ministral, dots.llm1, EXAONE 4): the kinds
     checked, the window on the sliding layers only (none when no layer slides)."""
 
     supports_sliding_window = True
