@@ -558,14 +558,16 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
     def hf_device_map(self) -> dict:
         """Read first thing by ``transformers.Trainer.__init__``: only LoongTrainer may train this model.
 
-        NOTE: a plain Trainer (or trl.SFTTrainer) would shard batches over every process, wrap the model in torch DDP
-        over the whole world (overwriting other tensor-parallel ranks' shards) and skip megatron's gradient
-        reductions. LoongTrainer marks the model (``model_parallel = True``) before ``Trainer.__init__``.
+        NOTE: a plain Trainer (or trl.SFTTrainer, trl.DPOTrainer) would shard batches over every process, wrap the
+        model in torch DDP over the whole world (overwriting other tensor-parallel ranks' shards) and skip megatron's
+        gradient reductions. LoongTrainer marks the model (``model_parallel = True``) before ``Trainer.__init__``.
         """
         if not self.__dict__.get("model_parallel", False):
-            raise TypeError("transformers.Trainer and trl.SFTTrainer cannot train a loongforge_hf model: use "
-                            "loongforge_hf.LoongTrainer (same arguments as transformers.Trainer) or "
-                            "loongforge_hf.LoongSFTTrainer (same arguments as trl.SFTTrainer, peft_config included).")
+            raise TypeError("transformers.Trainer, trl.SFTTrainer and trl.DPOTrainer cannot train a loongforge_hf "
+                            "model: use loongforge_hf.LoongTrainer (same arguments as transformers.Trainer), "
+                            "loongforge_hf.LoongSFTTrainer (same arguments as trl.SFTTrainer, peft_config included) "
+                            "or loongforge_hf.LoongDPOTrainer (same arguments as trl.DPOTrainer, peft_config "
+                            "included).")
         return {}  # NOTE: an empty map, not None: accelerate's verify_device_map takes len() of it
 
     def add_model_tags(self, tags: str | list[str]) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -69,16 +68,6 @@ class XIELU(torch.nn.Module):
                                                    sharded_offsets)
 
 
-@dataclass(frozen=True)
-class ReplicatedScalar(Replicated):
-    """A 0-d tensor (xIELU's ``beta`` / ``eps``), whole on every rank and written whole: the streamed export writes
-    blocks along a dim, which a scalar has not."""
-
-    def export(self, shards, ctx, layer):
-        # NOTE: defined here so that mappings.streams_export is False for this class (export_parts is Replicated's)
-        return super().export(shards, ctx, layer)
-
-
 @functools.cache
 def xielu_mlp() -> type:
     """megatron's ungated ``MLP`` whose activation is an ``XIELU`` of its own (``act_fn``)."""
@@ -117,8 +106,7 @@ class ApertusBridge(ArceeBridge):
     def dense_mlp_mappings(self) -> list[Mapping]:
         maps = [with_replaced_names(m, _NORMS) for m in super().dense_mlp_mappings()]
         if self.own_activation:
-            maps += [(ReplicatedScalar if n in _XIELU_BUFFERS else Replicated)(
-                f"{D}.mlp.act_fn.{n}", f"{L}.mlp.act_fn.{n}") for n in _XIELU]
+            maps += [Replicated(f"{D}.mlp.act_fn.{n}", f"{L}.mlp.act_fn.{n}") for n in _XIELU]
         return maps
 
     def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -10,8 +10,10 @@ Choices:
   2.4B ties it to the embedding).
 - A checkpoint transformers 5 saved names its architecture ``LlamaForCausalLM`` with ``model_type="exaone"`` and the
   same tensor names; the registry sends it here by its model type.
-- Refused as Llama's: ``attention_bias``, ``mlp_bias``, rope types other than default / llama3 / YaRN. LoRA targets
-  are matched on transformers' module tree (Llama's names), which this bridge's names do not reach: refused.
+- Refused as Llama's: ``attention_bias``, ``mlp_bias``, rope types other than default / llama3 / YaRN.
+- LoRA: PEFT matches targets on transformers' module tree (Llama's names: ``q_proj``, ``o_proj``, ``gate_proj``, ...)
+  and names the adapter's tensors so; ``checkpoint_name`` takes such a name to this checkpoint's by the same table,
+  so the planner finds each target's tensor (``lora/plan.py``).
 """
 
 from loongforge_hf.bridges.dense import DenseBridge
@@ -39,6 +41,11 @@ class ExaoneBridge(DenseBridge):
 
     def final_mappings(self) -> list[Mapping]:
         return [with_replaced_names(m, _NAMES) for m in super().final_mappings()]
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of tensor ``name`` of transformers' module tree (``model.layers.0.self_attn.o_proj
+        .weight`` -> ``transformer.h.0.attn.attention.out_proj.weight``)."""
+        return replaced(name, _NAMES)
 
     def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
         return {replaced(n, _NAMES): shape for n, shape in super().expected_hf_shapes().items()}

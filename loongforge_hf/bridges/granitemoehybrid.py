@@ -15,8 +15,8 @@ Choices:
   scale, rotated only with ``position_embedding_type="rope"`` (the H models have none: megatron's ``"none"``).
 - MLP: Granite MoE's (``granite.py``: softmax top-k renormalised over the k chosen, the experts stacked on disk,
   transformers' balancing loss and ``router_logits``) plus the always-on ``shared_mlp`` as megatron's shared experts
-  (``input_linear`` ``[gate; up]``, ``output_linear``; no gate); with ``num_local_experts=0`` the shared MLP alone,
-  as a dense layer's MLP.
+  (``input_linear`` ``[gate; up]``, ``output_linear``; no gate: ``granitemoeshared``'s mappings); with
+  ``num_local_experts=0`` the shared MLP alone, as a dense layer's MLP.
 - Multipliers as Granite MoE's: the embedding's, the residual one on the mixer's and the MLP's outputs (Mamba2 or
   attention alike), ``1 / logits_scaling`` on the final norm's output.
 - Cached ``generate``: the attention layers' keys and values and the Mamba2 layers' conv and SSM states in our
@@ -35,8 +35,8 @@ from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L, DenseBridge
 from loongforge_hf.bridges.gated_mappings import HeadSections
 from loongforge_hf.bridges.granite import GraniteMoeBridge
+from loongforge_hf.bridges.granitemoeshared import shared_mlp_mappings, shared_mlp_shapes
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
-from loongforge_hf.bridges.packed_mappings import PackedGatedMLP
 from loongforge_hf.bridges.registry import register_bridge
 
 MAMBA, ATTENTION = ("linear_attention", "mamba"), ("full_attention", "attention")
@@ -151,14 +151,11 @@ class GraniteMoeHybridBridge(GraniteMoeBridge):
         return maps
 
     def mlp_mappings(self) -> list[Mapping]:
-        shared, size = f"{L}.shared_mlp", self.shared_ffn_size()
+        size = self.shared_ffn_size()
         if not self.hf_config.num_local_experts:
             return [Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
-                    PackedGatedMLP(f"{D}.mlp.linear_fc1.weight", f"{shared}.input_linear.weight", size),
-                    RowParallel(f"{D}.mlp.linear_fc2.weight", f"{shared}.output_linear.weight")]
-        return self.moe_mappings() + [
-            PackedGatedMLP(f"{D}.mlp.shared_experts.linear_fc1.weight", f"{shared}.input_linear.weight", size),
-            RowParallel(f"{D}.mlp.shared_experts.linear_fc2.weight", f"{shared}.output_linear.weight")]
+                    *shared_mlp_mappings(size, megatron=f"{D}.mlp")]
+        return self.moe_mappings() + shared_mlp_mappings(size)
 
     def layer_mappings(self) -> list[Mapping]:
         return self.attention_mappings() + self.mamba_mappings()[1:] + self.mlp_mappings()
@@ -179,9 +176,8 @@ class GraniteMoeHybridBridge(GraniteMoeBridge):
         return shapes
 
     def mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        h, size = self.hf_config.hidden_size, self.shared_ffn_size()
-        shapes = {f"{prefix}.shared_mlp.input_linear.weight": (2 * size, h),
-                  f"{prefix}.shared_mlp.output_linear.weight": (h, size)}
+        h = self.hf_config.hidden_size
+        shapes = shared_mlp_shapes(prefix, hidden=h, size=self.shared_ffn_size())
         if self.hf_config.num_local_experts:
             return {**self.moe_shapes(prefix), **shapes}
         return {f"{prefix}.post_attention_layernorm.weight": (h,), **shapes}

@@ -10,7 +10,13 @@ Choices:
 - The order of ``LoraPlan.targets`` is PEFT's creation order (the order it draws the random initialisation in):
   module targets in HF ``named_modules`` order, then parameter targets (``param_targets.py``).
 - Each target is tied to the bridge mapping holding its HF weight (``_LINEAR_KINDS``: q/k/v slots of ``linear_qkv``,
-  gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be.
+  gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be (a
+  last component only where no linear it names is refused: not Granite 4.0 H's Mamba2 ``in_proj``, five sections in
+  one HF linear, nor ``'all-linear'`` without ``exclude_modules`` for those).
+- A bridge whose checkpoint names differ from transformers' module tree (EXAONE 3: ``transformer.h.N.attn.attention
+  .out_proj`` for ``model.layers.N.self_attn.o_proj``) gives ``checkpoint_name``, the planner's way from PEFT's name
+  to the bridge's tensor (as image-text bridges give their trees' prefixes); PEFT's names stay the adapter's, the
+  checkpoint's last component names the adapter's slot in the megatron module (``Target.slot_name``).
 - ``modules_to_save`` may name norms, ``embed_tokens`` and an untied ``lm_head`` (whole parameters megatron keeps
   replicated or vocab-split); a tensor-parallel linear there is refused (its rows are fused with others' in megatron).
 - Mixture-of-experts models (Qwen3-MoE, Mixtral): PEFT on transformers 5 first rewrites the config of these models
@@ -223,7 +229,10 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     _check_config(config)
     skeleton = _hf_skeleton((vl_bridge or bridge).hf_config, image_text=vl_bridge is not None)
     config = as_peft_rewrites(config, skeleton, bridge)
-    param_targets = plan_param_targets(config, skeleton, bridge, checkpoint_names(vl_bridge))
+    # NOTE: a text bridge whose checkpoint names differ from transformers' module tree says how (EXAONE 3)
+    on_disk = checkpoint_names(vl_bridge) if vl_bridge is not None else \
+        getattr(bridge, "checkpoint_name", checkpoint_names(None))
+    param_targets = plan_param_targets(config, skeleton, bridge, on_disk)
     output_embedding = skeleton.get_output_embeddings()
     modules = list(skeleton.named_modules())
     linear_names = {n for n, mod in modules if isinstance(mod, (nn.Linear, Conv1D)) and mod is not output_embedding}
@@ -235,7 +244,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         matcher = copy(config)
         matcher.target_modules = linear_names
 
-    index, on_disk = {**_hf_tensor_index(bridge), **vision_index(vl_bridge)}, checkpoint_names(vl_bridge)
+    index = {**_hf_tensor_index(bridge), **vision_index(vl_bridge)}
     targets: list[Target] = []
     refused: list[str] = []
     conv1d = None  # NOTE: whether the last module target is a Conv1D: PEFT's fan_in_fan_out ends so
@@ -243,25 +252,26 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         # NOTE: an excluded module comes back as a falsy marker object.
         if not name or not check_target_module_exists(matcher, name):
             continue
-        entry = index.get(on_disk(f"{name}.weight"))
-        kind = None if entry is None else "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(type(_unwrapped(
-            entry[0])))
-        if not isinstance(module, (nn.Linear, Conv1D)) or kind is None or (entry[1] is None and kind != "vision"):
+        entry = _adaptable(name, module, index, on_disk)
+        if entry is None:
             refused.append(name)
             continue
-        mapping, layer, slot = entry
+        mapping, layer, slot, kind = entry
         r, alpha = rank_and_alpha(config, name)
         scaling = alpha / (math.sqrt(r) if config.use_rslora else r)
         conv1d = isinstance(module, Conv1D)
         in_features, out_features = (module.nx, module.nf) if conv1d else (module.in_features, module.out_features)
+        # NOTE: the adapter's key in the megatron module is the checkpoint's name of the linear (EXAONE 3's
+        # out_proj for transformers' o_proj), as the fused layouts name their slots (model._layout_and_slices)
+        leaf = on_disk(f"{name}.weight").removesuffix(".weight").rsplit(".", 1)[-1]
         targets.append(Target(hf_module=name, layer=layer, mapping=mapping, slot=slot, kind=kind,
-                              in_features=in_features, out_features=out_features, r=r, scaling=scaling))
+                              in_features=in_features, out_features=out_features, r=r, scaling=scaling,
+                              slot_name=None if leaf == name.rsplit(".", 1)[-1] else leaf))
     if refused:
         refuse_own_forward_linears(refused, dict(modules))
-        suffixes = sorted({n.rsplit(".", 1)[-1] for n in linear_names})
         raise LoraConfigError(f"target_modules match {refused[:4]}{' ...' if len(refused) > 4 else ''}, which "
-                              f"cannot carry a LoRA adapter on megatron layers; targetable modules: {suffixes} "
-                              "or 'all-linear'.")
+                              "cannot carry a LoRA adapter on megatron layers; targetable modules: "
+                              f"{_targetable(modules, linear_names, index, on_disk)}.")
     _set_fan_in_fan_out(config, conv1d, bool(param_targets))
     targets += param_targets
     check_dora(config, targets)
@@ -269,7 +279,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     if not targets:
         raise LoraConfigError(f"target_modules={config.target_modules!r} match no module of "
                               f"{type(skeleton).__name__}; targetable: "
-                              f"{sorted({n.rsplit('.', 1)[-1] for n in linear_names})} or 'all-linear'.")
+                              f"{_targetable(modules, linear_names, index, on_disk)}.")
 
     saved = _saved_tensors(config, modules, index, bridge, output_embedding, on_disk)
     embedding = skeleton.get_input_embeddings()
@@ -281,6 +291,30 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     return LoraPlan(targets=targets, saved=saved, target_modules=target_modules, config=config,
                     hf_param_count=sum(math.prod(s) for s in shapes.values()), hf_shapes=shapes,
                     token_indices=token_indices, embedding_name=embedding_name)
+
+
+def _adaptable(name: str, module, index, on_disk) -> tuple[Mapping, int | None, int, str] | None:
+    """(mapping, layer, slot, kind) of the HF module ``name`` where it can carry an adapter here, else None: a linear
+    whose weight a linear kind of mapping holds (``_LINEAR_KINDS``) in a decoder layer, or a tower linear."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    entry = index.get(on_disk(f"{name}.weight")) if isinstance(module, (nn.Linear, Conv1D)) else None
+    if entry is None:
+        return None
+    kind = "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(type(_unwrapped(entry[0])))
+    return None if kind is None or (entry[1] is None and kind != "vision") else (*entry, kind)
+
+
+def _targetable(modules, linear_names: set[str], index, on_disk) -> str:
+    """What a refusal lists: the last components of the linears that can carry an adapter, leaving out one that also
+    names a linear that cannot (Granite 4.0 H's Mamba2 ``in_proj``: its five sections are no one linear), and
+    ``'all-linear'``, with ``exclude_modules`` naming those that cannot where there are any."""
+    leaf = {n: n.rsplit(".", 1)[-1] for n in linear_names}
+    refused = {n for n, m in modules if n in linear_names and _adaptable(n, m, index, on_disk) is None}
+    names = sorted({leaf[n] for n in linear_names - refused} - {leaf[n] for n in refused})
+    excluded = f" with exclude_modules={sorted({leaf[n] for n in refused})}" if refused else ""
+    return f"{names} or 'all-linear'{excluded}"
 
 
 def _unwrapped(mapping: Mapping) -> Mapping:

@@ -54,6 +54,9 @@ LEAN_ARCHS, LEAN_LAYOUTS = ["glm", "olmo", "nemotron"], ("tp1", "tp2", "pp2")
 # suite runs), Apertus (xIELU's learned scalars, their gradients summed over TP: test_gradients) and EXAONE 3 (Llama
 # under other names) at TP1 and TP2 only
 TP_ARCHS, TP_LAYOUTS = ["hunyuan_v1_dense", "apertus", "exaone"], ("tp1", "tp2")
+# NOTE: Apertus at PP2 too: its xIELU's 0-d beta / eps on the second stage are assembled by that stage's first rank
+# and sent to rank 0 (the writer's and exporter's 0-d blocks)
+SCALAR_ARCHS, SCALAR_LAYOUTS = ["apertus"], ("pp2",)
 
 
 def check_results(results, arch):
@@ -73,6 +76,7 @@ def test_parity_and_round_trip(tmp_path, layout_name):
     # NOTE: Falcon-7B's and StarCoder's one KV head runs under TP too, replicated on each rank (kv_replicas.py)
     archs = ARCHS + (LEAN_ARCHS if layout_name in LEAN_LAYOUTS else [])
     archs += TP_ARCHS if layout_name in TP_LAYOUTS else []
+    archs += SCALAR_ARCHS if layout_name in SCALAR_LAYOUTS else []
     cases = []
     for arch in archs:
         src = make_tiny_checkpoint(tmp_path / arch / "src", arch)

@@ -418,9 +418,10 @@ def test_plan_misuse(tmp_path):
 
 
 def test_blocks_along_any_dim_write_the_same_bytes_as_whole_tensors(tmp_path):
-    """Rows, columns and inner-dim blocks in any order: shards byte-identical to adding whole tensors."""
+    """Rows, columns and inner-dim blocks in any order, a 0-d tensor as its one block: shards byte-identical to adding
+    whole tensors."""
     state = {"rows": torch.randn(6, 5), "cols": torch.randn(4, 9).to(torch.bfloat16), "cube": torch.randn(3, 4, 6),
-             "bias": torch.randn(7), "whole": torch.arange(4, dtype=torch.int32)}
+             "bias": torch.randn(7), "whole": torch.arange(4, dtype=torch.int32), "scalar": torch.tensor(0.25)}
     blocks = [("cols", 1, 6, 9), ("rows", 0, 2, 6), ("cube", 2, 0, 2), ("bias", 0, 3, 7), ("cols", 1, 0, 2),
               ("rows", 0, 0, 2), ("cube", 2, 2, 6), ("cols", 1, 2, 6), ("bias", 0, 0, 3)]
     for mode in ("whole", "blocks"):
@@ -429,6 +430,7 @@ def test_blocks_along_any_dim_write_the_same_bytes_as_whole_tensors(tmp_path):
             if mode == "blocks":
                 for name, dim, start, stop in blocks:
                     w.add_part(name, state[name].narrow(dim, start, stop - start), dim=dim, start=start)
+                w.add_part("scalar", state["scalar"], dim=0, start=0)
                 w.add("whole", state["whole"])
             else:
                 for name, tensor in state.items():
@@ -449,14 +451,19 @@ def test_blocks_along_any_dim_write_the_same_bytes_as_whole_tensors(tmp_path):
     ("after_whole", r"Tensor 'w' was added twice"),
     ("whole_after_part", r"Tensor 'w' was added twice"),
     ("incomplete", r"1 planned tensor\(s\) were never added \(or only in part\) .*: w\."),
+    ("scalar_start", r"Tensor 's' was planned as torch.float32 \[\]; a block torch.float32 \[\] at 1 along dim 0 does"),
+    ("scalar_twice", r"Tensor 's' was added twice"),
 ])
 def test_block_mistakes_leave_nothing(existing_out, mistake, message):
     before = snapshot(existing_out)
     with pytest.raises(CheckpointError, match=message):
         with CheckpointWriter(existing_out) as w:
-            w.plan([("w", (4, 2), torch.float32)])
+            w.plan([("w", (4, 2), torch.float32)] + ([("s", (), torch.float32)] if "scalar" in mistake else []))
             two = torch.zeros(2, 2)
-            if mistake == "unplanned":
+            if mistake.startswith("scalar"):
+                w.add_part("s", torch.tensor(1.0), dim=0, start=int(mistake == "scalar_start"))
+                w.add_part("s", torch.tensor(1.0), dim=0, start=0)
+            elif mistake == "unplanned":
                 w.add_part("x", two, dim=0, start=0)
             elif mistake in ("overlap", "other_dim", "incomplete", "whole_after_part"):
                 w.add_part("w", two, dim=0, start=0)

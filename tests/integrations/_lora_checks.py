@@ -278,9 +278,46 @@ def export_checks(model, folder: str, out_dir: str, ids: torch.Tensor, logits: t
     return result
 
 
-def tp2_and_pp2_checks(folder: str, out_dir: str) -> dict:
-    """One 2-rank world: the layer checks, the model checks under TP=2, PP=2 and CP=2, dropout under TP=2 (+SP)."""
+# EXAONE 3: PEFT's Llama names (transformers' module tree) on a checkpoint named transformer.h.N.attn.attention.*
+EXAONE_KW = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                 init_lora_weights=False)
+
+
+def renamed_checkpoint_checks(folder: str, out_dir: str, layout: dict) -> dict:
+    """LoRA on EXAONE 3 (``folder``: Llama's layer under GPT-2-style checkpoint names) against PEFT on the model
+    transformers builds for it: logits and loss (1e-5), every adapter gradient of layer 1 at HF shape (q / v in the
+    fused qkv, o_proj, gate / up in the fused fc1, down_proj), the adapter folder and the merged export."""
+    from megatron.core import parallel_state as ps
+
+    ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
+    model, hf, ref = lora_pair(folder, layout, EXAONE_KW)
+    ours, theirs = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    _close(ours.logits, theirs.logits, "EXAONE logits")
+    _close(ours.loss, theirs.loss, "EXAONE loss")
+    ours.loss.backward()
+    theirs.loss.backward()
+    chunk, ref_params = dict(model.chunks[0].named_parameters()), dict(ref.named_parameters())
+    compared = []
+    for t in (t for t in model.lora_plan.targets if t.layer == 1):
+        base = f"{t.megatron_module.format(layer=1)}.lora.{t.name}"
+        split = 1 if t.kind == "row" else 0   # NOTE: A's input columns of a row-split linear, else B's rows
+        for factor in ("A", "B"):
+            grad = chunk[f"{base}.{factor}"].grad
+            if (factor == "A") == (split == 1) and ps.get_tensor_model_parallel_world_size() > 1:
+                grad = _gather_full(grad, split)
+            _close(grad, ref_params[f"base_model.model.{t.hf_module}.lora_{factor}.default.weight"].grad,
+                   f"EXAONE d{factor} {t.hf_module}")
+        compared.append(f"{t.hf_module}:{t.name}")
+    model.zero_grad(set_to_none=True)
+    return {"compared": compared, **export_checks(model, folder, out_dir, ids, ours.logits)}
+
+
+def tp2_and_pp2_checks(folder: str, out_dir: str, exaone_folder: str) -> dict:
+    """One 2-rank world: the layer checks, the model checks under TP=2, PP=2 and CP=2, dropout under TP=2 (+SP),
+    EXAONE 3's renamed checkpoint under TP=2 + SP."""
     return {"layers": layer_checks(),
+            "exaone_tp2_sp": renamed_checkpoint_checks(exaone_folder, out_dir + "/exaone",
+                                                       {"tensor_parallel_size": 2, "sequence_parallel": True}),
             "tp2": model_checks(folder, out_dir + "/tp2", {"tensor_parallel_size": 2}),
             "pp2": model_checks(folder, out_dir + "/pp2", {"pipeline_parallel_size": 2}),
             "cp2": model_checks(folder, out_dir + "/cp2", {"context_parallel_size": 2}),

@@ -8,6 +8,9 @@
   adapter gradients against PEFT; megatron's DDP/optimizer hold only
   the adapters (and modules_to_save); the adapter folder loads in ``PeftModel.from_pretrained`` and the merged
   export in transformers, both giving the Loong model's logits; merged export leaves the model as it was.
+- EXAONE 3 (PEFT's Llama names, the checkpoint's GPT-2-style ones) at TP=2 + SP in the same world: logits, loss,
+  adapter gradients, the adapter folder and the merged export.
+- Refusals list only what can be targeted (Granite 4.0 H's Mamba2 ``in_proj`` left out).
 """
 
 from __future__ import annotations
@@ -37,13 +40,17 @@ INIT_CASES = {
                                       alpha_pattern={"down_proj": 1})),
     # NOTE: GPT-2's Conv1D linears (weights stored [in, out]): A [r, in], B [out, r] as for nn.Linear
     "gpt2_conv1d": ("gpt2", dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"mlp.c_proj": 2})),
+    # NOTE: EXAONE 3: PEFT's Llama names on a checkpoint named transformer.h.N.attn.attention.* (bridge's
+    # checkpoint_name)
+    "exaone_renamed": ("exaone", dict(r=4, lora_alpha=8, target_modules="all-linear")),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-src")
-    return {arch: make_tiny_checkpoint(base / arch, arch) for arch in ("llama", "qwen2", "qwen3", "phi3", "gpt2")}
+    return {arch: make_tiny_checkpoint(base / arch, arch)
+            for arch in ("llama", "qwen2", "qwen3", "phi3", "gpt2", "exaone", "granitemoehybrid")}
 
 
 @pytest.mark.parametrize("case", list(INIT_CASES))
@@ -116,6 +123,28 @@ def test_gpt2_unsupported_configs_are_refused(checkpoints, kw, match):
     bridge = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["gpt2"]))
     with pytest.raises(LoraConfigError, match=match):
         plan_lora(bridge, peft.LoraConfig(**kw))
+
+
+def test_refusal_lists_only_what_can_be_targeted(checkpoints):
+    """Granite 4.0 H's Mamba2 ``in_proj`` (five sections in one HF linear) is refused, by name or through
+    'all-linear'; the message lists neither it nor plain 'all-linear', and what it offers instead is accepted."""
+    import peft
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.lora import LoraConfigError
+    from loongforge_hf.lora.plan import plan_lora
+
+    bridge = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["granitemoehybrid"]))
+    listed = ("targetable modules: ['input_linear', 'k_proj', 'o_proj', 'out_proj', 'output_linear', 'q_proj', "
+              "'v_proj'] or 'all-linear' with exclude_modules=['in_proj'].")
+    for target_modules in (["in_proj"], "all-linear"):
+        with pytest.raises(LoraConfigError, match="mamba.in_proj") as err:
+            plan_lora(bridge, peft.LoraConfig(r=2, target_modules=target_modules))
+        assert str(err.value).endswith(listed), str(err.value)
+    plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear", exclude_modules=["in_proj"]))
+    assert {t.name for t in plan.targets} == {"input_linear", "k_proj", "o_proj", "out_proj", "output_linear",
+                                              "q_proj", "v_proj"}
 
 
 @pytest.mark.parametrize("arch, given, expected", [("gpt2", False, True), ("gpt2", True, True),
@@ -228,12 +257,26 @@ def test_lora_under_local_cuda_graphs_feeds_the_first_layer_an_input_with_grad(c
 @pytest.fixture(scope="module")
 def two_rank_results(checkpoints, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora-out")
-    return run_distributed(tp2_and_pp2_checks, 2, str(checkpoints["llama"]), str(out), timeout=400)
+    return run_distributed(tp2_and_pp2_checks, 2, str(checkpoints["llama"]), str(out), str(checkpoints["exaone"]),
+                           timeout=400)
 
 
 def test_tp2_layer_math_matches_torch(two_rank_results):
     for r in two_rank_results:
         assert r["layers"] == ["column_qkv_sp0", "row_sp0", "column_qkv_sp1", "row_sp1"]
+
+
+def test_exaone_renamed_checkpoint_matches_peft(two_rank_results):
+    """EXAONE 3 at TP=2 + SP: PEFT's Llama-named targets on its GPT-2-style checkpoint names; logits, loss and layer 1's
+    adapter gradients are asserted inside the ranks (1e-5), each adapter's megatron slot named as the checkpoint's
+    linear; the adapter folder in PEFT and the merged export in transformers give the same logits."""
+    rank0 = two_rank_results[0]["exaone_tp2_sp"]
+    layer = "model.layers.1"
+    assert rank0["compared"] == [f"{layer}.self_attn.q_proj:q_proj", f"{layer}.self_attn.v_proj:v_proj",
+                                 f"{layer}.self_attn.o_proj:out_proj", f"{layer}.mlp.gate_proj:c_fc_0",
+                                 f"{layer}.mlp.up_proj:c_fc_1", f"{layer}.mlp.down_proj:c_proj"]
+    assert rank0["adapter_logits_diff"] < 1e-5 and rank0["merged_logits_diff"] < 1e-5, rank0
+    assert all(r["exaone_tp2_sp"]["unchanged_after_merged_export"] for r in two_rank_results)
 
 
 @pytest.mark.parametrize("layout", ["dropout", "dropout_sp", "dora_dropout_sp"])
