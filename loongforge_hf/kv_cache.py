@@ -171,6 +171,17 @@ def recurrent_mixers(chunks) -> list:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, (GatedDeltaNet, Mamba2Mixer))]
 
 
+def refuse_megatron_state_inputs(kind: str, inference_context, packed_seq_params) -> None:
+    """A recurrent mixer's (``kind``: "Gated DeltaNet", "Mamba2") refusal of megatron's inference context (generate
+    keeps its states here) and THD packed sequences (documents are packed into rows)."""
+    if inference_context is not None:
+        raise ValueError(f"{kind} layers do not take megatron's inference_context: generate() keeps their states in "
+                         "its own cache (loongforge_hf.kv_cache).")
+    if packed_seq_params is not None:
+        raise ValueError(f"{kind} layers do not take THD packed_seq_params; pack documents into rows (position ids "
+                         "restarting at 0).")
+
+
 def _rotary_embeddings(chunks) -> list:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding

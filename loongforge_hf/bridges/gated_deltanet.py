@@ -108,12 +108,9 @@ class GatedDeltaNet(torch.nn.Module):
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                 inference_context=None, packed_seq_params=None, cached: CachedStep | None = None, **_: object):
-        if inference_context is not None:
-            raise ValueError("Gated DeltaNet layers do not take megatron's inference_context: generate() keeps their "
-                             "states in its own cache (loongforge_hf.kv_cache).")
-        if packed_seq_params is not None:
-            raise ValueError("Gated DeltaNet layers do not take THD packed_seq_params; pack documents into rows "
-                             "(position ids restarting at 0).")
+        from loongforge_hf.kv_cache import refuse_megatron_state_inputs
+
+        refuse_megatron_state_inputs("Gated DeltaNet", inference_context, packed_seq_params)
         if cached is not None:
             return self._cached_forward(hidden_states, cached)
         mixed, _ = self.in_proj(hidden_states)                            # [s, b, local]: all tokens

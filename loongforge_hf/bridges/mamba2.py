@@ -114,13 +114,9 @@ class Mamba2Mixer(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                 inference_context=None, packed_seq_params=None, cached: CachedStep | None = None, **_: object):
         from loongforge_hf.kernels.ssd import ssd_scan
+        from loongforge_hf.kv_cache import refuse_megatron_state_inputs
 
-        if inference_context is not None:
-            raise ValueError("Mamba2 layers do not take megatron's inference_context: generate() keeps their states in "
-                             "its own cache (loongforge_hf.kv_cache).")
-        if packed_seq_params is not None:
-            raise ValueError("Mamba2 layers do not take THD packed_seq_params; pack documents into rows "
-                             "(position ids restarting at 0).")
+        refuse_megatron_state_inputs("Mamba2", inference_context, packed_seq_params)
         mixed, _ = self.in_proj(hidden_states)                            # [s, b, local]: all tokens
         mixed = mixed.transpose(0, 1)                                     # [b, s, local]
         if cached is not None:

@@ -18,7 +18,6 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 TOL = 1e-4
-LENGTHS = (7, 20, 11)  # NOTE: the packed row's documents
 
 
 def _ids(shape, seed=0):
@@ -54,16 +53,9 @@ def _one_rank(folders: dict) -> dict:
     folder = folders["moe"]
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    out = {"padded": _padded(ours, ref)}
-    ids = _ids((1, sum(LENGTHS)), seed=1)
-    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
-    with torch.no_grad():
-        packed = ours(input_ids=ids, position_ids=positions).logits[0]
-        start, out["packed"] = 0, []
-        for n in LENGTHS:
-            alone = ref(input_ids=ids[:, start:start + n]).logits[0]
-            out["packed"].append(float((packed[start:start + n] - alone).abs().max()))
-            start += n
+    from .test_qwen3_5 import packed_against_alone
+
+    out = {"padded": _padded(ours, ref), "packed": packed_against_alone(ours, ref)}
     ids = _ids((2, 9), seed=3)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
