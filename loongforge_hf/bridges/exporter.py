@@ -243,7 +243,6 @@ def export_hf(model, bridge, parallel, out_dir, *, source: Path | None, max_shar
                                   for n in mapping.hf_names(layer)}
 
                     def fill(n, dim, start, block, full=hf_tensors):
-                        # NOTE: a 0-d tensor's one block is the whole tensor (writer.CheckpointWriter.add_part)
                         (full[n] if block.dim() == 0 else full[n].narrow(dim, start, block.shape[dim])).copy_(block)
 
                     _for_each_part(local, mapping, map_ctx, layer, group, fill)

@@ -215,7 +215,6 @@ class MoEBridge(DenseBridge):
 
     def moe_module(self) -> type | None:
         """The MoE layer class where megatron's ``MoELayer`` does not serve (FlexOlmo's post norm); None for it."""
-        return None
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:

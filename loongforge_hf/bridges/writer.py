@@ -14,9 +14,7 @@ Choices:
 - A planned tensor may also arrive in blocks (``add_part``: rows ``start:stop`` along one dim, e.g. one
   tensor-parallel rank's shard), each written to its place at once: the full tensor is never assembled in memory. A
   block along dim 0 is one write; along a later dim, one write per run of contiguous bytes. Blocks of one tensor must
-  not overlap; the tensor counts as added once they cover it. A 0-d tensor (a scalar: Apertus's xIELU ``beta`` /
-  ``eps``) has no dim to lie along: its one block (``dim=0, start=0``, as ``Replicated.export_parts`` gives it) is the
-  whole tensor, written at once by whoever owns it.
+  not overlap; the tensor counts as added once they cover it; a 0-d tensor's one block (dim 0, start 0) is all of it.
 - All or nothing (``atomic_folder``): everything goes to a temporary sibling folder that replaces ``out_dir`` on a
   clean exit (keeping the old entries ``carry_over`` names); on an exception in the ``with`` block or a failed write
   (disk full -> ``CheckpointError``) it is removed and ``out_dir`` is left as it was.
@@ -169,21 +167,17 @@ class CheckpointWriter:
         """Write ``tensor`` as rows ``start:start + tensor.shape[dim]`` along ``dim`` of planned tensor ``name``.
 
         Every other dim is whole; the bytes go to their place in the shard at once. ``name`` counts as added once
-        its blocks (all along the same ``dim``, none overlapping) cover it. A planned 0-d tensor takes one 0-d block
-        at ``dim=0, start=0``: the whole tensor.
-        """
+        its blocks (all along the same ``dim``, none overlapping) cover it; a 0-d tensor's one block is all of it."""
         self._check_open()
         spec = self._planned.get(name) if isinstance(name, str) else None
         if spec is None:
-            raise CheckpointError(f"add_part(): tensor {name!r} was not planned; only planned tensors are written in "
-                                  "blocks.")
+            raise CheckpointError(f"add_part(): tensor {name!r} was not planned; only planned ones go in blocks.")
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             raise CheckpointError(f"add_part(): block of {name!r} must be a tensor with data, got {tensor!r:.60}.")
         if name in self._names:
             raise CheckpointError(f"Tensor {name!r} was added twice to the checkpoint for {self.out_dir}.")
         if spec.shape == () and tensor.dim() == 0 and (dim, start) == (0, 0):  # NOTE: a scalar's one block
-            self._write_planned(name, tensor)
-            return
+            return self._write_planned(name, tensor)
         offset, runs, run_bytes, stride = block_runs(name, spec, tensor, dim=dim, start=start)
         stop = start + tensor.shape[dim]
         part_dim, blocks = self._parts.get(name, (dim, []))
