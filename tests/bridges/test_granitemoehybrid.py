@@ -27,7 +27,7 @@ def _ids(shape, seed=0):
 def _padded(ours, ref) -> dict:
     """Two rows of 70 tokens, the second left-padded by 9: the largest logit difference on real tokens, and the
     loss's and balancing loss's (when the model has experts)."""
-    ids = _ids((2, 70))
+    ids = _ids((2, 70)).to(ref.device)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
     kw = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
@@ -87,7 +87,7 @@ def _cached_generate(ours, ref) -> dict:
     step, padded for the layout)."""
     from tests._generation import step_lengths
 
-    ids = _ids((2, 9), seed=3)
+    ids = _ids((2, 9), seed=3).to(ref.device)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
     out = {}
@@ -115,7 +115,7 @@ def _gradients(ours, ref, folder: str, tag: str) -> dict | None:
 
     from ._gradients import _reduce_as_megatron
 
-    ids = _ids((2, 40), seed=2)
+    ids = _ids((2, 40), seed=2).to(ref.device)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     labels = ids.masked_fill(mask == 0, -100)
@@ -131,7 +131,7 @@ def _gradients(ours, ref, folder: str, tag: str) -> dict | None:
     ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     exported = dict(transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-{tag}-grads", dtype=torch.float32)
                     .named_parameters())
-    return {n: float((exported[n].detach() - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
+    return {n: float((exported[n].detach().to(p.grad.device) - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
             for n, p in ref.named_parameters()}
 
 
