@@ -6,11 +6,8 @@ Choices:
 - ``mamba`` layers (``linear_attention`` once transformers has read the config): ``mamba.*`` -> our ``Mamba2Mixer``
   in megatron's self-attention slot (``mamba2.py``: TP by heads and groups, B / C replicated where TP exceeds the
   groups, the padding mask, packed documents, the cached generate's states, context parallelism through
-  ``parallel/ssd_cp.py``), its tensors mapped by ``gated_mappings.HeadSections``: ``in_proj`` = this rank's rows of
-  each of transformers' ``in_proj`` blocks (z, x, B, C, dt; B / C a replica of its group's where TP exceeds
-  ``mamba_n_groups``, exported from the group's first rank); ``conv_weight`` / ``conv_bias`` = ``conv1d``'s x, B, C
-  channels likewise; ``A_log``, ``D``, ``dt_bias`` and the gated norm's weight split with the heads; ``out_proj``
-  row-parallel.
+  ``parallel/ssd_cp.py``), its tensors, layouts and refusals as ``mamba2_layers.py`` declares them for every
+  bridge with Mamba2 layers (Bamba, Nemotron-H too).
 - ``attention`` layers: megatron's ``SelfAttention`` (GQA) with Granite's ``attention_multiplier`` as the softmax
   scale, rotated only with ``position_embedding_type="rope"`` (the H models have none: megatron's ``"none"``).
 - MLP: Granite MoE's (``granite.py``: softmax top-k renormalised over the k chosen, the experts stacked on disk,
@@ -33,19 +30,17 @@ from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L, DenseBridge
-from loongforge_hf.bridges.gated_mappings import HeadSections
 from loongforge_hf.bridges.granite import GraniteMoeBridge
 from loongforge_hf.bridges.granitemoeshared import shared_mlp_mappings, shared_mlp_shapes
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.mamba2_layers import MAMBA, Mamba2Layers, mamba_dims_of
+from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.registry import register_bridge
 
-MAMBA, ATTENTION = ("linear_attention", "mamba"), ("full_attention", "attention")
-M = f"{L}.mamba"
-S = f"{D}.self_attention"
+ATTENTION = ("full_attention", "attention")
 
 
 @register_bridge("GraniteMoeHybridForCausalLM")
-class GraniteMoeHybridBridge(GraniteMoeBridge):
+class GraniteMoeHybridBridge(Mamba2Layers, GraniteMoeBridge):
     per_layer_types = True  # NOTE: layer_types checked here
 
     def __init__(self, hf_config) -> None:
@@ -73,7 +68,8 @@ class GraniteMoeHybridBridge(GraniteMoeBridge):
         if c.hidden_act != "silu":
             raise C.UnsupportedConfigError(f"hidden_act={c.hidden_act!r} is not supported for {arch} (only 'silu': "
                                            "the Mamba2 conv and gated norm use it).")
-        if c.mamba_n_heads % c.mamba_n_groups or c.mamba_n_heads * c.mamba_d_head != c.mamba_expand * c.hidden_size:
+        self.check_mamba_dims()
+        if c.mamba_n_heads * c.mamba_d_head != c.mamba_expand * c.hidden_size:
             raise C.UnsupportedConfigError(f"mamba_n_heads={c.mamba_n_heads}, mamba_d_head={c.mamba_d_head}, "
                                            f"mamba_n_groups={c.mamba_n_groups} do not fit mamba_expand * hidden_size "
                                            f"for {arch}.")
@@ -82,33 +78,8 @@ class GraniteMoeHybridBridge(GraniteMoeBridge):
         else:
             DenseBridge.check_config(self)
 
-    def check_layout(self, layout) -> None:
-        """``UnsupportedConfigError`` for a parallel layout the Mamba2 layers cannot run (pure: called before any
-        collective, every rank raises alike)."""
-        c, arch = self.hf_config, self.architectures[0]
-        if not self.mamba_layers:
-            return
-        tp, groups = layout.tensor_parallel_size, c.mamba_n_groups
-        if c.mamba_n_heads % tp:
-            raise C.UnsupportedConfigError(f"mamba_n_heads={c.mamba_n_heads} does not split over "
-                                           f"tensor_parallel_size={tp} for {arch} (Mamba2 layers split by heads).")
-        if groups % tp and tp % groups:
-            raise C.UnsupportedConfigError(f"mamba_n_groups={groups} does not split over tensor_parallel_size={tp} "
-                                           f"for {arch} (Mamba2 layers split the groups, or replicate each on "
-                                           "tp / groups ranks: one a divisor of the other).")
-
-    def generation_refusal(self, generation_config) -> str | None:
-        if generation_config.use_cache and generation_config.cache_implementation == "static" and self.mamba_layers:
-            return (f"cache_implementation='static' is not supported for {self.architectures[0]}: the static cache's "
-                    "fixed-shape decode step keeps no Mamba2 conv / SSM state; use the default dynamic cache.")
-        return None
-
     def rope_parameters(self) -> dict:
         return C.rope_parameters(self.hf_config, extra_types=self.extra_rope_types)
-
-    @property
-    def mamba_layers(self) -> frozenset[int]:
-        return frozenset(i for i, kind in enumerate(self.hf_config.layer_types) if kind in MAMBA)
 
     def num_experts(self) -> int | None:
         return self.hf_config.num_local_experts or None
@@ -122,34 +93,10 @@ class GraniteMoeHybridBridge(GraniteMoeBridge):
         return {**DenseBridge.transformer_config_kwargs(self), "ffn_hidden_size": self.shared_ffn_size(),
                 "softmax_scale": self._multiplier("attention_multiplier")}
 
-    def attention_module(self) -> type:
-        from loongforge_hf.bridges.mamba2 import hybrid_mamba_attention
-
-        c = self.hf_config
-        limit = tuple(c.time_step_limit) if c.time_step_limit is not None else (0.0, float("inf"))
-        return hybrid_mamba_attention(mamba=self.mamba_layers, heads=c.mamba_n_heads, head_dim=c.mamba_d_head,
-                                      groups=c.mamba_n_groups, d_state=c.mamba_d_state, conv_kernel=c.mamba_d_conv,
-                                      conv_bias=bool(c.mamba_conv_bias), chunk_size=c.mamba_chunk_size,
-                                      time_step_limit=limit, eps=c.rms_norm_eps)
+    def mamba_dims(self) -> dict:
+        return mamba_dims_of(self.hf_config)
 
     # ---- tensors --------------------------------------------------------------------------------------------
-    def _sizes(self) -> tuple[int, int, int]:
-        c = self.hf_config
-        return c.mamba_n_heads * c.mamba_d_head, c.mamba_n_groups * c.mamba_d_state, c.mamba_n_heads
-
-    def mamba_mappings(self) -> list[Mapping]:
-        inner, gn, heads = self._sizes()
-        gn = (gn, self.hf_config.mamba_n_groups)  # NOTE: B / C: replicated where TP exceeds the groups
-        maps = [Replicated(f"{D}.input_layernorm.weight", f"{L}.input_layernorm.weight"),
-                HeadSections(f"{S}.in_proj.weight", ((f"{M}.in_proj.weight", (inner, inner, gn, gn, heads)),)),
-                HeadSections(f"{S}.conv_weight", ((f"{M}.conv1d.weight", (inner, gn, gn)),)),
-                *(ColumnParallel(f"{S}.{name}", f"{M}.{name}") for name in ("A_log", "D", "dt_bias")),
-                ColumnParallel(f"{S}.norm_weight", f"{M}.norm.weight"),
-                RowParallel(f"{S}.out_proj.weight", f"{M}.out_proj.weight")]
-        if self.hf_config.mamba_conv_bias:
-            maps.append(HeadSections(f"{S}.conv_bias", ((f"{M}.conv1d.bias", (inner, gn, gn)),)))
-        return maps
-
     def mlp_mappings(self) -> list[Mapping]:
         size = self.shared_ffn_size()
         if not self.hf_config.num_local_experts:
@@ -163,17 +110,6 @@ class GraniteMoeHybridBridge(GraniteMoeBridge):
     def mappings_for_layer(self, layer: int) -> list[Mapping]:
         mixer = self.mamba_mappings() if layer in self.mamba_layers else self.attention_mappings()
         return mixer + self.mlp_mappings()
-
-    def mamba_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        c, p = self.hf_config, f"{prefix}.mamba"
-        inner, gn, heads = self._sizes()
-        h, conv = c.hidden_size, inner + 2 * gn
-        shapes = {f"{prefix}.input_layernorm.weight": (h,), f"{p}.in_proj.weight": (inner + conv + heads, h),
-                  f"{p}.conv1d.weight": (conv, 1, c.mamba_d_conv), f"{p}.A_log": (heads,), f"{p}.D": (heads,),
-                  f"{p}.dt_bias": (heads,), f"{p}.norm.weight": (inner,), f"{p}.out_proj.weight": (h, inner)}
-        if c.mamba_conv_bias:
-            shapes[f"{p}.conv1d.bias"] = (conv,)
-        return shapes
 
     def mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         h = self.hf_config.hidden_size

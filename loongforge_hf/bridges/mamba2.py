@@ -40,9 +40,9 @@ Choices:
   documents as above. The group is megatron's, read at each forward (``context_parallel.cp_group_and_size``).
   Cached steps never run under CP (generate's cached steps run whole on every rank; its split prefill cannot carry
   the states and is refused by ``kv_cache.patched``): generate under CP runs without the cache.
-- Refused, before any collective (``granitemoehybrid.py``): heads that do not split over TP,
-  groups that neither split over TP nor divide it, projection biases, the static cache; at the forward: megatron's
-  ``inference_context`` and THD ``packed_seq_params``.
+- Refused, before any collective (``mamba2_layers.py``: Granite 4.0 H, Bamba, Nemotron-H): heads that do not split
+  over TP, groups that neither split over TP nor divide it, projection biases, the static cache; at the forward:
+  megatron's ``inference_context`` and THD ``packed_seq_params``.
 """
 
 from __future__ import annotations

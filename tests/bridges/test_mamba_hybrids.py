@@ -1,0 +1,192 @@
+"""Bamba (BambaForCausalLM) and Nemotron-H (NemotronHForCausalLM) on our Mamba2 mixer, fp32 against transformers within
+1e-4 (Granite 4.0 H's checks, ``test_granitemoehybrid.py``): 70-token rows (five chunks of the tiny models' 16-token SSD
+scan) with the second left-padded by 9, logits and loss; a row packing documents against each document alone; cached
+greedy and beam search over a left-padded batch; a bit-exact export round trip. Nemotron-H's tiny model has a layer of
+each kind (Mamba2, MoE, attention, MLP, Mamba2, MoE); its dense variant (Nemotron Nano 2's kinds: no MoE layer) too.
+In a two-rank world: Bamba at TP2 with sequence parallelism; Nemotron-H at TP2 + SP (logits, loss, every parameter's
+gradient exported through the bridge), PP2 (three layers a stage), EP2 and TP2 + SP + EP2 (ETP1), and CP2 (packed
+documents and left padding across several scan chunks per CP chunk: logits, loss, every gradient). Refusals are
+checked on the bridge alone (pure, before any collective)."""
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+from .test_granitemoehybrid import TOL, _cached_generate, _check_padded, _gradients, _ids
+
+DENSE_KINDS = ["linear_attention", "mlp", "full_attention", "mlp"]
+
+
+def _padded(ours, ref) -> dict:
+    """Two rows of 70 tokens, the second left-padded by 9: the largest logit difference on real tokens, the loss's."""
+    ids = _ids((2, 70))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    with torch.no_grad():
+        got, want = ours(**kw), ref(**kw)
+    return {"logits": float((got.logits - want.logits).abs()[mask.bool()].max()),
+            "loss": float(abs(got.loss - want.loss))}
+
+
+def _models(folder: str, **layout):
+    import transformers
+
+    import loongforge_hf as lf
+
+    return (lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout),
+            transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+
+
+def _one_rank(folders: dict) -> dict:
+    import tempfile
+
+    from loongforge_hf.testing.round_trip import check_round_trip
+
+    from .test_qwen3_5 import packed_against_alone
+
+    out = {}
+    for name in ("bamba", "nemotron_h"):
+        ours, ref = _models(folders[name])
+        res = {"padded": _padded(ours, ref), "packed": packed_against_alone(ours, ref), **_cached_generate(ours, ref)}
+        with tempfile.TemporaryDirectory() as saved:
+            ours.save_pretrained(saved)
+            check_round_trip(folders[name], saved)
+            res["round_trip"] = True
+        out[name] = res
+    ids = _ids((2, 20), seed=4)
+    with torch.no_grad():
+        got, want = (model(input_ids=ids, output_router_logits=True).router_logits for model in (ours, ref))
+    out["router_logits"] = (len(got), len(want), max(float((a - b).abs().max()) for a, b in zip(got, want)))
+    out["nemotron_h_dense"] = {"padded": _padded(*_models(folders["nemotron_h_dense"]))}
+    return out
+
+
+def _two_ranks(folders: dict) -> dict:
+    import loongforge_hf as lf
+
+    from .test_qwen3_5 import _cp2_padded_and_packed
+
+    ours, ref = _models(folders["bamba"], tensor_parallel_size=2, sequence_parallel=True)
+    out = {"bamba_tp2": _padded(ours, ref)}
+    del ours
+    folder = folders["nemotron_h"]
+    ours, ref = _models(folder, tensor_parallel_size=2, sequence_parallel=True)
+    out.update(tp2=_padded(ours, ref), grads=_gradients(ours, ref, folder, "tp2"))
+    del ours
+    for name, layout in (("pp2", dict(pipeline_parallel_size=2)), ("ep2", dict(expert_parallel_size=2)),
+                         ("tp2_ep2", dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2,
+                                          expert_tensor_parallel_size=1))):
+        ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+        out[name] = _padded(ours, ref)
+        del ours
+    ref.zero_grad()
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
+    out["cp2"] = _cp2_padded_and_packed(ours, ref, folder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mamba_hybrids")
+    return {"bamba": str(make_tiny_checkpoint(root / "bamba", "bamba")),
+            "nemotron_h": str(make_tiny_checkpoint(root / "nemotron_h", "nemotron_h")),
+            "nemotron_h_dense": str(make_tiny_checkpoint(root / "dense", "nemotron_h", layers_block_type=DENSE_KINDS))}
+
+
+@pytest.fixture(scope="module")
+def one_rank(folders):
+    return run_distributed(_one_rank, 1, folders, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folders):
+    return run_distributed(_two_ranks, 2, folders, timeout=300)
+
+
+@pytest.mark.parametrize("model", ("bamba", "nemotron_h", "nemotron_h_dense"))
+def test_left_padded_rows_across_chunks(one_rank, model):
+    _check_padded(one_rank[model]["padded"])
+
+
+@pytest.mark.parametrize("model", ("bamba", "nemotron_h"))
+def test_packed_documents_restart_the_scan(one_rank, model):
+    assert max(one_rank[model]["packed"]) < TOL, one_rank[model]["packed"]
+
+
+@pytest.mark.parametrize("model", ("bamba", "nemotron_h"))
+def test_cached_generate_left_padded_batch(one_rank, model):
+    """Greedy and 2-beam search with the cache: transformers' tokens and scores; one KV layer for the attention layer,
+    then a state layer per Mamba2 layer (Bamba: 0, 1, 3; Nemotron-H: 0, 4)."""
+    res = one_rank[model]
+    for name in ("cached_greedy", "cached_beam"):
+        same, scores = res[name]
+        assert same and scores < TOL, (model, name, res[name])
+    mamba = 3 if model == "bamba" else 2
+    assert res["cache_layers"][0] == ["DynamicLayer"] + ["LinearAttentionLayer"] * mamba, res["cache_layers"]
+
+
+def test_router_logits(one_rank):
+    """Nemotron-H's ``router_logits`` (``output_router_logits``): one ``[tokens, experts]`` tensor per MoE layer."""
+    ours, theirs, diff = one_rank["router_logits"]
+    assert ours == theirs == 2 and diff < TOL, one_rank["router_logits"]
+
+
+@pytest.mark.parametrize("model", ("bamba", "nemotron_h"))
+def test_export_round_trip(one_rank, model):
+    assert one_rank[model]["round_trip"]
+
+
+@pytest.mark.parametrize("layout", ("bamba_tp2", "tp2", "pp2", "ep2", "tp2_ep2"))
+def test_two_rank_layouts(two_ranks, layout):
+    for res in two_ranks:
+        _check_padded(res[layout])
+
+
+@pytest.mark.parametrize("grads", ("grads", "cp2"))
+def test_every_gradient(two_ranks, grads):
+    """Nemotron-H at TP2 + SP and at CP2: every parameter's gradient (Mamba2, attention, MLP, routed and shared
+    experts, router) exported through the bridge, against transformers'."""
+    grads = two_ranks[0][grads] if grads == "grads" else two_ranks[0]["cp2"]["grads"]
+    kinds = (".mixer.conv1d.bias", ".mixer.q_proj.weight", ".mixer.experts.down_proj", ".mixer.gate.weight",
+             ".mixer.shared_experts.up_proj.weight", "layers.3.mixer.up_proj.weight")
+    assert all(any(k in n for n in grads) for k in kinds) and len(grads) == 41, sorted(grads)
+    worst = max(grads.items(), key=lambda kv: kv[1])
+    assert worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
+
+
+def test_context_parallel_padded_and_packed(two_ranks):
+    for rank, res in enumerate(two_ranks):
+        assert res["cp2"]["logits"] < TOL and res["cp2"]["loss"] < TOL, (rank, res["cp2"])
+
+
+@pytest.mark.parametrize("arch, changes, field", [
+    ("bamba", {"z_loss_coefficient": 0.1}, "z_loss_coefficient=0.1 is not supported"),
+    ("nemotron_h", {"moe_latent_size": 32}, "moe_latent_size=32 is not supported"),
+    ("nemotron_h", {"mamba_hidden_act": "gelu"}, "mamba_hidden_act='gelu' is not supported")])
+def test_refused_configs(folders, arch, changes, field):
+    import transformers
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+
+    config = transformers.AutoConfig.from_pretrained(folders[arch])
+    for name, value in changes.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedConfigError, match=field):
+        get_bridge(config)
+
+
+def test_refused_layout_and_mtp_passthrough(folders):
+    """Heads that do not split over TP name Nemotron-H's field; its ``mtp.*`` tensors are kept for export, not built."""
+    import transformers
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel import ParallelConfig
+
+    bridge = get_bridge(transformers.AutoConfig.from_pretrained(folders["nemotron_h"]))
+    with pytest.raises(UnsupportedConfigError, match="mamba_num_heads=8 does not split"):
+        bridge.check_layout(ParallelConfig(tensor_parallel_size=16))
+    assert bridge.passthrough_names(["mtp.layers.0.norm.weight", "backbone.norm_f.weight"]) == \
+        ["mtp.layers.0.norm.weight"]
