@@ -13,12 +13,13 @@ Choices:
   module order over its pipeline stage(s) / virtual chunks. Each rank holds its own tensor-parallel share of the KV
   heads. transformers' generate drives it as it drives ``DynamicCache``: ``get_seq_length``, ``reorder_cache`` (beam
   search), ``batch_repeat_interleave``. It is made per generate call (``for_model``); a cache passed in is refused.
-- Gated DeltaNet layers (Qwen3.5's linear attention: a recurrent state, no keys) and Mamba2 layers (Granite 4.0
-  H's: a conv and an SSM state): after the attentions' layers the cache holds one of transformers'
-  ``LinearAttentionLayer`` per such layer of this rank (as transformers' dynamic cache does for Qwen3.5 and Granite
-  4.0 H: the conv and the recurrent state; beam search reorders them, ``restart`` zeroes them); a cached step gives
-  each layer its states through an instance ``forward`` too (``bridges/gated_deltanet.py``: ``CachedStep``, with
-  the step's new tokens and which of them transformers' mask marks as padding; ``bridges/mamba2.py``). Their steps
+- Gated DeltaNet layers (Qwen3.5's linear attention: a recurrent state, no keys), Mamba2 layers (Granite 4.0 H's: a
+  conv and an SSM state) and LFM2's short-conv layers (a conv state): after the attentions' layers the cache holds one
+  of transformers' ``LinearAttentionLayer`` per such layer of this rank (as transformers' dynamic cache does for
+  Qwen3.5, Granite 4.0 H and LFM2: the conv and the recurrent state; beam search reorders them, ``restart`` zeroes
+  them); a cached step gives each layer its states through an instance ``forward`` too (``bridges/gated_deltanet.py``:
+  ``CachedStep``, with the step's new tokens and which of them transformers' mask marks as padding;
+  ``bridges/mamba2.py``, ``bridges/short_conv.py``). Their steps
   have no CP split (under context parallelism the split prefill cannot fill their states: ``patched`` refuses it,
   so such models generate without the cache there) nor a fixed-shape form (the static cache is refused).
 - How a step runs (``forward_with_cache``): the new tokens are right-padded to ``sequence_multiple`` (sequence
@@ -163,12 +164,14 @@ def core_attentions(chunks) -> list:
 
 
 def recurrent_mixers(chunks) -> list:
-    """This rank's Gated DeltaNet and Mamba2 layers (``bridges/gated_deltanet.py``, ``bridges/mamba2.py``), in order
-    over its chunks."""
+    """This rank's Gated DeltaNet, Mamba2 and LFM2 short-conv layers (``bridges/gated_deltanet.py``,
+    ``bridges/mamba2.py``, ``bridges/short_conv.py``), in order over its chunks."""
     from loongforge_hf.bridges.gated_deltanet import GatedDeltaNet
     from loongforge_hf.bridges.mamba2 import Mamba2Mixer
+    from loongforge_hf.bridges.short_conv import ShortConvMixer
 
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, (GatedDeltaNet, Mamba2Mixer))]
+    return [m for chunk in chunks for m in chunk.modules()
+            if isinstance(m, (GatedDeltaNet, Mamba2Mixer, ShortConvMixer))]
 
 
 def refuse_megatron_state_inputs(kind: str, inference_context, packed_seq_params) -> None:

@@ -1,6 +1,6 @@
 """What the recurrent layers' context parallelism shares (Gated DeltaNet's ``delta_rule_cp.py``, Mamba2's
-``ssd_cp.py``): which chunks a rank holds, every chunk's summary all-gathered in sequence order, the causal conv's
-halo.
+``ssd_cp.py``, LFM2's short conv: ``conv_chunks``): which chunks a rank holds, every chunk's summary all-gathered in
+sequence order, the causal conv's halo.
 
 Choices:
 - The split is megatron's (``context_parallel``): ``2 * cp`` chunks of ``c`` tokens, rank r holds chunks r and
@@ -71,3 +71,22 @@ def conv_histories(inputs: torch.Tensor, cuts: torch.Tensor | None, *, group, wi
         history = torch.cat((history, every[j]), dim=1)
         history = history[:, history.shape[1] - width:]
     return [out[j].transpose(1, 2) for j in order]
+
+
+def conv_chunks(inputs: torch.Tensor, starts: torch.Tensor | None, *, group, width: int, conv) -> torch.Tensor:
+    """A causal conv with no state beyond its ``width`` taps back (LFM2's short conv) over this rank's two chunks of
+    ``inputs`` ``[b, 2c, channels]``: ``conv(chunk, history=, documents=)`` of each after its halo
+    (``conv_histories``), with the chunk's document ids where a document starts in it. ``starts``:
+    ``delta_rule_cp.read_cp_layout``'s ``[b, s]`` (host) or None."""
+    size, order = chunk_order(group)
+    batch, local, _ = inputs.shape
+    c = local // 2
+    cuts = None if starts is None else starts.view(batch, 2 * size, c)
+    histories = conv_histories(inputs, cuts, group=group, width=width)
+    out = []
+    for i, j in enumerate(order):
+        documents = None
+        if cuts is not None and bool(cuts[:, j].any()):
+            documents = cuts[:, j].long().cumsum(-1).to(inputs.device)
+        out.append(conv(inputs[:, i * c:(i + 1) * c], history=histories[i], documents=documents))
+    return torch.cat(out, dim=1)
