@@ -174,13 +174,13 @@ def rope_parameters(hf_config, *, partial_rotary: bool = False, extra_types: tup
 # ---- checks for dense decoders -----------------------------------------------------------------------------------
 
 def check_dense_config(hf_config, *, qkv_bias: bool, check_rope: bool = True, layer_types: bool = False,
-                       activation: bool = True) -> None:
+                       activation: bool = True, mlp_bias: bool = False) -> None:
     """Raise ``UnsupportedConfigError`` for values a dense bridge cannot reproduce exactly (``layer_types``: the
     bridge implements sliding-window layers, ``bridges.layer_types``; ``activation=False``: the bridge builds the
-    MLP's activation itself, Apertus's xIELU)."""
+    MLP's activation itself, Apertus's xIELU; ``mlp_bias``: the bridge maps the MLP's biases, Jais 2)."""
     if check_rope:
         rope_parameters(hf_config)
-    if getattr(hf_config, "mlp_bias", False):
+    if getattr(hf_config, "mlp_bias", False) and not mlp_bias:
         raise UnsupportedConfigError("mlp_bias=True is not supported.")
     if getattr(hf_config, "attention_bias", False) and not qkv_bias:
         raise UnsupportedConfigError("attention_bias=True is not supported for this architecture.")

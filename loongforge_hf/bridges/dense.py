@@ -29,6 +29,7 @@ class DenseBridge:
     embedding_dropout: float | None = 0.0
     lm_head_bias: bool = False  # the LM head has a bias (Phi's): output_layer.add_output_bias, by the builder
     own_activation: bool = False  # the MLP module builds hidden_act itself (Apertus's xIELU), not the config table
+    mlp_bias: bool = False  # maps the MLP's biases (``mlp_bias``: Jais 2); the shared checks refuse them otherwise
     config_fields: tuple[C.Field, ...] = C.DENSE_FIELDS  # the HF <-> megatron config table (config_map.py)
 
     def __init__(self, hf_config) -> None:
@@ -39,7 +40,8 @@ class DenseBridge:
     def check_config(self) -> None:
         self.rope_parameters()
         C.check_dense_config(self.hf_config, qkv_bias=self.qkv_bias, check_rope=False,
-                             layer_types=self.per_layer_types, activation=not self.own_activation)
+                             layer_types=self.per_layer_types, activation=not self.own_activation,
+                             mlp_bias=self.mlp_bias)
         if C.sliding_window_of(self.hf_config) is not None and not self.supports_sliding_window:
             raise C.UnsupportedConfigError(
                 f"sliding_window={self.hf_config.sliding_window} is not supported for {self.architectures[0]}.")

@@ -8,8 +8,10 @@ Choices:
   sparse, ``multi_latent_attention`` picks ``MLASelfAttention``), megatron's local linear, MoE and MLA modules,
   sliced to the layers this pipeline stage (and virtual stage) builds, with our kernels in three slots, as in the
   dense spec:
-  - every norm (input, pre-MLP, q/k or MLA latent, final) is our ``kernels.rmsnorm.RMSNorm``: megatron's local
-    torch norm refuses sequence parallelism, which megatron's MoE layer requires in training with TP > 1;
+  - every norm (input, pre-MLP, q/k or MLA latent, final) is our ``kernels.rmsnorm.RMSNorm`` (the input, pre-MLP and
+    final ones our LayerNorm where the config's ``normalization`` says so: PhiMoE): megatron's local torch norm
+    refuses sequence parallelism, which megatron's MoE layer requires in training with TP > 1; the attention's
+    output projection has a bias of its own where the bridge says ``proj_bias`` (PhiMoE's, experts without one);
   - core attention is our ``kernels.attention.CoreAttention`` (SDPA: no materialised ``[b, heads, s, s]`` scores,
     no fp32 softmax copy, GQA without repeated K/V); for MLA ``MLACoreAttention``, which takes the query/key head
     size ``k_channels`` and value head size ``v_channels`` MLA passes (SDPA accepts a value head size that differs);
@@ -78,10 +80,25 @@ def _moe_slots(mlp_spec, *, grouped_experts: bool, balance_router: bool, module:
     return replace(mlp_spec, module=module or MoELayer, submodules=replace(mlp_spec.submodules, **slots))
 
 
+def _biased_linear_proj():
+    """megatron's ``RowParallelLinear`` with a bias whatever ``add_bias_linear`` says (the attention's output
+    projection of a model whose MLPs have none: PhiMoE's ``o_proj``)."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class BiasedRowParallelLinear(RowParallelLinear):
+        def __init__(self, *args, bias: bool = True, **kwargs) -> None:
+            super().__init__(*args, bias=True, **kwargs)
+
+    return BiasedRowParallelLinear
+
+
 def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: bool = False,
                   qk_module: type | tuple[type, type] | None = None, attention_module: type | None = None,
-                  moe_module: type | None = None, pre_norms: bool = True):
-    """``block_spec`` with our RMSNorm in every norm slot and our core attention (see the docstring); ``qk_module``
+                  moe_module: type | None = None, pre_norms: bool = True, layer_norm: type | None = None,
+                  proj_bias: bool = False):
+    """``block_spec`` with our RMSNorm (``layer_norm``: another of our norms, for the input / pre-MLP / final
+    norms) in every norm slot and our core attention (see the docstring); ``proj_bias``: a bias on the attention's
+    output projection alone (``_biased_linear_proj``); ``qk_module``
     (YaRN's attention factor on the rotary channels, ``DenseBridge.qk_module``) in both q / k norm slots, or a (q, k)
     pair (OLMoE's norms over all heads); ``attention_module`` (``DenseBridge.attention_module``: Llama 4's) for
     megatron's ``SelfAttention``; ``moe_module`` (``MoEBridge.moe_module``: FlexOlmo's post norm) for its
@@ -95,6 +112,7 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
     from loongforge_hf.kernels.specs import SwiGLUMLP
 
     mla_core = _mla_core_attention()
+    layer_norm = layer_norm or RMSNorm
     layers = []
     for spec in block_spec.layer_specs:
         attention = spec.submodules.self_attention
@@ -108,7 +126,10 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
         attention = replace(attention, submodules=replace(att_sub, **norms))
         if attention_module is not None and attention.module is not MLASelfAttention:
             attention = replace(attention, module=attention_module)
-        slots = {n: RMSNorm if pre_norms else IdentityOp for n in _LAYER_NORMS
+        if proj_bias:
+            attention = replace(attention, submodules=replace(attention.submodules,
+                                                              linear_proj=_biased_linear_proj()))
+        slots = {n: layer_norm if pre_norms else IdentityOp for n in _LAYER_NORMS
                  if getattr(spec.submodules, n) is not IdentityOp}
         mlp = spec.submodules.mlp
         if getattr(mlp, "module", None) is MLP:
@@ -117,7 +138,7 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
             slots["mlp"] = _moe_slots(mlp, grouped_experts=grouped_experts, balance_router=balance_router,
                                       module=moe_module)
         layers.append(replace(spec, submodules=replace(spec.submodules, self_attention=attention, **slots)))
-    return replace(block_spec, layer_specs=layers, layer_norm=RMSNorm)
+    return replace(block_spec, layer_specs=layers, layer_norm=layer_norm)
 
 
 def _dispatcher_for_layout(config) -> None:
@@ -129,6 +150,16 @@ def _dispatcher_for_layout(config) -> None:
 
 
 def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
+    """This stage's block spec (see the module docstring), every layer built by ``bridge.layer_module()`` where the
+    bridge has one (Nemotron-H's layers of one mixer or one MLP each: ``nemotron_h.py``)."""
+    block = _block_spec_for(bridge, config, vp_stage=vp_stage)
+    layer = getattr(bridge, "layer_module", lambda: None)()
+    if layer is None:
+        return block
+    return replace(block, layer_specs=[replace(spec, module=layer) for spec in block.layer_specs])
+
+
+def _block_spec_for(bridge, config, *, vp_stage: int | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if bridge.num_experts() is None and not getattr(config, "multi_latent_attention", False):
@@ -141,6 +172,7 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
                               parallel_residual=getattr(bridge, "parallel_residual", None))
         return _with_te_linears(config, get_block_spec(config, spec, vp_stage=vp_stage, **norms))
     from loongforge_hf.kernels.rope import enable_megatron_fused_rope
+    from loongforge_hf.kernels.specs import norm_class
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage)
@@ -160,7 +192,10 @@ def layer_spec_for(bridge, config, *, vp_stage: int | None = None):
                                                   attention_module=None if config.multi_latent_attention
                                                   else bridge.attention_module(),
                                                   moe_module=getattr(bridge, "moe_module", lambda: None)(),
-                                                  pre_norms=getattr(bridge, "pre_norms", True)))
+                                                  pre_norms=getattr(bridge, "pre_norms", True),
+                                                  layer_norm=norm_class(config.normalization,
+                                                                        bias=getattr(bridge, "norm_bias", True)),
+                                                  proj_bias=getattr(bridge, "proj_bias", False)))
 
 
 def _with_te_linears(config, block_spec):

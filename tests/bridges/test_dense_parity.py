@@ -47,9 +47,10 @@ ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gem
          "stablelm", "falcon", "falcon_mqa", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "qwen3_5"]
 
 
-# NOTE: GLM-4-9B, OLMo (clip_qkv binding) and Nemotron at these layouts only (CI time): their per-architecture code is
-# norms, MLP and rotary layout, which the other layouts exercise no differently
-LEAN_ARCHS, LEAN_LAYOUTS = ["glm", "olmo", "nemotron"], ("tp1", "tp2", "pp2")
+# NOTE: GLM-4-9B, OLMo (clip_qkv binding), Nemotron and Jais-2 (LayerNorms, biases on every linear but the LM head,
+# an ungated relu2 MLP) at these layouts only (CI time): their per-architecture code is norms, MLP and rotary layout,
+# which the other layouts exercise no differently
+LEAN_ARCHS, LEAN_LAYOUTS = ["glm", "olmo", "nemotron", "jais2"], ("tp1", "tp2", "pp2")
 # NOTE: HunYuan dense (q / k norms after the rotation, by position ids: HunYuan-MoE's attention, whose layouts the MoE
 # suite runs), Apertus (xIELU's learned scalars, their gradients summed over TP: test_gradients) and EXAONE 3 (Llama
 # under other names) at TP1 and TP2 only

@@ -41,12 +41,13 @@ layer's query temperature) is among the mixture-of-experts models. MiniMax-M2 (q
 TP, half-rotary heads, sigmoid routing plus a fixed expert bias) at TP2 + SP + EP2, as dots.llm1 (per-head q / k norms,
 sigmoid routing plus a fixed expert bias, scaled, shared experts, a dense first layer, windowed last layers) and
 HunYuan-MoE (per-head q / k norms after the rotation, softmax experts beside a shared MLP), FlexOlmo (OLMo 2's post
-norms, the MoE layer's output too, full-width q / k norms) and Granite MoE with a shared MLP.
+norms, the MoE layer's output too, full-width q / k norms) and Granite MoE with a shared MLP, and PhiMoE (LayerNorms
+with biases, attention and LM-head biases, sparsemixer routing as in eval).
 HunYuan dense, Apertus (xIELU's learned scalars, whose gradient each TP rank holds a share of until summed over TP) and
 EXAONE 3 (Llama under GPT-2-style names) at TP2 + SP.
 GLM-4-9B (biased q / k / v, half of each head rotated in interleaved pairs, a packed gate / up), OLMo (norms without
-parameters, q / k / v clamped by ``clip_qkv``) and Nemotron (LayerNorm1P with biases, an ungated relu2 MLP, half-rotary
-heads) at TP2 + SP.
+parameters, q / k / v clamped by ``clip_qkv``), Nemotron (LayerNorm1P with biases, an ungated relu2 MLP, half-rotary
+heads) and Jais-2 (LayerNorms, biases on every linear but the LM head, an ungated relu2 MLP) at TP2 + SP.
 Qwen3-Next (Gated DeltaNet in-projections fused per key head, a dense first layer, a sigmoid-gated shared expert) at
 TP1 and TP2 + SP + EP2, Qwen3.5-MoE's text model at TP1; Qwen3.5 (Gated DeltaNet layers, their states passed
 between the CP ranks) at TP1, TP2, TP2 + SP and CP2.
@@ -86,6 +87,8 @@ CHECKPOINTS = {
     # MoE with a shared MLP: at TP2 + SP + EP2
     "flex_olmo": ("flex_olmo", {}),
     "granitemoeshared": ("granitemoeshared", {}),
+    # NOTE: LayerNorms with biases, attention and LM-head biases, sparsemixer routing (eval), at TP2 + SP + EP2
+    "phimoe": ("phimoe", {}),
     # NOTE: HunYuan dense (q / k norms after the rotation), Apertus (xIELU's two learned scalars per layer, each TP rank
     # holding a share of their gradient) and EXAONE 3 (Llama under GPT-2-style names): at TP2 + SP
     "hunyuan_v1_dense": ("hunyuan_v1_dense", {}),
@@ -97,6 +100,7 @@ CHECKPOINTS = {
     "glm": ("glm", {}),
     "olmo": ("olmo", {}),
     "nemotron": ("nemotron", {}),
+    "jais2": ("jais2", {}),  # NOTE: LayerNorms, biases on q / k / v / o and up / down, an ungated relu2 MLP: TP2 + SP
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),  # attention biases
     "llama3": ("llama3", {}),
@@ -164,12 +168,14 @@ LAYOUTS = {
     "tp2_sp_etp1": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1}, MOE),
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
                        "expert_tensor_parallel_size": 1},
-                   MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "granitemoeshared")),
+                   MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "granitemoeshared",
+                          "phimoe")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},  # MoE: experts split too
-               MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron", "hunyuan_v1_dense", "apertus", "exaone")),
+               MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron", "hunyuan_v1_dense", "apertus", "exaone",
+                                               "jais2")),
 }
 CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
 TOL = 1e-4

@@ -54,6 +54,10 @@ Qwen3-Next also at ep2 and pp2ep2, Qwen3.5-MoE also at cp2ep2 (the Gated DeltaNe
 context-parallel ranks, ``parallel/delta_rule_cp.py``), with their
 ``router_logits`` and transformers' balancing loss within 1e-5, Qwen3-Next's hub ``mtp.*`` tensors passed through
 (padding, packed documents, generate: test_qwen3_5).
+PhiMoE (``phimoe``: LayerNorms with biases, q / k / v / o and LM-head biases, sparsemixer top-2 routing whose jitter
+window masks some experts, LongRoPE's fixed mscale; its ``router_logits`` and transformers' balancing loss within 1e-5)
+runs at tp1, ep2 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; the training-mode sparsemixer:
+test_phimoe_routing).
 """
 
 from pathlib import Path
@@ -76,6 +80,7 @@ ERNIE_MOE_LAYERS = 2  # the tiny ERNIE 4.5 MoE: layers 1 and 2 of 4 (moe_layer_s
 OLMOE_MOE_LAYERS = 4  # the tiny OLMoE: every layer
 MINIMAX_MOE_LAYERS = 4  # the tiny MiniMax-M2: every layer
 HUNYUAN_MOE_LAYERS = 4  # the tiny HunYuan-MoE: every layer
+PHIMOE_MOE_LAYERS = 4  # the tiny PhiMoE: every layer
 LLAMA4_MOE_LAYERS = 2  # the tiny Llama 4: layers 1 and 3 (interleave_moe_layer_step=2)
 HYBRID_MOE_LAYERS = {"qwen3_next": 3, "qwen3_5_moe": 4}  # NOTE: Qwen3-Next's first layer dense (mlp_only_layers)
 # NOTE: megatron's own rotary path (rotary_interleaved), not the fused-rope slot
@@ -130,6 +135,9 @@ CHECKPOINTS = {
     "granitemoeshared": ("granitemoeshared", {}),
     "qwen3_next": ("qwen3_next", {"mtp_layers": 1}),  # NOTE: the hub's mtp.* tensors passed through
     "qwen3_5_moe": ("qwen3_5_moe", {}),
+    # NOTE: LayerNorms, q / k / v / o and LM-head biases, sparsemixer top-2 routing (its jitter window masking some
+    # experts), LongRoPE's fixed mscale
+    "phimoe": ("phimoe", {}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
     # NOTE: YaRN (its attention factor on q's and k's rotary channels: after Qwen3-MoE's q / k norms; in Mixtral's
     # empty q / k norm slots)
@@ -145,14 +153,15 @@ MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwe
           "hunyuan_v1_moe")
 HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers
 LEAN = ("flex_olmo", "granitemoeshared")  # NOTE: at tp1 and ep2 only (CI time); gradients at TP2 + SP + EP2
+SMALL_MOE = ("phimoe",)  # NOTE: at tp1, ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
 LAYOUTS = {
-    "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2",
+    "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, *SMALL_MOE, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2",
                     "deepseek_v3_bf16", "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk")),
-    "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN)),
+    "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE)),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
-               (*MODELS, *HYBRID, "qwen3_moe_yarn", "mixtral_yarn")),
+               (*MODELS, *HYBRID, *SMALL_MOE, "qwen3_moe_yarn", "mixtral_yarn")),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_next")),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
                 ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss",
@@ -237,8 +246,10 @@ def test_parity_and_round_trip(worlds, layout, name):
         # NOTE: HunYuan's q / k norms after the rotation (the rotation in the slot, before the norm)
         llama4 += ["RotateThenNorm"] if name == "hunyuan_v1_moe" else []
         scaled |= {"QueryTemperature"} if name == "llama4" else set()
+        # NOTE: PhiMoE's LayerNorms with biases, LongRoPE's mscale on the rotary channels
+        expected = ["LayerNorm", "RotaryScale"] if name == "phimoe" else ["RMSNorm"]
         assert sorted(set(r["norms"]) - scaled) == sorted(
-            ["RMSNorm", *full_width, *llama4, *(["RotaryScale"] if yarn and not mla else [])]), (rank, r)
+            [*expected, *full_width, *llama4, *(["RotaryScale"] if yarn and not mla else [])]), (rank, r)
         assert r["rope_fusion"] is (not mla and name not in INTERLEAVED_ROPE), (rank, r)
         # megatron's allgather dispatcher where expert and expert-tensor parallel are 1 (no chunk-sort copies)
         single = "expert_parallel_size" not in LAYOUTS[layout][1] and (
@@ -271,6 +282,9 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name.startswith(("olmoe", "minimax_m2", "flex_olmo")):  # NOTE: router_logits (model dtype), the balancing
             layers = MINIMAX_MOE_LAYERS if name == "minimax_m2" else OLMOE_MOE_LAYERS  # loss; every layer sparse
             assert r["router_counts"] == (layers,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
+            assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
+        if name == "phimoe":  # NOTE: router_logits (model dtype) and transformers' balancing loss, every layer sparse
+            assert r["router_counts"] == (PHIMOE_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
         if name in HYBRID:  # NOTE: router_logits and the balancing loss (in the loss too), as OLMoE's
             assert r["router_counts"] == (HYBRID_MOE_LAYERS[name],) * 2, (rank, r)
