@@ -58,6 +58,7 @@ def _top_k_router():
         balance = None
         recorder = None
         norm_min = None  # set with a softmax router's expert bias (ERNIE 4.5): it routes by biased_routing.route
+        route = None  # a bridge's own routing, logits [T, E] -> (probs, map) (PhiMoE's sparsemixer): in its place
 
         def _apply_expert_bias(self, routing_map, padding_mask=None):
             # NOTE: megatron's is torch.compile'd: every call pays dynamo's guard checks (~30 us a layer on an H200's
@@ -67,7 +68,9 @@ def _top_k_router():
 
         def routing(self, logits, padding_mask=None):
             scores = None  # NOTE: ERNIE 4.5's fp32 softmax over all experts (biased_routing)
-            if self.norm_min is None:
+            if self.route is not None:
+                probs, routing_map = self.route(logits.view(-1, self.config.num_moe_experts), self.training)
+            elif self.norm_min is None:
                 probs, routing_map = super().routing(logits, padding_mask=padding_mask)
             else:
                 scores = torch.softmax(logits.view(-1, self.config.num_moe_experts).float(), dim=-1)
@@ -81,7 +84,7 @@ def _top_k_router():
                 counted = routing_map
                 if scores is not None:
                     counted = biased_routing.unbiased_map(scores, self.topk)
-                elif self.enable_expert_bias:
+                elif self.enable_expert_bias or self.route is not None:
                     counted = biased_routing.unbiased_map(logits.view(-1, self.config.num_moe_experts), self.topk)
                 probs = self.balance.take(self, logits, counted, probs)
             return probs, routing_map
@@ -221,14 +224,23 @@ def forward_outputs(model, output_router_logits: bool | None = None) -> tuple[Ro
     return _switch(model, output_router_logits, zero_coef=True)
 
 
-def _switch(model, output_router_logits: bool | None, *, zero_coef: bool) -> tuple[RouterBalance, float] | None:
+def requested(model, coef: float) -> tuple[RouterBalance, float] | None:
+    """(the model's ``RouterBalance``, ``coef``) for a trainer that asks each training forward for the loss with a
+    coefficient of its own, whatever the config says (trl.DPOTrainer: ``output_router_logits=True`` and
+    ``DPOConfig.router_aux_loss_coef``); None when ``coef`` is 0. Raises as ``check_layout``."""
+    return _switch(model, bool(coef), zero_coef=False, coef=coef)
+
+
+def _switch(model, output_router_logits: bool | None, *, zero_coef: bool, coef: float | None = None
+            ) -> tuple[RouterBalance, float] | None:
     from loongforge_hf.bridges.router_logits import asked
 
     config = model.config.get_text_config()  # NOTE: an image-text model's: its language model's
     on = asked(config, output_router_logits)
     if on and moe_graphs.asked(getattr(getattr(model, "megatron", None), "config", None)):
         raise ValueError(f"{moe_graphs.ROUTER_OUTPUTS}: not with cuda_graph_impl='local'.")
-    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0
+    if coef is None:
+        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0
     check_layout(config, getattr(model.bridge, "text", model.bridge), coef=coef)
     balance = getattr(model, "router_balance", None)
     if balance is None or not on or not (coef or zero_coef):

@@ -18,6 +18,19 @@ Choices:
   step's gradients are divided by the number of micro-batches times data-parallel ranks (the hook's count, 1 per
   micro-batch): the mean of the micro-batches' losses, averaged over ranks, which is what Trainer's
   ``loss / gradient_accumulation_steps`` under DDP gives TRL.
+- Context parallelism: each rank scores its load-balanced share of every row's tokens and the rows' log-prob sums
+  are summed over the CP group (the policy's with a gradient, ``_PreferenceLoss``; the reference's and evaluation's
+  without), so every CP rank computes the whole micro-batch's loss and counts as a data-parallel rank would.
+  Virtual pipeline stages: the step runs megatron's interleaved schedule (``gradient_accumulation_steps`` a multiple
+  of ``pipeline_parallel_size``), the reference's forwards too; a forward of one batch (evaluation, precompute) goes
+  through the virtual stages in order. Pipeline parallelism pads every batch to ``max_length``, as without VPP.
+- MoE router load-balancing loss, as TRL turns it on (``DPOConfig.router_aux_loss_coef``, by default the model
+  config's, for a config with ``output_router_logits``; TRL asks the policy's forwards for it whatever that field
+  says, and not the reference's): transformers' loss over the policy forward's chosen and rejected rows (their
+  attention mask, ``bridges/router_balance.py``), ``coef * aux_loss`` added to each micro-batch's loss
+  (``router_aux_reduction="mean"`` with the engine's ``router_aux_coef``) and to the evaluation loss, the
+  ``aux_loss`` metric each micro-batch's value averaged over the data-parallel ranks. A MoE model that cannot compute
+  it is refused (``router_balance.check_layout``: pass ``router_aux_loss_coef=0.0``).
 - Reference log-probabilities, as TRL picks them: a ``ref_model`` (a second ``LoongModelForCausalLM`` with the
   policy's layout; without one, and without LoRA or ``precompute_ref_log_probs``, loaded from the policy's
   ``name_or_path`` with its layout and dtype, as TRL loads it), the policy with its adapters disabled (a
@@ -42,10 +55,10 @@ Choices:
   ``use_liger_kernel``, ``padding_free``, ``ld_alpha``, ``use_weighting`` (WPO: the vocabulary's squared
   probabilities at each token), ``sync_ref_model``, ``activation_offloading``, ``rpo_alpha`` (an older TRL's field;
   TRL 1.16 writes RPO as ``loss_type=["sigmoid", "sft"]``, ``loss_weights=[1, alpha]``, which runs here),
-  image datasets / processors, MoE router auxiliary loss, context parallelism, virtual pipeline stages, a
-  ``ref_model`` that is not a loongforge model of the same layout, non-LoRA ``peft_config``, custom ``optimizers``,
-  ``quantization_config``. TRL's own checks (``label_smoothing`` of "exo_pair", which loss types take an
-  ``f_divergence_type``) run in its ``__init__``, on every rank alike.
+  image datasets / processors, a ``ref_model`` that is not a loongforge model of the same layout, non-LoRA
+  ``peft_config``, custom ``optimizers``, ``quantization_config``, pipeline parallelism without ``max_length``.
+  TRL's own checks (``label_smoothing`` of "exo_pair", which loss types take an ``f_divergence_type``) run in its
+  ``__init__``, on every rank alike.
 """
 
 from __future__ import annotations
@@ -112,10 +125,6 @@ def _refuse_unsupported(args: DPOConfig, model, ref_model, peft_config, train_da
     if peft_config is not None and type(peft_config).__name__ != "LoraConfig":
         problems.append(f"peft_config of type {type(peft_config).__name__} (LoRA only)")
     layout = model.parallel
-    if layout.context_parallel_size > 1:
-        problems.append(f"context_parallel_size={layout.context_parallel_size}")
-    if layout.interleaved_stages:
-        problems.append("virtual pipeline stages (virtual_pipeline_parallel_size)")
     if layout.pipeline_parallel_size > 1 and args.max_length is None:
         problems.append("pipeline_parallel_size > 1 without DPOConfig(max_length=...) (every micro-batch of a step "
                         "is padded to it)")
@@ -146,34 +155,39 @@ class _DPOArgsSecond(DPOTrainer):
 def sequence_logps(model, micro_batches: list[dict], *, everywhere: bool = True) -> list[torch.Tensor | None]:
     """Each micro-batch's per-row sum of label-token log-probabilities (fp32 ``[rows]``) under ``model`` (a
     ``LoongModelForCausalLM``; batches padded as megatron needs, with shifted-by-the-step ``labels``), through
-    megatron's forward-only schedule and the fused vocab-parallel head. On the last pipeline stage, or on every rank
-    with ``everywhere`` (broadcast over the pipeline group); None elsewhere."""
+    megatron's forward-only schedule and the fused vocab-parallel head (summed over the context-parallel ranks). On
+    the last pipeline stage, or on every rank with ``everywhere`` (broadcast over the pipeline group); None
+    elsewhere."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from loongforge_hf.bridges.output_layer import hidden_states_out, language_head
 
     device = model.device
+    vocab = model.config.vocab_size
     found: list[torch.Tensor] = []
 
     def forward_step(data_iterator, chunk):
-        batch = next(data_iterator)
-        args = _megatron_inputs(batch, device)
+        args, labels = _local_inputs(next(data_iterator), device)
         head = language_head(chunk)
-        labels = _shifted(batch, device)
         with hidden_states_out([chunk]) if head is not None else nullcontext():
             output = chunk(*args)
 
         def loss_func(output):
-            found.append(_token_logps(output, labels, head, vocab_size=model.config.vocab_size).sum(dim=1))
+            found.append(_over_context_parallel(_token_logps(output, labels, head, vocab_size=vocab).sum(dim=1)))
             return output.sum() * 0.0, {}
         return output, loss_func
 
     chunks = list(model.chunks)
     seq, rows = micro_batches[0]["input_ids"].shape[1], micro_batches[0]["input_ids"].shape[0]
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=chunks[0],
-                                num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=rows,
-                                forward_only=True)
+    if len(chunks) > 1 and len(micro_batches) % model.parallel.pipeline_parallel_size:
+        _interleaved_one_by_one(model, micro_batches, found)
+    else:
+        data = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data,
+                                    model=chunks if len(chunks) > 1 else chunks[0],
+                                    num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=rows,
+                                    forward_only=True)
     if model.parallel.pipeline_parallel_size == 1:
         return found
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -188,20 +202,65 @@ def sequence_logps(model, micro_batches: list[dict], *, everywhere: bool = True)
     return out
 
 
+def _interleaved_one_by_one(model, micro_batches: list[dict], found: list) -> None:
+    """``sequence_logps`` under virtual pipeline stages for a count of micro-batches megatron's interleaved schedule
+    does not take (not a multiple of ``pipeline_parallel_size``: an evaluation batch, a precompute batch): each
+    through the virtual stages in order (``runtime._interleaved_forward_once``)."""
+    from loongforge_hf.bridges.output_layer import hidden_states_out, language_head
+    from loongforge_hf.bridges.runtime import _interleaved_forward_once
+
+    chunks = list(model.chunks)
+    head = language_head(chunks[-1])
+    for batch in micro_batches:
+        args, labels = _local_inputs(batch, model.device)
+
+        def finish(output):
+            sums = _token_logps(output, labels, head, vocab_size=model.config.vocab_size).sum(dim=1)
+            return _over_context_parallel(sums), None
+
+        store: dict = {}
+        with hidden_states_out(chunks):
+            _interleaved_forward_once(model, chunks, *args, finish, store, seq=batch["input_ids"].shape[1])
+        if "loss" in store:
+            found.append(store["loss"])
+
+
+def _over_context_parallel(values: torch.Tensor, *, grad: bool = False) -> torch.Tensor:
+    """Per-row sums over this rank's share of the tokens -> over the whole rows (summed over the context-parallel
+    group; unchanged without CP). With ``grad``, differentiable: the backward sums the group's gradients too, so each
+    rank's share of the tokens gets CP times its gradient (see ``_PreferenceLoss``)."""
+    from loongforge_hf.parallel.context_parallel import cp_group_and_size
+
+    group, size, _ = cp_group_and_size()
+    if size == 1:
+        return values
+    if grad:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(values, group=group)
+    values = values.clone()
+    dist.all_reduce(values, group=group)
+    return values
+
+
 def _shifted(batch: dict, device) -> torch.Tensor:
     from loongforge_hf.bridges.runtime import shift_labels
 
     return shift_labels(batch["labels"].to(device))
 
 
-def _megatron_inputs(batch: dict, device) -> tuple:
-    """(input_ids, position_ids, mask) of a padded text batch, as the engine builds them."""
+def _local_inputs(batch: dict, device) -> tuple[tuple, torch.Tensor]:
+    """((input_ids, position_ids, mask), shifted labels) of a padded text batch as the engine builds them: this
+    context-parallel rank's share (``parallel.context_parallel.cp_local_inputs``)."""
     from loongforge_hf.bridges.runtime import megatron_attention_mask
+    from loongforge_hf.parallel.context_parallel import cp_local_inputs
 
     input_ids = batch["input_ids"].to(device)
     b, s = input_ids.shape
     mask = megatron_attention_mask(batch.get("attention_mask"), s, None, device=device)
-    return input_ids, torch.arange(s, device=device).expand(b, s), mask
+    *args, labels = cp_local_inputs(input_ids, torch.arange(s, device=device).expand(b, s), mask,
+                                    _shifted(batch, device))
+    return tuple(args), labels
 
 
 def _token_logps(output: torch.Tensor, labels: torch.Tensor, head, *, vocab_size: int,
@@ -248,7 +307,13 @@ class _PreferenceBatches:
 
 
 class _PreferenceLoss:
-    """``MegatronEngine.loss_hook``: the DPO loss of each micro-batch (see the module docstring)."""
+    """``MegatronEngine.loss_hook``: the DPO loss of each micro-batch (see the module docstring).
+
+    Under context parallelism each rank holds a share of every row's tokens: the rows' log-prob sums are summed over
+    the group (``_over_context_parallel``), so every rank computes the micro-batch's whole loss, and counts 1 as a
+    data-parallel rank would; the sum's backward sums the group's gradients, so each rank's tokens get CP times
+    their gradient and the step (which divides by CP times more counts) gets the loss's. Its reward stats are then
+    summed CP times, the pairs too; the token stats are each rank's own tokens'."""
 
     num_stats = len(_STATS)
 
@@ -274,10 +339,11 @@ class _PreferenceLoss:
         halves = [(output[:rows], chosen_stats), (output[rows:], rejected_stats)]
         logps = torch.cat([_token_logps(out, labels[i * rows:(i + 1) * rows], head, vocab_size=vocab, stats=stats)
                            .sum(dim=1) for i, (out, stats) in enumerate(halves)])
+        logps = _over_context_parallel(logps, grad=True)
         ref = self._reference(batch, device)
-        counts = (labels != -100).sum(dim=1).float()
+        counts = (labels != -100).sum(dim=1).float()  # NOTE: this rank's share of the tokens
         loss = trainer.preference_loss(logps, ref, lengths=batch["completion_mask"].to(device).sum(dim=1),
-                                       label_tokens=counts)
+                                       label_tokens=_over_context_parallel(counts))
         stats = reward_stats(logps, ref, beta=trainer.beta)
         tokens = torch.stack([chosen_stats[0] + rejected_stats[0], counts.sum(), chosen_stats[1], counts[:rows].sum()])
         return loss, torch.ones((), dtype=torch.int64, device=device), torch.cat([stats, tokens])
@@ -298,6 +364,17 @@ def _append_metrics(metrics: dict, values: list[float]) -> None:
     # NOTE: TRL divides the token counts in fp32
     accuracy = torch.tensor(s["top1"]) / torch.tensor(s["chosen_tokens"]) if s["chosen_tokens"] else 0.0
     metrics["mean_token_accuracy"].append(float(accuracy))
+
+
+def _data_parallel_mean(value: torch.Tensor) -> float:
+    """A rank's scalar averaged over the data-parallel ranks (TRL's ``gather_for_metrics(...).mean()``)."""
+    from megatron.core import parallel_state as ps
+
+    value = value.detach().double().reshape(1).clone()
+    if dist.is_initialized():
+        dist.all_reduce(value, group=ps.get_data_parallel_group())
+        value /= ps.get_data_parallel_world_size()
+    return float(value)
 
 
 def _disable_residual_dropout(model) -> None:
@@ -355,9 +432,7 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
         self.preference_loss = DPOLoss.from_args(args)
         if isinstance(self.ref_model, _PolicyAsReference):
             self.ref_model = None
-        if self.aux_loss_enabled:
-            raise ValueError("LoongDPOTrainer does not support the MoE router auxiliary loss: pass "
-                             "DPOConfig(router_aux_loss_coef=0.0).")
+        self._router_balance()  # NOTE: a model or layout that cannot compute the MoE balancing loss raises here
         for m in (self.model, self.ref_model):
             if m is not None:
                 vars(m).pop("forward", None)  # NOTE: TRL's fused-LM-head patch (see the module docstring)
@@ -416,13 +491,32 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
             return sequence_logps(self.model, micro_batches, everywhere=everywhere)
 
     # ---- training --------------------------------------------------------------------------------------------------
+    @property
+    def _router_aux_coef(self) -> float:
+        """TRL's weight of the MoE router balancing loss: its ``router_aux_loss_coef`` where it turned it on, else 0
+        (whatever ``output_router_logits`` the model config holds: TRL asks the policy's forwards for it)."""
+        return self.router_aux_loss_coef if self.aux_loss_enabled else 0.0
+
+    def _router_balance(self):
+        """(the policy's ``RouterBalance``, coefficient) while TRL adds the balancing loss, else None; raises where
+        the model or layout cannot compute it (``router_balance.check_layout``)."""
+        from loongforge_hf.bridges import router_balance
+
+        return router_balance.requested(self.model, self._router_aux_coef)
+
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
         self.engine.loss_hook = _PreferenceLoss(self)
+        # NOTE: TRL adds coef * aux_loss to each micro-batch's loss before Trainer divides it by the accumulation
+        # steps, and DDP averages over the ranks
+        self.engine.router_aux_reduction = "mean"
+        self.engine.router_aux_coef = self._router_aux_coef
         return optimizer
 
     def _record_step(self, result, micro: list[dict]) -> None:
         metrics = self._metrics["train"]
+        if result.router_aux is not None:
+            metrics["aux_loss"].extend(result.router_aux)
         for values in result.hook_stats:
             _append_metrics(metrics, values)
         self._total_train_tokens += self.count_step_tokens(micro, lambda b: int(b["attention_mask"].sum()),
@@ -447,13 +541,20 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
         reward metrics over the data-parallel ranks."""
         from megatron.core import parallel_state as ps
 
+        routed = self._router_balance()
+        if routed is not None:  # NOTE: TRL's policy forward adds coef * aux_loss in evaluation too
+            shape = tuple(inputs["input_ids"].shape)
+            tally = routed[0].begin(inputs.get("attention_mask"), shape, length=shape[1], device=self.model.device)
         logps = sequence_logps(self.model, [inputs])[0]
+        aux = routed[0].finish_everywhere(tally) if routed is not None else None
         if self.precompute_ref_logps:
             ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).to(logps)
         else:
             ref = self.reference_logps([inputs], everywhere=True)[0]
         loss = self.preference_loss(logps, ref, lengths=inputs["completion_mask"].to(logps.device).sum(dim=1),
                                     label_tokens=(_shifted(inputs, logps.device) != -100).sum(dim=1))
+        if aux is not None:
+            loss = loss + routed[1] * aux
         # NOTE: no entropy / token accuracy in evaluation (the forward-only pass keeps the log-probs only)
         values = reward_stats(logps, ref, beta=self.beta).double()
         if dist.is_initialized():
@@ -461,6 +562,8 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
         s = dict(zip(_STATS, values.tolist()))
         for key in _STATS[:6]:
             self._metrics["eval"][key].append(s[key] / max(s["pairs"], 1.0))
+        if aux is not None:
+            self._metrics["eval"]["aux_loss"].append(_data_parallel_mean(aux))
         return (loss, None) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

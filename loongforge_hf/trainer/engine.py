@@ -45,10 +45,13 @@ Choices:
 - A trainer with a loss of its own (LoongDPOTrainer's preference loss) sets ``loss_hook``: each step it is given the
   step's micro-batches first (``start_step``, on every rank, after the layout padding: it may run collectives, e.g. a
   reference model's forwards), then called on the last pipeline stage with each micro-batch's output (final hidden
-  states under the fused loss, else TP-local logits), the micro-batch, its shifted labels and the language head; it
-  returns the loss to backpropagate, the count the step's gradients are divided by (summed over micro-batches and
-  data-parallel ranks as the label tokens are), and ``num_stats`` fp32 values that the step sums over the
-  data-parallel ranks and shares with every pipeline stage (``StepResult.hook_stats``).
+  states under the fused loss, else TP-local logits; under context parallelism this rank's share of the tokens), the
+  micro-batch, its shifted labels (this rank's share) and the language head; it returns the micro-batch's loss to
+  backpropagate, count 1, and ``num_stats`` fp32 values that the step sums over the data- and context-parallel ranks
+  and shares with every pipeline stage (``StepResult.hook_stats``). Every rank of a context-parallel group counts,
+  as a data-parallel rank does: the step's gradients are divided by the micro-batches times the data- and
+  context-parallel ranks (the hook makes its gradient that many times its tokens' share). With the router balancing
+  loss, ``coef * aux`` joins the hook's loss ("mean", times CP for that count), not its reported value.
 - More TP ranks than KV heads (each KV head replicated, ``parallel/kv_replicas.py``): the finalize step sums the
   replicas' K / V gradient rows after megatron's, and the gradient norm counts each HF head once.
 - One engine wraps a model's chunks at a time: a new engine on the same model (a second trainer) first releases the
@@ -191,8 +194,11 @@ class MegatronEngine:
         # mean_token_accuracy), from the loss's own pass over the logits; LoongSFTTrainer turns them on.
         self.token_stats = False
         # NOTE: how each micro-batch's router balancing loss enters the step (see the module docstring);
-        # LoongSFTTrainer sets "mean".
+        # LoongSFTTrainer and LoongDPOTrainer set "mean".
         self.router_aux_reduction = "sum"
+        # NOTE: the loss's coefficient where a trainer asks for it itself (router_balance.requested; LoongDPOTrainer,
+        # as trl.DPOTrainer passes output_router_logits=True); None: the model config decides
+        self.router_aux_coef: float | None = None
         # NOTE: TrainingArguments.label_smoothing_factor: the training loss is transformers' LabelSmoother's (as
         # Trainer normalises it: over the label tokens of the global batch), set by LoongTrainer
         self.label_smoothing = 0.0
@@ -525,7 +531,8 @@ class MegatronEngine:
         of its gradient (see the module docstring)."""
         from megatron.core import parallel_state as ps
 
-        on = router_balance.active(self.model)
+        on = router_balance.active(self.model) if self.router_aux_coef is None else \
+            router_balance.requested(self.model, self.router_aux_coef)
         if on is None:
             return None
         if getattr(self.model.megatron.config, "overlap_moe_expert_parallel_comm", False):
@@ -533,9 +540,13 @@ class MegatronEngine:
                              "overlap_moe_expert_parallel_comm (its schedule interleaves two micro-batches' forwards).")
         device = self.model.device
         count = torch.zeros((), dtype=torch.float64, device=device)
-        for b in micro_batches:
-            count += int((shift_labels(b["labels"]) != IGNORE_INDEX).sum())
-        dist.all_reduce(count, group=ps.get_data_parallel_group(with_context_parallel=False))
+        if self.loss_hook is not None:
+            # NOTE: a hook counts 1 per micro-batch on every data- and context-parallel rank
+            count += len(micro_batches) * ps.get_data_parallel_world_size(with_context_parallel=True)
+        else:
+            for b in micro_batches:
+                count += int((shift_labels(b["labels"]) != IGNORE_INDEX).sum())
+            dist.all_reduce(count, group=ps.get_data_parallel_group(with_context_parallel=False))
         # NOTE: the optimizer step divides the gradients by the count, by 1 when it is 0 (_optimizer_step)
         scale = torch.where(count > 0, count, torch.ones_like(count))
         if self.router_aux_reduction == "mean":
@@ -601,8 +612,9 @@ class MegatronEngine:
             def loss_func(output):
                 if self.loss_hook is not None:
                     loss, count, stats = self.loss_hook(output, batch, labels=labels, head=head)
-                    return loss, count, {"lm loss": (loss.detach().clone(), count.detach().clone()),
-                                         "hook stats": stats.detach()}
+                    reported = {"lm loss": (loss.detach().clone(), count.detach().clone()),
+                                "hook stats": stats.detach()}
+                    return _with_router_aux(loss, tally, balance, reported), count, reported
                 count = (labels != IGNORE_INDEX).sum()
                 stats = torch.zeros(2, dtype=torch.float32, device=device) if self.token_stats else None
                 if head is not None:
@@ -617,15 +629,21 @@ class MegatronEngine:
                 reported = {"lm loss": (loss_sum.detach().clone(), count.detach().clone())}
                 if stats is not None:
                     reported["token stats"] = stats
-                if tally is not None:
-                    # NOTE: the term joins the loss megatron backpropagates (its loss scale included), not the
-                    # reported language-model loss; the routers get its gradient through aux (router_balance.py)
-                    aux = tally.finish()
-                    reported["router aux"] = aux.detach()
-                    loss_sum = loss_sum + (balance["coef"] * balance["scale"]) * aux
-                return loss_sum, count, reported
+                return _with_router_aux(loss_sum, tally, balance, reported), count, reported
             return output, loss_func
         return forward_step
+
+
+def _with_router_aux(loss: torch.Tensor, tally, balance: dict | None, reported: dict) -> torch.Tensor:
+    """``loss`` plus the micro-batch's router balancing term (``reported["router aux"]``: its value), where tallied.
+
+    NOTE: the term joins the loss megatron backpropagates (its loss scale included), not the reported loss; the
+    routers get its gradient through aux (router_balance.py)."""
+    if tally is None:
+        return loss
+    aux = tally.finish()
+    reported["router aux"] = aux.detach()
+    return loss + (balance["coef"] * balance["scale"]) * aux
 
 
 def micro_batch_group(layout) -> int:

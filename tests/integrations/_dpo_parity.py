@@ -1,7 +1,7 @@
 """Rank functions: the same DPO runs with trl.DPOTrainer on the transformers model and with LoongDPOTrainer.
 
 A scenario is (DPOConfig overrides, LoraConfig kwargs or None, whether a reference model is passed); a world runs
-several so that the process start-up is paid once.
+several so that the process start-up is paid once. A MoE model's logs carry TRL's ``aux_loss`` after ``METRICS``.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ _LOSS_OVERRIDES = {
 }
 LOSS_SCENARIOS = {name: ({"learning_rate": 2e-3, "max_steps": 2, **overrides}, None, True)
                   for name, overrides in _LOSS_OVERRIDES.items()}
+# a Qwen3-MoE loaded without output_router_logits: TRL's own coefficient turns the router balancing loss on
+MOE_SCENARIOS = {"moe_router_aux": ({"learning_rate": 2e-3, "router_aux_loss_coef": 0.1, "eval_strategy": "steps",
+                                     "eval_steps": 2, "per_device_eval_batch_size": 2}, None, True)}
 
 
 def _sentence(g: torch.Generator, low: int, high: int) -> str:
@@ -78,11 +81,13 @@ EVAL_METRICS = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "ev
 
 
 def _logs(trainer) -> list[list[float]]:
-    return [[h[k] for k in METRICS] for h in trainer.state.log_history if "loss" in h]
+    return [[h[k] for k in METRICS] + [h[k] for k in ("aux_loss",) if k in h]
+            for h in trainer.state.log_history if "loss" in h]
 
 
 def _eval_logs(trainer) -> list[list[float]]:
-    return [[h[k] for k in EVAL_METRICS] for h in trainer.state.log_history if "eval_loss" in h]
+    return [[h[k] for k in EVAL_METRICS] + [h[k] for k in ("eval_aux_loss",) if k in h]
+            for h in trainer.state.log_history if "eval_loss" in h]
 
 
 def _eval_dataset(overrides: dict):
@@ -107,9 +112,24 @@ def run_trl(folder: str, out_dir: str, names: list[str], scenarios: dict = SCENA
                                  peft_config=peft.LoraConfig(**lora) if lora else None)
         trainer.train()
         model = trainer.model
-        weights = peft.get_peft_model_state_dict(model) if lora else model.state_dict()
-        out[name] = {"logs": _logs(trainer), "eval_logs": _eval_logs(trainer),
-                     "weights": {k: v.detach().clone() for k, v in weights.items()}}
+        if lora:
+            weights = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+        else:  # NOTE: the checkpoint's names (transformers fuses a MoE's experts in memory, one tensor per layer)
+            model.save_pretrained(f"{out_dir}/{name}/final")
+            weights = saved_tensors(f"{out_dir}/{name}/final")
+        out[name] = {"logs": _logs(trainer), "eval_logs": _eval_logs(trainer), "weights": weights}
+    return out
+
+
+def saved_tensors(folder: str) -> dict:
+    """Every tensor of a folder's safetensors files."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in glob.glob(f"{folder}/*.safetensors"):
+        out.update(load_file(f))
     return out
 
 
@@ -117,7 +137,6 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], scenari
     """LoongDPOTrainer: {scenario: {"logs", "weights" (the saved model's or adapter's tensors, rank 0)}}."""
     import peft
     import torch.distributed as dist
-    from safetensors.torch import load_file
 
     import loongforge_hf as lf
 
@@ -135,12 +154,7 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], scenari
         trainer.save_model(f"{out_dir}/{name}/final")
         result = {"logs": _logs(trainer), "eval_logs": _eval_logs(trainer)}
         if dist.get_rank() == 0:
-            import glob
-
-            weights = {}
-            for f in glob.glob(f"{out_dir}/{name}/final/*.safetensors"):
-                weights.update(load_file(f))
-            result["weights"] = weights
+            result["weights"] = saved_tensors(f"{out_dir}/{name}/final")
         out[name] = result
     return out
 

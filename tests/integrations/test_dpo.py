@@ -3,10 +3,16 @@
 Scenarios (``_dpo_parity.SCENARIOS``), 4 optimizer steps of 2 micro-batches of 2 pairs each, "sigmoid" loss, beta 0.1:
 full fine-tuning with a reference model passed; LoRA (q, v, down projections) with no reference model (the adapters
 disabled are the reference), evaluating after steps 2 and 4; full fine-tuning with ``precompute_ref_log_probs=True``.
-All at TP=1; the first two also at TP=2 with sequence parallelism and at PP=2. At DP=2, against trl.DPOTrainer under DDP
-in the same two-rank world: the LoRA scenario, and 2-step full fine-tuning runs of each other TRL 1.16 loss type
-(``_dpo_parity.LOSS_SCENARIOS``: label smoothing, the f-divergences, RPO as "sigmoid" + weighted "sft"; the ones that
-count tokens evaluating after each step).
+All at TP=1; the first two also at TP=2 with sequence parallelism, at PP=2, at CP=2 (load-balanced chunks of
+right-padded rows) and at PP=2 x VPP=2 (an evaluation batch through the virtual stages one by one). (With the
+precomputed reference the first step's rewards are rounding noise around 0, so its reward accuracy depends on how
+the layout rounds: not compared beyond TP=1; it reads the reference through the same forward as evaluation.) At
+DP=2, against trl.DPOTrainer under DDP in the same two-rank world: the LoRA scenario, and 2-step full fine-tuning
+runs of each other TRL 1.16 loss type (``_dpo_parity.LOSS_SCENARIOS``: label smoothing, the f-divergences, RPO as
+"sigmoid" + weighted "sft"; the ones that count tokens evaluating after each step). A tiny Qwen3-MoE
+(``_dpo_parity.MOE_SCENARIOS``: loaded without ``output_router_logits``, ``router_aux_loss_coef=0.1`` in the
+DPOConfig, evaluating after steps 2 and 4) at TP=1, at TP=2 with SP x EP=2 and at CP=2: TRL's router balancing
+loss in the logged and evaluation losses, its ``aux_loss`` / ``eval_aux_loss`` metrics, the final weights.
 
 Tolerances (fp32): in every log, the loss, grad_norm, rewards/chosen, rewards/rejected, rewards/margins, logps/chosen,
 logps/rejected and entropy within 1e-4 relative or 2e-5 absolute (rewards start at 0), rewards/accuracies,
@@ -23,23 +29,36 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._dpo_parity import LOSS_SCENARIOS, METRICS, SCENARIOS, refusals, run_loong, run_trl
+from ._dpo_parity import (LOSS_SCENARIOS, METRICS, MOE_SCENARIOS, SCENARIOS, refusals, run_loong, run_trl,
+                          saved_tensors)
 
 NAMES = list(SCENARIOS)
 TWO_RANK_NAMES = ["full_ref_model", "lora_disabled_adapters"]
-LAYOUTS = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True}, "pp2": {"pipeline_parallel_size": 2}}
+# layout -> (its parallel settings, the scenarios run with it)
+LAYOUTS = {"tp2_sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, TWO_RANK_NAMES),
+           "pp2": ({"pipeline_parallel_size": 2}, TWO_RANK_NAMES),
+           "cp2": ({"context_parallel_size": 2}, TWO_RANK_NAMES),
+           "pp2_vpp2": ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, TWO_RANK_NAMES)}
 # at DP=2 against TRL under DDP: LoRA with evaluation, and every loss-type run (full fine-tuning with a ref_model)
-ALL_SCENARIOS = {**SCENARIOS, **LOSS_SCENARIOS}
+ALL_SCENARIOS = {**SCENARIOS, **LOSS_SCENARIOS, **MOE_SCENARIOS}
 DP_NAMES = ["lora_disabled_adapters", *LOSS_SCENARIOS]
+MOE_NAMES = list(MOE_SCENARIOS)
+MOE_TWO_RANKS = {"moe_tp2_sp_ep2": {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
+                                    "expert_tensor_parallel_size": 1},
+                 "moe_cp2": {"context_parallel_size": 2}}
 
 
-def _tp1_world(folder: str, out_dir: str) -> dict:
+def _tp1_world(folder: str, moe_folder: str, out_dir: str) -> dict:
     return {"trl": run_trl(folder, out_dir + "/trl", NAMES), "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
-            "refusals": refusals(folder, out_dir + "/refused")}
+            "refusals": refusals(folder, out_dir + "/refused"),
+            "moe_trl": run_trl(moe_folder, out_dir + "/moe-trl", MOE_NAMES, MOE_SCENARIOS),
+            "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_NAMES, MOE_SCENARIOS)}
 
 
-def _two_rank_world(folder: str, out_dir: str) -> dict:
-    out = {name: run_loong(folder, f"{out_dir}/{name}", layout, TWO_RANK_NAMES) for name, layout in LAYOUTS.items()}
+def _two_rank_world(folder: str, moe_folder: str, out_dir: str) -> dict:
+    out = {name: run_loong(folder, f"{out_dir}/{name}", layout, names) for name, (layout, names) in LAYOUTS.items()}
+    for name, layout in MOE_TWO_RANKS.items():
+        out[name] = run_loong(moe_folder, f"{out_dir}/{name}", layout, MOE_NAMES, MOE_SCENARIOS)
     # NOTE: trl.DPOTrainer's accelerate runs DDP over this world's gloo group, as under torchrun
     out["trl_ddp"] = run_trl(folder, out_dir + "/trl-ddp", DP_NAMES, ALL_SCENARIOS)
     out["dp2"] = run_loong(folder, out_dir + "/dp2", {}, DP_NAMES, ALL_SCENARIOS)
@@ -52,32 +71,34 @@ def src(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp1(src, tmp_path_factory):
-    return run_distributed(_tp1_world, 1, str(src), str(tmp_path_factory.mktemp("dpo-tp1")), timeout=500)[0]
+def moe_src(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("dpo-moe") / "qwen3_moe", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
-def two_ranks(src, tmp_path_factory):
-    return run_distributed(_two_rank_world, 2, str(src), str(tmp_path_factory.mktemp("dpo-2")), timeout=500)
+def tp1(src, moe_src, tmp_path_factory):
+    return run_distributed(_tp1_world, 1, str(src), str(moe_src), str(tmp_path_factory.mktemp("dpo-tp1")),
+                           timeout=500)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(src, moe_src, tmp_path_factory):
+    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(tmp_path_factory.mktemp("dpo-2")),
+                           timeout=500)
 
 
 def _initial_weights(folder) -> dict:
-    import glob
-
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in glob.glob(f"{folder}/*.safetensors"):
-        out.update(load_file(f))
-    return out
+    return saved_tensors(str(folder))
 
 
 def _assert_matches(name: str, ref: dict, got: dict, initial: dict) -> None:
     overrides, lora, _ = ALL_SCENARIOS[name]
     assert len(ref["logs"]) == len(got["logs"]) == overrides.get("max_steps", 4)
     exact = {"rewards/accuracies", "mean_token_accuracy", "num_tokens"}
+    moe = name in MOE_SCENARIOS  # NOTE: TRL's aux_loss after METRICS, eval_aux_loss after the eval metrics
     for step, (theirs, ours) in enumerate(zip(ref["logs"], got["logs"])):
-        for key, a, b in zip(METRICS, theirs, ours):
+        assert len(theirs) == len(ours) == len(METRICS) + moe, (name, step)
+        for key, a, b in zip(METRICS + ("aux_loss",), theirs, ours):
             if key in exact:
                 assert b == a, (name, step, key)
             else:
@@ -88,6 +109,7 @@ def _assert_matches(name: str, ref: dict, got: dict, initial: dict) -> None:
     evals = len(ref["logs"]) // overrides["eval_steps"] if overrides.get("eval_strategy") else 0
     assert len(got["eval_logs"]) == len(ref["eval_logs"]) == evals
     for theirs, ours in zip(ref["eval_logs"], got["eval_logs"]):
+        assert len(theirs) == len(ours) == 7 + moe
         assert ours[3] == theirs[3]
         assert ours == pytest.approx(theirs, rel=1e-4, abs=2e-5)
     theirs, ours = ref["weights"], got["weights"]
@@ -105,11 +127,29 @@ def test_tp1_matches_trl(src, tp1, name):
     _assert_matches(name, tp1["trl"][name], tp1["loong"][name], _initial_weights(src))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", TWO_RANK_NAMES)
+@pytest.mark.parametrize("layout,name", [(layout, name) for layout, (_, names) in LAYOUTS.items() for name in names])
 def test_two_ranks_match_trl(src, tp1, two_ranks, layout, name):
     _assert_matches(name, tp1["trl"][name], two_ranks[0][layout][name], _initial_weights(src))
     assert two_ranks[1][layout][name]["logs"] == two_ranks[0][layout][name]["logs"]  # every rank logs the same
+
+
+def _assert_moe_matches(moe_src, ref: dict, runs: list[dict]) -> None:
+    """TRL adds ``router_aux_loss_coef * aux_loss`` (transformers' balancing loss over the chosen and rejected rows of
+    the policy's forward, weighted by the attention mask) to each micro-batch's DPO loss, in training and evaluation,
+    and logs ``aux_loss``; here too, with the routers trained by it."""
+    _assert_matches("moe_router_aux", ref, runs[0]["moe_router_aux"], _initial_weights(moe_src))
+    assert all(log[-1] > 0 for log in ref["logs"] + ref["eval_logs"])  # the aux_loss metrics
+    assert all(run["moe_router_aux"]["logs"] == runs[0]["moe_router_aux"]["logs"] for run in runs)
+
+
+def test_moe_router_aux_loss_matches_trl(moe_src, tp1):
+    _assert_moe_matches(moe_src, tp1["moe_trl"]["moe_router_aux"], [tp1["moe_tp1"]])
+
+
+@pytest.mark.parametrize("layout", list(MOE_TWO_RANKS))
+def test_moe_router_aux_loss_two_ranks_match_trl(moe_src, tp1, two_ranks, layout):
+    """At CP=2 the balancing term counts once per context-parallel group as the DPO loss does (see the engine)."""
+    _assert_moe_matches(moe_src, tp1["moe_trl"]["moe_router_aux"], [rank[layout] for rank in two_ranks])
 
 
 @pytest.mark.parametrize("name", DP_NAMES)
