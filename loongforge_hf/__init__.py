@@ -8,7 +8,8 @@ from loongforge_hf.trainer import LoongTrainer, LoongTrainingArguments
 __version__ = "0.1.0"
 
 __all__ = ["AutoModelForCausalLM", "AutoModelForImageTextToText", "LoongDPOConfig", "LoongDPOTrainer",
-           "LoongModelForCausalLM", "LoongModelForImageTextToText", "LoongSFTConfig", "LoongSFTTrainer", "LoongTrainer",
+           "LoongGRPOConfig", "LoongGRPOTrainer", "LoongModelForCausalLM", "LoongModelForImageTextToText",
+           "LoongSFTConfig", "LoongSFTTrainer", "LoongTrainer",
            "LoongTrainingArguments", "ParallelConfig", "ParallelLayoutError", "__version__"]
 
 
@@ -22,4 +23,8 @@ def __getattr__(name: str):
         from loongforge_hf.integrations import trl_dpo
 
         return getattr(trl_dpo, name)
+    if name in ("LoongGRPOConfig", "LoongGRPOTrainer"):
+        from loongforge_hf.integrations import trl_grpo
+
+        return getattr(trl_grpo, name)
     raise AttributeError(f"module 'loongforge_hf' has no attribute {name!r}")
