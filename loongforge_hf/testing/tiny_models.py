@@ -21,8 +21,9 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "exaone4", "ernie4_5_moe", "olmoe", "gpt_neox", "cohere", "cohere2", "phi", "gptj", "stablelm",
               "llama4", "falcon", "falcon_mqa", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "qwen3_5",
               "qwen3_next", "qwen3_5_moe", "minimax_m2", "glm", "olmo", "nemotron", "dots1", "hunyuan_v1_moe",
-              "granitemoehybrid", "hunyuan_v1_dense", "apertus",
-              "flex_olmo", "granitemoeshared", "exaone")
+              "granitemoehybrid", "hunyuan_v1_dense", "apertus", "lfm2", "lfm2_moe",
+              "flex_olmo", "granitemoeshared", "exaone", "bamba", "nemotron_h",
+              "phimoe", "jais2")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -32,7 +33,8 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
 # linears' biases randomised in the tiny checkpoints
 _RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm", "falcon", "gpt2", "gpt_bigcode",
-                  "glm", "nemotron", "granitemoehybrid")
+                  "glm", "nemotron", "granitemoehybrid", "lfm2", "bamba", "nemotron_h", "phimoe",
+                  "jais2")
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
 
@@ -288,6 +290,19 @@ def _config(arch: str, **overrides):
         # the scores plus an e_score_correction_bias randomised below (large enough to change some tokens' experts)
         cfg = tf.MiniMaxM2Config(**{**common, "intermediate_size": 32, "head_dim": 24}, rotary_dim=12,
                                  num_local_experts=8, num_experts_per_tok=3)
+    elif arch == "jais2":
+        # NOTE: Jais-2's layout shrunk: LayerNorms, biases on q / k / v / o and up / down, an ungated relu2 MLP
+        cfg = tf.Jais2Config(**{k: v for k, v in common.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5)
+    elif arch == "phimoe":
+        # NOTE: Phi-3.5-MoE's layout shrunk: LayerNorms, q / k / v / o and LM-head biases, 4 experts (top 2) by
+        # sparsemixer with a jitter (relative logit window) wide enough to mask some experts, LongRoPE's fixed mscale
+        cfg = tf.PhimoeConfig(**{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+                              attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3,
+                              input_jitter_noise=0.01, rope_parameters={
+                                  "rope_type": "longrope", "rope_theta": 10000.0, "short_mscale": 1.2,
+                                  "long_mscale": 1.2, "original_max_position_embeddings": 32,
+                                  "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0, 4.0, 5.0],
+                                  "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]})
     elif arch == "dots1":
         # NOTE: dots.llm1's layout shrunk: Qwen3's per-head q / k norms (head_dim 24), a dense first layer, 8 experts
         # (top 3) and 2 shared ones, sigmoid routing on the scores plus an e_score_correction_bias randomised below,
@@ -354,6 +369,17 @@ def _config(arch: str, **overrides):
             # NOTE: transformers' Qwen3.5-MoE config has no intermediate_size (every layer sparse): none passed
             cfg = tf.Qwen3_5MoeTextConfig(**{k: v for k, v in kw.items() if k != "intermediate_size"})
             cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    elif arch in ("lfm2", "lfm2_moe"):
+        # NOTE: LFM2's layout shrunk: short-conv layers 0, 1, 3 (3 taps) and an attention layer 2 with q / k norms.
+        # LFM2: conv biases, an MLP width by block_auto_adjust_ff_dim (2/3 of 120 up to a multiple of 32: 96);
+        # LFM2-MoE: a dense first layer, 4 experts (top 2) by sigmoid scores plus a random expert bias, scaled
+        kw = dict(**{k: v for k, v in common.items() if k != "rms_norm_eps"}, norm_eps=1e-6, conv_L_cache=3,
+                  layer_types=["conv", "conv", "full_attention", "conv"])
+        if arch == "lfm2":
+            cfg = tf.Lfm2Config(**{**kw, "intermediate_size": 120}, conv_bias=True, block_multiple_of=32)
+        else:
+            cfg = tf.Lfm2MoeConfig(**kw, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, routed_scaling_factor=1.5)
     elif arch == "granitemoehybrid":
         # NOTE: Granite 4.0 H's layout shrunk: Mamba2 layers 0, 1, 3 (8 heads of 16 in 2 groups, chunks of 16 tokens,
         # a time-step limit that binds) and an attention layer 2 without rope, 4 experts (top 2) and a shared MLP in
@@ -365,6 +391,24 @@ def _config(arch: str, **overrides):
                                         mamba_d_state=8, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2,
                                         mamba_chunk_size=16, time_step_limit=(0.0, 1.5), embedding_multiplier=12.0,
                                         residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=6.0)
+    elif arch == "bamba":
+        # NOTE: Bamba's layout shrunk: Mamba2 layers 0, 1, 3 as Granite 4.0 H's tiny ones, attention at layer 2 (its
+        # hard-coded half-rotary rope), a gated MLP in every layer
+        cfg = tf.BambaConfig(**common, attn_layer_indices=[2], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8,
+                             mamba_d_head=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+                             time_step_limit=(0.0, 1.5))
+    elif arch == "nemotron_h":
+        # NOTE: Nemotron-H's layout shrunk (Nemotron 3 Nano's kinds): Mamba2 (8 heads of 16 in 2 groups, chunks of
+        # 16), MoE (4 relu2 experts, top 2 by sigmoid scores plus a correction bias, a shared relu2 expert), attention
+        # (no rope), a relu2 MLP; Mamba2 again so that each of two pipeline stages holds one
+        kw = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
+        cfg = tf.NemotronHConfig(**kw, head_dim=16, layer_norm_epsilon=1e-6,
+                                 layers_block_type=["linear_attention", "moe", "full_attention", "mlp",
+                                                    "linear_attention", "moe"],
+                                 mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4,
+                                 chunk_size=16, time_step_min=0.01, n_routed_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                                 routed_scaling_factor=2.5)
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
     for k, v in overrides.items():
@@ -413,12 +457,13 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif "norm" in name or ".ln_" in name:  # NOTE: LayerNorms' biases (StarCoder2) around 0; GPT-J's ln_*
                 p.copy_((0.0 if name.endswith("bias") else centre) + 0.1 * torch.randn_like(p))
-            elif name.endswith(("linear_attn.dt_bias", "mamba.dt_bias", "mamba.D")):  # NOTE: HF: ones (so that a
-                # swap with A_log would show)
+            elif name.endswith(("linear_attn.dt_bias", "mamba.dt_bias", "mamba.D", "mixer.dt_bias", "mixer.D")):
+                # NOTE: HF: ones (so that a swap with A_log would show)
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # NOTE: Apertus's xIELU: HF's init, moved
                 p.add_(0.3 * torch.randn_like(p))
-            elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight")):
+            elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight", "mixer.gate.weight",
+                                "feed_forward.gate.weight")):
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token
                 p.copy_(0.5 * torch.randn_like(p))
@@ -429,7 +474,7 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
             elif name.endswith("e_score_correction_bias"):  # NOTE: ERNIE 4.5's (a frozen parameter)
                 p.copy_(0.05 * torch.randn_like(p))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):
                 b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     if arch == "exaone":  # NOTE: the hub's architecture name (transformers writes LlamaForCausalLM)
