@@ -33,7 +33,8 @@ Choices:
   Identical logits on every rank (``forward`` gathers and broadcasts them) then give identical decisions: greedy and
   beam search are deterministic; for sampling, the replica's ranks draw from a copy of its first rank's state of the
   generator ``torch.multinomial`` uses (the default generator of the inputs' device), so every rank samples what a
-  one-process transformers run seeded as that first rank samples. The other ranks get their own states back after.
+  one-process transformers run seeded as that first rank samples. After, ranks that started in the first rank's
+  state end in its state (ranks in step stay in step); the others get their own states back.
 - Data-parallel ranks are separate replicas: they may pass different prompts, lengths and settings, and each stops on
   its own. Under expert parallelism the MoE all-to-all spans data-parallel ranks, so every rank must run as many
   forwards: generate turns on transformers' ``synced_gpus`` (a finished rank keeps running forward until every rank of
@@ -285,7 +286,9 @@ def _set_rng(device: torch.device, state: torch.Tensor) -> None:
 @contextlib.contextmanager
 def _replica_rng(model, device: torch.device, sampling: bool):
     """Inside, every rank of the replica holds its first rank's generator state for ``device`` (only when
-    ``sampling``); on the other ranks their own state comes back at the end."""
+    ``sampling``). At the end a rank that started with that state keeps where the draws left it (as the first rank
+    does: ranks in step stay in step, e.g. a trainer's shuffle after a sampling generate); one that started
+    elsewhere gets its own state back."""
     groups = [g for g in replica_groups() if dist.get_world_size(g) > 1] \
         if sampling and dist.is_initialized() else []
     if not groups:
@@ -295,10 +298,10 @@ def _replica_rng(model, device: torch.device, sampling: bool):
     state = own.to(model.device, copy=True)  # NOTE: own is kept; broadcast writes into state
     for group in reversed(groups):  # NOTE: PP first (from stage 0), then TP x CP: all get the replica's first rank's
         dist.broadcast(state, src=dist.get_process_group_ranks(group)[0], group=group)
-    first = all(dist.get_rank(g) == 0 for g in groups)
+    kept = all(dist.get_rank(g) == 0 for g in groups) or torch.equal(own, state.cpu())
     _set_rng(device, state.cpu())
     try:
         yield
     finally:
-        if not first:
+        if not kept:
             _set_rng(device, own)

@@ -116,6 +116,10 @@ def generation_run(folder: str, layout: dict, *, lora: bool = False) -> dict:
     res["train_mode"] = run_scenarios(model, inputs, {"greedy": SCENARIOS["greedy"]})["greedy"]
     res["training_after"] = model.training
     model.eval()
+    # sampling with the ranks' generators in step: they stay in step, where transformers' ends
+    transformers.set_seed(SEED)
+    model.generate(**inputs, **SCENARIOS["sample"])
+    res["rng_in_step"] = torch.get_rng_state()
     # sampling with this rank's generator moved away from the first rank's: the first rank's draws are used
     transformers.set_seed(SEED)
     if rank > 0:

@@ -7,8 +7,9 @@ default; ``tests/test_generation_cache.py`` checks ours against ``use_cache=Fals
   scores, beam indices) and beam sampling give transformers' tokens, and scores / logits within 1e-5, at TP1, TP2
   and PP2 (every rank alike).
 - The model in training mode generates as in eval mode (no dropout) and is back in training mode after.
-- Sampling when the ranks' generators differ: every rank draws the first rank's numbers, the first rank's generator
-  ends where transformers' does, the other ranks' get their own state back.
+- Sampling when the ranks' generators are in step: every rank's ends where transformers' does (ranks stay in step:
+  a trainer's shuffle after it agrees); when they differ: every rank draws the first rank's numbers, the first rank's
+  generator ends where transformers' does, the other ranks' get their own state back.
 - Refused options raise a ValueError naming them on every rank; ranks of one replica passing different settings
   raise the same mismatch error instead of hanging.
 - Data-parallel ranks generate different prompts with different lengths and settings, each as transformers, also
@@ -75,6 +76,7 @@ def test_sampling_uses_the_first_ranks_generator(checkpoint, ranks):
     results = ranks[1]
     for rank, res in enumerate(results):
         _same(res["sample_desynced"], checkpoint[1]["sample"], f"rank {rank}")
+        assert torch.equal(res["rng_in_step"], checkpoint[1]["rng_after_sample"]), rank
         before, after = res["rng"]
         if rank == 0:
             assert torch.equal(after, checkpoint[1]["rng_after_sample"])
