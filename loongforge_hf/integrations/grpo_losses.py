@@ -12,8 +12,9 @@ Choices:
   "bnpo", "dr_grpo", "luspo" and "sapo" by those steps (so their value here is TRL's before that division), and
   "dapo" / "cispo" / "vespo" by the generation batch's completion tokens rescaled to one accumulation window.
 - Metrics are returned as sums (and counts) that data-parallel ranks add: TRL's ``global_masked_mean`` of the KL and
-  the clip indicators; its ``clip_ratio/low_min`` / ``high_max`` (a min / max over every rank's rows) are this
-  rank's, for the caller to place in its own slot.
+  the clip indicators (for "cispo" its ``cispo_clip_ratio``, for "vespo" its ``vespo/phi_seq_mean``, in the
+  "low" / "clip_count" slots); its ``clip_ratio/low_min`` / ``high_max`` (a min / max over every rank's rows) are
+  this rank's, for the caller to place in its own slot.
 - Not here (refused by ``LoongGRPOTrainer``): the entropy bonus and the high-entropy token mask (TRL's
   ``entropy_coef`` / ``top_entropy_quantile``), vLLM's importance-sampling correction.
 """
@@ -86,27 +87,31 @@ class GRPOLoss:
             per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
             if self.use_bias_correction_kl:
                 per_token_kl = per_token_kl * coef_1
-        per_token_loss = self._per_token(coef_1, logps, log_ratio, advantages, mask)
+        per_token_loss, logged, coef_1 = self._per_token(coef_1, logps, log_ratio, advantages, mask)
         if self.off_policy_mask_threshold is not None:
             per_token_loss = per_token_loss * keep
         if self.beta != 0.0:
             per_token_loss = per_token_loss + self.beta * per_token_kl
         loss = self._normalised(per_token_loss, mask, num_items, num_processes, accumulation_steps)
-        sums, extremes = self._stats(per_token_kl if self.beta != 0.0 else None, coef_1, advantages, mask)
+        sums, extremes = self._stats(per_token_kl if self.beta != 0.0 else None, coef_1, advantages, mask, logged)
         return loss, sums, extremes
 
-    def _per_token(self, coef_1, logps, log_ratio, advantages, mask) -> torch.Tensor:
+    def _per_token(self, coef_1, logps, log_ratio, advantages, mask
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(TRL's per-token loss, what TRL logs the masked mean of for "cispo" / "vespo" (else None), the ratios its
+        clip metrics read: with ``delta``, clamped, as TRL clamps its ``coef_1`` in place)."""
         kind = self.loss_type
         if kind == "cispo":
-            return -torch.clamp(coef_1, max=self.epsilon_high).detach() * advantages * logps
+            clipped = ((coef_1 > self.epsilon_high) & (advantages > 0)).float()
+            return -torch.clamp(coef_1, max=self.epsilon_high).detach() * advantages * logps, clipped, coef_1
         if kind in _CLIPPED:
             coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
             if self.delta is not None:
                 coef_1 = torch.clamp(coef_1, max=self.delta)
-            return -torch.min(coef_1 * advantages, coef_2 * advantages)
+            return -torch.min(coef_1 * advantages, coef_2 * advantages), None, coef_1
         if kind == "sapo":
             temperatures = torch.where(advantages > 0, self.sapo_temperature_pos, self.sapo_temperature_neg)
-            return -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages
+            return -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages, None, coef_1
         if kind == "vespo":
             from trl import GRPOTrainer
 
@@ -114,7 +119,7 @@ class GRPOLoss:
             phi = GRPOTrainer.get_gamma_weights(advantages=advantages, log_ratio_per_token=log_ratio, mask=mask,
                                                 importance_sampling_ratio=None, k_pos=k_pos, lambda_pos=lambda_pos,
                                                 k_neg=k_neg, lambda_neg=lambda_neg)
-            return -phi * advantages * logps
+            return -phi * advantages * logps, phi, coef_1
         raise ValueError(f"Unknown loss type: {kind}. Should be one of {list(LOSS_TYPES)}")
 
     def _normalised(self, per_token_loss, mask, num_items, num_processes: int, steps: int) -> torch.Tensor:
@@ -132,13 +137,18 @@ class GRPOLoss:
         return (per_token_loss * mask).sum() / normalizer * steps
 
     @torch.no_grad()
-    def _stats(self, per_token_kl, coef_1, advantages, mask) -> tuple[torch.Tensor, list[float]]:
+    def _stats(self, per_token_kl, coef_1, advantages, mask, logged) -> tuple[torch.Tensor, list[float]]:
         device = mask.device
         tokens = mask.sum().float()
         kl = (per_token_kl * mask).sum() if per_token_kl is not None else torch.zeros((), device=device)
         if self.loss_type not in _CLIPPED:
             zero = torch.zeros((), device=device)
-            return torch.stack([kl.float(), zero, zero, zero, zero, tokens]), [float("nan"), float("nan")]
+            total, count = zero, zero
+            if logged is not None:  # NOTE: TRL's global_masked_mean: one value per row when it has one column
+                total, count = ((logged.sum(), torch.tensor(float(logged.shape[0]), device=device))
+                                if logged.shape[1] == 1 else ((logged * mask).sum(), tokens))
+            return (torch.stack([kl.float(), total.float(), zero, zero, count.float(), tokens]),
+                    [float("nan"), float("nan")])
         low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
         high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
         region = (low.bool() | high.bool()).float()

@@ -18,25 +18,37 @@ Choices:
   completion from the fused, vocab-parallel head (``kernels.cross_entropy.linear_cross_entropy``, logits times
   ``1 / temperature`` as TRL's fused head divides them; no full-vocabulary logits, no gather over TP) and TRL's loss
   (``grpo_losses.GRPOLoss``). The old and reference per-token log-probs TRL asks for
-  (``_get_per_token_logps_and_entropies``, no grad) come from the same head over a forward of the policy or the
-  reference.
+  (``_get_per_token_logps_and_entropies``, no grad) come from the same head over megatron's forward-only schedule
+  of the policy or the reference (``completion_logps``; broadcast from the last pipeline stage).
+- Pipeline parallelism: megatron's schedule; a step's micro-batches are padded to one length. Context parallelism:
+  each rank scores its load-balanced share of every row's tokens and the per-token log-probs are put together over
+  the CP group (``_whole_rows``; differentiable for the policy's), so every CP rank computes TRL's whole loss of the
+  micro-batch (see ``_PolicyLoss``).
+- MoE router load-balancing loss, as TRL turns it on (``GRPOConfig.router_aux_loss_coef``, by default the model
+  config's, for a config with ``output_router_logits``): transformers' loss over the policy forward's prompt and
+  completion tokens (``bridges/router_balance.py``), ``coef * aux_loss`` added to each micro-batch's loss
+  (``router_aux_reduction="mean"`` with the engine's ``router_aux_coef``: TRL's ``/ accumulation steps``, averaged
+  over the data-parallel ranks), the ``aux_loss`` metric each micro-batch's value averaged over them. Not in the
+  old / reference forwards, as TRL. A MoE model that cannot compute it is refused (``router_balance.check_layout``:
+  pass ``router_aux_loss_coef=0.0``).
 - The reference (``beta != 0``): the policy's checkpoint loaded again with its layout and dtype (TRL loads it from
   the policy's name), or with ``peft_config`` (megatron LoRA) the policy with its adapters disabled.
-- TRL gathers over every process; here the ranks of one model replica hold the same rows, so its gathers and
-  process index run over the data-parallel group while ``_prepare_inputs`` runs (``_OverDataParallel``), and the
-  reward gather (accelerate's, over the world) keeps one rank per replica (``_calculate_rewards``).
+- TRL gathers over every process; here the ranks of one model replica (tensor x context x pipeline) hold the same
+  rows, so its gathers and process index run over the data-parallel group while ``_prepare_inputs`` runs
+  (``_OverDataParallel``), and the reward gather (accelerate's, over the world) keeps one rank per replica
+  (``_calculate_rewards``).
   ``generation_batch_size`` is ``per_device_train_batch_size x data-parallel ranks x steps_per_generation`` (TRL's
   config counts every process).
 - Logged as TRL: ``loss``, reward, reward_std, rewards/<func>/mean|std, frac_reward_zero_std, completions/*,
   num_tokens, kl (beta != 0), entropy, clip_ratio/{low_mean, low_min, high_mean, high_max, region_mean}
-  (per micro-batch, over the data-parallel ranks: each rank's clip extremes in its own slot of the step's sums).
-  TRL's ``step_time`` is not logged.
+  (per micro-batch, over the data-parallel ranks: each rank's clip extremes in its own slot of the step's sums),
+  cispo_clip_ratio ("cispo"), vespo/phi_seq_mean ("vespo"), aux_loss (MoE). TRL's ``step_time`` is not logged.
 - Refused with a message, on every rank before any collective: ``use_vllm``, ``use_liger_kernel``,
   ``use_transformers_continuous_batching``, ``tools`` / ``rollout_func`` / ``environment_factory`` (multi-turn),
   ``entropy_coef`` / ``use_adaptive_entropy`` (entropy bonus), ``top_entropy_quantile < 1``, ``sync_ref_model``,
-  ``cast_lm_head_to_fp32``, image datasets / processors, the MoE router balancing loss, pipeline / context
-  parallelism, ``log_completions`` under model parallelism (TRL's completion table gathers every process), a
-  non-LoRA ``peft_config``, custom ``optimizers``, ``quantization_config``.
+  ``cast_lm_head_to_fp32``, image datasets / processors, ``eval_dataset`` (evaluation), virtual pipeline stages,
+  ``log_completions`` under model parallelism (TRL's completion table gathers every process), a non-LoRA
+  ``peft_config``, custom ``optimizers``, ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -77,17 +89,13 @@ def _refuse_unsupported(args: GRPOConfig, model, peft_config, train_dataset, pro
         problems.append("image datasets / processors (vision GRPO)")
     if peft_config is not None and type(peft_config).__name__ != "LoraConfig":
         problems.append(f"peft_config of type {type(peft_config).__name__} (LoRA only)")
-    text = model.config.get_text_config()
-    coef = getattr(args, "router_aux_loss_coef", None)
-    if hasattr(text, "output_router_logits") and (getattr(text, "router_aux_loss_coef", 0.0) if coef is None
-                                                  else coef) != 0.0:
-        problems.append("the MoE router balancing loss (router_aux_loss_coef)")
     layout = model.parallel
-    for name in ("pipeline_parallel_size", "context_parallel_size"):
-        if getattr(layout, name) > 1:
-            problems.append(f"{name}={getattr(layout, name)}")
-    if args.log_completions and layout.tensor_parallel_size > 1:
-        problems.append("log_completions=True with tensor_parallel_size > 1 (TRL's table gathers every process)")
+    if layout.virtual_pipeline_parallel_size:
+        problems.append(f"virtual_pipeline_parallel_size={layout.virtual_pipeline_parallel_size}")
+    replica = layout.tensor_parallel_size * layout.pipeline_parallel_size * layout.context_parallel_size
+    if args.log_completions and replica > 1:
+        problems.append("log_completions=True with tensor / pipeline / context parallelism (TRL's table gathers "
+                        "every process)")
     if problems:
         raise ValueError("LoongGRPOTrainer does not support: " + "; ".join(problems) + ".")
 
@@ -129,49 +137,92 @@ def _token_logps(output: torch.Tensor, labels: torch.Tensor, head, *, vocab_size
     return -losses.view(labels.shape)
 
 
-def _engine_batch(inputs: dict, *, multiple: int, pad_id: int) -> dict:
+def _engine_batch(inputs: dict, *, multiple: int, pad_id: int, length: int = 0) -> dict:
     """An engine micro-batch from TRL's prepared inputs: prompt (left-padded) then completion (right-padded) ids,
-    the completion tokens as labels, right-padded to ``multiple``; TRL's tensors under "grpo"."""
+    the completion tokens as labels, right-padded to ``multiple`` (and to ``length`` at least); TRL's tensors under
+    "grpo"."""
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     prompt = inputs["prompt_ids"].shape[1]
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :prompt] = -100
-    extra = -(-ids.shape[1] // multiple) * multiple - ids.shape[1]
+    extra = -(-max(ids.shape[1], length) // multiple) * multiple - ids.shape[1]
     if extra:
         ids, mask, labels = (torch.cat([t, t.new_full((t.shape[0], extra), v)], dim=1)
                              for t, v in ((ids, pad_id), (mask, 0), (labels, -100)))
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "grpo": inputs, "prompt_length": prompt}
 
 
+def _whole_rows(local: torch.Tensor, *, grad: bool = False) -> torch.Tensor:
+    """``[b, s / CP]`` values of this context-parallel rank's tokens -> ``[b, s]`` (every rank's, summed over the CP
+    group; unchanged without CP). With ``grad``, differentiable: the backward sums the group's gradients, so each
+    rank's tokens get CP times their gradient (each CP rank computes the whole loss and counts 1, see the engine)."""
+    from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_token_index
+
+    group, size, rank = cp_group_and_size()
+    if size == 1:
+        return local
+    seq = local.shape[1] * size
+    index = cp_token_index(seq, size, rank, device=local.device)
+    whole = local.new_zeros(local.shape[0], seq).index_copy(1, index, local)
+    if grad:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(whole, group=group)
+    dist.all_reduce(whole, group=group)
+    return whole
+
+
 @torch.no_grad()
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int,
                      batch_size: int, temperature: float) -> torch.Tensor:
-    """TRL's ``_get_per_token_logps_and_entropies`` log-probs (``[rows, logits_to_keep]``, fp32) under ``model`` (a
-    ``LoongModelForCausalLM``; one pipeline stage), ``batch_size`` rows per forward."""
+    """TRL's ``_get_per_token_logps_and_entropies`` log-probs (``[rows, logits_to_keep]``, fp32, on every rank) under
+    ``model`` (a ``LoongModelForCausalLM``), ``batch_size`` rows per forward of megatron's forward-only schedule
+    (broadcast from the last pipeline stage)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     from loongforge_hf.bridges.output_layer import hidden_states_out, language_head
 
     chunk = model.chunks[0]
-    head = language_head(chunk)
-    multiple = model.parallel.sequence_multiple
+    prompt = input_ids.shape[1] - logits_to_keep
+    found = []
+
+    def forward_step(data_iterator, chunk):
+        args, labels = _local_inputs(next(data_iterator), model.device)
+        head = language_head(chunk)
+        with hidden_states_out([chunk]) if head is not None else contextlib.nullcontext():
+            output = chunk(*args)
+
+        def loss_func(output):
+            logps = _token_logps(output, labels, head, vocab_size=model.config.vocab_size, temperature=temperature)
+            found.append(_whole_rows(logps)[:, prompt - 1:prompt - 1 + logits_to_keep].contiguous())
+            return output.sum() * 0.0, {}
+        return output, loss_func
+
     was_training = model.training
     model.eval()
-    found = []
+    out = []
     try:
         for start in range(0, input_ids.shape[0], batch_size):
             ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
-            prompt = ids.shape[1] - logits_to_keep
             batch = _engine_batch({"prompt_ids": ids[:, :prompt], "completion_ids": ids[:, prompt:],
                                    "prompt_mask": mask[:, :prompt], "completion_mask": mask[:, prompt:]},
-                                  multiple=multiple, pad_id=0)
-            args, labels = _local_inputs(batch, model.device)
-            with hidden_states_out([chunk]):
-                output = chunk(*args)
-            logps = _token_logps(output, labels, head, vocab_size=model.config.vocab_size, temperature=temperature)
-            found.append(logps[:, prompt - 1:prompt - 1 + logits_to_keep])
+                                  multiple=model.parallel.sequence_multiple, pad_id=0)
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=chunk,
+                                        num_microbatches=1, seq_length=batch["input_ids"].shape[1],
+                                        micro_batch_size=ids.shape[0], forward_only=True)
+            if model.parallel.pipeline_parallel_size == 1:
+                out.append(found.pop())
+                continue
+            group = ps.get_pipeline_model_parallel_group()
+            logps = found.pop() if ps.is_pipeline_last_stage(ignore_virtual=True) else \
+                torch.empty(ids.shape[0], logits_to_keep, dtype=torch.float32, device=model.device)
+            dist.broadcast(logps, src=dist.get_process_group_ranks(group)[-1], group=group)
+            out.append(logps)
     finally:
         model.train(was_training)
-    return torch.cat(found)
+    return torch.cat(out)
 
 
 class _OverDataParallel:
@@ -213,7 +264,12 @@ class _OverDataParallel:
 
 class _PolicyLoss:
     """``MegatronEngine.loss_hook``: TRL's GRPO loss of each micro-batch (see the module docstring). Its stats: the
-    entropy sum, ``grpo_losses.SUMS``, then one (clip low_min, high_max) slot per data-parallel rank."""
+    entropy sum, ``grpo_losses.SUMS``, then one (clip low_min, high_max) slot per data-parallel rank.
+
+    Under context parallelism each rank scores its share of every row's tokens; the per-token log-probs are put
+    together over the group (``_whole_rows``), so every CP rank computes the micro-batch's whole loss and counts 1
+    (the engine divides by CP times more counts; the backward gives each share CP times its gradient). Its entropy
+    sum is each rank's own tokens'; the SUMS and slots are the first CP rank's (the engine sums over CP too)."""
 
     def __init__(self, trainer: "LoongGRPOTrainer") -> None:
         self.trainer = trainer
@@ -229,7 +285,8 @@ class _PolicyLoss:
         entropy = torch.zeros(2, dtype=torch.float32, device=device)
         prompt, length = batch["prompt_length"], g["completion_ids"].shape[1]
         logps = _token_logps(output, labels, head, vocab_size=trainer.model.config.vocab_size,
-                             temperature=trainer.temperature, stats=entropy)[:, prompt - 1:prompt - 1 + length]
+                             temperature=trainer.temperature, stats=entropy)
+        logps = _whole_rows(logps, grad=True)[:, prompt - 1:prompt - 1 + length]
         mask = g["completion_mask"].to(device)
         old, ref = (g[k].to(device) if g.get(k) is not None else None
                     for k in ("old_per_token_logps", "ref_per_token_logps"))
@@ -239,6 +296,10 @@ class _PolicyLoss:
         slots = torch.zeros(2 * self.ranks, dtype=torch.float32, device=device)
         rank = dp_rank_and_size()[0]
         slots[2 * rank:2 * rank + 2] = torch.tensor(extremes, dtype=torch.float32)
+        from loongforge_hf.parallel.context_parallel import cp_group_and_size
+
+        if cp_group_and_size()[2] != 0:  # NOTE: counted once per context-parallel group
+            sums, slots = torch.zeros_like(sums), torch.zeros_like(slots)
         stats = torch.cat([entropy[:1], sums.float(), slots])
         return loss, torch.ones((), dtype=torch.int64, device=device), stats
 
@@ -297,6 +358,7 @@ class LoongGRPOTrainer(LoongTrainer, _GRPOArgsSecond):
             self.ref_model = _AdaptersDisabled(self.model) if peft_config is not None else self._load_reference()
         self.policy_loss = GRPOLoss.from_args(args)
         self._representatives = None
+        self._router_balance()  # NOTE: a model or layout that cannot compute the MoE balancing loss raises here
 
     def _load_reference(self):
         from loongforge_hf.integrations.trl_dpo import _load_reference
@@ -315,14 +377,16 @@ class LoongGRPOTrainer(LoongTrainer, _GRPOArgsSecond):
         # NOTE: the step's generation batches -> TRL's prepared inputs (generating where TRL generates) -> engine
         # micro-batches; no virtual pipeline stages here, so nothing is left out
         self.model.train()
-        out = []
+        prepared = []
         for generation_batch in micro:
             with self._over_data_parallel():
-                inputs = self._prepare_inputs(generation_batch)
+                prepared.append(self._prepare_inputs(generation_batch))
             self._step += 1
-            out.append(_engine_batch(inputs, multiple=self.model.parallel.sequence_multiple,
-                                     pad_id=self._tokenizer.pad_token_id))
-        return out
+        # NOTE: megatron's pipeline schedule takes one sequence length for every micro-batch of a step
+        length = max(p["prompt_ids"].shape[1] + p["completion_ids"].shape[1] for p in prepared) \
+            if self.model.parallel.pipeline_parallel_size > 1 else 0
+        return [_engine_batch(p, multiple=self.model.parallel.sequence_multiple, pad_id=self._tokenizer.pad_token_id,
+                              length=length) for p in prepared]
 
     @contextlib.contextmanager
     def _over_data_parallel(self):
@@ -334,16 +398,19 @@ class LoongGRPOTrainer(LoongTrainer, _GRPOArgsSecond):
             self.accelerator = accelerator
 
     def _generate_single_turn(self, *args, **kwargs):
-        """TRL's generation, then the replica's ranks take its first rank's CPU generator (generate drew from it
-        there only, on CPU), so that TRL's shuffle of the generation batch orders the rows alike on each."""
+        """TRL's generation, then the replica's ranks (tensor x context x pipeline) take its first rank's CPU
+        generator (generate drew from it there only, on CPU), so that TRL's shuffle of the generation batch orders
+        the rows alike on each."""
         from megatron.core import parallel_state as ps
 
         out = super()._generate_single_turn(*args, **kwargs)
-        if dist.is_initialized() and dist.get_world_size(ps.get_model_parallel_group()) > 1:
-            group = ps.get_model_parallel_group()
-            state = torch.get_rng_state().to(self.model.device)
-            dist.broadcast(state, src=dist.get_process_group_ranks(group)[0], group=group)
-            torch.set_rng_state(state.cpu())
+        if not dist.is_initialized():
+            return out
+        for group in (ps.get_tensor_and_context_parallel_group(), ps.get_pipeline_model_parallel_group()):
+            if dist.get_world_size(group) > 1:
+                state = torch.get_rng_state().to(self.model.device)
+                dist.broadcast(state, src=dist.get_process_group_ranks(group)[0], group=group)
+                torch.set_rng_state(state.cpu())
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -355,7 +422,8 @@ class LoongGRPOTrainer(LoongTrainer, _GRPOArgsSecond):
         if self._representatives is None:
             from megatron.core import parallel_state as ps
 
-            first = ps.get_tensor_model_parallel_rank() == 0
+            first = (ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank(),
+                     ps.get_pipeline_model_parallel_rank()) == (0, 0, 0)
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, (dp_rank_and_size()[0], first))
             self._representatives = [r for _, r in sorted((dp, r) for r, (dp, keep) in enumerate(ranks) if keep)]
@@ -380,13 +448,28 @@ class LoongGRPOTrainer(LoongTrainer, _GRPOArgsSecond):
         return logps, None, None
 
     # ---- training --------------------------------------------------------------------------------------------------
+    @property
+    def _router_aux_coef(self) -> float:
+        """TRL's weight of the MoE router balancing loss where it turned it on (``aux_loss_enabled``), else 0."""
+        return self.router_aux_loss_coef if self.aux_loss_enabled else 0.0
+
+    def _router_balance(self):
+        from loongforge_hf.bridges import router_balance
+
+        return router_balance.requested(self.model, self._router_aux_coef)
+
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
         self.engine.loss_hook = _PolicyLoss(self)
+        # NOTE: TRL adds coef * aux_loss / accumulation steps to each micro-batch's loss, and DDP averages over ranks
+        self.engine.router_aux_reduction = "mean"
+        self.engine.router_aux_coef = self._router_aux_coef
         return optimizer
 
     def _record_step(self, result, micro: list[dict]) -> None:
         metrics = self._metrics["train"]
+        if result.router_aux is not None:
+            metrics["aux_loss"].extend(result.router_aux)
         for values in result.hook_stats:
             entropy, kl, low, high, region, clip_count, tokens = values[:1 + len(SUMS)]
             slots = values[1 + len(SUMS):]
@@ -401,6 +484,9 @@ class LoongGRPOTrainer(LoongTrainer, _GRPOArgsSecond):
                 low_min, high_max = min(slots[0::2]), max(slots[1::2])
                 metrics["clip_ratio/low_min"].append(low_min if low_min != float("inf") else float("nan"))
                 metrics["clip_ratio/high_max"].append(high_max if high_max != float("-inf") else float("nan"))
+            elif self.policy_loss.loss_type in ("cispo", "vespo"):
+                key = "cispo_clip_ratio" if self.policy_loss.loss_type == "cispo" else "vespo/phi_seq_mean"
+                metrics[key].append(low / max(clip_count, 1.0))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         raise NotImplementedError("LoongGRPOTrainer trains in its engine; evaluation is not supported yet.")

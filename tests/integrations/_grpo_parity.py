@@ -14,6 +14,7 @@ METRICS = ("loss", "grad_norm", "reward", "reward_std", "rewards/thirds/mean", "
            "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "num_tokens", "entropy")
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
                 "clip_ratio/region_mean")
+OTHER_METRICS = ("kl", "cispo_clip_ratio", "vespo/phi_seq_mean", "aux_loss")
 
 SCENARIOS = {
     "grpo_beta0": {"loss_type": "grpo", "beta": 0.0},
@@ -21,6 +22,22 @@ SCENARIOS = {
     "dapo_kl_iter2": {"loss_type": "dapo", "beta": 0.05, "num_iterations": 2, "epsilon_high": 0.28,
                       "scale_rewards": "batch"},
 }
+# TRL 1.16's other loss types, 2 steps (one generation, two passes over it: old log-probs, ratios away from 1) at
+# DP=2 against trl.GRPOTrainer under DDP; with the sequence-level importance ratios, two-sided clipping (delta), the
+# off-policy mask and the bias-corrected KL among them
+_ITER2 = {"num_iterations": 2, "max_steps": 2}
+LOSS_SCENARIOS = {
+    "bnpo_delta_off_policy": {"loss_type": "bnpo", "delta": 1.1, "off_policy_mask_threshold": 1e-3, **_ITER2},
+    "dr_grpo_bias_kl": {"loss_type": "dr_grpo", "beta": 0.1, "use_bias_correction_kl": True, **_ITER2},
+    "luspo_sequence": {"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon": 0.05, **_ITER2},
+    "cispo": {"loss_type": "cispo", "epsilon_high": 1.1, **_ITER2},
+    "sapo_kl": {"loss_type": "sapo", "beta": 0.05, **_ITER2},
+    "vespo": {"loss_type": "vespo", **_ITER2},
+}
+# a Qwen3-MoE (loaded without output_router_logits): TRL turns the router balancing loss on with its coefficient
+MOE_SCENARIOS = {"moe_router_aux": {"loss_type": "grpo", "beta": 0.1, "num_iterations": 2, "max_steps": 2,
+                                    "router_aux_loss_coef": 0.1}}
+ALL_SCENARIOS = {**SCENARIOS, **LOSS_SCENARIOS, **MOE_SCENARIOS}
 
 
 def thirds(completion_ids, **kwargs) -> list[float]:
@@ -58,7 +75,7 @@ def _tokenizer(folder: str):
 
 
 def _logs(trainer) -> list[dict]:
-    return [{k: v for k, v in h.items() if k in METRICS + CLIP_METRICS + ("kl",)}
+    return [{k: v for k, v in h.items() if k in METRICS + CLIP_METRICS + OTHER_METRICS}
             for h in trainer.state.log_history if "loss" in h]
 
 
@@ -74,14 +91,14 @@ def saved_tensors(folder: str) -> dict:
 
 
 def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
-    """trl.GRPOTrainer: {scenario: {"logs", "weights"}}."""
+    """trl.GRPOTrainer: {scenario (of ``ALL_SCENARIOS``): {"logs", "weights"}}."""
     import transformers
     import trl
 
     out = {}
     for name in names:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        args = grpo_config(f"{out_dir}/{name}", **SCENARIOS[name])
+        args = grpo_config(f"{out_dir}/{name}", **ALL_SCENARIOS[name])
         trainer = trl.GRPOTrainer(model=model, reward_funcs=thirds, args=args, train_dataset=make_dataset(),
                                   processing_class=_tokenizer(folder))
         trainer.train()
@@ -100,7 +117,7 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict
     for name in names:
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
         trainer = lf.LoongGRPOTrainer(model=model, reward_funcs=thirds,
-                                      args=grpo_config(f"{out_dir}/{name}", **SCENARIOS[name]),
+                                      args=grpo_config(f"{out_dir}/{name}", **ALL_SCENARIOS[name]),
                                       train_dataset=make_dataset(), processing_class=_tokenizer(folder))
         trainer.train()
         trainer.save_model(f"{out_dir}/{name}/final")
@@ -109,6 +126,20 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict
             result["weights"] = saved_tensors(f"{out_dir}/{name}/final")
         out[name] = result
     return out
+
+
+def refused_vpp(folder: str, out_dir: str) -> str:
+    """The message LoongGRPOTrainer raises for virtual pipeline stages (PP=2 x VPP=2, two ranks)."""
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2,
+                                                    virtual_pipeline_parallel_size=2)
+    try:
+        lf.LoongGRPOTrainer(model=model, reward_funcs=thirds, args=grpo_config(out_dir),
+                            train_dataset=make_dataset(4), processing_class=_tokenizer(folder))
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def refusals(folder: str, out_dir: str) -> list[str]:

@@ -6,9 +6,15 @@ generations per step, prompts of different lengths: left padding), 6 completion 
 num_iterations 2, epsilon_high 0.28 and batch-scaled rewards. Each trainer generates with its own model (transformers'
 sampling, seeded as TRL seeds it): the completions are the same because the logits are. Both suppress the pad token
 in generation: transformers' embedding (``padding_idx``) gives the pad token's row no gradient, megatron's does, so a
-sampled pad token would move the two models apart. At TP=1 in one process, and at TP=2 with sequence parallelism and
-at DP=2 (against trl.GRPOTrainer under DDP in the same world) in one two-rank world; LoRA (q, v) with the adapters
-disabled as the reference against TRL + PEFT at TP=1 (logs only).
+sampled pad token would move the two models apart. At TP=1 in one process, and at TP=2 with sequence parallelism,
+PP=2, CP=2 (load-balanced shares of each row's tokens) and DP=2 (against trl.GRPOTrainer under DDP in the same world)
+in one two-rank world; LoRA (q, v) with the adapters disabled as the reference against TRL + PEFT at TP=1 (logs
+only). TRL 1.16's other loss types (``_grpo_parity.LOSS_SCENARIOS``: "bnpo" with ``delta`` and the off-policy mask,
+"dr_grpo" with the bias-corrected KL, "luspo" with sequence-level importance ratios, "cispo", "sapo", "vespo"; 2 steps,
+the second a second pass over the first's generation) at DP=2 against TRL under DDP, with TRL's ``cispo_clip_ratio``
+/ ``vespo/phi_seq_mean``. A tiny Qwen3-MoE (``_grpo_parity.MOE_SCENARIOS``: loaded without
+``output_router_logits``, ``router_aux_loss_coef=0.1`` in the GRPOConfig) at TP=1 and at TP=2 with SP x EP=2: TRL's
+router balancing loss in the loss, its ``aux_loss`` metric, the final weights.
 
 Tolerances (fp32): in every log, the loss, grad_norm, kl, entropy, reward metrics and clip ratios within 1e-4
 relative or 1e-6 absolute (losses and clip ratios can be 0), the completion lengths and num_tokens exactly; final
@@ -22,23 +28,34 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._grpo_parity import SCENARIOS, refusals, run_lora, run_loong, run_trl, saved_tensors
+from ._grpo_parity import (ALL_SCENARIOS, LOSS_SCENARIOS, MOE_SCENARIOS, SCENARIOS, refusals, refused_vpp, run_lora,
+                           run_loong, run_trl, saved_tensors)
 
 NAMES = list(SCENARIOS)
+MOE_NAMES = list(MOE_SCENARIOS)
+# layout -> (its parallel settings, the scenarios run with it); DP=2 against TRL under DDP, the others against TP=1
 TWO_RANK = {"tp2_sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, ["grpo_kl_iter2", "dapo_kl_iter2"]),
-            "dp2": ({}, ["grpo_kl_iter2"])}
+            "pp2": ({"pipeline_parallel_size": 2}, ["grpo_kl_iter2"]),
+            "cp2": ({"context_parallel_size": 2}, ["dapo_kl_iter2"]),
+            "dp2": ({}, ["grpo_kl_iter2", *LOSS_SCENARIOS])}
+MOE_TP2_SP_EP2 = {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
+                  "expert_tensor_parallel_size": 1}
 EXACT = ("completions/mean_length", "completions/clipped_ratio", "num_tokens")
 
 
-def _tp1_world(folder: str, out_dir: str) -> dict:
+def _tp1_world(folder: str, moe_folder: str, out_dir: str) -> dict:
     return {"trl": run_trl(folder, out_dir + "/trl", NAMES), "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
-            "refusals": refusals(folder, out_dir + "/refused"), "lora": run_lora(folder, out_dir + "/lora")}
+            "refusals": refusals(folder, out_dir + "/refused"), "lora": run_lora(folder, out_dir + "/lora"),
+            "moe_trl": run_trl(moe_folder, out_dir + "/moe-trl", MOE_NAMES),
+            "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_NAMES)}
 
 
-def _two_rank_world(folder: str, out_dir: str) -> dict:
+def _two_rank_world(folder: str, moe_folder: str, out_dir: str) -> dict:
     out = {name: run_loong(folder, f"{out_dir}/{name}", layout, names) for name, (layout, names) in TWO_RANK.items()}
     # NOTE: trl.GRPOTrainer's accelerate runs DDP over this world's gloo group, as under torchrun
     out["trl_ddp"] = run_trl(folder, out_dir + "/trl-ddp", TWO_RANK["dp2"][1])
+    out["moe_tp2_sp_ep2"] = run_loong(moe_folder, out_dir + "/moe-tp2", MOE_TP2_SP_EP2, MOE_NAMES)
+    out["refused_vpp"] = refused_vpp(folder, out_dir + "/refused-vpp")
     return out
 
 
@@ -48,17 +65,24 @@ def src(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp1(src, tmp_path_factory):
-    return run_distributed(_tp1_world, 1, str(src), str(tmp_path_factory.mktemp("grpo-tp1")), timeout=500)[0]
+def moe_src(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("grpo-moe") / "qwen3_moe", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
-def two_ranks(src, tmp_path_factory):
-    return run_distributed(_two_rank_world, 2, str(src), str(tmp_path_factory.mktemp("grpo-2")), timeout=500)
+def tp1(src, moe_src, tmp_path_factory):
+    return run_distributed(_tp1_world, 1, str(src), str(moe_src), str(tmp_path_factory.mktemp("grpo-tp1")),
+                           timeout=500)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(src, moe_src, tmp_path_factory):
+    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(tmp_path_factory.mktemp("grpo-2")),
+                           timeout=500)
 
 
 def _assert_logs_match(name: str, ref: list[dict], got: list[dict]) -> None:
-    assert len(ref) == len(got) == 3
+    assert len(ref) == len(got) == ALL_SCENARIOS.get(name, {}).get("max_steps", 3)
     for step, (theirs, ours) in enumerate(zip(ref, got)):
         assert sorted(ours) == sorted(theirs), (name, step)
         for key, value in theirs.items():
@@ -70,13 +94,27 @@ def _assert_logs_match(name: str, ref: list[dict], got: list[dict]) -> None:
 
 def _assert_matches(name: str, ref: dict, got: dict, initial: dict) -> None:
     _assert_logs_match(name, ref["logs"], got["logs"])
-    if SCENARIOS[name].get("num_iterations", 1) > 1:  # NOTE: the second pass over a generation clips some ratios
-        assert ref["logs"][1]["clip_ratio/region_mean"] > 0 and ref["logs"][1]["kl"] > 0
+    _assert_second_pass_moved(name, ref["logs"][1])
     theirs, ours = ref["weights"], got["weights"]
     assert sorted(ours) == sorted(theirs)
     for key, value in theirs.items():
         moved = float((value - initial[key]).norm())
         assert moved > 0 and float((ours[key] - value).norm()) < 1e-2 * moved, key
+
+
+def _assert_second_pass_moved(name: str, log: dict) -> None:
+    """The second pass over a generation sees ratios away from 1: what the loss type logs of them is not trivial."""
+    overrides = ALL_SCENARIOS[name]
+    if overrides.get("num_iterations", 1) == 1:
+        return
+    if overrides.get("beta", 0.0):
+        assert log["kl"] > 0
+    if overrides["loss_type"] == "cispo":
+        assert log["cispo_clip_ratio"] > 0
+    elif overrides["loss_type"] == "vespo":
+        assert 0 < log["vespo/phi_seq_mean"] < 1
+    elif overrides["loss_type"] != "sapo":
+        assert log["clip_ratio/region_mean"] > 0
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -89,6 +127,17 @@ def test_two_ranks_match_trl(src, tp1, two_ranks, layout, name):
     ref = two_ranks[0]["trl_ddp"][name] if layout == "dp2" else tp1["trl"][name]
     _assert_matches(name, ref, two_ranks[0][layout][name], saved_tensors(str(src)))
     assert two_ranks[1][layout][name]["logs"] == two_ranks[0][layout][name]["logs"]  # every rank logs the same
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2_sp_ep2"])
+def test_moe_router_aux_loss_matches_trl(moe_src, tp1, two_ranks, layout):
+    """TRL adds ``router_aux_loss_coef * aux_loss / accumulation steps`` (transformers' balancing loss over the
+    policy forward's prompt and completion tokens) to each micro-batch's loss and logs ``aux_loss``; here too."""
+    runs = [tp1["moe_tp1"]] if layout == "tp1" else [rank["moe_tp2_sp_ep2"] for rank in two_ranks]
+    ref = tp1["moe_trl"]["moe_router_aux"]
+    _assert_matches("moe_router_aux", ref, runs[0]["moe_router_aux"], saved_tensors(str(moe_src)))
+    assert all(log["aux_loss"] > 0 for log in ref["logs"])
+    assert all(run["moe_router_aux"]["logs"] == runs[0]["moe_router_aux"]["logs"] for run in runs)
 
 
 def test_lora_disabled_adapters_match_trl_peft(tp1):
@@ -105,3 +154,7 @@ def test_refusals(tp1):
     assert "use_liger_kernel=True" in liger
     assert "entropy_coef=0.1" in entropy
     assert "top_entropy_quantile=0.5" in quantile
+
+
+def test_virtual_pipeline_refused(two_ranks):
+    assert all("virtual_pipeline_parallel_size=2" in rank["refused_vpp"] for rank in two_ranks)
