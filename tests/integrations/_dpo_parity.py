@@ -113,7 +113,7 @@ def run_trl(folder: str, out_dir: str, names: list[str], scenarios: dict = SCENA
         trainer.train()
         model = trainer.model
         if lora:
-            weights = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+            weights = {k: v.detach().cpu().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
         else:  # NOTE: the checkpoint's names (transformers fuses a MoE's experts in memory, one tensor per layer)
             model.save_pretrained(f"{out_dir}/{name}/final")
             weights = saved_tensors(f"{out_dir}/{name}/final")

@@ -91,14 +91,19 @@ def _initial_weights(folder) -> dict:
     return saved_tensors(str(folder))
 
 
-def _assert_matches(name: str, ref: dict, got: dict, initial: dict) -> None:
+def _assert_matches(name: str, ref: dict, got: dict, initial: dict, *, noise: float = 0.0) -> None:
+    """``noise``: the first step's reward accuracy is compared only where TRL's or our reward margin reaches it (its
+    policy is the reference: on CUDA its rewards are the two forwards' rounding, whose sign is noise)."""
     overrides, lora, _ = ALL_SCENARIOS[name]
     assert len(ref["logs"]) == len(got["logs"]) == overrides.get("max_steps", 4)
     exact = {"rewards/accuracies", "mean_token_accuracy", "num_tokens"}
     moe = name in MOE_SCENARIOS  # NOTE: TRL's aux_loss after METRICS, eval_aux_loss after the eval metrics
     for step, (theirs, ours) in enumerate(zip(ref["logs"], got["logs"])):
         assert len(theirs) == len(ours) == len(METRICS) + moe, (name, step)
+        signed = step > 0 or max(abs(theirs[4]), abs(ours[4])) >= noise  # NOTE: METRICS[4] is rewards/margins
         for key, a, b in zip(METRICS + ("aux_loss",), theirs, ours):
+            if key == "rewards/accuracies" and not signed:
+                continue
             if key in exact:
                 assert b == a, (name, step, key)
             else:

@@ -1,9 +1,9 @@
 """LoongDPOTrainer against trl.DPOTrainer on CUDA, fp32 with TF32 off on both sides: test_dpo.py's scenarios and
 checks (``_assert_matches``: every logged metric within 1e-4 relative or 2e-5 absolute, accuracies and token counts
-exactly, final weights) with the engine's CUDA path (Triton kernels, LoongAdamW, the fused vocab-parallel head's
-per-row log-probs) against TRL's own CUDA run on one GPU: the three scenarios at TP1, the Qwen3-MoE one with TRL's
-router balancing loss at TP1; on two GPUs over NCCL, full fine-tuning and LoRA at TP2 with sequence parallelism and
-the MoE one at TP2 + SP x EP2."""
+exactly but for the first step's accuracy where both reward margins are below 1e-5, final weights) with the engine's
+CUDA path (Triton kernels, LoongAdamW, the fused vocab-parallel head's per-row log-probs) against TRL's own CUDA run on
+one GPU: the three scenarios at TP1, the Qwen3-MoE one with TRL's router balancing loss at TP1; on two GPUs over
+NCCL, full fine-tuning and LoRA at TP2 with sequence parallelism and the MoE one at TP2 + SP x EP2."""
 
 import pytest
 import torch
@@ -18,6 +18,9 @@ from .test_dpo import MOE_NAMES, MOE_TWO_RANKS, NAMES, TWO_RANK_NAMES, _assert_m
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+# NOTE: the first step's policy is the reference, its rewards the forwards' rounding (~1e-8 here): the reward
+# accuracy of that step is compared only where a margin is above this (test_dpo._assert_matches)
+NOISE = 1e-5
 # NOTE: the scenarios with the config's use_cpu=True turned off: TRL's accelerate runs on the rank's GPU
 GPU = {name: ({**overrides, "use_cpu": False}, lora, ref)
        for name, (overrides, lora, ref) in {**SCENARIOS, **MOE_SCENARIOS}.items()}
@@ -61,19 +64,23 @@ def one_gpu(checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_dpo_on_cuda_matches_trl(checkpoints, one_gpu, name):
-    _assert_matches(name, one_gpu["trl"][name], one_gpu["loong"][name], _initial_weights(checkpoints[0]))
+    _assert_matches(name, one_gpu["trl"][name], one_gpu["loong"][name], _initial_weights(checkpoints[0]),
+                    noise=NOISE)
 
 
 def test_moe_router_aux_loss_on_cuda(checkpoints, one_gpu):
     for name in MOE_NAMES:
-        _assert_matches(name, one_gpu["moe_trl"][name], one_gpu["moe_tp1"][name], _initial_weights(checkpoints[1]))
+        _assert_matches(name, one_gpu["moe_trl"][name], one_gpu["moe_tp1"][name], _initial_weights(checkpoints[1]),
+                        noise=NOISE)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tensor_and_expert_parallel_on_two_gpus(checkpoints, one_gpu, tmp_path):
     runs = run_distributed(_two_gpus, 2, *checkpoints, str(tmp_path), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
     for name in TWO_RANK_NAMES:
-        _assert_matches(name, one_gpu["trl"][name], runs[0]["tp2_sp"][name], _initial_weights(checkpoints[0]))
+        _assert_matches(name, one_gpu["trl"][name], runs[0]["tp2_sp"][name], _initial_weights(checkpoints[0]),
+                        noise=NOISE)
         assert runs[1]["tp2_sp"][name]["logs"] == runs[0]["tp2_sp"][name]["logs"]
     for name in MOE_NAMES:
-        _assert_matches(name, one_gpu["moe_trl"][name], runs[0]["moe"][name], _initial_weights(checkpoints[1]))
+        _assert_matches(name, one_gpu["moe_trl"][name], runs[0]["moe"][name], _initial_weights(checkpoints[1]),
+                        noise=NOISE)
