@@ -7,6 +7,8 @@ Choices:
   the extra layers through megatron's ``num_layers_in_first/last_pipeline_stage``; a split megatron cannot
   express raises ``ParallelLayoutError``.
 - Rotary frequencies follow the HF config exactly (llama3 scaling included) by overwriting megatron's ``inv_freq``.
+- The pad token's embedding row takes no gradient from lookups where transformers' embedding has ``padding_idx``
+  (``bridges/embedding_padding.py``).
 - What a bridge declares beyond its spec: ``embedding_dropout`` (the embedding output's dropout, which megatron would
   take from ``hidden_dropout``: none in Llama-family models) and ``lm_head_bias`` (``output_layer.add_output_bias``),
   applied to each built chunk.
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.embedding_padding import embedding_padding_idx, pad_without_lookup_gradient
 from loongforge_hf.bridges.mla_latent import full_width_kv_latent
 from loongforge_hf.bridges.output_layer import add_output_bias
 from loongforge_hf.bridges.transforms import padded_vocab_size
@@ -185,6 +188,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
         fixed.update(interleaved_p2p_settings(parallel.pipeline_parallel_size, megatron_config or {}))
     config = config_class(**kw, **fixed, **(megatron_config or {}))
     padded = padded_vocab_size(hf.vocab_size, tensor_parallel_size=parallel.tensor_parallel_size)
+    padding_idx = embedding_padding_idx(bridge)
     chunks, offsets, counts = [], [], []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -208,6 +212,8 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
                 partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0))))
         if hasattr(bridge, "finish_model"):
             bridge.finish_model(model)
+        if model.pre_process:  # NOTE: transformers' padding_idx (bridges/embedding_padding.py)
+            pad_without_lookup_gradient(model.embedding.word_embeddings, padding_idx)
         if getattr(bridge, "embedding_dropout", None) is not None and model.pre_process:
             # NOTE: megatron's embedding drops its output with hidden_dropout; the bridge says the model's own
             model.embedding.embedding_dropout.p = float(bridge.embedding_dropout)

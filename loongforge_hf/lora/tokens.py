@@ -8,6 +8,9 @@ Choices:
   first pipeline stage (n is small) and the embedding module's output rows of those tokens are replaced after it runs
   (a forward hook; under sequence parallelism this rank's sequence slice, the tensor's gradient then all-reduced over
   TP by megatron like a norm's). The replacement is exact (``torch.where``), as PEFT's ``index_copy``.
+- The pad token's row (where transformers' embedding has ``padding_idx``: ``bridges/embedding_padding.py``) takes
+  no gradient from lookups, as PEFT passes the base embedding's ``padding_idx`` to its ``F.embedding``; a tied LM
+  head's gradient to it stays.
 - With tied embeddings PEFT's LM head uses the same rows: the output layer's weight (in the logits' GEMM and in the
   fused loss, ``runtime.output_weight``) is the embedding with those rows replaced (``index_copy``, as PEFT), on this
   TP rank's vocabulary slice. Not under pipeline parallelism (the last stage's copy of the embedding would need its
@@ -63,9 +66,12 @@ class TrainableTokens(nn.Module):
     """The trainable rows of the listed tokens (``trainable_tokens_delta``, ``[n, H]``) and where each token's row is
     (``slot``: a token's position in the list, -1 for the others)."""
 
-    def __init__(self, indices: tuple[int, ...], rows: torch.Tensor, *, vocab_rows: int, sequence_parallel: bool):
+    def __init__(self, indices: tuple[int, ...], rows: torch.Tensor, *, vocab_rows: int, sequence_parallel: bool,
+                 padding_idx: int | None = None):
         super().__init__()
         self.indices = indices
+        # NOTE: the pad token's position in the list (its row takes no lookup gradient), or None
+        self.pad_slot = indices.index(padding_idx) if padding_idx in indices else None
         self.trainable_tokens_delta = nn.Parameter(rows)
         # NOTE: under sequence parallelism each TP rank replaces its sequence slice only: megatron all-reduces the
         # gradients of parameters marked so over TP (as a norm's)
@@ -107,7 +113,11 @@ class TrainableTokens(nn.Module):
 
             start = ps.get_tensor_model_parallel_rank() * embeddings.shape[0]
             position = position[start:start + embeddings.shape[0]]
-        rows = self.trainable_tokens_delta[position.clamp(min=0)].to(embeddings.dtype)
+        table = self.trainable_tokens_delta
+        if self.pad_slot is not None:
+            table = torch.cat([table[:self.pad_slot], table[self.pad_slot:self.pad_slot + 1].detach(),
+                               table[self.pad_slot + 1:]])
+        rows = table[position.clamp(min=0)].to(embeddings.dtype)
         return torch.where((position >= 0).unsqueeze(-1), rows, embeddings).contiguous()
 
 
@@ -158,7 +168,8 @@ def attach_trainable_tokens(model, indices: tuple[int, ...], rows: torch.Tensor 
             start = embedding_rows(weight.detach(), indices) if rows is None else rows
         adapter = TrainableTokens(indices, start.to(device=weight.device, dtype=weight.dtype).clone(),
                                   vocab_rows=model.megatron.padded_vocab,
-                                  sequence_parallel=bool(chunk.config.sequence_parallel))
+                                  sequence_parallel=bool(chunk.config.sequence_parallel),
+                                  padding_idx=getattr(chunk.embedding.word_embeddings, "padding_idx", None))
         chunk.embedding.token_adapter = adapter
         chunk.embedding.register_forward_hook(_replace_output, with_kwargs=True)
         if getattr(chunk, "share_embeddings_and_output_weights", False) and getattr(chunk, "post_process", False):

@@ -403,6 +403,7 @@ class AutoModelForImageTextToText:
         from loongforge_hf.bridges.builder import build_megatron_model
         from loongforge_hf.parallel.kv_replicas import check_kv_replication
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
+        from loongforge_hf.bridges.embedding_padding import embedding_padding_idx
         from loongforge_hf.bridges.hub import resolve_checkpoint
         from loongforge_hf.bridges.load_kwargs import (check_device, finish_load, load_config, loading_info,
                                                        sort_load_kwargs)
@@ -453,6 +454,7 @@ class AutoModelForImageTextToText:
                                num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
                                vocab_size=text.vocab_size, num_experts=bridge.text.num_experts())
             router_balance.check_layout(text, bridge.text)
+            embedding_padding_idx(bridge.text)  # NOTE: raises on a pad_token_id outside the vocabulary
             check_kv_replication(bridge.text, layout)
             if hasattr(bridge, "check_layout"):  # NOTE: a layout the architecture cannot run (Qwen3.5: heads vs TP)
                 bridge.check_layout(layout)

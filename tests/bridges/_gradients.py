@@ -1,6 +1,6 @@
 """Rank function for test_gradients.py: every parameter's gradient of a loongforge model, written as an HF
 checkpoint through the bridge's own export and read back by transformers, against transformers' gradients of the
-same loss."""
+same loss; under pipeline parallelism the training engine's (its schedule runs the backward across the stages)."""
 
 from __future__ import annotations
 
@@ -39,24 +39,57 @@ def _reduce_as_megatron(model) -> None:
     sum_replica_grads(model.chunks)
 
 
-def gradient_checks(cases: list[tuple[str, str, dict]]) -> dict:
-    """Per case (name, checkpoint folder, layout): the largest difference between our gradient and transformers' of
-    every HF tensor, relative to the largest gradient of that tensor (rank 0; others return {})."""
+def _save_engine_gradients(model, ids: torch.Tensor, grads_dir: str) -> None:
+    """Save as the model's weights the gradients of the mean loss as the training engine makes them (megatron's
+    pipeline schedule, DDP's reductions, the tied embedding's sum over the first and last stage), taken between the
+    last backward and the optimizer step (the engine's buffers hold the loss sum's: divided by the token count)."""
+    import tempfile
+
+    import transformers
+
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    def save() -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.main_grad / ids[:, 1:].numel())
+        model.save_pretrained(grads_dir)
+
+    with tempfile.TemporaryDirectory() as out:
+        engine = MegatronEngine(model, args=transformers.TrainingArguments(out, use_cpu=True, report_to=[]))
+        engine.train_step([{"input_ids": ids, "labels": ids}], before_optimizer_step=save)
+
+
+def with_pad_tokens(ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """``ids`` with every third token the pad id (unmasked input and label; both halves of each sequence)."""
+    out = ids.clone()
+    out[:, ::3] = pad_token_id
+    return out
+
+
+def gradient_checks(cases: list[tuple[str, str, dict, bool]]) -> dict:
+    """Per case (name, checkpoint folder, layout, pad): the largest difference between our gradient and
+    transformers' of every HF tensor, relative to the largest gradient of that tensor (rank 0; others return {}).
+    ``pad``: the input has the config's ``pad_token_id`` as real tokens (``with_pad_tokens``)."""
     import transformers
 
     import loongforge_hf as lf
 
-    ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(2))
+    plain = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(2))
     out = {}
-    for name, folder, layout in cases:
+    for name, folder, layout, pad in cases:
+        ids = with_pad_tokens(plain, transformers.AutoConfig.from_pretrained(folder).pad_token_id) if pad else plain
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
-        model(input_ids=ids, labels=ids).loss.backward()
-        _reduce_as_megatron(model)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.grad)
         grads_dir = f"{folder}-grads-{name}"
-        model.save_pretrained(grads_dir)
+        if layout.get("pipeline_parallel_size", 1) > 1:
+            _save_engine_gradients(model, ids, grads_dir)
+        else:
+            model(input_ids=ids, labels=ids).loss.backward()
+            _reduce_as_megatron(model)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.grad)
+            model.save_pretrained(grads_dir)
         if dist.get_rank() != 0:
             continue
         # NOTE: transformers reads the folder into its own layout (e.g. transformers 5's fused expert stacks)

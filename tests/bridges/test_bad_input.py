@@ -37,7 +37,7 @@ QUICK_S = 10.0
 LOAD_CASES = ("missing_shard", "corrupt_header", "truncated_shard", "index_escape", "shape_mismatch", "pickle_refused",
               "opt", "foo_architecture", "unknown_model_type", "rope_dynamic", "sliding_window", "gemma_softcapping",
               "heads_vs_tp", "kv_replication", "world_size", "vpp_layers", "hub_id_not_cached", "gpt_oss_split_experts",
-              "gpt_oss_alpha")
+              "gpt_oss_alpha", "pad_token_id")
 
 
 # ---- what runs inside each rank -------------------------------------------------------------------------------------
@@ -261,6 +261,10 @@ def load_cases(base, tmp_path_factory):
     alpha = make_tiny_checkpoint(tmp / "gpt_oss_alpha", "gpt_oss", tokenizer=False,
                                  swiglu_alpha=1.5)
     cases["gpt_oss_alpha"] = (alpha, TP2, "UnsupportedConfigError", ["swiglu_alpha=1.5", "1.702"])
+    # NOTE: transformers builds the embedding with padding_idx=pad_token_id (bridges/embedding_padding.py)
+    pad = _copy(base, tmp / "pad_outside_vocabulary")
+    _edit_json(pad / "config.json", pad_token_id=203)
+    cases["pad_token_id"] = (pad, TP2, "ValueError", ["pad_token_id=203", "vocab_size=203"])
     assert tuple(cases) == LOAD_CASES
     return cases
 

@@ -1,8 +1,10 @@
 """PEFT's ``trainable_token_indices`` with LoRA, and adapters of a model whose vocabulary was resized, against PEFT on
 the transformers model (fp32):
 
-- the same LoraConfig (q/v adapters, three trainable tokens of a 210-token vocabulary) after the same seed: logits
-  (1e-4) and loss (1e-5); the trainable rows' gradient (1e-5) at TP1 and TP2; the trainable parameter count;
+- the same LoraConfig (q/v adapters, four trainable tokens of a 210-token vocabulary, the pad token among them and
+  in the input: its row takes no gradient from lookups, as in PEFT; the gradient was 0.96 (Llama) and 2.3e3 (tied
+  Qwen3) off without that) after the same seed: logits (1e-4) and loss (1e-5); the trainable rows' gradient (1e-5)
+  at TP1 and TP2; the trainable parameter count;
 - the adapter folder loads with ``PeftModel.from_pretrained`` and the merged export with transformers, each giving
   our logits (1e-4); the adapter file has PEFT's tensor names and shapes; a PEFT-written adapter loads onto our model
   with the same logits;
@@ -21,10 +23,12 @@ import torch
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-TOKENS = [203, 205, 208]
+# NOTE: 0 is the pad token (pad_token_id), as a real input too: its row takes no gradient from lookups (PEFT's
+# F.embedding with the base embedding's padding_idx), but the tied LM head's
+TOKENS = [203, 0, 205, 208]
 KW = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
           trainable_token_indices={"embed_tokens": TOKENS})
-IDS = torch.tensor([[5, 203, 7, 205, 9, 208, 11, 203, 100, 4], [208, 6, 205, 8, 9, 10, 203, 12, 13, 14]])
+IDS = torch.tensor([[5, 203, 7, 205, 0, 208, 11, 203, 100, 4], [208, 6, 205, 0, 9, 10, 203, 12, 0, 14]])
 DELTA = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
 
 
