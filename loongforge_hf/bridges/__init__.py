@@ -10,6 +10,7 @@ from loongforge_hf.bridges import hunyuan_v1_dense, hunyuan_v1_moe  # noqa: F401
 from loongforge_hf.bridges import apertus, exaone, flex_olmo, granitemoeshared  # noqa: F401
 from loongforge_hf.bridges import minimax_m2  # noqa: F401
 from loongforge_hf.bridges import jais2, phimoe  # noqa: F401
+from loongforge_hf.bridges import afmoe, cohere2_moe  # noqa: F401
 from loongforge_hf.bridges import qwen3_5  # noqa: F401
 from loongforge_hf.bridges import lfm2, lfm2_moe  # noqa: F401
 from loongforge_hf.bridges import bamba, granitemoehybrid, nemotron_h  # noqa: F401

@@ -5,13 +5,17 @@ Choices:
 - ``GatedQKV``: transformers' ``q_proj`` gives each head ``2 * head_dim`` rows, its query then its output gate
   (``[heads, 2, head_dim]``); megatron's ``linear_qkv`` with ``attention_output_gate`` holds per KV group its queries,
   then their gates, then the group's key and value (``[groups, (2 * heads / groups + 2) * head_dim]``). TP splits whole
-  KV groups, as ``QKV``. Each rank's shard is assembled from its heads' rows in memory.
+  KV groups, as ``QKV``. Each rank's shard is assembled from its heads' rows in memory. With ``gate`` the gates are
+  a tensor of their own (AFMoE's ``gate_proj``, ``[heads * head_dim]`` rows beside ``q_proj``'s): the same shard.
 - ``HeadSections``: one megatron column-parallel tensor made of row sections of one or more HF tensors, each section
   split evenly over TP and a rank's pieces concatenated in order (the linear-attention ``in_proj``: q, k, v of
   ``in_proj_qkv``, then ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; the conv's q, k, v channels). The caller checks
   that every section divides by the TP size (whole heads per rank). A section given as ``(size, units)`` of fewer
   units (groups) than TP ranks is replicated instead, each unit on ``tp / units`` consecutive ranks, exported from
-  its first (Mamba2's B / C of one group at TP 2: ``parallel/kv_replicas.py``).
+  its first (Mamba2's B / C of one group at TP 2: ``parallel/kv_replicas.py``). ``rows_to_megatron`` /
+  ``rows_to_hf`` move a tensor with the rows of a one-part mapping's HF tensor (a LoRA B, a DoRA magnitude: Mamba2's
+  and LFM2's ``in_proj``) to megatron's row order, TP rank after TP rank, and back; ``replicates`` says whether a
+  section is replicated at a TP size (no one such order).
 - ``KeyHeadGroups``: the same megatron tensor from HF tensors whose rows run key head by key head, each head's
   group holding its sections in turn (Qwen3-Next's ``in_proj_qkvz``: per key head its q, k, then the v and z rows of
   the value heads it serves; ``in_proj_ba``: their b, then their a). A rank reads its key heads' rows in one block
@@ -33,22 +37,34 @@ def _rows(reader, name: str, start: int, stop: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class GatedQKV(Mapping):
-    """``q_proj`` (queries and gates per head), ``k_proj``, ``v_proj`` -> megatron's gated ``linear_qkv``."""
+    """``q_proj`` (queries and gates per head, or queries alone and the gates in ``gate``), ``k_proj``, ``v_proj``
+    -> megatron's gated ``linear_qkv``."""
 
     megatron: str
     q: str
     k: str
     v: str
+    gate: str | None = None
     tp_split = "column"
 
     def hf_names(self, layer):
-        return [_fmt(self.q, layer), _fmt(self.k, layer), _fmt(self.v, layer)]
+        names = [_fmt(self.q, layer), _fmt(self.k, layer), _fmt(self.v, layer)]
+        return names + ([_fmt(self.gate, layer)] if self.gate else [])
+
+    def _queries_and_gates(self, reader, layer, rank: int, heads: int, hd: int) -> torch.Tensor:
+        """This rank's heads' rows, each head's query then its gate."""
+        if self.gate is None:
+            return _rows(reader, _fmt(self.q, layer), rank * heads * 2 * hd, (rank + 1) * heads * 2 * hd)
+        q, g = (_rows(reader, _fmt(name, layer), rank * heads * hd, (rank + 1) * heads * hd)
+                for name in (self.q, self.gate))
+        width = q.shape[1:]
+        return torch.stack([q.reshape(heads, hd, *width), g.reshape(heads, hd, *width)], dim=1).reshape(-1, *width)
 
     def load(self, reader, ctx, layer):
-        q_name, k_name, v_name = self.hf_names(layer)
+        k_name, v_name = self.hf_names(layer)[1:3]
         heads, groups, hd = ctx.num_heads // ctx.tp_size, ctx.num_kv_heads // ctx.tp_size, ctx.head_dim
         r = ctx.tp_rank
-        qg = _rows(reader, q_name, r * heads * 2 * hd, (r + 1) * heads * 2 * hd)
+        qg = self._queries_and_gates(reader, layer, r, heads, hd)
         k = _rows(reader, k_name, r * groups * hd, (r + 1) * groups * hd)
         v = _rows(reader, v_name, r * groups * hd, (r + 1) * groups * hd)
         width = qg.shape[1:]
@@ -70,8 +86,13 @@ class GatedQKV(Mapping):
             ks.append(k.reshape(-1, *width))
             vs.append(v.reshape(-1, *width))
         names = self.hf_names(layer)
-        return {names[0]: torch.cat(qs).contiguous(), names[1]: torch.cat(ks).contiguous(),
-                names[2]: torch.cat(vs).contiguous()}
+        out = {names[1]: torch.cat(ks).contiguous(), names[2]: torch.cat(vs).contiguous()}
+        qg = torch.cat(qs)
+        if self.gate is None:
+            return {names[0]: qg.contiguous(), **out}
+        qg = qg.reshape(-1, 2, hd, *qg.shape[1:])
+        return {names[0]: qg[:, 0].reshape(-1, *qg.shape[3:]).contiguous(), **out,
+                names[3]: qg[:, 1].reshape(-1, *qg.shape[3:]).contiguous()}
 
 
 @dataclass(frozen=True)
@@ -109,6 +130,22 @@ class HeadSections(Mapping):
             # NOTE: a section's rank blocks in rank order, a replicated block from its first rank
             out[name] += [rank_pieces[i] for rank_pieces in split[::r]]
         return {name: torch.cat(blocks, dim=0).contiguous() for name, blocks in out.items()}
+
+    def replicates(self, tp_size: int) -> bool:
+        return any(r > 1 for *_, r in self._pieces(0, tp_size))
+
+    def rows_to_megatron(self, rows: torch.Tensor, ctx) -> torch.Tensor:
+        """A tensor with the rows of the (one) HF tensor in megatron's row order: each TP rank's pieces, rank after
+        rank (no section replicated)."""
+        pieces = [(start, per) for _, start, per, _ in self._pieces(0, ctx.tp_size)]
+        return torch.cat([rows[start + r * per:start + (r + 1) * per] for r in range(ctx.tp_size)
+                          for start, per in pieces])
+
+    def rows_to_hf(self, rows: torch.Tensor, ctx) -> torch.Tensor:
+        """The inverse of ``rows_to_megatron`` (the TP ranks' rows concatenated in rank order)."""
+        ranks = [torch.split(block, [per for _, _, per, _ in self._pieces(0, ctx.tp_size)])
+                 for block in rows.chunk(ctx.tp_size)]
+        return torch.cat([rank[i] for i in range(len(ranks[0])) for rank in ranks])
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ Choices:
   terms on them): a norm (``post_norm``: our ``RMSNorm``, the state dict's ``post_layernorm``) and / or a constant
   factor, before megatron's own bias-dropout-add with the residual. Under sequence parallelism they transform the
   tokens of their rank, as the input norms do.
-- MoE outputs: ``transformed_moe`` subclasses megatron's ``MoELayer`` the same way (a post norm: FlexOlmo's).
+- MoE outputs: ``transformed_moe`` subclasses megatron's ``MoELayer`` the same way (a post norm: FlexOlmo's; a
+  factor: Cohere2-MoE's halved sum of routed and shared experts).
 - ``scale_sublayer_outputs`` re-classes a built chunk's attention and MLP / MoE layers to multiply their output (for
   specs whose modules are megatron's own: the MoE spec).
 - ``scale_embedding`` / ``scale_final_norm`` re-class a built chunk's embedding / final norm to multiply their
@@ -96,8 +97,9 @@ def transformed_mlp(*, post_norm: bool = False, scale: float = 1.0) -> type:
 
 
 @functools.cache
-def transformed_moe(*, post_norm: bool = False) -> type:
-    """megatron's ``MoELayer`` with its output (routed and shared experts together) normalised (FlexOlmo)."""
+def transformed_moe(*, post_norm: bool = False, scale: float = 1.0) -> type:
+    """megatron's ``MoELayer`` with its output (routed and shared experts together) normalised (FlexOlmo, AFMoE)
+    and / or multiplied by ``scale`` (Cohere2-MoE's average of the routed and shared experts: 0.5)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     class TransformedMoELayer(MoELayer):
@@ -106,7 +108,7 @@ def transformed_moe(*, post_norm: bool = False) -> type:
             _post_norm(self, config, post_norm)
 
         def forward(self, *args, **kwargs):
-            return _transform(super().forward(*args, **kwargs), self.post_layernorm, 1.0)
+            return _transform(super().forward(*args, **kwargs), self.post_layernorm, scale)
 
     return TransformedMoELayer
 

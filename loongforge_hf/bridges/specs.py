@@ -20,7 +20,10 @@ Choices:
   - the router's top-k softmax routing is ``kernels.router.topk_softmax`` (one op; sigmoid / grouped / biased
     routing stays megatron's, but for softmax scores with an expert bias, ERNIE 4.5's: ``biased_routing.py``);
   - a dense layer's MLP (DeepSeek's first layers, Qwen3-MoE's ``mlp_only_layers``) is the dense spec's
-    ``SwiGLUMLP`` (megatron's ``MLP`` with our ``swiglu``); shared experts stay megatron's ``SharedExpertMLP``.
+    ``SwiGLUMLP`` (megatron's ``MLP`` with our ``swiglu``), or the bridge's ``mlp_module`` (AFMoE's post norm);
+    shared experts stay megatron's ``SharedExpertMLP``;
+  - with the bridge's ``parallel_residual`` every layer is the dense spec's parallel-residual layer
+    (``kernels.specs.ParallelResidualLayer``; ``"shared"``: one norm before both sublayers, Cohere2-MoE's).
   And one more with ``bridge.grouped_experts`` (the default, see ``moe.py``): the routed experts of every MoE layer are
   our ``kernels.grouped_mlp.GroupedMLP`` instead of megatron's ``SequentialMLP``; with ``bridge.hf_router_logits`` the
   router is ``router_balance.BalanceRouter`` (megatron's ``TopKRouter`` that records its logits for transformers'
@@ -95,22 +98,26 @@ def _biased_linear_proj():
 def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: bool = False,
                   qk_module: type | tuple[type, type] | None = None, attention_module: type | None = None,
                   moe_module: type | None = None, pre_norms: bool = True, layer_norm: type | None = None,
-                  proj_bias: bool = False):
+                  proj_bias: bool = False, mlp_module: type | None = None, parallel_residual: str | None = None):
     """``block_spec`` with our RMSNorm (``layer_norm``: another of our norms, for the input / pre-MLP / final
     norms) in every norm slot and our core attention (see the docstring); ``proj_bias``: a bias on the attention's
     output projection alone (``_biased_linear_proj``); ``qk_module``
     (YaRN's attention factor on the rotary channels, ``DenseBridge.qk_module``) in both q / k norm slots, or a (q, k)
     pair (OLMoE's norms over all heads); ``attention_module`` (``DenseBridge.attention_module``: Llama 4's) for
     megatron's ``SelfAttention``; ``moe_module`` (``MoEBridge.moe_module``: FlexOlmo's post norm) for its
-    ``MoELayer``; without ``pre_norms`` no input / pre-MLP norms (FlexOlmo normalises the sublayers' outputs)."""
+    ``MoELayer``; without ``pre_norms`` no input / pre-MLP norms (FlexOlmo normalises the sublayers' outputs);
+    ``mlp_module``: a dense layer's MLP class (``DenseBridge.mlp_module``); ``parallel_residual``: ``"separate"`` or
+    ``"shared"``, the MLP beside the attention (``kernels.specs.ParallelResidualLayer``)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     from loongforge_hf.kernels.attention import CoreAttention
     from loongforge_hf.kernels.rmsnorm import RMSNorm
-    from loongforge_hf.kernels.specs import SwiGLUMLP
+    from loongforge_hf.kernels.specs import ParallelResidualLayer, SharedNormParallelLayer, SwiGLUMLP
 
+    layer_module = {None: None, "separate": ParallelResidualLayer, "shared": SharedNormParallelLayer}[
+        parallel_residual]
     mla_core = _mla_core_attention()
     layer_norm = layer_norm or RMSNorm
     layers = []
@@ -131,13 +138,16 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
                                                               linear_proj=_biased_linear_proj()))
         slots = {n: layer_norm if pre_norms else IdentityOp for n in _LAYER_NORMS
                  if getattr(spec.submodules, n) is not IdentityOp}
+        if parallel_residual == "shared":
+            slots["pre_mlp_layernorm"] = IdentityOp  # NOTE: the MLP reads the input norm's output again
         mlp = spec.submodules.mlp
         if getattr(mlp, "module", None) is MLP:
-            slots["mlp"] = replace(mlp, module=SwiGLUMLP)
+            slots["mlp"] = replace(mlp, module=mlp_module or SwiGLUMLP)
         elif grouped_experts or balance_router or moe_module is not None:
             slots["mlp"] = _moe_slots(mlp, grouped_experts=grouped_experts, balance_router=balance_router,
                                       module=moe_module)
-        layers.append(replace(spec, submodules=replace(spec.submodules, self_attention=attention, **slots)))
+        layers.append(replace(spec, module=layer_module or spec.module,
+                              submodules=replace(spec.submodules, self_attention=attention, **slots)))
     return replace(block_spec, layer_specs=layers, layer_norm=layer_norm)
 
 
@@ -195,7 +205,9 @@ def _block_spec_for(bridge, config, *, vp_stage: int | None = None):
                                                   pre_norms=getattr(bridge, "pre_norms", True),
                                                   layer_norm=norm_class(config.normalization,
                                                                         bias=getattr(bridge, "norm_bias", True)),
-                                                  proj_bias=getattr(bridge, "proj_bias", False)))
+                                                  proj_bias=getattr(bridge, "proj_bias", False),
+                                                  mlp_module=getattr(bridge, "mlp_module", lambda: None)(),
+                                                  parallel_residual=getattr(bridge, "parallel_residual", None)))
 
 
 def _with_te_linears(config, block_spec):

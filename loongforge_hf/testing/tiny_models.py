@@ -23,7 +23,7 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "qwen3_next", "qwen3_5_moe", "minimax_m2", "glm", "olmo", "nemotron", "dots1", "hunyuan_v1_moe",
               "granitemoehybrid", "hunyuan_v1_dense", "apertus", "lfm2", "lfm2_moe",
               "flex_olmo", "granitemoeshared", "exaone", "bamba", "nemotron_h",
-              "phimoe", "jais2")
+              "phimoe", "jais2", "cohere2_moe", "afmoe")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -303,6 +303,31 @@ def _config(arch: str, **overrides):
                                   "long_mscale": 1.2, "original_max_position_embeddings": 32,
                                   "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0, 4.0, 5.0],
                                   "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]})
+    elif arch == "cohere2_moe":
+        # NOTE: Command A MoE's layout shrunk: Cohere2's layer (one LayerNorm before the attention and the MLP side by
+        # side, interleaved rotary pairs, tied embeddings, logits scaled by 0.3), a dense first full layer that rotates
+        # (transformers' force_rope) and is wider (prefix_dense_intermediate_size), a binding 5-token window on layers
+        # 1 and 2, a full layer 3 without rotary embedding; 4 experts (top 2, softmax) and a shared one, averaged
+        cfg = tf.Cohere2MoeConfig(**{**{k: v for k, v in common.items() if k != "rms_norm_eps"}, "head_dim": 16,
+                                     "intermediate_size": 32, "tie_word_embeddings": True},
+                                  layer_norm_eps=1e-5, logit_scale=0.3, sliding_window=5,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                  layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                               "full_attention"],
+                                  mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                                  prefix_dense_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                                  num_shared_experts=1, shared_expert_combination_strategy="average")
+    elif arch == "afmoe":
+        # NOTE: Trinity's layout shrunk: gated attention with per-head q / k norms, norms before and after each
+        # sublayer, a binding 5-token window on layers 0, 1, 3 (the only ones rotated), the full layer 2 without rotary
+        # embedding, muP's scaled embedding, a dense first layer, 8 experts (top 3) by sigmoid scores plus an expert
+        # bias randomised below, scaled by 2.5, and 2 shared ones
+        cfg = tf.AfmoeConfig(**{**common, "head_dim": 16}, moe_intermediate_size=32, num_dense_layers=1,
+                             num_experts=8, num_experts_per_tok=3, num_shared_experts=2, route_scale=2.5,
+                             sliding_window=5, mup_enabled=True,
+                             layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                          "sliding_attention"],
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     elif arch == "dots1":
         # NOTE: dots.llm1's layout shrunk: Qwen3's per-head q / k norms (head_dim 24), a dense first layer, 8 experts
         # (top 3) and 2 shared ones, sigmoid routing on the scores plus an e_score_correction_bias randomised below,
@@ -463,7 +488,7 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # NOTE: Apertus's xIELU: HF's init, moved
                 p.add_(0.3 * torch.randn_like(p))
             elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight", "mixer.gate.weight",
-                                "feed_forward.gate.weight")):
+                                "feed_forward.gate.weight", "mlp.router.gate.weight")):
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token
                 p.copy_(0.5 * torch.randn_like(p))
@@ -471,7 +496,7 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
                 p.copy_((0.2 if name.endswith("weight") else 1.0) * torch.randn_like(p))
             elif name.endswith("bias") and getattr(cfg, "model_type", "") in _RANDOM_BIASES:  # NOTE: HF: zeros
                 p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("e_score_correction_bias"):  # NOTE: ERNIE 4.5's (a frozen parameter)
+            elif name.endswith(("e_score_correction_bias", "mlp.expert_bias")):  # NOTE: ERNIE 4.5's, AFMoE's (frozen)
                 p.copy_(0.05 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):

@@ -86,12 +86,12 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=g)
     labels = ids.clone()
     labels[0, :3] = -100
-    # NOTE: DeepSeek's, GLM-4.5's, dots.llm1's and HunYuan-MoE's router_logits (transformers adds no aux loss for
-    # them, so the loss compares as before); ERNIE 4.5 MoE's, OLMoE's, PhiMoE's, Qwen3-Next's and Qwen3.5-MoE's with
-    # transformers' balancing loss (its coefficient times it in the loss)
+    # NOTE: DeepSeek's, GLM-4.5's, dots.llm1's, HunYuan-MoE's, Cohere2-MoE's and AFMoE's router_logits (transformers
+    # adds no aux loss for them, so the loss compares as before); ERNIE 4.5 MoE's, OLMoE's, PhiMoE's, Qwen3-Next's and
+    # Qwen3.5-MoE's with transformers' balancing loss (its coefficient times it in the loss)
     routed = {"output_router_logits": True} if model.config.model_type.startswith(
         ("deepseek", "glm4_moe", "ernie4_5_moe", "olmoe", "llama4", "qwen3_next", "qwen3_5_moe",
-         "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "phimoe")) else {}
+         "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "phimoe", "cohere2_moe", "afmoe")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)

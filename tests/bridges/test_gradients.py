@@ -41,8 +41,10 @@ layer's query temperature) is among the mixture-of-experts models. MiniMax-M2 (q
 TP, half-rotary heads, sigmoid routing plus a fixed expert bias) at TP2 + SP + EP2, as dots.llm1 (per-head q / k norms,
 sigmoid routing plus a fixed expert bias, scaled, shared experts, a dense first layer, windowed last layers) and
 HunYuan-MoE (per-head q / k norms after the rotation, softmax experts beside a shared MLP), FlexOlmo (OLMo 2's post
-norms, the MoE layer's output too, full-width q / k norms) and Granite MoE with a shared MLP, and PhiMoE (LayerNorms
-with biases, attention and LM-head biases, sparsemixer routing as in eval).
+norms, the MoE layer's output too, full-width q / k norms) and Granite MoE with a shared MLP, PhiMoE (LayerNorms
+with biases, attention and LM-head biases, sparsemixer routing as in eval), Cohere2-MoE (the attention and the experts
+side by side after one LayerNorm, a shared expert averaged in) and AFMoE (gated attention, sandwich norms, muP's
+scaled embedding, sigmoid routing plus a fixed expert bias, which takes no gradient: it must come back unchanged).
 HunYuan dense, Apertus (xIELU's learned scalars, whose gradient each TP rank holds a share of until summed over TP) and
 EXAONE 3 (Llama under GPT-2-style names) at TP2 + SP.
 GLM-4-9B (biased q / k / v, half of each head rotated in interleaved pairs, a packed gate / up), OLMo (norms without
@@ -51,6 +53,15 @@ heads) and Jais-2 (LayerNorms, biases on every linear but the LM head, an ungate
 Qwen3-Next (Gated DeltaNet in-projections fused per key head, a dense first layer, a sigmoid-gated shared expert) at
 TP1 and TP2 + SP + EP2, Qwen3.5-MoE's text model at TP1; Qwen3.5 (Gated DeltaNet layers, their states passed
 between the CP ranks) at TP1, TP2, TP2 + SP and CP2.
+The pad token as a real input (every third token, in the labels too; ``*_pad`` layouts): transformers' embedding
+with ``padding_idx`` gives its row no gradient from lookups, but the tied LM head's (bridges/embedding_padding.py):
+Qwen3 tied with the pad row on the second TP rank (pad_token_id 150 of 203) and Llama 3 untied (pad 0) at TP1,
+TP2 + SP and PP2 (the training engine's gradients: its schedule, DDP's reductions and the sum of the tied embedding's
+two copies, before its optimizer step), Gemma's scaled embedding (tied) and GPT-2 (no padding_idx in transformers:
+the row keeps its lookup gradient) at TP1. Measured without the padding: ``embed_tokens`` off by 4e6 (Llama 3) to
+8e7 (Gemma) times its largest gradient (the pad row, zeros as transformers initialises it, meets the first norm at
+its epsilon), at every layout; with the pad row's whole gradient dropped on the embedding (the tied head's too at
+TP1 / TP2 + SP): 0.93 (Qwen3), 1.0 (Gemma); GPT-2 padded: 0.03.
 """
 
 from __future__ import annotations
@@ -89,6 +100,11 @@ CHECKPOINTS = {
     "granitemoeshared": ("granitemoeshared", {}),
     # NOTE: LayerNorms with biases, attention and LM-head biases, sparsemixer routing (eval), at TP2 + SP + EP2
     "phimoe": ("phimoe", {}),
+    # NOTE: Cohere2-MoE (one LayerNorm before the attention and experts side by side, a shared expert averaged in,
+    # interleaved rotary pairs, windowed layers, a full one without rope, a dense first layer) and AFMoE (gated
+    # attention, sandwich norms, muP, sigmoid routing plus a fixed expert bias, shared experts): at TP2 + SP + EP2
+    "cohere2_moe": ("cohere2_moe", {}),
+    "afmoe": ("afmoe", {}),
     # NOTE: HunYuan dense (q / k norms after the rotation), Apertus (xIELU's two learned scalars per layer, each TP rank
     # holding a share of their gradient) and EXAONE 3 (Llama under GPT-2-style names): at TP2 + SP
     "hunyuan_v1_dense": ("hunyuan_v1_dense", {}),
@@ -102,6 +118,7 @@ CHECKPOINTS = {
     "nemotron": ("nemotron", {}),
     "jais2": ("jais2", {}),  # NOTE: LayerNorms, biases on q / k / v / o and up / down, an ungated relu2 MLP: TP2 + SP
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
+    "qwen3_tied_pad150": ("qwen3", {"tie_word_embeddings": True, "pad_token_id": 150}),  # NOTE: on TP rank 1 of 2
     "qwen2": ("qwen2", {}),  # attention biases
     "llama3": ("llama3", {}),
     "phi3": ("phi3", {}),  # packed qkv_proj / gate_up_proj, partial rotary, a sliding window
@@ -169,7 +186,7 @@ LAYOUTS = {
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
                        "expert_tensor_parallel_size": 1},
                    MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "granitemoeshared",
-                          "phimoe")),
+                          "phimoe", "cohere2_moe", "afmoe")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
@@ -177,7 +194,13 @@ LAYOUTS = {
                MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron", "hunyuan_v1_dense", "apertus", "exaone",
                                                "jais2")),
 }
-CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
+# NOTE: the pad id as a real token (_gradients.with_pad_tokens)
+PAD_LAYOUTS = {
+    "tp1_pad": (1, {}, ("qwen3_tied_pad150", "llama3", "gemma", "gpt2")),
+    "tp2_sp_pad": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}, ("qwen3_tied_pad150", "llama3")),
+    "pp2_pad": (2, {"pipeline_parallel_size": 2}, ("qwen3_tied_pad150", "llama3")),  # NOTE: the engine's step
+}
+CASES = [(layout, model) for layout, (_, _, models) in {**LAYOUTS, **PAD_LAYOUTS}.items() for model in models]
 TOL = 1e-4
 
 
@@ -186,10 +209,11 @@ def results(tmp_path_factory):
     base = tmp_path_factory.mktemp("grads")
     folders = {n: str(make_tiny_checkpoint(base / n, arch, tokenizer=False, **kw))
                for n, (arch, kw) in CHECKPOINTS.items()}
+    layouts = {**LAYOUTS, **PAD_LAYOUTS}
     out = {}
-    for size in sorted({s for s, _, _ in LAYOUTS.values()}):
-        cases = [(f"{layout}/{model}", folders[model], kw) for layout, (s, kw, models) in LAYOUTS.items()
-                 if s == size for model in models]
+    for size in sorted({s for s, _, _ in layouts.values()}):
+        cases = [(f"{layout}/{model}", folders[model], kw, layout in PAD_LAYOUTS)
+                 for layout, (s, kw, models) in layouts.items() if s == size for model in models]
         out.update(run_distributed(gradient_checks, size, cases, timeout=600)[0])
     return out
 

@@ -58,6 +58,15 @@ PhiMoE (``phimoe``: LayerNorms with biases, q / k / v / o and LM-head biases, sp
 window masks some experts, LongRoPE's fixed mscale; its ``router_logits`` and transformers' balancing loss within 1e-5)
 runs at tp1, ep2 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; the training-mode sparsemixer:
 test_phimoe_routing).
+Cohere2-MoE (``cohere2_moe``: Cohere2's attention and MLP side by side after one LayerNorm without bias, with the
+experts as the MLP; interleaved rotary pairs, a dense first full layer that rotates, windowed layers, a full layer
+without rotary embedding, scaled and tied logits, softmax top-k experts and a shared one averaged with them; its
+``router_logits`` within 1e-5, no balancing loss) at tp1 and tp2ep2, and with RMSNorms, sigmoid routing and the shared
+expert summed (``cohere2_moe_rms``) at tp1 and ep2. AFMoE (``afmoe``: gated attention with per-head q / k norms, norms
+before and after each sublayer, rotary embedding on the windowed layers only, muP's scaled embedding, a dense first
+layer, sigmoid routing on the scores plus an expert bias that changes some tokens' experts, scaled, two shared experts;
+its ``router_logits`` within 1e-5, no balancing loss) at tp1, ep2 and tp2ep2 (gradients at TP2 + SP + EP2:
+test_gradients; refusals and the expert bias: test_cohere2_moe_afmoe).
 """
 
 from pathlib import Path
@@ -82,9 +91,10 @@ MINIMAX_MOE_LAYERS = 4  # the tiny MiniMax-M2: every layer
 HUNYUAN_MOE_LAYERS = 4  # the tiny HunYuan-MoE: every layer
 PHIMOE_MOE_LAYERS = 4  # the tiny PhiMoE: every layer
 LLAMA4_MOE_LAYERS = 2  # the tiny Llama 4: layers 1 and 3 (interleave_moe_layer_step=2)
+DENSE_FIRST_MOE_LAYERS = 3  # the tiny Cohere2-MoE and AFMoE: layers 1-3 (the first dense)
 HYBRID_MOE_LAYERS = {"qwen3_next": 3, "qwen3_5_moe": 4}  # NOTE: Qwen3-Next's first layer dense (mlp_only_layers)
 # NOTE: megatron's own rotary path (rotary_interleaved), not the fused-rope slot
-INTERLEAVED_ROPE = ("ernie4_5_moe", "llama4")
+INTERLEAVED_ROPE = ("ernie4_5_moe", "llama4", "cohere2_moe", "cohere2_moe_rms")
 BF16_TOL = {"logit_diff": 0.1, "loss_diff": 0.02}
 SP = {"sequence_parallel": True}
 
@@ -138,6 +148,13 @@ CHECKPOINTS = {
     # NOTE: LayerNorms, q / k / v / o and LM-head biases, sparsemixer top-2 routing (its jitter window masking some
     # experts), LongRoPE's fixed mscale
     "phimoe": ("phimoe", {}),
+    # NOTE: one LayerNorm before the attention and the experts side by side, a shared expert averaged in; with
+    # RMSNorms, sigmoid routing and the shared expert summed
+    "cohere2_moe": ("cohere2_moe", {}),
+    "cohere2_moe_rms": ("cohere2_moe", {"rms_norm_eps": 1e-6, "expert_selection_fn": "sigmoid",
+                                        "shared_expert_combination_strategy": "sum"}),
+    # NOTE: gated attention, sandwich norms, rope on the windowed layers only, muP, sigmoid routing with an expert bias
+    "afmoe": ("afmoe", {}),
     # NOTE: per-head q/k norms, no biases, no expert groups, an MTP layer in the checkpoint
     # NOTE: YaRN (its attention factor on q's and k's rotary channels: after Qwen3-MoE's q / k norms; in Mixtral's
     # empty q / k norm slots)
@@ -153,15 +170,16 @@ MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwe
           "hunyuan_v1_moe")
 HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers
 LEAN = ("flex_olmo", "granitemoeshared")  # NOTE: at tp1 and ep2 only (CI time); gradients at TP2 + SP + EP2
-SMALL_MOE = ("phimoe",)  # NOTE: at tp1, ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
+SMALL_MOE = ("phimoe", "afmoe")  # NOTE: at tp1, ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, *SMALL_MOE, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2",
-                    "deepseek_v3_bf16", "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk")),
-    "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE)),
+                    "deepseek_v3_bf16", "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk",
+                    "cohere2_moe", "cohere2_moe_rms")),
+    "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE, "cohere2_moe_rms")),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
-               (*MODELS, *HYBRID, *SMALL_MOE, "qwen3_moe_yarn", "mixtral_yarn")),
+               (*MODELS, *HYBRID, *SMALL_MOE, "qwen3_moe_yarn", "mixtral_yarn", "cohere2_moe")),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_next")),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
                 ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss",
@@ -246,8 +264,10 @@ def test_parity_and_round_trip(worlds, layout, name):
         # NOTE: HunYuan's q / k norms after the rotation (the rotation in the slot, before the norm)
         llama4 += ["RotateThenNorm"] if name == "hunyuan_v1_moe" else []
         scaled |= {"QueryTemperature"} if name == "llama4" else set()
-        # NOTE: PhiMoE's LayerNorms with biases, LongRoPE's mscale on the rotary channels
-        expected = ["LayerNorm", "RotaryScale"] if name == "phimoe" else ["RMSNorm"]
+        # NOTE: PhiMoE's LayerNorms with biases, LongRoPE's mscale on the rotary channels; Cohere2-MoE's LayerNorms
+        # without bias
+        expected = {"phimoe": ["LayerNorm", "RotaryScale"], "cohere2_moe": ["LayerNormWithoutBias"]}.get(
+            name, ["RMSNorm"])
         assert sorted(set(r["norms"]) - scaled) == sorted(
             [*expected, *full_width, *llama4, *(["RotaryScale"] if yarn and not mla else [])]), (rank, r)
         assert r["rope_fusion"] is (not mla and name not in INTERLEAVED_ROPE), (rank, r)
@@ -260,14 +280,19 @@ def test_parity_and_round_trip(worlds, layout, name):
         assert r["dispatcher_classes"] == (["SyncFreeAllGatherDispatcher"] if single
                                            else ["MoEAlltoAllTokenDispatcher"]), (rank, r)
         mlp = {m.removeprefix("Scaled") if name.startswith("granitemoe") else m for m in r["mlp_modules"]}
-        # NOTE: FlexOlmo's MoE layer with its post norm (layer_outputs.transformed_moe)
-        moe = "TransformedMoELayer" if name == "flex_olmo" else "MoELayer"
-        assert mlp <= {moe, "SwiGLUMLP"} and moe in mlp, (rank, r)
+        # NOTE: FlexOlmo's and AFMoE's MoE layer with its post norm, Cohere2-MoE's halved
+        # (layer_outputs.transformed_moe); AFMoE's dense MLP with its post norm (transformed_mlp)
+        moe = "TransformedMoELayer" if name in ("flex_olmo", "cohere2_moe", "afmoe") else "MoELayer"
+        dense = "TransformedMLP" if name == "afmoe" else "SwiGLUMLP"
+        assert mlp <= {moe, dense} and moe in mlp, (rank, r)
         # transformers' output type; DeepSeek's and GLM-4.5's forward asks for router_logits: per MoE layer, none
         # for dense ones
         assert r["output_type"] == r["ref_output_type"] == "MoeCausalLMOutputWithPast", (rank, r)
         if name == "llama4":  # NOTE: router_logits; transformers' Llama 4 adds no balancing loss
             assert r["no_aux_loss"] and r["router_counts"] == (LLAMA4_MOE_LAYERS,) * 2, (rank, r)
+            assert r["router_dtypes"] == ["torch.float32"] and r["router_diff"] < ROUTER_TOL, (rank, r)
+        if name.startswith(("cohere2_moe", "afmoe")):  # NOTE: router_logits (model dtype); no balancing loss
+            assert r["no_aux_loss"] and r["router_counts"] == (DENSE_FIRST_MOE_LAYERS,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"] and r["router_diff"] < ROUTER_TOL, (rank, r)
         if name == "hunyuan_v1_moe":  # NOTE: router_logits (fp32 gate.wg); transformers adds no balancing loss
             assert r["no_aux_loss"] and r["router_counts"] == (HUNYUAN_MOE_LAYERS,) * 2, (rank, r)
