@@ -71,13 +71,22 @@ class CachedStep:
     real: torch.Tensor | None
 
 
+def mixer_projections(config, *, in_size: int, out_size: int, bias: bool = False, tp_group=None):
+    """A recurrent mixer's column-parallel ``in_proj`` (``in_size``: all ranks' rows) and row-parallel ``out_proj``."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    kw = dict(config=config, bias=bias, skip_bias_add=True, tp_group=tp_group)
+    h = config.hidden_size
+    return (ColumnParallelLinear(h, in_size, init_method=config.init_method, gather_output=False, **kw),
+            RowParallelLinear(out_size, h, init_method=config.output_layer_init_method, input_is_parallel=True, **kw))
+
+
 class GatedDeltaNet(torch.nn.Module):
     """One linear-attention layer's token mixer, this TP rank's heads (see the module docstring)."""
 
     def __init__(self, config, *, layer_number: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
                  conv_kernel: int, eps: float, pg_collection=None, **_: object) -> None:
-        from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                          set_tensor_model_parallel_attributes)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         from loongforge_hf.xpu import get_backend
 
@@ -85,17 +94,12 @@ class GatedDeltaNet(torch.nn.Module):
         self.config, self.layer_number = config, layer_number
         tp_group = getattr(pg_collection, "tp", None)
         tp = config.tensor_model_parallel_size
-        self.k_heads, self.v_heads, self.key_dim, self.value_dim = key_heads // tp, value_heads // tp, key_dim, \
-            value_dim
-        self.eps, self.tp_group = eps, tp_group
+        self.k_heads, self.v_heads, self.eps, self.tp_group = key_heads // tp, value_heads // tp, eps, tp_group
+        self.key_dim, self.value_dim = key_dim, value_dim
         self.qkv_size = 2 * self.k_heads * key_dim + self.v_heads * value_dim
         local = self.qkv_size + self.v_heads * value_dim + 2 * self.v_heads
-        self.in_proj = ColumnParallelLinear(config.hidden_size, local * tp, config=config,
-                                            init_method=config.init_method, bias=False, gather_output=False,
-                                            skip_bias_add=True, tp_group=tp_group)
-        self.out_proj = RowParallelLinear(value_heads * value_dim, config.hidden_size, config=config,
-                                          init_method=config.output_layer_init_method, bias=False,
-                                          input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
+        self.in_proj, self.out_proj = mixer_projections(config, in_size=local * tp, out_size=value_heads * value_dim,
+                                                        tp_group=tp_group)
         device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
         kw = dict(dtype=config.params_dtype, device=device)
         self.conv_weight = torch.nn.Parameter(torch.zeros(self.qkv_size, 1, conv_kernel, **kw))
@@ -140,8 +144,7 @@ class GatedDeltaNet(torch.nn.Module):
     def _cached_forward(self, hidden_states: torch.Tensor, step: CachedStep):
         """A cached generate step (see the module docstring): ``hidden_states`` ``[s, b, h]`` (this rank's slice
         under sequence parallelism), of which the first ``step.given`` tokens are the step's."""
-        mixed, _ = self.in_proj(hidden_states)
-        padded = mixed.shape[0]
+        mixed, _ = self.in_proj(hidden_states)  # NOTE: [s, b, local]: the layout's padding after the step's tokens
         qkv, z, beta, g = self._split(mixed.transpose(0, 1)[:, :step.given], step.real)  # NOTE: [b, given, ...]
         cache, index = step.cache, step.index
         core, state = self._mix(qkv, g, beta, history=cache.get_conv_state(index),
@@ -149,7 +152,7 @@ class GatedDeltaNet(torch.nn.Module):
         cache.update_conv_state(qkv.transpose(1, 2), index, conv_kernel_size=self.conv_weight.shape[-1] - 1)
         cache.update_recurrent_state(state, index)
         out = self._gated_norm(core, z)
-        out = F.pad(out.reshape(*out.shape[:2], -1), (0, 0, 0, padded - step.given))  # NOTE: the layout's padding
+        out = F.pad(out.reshape(*out.shape[:2], -1), (0, 0, 0, mixed.shape[0] - step.given))  # NOTE: that padding
         return self.out_proj(out.transpose(0, 1).contiguous())
 
     def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, history: torch.Tensor | None = None,

@@ -18,10 +18,11 @@ Choices:
   all-reduce a layer, forward and backward).
 - Forward as transformers' ``GraniteMoeHybridMambaLayer`` without a cache (its torch path): padded tokens (the
   diagonal of megatron's ``[b, 1, s, s]`` mask: a token masked from itself) are zeroed before the conv (after
-  ``in_proj``, which has no bias: the same) and after it; the causal depthwise conv with its bias and ``silu`` (in
-  the weight's dtype); ``dt = clamp(softplus(dt + dt_bias), *time_step_limit)``, ``A = -exp(A_log)``; the chunked
-  SSD scan (``kernels.ssd``, fp32, op for op transformers' ``mamba2_chunk_scan``); the gated RMSNorm (``y *
-  silu(z)`` normalised per group in fp32, times the weight) and ``out_proj``.
+  ``in_proj``, which has no bias: the same) and after it; the causal depthwise conv with its bias
+  (``kernels.causal_conv``, in the weight's dtype) and ``silu``; ``dt = clamp(softplus(dt + dt_bias),
+  *time_step_limit)``, ``A = -exp(A_log)``; the chunked SSD scan (``kernels.ssd``, fp32, op for op transformers'
+  ``mamba2_chunk_scan``); the gated RMSNorm (``y * silu(z)`` normalised per group in fp32, times the weight) and
+  ``out_proj``.
 - Packed documents (megatron's mask blocks attention between documents): the conv and the scan restart at each
   document's first token (the conv masks taps from another document; ``kernels.ssd`` masks the scan), as running
   each document alone. transformers' torch path runs a packed row as one sequence.
@@ -52,7 +53,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.gated_deltanet import CachedStep, _token_layout
+from loongforge_hf.bridges.gated_deltanet import CachedStep, _token_layout, mixer_projections
+from loongforge_hf.kernels.causal_conv import causal_conv
 from loongforge_hf.parallel.context_parallel import cp_group_and_size
 from loongforge_hf.parallel.ssd_cp import context_parallel_scan
 
@@ -63,8 +65,7 @@ class Mamba2Mixer(torch.nn.Module):
     def __init__(self, config, *, layer_number: int, heads: int, head_dim: int, groups: int, d_state: int,
                  conv_kernel: int, conv_bias: bool, chunk_size: int, time_step_limit: tuple[float, float],
                  eps: float, pg_collection=None, **_: object) -> None:
-        from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                          set_tensor_model_parallel_attributes)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         from loongforge_hf.parallel.kv_replicas import mark_rows
         from loongforge_hf.xpu import get_backend
@@ -85,12 +86,8 @@ class Mamba2Mixer(torch.nn.Module):
         self.d_inner = self.heads * head_dim
         self.conv_dim = self.d_inner + 2 * self.groups * d_state
         local = self.d_inner + self.conv_dim + self.heads
-        self.in_proj = ColumnParallelLinear(config.hidden_size, local * tp, config=config,
-                                            init_method=config.init_method, bias=False, gather_output=False,
-                                            skip_bias_add=True, tp_group=tp_group)
-        self.out_proj = RowParallelLinear(heads * head_dim, config.hidden_size, config=config,
-                                          init_method=config.output_layer_init_method, bias=False,
-                                          input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
+        self.in_proj, self.out_proj = mixer_projections(config, in_size=local * tp, out_size=heads * head_dim,
+                                                        tp_group=tp_group)
         device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
         kw = dict(dtype=config.params_dtype, device=device)
         self.conv_weight = torch.nn.Parameter(torch.zeros(self.conv_dim, 1, conv_kernel, **kw))
@@ -187,24 +184,10 @@ class Mamba2Mixer(torch.nn.Module):
 
     def _conv(self, xbc: torch.Tensor, documents: torch.Tensor | None, *,
               history: torch.Tensor | None = None) -> torch.Tensor:
-        """The causal depthwise conv with its bias and ``silu`` (in the weight's dtype) over ``xbc`` ``[b, s, ch]``
-        -> ``[b, s, ch]`` in ``xbc``'s dtype, after ``history`` (the ``conv_kernel - 1`` inputs before the first
-        token, ``[b, ch, conv_kernel - 1]``; None: zeros); with ``documents`` (``[b, s]`` non-decreasing ids) no tap
-        reads another document (the history continues the first token's)."""
-        weight, seq = self.conv_weight, xbc.shape[1]
-        kernel = weight.shape[-1]
-        inputs = xbc.transpose(1, 2).to(weight.dtype)
-        inputs = F.pad(inputs, (kernel - 1, 0)) if history is None \
-            else torch.cat((history.to(weight.dtype), inputs), dim=-1)
-        if documents is None:
-            return F.silu(F.conv1d(inputs, weight, self.conv_bias, groups=self.conv_dim)).to(xbc.dtype).transpose(1, 2)
-        documents = torch.cat((documents[:, :1].expand(-1, kernel - 1), documents), dim=1)
-        out = 0 if self.conv_bias is None else self.conv_bias[:, None]
-        for back in range(kernel):  # NOTE: tap ``back`` tokens back, where the token is of the same document
-            lo = kernel - 1 - back
-            keep = documents[:, kernel - 1:] == documents[:, lo:lo + seq]
-            out = out + weight[:, :, lo] * (inputs[..., lo:lo + seq] * keep[:, None].to(inputs.dtype))
-        return F.silu(out).to(xbc.dtype).transpose(1, 2)
+        """``kernels.causal_conv`` (in the weight's dtype, after ``history``, documents restarting it) and ``silu``
+        over ``xbc`` ``[b, s, ch]`` -> ``[b, s, ch]`` in ``xbc``'s dtype."""
+        conv = causal_conv(xbc, self.conv_weight, self.conv_bias, history=history, documents=documents)
+        return F.silu(conv).to(xbc.dtype)
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """transformers' ``GraniteMoeHybridRMSNormGated``: ``y * silu(gate)`` normalised per group (fp32), times the

@@ -20,6 +20,9 @@ Choices:
   (``deepseek.sigmoid_routing_kwargs``: sigmoid scores plus the fixed fp32 ``gate.e_score_correction_bias``, top-2-sum
   group scores with ``n_group`` / ``topk_group``, renormalised, times ``routed_scaling_factor``), the router in fp32;
   transformers' ``router_logits``.
+- LoRA (``lora/plan.py``): PEFT names the modules as transformers' tree does (``model.layers.N.mixer.q_proj``), the
+  checkpoint ``backbone.layers.N.mixer.q_proj`` (``checkpoint_name``); the Mamba2 ``in_proj`` is adapted by its
+  sections' rows, refused where TP exceeds ``n_groups``.
 - Multi-token-prediction tensors (``mtp.*``, ``num_nextn_predict_layers``): transformers skips them on load; here too
   (not built), and ``save_pretrained`` copies them unchanged from the source folder, as Qwen3.5's.
 - Refused before any collective: ``moe_latent_size`` (latent projections around the experts), ``use_bias``
@@ -117,6 +120,12 @@ class NemotronHBridge(Mamba2Layers, MoEBridge):
 
     def layer_module(self) -> type:
         return nemotron_h_layer(tuple(self.hf_config.layers_block_type))
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of tensor ``name`` of transformers' module tree, which loads ``backbone.*`` as
+        ``model.*`` (``model.layers.0.mixer.in_proj.weight`` -> ``backbone.layers.0.mixer.in_proj.weight``): PEFT's
+        names stay the module tree's (``lora/plan.py``)."""
+        return "backbone." + name.removeprefix("model.") if name.startswith("model.") else name
 
     def passthrough_names(self, names) -> list[str]:
         """The checkpoint's multi-token-prediction tensors (``mtp.*``), not built."""

@@ -35,7 +35,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.gated_deltanet import CachedStep, _token_layout
+from loongforge_hf.bridges.gated_deltanet import CachedStep, _token_layout, mixer_projections
 from loongforge_hf.bridges.mamba2 import _documents
 from loongforge_hf.kernels.causal_conv import causal_conv
 from loongforge_hf.parallel.context_parallel import cp_group_and_size
@@ -46,8 +46,7 @@ class ShortConvMixer(torch.nn.Module):
 
     def __init__(self, config, *, layer_number: int, conv_kernel: int, bias: bool, pg_collection=None,
                  **_: object) -> None:
-        from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                          set_tensor_model_parallel_attributes)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         from loongforge_hf.xpu import get_backend
 
@@ -56,10 +55,8 @@ class ShortConvMixer(torch.nn.Module):
         tp_group = getattr(pg_collection, "tp", None)
         h, tp = config.hidden_size, config.tensor_model_parallel_size
         self.channels = h // tp
-        self.in_proj = ColumnParallelLinear(h, 3 * h, config=config, init_method=config.init_method, bias=bias,
-                                            gather_output=False, skip_bias_add=True, tp_group=tp_group)
-        self.out_proj = RowParallelLinear(h, h, config=config, init_method=config.output_layer_init_method,
-                                          bias=bias, input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
+        self.in_proj, self.out_proj = mixer_projections(config, in_size=3 * h, out_size=h, bias=bias,
+                                                        tp_group=tp_group)
         device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
         kw = dict(dtype=config.params_dtype, device=device)
         self.conv_weight = torch.nn.Parameter(torch.zeros(self.channels, 1, conv_kernel, **kw))

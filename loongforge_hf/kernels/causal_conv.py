@@ -1,4 +1,4 @@
-"""The causal depthwise conv of the recurrent mixers (LFM2's short conv; the same conv as Mamba2's before its
+"""The causal depthwise conv of the recurrent mixers (LFM2's short conv; Mamba2's, before its
 ``silu``), over rows that may pack documents and may continue from a history.
 
 Choices:

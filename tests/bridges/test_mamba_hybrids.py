@@ -3,10 +3,13 @@
 scan) with the second left-padded by 9, logits and loss; a row packing documents against each document alone; cached
 greedy and beam search over a left-padded batch; a bit-exact export round trip. Nemotron-H's tiny model has a layer of
 each kind (Mamba2, MoE, attention, MLP, Mamba2, MoE); its dense variant (Nemotron Nano 2's kinds: no MoE layer) too.
-In a two-rank world: Bamba at TP2 with sequence parallelism; Nemotron-H at TP2 + SP (logits, loss, every parameter's
-gradient exported through the bridge), PP2 (three layers a stage), EP2 and TP2 + SP + EP2 (ETP1), and CP2 (packed
-documents and left padding across several scan chunks per CP chunk: logits, loss, every gradient). Refusals are
-checked on the bridge alone (pure, before any collective)."""
+In a two-rank world: Bamba at TP2 with sequence parallelism (logits, loss, every gradient), with one group (the hub's
+``mamba_n_groups=1``) at TP2 + SP, PP2 and CP2 (packed documents and left padding: logits, loss, every gradient);
+Nemotron-H at TP2 + SP (logits, loss, every parameter's gradient exported through the bridge), PP2 (three layers a
+stage), EP2 and TP2 + SP + EP2 (ETP1), and CP2 (packed documents and left padding across several scan chunks per CP
+chunk: logits, loss, every gradient). LoRA on Nemotron-H's attention and Mamba2 ``in_proj`` against PEFT at TP1 and
+TP2 + SP (``integrations/_lora_hybrids.py``). Refusals are checked on the bridge alone (pure, before any
+collective)."""
 
 import pytest
 import torch
@@ -17,6 +20,10 @@ from loongforge_hf.testing import make_tiny_checkpoint
 from .test_granitemoehybrid import TOL, _cached_generate, _check_padded, _gradients, _ids
 
 DENSE_KINDS = ["linear_attention", "mlp", "full_attention", "mlp"]
+# NOTE: the attention layer's q / k / v / o and the Mamba2 layers' in_proj (z, x, B, C, dt row sections), PEFT's
+# names (transformers' module tree: model.layers.N.mixer.*) on the checkpoint's backbone.layers.N.mixer.*
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj"],
+            init_lora_weights=False)
 
 
 def _padded(ours, ref) -> dict:
@@ -45,6 +52,7 @@ def _one_rank(folders: dict) -> dict:
 
     from loongforge_hf.testing.round_trip import check_round_trip
 
+    from ..integrations._lora_hybrids import hybrid_lora_checks
     from .test_qwen3_5 import packed_against_alone
 
     out = {}
@@ -61,17 +69,42 @@ def _one_rank(folders: dict) -> dict:
         got, want = (model(input_ids=ids, output_router_logits=True).router_logits for model in (ours, ref))
     out["router_logits"] = (len(got), len(want), max(float((a - b).abs().max()) for a, b in zip(got, want)))
     out["nemotron_h_dense"] = {"padded": _padded(*_models(folders["nemotron_h_dense"]))}
+    out["lora"] = hybrid_lora_checks(folders["nemotron_h"], f"{folders['nemotron_h']}-lora-tp1", {}, LORA)
+    return out
+
+
+def _bamba_two_ranks(folders: dict) -> dict:
+    """Bamba at TP2 + SP (logits, loss, every gradient), with one group (the hub's ``mamba_n_groups=1``: B / C
+    replicated over TP) at TP2 + SP, PP2 (two layers a stage) and CP2 (``test_qwen3_5._cp2_padded_and_packed``)."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    from .test_qwen3_5 import _cp2_padded_and_packed
+
+    folder = folders["bamba"]
+    ours, ref = _models(folder, tensor_parallel_size=2, sequence_parallel=True)
+    out = {"bamba_tp2": _padded(ours, ref), "bamba_grads": _gradients(ours, ref, folder, "tp2")}
+    del ours
+    ours, ref = _models(folders["bamba_g1"], tensor_parallel_size=2, sequence_parallel=True)
+    out["bamba_g1_tp2"] = _padded(ours, ref)
+    del ours
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
+    out["bamba_pp2"] = _padded(ours, ref)
+    del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
+    out["bamba_cp2"] = _cp2_padded_and_packed(ours, ref, folder)
     return out
 
 
 def _two_ranks(folders: dict) -> dict:
     import loongforge_hf as lf
 
+    from ..integrations._lora_hybrids import hybrid_lora_checks
     from .test_qwen3_5 import _cp2_padded_and_packed
 
-    ours, ref = _models(folders["bamba"], tensor_parallel_size=2, sequence_parallel=True)
-    out = {"bamba_tp2": _padded(ours, ref)}
-    del ours
+    out = _bamba_two_ranks(folders)
     folder = folders["nemotron_h"]
     ours, ref = _models(folder, tensor_parallel_size=2, sequence_parallel=True)
     out.update(tp2=_padded(ours, ref), grads=_gradients(ours, ref, folder, "tp2"))
@@ -85,6 +118,9 @@ def _two_ranks(folders: dict) -> dict:
     ref.zero_grad()
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
     out["cp2"] = _cp2_padded_and_packed(ours, ref, folder)
+    del ours
+    out["lora"] = hybrid_lora_checks(folder, f"{folder}-lora-tp2", dict(tensor_parallel_size=2, sequence_parallel=True),
+                                     LORA)
     return out
 
 
@@ -92,6 +128,7 @@ def _two_ranks(folders: dict) -> dict:
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("mamba_hybrids")
     return {"bamba": str(make_tiny_checkpoint(root / "bamba", "bamba")),
+            "bamba_g1": str(make_tiny_checkpoint(root / "bamba_g1", "bamba", mamba_n_groups=1)),
             "nemotron_h": str(make_tiny_checkpoint(root / "nemotron_h", "nemotron_h")),
             "nemotron_h_dense": str(make_tiny_checkpoint(root / "dense", "nemotron_h", layers_block_type=DENSE_KINDS))}
 
@@ -139,7 +176,7 @@ def test_export_round_trip(one_rank, model):
     assert one_rank[model]["round_trip"]
 
 
-@pytest.mark.parametrize("layout", ("bamba_tp2", "tp2", "pp2", "ep2", "tp2_ep2"))
+@pytest.mark.parametrize("layout", ("bamba_tp2", "bamba_g1_tp2", "bamba_pp2", "tp2", "pp2", "ep2", "tp2_ep2"))
 def test_two_rank_layouts(two_ranks, layout):
     for res in two_ranks:
         _check_padded(res[layout])
@@ -157,9 +194,61 @@ def test_every_gradient(two_ranks, grads):
     assert worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
 
 
-def test_context_parallel_padded_and_packed(two_ranks):
+@pytest.mark.parametrize("model", ("bamba", "nemotron_h"))
+def test_context_parallel_padded_and_packed(two_ranks, model):
+    cp = "bamba_cp2" if model == "bamba" else "cp2"
     for rank, res in enumerate(two_ranks):
-        assert res["cp2"]["logits"] < TOL and res["cp2"]["loss"] < TOL, (rank, res["cp2"])
+        assert res[cp]["logits"] < TOL and res[cp]["loss"] < TOL, (rank, res[cp])
+
+
+@pytest.mark.parametrize("grads", ("bamba_grads", "bamba_cp2"))
+def test_bamba_every_gradient(two_ranks, grads):
+    """Bamba at TP2 + SP and at CP2: every parameter's gradient (Mamba2 with its conv bias, half-rotary attention,
+    gated MLP) exported through the bridge, against transformers'."""
+    grads = two_ranks[0][grads] if grads == "bamba_grads" else two_ranks[0]["bamba_cp2"]["grads"]
+    kinds = (".mamba.in_proj.weight", ".mamba.conv1d.bias", ".mamba.A_log", ".self_attn.q_proj.weight",
+             ".feed_forward.gate_proj.weight", "model.final_layernorm.weight")
+    assert all(any(k in n for n in grads) for k in kinds) and len(grads) == 51, sorted(grads)
+    worst = max(grads.items(), key=lambda kv: kv[1])
+    assert worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
+
+
+def _check_lora(ranks: list[dict]) -> None:
+    for res in ranks:
+        assert res["logits"] < TOL and res["loss"] < 1e-5 and res["unchanged_after_merged_export"], res
+        assert res["targets"] == ["model.layers.0.mixer.in_proj", *(f"model.layers.2.mixer.{p}_proj" for p in "koqv"),
+                                  "model.layers.4.mixer.in_proj"], res["targets"]
+        worst = max(res["grads"].items(), key=lambda kv: kv[1])
+        assert len(res["grads"]) == 12 and worst[1] < 1e-5, (worst, res["grads"])
+    assert ranks[0]["adapter_logits_diff"] < TOL and ranks[0]["merged_logits_diff"] < TOL, ranks[0]
+
+
+@pytest.mark.parametrize("layout", ("tp1", "tp2"))
+def test_nemotron_h_lora_matches_peft(one_rank, two_ranks, layout):
+    """LoRA on q / k / v / o and the Mamba2 ``in_proj`` at TP1 and TP2 + SP against PEFT (``_lora_hybrids``): logits,
+    loss, every adapter's A and B gradient at HF shape (B's rows of ``in_proj`` back in the checkpoint's order); the
+    adapter folder (PEFT's ``model.layers.*`` names) loads in PEFT and the merged export (``backbone.*``) in
+    transformers, both giving our logits."""
+    _check_lora([one_rank["lora"]] if layout == "tp1" else [r["lora"] for r in two_ranks])
+
+
+def test_lora_refused_on_replicated_rows(folders):
+    """One group (``mamba_n_groups=1``) at TP2: the Mamba2 ``in_proj``'s B / C rows are replicas, and LoRA on it is
+    refused before anything changes (pure); at TP1 it is planned."""
+    import peft
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.lora import LoraConfigError
+    from loongforge_hf.lora.model import check_replicated_rows
+    from loongforge_hf.lora.plan import plan_lora
+
+    bridge = get_bridge(transformers.AutoConfig.from_pretrained(folders["bamba_g1"]))
+    plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules=["in_proj", "o_proj"]))
+    check_replicated_rows(plan, 1)
+    with pytest.raises(LoraConfigError, match=r"LoRA on model.layers.0.mamba.in_proj \.\.\.: tensor_parallel_size=2 "
+                       r"replicates some of its row sections .*exclude_modules=\['in_proj'\]"):
+        check_replicated_rows(plan, 2)
 
 
 @pytest.mark.parametrize("arch, changes, field", [

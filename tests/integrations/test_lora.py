@@ -10,7 +10,8 @@
   export in transformers, both giving the Loong model's logits; merged export leaves the model as it was.
 - EXAONE 3 (PEFT's Llama names, the checkpoint's GPT-2-style ones) at TP=2 + SP in the same world: logits, loss,
   adapter gradients, the adapter folder and the merged export.
-- Refusals list only what can be targeted (Granite 4.0 H's Mamba2 ``in_proj`` left out).
+- Refusals list only what can be targeted (Qwen3.5's linear-attention projections left out); Granite 4.0 H's Mamba2
+  ``in_proj`` is a target.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ INIT_CASES = {
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-src")
     return {arch: make_tiny_checkpoint(base / arch, arch)
-            for arch in ("llama", "qwen2", "qwen3", "phi3", "gpt2", "exaone", "granitemoehybrid")}
+            for arch in ("llama", "qwen2", "qwen3", "phi3", "gpt2", "exaone", "granitemoehybrid", "qwen3_5")}
 
 
 @pytest.mark.parametrize("case", list(INIT_CASES))
@@ -126,8 +127,10 @@ def test_gpt2_unsupported_configs_are_refused(checkpoints, kw, match):
 
 
 def test_refusal_lists_only_what_can_be_targeted(checkpoints):
-    """Granite 4.0 H's Mamba2 ``in_proj`` (five sections in one HF linear) is refused, by name or through
-    'all-linear'; the message lists neither it nor plain 'all-linear', and what it offers instead is accepted."""
+    """Qwen3.5's linear-attention projections (four HF linears in one megatron ``in_proj``) and gated q / k / v are
+    refused, by name or through 'all-linear'; the message lists neither them nor plain 'all-linear', and what it
+    offers instead is accepted. Granite 4.0 H's Mamba2 ``in_proj`` (one HF linear of five row sections) is a target
+    as any column-parallel linear."""
     import peft
     import transformers
 
@@ -135,16 +138,20 @@ def test_refusal_lists_only_what_can_be_targeted(checkpoints):
     from loongforge_hf.lora import LoraConfigError
     from loongforge_hf.lora.plan import plan_lora
 
-    bridge = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["granitemoehybrid"]))
-    listed = ("targetable modules: ['input_linear', 'k_proj', 'o_proj', 'out_proj', 'output_linear', 'q_proj', "
-              "'v_proj'] or 'all-linear' with exclude_modules=['in_proj'].")
-    for target_modules in (["in_proj"], "all-linear"):
-        with pytest.raises(LoraConfigError, match="mamba.in_proj") as err:
+    bridge = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["qwen3_5"]))
+    refused = ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "k_proj", "q_proj", "v_proj"]
+    listed = (f"targetable modules: ['down_proj', 'gate_proj', 'o_proj', 'out_proj', 'up_proj'] or 'all-linear' "
+              f"with exclude_modules={refused}.")
+    for target_modules in (["in_proj_z"], "all-linear"):
+        with pytest.raises(LoraConfigError, match="linear_attn.in_proj_") as err:
             plan_lora(bridge, peft.LoraConfig(r=2, target_modules=target_modules))
         assert str(err.value).endswith(listed), str(err.value)
-    plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear", exclude_modules=["in_proj"]))
-    assert {t.name for t in plan.targets} == {"input_linear", "k_proj", "o_proj", "out_proj", "output_linear",
-                                              "q_proj", "v_proj"}
+    plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear", exclude_modules=refused))
+    assert {t.name for t in plan.targets} == {"down_proj", "gate_proj", "o_proj", "out_proj", "up_proj"}
+    granite = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["granitemoehybrid"]))
+    plan = plan_lora(granite, peft.LoraConfig(r=2, target_modules="all-linear"))
+    assert {t.name for t in plan.targets} == {"in_proj", "input_linear", "k_proj", "o_proj", "out_proj",
+                                              "output_linear", "q_proj", "v_proj"}
 
 
 @pytest.mark.parametrize("arch, given, expected", [("gpt2", False, True), ("gpt2", True, True),
