@@ -599,6 +599,19 @@ class AutoModelForCausalLM:
     def __init__(self) -> None:
         raise EnvironmentError("Use AutoModelForCausalLM.from_pretrained(...).")
 
+    # NOTE: what a task model changes (sequence_classification.py): its model class, its checks, its bridge
+    _model_class = LoongModelForCausalLM
+
+    @classmethod
+    def _check_task(cls, folder: Path, hf_config=None) -> None:
+        """Raise for a checkpoint the task cannot load (with the resolved folder, then with its config too)."""
+
+    @classmethod
+    def _task_bridge(cls, hf_config):
+        from loongforge_hf.bridges import get_bridge
+
+        return get_bridge(hf_config)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *,
                         tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
@@ -615,11 +628,12 @@ class AutoModelForCausalLM:
         # {"overlap_moe_expert_parallel_comm": True}; docs/parallelism.md lists the ones that run without TE.
         # ``unused``: transformers' other from_pretrained keywords and config overrides (bridges/load_kwargs.py).
         arguments = {k: v for k, v in locals().items() if k not in ("cls", "pretrained_model_name_or_path", "unused")}
-        from loongforge_hf.bridges import get_bridge, moe_graphs, router_balance
+        from loongforge_hf.bridges import moe_graphs, router_balance
         from loongforge_hf.bridges.builder import build_megatron_model, check_megatron_config, interleaved_p2p_settings
         from loongforge_hf.parallel.kv_replicas import check_kv_replication
         from loongforge_hf.bridges.checkpoint_io import CheckpointReader
         from loongforge_hf.bridges.config_map import kv_heads_of
+        from loongforge_hf.bridges.embedding_padding import embedding_padding_idx
         from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader
         from loongforge_hf.bridges.hub import resolve_checkpoint
         from loongforge_hf.bridges.load_kwargs import (check_device, finish_load, load_config, loading_info,
@@ -635,6 +649,7 @@ class AutoModelForCausalLM:
         hub = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token,
                    allow_pickle=allow_pickle, **options.hub)
         folder = resolve_checkpoint(pretrained_model_name_or_path, **hub)
+        cls._check_task(folder)
         if is_adapter_folder(folder):
             # NOTE: as transformers with peft installed: a PEFT adapter (a folder or a hub id) loads its base model
             # (with these same arguments, revision included), then the adapter onto it (frozen, as
@@ -667,6 +682,7 @@ class AutoModelForCausalLM:
         layout = None if auto else resolve_parallel(parallel, sizes)
 
         hf_config, config_on_file = load_config(folder, options, trust_remote_code=trust_remote_code, hub=hub)
+        cls._check_task(folder, hf_config)
         if loads_as_causal_lm(hf_config):
             # NOTE: as transformers' AutoModelForCausalLM: a Gemma 3 image-text checkpoint (gemma-3-4b-it ...) loads
             # as its image-text model, which takes text alone as well
@@ -678,9 +694,11 @@ class AutoModelForCausalLM:
             return AutoModelForImageTextToText.from_pretrained(
                 pretrained_model_name_or_path, **{k: v for k, v in arguments.items() if k != "megatron_config"},
                 **unused)
-        bridge = get_bridge(hf_config)
+        bridge = cls._task_bridge(hf_config)
         reader = CheckpointReader(folder, allow_pickle=allow_pickle, **options.files)
         try:
+            if hasattr(bridge, "see_checkpoint"):  # NOTE: a task head loaded from the checkpoint or drawn afresh
+                bridge.see_checkpoint(reader)
             param_dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, hf_config, reader)
             if auto:
                 layout = _auto_layout(hf_config, param_dtype, bridge)
@@ -691,6 +709,7 @@ class AutoModelForCausalLM:
                                num_key_value_heads=kv_heads_of(hf_config),
                                vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
             check_megatron_config(bridge, megatron_config)
+            embedding_padding_idx(bridge)  # NOTE: raises on a pad_token_id outside the vocabulary
             check_kv_replication(bridge, layout)
             moe_graphs.check_layout(bridge, hf_config, megatron_config,
                                     expert_parallel_size=layout.expert_parallel_size, dtype=param_dtype, fp8=fp8)
@@ -723,8 +742,8 @@ class AutoModelForCausalLM:
             reader.close()
         hf_config.dtype = param_dtype
         keep_hub_name(hf_config, pretrained_model_name_or_path)
-        model = LoongModelForCausalLM(hf_config=hf_config, bridge=bridge, megatron_model=megatron_model,
-                                      parallel=layout, source=folder, source_variant=options.files.get("variant"),
-                                      config_at_load=config_on_file.to_dict() if config_on_file else None)
+        model = cls._model_class(hf_config=hf_config, bridge=bridge, megatron_model=megatron_model,
+                                 parallel=layout, source=folder, source_variant=options.files.get("variant"),
+                                 config_at_load=config_on_file.to_dict() if config_on_file else None)
         # NOTE: eval mode as transformers returns it: no dropout until a trainer calls train()
         return finish_load(model.eval(), options, info)

@@ -26,7 +26,11 @@ Choices:
   on that stage, which LoongTrainer's engine and checkpoints take as they are (``trainer/optimizer_state.py``).
 - More TP ranks than KV heads (each KV head replicated, ``parallel/kv_replicas.py``): ``q_proj`` and the other
   linears are adapted as usual; adapters on key / value rows (``k_proj``, ``v_proj``, a packed q / k / v linear) are
-  refused (``check_kv_targets``).
+  refused (``check_kv_targets``); so are adapters on a Mamba2 ``in_proj`` whose B / C rows are replicated over TP
+  (fewer groups than TP ranks: ``check_replicated_rows``).
+- A sequence classifier (``lf.AutoModelForSequenceClassification``) becomes a
+  ``LoongLoraModelForSequenceClassification``, its ``score`` head trained whole as PEFT's ``SEQ_CLS``
+  (``sequence_classification.py``).
 - With pipeline parallelism the first stage must hold something trainable (its input, the embedding, does not
   require grad, so a stage without adapters would have nothing to back-propagate into).
 """
@@ -211,12 +215,29 @@ def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
         plan = plan_image_text(model, peft_config)
         check_kv_targets(plan, model.bridge.text, model.parallel.tensor_parallel_size)
         return plan
-    if type(model) is not LoongModelForCausalLM:
-        raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM and AutoModelForImageTextToText "
-                              f"models, got {type(model).__name__}.")
+    from loongforge_hf.sequence_classification import LoongModelForSequenceClassification
+
+    if type(model) not in (LoongModelForCausalLM, LoongModelForSequenceClassification):
+        raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM, AutoModelForImageTextToText and "
+                              f"AutoModelForSequenceClassification models, got {type(model).__name__}.")
     plan = plan_lora(model.bridge, peft_config)
     check_kv_targets(plan, model.bridge, model.parallel.tensor_parallel_size)
+    check_replicated_rows(plan, model.parallel.tensor_parallel_size)
     return plan
+
+
+def check_replicated_rows(plan: LoraPlan, tensor_parallel_size: int) -> None:
+    """Refuse (pure, every rank alike) an adapter on a linear whose row sections are replicated over TP (Mamba2's
+    ``in_proj`` with fewer groups than TP ranks: its B / C rows on ``tp / groups`` ranks each): B's rows there would
+    be replicas whose gradients are not summed."""
+    replicated = [t.hf_module for t in plan.targets if getattr(t.mapping, "replicates", None) is not None
+                  and t.mapping.replicates(tensor_parallel_size)]
+    if replicated:
+        raise LoraConfigError(
+            f"LoRA on {replicated[0]}{' ...' if len(replicated) > 1 else ''}: tensor_parallel_size="
+            f"{tensor_parallel_size} replicates some of its row sections (the Mamba2 groups' B / C rows: fewer groups "
+            "than TP ranks), and adapters on replicated rows are not supported; exclude it (exclude_modules=["
+            f"'{replicated[0].rsplit('.', 1)[-1]}']) or use a tensor_parallel_size that the groups split over.")
 
 
 def check_kv_targets(plan: LoraPlan, bridge, tensor_parallel_size: int) -> None:

@@ -11,12 +11,20 @@ Choices:
   module targets in HF ``named_modules`` order, then parameter targets (``param_targets.py``).
 - Each target is tied to the bridge mapping holding its HF weight (``_LINEAR_KINDS``: q/k/v slots of ``linear_qkv``,
   gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be (a
-  last component only where no linear it names is refused: not Granite 4.0 H's Mamba2 ``in_proj``, five sections in
-  one HF linear, nor ``'all-linear'`` without ``exclude_modules`` for those).
+  last component only where no linear it names is refused: not Qwen3.5's linear-attention ``in_proj_qkv`` /
+  ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, four HF linears in one megatron ``in_proj`` of unequal slots, nor
+  ``'all-linear'`` without ``exclude_modules`` for those).
+- One HF linear of row sections that megatron holds rank by rank (``gated_mappings.HeadSections`` of one part: the
+  Mamba2 ``in_proj`` of Granite 4.0 H, Bamba and Nemotron-H, its z, x, B, C, dt; LFM2's conv ``in_proj``, its B, C,
+  x) is a column-parallel target: B's rows go to megatron's order as the weight's do (``rows_to_megatron``). Where a
+  section is replicated over TP (Mamba2's B / C with fewer groups than TP ranks) it is refused
+  (``model.check_replicated_rows``).
 - A bridge whose checkpoint names differ from transformers' module tree (EXAONE 3: ``transformer.h.N.attn.attention
   .out_proj`` for ``model.layers.N.self_attn.o_proj``) gives ``checkpoint_name``, the planner's way from PEFT's name
   to the bridge's tensor (as image-text bridges give their trees' prefixes); PEFT's names stay the adapter's, the
   checkpoint's last component names the adapter's slot in the megatron module (``Target.slot_name``).
+- A sequence classifier (``lf.AutoModelForSequenceClassification``) is matched on transformers' classifier tree,
+  ``task_type="SEQ_CLS"`` adding its ``score`` head to ``modules_to_save`` (``lora/sequence_classification.py``).
 - ``modules_to_save`` may name norms, ``embed_tokens`` and an untied ``lm_head`` (whole parameters megatron keeps
   replicated or vocab-split); a tensor-parallel linear there is refused (its rows are fused with others' in megatron).
 - Mixture-of-experts models (Qwen3-MoE, Mixtral): PEFT on transformers 5 first rewrites the config of these models
@@ -59,6 +67,7 @@ import torch
 
 from loongforge_hf.bridges.conv1d_mappings import Transposed
 from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParallel
+from loongforge_hf.bridges.gated_mappings import HeadSections
 from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedGatedMLP, PackedQKV
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 from loongforge_hf.bridges.moe import SharedExpertGate
@@ -66,7 +75,7 @@ from loongforge_hf.bridges.per_head_mappings import PerHeadStack
 
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
                  PackedQKV: "column", GroupedQKV: "column", PackedGatedMLP: "column", RowParallel: "row",
-                 SharedExpertGate: "shared_gate"}
+                 SharedExpertGate: "shared_gate", HeadSections: "column"}
 _INITS = (True, False, "gaussian", "orthogonal")
 
 
@@ -157,11 +166,12 @@ class LoraPlan:
     embedding_name: str = "model.embed_tokens"
 
 
-def _hf_skeleton(hf_config, image_text: bool = False):
+def _hf_skeleton(hf_config, image_text: bool = False, classifier: bool = False):
     """The HF model class built on the meta device: names, module types and shapes, no memory."""
     import transformers
 
-    auto = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
+    auto = transformers.AutoModelForImageTextToText if image_text else \
+        transformers.AutoModelForSequenceClassification if classifier else transformers.AutoModelForCausalLM
     with torch.device("meta"):
         return auto.from_config(hf_config)
 
@@ -226,14 +236,19 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     from loongforge_hf.lora.tokens import token_indices_of
     from loongforge_hf.lora.vision import checkpoint_names, vision_index
 
+    from loongforge_hf.lora.sequence_classification import classifier_config, classifier_head, is_classifier
+
     _check_config(config)
-    skeleton = _hf_skeleton((vl_bridge or bridge).hf_config, image_text=vl_bridge is not None)
+    classifier = is_classifier(bridge)
+    if classifier:  # NOTE: PEFT's SEQ_CLS: the score head in modules_to_save (lora/sequence_classification.py)
+        config = classifier_config(config)
+    skeleton = _hf_skeleton((vl_bridge or bridge).hf_config, image_text=vl_bridge is not None, classifier=classifier)
     config = as_peft_rewrites(config, skeleton, bridge)
     # NOTE: a text bridge whose checkpoint names differ from transformers' module tree says how (EXAONE 3)
     on_disk = checkpoint_names(vl_bridge) if vl_bridge is not None else \
         getattr(bridge, "checkpoint_name", checkpoint_names(None))
     param_targets = plan_param_targets(config, skeleton, bridge, on_disk)
-    output_embedding = skeleton.get_output_embeddings()
+    output_embedding = classifier_head(skeleton) if classifier else skeleton.get_output_embeddings()
     modules = list(skeleton.named_modules())
     linear_names = {n for n, mod in modules if isinstance(mod, (nn.Linear, Conv1D)) and mod is not output_embedding}
     all_linear = isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
@@ -303,12 +318,14 @@ def _adaptable(name: str, module, index, on_disk) -> tuple[Mapping, int | None, 
     if entry is None:
         return None
     kind = "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(type(_unwrapped(entry[0])))
+    if isinstance(entry[0], HeadSections) and len(entry[0].parts) > 1:  # NOTE: slots of unequal rows
+        kind = None
     return None if kind is None or (entry[1] is None and kind != "vision") else (*entry, kind)
 
 
 def _targetable(modules, linear_names: set[str], index, on_disk) -> str:
     """What a refusal lists: the last components of the linears that can carry an adapter, leaving out one that also
-    names a linear that cannot (Granite 4.0 H's Mamba2 ``in_proj``: its five sections are no one linear), and
+    names a linear that cannot (Qwen3.5's ``in_proj_z``: one slot of four in megatron's ``in_proj``), and
     ``'all-linear'``, with ``exclude_modules`` naming those that cannot where there are any."""
     leaf = {n: n.rsplit(".", 1)[-1] for n in linear_names}
     refused = {n for n, m in modules if n in linear_names and _adaptable(n, m, index, on_disk) is None}

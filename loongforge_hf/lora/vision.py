@@ -73,6 +73,11 @@ class LoongLoraModelForImageTextToText(LoongLoraModelForCausalLM, LoongModelForI
 
 
 def lora_class_for(model) -> type:
+    from loongforge_hf.lora.sequence_classification import (LoongLoraModelForSequenceClassification,
+                                                            LoongModelForSequenceClassification)
+
+    if isinstance(model, LoongModelForSequenceClassification):
+        return LoongLoraModelForSequenceClassification
     return LoongLoraModelForImageTextToText if isinstance(model, LoongModelForImageTextToText) \
         else LoongLoraModelForCausalLM
 
