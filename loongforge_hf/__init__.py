@@ -3,14 +3,17 @@
 from loongforge_hf.modeling import AutoModelForCausalLM, LoongModelForCausalLM
 from loongforge_hf.multimodal.modeling import AutoModelForImageTextToText, LoongModelForImageTextToText
 from loongforge_hf.parallel import ParallelConfig, ParallelLayoutError
+from loongforge_hf.sequence_classification import (AutoModelForSequenceClassification,
+                                                   LoongModelForSequenceClassification)
 from loongforge_hf.trainer import LoongTrainer, LoongTrainingArguments
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoModelForCausalLM", "AutoModelForImageTextToText", "LoongDPOConfig", "LoongDPOTrainer",
-           "LoongGRPOConfig", "LoongGRPOTrainer", "LoongModelForCausalLM", "LoongModelForImageTextToText",
-           "LoongSFTConfig", "LoongSFTTrainer", "LoongTrainer",
-           "LoongTrainingArguments", "ParallelConfig", "ParallelLayoutError", "__version__"]
+__all__ = ["AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForSequenceClassification",
+           "LoongDPOConfig", "LoongDPOTrainer", "LoongGRPOConfig", "LoongGRPOTrainer", "LoongModelForCausalLM",
+           "LoongModelForImageTextToText", "LoongModelForSequenceClassification", "LoongRLOOConfig",
+           "LoongRLOOTrainer", "LoongRewardConfig", "LoongRewardTrainer", "LoongSFTConfig", "LoongSFTTrainer",
+           "LoongTrainer", "LoongTrainingArguments", "ParallelConfig", "ParallelLayoutError", "__version__"]
 
 
 def __getattr__(name: str):
@@ -27,4 +30,12 @@ def __getattr__(name: str):
         from loongforge_hf.integrations import trl_grpo
 
         return getattr(trl_grpo, name)
+    if name in ("LoongRLOOConfig", "LoongRLOOTrainer"):
+        from loongforge_hf.integrations import trl_rloo
+
+        return getattr(trl_rloo, name)
+    if name in ("LoongRewardConfig", "LoongRewardTrainer"):
+        from loongforge_hf.integrations import trl_reward
+
+        return getattr(trl_reward, name)
     raise AttributeError(f"module 'loongforge_hf' has no attribute {name!r}")

@@ -38,6 +38,8 @@ LOSS_SCENARIOS = {
 MOE_SCENARIOS = {"moe_router_aux": {"loss_type": "grpo", "beta": 0.1, "num_iterations": 2, "max_steps": 2,
                                     "router_aux_loss_coef": 0.1}}
 ALL_SCENARIOS = {**SCENARIOS, **LOSS_SCENARIOS, **MOE_SCENARIOS}
+# evaluated after training (TRL's evaluate(): generation, rewards and the loss in eval mode over 2 prompts)
+EVAL_SCENARIOS = ("grpo_kl_iter2", "dapo_kl_iter2")
 
 
 def thirds(completion_ids, **kwargs) -> list[float]:
@@ -63,7 +65,7 @@ def grpo_config(out_dir: str, **overrides):
               max_completion_length=6, max_steps=3, learning_rate=2e-2, lr_scheduler_type="constant",
               weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, seed=0, report_to=[], save_strategy="no",
               use_cpu=True, bf16=False, disable_tqdm=True, gradient_checkpointing=False, log_completions=False,
-              generation_kwargs={"suppress_tokens": [0]})
+              generation_kwargs={"suppress_tokens": [0]}, per_device_eval_batch_size=4)
     kw.update(overrides)
     return trl.GRPOConfig(**kw)
 
@@ -77,6 +79,19 @@ def _tokenizer(folder: str):
 def _logs(trainer) -> list[dict]:
     return [{k: v for k, v in h.items() if k in METRICS + CLIP_METRICS + OTHER_METRICS}
             for h in trainer.state.log_history if "loss" in h]
+
+
+def _eval_dataset(name: str):
+    return make_dataset(2, seed=1) if name in EVAL_SCENARIOS else None
+
+
+def _evaluated(trainer, name: str, result: dict) -> dict:
+    """``result`` with TRL's evaluation metrics where the scenario evaluates (but the timings: runtime, per second,
+    model preparation)."""
+    if name in EVAL_SCENARIOS:
+        timings = ("_runtime", "_second", "_time")
+        result["eval"] = {k: v for k, v in trainer.evaluate().items() if not k.endswith(timings)}
+    return result
 
 
 def saved_tensors(folder: str) -> dict:
@@ -100,10 +115,11 @@ def run_trl(folder: str, out_dir: str, names: list[str]) -> dict:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         args = grpo_config(f"{out_dir}/{name}", **ALL_SCENARIOS[name])
         trainer = trl.GRPOTrainer(model=model, reward_funcs=thirds, args=args, train_dataset=make_dataset(),
-                                  processing_class=_tokenizer(folder))
+                                  eval_dataset=_eval_dataset(name), processing_class=_tokenizer(folder))
         trainer.train()
         trainer.model.save_pretrained(f"{out_dir}/{name}/final")
-        out[name] = {"logs": _logs(trainer), "weights": saved_tensors(f"{out_dir}/{name}/final")}
+        out[name] = _evaluated(trainer, name, {"logs": _logs(trainer),
+                                               "weights": saved_tensors(f"{out_dir}/{name}/final")})
     return out
 
 
@@ -118,13 +134,14 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
         trainer = lf.LoongGRPOTrainer(model=model, reward_funcs=thirds,
                                       args=grpo_config(f"{out_dir}/{name}", **ALL_SCENARIOS[name]),
-                                      train_dataset=make_dataset(), processing_class=_tokenizer(folder))
+                                      train_dataset=make_dataset(), eval_dataset=_eval_dataset(name),
+                                      processing_class=_tokenizer(folder))
         trainer.train()
         trainer.save_model(f"{out_dir}/{name}/final")
         result = {"logs": _logs(trainer)}
         if dist.get_rank() == 0:
             result["weights"] = saved_tensors(f"{out_dir}/{name}/final")
-        out[name] = result
+        out[name] = _evaluated(trainer, name, result)
     return out
 
 
@@ -157,6 +174,21 @@ def refusals(folder: str, out_dir: str) -> list[str]:
         except ValueError as e:
             messages.append(str(e))
     return messages
+
+
+def refused_moe_eval(moe_folder: str, out_dir: str) -> str:
+    """The message LoongGRPOTrainer raises for evaluation with the MoE router balancing loss."""
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(moe_folder, dtype=torch.float32)
+    args = grpo_config(out_dir, **MOE_SCENARIOS["moe_router_aux"])
+    try:
+        lf.LoongGRPOTrainer(model=model, reward_funcs=thirds, args=args,
+                            train_dataset=make_dataset(4), eval_dataset=make_dataset(2),
+                            processing_class=_tokenizer(moe_folder))
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])

@@ -19,6 +19,10 @@ router balancing loss in the loss, its ``aux_loss`` metric, the final weights.
 Tolerances (fp32): in every log, the loss, grad_norm, kl, entropy, reward metrics and clip ratios within 1e-4
 relative or 1e-6 absolute (losses and clip ratios can be 0), the completion lengths and num_tokens exactly; final
 weights: each tensor's difference from TRL's within 1% of how far TRL's training moved it (in norm), as the DPO test.
+
+Evaluation (``_grpo_parity.EVAL_SCENARIOS``, "grpo" and "dapo" with the KL, at every layout that runs them): after
+training, TRL's ``evaluate()`` over 2 prompts x 4 generations (generation, rewards and the loss in eval mode): every
+``eval_*`` metric but the timings against TRL's, as the logs; with the MoE router balancing loss it is refused.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
-from ._grpo_parity import (ALL_SCENARIOS, LOSS_SCENARIOS, MOE_SCENARIOS, SCENARIOS, refusals, refused_vpp, run_lora,
-                           run_loong, run_trl, saved_tensors)
+from ._grpo_parity import (ALL_SCENARIOS, EVAL_SCENARIOS, LOSS_SCENARIOS, MOE_SCENARIOS, SCENARIOS, refusals,
+                           refused_moe_eval, refused_vpp, run_lora, run_loong, run_trl, saved_tensors)
 
 NAMES = list(SCENARIOS)
 MOE_NAMES = list(MOE_SCENARIOS)
@@ -46,6 +50,7 @@ EXACT = ("completions/mean_length", "completions/clipped_ratio", "num_tokens")
 def _tp1_world(folder: str, moe_folder: str, out_dir: str) -> dict:
     return {"trl": run_trl(folder, out_dir + "/trl", NAMES), "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
             "refusals": refusals(folder, out_dir + "/refused"), "lora": run_lora(folder, out_dir + "/lora"),
+            "refused_moe_eval": refused_moe_eval(moe_folder, out_dir + "/refused-moe-eval"),
             "moe_trl": run_trl(moe_folder, out_dir + "/moe-trl", MOE_NAMES),
             "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_NAMES)}
 
@@ -92,8 +97,23 @@ def _assert_logs_match(name: str, ref: list[dict], got: list[dict]) -> None:
                 assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, step, key)
 
 
+def _assert_eval_matches(name: str, ref: dict, got: dict) -> None:
+    assert ("eval" in ref) == ("eval" in got) == (name in EVAL_SCENARIOS), name
+    if "eval" not in ref:
+        return
+    theirs, ours = ref["eval"], got["eval"]
+    assert sorted(ours) == sorted(theirs), (name, set(ours) ^ set(theirs))
+    assert "eval_loss" in theirs and "eval_entropy" in theirs, name
+    for key, value in theirs.items():
+        if key.removeprefix("eval_") in EXACT:
+            assert ours[key] == value, (name, key)
+        else:
+            assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, key)
+
+
 def _assert_matches(name: str, ref: dict, got: dict, initial: dict) -> None:
     _assert_logs_match(name, ref["logs"], got["logs"])
+    _assert_eval_matches(name, ref, got)
     _assert_second_pass_moved(name, ref["logs"][1])
     theirs, ours = ref["weights"], got["weights"]
     assert sorted(ours) == sorted(theirs)
@@ -154,6 +174,10 @@ def test_refusals(tp1):
     assert "use_liger_kernel=True" in liger
     assert "entropy_coef=0.1" in entropy
     assert "top_entropy_quantile=0.5" in quantile
+
+
+def test_moe_evaluation_refused(tp1):
+    assert "eval_dataset with the MoE router balancing loss" in tp1["refused_moe_eval"]
 
 
 def test_virtual_pipeline_refused(two_ranks):
