@@ -207,16 +207,7 @@ class LoongSFTTrainer(LoongTrainer, SFTTrainer):
         router_balance.active(self.model)
 
     def _save_checkpoint(self, model, trial) -> None:
-        # NOTE: trl.SFTTrainer's: a model card (README.md) in output_dir at every checkpoint, then the checkpoint
-        # (LoongTrainer's; the MRO would otherwise skip SFTTrainer's)
-        from loongforge_hf.trainer.checkpoint import run_everywhere
-
-        hub_id = self.args.hub_model_id
-        name = hub_id.split("/")[-1] if hub_id else Path(self.args.output_dir).name
-        # NOTE: written on rank 0; every rank learns the outcome (no rank left waiting in the checkpoint's collectives)
-        run_everywhere(f"could not write the model card into {self.args.output_dir}",
-                       lambda: self.create_model_card(model_name=name), on=self.is_world_process_zero())
-        super()._save_checkpoint(model, trial)
+        save_checkpoint_with_model_card(self, model, trial)
 
     def _smoothing_shifts(self) -> bool:
         return True  # NOTE: trl.SFTTrainer's label smoother shifts the labels of every model, image-text ones too
@@ -330,3 +321,16 @@ def _data_parallel_sum(values: list[float], device) -> list[float]:
     total = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(total, group=ps.get_data_parallel_group())
     return [int(v) if isinstance(x, int) else v for v, x in zip(total.tolist(), values)]
+
+
+def save_checkpoint_with_model_card(trainer, model, trial) -> None:
+    """A TRL trainer's ``_save_checkpoint`` (SFT, DPO, reward): its model card (README.md) in ``output_dir`` at every
+    checkpoint, then LoongTrainer's checkpoint (the MRO would otherwise skip TRL's). The card is written on rank 0;
+    every rank learns the outcome (no rank left waiting in the checkpoint's collectives)."""
+    from loongforge_hf.trainer.checkpoint import run_everywhere
+
+    hub_id = trainer.args.hub_model_id
+    name = hub_id.split("/")[-1] if hub_id else Path(trainer.args.output_dir).name
+    run_everywhere(f"could not write the model card into {trainer.args.output_dir}",
+                   lambda: trainer.create_model_card(model_name=name), on=trainer.is_world_process_zero())
+    LoongTrainer._save_checkpoint(trainer, model, trial)

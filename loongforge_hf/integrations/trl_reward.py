@@ -228,16 +228,9 @@ class LoongRewardTrainer(LoongTrainer, RewardTrainer):
         metrics["num_tokens"] = [self._total_train_tokens]
 
     def _save_checkpoint(self, model, trial) -> None:
-        # NOTE: trl.RewardTrainer's model card at every checkpoint, then LoongTrainer's checkpoint (as LoongDPOTrainer)
-        from pathlib import Path
+        from loongforge_hf.integrations.trl import save_checkpoint_with_model_card
 
-        from loongforge_hf.trainer.checkpoint import run_everywhere
-
-        hub_id = self.args.hub_model_id
-        name = hub_id.split("/")[-1] if hub_id else Path(self.args.output_dir).name
-        run_everywhere(f"could not write the model card into {self.args.output_dir}",
-                       lambda: self.create_model_card(model_name=name), on=self.is_world_process_zero())
-        LoongTrainer._save_checkpoint(self, model, trial)
+        save_checkpoint_with_model_card(self, model, trial)
 
     # ---- evaluation ------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
