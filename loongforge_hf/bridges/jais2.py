@@ -17,15 +17,14 @@ from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.arcee import ArceeBridge
-from loongforge_hf.bridges.dense import D, L
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated
 from loongforge_hf.bridges.registry import register_bridge
+from loongforge_hf.bridges.starcoder2 import BiasedLayerNorms
 
 JAIS2_FIELDS = C.fields_with_eps("layer_norm_eps")
 
 
 @register_bridge("Jais2ForCausalLM")
-class Jais2Bridge(ArceeBridge):
+class Jais2Bridge(BiasedLayerNorms, ArceeBridge):
     config_fields = JAIS2_FIELDS
 
     def __init__(self, hf_config) -> None:
@@ -43,38 +42,3 @@ class Jais2Bridge(ArceeBridge):
 
     def transformer_config_kwargs(self) -> dict:
         return {**super().transformer_config_kwargs(), "normalization": "LayerNorm", "add_bias_linear": self.bias}
-
-    # ---- tensors --------------------------------------------------------------------------------------------
-    def attention_mappings(self) -> list[Mapping]:
-        maps = [*super().attention_mappings(), Replicated(f"{D}.input_layernorm.bias", f"{L}.input_layernorm.bias")]
-        if self.bias:
-            maps.append(Replicated(f"{D}.self_attention.linear_proj.bias", f"{L}.self_attn.o_proj.bias"))
-        return maps
-
-    def dense_mlp_mappings(self) -> list[Mapping]:
-        maps = [*super().dense_mlp_mappings(),
-                Replicated(f"{D}.pre_mlp_layernorm.bias", f"{L}.post_attention_layernorm.bias")]
-        if self.bias:
-            maps += [ColumnParallel(f"{D}.mlp.linear_fc1.bias", f"{L}.mlp.up_proj.bias"),
-                     Replicated(f"{D}.mlp.linear_fc2.bias", f"{L}.mlp.down_proj.bias")]
-        return maps
-
-    def final_mappings(self) -> list[Mapping]:
-        return [*super().final_mappings(), Replicated("decoder.final_layernorm.bias", "model.norm.bias")]
-
-    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        h = self.hf_config.hidden_size
-        shapes = {**super().attention_shapes(prefix), f"{prefix}.input_layernorm.bias": (h,)}
-        if self.bias:
-            shapes[f"{prefix}.self_attn.o_proj.bias"] = (h,)
-        return shapes
-
-    def dense_mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        h, f = self.hf_config.hidden_size, self.hf_config.intermediate_size
-        shapes = {**super().dense_mlp_shapes(prefix), f"{prefix}.post_attention_layernorm.bias": (h,)}
-        if self.bias:
-            shapes.update({f"{prefix}.mlp.up_proj.bias": (f,), f"{prefix}.mlp.down_proj.bias": (h,)})
-        return shapes
-
-    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {**super().expected_hf_shapes(), "model.norm.bias": (self.hf_config.hidden_size,)}

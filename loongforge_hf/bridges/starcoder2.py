@@ -22,16 +22,59 @@ Choices:
 from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges.arcee import PlainMLP
 from loongforge_hf.bridges.dense import D, L, DenseBridge
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated
 from loongforge_hf.bridges.registry import register_bridge
 
 # NOTE: StarCoder2 names the norms' eps ``norm_epsilon`` (its norms are LayerNorms); the rest of the table is Llama's
 STARCODER2_FIELDS = C.fields_with_eps("norm_epsilon")
 
 
+class BiasedLayerNorms:
+    """What a dense bridge with LayerNorms (weight and bias) and, where ``self.bias``, biases on every linear but the
+    LM head maps beyond its base (StarCoder2; Jais 2 on Arcee's): the norms' biases, ``o_proj``'s, and those of the
+    MLP's ``mlp_names`` (fc1 split with its rows over TP, fc2 whole on every rank)."""
+
+    def attention_mappings(self) -> list[Mapping]:
+        maps = [*super().attention_mappings(), Replicated(f"{D}.input_layernorm.bias", f"{L}.input_layernorm.bias")]
+        if self.bias:
+            maps.append(Replicated(f"{D}.self_attention.linear_proj.bias", f"{L}.self_attn.o_proj.bias"))
+        return maps
+
+    def dense_mlp_mappings(self) -> list[Mapping]:
+        fc1, fc2 = self.mlp_names
+        maps = [*super().dense_mlp_mappings(),
+                Replicated(f"{D}.pre_mlp_layernorm.bias", f"{L}.post_attention_layernorm.bias")]
+        if self.bias:
+            maps += [ColumnParallel(f"{D}.mlp.linear_fc1.bias", f"{L}.mlp.{fc1}.bias"),
+                     Replicated(f"{D}.mlp.linear_fc2.bias", f"{L}.mlp.{fc2}.bias")]
+        return maps
+
+    def final_mappings(self) -> list[Mapping]:
+        return [*super().final_mappings(), Replicated("decoder.final_layernorm.bias", "model.norm.bias")]
+
+    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        h = self.hf_config.hidden_size
+        shapes = {**super().attention_shapes(prefix), f"{prefix}.input_layernorm.bias": (h,)}
+        if self.bias:
+            shapes[f"{prefix}.self_attn.o_proj.bias"] = (h,)
+        return shapes
+
+    def dense_mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        (fc1, fc2), h, f = self.mlp_names, self.hf_config.hidden_size, self.hf_config.intermediate_size
+        shapes = {**super().dense_mlp_shapes(prefix), f"{prefix}.post_attention_layernorm.bias": (h,)}
+        if self.bias:
+            shapes.update({f"{prefix}.mlp.{fc1}.bias": (f,), f"{prefix}.mlp.{fc2}.bias": (h,)})
+        return shapes
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {**super().expected_hf_shapes(), "model.norm.bias": (self.hf_config.hidden_size,)}
+
+
 @register_bridge("Starcoder2ForCausalLM")
-class Starcoder2Bridge(DenseBridge):
+class Starcoder2Bridge(BiasedLayerNorms, PlainMLP, DenseBridge):
+    mlp_names = ("c_fc", "c_proj")
     supports_sliding_window = True
     config_fields = STARCODER2_FIELDS
 
@@ -49,47 +92,5 @@ class Starcoder2Bridge(DenseBridge):
         return C.dropout_of(self.hf_config, "embedding_dropout")
 
     def transformer_config_kwargs(self) -> dict:
-        return {**super().transformer_config_kwargs(), "normalization": "LayerNorm", "gated_linear_unit": False,
-                "add_bias_linear": self.bias, "add_qkv_bias": self.bias,
-                "hidden_dropout": C.dropout_of(self.hf_config, "residual_dropout")}
-
-    # ---- tensors --------------------------------------------------------------------------------------------
-    def attention_mappings(self) -> list[Mapping]:
-        maps = [*super().attention_mappings(),
-                Replicated(f"{D}.input_layernorm.bias", f"{L}.input_layernorm.bias")]
-        if self.bias:
-            maps.append(Replicated(f"{D}.self_attention.linear_proj.bias", f"{L}.self_attn.o_proj.bias"))
-        return maps
-
-    def dense_mlp_mappings(self) -> list[Mapping]:
-        maps: list[Mapping] = [
-            Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
-            Replicated(f"{D}.pre_mlp_layernorm.bias", f"{L}.post_attention_layernorm.bias"),
-            ColumnParallel(f"{D}.mlp.linear_fc1.weight", f"{L}.mlp.c_fc.weight"),
-            RowParallel(f"{D}.mlp.linear_fc2.weight", f"{L}.mlp.c_proj.weight"),
-        ]
-        if self.bias:
-            maps += [ColumnParallel(f"{D}.mlp.linear_fc1.bias", f"{L}.mlp.c_fc.bias"),
-                     Replicated(f"{D}.mlp.linear_fc2.bias", f"{L}.mlp.c_proj.bias")]
-        return maps
-
-    def final_mappings(self) -> list[Mapping]:
-        return [*super().final_mappings(), Replicated("decoder.final_layernorm.bias", "model.norm.bias")]
-
-    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        h = self.hf_config.hidden_size
-        shapes = {**super().attention_shapes(prefix), f"{prefix}.input_layernorm.bias": (h,)}
-        if self.bias:
-            shapes[f"{prefix}.self_attn.o_proj.bias"] = (h,)
-        return shapes
-
-    def dense_mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        h, f, p = self.hf_config.hidden_size, self.hf_config.intermediate_size, prefix
-        shapes = {f"{p}.post_attention_layernorm.weight": (h,), f"{p}.post_attention_layernorm.bias": (h,),
-                  f"{p}.mlp.c_fc.weight": (f, h), f"{p}.mlp.c_proj.weight": (h, f)}
-        if self.bias:
-            shapes.update({f"{p}.mlp.c_fc.bias": (f,), f"{p}.mlp.c_proj.bias": (h,)})
-        return shapes
-
-    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {**super().expected_hf_shapes(), "model.norm.bias": (self.hf_config.hidden_size,)}
+        return {**super().transformer_config_kwargs(), "normalization": "LayerNorm", "add_bias_linear": self.bias,
+                "add_qkv_bias": self.bias, "hidden_dropout": C.dropout_of(self.hf_config, "residual_dropout")}
