@@ -40,8 +40,8 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from loongforge_hf.integrations.grpo_losses import SUMS, GRPOLoss
-from loongforge_hf.integrations.trl_online import (OnlineEngineMixin, check_policy, no_reference, prepare_policy,
-                                                   rank_slots, refusals)
+from loongforge_hf.integrations.trl_online import (OnlineEngineMixin, check_policy, checked_args, no_reference,
+                                                   prepare_policy, rank_slots, refusals)
 from loongforge_hf.trainer.arguments import LoongArgumentsMixin
 from loongforge_hf.trainer.data import dp_rank_and_size
 from loongforge_hf.trainer.loong_trainer import LoongTrainer
@@ -70,12 +70,7 @@ class LoongGRPOTrainer(OnlineEngineMixin, LoongTrainer, _GRPOArgsSecond):
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None) -> None:
         check_policy(model, "LoongGRPOTrainer")
-        if args is None:
-            name = (getattr(model.config, "_name_or_path", "") or "model").rstrip("/").split("/")[-1]
-            args = GRPOConfig(f"{name}-GRPO")
-        if not isinstance(args, GRPOConfig):
-            raise TypeError(f"args must be a trl.GRPOConfig (or loongforge_hf.LoongGRPOConfig), got "
-                            f"{type(args).__name__}.")
+        args = checked_args(args, model, GRPOConfig, "GRPO")
         problems = refusals(args, model, peft_config, train_dataset, processing_class, eval_dataset=eval_dataset,
                             fields=_GRPO_FIELDS, optimizers=optimizers, quantization_config=quantization_config,
                             tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)

@@ -101,6 +101,18 @@ def check_policy(model, trainer: str) -> None:
                         f"(got {type(model).__name__}).")
 
 
+def checked_args(args, model, config_class, suffix: str):
+    """``args``, or TRL's default ``config_class("{model name}-{suffix}")`` where None; a TypeError for another
+    type."""
+    if args is None:
+        name = (getattr(model.config, "_name_or_path", "") or "model").rstrip("/").split("/")[-1]
+        return config_class(f"{name}-{suffix}")
+    if not isinstance(args, config_class):
+        raise TypeError(f"args must be a trl.{config_class.__name__} (or loongforge_hf.Loong{config_class.__name__}), "
+                        f"got {type(args).__name__}.")
+    return args
+
+
 def prepare_policy(model, args, peft_config):
     """The policy as TRL's ``__init__`` is to see it: megatron LoRA adapters drawn after ``set_seed`` (as TRL draws
     PEFT's), a generation config."""

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from trl import RLOOConfig, RLOOTrainer
 
-from loongforge_hf.integrations.trl_online import (OnlineEngineMixin, check_policy, no_reference, prepare_policy,
-                                                   rank_slots, refusals)
+from loongforge_hf.integrations.trl_online import (OnlineEngineMixin, check_policy, checked_args, no_reference,
+                                                   prepare_policy, rank_slots, refusals)
 from loongforge_hf.trainer.arguments import LoongArgumentsMixin
 from loongforge_hf.trainer.data import dp_rank_and_size
 from loongforge_hf.trainer.loong_trainer import LoongTrainer
@@ -72,12 +72,7 @@ class LoongRLOOTrainer(OnlineEngineMixin, LoongTrainer, _RLOOArgsSecond):
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None) -> None:
         check_policy(model, "LoongRLOOTrainer")
-        if args is None:
-            name = (getattr(model.config, "_name_or_path", "") or "model").rstrip("/").split("/")[-1]
-            args = RLOOConfig(f"{name}-RLOO")
-        if not isinstance(args, RLOOConfig):
-            raise TypeError(f"args must be a trl.RLOOConfig (or loongforge_hf.LoongRLOOConfig), got "
-                            f"{type(args).__name__}.")
+        args = checked_args(args, model, RLOOConfig, "RLOO")
         problems = refusals(args, model, peft_config, train_dataset, processing_class, eval_dataset=eval_dataset,
                             optimizers=optimizers, quantization_config=quantization_config)
         if problems:
