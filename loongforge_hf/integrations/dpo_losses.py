@@ -12,9 +12,12 @@ Choices:
   checks which loss types accept it.
 - The reward metrics are TRL's (``beta`` times the log ratios, whatever the f-divergence), returned as sums over
   the batch's pairs so that data-parallel ranks can add them (``STATS``).
-- Not here, refused by ``LoongDPOTrainer``: ``use_weighting`` (WPO weights need each token's sum of squared
-  probabilities over the whole vocabulary) and ``ld_alpha`` (the log-probs of the tokens beyond the shorter
-  completion, per token).
+- ``ld_alpha`` (LD-DPO) changes the log-prob sums the losses read: ``ld_token_weights`` gives each label token its
+  weight (1 up to the pair's shorter completion's length, ``ld_alpha`` past it), the caller sums with it; "sft" reads
+  the plain sums (``sft_logps``), as TRL's per-token mean does.
+- ``use_weighting`` (WPO): ``wpo_weights`` turns each row's sum of ``log p(token) - log sum_v p_v^2`` over its label
+  tokens (no grad; the caller computes it from the vocabulary-parallel head) into TRL's per-pair weight, which
+  multiplies every loss type's per-pair loss before its mean.
 """
 
 from __future__ import annotations
@@ -55,20 +58,26 @@ class DPOLoss:
                    f_alpha_divergence_coef=args.f_alpha_divergence_coef)
 
     def __call__(self, logps: torch.Tensor, ref_logps: torch.Tensor, *, lengths: torch.Tensor,
-                 label_tokens: torch.Tensor) -> torch.Tensor:
-        """The loss of a batch: ``logps`` / ``ref_logps`` the rows' completion log-prob sums, ``lengths`` each
-        row's completion tokens (TRL's ``completion_mask`` sums), ``label_tokens`` each row's label tokens (its
-        shifted mask's sums: what "sft" averages over)."""
+                 label_tokens: torch.Tensor, sft_logps: torch.Tensor | None = None,
+                 pair_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of a batch: ``logps`` / ``ref_logps`` the rows' completion log-prob sums (LD-DPO's with
+        ``ld_alpha``), ``lengths`` each row's completion tokens (TRL's ``completion_mask`` sums), ``label_tokens``
+        each row's label tokens (its shifted mask's sums: what "sft" averages over), ``sft_logps`` the rows' plain
+        log-prob sums ("sft"'s; ``logps`` when None), ``pair_weights`` WPO's (``wpo_weights``) or None."""
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = ref_logps.chunk(2)
         chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
         chosen_scores, rejected_scores = self._scores(chosen_ratio), self._scores(rejected_ratio)
         parts = _Pair(chosen, rejected, ref_chosen, ref_rejected, chosen_ratio, rejected_ratio, chosen_scores,
                       rejected_scores, chosen_scores - rejected_scores, lengths.to(logps.dtype).chunk(2),
-                      label_tokens.to(logps.dtype).chunk(2)[0])
+                      label_tokens.to(logps.dtype).chunk(2)[0],
+                      (sft_logps if sft_logps is not None else logps).chunk(2)[0])
         loss = 0.0
         for loss_type, weight in zip(self.loss_types, self.loss_weights, strict=True):
-            loss += self._per_sequence(loss_type, parts).mean() * weight
+            per_sequence = self._per_sequence(loss_type, parts)
+            if pair_weights is not None:
+                per_sequence = per_sequence * pair_weights
+            loss += per_sequence.mean() * weight
         return loss
 
     def _scores(self, ratio: torch.Tensor) -> torch.Tensor:
@@ -133,7 +142,7 @@ class DPOLoss:
             modulation = torch.sigmoid(logits / self.discopop_tau)
             return -F.logsigmoid(logits) * (1 - modulation) + torch.exp(-logits) * modulation
         if loss_type == "sft":
-            return (-p.chosen.sum() / p.chosen_label_tokens.sum()).expand(p.chosen.shape[0])
+            return (-p.sft_chosen.sum() / p.chosen_label_tokens.sum()).expand(p.chosen.shape[0])
         raise ValueError(f"Unknown loss type: {loss_type}. Should be one of {list(LOSS_TYPES)}")
 
 
@@ -152,6 +161,26 @@ class _Pair:
     delta: torch.Tensor
     lengths: tuple[torch.Tensor, torch.Tensor]
     chosen_label_tokens: torch.Tensor
+    sft_chosen: torch.Tensor
+
+
+def ld_token_weights(label_mask: torch.Tensor, ld_alpha: float) -> torch.Tensor:
+    """LD-DPO's fp32 weight of each label token of a ``[chosen rows, rejected rows]`` batch (``label_mask [b, s]``,
+    True at the shifted completion tokens): 1 up to the pair's shorter completion's length, ``ld_alpha`` past it, 0
+    off the completion (TRL's ``shared_mask + ld_alpha * tail_mask``)."""
+    position = label_mask.cumsum(dim=1)
+    shared = torch.minimum(*label_mask.sum(dim=1).chunk(2)).repeat(2)
+    return torch.where(position > shared[:, None], ld_alpha, 1.0).to(torch.float32) * label_mask
+
+
+@torch.no_grad()
+def wpo_weights(aligned: torch.Tensor, label_tokens: torch.Tensor) -> torch.Tensor:
+    """WPO's per-pair weights (TRL's ``use_weighting``, Eq. 2 of the paper) from each row's sum over its label tokens
+    of ``log p(token) - log sum_v p_v^2`` and its label-token count: ``exp`` of the rows' means, chosen times
+    rejected."""
+    weights = torch.exp(aligned / label_tokens.clamp_min(1))
+    chosen, rejected = weights.chunk(2)
+    return chosen * rejected
 
 
 @torch.no_grad()

@@ -14,13 +14,21 @@ Choices:
   log-probability is the sum over its label tokens of ``-CE`` from the fused, vocab-parallel linear cross-entropy
   with per-token output (``kernels.cross_entropy.linear_cross_entropy(reduction="none")``: no full-vocabulary
   logits, no gather over TP);
+  ``RowScores`` turns the per-token log-probs into what the loss reads per row: LD-DPO's sums (``ld_alpha``: each
+  token past the pair's shorter completion times it; the policy's, the reference's, precomputed and evaluation alike),
+  the plain sums ("sft"'s), and WPO's (``use_weighting``) sum of ``log p(token) - log sum_v p_v^2``: the policy's
+  ``log sum_v p_v^2`` per label token from a second, no-grad pass over the head's logits, a chunk of tokens at a time,
+  each TP rank's vocabulary shard's max and sums of ``exp(z - max)`` and ``exp(2 (z - max))`` all-reduced over TP
+  (one more head GEMM per token, without gradient; never the whole vocabulary on a rank); TRL's per-pair weight is
+  ``exp`` of each row's mean over its label tokens, chosen times rejected (``dpo_losses.wpo_weights``);
   the micro-batch's loss is TRL's over its pairs (means over the pairs; "aot" sorts within the micro-batch), and the
   step's gradients are divided by the number of micro-batches times data-parallel ranks (the hook's count, 1 per
   micro-batch): the mean of the micro-batches' losses, averaged over ranks, which is what Trainer's
   ``loss / gradient_accumulation_steps`` under DDP gives TRL.
 - Context parallelism: each rank scores its load-balanced share of every row's tokens and the rows' log-prob sums
   are summed over the CP group (the policy's with a gradient, ``_PreferenceLoss``; the reference's and evaluation's
-  without), so every CP rank computes the whole micro-batch's loss and counts as a data-parallel rank would.
+  without; LD-DPO's token weights from the whole rows, cut as the tokens are; WPO's sums and token counts too), so
+  every CP rank computes the whole micro-batch's loss and counts as a data-parallel rank would.
   Virtual pipeline stages: the step runs megatron's interleaved schedule (``gradient_accumulation_steps`` a multiple
   of ``pipeline_parallel_size``), the reference's forwards too; a forward of one batch (evaluation, precompute) goes
   through the virtual stages in order. Pipeline parallelism pads every batch to ``max_length``, as without VPP.
@@ -52,12 +60,13 @@ Choices:
   ``logits/chosen`` and ``logits/rejected`` (mean logit over the vocabulary) are not logged: the fused head never
   builds the logits.
 - Refused with a message, on every rank before any collective: a loss type TRL 1.16 does not know,
-  ``use_liger_kernel``, ``padding_free``, ``ld_alpha``, ``use_weighting`` (WPO: the vocabulary's squared
-  probabilities at each token), ``sync_ref_model``, ``activation_offloading``, ``rpo_alpha`` (an older TRL's field;
+  ``use_liger_kernel``, ``padding_free``, ``use_weighting`` with "sft" (TRL 1.16 fails on it: it scales the
+  expanded scalar in place), ``sync_ref_model``, ``activation_offloading``, ``rpo_alpha`` (an older TRL's field;
   TRL 1.16 writes RPO as ``loss_type=["sigmoid", "sft"]``, ``loss_weights=[1, alpha]``, which runs here),
   image datasets / processors, a ``ref_model`` that is not a loongforge model of the same layout, non-LoRA
   ``peft_config``, custom ``optimizers``, ``quantization_config``, pipeline parallelism without ``max_length``.
-  TRL's own checks (``label_smoothing`` of "exo_pair", which loss types take an ``f_divergence_type``) run in its
+  TRL's own checks (``label_smoothing`` of "exo_pair", which loss types take an ``f_divergence_type``,
+  ``use_weighting`` with "aot" / "aot_unpaired") run in its
   ``__init__``, on every rank alike.
 """
 
@@ -71,7 +80,7 @@ import torch
 import torch.distributed as dist
 from trl import DPOConfig, DPOTrainer
 
-from loongforge_hf.integrations.dpo_losses import LOSS_TYPES, DPOLoss, reward_stats
+from loongforge_hf.integrations.dpo_losses import LOSS_TYPES, DPOLoss, reward_stats, wpo_weights
 from loongforge_hf.integrations.dpo_losses import STATS as REWARD_STATS
 from loongforge_hf.trainer.arguments import LoongArgumentsMixin
 from loongforge_hf.trainer.loong_trainer import LoongTrainer
@@ -105,11 +114,12 @@ def _refuse_unsupported(args: DPOConfig, model, ref_model, peft_config, train_da
     unknown = [t for t in args.loss_type if t not in LOSS_TYPES]
     if unknown:
         problems.append(f"loss_type {unknown!r} (TRL 1.16's are {list(LOSS_TYPES)})")
+    if args.use_weighting and "sft" in args.loss_type:
+        problems.append("use_weighting=True with loss_type 'sft' (TRL 1.16's weighting fails on its per-sequence "
+                        "loss, an expanded scalar)")
     for field, default, why in (
-            ("use_liger_kernel", False, ""), ("padding_free", False, ""),
-            ("ld_alpha", None, " (per-token weights of the longer completion's tail)"),
-            ("use_weighting", False, " (WPO weights need the whole vocabulary's probabilities at each token)"),
-            ("sync_ref_model", False, ""), ("activation_offloading", False, ""),
+            ("use_liger_kernel", False, ""), ("padding_free", False, ""), ("sync_ref_model", False, ""),
+            ("activation_offloading", False, ""),
             ("rpo_alpha", None, " (an older TRL's field: write loss_type=['sigmoid', 'sft'], "
                                 "loss_weights=[1.0, rpo_alpha], as TRL 1.16 does)")):
         if getattr(args, field, default) != default:
@@ -151,9 +161,38 @@ class _DPOArgsSecond(DPOTrainer):
         DPOTrainer.__init__(self, model, ref_model, args, **kwargs)
 
 
+@dataclass(frozen=True)
+class RowScores:
+    """What each row of a micro-batch gives the DPO loss, from its label tokens' log-probs (fp32 ``[rows, 3]``,
+    summed over the context-parallel group): the log-prob sum the losses compare (LD-DPO's with ``ld_alpha``: the
+    tokens past the pair's shorter completion times it), the plain sum ("sft"'s), and with ``wpo`` the sum of
+    ``log p(token) - log sum_v p_v^2`` (WPO's, no grad; else 0)."""
+
+    ld_alpha: float | None = None
+    wpo: bool = False
+
+    def __call__(self, token_logps: torch.Tensor, batch: dict, labels: torch.Tensor, *, output: torch.Tensor, head,
+                 vocab_size: int, grad: bool = False) -> torch.Tensor:
+        """``token_logps`` / ``labels``: this CP rank's ``[b, s_local]`` (``_token_logps``), ``batch`` the whole
+        padded micro-batch, ``output`` / ``head`` what ``_token_logps`` read."""
+        from loongforge_hf.integrations.dpo_losses import ld_token_weights
+
+        plain = token_logps.sum(dim=1)
+        scored = plain
+        if self.ld_alpha is not None:
+            weights = ld_token_weights(_shifted(batch, token_logps.device) != -100, self.ld_alpha)
+            scored = (token_logps * _cp_local_tokens(weights)).sum(dim=1)
+        aligned = torch.zeros_like(plain)
+        if self.wpo:
+            sq = _token_log_sum_sq_probs(output, labels, head, vocab_size=vocab_size)
+            aligned = ((token_logps.detach() - sq) * (labels != -100)).sum(dim=1)
+        return _over_context_parallel(torch.stack([scored, plain, aligned], dim=1), grad=grad)
+
+
 @torch.no_grad()
-def sequence_logps(model, micro_batches: list[dict], *, everywhere: bool = True) -> list[torch.Tensor | None]:
-    """Each micro-batch's per-row sum of label-token log-probabilities (fp32 ``[rows]``) under ``model`` (a
+def sequence_scores(model, micro_batches: list[dict], *, everywhere: bool = True,
+                    scores: RowScores = RowScores()) -> list[torch.Tensor | None]:
+    """Each micro-batch's per-row ``scores`` (fp32 ``[rows, 3]``, ``RowScores``) under ``model`` (a
     ``LoongModelForCausalLM``; batches padded as megatron needs, with shifted-by-the-step ``labels``), through
     megatron's forward-only schedule and the fused vocab-parallel head (summed over the context-parallel ranks). On
     the last pipeline stage, or on every rank with ``everywhere`` (broadcast over the pipeline group); None
@@ -168,20 +207,22 @@ def sequence_logps(model, micro_batches: list[dict], *, everywhere: bool = True)
     found: list[torch.Tensor] = []
 
     def forward_step(data_iterator, chunk):
-        args, labels = _local_inputs(next(data_iterator), device)
+        batch = next(data_iterator)
+        args, labels = _local_inputs(batch, device)
         head = language_head(chunk)
         with hidden_states_out([chunk]) if head is not None else nullcontext():
             output = chunk(*args)
 
         def loss_func(output):
-            found.append(_over_context_parallel(_token_logps(output, labels, head, vocab_size=vocab).sum(dim=1)))
+            found.append(scores(_token_logps(output, labels, head, vocab_size=vocab), batch, labels, output=output,
+                                head=head, vocab_size=vocab))
             return output.sum() * 0.0, {}
         return output, loss_func
 
     chunks = list(model.chunks)
     seq, rows = micro_batches[0]["input_ids"].shape[1], micro_batches[0]["input_ids"].shape[0]
     if len(chunks) > 1 and len(micro_batches) % model.parallel.pipeline_parallel_size:
-        _interleaved_one_by_one(model, micro_batches, found)
+        _interleaved_one_by_one(model, micro_batches, found, scores)
     else:
         data = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data,
@@ -196,14 +237,15 @@ def sequence_logps(model, micro_batches: list[dict], *, everywhere: bool = True)
     group = ps.get_pipeline_model_parallel_group()
     out = []
     for i, batch in enumerate(micro_batches):
-        values = found[i] if last else torch.empty(batch["input_ids"].shape[0], dtype=torch.float32, device=device)
+        values = found[i] if last else torch.empty(batch["input_ids"].shape[0], 3, dtype=torch.float32,
+                                                   device=device)
         dist.broadcast(values, src=dist.get_process_group_ranks(group)[-1], group=group)
         out.append(values)
     return out
 
 
-def _interleaved_one_by_one(model, micro_batches: list[dict], found: list) -> None:
-    """``sequence_logps`` under virtual pipeline stages for a count of micro-batches megatron's interleaved schedule
+def _interleaved_one_by_one(model, micro_batches: list[dict], found: list, scores: RowScores) -> None:
+    """``sequence_scores`` under virtual pipeline stages for a count of micro-batches megatron's interleaved schedule
     does not take (not a multiple of ``pipeline_parallel_size``: an evaluation batch, a precompute batch): each
     through the virtual stages in order (``runtime._interleaved_forward_once``)."""
     from loongforge_hf.bridges.output_layer import hidden_states_out, language_head
@@ -214,9 +256,10 @@ def _interleaved_one_by_one(model, micro_batches: list[dict], found: list) -> No
     for batch in micro_batches:
         args, labels = _local_inputs(batch, model.device)
 
-        def finish(output):
-            sums = _token_logps(output, labels, head, vocab_size=model.config.vocab_size).sum(dim=1)
-            return _over_context_parallel(sums), None
+        def finish(output, batch=batch, labels=labels):
+            vocab = model.config.vocab_size
+            return scores(_token_logps(output, labels, head, vocab_size=vocab), batch, labels, output=output,
+                          head=head, vocab_size=vocab), None
 
         store: dict = {}
         with hidden_states_out(chunks):
@@ -241,6 +284,16 @@ def _over_context_parallel(values: torch.Tensor, *, grad: bool = False) -> torch
     values = values.clone()
     dist.all_reduce(values, group=group)
     return values
+
+
+def _cp_local_tokens(values: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` per-token values of whole rows -> this context-parallel rank's share (as ``_local_inputs``)."""
+    from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_token_index
+
+    _, size, rank = cp_group_and_size()
+    if size == 1:
+        return values
+    return values[:, cp_token_index(values.shape[1], size, rank, device=values.device)]
 
 
 def _shifted(batch: dict, device) -> torch.Tensor:
@@ -285,6 +338,57 @@ def _token_logps(output: torch.Tensor, labels: torch.Tensor, head, *, vocab_size
                                   softcap=getattr(head, "logit_softcap", None),
                                   logit_scale=getattr(head, "logit_scale", None), bias=output_bias(head))
     return -losses.view(labels.shape)
+
+
+@torch.no_grad()
+def _token_log_sum_sq_probs(output: torch.Tensor, labels: torch.Tensor, head, *, vocab_size: int) -> torch.Tensor:
+    """fp32 ``[b, s]``: ``log sum_v p_v^2`` of each label token's predicted distribution (TRL's ``log_sum_sq_probs``,
+    ``logsumexp(2 z) - 2 logsumexp(z)``), 0 elsewhere; the logits from ``output`` as ``_token_logps`` makes them
+    (through ``head``'s output layer, or TP-local logits when ``head`` is None), a chunk of label tokens at a time:
+    each tensor-parallel rank's vocabulary shard gives its max and two sums of exponentials, all-reduced over TP
+    (the vocabulary is never gathered)."""
+    from megatron.core import parallel_state as ps
+
+    from loongforge_hf.bridges.runtime import output_weight
+
+    group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    valid = (labels != -100).reshape(-1)
+    rows = output.reshape(-1, output.shape[-1])[valid]
+    weight = output_weight(head) if head is not None else None
+    v_local = weight.shape[0] if head is not None else rows.shape[1]
+    real = max(0, min(v_local, vocab_size - ps.get_tensor_model_parallel_rank() * v_local))
+    found = []
+    step = max(1, (1 << 24) // max(v_local, 1))  # NOTE: 64 MiB of fp32 logits per chunk
+    for start in range(0, rows.shape[0], step):
+        z = _head_logits(rows[start:start + step], weight, head)[:, :real]
+        top = z.max(dim=-1).values if real else z.new_full((z.shape[0],), float("-inf"))
+        if group is not None:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        exp = torch.exp(z - top[:, None])
+        sums = torch.stack([exp.sum(dim=-1), exp.square().sum(dim=-1)])
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        found.append(torch.log(sums[1]) - 2 * torch.log(sums[0]))
+    out = torch.zeros(valid.shape, dtype=torch.float32, device=output.device)
+    if found:
+        out[valid] = torch.cat(found)
+    return out.view(labels.shape)
+
+
+def _head_logits(rows: torch.Tensor, weight: torch.Tensor | None, head) -> torch.Tensor:
+    """fp32 TP-local logits of ``rows`` as the fused head makes them (``kernels.cross_entropy``: the GEMM with the
+    bias in the input dtype, times ``logit_scale``, upcast, soft-capped), or ``rows`` upcast when ``head`` is None."""
+    from loongforge_hf.bridges.runtime import output_bias
+
+    if head is None:
+        return rows.float()
+    bias = output_bias(head)
+    z = rows @ weight.t() if bias is None else torch.addmm(bias, rows, weight.t())
+    scale, cap = getattr(head, "logit_scale", None), getattr(head, "logit_softcap", None)
+    if scale is not None:
+        z = z * scale
+    z = z.float()
+    return cap * torch.tanh(z / cap) if cap is not None else z
 
 
 class _PreferenceBatches:
@@ -337,13 +441,16 @@ class _PreferenceLoss:
         vocab = trainer.model.config.vocab_size
         # NOTE: the chosen and rejected halves apart: TRL's token accuracy counts the chosen completions only
         halves = [(output[:rows], chosen_stats), (output[rows:], rejected_stats)]
-        logps = torch.cat([_token_logps(out, labels[i * rows:(i + 1) * rows], head, vocab_size=vocab, stats=stats)
-                           .sum(dim=1) for i, (out, stats) in enumerate(halves)])
-        logps = _over_context_parallel(logps, grad=True)
+        token_logps = torch.cat([_token_logps(out, labels[i * rows:(i + 1) * rows], head, vocab_size=vocab,
+                                              stats=stats) for i, (out, stats) in enumerate(halves)])
+        logps, plain, aligned = trainer.row_scores(token_logps, batch, labels, output=output, head=head,
+                                                   vocab_size=vocab, grad=True).unbind(dim=1)
         ref = self._reference(batch, device)
         counts = (labels != -100).sum(dim=1).float()  # NOTE: this rank's share of the tokens
+        label_tokens = _over_context_parallel(counts)
         loss = trainer.preference_loss(logps, ref, lengths=batch["completion_mask"].to(device).sum(dim=1),
-                                       label_tokens=_over_context_parallel(counts))
+                                       label_tokens=label_tokens, sft_logps=plain,
+                                       pair_weights=trainer.pair_weights(aligned, label_tokens))
         stats = reward_stats(logps, ref, beta=trainer.beta)
         tokens = torch.stack([chosen_stats[0] + rejected_stats[0], counts.sum(), chosen_stats[1], counts[:rows].sum()])
         return loss, torch.ones((), dtype=torch.int64, device=device), torch.cat([stats, tokens])
@@ -430,6 +537,7 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
             args.precompute_ref_log_probs = precompute
         self.precompute_ref_logps = precompute
         self.preference_loss = DPOLoss.from_args(args)
+        self.row_scores = RowScores(ld_alpha=args.ld_alpha, wpo=args.use_weighting)
         if isinstance(self.ref_model, _PolicyAsReference):
             self.ref_model = None
         self._router_balance()  # NOTE: a model or layout that cannot compute the MoE balancing loss raises here
@@ -483,12 +591,18 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
 
     # ---- reference -------------------------------------------------------------------------------------------------
     def reference_logps(self, micro_batches: list[dict], *, everywhere: bool) -> list[torch.Tensor | None]:
-        """The reference's per-row completion log-probs of ``micro_batches`` (see ``sequence_logps``)."""
-        if self.ref_model is not None:
-            return sequence_logps(self.ref_model, micro_batches, everywhere=everywhere)
-        adapters = getattr(self.model, "disable_adapter", None)
+        """The reference's per-row completion log-probs of ``micro_batches`` (LD-DPO's with ``ld_alpha``; see
+        ``sequence_scores``)."""
+        scores = RowScores(ld_alpha=self.row_scores.ld_alpha)
+        model = self.ref_model if self.ref_model is not None else self.model
+        adapters = getattr(self.model, "disable_adapter", None) if self.ref_model is None else None
         with adapters() if adapters is not None else nullcontext():
-            return sequence_logps(self.model, micro_batches, everywhere=everywhere)
+            found = sequence_scores(model, micro_batches, everywhere=everywhere, scores=scores)
+        return [v[:, 0] if v is not None else None for v in found]
+
+    def pair_weights(self, aligned: torch.Tensor, label_tokens: torch.Tensor) -> torch.Tensor | None:
+        """WPO's per-pair weights (``use_weighting``), else None (``dpo_losses.wpo_weights``)."""
+        return wpo_weights(aligned, label_tokens) if self.row_scores.wpo else None
 
     # ---- training --------------------------------------------------------------------------------------------------
     @property
@@ -538,14 +652,16 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
         if routed is not None:  # NOTE: TRL's policy forward adds coef * aux_loss in evaluation too
             shape = tuple(inputs["input_ids"].shape)
             tally = routed[0].begin(inputs.get("attention_mask"), shape, length=shape[1], device=self.model.device)
-        logps = sequence_logps(self.model, [inputs])[0]
+        logps, plain, aligned = sequence_scores(self.model, [inputs], scores=self.row_scores)[0].unbind(dim=1)
         aux = routed[0].finish_everywhere(tally) if routed is not None else None
         if self.precompute_ref_logps:
             ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).to(logps)
         else:
             ref = self.reference_logps([inputs], everywhere=True)[0]
+        label_tokens = (_shifted(inputs, logps.device) != -100).sum(dim=1).float()
         loss = self.preference_loss(logps, ref, lengths=inputs["completion_mask"].to(logps.device).sum(dim=1),
-                                    label_tokens=(_shifted(inputs, logps.device) != -100).sum(dim=1))
+                                    label_tokens=label_tokens, sft_logps=plain,
+                                    pair_weights=self.pair_weights(aligned, label_tokens))
         if aux is not None:
             loss = loss + routed[1] * aux
         # NOTE: no entropy / token accuracy in evaluation (the forward-only pass keeps the log-probs only)

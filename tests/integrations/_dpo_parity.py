@@ -37,6 +37,10 @@ _LOSS_OVERRIDES = {
     "sigmoid_norm_fkl": {"loss_type": "sigmoid_norm", "f_divergence_type": "forward_kl"},
     # an older TRL's rpo_alpha=0.5
     "rpo": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], **_EVAL_EACH_STEP},
+    # WPO: per-pair weights from the policy's per-token log-probs and log sum_v p_v^2
+    "wpo": {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.5], "use_weighting": True, **_EVAL_EACH_STEP},
+    # LD-DPO: the tokens past the pair's shorter completion times ld_alpha ("sft" reads the plain log-probs)
+    "ld_dpo": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.3, **_EVAL_EACH_STEP},
 }
 LOSS_SCENARIOS = {name: ({"learning_rate": 2e-3, "max_steps": 2, **overrides}, None, True)
                   for name, overrides in _LOSS_OVERRIDES.items()}
@@ -166,7 +170,7 @@ def refusals(folder: str, out_dir: str) -> list[str]:
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     messages = []
     for overrides in ({"loss_type": ["sigmoid", "kto"]}, {"use_liger_kernel": True}, {"padding_free": True},
-                      {"ld_alpha": 0.5}, {"use_weighting": True}, {}):
+                      {"use_weighting": True, "loss_type": ["sigmoid", "sft"]}, {}):
         args = dpo_config(out_dir, **overrides)
         if not overrides:
             args.rpo_alpha = 0.5  # NOTE: a field of older TRLs' DPOConfig (TRL 1.16 has none)

@@ -9,7 +9,9 @@ precomputed reference the first step's rewards are rounding noise around 0, so i
 the layout rounds: not compared beyond TP=1; it reads the reference through the same forward as evaluation.) At
 DP=2, against trl.DPOTrainer under DDP in the same two-rank world: the LoRA scenario, and 2-step full fine-tuning
 runs of each other TRL 1.16 loss type (``_dpo_parity.LOSS_SCENARIOS``: label smoothing, the f-divergences, RPO as
-"sigmoid" + weighted "sft"; the ones that count tokens evaluating after each step). A tiny Qwen3-MoE
+"sigmoid" + weighted "sft"; WPO's ``use_weighting`` with "sigmoid" + "ipo"; LD-DPO's ``ld_alpha`` with "sigmoid" +
+"sft"; the ones that count tokens evaluating after each step). WPO also at TP=2 with sequence parallelism (its
+``log sum_v p_v^2`` reduced over the vocabulary shards) against TRL at one process. A tiny Qwen3-MoE
 (``_dpo_parity.MOE_SCENARIOS``: loaded without ``output_router_logits``, ``router_aux_loss_coef=0.1`` in the
 DPOConfig, evaluating after steps 2 and 4) at TP=1, at TP=2 with SP x EP=2 and at CP=2: TRL's router balancing
 loss in the logged and evaluation losses, its ``aux_loss`` / ``eval_aux_loss`` metrics, the final weights.
@@ -35,12 +37,13 @@ from ._dpo_parity import (LOSS_SCENARIOS, METRICS, MOE_SCENARIOS, SCENARIOS, ref
 NAMES = list(SCENARIOS)
 TWO_RANK_NAMES = ["full_ref_model", "lora_disabled_adapters"]
 # layout -> (its parallel settings, the scenarios run with it)
-LAYOUTS = {"tp2_sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, TWO_RANK_NAMES),
+LAYOUTS = {"tp2_sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, [*TWO_RANK_NAMES, "wpo"]),
            "pp2": ({"pipeline_parallel_size": 2}, TWO_RANK_NAMES),
            "cp2": ({"context_parallel_size": 2}, TWO_RANK_NAMES),
            "pp2_vpp2": ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, TWO_RANK_NAMES)}
 # at DP=2 against TRL under DDP: LoRA with evaluation, and every loss-type run (full fine-tuning with a ref_model)
 ALL_SCENARIOS = {**SCENARIOS, **LOSS_SCENARIOS, **MOE_SCENARIOS}
+TP1_TRL_NAMES = [*NAMES, "wpo"]  # NOTE: WPO's reference for its TP=2 + SP run
 DP_NAMES = ["lora_disabled_adapters", *LOSS_SCENARIOS]
 MOE_NAMES = list(MOE_SCENARIOS)
 MOE_TWO_RANKS = {"moe_tp2_sp_ep2": {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
@@ -49,14 +52,16 @@ MOE_TWO_RANKS = {"moe_tp2_sp_ep2": {"tensor_parallel_size": 2, "sequence_paralle
 
 
 def _tp1_world(folder: str, moe_folder: str, out_dir: str) -> dict:
-    return {"trl": run_trl(folder, out_dir + "/trl", NAMES), "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
+    return {"trl": run_trl(folder, out_dir + "/trl", TP1_TRL_NAMES, ALL_SCENARIOS),
+            "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
             "refusals": refusals(folder, out_dir + "/refused"),
             "moe_trl": run_trl(moe_folder, out_dir + "/moe-trl", MOE_NAMES, MOE_SCENARIOS),
             "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_NAMES, MOE_SCENARIOS)}
 
 
 def _two_rank_world(folder: str, moe_folder: str, out_dir: str) -> dict:
-    out = {name: run_loong(folder, f"{out_dir}/{name}", layout, names) for name, (layout, names) in LAYOUTS.items()}
+    out = {name: run_loong(folder, f"{out_dir}/{name}", layout, names, ALL_SCENARIOS)
+           for name, (layout, names) in LAYOUTS.items()}
     for name, layout in MOE_TWO_RANKS.items():
         out[name] = run_loong(moe_folder, f"{out_dir}/{name}", layout, MOE_NAMES, MOE_SCENARIOS)
     # NOTE: trl.DPOTrainer's accelerate runs DDP over this world's gloo group, as under torchrun
@@ -166,8 +171,9 @@ def test_dp2_matches_trl_ddp(src, two_ranks, name):
 
 
 def test_unsupported_settings_are_refused(tp1):
-    fields = ("loss_type", "use_liger_kernel", "padding_free", "ld_alpha", "use_weighting", "rpo_alpha")
+    fields = ("loss_type", "use_liger_kernel", "padding_free", "use_weighting", "rpo_alpha")
     assert len(tp1["refusals"]) == len(fields)
     for message, field in zip(tp1["refusals"], fields):
         assert message.startswith("LoongDPOTrainer does not support") and field in message
     assert "loss_type=['sigmoid', 'sft']" in tp1["refusals"][-1]  # rpo_alpha: what TRL 1.16 writes instead
+    assert "'sft'" in tp1["refusals"][3]  # use_weighting with "sft": TRL 1.16's weighting fails on it
