@@ -39,7 +39,8 @@ Choices:
 - Bidirectional blocks (``bidirectional_blocks``: Gemma 3's images; a context as the score rules): block ids ``[b, S]``
   over the sequence's positions (-1 outside a block); inside, a query may also see every key of its own block, later
   ones included, as transformers' ``OR(causal, blockwise)`` (a sliding window still bounds the keys behind the query:
-  ``AND(window, OR(causal, blockwise))``); a padding / document mask never applies inside a block. Such calls build a
+  ``AND(window, OR(causal, blockwise))``; ``windowed=False``: the whole block past any window, as PaliGemma 2's
+  ``OR(AND(window, causal), blockwise)``); a padding / document mask never applies inside a block. Such calls build a
   mask (no fused causal kernel); a context-parallel query chunk then takes every key, not just those up to its end.
   Packed (``thd``) inputs and the context-parallel KV cache's shares refuse them.
 - Chunked attention (``attention_chunks``: Llama 4's ``attention_chunk_size`` layers; a context as the score rules):
@@ -126,14 +127,16 @@ _BLOCKS: contextvars.ContextVar = contextvars.ContextVar("loongforge_attention_b
 
 class _Blocks(NamedTuple):
     ids: torch.Tensor          # [b, S] block ids, -1 outside
+    windowed: bool             # True: a sliding window bounds the block's keys behind the query (Gemma 3)
     same: dict                 # (q_offset, sq, skv) -> the [b, sq, skv] mask: built once per forward, not per layer
 
 
 @contextlib.contextmanager
-def bidirectional_blocks(block_ids: torch.Tensor | None):
+def bidirectional_blocks(block_ids: torch.Tensor | None, *, windowed: bool = True):
     """Inside, every attention call lets a query see all keys of its block: ``block_ids [b, S]`` (long, -1 for tokens
-    outside any block) over the key positions ``0 .. S - 1``; None: no change."""
-    token = _BLOCKS.set(None if block_ids is None else _Blocks(block_ids, {}))
+    outside any block) over the key positions ``0 .. S - 1``, those behind a sliding window too unless ``windowed``;
+    None: no change."""
+    token = _BLOCKS.set(None if block_ids is None else _Blocks(block_ids, windowed, {}))
     try:
         yield
     finally:
@@ -349,8 +352,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         if right >= 0:
             allowed &= rel <= right
     allowed &= behind
-    if same is not None:  # NOTE: AND(window, OR(causal, blockwise)); a padding / document mask never cuts a block
-        allowed = (allowed | (same & behind)).unsqueeze(1)
+    if same is not None:  # NOTE: AND(window, OR(causal, blockwise)); not windowed: OR(AND(window, causal), blockwise)
+        allowed = (allowed | (same & behind if _BLOCKS.get().windowed else same)).unsqueeze(1)
         mask = mask & ~same.unsqueeze(1) if mask is not None and mask.dtype == torch.bool else mask
     if mask is None:
         attn_mask = allowed

@@ -197,7 +197,9 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
             inputs["pixel_values"], inputs["image_grid_thw"], image_sizes=vision.get("image_sizes"))
     if model.bridge.bidirectional_images and (cache is None or cache.get_seq_length() == 0):
         # NOTE: as transformers: an image's tokens see each other at the prefill (and in every uncached step)
-        inputs["token_type_ids"] = vision.get("token_type_ids")
+        from loongforge_hf.multimodal.modeling import attention_token_types
+
+        inputs["token_type_ids"] = attention_token_types(model.bridge, vision.get("token_type_ids"), attention_mask)
 
     def run(ids, mask):
         positions = F.pad(position_ids.to(device), (0, ids.shape[-1] - given))  # NOTE: the pads' never reach a token

@@ -164,6 +164,17 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         return generation_positions(self, ids if ids is not None and ids.shape[1] > 0 else inputs_tensor,
                                     model_kwargs)
 
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, is_encoder_decoder: bool = False,
+                                            num_new_tokens: int = 1) -> dict:
+        types = model_kwargs.get("token_type_ids")
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder,
+                                                                   num_new_tokens)
+        fill = getattr(self.bridge, "generated_token_type", None)
+        if types is not None and fill is not None:  # NOTE: PaliGemma's: generated tokens are suffix (1), as its own
+            model_kwargs["token_type_ids"] = torch.cat([types, types.new_full((types.shape[0], num_new_tokens), fill)],
+                                                       dim=-1)
+        return model_kwargs
+
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False,
                                       input_ids: torch.Tensor | None = None, **model_kwargs: Any):
         from loongforge_hf.multimodal.generation import PER_ITEM_INPUTS, expand_vision_inputs
@@ -233,7 +244,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                                                   document_ids=documents)
         mask = megatron_attention_mask(attention_mask, input_ids.shape[1], text_positions)
         if self.bridge.bidirectional_images:  # NOTE: as transformers, only where token_type_ids are given
-            kwargs["token_type_ids"] = get("token_type_ids")
+            kwargs["token_type_ids"] = attention_token_types(self.bridge, get("token_type_ids"), attention_mask,
+                                                             packed=is_packed(text_positions))
         return (input_ids, position_ids.to(device), mask), kwargs
 
     def megatron_local_labels(self, labels: torch.Tensor) -> torch.Tensor:
@@ -353,6 +365,14 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                   side_files_dir=side_files_dir)
 
 
+def attention_token_types(bridge, token_type_ids, attention_mask, *, packed: bool = False):
+    """``token_type_ids`` as the chunk's block rule takes them: PaliGemma's with padding out of its prefix
+    (``bridge.attention_token_types``; packed rows refused there), others' as given."""
+    if not hasattr(bridge, "attention_token_types"):
+        return token_type_ids
+    return bridge.attention_token_types(token_type_ids, attention_mask, packed=packed)
+
+
 def _pixel_mask(mask: torch.Tensor | None) -> dict:
     """``vision_inputs``' keywords for a ``pixel_attention_mask`` (Idefics3's processors give one): none without."""
     return {} if mask is None else {"pixel_attention_mask": mask}
@@ -410,7 +430,7 @@ class AutoModelForImageTextToText:
         from loongforge_hf.bridges.loader import load_into
         from loongforge_hf.bridges.qwen2_5_vl import get_vl_bridge
         from loongforge_hf.lora.load import adapter_base_model, is_adapter_folder, load_adapter
-        from loongforge_hf.multimodal.chunk import VisionLanguageChunk, check_deepstack_layers
+        from loongforge_hf.multimodal.chunk import VisionLanguageChunk, check_deepstack_layers, image_blocks
         from loongforge_hf.multimodal.vision_weights import load_vision
         from loongforge_hf.parallel import initialize_parallel
         from loongforge_hf.xpu import get_backend
@@ -489,6 +509,8 @@ class AutoModelForImageTextToText:
                         load_vision(towers[i], bridge, reader,
                                     tp_group=tp_group if vision_layout == "tensor_parallel" else None)
             chunks = [VisionLanguageChunk(chunk, vision=towers.get(i), image_token_id=bridge.image_token_id,
+                                          blocks=getattr(bridge, "token_type_blocks", image_blocks),
+                                          windowed_blocks=getattr(bridge, "windowed_blocks", True),
                                           video_token_id=bridge.video_token_id,
                                           encoder_group=tp_group if vision_layout == "data_parallel" else None)
                       for i, chunk in enumerate(language.chunks)]
