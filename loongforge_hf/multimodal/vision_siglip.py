@@ -14,7 +14,8 @@ Choices:
   within each image, LayerNorm at ``layer_norm_eps``, ``AvgPool2d`` over ``merge x merge`` patches, the RMSNorm in
   fp32 with ``1 + weight``, then ``@ mm_input_projection_weight`` in the model's dtype.
 - ``projector`` replaces Gemma 3's and ``position_ids`` can be overridden: Idefics3's tower
-  (``vision_idefics3.py``) is this ViT with its own projector and its bucketed position ids.
+  (``vision_idefics3.py``) is this ViT with its own projector and its bucketed position ids; ``depth`` (the blocks
+  run) and ``head`` (what follows them) too: Aya Vision's tower (``vision_aya.py``) stops at its feature layer.
 - Tensor parallelism, FP8 and ``recompute`` as the Qwen towers (``vision.VisionAttention`` with fused ``qkv`` rows,
   ``vision_qwen3.Qwen3VisionMLP``): attention split by heads, ``fc1`` by rows and ``fc2`` by columns (bias after the
   reduction); norms, the patch embedding, the position table and the projector are replicated.
@@ -55,6 +56,7 @@ class SiglipTower(nn.Module):
     """``forward(pixel_values [N, C*P*P], grid_thw [n, 3]) -> [N / merge^2, text_hidden]`` image embeddings."""
 
     family = "Gemma 3"
+    depth = None  # NOTE: the blocks run (None: all); Aya Vision's tower stops at its feature layer
 
     def __init__(self, config, *, text_hidden: int, tokens_per_image: int, tp_group=None,
                  recompute: bool = False, projector: nn.Module | None = None) -> None:
@@ -87,6 +89,10 @@ class SiglipTower(nn.Module):
         x = self.patch_embed(pixel_values)
         x = x + self.position_embedding(self.position_ids(grid, x.device)).to(x.dtype)
         cu_images = _cu([h * w for _, h, w in grid]).to(x.device)
-        for block in self.blocks:
+        for block in self.blocks[:self.depth]:
             x = run_block(self, block, x, cu_images, None, None)
+        return self.head(x, grid)
+
+    def head(self, x: torch.Tensor, grid: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The image embeddings from the last block run's output: the final LayerNorm, then the projector."""
         return self.projector(self.post_layernorm(x), grid)
