@@ -24,12 +24,16 @@ Choices:
   transformers' own ``ForSequenceClassificationLoss`` (regression / single-label / multi-label by ``problem_type``,
   which it sets on first use as there). A ``SequenceClassifierOutputWithPast`` on every rank: under pipeline
   parallelism the last stage's pooled logits are broadcast (forward-only; gradients flow at PP 1).
+- Context parallelism: each rank holds its load-balanced (zig-zag) share of every row's positions; the pooled
+  position lives on one rank's share, so each rank picks the scores at the pooled positions it holds (0 elsewhere)
+  and they are summed over the CP group (``pool_over_context_parallel``; differentiable: the backward sums the
+  group's gradients, each CP rank computing the whole loss). Virtual pipeline stages: a forward goes through them in
+  order (``runtime._interleaved_forward_once``); training runs megatron's interleaved schedule.
 - LoRA: ``loongforge_hf.lora.get_peft_model(model, LoraConfig(task_type="SEQ_CLS", ...))`` or
   ``LoongRewardTrainer(peft_config=...)``, the head trained whole as PEFT's ``modules_to_save``
   (``lora/sequence_classification.py``).
-- Refused by name before any collective: context parallelism and virtual pipeline stages (the pooled token lives on
-  one rank's share), loading PEFT adapter folders, image-text checkpoints, ``generate``, ``resize_token_embeddings``,
-  and training by any trainer but ``LoongRewardTrainer`` (``integrations/trl_reward.py``).
+- Refused by name before any collective: loading PEFT adapter folders, image-text checkpoints, ``generate``,
+  ``resize_token_embeddings``, and training by any trainer but ``LoongRewardTrainer`` (``integrations/trl_reward.py``).
 """
 
 from __future__ import annotations
@@ -172,13 +176,6 @@ class SequenceClassificationBridge:
         return shapes
 
     def check_layout(self, layout) -> None:
-        from loongforge_hf.parallel import ParallelLayoutError
-
-        bad = [f"{k}={getattr(layout, k)}" for k in ("context_parallel_size", "virtual_pipeline_parallel_size")
-               if getattr(layout, k) not in (None, 1)]
-        if bad:
-            raise ParallelLayoutError(f"AutoModelForSequenceClassification: {', '.join(bad)} is not supported (the "
-                                      "pooled token of each row lives on one rank's share of the sequence).")
         if hasattr(self.inner, "check_layout"):
             self.inner.check_layout(layout)
 
@@ -225,9 +222,32 @@ def pool(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return scores[torch.arange(scores.shape[0], device=scores.device), index.to(scores.device)]
 
 
+def pool_over_context_parallel(scores: torch.Tensor, index: torch.Tensor, *, grad: bool = False) -> torch.Tensor:
+    """``[b, s / CP, n]`` per-position scores of this context-parallel rank's share -> ``[b, n]`` at each row's
+    (global) ``index``: the rank whose share holds it gives it, summed over the CP group (``pool`` without CP). With
+    ``grad``, differentiable: the backward sums the group's gradients."""
+    from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_token_index
+
+    group, size, rank = cp_group_and_size()
+    if size == 1:
+        return pool(scores, index)
+    held = cp_token_index(scores.shape[1] * size, size, rank, device=scores.device)
+    hit = held[None, :] == index.to(scores.device)[:, None]  # [b, s / CP]: at most one True per row
+    picked = (scores * hit[..., None].to(scores.dtype)).sum(dim=1)
+    if grad:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(picked, group=group)
+    picked = picked.detach().clone()
+    dist.all_reduce(picked, group=group)
+    return picked
+
+
 def pooled_scores(model, *, input_ids, attention_mask, position_ids, index: torch.Tensor) -> torch.Tensor:
-    """``[b, num_labels]`` scores at ``index`` on every rank, the inputs padded as the layout needs."""
+    """``[b, num_labels]`` scores at ``index`` on every rank, the inputs padded as the layout needs (this
+    context-parallel rank's share of them)."""
     from loongforge_hf.bridges.runtime import megatron_attention_mask
+    from loongforge_hf.parallel.context_parallel import cp_local_inputs
     from loongforge_hf.trainer.data import pad_model_inputs
 
     input_ids, attention_mask, position_ids, _ = pad_model_inputs(
@@ -237,34 +257,43 @@ def pooled_scores(model, *, input_ids, attention_mask, position_ids, index: torc
     b, s = input_ids.shape
     mask = megatron_attention_mask(attention_mask, s, position_ids, device=device)
     position_ids = torch.arange(s, device=device).expand(b, s) if position_ids is None else position_ids.to(device)
+    inputs = cp_local_inputs(input_ids, position_ids, mask)[:3]
     if model.parallel.pipeline_parallel_size == 1:
-        return pool(model.chunks[0](input_ids, position_ids, mask), index)
-    return _pipelined(model, (input_ids, position_ids, mask), index)
+        return pool_over_context_parallel(model.chunks[0](*inputs), index, grad=torch.is_grad_enabled())
+    return _pipelined(model, inputs, index, seq=s)
 
 
 @torch.no_grad()
-def _pipelined(model, inputs: tuple, index: torch.Tensor) -> torch.Tensor:
-    """megatron's forward-only schedule, one micro-batch; the last stage's pooled scores broadcast."""
+def _pipelined(model, inputs: tuple, index: torch.Tensor, *, seq: int) -> torch.Tensor:
+    """megatron's forward-only schedule, one micro-batch (under virtual pipeline stages through them in order);
+    the last stage's pooled scores broadcast. ``seq``: the whole sequence length (``inputs`` may be a CP share)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from loongforge_hf.bridges.runtime import _interleaved_forward_once
     from loongforge_hf.parallel.context_parallel import pipeline_sequence_length
 
-    b, s = inputs[0].shape
+    b = inputs[0].shape[0]
     store: dict = {}
+    chunks = list(model.chunks)
 
     def forward_step(data_iterator, chunk):
         next(data_iterator)
         output = chunk(*inputs)
 
         def loss_func(output):
-            store["scores"] = pool(output, index)
+            store["scores"] = pool_over_context_parallel(output, index)
             return output.sum() * 0.0, {}
         return output, loss_func
 
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=model.chunks[0],
-                                num_microbatches=1, seq_length=pipeline_sequence_length(s), micro_batch_size=b,
-                                forward_only=True)
+    if len(chunks) > 1:
+        _interleaved_forward_once(model, chunks, *inputs, lambda output: (pool_over_context_parallel(output, index),
+                                                                          None), store, seq=seq)
+        store["scores"] = store.pop("loss", None)
+    else:
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=chunks[0],
+                                    num_microbatches=1, seq_length=pipeline_sequence_length(seq),
+                                    micro_batch_size=b, forward_only=True)
     group = ps.get_pipeline_model_parallel_group()
     scores = store.get("scores")
     if scores is None:

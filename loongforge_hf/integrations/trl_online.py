@@ -19,6 +19,9 @@ Choices:
   full-vocabulary logits, no gather over TP), then the trainer's loss. The old and reference log-probs TRL asks for
   (``_get_per_token_logps_and_entropies``, no grad) come from the same head over megatron's forward-only schedule
   (``completion_logps``; broadcast from the last pipeline stage).
+- Virtual pipeline stages: the step runs megatron's interleaved schedule (``gradient_accumulation_steps`` a multiple
+  of ``pipeline_parallel_size``, refused otherwise); a no-grad forward of one batch (old, reference, evaluation
+  log-probs) goes through the virtual stages in order (``runtime._interleaved_forward_once``, as the DPO trainer's).
 - Context parallelism: each rank scores its load-balanced share of every row's tokens and the per-token log-probs
   are put together over the CP group (``whole_rows``; differentiable for the policy's), so every CP rank computes
   the micro-batch's whole loss and counts 1 (the engine divides by CP times more counts; the backward gives each
@@ -36,7 +39,8 @@ Choices:
 - The reference (``beta != 0``): the policy's checkpoint loaded again with its layout and dtype (TRL loads it from
   the policy's name), or with ``peft_config`` (megatron LoRA) the policy with its adapters disabled.
 - Refused with a message, on every rank before any collective (``refusals``): vLLM, Liger, continuous batching,
-  ``sync_ref_model``, image datasets / processors, virtual pipeline stages, ``log_completions`` under model
+  ``sync_ref_model``, image datasets / processors, ``gradient_accumulation_steps`` not a multiple of
+  ``pipeline_parallel_size`` under virtual pipeline stages, ``log_completions`` under model
   parallelism (TRL's completion table gathers every process), a non-LoRA ``peft_config``, custom ``optimizers``,
   ``quantization_config``, evaluation with the router balancing loss; each trainer adds its own.
 """
@@ -51,6 +55,7 @@ import torch.distributed as dist
 
 from loongforge_hf.integrations.trl_dpo import _disable_residual_dropout, _local_inputs
 from loongforge_hf.trainer.data import dp_rank_and_size
+from loongforge_hf.trainer.engine import micro_batch_group
 
 # TRL fields every online trainer refuses when set: (field, its default, why)
 REFUSED_FIELDS = (("use_vllm", False, " (generation runs the policy's own generate)"), ("use_liger_kernel", False, ""),
@@ -72,8 +77,10 @@ def refusals(args, model, peft_config, train_dataset, processing_class, *, eval_
     if peft_config is not None and type(peft_config).__name__ != "LoraConfig":
         problems.append(f"peft_config of type {type(peft_config).__name__} (LoRA only)")
     layout = model.parallel
-    if layout.virtual_pipeline_parallel_size:
-        problems.append(f"virtual_pipeline_parallel_size={layout.virtual_pipeline_parallel_size}")
+    if args.gradient_accumulation_steps % micro_batch_group(layout):
+        problems.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps} with virtual pipeline stages "
+                        "(megatron's interleaved schedule needs a multiple of "
+                        f"pipeline_parallel_size={layout.pipeline_parallel_size})")
     replica = layout.tensor_parallel_size * layout.pipeline_parallel_size * layout.context_parallel_size
     if args.log_completions and replica > 1:
         problems.append("log_completions=True with tensor / pipeline / context parallelism (TRL's table gathers "
@@ -217,9 +224,20 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     from loongforge_hf.bridges.output_layer import hidden_states_out, language_head
     from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
-    chunk = model.chunks[0]
+    chunks = list(model.chunks)
     prompt = input_ids.shape[1] - logits_to_keep
     found = []
+
+    def score(output, labels, head):
+        stats = torch.zeros(2, dtype=torch.float32, device=output.device)
+        logps = token_logps(output, labels, head, vocab_size=model.config.vocab_size, temperature=temperature,
+                            stats=stats)
+        group, cp, _ = cp_group_and_size()
+        if cp > 1:
+            dist.all_reduce(stats, group=group)
+        logps = whole_rows(logps)[:, prompt - 1:prompt - 1 + logits_to_keep]
+        found.append(torch.cat([logps, stats[:1].expand(logps.shape[0], 1)], dim=1).contiguous())
+        return None, None
 
     def forward_step(data_iterator, chunk):
         args, labels = _local_inputs(next(data_iterator), model.device)
@@ -228,14 +246,7 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
             output = chunk(*args)
 
         def loss_func(output):
-            stats = torch.zeros(2, dtype=torch.float32, device=output.device)
-            logps = token_logps(output, labels, head, vocab_size=model.config.vocab_size, temperature=temperature,
-                                stats=stats)
-            group, cp, _ = cp_group_and_size()
-            if cp > 1:
-                dist.all_reduce(stats, group=group)
-            logps = whole_rows(logps)[:, prompt - 1:prompt - 1 + logits_to_keep]
-            found.append(torch.cat([logps, stats[:1].expand(logps.shape[0], 1)], dim=1).contiguous())
+            score(output, labels, head)
             return output.sum() * 0.0, {}
         return output, loss_func
 
@@ -248,9 +259,13 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
             batch = engine_batch({"prompt_ids": ids[:, :prompt], "completion_ids": ids[:, prompt:],
                                   "prompt_mask": mask[:, :prompt], "completion_mask": mask[:, prompt:]},
                                  multiple=model.parallel.sequence_multiple, pad_id=0)
-            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=chunk,
-                                        num_microbatches=1, seq_length=batch["input_ids"].shape[1],
-                                        micro_batch_size=ids.shape[0], forward_only=True)
+            if len(chunks) > 1:
+                _through_virtual_stages(model, chunks, batch, score)
+            else:
+                get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]),
+                                            model=chunks[0], num_microbatches=1,
+                                            seq_length=batch["input_ids"].shape[1], micro_batch_size=ids.shape[0],
+                                            forward_only=True)
             if model.parallel.pipeline_parallel_size == 1:
                 out.append(found.pop())
                 continue
@@ -268,6 +283,19 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         return logps
     sums = torch.stack([part[0, -1] for part in out]).sum()
     return logps, sums
+
+
+def _through_virtual_stages(model, chunks: list, batch: dict, score) -> None:
+    """One batch through the virtual pipeline stages in order (megatron's interleaved schedule needs whole groups of
+    ``pipeline_parallel_size`` micro-batches); ``score(output, labels, head)`` on the last one."""
+    from loongforge_hf.bridges.output_layer import hidden_states_out, language_head
+    from loongforge_hf.bridges.runtime import _interleaved_forward_once
+
+    args, labels = _local_inputs(batch, model.device)
+    head = language_head(chunks[-1])
+    with hidden_states_out(chunks):
+        _interleaved_forward_once(model, chunks, *args, lambda output: score(output, labels, head), {},
+                                  seq=batch["input_ids"].shape[1])
 
 
 class _OverDataParallel:
@@ -395,7 +423,8 @@ class OnlineEngineMixin:
 
     def _whole_interleaved_groups(self, micro: list) -> list[dict]:
         # NOTE: the step's generation batches -> TRL's prepared inputs (generating where TRL generates) -> engine
-        # micro-batches; no virtual pipeline stages here, so nothing is left out
+        # micro-batches; nothing is left out (TRL's sampler gives whole generation windows; a count the interleaved
+        # schedule cannot take is refused by the engine, by name)
         self.model.train()
         prepared = []
         for generation_batch in micro:

@@ -15,6 +15,12 @@ Choices:
   ``center_rewards_coefficient * mean((chosen + rejected)^2)``. The step divides the gradients by the micro-batches
   times the data-parallel ranks (the hook counts 1 per micro-batch): Trainer's ``loss / gradient_accumulation_steps``
   averaged by DDP. No router balancing loss (transformers' classifiers return none).
+- Context parallelism: each rank holds its load-balanced share of every row's positions; the rewards are the scores
+  at the pooled positions summed over the CP group (``sequence_classification.pool_over_context_parallel``,
+  differentiable), so every CP rank computes the micro-batch's whole loss and counts 1 (the engine divides by CP times
+  more counts; the backward gives each share CP times its gradient); the metrics are the first CP rank's.
+  Virtual pipeline stages: megatron's interleaved schedule (``gradient_accumulation_steps`` a multiple of
+  ``pipeline_parallel_size``); evaluation's forwards go through the virtual stages in order.
 - Batches are padded after TRL's collator with the pad token (so the pooled position does not move) to what megatron
   needs (``ParallelConfig.sequence_multiple``; under pipeline parallelism to ``max_length``, one length for every
   micro-batch) and get all-ignored ``labels`` (the engine's schedule reads them; the loss does not).
@@ -30,8 +36,9 @@ Choices:
 - Refused with a message, on every rank before any collective: a ``peft_config`` other than a ``LoraConfig`` (and
   one whose ``task_type`` is not ``"SEQ_CLS"``: ``LoraConfigError``), ``activation_offloading``,
   ``use_liger_kernel``, ``chat_template_path`` (it may resize the vocabulary), custom ``optimizers``,
-  ``optimizer_cls_and_kwargs``, ``quantization_config``, pipeline parallelism without ``max_length``, a model that
-  is not a ``LoongModelForSequenceClassification``.
+  ``optimizer_cls_and_kwargs``, ``quantization_config``, pipeline parallelism without ``max_length``,
+  ``gradient_accumulation_steps`` not a multiple of ``pipeline_parallel_size`` under virtual pipeline stages, a
+  model that is not a ``LoongModelForSequenceClassification``.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import torch.distributed as dist
 from trl import RewardConfig, RewardTrainer
 
 from loongforge_hf.trainer.arguments import LoongArgumentsMixin
+from loongforge_hf.trainer.engine import micro_batch_group
 from loongforge_hf.trainer.loong_trainer import LoongTrainer
 
 _SUMS = ("reward_sum", "rewards", "accuracy", "margin", "ranks")  # summed over the data-parallel ranks
@@ -74,6 +82,10 @@ def _refuse_unsupported(args: RewardConfig, model, peft_config, **given) -> None
                        ("chat_template_path", " (a template clone may resize the vocabulary)")):
         if getattr(args, field, None) not in (None, False):
             problems.append(f"{field}={getattr(args, field)!r}{why}")
+    if args.gradient_accumulation_steps % micro_batch_group(model.parallel):
+        problems.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps} with virtual pipeline stages "
+                        "(megatron's interleaved schedule needs a multiple of "
+                        f"pipeline_parallel_size={model.parallel.pipeline_parallel_size})")
     if model.parallel.pipeline_parallel_size > 1 and args.max_length is None:
         problems.append("pipeline_parallel_size > 1 without RewardConfig(max_length=...) (every micro-batch of a "
                         "step is padded to it)")
@@ -152,13 +164,16 @@ class _RewardLoss:
         pass
 
     def __call__(self, output, batch: dict, *, labels: torch.Tensor, head):
-        from loongforge_hf.sequence_classification import last_token_index, pool
+        from loongforge_hf.parallel.context_parallel import cp_group_and_size
+        from loongforge_hf.sequence_classification import last_token_index, pool_over_context_parallel
 
         model = self.trainer.model
         index = last_token_index(batch["input_ids"], model.config.get_text_config().pad_token_id)
-        rewards = pool(output, index).squeeze(-1).float()
+        rewards = pool_over_context_parallel(output, index, grad=True).squeeze(-1).float()
         loss = reward_loss(rewards, batch.get("margin"), self.trainer.args.center_rewards_coefficient)
         stats = _rank_stats(rewards, dp_rank=self.dp_rank, dp_size=self.dp_size)
+        if cp_group_and_size()[2] != 0:  # NOTE: counted once per context-parallel group (the engine sums over it)
+            stats = torch.zeros_like(stats)
         return loss, torch.ones((), dtype=torch.int64, device=output.device), stats
 
 

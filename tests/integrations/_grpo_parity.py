@@ -145,14 +145,15 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict
     return out
 
 
-def refused_vpp(folder: str, out_dir: str) -> str:
-    """The message LoongGRPOTrainer raises for virtual pipeline stages (PP=2 x VPP=2, two ranks)."""
+def refused_vpp_accumulation(folder: str, out_dir: str) -> str:
+    """The message LoongGRPOTrainer raises for virtual pipeline stages (PP=2 x VPP=2, two ranks) with
+    gradient_accumulation_steps=1 (megatron's interleaved schedule takes groups of pipeline_parallel_size)."""
     import loongforge_hf as lf
 
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2,
                                                     virtual_pipeline_parallel_size=2)
     try:
-        lf.LoongGRPOTrainer(model=model, reward_funcs=thirds, args=grpo_config(out_dir),
+        lf.LoongGRPOTrainer(model=model, reward_funcs=thirds, args=grpo_config(out_dir, gradient_accumulation_steps=1),
                             train_dataset=make_dataset(4), processing_class=_tokenizer(folder))
     except ValueError as e:
         return str(e)

@@ -135,17 +135,18 @@ def refusals(folder: str, layout: dict) -> list[str]:
     import loongforge_hf as lf
 
     messages = []
-    for kwargs in ({"num_labels": 1, "context_parallel_size": 2}, {"num_labels": 3}):
-        try:
-            model = lf.AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, **kwargs)
-            if "num_labels" in kwargs and kwargs["num_labels"] == 3:
-                lf.LoongRewardTrainer(model=model, args=reward_config("/tmp/unused"), train_dataset=make_dataset(4))
-            messages.append("no error")
-        except (ValueError, TypeError) as e:
-            messages.append(f"{type(e).__name__}: {e}")
+    try:
+        model = lf.AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, num_labels=3)
+        lf.LoongRewardTrainer(model=model, args=reward_config("/tmp/unused"), train_dataset=make_dataset(4))
+        messages.append("no error")
+    except (ValueError, TypeError) as e:
+        messages.append(f"{type(e).__name__}: {e}")
     import peft
     import transformers
 
+    vpp = lf.AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, num_labels=1,
+                                                                pipeline_parallel_size=2,
+                                                                virtual_pipeline_parallel_size=2)
     model = lf.AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, num_labels=1)
     causal = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = torch.ones(2, 4, dtype=torch.long) * 5
@@ -166,7 +167,10 @@ def refusals(folder: str, layout: dict) -> list[str]:
                                                peft_config=peft.IA3Config(task_type="SEQ_CLS")),
                  lambda: lf.LoongRewardTrainer(model=model, args=reward_config("/tmp/unused"),
                                                train_dataset=make_dataset(4),
-                                               peft_config=peft.LoraConfig(target_modules=["q_proj"]))):
+                                               peft_config=peft.LoraConfig(target_modules=["q_proj"])),
+                 lambda: lf.LoongRewardTrainer(model=vpp, args=reward_config("/tmp/unused",
+                                                                             gradient_accumulation_steps=1),
+                                               train_dataset=make_dataset(4))):
         try:
             call()
             messages.append("no error")

@@ -7,7 +7,8 @@ num_iterations 2, epsilon_high 0.28 and batch-scaled rewards. Each trainer gener
 sampling, seeded as TRL seeds it): the completions are the same because the logits are. Both suppress the pad token
 in generation: transformers' embedding (``padding_idx``) gives the pad token's row no gradient, megatron's does, so a
 sampled pad token would move the two models apart. At TP=1 in one process, and at TP=2 with sequence parallelism,
-PP=2, CP=2 (load-balanced shares of each row's tokens) and DP=2 (against trl.GRPOTrainer under DDP in the same world)
+PP=2, PP=2 x VPP=2 (megatron's interleaved schedule; the no-grad log-probs through the virtual stages in order),
+CP=2 (load-balanced shares of each row's tokens) and DP=2 (against trl.GRPOTrainer under DDP in the same world)
 in one two-rank world; LoRA (q, v) with the adapters disabled as the reference against TRL + PEFT at TP=1 (logs
 only). TRL 1.16's other loss types (``_grpo_parity.LOSS_SCENARIOS``: "bnpo" with ``delta`` and the off-policy mask,
 "dr_grpo" with the bias-corrected KL, "luspo" with sequence-level importance ratios, "cispo", "sapo", "vespo"; 2 steps,
@@ -33,13 +34,14 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 from ._grpo_parity import (ALL_SCENARIOS, EVAL_SCENARIOS, LOSS_SCENARIOS, MOE_SCENARIOS, SCENARIOS, refusals,
-                           refused_moe_eval, refused_vpp, run_lora, run_loong, run_trl, saved_tensors)
+                           refused_moe_eval, refused_vpp_accumulation, run_lora, run_loong, run_trl, saved_tensors)
 
 NAMES = list(SCENARIOS)
 MOE_NAMES = list(MOE_SCENARIOS)
 # layout -> (its parallel settings, the scenarios run with it); DP=2 against TRL under DDP, the others against TP=1
 TWO_RANK = {"tp2_sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, ["grpo_kl_iter2", "dapo_kl_iter2"]),
             "pp2": ({"pipeline_parallel_size": 2}, ["grpo_kl_iter2"]),
+            "pp2_vpp2": ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, ["grpo_kl_iter2"]),
             "cp2": ({"context_parallel_size": 2}, ["dapo_kl_iter2"]),
             "dp2": ({}, ["grpo_kl_iter2", *LOSS_SCENARIOS])}
 MOE_TP2_SP_EP2 = {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
@@ -60,7 +62,7 @@ def _two_rank_world(folder: str, moe_folder: str, out_dir: str) -> dict:
     # NOTE: trl.GRPOTrainer's accelerate runs DDP over this world's gloo group, as under torchrun
     out["trl_ddp"] = run_trl(folder, out_dir + "/trl-ddp", TWO_RANK["dp2"][1])
     out["moe_tp2_sp_ep2"] = run_loong(moe_folder, out_dir + "/moe-tp2", MOE_TP2_SP_EP2, MOE_NAMES)
-    out["refused_vpp"] = refused_vpp(folder, out_dir + "/refused-vpp")
+    out["refused_vpp_accumulation"] = refused_vpp_accumulation(folder, out_dir + "/refused-vpp")
     return out
 
 
@@ -180,5 +182,6 @@ def test_moe_evaluation_refused(tp1):
     assert "eval_dataset with the MoE router balancing loss" in tp1["refused_moe_eval"]
 
 
-def test_virtual_pipeline_refused(two_ranks):
-    assert all("virtual_pipeline_parallel_size=2" in rank["refused_vpp"] for rank in two_ranks)
+def test_virtual_pipeline_accumulation_refused(two_ranks):
+    for rank in two_ranks:
+        assert "gradient_accumulation_steps=1 with virtual pipeline stages" in rank["refused_vpp_accumulation"]

@@ -2,9 +2,10 @@
 against trl.RewardTrainer on the transformers model, same RewardConfig.
 
 Classifier (tiny Llama and Qwen3 causal checkpoints, loaded with a fresh score head) at TP=1, TP=2 with sequence
-parallelism and PP=2: the pooled logits of four rows (full, right-, left- and both-side padded) within 1e-5 of
-transformers' (its score set to ours); the loss of num_labels=1 (regression) and num_labels=3 (single- and
-multi-label, problem_type inferred as transformers infers it) within 1e-5; loading info (score.weight missing,
+parallelism, PP=2, CP=2 (the pooled position on one rank's load-balanced share, gathered over the CP group) and PP=2
+x VPP=2 (the virtual stages in order): the pooled logits of four rows (full, right-, left- and both-side padded)
+within 1e-5 of transformers' (its score set to ours); the loss of num_labels=1 (regression) and num_labels=3 (single-
+and multi-label, problem_type inferred as transformers infers it) within 1e-5; loading info (score.weight missing,
 lm_head.weight unexpected) and the fresh score's spread (initializer_range); the export (num_labels=3) loads in
 transformers with architectures = [the sequence-classification class], its backbone tensors bit-exact with the
 source's and its score with ours, transformers' logits on it within 1e-5, and our reload of it (its own score).
@@ -16,7 +17,8 @@ rank seeded elsewhere holds rank 0's draw.
 Trainer (a tiny Llama classifier written by transformers, num_labels=1): 4 optimizer steps of 2 micro-batches of 2
 pairs; an explicit-prompt dataset, an implicit-prompt one with a margin column, center_rewards_coefficient and
 evaluation after steps 2 and 4, and LoRA (LoraConfig(task_type="SEQ_CLS", target_modules="all-linear"): PEFT's
-score head in modules_to_save) with evaluation. At TP=1, TP=2 with SP and PP=2 against TRL (+ PEFT) at one process;
+score head in modules_to_save) with evaluation. At TP=1, TP=2 with SP, PP=2, CP=2 and PP=2 x VPP=2 (megatron's
+interleaved schedule) against TRL (+ PEFT) at one process;
 at DP=2 against TRL under DDP in the same two-rank world. In every log loss, grad_norm,
 min / mean / max reward, accuracy and margin within 1e-4 relative or 2e-5 absolute, num_tokens exactly; the eval
 metrics the same; final weights: each tensor's difference from TRL's within 1% of how far TRL's training moved it
@@ -40,6 +42,9 @@ from ._reward_parity import (LORA, METRICS, SCENARIOS, bf16_head, classifier_che
 ARCHS = ("llama", "qwen3")
 NAMES = list(SCENARIOS)
 LAYOUTS = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True}, "pp2": {"pipeline_parallel_size": 2}}
+# NOTE: classifier checks and training runs only (the resume test runs in LAYOUTS)
+MORE_LAYOUTS = {"cp2": {"context_parallel_size": 2},
+                "pp2_vpp2": {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}}
 CHECKPOINT = {"explicit": {"save_strategy": "steps", "save_steps": 2}}  # NOTE: the TP2 run's, resumed from step 2
 
 
@@ -50,10 +55,12 @@ def _one_rank(causal: dict, classifier: str, out_dir: str) -> dict:
 
 
 def _two_ranks(causal: dict, classifier: str, out_dir: str) -> dict:
-    out = {name: classifier_checks(causal, f"{out_dir}/{name}", layout) for name, layout in LAYOUTS.items()}
+    out = {name: classifier_checks(causal, f"{out_dir}/{name}", layout)
+           for name, layout in {**LAYOUTS, **MORE_LAYOUTS}.items()}
     out["refusals"] = refusals(causal["llama"], {})
     out["tp2_sp_train"] = run_loong(classifier, out_dir + "/tp2-train", LAYOUTS["tp2_sp"], NAMES, extra=CHECKPOINT)
-    out["pp2_train"] = run_loong(classifier, out_dir + "/pp2-train", LAYOUTS["pp2"], NAMES)
+    for name, layout in {"pp2": LAYOUTS["pp2"], **MORE_LAYOUTS}.items():
+        out[f"{name}_train"] = run_loong(classifier, f"{out_dir}/{name}-train", layout, NAMES)
     for name, layout in LAYOUTS.items():  # NOTE: the TP2 + SP run's step-2 checkpoint, in the same / another layout
         out[f"resume_{name}"] = resume_loong(classifier, out_dir + "/tp2-train/explicit/checkpoint-2",
                                              f"{out_dir}/resume-{name}", layout)
@@ -112,7 +119,7 @@ def test_classifier_matches_transformers_tp1(sources, one_rank, arch):
     _assert_export(res, arch)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, *MORE_LAYOUTS])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_classifier_matches_transformers_two_ranks(sources, two_ranks, layout, arch):
     _assert_classifier(two_ranks[0][layout][arch], sources[0][arch])
@@ -128,8 +135,7 @@ def test_fresh_head_bf16_as_transformers(one_rank):
 
 def test_refusals(two_ranks):
     for rank in two_ranks:
-        cp, labels, embeds, generate, no_pad, trainer, causal, ia3, lora_task = rank["refusals"]
-        assert "context_parallel_size=2 is not supported" in cp
+        labels, embeds, generate, no_pad, trainer, causal, ia3, lora_task, vpp = rank["refusals"]
         assert "num_labels=3" in labels and "ValueError" in labels  # NOTE: TRL's own check
         assert "inputs_embeds" in embeds
         assert "does not generate" in generate
@@ -138,6 +144,7 @@ def test_refusals(two_ranks):
         assert "AutoModelForSequenceClassification" in causal and "LoongModelForCausalLM" in causal
         assert "peft_config of type IA3Config (LoRA only)" in ia3
         assert "LoraConfig(task_type=None) on a sequence classifier: use task_type='SEQ_CLS'" in lora_task
+        assert "gradient_accumulation_steps=1 with virtual pipeline stages" in vpp
 
 
 def _assert_matches(name: str, ref: dict, got: dict, initial: dict) -> None:
@@ -188,9 +195,10 @@ def test_trainer_dp2_matches_trl_ddp(sources, two_ranks):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_trainer_pp2_matches_trl(sources, one_rank, two_ranks, name):
-    _assert_matches(name, one_rank["trl"][name], two_ranks[0]["pp2_train"][name], saved_tensors(sources[1]))
-    assert two_ranks[1]["pp2_train"][name]["logs"] == two_ranks[0]["pp2_train"][name]["logs"]
+@pytest.mark.parametrize("layout", ["pp2", *MORE_LAYOUTS])
+def test_trainer_pp2_cp2_vpp2_match_trl(sources, one_rank, two_ranks, layout, name):
+    _assert_matches(name, one_rank["trl"][name], two_ranks[0][f"{layout}_train"][name], saved_tensors(sources[1]))
+    assert two_ranks[1][f"{layout}_train"][name]["logs"] == two_ranks[0][f"{layout}_train"][name]["logs"]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -7,7 +7,8 @@ penalty in the reward, from a reference model) with num_iterations 2 (old log-pr
 with the adapters disabled as the reference against TRL + PEFT (logs and completions); a tiny Qwen3-MoE with
 ``router_aux_loss_coef=0.1`` (TRL's router balancing loss in the loss, its ``aux_loss`` metric). Each trainer
 generates with its own model (transformers' sampling, seeded as TRL seeds it); the pad token is suppressed as in the
-GRPO test. At TP=1 in one process (all of them), and at TP=2 with sequence parallelism, PP=2, CP=2 and DP=2 (against
+GRPO test. At TP=1 in one process (all of them), and at TP=2 with sequence parallelism, PP=2, PP=2 x VPP=2
+(megatron's interleaved schedule; the no-grad log-probs through the virtual stages in order), CP=2 and DP=2 (against
 trl.RLOOTrainer under DDP in the same world) in one two-rank world.
 
 Evaluation (``_rloo_parity.EVAL_SCENARIOS``, at every layout): after training, TRL's ``evaluate()`` over 2 prompts x 4
@@ -34,6 +35,7 @@ MOE_NAMES = list(MOE_SCENARIOS)
 # layout -> (its parallel settings, the scenarios run with it); DP=2 against TRL under DDP, the others against TP=1
 TWO_RANK = {"tp2_sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, ["rloo_kl_iter2"]),
             "pp2": ({"pipeline_parallel_size": 2}, ["rloo_kl_iter2"]),
+            "pp2_vpp2": ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, ["rloo_kl_iter2"]),
             "cp2": ({"context_parallel_size": 2}, ["rloo_kl_iter2"]),
             "dp2": ({}, ["rloo_kl_iter2", "rloo_norm_clip"])}
 EXACT = ("completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
