@@ -27,6 +27,9 @@ IMAGE_TEXT = {
     "internvl": ("tiny_internvl", "tiny_internvl_config", {}),
     "llama4_vl": ("tiny_llama4_vl", "tiny_llama4_vl_config", {}),
     "glm4v": ("tiny_glm4v", "tiny_glm4v_config", {}), "glm4v_moe": ("tiny_glm4v", "tiny_glm4v_moe_config", {}),
+    "paligemma": ("tiny_paligemma", "tiny_paligemma_config", {}),
+    "paligemma2": ("tiny_paligemma", "tiny_paligemma_config", {"gemma2": True}),
+    "aya_vision": ("tiny_aya_vision", "tiny_aya_vision_config", {}),
 }
 FIXTURES = (*TINY_ARCHS, *IMAGE_TEXT)
 
