@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.cohere import Cohere2Bridge, CohereBridge
-from loongforge_hf.bridges.gemma3_vl import siglip_shapes
+from loongforge_hf.bridges.gemma3_vl import check_siglip_vision, siglip_shapes
 from loongforge_hf.bridges.internvl import decoder_text_bridge
 from loongforge_hf.bridges.llava import LlavaBridge
 from loongforge_hf.bridges.mistral3_vl import HeadPrefixedText
@@ -73,8 +73,6 @@ class AyaVisionBridge(LlavaBridge):
         return getattr(hf, "alignment_intermediate_size", None) or hf.text_config.hidden_size
 
     def check_vision_config(self) -> None:
-        from transformers.activations import ACT2FN
-
         v, hf = self.vision_config, self.hf_config
         if v.model_type != self.tower_type:
             raise C.UnsupportedConfigError(f"{self.architectures[0]} with vision_config.model_type={v.model_type!r} "
@@ -86,14 +84,10 @@ class AyaVisionBridge(LlavaBridge):
         if not isinstance(layer, int) or not -count - 1 <= layer <= count:
             raise C.UnsupportedConfigError(f"vision_feature_layer={layer!r} is not supported: one index into the "
                                            f"{count + 1} hidden states of the {count}-block ViT.")
-        for field, bad in (("vision_use_head", getattr(v, "vision_use_head", False)),
-                           ("tie_last_hidden_states", getattr(v, "tie_last_hidden_states", None)),
-                           ("attention_dropout", getattr(v, "attention_dropout", 0.0))):
-            if bad:
-                raise C.UnsupportedConfigError(f"vision_config.{field}={bad!r} is not supported.")
-        if v.hidden_act not in ACT2FN:
-            raise C.UnsupportedConfigError(f"vision_config.hidden_act={v.hidden_act!r} is not an activation "
-                                           "transformers knows.")
+        check_siglip_vision(v, "Aya Vision reads a hidden state of the ViT's blocks")
+        if getattr(v, "tie_last_hidden_states", None):
+            raise C.UnsupportedConfigError(f"vision_config.tie_last_hidden_states={v.tie_last_hidden_states!r} is "
+                                           "not supported.")
         if not isinstance(v.image_size, int) or not isinstance(v.patch_size, int) or v.image_size % v.patch_size:
             raise C.UnsupportedConfigError(f"vision_config: image_size={v.image_size!r} must be a whole multiple of "
                                            f"patch_size={v.patch_size!r}.")

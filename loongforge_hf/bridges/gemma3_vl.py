@@ -88,6 +88,20 @@ def siglip_shapes(bridge, projector: tuple) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def check_siglip_vision(v, reader: str) -> None:
+    """Refuse what our SigLIP tower does not run: an activation transformers does not know, the pooling head
+    (``vision_use_head``: ``reader`` says what the model reads instead), attention dropout in the ViT."""
+    from transformers.activations import ACT2FN
+
+    if v.hidden_act not in ACT2FN:
+        raise C.UnsupportedConfigError(f"vision_config.hidden_act={v.hidden_act!r} is not an activation "
+                                       "transformers knows.")
+    if getattr(v, "vision_use_head", False):
+        raise C.UnsupportedConfigError(f"vision_config.vision_use_head=True is not supported: {reader}.")
+    if getattr(v, "attention_dropout", 0.0):
+        raise C.UnsupportedConfigError(f"vision_config.attention_dropout={v.attention_dropout} is not supported.")
+
+
 def encoder_layer_shapes(prefix: str, layers: int, d: int, f: int) -> dict[str, tuple[int, ...]]:
     """HF shapes of a SigLIP / CLIP encoder's ``layers`` blocks under ``prefix`` (``{prefix}.{i}.self_attn.q_proj``,
     ...): width ``d``, MLP width ``f``, biases everywhere."""
@@ -177,17 +191,8 @@ class Gemma3VLBridge(OuterTableBridge):
         return as_image_patches(pixel_values, self.vision_config.patch_size)
 
     def check_vision_config(self) -> None:
-        from transformers.activations import ACT2FN
-
         v, side = self.vision_config, self.vision_config.image_size // self.vision_config.patch_size
-        if v.hidden_act not in ACT2FN:
-            raise C.UnsupportedConfigError(f"vision_config.hidden_act={v.hidden_act!r} is not an activation "
-                                           "transformers knows.")
-        if getattr(v, "vision_use_head", False):
-            raise C.UnsupportedConfigError("vision_config.vision_use_head=True is not supported: Gemma 3 reads the "
-                                           "ViT's last hidden states (the hub's configs set it False).")
-        if getattr(v, "attention_dropout", 0.0):
-            raise C.UnsupportedConfigError(f"vision_config.attention_dropout={v.attention_dropout} is not supported.")
+        check_siglip_vision(v, "Gemma 3 reads the ViT's last hidden states (the hub's configs set it False)")
         per_side = self.tokens_per_side
         if per_side * per_side != self.hf_config.mm_tokens_per_image or v.image_size % v.patch_size \
                 or side % per_side:

@@ -30,7 +30,7 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.gemma import Gemma2Bridge, GemmaBridge
-from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, siglip_shapes
+from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, check_siglip_vision, siglip_shapes
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, PrefixedText
 
 
@@ -94,17 +94,8 @@ class PaliGemmaBridge(Gemma3VLBridge):
         return self.vision_config.image_size // self.vision_config.patch_size
 
     def check_vision_config(self) -> None:
-        from transformers.activations import ACT2FN
-
         v, hf = self.vision_config, self.hf_config
-        if v.hidden_act not in ACT2FN:
-            raise C.UnsupportedConfigError(f"vision_config.hidden_act={v.hidden_act!r} is not an activation "
-                                           "transformers knows.")
-        if getattr(v, "vision_use_head", False):
-            raise C.UnsupportedConfigError("vision_config.vision_use_head=True is not supported: PaliGemma reads the "
-                                           "ViT's last hidden states (PaliGemmaConfig sets it False).")
-        if getattr(v, "attention_dropout", 0.0):
-            raise C.UnsupportedConfigError(f"vision_config.attention_dropout={v.attention_dropout} is not supported.")
+        check_siglip_vision(v, "PaliGemma reads the ViT's last hidden states (PaliGemmaConfig sets it False)")
         if v.image_size % v.patch_size:
             raise C.UnsupportedConfigError(f"vision_config: image_size={v.image_size} is not a multiple of "
                                            f"patch_size={v.patch_size}.")

@@ -62,16 +62,6 @@ class LoongRewardConfig(LoongArgumentsMixin, RewardConfig):
     """trl's ``RewardConfig`` plus LoongTrainer's own knobs, defined once in ``LoongArgumentsMixin``."""
 
 
-def _as_reward_config(args, model) -> RewardConfig:
-    if args is None:
-        name = (getattr(model.config, "_name_or_path", "") or "model").rstrip("/").split("/")[-1]
-        return RewardConfig(f"{name}-Reward")
-    if not isinstance(args, RewardConfig):
-        raise TypeError(f"args must be a trl.RewardConfig (or loongforge_hf.LoongRewardConfig), got "
-                        f"{type(args).__name__}.")
-    return args
-
-
 def _refuse_unsupported(args: RewardConfig, model, peft_config, **given) -> None:
     """Everything checked here is the same on every rank: all raise alike, before any collective."""
     named = [k for k, v in given.items() if v is not None and v != (None, None)]
@@ -197,7 +187,9 @@ class LoongRewardTrainer(LoongTrainer, RewardTrainer):
             raise TypeError("LoongRewardTrainer trains a loongforge_hf sequence classifier: load it with "
                             "loongforge_hf.AutoModelForSequenceClassification.from_pretrained(..., num_labels=1) "
                             f"(got {type(model).__name__}).")
-        args = _as_reward_config(args, model)
+        from loongforge_hf.integrations.trl_online import checked_args
+
+        args = checked_args(args, model, RewardConfig, "Reward")
         _refuse_unsupported(args, model, peft_config, optimizers=optimizers,
                             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                             quantization_config=quantization_config)
