@@ -461,6 +461,19 @@ class _PreferenceLoss:
         return self.reference[id(batch)]
 
 
+def record_hook_step(trainer, result, micro: list[dict], append) -> None:
+    """A loss-hook trainer's train metrics of one step (DPO, reward): the router balancing loss where there is one,
+    ``append(metrics, values)`` for each micro-batch's hook stats, the real tokens seen (TRL's ``num_tokens``)."""
+    metrics = trainer._metrics["train"]
+    if result.router_aux is not None:
+        metrics["aux_loss"].extend(result.router_aux)
+    for values in result.hook_stats:
+        append(metrics, values)
+    trainer._total_train_tokens += trainer.count_step_tokens(micro, lambda b: int(b["attention_mask"].sum()),
+                                                             with_padding=False)
+    metrics["num_tokens"] = [trainer._total_train_tokens]
+
+
 def _append_metrics(metrics: dict, values: list[float]) -> None:
     """TRL's per-micro-batch metrics from the ``_STATS`` sums of one micro-batch over the data-parallel ranks."""
     s = dict(zip(_STATS, values))
@@ -628,14 +641,7 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
         return optimizer
 
     def _record_step(self, result, micro: list[dict]) -> None:
-        metrics = self._metrics["train"]
-        if result.router_aux is not None:
-            metrics["aux_loss"].extend(result.router_aux)
-        for values in result.hook_stats:
-            _append_metrics(metrics, values)
-        self._total_train_tokens += self.count_step_tokens(micro, lambda b: int(b["attention_mask"].sum()),
-                                                           with_padding=False)
-        metrics["num_tokens"] = [self._total_train_tokens]
+        record_hook_step(self, result, micro, _append_metrics)
 
     def _save_checkpoint(self, model, trial) -> None:
         from loongforge_hf.integrations.trl import save_checkpoint_with_model_card

@@ -40,8 +40,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from loongforge_hf.integrations.grpo_losses import SUMS, GRPOLoss
-from loongforge_hf.integrations.trl_online import (OnlineEngineMixin, check_policy, checked_args, no_reference,
-                                                   prepare_policy, rank_slots, refusals)
+from loongforge_hf.integrations.trl_online import OnlineEngineMixin, checked_setup, no_reference, rank_slots
 from loongforge_hf.trainer.arguments import LoongArgumentsMixin
 from loongforge_hf.trainer.data import dp_rank_and_size
 from loongforge_hf.trainer.loong_trainer import LoongTrainer
@@ -69,14 +68,10 @@ class LoongGRPOTrainer(OnlineEngineMixin, LoongTrainer, _GRPOArgsSecond):
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None) -> None:
-        check_policy(model, "LoongGRPOTrainer")
-        args = checked_args(args, model, GRPOConfig, "GRPO")
-        problems = refusals(args, model, peft_config, train_dataset, processing_class, eval_dataset=eval_dataset,
-                            fields=_GRPO_FIELDS, optimizers=optimizers, quantization_config=quantization_config,
-                            tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)
-        if problems:
-            raise ValueError("LoongGRPOTrainer does not support: " + "; ".join(problems) + ".")
-        model = prepare_policy(model, args, peft_config)
+        model, args = checked_setup(model, args, peft_config, train_dataset, processing_class, name="GRPO",
+                                    config_class=GRPOConfig, eval_dataset=eval_dataset, fields=_GRPO_FIELDS,
+                                    optimizers=optimizers, quantization_config=quantization_config, tools=tools,
+                                    rollout_func=rollout_func, environment_factory=environment_factory)
         with no_reference(args) as beta:  # NOTE: the reference is set in _finish_setup
             super().__init__(model, args, reward_funcs=reward_funcs, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class,

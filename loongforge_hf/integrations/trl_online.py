@@ -120,6 +120,19 @@ def checked_args(args, model, config_class, suffix: str):
     return args
 
 
+def checked_setup(model, args, peft_config, train_dataset, processing_class, *, name: str, config_class,
+                  eval_dataset, **given):
+    """The start of ``Loong{name}Trainer.__init__``, on every rank before any collective: the policy's type, the
+    config (``checked_args``), ``refusals`` raised together; then (the prepared policy, the config)."""
+    trainer = f"Loong{name}Trainer"
+    check_policy(model, trainer)
+    args = checked_args(args, model, config_class, name)
+    problems = refusals(args, model, peft_config, train_dataset, processing_class, eval_dataset=eval_dataset, **given)
+    if problems:
+        raise ValueError(f"{trainer} does not support: " + "; ".join(problems) + ".")
+    return prepare_policy(model, args, peft_config), args
+
+
 def prepare_policy(model, args, peft_config):
     """The policy as TRL's ``__init__`` is to see it: megatron LoRA adapters drawn after ``set_seed`` (as TRL draws
     PEFT's), a generation config."""

@@ -227,12 +227,9 @@ class LoongRewardTrainer(LoongTrainer, RewardTrainer):
         return optimizer
 
     def _record_step(self, result, micro: list[dict]) -> None:
-        metrics = self._metrics["train"]
-        for values in result.hook_stats:
-            _append_metrics(metrics, values)
-        self._total_train_tokens += self.count_step_tokens(micro, lambda b: int(b["attention_mask"].sum()),
-                                                           with_padding=False)
-        metrics["num_tokens"] = [self._total_train_tokens]
+        from loongforge_hf.integrations.trl_dpo import record_hook_step
+
+        record_hook_step(self, result, micro, _append_metrics)  # NOTE: no router loss here (router_aux_coef 0)
 
     def _save_checkpoint(self, model, trial) -> None:
         from loongforge_hf.integrations.trl import save_checkpoint_with_model_card

@@ -32,8 +32,7 @@ from dataclasses import dataclass
 import torch
 from trl import RLOOConfig, RLOOTrainer
 
-from loongforge_hf.integrations.trl_online import (OnlineEngineMixin, check_policy, checked_args, no_reference,
-                                                   prepare_policy, rank_slots, refusals)
+from loongforge_hf.integrations.trl_online import OnlineEngineMixin, checked_setup, no_reference, rank_slots
 from loongforge_hf.trainer.arguments import LoongArgumentsMixin
 from loongforge_hf.trainer.data import dp_rank_and_size
 from loongforge_hf.trainer.loong_trainer import LoongTrainer
@@ -71,13 +70,9 @@ class LoongRLOOTrainer(OnlineEngineMixin, LoongTrainer, _RLOOArgsSecond):
     def __init__(self, model=None, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None) -> None:
-        check_policy(model, "LoongRLOOTrainer")
-        args = checked_args(args, model, RLOOConfig, "RLOO")
-        problems = refusals(args, model, peft_config, train_dataset, processing_class, eval_dataset=eval_dataset,
-                            optimizers=optimizers, quantization_config=quantization_config)
-        if problems:
-            raise ValueError("LoongRLOOTrainer does not support: " + "; ".join(problems) + ".")
-        model = prepare_policy(model, args, peft_config)
+        model, args = checked_setup(model, args, peft_config, train_dataset, processing_class, name="RLOO",
+                                    config_class=RLOOConfig, eval_dataset=eval_dataset, optimizers=optimizers,
+                                    quantization_config=quantization_config)
         with no_reference(args) as beta:  # NOTE: the reference is set in _finish_setup
             super().__init__(model, args, reward_funcs=reward_funcs, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class,
