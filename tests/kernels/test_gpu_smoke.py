@@ -67,7 +67,8 @@ def _train_and_compare(folder: str, out_dir: str, device: str) -> dict:
                                             ("hunyuan_v1_dense", {}), ("apertus", {}), ("flex_olmo", {}),
                                             ("granitemoeshared", {}), ("exaone", {}), ("bamba", {}),
                                             ("nemotron_h", {}), ("lfm2", {}), ("lfm2_moe", {}),
-                                            ("jais2", {}), ("cohere2_moe", {}), ("afmoe", {})])
+                                            ("jais2", {}), ("cohere2_moe", {}), ("afmoe", {}),
+                                            ("phimoe", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
