@@ -12,7 +12,9 @@ Choices:
   out of the block (transformers' padding mask cuts it); in Gemma 2's sliding layers the block passes the window
   (transformers' ``OR(AND(window, causal), blockwise)``, unlike Gemma 3's). ``generate`` types its new tokens 1
   (suffix), as transformers' PaliGemma does. Without ``token_type_ids`` attention is causal, as
-  transformers' with an ``attention_mask``.
+  transformers' with an ``attention_mask``. The block holds under pipeline parallelism (every stage applies it) and
+  context parallelism (a rank's query chunks take every key of the block, those of the other ranks' chunks too:
+  ``kernels.attention``), so neither is refused.
 - Namings, vision tensors and their tensor parallelism are Gemma 3's (``gemma3_vl.Gemma3VLBridge``, SigLIP's blocks);
   the projector ``multi_modal_projector.linear`` (weight and bias) is replicated (``vision_paligemma.py``).
 - Refused (``UnsupportedConfigError``, before any collective): another decoder, an untied head, ``projection_dim``

@@ -1,5 +1,6 @@
 """Rank functions for tests/multimodal/test_aya_vision.py (module-level so spawned ranks can import them): Aya Vision
-batches of 16 ``<image>`` tokens per 56x56 image, compared with transformers."""
+batches of 16 ``<image>`` tokens per 56x56 image, compared with transformers; LoRA against PEFT as PaliGemma's
+(``_vl_paligemma.lora_checks``)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,17 @@ def prompts() -> dict:
     return {**batch, "attention_mask": (batch["input_ids"] != 0).long()}
 
 
-def checks(*, cases: list, generation: tuple | None = None) -> dict:
+def checks(*, cases: list, generation: tuple | None = None, lora: tuple | None = None,
+           peft_adapter: tuple | None = None) -> dict:
     """``_vl_gemma3.compare`` (logits, loss, vision gradients; the export where ``out_dir`` is given) for each
     (name, folder, layout, out_dir) of ``cases``; with ``generation`` (folder, scenarios),
-    ``_vl_gemma3.generate_both`` on ``prompts()``."""
+    ``_vl_gemma3.generate_both`` on ``prompts()``; ``_vl_paligemma.lora_checks`` of ``lora`` and
+    ``_vl_paligemma.peft_written(peft_adapter)`` on ``make_batch()``."""
     from ._vl_gemma3 import compare, generate_both
+    from ._vl_paligemma import lora_checks, peft_written
 
     out = {name: compare(folder, layout, out_dir, batch=make_batch()) for name, folder, layout, out_dir in cases}
     if generation is not None:
         folder, scenarios = generation
         out["generate"] = generate_both(folder, {}, prompts, scenarios)
-    return out
+    return {**out, **lora_checks(lora, make_batch()), **peft_written(peft_adapter, make_batch())}
