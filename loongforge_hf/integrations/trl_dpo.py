@@ -51,6 +51,22 @@ Choices:
   as TRL leaves it with PEFT; the reference log-probs are precomputed here, after TRL's ``__init__``.
 - ``disable_dropout`` (TRL's default): TRL zeroes ``nn.Dropout`` modules (attention, LoRA); megatron's residual
   dropout (``hidden_dropout``, a float on each layer) is zeroed too.
+- ``padding_free=True`` (TRL 1.16 accepts it, warns and pads instead: the same numbers, which the packed rows give
+  here): after TRL's collator each micro-batch's rows, chosen then rejected, are packed into one row without their
+  pads (``_packed``: ``position_ids`` restarting at each row, so attention never crosses rows, the label of each
+  row's first token dropped, ``row_index`` where each row's tokens went). The forwards run on the packed row; the
+  per-token log-probs (and WPO's ``log sum_v p_v^2``) are put back into per-row ``[rows, longest]`` form
+  (``_rows``) before ``RowScores``, so the losses, LD-DPO's weights and the metrics read rows as without packing;
+  a MoE's balancing loss is over the same real tokens (the packed row's mask, pads off). Refused with context
+  parallelism (each rank's share is of the packed row, not of each row) and pipeline parallelism (a step's
+  micro-batches would need one length).
+- ``use_liger_kernel=True``: TRL 1.16's DPO asks transformers to swap Liger's layer kernels (RMSNorm, RoPE, SwiGLU,
+  ...) into the model, ``fused_linear_cross_entropy`` off: its loss and fused LM head stay its own (Liger's fused
+  DPO loss is older TRL's), so the numbers are its run's without Liger. The megatron model runs this package's own
+  kernels whatever the flag (``kernels/``), so it is accepted and changes nothing (``liger_kernel`` need not be
+  installed; with it, ``Trainer.train`` would try to patch a transformers model: the flag is off while LoongTrainer
+  checks and trains, ``_without_liger``); ``liger_kernel_config={"fused_linear_cross_entropy": True}`` is refused,
+  as TRL refuses it. Tested against TRL without Liger: ``liger_kernel`` (Triton kernels) does not run on CPU.
 - Batches are padded after TRL's collator to what megatron needs (``ParallelConfig.sequence_multiple``; under pipeline
   parallelism to ``max_length``, one length for every micro-batch) and get ``labels`` (the completion tokens); pads
   are masked and carry no label.
@@ -60,7 +76,8 @@ Choices:
   ``logits/chosen`` and ``logits/rejected`` (mean logit over the vocabulary) are not logged: the fused head never
   builds the logits.
 - Refused with a message, on every rank before any collective: a loss type TRL 1.16 does not know,
-  ``use_liger_kernel``, ``padding_free``, ``use_weighting`` with "sft" (TRL 1.16 fails on it: it scales the
+  ``liger_kernel_config`` with ``fused_linear_cross_entropy``, ``padding_free`` with CP or PP, ``use_weighting``
+  with "sft" (TRL 1.16 fails on it: it scales the
   expanded scalar in place), ``sync_ref_model``, ``activation_offloading``, ``rpo_alpha`` (an older TRL's field;
   TRL 1.16 writes RPO as ``loss_type=["sigmoid", "sft"]``, ``loss_weights=[1, alpha]``, which runs here),
   image datasets / processors, a ``ref_model`` that is not a loongforge model of the same layout, non-LoRA
@@ -73,7 +90,7 @@ Choices:
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +99,7 @@ from trl import DPOConfig, DPOTrainer
 
 from loongforge_hf.integrations.dpo_losses import LOSS_TYPES, DPOLoss, reward_stats, wpo_weights
 from loongforge_hf.integrations.dpo_losses import STATS as REWARD_STATS
+from loongforge_hf.kernels._saved import training_numerics
 from loongforge_hf.trainer.arguments import LoongArgumentsMixin
 from loongforge_hf.trainer.loong_trainer import LoongTrainer
 
@@ -118,8 +136,7 @@ def _refuse_unsupported(args: DPOConfig, model, ref_model, peft_config, train_da
         problems.append("use_weighting=True with loss_type 'sft' (TRL 1.16's weighting fails on its per-sequence "
                         "loss, an expanded scalar)")
     for field, default, why in (
-            ("use_liger_kernel", False, ""), ("padding_free", False, ""), ("sync_ref_model", False, ""),
-            ("activation_offloading", False, ""),
+            ("sync_ref_model", False, ""), ("activation_offloading", False, ""),
             ("rpo_alpha", None, " (an older TRL's field: write loss_type=['sigmoid', 'sft'], "
                                 "loss_weights=[1.0, rpo_alpha], as TRL 1.16 does)")):
         if getattr(args, field, default) != default:
@@ -134,7 +151,15 @@ def _refuse_unsupported(args: DPOConfig, model, ref_model, peft_config, train_da
         problems.append(f"ref_model with layout {ref_model.parallel} (the policy's is {model.parallel})")
     if peft_config is not None and type(peft_config).__name__ != "LoraConfig":
         problems.append(f"peft_config of type {type(peft_config).__name__} (LoRA only)")
+    if args.use_liger_kernel and (args.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
+        problems.append('liger_kernel_config={"fused_linear_cross_entropy": True} (TRL 1.16 refuses it too: it '
+                        "replaces the model's forward, which the trainer's fused LM head stands in for)")
     layout = model.parallel
+    if args.padding_free:
+        for field in ("context_parallel_size", "pipeline_parallel_size"):
+            if getattr(layout, field) > 1:
+                problems.append(f"padding_free=True with {field} > 1 (packed preference rows train at tensor, "
+                                "sequence, expert and data parallelism)")
     if layout.pipeline_parallel_size > 1 and args.max_length is None:
         problems.append("pipeline_parallel_size > 1 without DPOConfig(max_length=...) (every micro-batch of a step "
                         "is padded to it)")
@@ -173,10 +198,13 @@ class RowScores:
 
     def __call__(self, token_logps: torch.Tensor, batch: dict, labels: torch.Tensor, *, output: torch.Tensor, head,
                  vocab_size: int, grad: bool = False) -> torch.Tensor:
-        """``token_logps`` / ``labels``: this CP rank's ``[b, s_local]`` (``_token_logps``), ``batch`` the whole
-        padded micro-batch, ``output`` / ``head`` what ``_token_logps`` read."""
+        """``token_logps`` / ``labels``: this CP rank's ``[b, s_local]`` (``_token_logps``), or a packed batch's
+        ``[1, s]`` (``padding_free``), ``batch`` the whole micro-batch, ``output`` / ``head`` what ``_token_logps``
+        read."""
         from loongforge_hf.integrations.dpo_losses import ld_token_weights
 
+        sq = _token_log_sum_sq_probs(output, labels, head, vocab_size=vocab_size) if self.wpo else None
+        token_logps, labels = _rows(batch, token_logps, 0.0), _rows(batch, labels, -100)
         plain = token_logps.sum(dim=1)
         scored = plain
         if self.ld_alpha is not None:
@@ -184,11 +212,11 @@ class RowScores:
             scored = (token_logps * _cp_local_tokens(weights)).sum(dim=1)
         aligned = torch.zeros_like(plain)
         if self.wpo:
-            sq = _token_log_sum_sq_probs(output, labels, head, vocab_size=vocab_size)
-            aligned = ((token_logps.detach() - sq) * (labels != -100)).sum(dim=1)
+            aligned = ((token_logps.detach() - _rows(batch, sq, 0.0)) * (labels != -100)).sum(dim=1)
         return _over_context_parallel(torch.stack([scored, plain, aligned], dim=1), grad=grad)
 
 
+@training_numerics()
 @torch.no_grad()
 def sequence_scores(model, micro_batches: list[dict], *, everywhere: bool = True,
                     scores: RowScores = RowScores()) -> list[torch.Tensor | None]:
@@ -297,22 +325,50 @@ def _cp_local_tokens(values: torch.Tensor) -> torch.Tensor:
 
 
 def _shifted(batch: dict, device) -> torch.Tensor:
+    """The batch's shifted labels, per row (``[rows, s]``; a packed batch's unpacked, ``_rows``)."""
     from loongforge_hf.bridges.runtime import shift_labels
 
-    return shift_labels(batch["labels"].to(device))
+    return _rows(batch, shift_labels(batch["labels"].to(device)), -100)
+
+
+def _rows(batch: dict, values: torch.Tensor, fill: float) -> torch.Tensor:
+    """A packed batch's (``padding_free``) per-token ``[1, s]`` values -> ``[rows, longest row]``, right-filled with
+    ``fill`` (``row_index``: each row's tokens' places in the packed row, -1 past the row); ``values`` unchanged for
+    a batch of rows. Differentiable."""
+    index = batch.get("row_index")
+    if index is None:
+        return values
+    index = index.to(values.device)
+    return values[0, index.clamp(min=0)].masked_fill(index < 0, fill)
+
+
+def _halves(batch: dict, rows: int) -> tuple[tuple, tuple, int]:
+    """Where the chosen and the rejected rows' tokens are in a micro-batch's ``[b, s]`` tensors (the first and last
+    ``rows``; a packed batch's two runs of its row), and the dimension to put them back together along."""
+    index = batch.get("row_index")
+    if index is None:
+        return (slice(0, rows),), (slice(rows, None),), 0
+    split = int((index[:rows] >= 0).sum())
+    return (slice(None), slice(0, split)), (slice(None), slice(split, None)), 1
+
+
+def _completion_lengths(batch: dict, device) -> torch.Tensor:
+    """Each row's completion tokens (TRL's ``completion_mask`` sums)."""
+    return _rows(batch, batch["completion_mask"].to(device), 0).sum(dim=1)
 
 
 def _local_inputs(batch: dict, device) -> tuple[tuple, torch.Tensor]:
-    """((input_ids, position_ids, mask), shifted labels) of a padded text batch as the engine builds them: this
-    context-parallel rank's share (``parallel.context_parallel.cp_local_inputs``)."""
-    from loongforge_hf.bridges.runtime import megatron_attention_mask
+    """((input_ids, position_ids, mask), shifted labels) of a padded or packed (``position_ids``) text batch as the
+    engine builds them: this context-parallel rank's share (``parallel.context_parallel.cp_local_inputs``)."""
+    from loongforge_hf.bridges.runtime import megatron_attention_mask, shift_labels
     from loongforge_hf.parallel.context_parallel import cp_local_inputs
 
     input_ids = batch["input_ids"].to(device)
     b, s = input_ids.shape
-    mask = megatron_attention_mask(batch.get("attention_mask"), s, None, device=device)
-    *args, labels = cp_local_inputs(input_ids, torch.arange(s, device=device).expand(b, s), mask,
-                                    _shifted(batch, device))
+    positions = batch.get("position_ids")
+    mask = megatron_attention_mask(batch.get("attention_mask"), s, positions, device=device)
+    positions = torch.arange(s, device=device).expand(b, s) if positions is None else positions.to(device)
+    *args, labels = cp_local_inputs(input_ids, positions, mask, shift_labels(batch["labels"].to(device)))
     return tuple(args), labels
 
 
@@ -392,22 +448,45 @@ def _head_logits(rows: torch.Tensor, weight: torch.Tensor | None, head) -> torch
 
 
 class _PreferenceBatches:
-    """TRL's preference collator, then padding to ``multiple`` (pads masked out) and ``labels``: the completion
-    tokens (TRL's ``input_ids`` where ``completion_mask``, else -100)."""
+    """TRL's preference collator, then (``packed``) its rows packed into one (``_packed``), padding to ``multiple``
+    (pads masked out) and ``labels``: the completion tokens (TRL's ``input_ids`` where ``completion_mask``, else
+    -100)."""
 
-    def __init__(self, collator, *, multiple: int, pad_id: int) -> None:
-        self.collator, self.multiple, self.pad_id = collator, multiple, pad_id
+    def __init__(self, collator, *, multiple: int, pad_id: int, packed: bool = False) -> None:
+        self.collator, self.multiple, self.pad_id, self.packed = collator, multiple, pad_id, packed
 
     def __call__(self, examples):
         batch = dict(self.collator(examples))
+        if self.packed:
+            batch = _packed(batch)
         seq = batch["input_ids"].shape[1]
         extra = -(-seq // self.multiple) * self.multiple - seq
         if extra:
             for key, value in (("input_ids", self.pad_id), ("attention_mask", 0), ("completion_mask", 0)):
                 t = batch[key]
                 batch[key] = torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
-        batch["labels"] = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+            if self.packed:  # NOTE: the pads continue the last row (masked keys), as right-padding would
+                pos = batch["position_ids"]
+                batch["position_ids"] = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1)], dim=1)
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+        if self.packed:  # NOTE: a row's last token predicts nothing (the next row's first token is not its label)
+            labels = labels.masked_fill(batch["position_ids"] == 0, -100)
+        batch["labels"] = labels
         return batch
+
+
+def _packed(batch: dict) -> dict:
+    """TRL's right-padded ``[rows, s]`` preference batch as one packed row (``padding_free``): the rows' tokens one
+    after the other, ``position_ids`` restarting at each row, ``row_index`` where each row's tokens went (``_rows``)."""
+    keep = batch["attention_mask"].bool()
+    lengths = keep.sum(dim=1)
+    index = torch.full(keep.shape, -1, dtype=torch.long)
+    index[keep] = torch.arange(int(lengths.sum()))
+    out = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "completion_mask")}
+    out.update(input_ids=batch["input_ids"][keep][None], completion_mask=batch["completion_mask"][keep][None],
+               attention_mask=torch.ones_like(batch["input_ids"][keep][None]), row_index=index,
+               position_ids=torch.cat([torch.arange(int(n)) for n in lengths])[None])
+    return out
 
 
 class _PreferenceLoss:
@@ -435,20 +514,20 @@ class _PreferenceLoss:
     def __call__(self, output, batch: dict, *, labels: torch.Tensor, head):
         trainer = self.trainer
         device = output.device
-        rows = labels.shape[0] // 2
+        rows = batch.get("row_index", labels).shape[0] // 2  # NOTE: pairs (a packed batch's rows: row_index's)
         chosen_stats = torch.zeros(2, dtype=torch.float32, device=device)
         rejected_stats = torch.zeros(2, dtype=torch.float32, device=device)
         vocab = trainer.model.config.vocab_size
         # NOTE: the chosen and rejected halves apart: TRL's token accuracy counts the chosen completions only
-        halves = [(output[:rows], chosen_stats), (output[rows:], rejected_stats)]
-        token_logps = torch.cat([_token_logps(out, labels[i * rows:(i + 1) * rows], head, vocab_size=vocab,
-                                              stats=stats) for i, (out, stats) in enumerate(halves)])
+        chosen, rejected, dim = _halves(batch, rows)
+        token_logps = torch.cat([_token_logps(output[half], labels[half], head, vocab_size=vocab, stats=stats)
+                                 for half, stats in ((chosen, chosen_stats), (rejected, rejected_stats))], dim=dim)
         logps, plain, aligned = trainer.row_scores(token_logps, batch, labels, output=output, head=head,
                                                    vocab_size=vocab, grad=True).unbind(dim=1)
         ref = self._reference(batch, device)
-        counts = (labels != -100).sum(dim=1).float()  # NOTE: this rank's share of the tokens
+        counts = (_rows(batch, labels, -100) != -100).sum(dim=1).float()  # NOTE: this rank's share of the tokens
         label_tokens = _over_context_parallel(counts)
-        loss = trainer.preference_loss(logps, ref, lengths=batch["completion_mask"].to(device).sum(dim=1),
+        loss = trainer.preference_loss(logps, ref, lengths=_completion_lengths(batch, device),
                                        label_tokens=label_tokens, sft_logps=plain,
                                        pair_weights=trainer.pair_weights(aligned, label_tokens))
         stats = reward_stats(logps, ref, beta=trainer.beta)
@@ -540,6 +619,8 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
             data_collator = _preference_collator(model, args, processing_class)
         # NOTE: TRL's own precompute (over accelerate's process sharding, with a hash of the model) stays off: the
         # reference log-probs are computed below, once TRL's __init__ has prepared the datasets
+        # NOTE: TRL 1.16 would warn that it falls back to padding; padding-free batches are packed below (_padded)
+        padding_free, args.padding_free = args.padding_free, False
         args.precompute_ref_log_probs = False
         try:
             super().__init__(model, args, ref_model=ref_model if ref_model is not None else _PolicyAsReference(model),
@@ -547,8 +628,8 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
                              processing_class=processing_class, compute_metrics=compute_metrics,
                              callbacks=callbacks, optimizers=optimizers, peft_config=None)
         finally:
-            args.precompute_ref_log_probs = precompute
-        self.precompute_ref_logps = precompute
+            args.precompute_ref_log_probs, args.padding_free = precompute, padding_free
+        self.precompute_ref_logps, self.padding_free = precompute, padding_free
         self.preference_loss = DPOLoss.from_args(args)
         self.row_scores = RowScores(ld_alpha=args.ld_alpha, wpo=args.use_weighting)
         if isinstance(self.ref_model, _PolicyAsReference):
@@ -570,6 +651,15 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
             elif self.eval_dataset is not None:
                 self.eval_dataset = self._with_reference_logps(self.eval_dataset, args.per_device_eval_batch_size)
 
+    def _refuse_unsupported(self) -> None:
+        """LoongTrainer's checks, but for ``use_liger_kernel``, which TRL 1.16's DPO takes (module docstring)."""
+        with _without_liger(self.args):
+            super()._refuse_unsupported()
+
+    def train(self, *args, **kwargs):
+        with _without_liger(self.args):  # NOTE: Trainer.train would patch a transformers model with Liger's kernels
+            return super().train(*args, **kwargs)
+
     # ---- data --------------------------------------------------------------------------------------------------
     def _dataset_tokenized_by_collator(self) -> bool:
         return True  # NOTE: TRL's prompt / chosen / rejected ids: its collator builds input_ids
@@ -581,7 +671,8 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
         multiple = layout.sequence_multiple
         if layout.pipeline_parallel_size > 1:
             multiple = math.lcm(multiple, self.args.max_length)
-        return _PreferenceBatches(collator, multiple=multiple, pad_id=self._tokenizer.pad_token_id)
+        return _PreferenceBatches(collator, multiple=multiple, pad_id=self._tokenizer.pad_token_id,
+                                  packed=self.padding_free)
 
     def _with_reference_logps(self, dataset, batch_size: int):
         """``dataset`` with TRL's ``ref_chosen_logps`` / ``ref_rejected_logps`` columns (every rank computes all)."""
@@ -665,7 +756,7 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
         else:
             ref = self.reference_logps([inputs], everywhere=True)[0]
         label_tokens = (_shifted(inputs, logps.device) != -100).sum(dim=1).float()
-        loss = self.preference_loss(logps, ref, lengths=inputs["completion_mask"].to(logps.device).sum(dim=1),
+        loss = self.preference_loss(logps, ref, lengths=_completion_lengths(inputs, logps.device),
                                     label_tokens=label_tokens, sft_logps=plain,
                                     pair_weights=self.pair_weights(aligned, label_tokens))
         if aux is not None:
@@ -687,6 +778,16 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+
+@contextmanager
+def _without_liger(args):
+    """``args.use_liger_kernel`` False inside (as given again after)."""
+    given, args.use_liger_kernel = args.use_liger_kernel, False
+    try:
+        yield
+    finally:
+        args.use_liger_kernel = given
 
 
 def _load_reference(model):

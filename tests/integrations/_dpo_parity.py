@@ -44,9 +44,21 @@ _LOSS_OVERRIDES = {
 }
 LOSS_SCENARIOS = {name: ({"learning_rate": 2e-3, "max_steps": 2, **overrides}, None, True)
                   for name, overrides in _LOSS_OVERRIDES.items()}
+# padding_free: each micro-batch's chosen and rejected rows packed into one row (TRL 1.16 warns and pads instead, so
+# its run with the same config is the padded one); LoRA with the disabled adapters as reference, evaluating, WPO's
+# weights and LD-DPO's token weights over the packed rows. use_liger_kernel: the full_ref_model run with TRL's flag
+# (liger_kernel is not installed here: TRL's reference is its run without it, see test_dpo)
+PACKED_SCENARIOS = {
+    "padding_free": ({**SCENARIOS["lora_disabled_adapters"][0], "padding_free": True, "loss_type": ["sigmoid", "ipo"],
+                      "loss_weights": [1.0, 0.5], "use_weighting": True, "ld_alpha": 0.3},
+                     SCENARIOS["lora_disabled_adapters"][1], False),
+    "liger": ({**SCENARIOS["full_ref_model"][0], "use_liger_kernel": True}, None, True),
+}
 # a Qwen3-MoE loaded without output_router_logits: TRL's own coefficient turns the router balancing loss on
 MOE_SCENARIOS = {"moe_router_aux": ({"learning_rate": 2e-3, "router_aux_loss_coef": 0.1, "eval_strategy": "steps",
                                      "eval_steps": 2, "per_device_eval_batch_size": 2}, None, True)}
+# the same with padding_free (the balancing loss over the packed row's tokens)
+MOE_SCENARIOS["moe_padding_free"] = ({**MOE_SCENARIOS["moe_router_aux"][0], "padding_free": True}, None, True)
 
 
 def _sentence(g: torch.Generator, low: int, high: int) -> str:
@@ -156,7 +168,8 @@ def run_loong(folder: str, out_dir: str, layout: dict, names: list[str], scenari
                                      peft_config=peft.LoraConfig(**lora) if lora else None)
         trainer.train()
         trainer.save_model(f"{out_dir}/{name}/final")
-        result = {"logs": _logs(trainer), "eval_logs": _eval_logs(trainer)}
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+        result = {"logs": _logs(trainer), "eval_logs": _eval_logs(trainer), "batch_rows": batch["input_ids"].shape[0]}
         if dist.get_rank() == 0:
             result["weights"] = saved_tensors(f"{out_dir}/{name}/final")
         out[name] = result
@@ -169,7 +182,8 @@ def refusals(folder: str, out_dir: str) -> list[str]:
 
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     messages = []
-    for overrides in ({"loss_type": ["sigmoid", "kto"]}, {"use_liger_kernel": True}, {"padding_free": True},
+    liger_lm_head = {"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": True}}
+    for overrides in ({"loss_type": ["sigmoid", "kto"]}, liger_lm_head,
                       {"use_weighting": True, "loss_type": ["sigmoid", "sft"]}, {}):
         args = dpo_config(out_dir, **overrides)
         if not overrides:
@@ -181,6 +195,19 @@ def refusals(folder: str, out_dir: str) -> list[str]:
         except ValueError as e:
             messages.append(str(e))
     return messages
+
+
+def packed_refusal(folder: str, out_dir: str, layout: dict) -> str:
+    """The message LoongDPOTrainer raises for ``padding_free=True`` at ``layout``."""
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    try:
+        lf.LoongDPOTrainer(model=model, args=dpo_config(out_dir, padding_free=True), train_dataset=make_dataset(4),
+                           processing_class=_tokenizer(folder))
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def world(folder: str, out_dir: str, layout: dict, names: list[str], with_trl: bool) -> dict:

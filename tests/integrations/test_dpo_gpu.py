@@ -1,9 +1,11 @@
 """LoongDPOTrainer against trl.DPOTrainer on CUDA, fp32 with TF32 off on both sides: test_dpo.py's scenarios and
 checks (``_assert_matches``: every logged metric within 1e-4 relative or 2e-5 absolute, accuracies and token counts
-exactly but for the first step's accuracy where both reward margins are below 1e-5, final weights) with the engine's
+exactly -- the first step's too: the reference forwards run the training kernels, ``kernels._saved.training_numerics``,
+so its rewards are exactly 0 as TRL's -- final weights) with the engine's
 CUDA path (Triton kernels, LoongAdamW, the fused vocab-parallel head's per-row log-probs) against TRL's own CUDA run on
-one GPU: the three scenarios at TP1, the Qwen3-MoE one with TRL's router balancing loss at TP1; on two GPUs over
-NCCL, full fine-tuning and LoRA at TP2 with sequence parallelism and the MoE one at TP2 + SP x EP2."""
+one GPU: the three scenarios and the padding-free one (packed rows, ``_dpo_parity.PACKED_SCENARIOS``) at TP1, the
+Qwen3-MoE one with TRL's router balancing loss at TP1; on two GPUs over NCCL, full fine-tuning, LoRA and the
+padding-free one at TP2 with sequence parallelism and the MoE one at TP2 + SP x EP2."""
 
 import pytest
 import torch
@@ -12,18 +14,17 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 from .._device_env import pickleable_month_day_nano
-from ._dpo_parity import MOE_SCENARIOS, SCENARIOS, run_loong, run_trl
+from ._dpo_parity import MOE_SCENARIOS, PACKED_SCENARIOS, SCENARIOS, run_loong, run_trl
 from .test_dpo import MOE_NAMES, MOE_TWO_RANKS, NAMES, TWO_RANK_NAMES, _assert_matches, _initial_weights
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-# NOTE: the first step's policy is the reference, its rewards the forwards' rounding (~1e-8 here): the reward
-# accuracy of that step is compared only where a margin is above this (test_dpo._assert_matches)
-NOISE = 1e-5
 # NOTE: the scenarios with the config's use_cpu=True turned off: TRL's accelerate runs on the rank's GPU
 GPU = {name: ({**overrides, "use_cpu": False}, lora, ref)
-       for name, (overrides, lora, ref) in {**SCENARIOS, **MOE_SCENARIOS}.items()}
+       for name, (overrides, lora, ref) in {**SCENARIOS, **MOE_SCENARIOS, **PACKED_SCENARIOS}.items()}
+ONE_GPU_NAMES = [*NAMES, "padding_free"]
+TWO_GPU_NAMES = [*TWO_RANK_NAMES, "padding_free"]
 
 
 def _cuda() -> None:
@@ -37,8 +38,8 @@ def _cuda() -> None:
 
 def _one_gpu(folder: str, moe_folder: str, out_dir: str) -> dict:
     _cuda()
-    return {"trl": run_trl(folder, out_dir + "/trl", NAMES, GPU),
-            "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES, GPU),
+    return {"trl": run_trl(folder, out_dir + "/trl", ONE_GPU_NAMES, GPU),
+            "loong": run_loong(folder, out_dir + "/tp1", {}, ONE_GPU_NAMES, GPU),
             "moe_trl": run_trl(moe_folder, out_dir + "/moe-trl", MOE_NAMES, GPU),
             "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_NAMES, GPU)}
 
@@ -46,7 +47,7 @@ def _one_gpu(folder: str, moe_folder: str, out_dir: str) -> dict:
 def _two_gpus(folder: str, moe_folder: str, out_dir: str) -> dict:
     _cuda()
     return {"tp2_sp": run_loong(folder, out_dir + "/tp2", {"tensor_parallel_size": 2, "sequence_parallel": True},
-                                TWO_RANK_NAMES, GPU),
+                                TWO_GPU_NAMES, GPU),
             "moe": run_loong(moe_folder, out_dir + "/moe", MOE_TWO_RANKS["moe_tp2_sp_ep2"], MOE_NAMES, GPU)}
 
 
@@ -62,25 +63,21 @@ def one_gpu(checkpoints, tmp_path_factory):
                            env={"LOONGFORGE_DEVICE": "cuda"})[0]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ONE_GPU_NAMES)
 def test_dpo_on_cuda_matches_trl(checkpoints, one_gpu, name):
-    _assert_matches(name, one_gpu["trl"][name], one_gpu["loong"][name], _initial_weights(checkpoints[0]),
-                    noise=NOISE)
+    _assert_matches(name, one_gpu["trl"][name], one_gpu["loong"][name], _initial_weights(checkpoints[0]))
 
 
 def test_moe_router_aux_loss_on_cuda(checkpoints, one_gpu):
     for name in MOE_NAMES:
-        _assert_matches(name, one_gpu["moe_trl"][name], one_gpu["moe_tp1"][name], _initial_weights(checkpoints[1]),
-                        noise=NOISE)
+        _assert_matches(name, one_gpu["moe_trl"][name], one_gpu["moe_tp1"][name], _initial_weights(checkpoints[1]))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tensor_and_expert_parallel_on_two_gpus(checkpoints, one_gpu, tmp_path):
     runs = run_distributed(_two_gpus, 2, *checkpoints, str(tmp_path), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
-    for name in TWO_RANK_NAMES:
-        _assert_matches(name, one_gpu["trl"][name], runs[0]["tp2_sp"][name], _initial_weights(checkpoints[0]),
-                        noise=NOISE)
+    for name in TWO_GPU_NAMES:
+        _assert_matches(name, one_gpu["trl"][name], runs[0]["tp2_sp"][name], _initial_weights(checkpoints[0]))
         assert runs[1]["tp2_sp"][name]["logs"] == runs[0]["tp2_sp"][name]["logs"]
     for name in MOE_NAMES:
-        _assert_matches(name, one_gpu["moe_trl"][name], runs[0]["moe"][name], _initial_weights(checkpoints[1]),
-                        noise=NOISE)
+        _assert_matches(name, one_gpu["moe_trl"][name], runs[0]["moe"][name], _initial_weights(checkpoints[1]))

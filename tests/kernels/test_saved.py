@@ -2,9 +2,10 @@
 views of the fused QKV output; keeping them as given held the whole buffer until the backward: 4 hidden sizes per
 token and layer for Qwen3-0.6B where k and v are 2), on Qwen3 (k norm) and Llama (no q/k norm), TP1 and TP2."""
 
+import pytest
 import torch
 
-from loongforge_hf.kernels._saved import standalone
+from loongforge_hf.kernels._saved import needs_autograd, standalone, training_numerics
 from loongforge_hf.kernels.rmsnorm import rms_norm
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
@@ -35,6 +36,34 @@ def test_standalone_copies_only_views_of_larger_storage():
     assert copy.untyped_storage().nbytes() == k.numel() * k.element_size()
     head = fused[:2]  # contiguous, yet a slice of a larger storage
     assert standalone(head) is not head and torch.equal(standalone(head), head)
+
+
+def test_training_numerics_takes_the_autograd_path_without_grad(monkeypatch):
+    """Under ``training_numerics`` a no-grad call takes the kernels' training path (rms_norm's autograd function),
+    nested or not, and the flag is restored after (also after an error)."""
+    from loongforge_hf.kernels import rmsnorm
+
+    calls = []
+    forward = rmsnorm._RMSNormFunction.forward
+    monkeypatch.setattr(rmsnorm._RMSNormFunction, "forward",
+                        staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args)))
+    x, w = torch.randn(3, 8, requires_grad=True), torch.rand(8, requires_grad=True)
+    with torch.no_grad():
+        assert not needs_autograd(x, w)
+        rms_norm(x, w, 1e-6)
+        assert not calls
+        with training_numerics():
+            with training_numerics():
+                assert needs_autograd(x) and needs_autograd(None)
+            assert needs_autograd(x, w)
+            y = rms_norm(x, w, 1e-6)
+        assert not needs_autograd(x, w) and calls == [1] and not y.requires_grad
+    assert torch.equal(y, rms_norm(x, w, 1e-6).detach())
+    with pytest.raises(RuntimeError, match="inside"):
+        with training_numerics():
+            raise RuntimeError("inside")
+    with torch.no_grad():
+        assert not needs_autograd(x, w)
 
 
 def test_rms_norm_keeps_its_own_copy_of_a_view():
