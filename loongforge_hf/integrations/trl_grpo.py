@@ -16,7 +16,8 @@ Choices:
   config's, for a config with ``output_router_logits``): transformers' loss over the policy forward's prompt and
   completion tokens (``bridges/router_balance.py``), ``coef * aux_loss`` added to each micro-batch's loss
   (``router_aux_reduction="mean"`` with the engine's ``router_aux_coef``: TRL's ``/ accumulation steps``, averaged
-  over the data-parallel ranks), the ``aux_loss`` metric each micro-batch's value averaged over them. Not in the
+  over the data-parallel ranks), the ``aux_loss`` metric each micro-batch's value averaged over them; in
+  evaluation ``coef * aux_loss`` of the evaluation forward added to the loss and ``eval_aux_loss``. Not in the
   old / reference forwards, as TRL. A MoE model that cannot compute it is refused (``router_balance.check_layout``:
   pass ``router_aux_loss_coef=0.0``).
 - Evaluation (``eval_dataset``): TRL's loop, ``num_generations_eval`` completions per prompt, the loss in eval mode
@@ -69,7 +70,7 @@ class LoongGRPOTrainer(OnlineEngineMixin, LoongTrainer, _GRPOArgsSecond):
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None) -> None:
         model, args = checked_setup(model, args, peft_config, train_dataset, processing_class, name="GRPO",
-                                    config_class=GRPOConfig, eval_dataset=eval_dataset, fields=_GRPO_FIELDS,
+                                    config_class=GRPOConfig, fields=_GRPO_FIELDS,
                                     optimizers=optimizers, quantization_config=quantization_config, tools=tools,
                                     rollout_func=rollout_func, environment_factory=environment_factory)
         with no_reference(args) as beta:  # NOTE: the reference is set in _finish_setup

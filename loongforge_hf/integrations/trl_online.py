@@ -34,15 +34,17 @@ Choices:
   x data-parallel ranks x steps_per_generation`` (TRL's config counts every process).
 - Evaluation (``eval_dataset``): TRL's loop (its eval sampler, ``prediction_step``: generation, rewards and the loss
   in eval mode); the loss's per-token log-probs and entropy sum from ``completion_logps`` (forward only), the
-  statistics summed over the data-parallel ranks into TRL's ``eval`` metrics. Refused where the MoE router
-  balancing loss is on (TRL adds it to the evaluation loss).
+  statistics summed over the data-parallel ranks into TRL's ``eval`` metrics. With the MoE router balancing loss
+  that forward tallies it too (``bridges/router_balance.py``, over the prompt and completion tokens' attention
+  mask): TRL adds ``coef * aux_loss`` to the evaluation loss (no accumulation) and logs ``eval_aux_loss``, the
+  data-parallel ranks' mean.
 - The reference (``beta != 0``): the policy's checkpoint loaded again with its layout and dtype (TRL loads it from
   the policy's name), or with ``peft_config`` (megatron LoRA) the policy with its adapters disabled.
 - Refused with a message, on every rank before any collective (``refusals``): vLLM, Liger, continuous batching,
   ``sync_ref_model``, image datasets / processors, ``gradient_accumulation_steps`` not a multiple of
   ``pipeline_parallel_size`` under virtual pipeline stages, ``log_completions`` under model
   parallelism (TRL's completion table gathers every process), a non-LoRA ``peft_config``, custom ``optimizers``,
-  ``quantization_config``, evaluation with the router balancing loss; each trainer adds its own.
+  ``quantization_config``; each trainer adds its own.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge_hf.integrations.trl_dpo import _disable_residual_dropout, _local_inputs
+from loongforge_hf.kernels._saved import training_numerics
 from loongforge_hf.trainer.data import dp_rank_and_size
 from loongforge_hf.trainer.engine import micro_batch_group
 
@@ -63,8 +66,7 @@ REFUSED_FIELDS = (("use_vllm", False, " (generation runs the policy's own genera
                   ("cast_lm_head_to_fp32", False, ""))
 
 
-def refusals(args, model, peft_config, train_dataset, processing_class, *, eval_dataset, fields=(),
-             **given) -> list[str]:
+def refusals(args, model, peft_config, train_dataset, processing_class, *, fields=(), **given) -> list[str]:
     """What an online trainer does not support, the same on every rank: ``fields`` adds (field, default, why)."""
     why = {"optimizers": " (the megatron engine owns the optimizer)"}
     problems = [k + why.get(k, "") for k, v in given.items() if v is not None and v != (None, None)]
@@ -85,18 +87,7 @@ def refusals(args, model, peft_config, train_dataset, processing_class, *, eval_
     if args.log_completions and replica > 1:
         problems.append("log_completions=True with tensor / pipeline / context parallelism (TRL's table gathers "
                         "every process)")
-    if eval_dataset is not None and _router_aux_on(model, args):
-        problems.append("eval_dataset with the MoE router balancing loss (router_aux_loss_coef: TRL adds it to the "
-                        "evaluation loss)")
     return problems
-
-
-def _router_aux_on(model, args) -> bool:
-    """TRL's ``aux_loss_enabled``, read before its ``__init__``."""
-    text = model.config.get_text_config()
-    coef = args.router_aux_loss_coef
-    coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
-    return hasattr(text, "output_router_logits") and coef != 0.0
 
 
 def check_policy(model, trainer: str) -> None:
@@ -120,14 +111,13 @@ def checked_args(args, model, config_class, suffix: str):
     return args
 
 
-def checked_setup(model, args, peft_config, train_dataset, processing_class, *, name: str, config_class,
-                  eval_dataset, **given):
+def checked_setup(model, args, peft_config, train_dataset, processing_class, *, name: str, config_class, **given):
     """The start of ``Loong{name}Trainer.__init__``, on every rank before any collective: the policy's type, the
     config (``checked_args``), ``refusals`` raised together; then (the prepared policy, the config)."""
     trainer = f"Loong{name}Trainer"
     check_policy(model, trainer)
     args = checked_args(args, model, config_class, name)
-    problems = refusals(args, model, peft_config, train_dataset, processing_class, eval_dataset=eval_dataset, **given)
+    problems = refusals(args, model, peft_config, train_dataset, processing_class, **given)
     if problems:
         raise ValueError(f"{trainer} does not support: " + "; ".join(problems) + ".")
     return prepare_policy(model, args, peft_config), args
@@ -224,13 +214,16 @@ def whole_rows(local: torch.Tensor, *, grad: bool = False) -> torch.Tensor:
     return whole
 
 
+@training_numerics()
 @torch.no_grad()
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int,
-                     batch_size: int, temperature: float, entropy: bool = False):
+                     batch_size: int, temperature: float, entropy: bool = False, balance=None):
     """TRL's ``_get_per_token_logps_and_entropies`` log-probs (``[rows, logits_to_keep]``, fp32, on every rank) under
     ``model`` (a ``LoongModelForCausalLM``), ``batch_size`` rows per forward of megatron's forward-only schedule
-    (broadcast from the last pipeline stage). With ``entropy``, also the entropy sum over the completion tokens
-    (``(logps, sum)``)."""
+    (broadcast from the last pipeline stage). With ``entropy`` or ``balance`` (the model's ``RouterBalance``):
+    ``(logps, the entropy sum over the completion tokens or None, transformers' router balancing loss or None)``, the
+    loss each forward's over its rows' attention mask, averaged over the forwards (TRL's ``compute_aux_loss``), on
+    every rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -265,13 +258,16 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
     was_training = model.training
     model.eval()
-    out = []
+    out, aux = [], []
     try:
         for start in range(0, input_ids.shape[0], batch_size):
             ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
             batch = engine_batch({"prompt_ids": ids[:, :prompt], "completion_ids": ids[:, prompt:],
                                   "prompt_mask": mask[:, :prompt], "completion_mask": mask[:, prompt:]},
                                  multiple=model.parallel.sequence_multiple, pad_id=0)
+            if balance is not None:  # NOTE: the layout's pads weigh 0, as transformers' mask counts the rows
+                tally = balance.begin(mask, tuple(ids.shape), length=batch["input_ids"].shape[1],
+                                      device=model.device)
             if len(chunks) > 1:
                 _through_virtual_stages(model, chunks, batch, score)
             else:
@@ -279,6 +275,9 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                                             model=chunks[0], num_microbatches=1,
                                             seq_length=batch["input_ids"].shape[1], micro_batch_size=ids.shape[0],
                                             forward_only=True)
+            if balance is not None:
+                aux.append(balance.finish_everywhere(tally))
+                balance.end()
             if model.parallel.pipeline_parallel_size == 1:
                 out.append(found.pop())
                 continue
@@ -292,10 +291,10 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     # NOTE: each forward's entropy sum rides in a last column (one value per row of that forward)
     rows = torch.cat(out)
     logps = rows[:, :-1]
-    if not entropy:
+    if not entropy and balance is None:
         return logps
-    sums = torch.stack([part[0, -1] for part in out]).sum()
-    return logps, sums
+    sums = torch.stack([part[0, -1] for part in out]).sum() if entropy else None
+    return logps, sums, torch.stack(aux).mean() if balance is not None else None
 
 
 def _through_virtual_stages(model, chunks: list, batch: dict, score) -> None:
@@ -525,12 +524,6 @@ class OnlineEngineMixin:
         for values in result.hook_stats:
             self._log_stats("train", values)
 
-    def get_eval_dataloader(self, eval_dataset=None):
-        if self._router_aux_coef:  # NOTE: evaluate(eval_dataset=...) on a trainer built without one
-            raise ValueError(f"{type(self).__name__} does not support evaluation with the MoE router balancing loss "
-                             "(router_aux_loss_coef: TRL adds it to the evaluation loss).")
-        return super().get_eval_dataloader(eval_dataset)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's evaluation loss of a prepared batch (``prediction_step``) and its ``eval`` metrics; training runs in
         the engine."""
@@ -541,11 +534,16 @@ class OnlineEngineMixin:
                                       "loss.")
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        logps, entropy = completion_logps(self.model, ids, mask, logits_to_keep=inputs["completion_ids"].shape[1],
-                                          batch_size=ids.shape[0], temperature=self.temperature, entropy=True)
+        routed = self._router_balance()  # NOTE: TRL's evaluation forward returns the balancing loss too
+        logps, entropy, aux = completion_logps(self.model, ids, mask, logits_to_keep=inputs["completion_ids"].shape[1],
+                                               batch_size=ids.shape[0], temperature=self.temperature, entropy=True,
+                                               balance=routed[0] if routed is not None else None)
         loss, stats = self._loss_and_stats(logps, inputs, accumulation_steps=1, evaluation=True)
         values = torch.cat([entropy[None].float(), stats])
         if dp_rank_and_size()[1] > 1:
             dist.all_reduce(values, group=ps.get_data_parallel_group())
         self._log_stats("eval", values.tolist())
+        if aux is not None:  # NOTE: TRL adds coef * aux_loss (no accumulation here); its metric: the ranks' mean
+            loss = loss + routed[1] * aux
+            self._metrics["eval"]["aux_loss"].append(float(gather_over_data_parallel(aux.float()).mean()))
         return loss.detach()

@@ -17,7 +17,8 @@ Choices:
   completion tokens' summed per-token log-probs), the ratio to the old policy's ``exp(logps - old_logps)``, clipped
   with ``epsilon`` / ``epsilon_high``, ``-min(ratio * A, clipped * A)`` averaged over the micro-batch's sequences;
   each micro-batch counts once over ``micro-batches x data-parallel ranks`` (Trainer's ``loss / accumulation steps``
-  under DDP). Evaluation: the same loss of the evaluation batch.
+  under DDP). Evaluation: the same loss of the evaluation batch (with the MoE router balancing loss, plus
+  ``coef * aux_loss`` of its forward, as TRL).
 - Logged as TRL: ``loss``, reward, reward_std, rewards/<func>/mean|std, frac_reward_zero_std, completions/*,
   num_tokens, kl (beta != 0), entropy, clip_ratio/{low_mean, low_min, high_mean, high_max, region_mean} (per
   sequence, per micro-batch over the data-parallel ranks), aux_loss (MoE, as ``LoongGRPOTrainer``). TRL's
@@ -71,7 +72,7 @@ class LoongRLOOTrainer(OnlineEngineMixin, LoongTrainer, _RLOOArgsSecond):
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None) -> None:
         model, args = checked_setup(model, args, peft_config, train_dataset, processing_class, name="RLOO",
-                                    config_class=RLOOConfig, eval_dataset=eval_dataset, optimizers=optimizers,
+                                    config_class=RLOOConfig, optimizers=optimizers,
                                     quantization_config=quantization_config)
         with no_reference(args) as beta:  # NOTE: the reference is set in _finish_setup
             super().__init__(model, args, reward_funcs=reward_funcs, train_dataset=train_dataset,

@@ -31,8 +31,9 @@ MOE_SCENARIOS = {"rloo_moe_router_aux": {"beta": 0.1, "num_iterations": 2, "max_
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 LORA_SCENARIOS = {"rloo_lora": {"beta": 0.1, "num_iterations": 2, "max_steps": 2}}
 ALL_SCENARIOS = {**SCENARIOS, **MOE_SCENARIOS, **LORA_SCENARIOS}
-# evaluated after training (TRL's evaluate(): generation, rewards and the loss in eval mode over 2 prompts)
-EVAL_SCENARIOS = ("rloo_kl_iter2",)
+# evaluated after training (TRL's evaluate(): generation, rewards and the loss in eval mode over 2 prompts; with the
+# MoE router balancing loss in it and its eval_aux_loss)
+EVAL_SCENARIOS = ("rloo_kl_iter2", "rloo_moe_router_aux")
 NOT_COMPARED = ("step_time", "tokens_per_second", "mfu", "learning_rate", "epoch")
 
 

@@ -21,9 +21,10 @@ Tolerances (fp32): in every log, the loss, grad_norm, kl, entropy, reward metric
 relative or 1e-6 absolute (losses and clip ratios can be 0), the completion lengths and num_tokens exactly; final
 weights: each tensor's difference from TRL's within 1% of how far TRL's training moved it (in norm), as the DPO test.
 
-Evaluation (``_grpo_parity.EVAL_SCENARIOS``, "grpo" and "dapo" with the KL, at every layout that runs them): after
-training, TRL's ``evaluate()`` over 2 prompts x 4 generations (generation, rewards and the loss in eval mode): every
-``eval_*`` metric but the timings against TRL's, as the logs; with the MoE router balancing loss it is refused.
+Evaluation (``_grpo_parity.EVAL_SCENARIOS``, "grpo" and "dapo" with the KL and the Qwen3-MoE, at every layout that
+runs them): after training, TRL's ``evaluate()`` over 2 prompts x 4 generations (generation, rewards and the loss in
+eval mode; for the Qwen3-MoE ``router_aux_loss_coef * aux_loss`` of the evaluation forward in it and
+``eval_aux_loss``): every ``eval_*`` metric but the timings against TRL's, as the logs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 from ._grpo_parity import (ALL_SCENARIOS, EVAL_SCENARIOS, LOSS_SCENARIOS, MOE_SCENARIOS, SCENARIOS, refusals,
-                           refused_moe_eval, refused_vpp_accumulation, run_lora, run_loong, run_trl, saved_tensors)
+                           refused_vpp_accumulation, run_lora, run_loong, run_trl, saved_tensors)
 
 NAMES = list(SCENARIOS)
 MOE_NAMES = list(MOE_SCENARIOS)
@@ -52,7 +53,6 @@ EXACT = ("completions/mean_length", "completions/clipped_ratio", "num_tokens")
 def _tp1_world(folder: str, moe_folder: str, out_dir: str) -> dict:
     return {"trl": run_trl(folder, out_dir + "/trl", NAMES), "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
             "refusals": refusals(folder, out_dir + "/refused"), "lora": run_lora(folder, out_dir + "/lora"),
-            "refused_moe_eval": refused_moe_eval(moe_folder, out_dir + "/refused-moe-eval"),
             "moe_trl": run_trl(moe_folder, out_dir + "/moe-trl", MOE_NAMES),
             "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_NAMES)}
 
@@ -154,12 +154,14 @@ def test_two_ranks_match_trl(src, tp1, two_ranks, layout, name):
 @pytest.mark.parametrize("layout", ["tp1", "tp2_sp_ep2"])
 def test_moe_router_aux_loss_matches_trl(moe_src, tp1, two_ranks, layout):
     """TRL adds ``router_aux_loss_coef * aux_loss / accumulation steps`` (transformers' balancing loss over the
-    policy forward's prompt and completion tokens) to each micro-batch's loss and logs ``aux_loss``; here too."""
+    policy forward's prompt and completion tokens) to each micro-batch's loss and logs ``aux_loss``, and in
+    evaluation ``router_aux_loss_coef * aux_loss`` and ``eval_aux_loss``; here too."""
     runs = [tp1["moe_tp1"]] if layout == "tp1" else [rank["moe_tp2_sp_ep2"] for rank in two_ranks]
     ref = tp1["moe_trl"]["moe_router_aux"]
     _assert_matches("moe_router_aux", ref, runs[0]["moe_router_aux"], saved_tensors(str(moe_src)))
-    assert all(log["aux_loss"] > 0 for log in ref["logs"])
+    assert all(log["aux_loss"] > 0 for log in ref["logs"]) and ref["eval"]["eval_aux_loss"] > 0
     assert all(run["moe_router_aux"]["logs"] == runs[0]["moe_router_aux"]["logs"] for run in runs)
+    assert all(run["moe_router_aux"]["eval"] == runs[0]["moe_router_aux"]["eval"] for run in runs)
 
 
 def test_lora_disabled_adapters_match_trl_peft(tp1):
@@ -176,10 +178,6 @@ def test_refusals(tp1):
     assert "use_liger_kernel=True" in liger
     assert "entropy_coef=0.1" in entropy
     assert "top_entropy_quantile=0.5" in quantile
-
-
-def test_moe_evaluation_refused(tp1):
-    assert "eval_dataset with the MoE router balancing loss" in tp1["refused_moe_eval"]
 
 
 def test_virtual_pipeline_accumulation_refused(two_ranks):

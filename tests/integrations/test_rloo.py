@@ -8,11 +8,13 @@ with the adapters disabled as the reference against TRL + PEFT (logs and complet
 ``router_aux_loss_coef=0.1`` (TRL's router balancing loss in the loss, its ``aux_loss`` metric). Each trainer
 generates with its own model (transformers' sampling, seeded as TRL seeds it); the pad token is suppressed as in the
 GRPO test. At TP=1 in one process (all of them), and at TP=2 with sequence parallelism, PP=2, PP=2 x VPP=2
-(megatron's interleaved schedule; the no-grad log-probs through the virtual stages in order), CP=2 and DP=2 (against
-trl.RLOOTrainer under DDP in the same world) in one two-rank world.
+(megatron's interleaved schedule; the no-grad log-probs through the virtual stages in order; the KL scenario, LoRA
+and the Qwen3-MoE, whose first virtual stage has no MoE layer), CP=2 and DP=2 (against trl.RLOOTrainer under DDP in
+the same world) in one two-rank world.
 
 Evaluation (``_rloo_parity.EVAL_SCENARIOS``, at every layout): after training, TRL's ``evaluate()`` over 2 prompts x 4
-generations (generation, rewards, the KL penalty and the loss in eval mode), its ``eval_*`` metrics as the logs.
+generations (generation, rewards, the KL penalty and the loss in eval mode), its ``eval_*`` metrics as the logs; for
+the Qwen3-MoE with TRL's router balancing loss in the evaluation loss and its ``eval_aux_loss``.
 
 Shown: every metric TRL logs (but its ``step_time``) within 1e-4 relative or 1e-6 absolute, the completion lengths
 and num_tokens exactly; the completions each rank scored identical to TRL's (its rank's under DDP); final weights:
@@ -35,7 +37,8 @@ MOE_NAMES = list(MOE_SCENARIOS)
 # layout -> (its parallel settings, the scenarios run with it); DP=2 against TRL under DDP, the others against TP=1
 TWO_RANK = {"tp2_sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, ["rloo_kl_iter2"]),
             "pp2": ({"pipeline_parallel_size": 2}, ["rloo_kl_iter2"]),
-            "pp2_vpp2": ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, ["rloo_kl_iter2"]),
+            "pp2_vpp2": ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2},
+                         ["rloo_kl_iter2", "rloo_lora"]),
             "cp2": ({"context_parallel_size": 2}, ["rloo_kl_iter2"]),
             "dp2": ({}, ["rloo_kl_iter2", "rloo_norm_clip"])}
 EXACT = ("completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
@@ -51,10 +54,11 @@ def _tp1_world(folder: str, moe_folder: str, out_dir: str) -> dict:
             "refusals": refusals(folder, out_dir + "/refused")}
 
 
-def _two_rank_world(folder: str, out_dir: str) -> dict:
+def _two_rank_world(folder: str, moe_folder: str, out_dir: str) -> dict:
     out = {name: run_loong(folder, f"{out_dir}/{name}", layout, names) for name, (layout, names) in TWO_RANK.items()}
     # NOTE: trl.RLOOTrainer's accelerate runs DDP over this world's gloo group, as under torchrun
     out["trl_ddp"] = run_trl(folder, out_dir + "/trl-ddp", TWO_RANK["dp2"][1])
+    out["moe_pp2_vpp2"] = run_loong(moe_folder, out_dir + "/moe-pp2-vpp2", TWO_RANK["pp2_vpp2"][0], MOE_NAMES)
     return out
 
 
@@ -75,8 +79,9 @@ def tp1(src, moe_src, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(src, tmp_path_factory):
-    return run_distributed(_two_rank_world, 2, str(src), str(tmp_path_factory.mktemp("rloo-2")), timeout=500)
+def two_ranks(src, moe_src, tmp_path_factory):
+    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(tmp_path_factory.mktemp("rloo-2")),
+                           timeout=500)
 
 
 def _assert_log_matches(where: tuple, theirs: dict, ours: dict) -> None:
@@ -123,7 +128,8 @@ def test_two_ranks_match_trl(src, tp1, two_ranks, layout, name):
     else:
         ref = tp1["trl"][name]
         assert two_ranks[1][layout][name]["completions"] == ref["completions"]
-    _assert_matches(name, ref, two_ranks[0][layout][name], saved_tensors(str(src)))
+    initial = None if name in LORA_SCENARIOS else saved_tensors(str(src))  # NOTE: LoRA: logs and completions
+    _assert_matches(name, ref, two_ranks[0][layout][name], initial)
     assert two_ranks[1][layout][name]["logs"] == two_ranks[0][layout][name]["logs"]  # every rank logs the same
 
 
@@ -134,12 +140,18 @@ def test_lora_disabled_adapters_match_trl_peft(tp1):
     assert tp1["trl"]["rloo_lora"]["logs"][1]["clip_ratio/region_mean"] > 0
 
 
-def test_moe_router_aux_loss_matches_trl(moe_src, tp1):
+@pytest.mark.parametrize("layout", ["tp1", "pp2_vpp2"])
+def test_moe_router_aux_loss_matches_trl(moe_src, tp1, two_ranks, layout):
     """TRL adds ``router_aux_loss_coef * aux_loss`` to each micro-batch's loss (Trainer then divides by the
-    accumulation steps) and logs ``aux_loss``; here too."""
-    ref, name = tp1["moe_trl"]["rloo_moe_router_aux"], "rloo_moe_router_aux"
-    _assert_matches(name, ref, tp1["moe_loong"][name], saved_tensors(str(moe_src)))
-    assert all(log["aux_loss"] > 0 for log in ref["logs"])
+    accumulation steps) and to the evaluation loss, and logs ``aux_loss`` / ``eval_aux_loss``; here too."""
+    name = "rloo_moe_router_aux"
+    ref = tp1["moe_trl"][name]
+    runs = [tp1["moe_loong"]] if layout == "tp1" else [rank["moe_pp2_vpp2"] for rank in two_ranks]
+    assert all(run[name]["completions"] == ref["completions"] for run in runs)
+    _assert_matches(name, ref, runs[0][name], saved_tensors(str(moe_src)))
+    assert all(log["aux_loss"] > 0 for log in ref["logs"]) and ref["eval"]["eval_aux_loss"] > 0
+    assert all(run[name]["logs"] == runs[0][name]["logs"] and run[name]["eval"] == runs[0][name]["eval"]
+               for run in runs)
 
 
 def test_logged_metrics(tp1):
