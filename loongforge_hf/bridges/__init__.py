@@ -12,6 +12,8 @@ from loongforge_hf.bridges import minimax_m2  # noqa: F401
 from loongforge_hf.bridges import jais2, phimoe  # noqa: F401
 from loongforge_hf.bridges import afmoe, cohere2_moe  # noqa: F401
 from loongforge_hf.bridges import qwen3_5  # noqa: F401
+from loongforge_hf.bridges import glm4_moe_lite, minicpm3, mistral4  # noqa: F401
+from loongforge_hf.bridges import gemma4  # noqa: F401
 from loongforge_hf.bridges import lfm2, lfm2_moe  # noqa: F401
 from loongforge_hf.bridges import bamba, granitemoehybrid, nemotron_h  # noqa: F401
 from loongforge_hf.bridges import qwen3_5_moe, qwen3_next  # noqa: F401

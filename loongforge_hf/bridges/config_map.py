@@ -249,9 +249,7 @@ def mla_rope_kwargs(hf_config) -> dict:
     if rope_type not in MLA_ROPE_TYPES:
         raise UnsupportedConfigError(f"rope_parameters.rope_type={rope_type!r} is not implemented for multi-latent "
                                      f"attention; supported: {list(MLA_ROPE_TYPES)}.")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedConfigError(
-            f"rope_parameters.partial_rotary_factor={params['partial_rotary_factor']} is not supported (only 1.0).")
+    _check_mla_rotary_dim(hf_config, params.get("partial_rotary_factor", 1.0))
     theta = params.get("rope_theta", 10000.0)
     if rope_type == "default":
         # NOTE: megatron's MLA softmax scale multiplies by yarn_get_mscale(rotary_scaling_factor, mscale_all_dim)^2;
@@ -276,10 +274,17 @@ def mla_rope_kwargs(hf_config) -> dict:
             "mscale_all_dim": float(mscale_all_dim)}
 
 
-def check_mla_config(hf_config) -> None:
-    if hf_config.rms_norm_eps != MLA_LATENT_NORM_EPS:
+def _check_mla_rotary_dim(hf_config, factor: float) -> None:
+    """transformers' rotary tables rotate ``int(head_dim * partial_rotary_factor)`` dims, which MLA's rotary part
+    ``qk_rope_head_dim`` must be (DeepSeek: ``head_dim`` is it, factor 1; Mistral 4: ``head_dim`` is the whole
+    query head, the factor its rotary share)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.qk_rope_head_dim
+    if int(head_dim * factor) != hf_config.qk_rope_head_dim:
         raise UnsupportedConfigError(
-            f"rms_norm_eps={hf_config.rms_norm_eps} is not supported for multi-latent attention: transformers "
-            f"normalises the q/kv latents with eps={MLA_LATENT_NORM_EPS} and the rest with rms_norm_eps, megatron uses "
-            "one eps for all.")
+            f"rope_parameters.partial_rotary_factor={factor} with head_dim={head_dim} rotates "
+            f"{int(head_dim * factor)} dims, not qk_rope_head_dim={hf_config.qk_rope_head_dim}.")
+
+
+def check_mla_config(hf_config) -> None:
+    # NOTE: the latent norms keep MLA_LATENT_NORM_EPS whatever rms_norm_eps is (specs.py: LatentRMSNorm)
     mla_rope_kwargs(hf_config)

@@ -75,7 +75,11 @@ class DeepseekStyleMoE(MoEBridge):
         return [n for n in names if (m := _LAYER.match(n)) and int(m.group(1)) >= layers]
 
 
-class DeepseekBridge(DeepseekStyleMoE):
+class MultiLatentAttention:
+    """MLA's attention declarations, for a bridge whose decoder base (``DeepseekStyleMoE``, ``DenseBridge``) follows
+    it in the MRO: megatron's ``MLASelfAttention`` with the checkpoint's ``q_proj`` or ``q_a_proj`` / ``q_a_layernorm``
+    / ``q_b_proj``, ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``, ``o_proj``."""
+
     interleaved_rope_on_disk = True
     multi_latent_attention = True                              # attention is megatron's MLASelfAttention
 
@@ -133,6 +137,10 @@ class DeepseekBridge(DeepseekStyleMoE):
             shapes.update({f"{p}.q_a_proj.weight": (c.q_lora_rank, h), f"{p}.q_a_layernorm.weight": (c.q_lora_rank,),
                            f"{p}.q_b_proj.weight": (q_rows, c.q_lora_rank)})
         return shapes
+
+
+class DeepseekBridge(MultiLatentAttention, DeepseekStyleMoE):
+    """DeepSeek-V2 / V3: multi-latent attention with DeepSeek's mixture of experts; routing is each version's."""
 
 
 @register_bridge("DeepseekV3ForCausalLM")

@@ -66,6 +66,7 @@ class _SandwichNorms(DenseBridge):
 
     supports_sliding_window = True
     per_layer_types = True
+    zero_centred_norms = True  # NOTE: norms store ``weight - 1`` (Gemma 4's store the weight: ``gemma4.py``)
 
     def check_config(self) -> None:
         c = self.hf_config
@@ -79,10 +80,13 @@ class _SandwichNorms(DenseBridge):
         c = self.hf_config
         kw = C.hf_to_megatron(c, tuple(f for f in C.DENSE_FIELDS if f.hf != "hidden_act"))
         kw.update(activation_func=C._act_to_megatron(c.hidden_activation), normalization="RMSNorm",
-                  layernorm_zero_centered_gamma=True, gated_linear_unit=True, add_bias_linear=False,
-                  add_qkv_bias=False, qk_layernorm=self.qk_norm, hidden_dropout=0.0,
-                  softmax_scale=float(c.query_pre_attn_scalar) ** -0.5, **layer_windows(c))
+                  layernorm_zero_centered_gamma=self.zero_centred_norms, gated_linear_unit=True,
+                  add_bias_linear=False, add_qkv_bias=False, qk_layernorm=self.qk_norm, hidden_dropout=0.0,
+                  softmax_scale=self.softmax_scale(), **layer_windows(c))
         return kw
+
+    def softmax_scale(self) -> float:
+        return float(self.hf_config.query_pre_attn_scalar) ** -0.5
 
     def mlp_module(self) -> type | None:
         return transformed_mlp(post_norm=True)

@@ -9,7 +9,8 @@ Choices:
   sliced to the layers this pipeline stage (and virtual stage) builds, with our kernels in three slots, as in the
   dense spec:
   - every norm (input, pre-MLP, q/k or MLA latent, final) is our ``kernels.rmsnorm.RMSNorm`` (the input, pre-MLP and
-    final ones our LayerNorm where the config's ``normalization`` says so: PhiMoE): megatron's local torch norm
+    final ones our LayerNorm where the config's ``normalization`` says so: PhiMoE; MLA's latent norms with
+    transformers' eps for them, 1e-6, whatever ``rms_norm_eps`` is: ``LatentRMSNorm``): megatron's local torch norm
     refuses sequence parallelism, which megatron's MoE layer requires in training with TP > 1; the attention's
     output projection has a bias of its own where the bridge says ``proj_bias`` (PhiMoE's, experts without one);
   - core attention is our ``kernels.attention.CoreAttention`` (SDPA: no materialised ``[b, heads, s, s]`` scores,
@@ -43,6 +44,7 @@ Choices:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -64,6 +66,21 @@ def _mla_core_attention():
                 self.softmax_scale = 1.0 / math.sqrt(k_channels)
 
     return MLACoreAttention
+
+
+@functools.cache
+def _latent_norm():
+    from loongforge_hf.bridges.config_map import MLA_LATENT_NORM_EPS
+    from loongforge_hf.kernels.rmsnorm import RMSNorm
+
+    class LatentRMSNorm(RMSNorm):
+        """Our RMSNorm with transformers' eps for MLA's q / kv latents (its RMSNorm default), whatever the config's
+        ``rms_norm_eps``, which megatron would pass (GLM-4.7-Flash: 1e-5 for the rest)."""
+
+        def __init__(self, config, hidden_size: int, eps: float = MLA_LATENT_NORM_EPS) -> None:
+            super().__init__(config, hidden_size, eps=MLA_LATENT_NORM_EPS)
+
+    return LatentRMSNorm
 
 
 def _moe_slots(mlp_spec, *, grouped_experts: bool, balance_router: bool, module: type | None = None):
@@ -118,13 +135,14 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
 
     layer_module = {None: None, "separate": ParallelResidualLayer, "shared": SharedNormParallelLayer}[
         parallel_residual]
-    mla_core = _mla_core_attention()
+    mla_core, latent_norm = _mla_core_attention(), _latent_norm()
     layer_norm = layer_norm or RMSNorm
     layers = []
     for spec in block_spec.layer_specs:
         attention = spec.submodules.self_attention
         att_sub = attention.submodules
-        norms = {n: RMSNorm for n in _ATTENTION_NORMS
+        mla = attention.module is MLASelfAttention
+        norms = {n: latent_norm if mla else RMSNorm for n in _ATTENTION_NORMS
                  if hasattr(att_sub, n) and getattr(att_sub, n) not in (None, IdentityOp)}
         if qk_module is not None:
             q, k = qk_module if isinstance(qk_module, tuple) else (qk_module,) * 2

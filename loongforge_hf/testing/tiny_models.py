@@ -23,7 +23,7 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "qwen3_next", "qwen3_5_moe", "minimax_m2", "glm", "olmo", "nemotron", "dots1", "hunyuan_v1_moe",
               "granitemoehybrid", "hunyuan_v1_dense", "apertus", "lfm2", "lfm2_moe",
               "flex_olmo", "granitemoeshared", "exaone", "bamba", "nemotron_h",
-              "phimoe", "jais2", "cohere2_moe", "afmoe")
+              "phimoe", "jais2", "cohere2_moe", "afmoe", "gemma4", "glm4_moe_lite", "mistral4", "minicpm3")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -35,6 +35,8 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
 _RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm", "falcon", "gpt2", "gpt_bigcode",
                   "glm", "nemotron", "granitemoehybrid", "lfm2", "bamba", "nemotron_h", "phimoe",
                   "jais2")
+# causal LMs that transformers' AutoModelForCausalLM does not map (Mistral Small 4 ships as an image-text model)
+_NOT_AUTO = {"mistral4": "Mistral4ForCausalLM"}
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
 
@@ -75,6 +77,31 @@ def _config(arch: str, **overrides):
     elif arch == "deepseek_v2":
         cfg = tf.DeepseekV2Config(**{**common, **_MLA}, q_lora_rank=None, n_routed_experts=4, n_shared_experts=2,
                                   num_experts_per_tok=2, topk_method="greedy", routed_scaling_factor=1.5)
+    elif arch == "glm4_moe_lite":
+        # NOTE: GLM-4.7-Flash's rms_norm_eps (its latent norms keep 1e-6); dense / sparse from mlp_layer_types
+        mla = {k: v for k, v in _MLA.items() if k != "first_k_dense_replace"}
+        cfg = tf.Glm4MoeLiteConfig(**{**common, **mla, "rms_norm_eps": 1e-5}, q_lora_rank=32, n_routed_experts=8,
+                                   n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                   routed_scaling_factor=1.8, norm_topk_prob=True,
+                                   mlp_layer_types=["dense", "sparse", "dense", "sparse"])
+    elif arch == "mistral4":
+        # NOTE: softmax routing, YaRN over the rotary third of each 24-dim query head, Llama 4's query scale (1 below
+        # original_max_position_embeddings)
+        cfg = tf.Mistral4Config(**{**common, **_MLA}, q_lora_rank=32, n_routed_experts=8, n_shared_experts=1,
+                                num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=1.5,
+                                norm_topk_prob=True, rope_parameters={
+                                    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+                                    "partial_rotary_factor": 8 / 24})
+    elif arch == "minicpm3":
+        # NOTE: dense MLA with rotary halves, muP's three scales, tied embeddings, LongRoPE's short factors
+        mla = {k: v for k, v in _MLA.items() if k not in ("first_k_dense_replace", "moe_intermediate_size")}
+        cfg = tf.MiniCPM3Config(**{**common, **mla, "rms_norm_eps": 1e-5, "tie_word_embeddings": True},
+                                q_lora_rank=32, scale_emb=12, scale_depth=1.4, dim_model_base=16, rope_parameters={
+                                    "rope_type": "longrope", "rope_theta": 10000.0,
+                                    "original_max_position_embeddings": 128, "short_factor": [1.0, 1.2, 1.7, 2.5],
+                                    "long_factor": [1.0, 1.5, 2.5, 4.0]})
     elif arch == "smollm3":
         # NOTE: layers 1 and 3 without rotary embedding (SmolLM3-3B: every fourth)
         cfg = tf.SmolLM3Config(**common, no_rope_layer_interval=2)
@@ -111,6 +138,18 @@ def _config(arch: str, **overrides):
                                                    "sliding_attention": {"rope_type": "default",
                                                                          "rope_theta": 10000.0}})
         cfg.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "gemma4":
+        # NOTE: Gemma 4's text layout shrunk: a binding 5-token window on layers 0 and 2, proportional rope on the
+        # full layers (half of each head rotating), a logit cap that binds; one head size and no per-layer inputs
+        cfg = tf.Gemma4TextConfig(**{**common, "head_dim": 16, "tie_word_embeddings": True}, global_head_dim=16,
+                                  hidden_size_per_layer_input=0, sliding_window=5, final_logit_softcapping=3.0,
+                                  layer_types=["sliding_attention", "full_attention"] * 2,
+                                  rope_parameters={"full_attention": {"rope_type": "proportional",
+                                                                      "partial_rotary_factor": 0.5,
+                                                                      "rope_theta": 1000000.0},
+                                                   "sliding_attention": {"rope_type": "default",
+                                                                         "rope_theta": 10000.0}})
+        cfg.architectures = ["Gemma4ForCausalLM"]
     elif arch == "olmo2":
         cfg = tf.Olmo2Config(**common)
     elif arch == "olmo3":
@@ -441,6 +480,16 @@ def _config(arch: str, **overrides):
     return cfg
 
 
+def hf_causal_lm(folder: str | Path, **kwargs):
+    """transformers' model of the checkpoint in ``folder``, by its config's architecture (also where
+    AutoModelForCausalLM does not map the config: ``_NOT_AUTO``)."""
+    import transformers
+
+    arch = transformers.AutoConfig.from_pretrained(folder).architectures[0]
+    cls = getattr(transformers, arch) if arch in _NOT_AUTO.values() else transformers.AutoModelForCausalLM
+    return cls.from_pretrained(folder, **kwargs)
+
+
 def make_tiny_tokenizer(folder: str | Path, vocab_size: int = 203):
     """A word-level tokenizer over ``tok0 .. tokN`` saved next to the model (transformers' on-disk format)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -470,7 +519,12 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
     folder = Path(folder)
     cfg = _config(arch, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if arch in _NOT_AUTO:  # NOTE: transformers' AutoModelForCausalLM does not map its config
+        import transformers
+
+        model = getattr(transformers, _NOT_AUTO[arch])._from_config(cfg, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     with torch.no_grad():
         # NOTE: random norm weights (HF initialises them to 1), so a bridge that drops a norm cannot pass; Gemma's
         # store weight - 1 (scales around 1 there too)
@@ -501,6 +555,8 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):
                 b.copy_(0.05 * torch.randn_like(b))
+            elif name.endswith("layer_scalar"):  # NOTE: Gemma 4's (HF: ones)
+                b.copy_(1.0 + 0.3 * torch.randn_like(b))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     if arch == "exaone":  # NOTE: the hub's architecture name (transformers writes LlamaForCausalLM)
         import json

@@ -74,6 +74,7 @@ def gradient_checks(cases: list[tuple[str, str, dict, bool]]) -> dict:
     import transformers
 
     import loongforge_hf as lf
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
 
     plain = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(2))
     out = {}
@@ -93,9 +94,9 @@ def gradient_checks(cases: list[tuple[str, str, dict, bool]]) -> dict:
         if dist.get_rank() != 0:
             continue
         # NOTE: transformers reads the folder into its own layout (e.g. transformers 5's fused expert stacks)
-        ours = dict(transformers.AutoModelForCausalLM.from_pretrained(grads_dir, dtype=torch.float32)
+        ours = dict(hf_causal_lm(grads_dir, dtype=torch.float32)
                     .named_parameters())
-        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        hf = hf_causal_lm(folder, dtype=torch.float32)
         hf(input_ids=ids, labels=ids).loss.backward()
         diffs, missing = {}, []
         for n, p in hf.named_parameters():

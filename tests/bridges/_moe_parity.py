@@ -68,10 +68,9 @@ def _expert_reads(model, folder: str) -> dict:
 
 def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     """``layout`` may carry ``moe_grouped_gemm`` (False: megatron's SequentialMLP, through the environment)."""
-    import transformers
-
     import loongforge_hf as lf
     from loongforge_hf.bridges.moe import GROUPED_GEMM_ENV
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
 
     layout = dict(layout)
     grouped = layout.pop("moe_grouped_gemm", True)
@@ -80,7 +79,7 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
         warnings.simplefilter("always")
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype="auto", **layout)
     os.environ.pop(GROUPED_GEMM_ENV)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    ref = hf_causal_lm(folder, dtype="auto")
     experts = _expert_reads(model, folder)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=g)
@@ -91,7 +90,8 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     # Qwen3.5-MoE's with transformers' balancing loss (its coefficient times it in the loss)
     routed = {"output_router_logits": True} if model.config.model_type.startswith(
         ("deepseek", "glm4_moe", "ernie4_5_moe", "olmoe", "llama4", "qwen3_next", "qwen3_5_moe",
-         "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "phimoe", "cohere2_moe", "afmoe")) else {}
+         "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "phimoe", "cohere2_moe", "afmoe",
+         "mistral4")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)

@@ -43,17 +43,19 @@ def _padding_rows(name: str) -> dict:
     from loongforge_hf.bridges.embedding_padding import embedding_padding_idx
     from loongforge_hf.bridges.qwen2_5_vl import get_vl_bridge
     from loongforge_hf.bridges.registry import get_bridge
-    from loongforge_hf.testing.tiny_models import _config
+    from loongforge_hf.testing.tiny_models import _NOT_AUTO, _config
 
     if name in IMAGE_TEXT:
         module, fn, kw = IMAGE_TEXT[name]
         config = getattr(importlib.import_module(f"loongforge_hf.testing.{module}"), fn)(**kw)
         auto = transformers.AutoModelForImageTextToText
     else:
-        config, auto = _config(name), transformers.AutoModelForCausalLM
+        config = _config(name)
+        # NOTE: a causal LM AutoModelForCausalLM does not map (Mistral 4): its class builds it
+        auto = getattr(transformers, _NOT_AUTO[name]) if name in _NOT_AUTO else transformers.AutoModelForCausalLM
     config.get_text_config().pad_token_id = -1
     with torch.device("meta"):
-        model = auto.from_config(config)
+        model = auto._from_config(config) if name in _NOT_AUTO else auto.from_config(config)
     config.architectures = config.architectures or [type(model).__name__]
     bridge = get_vl_bridge(config) if name in IMAGE_TEXT else get_bridge(config)
     return {"transformers": model.get_input_embeddings().padding_idx, "model": type(model).__name__,

@@ -169,6 +169,9 @@ CHECKPOINTS = {
     # NOTE: Qwen3.5's layers with experts and a gated shared expert; Qwen3-Next's in-projections fused per key head
     "qwen3_next": ("qwen3_next", {}),
     "qwen3_5_moe": ("qwen3_5_moe", {}),
+    "glm4_moe_lite": ("glm4_moe_lite", {}),
+    "mistral4": ("mistral4", {}),
+    "minicpm3": ("minicpm3", {}),
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe", "llama4")
@@ -186,13 +189,13 @@ LAYOUTS = {
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
                        "expert_tensor_parallel_size": 1},
                    MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "granitemoeshared",
-                          "phimoe", "cohere2_moe", "afmoe")),
+                          "phimoe", "cohere2_moe", "afmoe", "glm4_moe_lite", "mistral4")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},  # MoE: experts split too
                MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron", "hunyuan_v1_dense", "apertus", "exaone",
-                                               "jais2")),
+                                               "jais2", "minicpm3")),
 }
 # NOTE: the pad id as a real token (_gradients.with_pad_tokens)
 PAD_LAYOUTS = {

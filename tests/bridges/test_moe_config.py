@@ -14,7 +14,9 @@ def bridge(arch, **overrides):
     import transformers
 
     cfg = _config(arch, **overrides)
-    cfg.architectures = [transformers.AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
+    mapping = transformers.AutoModelForCausalLM._model_mapping
+    # NOTE: Mistral 4's config is not in AutoModelForCausalLM's mapping (tiny_models._NOT_AUTO)
+    cfg.architectures = [mapping[type(cfg)].__name__ if type(cfg) in mapping else "Mistral4ForCausalLM"]
     return get_bridge(cfg)
 
 
@@ -83,7 +85,10 @@ def test_routing_translation():
     ("deepseek_v3", {"n_group": 4, "topk_group": 1}, "topk_group=1"),
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}, "topk_group=1"),
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
-    ("deepseek_v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
+    ("mistral4", {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 4}, "norm_topk_prob=True is not supported"),
+    ("glm4_moe_lite", {"mlp_layer_types": ["dense", "moe", "dense", "sparse"]}, "mlp_layer_types="),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
      "rope_type='linear'"),
     ("deepseek_v3", {"n_shared_experts": 0}, "n_shared_experts=0"),
@@ -482,3 +487,23 @@ def test_olmoe_q_norm_rounds_as_transformers():
         got[round_first] = ours(x.view(3, 5, 4, 16)).reshape(3, 5, 64)
         assert got[round_first].dtype == torch.bfloat16 and torch.equal(got[round_first], ref(x)), round_first
     assert not torch.equal(got[True], got[False])
+
+
+def test_mla_family_position_and_layout_refusals():
+    """Mistral 4's Llama 4 query scale and MiniCPM3's LongRoPE long factors (not built) refuse longer sequences by
+    name; MiniCPM3 refuses TP without SP (MLA's rotary-key gradient), both before any collective."""
+    from loongforge_hf.parallel.config import ParallelConfig
+
+    mistral = bridge("mistral4")
+    mistral.check_sequence_length(32)
+    with pytest.raises(ValueError, match="llama_4_scaling_beta=0.1"):
+        mistral.check_sequence_length(33)
+    minicpm = bridge("minicpm3")
+    minicpm.check_sequence_length(128)
+    with pytest.raises(ValueError, match="long_factor"):
+        minicpm.check_sequence_length(129)
+    minicpm.check_layout(ParallelConfig(tensor_parallel_size=2, sequence_parallel=True))
+    with pytest.raises(UnsupportedConfigError, match="sequence_parallel=True"):
+        minicpm.check_layout(ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(UnsupportedConfigError, match="attention factor"):
+        bridge("minicpm3", max_position_embeddings=512)

@@ -78,6 +78,7 @@ import transformers
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 from loongforge_hf.testing.round_trip import check_round_trip, read_all
+from loongforge_hf.testing.tiny_models import hf_causal_lm
 
 from ._moe_parity import run_plan
 
@@ -85,6 +86,7 @@ TOL = 1e-4
 ROUTER_TOL = 1e-5  # router_logits: fp32 gating on both sides
 # NOTE: the tiny DeepSeek, GLM-4.5 and dots.llm1 checkpoints: 4 layers, the first dense (first_k_dense_replace=1)
 MLA_MOE_LAYERS = 3
+GLM_LITE_MOE_LAYERS = 2  # NOTE: the tiny GLM-4.7-Flash: layers 1 and 3 (mlp_layer_types)
 ERNIE_MOE_LAYERS = 2  # the tiny ERNIE 4.5 MoE: layers 1 and 2 of 4 (moe_layer_start_index=1, moe_layer_end_index=2)
 OLMOE_MOE_LAYERS = 4  # the tiny OLMoE: every layer
 MINIMAX_MOE_LAYERS = 4  # the tiny MiniMax-M2: every layer
@@ -163,6 +165,11 @@ CHECKPOINTS = {
     "mixtral_yarn": ("mixtral", {"rope_parameters": YARN, "head_dim": 16}),
     "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True, "attention_bias": False, "n_group": 1, "topk_group": 1,
                                       "mtp_layers": 1}),
+    # NOTE: MLA family (S32): GLM-4.7-Flash (rms_norm_eps 1e-5, mlp_layer_types, an MTP layer), Mistral 4 (softmax
+    # routing, YaRN on a third of each query head, experts stacked on disk), MiniCPM3 (dense, muP, LongRoPE)
+    "glm4_moe_lite": ("glm4_moe_lite", {"mtp_layers": 1}),
+    "mistral4": ("mistral4", {}),
+    "minicpm3": ("minicpm3", {}),
 }
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
@@ -171,21 +178,25 @@ MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwe
 HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers
 LEAN = ("flex_olmo", "granitemoeshared")  # NOTE: at tp1 and ep2 only (CI time); gradients at TP2 + SP + EP2
 SMALL_MOE = ("phimoe", "afmoe")  # NOTE: at tp1, ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
+MLA_FAMILY = ("glm4_moe_lite", "mistral4")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
+DENSE_MLA = ("minicpm3",)  # NOTE: no experts: at tp1 and tp2sp, checked by test_dense_mla_parity
 LAYOUTS = {
-    "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, *SMALL_MOE, "deepseek_v3_yarn", "deepseek_v2_grouped", "qwen3_moe_sparse2",
+    "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, *SMALL_MOE, *MLA_FAMILY, *DENSE_MLA, "deepseek_v3_yarn",
+                    "deepseek_v2_grouped", "qwen3_moe_sparse2",
                     "deepseek_v3_bf16", "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk",
                     "cohere2_moe", "cohere2_moe_rms")),
     "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE, "cohere2_moe_rms")),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
-               (*MODELS, *HYBRID, *SMALL_MOE, "qwen3_moe_yarn", "mixtral_yarn", "cohere2_moe")),
+               (*MODELS, *HYBRID, *SMALL_MOE, *MLA_FAMILY, "qwen3_moe_yarn", "mixtral_yarn", "cohere2_moe")),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_next")),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
                 ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss",
                  "ernie4_5_moe", "olmoe", "llama4")),
+    "tp2sp": (2, {"tensor_parallel_size": 2, **SP}, DENSE_MLA),
 }
-CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
+CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names if name not in DENSE_MLA]
 
 
 class Worlds:
@@ -222,8 +233,7 @@ def worlds(tmp_path_factory) -> Worlds:
 
 
 def check_loads_in_transformers(src: Path, dst: Path) -> None:
-    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto")
-    back = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype="auto")
+    ref, back = hf_causal_lm(src, dtype="auto"), hf_causal_lm(dst, dtype="auto")
     for p in (*ref.parameters(), *back.parameters()):
         # NOTE: transformers keeps tensors mapped from the files, at offsets that differ between two files of the same
         # tensors; some CPU kernels round by the address's alignment (Qwen3.5-MoE's logits 7e-8 apart), so both run
@@ -248,7 +258,7 @@ def test_parity_and_round_trip(worlds, layout, name):
         grouped = LAYOUTS[layout][1].get("moe_grouped_gemm", True)
         assert r["experts_module"] == ["GroupedMLP" if grouped else "SequentialMLP"], (rank, r)
         # our kernels in the attention and norm slots; the fused-rope slot for every rope but MLA's own
-        mla = name.startswith("deepseek")
+        mla = name.startswith(("deepseek", *MLA_FAMILY))
         assert r["core_attention"] == ["MLACoreAttention" if mla else "CoreAttention"], (rank, r)
         # YaRN's attention factor in the q / k norm slots (kernels.rope.rotary_scale_module)
         yarn = name.endswith("_yarn") or name == "gpt_oss"
@@ -268,8 +278,10 @@ def test_parity_and_round_trip(worlds, layout, name):
         # without bias
         expected = {"phimoe": ["LayerNorm", "RotaryScale"], "cohere2_moe": ["LayerNormWithoutBias"]}.get(
             name, ["RMSNorm"])
+        # NOTE: MLA's q / kv latent norms with transformers' eps for them (specs.LatentRMSNorm)
         assert sorted(set(r["norms"]) - scaled) == sorted(
-            [*expected, *full_width, *llama4, *(["RotaryScale"] if yarn and not mla else [])]), (rank, r)
+            [*expected, *full_width, *llama4, *(["RotaryScale"] if yarn and not mla else []),
+             *(["LatentRMSNorm"] if mla else [])]), (rank, r)
         assert r["rope_fusion"] is (not mla and name not in INTERLEAVED_ROPE), (rank, r)
         # megatron's allgather dispatcher where expert and expert-tensor parallel are 1 (no chunk-sort copies)
         single = "expert_parallel_size" not in LAYOUTS[layout][1] and (
@@ -297,8 +309,9 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name == "hunyuan_v1_moe":  # NOTE: router_logits (fp32 gate.wg); transformers adds no balancing loss
             assert r["no_aux_loss"] and r["router_counts"] == (HUNYUAN_MOE_LAYERS,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"] and r["router_diff"] < ROUTER_TOL, (rank, r)
-        if name.startswith(("deepseek", "glm4_moe", "dots1")):
-            assert r["no_aux_loss"] and r["router_counts"] == (MLA_MOE_LAYERS,) * 2, (rank, r)
+        if name.startswith(("deepseek", "glm4_moe", "dots1", "mistral4")):
+            layers = {"glm4_moe_lite": GLM_LITE_MOE_LAYERS}.get(name, MLA_MOE_LAYERS)
+            assert r["no_aux_loss"] and r["router_counts"] == (layers,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < (tol["logit_diff"] if name.endswith("_bf16") else ROUTER_TOL), (rank, r)
         if name.startswith("ernie4_5_moe"):  # NOTE: router_logits and transformers' balancing loss (in the loss too)
@@ -337,6 +350,7 @@ def test_expert_parallel_ranks_read_only_their_experts(worlds):
 
 @pytest.mark.parametrize("name,prefix,tensor,count", [
     ("deepseek_v3", "model.layers.4.", "model.layers.4.eh_proj.weight", 9),
+    ("glm4_moe_lite", "model.layers.4.", "model.layers.4.eh_proj.weight", 9),
     ("glm4_moe_qk_norm", "model.layers.4.", "model.layers.4.eh_proj.weight", 9),
     ("ernie4_5_moe", "model.mtp_", "model.mtp_linear_proj.0.weight", 6),
     ("qwen3_next", "mtp.", "mtp.fc.weight", 7)])
@@ -413,3 +427,18 @@ def test_experts_not_divisible_by_expert_parallel_size(worlds):
         assert "num_experts=3 is not divisible by expert_parallel_size=2" in o["message"], o
         assert not o["collective_started"], o
     assert outcomes[0]["message"] == outcomes[1]["message"]
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2sp"])
+def test_dense_mla_parity(worlds, layout):
+    """MiniCPM3 (dense MLA with rotary halves, muP's scales, tied embeddings, LongRoPE's short factors): logits and
+    loss within 1e-4 of transformers', finite gradients, a bit-exact export transformers loads."""
+    for rank, results in enumerate(worlds.run(layout)):
+        r = results["minicpm3"]
+        assert r["logits_shape"] == (2, 12, 203) and r["output_type"] == r["ref_output_type"], (rank, r)
+        assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["grads_ok"], (rank, r)
+        assert r["core_attention"] == ["MLACoreAttention"] and r["mlp_modules"] == ["ScaledSwiGLUMLP"], (rank, r)
+        assert "LatentRMSNorm" in r["norms"], (rank, r)
+    src, out = worlds.source("minicpm3"), worlds.out(layout, "minicpm3")
+    check_round_trip(src, out)
+    check_loads_in_transformers(src, out)
