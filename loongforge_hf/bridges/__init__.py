@@ -15,7 +15,7 @@ from loongforge_hf.bridges import qwen3_5  # noqa: F401
 from loongforge_hf.bridges import glm4_moe_lite, minicpm3, mistral4  # noqa: F401
 from loongforge_hf.bridges import gemma4  # noqa: F401
 from loongforge_hf.bridges import lfm2, lfm2_moe  # noqa: F401
-from loongforge_hf.bridges import bamba, granitemoehybrid, nemotron_h  # noqa: F401
+from loongforge_hf.bridges import bamba, falcon_h1, granitemoehybrid, nemotron_h  # noqa: F401
 from loongforge_hf.bridges import qwen3_5_moe, qwen3_next  # noqa: F401
 from loongforge_hf.bridges import glm, nemotron, olmo  # noqa: F401
 from loongforge_hf.bridges import (arcee, cohere, deepseek, ernie4_5_moe, exaone4, gemma, glm4,  # noqa: F401

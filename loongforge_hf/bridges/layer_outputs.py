@@ -6,7 +6,8 @@ Choices:
   the dense spec's ``SwiGLUMLP`` and transform their output after ``linear_proj`` / ``linear_fc2`` (so after LoRA's
   terms on them): a norm (``post_norm``: our ``RMSNorm``, the state dict's ``post_layernorm``) and / or a constant
   factor, before megatron's own bias-dropout-add with the residual. Under sequence parallelism they transform the
-  tokens of their rank, as the input norms do.
+  tokens of their rank, as the input norms do. ``transformed_mlp(gate_scale=)``: the gate times a factor inside the
+  activation, ``silu(gate * gate_scale) * up`` (Falcon-H1's first MLP multiplier), as transformers computes it.
 - MoE outputs: ``transformed_moe`` subclasses megatron's ``MoELayer`` the same way (a post norm: FlexOlmo's; a
   factor: Cohere2-MoE's halved sum of routed and shared experts).
 - ``scale_sublayer_outputs`` re-classes a built chunk's attention and MLP / MoE layers to multiply their output (for
@@ -80,18 +81,29 @@ def transformed_attention(*, post_norm: bool = False, scale: float = 1.0,
 
 
 @functools.cache
-def transformed_mlp(*, post_norm: bool = False, scale: float = 1.0) -> type:
+def transformed_mlp(*, post_norm: bool = False, scale: float = 1.0, gate_scale: float = 1.0) -> type:
     """The dense spec's ``SwiGLUMLP`` (megatron's ``MLP`` for any other activation) with its output normalised and / or
-    multiplied by ``scale``."""
+    multiplied by ``scale``; ``gate_scale``: a gated silu MLP's gate multiplied by it before the activation."""
+    import torch.nn.functional as F
+
     from loongforge_hf.kernels.specs import SwiGLUMLP
 
     class TransformedMLP(SwiGLUMLP):
         def __init__(self, config, *args, **kwargs) -> None:
             super().__init__(config, *args, **kwargs)
             _post_norm(self, config, post_norm)
+            if gate_scale != 1.0 and not self.fused_swiglu:
+                raise ValueError(f"transformed_mlp(gate_scale={gate_scale}): needs a gated silu MLP without "
+                                 "megatron's own activation fusions.")
 
-        def forward(self, *args, **kwargs):
-            return _transform(super().forward(*args, **kwargs), self.post_layernorm, scale)
+        def forward(self, hidden_states, *args, **kwargs):
+            if gate_scale == 1.0:
+                out = super().forward(hidden_states, *args, **kwargs)
+            else:
+                fc1, bias = self.linear_fc1(hidden_states)
+                gate, up = (fc1 if bias is None else fc1 + bias).chunk(2, dim=-1)
+                out = self.linear_fc2(up * F.silu(gate * gate_scale))
+            return _transform(out, self.post_layernorm, scale)
 
     return TransformedMLP
 

@@ -23,6 +23,11 @@ Choices:
   *time_step_limit)``, ``A = -exp(A_log)``; the chunked SSD scan (``kernels.ssd``, fp32, op for op transformers'
   ``mamba2_chunk_scan``); the gated RMSNorm (``y * silu(z)`` normalised per group in fp32, times the weight) and
   ``out_proj``.
+- Falcon-H1's options (``falcon_h1.py``): ``in_proj_multipliers``, one factor per block of ``in_proj``'s output (z, x,
+  B, C, dt: transformers' ``mup_vector``), multiplied in after ``in_proj`` (after LoRA's terms, before the padding is
+  zeroed: the same, zeros stay zeros); ``rms_norm=False``: no norm, ``y * silu(z)`` (no ``norm_weight``);
+  ``norm_before_gate``: ``FalconH1RMSNormGated``'s order, ``y`` normalised per group, times the weight (fp32), times
+  ``silu(z)``.
 - Packed documents (megatron's mask blocks attention between documents): the conv and the scan restart at each
   document's first token (the conv masks taps from another document; ``kernels.ssd`` masks the scan), as running
   each document alone. transformers' torch path runs a packed row as one sequence.
@@ -41,9 +46,9 @@ Choices:
   documents as above. The group is megatron's, read at each forward (``context_parallel.cp_group_and_size``).
   Cached steps never run under CP (generate's cached steps run whole on every rank; its split prefill cannot carry
   the states and is refused by ``kv_cache.patched``): generate under CP runs without the cache.
-- Refused, before any collective (``mamba2_layers.py``: Granite 4.0 H, Bamba, Nemotron-H): heads that do not split
-  over TP, groups that neither split over TP nor divide it, projection biases, the static cache; at the forward:
-  megatron's ``inference_context`` and THD ``packed_seq_params``.
+- Refused, before any collective (``mamba2_layers.py``: Granite 4.0 H, Bamba, Nemotron-H, Falcon-H1): heads that do
+  not split over TP, groups that neither split over TP nor divide it, projection biases, the static cache; at the
+  forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ class Mamba2Mixer(torch.nn.Module):
 
     def __init__(self, config, *, layer_number: int, heads: int, head_dim: int, groups: int, d_state: int,
                  conv_kernel: int, conv_bias: bool, chunk_size: int, time_step_limit: tuple[float, float],
-                 eps: float, pg_collection=None, **_: object) -> None:
+                 eps: float, rms_norm: bool = True, norm_before_gate: bool = False,
+                 in_proj_multipliers: tuple[float, ...] | None = None, pg_collection=None, **_: object) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         from loongforge_hf.parallel.kv_replicas import mark_rows
@@ -83,6 +89,7 @@ class Mamba2Mixer(torch.nn.Module):
         self.heads, self.head_dim, self.groups, self.d_state = heads // tp, head_dim, max(1, groups // tp), d_state
         self.all_groups = groups
         self.chunk_size, self.time_step_limit, self.eps = chunk_size, time_step_limit, eps
+        self.rms_norm, self.norm_before_gate = rms_norm, norm_before_gate
         self.d_inner = self.heads * head_dim
         self.conv_dim = self.d_inner + 2 * self.groups * d_state
         local = self.d_inner + self.conv_dim + self.heads
@@ -95,7 +102,9 @@ class Mamba2Mixer(torch.nn.Module):
         self.A_log = torch.nn.Parameter(torch.zeros(self.heads, **kw))
         self.D = torch.nn.Parameter(torch.ones(self.heads, **kw))
         self.dt_bias = torch.nn.Parameter(torch.ones(self.heads, **kw))
-        self.norm_weight = torch.nn.Parameter(torch.ones(self.d_inner, **kw))
+        self.norm_weight = torch.nn.Parameter(torch.ones(self.d_inner, **kw)) if rms_norm else None
+        self.register_buffer("in_proj_scale", None if in_proj_multipliers is None else self._section_scale(
+            in_proj_multipliers, **kw), persistent=False)
         for p in self._split_parameters().values():
             set_tensor_model_parallel_attributes(p, True, 0, 1)
         bc = 2 * self.groups * d_state  # NOTE: the B / C rows, replicas where TP exceeds the groups
@@ -103,6 +112,11 @@ class Mamba2Mixer(torch.nn.Module):
                          (self.conv_bias, self.d_inner)):
             if p is not None:
                 mark_rows(p, (start, start + bc), groups=groups, tp_rank=self.tp_rank, tp_size=tp)
+
+    def _section_scale(self, multipliers: tuple[float, ...], **kw) -> torch.Tensor:
+        """``in_proj``'s local output ``[z, x, B, C, dt]``: each block's multiplier, one per row."""
+        sizes = (self.d_inner, self.d_inner, self.groups * self.d_state, self.groups * self.d_state, self.heads)
+        return torch.cat([torch.full((n,), float(m), **kw) for n, m in zip(sizes, multipliers, strict=True)])
 
     def _split_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self._parameters.items() if p is not None}
@@ -115,6 +129,8 @@ class Mamba2Mixer(torch.nn.Module):
 
         refuse_megatron_state_inputs("Mamba2", inference_context, packed_seq_params)
         mixed, _ = self.in_proj(hidden_states)                            # [s, b, local]: all tokens
+        if self.in_proj_scale is not None:
+            mixed = mixed * self.in_proj_scale
         mixed = mixed.transpose(0, 1)                                     # [b, s, local]
         if cached is not None:
             return self._cached_forward(mixed, cached)
@@ -191,10 +207,13 @@ class Mamba2Mixer(torch.nn.Module):
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """transformers' ``GraniteMoeHybridRMSNormGated``: ``y * silu(gate)`` normalised per group (fp32), times the
-        weight."""
+        weight; without ``rms_norm`` ``y * silu(gate)``; with ``norm_before_gate`` (Falcon-H1) ``y`` normalised, times
+        the weight, times ``silu(gate)`` in fp32."""
         from loongforge_hf.parallel.kv_replicas import replicas_of, sum_over_replicas
 
-        h = y.float() * F.silu(gate.float())
+        if not self.rms_norm:
+            return y * F.silu(gate)
+        h = y.float() if self.norm_before_gate else y.float() * F.silu(gate.float())
         h = h.reshape(*h.shape[:-1], self.groups, -1)
         square = h.pow(2).mean(-1, keepdim=True)
         tp = self.config.tensor_model_parallel_size
@@ -203,6 +222,8 @@ class Mamba2Mixer(torch.nn.Module):
             square = sum_over_replicas(square, groups=self.all_groups, tp_rank=self.tp_rank, tp_size=tp,
                                        tp_group=self.tp_group) / replicas
         h = (h * torch.rsqrt(square + self.eps)).reshape(*y.shape)
+        if self.norm_before_gate:
+            return self.norm_weight * h * F.silu(gate.float())
         return self.norm_weight * h.to(y.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):

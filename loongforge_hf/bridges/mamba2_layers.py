@@ -1,17 +1,19 @@
-"""What the bridges with Mamba2 layers share (Granite 4.0 H, Bamba, Nemotron-H): which layers are Mamba2, the
-self-attention slot's class, the parallel layouts they can run, and the tensor table of a Mamba2 layer.
+"""What the bridges with Mamba2 layers share (Granite 4.0 H, Bamba, Nemotron-H, Falcon-H1): which layers are Mamba2,
+the self-attention slot's class, the parallel layouts they can run, and the tensor table of a Mamba2 layer.
 
 Choices:
 - A layer is Mamba2 where transformers' ``layer_types`` says ``linear_attention`` (``mamba`` in Granite's raw
   config); it runs our ``Mamba2Mixer`` (``mamba2.py``) in megatron's self-attention slot
   (``mamba2.hybrid_mamba_attention``), the other layers megatron's ``SelfAttention``.
 - A bridge declares the mixer's sizes (``mamba_dims``: each model names them differently), where the mixer's and its
-  pre-norm's tensors sit (``mamba_layer`` / ``mamba_module`` / ``mamba_norm``) and the config fields its refusals
-  name (``mamba_fields``).
+  pre-norm's tensors sit (``mamba_layer`` / ``mamba_module`` / ``mamba_norm``; ``mamba_slot``: the mixer's megatron
+  module, the self-attention slot itself but for Falcon-H1's, beside the attention) and the config fields its
+  refusals name (``mamba_fields``).
 - Tensors: ``in_proj`` = this rank's rows of each of transformers' ``in_proj`` blocks (z, x, B, C, dt; B / C a replica
   of its group's where TP exceeds the groups, exported from the group's first rank) through
   ``gated_mappings.HeadSections``; ``conv_weight`` / ``conv_bias`` = ``conv1d``'s x, B, C channels likewise;
-  ``A_log``, ``D``, ``dt_bias`` and the gated norm's weight split with the heads; ``out_proj`` row-parallel.
+  ``A_log``, ``D``, ``dt_bias`` and the gated norm's weight (where the mixer has the norm: ``rms_norm`` in
+  ``mamba_dims``, on unless it says off) split with the heads; ``out_proj`` row-parallel.
 - Refused before any collective (``check_mamba_layout``): heads that do not split over TP, groups that neither split
   over TP nor divide it; the static cache (``generation_refusal``: its fixed-shape decode step keeps no Mamba2 state).
 """
@@ -33,11 +35,13 @@ class Mamba2Layers:
     mamba_layer: str = L                       # an HF layer's prefix
     mamba_module: str = "mamba"                # the mixer's module in it
     mamba_norm: str = "input_layernorm"        # its pre-norm
+    mamba_slot: str = S                        # the mixer's megatron module
     mamba_fields: tuple[str, str] = ("mamba_n_heads", "mamba_n_groups")  # the heads' and groups' config fields
 
     def mamba_dims(self) -> dict:
         """``heads``, ``head_dim``, ``groups``, ``d_state``, ``conv_kernel``, ``conv_bias``, ``chunk_size``,
-        ``time_step_limit``, ``eps`` of the model's Mamba2 mixers."""
+        ``time_step_limit``, ``eps`` of the model's Mamba2 mixers (and ``Mamba2Mixer``'s options where a model sets
+        them: Falcon-H1's)."""
         raise NotImplementedError
 
     @property
@@ -85,15 +89,15 @@ class Mamba2Layers:
         """The pre-norm (megatron's input norm) and the mixer of a Mamba2 layer."""
         inner, gn, heads = self._mamba_sizes()
         gn = (gn, self.mamba_dims()["groups"])  # NOTE: B / C: replicated where TP exceeds the groups
-        m = f"{self.mamba_layer}.{self.mamba_module}"
+        m, s, dims = f"{self.mamba_layer}.{self.mamba_module}", self.mamba_slot, self.mamba_dims()
         maps = [Replicated(f"{D}.input_layernorm.weight", f"{self.mamba_layer}.{self.mamba_norm}.weight"),
-                HeadSections(f"{S}.in_proj.weight", ((f"{m}.in_proj.weight", (inner, inner, gn, gn, heads)),)),
-                HeadSections(f"{S}.conv_weight", ((f"{m}.conv1d.weight", (inner, gn, gn)),)),
-                *(ColumnParallel(f"{S}.{name}", f"{m}.{name}") for name in ("A_log", "D", "dt_bias")),
-                ColumnParallel(f"{S}.norm_weight", f"{m}.norm.weight"),
-                RowParallel(f"{S}.out_proj.weight", f"{m}.out_proj.weight")]
-        if self.mamba_dims()["conv_bias"]:
-            maps.append(HeadSections(f"{S}.conv_bias", ((f"{m}.conv1d.bias", (inner, gn, gn)),)))
+                HeadSections(f"{s}.in_proj.weight", ((f"{m}.in_proj.weight", (inner, inner, gn, gn, heads)),)),
+                HeadSections(f"{s}.conv_weight", ((f"{m}.conv1d.weight", (inner, gn, gn)),)),
+                *(ColumnParallel(f"{s}.{name}", f"{m}.{name}") for name in ("A_log", "D", "dt_bias")),
+                *([ColumnParallel(f"{s}.norm_weight", f"{m}.norm.weight")] if dims.get("rms_norm", True) else []),
+                RowParallel(f"{s}.out_proj.weight", f"{m}.out_proj.weight")]
+        if dims["conv_bias"]:
+            maps.append(HeadSections(f"{s}.conv_bias", ((f"{m}.conv1d.bias", (inner, gn, gn)),)))
         return maps
 
     def mamba_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -103,7 +107,9 @@ class Mamba2Layers:
         h, conv = self.hf_config.hidden_size, inner + 2 * gn
         shapes = {f"{prefix}.{self.mamba_norm}.weight": (h,), f"{p}.in_proj.weight": (inner + conv + heads, h),
                   f"{p}.conv1d.weight": (conv, 1, d["conv_kernel"]), f"{p}.A_log": (heads,), f"{p}.D": (heads,),
-                  f"{p}.dt_bias": (heads,), f"{p}.norm.weight": (inner,), f"{p}.out_proj.weight": (h, inner)}
+                  f"{p}.dt_bias": (heads,), f"{p}.out_proj.weight": (h, inner)}
+        if d.get("rms_norm", True):
+            shapes[f"{p}.norm.weight"] = (inner,)
         if d["conv_bias"]:
             shapes[f"{p}.conv1d.bias"] = (conv,)
         return shapes

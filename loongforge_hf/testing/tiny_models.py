@@ -23,7 +23,8 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "qwen3_next", "qwen3_5_moe", "minimax_m2", "glm", "olmo", "nemotron", "dots1", "hunyuan_v1_moe",
               "granitemoehybrid", "hunyuan_v1_dense", "apertus", "lfm2", "lfm2_moe",
               "flex_olmo", "granitemoeshared", "exaone", "bamba", "nemotron_h",
-              "phimoe", "jais2", "cohere2_moe", "afmoe", "gemma4", "glm4_moe_lite", "mistral4", "minicpm3")
+              "phimoe", "jais2", "cohere2_moe", "afmoe", "gemma4", "glm4_moe_lite", "mistral4", "minicpm3",
+              "falcon_h1")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -34,7 +35,7 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
 # linears' biases randomised in the tiny checkpoints
 _RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm", "falcon", "gpt2", "gpt_bigcode",
                   "glm", "nemotron", "granitemoehybrid", "lfm2", "bamba", "nemotron_h", "phimoe",
-                  "jais2")
+                  "jais2", "falcon_h1")
 # causal LMs that transformers' AutoModelForCausalLM does not map (Mistral Small 4 ships as an image-text model)
 _NOT_AUTO = {"mistral4": "Mistral4ForCausalLM"}
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -461,6 +462,16 @@ def _config(arch: str, **overrides):
         cfg = tf.BambaConfig(**common, attn_layer_indices=[2], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8,
                              mamba_d_head=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
                              time_step_limit=(0.0, 1.5))
+    elif arch == "falcon_h1":
+        # NOTE: Falcon-H1's layout shrunk: a Mamba2 mixer (8 heads of 12 in 2 groups: mamba_d_ssm 96, not
+        # mamba_expand * hidden_size; chunks of 16, a time-step limit that binds; the gated norm before the gate)
+        # beside a GQA attention (head_dim 24, not hidden / heads) in every layer, distinct muP multipliers
+        cfg = tf.FalconH1Config(**common, head_dim=24, mamba_d_ssm=96, mamba_n_heads=8, mamba_n_groups=2,
+                                mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16, time_step_limit=(0.0, 1.5),
+                                mamba_rms_norm=True, mamba_norm_before_gate=True, embedding_multiplier=5.66,
+                                lm_head_multiplier=0.39, key_multiplier=2.5, attention_in_multiplier=0.8,
+                                attention_out_multiplier=0.94, ssm_in_multiplier=1.25, ssm_out_multiplier=0.24,
+                                mlp_multipliers=[0.88, 0.59], ssm_multipliers=[0.35, 0.25, 0.71, 0.5, 1.4])
     elif arch == "nemotron_h":
         # NOTE: Nemotron-H's layout shrunk (Nemotron 3 Nano's kinds): Mamba2 (8 heads of 16 in 2 groups, chunks of
         # 16), MoE (4 relu2 experts, top 2 by sigmoid scores plus a correction bias, a shared relu2 expert), attention

@@ -8,8 +8,9 @@ In a two-rank world: Bamba at TP2 with sequence parallelism (logits, loss, every
 Nemotron-H at TP2 + SP (logits, loss, every parameter's gradient exported through the bridge), PP2 (three layers a
 stage), EP2 and TP2 + SP + EP2 (ETP1), and CP2 (packed documents and left padding across several scan chunks per CP
 chunk: logits, loss, every gradient). LoRA on Nemotron-H's attention and Mamba2 ``in_proj`` against PEFT at TP1 and
-TP2 + SP (``integrations/_lora_hybrids.py``). Refusals are checked on the bridge alone (pure, before any
-collective)."""
+TP2 + SP (``integrations/_lora_hybrids.py``). Falcon-H1 (FalconH1ForCausalLM: a Mamba2 mixer beside the attention in
+every layer, muP multipliers; ``_falcon_one_rank`` / ``_falcon_two_ranks``) in the same worlds. Refusals are checked
+on the bridge alone (pure, before any collective)."""
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ DENSE_KINDS = ["linear_attention", "mlp", "full_attention", "mlp"]
 # names (transformers' module tree: model.layers.N.mixer.*) on the checkpoint's backbone.layers.N.mixer.*
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj"],
             init_lora_weights=False)
+# NOTE: the kinds of the hub's Falcon-H1-0.5B: no gated norm, one group, the default time-step limit; tied here
+FALCON_H1_HUB = dict(mamba_rms_norm=False, mamba_n_groups=1, time_step_limit=(0.0, float("inf")),
+                     tie_word_embeddings=True)
 
 
 def _padded(ours, ref) -> dict:
@@ -70,7 +74,27 @@ def _one_rank(folders: dict) -> dict:
     out["router_logits"] = (len(got), len(want), max(float((a - b).abs().max()) for a, b in zip(got, want)))
     out["nemotron_h_dense"] = {"padded": _padded(*_models(folders["nemotron_h_dense"]))}
     out["lora"] = hybrid_lora_checks(folders["nemotron_h"], f"{folders['nemotron_h']}-lora-tp1", {}, LORA)
-    return out
+    return {**out, **_falcon_one_rank(folders)}
+
+
+def _falcon_one_rank(folders: dict) -> dict:
+    """Falcon-H1 (the gated norm before the gate, two groups): left-padded rows, packed documents, cached greedy and
+    beam search, the export round trip; the hub's 0.5B kinds (no gated norm, one group, tied embeddings) and the
+    norm after the gate: left-padded rows."""
+    import tempfile
+
+    from loongforge_hf.testing.round_trip import check_round_trip
+
+    from .test_qwen3_5 import packed_against_alone
+
+    ours, ref = _models(folders["falcon_h1"])
+    res = {"padded": _padded(ours, ref), "packed": packed_against_alone(ours, ref), **_cached_generate(ours, ref)}
+    with tempfile.TemporaryDirectory() as saved:
+        ours.save_pretrained(saved)
+        check_round_trip(folders["falcon_h1"], saved)
+        res["round_trip"] = True
+    return {"falcon_h1": res, "falcon_h1_hub": {"padded": _padded(*_models(folders["falcon_h1_hub"]))},
+            "falcon_h1_after": {"padded": _padded(*_models(folders["falcon_h1_after"]))}}
 
 
 def _bamba_two_ranks(folders: dict) -> dict:
@@ -121,6 +145,28 @@ def _two_ranks(folders: dict) -> dict:
     del ours
     out["lora"] = hybrid_lora_checks(folder, f"{folder}-lora-tp2", dict(tensor_parallel_size=2, sequence_parallel=True),
                                      LORA)
+    return {**out, **_falcon_two_ranks(folders)}
+
+
+def _falcon_two_ranks(folders: dict) -> dict:
+    """Falcon-H1 at TP2 + SP (logits, loss, every gradient), PP2 (two layers a stage) and CP2
+    (``test_qwen3_5._cp2_padded_and_packed``); the hub's kinds (one group: B / C replicated) at TP2 + SP."""
+    import loongforge_hf as lf
+
+    from .test_qwen3_5 import _cp2_padded_and_packed
+
+    folder = folders["falcon_h1"]
+    ours, ref = _models(folder, tensor_parallel_size=2, sequence_parallel=True)
+    out = {"falcon_h1_tp2": _padded(ours, ref), "falcon_h1_grads": _gradients(ours, ref, folder, "tp2")}
+    del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
+    out["falcon_h1_pp2"] = _padded(ours, ref)
+    del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
+    out["falcon_h1_cp2"] = _cp2_padded_and_packed(ours, ref, folder)
+    del ours
+    out["falcon_h1_hub_tp2"] = _padded(*_models(folders["falcon_h1_hub"], tensor_parallel_size=2,
+                                                sequence_parallel=True))
     return out
 
 
@@ -130,7 +176,11 @@ def folders(tmp_path_factory):
     return {"bamba": str(make_tiny_checkpoint(root / "bamba", "bamba")),
             "bamba_g1": str(make_tiny_checkpoint(root / "bamba_g1", "bamba", mamba_n_groups=1)),
             "nemotron_h": str(make_tiny_checkpoint(root / "nemotron_h", "nemotron_h")),
-            "nemotron_h_dense": str(make_tiny_checkpoint(root / "dense", "nemotron_h", layers_block_type=DENSE_KINDS))}
+            "nemotron_h_dense": str(make_tiny_checkpoint(root / "dense", "nemotron_h", layers_block_type=DENSE_KINDS)),
+            "falcon_h1": str(make_tiny_checkpoint(root / "falcon_h1", "falcon_h1")),
+            "falcon_h1_hub": str(make_tiny_checkpoint(root / "falcon_h1_hub", "falcon_h1", **FALCON_H1_HUB)),
+            "falcon_h1_after": str(make_tiny_checkpoint(root / "falcon_h1_after", "falcon_h1",
+                                                        mamba_norm_before_gate=False))}
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +329,56 @@ def test_refused_layout_and_mtp_passthrough(folders):
         bridge.check_layout(ParallelConfig(tensor_parallel_size=16))
     assert bridge.passthrough_names(["mtp.layers.0.norm.weight", "backbone.norm_f.weight"]) == \
         ["mtp.layers.0.norm.weight"]
+
+
+@pytest.mark.parametrize("model", ("falcon_h1", "falcon_h1_hub", "falcon_h1_after"))
+def test_falcon_h1_left_padded_rows(one_rank, model):
+    _check_padded(one_rank[model]["padded"])
+
+
+def test_falcon_h1_packed_cached_and_round_trip(one_rank):
+    """Packed documents restart the scan; cached greedy and 2-beam search give transformers' tokens and scores, with a
+    KV layer per attention, then a state layer per Mamba2 mixer (both in every layer); the export is bit-exact."""
+    res = one_rank["falcon_h1"]
+    assert max(res["packed"]) < TOL, res["packed"]
+    for name in ("cached_greedy", "cached_beam"):
+        same, scores = res[name]
+        assert same and scores < TOL, (name, res[name])
+    assert res["cache_layers"][0] == ["DynamicLayer"] * 4 + ["LinearAttentionLayer"] * 4, res["cache_layers"]
+    assert res["round_trip"]
+
+
+@pytest.mark.parametrize("layout", ("falcon_h1_tp2", "falcon_h1_pp2", "falcon_h1_hub_tp2", "falcon_h1_cp2"))
+def test_falcon_h1_two_rank_layouts(two_ranks, layout):
+    for res in two_ranks:
+        _check_padded(res[layout])
+
+
+@pytest.mark.parametrize("grads", ("falcon_h1_grads", "falcon_h1_cp2"))
+def test_falcon_h1_every_gradient(two_ranks, grads):
+    """Falcon-H1 at TP2 + SP and at CP2: every parameter's gradient (the Mamba2 mixer with its norm and conv bias, the
+    attention beside it, the MLP, the norms, embedding and LM head) exported through the bridge, against
+    transformers'."""
+    grads = two_ranks[0][grads] if grads == "falcon_h1_grads" else two_ranks[0]["falcon_h1_cp2"]["grads"]
+    kinds = (".mamba.in_proj.weight", ".mamba.norm.weight", ".mamba.conv1d.bias", ".self_attn.k_proj.weight",
+             ".feed_forward.gate_proj.weight", "model.final_layernorm.weight", "lm_head.weight")
+    assert all(any(k in n for n in grads) for k in kinds) and len(grads) == 71, sorted(grads)
+    worst = max(grads.items(), key=lambda kv: kv[1])
+    assert worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"projectors_bias": True}, "projectors_bias=True is not supported"),
+    ({"mamba_use_mlp": False}, "mamba_use_mlp=False is not supported"),
+    ({"ssm_multipliers": [1.0, 1.0]}, r"ssm_multipliers=\[1.0, 1.0\] is not supported"),
+    ({"attention_bias": True}, "attention_bias=True is not supported")])
+def test_falcon_h1_refused_configs(folders, changes, field):
+    import transformers
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+
+    config = transformers.AutoConfig.from_pretrained(folders["falcon_h1"])
+    for name, value in changes.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedConfigError, match=field):
+        get_bridge(config)
