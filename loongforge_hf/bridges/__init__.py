@@ -18,6 +18,7 @@ from loongforge_hf.bridges import lfm2, lfm2_moe  # noqa: F401
 from loongforge_hf.bridges import bamba, falcon_h1, granitemoehybrid, nemotron_h  # noqa: F401
 from loongforge_hf.bridges import qwen3_5_moe, qwen3_next  # noqa: F401
 from loongforge_hf.bridges import glm, nemotron, olmo  # noqa: F401
+from loongforge_hf.bridges import olmo_hybrid  # noqa: F401
 from loongforge_hf.bridges import (arcee, cohere, deepseek, ernie4_5_moe, exaone4, gemma, glm4,  # noqa: F401
                                    glm4_moe, gpt_neox, gpt_oss, gptj, granite, llama, mistral, mixtral, olmo2,
                                    olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm,

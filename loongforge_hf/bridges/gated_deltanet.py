@@ -15,10 +15,10 @@ Choices:
 - Forward as transformers' ``Qwen3_5GatedDeltaNet`` without a cache: padded tokens (the diagonal of megatron's
   ``[b, 1, s, s]`` mask: a token masked from itself) are zeroed (transformers zeroes their hidden states; the
   projections have no bias, so zeroing after ``in_proj`` is the same), then the causal depthwise conv with ``silu``
-  (in the weight's dtype), L2-normalised q / k, ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``
-  in fp32, the gated delta rule (``kernels.gated_delta_rule``; fla's kernels through ``kernels.fla_delta_rule``
-  where that module says, for more than one token), the gated RMSNorm (``weight * norm(x)`` in the
-  input's dtype times ``silu(z)`` in fp32, rounded once) and ``out_proj``.
+  (in the weight's dtype), L2-normalised q / k, ``beta = sigmoid(b)`` (times ``beta_scale``: OLMo Hybrid's 2),
+  ``g = -exp(A_log) * softplus(a + dt_bias)`` in fp32, the gated delta rule (``kernels.gated_delta_rule``; fla's
+  kernels through ``kernels.fla_delta_rule`` where that module says, for more than one token), the gated RMSNorm
+  (``weight * norm(x)`` in the input's dtype times ``silu(z)`` in fp32, rounded once) and ``out_proj``.
 - Packed documents (megatron's mask blocks attention between documents): the conv and the recurrence restart at each
   document's start (a token masked from the one before it while both are real), all rows and documents in one call
   each: the conv over the documents laid out after ``conv_kernel - 1`` zero slots each
@@ -43,7 +43,7 @@ Choices:
   refused.
 - ``hybrid_self_attention(linear=...)`` is the layer spec's self-attention class: ``GatedDeltaNet`` for the
   0-based global layer indices in ``linear`` (megatron numbers layers from 1, offset by the pipeline stage), megatron's
-  ``SelfAttention`` for the others.
+  ``SelfAttention`` (or the bridge's ``attention`` class: OLMo Hybrid's post-normed one) for the others.
 """
 
 from __future__ import annotations
@@ -85,17 +85,16 @@ class GatedDeltaNet(torch.nn.Module):
     """One linear-attention layer's token mixer, this TP rank's heads (see the module docstring)."""
 
     def __init__(self, config, *, layer_number: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
-                 conv_kernel: int, eps: float, pg_collection=None, **_: object) -> None:
+                 conv_kernel: int, eps: float, beta_scale: float = 1.0, pg_collection=None, **_: object) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         from loongforge_hf.xpu import get_backend
 
         super().__init__()
         self.config, self.layer_number = config, layer_number
-        tp_group = getattr(pg_collection, "tp", None)
-        tp = config.tensor_model_parallel_size
+        tp_group, tp = getattr(pg_collection, "tp", None), config.tensor_model_parallel_size
         self.k_heads, self.v_heads, self.eps, self.tp_group = key_heads // tp, value_heads // tp, eps, tp_group
-        self.key_dim, self.value_dim = key_dim, value_dim
+        self.key_dim, self.value_dim, self.beta_scale = key_dim, value_dim, beta_scale
         self.qkv_size = 2 * self.k_heads * key_dim + self.v_heads * value_dim
         local = self.qkv_size + self.v_heads * value_dim + 2 * self.v_heads
         self.in_proj, self.out_proj = mixer_projections(config, in_size=local * tp, out_size=value_heads * value_dim,
@@ -136,10 +135,10 @@ class GatedDeltaNet(torch.nn.Module):
         none) -> ``qkv`` ``[b, s, qkv_size]``, the gate ``z`` ``[b, s, Hv, Dv]``, ``beta`` and ``g`` (fp32)."""
         if real is not None:
             mixed = mixed * real[..., None].to(mixed.dtype)
-        v_size = self.v_heads * self.value_dim
-        qkv, z, b, a = torch.split(mixed, [self.qkv_size, v_size, self.v_heads, self.v_heads], dim=-1)
+        qkv, z, b, a = torch.split(mixed, [self.qkv_size, self.v_heads * self.value_dim, *(self.v_heads,) * 2], -1)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return qkv, z.reshape(*z.shape[:2], self.v_heads, self.value_dim), b.sigmoid(), g
+        beta = b.sigmoid() if self.beta_scale == 1.0 else b.sigmoid() * self.beta_scale
+        return qkv, z.reshape(*z.shape[:2], self.v_heads, self.value_dim), beta, g
 
     def _cached_forward(self, hidden_states: torch.Tensor, step: CachedStep):
         """A cached generate step (see the module docstring): ``hidden_states`` ``[s, b, h]`` (this rank's slice
@@ -284,9 +283,10 @@ def _read_layout(mask: torch.Tensor, batch: int, seq: int):
 
 @functools.cache
 def hybrid_self_attention(*, linear: frozenset[int], key_heads: int, value_heads: int, key_dim: int,
-                          value_dim: int, conv_kernel: int, eps: float) -> type:
+                          value_dim: int, conv_kernel: int, eps: float, beta_scale: float = 1.0,
+                          attention: type | None = None) -> type:
     """The self-attention slot's class: ``GatedDeltaNet`` on the layers in ``linear`` (0-based global indices),
-    megatron's ``SelfAttention`` elsewhere."""
+    ``attention`` (default: megatron's ``SelfAttention``) elsewhere."""
     from megatron.core.transformer.attention import SelfAttention
 
     class HybridSelfAttention:
@@ -294,7 +294,7 @@ def hybrid_self_attention(*, linear: frozenset[int], key_heads: int, value_heads
             if layer_number - 1 in linear:
                 return GatedDeltaNet(config, layer_number=layer_number, key_heads=key_heads, value_heads=value_heads,
                                      key_dim=key_dim, value_dim=value_dim, conv_kernel=conv_kernel, eps=eps,
-                                     pg_collection=kwargs.get("pg_collection"))
-            return SelfAttention(config, submodules, layer_number, **kwargs)
+                                     beta_scale=beta_scale, pg_collection=kwargs.get("pg_collection"))
+            return (attention or SelfAttention)(config, submodules, layer_number, **kwargs)
 
     return HybridSelfAttention

@@ -6,19 +6,23 @@ Choices:
   ``RMSNorm`` without ``layernorm_zero_centered_gamma``, in every slot (input, q / k, post-attention, pre- and
   post-MLP, final). Post norms as Gemma 3's (``layer_outputs.transformed_attention`` / ``transformed_mlp``).
 - Values are normalised per head without a weight (``v_norm``) as they leave ``get_query_key_value_tensors``
-  (``_v_normed``); scores are not scaled (``softmax_scale=1``: the q / k norms set the scale).
-- Rope per layer type (``layer_types.LayerTypes``' two side-by-side tables): ``default`` or ``proportional``
+  (``gemma4_attention.py``); scores are not scaled (``softmax_scale=1``: the q / k norms set the scale).
+- Rope per layer type (two side-by-side tables, each on its layers' head size): ``default`` or ``proportional``
   (transformers' ``_compute_proportional_rope_parameters``: the first ``partial_rotary_factor * head_dim / 2``
   frequencies rotate, the rest are zero, i.e. those channels pass unrotated; over the whole head, as transformers'
   ``rotate_half``). The full layers' default in transformers is proportional with 0.25.
 - ``layer_scalar`` (a buffer per layer, loaded from the checkpoint): the layer's output, residual included, times it
   (``_scaled_layer``). ``final_logit_softcapping``: Gemma 2's ``softcap_logits`` (the fused loss too). The embedding
   is scaled by ``sqrt(hidden_size)`` rounded to the weights' dtype, as Gemma's.
+- Full-attention layers with their own head size and KV heads (``per_layer_config``: ``global_head_dim``,
+  ``num_global_key_value_heads``) and values from the key projection (``attention_k_eq_v``): ``gemma4_attention.py``.
+  transformers refuses a global read of a per-layer field of such a config; the bridge allows it on the config it was
+  given (``allow_global_per_layer_attribute_access``: the global values are the sliding layers', from which megatron's
+  shared config is built). Each layer type's KV heads must split over TP (no replicated heads: ``check_layout``).
 - Refused by name, before any collective: per-layer input embeddings (``hidden_size_per_layer_input``: Gemma 4
-  E2B / E4B), KV shared across layers (``num_kv_shared_layers``), ``attention_k_eq_v``, full-attention layers whose
-  head size or KV heads differ from the sliding ones' (``global_head_dim`` / ``num_global_key_value_heads``: every
-  layer is built from one megatron config), bidirectional attention (``use_bidirectional_attention='all'``),
-  attention biases, rope types other than default / proportional; the MoE block (``enable_moe_block``).
+  E2B / E4B), KV shared across layers (``num_kv_shared_layers``), per-layer fields other than the head size and KV
+  heads, layers of one type with different ones, bidirectional attention (``use_bidirectional_attention='all'``),
+  attention biases, rope types other than default / proportional; the MoE block (``enable_moe_block``: 26B-A4B).
 - A ``gemma4`` checkpoint (``Gemma4ForConditionalGeneration``: the text model with vision / audio towers) is refused
   with a message saying so (``Gemma4ConditionalRefusal``).
 """
@@ -32,7 +36,8 @@ import torch
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.gemma import _SandwichNorms, scale_gemma_embedding
-from loongforge_hf.bridges.layer_outputs import softcap_logits, transformed_attention
+from loongforge_hf.bridges.gemma4_attention import PerTypeQKV, per_type_attention
+from loongforge_hf.bridges.layer_outputs import softcap_logits
 from loongforge_hf.bridges.layer_types import LAYER_TYPES, LayerTypes, _two_table_rotary
 from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.registry import register_bridge, register_model_type
@@ -51,24 +56,6 @@ def gemma4_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     rotated = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(torch.float32) / head_dim))
     inv = torch.cat((rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float32)))
     return inv / params.get("factor", 1.0)
-
-
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``Gemma4RMSNorm(with_scale=False)``: over the last axis, in fp32, rounded once to ``x``'s dtype."""
-    xf = x.float()
-    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
-
-
-@functools.cache
-def _v_normed(base: type) -> type:
-    class VNormedAttention(base):
-        """``base`` with the values normalised per head (no weight) before the core attention."""
-
-        def get_query_key_value_tensors(self, *args, **kwargs):
-            query, key, value, *rest = super().get_query_key_value_tensors(*args, **kwargs)
-            return (query, key, _rms(value, self.config.layernorm_epsilon), *rest)
-
-    return VNormedAttention
 
 
 @functools.cache
@@ -90,20 +77,25 @@ def _add_layer_scalars(chunk) -> None:
         layer.__class__ = _scaled_layer(type(layer))
 
 
-def _differing_layers(hf_config) -> list[str]:
-    """The per-layer fields whose values differ between layers (the full layers' head size / KV heads)."""
-    per_layer = getattr(hf_config, "per_layer_config", None)
-    if per_layer is None:
-        return []
-    fields = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
-    problems = []
-    for field, name in fields.items():
-        values = {t: sorted({getattr(per_layer[i], field) for i, k in enumerate(hf_config.layer_types) if k == t})
-                  for t in LAYER_TYPES}
-        if len({v for vs in values.values() for v in vs}) > 1:
-            problems.append(f"{name} ({field} {values['full_attention']} on the full-attention layers, "
-                            f"{values['sliding_attention']} on the sliding ones)")
-    return problems
+_PER_LAYER_FIELDS = ("head_dim", "num_key_value_heads")
+
+
+def layer_type_heads(hf_config) -> dict[str, tuple[int, int]]:
+    """(head size, KV heads) of each layer type present, from ``per_layer_config``; ``UnsupportedConfigError`` for
+    per-layer fields other than those two and for layers of one type that differ."""
+    extra = sorted(set(getattr(hf_config, "per_layer_attributes", None) or ()) - set(_PER_LAYER_FIELDS))
+    if extra:
+        raise C.UnsupportedConfigError(f"per_layer_config fields {extra} are not supported for Gemma4ForCausalLM "
+                                       f"(only {list(_PER_LAYER_FIELDS)} may differ between layers).")
+    layers = hf_config.per_layer_config
+    found: dict[str, set] = {}
+    for i, kind in enumerate(hf_config.layer_types):
+        found.setdefault(kind, set()).add(tuple(getattr(layers[i], f) for f in _PER_LAYER_FIELDS))
+    for kind, heads in found.items():
+        if len(heads) > 1:
+            raise C.UnsupportedConfigError(f"per_layer_config: the {kind} layers' (head_dim, num_key_value_heads) "
+                                           f"differ ({sorted(heads)}); Gemma4ForCausalLM takes one pair per type.")
+    return {kind: heads.pop() for kind, heads in found.items()}
 
 
 @register_model_type("gemma4_text")  # NOTE: a text config that names no architecture is this model's
@@ -114,10 +106,11 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
 
     def check_config(self) -> None:
         c = self.hf_config
+        if c.is_heterogeneous:  # NOTE: the global values are the sliding layers' (see the module docstring)
+            c.allow_global_per_layer_attribute_access = True
         refusals = {
             "hidden_size_per_layer_input": (c.hidden_size_per_layer_input, "per-layer input embeddings"),
             "num_kv_shared_layers": (c.num_kv_shared_layers, "keys and values shared across layers"),
-            "attention_k_eq_v": (c.attention_k_eq_v, "values taken from the key projection"),
             "attention_bias": (c.attention_bias, "attention biases"),
             "enable_moe_block": (c.enable_moe_block, "the mixture-of-experts block"),
         }
@@ -127,12 +120,31 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
         if c.use_bidirectional_attention == "all":
             raise C.UnsupportedConfigError("use_bidirectional_attention='all' is not supported (causal attention "
                                            "only).")
-        differing = _differing_layers(c)
-        if differing:
-            raise C.UnsupportedConfigError(f"{'; '.join(differing)}: not supported for Gemma4ForCausalLM, whose "
-                                           "layers are built with one head size and one number of KV heads.")
         C._act_to_megatron(c.hidden_activation)
         self.check_layer_types()
+        base = (C.head_dim_of(c), C.kv_heads_of(c))
+        self.heads = {kind: base for kind in LAYER_TYPES} | layer_type_heads(c)
+        if self.heads["sliding_attention"] != base:
+            raise C.UnsupportedConfigError(f"per_layer_config: the sliding layers' (head_dim, num_key_value_heads) "
+                                           f"{self.heads['sliding_attention']} differ from the config's {base}.")
+        self.full_layers = frozenset(i for i, kind in enumerate(c.layer_types) if kind == "full_attention")
+        self.full_heads = None if self.heads["full_attention"] == base else self.heads["full_attention"]
+        self.values_from_keys = bool(c.attention_k_eq_v)
+
+    def check_layout(self, layout) -> None:
+        """``UnsupportedConfigError`` where a layer type's KV heads do not split over TP (pure, before any
+        collective): layers built with their own heads or values from keys hold whole KV heads per rank."""
+        tp = layout.tensor_parallel_size
+        if self.full_heads is None and not self.values_from_keys:
+            return
+        names = {"sliding_attention": "num_key_value_heads", "full_attention": "num_global_key_value_heads"}
+        for kind in names:
+            kv = self.heads[kind][1]
+            if kv % tp:
+                raise C.UnsupportedConfigError(
+                    f"{names[kind]}={kv} (the {kind} layers' KV heads) does not split over tensor_parallel_size={tp} "
+                    "for Gemma4ForCausalLM, whose full-attention layers have their own heads (replicated KV heads "
+                    "are not supported there); use a tensor_parallel_size that divides it.")
 
     def rope_for(self, layer_type: str) -> dict:
         params = dict((self.hf_config.rope_parameters or {}).get(layer_type) or {})
@@ -159,7 +171,8 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
         return None
 
     def attention_module(self) -> type | None:
-        return _v_normed(transformed_attention(post_norm=True, sliding_layers=self.sliding_layers))
+        return per_type_attention(full_layers=self.full_layers, full_heads=self.full_heads,
+                                  values_from_keys=self.values_from_keys)
 
     def finish_model(self, model) -> None:
         scale_gemma_embedding(model, self.hf_config.hidden_size)
@@ -175,17 +188,39 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
         rope = getattr(chunk, "rotary_pos_emb", None)
         if rope is None:
             return
-        inv = {kind: gemma4_inv_freq(C.head_dim_of(self.hf_config), self.rope_for(kind)) for kind in LAYER_TYPES}
+        inv = {kind: gemma4_inv_freq(self.heads[kind][0], self.rope_for(kind)) for kind in LAYER_TYPES}
+        # NOTE: megatron sized its table for the shared config's head (the sliding layers'); the full layers' first
+        rope.inv_freq = torch.empty_like(inv["full_attention"], device=rope.inv_freq.device)
         set_megatron_inv_freq(rope, inv["full_attention"])
         rope.__class__ = _two_table_rotary(type(rope))
         rope.local_inv_freq = inv["sliding_attention"]
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def attention_mappings(self) -> list[Mapping]:
-        return [Replicated(f"{D}.layer_scalar", f"{L}.layer_scalar"), *super().attention_mappings()]
+        if self.full_heads is None and not self.values_from_keys:  # NOTE: one layout: LoRA adapts q / k / v there
+            return [Replicated(f"{D}.layer_scalar", f"{L}.layer_scalar"), *super().attention_mappings()]
+        qkv = PerTypeQKV(f"{D}.self_attention.linear_qkv.weight", q=f"{L}.self_attn.q_proj.weight",
+                         k=f"{L}.self_attn.k_proj.weight", v=f"{L}.self_attn.v_proj.weight",
+                         full_layers=self.full_layers, full_heads=self.full_heads,
+                         values_from_keys=self.values_from_keys)
+        return [Replicated(f"{D}.layer_scalar", f"{L}.layer_scalar"),
+                *(qkv if m.megatron == qkv.megatron else m for m in super().attention_mappings())]
 
     def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         return {f"{prefix}.layer_scalar": (1,), **super().attention_shapes(prefix)}
+
+    def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        shapes = super().layer_shapes(layer)
+        if layer not in self.full_layers:
+            return shapes
+        c, p = self.hf_config, f"model.layers.{layer}.self_attn"
+        (hd, kv), h, n = self.heads["full_attention"], c.hidden_size, c.num_attention_heads
+        shapes.update({f"{p}.q_proj.weight": (n * hd, h), f"{p}.k_proj.weight": (kv * hd, h),
+                       f"{p}.v_proj.weight": (kv * hd, h), f"{p}.o_proj.weight": (h, n * hd),
+                       f"{p}.q_norm.weight": (hd,), f"{p}.k_norm.weight": (hd,)})
+        if self.values_from_keys:
+            del shapes[f"{p}.v_proj.weight"]
+        return shapes
 
 
 @register_model_type("gemma4")

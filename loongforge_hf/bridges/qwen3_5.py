@@ -52,24 +52,7 @@ class Qwen3_5Bridge(DenseBridge):
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
-        c, arch = self.hf_config, self.architectures[0]
-        kinds = list(c.layer_types or [])
-        unknown = sorted(set(kinds) - set(LAYER_TYPES))
-        if unknown:
-            raise C.UnsupportedConfigError(f"layer_types {unknown} are not supported for {arch}; supported: "
-                                           f"{list(LAYER_TYPES)}.")
-        if len(kinds) != c.num_hidden_layers:
-            raise C.UnsupportedConfigError(f"layer_types has {len(kinds)} entries for {c.num_hidden_layers} layers.")
-        if c.linear_num_value_heads % c.linear_num_key_heads:
-            raise C.UnsupportedConfigError(
-                f"linear_num_value_heads={c.linear_num_value_heads} is not a multiple of linear_num_key_heads="
-                f"{c.linear_num_key_heads} for {arch}.")
-        if c.hidden_act != "silu":
-            raise C.UnsupportedConfigError(f"hidden_act={c.hidden_act!r} is not supported for {arch} (only 'silu': "
-                                           "the linear-attention conv and gated norm use it).")
-        if getattr(c, "attention_bias", False):
-            raise C.UnsupportedConfigError(f"attention_bias=True is not supported for {arch}: megatron's attention "
-                                           "output projection has a bias exactly when the MLP's linears do.")
+        check_linear_attention(self.hf_config, self.architectures[0])
         super().check_config()
 
     def check_layout(self, layout) -> None:
@@ -165,3 +148,26 @@ class Qwen3_5Bridge(DenseBridge):
         prefix = f"model.layers.{layer}"
         mixer = self.linear_attention_shapes(prefix) if layer in self.linear_layers else self.attention_shapes(prefix)
         return {**mixer, **self.dense_mlp_shapes(prefix)}
+
+
+def check_linear_attention(c, arch: str) -> None:
+    """``UnsupportedConfigError`` for a config of Gated DeltaNet and full-attention layers (``layer_types``) that
+    ``gated_deltanet.py`` cannot run exactly (Qwen3.5, Qwen3-Next, OLMo Hybrid): unknown layer kinds, value heads
+    that are not a multiple of the key heads, an activation other than silu, attention biases."""
+    kinds = list(c.layer_types or [])
+    unknown = sorted(set(kinds) - set(LAYER_TYPES))
+    if unknown:
+        raise C.UnsupportedConfigError(f"layer_types {unknown} are not supported for {arch}; supported: "
+                                       f"{list(LAYER_TYPES)}.")
+    if len(kinds) != c.num_hidden_layers:
+        raise C.UnsupportedConfigError(f"layer_types has {len(kinds)} entries for {c.num_hidden_layers} layers.")
+    if c.linear_num_value_heads % c.linear_num_key_heads:
+        raise C.UnsupportedConfigError(
+            f"linear_num_value_heads={c.linear_num_value_heads} is not a multiple of linear_num_key_heads="
+            f"{c.linear_num_key_heads} for {arch}.")
+    if c.hidden_act != "silu":
+        raise C.UnsupportedConfigError(f"hidden_act={c.hidden_act!r} is not supported for {arch} (only 'silu': "
+                                       "the linear-attention conv and gated norm use it).")
+    if getattr(c, "attention_bias", False):
+        raise C.UnsupportedConfigError(f"attention_bias=True is not supported for {arch}: megatron's attention "
+                                       "output projection has a bias exactly when the MLP's linears do.")

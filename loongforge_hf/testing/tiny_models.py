@@ -24,7 +24,7 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "granitemoehybrid", "hunyuan_v1_dense", "apertus", "lfm2", "lfm2_moe",
               "flex_olmo", "granitemoeshared", "exaone", "bamba", "nemotron_h",
               "phimoe", "jais2", "cohere2_moe", "afmoe", "gemma4", "glm4_moe_lite", "mistral4", "minicpm3",
-              "falcon_h1")
+              "falcon_h1", "olmo_hybrid")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -140,9 +140,13 @@ def _config(arch: str, **overrides):
                                                                          "rope_theta": 10000.0}})
         cfg.architectures = ["Gemma3ForCausalLM"]
     elif arch == "gemma4":
-        # NOTE: Gemma 4's text layout shrunk: a binding 5-token window on layers 0 and 2, proportional rope on the
-        # full layers (half of each head rotating), a logit cap that binds; one head size and no per-layer inputs
-        cfg = tf.Gemma4TextConfig(**{**common, "head_dim": 16, "tie_word_embeddings": True}, global_head_dim=16,
+        # NOTE: Gemma 4 31B's text layout shrunk: a binding 5-token window on layers 0 and 2, full layers with a
+        # larger head (32, the sliding ones' 16), fewer KV heads (2, the sliding ones' 4) and values from the key
+        # projection (attention_k_eq_v), proportional rope there (half of each head rotating), a logit cap that
+        # binds; no per-layer inputs
+        cfg = tf.Gemma4TextConfig(**{**common, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16,
+                                     "tie_word_embeddings": True}, global_head_dim=32, num_global_key_value_heads=2,
+                                  attention_k_eq_v=True,
                                   hidden_size_per_layer_input=0, sliding_window=5, final_logit_softcapping=3.0,
                                   layer_types=["sliding_attention", "full_attention"] * 2,
                                   rope_parameters={"full_attention": {"rope_type": "proportional",
@@ -153,6 +157,16 @@ def _config(arch: str, **overrides):
         cfg.architectures = ["Gemma4ForCausalLM"]
     elif arch == "olmo2":
         cfg = tf.Olmo2Config(**common)
+    elif arch == "olmo_hybrid":
+        # NOTE: OLMo Hybrid's layout shrunk: Gated DeltaNet layers 0, 2, 3 (2 key heads serving 4 value heads of
+        # another size, beta doubled: linear_allow_neg_eigval) and an OLMo 3 style full-attention layer 1 without
+        # rotary embedding (the released checkpoints'); A from [0.1, 2] so the recurrent state outlives a few tokens
+        cfg = tf.OlmoHybridConfig(**common, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                  linear_value_head_dim=12, linear_conv_kernel_dim=4, linear_a_log_min=0.1,
+                                  linear_a_log_max=2.0, rope_parameters={"rope_type": "default", "rope_theta": None},
+                                  layer_types=["linear_attention", "full_attention", "linear_attention",
+                                               "linear_attention"])
+        cfg.architectures = ["OlmoHybridForCausalLM"]
     elif arch == "olmo3":
         # NOTE: OLMo 3's layout shrunk: a binding 5-token window on layers 0, 1, 3, YaRN on the full layer's rope (its
         # attention factor 1.14)
@@ -574,11 +588,33 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
 
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "architectures": ["ExaoneForCausalLM"]}, indent=2))
+    if arch == "olmo_hybrid":
+        _hub_conv_layout(folder, cfg)
     if mtp_layers:
         _append_mtp_layers(folder, cfg, mtp_layers, dtype=dtype)
     if tokenizer:
         make_tiny_tokenizer(folder, vocab_size=cfg.vocab_size)
     return folder
+
+
+def _hub_conv_layout(folder: Path, cfg) -> None:
+    """OLMo Hybrid's ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` as the hub's checkpoints hold them (the key, key and
+    value channels of transformers' fused ``conv1d``): transformers 5.24 saves the fused conv cut into three equal
+    parts (its ``Concatenate``'s reverse is an even ``Chunk``), which it reads back alike but which name the wrong
+    channels wherever the value width differs from the key width."""
+    from safetensors.torch import load_file, save_file
+
+    kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    shards = {f: load_file(str(f)) for f in sorted(folder.glob("*.safetensors"))}
+    named = {n: (f, t) for f, tensors in shards.items() for n, t in tensors.items()}
+    for i in range(cfg.num_hidden_layers):
+        names = [f"model.layers.{i}.linear_attn.{x}_conv1d.weight" for x in "qkv"]
+        if names[0] in named:
+            fused = torch.cat([named[n][1] for n in names])
+            for n, part in zip(names, torch.split(fused, [kd, kd, vd])):
+                shards[named[n][0]][n] = part.contiguous()
+    for f, tensors in shards.items():
+        save_file(tensors, str(f), metadata={"format": "pt"})
 
 
 def _append_mtp_layers(folder: Path, cfg, count: int, *, dtype: torch.dtype) -> None:

@@ -1,9 +1,12 @@
-"""Gemma 4's text model (Gemma4ForCausalLM): fp32 against transformers within 1e-4 on a tiny checkpoint with a
-binding sliding window, proportional rope on the full layers, v-norm, random ``layer_scalar`` buffers and a binding
-logit cap. One one-rank world (TP1: logits, loss, ``logits_to_keep``, a bit-exact export, every gradient, greedy
-generate of a left-padded batch past the window without a cache, with the dynamic one and with a static one) and one
-two-rank world (TP2 with sequence parallelism, PP2: logits and loss, bit-exact exports). The refusals (config fields
-megatron cannot reproduce, Gemma 4's image / audio / text checkpoint) are checked on the bridge alone, as
+"""Gemma 4's text model (Gemma4ForCausalLM): fp32 against transformers within 1e-4 on a tiny checkpoint shaped like
+Gemma 4 31B's text model: a binding sliding window, full-attention layers with their own head size (32, the sliding
+layers' 16) and KV heads (2, the sliding layers' 4) whose values are the key projection's output (attention_k_eq_v: no
+v_proj), proportional rope on the full layers, v-norm, random ``layer_scalar`` buffers and a binding logit cap. One
+one-rank world (TP1: logits, loss, ``logits_to_keep``, a bit-exact export, every gradient, greedy generate of a
+left-padded batch past the window without a cache, with the dynamic one and with a static one; and a checkpoint whose
+full layers have their own head size but values of their own, logits and loss) and one two-rank world (TP2 with
+sequence parallelism, PP2: logits and loss, bit-exact exports; TP2's gradients). The refusals (config fields and
+layouts megatron cannot reproduce, Gemma 4's image / audio / text checkpoint) are checked on the bridge alone, as
 from_pretrained makes it before any collective."""
 
 import pytest
@@ -38,19 +41,22 @@ def _generate(folder: str) -> dict:
     return out
 
 
-def _one_rank(folder: str, out_dir: str) -> dict:
+def _one_rank(folder: str, out_dir: str, own_values: str) -> dict:
     from ._gradients import gradient_checks
     from ._parity import load_compare_export
 
     return {"tp1": load_compare_export(folder, {}, out_dir, seq=12, padded=True), **_generate(folder),
-            "grads": gradient_checks([("tp1", folder, {}, True)]).get("tp1")}
+            "grads": gradient_checks([("tp1", folder, {}, True)]).get("tp1"),
+            "own_values": load_compare_export(own_values, {}, f"{out_dir}-own-values", seq=12, padded=True)}
 
 
 def _two_ranks(folder: str, out_dirs: dict) -> dict:
+    from ._gradients import gradient_checks
     from ._parity import load_compare_export
 
-    return {name: load_compare_export(folder, layout, out_dirs[name], seq=12, padded=True)
-            for name, layout in LAYOUTS.items()}
+    return {**{name: load_compare_export(folder, layout, out_dirs[name], seq=12, padded=True)
+               for name, layout in LAYOUTS.items()},
+            "grads": gradient_checks([("tp2_sp", folder, LAYOUTS["tp2_sp"], True)]).get("tp2_sp")}
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +65,14 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_rank(folder, tmp_path_factory):
+def own_values(tmp_path_factory):  # NOTE: without attention_k_eq_v transformers keeps the full layers' KV heads
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gemma4_v") / "ckpt", "gemma4", attention_k_eq_v=False))
+
+
+@pytest.fixture(scope="module")
+def one_rank(folder, own_values, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("gemma4_tp1"))
-    return {**run_distributed(_one_rank, 1, folder, out_dir, timeout=400)[0], "out_dir": out_dir}
+    return {**run_distributed(_one_rank, 1, folder, out_dir, own_values, timeout=400)[0], "out_dir": out_dir}
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +88,18 @@ def test_tp1_logits_loss_and_export(one_rank, folder):
     check_round_trip(folder, one_rank["out_dir"])
 
 
-def test_tp1_gradients(one_rank):
-    grads = one_rank["grads"]
+@pytest.mark.parametrize("world", ["one_rank", "two_ranks"])
+def test_gradients(world, request):
+    grads = request.getfixturevalue(world)["grads"]
     assert not grads["missing"], grads["missing"]
     assert grads["diffs"] and max(grads["diffs"].values()) < TOL, grads["diffs"]
+    assert "model.layers.1.self_attn.k_proj.weight" in grads["diffs"], sorted(grads["diffs"])
+
+
+def test_full_layers_with_values_of_their_own(one_rank, own_values):
+    r = one_rank["own_values"]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL, r
+    check_round_trip(own_values, f"{one_rank['out_dir']}-own-values")
 
 
 @pytest.mark.parametrize("mode", ["uncached", "cached", "static"])
@@ -96,24 +115,28 @@ def test_parallel_layouts(two_ranks, folder, layout):
     check_round_trip(folder, two_ranks["out_dirs"][layout])
 
 
-@pytest.mark.parametrize("field, value", [
-    ("hidden_size_per_layer_input", 8), ("num_kv_shared_layers", 2), ("attention_k_eq_v", True),
-    ("enable_moe_block", True), ("use_bidirectional_attention", "all"), ("attention_bias", True),
-    ("global_head_dim", 32),
+@pytest.mark.parametrize("field, value, match", [
+    ("hidden_size_per_layer_input", 8, None), ("num_kv_shared_layers", 2, None), ("enable_moe_block", True, None),
+    ("use_bidirectional_attention", "all", None), ("attention_bias", True, None),
+    ("per_layer_config", {1: {"head_dim": 32, "intermediate_size": 48}, 3: {"head_dim": 32}}, "intermediate_size"),
+    ("per_layer_config", {1: {"head_dim": 32}, 3: {"head_dim": 64}}, "full_attention layers"),
 ])
-def test_refusals_name_the_field(field, value):
+def test_refusals_name_the_field(field, value, match):
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
     from loongforge_hf.testing.tiny_models import _config
 
-    if field == "global_head_dim":  # NOTE: transformers keeps it as the full layers' head_dim alone
-        import transformers
+    with pytest.raises(UnsupportedConfigError, match=match or field):
+        get_bridge(_config("gemma4", **{field: value}))
 
-        cfg = transformers.Gemma4TextConfig(num_hidden_layers=2, head_dim=16, global_head_dim=value,
-                                            hidden_size_per_layer_input=0)
-    else:
-        cfg = _config("gemma4", **{field: value})
+
+@pytest.mark.parametrize("tp, field", [(4, "num_global_key_value_heads=2"), (8, "num_key_value_heads=4")])
+def test_kv_heads_of_each_layer_type_split_over_tp(tp, field):
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel.config import ParallelConfig
+    from loongforge_hf.testing.tiny_models import _config
+
     with pytest.raises(UnsupportedConfigError, match=field):
-        get_bridge(cfg)
+        get_bridge(_config("gemma4")).check_layout(ParallelConfig(tensor_parallel_size=tp))
 
 
 def test_refuses_proportional_factor_out_of_range():
