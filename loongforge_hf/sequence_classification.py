@@ -24,6 +24,10 @@ Choices:
   transformers' own ``ForSequenceClassificationLoss`` (regression / single-label / multi-label by ``problem_type``,
   which it sets on first use as there). A ``SequenceClassifierOutputWithPast`` on every rank: under pipeline
   parallelism the last stage's pooled logits are broadcast (forward-only; gradients flow at PP 1).
+- MoE checkpoints (Qwen3-MoE, Mixtral, ...): transformers' generic classifier (5.24) neither returns router logits
+  nor adds the router balancing loss, whatever ``output_router_logits`` / ``router_aux_loss_coef`` say (the forward
+  keyword is taken and changes nothing): nor does this one (no tally is begun; megatron's own balancing losses stay
+  off, ``bridges/moe.py``). Expert parallelism as the causal LM's.
 - Context parallelism: each rank holds its load-balanced (zig-zag) share of every row's positions; the pooled
   position lives on one rank's share, so each rank picks the scores at the pooled positions it holds (0 elsewhere)
   and they are summed over the CP group (``pool_over_context_parallel``; differentiable: the backward sums the

@@ -14,7 +14,9 @@ Choices:
   reward, and the loss is ``-logsigmoid(chosen - rejected - margin).mean()`` over the micro-batch's pairs plus
   ``center_rewards_coefficient * mean((chosen + rejected)^2)``. The step divides the gradients by the micro-batches
   times the data-parallel ranks (the hook counts 1 per micro-batch): Trainer's ``loss / gradient_accumulation_steps``
-  averaged by DDP. No router balancing loss (transformers' classifiers return none).
+  averaged by DDP. No router balancing loss: transformers' classifiers return none and trl.RewardTrainer (1.16),
+  unlike its DPO / GRPO trainers, asks for none, so a MoE config's ``output_router_logits`` /
+  ``router_aux_loss_coef`` change nothing (``engine.router_aux_coef = 0``).
 - Context parallelism: each rank holds its load-balanced share of every row's positions; the rewards are the scores
   at the pooled positions summed over the CP group (``sequence_classification.pool_over_context_parallel``,
   differentiable), so every CP rank computes the micro-batch's whole loss and counts 1 (the engine divides by CP times

@@ -94,14 +94,20 @@ def classifier_checks(causal: dict[str, str], out_dir: str, layout: dict) -> dic
                 ref.score.weight.copy_(score)
             targets = {1: [torch.randn(4, generator=torch.Generator().manual_seed(2))],
                        3: [torch.tensor([0, 2, 1, 2]), torch.tensor([[1., 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 1]])]}
+            # NOTE: a MoE's forward asked for its router outputs too: transformers' classifier returns none, nor
+            # adds the balancing loss, whatever output_router_logits / router_aux_loss_coef say
+            moe = {"output_router_logits": True} if hasattr(ref.config, "output_router_logits") else {}
             with torch.no_grad():
-                ours, theirs = model(input_ids=ids, attention_mask=mask), ref(input_ids=ids, attention_mask=mask)
+                ours, theirs = model(input_ids=ids, attention_mask=mask, **moe), ref(input_ids=ids,
+                                                                                     attention_mask=mask, **moe)
+                # NOTE: less transformers' KV cache (use_cache by default), which ours never makes
+                res[f"outputs{labels}"] = (sorted(ours.keys()), sorted(k for k in theirs.keys() if k != "cache"))
                 res[f"logits{labels}"] = ((ours.logits - theirs.logits).abs().max().item(),
                                           theirs.logits.abs().max().item())
                 for i, target in enumerate(targets[labels]):
                     model.config.problem_type = ref.config.problem_type = None  # NOTE: the loss infers it
-                    a = model(input_ids=ids, attention_mask=mask, labels=target).loss.item()
-                    b = ref(input_ids=ids, attention_mask=mask, labels=target).loss.item()
+                    a = model(input_ids=ids, attention_mask=mask, labels=target, **moe).loss.item()
+                    b = ref(input_ids=ids, attention_mask=mask, labels=target, **moe).loss.item()
                     res[f"loss{labels}_{i}"] = (a, b, model.config.problem_type)
             res[f"info{labels}"] = (sorted(info["missing_keys"]), sorted(info["unexpected_keys"]))
             std = score.std().item()

@@ -25,6 +25,10 @@ metrics the same; final weights: each tensor's difference from TRL's within 1% o
 (in norm), as test_dpo.py; LoRA: the adapter folder's tensors (factors and score) within 1e-4 of PEFT's, its
 adapter_config.json PEFT's, and PEFT's classifier loaded with it (transformers' AutoModelForSequenceClassification
 + PeftModel.from_pretrained) gives the trained model's logits within 1e-5.
+MoE: a tiny Qwen3-MoE whose config asks for the router balancing loss (output_router_logits, router_aux_loss_coef
+0.5), which transformers' classifier neither returns nor adds and trl.RewardTrainer does not add (unlike its DPO /
+GRPO trainers): the classifier checks above (the forward asked for router logits too: logits only, as transformers')
+and the "explicit" training run vs TRL at TP=1 and TP=2 with SP x EP=2 (ETP 1).
 Resume: the TP=2 + SP run checkpoints at step 2; a run resumed from it at TP=2 + SP and at PP=2 logs steps 3-4 as the
 uninterrupted run did (exactly / within 1e-5).
 """
@@ -46,17 +50,28 @@ LAYOUTS = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True}, "pp
 MORE_LAYOUTS = {"cp2": {"context_parallel_size": 2},
                 "pp2_vpp2": {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}}
 CHECKPOINT = {"explicit": {"save_strategy": "steps", "save_steps": 2}}  # NOTE: the TP2 run's, resumed from step 2
+# NOTE: the Qwen3-MoE's two-rank layout: the experts split over the TP ranks (EP2, ETP1)
+MOE_LAYOUT = {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
+              "expert_tensor_parallel_size": 1}
+# NOTE: a config that asks for the router balancing loss, which transformers' classifier and TRL's RewardTrainer
+# leave out
+MOE_ROUTER = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 
 
-def _one_rank(causal: dict, classifier: str, out_dir: str) -> dict:
+def _one_rank(causal: dict, classifier: str, moe: tuple[str, str], out_dir: str) -> dict:
     return {"classifier": classifier_checks(causal, out_dir + "/cls", {}), "bf16_head": bf16_head(causal["llama"]),
             "trl": run_trl(classifier, out_dir + "/trl", NAMES), "loong": run_loong(classifier, out_dir + "/tp1", {},
-                                                                                    NAMES)}
+                                                                                    NAMES),
+            "moe": classifier_checks({"qwen3_moe": moe[0]}, out_dir + "/moe-cls", {})["qwen3_moe"],
+            "moe_trl": run_trl(moe[1], out_dir + "/moe-trl", NAMES[:1]),
+            "moe_train": run_loong(moe[1], out_dir + "/moe-tp1", {}, NAMES[:1])}
 
 
-def _two_ranks(causal: dict, classifier: str, out_dir: str) -> dict:
+def _two_ranks(causal: dict, classifier: str, moe: tuple[str, str], out_dir: str) -> dict:
     out = {name: classifier_checks(causal, f"{out_dir}/{name}", layout)
            for name, layout in {**LAYOUTS, **MORE_LAYOUTS}.items()}
+    out["moe"] = classifier_checks({"qwen3_moe": moe[0]}, out_dir + "/moe-cls", MOE_LAYOUT)["qwen3_moe"]
+    out["moe_train"] = run_loong(moe[1], out_dir + "/moe-train", MOE_LAYOUT, NAMES[:1])
     out["refusals"] = refusals(causal["llama"], {})
     out["tp2_sp_train"] = run_loong(classifier, out_dir + "/tp2-train", LAYOUTS["tp2_sp"], NAMES, extra=CHECKPOINT)
     for name, layout in {"pp2": LAYOUTS["pp2"], **MORE_LAYOUTS}.items():
@@ -74,7 +89,9 @@ def _two_ranks(causal: dict, classifier: str, out_dir: str) -> dict:
 def sources(tmp_path_factory):
     base = tmp_path_factory.mktemp("reward-src")
     causal = {arch: str(make_tiny_checkpoint(base / arch, arch)) for arch in ARCHS}
-    return causal, make_classifier(causal["llama"], str(base / "llama-cls"))
+    moe = str(make_tiny_checkpoint(base / "qwen3_moe", "qwen3_moe", **MOE_ROUTER))
+    return causal, make_classifier(causal["llama"], str(base / "llama-cls")), (moe, make_classifier(
+        moe, str(base / "qwen3_moe-cls")))
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +123,28 @@ def _assert_classifier(res: dict, source: str) -> None:
 
 def _assert_export(res: dict, arch: str) -> None:
     assert res["architectures"] == [{"llama": "LlamaForSequenceClassification",
-                                     "qwen3": "Qwen3ForSequenceClassification"}[arch]]
+                                     "qwen3": "Qwen3ForSequenceClassification",
+                                     "qwen3_moe": "Qwen3MoeForSequenceClassification"}[arch]]
     assert "score.weight" in res["export_names"] and "lm_head.weight" not in res["export_names"]
     assert res["backbone_exact"] and res["score_exact"]
     assert res["export_logits"] < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2_sp_ep2"])
+def test_moe_classifier_matches_transformers(sources, one_rank, two_ranks, layout):
+    """A Qwen3-MoE whose config asks for the router balancing loss: logits and losses as transformers' classifier,
+    which neither returns router logits nor adds the loss (nor do we)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(sources[2][0])
+    assert (config.output_router_logits, config.router_aux_loss_coef) == (True, 0.5)
+    res = one_rank["moe"] if layout == "tp1" else two_ranks[0]["moe"]
+    _assert_classifier(res, sources[2][0])
+    _assert_export(res, "qwen3_moe")
+    for labels in (1, 3):
+        assert res[f"outputs{labels}"] == (["logits"], ["logits"])
+    if layout != "tp1":
+        assert two_ranks[1]["moe"]["logits1"] == res["logits1"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -186,6 +221,19 @@ def test_trainer_tp1_matches_trl(sources, one_rank, name):
 def test_trainer_tp2_sp_matches_trl(sources, one_rank, two_ranks, name):
     _assert_matches(name, one_rank["trl"][name], two_ranks[0]["tp2_sp_train"][name], saved_tensors(sources[1]))
     assert two_ranks[1]["tp2_sp_train"][name]["logs"] == two_ranks[0]["tp2_sp_train"][name]["logs"]
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2_sp_ep2"])
+def test_moe_trainer_matches_trl(sources, one_rank, two_ranks, layout):
+    """A Qwen3-MoE classifier whose config asks for the router balancing loss: trl.RewardTrainer adds none (unlike
+    its DPO / GRPO trainers), nor does LoongRewardTrainer; every metric and the final weights (experts and routers
+    included) as TRL's."""
+    name = NAMES[0]
+    got = one_rank["moe_train"] if layout == "tp1" else two_ranks[0]["moe_train"]
+    _assert_matches(name, one_rank["moe_trl"][name], got[name], saved_tensors(sources[2][1]))
+    assert any(".experts." in k for k in one_rank["moe_trl"][name]["weights"])
+    if layout != "tp1":
+        assert two_ranks[1]["moe_train"][name]["logs"] == got[name]["logs"]
 
 
 def test_trainer_dp2_matches_trl_ddp(sources, two_ranks):
