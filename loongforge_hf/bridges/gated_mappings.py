@@ -7,19 +7,22 @@ Choices:
   then their gates, then the group's key and value (``[groups, (2 * heads / groups + 2) * head_dim]``). TP splits whole
   KV groups, as ``QKV``. Each rank's shard is assembled from its heads' rows in memory. With ``gate`` the gates are
   a tensor of their own (AFMoE's ``gate_proj``, ``[heads * head_dim]`` rows beside ``q_proj``'s): the same shard.
+  ``rows_to_megatron`` / ``rows_to_hf`` move ``q_proj``'s rows (a LoRA B) to the group's queries-then-gates order.
 - ``HeadSections``: one megatron column-parallel tensor made of row sections of one or more HF tensors, each section
   split evenly over TP and a rank's pieces concatenated in order (the linear-attention ``in_proj``: q, k, v of
   ``in_proj_qkv``, then ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; the conv's q, k, v channels). The caller checks
   that every section divides by the TP size (whole heads per rank). A section given as ``(size, units)`` of fewer
   units (groups) than TP ranks is replicated instead, each unit on ``tp / units`` consecutive ranks, exported from
   its first (Mamba2's B / C of one group at TP 2: ``parallel/kv_replicas.py``). ``rows_to_megatron`` /
-  ``rows_to_hf`` move a tensor with the rows of a one-part mapping's HF tensor (a LoRA B, a DoRA magnitude: Mamba2's
-  and LFM2's ``in_proj``) to megatron's row order, TP rank after TP rank, and back; ``replicates`` says whether a
+  ``rows_to_hf`` move a tensor with the rows of one part's HF tensor (``part``; a LoRA B, a DoRA magnitude: Mamba2's
+  and LFM2's ``in_proj``, each Gated DeltaNet in-projection) to megatron's row order, TP rank after TP rank, and
+  back; ``rank_rows`` gives each part's rows per rank (the slots of a fused LoRA output); ``replicates`` says whether a
   section is replicated at a TP size (no one such order).
 - ``KeyHeadGroups``: the same megatron tensor from HF tensors whose rows run key head by key head, each head's
   group holding its sections in turn (Qwen3-Next's ``in_proj_qkvz``: per key head its q, k, then the v and z rows of
   the value heads it serves; ``in_proj_ba``: their b, then their a). A rank reads its key heads' rows in one block
-  and regroups them section by section, so both layouts give megatron the same ``in_proj``.
+  and regroups them section by section, so both layouts give megatron the same ``in_proj`` (a LoRA B's rows too:
+  ``rows_to_megatron`` / ``rows_to_hf``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,21 @@ class GatedQKV(Mapping):
     def hf_names(self, layer):
         names = [_fmt(self.q, layer), _fmt(self.k, layer), _fmt(self.v, layer)]
         return names + ([_fmt(self.gate, layer)] if self.gate else [])
+
+    def rows_to_megatron(self, rows: torch.Tensor, ctx, part: int = 0) -> torch.Tensor:
+        """A tensor with the rows of ``q_proj`` (``part`` 0; ``k_proj`` / ``v_proj`` as they are) in megatron's row
+        order: per KV group its heads' queries, then their gates (TP splits whole groups)."""
+        if part:
+            return rows
+        groups, hd, rest = ctx.num_kv_heads, ctx.head_dim, rows.shape[1:]
+        return rows.reshape(groups, -1, 2, hd, *rest).transpose(1, 2).reshape(-1, *rest)
+
+    def rows_to_hf(self, rows: torch.Tensor, ctx, part: int = 0) -> torch.Tensor:
+        """The inverse of ``rows_to_megatron``."""
+        if part:
+            return rows
+        groups, hd, rest = ctx.num_kv_heads, ctx.head_dim, rows.shape[1:]
+        return rows.reshape(groups, 2, -1, hd, *rest).transpose(1, 2).reshape(-1, *rest)
 
     def _queries_and_gates(self, reader, layer, rank: int, heads: int, hd: int) -> torch.Tensor:
         """This rank's heads' rows, each head's query then its gate."""
@@ -134,16 +152,25 @@ class HeadSections(Mapping):
     def replicates(self, tp_size: int) -> bool:
         return any(r > 1 for *_, r in self._pieces(0, tp_size))
 
-    def rows_to_megatron(self, rows: torch.Tensor, ctx) -> torch.Tensor:
-        """A tensor with the rows of the (one) HF tensor in megatron's row order: each TP rank's pieces, rank after
-        rank (no section replicated)."""
-        pieces = [(start, per) for _, start, per, _ in self._pieces(0, ctx.tp_size)]
+    def _part_pieces(self, part: int, tp_size: int) -> list[tuple[int, int]]:
+        """(first row, rows per rank) of each section of the HF tensor ``parts[part]``."""
+        name = _fmt(self.parts[part][0], 0)
+        return [(start, per) for n, start, per, _ in self._pieces(0, tp_size) if n == name]
+
+    def rank_rows(self, tp_size: int) -> list[int]:
+        """The rows each TP rank holds of each HF tensor, in order (no section replicated)."""
+        return [sum(per for _, per in self._part_pieces(i, tp_size)) for i in range(len(self.parts))]
+
+    def rows_to_megatron(self, rows: torch.Tensor, ctx, part: int = 0) -> torch.Tensor:
+        """A tensor with the rows of the HF tensor ``parts[part]`` in megatron's row order: each TP rank's pieces of
+        it, rank after rank (no section replicated)."""
+        pieces = self._part_pieces(part, ctx.tp_size)
         return torch.cat([rows[start + r * per:start + (r + 1) * per] for r in range(ctx.tp_size)
                           for start, per in pieces])
 
-    def rows_to_hf(self, rows: torch.Tensor, ctx) -> torch.Tensor:
+    def rows_to_hf(self, rows: torch.Tensor, ctx, part: int = 0) -> torch.Tensor:
         """The inverse of ``rows_to_megatron`` (the TP ranks' rows concatenated in rank order)."""
-        ranks = [torch.split(block, [per for _, _, per, _ in self._pieces(0, ctx.tp_size)])
+        ranks = [torch.split(block, [per for _, per in self._part_pieces(part, ctx.tp_size)])
                  for block in rows.chunk(ctx.tp_size)]
         return torch.cat([rank[i] for i in range(len(ranks[0])) for rank in ranks])
 
@@ -181,3 +208,22 @@ class KeyHeadGroups(Mapping):
                 own = [next(pieces).reshape(local, size, *shard.shape[1:]) for size in sections]
                 out[_fmt(name, layer)].append(torch.cat(own, dim=1).reshape(-1, *shard.shape[1:]))
         return {name: torch.cat(blocks, dim=0).contiguous() for name, blocks in out.items()}
+
+    def rank_rows(self, tp_size: int) -> list[int]:
+        """The rows each TP rank holds of each HF tensor, in order."""
+        return [self.groups // tp_size * sum(sections) for _, sections in self.parts]
+
+    def rows_to_megatron(self, rows: torch.Tensor, ctx, part: int = 0) -> torch.Tensor:
+        """A tensor with the rows of the HF tensor ``parts[part]`` in megatron's row order: each TP rank's key heads
+        regrouped section by section, rank after rank."""
+        sections, rest = list(self.parts[part][1]), rows.shape[1:]
+        grouped = rows.reshape(ctx.tp_size, self.groups // ctx.tp_size, sum(sections), *rest)
+        pieces = [s.reshape(ctx.tp_size, -1, *rest) for s in torch.split(grouped, sections, dim=2)]
+        return torch.cat(pieces, dim=1).reshape(-1, *rest)
+
+    def rows_to_hf(self, rows: torch.Tensor, ctx, part: int = 0) -> torch.Tensor:
+        """The inverse of ``rows_to_megatron``."""
+        sections, rest, local = list(self.parts[part][1]), rows.shape[1:], self.groups // ctx.tp_size
+        blocks = torch.split(rows.reshape(ctx.tp_size, -1, *rest), [local * size for size in sections], dim=1)
+        own = [b.reshape(ctx.tp_size, local, size, *rest) for b, size in zip(blocks, sections)]
+        return torch.cat(own, dim=2).reshape(-1, *rest)

@@ -34,8 +34,8 @@ Choices:
 - Refused by name before any collective: what ``qwen3_5.check_linear_attention`` refuses (unknown ``layer_types``,
   value heads not a multiple of key heads, ``hidden_act`` other than silu: the conv's activation too,
   ``attention_bias``), rope types beyond default / llama3 (YaRN's attention factor) and ``partial_rotary_factor``
-  (transformers' rotary here rotates whole heads), linear heads that do not split over TP, the static cache, LoRA
-  on the linear layers' in-projections (``lora/plan.py``: one slot of six in ``in_proj``).
+  (transformers' rotary here rotates whole heads), linear heads that do not split over TP, the static cache. LoRA
+  adapts the six in-projections, each its own adapter in its slot of ``in_proj`` (``lora/plan.py``).
 """
 
 from __future__ import annotations

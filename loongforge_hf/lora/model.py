@@ -31,6 +31,10 @@ Choices:
 - A sequence classifier (``lf.AutoModelForSequenceClassification``) becomes a
   ``LoongLoraModelForSequenceClassification``, its ``score`` head trained whole as PEFT's ``SEQ_CLS``
   (``sequence_classification.py``).
+- A column-parallel linear of several HF linears (``linear_qkv``, ``linear_fc1``, the Gated DeltaNet ``in_proj``)
+  holds each target's adapter in its slot of the output (``layers.FusedLayout``): the slots' rows per rank from the
+  mapping (``rank_rows`` where they differ: ``in_proj_qkv`` / ``z`` / ``b`` / ``a``), each rank's B rows its block of
+  B in megatron's row order (``_layout_and_slices``, ``Target.b_to_megatron``), so gradients reach each adapter only.
 - With pipeline parallelism the first stage must hold something trainable (its input, the embedding, does not
   require grad, so a stage without adapters would have nothing to back-propagate into).
 """
@@ -48,6 +52,7 @@ import torch.distributed as dist
 
 from loongforge_hf.bridges import moe_graphs
 from loongforge_hf.bridges import transforms as T
+from loongforge_hf.bridges.gated_mappings import GatedQKV
 from loongforge_hf.lora import unload as unload_
 from loongforge_hf.lora.plan import LoraConfigError, LoraPlan, plan_lora
 from loongforge_hf.modeling import LoongModelForCausalLM
@@ -145,10 +150,17 @@ def _layout_and_slices(target_group, ctx, layer: int):
     tp, rank = ctx.tp_size, ctx.tp_rank
     if first.kind == "qkv":
         heads, groups, hd = ctx.num_heads // tp, ctx.local_kv_heads, ctx.head_dim
+        q_rows = (2 if isinstance(first.mapping, GatedQKV) else 1) * hd  # NOTE: each head's query and output gate
         q, k, v = names
-        layout = FusedLayout(groups=groups, slots=((q, heads // groups * hd), (k, hd), (v, hd)))
+        layout = FusedLayout(groups=groups, slots=((q, heads // groups * q_rows), (k, hd), (v, hd)))
         kv_rows = slice(ctx.first_kv_head(rank) * hd, (ctx.first_kv_head(rank) + groups) * hd)
-        return layout, {q: slice(rank * heads * hd, (rank + 1) * heads * hd), k: kv_rows, v: kv_rows}
+        return layout, {q: slice(rank * heads * q_rows, (rank + 1) * heads * q_rows), k: kv_rows, v: kv_rows}
+    if first.kind in ("gated", "column") and hasattr(first.mapping, "rank_rows"):
+        # NOTE: HF tensors of unequal rows in one megatron linear (the Gated DeltaNet in_proj), each rank's B rows
+        # of a target a block of its megatron-ordered rows (Target.b_to_megatron)
+        rows = first.mapping.rank_rows(tp)
+        layout = FusedLayout(groups=1, slots=tuple(zip(names, rows)))
+        return layout, {n: slice(rank * size, (rank + 1) * size) for n, size in zip(names, rows)}
     if first.kind in ("gated", "column"):
         start, stop = T.shard_range(first.out_features, rank=rank, world=tp, name=first.hf_module)
         layout = FusedLayout(groups=1, slots=tuple((n, stop - start) for n in names))

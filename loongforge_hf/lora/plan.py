@@ -11,9 +11,16 @@ Choices:
   module targets in HF ``named_modules`` order, then parameter targets (``param_targets.py``).
 - Each target is tied to the bridge mapping holding its HF weight (``_LINEAR_KINDS``: q/k/v slots of ``linear_qkv``,
   gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be (a
-  last component only where no linear it names is refused: not Qwen3.5's linear-attention ``in_proj_qkv`` /
-  ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, four HF linears in one megatron ``in_proj`` of unequal slots, nor
-  ``'all-linear'`` without ``exclude_modules`` for those).
+  last component only where no linear it names is refused: not AFMoE's gated ``q_proj`` / ``k_proj`` / ``v_proj``,
+  whose gates are a tensor of their own, nor ``'all-linear'`` without ``exclude_modules`` for those).
+- HF linears sharing one megatron linear in slots of unequal rows are each a target with its own adapter, B's rows
+  moved to megatron's order by the mapping (``rows_to_megatron(part=Target.slot)``) and sliced per TP rank by its
+  ``rank_rows`` (``model._layout_and_slices``): the Gated DeltaNet ``in_proj`` of Qwen3.5 / Qwen3.5-MoE
+  (``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``: ``HeadSections``), of OLMo Hybrid (``q`` / ``k`` /
+  ``v`` / ``g`` / ``b`` / ``a_proj``) and of Qwen3-Next (``in_proj_qkvz`` / ``in_proj_ba`` per key head:
+  ``KeyHeadGroups``); Qwen3.5's gated ``q_proj`` (``GatedQKV``: per KV group the heads' queries, then their gates)
+  beside ``k_proj`` / ``v_proj``. So ``"all-linear"`` takes them all. DoRA and PiSSA / OLoRA on them are refused by
+  name (``_check_unequal_slots``: not tested against PEFT there).
 - One HF linear of row sections that megatron holds rank by rank (``gated_mappings.HeadSections`` of one part: the
   Mamba2 ``in_proj`` of Granite 4.0 H, Bamba and Nemotron-H, its z, x, B, C, dt; LFM2's conv ``in_proj``, its B, C,
   x) is a column-parallel target: B's rows go to megatron's order as the weight's do (``rows_to_megatron``). Where a
@@ -67,7 +74,7 @@ import torch
 
 from loongforge_hf.bridges.conv1d_mappings import Transposed
 from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParallel
-from loongforge_hf.bridges.gated_mappings import HeadSections
+from loongforge_hf.bridges.gated_mappings import GatedQKV, HeadSections, KeyHeadGroups
 from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedGatedMLP, PackedQKV
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 from loongforge_hf.bridges.moe import SharedExpertGate
@@ -75,7 +82,7 @@ from loongforge_hf.bridges.per_head_mappings import PerHeadStack
 
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
                  PackedQKV: "column", GroupedQKV: "column", PackedGatedMLP: "column", RowParallel: "row",
-                 SharedExpertGate: "shared_gate", HeadSections: "column"}
+                 SharedExpertGate: "shared_gate", HeadSections: "column", KeyHeadGroups: "column", GatedQKV: "qkv"}
 _INITS = (True, False, "gaussian", "orthogonal")
 
 
@@ -132,12 +139,14 @@ class Target:
         (``RopeColumnParallel``), q / k / v or gate / up rows of a packed HF linear in megatron's fused layout
         (``PackedQKV``, ``PackedGatedMLP``)."""
         permute = getattr(self.mapping, "rows_to_megatron", None)
-        return b if permute is None else permute(b, ctx)
+        # NOTE: a mapping of several HF tensors with rows to move (HeadSections, KeyHeadGroups, GatedQKV) takes the
+        # target's own (``part``, 0 by default)
+        return b if permute is None else permute(b, ctx, part=self.slot) if self.slot else permute(b, ctx)
 
     def b_to_hf(self, b: torch.Tensor, ctx) -> torch.Tensor:
         """The inverse of ``b_to_megatron`` (the gathered B of this target, back in the checkpoint's row order)."""
         permute = getattr(self.mapping, "rows_to_hf", None)
-        return b if permute is None else permute(b, ctx)
+        return b if permute is None else permute(b, ctx, part=self.slot) if self.slot else permute(b, ctx)
 
 
 @dataclass(frozen=True)
@@ -291,6 +300,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     targets += param_targets
     check_dora(config, targets)
     check_decomposition(config.init_lora_weights, targets)
+    _check_unequal_slots(config, targets)
     if not targets:
         raise LoraConfigError(f"target_modules={config.target_modules!r} match no module of "
                               f"{type(skeleton).__name__}; targetable: "
@@ -318,9 +328,26 @@ def _adaptable(name: str, module, index, on_disk) -> tuple[Mapping, int | None, 
     if entry is None:
         return None
     kind = "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(type(_unwrapped(entry[0])))
-    if isinstance(entry[0], HeadSections) and len(entry[0].parts) > 1:  # NOTE: slots of unequal rows
+    if isinstance(entry[0], GatedQKV) and entry[0].gate is not None:  # NOTE: AFMoE's gates beside q_proj
         kind = None
     return None if kind is None or (entry[1] is None and kind != "vision") else (*entry, kind)
+
+
+def _check_unequal_slots(config, targets) -> None:
+    """Refuse DoRA and PiSSA / OLoRA on the HF linears that share one megatron linear in slots of their own shape
+    (the Gated DeltaNet in-projections, Qwen3.5's gated ``q_proj`` beside ``k_proj`` / ``v_proj``): not tested
+    against PEFT there."""
+    from loongforge_hf.lora.init import is_decomposition
+
+    asked = [f"use_dora={config.use_dora}"] if config.use_dora else []
+    if is_decomposition(config.init_lora_weights):
+        asked.append(f"init_lora_weights={config.init_lora_weights!r}")
+    hit = sorted({t.hf_module.rsplit(".", 1)[-1] for t in targets if isinstance(t.mapping, (GatedQKV, KeyHeadGroups))
+                  or (isinstance(t.mapping, HeadSections) and len(t.mapping.parts) > 1)})
+    if asked and hit:
+        raise LoraConfigError(f"{' and '.join(asked)} is not supported on {hit} (HF linears sharing one megatron "
+                              "linear in slots of unequal rows: the linear-attention in-projections, the gated "
+                              f"q_proj / k_proj / v_proj); leave them out (exclude_modules={hit}) or use plain LoRA.")
 
 
 def _targetable(modules, linear_names: set[str], index, on_disk) -> str:

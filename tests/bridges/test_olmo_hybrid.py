@@ -6,7 +6,8 @@ One one-rank world: 150 tokens (three chunks of the delta rule) with a left-padd
 with rope; a row of packed documents against each alone; cached greedy generate of a left-padded batch (the
 full layer's keys, the Gated DeltaNets' states); the static cache refused; a bit-exact export. One two-rank world:
 TP2 + SP and PP2 (logits, loss, bit-exact exports), CP2 over packed documents and left padding (logits, loss and
-every tensor's gradient, exported through the bridge). The refusals run without a world."""
+every tensor's gradient, exported through the bridge), LoRA with "all-linear" at TP2 + SP against PEFT (the six
+in-projections each in its slot of megatron's ``in_proj``). The refusals run without a world."""
 
 import pytest
 import torch
@@ -69,6 +70,11 @@ def _two_ranks(folder: str) -> dict:
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     out["cp2"] = _cp2_padded_and_packed(ours, ref, folder)
+    del ours, ref
+    from ..integrations._lora_hybrids import ALL_LINEAR, hybrid_lora_checks
+
+    out["lora"] = hybrid_lora_checks(folder, f"{folder}-lora-tp2", dict(tensor_parallel_size=2, sequence_parallel=True),
+                                     ALL_LINEAR)
     return out
 
 
@@ -125,6 +131,16 @@ def test_tensor_and_pipeline_parallel(two_ranks, folders, layout):
         assert res["logit_diff"] < TOL and res["loss_diff"] < TOL, (layout, res)
         assert res["grads_ok"] in (None, True), res
     check_round_trip(folders["nope"], f"{folders['nope']}-{layout}")
+
+
+def test_lora_all_linear_matches_peft(two_ranks):
+    """LoRA with ``"all-linear"`` at TP2 + SP against PEFT (``integrations/_lora_hybrids.py``): ``q`` / ``k`` / ``v`` /
+    ``g`` / ``b`` / ``a_proj`` of the linear layers in their slots of megatron's ``in_proj``, the full layer's q / k /
+    v / o, the MLPs (37 modules): logits, loss, every adapter gradient, the adapter folder in PEFT and the merged
+    export in transformers."""
+    from ..integrations._lora_hybrids import check_matches_peft
+
+    check_matches_peft([r["lora"] for r in two_ranks], targets=37)
 
 
 def test_context_parallel_gradients(two_ranks):

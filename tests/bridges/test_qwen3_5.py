@@ -118,7 +118,13 @@ def _moe_checks(folder: str) -> dict:
 
 
 def _all(folders: dict) -> dict:
-    return {arch: (_checks if arch == "qwen3_5" else _moe_checks)(folder) for arch, folder in folders.items()}
+    from ..integrations._lora_hybrids import ALL_LINEAR, hybrid_lora_checks
+
+    out = {arch: (_checks if arch == "qwen3_5" else _moe_checks)(folder) for arch, folder in folders.items()}
+    out["lora"] = hybrid_lora_checks(folders["qwen3_5"], f"{folders['qwen3_5']}-lora-tp1", {}, ALL_LINEAR)
+    out["next_lora"] = hybrid_lora_checks(folders["qwen3_next"], f"{folders['qwen3_next']}-lora-tp1", {},
+                                          {**ALL_LINEAR, "target_modules": ["in_proj_qkvz", "in_proj_ba"]})
+    return out
 
 
 def _cached_generate(ours, ref, *, beams: bool) -> dict:
@@ -160,6 +166,10 @@ def _two_rank_checks(folder: str) -> dict:
     out = _cached_generate(ours, ref, beams=False)
     del ours
     out["cp2"] = _cp2_checks(folder, ref)
+    from ..integrations._lora_hybrids import ALL_LINEAR, hybrid_lora_checks
+
+    out["lora"] = hybrid_lora_checks(folder, f"{folder}-lora-tp2", dict(tensor_parallel_size=2, sequence_parallel=True),
+                                     ALL_LINEAR)
     return out
 
 
@@ -347,6 +357,25 @@ def test_context_parallel_generate(two_ranks):
         assert "cannot carry the states of recurrent (Gated DeltaNet / Mamba2) layers; under context parallelism " \
             "generate with use_cache=False" in res["cp2"]["cached_refusal"], \
             (rank, res["cp2"]["cached_refusal"])
+
+
+@pytest.mark.parametrize("layout", ("tp1", "tp2"))
+def test_lora_all_linear_matches_peft(everything, two_ranks, layout):
+    """LoRA with ``"all-linear"`` at TP1 and TP2 + SP against PEFT (``integrations/_lora_hybrids.py``): each Gated
+    DeltaNet in-projection (``in_proj_qkv`` / ``z`` / ``b`` / ``a``) in its slot of megatron's ``in_proj``, the gated
+    ``q_proj`` beside ``k_proj`` / ``v_proj``, ``out_proj``, ``o_proj`` and the MLPs (31 modules): logits, loss, every
+    adapter's A and B gradient at HF shape; the adapter folder in PEFT and the merged export in transformers."""
+    from ..integrations._lora_hybrids import check_matches_peft
+
+    check_matches_peft([everything["lora"]] if layout == "tp1" else [r["lora"] for r in two_ranks], targets=31)
+
+
+def test_qwen3_next_in_proj_lora_matches_peft(everything):
+    """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (rows per key head, regrouped by section in megatron's
+    ``in_proj``) against PEFT at TP1, as above."""
+    from ..integrations._lora_hybrids import check_matches_peft
+
+    check_matches_peft([everything["next_lora"]], targets=4)
 
 
 def test_mask_layout_read_once_per_mask(monkeypatch):

@@ -6,12 +6,21 @@ with B random (``init_lora_weights=False``): the logits (1e-4) and the loss (1e-
 adapter's A and B gradient at HF shape (gathered over TP, B's rows back in the checkpoint's order: the row sections
 of LFM2's conv / Mamba2's ``in_proj``, ``Target.b_to_hf``) against PEFT's (relative to each tensor's largest, on the
 layers of this rank's pipeline stage); the adapter folder loaded with ``PeftModel.from_pretrained`` and the merged
-export in transformers, both giving our logits (``_lora_checks.export_checks``).
+export in transformers, both giving our logits (``_lora_checks.export_checks``). ``check_matches_peft`` reads the
+results of one layout's ranks.
+
+The Gated DeltaNet models (tests/bridges/test_qwen3_5.py, test_olmo_hybrid.py) run ``"all-linear"``
+(``ALL_LINEAR``): each HF in-projection its own adapter in its slot of megatron's ``in_proj`` (Qwen3.5's
+``in_proj_qkv`` / ``z`` / ``b`` / ``a``, OLMo Hybrid's ``q`` / ``k`` / ``v`` / ``g`` / ``b`` / ``a_proj``; Qwen3-Next's
+``in_proj_qkvz`` / ``in_proj_ba``, regrouped per key head, by name), Qwen3.5's gated ``q_proj`` (each head's query and
+gate rows) beside ``k_proj`` / ``v_proj``.
 """
 
 from __future__ import annotations
 
 import torch
+
+ALL_LINEAR = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -61,3 +70,15 @@ def hybrid_lora_checks(folder: str, out_dir: str, layout: dict, lora_kw: dict) -
     out["grads"] = _adapter_grads(model, ref)
     model.zero_grad(set_to_none=True)
     return {**out, **export_checks(model, folder, out_dir, ids, model(input_ids=ids).logits.detach())}
+
+
+def check_matches_peft(ranks: list[dict], *, targets: int, tol: float = 1e-4) -> None:
+    """Each rank's ``hybrid_lora_checks`` result: logits within ``tol``, loss within 1e-5, the model unchanged by the
+    merged export, every factor's gradient of the ``targets`` adapted modules within ``tol`` (relative); on rank 0
+    the adapter folder in PEFT and the merged folder in transformers give our logits within ``tol``."""
+    for res in ranks:
+        assert res["logits"] < tol and res["loss"] < 1e-5 and res["unchanged_after_merged_export"], res
+        assert len(res["targets"]) == targets, res["targets"]
+        worst = max(res["grads"].items(), key=lambda kv: kv[1])
+        assert len(res["grads"]) == 2 * targets and worst[1] < tol, (worst, res["grads"])
+    assert ranks[0]["adapter_logits_diff"] < tol and ranks[0]["merged_logits_diff"] < tol, ranks[0]

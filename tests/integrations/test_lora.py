@@ -10,11 +10,15 @@
   export in transformers, both giving the Loong model's logits; merged export leaves the model as it was.
 - EXAONE 3 (PEFT's Llama names, the checkpoint's GPT-2-style ones) at TP=2 + SP in the same world: logits, loss,
   adapter gradients, the adapter folder and the merged export.
-- Refusals list only what can be targeted (Qwen3.5's linear-attention projections left out); Granite 4.0 H's Mamba2
-  ``in_proj`` is a target.
+- Refusals list only what can be targeted (AFMoE's gated q / k / v left out); Qwen3.5's linear-attention
+  in-projections and gated q / k / v and Granite 4.0 H's Mamba2 ``in_proj`` are targets; each in-projection's B rows
+  land in its slot of the loaded megatron weight at TP1 / TP2 (pure; the models against PEFT run in
+  tests/bridges/test_qwen3_5.py and test_olmo_hybrid.py).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -51,7 +55,8 @@ INIT_CASES = {
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-src")
     return {arch: make_tiny_checkpoint(base / arch, arch)
-            for arch in ("llama", "qwen2", "qwen3", "phi3", "gpt2", "exaone", "granitemoehybrid", "qwen3_5")}
+            for arch in ("llama", "qwen2", "qwen3", "phi3", "gpt2", "exaone", "granitemoehybrid", "qwen3_5",
+                         "qwen3_next", "olmo_hybrid", "afmoe")}
 
 
 @pytest.mark.parametrize("case", list(INIT_CASES))
@@ -127,10 +132,10 @@ def test_gpt2_unsupported_configs_are_refused(checkpoints, kw, match):
 
 
 def test_refusal_lists_only_what_can_be_targeted(checkpoints):
-    """Qwen3.5's linear-attention projections (four HF linears in one megatron ``in_proj``) and gated q / k / v are
-    refused, by name or through 'all-linear'; the message lists neither them nor plain 'all-linear', and what it
-    offers instead is accepted. Granite 4.0 H's Mamba2 ``in_proj`` (one HF linear of five row sections) is a target
-    as any column-parallel linear."""
+    """AFMoE's gated q / k / v (the gates a tensor of their own) are refused by name; the message lists neither them nor
+    plain 'all-linear'. Qwen3.5's linear-attention projections (four HF linears in one megatron ``in_proj``) and gated
+    q / k / v are targets ("all-linear" takes every linear but the LM head), DoRA on them refused by name; Granite 4.0
+    H's Mamba2 ``in_proj`` (one HF linear of five row sections) is a target as any column-parallel linear."""
     import peft
     import transformers
 
@@ -138,20 +143,64 @@ def test_refusal_lists_only_what_can_be_targeted(checkpoints):
     from loongforge_hf.lora import LoraConfigError
     from loongforge_hf.lora.plan import plan_lora
 
+    afmoe = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["afmoe"]))
+    with pytest.raises(LoraConfigError, match="self_attn.q_proj") as err:
+        plan_lora(afmoe, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert str(err.value).endswith("targetable modules: ['down_proj', 'o_proj', 'up_proj'] or 'all-linear' with "
+                                   "exclude_modules=['gate', 'gate_proj', 'k_proj', 'q_proj', 'v_proj']."), err.value
     bridge = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["qwen3_5"]))
-    refused = ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "k_proj", "q_proj", "v_proj"]
-    listed = (f"targetable modules: ['down_proj', 'gate_proj', 'o_proj', 'out_proj', 'up_proj'] or 'all-linear' "
-              f"with exclude_modules={refused}.")
-    for target_modules in (["in_proj_z"], "all-linear"):
-        with pytest.raises(LoraConfigError, match="linear_attn.in_proj_") as err:
-            plan_lora(bridge, peft.LoraConfig(r=2, target_modules=target_modules))
-        assert str(err.value).endswith(listed), str(err.value)
-    plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear", exclude_modules=refused))
-    assert {t.name for t in plan.targets} == {"down_proj", "gate_proj", "o_proj", "out_proj", "up_proj"}
+    slots = ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "k_proj", "q_proj", "v_proj"]
+    plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear"))
+    others = ["down_proj", "gate_proj", "o_proj", "out_proj", "up_proj"]
+    assert sorted({t.name for t in plan.targets}) == sorted(slots + others)
+    with pytest.raises(LoraConfigError, match=re.escape(f"use_dora=True is not supported on {slots}")):
+        plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear", use_dora=True))
+    plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear", use_dora=True, exclude_modules=slots))
+    assert sorted({t.name for t in plan.targets}) == others
     granite = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["granitemoehybrid"]))
     plan = plan_lora(granite, peft.LoraConfig(r=2, target_modules="all-linear"))
     assert {t.name for t in plan.targets} == {"in_proj", "input_linear", "k_proj", "o_proj", "out_proj",
                                               "output_linear", "q_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
+def test_unequal_slots_placed_as_the_weight(checkpoints, arch):
+    """Pure, TP1 / TP2: each in-projection's B rows (and the gated q_proj's), moved to megatron's order and sliced
+    for a rank (``Target.b_to_megatron``, ``model._layout_and_slices``), are that rank's rows of the HF weight in its
+    slot of the loaded megatron ``in_proj`` / ``linear_qkv``, and ``b_to_hf`` takes them back."""
+    import peft
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.bridges.gated_mappings import GatedQKV, HeadSections, KeyHeadGroups
+    from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.model import _layout_and_slices
+    from loongforge_hf.lora.plan import plan_lora
+
+    bridge = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints[arch]))
+    plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear"))
+    by_module: dict = {}
+    for t in plan.targets:
+        if isinstance(t.mapping, (GatedQKV, HeadSections, KeyHeadGroups)):
+            by_module.setdefault((t.layer, t.megatron_module), []).append(t)
+    assert any(t.megatron_module.endswith(".in_proj") for t in plan.targets) and \
+        all(len(ts) > 1 for ts in by_module.values())  # NOTE: the in_proj of two, four or six HF linears
+    gen = torch.Generator().manual_seed(0)
+    for (layer, _), targets in by_module.items():
+        mapping = targets[0].mapping
+        weights = {n: torch.randn(t.out_features, 3, generator=gen)
+                   for n, t in zip(mapping.hf_names(layer), sorted(targets, key=lambda t: t.slot))}
+
+        class Reader:
+            def get_slice(self, name, dim, start, stop):
+                return weights[name][start:stop]
+        for tp in (1, 2):
+            for rank in range(tp):
+                ctx = shard_context(bridge, tp_rank=rank, tp_size=tp, padded_vocab=bridge.hf_config.vocab_size)
+                fused, (layout, slices) = mapping.load(Reader(), ctx, layer), _layout_and_slices(targets, ctx, layer)
+                for t, w in zip(sorted(targets, key=lambda t: t.slot), weights.values()):
+                    assert torch.equal(t.b_to_megatron(w, ctx)[slices[t.name]], layout.slot(fused, t.name)), t
+                    assert torch.equal(t.b_to_hf(t.b_to_megatron(w, ctx), ctx), w), t
 
 
 @pytest.mark.parametrize("arch, given, expected", [("gpt2", False, True), ("gpt2", True, True),
