@@ -22,9 +22,11 @@ Choices:
 - Refused by name, before any collective: per-layer input embeddings (``hidden_size_per_layer_input``: Gemma 4
   E2B / E4B), KV shared across layers (``num_kv_shared_layers``), per-layer fields other than the head size and KV
   heads, layers of one type with different ones, bidirectional attention (``use_bidirectional_attention='all'``),
-  attention biases, rope types other than default / proportional; the MoE block (``enable_moe_block``: 26B-A4B).
-- A ``gemma4`` checkpoint (``Gemma4ForConditionalGeneration``: the text model with vision / audio towers) is refused
-  with a message saying so (``Gemma4ConditionalRefusal``).
+  attention biases, rope types other than default / proportional.
+- The MoE block (``enable_moe_block``: 26B-A4B): a config with it makes ``gemma4_moe.Gemma4MoeBridge``, this bridge with
+  a dense MLP beside routed experts in every layer.
+- A ``gemma4`` checkpoint (``Gemma4ForConditionalGeneration``: the text model with vision / audio towers) loads as
+  an image-text model (``gemma4_vl.py``), its language model this declaration's.
 """
 
 from __future__ import annotations
@@ -104,6 +106,13 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
     qk_norm = True
     zero_centred_norms = False
 
+    def __new__(cls, hf_config=None, *args, **kwargs):
+        if cls is Gemma4Bridge and getattr(hf_config, "enable_moe_block", False):
+            from loongforge_hf.bridges.gemma4_moe import Gemma4MoeBridge
+
+            return super().__new__(Gemma4MoeBridge)
+        return super().__new__(cls)
+
     def check_config(self) -> None:
         c = self.hf_config
         if c.is_heterogeneous:  # NOTE: the global values are the sliding layers' (see the module docstring)
@@ -112,7 +121,6 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
             "hidden_size_per_layer_input": (c.hidden_size_per_layer_input, "per-layer input embeddings"),
             "num_kv_shared_layers": (c.num_kv_shared_layers, "keys and values shared across layers"),
             "attention_bias": (c.attention_bias, "attention biases"),
-            "enable_moe_block": (c.enable_moe_block, "the mixture-of-experts block"),
         }
         for name, (value, what) in refusals.items():
             if value:
@@ -221,16 +229,3 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
         if self.values_from_keys:
             del shapes[f"{p}.v_proj.weight"]
         return shapes
-
-
-@register_model_type("gemma4")
-class Gemma4ConditionalRefusal:
-    """A ``gemma4`` (image / audio / text) checkpoint: refused with what to do instead."""
-
-    architectures = ("Gemma4ForConditionalGeneration",)
-
-    def __init__(self, hf_config) -> None:
-        raise C.UnsupportedConfigError(
-            "Gemma4ForConditionalGeneration (model_type 'gemma4': the text model with its vision and audio towers) "
-            "is not supported; loongforge-hf serves Gemma 4's text model alone (Gemma4ForCausalLM, model_type "
-            "'gemma4_text'), and transformers' AutoModelForCausalLM would load this checkpoint with its towers.")

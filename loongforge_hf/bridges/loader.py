@@ -100,8 +100,9 @@ def warn_passthrough(bridge, reader) -> None:
     skipped = bridge.passthrough_names(reader.keys())
     if skipped:
         layers = sorted({".".join(n.split(".")[:3]) for n in skipped})
+        kind = getattr(bridge, "passthrough_kind", "multi-token prediction")
         warnings.warn(f"{type(bridge).__name__}: {len(skipped)} checkpoint tensor(s) under {', '.join(layers)} "
-                      "(multi-token prediction) are not part of the model and were not loaded; save_pretrained copies "
+                      f"({kind}) are not part of the model and were not loaded; save_pretrained copies "
                       "them unchanged from the source folder.", stacklevel=3)
 
 

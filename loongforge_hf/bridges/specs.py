@@ -115,7 +115,8 @@ def _biased_linear_proj():
 def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: bool = False,
                   qk_module: type | tuple[type, type] | None = None, attention_module: type | None = None,
                   moe_module: type | None = None, pre_norms: bool = True, layer_norm: type | None = None,
-                  proj_bias: bool = False, mlp_module: type | None = None, parallel_residual: str | None = None):
+                  proj_bias: bool = False, mlp_module: type | None = None, parallel_residual: str | None = None,
+                  pre_mlp_norm: bool = True):
     """``block_spec`` with our RMSNorm (``layer_norm``: another of our norms, for the input / pre-MLP / final
     norms) in every norm slot and our core attention (see the docstring); ``proj_bias``: a bias on the attention's
     output projection alone (``_biased_linear_proj``); ``qk_module``
@@ -124,7 +125,8 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
     megatron's ``SelfAttention``; ``moe_module`` (``MoEBridge.moe_module``: FlexOlmo's post norm) for its
     ``MoELayer``; without ``pre_norms`` no input / pre-MLP norms (FlexOlmo normalises the sublayers' outputs);
     ``mlp_module``: a dense layer's MLP class (``DenseBridge.mlp_module``); ``parallel_residual``: ``"separate"`` or
-    ``"shared"``, the MLP beside the attention (``kernels.specs.ParallelResidualLayer``)."""
+    ``"shared"``, the MLP beside the attention (``kernels.specs.ParallelResidualLayer``); without ``pre_mlp_norm``
+    no pre-MLP norm alone (the MLP / MoE layer reads the residual stream and normalises itself: Gemma 4's MoE)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -158,6 +160,8 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
                  if getattr(spec.submodules, n) is not IdentityOp}
         if parallel_residual == "shared":
             slots["pre_mlp_layernorm"] = IdentityOp  # NOTE: the MLP reads the input norm's output again
+        if not pre_mlp_norm:
+            slots["pre_mlp_layernorm"] = IdentityOp
         mlp = spec.submodules.mlp
         if getattr(mlp, "module", None) is MLP:
             slots["mlp"] = replace(mlp, module=mlp_module or SwiGLUMLP)
@@ -225,7 +229,8 @@ def _block_spec_for(bridge, config, *, vp_stage: int | None = None):
                                                                         bias=getattr(bridge, "norm_bias", True)),
                                                   proj_bias=getattr(bridge, "proj_bias", False),
                                                   mlp_module=getattr(bridge, "mlp_module", lambda: None)(),
-                                                  parallel_residual=getattr(bridge, "parallel_residual", None)))
+                                                  parallel_residual=getattr(bridge, "parallel_residual", None),
+                                                  pre_mlp_norm=getattr(bridge, "pre_mlp_norm", True)))
 
 
 def _with_te_linears(config, block_spec):

@@ -89,6 +89,13 @@ def _refuse_vision_overrides(config, unused: dict) -> None:
                              "config before from_pretrained.")
 
 
+def _refuse_inputs(bridge, inputs: dict) -> None:
+    """The bridge's refusal of inputs its model does not take (``bridge.refuse_inputs``: Gemma 4's images and audio
+    while its towers are carried), local, before any collective; nothing for other bridges."""
+    if hasattr(bridge, "refuse_inputs"):
+        bridge.refuse_inputs(inputs)
+
+
 def _sample_images(bridge, counts) -> dict:
     """``vision_inputs``' keywords for transformers' ``batch_num_images`` (images per sample): none where absent or
     all 1; LLaVA-OneVision's multi-image samples (``bridge.multi_image_samples``) take them, other models refuse."""
@@ -137,6 +144,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         ``loongforge_hf.multimodal.generation``."""
         # NOTE: forward runs generate's steps through generation_forward (padded to the layout, mRoPE positions
         # given) while this is set, with or without the KV cache; a plain forward call never does
+        _refuse_inputs(self.bridge, {**kwargs, "input_ids": kwargs.get("input_ids", inputs)})
         self._generating = True
         if kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None:
             # NOTE: the tower's patches and grids from the start (Gemma 3's and Mistral 3's processors give
@@ -226,6 +234,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
             return value.to(device) if isinstance(value, torch.Tensor) else value
 
         input_ids, attention_mask = get("input_ids"), get("attention_mask")
+        _refuse_inputs(self.bridge, batch)
         kwargs = _tower_inputs(self.bridge, get)  # NOTE: first: its refusals come before the positions' checks
         if kwargs["pixel_values_videos"] is not None and hasattr(self.bridge, "mark_video_tokens"):
             input_ids = self.bridge.mark_video_tokens(input_ids, get("mm_token_type_ids"))  # NOTE: GLM-4.1V
@@ -274,6 +283,9 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
 
         options = hf_forward_options(unused, labels)
         _refuse_vision_overrides(self.config, unused)
+        # NOTE: generate checked its prompt; the ids it samples are not refused
+        _refuse_inputs(self.bridge, {**unused, "input_ids": None if self._generating else input_ids,
+                                     "pixel_values": pixel_values, "pixel_values_videos": pixel_values_videos})
         if options["cache"] is not None or self._generating:
             from loongforge_hf.multimodal.generation import generation_forward
 
@@ -502,7 +514,8 @@ class AutoModelForImageTextToText:
                 load_into(language, bridge.text, reader, tp_rank=ps.get_tensor_model_parallel_rank(),
                           tp_size=ps.get_tensor_model_parallel_world_size())
                 for i, chunk in enumerate(language.chunks):
-                    if chunk.pre_process:
+                    # NOTE: a bridge without a tower (Gemma 4's, carried as checkpoint tensors) builds none
+                    if chunk.pre_process and getattr(bridge, "has_vision_tower", True):
                         towers[i] = bridge.vision_tower(recompute=vision_recompute, tp_group=tp_group
                                                         if vision_layout == "tensor_parallel" else None)
                         towers[i].to(device=get_backend().device(), dtype=param_dtype)

@@ -24,7 +24,7 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "granitemoehybrid", "hunyuan_v1_dense", "apertus", "lfm2", "lfm2_moe",
               "flex_olmo", "granitemoeshared", "exaone", "bamba", "nemotron_h",
               "phimoe", "jais2", "cohere2_moe", "afmoe", "gemma4", "glm4_moe_lite", "mistral4", "minicpm3",
-              "falcon_h1", "olmo_hybrid")
+              "falcon_h1", "olmo_hybrid", "gemma4_moe")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -139,14 +139,17 @@ def _config(arch: str, **overrides):
                                                    "sliding_attention": {"rope_type": "default",
                                                                          "rope_theta": 10000.0}})
         cfg.architectures = ["Gemma3ForCausalLM"]
-    elif arch == "gemma4":
+    elif arch in ("gemma4", "gemma4_moe"):
         # NOTE: Gemma 4 31B's text layout shrunk: a binding 5-token window on layers 0 and 2, full layers with a
         # larger head (32, the sliding ones' 16), fewer KV heads (2, the sliding ones' 4) and values from the key
         # projection (attention_k_eq_v), proportional rope there (half of each head rotating), a logit cap that
-        # binds; no per-layer inputs
+        # binds; no per-layer inputs. gemma4_moe: 26B-A4B's MoE block shrunk (its 128 experts, top 8, of 704 beside
+        # a dense MLP of 2112: 8 experts, top 2, of 32 beside one of 96)
+        moe = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32) \
+            if arch == "gemma4_moe" else {}
         cfg = tf.Gemma4TextConfig(**{**common, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16,
                                      "tie_word_embeddings": True}, global_head_dim=32, num_global_key_value_heads=2,
-                                  attention_k_eq_v=True,
+                                  attention_k_eq_v=True, **moe,
                                   hidden_size_per_layer_input=0, sliding_window=5, final_logit_softcapping=3.0,
                                   layer_types=["sliding_attention", "full_attention"] * 2,
                                   rope_parameters={"full_attention": {"rope_type": "proportional",
@@ -569,6 +572,10 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
             elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight", "mixer.gate.weight",
                                 "feed_forward.gate.weight", "mlp.router.gate.weight")):
                 p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("router.proj.weight"):  # NOTE: Gemma 4's (its input ~ H^-1/2 a channel)
+                p.copy_(2.0 * torch.randn_like(p))
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # NOTE: Gemma 4's (HF: ones)
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith(("router.weight", "self_attn.sinks")):  # NOTE: gpt-oss (its init leaves sinks empty)

@@ -5,9 +5,11 @@ v_proj), proportional rope on the full layers, v-norm, random ``layer_scalar`` b
 one-rank world (TP1: logits, loss, ``logits_to_keep``, a bit-exact export, every gradient, greedy generate of a
 left-padded batch past the window without a cache, with the dynamic one and with a static one; and a checkpoint whose
 full layers have their own head size but values of their own, logits and loss) and one two-rank world (TP2 with
-sequence parallelism, PP2: logits and loss, bit-exact exports; TP2's gradients). The refusals (config fields and
-layouts megatron cannot reproduce, Gemma 4's image / audio / text checkpoint) are checked on the bridge alone, as
-from_pretrained makes it before any collective."""
+sequence parallelism, PP2: logits and loss, bit-exact exports; TP2's gradients). The 26B-A4B's MoE block (a dense
+MLP beside 8 routed experts, top 2, ``gemma4_moe``) in the same worlds: TP1, EP2 and TP2 + SP x EP2 (logits, loss,
+bit-exact exports; every gradient and transformers' ``router_logits`` at the latter). The refusals (config fields and
+layouts megatron cannot reproduce) are checked on the bridge alone, as from_pretrained makes it before any
+collective. Gemma 4 as the hub publishes it (Gemma4ForConditionalGeneration): tests/multimodal/test_gemma4_vl.py."""
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ from loongforge_hf.testing.round_trip import check_round_trip
 
 TOL = 1e-4
 LAYOUTS = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True}, "pp2": {"pipeline_parallel_size": 2}}
+# NOTE: the MoE block (26B-A4B's text model) in the same worlds: TP1, TP2 + SP x EP2 (experts whole), EP2
+MOE_LAYOUTS = {"moe_tp2_sp_ep2": {**LAYOUTS["tp2_sp"], "expert_parallel_size": 2, "expert_tensor_parallel_size": 1},
+               "moe_ep2": {"expert_parallel_size": 2}}
 
 
 def _generate(folder: str) -> dict:
@@ -41,22 +46,42 @@ def _generate(folder: str) -> dict:
     return out
 
 
-def _one_rank(folder: str, out_dir: str, own_values: str) -> dict:
+def _router_logits(folder: str, layout: dict) -> tuple[int, int, float]:
+    """(our count of MoE layers' router outputs, transformers', the largest difference)."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.randint(4, 203, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = (m(input_ids=ids, output_router_logits=True).router_logits for m in (ours, ref))
+    return len(got), len(want), max(float((a - b).abs().max()) for a, b in zip(got, want))
+
+
+def _one_rank(folder: str, out_dir: str, own_values: str, moe: str) -> dict:
     from ._gradients import gradient_checks
     from ._parity import load_compare_export
 
     return {"tp1": load_compare_export(folder, {}, out_dir, seq=12, padded=True), **_generate(folder),
             "grads": gradient_checks([("tp1", folder, {}, True)]).get("tp1"),
-            "own_values": load_compare_export(own_values, {}, f"{out_dir}-own-values", seq=12, padded=True)}
+            "own_values": load_compare_export(own_values, {}, f"{out_dir}-own-values", seq=12, padded=True),
+            "moe_tp1": load_compare_export(moe, {}, f"{out_dir}-moe", seq=12, padded=True)}
 
 
-def _two_ranks(folder: str, out_dirs: dict) -> dict:
+def _two_ranks(folder: str, out_dirs: dict, moe: str) -> dict:
     from ._gradients import gradient_checks
     from ._parity import load_compare_export
 
+    moe_layout = MOE_LAYOUTS["moe_tp2_sp_ep2"]
     return {**{name: load_compare_export(folder, layout, out_dirs[name], seq=12, padded=True)
                for name, layout in LAYOUTS.items()},
-            "grads": gradient_checks([("tp2_sp", folder, LAYOUTS["tp2_sp"], True)]).get("tp2_sp")}
+            **{name: load_compare_export(moe, layout, out_dirs[name], seq=12, padded=True)
+               for name, layout in MOE_LAYOUTS.items()},
+            "grads": gradient_checks([("tp2_sp", folder, LAYOUTS["tp2_sp"], True)]).get("tp2_sp"),
+            "moe_grads": gradient_checks([("tp2_sp_ep2", moe, moe_layout, True)]).get("tp2_sp_ep2"),
+            "router_logits": _router_logits(moe, moe_layout)}
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +95,20 @@ def own_values(tmp_path_factory):  # NOTE: without attention_k_eq_v transformers
 
 
 @pytest.fixture(scope="module")
-def one_rank(folder, own_values, tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("gemma4_tp1"))
-    return {**run_distributed(_one_rank, 1, folder, out_dir, own_values, timeout=400)[0], "out_dir": out_dir}
+def moe(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gemma4_moe") / "ckpt", "gemma4_moe"))
 
 
 @pytest.fixture(scope="module")
-def two_ranks(folder, tmp_path_factory):
-    out_dirs = {name: str(tmp_path_factory.mktemp(f"gemma4_{name}")) for name in LAYOUTS}
-    return {**run_distributed(_two_ranks, 2, folder, out_dirs, timeout=400)[0], "out_dirs": out_dirs}
+def one_rank(folder, own_values, moe, tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("gemma4_tp1"))
+    return {**run_distributed(_one_rank, 1, folder, out_dir, own_values, moe, timeout=400)[0], "out_dir": out_dir}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folder, moe, tmp_path_factory):
+    out_dirs = {name: str(tmp_path_factory.mktemp(f"gemma4_{name}")) for name in (*LAYOUTS, *MOE_LAYOUTS)}
+    return {**run_distributed(_two_ranks, 2, folder, out_dirs, moe, timeout=400)[0], "out_dirs": out_dirs}
 
 
 def test_tp1_logits_loss_and_export(one_rank, folder):
@@ -115,8 +145,49 @@ def test_parallel_layouts(two_ranks, folder, layout):
     check_round_trip(folder, two_ranks["out_dirs"][layout])
 
 
+def test_moe_block_tp1(one_rank, moe):
+    r = one_rank["moe_tp1"]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL, r
+    assert r["grads_ok"] and r["keep"][1] < TOL, r
+    check_round_trip(moe, f"{one_rank['out_dir']}-moe")
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_block_expert_parallel(two_ranks, moe, layout):
+    r = two_ranks[layout]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["grads_ok"], r
+    check_round_trip(moe, two_ranks["out_dirs"][layout])
+
+
+def test_moe_block_gradients(two_ranks):
+    grads = two_ranks["moe_grads"]
+    assert not grads["missing"], grads["missing"]
+    assert grads["diffs"] and max(grads["diffs"].values()) < TOL, grads["diffs"]
+    moe = ("experts.gate_up_proj", "experts.down_proj", "router.proj.weight", "router.scale",
+           "router.per_expert_scale", "mlp.gate_proj.weight", "pre_feedforward_layernorm_2.weight",
+           "post_feedforward_layernorm_1.weight", "post_feedforward_layernorm_2.weight")
+    assert all(f"model.layers.1.{name}" in grads["diffs"] for name in moe), sorted(grads["diffs"])
+
+
+def test_moe_router_logits_are_transformers_probabilities(two_ranks):
+    ours, theirs, diff = two_ranks["router_logits"]
+    assert ours == theirs == 4 and diff < TOL, two_ranks["router_logits"]
+
+
+@pytest.mark.parametrize("field, value", [("num_experts", None), ("top_k_experts", 0), ("top_k_experts", 9),
+                                          ("moe_intermediate_size", None)])
+def test_moe_block_refusals_name_the_field(field, value):
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.gemma4_moe import Gemma4MoeBridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    assert isinstance(get_bridge(_config("gemma4_moe")), Gemma4MoeBridge)
+    with pytest.raises(UnsupportedConfigError, match=field):
+        get_bridge(_config("gemma4_moe", **{field: value}))
+
+
 @pytest.mark.parametrize("field, value, match", [
-    ("hidden_size_per_layer_input", 8, None), ("num_kv_shared_layers", 2, None), ("enable_moe_block", True, None),
+    ("hidden_size_per_layer_input", 8, None), ("num_kv_shared_layers", 2, None),
     ("use_bidirectional_attention", "all", None), ("attention_bias", True, None),
     ("per_layer_config", {1: {"head_dim": 32, "intermediate_size": 48}, 3: {"head_dim": 32}}, "intermediate_size"),
     ("per_layer_config", {1: {"head_dim": 32}, 3: {"head_dim": 64}}, "full_attention layers"),
@@ -146,14 +217,4 @@ def test_refuses_proportional_factor_out_of_range():
     cfg = _config("gemma4")
     cfg.rope_parameters["sliding_attention"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
     with pytest.raises(UnsupportedConfigError, match="sliding_attention"):
-        get_bridge(cfg)
-
-
-def test_image_audio_text_checkpoint_refused():
-    import transformers
-
-    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
-
-    cfg = transformers.Gemma4Config()
-    with pytest.raises(UnsupportedConfigError, match="Gemma4ForConditionalGeneration"):
         get_bridge(cfg)

@@ -78,7 +78,7 @@ def _train_and_compare(folder: str, out_dir: str, device: str, sampled: bool = F
                                             ("jais2", {}), ("cohere2_moe", {}), ("afmoe", {}),
                                             ("phimoe", {}), ("gemma4", {}), ("glm4_moe_lite", {}),
                                             ("mistral4", {}), ("minicpm3", {}), ("falcon_h1", {}),
-                                            ("olmo_hybrid", {})])
+                                            ("olmo_hybrid", {}), ("gemma4_moe", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 

@@ -1,0 +1,124 @@
+"""Rank functions for tests/multimodal/test_gemma4_vl.py (module-level so spawned ranks can import them): Gemma 4 as
+the hub publishes it (``Gemma4ForConditionalGeneration``) on text-only batches against transformers' own class."""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge_hf.testing.tiny_gemma4_vl import SPECIAL, TEXT_VOCAB
+
+
+def text_batch(seed: int = 7) -> dict:
+    """Two rows of 12 text ids (no placeholder), the second right-padded by 4; labels -100 on padding."""
+    ids = torch.randint(4, TEXT_VOCAB, (2, 12), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def compare(folder: str, layout: dict, out_dir: str, *, auto_class: str = "AutoModelForCausalLM") -> dict:
+    """Logits (real tokens), loss and ``logits_to_keep`` against transformers' on ``text_batch()``; the model
+    exported to ``out_dir``."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    batch = text_batch()
+    model = getattr(lf, auto_class).from_pretrained(folder, dtype=torch.float32, **layout)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        out, want = model(**batch), ref(**batch)
+        kept = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=3).logits
+    valid = batch["attention_mask"].bool()
+    model.save_pretrained(out_dir, max_shard_size="60KB")
+    return {"class": type(model).__name__, "ref_class": type(ref).__name__,
+            "logit_diff": (out.logits - want.logits).abs()[valid].max().item(),
+            "loss_diff": abs(out.loss.item() - want.loss.item()),
+            "keep_diff": (kept - out.logits[:, -3:]).abs().max().item(), "tower": model.vision_tower}
+
+
+def refusals(folder: str) -> dict:
+    """The error each refused input gives (``type: message``), forward and generate."""
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    ids = text_batch()["input_ids"]
+    placeholder = ids.clone()
+    placeholder[0, 3] = SPECIAL["audio_token_id"]
+    cases = {"pixel_values": {"pixel_values": torch.zeros(1, 4, 768)},
+             "pixel_values_videos": {"pixel_values_videos": torch.zeros(1, 4, 768)},
+             "input_features": {"input_features": torch.zeros(1, 16, 128),
+                                "input_features_mask": torch.ones(1, 16, dtype=torch.bool)},
+             "placeholder": {"input_ids": placeholder}}
+    out = {}
+    for name, extra in cases.items():
+        for how in ("forward", "generate"):
+            try:
+                inputs = {"input_ids": ids, **extra}
+                model(**inputs) if how == "forward" else model.generate(**inputs, max_new_tokens=2)
+                out[f"{how}/{name}"] = "no error"
+            except Exception as error:  # noqa: BLE001 - reported to the test
+                out[f"{how}/{name}"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def generate_both(folder: str) -> dict:
+    """Greedy generate (KV cache) of a left-padded text batch: sequences equal, largest logit difference."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(4, TEXT_VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+              output_logits=True, pad_token_id=0)
+    got, want = model.generate(**kw), ref.generate(**kw)
+    return {"same": torch.equal(got.sequences, want.sequences),
+            "diff": max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))}
+
+
+def train(folder: str, out_dir: str, *, loong: bool) -> list:
+    """Three steps of text-only batches of 2 (LoongTrainer on ``lf.AutoModelForCausalLM``'s model, or
+    transformers.Trainer on transformers'): the logged losses; the model saved under ``out_dir/final``."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    from ._vl_parity import vl_training_args
+
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randint(4, TEXT_VOCAB, (10,), generator=g) for _ in range(6)]
+    features = [{"input_ids": r, "attention_mask": torch.ones_like(r), "labels": r.clone()} for r in rows]
+    args = vl_training_args(out_dir)
+    if loong:
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        trainer = lf.LoongTrainer(model=model, args=args, train_dataset=features,
+                                  data_collator=transformers.default_data_collator)
+    else:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=features,
+                                       data_collator=transformers.default_data_collator)
+    trainer.train()
+    trainer.save_model(out_dir + "/final")
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def one_rank(folder: str, no_audio: str, out_dir: str) -> dict:
+    """Everything the one-rank world checks (see the test module)."""
+    from tests.bridges._gradients import gradient_checks
+
+    return {"tp1": compare(folder, {}, f"{out_dir}/tp1"),
+            "image_text": compare(folder, {}, f"{out_dir}/image_text", auto_class="AutoModelForImageTextToText"),
+            "no_audio": compare(no_audio, {}, f"{out_dir}/no_audio"),
+            "grads": gradient_checks([("tp1", folder, {}, False)]).get("tp1"),
+            "refusals": refusals(folder), "generate": generate_both(folder),
+            "train": {"hf": train(folder, f"{out_dir}/hf", loong=False),
+                      "loong": train(folder, f"{out_dir}/loong", loong=True)}}
+
+
+def two_ranks(folder: str, out_dir: str, layouts: dict) -> dict:
+    return {name: compare(folder, layout, f"{out_dir}/{name}") for name, layout in layouts.items()}

@@ -1,0 +1,116 @@
+"""Gemma 4 as the hub publishes it (``Gemma4ForConditionalGeneration``: the text model, a vision tower, an audio tower
+and their embedders) on text-only batches against transformers' own class (which its ``AutoModelForCausalLM``
+gives), fp32 within 1e-4 on a tiny checkpoint (``testing/tiny_gemma4_vl.py``: the Gemma 4 31B-like text model of
+test_gemma4.py). One one-rank world: ``lf.AutoModelForCausalLM`` and ``lf.AutoModelForImageTextToText`` (logits,
+loss, ``logits_to_keep``, the whole folder exported bit for bit, towers included), a checkpoint without the audio
+tower, every gradient (the towers' none, as transformers': their tensors come back unchanged), greedy generate,
+three LoongTrainer steps against transformers.Trainer (the towers untouched in the saved model), and the refused
+inputs (images, videos, audio, placeholder ids) by name. One two-rank world: TP2 with sequence parallelism and PP2,
+logits, loss and bit-exact exports."""
+
+import pytest
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing.round_trip import check_round_trip, read_all
+from loongforge_hf.testing.tiny_gemma4_vl import make_tiny_gemma4_vl
+
+from ._vl_gemma4 import one_rank as _one_rank, two_ranks as _two_ranks
+
+TOL = 1e-4
+LAYOUTS = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True}, "pp2": {"pipeline_parallel_size": 2}}
+TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(make_tiny_gemma4_vl(tmp_path_factory.mktemp("gemma4_vl") / "src"))
+
+
+@pytest.fixture(scope="module")
+def no_audio(tmp_path_factory):
+    return str(make_tiny_gemma4_vl(tmp_path_factory.mktemp("gemma4_vl_no_audio") / "src", audio=False))
+
+
+@pytest.fixture(scope="module")
+def one_rank(folder, no_audio, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("gemma4_vl_one"))
+    return {**run_distributed(_one_rank, 1, folder, no_audio, out, timeout=400)[0], "out": out}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folder, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("gemma4_vl_two"))
+    return {**run_distributed(_two_ranks, 2, folder, out, LAYOUTS, timeout=400)[0], "out": out}
+
+
+@pytest.mark.parametrize("case", ["tp1", "image_text", "no_audio"])
+def test_text_logits_loss_and_whole_export(one_rank, folder, no_audio, case):
+    r = one_rank[case]
+    assert r["class"] == "LoongModelForImageTextToText" and r["ref_class"] == "Gemma4ForConditionalGeneration", r
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["keep_diff"] < TOL and r["tower"] is None, r
+    src = no_audio if case == "no_audio" else folder
+    check_round_trip(src, f"{one_rank['out']}/{case}")
+    carried = [n for n in read_all(src) if n.startswith(TOWERS)]
+    assert any(n.startswith("model.vision_tower.") for n in carried), carried
+    assert any(n.startswith("model.audio_tower.") for n in carried) == (case != "no_audio"), carried
+
+
+def test_gradients_and_untouched_towers(one_rank):
+    grads = one_rank["grads"]
+    assert not grads["missing"], grads["missing"]
+    assert max(grads["diffs"].values()) < TOL, grads["diffs"]
+    towers = [n for n in grads["diffs"] if n.startswith(TOWERS)]
+    assert towers and "model.language_model.layers.1.self_attn.k_proj.weight" in grads["diffs"], sorted(grads["diffs"])
+
+
+def test_greedy_generate(one_rank):
+    r = one_rank["generate"]
+    assert r["same"] and r["diff"] < TOL, r
+
+
+def test_loong_trainer_text_only(one_rank, folder):
+    got = one_rank["train"]
+    assert len(got["loong"]) == len(got["hf"]) == 3, got
+    assert max(abs(a - b) for a, b in zip(got["loong"], got["hf"])) < 1e-4, got
+    src, saved = read_all(folder), read_all(f"{one_rank['out']}/loong/final")
+    assert sorted(src) == sorted(saved)
+    for name, value in src.items():
+        if name.startswith(TOWERS):
+            assert saved[name].equal(value), name
+    assert not saved["model.language_model.embed_tokens.weight"].equal(src["model.language_model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("name, match", [
+    ("pixel_values", "pixel_values \\(images\\) is not supported .* vision tower"),
+    ("pixel_values_videos", "pixel_values_videos \\(videos\\)"), ("input_features", "input_features \\(audio\\)"),
+    ("placeholder", "input_ids hold audio_token_id=208")])
+@pytest.mark.parametrize("how", ["forward", "generate"])
+def test_refused_inputs_by_name(one_rank, name, match, how):
+    import re
+
+    got = one_rank["refusals"][f"{how}/{name}"]
+    assert got.startswith("ValueError") and re.search(match, got), got
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_layouts(two_ranks, folder, layout):
+    r = two_ranks[layout]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["keep_diff"] < TOL, r
+    check_round_trip(folder, f"{two_ranks['out']}/{layout}")
+
+
+def test_bridge_refusals_before_any_collective():
+    """The text model's refusals and layout checks hold for the published checkpoint (from the bridge alone, as
+    from_pretrained makes it before any collective); the causal-LM registry points to the image-text class."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.bridges.qwen2_5_vl import get_vl_bridge
+    from loongforge_hf.bridges.registry import UnsupportedArchitectureError
+    from loongforge_hf.parallel.config import ParallelConfig
+    from loongforge_hf.testing.tiny_gemma4_vl import tiny_gemma4_vl_config
+
+    with pytest.raises(UnsupportedConfigError, match="hidden_size_per_layer_input"):
+        get_vl_bridge(tiny_gemma4_vl_config(hidden_size_per_layer_input=8))
+    with pytest.raises(UnsupportedConfigError, match="num_global_key_value_heads=2"):
+        get_vl_bridge(tiny_gemma4_vl_config()).check_layout(ParallelConfig(tensor_parallel_size=4))
+    with pytest.raises(UnsupportedArchitectureError, match="lf.AutoModelForImageTextToText"):
+        get_bridge(tiny_gemma4_vl_config())
