@@ -18,6 +18,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+# NOTE: transformers' gelu_pytorch_tanh, defined beside the experts' GeGLU, which recognises it by identity
+from loongforge_hf.kernels.geglu import gelu_tanh
+
 
 class UnsupportedConfigError(ValueError):
     """An HF config value the bridge cannot express exactly."""
@@ -33,11 +36,6 @@ class Field:
     megatron: str
     to_megatron: Callable[[Any], Any] = _identity
     to_hf: Callable[[Any], Any] = _identity
-
-
-def gelu_tanh(x):
-    """transformers' ``gelu_pytorch_tanh`` (Gemma's MLP): torch's tanh-approximated GELU."""
-    return F.gelu(x, approximate="tanh")
 
 
 def gelu_new(x):

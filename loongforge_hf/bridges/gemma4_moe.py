@@ -7,10 +7,10 @@ Choices:
   empty (``pre_mlp_norm=False``: ``specs.py``) and one MoE layer (``gemma4_moe_layer``, in the bridge's
   ``moe_module`` slot: megatron's ``MoELayer`` with a post norm, ``layer_outputs.transformed_moe``) holds the rest:
   the dense MLP as megatron's shared experts (``SharedExpertMLP``, ``intermediate_size``; split over TP as any
-  shared expert) between ``dense_pre_norm`` and ``dense_post_norm``; the routed experts (megatron's ``SequentialMLP``:
-  our ``GroupedMLP`` runs SwiGLU / gpt-oss's GLU only, these are gelu-tanh GLUs; EP / ETP as every MoE bridge's)
-  dispatched from ``experts_pre_norm``'s output, combined, then ``experts_post_norm``; the sum
-  through ``post_layernorm``. Under sequence parallelism each rank normalises its own tokens, as the input norms.
+  shared expert) between ``dense_pre_norm`` and ``dense_post_norm``; the routed experts (our ``GroupedMLP`` with the
+  gated tanh-GELU, ``kernels.geglu``; megatron's ``SequentialMLP`` with ``LOONGFORGE_MOE_GROUPED_GEMM=0``; EP / ETP
+  as every MoE bridge's) dispatched from ``experts_pre_norm``'s output, combined, then ``experts_post_norm``; the
+  sum through ``post_layernorm``. Under sequence parallelism each rank normalises its own tokens, as the input norms.
 - The router (``Gemma4Router``: ``router_balance.BalanceRouter`` with two more parameters, ``scale`` ``[H]`` and
   ``per_expert_scale`` ``[E]``, replicated, reduced over TP under sequence parallelism as the router's weight):
   its input normalised without a weight (``gemma4_attention.rms_no_weight``), times ``scale`` and ``H^-1/2``;
@@ -21,7 +21,8 @@ Choices:
   layer): the router records those (``hf_router_logits``). transformers adds no balancing loss: none here.
 - On disk: ``mlp.{gate,up,down}_proj``, the five feed-forward norms, ``router.{proj.weight,scale,per_expert_scale}``
   and the experts stacked (``experts.gate_up_proj`` ``[E, 2I, H]`` as ``[gate; up]`` halves, ``experts.down_proj``
-  ``[E, H, I]``: ``stacked_experts.py``).
+  ``[E, H, I]``: ``stacked_experts.py``), read expert by expert into the grouped MLP's ``linear_fc1`` /
+  ``linear_fc2`` stacks (or ``SequentialMLP``'s per-expert linears).
 - megatron's routing options do not apply (the router's own function routes; refused through ``megatron_config``),
   nor ``moe_shared_expert_overlap`` (it would run the dense MLP inside the dispatcher, outside its norms: refused).
 """
@@ -118,10 +119,6 @@ class Gemma4MoeBridge(MoEBridge, Gemma4Bridge):
     unserved_megatron_fields = ("moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_router_topk_scaling_factor",
                                 "moe_router_num_groups", "moe_router_group_topk", "moe_router_fusion",
                                 "moe_router_load_balancing_type", "moe_router_enable_expert_bias")
-
-    def __init__(self, hf_config) -> None:
-        super().__init__(hf_config)
-        self.grouped_experts = False  # NOTE: gelu-tanh experts: megatron's SequentialMLP (see the module docstring)
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:

@@ -24,9 +24,10 @@ Choices:
   ``MLP.forward`` with ``per_token_scale`` and ``TEGroupedMLP._apply_bias``: ``(out + b2 * p)`` in fp32 when the
   probabilities are, cast back once). With ``moe_apply_probs_on_input`` the probabilities scale the input instead
   (megatron allows this only for top-1) and ``b2`` is added as is (megatron's probabilities are ones then).
-- Activation from the config: SwiGLU (``kernels.swiglu``, ``activation_func=silu``) or gpt-oss's clamped GLU
+- Activation from the config: SwiGLU (``kernels.swiglu``, ``activation_func=silu``), gpt-oss's clamped GLU
   (``kernels.clamped_glu``, ``activation_func=quick_gelu`` with ``glu_linear_offset`` and
-  ``activation_func_clamp_value``); both save only the fc1 output for the backward. Anything else is refused.
+  ``activation_func_clamp_value``) or Gemma 4's gated tanh-GELU (``kernels.geglu``, ``activation_func=gelu_tanh``);
+  each saves only the fc1 output for the backward. Anything else is refused.
 - Biases (``add_bias_linear``): ``linear_fc1.bias`` ``[E, 2F / etp]`` (each expert's ``[gate_r; up_r]`` like its
   weight rows) and ``linear_fc2.bias`` ``[E, H]``, zero at initialisation (megatron's). The loop adds ``b[e]`` to
   expert ``e``'s rows; the grouped path gathers each row's bias by its expert (``bucketize`` of the row index in the
@@ -67,6 +68,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from loongforge_hf.kernels._saved import needs_autograd
 from loongforge_hf.kernels.clamped_glu import ClampedGLU
+from loongforge_hf.kernels.geglu import GeGLU, gelu_tanh
 from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
 
 __all__ = ["DenseGrad", "GroupedMLP", "LowRank", "gated_activation", "grouped_gated_mlp", "grouped_mm_supported"]
@@ -278,17 +280,21 @@ def grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tok
 
 
 def gated_activation(config) -> torch.nn.Module:
-    """The experts' activation on the fc1 output that ``config`` asks for: ``SwiGLU`` (``activation_func=silu``) or
-    ``ClampedGLU`` (``activation_func=quick_gelu``, gpt-oss); each checks the rest of the config."""
+    """The experts' activation on the fc1 output that ``config`` asks for: ``SwiGLU`` (``activation_func=silu``),
+    ``ClampedGLU`` (``activation_func=quick_gelu``, gpt-oss) or ``GeGLU`` (``activation_func=gelu_tanh``, Gemma 4);
+    each checks the rest of the config."""
     import torch.nn.functional as F
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
     if config.activation_func is quick_gelu:
         return ClampedGLU(config)
+    if config.activation_func is gelu_tanh:
+        return GeGLU(config)
     if config.activation_func is not F.silu:
         raise ValueError("loongforge GroupedMLP does not match this TransformerConfig: activation_func must be "
-                         "torch.nn.functional.silu (SwiGLU) or megatron.core.fusions.fused_bias_geglu.quick_gelu "
-                         f"(gpt-oss's clamped GLU), got {config.activation_func!r}.")
+                         "torch.nn.functional.silu (SwiGLU), megatron.core.fusions.fused_bias_geglu.quick_gelu "
+                         "(gpt-oss's clamped GLU) or loongforge_hf.kernels.geglu.gelu_tanh (the gated tanh-GELU), "
+                         f"got {config.activation_func!r}.")
     return SwiGLU(config)
 
 

@@ -6,8 +6,9 @@ one-rank world (TP1: logits, loss, ``logits_to_keep``, a bit-exact export, every
 left-padded batch past the window without a cache, with the dynamic one and with a static one; and a checkpoint whose
 full layers have their own head size but values of their own, logits and loss) and one two-rank world (TP2 with
 sequence parallelism, PP2: logits and loss, bit-exact exports; TP2's gradients). The 26B-A4B's MoE block (a dense
-MLP beside 8 routed experts, top 2, ``gemma4_moe``) in the same worlds: TP1, EP2 and TP2 + SP x EP2 (logits, loss,
-bit-exact exports; every gradient and transformers' ``router_logits`` at the latter). The refusals (config fields and
+MLP beside 8 routed experts, top 2, ``gemma4_moe``; the experts loongforge's ``GroupedMLP`` with the gated tanh-GELU)
+in the same worlds: TP1, EP2 and TP2 + SP x EP2 (logits, loss, bit-exact exports; every gradient at the latter;
+transformers' ``router_logits`` and the experts' module type at TP1 and the latter). The refusals (config fields and
 layouts megatron cannot reproduce) are checked on the bridge alone, as from_pretrained makes it before any
 collective. Gemma 4 as the hub publishes it (Gemma4ForConditionalGeneration): tests/multimodal/test_gemma4_vl.py."""
 
@@ -46,8 +47,8 @@ def _generate(folder: str) -> dict:
     return out
 
 
-def _router_logits(folder: str, layout: dict) -> tuple[int, int, float]:
-    """(our count of MoE layers' router outputs, transformers', the largest difference)."""
+def _router_logits(folder: str, layout: dict) -> tuple[int, int, float, list[str]]:
+    """(our count of MoE layers' router outputs, transformers', the largest difference, our experts' module types)."""
     import transformers
 
     import loongforge_hf as lf
@@ -57,7 +58,9 @@ def _router_logits(folder: str, layout: dict) -> tuple[int, int, float]:
     ids = torch.randint(4, 203, (2, 10), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         got, want = (m(input_ids=ids, output_router_logits=True).router_logits for m in (ours, ref))
-    return len(got), len(want), max(float((a - b).abs().max()) for a, b in zip(got, want))
+    experts = sorted({type(m).__name__ for chunk in ours.megatron.chunks for n, m in chunk.named_modules()
+                      if n.endswith("mlp.experts")})
+    return len(got), len(want), max(float((a - b).abs().max()) for a, b in zip(got, want)), experts
 
 
 def _one_rank(folder: str, out_dir: str, own_values: str, moe: str) -> dict:
@@ -67,7 +70,8 @@ def _one_rank(folder: str, out_dir: str, own_values: str, moe: str) -> dict:
     return {"tp1": load_compare_export(folder, {}, out_dir, seq=12, padded=True), **_generate(folder),
             "grads": gradient_checks([("tp1", folder, {}, True)]).get("tp1"),
             "own_values": load_compare_export(own_values, {}, f"{out_dir}-own-values", seq=12, padded=True),
-            "moe_tp1": load_compare_export(moe, {}, f"{out_dir}-moe", seq=12, padded=True)}
+            "moe_tp1": load_compare_export(moe, {}, f"{out_dir}-moe", seq=12, padded=True),
+            "router_logits": _router_logits(moe, {})}
 
 
 def _two_ranks(folder: str, out_dirs: dict, moe: str) -> dict:
@@ -169,9 +173,11 @@ def test_moe_block_gradients(two_ranks):
     assert all(f"model.layers.1.{name}" in grads["diffs"] for name in moe), sorted(grads["diffs"])
 
 
-def test_moe_router_logits_are_transformers_probabilities(two_ranks):
-    ours, theirs, diff = two_ranks["router_logits"]
-    assert ours == theirs == 4 and diff < TOL, two_ranks["router_logits"]
+@pytest.mark.parametrize("world", ["one_rank", "two_ranks"])
+def test_moe_router_logits_and_grouped_experts(world, request):
+    ours, theirs, diff, experts = request.getfixturevalue(world)["router_logits"]
+    assert ours == theirs == 4 and diff < TOL, (ours, theirs, diff)
+    assert experts == ["GroupedMLP"], experts  # the parity checks above ran through the grouped experts
 
 
 @pytest.mark.parametrize("field, value", [("num_experts", None), ("top_k_experts", 0), ("top_k_experts", 9),

@@ -1,5 +1,6 @@
 """The grouped expert MLP's ``torch._grouped_mm`` path on CUDA (bf16) against its per-expert loop, forward and
-gradients, and against fp32 on the CPU; plus the path choice itself (grouped where the operands allow it).
+gradients, and against fp32 on the CPU, with SwiGLU and with Gemma 4's gated tanh-GELU (``kernels/geglu.py``); plus
+the path choice itself (grouped where the operands allow it).
 
 Tolerances:
 - grouped vs the bf16 loop, elementwise: atol = rtol = 3e-2 (both accumulate in fp32 and round to bf16 at the same
@@ -16,7 +17,9 @@ import pytest
 import torch
 
 import loongforge_hf.kernels.grouped_mlp as grouped_module
+from loongforge_hf.kernels.geglu import geglu
 from loongforge_hf.kernels.grouped_mlp import grouped_gated_mlp, grouped_mm_supported
+from loongforge_hf.kernels.swiglu import swiglu
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -39,10 +42,10 @@ def _operands(counts, hidden, ffn, seed=0):
             torch.randn(t, hidden, generator=g))
 
 
-def _run(device, dtype, ops, counts, use_grouped_mm):
+def _run(device, dtype, ops, counts, use_grouped_mm, activation=swiglu):
     x, fc1, fc2, probs, grad = (o.to(device) for o in ops)
     x, fc1, fc2 = (o.to(dtype).requires_grad_() for o in (x, fc1, fc2))
-    out = grouped_gated_mlp(x, fc1, fc2, torch.tensor(counts, device=device), probs,
+    out = grouped_gated_mlp(x, fc1, fc2, torch.tensor(counts, device=device), probs, activation=activation,
                             use_grouped_mm=use_grouped_mm)
     out.backward(grad.to(dtype))
     return [t.float().cpu() for t in (out.detach(), x.grad, fc1.grad, fc2.grad)]
@@ -51,14 +54,16 @@ def _run(device, dtype, ops, counts, use_grouped_mm):
 CASES = [([37, 0, 129, 5, 0, 64, 1, 20], 256, 96), ([0] * 3 + [300], 128, 64), ([11] * 16, 64, 32)]
 
 
-@pytest.mark.parametrize("counts,hidden,ffn", CASES, ids=["odd-with-empty", "one-busy-expert", "even"])
-def test_grouped_mm_matches_loop_and_fp32(counts, hidden, ffn):
+@pytest.mark.parametrize("counts,hidden,ffn,activation", [*((*c, swiglu) for c in CASES), (*CASES[0], geglu)],
+                         ids=["odd-with-empty", "one-busy-expert", "even", "geglu-odd-with-empty"])
+def test_grouped_mm_matches_loop_and_fp32(counts, hidden, ffn, activation):
     ops = _operands(counts, hidden, ffn)
     bf16 = torch.bfloat16
     assert grouped_mm_supported(ops[0].cuda().to(bf16), ops[1].cuda().to(bf16), ops[2].cuda().to(bf16))
-    grouped = _run("cuda", bf16, ops, counts, None)
-    loop = _run("cuda", bf16, ops, counts, False)
-    ref = _run("cpu", torch.float32, [o.to(bf16).float() if i < 3 else o for i, o in enumerate(ops)], counts, False)
+    grouped = _run("cuda", bf16, ops, counts, None, activation)
+    loop = _run("cuda", bf16, ops, counts, False, activation)
+    ref = _run("cpu", torch.float32, [o.to(bf16).float() if i < 3 else o for i, o in enumerate(ops)], counts, False,
+               activation)
     for i, (name, a, b, c) in enumerate(zip(("out", "d_x", "d_fc1", "d_fc2"), grouped, loop, ref)):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n} vs loop: {m}")
         for path, t in (("grouped", a), ("loop", b)):

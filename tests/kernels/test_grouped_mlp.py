@@ -2,7 +2,8 @@
 token counts (experts with no tokens included), routing probabilities, expert-tensor-parallel shards, the megatron
 module (parameter attributes, probabilities on the input, distributed-checkpoint sharding); with low-rank adapters
 (LoRA on the experts), the ``_grouped_mm`` path (torch's CPU fallback, forced) against the loop, and the grouped
-GEMMs its backward runs for frozen expert weights."""
+GEMMs its backward runs for frozen expert weights. Gemma 4's gated tanh-GELU (kernels/geglu.py) against transformers'
+activation and its ``Gemma4TextExperts`` (fp32 and bf16, loop and ``_grouped_mm``; tolerances where they are set)."""
 
 from types import SimpleNamespace
 
@@ -295,3 +296,104 @@ def test_lora_adapter_shapes_are_checked():
     x, fc1, fc2, probs, _, adapters = _lora_case([1, 2, 0, 1], torch.float32, "fc1+fc2", 4)
     with pytest.raises(ValueError, match="fc2's adapter A"):
         grouped_gated_mlp(x, fc1, fc2, [1, 2, 0, 1], probs, adapters=(adapters[0], adapters[0]))
+
+
+# ---- Gemma 4's gated tanh-GELU experts (kernels/geglu.py) against transformers' Gemma4TextExperts -------------------
+# NOTE: the activation in bf16 against autograd's fp32 (the same bf16 input): ours rounds the gradient once, as the
+# clamped GLU's test allows. The experts in bf16 against transformers' fp32 on the same bf16-valued operands:
+# norm-relative error per tensor below 1e-2 (transformers' own bf16 experts measure 4e-3 to 6e-3 there, ours the
+# same; an elementwise bound fails on near-zero sums: transformers scales by the routing weight after down_proj and
+# sums the top-k rows in bf16, megatron scales the activation before fc2)
+GEGLU_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+GEMMA4_NORM_RTOL = 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_geglu_matches_transformers_activation(dtype):
+    from transformers.activations import ACT2FN
+
+    from loongforge_hf.kernels.geglu import geglu
+
+    g = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(5, 3, 34, generator=g)).to(dtype)
+    grad = torch.randn(5, 3, 17, generator=g).to(dtype)
+
+    def hf(t):
+        gate, up = t.chunk(2, dim=-1)
+        return ACT2FN["gelu_pytorch_tanh"](gate) * up
+
+    assert torch.equal(geglu(x), hf(x))  # the forward, bit for bit (no grad: the plain path)
+    ours, ref = x.clone().requires_grad_(), x.float().requires_grad_()
+    out = geglu(ours)
+    assert torch.equal(out.detach(), hf(x))  # ... and through the autograd Function
+    out.backward(grad)
+    hf(ref).backward(grad.float())
+    assert ours.grad.dtype == dtype
+    torch.testing.assert_close(ours.grad.float(), ref.grad, **GEGLU_TOL[dtype])
+    with pytest.raises(ValueError, match="must be even"):
+        geglu(torch.randn(3, 5))
+
+
+def _gemma4_case(*, hidden=16, ffn=8, experts=6, tokens=19, topk=2, empty=3):
+    """transformers' ``Gemma4TextExperts`` (fp32) and bf16-valued operands: input, top-k routing that never picks
+    expert ``empty``, routing weights, output gradient."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+    config = Gemma4TextConfig(hidden_size=hidden, moe_intermediate_size=ffn, num_experts=experts, top_k_experts=topk,
+                              hidden_activation="gelu_pytorch_tanh", enable_moe_block=True)
+    config._experts_implementation = "eager"
+    hf = Gemma4TextExperts(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_((torch.randn(hf.gate_up_proj.shape, generator=g) / hidden ** 0.5).bfloat16())
+        hf.down_proj.copy_((torch.randn(hf.down_proj.shape, generator=g) / ffn ** 0.5).bfloat16())
+    allowed = torch.tensor([e for e in range(experts) if e != empty])
+    indices = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:topk]] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, topk, generator=g), dim=-1).bfloat16().float()
+    x = (2 * torch.randn(tokens, hidden, generator=g)).bfloat16().float()
+    grad = torch.randn(tokens, hidden, generator=g).bfloat16().float()
+    return hf, x, indices, weights, grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("use_grouped_mm", [
+    pytest.param(False, id="loop"),
+    pytest.param(True, id="grouped_mm", marks=pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
+                                                                 reason="this torch has no _grouped_mm"))])
+def test_geglu_experts_match_gemma4_experts(dtype, use_grouped_mm):
+    """transformers' ``Gemma4TextExperts`` in fp32 (``[gate; up]`` halves, ``[out, in]`` stacks: megatron's layout as
+    they are) against the grouped MLP with ``gated_activation`` of a gelu-tanh config in ``dtype``, tokens permuted
+    by expert as megatron's dispatcher does (expert 3 gets none): output and the gradients of the input, the routing
+    weights and both stacks."""
+    from loongforge_hf.kernels.geglu import GeGLU, gelu_tanh
+    from loongforge_hf.kernels.grouped_mlp import gated_activation
+
+    activation = gated_activation(_config(activation_func=gelu_tanh))
+    assert isinstance(activation, GeGLU)
+    hf, x, indices, weights, grad = _gemma4_case()
+    xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    want = hf(xs, indices, ws)
+    want.backward(grad)
+    want = [want.detach(), xs.grad, ws.grad, hf.gate_up_proj.grad, hf.down_proj.grad]
+
+    fc1, fc2 = (w.detach().to(dtype).requires_grad_() for w in (hf.gate_up_proj, hf.down_proj))
+    xs, ws = x.to(dtype).requires_grad_(), weights.to(dtype).requires_grad_()
+    flat = indices.flatten()
+    order = torch.argsort(flat, stable=True)
+    token, counts = order // indices.shape[1], torch.bincount(flat, minlength=hf.num_experts)
+    rows = grouped_gated_mlp(xs[token], fc1, fc2, counts, ws.flatten()[order], activation=activation,
+                             use_grouped_mm=use_grouped_mm)
+    out = torch.zeros_like(xs).index_add(0, token, rows)
+    out.backward(grad.to(dtype))
+    got = [out.detach(), xs.grad, ws.grad, fc1.grad, fc2.grad]
+    for name, a, b in zip(("out", "d_x", "d_weights", "d_gate_up", "d_down"), got, want):
+        assert a.dtype == dtype, name
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        else:
+            err = ((a.float() - b).norm() / b.norm()).item()
+            assert err < GEMMA4_NORM_RTOL, f"{name}: ||a - ref|| / ||ref|| = {err:.2e}"
+    assert counts[3] == 0 and torch.count_nonzero(fc1.grad[3]) == 0 and torch.count_nonzero(fc2.grad[3]) == 0
+    with pytest.raises(ValueError, match="glu_linear_offset must be 0"):
+        gated_activation(_config(activation_func=gelu_tanh, glu_linear_offset=1.0))

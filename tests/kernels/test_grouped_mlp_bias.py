@@ -354,7 +354,7 @@ def test_sharded_state_dict_biases():
 
 # ---- refusals --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides,match", [
-    (dict(activation_func=F.gelu), "activation_func must be torch.nn.functional.silu .SwiGLU. or megatron"),
+    (dict(activation_func=F.gelu), "activation_func must be torch.nn.functional.silu .SwiGLU., megatron"),
     (dict(gated_linear_unit=False), "gated_linear_unit must be True"),
     (dict(activation_func_clamp_value=-1.0), "activation_func_clamp_value must be None or positive"),
     (dict(activation_func=F.silu), "activation_func_clamp_value must be None"),
