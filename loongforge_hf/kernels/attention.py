@@ -40,7 +40,8 @@ Choices:
   over the sequence's positions (-1 outside a block); inside, a query may also see every key of its own block, later
   ones included, as transformers' ``OR(causal, blockwise)`` (a sliding window still bounds the keys behind the query:
   ``AND(window, OR(causal, blockwise))``; ``windowed=False``: the whole block past any window, as PaliGemma 2's
-  ``OR(AND(window, causal), blockwise)``); a padding / document mask never applies inside a block. Such calls build a
+  ``OR(AND(window, causal), blockwise)``; ``layers='sliding'``: only in the layers with a sliding window, the others
+  causal, as Gemma 4's); a padding / document mask never applies inside a block. Such calls build a
   mask (no fused causal kernel); a context-parallel query chunk then takes every key, not just those up to its end.
   Packed (``thd``) inputs and the context-parallel KV cache's shares refuse them.
 - Chunked attention (``attention_chunks``: Llama 4's ``attention_chunk_size`` layers; a context as the score rules):
@@ -128,26 +129,30 @@ _BLOCKS: contextvars.ContextVar = contextvars.ContextVar("loongforge_attention_b
 class _Blocks(NamedTuple):
     ids: torch.Tensor          # [b, S] block ids, -1 outside
     windowed: bool             # True: a sliding window bounds the block's keys behind the query (Gemma 3)
+    sliding_only: bool         # True: blocks in the sliding-window layers only (Gemma 4)
     same: dict                 # (q_offset, sq, skv) -> the [b, sq, skv] mask: built once per forward, not per layer
 
 
 @contextlib.contextmanager
-def bidirectional_blocks(block_ids: torch.Tensor | None, *, windowed: bool = True):
-    """Inside, every attention call lets a query see all keys of its block: ``block_ids [b, S]`` (long, -1 for tokens
-    outside any block) over the key positions ``0 .. S - 1``, those behind a sliding window too unless ``windowed``;
-    None: no change."""
-    token = _BLOCKS.set(None if block_ids is None else _Blocks(block_ids, windowed, {}))
+def bidirectional_blocks(block_ids: torch.Tensor | None, *, windowed: bool = True, layers: str = "all"):
+    """Inside, every attention call (``layers='sliding'``: every one with a sliding window) lets a query see all keys
+    of its block: ``block_ids [b, S]`` (long, -1 for tokens outside any block) over the key positions ``0 .. S - 1``,
+    those behind a sliding window too unless ``windowed``; None: no change."""
+    if layers not in ("all", "sliding"):
+        raise ValueError(f"bidirectional_blocks: layers={layers!r} must be 'all' or 'sliding'.")
+    token = _BLOCKS.set(None if block_ids is None else _Blocks(block_ids, windowed, layers == "sliding", {}))
     try:
         yield
     finally:
         _BLOCKS.reset(token)
 
 
-def _same_block(q_offset: int, sq: int, skv: int) -> torch.Tensor | None:
+def _same_block(q_offset: int, sq: int, skv: int, *, sliding: bool = True) -> torch.Tensor | None:
     """``[b, sq, skv]`` True where query ``q_offset + i`` and key ``j`` sit in one bidirectional block (None without
-    blocks); positions past the block ids are outside every block."""
+    blocks, or in a layer without a sliding window (``sliding``) where they are the sliding layers'); positions past
+    the block ids are outside every block."""
     blocks = _BLOCKS.get()
-    if blocks is None:
+    if blocks is None or (blocks.sliding_only and not sliding):
         return None
     key = (q_offset, sq, skv)
     if key not in blocks.same:
@@ -316,7 +321,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     q_offset = natural if q_offset is None else q_offset
     kwargs = dict(scale=scale, dropout_p=dropout_p, enable_gqa=query.shape[1] != key.shape[1])
     rule = _SCORES.get()
-    same = _same_block(q_offset, sq, skv) if causal else None
+    same = _same_block(q_offset, sq, skv, sliding=window is not None) if causal else None
     chunk = _CHUNK.get()
     if chunk is not None and skv <= chunk:
         chunk = None  # NOTE: the keys a query may see all lie in its chunk (they span at most skv positions)

@@ -8,7 +8,8 @@ Choices:
 - It takes the whole sequence (``input_ids`` [b, s], 3-D ``position_ids`` [3, b, s] (1-D [b, s] for Gemma 3), mask
   [b, 1, s, s] or None). With ``token_type_ids`` (Gemma 3) each image's tokens attend to each other both ways on
   every stage (``image_blocks``, ``kernels.attention.bidirectional_blocks``); PaliGemma's image and prefix are one
-  such block (``prefix_blocks``), passing sliding windows (``windowed_blocks`` False).
+  such block (``prefix_blocks``), passing sliding windows (``windowed_blocks`` False); Gemma 4's blocks hold in its
+  sliding-window layers only (``block_layers='sliding'``).
   Under context parallelism it keeps this rank's load-balanced share of the tokens and of the mask rows
   (``context_parallel.cp_token_index``); the positions go to megatron whole (its mrope slices them itself).
 - First stage: megatron's own embedding (dropout, sequence-parallel scatter included) gives the text embeddings; the
@@ -93,11 +94,13 @@ def prefix_blocks(token_type_ids: torch.Tensor) -> torch.Tensor:
 
 class VisionLanguageChunk(nn.Module):
     def __init__(self, language, *, vision=None, image_token_id: int, video_token_id: int | None = None,
-                 encoder_group=None, blocks=image_blocks, windowed_blocks: bool = True) -> None:
+                 encoder_group=None, blocks=image_blocks, windowed_blocks: bool = True,
+                 block_layers: str = "all") -> None:
         super().__init__()
         self.language = language
         self.blocks_of = blocks  # NOTE: token_type_ids -> bidirectional block ids (image_blocks, prefix_blocks)
         self.windowed_blocks = windowed_blocks  # NOTE: False: a block passes sliding windows (PaliGemma 2)
+        self.block_layers = block_layers  # NOTE: 'sliding': blocks in the sliding-window layers only (Gemma 4)
         self.vision = vision
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
@@ -160,7 +163,7 @@ class VisionLanguageChunk(nn.Module):
                 added = deepstack_added(self.language, *deepstack)
         local_ids = input_ids if index is None else input_ids[:, index]
         blocks = self.blocks_of(token_type_ids) if token_type_ids is not None else None
-        with added, bidirectional_blocks(blocks, windowed=self.windowed_blocks):
+        with added, bidirectional_blocks(blocks, windowed=self.windowed_blocks, layers=self.block_layers):
             return self.language(local_ids, position_ids, attention_mask, decoder_input=decoder_input)
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

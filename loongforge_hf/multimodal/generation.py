@@ -199,7 +199,8 @@ def generation_forward(model, *, cache, input_ids: torch.Tensor, attention_mask,
         # NOTE: as transformers: an image's tokens see each other at the prefill (and in every uncached step)
         from loongforge_hf.multimodal.modeling import attention_token_types
 
-        inputs["token_type_ids"] = attention_token_types(model.bridge, vision.get("token_type_ids"), attention_mask)
+        types = vision.get(getattr(model.bridge, "token_types_input", "token_type_ids"))  # NOTE: Gemma 4's mm_ ones
+        inputs["token_type_ids"] = attention_token_types(model.bridge, types, attention_mask)
 
     def run(ids, mask):
         positions = F.pad(position_ids.to(device), (0, ids.shape[-1] - given))  # NOTE: the pads' never reach a token

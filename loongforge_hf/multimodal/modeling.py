@@ -22,7 +22,7 @@ Choices:
   model refuses ``batch_num_images`` above 1. GLM-4.1V's video placeholders (image tokens that
   ``mm_token_type_ids`` marks 2) become video tokens first (``bridge.mark_video_tokens``), in ``generate``'s steps
   too. Gemma 3's ``token_type_ids`` make each image's tokens attend both ways (``chunk.image_blocks``), as in
-  transformers.
+  transformers (Gemma 4's ``mm_token_type_ids``, with its processor's ``image_position_ids``: ``bridges.gemma4_vl``).
 - Context parallelism (``context_parallel_size``): the language model runs on megatron's load-balanced share of the
   sequence on each CP rank (``parallel.context_parallel``); the sequence length must be a multiple of 2 x CP. The
   returned loss and logits are the whole sequence's; each rank's gradient is its share's (megatron's DDP sums them).
@@ -116,7 +116,8 @@ def _tower_inputs(bridge, get) -> dict:
     if out["pixel_values"] is not None:
         out["pixel_values"], out["image_grid_thw"] = bridge.vision_inputs(
             out["pixel_values"], out["image_grid_thw"], image_sizes=get("image_sizes"),
-            **_pixel_mask(get("pixel_attention_mask")), **_sample_images(bridge, get("batch_num_images")))
+            **_pixel_mask(get("pixel_attention_mask")), **_sample_images(bridge, get("batch_num_images")),
+            **_patch_positions(get("image_position_ids")))
     if out["pixel_values_videos"] is not None and out["video_grid_thw"] is None and hasattr(bridge, "video_inputs"):
         out["pixel_values_videos"], out["video_grid_thw"] = bridge.video_inputs(out["pixel_values_videos"])
     return out
@@ -145,14 +146,14 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         # NOTE: forward runs generate's steps through generation_forward (padded to the layout, mRoPE positions
         # given) while this is set, with or without the KV cache; a plain forward call never does
         _refuse_inputs(self.bridge, {**kwargs, "input_ids": kwargs.get("input_ids", inputs)})
-        self._generating = True
         if kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None:
             # NOTE: the tower's patches and grids from the start (Gemma 3's and Mistral 3's processors give
             # [n, C, H, W] images, Mistral 3's with image_sizes; LLaVA-OneVision's videos [v, frames, C, H, W]), so
             # beam copies and each step's inputs are per patch and per grid as for Qwen's
             given = {**kwargs, **{k: kwargs.pop(k, None) for k in ("image_sizes", "pixel_attention_mask",
-                                                                   "batch_num_images")}}
+                                                                   "batch_num_images", "image_position_ids")}}
             kwargs.update({k: v for k, v in _tower_inputs(self.bridge, given.get).items() if v is not None})
+        self._generating = True  # NOTE: after the inputs' checks: a refused input leaves the model as it was
         try:
             return super().generate(inputs, generation_config, **kwargs)
         finally:
@@ -253,7 +254,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                                                   document_ids=documents)
         mask = megatron_attention_mask(attention_mask, input_ids.shape[1], text_positions)
         if self.bridge.bidirectional_images:  # NOTE: as transformers, only where token_type_ids are given
-            kwargs["token_type_ids"] = attention_token_types(self.bridge, get("token_type_ids"), attention_mask,
+            types = get(getattr(self.bridge, "token_types_input", "token_type_ids"))  # NOTE: Gemma 4: mm_token_type_ids
+            kwargs["token_type_ids"] = attention_token_types(self.bridge, types, attention_mask,
                                                              packed=is_packed(text_positions))
         return (input_ids, position_ids.to(device), mask), kwargs
 
@@ -293,7 +295,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
             given = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw, "image_sizes": image_sizes,
                      "pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw,
                      "pixel_attention_mask": unused.get("pixel_attention_mask"),
-                     "batch_num_images": unused.get("batch_num_images")}
+                     "batch_num_images": unused.get("batch_num_images"),
+                     "image_position_ids": unused.get("image_position_ids")}
             vision = {**_tower_inputs(self.bridge, given.get), "mm_token_type_ids": mm_token_type_ids,
                       "second_per_grid_ts": second_per_grid_ts, "image_copies": unused.get("image_copies"),
                       "video_copies": unused.get("video_copies"),
@@ -308,7 +311,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                  "video_grid_thw": video_grid_thw, "second_per_grid_ts": second_per_grid_ts,
                  "token_type_ids": token_type_ids, "image_sizes": image_sizes,
                  "pixel_attention_mask": unused.get("pixel_attention_mask"),
-                 "batch_num_images": unused.get("batch_num_images")}
+                 "batch_num_images": unused.get("batch_num_images"),
+                 "image_position_ids": unused.get("image_position_ids")}
         args, inputs = self.megatron_forward_inputs(batch)
         input_ids, position_ids, mask = args
         vocab = self.config.text_config.vocab_size
@@ -383,6 +387,11 @@ def attention_token_types(bridge, token_type_ids, attention_mask, *, packed: boo
     if not hasattr(bridge, "attention_token_types"):
         return token_type_ids
     return bridge.attention_token_types(token_type_ids, attention_mask, packed=packed)
+
+
+def _patch_positions(positions: torch.Tensor | None) -> dict:
+    """``vision_inputs``' keywords for ``image_position_ids`` (Gemma 4's processor gives them): none without."""
+    return {} if positions is None else {"image_position_ids": positions}
 
 
 def _pixel_mask(mask: torch.Tensor | None) -> dict:
@@ -524,6 +533,7 @@ class AutoModelForImageTextToText:
             chunks = [VisionLanguageChunk(chunk, vision=towers.get(i), image_token_id=bridge.image_token_id,
                                           blocks=getattr(bridge, "token_type_blocks", image_blocks),
                                           windowed_blocks=getattr(bridge, "windowed_blocks", True),
+                                          block_layers=getattr(bridge, "block_layers", "all"),
                                           video_token_id=bridge.video_token_id,
                                           encoder_group=tp_group if vision_layout == "data_parallel" else None)
                       for i, chunk in enumerate(language.chunks)]

@@ -1,6 +1,7 @@
 """Tiny random Gemma 4 checkpoints as the hub publishes them (``Gemma4ForConditionalGeneration``, ``model_type``
 ``gemma4``), written by transformers (fp32): the tiny Gemma 4 text model of ``tiny_models`` (Gemma 4 31B's text
-layout shrunk) under ``model.language_model``, a 2-layer vision tower (16-pixel patches, 3x3 pooling) and a 2-layer
+layout shrunk, images attending both ways in its sliding layers: ``use_bidirectional_attention='vision'``) under
+``model.language_model``, a 2-layer vision tower (16-pixel patches, 3x3 pooling) and a 2-layer
 audio tower (clipped linears) with their multimodal embedders (``model.embed_vision``, ``model.embed_audio``).
 
 The text vocabulary is ``TEXT_VOCAB`` ids (``<pad>``, ``<s>``, ``</s>``, ``<unk>``, ``tok4`` ..); the multimodal
@@ -27,7 +28,9 @@ def tiny_gemma4_vl_config(*, audio: bool = True, **text_overrides):
 
     from loongforge_hf.testing.tiny_models import _config
 
-    text = _config("gemma4", vocab_size=TEXT_VOCAB + len(SPECIAL), **text_overrides)
+    # NOTE: image tokens attend both ways in the sliding layers, as the published 31B / 26B-A4B configs ask
+    text = _config("gemma4", vocab_size=TEXT_VOCAB + len(SPECIAL),
+                   **{"use_bidirectional_attention": "vision", **text_overrides})
     vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                                 num_key_value_heads=2, head_dim=16, patch_size=16, pooling_kernel_size=3,
                                 position_embedding_size=64)

@@ -1,5 +1,6 @@
 """Rank functions for tests/multimodal/test_gemma4_vl.py (module-level so spawned ranks can import them): Gemma 4 as
-the hub publishes it (``Gemma4ForConditionalGeneration``) on text-only batches against transformers' own class."""
+the hub publishes it (``Gemma4ForConditionalGeneration``) on text-only and image batches against transformers' own
+class."""
 
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ def refusals(folder: str) -> dict:
     ids = text_batch()["input_ids"]
     placeholder = ids.clone()
     placeholder[0, 3] = SPECIAL["audio_token_id"]
+    image_placeholder = ids.clone()
+    image_placeholder[0, 3] = SPECIAL["image_token_id"]
     cases = {"pixel_values": {"pixel_values": torch.zeros(1, 4, 768)},
              "pixel_values_videos": {"pixel_values_videos": torch.zeros(1, 4, 768)},
              "input_features": {"input_features": torch.zeros(1, 16, 128),
                                 "input_features_mask": torch.ones(1, 16, dtype=torch.bool)},
-             "placeholder": {"input_ids": placeholder}}
+             "placeholder": {"input_ids": placeholder}, "image_placeholder": {"input_ids": image_placeholder}}
     out = {}
     for name, extra in cases.items():
         for how in ("forward", "generate"):
@@ -116,9 +119,98 @@ def one_rank(folder: str, no_audio: str, out_dir: str) -> dict:
             "no_audio": compare(no_audio, {}, f"{out_dir}/no_audio"),
             "grads": gradient_checks([("tp1", folder, {}, False)]).get("tp1"),
             "refusals": refusals(folder), "generate": generate_both(folder),
+            "images": compare_images(folder, {}, f"{out_dir}/images", grads=True),
+            "image_generate": generate_images(folder),
             "train": {"hf": train(folder, f"{out_dir}/hf", loong=False),
                       "loong": train(folder, f"{out_dir}/loong", loong=True)}}
 
 
 def two_ranks(folder: str, out_dir: str, layouts: dict) -> dict:
-    return {name: compare(folder, layout, f"{out_dir}/{name}") for name, layout in layouts.items()}
+    return {**{name: compare(folder, layout, f"{out_dir}/{name}") for name, layout in layouts.items()},
+            "images_tp2_sp": compare_images(folder, layouts["tp2_sp"], f"{out_dir}/images_tp2_sp")}
+
+
+# ---- images --------------------------------------------------------------------------------------------------------
+
+# the two images' patch grids (h, w): 2 and 4 soft tokens after the 3x3 pooling; the first padded to the second's 36
+GRIDS = ((3, 6), (6, 6))
+
+
+def image_batch(seed: int = 5) -> dict:
+    """Two rows of 14 ids, each with one image (``boi``, its soft tokens, ``eoi``), the first right-padded by 3;
+    ``pixel_values [2, 36, 768]`` and ``image_position_ids`` as Gemma 4's processor gives them (row-major, x
+    fastest, (-1, -1) padding after), ``mm_token_type_ids`` 1 on the image tokens; labels -100 there and on padding."""
+    g = torch.Generator().manual_seed(seed)
+    most = max(h * w for h, w in GRIDS)
+    pixels, positions = torch.rand(len(GRIDS), most, 768, generator=g), torch.full((len(GRIDS), most, 2), -1)
+    for i, (h, w) in enumerate(GRIDS):
+        positions[i, :h * w] = torch.stack([torch.arange(w).repeat(h), torch.arange(h).repeat_interleave(w)], -1)
+        pixels[i, h * w:] = 0.0
+    text = torch.randint(4, TEXT_VOCAB, (2, 14), generator=g)
+    ids, types, mask = text.clone(), torch.zeros_like(text), torch.ones_like(text)
+    for row, ((h, w), start) in enumerate(zip(GRIDS, (3, 1))):
+        n = h * w // 9
+        ids[row, start] = SPECIAL["boi_token_id"]
+        ids[row, start + 1:start + 1 + n] = SPECIAL["image_token_id"]
+        types[row, start + 1:start + 1 + n] = 1
+        ids[row, start + 1 + n] = SPECIAL["eoi_token_id"]
+    mask[0, -3:] = 0
+    ids[0, -3:] = 0
+    labels = ids.masked_fill((mask == 0) | (types == 1), -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels,
+            "image_position_ids": positions, "mm_token_type_ids": types}
+
+
+def compare_images(folder: str, layout: dict, out_dir: str | None = None, *, grads: bool = False,
+                   batch: dict | None = None) -> dict:
+    """Logits (real tokens) and loss against transformers' on ``image_batch()``; with ``grads`` the vision tower's
+    and embedder's gradients too (HF names); the model exported to ``out_dir``."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    from ._vl_parity import vision_grads
+
+    batch = batch if batch is not None else image_batch()
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    want = ref(**batch)
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **layout)
+    out = model(**batch)
+    valid = batch["attention_mask"].bool()
+    result = {"logit_diff": (out.logits - want.logits).abs()[valid].max().item(),
+              "loss_diff": abs(out.loss.item() - want.loss.item()),
+              # NOTE: the same batch without mm_token_type_ids (causal everywhere): the blocks matter
+              "blocks_matter": (ref(**{k: v for k, v in batch.items() if k != "mm_token_type_ids"}).logits
+                                - want.logits).abs()[valid].max().item()}
+    if grads:
+        want.loss.backward()
+        out.loss.backward()
+        theirs = {n: p.grad for n, p in ref.named_parameters()
+                  if n.startswith(("model.vision_tower.", "model.embed_vision.")) and p.grad is not None}
+        ours = vision_grads(model, rename=lambda name: name)
+        result["grad_names"] = sorted(set(ours) ^ set(theirs))
+        result["grad_diff"] = max((ours[n] - theirs[n]).abs().max().item() for n in theirs)
+        result["grads"] = len(theirs)
+    if out_dir is not None:
+        model.save_pretrained(out_dir, max_shard_size="60KB")
+    return result
+
+
+def generate_images(folder: str) -> dict:
+    """Greedy generate (KV cache) of ``image_batch()``'s rows as left-padded prompts, against transformers':
+    sequences equal, largest logit difference."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    batch = image_batch()
+    prompts = {k: batch[k].clone() for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    for k in prompts:  # NOTE: the first row's padding moved to its start
+        prompts[k][0] = prompts[k][0].roll(3)
+    prompts.update(pixel_values=batch["pixel_values"], image_position_ids=batch["image_position_ids"])
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    got, want = model.generate(**prompts, **kw), ref.generate(**prompts, **kw)
+    return {"same": torch.equal(got.sequences, want.sequences),
+            "diff": max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))}

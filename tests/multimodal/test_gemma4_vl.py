@@ -4,9 +4,10 @@ gives), fp32 within 1e-4 on a tiny checkpoint (``testing/tiny_gemma4_vl.py``: th
 test_gemma4.py). One one-rank world: ``lf.AutoModelForCausalLM`` and ``lf.AutoModelForImageTextToText`` (logits,
 loss, ``logits_to_keep``, the whole folder exported bit for bit, towers included), a checkpoint without the audio
 tower, every gradient (the towers' none, as transformers': their tensors come back unchanged), greedy generate,
-three LoongTrainer steps against transformers.Trainer (the towers untouched in the saved model), and the refused
-inputs (images, videos, audio, placeholder ids) by name. One two-rank world: TP2 with sequence parallelism and PP2,
-logits, loss and bit-exact exports."""
+three LoongTrainer steps against transformers.Trainer (the towers untouched in the saved model), the refused
+inputs (videos, audio, placeholder ids without their input, patches without image_position_ids) by name, and images
+through the vision tower (logits, loss, every vision tower / embedder gradient, greedy generate, the export). One
+two-rank world: TP2 with sequence parallelism and PP2, logits, loss and bit-exact exports; images at TP2 + SP."""
 
 import pytest
 
@@ -19,6 +20,7 @@ from ._vl_gemma4 import one_rank as _one_rank, two_ranks as _two_ranks
 TOL = 1e-4
 LAYOUTS = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True}, "pp2": {"pipeline_parallel_size": 2}}
 TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+VISION = ("model.vision_tower.", "model.embed_vision.")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def two_ranks(folder, tmp_path_factory):
 def test_text_logits_loss_and_whole_export(one_rank, folder, no_audio, case):
     r = one_rank[case]
     assert r["class"] == "LoongModelForImageTextToText" and r["ref_class"] == "Gemma4ForConditionalGeneration", r
-    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["keep_diff"] < TOL and r["tower"] is None, r
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["keep_diff"] < TOL and r["tower"] is not None, r
     src = no_audio if case == "no_audio" else folder
     check_round_trip(src, f"{one_rank['out']}/{case}")
     carried = [n for n in read_all(src) if n.startswith(TOWERS)]
@@ -56,16 +58,41 @@ def test_text_logits_loss_and_whole_export(one_rank, folder, no_audio, case):
 
 
 def test_gradients_and_untouched_towers(one_rank):
+    """Text only: every language model gradient, the carried audio tower's none (its tensors come back unchanged).
+    The vision tower's are checked with images (test_images_...): here transformers gives None, which the helper
+    reads as "unchanged", and ours an exact zero (the no-image micro-batch's zero term, ``chunk.embed``)."""
     grads = one_rank["grads"]
     assert not grads["missing"], grads["missing"]
-    assert max(grads["diffs"].values()) < TOL, grads["diffs"]
-    towers = [n for n in grads["diffs"] if n.startswith(TOWERS)]
-    assert towers and "model.language_model.layers.1.self_attn.k_proj.weight" in grads["diffs"], sorted(grads["diffs"])
+    checked = {n: d for n, d in grads["diffs"].items() if not n.startswith(VISION)}
+    assert max(checked.values()) < TOL, checked
+    towers = [n for n in checked if n.startswith(TOWERS)]
+    assert towers and "model.language_model.layers.1.self_attn.k_proj.weight" in checked, sorted(checked)
 
 
 def test_greedy_generate(one_rank):
     r = one_rank["generate"]
     assert r["same"] and r["diff"] < TOL, r
+
+
+def test_images_logits_loss_vision_gradients_and_export(one_rank, folder):
+    """Images through the vision tower: logits and loss as transformers' (the bidirectional image blocks of its
+    sliding layers matter: without mm_token_type_ids transformers' logits move), every vision tower / embedder
+    gradient, the export bit for bit."""
+    r = one_rank["images"]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["blocks_matter"] > 1e-2, r
+    assert r["grads"] == 29 and not r["grad_names"] and r["grad_diff"] < TOL, r
+    check_round_trip(folder, f"{one_rank['out']}/images")
+
+
+def test_images_greedy_generate(one_rank):
+    r = one_rank["image_generate"]
+    assert r["same"] and r["diff"] < TOL, r
+
+
+def test_images_tp2_sequence_parallel(two_ranks, folder):
+    r = two_ranks["images_tp2_sp"]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL, r
+    check_round_trip(folder, f"{two_ranks['out']}/images_tp2_sp")
 
 
 def test_loong_trainer_text_only(one_rank, folder):
@@ -81,7 +108,7 @@ def test_loong_trainer_text_only(one_rank, folder):
 
 
 @pytest.mark.parametrize("name, match", [
-    ("pixel_values", "pixel_values \\(images\\) is not supported .* vision tower"),
+    ("pixel_values", "need image_position_ids"), ("image_placeholder", "input_ids hold image_token_id=207"),
     ("pixel_values_videos", "pixel_values_videos \\(videos\\)"), ("input_features", "input_features \\(audio\\)"),
     ("placeholder", "input_ids hold audio_token_id=208")])
 @pytest.mark.parametrize("how", ["forward", "generate"])
