@@ -1,6 +1,6 @@
 """Rank functions for test_qwen3_5_vl.py: the parity worlds (images, videos, packing, text through
-``lf.AutoModelForCausalLM``, generate, context parallelism; Qwen3.5-MoE's router outputs), each a dict of numbers the
-tests read."""
+``lf.AutoModelForCausalLM``, generate, context parallelism; Qwen3.5-MoE's router outputs; LoRA against PEFT,
+``_vl_qwen3_5_lora.py``), each a dict of numbers the tests read."""
 
 import torch
 
@@ -10,6 +10,7 @@ from ._vl_features import compare_videos
 from ._vl_generate import SCENARIOS, prompt_batch
 from ._vl_parity import compare_many, train_both
 from ._vl_qwen3 import compare_router_outputs, packed_against_padded
+from ._vl_qwen3_5_lora import ONE_RANK as LORA_ONE_RANK, TWO_RANKS as LORA_TWO_RANKS, world_checks as lora_checks
 
 GENERATE = SCENARIOS["greedy"]  # NOTE: scores and raw logits of 6 greedy steps
 
@@ -80,6 +81,7 @@ def one_rank(cases: list, folder: str, out_dir: str, moe_folder: str) -> dict:
     # balancing loss on its cached steps (a mask longer than the step's tokens)
     out["moe_generate"] = generate_ours(moe_folder, {}, output_router_logits=False)
     out["train"] = train_both(folder, out_dir)
+    out["lora"] = lora_checks({"dense": folder, "moe": moe_folder}, f"{out_dir}-lora", LORA_ONE_RANK)
     return out
 
 
@@ -93,4 +95,5 @@ def two_ranks(cases: list, folder: str, generate_layouts: dict, moe_folder: str)
     out["packed_cp2"] = packed_against_padded(folder, cp2, multiple=4)
     out["generate_cp2"] = generate_cp(folder, cp2)
     out["generate"] = {name: generate_ours(folder, layout) for name, layout in generate_layouts.items()}
+    out["lora"] = lora_checks({"dense": folder, "moe": moe_folder}, f"{folder}-lora-two", LORA_TWO_RANKS)
     return out
