@@ -16,8 +16,10 @@ Choices:
   (``layer_types._two_table_rotary``); each layer takes its own by its head size (``_own_angles``).
 - ``PerTypeQKV``: the fused q / k / v mapping with the full layers' head size and KV heads, and without ``v_proj``
   there with values from keys (``qk_blocks``: ``[q heads, k]`` per KV group). Each TP rank holds whole KV groups of
-  every layer type (replicated KV heads are refused by the bridge's ``check_layout``). LoRA's plan adapts the exact
-  mapping types it knows, so it refuses q / k / v adapters on such a model, listing what it can adapt.
+  every layer type (replicated KV heads are refused by the bridge's ``check_layout``). LoRA places ``q_proj`` /
+  ``k_proj`` / ``v_proj`` adapters in its slots as in a plain ``QKV``'s, with each layer's own heads
+  (``layer_context``; ``lora.model._layout_and_slices``) and no ``v_proj`` slot where values come from keys (PEFT
+  finds no ``v_proj`` there either; ``k_proj``'s adapter then feeds the values too, as in transformers).
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ class PerTypeQKV(QKV):
     full_heads: tuple[int, int] | None = None
     values_from_keys: bool = False
 
-    def _ctx(self, ctx, layer):
+    def layer_context(self, ctx, layer):
+        """``ctx`` (a ``ShardContext``) with ``layer``'s own head size and KV heads."""
         if layer in self.full_layers and self.full_heads is not None:
             return replace(ctx, head_dim=self.full_heads[0], num_kv_heads=self.full_heads[1])
         return ctx
@@ -133,7 +136,7 @@ class PerTypeQKV(QKV):
         return names[:2] if self._qk_only(layer) else names
 
     def load(self, reader, ctx, layer):
-        ctx = self._ctx(ctx, layer)
+        ctx = self.layer_context(ctx, layer)
         if not self._qk_only(layer):
             return super().load(reader, ctx, layer)
         heads, groups, hd = ctx.num_heads // ctx.tp_size, ctx.local_kv_heads, ctx.head_dim
@@ -144,7 +147,7 @@ class PerTypeQKV(QKV):
         return out
 
     def export_parts(self, shard, rank, ctx, layer):
-        ctx = self._ctx(ctx, layer)
+        ctx = self.layer_context(ctx, layer)
         if not self._qk_only(layer):
             return super().export_parts(shard, rank, ctx, layer)
         heads, groups, hd = ctx.num_heads // ctx.tp_size, ctx.local_kv_heads, ctx.head_dim
@@ -157,7 +160,7 @@ class PerTypeQKV(QKV):
 
     def export(self, shards, ctx, layer):
         if not self._qk_only(layer):
-            return super().export(shards, self._ctx(ctx, layer), layer)
+            return super().export(shards, self.layer_context(ctx, layer), layer)
         blocks: dict[str, list] = {}
         for rank, shard in enumerate(shards):
             for name, _, start, block in self.export_parts(shard, rank, ctx, layer):

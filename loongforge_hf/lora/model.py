@@ -149,12 +149,14 @@ def _layout_and_slices(target_group, ctx, layer: int):
     names = [n.removesuffix(".weight").rsplit(".", 1)[-1] for n in first.mapping.hf_names(layer)]
     tp, rank = ctx.tp_size, ctx.tp_rank
     if first.kind == "qkv":
+        # NOTE: Gemma 4's full layers: their own head size and KV heads, and no v slot with values from keys
+        ctx = first.mapping.layer_context(ctx, layer) if hasattr(first.mapping, "layer_context") else ctx
         heads, groups, hd = ctx.num_heads // tp, ctx.local_kv_heads, ctx.head_dim
         q_rows = (2 if isinstance(first.mapping, GatedQKV) else 1) * hd  # NOTE: each head's query and output gate
-        q, k, v = names
-        layout = FusedLayout(groups=groups, slots=((q, heads // groups * q_rows), (k, hd), (v, hd)))
+        q, *kv = names
+        layout = FusedLayout(groups=groups, slots=((q, heads // groups * q_rows), *((n, hd) for n in kv)))
         kv_rows = slice(ctx.first_kv_head(rank) * hd, (ctx.first_kv_head(rank) + groups) * hd)
-        return layout, {q: slice(rank * heads * q_rows, (rank + 1) * heads * q_rows), k: kv_rows, v: kv_rows}
+        return layout, {q: slice(rank * heads * q_rows, (rank + 1) * heads * q_rows), **{n: kv_rows for n in kv}}
     if first.kind in ("gated", "column") and hasattr(first.mapping, "rank_rows"):
         # NOTE: HF tensors of unequal rows in one megatron linear (the Gated DeltaNet in_proj), each rank's B rows
         # of a target a block of its megatron-ordered rows (Target.b_to_megatron)

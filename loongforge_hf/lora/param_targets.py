@@ -38,6 +38,11 @@ Choices:
 - Names as PEFT saves them: ParamWrappers on one module nest in creation order, the first innermost, so with both
   stacks adapted ``gate_up_proj``'s adapter is ``<...>.mlp.experts.base_layer.lora_A.weight`` and ``down_proj``'s
   ``<...>.mlp.experts.lora_A.weight``; the router's ``<...>.mlp.gate.lora_A.weight``.
+- Gemma 4's MoE block (``Gemma4ForCausalLM`` with ``enable_moe_block``; no PEFT rewrite for it): the stacks sit on the
+  layer itself, ``layers.N.experts.gate_up_proj`` / ``down_proj`` (``[E, 2I, H]`` / ``[E, H, I]``, as Qwen3-MoE's);
+  ``"all-linear"`` adapts the attention, the dense MLP (megatron's shared experts) and would take the router's
+  ``router.proj`` (an ``nn.Linear``), which is refused (its gating's input transform is not the plain router's):
+  ``exclude_modules=["router.proj"]``.
 - Refused, naming the way out: ``lora_dropout`` != 0 with parameter targets (PEFT refuses it too), experts under
   megatron's ``SequentialMLP`` (``LOONGFORGE_MOE_GROUPED_GEMM=0``), any other parameter.
 """
@@ -49,10 +54,12 @@ import re
 
 from loongforge_hf.lora.plan import LoraConfigError, Target
 
-_PARAM = (r"\.layers\.(\d+)\.(?:mlp|feed_forward)\.(?:experts\.gate_up_proj|experts\.down_proj|gate\.weight|"
+# NOTE: Gemma 4's MoE block keeps its experts on the layer itself (``layers.N.experts.*``)
+_PARAM = (r"\.layers\.(\d+)\.(?:mlp\.|feed_forward\.)?(?:experts\.gate_up_proj|experts\.down_proj|gate\.weight|"
           r"router\.weight)$")
 SUPPORTED = ("'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' / 'router.weight' (router) of "
-             "Qwen3-MoE / Mixtral / gpt-oss / Qwen3-VL-MoE / Llama 4 (under 'feed_forward.')")
+             "Qwen3-MoE / Mixtral / gpt-oss / Qwen3-VL-MoE / Llama 4 (under 'feed_forward.'); Gemma 4's "
+             "'experts.gate_up_proj' / 'experts.down_proj' (its router, 'router.proj', is not supported)")
 
 
 def rank_and_alpha(config, key: str) -> tuple[int, float]:

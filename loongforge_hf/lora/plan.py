@@ -20,7 +20,9 @@ Choices:
   ``v`` / ``g`` / ``b`` / ``a_proj``) and of Qwen3-Next (``in_proj_qkvz`` / ``in_proj_ba`` per key head:
   ``KeyHeadGroups``); Qwen3.5's gated ``q_proj`` (``GatedQKV``: per KV group the heads' queries, then their gates)
   beside ``k_proj`` / ``v_proj``. So ``"all-linear"`` takes them all. DoRA and PiSSA / OLoRA on them are refused by
-  name (``_check_unequal_slots``: not tested against PEFT there).
+  name (``_check_unequal_slots``: not tested against PEFT there). Gemma 4's ``q_proj`` / ``k_proj`` / ``v_proj``
+  (``PerTypeQKV``) are plain ``QKV`` slots with each layer type's head size and KV heads; its full layers with values
+  from keys have no ``v_proj`` (in transformers' tree, so in PEFT's targets, as here).
 - One HF linear of row sections that megatron holds rank by rank (``gated_mappings.HeadSections`` of one part: the
   Mamba2 ``in_proj`` of Granite 4.0 H, Bamba and Nemotron-H, its z, x, B, C, dt; LFM2's conv ``in_proj``, its B, C,
   x) is a column-parallel target: B's rows go to megatron's order as the weight's do (``rows_to_megatron``). Where a
@@ -75,6 +77,7 @@ import torch
 from loongforge_hf.bridges.conv1d_mappings import Transposed
 from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParallel
 from loongforge_hf.bridges.gated_mappings import GatedQKV, HeadSections, KeyHeadGroups
+from loongforge_hf.bridges.gemma4_attention import PerTypeQKV
 from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedGatedMLP, PackedQKV
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 from loongforge_hf.bridges.moe import SharedExpertGate
@@ -82,7 +85,8 @@ from loongforge_hf.bridges.per_head_mappings import PerHeadStack
 
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
                  PackedQKV: "column", GroupedQKV: "column", PackedGatedMLP: "column", RowParallel: "row",
-                 SharedExpertGate: "shared_gate", HeadSections: "column", KeyHeadGroups: "column", GatedQKV: "qkv"}
+                 SharedExpertGate: "shared_gate", HeadSections: "column", KeyHeadGroups: "column", GatedQKV: "qkv",
+                 PerTypeQKV: "qkv"}
 _INITS = (True, False, "gaussian", "orthogonal")
 
 

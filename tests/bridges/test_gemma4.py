@@ -10,7 +10,18 @@ MLP beside 8 routed experts, top 2, ``gemma4_moe``; the experts loongforge's ``G
 in the same worlds: TP1, EP2 and TP2 + SP x EP2 (logits, loss, bit-exact exports; every gradient at the latter;
 transformers' ``router_logits`` and the experts' module type at TP1 and the latter). The refusals (config fields and
 layouts megatron cannot reproduce) are checked on the bridge alone, as from_pretrained makes it before any
-collective. Gemma 4 as the hub publishes it (Gemma4ForConditionalGeneration): tests/multimodal/test_gemma4_vl.py."""
+collective. Gemma 4 as the hub publishes it (Gemma4ForConditionalGeneration): tests/multimodal/test_gemma4_vl.py.
+
+LoRA in the same worlds (``_lora_moe.moe_model_checks`` against PEFT on transformers' model, same initial values), at
+TP1 and TP2 + SP (experts whole: expert_tensor_parallel_size=1): ``"all-linear"`` on the dense model (q / k / v in
+each layer type's slots of ``linear_qkv``, the full layers without ``v_proj``, o and the MLP) and, on the MoE model,
+``"all-linear"`` less the router's ``router.proj`` plus the expert stacks as ``target_parameters`` (PEFT 0.21 has no
+rewrite for Gemma 4). Logits 1e-4 (1e-5 with experts), loss 1e-5, every adapter gradient of layers 1-2 (a full and a
+sliding layer) and the experts' of layer 1, PEFT's counts, megatron's DDP buffers, the adapter folder in PEFT, the
+merged export in transformers and a PEFT-written adapter loaded. Gradients within 2e-4 (dense) and 1e-3 (MoE) of
+each gradient's largest entry: these low-rank projections are ill-conditioned on the tiny checkpoint (binding logit
+cap, routing), PEFT's own fp32 gradients being 2.1e-5 (dense) and 1.6e-4 (MoE) off its fp64 ones (measured at TP1,
+where ours are 2.1e-5 and 5.2e-4 off those; at TP2 the summation order alone moves the dense ones by 2.5e-5)."""
 
 import pytest
 import torch
@@ -24,6 +35,19 @@ LAYOUTS = {"tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True}, "pp
 # NOTE: the MoE block (26B-A4B's text model) in the same worlds: TP1, TP2 + SP x EP2 (experts whole), EP2
 MOE_LAYOUTS = {"moe_tp2_sp_ep2": {**LAYOUTS["tp2_sp"], "expert_parallel_size": 2, "expert_tensor_parallel_size": 1},
                "moe_ep2": {"expert_parallel_size": 2}}
+# LoRA (module docstring): LoraConfig kwargs and the gradient tolerance (of each gradient's largest entry)
+LORA = {"dense": (dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora_weights=False), 2e-4),
+        "moe": (dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora_weights=False,
+                     exclude_modules=["router.proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
+                1e-3)}
+LORA_TP2 = {**LAYOUTS["tp2_sp"], "expert_tensor_parallel_size": 1}
+
+
+def _lora(folders: dict, adapters: dict, out_dir: str, layout: dict) -> dict:
+    from ..integrations._lora_moe import moe_model_checks
+
+    return {name: moe_model_checks(folders[name], f"{out_dir}/lora-{name}", layout, adapters[name], kw,
+                                   grad_scale_tol=tol) for name, (kw, tol) in LORA.items()}
 
 
 def _generate(folder: str) -> dict:
@@ -63,7 +87,7 @@ def _router_logits(folder: str, layout: dict) -> tuple[int, int, float, list[str
     return len(got), len(want), max(float((a - b).abs().max()) for a, b in zip(got, want)), experts
 
 
-def _one_rank(folder: str, out_dir: str, own_values: str, moe: str) -> dict:
+def _one_rank(folder: str, out_dir: str, own_values: str, moe: str, adapters: dict) -> dict:
     from ._gradients import gradient_checks
     from ._parity import load_compare_export
 
@@ -71,10 +95,11 @@ def _one_rank(folder: str, out_dir: str, own_values: str, moe: str) -> dict:
             "grads": gradient_checks([("tp1", folder, {}, True)]).get("tp1"),
             "own_values": load_compare_export(own_values, {}, f"{out_dir}-own-values", seq=12, padded=True),
             "moe_tp1": load_compare_export(moe, {}, f"{out_dir}-moe", seq=12, padded=True),
-            "router_logits": _router_logits(moe, {})}
+            "router_logits": _router_logits(moe, {}),
+            "lora": _lora({"dense": folder, "moe": moe}, adapters, f"{out_dir}-lora", {})}
 
 
-def _two_ranks(folder: str, out_dirs: dict, moe: str) -> dict:
+def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict) -> dict:
     from ._gradients import gradient_checks
     from ._parity import load_compare_export
 
@@ -85,7 +110,8 @@ def _two_ranks(folder: str, out_dirs: dict, moe: str) -> dict:
                for name, layout in MOE_LAYOUTS.items()},
             "grads": gradient_checks([("tp2_sp", folder, LAYOUTS["tp2_sp"], True)]).get("tp2_sp"),
             "moe_grads": gradient_checks([("tp2_sp_ep2", moe, moe_layout, True)]).get("tp2_sp_ep2"),
-            "router_logits": _router_logits(moe, moe_layout)}
+            "router_logits": _router_logits(moe, moe_layout),
+            "lora": _lora({"dense": folder, "moe": moe}, adapters, out_dirs["lora"], LORA_TP2)}
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +130,29 @@ def moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_rank(folder, own_values, moe, tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("gemma4_tp1"))
-    return {**run_distributed(_one_rank, 1, folder, out_dir, own_values, moe, timeout=400)[0], "out_dir": out_dir}
+def lora_adapters(folder, moe, tmp_path_factory):
+    """A PEFT-written adapter (random factors) of each LoRA case."""
+    from ..integrations._lora_load import write_peft_adapter
+
+    base, adapters = tmp_path_factory.mktemp("gemma4_lora"), {}
+    for name, checkpoint in (("dense", folder), ("moe", moe)):
+        adapters[name] = str(base / name)
+        write_peft_adapter(checkpoint, adapters[name], LORA[name][0])
+    return adapters
 
 
 @pytest.fixture(scope="module")
-def two_ranks(folder, moe, tmp_path_factory):
-    out_dirs = {name: str(tmp_path_factory.mktemp(f"gemma4_{name}")) for name in (*LAYOUTS, *MOE_LAYOUTS)}
-    return {**run_distributed(_two_ranks, 2, folder, out_dirs, moe, timeout=400)[0], "out_dirs": out_dirs}
+def one_rank(folder, own_values, moe, lora_adapters, tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("gemma4_tp1"))
+    return {**run_distributed(_one_rank, 1, folder, out_dir, own_values, moe, lora_adapters, timeout=400)[0],
+            "out_dir": out_dir}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folder, moe, lora_adapters, tmp_path_factory):
+    out_dirs = {name: str(tmp_path_factory.mktemp(f"gemma4_{name}")) for name in (*LAYOUTS, *MOE_LAYOUTS, "lora")}
+    return {**run_distributed(_two_ranks, 2, folder, out_dirs, moe, lora_adapters, timeout=400)[0],
+            "out_dirs": out_dirs}
 
 
 def test_tp1_logits_loss_and_export(one_rank, folder):
@@ -178,6 +218,35 @@ def test_moe_router_logits_and_grouped_experts(world, request):
     ours, theirs, diff, experts = request.getfixturevalue(world)["router_logits"]
     assert ours == theirs == 4 and diff < TOL, (ours, theirs, diff)
     assert experts == ["GroupedMLP"], experts  # the parity checks above ran through the grouped experts
+
+
+@pytest.mark.parametrize("name", list(LORA))
+@pytest.mark.parametrize("world", ["one_rank", "two_ranks"])
+def test_lora_matches_peft(world, name, request):
+    """LoRA against PEFT (module docstring); q / k / v adapted in both layer types, no v_proj on the full layers."""
+    from ..integrations.test_lora_moe import _assert_model_matches_peft
+
+    res = request.getfixturevalue(world)["lora"][name]
+    _assert_model_matches_peft([res], experts=name == "moe")
+
+
+def test_lora_plan_per_layer_type_and_router_refusal():
+    """q / k / v of each layer type at its own heads (sliding: 8 x 16 queries, 4 x 16 keys and values; full: 8 x 32
+    queries, 2 x 32 keys, no v_proj); the MoE model's router.proj refused naming exclude_modules, its experts
+    planned."""
+    import peft
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+    from loongforge_hf.testing.tiny_models import _config
+
+    plan = plan_lora(get_bridge(_config("gemma4")), peft.LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj"]))
+    rows = {(t.layer, t.name): t.out_features for t in plan.targets if t.layer < 2}
+    assert rows == {(0, "q_proj"): 128, (0, "k_proj"): 64, (0, "v_proj"): 64, (1, "q_proj"): 256, (1, "k_proj"): 64}
+    with pytest.raises(LoraConfigError, match=r"router\.proj.*exclude_modules=\['proj'\]"):
+        plan_lora(get_bridge(_config("gemma4_moe")), peft.LoraConfig(r=2, target_modules="all-linear"))
+    plan = plan_lora(get_bridge(_config("gemma4_moe")), peft.LoraConfig(**LORA["moe"][0]))
+    assert {t.slot_name for t in plan.targets if t.kind == "experts"} == {"gate_up_proj", "down_proj"}
 
 
 @pytest.mark.parametrize("field, value", [("num_experts", None), ("top_k_experts", 0), ("top_k_experts", 9),
