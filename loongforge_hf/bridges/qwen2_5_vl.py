@@ -284,9 +284,7 @@ def image_text_architectures() -> list[str]:
     from . import llava_next_video  # noqa: F401
     from . import llama4_vl  # noqa: F401
     from . import glm4v  # noqa: F401
-    from . import paligemma  # noqa: F401
-    from . import aya_vision  # noqa: F401
-    from . import gemma4_vl  # noqa: F401
+    from . import aya_vision, gemma4_vl, paligemma  # noqa: F401
 
     return sorted(VL_BRIDGES)
 
