@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge_hf.kernels._saved import needs_autograd
+from loongforge_hf.kernels.swiglu import check_plain_gated
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -65,18 +66,7 @@ class GeGLU(torch.nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        problems = []
-        if not config.gated_linear_unit:
-            problems.append("gated_linear_unit must be True")
-        if config.activation_func is not gelu_tanh:
-            problems.append("activation_func must be loongforge_hf.kernels.geglu.gelu_tanh (got "
-                            f"{config.activation_func!r})")
-        if getattr(config, "activation_func_clamp_value", None) is not None:
-            problems.append("activation_func_clamp_value must be None")
-        if getattr(config, "glu_linear_offset", 0.0):
-            problems.append("glu_linear_offset must be 0")
-        if problems:
-            raise ValueError("loongforge GeGLU does not match this TransformerConfig: " + "; ".join(problems) + ".")
+        check_plain_gated(config, gelu_tanh, "loongforge_hf.kernels.geglu.gelu_tanh", "GeGLU")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return geglu(x)

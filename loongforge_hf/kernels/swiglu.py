@@ -63,22 +63,28 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return _SwiGLUFunction.apply(x)
 
 
+def check_plain_gated(config, activation, name: str, module: str) -> None:
+    """Raise unless ``config`` is a gated MLP with ``activation`` (called ``name``), no clamp and no linear offset:
+    what ``module`` (a plain gated activation: SwiGLU, GeGLU) computes."""
+    problems = []
+    if not config.gated_linear_unit:
+        problems.append("gated_linear_unit must be True")
+    if config.activation_func is not activation:
+        problems.append(f"activation_func must be {name} (got {config.activation_func!r})")
+    if getattr(config, "activation_func_clamp_value", None) is not None:
+        problems.append("activation_func_clamp_value must be None")
+    if getattr(config, "glu_linear_offset", 0.0):
+        problems.append("glu_linear_offset must be 0")
+    if problems:
+        raise ValueError(f"loongforge {module} does not match this TransformerConfig: " + "; ".join(problems) + ".")
+
+
 class SwiGLU(torch.nn.Module):
     """megatron's ``activation_func`` slot for a gated MLP: built as ``SwiGLU(config=config)``."""
 
     def __init__(self, config) -> None:
         super().__init__()
-        problems = []
-        if not config.gated_linear_unit:
-            problems.append("gated_linear_unit must be True")
-        if config.activation_func is not F.silu:
-            problems.append(f"activation_func must be torch.nn.functional.silu (got {config.activation_func!r})")
-        if getattr(config, "activation_func_clamp_value", None) is not None:
-            problems.append("activation_func_clamp_value must be None")
-        if getattr(config, "glu_linear_offset", 0.0):
-            problems.append("glu_linear_offset must be 0")
-        if problems:
-            raise ValueError("loongforge SwiGLU does not match this TransformerConfig: " + "; ".join(problems) + ".")
+        check_plain_gated(config, F.silu, "torch.nn.functional.silu", "SwiGLU")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x)
