@@ -55,7 +55,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from loongforge_hf.integrations.trl_dpo import _disable_residual_dropout, _local_inputs
+from loongforge_hf.integrations.dpo_scores import _local_inputs
+from loongforge_hf.integrations.trl_dpo import _disable_residual_dropout
 from loongforge_hf.kernels._saved import training_numerics
 from loongforge_hf.trainer.data import dp_rank_and_size
 from loongforge_hf.trainer.engine import micro_batch_group
