@@ -138,10 +138,6 @@ def model_checks(folder: str, out_dir: str, layout: dict, name: str, configs: di
     folder in PEFT and the merged export in transformers (differences from our logits, rank 0),
     ``adapter_config.json``'s target_modules against PEFT's (the LoraConfig ``configs[name]``, ``CONFIGS`` by default;
     the batch ``batch_for(folder)``)."""
-    import peft
-    import transformers
-    from safetensors import safe_open
-
     batch = batch_for(folder)
     model, _, ref = lora_pair(folder, layout, (configs or CONFIGS)[name], image_text=True)
     ours, theirs = model(**batch), ref(**batch)
@@ -156,11 +152,23 @@ def model_checks(folder: str, out_dir: str, layout: dict, name: str, configs: di
         result["grads_checked"] = _check_grads(model, ref, grad_tol, worst)
         result["grad_worst"] = worst[0]
         model.zero_grad(set_to_none=True)
-    logits = ours.logits.detach()
+    result.update(export_checks(model, ref, folder, out_dir, batch, ours.logits.detach()))
+    return result
+
+
+def export_checks(model, ref, folder: str, out_dir: str, batch: dict, logits: torch.Tensor) -> dict:
+    """After the forward that gave ``logits``: our adapter folder and merged export written (every rank), the model
+    unchanged by the merged export; rank 0: PEFT's folder beside ours, ``target_modules`` as each wrote them, the
+    adapter tensors' count and whether their names and shapes are PEFT's, our adapter folder in
+    ``PeftModel.from_pretrained`` and our merged export in transformers (differences from ``logits``)."""
+    import peft
+    import transformers
+    from safetensors import safe_open
+
     model.save_pretrained(f"{out_dir}/adapter")
     model.save_pretrained(f"{out_dir}/merged", merged=True)
     with torch.no_grad():
-        result["unchanged_after_merged_export"] = torch.equal(model(**batch).logits, logits)
+        result = {"unchanged_after_merged_export": torch.equal(model(**batch).logits, logits)}
     if dist.get_rank() == 0:
         ref.save_pretrained(f"{out_dir}/peft")
         written = [json.load(open(f"{out_dir}/{d}/adapter_config.json"))["target_modules"] for d in ("adapter", "peft")]

@@ -73,13 +73,8 @@ def lora_checks(folder: str, out_dir: str, layout: dict, name: str) -> dict:
     "peft_counts", "logits_diff", "loss_diff", "grads": {factor: relative difference} (one pipeline stage), "targets":
     the adapted HF modules, "unchanged_after_merged_export"; rank 0: "adapter_logits_diff" (the adapter folder in
     PEFT), "merged_logits_diff" (the merged export in transformers), "target_modules" (ours, PEFT's as written)}."""
-    import json
-
-    import peft
-    import transformers
-
     from ..integrations._lora_checks import lora_pair
-    from ._vl_lora import padded_batch
+    from ._vl_lora import export_checks, padded_batch
 
     batch = padded_batch(folder)
     model, _, ref = lora_pair(folder, layout, CONFIGS[name], image_text=True)
@@ -93,21 +88,9 @@ def lora_checks(folder: str, out_dir: str, layout: dict, name: str) -> dict:
         theirs.loss.backward()
         out["grads"] = adapter_grads(model, ref)
         model.zero_grad(set_to_none=True)
-    logits = ours.logits.detach()
-    model.save_pretrained(f"{out_dir}/adapter")
-    model.save_pretrained(f"{out_dir}/merged", merged=True)
-    with torch.no_grad():
-        out["unchanged_after_merged_export"] = torch.equal(model(**batch).logits, logits)
-    if dist.get_rank() == 0:
-        ref.save_pretrained(f"{out_dir}/peft")
-        written = [json.load(open(f"{out_dir}/{d}/adapter_config.json"))["target_modules"] for d in ("adapter", "peft")]
-        out["target_modules"] = [w if isinstance(w, str) else sorted(w) for w in written]
-        with torch.no_grad():
-            base = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-            loaded = peft.PeftModel.from_pretrained(base, f"{out_dir}/adapter")
-            out["adapter_logits_diff"] = float((loaded(**batch).logits - logits).abs().max())
-            merged = transformers.AutoModelForImageTextToText.from_pretrained(f"{out_dir}/merged", dtype=torch.float32)
-            out["merged_logits_diff"] = float((merged(**batch).logits - logits).abs().max())
+    out.update(export_checks(model, ref, folder, out_dir, batch, ours.logits.detach()))
+    if "target_modules" in out:
+        out["target_modules"] = [w if isinstance(w, str) else sorted(w) for w in out["target_modules"]]
     return out
 
 
