@@ -171,6 +171,14 @@ def rope_parameters(hf_config, *, partial_rotary: bool = False, extra_types: tup
 
 # ---- checks for dense decoders -----------------------------------------------------------------------------------
 
+def refuse_set_fields(hf_config, arch: str, fields: tuple[tuple[str, str], ...]) -> None:
+    """Raise ``UnsupportedConfigError`` naming the first of ``fields`` ((name, what it would build)) that is set
+    (true, non-zero, non-empty) in ``hf_config``."""
+    for field, why in fields:
+        if getattr(hf_config, field, None):
+            raise UnsupportedConfigError(f"{field}={getattr(hf_config, field)!r} is not supported for {arch} ({why}).")
+
+
 def check_dense_config(hf_config, *, qkv_bias: bool, check_rope: bool = True, layer_types: bool = False,
                        activation: bool = True, mlp_bias: bool = False) -> None:
     """Raise ``UnsupportedConfigError`` for values a dense bridge cannot reproduce exactly (``layer_types``: the

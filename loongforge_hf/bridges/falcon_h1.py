@@ -81,10 +81,8 @@ class FalconH1Bridge(BambaBridge):
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
         c, arch = self.hf_config, self.architectures[0]
-        for field, why in (("mamba_proj_bias", "a bias of the Mamba2 in_proj"),
-                           ("projectors_bias", "a bias of the Mamba2 out_proj")):
-            if getattr(c, field, False):
-                raise C.UnsupportedConfigError(f"{field}=True is not supported for {arch} ({why}).")
+        C.refuse_set_fields(c, arch, (("mamba_proj_bias", "a bias of the Mamba2 in_proj"),
+                                      ("projectors_bias", "a bias of the Mamba2 out_proj")))
         if c.hidden_act != "silu":
             raise C.UnsupportedConfigError(f"hidden_act={c.hidden_act!r} is not supported for {arch} (only 'silu': "
                                            "the Mamba2 conv and the MLP use it).")

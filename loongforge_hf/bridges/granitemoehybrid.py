@@ -61,10 +61,8 @@ class GraniteMoeHybridBridge(Mamba2Layers, GraniteMoeBridge):
         if c.position_embedding_type not in (None, "nope", "rope"):
             raise C.UnsupportedConfigError(f"position_embedding_type={c.position_embedding_type!r} is not supported "
                                            f"for {arch} (None, 'nope' or 'rope').")
-        for field, why in (("mamba_proj_bias", "biases of in_proj / out_proj"),
-                           ("attention_bias", "megatron's attention output bias follows the MLP's")):
-            if getattr(c, field, False):
-                raise C.UnsupportedConfigError(f"{field}=True is not supported for {arch} ({why}).")
+        C.refuse_set_fields(c, arch, (("mamba_proj_bias", "biases of in_proj / out_proj"),
+                                      ("attention_bias", "megatron's attention output bias follows the MLP's")))
         if c.hidden_act != "silu":
             raise C.UnsupportedConfigError(f"hidden_act={c.hidden_act!r} is not supported for {arch} (only 'silu': "
                                            "the Mamba2 conv and gated norm use it).")

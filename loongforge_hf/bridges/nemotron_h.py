@@ -78,10 +78,9 @@ class NemotronHBridge(Mamba2Layers, MoEBridge):
         if unknown:
             raise C.UnsupportedConfigError(f"layers_block_type {unknown} is not supported for {arch}: one of "
                                            f"{[MAMBA[0], ATTENTION, MLP, MOE]} per layer.")
-        for field, why in (("moe_latent_size", "latent projections around the experts"),
-                           ("use_bias", "biases of the Mamba2 in_proj / out_proj"), ("mlp_bias", "MLP biases")):
-            if getattr(c, field, None):
-                raise C.UnsupportedConfigError(f"{field}={getattr(c, field)!r} is not supported for {arch} ({why}).")
+        C.refuse_set_fields(c, arch, (("moe_latent_size", "latent projections around the experts"),
+                                      ("use_bias", "biases of the Mamba2 in_proj / out_proj"),
+                                      ("mlp_bias", "MLP biases")))
         if c.mamba_hidden_act != "silu":
             raise C.UnsupportedConfigError(f"mamba_hidden_act={c.mamba_hidden_act!r} is not supported for {arch} "
                                            "(only 'silu': the Mamba2 conv and gated norm use it).")

@@ -304,6 +304,7 @@ def test_lora_refused_on_replicated_rows(folders):
 @pytest.mark.parametrize("arch, changes, field", [
     ("bamba", {"z_loss_coefficient": 0.1}, "z_loss_coefficient=0.1 is not supported"),
     ("nemotron_h", {"moe_latent_size": 32}, "moe_latent_size=32 is not supported"),
+    ("nemotron_h", {"use_bias": True}, r"use_bias=True is not supported for NemotronHForCausalLM \(biases"),
     ("nemotron_h", {"mamba_hidden_act": "gelu"}, "mamba_hidden_act='gelu' is not supported")])
 def test_refused_configs(folders, arch, changes, field):
     import transformers
