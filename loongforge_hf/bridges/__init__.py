@@ -6,6 +6,7 @@ from loongforge_hf.bridges import gpt2  # noqa: F401
 from loongforge_hf.bridges import gpt_bigcode  # noqa: F401
 from loongforge_hf.bridges import llama4  # noqa: F401
 from loongforge_hf.bridges import dots1  # noqa: F401
+from loongforge_hf.bridges import dbrx, exaone_moe, solar_open  # noqa: F401
 from loongforge_hf.bridges import hunyuan_v1_dense, hunyuan_v1_moe  # noqa: F401
 from loongforge_hf.bridges import apertus, exaone, flex_olmo, granitemoeshared  # noqa: F401
 from loongforge_hf.bridges import minimax_m2  # noqa: F401
@@ -13,12 +14,14 @@ from loongforge_hf.bridges import jais2, phimoe  # noqa: F401
 from loongforge_hf.bridges import afmoe, cohere2_moe  # noqa: F401
 from loongforge_hf.bridges import qwen3_5  # noqa: F401
 from loongforge_hf.bridges import glm4_moe_lite, minicpm3, mistral4  # noqa: F401
+from loongforge_hf.bridges import deepseek_v32, glm_moe_dsa  # noqa: F401
 from loongforge_hf.bridges import gemma4  # noqa: F401
 from loongforge_hf.bridges import lfm2, lfm2_moe  # noqa: F401
 from loongforge_hf.bridges import bamba, falcon_h1, granitemoehybrid, nemotron_h  # noqa: F401
 from loongforge_hf.bridges import qwen3_5_moe, qwen3_next  # noqa: F401
 from loongforge_hf.bridges import glm, nemotron, olmo  # noqa: F401
 from loongforge_hf.bridges import olmo_hybrid  # noqa: F401
+from loongforge_hf.bridges import nanochat  # noqa: F401
 from loongforge_hf.bridges import (arcee, cohere, deepseek, ernie4_5_moe, exaone4, gemma, glm4,  # noqa: F401
                                    glm4_moe, gpt_neox, gpt_oss, gptj, granite, llama, mistral, mixtral, olmo2,
                                    olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm,

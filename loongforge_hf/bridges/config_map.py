@@ -18,8 +18,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-# NOTE: transformers' gelu_pytorch_tanh, defined beside the experts' GeGLU, which recognises it by identity
+# NOTE: transformers' gelu_pytorch_tanh and relu2, defined beside the experts' GeGLU and Relu2, which recognise them
+# by identity
 from loongforge_hf.kernels.geglu import gelu_tanh
+from loongforge_hf.kernels.relu2 import relu2
 
 
 class UnsupportedConfigError(ValueError):
@@ -46,11 +48,6 @@ def gelu_new(x):
 def gelu_fast(x):
     """transformers' ``gelu_fast`` (GPT-NeoX-20B's MLP), written as transformers computes it."""
     return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
-
-
-def relu2(x):
-    """transformers' ``relu2`` (Arcee's MLP): the squared ReLU."""
-    return F.relu(x).square()
 
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh, "relu2": relu2,
@@ -227,6 +224,15 @@ def router_aux_loss_coef_of(hf_config) -> float:
     """
     if not getattr(hf_config, "output_router_logits", False):
         return 0.0
+    return router_aux_loss_coef_field(hf_config)
+
+
+def router_aux_loss_coef_field(hf_config) -> float:
+    """The config's balancing-loss coefficient, on or off: ``router_aux_loss_coef``, or DBRX's
+    ``ffn_config.moe_loss_weight`` (the one its transformers model reads)."""
+    ffn = getattr(hf_config, "ffn_config", None)
+    if hasattr(ffn, "moe_loss_weight"):
+        return float(ffn.moe_loss_weight or 0.0)
     return float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
 
 

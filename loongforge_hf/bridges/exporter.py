@@ -85,7 +85,7 @@ def _exported_shape(mapping, layer, shape: tuple[int, ...]) -> tuple[int, ...]:
     block = mapping.hf_block(layer)
     if block is None:
         return tuple(shape)
-    return (*shape[:block[0]], 1, *shape[block[0] + 1:])
+    return (*shape[:block[0]], mapping.hf_block_rows(layer), *shape[block[0] + 1:])
 
 
 def _write(writer, mapping, layer, name: str, tensor: torch.Tensor) -> None:

@@ -20,6 +20,8 @@ Choices (Gemma: the zero-centred norms and the scaled embedding; Gemma 2 and 3: 
   logits soft-capped (``final_logit_softcapping``: the output layer's logits, and the fused loss of the training step,
   ``kernels.cross_entropy``'s ``softcap``). A static cache's decode steps run as the dynamic cache's (the fixed step's
   attention takes no cap); a KV cache sharded over context parallelism is refused.
+- VaultGemma (VaultGemmaForCausalLM, Google's differentially private VaultGemma 1B): Gemma 2 without the two post
+  norms, its pre-MLP norm named ``pre_feedforward_layernorm`` (megatron's own attention and MLP modules).
 - Refused with a message: bidirectional attention (EmbeddingGemma), attention biases, layer types other than full /
   sliding attention; soft-capping on Gemma 3 (transformers' Gemma 3 applies none by default).
 """
@@ -154,3 +156,28 @@ class Gemma3Bridge(LayerTypes, _SandwichNorms):
     def finish_model(self, model) -> None:
         scale_gemma_embedding(model, self.hf_config.hidden_size)
         self.set_rotary_tables(model)
+
+
+@register_bridge("VaultGemmaForCausalLM")
+class VaultGemmaBridge(Gemma2Bridge):
+    """Gemma 2 without the post-attention and post-feedforward norms."""
+
+    def attention_module(self) -> type | None:
+        return None
+
+    def mlp_module(self) -> type | None:
+        return None
+
+    def attention_mappings(self) -> list[Mapping]:
+        return [m for m in super().attention_mappings() if not m.megatron.endswith(".post_layernorm.weight")]
+
+    def dense_mlp_mappings(self) -> list[Mapping]:
+        return [m for m in super().dense_mlp_mappings() if not m.megatron.endswith(".post_layernorm.weight")]
+
+    def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        return {k: v for k, v in super().attention_shapes(prefix).items()
+                if not k.endswith("post_attention_layernorm.weight")}
+
+    def dense_mlp_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        return {k: v for k, v in super().dense_mlp_shapes(prefix).items()
+                if not k.endswith("post_feedforward_layernorm.weight")}

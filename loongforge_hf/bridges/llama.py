@@ -1,10 +1,13 @@
 """LlamaForCausalLM: Llama 2, 3, 3.1, 3.2 (llama3 rope scaling is handled by the shared rope code); HeliumForCausalLM
 (Kyutai's Helium) and Ernie4_5ForCausalLM (ERNIE 4.5 dense): the Llama layout rotating interleaved channel pairs
 (``x[2i], x[2i+1]``, transformers' ``repeat_interleave`` cos / sin): megatron's ``rotary_interleaved``, on its own
-rotary path (the fused-rope slot takes rotate-half pairs only)."""
+rotary path (the fused-rope slot takes rotate-half pairs only); CwmForCausalLM (Meta's Code World Model): the Llama
+layout with the window on the layers ``layer_types`` marks (every fourth layer full in the hub's), llama3 rope scaling.
+"""
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import DenseBridge
+from loongforge_hf.bridges.layer_types import WindowsByLayerType
 from loongforge_hf.bridges.registry import register_bridge
 
 
@@ -25,3 +28,8 @@ class Ernie45Bridge(HeliumBridge):
         super().check_config()
         if getattr(self.hf_config, "use_bias", False):
             raise C.UnsupportedConfigError("use_bias=True (biases on every linear) is not supported.")
+
+
+@register_bridge("CwmForCausalLM")
+class CwmBridge(WindowsByLayerType, LlamaBridge):
+    """Llama with windowed layers (``layer_types.WindowsByLayerType``)."""

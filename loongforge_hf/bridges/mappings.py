@@ -114,6 +114,11 @@ class Mapping:
         where it gives whole tensors."""
         return None
 
+    def hf_block_rows(self, layer: int | None) -> int:
+        """The length along ``hf_block``'s dim of the block ``export`` gives: 1 (one expert of a stack), or an
+        expert's rows of a 2-D tensor that concatenates the experts' matrices (DBRX's ``w1``)."""
+        return 1
+
     def export_parts(self, shard: torch.Tensor, rank: int, ctx: ShardContext, layer: int | None) -> list[Part]:
         """The blocks of HF tensors that TP rank ``rank``'s ``shard`` holds: ``(HF name, dim, start, block)``, each
         ``block`` the HF tensor's rows ``start:start + block.shape[dim]`` along ``dim`` (all of every other dim).

@@ -17,42 +17,26 @@ Choices:
   (``stacked_experts.py``, GraniteMoE's layout); shared experts and dense layers as DeepSeek's.
 - Llama 4's query scale ``1 + llama_4_scaling_beta * log(1 + floor(position / original_max_position_embeddings))``
   is 1 below ``original_max_position_embeddings`` (8192 in Mistral Small 4) and not built: a forward or training
-  batch with positions from there on is refused, naming the field (``exact_positions``).
+  batch with positions from there on is refused, naming the field (``mistral.Llama4QueryScale``).
 """
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.deepseek import DeepseekBridge
 from loongforge_hf.bridges.dense import L
 from loongforge_hf.bridges.mappings import Mapping
+from loongforge_hf.bridges.mistral import Llama4QueryScale
 from loongforge_hf.bridges.moe import grouped_routing_kwargs
 from loongforge_hf.bridges.registry import register_bridge
 from loongforge_hf.bridges.stacked_experts import StackedDown, StackedGateUp, routed_stack
 
 
 @register_bridge("Mistral4ForCausalLM")
-class Mistral4Bridge(DeepseekBridge):
+class Mistral4Bridge(Llama4QueryScale, DeepseekBridge):
     router_fp32 = False                                        # transformers keeps gate.weight in the model dtype
 
     def __init__(self, hf_config) -> None:
         self.interleaved_rope_on_disk = bool(getattr(hf_config, "rope_interleave", True))
         super().__init__(hf_config)
-
-    @property
-    def exact_positions(self) -> int | None:
-        """The positions below which Llama 4's query scale is 1 (None: no scale)."""
-        rope = self.hf_config.rope_parameters or {}
-        if not rope.get("llama_4_scaling_beta"):
-            return None
-        return int(rope.get("original_max_position_embeddings") or self.hf_config.max_position_embeddings)
-
-    def check_sequence_length(self, longest: int) -> None:
-        """``ValueError`` where a sequence of ``longest`` positions reaches Llama 4's query scale (not built)."""
-        limit = self.exact_positions
-        if limit is not None and longest > limit:
-            beta = self.hf_config.rope_parameters["llama_4_scaling_beta"]
-            raise ValueError(f"{longest} positions: rope_parameters.llama_4_scaling_beta={beta} scales the queries "
-                             f"from position original_max_position_embeddings={limit} on, which {self.architectures[0]}"
-                             f" does not implement here; use sequences of at most {limit} tokens.")
 
     def routing_kwargs(self) -> dict:
         c = self.hf_config

@@ -93,6 +93,9 @@ class ExpertSlice(Mapping):
     def hf_block(self, layer):
         return self.inner.hf_block(layer)
 
+    def hf_block_rows(self, layer):
+        return self.inner.hf_block_rows(layer)
+
     def load(self, reader, ctx, layer):
         return self.inner.load(reader, ctx, layer)
 

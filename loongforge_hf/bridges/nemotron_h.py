@@ -14,15 +14,19 @@ Choices:
 - Attention layers: megatron's ``SelfAttention`` (GQA, ``head_dim``) without rotary embedding (transformers' has none:
   megatron's ``position_embedding_type="none"``), no biases (transformers builds none, whatever ``attention_bias``).
 - MLP layers: ``up_proj``, relu2, ``down_proj``: megatron's ``MLP`` without ``gated_linear_unit``.
-- MoE layers: ``n_routed_experts`` relu2 experts (megatron's ``SequentialMLP`` of plain MLPs: our grouped MLP runs
-  gated activations only), on disk one ``experts.{e}.up_proj`` / ``down_proj`` per expert; the shared expert
+- MoE layers: ``n_routed_experts`` relu2 experts, our grouped MLP's plain (not gated) stacks (``GroupedMLP`` with
+  ``gated_linear_unit=False``: fc1 ``[local experts, F / etp, H]``, ``up_proj`` rows; megatron's ``SequentialMLP``
+  with ``LOONGFORGE_MOE_GROUPED_GEMM=0``), on disk one ``experts.{e}.up_proj`` / ``down_proj`` per expert, read and
+  written expert by expert with the dense MLP's column / row split (``StackedExpert``); the shared expert
   (``moe_shared_expert_intermediate_size``) as megatron's shared experts; DeepSeek-V3's routing
   (``deepseek.sigmoid_routing_kwargs``: sigmoid scores plus the fixed fp32 ``gate.e_score_correction_bias``, top-2-sum
   group scores with ``n_group`` / ``topk_group``, renormalised, times ``routed_scaling_factor``), the router in fp32;
   transformers' ``router_logits``.
 - LoRA (``lora/plan.py``): PEFT names the modules as transformers' tree does (``model.layers.N.mixer.q_proj``), the
   checkpoint ``backbone.layers.N.mixer.q_proj`` (``checkpoint_name``); the Mamba2 ``in_proj`` is adapted by its
-  sections' rows, refused where TP exceeds ``n_groups``.
+  sections' rows, refused where TP exceeds ``n_groups``. The routed experts' stacks (``experts.up_proj`` /
+  ``down_proj`` parameters) are refused as LoRA targets (``lora/param_targets.py``, ``lora/experts.py``); FP8
+  (``fp8="on"``) leaves them in the model's dtype (``fp8_linear.fp8_experts_refusal``: SwiGLU experts only).
 - Multi-token-prediction tensors (``mtp.*``, ``num_nextn_predict_layers``): transformers skips them on load; here too
   (not built), and ``save_pretrained`` copies them unchanged from the source folder, as Qwen3.5's.
 - Refused before any collective: ``moe_latent_size`` (latent projections around the experts), ``use_bias``
@@ -42,7 +46,7 @@ from loongforge_hf.bridges.fused_mappings import Expert
 from loongforge_hf.bridges.mamba2_layers import MAMBA, Mamba2Layers
 from loongforge_hf.bridges.mappings import (ColumnParallel, FP32Replicated, Mapping, Replicated, RowParallel,
                                             VocabParallel)
-from loongforge_hf.bridges.moe import EXPERT, MoEBridge
+from loongforge_hf.bridges.moe import EXPERT, MoEBridge, StackedExpert
 from loongforge_hf.bridges.registry import register_bridge
 
 B = "backbone.layers.{layer}"
@@ -66,7 +70,6 @@ class NemotronHBridge(Mamba2Layers, MoEBridge):
 
     def __init__(self, hf_config) -> None:
         super().__init__(hf_config)
-        self.grouped_experts = False  # NOTE: relu2 experts: megatron's SequentialMLP (see the module docstring)
         if not self.moe_layers:
             self.hf_router_logits = False
 
@@ -144,13 +147,25 @@ class NemotronHBridge(Mamba2Layers, MoEBridge):
                 ColumnParallel(f"{D}.mlp.linear_fc1.weight", f"{X}.up_proj.weight"),
                 RowParallel(f"{D}.mlp.linear_fc2.weight", f"{X}.down_proj.weight")]
 
+    def routed_expert_mappings(self) -> list[Mapping]:
+        """Each expert's ``up_proj`` / ``down_proj`` as a plain MLP's fc1 / fc2: onto the grouped MLP's stacks, or
+        megatron's ``SequentialMLP`` experts."""
+        experts = f"{D}.mlp.experts"
+        local = f"{experts}.local_experts.{EXPERT}"
+        fc1 = ColumnParallel(f"{local}.linear_fc1.weight", f"{X}.experts.{EXPERT}.up_proj.weight")
+        fc2 = RowParallel(f"{local}.linear_fc2.weight", f"{X}.experts.{EXPERT}.down_proj.weight")
+        if not self.grouped_experts:
+            return [Expert(fc1), Expert(fc2)]
+        n = self.num_experts()
+        return [StackedExpert(fc1, f"{experts}.linear_fc1.weight", n),
+                StackedExpert(fc2, f"{experts}.linear_fc2.weight", n)]
+
     def moe_mappings(self) -> list[Mapping]:
-        local, shared = f"{D}.mlp.experts.local_experts.{EXPERT}", f"{D}.mlp.shared_experts"
+        shared = f"{D}.mlp.shared_experts"
         return [Replicated(f"{D}.pre_mlp_layernorm.weight", f"{B}.norm.weight"),
                 FP32Replicated(f"{D}.mlp.router.weight", f"{X}.gate.weight"),
                 FP32Replicated(f"{D}.mlp.router.expert_bias", f"{X}.gate.e_score_correction_bias"),
-                Expert(ColumnParallel(f"{local}.linear_fc1.weight", f"{X}.experts.{EXPERT}.up_proj.weight")),
-                Expert(RowParallel(f"{local}.linear_fc2.weight", f"{X}.experts.{EXPERT}.down_proj.weight")),
+                *self.routed_expert_mappings(),
                 ColumnParallel(f"{shared}.linear_fc1.weight", f"{X}.shared_experts.up_proj.weight"),
                 RowParallel(f"{shared}.linear_fc2.weight", f"{X}.shared_experts.down_proj.weight")]
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from loongforge_hf.bridges import biased_routing, moe_graphs
 from loongforge_hf.bridges.balance_tally import Tally
-from loongforge_hf.bridges.config_map import router_aux_loss_coef_of
+from loongforge_hf.bridges.config_map import router_aux_loss_coef_field, router_aux_loss_coef_of
 
 
 def _top_k_router():
@@ -240,7 +240,7 @@ def _switch(model, output_router_logits: bool | None, *, zero_coef: bool, coef: 
     if on and moe_graphs.asked(getattr(getattr(model, "megatron", None), "config", None)):
         raise ValueError(f"{moe_graphs.ROUTER_OUTPUTS}: not with cuda_graph_impl='local'.")
     if coef is None:
-        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if on else 0.0
+        coef = router_aux_loss_coef_field(config) if on else 0.0
     check_layout(config, getattr(model.bridge, "text", model.bridge), coef=coef)
     balance = getattr(model, "router_balance", None)
     if balance is None or not on or not (coef or zero_coef):

@@ -15,7 +15,8 @@ Choices:
     output projection has a bias of its own where the bridge says ``proj_bias`` (PhiMoE's, experts without one);
   - core attention is our ``kernels.attention.CoreAttention`` (SDPA: no materialised ``[b, heads, s, s]`` scores,
     no fp32 softmax copy, GQA without repeated K/V); for MLA ``MLACoreAttention``, which takes the query/key head
-    size ``k_channels`` and value head size ``v_channels`` MLA passes (SDPA accepts a value head size that differs);
+    size ``k_channels`` and value head size ``v_channels`` MLA passes (SDPA accepts a value head size that differs),
+    or the bridge's ``mla_core_attention`` spec (DeepSeek Sparse Attention: ``sparse_attention.py``);
   - the rotary embedding goes through the fused-rope slot (``rope.enable_megatron_fused_rope``; MLA keeps megatron's
     own rotary path, which the slot does not serve);
   - the router's top-k softmax routing is ``kernels.router.topk_softmax`` (one op; sigmoid / grouped / biased
@@ -116,7 +117,7 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
                   qk_module: type | tuple[type, type] | None = None, attention_module: type | None = None,
                   moe_module: type | None = None, pre_norms: bool = True, layer_norm: type | None = None,
                   proj_bias: bool = False, mlp_module: type | None = None, parallel_residual: str | None = None,
-                  pre_mlp_norm: bool = True):
+                  pre_mlp_norm: bool = True, mla_core_attention=None):
     """``block_spec`` with our RMSNorm (``layer_norm``: another of our norms, for the input / pre-MLP / final
     norms) in every norm slot and our core attention (see the docstring); ``proj_bias``: a bias on the attention's
     output projection alone (``_biased_linear_proj``); ``qk_module``
@@ -126,7 +127,8 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
     ``MoELayer``; without ``pre_norms`` no input / pre-MLP norms (FlexOlmo normalises the sublayers' outputs);
     ``mlp_module``: a dense layer's MLP class (``DenseBridge.mlp_module``); ``parallel_residual``: ``"separate"`` or
     ``"shared"``, the MLP beside the attention (``kernels.specs.ParallelResidualLayer``); without ``pre_mlp_norm``
-    no pre-MLP norm alone (the MLP / MoE layer reads the residual stream and normalises itself: Gemma 4's MoE)."""
+    no pre-MLP norm alone (the MLP / MoE layer reads the residual stream and normalises itself: Gemma 4's MoE);
+    ``mla_core_attention``: a spec for MLA's core-attention slot (DeepSeek-V3.2's sparse attention)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -137,7 +139,7 @@ def _swap_modules(block_spec, *, grouped_experts: bool = False, balance_router: 
 
     layer_module = {None: None, "separate": ParallelResidualLayer, "shared": SharedNormParallelLayer}[
         parallel_residual]
-    mla_core, latent_norm = _mla_core_attention(), _latent_norm()
+    mla_core, latent_norm = mla_core_attention or _mla_core_attention(), _latent_norm()
     layer_norm = layer_norm or RMSNorm
     layers = []
     for spec in block_spec.layer_specs:
@@ -230,7 +232,9 @@ def _block_spec_for(bridge, config, *, vp_stage: int | None = None):
                                                   proj_bias=getattr(bridge, "proj_bias", False),
                                                   mlp_module=getattr(bridge, "mlp_module", lambda: None)(),
                                                   parallel_residual=getattr(bridge, "parallel_residual", None),
-                                                  pre_mlp_norm=getattr(bridge, "pre_mlp_norm", True)))
+                                                  pre_mlp_norm=getattr(bridge, "pre_mlp_norm", True),
+                                                  mla_core_attention=getattr(bridge, "mla_core_attention",
+                                                                             lambda: None)()))
 
 
 def _with_te_linears(config, block_spec):

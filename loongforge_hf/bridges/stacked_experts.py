@@ -1,22 +1,26 @@
 """Routed experts stacked on disk: one HF tensor per projection holding every expert along dim 0 (gpt-oss's
-``experts.gate_up_proj``, GraniteMoE's ``input_linear``), read and written one expert at a time.
+``experts.gate_up_proj``, GraniteMoE's ``input_linear``; DBRX's ``w1`` / ``v1`` / ``w2`` concatenate the experts'
+matrices along their rows), read and written one expert at a time.
 
 Choices:
 - Each mapping here is one expert's (``expert``: ``{expert}`` until ``moe.StackedExpert`` / ``Expert`` bind it): it
   reads that expert's row of the stack (``get_slice`` along dim 0: only its bytes, also through the MXFP4 reader)
   and exports it as block ``expert`` of the stack (``Mapping.hf_block``: the exporter plans the stacked tensor once
-  and fills it expert by expert, ``CheckpointWriter.add_part``).
+  and fills it expert by expert, ``CheckpointWriter.add_part``); with ``rows``, the expert's matrix is rows
+  ``[expert * rows, (expert + 1) * rows)`` of a 2-D tensor (DBRX's ``[experts * ffn, hidden]``) and its block those
+  rows.
 - Layouts: an expert's matrix is ``[out, in]`` (GraniteMoE, as ``nn.Linear``) or ``[in, out]`` (``transposed``:
   gpt-oss); fc1's gate and up outputs are ``[gate; up]`` halves or alternate (``alternating``: gpt-oss); megatron
   holds each expert-tensor-parallel rank's ``[gate_r; up_r]`` rows (``StackedGateUp``), fc2 split along its input
-  (``StackedDown``); a bias row per expert (``StackedRow``: fc2's, whole on every rank).
+  (``StackedDown``); a bias row per expert (``StackedRow``: fc2's, whole on every rank); fc1's gate and up rows in two
+  stacks (``StackedGatePair``: DBRX's ``w1`` / ``v1``).
 - ``rows_to_megatron`` / ``rows_to_hf``: a tensor with fc1's output rows in the checkpoint's order (a LoRA B of PEFT's
   ``target_parameters``) in megatron's order of an expert whole on its rank (LoRA's experts are), and back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,24 +47,29 @@ class _StackRow(Mapping):
     hf: str
     expert: str = EXPERT
     transposed: bool = False    # an expert's matrix is [in, out] (gpt-oss), not [out, in]
+    rows: int = 0               # an expert's matrix is these rows of a 2-D tensor (DBRX), not a row of a 3-D stack
 
     def hf_names(self, layer):
         return [_fmt(self.hf, layer)]
 
     def hf_block(self, layer):
-        return 0, int(self.expert)
+        return 0, int(self.expert) * (self.rows or 1)
+
+    def hf_block_rows(self, layer):
+        return self.rows or 1
 
     def _row(self, reader, layer) -> torch.Tensor:
         """This expert's matrix ``[out, in]`` (or bias row)."""
-        e = int(self.expert)
-        row = reader.get_slice(_fmt(self.hf, layer), dim=0, start=e, stop=e + 1)[0]
+        e, n = int(self.expert), self.rows or 1
+        row = reader.get_slice(_fmt(self.hf, layer), dim=0, start=e * n, stop=(e + 1) * n)
+        row = row if self.rows else row[0]
         return row.t() if self.transposed and row.dim() == 2 else row
 
     def _block(self, layer, value: torch.Tensor) -> dict[str, torch.Tensor]:
         """``value`` (``[out, in]`` or a bias row) as this expert's block of the stack."""
         if self.transposed and value.dim() == 2:
             value = value.t()
-        return {_fmt(self.hf, layer): value.contiguous().unsqueeze(0)}
+        return {_fmt(self.hf, layer): value.contiguous() if self.rows else value.contiguous().unsqueeze(0)}
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,28 @@ class StackedGateUp(_StackRow):
 
     def rows_to_hf(self, rows: torch.Tensor, ctx=None) -> torch.Tensor:
         return self._join(*rows.chunk(2))
+
+
+@dataclass(frozen=True)
+class StackedGatePair(_StackRow):
+    """fc1 of one expert whose gate rows are in the stack ``hf`` and its up rows in the stack ``up`` (DBRX's ``w1`` /
+    ``v1``) -> megatron's ``[gate_r; up_r]``."""
+
+    up: str = ""
+    tp_split = "column"
+
+    def hf_names(self, layer):
+        return [_fmt(self.hf, layer), _fmt(self.up, layer)]
+
+    def load(self, reader, ctx, layer):
+        gate, up = self._row(reader, layer), replace(self, hf=self.up)._row(reader, layer)
+        start, stop = T.shard_range(gate.shape[0], rank=ctx.tp_rank, world=ctx.tp_size, name=_fmt(self.hf, layer))
+        return torch.cat((gate[start:stop], up[start:stop]))
+
+    def export(self, shards, ctx, layer):
+        parts = [T.split_gate_up(s) for s in shards]
+        gate, up = torch.cat([g for g, _ in parts]), torch.cat([u for _, u in parts])
+        return {**self._block(layer, gate), **replace(self, hf=self.up)._block(layer, up)}
 
 
 @dataclass(frozen=True)

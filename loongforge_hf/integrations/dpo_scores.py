@@ -11,6 +11,9 @@ Choices:
   hidden states (fused head, or TP-local logits), vocabulary-parallel reductions only.
 - Row bookkeeping of padded or packed (``position_ids``, ``row_index``) batches: ``_local_inputs`` (this CP rank's
   share as the engine builds it), ``_shifted``, ``_rows``, ``_halves``, ``_completion_lengths``.
+- An image-text model's batches (vision DPO) go in as the engine's step gives them to its chunks
+  (``_model_inputs``: the model's ``megatron_forward_inputs``, the vision inputs as the chunks' keywords; under
+  virtual pipeline stages one by one, its ``bound_chunks``).
 """
 
 from __future__ import annotations
@@ -74,10 +77,10 @@ def sequence_scores(model, micro_batches: list[dict], *, everywhere: bool = True
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
-        args, labels = _local_inputs(batch, device)
+        args, inputs, labels = _model_inputs(model, batch, device)
         head = language_head(chunk)
         with hidden_states_out([chunk]) if head is not None else nullcontext():
-            output = chunk(*args)
+            output = chunk(*args, **inputs)
 
         def loss_func(output):
             found.append(scores(_token_logps(output, labels, head, vocab_size=vocab), batch, labels, output=output,
@@ -117,10 +120,10 @@ def _interleaved_one_by_one(model, micro_batches: list[dict], found: list, score
     from loongforge_hf.bridges.output_layer import hidden_states_out, language_head
     from loongforge_hf.bridges.runtime import _interleaved_forward_once
 
-    chunks = list(model.chunks)
-    head = language_head(chunks[-1])
+    head = language_head(list(model.chunks)[-1])
     for batch in micro_batches:
-        args, labels = _local_inputs(batch, model.device)
+        args, inputs, labels = _model_inputs(model, batch, model.device)
+        chunks = model.bound_chunks(inputs).chunks if inputs else list(model.chunks)
 
         def finish(output, batch=batch, labels=labels):
             vocab = model.config.vocab_size
@@ -208,6 +211,20 @@ def _local_inputs(batch: dict, device) -> tuple[tuple, torch.Tensor]:
     positions = torch.arange(s, device=device).expand(b, s) if positions is None else positions.to(device)
     *args, labels = cp_local_inputs(input_ids, positions, mask, shift_labels(batch["labels"].to(device)))
     return tuple(args), labels
+
+
+def _model_inputs(model, batch: dict, device) -> tuple[tuple, dict, torch.Tensor]:
+    """(chunk args, chunk keywords, shifted labels) of a micro-batch as the engine's step builds them: an image-text
+    model's own (``megatron_forward_inputs``: the vision inputs as keywords, this context-parallel rank's labels from
+    ``megatron_local_labels``), else a text batch's (``_local_inputs``, no keywords)."""
+    from loongforge_hf.bridges.runtime import shift_labels
+
+    vision = getattr(model, "megatron_forward_inputs", None)
+    if vision is None:
+        args, labels = _local_inputs(batch, device)
+        return args, {}, labels
+    args, inputs = vision(batch)
+    return args, inputs, model.megatron_local_labels(shift_labels(batch["labels"].to(device)))
 
 
 def _token_logps(output: torch.Tensor, labels: torch.Tensor, head, *, vocab_size: int,

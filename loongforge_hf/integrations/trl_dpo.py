@@ -50,6 +50,16 @@ Choices:
   transformers reference model when it sees no PEFT model (megatron LoRA is not ``peft.PeftModel``): it is handed
   a stand-in for "the policy as reference" instead (``_PolicyAsReference``) and ``ref_model`` is None afterwards,
   as TRL leaves it with PEFT; the reference log-probs are precomputed here, after TRL's ``__init__``.
+- Vision DPO (an image dataset: an ``image`` / ``images`` column, as TRL tells them; an image-text model from
+  ``AutoModelForImageTextToText``, its processor as ``processing_class``): TRL's ``DataCollatorForVisionPreference``
+  applies the chat template and the processor batch by batch (each prompt's images once for its chosen and once for
+  its rejected row, the prompts left-padded, then flushed left, truncated to ``max_length``), and the batches go
+  through the engine as the image-text model's training step takes them (``megatron_forward_inputs``: the vision
+  inputs, 3-D rope positions), the reference's and evaluation's forwards too (``dpo_scores._model_inputs``); the
+  default reference is the checkpoint loaded again with the policy's layout and vision tower layout. Every layout the
+  image-text model trains at (TP with SP or a split tower, PP, VPP, CP, DP) and LoRA (the tower's linears too, the
+  adapters disabled as reference). Batches are padded after the collator (its ``mm_token_type_ids`` /
+  ``token_type_ids`` with the ids; the images as they are). ``padding_free=True`` pads them, as TRL 1.16 does.
 - ``disable_dropout`` (TRL's default): TRL zeroes ``nn.Dropout`` modules (attention, LoRA); megatron's residual
   dropout (``hidden_dropout``, a float on each layer) is zeroed too.
 - ``padding_free=True`` (TRL 1.16 accepts it, warns and pads instead: the same numbers, which the packed rows give
@@ -58,9 +68,9 @@ Choices:
   row's first token dropped, ``row_index`` where each row's tokens went). The forwards run on the packed row; the
   per-token log-probs (and WPO's ``log sum_v p_v^2``) are put back into per-row ``[rows, longest]`` form
   (``_rows``) before ``RowScores``, so the losses, LD-DPO's weights and the metrics read rows as without packing;
-  a MoE's balancing loss is over the same real tokens (the packed row's mask, pads off). Refused with context
-  parallelism (each rank's share is of the packed row, not of each row) and pipeline parallelism (a step's
-  micro-batches would need one length).
+  a MoE's balancing loss is over the same real tokens (the packed row's mask, pads off). Image batches are padded
+  instead (as TRL pads them). Refused with context parallelism (each rank's share is of the packed row, not of each
+  row) and pipeline parallelism (a step's micro-batches would need one length).
 - ``use_liger_kernel=True``: TRL 1.16's DPO asks transformers to swap Liger's layer kernels (RMSNorm, RoPE, SwiGLU,
   ...) into the model, ``fused_linear_cross_entropy`` off: its loss and fused LM head stay its own (Liger's fused
   DPO loss is older TRL's), so the numbers are its run's without Liger. The megatron model runs this package's own
@@ -77,12 +87,15 @@ Choices:
   ``logits/chosen`` and ``logits/rejected`` (mean logit over the vocabulary) are not logged: the fused head never
   builds the logits.
 - Refused with a message, on every rank before any collective: a loss type TRL 1.16 does not know,
-  ``liger_kernel_config`` with ``fused_linear_cross_entropy``, ``padding_free`` with CP or PP, ``use_weighting``
+  ``liger_kernel_config`` with ``fused_linear_cross_entropy``, ``padding_free`` with CP or PP (text), ``use_weighting``
   with "sft" (TRL 1.16 fails on it: it scales the
   expanded scalar in place), ``sync_ref_model``, ``activation_offloading``, ``rpo_alpha`` (an older TRL's field;
   TRL 1.16 writes RPO as ``loss_type=["sigmoid", "sft"]``, ``loss_weights=[1, alpha]``, which runs here),
-  image datasets / processors, a ``ref_model`` that is not a loongforge model of the same layout, non-LoRA
-  ``peft_config``, custom ``optimizers``, ``quantization_config``, pipeline parallelism without ``max_length``.
+  a ``ref_model`` that is not a loongforge model of the same layout (and vision tower layout), non-LoRA
+  ``peft_config``, custom ``optimizers``, ``quantization_config``, pipeline parallelism without ``max_length``; with
+  an image dataset: a text model or a tokenizer, and what TRL 1.16 refuses for it (``precompute_ref_log_probs``,
+  ``truncation_mode="keep_end"`` with ``max_length``, and ``pad_to_multiple_of``, which its vision collator raises
+  on at the first batch).
   TRL's own checks (``label_smoothing`` of "exo_pair", which loss types take an ``f_divergence_type``,
   ``use_weighting`` with "aot" / "aot_unpaired") run in its
   ``__init__``, on every rank alike.
@@ -90,6 +103,7 @@ Choices:
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -105,6 +119,10 @@ from loongforge_hf.integrations.dpo_scores import (RowScores, _completion_length
 from loongforge_hf.trainer.arguments import LoongArgumentsMixin
 from loongforge_hf.trainer.loong_trainer import LoongTrainer
 
+logger = logging.getLogger(__name__)
+# the columns of a preference batch padded with 0 after its input ids (Qwen-VL's mm_token_type_ids, Gemma 3's
+# token_type_ids: TRL's vision collator's)
+_TOKEN_COLUMNS = ("attention_mask", "completion_mask", "mm_token_type_ids", "token_type_ids")
 # per micro-batch, summed over the data-parallel ranks: the reward metrics (dpo_losses.STATS); entropy sum,
 # completion tokens, top-1 hits and tokens of the chosen completions
 _STATS = REWARD_STATS + ("entropy", "tokens", "top1", "chosen_tokens")
@@ -143,21 +161,22 @@ def _refuse_unsupported(args: DPOConfig, model, ref_model, peft_config, train_da
                                 "loss_weights=[1.0, rpo_alpha], as TRL 1.16 does)")):
         if getattr(args, field, default) != default:
             problems.append(f"{field}={getattr(args, field)!r}{why}")
-    sample = next(iter(train_dataset)) if train_dataset is not None else {}
-    if "image" in sample or "images" in sample or hasattr(processing_class, "image_processor"):
-        problems.append("image datasets / processors (vision DPO)")
+    vision = _is_vision_dataset(train_dataset)
+    if vision:
+        problems += _vision_problems(args, model, processing_class)
     if ref_model is not None and not isinstance(ref_model, LoongModelForCausalLM):
+        loader = "AutoModelForImageTextToText" if _vision_layout(model) is not None else "AutoModelForCausalLM"
         problems.append(f"ref_model of type {type(ref_model).__name__} (load it with "
-                        "loongforge_hf.AutoModelForCausalLM.from_pretrained, with the policy's layout)")
-    elif ref_model is not None and ref_model.parallel != model.parallel:
-        problems.append(f"ref_model with layout {ref_model.parallel} (the policy's is {model.parallel})")
+                        f"loongforge_hf.{loader}.from_pretrained, with the policy's layout)")
+    elif ref_model is not None and _layout(ref_model) != _layout(model):
+        problems.append(f"ref_model with layout {_layout(ref_model)} (the policy's is {_layout(model)})")
     if peft_config is not None and type(peft_config).__name__ != "LoraConfig":
         problems.append(f"peft_config of type {type(peft_config).__name__} (LoRA only)")
     if args.use_liger_kernel and (args.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
         problems.append('liger_kernel_config={"fused_linear_cross_entropy": True} (TRL 1.16 refuses it too: it '
                         "replaces the model's forward, which the trainer's fused LM head stands in for)")
     layout = model.parallel
-    if args.padding_free:
+    if args.padding_free and not vision:  # NOTE: image batches are padded (as TRL 1.16 pads them): nothing packed
         for field in ("context_parallel_size", "pipeline_parallel_size"):
             if getattr(layout, field) > 1:
                 problems.append(f"padding_free=True with {field} > 1 (packed preference rows train at tensor, "
@@ -167,6 +186,47 @@ def _refuse_unsupported(args: DPOConfig, model, ref_model, peft_config, train_da
                         "is padded to it)")
     if problems:
         raise ValueError("LoongDPOTrainer does not support: " + "; ".join(problems) + ".")
+
+
+def _is_vision_dataset(dataset) -> bool:
+    """TRL's test: the first sample has an ``image`` or ``images`` column."""
+    sample = next(iter(dataset)) if dataset is not None else {}
+    return "image" in sample or "images" in sample
+
+
+def _vision_layout(model) -> str | None:
+    """An image-text model's vision tower layout ('replicated', 'tensor_parallel', 'data_parallel'); None for text."""
+    return getattr(model, "vision_layout", None)
+
+
+def _layout(model) -> str:
+    """The model's parallel layout, and an image-text model's vision tower layout."""
+    tower = _vision_layout(model)
+    return str(model.parallel) if tower is None else f"{model.parallel} with a {tower} vision tower"
+
+
+def _vision_problems(args: DPOConfig, model, processing_class) -> list[str]:
+    """What an image dataset does not train with; TRL 1.16's own refusals among them (here on every rank, before any
+    collective, and before TRL's ``__init__`` would miss ``precompute_ref_log_probs``, which is hidden from it)."""
+    from transformers import ProcessorMixin
+
+    problems = []
+    if _vision_layout(model) is None:
+        problems.append(f"an image dataset with the text model {type(model).__name__} (load an image-text model "
+                        "with loongforge_hf.AutoModelForImageTextToText.from_pretrained)")
+    if processing_class is not None and not isinstance(processing_class, ProcessorMixin):
+        problems.append(f"an image dataset with processing_class of type {type(processing_class).__name__} (pass "
+                        "the model's processor)")
+    if args.precompute_ref_log_probs:
+        problems.append("precompute_ref_log_probs=True with an image dataset (TRL 1.16 refuses it too: the images "
+                        "are processed batch by batch, never for the whole dataset up front)")
+    if args.max_length is not None and args.truncation_mode == "keep_end":
+        problems.append("truncation_mode='keep_end' with an image dataset (TRL 1.16 refuses it too: it may cut the "
+                        "image tokens of the prompt)")
+    if args.pad_to_multiple_of is not None:
+        problems.append(f"pad_to_multiple_of={args.pad_to_multiple_of} with an image dataset (TRL 1.16's vision "
+                        "collator refuses it: NotImplementedError; batches are padded here as megatron needs)")
+    return problems
 
 
 class _PolicyAsReference(torch.nn.Module):
@@ -203,9 +263,10 @@ class _PreferenceBatches:
         seq = batch["input_ids"].shape[1]
         extra = -(-seq // self.multiple) * self.multiple - seq
         if extra:
-            for key, value in (("input_ids", self.pad_id), ("attention_mask", 0), ("completion_mask", 0)):
-                t = batch[key]
-                batch[key] = torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
+            for key, value in (("input_ids", self.pad_id), *((k, 0) for k in _TOKEN_COLUMNS)):
+                if key in batch:  # NOTE: an image batch's token types too; its images are left as they are
+                    t = batch[key]
+                    batch[key] = torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
             if self.packed:  # NOTE: the pads continue the last row (masked keys), as right-padding would
                 pos = batch["position_ids"]
                 batch["position_ids"] = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1)], dim=1)
@@ -356,8 +417,9 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
             ref_model._is_accelerate_prepared = True
         if model.generation_config is None:
             model.generation_config = GenerationConfig.from_model_config(model.config)
+        vision = _is_vision_dataset(train_dataset)
         if processing_class is not None and data_collator is None:
-            data_collator = _preference_collator(model, args, processing_class)
+            data_collator = _preference_collator(model, args, processing_class, vision=vision)
         # NOTE: TRL's own precompute (over accelerate's process sharding, with a hash of the model) stays off: the
         # reference log-probs are computed below, once TRL's __init__ has prepared the datasets
         # NOTE: TRL 1.16 would warn that it falls back to padding; padding-free batches are packed below (_padded)
@@ -370,7 +432,9 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
                              callbacks=callbacks, optimizers=optimizers, peft_config=None)
         finally:
             args.precompute_ref_log_probs, args.padding_free = precompute, padding_free
-        self.precompute_ref_logps, self.padding_free = precompute, padding_free
+        if padding_free and vision:
+            logger.warning("padding_free=True with an image dataset: batches are padded, as TRL 1.16 pads them.")
+        self.precompute_ref_logps, self.padding_free = precompute, padding_free and not vision
         self.preference_loss = DPOLoss.from_args(args)
         self.row_scores = RowScores(ld_alpha=args.ld_alpha, wpo=args.use_weighting)
         if isinstance(self.ref_model, _PolicyAsReference):
@@ -534,24 +598,36 @@ def _without_liger(args):
 def _load_reference(model):
     """TRL's default reference: the policy's checkpoint loaded again (here with the policy's layout and dtype)."""
     from loongforge_hf.modeling import AutoModelForCausalLM
+    from loongforge_hf.multimodal.modeling import AutoModelForImageTextToText
 
     path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
     if not path:
         raise ValueError("LoongDPOTrainer: the policy has no name_or_path to load the reference model from; pass "
                          "ref_model=loongforge_hf.AutoModelForCausalLM.from_pretrained(..., same layout).")
-    return AutoModelForCausalLM.from_pretrained(path, parallel=model.parallel, dtype=model.dtype)
+    tower = _vision_layout(model)
+    if tower is None:
+        return AutoModelForCausalLM.from_pretrained(path, parallel=model.parallel, dtype=model.dtype)
+    # NOTE: the policy's vision tower layout too (vision_tensor_parallel_size / vision_data_parallel)
+    return AutoModelForImageTextToText.from_pretrained(
+        path, parallel=model.parallel, dtype=model.dtype, vision_data_parallel=tower == "data_parallel",
+        vision_tensor_parallel_size=model.parallel.tensor_parallel_size if tower == "tensor_parallel" else 1)
 
 
-def _preference_collator(model, args: DPOConfig, processing_class):
-    """TRL's ``DataCollatorForPreference`` as its ``__init__`` builds it (pad token: ``args.pad_token``, else the
-    tokenizer's, else its EOS, set on the tokenizer and the model's configs)."""
-    from trl.trainer.dpo_trainer import DataCollatorForPreference
+def _preference_collator(model, args: DPOConfig, processing_class, *, vision: bool):
+    """TRL's ``DataCollatorForPreference`` (``DataCollatorForVisionPreference`` for an image dataset: the processor
+    applied batch by batch, each prompt's images given to its chosen and its rejected row) as its ``__init__`` builds
+    it (pad token: ``args.pad_token``, else the tokenizer's, else its EOS, set on the tokenizer and the model's
+    configs)."""
+    from transformers import ProcessorMixin
+    from trl.trainer.dpo_trainer import DataCollatorForPreference, DataCollatorForVisionPreference
 
-    tokenizer = processing_class
+    tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
     pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
     if pad_token not in tokenizer.get_vocab():
         raise ValueError(f"The specified `pad_token` ({pad_token!r}) is not in the vocabulary of the "
                          f"processing_class ({type(tokenizer).__name__}).")
     tokenizer.pad_token = pad_token
+    if vision:
+        return DataCollatorForVisionPreference(processor=processing_class, max_length=args.max_length)
     return DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=args.max_length,
                                      truncation_mode=args.truncation_mode, pad_to_multiple_of=args.pad_to_multiple_of)

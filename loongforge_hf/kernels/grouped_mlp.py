@@ -1,11 +1,13 @@
-"""Routed experts as one grouped gated MLP: every local expert's fc1 and fc2 in one stacked weight each, the tokens
-(already permuted and sorted by expert by megatron's dispatcher) run through two grouped GEMMs.
+"""Routed experts as one grouped MLP (gated, or plain: Nemotron-H's relu2 experts): every local expert's fc1 and fc2
+in one stacked weight each, the tokens (already permuted and sorted by expert by megatron's dispatcher) run through
+two grouped GEMMs.
 
 Choices:
 - Weights: ``linear_fc1.weight`` ``[local experts, 2 * F / etp, H]`` (each expert's rows ``[gate_r; up_r]``, the
-  layout of megatron's gated fc1 on expert-tensor-parallel rank ``r``) and ``linear_fc2.weight``
-  ``[local experts, H, F / etp]``: one Parameter per projection, each expert's slice laid out like the HF tensor
-  (out, in), so the bridge loads and exports an expert with the same transforms as a dense MLP.
+  layout of megatron's gated fc1 on expert-tensor-parallel rank ``r``; without ``gated_linear_unit`` ``[local
+  experts, F / etp, H]``, rows ``up_r``) and ``linear_fc2.weight`` ``[local experts, H, F / etp]``: one Parameter per
+  projection, each expert's slice laid out like the HF tensor (out, in), so the bridge loads and exports an expert
+  with the same transforms as a dense MLP.
 - Compute: ``torch._grouped_mm(x, W.transpose(-2, -1), offs=cumsum(tokens_per_expert))`` on CUDA in bf16 when every
   stride is 16-byte aligned (H and F / etp multiples of 8); otherwise (CPU, fp32/fp16, odd widths) a loop of one
   matmul per expert with the same math (``_grouped_mm``'s own CPU fallback is not used by default: the loop is the
@@ -17,18 +19,23 @@ Choices:
   with zero rows of A and columns of B to the next multiple of 8 for the GEMMs (the same sum: the added products
   are zeros; autograd hands the padded factors' gradients back to the real ones), so one small rank does not send
   the whole layer to the loop. Frozen stacks get no weight gradient: ``_grouped_mm``'s backward computes only the
-  gradients autograd asks for. A projection's bias is added after its adapter term. (The LoRA layer itself,
-  ``lora/experts.py``, and the FP8 experts, ``fp8_linear.Fp8GroupedExperts``, refuse biases and the clamped GLU.)
+  gradients autograd asks for. A projection's bias is added after its adapter term. (The FP8 experts,
+  ``fp8_linear.Fp8GroupedExperts``, refuse biases and any activation but SwiGLU; the LoRA layer,
+  ``lora/experts.py``, refuses the plain relu2 experts.)
 - Math per expert: ``act(x @ W1[e].T + b1[e])``, times the token's routing probability (cast back to the activation
   dtype, as megatron's expert MLP does), ``@ W2[e].T``, plus ``b2[e]`` times the probability (megatron's
   ``MLP.forward`` with ``per_token_scale`` and ``TEGroupedMLP._apply_bias``: ``(out + b2 * p)`` in fp32 when the
   probabilities are, cast back once). With ``moe_apply_probs_on_input`` the probabilities scale the input instead
   (megatron allows this only for top-1) and ``b2`` is added as is (megatron's probabilities are ones then).
-- Activation from the config: SwiGLU (``kernels.swiglu``, ``activation_func=silu``), gpt-oss's clamped GLU
-  (``kernels.clamped_glu``, ``activation_func=quick_gelu`` with ``glu_linear_offset`` and
-  ``activation_func_clamp_value``) or Gemma 4's gated tanh-GELU (``kernels.geglu``, ``activation_func=gelu_tanh``);
-  each saves only the fc1 output for the backward. Anything else is refused.
-- Biases (``add_bias_linear``): ``linear_fc1.bias`` ``[E, 2F / etp]`` (each expert's ``[gate_r; up_r]`` like its
+- Activation from the config (``expert_activation``): gated, SwiGLU (``kernels.swiglu``, ``activation_func=silu``),
+  gpt-oss's clamped GLU (``kernels.clamped_glu``, ``activation_func=quick_gelu`` with ``glu_linear_offset`` and
+  ``activation_func_clamp_value``) or Gemma 4's gated tanh-GELU (``kernels.geglu``, ``activation_func=gelu_tanh``),
+  each saving only the fc1 output for the backward; not gated (``gated_linear_unit=False``), the squared ReLU
+  (``kernels.relu2``, ``activation_func=relu2``: Nemotron-H / Nemotron 3 Nano), saving only ``relu`` of the fc1
+  output. Anything else is refused. The GEMMs, probabilities and adapters do not depend on it: only fc1's width
+  (``2F`` gated, ``F`` not) does.
+- Biases (``add_bias_linear``, gated experts only: refused without ``gated_linear_unit``, which no supported model
+  needs): ``linear_fc1.bias`` ``[E, 2F / etp]`` (each expert's ``[gate_r; up_r]`` like its
   weight rows) and ``linear_fc2.bias`` ``[E, H]``, zero at initialisation (megatron's). The loop adds ``b[e]`` to
   expert ``e``'s rows; the grouped path gathers each row's bias by its expert (``bucketize`` of the row index in the
   offsets: no host sync; rows past the last offset, which the GEMMs leave alone, read the last expert's) and sums
@@ -54,8 +61,9 @@ Choices:
 - ``sharded_state_dict``: the same keys and global shapes as megatron's ``SequentialMLP`` with a gated local MLP
   (``{prefix}experts.linear_fc1.weight`` ``[N, 2F, H]`` with gate rows then up rows, ``...linear_fc2.weight``
   ``[N, H, F]``, ``...linear_fc1.bias`` ``[N, 2F]`` split gate / up like the weight, ``...linear_fc2.bias``
-  ``[N, H]`` replicated over expert-TP); the expert axis is the stack's first dimension, sharded over expert
-  parallelism.
+  ``[N, H]`` replicated over expert-TP) or a plain one (``...linear_fc1.weight`` ``[N, F, H]``, rows split over
+  expert-TP as megatron's ``ColumnParallelLinear`` saves them); the expert axis is the stack's first dimension,
+  sharded over expert parallelism.
 - An expert with no tokens still gets a (zero) gradient; a rank with no tokens at all runs the loop on empty splits.
 """
 
@@ -69,9 +77,11 @@ from megatron.core.transformer.module import MegatronModule
 from loongforge_hf.kernels._saved import needs_autograd
 from loongforge_hf.kernels.clamped_glu import ClampedGLU
 from loongforge_hf.kernels.geglu import GeGLU, gelu_tanh
+from loongforge_hf.kernels.relu2 import Relu2, relu2
 from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
 
-__all__ = ["DenseGrad", "GroupedMLP", "LowRank", "gated_activation", "grouped_gated_mlp", "grouped_mm_supported"]
+__all__ = ["DenseGrad", "GroupedMLP", "LowRank", "expert_activation", "gated_activation", "grouped_gated_mlp",
+           "grouped_mm_supported"]
 
 
 class LowRank(NamedTuple):
@@ -113,13 +123,16 @@ def _aligned(lr: LowRank) -> LowRank:
 
 def check_expert_shapes(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, counts: torch.Tensor,
                         where: str, adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS,
-                        biases: tuple[torch.Tensor | None, torch.Tensor | None] = NO_BIASES) -> None:
-    """``ValueError`` unless fc1 is ``[E, 2F, H]``, fc2 ``[E, H, F]`` for tokens ``[T, H]`` and ``E`` token counts,
-    each adapter's A is ``[E, r, in]`` and B ``[E, out, r]`` of its projection, and each bias ``[E, out]``."""
-    if fc1.dim() != 3 or fc2.dim() != 3 or fc1.shape[0] != fc2.shape[0] or fc1.shape[1] != 2 * fc2.shape[2] \
+                        biases: tuple[torch.Tensor | None, torch.Tensor | None] = NO_BIASES, *,
+                        gated: bool = True) -> None:
+    """``ValueError`` unless fc1 is ``[E, 2F, H]`` (``gated``; else ``[E, F, H]``), fc2 ``[E, H, F]`` for tokens
+    ``[T, H]`` and ``E`` token counts, each adapter's A is ``[E, r, in]`` and B ``[E, out, r]`` of its projection,
+    and each bias ``[E, out]``."""
+    width = 2 if gated else 1
+    if fc1.dim() != 3 or fc2.dim() != 3 or fc1.shape[0] != fc2.shape[0] or fc1.shape[1] != width * fc2.shape[2] \
             or fc1.shape[2] != x.shape[-1] or fc2.shape[1] != x.shape[-1]:
-        raise ValueError(f"{where}: fc1 {tuple(fc1.shape)} must be [E, 2F, H] and fc2 {tuple(fc2.shape)} "
-                         f"[E, H, F] for tokens {tuple(x.shape)}.")
+        raise ValueError(f"{where}: fc1 {tuple(fc1.shape)} must be [E, {'2F' if gated else 'F'}, H] and fc2 "
+                         f"{tuple(fc2.shape)} [E, H, F] for tokens {tuple(x.shape)}.")
     if counts.numel() != fc1.shape[0]:
         raise ValueError(f"{where}: {counts.numel()} token counts for {fc1.shape[0]} experts.")
     for name, w, a, b in zip(("fc1", "fc2"), (fc1, fc2), adapters, biases):
@@ -259,18 +272,19 @@ def grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tok
                       probs: torch.Tensor | None = None, *,
                       adapters: tuple[LowRank | None, LowRank | None] = NO_ADAPTERS,
                       biases: tuple[torch.Tensor | None, torch.Tensor | None] = NO_BIASES,
-                      activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+                      activation: Callable[[torch.Tensor], torch.Tensor] = swiglu, gated: bool = True,
                       use_grouped_mm: bool | None = None) -> torch.Tensor:
-    """Experts' gated MLPs over tokens sorted by expert.
+    """Experts' gated (or, ``gated=False``, plain) MLPs over tokens sorted by expert.
 
-    x ``[T, H]`` (expert 0's tokens first), fc1 ``[E, 2F, H]`` (rows ``[gate; up]``), fc2 ``[E, H, F]``,
-    ``tokens_per_expert`` ``[E]`` (tensor or list, summing to T), ``probs`` ``[T]`` or None. Returns ``[T, H]``.
-    ``adapters``: for fc1 and fc2, None or a ``LowRank`` term added to the projection. ``biases``: for fc1 and fc2,
-    None or ``[E, out]`` added to each expert's rows (fc2's times the probabilities). ``activation``: ``[..., 2F] ->
-    [..., F]`` on the fc1 output (``swiglu``; ``gated_activation(config)`` picks it from a config).
-    ``use_grouped_mm`` forces a path (None: ``_grouped_mm`` where ``grouped_mm_supported``)."""
+    x ``[T, H]`` (expert 0's tokens first), fc1 ``[E, 2F, H]`` (rows ``[gate; up]``; ``[E, F, H]`` not ``gated``),
+    fc2 ``[E, H, F]``, ``tokens_per_expert`` ``[E]`` (tensor or list, summing to T), ``probs`` ``[T]`` or None.
+    Returns ``[T, H]``. ``adapters``: for fc1 and fc2, None or a ``LowRank`` term added to the projection.
+    ``biases``: for fc1 and fc2, None or ``[E, out]`` added to each expert's rows (fc2's times the probabilities).
+    ``activation``: ``[..., 2F] -> [..., F]`` on the fc1 output (``swiglu``), elementwise ``[..., F] -> [..., F]``
+    not ``gated`` (``relu2``); ``expert_activation(config)`` picks it from a config. ``use_grouped_mm`` forces a
+    path (None: ``_grouped_mm`` where ``grouped_mm_supported``)."""
     counts = tokens_per_expert if isinstance(tokens_per_expert, torch.Tensor) else torch.tensor(tokens_per_expert)
-    check_expert_shapes(x, fc1, fc2, counts, "grouped_gated_mlp", adapters, biases)
+    check_expert_shapes(x, fc1, fc2, counts, "grouped_gated_mlp", adapters, biases, gated=gated)
     grouped = grouped_mm_supported(x, fc1, fc2, adapters=adapters, biases=biases) if use_grouped_mm is None \
         else use_grouped_mm
     if grouped:
@@ -296,6 +310,18 @@ def gated_activation(config) -> torch.nn.Module:
                          "(gpt-oss's clamped GLU) or loongforge_hf.kernels.geglu.gelu_tanh (the gated tanh-GELU), "
                          f"got {config.activation_func!r}.")
     return SwiGLU(config)
+
+
+def expert_activation(config) -> torch.nn.Module:
+    """The experts' activation that ``config`` asks for: ``gated_activation(config)`` with ``gated_linear_unit``,
+    else ``Relu2`` (``activation_func=relu2``, Nemotron-H), the only plain one."""
+    if config.gated_linear_unit:
+        return gated_activation(config)
+    if config.activation_func is not relu2:
+        raise ValueError("loongforge GroupedMLP does not match this TransformerConfig: with gated_linear_unit=False "
+                         "activation_func must be loongforge_hf.kernels.relu2.relu2 (the squared ReLU), got "
+                         f"{config.activation_func!r}; the gated activations need gated_linear_unit=True.")
+    return Relu2(config)
 
 
 class _FirstRankOnly(torch.autograd.Function):
@@ -348,10 +374,13 @@ class GroupedMLP(MegatronModule):
         # is fp8_linear.Fp8GroupedExperts).
         if getattr(config, "fp4", None):
             problems.append("fp4 is not supported")
+        if config.add_bias_linear and not config.gated_linear_unit:
+            problems.append("add_bias_linear must be False without gated_linear_unit (plain experts take no biases)")
         if problems:
             raise ValueError("loongforge GroupedMLP does not match this TransformerConfig: " + "; ".join(problems)
                              + ".")
-        self.activation = gated_activation(config)  # the same checks as the dense MLP's activation
+        self.activation = expert_activation(config)  # the same checks as the dense MLP's activation
+        self.gated = bool(config.gated_linear_unit)
         if pg_collection is None:
             from megatron.core.transformer.moe.moe_utils import ProcessGroupCollection
 
@@ -372,8 +401,8 @@ class GroupedMLP(MegatronModule):
               "bias": config.add_bias_linear}
         # NOTE: fc2's bias, whole on each expert-TP rank, is marked (on the expert axis, distinct per expert-parallel
         # rank like the stacks) only where it has no expert-TP replicas; see the module docstring
-        self.linear_fc1 = _StackedWeight((num_local_experts, 2 * ffn, hidden), partition_dim=1, bias_partition_dim=1,
-                                         **kw)
+        self.linear_fc1 = _StackedWeight((num_local_experts, (2 if self.gated else 1) * ffn, hidden), partition_dim=1,
+                                         bias_partition_dim=1, **kw)
         self.linear_fc2 = _StackedWeight((num_local_experts, hidden, ffn), partition_dim=2,
                                          bias_partition_dim=0 if etp == 1 else None, **kw)
         if config.perform_initialization:
@@ -405,7 +434,7 @@ class GroupedMLP(MegatronModule):
                 permuted_probs: torch.Tensor):
         x, probs = routed_inputs(self.config, permuted_local_hidden_states, permuted_probs)
         out = grouped_gated_mlp(x, self.linear_fc1.weight, self.linear_fc2.weight, tokens_per_expert, probs,
-                                biases=self.biases(), activation=self.activation)
+                                biases=self.biases(), activation=self.activation, gated=self.gated)
         return out, None
 
     def backward_dw(self) -> None:
@@ -437,9 +466,14 @@ class GroupedMLP(MegatronModule):
         def merge_fc1(parts):
             return torch.cat(parts, dim=1)
 
+        if not self.gated:  # NOTE: a plain fc1's rows are split over expert-TP as one block, as fc2's columns
+            fc1_sharded = ShardedTensor.from_rank_offsets(f"{key}linear_fc1.weight", fc1, *sharded_offsets, ep,
+                                                          (axis + 1, tp_rank, tp_size), replica_id=replica_id,
+                                                          prepend_axis_num=axis)
+        else:
+            fc1_sharded = ShardedTensorFactory(f"{key}linear_fc1.weight", fc1, build_fc1, merge_fc1, replica_id)
         out = {
-            f"{prefix}linear_fc1.weight": ShardedTensorFactory(f"{key}linear_fc1.weight", fc1, build_fc1, merge_fc1,
-                                                               replica_id),
+            f"{prefix}linear_fc1.weight": fc1_sharded,
             f"{prefix}linear_fc2.weight": ShardedTensor.from_rank_offsets(
                 f"{key}linear_fc2.weight", fc2, *sharded_offsets, ep, (axis + 2, tp_rank, tp_size),
                 replica_id=replica_id, prepend_axis_num=axis),

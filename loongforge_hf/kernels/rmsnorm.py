@@ -20,6 +20,8 @@ Choices:
   with Gemma's numerics (``Gemma3RMSNorm``, the only HF norm stored that way): ``(x.float() * rstd * (1 +
   weight.float())).to(x.dtype)``, one rounding at the end, ``1 + weight`` in fp32 (a bf16 ``1 + weight`` would lose
   the weight's low bits).
+- ``RMSNormWithoutWeight``: ``(x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``, no parameter (NanoChat's
+  norms, Llama 4's ``L2Norm``), plain autograd, for the same slots.
 - ``sharded_state_dict``: the weight replicated (megatron's ``MLP`` asks each child for one; a post-MLP norm there,
   Gemma 3's, needs it).
 """
@@ -135,3 +137,18 @@ class RMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+
+
+class RMSNormWithoutWeight(torch.nn.Module):
+    """An RMSNorm without weight (see the module docstring), built like ``RMSNorm`` for megatron's norm slots."""
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

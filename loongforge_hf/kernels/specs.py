@@ -46,7 +46,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from loongforge_hf.kernels.attention import CoreAttention
 from loongforge_hf.kernels.layernorm import LayerNorm, LayerNormWithoutBias, LayerNormWithoutParameters
-from loongforge_hf.kernels.rmsnorm import RMSNorm
+from loongforge_hf.kernels.rmsnorm import RMSNorm, RMSNormWithoutWeight
 from loongforge_hf.kernels.rope import enable_megatron_fused_rope
 from loongforge_hf.kernels.swiglu import SwiGLU, swiglu
 
@@ -57,13 +57,11 @@ _NORMS = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
 def norm_class(normalization: str, *, bias: bool = True, weight: bool = True) -> type:
     """Our module for megatron's ``normalization`` setting (``RMSNorm`` or ``LayerNorm``); ``bias=False``: a LayerNorm
     without bias (Cohere's; RMSNorm has none either way); ``weight=False``: a LayerNorm without weight or bias
-    (OLMo's)."""
+    (OLMo's), an RMSNorm without weight (NanoChat's)."""
     if normalization not in _NORMS:
         raise ValueError(f"normalization={normalization!r} is not supported; supported: {sorted(_NORMS)}.")
     if not weight:
-        if normalization != "LayerNorm":
-            raise ValueError(f"a norm without weight is implemented for LayerNorm only, not {normalization!r}.")
-        return LayerNormWithoutParameters
+        return LayerNormWithoutParameters if normalization == "LayerNorm" else RMSNormWithoutWeight
     return LayerNormWithoutBias if normalization == "LayerNorm" and not bias else _NORMS[normalization]
 
 

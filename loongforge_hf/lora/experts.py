@@ -11,7 +11,8 @@ Choices:
   expert width multiples of 8; a rank that is not is padded with zeros there), else the per-expert loop.
 - Expert adapters carry the expert weights' attributes (``allreduce=False`` under expert parallelism, so megatron's
   DDP keeps them in its expert buffers and reduces them over the expert-data-parallel group).
-- Experts split over expert-tensor parallelism are refused for LoRA (``expert_tensor_parallel_size=1`` is the way).
+- Experts split over expert-tensor parallelism are refused for LoRA (``expert_tensor_parallel_size=1`` is the way),
+  and so are plain (not gated) experts, Nemotron-H's relu2 ones (``param_targets`` names no parameter of theirs).
   Experts with biases and gpt-oss's clamped GLU take the adapters like SwiGLU ones (the biases added after the
   low-rank terms, as PEFT's merged weight gives); gpt-oss's B rows come in megatron's ``[gate; up]`` order
   (``Target.b_to_megatron``) and go back alternating on export. Llama 4's PEFT factors work the other way round
@@ -187,6 +188,9 @@ def check_param_adaptable(module: nn.Module, kind: str) -> None:
     if type(module) is not GroupedMLP:
         raise TypeError(f"LoRA on the routed experts needs loongforge's GroupedMLP (the default expert layer); got "
                         f"{type(module).__name__} (FP8 experts, fp8='on' / 'adaptive', are not supported).")
+    if not module.gated:
+        raise LoraConfigError("LoRA on the routed experts is not supported for plain (not gated) relu2 experts "
+                              "(Nemotron-H): adapt the attention, Mamba2 or shared-expert projections instead.")
     if module.tp_group.size() != 1:
         raise LoraConfigError(f"LoRA on the routed experts needs them whole on each rank: pass "
                               f"expert_tensor_parallel_size=1 (got {module.tp_group.size()}; it defaults to "

@@ -24,7 +24,9 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "granitemoehybrid", "hunyuan_v1_dense", "apertus", "lfm2", "lfm2_moe",
               "flex_olmo", "granitemoeshared", "exaone", "bamba", "nemotron_h",
               "phimoe", "jais2", "cohere2_moe", "afmoe", "gemma4", "glm4_moe_lite", "mistral4", "minicpm3",
-              "falcon_h1", "olmo_hybrid", "gemma4_moe")
+              "deepseek_v32", "glm_moe_dsa",
+              "falcon_h1", "olmo_hybrid", "gemma4_moe", "exaone_moe", "solar_open", "dbrx",
+              "ministral3", "vaultgemma", "cwm", "nanochat")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -34,7 +36,7 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
 # linears' biases randomised in the tiny checkpoints
 _RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm", "falcon", "gpt2", "gpt_bigcode",
-                  "glm", "nemotron", "granitemoehybrid", "lfm2", "bamba", "nemotron_h", "phimoe",
+                  "solar_open", "glm", "nemotron", "granitemoehybrid", "lfm2", "bamba", "nemotron_h", "phimoe",
                   "jais2", "falcon_h1")
 # causal LMs that transformers' AutoModelForCausalLM does not map (Mistral Small 4 ships as an image-text model)
 _NOT_AUTO = {"mistral4": "Mistral4ForCausalLM"}
@@ -85,6 +87,18 @@ def _config(arch: str, **overrides):
                                    n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
                                    routed_scaling_factor=1.8, norm_topk_prob=True,
                                    mlp_layer_types=["dense", "sparse", "dense", "sparse"])
+    elif arch in ("deepseek_v32", "glm_moe_dsa"):
+        # NOTE: DeepSeek Sparse Attention: each query keeps the top 4 keys (tests run 12 tokens); V3.2 with YaRN and
+        # its rotary halves in the indexer, GLM-5 with rms_norm_eps 1e-5, pairs and layers reusing an earlier top-k
+        dsa = dict(q_lora_rank=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=4, index_head_dim=16, index_n_heads=4)
+        if arch == "deepseek_v32":
+            cfg = tf.DeepseekV32Config(**{**common, **_MLA}, **dsa, n_group=4, topk_group=2, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0})
+        else:
+            cfg = tf.GlmMoeDsaConfig(**{**common, **_MLA, "rms_norm_eps": 1e-5}, **dsa, n_group=1, topk_group=1,
+                                     indexer_types=["full", "shared", "full", "shared"])
     elif arch == "mistral4":
         # NOTE: softmax routing, YaRN over the rotary third of each 24-dim query head, Llama 4's query scale (1 below
         # original_max_position_embeddings)
@@ -184,6 +198,26 @@ def _config(arch: str, **overrides):
         # reads it, Ministral's config leaves it None)
         cfg = tf.MinistralConfig(**{**common, "head_dim": 16}, sliding_window=5,
                                  layer_types=["sliding_attention", "full_attention"] * 2)
+    elif arch == "ministral3":
+        # NOTE: Ministral 3's YaRN shrunk (factor 4 over 32 positions; mscale / mscale_all_dim 1 / 0.5: an attention
+        # factor of 1.06, the hub's is 1) and Llama 4's query scale, 1 below original_max_position_embeddings
+        cfg = tf.Ministral3Config(**{**common, "head_dim": 24}, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.1})
+    elif arch == "vaultgemma":
+        # NOTE: Gemma 2's tiny layout without the post norms: a binding 5-token window on every other layer, score and
+        # logit soft-capping that bind
+        cfg = tf.VaultGemmaConfig(**{**common, "head_dim": 24, "tie_word_embeddings": True}, sliding_window=5,
+                                  query_pre_attn_scalar=20, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    elif arch == "cwm":
+        # NOTE: a binding 5-token window on layers 1-3 (CWM's every fourth layer full), llama3 rope scaling shrunk
+        cfg = tf.CwmConfig(**{**common, "head_dim": 16}, sliding_window=5, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    elif arch == "nanochat":
+        # NOTE: norms without weights (one on the embedding too), flipped rotary signs, q / k norms after the
+        # rotation, an ungated relu2 MLP, a logit soft-cap that binds at the tiny model's magnitudes
+        cfg = tf.NanoChatConfig(**common, final_logit_softcapping=3.0)
     elif arch == "seed_oss":
         # NOTE: q/k/v biases, head_dim 24 (Seed-OSS: 128, not hidden / heads); dropouts off (parity runs train too)
         cfg = tf.SeedOssConfig(**{**common, "head_dim": 24}, attention_dropout=0.0, residual_dropout=0.0)
@@ -393,6 +427,34 @@ def _config(arch: str, **overrides):
         cfg = tf.Dots1Config(**{**common, "head_dim": 24}, moe_intermediate_size=32, n_routed_experts=8,
                              n_shared_experts=2, num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=True,
                              routed_scaling_factor=2.5, first_k_dense_replace=1, sliding_window=5, max_window_layers=2)
+    elif arch == "exaone_moe":
+        # NOTE: K-EXAONE's layout shrunk: pre-norm layers with per-head q / k norms, a binding 5-token window on
+        # layers 0-2 and a full layer 3 without rotary embedding, a dense first layer (mlp_layer_types), 8 experts
+        # (top 3) by sigmoid scores plus a bias randomised below, scaled by 2.5, 2 shared ones
+        cfg = tf.ExaoneMoeConfig(**{**common, "head_dim": 24}, moe_intermediate_size=32, num_experts=8,
+                                 num_shared_experts=2, num_experts_per_tok=3, n_group=1, topk_group=1,
+                                 routed_scaling_factor=2.5, first_k_dense_replace=1, sliding_window=5,
+                                 sliding_window_pattern=4, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 10000.0})
+    elif arch == "solar_open":
+        # NOTE: Solar Open's layout shrunk: q / k / v biases (none on o_proj), head_dim 24, every layer sparse with
+        # GLM-4.5's routing (8 experts, top 4 in 2 of 4 groups, a bias randomised below, scaled by 2.5), a shared one
+        kw = {k: v for k, v in common.items() if k != "intermediate_size"}
+        cfg = tf.SolarOpenConfig(**kw, head_dim=24, attention_bias=True, moe_intermediate_size=32,
+                                 n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
+                                 topk_group=2, routed_scaling_factor=2.5,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif arch == "dbrx":
+        # NOTE: DBRX's layout shrunk: LayerNorms without bias, q / k / v fused in Wqkv (2 KV heads) and clamped at
+        # 0.25 (about a tenth of the parity input's q / k / v values reach it), 8 experts (top 3) renormalised by their
+        # 1-norm in every layer, stored as [8 * 32, 64]; transformers' balancing loss weighted by moe_loss_weight
+        cfg = tf.DbrxConfig(d_model=64, n_heads=4, n_layers=4, max_seq_len=128, vocab_size=203, pad_token_id=0,
+                            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                            attn_config={"kv_n_heads": 2, "clip_qkv": 0.25, "rope_theta": 10000.0},
+                            ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 3,
+                                        "moe_jitter_eps": 0, "moe_loss_weight": 0.05,
+                                        "moe_normalize_expert_weights": 1.0},
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     elif arch == "hunyuan_v1_moe":
         # NOTE: Hunyuan-A13B's layout shrunk: per-head q / k norms after the rotation, the hub's fixed NTK-alpha rope,
         # 8 experts (top 3) of intermediate_size beside a shared MLP of that size, in every layer
@@ -556,13 +618,15 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
     with torch.no_grad():
         # NOTE: random norm weights (HF initialises them to 1), so a bridge that drops a norm cannot pass; Gemma's
         # store weight - 1 (scales around 1 there too)
-        zero_centred = ("gemma", "gemma2", "gemma3_text", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text",
-                        "nemotron")
+        zero_centred = ("gemma", "gemma2", "vaultgemma", "gemma3_text", "qwen3_5_text", "qwen3_next",
+                        "qwen3_5_moe_text", "nemotron")
         centre = 0.0 if getattr(cfg, "model_type", "") in zero_centred else 1.0
         for name, p in model.named_parameters():
             if "linear_attn.norm" in name:  # NOTE: Qwen3.5's gated norm stores its weight itself (around 1)
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "norm" in name or ".ln_" in name:  # NOTE: LayerNorms' biases (StarCoder2) around 0; GPT-J's ln_*
+            # NOTE: LayerNorms' biases (StarCoder2) around 0; GPT-J's ln_*; DBRX's attention sits in a module named
+            # norm_attn_norm (its norms are norm_1 / norm_2 there)
+            elif "norm" in name.replace("norm_attn_norm.", "") or ".ln_" in name:
                 p.copy_((0.0 if name.endswith("bias") else centre) + 0.1 * torch.randn_like(p))
             elif name.endswith(("linear_attn.dt_bias", "mamba.dt_bias", "mamba.D", "mixer.dt_bias", "mixer.D")):
                 # NOTE: HF: ones (so that a swap with A_log would show)
@@ -570,7 +634,7 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # NOTE: Apertus's xIELU: HF's init, moved
                 p.add_(0.3 * torch.randn_like(p))
             elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight", "mixer.gate.weight",
-                                "feed_forward.gate.weight", "mlp.router.gate.weight")):
+                                "feed_forward.gate.weight", "mlp.router.gate.weight", "ffn.router.layer.weight")):
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("router.proj.weight"):  # NOTE: Gemma 4's (its input ~ H^-1/2 a channel)
                 p.copy_(2.0 * torch.randn_like(p))

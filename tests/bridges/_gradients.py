@@ -89,7 +89,8 @@ def gradient_checks(cases: list[tuple[str, str, dict, bool]]) -> dict:
             _reduce_as_megatron(model)
             with torch.no_grad():
                 for p in model.parameters():
-                    p.copy_(p.grad)
+                    if p.grad is not None:  # NOTE: a frozen tensor (the DSA indexer's) is written unchanged
+                        p.copy_(p.grad)
             model.save_pretrained(grads_dir)
         if dist.get_rank() != 0:
             continue

@@ -9,20 +9,26 @@ import warnings
 import torch
 
 
+_STACKS = r"\.(experts\.(gate_up_proj|down_proj)(_bias)?|block_sparse_moe\.(input|output)_linear\.weight)$"
+
+
 class _RecordingReader:
     """A CheckpointReader that remembers which tensors were read."""
 
-    def __init__(self, reader) -> None:
-        self.reader, self.read = reader, set()
+    def __init__(self, reader, expert_rows: int = 0) -> None:
+        self.reader, self.read, self.expert_rows = reader, set(), expert_rows
 
     def __getattr__(self, item):
         return getattr(self.reader, item)
 
     def _record(self, name, rows: range | None = None) -> None:
         # NOTE: gpt-oss and GraniteMoE stack their experts in one tensor per projection: a read of rows of it reads
-        # those experts (a Granite shared_mlp's input / output_linear is no stack)
-        if re.search(r"\.(experts\.(gate_up_proj|down_proj)(_bias)?|block_sparse_moe\.(input|output)_linear\.weight)$",
-                     name):
+        # those experts (a Granite shared_mlp's input / output_linear is no stack); DBRX's 2-D w1 / v1 / w2 hold
+        # ``expert_rows`` rows per expert
+        if self.expert_rows and re.search(r"\.ffn\.experts\.mlp\.(w1|v1|w2)$", name):
+            self.read.update(f"{name}#expert{r // self.expert_rows}"
+                             for r in (rows or range(self.reader.shape(name)[0])))
+        elif re.search(_STACKS, name):
             self.read.update(f"{name}#expert{e}" for e in (rows or range(self.reader.shape(name)[0])))
         else:
             self.read.add(name)
@@ -44,7 +50,8 @@ def _expert_reads(model, folder: str) -> dict:
     from loongforge_hf.bridges.loader import load_into
 
     with CheckpointReader(folder) as reader:
-        recording = _RecordingReader(reader)
+        dbrx = model.config.model_type == "dbrx"
+        recording = _RecordingReader(reader, model.bridge.expert_ffn_size() if dbrx else 0)
         load_into(model.megatron, model.bridge, recording, tp_rank=ps.get_tensor_model_parallel_rank(),
                   tp_size=ps.get_tensor_model_parallel_world_size())
     read = sorted({int(m.group(1) or m.group(2)) for n in recording.read
@@ -91,19 +98,34 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     routed = {"output_router_logits": True} if model.config.model_type.startswith(
         ("deepseek", "glm4_moe", "ernie4_5_moe", "olmoe", "llama4", "qwen3_next", "qwen3_5_moe",
          "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "phimoe", "cohere2_moe", "afmoe",
-         "mistral4")) else {}
+         "mistral4", "exaone_moe", "solar_open", "glm_moe_dsa", "dbrx")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)
     grads_ok = None
     if layout.get("pipeline_parallel_size", 1) == 1:
         out.loss.backward()
-        grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        # NOTE: frozen parameters take none (the DSA indexer's, as transformers' no_grad indexer)
+        grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+                       if p.requires_grad)
+    sparse = model.config.model_type in ("deepseek_v32", "glm_moe_dsa")  # NOTE: DeepSeek Sparse Attention
+    padded = _left_padded_diff(model, ref, ids) if sparse else None
     model.save_pretrained(out_dir, max_shard_size="50KB")
-    return {"logit_diff": (out.logits.float() - exp.logits.float()).abs().max().item(), "dtype": str(model.dtype),
+    return {"padded_diff": padded,
+            "logit_diff": (out.logits.float() - exp.logits.float()).abs().max().item(), "dtype": str(model.dtype),
             "loss_diff": abs(out.loss.item() - exp.loss.item()), "loss": out.loss.item(),
             "ref_loss": exp.loss.item(), "grads_ok": grads_ok, "logits_shape": tuple(out.logits.shape),
             "warnings": [str(w.message) for w in caught], **experts, **_router_outputs(out, exp)}
+
+
+def _left_padded_diff(model, ref, ids) -> float:
+    """The largest logit difference at the real tokens of a batch whose first row starts with 5 pads (sparse
+    attention's indexer and attention both skip the padded keys)."""
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        out, exp = model(input_ids=ids, attention_mask=mask), ref(input_ids=ids, attention_mask=mask)
+    return (out.logits - exp.logits)[mask.bool()].abs().max().item()
 
 
 def _router_outputs(out, exp) -> dict:

@@ -38,5 +38,7 @@ def load_compare_export(folder: str, layout: dict, out_dir: str, seq: int = 12, 
 
 
 def load_compare_export_many(cases: list, layout: dict):
-    """``load_compare_export`` for several (folder, out_dir) pairs in one world (one process start per layout)."""
-    return [load_compare_export(folder, layout, out_dir) for folder, out_dir in cases]
+    """``load_compare_export`` for several (folder, out_dir) pairs in one world (one process start per layout); a
+    case's optional third item adds to ``layout`` (``sequence_parallel``)."""
+    return [load_compare_export(folder, {**layout, **(more[0] if more else {})}, out_dir)
+            for folder, out_dir, *more in cases]

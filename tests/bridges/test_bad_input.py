@@ -386,7 +386,8 @@ def test_save_over_existing_folder_swaps_weights_and_keeps_other_files(base, sav
 
 
 @pytest.mark.parametrize("arch,name", [("ministral", "MinistralForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
-                                       ("gemma3", "Gemma3ForCausalLM"), ("olmo3", "Olmo3ForCausalLM")])
+                                       ("gemma3", "Gemma3ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
+                                       ("vaultgemma", "VaultGemmaForCausalLM"), ("cwm", "CwmForCausalLM")])
 def test_layer_types_other_than_full_and_sliding_refused(arch, name):
     """A layer kind the bridges do not implement (Llama 4's chunked attention) is refused by the bridge's pure check,
     which from_pretrained runs before any collective, naming the kinds it takes."""
@@ -636,6 +637,36 @@ def test_small_causal_lm_fields_megatron_cannot_express_refused():
     exaone = bridge("exaone", "LlamaForCausalLM")
     assert type(exaone).__name__ == "ExaoneBridge"
     assert "transformer.h.0.mlp.c_fc_0.weight" in exaone.expected_hf_shapes()
+
+
+def test_small_dense_fields_megatron_cannot_express_refused():
+    """Ministral 3's Llama 4 query scale (not built) refuses sequences that reach it (32 positions in the fixture),
+    naming the field; VaultGemma with attention biases, CWM with windowed layers and no window, NanoChat with
+    attention biases or YaRN (its attention factor undone by the q / k norms after the rotation): refused by the
+    bridges' pure checks, naming the field."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    def bridge(arch, name, **overrides):
+        return get_bridge(_config(arch, architectures=[name], **overrides))
+
+    ministral = bridge("ministral3", "Ministral3ForCausalLM")
+    ministral.check_sequence_length(32)
+    with pytest.raises(ValueError, match=re.escape("llama_4_scaling_beta=0.1")):
+        ministral.check_sequence_length(33)
+    plain = {"rope_type": "default", "rope_theta": 1e6}
+    without = bridge("ministral3", "Ministral3ForCausalLM", rope_parameters=plain)
+    without.check_sequence_length(10 ** 6)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("attention_bias=True")):
+        bridge("vaultgemma", "VaultGemmaForCausalLM", attention_bias=True)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("sliding_window=0 with sliding_attention layers")):
+        bridge("cwm", "CwmForCausalLM", sliding_window=0)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("attention_bias=True")):
+        bridge("nanochat", "NanoChatForCausalLM", attention_bias=True)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("rope_type='yarn'")):
+        bridge("nanochat", "NanoChatForCausalLM", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                                   "factor": 4.0,
+                                                                   "original_max_position_embeddings": 32})
 
 
 def test_falcon_fields_megatron_cannot_express_refused():

@@ -58,6 +58,11 @@ TP_ARCHS, TP_LAYOUTS = ["hunyuan_v1_dense", "apertus", "exaone"], ("tp1", "tp2")
 # NOTE: Apertus at PP2 too: its xIELU's 0-d beta / eps on the second stage are assembled by that stage's first rank
 # and sent to rank 0 (the writer's and exporter's 0-d blocks)
 SCALAR_ARCHS, SCALAR_LAYOUTS = ["apertus"], ("pp2",)
+# NOTE: Ministral 3 (YaRN with an mscale ratio, Llama 4's query scale refused past it), VaultGemma (Gemma 2 without
+# post norms), CWM (Llama with windowed layers) and NanoChat (norms without weights, one on the embedding, flipped
+# rotary signs, q / k norms after the rotation, relu2, a logit soft-cap) at TP1 and TP2 + SP only: Mistral's, Gemma
+# 2's, Ministral's and Arcee's / OLMo's layouts run the other layouts
+SP_ARCHS, SP_LAYOUTS = ["ministral3", "vaultgemma", "cwm", "nanochat"], {"tp1": {}, "tp2": {"sequence_parallel": True}}
 
 
 def check_results(results, arch):
@@ -78,10 +83,12 @@ def test_parity_and_round_trip(tmp_path, layout_name):
     archs = ARCHS + (LEAN_ARCHS if layout_name in LEAN_LAYOUTS else [])
     archs += TP_ARCHS if layout_name in TP_LAYOUTS else []
     archs += SCALAR_ARCHS if layout_name in SCALAR_LAYOUTS else []
+    archs += SP_ARCHS if layout_name in SP_LAYOUTS else []
     cases = []
     for arch in archs:
         src = make_tiny_checkpoint(tmp_path / arch / "src", arch)
-        cases.append((str(src), str(tmp_path / arch / "out")))
+        more = (SP_LAYOUTS[layout_name],) if arch in SP_ARCHS else ()
+        cases.append((str(src), str(tmp_path / arch / "out"), *more))
     per_rank = run_distributed(load_compare_export_many, nprocs, cases, layout, timeout=600)
     for i, arch in enumerate(archs):
         check_results([rank_results[i] for rank_results in per_rank], arch)

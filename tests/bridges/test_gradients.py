@@ -47,6 +47,9 @@ side by side after one LayerNorm, a shared expert averaged in) and AFMoE (gated 
 scaled embedding, sigmoid routing plus a fixed expert bias, which takes no gradient: it must come back unchanged).
 HunYuan dense, Apertus (xIELU's learned scalars, whose gradient each TP rank holds a share of until summed over TP) and
 EXAONE 3 (Llama under GPT-2-style names) at TP2 + SP.
+DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention, the top 4 of 12 keys; GLM-5 with layers reusing an earlier top-k)
+at TP2 + SP + EP2; their indexers take no gradient (transformers runs them under no_grad): unchanged.
+Ministral 3, VaultGemma, CWM and NanoChat (norms without weights, flipped rotary signs) at TP2 + SP.
 GLM-4-9B (biased q / k / v, half of each head rotated in interleaved pairs, a packed gate / up), OLMo (norms without
 parameters, q / k / v clamped by ``clip_qkv``), Nemotron (LayerNorm1P with biases, an ungated relu2 MLP, half-rotary
 heads) and Jais-2 (LayerNorms, biases on every linear but the LM head, an ungated relu2 MLP) at TP2 + SP.
@@ -172,6 +175,23 @@ CHECKPOINTS = {
     "glm4_moe_lite": ("glm4_moe_lite", {}),
     "mistral4": ("mistral4", {}),
     "minicpm3": ("minicpm3", {}),
+    # NOTE: K-EXAONE (per-head q / k norms, windowed layers and a full one without rope, sigmoid routing plus a fixed
+    # expert bias, shared experts) and Solar Open (q / k / v biases, grouped sigmoid routing): at TP2 + SP + EP2
+    "exaone_moe": ("exaone_moe", {}),
+    "solar_open": ("solar_open", {}),
+    # NOTE: DBRX (LayerNorms without bias, q / k / v fused and clamped, experts in 2-D tensors): at TP2 + SP + EP2
+    "dbrx": ("dbrx", {}),
+    # NOTE: Ministral 3 (YaRN with an mscale ratio), VaultGemma (Gemma 2 without post norms: soft-caps, zero-centred
+    # norms, windows), CWM (windowed layers, llama3 rope) and NanoChat (norms without weights, one on the embedding,
+    # flipped rotary signs, q / k norms after the rotation, relu2, a logit soft-cap): at TP2 + SP
+    "ministral3": ("ministral3", {}),
+    "vaultgemma": ("vaultgemma", {}),
+    "cwm": ("cwm", {}),
+    "nanochat": ("nanochat", {}),
+    # NOTE: DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention; GLM-5 with shared indexer layers): at TP2 + SP + EP2.
+    # transformers' indexer runs under no_grad: its tensors take no gradient and must come back unchanged
+    "deepseek_v32": ("deepseek_v32", {}),
+    "glm_moe_dsa": ("glm_moe_dsa", {}),
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe", "llama4")
@@ -189,13 +209,15 @@ LAYOUTS = {
     "tp2_sp_ep2": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
                        "expert_tensor_parallel_size": 1},
                    MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "granitemoeshared",
-                          "phimoe", "cohere2_moe", "afmoe", "glm4_moe_lite", "mistral4")),
+                          "phimoe", "cohere2_moe", "afmoe", "glm4_moe_lite", "mistral4", "exaone_moe",
+                          "solar_open", "dbrx", "deepseek_v32", "glm_moe_dsa")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},  # MoE: experts split too
                MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron", "hunyuan_v1_dense", "apertus", "exaone",
-                                               "jais2", "minicpm3")),
+                                               "jais2", "minicpm3", "ministral3", "vaultgemma", "cwm",
+                                               "nanochat")),
 }
 # NOTE: the pad id as a real token (_gradients.with_pad_tokens)
 PAD_LAYOUTS = {

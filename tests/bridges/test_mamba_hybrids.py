@@ -6,11 +6,15 @@ each kind (Mamba2, MoE, attention, MLP, Mamba2, MoE); its dense variant (Nemotro
 In a two-rank world: Bamba at TP2 with sequence parallelism (logits, loss, every gradient), with one group (the hub's
 ``mamba_n_groups=1``) at TP2 + SP, PP2 and CP2 (packed documents and left padding: logits, loss, every gradient);
 Nemotron-H at TP2 + SP (logits, loss, every parameter's gradient exported through the bridge), PP2 (three layers a
-stage), EP2 and TP2 + SP + EP2 (ETP1), and CP2 (packed documents and left padding across several scan chunks per CP
-chunk: logits, loss, every gradient). LoRA on Nemotron-H's attention and Mamba2 ``in_proj`` against PEFT at TP1 and
-TP2 + SP (``integrations/_lora_hybrids.py``). Falcon-H1 (FalconH1ForCausalLM: a Mamba2 mixer beside the attention in
-every layer, muP multipliers; ``_falcon_one_rank`` / ``_falcon_two_ranks``) in the same worlds. Refusals are checked
-on the bridge alone (pure, before any collective)."""
+stage), EP2 and TP2 + SP + EP2 (ETP1; every gradient too), and CP2 (packed documents and left padding across several
+scan chunks per CP chunk: logits, loss, every gradient). Nemotron-H's relu2 experts run on loongforge's grouped MLP
+(plain stacks, ``kernels/grouped_mlp.py``): at TP1 every gradient against transformers' too, and logits, loss and
+every gradient against megatron's ``SequentialMLP`` (``LOONGFORGE_MOE_GROUPED_GEMM=0``: bit for bit here, asserted
+within 1e-6 of each tensor's largest); at TP2 (ETP2) and TP2 + EP2 the stacks' checkpoint layout against
+``SequentialMLP``'s built on the same process groups. LoRA on Nemotron-H's attention and Mamba2 ``in_proj`` against
+PEFT at TP1 and TP2 + SP (``integrations/_lora_hybrids.py``). Falcon-H1 (FalconH1ForCausalLM: a Mamba2 mixer beside
+the attention in every layer, muP multipliers; ``_falcon_one_rank`` / ``_falcon_two_ranks``) in the same worlds.
+Refusals are checked on the bridge alone (pure, before any collective)."""
 
 import pytest
 import torch
@@ -19,6 +23,8 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 from .test_granitemoehybrid import TOL, _cached_generate, _check_padded, _gradients, _ids
+
+EXPERTS_ENV = "LOONGFORGE_MOE_GROUPED_GEMM"
 
 DENSE_KINDS = ["linear_attention", "mlp", "full_attention", "mlp"]
 # NOTE: the attention layer's q / k / v / o and the Mamba2 layers' in_proj (z, x, B, C, dt row sections), PEFT's
@@ -40,6 +46,73 @@ def _padded(ours, ref) -> dict:
         got, want = ours(**kw), ref(**kw)
     return {"logits": float((got.logits - want.logits).abs()[mask.bool()].max()),
             "loss": float(abs(got.loss - want.loss))}
+
+
+def _against_sequential(grouped, folder: str) -> dict:
+    """The grouped experts (``GroupedMLP``, the default) against megatron's ``SequentialMLP`` (``EXPERTS_ENV=0``) on
+    one batch: the largest logit and loss difference and, over every parameter, the largest gradient difference
+    relative to the tensor's largest (each expert of a stack against its ``local_experts.{e}`` parameter)."""
+    import os
+
+    import loongforge_hf as lf
+
+    previous = os.environ.get(EXPERTS_ENV)
+    os.environ[EXPERTS_ENV] = "0"
+    try:
+        sequential = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    finally:
+        os.environ.pop(EXPERTS_ENV) if previous is None else os.environ.update({EXPERTS_ENV: previous})
+    ids = _ids((2, 24), seed=5)
+    outs, grads = [], []
+    for model in (grouped, sequential):
+        for p in model.parameters():
+            p.grad = None
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        outs.append(out)
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    ours, theirs = grads
+
+    def reference(name, stack):
+        if name in theirs:
+            return theirs[name]
+        return torch.stack([theirs[name.replace(".experts.linear_", f".experts.local_experts.{e}.linear_")]
+                            for e in range(stack.shape[0])])
+
+    worst = max(float((g - reference(n, g)).abs().max()) / (float(g.abs().max()) or 1.0) for n, g in ours.items())
+    for p in grouped.parameters():  # NOTE: the next backward on it starts from no gradient
+        p.grad = None
+    return {"modules": [sorted({type(m).__name__ for m in model.modules()} & {"GroupedMLP", "SequentialMLP"})
+                        for model in (grouped, sequential)],
+            "logits": float((outs[0].logits - outs[1].logits).abs().max()),
+            "loss": float(abs(outs[0].loss - outs[1].loss)), "grads": worst}
+
+
+def _checkpoint_layout(model) -> list[str]:
+    """The grouped experts' ``sharded_state_dict`` against megatron's ``SequentialMLP`` of plain MLPs built on the
+    same config and process groups: each local expert's block of a stack at megatron's key, global shape, offset
+    and replica id; the mismatches (none expected)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    ours = next(m for m in model.chunks[0].modules() if type(m).__name__ == "GroupedMLP")
+    theirs = SequentialMLP(ours.num_local_experts, ours.config,
+                           MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    layer = ((0, 1, 6),)  # NOTE: layer 1 of 6, the axis megatron's block prepends
+    got, want = ours.sharded_state_dict("e.", layer), theirs.sharded_state_dict("e.", layer)
+    bad = []
+    for fc in ("linear_fc1", "linear_fc2"):
+        stack = got[f"e.{fc}.weight"]
+        for e in range(ours.num_local_experts):
+            ref = want[f"e.local_experts.{e}.{fc}.weight"]
+            offset = (stack.global_offset[0], stack.global_offset[1] + e, *stack.global_offset[2:])
+            if (stack.key, stack.global_shape, offset, stack.local_shape[1:], stack.replica_id) != \
+                    (ref.key, ref.global_shape, ref.global_offset, ref.local_shape, ref.replica_id):
+                bad.append(f"{fc}[{e}]: {stack} != {ref}")
+    return bad
 
 
 def _models(folder: str, **layout):
@@ -72,6 +145,9 @@ def _one_rank(folders: dict) -> dict:
     with torch.no_grad():
         got, want = (model(input_ids=ids, output_router_logits=True).router_logits for model in (ours, ref))
     out["router_logits"] = (len(got), len(want), max(float((a - b).abs().max()) for a, b in zip(got, want)))
+    out["against_sequential"] = _against_sequential(ours, folders["nemotron_h"])
+    out["tp1_grads"] = _gradients(ours, ref, folders["nemotron_h"], "tp1")  # NOTE: overwrites ours with its grads
+    del ours
     out["nemotron_h_dense"] = {"padded": _padded(*_models(folders["nemotron_h_dense"]))}
     out["lora"] = hybrid_lora_checks(folders["nemotron_h"], f"{folders['nemotron_h']}-lora-tp1", {}, LORA)
     return {**out, **_falcon_one_rank(folders)}
@@ -131,6 +207,7 @@ def _two_ranks(folders: dict) -> dict:
     out = _bamba_two_ranks(folders)
     folder = folders["nemotron_h"]
     ours, ref = _models(folder, tensor_parallel_size=2, sequence_parallel=True)
+    out["tp2_layout"] = _checkpoint_layout(ours)
     out.update(tp2=_padded(ours, ref), grads=_gradients(ours, ref, folder, "tp2"))
     del ours
     for name, layout in (("pp2", dict(pipeline_parallel_size=2)), ("ep2", dict(expert_parallel_size=2)),
@@ -138,6 +215,9 @@ def _two_ranks(folders: dict) -> dict:
                                           expert_tensor_parallel_size=1))):
         ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
         out[name] = _padded(ours, ref)
+        if name == "tp2_ep2":
+            out["tp2_ep2_layout"] = _checkpoint_layout(ours)
+            out["tp2_ep2_grads"] = _gradients(ours, ref, folder, "tp2_ep2")
         del ours
     ref.zero_grad()
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
@@ -232,16 +312,38 @@ def test_two_rank_layouts(two_ranks, layout):
         _check_padded(res[layout])
 
 
-@pytest.mark.parametrize("grads", ("grads", "cp2"))
-def test_every_gradient(two_ranks, grads):
-    """Nemotron-H at TP2 + SP and at CP2: every parameter's gradient (Mamba2, attention, MLP, routed and shared
-    experts, router) exported through the bridge, against transformers'."""
-    grads = two_ranks[0][grads] if grads == "grads" else two_ranks[0]["cp2"]["grads"]
-    kinds = (".mixer.conv1d.bias", ".mixer.q_proj.weight", ".mixer.experts.down_proj", ".mixer.gate.weight",
-             ".mixer.shared_experts.up_proj.weight", "layers.3.mixer.up_proj.weight")
+def _check_every_gradient(grads: dict) -> None:
+    kinds = (".mixer.conv1d.bias", ".mixer.q_proj.weight", ".mixer.experts.down_proj", ".mixer.experts.up_proj",
+             ".mixer.gate.weight", ".mixer.shared_experts.up_proj.weight", "layers.3.mixer.up_proj.weight")
     assert all(any(k in n for n in grads) for k in kinds) and len(grads) == 41, sorted(grads)
     worst = max(grads.items(), key=lambda kv: kv[1])
     assert worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
+
+
+@pytest.mark.parametrize("grads", ("grads", "tp2_ep2_grads", "cp2"))
+def test_every_gradient(two_ranks, grads):
+    """Nemotron-H at TP2 + SP (the experts split over ETP2), TP2 + SP + EP2 (ETP1) and CP2: every parameter's
+    gradient (Mamba2, attention, MLP, routed experts' stacks and shared experts, router) exported through the
+    bridge, against transformers'."""
+    _check_every_gradient(two_ranks[0]["cp2"]["grads"] if grads == "cp2" else two_ranks[0][grads])
+
+
+def test_grouped_experts_against_sequential_and_transformers(one_rank):
+    """At TP1 the relu2 experts run on the grouped MLP's plain stacks: every gradient against transformers', and
+    logits, loss and every gradient against megatron's ``SequentialMLP`` (bit for bit here; 1e-6 of each tensor's
+    largest allowed)."""
+    res = one_rank["against_sequential"]
+    assert res["modules"] == [["GroupedMLP"], ["SequentialMLP"]], res
+    assert res["logits"] < 1e-6 and res["loss"] < 1e-6 and res["grads"] < 1e-6, res
+    _check_every_gradient(one_rank["tp1_grads"])
+
+
+@pytest.mark.parametrize("layout", ("tp2_layout", "tp2_ep2_layout"))
+def test_grouped_experts_checkpoint_layout(two_ranks, layout):
+    """At TP2 (ETP2: fc1's rows and fc2's columns split) and TP2 + EP2 (ETP1: the experts split), every rank's
+    stacks save as megatron's ``SequentialMLP`` of plain MLPs does: key, global shape, offset, replica id."""
+    for rank, res in enumerate(two_ranks):
+        assert res[layout] == [], (rank, res[layout])
 
 
 @pytest.mark.parametrize("model", ("bamba", "nemotron_h"))

@@ -67,6 +67,21 @@ before and after each sublayer, rotary embedding on the windowed layers only, mu
 layer, sigmoid routing on the scores plus an expert bias that changes some tokens' experts, scaled, two shared experts;
 its ``router_logits`` within 1e-5, no balancing loss) at tp1, ep2 and tp2ep2 (gradients at TP2 + SP + EP2:
 test_gradients; refusals and the expert bias: test_cohere2_moe_afmoe).
+EXAONE-MoE (``exaone_moe``: pre-norm layers with per-head q / k norms, a 5-token window on layers 0-2 and a full layer
+3 without rotary embedding, a dense first layer, sigmoid routing on the scores plus a bias that changes some tokens'
+experts, scaled, two shared experts, the bias beside the gate on disk) and Solar Open (``solar_open``: q / k / v
+biases, every layer sparse, GLM-4.5's grouped sigmoid routing with a bias, a shared expert) at tp1 and tp2ep2, their
+``router_logits`` within 1e-5, no balancing loss; DBRX (``dbrx``: LayerNorms without bias, q / k / v fused in ``Wqkv``
+and clamped where about a tenth of them reach the clamp, softmax top-3 of 8 experts renormalised, read expert by
+expert from 2-D ``w1`` / ``v1`` / ``w2``; its ``router_logits`` and transformers' balancing loss with
+``moe_loss_weight`` within 1e-5) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; refusals:
+test_moe_new_bridges).
+DeepSeek-V3.2 (``deepseek_v32``: GLM-4.7-Flash's MLA and experts with YaRN, DeepSeek Sparse Attention's indexer rotating
+its heads' first dims in halves) and GLM-5 (``glm_moe_dsa``: rms_norm_eps 1e-5, the indexer's rotary dims in pairs,
+layers 1 and 3 reusing the top-k of layers 0 and 2) at tp1 and tp2ep2: each query attends to the top 4 of up to 12
+keys (the logits move by ~0.2 with every key kept: test_dsa), megatron's DSA core attention (``SparseAttention``), the
+indexer tensors in the bit-exact round trip, ``router_logits`` within 1e-5 (gradients at TP2 + SP + EP2:
+test_gradients; padding, refusals: test_dsa).
 """
 
 from pathlib import Path
@@ -170,6 +185,18 @@ CHECKPOINTS = {
     "glm4_moe_lite": ("glm4_moe_lite", {"mtp_layers": 1}),
     "mistral4": ("mistral4", {}),
     "minicpm3": ("minicpm3", {}),
+    # NOTE: K-EXAONE (pre-norm, per-head q / k norms, windowed layers and a full one without rope, a dense first
+    # layer, sigmoid routing plus a bias, two shared experts, the bias beside the gate on disk) and Solar Open (q / k /
+    # v biases, every layer sparse, GLM-4.5's grouped sigmoid routing)
+    "exaone_moe": ("exaone_moe", {}),
+    "solar_open": ("solar_open", {}),
+    # NOTE: DBRX: LayerNorms without bias, q / k / v fused and clamped, softmax top-3 experts stored as 2-D tensors,
+    # transformers' balancing loss weighted by ffn_config.moe_loss_weight
+    "dbrx": ("dbrx", {}),
+    # NOTE: DeepSeek Sparse Attention: the top 4 of 12 keys per query; DeepSeek-V3.2 with YaRN and its indexer's
+    # rotary halves, GLM-5 with interleaved pairs and layers 1 and 3 reusing layer 0's / 2's top-k
+    "deepseek_v32": ("deepseek_v32", {}),
+    "glm_moe_dsa": ("glm_moe_dsa", {}),
 }
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
@@ -179,17 +206,20 @@ HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers
 LEAN = ("flex_olmo", "granitemoeshared")  # NOTE: at tp1 and ep2 only (CI time); gradients at TP2 + SP + EP2
 SMALL_MOE = ("phimoe", "afmoe")  # NOTE: at tp1, ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
 MLA_FAMILY = ("glm4_moe_lite", "mistral4")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
+DSA = ("deepseek_v32", "glm_moe_dsa")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
 DENSE_MLA = ("minicpm3",)  # NOTE: no experts: at tp1 and tp2sp, checked by test_dense_mla_parity
+NEW_MOE = ("exaone_moe", "solar_open", "dbrx")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
 LAYOUTS = {
-    "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, *SMALL_MOE, *MLA_FAMILY, *DENSE_MLA, "deepseek_v3_yarn",
+    "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, *SMALL_MOE, *MLA_FAMILY, *DSA, *DENSE_MLA, "deepseek_v3_yarn",
                     "deepseek_v2_grouped", "qwen3_moe_sparse2",
                     "deepseek_v3_bf16", "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk",
-                    "cohere2_moe", "cohere2_moe_rms")),
+                    "cohere2_moe", "cohere2_moe_rms", *NEW_MOE)),
     "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE, "cohere2_moe_rms")),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
-               (*MODELS, *HYBRID, *SMALL_MOE, *MLA_FAMILY, "qwen3_moe_yarn", "mixtral_yarn", "cohere2_moe")),
+               (*MODELS, *HYBRID, *SMALL_MOE, *MLA_FAMILY, *NEW_MOE, *DSA, "qwen3_moe_yarn", "mixtral_yarn",
+                "cohere2_moe")),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_next")),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
                 ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss",
@@ -258,8 +288,12 @@ def test_parity_and_round_trip(worlds, layout, name):
         grouped = LAYOUTS[layout][1].get("moe_grouped_gemm", True)
         assert r["experts_module"] == ["GroupedMLP" if grouped else "SequentialMLP"], (rank, r)
         # our kernels in the attention and norm slots; the fused-rope slot for every rope but MLA's own
-        mla = name.startswith(("deepseek", *MLA_FAMILY))
-        assert r["core_attention"] == ["MLACoreAttention" if mla else "CoreAttention"], (rank, r)
+        mla = name.startswith(("deepseek", *MLA_FAMILY, *DSA))
+        # NOTE: DeepSeek Sparse Attention's core attention (bridges/sparse_attention.py)
+        core = "SparseAttention" if name in DSA else "MLACoreAttention" if mla else "CoreAttention"
+        assert r["core_attention"] == [core], (rank, r)
+        if name in DSA:  # NOTE: left padding: the indexer's scores and the attention skip the padded keys
+            assert r["padded_diff"] < TOL, (rank, r)
         # YaRN's attention factor in the q / k norm slots (kernels.rope.rotary_scale_module)
         yarn = name.endswith("_yarn") or name == "gpt_oss"
         # NOTE: GraniteMoE's final norm scaled by 1 / logits_scaling (on the last stage), its layers' outputs by the
@@ -276,7 +310,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         scaled |= {"QueryTemperature"} if name == "llama4" else set()
         # NOTE: PhiMoE's LayerNorms with biases, LongRoPE's mscale on the rotary channels; Cohere2-MoE's LayerNorms
         # without bias
-        expected = {"phimoe": ["LayerNorm", "RotaryScale"], "cohere2_moe": ["LayerNormWithoutBias"]}.get(
+        expected = {"phimoe": ["LayerNorm", "RotaryScale"], "cohere2_moe": ["LayerNormWithoutBias"],
+                    "dbrx": ["LayerNormWithoutBias"]}.get(
             name, ["RMSNorm"])
         # NOTE: MLA's q / kv latent norms with transformers' eps for them (specs.LatentRMSNorm)
         assert sorted(set(r["norms"]) - scaled) == sorted(
@@ -309,8 +344,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name == "hunyuan_v1_moe":  # NOTE: router_logits (fp32 gate.wg); transformers adds no balancing loss
             assert r["no_aux_loss"] and r["router_counts"] == (HUNYUAN_MOE_LAYERS,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"] and r["router_diff"] < ROUTER_TOL, (rank, r)
-        if name.startswith(("deepseek", "glm4_moe", "dots1", "mistral4")):
-            layers = {"glm4_moe_lite": GLM_LITE_MOE_LAYERS}.get(name, MLA_MOE_LAYERS)
+        if name.startswith(("deepseek", "glm4_moe", "dots1", "mistral4", "exaone_moe", "solar_open", *DSA)):
+            layers = {"glm4_moe_lite": GLM_LITE_MOE_LAYERS, "solar_open": 4}.get(name, MLA_MOE_LAYERS)
             assert r["no_aux_loss"] and r["router_counts"] == (layers,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < (tol["logit_diff"] if name.endswith("_bf16") else ROUTER_TOL), (rank, r)
@@ -320,6 +355,9 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name.startswith(("olmoe", "minimax_m2", "flex_olmo")):  # NOTE: router_logits (model dtype), the balancing
             layers = MINIMAX_MOE_LAYERS if name == "minimax_m2" else OLMOE_MOE_LAYERS  # loss; every layer sparse
             assert r["router_counts"] == (layers,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
+            assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
+        if name == "dbrx":  # NOTE: router_logits and the balancing loss (moe_loss_weight times it in the loss)
+            assert r["router_counts"] == (4, 4) and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
         if name == "phimoe":  # NOTE: router_logits (model dtype) and transformers' balancing loss, every layer sparse
             assert r["router_counts"] == (PHIMOE_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)

@@ -18,7 +18,10 @@ loss in the logged and evaluation losses, its ``aux_loss`` / ``eval_aux_loss`` m
 ``padding_free=True`` (``_dpo_parity.PACKED_SCENARIOS``: each micro-batch's rows packed into one; LoRA, evaluation,
 WPO and LD-DPO) at TP=1 and TP=2 with SP, and the Qwen3-MoE's at TP=1, against trl.DPOTrainer with the same config
 (TRL 1.16 warns and pads: the same numbers), refused at CP=2 and PP=2; ``use_liger_kernel=True`` at TP=1 against
-TRL's run without it.
+TRL's run without it. Vision DPO (``_dpo_vision``: a tiny Qwen2-VL, TRL's conversational image dataset, its vision
+collator and the processor; full fine-tuning with the reference loaded from the checkpoint, LoRA on the language
+model's and the tower's attention with evaluation) at TP=1 and TP=2 with SP, LoRA at PP=2, PP=2 x VPP=2 and CP=2
+(there with ``padding_free=True``: padded, as TRL pads it); what stays refused with images.
 
 Tolerances (fp32): in every log, the loss, grad_norm, rewards/chosen, rewards/rejected, rewards/margins, logps/chosen,
 logps/rejected and entropy within 1e-4 relative or 2e-5 absolute (rewards start at 0), rewards/accuracies,
@@ -34,9 +37,11 @@ import pytest
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
+from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_vl
 
 from ._dpo_parity import (LOSS_SCENARIOS, METRICS, MOE_SCENARIOS, PACKED_SCENARIOS, SCENARIOS, packed_refusal,
                           refusals, run_loong, run_trl, saved_tensors)
+from ._dpo_vision import VISION_REFUSED, VISION_SCENARIOS, run_loong_vision, run_trl_vision, vision_refusals
 
 NAMES = list(SCENARIOS)
 TWO_RANK_NAMES = ["full_ref_model", "lora_disabled_adapters"]
@@ -46,7 +51,7 @@ LAYOUTS = {"tp2_sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, [*
            "cp2": ({"context_parallel_size": 2}, TWO_RANK_NAMES),
            "pp2_vpp2": ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, TWO_RANK_NAMES)}
 # at DP=2 against TRL under DDP: LoRA with evaluation, and every loss-type run (full fine-tuning with a ref_model)
-ALL_SCENARIOS = {**SCENARIOS, **LOSS_SCENARIOS, **MOE_SCENARIOS, **PACKED_SCENARIOS}
+ALL_SCENARIOS = {**SCENARIOS, **LOSS_SCENARIOS, **MOE_SCENARIOS, **PACKED_SCENARIOS, **VISION_SCENARIOS}
 TP1_TRL_NAMES = [*NAMES, "wpo", "padding_free"]  # NOTE: the references of WPO's and the packed TP=2 + SP runs
 # padding_free=True refused at these layouts (pipeline stages: one length per step; CP: each row's share of tokens)
 PACKED_REFUSED = {"cp2": {"context_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
@@ -56,10 +61,20 @@ MOE_TP1_NAMES = [*MOE_NAMES, "moe_padding_free"]
 MOE_TWO_RANKS = {"moe_tp2_sp_ep2": {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
                                     "expert_tensor_parallel_size": 1},
                  "moe_cp2": {"context_parallel_size": 2}}
+# the tiny Qwen2-VL (vision DPO): layout -> (its parallel settings, the scenarios run with it)
+VISION_NAMES = ["vision_full", "vision_lora"]
+VISION_LAYOUTS = {"vision_tp2_sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, VISION_NAMES),
+                  "vision_cp2": ({"context_parallel_size": 2}, ["vision_padding_free"]),
+                  "vision_pp2": ({"pipeline_parallel_size": 2}, ["vision_lora"]),
+                  "vision_pp2_vpp2": ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2},
+                                      ["vision_lora"])}
 
 
-def _tp1_world(folder: str, moe_folder: str, out_dir: str) -> dict:
-    return {"trl": run_trl(folder, out_dir + "/trl", TP1_TRL_NAMES, ALL_SCENARIOS),
+def _tp1_world(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
+    return {"vision_trl": run_trl_vision(vl_folder, out_dir + "/vision-trl", VISION_NAMES),
+            "vision_tp1": run_loong_vision(vl_folder, out_dir + "/vision-tp1", {}, VISION_NAMES),
+            "vision_refusals": vision_refusals(vl_folder, folder, out_dir + "/vision-refused"),
+            "trl": run_trl(folder, out_dir + "/trl", TP1_TRL_NAMES, ALL_SCENARIOS),
             "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
             "refusals": refusals(folder, out_dir + "/refused"),
             "packed": run_loong(folder, out_dir + "/packed", {}, list(PACKED_SCENARIOS), ALL_SCENARIOS),
@@ -67,9 +82,11 @@ def _tp1_world(folder: str, moe_folder: str, out_dir: str) -> dict:
             "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_TP1_NAMES, MOE_SCENARIOS)}
 
 
-def _two_rank_world(folder: str, moe_folder: str, out_dir: str) -> dict:
+def _two_rank_world(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
     out = {name: run_loong(folder, f"{out_dir}/{name}", layout, names, ALL_SCENARIOS)
            for name, (layout, names) in LAYOUTS.items()}
+    out.update({name: run_loong_vision(vl_folder, f"{out_dir}/{name}", layout, names)
+                for name, (layout, names) in VISION_LAYOUTS.items()})
     for name, layout in MOE_TWO_RANKS.items():
         out[name] = run_loong(moe_folder, f"{out_dir}/{name}", layout, MOE_NAMES, MOE_SCENARIOS)
     # NOTE: trl.DPOTrainer's accelerate runs DDP over this world's gloo group, as under torchrun
@@ -91,15 +108,20 @@ def moe_src(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp1(src, moe_src, tmp_path_factory):
-    return run_distributed(_tp1_world, 1, str(src), str(moe_src), str(tmp_path_factory.mktemp("dpo-tp1")),
+def vl_src(tmp_path_factory):
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("dpo-vl") / "qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def tp1(src, moe_src, vl_src, tmp_path_factory):
+    return run_distributed(_tp1_world, 1, str(src), str(moe_src), str(vl_src), str(tmp_path_factory.mktemp("dpo-tp1")),
                            timeout=500)[0]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(src, moe_src, tmp_path_factory):
-    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(tmp_path_factory.mktemp("dpo-2")),
-                           timeout=500)
+def two_ranks(src, moe_src, vl_src, tmp_path_factory):
+    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(vl_src),
+                           str(tmp_path_factory.mktemp("dpo-2")), timeout=500)
 
 
 def _initial_weights(folder) -> dict:
@@ -210,3 +232,28 @@ def test_unsupported_settings_are_refused(tp1):
         assert message.startswith("LoongDPOTrainer does not support") and field in message
     assert "loss_type=['sigmoid', 'sft']" in tp1["refusals"][-1]  # rpo_alpha: what TRL 1.16 writes instead
     assert "'sft'" in tp1["refusals"][2]  # use_weighting with "sft": TRL 1.16's weighting fails on it
+
+
+@pytest.mark.parametrize("layout,name", [("vision_tp1", name) for name in VISION_NAMES]
+                         + [(layout, name) for layout, (_, names) in VISION_LAYOUTS.items() for name in names])
+def test_vision_matches_trl(vl_src, tp1, two_ranks, layout, name):
+    """An image dataset (conversational prompts with an image of one of two sizes, TRL's vision collator) on the tiny
+    Qwen2-VL against trl.DPOTrainer on transformers' model: full fine-tuning (each trainer loading its reference from
+    the checkpoint) and LoRA on the language model's and the tower's attention (evaluating); at CP=2 with
+    ``padding_free=True``, which TRL 1.16 and LoongDPOTrainer both answer with padded batches (TRL's reference: its
+    LoRA run)."""
+    runs = [tp1[layout]] if layout == "vision_tp1" else [rank[layout] for rank in two_ranks]
+    _assert_matches(name, tp1["vision_trl"][name.replace("padding_free", "lora")], runs[0][name],
+                    _initial_weights(vl_src))
+    assert all(run[name]["logs"] == runs[0][name]["logs"] for run in runs)
+
+
+def test_vision_refusals(tp1):
+    """What stays refused with an image dataset, as TRL 1.16 refuses it (``precompute_ref_log_probs``,
+    ``truncation_mode='keep_end'``, the vision collator's ``pad_to_multiple_of``), and a text model with it."""
+    messages = tp1["vision_refusals"]
+    assert len(messages) == len(VISION_REFUSED) + 1
+    for message, (_, field) in zip(messages, VISION_REFUSED):
+        assert message.startswith("LoongDPOTrainer does not support") and f"{field}" in message, message
+        assert "with an image dataset" in message, message
+    assert "an image dataset with the text model" in messages[-1] and "AutoModelForImageTextToText" in messages[-1]

@@ -1,6 +1,7 @@
 """The grouped expert MLP's ``torch._grouped_mm`` path on CUDA (bf16) against its per-expert loop, forward and
-gradients, and against fp32 on the CPU, with SwiGLU and with Gemma 4's gated tanh-GELU (``kernels/geglu.py``); plus
-the path choice itself (grouped where the operands allow it).
+gradients, and against fp32 on the CPU, with SwiGLU, with Gemma 4's gated tanh-GELU (``kernels/geglu.py``) and with
+Nemotron-H's plain relu2 experts (``kernels/relu2.py``, ``gated=False``: fc1 ``[E, F, H]``); plus the path choice
+itself (grouped where the operands allow it, the plain stacks included).
 
 Tolerances:
 - grouped vs the bf16 loop, elementwise: atol = rtol = 3e-2 (both accumulate in fp32 and round to bf16 at the same
@@ -10,7 +11,9 @@ Tolerances:
   there: a weight gradient sums over up to 300 tokens, so an entry near zero carries the rounding of much larger
   terms (relative differences of hundreds). The bf16 loop on the CPU measures ~4.5e-3 on these cases (bf16 rounds
   at 2**-9 relative, four times on the way), so 1e-2 leaves about 2x slack and still fails on one wrong expert,
-  a missing probability scaling or a dropped gradient term.
+  a missing probability scaling or a dropped gradient term. The relu2 experts take the same bounds: on the CPU their
+  bf16 loop and ``_grouped_mm``'s fallback measure 4e-3 to 5.5e-3 against fp32 on the Nemotron-H experts' case
+  (``test_grouped_mlp.py``), transformers' own bf16 ``NemotronHExperts`` 4e-3 to 5e-3.
 """
 
 import pytest
@@ -19,6 +22,7 @@ import torch
 import loongforge_hf.kernels.grouped_mlp as grouped_module
 from loongforge_hf.kernels.geglu import geglu
 from loongforge_hf.kernels.grouped_mlp import grouped_gated_mlp, grouped_mm_supported
+from loongforge_hf.kernels.relu2 import relu2
 from loongforge_hf.kernels.swiglu import swiglu
 
 pytestmark = [pytest.mark.gpu,
@@ -34,10 +38,11 @@ def _assert_norm_close(a: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert err < NORM_RTOL, f"{what}: ||a - ref|| / ||ref|| = {err:.2e} (allowed {NORM_RTOL:.0e})"
 
 
-def _operands(counts, hidden, ffn, seed=0):
+def _operands(counts, hidden, ffn, seed=0, gated=True):
     g = torch.Generator().manual_seed(seed)
     t, e = sum(counts), len(counts)
-    return (torch.randn(t, hidden, generator=g), torch.randn(e, 2 * ffn, hidden, generator=g) / hidden ** 0.5,
+    rows = 2 * ffn if gated else ffn
+    return (torch.randn(t, hidden, generator=g), torch.randn(e, rows, hidden, generator=g) / hidden ** 0.5,
             torch.randn(e, hidden, ffn, generator=g) / ffn ** 0.5, torch.rand(t, generator=g),
             torch.randn(t, hidden, generator=g))
 
@@ -46,7 +51,7 @@ def _run(device, dtype, ops, counts, use_grouped_mm, activation=swiglu):
     x, fc1, fc2, probs, grad = (o.to(device) for o in ops)
     x, fc1, fc2 = (o.to(dtype).requires_grad_() for o in (x, fc1, fc2))
     out = grouped_gated_mlp(x, fc1, fc2, torch.tensor(counts, device=device), probs, activation=activation,
-                            use_grouped_mm=use_grouped_mm)
+                            gated=activation is not relu2, use_grouped_mm=use_grouped_mm)
     out.backward(grad.to(dtype))
     return [t.float().cpu() for t in (out.detach(), x.grad, fc1.grad, fc2.grad)]
 
@@ -54,10 +59,12 @@ def _run(device, dtype, ops, counts, use_grouped_mm, activation=swiglu):
 CASES = [([37, 0, 129, 5, 0, 64, 1, 20], 256, 96), ([0] * 3 + [300], 128, 64), ([11] * 16, 64, 32)]
 
 
-@pytest.mark.parametrize("counts,hidden,ffn,activation", [*((*c, swiglu) for c in CASES), (*CASES[0], geglu)],
-                         ids=["odd-with-empty", "one-busy-expert", "even", "geglu-odd-with-empty"])
+@pytest.mark.parametrize("counts,hidden,ffn,activation", [*((*c, swiglu) for c in CASES), (*CASES[0], geglu),
+                                                           (*CASES[0], relu2), (*CASES[1], relu2)],
+                         ids=["odd-with-empty", "one-busy-expert", "even", "geglu-odd-with-empty",
+                              "relu2-odd-with-empty", "relu2-one-busy-expert"])
 def test_grouped_mm_matches_loop_and_fp32(counts, hidden, ffn, activation):
-    ops = _operands(counts, hidden, ffn)
+    ops = _operands(counts, hidden, ffn, gated=activation is not relu2)
     bf16 = torch.bfloat16
     assert grouped_mm_supported(ops[0].cuda().to(bf16), ops[1].cuda().to(bf16), ops[2].cuda().to(bf16))
     grouped = _run("cuda", bf16, ops, counts, None, activation)
@@ -88,3 +95,6 @@ def test_default_path_is_grouped_on_cuda_bf16(monkeypatch):
     assert not calls
     x, fc1, fc2 = (o.cuda().to(torch.bfloat16) for o in _operands([3, 5], 64, 30)[:3])
     assert not grouped_mm_supported(x, fc1, fc2)  # F=30: fc2's rows are not 16-byte aligned
+    calls.clear()
+    _run("cuda", torch.bfloat16, _operands([3, 5], 64, 32, gated=False), [3, 5], None, relu2)  # plain stacks too
+    assert len(calls) >= 2

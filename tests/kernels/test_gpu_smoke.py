@@ -78,7 +78,10 @@ def _train_and_compare(folder: str, out_dir: str, device: str, sampled: bool = F
                                             ("jais2", {}), ("cohere2_moe", {}), ("afmoe", {}),
                                             ("phimoe", {}), ("gemma4", {}), ("glm4_moe_lite", {}),
                                             ("mistral4", {}), ("minicpm3", {}), ("falcon_h1", {}),
-                                            ("olmo_hybrid", {}), ("gemma4_moe", {})])
+                                            ("olmo_hybrid", {}), ("gemma4_moe", {}), ("exaone_moe", {}),
+                                            ("solar_open", {}), ("dbrx", {}), ("ministral3", {}), ("vaultgemma", {}),
+                                            ("cwm", {}), ("nanochat", {}), ("deepseek_v32", {}),
+                                            ("glm_moe_dsa", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 

@@ -3,7 +3,9 @@ token counts (experts with no tokens included), routing probabilities, expert-te
 module (parameter attributes, probabilities on the input, distributed-checkpoint sharding); with low-rank adapters
 (LoRA on the experts), the ``_grouped_mm`` path (torch's CPU fallback, forced) against the loop, and the grouped
 GEMMs its backward runs for frozen expert weights. Gemma 4's gated tanh-GELU (kernels/geglu.py) against transformers'
-activation and its ``Gemma4TextExperts`` (fp32 and bf16, loop and ``_grouped_mm``; tolerances where they are set)."""
+activation and its ``Gemma4TextExperts``, Nemotron-H's plain relu2 experts (kernels/relu2.py, ``gated=False``)
+against transformers' activation and its ``NemotronHExperts`` (fp32 and bf16, loop and ``_grouped_mm``; tolerances
+where they are set), the plain module's layout and checkpoint sharding, and what refuses plain experts."""
 
 from types import SimpleNamespace
 
@@ -397,3 +399,150 @@ def test_geglu_experts_match_gemma4_experts(dtype, use_grouped_mm):
     assert counts[3] == 0 and torch.count_nonzero(fc1.grad[3]) == 0 and torch.count_nonzero(fc2.grad[3]) == 0
     with pytest.raises(ValueError, match="glu_linear_offset must be 0"):
         gated_activation(_config(activation_func=gelu_tanh, glu_linear_offset=1.0))
+
+
+# ---- Nemotron-H's plain relu2 experts (kernels/relu2.py, gated=False) against transformers' NemotronHExperts --------
+# NOTE: the tolerances of the Gemma 4 experts above (GEGLU_TOL's fp32 bound, GEMMA4_NORM_RTOL in bf16) for the same
+# reasons: transformers scales by the routing weight after down_proj, megatron before fc2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_relu2_matches_transformers_activation(dtype):
+    """Bit for bit: the forward and, through autograd, the gradient (the same ops as transformers' ``relu2``)."""
+    from transformers.activations import ACT2FN
+
+    from loongforge_hf.kernels.relu2 import relu2
+
+    g = torch.Generator().manual_seed(5)
+    x = (3 * torch.randn(5, 3, 17, generator=g)).to(dtype)
+    grad = torch.randn(5, 3, 17, generator=g).to(dtype)
+    ours, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, want = relu2(ours), ACT2FN["relu2"](ref)
+    assert torch.equal(out, want)
+    out.backward(grad)
+    want.backward(grad)
+    assert torch.equal(ours.grad, ref.grad)
+
+
+def _nemotron_h_case(*, hidden=16, ffn=8, experts=6, tokens=19, topk=2, empty=3):
+    """transformers' ``NemotronHExperts`` (fp32, relu2) and bf16-valued operands: input, top-k routing that never
+    picks expert ``empty``, routing weights, output gradient."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    config = NemotronHConfig(hidden_size=hidden, moe_intermediate_size=ffn, n_routed_experts=experts,
+                             num_experts_per_tok=topk, mlp_hidden_act="relu2")
+    config._experts_implementation = "eager"
+    hf = NemotronHExperts(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        hf.up_proj.copy_((torch.randn(hf.up_proj.shape, generator=g) / hidden ** 0.5).bfloat16())
+        hf.down_proj.copy_((torch.randn(hf.down_proj.shape, generator=g) / ffn ** 0.5).bfloat16())
+    allowed = torch.tensor([e for e in range(experts) if e != empty])
+    indices = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:topk]] for _ in range(tokens)])
+    weights = torch.sigmoid(torch.randn(tokens, topk, generator=g)).bfloat16().float()
+    x = (2 * torch.randn(tokens, hidden, generator=g)).bfloat16().float()
+    grad = torch.randn(tokens, hidden, generator=g).bfloat16().float()
+    return hf, x, indices, weights, grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("use_grouped_mm", [
+    pytest.param(False, id="loop"),
+    pytest.param(True, id="grouped_mm", marks=pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
+                                                                 reason="this torch has no _grouped_mm"))])
+def test_relu2_experts_match_nemotron_h_experts(dtype, use_grouped_mm):
+    """transformers' ``NemotronHExperts`` in fp32 (``[out, in]`` stacks: megatron's plain layout as they are) against
+    the grouped MLP with ``expert_activation`` of a plain relu2 config (``gated=False``) in ``dtype``, tokens permuted
+    by expert as megatron's dispatcher does (expert 3 gets none): output and the gradients of the input, the routing
+    weights and both stacks."""
+    from loongforge_hf.kernels.grouped_mlp import expert_activation
+    from loongforge_hf.kernels.relu2 import Relu2, relu2
+
+    activation = expert_activation(_config(gated_linear_unit=False, activation_func=relu2))
+    assert isinstance(activation, Relu2)
+    hf, x, indices, weights, grad = _nemotron_h_case()
+    xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    want = hf(xs, indices, ws)
+    want.backward(grad)
+    want = [want.detach(), xs.grad, ws.grad, hf.up_proj.grad, hf.down_proj.grad]
+
+    fc1, fc2 = (w.detach().to(dtype).requires_grad_() for w in (hf.up_proj, hf.down_proj))
+    xs, ws = x.to(dtype).requires_grad_(), weights.to(dtype).requires_grad_()
+    flat = indices.flatten()
+    order = torch.argsort(flat, stable=True)
+    token, counts = order // indices.shape[1], torch.bincount(flat, minlength=hf.num_experts)
+    rows = grouped_gated_mlp(xs[token], fc1, fc2, counts, ws.flatten()[order], activation=activation, gated=False,
+                             use_grouped_mm=use_grouped_mm)
+    out = torch.zeros_like(xs).index_add(0, token, rows)
+    out.backward(grad.to(dtype))
+    got = [out.detach(), xs.grad, ws.grad, fc1.grad, fc2.grad]
+    for name, a, b in zip(("out", "d_x", "d_weights", "d_up", "d_down"), got, want):
+        assert a.dtype == dtype, name
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, **GEGLU_TOL[dtype], msg=lambda m, n=name: f"{n}: {m}")
+        else:
+            err = ((a.float() - b).norm() / b.norm()).item()
+            assert err < GEMMA4_NORM_RTOL, f"{name}: ||a - ref|| / ||ref|| = {err:.2e}"
+    assert counts[3] == 0 and torch.count_nonzero(fc1.grad[3]) == 0 and torch.count_nonzero(fc2.grad[3]) == 0
+
+
+def _relu2_config(**kw):
+    from loongforge_hf.kernels.relu2 import relu2
+
+    return _config(gated_linear_unit=False, activation_func=relu2, **kw)
+
+
+def test_relu2_module_layout_forward_and_checkpoint():
+    """EP rank 1 of 2, ETP rank 1 of 2, 4 local experts of 8, F=12: fc1 ``[4, 6, 16]`` (no gate half), the forward
+    against the per-token reference, and the checkpoint keys / global shapes of megatron's ``SequentialMLP`` with a
+    plain MLP: fc1 one block of ``[8, F, H]`` (rows 6:12 on ETP rank 1), no factory."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    m = _module(_relu2_config(perform_initialization=True, init_method=lambda w: w.fill_(0.5),
+                              output_layer_init_method=lambda w: w.fill_(-0.25)), edp=(1, 2))
+    fc1, fc2 = m.linear_fc1.weight, m.linear_fc2.weight
+    assert tuple(fc1.shape) == (4, 6, 16) and tuple(fc2.shape) == (4, 16, 6) and not m.gated
+    assert bool((fc1 == 0.5).all()) and bool((fc2 == -0.25).all())  # every expert initialised
+    assert fc1.allreduce is False and (fc1.partition_dim, fc2.partition_dim) == (1, 2)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        fc1.copy_(torch.randn(fc1.shape, generator=g))
+        fc2.copy_(torch.randn(fc2.shape, generator=g))
+    counts = torch.tensor([2, 0, 3, 1])
+    x, probs = torch.randn(6, 16, generator=g), torch.rand(6, generator=g)
+    out, bias = m(x, counts, probs)
+    expert = torch.repeat_interleave(torch.arange(4), counts)
+    act = torch.relu(torch.einsum("th,tfh->tf", x, fc1.detach()[expert])).square() * probs.unsqueeze(-1)
+    assert bias is None
+    torch.testing.assert_close(out, torch.einsum("tf,thf->th", act, fc2.detach()[expert]))
+
+    sd = m.sharded_state_dict(prefix="decoder.layers.3.mlp.experts.", sharded_offsets=((0, 3, 5),))
+    s1, s2 = sd["decoder.layers.3.mlp.experts.linear_fc1.weight"], sd["decoder.layers.3.mlp.experts.linear_fc2.weight"]
+    assert isinstance(s1, ShardedTensor) and s1.data is fc1
+    assert s1.key == "decoder.layers.3.mlp.experts.experts.linear_fc1.weight"
+    assert (s1.global_shape, s1.global_offset, s1.replica_id) == ((5, 8, 12, 16), (3, 4, 6, 0), (0, 0, 1))
+    assert (s2.global_shape, s2.global_offset) == ((5, 8, 16, 12), (3, 4, 0, 6))
+
+
+def test_relu2_refusals():
+    """What the plain experts do not take, each naming its field: another activation without the gate, relu2 with
+    it, biases, a gated-width fc1, LoRA on them (``lora/experts.py``) and FP8 (``fp8_linear``: SwiGLU only)."""
+    from loongforge_hf.kernels.fp8_linear import fp8_experts_refusal
+    from loongforge_hf.kernels.relu2 import relu2
+    from loongforge_hf.lora import LoraConfigError
+    from loongforge_hf.lora.experts import check_param_adaptable
+
+    with pytest.raises(ValueError, match=r"with gated_linear_unit=False activation_func must be .*relu2"):
+        _module(_config(gated_linear_unit=False))
+    with pytest.raises(ValueError, match=r"activation_func must be torch.nn.functional.silu .* got <function relu2"):
+        _module(_config(activation_func=relu2))
+    with pytest.raises(ValueError, match="add_bias_linear must be False without gated_linear_unit"):
+        _module(_relu2_config(add_bias_linear=True, expert_tensor_parallel_size=1), etp=(0, 1))
+    x, fc1, fc2, probs, _ = _operands([1, 2], torch.float32)
+    with pytest.raises(ValueError, match=r"fc1 \(2, 24, 16\) must be \[E, F, H\]"):
+        grouped_gated_mlp(x, fc1, fc2, [1, 2], probs, activation=relu2, gated=False)
+    m = _module(_relu2_config(expert_model_parallel_size=1, expert_tensor_parallel_size=1), ep=(0, 1), etp=(0, 1))
+    with pytest.raises(LoraConfigError, match=r"not supported for plain \(not gated\) relu2 experts"):
+        check_param_adaptable(m, "experts")
+    assert "the activation Relu2 (only SwiGLU)" in fp8_experts_refusal(m)

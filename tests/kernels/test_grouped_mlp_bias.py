@@ -355,7 +355,9 @@ def test_sharded_state_dict_biases():
 # ---- refusals --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides,match", [
     (dict(activation_func=F.gelu), "activation_func must be torch.nn.functional.silu .SwiGLU., megatron"),
-    (dict(gated_linear_unit=False), "gated_linear_unit must be True"),
+    (dict(gated_linear_unit=False, add_bias_linear=False),
+     "with gated_linear_unit=False activation_func must be .*relu2.* the gated activations need gated_linear_unit"),
+    (dict(gated_linear_unit=False), "add_bias_linear must be False without gated_linear_unit"),
     (dict(activation_func_clamp_value=-1.0), "activation_func_clamp_value must be None or positive"),
     (dict(activation_func=F.silu), "activation_func_clamp_value must be None"),
     (dict(activation_func=F.silu, activation_func_clamp_value=None), "glu_linear_offset must be 0"),

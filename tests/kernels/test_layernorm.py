@@ -132,5 +132,6 @@ def test_zero_centred_and_parameterless_match_nemotron_and_olmo(dtype):
     sub = get_layer_spec(qk_norm=False, normalization="LayerNorm", norm_weight=False).submodules
     assert sub.input_layernorm is LayerNormWithoutParameters and sub.pre_mlp_layernorm is LayerNormWithoutParameters
     assert final_norm_spec(normalization="LayerNorm", norm_weight=False) is LayerNormWithoutParameters
-    with pytest.raises(ValueError, match="without weight is implemented for LayerNorm only"):
-        norm_class("RMSNorm", weight=False)
+    from loongforge_hf.kernels.rmsnorm import RMSNormWithoutWeight  # NOTE: NanoChat's (its parity: test_dense_parity)
+
+    assert norm_class("RMSNorm", weight=False) is RMSNormWithoutWeight

@@ -1,0 +1,178 @@
+"""DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5) as transformers runs it: megatron-core's ``DSAIndexer`` and
+``DSAttention`` (``transformer/experimental_attention_variant/dsa.py``, 0.16.1), with the pieces where megatron's
+computation is not transformers' replaced.
+
+Choices:
+- megatron's lightning indexer builds what transformers' ``indexer`` holds under megatron's names (``linear_wq_b``,
+  ``linear_wk``, ``k_norm``, ``linear_weights_proj``), its rotary table (plain rope or YaRN, as megatron's MLA) and
+  the top-k (``min(index_topk, keys)`` per query: at sequences no longer than ``index_topk`` every causal key stays,
+  as in transformers); those are used as they are. Replaced, each because it is not what transformers computes:
+  - the Hadamard rotation of q and k (``rotate_activation``: bf16 only, ``fast_hadamard_transform``): transformers
+    has none. It is orthogonal, so it changes the scores' rounding, not their exact values; without it the fp32
+    scores are transformers' own (and bf16 ones are not rounded differently);
+  - the per-head weights: transformers keeps ``weights_proj`` in fp32 (``_keep_in_fp32_modules``) and feeds it the
+    fp32 input; here too (its parameter loads in fp32, ``FP32Replicated``). The softmax scale goes before the ReLU,
+    as in transformers (megatron folds it into the weights: the same in exact arithmetic);
+  - ``k_norm``: a LayerNorm with transformers' eps 1e-6 whatever ``rms_norm_eps`` is (megatron passes that: 1e-5 in
+    GLM-5);
+  - the linears: megatron's spec asks the backend for a duplicated (unsplit) linear, which only Transformer Engine
+    provides: ``IndexerLinear``, a plain one. The indexer is whole on every TP rank and reads the sequence gathered
+    under SP (megatron's code), so every TP rank picks the same keys.
+- Masks: megatron's ``DSAttention`` reads causality alone when the layer's mask type is causal, which drops padding
+  and packed documents (megatron's boolean mask, ``runtime.megatron_attention_mask``). Here the index scores take
+  -inf at every masked key, and the attention is megatron's ``unfused_dsa_fn`` without a mask, its masked variant
+  (``masked_sparse_attention``) with one: masked scores at the dtype's finite minimum, as transformers fills them, so
+  a row with no key left (a left pad) stays finite.
+- Training as transformers: its indexer runs under ``torch.no_grad``, so it passes no gradient back and its weights
+  get none. Here the indexer runs without gradient and its parameters are frozen (``requires_grad=False``: the
+  optimizer leaves them as they are, no weight decay); megatron's indexer KL loss is not computed.
+- GLM-5's ``indexer_types``: a ``"shared"`` layer has no indexer and reuses the top-k of the last ``"full"`` layer
+  before it in the chunk (``link_shared_layers``), kept by that layer's module from its forward to theirs; megatron's
+  full recompute replays a shared layer before the full one it reads (the backward runs the layers in reverse), so it
+  reads the same top-k.
+- Refused by name: packed THD sequences (``packed_seq_params``; packed rows with position ids are masks and run).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.experimental_attention_variant.dsa import (DSAIndexer, DSAIndexerSubmodules,
+                                                                          DSAttention, DSAttentionSubmodules,
+                                                                          unfused_dsa_fn)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+INDEXER_KEY_NORM_EPS = 1e-6  # transformers' nn.LayerNorm(index_head_dim, eps=1e-6)
+
+
+class IndexerLinear(torch.nn.Module):
+    """A linear whole on every rank (megatron's ``parallel_mode="duplicated"``), returning megatron's (output, bias)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, bias: bool = False, **_unused) -> None:
+        super().__init__()
+        if bias:
+            raise ValueError("the DSA indexer's linears have no bias.")
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor):
+        return F.linear(x, self.weight), None
+
+
+class IndexerKeyNorm(torch.nn.LayerNorm):
+    """The indexer's key LayerNorm with transformers' eps, whatever megatron passes."""
+
+    def __init__(self, config, hidden_size: int, eps: float | None = None) -> None:
+        super().__init__(hidden_size, eps=INDEXER_KEY_NORM_EPS, dtype=config.params_dtype)
+
+
+class LightningIndexer(DSAIndexer):
+    """megatron's indexer scoring as transformers does (see the module docstring)."""
+
+    def forward_with_scores(self, x, qr, mask=None, packed_seq_params=None):
+        """``x`` ``[s(/TP), b, h]``, ``qr`` ``[s(/TP), b, q_lora_rank]``, ``mask`` ``[b or 1, s, s]`` fp32 (-inf:
+        masked) -> index scores ``[b, s, s]`` (fp32) and the top-k key indices ``[b, s, k]``."""
+        _refuse_packed(packed_seq_params)
+        seq = self.rotary_pos_emb.get_rotary_seq_len(None, None, x, self.config, None)
+        if self.config.rope_type == "rope":
+            rotary, mscale = self.rotary_pos_emb(seq, packed_seq=False), 1.0
+        else:
+            rotary, mscale = self.rotary_pos_emb(seq, packed_seq=False)
+        if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
+            x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
+            qr = gather_from_sequence_parallel_region(qr, group=self.pg_collection.tp)
+        s, b, _ = x.shape
+        q, _ = self.linear_wq_b(qr)
+        q = self._apply_rope(q.reshape(s, b, self.index_n_heads, self.index_head_dim), rotary, mscale)
+        k, _ = self.linear_wk(x)
+        k = self._apply_rope(self.k_norm(k).reshape(s, b, 1, self.index_head_dim), rotary, mscale).reshape(s, b, -1)
+        # NOTE: no Hadamard rotation (transformers has none); fp32 weights on the fp32 input, scale before the ReLU
+        weights = F.linear(x.float(), self.linear_weights_proj.weight.float()) * self.index_n_heads ** -0.5
+        scores = torch.relu(torch.einsum("sbhd,tbd->sbht", q.float(), k.float()) * self.softmax_scale)
+        index_scores = torch.einsum("sbh,sbht->bst", weights, scores)
+        if mask is not None:
+            index_scores = index_scores + mask
+        return index_scores, index_scores.topk(min(self.index_topk, s), dim=-1).indices
+
+
+class SparseAttention(DSAttention):
+    """megatron's DSA core attention with transformers' masks and gradients; on a ``shared`` layer (GLM-5) without an
+    indexer of its own. ``shared_layers``: the 0-based layers that reuse an earlier layer's top-k."""
+
+    def __init__(self, config, submodules: DSAttentionSubmodules, layer_number: int, attn_mask_type,
+                 attention_type: str, attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
+                 cp_comm_type: str = "p2p", pg_collection=None, shared_layers: tuple[int, ...] = ()) -> None:
+        MegatronModule.__init__(self, config=config)  # NOTE: DSAttention.__init__ always builds an indexer
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
+        self.shared = layer_number - 1 in shared_layers
+        self.indexer = None if self.shared else build_module(submodules.indexer, config=config,
+                                                             pg_collection=pg_collection)
+        for p in self.parameters():
+            p.requires_grad_(False)  # NOTE: transformers' indexer runs under no_grad: no gradient, no update
+        self.source: list[SparseAttention] = []  # NOTE: a list, not a submodule: the full layer a shared one reads
+        self.topk: torch.Tensor | None = None
+
+    def forward(self, query, key, value, attention_mask, x, qr, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        _refuse_packed(packed_seq_params)
+        if attention_bias is not None:
+            raise ValueError("DSA attention takes no attention_bias.")
+        sq, skv = query.shape[0], key.shape[0]
+        mask = None if attention_mask is None else attention_mask.expand(-1, 1, sq, skv).squeeze(1)
+        if self.shared:
+            if not self.source or self.source[0].topk is None:
+                raise RuntimeError(f"layer {self.layer_number - 1}: a shared DSA layer needs the top-k of an earlier "
+                                   "full layer in the same chunk (link_shared_layers).")
+            topk = self.source[0].topk
+        else:
+            causal = torch.ones(sq, skv, dtype=torch.bool, device=query.device).triu(1)
+            masked = causal[None] if mask is None else mask | causal[None]
+            with torch.no_grad():
+                _, topk = self.indexer.forward_with_scores(
+                    x.detach(), qr.detach(), mask=torch.zeros(masked.shape, device=query.device).masked_fill(
+                        masked, float("-inf")))
+            self.topk = topk
+        if mask is None:
+            return unfused_dsa_fn(query, key, value, topk, self.softmax_scale)
+        return masked_sparse_attention(query, key, value, topk, mask, self.softmax_scale)
+
+
+def masked_sparse_attention(query, key, value, topk_indices, mask, softmax_scale: float) -> torch.Tensor:
+    """megatron's ``unfused_dsa_fn`` with a boolean mask ``[b, sq, skv]`` (True: masked; causality included) and
+    masked scores at the finite fp32 minimum (transformers'). ``[sq, b, heads, d]`` in, ``[sq, b, heads * dv]`` out."""
+    sq, b = query.shape[:2]
+    scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * softmax_scale
+    kept = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device).scatter_(-1, topk_indices, True)
+    scores = scores.masked_fill((mask | ~kept).unsqueeze(1), torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.einsum("bhst,tbhd->sbhd", probs, value).reshape(sq, b, -1)
+
+
+def _refuse_packed(packed_seq_params) -> None:
+    if packed_seq_params is not None:
+        raise ValueError("DSA attention does not take THD packed_seq_params; pack documents into rows (position ids "
+                         "restarting at 0) instead.")
+
+
+def sparse_attention_spec(shared_layers: tuple[int, ...] = ()) -> ModuleSpec:
+    """The MLA core-attention slot's spec: ``SparseAttention`` with ``LightningIndexer``."""
+    indexer = ModuleSpec(module=LightningIndexer, submodules=DSAIndexerSubmodules(
+        linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=IndexerKeyNorm, linear_weights_proj=IndexerLinear))
+    return ModuleSpec(module=SparseAttention, submodules=DSAttentionSubmodules(indexer=indexer),
+                      params={"shared_layers": tuple(shared_layers)})
+
+
+def link_shared_layers(chunk) -> None:
+    """Each shared layer of ``chunk`` reads the top-k of the last full layer before it."""
+    last = None
+    for module in chunk.modules():
+        if isinstance(module, SparseAttention):
+            if module.shared:
+                if last is None:
+                    raise ValueError(f"layer {module.layer_number - 1} is a shared DSA layer with no full layer "
+                                     "before it in its pipeline stage.")
+                module.source[:] = [last]
+            else:
+                last = module
