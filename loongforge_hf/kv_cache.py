@@ -82,6 +82,7 @@ class LoongKVCache(Cache):
         self.chunks = list(chunks)
         self.attentions, self.rotary_embeddings = core_attentions(self.chunks), _rotary_embeddings(self.chunks)
         self.recurrent = recurrent_mixers(self.chunks)
+        self.kv_sources = kv_sources(self.attentions)
         if layers is not None and len(layers) != len(self.attentions):
             raise ValueError(f"KV cache: {len(layers)} layers for {len(self.attentions)} attentions.")
         layers = list(layers) if layers is not None else [layer() for _ in self.attentions]
@@ -163,6 +164,15 @@ def core_attentions(chunks) -> list:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, CoreAttention)]
 
 
+def kv_sources(attentions) -> list[int | None]:
+    """For each core attention, the index of the one whose keys and values it reuses (its ``kv_source``: Gemma 4's
+    KV-shared layers, ``bridges/gemma4_attention.py``), or None: such a layer caches nothing and reads that one's
+    cache layer, filled by then in the same step."""
+    where = {id(a): i for i, a in enumerate(attentions)}
+    return [where[id(a.kv_source.module)] if getattr(a, "kv_source", None) is not None else None
+            for a in attentions]
+
+
 def recurrent_mixers(chunks) -> list:
     """This rank's Gated DeltaNet, Mamba2 and LFM2 short-conv layers (``bridges/gated_deltanet.py``,
     ``bridges/mamba2.py``, ``bridges/short_conv.py``), in order over its chunks."""
@@ -206,7 +216,11 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
         # NOTE: a soft-cap is refused there; sinks weight the merged shares
         with attention_scores(softcap=module.softcap, sinks=module.sinks):
             return _sharded_attention(module, query, k, v, cache=cache, index=index, step=step)
-    keys, values = cache.update(k[:, :, :step.given], v[:, :, :step.given], index)
+    source = cache.kv_sources[index]
+    if source is None:
+        keys, values = cache.update(k[:, :, :step.given], v[:, :, :step.given], index)
+    else:  # NOTE: k / v are the source's new keys and values (its core attention's, handed on by a pre-hook)
+        keys, values = cache.layers[source].keys, cache.layers[source].values
     # NOTE: a static layer returns its whole buffer: the filled slots only (a dynamic layer's keys are those)
     keys, values = keys[:, :, :step.past + step.given], values[:, :, :step.past + step.given]
     if step.padded > step.given:  # NOTE: the layout's padding: seen by this step only, never cached

@@ -213,7 +213,7 @@ def resolve_parallel(parallel: ParallelConfig | None, sizes: dict) -> ParallelCo
 
 def _auto_layout(hf_config, param_dtype: torch.dtype, bridge) -> ParallelConfig:
     from loongforge_hf.parallel.kv_replicas import check_kv_replication
-    from loongforge_hf.parallel.auto import choose_layout, model_size_of
+    from loongforge_hf.parallel.auto import bridge_accepts, choose_layout, model_size_of
     from loongforge_hf.xpu import get_backend
 
     env, size = read_launch_env(), model_size_of(hf_config)
@@ -224,7 +224,8 @@ def _auto_layout(hf_config, param_dtype: torch.dtype, bridge) -> ParallelConfig:
         kv_replication = False
     layout, reason = choose_layout(size, world_size=env.world_size, local_world_size=env.local_world_size,
                                    device_memory=get_backend().memory_per_device(),
-                                   dtype_bytes=torch.finfo(param_dtype).bits // 8, kv_replication=kv_replication)
+                                   dtype_bytes=torch.finfo(param_dtype).bits // 8, kv_replication=kv_replication,
+                                   accepts=bridge_accepts(bridge))
     if env.rank == 0:
         print(reason, flush=True)
     return layout

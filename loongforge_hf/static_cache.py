@@ -421,12 +421,13 @@ def _window(attention) -> tuple[int, int] | None:
 
 def _fixed_attention(module, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                      packed_seq_params=None, *, layer: _StaticLayer, allowed: torch.Tensor, decode: FixedDecode,
-                     shard):
+                     shard, reuses: bool = False):
     """``CoreAttention.forward`` in a fixed step: ``query / key / value [w, b, h, d]`` of the new token (and the
     placeholders after it under SP); the token's key and value are written at the layer's count and every query
     attends over the whole buffer under ``allowed``. Under CP (``shard``) the key and value go to this rank's slot
     for the token (``decode.write_at``: the scratch slot where the token is another rank's), the queries attend over
-    this rank's share and the CP group merges the shares (``kernels.attention.sharded_attention``)."""
+    this rank's share and the CP group merges the shares (``kernels.attention.sharded_attention``). ``reuses``:
+    ``layer`` is another attention's, written this step already (``kv_cache.kv_sources``)."""
     from loongforge_hf.kernels.attention import attention_scores, masked_attention, sharded_attention
 
     if attention_bias is not None or packed_seq_params is not None:
@@ -443,7 +444,8 @@ def _fixed_attention(module, query, key, value, attention_mask, attn_mask_type=N
             out = sharded_attention(q, layer.keys, layer.values, allowed=allowed, scale=module.softmax_scale,
                                     group=shard.group)
         else:
-            keys, values = layer.update(key[:1].permute(1, 2, 0, 3), value[:1].permute(1, 2, 0, 3))
+            keys, values = (layer.keys, layer.values) if reuses \
+                else layer.update(key[:1].permute(1, 2, 0, 3), value[:1].permute(1, 2, 0, 3))
             out = masked_attention(q, keys, values, allowed=allowed, scale=module.softmax_scale)
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
@@ -454,11 +456,18 @@ def _table_row(table, position: torch.Tensor, *args, **kwargs):
     return table.index_select(0, position)
 
 
+def _own_or_source(cache: LoongStaticCache, index: int) -> int:
+    source = cache.kv_sources[index]
+    return index if source is None else source
+
+
 def _fixed_attached(decode: FixedDecode, model, cache: LoongStaticCache):
     """Inside, the core attentions and rotary embeddings of ``cache`` run ``decode``'s fixed step
     (``kv_cache.patched``)."""
     return patched(model.chunks, cache,
-                   lambda index: functools.partial(_fixed_attention, layer=cache.layers[index],
+                   lambda index: functools.partial(_fixed_attention,
+                                                   layer=cache.layers[_own_or_source(cache, index)],
                                                    allowed=decode.allowed[_window(cache.attentions[index])],
-                                                   decode=decode, shard=cache.shard),
+                                                   decode=decode, shard=cache.shard,
+                                                   reuses=cache.kv_sources[index] is not None),
                    lambda index, rope: functools.partial(_table_row, decode.tables[index], decode.position))

@@ -19,10 +19,14 @@ Choices:
   transformers refuses a global read of a per-layer field of such a config; the bridge allows it on the config it was
   given (``allow_global_per_layer_attribute_access``: the global values are the sliding layers', from which megatron's
   shared config is built). Each layer type's KV heads must split over TP (no replicated heads: ``check_layout``).
-- Refused by name, before any collective: per-layer input embeddings (``hidden_size_per_layer_input``: Gemma 4
-  E2B / E4B), KV shared across layers (``num_kv_shared_layers``), per-layer fields other than the head size and KV
-  heads, layers of one type with different ones, bidirectional attention (``use_bidirectional_attention='all'``),
-  attention biases, rope types other than default / proportional.
+- Gemma 4 E2B / E4B: per-layer inputs (``hidden_size_per_layer_input``) and double-wide MLPs
+  (``use_double_wide_mlp``): ``gemma4_per_layer.py``; the last ``num_kv_shared_layers`` layers reusing the keys and
+  values of the last earlier layer of their type: ``gemma4_attention.py``. With either, pipeline and context
+  parallelism are refused by name (the stream and the shared keys would have to cross stages / CP shards) and so
+  is activation recompute (at the forward: both pass beside megatron's layer arguments); and the MoE block.
+- Refused by name, before any collective: per-layer fields other than the head size and KV heads, layers of one
+  type with different ones, bidirectional attention (``use_bidirectional_attention='all'``), attention biases, rope
+  types other than default / proportional, all layers sharing KV (no layer would compute it).
 - The MoE block (``enable_moe_block``: 26B-A4B): a config with it makes ``gemma4_moe.Gemma4MoeBridge``, this bridge with
   a dense MLP beside routed experts in every layer.
 - A ``gemma4`` checkpoint (``Gemma4ForConditionalGeneration``: the text model with vision / audio towers) loads as
@@ -32,19 +36,23 @@ Choices:
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
 from loongforge_hf.bridges import config_map as C
+from loongforge_hf.bridges import gemma4_per_layer as per_layer
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.gemma import _SandwichNorms, scale_gemma_embedding
-from loongforge_hf.bridges.gemma4_attention import PerTypeQKV, per_type_attention
+from loongforge_hf.bridges.gemma4_attention import PerTypeQKV, per_type_attention, share_keys_and_values
+from loongforge_hf.bridges.gemma4_per_layer import add_per_layer_inputs, gemma4_layer
 from loongforge_hf.bridges.layer_outputs import softcap_logits
 from loongforge_hf.bridges.layer_types import LAYER_TYPES, LayerTypes, _two_table_rotary
 from loongforge_hf.bridges.mappings import Mapping, Replicated
 from loongforge_hf.bridges.registry import register_bridge, register_model_type
 
 ROPE_TYPES = ("default", "proportional")
+_UNUSED_KV = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:k_proj|v_proj|k_norm)\.weight$")
 
 
 def gemma4_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
@@ -102,9 +110,14 @@ def layer_type_heads(hf_config) -> dict[str, tuple[int, int]]:
 
 @register_model_type("gemma4_text")  # NOTE: a text config that names no architecture is this model's
 @register_bridge("Gemma4ForCausalLM")
-class Gemma4Bridge(LayerTypes, _SandwichNorms):
+class Gemma4Bridge(per_layer.SmallModelFields, LayerTypes, _SandwichNorms):
     qk_norm = True
     zero_centred_norms = False
+    # NOTE: k / v projections and k norms a checkpoint may hold for layers that reuse another's keys (passthrough_names)
+    has_passthrough = True
+    passthrough_kind = "keys and values of layers that reuse another layer's, unused as in transformers"
+    # NOTE: the image-text model's placeholders, looked up as padding in the per-layer table (gemma4_vl.py)
+    placeholder_ids: tuple[int, ...] = ()
 
     def __new__(cls, hf_config=None, *args, **kwargs):
         if cls is Gemma4Bridge and getattr(hf_config, "enable_moe_block", False):
@@ -117,14 +130,10 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
         c = self.hf_config
         if c.is_heterogeneous:  # NOTE: the global values are the sliding layers' (see the module docstring)
             c.allow_global_per_layer_attribute_access = True
-        refusals = {
-            "hidden_size_per_layer_input": (c.hidden_size_per_layer_input, "per-layer input embeddings"),
-            "num_kv_shared_layers": (c.num_kv_shared_layers, "keys and values shared across layers"),
-            "attention_bias": (c.attention_bias, "attention biases"),
-        }
-        for name, (value, what) in refusals.items():
-            if value:
-                raise C.UnsupportedConfigError(f"{name}={value} is not supported for Gemma4ForCausalLM ({what}).")
+        if c.attention_bias:
+            raise C.UnsupportedConfigError(f"attention_bias={c.attention_bias} is not supported for Gemma4ForCausalLM "
+                                           "(attention biases).")
+        self.check_small_model_fields()
         if c.use_bidirectional_attention == "all":
             raise C.UnsupportedConfigError("use_bidirectional_attention='all' is not supported (causal attention "
                                            "only).")
@@ -143,6 +152,14 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
         """``UnsupportedConfigError`` where a layer type's KV heads do not split over TP (pure, before any
         collective): layers built with their own heads or values from keys hold whole KV heads per rank."""
         tp = layout.tensor_parallel_size
+        features = self.small_model_features
+        for field, size in (("pipeline_parallel_size", layout.pipeline_parallel_size),
+                            ("context_parallel_size", layout.context_parallel_size)):
+            if features and size > 1:
+                raise C.UnsupportedConfigError(
+                    f"{field}={size} is not supported for Gemma 4 with {' and '.join(features)} (the per-layer "
+                    "stream and the shared keys and values stay within one stage and one sequence shard); use "
+                    "tensor and data parallelism.")
         if self.full_heads is None and not self.values_from_keys:
             return
         names = {"sliding_attention": "num_key_value_heads", "full_attention": "num_global_key_value_heads"}
@@ -180,12 +197,25 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
 
     def attention_module(self) -> type | None:
         return per_type_attention(full_layers=self.full_layers, full_heads=self.full_heads,
-                                  values_from_keys=self.values_from_keys)
+                                  values_from_keys=self.values_from_keys, reusing_layers=self.reusing_layers)
+
+    def layer_module(self) -> type | None:
+        if not self.per_layer_size and not self.wide_layers:
+            return None
+        return gemma4_layer(wide_layers=self.wide_layers, per_layer_size=self.per_layer_size,
+                            activation=self.hf_config.hidden_activation)
 
     def finish_model(self, model) -> None:
         scale_gemma_embedding(model, self.hf_config.hidden_size)
         self.set_rotary_tables(model)
         _add_layer_scalars(model)
+        if self.small_model_features:  # NOTE: first, so it refuses before the stream is made
+            refuse = functools.partial(per_layer.refuse_recompute, self.small_model_features)
+            model.decoder.register_forward_pre_hook(refuse)
+        if self.per_layer_size:
+            add_per_layer_inputs(model, self.hf_config, placeholder_ids=self.placeholder_ids)
+        if self.kv_modes:
+            share_keys_and_values(model, self.kv_modes, self.hf_config.layer_types)
         cap = self.hf_config.final_logit_softcapping
         if cap is not None:
             softcap_logits(model, cap)
@@ -204,28 +234,59 @@ class Gemma4Bridge(LayerTypes, _SandwichNorms):
         rope.local_inv_freq = inv["sliding_attention"]
 
     # ---- tensors --------------------------------------------------------------------------------------------
+    def first_stage_mappings(self) -> list[Mapping]:
+        return per_layer.first_stage_mappings(self.hf_config) if self.per_layer_size else []
+
     def attention_mappings(self) -> list[Mapping]:
-        if self.full_heads is None and not self.values_from_keys:  # NOTE: one layout: LoRA adapts q / k / v there
-            return [Replicated(f"{D}.layer_scalar", f"{L}.layer_scalar"), *super().attention_mappings()]
+        own = [Replicated(f"{D}.layer_scalar", f"{L}.layer_scalar")]
+        if self.per_layer_size:
+            own += per_layer.layer_mappings()
+        if self.full_heads is None and not self.values_from_keys and not self.reusing_layers:
+            return [*own, *super().attention_mappings()]  # NOTE: one layout: LoRA adapts q / k / v there
         qkv = PerTypeQKV(f"{D}.self_attention.linear_qkv.weight", q=f"{L}.self_attn.q_proj.weight",
                          k=f"{L}.self_attn.k_proj.weight", v=f"{L}.self_attn.v_proj.weight",
                          full_layers=self.full_layers, full_heads=self.full_heads,
-                         values_from_keys=self.values_from_keys)
-        return [Replicated(f"{D}.layer_scalar", f"{L}.layer_scalar"),
-                *(qkv if m.megatron == qkv.megatron else m for m in super().attention_mappings())]
+                         values_from_keys=self.values_from_keys, reusing_layers=self.reusing_layers)
+        return [*own, *(qkv if m.megatron == qkv.megatron else m for m in super().attention_mappings())]
+
+    def mappings_for_layer(self, layer: int) -> list[Mapping]:
+        maps = self.layer_mappings()
+        if layer in self.reusing_layers:  # NOTE: no k norm there (the keys are another layer's)
+            return [m for m in maps if not m.megatron.endswith("k_layernorm.weight")]
+        return maps
 
     def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         return {f"{prefix}.layer_scalar": (1,), **super().attention_shapes(prefix)}
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         shapes = super().layer_shapes(layer)
+        c, p = self.hf_config, f"model.layers.{layer}.self_attn"
+        if layer in self.wide_layers:
+            h, f, m = c.hidden_size, 2 * c.intermediate_size, f"model.layers.{layer}.mlp"
+            shapes.update({f"{m}.gate_proj.weight": (f, h), f"{m}.up_proj.weight": (f, h),
+                           f"{m}.down_proj.weight": (h, f)})
+        if layer in self.reusing_layers:
+            for name in ("k_proj", "v_proj", "k_norm"):
+                shapes.pop(f"{p}.{name}.weight", None)
         if layer not in self.full_layers:
             return shapes
-        c, p = self.hf_config, f"model.layers.{layer}.self_attn"
         (hd, kv), h, n = self.heads["full_attention"], c.hidden_size, c.num_attention_heads
         shapes.update({f"{p}.q_proj.weight": (n * hd, h), f"{p}.k_proj.weight": (kv * hd, h),
                        f"{p}.v_proj.weight": (kv * hd, h), f"{p}.o_proj.weight": (h, n * hd),
                        f"{p}.q_norm.weight": (hd,), f"{p}.k_norm.weight": (hd,)})
-        if self.values_from_keys:
-            del shapes[f"{p}.v_proj.weight"]
+        if self.values_from_keys or layer in self.reusing_layers:
+            shapes.pop(f"{p}.v_proj.weight")
+        if layer in self.reusing_layers:
+            shapes.pop(f"{p}.k_proj.weight")
+            shapes.pop(f"{p}.k_norm.weight")
         return shapes
+
+    def passthrough_names(self, names) -> list[str]:
+        """The k / v projections and k norms a checkpoint may hold for the layers that reuse another's keys and
+        values (transformers ignores them on load, as megatron has no place for them): carried unchanged."""
+        found = (_UNUSED_KV.search(n) for n in names)
+        return [m.string for m in found if m and int(m.group(1)) in self.reusing_layers]
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().expected_hf_shapes()
+        return {**shapes, **per_layer.shapes(self.hf_config)} if self.per_layer_size else shapes

@@ -5,7 +5,9 @@ Gemma 4's vision tower, the audio tower carried.
 Choices:
 - The language model is the Gemma 4 text declaration (``gemma4.Gemma4Bridge``: its layers, rope tables, refusals and
   layout checks) over ``text_config``, its tensors under ``model.language_model`` (what transformers 5 and the hub's
-  checkpoints hold), its LM head the embedding where the config ties them (every published Gemma 4 does).
+  checkpoints hold), its LM head the embedding where the config ties them (every published Gemma 4 does). With
+  per-layer inputs (E2B / E4B) the image, video and audio placeholders are looked up as padding in the per-layer
+  table, the projection reads the embeddings with images in place, as transformers' ``Gemma4Model`` does.
 - The vision tower and its embedder (``model.vision_tower.*``, ``model.embed_vision.*``) are
   ``multimodal.vision_gemma4.Gemma4VisionTower``, replicated (``vision_tensor_parallel_size`` above 1 is refused),
   trainable, each tensor mapped one to one and exported as read. Refused by name: clipped linears
@@ -60,10 +62,13 @@ class Gemma4VLTextBridge(PrefixedText, Gemma4Bridge):
     passthrough_kind = "the audio tower and its embedder"
     tower_names: frozenset = frozenset()
 
+    def first_stage_mappings(self) -> list[Mapping]:
+        return [self._name(m) for m in super().first_stage_mappings()]  # NOTE: the per-layer inputs' (E2B / E4B)
+
     def passthrough_names(self, names) -> list[str]:
         own = set(self.expected_hf_shapes())
         return [n for n in names if not n.startswith(self.text_prefix + ".") and n not in own
-                and n not in self.tower_names]
+                and n not in self.tower_names] + Gemma4Bridge.passthrough_names(self, names)
 
 
 def gemma4_blocks(mm_token_type_ids: torch.Tensor) -> torch.Tensor:
@@ -117,6 +122,8 @@ class Gemma4VLBridge(Qwen2_5_VLBridge):
                                            "(load its text model as Gemma4ForCausalLM).")
         self.check_vision_config()
         self.text = self.text_bridge(set(checkpoint_names), shape_of)
+        self.text.placeholder_ids = tuple(t for t in (self.image_token_id, self.video_token_id, self.audio_token_id)
+                                          if t is not None)
         self.text.tower_names = frozenset(self.vision_hf_shapes())
         carried = self.text.passthrough_names(checkpoint_names)
         self.carried_shapes = {n: tuple(shape_of(n)) for n in carried} if shape_of is not None else {}

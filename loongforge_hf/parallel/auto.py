@@ -10,10 +10,13 @@ Choices (printed as the reason on rank 0):
   tried only when no dividing TP fits at that pipeline size, and before a larger pipeline size: replication costs each
   rank one head's whole K / V weights (counted) and one all-reduce of their gradients per layer and step, a pipeline
   stage a bubble every step. Not where the model cannot replicate its heads (``kv_replication=False``).
+- A layout the model's bridge refuses (its ``check_layout``: Gemma 4's layer types whose KV heads do not split over
+  TP, its E2B / E4B under a pipeline) is skipped (``accepts``), as if it did not fit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
@@ -67,9 +70,11 @@ def tp_candidates(size: ModelSize, *, world_size: int, local_world_size: int,
 
 
 def choose_layout(size: ModelSize, *, world_size: int, local_world_size: int, device_memory: float,
-                  dtype_bytes: int = 2, kv_replication: bool = True) -> tuple[ParallelConfig, str]:
+                  dtype_bytes: int = 2, kv_replication: bool = True,
+                  accepts: Callable[[ParallelConfig], bool] | None = None) -> tuple[ParallelConfig, str]:
     """The layout and a one-line reason; raises ParallelLayoutError when nothing fits. ``kv_replication``: whether
-    TP sizes above the KV heads (each head replicated) may be picked, when no dividing one fits."""
+    TP sizes above the KV heads (each head replicated) may be picked, when no dividing one fits; ``accepts``: whether
+    the model runs a layout (``bridge_accepts``), None: every one."""
     budget = device_memory * (1 - ACTIVATION_SHARE)
     dividing, replicating = tp_candidates(size, world_size=world_size, local_world_size=local_world_size,
                                           kv_replication=kv_replication)
@@ -86,6 +91,8 @@ def choose_layout(size: ModelSize, *, world_size: int, local_world_size: int, de
             if need <= budget:
                 layout = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
                                         sequence_parallel=tp > 1)
+                if accepts is not None and not accepts(layout):
+                    continue
                 reason = (f"parallel='auto': {size.num_params / 1e9:.2f}B parameters need ~{need / 2**30:.1f} GiB of "
                           f"model and optimizer state per rank with TP={tp} x PP={pp} x DP={dp}"
                           + (f" x EP={ep}" if ep > 1 else "")
@@ -98,3 +105,17 @@ def choose_layout(size: ModelSize, *, world_size: int, local_world_size: int, de
     raise ParallelLayoutError(
         f"parallel='auto': a {size.num_params / 1e9:.2f}B-parameter model does not fit {world_size} devices of "
         f"{device_memory / 2**30:.1f} GiB with any TP <= {max(tp_options, default=1)} and PP layout; use more devices.")
+
+
+def bridge_accepts(bridge) -> Callable[[ParallelConfig], bool]:
+    """``choose_layout``'s ``accepts`` for a bridge: a layout its ``check_layout`` (if it has one) does not refuse."""
+    from loongforge_hf.bridges.config_map import UnsupportedConfigError
+
+    def accepts(layout: ParallelConfig) -> bool:
+        try:
+            getattr(bridge, "check_layout", lambda _: None)(layout)
+        except (UnsupportedConfigError, ParallelLayoutError):
+            return False
+        return True
+
+    return accepts

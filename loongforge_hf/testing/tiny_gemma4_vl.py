@@ -42,16 +42,16 @@ def tiny_gemma4_vl_config(*, audio: bool = True, **text_overrides):
 
 
 def make_tiny_gemma4_vl(folder: str | Path, *, seed: int = 0, audio: bool = True,
-                        max_shard_size: str = "60KB") -> Path:
+                        max_shard_size: str = "60KB", **text_overrides) -> Path:
     """Write a tiny random ``Gemma4ForConditionalGeneration`` checkpoint (transformers' names) with a tokenizer and
-    return its folder."""
+    return its folder (``text_overrides``: see ``tiny_gemma4_vl_config``)."""
     from transformers import Gemma4ForConditionalGeneration
 
     from loongforge_hf.testing.tiny_models import make_tiny_tokenizer
 
     folder = Path(folder)
     torch.manual_seed(seed)
-    model = Gemma4ForConditionalGeneration(tiny_gemma4_vl_config(audio=audio)).to(torch.float32)
+    model = Gemma4ForConditionalGeneration(tiny_gemma4_vl_config(audio=audio, **text_overrides)).to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # NOTE: Gemma 4's norms store their weight itself: near 1

@@ -12,6 +12,12 @@ transformers' ``router_logits`` and the experts' module type at TP1 and the latt
 layouts megatron cannot reproduce) are checked on the bridge alone, as from_pretrained makes it before any
 collective. Gemma 4 as the hub publishes it (Gemma4ForConditionalGeneration): tests/multimodal/test_gemma4_vl.py.
 
+E2B / E4B's text model (``SMALL``: per-layer inputs, the last two layers reusing layers 0 and 1's keys and values,
+double-wide MLPs there) in the same worlds: TP1 (logits, loss, a bit-exact export with every per-layer tensor, every
+gradient, greedy generate uncached / with the dynamic cache / with a static one) and TP2 + SP (logits, loss, export;
+the per-layer table vocab-split with a padding row). Its refusals (pipeline and context parallelism, LoRA on the
+per-layer linears) and ``parallel="auto"`` skipping layouts a bridge refuses are checked on the bridge alone.
+
 LoRA in the same worlds (``_lora_moe.moe_model_checks`` against PEFT on transformers' model, same initial values), at
 TP1 and TP2 + SP (experts whole: expert_tensor_parallel_size=1): ``"all-linear"`` on the dense model (q / k / v in
 each layer type's slots of ``linear_qkv``, the full layers without ``v_proj``, o and the MLP) and, on the MoE model,
@@ -41,6 +47,11 @@ LORA = {"dense": (dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora
                      exclude_modules=["router.proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
                 1e-3)}
 LORA_TP2 = {**LAYOUTS["tp2_sp"], "expert_tensor_parallel_size": 1}
+# NOTE: Gemma 4 E2B / E4B's text model shrunk: per-layer inputs of 8 (a table of 203 rows: padded to 204 under TP2),
+# the last two layers (a sliding and a full one) reusing layers 0 and 1's keys and values with double-wide MLPs, the
+# full layers with KV heads of their own (no attention_k_eq_v)
+SMALL = dict(attention_k_eq_v=False, hidden_size_per_layer_input=8, vocab_size_per_layer_input=203,
+             num_kv_shared_layers=2, use_double_wide_mlp=True)
 
 
 def _lora(folders: dict, adapters: dict, out_dir: str, layout: dict) -> dict:
@@ -71,6 +82,20 @@ def _generate(folder: str) -> dict:
     return out
 
 
+def _recompute_refusal(folder: str) -> str:
+    """The message of a training forward with activation checkpointing on the E2B / E4B-like model."""
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.train()
+    model.gradient_checkpointing_enable()
+    try:
+        model(input_ids=torch.arange(4, 12)[None], labels=torch.arange(4, 12)[None])
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def _router_logits(folder: str, layout: dict) -> tuple[int, int, float, list[str]]:
     """(our count of MoE layers' router outputs, transformers', the largest difference, our experts' module types)."""
     import transformers
@@ -87,11 +112,14 @@ def _router_logits(folder: str, layout: dict) -> tuple[int, int, float, list[str
     return len(got), len(want), max(float((a - b).abs().max()) for a, b in zip(got, want)), experts
 
 
-def _one_rank(folder: str, out_dir: str, own_values: str, moe: str, adapters: dict) -> dict:
+def _one_rank(folder: str, out_dir: str, own_values: str, moe: str, adapters: dict, small: str) -> dict:
     from ._gradients import gradient_checks
     from ._parity import load_compare_export
 
     return {"tp1": load_compare_export(folder, {}, out_dir, seq=12, padded=True), **_generate(folder),
+            "small_tp1": load_compare_export(small, {}, f"{out_dir}-small", seq=12, padded=True),
+            "small_generate": _generate(small), "small_grads": gradient_checks([("tp1", small, {}, True)]).get("tp1"),
+            "small_recompute": _recompute_refusal(small),
             "grads": gradient_checks([("tp1", folder, {}, True)]).get("tp1"),
             "own_values": load_compare_export(own_values, {}, f"{out_dir}-own-values", seq=12, padded=True),
             "moe_tp1": load_compare_export(moe, {}, f"{out_dir}-moe", seq=12, padded=True),
@@ -99,7 +127,7 @@ def _one_rank(folder: str, out_dir: str, own_values: str, moe: str, adapters: di
             "lora": _lora({"dense": folder, "moe": moe}, adapters, f"{out_dir}-lora", {})}
 
 
-def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict) -> dict:
+def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict, small: str) -> dict:
     from ._gradients import gradient_checks
     from ._parity import load_compare_export
 
@@ -111,7 +139,9 @@ def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict) -> dict:
             "grads": gradient_checks([("tp2_sp", folder, LAYOUTS["tp2_sp"], True)]).get("tp2_sp"),
             "moe_grads": gradient_checks([("tp2_sp_ep2", moe, moe_layout, True)]).get("tp2_sp_ep2"),
             "router_logits": _router_logits(moe, moe_layout),
-            "lora": _lora({"dense": folder, "moe": moe}, adapters, out_dirs["lora"], LORA_TP2)}
+            "lora": _lora({"dense": folder, "moe": moe}, adapters, out_dirs["lora"], LORA_TP2),
+            "small_tp2_sp": load_compare_export(small, LAYOUTS["tp2_sp"], out_dirs["small_tp2_sp"], seq=12,
+                                                padded=True)}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +160,11 @@ def moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gemma4_small") / "ckpt", "gemma4", **SMALL))
+
+
+@pytest.fixture(scope="module")
 def lora_adapters(folder, moe, tmp_path_factory):
     """A PEFT-written adapter (random factors) of each LoRA case."""
     from ..integrations._lora_load import write_peft_adapter
@@ -142,16 +177,17 @@ def lora_adapters(folder, moe, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_rank(folder, own_values, moe, lora_adapters, tmp_path_factory):
+def one_rank(folder, own_values, moe, lora_adapters, small, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("gemma4_tp1"))
-    return {**run_distributed(_one_rank, 1, folder, out_dir, own_values, moe, lora_adapters, timeout=400)[0],
+    return {**run_distributed(_one_rank, 1, folder, out_dir, own_values, moe, lora_adapters, small, timeout=500)[0],
             "out_dir": out_dir}
 
 
 @pytest.fixture(scope="module")
-def two_ranks(folder, moe, lora_adapters, tmp_path_factory):
-    out_dirs = {name: str(tmp_path_factory.mktemp(f"gemma4_{name}")) for name in (*LAYOUTS, *MOE_LAYOUTS, "lora")}
-    return {**run_distributed(_two_ranks, 2, folder, out_dirs, moe, lora_adapters, timeout=400)[0],
+def two_ranks(folder, moe, lora_adapters, small, tmp_path_factory):
+    out_dirs = {name: str(tmp_path_factory.mktemp(f"gemma4_{name}"))
+                for name in (*LAYOUTS, *MOE_LAYOUTS, "lora", "small_tp2_sp")}
+    return {**run_distributed(_two_ranks, 2, folder, out_dirs, moe, lora_adapters, small, timeout=500)[0],
             "out_dirs": out_dirs}
 
 
@@ -187,6 +223,61 @@ def test_parallel_layouts(two_ranks, folder, layout):
     r = two_ranks[layout]
     assert r["logit_diff"] < TOL and r["loss_diff"] < TOL, r
     check_round_trip(folder, two_ranks["out_dirs"][layout])
+
+
+@pytest.mark.parametrize("world, key", [("one_rank", "small_tp1"), ("two_ranks", "small_tp2_sp")])
+def test_small_model_logits_loss_and_export(world, key, small, request):
+    """E2B / E4B's per-layer inputs, shared KV and double-wide MLPs (``SMALL``) at TP1 and TP2 + SP (the per-layer
+    table vocab-split with a padding row): logits, loss, bit-exact exports (every per-layer tensor)."""
+    res = request.getfixturevalue(world)
+    r = res[key]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL, r
+    out = f"{res['out_dir']}-small" if world == "one_rank" else res["out_dirs"][key]
+    check_round_trip(small, out)
+
+
+def test_small_model_gradients_and_cached_generate(one_rank):
+    """Every gradient (the per-layer table, projection, norms, gates; the storing layers' k / v with the reusing
+    layers' share) and greedy generate of a left-padded batch without a cache, with the dynamic and a static one;
+    a training forward with activation checkpointing refused by name."""
+    grads = one_rank["small_grads"]
+    assert not grads["missing"], grads["missing"]
+    assert grads["diffs"] and max(grads["diffs"].values()) < TOL, grads["diffs"]
+    want = {"model.embed_tokens_per_layer.weight", "model.per_layer_model_projection.weight",
+            "model.per_layer_projection_norm.weight", "model.layers.3.per_layer_input_gate.weight",
+            "model.layers.3.per_layer_projection.weight", "model.layers.3.post_per_layer_input_norm.weight",
+            "model.layers.1.self_attn.k_proj.weight", "model.layers.3.mlp.up_proj.weight"}
+    assert want <= set(grads["diffs"]), sorted(want - set(grads["diffs"]))
+    for mode, (same, score_diff) in one_rank["small_generate"].items():
+        assert same and score_diff < TOL, (mode, same, score_diff)
+    assert "activation checkpointing" in one_rank["small_recompute"], one_rank["small_recompute"]
+    assert "hidden_size_per_layer_input=8" in one_rank["small_recompute"], one_rank["small_recompute"]
+
+
+def test_small_model_refusals_name_the_field():
+    """Pipelines and CP with per-layer inputs / shared KV, all layers sharing, the MoE block with them; LoRA on the
+    per-layer linears refused naming them for exclude_modules; the bridge builds them right away."""
+    import peft
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+    from loongforge_hf.parallel.config import ParallelConfig
+    from loongforge_hf.testing.tiny_models import _config
+
+    bridge = get_bridge(_config("gemma4", **SMALL))
+    assert bridge.reusing_layers == bridge.wide_layers == {2, 3}
+    for layout, field in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+                          ({"context_parallel_size": 2}, "context_parallel_size=2")):
+        with pytest.raises(UnsupportedConfigError, match=f"{field}.*hidden_size_per_layer_input=8"):
+            bridge.check_layout(ParallelConfig(**layout))
+    with pytest.raises(UnsupportedConfigError, match="num_kv_shared_layers=2"):
+        get_bridge(_config("gemma4", num_kv_shared_layers=2)).check_layout(ParallelConfig(pipeline_parallel_size=2))
+    with pytest.raises(UnsupportedConfigError, match="num_kv_shared_layers=4"):
+        get_bridge(_config("gemma4", num_kv_shared_layers=4))
+    with pytest.raises(UnsupportedConfigError, match="enable_moe_block"):
+        get_bridge(_config("gemma4_moe", hidden_size_per_layer_input=8))
+    with pytest.raises(LoraConfigError, match=r"per_layer_input_gate.*exclude_modules=\[.*'per_layer_projection'"):
+        plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear"))
 
 
 def test_moe_block_tp1(one_rank, moe):
@@ -262,7 +353,6 @@ def test_moe_block_refusals_name_the_field(field, value):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("hidden_size_per_layer_input", 8, None), ("num_kv_shared_layers", 2, None),
     ("use_bidirectional_attention", "all", None), ("attention_bias", True, None),
     ("per_layer_config", {1: {"head_dim": 32, "intermediate_size": 48}, 3: {"head_dim": 32}}, "intermediate_size"),
     ("per_layer_config", {1: {"head_dim": 32}, 3: {"head_dim": 64}}, "full_attention layers"),
@@ -283,6 +373,42 @@ def test_kv_heads_of_each_layer_type_split_over_tp(tp, field):
 
     with pytest.raises(UnsupportedConfigError, match=field):
         get_bridge(_config("gemma4")).check_layout(ParallelConfig(tensor_parallel_size=tp))
+
+
+def test_angles_cut_once_per_forward_and_unused_kv_carried():
+    """Each layer type's rotary angles are cut from the side-by-side table once per table (a forward's layers share
+    the copy; a new table, a new cut), equal to the slice; a checkpoint's k / v / k norm of reusing layers (which
+    transformers ignores) are carried through exports, nothing else."""
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.bridges.gemma4_attention import _AngleCache
+    from loongforge_hf.testing.tiny_models import _config
+
+    cache, table = _AngleCache(), torch.randn(7, 1, 1, 48)
+    full, sliding = cache.get(table, 32, full=True), cache.get(table, 16, full=False)
+    assert cache.get(table, 32, full=True) is full and cache.get((table, table), 16, full=False)[1] is sliding
+    assert torch.equal(full, table[..., :32]) and torch.equal(sliding, table[..., 32:]) and full.is_contiguous()
+    assert cache.get(table.clone(), 32, full=True) is not full
+    names = [f"model.layers.{i}.self_attn.{n}.weight" for i in range(4) for n in ("k_proj", "v_proj", "k_norm")]
+    carried = get_bridge(_config("gemma4", **SMALL)).passthrough_names(names + ["model.norm.weight"])
+    assert carried == [n for n in names if n.startswith(("model.layers.2.", "model.layers.3."))], carried
+    assert get_bridge(_config("gemma4")).passthrough_names(names) == []
+
+
+def test_auto_layout_skips_what_the_bridge_refuses():
+    """parallel="auto" asks the bridge (check_layout): TP4 fits but splits the full layers' 2 KV heads, so the planner
+    goes on to TP2 x PP2; E2B / E4B's refuse pipelines, so there TP4 stays out and nothing else fits."""
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.parallel.auto import ModelSize, bridge_accepts, choose_layout
+    from loongforge_hf.parallel.config import ParallelLayoutError
+    from loongforge_hf.testing.tiny_models import _config
+
+    size = ModelSize(num_params=10**9, num_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    kw = dict(world_size=4, local_world_size=4, device_memory=4.5e9 / 0.65)
+    assert choose_layout(size, **kw)[0].tensor_parallel_size == 4
+    layout, _ = choose_layout(size, **kw, accepts=bridge_accepts(get_bridge(_config("gemma4"))))
+    assert (layout.tensor_parallel_size, layout.pipeline_parallel_size) == (2, 2)
+    with pytest.raises(ParallelLayoutError):
+        choose_layout(size, **kw, accepts=bridge_accepts(get_bridge(_config("gemma4", **SMALL))))
 
 
 def test_refuses_proportional_factor_out_of_range():

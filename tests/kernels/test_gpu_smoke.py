@@ -79,6 +79,9 @@ def _train_and_compare(folder: str, out_dir: str, device: str, sampled: bool = F
                                             ("phimoe", {}), ("gemma4", {}), ("glm4_moe_lite", {}),
                                             ("mistral4", {}), ("minicpm3", {}), ("falcon_h1", {}),
                                             ("olmo_hybrid", {}), ("gemma4_moe", {}), ("exaone_moe", {}),
+                                            ("gemma4", {"attention_k_eq_v": False, "hidden_size_per_layer_input": 8,
+                                                        "vocab_size_per_layer_input": 203,
+                                                        "num_kv_shared_layers": 2, "use_double_wide_mlp": True}),
                                             ("solar_open", {}), ("dbrx", {}), ("ministral3", {}), ("vaultgemma", {}),
                                             ("cwm", {}), ("nanochat", {}), ("deepseek_v32", {}),
                                             ("glm_moe_dsa", {})])

@@ -110,11 +110,13 @@ def train(folder: str, out_dir: str, *, loong: bool) -> list:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def one_rank(folder: str, no_audio: str, out_dir: str) -> dict:
+def one_rank(folder: str, no_audio: str, out_dir: str, small: str) -> dict:
     """Everything the one-rank world checks (see the test module)."""
     from tests.bridges._gradients import gradient_checks
 
-    return {"tp1": compare(folder, {}, f"{out_dir}/tp1"),
+    return {"small_images": compare_images(small, {}, f"{out_dir}/small_images"),
+            "small_image_generate": generate_images(small),
+            "tp1": compare(folder, {}, f"{out_dir}/tp1"),
             "image_text": compare(folder, {}, f"{out_dir}/image_text", auto_class="AutoModelForImageTextToText"),
             "no_audio": compare(no_audio, {}, f"{out_dir}/no_audio"),
             "grads": gradient_checks([("tp1", folder, {}, False)]).get("tp1"),

@@ -34,9 +34,21 @@ def no_audio(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_rank(folder, no_audio, tmp_path_factory):
+def small(tmp_path_factory):
+    """E2B / E4B's text model shrunk (tests/bridges/test_gemma4.py's ``SMALL``, its per-layer table over the ids of
+    the special tokens too) under the image-text model; without the double-wide MLPs (tested on the text model):
+    with them this tiny random model amplifies fp32 rounding of the image path past 1e-4 (a 1e-7 relative change of
+    transformers' image embedder moves its own logits by 6e-5; theirs are 2e-5 off fp64, ours 1.1e-4)."""
+    from tests.bridges.test_gemma4 import SMALL
+
+    return str(make_tiny_gemma4_vl(tmp_path_factory.mktemp("gemma4_vl_small") / "src", audio=False,
+                                   **{**SMALL, "vocab_size_per_layer_input": 210, "use_double_wide_mlp": False}))
+
+
+@pytest.fixture(scope="module")
+def one_rank(folder, no_audio, small, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("gemma4_vl_one"))
-    return {**run_distributed(_one_rank, 1, folder, no_audio, out, timeout=400)[0], "out": out}
+    return {**run_distributed(_one_rank, 1, folder, no_audio, out, small, timeout=400)[0], "out": out}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +79,17 @@ def test_gradients_and_untouched_towers(one_rank):
     assert max(checked.values()) < TOL, checked
     towers = [n for n in checked if n.startswith(TOWERS)]
     assert towers and "model.language_model.layers.1.self_attn.k_proj.weight" in checked, sorted(checked)
+
+
+def test_small_model_with_images(one_rank, small):
+    """E2B / E4B's text model under images: the placeholders looked up as padding in the per-layer table, the
+    projection over the embeddings with images in place (logits, loss, the export bit for bit) and greedy generate
+    with the KV cache (the shared keys and values), as transformers'."""
+    r = one_rank["small_images"]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL, r
+    check_round_trip(small, f"{one_rank['out']}/small_images")
+    r = one_rank["small_image_generate"]
+    assert r["same"] and r["diff"] < TOL, r
 
 
 def test_greedy_generate(one_rank):
@@ -135,8 +158,10 @@ def test_bridge_refusals_before_any_collective():
     from loongforge_hf.parallel.config import ParallelConfig
     from loongforge_hf.testing.tiny_gemma4_vl import tiny_gemma4_vl_config
 
-    with pytest.raises(UnsupportedConfigError, match="hidden_size_per_layer_input"):
-        get_vl_bridge(tiny_gemma4_vl_config(hidden_size_per_layer_input=8))
+    small = get_vl_bridge(tiny_gemma4_vl_config(hidden_size_per_layer_input=8))  # NOTE: E2B / E4B's text model
+    assert small.image_token_id in small.text.placeholder_ids
+    with pytest.raises(UnsupportedConfigError, match="pipeline_parallel_size=2.*hidden_size_per_layer_input=8"):
+        small.check_layout(ParallelConfig(pipeline_parallel_size=2))
     with pytest.raises(UnsupportedConfigError, match="num_global_key_value_heads=2"):
         get_vl_bridge(tiny_gemma4_vl_config()).check_layout(ParallelConfig(tensor_parallel_size=4))
     with pytest.raises(UnsupportedArchitectureError, match="lf.AutoModelForImageTextToText"):
