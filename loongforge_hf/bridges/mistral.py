@@ -36,8 +36,9 @@ class Llama4QueryScale:
         if limit is not None and longest > limit:
             beta = self.hf_config.rope_parameters["llama_4_scaling_beta"]
             raise ValueError(f"{longest} positions: rope_parameters.llama_4_scaling_beta={beta} scales the queries "
-                             f"from position original_max_position_embeddings={limit} on, which {self.architectures[0]}"
-                             f" does not implement here; use sequences of at most {limit} tokens.")
+                             f"from position original_max_position_embeddings={limit} on, which loongforge-hf does not "
+                             f"implement for {self.hf_config.model_type!r} models; use sequences of at most {limit} "
+                             "tokens.")
 
 
 @register_bridge("MistralForCausalLM")

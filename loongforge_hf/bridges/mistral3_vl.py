@@ -5,7 +5,9 @@ Choices:
 - The language model is the Mistral declaration (``mistral.MistralBridge``: Llama's layout, an optional sliding
   window) over ``text_config``, with 1-D positions and causal attention everywhere (Mistral 3 has no
   ``token_type_ids`` rule), its tensors under the checkpoint's prefix; the LM head is tied to the embedding when
-  the top-level ``tie_word_embeddings`` says so, as transformers ties it.
+  the top-level ``tie_word_embeddings`` says so, as transformers ties it. Ministral 3's checkpoints (a ``ministral3``
+  ``text_config``: YaRN with ``mscale`` / ``mscale_all_dim``, Llama 4's query scale) refuse sequences that reach the
+  query scale (``mistral.Llama4QueryScale``: not built), in the forward and the trainer's batch check.
 - Two on-disk namings: the hub's, which transformers 5 writes too (``language_model.model.*``,
   ``language_model.lm_head.weight``, ``vision_tower.*``, ``multi_modal_projector.*``), and the module names
   (``model.language_model.*``, ``lm_head.weight``, ``model.vision_tower.*``, ``model.multi_modal_projector.*``);
@@ -27,7 +29,7 @@ import torch
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.gemma3_vl import OuterTableBridge, QKVRows
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, renamed
-from loongforge_hf.bridges.mistral import MistralBridge
+from loongforge_hf.bridges.mistral import Llama4QueryScale, MistralBridge
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES, PrefixedText, check_vit
 
 # (text prefix, LM head, vision prefix, projector prefix) of each naming, found by its tensors
@@ -52,8 +54,10 @@ class HeadPrefixedText(PrefixedText):
                 for n, s in super().expected_hf_shapes().items()}
 
 
-class Mistral3TextBridge(HeadPrefixedText, MistralBridge):
-    """The language model of Mistral 3: Mistral under ``text_prefix``, its LM head named ``head_prefix``."""
+class Mistral3TextBridge(HeadPrefixedText, Llama4QueryScale, MistralBridge):
+    """The language model of Mistral 3: Mistral under ``text_prefix``, its LM head named ``head_prefix``; Ministral 3's
+    (``text_config.model_type`` ``ministral3``: YaRN and Llama 4's query scale) refuses positions that reach the scale
+    (``Llama4QueryScale``)."""
 
 
 class Mistral3VLBridge(OuterTableBridge):
@@ -74,6 +78,10 @@ class Mistral3VLBridge(OuterTableBridge):
             found[0] if found else _NAMINGS[0]
         self.text = self.text_bridge(names, shape_of)
         self.check_vision_config()
+
+    def check_sequence_length(self, longest: int) -> None:
+        """The language model's (Ministral 3's query scale), called by the forward and the trainer."""
+        self.text.check_sequence_length(longest)
 
     def text_bridge(self, checkpoint_names: set, shape_of):
         return self.text_bridge_class(self.hf_config.text_config, tied=self.tied, text_prefix=self.text_prefix,

@@ -55,7 +55,7 @@ from torch import nn
 
 from loongforge_hf.modeling import (LoongModelForCausalLM, _resolve_dtype, failing_alike, hf_forward_options,
                                     hf_forward_output, keep_hub_name, refuse_save_options, resolve_parallel,
-                                    router_outputs)
+                                    rope_length, router_outputs)
 from loongforge_hf.parallel import ParallelLayoutError, read_launch_env
 from loongforge_hf.parallel.config import PARALLEL_KWARGS
 
@@ -288,6 +288,9 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
         # NOTE: generate checked its prompt; the ids it samples are not refused
         _refuse_inputs(self.bridge, {**unused, "input_ids": None if self._generating else input_ids,
                                      "pixel_values": pixel_values, "pixel_values_videos": pixel_values_videos})
+        if hasattr(self.bridge, "check_sequence_length"):  # NOTE: positions it is not exact from (Ministral 3)
+            past = options["cache"].get_seq_length() if options["cache"] is not None else 0
+            self.bridge.check_sequence_length(rope_length(input_ids, position_ids, past))
         if options["cache"] is not None or self._generating:
             from loongforge_hf.multimodal.generation import generation_forward
 

@@ -36,8 +36,27 @@ def compare(folder: str, layout: dict, out_dir: str | None = None, *, batch: dic
 
 
 def compare_many(cases: list) -> dict:
-    """``compare`` for each (name, folder, layout, out_dir, extra keywords) in one world."""
-    return {name: compare(folder, layout, out_dir, **extra) for name, folder, layout, out_dir, extra in cases}
+    """``compare`` for each (name, folder, layout, out_dir, extra keywords) in one world; a case whose extra keywords
+    hold ``refused_length`` also reports the error of a text forward of that many tokens ("refused")."""
+    out = {}
+    for name, folder, layout, out_dir, extra in cases:
+        length = extra.pop("refused_length", None)
+        out[name] = compare(folder, layout, out_dir, **extra)
+        if length is not None:
+            out[name]["refused"] = refused_forward(folder, length)
+    return out
+
+
+def refused_forward(folder: str, length: int) -> str | None:
+    """The ValueError's message of a forward of ``length`` text tokens (None if it ran)."""
+    import loongforge_hf as lf
+
+    model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    try:
+        model(input_ids=torch.arange(5, 5 + length).view(1, -1) % 190 + 5)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 # ---- generate ------------------------------------------------------------------------------------------------------

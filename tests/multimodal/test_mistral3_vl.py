@@ -17,6 +17,11 @@ from ._vl_parity import TWO_RANKS
 from ._vl_mistral3 import TEXT_ROWS, collate_and_train, compare_many, generate_both, generate_layouts, make_batch
 
 TOL = 1e-4
+# Ministral 3's text model (its hub checkpoints are Mistral 3 image-text ones): YaRN with an mscale ratio (attention
+# factor 1.06) and Llama 4's query scale from position 64 on (not built: longer sequences refused)
+MINISTRAL3 = {"model_type": "ministral3", "rope_parameters": {
+    "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.1}}
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -34,15 +39,22 @@ def check(result: dict, *, grads: bool) -> None:
 
 def test_parity_and_round_trip_one_rank(checkpoint, tmp_path):
     """TP1 in the hub's naming (what transformers 5 writes), a text-only batch, and the module naming with a tied
-    head and the projector's biases (``multimodal_projector_bias``); each exported under its own names."""
+    head and the projector's biases (``multimodal_projector_bias``); each exported under its own names. Ministral 3
+    (``MINISTRAL3``): the same checks, and 65 positions refused by name."""
     modules = make_tiny_mistral3(tmp_path / "modules", naming="modules", projector_bias=True,
                                  tie_word_embeddings=True)
+    ministral3 = make_tiny_mistral3(tmp_path / "ministral3", **MINISTRAL3)
     cases = [("tp1", str(checkpoint), {}, str(tmp_path / "tp1"), {}),
              ("text_only", str(checkpoint), {}, None, {"batch": make_batch(TEXT_ROWS)}),
-             ("modules", str(modules), {}, str(tmp_path / "modules_out"), {})]
+             ("modules", str(modules), {}, str(tmp_path / "modules_out"), {}),
+             ("ministral3", str(ministral3), {}, str(tmp_path / "ministral3_out"), {"refused_length": 65})]
     results = run_distributed(compare_many, 1, cases, timeout=400)[0]
     check(results["tp1"], grads=True)
     check(results["modules"], grads=True)
+    check(results["ministral3"], grads=True)
+    assert "llama_4_scaling_beta=0.1" in results["ministral3"]["refused"] and "'ministral3'" in \
+        results["ministral3"]["refused"], results["ministral3"]["refused"]
+    _check_round_trip(ministral3, tmp_path / "ministral3_out", side_files=SIDE_FILES)
     assert results["modules"]["grads"] == results["tp1"]["grads"] + 2, results
     assert results["text_only"]["logit_diff"] < TOL and results["text_only"]["loss_diff"] < TOL
     for src, out in ((checkpoint, "tp1"), (modules, "modules_out")):
