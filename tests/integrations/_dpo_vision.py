@@ -66,8 +66,9 @@ def _eval_dataset(overrides: dict):
     return vision_dataset(4, seed=3) if overrides.get("eval_strategy") else None
 
 
-def run_trl_vision(folder: str, out_dir: str, names: list[str]) -> dict:
-    """trl.DPOTrainer (+ PEFT) on transformers' Qwen2-VL: {scenario: {"logs", "eval_logs", "weights"}}."""
+def run_trl_vision(folder: str, out_dir: str, names: list[str], scenarios: dict = VISION_SCENARIOS) -> dict:
+    """trl.DPOTrainer (+ PEFT) on transformers' Qwen2-VL: {scenario of ``scenarios``: {"logs", "eval_logs",
+    "weights"}}."""
     import peft
     import transformers
     import trl
@@ -77,7 +78,7 @@ def run_trl_vision(folder: str, out_dir: str, names: list[str]) -> dict:
 
     out = {}
     for name in names:
-        overrides, lora, with_ref = VISION_SCENARIOS[name]
+        overrides, lora, with_ref = scenarios[name]
         trainer = trl.DPOTrainer(model=load(), ref_model=load() if with_ref else None,
                                  args=dpo_config(f"{out_dir}/{name}", **overrides), train_dataset=vision_dataset(),
                                  eval_dataset=_eval_dataset(overrides), processing_class=_processor(folder),
@@ -92,8 +93,10 @@ def run_trl_vision(folder: str, out_dir: str, names: list[str]) -> dict:
     return out
 
 
-def run_loong_vision(folder: str, out_dir: str, layout: dict, names: list[str]) -> dict:
-    """LoongDPOTrainer on the image-text model in ``layout``: {scenario: {"logs", "eval_logs", "weights" (rank 0)}}."""
+def run_loong_vision(folder: str, out_dir: str, layout: dict, names: list[str],
+                     scenarios: dict = VISION_SCENARIOS) -> dict:
+    """LoongDPOTrainer on the image-text model in ``layout``: {scenario of ``scenarios``: {"logs", "eval_logs",
+    "weights" (rank 0)}}."""
     import peft
     import torch.distributed as dist
 
@@ -104,7 +107,7 @@ def run_loong_vision(folder: str, out_dir: str, layout: dict, names: list[str]) 
 
     out = {}
     for name in names:
-        overrides, lora, with_ref = VISION_SCENARIOS[name]
+        overrides, lora, with_ref = scenarios[name]
         trainer = lf.LoongDPOTrainer(model=load(), ref_model=load() if with_ref else None,
                                      args=dpo_config(f"{out_dir}/{name}", **overrides), train_dataset=vision_dataset(),
                                      eval_dataset=_eval_dataset(overrides), processing_class=_processor(folder),

@@ -4,7 +4,9 @@ exactly -- the first step's too: the reference forwards run the training kernels
 so its rewards are exactly 0 as TRL's -- final weights) with the engine's
 CUDA path (Triton kernels, LoongAdamW, the fused vocab-parallel head's per-row log-probs) against TRL's own CUDA run on
 one GPU: the three scenarios and the padding-free one (packed rows, ``_dpo_parity.PACKED_SCENARIOS``) at TP1, the
-Qwen3-MoE one with TRL's router balancing loss at TP1; on two GPUs over NCCL, full fine-tuning, LoRA and the
+Qwen3-MoE one with TRL's router balancing loss at TP1, vision DPO (``_dpo_vision``: the tiny Qwen2-VL, TRL's image
+dataset and vision collator; full fine-tuning and LoRA on the language model's and the tower's attention) at TP1; on
+two GPUs over NCCL, full fine-tuning, LoRA and the
 padding-free one at TP2 with sequence parallelism and the MoE one at TP2 + SP x EP2."""
 
 import pytest
@@ -15,7 +17,8 @@ from loongforge_hf.testing import make_tiny_checkpoint
 
 from .._device_env import pickleable_month_day_nano
 from ._dpo_parity import MOE_SCENARIOS, PACKED_SCENARIOS, SCENARIOS, run_loong, run_trl
-from .test_dpo import MOE_NAMES, MOE_TWO_RANKS, NAMES, TWO_RANK_NAMES, _assert_matches, _initial_weights
+from ._dpo_vision import VISION_SCENARIOS, run_loong_vision, run_trl_vision
+from .test_dpo import MOE_NAMES, MOE_TWO_RANKS, NAMES, TWO_RANK_NAMES, VISION_NAMES, _assert_matches, _initial_weights
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -23,6 +26,8 @@ pytestmark = [pytest.mark.gpu,
 # NOTE: the scenarios with the config's use_cpu=True turned off: TRL's accelerate runs on the rank's GPU
 GPU = {name: ({**overrides, "use_cpu": False}, lora, ref)
        for name, (overrides, lora, ref) in {**SCENARIOS, **MOE_SCENARIOS, **PACKED_SCENARIOS}.items()}
+VISION_GPU = {name: ({**overrides, "use_cpu": False}, lora, ref)
+              for name, (overrides, lora, ref) in VISION_SCENARIOS.items()}
 ONE_GPU_NAMES = [*NAMES, "padding_free"]
 TWO_GPU_NAMES = [*TWO_RANK_NAMES, "padding_free"]
 
@@ -36,15 +41,17 @@ def _cuda() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
-def _one_gpu(folder: str, moe_folder: str, out_dir: str) -> dict:
+def _one_gpu(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
     _cuda()
     return {"trl": run_trl(folder, out_dir + "/trl", ONE_GPU_NAMES, GPU),
             "loong": run_loong(folder, out_dir + "/tp1", {}, ONE_GPU_NAMES, GPU),
             "moe_trl": run_trl(moe_folder, out_dir + "/moe-trl", MOE_NAMES, GPU),
-            "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_NAMES, GPU)}
+            "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_NAMES, GPU),
+            "vision_trl": run_trl_vision(vl_folder, out_dir + "/vision-trl", VISION_NAMES, VISION_GPU),
+            "vision_tp1": run_loong_vision(vl_folder, out_dir + "/vision-tp1", {}, VISION_NAMES, VISION_GPU)}
 
 
-def _two_gpus(folder: str, moe_folder: str, out_dir: str) -> dict:
+def _two_gpus(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
     _cuda()
     return {"tp2_sp": run_loong(folder, out_dir + "/tp2", {"tensor_parallel_size": 2, "sequence_parallel": True},
                                 TWO_GPU_NAMES, GPU),
@@ -53,8 +60,11 @@ def _two_gpus(folder: str, moe_folder: str, out_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_vl
+
     root = tmp_path_factory.mktemp("dpo-gpu-src")
-    return str(make_tiny_checkpoint(root / "llama", "llama")), str(make_tiny_checkpoint(root / "moe", "qwen3_moe"))
+    return (str(make_tiny_checkpoint(root / "llama", "llama")), str(make_tiny_checkpoint(root / "moe", "qwen3_moe")),
+            str(make_tiny_qwen2_vl(root / "qwen2_vl")))
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +76,11 @@ def one_gpu(checkpoints, tmp_path_factory):
 @pytest.mark.parametrize("name", ONE_GPU_NAMES)
 def test_dpo_on_cuda_matches_trl(checkpoints, one_gpu, name):
     _assert_matches(name, one_gpu["trl"][name], one_gpu["loong"][name], _initial_weights(checkpoints[0]))
+
+
+@pytest.mark.parametrize("name", VISION_NAMES)
+def test_vision_dpo_on_cuda_matches_trl(checkpoints, one_gpu, name):
+    _assert_matches(name, one_gpu["vision_trl"][name], one_gpu["vision_tp1"][name], _initial_weights(checkpoints[2]))
 
 
 def test_moe_router_aux_loss_on_cuda(checkpoints, one_gpu):
