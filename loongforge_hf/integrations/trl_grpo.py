@@ -27,6 +27,9 @@ Choices:
   num_tokens, kl (beta != 0), entropy, clip_ratio/{low_mean, low_min, high_mean, high_max, region_mean}
   (per micro-batch, over the data-parallel ranks: each rank's clip extremes in its own slot of the step's sums),
   cispo_clip_ratio ("cispo"), vespo/phi_seq_mean ("vespo"), aux_loss (MoE). TRL's ``step_time`` is not logged.
+- Vision GRPO (an image-text model from ``AutoModelForImageTextToText``, its processor, an ``image`` / ``images``
+  column of conversational prompts): TRL's own image handling (generation with the images, the image inputs in
+  every log-prob forward), through the engine as ``trl_online.py`` says, at every layout the model trains at.
 - Refused with a message, on every rank before any collective: ``trl_online.refusals``' list, and
   ``tools`` / ``rollout_func`` / ``environment_factory`` (multi-turn), ``entropy_coef`` / ``use_adaptive_entropy``
   (entropy bonus), ``top_entropy_quantile < 1``.

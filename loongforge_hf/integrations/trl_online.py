@@ -39,9 +39,22 @@ Choices:
   mask): TRL adds ``coef * aux_loss`` to the evaluation loss (no accumulation) and logs ``eval_aux_loss``, the
   data-parallel ranks' mean.
 - The reference (``beta != 0``): the policy's checkpoint loaded again with its layout and dtype (TRL loads it from
-  the policy's name), or with ``peft_config`` (megatron LoRA) the policy with its adapters disabled.
+  the policy's name; an image-text model's with its vision tower layout, the random draws of building the tower kept
+  off the seeded stream, as TRL's load draws none), or with ``peft_config`` (megatron LoRA) the policy with its
+  adapters disabled.
+- Image-text models (vision GRPO / RLOO: an image-text model from ``AutoModelForImageTextToText``, its processor as
+  ``processing_class``, an ``image`` / ``images`` column of conversational prompts): TRL attaches each prompt's images
+  to its messages (repeated with the prompt for each generation by its sampler), tokenises them with the processor
+  and generates with them (the policy's ``generate``, images at the prefill); its prepared batches carry the image
+  inputs (``pixel_values``, ``image_grid_thw``, ``num_images``, token types, ...), which go into the engine
+  micro-batch (``engine_batch``: as they are, the token types padded with 0) and the no-grad forwards
+  (``completion_logps``, TRL's rows sliced per image / patch / tile as its own: ``vision_rows``), both through the
+  model's own chunk inputs (``dpo_scores._model_inputs``: ``megatron_forward_inputs``, 3-D rope positions). Every
+  layout the image-text model trains at (TP with SP, PP, VPP, CP, DP). TRL 1.16 truncates no prompt (no
+  ``max_prompt_length``), so the image tokens stay whole.
 - Refused with a message, on every rank before any collective (``refusals``): vLLM, Liger, continuous batching,
-  ``sync_ref_model``, image datasets / processors, ``gradient_accumulation_steps`` not a multiple of
+  ``sync_ref_model``, an image dataset or a processor with a text model, an image dataset with a tokenizer
+  (``vision_problems``), ``gradient_accumulation_steps`` not a multiple of
   ``pipeline_parallel_size`` under virtual pipeline stages, ``log_completions`` under model
   parallelism (TRL's completion table gathers every process), a non-LoRA ``peft_config``, custom ``optimizers``,
   ``quantization_config``; each trainer adds its own.
@@ -55,7 +68,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from loongforge_hf.integrations.dpo_scores import _local_inputs
+from loongforge_hf.integrations.dpo_scores import _model_inputs
 from loongforge_hf.integrations.trl_dpo import _disable_residual_dropout
 from loongforge_hf.kernels._saved import training_numerics
 from loongforge_hf.trainer.data import dp_rank_and_size
@@ -65,6 +78,12 @@ from loongforge_hf.trainer.engine import micro_batch_group
 REFUSED_FIELDS = (("use_vllm", False, " (generation runs the policy's own generate)"), ("use_liger_kernel", False, ""),
                   ("use_transformers_continuous_batching", False, ""), ("sync_ref_model", False, ""),
                   ("cast_lm_head_to_fp32", False, ""))
+# TRL's image inputs of a prepared batch (its forward keywords, per image, patch or tile) and its per-token types
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                 "image_position_ids")
+TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
+# the image bookkeeping TRL keeps beside them (images and tiles per row)
+IMAGE_COUNTS = ("num_images", "num_tiles")
 
 
 def refusals(args, model, peft_config, train_dataset, processing_class, *, fields=(), **given) -> list[str]:
@@ -74,9 +93,7 @@ def refusals(args, model, peft_config, train_dataset, processing_class, *, field
     for field, default, reason in REFUSED_FIELDS + tuple(fields):
         if getattr(args, field, default) != default:
             problems.append(f"{field}={getattr(args, field)!r}{reason}")
-    sample = next(iter(train_dataset)) if train_dataset is not None else {}
-    if "image" in sample or "images" in sample or hasattr(processing_class, "image_processor"):
-        problems.append("image datasets / processors (vision models)")
+    problems += vision_problems(model, train_dataset, processing_class)
     if peft_config is not None and type(peft_config).__name__ != "LoraConfig":
         problems.append(f"peft_config of type {type(peft_config).__name__} (LoRA only)")
     layout = model.parallel
@@ -89,6 +106,60 @@ def refusals(args, model, peft_config, train_dataset, processing_class, *, field
         problems.append("log_completions=True with tensor / pipeline / context parallelism (TRL's table gathers "
                         "every process)")
     return problems
+
+
+def vision_problems(model, train_dataset, processing_class) -> list[str]:
+    """What an image dataset (an ``image`` / ``images`` column, as TRL tells it) or a processor does not train with:
+    a text model, or a tokenizer for the images."""
+    from transformers import ProcessorMixin
+
+    sample = next(iter(train_dataset)) if train_dataset is not None else {}
+    images, processor = "image" in sample or "images" in sample, isinstance(processing_class, ProcessorMixin)
+    tower = getattr(model, "vision_layout", None)
+    problems = []
+    if (images or processor) and tower is None:
+        problems.append(f"{'an image dataset' if images else 'a processor'} with the text model "
+                        f"{type(model).__name__} (load an image-text model with "
+                        "loongforge_hf.AutoModelForImageTextToText.from_pretrained)")
+    if images and processing_class is not None and not processor:
+        problems.append(f"an image dataset with processing_class of type {type(processing_class).__name__} (pass "
+                        "the model's processor)")
+    return problems
+
+
+def vision_rows(vision: dict, start: int, end: int) -> dict:
+    """TRL's image inputs of rows ``start:end`` (its ``_get_per_token_logps_and_entropies``' slicing): per-row
+    tensors by row, per-image ones by ``num_images``, Qwen's patches by ``image_grid_thw``, tiles by ``num_tiles``."""
+    get, out = vision.get, {}
+    pixels, grid = get("pixel_values"), get("image_grid_thw")
+    images, tiles = _spans(get("num_images"), start, end), _spans(get("num_tiles"), start, end)
+    if pixels is not None and grid is not None:
+        patches = [int(s.sum()) for s in torch.split(grid.prod(dim=-1), list(get("num_images")))]
+        out.update(pixel_values=pixels[_spans(patches, start, end)], image_grid_thw=grid[images])
+    elif pixels is not None and get("image_position_ids") is not None:
+        out.update(pixel_values=pixels[images], image_position_ids=get("image_position_ids")[images])
+    elif pixels is not None and get("spatial_shapes") is not None:
+        out.update({k: get(k)[tiles] for k in ("pixel_values", "pixel_attention_mask", "spatial_shapes")})
+    elif pixels is not None and tiles is not None:
+        out["pixel_values"] = pixels[tiles]
+    elif pixels is not None and images is not None and pixels.shape[0] == sum(get("num_images")):
+        out["pixel_values"] = pixels[images]
+    elif pixels is not None:
+        out["pixel_values"] = pixels[start:end]
+    if get("pixel_attention_mask") is not None and get("spatial_shapes") is None:
+        out["pixel_attention_mask"] = get("pixel_attention_mask")[start:end]
+    if get("image_sizes") is not None:
+        out["image_sizes"] = get("image_sizes")[images]
+    out.update({k: get(k)[start:end] for k in TOKEN_TYPES if get(k) is not None})
+    return out
+
+
+def _spans(counts, start: int, end: int) -> slice | None:
+    """The items of rows ``start:end`` given each row's count (None without counts)."""
+    if counts is None:
+        return None
+    bounds = [0, *torch.tensor(list(counts)).cumsum(0).tolist()]
+    return slice(bounds[start], bounds[end])
 
 
 def check_policy(model, trainer: str) -> None:
@@ -181,18 +252,22 @@ def token_logps(output: torch.Tensor, labels: torch.Tensor, head, *, vocab_size:
 
 def engine_batch(inputs: dict, *, multiple: int, pad_id: int, length: int = 0) -> dict:
     """An engine micro-batch from TRL's prepared inputs: prompt (left-padded) then completion (right-padded) ids,
-    the completion tokens as labels, right-padded to ``multiple`` (and to ``length`` at least); TRL's tensors under
-    "trl"."""
+    the completion tokens as labels, right-padded to ``multiple`` (and to ``length`` at least), an image batch's
+    inputs as they are (its token types padded with 0); TRL's tensors under "trl"."""
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     prompt = inputs["prompt_ids"].shape[1]
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :prompt] = -100
     extra = -(-max(ids.shape[1], length) // multiple) * multiple - ids.shape[1]
+    types = {k: inputs[k] for k in TOKEN_TYPES if inputs.get(k) is not None}
     if extra:
         ids, mask, labels = (torch.cat([t, t.new_full((t.shape[0], extra), v)], dim=1)
                              for t, v in ((ids, pad_id), (mask, 0), (labels, -100)))
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "trl": inputs, "prompt_length": prompt}
+        types = {k: torch.cat([t, t.new_zeros(t.shape[0], extra)], dim=1) for k, t in types.items()}
+    images = {k: inputs[k] for k in VISION_INPUTS if inputs.get(k) is not None}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, **images, **types, "trl": inputs,
+            "prompt_length": prompt}
 
 
 def whole_rows(local: torch.Tensor, *, grad: bool = False) -> torch.Tensor:
@@ -218,13 +293,14 @@ def whole_rows(local: torch.Tensor, *, grad: bool = False) -> torch.Tensor:
 @training_numerics()
 @torch.no_grad()
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int,
-                     batch_size: int, temperature: float, entropy: bool = False, balance=None):
+                     batch_size: int, temperature: float, entropy: bool = False, balance=None,
+                     vision: dict | None = None):
     """TRL's ``_get_per_token_logps_and_entropies`` log-probs (``[rows, logits_to_keep]``, fp32, on every rank) under
     ``model`` (a ``LoongModelForCausalLM``), ``batch_size`` rows per forward of megatron's forward-only schedule
-    (broadcast from the last pipeline stage). With ``entropy`` or ``balance`` (the model's ``RouterBalance``):
-    ``(logps, the entropy sum over the completion tokens or None, transformers' router balancing loss or None)``, the
-    loss each forward's over its rows' attention mask, averaged over the forwards (TRL's ``compute_aux_loss``), on
-    every rank."""
+    (broadcast from the last pipeline stage); ``vision``: TRL's image inputs of the rows (``vision_rows``). With
+    ``entropy`` or ``balance`` (the model's ``RouterBalance``): ``(logps, the entropy sum over the completion tokens
+    or None, transformers' router balancing loss or None)``, the loss each forward's over its rows' attention mask,
+    averaged over the forwards (TRL's ``compute_aux_loss``), on every rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -247,10 +323,10 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         return None, None
 
     def forward_step(data_iterator, chunk):
-        args, labels = _local_inputs(next(data_iterator), model.device)
+        args, inputs, labels = _model_inputs(model, next(data_iterator), model.device)
         head = language_head(chunk)
         with hidden_states_out([chunk]) if head is not None else contextlib.nullcontext():
-            output = chunk(*args)
+            output = chunk(*args, **inputs)
 
         def loss_func(output):
             score(output, labels, head)
@@ -264,7 +340,8 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         for start in range(0, input_ids.shape[0], batch_size):
             ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
             batch = engine_batch({"prompt_ids": ids[:, :prompt], "completion_ids": ids[:, prompt:],
-                                  "prompt_mask": mask[:, :prompt], "completion_mask": mask[:, prompt:]},
+                                  "prompt_mask": mask[:, :prompt], "completion_mask": mask[:, prompt:],
+                                  **vision_rows(vision or {}, start, start + ids.shape[0])},
                                  multiple=model.parallel.sequence_multiple, pad_id=0)
             if balance is not None:  # NOTE: the layout's pads weigh 0, as transformers' mask counts the rows
                 tally = balance.begin(mask, tuple(ids.shape), length=batch["input_ids"].shape[1],
@@ -304,8 +381,9 @@ def _through_virtual_stages(model, chunks: list, batch: dict, score) -> None:
     from loongforge_hf.bridges.output_layer import hidden_states_out, language_head
     from loongforge_hf.bridges.runtime import _interleaved_forward_once
 
-    args, labels = _local_inputs(batch, model.device)
+    args, inputs, labels = _model_inputs(model, batch, model.device)
     head = language_head(chunks[-1])
+    chunks = model.bound_chunks(inputs).chunks if inputs else chunks
     with hidden_states_out(chunks):
         _interleaved_forward_once(model, chunks, *args, lambda output: score(output, labels, head), {},
                                   seq=batch["input_ids"].shape[1])
@@ -497,7 +575,8 @@ class OnlineEngineMixin:
             model, adapters = model.policy, model.policy.disable_adapter()
         with adapters:
             logps = completion_logps(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
-                                     batch_size=batch_size or input_ids.shape[0], temperature=self.temperature)
+                                     batch_size=batch_size or input_ids.shape[0], temperature=self.temperature,
+                                     vision=multimodal)
         return logps, None, None
 
     # ---- training and evaluation -------------------------------------------------------------------------------
@@ -538,7 +617,9 @@ class OnlineEngineMixin:
         routed = self._router_balance()  # NOTE: TRL's evaluation forward returns the balancing loss too
         logps, entropy, aux = completion_logps(self.model, ids, mask, logits_to_keep=inputs["completion_ids"].shape[1],
                                                batch_size=ids.shape[0], temperature=self.temperature, entropy=True,
-                                               balance=routed[0] if routed is not None else None)
+                                               balance=routed[0] if routed is not None else None,
+                                               vision={k: inputs.get(k) for k in
+                                                       VISION_INPUTS + TOKEN_TYPES + IMAGE_COUNTS})
         loss, stats = self._loss_and_stats(logps, inputs, accumulation_steps=1, evaluation=True)
         values = torch.cat([entropy[None].float(), stats])
         if dp_rank_and_size()[1] > 1:

@@ -23,6 +23,9 @@ Choices:
   num_tokens, kl (beta != 0), entropy, clip_ratio/{low_mean, low_min, high_mean, high_max, region_mean} (per
   sequence, per micro-batch over the data-parallel ranks), aux_loss (MoE, as ``LoongGRPOTrainer``). TRL's
   ``step_time`` is not logged.
+- Vision RLOO (an image-text model from ``AutoModelForImageTextToText``, its processor, an ``image`` / ``images``
+  column of conversational prompts): TRL's own image handling (generation with the images, the image inputs in
+  every log-prob forward), through the engine as ``trl_online.py`` says, at every layout the model trains at.
 - Refused with a message, on every rank before any collective: ``trl_online.refusals``' list.
 """
 

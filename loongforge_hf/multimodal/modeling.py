@@ -528,8 +528,11 @@ class AutoModelForImageTextToText:
                 for i, chunk in enumerate(language.chunks):
                     # NOTE: a bridge without a tower (Gemma 4's, carried as checkpoint tensors) builds none
                     if chunk.pre_process and getattr(bridge, "has_vision_tower", True):
-                        towers[i] = bridge.vision_tower(recompute=vision_recompute, tp_group=tp_group
-                                                        if vision_layout == "tensor_parallel" else None)
+                        # NOTE: the tower's modules initialise from the global CPU generator before their weights
+                        # are loaded; transformers' load draws none, so neither does ours (seeded runs after a load)
+                        with torch.random.fork_rng(devices=[]):
+                            towers[i] = bridge.vision_tower(recompute=vision_recompute, tp_group=tp_group
+                                                            if vision_layout == "tensor_parallel" else None)
                         towers[i].to(device=get_backend().device(), dtype=param_dtype)
                         load_vision(towers[i], bridge, reader,
                                     tp_group=tp_group if vision_layout == "tensor_parallel" else None)

@@ -25,6 +25,13 @@ Evaluation (``_grpo_parity.EVAL_SCENARIOS``, "grpo" and "dapo" with the KL and t
 runs them): after training, TRL's ``evaluate()`` over 2 prompts x 4 generations (generation, rewards and the loss in
 eval mode; for the Qwen3-MoE ``router_aux_loss_coef * aux_loss`` of the evaluation forward in it and
 ``eval_aux_loss``): every ``eval_*`` metric but the timings against TRL's, as the logs.
+
+Vision GRPO (``_online_vision``: a tiny Qwen2-VL, conversational prompts each holding an image of one of two sizes,
+the processor; "grpo" with beta 0.1 (the reference loaded from the checkpoint by each trainer), num_iterations 2, 2
+steps, then ``evaluate()``) against trl.GRPOTrainer on transformers' Qwen2-VL at TP=1, TP=2 with SP, PP=2, PP=2 x
+VPP=2, CP=2 and DP=2 (against TRL under DDP): every metric TRL logs (but its ``step_time``), the eval metrics and the
+final weights as above, the completions each rank scored (token ids) identical to TRL's; what stays refused with
+images (a text model, a tokenizer).
 """
 
 from __future__ import annotations
@@ -34,8 +41,11 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
+from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_vl
+
 from ._grpo_parity import (ALL_SCENARIOS, EVAL_SCENARIOS, LOSS_SCENARIOS, MOE_SCENARIOS, SCENARIOS, refusals,
                            refused_vpp_accumulation, run_lora, run_loong, run_trl, saved_tensors)
+from ._online_vision import assert_vision_matches, run_loong_vision, run_trl_vision, vision_refusals
 
 NAMES = list(SCENARIOS)
 MOE_NAMES = list(MOE_SCENARIOS)
@@ -48,17 +58,28 @@ TWO_RANK = {"tp2_sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, [
 MOE_TP2_SP_EP2 = {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
                   "expert_tensor_parallel_size": 1}
 EXACT = ("completions/mean_length", "completions/clipped_ratio", "num_tokens")
+# vision GRPO on the tiny Qwen2-VL: layout -> its parallel settings (DP=2 against TRL under DDP)
+VISION_LAYOUTS = {"vision_tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
+                  "vision_pp2": {"pipeline_parallel_size": 2},
+                  "vision_pp2_vpp2": {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2},
+                  "vision_cp2": {"context_parallel_size": 2}, "vision_dp2": {}}
 
 
-def _tp1_world(folder: str, moe_folder: str, out_dir: str) -> dict:
-    return {"trl": run_trl(folder, out_dir + "/trl", NAMES), "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
+def _tp1_world(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
+    return {"vision_trl": run_trl_vision(vl_folder, out_dir + "/vision-trl", ["vision_grpo"]),
+            "vision_tp1": run_loong_vision(vl_folder, out_dir + "/vision-tp1", {}, ["vision_grpo"]),
+            "vision_refusals": vision_refusals(vl_folder, folder, out_dir + "/vision-refused"),
+            "trl": run_trl(folder, out_dir + "/trl", NAMES), "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
             "refusals": refusals(folder, out_dir + "/refused"), "lora": run_lora(folder, out_dir + "/lora"),
             "moe_trl": run_trl(moe_folder, out_dir + "/moe-trl", MOE_NAMES),
             "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_NAMES)}
 
 
-def _two_rank_world(folder: str, moe_folder: str, out_dir: str) -> dict:
+def _two_rank_world(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
     out = {name: run_loong(folder, f"{out_dir}/{name}", layout, names) for name, (layout, names) in TWO_RANK.items()}
+    out.update({name: run_loong_vision(vl_folder, f"{out_dir}/{name}", layout, ["vision_grpo"])
+                for name, layout in VISION_LAYOUTS.items()})
+    out["vision_trl_ddp"] = run_trl_vision(vl_folder, out_dir + "/vision-trl-ddp", ["vision_grpo"])
     # NOTE: trl.GRPOTrainer's accelerate runs DDP over this world's gloo group, as under torchrun
     out["trl_ddp"] = run_trl(folder, out_dir + "/trl-ddp", TWO_RANK["dp2"][1])
     out["moe_tp2_sp_ep2"] = run_loong(moe_folder, out_dir + "/moe-tp2", MOE_TP2_SP_EP2, MOE_NAMES)
@@ -77,15 +98,20 @@ def moe_src(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp1(src, moe_src, tmp_path_factory):
-    return run_distributed(_tp1_world, 1, str(src), str(moe_src), str(tmp_path_factory.mktemp("grpo-tp1")),
-                           timeout=500)[0]
+def vl_src(tmp_path_factory):
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("grpo-vl") / "qwen2_vl")
 
 
 @pytest.fixture(scope="module")
-def two_ranks(src, moe_src, tmp_path_factory):
-    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(tmp_path_factory.mktemp("grpo-2")),
-                           timeout=500)
+def tp1(src, moe_src, vl_src, tmp_path_factory):
+    return run_distributed(_tp1_world, 1, str(src), str(moe_src), str(vl_src),
+                           str(tmp_path_factory.mktemp("grpo-tp1")), timeout=500)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(src, moe_src, vl_src, tmp_path_factory):
+    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(vl_src),
+                           str(tmp_path_factory.mktemp("grpo-2")), timeout=500)
 
 
 def _assert_logs_match(name: str, ref: list[dict], got: list[dict]) -> None:
@@ -183,3 +209,22 @@ def test_refusals(tp1):
 def test_virtual_pipeline_accumulation_refused(two_ranks):
     for rank in two_ranks:
         assert "gradient_accumulation_steps=1 with virtual pipeline stages" in rank["refused_vpp_accumulation"]
+
+
+@pytest.mark.parametrize("layout", ["vision_tp1", *VISION_LAYOUTS])
+def test_vision_matches_trl(vl_src, tp1, two_ranks, layout):
+    """Image prompts on the tiny Qwen2-VL: generation with the images (the same completions), the policy's, old and
+    reference log-probs with them (loss, kl, clip ratios, grad_norm), evaluation, the final weights."""
+    runs = [tp1[layout]] if layout == "vision_tp1" else [rank[layout] for rank in two_ranks]
+    refs = [rank["vision_trl_ddp"] for rank in two_ranks] if layout == "vision_dp2" else [tp1["vision_trl"]] * 2
+    assert_vision_matches("vision_grpo", [ref["vision_grpo"] for ref in refs], [run["vision_grpo"] for run in runs],
+                          saved_tensors(str(vl_src)))
+    assert refs[0]["vision_grpo"]["logs"][1]["kl"] > 0 and refs[0]["vision_grpo"]["logs"][1]["clip_ratio/low_mean"] > 0
+
+
+def test_vision_refusals(tp1):
+    """With images: a text model and a tokenizer are refused by name, and a processor with a text model."""
+    images, processor = tp1["vision_refusals"]
+    assert images.startswith("LoongGRPOTrainer does not support") and "an image dataset with the text model" in images
+    assert "AutoModelForImageTextToText" in images and "processing_class of type" in images
+    assert "a processor with the text model" in processor

@@ -19,6 +19,11 @@ the Qwen3-MoE with TRL's router balancing loss in the evaluation loss and its ``
 Shown: every metric TRL logs (but its ``step_time``) within 1e-4 relative or 1e-6 absolute, the completion lengths
 and num_tokens exactly; the completions each rank scored identical to TRL's (its rank's under DDP); final weights:
 each tensor's difference from TRL's within 1% of how far TRL's training moved it (in norm), as the GRPO test.
+
+Vision RLOO (``_online_vision``: a tiny Qwen2-VL, conversational prompts each holding an image of one of two sizes,
+the processor; beta 0.1 with the reference loaded from the checkpoint, num_iterations 2, 2 steps) against
+trl.RLOOTrainer on transformers' Qwen2-VL at TP=1 and TP=2 with SP: the same checks (completions, every metric, final
+weights).
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ import pytest
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
+from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_vl
+
 from ._grpo_parity import saved_tensors
+from ._online_vision import assert_vision_matches, run_loong_vision, run_trl_vision
 from ._rloo_parity import (ALL_SCENARIOS, EVAL_SCENARIOS, LORA_SCENARIOS, MOE_SCENARIOS, SCENARIOS, refusals,
                            run_loong, run_trl)
 
@@ -46,16 +54,22 @@ EXACT = ("completions/mean_length", "completions/min_length", "completions/max_l
          "completions/max_terminated_length", "num_tokens")
 
 
-def _tp1_world(folder: str, moe_folder: str, out_dir: str) -> dict:
+VISION_TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
+
+
+def _tp1_world(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
     names = NAMES + list(LORA_SCENARIOS)
-    return {"trl": run_trl(folder, out_dir + "/trl", names), "loong": run_loong(folder, out_dir + "/tp1", {}, names),
+    return {"vision_trl": run_trl_vision(vl_folder, out_dir + "/vision-trl", ["vision_rloo"]),
+            "vision_tp1": run_loong_vision(vl_folder, out_dir + "/vision-tp1", {}, ["vision_rloo"]),
+            "trl": run_trl(folder, out_dir + "/trl", names), "loong": run_loong(folder, out_dir + "/tp1", {}, names),
             "moe_trl": run_trl(moe_folder, out_dir + "/moe-trl", MOE_NAMES),
             "moe_loong": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_NAMES),
             "refusals": refusals(folder, out_dir + "/refused")}
 
 
-def _two_rank_world(folder: str, moe_folder: str, out_dir: str) -> dict:
+def _two_rank_world(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
     out = {name: run_loong(folder, f"{out_dir}/{name}", layout, names) for name, (layout, names) in TWO_RANK.items()}
+    out["vision_tp2_sp"] = run_loong_vision(vl_folder, out_dir + "/vision-tp2-sp", VISION_TP2_SP, ["vision_rloo"])
     # NOTE: trl.RLOOTrainer's accelerate runs DDP over this world's gloo group, as under torchrun
     out["trl_ddp"] = run_trl(folder, out_dir + "/trl-ddp", TWO_RANK["dp2"][1])
     out["moe_pp2_vpp2"] = run_loong(moe_folder, out_dir + "/moe-pp2-vpp2", TWO_RANK["pp2_vpp2"][0], MOE_NAMES)
@@ -73,15 +87,20 @@ def moe_src(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp1(src, moe_src, tmp_path_factory):
-    return run_distributed(_tp1_world, 1, str(src), str(moe_src), str(tmp_path_factory.mktemp("rloo-tp1")),
-                           timeout=500)[0]
+def vl_src(tmp_path_factory):
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("rloo-vl") / "qwen2_vl")
 
 
 @pytest.fixture(scope="module")
-def two_ranks(src, moe_src, tmp_path_factory):
-    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(tmp_path_factory.mktemp("rloo-2")),
-                           timeout=500)
+def tp1(src, moe_src, vl_src, tmp_path_factory):
+    return run_distributed(_tp1_world, 1, str(src), str(moe_src), str(vl_src),
+                           str(tmp_path_factory.mktemp("rloo-tp1")), timeout=500)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(src, moe_src, vl_src, tmp_path_factory):
+    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(vl_src),
+                           str(tmp_path_factory.mktemp("rloo-2")), timeout=500)
 
 
 def _assert_log_matches(where: tuple, theirs: dict, ours: dict) -> None:
@@ -167,3 +186,14 @@ def test_refusals(tp1):
     vllm, sync = tp1["refusals"]
     assert "LoongRLOOTrainer does not support: use_vllm=True" in vllm
     assert "sync_ref_model=True" in sync
+
+
+@pytest.mark.parametrize("layout", ["vision_tp1", "vision_tp2_sp"])
+def test_vision_matches_trl(vl_src, tp1, two_ranks, layout):
+    """Image prompts on the tiny Qwen2-VL: generation with the images (the same completions), the old and reference
+    log-probs with them (the KL penalty in the reward), the policy's (loss, clip ratios, grad_norm), the weights."""
+    runs = [tp1[layout]] if layout == "vision_tp1" else [rank[layout] for rank in two_ranks]
+    ref = tp1["vision_trl"]["vision_rloo"]
+    assert_vision_matches("vision_rloo", [ref] * len(runs), [run["vision_rloo"] for run in runs],
+                          saved_tensors(str(vl_src)))
+    assert ref["logs"][1]["clip_ratio/region_mean"] > 0
