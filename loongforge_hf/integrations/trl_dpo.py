@@ -98,7 +98,10 @@ Choices:
   on at the first batch).
   TRL's own checks (``label_smoothing`` of "exo_pair", which loss types take an ``f_divergence_type``,
   ``use_weighting`` with "aot" / "aot_unpaired") run in its
-  ``__init__``, on every rank alike.
+  ``__init__``, on every rank alike. An image batch whose image placeholder tokens do not match its images (TRL's
+  collator truncates ``input_ids`` to ``max_length``, not the images) fails on every rank before the step (the
+  reference's forwards included) or the evaluation batch's forwards, naming the fields and suggesting a larger
+  ``max_length`` (``multimodal.image_tokens``, LoongTrainer's batch check; TRL gives that hint after its forward).
 """
 
 from __future__ import annotations
@@ -578,7 +581,9 @@ class LoongDPOTrainer(LoongTrainer, _DPOArgsSecond):
         return (loss, None) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The loss only (TRL's logits for ``compute_metrics`` would need the full-vocabulary forward)."""
+        """The loss only (TRL's logits for ``compute_metrics`` would need the full-vocabulary forward), after an
+        image batch's image tokens are checked on every rank (``LoongTrainer._check_evaluation_batch``)."""
+        self._check_evaluation_batch(inputs)
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)

@@ -12,6 +12,11 @@ Choices:
   batch's label tokens, as Trainer passes it ``num_items_in_batch``); evaluation smooths with Trainer's own smoother
   on the model's logits, shifted as Trainer shifts a causal LM's. Trainer does not shift for an image-text model
   (its class is not a causal LM), so that combination is refused here (LoongSFTTrainer: TRL always shifts).
+- Bad batches fail on every rank before the step's first collective (``_check_batches_everywhere``: each rank checks
+  its own, then the ranks agree): missing columns, sequences past ``max_position_embeddings`` or the bridge's
+  ``check_sequence_length``, and, for an image-text model, image / video placeholder tokens that do not match the
+  images (``multimodal.image_tokens``: e.g. cut by TRL's ``max_length``, which truncates ``input_ids``, not the
+  images); an image-text model's evaluation batches get the image check too, before their forward.
 """
 
 from __future__ import annotations
@@ -273,6 +278,17 @@ class LoongTrainer(Trainer):
         self._eval_steps = (prefix, math.ceil(output.num_samples / (self.args.eval_batch_size * ranks)))
         return output
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Trainer's, after an image-text model's batch is checked on every rank (``_check_evaluation_batch``)."""
+        self._check_evaluation_batch(inputs)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    def _check_evaluation_batch(self, inputs: dict) -> None:
+        """An image-text model's evaluation batch: its image tokens checked and agreed across ranks before its
+        forward (a text model's batch goes straight to its forward: no collective added)."""
+        if getattr(getattr(self.model, "bridge", None), "image_token_id", None) is not None:
+            self._check_batches_everywhere([inputs], None)
+
     def _fix_eval_steps_per_second(self, metrics: dict) -> None:
         """``<prefix>_steps_per_second`` of the last evaluation loop over its data-parallel steps, in place."""
         prefix, steps = getattr(self, "_eval_steps", (None, 0))
@@ -513,19 +529,27 @@ class LoongTrainer(Trainer):
                            "groups).", len(micro) - keep, group)
         return micro[:keep]
 
-    def _check_batches_everywhere(self, micro: list[dict], max_positions: int) -> None:
-        """Validate this rank's batches, then agree across ranks so a bad batch on one rank stops all of them."""
+    def _check_batches_everywhere(self, micro: list[dict], max_positions: int | None) -> None:
+        """Validate this rank's batches (``max_positions`` None: evaluation's, their image tokens only), then agree
+        across ranks so a bad batch on one rank stops all of them."""
         from loongforge_hf.bridges.distribution import agree_on_error
+        from loongforge_hf.multimodal.image_tokens import image_token_problem
 
         error = None
         try:
-            check_length = getattr(getattr(self.model, "bridge", None), "check_sequence_length", None)
+            bridge = getattr(self.model, "bridge", None)
+            check_length = getattr(bridge, "check_sequence_length", None) if max_positions is not None else None
             for b in micro:
-                check_batch(b, max_positions=max_positions)
+                if max_positions is not None:
+                    check_batch(b, max_positions=max_positions)
                 if check_length is not None:  # NOTE: positions the bridge is not exact from (Mistral 4's query scale)
                     positions = b.get("position_ids")
                     check_length(int(positions.max()) + 1 if torch.is_tensor(positions) and positions.numel()
                                  else b["input_ids"].shape[-1])
+                # NOTE: image tokens cut by max_length would fail in one rank's forward, the others waiting
+                problem = image_token_problem(bridge, b, max_length=getattr(self.args, "max_length", None))
+                if problem is not None:
+                    raise DataError(problem)
         except (DataError, ValueError) as e:
             error = str(e)
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.model.device)

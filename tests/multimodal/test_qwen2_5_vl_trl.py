@@ -8,7 +8,8 @@ and LoRA at TP2 + SP, TP2 with the tower split, CP2 and PP2 (batches padded to `
 conversations (loss on the completion) with LoRA at TP1, TP2 + SP and CP2: every logged loss and eval loss (4
 conversations after each step) within 1e-5 relative (fp32), both ranks logging the same. Before, LoongSFTTrainer
 refused these datasets for lacking an ``input_ids`` column (and TRL's collator refused the padding prompt-completion
-data needs under SP / CP)."""
+data needs under SP / CP). At DP2, images whose placeholder tokens ``max_length`` cut on one rank only: evaluation
+and training fail on both ranks with the same DataError naming the fields (no hang in a collective)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,16 @@ def test_prompt_completion_padded_after_trls_collator(runs, layout):
     assert got == two[1][f"prompt_completion/{layout}"]
     for key in ("loss", "eval_loss"):
         assert got[key] == pytest.approx(one["trl/prompt_completion"][key], rel=1e-5), (layout, key, got)
+
+
+@pytest.mark.parametrize("stage", ["evaluate", "train"])
+def test_cut_image_tokens_fail_alike_on_both_ranks(runs, stage):
+    """Rank 1's rows lose 2 of each image's 4 placeholders to max_length=18 (TRL's vision collator truncates
+    input_ids, not the images): before any forward both ranks raise, rank 0 naming rank 1's error (without the
+    check, rank 1's forward raised alone and rank 0 waited in a collective)."""
+    _, two = runs
+    (kind0, said0), (kind1, said1) = two[0]["cut_image"][stage], two[1]["cut_image"][stage]
+    assert kind0 == kind1 == "DataError" and said0 == f"(on rank 1) {said1}", (said0, said1)
+    assert said1.startswith("input_ids hold 4 image placeholder tokens (image_token_id 202) but the images of "
+                            "image_grid_thw [[1, 4, 4], [1, 4, 4]] take 8."), said1
+    assert "max_length=18" in said1 and "increase max_length" in said1, said1
