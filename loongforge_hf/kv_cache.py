@@ -307,7 +307,7 @@ def _recurrent_step(cache: LoongKVCache, step: _Step, index: int):
     """The ``CachedStep`` of ``cache``'s Gated DeltaNet / Mamba2 layer number ``index`` (its states after the
     attentions' layers):
     the step's new tokens, those transformers' mask marks as padding."""
-    from loongforge_hf.bridges.gated_deltanet import CachedStep
+    from loongforge_hf.bridges.recurrent_common import CachedStep
 
     real = None if step.mask is None else ~step.mask[:, 0, 0, step.past:step.past + step.given]
     return CachedStep(cache=cache, index=len(cache.attentions) + index, given=step.given, real=real)

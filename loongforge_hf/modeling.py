@@ -721,7 +721,7 @@ class AutoModelForCausalLM:
                 bridge.check_layout(layout)
             if layout.interleaved_stages:
                 interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
-            dequantizing_reader(reader).validate_shapes(bridge.expected_hf_shapes())  # NOTE: MXFP4 by its values
+            dequantizing_reader(reader, bridge=bridge).validate_shapes(bridge.expected_hf_shapes())  # NOTE: MXFP4 too
             info = loading_info(reader, bridge) if options.output_loading_info else None
             # --- collective part ----------------------------------------------------------------------------
             initialize_parallel(layout, seed=seed,

@@ -7,6 +7,7 @@ from loongforge_hf.bridges import gpt_bigcode  # noqa: F401
 from loongforge_hf.bridges import llama4  # noqa: F401
 from loongforge_hf.bridges import dots1  # noqa: F401
 from loongforge_hf.bridges import dbrx, exaone_moe, solar_open  # noqa: F401
+from loongforge_hf.bridges import mimo_v2_flash  # noqa: F401
 from loongforge_hf.bridges import hunyuan_v1_dense, hunyuan_v1_moe  # noqa: F401
 from loongforge_hf.bridges import apertus, exaone, flex_olmo, granitemoeshared  # noqa: F401
 from loongforge_hf.bridges import minimax_m2  # noqa: F401
@@ -21,7 +22,9 @@ from loongforge_hf.bridges import bamba, falcon_h1, granitemoehybrid, nemotron_h
 from loongforge_hf.bridges import qwen3_5_moe, qwen3_next  # noqa: F401
 from loongforge_hf.bridges import glm, nemotron, olmo  # noqa: F401
 from loongforge_hf.bridges import olmo_hybrid  # noqa: F401
+from loongforge_hf.bridges import kimi_linear  # noqa: F401
 from loongforge_hf.bridges import nanochat  # noqa: F401
+from loongforge_hf.bridges import flint, hy_v3, mellum, youtu  # noqa: F401
 from loongforge_hf.bridges import (arcee, cohere, deepseek, ernie4_5_moe, exaone4, gemma, glm4,  # noqa: F401
                                    glm4_moe, gpt_neox, gpt_oss, gptj, granite, llama, mistral, mixtral, olmo2,
                                    olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm,

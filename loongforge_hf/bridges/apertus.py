@@ -16,6 +16,9 @@ Choices:
   through the shared activation table without parameters.
 - Rope: Apertus's llama3 scaling (its default), plain, or YaRN (its attention factor after the q / k norms, as
   Qwen3's). ``attention_bias`` / ``mlp_bias`` are refused by the shared dense checks.
+- Apertus1p5TextForCausalLM (Apertus 1.5's language model, its vocabulary extended by visual and audio codes) is
+  Apertus with an LM head that may be pruned to the first ``output_vocab_size`` rows: a full-width head is Apertus's;
+  a pruned one (logits narrower than the embedding) is refused by name.
 """
 
 from __future__ import annotations
@@ -117,3 +120,15 @@ class ApertusBridge(ArceeBridge):
         if self.own_activation:
             shapes.update({f"{prefix}.mlp.act_fn.{n}": () if n in _XIELU_BUFFERS else (1,) for n in _XIELU})
         return shapes
+
+
+@register_bridge("Apertus1p5TextForCausalLM")
+class Apertus1p5TextBridge(ApertusBridge):
+    def check_config(self) -> None:
+        c = self.hf_config
+        pruned = getattr(c, "output_vocab_size", None)
+        if pruned is not None and pruned != c.vocab_size:
+            raise C.UnsupportedConfigError(
+                f"output_vocab_size={pruned} (an LM head pruned below vocab_size={c.vocab_size}) is not supported for "
+                "Apertus1p5TextForCausalLM: only a full-width head (output_vocab_size null).")
+        super().check_config()

@@ -32,12 +32,20 @@ A, S = f"{D}.self_attention", f"{L}.self_attn"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def check_sigmoid_renormalisation(c) -> None:
+    """``UnsupportedConfigError`` unless ``norm_topk_prob`` renormalises the chosen sigmoid scores as megatron does:
+    exactly when more than one expert is chosen (one chosen score stays as it is there, transformers makes it 1)."""
+    if bool(c.norm_topk_prob) != (c.num_experts_per_tok > 1):
+        raise C.UnsupportedConfigError(
+            f"norm_topk_prob={c.norm_topk_prob} with num_experts_per_tok={c.num_experts_per_tok} is not supported "
+            "with sigmoid routing (megatron renormalises the chosen sigmoid scores exactly when it chooses more than "
+            "one).")
+
+
 def sigmoid_routing_kwargs(c) -> dict:
     """DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores plus a fixed ``e_score_correction_bias``, top-2-sum group
-    scores, ``routed_scaling_factor``; top-k renormalised (megatron always renormalises sigmoid top-k)."""
-    if not c.norm_topk_prob and c.num_experts_per_tok > 1:
-        raise C.UnsupportedConfigError("norm_topk_prob=False is not supported with sigmoid routing (megatron "
-                                       "renormalises the top-k sigmoid scores).")
+    scores, ``routed_scaling_factor``; top-k renormalised (``check_sigmoid_renormalisation``)."""
+    check_sigmoid_renormalisation(c)
     return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
             "moe_router_bias_update_rate": 0.0, "moe_router_topk_scaling_factor": c.routed_scaling_factor,
             **grouped_routing_kwargs(num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok,

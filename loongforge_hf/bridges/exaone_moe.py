@@ -32,6 +32,14 @@ from loongforge_hf.bridges.smollm3 import no_rope_attention
 MLP_KINDS = ("dense", "sparse")
 
 
+def check_mlp_layer_types(hf_config) -> None:
+    """``UnsupportedConfigError`` unless ``mlp_layer_types`` says ``"dense"`` or ``"sparse"`` for every layer."""
+    kinds = list(hf_config.mlp_layer_types or [])
+    if len(kinds) != hf_config.num_hidden_layers or set(kinds) - set(MLP_KINDS):
+        raise C.UnsupportedConfigError(f"mlp_layer_types={kinds}: expected one of {list(MLP_KINDS)} for each of the "
+                                       f"{hf_config.num_hidden_layers} layers.")
+
+
 @register_bridge("ExaoneMoeForCausalLM")
 class ExaoneMoeBridge(WindowsByLayerType, MoEBridge):
     qk_norm = True
@@ -46,10 +54,7 @@ class ExaoneMoeBridge(WindowsByLayerType, MoEBridge):
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
         c = self.hf_config
-        kinds = list(c.mlp_layer_types or [])
-        if len(kinds) != c.num_hidden_layers or set(kinds) - set(MLP_KINDS):
-            raise C.UnsupportedConfigError(f"mlp_layer_types={kinds}: expected one of {list(MLP_KINDS)} for each of "
-                                           f"the {c.num_hidden_layers} layers.")
+        check_mlp_layer_types(c)
         if (c.num_shared_experts or 0) < 1:
             raise C.UnsupportedConfigError(f"num_shared_experts={c.num_shared_experts} is not supported (at least 1).")
         super().check_config()

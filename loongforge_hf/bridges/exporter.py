@@ -151,7 +151,7 @@ def _passthrough(bridge, source: Path | None, variant: str | None) -> list[tuple
     from loongforge_hf.bridges.checkpoint_io import CheckpointReader
 
     with CheckpointReader(source, variant=variant) as raw:
-        reader = dequantizing_reader(raw)  # FP8 block-scaled tensors are written dequantised, like the rest
+        reader = dequantizing_reader(raw, bridge=bridge)  # FP8 tensors written dequantised; aliases read renamed
         return [(n, reader.get(n).clone()) for n in bridge.passthrough_names(reader.keys())]
 
 

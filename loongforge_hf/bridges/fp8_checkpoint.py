@@ -11,8 +11,9 @@ Choices:
   columns it needs and the scale blocks that cover them.
 - ``dequantizing_reader`` is the one entry point for every format read dequantised: it also applies the MXFP4
   wrapper (gpt-oss experts, ``mxfp4_checkpoint.py``) beneath the FP8 one, so a bridge never sees quantised tensors,
-  and beneath both the names of a GPT-2-family base-model checkpoint get their ``transformer.`` prefix
-  (``base_model_prefix.py``).
+  and beneath both the names of a GPT-2-family base-model checkpoint get their ``transformer.`` prefix and those a
+  bridge's ``checkpoint_aliases`` rename get the bridge's names (``base_model_prefix.py``): every call site that
+  reads for a bridge passes it (``bridge=``).
 - Export writes plain bf16 (or ``dtype=``) weights; ``drop_dequantized_quantization`` removes an FP8 or MXFP4
   ``quantization_config`` from the exported config.json so transformers does not take them for quantised ones.
 """
@@ -112,11 +113,12 @@ class DequantizingReader:
         return full.narrow(dim, start - first * GROUP, stop - start).contiguous()
 
 
-def dequantizing_reader(reader):
+def dequantizing_reader(reader, *, bridge=None):
     """``reader`` itself, or wrapped so that its MXFP4 tensors (``mxfp4_checkpoint.Mxfp4Reader``) and FP8
-    block-scaled weights (a ``DequantizingReader`` on top) read back dequantised."""
+    block-scaled weights (a ``DequantizingReader`` on top) read back dequantised, and its tensors show the names
+    ``bridge`` reads (its ``checkpoint_aliases``, none for most bridges)."""
     if isinstance(reader, DequantizingReader):
         return reader
-    reader = mxfp4_reader(base_model_reader(reader))
+    reader = mxfp4_reader(base_model_reader(reader, getattr(bridge, "checkpoint_aliases", ())))
     names = fp8_weight_names(reader)
     return DequantizingReader(reader, names) if names else reader

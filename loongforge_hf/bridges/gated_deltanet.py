@@ -41,44 +41,22 @@ Choices:
   ``[b, v_heads, k_dim, v_dim]``: this rank's heads), keeping both new states. Beam search reorders them with the
   cache (transformers' ``reorder_cache``). megatron's ``inference_context`` and THD ``packed_seq_params`` are
   refused.
-- ``hybrid_self_attention(linear=...)`` is the layer spec's self-attention class: ``GatedDeltaNet`` for the
-  0-based global layer indices in ``linear`` (megatron numbers layers from 1, offset by the pipeline stage), megatron's
-  ``SelfAttention`` (or the bridge's ``attention`` class: OLMo Hybrid's post-normed one) for the others.
+- ``hybrid_self_attention(linear=...)`` is the layer spec's self-attention class: ``GatedDeltaNet`` (or the bridge's
+  ``mixer``: ``kimi_delta_attention.KimiDeltaAttention``) for the 0-based global layer indices in ``linear``
+  (megatron numbers layers from 1, offset by the pipeline stage), megatron's ``SelfAttention`` (or the bridge's
+  ``attention`` class: OLMo Hybrid's post-normed one, Kimi Linear's ``MLASelfAttention``) for the others.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from loongforge_hf.bridges.recurrent_common import CachedStep, _cu_seqlens, _token_layout, mixer_projections
 from loongforge_hf.parallel.context_parallel import cp_group_and_size
-from loongforge_hf.parallel.delta_rule_cp import context_parallel_mix, read_cp_layout
-
-
-@dataclass(frozen=True)
-class CachedStep:
-    """What a cached generate step gives a Gated DeltaNet layer: the cache (a ``transformers.Cache``) and the index of
-    the layer's states in it; the step's ``given`` new tokens (the layout's padding after them); ``real`` ``[b, given]``
-    False where transformers' mask marks a token as padding (None: all real)."""
-
-    cache: object
-    index: int
-    given: int
-    real: torch.Tensor | None
-
-
-def mixer_projections(config, *, in_size: int, out_size: int, bias: bool = False, tp_group=None):
-    """A recurrent mixer's column-parallel ``in_proj`` (``in_size``: all ranks' rows) and row-parallel ``out_proj``."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    kw = dict(config=config, bias=bias, skip_bias_add=True, tp_group=tp_group)
-    h = config.hidden_size
-    return (ColumnParallelLinear(h, in_size, init_method=config.init_method, gather_output=False, **kw),
-            RowParallelLinear(out_size, h, init_method=config.output_layer_init_method, input_is_parallel=True, **kw))
+from loongforge_hf.parallel.delta_rule_cp import context_parallel_mix
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -96,7 +74,7 @@ class GatedDeltaNet(torch.nn.Module):
         self.k_heads, self.v_heads, self.eps, self.tp_group = key_heads // tp, value_heads // tp, eps, tp_group
         self.key_dim, self.value_dim, self.beta_scale = key_dim, value_dim, beta_scale
         self.qkv_size = 2 * self.k_heads * key_dim + self.v_heads * value_dim
-        local = self.qkv_size + self.v_heads * value_dim + 2 * self.v_heads
+        local = self._in_proj_rows()
         self.in_proj, self.out_proj = mixer_projections(config, in_size=local * tp, out_size=value_heads * value_dim,
                                                         tp_group=tp_group)
         device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
@@ -108,6 +86,10 @@ class GatedDeltaNet(torch.nn.Module):
         for p in (self.conv_weight, self.A_log, self.dt_bias):
             set_tensor_model_parallel_attributes(p, True, 0, 1)
 
+    def _in_proj_rows(self) -> int:
+        """This rank's rows of ``in_proj``: q, k, v, z, b, a."""
+        return self.qkv_size + self.v_heads * self.value_dim + 2 * self.v_heads
+
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                 inference_context=None, packed_seq_params=None, cached: CachedStep | None = None, **_: object):
@@ -116,7 +98,7 @@ class GatedDeltaNet(torch.nn.Module):
         refuse_megatron_state_inputs("Gated DeltaNet", inference_context, packed_seq_params)
         if cached is not None:
             return self._cached_forward(hidden_states, cached)
-        mixed, _ = self.in_proj(hidden_states)                            # [s, b, local]: all tokens
+        mixed = self._project(hidden_states)                              # [s, b, local]: all tokens
         mixed = mixed.transpose(0, 1)                                     # [b, s, local]
         group, cp, _ = cp_group_and_size()
         real, starts = _token_layout(attention_mask, mixed.shape[0], mixed.shape[1], group=group)
@@ -129,6 +111,10 @@ class GatedDeltaNet(torch.nn.Module):
             core = self._mix_packed(qkv, g, beta, [[0, *cuts, qkv.shape[1]] for cuts in starts])
         out = self._gated_norm(core, z)
         return self.out_proj(out.reshape(*out.shape[:2], -1).transpose(0, 1).contiguous())
+
+    def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h]`` (this rank's share under sequence parallelism) -> ``[s, b, local]`` for ``_split``."""
+        return self.in_proj(hidden_states)[0]
 
     def _split(self, mixed: torch.Tensor, real: torch.Tensor | None):
         """``in_proj``'s output ``[b, s, local]`` with the tokens where ``real`` ``[b, s]`` is False zeroed (None:
@@ -143,7 +129,7 @@ class GatedDeltaNet(torch.nn.Module):
     def _cached_forward(self, hidden_states: torch.Tensor, step: CachedStep):
         """A cached generate step (see the module docstring): ``hidden_states`` ``[s, b, h]`` (this rank's slice
         under sequence parallelism), of which the first ``step.given`` tokens are the step's."""
-        mixed, _ = self.in_proj(hidden_states)  # NOTE: [s, b, local]: the layout's padding after the step's tokens
+        mixed = self._project(hidden_states)  # NOTE: [s, b, local]: the layout's padding after the step's tokens
         qkv, z, beta, g = self._split(mixed.transpose(0, 1)[:, :step.given], step.real)  # NOTE: [b, given, ...]
         cache, index = step.cache, step.index
         core, state = self._mix(qkv, g, beta, history=cache.get_conv_state(index),
@@ -165,7 +151,7 @@ class GatedDeltaNet(torch.nn.Module):
         q, k, v = self.conv_heads(qkv, history)
         rule = gated_delta_rule
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, g, beta))
-        if qkv.shape[1] > 1 and fla_delta_rule.available(qkv.device, backward=needs_grad):
+        if qkv.shape[1] > 1 and g.dim() == 3 and fla_delta_rule.available(qkv.device, backward=needs_grad):
             rule = fla_delta_rule.gated_delta_rule_rows
         return rule(q, k, v, g, beta, initial_state=state, output_final_state=cached)
 
@@ -179,7 +165,7 @@ class GatedDeltaNet(torch.nn.Module):
         batch, seq, _ = qkv.shape
         q, k, v = self.packed_conv_heads(qkv, bounds)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, g, beta))
-        if not fla_delta_rule.available(qkv.device, backward=needs_grad):
+        if g.dim() == 4 or not fla_delta_rule.available(qkv.device, backward=needs_grad):
             return gated_delta_rule_packed(q, k, v, g, beta, bounds)
         cu = _cu_seqlens(tuple(map(tuple, bounds)), seq, qkv.device)
         flat = [x.reshape(1, batch * seq, *x.shape[2:]) for x in (q, k, v, g, beta)]
@@ -236,65 +222,26 @@ class GatedDeltaNet(torch.nn.Module):
         for name, child in self.named_children():
             out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
         own = {name: p for name, p in self._parameters.items()}
-        out.update(make_sharded_tensors_for_checkpoint(own, prefix, {"conv_weight": 0, "A_log": 0, "dt_bias": 0},
-                                                       sharded_offsets))
+        split = {name: 0 for name, p in own.items() if getattr(p, "tensor_model_parallel", False)}
+        out.update(make_sharded_tensors_for_checkpoint(own, prefix, split, sharded_offsets))
         return out
-
-
-_LAYOUT_MEMO: list = [None]  # NOTE: (weakref to the mask, its version, batch, seq, CP group, layout) of the last read
-
-
-def _token_layout(mask: torch.Tensor | None, batch: int, seq: int, *, group=None):
-    """From megatron's ``[b, 1, s, s]`` mask (True = masked; None = plain causal): the real tokens ``[b, s]`` (None
-    when all are) and each row's document starts after its first token (None when no row is packed). Under context
-    parallelism (``group``) the mask is this rank's rows ``[b, 1, s_local, s]`` and the layout
-    ``delta_rule_cp.read_cp_layout``'s (collective: every rank of the group reads the same masks). Reading it waits
-    for the device; megatron hands every layer of a forward the same mask tensor, so the layout is kept for that
-    tensor (while it lives and is not written to) and the wait happens once per forward, not once per layer."""
-    if mask is None:
-        return None, None
-    memo = _LAYOUT_MEMO[0]
-    if memo is not None and memo[0]() is mask and memo[1:5] == (mask._version, batch, seq, group):
-        return memo[5]
-    layout = _read_layout(mask, batch, seq) if group is None else read_cp_layout(mask, batch, seq, group)
-    _LAYOUT_MEMO[0] = (weakref.ref(mask), mask._version, batch, seq, group, layout)
-    return layout
-
-
-@functools.lru_cache(maxsize=16)
-def _cu_seqlens(bounds: tuple, seq: int, device: torch.device) -> torch.Tensor:
-    """fla's ``cu_seqlens`` of the rows' documents flattened into one row, kept for the next layers of a forward."""
-    return torch.tensor([row * seq + c for row, cuts in enumerate(bounds) for c in cuts[:-1]] + [len(bounds) * seq],
-                        device=device)
-
-
-def _read_layout(mask: torch.Tensor, batch: int, seq: int):
-    rows = mask[:, 0] if mask.dim() == 4 else mask
-    if tuple(rows.shape[-2:]) != (seq, seq):
-        raise ValueError(f"Gated DeltaNet / Mamba2: attention mask of shape {tuple(mask.shape)} for {seq} tokens.")
-    real = ~rows.diagonal(dim1=-2, dim2=-1).expand(batch, seq)
-    before = rows.diagonal(offset=-1, dim1=-2, dim2=-1).expand(batch, seq - 1)  # token t masked from t - 1
-    cut = before & real[:, 1:] & real[:, :-1]
-    starts = None
-    if bool(cut.any()):
-        starts = [(torch.nonzero(row).flatten() + 1).tolist() for row in cut]
-    return (None if bool(real.all()) else real), starts
 
 
 @functools.cache
 def hybrid_self_attention(*, linear: frozenset[int], key_heads: int, value_heads: int, key_dim: int,
                           value_dim: int, conv_kernel: int, eps: float, beta_scale: float = 1.0,
-                          attention: type | None = None) -> type:
-    """The self-attention slot's class: ``GatedDeltaNet`` on the layers in ``linear`` (0-based global indices),
-    ``attention`` (default: megatron's ``SelfAttention``) elsewhere."""
+                          attention: type | None = None, mixer: type | None = None) -> type:
+    """The self-attention slot's class: ``mixer`` (default: ``GatedDeltaNet``) on the layers in ``linear`` (0-based
+    global indices), ``attention`` (default: megatron's ``SelfAttention``) elsewhere."""
     from megatron.core.transformer.attention import SelfAttention
 
     class HybridSelfAttention:
         def __new__(cls, config, submodules=None, layer_number: int = 1, **kwargs):
             if layer_number - 1 in linear:
-                return GatedDeltaNet(config, layer_number=layer_number, key_heads=key_heads, value_heads=value_heads,
-                                     key_dim=key_dim, value_dim=value_dim, conv_kernel=conv_kernel, eps=eps,
-                                     beta_scale=beta_scale, pg_collection=kwargs.get("pg_collection"))
+                return (mixer or GatedDeltaNet)(
+                    config, layer_number=layer_number, key_heads=key_heads, value_heads=value_heads, key_dim=key_dim,
+                    value_dim=value_dim, conv_kernel=conv_kernel, eps=eps, beta_scale=beta_scale,
+                    pg_collection=kwargs.get("pg_collection"))
             return (attention or SelfAttention)(config, submodules, layer_number, **kwargs)
 
     return HybridSelfAttention

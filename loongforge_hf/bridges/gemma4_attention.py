@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from loongforge_hf.bridges import transforms as T
 from loongforge_hf.bridges.fused_mappings import QKV
 from loongforge_hf.bridges.mappings import _read_into
 
@@ -198,12 +199,15 @@ def _reuse(shared: dict, kind: str, module, args):
 @dataclass(frozen=True)
 class PerTypeQKV(QKV):
     """``QKV`` whose ``full_layers`` have ``full_heads`` (head size, KV heads; None: the model's) and, with
-    ``values_from_keys``, no ``v``: ``[q heads, k]`` per KV group (``qk_blocks``); ``reusing_layers``: ``q`` alone."""
+    ``values_from_keys``, no ``v``: ``[q heads, k]`` per KV group (``qk_blocks``); ``reusing_layers``: ``q`` alone;
+    ``v_head_dim``: every layer's value heads that wide (``[q heads, k, v]`` per KV group, MiMo-V2-Flash's, whose
+    ``full_layers`` are its sliding layers: they have their own KV heads)."""
 
     full_layers: frozenset[int] = frozenset()
     full_heads: tuple[int, int] | None = None
     values_from_keys: bool = False
     reusing_layers: frozenset[int] = frozenset()
+    v_head_dim: int | None = None
 
     def layer_context(self, ctx, layer):
         """``ctx`` (a ``ShardContext``) with ``layer``'s own head size and KV heads."""
@@ -217,10 +221,20 @@ class PerTypeQKV(QKV):
             return 1
         return 2 if self.values_from_keys and layer in self.full_layers else 3
 
+    def _plain(self, layer) -> bool:
+        """Whether ``layer``'s rows are a plain ``QKV``'s (with its own heads)."""
+        return self._fused(layer) == 3 and self.v_head_dim is None
+
+    def _first(self, ctx, rank: int) -> tuple[int, int, int]:
+        q, k, _ = self._first_rows(ctx, rank)
+        return q, k, ctx.first_kv_head(rank) * (self.v_head_dim or ctx.head_dim)
+
     def _blocks(self, ctx, layer) -> list[tuple[int, int, int, int]]:
         heads, groups, hd = ctx.num_heads // ctx.tp_size, ctx.local_kv_heads, ctx.head_dim
         if self._fused(layer) == 1:
             return [(0, 0, 0, heads * hd)]
+        if self._fused(layer) == 3:
+            return T.qkv_blocks(num_heads=heads, num_kv_heads=groups, head_dim=hd, v_head_dim=self.v_head_dim)
         return qk_blocks(num_heads=heads, num_kv_heads=groups, head_dim=hd)
 
     def hf_names(self, layer):
@@ -228,9 +242,9 @@ class PerTypeQKV(QKV):
 
     def load(self, reader, ctx, layer):
         ctx = self.layer_context(ctx, layer)
-        if self._fused(layer) == 3:
+        if self._plain(layer):
             return super().load(reader, ctx, layer)
-        names, first, blocks = self.hf_names(layer), self._first_rows(ctx, ctx.tp_rank), self._blocks(ctx, layer)
+        names, first, blocks = self.hf_names(layer), self._first(ctx, ctx.tp_rank), self._blocks(ctx, layer)
         out = torch.empty(sum(b[3] for b in blocks), *reader.shape(names[0])[1:], dtype=reader.dtype(names[0]))
         for which, src, dst, rows in blocks:
             _read_into(reader, names[which], out[dst:dst + rows], dim=0, start=first[which] + src)
@@ -238,18 +252,18 @@ class PerTypeQKV(QKV):
 
     def export_parts(self, shard, rank, ctx, layer):
         ctx = self.layer_context(ctx, layer)
-        if self._fused(layer) == 3:
+        if self._plain(layer):
             return super().export_parts(shard, rank, ctx, layer)
         blocks = self._blocks(ctx, layer)
         rows = sum(b[3] for b in blocks)
         if shard.dim() == 0 or shard.shape[0] != rows:
             raise ValueError(f"{self.megatron.format(layer=layer)}: a TP shard must have {rows} rows "
                              f"({' and '.join('qkv'[:self._fused(layer)])}), got shape {tuple(shard.shape)}.")
-        names, first = self.hf_names(layer), self._first_rows(ctx, rank)
+        names, first = self.hf_names(layer), self._first(ctx, rank)
         return [(names[which], 0, first[which] + src, shard[dst:dst + n]) for which, src, dst, n in blocks]
 
     def export(self, shards, ctx, layer):
-        if self._fused(layer) == 3:
+        if self._plain(layer):
             return super().export(shards, self.layer_context(ctx, layer), layer)
         blocks: dict[str, list] = {}
         for rank, shard in enumerate(shards):

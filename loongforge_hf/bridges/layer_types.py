@@ -81,6 +81,7 @@ class LayerTypes:
 
     extra_rope_types: tuple[str, ...] = ("linear",)
     per_layer_types = True
+    partial_rotary = False  # NOTE: both kinds rotate one partial_rotary_factor of each head (MiMo-V2-Flash)
 
     def check_layer_types(self) -> None:
         c = self.hf_config
@@ -93,7 +94,8 @@ class LayerTypes:
         params = dict((self.hf_config.rope_parameters or {}).get(layer_type) or {})
         if "rope_theta" not in params:
             raise C.UnsupportedConfigError(f"rope_parameters[{layer_type!r}] has no rope_theta.")
-        return C.rope_parameters(SimpleNamespace(rope_parameters=params), extra_types=self.extra_rope_types)
+        return C.rope_parameters(SimpleNamespace(rope_parameters=params), partial_rotary=self.partial_rotary,
+                                 extra_types=self.extra_rope_types)
 
     def rope_parameters(self) -> dict:
         return self.rope_for("full_attention")
@@ -110,6 +112,7 @@ class LayerTypes:
         if rope is None:
             return
         inv = {kind: rope_inv_freq(C.head_dim_of(self.hf_config), base=self.rope_for(kind)["rope_theta"],
+                                   partial_rotary_factor=self.rope_for(kind).get("partial_rotary_factor", 1.0),
                                    rope_scaling=self.rope_for(kind)) for kind in LAYER_TYPES}
         set_megatron_inv_freq(rope, inv["full_attention"])
         rope.__class__ = _two_table_rotary(type(rope))

@@ -244,7 +244,7 @@ def loading_info(reader, bridge) -> dict:
 
     from .fp8_checkpoint import dequantizing_reader
 
-    names = set(dequantizing_reader(reader).keys()) - set(bridge.expected_hf_shapes())
+    names = set(dequantizing_reader(reader, bridge=bridge).keys()) - set(bridge.expected_hf_shapes())
     archs = getattr(bridge.hf_config, "architectures", None) or [""]
     ignored = getattr(getattr(transformers, archs[0], None), "_keys_to_ignore_on_load_unexpected", None) or ()
     if ignored:

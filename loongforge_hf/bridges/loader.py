@@ -134,7 +134,7 @@ def _fill(tensor: torch.Tensor, value: torch.Tensor) -> None:
 def load_into(model, bridge, reader, *, tp_rank: int, tp_size: int, ep_rank: int | None = None,
               ep_size: int | None = None, etp_rank: int | None = None, etp_size: int | None = None) -> None:
     """Copy checkpoint slices into every parameter of ``model.chunks`` (expert ranks default to megatron's state)."""
-    reader = dequantizing_reader(reader)  # FP8 block-scaled checkpoints read back dequantised (fp8_checkpoint.py)
+    reader = dequantizing_reader(reader, bridge=bridge)  # FP8 dequantised, names aliased (fp8_checkpoint.py)
     reader.validate_shapes(bridge.expected_hf_shapes())
     state = expert_parallel_state()
     given = {"ep_rank": ep_rank, "ep_size": ep_size, "etp_rank": etp_rank, "etp_size": etp_size}

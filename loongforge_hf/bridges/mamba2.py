@@ -58,7 +58,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.gated_deltanet import CachedStep, _token_layout, mixer_projections
+from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections
 from loongforge_hf.kernels.causal_conv import causal_conv
 from loongforge_hf.parallel.context_parallel import cp_group_and_size
 from loongforge_hf.parallel.ssd_cp import context_parallel_scan

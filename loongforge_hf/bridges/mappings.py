@@ -228,6 +228,14 @@ class FP32Replicated(Replicated):
     hf_dtype = torch.float32
 
 
+@dataclass(frozen=True)
+class FP32ColumnParallel(ColumnParallel):
+    """A column-parallel tensor transformers keeps in float32 whatever the model dtype (Flint's sinks, Kimi Linear's
+    ``dt_bias``)."""
+
+    hf_dtype = torch.float32
+
+
 def biased_mlp_mappings(megatron: str, fc1: str, fc2: str) -> list[Mapping]:
     """An ungated MLP's two linears with biases (megatron's ``{megatron}.linear_fc1`` / ``linear_fc2``, HF's ``fc1`` /
     ``fc2`` module names): ``fc1`` split by rows over TP with its bias, ``fc2`` row-parallel with its bias whole on

@@ -72,7 +72,7 @@ class MiniCPM3Bridge(MultiLatentAttention, DenseBridge):
         if layout.tensor_parallel_size > 1 and not layout.sequence_parallel:
             raise C.UnsupportedConfigError(
                 f"tensor_parallel_size={layout.tensor_parallel_size} without sequence_parallel is not supported for "
-                "MiniCPM3ForCausalLM (multi-latent attention's rotary-key gradient): pass sequence_parallel=True.")
+                f"{self.architectures[0]} (multi-latent attention's rotary-key gradient): pass sequence_parallel=True.")
 
     def check_sequence_length(self, longest: int) -> None:
         """``ValueError`` where transformers would rotate by LongRoPE's long factors (not built)."""

@@ -187,6 +187,7 @@ class MoEBridge(DenseBridge):
     shared_expert_gate: str | None = None                      # HF linear [1, H] whose sigmoid scales them (Qwen2-MoE)
     expert_bias: bool = False                                  # ``gate.e_score_correction_bias`` (DeepSeek-V3)
     expert_bias_name: str = "gate.e_score_correction_bias"     # ... in the sparse block (MiniMax-M2: beside gate)
+    router_name: str = "gate"                                  # the router's linear in it (HY3's: router.gate)
     router_fp32: bool = False                                  # transformers keeps ``gate.weight`` in fp32
     hf_balance_loss: bool = False                              # transformers' model computes the router aux loss
     hf_router_logits: bool = False                             # ... returns MoeCausalLMOutputWithPast, router_logits
@@ -257,7 +258,7 @@ class MoEBridge(DenseBridge):
             routed = [Expert(fc1), Expert(fc2)]
         maps: list[Mapping] = [
             Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
-            router(f"{D}.mlp.router.weight", f"{s}.gate.weight"),
+            router(f"{D}.mlp.router.weight", f"{s}.{self.router_name}.weight"),
             *routed,
         ]
         if self.expert_bias:
@@ -283,7 +284,7 @@ class MoEBridge(DenseBridge):
         h, f, n = self.hf_config.hidden_size, self.expert_ffn_size(), self.num_experts()
         s = f"{prefix}.{self.sparse_block}"
         gate, up, down = self.expert_projections
-        shapes = {f"{prefix}.post_attention_layernorm.weight": (h,), f"{s}.gate.weight": (n, h)}
+        shapes = {f"{prefix}.post_attention_layernorm.weight": (h,), f"{s}.{self.router_name}.weight": (n, h)}
         for e in range(n):
             shapes.update({f"{s}.experts.{e}.{gate}.weight": (f, h), f"{s}.experts.{e}.{up}.weight": (f, h),
                            f"{s}.experts.{e}.{down}.weight": (h, f)})

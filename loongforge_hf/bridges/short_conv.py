@@ -16,7 +16,7 @@ Choices:
   token (no tap reads another document), as running each document alone. transformers' torch path runs a packed row
   as one sequence.
 - Cached generate (``kv_cache.py``: one of transformers' ``LinearAttentionLayer`` per conv layer of the rank, after
-  the attentions' layers; a ``gated_deltanet.CachedStep`` per step, as Mamba2's): the step's first ``given`` tokens
+  the attentions' layers; a ``recurrent_common.CachedStep`` per step, as Mamba2's): the step's first ``given`` tokens
   (the layout's padding after them never enters the state; its outputs are zero), the padding transformers' 2-D
   mask marks handled as without the cache; the conv after the conv state (the last ``conv_L_cache`` inputs
   ``B * x``, transformers' layout, this rank's channels). No recurrent state. Beam search reorders it with the cache.
@@ -35,7 +35,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.gated_deltanet import CachedStep, _token_layout, mixer_projections
+from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections
 from loongforge_hf.bridges.mamba2 import _documents
 from loongforge_hf.kernels.causal_conv import causal_conv
 from loongforge_hf.parallel.context_parallel import cp_group_and_size

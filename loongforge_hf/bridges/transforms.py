@@ -58,20 +58,23 @@ def fuse_qkv(
     return grouped.reshape((num_heads + 2 * num_kv_heads) * head_dim, *rest)
 
 
-def qkv_blocks(*, num_heads: int, num_kv_heads: int, head_dim: int) -> list[tuple[int, int, int, int]]:
+def qkv_blocks(*, num_heads: int, num_kv_heads: int, head_dim: int,
+               v_head_dim: int | None = None) -> list[tuple[int, int, int, int]]:
     """Where ``fuse_qkv`` puts each row of q, k and v: ``(which, row in it, row in the fused tensor, rows)``.
 
     ``which`` is 0 for q, 1 for k, 2 for v; one block per KV group and projection, in fused order. Lets a caller
     read each block straight into its place in the fused tensor (and write each back out) without concatenating.
+    ``v_head_dim``: value heads narrower than query / key heads (MiMo-V2-Flash); None: ``head_dim``.
     """
     per_group = _heads_per_group(num_heads, num_kv_heads, head_dim)
-    q_rows, width = per_group * head_dim, (per_group + 2) * head_dim
+    vd = head_dim if v_head_dim is None else v_head_dim
+    q_rows, width = per_group * head_dim, (per_group + 1) * head_dim + vd
     blocks = []
     for g in range(num_kv_heads):
         base = g * width
         blocks.append((0, g * q_rows, base, q_rows))
         blocks.append((1, g * head_dim, base + q_rows, head_dim))
-        blocks.append((2, g * head_dim, base + q_rows + head_dim, head_dim))
+        blocks.append((2, g * vd, base + q_rows + head_dim, vd))
     return blocks
 
 

@@ -1,10 +1,17 @@
-"""The gated delta rule (Gated DeltaNet's linear attention: Qwen3.5, Qwen3-Next) in torch, chunked, fp32 state.
+"""The gated delta rule (Gated DeltaNet's linear attention: Qwen3.5, Qwen3-Next; Kimi Delta Attention's per-channel
+form) in torch, chunked, fp32 state.
 
 Choices:
 - Per value head a state ``S`` of ``[k_dim, v_dim]``, zero at the start of a call unless ``initial_state`` is given
   (training and uncached forwards: no state comes in or goes out). Token ``t`` decays it by ``exp(g_t)``
   (``g_t <= 0``), writes the correction ``u_t = beta_t (v_t - (exp(g_t) S)^T k_t)`` along ``k_t`` and reads
   ``o_t = S_t^T q_t``.
+- Per-channel decay (Kimi Delta Attention): ``g`` ``[batch, seq, v_heads, k_dim]`` decays each key row of the state
+  by its own ``exp(g_t[c])`` (``diag(exp(g_t)) S``). The chunked form is the same with the pair decays
+  ``exp(G_t - G_j)`` taken per key channel inside the products ``k_t . k_j`` and ``q_t . k_j`` (a ``[chunk, chunk,
+  k_dim]`` tensor per chunk, as transformers' torch code: no ``exp(-G)`` factor that could overflow under a strong
+  decay), the chunk's decay a ``[k_dim]`` vector; ``state_pass`` runs the torch loop for it (its Triton kernel takes
+  a per-head decay only).
 - A cached generate carries the state from call to call (``bridges/gated_deltanet.py``): ``initial_state`` /
   ``output_final_state`` (``[batch, v_heads, k_dim, v_dim]``, fp32). A call of one token with a state coming in (a
   decode step) runs that token's recurrence step directly (the chunked form would pad it to a whole chunk).
@@ -41,7 +48,8 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      beta: torch.Tensor, *, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
                      output_final_state: bool = False):
     """``query`` / ``key`` ``[batch, seq, k_heads, k_dim]``, ``value`` ``[batch, seq, v_heads, v_dim]``, ``g`` (log
-    decay) and ``beta`` ``[batch, seq, v_heads]`` -> ``[batch, seq, v_heads, v_dim]``, and the final state
+    decay: ``[batch, seq, v_heads]``, or ``[batch, seq, v_heads, k_dim]`` per key channel) and ``beta``
+    ``[batch, seq, v_heads]`` -> ``[batch, seq, v_heads, v_dim]``, and the final state
     ``[batch, v_heads, k_dim, v_dim]`` (fp32) after it when ``output_final_state``; ``initial_state``: the state
     before the first token (None: zero). See the module docstring."""
     batch, seq, k_heads, k_dim = key.shape
@@ -122,7 +130,8 @@ def _normalized(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def _layout(q, k, v, g, beta, chunk_size: int):
-    """``[b, s, heads, dim]`` (q / k on their key heads) -> ``[b, v_heads, chunks, chunk, ...]`` fp32, q / k
+    """``[b, s, heads, dim]`` (q / k on their key heads; ``g`` ``[b, s, heads]`` or per key channel) ->
+    ``[b, v_heads, chunks, chunk, ...]`` fp32, q / k
     normalised and grouped onto the value heads, the sequence padded with zero tokens to whole chunks (no decay, no
     write: they change nothing before them)."""
     batch, seq, k_heads, _ = k.shape
@@ -135,11 +144,12 @@ def _layout(q, k, v, g, beta, chunk_size: int):
     pad = (-seq) % chunk_size
     if pad:
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+        g = torch.nn.functional.pad(g, (0, 0, 0, pad) if g.dim() == 4 else (0, pad))
+        beta = torch.nn.functional.pad(beta, (0, pad))
     chunks = (seq + pad) // chunk_size
     q, k, v = (x.reshape(batch, v_heads, chunks, chunk_size, -1) for x in (q, k, v))
-    g, beta = (x.reshape(batch, v_heads, chunks, chunk_size) for x in (g, beta))
-    return q, k, v, g, beta
+    g = g.reshape(batch, v_heads, chunks, chunk_size, *g.shape[3:])
+    return q, k, v, g, beta.reshape(batch, v_heads, chunks, chunk_size)
 
 
 def _prepare(q, k, v, g, beta, chunk_size: int, carry: torch.Tensor | None = None):
@@ -148,21 +158,29 @@ def _prepare(q, k, v, g, beta, chunk_size: int, carry: torch.Tensor | None = Non
     own writes ``[.., chunk, chunk]``). ``carry`` ``[chunks]`` (None: all 1): 0 after a chunk whose state the next
     one must not see (a document's last chunk: the next starts from zero)."""
     q, k, v, g, beta = _layout(q, k, v, g, beta, chunk_size)
-    running = g.cumsum(dim=-1)                                              # G: the decay since the chunk's start
+    per_channel = g.dim() == 5
+    # NOTE: G, the decay since the chunk's start, [.., chunk, k_dim] per key channel, else [.., chunk, 1]
+    running = g.cumsum(dim=-2) if per_channel else g.cumsum(dim=-1)[..., None]
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    # NOTE: exp(G_t - G_j) for j <= t, 0 above the diagonal (masked before exp: the differences there are >= 0)
-    pair_decay = (running[..., :, None] - running[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * pair_decay                 # A below the diagonal (unitriangular solve)
+    # NOTE: exp(G_t - G_j) for j <= t, 0 above the diagonal (masked before exp: the differences there are >= 0)
+    if per_channel:
+        pair_decay = (running[..., :, None, :] - running[..., None, :, :]).masked_fill(
+            ~lower[..., None], float("-inf")).exp()                          # [.., chunk, chunk, k_dim]
+        system = (k_beta[..., :, None, :] * k[..., None, :, :] * pair_decay).sum(-1)
+        within = (q[..., :, None, :] * k[..., None, :, :] * pair_decay).sum(-1)
+    else:
+        pair_decay = (running[..., :, None, 0] - running[..., None, :, 0]).masked_fill(~lower, float("-inf")).exp()
+        system = (k_beta @ k.transpose(-1, -2)) * pair_decay             # A below the diagonal (unitriangular solve)
+        within = (q @ k.transpose(-1, -2)) * pair_decay                  # reads of this chunk's writes
     solve = dict(upper=False, unitriangular=True)
     u_free = torch.linalg.solve_triangular(system, v * beta[..., None], **solve)           # U with S0 = 0
-    u_state = torch.linalg.solve_triangular(system, k_beta * running.exp()[..., None], **solve)  # U's S0 factor
-    within = (q @ k.transpose(-1, -2)) * pair_decay                      # reads of this chunk's writes
-    q_from_start = q * running.exp()[..., None]                           # reads of S0
-    k_to_end = k * (running[..., -1:] - running).exp()[..., None]         # writes as seen at the chunk's end
-    decay = running[..., -1].exp()
+    u_state = torch.linalg.solve_triangular(system, k_beta * running.exp(), **solve)        # U's S0 factor
+    q_from_start = q * running.exp()                                      # reads of S0
+    k_to_end = k * (running[..., -1:, :] - running).exp()                 # writes as seen at the chunk's end
+    decay = running[..., -1, :].exp() if per_channel else running[..., -1, 0].exp()
     if carry is not None:
-        k_to_end, decay = k_to_end * carry[:, None, None], decay * carry
+        k_to_end, decay = k_to_end * carry[:, None, None], decay * (carry[:, None] if per_channel else carry)
     return u_state, u_free, k_to_end, decay, q_from_start, within
 
 
@@ -211,8 +229,9 @@ class _ChunkedRule(torch.autograd.Function):
 def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
           state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token's recurrence: ``q`` / ``k`` ``[b, h, k_dim]`` (normalised, grouped), ``v`` ``[b, h, v_dim]``,
-    ``g`` / ``beta`` ``[b, h]``, ``state`` ``[b, h, k_dim, v_dim]`` -> its output ``[b, h, v_dim]``, the new state."""
-    state = state * g.exp()[..., None, None]
+    ``g`` ``[b, h]`` (or ``[b, h, k_dim]``), ``beta`` ``[b, h]``, ``state`` ``[b, h, k_dim, v_dim]`` -> its output
+    ``[b, h, v_dim]``, the new state."""
+    state = state * _decay_rows(g.exp())
     u = beta[..., None] * (v - (k[..., None, :] @ state)[..., 0, :])
     state = state + k[..., :, None] * u[..., None, :]
     return (q[..., None, :] @ state)[..., 0, :], state
@@ -223,13 +242,14 @@ def state_pass(w: torch.Tensor, u: torch.Tensor, k_end: torch.Tensor, decay: tor
     """The sequential part of the chunked rule, per row and value head, ``n`` chunks of ``c`` tokens: from ``S_0 =
     initial`` ``[b, h, k, v]``, chunk ``i`` writes ``F_i = u_i - w_i S_i`` (``u`` ``[b, h, n, c, v]``: its corrections
     from a zero state; ``w`` ``[b, h, n, c, k]``: their dependence on the state) and leaves ``S_{i+1} = decay_i S_i +
-    k_end_i^T F_i`` (``k_end`` ``[b, h, n, c, k]``, ``decay`` ``[b, h, n]``). Returns (each chunk's starting state
+    k_end_i^T F_i`` (``k_end`` ``[b, h, n, c, k]``, ``decay`` ``[b, h, n]``, or ``[b, h, n, k]`` per key row of the
+    state). Returns (each chunk's starting state
     ``S_i`` ``[b, h, n, k, v]``, ``F`` ``[b, h, n, c, v]``, the final state), fp32, without autograd
     (``_state_pass_grads`` is its backward): a Triton kernel where ``_triton.use_triton`` allows, else a torch loop."""
     from loongforge_hf.kernels._triton import use_triton
 
     w, u, k_end, decay, initial = (t.detach().float().contiguous() for t in (w, u, k_end, decay, initial))
-    if use_triton(w):
+    if use_triton(w) and decay.dim() == 3:
         from loongforge_hf.kernels import _delta_rule_triton
 
         return _delta_rule_triton.state_pass_forward(w, u, k_end, decay, initial)
@@ -243,7 +263,7 @@ def _state_pass_grads(w, k_end, decay, states, fresh, d_states, d_fresh, d_final
 
     w, k_end, decay, d_states, d_fresh, d_final = (
         t.contiguous() for t in (w, k_end, decay, d_states, d_fresh, d_final))
-    if use_triton(w):
+    if use_triton(w) and decay.dim() == 3:
         from loongforge_hf.kernels import _delta_rule_triton
 
         d_u, d_next, d_initial = _delta_rule_triton.state_pass_backward(w, k_end, decay, d_states, d_fresh, d_final)
@@ -253,7 +273,9 @@ def _state_pass_grads(w, k_end, decay, states, fresh, d_states, d_fresh, d_final
     # NOTE: the rest has no chunk-to-chunk dependence: one batched product each
     d_w = -(d_u @ states.transpose(-1, -2))
     d_k_end = fresh @ d_next.transpose(-1, -2)
-    d_decay = (states * d_next).sum(dim=(-1, -2))
+    d_decay = (states * d_next).sum(dim=-1)
+    if decay.dim() == 3:
+        d_decay = d_decay.sum(dim=-1)
     return d_w, d_u, d_k_end, d_decay, d_initial
 
 
@@ -264,7 +286,7 @@ def _state_pass_loop(w, u, k_end, decay, state):
     for i in range(w.shape[2]):
         states[:, :, i] = state
         fresh[:, :, i] = u[:, :, i] - w[:, :, i] @ state
-        state = state * decay[:, :, i, None, None] + k_end[:, :, i].transpose(-1, -2) @ fresh[:, :, i]
+        state = state * _decay_rows(decay[:, :, i]) + k_end[:, :, i].transpose(-1, -2) @ fresh[:, :, i]
     return states, fresh, state
 
 
@@ -277,6 +299,11 @@ def _state_pass_loop_backward(w, k_end, decay, d_states, d_fresh, d_final):
     for i in reversed(range(w.shape[2])):
         d_next[:, :, i] = d_state
         d_u[:, :, i] = d_fresh[:, :, i] + k_end[:, :, i] @ d_state
-        d_state = (d_state * decay[:, :, i, None, None] - w[:, :, i].transpose(-1, -2) @ d_u[:, :, i]
+        d_state = (d_state * _decay_rows(decay[:, :, i]) - w[:, :, i].transpose(-1, -2) @ d_u[:, :, i]
                    + d_states[:, :, i])
     return d_u, d_next, d_state
+
+
+def _decay_rows(decay: torch.Tensor) -> torch.Tensor:
+    """A step's decay ``[b, h]`` (per head) or ``[b, h, k]`` (per key row) as a factor of states ``[b, h, k, v]``."""
+    return decay[..., None, None] if decay.dim() == 2 else decay[..., None]

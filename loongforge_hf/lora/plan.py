@@ -22,7 +22,8 @@ Choices:
   beside ``k_proj`` / ``v_proj``. So ``"all-linear"`` takes them all. DoRA and PiSSA / OLoRA on them are refused by
   name (``_check_unequal_slots``: not tested against PEFT there). Gemma 4's ``q_proj`` / ``k_proj`` / ``v_proj``
   (``PerTypeQKV``) are plain ``QKV`` slots with each layer type's head size and KV heads; its full layers with values
-  from keys have no ``v_proj`` (in transformers' tree, so in PEFT's targets, as here).
+  from keys have no ``v_proj`` (in transformers' tree, so in PEFT's targets, as here). MiMo-V2-Flash's (value heads
+  narrower than the query / key heads) are refused.
 - One HF linear of row sections that megatron holds rank by rank (``gated_mappings.HeadSections`` of one part: the
   Mamba2 ``in_proj`` of Granite 4.0 H, Bamba and Nemotron-H, its z, x, B, C, dt; LFM2's conv ``in_proj``, its B, C,
   x) is a column-parallel target: B's rows go to megatron's order as the weight's do (``rows_to_megatron``). Where a
@@ -333,6 +334,8 @@ def _adaptable(name: str, module, index, on_disk) -> tuple[Mapping, int | None, 
         return None
     kind = "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(type(_unwrapped(entry[0])))
     if isinstance(entry[0], GatedQKV) and entry[0].gate is not None:  # NOTE: AFMoE's gates beside q_proj
+        kind = None
+    if isinstance(entry[0], PerTypeQKV) and entry[0].v_head_dim is not None:  # NOTE: MiMo-V2-Flash's narrower v
         kind = None
     return None if kind is None or (entry[1] is None and kind != "vision") else (*entry, kind)
 

@@ -25,8 +25,9 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "flex_olmo", "granitemoeshared", "exaone", "bamba", "nemotron_h",
               "phimoe", "jais2", "cohere2_moe", "afmoe", "gemma4", "glm4_moe_lite", "mistral4", "minicpm3",
               "deepseek_v32", "glm_moe_dsa",
-              "falcon_h1", "olmo_hybrid", "gemma4_moe", "exaone_moe", "solar_open", "dbrx",
-              "ministral3", "vaultgemma", "cwm", "nanochat")
+              "falcon_h1", "olmo_hybrid", "gemma4_moe", "exaone_moe", "solar_open", "dbrx", "mimo_v2_flash",
+              "ministral3", "vaultgemma", "cwm", "nanochat", "kimi_linear", "apertus1p5", "youtu", "hy_v3", "mellum",
+              "flint")
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -184,6 +185,19 @@ def _config(arch: str, **overrides):
                                   layer_types=["linear_attention", "full_attention", "linear_attention",
                                                "linear_attention"])
         cfg.architectures = ["OlmoHybridForCausalLM"]
+    elif arch == "kimi_linear":
+        # NOTE: Kimi Linear's layout shrunk: KDA layers 0, 2, 3 (4 heads of 16; HF's A_log / dt_bias init, a forget
+        # gate randomised below so the decay varies by token and channel), a NoPE MLA layer 1 (no q_lora_rank, as the
+        # released model), a dense first layer, then 4 sigmoid-routed experts in 2 groups with a bias, a shared expert
+        kw = {k: v for k, v in common.items() if k != "num_key_value_heads"}
+        cfg = tf.KimiLinearConfig(**kw, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16,
+                                  qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, num_local_experts=4,
+                                  num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                                  routed_scaling_factor=2.5, linear_num_heads=4, linear_head_dim=16,
+                                  linear_conv_kernel_dim=4,
+                                  layer_types=["linear_attention", "full_attention", "linear_attention",
+                                               "linear_attention"], mlp_layer_types=["dense"] + ["sparse"] * 3)
+        cfg.architectures = ["KimiLinearForCausalLM"]
     elif arch == "olmo3":
         # NOTE: OLMo 3's layout shrunk: a binding 5-token window on layers 0, 1, 3, YaRN on the full layer's rope (its
         # attention factor 1.14)
@@ -436,6 +450,19 @@ def _config(arch: str, **overrides):
                                  routed_scaling_factor=2.5, first_k_dense_replace=1, sliding_window=5,
                                  sliding_window_pattern=4, rope_parameters={"rope_type": "default",
                                                                             "rope_theta": 10000.0})
+    elif arch == "mimo_v2_flash":
+        # NOTE: MiMo-V2-Flash's layout shrunk: full layers 0 and 3 (2 KV heads), sliding layers 1 and 2 with twice the
+        # KV heads, sinks and a binding 5-token window; value heads of 16 (q / k: 24) scaled by 0.6, a third of each
+        # head rotary with a theta per layer type; a dense first layer, 8 experts (top 4 in 2 of 4 groups) by
+        # sigmoid scores plus a bias randomised below, scaled by 2.5, no shared experts
+        kw = {k: v for k, v in common.items() if k != "intermediate_size"}
+        rope = {kind: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.334}
+                for kind, theta in (("full_attention", 50000.0), ("sliding_attention", 1000.0))}
+        cfg = tf.MiMoV2FlashConfig(**kw, intermediate_size=96, head_dim=24, v_head_dim=16, sliding_window=5,
+                                   attention_value_scale=0.6, moe_intermediate_size=32, n_routed_experts=8,
+                                   num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                   layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                                "full_attention"], rope_parameters=rope)
     elif arch == "solar_open":
         # NOTE: Solar Open's layout shrunk: q / k / v biases (none on o_proj), head_dim 24, every layer sparse with
         # GLM-4.5's routing (8 experts, top 4 in 2 of 4 groups, a bias randomised below, scaled by 2.5), a shared one
@@ -473,6 +500,42 @@ def _config(arch: str, **overrides):
                                                           "factor": 8.0, "low_freq_factor": 1.0,
                                                           "high_freq_factor": 4.0,
                                                           "original_max_position_embeddings": 32})
+    elif arch == "apertus1p5":
+        # NOTE: Apertus 1.5's language model with a full-width LM head (output_vocab_size null): Apertus's layout
+        cfg = tf.Apertus1p5TextConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 12000000.0,
+                                                                 "factor": 8.0, "low_freq_factor": 1.0,
+                                                                 "high_freq_factor": 4.0,
+                                                                 "original_max_position_embeddings": 32})
+    elif arch == "youtu":
+        # NOTE: Youtu-LLM's layout shrunk: dense MLA (q_lora_rank, rotary pairs on disk), tied embeddings; no pad id
+        # (YoutuConfig's default): transformers 5.24's Youtu zeroes the pad row of every checkpoint it loads (its
+        # _init_weights writes through .data), which would hide that row of a saved checkpoint from it. The other
+        # fixtures' init range (YoutuConfig's 2 / sqrt(5 * hidden) gives logits of ~10, whose fp32 ulp is 1e-6)
+        mla = {k: v for k, v in _MLA.items() if k not in ("first_k_dense_replace", "moe_intermediate_size")}
+        cfg = tf.YoutuConfig(**{**common, **mla, "tie_word_embeddings": True, "pad_token_id": None}, q_lora_rank=32,
+                             rope_interleave=True, initializer_range=0.02,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif arch == "hy_v3":
+        # NOTE: Hy3's layout shrunk: per-head q / k norms (head_dim 24), a dense first layer (mlp_layer_types), 8
+        # experts (top 3) by sigmoid scores plus a bias randomised below, renormalised and scaled by 2.5, 2 shared ones
+        cfg = tf.HYV3Config(**{**common, "head_dim": 24}, num_experts=8, num_experts_per_tok=3, num_shared_experts=2,
+                            moe_intermediate_size=32, router_scaling_factor=2.5,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif arch == "mellum":
+        # NOTE: Mellum 2's layout shrunk: per-head q / k norms (head_dim 24), a binding 5-token window on layers 1 and
+        # 2, a rope theta per layer type, a dense first layer, softmax top 3 of 8 experts renormalised
+        cfg = tf.MellumConfig(**{**common, "head_dim": 24}, num_experts=8, num_experts_per_tok=3,
+                              moe_intermediate_size=32, sliding_window=5,
+                              layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                           "full_attention"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+    elif arch == "flint":
+        # NOTE: Flint's layout shrunk: per-head q / k norms (head_dim 24) and sinks (randomised below), a binding
+        # 5-token window on the rotary layers 1 and 2, full layers 0 and 3 without rotary embedding, a dense first
+        # layer, the top 3 of 8 experts by sigmoid scores, renormalised, beside an ungated shared expert
+        cfg = tf.FlintConfig(**{**common, "head_dim": 24}, num_experts=8, num_experts_per_tok=3,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48, sliding_window=5,
+                             mlp_only_layers=[0], layer_types=["full_attention", "sliding_attention",
+                                                               "sliding_attention", "full_attention"])
     elif arch == "llama4":
         # NOTE: Llama 4 Scout's layout shrunk: dense (intermediate_size_mlp) and MoE layers alternating (4 experts,
         # top 1, a shared expert), layer 3 NoPE with a temperature that varies at the tests' lengths (floor_scale 3),
@@ -640,6 +703,9 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
                 p.copy_(2.0 * torch.randn_like(p))
             elif name.endswith(("router.scale", "router.per_expert_scale")):  # NOTE: Gemma 4's (HF: ones)
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith(("forget_gate.f_a_proj.weight", "forget_gate.f_b_proj.weight", "g_a_proj.weight",
+                                "g_b_proj.weight")):  # NOTE: Kimi Linear's gates vary from token to token
+                p.copy_(0.25 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith(("router.weight", "self_attn.sinks")):  # NOTE: gpt-oss (its init leaves sinks empty)
@@ -714,6 +780,12 @@ def _append_mtp_layers(folder: Path, cfg, count: int, *, dtype: torch.dtype) -> 
                       f"mtp.layers.{i}.self_attn.o_proj.weight": (h, h),
                       f"mtp.layers.{i}.{mlp}": (h, getattr(cfg, "moe_intermediate_size", None)
                                                 or cfg.intermediate_size)}
+        elif cfg.model_type == "mimo_v2_flash":  # NOTE: model.mtp.layers.{i}.*, which transformers ignores
+            p = f"model.mtp.layers.{i}"
+            shapes = {f"{p}.{n}": shape for n, shape in {
+                "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+                "input_layernorm.weight": (h,), "self_attn.o_proj.weight": (h, h), "final_layernorm.weight": (h,),
+                "mlp.down_proj.weight": (h, cfg.intermediate_size)}.items()}
         else:
             p = f"model.layers.{cfg.num_hidden_layers + i}"
             shapes = {f"{p}.{n}": shape for n, shape in {

@@ -98,7 +98,8 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     routed = {"output_router_logits": True} if model.config.model_type.startswith(
         ("deepseek", "glm4_moe", "ernie4_5_moe", "olmoe", "llama4", "qwen3_next", "qwen3_5_moe",
          "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "phimoe", "cohere2_moe", "afmoe",
-         "mistral4", "exaone_moe", "solar_open", "glm_moe_dsa", "dbrx")) else {}
+         "mistral4", "exaone_moe", "solar_open", "glm_moe_dsa", "dbrx", "mimo_v2_flash",
+         "kimi_linear", "hy_v3", "mellum", "flint")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)

@@ -861,6 +861,34 @@ def test_qwen3_5_fields_and_layouts_megatron_cannot_express_refused():
                                                          cache_implementation=implementation)) is None
 
 
+def test_kimi_linear_fields_and_layouts_megatron_cannot_express_refused():
+    """Kimi Linear with an unknown or missing layer / MLP type, KV heads other than the heads (transformers' MLA
+    repeats its per-head keys by their ratio), another activation, ``attention_bias``; linear heads that do not split
+    over TP (context parallelism runs); a static-cache generate: each refused naming the field (pure, before any
+    collective). The LM head stays untied whatever ``tie_word_embeddings`` says, as transformers' model."""
+    from types import SimpleNamespace
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel import ParallelConfig
+    from loongforge_hf.testing.tiny_models import _config
+
+    for field, value, match in (
+            ("layer_types", ["sliding_attention"] * 4, r"layer_types=\['sliding_attention'.*KimiLinearForCausalLM"),
+            ("mlp_layer_types", ["dense"] * 3, r"mlp_layer_types=\['dense', 'dense', 'dense'\] is not supported"),
+            ("num_key_value_heads", 2, r"num_key_value_heads=2 is not supported for KimiLinearForCausalLM"),
+            ("hidden_act", "gelu", r"hidden_act='gelu' is not supported for KimiLinearForCausalLM"),
+            ("attention_bias", True, r"attention_bias=True is not supported for KimiLinearForCausalLM")):
+        with pytest.raises(UnsupportedConfigError, match=match):
+            get_bridge(_config("kimi_linear", **{field: value}))
+    bridge = get_bridge(_config("kimi_linear"))
+    assert not get_bridge(_config("kimi_linear", tie_word_embeddings=True)).tied  # NOTE: transformers ties nothing
+    bridge.check_layout(ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, context_parallel_size=2))
+    with pytest.raises(UnsupportedConfigError, match=r"linear_num_heads=4 does not split over tensor_parallel_size=8"):
+        bridge.check_layout(ParallelConfig(tensor_parallel_size=8, sequence_parallel=True))
+    assert "cache_implementation='static' is not supported for KimiLinearForCausalLM" in bridge.generation_refusal(
+        SimpleNamespace(use_cache=True, cache_implementation="static"))
+
+
 @pytest.mark.parametrize("arch,name", [("qwen3_next", "Qwen3NextForCausalLM"),
                                        ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")])
 def test_qwen3_5_moe_and_qwen3_next_refusals_and_declarations(arch, name):

@@ -62,7 +62,9 @@ SCALAR_ARCHS, SCALAR_LAYOUTS = ["apertus"], ("pp2",)
 # post norms), CWM (Llama with windowed layers) and NanoChat (norms without weights, one on the embedding, flipped
 # rotary signs, q / k norms after the rotation, relu2, a logit soft-cap) at TP1 and TP2 + SP only: Mistral's, Gemma
 # 2's, Ministral's and Arcee's / OLMo's layouts run the other layouts
-SP_ARCHS, SP_LAYOUTS = ["ministral3", "vaultgemma", "cwm", "nanochat"], {"tp1": {}, "tp2": {"sequence_parallel": True}}
+# NOTE: Apertus 1.5's language model (Apertus with a full-width head) and Youtu (dense MLA, tied) there too
+SP_ARCHS, SP_LAYOUTS = (["ministral3", "vaultgemma", "cwm", "nanochat", "apertus1p5", "youtu"],
+                        {"tp1": {}, "tp2": {"sequence_parallel": True}})
 
 
 def check_results(results, arch):

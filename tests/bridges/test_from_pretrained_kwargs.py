@@ -289,8 +289,8 @@ def loading_info_cases(folders: dict) -> dict:
 def test_loading_info_matches_transformers_on_every_architecture(tmp_path):
     """``output_loading_info`` of every tiny architecture equals transformers' (nothing missing, and the same
     unexpected keys), with a DeepSeek-V3 checkpoint that carries multi-token-prediction layers transformers skips, an
-    ERNIE 4.5 MoE one whose multi-token-prediction tensors transformers ignores, a GPT-J one with older checkpoints'
-    attention buffers (ignored too) and a checkpoint with a tensor no model reads."""
+    ERNIE 4.5 MoE one and a MiMo-V2-Flash one whose multi-token-prediction tensors transformers ignores, a GPT-J one
+    with older checkpoints' attention buffers (ignored too) and a checkpoint with a tensor no model reads."""
     from loongforge_hf.testing.tiny_models import TINY_ARCHS
 
     folders = {arch: str(make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False)) for arch in TINY_ARCHS}
@@ -299,6 +299,9 @@ def test_loading_info_matches_transformers_on_every_architecture(tmp_path):
     # NOTE: transformers' ERNIE 4.5 MoE ignores its hub checkpoints' model.mtp_* tensors (not unexpected there)
     folders["ernie4_5_moe_mtp"] = str(make_tiny_checkpoint(tmp_path / "ernie_mtp", "ernie4_5_moe", tokenizer=False,
                                                            mtp_layers=1))
+    # NOTE: and MiMo-V2-Flash its model.mtp.* tensors (_keys_to_ignore_on_load_unexpected)
+    folders["mimo_v2_flash_mtp"] = str(make_tiny_checkpoint(tmp_path / "mimo_mtp", "mimo_v2_flash", tokenizer=False,
+                                                            mtp_layers=1))
     extra = make_tiny_checkpoint(tmp_path / "extra", "qwen3", tokenizer=False, max_shard_size="10GB")
     from safetensors.torch import load_file, save_file
 

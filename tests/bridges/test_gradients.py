@@ -47,9 +47,17 @@ side by side after one LayerNorm, a shared expert averaged in) and AFMoE (gated 
 scaled embedding, sigmoid routing plus a fixed expert bias, which takes no gradient: it must come back unchanged).
 HunYuan dense, Apertus (xIELU's learned scalars, whose gradient each TP rank holds a share of until summed over TP) and
 EXAONE 3 (Llama under GPT-2-style names) at TP2 + SP.
+MiMo-V2-Flash (sliding layers with twice the KV heads and attention sinks, value heads narrower than q / k and
+scaled, a rope theta per layer type on a third of each head, grouped sigmoid routing plus a fixed bias) at TP2 + SP +
+EP2.
 DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention, the top 4 of 12 keys; GLM-5 with layers reusing an earlier top-k)
 at TP2 + SP + EP2; their indexers take no gradient (transformers runs them under no_grad): unchanged.
 Ministral 3, VaultGemma, CWM and NanoChat (norms without weights, flipped rotary signs) at TP2 + SP.
+Hy3 (sigmoid routing plus a fixed bias, which takes no gradient, shared experts), Mellum 2 (windowed layers, a rope
+theta per layer type) and Flint (sinks, full layers without rotary embedding, sigmoid routing, an ungated shared
+expert) at TP2 + SP + EP2; Apertus 1.5's language model and Youtu (dense MLA, tied embeddings) at TP2 + SP.
+Kimi Linear (Kimi Delta Attention's per-channel decay and low-rank gates, their down projections replicated over TP;
+a NoPE MLA layer; grouped sigmoid routing, a shared expert) at TP2 + SP + EP2 and CP2.
 GLM-4-9B (biased q / k / v, half of each head rotated in interleaved pairs, a packed gate / up), OLMo (norms without
 parameters, q / k / v clamped by ``clip_qkv``), Nemotron (LayerNorm1P with biases, an ungated relu2 MLP, half-rotary
 heads) and Jais-2 (LayerNorms, biases on every linear but the LM head, an ungated relu2 MLP) at TP2 + SP.
@@ -181,6 +189,9 @@ CHECKPOINTS = {
     "solar_open": ("solar_open", {}),
     # NOTE: DBRX (LayerNorms without bias, q / k / v fused and clamped, experts in 2-D tensors): at TP2 + SP + EP2
     "dbrx": ("dbrx", {}),
+    # NOTE: MiMo-V2-Flash (sliding layers with twice the KV heads and sinks, narrower scaled values, a rope theta per
+    # layer type, grouped sigmoid routing plus a fixed bias, no shared experts): at TP2 + SP + EP2
+    "mimo_v2_flash": ("mimo_v2_flash", {}),
     # NOTE: Ministral 3 (YaRN with an mscale ratio), VaultGemma (Gemma 2 without post norms: soft-caps, zero-centred
     # norms, windows), CWM (windowed layers, llama3 rope) and NanoChat (norms without weights, one on the embedding,
     # flipped rotary signs, q / k norms after the rotation, relu2, a logit soft-cap): at TP2 + SP
@@ -192,6 +203,17 @@ CHECKPOINTS = {
     # transformers' indexer runs under no_grad: its tensors take no gradient and must come back unchanged
     "deepseek_v32": ("deepseek_v32", {}),
     "glm_moe_dsa": ("glm_moe_dsa", {}),
+    # NOTE: Kimi Linear (KDA's per-channel decay from low-rank gates, replicated down projections under TP; a NoPE
+    # MLA layer; grouped sigmoid routing with a bias, which takes no gradient): at TP2 + SP + EP2 and CP2
+    "kimi_linear": ("kimi_linear", {}),
+    # NOTE: Hy3 (sigmoid routing plus a fixed bias, scaled, shared experts), Mellum 2 (windows, a rope theta per layer
+    # type, softmax top-k) and Flint (sinks, NoPE full layers, sigmoid routing, an ungated shared expert): at TP2 + SP
+    # + EP2; Apertus 1.5's language model (xIELU) and Youtu (dense MLA): at TP2 + SP
+    "hy_v3": ("hy_v3", {}),
+    "mellum": ("mellum", {}),
+    "flint": ("flint", {}),
+    "apertus1p5": ("apertus1p5", {}),
+    "youtu": ("youtu", {}),
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe", "llama4")
@@ -210,14 +232,15 @@ LAYOUTS = {
                        "expert_tensor_parallel_size": 1},
                    MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "granitemoeshared",
                           "phimoe", "cohere2_moe", "afmoe", "glm4_moe_lite", "mistral4", "exaone_moe",
-                          "solar_open", "dbrx", "deepseek_v32", "glm_moe_dsa")),
-    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET),
+                          "solar_open", "dbrx", "deepseek_v32", "glm_moe_dsa", "mimo_v2_flash", "kimi_linear",
+                          "hy_v3", "mellum", "flint")),
+    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET + ("kimi_linear",)),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},  # MoE: experts split too
                MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron", "hunyuan_v1_dense", "apertus", "exaone",
                                                "jais2", "minicpm3", "ministral3", "vaultgemma", "cwm",
-                                               "nanochat")),
+                                               "nanochat", "apertus1p5", "youtu")),
 }
 # NOTE: the pad id as a real token (_gradients.with_pad_tokens)
 PAD_LAYOUTS = {

@@ -1,7 +1,8 @@
-"""EXAONE-MoE's, Solar Open's and DBRX's bridges without a world: settings megatron cannot reproduce refused by the
-bridges' pure checks, naming the field (so every rank fails alike before any collective); the hub's settings
-translated. Parity (logits, loss, router_logits and DBRX's balancing loss at TP1 and TP2 + SP + EP2), the experts each
-EP rank reads and round trips: test_moe_parity; gradients: test_gradients."""
+"""EXAONE-MoE's, Solar Open's, DBRX's and MiMo-V2-Flash's bridges without a world: settings megatron cannot reproduce
+refused by the bridges' pure checks, naming the field (so every rank fails alike before any collective), and layouts
+MiMo-V2-Flash cannot run; the hub's settings translated. Parity (logits, loss, router_logits and DBRX's balancing loss
+at TP1 and TP2 + SP + EP2), the experts each EP rank reads and round trips: test_moe_parity; gradients:
+test_gradients."""
 
 import re
 
@@ -95,14 +96,70 @@ def test_settings_translate():
     assert C.router_aux_loss_coef_of(config) == 0.05 == C.router_aux_loss_coef_field(_dbrx())
 
 
-def test_mimo_v2_flash_refused_by_name():
-    """MiMo-V2-Flash is not bridged (its sliding layers have twice the full layers' KV heads, value heads narrower than
-    query / key heads and scaled, sinks on the sliding layers only): refused by name, listing what is supported."""
-    import transformers
+def _mimo(**overrides):
+    return get_bridge(_config("mimo_v2_flash", architectures=["MiMoV2FlashForCausalLM"], **overrides))
 
-    from loongforge_hf.bridges import UnsupportedArchitectureError
 
-    config = transformers.MiMoV2FlashConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                            num_key_value_heads=2, architectures=["MiMoV2FlashForCausalLM"])
-    with pytest.raises(UnsupportedArchitectureError, match="MiMoV2FlashForCausalLM.*DbrxForCausalLM"):
-        get_bridge(config)
+def test_mimo_v2_flash_translated():
+    """MiMo-V2-Flash: the full layers' KV heads in megatron's shared config (the sliding layers twice as many in their
+    own), sinks as megatron's learnable softmax offset, the window on the sliding layers only, the hub's routing
+    (sigmoid plus a bias, groups, scaled, no shared experts), a dense first layer, partial rotary."""
+    bridge = _mimo()
+    kw = bridge.transformer_config_kwargs()
+    assert (kw["num_query_groups"], kw["kv_channels"], kw["softmax_type"]) == (2, 24, "learnable")
+    assert kw["window_size"] == (4, 0) and kw["window_attn_skip_freq"] == [0, 1, 1, 0]
+    assert kw["moe_layer_freq"] == [0, 1, 1, 1] and kw["moe_shared_expert_intermediate_size"] is None
+    assert (kw["moe_router_score_function"], kw["moe_router_topk_scaling_factor"]) == ("sigmoid", 2.5)
+    assert (kw["moe_router_num_groups"], kw["moe_router_group_topk"]) == (4, 2)
+    assert bridge.rope_parameters()["partial_rotary_factor"] == 0.334
+    shapes = bridge.expected_hf_shapes()
+    assert shapes["model.layers.1.self_attn.v_proj.weight"] == (4 * 16, 64)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (2 * 24, 64)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 4 * 16)
+    assert "model.layers.2.self_attn.attention_sink_bias" in shapes
+    assert "model.layers.3.self_attn.attention_sink_bias" not in shapes
+    assert bridge.passthrough_names(["model.mtp.layers.0.eh_proj.weight", "model.norm.weight"]) == [
+        "model.mtp.layers.0.eh_proj.weight"]
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types="),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "partial_rotary_factor {'full_attention': 0.5, 'sliding_attention': 0.334}"),
+    ({"rope_parameters": {"full_attention": YARN, "sliding_attention": YARN}}, "yarn"),
+    ({"rope_parameters": {kind: {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+                          for kind in ("full_attention", "sliding_attention")}}, "rope_type='llama3'"),
+    ({"v_head_dim": 32}, "v_head_dim=32"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+])
+def test_mimo_v2_flash_fields_refused(overrides, field):
+    with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
+        _mimo(**overrides)
+
+
+@pytest.mark.parametrize("layout,field", [
+    ({"tensor_parallel_size": 4}, "num_key_value_heads=2"), ({"context_parallel_size": 2}, "context_parallel_size=2")])
+def test_mimo_v2_flash_layouts_refused(layout, field):
+    """Each TP rank must hold whole KV heads of both layer types; context parallelism is refused (pure checks, run
+    before any collective)."""
+    from loongforge_hf.parallel.config import ParallelConfig
+
+    with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
+        _mimo().check_layout(ParallelConfig(**layout))
+
+
+def test_mimo_v2_flash_lora_on_qkv_refused():
+    """LoRA on q / k / v is refused by name (the value heads are narrower than the query / key heads); o_proj and the
+    experts' linears stay targetable."""
+    import peft
+
+    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+
+    bridge = _mimo()
+    with pytest.raises(LoraConfigError, match=re.escape("model.layers.0.self_attn.q_proj")):
+        plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    assert {t.hf_module.rsplit(".", 1)[-1] for t in plan_lora(bridge, peft.LoraConfig(
+        r=4, target_modules=["o_proj", "gate_proj"])).targets} == {"o_proj", "gate_proj"}

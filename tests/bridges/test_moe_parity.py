@@ -75,6 +75,11 @@ biases, every layer sparse, GLM-4.5's grouped sigmoid routing with a bias, a sha
 and clamped where about a tenth of them reach the clamp, softmax top-3 of 8 experts renormalised, read expert by
 expert from 2-D ``w1`` / ``v1`` / ``w2``; its ``router_logits`` and transformers' balancing loss with
 ``moe_loss_weight`` within 1e-5) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; refusals:
+test_moe_new_bridges). MiMo-V2-Flash (``mimo_v2_flash``: full layers 0 and 3 with 2 KV heads, sliding layers 1 and 2
+with 4, sinks and a binding 5-token window; value heads of 16 beside q / k heads of 24, scaled by 0.6; a rope theta per
+layer type on a third of each head; a dense first layer, top 4 of 8 experts in 2 of 4 groups by sigmoid scores plus a
+bias, scaled, no shared experts; its ``router_logits`` within 1e-5, no balancing loss; the hub's ``model.mtp.*``
+tensors passed through) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; refusals:
 test_moe_new_bridges).
 DeepSeek-V3.2 (``deepseek_v32``: GLM-4.7-Flash's MLA and experts with YaRN, DeepSeek Sparse Attention's indexer rotating
 its heads' first dims in halves) and GLM-5 (``glm_moe_dsa``: rms_norm_eps 1e-5, the indexer's rotary dims in pairs,
@@ -82,6 +87,17 @@ layers 1 and 3 reusing the top-k of layers 0 and 2) at tp1 and tp2ep2: each quer
 keys (the logits move by ~0.2 with every key kept: test_dsa), megatron's DSA core attention (``SparseAttention``), the
 indexer tensors in the bit-exact round trip, ``router_logits`` within 1e-5 (gradients at TP2 + SP + EP2:
 test_gradients; padding, refusals: test_dsa).
+Kimi Linear (``kimi_linear``: Kimi Delta Attention layers, a per-channel decay, beside a NoPE MLA layer, a dense
+first layer, DeepSeek-V3's grouped sigmoid routing with a bias and a shared expert, Mixtral's names on disk) at tp1,
+cp2ep2 and tp2ep2, its ``router_logits`` within 1e-5 (gradients at TP2 + SP + EP2 and CP2: test_gradients; long
+sequences, padding, packed documents, generate: test_qwen3_5).
+Hy3 (``hy_v3``: per-head q / k norms, a dense first layer, sigmoid routing plus a bias, scaled, two shared experts,
+its own router / bias / shared-expert names, an MTP layer passed through; ``router_logits``, no balancing loss),
+Mellum 2 (``mellum``: a binding 5-token window on layers 1 and 2, a rope theta per layer type, a dense first layer,
+softmax top-3 of 8 experts; ``router_logits`` and transformers' balancing loss) and Flint (``flint``: sinks, full
+layers without rotary embedding beside windowed rotary ones, sigmoid routing without bias, an ungated shared expert;
+``router_logits`` and the balancing loss) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; refusals:
+test_decoders_2026).
 """
 
 from pathlib import Path
@@ -193,10 +209,22 @@ CHECKPOINTS = {
     # NOTE: DBRX: LayerNorms without bias, q / k / v fused and clamped, softmax top-3 experts stored as 2-D tensors,
     # transformers' balancing loss weighted by ffn_config.moe_loss_weight
     "dbrx": ("dbrx", {}),
+    # NOTE: MiMo-V2-Flash: sliding layers with twice the KV heads, sinks and a window; value heads narrower than q / k
+    # and scaled; a rope theta per layer type on a third of each head; grouped sigmoid routing plus a bias, no shared
+    # experts; the hub's model.mtp.* tensors passed through
+    "mimo_v2_flash": ("mimo_v2_flash", {"mtp_layers": 1}),
     # NOTE: DeepSeek Sparse Attention: the top 4 of 12 keys per query; DeepSeek-V3.2 with YaRN and its indexer's
     # rotary halves, GLM-5 with interleaved pairs and layers 1 and 3 reusing layer 0's / 2's top-k
     "deepseek_v32": ("deepseek_v32", {}),
     "glm_moe_dsa": ("glm_moe_dsa", {}),
+    "kimi_linear": ("kimi_linear", {}),
+    # NOTE: Hy3 (per-head q / k norms, a dense first layer, sigmoid routing plus a bias, scaled, two shared experts,
+    # the router and bias under their own names, an MTP layer passed through), Mellum 2 (windowed layers, a rope theta
+    # per layer type, softmax top-k, transformers' balancing loss) and Flint (sinks, NoPE full layers, windowed rotary
+    # layers, sigmoid routing without bias, an ungated shared expert, transformers' balancing loss)
+    "hy_v3": ("hy_v3", {"mtp_layers": 1}),
+    "mellum": ("mellum", {}),
+    "flint": ("flint", {}),
 }
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
@@ -208,18 +236,21 @@ SMALL_MOE = ("phimoe", "afmoe")  # NOTE: at tp1, ep2 and tp2ep2 (CI time); gradi
 MLA_FAMILY = ("glm4_moe_lite", "mistral4")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
 DSA = ("deepseek_v32", "glm_moe_dsa")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
 DENSE_MLA = ("minicpm3",)  # NOTE: no experts: at tp1 and tp2sp, checked by test_dense_mla_parity
-NEW_MOE = ("exaone_moe", "solar_open", "dbrx")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
+KDA = ("kimi_linear",)  # NOTE: at tp1, cp2ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2 and CP2
+# NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
+NEW_MOE = ("exaone_moe", "solar_open", "dbrx", "mimo_v2_flash", "hy_v3", "mellum", "flint")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, *SMALL_MOE, *MLA_FAMILY, *DSA, *DENSE_MLA, "deepseek_v3_yarn",
                     "deepseek_v2_grouped", "qwen3_moe_sparse2",
                     "deepseek_v3_bf16", "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk",
-                    "cohere2_moe", "cohere2_moe_rms", *NEW_MOE)),
+                    "cohere2_moe", "cohere2_moe_rms", *NEW_MOE, *KDA)),
     "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE, "cohere2_moe_rms")),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
-    "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe")),
+    "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2},
+               (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe", *KDA)),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
                (*MODELS, *HYBRID, *SMALL_MOE, *MLA_FAMILY, *NEW_MOE, *DSA, "qwen3_moe_yarn", "mixtral_yarn",
-                "cohere2_moe")),
+                "cohere2_moe", *KDA)),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_next")),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
                 ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss",
@@ -288,7 +319,7 @@ def test_parity_and_round_trip(worlds, layout, name):
         grouped = LAYOUTS[layout][1].get("moe_grouped_gemm", True)
         assert r["experts_module"] == ["GroupedMLP" if grouped else "SequentialMLP"], (rank, r)
         # our kernels in the attention and norm slots; the fused-rope slot for every rope but MLA's own
-        mla = name.startswith(("deepseek", *MLA_FAMILY, *DSA))
+        mla = name.startswith(("deepseek", *MLA_FAMILY, *DSA, *KDA))  # NOTE: Kimi Linear's full layers
         # NOTE: DeepSeek Sparse Attention's core attention (bridges/sparse_attention.py)
         core = "SparseAttention" if name in DSA else "MLACoreAttention" if mla else "CoreAttention"
         assert r["core_attention"] == [core], (rank, r)
@@ -344,7 +375,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name == "hunyuan_v1_moe":  # NOTE: router_logits (fp32 gate.wg); transformers adds no balancing loss
             assert r["no_aux_loss"] and r["router_counts"] == (HUNYUAN_MOE_LAYERS,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"] and r["router_diff"] < ROUTER_TOL, (rank, r)
-        if name.startswith(("deepseek", "glm4_moe", "dots1", "mistral4", "exaone_moe", "solar_open", *DSA)):
+        if name.startswith(("deepseek", "glm4_moe", "dots1", "mistral4", "exaone_moe", "solar_open", "mimo_v2_flash",
+                            "hy_v3", *DSA, *KDA)):
             layers = {"glm4_moe_lite": GLM_LITE_MOE_LAYERS, "solar_open": 4}.get(name, MLA_MOE_LAYERS)
             assert r["no_aux_loss"] and r["router_counts"] == (layers,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"], (rank, r)
@@ -355,6 +387,10 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name.startswith(("olmoe", "minimax_m2", "flex_olmo")):  # NOTE: router_logits (model dtype), the balancing
             layers = MINIMAX_MOE_LAYERS if name == "minimax_m2" else OLMOE_MOE_LAYERS  # loss; every layer sparse
             assert r["router_counts"] == (layers,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
+            assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
+        if name in ("mellum", "flint"):  # NOTE: router_logits (fp32) and transformers' balancing loss, layers 1-3
+            assert r["router_counts"] == (DENSE_FIRST_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (
+                rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
         if name == "dbrx":  # NOTE: router_logits and the balancing loss (moe_loss_weight times it in the loss)
             assert r["router_counts"] == (4, 4) and r["router_dtypes"] == ["torch.float32"], (rank, r)
@@ -391,7 +427,9 @@ def test_expert_parallel_ranks_read_only_their_experts(worlds):
     ("glm4_moe_lite", "model.layers.4.", "model.layers.4.eh_proj.weight", 9),
     ("glm4_moe_qk_norm", "model.layers.4.", "model.layers.4.eh_proj.weight", 9),
     ("ernie4_5_moe", "model.mtp_", "model.mtp_linear_proj.0.weight", 6),
-    ("qwen3_next", "mtp.", "mtp.fc.weight", 7)])
+    ("qwen3_next", "mtp.", "mtp.fc.weight", 7),
+    ("mimo_v2_flash", "model.mtp.", "model.mtp.layers.0.eh_proj.weight", 7),
+    ("hy_v3", "model.layers.4.", "model.layers.4.eh_proj.weight", 9)])
 def test_mtp_layers_skipped_with_warning_and_written_back(worlds, name, prefix, tensor, count):
     warned = worlds.run("tp1")[0][name]["warnings"]
     assert any(prefix.rstrip(".") in w and "multi-token prediction" in w for w in warned), warned

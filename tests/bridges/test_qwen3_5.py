@@ -8,10 +8,20 @@ layouts, round trips and gradients run in test_dense_parity / test_moe_parity / 
 test_bad_input. The three models run in one one-rank world (megatron sets process environment variables when it
 builds a model); Qwen3.5's TP2 cached generate and its context parallelism (CP2: padding and packed documents with
 logits, loss and every gradient against transformers, an uncached generate, the refused cached one) in one two-rank
-world."""
+world. Kimi Linear (Kimi Delta Attention's per-channel decay, NoPE MLA, experts) runs in the one-rank world too:
+the long left-padded sequences (logits and loss), packed documents, greedy generate without and with the cache, and
+the hub's naming of its dense MLP (``mlp``, transformers' ``block_sparse_moe``: ``checkpoint_aliases``): that folder
+loads with the same logits as the ``block_sparse_moe`` one (bitwise) and transformers', and saves what transformers'
+save_pretrained writes after loading it; a folder with both names reads ``block_sparse_moe``'s, as transformers
+(pure)."""
+
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
@@ -19,6 +29,7 @@ from loongforge_hf.testing import make_tiny_checkpoint
 TOL = 1e-4
 AUX_TOL = 1e-5
 MOE_ARCHS = ("qwen3_next", "qwen3_5_moe")
+INDEX = "model.safetensors.index.json"
 LENGTHS = (7, 20, 11)  # NOTE: the packed row's documents
 CP_LENGTHS = (38, 35, 10, 12, 57)  # NOTE: the packed row's documents under CP2 (chunks of 38 tokens)
 
@@ -117,10 +128,82 @@ def _moe_checks(folder: str) -> dict:
     return out
 
 
+def _kimi_checks(folder: str) -> dict:
+    """Kimi Linear's numbers: 150 tokens (three chunks) with the second row left-padded by 9 (logits on real tokens,
+    the loss), packed documents against each alone, greedy generate of a left-padded batch without and with the
+    cache (the KDA layers' conv and recurrent states, the MLA layer's keys)."""
+    ours, ref = _models(folder)
+    ids = _ids((2, 150))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    with torch.no_grad():
+        got, want = ours(**kw), ref(**kw)
+    out = {"padded": float((got.logits - want.logits).abs()[mask.bool()].max()),
+           "loss": abs(got.loss.item() - want.loss.item()), "packed": packed_against_alone(ours, ref)}
+    ids = _ids((2, 9), seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, use_cache=False,
+              return_dict_in_generate=True, output_scores=True)
+    got, want = ours.generate(**kw), ref.generate(**kw)
+    out["uncached"] = (torch.equal(got.sequences, want.sequences),
+                       max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)))
+    return {**out, **_cached_generate(ours, ref, beams=False), "hub": _kimi_hub_checks(folder, ours)}
+
+
+def _kimi_hub_checks(folder: str, ours) -> dict:
+    """The hub-named copy (``_hub_named``) through ours and transformers: logits of 20 tokens against ``ours`` (the
+    ``block_sparse_moe`` folder's model), bitwise, and transformers'; then both save_pretrained: the names and values
+    each writes."""
+    import transformers
+
+    import loongforge_hf as lf
+
+    hub, ids = f"{folder}-hub", _ids((2, 20), seed=5)
+    mine = lf.AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = mine(input_ids=ids).logits
+        out = {"bitwise": torch.equal(got, ours(input_ids=ids).logits),
+               "transformers": float((got - theirs(input_ids=ids).logits).abs().max())}
+    mine.save_pretrained(f"{hub}-ours")
+    theirs.save_pretrained(f"{hub}-theirs")
+    written, want = _tensors(f"{hub}-ours"), _tensors(f"{hub}-theirs")
+    out["saved"] = (sorted(written) == sorted(want), all(torch.equal(written[n], want[n]) for n in want),
+                    sorted(n for n in want if ".layers.0." in n and "_proj" in n and "attn" not in n))
+    return out
+
+
+def _tensors(folder: str) -> dict:
+    return {n: t for f in sorted(Path(folder).glob("*.safetensors")) for n, t in load_file(f).items()}
+
+
+def _hub_named(folder: str, *, both: bool = False) -> str:
+    """A copy of the tiny Kimi folder with its dense layer's MLP named as the hub's checkpoints name it
+    (``model.layers.0.mlp.*`` for ``block_sparse_moe``); ``both``: beside the ``block_sparse_moe`` ones, plus 1."""
+    out = Path(f"{folder}-hub{'-both' if both else ''}")
+    shutil.copytree(folder, out)
+    index = json.loads((out / INDEX).read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(out / shard)
+        dense = {n: n.replace(".block_sparse_moe.", ".mlp.") for n in tensors
+                 if n.startswith("model.layers.0.block_sparse_moe.")}
+        if dense:
+            kept = tensors if both else {n: t for n, t in tensors.items() if n not in dense}
+            save_file({**kept, **{new: tensors[n] + int(both) for n, new in dense.items()}}, out / shard,
+                      metadata={"format": "pt"})
+            index["weight_map"] = {**{n: f for n, f in index["weight_map"].items() if both or n not in dense},
+                                   **{new: shard for new in dense.values()}}
+    (out / INDEX).write_text(json.dumps(index))
+    return str(out)
+
+
 def _all(folders: dict) -> dict:
     from ..integrations._lora_hybrids import ALL_LINEAR, hybrid_lora_checks
 
-    out = {arch: (_checks if arch == "qwen3_5" else _moe_checks)(folder) for arch, folder in folders.items()}
+    checks = {"qwen3_5": _checks, "kimi_linear": _kimi_checks}
+    out = {arch: checks.get(arch, _moe_checks)(folder) for arch, folder in folders.items()}
     out["lora"] = hybrid_lora_checks(folders["qwen3_5"], f"{folders['qwen3_5']}-lora-tp1", {}, ALL_LINEAR)
     out["next_lora"] = hybrid_lora_checks(folders["qwen3_next"], f"{folders['qwen3_next']}-lora-tp1", {},
                                           {**ALL_LINEAR, "target_modules": ["in_proj_qkvz", "in_proj_ba"]})
@@ -243,8 +326,10 @@ def _cp2_padded_and_packed(ours, ref, folder: str) -> dict:
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_5")
     # NOTE: Qwen3.5's with the hub's multi-token-prediction tensors (mtp.*), which it passes through
-    return {arch: str(make_tiny_checkpoint(root / arch, arch, mtp_layers=int(arch == "qwen3_5")))
-            for arch in ("qwen3_5",) + MOE_ARCHS}
+    out = {arch: str(make_tiny_checkpoint(root / arch, arch, mtp_layers=int(arch == "qwen3_5")))
+           for arch in ("qwen3_5",) + MOE_ARCHS + ("kimi_linear",)}
+    _hub_named(out["kimi_linear"])  # NOTE: Kimi's as the hub names it, beside (``_kimi_hub_checks``)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +370,63 @@ def test_packed_documents_restart_the_recurrence(everything, arch):
 def test_moe_generate_left_padded_batch(everything, arch, mode):
     same, scores = everything[arch][mode]
     assert same and scores < TOL, everything[arch][mode]
+
+
+def test_kimi_linear_long_padded_packed_and_generate(everything):
+    """Kimi Linear against transformers: 150 left-padded tokens (the KDA state crosses chunks; logits and loss),
+    packed documents (the conv and the state restart, MLA attends within its document), greedy generate of a
+    left-padded batch without and with the cache; the cache: one KV layer (MLA), then per KDA layer the last 3 of
+    its 3 * 4 * 16 conv channels and the fp32 state ``[batch, heads, 16, 16]``; one token a forward after the
+    prefill."""
+    r = everything["kimi_linear"]
+    assert r["padded"] < TOL and r["loss"] < TOL and max(r["packed"]) < TOL, r
+    for name in ("uncached", "cached_greedy"):
+        same, scores = r[name]
+        assert same and scores < TOL, (name, r[name])
+    kinds, states = r["cache_layers"]
+    assert kinds == ["DynamicLayer"] + ["LinearAttentionLayer"] * 3, kinds
+    assert states == [((2, 192, 3), torch.float32), ((2, 4, 16, 16), torch.float32)], states
+    assert r["cached_lengths"] == [9, 1, 1, 1], r["cached_lengths"]
+
+
+def test_kimi_linear_hub_names_load_and_save_as_transformers(everything):
+    """The hub's naming of the dense layer's MLP (``model.layers.0.mlp.*``) loads through ``checkpoint_aliases``:
+    logits equal to the ``block_sparse_moe`` folder's bitwise and to transformers' within 1e-4; save_pretrained writes
+    the names and values transformers' save_pretrained writes after loading it (``block_sparse_moe``, none twice)."""
+    r = everything["kimi_linear"]["hub"]
+    assert r["bitwise"] and r["transformers"] < TOL, r
+    same_names, same_values, dense = r["saved"]
+    assert same_names and same_values, r["saved"]
+    assert dense == [f"model.layers.0.block_sparse_moe.{p}_proj.weight" for p in ("down", "gate", "up")], dense
+
+
+def test_kimi_linear_both_names_read_as_transformers(folders):
+    """A folder with the dense MLP under both names (the ``mlp`` ones 1 larger): transformers 5.24 loads the
+    ``block_sparse_moe`` tensors and lists nothing unexpected; our reader shows the same tensors (the ``mlp`` ones
+    hidden: not loaded, not unexpected, not written back), so both read the same values. Without the bridge's aliases
+    the hub-named folder fails the name check, naming the missing tensor (pure: no process group)."""
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.bridges.checkpoint_io import CheckpointError, CheckpointReader
+    from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader
+    from loongforge_hf.bridges.load_kwargs import loading_info
+
+    folder = folders["kimi_linear"]
+    both, name = _hub_named(folder, both=True), "model.layers.0.block_sparse_moe.gate_proj.weight"
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(both, dtype=torch.float32,
+                                                                     output_loading_info=True)
+    bridge = get_bridge(theirs.config)
+    with CheckpointReader(both) as raw, CheckpointReader(folder) as plain:
+        reader = dequantizing_reader(raw, bridge=bridge)
+        assert sorted(reader.keys()) == sorted(plain.keys())
+        assert torch.equal(reader.get(name), plain.get(name))
+        assert torch.equal(theirs.model.layers[0].mlp.gate_proj.weight, plain.get(name))
+        assert loading_info(raw, bridge)["unexpected_keys"] == info["unexpected_keys"] == set()
+    with CheckpointReader(f"{folder}-hub") as raw:
+        with pytest.raises(CheckpointError, match=rf"'{name}': missing"):
+            dequantizing_reader(raw).validate_shapes(bridge.expected_hf_shapes())
+        dequantizing_reader(raw, bridge=bridge).validate_shapes(bridge.expected_hf_shapes())
 
 
 def test_mtp_tensors_written_back(results):
@@ -381,20 +523,20 @@ def test_qwen3_next_in_proj_lora_matches_peft(everything):
 def test_mask_layout_read_once_per_mask(monkeypatch):
     """The Gated DeltaNet layers read a mask's layout (a wait for the device) once per mask tensor: again for a new
     mask, or after the mask is written to; the layout itself (padding, packed document starts) as read."""
-    from loongforge_hf.bridges import gated_deltanet
+    from loongforge_hf.bridges import recurrent_common
 
     reads = []
-    real_read = gated_deltanet._read_layout
-    monkeypatch.setattr(gated_deltanet, "_read_layout", lambda *a: reads.append(1) or real_read(*a))
+    real_read = recurrent_common._read_layout
+    monkeypatch.setattr(recurrent_common, "_read_layout", lambda *a: reads.append(1) or real_read(*a))
     causal = ~torch.ones(6, 6, dtype=torch.bool).tril()
     mask = causal.repeat(2, 1, 1, 1)
     mask[1, 0, :, :2] = True  # NOTE: row 1 left-padded by 2
     mask[1, 0, 2:, :2] = True
     for _ in range(3):
-        real, starts = gated_deltanet._token_layout(mask, 2, 6)
+        real, starts = recurrent_common._token_layout(mask, 2, 6)
     assert len(reads) == 1 and starts is None and real.tolist() == [[True] * 6, [False] * 2 + [True] * 4]
     mask[0, 0, 3:, :3] = True  # NOTE: row 0 now packs documents of 3 and 3 tokens
-    real, starts = gated_deltanet._token_layout(mask, 2, 6)
+    real, starts = recurrent_common._token_layout(mask, 2, 6)
     assert len(reads) == 2 and starts == [[3], []], starts
-    gated_deltanet._token_layout(mask.clone(), 2, 6)
+    recurrent_common._token_layout(mask.clone(), 2, 6)
     assert len(reads) == 3

@@ -1,5 +1,6 @@
 """``kernels.gated_delta_rule`` against a token-by-token recurrence written here and against transformers' torch
-code (chunked and recurrent), fp32, over odd shapes and chunk sizes, outputs and gradients."""
+code (chunked and recurrent), fp32, over odd shapes and chunk sizes, outputs and gradients; the per-channel decay
+(Kimi Delta Attention) against transformers' ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention``."""
 
 import pytest
 import torch
@@ -206,3 +207,39 @@ def test_packed_documents_in_one_call_match_one_call_each():
         assert (a - b).abs().max() < TOL * max(1.0, float(b.abs().max())), name
     with pytest.raises(ValueError, match="are not 2 rows of sorted document bounds from 0 to 30"):
         gated_delta_rule_packed(*inputs, [[0, 30], [0, 12, 29]])
+
+
+def test_per_channel_decay_matches_transformers_kimi_delta_attention():
+    """A decay per key channel (``g`` ``[b, s, h, k_dim]``, strong enough that some channels forget within a token):
+    outputs and the final state against transformers' chunked and recurrent KDA code over 21 tokens in chunks of 8,
+    every input's gradient against autograd through its recurrence; a decode step from the state; two packed
+    documents against one call each."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule_packed
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 21, 3, 8, generator=gen) for _ in range(3))
+    g, beta = -3.0 * torch.rand(2, 21, 3, 8, generator=gen), torch.rand(2, 21, 3, generator=gen)
+    chunked, _ = kimi.chunk_kimi_delta_attention(q, k, v, g, beta, chunk_size=8, use_qk_l2norm_in_kernel=True)
+    ours = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    theirs = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    out, final = gated_delta_rule(*ours, chunk_size=8, output_final_state=True)
+    want, want_final = kimi.recurrent_kimi_delta_attention(*theirs, None, True, use_qk_l2norm_in_kernel=True)
+    assert (out - chunked).abs().max() < TOL and (out - want).abs().max() < TOL
+    assert (final - want_final).abs().max() < TOL
+    d_out, d_final = torch.randn(out.shape, generator=gen), torch.randn(final.shape, generator=gen)
+    ((out * d_out).sum() + (final * d_final).sum()).backward()
+    ((want * d_out).sum() + (want_final * d_final).sum()).backward()
+    for a, b in zip(ours, theirs):
+        assert (a.grad - b.grad).abs().max() < TOL * max(1.0, float(b.grad.abs().max()))
+    one = (t[:, :1] for t in (q, k, v, g, beta))
+    step, state = gated_delta_rule(*one, initial_state=want_final.detach(), output_final_state=True)
+    ref_step, ref_state = kimi.recurrent_kimi_delta_attention(*(t[:, :1] for t in (q, k, v, g, beta)),
+                                                              want_final.detach(), True, use_qk_l2norm_in_kernel=True)
+    assert (step - ref_step).abs().max() < TOL and (state - ref_state).abs().max() < TOL
+    packed = gated_delta_rule_packed(q, k, v, g, beta, [[0, 6, 21], [0, 21]], chunk_size=8)
+    first = gated_delta_rule(*(t[:1, :6] for t in (q, k, v, g, beta)), chunk_size=8)
+    second = gated_delta_rule(*(t[:1, 6:] for t in (q, k, v, g, beta)), chunk_size=8)
+    assert (packed[:1] - torch.cat((first, second), dim=1)).abs().max() < TOL
+    assert (packed[1:] - out[1:].detach()).abs().max() < TOL

@@ -84,7 +84,9 @@ def _train_and_compare(folder: str, out_dir: str, device: str, sampled: bool = F
                                                         "num_kv_shared_layers": 2, "use_double_wide_mlp": True}),
                                             ("solar_open", {}), ("dbrx", {}), ("ministral3", {}), ("vaultgemma", {}),
                                             ("cwm", {}), ("nanochat", {}), ("deepseek_v32", {}),
-                                            ("glm_moe_dsa", {})])
+                                            ("glm_moe_dsa", {}), ("mimo_v2_flash", {}), ("kimi_linear", {}),
+                                            ("apertus1p5", {}), ("youtu", {}), ("hy_v3", {}), ("mellum", {}),
+                                            ("flint", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
