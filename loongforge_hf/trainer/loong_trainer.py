@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -284,9 +285,11 @@ class LoongTrainer(Trainer):
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def _check_evaluation_batch(self, inputs: dict) -> None:
-        """An image-text model's evaluation batch: its image tokens checked and agreed across ranks before its
-        forward (a text model's batch goes straight to its forward: no collective added)."""
-        if getattr(getattr(self.model, "bridge", None), "image_token_id", None) is not None:
+        """An image-text model's evaluation batch of tensors: its image tokens checked and agreed across ranks before
+        its forward (a text model's batch goes straight to its forward: no collective added; so does GRPO / RLOO's
+        batch of prompt rows, whose model inputs the processor builds whole after generation)."""
+        if getattr(getattr(self.model, "bridge", None), "image_token_id", None) is not None and \
+                isinstance(inputs, Mapping) and torch.is_tensor(inputs.get("input_ids")):
             self._check_batches_everywhere([inputs], None)
 
     def _fix_eval_steps_per_second(self, metrics: dict) -> None:

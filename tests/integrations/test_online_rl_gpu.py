@@ -4,8 +4,10 @@ sides: test_grpo.py's and test_rloo.py's scenarios and checks (their ``_assert_m
 within 1e-4 relative or 1e-6 absolute, completion lengths and token counts exactly, evaluation where the scenario
 has it, the final weights) with the engine's CUDA path (Triton kernels, LoongAdamW, the fused vocab-parallel head's
 per-token log-probs, our generate's decode on the GPU) against TRL's own CUDA run on one GPU: each trainer's three
-scenarios and its Qwen3-MoE one (TRL's router balancing loss, evaluated) at TP1; on two GPUs over NCCL, the
-two-pass KL scenario at TP2 with sequence parallelism (the replica's generators in step after sampling)."""
+scenarios and its Qwen3-MoE one (TRL's router balancing loss, evaluated) at TP1, vision GRPO (evaluated) and vision
+RLOO (``_online_vision``: the tiny Qwen2-VL, prompts holding an image, generation with the images) at TP1; on two
+GPUs over NCCL, the two-pass KL scenario at TP2 with sequence parallelism (the replica's generators in step after
+sampling)."""
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 from .._device_env import pickleable_month_day_nano
-from . import _grpo_parity, _rloo_parity, test_grpo, test_rloo
+from . import _grpo_parity, _online_vision, _rloo_parity, test_grpo, test_rloo
 from ._grpo_parity import saved_tensors
 
 pytestmark = [pytest.mark.gpu,
@@ -48,6 +50,15 @@ def _one_gpu(trainer: str, folder: str, moe_folder: str, out_dir: str) -> dict:
             "loong": parity.run_loong(folder, out_dir + "/tp1", {}, tests.NAMES),
             "moe_trl": parity.run_trl(moe_folder, out_dir + "/moe-trl", tests.MOE_NAMES),
             "moe_tp1": parity.run_loong(moe_folder, out_dir + "/moe-tp1", {}, tests.MOE_NAMES)}
+
+
+def _vision(folder: str, out_dir: str) -> dict:
+    _cuda("grpo")
+    for _, overrides in _online_vision.SCENARIOS.values():  # NOTE: this process's copy, as _cuda's
+        overrides.update(use_cpu=False, learning_rate=LEARNING_RATE)
+    names = list(_online_vision.SCENARIOS)
+    return {"trl": _online_vision.run_trl_vision(folder, out_dir + "/trl", names),
+            "loong": _online_vision.run_loong_vision(folder, out_dir + "/tp1", {}, names)}
 
 
 def _two_gpus(trainer: str, folder: str, out_dir: str) -> dict:
@@ -93,6 +104,16 @@ def test_moe_router_aux_loss_on_cuda(checkpoints, one_gpu, trainer):
     runs, tests = one_gpu(trainer), TRAINERS[trainer][1]
     for name in tests.MOE_NAMES:
         tests._assert_matches(name, runs["moe_trl"][name], runs["moe_tp1"][name], saved_tensors(checkpoints[1]))
+
+
+def test_vision_on_cuda_matches_trl(tmp_path):
+    from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_vl
+
+    folder = str(make_tiny_qwen2_vl(tmp_path / "qwen2_vl"))
+    runs = run_distributed(_vision, 1, folder, str(tmp_path / "runs"), timeout=600,
+                           env={"LOONGFORGE_DEVICE": "cuda"})[0]
+    for name in _online_vision.SCENARIOS:
+        _online_vision.assert_vision_matches(name, [runs["trl"][name]], [runs["loong"][name]], saved_tensors(folder))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
