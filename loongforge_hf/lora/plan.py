@@ -337,6 +337,8 @@ def _adaptable(name: str, module, index, on_disk) -> tuple[Mapping, int | None, 
         kind = None
     if isinstance(entry[0], PerTypeQKV) and entry[0].v_head_dim is not None:  # NOTE: MiMo-V2-Flash's narrower v
         kind = None
+    if kind in ("column", "row") and not _unwrapped(entry[0]).megatron.endswith(".weight"):
+        kind = None  # NOTE: a bare parameter, not a linear's weight (Kimi Linear's f_b_weight / g_b_weight)
     return None if kind is None or (entry[1] is None and kind != "vision") else (*entry, kind)
 
 
