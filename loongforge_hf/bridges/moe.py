@@ -5,12 +5,11 @@ Choices:
 - A layer is dense or sparse as the HF config says (``is_moe_layer``); megatron gets the same pattern as a 0/1
   ``moe_layer_freq`` list and builds each layer from its own spec (``specs.layer_spec_for``).
 - Routed experts run in megatron's MoE layer: alltoall dispatcher (allgather where expert and expert-tensor parallel
-  are both 1, see ``specs.py``), no token dropping (capacity factor off), experts as
-  our ``kernels.grouped_mlp.GroupedMLP`` (all local experts' fc1 and fc2 stacked in one parameter each, grouped GEMMs
-  on GPU). ``LOONGFORGE_MOE_GROUPED_GEMM=0`` in the environment when the bridge is made selects megatron's
-  ``SequentialMLP`` instead (one gated MLP module per local expert, run in a loop), for comparison.
-- Expert-parallel rank ``e`` of ``E`` owns experts ``[e * N / E, (e + 1) * N / E)`` and reads only those; each expert
-  is split over the expert-tensor-parallel group (``expert_tensor_parallel_size``, by default the TP size).
+  are both 1, see ``specs.py``), no token dropping, experts as our ``kernels.grouped_mlp.GroupedMLP`` (each
+  projection of all local experts one stacked parameter, grouped GEMMs on GPU); ``LOONGFORGE_MOE_GROUPED_GEMM=0``
+  when the bridge is made selects megatron's ``SequentialMLP`` (one MLP per local expert, in a loop), to compare.
+- Expert-parallel rank ``e`` of ``E`` owns experts ``[e * N / E, (e + 1) * N / E)`` and reads only those, each split
+  over the expert-tensor-parallel group (``expert_tensor_parallel_size``, by default the TP size).
 - Expert mappings: ``Expert`` (one megatron parameter per expert, ``SequentialMLP``) or ``StackedExpert`` (one
   parameter ``[local experts, ...]``, ``GroupedMLP``): both read each owned expert's HF tensors with the same per-expert
   mapping and export expert by expert (``ExpertSlice`` picks one expert out of the stack before any gather).
@@ -23,16 +22,13 @@ Choices:
                                   sum of its top ``k / topk_group`` scores, which must equal the model's own rule
                                   (``group_score_top``: 2 for V3's top-2 sum, 1 for V2's max);
   ``routed_scaling_factor``    -> ``moe_router_topk_scaling_factor``;
-  softmax plus a fixed bias    -> ``biased_routing.route`` in the router (ERNIE 4.5: megatron-core 0.16 adds an
-                                  expert bias to sigmoid scores only).
+  softmax plus a fixed bias    -> ``biased_routing.route`` (ERNIE 4.5; megatron biases sigmoid scores only).
   A setting megatron cannot reproduce raises ``UnsupportedConfigError`` naming the field.
-- The router load-balancing loss (``output_router_logits`` with ``router_aux_loss_coef``) is transformers' own, over
-  all MoE layers of a forward, for bridges that declare ``hf_balance_loss`` (their router is
-  ``router_balance.BalanceRouter``); megatron's per-layer balancing losses stay off (``moe_router_load_balancing_type
-  ="none"``), so the term is never counted twice.
-- transformers' ``router_logits`` output (and its ``MoeCausalLMOutputWithPast``) for bridges that declare
-  ``hf_router_logits`` (their router is ``BalanceRouter`` too; ``router_logits.py``): those with the balancing loss, and
-  DeepSeek, whose transformers model returns the logits but adds no loss.
+- The router balancing loss (``output_router_logits``, ``router_aux_loss_coef``) is transformers' own over a forward's
+  MoE layers for bridges that declare ``hf_balance_loss`` (router: ``router_balance.BalanceRouter``); megatron's
+  per-layer ones stay off (``moe_router_load_balancing_type="none"``): never counted twice.
+- transformers' ``router_logits`` output (``MoeCausalLMOutputWithPast``) for bridges that declare ``hf_router_logits``
+  (their router a ``BalanceRouter`` too; ``router_logits.py``): those with the balancing loss, and DeepSeek's.
 """
 
 from __future__ import annotations
