@@ -53,6 +53,7 @@ class AfmoeBridge(WindowsByLayerType, MoEBridge):
     shared_experts = "shared_experts"
     expert_bias = True
     expert_bias_name = "expert_bias"
+    router_name = "router.gate"
     hf_router_logits = True                                    # transformers returns them; it adds no aux loss
 
     # ---- config ---------------------------------------------------------------------------------------------
@@ -109,8 +110,7 @@ class AfmoeBridge(WindowsByLayerType, MoEBridge):
                   for m in super().dense_mlp_mappings()), _POST_MLP]
 
     def moe_mappings(self) -> list[Mapping]:
-        maps = (renamed(renamed(m, f"{L}.post_attention_layernorm.", f"{L}.pre_mlp_layernorm."),
-                        f"{L}.mlp.gate.", f"{L}.mlp.router.gate.") for m in super().moe_mappings())
+        maps = (renamed(m, f"{L}.post_attention_layernorm.", f"{L}.pre_mlp_layernorm.") for m in super().moe_mappings())
         return [*maps, _POST_MLP]
 
     def attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -126,6 +126,4 @@ class AfmoeBridge(WindowsByLayerType, MoEBridge):
         return self._sandwiched(super().dense_mlp_shapes(prefix), prefix)
 
     def moe_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        shapes = self._sandwiched(super().moe_shapes(prefix), prefix)
-        shapes[f"{prefix}.mlp.router.gate.weight"] = shapes.pop(f"{prefix}.mlp.gate.weight")
-        return shapes
+        return self._sandwiched(super().moe_shapes(prefix), prefix)

@@ -28,12 +28,12 @@ from __future__ import annotations
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.cohere import Cohere2Bridge
 from loongforge_hf.bridges.layer_outputs import transformed_moe
+from loongforge_hf.bridges.layer_types import check_mlp_layer_types
 from loongforge_hf.bridges.mappings import Mapping
 from loongforge_hf.bridges.moe import MoEBridge
 from loongforge_hf.bridges.registry import register_bridge
 from loongforge_hf.bridges.smollm3 import no_rope_attention
 
-_MLP_KINDS = ("dense", "sparse")
 _COMBINATIONS = ("sum", "average")
 
 
@@ -50,10 +50,7 @@ class Cohere2MoeBridge(Cohere2Bridge, MoEBridge):
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
         c = self.hf_config
-        kinds = list(c.mlp_layer_types or [])
-        if len(kinds) != c.num_hidden_layers or set(kinds) - set(_MLP_KINDS):
-            raise C.UnsupportedConfigError(f"mlp_layer_types={kinds} is not supported: one of {list(_MLP_KINDS)} "
-                                           f"per layer ({c.num_hidden_layers}).")
+        check_mlp_layer_types(c)
         combination = c.shared_expert_combination_strategy
         if self.shared_experts and combination not in _COMBINATIONS:
             raise C.UnsupportedConfigError(f"shared_expert_combination_strategy={combination!r} is not supported; "

@@ -42,13 +42,14 @@ def check_sigmoid_renormalisation(c) -> None:
             "one).")
 
 
-def sigmoid_routing_kwargs(c) -> dict:
-    """DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores plus a fixed ``e_score_correction_bias``, top-2-sum group
-    scores, ``routed_scaling_factor``; top-k renormalised (``check_sigmoid_renormalisation``)."""
+def sigmoid_routing_kwargs(c, num_experts: int | None = None) -> dict:
+    """DeepSeek-V3's routing (GLM-4.5's and Kimi Linear's too): sigmoid scores plus a fixed ``e_score_correction_bias``,
+    top-2-sum group scores, ``routed_scaling_factor``; top-k renormalised (``check_sigmoid_renormalisation``).
+    ``num_experts`` where the config does not name it ``n_routed_experts``."""
     check_sigmoid_renormalisation(c)
     return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
             "moe_router_bias_update_rate": 0.0, "moe_router_topk_scaling_factor": c.routed_scaling_factor,
-            **grouped_routing_kwargs(num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok,
+            **grouped_routing_kwargs(num_experts=num_experts or c.n_routed_experts, top_k=c.num_experts_per_tok,
                                      n_group=c.n_group, topk_group=c.topk_group, group_score_top=2)}
 
 

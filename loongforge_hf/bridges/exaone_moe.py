@@ -24,20 +24,10 @@ from types import SimpleNamespace
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.deepseek import sigmoid_routing_kwargs
-from loongforge_hf.bridges.layer_types import WindowsByLayerType
+from loongforge_hf.bridges.layer_types import WindowsByLayerType, check_mlp_layer_types
 from loongforge_hf.bridges.moe import MoEBridge
 from loongforge_hf.bridges.registry import register_bridge
 from loongforge_hf.bridges.smollm3 import no_rope_attention
-
-MLP_KINDS = ("dense", "sparse")
-
-
-def check_mlp_layer_types(hf_config) -> None:
-    """``UnsupportedConfigError`` unless ``mlp_layer_types`` says ``"dense"`` or ``"sparse"`` for every layer."""
-    kinds = list(hf_config.mlp_layer_types or [])
-    if len(kinds) != hf_config.num_hidden_layers or set(kinds) - set(MLP_KINDS):
-        raise C.UnsupportedConfigError(f"mlp_layer_types={kinds}: expected one of {list(MLP_KINDS)} for each of the "
-                                       f"{hf_config.num_hidden_layers} layers.")
 
 
 @register_bridge("ExaoneMoeForCausalLM")

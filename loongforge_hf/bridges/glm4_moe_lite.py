@@ -10,21 +10,15 @@ Choices:
   transformers builds them (``specs.LatentRMSNorm``).
 """
 
-from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.deepseek import DeepseekV3Bridge
+from loongforge_hf.bridges.layer_types import check_mlp_layer_types
 from loongforge_hf.bridges.registry import register_bridge
-
-_KINDS = ("dense", "sparse")
 
 
 @register_bridge("Glm4MoeLiteForCausalLM")
 class Glm4MoeLiteBridge(DeepseekV3Bridge):
     def check_config(self) -> None:
-        kinds = list(self.hf_config.mlp_layer_types or ())
-        if len(kinds) != self.hf_config.num_hidden_layers or set(kinds) - set(_KINDS):
-            raise C.UnsupportedConfigError(
-                f"mlp_layer_types={kinds}: expected one of {list(_KINDS)} per layer "
-                f"(num_hidden_layers={self.hf_config.num_hidden_layers}).")
+        check_mlp_layer_types(self.hf_config)
         super().check_config()
 
     def is_moe_layer(self, layer: int) -> bool:

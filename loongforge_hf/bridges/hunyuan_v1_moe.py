@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.hunyuan_v1_dense import HunYuanAttention
-from loongforge_hf.bridges.mappings import FP32Replicated, Mapping
 from loongforge_hf.bridges.moe import MoEBridge
 from loongforge_hf.bridges.registry import register_bridge
 
@@ -33,6 +32,7 @@ def _one_value(c, field: str) -> int:
 class HunYuanMoEV1Bridge(HunYuanAttention, MoEBridge):
     shared_experts = "shared_mlp"
     router_fp32 = True
+    router_name = "gate.wg"
     hf_router_logits = True                                    # transformers returns them; it adds no aux loss
 
     # ---- config ---------------------------------------------------------------------------------------------
@@ -59,11 +59,3 @@ class HunYuanMoEV1Bridge(HunYuanAttention, MoEBridge):
 
     def routing_kwargs(self) -> dict:
         return {"moe_router_score_function": "softmax", "moe_router_pre_softmax": False}
-
-    # ---- tensors --------------------------------------------------------------------------------------------
-    def moe_mappings(self) -> list[Mapping]:
-        return [FP32Replicated(m.megatron, m.hf.replace(".gate.weight", ".gate.wg.weight"))
-                if m.megatron.endswith(".router.weight") else m for m in super().moe_mappings()]
-
-    def moe_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        return {n.replace(".gate.weight", ".gate.wg.weight"): s for n, s in super().moe_shapes(prefix).items()}

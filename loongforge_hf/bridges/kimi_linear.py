@@ -49,12 +49,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.deepseek import DeepseekStyleMoE, MultiLatentAttention
+from loongforge_hf.bridges.deepseek import DeepseekStyleMoE, MultiLatentAttention, sigmoid_routing_kwargs
 from loongforge_hf.bridges.dense import D, L, DenseBridge
 from loongforge_hf.bridges.gated_mappings import HeadSections
 from loongforge_hf.bridges.mappings import (ColumnParallel, FP32ColumnParallel, Mapping, Replicated, RowParallel,
                                             _fmt, _tp_slice, replaced, with_replaced_names)
-from loongforge_hf.bridges.moe import grouped_routing_kwargs
 from loongforge_hf.bridges.qwen3_5 import Qwen3_5Bridge
 from loongforge_hf.bridges.registry import register_bridge
 
@@ -119,14 +118,7 @@ class KimiLinearBridge(MultiLatentAttention, DeepseekStyleMoE):
         return self.hf_config.mlp_layer_types[layer] == "sparse"
 
     def routing_kwargs(self) -> dict:
-        c = self.hf_config
-        if not c.norm_topk_prob and c.num_experts_per_tok > 1:
-            raise C.UnsupportedConfigError("norm_topk_prob=False is not supported with sigmoid routing (megatron "
-                                           "renormalises the top-k sigmoid scores).")
-        return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-                "moe_router_bias_update_rate": 0.0, "moe_router_topk_scaling_factor": c.routed_scaling_factor,
-                **grouped_routing_kwargs(num_experts=c.num_local_experts, top_k=c.num_experts_per_tok,
-                                         n_group=c.n_group, topk_group=c.topk_group, group_score_top=2)}
+        return sigmoid_routing_kwargs(self.hf_config, num_experts=self.hf_config.num_local_experts)
 
     @property
     def linear_layers(self) -> frozenset[int]:

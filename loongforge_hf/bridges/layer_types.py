@@ -4,6 +4,8 @@ rope parameters (transformers keeps one dict per kind: Gemma 3, OLMo 3).
 Choices:
 - The window goes to megatron's ``window_attn_skip_freq`` as a per-layer list, read by our core attention per layer
   (and by the KV cache).
+- ``mlp_layer_types`` (EXAONE-MoE, GLM-4.7-Flash, Cohere 2 MoE, MiMo-V2-Flash, Mellum 2, ...): ``dense`` or
+  ``sparse`` for every layer, else refused naming the field (``check_mlp_layer_types``).
 - Two rotary tables: the model's rotary embedding returns the full layers' and the sliding layers' angles side by
   side on the last axis (``_two_table_rotary``; every slicing of it, by context parallelism or a KV cache, is along
   positions) and each layer's attention keeps its half (``layer_outputs.transformed_attention(sliding_layers=...)``).
@@ -19,6 +21,15 @@ import torch
 from loongforge_hf.bridges import config_map as C
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MLP_KINDS = ("dense", "sparse")
+
+
+def check_mlp_layer_types(hf_config) -> None:
+    """``UnsupportedConfigError`` unless ``mlp_layer_types`` says ``"dense"`` or ``"sparse"`` for every layer."""
+    kinds = list(hf_config.mlp_layer_types or [])
+    if len(kinds) != hf_config.num_hidden_layers or set(kinds) - set(MLP_KINDS):
+        raise C.UnsupportedConfigError(f"mlp_layer_types={kinds}: expected one of {list(MLP_KINDS)} for each of the "
+                                       f"{hf_config.num_hidden_layers} layers.")
 
 
 @functools.cache

@@ -6,7 +6,7 @@ Choices:
   ``layer_types``: the window on the sliding layers only (megatron's ``window_attn_skip_freq``), each layer type with
   its own rope parameters (``layer_types.LayerTypes``: two rotary tables side by side, each layer taking its own;
   plain or linear rope, whole heads).
-- MLP: ``mlp_layer_types`` (``exaone_moe.check_mlp_layer_types``): dense layers a gated MLP of ``intermediate_size``,
+- MLP: ``mlp_layer_types`` (``layer_types.check_mlp_layer_types``): dense layers a gated MLP of ``intermediate_size``,
   sparse ones Qwen3-MoE's (``qwen3_moe.py``): softmax top-k over ``num_experts`` experts of ``moe_intermediate_size``,
   renormalised where ``norm_topk_prob``, no shared experts; transformers' ``router_logits`` and its balancing loss
   (``output_router_logits``).
@@ -14,9 +14,8 @@ Choices:
   load and copied unchanged on export.
 """
 
-from loongforge_hf.bridges.exaone_moe import check_mlp_layer_types
 from loongforge_hf.bridges.layer_outputs import transformed_attention
-from loongforge_hf.bridges.layer_types import LayerTypes, layer_windows
+from loongforge_hf.bridges.layer_types import LayerTypes, check_mlp_layer_types, layer_windows
 from loongforge_hf.bridges.qwen3_moe import Qwen3MoeBridge
 from loongforge_hf.bridges.registry import register_bridge
 

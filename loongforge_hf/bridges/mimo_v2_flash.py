@@ -45,12 +45,11 @@ from loongforge_hf.bridges.deepseek import sigmoid_routing_kwargs
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.gemma4_attention import PerTypeQKV, _fewer_rows
 from loongforge_hf.bridges.layer_outputs import transformed_attention
-from loongforge_hf.bridges.layer_types import LayerTypes, layer_windows
+from loongforge_hf.bridges.layer_types import LayerTypes, check_mlp_layer_types, layer_windows
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping
 from loongforge_hf.bridges.moe import MoEBridge
 from loongforge_hf.bridges.registry import register_bridge
 
-MLP_KINDS = ("dense", "sparse")
 DEFAULT_PARTIAL_ROTARY = 0.334  # NOTE: transformers' MiMo, where a layer type's rope_parameters name no factor
 _SINKS = f"{D}.self_attention.core_attention.softmax_offset"
 
@@ -117,10 +116,7 @@ class MiMoV2FlashBridge(LayerTypes, MoEBridge):
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
         c = self.hf_config
-        kinds = list(c.mlp_layer_types or [])
-        if len(kinds) != c.num_hidden_layers or set(kinds) - set(MLP_KINDS):
-            raise C.UnsupportedConfigError(f"mlp_layer_types={kinds}: expected one of {list(MLP_KINDS)} for each of "
-                                           f"the {c.num_hidden_layers} layers.")
+        check_mlp_layer_types(c)
         self.check_layer_types()
         factors = {kind: self.rope_for(kind)["partial_rotary_factor"] for kind in ("full_attention",
                                                                                    "sliding_attention")}

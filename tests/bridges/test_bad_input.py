@@ -863,7 +863,8 @@ def test_qwen3_5_fields_and_layouts_megatron_cannot_express_refused():
 
 def test_kimi_linear_fields_and_layouts_megatron_cannot_express_refused():
     """Kimi Linear with an unknown or missing layer / MLP type, KV heads other than the heads (transformers' MLA
-    repeats its per-head keys by their ratio), another activation, ``attention_bias``; linear heads that do not split
+    repeats its per-head keys by their ratio), another activation, ``attention_bias``, sigmoid scores renormalised
+    otherwise than megatron (``norm_topk_prob`` off at top-k > 1, on at top-1); linear heads that do not split
     over TP (context parallelism runs); a static-cache generate: each refused naming the field (pure, before any
     collective). The LM head stays untied whatever ``tie_word_embeddings`` says, as transformers' model."""
     from types import SimpleNamespace
@@ -880,6 +881,10 @@ def test_kimi_linear_fields_and_layouts_megatron_cannot_express_refused():
             ("attention_bias", True, r"attention_bias=True is not supported for KimiLinearForCausalLM")):
         with pytest.raises(UnsupportedConfigError, match=match):
             get_bridge(_config("kimi_linear", **{field: value}))
+    for overrides in ({"norm_topk_prob": False}, {"num_experts_per_tok": 1}):  # NOTE: the tiny config's top 2, renormed
+        with pytest.raises(UnsupportedConfigError, match=r"norm_topk_prob=(False|True) with num_experts_per_tok=[12] "
+                                                         r"is not supported with sigmoid routing"):
+            get_bridge(_config("kimi_linear", **overrides)).transformer_config_kwargs()
     bridge = get_bridge(_config("kimi_linear"))
     assert not get_bridge(_config("kimi_linear", tie_word_embeddings=True)).tied  # NOTE: transformers ties nothing
     bridge.check_layout(ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, context_parallel_size=2))
