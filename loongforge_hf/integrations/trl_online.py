@@ -481,6 +481,9 @@ class OnlineEngineMixin:
         """TRL's metrics of one micro-batch into ``self._metrics[mode]`` from its summed stats (entropy sum first)."""
         raise NotImplementedError
 
+    def _checks_evaluation_batches(self) -> bool:
+        return False  # NOTE: prompt rows: the processor builds the model inputs whole after generation
+
     def _finish_setup(self, *, beta: float, peft_config) -> None:
         """After TRL's ``__init__`` (run with ``beta`` 0): seeds, batch sizes, dropout and the reference."""
         from transformers import set_seed

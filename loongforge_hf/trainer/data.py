@@ -12,6 +12,10 @@ Choices:
 - Packing uses transformers' ``DataCollatorWithFlattening`` (position ids restart per document, -100 at document
   boundaries); the model derives the document-causal mask from the restarting position ids, so attention never crosses
   documents.
+- A collator or dataset that raises on one rank's rows (a processor refusing image tokens that ``max_length`` cut,
+  say) must not leave the other ranks waiting in the step's first collective: training takes the error out of the
+  fetch (``fetch_micro_batches``), evaluation out of the collator (``ReportingCollator``), and the batch check that
+  every rank runs before any collective (``LoongTrainer._check_batches_everywhere``) raises it on all of them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,38 @@ import torch
 
 class DataError(ValueError):
     """A dataset or batch LoongTrainer cannot train on."""
+
+
+class FailedBatch(dict):
+    """What ``ReportingCollator`` hands on where its collator raised: ``{"error": <what it raised>}``."""
+
+
+class ReportingCollator:
+    """``collator``, its exception on this rank's rows returned as a ``FailedBatch`` for the batch check (so every
+    rank fails alike) instead of raised here alone."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        try:
+            return self.collator(features)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the batch check
+            return FailedBatch(error=f"the data collator raised {type(e).__name__}: {e}")
+
+
+def fetch_micro_batches(iterator, count: int) -> tuple[list, str | None]:
+    """Up to ``count`` batches from ``iterator`` (fewer where it ends), and what fetching one raised on this rank
+    (None: nothing), for the batch check to raise on every rank."""
+    micro = []
+    for _ in range(count):
+        try:
+            micro.append(next(iterator))
+        except StopIteration:
+            break
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the batch check
+            return micro, f"fetching a training batch raised {type(e).__name__}: {e}"
+    return micro, None
 
 
 def dp_rank_and_size() -> tuple[int, int]:

@@ -37,7 +37,8 @@ from transformers.trainer_utils import seed_worker
 
 from loongforge_hf.bridges import router_balance
 from loongforge_hf.trainer.balanced_data import balanced_train_dataloader
-from loongforge_hf.trainer.data import DataError, check_batch, dp_rank_and_size, shard_over_data_parallel
+from loongforge_hf.trainer.data import (DataError, FailedBatch, ReportingCollator, check_batch, dp_rank_and_size,
+                                        fetch_micro_batches, shard_over_data_parallel)
 from loongforge_hf.trainer.engine import (MegatronEngine, check_interleaved_micro_batches, fused_adam_for,
                                           micro_batch_group)
 
@@ -240,6 +241,8 @@ class LoongTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        if not is_training and self._checks_evaluation_batches():
+            collator = ReportingCollator(collator)  # NOTE: its error raised on every rank by _check_evaluation_batch
         args = self.args
         # NOTE: the DataLoader arguments of transformers.Trainer._get_dataloader (5.24), all of them
         params = {"batch_size": batch_size, "collate_fn": collator, "num_workers": args.dataloader_num_workers,
@@ -284,12 +287,17 @@ class LoongTrainer(Trainer):
         self._check_evaluation_batch(inputs)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
+    def _checks_evaluation_batches(self) -> bool:
+        """Whether evaluation batches are checked and agreed on every rank before their forward: an image-text model's
+        (a text model's go straight to its forward: no collective added)."""
+        return getattr(getattr(self.model, "bridge", None), "image_token_id", None) is not None
+
     def _check_evaluation_batch(self, inputs: dict) -> None:
-        """An image-text model's evaluation batch of tensors: its image tokens checked and agreed across ranks before
-        its forward (a text model's batch goes straight to its forward: no collective added; so does GRPO / RLOO's
-        batch of prompt rows, whose model inputs the processor builds whole after generation)."""
-        if getattr(getattr(self.model, "bridge", None), "image_token_id", None) is not None and \
-                isinstance(inputs, Mapping) and torch.is_tensor(inputs.get("input_ids")):
+        """An image-text model's evaluation batch of tensors, or what its collator raised (``ReportingCollator``):
+        its image tokens checked and agreed across ranks before its forward (GRPO / RLOO's batches of prompt rows,
+        whose model inputs the processor builds whole after generation, are not checked)."""
+        if self._checks_evaluation_batches() and (isinstance(inputs, FailedBatch) or (
+                isinstance(inputs, Mapping) and torch.is_tensor(inputs.get("input_ids")))):
             self._check_batches_everywhere([inputs], None)
 
     def _fix_eval_steps_per_second(self, metrics: dict) -> None:
@@ -457,21 +465,16 @@ class LoongTrainer(Trainer):
         grad_norm = learning_rate = None
         ran = False
         consumed = first_update * ga  # NOTE: micro-batches: the epoch fraction is logged as Trainer logs it
-        max_pos = self.model.config.max_position_embeddings
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)  # NOTE: none in Mamba2's
         for update_step in range(first_update, num_update_steps_per_epoch):
-            micro = []
-            for _ in range(ga):
-                try:
-                    micro.append(next(iterator))
-                except StopIteration:
-                    break
+            micro, failed = fetch_micro_batches(iterator, ga)
             if rng_after_skip:
                 self._load_rng_state(resume_from_checkpoint)
                 rng_after_skip = False
-            micro = self._whole_interleaved_groups(micro)
-            if not micro:
+            micro = micro if failed else self._whole_interleaved_groups(micro)
+            if not micro and not failed:
                 break
-            self._check_batches_everywhere(micro, max_pos)
+            self._check_batches_everywhere(micro, max_pos, failed=failed)
             ran = True
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             t0 = time.perf_counter()
@@ -532,17 +535,20 @@ class LoongTrainer(Trainer):
                            "groups).", len(micro) - keep, group)
         return micro[:keep]
 
-    def _check_batches_everywhere(self, micro: list[dict], max_positions: int | None) -> None:
-        """Validate this rank's batches (``max_positions`` None: evaluation's, their image tokens only), then agree
-        across ranks so a bad batch on one rank stops all of them."""
+    def _check_batches_everywhere(self, micro: list[dict], max_positions: int | None,
+                                  failed: str | None = None) -> None:
+        """Validate this rank's batches (``max_positions`` None: evaluation's, their image tokens only; ``failed``:
+        what fetching them raised here), then agree across ranks so a bad batch on one rank stops all of them."""
         from loongforge_hf.bridges.distribution import agree_on_error
         from loongforge_hf.multimodal.image_tokens import image_token_problem
 
-        error = None
+        error = failed
         try:
             bridge = getattr(self.model, "bridge", None)
             check_length = getattr(bridge, "check_sequence_length", None) if max_positions is not None else None
-            for b in micro:
+            for b in micro if failed is None else ():
+                if isinstance(b, FailedBatch):
+                    raise DataError(b["error"])
                 if max_positions is not None:
                     check_batch(b, max_positions=max_positions)
                 if check_length is not None:  # NOTE: positions the bridge is not exact from (Mistral 4's query scale)

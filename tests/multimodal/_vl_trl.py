@@ -90,13 +90,15 @@ def two_ranks(folder: str, out_dir: str) -> dict:
     out.update({f"prompt_completion/{name}": sft_losses(folder, f"{out_dir}/pc-{name}", loong=True,
                                                         layout=TWO_RANK_LAYOUTS[name], prompt_completion=True)
                 for name in PROMPT_COMPLETION_LAYOUTS})
-    out["cut_image"] = cut_image_everywhere(folder, f"{out_dir}/cut-image")  # NOTE: last: its trainers fail
+    # NOTE: last: their trainers fail
+    out["cut_image"] = cut_image_everywhere(folder, f"{out_dir}/cut-image")
+    out["cut_image/messages"] = cut_image_everywhere(folder, f"{out_dir}/cut-image-messages", messages=True)
     return out
 
 
-def _words_before_image(words: int, n: int = 4):
-    """``n`` prompt / completion rows whose prompt holds ``words`` words, then a 56x56 image (4 placeholder
-    tokens)."""
+def _words_before_image(words: int, n: int = 4, messages: bool = False):
+    """``n`` prompt / completion rows (``messages``: conversations) whose prompt holds ``words`` words, then a 56x56
+    image (4 placeholder tokens)."""
     import datasets
     from PIL import Image
 
@@ -105,15 +107,16 @@ def _words_before_image(words: int, n: int = 4):
     for i in range(n):
         user = {"role": "user", "content": [{"type": "text", "text": f" tok{5 + i}" * words}, {"type": "image"}]}
         reply = {"role": "assistant", "content": [{"type": "text", "text": f" tok{30 + i} tok{40 + i}"}]}
-        rows.append({"prompt": [user], "completion": [reply],
-                     "images": [Image.fromarray(rng.randint(0, 256, (56, 56, 3), dtype=np.uint8))]})
+        turns = {"messages": [user, reply]} if messages else {"prompt": [user], "completion": [reply]}
+        rows.append({**turns, "images": [Image.fromarray(rng.randint(0, 256, (56, 56, 3), dtype=np.uint8))]})
     return datasets.Dataset.from_list(rows)
 
 
-def cut_image_everywhere(folder: str, out_dir: str) -> dict:
+def cut_image_everywhere(folder: str, out_dir: str, messages: bool = False) -> dict:
     """DP2 with max_length=18: rank 0's prompts hold 2 words before the image, rank 1's 12, so TRL's vision collator
-    (which truncates input_ids, not the images) keeps 2 of each image's 4 placeholders on rank 1 only. Evaluation,
-    then training: each one's error on this rank, (type, message), or None."""
+    (which truncates input_ids, not the images) keeps 2 of each image's 4 placeholders on rank 1 only (``messages``:
+    conversations, where the processor itself raises on rank 1). Evaluation, then training: each one's error on this
+    rank, (type, message), or None."""
     import torch.distributed as dist
     import trl
     from transformers import AutoTokenizer
@@ -127,7 +130,7 @@ def cut_image_everywhere(folder: str, out_dir: str) -> dict:
                          save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, max_length=18,
                          per_device_eval_batch_size=2)
     model = lf.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    data = _words_before_image(12 if dist.get_rank() == 1 else 2)
+    data = _words_before_image(12 if dist.get_rank() == 1 else 2, messages=messages)
     trainer = lf.LoongSFTTrainer(model=model, args=args, train_dataset=data, eval_dataset=data,
                                  processing_class=processor)
     out = {}

@@ -9,7 +9,8 @@ conversations (loss on the completion) with LoRA at TP1, TP2 + SP and CP2: every
 conversations after each step) within 1e-5 relative (fp32), both ranks logging the same. Before, LoongSFTTrainer
 refused these datasets for lacking an ``input_ids`` column (and TRL's collator refused the padding prompt-completion
 data needs under SP / CP). At DP2, images whose placeholder tokens ``max_length`` cut on one rank only: evaluation
-and training fail on both ranks with the same DataError naming the fields (no hang in a collective)."""
+and training fail on both ranks with the same DataError naming the fields (no hang in a collective), for
+conversations too, where the processor inside TRL's collator raises on one rank."""
 
 from __future__ import annotations
 
@@ -68,3 +69,16 @@ def test_cut_image_tokens_fail_alike_on_both_ranks(runs, stage):
     assert said1.startswith("input_ids hold 4 image placeholder tokens (image_token_id 202) but the images of "
                             "image_grid_thw [[1, 4, 4], [1, 4, 4]] take 8."), said1
     assert "max_length=18" in said1 and "increase max_length" in said1, said1
+
+
+@pytest.mark.parametrize("stage", ["evaluate", "train"])
+def test_processor_refusing_cut_image_tokens_fails_alike_on_both_ranks(runs, stage):
+    """The same cut on conversations (``messages``): there the processor inside TRL's collator raises on rank 1 only
+    (its image-token count check); both ranks raise the collator's error as a DataError before any collective
+    (without the check, rank 1's fetch raised alone and rank 0 waited in the step's first collective)."""
+    _, two = runs
+    (kind0, said0), (kind1, said1) = two[0]["cut_image/messages"][stage], two[1]["cut_image/messages"][stage]
+    assert kind0 == kind1 == "DataError" and said0 == f"(on rank 1) {said1}", (said0, said1)
+    where = {"evaluate": "the data collator", "train": "fetching a training batch"}[stage]
+    assert said1.startswith(f"{where} raised ValueError: Mismatch in `image` token count between text and "
+                            "`input_ids`. Got ids=[2, 2] and text=[4, 4]."), said1
