@@ -25,6 +25,10 @@ SCENARIOS = {
     # tokens' summed log-ratio) show it in the loss at 2e-2 (1.4e-4 relative apart; the first step's 1e-7)
     "vision_rloo": ("rloo", {"beta": 0.1, "num_iterations": 2, "max_steps": 2, "learning_rate": 5e-3}),
 }
+# LoRA with PEFT's "all-linear" (the vision tower's and merger's linears too), the adapters disabled as the reference
+LORA = {"vision_grpo_lora": dict(r=4, lora_alpha=8, target_modules="all-linear")}
+SCENARIOS["vision_grpo_lora"] = ("grpo", {"loss_type": "grpo", "beta": 0.1, "num_iterations": 2, "max_steps": 2,
+                                          "learning_rate": 2e-2})
 EVAL_SCENARIOS = ("vision_grpo",)
 NOT_COMPARED = ("step_time", "tokens_per_second", "mfu", "learning_rate", "epoch")
 # compared exactly; the other metrics within 1e-4 relative or 1e-6 absolute, as the text tests
@@ -69,8 +73,13 @@ def _run(trainer_cls, model, folder: str, out_dir: str, name: str) -> dict:
     reward.__name__ = "thirds"
     processor = _processor(folder)
     processor.tokenizer.padding_side = "left"  # NOTE: as TRL loads a processor (its image-token types left-padded)
+    peft_config = None
+    if name in LORA:
+        import peft
+
+        peft_config = peft.LoraConfig(**LORA[name])
     trainer = trainer_cls(model=model, reward_funcs=reward, args=_config(kind, out_dir, overrides),
-                          train_dataset=vision_prompts(),
+                          peft_config=peft_config, train_dataset=vision_prompts(),
                           eval_dataset=vision_prompts(2, seed=1) if name in EVAL_SCENARIOS else None,
                           processing_class=processor)
     trainer.train()
@@ -133,7 +142,8 @@ def vision_refusals(folder: str, text_folder: str, out_dir: str) -> list[str]:
 def assert_vision_matches(name: str, refs: list[dict], runs: list[dict], initial: dict) -> None:
     """Each rank's run against its reference (TRL's run, or its rank's under DDP): the completions it scored, every
     logged and evaluation metric, the same logs on every rank; rank 0's final weights: each tensor within 1% of how
-    far TRL's training moved it (in norm), as the text tests."""
+    far TRL's training moved it (in norm), as the text tests (LoRA: the adapter folder's tensors, by PEFT's names;
+    an adapter counts as moved from zero)."""
     import pytest
 
     for rank, (ref, run) in enumerate(zip(refs, runs)):
@@ -151,5 +161,5 @@ def assert_vision_matches(name: str, refs: list[dict], runs: list[dict], initial
                 assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, step, key)
     assert sorted(got["weights"]) == sorted(ref["weights"])
     for key, value in ref["weights"].items():
-        moved = float((value - initial[key]).norm())
+        moved = float((value - initial.get(key, torch.zeros_like(value))).norm())
         assert moved > 0 and float((got["weights"][key] - value).norm()) < 1e-2 * moved, key

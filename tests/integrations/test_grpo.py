@@ -30,8 +30,9 @@ Vision GRPO (``_online_vision``: a tiny Qwen2-VL, conversational prompts each ho
 the processor; "grpo" with beta 0.1 (the reference loaded from the checkpoint by each trainer), num_iterations 2, 2
 steps, then ``evaluate()``) against trl.GRPOTrainer on transformers' Qwen2-VL at TP=1, TP=2 with SP, PP=2, PP=2 x
 VPP=2, CP=2 and DP=2 (against TRL under DDP): every metric TRL logs (but its ``step_time``), the eval metrics and the
-final weights as above, the completions each rank scored (token ids) identical to TRL's; what stays refused with
-images (a text model, a tokenizer).
+final weights as above, the completions each rank scored (token ids) identical to TRL's; LoRA ("all-linear", the
+tower's linears too; adapters disabled as the reference) at TP=1 against TRL + PEFT, the adapter folder's tensors
+too; what stays refused with images (a text model, a tokenizer).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ VISION_LAYOUTS = {"vision_tp2_sp": {"tensor_parallel_size": 2, "sequence_paralle
 def _tp1_world(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
     return {"vision_trl": run_trl_vision(vl_folder, out_dir + "/vision-trl", ["vision_grpo"]),
             "vision_tp1": run_loong_vision(vl_folder, out_dir + "/vision-tp1", {}, ["vision_grpo"]),
+            "vision_lora": {"trl": run_trl_vision(vl_folder, out_dir + "/vision-lora-trl", ["vision_grpo_lora"]),
+                            "loong": run_loong_vision(vl_folder, out_dir + "/vision-lora", {}, ["vision_grpo_lora"])},
             "vision_refusals": vision_refusals(vl_folder, folder, out_dir + "/vision-refused"),
             "trl": run_trl(folder, out_dir + "/trl", NAMES), "loong": run_loong(folder, out_dir + "/tp1", {}, NAMES),
             "refusals": refusals(folder, out_dir + "/refused"), "lora": run_lora(folder, out_dir + "/lora"),
@@ -220,6 +223,17 @@ def test_vision_matches_trl(vl_src, tp1, two_ranks, layout):
     assert_vision_matches("vision_grpo", [ref["vision_grpo"] for ref in refs], [run["vision_grpo"] for run in runs],
                           saved_tensors(str(vl_src)))
     assert refs[0]["vision_grpo"]["logs"][1]["kl"] > 0 and refs[0]["vision_grpo"]["logs"][1]["clip_ratio/low_mean"] > 0
+
+
+def test_vision_lora_matches_trl_peft(vl_src, tp1):
+    """LoRA on every linear of the tiny Qwen2-VL (PEFT's "all-linear": the tower's and merger's too), the adapters
+    disabled as the reference: the completions, every logged metric and the adapter folder's tensors against
+    trl.GRPOTrainer + PEFT."""
+    runs = tp1["vision_lora"]
+    assert_vision_matches("vision_grpo_lora", [runs["trl"]["vision_grpo_lora"]], [runs["loong"]["vision_grpo_lora"]],
+                          saved_tensors(str(vl_src)))
+    assert any(".visual." in key for key in runs["trl"]["vision_grpo_lora"]["weights"])
+    assert runs["trl"]["vision_grpo_lora"]["logs"][1]["kl"] > 0
 
 
 def test_vision_refusals(tp1):
