@@ -16,6 +16,8 @@ CHAT_TEMPLATE = (
     "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '</s>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+# Gemma 3's processor expands its begin-of-image token into the image's soft tokens
+GEMMA3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
 
 VISION_SCENARIOS = {
     # no ref_model: each trainer loads the policy's checkpoint again (TRL as transformers', here with its layout)
@@ -58,7 +60,8 @@ def _processor(folder: str):
     from loongforge_hf.testing.tiny_vl import processor_for
 
     processor = processor_for(folder)
-    processor.chat_template = CHAT_TEMPLATE
+    gemma3 = type(processor).__name__ == "Gemma3Processor"
+    processor.chat_template = GEMMA3_CHAT_TEMPLATE if gemma3 else CHAT_TEMPLATE
     return processor
 
 
@@ -67,14 +70,14 @@ def _eval_dataset(overrides: dict):
 
 
 def run_trl_vision(folder: str, out_dir: str, names: list[str], scenarios: dict = VISION_SCENARIOS) -> dict:
-    """trl.DPOTrainer (+ PEFT) on transformers' Qwen2-VL: {scenario of ``scenarios``: {"logs", "eval_logs",
-    "weights"}}."""
+    """trl.DPOTrainer (+ PEFT) on transformers' image-text model (Qwen2-VL, Gemma 3): {scenario of ``scenarios``:
+    {"logs", "eval_logs", "weights"}}."""
     import peft
     import transformers
     import trl
 
     def load():
-        return transformers.Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+        return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
 
     out = {}
     for name in names:

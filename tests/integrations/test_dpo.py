@@ -21,14 +21,16 @@ WPO and LD-DPO) at TP=1 and TP=2 with SP, and the Qwen3-MoE's at TP=1, against t
 TRL's run without it. Vision DPO (``_dpo_vision``: a tiny Qwen2-VL, TRL's conversational image dataset, its vision
 collator and the processor; full fine-tuning with the reference loaded from the checkpoint, LoRA on the language
 model's and the tower's attention with evaluation) at TP=1 and TP=2 with SP, LoRA at PP=2, PP=2 x VPP=2 and CP=2
-(there with ``padding_free=True``: padded, as TRL pads it); what stays refused with images.
+(there with ``padding_free=True``: padded, as TRL pads it); a tiny Gemma 3 (the collator's ``token_type_ids``), full
+fine-tuning at TP=1 and TP=2 with SP; what stays refused with images.
 
 Tolerances (fp32): in every log, the loss, grad_norm, rewards/chosen, rewards/rejected, rewards/margins, logps/chosen,
 logps/rejected and entropy within 1e-4 relative or 2e-5 absolute (rewards start at 0), rewards/accuracies,
 mean_token_accuracy and num_tokens exactly; the same for eval_loss and the eval reward metrics. Final weights: every
 LoRA adapter tensor within 1e-4 of PEFT's; under full fine-tuning each tensor's difference from TRL's within 1% of how
 far TRL's training moved it (in norm): Adam turns the rounding of near-zero gradients into steps of the learning
-rate's size, so an absolute bound would have to be loose.
+rate's size, so an absolute bound would have to be loose. A separate, unrotated key bias (Gemma 3's tower), whose
+gradient is zero but for rounding: both runs' moved less than 1e-3 in norm.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import pytest
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
-from loongforge_hf.testing.tiny_vl import make_tiny_qwen2_vl
+from loongforge_hf.testing.tiny_vl import make_tiny_gemma3_vl, make_tiny_qwen2_vl
 
 from ._dpo_parity import (LOSS_SCENARIOS, METRICS, MOE_SCENARIOS, PACKED_SCENARIOS, SCENARIOS, packed_refusal,
                           refusals, run_loong, run_trl, saved_tensors)
@@ -70,8 +72,10 @@ VISION_LAYOUTS = {"vision_tp2_sp": ({"tensor_parallel_size": 2, "sequence_parall
                                       ["vision_lora"])}
 
 
-def _tp1_world(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
+def _tp1_world(folder: str, moe_folder: str, vl_folder: str, gemma3_folder: str, out_dir: str) -> dict:
     return {"vision_trl": run_trl_vision(vl_folder, out_dir + "/vision-trl", VISION_NAMES),
+            "gemma3_trl": run_trl_vision(gemma3_folder, out_dir + "/gemma3-trl", ["vision_full"]),
+            "gemma3_tp1": run_loong_vision(gemma3_folder, out_dir + "/gemma3-tp1", {}, ["vision_full"]),
             "vision_tp1": run_loong_vision(vl_folder, out_dir + "/vision-tp1", {}, VISION_NAMES),
             "vision_refusals": vision_refusals(vl_folder, folder, out_dir + "/vision-refused"),
             "trl": run_trl(folder, out_dir + "/trl", TP1_TRL_NAMES, ALL_SCENARIOS),
@@ -82,9 +86,11 @@ def _tp1_world(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> di
             "moe_tp1": run_loong(moe_folder, out_dir + "/moe-tp1", {}, MOE_TP1_NAMES, MOE_SCENARIOS)}
 
 
-def _two_rank_world(folder: str, moe_folder: str, vl_folder: str, out_dir: str) -> dict:
+def _two_rank_world(folder: str, moe_folder: str, vl_folder: str, gemma3_folder: str, out_dir: str) -> dict:
     out = {name: run_loong(folder, f"{out_dir}/{name}", layout, names, ALL_SCENARIOS)
            for name, (layout, names) in LAYOUTS.items()}
+    out["gemma3_tp2_sp"] = run_loong_vision(gemma3_folder, f"{out_dir}/gemma3", VISION_LAYOUTS["vision_tp2_sp"][0],
+                                            ["vision_full"])
     out.update({name: run_loong_vision(vl_folder, f"{out_dir}/{name}", layout, names)
                 for name, (layout, names) in VISION_LAYOUTS.items()})
     for name, layout in MOE_TWO_RANKS.items():
@@ -113,14 +119,19 @@ def vl_src(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp1(src, moe_src, vl_src, tmp_path_factory):
-    return run_distributed(_tp1_world, 1, str(src), str(moe_src), str(vl_src), str(tmp_path_factory.mktemp("dpo-tp1")),
-                           timeout=500)[0]
+def gemma3_src(tmp_path_factory):
+    return make_tiny_gemma3_vl(tmp_path_factory.mktemp("dpo-gemma3") / "gemma3")
 
 
 @pytest.fixture(scope="module")
-def two_ranks(src, moe_src, vl_src, tmp_path_factory):
-    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(vl_src),
+def tp1(src, moe_src, vl_src, gemma3_src, tmp_path_factory):
+    return run_distributed(_tp1_world, 1, str(src), str(moe_src), str(vl_src), str(gemma3_src),
+                           str(tmp_path_factory.mktemp("dpo-tp1")), timeout=500)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(src, moe_src, vl_src, gemma3_src, tmp_path_factory):
+    return run_distributed(_two_rank_world, 2, str(src), str(moe_src), str(vl_src), str(gemma3_src),
                            str(tmp_path_factory.mktemp("dpo-2")), timeout=500)
 
 
@@ -154,6 +165,12 @@ def _assert_matches(name: str, ref: dict, got: dict, initial: dict) -> None:
     for key, value in theirs.items():
         if lora:
             assert float((ours[key] - value).abs().max()) < 1e-4, key
+        elif key.startswith("vision_tower.") and key.endswith("self_attn.k_proj.bias"):
+            # NOTE: a key bias on its own and unrotated (Gemma 3's SigLIP) adds q.b to every score of a row: its
+            # gradient is zero but for rounding, which Adam turns into random steps; both stay put (the other tensors
+            # move 1e-2-0.3)
+            moved = [float((weights[key] - initial[key]).norm()) for weights in (theirs, ours)]
+            assert max(moved) < 1e-3, (key, moved)
         else:
             moved = float((value - initial[key]).norm())
             assert moved > 0 and float((ours[key] - value).norm()) < 1e-2 * moved, key
@@ -246,6 +263,16 @@ def test_vision_matches_trl(vl_src, tp1, two_ranks, layout, name):
     _assert_matches(name, tp1["vision_trl"][name.replace("padding_free", "lora")], runs[0][name],
                     _initial_weights(vl_src))
     assert all(run[name]["logs"] == runs[0][name]["logs"] for run in runs)
+
+
+@pytest.mark.parametrize("layout", ["gemma3_tp1", "gemma3_tp2_sp"])
+def test_vision_gemma3_matches_trl(gemma3_src, tp1, two_ranks, layout):
+    """Gemma 3: TRL's vision collator adds ``token_type_ids`` (the image tokens attend to each other both ways):
+    full fine-tuning on the tiny Gemma 3 against trl.DPOTrainer on transformers' model, at TP=1 and TP=2 with SP."""
+    runs = [tp1[layout]] if layout == "gemma3_tp1" else [rank[layout] for rank in two_ranks]
+    _assert_matches("vision_full", tp1["gemma3_trl"]["vision_full"], runs[0]["vision_full"],
+                    _initial_weights(gemma3_src))
+    assert all(run["vision_full"]["logs"] == runs[0]["vision_full"]["logs"] for run in runs)
 
 
 def test_vision_refusals(tp1):
