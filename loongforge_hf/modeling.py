@@ -216,7 +216,8 @@ def _auto_layout(hf_config, param_dtype: torch.dtype, bridge) -> ParallelConfig:
     from loongforge_hf.parallel.auto import bridge_accepts, choose_layout, model_size_of
     from loongforge_hf.xpu import get_backend
 
-    env, size = read_launch_env(), model_size_of(hf_config)
+    # NOTE: the bridge's config: attention-free stacks (Mamba2) give it stand-in attention sizes (mamba2_lm.py)
+    env, size = read_launch_env(), model_size_of(bridge.hf_config)
     try:  # NOTE: whether the bridge can replicate KV heads (a TP of twice the KV heads stands for any multiple)
         check_kv_replication(bridge, ParallelConfig(tensor_parallel_size=2 * size.num_key_value_heads))
         kv_replication = True
@@ -352,7 +353,7 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
         from loongforge_hf.bridges import router_balance
-        from loongforge_hf.bridges.absolute_positions import check_positions, learned_positions
+        from loongforge_hf.bridges.absolute_positions import check_mask_positions, check_positions, learned_positions
         from loongforge_hf.bridges.router_logits import asked
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
@@ -367,6 +368,8 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         if learned_positions(self.bridge):
             check_positions(self.config.max_position_embeddings, length=input_ids.shape[-1], past=past,
                             position_ids=position_ids, arch=self.bridge.architectures[0])
+            if getattr(self.bridge, "positions_from_mask", False):  # NOTE: OPT's default positions
+                check_mask_positions(attention_mask, position_ids, arch=self.bridge.architectures[0])
         routed = router_balance.forward_outputs(self, unused.get("output_router_logits"))
         moe = getattr(self.bridge, "hf_router_logits", False)  # NOTE: transformers' MoE output type
         keep = options["logits_to_keep"]  # NOTE: an int: the rows cut before the logits cross ranks (runtime.py)
@@ -707,9 +710,10 @@ class AutoModelForCausalLM:
                 layout = _auto_layout(hf_config, param_dtype, bridge)
             layout = whole_experts_layout(bridge, layout)
             layout.check_world_size(read_launch_env().world_size)
+            heads = getattr(bridge, "layout_heads", None)  # NOTE: attention-free stacks (Mamba2): the mixers' heads
             layout.check_model(num_layers=hf_config.num_hidden_layers,
-                               num_attention_heads=hf_config.num_attention_heads,
-                               num_key_value_heads=kv_heads_of(hf_config),
+                               num_attention_heads=heads or hf_config.num_attention_heads,
+                               num_key_value_heads=heads or kv_heads_of(hf_config),
                                vocab_size=hf_config.vocab_size, num_experts=bridge.num_experts())
             check_megatron_config(bridge, megatron_config)
             embedding_padding_idx(bridge)  # NOTE: raises on a pad_token_id outside the vocabulary

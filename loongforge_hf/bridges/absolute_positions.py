@@ -12,11 +12,16 @@ Choices:
   each row's first real token under left padding: ``cumsum(attention_mask) - 1``) in the uncached and the cached
   forward alike; a cached step without them continues the cached tokens (``past + 0 .. given-1``, transformers'
   default) (``step_positions``).
+- An offset (OPT's: position ``p`` reads row ``p + 2`` of a table of ``max_position_embeddings + 2`` rows, rows 0
+  and 1 read by no real token) is the table's own (``PositionTable.offset``): positions stay the tokens' true ones.
 - Too long: a forward whose positions reach past the table raises ``ValueError`` naming ``max_position_embeddings``
   before anything runs (``check_positions``; the trainer's ``check_batch`` does the same for a training batch). The
   padding rows the layout adds after the real tokens (sequence / context parallelism) may get positions past the
   table: ``PositionTable`` reads the last row for them (their outputs are never used: causality keeps them out of
   the real tokens').
+- A model whose transformers class counts default positions from the attention mask (OPT; ``positions_from_mask``)
+  refuses a left-padded forward without ``position_ids`` (``check_mask_positions``): a right-padded one's real tokens
+  get the same positions either way.
 """
 
 from __future__ import annotations
@@ -54,6 +59,21 @@ def check_positions(max_positions: int, *, length: int, past: int = 0, position_
                          "to that length.")
 
 
+def check_mask_positions(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, *,
+                         arch: str = "this model") -> None:
+    """``ValueError`` for a forward without ``position_ids`` whose ``attention_mask`` has a real token after padding
+    (left padding), for a model whose transformers class counts default positions from each row's first real token
+    (OPT: ``cumsum(attention_mask) - 1``) where ours count slots: the two differ there only."""
+    if position_ids is not None or attention_mask is None or attention_mask.dim() != 2:
+        return
+    real = attention_mask.bool()
+    counted = real.long().cumsum(-1) - 1
+    if bool((real & (counted != torch.arange(real.shape[-1], device=real.device))).any()):
+        raise ValueError(f"attention_mask with padding before real tokens (left padding) needs position_ids for "
+                         f"{arch}: transformers counts its positions from each row's first real token; pass "
+                         "position_ids (cumsum(attention_mask, -1) - 1, as generate does) or pad on the right.")
+
+
 def step_positions(position_ids: torch.Tensor | None, *, batch: int, past: int, given: int, padded: int,
                    device) -> torch.Tensor:
     """``[batch, padded]`` positions of a cached step's ``given`` new tokens (``position_ids``, else ``past ..``),
@@ -68,19 +88,27 @@ def step_positions(position_ids: torch.Tensor | None, *, batch: int, past: int, 
 
 
 class PositionTable(torch.nn.Embedding):
-    """megatron's position embedding table, with positions past it (the layout's padding only: the forward refuses
-    longer inputs first) reading its last row."""
+    """megatron's position embedding table, position ``p`` reading row ``p + offset`` (OPT's 2), with positions past
+    it (the layout's padding only: the forward refuses longer inputs first) reading its last row."""
+
+    def __init__(self, *args, offset: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.offset = offset
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return super().forward(positions.clamp(max=self.num_embeddings - 1))
+        return super().forward((positions + self.offset).clamp(max=self.num_embeddings - 1))
 
 
-def use_position_table(chunk) -> None:
-    """Put a ``PositionTable`` (same weight) in place of ``chunk``'s position embedding (first pipeline stage)."""
+def use_position_table(chunk, *, offset: int = 0) -> None:
+    """Put a ``PositionTable`` in place of ``chunk``'s position embedding (first pipeline stage): the same weight, or
+    with ``offset`` a new one of ``offset`` more rows (transformers' ``OPTLearnedPositionalEmbedding``)."""
     embedding = getattr(chunk, "embedding", None)
     old = getattr(embedding, "position_embeddings", None)
     if old is None:
         return
-    table = PositionTable(old.num_embeddings, old.embedding_dim, device="meta")
-    table.weight = old.weight
+    table = PositionTable(old.num_embeddings + offset, old.embedding_dim, offset=offset, device="meta")
+    w = old.weight
+    # NOTE: no draw from the random generator: the loader fills the new rows' weight
+    table.weight = torch.nn.Parameter(torch.empty(table.num_embeddings, w.shape[1], device=w.device, dtype=w.dtype),
+                                      requires_grad=w.requires_grad) if offset else w
     embedding.position_embeddings = table

@@ -46,6 +46,11 @@ from .checkpoint_files import (  # noqa: F401 (re-exported: callers import these
 from .parallel_io import read_runs
 
 
+class IntegerShape(tuple):
+    """An expected shape whose tensor is stored as integers (DeepSeek-V4's ``tid2eid`` tables), for
+    ``CheckpointReader.validate_shapes``."""
+
+
 class _TensorInfo:
     __slots__ = ("shard", "dtype_name", "shape", "offset")
 
@@ -265,7 +270,8 @@ class CheckpointReader:
 
     def validate_shapes(self, expected: Mapping[str, tuple[int, ...]]) -> None:
         """Raise one error listing every tensor of ``expected`` that is missing, has another shape or is not floating
-        point (a corrupt or foreign file, which would otherwise fail only on the ranks that read it)."""
+        point (integers for an ``IntegerShape``) (a corrupt or foreign file, which would otherwise fail only on the
+        ranks that read it)."""
         problems = []
         for name, want in expected.items():
             if name not in self._infos:
@@ -274,8 +280,9 @@ class CheckpointReader:
             found = self.shape(name)
             if tuple(found) != tuple(want):
                 problems.append(f"{name!r}: expected shape {tuple(want)}, found {tuple(found)}")
-            elif not (dtype := self.dtype(name)).is_floating_point:
-                problems.append(f"{name!r}: stored as {dtype} in {self.shard_of(name)}, expected floating point")
+            elif (dtype := self.dtype(name)).is_floating_point == isinstance(want, IntegerShape):
+                kind = "integers" if isinstance(want, IntegerShape) else "floating point"
+                problems.append(f"{name!r}: stored as {dtype} in {self.shard_of(name)}, expected {kind}")
         if problems:
             shown = "\n  ".join(problems[:20])
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""

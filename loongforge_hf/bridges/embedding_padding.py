@@ -26,8 +26,11 @@ from __future__ import annotations
 import torch
 
 # NOTE: HF model types whose token embedding is ``nn.Embedding(vocab_size, hidden_size)``, without padding_idx
-# (transformers 5: GPT2Model, GPTBigCodeModel, GPTJModel, GPTNeoXModel, FalconModel, NemotronHModel)
-UNPADDED = frozenset({"gpt2", "gpt_bigcode", "gptj", "gpt_neox", "falcon", "nemotron_h"})
+# (transformers 5: GPT2Model, GPTBigCodeModel, GPTJModel, GPTNeoXModel, FalconModel, NemotronHModel, CodeGenModel,
+# GPTNeoModel, GPTNeoXJapaneseModel)
+UNPADDED = frozenset({"gpt2", "gpt_bigcode", "gptj", "gpt_neox", "falcon", "nemotron_h", "codegen", "gpt_neo",
+                      "gpt_neox_japanese",
+                      "mamba2", "mamba", "falcon_mamba"})
 
 
 def embedding_padding_idx(bridge) -> int | None:

@@ -12,8 +12,9 @@ Choices:
 - ``dequantizing_reader`` is the one entry point for every format read dequantised: it also applies the MXFP4
   wrapper (gpt-oss experts, ``mxfp4_checkpoint.py``) beneath the FP8 one, so a bridge never sees quantised tensors,
   and beneath both the names of a GPT-2-family base-model checkpoint get their ``transformer.`` prefix and those a
-  bridge's ``checkpoint_aliases`` rename get the bridge's names (``base_model_prefix.py``): every call site that
-  reads for a bridge passes it (``bridge=``).
+  bridge's ``checkpoint_aliases`` rename get the bridge's names (``base_model_prefix.py``), and on top of all the
+  ``optional_tensors`` a checkpoint lacks read as the value transformers starts them at (``optional_tensors.py``):
+  every call site that reads for a bridge passes it (``bridge=``).
 - Export writes plain bf16 (or ``dtype=``) weights; ``drop_dequantized_quantization`` removes an FP8 or MXFP4
   ``quantization_config`` from the exported config.json so transformers does not take them for quantised ones.
 """
@@ -25,6 +26,7 @@ import torch
 from loongforge_hf.bridges.base_model_prefix import base_model_reader
 from loongforge_hf.bridges.checkpoint_io import CheckpointError
 from loongforge_hf.bridges.mxfp4_checkpoint import mxfp4_reader
+from loongforge_hf.bridges.optional_tensors import FilledReader, filled_reader
 from loongforge_hf.kernels.fp8 import GROUP, Fp8Error, dequantize_blocks
 
 SCALE_SUFFIX = "_scale_inv"
@@ -115,10 +117,11 @@ class DequantizingReader:
 
 def dequantizing_reader(reader, *, bridge=None):
     """``reader`` itself, or wrapped so that its MXFP4 tensors (``mxfp4_checkpoint.Mxfp4Reader``) and FP8
-    block-scaled weights (a ``DequantizingReader`` on top) read back dequantised, and its tensors show the names
-    ``bridge`` reads (its ``checkpoint_aliases``, none for most bridges)."""
-    if isinstance(reader, DequantizingReader):
-        return reader
-    reader = mxfp4_reader(base_model_reader(reader, getattr(bridge, "checkpoint_aliases", ())))
-    names = fp8_weight_names(reader)
-    return DequantizingReader(reader, names) if names else reader
+    block-scaled weights (a ``DequantizingReader`` on top) read back dequantised, its tensors show the names
+    ``bridge`` reads (its ``checkpoint_aliases``, none for most bridges) and the ``optional_tensors`` the checkpoint
+    lacks read as their values (a ``FilledReader`` on top of all)."""
+    if not isinstance(reader, (DequantizingReader, FilledReader)):
+        reader = mxfp4_reader(base_model_reader(reader, getattr(bridge, "checkpoint_aliases", ())))
+        names = fp8_weight_names(reader)
+        reader = DequantizingReader(reader, names) if names else reader
+    return filled_reader(reader, bridge)

@@ -27,6 +27,9 @@ Choices:
   ``transformer.ln_f``, ``lm_head.{weight, bias}``. Older checkpoints' ``attn.bias`` / ``attn.masked_bias`` buffers
   are not read, as transformers ignores them. transformers' ``token_type_ids`` (added to the embeddings through
   ``wte``) are not taken: the forward refuses them for this architecture (``modeling.py``).
+- Shared with other bridges: ``biased_output_attention`` (``linear_proj`` with a bias where ``add_bias_linear`` is off:
+  GPT-Neo's ``out_proj``) and ``last_layer_output_bias`` (that bias on the last layer only: GPT-NeoX-Japanese's
+  ``dense_bias``), built as ``biased_mlp`` is.
 """
 
 from __future__ import annotations
@@ -88,6 +91,36 @@ def biased_mlp() -> type:
     return BiasedMLP
 
 
+@functools.cache
+def biased_output_attention() -> type:
+    """megatron's ``SelfAttention`` with a bias on ``linear_proj`` where ``add_bias_linear`` is off (GPT-Neo's
+    ``out_proj``; its q / k / v have none): whole on every TP rank, added after the row-parallel reduction by the
+    layer's bias-dropout-add, as megatron adds its own."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    class BiasedOutputAttention(SelfAttention):
+        def __init__(self, config, submodules, *args, **kwargs) -> None:
+            submodules = replace(submodules, linear_proj=_built_with_bias(submodules.linear_proj))
+            super().__init__(config, submodules, *args, **kwargs)
+
+    return BiasedOutputAttention
+
+
+@functools.cache
+def last_layer_output_bias(num_layers: int) -> type:
+    """``biased_output_attention`` on the last of ``num_layers`` layers only (GPT-NeoX-Japanese's ``dense_bias``),
+    megatron's plain ``SelfAttention`` on the others (``layer_number`` is megatron's global, 1-based)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    class LastLayerOutputBias(SelfAttention):
+        def __init__(self, config, submodules, layer_number, *args, **kwargs) -> None:
+            if layer_number == num_layers:
+                submodules = replace(submodules, linear_proj=_built_with_bias(submodules.linear_proj))
+            super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+    return LastLayerOutputBias
+
+
 @register_bridge("GPTJForCausalLM")
 class GPTJBridge(DenseBridge):
     config_fields = GPTJ_FIELDS
@@ -109,8 +142,9 @@ class GPTJBridge(DenseBridge):
         hd, rotary = C.head_dim_of(c), getattr(c, "rotary_dim", None)
         if rotary is None or not 0 < rotary <= hd or rotary % 2:
             raise C.UnsupportedConfigError(
-                f"rotary_dim={rotary!r} is not supported for GPTJForCausalLM: expected an even number of channels in "
-                f"(0, {hd}] (the head size), as transformers' rotary table is rotary_dim / 2 frequencies wide.")
+                f"rotary_dim={rotary!r} is not supported for {self.architectures[0]}: expected an even number of "
+                f"channels in (0, {hd}] (the head size), as transformers' rotary table is rotary_dim / 2 frequencies "
+                "wide.")
         C._act_to_megatron(c.activation_function)
 
     def rope_parameters(self) -> dict:

@@ -14,7 +14,12 @@ Choices:
   balancing loss and ``router_logits``), the experts stacked on disk (``block_sparse_moe.input_linear.weight``
   ``[E, 2I, H]`` with ``[gate; up]`` rows, ``output_linear.weight`` ``[E, H, I]``: ``stacked_experts.py``), the router
   ``block_sparse_moe.router.layer.weight``. Its residual multiplier scales megatron's own attention and MoE layer
-  outputs (``layer_outputs.scale_sublayer_outputs``: the MoE spec keeps megatron's modules).
+  outputs (``layer_outputs.scale_sublayer_outputs``: the MoE spec keeps megatron's modules). ``moe_names``: the router
+  and stacked experts' names under ``block_sparse_moe`` (Granite-MoE SWA keeps transformers 5's: ``granite_swa.py``).
+- HyperCLOVAX (``HyperCLOVAXForCausalLM``, NAVER's HyperCLOVA X SEED): Granite with an RMSNorm on the attention's and
+  the MLP's outputs before the residual multiplier (``use_post_norm``: ``post_norm1`` / ``post_norm2``, in
+  ``transformed_attention`` / ``transformed_mlp``: the norm, then the factor) and ``logits_scaling`` a multiplier,
+  not a divisor (the final norm's output times it).
 """
 
 from loongforge_hf.bridges.dense import D, L, DenseBridge
@@ -45,9 +50,37 @@ class GraniteBridge(DenseBridge):
         scale_final_norm(model, 1.0 / self._multiplier("logits_scaling"))
 
 
+@register_bridge("HyperCLOVAXForCausalLM")
+class HyperCLOVAXBridge(GraniteBridge):
+    @property
+    def post_norms(self) -> bool:
+        return bool(getattr(self.hf_config, "use_post_norm", True))
+
+    def attention_module(self) -> type | None:
+        return transformed_attention(post_norm=self.post_norms, scale=self._multiplier("residual_multiplier"))
+
+    def mlp_module(self) -> type | None:
+        return transformed_mlp(post_norm=self.post_norms, scale=self._multiplier("residual_multiplier"))
+
+    def finish_model(self, model) -> None:
+        scale_embedding(model, self._multiplier("embedding_multiplier"))
+        scale_final_norm(model, self._multiplier("logits_scaling"))
+
+    def layer_mappings(self) -> list[Mapping]:
+        post = [Replicated(f"{D}.self_attention.post_layernorm.weight", f"{L}.post_norm1.weight"),
+                Replicated(f"{D}.mlp.post_layernorm.weight", f"{L}.post_norm2.weight")]
+        return super().layer_mappings() + (post if self.post_norms else [])
+
+    def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        h, p = self.hf_config.hidden_size, f"model.layers.{layer}"
+        post = {f"{p}.post_norm1.weight": (h,), f"{p}.post_norm2.weight": (h,)}
+        return {**super().layer_shapes(layer), **(post if self.post_norms else {})}
+
+
 @register_bridge("GraniteMoeForCausalLM")
 class GraniteMoeBridge(MixtralBridge):
     _multiplier = GraniteBridge._multiplier
+    moe_names = ("router.layer.weight", "input_linear.weight", "output_linear.weight")  # router, [gate; up], down
 
     def transformer_config_kwargs(self) -> dict:
         return {**super().transformer_config_kwargs(), "softmax_scale": self._multiplier("attention_multiplier")}
@@ -57,15 +90,14 @@ class GraniteMoeBridge(MixtralBridge):
         scale_sublayer_outputs(model, self._multiplier("residual_multiplier"))
 
     def moe_mappings(self) -> list[Mapping]:
-        s = f"{L}.block_sparse_moe"
+        s, (router, gate_up, down) = f"{L}.block_sparse_moe", self.moe_names
         return [Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
-                Replicated(f"{D}.mlp.router.weight", f"{s}.router.layer.weight"),
+                Replicated(f"{D}.mlp.router.weight", f"{s}.{router}"),
                 *(routed_stack(self, cls, name, f"{s}.{hf}") for cls, name, hf in (
-                    (StackedGateUp, "linear_fc1.weight", "input_linear.weight"),
-                    (StackedDown, "linear_fc2.weight", "output_linear.weight")))]
+                    (StackedGateUp, "linear_fc1.weight", gate_up), (StackedDown, "linear_fc2.weight", down)))]
 
     def moe_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         h, f, n = self.hf_config.hidden_size, self.expert_ffn_size(), self.num_experts()
-        s = f"{prefix}.block_sparse_moe"
-        return {f"{prefix}.post_attention_layernorm.weight": (h,), f"{s}.router.layer.weight": (n, h),
-                f"{s}.input_linear.weight": (n, 2 * f, h), f"{s}.output_linear.weight": (n, h, f)}
+        s, (router, gate_up, down) = f"{prefix}.block_sparse_moe", self.moe_names
+        return {f"{prefix}.post_attention_layernorm.weight": (h,), f"{s}.{router}": (n, h),
+                f"{s}.{gate_up}": (n, 2 * f, h), f"{s}.{down}": (n, h, f)}

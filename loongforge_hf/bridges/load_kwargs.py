@@ -234,23 +234,28 @@ def load_config(folder: Path, options: LoadOptions, *, trust_remote_code: bool, 
 
 
 def loading_info(reader, bridge) -> dict:
-    """transformers' ``output_loading_info``: nothing missing or mismatched (either fails the load here), and the
-    checkpoint tensors the model does not load as ``unexpected_keys``, as transformers lists them: DeepSeek's
-    multi-token-prediction layers included, which transformers drops and the export here carries through unchanged;
-    those its model class ignores (``_keys_to_ignore_on_load_unexpected``: ERNIE 4.5 MoE's ``mtp``) left out."""
+    """transformers' ``output_loading_info``: nothing mismatched (that fails the load here), missing only the
+    ``optional_tensors`` the checkpoint lacks that transformers does not ignore (``optional_tensors.py``; any other
+    missing tensor fails the load), and the checkpoint tensors the model does not load as ``unexpected_keys``, as
+    transformers lists them: DeepSeek's multi-token-prediction layers included, which transformers drops and the
+    export here carries through unchanged; those its model class ignores (``_keys_to_ignore_on_load_unexpected``:
+    ERNIE 4.5 MoE's ``mtp``) left out."""
     import re
 
     import transformers
 
     from .fp8_checkpoint import dequantizing_reader
+    from .optional_tensors import missing_keys
 
-    names = set(dequantizing_reader(reader, bridge=bridge).keys()) - set(bridge.expected_hf_shapes())
+    reader = dequantizing_reader(reader, bridge=bridge)
+    names = set(reader.keys()) - set(bridge.expected_hf_shapes())
     archs = getattr(bridge.hf_config, "architectures", None) or [""]
     ignored = getattr(getattr(transformers, archs[0], None), "_keys_to_ignore_on_load_unexpected", None) or ()
     if ignored:
         pattern = re.compile("|".join(f"({p})" for p in ignored))
         names = {n for n in names if pattern.search(n) is None}
-    return {"missing_keys": set(), "unexpected_keys": names, "mismatched_keys": set(), "error_msgs": []}
+    return {"missing_keys": missing_keys(reader, bridge), "unexpected_keys": names, "mismatched_keys": set(),
+            "error_msgs": []}
 
 
 def finish_load(model, options: LoadOptions, info: dict | None):

@@ -50,7 +50,9 @@ class _SumOverGroup(torch.autograd.Function):
 @functools.cache
 def full_width_norm(which: str, *, round_first: bool = False) -> type:
     """The q (``which="q"``) or k norm slot's module: RMSNorm over all heads of the projection; OLMo 2's numerics (one
-    rounding) or, with ``round_first``, Llama's (the normalised input rounded before the weight multiply: OLMoE)."""
+    rounding) or, with ``round_first``, Llama's (the normalised input rounded before the weight multiply: OLMoE).
+    ``which="width"``: an RMSNorm over the last axis of ``hidden_size`` channels split over TP (BitNet's sub-norms on
+    the row-parallel linears' inputs)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -59,7 +61,7 @@ def full_width_norm(which: str, *, round_first: bool = False) -> type:
     class FullWidthRMSNorm(torch.nn.Module):
         def __init__(self, config, hidden_size: int, eps: float = 1e-6) -> None:
             super().__init__()
-            heads = config.num_attention_heads if which == "q" else config.num_query_groups
+            heads = {"q": config.num_attention_heads, "k": config.num_query_groups}.get(which, 1)
             self.tp = config.tensor_model_parallel_size
             self.full = heads * hidden_size  # NOTE: megatron passes the head size
             self.eps = eps
@@ -69,8 +71,8 @@ def full_width_norm(which: str, *, round_first: bool = False) -> type:
             set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            shape = x.shape  # NOTE: [..., local heads, head_dim]
-            flat = x.reshape(*shape[:-2], -1).to(torch.float32)
+            shape = x.shape  # NOTE: [..., local heads, head_dim] ([..., local channels] for "width")
+            flat = (x if which == "width" else x.reshape(*shape[:-2], -1)).to(torch.float32)
             squares = flat.pow(2).sum(-1, keepdim=True)
             if self.tp > 1:
                 squares = _SumOverGroup.apply(squares, ps.get_tensor_model_parallel_group())

@@ -11,6 +11,8 @@ Choices:
   ``c_attn``): a plain column-parallel split while each TP rank holds whole groups; with more TP ranks than KV heads,
   each rank reads its query heads and its KV head's k / v rows (``ShardContext.kv_replicas``), and a head's k / v are
   exported from its first replica.
+- ``ShardInterleavedQKV``: CodeGen's ``qkv_proj``, q / v / k interleaved by the four model-parallel shards it was
+  trained with: per head, three blocks of ``head_dim`` rows read into megatron's ``[q, k, v]`` and written back.
 """
 
 from __future__ import annotations
@@ -147,4 +149,30 @@ class GroupedQKV(Mapping):
                              f"shape {tuple(shard.shape)}.")
         if rank % ctx.kv_replicas:  # NOTE: a replicated KV head is written once, from its first replica
             blocks = blocks[:1]
+        return [(_fmt(self.hf, layer), 0, src, shard[dst:dst + rows]) for src, dst, rows in blocks]
+
+
+@dataclass(frozen=True)
+class ShardInterleavedQKV(GroupedQKV):
+    """CodeGen's ``qkv_proj``: ``mp_num`` blocks of rows (the model-parallel shards it was trained with), each ``[q;
+    v; k]`` of its ``heads / mp_num`` heads, as megatron's ``linear_qkv`` (a query group per head: ``[q, k, v]`` head
+    by head); each TP rank reads its heads' q / k / v rows, weight or bias, and writes them back in place."""
+
+    mp_num: int = 4
+
+    def _blocks(self, ctx, rank: int) -> list[tuple[int, int, int]]:
+        hd, heads = ctx.head_dim, ctx.num_heads // ctx.tp_size
+        per_shard = ctx.num_heads // self.mp_num
+        local = per_shard * hd  # NOTE: one of q / v / k of a shard
+        blocks = []
+        for i, head in enumerate(range(rank * heads, (rank + 1) * heads)):
+            base = (head // per_shard) * 3 * local + (head % per_shard) * hd
+            blocks += [(base + part * local, (3 * i + slot) * hd, hd) for slot, part in enumerate((0, 2, 1))]
+        return blocks
+
+    def export_parts(self, shard, rank, ctx, layer):
+        blocks = self._blocks(ctx, rank)
+        if shard.dim() == 0 or shard.shape[0] != sum(rows for _, _, rows in blocks):
+            raise ValueError(f"{self.megatron}: a TP shard must have {sum(rows for _, _, rows in blocks)} rows, got "
+                             f"shape {tuple(shard.shape)}.")
         return [(_fmt(self.hf, layer), 0, src, shard[dst:dst + rows]) for src, dst, rows in blocks]

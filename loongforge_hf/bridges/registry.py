@@ -11,6 +11,7 @@ class UnsupportedArchitectureError(ValueError):
 
 _BRIDGES: dict[str, type] = {}
 _BY_MODEL_TYPE: dict[str, type] = {}
+_REFUSED: dict[str, str] = {}  # NOTE: architecture -> why it has no bridge
 
 
 def register_bridge(*architectures: str) -> Callable[[type], type]:
@@ -30,6 +31,13 @@ def register_model_type(*model_types: str) -> Callable[[type], type]:
             _BY_MODEL_TYPE[model_type] = cls
         return cls
     return deco
+
+
+def refuse_architectures(reason: str, *architectures: str) -> None:
+    """Architectures without a bridge for ``reason`` (a new kind of layer megatron cannot run exactly): ``get_bridge``
+    names it beside what is supported."""
+    for arch in architectures:
+        _REFUSED[arch] = reason
 
 
 def supported_architectures() -> list[str]:
@@ -59,6 +67,10 @@ def get_bridge(hf_config):
     if image_text:
         raise UnsupportedArchitectureError(f"{image_text[0]} is an image-text model: load it with "
                                            "lf.AutoModelForImageTextToText.from_pretrained(...).")
+    refused = [arch for arch in archs if arch in _REFUSED]
+    if refused:
+        raise UnsupportedArchitectureError(f"{refused[0]} is not supported: {_REFUSED[refused[0]]}. Supported "
+                                           f"architectures: {', '.join(supported_architectures())}.")
     named = ", ".join(archs) if archs else f"model_type={getattr(hf_config, 'model_type', None)!r}"
     raise UnsupportedArchitectureError(
         f"No loongforge-hf bridge for {named}. Supported architectures: {', '.join(supported_architectures())}.")

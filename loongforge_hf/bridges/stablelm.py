@@ -46,8 +46,9 @@ STABLELM_FIELDS = C.fields_with_eps("layer_norm_eps")
 
 @functools.cache
 def dropped_mlp(p: float) -> type:
-    """The dense spec's ``SwiGLUMLP`` with its output dropped with probability ``p`` (``nn.Dropout``, so
-    ``static_cache`` sees that a forward in training mode draws random numbers)."""
+    """The dense spec's ``SwiGLUMLP`` with its output (and ``linear_fc2``'s bias, where it has one) dropped with
+    probability ``p`` (``nn.Dropout``, so ``static_cache`` sees that a forward in training mode draws random
+    numbers)."""
     from loongforge_hf.kernels.specs import SwiGLUMLP
 
     class DroppedMLP(SwiGLUMLP):
@@ -56,7 +57,9 @@ def dropped_mlp(p: float) -> type:
             self.output_dropout = torch.nn.Dropout(p)
 
         def forward(self, *args, **kwargs):
-            out, bias = super().forward(*args, **kwargs)  # NOTE: bias None: StableLM's MLP has none
+            out, bias = super().forward(*args, **kwargs)
+            if bias is not None:  # NOTE: Persimmon's fc2 bias, dropped with the output (StableLM's MLP has none)
+                out, bias = out + bias, None
             return self.output_dropout(out), bias
 
     return DroppedMLP

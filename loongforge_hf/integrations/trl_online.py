@@ -94,6 +94,10 @@ def refusals(args, model, peft_config, train_dataset, processing_class, *, field
         if getattr(args, field, default) != default:
             problems.append(f"{field}={getattr(args, field)!r}{reason}")
     problems += vision_problems(model, train_dataset, processing_class)
+    bridge = getattr(model, "bridge", None)
+    if getattr(bridge, "positions_from_mask", False):  # NOTE: absolute_positions.check_mask_positions
+        problems.append(f"{bridge.architectures[0]} (transformers counts its positions from the attention mask, "
+                        "and TRL left-pads the prompts)")
     if peft_config is not None and type(peft_config).__name__ != "LoraConfig":
         problems.append(f"peft_config of type {type(peft_config).__name__} (LoRA only)")
     layout = model.parallel

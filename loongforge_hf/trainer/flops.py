@@ -11,6 +11,9 @@ UNGATED_MLP = ("gpt_neox", "starcoder2", "arcee", "phi", "gptj", "falcon", "gpt2
 def model_flops_per_token(hf_config, *, seq_len: int) -> float:
     """Matmul FLOPs per token of one training step: projections, MLP (active experts), LM head, causal attention."""
     h = hf_config.hidden_size
+    if getattr(hf_config, "model_type", None) in ("mamba2", "mamba", "falcon_mamba"):  # NOTE: no attention, no MLP
+        mixer = _mamba2_mixer if hf_config.model_type == "mamba2" else _mamba_mixer
+        return 3.0 * (hf_config.num_hidden_layers * mixer(hf_config) + 2 * h * hf_config.vocab_size)
     heads = hf_config.num_attention_heads
     kv = kv_heads_of(hf_config)
     hd = getattr(hf_config, "head_dim", None) or h // heads
@@ -32,6 +35,24 @@ def model_flops_per_token(hf_config, *, seq_len: int) -> float:
     if getattr(hf_config, "model_type", None) in ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"):
         return 3.0 * (_qwen3_5_mixers(hf_config, seq_len=seq_len) + _qwen3_5_mlps(hf_config) + head)
     return 3.0 * (layers * (attn_proj + mlp + attn_scores) + head)
+
+
+def _mamba2_mixer(hf_config) -> float:
+    """A Mamba2 mixer's projections (in_proj: z, x, B, C, dt; out_proj), depthwise conv and SSD scan at its recurrent
+    cost (per head and token the state's update and read: two products with the ``head_dim x state_size`` state)."""
+    c = hf_config
+    inner, bc = c.num_heads * c.head_dim, 2 * c.n_groups * c.state_size
+    return (2 * c.hidden_size * (2 * inner + bc + c.num_heads) + 2 * inner * c.hidden_size
+            + 2 * c.conv_kernel * (inner + bc) + 2 * 2 * inner * c.state_size)
+
+
+def _mamba_mixer(hf_config) -> float:
+    """A Mamba-1 mixer's projections (in_proj: x, z; x_proj: dt, B, C; dt_proj; out_proj), depthwise conv and
+    selective scan (per channel and token the state's update and read: two products with its ``state_size``)."""
+    c = hf_config
+    d, n, r = c.intermediate_size, c.state_size, int(c.time_step_rank)
+    return (2 * c.hidden_size * 2 * d + 2 * d * (r + 2 * n) + 2 * r * d + 2 * d * c.hidden_size
+            + 2 * c.conv_kernel * d + 2 * 2 * d * n)
 
 
 def _llama4_mlps_and_scores(hf_config, *, seq_len: int) -> float:

@@ -84,9 +84,10 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     os.environ[GROUPED_GEMM_ENV] = "1" if grouped else "0"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype="auto", **layout)
+        model, info = lf.AutoModelForCausalLM.from_pretrained(folder, dtype="auto", output_loading_info=True,
+                                                              **layout)
     os.environ.pop(GROUPED_GEMM_ENV)
-    ref = hf_causal_lm(folder, dtype="auto")
+    ref, ref_info = hf_causal_lm(folder, dtype="auto", output_loading_info=True)
     experts = _expert_reads(model, folder)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=g)
@@ -99,7 +100,7 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
         ("deepseek", "glm4_moe", "ernie4_5_moe", "olmoe", "llama4", "qwen3_next", "qwen3_5_moe",
          "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "phimoe", "cohere2_moe", "afmoe",
          "mistral4", "exaone_moe", "solar_open", "glm_moe_dsa", "dbrx", "mimo_v2_flash",
-         "kimi_linear", "hy_v3", "mellum", "flint")) else {}
+         "kimi_linear", "hy_v3", "mellum", "flint", "granitemoe_swa", "axk1", "axk2", "minimax")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)
@@ -109,10 +110,14 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
         # NOTE: frozen parameters take none (the DSA indexer's, as transformers' no_grad indexer)
         grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters()
                        if p.requires_grad)
-    sparse = model.config.model_type in ("deepseek_v32", "glm_moe_dsa")  # NOTE: DeepSeek Sparse Attention
-    padded = _left_padded_diff(model, ref, ids) if sparse else None
+    sparse = model.config.model_type in ("deepseek_v32", "glm_moe_dsa", "axk2")  # NOTE: DeepSeek Sparse Attention
+    # NOTE: left padding: DSA's indexer and attention skip the padded keys; MiniMax's lightning layers zero them
+    padded = _left_padded_diff(model, ref, ids) if sparse or model.config.model_type == "minimax" else None
+    minimax = model.config.model_type == "minimax"
+    packed, generated = (_packed_diffs(model, ref), _generate_matches(model, ref)) if minimax else (None, None)
     model.save_pretrained(out_dir, max_shard_size="50KB")
-    return {"padded_diff": padded,
+    return {"padded_diff": padded, "packed_diffs": packed, "generate_matches": generated,
+            "loading_info": (info, ref_info),
             "logit_diff": (out.logits.float() - exp.logits.float()).abs().max().item(), "dtype": str(model.dtype),
             "loss_diff": abs(out.loss.item() - exp.loss.item()), "loss": out.loss.item(),
             "ref_loss": exp.loss.item(), "grads_ok": grads_ok, "logits_shape": tuple(out.logits.shape),
@@ -127,6 +132,34 @@ def _left_padded_diff(model, ref, ids) -> float:
     with torch.no_grad():
         out, exp = model(input_ids=ids, attention_mask=mask), ref(input_ids=ids, attention_mask=mask)
     return (out.logits - exp.logits)[mask.bool()].abs().max().item()
+
+
+def _packed_diffs(model, ref, lengths: tuple[int, ...] = (7, 9, 4)) -> list[float]:
+    """A row packing documents of ``lengths`` tokens (position ids restarting at 0): each document's largest logit
+    difference from transformers' run of it alone (MiniMax's lightning layers restart at each document)."""
+    ids = torch.randint(4, model.config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    diffs, start = [], 0
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions).logits[0]
+        for n in lengths:
+            alone = ref(input_ids=ids[:, start:start + n]).logits[0]
+            diffs.append((packed[start:start + n] - alone).abs().max().item())
+            start += n
+    return diffs
+
+
+def _generate_matches(model, ref) -> dict:
+    """MiniMax: whether greedy generate of a left-padded batch with the cache and a 2-beam search (the lightning
+    layers' states in the cache, reordered with the beams) give transformers' tokens."""
+    ids = torch.randint(4, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3], ids[0, :3] = 0, 0
+    out = {}
+    for name, kw in {"greedy": {}, "beams": {"num_beams": 2}}.items():
+        args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
+        out[name] = torch.equal(model.generate(ids, **args), ref.generate(ids, **args))
+    return out
 
 
 def _router_outputs(out, exp) -> dict:

@@ -35,7 +35,7 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2
 # NOTE: per call, measured inside the rank after the imports; a hang would instead run into run_distributed's timeout.
 QUICK_S = 10.0
 LOAD_CASES = ("missing_shard", "corrupt_header", "truncated_shard", "index_escape", "shape_mismatch", "pickle_refused",
-              "opt", "foo_architecture", "unknown_model_type", "rope_dynamic", "sliding_window", "gemma_softcapping",
+              "bloom", "foo_architecture", "unknown_model_type", "rope_dynamic", "sliding_window", "gemma_softcapping",
               "heads_vs_tp", "kv_replication", "world_size", "vpp_layers", "hub_id_not_cached", "gpt_oss_split_experts",
               "gpt_oss_alpha", "pad_token_id")
 
@@ -205,12 +205,12 @@ def load_cases(base, tmp_path_factory):
     cases["pickle_refused"] = (pickled, TP2, "CheckpointError", [str(pickled), "pytorch_model.bin",
                                                                  "allow_pickle=True"])
 
-    opt = tmp / "opt"  # NOTE: a real transformers architecture without a bridge (OPT's learned positions offset by 2)
+    bloom = tmp / "bloom"  # NOTE: a real transformers architecture without a bridge (BLOOM's ALiBi), refused by name
     torch.manual_seed(0)
-    opt_config = transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, ffn_dim=64,
-                                        vocab_size=99, max_position_embeddings=64, word_embed_proj_dim=32)
-    transformers.OPTForCausalLM(opt_config).save_pretrained(opt)
-    cases["opt"] = (opt, TP2, "UnsupportedArchitectureError", ["OPTForCausalLM", *SUPPORTED])
+    transformers.BloomForCausalLM(transformers.BloomConfig(n_layer=2, hidden_size=32, n_head=2,
+                                                           vocab_size=99)).save_pretrained(bloom)
+    cases["bloom"] = (bloom, TP2, "UnsupportedArchitectureError", ["BloomForCausalLM is not supported", "ALiBi",
+                                                                   *SUPPORTED])
 
     foo = _copy(base, tmp / "foo")
     _edit_json(foo / "config.json", architectures=["FooForCausalLM"])

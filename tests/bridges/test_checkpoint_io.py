@@ -455,3 +455,18 @@ def test_failed_piece_of_a_threaded_read_names_the_tensor_after_the_others_end(b
         assert finished >= 1
         time.sleep(0.1)
         assert len(done) == finished  # NOTE: no piece was still running when the error came out
+
+
+def test_integer_tensors_declared_as_such(tmp_path):
+    """An ``IntegerShape`` (DeepSeek-V4's ``tid2eid``) wants integers where every other tensor wants floating point:
+    each kind stored as the other is listed, naming its dtype."""
+    from loongforge_hf.bridges.checkpoint_io import IntegerShape
+
+    save_file({"table": torch.zeros(4, 2, dtype=torch.int64), "weight": torch.zeros(4, 2)},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with CheckpointReader(tmp_path) as reader:
+        reader.validate_shapes({"table": IntegerShape((4, 2)), "weight": (4, 2)})
+        with pytest.raises(CheckpointError) as err:
+            reader.validate_shapes({"table": (4, 2), "weight": IntegerShape((4, 2))})
+    assert "'table': stored as torch.int64 in model.safetensors, expected floating point" in str(err.value)
+    assert "'weight': stored as torch.float32 in model.safetensors, expected integers" in str(err.value)

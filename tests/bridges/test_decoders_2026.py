@@ -12,7 +12,11 @@ from loongforge_hf.bridges import UnsupportedArchitectureError, UnsupportedConfi
 from loongforge_hf.testing.tiny_models import _config
 
 NAMES = {"apertus1p5": "Apertus1p5TextForCausalLM", "youtu": "YoutuForCausalLM", "hy_v3": "HYV3ForCausalLM",
-         "mellum": "MellumForCausalLM", "flint": "FlintForCausalLM"}
+         "mellum": "MellumForCausalLM", "flint": "FlintForCausalLM", "axk1": "AXK1ForCausalLM",
+         "axk2": "AXK2ForCausalLM",
+         "granite_swa": "GraniteSWAForCausalLM", "granitemoe_swa": "GraniteMoeSWAForCausalLM",
+         "hyperclovax": "HyperCLOVAXForCausalLM", "bitnet": "BitNetForCausalLM",
+         "diffllama": "DiffLlamaForCausalLM"}
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32}
 
 
@@ -71,6 +75,20 @@ def test_settings_translate():
     ("flint", {"num_experts_per_tok": 1}, "norm_topk_prob=True with num_experts_per_tok=1"),
     ("flint", {"rope_parameters": YARN}, "yarn"),
     ("flint", {"sliding_window": 0}, "sliding_window=0"),
+    ("granite_swa", {"layer_rope_theta": [1e4, 5e5, 0, 1e4]}, "layer_rope_theta with several rotary bases"),
+    ("granite_swa", {"layer_rope_theta": [1e4, 0]}, "layer_rope_theta has 2 entries for 4 layers"),
+    ("granite_swa", {"rope_parameters": YARN}, "yarn"),
+    ("granitemoe_swa", {"sliding_window": None}, "sliding_window=None"),
+    ("granitemoe_swa", {"layer_types": ["chunked_attention"] * 4}, "layer_types ['chunked_attention']"),
+    ("hyperclovax", {"attention_bias": True}, "attention_bias=True"),
+    ("bitnet", {"quantization_config": {"quant_method": "bitnet", "linear_class": "autobitlinear",
+                                        "quantization_mode": "online"}}, "quantization_config="),
+    ("diffllama", {"num_key_value_heads": 3, "num_attention_heads": 6}, "num_key_value_heads=3"),
+    ("diffllama", {"attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ("axk1", {"q_lora_rank": 0}, "q_lora_rank=0"),
+    ("axk1", {"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ("axk2", {"gated_norm_rank": 0}, "gated_norm_rank=0"),
+    ("axk2", {"attention_bias": True}, "attention_bias=True"),
 ])
 def test_fields_megatron_cannot_express_refused(arch, overrides, field):
     with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
@@ -87,13 +105,53 @@ def test_youtu_tensor_parallel_without_sequence_parallel_refused():
     _bridge("youtu").check_layout(ParallelConfig(tensor_parallel_size=2, sequence_parallel=True))
 
 
+def test_axk1_settings():
+    """A.X-K1: GLM-4.7-Flash's bridge (dense / sparse by mlp_layer_types, rotary halves reordered where
+    rope_interleave=False) with the MoE layers' output normalised (``post_mlp_layernorm`` at the decoder layer on
+    disk); the released checkpoints' dense-layer ``post_mlp_layernorm`` (unused by transformers) and MTP layers are
+    passed through, the MoE layers' read."""
+    axk1 = _bridge("axk1")
+    assert axk1.transformer_config_kwargs()["moe_layer_freq"] == [0, 1, 0, 1] and not axk1.interleaved_rope_on_disk
+    assert axk1.moe_module().__name__ == "TransformedMoELayer" and axk1.mlp_module() is None
+    shapes = axk1.expected_hf_shapes()
+    assert "model.layers.1.post_mlp_layernorm.weight" in shapes and "model.layers.0.post_mlp_layernorm.weight" \
+        not in shapes
+    names = [f"model.layers.{i}.post_mlp_layernorm.weight" for i in range(5)] + ["model.layers.4.eh_proj.weight"]
+    assert sorted(axk1.passthrough_names(names)) == sorted(names[i] for i in (0, 2, 4, 5))
+
+
+def test_axk2_settings():
+    """A.X-K2: DeepSeek-V3.2's DSA and routing (no expert groups where n_group is None), rotary pairs on disk; the
+    gated norms' three tensors each (input norms everywhere, post-attention ones on the MoE layers), the fused query
+    and gate projection reading both latents; context parallelism refused by the pure layout check."""
+    from loongforge_hf.parallel.config import ParallelConfig
+
+    axk2 = _bridge("axk2")
+    kw = axk2.transformer_config_kwargs()
+    assert kw["experimental_attention_variant"] == "dsa" and "moe_router_num_groups" not in kw
+    assert axk2.interleaved_rope_on_disk and kw["moe_router_score_function"] == "sigmoid"
+    shapes = axk2.expected_hf_shapes()
+    assert shapes["model.layers.0.self_attn.q_b_proj.weight"] == (4 * (16 + 8 + 16), 64)
+    assert shapes["model.layers.1.post_attention_layernorm.W_down.weight"] == (8, 64)
+    assert "model.layers.0.post_attention_layernorm.weight" in shapes and "model.layers.1.post_attention_layernorm" \
+        ".weight" not in shapes and "model.layers.0.input_layernorm.W_up.weight" in shapes
+    with pytest.raises(UnsupportedConfigError, match="context_parallel_size=2.*AXK2ForCausalLM"):
+        axk2.check_layout(ParallelConfig(context_parallel_size=2))
+
+
 @pytest.mark.parametrize("config,arch", [
     ("Kolibri1Config", "Kolibri1ForCausalLM"), ("LagunaConfig", "LagunaForCausalLM"),
-    ("Lfm3Config", "Lfm3ForCausalLM"), ("HYV4Config", "HYV4ForCausalLM")])
+    ("Lfm3Config", "Lfm3ForCausalLM"), ("HYV4Config", "HYV4ForCausalLM"), ("HrmTextConfig", "HrmTextForCausalLM"),
+    ("LongcatFlashConfig", "LongcatFlashForCausalLM"), ("JetMoeConfig", "JetMoeForCausalLM"),
+    ("DogeConfig", "DogeForCausalLM")])
 def test_decoders_needing_new_layers_refused_by_name(config, arch):
     """Kolibri 1 (top-k of the logits plus a bias), Laguna (per-layer head counts, a softplus output gate), LFM3 (a
-    per-head sigmoid output gate, sandwich norms around short convolutions) and Hy4 (hyper-connections): not bridged,
-    refused by name listing what is supported."""
+    per-head sigmoid output gate, sandwich norms around short convolutions), Hy4 (hyper-connections), LongCat-Flash
+    (two sublayers per layer with a shortcut MoE, identity experts, scaled MLA latents), HRM text (two weight-shared
+    stacks run in nested loops, a prefix-LM mask), JetMoE (mixture of attention heads: each token's query and
+    output projections routed among experts around shared keys / values) and Doge (dynamic-mask attention: a learned
+    per-head bias from the values added to the scores, top-k masking past ``keep_window_size``; product-key
+    cross-domain experts from embedding tables): not bridged, refused by name listing what is supported."""
     import transformers
 
     cfg = getattr(transformers, config)(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -63,8 +63,20 @@ SCALAR_ARCHS, SCALAR_LAYOUTS = ["apertus"], ("pp2",)
 # rotary signs, q / k norms after the rotation, relu2, a logit soft-cap) at TP1 and TP2 + SP only: Mistral's, Gemma
 # 2's, Ministral's and Arcee's / OLMo's layouts run the other layouts
 # NOTE: Apertus 1.5's language model (Apertus with a full-width head) and Youtu (dense MLA, tied) there too
-SP_ARCHS, SP_LAYOUTS = (["ministral3", "vaultgemma", "cwm", "nanochat", "apertus1p5", "youtu"],
+# NOTE: the classic decoders: Persimmon (GPT-NeoX's fused q / k / v run sequentially, q / k LayerNorms, relu2),
+# CodeGen (GPT-J with q / v / k fused by shards), GPT-Neo (unscaled scores, local layers' windows, learned positions),
+# OPT (positions two rows down their table, ReLU), GPT-NeoX-Japanese (a bias on the last layer's attention output only)
+CLASSIC = ["persimmon", "codegen", "gpt_neo", "opt", "gpt_neox_japanese"]
+# NOTE: Granite SWA (sinks, windows, a NoPE layer, Granite's multipliers), HyperCLOVAX (Granite with post norms),
+# BitNet (sub-norms over TP-split widths, relu2) and DiffLlama (differential attention, each TP rank a slice of both
+# halves of the heads) there too
+SP_ARCHS, SP_LAYOUTS = (["ministral3", "vaultgemma", "cwm", "nanochat", "apertus1p5", "youtu", "granite_swa",
+                         "hyperclovax", "bitnet", "diffllama", *CLASSIC],
                         {"tp1": {}, "tp2": {"sequence_parallel": True}})
+# NOTE: Granite SWA's NoPE layer, BitNet's sub-norms and DiffLlama's lambda_init by layer on the second stage too;
+# the four at CP2 too
+PP_ARCHS, PP_LAYOUTS = ["granite_swa", "bitnet", "diffllama"], ("pp2",)
+CP_ARCHS, CP_LAYOUTS = ["granite_swa", "hyperclovax", "bitnet", "diffllama"], ("cp2",)
 
 
 def check_results(results, arch):
@@ -86,10 +98,12 @@ def test_parity_and_round_trip(tmp_path, layout_name):
     archs += TP_ARCHS if layout_name in TP_LAYOUTS else []
     archs += SCALAR_ARCHS if layout_name in SCALAR_LAYOUTS else []
     archs += SP_ARCHS if layout_name in SP_LAYOUTS else []
+    archs += PP_ARCHS if layout_name in PP_LAYOUTS else []
+    archs += CP_ARCHS if layout_name in CP_LAYOUTS else []
     cases = []
     for arch in archs:
         src = make_tiny_checkpoint(tmp_path / arch / "src", arch)
-        more = (SP_LAYOUTS[layout_name],) if arch in SP_ARCHS else ()
+        more = (SP_LAYOUTS[layout_name],) if arch in SP_ARCHS and layout_name in SP_LAYOUTS else ()
         cases.append((str(src), str(tmp_path / arch / "out"), *more))
     per_rank = run_distributed(load_compare_export_many, nprocs, cases, layout, timeout=600)
     for i, arch in enumerate(archs):

@@ -84,5 +84,7 @@ def test_every_supported_architecture_is_checked(rows):
     missing = set(supported_architectures()) - checked | set(image_text_architectures()) - checked
     assert not missing, sorted(missing)
     unpadded = sorted(row["model"] for row in rows.values() if row["transformers"] is None)
-    assert unpadded == ["FalconForCausalLM", "FalconForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
-                        "GPTBigCodeForCausalLM", "GPTJForCausalLM", "GPTNeoXForCausalLM", "NemotronHForCausalLM"]
+    assert unpadded == ["CodeGenForCausalLM", "FalconForCausalLM", "FalconForCausalLM", "FalconMambaForCausalLM",
+                        "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
+                        "GPTNeoForCausalLM", "GPTNeoXForCausalLM", "GPTNeoXJapaneseForCausalLM", "Mamba2ForCausalLM",
+                        "MambaForCausalLM", "NemotronHForCausalLM"]

@@ -58,6 +58,8 @@ theta per layer type) and Flint (sinks, full layers without rotary embedding, si
 expert) at TP2 + SP + EP2; Apertus 1.5's language model and Youtu (dense MLA, tied embeddings) at TP2 + SP.
 Kimi Linear (Kimi Delta Attention's per-channel decay and low-rank gates, their down projections replicated over TP;
 a NoPE MLA layer; grouped sigmoid routing, a shared expert) at TP2 + SP + EP2 and CP2.
+MiniMax (lightning-attention layers with their norm over all heads split over TP, residuals after the norms scaled,
+softmax top-2 experts) at TP2 + SP + EP2.
 GLM-4-9B (biased q / k / v, half of each head rotated in interleaved pairs, a packed gate / up), OLMo (norms without
 parameters, q / k / v clamped by ``clip_qkv``), Nemotron (LayerNorm1P with biases, an ungated relu2 MLP, half-rotary
 heads) and Jais-2 (LayerNorms, biases on every linear but the LM head, an ungated relu2 MLP) at TP2 + SP.
@@ -214,6 +216,29 @@ CHECKPOINTS = {
     "flint": ("flint", {}),
     "apertus1p5": ("apertus1p5", {}),
     "youtu": ("youtu", {}),
+    # NOTE: A.X-K1 (GLM-4.7-Flash's layout, the MoE layers' output normalised): at TP2 + SP + EP2
+    "axk1": ("axk1", {}),
+    # NOTE: A.X-K2 (DSA, gated norms, the gated query projection): at TP2 + SP + EP2
+    "axk2": ("axk2", {}),
+    # NOTE: Granite SWA (sinks, windows, a NoPE layer), HyperCLOVAX (post norms) and BitNet (sub-norms over TP-split
+    # widths): at TP2 + SP; Granite-MoE SWA (its experts under transformers 5's names, a shared MLP): TP2 + SP + EP2
+    "granite_swa": ("granite_swa", {}),
+    "hyperclovax": ("hyperclovax", {}),
+    "bitnet": ("bitnet", {}),
+    "granitemoe_swa": ("granitemoe_swa", {}),
+    # NOTE: DiffLlama (differential attention: heads paired across the halves, the lambdas' gradients summed over TP)
+    "diffllama": ("diffllama", {}),
+    # NOTE: MiniMax (lightning-attention layers, the norm over all heads split over TP; residuals after the norms,
+    # scaled; softmax top-2 experts): at TP2 + SP + EP2
+    "minimax": ("minimax", {}),
+    # NOTE: Persimmon (q / k LayerNorms with biases over TP-split heads, relu2), CodeGen (q / v / k fused by shards),
+    # GPT-Neo (unscaled scores, windowed local layers, out_proj's bias beside unbiased q / k / v) and OPT (positions
+    # two rows down their table), GPT-NeoX-Japanese (the last layer's dense_bias alone): at TP2 + SP
+    "persimmon": ("persimmon", {}),
+    "codegen": ("codegen", {}),
+    "gpt_neo": ("gpt_neo", {}),
+    "opt": ("opt", {}),
+    "gpt_neox_japanese": ("gpt_neox_japanese", {}),
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe", "llama4")
@@ -233,14 +258,16 @@ LAYOUTS = {
                    MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "granitemoeshared",
                           "phimoe", "cohere2_moe", "afmoe", "glm4_moe_lite", "mistral4", "exaone_moe",
                           "solar_open", "dbrx", "deepseek_v32", "glm_moe_dsa", "mimo_v2_flash", "kimi_linear",
-                          "hy_v3", "mellum", "flint")),
+                          "hy_v3", "mellum", "flint", "axk1", "axk2", "granitemoe_swa", "minimax")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET + ("kimi_linear",)),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},  # MoE: experts split too
                MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron", "hunyuan_v1_dense", "apertus", "exaone",
                                                "jais2", "minicpm3", "ministral3", "vaultgemma", "cwm",
-                                               "nanochat", "apertus1p5", "youtu")),
+                                               "nanochat", "apertus1p5", "youtu", "granite_swa", "hyperclovax",
+                                               "bitnet", "diffllama", "persimmon", "codegen", "gpt_neo", "opt",
+                                               "gpt_neox_japanese")),
 }
 # NOTE: the pad id as a real token (_gradients.with_pad_tokens)
 PAD_LAYOUTS = {

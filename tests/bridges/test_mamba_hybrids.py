@@ -14,7 +14,13 @@ within 1e-6 of each tensor's largest); at TP2 (ETP2) and TP2 + EP2 the stacks' c
 ``SequentialMLP``'s built on the same process groups. LoRA on Nemotron-H's attention and Mamba2 ``in_proj`` against
 PEFT at TP1 and TP2 + SP (``integrations/_lora_hybrids.py``). Falcon-H1 (FalconH1ForCausalLM: a Mamba2 mixer beside
 the attention in every layer, muP multipliers; ``_falcon_one_rank`` / ``_falcon_two_ranks``) in the same worlds.
-Refusals are checked on the bridge alone (pure, before any collective)."""
+The Mamba family (``_mamba_one_rank`` / ``_mamba_two_ranks``): Mamba2ForCausalLM (our Mamba2 mixer, a pure stack),
+MambaForCausalLM / FalconMambaForCausalLM (our Mamba-1 mixer, ``bridges/mamba1.py``) and JambaForCausalLM (Mamba-1,
+attention and MoE layers) at TP1 (left padding, packed documents, cached generate, round trips; Jamba's router logits,
+balance loss and LoRA against PEFT), TP2 + SP (every gradient of each), Mamba at PP2, Mamba2 at
+CP2, Jamba at EP2. Refusals are checked on the bridge alone (pure, before any collective)."""
+
+import re
 
 import pytest
 import torch
@@ -31,6 +37,12 @@ DENSE_KINDS = ["linear_attention", "mlp", "full_attention", "mlp"]
 # names (transformers' module tree: model.layers.N.mixer.*) on the checkpoint's backbone.layers.N.mixer.*
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj"],
             init_lora_weights=False)
+MAMBA_STACKS = ("mamba2", "mamba", "falcon_mamba")
+MAMBA_FAMILY = (*MAMBA_STACKS, "jamba")  # NOTE: Jamba last (_mamba_one_rank reads its models after the loop)
+CACHED = ("mamba2", "jamba")  # NOTE: cached generate on the Mamba2 mixer, and on the Mamba-1 mixer beside attention
+# NOTE: every linear of Jamba but the Mamba x_proj / dt_proj (refused by name: bare parameters on megatron's side)
+JAMBA_LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["dt_proj", "x_proj"],
+                  init_lora_weights=False)
 # NOTE: the kinds of the hub's Falcon-H1-0.5B: no gated norm, one group, the default time-step limit; tied here
 FALCON_H1_HUB = dict(mamba_rms_norm=False, mamba_n_groups=1, time_step_limit=(0.0, float("inf")),
                      tie_word_embeddings=True)
@@ -150,7 +162,68 @@ def _one_rank(folders: dict) -> dict:
     del ours
     out["nemotron_h_dense"] = {"padded": _padded(*_models(folders["nemotron_h_dense"]))}
     out["lora"] = hybrid_lora_checks(folders["nemotron_h"], f"{folders['nemotron_h']}-lora-tp1", {}, LORA)
-    return {**out, **_falcon_one_rank(folders)}
+    return {**out, **_falcon_one_rank(folders), **_mamba_one_rank(folders)}
+
+
+def _mamba_one_rank(folders: dict) -> dict:
+    """The pure state-space stacks (Mamba2, Mamba, Falcon-Mamba) and Jamba: left-padded rows, packed documents, cached
+    greedy and beam search, the export round trip; Jamba's router logits and balance loss, LoRA against PEFT."""
+    import tempfile
+
+    from loongforge_hf.testing.round_trip import check_round_trip
+
+    from ..integrations._lora_hybrids import hybrid_lora_checks
+    from .test_qwen3_5 import packed_against_alone
+
+    out = {}
+    for name in MAMBA_FAMILY:
+        ours, ref = _models(folders[name])
+        res = {"padded": _padded(ours, ref), "packed": packed_against_alone(ours, ref)}
+        if name in CACHED:
+            res.update(_cached_generate(ours, ref))
+        with tempfile.TemporaryDirectory() as saved:
+            ours.save_pretrained(saved)
+            check_round_trip(folders[name], saved)
+            res["round_trip"] = True
+        out[name] = res
+    ids = _ids((2, 20), seed=4)
+    labels = ids.clone()
+    with torch.no_grad():  # NOTE: Jamba's (the last) router logits (MoE layers 1, 3), its Mixtral balance loss
+        got, want = (model(input_ids=ids, labels=labels, output_router_logits=True) for model in (ours, ref))
+    out["jamba"]["router_logits"] = (len(got.router_logits), len(want.router_logits),
+                                     max(float((a - b).abs().max()) for a, b in zip(got.router_logits,
+                                                                                    want.router_logits)),
+                                     float(abs(got.loss - want.loss)), float(abs(got.aux_loss - want.aux_loss)))
+    out["jamba"]["lora"] = hybrid_lora_checks(folders["jamba"], f"{folders['jamba']}-lora-tp1", {}, JAMBA_LORA)
+    return out
+
+
+def _mamba_two_ranks(folders: dict) -> dict:
+    """Mamba2, Mamba and Falcon-Mamba at TP2 + SP (logits, loss, every gradient); Mamba at
+    PP2; Mamba2 at CP2 (``test_qwen3_5._cp2_padded_and_packed``); Jamba at TP2 + SP (logits, loss, every gradient)
+    and EP2."""
+    import loongforge_hf as lf
+
+    from .test_qwen3_5 import _cp2_padded_and_packed
+
+    out, refs = {}, {}
+    for name in MAMBA_STACKS:
+        ours, refs[name] = _models(folders[name], tensor_parallel_size=2, sequence_parallel=True)
+        out[f"{name}_tp2"] = _padded(ours, refs[name])
+        out[f"{name}_grads"] = _gradients(ours, refs[name], folders[name], "tp2")
+        del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folders["mamba"], dtype=torch.float32, pipeline_parallel_size=2)
+    out["mamba_pp2"] = _padded(ours, refs["mamba"])
+    del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folders["mamba2"], dtype=torch.float32, context_parallel_size=2)
+    out["mamba2_cp2"] = _cp2_padded_and_packed(ours, refs["mamba2"], folders["mamba2"])
+    del ours
+    ours, ref = _models(folders["jamba"], tensor_parallel_size=2, sequence_parallel=True)
+    out.update(jamba_tp2=_padded(ours, ref), jamba_grads=_gradients(ours, ref, folders["jamba"], "tp2"))
+    del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folders["jamba"], dtype=torch.float32, expert_parallel_size=2)
+    out["jamba_ep2"] = _padded(ours, ref)
+    return out
 
 
 def _falcon_one_rank(folders: dict) -> dict:
@@ -225,7 +298,7 @@ def _two_ranks(folders: dict) -> dict:
     del ours
     out["lora"] = hybrid_lora_checks(folder, f"{folder}-lora-tp2", dict(tensor_parallel_size=2, sequence_parallel=True),
                                      LORA)
-    return {**out, **_falcon_two_ranks(folders)}
+    return {**out, **_falcon_two_ranks(folders), **_mamba_two_ranks(folders)}
 
 
 def _falcon_two_ranks(folders: dict) -> dict:
@@ -260,7 +333,8 @@ def folders(tmp_path_factory):
             "falcon_h1": str(make_tiny_checkpoint(root / "falcon_h1", "falcon_h1")),
             "falcon_h1_hub": str(make_tiny_checkpoint(root / "falcon_h1_hub", "falcon_h1", **FALCON_H1_HUB)),
             "falcon_h1_after": str(make_tiny_checkpoint(root / "falcon_h1_after", "falcon_h1",
-                                                        mamba_norm_before_gate=False))}
+                                                        mamba_norm_before_gate=False)),
+            **{name: str(make_tiny_checkpoint(root / name, name)) for name in MAMBA_FAMILY}}
 
 
 @pytest.fixture(scope="module")
@@ -485,3 +559,126 @@ def test_falcon_h1_refused_configs(folders, changes, field):
         setattr(config, name, value)
     with pytest.raises(UnsupportedConfigError, match=field):
         get_bridge(config)
+
+
+@pytest.mark.parametrize("model", MAMBA_FAMILY)
+def test_mamba_family_one_rank(one_rank, model):
+    """Mamba2ForCausalLM / MambaForCausalLM / FalconMambaForCausalLM / JambaForCausalLM: left-padded rows, packed
+    documents against each alone, a bit-exact export round trip; cached greedy and 2-beam search (transformers' tokens
+    and scores; a state layer per Mamba layer, after Jamba's KV layer) on Mamba2 and Jamba (the Mamba-1 mixer)."""
+    res = one_rank[model]
+    _check_padded(res["padded"])
+    assert max(res["packed"]) < TOL and res["round_trip"], res["packed"]
+    if model not in CACHED:
+        return
+    for name in ("cached_greedy", "cached_beam"):
+        same, scores = res[name]
+        assert same and scores < TOL, (model, name, res[name])
+    kv = ["DynamicLayer"] if model == "jamba" else []
+    assert res["cache_layers"][0] == kv + ["LinearAttentionLayer"] * 3, res["cache_layers"]
+
+
+def test_jamba_lora_matches_peft(one_rank):
+    """LoRA on Jamba's Mamba in_proj / out_proj (x and z row sections), attention and MLPs at TP1 against PEFT
+    (``_lora_hybrids``): logits, loss, every adapter's A and B gradient; the adapter folder in PEFT and the merged
+    export in transformers give our logits."""
+    res = one_rank["jamba"]["lora"]
+    assert res["logits"] < TOL and res["loss"] < 1e-5 and res["unchanged_after_merged_export"], res
+    assert len(res["targets"]) == 16 and "model.layers.0.mamba.in_proj" in res["targets"], res["targets"]
+    worst = max(res["grads"].items(), key=lambda kv: kv[1])
+    assert len(res["grads"]) == 32 and worst[1] < 1e-5, (worst, res["grads"])
+    assert res["adapter_logits_diff"] < TOL and res["merged_logits_diff"] < TOL, res
+
+
+def test_jamba_router_logits_and_balance_loss(one_rank):
+    """Jamba's ``router_logits`` (``output_router_logits``: one ``[tokens, experts]`` tensor per MoE layer) and the
+    loss with transformers' Mixtral load-balancing term, its ``aux_loss``."""
+    ours, theirs, diff, loss, aux = one_rank["jamba"]["router_logits"]
+    assert ours == theirs == 2 and diff < TOL and loss < TOL and aux < TOL, one_rank["jamba"]["router_logits"]
+
+
+@pytest.mark.parametrize("layout", ("mamba2_tp2", "mamba_tp2", "falcon_mamba_tp2", "mamba_pp2", "jamba_tp2",
+                                    "jamba_ep2"))
+def test_mamba_family_two_rank_layouts(two_ranks, layout):
+    for res in two_ranks:
+        _check_padded(res[layout])
+
+
+def test_mamba2_context_parallel_padded_and_packed(two_ranks):
+    """Mamba2ForCausalLM at CP2 (the Mamba2 mixer's states passed between the chunks): packed documents and left
+    padding, logits, loss and every gradient against transformers'."""
+    for rank, res in enumerate(two_ranks):
+        assert res["mamba2_cp2"]["logits"] < TOL and res["mamba2_cp2"]["loss"] < TOL, (rank, res["mamba2_cp2"])
+    grads = two_ranks[0]["mamba2_cp2"]["grads"]
+    worst = max(grads.items(), key=lambda kv: kv[1])
+    assert len(grads) == 30 and worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
+
+
+@pytest.mark.parametrize("model, count", (("mamba2", 30), ("mamba", 32), ("falcon_mamba", 32), ("jamba", 63)))
+def test_mamba_family_every_gradient(two_ranks, model, count):
+    """Mamba2, Mamba, Falcon-Mamba and Jamba at TP2 + SP: every parameter's gradient (Mamba-1's x_proj split by its
+    columns, summed over TP; dt_proj, A_log, D, the conv and its bias split by channel; Jamba's replicated dt / B / C
+    norms, attention, MLPs, router and experts) exported through the bridge, against transformers'."""
+    grads = two_ranks[0][f"{model}_grads"]
+    kinds = ("conv1d.bias", "in_proj.weight", "out_proj.weight", "A_log")
+    kinds += {"mamba": ("x_proj.weight", "dt_proj.bias"), "falcon_mamba": ("x_proj.weight", "dt_proj.bias"),
+              "mamba2": ("norm.weight", "dt_bias"),
+              "jamba": ("dt_layernorm.weight", "c_layernorm.weight", "self_attn.k_proj.weight", "router.weight",
+                        "experts.gate_up_proj", "experts.down_proj", "feed_forward.gate_proj.weight")}[model]
+    assert len(grads) == count and all(any(k in n for n in grads) for k in kinds), sorted(grads)
+    worst = max(grads.items(), key=lambda kv: kv[1])
+    assert worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
+
+
+@pytest.mark.parametrize("arch, changes, layout, field", [
+    ("mamba2", {"use_bias": True}, None, "use_bias=True is not supported for Mamba2ForCausalLM"),
+    ("mamba", {"use_bias": True}, None, "use_bias=True is not supported for MambaForCausalLM"),
+    ("falcon_mamba", {"hidden_act": "gelu"}, None, "hidden_act='gelu' is not supported for FalconMambaForCausalLM"),
+    ("mamba2", {}, dict(tensor_parallel_size=16), "num_heads=8 does not split over tensor_parallel_size=16"),
+    ("mamba", {}, dict(tensor_parallel_size=3), "intermediate_size (d_inner=128) does not split over"),
+    ("jamba", {}, dict(tensor_parallel_size=3), "mamba_expand (d_inner=128) does not split over"),
+    ("jamba", {"num_experts": 1}, None, "num_experts=1 is not supported for JambaForCausalLM"),
+    ("jamba", {"mamba_proj_bias": True}, None, "mamba_proj_bias=True is not supported for JambaForCausalLM"),
+    ("falcon_mamba", {}, dict(context_parallel_size=2),
+     "context_parallel_size=2 is not supported for FalconMambaForCausalLM")])
+def test_mamba_family_refused(folders, arch, changes, layout, field):
+    """What the Mamba stacks cannot run is refused by the bridge alone (pure, before any collective), naming the
+    field."""
+    import transformers
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel import ParallelConfig
+
+    config = transformers.AutoConfig.from_pretrained(folders[arch])
+    for name, value in changes.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
+        get_bridge(config).check_layout(ParallelConfig(**(layout or {})))
+
+
+def test_zamba2_refused_by_name():
+    """Zamba2 (shared attention blocks re-used with per-use LoRA adapters, concatenated original embeddings): not
+    bridged, refused by name listing what is supported."""
+    import transformers
+
+    from loongforge_hf.bridges import UnsupportedArchitectureError, get_bridge
+
+    arch = "Zamba2ForCausalLM"
+    cfg = transformers.Zamba2Config(architectures=[arch])
+    with pytest.raises(UnsupportedArchitectureError, match=f"{arch}.*MambaForCausalLM"):
+        get_bridge(cfg)
+
+
+@pytest.mark.parametrize("arch, name", (("mamba2", "Mamba2ForCausalLM"), ("mamba", "MambaForCausalLM"),
+                                        ("jamba", "JambaForCausalLM")))
+def test_mamba_family_static_cache_refused(folders, arch, name):
+    """The static cache's fixed-shape decode step keeps no conv / SSM state: refused by name (pure), the dynamic cache
+    taken."""
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+
+    bridge = get_bridge(transformers.AutoConfig.from_pretrained(folders[arch]))
+    refusal = bridge.generation_refusal(transformers.GenerationConfig(use_cache=True, cache_implementation="static"))
+    assert refusal is not None and f"cache_implementation='static' is not supported for {name}" in refusal, refusal
+    assert bridge.generation_refusal(transformers.GenerationConfig(use_cache=True)) is None

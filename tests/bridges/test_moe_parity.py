@@ -98,8 +98,28 @@ softmax top-3 of 8 experts; ``router_logits`` and transformers' balancing loss) 
 layers without rotary embedding beside windowed rotary ones, sigmoid routing without bias, an ungated shared expert;
 ``router_logits`` and the balancing loss) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; refusals:
 test_decoders_2026).
+Granite-MoE SWA (``granitemoe_swa``: Granite's multipliers, sinks, a binding 5-token window on layers 1 and 3, layer 2
+without rotary embedding, softmax top-2 of 4 experts under transformers 5's names beside a shared MLP;
+``router_logits`` and the balancing loss) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; cached
+generate: test_granite_swa_bitnet_diffllama).
+A.X-K1 (``axk1``: GLM-4.7-Flash's layout with rotary halves on disk, the MoE layers' output normalised by
+``post_mlp_layernorm``; ``router_logits``, no balancing loss; an MTP layer passed through) at tp1 and tp2ep2
+(gradients at TP2 + SP + EP2: test_gradients; settings and refusals: test_decoders_2026); at tp1 also from a folder
+without the gates' ``e_score_correction_bias``, as the hub's (test_axk1_checkpoint_without_expert_bias).
+A.X-K2 (``axk2``: DeepSeek-V3.2's layout with the top 4 of 12 keys, input / MoE-layer norms with a low-rank sigmoid
+gate, a query projection of the normalised and raw latents that also gates each head's output; the indexer reads the
+normalised half; ``router_logits``; left padding) at tp1 (also with expert groups) and tp2ep2 (gradients at TP2 +
+SP + EP2: test_gradients).
+MiniMax (``minimax``: lightning-attention layers 0, 2, 3 in blocks of 5 tokens, a softmax-attention layer 1, residuals
+after the norms scaled by alpha / beta factors other than 1, Mixtral's experts; ``router_logits`` and the balancing
+loss; left padding at the real tokens, a packed row's documents, greedy generate and a 2-beam search over a
+left-padded batch with the cache: transformers' tokens) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2:
+test_gradients; kernel, refusals: test_minimax).
 """
 
+import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -199,6 +219,13 @@ CHECKPOINTS = {
     # NOTE: MLA family (S32): GLM-4.7-Flash (rms_norm_eps 1e-5, mlp_layer_types, an MTP layer), Mistral 4 (softmax
     # routing, YaRN on a third of each query head, experts stacked on disk), MiniCPM3 (dense, muP, LongRoPE)
     "glm4_moe_lite": ("glm4_moe_lite", {"mtp_layers": 1}),
+    # NOTE: A.X-K1: GLM-4.7-Flash's layout with the MoE layers' post_mlp_layernorm, rotary halves on disk
+    "axk1": ("axk1", {"mtp_layers": 1}),
+    # NOTE: ... without the gates' e_score_correction_bias, as the hub's A.X-K1 checkpoints (WITHOUT)
+    "axk1_no_bias": ("axk1", {}),
+    # NOTE: A.X-K2: DeepSeek-V3.2's layout (DSA: the top 4 of 12 keys) with gated norms and the gated query projection
+    "axk2": ("axk2", {}),
+    "axk2_grouped": ("axk2", {"n_group": 4, "topk_group": 2}),  # NOTE: A.X-K2's own group scoring (top-2 sums)
     "mistral4": ("mistral4", {}),
     "minicpm3": ("minicpm3", {}),
     # NOTE: K-EXAONE (pre-norm, per-head q / k norms, windowed layers and a full one without rope, a dense first
@@ -225,6 +252,12 @@ CHECKPOINTS = {
     "hy_v3": ("hy_v3", {"mtp_layers": 1}),
     "mellum": ("mellum", {}),
     "flint": ("flint", {}),
+    # NOTE: MiniMax (Text-01 / M1): lightning-attention layers (blocks of 5 tokens) beside a softmax-attention one,
+    # residuals taken after the norms and scaled, Mixtral's experts and names
+    "minimax": ("minimax", {}),
+    # NOTE: Granite-MoE SWA: Granite's multipliers, sinks, windows, a NoPE layer, softmax top-2 of 4 experts (under
+    # transformers 5's names) beside a shared MLP, transformers' balancing loss
+    "granitemoe_swa": ("granitemoe_swa", {}),
 }
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
@@ -233,17 +266,17 @@ MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwe
 HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers
 LEAN = ("flex_olmo", "granitemoeshared")  # NOTE: at tp1 and ep2 only (CI time); gradients at TP2 + SP + EP2
 SMALL_MOE = ("phimoe", "afmoe")  # NOTE: at tp1, ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
-MLA_FAMILY = ("glm4_moe_lite", "mistral4")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
-DSA = ("deepseek_v32", "glm_moe_dsa")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
+MLA_FAMILY = ("glm4_moe_lite", "mistral4", "axk1")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
+DSA = ("deepseek_v32", "glm_moe_dsa", "axk2")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
 DENSE_MLA = ("minicpm3",)  # NOTE: no experts: at tp1 and tp2sp, checked by test_dense_mla_parity
 KDA = ("kimi_linear",)  # NOTE: at tp1, cp2ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2 and CP2
 # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
-NEW_MOE = ("exaone_moe", "solar_open", "dbrx", "mimo_v2_flash", "hy_v3", "mellum", "flint")
+NEW_MOE = ("exaone_moe", "solar_open", "dbrx", "mimo_v2_flash", "hy_v3", "mellum", "flint", "minimax", "granitemoe_swa")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, *SMALL_MOE, *MLA_FAMILY, *DSA, *DENSE_MLA, "deepseek_v3_yarn",
                     "deepseek_v2_grouped", "qwen3_moe_sparse2",
                     "deepseek_v3_bf16", "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk",
-                    "cohere2_moe", "cohere2_moe_rms", *NEW_MOE, *KDA)),
+                    "cohere2_moe", "cohere2_moe_rms", *NEW_MOE, *KDA, "axk2_grouped", "axk1_no_bias")),
     "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE, "cohere2_moe_rms")),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2},
@@ -257,7 +290,27 @@ LAYOUTS = {
                  "ernie4_5_moe", "olmoe", "llama4")),
     "tp2sp": (2, {"tensor_parallel_size": 2, **SP}, DENSE_MLA),
 }
-CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names if name not in DENSE_MLA]
+# NOTE: checkpoints with tensors deleted from the files (checked by their own tests)
+WITHOUT = {"axk1_no_bias": r"\.mlp\.gate\.e_score_correction_bias$"}
+CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names
+         if name not in (*DENSE_MLA, *WITHOUT)]
+
+
+def drop_tensors(folder: Path, pattern: str) -> Path:
+    """``folder`` with the tensors whose names match ``pattern`` deleted from its files and its index."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in folder.glob("*.safetensors"):
+        tensors = load_file(shard)
+        kept = {n: t for n, t in tensors.items() if not re.search(pattern, n)}
+        if len(kept) < len(tensors):
+            save_file(kept, shard, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {n: f for n, f in data["weight_map"].items() if not re.search(pattern, n)}
+        index.write_text(json.dumps(data))
+    return folder
 
 
 class Worlds:
@@ -272,6 +325,8 @@ class Worlds:
         if name not in self.sources:
             arch, kw = CHECKPOINTS[name]
             self.sources[name] = make_tiny_checkpoint(self.root / "src" / name, arch, **kw)
+            if name in WITHOUT:
+                drop_tensors(self.sources[name], WITHOUT[name])
         return self.sources[name]
 
     def out(self, layout: str, name: str) -> Path:
@@ -322,9 +377,14 @@ def test_parity_and_round_trip(worlds, layout, name):
         mla = name.startswith(("deepseek", *MLA_FAMILY, *DSA, *KDA))  # NOTE: Kimi Linear's full layers
         # NOTE: DeepSeek Sparse Attention's core attention (bridges/sparse_attention.py)
         core = "SparseAttention" if name in DSA else "MLACoreAttention" if mla else "CoreAttention"
+        core = "NormedHalfIndexer" if name.startswith("axk2") else core  # NOTE: its indexer reads the normed half
         assert r["core_attention"] == [core], (rank, r)
-        if name in DSA:  # NOTE: left padding: the indexer's scores and the attention skip the padded keys
+        if name in (*DSA, "minimax"):  # NOTE: left padding: the indexer's scores and the attention skip the padded
+            # keys; MiniMax's lightning layers zero the padded tokens' q / k / v
             assert r["padded_diff"] < TOL, (rank, r)
+        if name == "minimax":  # NOTE: a packed row's documents each as transformers runs it alone; generate's tokens
+            assert len(r["packed_diffs"]) == 3 and max(r["packed_diffs"]) < TOL, (rank, r)
+            assert r["generate_matches"] == {"greedy": True, "beams": True}, (rank, r)
         # YaRN's attention factor in the q / k norm slots (kernels.rope.rotary_scale_module)
         yarn = name.endswith("_yarn") or name == "gpt_oss"
         # NOTE: GraniteMoE's final norm scaled by 1 / logits_scaling (on the last stage), its layers' outputs by the
@@ -347,7 +407,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         # NOTE: MLA's q / kv latent norms with transformers' eps for them (specs.LatentRMSNorm)
         assert sorted(set(r["norms"]) - scaled) == sorted(
             [*expected, *full_width, *llama4, *(["RotaryScale"] if yarn and not mla else []),
-             *(["LatentRMSNorm"] if mla else [])]), (rank, r)
+             *(["LatentRMSNorm"] if mla else []),
+             *(["GatedNorm", "NormedAndRawLatent"] if name.startswith("axk2") else [])]), (rank, r)
         assert r["rope_fusion"] is (not mla and name not in INTERLEAVED_ROPE), (rank, r)
         # megatron's allgather dispatcher where expert and expert-tensor parallel are 1 (no chunk-sort copies)
         single = "expert_parallel_size" not in LAYOUTS[layout][1] and (
@@ -360,7 +421,7 @@ def test_parity_and_round_trip(worlds, layout, name):
         mlp = {m.removeprefix("Scaled") if name.startswith("granitemoe") else m for m in r["mlp_modules"]}
         # NOTE: FlexOlmo's and AFMoE's MoE layer with its post norm, Cohere2-MoE's halved
         # (layer_outputs.transformed_moe); AFMoE's dense MLP with its post norm (transformed_mlp)
-        moe = "TransformedMoELayer" if name in ("flex_olmo", "cohere2_moe", "afmoe") else "MoELayer"
+        moe = "TransformedMoELayer" if name in ("flex_olmo", "cohere2_moe", "afmoe", "axk1") else "MoELayer"
         dense = "TransformedMLP" if name == "afmoe" else "SwiGLUMLP"
         assert mlp <= {moe, dense} and moe in mlp, (rank, r)
         # transformers' output type; DeepSeek's and GLM-4.5's forward asks for router_logits: per MoE layer, none
@@ -376,21 +437,25 @@ def test_parity_and_round_trip(worlds, layout, name):
             assert r["no_aux_loss"] and r["router_counts"] == (HUNYUAN_MOE_LAYERS,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"] and r["router_diff"] < ROUTER_TOL, (rank, r)
         if name.startswith(("deepseek", "glm4_moe", "dots1", "mistral4", "exaone_moe", "solar_open", "mimo_v2_flash",
-                            "hy_v3", *DSA, *KDA)):
-            layers = {"glm4_moe_lite": GLM_LITE_MOE_LAYERS, "solar_open": 4}.get(name, MLA_MOE_LAYERS)
+                            "hy_v3", "axk1", *DSA, *KDA)):
+            layers = {"glm4_moe_lite": GLM_LITE_MOE_LAYERS, "axk1": GLM_LITE_MOE_LAYERS, "axk2": GLM_LITE_MOE_LAYERS,
+                      "axk2_grouped": GLM_LITE_MOE_LAYERS, "solar_open": 4}.get(name, MLA_MOE_LAYERS)
             assert r["no_aux_loss"] and r["router_counts"] == (layers,) * 2, (rank, r)
             assert r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < (tol["logit_diff"] if name.endswith("_bf16") else ROUTER_TOL), (rank, r)
         if name.startswith("ernie4_5_moe"):  # NOTE: router_logits and transformers' balancing loss (in the loss too)
             assert r["router_counts"] == (ERNIE_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
-        if name.startswith(("olmoe", "minimax_m2", "flex_olmo")):  # NOTE: router_logits (model dtype), the balancing
-            layers = MINIMAX_MOE_LAYERS if name == "minimax_m2" else OLMOE_MOE_LAYERS  # loss; every layer sparse
+        if name.startswith(("olmoe", "minimax", "flex_olmo")):  # NOTE: router_logits (model dtype), the balancing
+            layers = MINIMAX_MOE_LAYERS if name.startswith("minimax") else OLMOE_MOE_LAYERS  # loss; every layer sparse
             assert r["router_counts"] == (layers,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
         if name in ("mellum", "flint"):  # NOTE: router_logits (fp32) and transformers' balancing loss, layers 1-3
             assert r["router_counts"] == (DENSE_FIRST_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (
                 rank, r)
+            assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
+        if name == "granitemoe_swa":  # NOTE: router_logits and transformers' balancing loss, every layer sparse
+            assert r["router_counts"] == (4, 4) and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
         if name == "dbrx":  # NOTE: router_logits and the balancing loss (moe_loss_weight times it in the loss)
             assert r["router_counts"] == (4, 4) and r["router_dtypes"] == ["torch.float32"], (rank, r)
@@ -429,13 +494,61 @@ def test_expert_parallel_ranks_read_only_their_experts(worlds):
     ("ernie4_5_moe", "model.mtp_", "model.mtp_linear_proj.0.weight", 6),
     ("qwen3_next", "mtp.", "mtp.fc.weight", 7),
     ("mimo_v2_flash", "model.mtp.", "model.mtp.layers.0.eh_proj.weight", 7),
-    ("hy_v3", "model.layers.4.", "model.layers.4.eh_proj.weight", 9)])
+    ("hy_v3", "model.layers.4.", "model.layers.4.eh_proj.weight", 9),
+    ("axk1", "model.layers.4.", "model.layers.4.eh_proj.weight", 9)])
 def test_mtp_layers_skipped_with_warning_and_written_back(worlds, name, prefix, tensor, count):
     warned = worlds.run("tp1")[0][name]["warnings"]
     assert any(prefix.rstrip(".") in w and "multi-token prediction" in w for w in warned), warned
     out = read_all(worlds.out("tp1", name))
     mtp = sorted(n for n in out if n.startswith(prefix))
     assert tensor in mtp and len(mtp) == count
+
+
+def test_axk1_checkpoint_without_expert_bias(worlds, tmp_path):
+    """The hub's A.X-K1 checkpoints have no ``mlp.gate.e_score_correction_bias``; transformers starts it at zero and
+    does not list it as missing. From such a folder (tp1): logits, loss and router_logits within 1e-4 / 1e-5 of
+    transformers' on it, the same loading info; the export holds the biases as fp32 zeros, and every tensor equal to
+    what transformers' save_pretrained writes (names, dtypes, bytes); transformers loads it back bit-exact. A folder
+    that also lacks another tensor fails the shape check naming that one alone, before any process group starts."""
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+    from loongforge_hf.bridges.checkpoint_io import CheckpointError, CheckpointReader
+    from loongforge_hf.bridges.fp8_checkpoint import dequantizing_reader
+    from loongforge_hf.bridges.optional_tensors import missing_keys
+    from loongforge_hf.bridges.registry import get_bridge
+
+    r = worlds.run("tp1")[0]["axk1_no_bias"]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["grads_ok"], r
+    assert r["router_counts"] == (GLM_LITE_MOE_LAYERS,) * 2 and r["router_diff"] < ROUTER_TOL, r
+    mine, theirs = r["loading_info"]
+    assert mine == theirs and not mine["missing_keys"] and not mine["unexpected_keys"], (mine, theirs)
+    src, out = worlds.source("axk1_no_bias"), worlds.out("tp1", "axk1_no_bias")
+    biases = {f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 3)}
+    source, exported = read_all(src), read_all(out)
+    assert not biases & set(source) and set(exported) == set(source) | biases
+    assert all(exported[n].dtype == torch.float32 and torch.equal(exported[n], torch.zeros(8)) for n in biases)
+    hf_causal_lm(src, dtype=torch.float32).save_pretrained(tmp_path / "hf")
+    saved = read_all(tmp_path / "hf")
+    assert sorted(saved) == sorted(exported)
+    assert all(t.dtype == exported[n].dtype and torch.equal(t, exported[n]) for n, t in saved.items())
+    check_loads_in_transformers(src, out)
+    with CheckpointReader(src) as raw:  # NOTE: the filled tensors read in slices too; missing unless ignored
+        bridge = get_bridge(transformers.AutoConfig.from_pretrained(src))
+        reader = dequantizing_reader(raw, bridge=bridge)
+        assert sorted(reader.filled) == sorted(biases) and dequantizing_reader(reader, bridge=bridge) is reader
+        assert torch.equal(reader.get_slice(min(biases), dim=0, start=2, stop=5), torch.zeros(3))
+        assert missing_keys(reader, bridge) == set()
+        bridge.hf_config.architectures = ["Glm4MoeLiteForCausalLM"]  # NOTE: a class that ignores no missing key
+        assert missing_keys(reader, bridge) == biases
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    drop_tensors(broken, r"^model\.layers\.1\.post_mlp_layernorm\.weight$")
+    started = dist.is_initialized()
+    with pytest.raises(CheckpointError, match=r"\(1 tensor\(s\)\):\n  'model\.layers\.1\.post_mlp_layernorm\.weight': "
+                                              r"missing \(expected shape \(64,\)\)$"):
+        lf.AutoModelForCausalLM.from_pretrained(broken, dtype=torch.float32)
+    assert dist.is_initialized() is started
 
 
 def test_ernie_expert_bias_changes_the_routing(worlds):

@@ -242,3 +242,21 @@ def test_vision_refusals(tp1):
     assert images.startswith("LoongGRPOTrainer does not support") and "an image dataset with the text model" in images
     assert "AutoModelForImageTextToText" in images and "processing_class of type" in images
     assert "a processor with the text model" in processor
+
+
+def test_positions_from_the_attention_mask_refused():
+    """OPT counts its positions from the attention mask (transformers' ``cumsum(attention_mask) - 1``) and TRL
+    left-pads the prompts: LoongGRPOTrainer / LoongRLOOTrainer's setup refuses it by name (pure, on every rank)."""
+    from types import SimpleNamespace
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.integrations.trl_online import refusals
+    from loongforge_hf.parallel import ParallelConfig
+    from loongforge_hf.testing.tiny_models import _config
+
+    args = SimpleNamespace(gradient_accumulation_steps=1, log_completions=False)
+    for arch, name in (("opt", "OPTForCausalLM"), ("llama", "LlamaForCausalLM")):
+        model = SimpleNamespace(parallel=ParallelConfig(), bridge=get_bridge(_config(arch, architectures=[name])))
+        problems = refusals(args, model, None, None, None)
+        assert problems == (["OPTForCausalLM (transformers counts its positions from the attention mask, and TRL "
+                             "left-pads the prompts)"] if arch == "opt" else []), problems

@@ -86,7 +86,14 @@ def _train_and_compare(folder: str, out_dir: str, device: str, sampled: bool = F
                                             ("cwm", {}), ("nanochat", {}), ("deepseek_v32", {}),
                                             ("glm_moe_dsa", {}), ("mimo_v2_flash", {}), ("kimi_linear", {}),
                                             ("apertus1p5", {}), ("youtu", {}), ("hy_v3", {}), ("mellum", {}),
-                                            ("flint", {})])
+                                            ("deepseek_v4", {}), ("beam", {}),
+                                            ("flint", {}), ("axk1", {}), ("axk2", {}), ("granite_swa", {}),
+                                            ("granitemoe_swa", {}), ("hyperclovax", {}), ("bitnet", {}),
+                                            ("diffllama", {}),
+                                            ("minimax", {}), ("persimmon", {}), ("codegen", {}), ("gpt_neo", {}),
+                                            ("opt", {}), ("gpt_neox_japanese", {}),
+                                            ("mamba2", {}), ("mamba", {}), ("falcon_mamba", {}),
+                                            ("jamba", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 

@@ -1,0 +1,186 @@
+"""The Mamba-1 mixer (state-spaces' Mamba, TII's Falcon-Mamba) as a megatron-style module in the self-attention
+slot.
+
+Choices:
+- Our own module (megatron-core has no Mamba-1 mixer): ``in_proj`` (x and the gate z), the causal depthwise conv and
+  ``silu``, ``x_proj`` (the time-step rank's ``dt`` and the state's ``B`` / ``C`` from x), ``dt_proj`` (with its
+  bias), ``A_log``, ``D``, the selective scan (``kernels.selective_scan``: transformers' sequential path op for op)
+  gated by ``silu(z)``, ``out_proj``.
+- Tensor parallelism splits ``d_inner`` (``intermediate_size``) as megatron's ``MambaMixer`` splits Mamba2's:
+  ``in_proj`` column-parallel (this rank's rows of x and of z: one all-gather of the tokens under sequence
+  parallelism), the conv's channels and bias, ``dt_proj``'s rows and bias, ``A_log``'s and ``D``'s rows with them;
+  ``x_proj`` reads every channel: each rank's columns give a partial ``[dt, B, C]``, summed over TP (forward) and
+  its gradient summed over TP again (backward: each rank's channels use the sum); ``out_proj`` row-parallel.
+- Falcon-Mamba (``rms_eps``): weightless RMS norms over ``dt`` (the time-step rank), ``B`` and ``C`` after
+  ``x_proj`` (the sum: replicated on every TP rank); Jamba's (``norm_weights``) with weights, replicated: each
+  rank's channels read the norms' output, whose gradient is summed over TP before the norms' backward.
+- Padding and packed documents as our Mamba2 mixer (``mamba2.py``): padded tokens zeroed before ``in_proj`` (no
+  bias: after it is the same) and after the conv, as transformers' torch path; packed documents restart the conv and
+  the scan.
+- Cached generate (``kv_cache.py``: a ``CachedStep`` per step, one ``LinearAttentionLayer`` per layer): the conv
+  after the conv state (the last ``conv_kernel`` inputs), the scan from the SSM state (fp32 ``[b, d_inner / tp,
+  state_size]``: this rank's channels), the step's first ``given`` tokens only; transformers' mask's padding zeroed
+  as without the cache.
+- Refused (``mamba_lm.py``, before any collective): context parallelism, ``intermediate_size`` that does not split
+  over TP, projection biases; at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections
+from loongforge_hf.kernels.causal_conv import causal_conv
+
+NORMS = ("dt_norm_weight", "b_norm_weight", "c_norm_weight")  # NOTE: Jamba's, replicated over TP
+
+
+class MambaMixer(torch.nn.Module):
+    """One Mamba-1 layer's token mixer, this TP rank's ``d_inner / tp`` channels (see the module docstring)."""
+
+    def __init__(self, config, *, layer_number: int, d_inner: int, d_state: int, dt_rank: int, conv_kernel: int,
+                 conv_bias: bool, rms_eps: float | None = None, norm_weights: bool = False, pg_collection=None,
+                 **_: object) -> None:
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        from loongforge_hf.xpu import get_backend
+
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        tp_group = getattr(pg_collection, "tp", None)
+        if tp_group is None:
+            from megatron.core import parallel_state as ps
+
+            tp_group = ps.get_tensor_model_parallel_group(check_initialized=False)
+        tp = config.tensor_model_parallel_size
+        self.tp_group, self.tp = tp_group, tp
+        self.d_inner, self.d_state, self.dt_rank, self.rms_eps = d_inner // tp, d_state, dt_rank, rms_eps
+        self.in_proj, self.out_proj = mixer_projections(config, in_size=2 * d_inner, out_size=d_inner,
+                                                        tp_group=tp_group)
+        device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
+        kw = dict(dtype=config.params_dtype, device=device)
+        n = self.d_inner
+        self.conv_weight = torch.nn.Parameter(torch.zeros(n, 1, conv_kernel, **kw))
+        self.conv_bias = torch.nn.Parameter(torch.zeros(n, **kw)) if conv_bias else None
+        self.x_proj_weight = torch.nn.Parameter(torch.zeros(dt_rank + 2 * d_state, n, **kw))
+        self.dt_proj_weight = torch.nn.Parameter(torch.zeros(n, dt_rank, **kw))
+        self.dt_proj_bias = torch.nn.Parameter(torch.zeros(n, **kw))
+        self.A_log = torch.nn.Parameter(torch.zeros(n, d_state, **kw))
+        self.D = torch.nn.Parameter(torch.ones(n, **kw))
+        for name, p in self._split_parameters().items():
+            set_tensor_model_parallel_attributes(p, True, 1 if name == "x_proj_weight" else 0, 1)
+        # NOTE: Jamba's dt / B / C norm weights: replicated (every rank normalises the summed x_proj output)
+        for name, size in zip(NORMS, (dt_rank, d_state, d_state)):
+            setattr(self, name, torch.nn.Parameter(torch.ones(size, **kw)) if norm_weights else None)
+
+    def _split_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self._parameters.items() if p is not None and n not in NORMS}
+
+    # ---- forward ----------------------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                inference_context=None, packed_seq_params=None, cached: CachedStep | None = None, **_: object):
+        from loongforge_hf.bridges.mamba2 import _documents
+        from loongforge_hf.kv_cache import refuse_megatron_state_inputs
+
+        refuse_megatron_state_inputs("Mamba", inference_context, packed_seq_params)
+        mixed, _ = self.in_proj(hidden_states)                            # [s, b, 2 * d_local]: all tokens
+        mixed = mixed.transpose(0, 1)                                     # [b, s, 2 * d_local]
+        if cached is not None:
+            return self._cached_forward(mixed, cached)
+        batch, seq, _ = mixed.shape
+        real, starts = _token_layout(attention_mask, batch, seq)
+        documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
+        y, _ = self._mix(mixed, real, documents=documents)
+        return self._output(y, padded=seq)
+
+    def _cached_forward(self, mixed: torch.Tensor, step: CachedStep):
+        """A cached generate step: ``mixed`` ``[b, s, 2 * d_local]``, ``in_proj``'s output of the step's first
+        ``step.given`` tokens and the layout's padding after them."""
+        cache, index = step.cache, step.index
+        history, state = cache.get_conv_state(index), cache.get_recurrent_state(index)
+        y, state = self._mix(mixed[:, :step.given], step.real, history=None if history is None else history[..., 1:],
+                             state=state, cache=(cache, index))
+        cache.update_recurrent_state(state, index)
+        return self._output(y, padded=mixed.shape[1])
+
+    def _mix(self, mixed: torch.Tensor, real: torch.Tensor | None, *, documents=None, history=None, state=None,
+             cache=None):
+        """``in_proj``'s output ``[b, s, 2 * d_local]`` -> the gated scan's output ``[b, d_local, s]`` (fp32), the
+        final state; ``cache`` (a cache and the layer's index): its conv state updated with this step's inputs."""
+        from loongforge_hf.kernels.selective_scan import selective_scan
+
+        if real is not None:
+            mixed = mixed * real[..., None].to(mixed.dtype)
+        x, z = mixed.split(self.d_inner, dim=-1)
+        inputs, x = x, F.silu(causal_conv(x, self.conv_weight, self.conv_bias, history=history,
+                                          documents=documents)).to(x.dtype)
+        if cache is not None:  # NOTE: after the conv read it: the cache writes the state in place
+            cache[0].update_conv_state(inputs.transpose(1, 2), cache[1], conv_kernel_size=self.conv_weight.shape[-1])
+        if real is not None:
+            x = x * real[..., None].to(x.dtype)
+        dt, B, C = self._time_steps_and_states(x)
+        dt = F.softplus(F.linear(dt, self.dt_proj_weight).transpose(1, 2) + self.dt_proj_bias.float()[:, None])
+        A = -torch.exp(self.A_log.float())
+        return selective_scan(x.transpose(1, 2), dt, A, B, C, self.D, z.transpose(1, 2), documents=documents,
+                              initial_state=state)
+
+    def _time_steps_and_states(self, x: torch.Tensor):
+        """``x_proj`` over all channels (this rank's columns, summed over TP) -> ``dt`` ``[b, s, rank]``, ``B``, ``C``
+        ``[b, s, N]``, Falcon-Mamba's / Jamba's RMS norms applied."""
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region)
+
+        out = F.linear(x, self.x_proj_weight)
+        if self.tp > 1:  # NOTE: the sum forward; the norms replicated on every rank
+            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        if self.rms_eps is not None:
+            parts = out.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+            weights = [getattr(self, name) for name in NORMS]
+            out = torch.cat([self._norm(p, w) for p, w in zip(parts, weights)], dim=-1)
+        if self.tp > 1:  # NOTE: each rank's channels use the sum: its gradient summed over TP backward
+            out = copy_to_tensor_model_parallel_region(out, self.tp_group)
+        return out.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """transformers' RMS norm over the last dim (fp32, back to ``x``'s dtype, times ``weight`` where given)."""
+        h = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.rms_eps)).to(x.dtype)
+        return h if weight is None else weight * h
+
+    def _output(self, y: torch.Tensor, *, padded: int):
+        """The gated scan's output ``[b, d_local, given]`` through ``out_proj``, zeros for the layout's padding up to
+        ``padded`` tokens."""
+        out = y.transpose(1, 2).to(self.out_proj.weight.dtype)
+        if padded > out.shape[1]:
+            out = F.pad(out, (0, 0, 0, padded - out.shape[1]))
+        return self.out_proj(out.transpose(0, 1).contiguous())
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+
+        out = {}
+        for name, child in self.named_children():
+            out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
+        own = self._split_parameters()
+        axes = {n: 1 if n == "x_proj_weight" else 0 for n in own}
+        norms = {n: getattr(self, n) for n in NORMS if getattr(self, n) is not None}
+        out.update(make_sharded_tensors_for_checkpoint({**own, **norms}, prefix, axes, sharded_offsets))
+        return out
+
+
+@functools.cache
+def mamba_attention(*, layers: frozenset[int], **dims) -> type:
+    """The self-attention slot's class: ``MambaMixer`` (with ``dims``) on the layers in ``layers`` (0-based global
+    indices), megatron's ``SelfAttention`` elsewhere (Jamba's attention layers)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    class MambaAttention:
+        def __new__(cls, config, submodules=None, layer_number: int = 1, **kwargs):
+            if layer_number - 1 in layers:
+                return MambaMixer(config, layer_number=layer_number, pg_collection=kwargs.get("pg_collection"),
+                                  **dims)
+            return SelfAttention(config, submodules, layer_number, **kwargs)
+
+    return MambaAttention

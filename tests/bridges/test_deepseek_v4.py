@@ -1,0 +1,338 @@
+"""DeepSeek-V4 (``bridges/deepseek_v4.py``) against transformers' ``DeepseekV4ForCausalLM`` on a tiny fp32 checkpoint
+with every attention kind (sliding, compressed sparse with its indexer keeping 3 of up to 8 entries, heavily
+compressed), hash-routed and top-k routed layers, 3 hyper-connection streams and a SwiGLU limit that clips: logits and
+loss within 1e-4, the top-k layers' ``router_logits`` and transformers' balancing loss within 1e-5, at TP1, TP2 + SP
+(attention replicated), EP2 and TP2 + SP x EP2 (experts whole per rank), at 32 tokens and at 16 (compressed branches
+with fewer entries); at TP1 also a left-padded row, greedy ``generate(use_cache=False)`` (a KV cache and packed
+documents refused by name) and the hub's names; every gradient at TP2 + SP within 1e-4 of its largest entry (the
+frozen indexer's tensors take none, as in transformers); bit-exact export at the three parallel layouts (the int64
+``tid2eid`` tables included). Beam (``bridges/beam.py``, built on AFMoE's bridge) in the same world: logits, loss and
+``router_logits`` at TP1 and TP2 + SP x EP2, cached greedy generate with a left-padded row, every gradient (1e-4 of
+its largest entry) and a bit-exact export at TP2 + SP x EP2. One two-rank world runs it all; the layouts refused by
+name are tried first, before any process group starts; the config and layout refusals are pure."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+
+LAYOUTS = {"tp1": {}, "tp2sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
+           "ep2": {"expert_parallel_size": 2},
+           "tp2sp_ep2": {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
+                         "expert_tensor_parallel_size": 1}}
+REFUSED = {"pp2": ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+           "cp2": ({"context_parallel_size": 2}, "context_parallel_size=2"),
+           "tp2": ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 with a mixture-of-experts model needs "
+                                                "sequence_parallel=True")}
+
+
+def _refusal(folder: str, layout: dict) -> dict:
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+
+    try:
+        lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    except Exception as err:  # noqa: BLE001 - the test checks type and message
+        return {"type": type(err).__name__, "message": str(err), "collective_started": dist.is_initialized()}
+    return {"type": "no error", "message": "", "collective_started": dist.is_initialized()}
+
+
+def _gradients(model, folder: str, ids: torch.Tensor) -> dict:
+    """Our gradient of every HF tensor (through our export) against transformers', relative to its largest entry."""
+    import torch.distributed as dist
+
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
+    from tests.bridges._gradients import _reduce_as_megatron
+
+    model(input_ids=ids, labels=ids).loss.backward()
+    _reduce_as_megatron(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.copy_(p.grad)
+    model.save_pretrained(f"{folder}-grads")
+    if dist.get_rank() != 0:
+        return {}
+    ours = dict(hf_causal_lm(f"{folder}-grads", dtype=torch.float32).named_parameters())
+    hf = hf_causal_lm(folder, dtype=torch.float32)
+    hf(input_ids=ids, labels=ids).loss.backward()
+    diffs = {}
+    for n, p in hf.named_parameters():
+        if p.grad is None:  # NOTE: transformers' indexer only chooses: no gradient, ours written unchanged
+            diffs[n] = 0.0 if torch.equal(ours[n].detach(), p.detach()) else float("inf")
+        else:
+            diffs[n] = float((ours[n].detach() - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
+    return diffs
+
+
+def _exported_equal(folder: str, out: str, extra: tuple[str, ...] = ()) -> dict:
+    from safetensors import safe_open
+
+    def tensors(path):
+        import glob
+
+        found = {}
+        for f in glob.glob(f"{path}/*.safetensors"):
+            with safe_open(f, "pt") as s:
+                found.update({k: s.get_tensor(k) for k in s.keys()})
+        return found
+
+    a, b = tensors(folder), tensors(out)
+    return {"same_names": sorted([*a, *extra]) == sorted(b),
+            "unequal": sorted(k for k in a if k in b and (a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])))}
+
+
+def _padded_and_generate(model, ref, ids: torch.Tensor) -> dict:
+    """Left padding (the real tokens' logits) and greedy ``generate(use_cache=False)``; a KV cache and packed
+    documents refused."""
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask).logits
+        theirs = ref(input_ids=ids, attention_mask=mask).logits
+    prompt = ids[:, :14]
+    tokens = model.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=False)
+    expected = ref.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=False)
+    try:
+        model.generate(prompt, max_new_tokens=2, do_sample=False)
+        refusal = ""
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        refusal = str(err)
+    packed = torch.cat([torch.arange(20), torch.arange(12)]).expand(2, -1)
+    try:
+        model(input_ids=ids, position_ids=packed)
+        packed_refusal = ""
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        packed_refusal = str(err)
+    return {"padded": (ours - theirs)[mask.bool()].abs().max().item(), "generate": torch.equal(tokens, expected),
+            "cache_refusal": refusal, "packed_refusal": packed_refusal}
+
+
+def _hub_named(folder: str) -> str:
+    """The checkpoint under the hub's names (no ``model.``; ``embed``, ``hc_head_*``), one file with an ``mtp.*``
+    tensor."""
+    import glob
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hub = f"{folder}-hub"
+    shutil.copytree(folder.rsplit("-rank", 1)[0], hub)
+    tensors = {"mtp.0.norm.weight": torch.ones(64)}
+    for f in glob.glob(f"{hub}/model*.safetensors*"):
+        if f.endswith(".safetensors"):
+            for k, v in load_file(f).items():
+                k = re.sub(r"^model\.hc_head\.hc_", "hc_head_", re.sub(r"^model\.embed_tokens\.", "embed.", k))
+                tensors[k.removeprefix("model.")] = v
+        os.remove(f)
+    save_file(tensors, f"{hub}/model.safetensors", metadata={"format": "pt"})
+    return hub
+
+
+def _hub_checks(folder: str, ref, ids: torch.Tensor) -> dict:
+    """The hub's names load (logits as transformers') and export under transformers' names, ``mtp.*`` kept."""
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+
+    hub = _hub_named(f"{folder}-rank{dist.get_rank()}")
+    model = lf.AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32)
+    with torch.no_grad():
+        diff = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+    model.save_pretrained(f"{hub}-out")
+    return {"hub_logits": diff, "hub_export": _exported_equal(folder, f"{hub}-out", extra=("mtp.0.norm.weight",))}
+
+
+def _world(folder: str) -> dict:
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
+
+    out = {name: _refusal(folder, layout) for name, (layout, _) in REFUSED.items()}
+    ref = hf_causal_lm(folder, dtype=torch.float32)
+    ids = torch.randint(3, 203, (2, 32), generator=torch.Generator().manual_seed(7))
+    for name, layout in LAYOUTS.items():
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+        for seq in (32, 16):
+            x = ids[:, :seq]
+            with torch.no_grad():
+                ours = model(input_ids=x, labels=x, output_router_logits=True)
+                theirs = ref(input_ids=x, labels=x, output_router_logits=True)
+            out[f"{name}_{seq}"] = {
+                "logits": (ours.logits - theirs.logits).abs().max().item(),
+                "loss": abs(ours.loss.item() - theirs.loss.item()),
+                "router_counts": (len(ours.router_logits), len(theirs.router_logits)),
+                "router": max((a - b).abs().max().item() for a, b in zip(ours.router_logits, theirs.router_logits)),
+                "aux": abs(ours.aux_loss.item() - theirs.aux_loss.item())}
+        if name == "tp1":
+            out.update(_padded_and_generate(model, ref, ids))
+            out.update(_hub_checks(folder, ref, ids))
+        else:
+            model.save_pretrained(f"{folder}-{name}")
+            dist.barrier()
+            out[f"{name}_export"] = _exported_equal(folder, f"{folder}-{name}")
+        if name == "tp2sp":
+            out["grads"] = _gradients(model, folder, ids)
+        del model
+    return out
+
+
+def _beam(folder: str) -> dict:
+    """Beam at TP1 (and cached generate) and TP2 + SP x EP2: logits, loss, ``router_logits``; gradients and export
+    at the latter."""
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
+
+    out, ref = {}, hf_causal_lm(folder, dtype=torch.float32)
+    ids = torch.randint(3, 203, (2, 32), generator=torch.Generator().manual_seed(7))
+    for name in ("tp1", "tp2sp_ep2"):
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **LAYOUTS[name])
+        with torch.no_grad():
+            ours = model(input_ids=ids, labels=ids, output_router_logits=True)
+            theirs = ref(input_ids=ids, labels=ids, output_router_logits=True)
+        out[name] = {"logits": (ours.logits - theirs.logits).abs().max().item(),
+                     "loss": abs(ours.loss.item() - theirs.loss.item()),
+                     "router_counts": (len(ours.router_logits), len(theirs.router_logits)),
+                     "router": max((a - b).abs().max().item() for a, b in zip(ours.router_logits,
+                                                                              theirs.router_logits))}
+        if name == "tp1":  # NOTE: cached greedy generate, one row left-padded (the query scale at each slot)
+            mask = torch.ones_like(ids[:, :12])
+            mask[0, :4] = 0
+            out["generate"] = torch.equal(model.generate(ids[:, :12], attention_mask=mask, max_new_tokens=8,
+                                                         do_sample=False),
+                                          ref.generate(ids[:, :12], attention_mask=mask, max_new_tokens=8,
+                                                       do_sample=False))
+    model.save_pretrained(f"{folder}-out")
+    dist.barrier()
+    out["export"] = _exported_equal(folder, f"{folder}-out")
+    out["grads"] = _gradients(model, folder, ids)
+    return out
+
+
+def _both(folders: dict) -> dict:
+    return {**_world(folders["deepseek_v4"]), "beam": _beam(folders["beam"])}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("v4")
+    folders = {arch: str(make_tiny_checkpoint(root / arch, arch)) for arch in ("deepseek_v4", "beam")}
+    return run_distributed(_both, 2, folders, timeout=500)[0]
+
+
+@pytest.mark.parametrize("name", [f"{layout}_{seq}" for layout in LAYOUTS for seq in (32, 16)])
+def test_logits_loss_and_router_logits_match_transformers(results, name):
+    r = results[name]
+    assert r["logits"] < 1e-4 and r["loss"] < 1e-4, r
+    # NOTE: the top-k layers' only, as transformers; the balancing loss (coefficient 0.001) is in the loss too
+    assert r["router_counts"] == (2, 2) and r["router"] < 1e-5 and r["aux"] < 1e-5, r
+
+
+def test_gradients_at_tp2_sp_match_transformers(results):
+    diffs = results["grads"]
+    assert diffs and max(diffs.values()) < 1e-4, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_hub_names_load_and_export_as_transformers_writes(results):
+    assert results["hub_logits"] < 1e-4 and results["hub_export"] == {"same_names": True, "unequal": []}, results
+
+
+def test_left_padding_generate_without_cache_and_refusals(results):
+    assert results["padded"] < 1e-4 and results["generate"], results
+    assert "KV cache is not supported for DeepseekV4ForCausalLM" in results["cache_refusal"], results
+    assert "position_ids other than 0..s-1 (packed documents) are not supported for DeepseekV4ForCausalLM" in \
+        results["packed_refusal"], results
+
+
+@pytest.mark.parametrize("layout", ["tp2sp", "ep2", "tp2sp_ep2"])
+def test_export_is_bit_exact(results, layout):
+    assert results[f"{layout}_export"] == {"same_names": True, "unequal": []}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_layouts_refused_by_name_before_any_collective(results, name):
+    r = results[name]
+    assert r["type"] in ("UnsupportedConfigError", "ParallelLayoutError") and not r["collective_started"], r
+    assert re.search(re.escape(REFUSED[name][1]) + (".*DeepseekV4ForCausalLM" if name != "tp2" else ""),
+                     r["message"]), r
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"o_groups": 3}, "o_groups=3"),
+    ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+                          "compress": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0,
+                                       "partial_rotary_factor": 0.25}}}, "rope_parameters['compress']"),
+])
+def test_fields_not_reproduced_refused_by_name(overrides, field):
+    """Pure checks (no process group): what the bridge does not reproduce is refused naming the field."""
+    from loongforge_hf.bridges.config_map import UnsupportedConfigError
+    from loongforge_hf.bridges.registry import get_bridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    with pytest.raises(UnsupportedConfigError, match=re.escape(field) + ".*DeepseekV4ForCausalLM"):
+        get_bridge(_config("deepseek_v4", **overrides))
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2sp_ep2"])
+def test_beam_logits_loss_and_router_logits_match_transformers(results, layout):
+    r = results["beam"][layout]
+    assert r["logits"] < 1e-4 and r["loss"] < 1e-4, r
+    assert r["router_counts"] == (3, 3) and r["router"] < 1e-5, r
+
+
+def test_beam_gradients_and_export_at_tp2_sp_ep2_and_cached_generate(results):
+    r = results["beam"]
+    assert r["generate"], r
+    assert r["export"] == {"same_names": True, "unequal": []}, r["export"]
+    assert r["grads"] and max(r["grads"].values()) < 1e-4, sorted(r["grads"].items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_beam_rope_on_full_layers_refused_by_name():
+    from loongforge_hf.bridges.config_map import UnsupportedConfigError
+    from loongforge_hf.bridges.registry import get_bridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    with pytest.raises(UnsupportedConfigError, match=re.escape("rope_parameters['full_attention']") +
+                       ".*BeamForCausalLM"):
+        get_bridge(_config("beam", rope_parameters=rope))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v4", "beam"])
+def test_pipeline_and_context_parallel_refused_by_the_pure_layout_check(arch):
+    from loongforge_hf.bridges.config_map import UnsupportedConfigError
+    from loongforge_hf.bridges.registry import get_bridge
+    from loongforge_hf.parallel.config import ParallelConfig
+    from loongforge_hf.testing.tiny_models import _config
+
+    bridge = get_bridge(_config(arch))
+    for layout, field in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+                          ({"context_parallel_size": 2}, "context_parallel_size=2")):
+        with pytest.raises(UnsupportedConfigError, match=re.escape(field) + f".*{bridge.architectures[0]}"):
+            bridge.check_layout(ParallelConfig(**layout))
+
+
+def test_lora_refused_by_name_by_the_pure_planner():
+    import peft
+
+    from loongforge_hf.bridges.registry import get_bridge
+    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+    from loongforge_hf.testing.tiny_models import _config
+
+    with pytest.raises(LoraConfigError, match="LoRA is not supported for DeepseekV4ForCausalLM"):
+        plan_lora(get_bridge(_config("deepseek_v4")), peft.LoraConfig(r=4, target_modules="all-linear"))
