@@ -57,10 +57,10 @@ def _trainer(folder: str, args, docs=None):
     class Recording(lf.LoongSFTTrainer):
         """Records this rank's tokens per optimizer step (the micro-batches the training loop hands the engine)."""
 
-        def _check_batches_everywhere(self, micro, max_positions):
+        def _check_batches_everywhere(self, micro, max_positions, failed=None):
             self.step_tokens.append(sum(int(b["input_ids"].numel()) for b in micro))  # NOTE: padding included
             self.step_labels.append(sum(int((b["labels"] != -100).sum()) for b in micro))  # NOTE: no padding
-            return super()._check_batches_everywhere(micro, max_positions)
+            return super()._check_batches_everywhere(micro, max_positions, failed=failed)
 
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ds = datasets.Dataset.from_dict({"input_ids": long_tailed_docs() if docs is None else docs})
