@@ -1,5 +1,5 @@
-"""What the bridges with Mamba2 layers share (Granite 4.0 H, Bamba, Nemotron-H, Falcon-H1): which layers are Mamba2,
-the self-attention slot's class, the parallel layouts they can run, and the tensor table of a Mamba2 layer.
+"""What the bridges with Mamba2 layers share (Granite 4.0 H, Bamba, Nemotron-H, Falcon-H1, Mamba2): which layers are
+Mamba2, the self-attention slot's class, the parallel layouts they can run, and the tensor table of a Mamba2 layer.
 
 Choices:
 - A layer is Mamba2 where transformers' ``layer_types`` says ``linear_attention`` (``mamba`` in Granite's raw
@@ -14,6 +14,7 @@ Choices:
   ``gated_mappings.HeadSections``; ``conv_weight`` / ``conv_bias`` = ``conv1d``'s x, B, C channels likewise;
   ``A_log``, ``D``, ``dt_bias`` and the gated norm's weight (where the mixer has the norm: ``rms_norm`` in
   ``mamba_dims``, on unless it says off) split with the heads; ``out_proj`` row-parallel.
+- ``BackboneEnds``: the embedding, final norm and LM head under ``backbone.*`` (Mamba2, Mamba, Nemotron-H).
 - Refused before any collective (``check_mamba_layout``): heads that do not split over TP, groups that neither split
   over TP nor divide it; the static cache (``generation_refusal``: its fixed-shape decode step keeps no Mamba2 state).
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.gated_mappings import HeadSections
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 
 MAMBA = ("linear_attention", "mamba")
 S = f"{D}.self_attention"
@@ -121,3 +122,16 @@ def mamba_dims_of(c) -> dict:
     return dict(heads=c.mamba_n_heads, head_dim=c.mamba_d_head, groups=c.mamba_n_groups, d_state=c.mamba_d_state,
                 conv_kernel=c.mamba_d_conv, conv_bias=bool(c.mamba_conv_bias), chunk_size=c.mamba_chunk_size,
                 time_step_limit=limit, eps=c.rms_norm_eps)
+
+
+class BackboneEnds:
+    """The embedding, final norm and LM head under transformers' ``backbone.*`` names (Mamba2, Mamba, Nemotron-H)."""
+
+    def embedding_mapping(self) -> Mapping:
+        return VocabParallel("embedding.word_embeddings.weight", "backbone.embeddings.weight")
+
+    def final_mappings(self) -> list[Mapping]:
+        maps: list[Mapping] = [Replicated("decoder.final_layernorm.weight", "backbone.norm_f.weight")]
+        if not self.tied:
+            maps.append(VocabParallel("output_layer.weight", "lm_head.weight"))
+        return maps

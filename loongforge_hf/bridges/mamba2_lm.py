@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import DenseBridge
-from loongforge_hf.bridges.mamba2_layers import MAMBA, Mamba2Layers
-from loongforge_hf.bridges.mappings import Mapping, Replicated, VocabParallel
+from loongforge_hf.bridges.mamba2_layers import MAMBA, BackboneEnds, Mamba2Layers
+from loongforge_hf.bridges.mappings import Mapping
 from loongforge_hf.bridges.registry import register_bridge
 
 B = "backbone.layers.{layer}"
@@ -34,7 +34,7 @@ FIELDS = (C.Field("num_hidden_layers", "num_layers"), C.Field("hidden_size", "hi
 
 
 @register_bridge("Mamba2ForCausalLM")
-class Mamba2Bridge(Mamba2Layers, DenseBridge):
+class Mamba2Bridge(BackboneEnds, Mamba2Layers, DenseBridge):
     per_layer_types = True  # NOTE: every layer a Mamba2 one (transformers' layer_types)
     position_embedding_type = "none"
     config_fields = FIELDS
@@ -90,15 +90,6 @@ class Mamba2Bridge(Mamba2Layers, DenseBridge):
 
     def mappings_for_layer(self, layer: int) -> list[Mapping]:
         return self.mamba_mappings()
-
-    def embedding_mapping(self) -> Mapping:
-        return VocabParallel("embedding.word_embeddings.weight", "backbone.embeddings.weight")
-
-    def final_mappings(self) -> list[Mapping]:
-        maps: list[Mapping] = [Replicated("decoder.final_layernorm.weight", "backbone.norm_f.weight")]
-        if not self.tied:
-            maps.append(VocabParallel("output_layer.weight", "lm_head.weight"))
-        return maps
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         return self.mamba_shapes(B.format(layer=layer))

@@ -43,9 +43,8 @@ from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.deepseek import sigmoid_routing_kwargs
 from loongforge_hf.bridges.dense import D, DenseBridge
 from loongforge_hf.bridges.fused_mappings import Expert
-from loongforge_hf.bridges.mamba2_layers import MAMBA, Mamba2Layers
-from loongforge_hf.bridges.mappings import (ColumnParallel, FP32Replicated, Mapping, Replicated, RowParallel,
-                                            VocabParallel)
+from loongforge_hf.bridges.mamba2_layers import MAMBA, BackboneEnds, Mamba2Layers
+from loongforge_hf.bridges.mappings import ColumnParallel, FP32Replicated, Mapping, Replicated, RowParallel
 from loongforge_hf.bridges.moe import EXPERT, MoEBridge, StackedExpert
 from loongforge_hf.bridges.registry import register_bridge
 
@@ -55,7 +54,7 @@ ATTENTION, MLP, MOE = "full_attention", "mlp", "moe"
 
 
 @register_bridge("NemotronHForCausalLM")
-class NemotronHBridge(Mamba2Layers, MoEBridge):
+class NemotronHBridge(BackboneEnds, Mamba2Layers, MoEBridge):
     per_layer_types = True  # NOTE: layers_block_type checked here
     position_embedding_type = "none"
     router_fp32 = True
@@ -177,15 +176,6 @@ class NemotronHBridge(Mamba2Layers, MoEBridge):
         kind = self.hf_config.layers_block_type[layer]
         return {MAMBA[0]: self.mamba_mappings, ATTENTION: self.attention_mappings, MLP: self.dense_mlp_mappings,
                 MOE: self.moe_mappings}[kind]()
-
-    def embedding_mapping(self) -> Mapping:
-        return VocabParallel("embedding.word_embeddings.weight", "backbone.embeddings.weight")
-
-    def final_mappings(self) -> list[Mapping]:
-        maps: list[Mapping] = [Replicated("decoder.final_layernorm.weight", "backbone.norm_f.weight")]
-        if not self.tied:
-            maps.append(VocabParallel("output_layer.weight", "lm_head.weight"))
-        return maps
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         c, p = self.hf_config, B.format(layer=layer)
