@@ -10,7 +10,8 @@ Choices:
   together, before the residual add (``layer_outputs.transformed_moe``, as AFMoE's and FlexOlmo's). It lives on disk
   at the decoder layer (``model.layers.N.post_mlp_layernorm.weight``: transformers renames it into ``mlp.`` on load
   and back on save). The released checkpoints also hold one for the dense layers, which transformers ignores: read
-  as passthrough here (not built, copied unchanged on export).
+  as passthrough here (not built, copied unchanged on export), and left out of the loading info as transformers
+  leaves it out (its ignore pattern matches the renamed ``mlp.post_mlp_layernorm``: ``load_kwargs.loading_info``).
 - The released checkpoints have no ``mlp.gate.e_score_correction_bias``: transformers starts it at zero (its class
   ignores it as missing) and writes it on save. ``optional_tensors`` reads an absent one as zeros
   (``optional_tensors.py``), so those checkpoints load, route as transformers' and export it; a checkpoint that has

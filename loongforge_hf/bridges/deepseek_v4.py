@@ -162,7 +162,9 @@ class DeepseekV4Bridge(MoEBridge):
         attention and hyper-connections are replicated modules of our own; no adapter there is tested)."""
         from loongforge_hf.lora.plan import LoraConfigError
 
-        raise LoraConfigError(f"LoRA is not supported for {self.architectures[0]} yet (asked for {name!r}).")
+        raise LoraConfigError(f"LoRA is not supported for {self.architectures[0]} yet, whatever the targets: its "
+                              "attention (compressors, indexer, grouped output projection) and hyper-connections are "
+                              "modules of ours without an adapter path compared with PEFT.")
 
     def passthrough_names(self, names) -> list[str]:
         """The checkpoint's multi-token-prediction tensors (``mtp.*``, ``model.layers.{num_hidden_layers + i}.*``)."""

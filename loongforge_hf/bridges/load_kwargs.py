@@ -239,7 +239,9 @@ def loading_info(reader, bridge) -> dict:
     missing tensor fails the load), and the checkpoint tensors the model does not load as ``unexpected_keys``, as
     transformers lists them: DeepSeek's multi-token-prediction layers included, which transformers drops and the
     export here carries through unchanged; those its model class ignores (``_keys_to_ignore_on_load_unexpected``:
-    ERNIE 4.5 MoE's ``mtp``) left out."""
+    ERNIE 4.5 MoE's ``mtp``) left out, matched as transformers does against the names it renames them to (A.X-K1's
+    dense layers' ``post_mlp_layernorm``, ignored as ``mlp.post_mlp_layernorm``). The names listed are the
+    checkpoint's own."""
     import re
 
     import transformers
@@ -253,9 +255,23 @@ def loading_info(reader, bridge) -> dict:
     ignored = getattr(getattr(transformers, archs[0], None), "_keys_to_ignore_on_load_unexpected", None) or ()
     if ignored:
         pattern = re.compile("|".join(f"({p})" for p in ignored))
-        names = {n for n in names if pattern.search(n) is None}
+        renamed = transformers_names(reader.keys(), architecture=archs[0], model_type=bridge.hf_config.model_type)
+        names = {n for n in names if pattern.search(renamed[n]) is None}
     return {"missing_keys": missing_keys(reader, bridge), "unexpected_keys": names, "mismatched_keys": set(),
             "error_msgs": []}
+
+
+def transformers_names(names, *, architecture: str, model_type: str) -> dict[str, str]:
+    """{checkpoint name: the name transformers renames it to on load}: the checkpoint conversion mapping of
+    ``architecture`` (else of ``model_type``), its renamings then at most one converter, over the names in
+    transformers' order (some renamings depend on keys seen before), as ``core_model_loading`` does."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    mapping = get_checkpoint_conversion_mapping(architecture) or get_checkpoint_conversion_mapping(model_type) or []
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    return {n: rename_source_key(n, renamings, converters)[0] for n in sorted(names, key=dot_natural_key)}
 
 
 def finish_load(model, options: LoadOptions, info: dict | None):

@@ -12,7 +12,10 @@ Choices:
 - Each target is tied to the bridge mapping holding its HF weight (``_LINEAR_KINDS``: q/k/v slots of ``linear_qkv``,
   gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be (a
   last component only where no linear it names is refused: not AFMoE's gated ``q_proj`` / ``k_proj`` / ``v_proj``,
-  whose gates are a tensor of their own, nor ``'all-linear'`` without ``exclude_modules`` for those).
+  whose gates are a tensor of their own, nor ``'all-linear'`` without ``exclude_modules`` for those). Linears an
+  architecture refuses by name say why (``_REFUSED``: A.X-K2's gated ``q_gate_proj`` / ``o_proj``, which its bridge
+  re-classes after the build, so no megatron linear LoRA's layers take; DiffLlama's ``q_proj`` / ``k_proj`` /
+  ``v_proj``, held by halves of the heads).
 - HF linears sharing one megatron linear in slots of unequal rows are each a target with its own adapter, B's rows
   moved to megatron's order by the mapping (``rows_to_megatron(part=Target.slot)``) and sliced per TP rank by its
   ``rank_rows`` (``model._layout_and_slices``): the Gated DeltaNet ``in_proj`` of Qwen3.5 / Qwen3.5-MoE
@@ -89,6 +92,20 @@ _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeCo
                  SharedExpertGate: "shared_gate", HeadSections: "column", KeyHeadGroups: "column", GatedQKV: "qkv",
                  PerTypeQKV: "qkv"}
 _INITS = (True, False, "gaussian", "orthogonal")
+# NOTE: linears refused by name, with why (architecture -> {transformers' last component: why}): those a bridge
+# re-classes after the build (no plain megatron linear LoRA's layers take) or holds in rows LoRA's slicing misses
+_REFUSED = {
+    "AXK2ForCausalLM": {
+        "q_gate_proj": "A.X-K2's gated query up-projection (q_b_proj on disk: the normalised and raw query latents "
+                       "in, each head's query and output gate out) is no plain linear here",
+        "q_b_proj": "the checkpoint's name of q_gate_proj, A.X-K2's gated query up-projection, which is no plain "
+                    "linear here",
+        "o_proj": "A.X-K2's gated output projection (its input times the sigmoid of q_gate_proj's gate rows first) "
+                  "is no plain linear here"},
+    "DiffLlamaForCausalLM": dict.fromkeys(
+        ("q_proj", "k_proj", "v_proj"), "megatron's fused linear_qkv holds DiffLlama's heads by halves (HalvesQKV), "
+                                        "which LoRA's row slicing does not follow"),
+}
 
 
 class LoraConfigError(ValueError):
@@ -181,12 +198,14 @@ class LoraPlan:
 
 
 def _hf_skeleton(hf_config, image_text: bool = False, classifier: bool = False):
-    """The HF model class built on the meta device: names, module types and shapes, no memory."""
+    """The HF model class built on the meta device: names, module types and shapes, no memory. Under a forked RNG:
+    some classes draw while they are built even on the meta device (DiffLlama's lambdas, by ``torch.normal`` on the
+    CPU generator), which would move the adapters' seeded initial factors off PEFT's."""
     import transformers
 
     auto = transformers.AutoModelForImageTextToText if image_text else \
         transformers.AutoModelForSequenceClassification if classifier else transformers.AutoModelForCausalLM
-    with torch.device("meta"):
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
         return auto.from_config(hf_config)
 
 
@@ -274,6 +293,8 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         matcher.target_modules = linear_names
 
     index = {**_hf_tensor_index(bridge), **vision_index(vl_bridge)}
+    why = _refused_by_name(bridge)
+    asked = set(config.target_modules) if isinstance(config.target_modules, (list, set)) else set()
     targets: list[Target] = []
     refused: list[str] = []
     conv1d = None  # NOTE: whether the last module target is a Conv1D: PEFT's fan_in_fan_out ends so
@@ -281,7 +302,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         # NOTE: an excluded module comes back as a falsy marker object.
         if not name or not check_target_module_exists(matcher, name):
             continue
-        entry = _adaptable(name, module, index, on_disk)
+        entry = None if name.rsplit(".", 1)[-1] in why else _adaptable(name, module, index, on_disk)
         if entry is None:
             refused.append(name)
             continue
@@ -298,9 +319,10 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
                               slot_name=None if leaf == name.rsplit(".", 1)[-1] else leaf))
     if refused:
         refuse_own_forward_linears(refused, dict(modules))
+        reasons = _reasons({n.rsplit(".", 1)[-1] for n in refused} | asked, why)
         raise LoraConfigError(f"target_modules match {refused[:4]}{' ...' if len(refused) > 4 else ''}, which "
-                              "cannot carry a LoRA adapter on megatron layers; targetable modules: "
-                              f"{_targetable(modules, linear_names, index, on_disk)}.")
+                              f"cannot carry a LoRA adapter on megatron layers{reasons}; targetable modules: "
+                              f"{_targetable(modules, linear_names, index, on_disk, why)}.")
     _set_fan_in_fan_out(config, conv1d, bool(param_targets))
     targets += param_targets
     check_dora(config, targets)
@@ -308,8 +330,8 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     _check_unequal_slots(config, targets)
     if not targets:
         raise LoraConfigError(f"target_modules={config.target_modules!r} match no module of "
-                              f"{type(skeleton).__name__}; targetable: "
-                              f"{_targetable(modules, linear_names, index, on_disk)}.")
+                              f"{type(skeleton).__name__}{_reasons(asked, why)}; targetable: "
+                              f"{_targetable(modules, linear_names, index, on_disk, why)}.")
 
     saved = _saved_tensors(config, modules, index, bridge, output_embedding, on_disk)
     embedding = skeleton.get_input_embeddings()
@@ -359,12 +381,25 @@ def _check_unequal_slots(config, targets) -> None:
                               f"q_proj / k_proj / v_proj); leave them out (exclude_modules={hit}) or use plain LoRA.")
 
 
-def _targetable(modules, linear_names: set[str], index, on_disk) -> str:
+def _refused_by_name(bridge) -> dict[str, str]:
+    """{last component: why} of the linears ``bridge``'s architecture refuses by name (``_REFUSED``)."""
+    return {k: v for arch in getattr(bridge, "architectures", ()) for k, v in _REFUSED.get(arch, {}).items()}
+
+
+def _reasons(leaves, why: dict[str, str]) -> str:
+    """`` (q_proj, v_proj: why)`` for the ``leaves`` refused by name, those of one reason together; "" for none."""
+    named = sorted(set(leaves) & set(why))
+    text = "; ".join(f"{', '.join(k for k in named if why[k] == w)}: {w}" for w in dict.fromkeys(why[k] for k in named))
+    return f" ({text})" if text else ""
+
+
+def _targetable(modules, linear_names: set[str], index, on_disk, why: dict[str, str]) -> str:
     """What a refusal lists: the last components of the linears that can carry an adapter, leaving out one that also
-    names a linear that cannot (Qwen3.5's ``in_proj_z``: one slot of four in megatron's ``in_proj``), and
-    ``'all-linear'``, with ``exclude_modules`` naming those that cannot where there are any."""
+    names a linear that cannot (Qwen3.5's ``in_proj_z``: one slot of four in megatron's ``in_proj``) or is refused by
+    name (``why``), and ``'all-linear'``, with ``exclude_modules`` naming those that cannot where there are any."""
     leaf = {n: n.rsplit(".", 1)[-1] for n in linear_names}
-    refused = {n for n, m in modules if n in linear_names and _adaptable(n, m, index, on_disk) is None}
+    refused = {n for n, m in modules if n in linear_names
+               and (leaf[n] in why or _adaptable(n, m, index, on_disk) is None)}
     names = sorted({leaf[n] for n in linear_names - refused} - {leaf[n] for n in refused})
     excluded = f" with exclude_modules={sorted({leaf[n] for n in refused})}" if refused else ""
     return f"{names} or 'all-linear'{excluded}"

@@ -1,0 +1,147 @@
+"""LoRA on the 104-bridge release's new bridges against PEFT on transformers' model, one spawned world per layout.
+
+Models: MiniMax (lightning attention's packed ``qkv_proj`` / ``output_gate`` / ``out_proj``, softmax attention, the
+routed experts and router through PEFT's rewrite on transformers 5), Granite SWA and Granite-MoE SWA, HyperCLOVAX,
+BitNet, DiffLlama, OPT, GPT-Neo, CodeGen, Persimmon, GPT-NeoX-Japanese, A.X-K1 (MLA + DeepSeek-V3's routing),
+Mamba, Falcon-Mamba and Mamba2 (the mixers' ``in_proj``).
+
+Choices:
+- PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
+  ``ADAPTERS``: the planner refuses DiffLlama's q / k / v (``HalvesQKV``: no per-slot adapter), CodeGen's
+  ``qkv_proj`` and Mamba-1's ``x_proj`` / ``dt_proj``, which PEFT adapts; PEFT refuses the Mamba models' ``out_proj``.
+- Each model from ``get_peft_model`` and PEFT's after the same seed (``_lora_checks.lora_pair``): the same initial
+  factors (DiffLlama's too: planning builds transformers' module tree under a forked RNG, as its lambdas draw).
+- A right-padded batch (OPT refuses left padding without position_ids, and a left pad's logits feed the next token's
+  loss in transformers but are nobody's contract), labels -100 on the pads.
+- Checks at TP1 (``new_bridge_checks``): logits (1e-4 on real tokens), loss (1e-5), every module adapter's A and B
+  gradient at HF shape (1e-4 relative to each tensor's largest, as ``_lora_hybrids``) and the expert / router
+  adapters' of each MoE layer (``_lora_moe._check_expert_grads``, 1e-5), PEFT's trainable counts, the adapter folder's
+  tensor names and shapes equal to the folder PEFT writes for its model, that folder loaded by
+  ``PeftModel.from_pretrained`` and the merged export by transformers with our logits (1e-4).
+- The same at TP2 + SP in one 2-rank world (MiniMax with its experts whole on each rank: ``TP2_LAYOUTS``): B's rows
+  gathered over TP and put back in the checkpoint's order (``Target.b_to_hf``) before the comparison. No pipeline
+  stages, so megatron's layer numbers are the global ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+
+ALL_LINEAR = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+ADAPTERS = {
+    "minimax": ALL_LINEAR, "granite_swa": ALL_LINEAR, "granitemoe_swa": ALL_LINEAR, "hyperclovax": ALL_LINEAR,
+    "bitnet": ALL_LINEAR,
+    # NOTE: DiffLlama's q / k / v refused by the planner (PEFT adapts them): o_proj and the MLP
+    "diffllama": dict(ALL_LINEAR, exclude_modules=["q_proj", "k_proj", "v_proj"]),
+    "opt": ALL_LINEAR, "gpt_neo": ALL_LINEAR,
+    # NOTE: CodeGen's qkv_proj (mp_num blocks of q / v / k) refused by the planner (PEFT adapts it): the rest
+    "codegen": dict(ALL_LINEAR, exclude_modules=["qkv_proj"]), "persimmon": ALL_LINEAR,
+    "gpt_neox_japanese": ALL_LINEAR, "axk1": ALL_LINEAR,
+    # NOTE: the mixers' out_proj refused by PEFT (its Mamba check), Mamba-1's x_proj / dt_proj by the planner (PEFT
+    # adapts them): in_proj
+    "mamba": dict(ALL_LINEAR, exclude_modules=["out_proj", "x_proj", "dt_proj"]),
+    "falcon_mamba": dict(ALL_LINEAR, exclude_modules=["out_proj", "x_proj", "dt_proj"]),
+    "mamba2": dict(ALL_LINEAR, exclude_modules=["out_proj"]),
+}
+TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
+# model -> its two-rank layout: TP2 + SP (MiniMax's routed experts' adapters whole on each rank: refused otherwise)
+TP2_LAYOUTS = {**{arch: TP2_SP for arch in ADAPTERS}, "minimax": {**TP2_SP, "expert_tensor_parallel_size": 1}}
+
+
+def _dense_grads(model, ref) -> dict[str, float]:
+    """PEFT name of each module adapter factor -> its gradient's difference from PEFT's (relative)."""
+    from loongforge_hf.lora.model import PARAM_KINDS
+
+    from ._lora_checks import _gather_full, lora_shard_context
+    from ._lora_hybrids import _relative
+
+    ctx, theirs, out = lora_shard_context(model), dict(ref.named_parameters()), {}
+    for t in (t for t in model.lora_plan.targets if t.kind not in PARAM_KINDS):
+        adapter = model.chunks[0].get_submodule(t.megatron_module.format(layer=t.layer)).lora[t.name]
+        a = _gather_full(adapter.A.grad, 1 if t.kind == "row" else None)
+        b = adapter.B.grad if t.kind == "row" else t.b_to_hf(_gather_full(adapter.B.grad, 0), ctx)
+        for factor, grad in (("A", a), ("B", b)):
+            out[f"{t.hf_module}.lora_{factor}"] = _relative(
+                grad, theirs[f"base_model.model.{t.hf_module}.lora_{factor}.default.weight"].grad)
+    return out
+
+
+def _folder_tensors(folder: str) -> dict[str, tuple]:
+    from safetensors.torch import load_file
+
+    return {k: tuple(v.shape) for k, v in load_file(f"{folder}/adapter_model.safetensors").items()}
+
+
+def new_bridge_checks(folder: str, out_dir: str, layout: dict, lora_kw: dict) -> dict:
+    """The module docstring's checks of one model at ``layout``: differences, PEFT's and our counts, the adapter
+    folders' tensor names and shapes."""
+    import torch.distributed as dist
+
+    from loongforge_hf.lora.model import PARAM_KINDS
+
+    from ._lora_checks import export_checks, lora_pair
+    from ._lora_moe import _check_expert_grads
+
+    ids = torch.randint(4, 203, (2, 24), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    model, ref = lora_pair(folder, layout, lora_kw)[::2]
+    ours, theirs = model(**kw), ref(**kw)
+    out = {"logits": float((ours.logits - theirs.logits).detach().abs()[mask.bool()].max()),
+           "loss": float((ours.loss - theirs.loss).detach().abs()),
+           "counts": [tuple(model.get_nb_trainable_parameters()), tuple(ref.get_nb_trainable_parameters())],
+           "targets": sorted({t.hf_module.rsplit(".", 1)[-1] for t in model.lora_plan.targets})}
+    ours.loss.backward()
+    theirs.loss.backward()
+    out["grads"] = _dense_grads(model, ref)
+    moe_layers = sorted({t.layer for t in model.lora_plan.targets if t.kind in PARAM_KINDS})
+    for layer in moe_layers:   # NOTE: raises naming the factor that differs
+        _check_expert_grads(model, ref, layer=layer)
+    out["moe_layers"] = moe_layers
+    model.zero_grad(set_to_none=True)
+    out.update(export_checks(model, folder, out_dir, ids, model(input_ids=ids).logits.detach()))
+    if dist.get_rank() == 0:
+        ref.save_pretrained(out_dir + "/peft")
+        out["folder"] = [_folder_tensors(out_dir + "/adapter"), _folder_tensors(out_dir + "/peft")]
+    return out
+
+
+def _world(folders: dict, out_dir: str, layouts: dict) -> dict:
+    return {arch: new_bridge_checks(folder, f"{out_dir}/{arch}", layouts.get(arch, {}), ADAPTERS[arch])
+            for arch, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    base = tmp_path_factory.mktemp("lora-new-bridges")
+    folders = {arch: str(make_tiny_checkpoint(base / arch, arch, tokenizer=False)) for arch in ADAPTERS}
+    one = run_distributed(_world, 1, folders, str(base / "tp1"), {}, timeout=600)
+    two = run_distributed(_world, 2, folders, str(base / "tp2"), TP2_LAYOUTS, timeout=600)
+    return {"tp1": one, "tp2_sp": two}
+
+
+def _check(ranks: list[dict], tol: float = 1e-4) -> None:
+    for res in ranks:
+        assert res["logits"] < tol and res["loss"] < 1e-5 and res["unchanged_after_merged_export"], res
+        assert res["counts"][0] == res["counts"][1], res["counts"]
+        worst = max(res["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < tol, (worst, res["grads"])
+    first = ranks[0]
+    assert first["folder"][0] == first["folder"][1], first["folder"]
+    assert first["adapter_logits_diff"] < tol and first["merged_logits_diff"] < tol, first
+
+
+@pytest.mark.parametrize("arch", list(ADAPTERS))
+def test_tp1_matches_peft(results, arch):
+    _check([r[arch] for r in results["tp1"]])
+
+
+@pytest.mark.parametrize("arch", list(TP2_LAYOUTS))
+def test_tp2_sp_matches_peft(results, arch):
+    _check([r[arch] for r in results["tp2_sp"]])

@@ -1,0 +1,71 @@
+"""LoRA refusals that say what is wrong and what can be targeted instead, from the pure planner (no world, before any
+model is built): DiffLlama's q / k / v (held by halves of the heads), A.X-K2's gated ``q_gate_proj`` / ``o_proj``
+(re-classed by its bridge: they failed with a TypeError naming Transformer Engine layers when the adapters were
+attached), DeepSeek-V4 (LoRA refused for the architecture). The ``exclude_modules`` each message suggests with
+``'all-linear'`` plans. Parity of LoRA on the accepted modules vs PEFT: test_lora*.py."""
+
+import ast
+import re
+
+import peft
+import pytest
+
+from loongforge_hf.bridges.registry import get_bridge
+from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+from loongforge_hf.testing.tiny_models import _config
+
+NAMES = {"diffllama": "DiffLlamaForCausalLM", "axk2": "AXK2ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
+
+
+def _refusal(arch: str, target_modules) -> str:
+    bridge = get_bridge(_config(arch, architectures=[NAMES[arch]]))
+    with pytest.raises(LoraConfigError) as err:
+        plan_lora(bridge, peft.LoraConfig(r=4, target_modules=target_modules))
+    return str(err.value)
+
+
+def _suggested(arch: str, message: str) -> list[str]:
+    """The leaves of the targets planned with the message's ``'all-linear'`` and ``exclude_modules``."""
+    excluded = ast.literal_eval(re.search(r"'all-linear' with exclude_modules=(\[[^\]]*\])", message).group(1))
+    bridge = get_bridge(_config(arch, architectures=[NAMES[arch]]))
+    plan = plan_lora(bridge, peft.LoraConfig(r=4, target_modules="all-linear", exclude_modules=excluded))
+    return sorted({t.hf_module.rsplit(".", 1)[-1] for t in plan.targets})
+
+
+def test_diffllama_qkv_refused_saying_why_and_what_instead():
+    for target_modules in (["q_proj", "v_proj"], "all-linear"):
+        message = _refusal("diffllama", target_modules)
+        assert "self_attn.q_proj" in message and "by halves (HalvesQKV)" in message, message
+        assert message.endswith("targetable modules: ['down_proj', 'gate_proj', 'o_proj', 'up_proj'] or 'all-linear' "
+                                "with exclude_modules=['k_proj', 'q_proj', 'v_proj']."), message
+    assert _suggested("diffllama", message) == ["down_proj", "gate_proj", "o_proj", "up_proj"]
+
+
+def test_axk2_gated_projections_refused_by_name():
+    """o_proj, q_gate_proj (transformers' name), q_b_proj (the checkpoint's, which names no module of transformers'
+    tree) and 'all-linear' are refused by the planner naming the gated projections."""
+    gated_o = "o_proj: A.X-K2's gated output projection (its input times the sigmoid of q_gate_proj's gate rows " \
+              "first) is no plain linear here"
+    gated_q = "q_b_proj: the checkpoint's name of q_gate_proj, A.X-K2's gated query up-projection, which is no plain " \
+              "linear here"
+    assert f"({gated_o})" in _refusal("axk2", ["o_proj"])
+    message = _refusal("axk2", ["q_b_proj", "o_proj"])
+    assert f"({gated_o}; {gated_q})" in message, message
+    message = _refusal("axk2", ["q_b_proj"])
+    assert message.startswith(f"target_modules=['q_b_proj'] match no module of AXK2ForCausalLM ({gated_q}); "
+                              "targetable: "), message
+    message = _refusal("axk2", ["q_gate_proj"])
+    assert "(q_gate_proj: A.X-K2's gated query up-projection (q_b_proj on disk" in message, message
+    message = _refusal("axk2", "all-linear")
+    assert "o_proj: A.X-K2's gated output" in message and "; q_gate_proj: A.X-K2's gated query" in message, message
+    assert "exclude_modules=['fc1', 'fc2', 'o_proj', 'q_gate_proj', 'weights_proj', 'wk', 'wq_b']" in message
+    assert _suggested("axk2", message) == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj",
+                                           "up_proj"]
+
+
+def test_deepseek_v4_refused_by_the_planner():
+    for target_modules in (["o_proj"], ["q_a_proj", "kv_proj"], "all-linear"):
+        assert _refusal("deepseek_v4", target_modules) == (
+            "LoRA is not supported for DeepseekV4ForCausalLM yet, whatever the targets: its attention (compressors, "
+            "indexer, grouped output projection) and hyper-connections are modules of ours without an adapter path "
+            "compared with PEFT.")
