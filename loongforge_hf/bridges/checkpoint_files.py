@@ -60,6 +60,11 @@ class CheckpointError(ValueError):
     """A checkpoint folder, file, tensor or field that this layer cannot use; the message says which."""
 
 
+class IntegerShape(tuple):
+    """An expected shape whose tensor is stored as integers (DeepSeek-V4's ``tid2eid`` tables), for
+    ``CheckpointReader.validate_shapes``."""
+
+
 def read_safetensors_header(path: Path) -> dict[str, Any]:
     """Parse and check one safetensors header without reading tensor data.
 

@@ -9,8 +9,7 @@ Choices:
   collective: the index parses, every shard it names exists and stays inside the folder (no absolute paths, no ``..``,
   no symlink leading out), every safetensors header parses and its byte ranges fit the file (a truncated download fails
   here, not half way through loading), and every tensor the index places in a shard is in that shard's header.
-- Shards are opened lazily and the file descriptors cached: a rank that needs one shard of four opens one
-  (``opened_files``).
+- Shards are opened lazily, file descriptors cached: a rank needing one shard of four opens one (``opened_files``).
 - Tensor data is read with positioned reads (``os.preadv``) at the offsets of the validated header, straight into a
   fresh tensor of the slice's size: a tensor-parallel rank reads its rows (one read) or its columns (one run per row,
   the gaps landing in a small scratch buffer) without materialising the whole tensor and without a second copy.
@@ -40,15 +39,10 @@ import torch
 
 from .checkpoint_files import (  # noqa: F401 (re-exported: callers import these from checkpoint_io)
     _MAX_HEADER_BYTES, _SAFETENSORS_DTYPES, PICKLE_WEIGHTS_INDEX_NAME, PICKLE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME, CheckpointError, _allowed_roots, _check_inside, _numel, _read_index, load_pickle_weights,
-    read_safetensors_header, weight_file_names,
+    SAFE_WEIGHTS_NAME, CheckpointError, IntegerShape, _allowed_roots, _check_inside, _numel, _read_index,
+    load_pickle_weights, read_safetensors_header, weight_file_names,
 )
 from .parallel_io import read_runs
-
-
-class IntegerShape(tuple):
-    """An expected shape whose tensor is stored as integers (DeepSeek-V4's ``tid2eid`` tables), for
-    ``CheckpointReader.validate_shapes``."""
 
 
 class _TensorInfo:
@@ -270,8 +264,7 @@ class CheckpointReader:
 
     def validate_shapes(self, expected: Mapping[str, tuple[int, ...]]) -> None:
         """Raise one error listing every tensor of ``expected`` that is missing, has another shape or is not floating
-        point (integers for an ``IntegerShape``) (a corrupt or foreign file, which would otherwise fail only on the
-        ranks that read it)."""
+        point (an ``IntegerShape``'s: integers) (a corrupt or foreign file, failing otherwise on its readers only)."""
         problems = []
         for name, want in expected.items():
             if name not in self._infos:
