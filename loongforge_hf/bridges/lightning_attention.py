@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge_hf.bridges.olmo2 import _SumOverGroup
-from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections
+from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections, tp_group_of
 
 NORM_EPS = 1e-6  # NOTE: transformers builds this norm with MiniMaxRMSNorm's default eps, not rms_norm_eps
 TABLES = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
@@ -40,7 +40,6 @@ class LightningAttention(torch.nn.Module):
 
     def __init__(self, config, *, layer_number: int, num_layers: int, heads: int, head_dim: int, block_size: int,
                  pg_collection=None, **_: object) -> None:
-        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         from loongforge_hf.kernels.lightning_attention import decay_tables, slope_rates
@@ -49,7 +48,7 @@ class LightningAttention(torch.nn.Module):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         tp = config.tensor_model_parallel_size
-        self.tp_group = getattr(pg_collection, "tp", None) or ps.get_tensor_model_parallel_group()
+        self.tp_group = tp_group_of(pg_collection)
         self.heads, self.head_dim, self.full_width = heads // tp, head_dim, heads * head_dim
         self.in_proj, self.out_proj = mixer_projections(config, in_size=4 * self.full_width,
                                                         out_size=self.full_width, tp_group=self.tp_group)

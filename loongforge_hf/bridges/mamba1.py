@@ -32,7 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections
+from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections, tp_group_of
 from loongforge_hf.kernels.causal_conv import causal_conv
 
 NORMS = ("dt_norm_weight", "b_norm_weight", "c_norm_weight")  # NOTE: Jamba's, replicated over TP
@@ -50,11 +50,7 @@ class MambaMixer(torch.nn.Module):
 
         super().__init__()
         self.config, self.layer_number = config, layer_number
-        tp_group = getattr(pg_collection, "tp", None)
-        if tp_group is None:
-            from megatron.core import parallel_state as ps
-
-            tp_group = ps.get_tensor_model_parallel_group(check_initialized=False)
+        tp_group = tp_group_of(pg_collection)
         tp = config.tensor_model_parallel_size
         self.tp_group, self.tp = tp_group, tp
         self.d_inner, self.d_state, self.dt_rank, self.rms_eps = d_inner // tp, d_state, dt_rank, rms_eps

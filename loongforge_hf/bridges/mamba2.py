@@ -58,7 +58,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections
+from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections, tp_group_of
 from loongforge_hf.kernels.causal_conv import causal_conv
 from loongforge_hf.parallel.context_parallel import cp_group_and_size
 from loongforge_hf.parallel.ssd_cp import context_parallel_scan
@@ -78,11 +78,7 @@ class Mamba2Mixer(torch.nn.Module):
 
         super().__init__()
         self.config, self.layer_number = config, layer_number
-        tp_group = getattr(pg_collection, "tp", None)
-        if tp_group is None:
-            from megatron.core import parallel_state as ps
-
-            tp_group = ps.get_tensor_model_parallel_group(check_initialized=False)
+        tp_group = tp_group_of(pg_collection)
         tp = config.tensor_model_parallel_size
         self.tp_group, self.tp_rank = tp_group, (tp_group.rank() if tp > 1 else 0)
         # NOTE: one group replicated on tp / groups ranks where TP exceeds the groups (parallel/kv_replicas.py)

@@ -150,23 +150,26 @@ class Replicated(Mapping):
 
 @dataclass(frozen=True)
 class ColumnParallel(Mapping):
-    """Split along the output dimension (dim 0): megatron's ColumnParallelLinear weight or bias."""
+    """Split along the output dimension (dim 0): megatron's ColumnParallelLinear weight or bias; a subclass's
+    ``split_dim`` where that dimension sits elsewhere in the tensor (MiniMax's ``[1, heads, ...]`` decay tables)."""
 
     megatron: str
     hf: str
     tp_split = "column"
+    split_dim = 0
 
     def hf_names(self, layer):
         return [_fmt(self.hf, layer)]
 
     def load(self, reader, ctx, layer):
-        return _tp_slice(reader, _fmt(self.hf, layer), ctx, dim=0)
+        return _tp_slice(reader, _fmt(self.hf, layer), ctx, dim=self.split_dim)
 
     def export(self, shards, ctx, layer):
-        return {_fmt(self.hf, layer): torch.cat(shards, dim=0)}
+        return {_fmt(self.hf, layer): torch.cat(shards, dim=self.split_dim)}
 
     def export_parts(self, shard, rank, ctx, layer):
-        return [(_fmt(self.hf, layer), 0, rank * shard.shape[0], shard)]
+        d = self.split_dim
+        return [(_fmt(self.hf, layer), d, rank * shard.shape[d], shard)]
 
 
 @dataclass(frozen=True)

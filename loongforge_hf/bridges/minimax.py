@@ -29,13 +29,12 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-import torch
 import torch.nn.functional as F
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.gated_mappings import HeadSections
-from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, RowParallel, _fmt, _tp_slice
+from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, RowParallel
 from loongforge_hf.bridges.mixtral import MixtralBridge
 from loongforge_hf.bridges.registry import register_bridge
 
@@ -47,14 +46,7 @@ _NORMS = {"input_layernorm": "attention_norm", "pre_mlp_layernorm": "mlp_norm"}
 class HeadColumns(ColumnParallel):
     """Split with the heads along dim 1 (``diagonal_decay`` ``[1, heads, block, block]``)."""
 
-    def load(self, reader, ctx, layer):
-        return _tp_slice(reader, _fmt(self.hf, layer), ctx, dim=1)
-
-    def export(self, shards, ctx, layer):
-        return {_fmt(self.hf, layer): torch.cat(shards, dim=1)}
-
-    def export_parts(self, shard, rank, ctx, layer):
-        return [(_fmt(self.hf, layer), 1, rank * shard.shape[1], shard)]
+    split_dim = 1
 
 
 @register_bridge("MiniMaxForCausalLM")

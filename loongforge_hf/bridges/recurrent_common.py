@@ -30,6 +30,16 @@ class CachedStep:
     real: torch.Tensor | None
 
 
+def tp_group_of(pg_collection):
+    """The tensor-parallel group megatron hands a layer (``pg_collection.tp``), else the global one."""
+    group = getattr(pg_collection, "tp", None)
+    if group is None:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group(check_initialized=False)
+    return group
+
+
 def mixer_projections(config, *, in_size: int, out_size: int, bias: bool = False, tp_group=None):
     """A recurrent mixer's column-parallel ``in_proj`` (``in_size``: all ranks' rows) and row-parallel ``out_proj``."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
