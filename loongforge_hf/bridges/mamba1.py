@@ -32,7 +32,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections, tp_group_of
+from loongforge_hf.bridges.recurrent_common import (CachedStep, _token_layout, mixer_on_layers, mixer_projections,
+                                                    tp_group_of)
 from loongforge_hf.kernels.causal_conv import causal_conv
 
 NORMS = ("dt_norm_weight", "b_norm_weight", "c_norm_weight")  # NOTE: Jamba's, replicated over TP
@@ -172,11 +173,4 @@ def mamba_attention(*, layers: frozenset[int], **dims) -> type:
     indices), megatron's ``SelfAttention`` elsewhere (Jamba's attention layers)."""
     from megatron.core.transformer.attention import SelfAttention
 
-    class MambaAttention:
-        def __new__(cls, config, submodules=None, layer_number: int = 1, **kwargs):
-            if layer_number - 1 in layers:
-                return MambaMixer(config, layer_number=layer_number, pg_collection=kwargs.get("pg_collection"),
-                                  **dims)
-            return SelfAttention(config, submodules, layer_number, **kwargs)
-
-    return MambaAttention
+    return mixer_on_layers(layers, MambaMixer, SelfAttention, **dims)

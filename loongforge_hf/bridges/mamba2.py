@@ -58,7 +58,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections, tp_group_of
+from loongforge_hf.bridges.recurrent_common import (CachedStep, _token_layout, mixer_on_layers, mixer_projections,
+                                                    tp_group_of)
 from loongforge_hf.kernels.causal_conv import causal_conv
 from loongforge_hf.parallel.context_parallel import cp_group_and_size
 from loongforge_hf.parallel.ssd_cp import context_parallel_scan
@@ -247,11 +248,4 @@ def hybrid_mamba_attention(*, mamba: frozenset[int], **dims) -> type:
     indices; megatron numbers layers from 1, offset by the pipeline stage), megatron's ``SelfAttention`` elsewhere."""
     from megatron.core.transformer.attention import SelfAttention
 
-    class HybridMambaAttention:
-        def __new__(cls, config, submodules=None, layer_number: int = 1, **kwargs):
-            if layer_number - 1 in mamba:
-                return Mamba2Mixer(config, layer_number=layer_number, pg_collection=kwargs.get("pg_collection"),
-                                   **dims)
-            return SelfAttention(config, submodules, layer_number, **kwargs)
-
-    return HybridMambaAttention
+    return mixer_on_layers(mamba, Mamba2Mixer, SelfAttention, **dims)

@@ -36,6 +36,7 @@ from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.gated_mappings import HeadSections
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, RowParallel
 from loongforge_hf.bridges.mixtral import MixtralBridge
+from loongforge_hf.bridges.recurrent_common import mixer_on_layers
 from loongforge_hf.bridges.registry import register_bridge
 
 A, S = f"{L}.self_attn", f"{D}.self_attention"
@@ -169,8 +170,8 @@ def minimax_layer(*, linear: frozenset[int], scales: tuple, num_layers: int, hea
 
     class MiniMaxLayer(TransformerLayer):
         def __init__(self, config, submodules, layer_number: int = 1, **kwargs) -> None:
-            mixer = _by_layer(linear, submodules.self_attention.module, LightningAttention, num_layers=num_layers,
-                              heads=heads, head_dim=head_dim, block_size=block_size)
+            mixer = mixer_on_layers(linear, LightningAttention, submodules.self_attention.module,
+                                    num_layers=num_layers, heads=heads, head_dim=head_dim, block_size=block_size)
             submodules = replace(submodules, self_attention=replace(submodules.self_attention, module=mixer))
             super().__init__(config, submodules, layer_number, **kwargs)
             self.attention_norm, self.input_layernorm = self.input_layernorm, IdentityOp()
@@ -185,17 +186,3 @@ def minimax_layer(*, linear: frozenset[int], scales: tuple, num_layers: int, hea
             return self.mlp_norm(hidden), context
 
     return MiniMaxLayer
-
-
-def _by_layer(linear: frozenset[int], attention: type, mixer: type, **mixer_kwargs) -> type:
-    """The self-attention slot's class: ``mixer`` built with ``mixer_kwargs`` on the layers in ``linear`` (megatron
-    passes the global layer number, from 1), the spec's ``attention`` elsewhere."""
-
-    class ByLayer:
-        def __new__(cls, config, submodules=None, layer_number: int = 1, **kwargs):
-            if layer_number - 1 in linear:
-                return mixer(config, layer_number=layer_number, pg_collection=kwargs.get("pg_collection"),
-                             **mixer_kwargs)
-            return attention(config, submodules, layer_number, **kwargs)
-
-    return ByLayer

@@ -40,6 +40,20 @@ def tp_group_of(pg_collection):
     return group
 
 
+def mixer_on_layers(layers: frozenset[int], mixer: type, attention: type, **mixer_kwargs) -> type:
+    """The self-attention slot's class: ``mixer`` (with ``mixer_kwargs``) on the layers in ``layers`` (0-based global
+    indices; megatron passes the layer number from 1, offset by the pipeline stage), ``attention`` elsewhere."""
+
+    class ByLayer:
+        def __new__(cls, config, submodules=None, layer_number: int = 1, **kwargs):
+            if layer_number - 1 in layers:
+                return mixer(config, layer_number=layer_number, pg_collection=kwargs.get("pg_collection"),
+                             **mixer_kwargs)
+            return attention(config, submodules, layer_number, **kwargs)
+
+    return ByLayer
+
+
 def mixer_projections(config, *, in_size: int, out_size: int, bias: bool = False, tp_group=None):
     """A recurrent mixer's column-parallel ``in_proj`` (``in_size``: all ranks' rows) and row-parallel ``out_proj``."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
