@@ -10,7 +10,8 @@ Choices:
 - Backward by hand (``torch.autograd.Function``), not autograd through the steps (which would keep every step's
   tensors): the gradient of the states follows the reversed recurrence ``g_t = dh_t + a_{t+1} g_{t+1}``, the same
   scan run from the end; then ``db_t = g_t``, ``da_t = g_t * h_{t-1}``, ``dh0 = a_0 * g_0``. Saved for it: ``a``
-  and the states (what the sequential loop's autograd keeps too).
+  and the states (what the sequential loop's autograd keeps too). Scans run in place on their output; each keeps
+  one scratch copy of the decays beside it.
 - ``a_t = 0`` restarts the recurrence at ``t`` (packed documents); ``initial`` continues one (a cache).
 - Computed in fp32 (fp64 for fp64 inputs) whatever the inputs' dtype; the states come back in it.
 """
@@ -20,19 +21,20 @@ from __future__ import annotations
 import torch
 
 
-def _scan(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
-    """The states of ``h_t = a_t * h_{t-1} + b_t`` from ``h_{-1} = 0`` along ``dim`` (``a``, ``b`` fp32, same
-    shape; neither is modified)."""
-    seq = a.shape[dim]
-    h, decay = b.clone(), a.clone()
+def _scan_(decay: torch.Tensor, h: torch.Tensor, dim: int, *, reverse: bool = False) -> torch.Tensor:
+    """``h`` becomes the states of ``h_t = decay_t * h_{t-1} + h_t`` (``h_{t+1}`` with ``reverse``) from zero along
+    ``dim``, in place; ``decay`` is overwritten (the caller's scratch)."""
+    seq = h.shape[dim]
     offset = 1
     while offset < seq:
         tail = seq - offset
-        h_later, decay_later = h.narrow(dim, offset, tail), decay.narrow(dim, offset, tail)
-        update = decay_later * h.narrow(dim, 0, tail)  # NOTE: read before the in-place add below writes h
+        later, earlier = (0, offset) if reverse else (offset, 0)
+        decay_later = decay.narrow(dim, later, tail)
+        update = decay_later * h.narrow(dim, earlier, tail)  # NOTE: read before the in-place add below writes h
         if 2 * offset < seq:
-            decay_later.copy_(decay_later * decay.narrow(dim, 0, tail))
-        h_later.add_(update)
+            decay_later.copy_(decay_later * decay.narrow(dim, earlier, tail))
+        h.narrow(dim, later, tail).add_(update)
+        del update
         offset *= 2
     return h
 
@@ -44,10 +46,10 @@ def _first(x: torch.Tensor, dim: int) -> torch.Tensor:
 class _LinearScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, initial, dim):
-        b = b.clone()
+        h = b.clone()
         if initial is not None:
-            _first(b, dim).add_(_first(a, dim) * initial.unsqueeze(dim))
-        h = _scan(a, b, dim)
+            _first(h, dim).add_(_first(a, dim) * initial.unsqueeze(dim))
+        _scan_(a.clone(), h, dim)
         ctx.save_for_backward(a, h, initial)
         ctx.dim = dim
         return h
@@ -57,13 +59,15 @@ class _LinearScan(torch.autograd.Function):
         a, h, initial = ctx.saved_tensors
         dim = ctx.dim
         seq = a.shape[dim]
-        # NOTE: g_t = dh_t + a_{t+1} g_{t+1}: the forward scan over the flipped sequence with a shifted by one
-        shifted = torch.cat((a.narrow(dim, 1, seq - 1), torch.zeros_like(_first(a, dim))), dim=dim)
-        g = _scan(shifted.flip(dim), grad_h.to(a.dtype).flip(dim), dim).flip(dim)
-        previous = torch.cat((torch.zeros_like(_first(h, dim)) if initial is None else initial.unsqueeze(dim),
-                              h.narrow(dim, 0, seq - 1)), dim=dim)
-        grad_initial = None if initial is None else (_first(a, dim) * _first(g, dim)).squeeze(dim)
-        return g * previous, g, grad_initial, None
+        # NOTE: g_t = dh_t + a_{t+1} g_{t+1}: the scan run from the end with a shifted by one (a_0 lands last, unread)
+        g = _scan_(a.roll(-1, dim), grad_h.to(a.dtype, copy=True), dim, reverse=True)
+        grad_a = torch.empty_like(g)
+        torch.mul(g.narrow(dim, 1, seq - 1), h.narrow(dim, 0, seq - 1), out=grad_a.narrow(dim, 1, seq - 1))
+        if initial is None:
+            _first(grad_a, dim).zero_()
+            return grad_a, g, None, None
+        torch.mul(_first(g, dim), initial.unsqueeze(dim), out=_first(grad_a, dim))
+        return grad_a, g, (_first(a, dim) * _first(g, dim)).squeeze(dim), None
 
 
 def linear_scan(a: torch.Tensor, b: torch.Tensor, *, initial: torch.Tensor | None = None,
