@@ -151,7 +151,7 @@ class GatedDeltaNet(torch.nn.Module):
         q, k, v = self.conv_heads(qkv, history)
         rule = gated_delta_rule
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, g, beta))
-        if qkv.shape[1] > 1 and g.dim() == 3 and fla_delta_rule.available(qkv.device, backward=needs_grad):
+        if qkv.shape[1] > 1 and fla_delta_rule.available(qkv.device, backward=needs_grad, per_channel=g.dim() == 4):
             rule = fla_delta_rule.gated_delta_rule_rows
         return rule(q, k, v, g, beta, initial_state=state, output_final_state=cached)
 
@@ -165,7 +165,7 @@ class GatedDeltaNet(torch.nn.Module):
         batch, seq, _ = qkv.shape
         q, k, v = self.packed_conv_heads(qkv, bounds)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, g, beta))
-        if g.dim() == 4 or not fla_delta_rule.available(qkv.device, backward=needs_grad):
+        if not fla_delta_rule.available(qkv.device, backward=needs_grad, per_channel=g.dim() == 4):
             return gated_delta_rule_packed(q, k, v, g, beta, bounds)
         cu = _cu_seqlens(tuple(map(tuple, bounds)), seq, qkv.device)
         flat = [x.reshape(1, batch * seq, *x.shape[2:]) for x in (q, k, v, g, beta)]

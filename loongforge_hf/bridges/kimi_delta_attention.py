@@ -4,7 +4,8 @@ steps, refusals) as there.
 
 Choices:
 - a per-channel decay: ``g = -exp(A_log[head]) * softplus(f_b(f_a(x)) + dt_bias)`` ``[b, s, heads, head_dim]``
-  (fp32; ``kernels.gated_delta_rule``'s per-channel form; fla's scalar-decay kernels are never used for it);
+  (fp32; ``kernels.gated_delta_rule``'s per-channel form, or fla's ``chunk_kda`` on CUDA where
+  ``kernels.fla_delta_rule`` says);
 - the output gate ``g_b(g_a(x))`` through ``sigmoid`` in the gated norm, all in fp32 and rounded once
   (``KimiLinearRMSNormGated``), eps ``rms_norm_eps``;
 - ``in_proj`` holds this rank's q, k, v and b rows; the low-rank down projections ``f_a`` / ``g_a`` (``[head_dim,

@@ -6,6 +6,10 @@ Choices:
   ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (chunked forward and backward kernels; the WY form of the same
   chunked algebra as ``gated_delta_rule``); otherwise our torch code. ``LOONGFORGE_DELTA_RULE=torch`` forces the torch
   code (benchmarks, bisecting).
+- Kimi Delta Attention's per-channel decay (``g`` ``[.., v_heads, k_dim]``) runs fla's ``fla.ops.kda.chunk_kda``
+  (the same rule with a decay per key channel; same conventions below) where it imports
+  (``available(per_channel=True)``); its backward does not use the kernel fla refuses below
+  (``tests/kernels/test_gpu_fla_delta_rule.py`` checks its gradients on the GPU against our torch code).
 - Where fla refuses its backward (its gated ``chunk_bwd_dqkwg`` on Hopper with Triton 3.4 - 3.7.0 and no tilelang: a
   Triton miscompile, fla issue #640) a forward that needs gradients takes the torch code and only gradient-free
   forwards (evaluation, generate's prefill) take fla; ``available(device, backward=True)`` reads fla's own flags.
@@ -36,6 +40,16 @@ def _chunk_kernel():
 
 
 @functools.cache
+def _kda_kernel():
+    """fla's ``chunk_kda`` (Kimi Delta Attention: a decay per key channel), or None as ``_chunk_kernel``."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # NOTE: as _chunk_kernel
+        return None
+    return chunk_kda
+
+
+@functools.cache
 def _backward_refused() -> bool:
     """fla's own condition for refusing the gated backward (see the module docstring)."""
     import importlib.util
@@ -46,23 +60,25 @@ def _backward_refused() -> bool:
     return bool(broken) and importlib.util.find_spec("tilelang") is None
 
 
-def available(device: torch.device, *, backward: bool = False) -> bool:
+def available(device: torch.device, *, backward: bool = False, per_channel: bool = False) -> bool:
     """Whether Gated DeltaNet layers on ``device`` run fla's kernels, for a forward whose gradients are needed when
-    ``backward`` (see the module docstring)."""
-    if os.environ.get("LOONGFORGE_DELTA_RULE", "").lower() == "torch":
+    ``backward``, with a decay per key channel (Kimi Delta Attention) when ``per_channel`` (see the module
+    docstring)."""
+    if os.environ.get("LOONGFORGE_DELTA_RULE", "").lower() == "torch" or torch.device(device).type != "cuda":
         return False
-    if torch.device(device).type != "cuda" or _chunk_kernel() is None:
-        return False
-    return not (backward and _backward_refused())
+    if per_channel:
+        return _kda_kernel() is not None
+    return _chunk_kernel() is not None and not (backward and _backward_refused())
 
 
 def gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, *, cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None = None,
                             output_final_state: bool = False):
     """``query`` / ``key`` ``[1, T, k_heads, k_dim]``, ``value`` ``[1, T, v_heads, v_dim]``, ``g`` / ``beta`` ``[1, T,
-    v_heads]``, ``cu_seqlens`` ``[n + 1]`` (int, on the tensors' device, 0 first and T last) -> (``[1, T, v_heads,
-    v_dim]`` in the query's dtype, the ``[n, v_heads, k_dim, v_dim]`` fp32 final states or None)."""
-    kernel = _chunk_kernel()
+    v_heads]`` (``g`` ``[1, T, v_heads, k_dim]``: a decay per key channel, fla's KDA kernel), ``cu_seqlens``
+    ``[n + 1]`` (int, on the tensors' device, 0 first and T last) -> (``[1, T, v_heads, v_dim]`` in the query's
+    dtype, the ``[n, v_heads, k_dim, v_dim]`` fp32 final states or None)."""
+    kernel = _kda_kernel() if g.dim() == 4 else _chunk_kernel()
     if kernel is None:
         raise RuntimeError("gated_delta_rule_varlen needs the fla package (pip install flash-linear-attention).")
     if query.shape[0] != 1:

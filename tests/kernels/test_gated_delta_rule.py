@@ -144,14 +144,19 @@ def test_fla_rows_flatten_to_one_varlen_call(monkeypatch):
 
 def test_fla_taken_only_where_it_runs(monkeypatch):
     """fla is used on CUDA only; its gated backward is refused on Hopper with Triton 3.4 - 3.7.0 unless tilelang is
-    there (fla's own flags, read from the installed fla); ``LOONGFORGE_DELTA_RULE=torch`` turns it off."""
+    there (fla's own flags, read from the installed fla), KDA's (per-channel decay, its own kernels) is not; an fla
+    without ``chunk_kda`` runs Kimi's decay in torch; ``LOONGFORGE_DELTA_RULE=torch`` turns it off."""
     import sys
     import types
 
     from loongforge_hf.kernels import fla_delta_rule
 
     monkeypatch.setattr(fla_delta_rule, "_chunk_kernel", lambda: _fake_fla_kernel)
+    monkeypatch.setattr(fla_delta_rule, "_kda_kernel", lambda: None)
     assert not fla_delta_rule.available(torch.device("cpu"))
+    assert not fla_delta_rule.available(torch.device("cuda"), per_channel=True)  # NOTE: an fla without chunk_kda
+    monkeypatch.setattr(fla_delta_rule, "_kda_kernel", lambda: _fake_fla_kernel)
+    assert not fla_delta_rule.available(torch.device("cpu"), per_channel=True)
     for above_3_7_1, refused in ((False, True), (True, False)):
         utils = types.SimpleNamespace(IS_NVIDIA_HOPPER=True, TRITON_ABOVE_3_4_0=True, TRITON_ABOVE_3_7_1=above_3_7_1)
         monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(utils=utils))
@@ -159,8 +164,10 @@ def test_fla_taken_only_where_it_runs(monkeypatch):
         assert fla_delta_rule._backward_refused() is refused
         assert fla_delta_rule.available(torch.device("cuda")) is True
         assert fla_delta_rule.available(torch.device("cuda"), backward=True) is not refused
+        assert fla_delta_rule.available(torch.device("cuda"), backward=True, per_channel=True)  # NOTE: KDA's backward
         monkeypatch.setenv("LOONGFORGE_DELTA_RULE", "torch")
         assert not fla_delta_rule.available(torch.device("cuda"))
+        assert not fla_delta_rule.available(torch.device("cuda"), per_channel=True)
         monkeypatch.delenv("LOONGFORGE_DELTA_RULE")
     fla_delta_rule._backward_refused.cache_clear()
 

@@ -3,7 +3,8 @@
 difference relative to the largest value within 2e-2 in bf16 and 5e-3 in fp32 (fla's fp32 dots run in TF32); grouped
 value heads, packed documents of uneven lengths (one varlen call), a sequence across many chunks. Skipped without the
 fla package (it is optional); the gradients are skipped where fla refuses its backward (Hopper with Triton 3.4 - 3.7.0,
-``fla_delta_rule.available(backward=True)``), the forward is checked there too."""
+``fla_delta_rule.available(backward=True)``), the forward is checked there too. Kimi Delta Attention's decay per key
+channel (fla's ``chunk_kda``; equal key and value heads, as Kimi Linear's) the same way, its backward always."""
 
 import pytest
 import torch
@@ -13,11 +14,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 K_HEADS, V_HEADS, DIM = 2, 4, 64
 
 
-def _inputs(seq: int, dtype):
+def _inputs(seq: int, dtype, per_channel: bool = False):
     gen = torch.Generator().manual_seed(seq)
-    q, k = (torch.randn(1, seq, K_HEADS, DIM, generator=gen) for _ in range(2))
+    k_heads = V_HEADS if per_channel else K_HEADS
+    q, k = (torch.randn(1, seq, k_heads, DIM, generator=gen) for _ in range(2))
     v = torch.randn(1, seq, V_HEADS, DIM, generator=gen)
-    g = -torch.nn.functional.softplus(torch.randn(1, seq, V_HEADS, generator=gen))
+    g = -torch.nn.functional.softplus(torch.randn(1, seq, V_HEADS, *((DIM,) if per_channel else ()), generator=gen))
     beta = torch.rand(1, seq, V_HEADS, generator=gen)
     return [x.cuda().to(torch.float32 if x is g else dtype).requires_grad_() for x in (q, k, v, g, beta)]
 
@@ -30,16 +32,17 @@ def _grads(fn, tensors, grad):
     return [out.detach()] + [t.grad for t in tensors]
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 5e-3)])
 @pytest.mark.parametrize("bounds", [[0, 300], [0, 17, 90, 91, 250, 400]], ids=["one", "packed"])
-def test_fla_matches_the_torch_code(dtype, tol, bounds):
+def test_fla_matches_the_torch_code(dtype, tol, bounds, per_channel):
     from loongforge_hf.kernels import fla_delta_rule
     from loongforge_hf.kernels.gated_delta_rule import gated_delta_rule
 
-    if not fla_delta_rule.available(torch.device("cuda")):
-        pytest.skip("the fla package is not installed")
-    backward = fla_delta_rule.available(torch.device("cuda"), backward=True)
-    tensors = _inputs(bounds[-1], dtype)
+    if not fla_delta_rule.available(torch.device("cuda"), per_channel=per_channel):
+        pytest.skip("the fla package (with chunk_kda for the per-channel case) is not installed")
+    backward = fla_delta_rule.available(torch.device("cuda"), backward=True, per_channel=per_channel)
+    tensors = _inputs(bounds[-1], dtype, per_channel)
     grad = torch.randn(1, bounds[-1], V_HEADS, DIM, device="cuda").to(dtype)
     cu = torch.tensor(bounds, device="cuda")
 
@@ -60,8 +63,8 @@ def test_fla_matches_the_torch_code(dtype, tol, bounds):
         pytest.skip("forward checked; fla refuses its gated backward on this GPU / Triton (fla issue #640)")
 
 
-def _qwen3_5_fla(folder: str) -> dict:
-    """Qwen3.5 in bf16 on the GPU without gradients: logits of a left-padded batch and greedy cached generate with
+def _fla_inference(folder: str) -> dict:
+    """A Gated DeltaNet / KDA model in bf16 on the GPU without gradients: logits of a left-padded batch and greedy cached generate with
     fla's kernels counted, then with ``LOONGFORGE_DELTA_RULE=torch``, and transformers' (its fla path)."""
     import os
 
@@ -94,18 +97,19 @@ def _qwen3_5_fla(folder: str) -> dict:
     return out
 
 
-def test_qwen3_5_inference_takes_fla(tmp_path):
-    """Qwen3.5's Gated DeltaNet layers take fla's kernels in gradient-free bf16 forwards (every linear layer of the
+@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])
+def test_inference_takes_fla(tmp_path, arch):
+    """Qwen3.5's Gated DeltaNet layers (Kimi Linear's KDA layers: ``chunk_kda``) take fla's kernels in gradient-free bf16 forwards (every linear layer of the
     forward and the prefill counted; decode steps keep the one-token recurrence): logits within bf16's resolution
     (3e-2 of the largest) of our torch code and of transformers on the real tokens, the same greedy tokens."""
     from loongforge_hf.kernels import fla_delta_rule
     from loongforge_hf.parallel.spawn import run_distributed
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
-    if not fla_delta_rule.available(torch.device("cuda")):
+    if not fla_delta_rule.available(torch.device("cuda"), per_channel=arch == "kimi_linear"):
         pytest.skip("the fla package is not installed")
-    folder = make_tiny_checkpoint(tmp_path / "qwen3_5", "qwen3_5", tokenizer=False)
-    [r] = run_distributed(_qwen3_5_fla, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
+    folder = make_tiny_checkpoint(tmp_path / arch, arch, tokenizer=False)
+    [r] = run_distributed(_fla_inference, 1, str(folder), timeout=600, env={"LOONGFORGE_DEVICE": "cuda"})
     assert r["fla_calls"] > 0 and r["torch_calls"] == r["fla_calls"], (r["fla_calls"], r["torch_calls"])
     real = r["real"]
     for other in ("torch", "transformers"):
