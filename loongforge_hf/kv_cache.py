@@ -175,16 +175,19 @@ def kv_sources(attentions) -> list[int | None]:
 
 def recurrent_mixers(chunks) -> list:
     """This rank's Gated DeltaNet, Mamba2, Mamba-1 and LFM2 short-conv layers (``bridges/gated_deltanet.py``,
-    ``bridges/mamba2.py``, ``bridges/mamba1.py``, ``bridges/short_conv.py``) and MiniMax's lightning-attention layers
-    (``bridges/lightning_attention.py``), in order over its chunks."""
+    ``bridges/mamba2.py``, ``bridges/mamba1.py``, ``bridges/short_conv.py``), MiniMax's lightning-attention layers
+    (``bridges/lightning_attention.py``) and RecurrentGemma's recurrent blocks (``bridges/recurrent_gemma_block.py``),
+    in order over its chunks."""
     from loongforge_hf.bridges.gated_deltanet import GatedDeltaNet
     from loongforge_hf.bridges.lightning_attention import LightningAttention
     from loongforge_hf.bridges.mamba1 import MambaMixer
     from loongforge_hf.bridges.mamba2 import Mamba2Mixer
+    from loongforge_hf.bridges.recurrent_gemma_block import RecurrentBlock
     from loongforge_hf.bridges.short_conv import ShortConvMixer
 
     return [m for chunk in chunks for m in chunk.modules()
-            if isinstance(m, (GatedDeltaNet, Mamba2Mixer, MambaMixer, ShortConvMixer, LightningAttention))]
+            if isinstance(m, (GatedDeltaNet, Mamba2Mixer, MambaMixer, ShortConvMixer, LightningAttention,
+                              RecurrentBlock))]
 
 
 def refuse_megatron_state_inputs(kind: str, inference_context, packed_seq_params) -> None:

@@ -353,7 +353,7 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 return_logits: bool = True, **unused: Any):
         from loongforge_hf.bridges import router_balance
-        from loongforge_hf.bridges.absolute_positions import check_mask_positions, check_positions, learned_positions
+        from loongforge_hf.bridges.absolute_positions import check_positions, learned_positions, mask_positions
         from loongforge_hf.bridges.router_logits import asked
         from loongforge_hf.bridges.runtime import forward_causal_lm
 
@@ -368,8 +368,9 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         if learned_positions(self.bridge):
             check_positions(self.config.max_position_embeddings, length=input_ids.shape[-1], past=past,
                             position_ids=position_ids, arch=self.bridge.architectures[0])
-            if getattr(self.bridge, "positions_from_mask", False):  # NOTE: OPT's default positions
-                check_mask_positions(attention_mask, position_ids, arch=self.bridge.architectures[0])
+            # NOTE: OPT's default positions, from the mask (checked above as the slots': none past them)
+            position_ids = mask_positions(self.bridge, attention_mask, position_ids, past=past,
+                                          length=input_ids.shape[-1])
         routed = router_balance.forward_outputs(self, unused.get("output_router_logits"))
         moe = getattr(self.bridge, "hf_router_logits", False)  # NOTE: transformers' MoE output type
         keep = options["logits_to_keep"]  # NOTE: an int: the rows cut before the logits cross ranks (runtime.py)

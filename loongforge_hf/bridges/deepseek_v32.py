@@ -31,12 +31,14 @@ from loongforge_hf.bridges.registry import register_bridge
 I, X = f"{D}.self_attention.core_attention.indexer", f"{L}.self_attn.indexer"
 
 
-def indexer_row_order(head_dim: int, rope_dim: int, *, halves: bool) -> torch.Tensor:
-    """For one index head, the HF row each megatron row holds: HF's ``[rotary; rest]`` as megatron's ``[rest;
-    rotary]``, rotary rows in halves ``[a; b]`` made pairs ``a0 b0 a1 b1 ...`` where ``halves``."""
-    half = rope_dim // 2
+def indexer_row_order(head_dim: int, rope_dim: int, *, halves: bool, rope_first: bool = True) -> torch.Tensor:
+    """For one index head, the HF row each megatron row holds: HF's ``[rotary; rest]`` (``[rest; rotary]`` without
+    ``rope_first``: HY-V4's) as megatron's ``[rest; rotary]``, rotary rows in halves ``[a; b]`` made pairs ``a0 b0 a1
+    b1 ...`` where ``halves``."""
+    half, start = rope_dim // 2, 0 if rope_first else head_dim - rope_dim
     rope = [r for i in range(half) for r in (i, half + i)] if halves else list(range(rope_dim))
-    return torch.tensor(list(range(rope_dim, head_dim)) + rope)
+    rest = range(rope_dim, head_dim) if rope_first else range(head_dim - rope_dim)
+    return torch.tensor(list(rest) + [start + r for r in rope])
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,10 @@ class IndexerRows(Replicated):
     head_dim: int = 0
     rope_dim: int = 0
     halves: bool = True
+    rope_first: bool = True
 
     def _order(self, rows: int) -> torch.Tensor:
-        one = indexer_row_order(self.head_dim, self.rope_dim, halves=self.halves)
+        one = indexer_row_order(self.head_dim, self.rope_dim, halves=self.halves, rope_first=self.rope_first)
         return torch.cat([one + b * self.head_dim for b in range(rows // self.head_dim)])
 
     def load(self, reader, ctx, layer):
@@ -67,6 +70,8 @@ class SparseAttentionBridge:
     """DSA's declarations, for a bridge whose MLA bridge (``Glm4MoeLiteBridge``) follows it in the MRO."""
 
     indexer_rope_halves = True                                 # DeepSeek-V3.2's indexer: rotate_half
+    indexer_rope_first = True                                  # ... of its first qk_rope_head_dim dims
+    sparse_attention_options: dict = {}                        # sparse_attention_spec's (HY-V4: sinks, k_norm eps)
     per_layer_types = True                                     # NOTE: layer_types checked here
 
     def has_indexer(self, layer: int) -> bool:
@@ -113,7 +118,7 @@ class SparseAttentionBridge:
     def mla_core_attention(self):
         from loongforge_hf.bridges.sparse_attention import sparse_attention_spec
 
-        return sparse_attention_spec(self.shared_layers())
+        return sparse_attention_spec(self.shared_layers(), **self.sparse_attention_options)
 
     def finish_model(self, model) -> None:
         from loongforge_hf.bridges.sparse_attention import link_shared_layers
@@ -123,7 +128,8 @@ class SparseAttentionBridge:
     # ---- tensors --------------------------------------------------------------------------------------------
     def indexer_mappings(self) -> list[Mapping]:
         c = self.hf_config
-        rows = {"head_dim": c.index_head_dim, "rope_dim": c.qk_rope_head_dim, "halves": self.indexer_rope_halves}
+        rows = {"head_dim": c.index_head_dim, "rope_dim": c.qk_rope_head_dim, "halves": self.indexer_rope_halves,
+                "rope_first": self.indexer_rope_first}
         return [IndexerRows(f"{I}.linear_wq_b.weight", f"{X}.wq_b.weight", **rows),
                 IndexerRows(f"{I}.linear_wk.weight", f"{X}.wk.weight", **rows),
                 IndexerRows(f"{I}.k_norm.weight", f"{X}.k_norm.weight", **rows),

@@ -10,7 +10,10 @@ Choices:
 - ``HyperConnection`` is transformers' (fp32 weights, unweighted RMS norm of the flattened streams, sigmoid ``pre`` /
   ``2 * sigmoid`` ``post``, the ``comb`` softmax made doubly stochastic by ``hc_sinkhorn_iters`` Sinkhorn steps).
   Its weights act on this rank's tokens: under sequence parallelism their gradients are summed over TP
-  (``sequence_parallel``), as the norms'.
+  (``sequence_parallel``), as the norms'. With ``comb=False`` it is HY-V4's ``HYV4HyperConnection`` (``pre`` /
+  ``post`` only, ``post = hc_magnitude * sigmoid + hc_eps``): the streams pass on unmixed, the sum taken in fp32.
+- HY-V4 (``v4_layer(..., attention=False)``) keeps the spec's attention (megatron's MLA with sparse attention,
+  ``hy_v4.py``) in the attention slot.
 - The MLP slot is megatron's ``MoELayer`` (router, token dispatcher, ``SequentialMLP`` experts with megatron's clamped
   SwiGLU, the shared expert split over TP). Top-k layers: megatron's router as ``router_balance.BalanceRouter`` with
   ``route_topk`` as its ``route`` (transformers' ``DeepseekV4TopKRouter``: ``sqrt(softplus(logits))``, top k of the
@@ -36,37 +39,46 @@ from loongforge_hf.bridges.deepseek_v4_attention import rms_norm
 
 class HyperConnection(torch.nn.Module):
     """transformers' ``DeepseekV4HyperConnection``: ``forward(streams [s, b, n, H])`` -> ``(post [s, b, n], comb
-    [s, b, n, n], collapsed [s, b, H])``."""
+    [s, b, n, n], collapsed [s, b, H])``; with ``comb=False`` ``HYV4HyperConnection`` (comb None)."""
 
-    def __init__(self, hf_config, *, sequence_parallel: bool) -> None:
+    def __init__(self, hf_config, *, sequence_parallel: bool, comb: bool = True) -> None:
         super().__init__()
-        n, self.iters, self.hc_eps, self.eps = hf_config.hc_mult, hf_config.hc_sinkhorn_iters, hf_config.hc_eps, \
-            hf_config.rms_norm_eps
-        self.fn = torch.nn.Parameter(torch.empty((2 + n) * n, n * hf_config.hidden_size, dtype=torch.float32))
-        self.base = torch.nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
-        self.scale = torch.nn.Parameter(torch.empty(3, dtype=torch.float32))
+        n, self.hc_eps, self.eps, self.comb = hf_config.hc_mult, hf_config.hc_eps, hf_config.rms_norm_eps, comb
+        self.iters = hf_config.hc_sinkhorn_iters if comb else 0
+        self.post_scale, self.post_eps = (2.0, 0.0) if comb else (float(hf_config.hc_magnitude), hf_config.hc_eps)
+        rows = (2 + n) * n if comb else 2 * n
+        self.fn = torch.nn.Parameter(torch.empty(rows, n * hf_config.hidden_size, dtype=torch.float32))
+        self.base = torch.nn.Parameter(torch.empty(rows, dtype=torch.float32))
+        self.scale = torch.nn.Parameter(torch.empty(3 if comb else 2, dtype=torch.float32))
         for p in self.parameters():
             p.sequence_parallel = sequence_parallel
 
     def forward(self, streams: torch.Tensor):
         n = streams.shape[-2]
+        sizes = [n, n, n * n] if self.comb else [n, n]
         mixed = F.linear(rms_norm(streams.flatten(-2).float(), None, self.eps), self.fn.float())
-        pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre_w, post_w, *comb_w = mixed.split(sizes, dim=-1)
+        pre_b, post_b, *comb_b = self.base.split(sizes)
+        pre_s, post_s, *comb_s = self.scale.unbind(0)
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
+        post = self.post_scale * torch.sigmoid(post_w * post_s + post_b) + self.post_eps
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        if not self.comb:
+            return post, None, collapsed
+        comb = torch.softmax(comb_w[0].unflatten(-1, (n, n)) * comb_s[0] + comb_b[0].view(n, n), dim=-1) + self.hc_eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        return post, comb, collapsed
 
 
-def mix(post: torch.Tensor, comb: torch.Tensor, output: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """The block's output spread over the streams plus the streams mixed by ``comb`` (transformers' layer)."""
+def mix(post: torch.Tensor, comb: torch.Tensor | None, output: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """The block's output spread over the streams plus the streams mixed by ``comb`` (transformers' layer), or
+    unmixed where ``comb`` is None (HY-V4's layer, in fp32)."""
     dtype = streams.dtype
+    if comb is None:
+        return (post.float().unsqueeze(-1) * output.float().unsqueeze(-2) + streams.float()).to(dtype)
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
     return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + mixed
 
@@ -102,6 +114,7 @@ def _layer_class() -> type:
         """megatron's layer (its norms and MoE from the spec) with our attention and two hyper-connections."""
 
         hf_config = None  # set on the subclass ``v4_layer`` makes
+        own_attention, comb = True, True
 
         def __init__(self, config, submodules, layer_number: int = 1, **kwargs) -> None:
             from dataclasses import replace
@@ -109,11 +122,13 @@ def _layer_class() -> type:
             from megatron.core.transformer.spec_utils import ModuleSpec
 
             hf = self.hf_config
-            attention = ModuleSpec(module=_Attention, params={"hf_config": hf})
-            super().__init__(config, replace(submodules, self_attention=attention), layer_number, **kwargs)
+            if self.own_attention:
+                submodules = replace(submodules, self_attention=ModuleSpec(module=_Attention,
+                                                                           params={"hf_config": hf}))
+            super().__init__(config, submodules, layer_number, **kwargs)
             sp = bool(config.sequence_parallel)
-            self.attn_hc = HyperConnection(hf, sequence_parallel=sp)
-            self.ffn_hc = HyperConnection(hf, sequence_parallel=sp)
+            self.attn_hc = HyperConnection(hf, sequence_parallel=sp, comb=self.comb)
+            self.ffn_hc = HyperConnection(hf, sequence_parallel=sp, comb=self.comb)
 
         def forward(self, hidden_states, attention_mask=None, **kwargs):
             n, h = self.hf_config.hc_mult, self.hf_config.hidden_size
@@ -140,9 +155,11 @@ class _Attention(torch.nn.Module):
         return DeepseekV4Attention(hf_config, layer=layer_number - 1, config=config)
 
 
-def v4_layer(hf_config) -> type:
-    """The layer class for megatron's block spec (``bridge.layer_module``)."""
-    return type("DeepseekV4Layer", (_layer_class(),), {"hf_config": hf_config})
+def v4_layer(hf_config, *, attention: bool = True, comb: bool = True) -> type:
+    """The layer class for megatron's block spec (``bridge.layer_module``); without ``attention`` the spec's attention
+    module, without ``comb`` HY-V4's hyper-connections (module docstring)."""
+    return type("DeepseekV4Layer", (_layer_class(),), {"hf_config": hf_config, "own_attention": attention,
+                                                       "comb": comb})
 
 
 def route_topk(logits: torch.Tensor, *, router, hf_config) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,8 @@ Choices:
   conv state). Under context parallelism generate runs without the cache.
 - Refused before any collective: ``hidden_size`` that does not split over TP (the conv's channels), unknown
   ``layer_types``, ``conv_L_cache`` < 1.
+- LFM3 (``lfm3.py``) sets three options of ``Lfm2Layers``: its ``layer_kinds``, ``post_norms`` (a norm on each
+  mixer's output) and ``self_attention_class`` (the attention layers' class).
 """
 
 from __future__ import annotations
@@ -47,15 +49,17 @@ class Lfm2Layers:
     own_activation = True  # NOTE: no hidden_act in the config: silu, set in transformer_config_kwargs
     extra_rope_types = ()
     config_fields = LFM2_FIELDS
+    layer_kinds = LAYER_TYPES
+    post_norms = False  # NOTE: a norm on each mixer's output (LFM3's sandwich norms: lfm3.py)
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
         c, arch = self.hf_config, self.architectures[0]
         kinds = list(c.layer_types or [])
-        unknown = sorted(set(kinds) - set(LAYER_TYPES))
+        unknown = sorted(set(kinds) - set(self.layer_kinds))
         if unknown or len(kinds) != c.num_hidden_layers:
             raise C.UnsupportedConfigError(f"layer_types {kinds} is not supported for {arch}: one of "
-                                           f"{list(LAYER_TYPES)} per layer ({c.num_hidden_layers}).")
+                                           f"{list(self.layer_kinds)} per layer ({c.num_hidden_layers}).")
         if c.conv_L_cache < 1:
             raise C.UnsupportedConfigError(f"conv_L_cache={c.conv_L_cache} is not supported for {arch} (at least 1).")
         super().check_config()
@@ -88,7 +92,12 @@ class Lfm2Layers:
         from loongforge_hf.bridges.short_conv import hybrid_short_conv_attention
 
         c = self.hf_config
-        return hybrid_short_conv_attention(conv=self.conv_layers, conv_kernel=c.conv_L_cache, bias=bool(c.conv_bias))
+        return hybrid_short_conv_attention(conv=self.conv_layers, conv_kernel=c.conv_L_cache, bias=bool(c.conv_bias),
+                                           attention=self.self_attention_class(), post_norm=self.post_norms)
+
+    def self_attention_class(self) -> type | None:
+        """The attention layers' class (None: megatron's ``SelfAttention``)."""
+        return None
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def attention_mappings(self) -> list[Mapping]:

@@ -8,10 +8,9 @@ Choices:
 - Positions: ``embed_positions`` has ``max_position_embeddings + 2`` rows and position ``p`` reads row ``p + 2``
   (transformers' ``OPTLearnedPositionalEmbedding.offset``): the table whole, with the offset in our
   ``PositionTable`` (``use_position_table(offset=2)``). transformers counts a forward's default positions from each
-  row's first real token (``cumsum(attention_mask) - 1``); ours are the slots', the same wherever no row is
-  left-padded: a left-padded forward, training or evaluation batch without ``position_ids`` is refused
-  (``check_mask_positions``, in the forward and in LoongTrainer's batch checks, on every rank alike); generate passes
-  its positions.
+  row's first real token (``cumsum(attention_mask) * attention_mask - 1``, padding at -1: row 1); so do we where no
+  ``position_ids`` are given (``positions_from_mask``: ``absolute_positions.mask_positions``, in the forward, cached
+  steps, LoongTrainer's batches and the online trainers' forwards); generate passes its positions.
 - ``q_proj`` / ``k_proj`` / ``v_proj`` fuse into ``linear_qkv`` per head, ``out_proj`` is row-parallel; ``enable_bias``
   (on in every hub checkpoint) gives every linear a bias, megatron's ``add_bias_linear`` and ``add_qkv_bias``
   together. transformers scales q before the product; megatron the scores: the same up to rounding.
@@ -42,8 +41,6 @@ from loongforge_hf.bridges.gpt2 import GPT2Bridge
 from loongforge_hf.bridges.mappings import Mapping, Replicated, RowParallel, VocabParallel, biased_mlp_mappings
 from loongforge_hf.bridges.registry import register_bridge
 
-M = "model.decoder"
-L = "model.decoder.layers.{layer}"
 D = "decoder.layers.{layer}"
 OFFSET = 2  # NOTE: transformers' OPTLearnedPositionalEmbedding.offset
 _RENAMED = {"hidden_act": "activation_function", "intermediate_size": "ffn_dim", "initializer_range": "init_std"}
@@ -69,8 +66,13 @@ class OPTBridge(GPT2Bridge):
     config_fields = OPT_FIELDS
     token_type_embeddings = False
     embedding_dropout = 0.0
-    positions_from_mask = True  # NOTE: absolute_positions.check_mask_positions
+    positions_from_mask = True  # NOTE: absolute_positions.mask_positions
     checkpoint_aliases = ((r"^decoder\.", "model.decoder."),)  # NOTE: the hub's names, without model.
+    # NOTE: where the names differ in the bridges built on this one (BioGPT, XGLM): the decoder's, its final norm's
+    # and an untied head's; the token embedding's scale (``scale_embedding``) and a fixed sinusoidal position table
+    prefix, final_norm, head = "model.decoder", "final_layer_norm", "lm_head.weight"
+    dropout_field = "dropout"
+    sinusoidal = False
 
     def __init__(self, hf_config) -> None:
         self.qkv_bias = bool(getattr(hf_config, "enable_bias", True))
@@ -97,17 +99,28 @@ class OPTBridge(GPT2Bridge):
 
     def transformer_config_kwargs(self) -> dict:
         return {**super().transformer_config_kwargs(), "layernorm_epsilon": 1e-5, "add_bias_linear": self.qkv_bias,
-                "add_qkv_bias": self.qkv_bias, "hidden_dropout": C.dropout_of(self.hf_config, "dropout")}
+                "add_qkv_bias": self.qkv_bias, "hidden_dropout": C.dropout_of(self.hf_config, self.dropout_field)}
+
+    @property
+    def token_scale(self) -> float:
+        """transformers' ``embed_scale``: ``sqrt(hidden_size)`` with ``scale_embedding`` (BioGPT's, XGLM's), else 1."""
+        return self.hf_config.hidden_size ** 0.5 if getattr(self.hf_config, "scale_embedding", False) else 1.0
 
     def finish_model(self, model) -> None:
-        use_position_table(model, offset=OFFSET)
+        use_position_table(model, offset=OFFSET, token_scale=self.token_scale, sinusoidal=self.sinusoidal,
+                           padding_idx=self.hf_config.pad_token_id)
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def _biases(self, maps: list[Mapping]) -> list[Mapping]:
         """``maps`` less the linears' biases where ``enable_bias`` is off (the norms keep theirs)."""
         return maps if self.qkv_bias else [m for m in maps if "norm" in m.megatron or not m.megatron.endswith("bias")]
 
+    @property
+    def layer(self) -> str:
+        return f"{self.prefix}.layers.{{layer}}"
+
     def attention_mappings(self) -> list[Mapping]:
+        L = self.layer
         a = f"{L}.self_attn"
         return self._biases([
             *(Replicated(f"{D}.input_layernorm.{p}", f"{L}.self_attn_layer_norm.{p}") for p in ("weight", "bias")),
@@ -117,25 +130,28 @@ class OPTBridge(GPT2Bridge):
             Replicated(f"{D}.self_attention.linear_proj.bias", f"{a}.out_proj.bias")])
 
     def dense_mlp_mappings(self) -> list[Mapping]:
+        L = self.layer
         return self._biases([
             *(Replicated(f"{D}.pre_mlp_layernorm.{p}", f"{L}.final_layer_norm.{p}") for p in ("weight", "bias")),
             *biased_mlp_mappings(f"{D}.mlp", f"{L}.fc1", f"{L}.fc2")])
 
     def embedding_mapping(self) -> Mapping:
-        return VocabParallel("embedding.word_embeddings.weight", f"{M}.embed_tokens.weight")
+        return VocabParallel("embedding.word_embeddings.weight", f"{self.prefix}.embed_tokens.weight")
 
     def first_stage_mappings(self) -> list[Mapping]:
-        return [Replicated("embedding.position_embeddings.weight", f"{M}.embed_positions.weight")]
+        if self.sinusoidal:  # NOTE: computed, not stored (transformers' non-persistent buffer)
+            return []
+        return [Replicated("embedding.position_embeddings.weight", f"{self.prefix}.embed_positions.weight")]
 
     def final_mappings(self) -> list[Mapping]:
-        maps: list[Mapping] = [Replicated(f"decoder.final_layernorm.{p}", f"{M}.final_layer_norm.{p}")
+        maps: list[Mapping] = [Replicated(f"decoder.final_layernorm.{p}", f"{self.prefix}.{self.final_norm}.{p}")
                                for p in ("weight", "bias")]
         if not self.tied:
-            maps.append(VocabParallel("output_layer.weight", "lm_head.weight"))
+            maps.append(VocabParallel("output_layer.weight", self.head))
         return maps
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
-        h, f, p = self.hf_config.hidden_size, self.ffn_hidden_size, L.format(layer=layer)
+        h, f, p = self.hf_config.hidden_size, self.ffn_hidden_size, self.layer.format(layer=layer)
         norms = ("self_attn_layer_norm", "final_layer_norm")
         shapes = {f"{p}.{n}.{w}": (h,) for n in norms for w in ("weight", "bias")}
         shapes.update({f"{p}.self_attn.{x}_proj.weight": (h, h) for x in ("q", "k", "v", "out")})
@@ -148,11 +164,12 @@ class OPTBridge(GPT2Bridge):
     def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
         c = self.hf_config
         h, v = c.hidden_size, c.vocab_size
-        rows = c.max_position_embeddings + OFFSET
-        shapes = {f"{M}.embed_tokens.weight": (v, h), f"{M}.embed_positions.weight": (rows, h),
-                  f"{M}.final_layer_norm.weight": (h,), f"{M}.final_layer_norm.bias": (h,)}
+        m, norm = self.prefix, f"{self.prefix}.{self.final_norm}"
+        shapes = {f"{m}.embed_tokens.weight": (v, h), f"{norm}.weight": (h,), f"{norm}.bias": (h,)}
+        if not self.sinusoidal:
+            shapes[f"{m}.embed_positions.weight"] = (c.max_position_embeddings + OFFSET, h)
         if not self.tied:
-            shapes["lm_head.weight"] = (v, h)
+            shapes[self.head] = (v, h)
         for i in range(c.num_hidden_layers):
             shapes.update(self.layer_shapes(i))
         return shapes

@@ -24,6 +24,9 @@ Choices:
   previous chunk's last ``conv_L_cache - 1`` inputs (``parallel/recurrent_cp.conv_chunks``: one all-gather of the
   tails); padding and packed documents as above; the CP group is megatron's, read at each forward. Cached steps never
   run under CP (``kv_cache.patched`` refuses the split prefill): generate under CP runs without the cache.
+- ``post_norm`` (LFM3's sandwich norms): our ``RMSNorm`` on ``out_proj``'s output (its bias added first), before
+  megatron's residual add, as ``layer_outputs.transformed_attention``'s; under sequence parallelism on the rank's
+  tokens.
 - Refused at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``
   (``kv_cache.refuse_megatron_state_inputs``); the layouts and configs in ``lfm2.py``.
 """
@@ -44,10 +47,11 @@ from loongforge_hf.parallel.context_parallel import cp_group_and_size
 class ShortConvMixer(torch.nn.Module):
     """One LFM2 conv layer's token mixer, this TP rank's channels (see the module docstring)."""
 
-    def __init__(self, config, *, layer_number: int, conv_kernel: int, bias: bool, pg_collection=None,
-                 **_: object) -> None:
+    def __init__(self, config, *, layer_number: int, conv_kernel: int, bias: bool, post_norm: bool = False,
+                 pg_collection=None, **_: object) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+        from loongforge_hf.bridges.layer_outputs import _post_norm
         from loongforge_hf.xpu import get_backend
 
         super().__init__()
@@ -63,6 +67,7 @@ class ShortConvMixer(torch.nn.Module):
         self.conv_bias = torch.nn.Parameter(torch.zeros(self.channels, **kw)) if bias else None
         for p in self._own_parameters().values():
             set_tensor_model_parallel_attributes(p, True, 0, 1)
+        _post_norm(self, config, post_norm)
 
     def _own_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self._parameters.items() if p is not None}
@@ -114,11 +119,14 @@ class ShortConvMixer(torch.nn.Module):
         return causal_conv(bx, self.conv_weight, self.conv_bias, history=history, documents=documents).to(bx.dtype)
 
     def _output(self, y: torch.Tensor, *, padded: int):
-        """``C * conv`` ``[b, given, channels]`` through ``out_proj``, zeros for the layout's padding up to
-        ``padded`` tokens."""
+        """``C * conv`` ``[b, given, channels]`` through ``out_proj`` (and the post norm, LFM3's), zeros for the
+        layout's padding up to ``padded`` tokens."""
+        from loongforge_hf.bridges.layer_outputs import _transform
+
         if padded > y.shape[1]:
             y = F.pad(y, (0, 0, 0, padded - y.shape[1]))
-        return self.out_proj(y.transpose(0, 1).contiguous())
+        out = self.out_proj(y.transpose(0, 1).contiguous())
+        return out if self.post_layernorm is None else _transform(out, self.post_layernorm, 1.0)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
@@ -132,16 +140,18 @@ class ShortConvMixer(torch.nn.Module):
 
 
 @functools.cache
-def hybrid_short_conv_attention(*, conv: frozenset[int], conv_kernel: int, bias: bool) -> type:
+def hybrid_short_conv_attention(*, conv: frozenset[int], conv_kernel: int, bias: bool, attention: type | None = None,
+                                post_norm: bool = False) -> type:
     """The self-attention slot's class: ``ShortConvMixer`` on the layers in ``conv`` (0-based global indices;
-    megatron numbers layers from 1, offset by the pipeline stage), megatron's ``SelfAttention`` elsewhere."""
+    megatron numbers layers from 1, offset by the pipeline stage), with a norm on its output where ``post_norm``
+    (LFM3's sandwich norms); ``attention`` (None: megatron's ``SelfAttention``) elsewhere."""
     from megatron.core.transformer.attention import SelfAttention
 
     class HybridShortConvAttention:
         def __new__(cls, config, submodules=None, layer_number: int = 1, **kwargs):
             if layer_number - 1 in conv:
                 return ShortConvMixer(config, layer_number=layer_number, conv_kernel=conv_kernel, bias=bias,
-                                      pg_collection=kwargs.get("pg_collection"))
-            return SelfAttention(config, submodules, layer_number, **kwargs)
+                                      post_norm=post_norm, pg_collection=kwargs.get("pg_collection"))
+            return (attention or SelfAttention)(config, submodules, layer_number, **kwargs)
 
     return HybridShortConvAttention

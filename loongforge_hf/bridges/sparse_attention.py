@@ -14,7 +14,7 @@ Choices:
     fp32 input; here too (its parameter loads in fp32, ``FP32Replicated``). The softmax scale goes before the ReLU,
     as in transformers (megatron folds it into the weights: the same in exact arithmetic);
   - ``k_norm``: a LayerNorm with transformers' eps 1e-6 whatever ``rms_norm_eps`` is (megatron passes that: 1e-5 in
-    GLM-5);
+    GLM-5); HY-V4's takes ``rms_norm_eps`` (``sparse_attention_spec(key_norm_eps=None)``: megatron's);
   - the linears: megatron's spec asks the backend for a duplicated (unsplit) linear, which only Transformer Engine
     provides: ``IndexerLinear``, a plain one. The indexer is whole on every TP rank and reads the sequence gathered
     under SP (megatron's code), so every TP rank picks the same keys.
@@ -30,6 +30,9 @@ Choices:
   before it in the chunk (``link_shared_layers``), kept by that layer's module from its forward to theirs; megatron's
   full recompute replays a shared layer before the full one it reads (the backward runs the layers in reverse), so it
   reads the same top-k.
+- Sinks (HY-V4, ``sparse_attention_spec(sinks=True)``): one learned logit per head (fp32, this rank's heads under
+  TP) joins each query's softmax as an extra column and is dropped after it, as transformers' eager attention with
+  ``s_aux``; such a layer always takes the masked path.
 - Refused by name: packed THD sequences (``packed_seq_params``; packed rows with position ids are masks and run).
 """
 
@@ -61,10 +64,15 @@ class IndexerLinear(torch.nn.Module):
 
 
 class IndexerKeyNorm(torch.nn.LayerNorm):
-    """The indexer's key LayerNorm with transformers' eps, whatever megatron passes."""
+    """The indexer's key LayerNorm with transformers' eps (``fixed_eps``; None: the one megatron passes)."""
+
+    fixed_eps: float | None = INDEXER_KEY_NORM_EPS
 
     def __init__(self, config, hidden_size: int, eps: float | None = None) -> None:
-        super().__init__(hidden_size, eps=INDEXER_KEY_NORM_EPS, dtype=config.params_dtype)
+        super().__init__(hidden_size, eps=eps if self.fixed_eps is None else self.fixed_eps, dtype=config.params_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)  # NOTE: in fp32 where loaded so (HY-V4's)
 
 
 class LightningIndexer(DSAIndexer):
@@ -102,7 +110,8 @@ class SparseAttention(DSAttention):
 
     def __init__(self, config, submodules: DSAttentionSubmodules, layer_number: int, attn_mask_type,
                  attention_type: str, attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
-                 cp_comm_type: str = "p2p", pg_collection=None, shared_layers: tuple[int, ...] = ()) -> None:
+                 cp_comm_type: str = "p2p", pg_collection=None, shared_layers: tuple[int, ...] = (),
+                 sinks: bool = False) -> None:
         MegatronModule.__init__(self, config=config)  # NOTE: DSAttention.__init__ always builds an indexer
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
@@ -111,6 +120,7 @@ class SparseAttention(DSAttention):
                                                              pg_collection=pg_collection)
         for p in self.parameters():
             p.requires_grad_(False)  # NOTE: transformers' indexer runs under no_grad: no gradient, no update
+        self.sinks = _sinks(config, pg_collection) if sinks else None
         self.source: list[SparseAttention] = []  # NOTE: a list, not a submodule: the full layer a shared one reads
         self.topk: torch.Tensor | None = None
 
@@ -134,20 +144,36 @@ class SparseAttention(DSAttention):
                     x.detach(), qr.detach(), mask=torch.zeros(masked.shape, device=query.device).masked_fill(
                         masked, float("-inf")))
             self.topk = topk
-        if mask is None:
+        if mask is None and self.sinks is None:
             return unfused_dsa_fn(query, key, value, topk, self.softmax_scale)
-        return masked_sparse_attention(query, key, value, topk, mask, self.softmax_scale)
+        if mask is None:
+            mask = torch.ones(sq, skv, dtype=torch.bool, device=query.device).triu(1).expand(query.shape[1], -1, -1)
+        return masked_sparse_attention(query, key, value, topk, mask, self.softmax_scale, sinks=self.sinks)
 
 
-def masked_sparse_attention(query, key, value, topk_indices, mask, softmax_scale: float) -> torch.Tensor:
+def masked_sparse_attention(query, key, value, topk_indices, mask, softmax_scale: float,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """megatron's ``unfused_dsa_fn`` with a boolean mask ``[b, sq, skv]`` (True: masked; causality included) and
-    masked scores at the finite fp32 minimum (transformers'). ``[sq, b, heads, d]`` in, ``[sq, b, heads * dv]`` out."""
+    masked scores at the finite fp32 minimum (transformers'); ``sinks`` ``[heads]``: an extra softmax column per head.
+    ``[sq, b, heads, d]`` in, ``[sq, b, heads * dv]`` out."""
     sq, b = query.shape[:2]
     scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * softmax_scale
     kept = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device).scatter_(-1, topk_indices, True)
     scores = scores.masked_fill((mask | ~kept).unsqueeze(1), torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :key.shape[0]].to(value.dtype)
     return torch.einsum("bhst,tbhd->sbhd", probs, value).reshape(sq, b, -1)
+
+
+def _sinks(config, pg_collection) -> torch.nn.Parameter:
+    """This rank's heads' sink logits (fp32), split over TP with the heads."""
+    from megatron.core import parallel_state as ps
+
+    tp = pg_collection.tp.size() if pg_collection is not None else ps.get_tensor_model_parallel_world_size()
+    sinks = torch.nn.Parameter(torch.zeros(config.num_attention_heads // tp, dtype=torch.float32))
+    sinks.tensor_model_parallel, sinks.partition_dim, sinks.partition_stride = True, 0, 1
+    return sinks
 
 
 def _refuse_packed(packed_seq_params) -> None:
@@ -156,12 +182,16 @@ def _refuse_packed(packed_seq_params) -> None:
                          "restarting at 0) instead.")
 
 
-def sparse_attention_spec(shared_layers: tuple[int, ...] = ()) -> ModuleSpec:
-    """The MLA core-attention slot's spec: ``SparseAttention`` with ``LightningIndexer``."""
+def sparse_attention_spec(shared_layers: tuple[int, ...] = (), *, key_norm_eps: float | None = INDEXER_KEY_NORM_EPS,
+                          sinks: bool = False) -> ModuleSpec:
+    """The MLA core-attention slot's spec: ``SparseAttention`` with ``LightningIndexer`` (``key_norm_eps``: the
+    indexer's key norm's, None for megatron's; ``sinks``: a learned sink logit per head)."""
+    norm = IndexerKeyNorm if key_norm_eps == INDEXER_KEY_NORM_EPS else \
+        type("IndexerKeyNorm", (IndexerKeyNorm,), {"fixed_eps": key_norm_eps})
     indexer = ModuleSpec(module=LightningIndexer, submodules=DSAIndexerSubmodules(
-        linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=IndexerKeyNorm, linear_weights_proj=IndexerLinear))
+        linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=norm, linear_weights_proj=IndexerLinear))
     return ModuleSpec(module=SparseAttention, submodules=DSAttentionSubmodules(indexer=indexer),
-                      params={"shared_layers": tuple(shared_layers)})
+                      params={"shared_layers": tuple(shared_layers), "sinks": sinks})
 
 
 def link_shared_layers(chunk) -> None:

@@ -18,7 +18,9 @@ Choices:
   vocab-parallel head (``token_logps``: logits times ``1 / temperature`` as TRL's fused head divides them; no
   full-vocabulary logits, no gather over TP), then the trainer's loss. The old and reference log-probs TRL asks for
   (``_get_per_token_logps_and_entropies``, no grad) come from the same head over megatron's forward-only schedule
-  (``completion_logps``; broadcast from the last pipeline stage).
+  (``completion_logps``; broadcast from the last pipeline stage). A model whose transformers class counts positions
+  from the attention mask (OPT) gets them so in both (``absolute_positions.with_mask_positions``; the step's in
+  LoongTrainer's batch checks).
 - Virtual pipeline stages: the step runs megatron's interleaved schedule (``gradient_accumulation_steps`` a multiple
   of ``pipeline_parallel_size``, refused otherwise); a no-grad forward of one batch (old, reference, evaluation
   log-probs) goes through the virtual stages in order (``runtime._interleaved_forward_once``, as the DPO trainer's).
@@ -94,10 +96,6 @@ def refusals(args, model, peft_config, train_dataset, processing_class, *, field
         if getattr(args, field, default) != default:
             problems.append(f"{field}={getattr(args, field)!r}{reason}")
     problems += vision_problems(model, train_dataset, processing_class)
-    bridge = getattr(model, "bridge", None)
-    if getattr(bridge, "positions_from_mask", False):  # NOTE: absolute_positions.check_mask_positions
-        problems.append(f"{bridge.architectures[0]} (transformers counts its positions from the attention mask, "
-                        "and TRL left-pads the prompts)")
     if peft_config is not None and type(peft_config).__name__ != "LoraConfig":
         problems.append(f"peft_config of type {type(peft_config).__name__} (LoRA only)")
     layout = model.parallel
@@ -308,6 +306,7 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from loongforge_hf.bridges.absolute_positions import with_mask_positions
     from loongforge_hf.bridges.output_layer import hidden_states_out, language_head
     from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
@@ -347,6 +346,7 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                                   "prompt_mask": mask[:, :prompt], "completion_mask": mask[:, prompt:],
                                   **vision_rows(vision or {}, start, start + ids.shape[0])},
                                  multiple=model.parallel.sequence_multiple, pad_id=0)
+            with_mask_positions(getattr(model, "bridge", None), batch)  # NOTE: OPT's, from the left-padded mask
             if balance is not None:  # NOTE: the layout's pads weigh 0, as transformers' mask counts the rows
                 tally = balance.begin(mask, tuple(ids.shape), length=batch["input_ids"].shape[1],
                                       device=model.device)

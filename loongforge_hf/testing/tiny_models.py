@@ -16,11 +16,17 @@ import torch
 
 from loongforge_hf.testing.tiny_hybrids import HYBRID_ARCHS, hybrid_config
 from loongforge_hf.testing.tiny_deepseek_v4 import V4_ARCHS, v4_config, randomize as v4_randomize
+from loongforge_hf.testing.tiny_hy_v4 import HY_V4_ARCHS, hy_v4_config, randomize as hy_v4_randomize
 from loongforge_hf.testing.tiny_classic import CLASSIC_ARCHS, CLASSIC_BIASED, classic_config
 from loongforge_hf.testing.tiny_mla_moe import MLA_MOE_ARCHS, mla_moe_config
 from loongforge_hf.testing.tiny_mamba import MAMBA_ARCHS, mamba_config
 from loongforge_hf.testing.tiny_minimax import MINIMAX_ARCHS, minimax_config
 from loongforge_hf.testing.tiny_dense_small import DENSE_SMALL_ARCHS, dense_small_config
+from loongforge_hf.testing.tiny_lfm3 import LFM3_ARCHS, lfm3_config
+from loongforge_hf.testing.tiny_kolibri_aria import KOLIBRI_ARIA_ARCHS, kolibri_aria_config
+from loongforge_hf.testing.tiny_jetmoe import JETMOE_ARCHS, jetmoe_config
+from loongforge_hf.testing.tiny_recurrent_gemma import RECURRENT_GEMMA_ARCHS, recurrent_gemma_config
+from loongforge_hf.testing.tiny_laguna import LAGUNA_ARCHS, laguna_config
 
 TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "deepseek_v3",
               "deepseek_v2", "glm4_moe", "qwen2_moe", "smollm3", "gemma3",
@@ -35,7 +41,8 @@ TINY_ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe
               "deepseek_v32", "glm_moe_dsa",
               "falcon_h1", "olmo_hybrid", "gemma4_moe", "exaone_moe", "solar_open", "dbrx", "mimo_v2_flash",
               "ministral3", "vaultgemma", "cwm", "nanochat", "kimi_linear", "apertus1p5", "youtu", "hy_v3", "mellum",
-              "flint", *V4_ARCHS, *MAMBA_ARCHS, *MLA_MOE_ARCHS, *DENSE_SMALL_ARCHS, *CLASSIC_ARCHS, *MINIMAX_ARCHS)
+              "flint", *V4_ARCHS, *MAMBA_ARCHS, *MLA_MOE_ARCHS, *DENSE_SMALL_ARCHS, *CLASSIC_ARCHS, *MINIMAX_ARCHS,
+              *HY_V4_ARCHS, *KOLIBRI_ARIA_ARCHS, *LFM3_ARCHS, *JETMOE_ARCHS, *RECURRENT_GEMMA_ARCHS, *LAGUNA_ARCHS)
 
 # Phi-3.5 / Phi-4-mini's LongRoPE for the tiny Phi-3 (make_tiny_checkpoint(..., "phi3", **PHI3_LONGROPE)), shrunk:
 # short factors up to 32 positions, an attention factor of sqrt(1 + ln(128 / 32) / ln(32)) = 1.18
@@ -46,7 +53,7 @@ PHI3_LONGROPE = dict(original_max_position_embeddings=32, rope_parameters={
 # linears' biases randomised in the tiny checkpoints
 _RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm", "falcon", "gpt2", "gpt_bigcode",
                   "solar_open", "glm", "nemotron", "granitemoehybrid", "lfm2", "bamba", "nemotron_h", "phimoe",
-                  "jais2", "falcon_h1", *MAMBA_ARCHS, *CLASSIC_BIASED)
+                  "jais2", "falcon_h1", "jetmoe", *MAMBA_ARCHS, *CLASSIC_BIASED, *RECURRENT_GEMMA_ARCHS)
 # causal LMs that transformers' AutoModelForCausalLM does not map (Mistral Small 4 ships as an image-text model)
 _NOT_AUTO = {"mistral4": "Mistral4ForCausalLM"}
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -588,16 +595,26 @@ def _config(arch: str, **overrides):
         cfg = mla_moe_config(arch, common, _MLA)
     elif arch in HYBRID_ARCHS:  # NOTE: the Mamba2 / short-conv hybrids' layouts: tiny_hybrids.py
         cfg = hybrid_config(arch, common)
-    elif arch in V4_ARCHS:  # NOTE: DeepSeek-V4's layer kinds, Beam's: tiny_deepseek_v4.py
-        cfg = v4_config(arch, common)
+    elif arch in (*V4_ARCHS, *HY_V4_ARCHS):  # NOTE: DeepSeek-V4's, Beam's, HY-V4's: tiny_deepseek_v4.py, tiny_hy_v4.py
+        cfg = (v4_config if arch in V4_ARCHS else hy_v4_config)(arch, common)
     elif arch in CLASSIC_ARCHS:  # NOTE: Persimmon, CodeGen, GPT-Neo, OPT: tiny_classic.py
         cfg = classic_config(arch, common)
     elif arch in DENSE_SMALL_ARCHS:  # NOTE: Granite SWA / Granite-MoE SWA, HyperCLOVAX, BitNet: tiny_dense_small.py
         cfg = dense_small_config(arch, common)
     elif arch in MAMBA_ARCHS:  # NOTE: the pure state-space stacks: tiny_mamba.py
         cfg = mamba_config(arch, common)
+    elif arch in LFM3_ARCHS:  # NOTE: LFM3's layer kinds: tiny_lfm3.py
+        cfg = lfm3_config(arch, common)
     elif arch in MINIMAX_ARCHS:  # NOTE: lightning / softmax attention hybrids: tiny_minimax.py
         cfg = minimax_config(arch, common)
+    elif arch in LAGUNA_ARCHS:  # NOTE: per-layer heads, a softplus gate per head: tiny_laguna.py
+        cfg = laguna_config(arch, common)
+    elif arch in JETMOE_ARCHS:  # NOTE: mixture of attention heads: tiny_jetmoe.py
+        cfg = jetmoe_config(arch, common)
+    elif arch in KOLIBRI_ARIA_ARCHS:  # NOTE: Kolibri-1's and Aria's text MoE: tiny_kolibri_aria.py
+        cfg = kolibri_aria_config(arch, common)
+    elif arch in RECURRENT_GEMMA_ARCHS:  # NOTE: Griffin's recurrent blocks and local attention: tiny_recurrent_gemma.py
+        cfg = recurrent_gemma_config(arch, common)
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
     for k, v in overrides.items():
@@ -659,8 +676,9 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
         for name, p in model.named_parameters():
             if "linear_attn.norm" in name:  # NOTE: Qwen3.5's gated norm stores its weight itself (around 1)
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(("layernorm.mlp.fc1.weight", "layernorm.mlp.fc2.weight", "q_gate_proj.weight")):
-                p.copy_(0.3 * torch.randn_like(p))  # NOTE: A.X-K2's gates vary from token to token
+            elif name.endswith(("layernorm.mlp.fc1.weight", "layernorm.mlp.fc2.weight", "q_gate_proj.weight",
+                                "self_attn.g_proj.weight")):
+                p.copy_(0.3 * torch.randn_like(p))  # NOTE: A.X-K2's, LFM3's gates vary by token
             # NOTE: LayerNorms' biases (StarCoder2) around 0; GPT-J's ln_*; DBRX's attention sits in a module named
             # norm_attn_norm (its norms are norm_1 / norm_2 there)
             elif "norm" in name.replace("norm_attn_norm.", "") or ".ln_" in name:
@@ -695,8 +713,8 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
                 b.copy_(0.05 * torch.randn_like(b))
             elif name.endswith("layer_scalar"):  # NOTE: Gemma 4's (HF: ones)
                 b.copy_(1.0 + 0.3 * torch.randn_like(b))
-        if arch in V4_ARCHS:  # NOTE: DeepSeek-V4's / Beam's constant inits (tiny_deepseek_v4.py)
-            v4_randomize(model)
+        if arch in (*V4_ARCHS, *HY_V4_ARCHS):  # NOTE: DeepSeek-V4's / Beam's / HY-V4's constant inits (tiny_*.py)
+            (v4_randomize if arch in V4_ARCHS else hy_v4_randomize)(model)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     if arch == "exaone":  # NOTE: the hub's architecture name (transformers writes LlamaForCausalLM)
         import json

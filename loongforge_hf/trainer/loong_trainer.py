@@ -539,7 +539,7 @@ class LoongTrainer(Trainer):
                                   failed: str | None = None) -> None:
         """Validate this rank's batches (``max_positions`` None: evaluation's, their image tokens only; ``failed``:
         what fetching them raised here), then agree across ranks so a bad batch on one rank stops all of them."""
-        from loongforge_hf.bridges.absolute_positions import check_mask_positions
+        from loongforge_hf.bridges.absolute_positions import with_mask_positions
         from loongforge_hf.bridges.distribution import agree_on_error
         from loongforge_hf.multimodal.image_tokens import image_token_problem
 
@@ -550,10 +550,9 @@ class LoongTrainer(Trainer):
             for b in micro if failed is None else ():
                 if isinstance(b, FailedBatch):
                     raise DataError(b["error"])
+                with_mask_positions(bridge, b)  # NOTE: OPT's default positions, from the attention mask
                 if max_positions is not None:
                     check_batch(b, max_positions=max_positions)
-                if getattr(bridge, "positions_from_mask", False):  # NOTE: OPT's default positions (left padding)
-                    check_mask_positions(b.get("attention_mask"), b.get("position_ids"), arch=bridge.architectures[0])
                 if check_length is not None:  # NOTE: positions the bridge is not exact from (Mistral 4's query scale)
                     positions = b.get("position_ids")
                     check_length(int(positions.max()) + 1 if torch.is_tensor(positions) and positions.numel()

@@ -9,7 +9,8 @@ import warnings
 import torch
 
 
-_STACKS = r"\.(experts\.(gate_up_proj|down_proj)(_bias)?|block_sparse_moe\.(input|output)_linear\.weight)$"
+_STACKS = (r"\.(experts\.(gate_up_proj|down_proj|fc1\.weight|fc2\.weight)(_bias)?"  # NOTE: fc1 / fc2: Aria's
+           r"|block_sparse_moe\.(input|output)_linear\.weight)$")
 
 
 class _RecordingReader:
@@ -100,7 +101,8 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
         ("deepseek", "glm4_moe", "ernie4_5_moe", "olmoe", "llama4", "qwen3_next", "qwen3_5_moe",
          "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "phimoe", "cohere2_moe", "afmoe",
          "mistral4", "exaone_moe", "solar_open", "glm_moe_dsa", "dbrx", "mimo_v2_flash",
-         "kimi_linear", "hy_v3", "mellum", "flint", "granitemoe_swa", "axk1", "axk2", "minimax")) else {}
+         "kimi_linear", "hy_v3", "mellum", "flint", "granitemoe_swa", "axk1", "axk2", "minimax", "kolibri1",
+         "aria_text", "laguna")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)

@@ -65,8 +65,9 @@ SCALAR_ARCHS, SCALAR_LAYOUTS = ["apertus"], ("pp2",)
 # NOTE: Apertus 1.5's language model (Apertus with a full-width head) and Youtu (dense MLA, tied) there too
 # NOTE: the classic decoders: Persimmon (GPT-NeoX's fused q / k / v run sequentially, q / k LayerNorms, relu2),
 # CodeGen (GPT-J with q / v / k fused by shards), GPT-Neo (unscaled scores, local layers' windows, learned positions),
-# OPT (positions two rows down their table, ReLU), GPT-NeoX-Japanese (a bias on the last layer's attention output only)
-CLASSIC = ["persimmon", "codegen", "gpt_neo", "opt", "gpt_neox_japanese"]
+# OPT (positions two rows down their table, ReLU), GPT-NeoX-Japanese (a bias on the last layer's attention output only),
+# BioGPT (OPT's with a scaled token embedding, GELU) and XGLM (sinusoidal positions computed, never loaded)
+CLASSIC = ["persimmon", "codegen", "gpt_neo", "opt", "gpt_neox_japanese", "biogpt", "xglm"]
 # NOTE: Granite SWA (sinks, windows, a NoPE layer, Granite's multipliers), HyperCLOVAX (Granite with post norms),
 # BitNet (sub-norms over TP-split widths, relu2) and DiffLlama (differential attention, each TP rank a slice of both
 # halves of the heads) there too

@@ -58,6 +58,11 @@ theta per layer type) and Flint (sinks, full layers without rotary embedding, si
 expert) at TP2 + SP + EP2; Apertus 1.5's language model and Youtu (dense MLA, tied embeddings) at TP2 + SP.
 Kimi Linear (Kimi Delta Attention's per-channel decay and low-rank gates, their down projections replicated over TP;
 a NoPE MLA layer; grouped sigmoid routing, a shared expert) at TP2 + SP + EP2 and CP2.
+Kolibri-1 (sandwich norms, a NoPE full layer, experts chosen on the logits plus a fixed bias and weighted by their
+sigmoid, a shared MLP) and Aria's text model (experts stacked and transposed on disk, shared experts) at TP2 + SP + EP2.
+Laguna (a head count per layer, split over TP, a softplus output gate per head channel (``gating="per-element"``;
+one per head: test_moe_parity) fused beside the queries, a rope per layer type, sigmoid routing plus a fixed bias,
+which takes no gradient, a shared expert) at TP2 + SP + EP2.
 MiniMax (lightning-attention layers with their norm over all heads split over TP, residuals after the norms scaled,
 softmax top-2 experts) at TP2 + SP + EP2.
 GLM-4-9B (biased q / k / v, half of each head rotated in interleaved pairs, a packed gate / up), OLMo (norms without
@@ -239,6 +244,17 @@ CHECKPOINTS = {
     "gpt_neo": ("gpt_neo", {}),
     "opt": ("opt", {}),
     "gpt_neox_japanese": ("gpt_neox_japanese", {}),
+    # NOTE: BioGPT / XGLM (OPT's bridge; the token embedding scaled, XGLM's fixed sinusoidal table): at TP2 + SP
+    "biogpt": ("biogpt", {}),
+    "xglm": ("xglm", {}),
+    # NOTE: Kolibri-1 (sandwich norms, a NoPE full layer, the top k of the logits plus a bias weighted by their
+    # sigmoid, a shared MLP) and Aria's text model (experts stacked and transposed on disk, shared experts): at TP2 +
+    # SP + EP2
+    "kolibri1": ("kolibri1", {}),
+    "aria_text": ("aria_text", {}),
+    # NOTE: Laguna (a head count per layer, a softplus gate per head channel, a rope per layer type, sigmoid routing
+    # plus a fixed bias, a shared expert): at TP2 + SP + EP2
+    "laguna": ("laguna", {"gating": "per-element"}),
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe", "llama4")
@@ -258,7 +274,8 @@ LAYOUTS = {
                    MOE + ("qwen3_next", "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "granitemoeshared",
                           "phimoe", "cohere2_moe", "afmoe", "glm4_moe_lite", "mistral4", "exaone_moe",
                           "solar_open", "dbrx", "deepseek_v32", "glm_moe_dsa", "mimo_v2_flash", "kimi_linear",
-                          "hy_v3", "mellum", "flint", "axk1", "axk2", "granitemoe_swa", "minimax")),
+                          "hy_v3", "mellum", "flint", "axk1", "axk2", "granitemoe_swa", "minimax", "kolibri1",
+                          "aria_text", "laguna")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET + ("kimi_linear",)),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
@@ -267,7 +284,7 @@ LAYOUTS = {
                                                "jais2", "minicpm3", "ministral3", "vaultgemma", "cwm",
                                                "nanochat", "apertus1p5", "youtu", "granite_swa", "hyperclovax",
                                                "bitnet", "diffllama", "persimmon", "codegen", "gpt_neo", "opt",
-                                               "gpt_neox_japanese")),
+                                               "gpt_neox_japanese", "biogpt", "xglm")),
 }
 # NOTE: the pad id as a real token (_gradients.with_pad_tokens)
 PAD_LAYOUTS = {

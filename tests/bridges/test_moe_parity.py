@@ -115,6 +115,18 @@ after the norms scaled by alpha / beta factors other than 1, Mixtral's experts; 
 loss; left padding at the real tokens, a packed row's documents, greedy generate and a 2-beam search over a
 left-padded batch with the cache: transformers' tokens) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2:
 test_gradients; kernel, refusals: test_minimax).
+Kolibri-1 (``kolibri1``: per-head q / k norms, norms after each sublayer too, a binding 5-token window on layers 0, 1,
+3, the full layer 2 without rotary embedding; in every layer the top 3 of 8 experts by the logits plus a bias, weighted
+by their sigmoid, renormalised, beside a shared MLP; at tp1 also without renormalising, and in bf16 with its fp32
+bias) and Aria's text model (``aria_text``: Llama's layout, softmax top-2 of 8 experts stacked and transposed on
+disk beside shared experts) at tp1 and tp2ep2, their ``router_logits`` (fp32, within 1e-5; no balancing loss)
+(gradients at TP2 + SP + EP2: test_gradients; routing, refusals: test_kolibri_aria).
+Laguna (``laguna``: 4, 8, 2, 6 query heads of 24 in layers 0-3 over 2 KV heads, a softplus output gate per head,
+per-head q / k norms, full layers 0 and 3 rotating half of each head (theta 5e5) beside a binding 5-token window on
+layers 1 and 2 rotating all of it (theta 1e4), a dense first layer, the top 2 of 8 experts by sigmoid scores plus a
+bias that changes some tokens' experts, renormalised and scaled by 2.5, beside a shared expert; ``router_logits`` and
+transformers' balancing loss within 1e-5) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; settings,
+refusals, the bias and gate binding: test_laguna).
 """
 
 import json
@@ -258,6 +270,16 @@ CHECKPOINTS = {
     # NOTE: Granite-MoE SWA: Granite's multipliers, sinks, windows, a NoPE layer, softmax top-2 of 4 experts (under
     # transformers 5's names) beside a shared MLP, transformers' balancing loss
     "granitemoe_swa": ("granitemoe_swa", {}),
+    # NOTE: Kolibri-1: sandwich norms, NoPE full layer, windowed rotary layers, the top k of the logits plus a bias
+    # weighted by their sigmoid, a shared MLP; Aria's text model: experts stacked and transposed on disk, shared ones
+    "kolibri1": ("kolibri1", {}),
+    "aria_text": ("aria_text", {}),
+    # NOTE: Laguna: a head count per layer, a softplus gate per head, a rope theta and rotary share per layer type
+    "laguna": ("laguna", {}),
+    # NOTE: ... Kolibri-1 without renormalising the top k (transformers' default), and in bf16 (the router weight in
+    # bf16, its bias in fp32: the round trip keeps both)
+    "kolibri1_unnormalised": ("kolibri1", {"norm_topk_prob": False}),
+    "kolibri1_bf16": ("kolibri1", {"dtype": torch.bfloat16}),
 }
 
 MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe",
@@ -271,12 +293,14 @@ DSA = ("deepseek_v32", "glm_moe_dsa", "axk2")  # NOTE: at tp1 and tp2ep2 (CI tim
 DENSE_MLA = ("minicpm3",)  # NOTE: no experts: at tp1 and tp2sp, checked by test_dense_mla_parity
 KDA = ("kimi_linear",)  # NOTE: at tp1, cp2ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2 and CP2
 # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
-NEW_MOE = ("exaone_moe", "solar_open", "dbrx", "mimo_v2_flash", "hy_v3", "mellum", "flint", "minimax", "granitemoe_swa")
+NEW_MOE = ("exaone_moe", "solar_open", "dbrx", "mimo_v2_flash", "hy_v3", "mellum", "flint", "minimax", "granitemoe_swa",
+           "kolibri1", "aria_text", "laguna")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, *SMALL_MOE, *MLA_FAMILY, *DSA, *DENSE_MLA, "deepseek_v3_yarn",
                     "deepseek_v2_grouped", "qwen3_moe_sparse2",
                     "deepseek_v3_bf16", "glm4_moe_qk_norm", "qwen3_moe_yarn", "mixtral_yarn", "olmoe_norm_topk",
-                    "cohere2_moe", "cohere2_moe_rms", *NEW_MOE, *KDA, "axk2_grouped", "axk1_no_bias")),
+                    "cohere2_moe", "cohere2_moe_rms", *NEW_MOE, *KDA, "axk2_grouped", "axk1_no_bias",
+                    "kolibri1_unnormalised", "kolibri1_bf16")),
     "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE, "cohere2_moe_rms")),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2},
@@ -421,7 +445,8 @@ def test_parity_and_round_trip(worlds, layout, name):
         mlp = {m.removeprefix("Scaled") if name.startswith("granitemoe") else m for m in r["mlp_modules"]}
         # NOTE: FlexOlmo's and AFMoE's MoE layer with its post norm, Cohere2-MoE's halved
         # (layer_outputs.transformed_moe); AFMoE's dense MLP with its post norm (transformed_mlp)
-        moe = "TransformedMoELayer" if name in ("flex_olmo", "cohere2_moe", "afmoe", "axk1") else "MoELayer"
+        moe = "TransformedMoELayer" if name in ("flex_olmo", "cohere2_moe", "afmoe", "axk1") or name.startswith(
+            "kolibri1") else "MoELayer"
         dense = "TransformedMLP" if name == "afmoe" else "SwiGLUMLP"
         assert mlp <= {moe, dense} and moe in mlp, (rank, r)
         # transformers' output type; DeepSeek's and GLM-4.5's forward asks for router_logits: per MoE layer, none
@@ -450,10 +475,14 @@ def test_parity_and_round_trip(worlds, layout, name):
             layers = MINIMAX_MOE_LAYERS if name.startswith("minimax") else OLMOE_MOE_LAYERS  # loss; every layer sparse
             assert r["router_counts"] == (layers,) * 2 and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
-        if name in ("mellum", "flint"):  # NOTE: router_logits (fp32) and transformers' balancing loss, layers 1-3
+        if name in ("mellum", "flint", "laguna"):  # NOTE: router_logits (fp32), the balancing loss; layers 1-3
             assert r["router_counts"] == (DENSE_FIRST_MOE_LAYERS,) * 2 and r["router_dtypes"] == ["torch.float32"], (
                 rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
+        if name.startswith(("kolibri1", "aria_text")):  # NOTE: router_logits, every layer sparse; no aux loss
+            assert r["no_aux_loss"] and r["router_counts"] == (4, 4), (rank, r)
+            assert r["router_dtypes"] == ["torch.float32"], (rank, r)
+            assert r["router_diff"] < (tol["logit_diff"] if name.endswith("_bf16") else ROUTER_TOL), (rank, r)
         if name == "granitemoe_swa":  # NOTE: router_logits and transformers' balancing loss, every layer sparse
             assert r["router_counts"] == (4, 4) and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)

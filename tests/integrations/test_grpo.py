@@ -244,9 +244,10 @@ def test_vision_refusals(tp1):
     assert "a processor with the text model" in processor
 
 
-def test_positions_from_the_attention_mask_refused():
+def test_positions_from_the_attention_mask_not_refused():
     """OPT counts its positions from the attention mask (transformers' ``cumsum(attention_mask) - 1``) and TRL
-    left-pads the prompts: LoongGRPOTrainer / LoongRLOOTrainer's setup refuses it by name (pure, on every rank)."""
+    left-pads the prompts: the online trainers derive them so (``absolute_positions.with_mask_positions``; shown
+    against TRL in tests/bridges/test_opt_mask_positions.py), so their setup no longer refuses it."""
     from types import SimpleNamespace
 
     from loongforge_hf.bridges import get_bridge
@@ -255,8 +256,5 @@ def test_positions_from_the_attention_mask_refused():
     from loongforge_hf.testing.tiny_models import _config
 
     args = SimpleNamespace(gradient_accumulation_steps=1, log_completions=False)
-    for arch, name in (("opt", "OPTForCausalLM"), ("llama", "LlamaForCausalLM")):
-        model = SimpleNamespace(parallel=ParallelConfig(), bridge=get_bridge(_config(arch, architectures=[name])))
-        problems = refusals(args, model, None, None, None)
-        assert problems == (["OPTForCausalLM (transformers counts its positions from the attention mask, and TRL "
-                             "left-pads the prompts)"] if arch == "opt" else []), problems
+    bridge = get_bridge(_config("opt", architectures=["OPTForCausalLM"]))
+    assert refusals(args, SimpleNamespace(parallel=ParallelConfig(), bridge=bridge), None, None, None) == []

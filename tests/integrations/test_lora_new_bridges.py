@@ -2,8 +2,11 @@
 
 Models: MiniMax (lightning attention's packed ``qkv_proj`` / ``output_gate`` / ``out_proj``, softmax attention, the
 routed experts and router through PEFT's rewrite on transformers 5), Granite SWA and Granite-MoE SWA, HyperCLOVAX,
-BitNet, DiffLlama, OPT, GPT-Neo, CodeGen, Persimmon, GPT-NeoX-Japanese, A.X-K1 (MLA + DeepSeek-V3's routing),
-Mamba, Falcon-Mamba and Mamba2 (the mixers' ``in_proj``).
+BitNet, DiffLlama, OPT, BioGPT, XGLM, GPT-Neo, CodeGen, Persimmon, GPT-NeoX-Japanese, A.X-K1 (MLA + DeepSeek-V3's
+routing), Mamba, Falcon-Mamba and Mamba2 (the mixers' ``in_proj``), RecurrentGemma (the recurrent blocks'
+``linear_x`` / ``linear_y`` / ``linear_out``), Kolibri-1 and Aria's text model (attention, shared
+experts), LFM3 (attention, the short convs' ``in_proj`` / ``out_proj``, MLP), Laguna (``q_proj`` / ``k_proj`` /
+``v_proj`` / ``g_proj`` with each layer's heads, ``o_proj``, the dense MLP).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
@@ -11,8 +14,8 @@ Choices:
   ``qkv_proj`` and Mamba-1's ``x_proj`` / ``dt_proj``, which PEFT adapts; PEFT refuses the Mamba models' ``out_proj``.
 - Each model from ``get_peft_model`` and PEFT's after the same seed (``_lora_checks.lora_pair``): the same initial
   factors (DiffLlama's too: planning builds transformers' module tree under a forked RNG, as its lambdas draw).
-- A right-padded batch (OPT refuses left padding without position_ids, and a left pad's logits feed the next token's
-  loss in transformers but are nobody's contract), labels -100 on the pads.
+- A right-padded batch (a left pad's logits feed the next token's loss in transformers but are nobody's contract),
+  labels -100 on the pads.
 - Checks at TP1 (``new_bridge_checks``): logits (1e-4 on real tokens), loss (1e-5), every module adapter's A and B
   gradient at HF shape (1e-4 relative to each tensor's largest, as ``_lora_hybrids``) and the expert / router
   adapters' of each MoE layer (``_lora_moe._check_expert_grads``, 1e-5), PEFT's trainable counts, the adapter folder's
@@ -38,7 +41,7 @@ ADAPTERS = {
     "bitnet": ALL_LINEAR,
     # NOTE: DiffLlama's q / k / v refused by the planner (PEFT adapts them): o_proj and the MLP
     "diffllama": dict(ALL_LINEAR, exclude_modules=["q_proj", "k_proj", "v_proj"]),
-    "opt": ALL_LINEAR, "gpt_neo": ALL_LINEAR,
+    "opt": ALL_LINEAR, "gpt_neo": ALL_LINEAR, "biogpt": ALL_LINEAR, "xglm": ALL_LINEAR,
     # NOTE: CodeGen's qkv_proj (mp_num blocks of q / v / k) refused by the planner (PEFT adapts it): the rest
     "codegen": dict(ALL_LINEAR, exclude_modules=["qkv_proj"]), "persimmon": ALL_LINEAR,
     "gpt_neox_japanese": ALL_LINEAR, "axk1": ALL_LINEAR,
@@ -47,6 +50,19 @@ ADAPTERS = {
     "mamba": dict(ALL_LINEAR, exclude_modules=["out_proj", "x_proj", "dt_proj"]),
     "falcon_mamba": dict(ALL_LINEAR, exclude_modules=["out_proj", "x_proj", "dt_proj"]),
     "mamba2": dict(ALL_LINEAR, exclude_modules=["out_proj"]),
+    # NOTE: PEFT's all-linear takes attention and the shared experts (the routers and stacked experts are no Linear)
+    "kolibri1": ALL_LINEAR, "aria_text": ALL_LINEAR,
+    # NOTE: Laguna's q / k / v / g_proj (per-layer heads, the gate rows beside the queries), o_proj and the dense MLP;
+    # not the shared experts: transformers' rename of their checkpoint name (mlp.shared_expert. -> shared_experts., a
+    # regex whose dot takes the "s") garbles PEFT's own adapter keys on PeftModel.from_pretrained
+    "laguna": dict(ALL_LINEAR, exclude_modules=r".*\.shared_experts\..*"),
+    # NOTE: LFM3's attention (q / k / v / o_proj), conv in_proj / out_proj and MLP; the planner refuses its output
+    # gate's g_proj (our own column-parallel linear, no LoRA slot), which PEFT adapts
+    "lfm3": dict(ALL_LINEAR, exclude_modules=["g_proj"]),
+    # NOTE: RecurrentGemma's recurrent blocks' linear_x / linear_y (in_proj's sections) / linear_out, the local
+    # attention's q_proj / o_proj, the MLP; not k_proj / v_proj: the one KV head is replicated at TP2, where the planner
+    # refuses adapters on its rows
+    "recurrent_gemma": dict(ALL_LINEAR, exclude_modules=["k_proj", "v_proj"]),
 }
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 # model -> its two-rank layout: TP2 + SP (MiniMax's routed experts' adapters whole on each rank: refused otherwise)

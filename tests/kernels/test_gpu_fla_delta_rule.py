@@ -64,8 +64,9 @@ def test_fla_matches_the_torch_code(dtype, tol, bounds, per_channel):
 
 
 def _fla_inference(folder: str) -> dict:
-    """A Gated DeltaNet / KDA model in bf16 on the GPU without gradients: logits of a left-padded batch and greedy cached generate with
-    fla's kernels counted, then with ``LOONGFORGE_DELTA_RULE=torch``, and transformers' (its fla path)."""
+    """A Gated DeltaNet / KDA model in bf16 on the GPU without gradients: logits of a left-padded batch and greedy
+    cached generate with fla's kernels counted, then with ``LOONGFORGE_DELTA_RULE=torch``, and transformers' (its
+    fla path)."""
     import os
 
     import transformers
@@ -99,9 +100,10 @@ def _fla_inference(folder: str) -> dict:
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])
 def test_inference_takes_fla(tmp_path, arch):
-    """Qwen3.5's Gated DeltaNet layers (Kimi Linear's KDA layers: ``chunk_kda``) take fla's kernels in gradient-free bf16 forwards (every linear layer of the
-    forward and the prefill counted; decode steps keep the one-token recurrence): logits within bf16's resolution
-    (3e-2 of the largest) of our torch code and of transformers on the real tokens, the same greedy tokens."""
+    """Qwen3.5's Gated DeltaNet layers (Kimi Linear's KDA layers: ``chunk_kda``) take fla's kernels in gradient-free
+    bf16 forwards (every linear layer of the forward and the prefill counted; decode steps keep the one-token
+    recurrence): logits within bf16's resolution (3e-2 of the largest) of our torch code and of transformers on the
+    real tokens, the same greedy tokens."""
     from loongforge_hf.kernels import fla_delta_rule
     from loongforge_hf.parallel.spawn import run_distributed
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint

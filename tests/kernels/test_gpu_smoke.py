@@ -86,14 +86,15 @@ def _train_and_compare(folder: str, out_dir: str, device: str, sampled: bool = F
                                             ("cwm", {}), ("nanochat", {}), ("deepseek_v32", {}),
                                             ("glm_moe_dsa", {}), ("mimo_v2_flash", {}), ("kimi_linear", {}),
                                             ("apertus1p5", {}), ("youtu", {}), ("hy_v3", {}), ("mellum", {}),
-                                            ("deepseek_v4", {}), ("beam", {}),
+                                            ("deepseek_v4", {}), ("beam", {}), ("hy_v4", {}),
                                             ("flint", {}), ("axk1", {}), ("axk2", {}), ("granite_swa", {}),
                                             ("granitemoe_swa", {}), ("hyperclovax", {}), ("bitnet", {}),
                                             ("diffllama", {}),
                                             ("minimax", {}), ("persimmon", {}), ("codegen", {}), ("gpt_neo", {}),
-                                            ("opt", {}), ("gpt_neox_japanese", {}),
+                                            ("opt", {}), ("gpt_neox_japanese", {}), ("biogpt", {}), ("xglm", {}),
                                             ("mamba2", {}), ("mamba", {}), ("falcon_mamba", {}),
-                                            ("jamba", {})])
+                                            ("jamba", {}), ("laguna", {}), ("kolibri1", {}), ("aria_text", {}),
+                                            ("jetmoe", {}), ("lfm3", {}), ("recurrent_gemma", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 

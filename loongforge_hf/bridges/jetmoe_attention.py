@@ -1,0 +1,188 @@
+"""JetMoE's mixture of attention heads (transformers' ``JetMoeAttention`` / ``JetMoeMoA``) as megatron's
+``SelfAttention`` with its two projection slots replaced, and JetMoE's MoE layer (megatron's ``MoELayer`` plus the
+output bias).
+
+Choices:
+- The query and output projections are experts: a replicated router (``[E, H]``, logits in fp32, the top k of them,
+  softmax over the k chosen, in the model's dtype as transformers' ``JetMoeTopKGating``) picks k experts per token;
+  slot ``j``'s query is expert ``e_j``'s ``query`` projection (``[E, kv_heads * head_dim, H]``), all slots attend to
+  one shared key / value projection (``kv``, transformers' ``kv_proj``: ``[k; v]`` rows), and each slot's attention
+  output goes through expert ``e_j``'s ``output`` projection (``[E, H, kv_heads * head_dim]``), times its gate,
+  summed over the slots, plus ``bias`` (added by megatron's bias-dropout-add, as a row-parallel linear's bias).
+- Heads: megatron sees ``k * kv_heads`` query heads in ``kv_heads`` groups, group ``h`` holding slot ``j`` at head
+  ``h * k + j`` (transformers tiles the keys over the slots: the same pairs); rope, the causal / padding masks,
+  packed documents, the KV cache and context parallelism are megatron's attention and our ``CoreAttention``.
+- Tensor parallelism splits the KV heads: rank ``r`` holds its heads' rows of every expert's ``query``, their
+  ``k`` / ``v`` rows of ``kv`` and their columns of every expert's ``output`` (summed over the ranks as a
+  row-parallel linear: all-reduce, or reduce-scatter under sequence parallelism, which all-gathers the tokens once
+  at the input). Every rank routes all its tokens alike; the gates pass a copy-to-tensor-parallel region (their
+  gradient summed over the ranks' heads) and the router reads the gathered tokens without the reduce-scatter in the
+  backward: the router's gradient is whole on every rank, as a replicated weight's.
+- Experts run as transformers' loop over experts on their tokens (one linear per expert).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+
+def _parameter(config, *shape: int, split_dim: int | None, bias: bool = False) -> torch.nn.Parameter:
+    """A parameter of this rank's ``shape`` (normal with the config's std, zeros for a ``bias``), split over TP along
+    ``split_dim`` (None: replicated; a ``bias`` is added to each rank's own tokens, so summed over TP under SP)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from loongforge_hf.xpu import get_backend
+
+    device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
+    param = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=device))
+    with torch.no_grad():
+        param.zero_() if bias else param.normal_(0.0, config.init_method_std)
+    if split_dim is not None:
+        set_tensor_model_parallel_attributes(param, True, split_dim, 1)
+    if bias:
+        param.sequence_parallel = config.sequence_parallel
+    return param
+
+
+def _tp(tp_group) -> tuple[int, object]:
+    """(size, group) of the tensor-parallel group megatron hands the slot, else the global one."""
+    if tp_group is None:
+        from megatron.core import parallel_state as ps
+
+        tp_group = ps.get_tensor_model_parallel_group(check_initialized=False)
+    return (tp_group.size() if tp_group is not None else 1), tp_group
+
+
+class Routing:
+    """One forward's routing: each (token, slot) pair sorted by expert (``order``), the experts' pair counts and
+    the slots' gates ``[tokens, k]``."""
+
+    def __init__(self, top: torch.Tensor, gates: torch.Tensor, experts: int) -> None:
+        flat = top.reshape(-1)
+        self.order = flat.argsort(stable=True)
+        self.counts = torch.bincount(flat, minlength=experts).tolist()
+        self.gates, self.k = gates, top.shape[-1]
+
+
+def _per_expert(rows: torch.Tensor, weight: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``rows`` (sorted by expert) each through its expert's linear ``weight[e]``."""
+    parts = rows.split(routing.counts)
+    return torch.cat([F.linear(p, weight[e]) for e, p in enumerate(parts)], dim=0)
+
+
+class MoAQueryKV(torch.nn.Module):
+    """The ``linear_qkv`` slot: router, query experts and the shared ``kv`` of this rank's KV heads; returns
+    ``(query [s, b, k * heads, d], key, value [s, b, heads, d], routing)``."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, tp_group=None, experts: int, top_k: int,
+                 **_: object) -> None:
+        super().__init__()
+        self.config, self.experts, self.top_k = config, experts, top_k
+        self.tp_size, self.tp_group = _tp(tp_group)
+        self.heads = config.num_query_groups // self.tp_size
+        self.head_dim, rows = config.kv_channels, config.num_query_groups // self.tp_size * config.kv_channels
+        self.router = _parameter(config, experts, input_size, split_dim=None)
+        self.query = _parameter(config, experts, rows, input_size, split_dim=1)
+        self.kv = _parameter(config, 2 * rows, input_size, split_dim=0)
+
+    def _inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the tokens for the projections, the tokens for the router): see the module docstring."""
+        from megatron.core.tensor_parallel import mappings as M
+
+        if self.tp_size == 1:
+            return hidden, hidden
+        if self.config.sequence_parallel:
+            return (M.gather_from_sequence_parallel_region(hidden, group=self.tp_group),
+                    M.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                           group=self.tp_group))
+        return M.copy_to_tensor_model_parallel_region(hidden, group=self.tp_group), hidden
+
+    def forward(self, hidden: torch.Tensor):
+        from megatron.core.tensor_parallel import mappings as M
+
+        x, routed = self._inputs(hidden)
+        s, b, h = x.shape
+        logits = F.linear(routed, self.router).float().reshape(s * b, self.experts)
+        top_logits, top = logits.topk(self.top_k, dim=-1)
+        gates = torch.softmax(top_logits, dim=-1).type_as(x)
+        if self.tp_size > 1:
+            gates = M.copy_to_tensor_model_parallel_region(gates, group=self.tp_group)
+        routing = Routing(top, gates, self.experts)
+        flat = x.reshape(s * b, h)
+        sorted_q = _per_expert(flat[routing.order // self.top_k], self.query, routing)
+        query = torch.empty_like(sorted_q).index_copy(0, routing.order, sorted_q)
+        query = query.view(s, b, self.top_k, self.heads, self.head_dim).transpose(2, 3)
+        key, value = F.linear(x, self.kv).view(s, b, 2, self.heads, self.head_dim).unbind(2)
+        return query.reshape(s, b, self.heads * self.top_k, self.head_dim), key, value, routing
+
+
+class MoAOutput(torch.nn.Module):
+    """The ``linear_proj`` slot: each slot's heads through its expert's ``weight`` (this rank's columns), times the
+    gate, summed over slots and ranks; returns ``(output, bias)`` (``routing`` set by the attention first)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, tp_group=None, experts: int, **_: object):
+        super().__init__()
+        self.config = config
+        self.tp_size, self.tp_group = _tp(tp_group)
+        cols = config.num_query_groups // self.tp_size * config.kv_channels
+        self.weight = _parameter(config, experts, output_size, cols, split_dim=2)
+        self.bias = _parameter(config, output_size, split_dim=None, bias=True)
+        self.routing: Routing | None = None
+
+    def forward(self, attended: torch.Tensor):
+        from megatron.core.tensor_parallel import mappings as M
+
+        routing, self.routing = self.routing, None
+        s, b, _ = attended.shape
+        k, d = routing.k, self.config.kv_channels
+        slots = attended.view(s * b, -1, k, d).transpose(1, 2).reshape(s * b * k, -1)
+        out = _per_expert(slots[routing.order], self.weight, routing) * routing.gates.reshape(-1)[routing.order, None]
+        out = out.new_zeros(s * b, out.shape[-1]).index_add(0, routing.order // k, out).view(s, b, -1)
+        if self.tp_size > 1:
+            out = (M.reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)
+                   if self.config.sequence_parallel else
+                   M.reduce_from_tensor_model_parallel_region(out, group=self.tp_group))
+        return out, self.bias
+
+
+@functools.cache
+def moa_attention(*, experts: int, top_k: int) -> type:
+    """megatron's ``SelfAttention`` with JetMoE's mixture of attention heads (module docstring)."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    class MoASelfAttention(SelfAttention):
+        def __init__(self, config, submodules, *args, **kwargs) -> None:
+            submodules = replace(submodules,
+                                 linear_qkv=functools.partial(MoAQueryKV, experts=experts, top_k=top_k),
+                                 linear_proj=ModuleSpec(module=MoAOutput, params={"experts": experts}))
+            super().__init__(config, submodules, *args, **kwargs)
+
+        def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False,
+                                        split_qkv=True):
+            query, key, value, self.linear_proj.routing = self.linear_qkv(hidden_states)
+            return query, key, value
+
+    return MoASelfAttention
+
+
+@functools.cache
+def biased_moe_layer() -> type:
+    """megatron's ``MoELayer`` with transformers' ``JetMoeMoE.bias`` ``[H]`` after the experts, returned as the
+    layer's bias (megatron's bias-dropout-add adds it to each rank's own tokens)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    class BiasedMoELayer(MoELayer):
+        def __init__(self, config, *args, **kwargs) -> None:
+            super().__init__(config, *args, **kwargs)
+            self.bias = _parameter(config, config.hidden_size, split_dim=None, bias=True)
+
+        def forward(self, *args, **kwargs):
+            output, bias = super().forward(*args, **kwargs)
+            return output, self.bias if bias is None else bias + self.bias
+
+    return BiasedMoELayer

@@ -1,0 +1,199 @@
+"""HY-V4 (``bridges/hy_v4.py``) against transformers' ``HYV4ForCausalLM`` on a tiny fp32 checkpoint: multi-latent
+attention with DeepSeek Sparse Attention (each query keeps 4 of up to 12 keys; layers 1 and 3 reuse an earlier
+top-k), sinks and an output gate, 3 hyper-connection streams, a dense first layer then experts with a SwiGLU limit
+that clips. Logits and loss within 1e-4 and ``router_logits`` within 1e-5 at TP1, TP2 + SP and EP2; at TP1 also a
+left-padded row, a row of two documents (``position_ids`` restarting: each as transformers runs it alone), greedy
+``generate(use_cache=False)`` (a KV cache refused by name) and a checkpoint naming the MLPs' gates ``gate_proj`` with
+a ``model.mtp_layers.*`` tensor (read as transformers reads it, exported under the names it writes, the tensor passed
+through); every gradient at TP2 + SP within 1e-4 of its largest entry (the frozen indexer's tensors take none, as in
+transformers); bit-exact export at TP2 + SP and EP2. One two-rank world runs it all; the config, layout and LoRA
+refusals are pure."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+
+LAYOUTS = {"tp1": {}, "tp2sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
+           "ep2": {"expert_parallel_size": 2}}
+
+
+def _padded_and_generate(model, ref, ids: torch.Tensor) -> dict:
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask).logits
+        theirs = ref(input_ids=ids, attention_mask=mask).logits
+    prompt = ids[:, :8]
+    tokens = model.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=False)
+    expected = ref.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=False)
+    try:
+        model.generate(prompt, max_new_tokens=2, do_sample=False)
+        refusal = ""
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        refusal = str(err)
+    packed = torch.cat([torch.arange(7), torch.arange(5)]).expand(2, -1)
+    with torch.no_grad():
+        docs = model(input_ids=ids, position_ids=packed).logits
+        apart = torch.cat([ref(input_ids=ids[:, :7]).logits, ref(input_ids=ids[:, 7:]).logits], dim=1)
+    return {"padded": (ours - theirs)[mask.bool()].abs().max().item(), "generate": torch.equal(tokens, expected),
+            "cache_refusal": refusal, "packed": (docs - apart).abs().max().item()}
+
+
+def _hub_named(folder: Path) -> Path:
+    """``folder`` with the MLPs' gates under ``gate_proj`` and a ``model.mtp_layers.*`` tensor, in one file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hub = folder.with_name("hub")
+    shutil.copytree(folder, hub)
+    tensors = {"model.mtp_layers.0.norm.weight": torch.ones(64)}
+    for f in hub.glob("model*.safetensors*"):
+        if f.suffix == ".safetensors":
+            tensors.update({re.sub(r"(\.mlp(?:\.shared_experts)?)\.linear_gate\.", r"\1.gate_proj.", k): v
+                            for k, v in load_file(f).items()})
+        f.unlink()
+    save_file(tensors, hub / "model.safetensors", metadata={"format": "pt"})
+    return hub
+
+
+def _hub_checks(folder: str, hub: str, ref, ids: torch.Tensor) -> dict:
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+    from tests.bridges.test_deepseek_v4 import _exported_equal
+
+    model = lf.AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32)
+    with torch.no_grad():
+        diff = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+    model.save_pretrained(f"{hub}-out{dist.get_rank()}")
+    return {"hub_logits": diff, "hub_export": _exported_equal(
+        folder, f"{hub}-out{dist.get_rank()}", extra=("model.mtp_layers.0.norm.weight",))}
+
+
+def _world(folder: str, hub: str) -> dict:
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
+    from tests.bridges.test_deepseek_v4 import _exported_equal, _gradients
+
+    out, ref = {}, hf_causal_lm(folder, dtype=torch.float32)
+    ids = torch.randint(3, 203, (2, 12), generator=torch.Generator().manual_seed(7))
+    for name, layout in LAYOUTS.items():
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+        with torch.no_grad():
+            ours = model(input_ids=ids, labels=ids, output_router_logits=True)
+            theirs = ref(input_ids=ids, labels=ids, output_router_logits=True)
+        out[name] = {"logits": (ours.logits - theirs.logits).abs().max().item(),
+                     "loss": abs(ours.loss.item() - theirs.loss.item()),
+                     "router_counts": (len(ours.router_logits), len(theirs.router_logits)),
+                     "router": max((a - b).abs().max().item() for a, b in zip(ours.router_logits,
+                                                                              theirs.router_logits))}
+        if name == "tp1":
+            out.update(_padded_and_generate(model, ref, ids))
+            out.update(_hub_checks(folder, hub, ref, ids))
+        else:
+            model.save_pretrained(f"{folder}-{name}")
+            dist.barrier()
+            out[f"{name}_export"] = _exported_equal(folder, f"{folder}-{name}")
+        if name == "tp2sp":
+            out["grads"] = _gradients(model, folder, ids)
+        del model
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("hy_v4") / "hy_v4", "hy_v4")
+    return run_distributed(_world, 2, str(folder), str(_hub_named(folder)), timeout=400)[0]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_logits_loss_and_router_logits_match_transformers(results, layout):
+    r = results[layout]
+    assert r["logits"] < 1e-4 and r["loss"] < 1e-4, r
+    assert r["router_counts"] == (3, 3) and r["router"] < 1e-5, r
+
+
+def test_gradients_at_tp2_sp_match_transformers(results):
+    diffs = results["grads"]
+    assert diffs and max(diffs.values()) < 1e-4, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_left_padding_packed_rows_generate_without_cache_and_cache_refused(results):
+    assert results["padded"] < 1e-4 and results["packed"] < 1e-4 and results["generate"], results
+    assert "KV cache is not supported for HYV4ForCausalLM" in results["cache_refusal"], results
+
+
+def test_hub_gate_names_load_and_export_as_transformers_writes(results):
+    assert results["hub_logits"] < 1e-4 and results["hub_export"] == {"same_names": True, "unequal": []}, results
+
+
+@pytest.mark.parametrize("layout", ["tp2sp", "ep2"])
+def test_export_is_bit_exact(results, layout):
+    assert results[f"{layout}_export"] == {"same_names": True, "unequal": []}
+
+
+def test_top_k_and_sinks_change_the_tiny_models_logits():
+    """At 12 tokens the index top-k (4) binds, and the sinks move the logits: neither is idle in the parity above."""
+    import transformers
+
+    from loongforge_hf.testing.tiny_hy_v4 import randomize
+    from loongforge_hf.testing.tiny_models import _config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config("hy_v4"), dtype=torch.float32).eval()
+    randomize(model)
+    ids = torch.randint(3, 203, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        base = model(ids).logits
+        for layer in model.model.layers:
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.index_topk = 12
+        dense = model(ids).logits
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+        sinkless = model(ids).logits
+    assert (base - dense).abs().max() > 1e-3 and (dense - sinkless).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("overrides,field", [({"swiglu_limit": 0.0}, "swiglu_limit=0.0"),
+                                             ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+                                             ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+                                             ({"indexer_types": ["shared", "full", "full", "full"]},
+                                              "indexer_types=")])
+def test_fields_not_reproduced_refused_by_name(overrides, field):
+    from loongforge_hf.bridges.config_map import UnsupportedConfigError
+    from loongforge_hf.bridges.registry import get_bridge
+    from loongforge_hf.testing.tiny_models import _config
+
+    with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
+        get_bridge(_config("hy_v4", **overrides))
+
+
+def test_layouts_and_lora_refused_by_the_pure_checks():
+    import peft
+
+    from loongforge_hf.bridges.config_map import UnsupportedConfigError
+    from loongforge_hf.bridges.registry import get_bridge
+    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+    from loongforge_hf.parallel.config import ParallelConfig
+    from loongforge_hf.testing.tiny_models import _config
+
+    bridge = get_bridge(_config("hy_v4"))
+    for layout, field in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 .*HYV4ForCausalLM"),
+                          ({"context_parallel_size": 2}, "context_parallel_size=2 .*HYV4ForCausalLM")):
+        with pytest.raises(UnsupportedConfigError, match=field):
+            bridge.check_layout(ParallelConfig(**layout))
+    bridge.check_layout(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True))
+    with pytest.raises(LoraConfigError, match="LoRA is not supported for HYV4ForCausalLM"):
+        plan_lora(bridge, peft.LoraConfig(r=4, target_modules="all-linear"))
