@@ -20,10 +20,12 @@ from loongforge_hf.bridges import beam, deepseek_v4  # noqa: F401
 from loongforge_hf.bridges import hy_v4  # noqa: F401
 from loongforge_hf.bridges import axk1, axk2  # noqa: F401
 from loongforge_hf.bridges import gemma4  # noqa: F401
+from loongforge_hf.bridges import gemma3n  # noqa: F401
 from loongforge_hf.bridges import lfm2, lfm2_moe, lfm3  # noqa: F401
 from loongforge_hf.bridges import bamba, falcon_h1, granitemoehybrid, nemotron_h  # noqa: F401
 from loongforge_hf.bridges import jamba, mamba2_lm, mamba_lm  # noqa: F401
 from loongforge_hf.bridges import qwen3_5_moe, qwen3_next  # noqa: F401
+from loongforge_hf.bridges import qwen4_exp_refused  # noqa: F401
 from loongforge_hf.bridges import glm, nemotron, olmo  # noqa: F401
 from loongforge_hf.bridges import olmo_hybrid  # noqa: F401
 from loongforge_hf.bridges import kimi_linear  # noqa: F401
@@ -36,7 +38,11 @@ from loongforge_hf.bridges import bitnet, diffllama, granite_swa  # noqa: F401
 from loongforge_hf.bridges import aria, kolibri1  # noqa: F401
 from loongforge_hf.bridges import jetmoe  # noqa: F401
 from loongforge_hf.bridges import laguna  # noqa: F401
+from loongforge_hf.bridges import longcat_flash  # noqa: F401
 from loongforge_hf.bridges import recurrent_gemma  # noqa: F401
+from loongforge_hf.bridges import vlm_text_refused  # noqa: F401
+from loongforge_hf.bridges import doge  # noqa: F401
+from loongforge_hf.bridges import zamba, zamba2  # noqa: F401
 from loongforge_hf.bridges import (arcee, cohere, deepseek, ernie4_5_moe, exaone4, gemma, glm4,  # noqa: F401
                                    glm4_moe, gpt_neox, gpt_oss, gptj, granite, llama, mistral, mixtral, olmo2,
                                    olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm,

@@ -29,11 +29,18 @@ Choices:
   the sliding layers (megatron's ``window_attn_skip_freq``) and no rotary embedding on the full ones, which
   transformers rotates only when a layer has a window (``smollm3.no_rope_attention``); no q / k norms
   (``Cohere2Config`` has none), ``head_dim`` is ``hidden_size / num_attention_heads``.
+- CohereCompassForCausalLM (``cohere_compass_text``: the language model of Cohere's Compass image-text models, as its
+  own causal LM): Cohere2's layer with Qwen3's rotary (rotate-half pairs: megatron's default, not interleaved) and the
+  rope per layer type (``rope_parameters[layer_type]``; a type whose entry is None takes no rotary embedding). Its
+  three M-RoPE axes all take the text positions in a causal LM, which is plain rope. The rotated types must share
+  their parameters (one table; refused by name otherwise). ``logit_scale=None`` leaves the logits unscaled, as
+  transformers' class does.
 """
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +95,7 @@ class CohereBridge(DenseBridge):
     extra_rope_types = ()
     parallel_residual = "shared"
     norm_bias = False
+    unset_logit_scale: float | None = None  # NOTE: the scale for logit_scale=None (None: refused)
 
     @property
     def use_qk_norm(self) -> bool:
@@ -100,7 +108,7 @@ class CohereBridge(DenseBridge):
                 f"attention_bias=True is not supported for {arch}: it puts a bias on o_proj while the MLP has none, "
                 "and megatron's attention output projection has a bias exactly when the MLP's linears do "
                 "(add_bias_linear).")
-        if getattr(c, "logit_scale", None) is None:
+        if getattr(c, "logit_scale", None) is None and self.unset_logit_scale is None:
             raise C.UnsupportedConfigError(f"logit_scale=None is not supported for {arch} (transformers multiplies "
                                            "the logits by it); set a number (1.0 leaves them unscaled).")
         super().check_config()
@@ -112,7 +120,8 @@ class CohereBridge(DenseBridge):
         return (per_head_layer_norm("q"), per_head_layer_norm("k")) if self.use_qk_norm else None
 
     def finish_model(self, model) -> None:
-        scale_logits(model, float(self.hf_config.logit_scale))
+        scale = self.hf_config.logit_scale
+        scale_logits(model, float(self.unset_logit_scale if scale is None else scale))
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def attention_mappings(self) -> list[Mapping]:
@@ -159,3 +168,37 @@ class Cohere2Bridge(CohereBridge):
     def attention_module(self) -> type | None:
         full = frozenset(i for i, kind in enumerate(self.hf_config.layer_types or []) if kind == "full_attention")
         return no_rope_attention(full) if full else None
+
+
+@register_bridge("CohereCompassForCausalLM")
+class CohereCompassBridge(Cohere2Bridge):
+    """Cohere2's layer with rotate-half pairs and a rope (or none) per layer type (module docstring)."""
+
+    unset_logit_scale = 1.0  # NOTE: transformers' CohereCompassForCausalLM scales by 1.0 where the config says None
+
+    def rope_by_type(self) -> dict:
+        """Each layer type's rope parameters (None: the type takes no rotary embedding)."""
+        c = self.hf_config
+        per_type = dict(c.rope_parameters or {})
+        kinds = list(dict.fromkeys(c.layer_types or ()))
+        if not kinds or set(kinds) - set(per_type):
+            raise C.UnsupportedConfigError(f"rope_parameters={per_type}: expected an entry (or None) per layer type "
+                                           f"{kinds} for CohereCompassForCausalLM.")
+        return {kind: per_type[kind] for kind in kinds}
+
+    def rope_parameters(self) -> dict:
+        rotated = [dict(p) for p in self.rope_by_type().values() if p is not None]
+        common = [{k: v for k, v in p.items() if k not in ("mrope_section", "mrope_interleaved")} for p in rotated]
+        if not common or any(p != common[0] for p in common):
+            raise C.UnsupportedConfigError(f"rope_parameters={self.hf_config.rope_parameters} is not supported for "
+                                           "CohereCompassForCausalLM: the rotated layer types must share one rope "
+                                           "(and at least one type must rotate).")
+        return C.rope_parameters(SimpleNamespace(rope_parameters=common[0]), extra_types=self.extra_rope_types)
+
+    def transformer_config_kwargs(self) -> dict:
+        return {**super().transformer_config_kwargs(), "rotary_interleaved": False}
+
+    def attention_module(self) -> type | None:
+        kinds, rope = self.hf_config.layer_types, self.rope_by_type()
+        nope = frozenset(i for i, kind in enumerate(kinds) if rope[kind] is None)
+        return no_rope_attention(nope) if nope else None

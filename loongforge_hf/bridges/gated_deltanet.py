@@ -216,15 +216,11 @@ class GatedDeltaNet(torch.nn.Module):
         return ((weight * normed) * F.silu(gate.float())).to(x.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+        from loongforge_hf.bridges.recurrent_common import mixer_sharded_state_dict
 
-        out = {}
-        for name, child in self.named_children():
-            out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
-        own = {name: p for name, p in self._parameters.items()}
+        own = dict(self._parameters)
         split = {name: 0 for name, p in own.items() if getattr(p, "tensor_model_parallel", False)}
-        out.update(make_sharded_tensors_for_checkpoint(own, prefix, split, sharded_offsets))
-        return out
+        return mixer_sharded_state_dict(self, prefix, sharded_offsets, metadata, own, split)
 
 
 @functools.cache

@@ -29,6 +29,8 @@ Choices:
   types other than default / proportional, all layers sharing KV (no layer would compute it).
 - The MoE block (``enable_moe_block``: 26B-A4B): a config with it makes ``gemma4_moe.Gemma4MoeBridge``, this bridge with
   a dense MLP beside routed experts in every layer.
+- Gemma4UnifiedForCausalLM (``gemma4_unified_text``: the language model of Gemma 4 Unified) is this model without
+  per-layer inputs or MoE block (its config has neither field), served by this declaration as it is.
 - A ``gemma4`` checkpoint (``Gemma4ForConditionalGeneration``: the text model with vision / audio towers) loads as
   an image-text model (``gemma4_vl.py``), its language model this declaration's.
 """
@@ -109,7 +111,7 @@ def layer_type_heads(hf_config) -> dict[str, tuple[int, int]]:
 
 
 @register_model_type("gemma4_text")  # NOTE: a text config that names no architecture is this model's
-@register_bridge("Gemma4ForCausalLM")
+@register_bridge("Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM")
 class Gemma4Bridge(per_layer.SmallModelFields, LayerTypes, _SandwichNorms):
     qk_norm = True
     zero_centred_norms = False

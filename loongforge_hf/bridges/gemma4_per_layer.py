@@ -214,7 +214,8 @@ class SmallModelFields:
         """E2B / E4B's fields (module docstring): ``per_layer_size``, ``kv_modes`` (None without sharing),
         ``reusing_layers`` and ``wide_layers``; ``UnsupportedConfigError`` naming a field they cannot run with."""
         c = self.hf_config
-        self.per_layer_size = int(c.hidden_size_per_layer_input or 0)
+        # NOTE: Gemma 4 Unified's text config has no per-layer inputs nor MoE block (reading those fields raises)
+        self.per_layer_size = int(getattr(c, "hidden_size_per_layer_input", 0) or 0)
         shared = int(c.num_kv_shared_layers or 0)
         if shared and not 0 < shared < c.num_hidden_layers:
             raise C.UnsupportedConfigError(f"num_kv_shared_layers={shared}: at least one of the "
@@ -225,7 +226,7 @@ class SmallModelFields:
             raise C.UnsupportedConfigError(f"num_kv_shared_layers={shared}: {err}.") from None
         self.reusing_layers = frozenset(i for i, m in enumerate(self.kv_modes or ()) if m == "reuse")
         self.wide_layers = self.reusing_layers if c.use_double_wide_mlp else frozenset()
-        if (self.per_layer_size or shared) and c.enable_moe_block:
+        if (self.per_layer_size or shared) and getattr(c, "enable_moe_block", False):
             raise C.UnsupportedConfigError("hidden_size_per_layer_input / num_kv_shared_layers with "
                                            "enable_moe_block=True are not supported for Gemma4ForCausalLM (no such "
                                            "Gemma 4 is published).")

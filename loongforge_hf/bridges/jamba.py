@@ -5,7 +5,7 @@
 Choices:
 - Mamba layers (``linear_attention``): ``mamba.*`` -> our ``MambaMixer`` (``mamba1.py``) in megatron's self-attention
   slot, with Jamba's RMS norms over dt / B / C (weights, ``rms_norm_eps``); ``mamba1_layers.py`` holds the tensor
-  table, the layouts and the refusals (TP splits ``d_inner = mamba_expand * hidden_size``; no CP).
+  table, the layouts and the refusals (TP splits ``d_inner = mamba_expand * hidden_size``; CP passes the states).
 - Attention layers: megatron's ``SelfAttention`` (GQA) without rotary embedding (transformers' Jamba attention has
   none: megatron's ``position_embedding_type="none"``), no biases.
 - MLP: ``feed_forward.{gate,up,down}_proj`` after ``pre_ff_layernorm`` (the dense spec's gated MLP); MoE layers:

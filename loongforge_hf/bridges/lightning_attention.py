@@ -134,12 +134,8 @@ class LightningAttention(torch.nn.Module):
         return self.norm_weight * (xf * torch.rsqrt(squares / self.full_width + NORM_EPS)).to(x.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+        from loongforge_hf.bridges.recurrent_common import mixer_sharded_state_dict
 
-        out = {}
-        for name, child in self.named_children():
-            out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
         own = {"norm_weight": self.norm_weight, **{name: getattr(self, name) for name in TABLES}}
         split = {name: 1 if name == "diagonal_decay" else 0 for name in own}
-        out.update(make_sharded_tensors_for_checkpoint(own, prefix, split, sharded_offsets))
-        return out
+        return mixer_sharded_state_dict(self, prefix, sharded_offsets, metadata, own, split)

@@ -21,8 +21,14 @@ Choices:
   after the conv state (the last ``conv_kernel`` inputs), the scan from the SSM state (fp32 ``[b, d_inner / tp,
   state_size]``: this rank's channels), the step's first ``given`` tokens only; transformers' mask's padding zeroed
   as without the cache.
-- Refused (``mamba_lm.py``, before any collective): context parallelism, ``intermediate_size`` that does not split
-  over TP, projection biases; at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
+- Context parallelism (megatron's load-balanced chunks: the inputs, the mask's rows ``[b, 1, s_local, s]``): the
+  layer runs its own tokens, the conv after its halo (``recurrent_cp.conv_chunks``), the selective scan's states
+  passed between the chunks over the CP group (``parallel/linear_scan_cp.py``: each chunk's scan as an affine map of
+  its incoming state, all-gathered and folded), the same outputs and gradients as one run over the whole sequence;
+  padding and packed documents as above. The group is megatron's, read at each forward
+  (``context_parallel.cp_group_and_size``); cached steps never run under CP (generate under CP runs without the cache).
+- Refused (``mamba1_layers.py``, before any collective): ``intermediate_size`` that does not split over TP,
+  projection biases; at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch.nn.functional as F
 from loongforge_hf.bridges.recurrent_common import (CachedStep, _token_layout, mixer_on_layers, mixer_projections,
                                                     tp_group_of)
 from loongforge_hf.kernels.causal_conv import causal_conv
+from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
 NORMS = ("dt_norm_weight", "b_norm_weight", "c_norm_weight")  # NOTE: Jamba's, replicated over TP
 
@@ -88,9 +95,15 @@ class MambaMixer(torch.nn.Module):
         if cached is not None:
             return self._cached_forward(mixed, cached)
         batch, seq, _ = mixed.shape
-        real, starts = _token_layout(attention_mask, batch, seq)
-        documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
-        y, _ = self._mix(mixed, real, documents=documents)
+        group, cp, _ = cp_group_and_size()
+        real, starts = _token_layout(attention_mask, batch, seq, group=group)
+        if cp > 1:  # NOTE: this rank's two load-balanced chunks, the conv's halo and the states passed over CP
+            from loongforge_hf.parallel.linear_scan_cp import local_documents
+
+            y, _ = self._mix(mixed, real, documents=local_documents(starts, group, mixed.device), cp=(group, starts))
+        else:
+            documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
+            y, _ = self._mix(mixed, real, documents=documents)
         return self._output(y, padded=seq)
 
     def _cached_forward(self, mixed: torch.Tensor, step: CachedStep):
@@ -104,16 +117,25 @@ class MambaMixer(torch.nn.Module):
         return self._output(y, padded=mixed.shape[1])
 
     def _mix(self, mixed: torch.Tensor, real: torch.Tensor | None, *, documents=None, history=None, state=None,
-             cache=None):
+             cache=None, cp=None):
         """``in_proj``'s output ``[b, s, 2 * d_local]`` -> the gated scan's output ``[b, d_local, s]`` (fp32), the
-        final state; ``cache`` (a cache and the layer's index): its conv state updated with this step's inputs."""
+        final state; ``cache`` (a cache and the layer's index): its conv state updated with this step's inputs;
+        ``cp`` (the CP group, ``read_cp_layout``'s starts): this rank's two chunks, ``documents`` their local ids."""
+        from loongforge_hf.kernels.linear_scan import linear_scan
         from loongforge_hf.kernels.selective_scan import selective_scan
 
         if real is not None:
             mixed = mixed * real[..., None].to(mixed.dtype)
         x, z = mixed.split(self.d_inner, dim=-1)
-        inputs, x = x, F.silu(causal_conv(x, self.conv_weight, self.conv_bias, history=history,
-                                          documents=documents)).to(x.dtype)
+        conv, scan = functools.partial(causal_conv, weight=self.conv_weight, bias=self.conv_bias), linear_scan
+        if cp is None:
+            inputs, x = x, F.silu(conv(x, history=history, documents=documents)).to(x.dtype)
+        else:
+            from loongforge_hf.parallel.linear_scan_cp import context_parallel_linear_scan
+            from loongforge_hf.parallel.recurrent_cp import conv_chunks
+
+            x = F.silu(conv_chunks(x, cp[1], group=cp[0], width=self.conv_weight.shape[-1] - 1, conv=conv)).to(x.dtype)
+            scan = functools.partial(context_parallel_linear_scan, group=cp[0])
         if cache is not None:  # NOTE: after the conv read it: the cache writes the state in place
             cache[0].update_conv_state(inputs.transpose(1, 2), cache[1], conv_kernel_size=self.conv_weight.shape[-1])
         if real is not None:
@@ -122,7 +144,7 @@ class MambaMixer(torch.nn.Module):
         dt = F.softplus(F.linear(dt, self.dt_proj_weight).transpose(1, 2) + self.dt_proj_bias.float()[:, None])
         A = -torch.exp(self.A_log.float())
         return selective_scan(x.transpose(1, 2), dt, A, B, C, self.D, z.transpose(1, 2), documents=documents,
-                              initial_state=state)
+                              initial_state=state, scan=scan)
 
     def _time_steps_and_states(self, x: torch.Tensor):
         """``x_proj`` over all channels (this rank's columns, summed over TP) -> ``dt`` ``[b, s, rank]``, ``B``, ``C``
@@ -155,16 +177,12 @@ class MambaMixer(torch.nn.Module):
         return self.out_proj(out.transpose(0, 1).contiguous())
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+        from loongforge_hf.bridges.recurrent_common import mixer_sharded_state_dict
 
-        out = {}
-        for name, child in self.named_children():
-            out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
         own = self._split_parameters()
         axes = {n: 1 if n == "x_proj_weight" else 0 for n in own}
         norms = {n: getattr(self, n) for n in NORMS if getattr(self, n) is not None}
-        out.update(make_sharded_tensors_for_checkpoint({**own, **norms}, prefix, axes, sharded_offsets))
-        return out
+        return mixer_sharded_state_dict(self, prefix, sharded_offsets, metadata, {**own, **norms}, axes)
 
 
 @functools.cache

@@ -12,8 +12,8 @@ Choices:
 - Tensors: ``in_proj`` = this rank's rows of x and of z (``gated_mappings.HeadSections``); ``conv1d``, ``dt_proj``
   (weight and bias), ``A_log``, ``D`` split by channel (column-parallel); ``x_proj`` by its columns (row-parallel:
   the partial products summed over TP); ``out_proj`` row-parallel; Jamba's dt / B / C norm weights replicated.
-- Refused before any collective (``check_layout``): ``d_inner`` that does not split over TP, context parallelism
-  (the scan passes no state between CP chunks); the static cache (``generation_refusal``).
+- Refused before any collective (``check_layout``): ``d_inner`` that does not split over TP; the static cache
+  (``generation_refusal``). Context parallelism runs (``mamba1.py``: the states passed between the CP chunks).
 """
 
 from __future__ import annotations
@@ -47,9 +47,6 @@ class Mamba1Layers(Mamba2Layers):
             raise C.UnsupportedConfigError(f"{self.mamba_inner_field} (d_inner={d}) does not split over "
                                            f"tensor_parallel_size={tp} for {arch} (Mamba layers split their "
                                            "channels).")
-        if layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(f"context_parallel_size={layout.context_parallel_size} is not supported "
-                                           f"for {arch}: the Mamba scan passes no state between CP chunks.")
 
     def generation_refusal(self, generation_config) -> str | None:
         if generation_config.use_cache and generation_config.cache_implementation == "static" and self.mamba_layers:

@@ -224,14 +224,9 @@ class Mamba2Mixer(torch.nn.Module):
         return self.norm_weight * h.to(y.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+        from loongforge_hf.bridges.recurrent_common import mixer_sharded_state_dict
 
-        out = {}
-        for name, child in self.named_children():
-            out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
-        own = self._split_parameters()
-        out.update(make_sharded_tensors_for_checkpoint(own, prefix, {n: 0 for n in own}, sharded_offsets))
-        return out
+        return mixer_sharded_state_dict(self, prefix, sharded_offsets, metadata, self._split_parameters())
 
 
 def _documents(starts: list[list[int]], batch: int, seq: int, device: torch.device) -> torch.Tensor:

@@ -10,8 +10,8 @@ Choices:
   time steps and the state's ``B`` / ``C``.
 - ``residual_in_fp32``: as Mamba2's (the same in fp32; ours keeps the model's dtype in bf16).
 - Refused before any collective: ``use_bias`` (``in_proj`` / ``out_proj`` biases), ``hidden_act`` other than silu,
-  and what ``mamba1_layers.py`` refuses (``intermediate_size`` that does not split over TP, context parallelism, the
-  static cache).
+  and what ``mamba1_layers.py`` refuses (``intermediate_size`` that does not split over TP, the static cache).
+  Context parallelism passes the Mamba-1 states between the CP chunks (``mamba1.py``).
 """
 
 from __future__ import annotations

@@ -54,6 +54,21 @@ def mixer_on_layers(layers: frozenset[int], mixer: type, attention: type, **mixe
     return ByLayer
 
 
+def mixer_sharded_state_dict(module: torch.nn.Module, prefix: str, sharded_offsets: tuple, metadata: dict | None,
+                             own: dict[str, torch.nn.Parameter], axes: dict[str, int] | None = None) -> dict:
+    """A mixer's ``sharded_state_dict`` (megatron's distributed checkpoint): its child modules' as megatron's default,
+    its own parameters ``own`` split over TP along ``axes`` (each name's dim; default 0 for all; a name left out is
+    replicated)."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+
+    out = {}
+    for name, child in module.named_children():
+        out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
+    out.update(make_sharded_tensors_for_checkpoint(own, prefix, {n: 0 for n in own} if axes is None else axes,
+                                                   sharded_offsets))
+    return out
+
+
 def mixer_projections(config, *, in_size: int, out_size: int, bias: bool = False, tp_group=None):
     """A recurrent mixer's column-parallel ``in_proj`` (``in_size``: all ranks' rows) and row-parallel ``out_proj``."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -18,13 +18,16 @@ Choices:
   temporal block, ``channel_pre_norm`` before the MLP, ``final_norm``).
 - The embedding's output times ``sqrt(hidden_size)`` rounded to bf16 whatever the dtype (transformers' ``normalizer``
   buffer is bf16); logits soft-capped at ``logits_soft_cap`` (``layer_outputs.softcap_logits``, the fused loss too).
-- Refused before any collective: ``num_attention_heads`` (the RG-LRU's heads) that does not split over TP, context
-  parallelism (the scan passes no state between CP chunks), ``block_types`` other than recurrent / attention,
+- Refused before any collective: ``num_attention_heads`` (the RG-LRU's heads) that does not split over TP,
+  ``block_types`` other than recurrent / attention,
   ``hidden_activation`` other than ``gelu_pytorch_tanh`` (the recurrent block's ``linear_y`` uses it),
   ``lru_width`` that does not split into the heads; the static cache (its fixed-shape decode step keeps no conv /
   RG-LRU state).
 - Cached ``generate``: the attention layers' keys and values and the recurrent layers' conv and RG-LRU states in our
   KV cache (``kv_cache.py``); greedy, sampling, beam search.
+- Context parallelism: the recurrent blocks pass the conv's halo and the RG-LRU's states between megatron's CP
+  chunks (``recurrent_gemma_block.py``), the local attention takes its window over the all-gathered keys
+  (``kernels.attention``).
 """
 
 from __future__ import annotations
@@ -85,9 +88,6 @@ class RecurrentGemmaBridge(DenseBridge):
             raise C.UnsupportedConfigError(f"num_attention_heads={heads} (the RG-LRU's heads) does not split over "
                                            f"tensor_parallel_size={tp} for {ARCH} (the recurrent layers split their "
                                            "heads).")
-        if layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(f"context_parallel_size={layout.context_parallel_size} is not supported "
-                                           f"for {ARCH}: the RG-LRU scan passes no state between CP chunks.")
 
     def generation_refusal(self, generation_config) -> str | None:
         if generation_config.use_cache and generation_config.cache_implementation == "static" and \

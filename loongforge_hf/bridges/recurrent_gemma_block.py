@@ -19,6 +19,12 @@ Choices:
   layer, as Mamba-1's): the conv after the conv state (the last ``conv1d_width`` inputs, this rank's channels), the
   RG-LRU from its state (fp32 ``[b, width / tp]``), the step's first ``given`` tokens only; transformers' mask's
   padding handled as without the cache (zeroed, the scan restarting at a row's first real token).
+- Context parallelism (megatron's load-balanced chunks: the inputs, the mask's rows ``[b, 1, s_local, s]``): the
+  block runs its own tokens, the conv after its halo (``recurrent_cp.conv_chunks``), the RG-LRU's states passed
+  between the chunks over the CP group and its resets read from the mask's rows (``parallel/linear_scan_cp.py``),
+  the same outputs and gradients as one run over the whole sequence; padding and packed documents as above. The
+  group is megatron's, read at each forward (``context_parallel.cp_group_and_size``); cached steps never run under
+  CP.
 - Refused at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
 """
 
@@ -31,6 +37,7 @@ import torch.nn.functional as F
 
 from loongforge_hf.bridges.recurrent_common import _token_layout, mixer_on_layers, mixer_projections, tp_group_of
 from loongforge_hf.kernels.causal_conv import causal_conv
+from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
 GATES = ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias")
 
@@ -80,17 +87,23 @@ class RecurrentBlock(torch.nn.Module):
             x = self._recurrence(x, cached.real, cache=(cached.cache, cached.index))
             return self.out_proj(F.pad(x * F.gelu(y, approximate="tanh"),
                                        (0, 0, 0, seq - cached.given)).transpose(0, 1).contiguous())
-        real, starts = _token_layout(attention_mask, batch, seq)
-        documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
+        group, cp, _ = cp_group_and_size()
+        real, starts = _token_layout(attention_mask, batch, seq, group=group)
         x, y = mixed.split(self.width, dim=-1)
-        x = self._recurrence(x, real, documents=documents)
+        if cp > 1:  # NOTE: this rank's two load-balanced chunks, the conv's halo and the states passed over CP
+            x = self._recurrence(x, real, cp=(group, starts, attention_mask))
+        else:
+            documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
+            x = self._recurrence(x, real, documents=documents)
         return self.out_proj((x * F.gelu(y, approximate="tanh")).transpose(0, 1).contiguous())
 
     def _recurrence(self, x: torch.Tensor, real: torch.Tensor | None, *, documents: torch.Tensor | None = None,
-                    cache=None):
+                    cache=None, cp=None):
         """``x`` ``[b, s, width]`` through the conv and the RG-LRU, restarting at each row's first real token and
         each document's first; ``cache`` (a cache and the layer's index): after its conv and RG-LRU states (none
-        before the prefill), both updated with this step's."""
+        before the prefill), both updated with this step's; ``cp`` (the CP group, ``read_cp_layout``'s starts, the
+        mask): this rank's two chunks."""
+        from loongforge_hf.kernels.linear_scan import linear_scan
         from loongforge_hf.kernels.rg_lru import rg_lru
 
         history = state = None
@@ -101,17 +114,20 @@ class RecurrentBlock(torch.nn.Module):
         keep = None if real is None else real[..., None].to(x.dtype)
         if keep is not None:
             x = x * keep
-        inputs, x = x, causal_conv(x, self.conv_weight, self.conv_bias, history=history,
-                                   documents=documents).to(x.dtype)
+        conv = functools.partial(causal_conv, weight=self.conv_weight, bias=self.conv_bias)
+        if cp is None:
+            inputs, x = x, conv(x, history=history, documents=documents).to(x.dtype)
+            reset, scan = _resets(x, real, documents, first=state is None), linear_scan
+        else:
+            from loongforge_hf.parallel.linear_scan_cp import context_parallel_linear_scan, resets
+            from loongforge_hf.parallel.recurrent_cp import conv_chunks
+
+            x = conv_chunks(x, cp[1], group=cp[0], width=self.conv_weight.shape[-1] - 1, conv=conv).to(x.dtype)
+            reset = resets(cp[2], *x.shape[:2], cp[0], x.device)
+            scan = functools.partial(context_parallel_linear_scan, group=cp[0])
         if keep is not None:
             x = x * keep
-        reset = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
-        reset[:, 0] = state is None
-        if documents is not None:
-            reset[:, 1:] |= documents[:, 1:] != documents[:, :-1]
-        if real is not None:
-            reset[:, 1:] |= real[:, 1:] & ~real[:, :-1]
-        out, state = rg_lru(x, reset=reset, state=state,
+        out, state = rg_lru(x, reset=reset, state=state, scan=scan,
                             **{name: getattr(self, name) for name in (*GATES, "recurrent_param")})
         if cache is not None:  # NOTE: after the conv read it: the cache writes the conv state in place
             cache[0].update_conv_state(inputs.transpose(1, 2), cache[1], conv_kernel_size=self.conv_weight.shape[-1])
@@ -119,14 +135,22 @@ class RecurrentBlock(torch.nn.Module):
         return out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+        from loongforge_hf.bridges.recurrent_common import mixer_sharded_state_dict
 
-        out = {}
-        for name, child in self.named_children():
-            out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
-        own = self._own_parameters()
-        out.update(make_sharded_tensors_for_checkpoint(own, prefix, {n: 0 for n in own}, sharded_offsets))
-        return out
+        return mixer_sharded_state_dict(self, prefix, sharded_offsets, metadata, self._own_parameters())
+
+
+def _resets(x: torch.Tensor, real: torch.Tensor | None, documents: torch.Tensor | None, *,
+            first: bool) -> torch.Tensor:
+    """Where the RG-LRU restarts ``[b, s]``: the row's first token (``first``: no state carried in), each
+    document's first, the first real token after padding."""
+    reset = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+    reset[:, 0] = first
+    if documents is not None:
+        reset[:, 1:] |= documents[:, 1:] != documents[:, :-1]
+    if real is not None:
+        reset[:, 1:] |= real[:, 1:] & ~real[:, :-1]
+    return reset
 
 
 @functools.cache

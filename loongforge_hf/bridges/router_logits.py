@@ -52,6 +52,7 @@ class RouterLogits:
             # NOTE: megatron-core 0.16.1's router gating backward views its gradient, and one that comes back
             # through the reordering in ``collect`` is a transposed view
             logits = DenseGrad.apply(logits)
+        self.experts = logits.shape[-1]  # NOTE: the router's width (LongCat-Flash's zero experts widen it)
         self.layers[router.layer_number] = logits.reshape(-1, self.batch, self.experts)
         self.router = router
 

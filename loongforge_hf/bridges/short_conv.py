@@ -129,14 +129,9 @@ class ShortConvMixer(torch.nn.Module):
         return out if self.post_layernorm is None else _transform(out, self.post_layernorm, 1.0)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+        from loongforge_hf.bridges.recurrent_common import mixer_sharded_state_dict
 
-        out = {}
-        for name, child in self.named_children():
-            out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata))
-        own = self._own_parameters()
-        out.update(make_sharded_tensors_for_checkpoint(own, prefix, {n: 0 for n in own}, sharded_offsets))
-        return out
+        return mixer_sharded_state_dict(self, prefix, sharded_offsets, metadata, self._own_parameters())
 
 
 @functools.cache

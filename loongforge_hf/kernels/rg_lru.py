@@ -11,6 +11,8 @@ Choices:
   ``kernels.linear_scan``: a parallel scan in ``O(log s)`` tensor steps with its backward by hand, within fp32
   rounding of the sequential sums; its output in the input's dtype. No fused kernel.
 - A cached step continues from ``state`` (fp32 ``[b, channels]``) and returns the last one.
+- ``scan``: ``kernels.linear_scan`` or a stand-in of its signature (``parallel/linear_scan_cp.py``: the states
+  passed between context-parallel chunks).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def sqrt_bound(x: torch.Tensor) -> torch.Tensor:
     return _SqrtBound.apply(x)
 
 
-def linear_scan(x: torch.Tensor, a: torch.Tensor, state: torch.Tensor | None = None):
+def linear_scan(x: torch.Tensor, a: torch.Tensor, state: torch.Tensor | None = None, *, scan=scan):
     """``x``, ``a`` ``[b, s, c]``, ``state`` fp32 ``[b, c]`` or None (zeros) -> ``h`` ``[b, s, c]`` in ``x``'s dtype
     (``h_t = a_t h_{t-1} + x_t``, accumulated in fp32) and the last state (fp32 ``[b, c]``)."""
     states = scan(a, x, initial=state, dim=1)
@@ -49,7 +51,7 @@ def linear_scan(x: torch.Tensor, a: torch.Tensor, state: torch.Tensor | None = N
 
 def rg_lru(x: torch.Tensor, *, input_gate_weight: torch.Tensor, input_gate_bias: torch.Tensor,
            recurrent_gate_weight: torch.Tensor, recurrent_gate_bias: torch.Tensor, recurrent_param: torch.Tensor,
-           reset: torch.Tensor, state: torch.Tensor | None = None):
+           reset: torch.Tensor, state: torch.Tensor | None = None, scan=scan):
     """``x`` ``[b, s, heads * block]`` (the conv's output), the gates' ``[heads, block, block]`` weights and
     ``[heads, block]`` biases, ``recurrent_param`` ``[heads * block]``, ``reset`` ``[b, s]`` bool -> the RG-LRU's
     output ``[b, s, heads * block]`` (``x``'s dtype) and the last state (fp32 ``[b, heads * block]``)."""
@@ -68,4 +70,4 @@ def rg_lru(x: torch.Tensor, *, input_gate_weight: torch.Tensor, input_gate_bias:
     reset = reset[:, :, None]
     multiplier = reset + ~reset * sqrt_bound(1 - a_square)
     normalized = x * input_gate * multiplier.type(x.dtype)
-    return linear_scan(normalized, a * ~reset, state)
+    return linear_scan(normalized, a * ~reset, state, scan=scan)

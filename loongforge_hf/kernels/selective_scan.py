@@ -8,7 +8,10 @@ Choices:
   fp32 rounding of the token-by-token loop), the outputs ``state . C`` in the inputs' dtype. No fused kernel: the
   ``[b, d, s, N]`` fp32 states are kept for the backward.
 - Packed documents (``documents``: ``[b, s]`` non-decreasing ids): the state restarts (decay 0) at each document's
-  first token, exactly as running each document alone from zeros; ``initial_state`` continues the first document.
+  first token, exactly as running each document alone from zeros; ``initial_state`` continues document 0 (a first
+  token of another id restarts too: a context-parallel chunk starting a document).
+- ``scan``: ``kernels.linear_scan`` or a stand-in of its signature (``parallel/linear_scan_cp.py``: the states
+  passed between context-parallel chunks).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from loongforge_hf.kernels.linear_scan import linear_scan
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    D: torch.Tensor, z: torch.Tensor, *, documents: torch.Tensor | None = None,
-                   initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   initial_state: torch.Tensor | None = None, scan=linear_scan) -> tuple[torch.Tensor, torch.Tensor]:
     """``x``, ``z`` ``[b, d, s]``; ``dt`` ``[b, d, s]`` after softplus (fp32); ``A`` ``[d, N]`` (``-exp(A_log)``);
     ``B``, ``C`` ``[b, s, N]``; ``D`` ``[d]``; ``documents`` ``[b, s]`` or None; ``initial_state`` ``[b, d, N]`` or
     None (zeros) -> ``y`` ``[b, d, s]`` (fp32: transformers' output before ``out_proj``), the final state
@@ -28,11 +31,10 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     dtype = x.dtype
     decay = torch.exp(A[None, :, None, :] * dt[:, :, :, None])              # [b, d, s, N]
     if documents is not None:  # NOTE: no decay into a document's first token: its state starts from zero
-        first = torch.cat((torch.zeros_like(documents[:, :1], dtype=torch.bool), documents[:, 1:] != documents[:, :-1]),
-                          dim=1)
+        first = documents != torch.nn.functional.pad(documents[:, :-1], (1, 0))  # NOTE: id 0 before the row
         decay = decay * (~first)[:, None, :, None].to(decay.dtype)
     inputs = dt[:, :, :, None] * B[:, None, :, :].float() * x[:, :, :, None].float()
-    states = linear_scan(decay, inputs, initial=initial_state, dim=2)  # NOTE: [b, d, s, N] fp32
+    states = scan(decay, inputs, initial=initial_state, dim=2)  # NOTE: [b, d, s, N] fp32
     del decay, inputs  # NOTE: the scan keeps what its backward needs; the peak is the states' copies below
     outputs = torch.einsum("bdsn,bsn->bds", states.to(dtype), C.to(dtype))
     y = outputs + x * D[None, :, None].float()

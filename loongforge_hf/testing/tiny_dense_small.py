@@ -4,7 +4,10 @@ peri-layer norms), BitNet (sub-layer norms, relu2) and DiffLlama (differential a
 
 from __future__ import annotations
 
-DENSE_SMALL_ARCHS = ("granite_swa", "granitemoe_swa", "hyperclovax", "bitnet", "diffllama")
+from loongforge_hf.testing.tiny_doge import DOGE_ARCHS, doge_config
+
+# NOTE: Doge's (dynamic-mask attention, CDMoE) in tiny_doge.py
+DENSE_SMALL_ARCHS = ("granite_swa", "granitemoe_swa", "hyperclovax", "bitnet", "diffllama", *DOGE_ARCHS)
 
 # NOTE: Granite's four multipliers, none of them 1 (granite-3.1-2b's kind); weights drawn 5x wider than transformers'
 # default, or the small softmax scale leaves the attention near uniform and the NoPE layer moves the logits by 4e-6
@@ -21,6 +24,8 @@ def dense_small_config(arch: str, common: dict):
     fields."""
     import transformers as tf
 
+    if arch in DOGE_ARCHS:
+        return doge_config(arch, common)
     if arch == "granite_swa":
         # NOTE: granite-swash's tied embeddings; sinks randomised in make_tiny_checkpoint
         cfg = tf.GraniteSWAConfig(**{**common, "tie_word_embeddings": True}, **_MULTIPLIERS, **_SWA)

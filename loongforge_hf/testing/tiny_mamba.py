@@ -3,13 +3,18 @@ each layout shrunk, every layer kind present, limits that bind."""
 
 from __future__ import annotations
 
-MAMBA_ARCHS = ("mamba2", "mamba", "falcon_mamba", "jamba")
+from loongforge_hf.testing.tiny_zamba import ZAMBA_ARCHS, zamba_config
+
+# NOTE: Zamba and Zamba2 in tiny_zamba.py
+MAMBA_ARCHS = ("mamba2", "mamba", "falcon_mamba", "jamba", *ZAMBA_ARCHS)
 
 
 def mamba_config(arch: str, common: dict):
     """transformers' config of the tiny ``arch`` (one of ``MAMBA_ARCHS``) from ``tiny_models``' ``common`` fields."""
     import transformers as tf
 
+    if arch in ZAMBA_ARCHS:
+        return zamba_config(arch, common)
     base = dict(vocab_size=common["vocab_size"], hidden_size=common["hidden_size"], num_hidden_layers=3,
                 bos_token_id=common["bos_token_id"], eos_token_id=common["eos_token_id"],
                 pad_token_id=common["pad_token_id"], tie_word_embeddings=False)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-MLA_MOE_ARCHS = ("axk1", "axk2")
+from loongforge_hf.testing.tiny_longcat import LONGCAT_ARCHS, longcat_config
+
+MLA_MOE_ARCHS = ("axk1", "axk2", *LONGCAT_ARCHS)
 
 
 def mla_moe_config(arch: str, common: dict, mla: dict):
@@ -28,4 +30,6 @@ def mla_moe_config(arch: str, common: dict, mla: dict):
                              n_shared_experts=1, num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True,
                              index_topk=4, index_head_dim=16, index_n_heads=4, gated_norm_rank=8,
                              mlp_layer_types=["dense", "sparse", "dense", "sparse"])
+    if arch in LONGCAT_ARCHS:  # NOTE: LongCat-Flash: tiny_longcat.py
+        return longcat_config(arch, common)
     raise ValueError(f"unknown MLA MoE arch {arch!r}; known: {MLA_MOE_ARCHS}")

@@ -17,7 +17,7 @@ import torch
 from loongforge_hf.testing.tiny_hybrids import HYBRID_ARCHS, hybrid_config
 from loongforge_hf.testing.tiny_deepseek_v4 import V4_ARCHS, v4_config, randomize as v4_randomize
 from loongforge_hf.testing.tiny_hy_v4 import HY_V4_ARCHS, hy_v4_config, randomize as hy_v4_randomize
-from loongforge_hf.testing.tiny_classic import CLASSIC_ARCHS, CLASSIC_BIASED, classic_config
+from loongforge_hf.testing.tiny_classic import CLASSIC_ARCHS, CLASSIC_BIASED, VLM_TEXT_NOT_AUTO, classic_config
 from loongforge_hf.testing.tiny_mla_moe import MLA_MOE_ARCHS, mla_moe_config
 from loongforge_hf.testing.tiny_mamba import MAMBA_ARCHS, mamba_config
 from loongforge_hf.testing.tiny_minimax import MINIMAX_ARCHS, minimax_config
@@ -55,7 +55,7 @@ _RANDOM_BIASES = ("gpt_oss", "starcoder2", "gpt_neox", "phi", "gptj", "stablelm"
                   "solar_open", "glm", "nemotron", "granitemoehybrid", "lfm2", "bamba", "nemotron_h", "phimoe",
                   "jais2", "falcon_h1", "jetmoe", *MAMBA_ARCHS, *CLASSIC_BIASED, *RECURRENT_GEMMA_ARCHS)
 # causal LMs that transformers' AutoModelForCausalLM does not map (Mistral Small 4 ships as an image-text model)
-_NOT_AUTO = {"mistral4": "Mistral4ForCausalLM"}
+_NOT_AUTO = {"mistral4": "Mistral4ForCausalLM", **VLM_TEXT_NOT_AUTO}
 _MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             moe_intermediate_size=32, first_k_dense_replace=1)
 
@@ -700,7 +700,7 @@ def make_tiny_checkpoint(folder: str | Path, arch: str = "qwen3", *, seed: int =
             elif name.endswith(("forget_gate.f_a_proj.weight", "forget_gate.f_b_proj.weight", "g_a_proj.weight",
                                 "g_b_proj.weight")):  # NOTE: Kimi Linear's gates vary from token to token
                 p.copy_(0.25 * torch.randn_like(p))
-            elif name.endswith("shared_expert_gate.weight"):  # NOTE: so that the gate varies from token to token
+            elif name.endswith("shared_expert_gate.weight") or ".altup." in name:  # NOTE: varies by token; 3n's AltUp
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith(("router.weight", "self_attn.sinks")):  # NOTE: gpt-oss (its init leaves sinks empty)
                 p.copy_((0.2 if name.endswith("weight") else 1.0) * torch.randn_like(p))

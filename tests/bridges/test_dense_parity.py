@@ -68,11 +68,15 @@ SCALAR_ARCHS, SCALAR_LAYOUTS = ["apertus"], ("pp2",)
 # OPT (positions two rows down their table, ReLU), GPT-NeoX-Japanese (a bias on the last layer's attention output only),
 # BioGPT (OPT's with a scaled token embedding, GELU) and XGLM (sinusoidal positions computed, never loaded)
 CLASSIC = ["persimmon", "codegen", "gpt_neo", "opt", "gpt_neox_japanese", "biogpt", "xglm"]
+# NOTE: image-text families' language models as causal LMs: Emu3 (Llama's layout, its dropouts), Gemma 4 Unified
+# (Gemma 4's text model without per-layer inputs or MoE block) and Cohere Compass (Cohere2's layer, rotate-half rope
+# on the sliding layers only)
+VLM_TEXT = ["emu3", "gemma4_unified", "cohere_compass"]
 # NOTE: Granite SWA (sinks, windows, a NoPE layer, Granite's multipliers), HyperCLOVAX (Granite with post norms),
 # BitNet (sub-norms over TP-split widths, relu2) and DiffLlama (differential attention, each TP rank a slice of both
 # halves of the heads) there too
 SP_ARCHS, SP_LAYOUTS = (["ministral3", "vaultgemma", "cwm", "nanochat", "apertus1p5", "youtu", "granite_swa",
-                         "hyperclovax", "bitnet", "diffllama", *CLASSIC],
+                         "hyperclovax", "bitnet", "diffllama", *CLASSIC, *VLM_TEXT],
                         {"tp1": {}, "tp2": {"sequence_parallel": True}})
 # NOTE: Granite SWA's NoPE layer, BitNet's sub-norms and DiffLlama's lambda_init by layer on the second stage too;
 # the four at CP2 too

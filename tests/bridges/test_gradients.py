@@ -65,6 +65,8 @@ one per head: test_moe_parity) fused beside the queries, a rope per layer type, 
 which takes no gradient, a shared expert) at TP2 + SP + EP2.
 MiniMax (lightning-attention layers with their norm over all heads split over TP, residuals after the norms scaled,
 softmax top-2 experts) at TP2 + SP + EP2.
+The language models of Emu3 (Llama's layout), Gemma 4 Unified (Gemma 4's text model) and Cohere Compass (Cohere2's
+layer, rotate-half rope on the sliding layers only) at TP2 + SP.
 GLM-4-9B (biased q / k / v, half of each head rotated in interleaved pairs, a packed gate / up), OLMo (norms without
 parameters, q / k / v clamped by ``clip_qkv``), Nemotron (LayerNorm1P with biases, an ungated relu2 MLP, half-rotary
 heads) and Jais-2 (LayerNorms, biases on every linear but the LM head, an ungated relu2 MLP) at TP2 + SP.
@@ -255,6 +257,11 @@ CHECKPOINTS = {
     # NOTE: Laguna (a head count per layer, a softplus gate per head channel, a rope per layer type, sigmoid routing
     # plus a fixed bias, a shared expert): at TP2 + SP + EP2
     "laguna": ("laguna", {"gating": "per-element"}),
+    # NOTE: Emu3's, Gemma 4 Unified's and Cohere Compass's language models (Llama's layout; Gemma 4's text model;
+    # Cohere2's layer with rotate-half rope on the sliding layers only): at TP2 + SP
+    "emu3": ("emu3", {}),
+    "gemma4_unified": ("gemma4_unified", {}),
+    "cohere_compass": ("cohere_compass", {}),
 }
 MOE = ("deepseek_v3", "deepseek_v3_halves", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe",
        "gpt_oss", "granitemoe", "ernie4_5_moe", "olmoe", "llama4")
@@ -284,7 +291,8 @@ LAYOUTS = {
                                                "jais2", "minicpm3", "ministral3", "vaultgemma", "cwm",
                                                "nanochat", "apertus1p5", "youtu", "granite_swa", "hyperclovax",
                                                "bitnet", "diffllama", "persimmon", "codegen", "gpt_neo", "opt",
-                                               "gpt_neox_japanese", "biogpt", "xglm")),
+                                               "gpt_neox_japanese", "biogpt", "xglm", "emu3", "gemma4_unified",
+                                               "cohere_compass")),
 }
 # NOTE: the pad id as a real token (_gradients.with_pad_tokens)
 PAD_LAYOUTS = {

@@ -17,8 +17,10 @@ the attention in every layer, muP multipliers; ``_falcon_one_rank`` / ``_falcon_
 The Mamba family (``_mamba_one_rank`` / ``_mamba_two_ranks``): Mamba2ForCausalLM (our Mamba2 mixer, a pure stack),
 MambaForCausalLM / FalconMambaForCausalLM (our Mamba-1 mixer, ``bridges/mamba1.py``) and JambaForCausalLM (Mamba-1,
 attention and MoE layers) at TP1 (left padding, packed documents, cached generate, round trips; Jamba's router logits,
-balance loss and LoRA against PEFT), TP2 + SP (every gradient of each), Mamba at PP2, Mamba2 at
-CP2, Jamba at EP2. Refusals are checked on the bridge alone (pure, before any collective)."""
+balance loss and LoRA against PEFT), TP2 + SP (every gradient of each), Mamba at PP2, Mamba2, Mamba (the Mamba-1
+states passed between the chunks, ``parallel/linear_scan_cp.py``) and Jamba at CP2 (packed documents and left padding:
+logits, loss, every gradient), Jamba at EP2. Refusals are checked on the bridge alone (pure, before any
+collective)."""
 
 import re
 
@@ -200,8 +202,8 @@ def _mamba_one_rank(folders: dict) -> dict:
 
 def _mamba_two_ranks(folders: dict) -> dict:
     """Mamba2, Mamba and Falcon-Mamba at TP2 + SP (logits, loss, every gradient); Mamba at
-    PP2; Mamba2 at CP2 (``test_qwen3_5._cp2_padded_and_packed``); Jamba at TP2 + SP (logits, loss, every gradient)
-    and EP2."""
+    PP2; Mamba2 and Mamba at CP2 (``test_qwen3_5._cp2_padded_and_packed``); Jamba at TP2 + SP (logits, loss, every
+    gradient), EP2 and CP2."""
     import loongforge_hf as lf
 
     from .test_qwen3_5 import _cp2_padded_and_packed
@@ -215,14 +217,18 @@ def _mamba_two_ranks(folders: dict) -> dict:
     ours = lf.AutoModelForCausalLM.from_pretrained(folders["mamba"], dtype=torch.float32, pipeline_parallel_size=2)
     out["mamba_pp2"] = _padded(ours, refs["mamba"])
     del ours
-    ours = lf.AutoModelForCausalLM.from_pretrained(folders["mamba2"], dtype=torch.float32, context_parallel_size=2)
-    out["mamba2_cp2"] = _cp2_padded_and_packed(ours, refs["mamba2"], folders["mamba2"])
-    del ours
+    for name in ("mamba2", "mamba"):
+        ours = lf.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32, context_parallel_size=2)
+        out[f"{name}_cp2"] = _cp2_padded_and_packed(ours, refs[name], folders[name])
+        del ours
     ours, ref = _models(folders["jamba"], tensor_parallel_size=2, sequence_parallel=True)
     out.update(jamba_tp2=_padded(ours, ref), jamba_grads=_gradients(ours, ref, folders["jamba"], "tp2"))
     del ours
     ours = lf.AutoModelForCausalLM.from_pretrained(folders["jamba"], dtype=torch.float32, expert_parallel_size=2)
     out["jamba_ep2"] = _padded(ours, ref)
+    del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folders["jamba"], dtype=torch.float32, context_parallel_size=2)
+    out["jamba_cp2"] = _cp2_padded_and_packed(ours, ref, folders["jamba"])
     return out
 
 
@@ -604,14 +610,17 @@ def test_mamba_family_two_rank_layouts(two_ranks, layout):
         _check_padded(res[layout])
 
 
-def test_mamba2_context_parallel_padded_and_packed(two_ranks):
-    """Mamba2ForCausalLM at CP2 (the Mamba2 mixer's states passed between the chunks): packed documents and left
-    padding, logits, loss and every gradient against transformers'."""
-    for rank, res in enumerate(two_ranks):
-        assert res["mamba2_cp2"]["logits"] < TOL and res["mamba2_cp2"]["loss"] < TOL, (rank, res["mamba2_cp2"])
-    grads = two_ranks[0]["mamba2_cp2"]["grads"]
+@pytest.mark.parametrize("model, count", (("mamba2", 30), ("mamba", 32), ("jamba", 63)))
+def test_mamba_family_context_parallel_padded_and_packed(two_ranks, model, count):
+    """Mamba2ForCausalLM, MambaForCausalLM and JambaForCausalLM at CP2 (the Mamba2 / Mamba-1 mixers' conv halos and
+    states passed between the chunks; Jamba's attention and experts beside): packed documents and left padding,
+    logits, loss and every gradient against transformers'."""
+    res = [r[f"{model}_cp2"] for r in two_ranks]
+    for rank, one in enumerate(res):
+        assert one["logits"] < TOL and one["loss"] < TOL, (rank, one)
+    grads = res[0]["grads"]
     worst = max(grads.items(), key=lambda kv: kv[1])
-    assert len(grads) == 30 and worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
+    assert len(grads) == count and worst[1] < TOL, (worst, sorted(grads.items(), key=lambda kv: -kv[1])[:5])
 
 
 @pytest.mark.parametrize("model, count", (("mamba2", 30), ("mamba", 32), ("falcon_mamba", 32), ("jamba", 63)))
@@ -638,9 +647,7 @@ def test_mamba_family_every_gradient(two_ranks, model, count):
     ("mamba", {}, dict(tensor_parallel_size=3), "intermediate_size (d_inner=128) does not split over"),
     ("jamba", {}, dict(tensor_parallel_size=3), "mamba_expand (d_inner=128) does not split over"),
     ("jamba", {"num_experts": 1}, None, "num_experts=1 is not supported for JambaForCausalLM"),
-    ("jamba", {"mamba_proj_bias": True}, None, "mamba_proj_bias=True is not supported for JambaForCausalLM"),
-    ("falcon_mamba", {}, dict(context_parallel_size=2),
-     "context_parallel_size=2 is not supported for FalconMambaForCausalLM")])
+    ("jamba", {"mamba_proj_bias": True}, None, "mamba_proj_bias=True is not supported for JambaForCausalLM")])
 def test_mamba_family_refused(folders, arch, changes, layout, field):
     """What the Mamba stacks cannot run is refused by the bridge alone (pure, before any collective), naming the
     field."""
@@ -654,19 +661,6 @@ def test_mamba_family_refused(folders, arch, changes, layout, field):
         setattr(config, name, value)
     with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
         get_bridge(config).check_layout(ParallelConfig(**(layout or {})))
-
-
-def test_zamba2_refused_by_name():
-    """Zamba2 (shared attention blocks re-used with per-use LoRA adapters, concatenated original embeddings): not
-    bridged, refused by name listing what is supported."""
-    import transformers
-
-    from loongforge_hf.bridges import UnsupportedArchitectureError, get_bridge
-
-    arch = "Zamba2ForCausalLM"
-    cfg = transformers.Zamba2Config(architectures=[arch])
-    with pytest.raises(UnsupportedArchitectureError, match=f"{arch}.*MambaForCausalLM"):
-        get_bridge(cfg)
 
 
 @pytest.mark.parametrize("arch, name", (("mamba2", "Mamba2ForCausalLM"), ("mamba", "MambaForCausalLM"),

@@ -7,7 +7,9 @@ within 1e-4, on a tiny model with recurrent layers 0, 1, 3 and an attention laye
   (a left-padded batch against each prompt alone) and beam search against transformers'; a bit-exact export round
   trip;
 - two ranks (one world): TP2 + SP logits and loss, left padding against each row alone, every parameter's gradient
-  exported through the bridge against transformers'; PP2 (two layers a stage) logits and loss, left padding;
+  exported through the bridge against transformers'; PP2 (two layers a stage) logits and loss, left padding; CP2
+  (the conv's halo and the RG-LRU's states passed between the chunks) with packed documents and left padding
+  against each alone: logits, loss, every parameter's gradient;
 - refusals on the bridge alone (pure, before any collective), naming the field."""
 
 import re
@@ -107,6 +109,53 @@ def _gradients(ours, ref, folder: str) -> dict | None:
             for n, p in ref.named_parameters()}
 
 
+def _cp2(ours, ref, folder: str) -> dict:
+    """CP2 (four chunks of 38 tokens): a row packing documents of ``CP_LENGTHS`` (starts at a chunk's first token,
+    inside chunks, one spanning a chunk's end) and a row left-padded by ``PAD``, labels ignored on padding, on each
+    row's first real token and across documents. Against transformers running each document and the padded row's
+    real tokens alone: the logits, the loss and every parameter's gradient (reduced over CP as megatron's DDP,
+    exported through the bridge; relative to each tensor's largest, rank 0); an uncached greedy generate (a 6-token
+    prompt padded to 8: chunks of 2, shorter than the conv) against transformers' tokens and scores."""
+    import torch.distributed as dist
+    import transformers
+
+    from ._gradients import _reduce_as_megatron
+    from .test_qwen3_5 import CP_LENGTHS
+
+    ref.zero_grad(set_to_none=True)
+    ids = _ids((2, 152), seed=4)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in CP_LENGTHS]), (torch.arange(152) - PAD).clamp(0)])
+    mask = torch.ones_like(ids)
+    mask[1, :PAD] = 0
+    labels = ids.masked_fill(positions == 0, -100)
+    got = ours(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels)
+    got.loss.backward()
+    starts = [sum(CP_LENGTHS[:i]) for i in range(len(CP_LENGTHS))]
+    parts = [(0, a, a + n) for a, n in zip(starts, CP_LENGTHS)] + [(1, PAD, 152)]
+    results = [ref(input_ids=ids[r:r + 1, a:b], labels=labels[r:r + 1, a:b], use_cache=False) for r, a, b in parts]
+    counts = [int((labels[r, a + 1:b] != -100).sum()) for r, a, b in parts]
+    (sum(res.loss * n for res, n in zip(results, counts)) / sum(counts)).backward()
+    out = {"logits": max(float((got.logits[r, a:b] - res.logits[0]).abs().max()) for (r, a, b), res in
+                         zip(parts, results)),
+           "loss": abs(got.loss.item() - sum(res.loss.item() * n for res, n in zip(results, counts)) / sum(counts))}
+    ids, kw = _ids((1, 6), seed=3), dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                                         output_scores=True)
+    got, want = ours.generate(input_ids=ids, use_cache=False, **kw), ref.generate(input_ids=ids, **kw)
+    out["generate"] = (torch.equal(got.sequences, want.sequences),
+                       max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)))
+    _reduce_as_megatron(ours)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(p.grad)
+    ours.save_pretrained(f"{folder}-cp2-grads")
+    if dist.get_rank() == 0:
+        exported = dict(transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-cp2-grads", dtype=torch.float32)
+                        .named_parameters())
+        out["grads"] = {n: float((exported[n] - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
+                        for n, p in ref.named_parameters()}
+    return out
+
+
 def _one_rank(folder: str) -> dict:
     import tempfile
 
@@ -132,6 +181,9 @@ def _two_ranks(folder: str) -> dict:
     del ours
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
     out["pp2"] = {"plain": _plain(ours, ref), "padded": _padded(ours, ref)}
+    del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
+    out["cp2"] = _cp2(ours, ref, folder)
     return out
 
 
@@ -193,10 +245,23 @@ def test_tp2_sequence_parallel_and_pp2(two_ranks):
     assert len(grads) > 40 and max(grads.values()) < 1e-4, sorted(grads.items(), key=lambda kv: -kv[1])[:5]
 
 
+def test_context_parallel_padded_and_packed(two_ranks):
+    """CP2: packed documents (one starting at a chunk's first token, one spanning a chunk's end) and a left-padded
+    row against transformers running each alone: logits and loss on both ranks, every parameter's gradient (the
+    recurrent blocks' conv, gates and ``recurrent_param``, the local attention, the MLPs, the norms); an uncached
+    greedy generate (chunks shorter than the conv) against transformers'."""
+    for rank, res in enumerate(two_ranks):
+        assert res["cp2"]["logits"] < TOL and res["cp2"]["loss"] < TOL, (rank, res["cp2"])
+        same, scores = res["cp2"]["generate"]
+        assert same and scores < TOL, (rank, res["cp2"]["generate"])
+    grads = two_ranks[0]["cp2"]["grads"]
+    assert len(grads) == len(two_ranks[0]["grads"]) and any("recurrent_param" in n for n in grads), sorted(grads)
+    assert max(grads.values()) < 1e-4, sorted(grads.items(), key=lambda kv: -kv[1])[:5]
+
+
 @pytest.mark.parametrize("changes, layout, field", [
     ({}, dict(tensor_parallel_size=8), "num_attention_heads=4 (the RG-LRU's heads) does not split over "
                                        "tensor_parallel_size=8"),
-    ({}, dict(context_parallel_size=2), "context_parallel_size=2 is not supported for RecurrentGemmaForCausalLM"),
     ({"block_types": ["recurrent", "mlp"]}, None, "block_types ['recurrent', 'mlp'] is not supported"),
     ({"hidden_activation": "gelu"}, None, "hidden_activation='gelu' is not supported"),
     ({"lru_width": 66}, None, "lru_width=66 does not split into num_attention_heads=4")])

@@ -6,7 +6,9 @@ BitNet, DiffLlama, OPT, BioGPT, XGLM, GPT-Neo, CodeGen, Persimmon, GPT-NeoX-Japa
 routing), Mamba, Falcon-Mamba and Mamba2 (the mixers' ``in_proj``), RecurrentGemma (the recurrent blocks'
 ``linear_x`` / ``linear_y`` / ``linear_out``), Kolibri-1 and Aria's text model (attention, shared
 experts), LFM3 (attention, the short convs' ``in_proj`` / ``out_proj``, MLP), Laguna (``q_proj`` / ``k_proj`` /
-``v_proj`` / ``g_proj`` with each layer's heads, ``o_proj``, the dense MLP).
+``v_proj`` / ``g_proj`` with each layer's heads, ``o_proj``, the dense MLP), Doge (attention and MLP around the
+dynamic mask; not ``dt_proj``), Gemma 3n (attention and MLP; not AltUp's,
+LAuReL's or the per-layer inputs' linears).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
@@ -56,6 +58,9 @@ ADAPTERS = {
     # not the shared experts: transformers' rename of their checkpoint name (mlp.shared_expert. -> shared_experts., a
     # regex whose dot takes the "s") garbles PEFT's own adapter keys on PeftModel.from_pretrained
     "laguna": dict(ALL_LINEAR, exclude_modules=r".*\.shared_experts\..*"),
+    # NOTE: Gemma 4 Unified's and Cohere Compass's language models (Gemma 4's per-type heads and keys as values;
+    # Cohere2's attention and MLP side by side)
+    "gemma4_unified": ALL_LINEAR, "cohere_compass": ALL_LINEAR,
     # NOTE: LFM3's attention (q / k / v / o_proj), conv in_proj / out_proj and MLP; the planner refuses its output
     # gate's g_proj (our own column-parallel linear, no LoRA slot), which PEFT adapts
     "lfm3": dict(ALL_LINEAR, exclude_modules=["g_proj"]),
@@ -63,6 +68,11 @@ ADAPTERS = {
     # attention's q_proj / o_proj, the MLP; not k_proj / v_proj: the one KV head is replicated at TP2, where the planner
     # refuses adapters on its rows
     "recurrent_gemma": dict(ALL_LINEAR, exclude_modules=["k_proj", "v_proj"]),
+    # NOTE: Doge's attention and MLP; not dt_proj (a parameter of our core attention, no LoRA slot), which PEFT adapts
+    "doge": dict(ALL_LINEAR, exclude_modules=["dt_proj"]),
+    # NOTE: Gemma 3n's attention (q / k / v; q alone in the layers reusing keys and values) and MLP; not AltUp's,
+    # LAuReL's or the per-layer inputs' linears (replicated: no LoRA slot), which PEFT adapts
+    "gemma3n": dict(ALL_LINEAR, exclude_modules=r".*(altup|laurel|per_layer).*"),
 }
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 # model -> its two-rank layout: TP2 + SP (MiniMax's routed experts' adapters whole on each rank: refused otherwise)

@@ -94,7 +94,10 @@ def _train_and_compare(folder: str, out_dir: str, device: str, sampled: bool = F
                                             ("opt", {}), ("gpt_neox_japanese", {}), ("biogpt", {}), ("xglm", {}),
                                             ("mamba2", {}), ("mamba", {}), ("falcon_mamba", {}),
                                             ("jamba", {}), ("laguna", {}), ("kolibri1", {}), ("aria_text", {}),
-                                            ("jetmoe", {}), ("lfm3", {}), ("recurrent_gemma", {})])
+                                            ("jetmoe", {}), ("lfm3", {}), ("recurrent_gemma", {}), ("emu3", {}),
+                                            ("gemma4_unified", {}), ("cohere_compass", {}), ("zamba2", {}),
+                                            ("zamba", {}),
+                                            ("doge", {}), ("doge_moe", {}), ("longcat_flash", {}), ("gemma3n", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 

@@ -86,3 +86,18 @@ def test_selective_scan_matches_the_sequential_path_with_documents_and_a_state()
     weight = torch.randn_like(y)
     grad, ref_grad = _grads(y, [dt], weight)[0], _grads(expected, [dt], weight.double())[0]
     assert (grad.double() - ref_grad).abs().max() <= 1e-5 * ref_grad.abs().max()
+
+
+def test_selective_scan_first_token_of_another_document_ignores_the_state():
+    """A row whose first id is not 0 (a context-parallel chunk starting a document) restarts at its first token: the
+    same outputs as from zeros; ids from 0 read the state."""
+    torch.manual_seed(2)
+    batch, d, seq, n = 2, 3, 9, 4
+    x, z, dt = torch.randn(batch, d, seq), torch.randn(batch, d, seq), torch.rand(batch, d, seq)
+    A, B, C = -torch.exp(torch.randn(d, n)), torch.randn(batch, seq, n), torch.randn(batch, seq, n)
+    D, state = torch.randn(d), torch.randn(batch, d, n)
+    documents = torch.tensor([[1] * 4 + [2] * 5, [0] * 9])
+    y, _ = selective_scan(x, dt, A, B, C, D, z, documents=documents, initial_state=state)
+    fresh, _ = selective_scan(x, dt, A, B, C, D, z, documents=documents)
+    continued, _ = selective_scan(x, dt, A, B, C, D, z, documents=documents[1:].expand(2, -1), initial_state=state)
+    assert torch.equal(y[0], fresh[0]) and torch.equal(y[1], continued[1]) and not torch.allclose(y[1], fresh[1])

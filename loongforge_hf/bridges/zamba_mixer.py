@@ -1,0 +1,111 @@
+"""Zamba's multi-head Mamba-1 mixer (transformers' ``ZambaMambaMixer``) as a megatron-style module in the
+self-attention slot.
+
+Choices:
+- Mamba-1 (``mamba1.py``) with ``d_inner`` cut into ``n_mamba_heads`` heads, each with its own ``x_proj`` (dt, B, C
+  from its own channels), ``dt_proj`` and bias, ``A_log`` and ``D``: each head runs ``kernels.selective_scan`` alone
+  (its own B / C), transformers' torch path op for op; the outputs concatenated into ``out_proj``.
+- ``in_proj``'s rows alternate x and the gate per channel (transformers' ``view(b, -1, 2, s)``): TP splits the heads,
+  so a rank's rows are one contiguous block (column-parallel as it is; x and z de-interleaved on the rank); the conv's
+  channels and every per-head tensor split with the heads; ``out_proj`` row-parallel. No reduction over TP: a head's
+  dt / B / C read its own channels only.
+- Padding and packed documents as ``mamba1.py``: padded tokens zeroed before ``in_proj`` and after the conv; packed
+  documents restart the conv and the scan.
+- Refused (``zamba.py``): heads that do not split over TP, projection biases, ``hidden_mamba_act`` other than silu,
+  cached generate; at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from loongforge_hf.bridges.recurrent_common import _token_layout, mixer_on_layers, mixer_projections, tp_group_of
+
+
+class ZambaMixer(torch.nn.Module):
+    """One Zamba Mamba layer's token mixer, this TP rank's heads (see the module docstring)."""
+
+    def __init__(self, config, *, layer_number: int, heads: int, d_inner: int, d_state: int, dt_rank: int,
+                 conv_kernel: int, conv_bias: bool, pg_collection=None, **_: object) -> None:
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        from loongforge_hf.xpu import get_backend
+
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        tp = config.tensor_model_parallel_size
+        tp_group = tp_group_of(pg_collection)
+        self.heads, self.head_dim = heads // tp, d_inner // heads
+        self.d_inner, self.d_state, self.dt_rank = d_inner // tp, d_state, dt_rank
+        self.in_proj, self.out_proj = mixer_projections(config, in_size=2 * d_inner, out_size=d_inner,
+                                                        tp_group=tp_group)
+        device = torch.device("cpu") if config.use_cpu_initialization else get_backend().device()
+        kw = dict(dtype=config.params_dtype, device=device)
+        h, d = self.heads, self.head_dim
+        self.conv_weight = torch.nn.Parameter(torch.zeros(self.d_inner, 1, conv_kernel, **kw))
+        self.conv_bias = torch.nn.Parameter(torch.zeros(self.d_inner, **kw)) if conv_bias else None
+        self.x_proj_weight = torch.nn.Parameter(torch.zeros(h, dt_rank + 2 * d_state, d, **kw))
+        self.dt_proj_weight = torch.nn.Parameter(torch.zeros(h, d, dt_rank, **kw))
+        self.dt_proj_bias = torch.nn.Parameter(torch.zeros(h, d, **kw))
+        self.A_log = torch.nn.Parameter(torch.zeros(h, d, d_state, **kw))
+        self.D = torch.nn.Parameter(torch.ones(h, d, **kw))
+        for p in self._split_parameters().values():
+            set_tensor_model_parallel_attributes(p, True, 0, 1)
+
+    def _split_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self._parameters.items() if p is not None}
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                inference_context=None, packed_seq_params=None, **_: object):
+        from loongforge_hf.bridges.mamba2 import _documents
+        from loongforge_hf.kernels.selective_scan import selective_scan
+        from loongforge_hf.kv_cache import refuse_megatron_state_inputs
+
+        refuse_megatron_state_inputs("Zamba", inference_context, packed_seq_params)
+        mixed = self.in_proj(hidden_states)[0].transpose(0, 1)           # [b, s, 2 * d_local]: all tokens
+        batch, seq, _ = mixed.shape
+        real, starts = _token_layout(attention_mask, batch, seq)
+        documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
+        if real is not None:
+            mixed = mixed * real[..., None].to(mixed.dtype)
+        x, z = mixed[..., 0::2], mixed[..., 1::2]                         # NOTE: rows alternate x and the gate
+        conv = functools.partial(causal_conv_silu, weight=self.conv_weight, bias=self.conv_bias)
+        x = conv(x, documents=documents)
+        if real is not None:
+            x = x * real[..., None].to(x.dtype)
+        x, z = x.transpose(1, 2), z.transpose(1, 2)                       # [b, d_local, s]
+        outputs = []
+        for h in range(self.heads):
+            part = slice(h * self.head_dim, (h + 1) * self.head_dim)
+            dt, B, C = torch.split(torch.matmul(self.x_proj_weight[h], x[:, part]),
+                                   [self.dt_rank, self.d_state, self.d_state], dim=1)
+            dt = F.softplus(torch.matmul(self.dt_proj_weight[h], dt) + self.dt_proj_bias[h].float()[:, None])
+            y, _ = selective_scan(x[:, part], dt, -torch.exp(self.A_log[h].float()), B.transpose(1, 2),
+                                  C.transpose(1, 2), self.D[h], z[:, part], documents=documents)
+            outputs.append(y)
+        out = torch.cat(outputs, dim=1).transpose(1, 2).to(self.out_proj.weight.dtype)
+        return self.out_proj(out.transpose(0, 1).contiguous())
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from loongforge_hf.bridges.recurrent_common import mixer_sharded_state_dict
+
+        return mixer_sharded_state_dict(self, prefix, sharded_offsets, metadata, self._split_parameters())
+
+
+def causal_conv_silu(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None,
+                     documents: torch.Tensor | None) -> torch.Tensor:
+    """``kernels.causal_conv`` and ``silu`` over ``x`` ``[b, s, ch]``, in ``x``'s dtype."""
+    from loongforge_hf.kernels.causal_conv import causal_conv
+
+    return F.silu(causal_conv(x, weight, bias, documents=documents)).to(x.dtype)
+
+
+@functools.cache
+def zamba_attention_slot(*, layers: frozenset[int], **dims) -> type:
+    """The self-attention slot's class: ``ZambaMixer`` (with ``dims``) on every layer of ``layers``."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    return mixer_on_layers(layers, ZambaMixer, SelfAttention, **dims)

@@ -1,0 +1,143 @@
+"""Gemma3nForCausalLM (Gemma 3n's text decoder) against transformers, fp32 within 1e-4, on a tiny model with every
+piece bound (``testing/tiny_gemma3n.py``): 3 AltUp streams (the active one the second), LAuReL, per-layer inputs
+from a table smaller than the vocabulary, the last 2 layers reusing keys and values, the Gaussian top-k on the
+first 2 layers, per-layer MLP widths, sliding / full layers with their own rope, soft-capped logits.
+
+One world of two ranks:
+- TP1 (each rank alone): logits and loss, left padding against each row alone, packed documents against each
+  document alone, cached greedy (dynamic and static cache) and beam search against transformers'; a
+  bit-exact export round trip;
+- TP2 + SP: logits and loss, left padding, every parameter's gradient exported through the bridge against
+  transformers' (the top-k's mean and variance all-reduced over TP);
+- refusals on the bridge alone (pure, before any collective), naming the field."""
+
+import re
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+from .test_recurrent_gemma import _gradients, _ids, _padded, _plain
+
+TOL = 1e-4
+
+
+def _models(folder: str, **layout):
+    import transformers
+
+    import loongforge_hf as lf
+
+    return (lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout),
+            transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+
+
+def _generate(ours, ref) -> dict:
+    """Cached greedy (our dynamic and static caches, the window passed) and 2-beam search against transformers'."""
+    ids = _ids((2, 9), seed=3)
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    want = ref.generate(input_ids=ids, **kw)
+    runs = {"greedy": (ours.generate(input_ids=ids, **kw), want),
+            "static": (ours.generate(input_ids=ids, cache_implementation="static", **kw), want),
+            "beam": (ours.generate(input_ids=ids, num_beams=2, **kw),
+                     ref.generate(input_ids=ids, num_beams=2, use_cache=False, **kw))}
+    return {name: (torch.equal(got.sequences, theirs.sequences),
+                   max(float((a - b).abs().max()) for a, b in zip(got.scores, theirs.scores)))
+            for name, (got, theirs) in runs.items()}
+
+
+def _world(folder: str) -> dict:
+    import torch.distributed as dist
+
+    from loongforge_hf.testing.round_trip import check_round_trip
+
+    from .test_qwen3_5 import packed_against_alone
+
+    ours, ref = _models(folder, tensor_parallel_size=1)
+    out = {"tp1": {"plain": _plain(ours, ref), "padded": _padded(ours, ref), "packed": packed_against_alone(ours, ref),
+                   "generate": _generate(ours, ref)}}
+    ours.save_pretrained(f"{folder}-saved")  # NOTE: every rank takes part; rank 0 writes
+    dist.barrier()
+    if dist.get_rank() == 0:
+        check_round_trip(folder, f"{folder}-saved")
+        out["round_trip"] = True
+    del ours
+    ours, ref = _models(folder, tensor_parallel_size=2, sequence_parallel=True)
+    out["tp2"] = {"plain": _plain(ours, ref), "padded": _padded(ours, ref), "grads": _gradients(ours, ref, folder)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3n") / "g", "gemma3n"))
+
+
+@pytest.fixture(scope="module")
+def world(folder):
+    return run_distributed(_world, 2, folder, timeout=300)
+
+
+def test_tp1(world):
+    for rank in world:
+        res = rank["tp1"]
+        for name in ("plain", "padded"):
+            assert res[name]["logits"] < TOL and res[name]["loss"] < TOL, (name, res[name])
+        assert max(res["packed"]) < TOL, res["packed"]
+        for name, (same, scores) in res["generate"].items():
+            assert same and scores < TOL, (name, res["generate"])
+    assert world[0]["round_trip"]
+
+
+def test_tp2_sequence_parallel(world):
+    for rank in world:
+        for name in ("plain", "padded"):
+            res = rank["tp2"][name]
+            assert res["logits"] < TOL and res["loss"] < TOL, (name, res)
+    grads = world[0]["tp2"]["grads"]
+    assert len(grads) > 100 and max(grads.values()) < 1e-4, sorted(grads.items(), key=lambda kv: -kv[1])[:5]
+
+
+@pytest.mark.parametrize("changes, layout, field", [
+    ({}, dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported for Gemma3nForCausalLM"),
+    ({}, dict(context_parallel_size=2), "context_parallel_size=2 is not supported for Gemma3nForCausalLM"),
+    ({}, dict(tensor_parallel_size=4), "num_key_value_heads=2 does not split over tensor_parallel_size=4"),
+    ({"altup_active_idx": 3}, None, "altup_active_idx=3 is not one of the altup_num_inputs=3 streams"),
+    ({"hidden_size_per_layer_input": 0}, None, "hidden_size_per_layer_input=0 is not supported"),
+    ({"num_kv_shared_layers": 5}, None, "num_kv_shared_layers=5: at least one of the 5 layers"),
+    ({"attention_bias": True}, None, "attention_bias=True is not supported for Gemma3nForCausalLM"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}}}, None,
+     "rope_parameters['full_attention']")])
+def test_refused(folder, changes, layout, field):
+    import transformers
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel import ParallelConfig
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    for name, value in changes.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
+        get_bridge(config).check_layout(ParallelConfig(**(layout or {})))
+
+
+def test_hub_layout_accepted_and_image_text_model_refused():
+    """gemma-3n-E4B's text config (transformers' defaults: 4 streams, 15 layers sharing keys and values, top-k on the
+    first 10) builds a bridge at TP2; the hub's image-text-audio model is refused by name."""
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.bridges.registry import UnsupportedArchitectureError
+    from loongforge_hf.parallel import ParallelConfig
+
+    config = transformers.Gemma3nTextConfig()
+    config.architectures = ["Gemma3nForCausalLM"]
+    bridge = get_bridge(config)
+    bridge.check_layout(ParallelConfig(tensor_parallel_size=2))
+    assert len(bridge.reusing_layers) == 15 and bridge.mlp_module() is not None
+    full = transformers.Gemma3nConfig()
+    full.architectures = ["Gemma3nForConditionalGeneration"]
+    with pytest.raises(UnsupportedArchitectureError, match="Gemma3nForConditionalGeneration is not supported: "
+                                                           "Gemma 3n's image-text-audio model"):
+        get_bridge(full)

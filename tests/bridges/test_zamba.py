@@ -1,0 +1,211 @@
+"""Zamba2ForCausalLM (Mamba2 layers, three of them hybrid: two shared transformer blocks re-used in turn with per-use
+q / k / v and MLP adapters, rope in the shared attention) and ZambaForCausalLM (multi-head Mamba-1 layers, two of them
+hybrid with the one shared block) against transformers, fp32 within 1e-4, in one two-rank world:
+- TP1 (data parallel over the two ranks): two 40-token rows, the second left-padded by 9, logits and loss; a row
+  packing documents against each document alone; Zamba2's uncached greedy generate against transformers'; a
+  bit-exact export round trip (the shared blocks written once, under their first use, as transformers writes them);
+- Zamba2's training forward with activation checkpointing refused;
+- TP2 + SP: the padded rows' logits and loss, every parameter's gradient exported through the bridge against
+  transformers' (each shared block's summed over its uses);
+- refusals on the bridge alone (pure, before any collective), naming the field."""
+
+import re
+
+import pytest
+import torch
+
+from loongforge_hf.parallel.spawn import run_distributed
+from loongforge_hf.testing import make_tiny_checkpoint
+
+TOL = 1e-4
+ARCHS = ("zamba2", "zamba")
+
+
+def _ids(shape, seed=0):
+    return torch.randint(4, 203, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _padded(ours, ref) -> dict:
+    ids = _ids((2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    with torch.no_grad():
+        got, want = ours(**kw), ref(**kw)
+    return {"logits": float((got.logits - want.logits).abs()[mask.bool()].max()),
+            "loss": float(abs(got.loss - want.loss))}
+
+
+def _generate(ours, ref) -> tuple[bool, float]:
+    ids = _ids((1, 8), seed=3)
+    kw = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True, use_cache=False)
+    got, want = ours.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw)
+    return (torch.equal(got.sequences, want.sequences),
+            max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)))
+
+
+def _gradients(ours, ref, folder: str) -> dict | None:
+    """Every parameter's gradient after a backward (rank 0: relative to each tensor's largest; None elsewhere)."""
+    import torch.distributed as dist
+    import transformers
+
+    from ._gradients import _reduce_as_megatron
+
+    ids = _ids((2, 24), seed=2)
+    ours(input_ids=ids, labels=ids).loss.backward()
+    _reduce_as_megatron(ours)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(p.grad)
+    ours.save_pretrained(f"{folder}-grads")
+    if dist.get_rank() != 0:
+        return None
+    ref(input_ids=ids, labels=ids).loss.backward()
+    exported = dict(transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-grads", dtype=torch.float32)
+                    .named_parameters())
+    return {n: float((exported[n].detach() - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
+            for n, p in ref.named_parameters()}
+
+
+def _recompute_refusal(ours) -> str:
+    """The message of a training forward with activation checkpointing (the model left in eval mode after)."""
+    ours.train()
+    ours.gradient_checkpointing_enable()
+    try:
+        ours(input_ids=torch.arange(4, 12)[None], labels=torch.arange(4, 12)[None])
+    except ValueError as err:
+        return str(err)
+    finally:
+        ours.gradient_checkpointing_disable()
+        ours.eval()
+    return "no error"
+
+
+def _checks(folder: str, *, generate: bool) -> dict:
+    import torch.distributed as dist
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.testing.round_trip import check_round_trip
+
+    from .test_qwen3_5 import packed_against_alone
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    out = {"tp1": _padded(ours, ref), "packed": packed_against_alone(ours, ref)}
+    if generate:
+        out["generate"] = _generate(ours, ref)
+        out["recompute"] = _recompute_refusal(ours)
+    ours.save_pretrained(f"{folder}-saved")  # NOTE: one folder for both ranks (rank 0 writes it)
+    if dist.get_rank() == 0:
+        check_round_trip(folder, f"{folder}-saved")
+        out["round_trip"] = True
+    del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2,
+                                                   sequence_parallel=True)
+    out["tp2_sp"] = _padded(ours, ref)
+    out["grads"] = _gradients(ours, ref, folder)
+    return out
+
+
+def _world(folders: dict) -> dict:
+    return {arch: _checks(folder, generate=arch == "zamba2") for arch, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zamba")
+    return {arch: str(make_tiny_checkpoint(root / arch, arch)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def world(folders):
+    return run_distributed(_world, 2, folders, timeout=300)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", ["tp1", "tp2_sp"])
+def test_logits_and_loss(world, arch, layout):
+    for rank in world:
+        assert rank[arch][layout]["logits"] < TOL and rank[arch][layout]["loss"] < TOL, rank[arch][layout]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_and_round_trip(world, arch):
+    assert max(world[0][arch]["packed"]) < TOL, world[0][arch]["packed"]
+    assert world[0][arch]["round_trip"]
+
+
+def test_uncached_generate(world):
+    assert world[0]["zamba2"]["generate"][0] and world[0]["zamba2"]["generate"][1] < TOL, world[0]["zamba2"]
+
+
+def test_recompute_refused(world):
+    """The shared blocks and embeddings pass beside megatron's layer arguments: activation checkpointing refused."""
+    assert "activation checkpointing (recompute) is not supported" in world[0]["zamba2"]["recompute"], world[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gradients_tp2_sp(world, arch):
+    grads = world[0][arch]["grads"]
+    assert any("shared_transf" in n for n in grads), sorted(grads)
+    assert arch == "zamba" or any("adapter_list" in n for n in grads), sorted(grads)
+    bad = {n: d for n, d in grads.items() if d > TOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("changes, layout, field", [
+    ({"tie_word_embeddings": False}, None, "tie_word_embeddings=False is not supported for Zamba2ForCausalLM"),
+    ({"add_bias_linear": True}, None, "add_bias_linear=True is not supported for Zamba2ForCausalLM"),
+    ({"use_long_context": True}, None, "use_long_context=True is not supported for Zamba2ForCausalLM"),
+    ({"layers_block_type": ["linear_attention", "full_attention"] * 2 + ["hybrid"]}, None,
+     "layers_block_type ['full_attention'] is not supported for Zamba2ForCausalLM"),
+    ({}, dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported for Zamba2ForCausalLM"),
+    ({}, dict(context_parallel_size=2), "context_parallel_size=2 is not supported for Zamba2ForCausalLM"),
+    ({"num_key_value_heads": 1}, dict(tensor_parallel_size=2), "num_key_value_heads=1 does not split over "
+     "tensor_parallel_size=2 for Zamba2ForCausalLM")])
+def test_refused(folders, changes, layout, field):
+    """What megatron cannot run as transformers does is refused by the bridge alone (pure, before any collective),
+    naming the field."""
+    import transformers
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel import ParallelConfig
+
+    config = transformers.AutoConfig.from_pretrained(folders["zamba2"])
+    for name, value in changes.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
+        get_bridge(config).check_layout(ParallelConfig(**(layout or {})))
+
+
+def test_cached_generate_refused(folders):
+    """The shared attention keeps no keys and values: cached generate is refused by name, uncached taken."""
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+
+    for arch, name in (("zamba2", "Zamba2ForCausalLM"), ("zamba", "ZambaForCausalLM")):
+        bridge = get_bridge(transformers.AutoConfig.from_pretrained(folders[arch]))
+        refusal = bridge.generation_refusal(transformers.GenerationConfig(use_cache=True))
+        assert refusal is not None and f"use_cache=True is not supported for {name}" in refusal, refusal
+        assert bridge.generation_refusal(transformers.GenerationConfig(use_cache=False)) is None
+
+
+@pytest.mark.parametrize("changes, layout, field", [
+    ({"mamba_proj_bias": True}, None, "mamba_proj_bias=True is not supported for ZambaForCausalLM"),
+    ({"hidden_mamba_act": "gelu"}, None, "hidden_mamba_act='gelu' is not supported for ZambaForCausalLM"),
+    ({"n_mamba_heads": 1}, dict(tensor_parallel_size=2), "n_mamba_heads=1 does not split over "
+     "tensor_parallel_size=2 for ZambaForCausalLM"),
+    ({}, dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported for ZambaForCausalLM")])
+def test_zamba_refused(folders, changes, layout, field):
+    import transformers
+
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel import ParallelConfig
+
+    config = transformers.AutoConfig.from_pretrained(folders["zamba"])
+    for name, value in changes.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedConfigError, match=re.escape(field)):
+        get_bridge(config).check_layout(ParallelConfig(**(layout or {})))
