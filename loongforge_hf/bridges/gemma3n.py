@@ -79,15 +79,7 @@ class Gemma3nBridge(Gemma4Bridge):
         if self.per_layer_size < 1:
             raise C.UnsupportedConfigError(f"hidden_size_per_layer_input={c.hidden_size_per_layer_input} is not "
                                            f"supported for {ARCH} (at least 1).")
-        shared = int(c.num_kv_shared_layers or 0)
-        if shared and not 0 < shared < c.num_hidden_layers:
-            raise C.UnsupportedConfigError(f"num_kv_shared_layers={shared}: at least one of the "
-                                           f"{c.num_hidden_layers} layers must compute keys and values.")
-        try:
-            self.kv_modes = list(c.kv_sharing_modes) if shared else None
-        except ValueError as err:  # NOTE: a shared layer type no earlier layer computes
-            raise C.UnsupportedConfigError(f"num_kv_shared_layers={shared}: {err}.") from None
-        self.reusing_layers = frozenset(i for i, m in enumerate(self.kv_modes or ()) if m == "reuse")
+        self.check_kv_sharing()
         self.wide_layers = frozenset()
         self.check_layer_types()
         for kind in LAYER_TYPES:

@@ -210,12 +210,9 @@ def shapes(hf_config) -> dict[str, tuple[int, ...]]:
 class SmallModelFields:
     """E2B / E4B's config fields on ``gemma4.Gemma4Bridge``."""
 
-    def check_small_model_fields(self) -> None:
-        """E2B / E4B's fields (module docstring): ``per_layer_size``, ``kv_modes`` (None without sharing),
-        ``reusing_layers`` and ``wide_layers``; ``UnsupportedConfigError`` naming a field they cannot run with."""
+    def check_kv_sharing(self) -> int:
+        """``num_kv_shared_layers`` (returned) and ``kv_modes`` / ``reusing_layers`` from it (Gemma 3n's too)."""
         c = self.hf_config
-        # NOTE: Gemma 4 Unified's text config has no per-layer inputs nor MoE block (reading those fields raises)
-        self.per_layer_size = int(getattr(c, "hidden_size_per_layer_input", 0) or 0)
         shared = int(c.num_kv_shared_layers or 0)
         if shared and not 0 < shared < c.num_hidden_layers:
             raise C.UnsupportedConfigError(f"num_kv_shared_layers={shared}: at least one of the "
@@ -225,6 +222,15 @@ class SmallModelFields:
         except ValueError as err:  # NOTE: a shared layer type no earlier layer computes
             raise C.UnsupportedConfigError(f"num_kv_shared_layers={shared}: {err}.") from None
         self.reusing_layers = frozenset(i for i, m in enumerate(self.kv_modes or ()) if m == "reuse")
+        return shared
+
+    def check_small_model_fields(self) -> None:
+        """E2B / E4B's fields (module docstring): ``per_layer_size``, ``kv_modes`` (None without sharing),
+        ``reusing_layers`` and ``wide_layers``; ``UnsupportedConfigError`` naming a field they cannot run with."""
+        c = self.hf_config
+        # NOTE: Gemma 4 Unified's text config has no per-layer inputs nor MoE block (reading those fields raises)
+        self.per_layer_size = int(getattr(c, "hidden_size_per_layer_input", 0) or 0)
+        shared = self.check_kv_sharing()
         self.wide_layers = self.reusing_layers if c.use_double_wide_mlp else frozenset()
         if (self.per_layer_size or shared) and getattr(c, "enable_moe_block", False):
             raise C.UnsupportedConfigError("hidden_size_per_layer_input / num_kv_shared_layers with "

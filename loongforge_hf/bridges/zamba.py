@@ -20,7 +20,7 @@ from loongforge_hf.bridges.dense import D as DL
 from loongforge_hf.bridges.fused_mappings import GatedMLP
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel
 from loongforge_hf.bridges.registry import register_bridge
-from loongforge_hf.bridges.zamba2 import HYBRID, MAMBA, Zamba2Bridge
+from loongforge_hf.bridges.zamba2 import Zamba2Bridge
 
 L = "model.layers.{layer}"
 S = f"{DL}.self_attention"
@@ -37,14 +37,7 @@ class ZambaBridge(Zamba2Bridge):
 
     def check_config(self) -> None:
         c, arch = self.hf_config, self.architectures[0]
-        unknown = sorted(set(c.layers_block_type) - {MAMBA[0], HYBRID})
-        if unknown:
-            raise C.UnsupportedConfigError(f"layers_block_type {unknown} is not supported for {arch}: one of "
-                                           f"{[MAMBA[0], HYBRID]} per layer.")
-        if not c.tie_word_embeddings:
-            raise C.UnsupportedConfigError(
-                f"tie_word_embeddings={c.tie_word_embeddings} is not supported for {arch}: transformers then keeps a "
-                "block of its own for every use of the shared transformer block instead of sharing it.")
+        self.check_shared_blocks()
         C.refuse_set_fields(c, arch, (("mamba_proj_bias", "biases of the Mamba in_proj / out_proj"),))
         if c.hidden_mamba_act != "silu":
             raise C.UnsupportedConfigError(f"hidden_mamba_act={c.hidden_mamba_act!r} is not supported for {arch} "

@@ -16,8 +16,7 @@ Choices:
   it every use keeps a block of its own): other configs are refused. One megatron name stands for other HF names
   from layer to layer (the mixer under ``mamba_decoder``, a use's adapters in its owner's lists): ``ByLayer`` picks
   the layer's own mapping.
-- Cached generate is refused (``generation_refusal``: the shared attention keeps no keys and values); generate runs
-  with ``use_cache=False``.
+- Cached generate is refused (the shared attention keeps no keys and values); ``use_cache=False`` runs.
 - Zamba (``ZambaForCausalLM``, ``zamba.py``): this bridge on a multi-head Mamba-1 mixer, one block, no adapters.
 - Refused before any collective: ``tie_word_embeddings`` off, ``add_bias_linear``, rope types other than the default,
   ``use_long_context``, layer kinds other than the two, heads or KV heads that do not split over TP, what
@@ -115,6 +114,16 @@ class Zamba2Bridge(Mamba2Layers, DenseBridge):
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
         c, arch = self.hf_config, self.architectures[0]
+        self.check_shared_blocks()
+        C.refuse_set_fields(c, arch, (("add_bias_linear", "biases of the Mamba2 and shared-block linears"),
+                                      ("use_long_context", "the rescaled long-context rope")))
+        if c.use_mem_rope and self.rope_parameters()["rope_type"] != "default":
+            raise C.UnsupportedConfigError(f"rope_parameters={c.rope_parameters} is not supported for {arch} (the "
+                                           "default rope only).")
+        self.check_mamba_dims()
+
+    def check_shared_blocks(self) -> None:
+        c, arch = self.hf_config, self.architectures[0]  # NOTE: Zamba's too
         unknown = sorted(set(c.layers_block_type) - {MAMBA[0], HYBRID})
         if unknown:
             raise C.UnsupportedConfigError(f"layers_block_type {unknown} is not supported for {arch}: one of "
@@ -123,12 +132,6 @@ class Zamba2Bridge(Mamba2Layers, DenseBridge):
             raise C.UnsupportedConfigError(
                 f"tie_word_embeddings={c.tie_word_embeddings} is not supported for {arch}: transformers then keeps a "
                 "block of its own for every use of a shared transformer block instead of sharing it.")
-        C.refuse_set_fields(c, arch, (("add_bias_linear", "biases of the Mamba2 and shared-block linears"),
-                                      ("use_long_context", "the rescaled long-context rope")))
-        if c.use_mem_rope and self.rope_parameters()["rope_type"] != "default":
-            raise C.UnsupportedConfigError(f"rope_parameters={c.rope_parameters} is not supported for {arch} (the "
-                                           "default rope only).")
-        self.check_mamba_dims()
 
     def rope_parameters(self) -> dict:
         rope = getattr(self.hf_config, "rope_parameters", None) or {}
