@@ -25,7 +25,8 @@ from loongforge_hf.bridges import lfm2, lfm2_moe, lfm3  # noqa: F401
 from loongforge_hf.bridges import bamba, falcon_h1, granitemoehybrid, nemotron_h  # noqa: F401
 from loongforge_hf.bridges import jamba, mamba2_lm, mamba_lm  # noqa: F401
 from loongforge_hf.bridges import qwen3_5_moe, qwen3_next  # noqa: F401
-from loongforge_hf.bridges import qwen4_exp_refused  # noqa: F401
+from loongforge_hf.bridges import bailing_hybrid_refused, lara_mini, qwen4_exp_refused  # noqa: F401
+from loongforge_hf.bridges import dory_zaya_refused  # noqa: F401
 from loongforge_hf.bridges import glm, nemotron, olmo  # noqa: F401
 from loongforge_hf.bridges import olmo_hybrid  # noqa: F401
 from loongforge_hf.bridges import kimi_linear  # noqa: F401
@@ -41,6 +42,7 @@ from loongforge_hf.bridges import laguna  # noqa: F401
 from loongforge_hf.bridges import longcat_flash  # noqa: F401
 from loongforge_hf.bridges import recurrent_gemma  # noqa: F401
 from loongforge_hf.bridges import vlm_text_refused  # noqa: F401
+from loongforge_hf.bridges import xlstm_refused  # noqa: F401
 from loongforge_hf.bridges import doge  # noqa: F401
 from loongforge_hf.bridges import zamba, zamba2  # noqa: F401
 from loongforge_hf.bridges import (arcee, cohere, deepseek, ernie4_5_moe, exaone4, gemma, glm4,  # noqa: F401

@@ -150,17 +150,18 @@ class Qwen3_5Bridge(DenseBridge):
         return {**mixer, **self.dense_mlp_shapes(prefix)}
 
 
-def check_linear_attention(c, arch: str) -> None:
+def check_linear_attention(c, arch: str, kinds: tuple[str, ...] = LAYER_TYPES) -> None:
     """``UnsupportedConfigError`` for a config of Gated DeltaNet and full-attention layers (``layer_types``) that
     ``gated_deltanet.py`` cannot run exactly (Qwen3.5, Qwen3-Next, OLMo Hybrid): unknown layer kinds, value heads
-    that are not a multiple of the key heads, an activation other than silu, attention biases."""
-    kinds = list(c.layer_types or [])
-    unknown = sorted(set(kinds) - set(LAYER_TYPES))
+    that are not a multiple of the key heads, an activation other than silu, attention biases (``kinds``: the
+    layer kinds the bridge builds; LaraMini's adds ``sliding_attention``)."""
+    types = list(c.layer_types or [])
+    unknown = sorted(set(types) - set(kinds))
     if unknown:
         raise C.UnsupportedConfigError(f"layer_types {unknown} are not supported for {arch}; supported: "
-                                       f"{list(LAYER_TYPES)}.")
-    if len(kinds) != c.num_hidden_layers:
-        raise C.UnsupportedConfigError(f"layer_types has {len(kinds)} entries for {c.num_hidden_layers} layers.")
+                                       f"{list(kinds)}.")
+    if len(types) != c.num_hidden_layers:
+        raise C.UnsupportedConfigError(f"layer_types has {len(types)} entries for {c.num_hidden_layers} layers.")
     if c.linear_num_value_heads % c.linear_num_key_heads:
         raise C.UnsupportedConfigError(
             f"linear_num_value_heads={c.linear_num_value_heads} is not a multiple of linear_num_key_heads="

@@ -5,10 +5,12 @@ the tests' lengths."""
 from __future__ import annotations
 
 from loongforge_hf.testing.tiny_fairseq import FAIRSEQ_ARCHS, fairseq_config
+from loongforge_hf.testing.tiny_lara import LARA_ARCHS, lara_config
 from loongforge_hf.testing.tiny_vlm_text import VLM_TEXT_ARCHS, VLM_TEXT_NOT_AUTO, vlm_text_config  # noqa: F401
 
 # NOTE: BioGPT and XGLM (OPT's bridge) in tiny_fairseq.py
-CLASSIC_ARCHS = ("persimmon", "codegen", "gpt_neo", "opt", "gpt_neox_japanese", *FAIRSEQ_ARCHS, *VLM_TEXT_ARCHS)
+CLASSIC_ARCHS = ("persimmon", "codegen", "gpt_neo", "opt", "gpt_neox_japanese", *FAIRSEQ_ARCHS, *VLM_TEXT_ARCHS,
+                 *LARA_ARCHS)
 # NOTE: the linears' biases randomised in make_tiny_checkpoint (HF: zeros), by model_type
 CLASSIC_BIASED = ("persimmon", "codegen", "gpt_neo", "opt", "gpt_neox_japanese", *FAIRSEQ_ARCHS)
 
@@ -20,6 +22,8 @@ def classic_config(arch: str, common: dict):
     ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch in FAIRSEQ_ARCHS:
         return fairseq_config(arch, common)
+    if arch in LARA_ARCHS:  # NOTE: LaraMini in tiny_lara.py
+        return lara_config(arch, common)
     if arch in VLM_TEXT_ARCHS:  # NOTE: image-text families' language models: tiny_vlm_text.py
         return vlm_text_config(arch, common)
     if arch == "persimmon":

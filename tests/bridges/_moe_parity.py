@@ -102,7 +102,7 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
          "minimax_m2", "dots1", "hunyuan_v1_moe", "flex_olmo", "phimoe", "cohere2_moe", "afmoe",
          "mistral4", "exaone_moe", "solar_open", "glm_moe_dsa", "dbrx", "mimo_v2_flash",
          "kimi_linear", "hy_v3", "mellum", "flint", "granitemoe_swa", "axk1", "axk2", "minimax", "kolibri1",
-         "aria_text", "laguna")) else {}
+         "aria_text", "laguna", "lara_mini")) else {}
     out = model(input_ids=ids, labels=labels, **routed)
     with torch.no_grad():
         exp = ref(input_ids=ids, labels=labels, **routed)

@@ -257,6 +257,9 @@ CHECKPOINTS = {
     # NOTE: Laguna (a head count per layer, a softplus gate per head channel, a rope per layer type, sigmoid routing
     # plus a fixed bias, a shared expert): at TP2 + SP + EP2
     "laguna": ("laguna", {"gating": "per-element"}),
+    # NOTE: LaraMini (Gated DeltaNet from one fused in_proj, a windowed rotary layer and a NoPE one, softmax top-k
+    # experts stacked on disk, an ungated shared expert): at TP2 + SP + EP2
+    "lara_mini": ("lara_mini", {}),
     # NOTE: Emu3's, Gemma 4 Unified's and Cohere Compass's language models (Llama's layout; Gemma 4's text model;
     # Cohere2's layer with rotate-half rope on the sliding layers only): at TP2 + SP
     "emu3": ("emu3", {}),
@@ -282,7 +285,7 @@ LAYOUTS = {
                           "phimoe", "cohere2_moe", "afmoe", "glm4_moe_lite", "mistral4", "exaone_moe",
                           "solar_open", "dbrx", "deepseek_v32", "glm_moe_dsa", "mimo_v2_flash", "kimi_linear",
                           "hy_v3", "mellum", "flint", "axk1", "axk2", "granitemoe_swa", "minimax", "kolibri1",
-                          "aria_text", "laguna")),
+                          "aria_text", "laguna", "lara_mini")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET + ("kimi_linear",)),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),

@@ -276,6 +276,9 @@ CHECKPOINTS = {
     "aria_text": ("aria_text", {}),
     # NOTE: Laguna: a head count per layer, a softplus gate per head, a rope theta and rotary share per layer type
     "laguna": ("laguna", {}),
+    # NOTE: LaraMini: Gated DeltaNet layers (one fused in_proj on disk), a windowed rotary layer and a NoPE full one
+    # (ungated, plain norms), softmax top-2 of 4 experts stacked on disk beside an ungated shared expert
+    "lara_mini": ("lara_mini", {}),
     # NOTE: ... Kolibri-1 without renormalising the top k (transformers' default), and in bf16 (the router weight in
     # bf16, its bias in fp32: the round trip keeps both)
     "kolibri1_unnormalised": ("kolibri1", {"norm_topk_prob": False}),
@@ -294,7 +297,7 @@ DENSE_MLA = ("minicpm3",)  # NOTE: no experts: at tp1 and tp2sp, checked by test
 KDA = ("kimi_linear",)  # NOTE: at tp1, cp2ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2 and CP2
 # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
 NEW_MOE = ("exaone_moe", "solar_open", "dbrx", "mimo_v2_flash", "hy_v3", "mellum", "flint", "minimax", "granitemoe_swa",
-           "kolibri1", "aria_text", "laguna")
+           "kolibri1", "aria_text", "laguna", "lara_mini")
 LAYOUTS = {
     "tp1": (1, {}, (*MODELS, *HYBRID, *LEAN, *SMALL_MOE, *MLA_FAMILY, *DSA, *DENSE_MLA, "deepseek_v3_yarn",
                     "deepseek_v2_grouped", "qwen3_moe_sparse2",
@@ -304,7 +307,7 @@ LAYOUTS = {
     "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE, "cohere2_moe_rms")),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2},
-               (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe", *KDA)),
+               (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe", *KDA, "lara_mini")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
                (*MODELS, *HYBRID, *SMALL_MOE, *MLA_FAMILY, *NEW_MOE, *DSA, "qwen3_moe_yarn", "mixtral_yarn",
                 "cohere2_moe", *KDA)),
@@ -483,7 +486,7 @@ def test_parity_and_round_trip(worlds, layout, name):
             assert r["no_aux_loss"] and r["router_counts"] == (4, 4), (rank, r)
             assert r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < (tol["logit_diff"] if name.endswith("_bf16") else ROUTER_TOL), (rank, r)
-        if name == "granitemoe_swa":  # NOTE: router_logits and transformers' balancing loss, every layer sparse
+        if name in ("granitemoe_swa", "lara_mini"):  # NOTE: router_logits, the balancing loss, every layer sparse
             assert r["router_counts"] == (4, 4) and r["router_dtypes"] == ["torch.float32"], (rank, r)
             assert r["router_diff"] < ROUTER_TOL and r["aux_diff"] is not None and r["aux_diff"] < ROUTER_TOL, (rank, r)
         if name == "dbrx":  # NOTE: router_logits and the balancing loss (moe_loss_weight times it in the loss)

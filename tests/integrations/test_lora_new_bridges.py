@@ -73,6 +73,9 @@ ADAPTERS = {
     # NOTE: Gemma 3n's attention (q / k / v; q alone in the layers reusing keys and values) and MLP; not AltUp's,
     # LAuReL's or the per-layer inputs' linears (replicated: no LoRA slot), which PEFT adapts
     "gemma3n": dict(ALL_LINEAR, exclude_modules=r".*(altup|laurel|per_layer).*"),
+    # NOTE: LaraMini's attention, Gated DeltaNet out_proj and shared expert; not in_proj_qkv / z / b / a (one fused
+    # in_proj on disk: the planner refuses them by name), which PEFT adapts
+    "lara_mini": dict(ALL_LINEAR, exclude_modules=["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]),
 }
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 # model -> its two-rank layout: TP2 + SP (MiniMax's routed experts' adapters whole on each rank: refused otherwise)

@@ -97,7 +97,8 @@ def _train_and_compare(folder: str, out_dir: str, device: str, sampled: bool = F
                                             ("jetmoe", {}), ("lfm3", {}), ("recurrent_gemma", {}), ("emu3", {}),
                                             ("gemma4_unified", {}), ("cohere_compass", {}), ("zamba2", {}),
                                             ("zamba", {}),
-                                            ("doge", {}), ("doge_moe", {}), ("longcat_flash", {}), ("gemma3n", {})])
+                                            ("doge", {}), ("doge_moe", {}), ("longcat_flash", {}), ("gemma3n", {}),
+                                            ("lara_mini", {})])
 def test_cuda_load_forward_and_train_match_transformers(tmp_path, arch, overrides):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
