@@ -152,6 +152,20 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+def call_peak_mib(fn: Callable[[], Any], *, cuda: bool) -> float:
+    """MiB the allocator's peak rose during one ``fn()`` beyond what was allocated before it (0 off CUDA)."""
+    import torch
+
+    if not cuda:
+        fn()
+        return 0.0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def median_ms(fn: Callable[[], Any], *, cuda: bool, warmup: int, reps: int) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup``: CUDA events around each call on a GPU
     (device time of what ``fn`` launched), the host clock otherwise (a dry run only)."""

@@ -103,12 +103,7 @@ def main(argv: list[str]) -> int:
         for name in args.paths.split(","):
             fn = _path(name)
             diff = _rel_diff(_grads(fn, tensors, grad), ref)
-            if device.is_cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            _grads(fn, tensors, grad)
-            peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.is_cuda else 0.0
+            peak_mib = H.call_peak_mib(lambda fn=fn: _grads(fn, tensors, grad), cuda=device.is_cuda)
             ms = H.median_ms(lambda fn=fn: _grads(fn, tensors, grad), cuda=device.is_cuda, warmup=args.warmup,
                              reps=args.reps)
             report["results"][f"{name}@{s}"] = {"ms": ms, "peak_mib": peak_mib, "max_rel_diff": diff}

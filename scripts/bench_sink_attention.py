@@ -125,17 +125,11 @@ def main(argv: list[str]) -> int:
 def measure_paths(paths: dict, tensors, grad, ref, *, window, scale, device, args, where, report, rows) -> None:
     """Each path's forward + backward on ``tensors``: its largest difference from ``ref`` (relative), the peak
     memory of one call beyond its inputs, the median time; into ``report["results"]`` and ``rows``."""
-    import torch
-
     s, layer = where
     for name, fn in paths.items():
         diff = _rel_diff(_grads(fn, tensors, grad, window=window, scale=scale), ref)
-        if device.is_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        _grads(fn, tensors, grad, window=window, scale=scale)
-        peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.is_cuda else 0.0
+        peak_mib = H.call_peak_mib(lambda fn=fn: _grads(fn, tensors, grad, window=window, scale=scale),
+                                   cuda=device.is_cuda)
         ms = H.median_ms(lambda fn=fn: _grads(fn, tensors, grad, window=window, scale=scale),
                          cuda=device.is_cuda, warmup=args.warmup, reps=args.reps)
         report["results"][f"{name}@{s}/{layer}"] = {"ms": ms, "peak_mib": peak_mib, "max_rel_diff": diff}

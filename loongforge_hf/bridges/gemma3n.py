@@ -64,6 +64,8 @@ def _refuse_recompute(decoder, args) -> None:
 @register_model_type("gemma3n_text")
 @register_bridge(ARCH)
 class Gemma3nBridge(Gemma4Bridge):
+    default_rope_only = True
+
     def check_config(self) -> None:
         c = self.hf_config
         if c.attention_bias:
@@ -82,10 +84,6 @@ class Gemma3nBridge(Gemma4Bridge):
         self.check_kv_sharing()
         self.wide_layers = frozenset()
         self.check_layer_types()
-        for kind in LAYER_TYPES:
-            if self.rope_for(kind)["rope_type"] != "default":
-                raise C.UnsupportedConfigError(f"rope_parameters[{kind!r}]={c.rope_parameters[kind]} is not "
-                                               f"supported for {ARCH} (default rope only).")
         self.heads = {kind: (C.head_dim_of(c), C.kv_heads_of(c)) for kind in LAYER_TYPES}
         self.full_layers = frozenset(i for i, kind in enumerate(c.layer_types) if kind == "full_attention")
         self.full_heads, self.values_from_keys = None, False

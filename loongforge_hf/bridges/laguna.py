@@ -137,6 +137,7 @@ class LagunaQKV(Mapping):
 
 @register_bridge("LagunaForCausalLM")
 class LagunaBridge(LayerTypes, MoEBridge):
+    default_rope_only = True
     extra_rope_types = ()
     partial_rotary = True
     supports_sliding_window = True
@@ -188,13 +189,6 @@ class LagunaBridge(LayerTypes, MoEBridge):
                 f"num_key_value_heads={kv} does not split over tensor_parallel_size={tp} for LagunaForCausalLM (each "
                 f"rank holds whole KV groups and their query heads, num_attention_heads_per_layer={list(self.heads)}; "
                 "replicated KV heads are not supported there); use a tensor_parallel_size that divides it.")
-
-    def rope_for(self, layer_type: str) -> dict:
-        params = super().rope_for(layer_type)
-        if params["rope_type"] != "default":
-            raise C.UnsupportedConfigError(f"rope_parameters[{layer_type!r}].rope_type={params['rope_type']!r} is not "
-                                           "supported for LagunaForCausalLM (default rope only).")
-        return params
 
     def rotary_width(self, layer_type: str) -> int:
         """The rotated channels of a ``layer_type`` head (pairs: transformers' ``cos`` width)."""

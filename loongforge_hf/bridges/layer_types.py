@@ -93,12 +93,16 @@ class LayerTypes:
     extra_rope_types: tuple[str, ...] = ("linear",)
     per_layer_types = True
     partial_rotary = False  # NOTE: both kinds rotate one partial_rotary_factor of each head (MiMo-V2-Flash)
+    default_rope_only = False  # NOTE: both kinds' rope the default one (Laguna, MiMo-V2-Flash, Gemma 3n)
 
     def check_layer_types(self) -> None:
-        c = self.hf_config
-        check_layer_kinds(c, self.architectures[0])
+        c, arch = self.hf_config, self.architectures[0]
+        check_layer_kinds(c, arch)
         for kind in LAYER_TYPES:
-            self.rope_for(kind)
+            rope_type = self.rope_for(kind)["rope_type"]
+            if self.default_rope_only and rope_type != "default":
+                raise C.UnsupportedConfigError(f"rope_parameters[{kind!r}].rope_type={rope_type!r} is not supported "
+                                               f"for {arch} (default rope only).")
 
     def rope_for(self, layer_type: str) -> dict:
         """The rope parameters of ``layer_type``'s layers."""

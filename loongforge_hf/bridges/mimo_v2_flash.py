@@ -105,6 +105,7 @@ def mimo_attention(*, sliding_layers: frozenset[int], sliding_kv_heads: int, v_h
 
 @register_bridge("MiMoV2FlashForCausalLM")
 class MiMoV2FlashBridge(LayerTypes, MoEBridge):
+    default_rope_only = True
     extra_rope_types = ()
     partial_rotary = True
     supports_sliding_window = True
@@ -143,9 +144,6 @@ class MiMoV2FlashBridge(LayerTypes, MoEBridge):
 
     def rope_for(self, layer_type: str) -> dict:
         params = super().rope_for(layer_type)
-        if params["rope_type"] != "default":
-            raise C.UnsupportedConfigError(f"rope_parameters[{layer_type!r}].rope_type={params['rope_type']!r} is not "
-                                           "supported for MiMoV2FlashForCausalLM (default rope only).")
         return {**params, "partial_rotary_factor": params.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY)}
 
     @property
