@@ -432,6 +432,10 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         return self.megatron.config.recompute_granularity == "full"
 
     def _set_recompute(self, on: bool) -> None:
+        refusal = getattr(self.bridge, "recompute_refusal", None) if on else None
+        reason = refusal(self.parallel.pipeline_parallel_size) if refusal is not None else None
+        if reason:  # NOTE: a bridge whose layers read state a recompute in the backward would find changed
+            raise ValueError(f"activation checkpointing: {reason}")
         for config in self._megatron_configs():
             config.recompute_granularity = "full" if on else None
             config.recompute_method = "uniform" if on else None

@@ -17,6 +17,11 @@ Choices:
   layout sets, or one TransformerConfig does not have, raises ``ValueError`` (``check_megatron_config``, called by
   from_pretrained before any collective). ``fp8`` / ``fp8_recipe`` are refused there: a Transformer Engine recipe
   comes through ``te_fp8_recipe`` (``from_pretrained(fp8_recipe="te_...")``), which also changes the layer spec.
+- A stage boundary wider than ``hidden_size``: a bridge whose decoder carries more than the hidden states between
+  layers declares it (``pipeline_hidden_size()``, e.g. DeepSeek-V4's ``hc_mult`` residual streams); megatron's
+  schedules size each receive ``[s, b, hidden_size]``, so under pipeline parallelism the config then has
+  ``variable_seq_lengths`` (megatron sends each boundary tensor's shape first) and ``MegatronModel.stage_hidden_size``
+  tells our own point-to-point code (``runtime._interleaved_forward_once``) the width.
 - More TP ranks than KV heads: ``num_query_groups`` is the TP size and each ``linear_qkv`` carries its replica's
   rows (``parallel/kv_replicas.py``, whose ``check_kv_replication`` refuses layouts that cannot replicate).
 """
@@ -48,6 +53,7 @@ class MegatronModel:
     layer_offsets: list[int]
     layer_counts: list[int]
     padded_vocab: int
+    stage_hidden_size: int | None = None  # NOTE: what crosses a pipeline stage boundary per token, when not hidden
 
 
 def _uneven_split(num_layers: int, pp: int) -> dict:
@@ -73,6 +79,24 @@ def first_chunk_layers(num_layers: int, parallel: ParallelConfig) -> int:
     if vpp:
         return num_layers // (pp * vpp)
     return _uneven_split(num_layers, pp).get("num_layers_in_first_pipeline_stage", num_layers // pp)
+
+
+def stage_layer_ranges(num_layers: int, parallel: ParallelConfig) -> list[range]:
+    """The decoder layers of each (virtual) pipeline stage, in layer order, as ``build_megatron_model`` splits them."""
+    pp, vpp = parallel.pipeline_parallel_size, parallel.interleaved_stages
+    if vpp:
+        sizes = [num_layers // (pp * vpp)] * (pp * vpp)
+    else:
+        kw = _uneven_split(num_layers, pp)
+        first, last = kw.get("num_layers_in_first_pipeline_stage"), kw.get("num_layers_in_last_pipeline_stage")
+        if first is None:
+            sizes = [num_layers // pp] * pp
+        else:
+            middle = pp - 1 - (last is not None)
+            rest = num_layers - first - (last or 0)
+            sizes = [first, *([rest // middle] * middle if middle else []), *([last] if last is not None else [])]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 # TransformerConfig fields build_megatron_model sets from the layout, the dtype and the backend.
@@ -105,6 +129,11 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
     problems += [f"{k}: set from the checkpoint's config or the layout, not through megatron_config" for k in taken]
     problems += [f"{k}: {bridge.architectures[0]} routes with its own function, which does not apply it"
                  for k in sorted(set(megatron_config) & set(getattr(bridge, "unserved_megatron_fields", ())))]
+    width = bridge.pipeline_hidden_size() if hasattr(bridge, "pipeline_hidden_size") else None
+    if megatron_config.get("variable_seq_lengths") is False and width not in (None, bridge.hf_config.hidden_size):
+        problems.append(f"variable_seq_lengths=False: {bridge.architectures[0]}'s pipeline stages send {width} values "
+                        f"per token, not hidden_size={bridge.hf_config.hidden_size} (megatron's fixed receive shape); "
+                        "leave it unset")
     te_fields = sorted(set(megatron_config) & set(TE_CONFIG_FIELDS))
     problems += [f"{k}: Transformer Engine FP8 is chosen with from_pretrained(fp8='on', fp8_recipe='te_...'), which "
                  "also puts TE's linears into the layer spec (docs/fp8.md)" for k in te_fields]
@@ -186,6 +215,10 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
     check_megatron_config(bridge, megatron_config)
     if vpp:
         fixed.update(interleaved_p2p_settings(parallel.pipeline_parallel_size, megatron_config or {}))
+    width = bridge.pipeline_hidden_size() if hasattr(bridge, "pipeline_hidden_size") else hf.hidden_size
+    if parallel.pipeline_parallel_size > 1 and width != hf.hidden_size:
+        if "variable_seq_lengths" not in (megatron_config or {}):  # NOTE: False refused (check_megatron_config)
+            fixed["variable_seq_lengths"] = True
     config = config_class(**kw, **fixed, **(megatron_config or {}))
     padded = padded_vocab_size(hf.vocab_size, tensor_parallel_size=parallel.tensor_parallel_size)
     padding_idx = embedding_padding_idx(bridge)
@@ -233,7 +266,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
         mark_replicas(chunks, num_key_value_heads=kv_heads, head_dim=config.kv_channels,
                       tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=parallel.tensor_parallel_size)
     return MegatronModel(chunks=chunks, config=config, layer_offsets=offsets, layer_counts=counts,
-                         padded_vocab=padded)
+                         padded_vocab=padded, stage_hidden_size=width if width != hf.hidden_size else None)
 
 
 def _keep_graph_input(chunk) -> None:

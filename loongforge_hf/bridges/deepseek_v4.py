@@ -12,7 +12,12 @@ Choices:
   wide, whatever ``n_shared_experts`` says, as transformers builds it) megatron's ``SharedExpertMLP`` with the same
   clamp; our grouped MLP has no clamped SiLU. Routers: ``deepseek_v4_layer.route_topk`` / ``route_hash``.
 - Layouts: TP splits the experts and the shared expert and needs sequence parallelism; attention and the
-  hyper-connections stay replicated (transformers' own TP plan does the same). EP splits the experts.
+  hyper-connections stay replicated (transformers' own TP plan does the same). EP splits the experts. PP (virtual
+  stages too): a stage boundary carries the ``hc_mult`` residual streams ``[s, b, hc_mult * H]``
+  (``pipeline_hidden_size``, which ``builder.py`` turns into megatron's shape exchange); the first stage expands the
+  embedding, the last has the hyper-head; the routers take their rule by the layer's global number. Activation
+  recompute under PP is refused (``recompute_refusal``): a stage runs later micro-batches' forwards before an earlier
+  one's backward, so a recomputed hash layer would route by another micro-batch's token ids.
 - Tensor names are the checkpoint's as transformers 5 writes them (its ``conversion_mapping`` for ``deepseek_v4``:
   ``attn.wq_a`` / ``attn.q_norm`` / ``attn.wkv`` / ``attn.norm`` / ``attn.wo_a`` / ``attn.wo_b`` / ``attn.attn_sink``,
   ``attn.compressor.{wkv, wgate, ape, norm}``, ``attn.indexer.{compressor.*, wq_b, weights_proj}``,
@@ -24,11 +29,11 @@ Choices:
 - What transformers keeps in fp32 (hyper-connections and the hyper-head, sinks, position biases, the attention and
   final norms, the expert bias) is fp32 here and on export; the input / pre-MLP norms are megatron's (our RMSNorm), in
   the model's dtype (a bf16 model rounds transformers' fp32 weights and exports them in bf16).
-- Refused by name before any collective: pipeline and context parallelism (TP without sequence parallelism as for
-  every MoE model), ``generate`` with a KV cache (the compressors' running windows are not cached;
-  ``use_cache=False`` runs), rope types other than default / YaRN, ``attention_dropout``, ``hidden_act`` other than
-  silu, ``scoring_func`` other than ``sqrtsoftplus``, ``o_groups`` that do not split the heads, LoRA (the planner's
-  ``checkpoint_name``). Packed documents
+- Refused by name before any collective: context parallelism (TP without sequence parallelism as for every MoE
+  model), ``megatron_config`` ``variable_seq_lengths=False`` (the stage boundary needs it), ``generate`` with a KV
+  cache (the compressors' running windows are not cached; ``use_cache=False`` runs), rope types other than default /
+  YaRN, ``attention_dropout``, ``hidden_act`` other than silu, ``scoring_func`` other than ``sqrtsoftplus``,
+  ``o_groups`` that do not split the heads, LoRA (the planner's ``checkpoint_name``). Packed documents
   (``position_ids`` other than ``0..s-1``) raise at the forward (``deepseek_v4_layer``).
 """
 
@@ -110,12 +115,23 @@ class DeepseekV4Bridge(MoEBridge):
         super().check_config()
 
     def check_layout(self, layout) -> None:
-        arch = self.architectures[0]
-        for name in ("pipeline_parallel_size", "context_parallel_size"):
-            if getattr(layout, name) > 1:
-                raise C.UnsupportedConfigError(
-                    f"{name}={getattr(layout, name)} is not supported for {arch} (the hyper-connections' streams "
-                    "between pipeline stages, the compressors over the whole sequence).")
+        if layout.context_parallel_size > 1:
+            raise C.UnsupportedConfigError(
+                f"context_parallel_size={layout.context_parallel_size} is not supported for {self.architectures[0]} "
+                "(the compressors pool windows of the whole sequence).")
+
+    def pipeline_hidden_size(self) -> int:
+        """What a pipeline stage sends per token: the ``hc_mult`` residual streams (builder.py)."""
+        return self.hf_config.hc_mult * self.hf_config.hidden_size
+
+    def recompute_refusal(self, pipeline_parallel_size: int) -> str | None:
+        """Activation recompute under pipeline parallelism: a stage runs later micro-batches' forwards before an
+        earlier one's backward, and a hash layer recomputed there would route by the latest forward's token ids."""
+        if pipeline_parallel_size > 1 and "hash_moe" in self.hf_config.mlp_layer_types:
+            return (f"activation recompute with pipeline_parallel_size={pipeline_parallel_size} is not supported for "
+                    f"{self.architectures[0]}: its hash-routed layers choose experts by the token ids of the "
+                    "forward, which a recompute in the backward of an earlier micro-batch would not see.")
+        return None
 
     def generation_refusal(self, generation_config) -> str | None:
         if generation_config.use_cache:
@@ -153,9 +169,12 @@ class DeepseekV4Bridge(MoEBridge):
     def finish_model(self, model) -> None:
         from loongforge_hf.bridges.deepseek_v4_layer import Head, attach_routing
 
+        refusal = self.recompute_refusal(model.config.pipeline_model_parallel_size)
+        if model.config.recompute_granularity is not None and refusal:  # NOTE: megatron_config's recompute
+            raise ValueError(refusal)
         if model.post_process:
             model.decoder.final_layernorm = Head(self.hf_config, sequence_parallel=bool(model.config.sequence_parallel))
-        attach_routing(model, self.hf_config, first_layer=0)
+        attach_routing(model, self.hf_config)
 
     def checkpoint_name(self, name: str) -> str:
         """The LoRA planner's way from transformers' module names to the checkpoint's: LoRA is refused by name (our

@@ -5,8 +5,10 @@ scores, hash routing by token id).
 Choices:
 - The residual is ``hc_mult`` streams, carried between megatron's layers as one ``[s, b, hc_mult * H]`` tensor; the
   first layer expands the embedding ``[s, b, H]`` into equal streams, and the decoder's final norm is ``Head``:
-  transformers' ``DeepseekV4HyperHead`` (the streams collapsed by their sigmoid weights) then the RMS norm. So a
-  pipeline stage boundary would carry a width megatron does not expect: pipeline parallelism is refused (bridge).
+  transformers' ``DeepseekV4HyperHead`` (the streams collapsed by their sigmoid weights) then the RMS norm. Under
+  pipeline parallelism a stage boundary carries the streams ``[s, b, hc_mult * H]`` (the bridges'
+  ``pipeline_hidden_size``, read by ``builder.py``): the first stage's first layer expands the embedding, a later
+  stage's first layer takes the streams it receives, and only the last stage has the hyper-head.
 - ``HyperConnection`` is transformers' (fp32 weights, unweighted RMS norm of the flattened streams, sigmoid ``pre`` /
   ``2 * sigmoid`` ``post``, the ``comb`` softmax made doubly stochastic by ``hc_sinkhorn_iters`` Sinkhorn steps).
   Its weights act on this rank's tokens: under sequence parallelism their gradients are summed over TP
@@ -190,7 +192,7 @@ def _weights(scores: torch.Tensor, chosen: torch.Tensor, hf_config) -> tuple[tor
     return probs, torch.zeros_like(scores, dtype=torch.bool).scatter(1, chosen, True)
 
 
-def attach_routing(chunk, hf_config, *, first_layer: int) -> None:
+def attach_routing(chunk, hf_config) -> None:
     """Give each router of ``chunk`` its rule and buffers (``expert_bias`` ``[E]`` fp32 or ``tid2eid`` ``[vocab,
     k]`` int64, filled by the loader) and keep the forward's input ids for the hash routers, which become
     ``HashRouter`` (not a ``BalanceRouter``: transformers' ``router_logits`` and balancing loss leave them out)."""
@@ -198,10 +200,10 @@ def attach_routing(chunk, hf_config, *, first_layer: int) -> None:
 
     holder = SimpleNamespace(input_ids=None, tp_rank=ps.get_tensor_model_parallel_rank(),
                              sequence_parallel=bool(chunk.config.sequence_parallel))
-    for i, layer in enumerate(chunk.decoder.layers):
+    for layer in chunk.decoder.layers:
         router = layer.mlp.router
         del router.expert_bias  # NOTE: megatron's TopKRouter sets it to None without an expert bias
-        if hf_config.mlp_layer_types[first_layer + i] == "hash_moe":
+        if hf_config.mlp_layer_types[layer.layer_number - 1] == "hash_moe":  # NOTE: megatron's global number
             router.__class__ = _hash_router_class()
             router.register_buffer("tid2eid", torch.zeros(hf_config.vocab_size, hf_config.num_experts_per_tok,
                                                           dtype=torch.long))

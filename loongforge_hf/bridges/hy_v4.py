@@ -24,9 +24,15 @@ Choices:
 - What transformers keeps in fp32 stays so here (hyper-connections, sinks, router, the indexer's ``weights_proj``
   and ``k_norm``, which runs in fp32 as there); but ``lm_head`` (fp32 there, its logits from fp32 hidden states) is
   the model's dtype here, and so exported.
-- Refused by name before any collective: pipeline parallelism (the streams between stages), context parallelism,
-  ``swiglu_limit`` <= 0, ``hidden_act`` other than silu, LoRA, and GLM-5's refusals (a KV cache in ``generate``,
-  ``attention_bias``, ``attention_dropout``).
+- Pipeline parallelism (virtual stages too): a stage boundary carries the ``hc_mult`` streams
+  (``pipeline_hidden_size``, ``deepseek_v4_layer``). GLM-5 refuses it with any shared indexer layer; here only a
+  split where a shared layer opens a stage is refused (its top-k would come from an earlier stage): a shared layer
+  after a full one on its own stage reads that one's top-k (``sparse_attention.link_shared_layers``, per chunk).
+  With shared layers, activation recompute under PP is refused (``recompute_refusal``): a stage runs later
+  micro-batches' forwards before an earlier one's backward, so a recomputed shared layer would read another's top-k.
+- Refused by name before any collective: context parallelism, a pipeline split as above, ``swiglu_limit`` <= 0,
+  ``hidden_act`` other than silu, LoRA, and GLM-5's refusals (a KV cache in ``generate``, ``attention_bias``,
+  ``attention_dropout``).
 """
 
 from __future__ import annotations
@@ -109,11 +115,34 @@ class HYV4Bridge(GlmMoeDsaBridge):
         super().check_config()
 
     def check_layout(self, layout) -> None:
-        if layout.pipeline_parallel_size > 1:
+        from loongforge_hf.bridges.builder import stage_layer_ranges
+
+        super(GlmMoeDsaBridge, self).check_layout(layout)  # NOTE: GLM-5's pipeline refusal, narrowed here
+        if layout.pipeline_parallel_size == 1:
+            return
+        shared = self.shared_layers()
+        crossing = [stage.start for stage in stage_layer_ranges(self.hf_config.num_hidden_layers, layout)
+                    if stage.start in shared]
+        if crossing:
             raise C.UnsupportedConfigError(
                 f"pipeline_parallel_size={layout.pipeline_parallel_size} is not supported for "
-                f"{self.architectures[0]} (the hyper-connections' streams between pipeline stages).")
-        super().check_layout(layout)
+                f"{self.architectures[0]} with shared indexer layers {crossing} opening a pipeline stage "
+                "(indexer_types: each reuses the top-k of a full layer on an earlier stage); a split where each stage "
+                "opens with a full layer runs.")
+
+    def pipeline_hidden_size(self) -> int:
+        """What a pipeline stage sends per token: the ``hc_mult`` residual streams (builder.py)."""
+        return self.hf_config.hc_mult * self.hf_config.hidden_size
+
+    def recompute_refusal(self, pipeline_parallel_size: int) -> str | None:
+        """Activation recompute under pipeline parallelism with shared indexer layers: a stage runs later
+        micro-batches' forwards before an earlier one's backward, and a shared layer recomputed there would read the
+        latest forward's top-k."""
+        if pipeline_parallel_size > 1 and self.shared_layers():
+            return (f"activation recompute with pipeline_parallel_size={pipeline_parallel_size} is not supported for "
+                    f"{self.architectures[0]} with shared indexer layers {list(self.shared_layers())}: a recompute in "
+                    "the backward of an earlier micro-batch would read another micro-batch's top-k.")
+        return None
 
     def layer_module(self) -> type:
         from loongforge_hf.bridges.deepseek_v4_layer import v4_layer
@@ -123,6 +152,9 @@ class HYV4Bridge(GlmMoeDsaBridge):
     def finish_model(self, model) -> None:
         from loongforge_hf.bridges.deepseek_v4_layer import Head
 
+        refusal = self.recompute_refusal(model.config.pipeline_model_parallel_size)
+        if model.config.recompute_granularity is not None and refusal:  # NOTE: megatron_config's recompute
+            raise ValueError(refusal)
         super().finish_model(model)
         c = self.hf_config
         if model.post_process:

@@ -1,15 +1,18 @@
 """DeepSeek-V4 (``bridges/deepseek_v4.py``) against transformers' ``DeepseekV4ForCausalLM`` on a tiny fp32 checkpoint
 with every attention kind (sliding, compressed sparse with its indexer keeping 3 of up to 8 entries, heavily
-compressed), hash-routed and top-k routed layers, 3 hyper-connection streams and a SwiGLU limit that clips: logits and
-loss within 1e-4, the top-k layers' ``router_logits`` and transformers' balancing loss within 1e-5, at TP1, TP2 + SP
-(attention replicated), EP2 and TP2 + SP x EP2 (experts whole per rank), at 32 tokens and at 16 (compressed branches
-with fewer entries); at TP1 also a left-padded row, greedy ``generate(use_cache=False)`` (a KV cache and packed
-documents refused by name) and the hub's names; every gradient at TP2 + SP within 1e-4 of its largest entry (the
-frozen indexer's tensors take none, as in transformers); bit-exact export at the three parallel layouts (the int64
-``tid2eid`` tables included). Beam (``bridges/beam.py``, built on AFMoE's bridge) in the same world: logits, loss and
-``router_logits`` at TP1 and TP2 + SP x EP2, cached greedy generate with a left-padded row, every gradient (1e-4 of
-its largest entry) and a bit-exact export at TP2 + SP x EP2. One two-rank world runs it all; the layouts refused by
-name are tried first, before any process group starts; the config and layout refusals are pure."""
+compressed), hash-routed and top-k routed layers, 3 hyper-connection streams and a SwiGLU limit that clips: logits
+and loss within 1e-4, the top-k layers' ``router_logits`` and transformers' balancing loss within 1e-5, at TP1, TP2 +
+SP (attention replicated), EP2, TP2 + SP x EP2 (experts whole per rank), PP2 and PP2 x VPP2 (the hyper-connections'
+streams cross the stages), at 32 tokens and at 16 (compressed branches with fewer entries); at both PP layouts also
+LoongTrainer's first step over two micro-batches (loss within 1e-4, gradient norm within 1e-4 relative, every
+gradient through the stages within 1e-4 of its largest entry); at TP1 also a left-padded row, greedy
+``generate(use_cache=False)`` (a KV cache and packed documents refused by name) and the hub's names; every gradient
+at TP2 + SP within 1e-4 of its largest entry (the frozen indexer's tensors take none, as in transformers); bit-exact
+export at the five parallel layouts (the int64 ``tid2eid`` tables included). Beam (``bridges/beam.py``, built on
+AFMoE's bridge) in the same world: logits, loss and ``router_logits`` at TP1 and TP2 + SP x EP2, cached greedy
+generate with a left-padded row, every gradient (1e-4 of its largest entry) and a bit-exact export at TP2 + SP x EP2.
+One two-rank world runs it all; the layouts refused by name are tried first, before any process group starts; the
+config and layout refusals are pure."""
 
 from __future__ import annotations
 
@@ -23,9 +26,10 @@ from loongforge_hf.parallel.spawn import run_distributed
 LAYOUTS = {"tp1": {}, "tp2sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
            "ep2": {"expert_parallel_size": 2},
            "tp2sp_ep2": {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2,
-                         "expert_tensor_parallel_size": 1}}
-REFUSED = {"pp2": ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
-           "cp2": ({"context_parallel_size": 2}, "context_parallel_size=2"),
+                         "expert_tensor_parallel_size": 1},
+           "pp2": {"pipeline_parallel_size": 2},
+           "pp2_vpp2": {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}}
+REFUSED = {"cp2": ({"context_parallel_size": 2}, "context_parallel_size=2"),
            "tp2": ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 with a mixture-of-experts model needs "
                                                 "sequence_parallel=True")}
 
@@ -68,6 +72,59 @@ def _gradients(model, folder: str, ids: torch.Tensor) -> dict:
         else:
             diffs[n] = float((ours[n].detach() - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
     return diffs
+
+
+def _pipeline_step(model, folder: str, ids: torch.Tensor) -> dict:
+    """LoongTrainer's first step (learning rate 0, two micro-batches) under the model's pipeline layout: its loss and
+    gradient norm against transformers', and every gradient (the engine's, taken before the optimizer step and
+    exported through the bridge) relative to its largest entry, as ``_gradients``. The model's weights are the
+    gradients after."""
+    import datasets
+    import torch.distributed as dist
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
+
+    grads_dir = f"{folder}-pipeline-grads-{len(model.chunks)}"
+
+    class SaveGradients(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            with torch.no_grad():  # NOTE: the engine's buffers hold the loss sum's gradient
+                for p in model.parameters():
+                    if getattr(p, "main_grad", None) is not None:
+                        p.copy_(p.main_grad / ids[:, 1:].numel())
+            model.save_pretrained(grads_dir)
+
+    try:  # NOTE: refused under PP (the bridges' recompute_refusal), before any weight changes
+        model.gradient_checkpointing_enable()
+        recompute_refusal = ""
+    except ValueError as err:
+        recompute_refusal = str(err)
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    # NOTE: two micro-batches of one row (the interleaved schedule needs as many as pipeline stages)
+    args = transformers.TrainingArguments(output_dir=f"{folder}-pipeline-step", per_device_train_batch_size=1,
+                                          gradient_accumulation_steps=2, max_steps=1, learning_rate=0.0,
+                                          logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                                          disable_tqdm=True, max_grad_norm=1.0)
+    trainer = lf.LoongTrainer(model=model, args=args, train_dataset=data, callbacks=[SaveGradients()])
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    if dist.get_rank() != 0:
+        return {"recompute_refusal": recompute_refusal}
+    ref = hf_causal_lm(folder, dtype=torch.float32)
+    loss = ref(input_ids=ids, labels=ids).loss
+    loss.backward()
+    norm = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None]).norm()
+    ours = dict(hf_causal_lm(grads_dir, dtype=torch.float32).named_parameters())
+    diffs = {}
+    for n, p in ref.named_parameters():
+        if p.grad is None:  # NOTE: the frozen indexer's: ours written unchanged
+            diffs[n] = 0.0 if torch.equal(ours[n].detach(), p.detach()) else float("inf")
+        else:
+            diffs[n] = float((ours[n].detach() - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
+    return {"loss": abs(log["loss"] - loss.item()), "grad_norm": abs(log["grad_norm"] - norm.item()) / norm.item(),
+            "grads": diffs, "recompute_refusal": recompute_refusal}
 
 
 def _exported_equal(folder: str, out: str, extra: tuple[str, ...] = ()) -> dict:
@@ -180,6 +237,8 @@ def _world(folder: str) -> dict:
             out[f"{name}_export"] = _exported_equal(folder, f"{folder}-{name}")
         if name == "tp2sp":
             out["grads"] = _gradients(model, folder, ids)
+        if name.startswith("pp2"):
+            out[f"{name}_step"] = _pipeline_step(model, folder, ids)
         del model
     return out
 
@@ -255,7 +314,18 @@ def test_left_padding_generate_without_cache_and_refusals(results):
         results["packed_refusal"], results
 
 
-@pytest.mark.parametrize("layout", ["tp2sp", "ep2", "tp2sp_ep2"])
+@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2"])
+def test_trainer_step_and_gradients_through_pipeline_stages_match_transformers(results, layout):
+    """The hyper-connections' streams cross the stage boundaries forward and backward (LoongTrainer's step; megatron's
+    interleaved schedule at PP2 x VPP2)."""
+    r = results[f"{layout}_step"]
+    assert "activation recompute with pipeline_parallel_size=2 is not supported for DeepseekV4ForCausalLM: its " \
+        "hash-routed layers" in r["recompute_refusal"], r["recompute_refusal"]
+    assert r["loss"] < 1e-4 and r["grad_norm"] < 1e-4, r
+    assert r["grads"] and max(r["grads"].values()) < 1e-4, sorted(r["grads"].items(), key=lambda kv: -kv[1])[:5]
+
+
+@pytest.mark.parametrize("layout", ["tp2sp", "ep2", "tp2sp_ep2", "pp2", "pp2_vpp2"])
 def test_export_is_bit_exact(results, layout):
     assert results[f"{layout}_export"] == {"same_names": True, "unequal": []}
 
@@ -313,18 +383,26 @@ def test_beam_rope_on_full_layers_refused_by_name():
         get_bridge(_config("beam", rope_parameters=rope))
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v4", "beam"])
-def test_pipeline_and_context_parallel_refused_by_the_pure_layout_check(arch):
+@pytest.mark.parametrize("arch,refused", [("deepseek_v4", ("context_parallel_size",)),
+                                          ("beam", ("pipeline_parallel_size", "context_parallel_size"))])
+def test_pipeline_and_context_parallel_refused_by_the_pure_layout_check(arch, refused):
     from loongforge_hf.bridges.config_map import UnsupportedConfigError
     from loongforge_hf.bridges.registry import get_bridge
     from loongforge_hf.parallel.config import ParallelConfig
     from loongforge_hf.testing.tiny_models import _config
 
     bridge = get_bridge(_config(arch))
-    for layout, field in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
-                          ({"context_parallel_size": 2}, "context_parallel_size=2")):
-        with pytest.raises(UnsupportedConfigError, match=re.escape(field) + f".*{bridge.architectures[0]}"):
-            bridge.check_layout(ParallelConfig(**layout))
+    for name in refused:
+        with pytest.raises(UnsupportedConfigError, match=f"{name}=2.*{bridge.architectures[0]}"):
+            bridge.check_layout(ParallelConfig(**{name: 2}))
+    if arch == "deepseek_v4":  # NOTE: the streams cross pipeline stages (builder's pipeline_hidden_size)
+        from loongforge_hf.bridges.builder import check_megatron_config
+
+        bridge.check_layout(ParallelConfig(pipeline_parallel_size=2, virtual_pipeline_parallel_size=2))
+        assert bridge.pipeline_hidden_size() == 3 * bridge.hf_config.hidden_size
+        with pytest.raises(ValueError, match="variable_seq_lengths=False: DeepseekV4ForCausalLM's pipeline stages "
+                                             "send 192 values per token, not hidden_size=64"):
+            check_megatron_config(bridge, {"variable_seq_lengths": False})
 
 
 def test_lora_refused_by_name_by_the_pure_planner():

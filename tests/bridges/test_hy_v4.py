@@ -1,12 +1,16 @@
 """HY-V4 (``bridges/hy_v4.py``) against transformers' ``HYV4ForCausalLM`` on a tiny fp32 checkpoint: multi-latent
 attention with DeepSeek Sparse Attention (each query keeps 4 of up to 12 keys; layers 1 and 3 reuse an earlier
 top-k), sinks and an output gate, 3 hyper-connection streams, a dense first layer then experts with a SwiGLU limit
-that clips. Logits and loss within 1e-4 and ``router_logits`` within 1e-5 at TP1, TP2 + SP and EP2; at TP1 also a
-left-padded row, a row of two documents (``position_ids`` restarting: each as transformers runs it alone), greedy
+that clips. Logits and loss within 1e-4 and ``router_logits`` within 1e-5 at TP1, TP2 + SP, EP2 and PP2 (the streams
+cross the stages; each shared layer reads a full layer's top-k on its own stage); at PP2 also LoongTrainer's first
+step (loss within 1e-4, gradient norm within 1e-4 relative, every gradient within 1e-4 of its largest entry),
+activation recompute refused by name (a recomputed shared layer would read another micro-batch's top-k), and a
+pipeline split with a shared layer opening a stage refused by name (pure check); at TP1 also a left-padded row, a row
+of two documents (``position_ids`` restarting: each as transformers runs it alone), greedy
 ``generate(use_cache=False)`` (a KV cache refused by name) and a checkpoint naming the MLPs' gates ``gate_proj`` with
 a ``model.mtp_layers.*`` tensor (read as transformers reads it, exported under the names it writes, the tensor passed
 through); every gradient at TP2 + SP within 1e-4 of its largest entry (the frozen indexer's tensors take none, as in
-transformers); bit-exact export at TP2 + SP and EP2. One two-rank world runs it all; the config, layout and LoRA
+transformers); bit-exact export at TP2 + SP, EP2 and PP2. One two-rank world runs it all; the config, layout and LoRA
 refusals are pure."""
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from loongforge_hf.parallel.spawn import run_distributed
 
 LAYOUTS = {"tp1": {}, "tp2sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
-           "ep2": {"expert_parallel_size": 2}}
+           "ep2": {"expert_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
 
 
 def _padded_and_generate(model, ref, ids: torch.Tensor) -> dict:
@@ -82,7 +86,7 @@ def _world(folder: str, hub: str) -> dict:
 
     import loongforge_hf as lf
     from loongforge_hf.testing.tiny_models import hf_causal_lm
-    from tests.bridges.test_deepseek_v4 import _exported_equal, _gradients
+    from tests.bridges.test_deepseek_v4 import _exported_equal, _gradients, _pipeline_step
 
     out, ref = {}, hf_causal_lm(folder, dtype=torch.float32)
     ids = torch.randint(3, 203, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -105,6 +109,8 @@ def _world(folder: str, hub: str) -> dict:
             out[f"{name}_export"] = _exported_equal(folder, f"{folder}-{name}")
         if name == "tp2sp":
             out["grads"] = _gradients(model, folder, ids)
+        if name == "pp2":
+            out["pp2_step"] = _pipeline_step(model, folder, ids)
         del model
     return out
 
@@ -138,7 +144,16 @@ def test_hub_gate_names_load_and_export_as_transformers_writes(results):
     assert results["hub_logits"] < 1e-4 and results["hub_export"] == {"same_names": True, "unequal": []}, results
 
 
-@pytest.mark.parametrize("layout", ["tp2sp", "ep2"])
+def test_trainer_step_and_gradients_through_pipeline_stages_match_transformers(results):
+    """PP2 (layers 0-1 | 2-3: each shared layer reads the top-k of the full layer before it on its stage)."""
+    r = results["pp2_step"]
+    assert "activation recompute with pipeline_parallel_size=2 is not supported for HYV4ForCausalLM with shared " \
+        "indexer layers [1, 3]" in r["recompute_refusal"], r["recompute_refusal"]
+    assert r["loss"] < 1e-4 and r["grad_norm"] < 1e-4, r
+    assert r["grads"] and max(r["grads"].values()) < 1e-4, sorted(r["grads"].items(), key=lambda kv: -kv[1])[:5]
+
+
+@pytest.mark.parametrize("layout", ["tp2sp", "ep2", "pp2"])
 def test_export_is_bit_exact(results, layout):
     assert results[f"{layout}_export"] == {"same_names": True, "unequal": []}
 
@@ -189,11 +204,18 @@ def test_layouts_and_lora_refused_by_the_pure_checks():
     from loongforge_hf.parallel.config import ParallelConfig
     from loongforge_hf.testing.tiny_models import _config
 
-    bridge = get_bridge(_config("hy_v4"))
-    for layout, field in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 .*HYV4ForCausalLM"),
-                          ({"context_parallel_size": 2}, "context_parallel_size=2 .*HYV4ForCausalLM")):
+    bridge = get_bridge(_config("hy_v4"))  # NOTE: indexer_types full, shared, full, shared
+    # NOTE: a shared layer opening a stage (its top-k on an earlier one): layer 1 at PP2 x VPP2 (one layer a
+    # stage), layer 2 at PP2 of full, full, shared, shared
+    for bridge_of, layout, field in (
+            (bridge, {"context_parallel_size": 2}, "context_parallel_size=2 .*HYV4ForCausalLM"),
+            (bridge, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2},
+             r"pipeline_parallel_size=2 .*HYV4ForCausalLM with shared indexer layers \[1, 3\] opening"),
+            (get_bridge(_config("hy_v4", indexer_types=["full", "full", "shared", "shared"])),
+             {"pipeline_parallel_size": 2}, r"HYV4ForCausalLM with shared indexer layers \[2\] opening")):
         with pytest.raises(UnsupportedConfigError, match=field):
-            bridge.check_layout(ParallelConfig(**layout))
+            bridge_of.check_layout(ParallelConfig(**layout))
     bridge.check_layout(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True))
+    bridge.check_layout(ParallelConfig(pipeline_parallel_size=2))  # NOTE: each stage opens with a full layer
     with pytest.raises(LoraConfigError, match="LoRA is not supported for HYV4ForCausalLM"):
         plan_lora(bridge, peft.LoraConfig(r=4, target_modules="all-linear"))
