@@ -22,6 +22,10 @@ Choices:
   ``bridges/mamba2.py``, ``bridges/short_conv.py``). Their steps
   have no CP split (under context parallelism the split prefill cannot fill their states: ``patched`` refuses it,
   so such models generate without the cache there) nor a fixed-shape form (the static cache is refused).
+- An attention whose class names a ``kv_cache_layer`` (DeepSeek Sparse Attention's ``SparseAttention``: keys,
+  values and its indexer's keys) counts as a core attention here, gets a layer of that class, and during a cached
+  step runs its class's forward with ``cached=(its layer, the step)`` (``own_cached_attention``); it computes its
+  attention over the cache itself (no CP-sharded cache).
 - How a step runs (``forward_with_cache``): the new tokens are right-padded to ``sequence_multiple`` (sequence
   parallelism) as the uncached forward pads them; while the step runs, ``attached`` gives each core attention of the
   model an instance ``forward`` (the class's stays: no cost outside generate) that appends the first ``given`` new
@@ -29,6 +33,9 @@ Choices:
   (query i at slot ``past + i``), with transformers' 2-D padding mask over all slots: cached padding keys of
   left-padded rows stay masked. The new padding keys take part in that step only (after every real query, so
   causality hides them) and are dropped.
+- A core attention with its own rule over the keys (Doge's dynamic mask, ``bridges/doge_layers.py``) defines
+  ``attend_over_cache(query, keys, values, *, past, mask)`` (``[b, h, s, d]`` each, ``mask`` as ``_Step.mask``):
+  a cached step hands it the cached and new keys in place of ``sdpa``; a cache sharded over CP refuses it.
 - Rotary positions (text models): megatron's ``GPTModel`` does not read ``position_ids`` for the 1-D rotary
   embedding; it rotates the tokens of a forward by their slot ``0..s-1`` in the (left-padded) sequence, and so does
   the uncached generate.
@@ -85,7 +92,9 @@ class LoongKVCache(Cache):
         self.kv_sources = kv_sources(self.attentions)
         if layers is not None and len(layers) != len(self.attentions):
             raise ValueError(f"KV cache: {len(layers)} layers for {len(self.attentions)} attentions.")
-        layers = list(layers) if layers is not None else [layer() for _ in self.attentions]
+        # NOTE: an attention with a cache layer of its own (own_cached_attention) gets one of that class
+        layers = list(layers) if layers is not None else [getattr(type(a), "kv_cache_layer", layer)()
+                                                          for a in self.attentions]
         # NOTE: the Gated DeltaNets' / Mamba2 layers' states after the attentions' layers (module docstring)
         super().__init__(layers=layers + [LinearAttentionLayer() for _ in self.recurrent])
         # NOTE: what a step run whole on every CP rank strips of its CP group (context_parallel.py)
@@ -158,10 +167,12 @@ class _Step:
 
 
 def core_attentions(chunks) -> list:
-    """This rank's core attention modules, in order over its chunks (one per layer)."""
+    """This rank's core attention modules, in order over its chunks (one per layer): ours, and those that keep their
+    own cache layer (``kv_cache_layer``, ``own_cached_attention``)."""
     from loongforge_hf.kernels.attention import CoreAttention
 
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, CoreAttention)]
+    return [m for chunk in chunks for m in chunk.modules()
+            if isinstance(m, CoreAttention) or hasattr(type(m), "kv_cache_layer")]
 
 
 def kv_sources(attentions) -> list[int | None]:
@@ -174,8 +185,9 @@ def kv_sources(attentions) -> list[int | None]:
 
 
 def recurrent_mixers(chunks) -> list:
-    """This rank's Gated DeltaNet, Mamba2, Mamba-1 and LFM2 short-conv layers (``bridges/gated_deltanet.py``,
-    ``bridges/mamba2.py``, ``bridges/mamba1.py``, ``bridges/short_conv.py``), MiniMax's lightning-attention layers
+    """This rank's Gated DeltaNet, Mamba2, Mamba-1 (Zamba's multi-head one too) and LFM2 short-conv layers
+    (``bridges/gated_deltanet.py``, ``bridges/mamba2.py``, ``bridges/mamba1.py``, ``bridges/zamba_mixer.py``,
+    ``bridges/short_conv.py``), MiniMax's lightning-attention layers
     (``bridges/lightning_attention.py``) and RecurrentGemma's recurrent blocks (``bridges/recurrent_gemma_block.py``),
     in order over its chunks."""
     from loongforge_hf.bridges.gated_deltanet import GatedDeltaNet
@@ -184,10 +196,11 @@ def recurrent_mixers(chunks) -> list:
     from loongforge_hf.bridges.mamba2 import Mamba2Mixer
     from loongforge_hf.bridges.recurrent_gemma_block import RecurrentBlock
     from loongforge_hf.bridges.short_conv import ShortConvMixer
+    from loongforge_hf.bridges.zamba_mixer import ZambaMixer
 
     return [m for chunk in chunks for m in chunk.modules()
             if isinstance(m, (GatedDeltaNet, Mamba2Mixer, MambaMixer, ShortConvMixer, LightningAttention,
-                              RecurrentBlock))]
+                              RecurrentBlock, ZambaMixer))]
 
 
 def refuse_megatron_state_inputs(kind: str, inference_context, packed_seq_params) -> None:
@@ -219,6 +232,9 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
         raise ValueError("KV cache: causal attention without attention_bias or packed sequences only.")
     k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, h_kv, s, d]
     if cache.shard is not None:
+        if getattr(module, "attend_over_cache", None) is not None:
+            raise ValueError("KV cache: this attention's own rule over the cache (attend_over_cache) does not take "
+                             "a cache sharded over context parallelism.")
         # NOTE: a soft-cap is refused there; sinks weight the merged shares
         with attention_scores(softcap=module.softcap, sinks=module.sinks):
             return _sharded_attention(module, query, k, v, cache=cache, index=index, step=step)
@@ -232,6 +248,10 @@ def _cached_attention(module, query, key, value, attention_mask, attn_mask_type=
     if step.padded > step.given:  # NOTE: the layout's padding: seen by this step only, never cached
         keys = torch.cat((keys, k[:, :, step.given:]), dim=2)
         values = torch.cat((values, v[:, :, step.given:]), dim=2)
+    attend = getattr(module, "attend_over_cache", None)
+    if attend is not None:  # NOTE: a core attention's own rule over the whole cache (Doge's dynamic mask)
+        out = attend(query.permute(1, 2, 0, 3), keys, values, past=step.past, mask=step.mask)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
     with attention_scores(softcap=module.softcap, sinks=module.sinks):
         out = sdpa(query.permute(1, 2, 0, 3), keys, values, causal=True, scale=module.softmax_scale,
                    window=module.window, mask=step.mask)
@@ -304,9 +324,22 @@ def attached(chunks, cache: LoongKVCache, step: _Step):
         return functools.partial(type(rope).forward, rope, offset=step.past) if step.cp == 1 \
             else functools.partial(_whole_sequence_rope, rope, step.past, step.cp)
 
-    return patched(chunks, cache, lambda index: functools.partial(_cached_attention, cache=cache, index=index,
-                                                                  step=step), rope_forward,
-                   functools.partial(_recurrent_step, cache, step))
+    def attention_forward(index):
+        own = hasattr(type(cache.attentions[index]), "kv_cache_layer")
+        return functools.partial(own_cached_attention if own else _cached_attention, cache=cache, index=index,
+                                 step=step)
+
+    return patched(chunks, cache, attention_forward, rope_forward, functools.partial(_recurrent_step, cache, step))
+
+
+def own_cached_attention(module, *args, cache: LoongKVCache, index: int, step: _Step, **kwargs):
+    """Stands in for the forward of an attention that keeps its own cache layer (its class's ``kv_cache_layer``, a
+    ``transformers`` cache layer class: DeepSeek Sparse Attention's, ``bridges/sparse_attention.py``) during a
+    cached step: its class's forward with ``cached=(its cache layer, the step)`` (``_Step``: ``past`` cached slots,
+    ``given`` new tokens of the ``padded`` ones the step runs, the key padding ``mask``)."""
+    if cache.shard is not None:
+        raise ValueError(f"KV cache: {type(module).__name__} does not take a cache sharded over context parallelism.")
+    return type(module).forward(module, *args, cached=(cache.layers[index], step), **kwargs)
 
 
 def _recurrent_step(cache: LoongKVCache, step: _Step, index: int):

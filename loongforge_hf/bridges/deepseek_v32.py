@@ -13,7 +13,12 @@ Choices:
   ``weights_proj`` stays fp32 (transformers keeps it so); every indexer tensor is whole on each TP rank.
 - Refused by name before any collective: context parallelism (the indexer scores every key of the sequence, and
   megatron's DSA has no CP), ``attention_bias``, ``attention_dropout``, ``layer_types`` other than
-  ``indexed_attention``; ``generate`` with a KV cache (the indexer's keys are not cached; ``use_cache=False`` runs).
+  ``indexed_attention``; the static cache in ``generate``.
+- ``generate``'s KV cache (``kv_cache.py``): each layer's ``SparseAttentionCacheLayer`` holds its MLA keys and values
+  (after the up projection and rotary embedding, this rank's heads, as DeepSeek-V3's cache) and its indexer's keys
+  (whole on every TP rank); a step's index queries score every cached and new index key, so each new token's top-k
+  is the uncached one (GLM-5's shared layers reuse that step's top-k of their full layer). Checked against
+  transformers for DeepSeek-V3.2 and GLM-5 (``KV_CACHE_ARCHITECTURES``): a bridge built on theirs (HY-V4) refuses it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from loongforge_hf.bridges.mappings import FP32Replicated, Mapping, Replicated, 
 from loongforge_hf.bridges.registry import register_bridge
 
 I, X = f"{D}.self_attention.core_attention.indexer", f"{L}.self_attn.indexer"
+# NOTE: where generate's KV cache is checked against transformers' (HY-V4, on GLM-5's bridge, is not)
+KV_CACHE_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
 def indexer_row_order(head_dim: int, rope_dim: int, *, halves: bool, rope_first: bool = True) -> torch.Tensor:
@@ -104,9 +111,13 @@ class SparseAttentionBridge:
                 "context parallelism).")
 
     def generation_refusal(self, generation_config) -> str | None:
-        if generation_config.use_cache:
-            return (f"a KV cache is not supported for {self.architectures[0]} (the sparse-attention indexer's keys "
-                    "are not cached); pass use_cache=False.")
+        arch = self.architectures[0]
+        if generation_config.use_cache and arch not in KV_CACHE_ARCHITECTURES:
+            return (f"a KV cache is not supported for {arch} (the cached sparse attention is checked against "
+                    f"transformers for {', '.join(KV_CACHE_ARCHITECTURES)} only); pass use_cache=False.")
+        if generation_config.use_cache and generation_config.cache_implementation == "static":
+            return (f"cache_implementation='static' is not supported for {arch} (the static cache's fixed-shape "
+                    "decode step holds no indexer keys); use the default dynamic cache.")
         return None
 
     def transformer_config_kwargs(self) -> dict:

@@ -7,7 +7,8 @@ Choices:
 - The indexer rotates its first ``qk_rope_head_dim`` dims in interleaved pairs (DeepSeek-V3.2: halves): its rows are
   only moved (rotary rows last), not re-paired.
 - ``indexer_types``: a ``"shared"`` layer has no indexer (no tensors on disk) and reuses the top-k of the last
-  ``"full"`` layer before it (``sparse_attention.link_shared_layers``). Refused by name: a shared first layer (as
+  ``"full"`` layer before it (``sparse_attention.link_shared_layers``), in each cached generate step too (that
+  step's top-k over every cached key; its cache layer holds no indexer keys). Refused by name: a shared first layer (as
   transformers refuses it), and pipeline parallelism with shared layers (the top-k would cross stages).
 """
 

@@ -33,6 +33,15 @@ Choices:
 - Sinks (HY-V4, ``sparse_attention_spec(sinks=True)``): one learned logit per head (fp32, this rank's heads under
   TP) joins each query's softmax as an extra column and is dropped after it, as transformers' eager attention with
   ``s_aux``; such a layer always takes the masked path.
+- generate's KV cache (``kv_cache.own_cached_attention``): ``SparseAttention`` keeps its own cache layer
+  (``SparseAttentionCacheLayer``: transformers' dynamic layer of the MLA keys and values after the up projection and
+  rotary embedding, as DeepSeek-V3's cache, plus the indexer's keys, whole on every TP rank; transformers caches the
+  latents and expands them each step, the same keys). A cached step runs the new tokens' index queries over every
+  cached and new index key (rotated from slot ``past``), causal from that slot with transformers' padding mask, and
+  keeps the top ``min(index_topk, keys)``: the uncached selection. A shared layer reuses that step's top-k of its full
+  layer. The attention is ``masked_sparse_attention`` over cache + new keys; the layout's padding keys (sequence
+  parallelism) join that step only. The class's forward runs (the cache step passes ``cached=``), so a re-classed
+  attention (A.X-K2's) keeps its own forward.
 - Refused by name: packed THD sequences (``packed_seq_params``; packed rows with position ids are masks and run).
 """
 
@@ -46,6 +55,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (DSAInd
                                                                           unfused_dsa_fn)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from transformers.cache_utils import DynamicLayer
 
 INDEXER_KEY_NORM_EPS = 1e-6  # transformers' nn.LayerNorm(index_head_dim, eps=1e-6)
 
@@ -82,6 +92,13 @@ class LightningIndexer(DSAIndexer):
         """``x`` ``[s(/TP), b, h]``, ``qr`` ``[s(/TP), b, q_lora_rank]``, ``mask`` ``[b or 1, s, s]`` fp32 (-inf:
         masked) -> index scores ``[b, s, s]`` (fp32) and the top-k key indices ``[b, s, k]``."""
         _refuse_packed(packed_seq_params)
+        q, k, weights = self.queries_and_keys(x, qr)
+        return self.top_k(q, k, weights, mask)
+
+    def queries_and_keys(self, x, qr):
+        """The index queries ``[s, b, heads, d]``, keys ``[s, b, d]`` (rotated from the rotary table's first row:
+        slot ``past`` in a cached step, ``kv_cache.attached``) and fp32 head weights ``[s, b, heads]`` of the
+        sequence (gathered under SP)."""
         seq = self.rotary_pos_emb.get_rotary_seq_len(None, None, x, self.config, None)
         if self.config.rope_type == "rope":
             rotary, mscale = self.rotary_pos_emb(seq, packed_seq=False), 1.0
@@ -97,16 +114,61 @@ class LightningIndexer(DSAIndexer):
         k = self._apply_rope(self.k_norm(k).reshape(s, b, 1, self.index_head_dim), rotary, mscale).reshape(s, b, -1)
         # NOTE: no Hadamard rotation (transformers has none); fp32 weights on the fp32 input, scale before the ReLU
         weights = F.linear(x.float(), self.linear_weights_proj.weight.float()) * self.index_n_heads ** -0.5
+        return q, k, weights
+
+    def top_k(self, q, k, weights, mask=None):
+        """Queries ``[sq, b, heads, d]`` over keys ``[skv, b, d]`` (``mask`` ``[b or 1, sq, skv]`` fp32, -inf:
+        masked) -> index scores ``[b, sq, skv]`` (fp32) and the top ``min(index_topk, skv)`` keys ``[b, sq, k]``."""
         scores = torch.relu(torch.einsum("sbhd,tbd->sbht", q.float(), k.float()) * self.softmax_scale)
         index_scores = torch.einsum("sbh,sbht->bst", weights, scores)
         if mask is not None:
             index_scores = index_scores + mask
-        return index_scores, index_scores.topk(min(self.index_topk, s), dim=-1).indices
+        return index_scores, index_scores.topk(min(self.index_topk, k.shape[0]), dim=-1).indices
+
+
+class SparseAttentionCacheLayer(DynamicLayer):
+    """transformers' ``DynamicLayer`` (the layer's MLA keys and values, ``[b, heads / TP, slots, d]``) plus its
+    indexer's keys ``index_keys`` ``[b, slots, index_head_dim]`` (whole on every TP rank; None on a shared layer),
+    grown, reordered and emptied with them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index_keys: torch.Tensor | None = None
+
+    def update_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], dim=1)
+        return self.index_keys
+
+    def reset(self) -> None:
+        super().reset()
+        self.index_keys = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0 and self.index_keys is not None:
+            self.index_keys = self.index_keys[:, :tokens_to_remove]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys.index_select(0, beam_idx.to(self.index_keys.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[indices, ...]
 
 
 class SparseAttention(DSAttention):
     """megatron's DSA core attention with transformers' masks and gradients; on a ``shared`` layer (GLM-5) without an
     indexer of its own. ``shared_layers``: the 0-based layers that reuse an earlier layer's top-k."""
+
+    kv_cache_layer = SparseAttentionCacheLayer  # NOTE: generate's cache (kv_cache.own_cached_attention)
 
     def __init__(self, config, submodules: DSAttentionSubmodules, layer_number: int, attn_mask_type,
                  attention_type: str, attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
@@ -125,17 +187,18 @@ class SparseAttention(DSAttention):
         self.topk: torch.Tensor | None = None
 
     def forward(self, query, key, value, attention_mask, x, qr, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+                packed_seq_params=None, cached=None):
+        """``cached``: (this layer's ``SparseAttentionCacheLayer``, the step) in generate's cached steps
+        (``kv_cache.own_cached_attention``)."""
         _refuse_packed(packed_seq_params)
         if attention_bias is not None:
             raise ValueError("DSA attention takes no attention_bias.")
+        if cached is not None:
+            return self._cached_forward(query, key, value, x, qr, *cached)
         sq, skv = query.shape[0], key.shape[0]
         mask = None if attention_mask is None else attention_mask.expand(-1, 1, sq, skv).squeeze(1)
         if self.shared:
-            if not self.source or self.source[0].topk is None:
-                raise RuntimeError(f"layer {self.layer_number - 1}: a shared DSA layer needs the top-k of an earlier "
-                                   "full layer in the same chunk (link_shared_layers).")
-            topk = self.source[0].topk
+            topk = self._source_topk()
         else:
             causal = torch.ones(sq, skv, dtype=torch.bool, device=query.device).triu(1)
             masked = causal[None] if mask is None else mask | causal[None]
@@ -149,6 +212,39 @@ class SparseAttention(DSAttention):
         if mask is None:
             mask = torch.ones(sq, skv, dtype=torch.bool, device=query.device).triu(1).expand(query.shape[1], -1, -1)
         return masked_sparse_attention(query, key, value, topk, mask, self.softmax_scale, sinks=self.sinks)
+
+    def _source_topk(self) -> torch.Tensor:
+        if not self.source or self.source[0].topk is None:
+            raise RuntimeError(f"layer {self.layer_number - 1}: a shared DSA layer needs the top-k of an earlier "
+                               "full layer in the same chunk (link_shared_layers).")
+        return self.source[0].topk
+
+    def _cached_forward(self, query, key, value, x, qr, layer, step):
+        """A cached generate step: the ``step.padded`` new tokens' ``query / key / value`` ``[padded, b, heads, d]``
+        (slots ``past ..``); the first ``given`` keys, values and index keys join ``layer``, the layout's padding
+        after them is seen by this step only (causality hides it from every real query). Each query's top-k is
+        chosen over every cached and new index key, as without the cache."""
+        if not isinstance(layer, SparseAttentionCacheLayer):
+            raise ValueError(f"DSA attention caches in a SparseAttentionCacheLayer, not {type(layer).__name__} (the "
+                             "static cache is not supported).")
+        past, given, sq, b = step.past, step.given, query.shape[0], query.shape[1]
+        keys, values = layer.update(key[:given].permute(1, 2, 0, 3), value[:given].permute(1, 2, 0, 3))
+        keys = torch.cat((keys.permute(2, 0, 1, 3), key[given:]))  # NOTE: [past + padded, b, heads, d]
+        values = torch.cat((values.permute(2, 0, 1, 3), value[given:]))
+        slots = torch.arange(past + sq, device=query.device)
+        masked = (slots[None, :] > slots[past:, None])[None]  # NOTE: [1, sq, slots], causal from slot past
+        masked = masked.expand(b, -1, -1) if step.mask is None else masked | step.mask[:, 0]
+        if self.shared:
+            topk = self._source_topk()
+        else:
+            with torch.no_grad():
+                q, k, weights = self.indexer.queries_and_keys(x.detach(), qr.detach())
+                index_keys = torch.cat((layer.update_index_keys(k[:given].transpose(0, 1)), k[given:].transpose(0, 1)),
+                                       dim=1)
+                _, topk = self.indexer.top_k(q, index_keys.transpose(0, 1), weights, mask=torch.zeros(
+                    masked.shape, device=query.device).masked_fill(masked, float("-inf")))
+            self.topk = topk
+        return masked_sparse_attention(query, keys, values, topk, masked, self.softmax_scale, sinks=self.sinks)
 
 
 def masked_sparse_attention(query, key, value, topk_indices, mask, softmax_scale: float,

@@ -117,6 +117,8 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     padded = _left_padded_diff(model, ref, ids) if sparse or model.config.model_type == "minimax" else None
     minimax = model.config.model_type == "minimax"
     packed, generated = (_packed_diffs(model, ref), _generate_matches(model, ref)) if minimax else (None, None)
+    if model.config.model_type in ("deepseek_v32", "glm_moe_dsa"):
+        generated = _dsa_generate(model, ref)
     model.save_pretrained(out_dir, max_shard_size="50KB")
     return {"padded_diff": padded, "packed_diffs": packed, "generate_matches": generated,
             "loading_info": (info, ref_info),
@@ -161,6 +163,28 @@ def _generate_matches(model, ref) -> dict:
     for name, kw in {"greedy": {}, "beams": {"num_beams": 2}}.items():
         args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
         out[name] = torch.equal(model.generate(ids, **args), ref.generate(ids, **args))
+    return out
+
+
+def _dsa_generate(model, ref) -> dict:
+    """DeepSeek Sparse Attention: greedy generate and a 2-beam search of a left-padded batch (prompts of 6 and 9
+    tokens: longer than the tiny index_topk 4, so the top-k drops keys from the prefill on) with the KV cache, whether
+    their tokens are transformers' (with its cache) and our own without the cache; each cache layer's type, keys'
+    and indexer keys' shapes after the greedy run."""
+    ids = torch.randint(4, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3], ids[0, :3] = 0, 0
+    out = {}
+    for name, kw in {"greedy": {}, "beams": {"num_beams": 2}}.items():
+        args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
+        cached = model.generate(ids, return_dict_in_generate=True, **args)
+        theirs = ref.generate(ids, **args)
+        out[name] = {"transformers": torch.equal(cached.sequences, theirs),
+                     "uncached": torch.equal(model.generate(ids, use_cache=False, **args), theirs)}
+        if name == "greedy":
+            out["cache_layers"] = [(type(layer).__name__, tuple(layer.keys.shape),
+                                    None if layer.index_keys is None else tuple(layer.index_keys.shape))
+                                   for layer in cached.cache.layers]
     return out
 
 

@@ -86,7 +86,47 @@ def test_refusals():
         bridge("deepseek_v32", attention_bias=True)
     with pytest.raises(UnsupportedConfigError, match="attention_dropout=0.1"):
         bridge("glm_moe_dsa", attention_dropout=0.1)
-    config = type("GenerationConfig", (), {"use_cache": True})()
-    assert "use_cache=False" in v32.generation_refusal(config)
-    config.use_cache = False
-    assert v32.generation_refusal(config) is None
+
+
+def test_kv_cache_refusals():
+    """The dynamic KV cache runs for DeepSeek-V3.2 and GLM-5 (generate's tokens: test_moe_parity); the static one is
+    refused, and so is any cache for the bridges built on theirs that it is not checked for (HY-V4, A.X-K2)."""
+    config = type("GenerationConfig", (), {"use_cache": True, "cache_implementation": None})()
+    for arch in ARCHS:
+        assert bridge(arch).generation_refusal(config) is None
+    config.cache_implementation = "static"
+    assert "cache_implementation='static' is not supported for GlmMoeDsaForCausalLM" in \
+        bridge("glm_moe_dsa").generation_refusal(config)
+    hy = _config("hy_v4")
+    hy.architectures = ["HYV4ForCausalLM"]
+    axk2 = _config("axk2")
+    axk2.architectures = ["AXK2ForCausalLM"]
+    config.cache_implementation = "dynamic"
+    for cfg in (hy, axk2):
+        refusal = get_bridge(cfg).generation_refusal(config)
+        assert f"a KV cache is not supported for {cfg.architectures[0]}" in refusal and "use_cache=False" in refusal
+        config.use_cache = False
+        assert get_bridge(cfg).generation_refusal(config) is None
+        config.use_cache = True
+
+
+def test_cache_layer_keeps_index_keys_with_its_keys():
+    """Beam search's reorder, batch repeats and selections, crop and reset move the indexer keys with the keys."""
+    from loongforge_hf.bridges.sparse_attention import SparseAttentionCacheLayer
+
+    layer = SparseAttentionCacheLayer()
+    keys = torch.arange(3 * 2 * 5 * 4, dtype=torch.float32).view(3, 2, 5, 4)
+    index = torch.arange(3 * 5 * 6, dtype=torch.float32).view(3, 5, 6)
+    layer.update(keys[:, :, :3], keys[:, :, :3])
+    layer.update_index_keys(index[:, :3])
+    layer.update(keys[:, :, 3:], keys[:, :, 3:])
+    assert torch.equal(layer.update_index_keys(index[:, 3:]), index)
+    layer.reorder_cache(torch.tensor([2, 0, 1]))
+    assert torch.equal(layer.keys, keys[[2, 0, 1]]) and torch.equal(layer.index_keys, index[[2, 0, 1]])
+    layer.batch_select_indices(torch.tensor([1, 2]))
+    layer.batch_repeat_interleave(2)
+    assert torch.equal(layer.index_keys, index[[0, 0, 1, 1]]) and torch.equal(layer.keys, keys[[0, 0, 1, 1]])
+    layer.crop(-2)
+    assert layer.keys.shape[2] == layer.index_keys.shape[1] == 3
+    layer.reset()
+    assert layer.index_keys is None and layer.get_seq_length() == 0

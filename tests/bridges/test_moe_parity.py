@@ -85,8 +85,9 @@ DeepSeek-V3.2 (``deepseek_v32``: GLM-4.7-Flash's MLA and experts with YaRN, Deep
 its heads' first dims in halves) and GLM-5 (``glm_moe_dsa``: rms_norm_eps 1e-5, the indexer's rotary dims in pairs,
 layers 1 and 3 reusing the top-k of layers 0 and 2) at tp1 and tp2ep2: each query attends to the top 4 of up to 12
 keys (the logits move by ~0.2 with every key kept: test_dsa), megatron's DSA core attention (``SparseAttention``), the
-indexer tensors in the bit-exact round trip, ``router_logits`` within 1e-5 (gradients at TP2 + SP + EP2:
-test_gradients; padding, refusals: test_dsa).
+indexer tensors in the bit-exact round trip, ``router_logits`` within 1e-5, greedy generate and a 2-beam search with
+the KV cache (keys and indexer keys cached) token for token transformers' (with its cache) and ours without (gradients
+at TP2 + SP + EP2: test_gradients; padding, refusals: test_dsa).
 Kimi Linear (``kimi_linear``: Kimi Delta Attention layers, a per-channel decay, beside a NoPE MLA layer, a dense
 first layer, DeepSeek-V3's grouped sigmoid routing with a bias and a shared expert, Mixtral's names on disk) at tp1,
 cp2ep2 and tp2ep2, its ``router_logits`` within 1e-5 (gradients at TP2 + SP + EP2 and CP2: test_gradients; long
@@ -412,6 +413,13 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name == "minimax":  # NOTE: a packed row's documents each as transformers runs it alone; generate's tokens
             assert len(r["packed_diffs"]) == 3 and max(r["packed_diffs"]) < TOL, (rank, r)
             assert r["generate_matches"] == {"greedy": True, "beams": True}, (rank, r)
+        if name in ("deepseek_v32", "glm_moe_dsa"):  # NOTE: generate with DSA's KV cache (greedy, 2 beams) gives
+            # transformers' tokens and our uncached ones; every layer caches its heads' keys, a full one its indexer's
+            g, heads = r["generate_matches"], 4 // LAYOUTS[layout][1].get("tensor_parallel_size", 1)
+            assert g["greedy"] == g["beams"] == {"transformers": True, "uncached": True}, (rank, r)
+            full = (0, 1, 2, 3) if name == "deepseek_v32" else (0, 2)
+            assert g["cache_layers"] == [("SparseAttentionCacheLayer", (2, heads, 14, 24),
+                                          (2, 14, 16) if i in full else None) for i in range(4)], (rank, r)
         # YaRN's attention factor in the q / k norm slots (kernels.rope.rotary_scale_module)
         yarn = name.endswith("_yarn") or name == "gpt_oss"
         # NOTE: GraniteMoE's final norm scaled by 1 / logits_scaling (on the last stage), its layers' outputs by the
