@@ -10,16 +10,22 @@ Choices:
   ``mlp.router_gate.weight`` ``[2 * floor(sqrt(num_experts)), H]``, ``mlp.down_embed.weight`` /
   ``mlp.up_embed.weight`` ``[num_experts, H]`` (replicated) beside the shared ``mlp.gate_proj`` / ``up_proj`` /
   ``down_proj``.
-- Layouts: TP (KV heads split over it) with or without sequence parallelism, data parallelism. Refused by name before
-  any collective: pipeline, context and expert parallelism (not built), ``sliding_window`` (not built),
-  ``attention_bias`` / ``mlp_bias``, ``output_router_logits`` (transformers' balancing loss over product keys: not
-  built), cached ``generate`` (``use_cache=False`` runs: the cache's attention path has no dynamic mask), rope types
-  other than default / llama3 / yarn / ``dynamic``. The hub's ``dynamic`` rope is the plain rope up to
-  ``max_position_embeddings`` (transformers rescales it only past there): taken as that, longer sequences refused.
+- Layouts: TP (KV heads split over it) with or without sequence parallelism, pipeline (megatron's, as it is), context
+  (the attention over every key and CDMoE's routing over the whole batch: ``doge_layers.py``) and data parallelism.
+- ``generate`` with transformers' dynamic KV cache: each cached step recomputes the biases from the cached values
+  (transformers computes them from its cache's: ``DogeCoreAttention.attend_over_cache``).
+- Refused by name before any collective: expert parallelism (CDMoE's experts are replicated embedding rows),
+  ``sliding_window`` (not built), ``attention_bias`` / ``mlp_bias``, ``output_router_logits`` (transformers'
+  balancing loss over product keys: not built); a KV cache (``use_cache=False`` runs) under context parallelism (the
+  top-k over the keys would span the CP ranks' shares of the cache: not built), for CDMoE under sequence parallelism
+  (each cached step padded to a multiple of TP would change the routing) and the static cache (its fixed decode
+  step has no dynamic mask); rope types other than default / llama3 / yarn / ``dynamic``. The hub's ``dynamic``
+  rope is the plain rope up to ``max_position_embeddings`` (transformers rescales it only past there): taken as
+  that, longer sequences refused.
 - CDMoE routes each token by logits of other tokens of the batch (transformers' view of ``[b, s, 2 * keys]`` as
   ``[2, b * s, keys]``), so the layout's own right-padding of a sequence (to a multiple of TP under sequence
-  parallelism) would change the routing: with ``is_moe`` such lengths are refused (``check_sequence_length``), and
-  packed documents route as transformers does over the packed row.
+  parallelism, of 2 x CP under context parallelism) would change the routing: with ``is_moe`` such lengths are
+  refused (``check_sequence_length``), and packed documents route as transformers does over the packed row.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ ARCH = "DogeForCausalLM"
 class DogeBridge(DenseBridge):
     architectures = (ARCH,)
     qk_norm = True
-    sequence_multiple = 1  # NOTE: the layout's (check_layout), read by check_sequence_length
+    # NOTE: the layout's (check_layout), read by check_sequence_length and generation_refusal
+    sequence_multiple = step_multiple = context_parallel_size = 1
 
     # ---- config ---------------------------------------------------------------------------------------------
     @property
@@ -71,15 +78,17 @@ class DogeBridge(DenseBridge):
 
     def check_layout(self, layout) -> None:
         """``UnsupportedConfigError`` for a layout not built (pure, before any collective)."""
-        for name in ("pipeline_parallel_size", "context_parallel_size", "expert_parallel_size"):
-            if getattr(layout, name) > 1:
-                raise C.UnsupportedConfigError(f"{name}={getattr(layout, name)} is not supported for {ARCH} (not "
-                                               "built); use tensor and data parallelism.")
+        if layout.expert_parallel_size > 1:
+            raise C.UnsupportedConfigError(f"expert_parallel_size={layout.expert_parallel_size} is not supported for "
+                                           f"{ARCH} (CDMoE's retrieval experts are embedding rows, replicated); use "
+                                           "tensor, pipeline, context and data parallelism.")
         kv, tp = C.kv_heads_of(self.hf_config), layout.tensor_parallel_size
         if kv % tp:
             raise C.UnsupportedConfigError(f"num_key_value_heads={kv} does not split over tensor_parallel_size={tp} "
                                            f"for {ARCH} (A and dt_proj split with the KV heads).")
         self.sequence_multiple = layout.sequence_multiple
+        self.step_multiple = layout.whole_sequence_multiple
+        self.context_parallel_size = layout.context_parallel_size
 
     def rope_parameters(self) -> dict:
         """The config's rope; ``dynamic`` (the hub's: NTK scaling from ``max_position_embeddings`` on) as the plain
@@ -100,14 +109,25 @@ class DogeBridge(DenseBridge):
                              f"use sequences of at most {limit} tokens.")
         if self.hf_config.is_moe and longest % self.sequence_multiple:
             raise ValueError(f"{ARCH} with is_moe=True: a sequence of {longest} tokens would be padded to a multiple "
-                             f"of {self.sequence_multiple} (tensor parallelism with sequence parallelism), which "
+                             f"of {self.sequence_multiple} (sequence / context parallelism), which "
                              "changes CDMoE's routing (it mixes the logits of the whole batch); use lengths that "
                              "divide by it (a collator's pad_to_multiple_of).")
 
     def generation_refusal(self, generation_config) -> str | None:
-        if generation_config.use_cache:
-            return (f"a KV cache is not supported for {ARCH} (the cached attention has no dynamic mask); pass "
-                    "use_cache=False.")
+        """Why ``generate`` with a KV cache is refused here (module docstring), or None."""
+        if not generation_config.use_cache:
+            return None
+        if generation_config.cache_implementation == "static":
+            return (f"cache_implementation='static' is not supported for {ARCH} (the fixed decode step's attention "
+                    "has no dynamic mask); use the default dynamic cache.")
+        if self.context_parallel_size > 1:
+            return (f"a KV cache is not supported for {ARCH} under context_parallel_size="
+                    f"{self.context_parallel_size} (the dynamic mask's top-k over the keys would span the CP "
+                    "ranks' shares of the cache); pass use_cache=False.")
+        if self.hf_config.is_moe and self.step_multiple > 1:
+            return (f"a KV cache is not supported for {ARCH} with is_moe=True under sequence parallelism: each cached "
+                    f"step is padded to a multiple of {self.step_multiple}, which changes CDMoE's routing (it mixes "
+                    "the logits of the whole step); pass use_cache=False or sequence_parallel=False.")
         return None
 
     def attention_module(self) -> type:

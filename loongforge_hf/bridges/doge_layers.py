@@ -7,14 +7,21 @@ Choices:
   heads. Tensor parallelism splits ``A`` and ``dt_proj``'s rows with the KV heads; each rank all-gathers the values
   over TP (the backward reduce-scatters their gradients: every rank's heads read every rank's values) and computes
   its own heads' biases. Then ``kernels.dynamic_mask_attention`` (materialised scores, transformers' top-k over
-  ``keep_window_size``). Packed (thd) sequences and context parallelism are refused.
+  ``keep_window_size``). Packed (thd) sequences are refused (documents go in rows with the block mask).
+- Context parallelism: each rank all-gathers the keys and values over the CP group in global order (``_gather_kv``;
+  the backward reduce-scatters), computes the biases of every key and attends its two load-balanced query chunks at
+  their global slots over all keys: a row's top-k reads that row's keys only, so the result is the whole sequence's.
+- A cached ``generate`` step (``kv_cache``'s ``attend_over_cache`` hook): the new queries (slots ``past ..``) over the
+  cached and new keys, the biases recomputed from the cached values as transformers does from its cache's (a
+  ``[b, kv heads, keys]`` projection per step), causal and transformers' padding mask, then the same top-k.
 - CDMoE (``cdmoe``): megatron's gated MLP (the shared expert: ``gate_proj`` / ``up_proj`` / ``down_proj``, split over
   TP as usual) plus transformers' retrieval experts: ``router_gate`` (``[2 * keys, H]``), ``down_embed`` /
   ``up_embed`` (``[num_experts, H]``), replicated on every TP rank (exact; their gradients are summed over TP under
   sequence parallelism, as the norms'). transformers views the router logits ``[b, s, 2 * keys]`` as
   ``[2, b * s, keys]``, so a token's two key scores come from other tokens of the batch (its own note: not causal);
-  the logits of the whole batch are therefore gathered over the sequence-parallel ranks (the backward reduce-scatters
-  them), reordered to transformers' ``b``-major order, routed, and each rank keeps its tokens' experts.
+  the logits of the whole batch are therefore gathered over the sequence-parallel ranks, then over the CP ranks (put
+  in global order; the backwards reduce-scatter them), reordered to transformers' ``b``-major order, routed, and
+  each rank keeps its tokens' experts.
 - Residual adds (``scaled_residual_add``): megatron's bias-dropout-add slots as ``scale * residual + out`` with the
   layer's ``input_residual`` / ``post_attention_residual`` (replicated; summed over TP under sequence parallelism).
 """
@@ -26,6 +33,7 @@ import math
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from loongforge_hf.kernels.attention import CoreAttention
@@ -54,6 +62,12 @@ def _tp_size(group) -> int:
     return group.size() if group is not None else 1
 
 
+def causal_allowed(places: torch.Tensor, keys: int, *, causal: bool) -> torch.Tensor:
+    """``[len(places), keys]`` bool: which keys (slots ``0 .. keys - 1``) the queries at slots ``places`` may see."""
+    allowed = torch.arange(keys, device=places.device)[None, :] <= places[:, None]
+    return allowed if causal else torch.ones_like(allowed)
+
+
 @functools.cache
 def doge_core_attention(keep_window: int) -> type:
     """Our ``CoreAttention`` with Doge's dynamic mask, keeping ``keep_window`` keys per row past that many."""
@@ -61,7 +75,7 @@ def doge_core_attention(keep_window: int) -> type:
     from megatron.core.utils import divide
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
-    from loongforge_hf.kernels.attention import CAUSAL_MASK_TYPES
+    from loongforge_hf.kernels.attention import CAUSAL_MASK_TYPES, _cp_global_index, _gather_kv
     from loongforge_hf.kernels.dynamic_mask_attention import dynamic_mask_attention
 
     class DogeCoreAttention(CoreAttention):
@@ -77,29 +91,57 @@ def doge_core_attention(keep_window: int) -> type:
                 self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0, "A": 0, "dt_proj": 0},
                 sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
-            if attention_bias is not None or packed_seq_params is not None or self.cp_group is not None:
-                raise ValueError("DogeForCausalLM's attention takes no attention_bias, packed (thd) sequences or "
-                                 "context parallelism; pack documents into rows (position ids restarting at 0).")
-            if attention_mask is not None and attention_mask.dtype != torch.bool:
-                raise ValueError("DogeForCausalLM's attention takes megatron's bool mask (True = masked) only.")
-            sq, skv, b = query.shape[0], key.shape[0], key.shape[1]
-            values = value.reshape(skv, b, -1)
+        def biases(self, values: torch.Tensor) -> torch.Tensor:
+            """``values [skv, b, g_local * d]`` (this rank's KV heads) -> this rank's heads' biases ``[b, g_local,
+            skv]``: the values of every KV head gathered over TP (module docstring)."""
             if _tp_size(self.tp_group) > 1:
                 values = all_gather_last_dim_from_tensor_parallel_region(values, self.tp_group)
-            bias = torch.exp(self.A * F.softplus(F.linear(values, self.dt_proj))).permute(1, 2, 0)  # [b, g, skv]
+            return torch.exp(self.A * F.softplus(F.linear(values, self.dt_proj))).permute(1, 2, 0)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if attention_bias is not None or packed_seq_params is not None:
+                raise ValueError("DogeForCausalLM's attention takes no attention_bias or packed (thd) sequences; "
+                                 "pack documents into rows (position ids restarting at 0).")
+            if attention_mask is not None and attention_mask.dtype != torch.bool:
+                raise ValueError("DogeForCausalLM's attention takes megatron's bool mask (True = masked) only.")
+            sq = query.shape[0]
+            if self.cp_group is not None:  # NOTE: this rank's two load-balanced query chunks over every key
+                cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+                if sq % 2 or key.shape[0] != sq:
+                    raise ValueError(f"DogeForCausalLM's context-parallel attention: local query / key lengths "
+                                     f"({sq}, {key.shape[0]}) must be equal and even.")
+                key, value = _gather_kv(key, value, self.cp_group,
+                                        _cp_global_index([sq * cp], cp, query.device))
+                chunk = sq // 2
+                places = torch.cat([torch.arange(j * chunk, (j + 1) * chunk, device=query.device)
+                                    for j in (rank, 2 * cp - 1 - rank)])
+            else:
+                places = torch.arange(key.shape[0] - sq, key.shape[0], device=query.device)
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-            rel = (torch.arange(skv, device=query.device)[None, :]
-                   - torch.arange(skv - sq, skv, device=query.device)[:, None])
-            allowed = (rel <= 0 if mask_type in CAUSAL_MASK_TYPES else torch.ones_like(rel, dtype=torch.bool))
+            allowed = causal_allowed(places, key.shape[0], causal=mask_type in CAUSAL_MASK_TYPES)
             allowed = allowed[None, None] if attention_mask is None else allowed & ~attention_mask
-            with self._dropout_context(self.dropout_p if self.training else 0.0):
-                out = dynamic_mask_attention(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
-                                             value.permute(1, 2, 0, 3), bias, allowed=allowed,
-                                             scale=self.softmax_scale, keep_window=keep_window,
-                                             dropout_p=self.dropout_p if self.training else 0.0)
-            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+            out = self.attend(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                              allowed=allowed)
+            return out.permute(2, 0, 1, 3).reshape(sq, query.shape[1], -1)
+
+        def attend(self, query, key, value, *, allowed):
+            """``query [b, h, sq, d]`` over ``key / value [b, h_kv, skv, d]`` (this rank's heads, every key) under
+            ``allowed`` (bool, broadcast to ``[b, 1, sq, skv]``) with the keys' dynamic mask."""
+            b, skv = key.shape[0], key.shape[2]
+            bias = self.biases(value.permute(2, 0, 1, 3).reshape(skv, b, -1))
+            dropout_p = self.dropout_p if self.training else 0.0
+            with self._dropout_context(dropout_p):
+                return dynamic_mask_attention(query, key, value, bias, allowed=allowed, scale=self.softmax_scale,
+                                              keep_window=keep_window, dropout_p=dropout_p)
+
+        def attend_over_cache(self, query, key, value, *, past: int, mask):
+            """A cached step (``kv_cache``): the new tokens' ``query [b, h, sq, d]`` (slots ``past ..``) over the
+            cached and new ``key / value [b, h_kv, skv, d]``; ``mask`` ``[b, 1, 1, skv]`` True at padding keys, or
+            None. The biases are recomputed from the cached values (transformers computes them from its cache's)."""
+            places = torch.arange(past, past + query.shape[2], device=query.device)
+            allowed = causal_allowed(places, key.shape[2], causal=True)[None, None]
+            return self.attend(query, key, value, allowed=allowed if mask is None else allowed & ~mask)
 
     return DogeCoreAttention
 
@@ -148,6 +190,8 @@ def cdmoe(*, experts: int, top_k: int, norm_topk_prob: bool, act: str) -> type:
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
     from transformers.activations import ACT2FN
 
+    from loongforge_hf.kernels.attention import _cp_global_index, _GatherSequence
+
     keys = math.floor(math.sqrt(experts))
 
     class DogeCDMoE(SwiGLUMLP):
@@ -163,13 +207,19 @@ def cdmoe(*, experts: int, top_k: int, norm_topk_prob: bool, act: str) -> type:
             local = logits.shape[0]
             if self.config.sequence_parallel and _tp_size(tp) > 1:
                 logits = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=True, group=tp)
+            start = ps.get_tensor_model_parallel_rank() * local if local < logits.shape[0] else 0
+            mine = torch.arange(start, start + local, device=logits.device)  # NOTE: its rows of the SP-gathered
+            if self.config.context_parallel_size > 1:  # NOTE: the CP ranks' load-balanced chunks, in global order
+                cp_group = ps.get_context_parallel_group()
+                cp, cp_rank, share = dist.get_world_size(cp_group), dist.get_rank(cp_group), logits.shape[0]
+                index = _cp_global_index([share * cp], cp, logits.device)
+                logits = _GatherSequence.apply(logits, cp_group).index_select(0, index)
+                mine = torch.argsort(index)[cp_rank * share:(cp_rank + 1) * share][mine]
             s, b = logits.shape[:2]
             # NOTE: transformers' [b, s, 2 * keys] logits viewed as [2, b * s, keys]
             chosen, weights = _route(logits.transpose(0, 1).reshape(2, b * s, keys), keys=keys, top_k=top_k,
                                      norm=norm_topk_prob)
-            start = ps.get_tensor_model_parallel_rank() * local if local < s else 0
-            rows = slice(start, start + local)
-            chosen, weights = (t.view(b, s, top_k).transpose(0, 1)[rows].reshape(-1, top_k)
+            chosen, weights = (t.view(b, s, top_k).transpose(0, 1)[mine].reshape(-1, top_k)
                                for t in (chosen, weights))
             return chosen, weights
 

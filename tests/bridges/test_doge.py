@@ -1,11 +1,15 @@
 """Doge (DogeForCausalLM: dynamic-mask attention, learned residual scales; ``is_moe``: cross-domain experts by product
-keys), fp32 against transformers within 1e-4, in one world of two ranks: layouts TP1 (DP2) and TP2 + SP, the dense
-and the CDMoE tiny model (``A`` and the residual scales randomised), each on two rows of 40 tokens, the second
+keys), fp32 against transformers within 1e-4, in one world of two ranks: layouts TP1 (DP2), TP2 + SP, PP2 and CP2, the
+dense and the CDMoE tiny model (``A`` and the residual scales randomised), each on two rows of 40 tokens, the second
 left-padded by 5 (logits at the real tokens, loss; ``keep_window_size`` 24 binds; the dense model on the hub's
-``dynamic`` rope), the dense one also on a row packing documents against each alone; at TP2 + SP the CDMoE model's
-every gradient (exported through the bridge), a bit-exact export round trip, an odd length refused (the layout's
-padding would change the routing) and cached generate refused. The refused fields and layouts are checked on the
-bridge alone (pure, before any collective)."""
+``dynamic`` rope), the dense one also on a row packing documents against each alone; at TP2 + SP and CP2 the CDMoE
+model's every gradient (exported through the bridge); bit-exact export round trips from TP2 + SP and PP2. Cached
+``generate`` of a left-padded batch (prompts of 30 tokens, so the kept window binds at every step) gives
+transformers' cached tokens: greedy and 2-beam for the dense model at TP2 + SP, greedy at PP2 and, for CDMoE (whose
+routing mixes the step's tokens: transformers' cached and uncached tokens differ), at TP1 and PP2; the dense model's
+uncached greedy generate at CP2. Refused on every rank: an odd length for CDMoE at TP2 + SP (the layout's padding
+would change the routing), a KV cache for CDMoE under sequence parallelism and under CP. The refused fields, layouts
+and caches are checked on the bridge alone (pure, before any collective)."""
 
 import pytest
 import torch
@@ -13,7 +17,11 @@ import torch
 from loongforge_hf.parallel.spawn import run_distributed
 
 TOL = 1e-4
-LAYOUTS = {"tp1": {}, "tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True)}
+LAYOUTS = {"tp1": {}, "tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True),
+           "pp2": dict(pipeline_parallel_size=2), "cp2": dict(context_parallel_size=2)}
+# NOTE: (kind, layout) -> the cached generate modes checked there against transformers' tokens
+CACHED_GENERATE = {("dense", "tp2_sp"): ("greedy", "beams"), ("dense", "pp2"): ("greedy",),
+                   ("moe", "tp1"): ("greedy",), ("moe", "pp2"): ("greedy",)}
 
 
 def _refusal(call) -> str | None:
@@ -22,6 +30,21 @@ def _refusal(call) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+def _generate(ours, ref, modes=("greedy",), use_cache: bool = True) -> dict:
+    """Per mode, whether ``generate`` of a left-padded batch of two 30-token prompts gives transformers' tokens."""
+    from .test_granitemoehybrid import _ids
+
+    ids = _ids((2, 30), seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, :3], ids[0, :3] = 0, 0
+    out = {}
+    for mode in modes:
+        args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, use_cache=use_cache,
+                    num_beams=2 if mode == "beams" else 1)
+        out[mode] = torch.equal(ours.generate(ids, **args), ref.generate(ids, **args))
+    return out
 
 
 def _two_ranks(folders: dict) -> dict:
@@ -43,16 +66,23 @@ def _two_ranks(folders: dict) -> dict:
             if kind == "dense":
                 res["packed"] = max(packed_against_alone(ours, ref))
             out[f"{kind}_{name}"] = res
+            if (kind, name) in CACHED_GENERATE:
+                out[f"generate_{kind}_{name}"] = _generate(ours, ref, CACHED_GENERATE[kind, name])
+            if kind == "dense" and name == "cp2":
+                out["uncached_generate_cp2"] = _generate(ours, ref, use_cache=False)
             if kind == "moe" and name == "tp1":
                 out["router_refusal"] = _router_outputs_refusal(ours)
             if kind == "moe" and name == "tp2_sp":
-                ids = torch.ones(1, 7, dtype=torch.long)
-                out["odd_length"] = _refusal(lambda: ours(input_ids=ids))
-                out["generate"] = _refusal(lambda: ours.generate(ids, max_new_tokens=2, do_sample=False))
-                ours.save_pretrained(f"{folder}-saved")  # NOTE: one folder for all ranks (written by the first)
-                out["grads"] = _gradients(ours, ref, folder, name)
-                check_round_trip(folder, f"{folder}-saved")
-                out["round_trip"] = True
+                out["odd_length"] = _refusal(lambda: ours(input_ids=torch.ones(1, 7, dtype=torch.long)))
+            if kind == "moe" and name in ("tp2_sp", "pp2"):
+                ours.save_pretrained(f"{folder}-{name}-saved")  # NOTE: one folder for all ranks (the first writes)
+                check_round_trip(folder, f"{folder}-{name}-saved")
+                out[f"round_trip_{name}"] = True
+            if kind == "moe" and name in ("tp2_sp", "cp2"):  # NOTE: last: _gradients overwrites the weights
+                ids = torch.ones(1, 8, dtype=torch.long)
+                out[f"generate_refusal_{name}"] = _refusal(
+                    lambda: ours.generate(ids, max_new_tokens=2, do_sample=False))
+                out[f"grads_{name}"] = _gradients(ours, ref, folder, name)
     return out
 
 
@@ -103,25 +133,44 @@ def test_layouts_left_padded(two_ranks, case):
         assert max(res[case].values()) < TOL, (case, res[case])
 
 
-def test_every_gradient_tp2_sp(two_ranks):
-    """Every HF tensor's gradient: ``A`` and ``dt_proj`` (split with the KV heads), the residual scales, the router
-    and both embedding tables (replicated), the shared MLP, q / k norms."""
-    grads = two_ranks[0]["grads"]
+@pytest.mark.parametrize("layout", ["tp2_sp", "cp2"])
+def test_every_gradient(two_ranks, layout):
+    """Every HF tensor's gradient: ``A`` and ``dt_proj`` (split with the KV heads; under CP over the gathered
+    values), the residual scales, the router and both embedding tables (replicated; under CP routed over the gathered
+    logits), the shared MLP, q / k norms."""
+    grads = two_ranks[0][f"grads_{layout}"]
     assert {"model.layers.0.self_attn.A", "model.layers.0.self_attn.dt_proj.weight", "model.layers.0.input_residual",
             "model.layers.0.mlp.router_gate.weight", "model.layers.0.mlp.up_embed.weight"} <= set(grads), sorted(grads)
     worst = max(grads.items(), key=lambda kv: kv[1])
     assert worst[1] < TOL, worst
 
 
-def test_export_round_trip_tp2_sp(two_ranks):
-    assert all(res["round_trip"] for res in two_ranks)
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+def test_export_round_trip(two_ranks, layout):
+    assert all(res[f"round_trip_{layout}"] for res in two_ranks)
+
+
+@pytest.mark.parametrize("case", [f"{kind}_{name}" for kind, name in CACHED_GENERATE])
+def test_cached_generate_left_padded(two_ranks, case):
+    """Cached generate past ``keep_window_size`` (the biases recomputed from the cached values): transformers'
+    tokens on every rank (CDMoE: its cached tokens, which its uncached ones are not)."""
+    for res in two_ranks:
+        assert all(res[f"generate_{case}"].values()), res[f"generate_{case}"]
+
+
+def test_uncached_generate_cp2(two_ranks):
+    for res in two_ranks:
+        assert res["uncached_generate_cp2"]["greedy"], res["uncached_generate_cp2"]
 
 
 def test_refused_on_every_rank(two_ranks):
-    """CDMoE at TP2 + SP: 7 tokens (padded to 8 by the layout) refused; cached generate refused."""
+    """CDMoE at TP2 + SP: 7 tokens (padded to 8 by the layout) refused, and a KV cache (each cached step padded);
+    under CP2 a KV cache refused."""
     for res in two_ranks:
         assert res["odd_length"] and "a sequence of 7 tokens" in res["odd_length"], res["odd_length"]
-        assert res["generate"] and "use_cache=False" in res["generate"], res["generate"]
+        sp, cp = res["generate_refusal_tp2_sp"], res["generate_refusal_cp2"]
+        assert sp and "is_moe=True under sequence parallelism" in sp and "use_cache=False" in sp, sp
+        assert cp and "context_parallel_size=2" in cp and "use_cache=False" in cp, cp
 
 
 def test_router_outputs_by_keyword_refused(two_ranks):
@@ -155,8 +204,6 @@ def test_fields_refused(arch, overrides, field):
 
 @pytest.mark.parametrize("layout,field", [
     (dict(tensor_parallel_size=4), "num_key_value_heads=2 .*tensor_parallel_size=4"),
-    (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
-    (dict(context_parallel_size=2), "context_parallel_size=2"),
     (dict(expert_parallel_size=2), "expert_parallel_size=2"),
 ])
 def test_layouts_refused(layout, field):
@@ -165,6 +212,26 @@ def test_layouts_refused(layout, field):
 
     with pytest.raises(UnsupportedConfigError, match=field):
         _bridge("doge_moe").check_layout(ParallelConfig(**layout))
+
+
+@pytest.mark.parametrize("arch,layout,generation,refusal", [
+    ("doge", {}, {"cache_implementation": "static"}, "cache_implementation='static'"),
+    ("doge", dict(context_parallel_size=2), {}, "context_parallel_size=2"),
+    ("doge_moe", dict(tensor_parallel_size=2, sequence_parallel=True), {}, "is_moe=True under sequence parallelism"),
+    ("doge_moe", dict(context_parallel_size=2), {"use_cache": False}, None),
+    ("doge_moe", dict(tensor_parallel_size=2, pipeline_parallel_size=2), {}, None),
+    ("doge", dict(tensor_parallel_size=2, sequence_parallel=True), {}, None),
+])
+def test_cache_refusals(arch, layout, generation, refusal):
+    """Which caches generate refuses under which layout (the bridge alone; ``generation_refusal``)."""
+    import transformers
+
+    from loongforge_hf.parallel.config import ParallelConfig
+
+    bridge = _bridge(arch)
+    bridge.check_layout(ParallelConfig(**layout))
+    got = bridge.generation_refusal(transformers.GenerationConfig(**{"use_cache": True, **generation}))
+    assert (got is None) if refusal is None else (got is not None and refusal in got), got
 
 
 def test_dynamic_rope_plain_up_to_max_positions():
