@@ -8,8 +8,10 @@ Choices:
   ``gate_proj`` / ``up_proj`` (megatron's fused fc1 rows) and the block sits under ``shared_transf``.
 - The mixer: ``zamba_mixer.ZambaMixer`` (``n_mamba_heads`` Mamba-1 heads, each with its own ``x_proj`` /
   ``dt_proj`` / ``A_log`` / ``D``; TP splits the heads).
+- Cached generate as Zamba2's: the shared block's keys and values per use, each Mamba layer's conv inputs and its
+  heads' SSM states (``zamba_mixer.py``); the static cache refused.
 - Refused before any collective: what Zamba2 refuses (``tie_word_embeddings`` off, pipeline and context parallelism,
-  cached generate, heads that do not split over TP), ``mamba_proj_bias``, ``hidden_mamba_act`` other than silu,
+  heads that do not split over TP), ``mamba_proj_bias``, ``hidden_mamba_act`` other than silu,
   ``n_mamba_heads`` that do not split over TP.
 """
 
@@ -50,9 +52,9 @@ class ZambaBridge(Zamba2Bridge):
                                            f"for {self.architectures[0]} (the Mamba layers split by heads).")
 
     def generation_refusal(self, generation_config) -> str | None:
-        if generation_config.use_cache:
-            return (f"use_cache=True is not supported for {self.architectures[0]}: the shared block's attention and "
-                    "the Mamba heads keep no cached state; pass use_cache=False.")
+        if generation_config.use_cache and generation_config.cache_implementation == "static":
+            return (f"cache_implementation='static' is not supported for {self.architectures[0]}: the static cache's "
+                    "fixed-shape decode step keeps no Mamba conv / SSM state; use the default dynamic cache.")
         return None
 
     def shared_sizes(self):

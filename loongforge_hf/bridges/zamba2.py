@@ -16,13 +16,20 @@ Choices:
   it every use keeps a block of its own): other configs are refused. One megatron name stands for other HF names
   from layer to layer (the mixer under ``mamba_decoder``, a use's adapters in its owner's lists): ``ByLayer`` picks
   the layer's own mapping.
-- Cached generate is refused (the shared attention keeps no keys and values); ``use_cache=False`` runs.
+- Cached generate (``kv_cache.py``): each use of a shared block attends through a core attention of its own
+  (``zamba2_shared``), so each use keeps its own keys and values, as transformers' cache keeps one slot per hybrid
+  layer; the Mamba2 mixers keep their conv / SSM states (``mamba2.py``). The static cache is refused
+  (``mamba2_layers.py``).
 - Zamba (``ZambaForCausalLM``, ``zamba.py``): this bridge on a multi-head Mamba-1 mixer, one block, no adapters.
 - Refused before any collective: ``tie_word_embeddings`` off, ``add_bias_linear``, rope types other than the default,
   ``use_long_context``, layer kinds other than the two, heads or KV heads that do not split over TP, what
   ``mamba2_layers.py`` refuses; pipeline and context parallelism (the embeddings live on the first stage; the shared
-  attention runs whole sequences); activation recompute at the forward (``zamba2_shared.refuse_recompute``). LoRA:
-  the planner refuses every target by name (``ByLayer`` mappings carry no adapter slot).
+  attention runs whole sequences); activation recompute at the forward (``zamba2_shared.refuse_recompute``).
+- LoRA: ``mappings_for_layer`` gives a layer's own mappings (``ByLayer`` only in ``layer_mappings``, the loader's
+  patterns), so the Mamba ``in_proj`` / ``out_proj`` take adapters as Granite 4.0 H's; the planner refuses by name
+  (``lora.plan._REFUSED``) the shared blocks' linears (transformers keeps a tied copy of a block in each hybrid
+  layer: PEFT gives each use its own adapter, where megatron runs one linear for all the uses), the per-use
+  ``linear`` (a plain replicated torch linear) and adapters' linears.
 """
 
 from __future__ import annotations
@@ -154,12 +161,6 @@ class Zamba2Bridge(Mamba2Layers, DenseBridge):
     def check_mixer_layout(self, layout) -> None:
         Mamba2Layers.check_layout(self, layout)
 
-    def generation_refusal(self, generation_config) -> str | None:
-        if generation_config.use_cache:
-            return (f"use_cache=True is not supported for {self.architectures[0]}: the shared blocks' attention "
-                    "keeps no keys and values; pass use_cache=False.")
-        return None
-
     def qk_module(self) -> None:
         return None
 
@@ -230,23 +231,22 @@ class Zamba2Bridge(Mamba2Layers, DenseBridge):
         return maps
 
     def layer_mappings(self) -> list[Mapping]:
-        return [m for m, _ in self._table]
+        """Each megatron name's ``ByLayer`` (the loader's patterns; a layer's own: ``mappings_for_layer``)."""
+        by_name: dict[str, list[tuple[int, Mapping]]] = {}
+        for layer, maps in enumerate(self._own):
+            for m in maps:
+                by_name.setdefault(m.megatron, []).append((layer, m))
+        return [ByLayer.of(name, choices) for name, choices in by_name.items()]
 
     def mappings_for_layer(self, layer: int) -> list[Mapping]:
-        return [m for m, layers in self._table if layer in layers]
+        return self._own[layer]
 
     @functools.cached_property
-    def _table(self) -> list[tuple[Mapping, frozenset[int]]]:
-        """Each megatron name's ``ByLayer`` and the layers that hold it (built once: the loader asks per tensor)."""
-        by_name: dict[str, list[tuple[int, Mapping]]] = {}
-        for layer in range(self.hf_config.num_hidden_layers):
-            for m in self._mappings_at(layer):
-                by_name.setdefault(m.megatron, []).append((layer, m))
-        return [(ByLayer.of(name, choices), frozenset(layer for layer, _ in choices))
-                for name, choices in by_name.items()]
+    def _own(self) -> list[list[Mapping]]:
+        """Each layer's own mappings (HF names of that layer alone; built once: the loader asks per tensor)."""
+        return [self._mappings_at(layer) for layer in range(self.hf_config.num_hidden_layers)]
 
     def _mappings_at(self, layer: int) -> list[Mapping]:
-        """Layer ``layer``'s own mappings (HF names of that layer alone)."""
         if layer not in self.hybrid:
             return self.mamba_mappings()
         use = self.hybrid.index(layer)

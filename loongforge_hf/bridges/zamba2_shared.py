@@ -13,8 +13,10 @@ Choices:
 - The block (``Zamba2AttentionDecoderLayer``): RMSNorm over ``concat(x, embeddings)`` (2 H); q / k / v column-parallel
   from 2 H, plus the use's adapters (``B(A(x))``: ``A`` replicated on this rank's tokens, ``B`` column-parallel like
   the projection it adds to); rope on q / k where ``use_mem_rope`` (megatron's rotary table, ``head_dim`` =
-  2 H / heads); torch's ``scaled_dot_product_attention`` scaled by ``(head_dim / 2) ** -0.5`` under megatron's mask
-  (an additive bias at the dtype's minimum, as transformers' sdpa path: a padded query gets no NaN); ``o_proj``
+  2 H / heads); the use's own causal ``CoreAttention`` (``kernels.attention``, held by the hybrid layer: generate's
+  KV cache gives each use its own keys and values, as transformers' cache keeps one slot per hybrid layer) scaled
+  by ``(head_dim / 2) ** -0.5`` under megatron's mask (an additive bias at the dtype's minimum, as transformers'
+  sdpa path: a padded query gets no NaN); ``o_proj``
   row-parallel; RMSNorm; ``gate_up_proj`` column-parallel (each rank's gate and up rows) plus the use's adapter,
   ``act(gate) * up``, ``down_proj`` row-parallel.
 - The per-use linear and the adapters' ``A`` act on this rank's tokens (replicated, their gradients summed over TP
@@ -30,7 +32,6 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -117,14 +118,15 @@ class SharedBlock(torch.nn.Module):
         self.gate_up_proj = _column(h, 2 * sizes.intermediate, config, tp_group)
         self.down_proj = _row(sizes.intermediate, h, config, tp_group)
 
-    def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor, adapters: UseAdapters, *,
+    def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor, adapters: UseAdapters, *, attention,
                 attention_mask: torch.Tensor | None, rotary_pos_emb: torch.Tensor | None) -> torch.Tensor:
-        """``hidden`` / ``embeddings`` ``[s, b, H]`` (this rank's tokens) -> the block's output ``[s, b, H]``."""
+        """``hidden`` / ``embeddings`` ``[s, b, H]`` (this rank's tokens) -> the block's output ``[s, b, H]``;
+        ``attention``: the use's core attention (its own KV cache slot in generate)."""
         x = self.input_layernorm(torch.cat([hidden, embeddings], dim=-1))
         q, k, v = (proj(x)[0] for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.sizes.qkv_adapters:
             q, k, v = q + adapters.q(x), k + adapters.k(x), v + adapters.v(x)
-        out = self.o_proj(self._attention(q, k, v, attention_mask, rotary_pos_emb))[0]
+        out = self.o_proj(self._attention(q, k, v, attention, attention_mask, rotary_pos_emb))[0]
         x = self.pre_ff_layernorm(out)
         gate_up = self.gate_up_proj(x)[0]
         if self.sizes.mlp_adapters:
@@ -132,7 +134,7 @@ class SharedBlock(torch.nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(_activation(self.sizes.activation)(gate) * up)[0]
 
-    def _attention(self, q, k, v, mask, rotary_pos_emb) -> torch.Tensor:
+    def _attention(self, q, k, v, attention, mask, rotary_pos_emb) -> torch.Tensor:
         """q / k / v ``[s, b, heads * head_dim]`` (all tokens, this rank's heads) -> ``[s, b, heads * head_dim]``."""
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
@@ -141,15 +143,21 @@ class SharedBlock(torch.nn.Module):
         if self.sizes.rope:
             q = apply_rotary_pos_emb(q, rotary_pos_emb, config=self.config)
             k = apply_rotary_pos_emb(k, rotary_pos_emb, config=self.config)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))                # [b, heads, s, d]
-        if self.kv_heads != self.heads:
-            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
-        if mask is None:
-            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        # NOTE: additive, so that a padded query (masked from every key) takes a uniform softmax, not NaN
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(mask, torch.finfo(q.dtype).min)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0 / math.sqrt(d / 2))
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        if mask is not None:
+            # NOTE: additive, so that a padded query (masked from every key) takes a uniform softmax, not NaN
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(mask, torch.finfo(q.dtype).min)
+        return attention(q, k, v, mask)
+
+
+def _core_attention(config, sizes: SharedSizes, layer_number: int, pg_collection):
+    """A use's causal core attention (``kernels.attention.CoreAttention``), scaled by ``(head_dim / 2) ** -0.5`` as
+    transformers' Zamba / Zamba2: found by ``kv_cache.core_attentions``, so the use gets a KV cache slot of its own."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from loongforge_hf.kernels.attention import CoreAttention
+
+    return CoreAttention(config, layer_number, AttnMaskType.causal, "self",
+                         softmax_scale=1.0 / math.sqrt(sizes.head_dim / 2), pg_collection=pg_collection)
 
 
 def _activation(name: str):
@@ -188,6 +196,7 @@ def zamba2_layer(*, hybrid: tuple[int, ...], num_blocks: int, sizes: SharedSizes
             if self.use < num_blocks:
                 self.shared_block = SharedBlock(config, sizes, tp_group)
             self.adapters = UseAdapters(config, sizes, tp_group)
+            self.shared_attention = _core_attention(config, sizes, self.layer_number, kwargs.get("pg_collection"))
             self.linear = _replicated(sizes.hidden, sizes.hidden, config)
             self.input_layernorm.register_forward_pre_hook(self._add_block_output)
 
@@ -198,8 +207,8 @@ def zamba2_layer(*, hybrid: tuple[int, ...], num_blocks: int, sizes: SharedSizes
             if self.use is None:
                 return super()._forward_attention(hidden_states, attention_mask, *args, **kwargs)
             block = self.shared.blocks[self.use % num_blocks]
-            out = block(hidden_states, self.shared.embeddings, self.adapters, attention_mask=attention_mask,
-                        rotary_pos_emb=kwargs.get("rotary_pos_emb"))
+            out = block(hidden_states, self.shared.embeddings, self.adapters, attention=self.shared_attention,
+                        attention_mask=attention_mask, rotary_pos_emb=kwargs.get("rotary_pos_emb"))
             self._added = self.linear(out)
             try:
                 return super()._forward_attention(hidden_states, attention_mask, *args, **kwargs)

@@ -11,8 +11,11 @@ Choices:
   dt / B / C read its own channels only.
 - Padding and packed documents as ``mamba1.py``: padded tokens zeroed before ``in_proj`` and after the conv; packed
   documents restart the conv and the scan.
+- Cached generate (``kv_cache.py``: a ``CachedStep`` per step, one ``LinearAttentionLayer`` per layer): the conv
+  after the conv state (the last ``conv_kernel`` inputs of this rank's channels), each head's scan from its rows of
+  the SSM state (fp32 ``[b, d_inner / tp, d_state]``: the heads' states stacked), the step's first ``given`` tokens.
 - Refused (``zamba.py``): heads that do not split over TP, projection biases, ``hidden_mamba_act`` other than silu,
-  cached generate; at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
+  the static cache; at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.recurrent_common import _token_layout, mixer_on_layers, mixer_projections, tp_group_of
+from loongforge_hf.bridges.recurrent_common import (CachedStep, _token_layout, mixer_on_layers, mixer_projections,
+                                                    tp_group_of)
 
 
 class ZambaMixer(torch.nn.Module):
@@ -59,34 +63,65 @@ class ZambaMixer(torch.nn.Module):
         return {n: p for n, p in self._parameters.items() if p is not None}
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                inference_context=None, packed_seq_params=None, **_: object):
+                inference_context=None, packed_seq_params=None, cached: CachedStep | None = None, **_: object):
         from loongforge_hf.bridges.mamba2 import _documents
-        from loongforge_hf.kernels.selective_scan import selective_scan
         from loongforge_hf.kv_cache import refuse_megatron_state_inputs
 
         refuse_megatron_state_inputs("Zamba", inference_context, packed_seq_params)
         mixed = self.in_proj(hidden_states)[0].transpose(0, 1)           # [b, s, 2 * d_local]: all tokens
+        if cached is not None:
+            return self._cached_forward(mixed, cached)
         batch, seq, _ = mixed.shape
         real, starts = _token_layout(attention_mask, batch, seq)
         documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
+        return self._output(self._mix(mixed, real, documents=documents)[0], padded=seq)
+
+    def _cached_forward(self, mixed: torch.Tensor, step: CachedStep):
+        """A cached generate step: ``mixed`` ``[b, s, 2 * d_local]``, ``in_proj``'s output of the step's first
+        ``step.given`` tokens and the layout's padding after them."""
+        cache, index = step.cache, step.index
+        history, state = cache.get_conv_state(index), cache.get_recurrent_state(index)
+        y, state = self._mix(mixed[:, :step.given], step.real, history=None if history is None else history[..., 1:],
+                             state=state, cache=(cache, index))
+        cache.update_recurrent_state(state, index)
+        return self._output(y, padded=mixed.shape[1])
+
+    def _mix(self, mixed: torch.Tensor, real: torch.Tensor | None, *, documents=None, history=None, state=None,
+             cache=None):
+        """``in_proj``'s output ``[b, s, 2 * d_local]`` -> the heads' gated scans ``[b, d_local, s]`` (fp32), their
+        final states ``[b, d_local, d_state]``; ``history`` / ``state``: a cached step's conv inputs and SSM states
+        before it; ``cache`` (a cache and the layer's index): its conv state updated with this step's inputs."""
+        from loongforge_hf.kernels.selective_scan import selective_scan
+
         if real is not None:
             mixed = mixed * real[..., None].to(mixed.dtype)
-        x, z = mixed[..., 0::2], mixed[..., 1::2]                         # NOTE: rows alternate x and the gate
-        conv = functools.partial(causal_conv_silu, weight=self.conv_weight, bias=self.conv_bias)
-        x = conv(x, documents=documents)
+        inputs, z = mixed[..., 0::2], mixed[..., 1::2]                    # NOTE: rows alternate x and the gate
+        x = causal_conv_silu(inputs, weight=self.conv_weight, bias=self.conv_bias, documents=documents,
+                             history=history)
+        if cache is not None:  # NOTE: after the conv read it: the cache writes the state in place
+            cache[0].update_conv_state(inputs.transpose(1, 2), cache[1], conv_kernel_size=self.conv_weight.shape[-1])
         if real is not None:
             x = x * real[..., None].to(x.dtype)
         x, z = x.transpose(1, 2), z.transpose(1, 2)                       # [b, d_local, s]
-        outputs = []
+        outputs, states = [], []
         for h in range(self.heads):
             part = slice(h * self.head_dim, (h + 1) * self.head_dim)
             dt, B, C = torch.split(torch.matmul(self.x_proj_weight[h], x[:, part]),
                                    [self.dt_rank, self.d_state, self.d_state], dim=1)
             dt = F.softplus(torch.matmul(self.dt_proj_weight[h], dt) + self.dt_proj_bias[h].float()[:, None])
-            y, _ = selective_scan(x[:, part], dt, -torch.exp(self.A_log[h].float()), B.transpose(1, 2),
-                                  C.transpose(1, 2), self.D[h], z[:, part], documents=documents)
+            y, last = selective_scan(x[:, part], dt, -torch.exp(self.A_log[h].float()), B.transpose(1, 2),
+                                     C.transpose(1, 2), self.D[h], z[:, part], documents=documents,
+                                     initial_state=None if state is None else state[:, part])
             outputs.append(y)
-        out = torch.cat(outputs, dim=1).transpose(1, 2).to(self.out_proj.weight.dtype)
+            states.append(last)
+        return torch.cat(outputs, dim=1), torch.cat(states, dim=1)
+
+    def _output(self, y: torch.Tensor, *, padded: int):
+        """The heads' output ``[b, d_local, given]`` through ``out_proj``, zeros for the layout's padding up to
+        ``padded`` tokens."""
+        out = y.transpose(1, 2).to(self.out_proj.weight.dtype)
+        if padded > out.shape[1]:
+            out = F.pad(out, (0, 0, 0, padded - out.shape[1]))
         return self.out_proj(out.transpose(0, 1).contiguous())
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
@@ -96,11 +131,12 @@ class ZambaMixer(torch.nn.Module):
 
 
 def causal_conv_silu(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None,
-                     documents: torch.Tensor | None) -> torch.Tensor:
-    """``kernels.causal_conv`` and ``silu`` over ``x`` ``[b, s, ch]``, in ``x``'s dtype."""
+                     documents: torch.Tensor | None, history: torch.Tensor | None = None) -> torch.Tensor:
+    """``kernels.causal_conv`` (after ``history`` ``[b, ch, kernel - 1]``, or zeros) and ``silu`` over ``x``
+    ``[b, s, ch]``, in ``x``'s dtype."""
     from loongforge_hf.kernels.causal_conv import causal_conv
 
-    return F.silu(causal_conv(x, weight, bias, documents=documents)).to(x.dtype)
+    return F.silu(causal_conv(x, weight, bias, history=history, documents=documents)).to(x.dtype)
 
 
 @functools.cache

@@ -2,12 +2,17 @@
 q / k / v and MLP adapters, rope in the shared attention) and ZambaForCausalLM (multi-head Mamba-1 layers, two of them
 hybrid with the one shared block) against transformers, fp32 within 1e-4, in one two-rank world:
 - TP1 (data parallel over the two ranks): two 40-token rows, the second left-padded by 9, logits and loss; a row
-  packing documents against each document alone; Zamba2's uncached greedy generate against transformers'; a
-  bit-exact export round trip (the shared blocks written once, under their first use, as transformers writes them);
+  packing documents against each document alone; Zamba2's uncached greedy generate against transformers'; cached
+  greedy and 2-beam generate of a left-padded batch against transformers' cache (each use of a shared block its
+  own keys and values, the Mamba layers their conv / SSM states); a bit-exact export round trip (the shared blocks
+  written once, under their first use, as transformers writes them);
 - Zamba2's training forward with activation checkpointing refused;
 - TP2 + SP: the padded rows' logits and loss, every parameter's gradient exported through the bridge against
-  transformers' (each shared block's summed over its uses);
-- refusals on the bridge alone (pure, before any collective), naming the field."""
+  transformers' (each shared block's summed over its uses), cached greedy generate; LoRA on the Mamba layers'
+  ``in_proj`` / ``out_proj`` against PEFT (logits, loss, every factor's gradient, the adapter folder in PEFT and
+  the merged export in transformers: ``_lora_hybrids``);
+- refusals on the bridge alone (pure, before any collective), naming the field; LoRA on the shared blocks' linears
+  refused by name by the planner (PEFT gives each use its own adapter)."""
 
 import re
 
@@ -19,6 +24,7 @@ from loongforge_hf.testing import make_tiny_checkpoint
 
 TOL = 1e-4
 ARCHS = ("zamba2", "zamba")
+MAMBA_LORA = dict(r=4, lora_alpha=8, target_modules=["in_proj", "out_proj"], init_lora_weights=False)
 
 
 def _ids(shape, seed=0):
@@ -42,6 +48,23 @@ def _generate(ours, ref) -> tuple[bool, float]:
     got, want = ours.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw)
     return (torch.equal(got.sequences, want.sequences),
             max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)))
+
+
+def _cached_generate(ours, ref, beams: tuple[int, ...]) -> dict:
+    """Cached generate (the default) of a left-padded batch of two (the second prompt 4 tokens shorter), greedy and
+    with each of ``beams``: (sequences equal, largest score difference) against transformers' cache."""
+    ids = _ids((2, 9), seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    out = {}
+    for n in (1, *beams):
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, num_beams=n,
+                  return_dict_in_generate=True, output_scores=True)
+        got, want = ours.generate(**kw), ref.generate(**kw)
+        out[n] = (torch.equal(got.sequences, want.sequences),
+                  max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)),
+                  sorted({type(layer).__name__ for layer in got.cache.layers}) if n == 1 else None)
+    return out
 
 
 def _gradients(ours, ref, folder: str) -> dict | None:
@@ -88,11 +111,13 @@ def _checks(folder: str, *, generate: bool) -> dict:
     import loongforge_hf as lf
     from loongforge_hf.testing.round_trip import check_round_trip
 
+    from ..integrations._lora_hybrids import hybrid_lora_checks
     from .test_qwen3_5 import packed_against_alone
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    out = {"tp1": _padded(ours, ref), "packed": packed_against_alone(ours, ref)}
+    out = {"tp1": _padded(ours, ref), "packed": packed_against_alone(ours, ref),
+           "cached_tp1": _cached_generate(ours, ref, beams=(2,))}
     if generate:
         out["generate"] = _generate(ours, ref)
         out["recompute"] = _recompute_refusal(ours)
@@ -104,7 +129,11 @@ def _checks(folder: str, *, generate: bool) -> dict:
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2,
                                                    sequence_parallel=True)
     out["tp2_sp"] = _padded(ours, ref)
+    out["cached_tp2_sp"] = _cached_generate(ours, ref, beams=())
     out["grads"] = _gradients(ours, ref, folder)
+    del ours
+    out["lora"] = hybrid_lora_checks(folder, f"{folder}-lora", dict(tensor_parallel_size=2, sequence_parallel=True),
+                                     MAMBA_LORA)
     return out
 
 
@@ -138,6 +167,26 @@ def test_packed_and_round_trip(world, arch):
 
 def test_uncached_generate(world):
     assert world[0]["zamba2"]["generate"][0] and world[0]["zamba2"]["generate"][1] < TOL, world[0]["zamba2"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", ["cached_tp1", "cached_tp2_sp"])
+def test_cached_generate(world, arch, layout):
+    """Greedy (and 2-beam at TP1) cached generate of a left-padded batch: the same tokens as transformers' cache,
+    scores within 1e-4; the cache holds keys and values (one layer a use of a shared block) and the Mamba states."""
+    for n, (same, diff, layers) in world[0][arch][layout].items():
+        assert same and diff < TOL, (n, world[0][arch][layout])
+        assert n > 1 or layers == ["DynamicLayer", "LinearAttentionLayer"], layers
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mamba_lora_matches_peft_tp2_sp(world, arch):
+    """LoRA on every layer's Mamba ``in_proj`` / ``out_proj`` (the hybrid layers' under ``mamba_decoder``) at TP2 +
+    SP: logits within 1e-4, loss within 1e-5, gradients within 1e-4 (relative), the adapter folder in PEFT and the
+    merged export in transformers within 1e-4 (``_lora_hybrids.check_matches_peft``)."""
+    from ..integrations._lora_hybrids import check_matches_peft
+
+    check_matches_peft([rank[arch]["lora"] for rank in world], targets=10)
 
 
 def test_recompute_refused(world):
@@ -179,17 +228,46 @@ def test_refused(folders, changes, layout, field):
         get_bridge(config).check_layout(ParallelConfig(**(layout or {})))
 
 
-def test_cached_generate_refused(folders):
-    """The shared attention keeps no keys and values: cached generate is refused by name, uncached taken."""
+def test_static_cache_refused(folders):
+    """The static cache's fixed-shape step keeps no Mamba state: refused by name; the dynamic cache taken."""
     import transformers
 
     from loongforge_hf.bridges import get_bridge
 
     for arch, name in (("zamba2", "Zamba2ForCausalLM"), ("zamba", "ZambaForCausalLM")):
         bridge = get_bridge(transformers.AutoConfig.from_pretrained(folders[arch]))
-        refusal = bridge.generation_refusal(transformers.GenerationConfig(use_cache=True))
-        assert refusal is not None and f"use_cache=True is not supported for {name}" in refusal, refusal
-        assert bridge.generation_refusal(transformers.GenerationConfig(use_cache=False)) is None
+        refusal = bridge.generation_refusal(transformers.GenerationConfig(use_cache=True,
+                                                                          cache_implementation="static"))
+        assert refusal is not None and f"cache_implementation='static' is not supported for {name}" in refusal
+        assert bridge.generation_refusal(transformers.GenerationConfig(use_cache=True)) is None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_block_lora_refused_by_name(folders, arch):
+    """PEFT gives each use of a shared block (a tied copy in each hybrid layer) its own adapter, where megatron runs
+    one linear for all the uses: the block's linears, the hybrid layers' ``linear`` and Zamba2's per-use adapters
+    are refused by name; the ``'all-linear'`` the message suggests plans the Mamba linears."""
+    import ast
+
+    import peft
+    import transformers
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+
+    bridge = get_bridge(transformers.AutoConfig.from_pretrained(folders[arch]))
+    messages = {}
+    for name, target_modules in (("q_proj", ["q_proj", "in_proj"]), ("down_proj", ["down_proj"]),
+                                 ("linear", ["linear"]), ("all", "all-linear")):
+        with pytest.raises(LoraConfigError, match="cannot carry a LoRA adapter") as err:
+            plan_lora(bridge, peft.LoraConfig(r=4, target_modules=target_modules))
+        messages[name] = str(err.value)
+    shared, linear = "so PEFT gives each use its own adapter", "a plain replicated torch linear here"
+    assert shared in messages["q_proj"] and shared in messages["down_proj"], messages
+    assert linear in messages["linear"] and shared in messages["all"] and linear in messages["all"], messages
+    excluded = ast.literal_eval(re.search(r"exclude_modules=(\[[^\]]*\])", messages["all"]).group(1))
+    plan = plan_lora(bridge, peft.LoraConfig(r=4, target_modules="all-linear", exclude_modules=excluded))
+    assert sorted({t.hf_module.rsplit(".", 1)[-1] for t in plan.targets}) == ["in_proj", "out_proj"]
 
 
 @pytest.mark.parametrize("changes, layout, field", [
