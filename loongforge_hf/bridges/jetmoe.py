@@ -19,7 +19,10 @@ Choices:
   (before any collective): KV heads that do not split over TP, ``output_router_logits`` (transformers'
   ``router_logits`` and balancing loss count the attention routers beside the MoE ones; not built), activations
   other than silu.
-- LoRA: none (the planner refuses the expert stacks, routers and ``kv_proj`` by name: no megatron linears).
+- LoRA as PEFT adapts transformers' model: ``kv_proj`` (megatron's column-parallel ``linear_qkv.kv``, B's rows in its
+  per-rank ``[k; v]`` order, as the weight's). Refused by name: the routers ``router.layer`` (``lora.plan._REFUSED``;
+  the attention router is a raw parameter here, the MoE's megatron's router) and the expert stacks (PEFT's
+  ``target_parameters``; no adapter path on them is compared with PEFT).
 """
 
 from dataclasses import dataclass
@@ -112,7 +115,7 @@ class JetMoeBridge(MixtralBridge):
         return [Replicated(f"{D}.input_layernorm.weight", f"{L}.input_layernorm.weight"),
                 Replicated(f"{a}.linear_qkv.router", f"{e}.router.layer.weight"),
                 ExpertRows(f"{a}.linear_qkv.query", f"{e}.input_linear.weight"),
-                PackedGatedMLP(f"{a}.linear_qkv.kv", f"{L}.self_attention.kv_proj.weight", self._heads_rows()),
+                PackedGatedMLP(f"{a}.linear_qkv.kv.weight", f"{L}.self_attention.kv_proj.weight", self._heads_rows()),
                 ExpertColumns(f"{a}.linear_proj.weight", f"{e}.output_linear.weight"),
                 Replicated(f"{a}.linear_proj.bias", f"{e}.bias")]
 

@@ -6,7 +6,8 @@ Choices:
 - The query and output projections are experts: a replicated router (``[E, H]``, logits in fp32, the top k of them,
   softmax over the k chosen, in the model's dtype as transformers' ``JetMoeTopKGating``) picks k experts per token;
   slot ``j``'s query is expert ``e_j``'s ``query`` projection (``[E, kv_heads * head_dim, H]``), all slots attend to
-  one shared key / value projection (``kv``, transformers' ``kv_proj``: ``[k; v]`` rows), and each slot's attention
+  one shared key / value projection (``kv``, transformers' ``kv_proj``: ``[k; v]`` rows, megatron's
+  ``ColumnParallelLinear``, so LoRA adapts it as any column-parallel linear), and each slot's attention
   output goes through expert ``e_j``'s ``output`` projection (``[E, H, kv_heads * head_dim]``), times its gate,
   summed over the slots, plus ``bias`` (added by megatron's bias-dropout-add, as a row-parallel linear's bias).
 - Heads: megatron sees ``k * kv_heads`` query heads in ``kv_heads`` groups, group ``h`` holding slot ``j`` at head
@@ -19,6 +20,8 @@ Choices:
   gradient summed over the ranks' heads) and the router reads the gathered tokens without the reduce-scatter in the
   backward: the router's gradient is whole on every rank, as a replicated weight's.
 - Experts run as transformers' loop over experts on their tokens (one linear per expert).
+- Checkpoints (``sharded_state_dict``): the query and output stacks split by heads over TP as held, the router and
+  the output bias replicated, ``kv`` as megatron's linear (and LoRA's adapter on it) shards itself.
 """
 
 from __future__ import annotations
@@ -57,6 +60,15 @@ def _tp(tp_group) -> tuple[int, object]:
     return (tp_group.size() if tp_group is not None else 1), tp_group
 
 
+def _sharded(tensors: dict, axes: dict, tp_group, prefix: str, sharded_offsets: tuple, metadata: dict | None):
+    """megatron's sharded tensors of ``tensors`` (split over TP along ``axes[name]``, else replicated)."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    return make_sharded_tensors_for_checkpoint(tensors, prefix, axes, sharded_offsets, tp_group=tp_group,
+                                               dp_cp_group=metadata["dp_cp_group"])
+
+
 class Routing:
     """One forward's routing: each (token, slot) pair sorted by expert (``order``), the experts' pair counts and
     the slots' gates ``[tokens, k]``."""
@@ -74,6 +86,15 @@ def _per_expert(rows: torch.Tensor, weight: torch.Tensor, routing: Routing) -> t
     return torch.cat([F.linear(p, weight[e]) for e, p in enumerate(parts)], dim=0)
 
 
+def _kv_linear(input_size: int, output_size: int, config, tp_group):
+    """The shared key / value projection: megatron's ``ColumnParallelLinear`` (this rank's heads' ``[k; v]`` rows;
+    LoRA adapts it as any column-parallel linear)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    return ColumnParallelLinear(input_size, output_size, config=config, init_method=config.init_method, bias=False,
+                                gather_output=False, tp_group=tp_group)
+
+
 class MoAQueryKV(torch.nn.Module):
     """The ``linear_qkv`` slot: router, query experts and the shared ``kv`` of this rank's KV heads; returns
     ``(query [s, b, k * heads, d], key, value [s, b, heads, d], routing)``."""
@@ -87,7 +108,17 @@ class MoAQueryKV(torch.nn.Module):
         self.head_dim, rows = config.kv_channels, config.num_query_groups // self.tp_size * config.kv_channels
         self.router = _parameter(config, experts, input_size, split_dim=None)
         self.query = _parameter(config, experts, rows, input_size, split_dim=1)
-        self.kv = _parameter(config, 2 * rows, input_size, split_dim=0)
+        self.kv = _kv_linear(input_size, 2 * config.num_query_groups * config.kv_channels, config, self.tp_group)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Checkpoint tensors: ``query`` split by heads over TP (its rows), ``router`` replicated, ``kv`` as its
+        megatron linear (with its LoRA adapter) gives them."""
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        out = _sharded({"router": self.router, "query": self.query}, {"query": 1}, self.tp_group, prefix,
+                       sharded_offsets, metadata)
+        return {**out, **sharded_state_dict_default(self.kv, f"{prefix}kv.", sharded_offsets, metadata,
+                                                    tp_group=self.tp_group)}
 
     def _inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tokens for the projections, the tokens for the router): see the module docstring."""
@@ -116,7 +147,8 @@ class MoAQueryKV(torch.nn.Module):
         sorted_q = _per_expert(flat[routing.order // self.top_k], self.query, routing)
         query = torch.empty_like(sorted_q).index_copy(0, routing.order, sorted_q)
         query = query.view(s, b, self.top_k, self.heads, self.head_dim).transpose(2, 3)
-        key, value = F.linear(x, self.kv).view(s, b, 2, self.heads, self.head_dim).unbind(2)
+        kv, _ = self.kv(hidden)  # NOTE: megatron's linear gathers the tokens (SP) or copies them itself
+        key, value = kv.view(s, b, 2, self.heads, self.head_dim).unbind(2)
         return query.reshape(s, b, self.heads * self.top_k, self.head_dim), key, value, routing
 
 
@@ -132,6 +164,11 @@ class MoAOutput(torch.nn.Module):
         self.weight = _parameter(config, experts, output_size, cols, split_dim=2)
         self.bias = _parameter(config, output_size, split_dim=None, bias=True)
         self.routing: Routing | None = None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Checkpoint tensors: ``weight`` split by heads over TP (its columns), ``bias`` replicated."""
+        return _sharded({"weight": self.weight, "bias": self.bias}, {"weight": 2}, self.tp_group, prefix,
+                        sharded_offsets, metadata)
 
     def forward(self, attended: torch.Tensor):
         from megatron.core.tensor_parallel import mappings as M

@@ -27,7 +27,15 @@ Choices:
 - transformers' ``gate_up_proj`` holds rows for the zero experts too (``experts.{E..E+Z-1}.gate_proj`` / ``up_proj``
   on disk, never used): expected (transformers' loading info does not list them), passed through unchanged as
   ``model.mtp.*``, and read as zeros where a checkpoint lacks them (``optional_tensors``; transformers fails there).
-- LoRA is refused by name (no adapter path through the scaled latents and sublayer names is compared with PEFT).
+- LoRA as PEFT adapts the transformers model: MLA's ``q_a_proj`` / ``q_b_proj`` / ``kv_a_proj_with_mqa`` /
+  ``kv_b_proj`` / ``o_proj`` of both sublayers as plain megatron linears (the query scale is a forward hook on
+  ``linear_q_up_proj``, so it scales the adapter's term too, as transformers scales ``q_b_proj``'s output; the KV
+  latent's scale is the norm's, before ``kv_b_proj`` and its adapter alike), the routed experts' ``down_proj``
+  (``target_parameters``, PEFT's rewrite of ``down_proj``: the MoE of HF layer ``i`` is megatron's ``2i``,
+  ``lora_param_layer``). Refused by name: ``gate_up_proj`` (transformers' stack holds the zero experts' rows and
+  PEFT's factors span them; PEFT's rewrite brings it in for ``gate_proj`` / ``up_proj`` and ``'all-linear'``), the
+  router's ``classifier`` (``lora.plan._REFUSED``: transformers reads its weight itself, so PEFT's adapter never acts).
+  PEFT's rewrite takes ``gate_proj`` / ``up_proj`` / ``down_proj`` from the modules, so ``mlps.{0,1}`` carry none.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.deepseek import MultiLatentAttention
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.fused_mappings import GatedMLP
+from loongforge_hf.bridges.longcat_flash_layers import mlp_class, moe_class, refuse_recompute, route, scale_output
 from loongforge_hf.bridges.mappings import Mapping, Replicated, RowParallel
 from loongforge_hf.bridges.moe import MoEBridge
 from loongforge_hf.bridges.paired_sublayers import SUB, sublayer
@@ -50,74 +59,6 @@ from loongforge_hf.bridges.registry import register_bridge
 
 ARCH = "LongcatFlashForCausalLM"
 _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
-
-
-def route(router, logits: torch.Tensor, training: bool, *, topk: int, scale: float):
-    """transformers' ``LongcatFlashTopkRouter``: (probabilities, map), both ``[T, E + Z]``."""
-    scores = logits.float().softmax(dim=-1)
-    chosen = torch.topk(scores + router.expert_bias, k=topk, dim=-1).indices
-    probs = torch.zeros_like(scores).scatter(1, chosen, scores.gather(1, chosen) * scale)
-    return probs, torch.zeros_like(scores, dtype=torch.bool).scatter(1, chosen, True)
-
-
-def full_map(routed: torch.Tensor, topk: int) -> torch.Tensor:
-    """The routing map ``[T, E]`` of the real experts with each token's zero-expert slots given to its first unchosen
-    real experts (at probability 0: their output counts 0 times, exactly): megatron's dispatchers count on ``topk``
-    experts a token (the permuted rows, ``tokens * topk``)."""
-    unchosen = ~routed
-    return routed | (unchosen & (unchosen.cumsum(dim=-1) <= topk - routed.sum(dim=-1, keepdim=True)))
-
-
-@functools.cache
-def _moe_class() -> type:
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    class ShortcutMoE(MoELayer):
-        """megatron's MoE layer that returns its shared expert's output (``mlps.0``) and keeps the routed and zero
-        experts' in ``box`` for the next layer's MLP."""
-
-        box = None
-
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.use_shared_expert = False  # NOTE: computed in forward, returned alone
-
-        def route(self, hidden_states, padding_mask=None):
-            probs, routing_map = super().route(hidden_states, padding_mask)
-            routed = self.config.num_moe_experts
-            self.box.zero = probs[:, routed:].sum(dim=-1)
-            return probs[:, :routed].contiguous(), full_map(routing_map[:, :routed], self.config.moe_router_topk)
-
-        def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-            routed, _ = super().forward(hidden_states, padding_mask=padding_mask)
-            zero = self.box.zero.view(*hidden_states.shape[:-1], 1)  # NOTE: fp32, as transformers' weights
-            self.box.shortcut = routed + (hidden_states * zero).to(hidden_states.dtype)
-            return self.shared_experts(hidden_states), None
-
-    return ShortcutMoE
-
-
-@functools.cache
-def _mlp_class() -> type:
-    from loongforge_hf.kernels.specs import SwiGLUMLP
-
-    class ShortcutMLP(SwiGLUMLP):
-        """The dense MLP (``mlps.1``) whose output takes the layer pair's MoE output (``box.shortcut``)."""
-
-        box = None
-
-        def forward(self, hidden_states, *args, **kwargs):
-            out, bias = super().forward(hidden_states, *args, **kwargs)
-            shortcut, self.box.shortcut = self.box.shortcut, None
-            return out + shortcut, bias
-
-    return ShortcutMLP
-
-
-def _refuse_recompute(decoder, args) -> None:
-    if decoder.training and decoder.config.recompute_granularity is not None:
-        raise ValueError(f"activation checkpointing (recompute) is not supported for {ARCH}: the MoE output passes "
-                         "from one megatron layer to the next beside megatron's layer arguments.")
 
 
 @register_bridge(ARCH)
@@ -194,13 +135,13 @@ class LongcatFlashBridge(MultiLatentAttention, MoEBridge):
         return {"moe_router_score_function": "softmax"}     # NOTE: ``route`` routes (module docstring)
 
     def moe_module(self) -> type:
-        return _moe_class()
+        return moe_class()
 
     def mlp_module(self) -> type:
-        return _mlp_class()
+        return mlp_class()
 
     def finish_model(self, model) -> None:
-        from loongforge_hf.bridges.layer_outputs import _rescale, _scaled_sublayer
+        from loongforge_hf.bridges.layer_outputs import _rescale
         from loongforge_hf.bridges.router_balance import balance_router_class
 
         super().finish_model(model)
@@ -210,9 +151,10 @@ class LongcatFlashBridge(MultiLatentAttention, MoEBridge):
             even.mlp.box = odd.mlp.box = types.SimpleNamespace(zero=None, shortcut=None)
         for layer in layers:
             attention = layer.self_attention
-            up = attention.linear_q_up_proj
-            up.__class__ = _scaled_sublayer(type(up))
-            up.output_scale = (c.hidden_size / c.q_lora_rank) ** 0.5
+            # NOTE: a hook, not a re-class: LoRA re-classes the linear (its adapter's term then scaled too, as
+            # transformers scales q_b_proj's output, PEFT's term included)
+            attention.linear_q_up_proj.register_forward_hook(
+                functools.partial(scale_output, scale=(c.hidden_size / c.q_lora_rank) ** 0.5))
             _rescale(attention.kv_layernorm, (c.hidden_size / c.kv_lora_rank) ** 0.5)
         for router in model.modules():
             if isinstance(router, balance_router_class()):
@@ -227,14 +169,25 @@ class LongcatFlashBridge(MultiLatentAttention, MoEBridge):
                                                                   device=weight.device))
                 router.route = types.MethodType(functools.partial(route, topk=c.moe_topk,
                                                                   scale=float(c.routed_scaling_factor)), router)
-        model.decoder.register_forward_pre_hook(_refuse_recompute)
+        model.decoder.register_forward_pre_hook(refuse_recompute)
 
     def checkpoint_name(self, name: str) -> str:
-        """The LoRA planner's way to the checkpoint's names: LoRA is refused by name (module docstring)."""
-        from loongforge_hf.lora.plan import LoraConfigError
+        """The LoRA planner's way to the checkpoint's names (transformers' own); ``gate_up_proj`` refused by name."""
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            from loongforge_hf.lora.plan import LoraConfigError
 
-        raise LoraConfigError(f"LoRA is not supported for {ARCH} yet, whatever the targets: its scaled latents and "
-                              "paired sublayers have no adapter path compared with PEFT.")
+            raise LoraConfigError(
+                f"LoRA on {name} is not supported for {ARCH}: transformers' stack holds the zero experts' rows too "
+                f"([n_routed_experts + zero_expert_num, 2 * expert_ffn_hidden_size, hidden_size]) and PEFT's factors "
+                "span them (PEFT's rewrite adds it for 'gate_proj' / 'up_proj' and 'all-linear'); name the attention "
+                "projections (target_modules=['q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj']) "
+                "and the routed experts' down projection (target_parameters=['mlp.experts.down_proj']).")
+        return name
+
+    @staticmethod
+    def lora_param_layer(hf_layer: int) -> int:
+        """The megatron layer of HF layer ``hf_layer``'s MoE (its first sublayer): LoRA's parameter targets."""
+        return 2 * hf_layer
 
     @property
     def optional_tensors(self) -> tuple[tuple[str, float], ...]:

@@ -7,7 +7,8 @@ Choices:
   mapping class re-classed (``Sublayer<Class>``) so that the layer index it gets is megatron's: its HF names take
   ``{sub}`` = ``layer % 2`` (``self_attn.{sub}.*``, ``mlps.{sub}.*``) and its own methods run with ``layer // 2``.
   Same class underneath, so the loader's and exporter's checks (``Expert``, ``streams_export``) see what they know;
-  an expert's inner mapping is re-classed (``bind`` keeps the class through ``dataclasses.replace``).
+  an expert's inner mapping is re-classed (``bind`` keeps the class through ``dataclasses.replace``). The class
+  says which it stands for (``plain_class``): the LoRA planner takes a linear's kind from it.
 - ``export_parts`` (streamed export) only where the base class streams, as ``mappings.streams_export`` judges.
 """
 
@@ -54,6 +55,7 @@ def _sublayer_class(base: type) -> type:
         return m.export_parts(shard, rank, ctx, hf_layer)
 
     attrs = {n: call(n) for n in ("hf_names", "load", "export", "hf_block", "hf_block_rows")}
+    attrs["plain_class"] = base  # NOTE: what the LoRA planner looks a linear's kind up by (lora.plan._LINEAR_KINDS)
     owner = next(c for c in base.__mro__ if "export_parts" in c.__dict__)
     if owner is not Mapping and owner is next(c for c in base.__mro__ if "export" in c.__dict__):
         attrs["export_parts"] = export_parts  # NOTE: streams where the base streams (mappings.streams_export)

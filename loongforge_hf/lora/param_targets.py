@@ -43,6 +43,8 @@ Choices:
   ``"all-linear"`` adapts the attention, the dense MLP (megatron's shared experts) and would take the router's
   ``router.proj`` (an ``nn.Linear``), which is refused (its gating's input transform is not the plain router's):
   ``exclude_modules=["router.proj"]``.
+- LongCat-Flash (its HF layer ``i`` two megatron layers, the MoE in ``2i``: ``bridge.lora_param_layer``): the routed
+  experts' ``down_proj`` as Qwen3-MoE's; its ``gate_up_proj`` (rows of the zero experts too) is refused by its bridge.
 - Refused, naming the way out: ``lora_dropout`` != 0 with parameter targets (PEFT refuses it too), experts under
   megatron's ``SequentialMLP`` (``LOONGFORGE_MOE_GROUPED_GEMM=0``), any other parameter.
 """
@@ -91,6 +93,8 @@ def plan_param_targets(config, skeleton, bridge, on_disk=lambda name: name) -> l
     if not names:
         return []
     pattern = param_pattern(bridge)
+    # NOTE: a bridge whose HF layer holds several megatron layers says which one holds the MoE (LongCat-Flash's 2i)
+    to_layer = getattr(bridge, "lora_param_layer", lambda hf_layer: hf_layer)
     found: list[tuple[str, str, str, tuple[int, ...]]] = []   # (module, parameter, key, [E,] out, in)
     refused = []
     for module_name, module in skeleton.named_modules():
@@ -99,7 +103,7 @@ def plan_param_targets(config, skeleton, bridge, on_disk=lambda name: name) -> l
             if not _matches(key, names):
                 continue
             m = pattern.match(on_disk(key))
-            if m is None or not bridge.is_moe_layer(int(m.group(1))):
+            if m is None or not bridge.is_moe_layer(to_layer(int(m.group(1)))):
                 refused.append(key)
             elif param.dim() == 3 and getattr(module, "is_transposed", False):  # NOTE: gpt-oss: [E, in, out]
                 found.append((module_name, pname, key, (param.shape[0], param.shape[2], param.shape[1])))
@@ -124,7 +128,7 @@ def plan_param_targets(config, skeleton, bridge, on_disk=lambda name: name) -> l
     targets = []
     swapped = bool(getattr(bridge, "hf_experts_in_out", False))  # NOTE: Llama 4 (module docstring)
     for module_name, pname, key, shape in found:
-        layer = int(pattern.match(on_disk(key)).group(1))
+        layer = to_layer(int(pattern.match(on_disk(key)).group(1)))
         wrapped_after = len(per_module[module_name]) - 1 - per_module[module_name].index(pname)
         r, alpha = rank_and_alpha(config, key)
         common = dict(hf_module=module_name + ".base_layer" * wrapped_after, layer=layer, slot=0, r=r,

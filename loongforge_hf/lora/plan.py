@@ -15,13 +15,18 @@ Choices:
   whose gates are a tensor of their own, nor ``'all-linear'`` without ``exclude_modules`` for those). Linears an
   architecture refuses by name say why (``_REFUSED``: A.X-K2's gated ``q_gate_proj`` / ``o_proj``, which its bridge
   re-classes after the build, so no megatron linear LoRA's layers take; DiffLlama's ``q_proj`` / ``k_proj`` /
-  ``v_proj``, held by halves of the heads).
+  ``v_proj``, held by halves of the heads; JetMoE's routers ``router.layer``; LongCat-Flash's router ``classifier``,
+  whose weight transformers reads itself, so PEFT's adapter there never acts; Zamba / Zamba2's shared blocks'
+  linears, one megatron linear for the uses PEFT adapts one by one). LongCat-Flash's sublayer mappings
+  (``paired_sublayers``) are looked up by the class they stand for (``plain_class``).
 - HF linears sharing one megatron linear in slots of unequal rows are each a target with its own adapter, B's rows
   moved to megatron's order by the mapping (``rows_to_megatron(part=Target.slot)``) and sliced per TP rank by its
   ``rank_rows`` (``model._layout_and_slices``): the Gated DeltaNet ``in_proj`` of Qwen3.5 / Qwen3.5-MoE
-  (``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``: ``HeadSections``), of OLMo Hybrid (``q`` / ``k`` /
-  ``v`` / ``g`` / ``b`` / ``a_proj``) and of Qwen3-Next (``in_proj_qkvz`` / ``in_proj_ba`` per key head:
-  ``KeyHeadGroups``); Qwen3.5's gated ``q_proj`` (``GatedQKV``: per KV group the heads' queries, then their gates)
+  (``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``: ``HeadSections``; LaraMini's too, one fused
+  ``in_proj`` on disk: its bridge's ``lora_mappings_for_layer`` gives the planner Qwen3.5's split mapping of the same
+  megatron rows, so PEFT's names are the adapter's and the merged export writes the fused tensor), of OLMo Hybrid
+  (``q`` / ``k`` / ``v`` / ``g`` / ``b`` / ``a_proj``) and of Qwen3-Next (``in_proj_qkvz`` / ``in_proj_ba`` per key
+  head: ``KeyHeadGroups``); Qwen3.5's gated ``q_proj`` (``GatedQKV``: per KV group the heads' queries, then their gates)
   beside ``k_proj`` / ``v_proj``. So ``"all-linear"`` takes them all. DoRA and PiSSA / OLoRA on them are refused by
   name (``_check_unequal_slots``: not tested against PEFT there). Gemma 4's ``q_proj`` / ``k_proj`` / ``v_proj``
   (``PerTypeQKV``) are plain ``QKV`` slots with each layer type's head size and KV heads; its full layers with values
@@ -102,6 +107,21 @@ _REFUSED = {
                     "linear here",
         "o_proj": "A.X-K2's gated output projection (its input times the sigmoid of q_gate_proj's gate rows first) "
                   "is no plain linear here"},
+    **dict.fromkeys(("ZambaForCausalLM", "Zamba2ForCausalLM"), {
+        **dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj"),
+                        "a shared transformer block's linear: transformers keeps a tied copy of the block in each "
+                        "hybrid layer, so PEFT gives each use its own adapter, where megatron runs one linear for "
+                        "all the uses"),
+        "linear": "the hybrid layer's linear is a plain replicated torch linear here, not a megatron linear",
+        **dict.fromkeys(("0", "1"), "the per-use adapters' linears (the shared blocks' adapter lists) are no "
+                                    "megatron linears here")}),
+    "JetMoeForCausalLM": {
+        "layer": "JetMoE's routers (router.layer of the attention experts and of the MoE) are no megatron linears "
+                 "here: the attention router is a raw parameter of the mixture of attention heads, the MoE's "
+                 "megatron's router, and no adapter path on them is compared with PEFT"},
+    "LongcatFlashForCausalLM": {
+        "classifier": "transformers' LongCat-Flash router reads classifier.weight itself (F.linear on its fp32 copy), "
+                      "so PEFT's adapter on the module never reaches the routing"},
     "DiffLlamaForCausalLM": dict.fromkeys(
         ("q_proj", "k_proj", "v_proj"), "megatron's fused linear_qkv holds DiffLlama's heads by halves (HalvesQKV), "
                                         "which LoRA's row slicing does not follow"),
@@ -243,8 +263,10 @@ def _hf_tensor_index(bridge) -> dict[str, tuple[Mapping, int | None, int]]:
     from loongforge_hf.bridges.loader import first_stage_mappings
 
     index: dict[str, tuple[Mapping, int | None, int]] = {}
+    # NOTE: a bridge whose checkpoint fuses linears transformers' tree splits gives the split mappings (LaraMini)
+    layer_mappings = getattr(bridge, "lora_mappings_for_layer", bridge.mappings_for_layer)
     for layer in range(bridge.hf_config.num_hidden_layers):
-        for m in bridge.mappings_for_layer(layer):
+        for m in layer_mappings(layer):
             if isinstance(m, Expert):  # routed experts: 3-D parameters in transformers, never a LoRA module target
                 continue
             for i, n in enumerate(m.hf_names(layer)):
@@ -354,7 +376,9 @@ def _adaptable(name: str, module, index, on_disk) -> tuple[Mapping, int | None, 
     entry = index.get(on_disk(f"{name}.weight")) if isinstance(module, (nn.Linear, Conv1D)) else None
     if entry is None:
         return None
-    kind = "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(type(_unwrapped(entry[0])))
+    plain = type(_unwrapped(entry[0]))
+    # NOTE: a mapping re-classed for LongCat-Flash's sublayer names stands for its plain class (paired_sublayers)
+    kind = "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(getattr(plain, "plain_class", plain))
     if isinstance(entry[0], GatedQKV) and entry[0].gate is not None:  # NOTE: AFMoE's gates beside q_proj
         kind = None
     if isinstance(entry[0], PerTypeQKV) and entry[0].v_head_dim is not None:  # NOTE: MiMo-V2-Flash's narrower v

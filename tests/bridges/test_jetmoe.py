@@ -4,8 +4,10 @@ TP2 + SP x EP2 (each rank two whole MoE experts) and CP2, each with two rows of 
 (logits at the real tokens, loss), and a row packing documents of 7, 20 and 11 tokens against each document alone; at
 TP1 the ``output_router_logits`` keyword refused; at TP2 + SP greedy and 2-beam cached generate of a left-padded batch
 (transformers' tokens); at TP2 + SP x EP2 and CP2 every parameter's gradient (exported through the bridge, against
-transformers', relative to each tensor's largest); a bit-exact export round trip from TP2 + SP x EP2. The refused
-fields and layouts are checked on the bridge alone (pure, before any collective)."""
+transformers', relative to each tensor's largest); a bit-exact export round trip from TP2 + SP x EP2; LoRA on
+``kv_proj`` against PEFT at TP1 and TP2 + SP (logits, loss, every adapter's gradient, the adapter folder in PEFT) and
+the attention's checkpoint shards with it at TP2 + SP. The refused fields, layouts and LoRA targets are checked on the
+bridge alone (pure, before any collective)."""
 
 import pytest
 import torch
@@ -14,6 +16,9 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 TOL = 1e-4
+# LoRA as PEFT adapts it: the shared key / value projection (init_lora_weights=False keeps B random)
+LORA_KW = dict(r=4, lora_alpha=8, target_modules=["kv_proj"], init_lora_weights=False)
+LORA_LAYOUTS = {"tp1": {}, "tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True)}
 LAYOUTS = {"tp1": {}, "tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True),
            "tp2_sp_ep2": dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2,
                               expert_tensor_parallel_size=1),
@@ -58,17 +63,30 @@ def _router_outputs_refusal(ours) -> str | None:
     return None
 
 
+def _attention_shards(model) -> dict:
+    """{layer 0's attention tensor: (global shape, this rank's offset)} of megatron's checkpoint shards."""
+    from megatron.core import parallel_state as ps
+
+    sharded = model.chunks[0].sharded_state_dict(metadata={
+        "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
+    prefix = "decoder.layers.0.self_attention."
+    return {k.removeprefix(prefix): (tuple(v.global_shape), tuple(v.global_offset)) for k, v in sharded.items()
+            if k.startswith(prefix) and getattr(v, "data", None) is not None}
+
+
 def _two_ranks(folder: str) -> dict:
     import transformers
 
     import loongforge_hf as lf
     from loongforge_hf.testing.round_trip import check_round_trip
 
+    from ._lora_parity import lora_against_peft
     from .test_granitemoehybrid import _gradients
     from .test_qwen3_5 import packed_against_alone
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    out = {}
+    out = {f"lora_{name}": lora_against_peft(folder, f"{folder}-lora-{name}", layout, LORA_KW, _attention_shards)
+           for name, layout in LORA_LAYOUTS.items()}
     for name, layout in LAYOUTS.items():
         ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
         out[name] = {**_padded(ours, ref), "packed": max(packed_against_alone(ours, ref))}
@@ -119,6 +137,49 @@ def test_router_outputs_by_keyword_refused(two_ranks):
     for res in two_ranks:
         assert res["router_refusal"] and "output_router_logits=True is not supported for JetMoeForCausalLM" in \
             res["router_refusal"], res["router_refusal"]
+
+
+@pytest.mark.parametrize("layout", LORA_LAYOUTS)
+def test_lora_matches_peft(two_ranks, layout):
+    """LoRA on ``kv_proj`` (megatron's column-parallel ``linear_qkv.kv``: B's rows in its per-rank ``[k; v]`` order)
+    against PEFT on transformers' model: logits, loss, every adapter's gradient (relative to its largest) and our
+    adapter folder loaded by PEFT, within 1e-4."""
+    for res in two_ranks:
+        r = res[f"lora_{layout}"]
+        assert r["targets"] == ["kv_proj"] and r["graded"] == 2 * 4, r
+        assert max(r["logits"], r["loss"], r["grads"]) < TOL, r
+    assert two_ranks[0][f"lora_{layout}"]["adapter_logits"] < TOL, two_ranks[0][f"lora_{layout}"]
+
+
+def test_lora_checkpoint_shards_tp2_sp(two_ranks):
+    """megatron's checkpoint shards of the mixture of attention heads with LoRA on ``kv_proj`` at TP2 + SP: the query
+    and output stacks and ``kv_proj`` (and its adapter's B) split by heads as each rank holds them, the router, the
+    output bias and A whole."""
+    for rank, res in enumerate(two_ranks):
+        assert res["lora_tp2_sp"]["inspected"] == {
+            "linear_qkv.router": ((4, 64), (0, 0)), "linear_qkv.query": ((4, 32, 64), (0, 16 * rank, 0)),
+            "linear_qkv.kv.weight": ((64, 64), (32 * rank, 0)), "linear_qkv.kv.lora.kv_proj.A": ((4, 64), (0, 0)),
+            "linear_qkv.kv.lora.kv_proj.B": ((64, 4), (32 * rank, 0)),
+            "linear_proj.weight": ((4, 64, 32), (0, 0, 16 * rank)), "linear_proj.bias": ((64,), (0,))}, res
+
+
+@pytest.mark.parametrize("lora_kw,named", [
+    (dict(target_modules="all-linear"), "layer: JetMoE's routers (router.layer of the attention experts and of"),
+    (dict(target_modules=["kv_proj", "layer"]), "layer: JetMoE's routers"),
+    (dict(target_parameters=["mlp.input_linear.weight"]), "['mlp.input_linear.weight'] on JetMoeForCausalLM match")])
+def test_lora_refused_by_name(lora_kw, named):
+    """The routers (``router.layer``, PEFT's linears; 'all-linear' takes them) and the expert stacks (PEFT's
+    ``target_parameters``), by the pure planner; 'all-linear' without the routers plans ``kv_proj`` alone."""
+    import re
+
+    import peft
+
+    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+
+    with pytest.raises(LoraConfigError, match=re.escape(named)):
+        plan_lora(_bridge(), peft.LoraConfig(r=4, **lora_kw))
+    plan = plan_lora(_bridge(), peft.LoraConfig(r=4, target_modules="all-linear", exclude_modules=["layer"]))
+    assert {t.hf_module.rsplit(".", 1)[-1] for t in plan.targets} == {"kv_proj"} and len(plan.targets) == 4
 
 
 def test_cached_generate_tp2_sp(two_ranks):

@@ -5,8 +5,10 @@ with two rows of 40 tokens, the second left-padded by 5 (logits at the real toke
 generate of a left-padded batch (transformers' tokens) and every parameter's gradient (exported through the bridge,
 against transformers', relative to each tensor's largest); a bit-exact export round trip from EP2 (the zero experts'
 unused rows passed through); a bf16 checkpoint at TP1 (logits, loss against transformers in bf16, round trip).
-Refused fields and layouts, the sublayer names, the routing and the filled routing map are checked on the bridge
-alone (pure, before any collective)."""
+LoRA against PEFT at TP1, TP2 + SP (experts whole) and EP2: MLA's projections of both sublayers and the routed experts'
+``down_proj`` (logits, loss, every adapter's gradient, the adapter folder in PEFT). Refused fields and layouts, LoRA
+targets, the sublayer names, the routing and the filled routing map are checked on the bridge alone (pure, before any
+collective)."""
 
 import re
 
@@ -17,6 +19,12 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 TOL = 1e-4
+# LoRA as PEFT adapts it: MLA's projections of both sublayers and the routed experts' down_proj (init_lora_weights=False
+# keeps B random, so every adapter moves the logits)
+LORA_KW = dict(r=4, lora_alpha=8, target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+               target_parameters=["mlp.experts.down_proj"], init_lora_weights=False)
+LORA_LAYOUTS = {"tp1": {}, "tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True,
+                                          expert_tensor_parallel_size=1), "ep2": dict(expert_parallel_size=2)}
 BF16_TOL = {"logits": 0.1, "loss": 0.02}  # NOTE: test_moe_parity's for bf16 checkpoints
 LAYOUTS = {"tp1": {}, "tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True),
            "ep2": dict(expert_parallel_size=2)}
@@ -95,10 +103,12 @@ def _two_ranks(folder: str, bf16_folder: str) -> dict:
     import loongforge_hf as lf
     from loongforge_hf.testing.round_trip import check_round_trip
 
+    from ._lora_parity import lora_against_peft
     from .test_jetmoe import _cached_generate, _padded
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    out = {}
+    out = {f"lora_{name}": lora_against_peft(folder, f"{folder}-lora-{name}", layout, LORA_KW)
+           for name, layout in LORA_LAYOUTS.items()}
     for name, layout in LAYOUTS.items():
         ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
         out[name] = {**_padded(ours, ref), "router_logits": _router_diff(ours, ref)}
@@ -203,11 +213,35 @@ def test_sublayers_config_and_names():
         "model.layers.0.mlp.experts.4.up_proj.weight", "model.mtp.norm.weight"]
 
 
-def test_lora_refused_by_name():
-    from loongforge_hf.lora.plan import LoraConfigError
+@pytest.mark.parametrize("layout", LORA_LAYOUTS)
+def test_lora_matches_peft(two_ranks, layout):
+    """LoRA on both sublayers' MLA projections (the query scale applied to ``q_b_proj``'s adapter term too, the KV
+    latent's to ``kv_b_proj``'s input) and the routed experts' ``down_proj`` against PEFT on transformers' model:
+    logits, loss, every adapter's gradient (relative to its largest) and our adapter folder loaded by PEFT, within
+    1e-4."""
+    for res in two_ranks:
+        r = res[f"lora_{layout}"]
+        assert r["targets"] == ["experts", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"], r
+        assert r["graded"] == 2 * (5 * 4 + 2) and max(r["logits"], r["loss"], r["grads"]) < TOL, r
+    assert two_ranks[0][f"lora_{layout}"]["adapter_logits"] < TOL, two_ranks[0][f"lora_{layout}"]
 
-    with pytest.raises(LoraConfigError, match="LoRA is not supported for LongcatFlashForCausalLM"):
-        _bridge().checkpoint_name("decoder.layers.0.self_attention.linear_proj.weight")
+
+@pytest.mark.parametrize("lora_kw,named", [
+    (dict(target_modules=["gate_proj", "up_proj"]), "model.layers.0.mlp.experts.gate_up_proj is not supported"),
+    (dict(target_modules="all-linear"), "model.layers.0.mlp.experts.gate_up_proj is not supported"),
+    (dict(target_modules=["q_b_proj", "classifier"]), "classifier: transformers' LongCat-Flash router reads")])
+def test_lora_refused_by_name(lora_kw, named):
+    """The zero experts' rows in transformers' ``gate_up_proj`` (PEFT's factors span them; PEFT's rewrite brings it
+    in for ``gate_proj`` / ``up_proj`` and 'all-linear') and the router's ``classifier`` (whose weight transformers
+    reads itself: PEFT's adapter there never acts), by the pure planner."""
+    import peft
+
+    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+
+    with pytest.raises(LoraConfigError, match=re.escape(named)):
+        plan_lora(_bridge(), peft.LoraConfig(r=4, **lora_kw))
+    plan = plan_lora(_bridge(), peft.LoraConfig(r=4, **{k: v for k, v in LORA_KW.items() if k != "r"}))
+    assert [(t.layer, t.kind) for t in plan.targets if t.kind == "experts"] == [(0, "experts"), (2, "experts")]
 
 
 def test_route_and_filled_map():
@@ -217,7 +251,7 @@ def test_route_and_filled_map():
 
     import transformers
 
-    from loongforge_hf.bridges.longcat_flash import full_map, route
+    from loongforge_hf.bridges.longcat_flash_layers import full_map, route
     from loongforge_hf.testing.tiny_models import _config
 
     hf = transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashTopkRouter(_config("longcat_flash"))
