@@ -18,8 +18,10 @@ Choices:
   and its gated norm ``linear_attn.out_norm``, as the hub's checkpoints and transformers' ``save_pretrained`` hold
   them (its ``conversion_mapping`` splits and renames them in memory).
 - Context parallelism, the dynamic cache and generate as Qwen3.5's (the window and NoPE layers through megatron's
-  attention as Flint's). LoRA: the in-projections (``in_proj_qkv`` / ``z`` / ``b`` / ``a`` in transformers' tree,
-  one fused ``in_proj`` on disk) are refused by name by the planner; the other linears are adapted.
+  attention as Flint's). LoRA on every linear, the in-projections included: transformers' tree (PEFT's names) has
+  ``in_proj_qkv`` / ``z`` / ``b`` / ``a``, which ``lora_mappings_for_layer`` gives the planner as Qwen3.5's split
+  ``HeadSections`` over the same megatron rows (rank by rank ``[q | k | v | z | b | a]`` blocks, as the fused one
+  loads them), so each has its own adapter under PEFT's name and the merged export writes the fused ``in_proj``.
 - Refused (pure checks naming the field): layer kinds other than the three, ``sliding_attention`` layers without a
   window, ``norm_topk_prob=False``, and Qwen3.5's refusals (linear heads that do not split over TP,
   ``attention_bias``, ``hidden_act``, the static cache).
@@ -93,6 +95,11 @@ class LaraMiniBridge(Qwen3_5MoeBridge):
             HeadSections(f"{S}.in_proj.weight", ((f"{A}.in_proj.weight", (kd, kd, vd, vd, nv, nv)),)),
             Replicated(f"{S}.norm_weight", f"{A}.out_norm.weight"))}
         return [fused.get(m.megatron, m) for m in super().linear_attention_mappings()]
+
+    def lora_mappings_for_layer(self, layer: int) -> list[Mapping]:
+        """The layer's mappings as LoRA's planner sees transformers' tree: the in-projections split (Qwen3.5's)."""
+        split = {m.megatron: m for m in Qwen3_5Bridge.linear_attention_mappings(self)}
+        return [split[m.megatron] if m.megatron == f"{S}.in_proj.weight" else m for m in self.mappings_for_layer(layer)]
 
     def linear_attention_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         kd, vd, nv = self._linear_sizes()

@@ -15,8 +15,9 @@ Choices:
   heads; under sequence parallelism it all-gathers the tokens itself, a second gather beside ``linear_qkv``'s) hands
   megatron's ``attention_output_gate`` path one gate per head (``_apply_output_gate``: the sigmoid in the
   activations' dtype, then the product, as transformers rounds them); ``linear_qkv`` stays ungated (the module's own
-  config copy turns the gate on, the shared one keeps it off). LoRA's planner refuses ``g_proj`` (no LoRA slot on
-  ``linear_gate``) and adapts the other linears.
+  config copy turns the gate on, the shared one keeps it off). LoRA: ``g_proj`` as any column-parallel linear
+  (LoRA's layers re-class ``linear_gate`` as megatron's; ``checkpoint_name`` gives the planner the hub's
+  ``gate_proj`` for transformers' ``g_proj``, PEFT's name staying the adapter's), beside the other linears.
 - Sandwich norms (``use_sandwich_norm``): ``post_operator_norm`` on the conv's and the attention's output,
   ``post_ffn_norm`` on the MLP's (``layer_outputs``' post norms, the conv mixer's ``post_norm``), before megatron's
   residual adds; ``operator_norm`` / ``ffn_norm`` before, ``embedding_norm`` last, as LFM2's.
@@ -180,6 +181,10 @@ class Lfm3Bridge(Lfm2Layers, DenseBridge):
         if self.gated:
             shapes[f"{p}.gate_proj.weight"] = (n, h)
         return shapes
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of tensor ``name`` of transformers' module tree (LoRA's planner)."""
+        return name.replace(".self_attn.g_proj.", ".self_attn.gate_proj.")
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         shapes, prefix, h = super().layer_shapes(layer), f"model.layers.{layer}", self.hf_config.hidden_size

@@ -152,3 +152,20 @@ def test_refusals_and_shapes(folders):
         "model.layers.0.post_operator_norm.weight" in shapes and "model.layers.3.post_ffn_norm.weight" in shapes
     plain = get_bridge(_config(folders["plain"])).expected_hf_shapes()
     assert not [n for n in plain if "gate_proj" in n or ".post_" in n], sorted(plain)
+
+
+def test_lora_output_gate_target(folders):
+    """Pure: transformers' (PEFT's) ``g_proj`` is a column-parallel target on our ``linear_gate`` (one row per head),
+    its slot under the hub's name ``gate_proj`` (the weight's on disk); its values against PEFT, the adapter folder
+    and the merged export run in tests/integrations/test_lora_new_bridges.py."""
+    import peft
+
+    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.lora.plan import plan_lora
+
+    plan = plan_lora(get_bridge(_config(folders["lfm3"])), peft.LoraConfig(r=2, target_modules=["g_proj"]))
+    assert [(t.hf_module, t.layer) for t in plan.targets] == [
+        (f"model.layers.{i}.self_attn.g_proj", i) for i in (1, 3, 4)]
+    t = plan.targets[0]
+    assert (t.kind, t.name, t.megatron_module, t.in_features, t.out_features) == (
+        "column", "gate_proj", "decoder.layers.{layer}.self_attention.linear_gate", 64, 4), t

@@ -5,9 +5,10 @@ routed experts and router through PEFT's rewrite on transformers 5), Granite SWA
 BitNet, DiffLlama, OPT, BioGPT, XGLM, GPT-Neo, CodeGen, Persimmon, GPT-NeoX-Japanese, A.X-K1 (MLA + DeepSeek-V3's
 routing), Mamba, Falcon-Mamba and Mamba2 (the mixers' ``in_proj``), RecurrentGemma (the recurrent blocks'
 ``linear_x`` / ``linear_y`` / ``linear_out``), Kolibri-1 and Aria's text model (attention, shared
-experts), LFM3 (attention, the short convs' ``in_proj`` / ``out_proj``, MLP), Laguna (``q_proj`` / ``k_proj`` /
-``v_proj`` / ``g_proj`` with each layer's heads, ``o_proj``, the dense MLP), Doge (attention and MLP around the
-dynamic mask; not ``dt_proj``), Gemma 3n (attention and MLP; not AltUp's,
+experts), LFM3 (attention with its output gate's ``g_proj``, the short convs' ``in_proj`` / ``out_proj``, MLP),
+LaraMini (attention, the Gated DeltaNet's split in-projections over its fused ``in_proj``, the shared expert),
+Laguna (``q_proj`` / ``k_proj`` / ``v_proj`` / ``g_proj`` with each layer's heads, ``o_proj``, the dense MLP),
+Doge (attention and MLP around the dynamic mask; not ``dt_proj``), Gemma 3n (attention and MLP; not AltUp's,
 LAuReL's or the per-layer inputs' linears).
 
 Choices:
@@ -22,7 +23,8 @@ Choices:
   gradient at HF shape (1e-4 relative to each tensor's largest, as ``_lora_hybrids``) and the expert / router
   adapters' of each MoE layer (``_lora_moe._check_expert_grads``, 1e-5), PEFT's trainable counts, the adapter folder's
   tensor names and shapes equal to the folder PEFT writes for its model, that folder loaded by
-  ``PeftModel.from_pretrained`` and the merged export by transformers with our logits (1e-4).
+  ``PeftModel.from_pretrained`` and the merged export by transformers with our logits (1e-4); LaraMini's and
+  LFM3's merged export under the checkpoint's own tensor names (the fused ``in_proj``, ``gate_proj``).
 - The same at TP2 + SP in one 2-rank world (MiniMax with its experts whole on each rank: ``TP2_LAYOUTS``): B's rows
   gathered over TP and put back in the checkpoint's order (``Target.b_to_hf``) before the comparison. No pipeline
   stages, so megatron's layer numbers are the global ones.
@@ -61,9 +63,9 @@ ADAPTERS = {
     # NOTE: Gemma 4 Unified's and Cohere Compass's language models (Gemma 4's per-type heads and keys as values;
     # Cohere2's attention and MLP side by side)
     "gemma4_unified": ALL_LINEAR, "cohere_compass": ALL_LINEAR,
-    # NOTE: LFM3's attention (q / k / v / o_proj), conv in_proj / out_proj and MLP; the planner refuses its output
-    # gate's g_proj (our own column-parallel linear, no LoRA slot), which PEFT adapts
-    "lfm3": dict(ALL_LINEAR, exclude_modules=["g_proj"]),
+    # NOTE: LFM3's attention (q / k / v / o_proj and the output gate's g_proj, gate_proj on disk), conv in_proj /
+    # out_proj and MLP
+    "lfm3": ALL_LINEAR,
     # NOTE: RecurrentGemma's recurrent blocks' linear_x / linear_y (in_proj's sections) / linear_out, the local
     # attention's q_proj / o_proj, the MLP; not k_proj / v_proj: the one KV head is replicated at TP2, where the planner
     # refuses adapters on its rows
@@ -73,9 +75,9 @@ ADAPTERS = {
     # NOTE: Gemma 3n's attention (q / k / v; q alone in the layers reusing keys and values) and MLP; not AltUp's,
     # LAuReL's or the per-layer inputs' linears (replicated: no LoRA slot), which PEFT adapts
     "gemma3n": dict(ALL_LINEAR, exclude_modules=r".*(altup|laurel|per_layer).*"),
-    # NOTE: LaraMini's attention, Gated DeltaNet out_proj and shared expert; not in_proj_qkv / z / b / a (one fused
-    # in_proj on disk: the planner refuses them by name), which PEFT adapts
-    "lara_mini": dict(ALL_LINEAR, exclude_modules=["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]),
+    # NOTE: LaraMini's attention, shared expert and Gated DeltaNet in_proj_qkv / z / b / a (one fused in_proj on
+    # disk, the merged export's) and out_proj
+    "lara_mini": ALL_LINEAR,
 }
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 # model -> its two-rank layout: TP2 + SP (MiniMax's routed experts' adapters whole on each rank: refused otherwise)
@@ -104,6 +106,19 @@ def _folder_tensors(folder: str) -> dict[str, tuple]:
     from safetensors.torch import load_file
 
     return {k: tuple(v.shape) for k, v in load_file(f"{folder}/adapter_model.safetensors").items()}
+
+
+def _checkpoint_names(folder: str) -> list[str]:
+    """The tensor names of every safetensors file in ``folder``."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    names = []
+    for path in Path(folder).glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            names += list(f.keys())
+    return sorted(names)
 
 
 def new_bridge_checks(folder: str, out_dir: str, layout: dict, lora_kw: dict) -> dict:
@@ -138,6 +153,7 @@ def new_bridge_checks(folder: str, out_dir: str, layout: dict, lora_kw: dict) ->
     if dist.get_rank() == 0:
         ref.save_pretrained(out_dir + "/peft")
         out["folder"] = [_folder_tensors(out_dir + "/adapter"), _folder_tensors(out_dir + "/peft")]
+        out["merged_names"] = [_checkpoint_names(out_dir + "/merged"), _checkpoint_names(folder)]
     return out
 
 
@@ -174,3 +190,13 @@ def test_tp1_matches_peft(results, arch):
 @pytest.mark.parametrize("arch", list(TP2_LAYOUTS))
 def test_tp2_sp_matches_peft(results, arch):
     _check([r[arch] for r in results["tp2_sp"]])
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2_sp"])
+@pytest.mark.parametrize("arch, fused", [("lara_mini", ".linear_attn.in_proj.weight"),
+                                         ("lfm3", ".self_attn.gate_proj.weight")])
+def test_merged_export_keeps_checkpoint_names(results, arch, fused, layout):
+    """The merged export of adapters on transformers' split / renamed linears (LaraMini's in_proj_qkv / z / b / a,
+    LFM3's g_proj) holds the checkpoint's tensors under their names on disk: one fused in_proj, gate_proj."""
+    merged, original = results[layout][0][arch]["merged_names"]
+    assert merged == original and any(n.endswith(fused) for n in merged), sorted(set(merged) ^ set(original))
