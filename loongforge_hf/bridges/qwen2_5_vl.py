@@ -285,6 +285,7 @@ def image_text_architectures() -> list[str]:
     from . import llama4_vl  # noqa: F401
     from . import glm4v  # noqa: F401
     from . import aya_vision, gemma4_vl, paligemma  # noqa: F401
+    from . import aria_vl  # noqa: F401
 
     return sorted(VL_BRIDGES)
 

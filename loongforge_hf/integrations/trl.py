@@ -123,10 +123,10 @@ def _vision_pad_multiple(parallel, args: SFTConfig) -> int:
 
 # NOTE: what a model's forward takes of TRL's batch in evaluation (its masks are the collator's own); images and
 # videos too, for an image-text model (Idefics3's pixel mask, Gemma 3's token types, LLaVA-OneVision's images per
-# sample)
+# sample, Aria's tile masks)
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels", "pixel_values", "image_grid_thw",
                 "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids", "image_sizes",
-                "pixel_attention_mask", "token_type_ids", "batch_num_images")
+                "pixel_attention_mask", "token_type_ids", "batch_num_images", "pixel_mask")
 
 
 class LoongSFTTrainer(LoongTrainer, SFTTrainer):

@@ -126,6 +126,9 @@ def vision_problems(model, train_dataset, processing_class) -> list[str]:
     if images and processing_class is not None and not processor:
         problems.append(f"an image dataset with processing_class of type {type(processing_class).__name__} (pass "
                         "the model's processor)")
+    if tower is not None and getattr(model.bridge, "takes_pixel_mask", False):
+        problems.append(f"{model.bridge.architectures[0]} (its processor's pixel_mask, which marks each tile's "
+                        "picture, is not sliced per row by the online trainers: vision_rows)")
     return problems
 
 

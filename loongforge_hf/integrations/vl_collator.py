@@ -36,6 +36,9 @@ Choices:
   ``Idefics3Processor``): each sample's tiles ``[1, n, C, H, W]`` and ``pixel_attention_mask [1, n, H, W]`` are
   joined into one ``[1, sum n, ...]`` (transformers' forward drops all-zero padding tiles wherever they sit and
   takes the rest in order); only ``<image>`` tokens are image tokens.
+- Aria (``mrope=False`` too; ``from_processor`` sets it for an ``AriaProcessor``): tiles ``[n, C, H, W]`` as
+  InternVL's, each sample's ``pixel_mask [n, H, W]`` (its pictures' pixels in the padded tiles) concatenated with
+  them; ``num_crops`` is not a model input and is dropped.
 - LLaVA-OneVision (``mrope=False`` too; ``from_processor`` sets it, and ``video_token_id``, for a
   ``LlavaOnevisionProcessor``): images as LLaVA-NeXT's, and each sample's ``batch_num_images`` (its image count; one
   sample with more than one image takes base crops only) concatenated over the samples with images, as the
@@ -135,9 +138,9 @@ class DataCollatorForImageText:
     @classmethod
     def from_processor(cls, processor, config=None, **kwargs) -> "DataCollatorForImageText":
         """From a Qwen2.5-VL, Qwen3-VL, GLM-4.1V / GLM-4.5V, Gemma 3, Mistral 3 (Pixtral), InternVL, LLaVA (-NeXT,
-        -NeXT-Video, -OneVision), SmolVLM or Idefics3 processor; ``config`` (the model's) supplies
+        -NeXT-Video, -OneVision), SmolVLM, Idefics3 or Aria processor; ``config`` (the model's) supplies
         ``tokens_per_second`` for videos."""
-        from transformers import (Gemma3Processor, Glm4vProcessor, Idefics3Processor, InternVLProcessor,
+        from transformers import (AriaProcessor, Gemma3Processor, Glm4vProcessor, Idefics3Processor, InternVLProcessor,
                                   LlavaNextProcessor, LlavaNextVideoProcessor, LlavaOnevisionProcessor, LlavaProcessor,
                                   Qwen3VLProcessor, SmolVLMProcessor)
 
@@ -149,9 +152,9 @@ class DataCollatorForImageText:
         # NOTE: by name: PixtralProcessor is a placeholder where torchvision is missing
         if type(processor).__name__ == "PixtralProcessor" \
                 or isinstance(processor, (InternVLProcessor, LlavaProcessor, LlavaNextProcessor, Idefics3Processor,
-                                          SmolVLMProcessor)) \
+                                          SmolVLMProcessor, AriaProcessor)) \
                 or getattr(config, "model_type", None) in ("mistral3", "internvl", "llava", "llava_next", "idefics3",
-                                                           "smolvlm"):
+                                                           "smolvlm", "aria"):
             return cls(pad_token_id=tok.pad_token_id, image_token_id=processor.image_token_id, mrope=False, **kwargs)
         image = getattr(processor, "image_processor", None)
         if isinstance(processor, Gemma3Processor) or getattr(config, "model_type", None) == "gemma3":
@@ -228,6 +231,8 @@ class DataCollatorForImageText:
         having = [f for f in features if f.get("pixel_values") is not None]
         if having and all(f.get("pixel_attention_mask") is not None for f in having):  # NOTE: Idefics3's
             batch["pixel_attention_mask"] = _join_tiles([torch.as_tensor(f["pixel_attention_mask"]) for f in having])
+        if having and all(f.get("pixel_mask") is not None for f in having):  # NOTE: Aria's [n, H, W] tile masks
+            batch["pixel_mask"] = torch.cat([torch.as_tensor(f["pixel_mask"]) for f in having])
         if any(f.get("batch_num_images") is not None for f in having):  # NOTE: LLaVA-OneVision's
             batch["batch_num_images"] = torch.cat([_images_a_sample(f) for f in having])
         if having and all(f.get("image_sizes") is not None for f in having):  # NOTE: Mistral 3's, LLaVA-NeXT's

@@ -17,7 +17,8 @@ Choices:
   (Gemma 3, Mistral 3, InternVL: ``bridge.mrope`` False) take 2-D positions as text models do; whole images
   ``[n, C, H, W]`` (with Mistral 3's ``image_sizes``; InternVL's tiles; Idefics3's ``[b, n, C, H, W]`` tiles with
   their ``pixel_attention_mask``; LLaVA-NeXT's ``[n, crops, C, H, W]`` crops with ``image_sizes``, and
-  LLaVA-OneVision's with ``batch_num_images``) become the tower's patches and grids (``bridge.vision_inputs``), as
+  LLaVA-OneVision's with ``batch_num_images``; Aria's tiles with their ``pixel_mask``, for a bridge that says
+  ``takes_pixel_mask``) become the tower's patches and grids (``bridge.vision_inputs``), as
   do LLaVA-OneVision's videos ``pixel_values_videos [v, frames, C, H, W]`` (``bridge.video_inputs``); another
   model refuses ``batch_num_images`` above 1. GLM-4.1V's video placeholders (image tokens that
   ``mm_token_type_ids`` marks 2) become video tokens first (``bridge.mark_video_tokens``), in ``generate``'s steps
@@ -116,7 +117,8 @@ def _tower_inputs(bridge, get) -> dict:
     if out["pixel_values"] is not None:
         out["pixel_values"], out["image_grid_thw"] = bridge.vision_inputs(
             out["pixel_values"], out["image_grid_thw"], image_sizes=get("image_sizes"),
-            **_pixel_mask(get("pixel_attention_mask")), **_sample_images(bridge, get("batch_num_images")),
+            **_pixel_mask(get("pixel_attention_mask")), **_tile_mask(bridge, get("pixel_mask")),
+            **_sample_images(bridge, get("batch_num_images")),
             **_patch_positions(get("image_position_ids")))
     if out["pixel_values_videos"] is not None and out["video_grid_thw"] is None and hasattr(bridge, "video_inputs"):
         out["pixel_values_videos"], out["video_grid_thw"] = bridge.video_inputs(out["pixel_values_videos"])
@@ -151,7 +153,8 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
             # [n, C, H, W] images, Mistral 3's with image_sizes; LLaVA-OneVision's videos [v, frames, C, H, W]), so
             # beam copies and each step's inputs are per patch and per grid as for Qwen's
             given = {**kwargs, **{k: kwargs.pop(k, None) for k in ("image_sizes", "pixel_attention_mask",
-                                                                   "batch_num_images", "image_position_ids")}}
+                                                                   "batch_num_images", "image_position_ids",
+                                                                   "pixel_mask")}}
             kwargs.update({k: v for k, v in _tower_inputs(self.bridge, given.get).items() if v is not None})
         self._generating = True  # NOTE: after the inputs' checks: a refused input leaves the model as it was
         try:
@@ -299,7 +302,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                      "pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw,
                      "pixel_attention_mask": unused.get("pixel_attention_mask"),
                      "batch_num_images": unused.get("batch_num_images"),
-                     "image_position_ids": unused.get("image_position_ids")}
+                     "image_position_ids": unused.get("image_position_ids"), "pixel_mask": unused.get("pixel_mask")}
             vision = {**_tower_inputs(self.bridge, given.get), "mm_token_type_ids": mm_token_type_ids,
                       "second_per_grid_ts": second_per_grid_ts, "image_copies": unused.get("image_copies"),
                       "video_copies": unused.get("video_copies"),
@@ -315,7 +318,7 @@ class LoongModelForImageTextToText(LoongModelForCausalLM):
                  "token_type_ids": token_type_ids, "image_sizes": image_sizes,
                  "pixel_attention_mask": unused.get("pixel_attention_mask"),
                  "batch_num_images": unused.get("batch_num_images"),
-                 "image_position_ids": unused.get("image_position_ids")}
+                 "image_position_ids": unused.get("image_position_ids"), "pixel_mask": unused.get("pixel_mask")}
         args, inputs = self.megatron_forward_inputs(batch)
         input_ids, position_ids, mask = args
         vocab = self.config.text_config.vocab_size
@@ -400,6 +403,12 @@ def _patch_positions(positions: torch.Tensor | None) -> dict:
 def _pixel_mask(mask: torch.Tensor | None) -> dict:
     """``vision_inputs``' keywords for a ``pixel_attention_mask`` (Idefics3's processors give one): none without."""
     return {} if mask is None else {"pixel_attention_mask": mask}
+
+
+def _tile_mask(bridge, mask: torch.Tensor | None) -> dict:
+    """``vision_inputs``' keywords for a ``pixel_mask`` (Aria's processor gives one) where the bridge takes it
+    (``takes_pixel_mask``): none without, or for other bridges (as before: transformers' other models have none)."""
+    return {"pixel_mask": mask} if mask is not None and getattr(bridge, "takes_pixel_mask", False) else {}
 
 
 def _vision_layout(*, vision_tensor_parallel_size: int, vision_data_parallel: bool, tensor_parallel_size: int,

@@ -31,6 +31,7 @@ IMAGE_TEXT = {
     "paligemma2": ("tiny_paligemma", "tiny_paligemma_config", {"gemma2": True}),
     "aya_vision": ("tiny_aya_vision", "tiny_aya_vision_config", {}),
     "gemma4_vl": ("tiny_gemma4_vl", "tiny_gemma4_vl_config", {}),
+    "aria_vl": ("tiny_aria_vl", "tiny_aria_vl_config", {}),
 }
 FIXTURES = (*TINY_ARCHS, *IMAGE_TEXT)
 
