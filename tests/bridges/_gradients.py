@@ -39,6 +39,29 @@ def _reduce_as_megatron(model) -> None:
     sum_replica_grads(model.chunks)
 
 
+def save_gradients(model, folder: str) -> None:
+    """The gradients of the last backward, reduced as megatron's DDP reduces them (``_reduce_as_megatron``), written
+    over the weights and saved through the bridge's own export: an HF folder transformers reads back as gradients.
+    A frozen tensor (no gradient: the DSA indexer's) is written unchanged."""
+    _reduce_as_megatron(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.copy_(p.grad)
+    model.save_pretrained(folder)
+
+
+def gradient_diffs(folder: str, ref) -> dict[str, float]:
+    """Per parameter of ``ref`` (a transformers model after its backward): the largest difference between its
+    gradient and the tensor transformers reads from ``folder`` (``save_gradients``), relative to the gradient's
+    largest value."""
+    import transformers
+
+    got = dict(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).named_parameters())
+    return {n: float((got[n].detach().to(p.grad.device) - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
+            for n, p in ref.named_parameters()}
+
+
 def _save_engine_gradients(model, ids: torch.Tensor, grads_dir: str) -> None:
     """Save as the model's weights the gradients of the mean loss as the training engine makes them (megatron's
     pipeline schedule, DDP's reductions, the tied embedding's sum over the first and last stage), taken between the
@@ -86,12 +109,7 @@ def gradient_checks(cases: list[tuple[str, str, dict, bool]]) -> dict:
             _save_engine_gradients(model, ids, grads_dir)
         else:
             model(input_ids=ids, labels=ids).loss.backward()
-            _reduce_as_megatron(model)
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:  # NOTE: a frozen tensor (the DSA indexer's) is written unchanged
-                        p.copy_(p.grad)
-            model.save_pretrained(grads_dir)
+            save_gradients(model, grads_dir)
         if dist.get_rank() != 0:
             continue
         # NOTE: transformers reads the folder into its own layout (e.g. transformers 5's fused expert stacks)

@@ -51,15 +51,10 @@ def _gradients(model, folder: str, ids: torch.Tensor) -> dict:
     import torch.distributed as dist
 
     from loongforge_hf.testing.tiny_models import hf_causal_lm
-    from tests.bridges._gradients import _reduce_as_megatron
+    from tests.bridges._gradients import save_gradients
 
     model(input_ids=ids, labels=ids).loss.backward()
-    _reduce_as_megatron(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.copy_(p.grad)
-    model.save_pretrained(f"{folder}-grads")
+    save_gradients(model, f"{folder}-grads")
     if dist.get_rank() != 0:
         return {}
     ours = dict(hf_causal_lm(f"{folder}-grads", dtype=torch.float32).named_parameters())

@@ -111,28 +111,20 @@ def _gradients(ours, ref, folder: str, tag: str) -> dict | None:
     """Every parameter's gradient after a backward over a left-padded batch, exported through the bridge, against
     transformers' (rank 0: relative to each tensor's largest; None elsewhere)."""
     import torch.distributed as dist
-    import transformers
 
-    from ._gradients import _reduce_as_megatron
+    from ._gradients import gradient_diffs, save_gradients
 
     ids = _ids((2, 40), seed=2).to(ref.device)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     labels = ids.masked_fill(mask == 0, -100)
     ours(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    _reduce_as_megatron(ours)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(p.grad)
-    ours.save_pretrained(f"{folder}-{tag}-grads")
+    save_gradients(ours, f"{folder}-{tag}-grads")
     if dist.get_rank() != 0:
         return None
     ref.zero_grad()
     ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    exported = dict(transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-{tag}-grads", dtype=torch.float32)
-                    .named_parameters())
-    return {n: float((exported[n].detach().to(p.grad.device) - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
-            for n, p in ref.named_parameters()}
+    return gradient_diffs(f"{folder}-{tag}-grads", ref)
 
 
 def _two_ranks(folders: dict) -> dict:

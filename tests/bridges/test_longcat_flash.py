@@ -46,7 +46,7 @@ def _gradients(ours, ref, folder: str) -> dict | None:
     import torch.distributed as dist
     import transformers
 
-    from ._gradients import _reduce_as_megatron
+    from ._gradients import save_gradients
     from .test_granitemoehybrid import _ids
 
     ids = _ids((2, 40), seed=2)
@@ -54,11 +54,7 @@ def _gradients(ours, ref, folder: str) -> dict | None:
     mask[1, :5] = 0
     labels = ids.masked_fill(mask == 0, -100)
     ours(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    _reduce_as_megatron(ours)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(p.grad)
-    ours.save_pretrained(f"{folder}-grads")
+    save_gradients(ours, f"{folder}-grads")
     if dist.get_rank() != 0:
         return None
     ref.zero_grad()

@@ -285,9 +285,8 @@ def _cp2_padded_and_packed(ours, ref, folder: str) -> dict:
     the padded row with its mask): the logits, the loss, and every parameter's gradient (reduced over CP as
     megatron's DDP, exported through the bridge; relative to each tensor's largest, rank 0). On ``ref``'s device."""
     import torch.distributed as dist
-    import transformers
 
-    from ._gradients import _reduce_as_megatron
+    from ._gradients import gradient_diffs, save_gradients
 
     ref.zero_grad(set_to_none=True)  # NOTE: the reference's gradients are this batch's alone
     ids = _ids((2, 152), seed=4).to(ref.device)
@@ -311,16 +310,9 @@ def _cp2_padded_and_packed(ours, ref, folder: str) -> dict:
     out = {"logits": max(float((got.logits[0] - want).abs().max()),
                          float((got.logits[1] - results[-1].logits[0]).abs()[mask[1].bool()].max())),
            "loss": abs(got.loss.item() - loss.item())}
-    _reduce_as_megatron(ours)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(p.grad)
-    ours.save_pretrained(f"{folder}-cp2-grads")
+    save_gradients(ours, f"{folder}-cp2-grads")
     if dist.get_rank() == 0:
-        exported = dict(transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-cp2-grads", dtype=torch.float32)
-                        .named_parameters())
-        out["grads"] = {n: float((exported[n].to(p.device) - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
-                        for n, p in ref.named_parameters()}
+        out["grads"] = gradient_diffs(f"{folder}-cp2-grads", ref)
     return out
 
 

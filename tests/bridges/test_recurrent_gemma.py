@@ -88,25 +88,17 @@ def _generate(ours, ref) -> dict:
 def _gradients(ours, ref, folder: str) -> dict | None:
     """Every parameter's gradient after a backward (rank 0: relative to each tensor's largest; None elsewhere)."""
     import torch.distributed as dist
-    import transformers
 
-    from ._gradients import _reduce_as_megatron
+    from ._gradients import gradient_diffs, save_gradients
 
     ids = _ids((2, 24), seed=2)
     ours(input_ids=ids, labels=ids).loss.backward()
-    _reduce_as_megatron(ours)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(p.grad)
-    ours.save_pretrained(f"{folder}-grads")
+    save_gradients(ours, f"{folder}-grads")
     if dist.get_rank() != 0:
         return None
     ref.zero_grad()
     ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    exported = dict(transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-grads", dtype=torch.float32)
-                    .named_parameters())
-    return {n: float((exported[n].detach() - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
-            for n, p in ref.named_parameters()}
+    return gradient_diffs(f"{folder}-grads", ref)
 
 
 def _cp2(ours, ref, folder: str) -> dict:
@@ -117,9 +109,8 @@ def _cp2(ours, ref, folder: str) -> dict:
     exported through the bridge; relative to each tensor's largest, rank 0); an uncached greedy generate (a 6-token
     prompt padded to 8: chunks of 2, shorter than the conv) against transformers' tokens and scores."""
     import torch.distributed as dist
-    import transformers
 
-    from ._gradients import _reduce_as_megatron
+    from ._gradients import gradient_diffs, save_gradients
     from .test_qwen3_5 import CP_LENGTHS
 
     ref.zero_grad(set_to_none=True)
@@ -143,16 +134,9 @@ def _cp2(ours, ref, folder: str) -> dict:
     got, want = ours.generate(input_ids=ids, use_cache=False, **kw), ref.generate(input_ids=ids, **kw)
     out["generate"] = (torch.equal(got.sequences, want.sequences),
                        max(float((a - b).abs().max()) for a, b in zip(got.scores, want.scores)))
-    _reduce_as_megatron(ours)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(p.grad)
-    ours.save_pretrained(f"{folder}-cp2-grads")
+    save_gradients(ours, f"{folder}-cp2-grads")
     if dist.get_rank() == 0:
-        exported = dict(transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-cp2-grads", dtype=torch.float32)
-                        .named_parameters())
-        out["grads"] = {n: float((exported[n] - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
-                        for n, p in ref.named_parameters()}
+        out["grads"] = gradient_diffs(f"{folder}-cp2-grads", ref)
     return out
 
 

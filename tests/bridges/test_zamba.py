@@ -70,24 +70,16 @@ def _cached_generate(ours, ref, beams: tuple[int, ...]) -> dict:
 def _gradients(ours, ref, folder: str) -> dict | None:
     """Every parameter's gradient after a backward (rank 0: relative to each tensor's largest; None elsewhere)."""
     import torch.distributed as dist
-    import transformers
 
-    from ._gradients import _reduce_as_megatron
+    from ._gradients import gradient_diffs, save_gradients
 
     ids = _ids((2, 24), seed=2)
     ours(input_ids=ids, labels=ids).loss.backward()
-    _reduce_as_megatron(ours)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(p.grad)
-    ours.save_pretrained(f"{folder}-grads")
+    save_gradients(ours, f"{folder}-grads")
     if dist.get_rank() != 0:
         return None
     ref(input_ids=ids, labels=ids).loss.backward()
-    exported = dict(transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-grads", dtype=torch.float32)
-                    .named_parameters())
-    return {n: float((exported[n].detach() - p.grad).abs().max()) / (float(p.grad.abs().max()) or 1.0)
-            for n, p in ref.named_parameters()}
+    return gradient_diffs(f"{folder}-grads", ref)
 
 
 def _recompute_refusal(ours) -> str:
