@@ -9,6 +9,10 @@ Layout of ``checkpoint-N/`` (written under a temporary name and renamed when com
   (megatron's model-parallel RNG tracker, as state tensors: read with ``torch.load(weights_only=True)``);
   ``trainer_state.json`` (step, log history, data position).
 
+Hybrid stacks (decoder layers holding different tensors) are keyed layer by layer; ``layout.json`` records the
+tensor-parallel size, and a resume under another one is refused where megatron's resharding would reorder rows
+(``checkpoint_layout.py``).
+
 Bad input: a write that fails on some ranks (disk full, an unusable folder) and a checkpoint that is incomplete or
 corrupt are reported on every rank alike (``run_everywhere``: the ranks agree on the outcome before the next
 collective), naming the file; ``check_training_checkpoint`` reads what it can before any collective of the resume.
@@ -33,18 +37,21 @@ import torch.distributed as dist
 from loongforge_hf.bridges.checkpoint_files import CheckpointError
 from loongforge_hf.bridges.distribution import failing_alike
 from loongforge_hf.trainer import optimizer_state
+from loongforge_hf.trainer.checkpoint_layout import check_resharding, layers_differ, write_layout
 from loongforge_hf.trainer.engine import optimizer_parts
 
 logger = logging.getLogger(__name__)
 
 MEGATRON_DIR = "megatron"
 SCHEDULER_FILE = "scheduler.pt"
+LAYOUT_FILE = "layout.json"
 OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _sharded_state_dict(engine, *, is_loading: bool) -> dict:
     chunks = [c.module for c in engine.chunks]
-    state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    metadata = {"non_homogeneous_layers": True} if layers_differ(chunks) else None
+    state = {f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(chunks)}
     state["optimizer"] = optimizer_state.sharded_state_dict(engine.optimizer, state, is_loading=is_loading,
                                                             metadata=OPTIM_FORMAT)
     return state
@@ -129,6 +136,8 @@ def save_training_checkpoint(trainer, output_dir: str | os.PathLike) -> None:
     run_everywhere(f"could not write the megatron state to {ckpt}",
                    lambda: dist_checkpointing.save(box["state"], str(ckpt), sharded_strategy=strategy,
                                                    validate_access_integrity=False))
+    run_everywhere(f"could not write {output_dir / LAYOUT_FILE}", lambda: write_layout(output_dir / LAYOUT_FILE),
+                   on=_rank() == 0)
     run_everywhere(f"could not write {output_dir / SCHEDULER_FILE}",
                    lambda: torch.save(trainer.lr_scheduler.state_dict(), output_dir / SCHEDULER_FILE),
                    on=_rank() == 0)
@@ -263,6 +272,8 @@ def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None
     same_world = rng_file.is_file() and saved_world == world
     run_everywhere(f"{rng_file}: cannot be read (rank {_rank()})",
                    lambda: box.setdefault("rng", torch.load(rng_file, weights_only=True)), on=same_world)
+    run_everywhere(f"{checkpoint_dir}: cannot be resumed in this layout",
+                   lambda: check_resharding(engine, checkpoint_dir / LAYOUT_FILE))
     run_everywhere(f"{ckpt}: cannot be resumed with this optimizer",
                    lambda: _check_optimizer_parts(len(optimizer_parts(engine.optimizer)) > 1, ckpt))
     run_everywhere(f"{ckpt}: the megatron state cannot be loaded into this model (was the checkpoint written for "

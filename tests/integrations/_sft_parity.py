@@ -218,10 +218,11 @@ def plain_trainers_refuse(folder: str, out_dir: str) -> list[str]:
 
 
 def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict, lora: dict | None = None,
-                                 **overrides) -> dict:
+                                 full: bool = False, refused_layout: dict | None = None, **overrides) -> dict:
     """LoRA run of 4 steps checkpointing at step 2, then a run resumed from that checkpoint: the losses of steps 3-4
     and the files of a LoRA checkpoint. ``lora``: the LoraConfig kwargs ("all-linear" with the norms by default);
-    ``overrides``: SFTConfig fields."""
+    ``full``: full fine-tuning instead; ``refused_layout``: a layout the resume must refuse (its error's message
+    under "refused"); ``overrides``: SFTConfig fields."""
     import os
 
     import peft
@@ -230,19 +231,26 @@ def resume_matches_uninterrupted(folder: str, out_dir: str, layout: dict, lora: 
 
     lora = lora or dict(r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["norm"])
 
-    def run(resume: str | None) -> list[tuple[int, float]]:
+    def run(resume: str | None, layout: dict = layout) -> list[tuple[int, float]]:
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
         trainer = lf.LoongSFTTrainer(model=model, args=sft_config(out_dir, max_steps=4, save_strategy="steps",
                                                                   save_steps=2, **overrides),
                                      train_dataset=make_dataset("text"), processing_class=_tokenizer(folder),
-                                     peft_config=peft.LoraConfig(**lora))
+                                     peft_config=None if full else peft.LoraConfig(**lora))
         trainer.train(resume_from_checkpoint=resume)
         return [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
 
-    full = run(None)
+    uninterrupted = run(None)
     files = sorted(os.listdir(f"{out_dir}/checkpoint-2"))
-    return {"full": full, "resumed": run(f"{out_dir}/checkpoint-2"), "checkpoint_files": files,
-            "model_card": os.path.isfile(f"{out_dir}/README.md")}
+    out = {"full": uninterrupted, "resumed": run(f"{out_dir}/checkpoint-2"), "checkpoint_files": files,
+           "model_card": os.path.isfile(f"{out_dir}/README.md")}
+    if refused_layout is not None:
+        try:
+            run(f"{out_dir}/checkpoint-2", refused_layout)
+            out["refused"] = "no error"
+        except Exception as err:  # noqa: BLE001 - the test reads the message
+            out["refused"] = str(err)
+    return out
 
 
 def moe_sft(folder: str, out_dir: str, use_cpu: bool = True, layout: dict | None = None) -> dict:

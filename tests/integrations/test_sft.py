@@ -214,14 +214,15 @@ PHI3_LAYOUT = {"tensor_parallel_size": 2, "sequence_parallel": True}
 
 def _phi3_world(folder: str, out_dir: str) -> dict:
     return {"runs": run_loong(folder, out_dir + "/runs", PHI3_LAYOUT, PHI3_NAMES),
-            "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", PHI3_LAYOUT)}
+            "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", PHI3_LAYOUT, refused_layout={})}
 
 
 def test_phi3_matches_trl(tmp_path):
     """Phi-3 (q / k / v and gate / up packed in one HF linear each, partial rotary, a 7-token sliding window that the
     packed documents outrun): all-linear LoRA (one adapter per packed linear, as PEFT's), DoRA and full fine-tuning
     with packing against trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token metrics as
-    above; the saved adapters in PEFT); an all-linear LoRA run resumed from its checkpoint logs the same losses."""
+    above; the saved adapters in PEFT); an all-linear LoRA run resumed from its checkpoint logs the same losses, and
+    refuses a resume under another tensor-parallel size (the gate_up_proj adapter's B: each rank's gate and up rows)."""
     # NOTE: seed 1: the seed-0 weights' lora_text run predicts no label token at all (accuracy 0 in every TRL log)
     folder = str(make_tiny_checkpoint(tmp_path / "phi3", "phi3", seed=1))
     trl_runs = run_distributed(run_trl, 1, folder, str(tmp_path / "trl"), PHI3_NAMES, timeout=400)[0]
@@ -232,6 +233,8 @@ def test_phi3_matches_trl(tmp_path):
         assert_matches(name, trl_runs[name], loong[0][name])
     for rank in ranks:  # an all-linear LoRA run (packed linears, the norms trained) resumed from its step-2 checkpoint
         assert rank["resume"]["resumed"] == rank["resume"]["full"] and len(rank["resume"]["full"]) == 4, rank
+        assert "resharding is not supported for ['LoRA on one HF [gate; up] linear (linear_fc1)']" in \
+            rank["resume"]["refused"], rank["resume"]["refused"]
 
 
 # NOTE: each seed is one whose lora_text run predicts some label token (assert_matches' accuracy guard): SmolLM3's
@@ -274,11 +277,19 @@ ARCH_LAYOUTS = {arch: {**PHI3_LAYOUT, "expert_tensor_parallel_size": 1} for arch
 ARCH_LAYOUTS["gpt_bigcode"] = {"context_parallel_size": 2}
 
 
-def _arch_world(folder: str, out_dir: str, resume: bool, names: list[str], layout: dict) -> dict:
+def _arch_world(folder: str, out_dir: str, resume: str | None, names: list[str], layout: dict) -> dict:
+    """``resume``: "lora" or "full", a run of that kind resumed from its step-2 checkpoint (or None)."""
     out = {"runs": run_loong(folder, out_dir + "/runs", layout, names)}
     if resume:
-        out["resume"] = resume_matches_uninterrupted(folder, out_dir + "/resume", PHI3_LAYOUT)
+        # NOTE: full: the hybrid's Gated DeltaNet rows (sections per TP rank) refuse a resume at another TP size
+        out["resume"] = resume_matches_uninterrupted(folder, out_dir + "/resume", PHI3_LAYOUT, full=resume == "full",
+                                                     refused_layout={} if resume == "full" else None)
     return out
+
+
+# NOTE: OLMo 2: a LoRA run training its split q / k norms; Qwen3.5: full fine-tuning of a hybrid stack (Gated
+# DeltaNet and attention layers: the checkpoint keys each layer on its own, trainer/checkpoint.layers_differ)
+ARCH_RESUME = {"olmo2": "lora", "qwen3_5": "full"}
 
 
 def _trl_runs(cases: list) -> dict:
@@ -301,7 +312,7 @@ def architectures(tmp_path_factory):
     names = {arch: ARCH_NAMES.get(arch, SMOLLM3_NAMES) for arch in ARCH_SEEDS}
     trl = run_distributed(_trl_runs, 1, [(arch, folders[arch], str(root / arch / "trl"), names[arch],
                                           ARCH_TRL_ARGS.get(arch, {})) for arch in ARCH_SEEDS], timeout=1500)[0]
-    ranks = run_distributed(_arch_worlds, 2, [(arch, folders[arch], str(root / arch / "tp2-sp"), arch == "olmo2",
+    ranks = run_distributed(_arch_worlds, 2, [(arch, folders[arch], str(root / arch / "tp2-sp"), ARCH_RESUME.get(arch),
                                                names[arch], ARCH_LAYOUTS.get(arch, PHI3_LAYOUT))
                                               for arch in ARCH_SEEDS], timeout=1500)
     return trl, ranks, names
@@ -341,7 +352,9 @@ def test_architecture_matches_trl(architectures, arch):
     biases, windowed layers, YaRN, experts with a clamped GLU: all-linear LoRA adapts its attention, as PEFT's; fully
     fine-tuned without packing, with weight decay): all-linear LoRA and full fine-tuning with packing against
     trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token metrics as above). OLMo 2: a LoRA
-    run training the norms (its split q / k norms included) resumed from its checkpoint logs the same losses."""
+    run training the norms (its split q / k norms included) resumed from its checkpoint logs the same losses; Qwen3.5:
+    a full fine-tuning run resumed from its checkpoint too (a hybrid stack's checkpoint), and refused, on both ranks,
+    under another tensor-parallel size (trainer/checkpoint_layout.py)."""
     trl, per_rank, names = architectures
     ranks = [rank[arch] for rank in per_rank]
     for name in names[arch]:
@@ -350,3 +363,7 @@ def test_architecture_matches_trl(architectures, arch):
     for rank in ranks:
         if "resume" in rank:
             assert rank["resume"]["resumed"] == rank["resume"]["full"] and len(rank["resume"]["full"]) == 4, rank
+        if "refused" in rank.get("resume", {}):
+            for fragment in ("cannot be resumed in this layout", "tensor_parallel_size=2, this run has 1",
+                             "['GatedDeltaNet']", "from_pretrained("):
+                assert fragment in rank["resume"]["refused"], rank["resume"]["refused"]

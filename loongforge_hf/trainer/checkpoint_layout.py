@@ -1,0 +1,97 @@
+"""How a training checkpoint's tensors depend on the model's layers and on the layout that wrote it.
+
+Choices:
+- Hybrid stacks (decoder layers holding different tensors: Qwen3.5's Gated DeltaNet layers beside attention layers,
+  Jamba's Mamba and attention layers, per-type head sizes) are keyed layer by layer (megatron's
+  ``non_homogeneous_layers``): megatron stacks a homogeneous block's tensors over one layer axis, which needs every
+  layer to hold each of them, and refused to save the hybrids ("Invalid access pattern"). Homogeneous models keep the
+  stacked keys their checkpoints already have. LoRA adapters are left out of the comparison (an adapter on some
+  layers only is stacked over those, ``lora/layers.stack_over_adapted_layers``).
+- megatron reshards a tensor split over TP as the concatenation of the ranks' rows. That is the one-rank tensor for
+  megatron's own layouts (q / k / v per KV group; ``[gate; up]`` through its swiglu factory), not for ours that hold
+  on each rank its rows of several HF sections side by side: the linear-attention and state-space mixers'
+  in-projections and convs (``kv_cache.recurrent_mixers``), JetMoE's shared ``[k; v]`` projection, and LoRA's B
+  (and DoRA's magnitude) of one HF linear over megatron's ``[gate; up]`` (Phi-3's ``gate_up_proj``). Resuming such a
+  model under another tensor-parallel size would load rows in the wrong order and train on: ``layout.json`` (beside
+  ``megatron/``) records the size, and such a resume is refused by name, on every rank, before megatron's load. A
+  checkpoint without the file (written before it) is not checked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def layers_differ(chunks) -> bool:
+    """Whether the decoder layers of a transformer block hold different tensors (names or shapes), anywhere in the
+    model (module docstring). Collective: a pipeline stage may hold layers of one kind only."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    kinds = set()
+    for chunk in chunks:
+        for name, block in chunk.named_modules():
+            if isinstance(block, TransformerBlock):
+                kinds.update((name, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()
+                                          if ".lora." not in f".{n}")) for layer in block.layers)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, kinds)
+        kinds = set().union(*everyone)
+    blocks = [name for name, _ in kinds]
+    return len(blocks) != len(set(blocks))
+
+
+def _tensor_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
+def write_layout(path: Path) -> None:
+    """Record the layout a checkpoint is written in (rank 0)."""
+    path.write_text(json.dumps({"tensor_parallel_size": _tensor_parallel_size()}))
+
+
+def sectioned_modules(chunks) -> list[str]:
+    """Type names of this rank's modules whose rows on a TP rank are its share of several HF sections (module
+    docstring)."""
+    from loongforge_hf.bridges.jetmoe_attention import MoAQueryKV
+    from loongforge_hf.kv_cache import recurrent_mixers
+    from loongforge_hf.lora.layers import LoraColumnParallelLinear
+
+    found = {type(m).__name__ for m in recurrent_mixers(chunks)}
+    for chunk in chunks:
+        for name, m in chunk.named_modules():
+            if isinstance(m, MoAQueryKV):
+                found.add(type(m).__name__)
+            gated = getattr(getattr(m, "config", None), "gated_linear_unit", False)
+            if isinstance(m, LoraColumnParallelLinear) and gated and name.endswith("linear_fc1") and any(
+                    a.B.shape[0] == m.weight.shape[0] for a in m.lora.values()):
+                found.add(f"LoRA on one HF [gate; up] linear ({name.rsplit('.', 1)[-1]})")
+    return sorted(found)
+
+
+def check_resharding(engine, layout_file: Path) -> None:
+    """Refuse resuming under another tensor-parallel size a model with sectioned rows (``sectioned_modules``, on any
+    rank: run through ``run_everywhere``, every rank raises alike). Local reads only, plus one small all-gather."""
+    from loongforge_hf.bridges.checkpoint_files import CheckpointError
+
+    chunks = [c.module for c in engine.chunks]
+    found = set(sectioned_modules(chunks))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, found)
+        found = set().union(*everyone)
+    if not layout_file.is_file() or not found:
+        return
+    saved = json.loads(layout_file.read_text()).get("tensor_parallel_size")
+    if saved != _tensor_parallel_size():
+        raise CheckpointError(
+            f"the checkpoint was written with tensor_parallel_size={saved}, this run has "
+            f"{_tensor_parallel_size()}: resharding is not supported for {sorted(found)} (each TP rank holds its rows "
+            f"of several HF sections side by side, which megatron's resharding would reorder). Resume with "
+            f"tensor_parallel_size={saved}, or start a new run from its weights: from_pretrained("
+            f"{str(layout_file.parent)!r}) reads the HF export.")
