@@ -89,7 +89,7 @@ class AriaVLBridge(LlavaBridge):
     def check_vision_config(self) -> None:
         from transformers.activations import ACT2FN
 
-        from loongforge_hf.multimodal.vision_clip import square_side
+        from loongforge_hf.multimodal.vision_clip import patch_grid_side
 
         v, hf = self.vision_config, self.hf_config
         if v.model_type != self.tower_type:
@@ -105,12 +105,9 @@ class AriaVLBridge(LlavaBridge):
         if getattr(v, "attention_dropout", 0.0):
             raise C.UnsupportedConfigError(f"vision_config.attention_dropout={v.attention_dropout} is not supported.")
         try:
-            image, patch = square_side(v.image_size, "image_size"), square_side(v.patch_size, "patch_size")
+            patch_grid_side(v)
         except ValueError as error:
             raise C.UnsupportedConfigError(str(error)) from None
-        if image % patch or v.hidden_size % v.num_attention_heads:
-            raise C.UnsupportedConfigError(f"vision_config: image_size={v.image_size} must be a multiple of "
-                                           f"patch_size={v.patch_size}, hidden_size of num_attention_heads.")
         if not self.queries or any(k < 1 or n < 1 for k, n in self.queries.items()):
             raise C.UnsupportedConfigError(f"projector_patch_to_query_dict={hf.projector_patch_to_query_dict!r}: each "
                                            "key must be a tile's (positive) patch count, each value a positive "

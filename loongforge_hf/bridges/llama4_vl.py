@@ -96,20 +96,17 @@ class Llama4VLBridge(OuterTableBridge):
         return as_image_patches(pixel_values, self.patch)
 
     def check_vision_config(self) -> None:
-        from loongforge_hf.multimodal.vision_clip import square_side
+        from loongforge_hf.multimodal.vision_clip import patch_grid_side
 
         v = self.vision_config
         for field in ("attention_dropout", "projector_dropout"):
             if getattr(v, field, 0.0):
                 raise C.UnsupportedConfigError(f"vision_config.{field}={getattr(v, field)} is not supported.")
         try:
-            image, patch = square_side(v.image_size, "image_size"), square_side(v.patch_size, "patch_size")
+            side = patch_grid_side(v, heads=False)
         except ValueError as error:
             raise C.UnsupportedConfigError(str(error)) from None
-        if image % patch:
-            raise C.UnsupportedConfigError(f"vision_config: image_size={v.image_size} must be a multiple of "
-                                           f"patch_size={v.patch_size}.")
-        merge, side = self.vision_merge, image // patch
+        merge = self.vision_merge
         if abs(merge * v.pixel_shuffle_ratio - 1) > 1e-9 or side % merge:
             raise C.UnsupportedConfigError(f"vision_config.pixel_shuffle_ratio={v.pixel_shuffle_ratio} must be 1 / n "
                                            f"for a whole n dividing the {side}x{side} patch grid.")

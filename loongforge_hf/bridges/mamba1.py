@@ -107,14 +107,7 @@ class MambaMixer(torch.nn.Module):
         return self._output(y, padded=seq)
 
     def _cached_forward(self, mixed: torch.Tensor, step: CachedStep):
-        """A cached generate step: ``mixed`` ``[b, s, 2 * d_local]``, ``in_proj``'s output of the step's first
-        ``step.given`` tokens and the layout's padding after them."""
-        cache, index = step.cache, step.index
-        history, state = cache.get_conv_state(index), cache.get_recurrent_state(index)
-        y, state = self._mix(mixed[:, :step.given], step.real, history=None if history is None else history[..., 1:],
-                             state=state, cache=(cache, index))
-        cache.update_recurrent_state(state, index)
-        return self._output(y, padded=mixed.shape[1])
+        return cached_mix_step(self, mixed, step)
 
     def _mix(self, mixed: torch.Tensor, real: torch.Tensor | None, *, documents=None, history=None, state=None,
              cache=None, cp=None):
@@ -186,6 +179,18 @@ class MambaMixer(torch.nn.Module):
 
 
 @functools.cache
+def cached_mix_step(mixer, mixed: torch.Tensor, step: CachedStep) -> torch.Tensor:
+    """A Mamba-1 style mixer's cached generate step (``MambaMixer``, Zamba's ``ZambaMixer``: their ``_mix`` and
+    ``_output``): ``mixed`` ``[b, s, 2 * d_local]``, ``in_proj``'s output of the step's first ``step.given`` tokens
+    and the layout's padding after them; the conv inputs and SSM states read from and written to the cache."""
+    cache, index = step.cache, step.index
+    history, state = cache.get_conv_state(index), cache.get_recurrent_state(index)
+    y, state = mixer._mix(mixed[:, :step.given], step.real, history=None if history is None else history[..., 1:],
+                          state=state, cache=(cache, index))
+    cache.update_recurrent_state(state, index)
+    return mixer._output(y, padded=mixed.shape[1])
+
+
 def mamba_attention(*, layers: frozenset[int], **dims) -> type:
     """The self-attention slot's class: ``MambaMixer`` (with ``dims``) on the layers in ``layers`` (0-based global
     indices), megatron's ``SelfAttention`` elsewhere (Jamba's attention layers)."""

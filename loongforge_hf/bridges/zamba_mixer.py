@@ -77,14 +77,9 @@ class ZambaMixer(torch.nn.Module):
         return self._output(self._mix(mixed, real, documents=documents)[0], padded=seq)
 
     def _cached_forward(self, mixed: torch.Tensor, step: CachedStep):
-        """A cached generate step: ``mixed`` ``[b, s, 2 * d_local]``, ``in_proj``'s output of the step's first
-        ``step.given`` tokens and the layout's padding after them."""
-        cache, index = step.cache, step.index
-        history, state = cache.get_conv_state(index), cache.get_recurrent_state(index)
-        y, state = self._mix(mixed[:, :step.given], step.real, history=None if history is None else history[..., 1:],
-                             state=state, cache=(cache, index))
-        cache.update_recurrent_state(state, index)
-        return self._output(y, padded=mixed.shape[1])
+        from loongforge_hf.bridges.mamba1 import cached_mix_step
+
+        return cached_mix_step(self, mixed, step)
 
     def _mix(self, mixed: torch.Tensor, real: torch.Tensor | None, *, documents=None, history=None, state=None,
              cache=None):

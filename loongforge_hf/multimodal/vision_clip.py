@@ -46,6 +46,17 @@ def square_side(value, name: str) -> int:
     return int(pair[0])
 
 
+def patch_grid_side(v, *, heads: bool = True) -> int:
+    """The side of a ViT config's square patch grid (``image_size // patch_size``); ValueError naming the fields where
+    a size is not square, the image not a whole number of patches or (``heads``) ``hidden_size`` not a multiple of
+    ``num_attention_heads``."""
+    image, patch = square_side(v.image_size, "image_size"), square_side(v.patch_size, "patch_size")
+    if image % patch or (heads and v.hidden_size % v.num_attention_heads):
+        raise ValueError(f"vision_config: image_size={v.image_size} must be a multiple of patch_size={v.patch_size}"
+                         + (", hidden_size of num_attention_heads." if heads else "."))
+    return image // patch
+
+
 def check_square_grids(grid_thw: torch.Tensor, side: int, takes: str) -> int:
     """The number of images in ``grid_thw`` ``[n, 3]`` when every one is a single ``side x side`` grid of patches;
     ValueError (``takes`` first: what the tower takes) otherwise."""
