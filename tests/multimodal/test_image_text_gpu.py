@@ -74,6 +74,12 @@ def aya_vision_batch(folder: str) -> dict:
     return make_batch()
 
 
+def aria_batch(folder: str) -> dict:
+    from ._vl_aria import make_batch
+
+    return make_batch()
+
+
 def processor_batch(folder: str) -> dict:
     from ._vl_parity import make_batch
 
@@ -121,7 +127,7 @@ def _run(folder: str, batch_for=gemma3_batch, attention: str = "sdpa") -> dict:
 
 @pytest.mark.parametrize("model", ["gemma3", "mistral3", "qwen2_vl", "internvl", "llava", "llava_next",
                                    "llava_next_video", "smolvlm", "llama4", "glm4v", "paligemma2",
-                                   "aya_vision"])
+                                   "aya_vision", "aria"])
 def test_cuda_matches_transformers(tmp_path, model):
     """Gemma 3 (the image blocks), Mistral 3 (images of three sizes), Qwen2-VL (the processor's batch), InternVL
     (InternViT tiles, pixel shuffle), LLaVA-1.5 (CLIP, the penultimate layer), LLaVA-NeXT (any-resolution crops of
@@ -129,9 +135,11 @@ def test_cuda_matches_transformers(tmp_path, model):
     SmolVLM (SigLIP, the connector's pixel shuffle), Llama 4 (its ViT's complex-pair rope, pixel shuffle, the MoE
     decoder) and GLM-4.1V (the processor's batch: the bicubic position grid, the downsample, the sectioned pair
     mrope) and PaliGemma 2 (the prefix block past the sliding window, soft-capping) and Aya Vision (SigLIP read at
-    a feature layer, the SwiGLU projector's pixel shuffle, Cohere 2's sliding and no-rope layers)."""
-    from loongforge_hf.testing import (tiny_aya_vision, tiny_glm4v, tiny_idefics3, tiny_internvl, tiny_llama4_vl,
-                                       tiny_llava, tiny_llava_next, tiny_llava_next_video, tiny_paligemma, tiny_vl)
+    a feature layer, the SwiGLU projector's pixel shuffle, Cohere 2's sliding and no-rope layers) and Aria (tiles
+    padded by ``pixel_mask``, the cross-attention projector, the MoE decoder)."""
+    from loongforge_hf.testing import (tiny_aria_vl, tiny_aya_vision, tiny_glm4v, tiny_idefics3, tiny_internvl,
+                                       tiny_llama4_vl, tiny_llava, tiny_llava_next, tiny_llava_next_video,
+                                       tiny_paligemma, tiny_vl)
 
     writer, batch_for = {"gemma3": (tiny_vl.make_tiny_gemma3_vl, gemma3_batch),
                          "mistral3": (tiny_vl.make_tiny_mistral3, mistral3_batch),
@@ -146,7 +154,8 @@ def test_cuda_matches_transformers(tmp_path, model):
                          "glm4v": (tiny_glm4v.make_tiny_glm4v, processor_batch),
                          "paligemma2": (functools.partial(tiny_paligemma.make_tiny_paligemma, gemma2=True),
                                         paligemma_batch),
-                         "aya_vision": (tiny_aya_vision.make_tiny_aya_vision, aya_vision_batch)}[model]
+                         "aya_vision": (tiny_aya_vision.make_tiny_aya_vision, aya_vision_batch),
+                         "aria": (tiny_aria_vl.make_tiny_aria_vl, aria_batch)}[model]
     folder = writer(tmp_path / "src")
     # NOTE: transformers 5.24 refuses SDPA for PaliGemma 2's Gemma 2 decoder
     attention = "eager" if model == "paligemma2" else "sdpa"
