@@ -10,29 +10,34 @@ Choices:
   projection, its norm; ids outside ``[0, vocab_size_per_layer_input)`` looked up as 0, as transformers does). No
   ``layer_scalar``, no per-layer heads, no values from keys.
 - The layer is ``gemma3n_layer.Gemma3nLayer`` in megatron's layer slot (its attention and MLP megatron's, built from
-  the spec): the residual is ``altup_num_inputs`` streams side by side, so pipeline parallelism is refused by name;
-  context parallelism too (the shared keys and values stay within one sequence shard), and activation recompute
-  (the per-layer stream passes beside megatron's layer arguments). ``intermediate_size`` may differ per layer.
+  the spec); the residual is ``altup_num_inputs`` streams side by side. ``intermediate_size`` may differ per layer.
+- Pipeline parallelism (virtual stages too): a stage boundary carries the AltUp streams and every layer's per-layer
+  input (``pipeline_hidden_size``: ``altup_num_inputs * hidden_size + num_hidden_layers *
+  hidden_size_per_layer_input``, ``gemma3n_layer.add_streams``). The per-layer inputs are made once, on the first
+  stage, and carried rather than recomputed on each stage from the ids: they read the scaled token embedding, which
+  only the first stage holds, and their table, projection and norm then live on one stage (their gradients come
+  back through megatron's schedule). The keys and values a layer reuses are not carried: a split that puts a
+  reusing layer on another (virtual) stage than the layer storing its pair is refused by name (``check_layout``);
+  gemma-3n-E4B (35 layers, 15 reusing layers 18 / 19's) splits 18 / 17 at PP2 and runs there.
+- Refused by name: context parallelism (the shared keys and values stay within one sequence shard) and activation
+  recompute (the per-layer stream and the shared keys and values pass beside megatron's layer arguments).
 - LoRA on the attention (q / k / v, q alone in the layers reusing keys and values; o) and the MLP; AltUp's, LAuReL's
   and the per-layer linears are replicated and carry no adapter (the planner refuses them by name).
 - ``Gemma3nForConditionalGeneration`` (the hub's checkpoints: text, vision and audio) is refused by name.
 - Refused by name, before any collective: attention biases, bidirectional attention, rope types other than default,
   ``altup_active_idx`` outside the streams, ``hidden_size_per_layer_input`` < 1, ``num_kv_shared_layers`` leaving no
-  layer to compute keys and values, KV heads that do not split over TP.
+  layer to compute keys and values, KV heads that do not split over TP, a pipeline split as above.
 """
 
 from __future__ import annotations
-
-import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges import gemma4_per_layer as per_layer
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.gemma import _SandwichNorms, scale_gemma_embedding
-from loongforge_hf.bridges.gemma3n_layer import add_streams, gemma3n_layer, sparse_mlp
+from loongforge_hf.bridges.gemma3n_layer import add_streams, boundary_width, gemma3n_layer, sparse_mlp
 from loongforge_hf.bridges.gemma4 import Gemma4Bridge
 from loongforge_hf.bridges.gemma4_attention import PerTypeQKV, share_keys_and_values
-from loongforge_hf.bridges.gemma4_per_layer import PerLayerInputs, add_per_layer_inputs
 from loongforge_hf.bridges.layer_outputs import softcap_logits
 from loongforge_hf.bridges.layer_types import LAYER_TYPES, layer_windows
 from loongforge_hf.bridges.mappings import Mapping, Replicated
@@ -45,14 +50,6 @@ refuse_architectures("Gemma 3n's image-text-audio model (its MobileNet-V5 vision
 ALTUP = ("correct_output_scale", "correction_coefs.weight", "prediction_coefs.weight", "modality_router.weight",
          "router_norm.weight")
 LAUREL = ("linear_left.weight", "linear_right.weight", "post_laurel_norm.weight")
-
-
-class _PerLayerIds(PerLayerInputs):
-    """``PerLayerInputs`` with transformers' Gemma 3n lookup: ids outside the table are looked up as 0."""
-
-    def forward(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        inside = (input_ids >= 0) & (input_ids < self.table_rows)
-        return super().forward(torch.where(inside, input_ids, 0), embeddings)
 
 
 def _refuse_recompute(decoder, args) -> None:
@@ -90,17 +87,41 @@ class Gemma3nBridge(Gemma4Bridge):
 
     def check_layout(self, layout) -> None:
         """``UnsupportedConfigError`` for a layout Gemma 3n's layers cannot run (pure, before any collective)."""
-        for field, size in (("pipeline_parallel_size", layout.pipeline_parallel_size),
-                            ("context_parallel_size", layout.context_parallel_size)):
-            if size > 1:
-                raise C.UnsupportedConfigError(
-                    f"{field}={size} is not supported for {ARCH} (AltUp's streams, the per-layer stream and the "
-                    "shared keys and values stay within one stage and one sequence shard); use tensor and data "
-                    "parallelism.")
+        if layout.context_parallel_size > 1:
+            raise C.UnsupportedConfigError(
+                f"context_parallel_size={layout.context_parallel_size} is not supported for {ARCH} (the shared keys "
+                "and values stay within one sequence shard); use tensor, pipeline and data parallelism.")
+        if layout.pipeline_parallel_size > 1 and self.reusing_layers:
+            self.check_stage_split(layout)
         kv, tp = C.kv_heads_of(self.hf_config), layout.tensor_parallel_size
         if kv % tp:
             raise C.UnsupportedConfigError(f"num_key_value_heads={kv} does not split over tensor_parallel_size={tp} "
                                            f"for {ARCH} (replicated KV heads are not supported there).")
+
+    def check_stage_split(self, layout) -> None:
+        """Refuse a pipeline split that puts a layer reusing keys and values on another (virtual) stage than the
+        layer storing them: the shared pair stays within a stage (module docstring)."""
+        from loongforge_hf.bridges.builder import stage_layer_ranges
+
+        c = self.hf_config
+        store = {c.layer_types[i]: i for i, mode in enumerate(self.kv_modes) if mode == "store"}
+        stage_of = {i: k for k, stage in enumerate(stage_layer_ranges(c.num_hidden_layers, layout)) for i in stage}
+        if len(stage_of) < c.num_hidden_layers:  # NOTE: virtual stages that do not split the layers (config.py)
+            return
+        apart = sorted(i for i in self.reusing_layers if stage_of[i] != stage_of[store[c.layer_types[i]]])
+        if apart:
+            sources = sorted({store[c.layer_types[i]] for i in apart})
+            vpp = layout.interleaved_stages
+            raise C.UnsupportedConfigError(
+                f"pipeline_parallel_size={layout.pipeline_parallel_size}"
+                f"{f' with virtual_pipeline_parallel_size={vpp}' if vpp else ''} is not supported for {ARCH}: "
+                f"layers {apart} reuse the keys and values of layers {sources} on another pipeline stage "
+                "(num_kv_shared_layers; the shared keys and values do not cross stages); choose a split that keeps "
+                "each storing layer with the layers reusing it.")
+
+    def pipeline_hidden_size(self) -> int:
+        """What a pipeline stage sends per token: the AltUp streams and the per-layer inputs (builder.py)."""
+        return boundary_width(self.hf_config)
 
     @property
     def small_model_features(self) -> list[str]:
@@ -113,6 +134,8 @@ class Gemma3nBridge(Gemma4Bridge):
                   normalization="RMSNorm", layernorm_zero_centered_gamma=False, gated_linear_unit=True,
                   add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, hidden_dropout=0.0,
                   softmax_scale=1.0, **layer_windows(c))
+        # NOTE: no experts; megatron refuses its default dispatcher with the variable_seq_lengths a pipeline needs here
+        kw.update(moe_token_dispatcher_type="alltoall")
         return kw
 
     def mlp_module(self) -> type | None:
@@ -126,9 +149,6 @@ class Gemma3nBridge(Gemma4Bridge):
         scale_gemma_embedding(model, c.hidden_size)
         self.set_rotary_tables(model)
         model.decoder.register_forward_pre_hook(_refuse_recompute)
-        add_per_layer_inputs(model, c)  # NOTE: its pre-hook reads the embedding before add_streams widens it
-        model.per_layer_inputs.__class__ = _PerLayerIds
-        model.per_layer_inputs.table_rows = c.vocab_size_per_layer_input
         add_streams(model, c)
         if self.kv_modes:
             share_keys_and_values(model, self.kv_modes, c.layer_types)

@@ -3,10 +3,15 @@ LAuReL's low-rank residual, the per-layer input block, and the MLP's Gaussian to
 
 Choices:
 - The residual is ``altup_num_inputs`` streams, carried between megatron's layers as one ``[s, b, n * H]`` tensor:
-  ``AltUpStreams`` (a forward pre-hook on the decoder) makes them from the embedding (transformers'
-  ``altup_projections``, each rescaled to the embedding's RMS), and the decoder's final norm is ``AltUpHead``
-  (``altup_unembed_projections`` rescaled to stream 0's RMS, the mean of the streams, then ``model.norm``). So a
-  pipeline stage boundary would carry a width megatron does not expect: pipelines are refused (``gemma3n.py``).
+  ``AltUpStreams`` (a forward pre-hook on the first stage's decoder) makes them from the embedding (transformers'
+  ``altup_projections``, each rescaled to the embedding's RMS), and the last stage's decoder's final norm is
+  ``AltUpHead`` (``altup_unembed_projections`` rescaled to stream 0's RMS, the mean of the streams, then
+  ``model.norm``). The per-layer inputs ``[s, b, layers, P]`` (``PerLayerIds``) are made beside them on the first
+  stage and handed to the layers through a holder (``per_layer_stream``), each layer reading its own slice by its
+  global number. Under pipeline parallelism (``add_streams``) a stage before the last appends the per-layer inputs to
+  its decoder's output, ``[s, b, n * H + layers * P]`` (``boundary_width``), and a later stage splits what it
+  receives back into the streams (the decoder's input) and the holder's per-layer inputs; the gradient of both goes
+  back through the same tensor.
 - ``Gemma3nLayer`` is transformers' ``Gemma3nTextDecoderLayer``: AltUp's prediction, the active stream's input norm
   feeding the attention (megatron's ``self_attention``, Gemma 4's: q / k / v norms, KV sharing) and LAuReL,
   ``(active + attention + laurel) / sqrt(2)``, the MLP with its sandwich norms, AltUp's correction, then the
@@ -28,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from loongforge_hf.bridges.gemma4_per_layer import _linear
+from loongforge_hf.bridges.gemma4_per_layer import PerLayerInputs, _linear
 
 _ATTENTION_ARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
                    "inference_context", "packed_seq_params", "sequence_len_offset")
@@ -136,19 +141,69 @@ class AltUpHead(torch.nn.Module):
         return self.norm(torch.mean(torch.stack([first, *rest]), dim=0))
 
 
+class PerLayerIds(PerLayerInputs):
+    """``PerLayerInputs`` with transformers' Gemma 3n lookup: ids outside the table (``table_rows``) are looked up
+    as 0."""
+
+    table_rows = 0
+
+    def forward(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        inside = (input_ids >= 0) & (input_ids < self.table_rows)
+        return super().forward(torch.where(inside, input_ids, 0), embeddings)
+
+
+def boundary_width(hf_config) -> int:
+    """What crosses a pipeline stage boundary per token: the AltUp streams, then every layer's per-layer input."""
+    c = hf_config
+    return c.altup_num_inputs * c.hidden_size + c.num_hidden_layers * c.hidden_size_per_layer_input
+
+
 def add_streams(chunk, hf_config) -> None:
-    """Give ``chunk`` (a whole model: no pipeline) ``AltUpStreams`` before its decoder and ``AltUpHead`` as the
-    decoder's final norm; call after any other pre-hook that reads the embedding (the per-layer inputs')."""
-    config = chunk.config
-    chunk.altup_streams = AltUpStreams(config, hf_config)
-    chunk.decoder.final_layernorm = AltUpHead(config, hf_config)
+    """Wire ``chunk`` (one pipeline stage's ``GPTModel``; the whole model without a pipeline) as the module
+    docstring says: the first stage makes the streams and the per-layer inputs before its decoder, a later stage
+    splits what it receives into the two, a stage before the last appends the per-layer inputs to its decoder's
+    output, the last has ``AltUpHead`` as its decoder's final norm. Call after any other pre-hook on the decoder."""
+    from megatron.core import parallel_state as ps
 
-    def expand(module, args, kwargs):
+    config, c = chunk.config, hf_config
+    width, layers, size = c.altup_num_inputs * c.hidden_size, c.num_hidden_layers, c.hidden_size_per_layer_input
+    holder = SimpleNamespace(input_ids=None, stream=None)
+    for layer in chunk.decoder.layers:
+        layer.per_layer_stream = holder
+    if chunk.pre_process:
+        chunk.per_layer_inputs = PerLayerIds(config, num_layers=layers, size=size, vocab=c.vocab_size_per_layer_input,
+                                             pad_token_id=c.pad_token_id,
+                                             tp_group=ps.get_tensor_model_parallel_group())
+        chunk.per_layer_inputs.table_rows = c.vocab_size_per_layer_input
+        chunk.altup_streams = AltUpStreams(config, c)
+    if chunk.post_process:
+        chunk.decoder.final_layernorm = AltUpHead(config, c)
+
+    def keep_ids(module, args, kwargs):
+        holder.input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+
+    def enter(decoder, args, kwargs):
+        if not chunk.pre_process:  # NOTE: megatron's block reads the received tensor, not its argument
+            received = decoder.input_tensor
+            decoder.input_tensor = received[..., :width]
+            holder.stream = received[..., width:].unflatten(-1, (layers, size))
+            return None
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        holder.stream = chunk.per_layer_inputs(holder.input_ids, hidden)
+        streams = chunk.altup_streams(hidden)
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": chunk.altup_streams(kwargs["hidden_states"])}
-        return (chunk.altup_streams(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": streams}
+        return (streams, *args[1:]), kwargs
 
-    chunk.decoder.register_forward_pre_hook(expand, with_kwargs=True)
+    def leave(decoder, args, output):
+        stream, holder.input_ids, holder.stream = holder.stream, None, None
+        if not chunk.post_process:
+            return torch.cat([output, stream.flatten(-2).to(output.dtype)], dim=-1)
+        return None
+
+    chunk.register_forward_pre_hook(keep_ids, with_kwargs=True)
+    chunk.decoder.register_forward_pre_hook(enter, with_kwargs=True)
+    chunk.decoder.register_forward_hook(leave)
 
 
 def std_multiplier(sparsity: float) -> torch.Tensor:
@@ -225,7 +280,10 @@ def _layer_base() -> type:
         def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs) -> None:
             import copy
 
-            hf, i = self.hf_config, layer_number - 1
+            from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+            # NOTE: megatron passes the stage's own number; TransformerLayer adds this offset to it
+            hf, i = self.hf_config, layer_number - 1 + get_transformer_layer_offset(config, kwargs.get("vp_stage"))
             if hf.intermediate_size[i] != config.ffn_hidden_size:
                 config = copy.copy(config)
                 config.ffn_hidden_size = hf.intermediate_size[i]

@@ -9,6 +9,11 @@ One world of two ranks:
   bit-exact export round trip;
 - TP2 + SP: logits and loss, left padding, every parameter's gradient exported through the bridge against
   transformers' (the top-k's mean and variance all-reduced over TP);
+- pipelines, on an 8-layer variant (``EIGHT``: the last layer reusing the keys and values of the one before it, so
+  PP2's split 4 / 4 and PP2 x VPP2's 2 / 2 / 2 / 2 keep them on one stage): at PP2 logits and loss, left padding,
+  cached greedy, a bit-exact export; at PP2 x VPP2 logits and loss and the training engine's step (LoongTrainer's:
+  megatron's interleaved schedule over two micro-batches, the stage boundaries carrying the AltUp streams and the
+  per-layer inputs) with every gradient exported through the bridge against transformers';
 - refusals on the bridge alone (pure, before any collective), naming the field."""
 
 import re
@@ -22,6 +27,10 @@ from loongforge_hf.testing import make_tiny_checkpoint
 from .test_recurrent_gemma import _gradients, _ids, _padded, _plain
 
 TOL = 1e-4
+S, F = "sliding_attention", "full_attention"
+EIGHT = dict(num_hidden_layers=8, layer_types=[S, S, F, S, S, F, S, S],
+             intermediate_size=[96, 64, 96, 96, 64, 96, 64, 96],
+             activation_sparsity_pattern=[0.95, 0.8, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], num_kv_shared_layers=1)
 
 
 def _models(folder: str, **layout):
@@ -47,7 +56,68 @@ def _generate(ours, ref) -> dict:
             for name, (got, theirs) in runs.items()}
 
 
-def _world(folder: str) -> dict:
+def _engine_gradients(ours, ref, folder: str) -> dict | None:
+    """The training engine's step (LoongTrainer's; two micro-batches of one row, as the interleaved schedule needs):
+    every gradient of the mean loss, taken before the optimizer step (the engine's buffers hold the loss sum's) and
+    exported through the bridge, against transformers' (rank 0: relative to each tensor's largest; None elsewhere)."""
+    import tempfile
+
+    import torch.distributed as dist
+    import transformers
+
+    from loongforge_hf.trainer.engine import MegatronEngine
+
+    from ._gradients import gradient_diffs
+
+    ids, grads = _ids((2, 24), seed=2), f"{folder}-pipeline-grads"
+
+    def save() -> None:
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.copy_(p.main_grad / ids[:, 1:].numel())
+        ours.save_pretrained(grads)
+
+    with tempfile.TemporaryDirectory() as out:
+        engine = MegatronEngine(ours, args=transformers.TrainingArguments(out, use_cpu=True, report_to=[]))
+        engine.train_step([{"input_ids": row, "labels": row} for row in ids.split(1)], before_optimizer_step=save)
+    if dist.get_rank() != 0:
+        return None
+    ref.zero_grad()
+    ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return gradient_diffs(grads, ref)
+
+
+def _greedy(ours, ref) -> tuple[bool, float]:
+    ids = _ids((2, 9), seed=3)
+    kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    got, want = ours.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw)
+    return torch.equal(got.sequences, want.sequences), max(float((a - b).abs().max())
+                                                           for a, b in zip(got.scores, want.scores))
+
+
+def _pipelines(folder: str) -> dict:
+    """PP2 and PP2 x VPP2 on the 8-layer variant (module docstring)."""
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+
+    from loongforge_hf.testing.round_trip import check_round_trip
+
+    ours, ref = _models(folder, pipeline_parallel_size=2)
+    out = {"pp2": {"plain": _plain(ours, ref), "padded": _padded(ours, ref), "greedy": _greedy(ours, ref)}}
+    ours.save_pretrained(f"{folder}-saved")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        check_round_trip(folder, f"{folder}-saved")
+        out["pp2"]["round_trip"] = True
+    del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2,
+                                                   virtual_pipeline_parallel_size=2)
+    out["pp2_vpp2"] = {"plain": _plain(ours, ref), "grads": _engine_gradients(ours, ref, folder)}
+    return out
+
+
+def _world(folder: str, eight: str) -> dict:
     import torch.distributed as dist
 
     from loongforge_hf.testing.round_trip import check_round_trip
@@ -65,7 +135,8 @@ def _world(folder: str) -> dict:
     del ours
     ours, ref = _models(folder, tensor_parallel_size=2, sequence_parallel=True)
     out["tp2"] = {"plain": _plain(ours, ref), "padded": _padded(ours, ref), "grads": _gradients(ours, ref, folder)}
-    return out
+    del ours
+    return {**out, **_pipelines(eight)}
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +145,9 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world(folder):
-    return run_distributed(_world, 2, folder, timeout=300)
+def world(folder, tmp_path_factory):
+    eight = str(make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3n8") / "g", "gemma3n", **EIGHT))
+    return run_distributed(_world, 2, folder, eight, timeout=300)
 
 
 def test_tp1(world):
@@ -99,7 +171,8 @@ def test_tp2_sequence_parallel(world):
 
 
 @pytest.mark.parametrize("changes, layout, field", [
-    ({}, dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported for Gemma3nForCausalLM"),
+    ({}, dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported for Gemma3nForCausalLM: layers "
+                                         "[3, 4] reuse the keys and values of layers [1, 2] on another pipeline stage"),
     ({}, dict(context_parallel_size=2), "context_parallel_size=2 is not supported for Gemma3nForCausalLM"),
     ({}, dict(tensor_parallel_size=4), "num_key_value_heads=2 does not split over tensor_parallel_size=4"),
     ({"altup_active_idx": 3}, None, "altup_active_idx=3 is not one of the altup_num_inputs=3 streams"),
@@ -122,12 +195,43 @@ def test_refused(folder, changes, layout, field):
         get_bridge(config).check_layout(ParallelConfig(**(layout or {})))
 
 
+def test_pipelines(world):
+    for rank in world:
+        for layout in ("pp2", "pp2_vpp2"):
+            res = rank[layout]["plain"]
+            assert res["logits"] < TOL and res["loss"] < TOL, (layout, res)
+        res = rank["pp2"]["padded"]
+        assert res["logits"] < TOL and res["loss"] < TOL, res
+        same, scores = rank["pp2"]["greedy"]
+        assert same and scores < TOL, rank["pp2"]["greedy"]
+    assert world[0]["pp2"]["round_trip"]
+    grads = world[0]["pp2_vpp2"]["grads"]
+    assert len(grads) > 100 and max(grads.values()) < 1e-4, sorted(grads.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_virtual_stage_split_refused():
+    """The 8-layer variant with 2 layers reusing layer 4's keys and values: PP2 keeps them on one stage, PP2 x VPP2
+    (two layers a chunk) does not and is refused by name (pure, before any collective)."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel import ParallelConfig
+    from loongforge_hf.testing.tiny_models import _config
+
+    bridge = get_bridge(_config("gemma3n", **{**EIGHT, "num_kv_shared_layers": 2}))
+    bridge.check_layout(ParallelConfig(pipeline_parallel_size=2))
+    with pytest.raises(UnsupportedConfigError, match=re.escape(
+            "pipeline_parallel_size=2 with virtual_pipeline_parallel_size=2 is not supported for Gemma3nForCausalLM: "
+            "layers [6, 7] reuse the keys and values of layers [4] on another pipeline stage")):
+        bridge.check_layout(ParallelConfig(pipeline_parallel_size=2, virtual_pipeline_parallel_size=2))
+
+
 def test_hub_layout_accepted_and_image_text_model_refused():
     """gemma-3n-E4B's text config (transformers' defaults: 4 streams, 15 layers sharing keys and values, top-k on the
-    first 10) builds a bridge at TP2; the hub's image-text-audio model is refused by name."""
+    first 10) builds a bridge at TP2 and at PP2 (18 / 17 layers: layers 18 and 19, which store the keys and values,
+    on the second stage with the layers reusing them), not at PP4 (layers 21-34 on other stages than 18 / 19); the
+    hub's image-text-audio model is refused by name."""
     import transformers
 
-    from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
     from loongforge_hf.bridges.registry import UnsupportedArchitectureError
     from loongforge_hf.parallel import ParallelConfig
 
@@ -135,6 +239,10 @@ def test_hub_layout_accepted_and_image_text_model_refused():
     config.architectures = ["Gemma3nForCausalLM"]
     bridge = get_bridge(config)
     bridge.check_layout(ParallelConfig(tensor_parallel_size=2))
+    bridge.check_layout(ParallelConfig(pipeline_parallel_size=2))
+    with pytest.raises(UnsupportedConfigError, match=re.escape(f"layers {list(range(21, 35))} reuse the keys and "
+                                                               "values of layers [18, 19] on another pipeline stage")):
+        bridge.check_layout(ParallelConfig(pipeline_parallel_size=4))
     assert len(bridge.reusing_layers) == 15 and bridge.mlp_module() is not None
     full = transformers.Gemma3nConfig()
     full.architectures = ["Gemma3nForConditionalGeneration"]
