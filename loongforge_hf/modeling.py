@@ -135,7 +135,9 @@ def router_outputs(model, routed, run, *, attention_mask, shape: tuple, length: 
         # NOTE: the pipelined forward runs without grad (runtime._forward_pipelined): so does the term
         tally = balance.begin(attention_mask, shape, device=model.device, length=length,
                               graph=torch.is_grad_enabled() and model.parallel.pipeline_parallel_size == 1)
-    recorder = RouterLogits(model.megatron.config, batch=shape[0], seq=length, given=shape[-1])
+    bridge = getattr(model.bridge, "text", model.bridge)  # NOTE: an image-text model's language bridge
+    recorder = RouterLogits(model.megatron.config, batch=shape[0], seq=length, given=shape[-1],
+                            per_layer=getattr(bridge, "routers_per_layer", 1))
     with recording(model.routers, recorder):
         result = run()
     # NOTE: in the graph: the routers' gradient follows its use

@@ -229,10 +229,12 @@ def router_aux_loss_coef_of(hf_config) -> float:
 
 def router_aux_loss_coef_field(hf_config) -> float:
     """The config's balancing-loss coefficient, on or off: ``router_aux_loss_coef``, or DBRX's
-    ``ffn_config.moe_loss_weight`` (the one its transformers model reads)."""
+    ``ffn_config.moe_loss_weight``, or JetMoE's ``aux_loss_coef`` (the one its transformers model reads)."""
     ffn = getattr(hf_config, "ffn_config", None)
     if hasattr(ffn, "moe_loss_weight"):
         return float(ffn.moe_loss_weight or 0.0)
+    if not hasattr(hf_config, "router_aux_loss_coef") and hasattr(hf_config, "aux_loss_coef"):
+        return float(hf_config.aux_loss_coef or 0.0)
     return float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
 
 

@@ -16,9 +16,12 @@ Choices:
 - Tensor parallelism splits the KV heads (the attention experts' heads with them) and the MoE experts as megatron's;
   expert parallelism splits the MoE experts (the attention experts stay whole on every rank: they are dense in
   tokens); pipeline and context parallelism as megatron's (the mixtures are per token). Refused by the pure checks
-  (before any collective): KV heads that do not split over TP, ``output_router_logits`` (transformers'
-  ``router_logits`` and balancing loss count the attention routers beside the MoE ones; not built), activations
-  other than silu.
+  (before any collective): KV heads that do not split over TP, activations other than silu.
+- ``output_router_logits`` (the config's or the forward's keyword): transformers' ``router_logits`` count the
+  attention experts' router beside the MoE one, per layer the attention's first (``routers_per_layer``: ``2 *
+  num_hidden_layers`` of ``[batch * seq, experts]``), and its balancing loss (Mixtral's formula over all of them,
+  ``aux_loss_coef`` its coefficient: ``config_map.router_aux_loss_coef_field``) tallies both
+  (``router_balance``; the attention's router in ``jetmoe_attention.MoAQueryKV``).
 - LoRA as PEFT adapts transformers' model: ``kv_proj`` (megatron's column-parallel ``linear_qkv.kv``, B's rows in its
   per-rank ``[k; v]`` order, as the weight's). Refused by name: the routers ``router.layer`` (``lora.plan._REFUSED``;
   the attention router is a raw parameter here, the MoE's megatron's router) and the expert stacks (PEFT's
@@ -56,8 +59,7 @@ class ExpertColumns(ColumnParallel):
 
 @register_bridge("JetMoeForCausalLM")
 class JetMoeBridge(MixtralBridge):
-    hf_balance_loss = False
-    hf_router_logits = False
+    routers_per_layer = 2  # NOTE: router_logits.RouterLogits: the attention's router, then the MoE layer's
     supports_sliding_window = False
     own_activation = True  # NOTE: JetMoE names it activation_function (checked here)
     config_fields = JETMOE_FIELDS
@@ -68,16 +70,7 @@ class JetMoeBridge(MixtralBridge):
         if c.activation_function != "silu":
             raise C.UnsupportedConfigError(f"activation_function={c.activation_function!r} is not supported for "
                                            f"{arch} (only 'silu').")
-        if getattr(c, "output_router_logits", False):
-            raise C.UnsupportedConfigError(self.router_outputs_refusal)
         super().check_config()
-
-    @property
-    def router_outputs_refusal(self) -> str:
-        """Why a forward with ``output_router_logits`` is refused (``router_balance``: the config's or the keyword)."""
-        return (f"output_router_logits=True is not supported for {self.architectures[0]}: transformers' "
-                "router_logits and balancing loss (aux_loss_coef) count the attention experts' routers beside the MoE "
-                "ones (not built); set it to False.")
 
     def check_layout(self, layout) -> None:
         """``UnsupportedConfigError`` for a layout the attention experts cannot run (pure: before any collective)."""

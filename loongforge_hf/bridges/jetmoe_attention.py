@@ -20,6 +20,12 @@ Choices:
   gradient summed over the ranks' heads) and the router reads the gathered tokens without the reduce-scatter in the
   backward: the router's gradient is whole on every rank, as a replicated weight's.
 - Experts run as transformers' loop over experts on their tokens (one linear per expert).
+- transformers' ``router_logits`` and balancing loss count this router beside the MoE layer's, first in each layer
+  (``router_logits.RouterLogits``' ``per_layer`` slots): the attention's ``linear_qkv`` is a recording router
+  (``records_router_logits``) that hands the forward's recorder and balance tally (``router_balance``) the logits of
+  this rank's own tokens, as megatron's MoE router sees them. Under sequence parallelism it reads every token, so
+  its own rows are split off with megatron's scatter-to-sequence-parallel region (its backward all-gathers their
+  gradient): the router's gradient of ``router_logits`` and of the balancing loss stays whole on every rank.
 - Checkpoints (``sharded_state_dict``): the query and output stacks split by heads over TP as held, the router and
   the output bias replicated, ``kv`` as megatron's linear (and LoRA's adapter on it) shards itself.
 """
@@ -99,11 +105,17 @@ class MoAQueryKV(torch.nn.Module):
     """The ``linear_qkv`` slot: router, query experts and the shared ``kv`` of this rank's KV heads; returns
     ``(query [s, b, k * heads, d], key, value [s, b, heads, d], routing)``."""
 
+    records_router_logits = True  # NOTE: router_logits.recording_routers: a router beside the MoE layers'
+    balance = None  # the model's router_balance.RouterBalance (router_balance.attach)
+    recorder = None  # the forward's router_logits.RouterLogits while it records
+    router_logits_slot = 0  # NOTE: transformers runs the attention's router first in each layer
+
     def __init__(self, input_size: int, output_size: int, *, config, tp_group=None, experts: int, top_k: int,
                  **_: object) -> None:
         super().__init__()
         self.config, self.experts, self.top_k = config, experts, top_k
         self.tp_size, self.tp_group = _tp(tp_group)
+        self.layer_number = self.cp_group = self.tp_cp_group = None  # set by the attention (moa_attention)
         self.heads = config.num_query_groups // self.tp_size
         self.head_dim, rows = config.kv_channels, config.num_query_groups // self.tp_size * config.kv_channels
         self.router = _parameter(config, experts, input_size, split_dim=None)
@@ -139,7 +151,7 @@ class MoAQueryKV(torch.nn.Module):
         s, b, h = x.shape
         logits = F.linear(routed, self.router).float().reshape(s * b, self.experts)
         top_logits, top = logits.topk(self.top_k, dim=-1)
-        gates = torch.softmax(top_logits, dim=-1).type_as(x)
+        gates = self._hand_out(logits, top, torch.softmax(top_logits, dim=-1).type_as(x), s)
         if self.tp_size > 1:
             gates = M.copy_to_tensor_model_parallel_region(gates, group=self.tp_group)
         routing = Routing(top, gates, self.experts)
@@ -150,6 +162,26 @@ class MoAQueryKV(torch.nn.Module):
         kv, _ = self.kv(hidden)  # NOTE: megatron's linear gathers the tokens (SP) or copies them itself
         key, value = kv.view(s, b, 2, self.heads, self.head_dim).unbind(2)
         return query.reshape(s, b, self.heads * self.top_k, self.head_dim), key, value, routing
+
+    def _hand_out(self, logits: torch.Tensor, top: torch.Tensor, gates: torch.Tensor, s: int) -> torch.Tensor:
+        """Hand this rank's own tokens' logits to the forward's recorder and balance tally (module docstring); the
+        gates (with the tally's gradient hand-in)."""
+        tally = self.balance is not None and self.balance.tally is not None
+        if self.recorder is None and not tally:
+            return gates
+        own, own_top = logits, top
+        if self.config.sequence_parallel and self.tp_size > 1:
+            from megatron.core.tensor_parallel import mappings as M
+
+            own = M.scatter_to_sequence_parallel_region(logits.view(s, -1, self.experts), group=self.tp_group)
+            rows = own.shape[0] * own.shape[1]
+            own, own_top = own.reshape(rows, self.experts), top[self.tp_group.rank() * rows:][:rows]
+        if self.recorder is not None:
+            self.recorder.record(self, own)
+        if tally:
+            counted = torch.zeros_like(own, dtype=torch.bool).scatter_(1, own_top, True)
+            gates = self.balance.take(self, own, counted, gates)
+        return gates
 
 
 class MoAOutput(torch.nn.Module):
@@ -198,6 +230,12 @@ def moa_attention(*, experts: int, top_k: int) -> type:
                                  linear_qkv=functools.partial(MoAQueryKV, experts=experts, top_k=top_k),
                                  linear_proj=ModuleSpec(module=MoAOutput, params={"experts": experts}))
             super().__init__(config, submodules, *args, **kwargs)
+            from megatron.core import parallel_state as ps
+
+            router = self.linear_qkv
+            router.layer_number, router.cp_group = self.layer_number, self.pg_collection.cp
+            router.tp_cp_group = getattr(self.pg_collection, "tp_cp", None) or \
+                ps.get_tensor_and_context_parallel_group()
 
         def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False,
                                         split_qkv=True):

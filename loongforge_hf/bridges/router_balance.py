@@ -4,8 +4,8 @@
 ``output_router_logits`` is on, a coefficient of 0 included, as transformers' does (``forward_outputs``).
 
 Choices:
-- A bridge whose router outputs are not built says why in ``router_outputs_refusal`` (JetMoE: transformers counts its
-  attention routers too): ``output_router_logits`` on, by the config or the forward's keyword, raises it (pure).
+- A bridge whose router outputs are not built says why in ``router_outputs_refusal`` (Doge's CDMoE):
+  ``output_router_logits`` on, by the config or the forward's keyword, raises it (pure).
 - The formula is transformers' ``load_balancing_loss_func``: over the router logits of every MoE layer of one forward,
   ``E * sum_e f_e * P_e`` with ``f_e`` the top-k slots that chose expert ``e`` and ``P_e`` the sum of its softmax
   probability (over all experts), both summed over layers and tokens weighted by the attention mask, divided by
@@ -241,7 +241,7 @@ def _switch(model, output_router_logits: bool | None, *, zero_coef: bool, coef: 
     config = model.config.get_text_config()  # NOTE: an image-text model's: its language model's
     on = asked(config, output_router_logits)
     refusal = getattr(getattr(model.bridge, "text", model.bridge), "router_outputs_refusal", None)
-    if on and refusal:  # NOTE: a model whose router outputs are not built (JetMoE's attention routers): pure
+    if on and refusal:  # NOTE: a model whose router outputs are not built (Doge's CDMoE router): pure
         raise UnsupportedConfigError(refusal)
     if on and moe_graphs.asked(getattr(getattr(model, "megatron", None), "config", None)):
         raise ValueError(f"{moe_graphs.ROUTER_OUTPUTS}: not with cuda_graph_impl='local'.")

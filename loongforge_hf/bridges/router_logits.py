@@ -20,6 +20,9 @@ Choices:
   megatron sums over the ranks that split the tokens in training (the model's loss does the same). Detached: the
   pipelined forward (it runs without grad), and layers under activation recompute (megatron runs a checkpointed
   layer's forward without grad; the backward's recompute is not recorded).
+- A model with several routers per layer (JetMoE: its attention's, then its MoE layer's) gives ``RouterLogits``
+  ``per_layer`` slots, each router its ``router_logits_slot`` (default the last: the MoE layer's), in
+  transformers' order; routers besides megatron's declare ``records_router_logits`` (``recording_routers``).
 - The dtype is the router's: megatron's ``moe_router_dtype`` (fp32 for routers transformers keeps in fp32), else the
   model's, as transformers' gating linear gives it.
 """
@@ -37,12 +40,13 @@ from loongforge_hf.kernels.grouped_mlp import DenseGrad
 class RouterLogits:
     """One forward's router logits on this rank: global layer number -> ``[local seq, batch, experts]``."""
 
-    def __init__(self, config, *, batch: int, seq: int, given: int) -> None:
+    def __init__(self, config, *, batch: int, seq: int, given: int, per_layer: int = 1) -> None:
         """``config``: the model's megatron ``TransformerConfig``; ``seq``: the forward's length padded for the
-        layout, ``given``: the caller's."""
+        layout, ``given``: the caller's; ``per_layer``: the routers of each layer (module docstring)."""
         self.batch, self.seq, self.given = batch, seq, given
         self.experts = config.num_moe_experts
-        self.num_layers = config.num_layers
+        self.per_layer = per_layer
+        self.num_layers = config.num_layers * per_layer
         self.dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(config.moe_router_dtype, config.params_dtype)
         self.layers: dict[int, torch.Tensor] = {}
         self.router = None  # one of the recording routers: its process groups and layout
@@ -53,7 +57,9 @@ class RouterLogits:
             # through the reordering in ``collect`` is a transposed view
             logits = DenseGrad.apply(logits)
         self.experts = logits.shape[-1]  # NOTE: the router's width (LongCat-Flash's zero experts widen it)
-        self.layers[router.layer_number] = logits.reshape(-1, self.batch, self.experts)
+        slot = getattr(router, "router_logits_slot", self.per_layer - 1)
+        key = (router.layer_number - 1) * self.per_layer + slot + 1
+        self.layers[key] = logits.reshape(-1, self.batch, self.experts)
         self.router = router
 
     def collect(self, device) -> tuple[torch.Tensor, ...]:
@@ -115,13 +121,15 @@ def asked(config, output_router_logits: bool | None) -> bool:
 
 def recording_routers(chunks, bridge) -> list:
     """The chunks' ``BalanceRouter`` modules of a bridge with ``hf_router_logits`` (none on a stage without MoE
-    layers); [] for other bridges."""
+    layers), and its other modules that declare ``records_router_logits`` (JetMoE's attention routers); [] for
+    other bridges."""
     if not getattr(bridge, "hf_router_logits", False):
         return []
     from loongforge_hf.bridges.router_balance import balance_router_class
 
     cls = balance_router_class()
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, cls)]
+    return [m for chunk in chunks for m in chunk.modules()
+            if isinstance(m, cls) or getattr(m, "records_router_logits", False)]
 
 
 @contextlib.contextmanager

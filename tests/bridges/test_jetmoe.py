@@ -2,12 +2,14 @@
 transformers within 1e-4, in one world of two ranks: layouts TP1 (DP2), TP2 + SP (the MoE experts split over TP too),
 TP2 + SP x EP2 (each rank two whole MoE experts) and CP2, each with two rows of 40 tokens, the second left-padded by 5
 (logits at the real tokens, loss), and a row packing documents of 7, 20 and 11 tokens against each document alone; at
-TP1 the ``output_router_logits`` keyword refused; at TP2 + SP greedy and 2-beam cached generate of a left-padded batch
-(transformers' tokens); at TP2 + SP x EP2 and CP2 every parameter's gradient (exported through the bridge, against
-transformers', relative to each tensor's largest); a bit-exact export round trip from TP2 + SP x EP2; LoRA on
-``kv_proj`` against PEFT at TP1 and TP2 + SP (logits, loss, every adapter's gradient, the adapter folder in PEFT) and
-the attention's checkpoint shards with it at TP2 + SP. The refused fields, layouts and LoRA targets are checked on the
-bridge alone (pure, before any collective)."""
+TP1, TP2 + SP and CP2 ``output_router_logits=True`` (the attention and MoE routers' logits, the balancing loss and
+the loss with it, within 1e-5); at TP2 + SP greedy and 2-beam cached generate of a left-padded batch (transformers'
+tokens) and every parameter's gradient of the loss with the balancing loss (coefficient 1), and the training
+engine's at TP2 + SP x EP2; at TP2 + SP x EP2 and CP2 every parameter's gradient of the loss (exported through the
+bridge, against transformers', relative to each tensor's largest); a bit-exact export round trip from TP2 + SP x EP2;
+LoRA on ``kv_proj`` against PEFT at TP1 and TP2 + SP (logits, loss, every adapter's gradient, the adapter folder in
+PEFT) and the attention's checkpoint shards with it at TP2 + SP. The refused fields, layouts and LoRA targets are
+checked on the bridge alone (pure, before any collective)."""
 
 import pytest
 import torch
@@ -53,7 +55,7 @@ def _cached_generate(ours, ref) -> dict:
 
 
 def _router_outputs_refusal(ours) -> str | None:
-    """The error of a forward asking for ``output_router_logits`` by keyword (None: none raised)."""
+    """The error of a forward asking for ``output_router_logits`` by keyword (None: none raised; test_doge's)."""
     from loongforge_hf.bridges import UnsupportedConfigError
 
     try:
@@ -61,6 +63,72 @@ def _router_outputs_refusal(ours) -> str | None:
     except UnsupportedConfigError as e:
         return str(e)
     return None
+
+
+def _router_batch() -> dict:
+    from .test_granitemoehybrid import _ids
+
+    ids = _ids((2, 40), seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), output_router_logits=True)
+
+
+def _router_outputs(ours, ref) -> dict:
+    """``output_router_logits`` by keyword on a left-padded batch: transformers' ``router_logits`` (the attention's
+    and the MoE layer's router of each layer), ``aux_loss`` and the loss with ``aux_loss_coef`` times it."""
+    with torch.no_grad():
+        got, want = ours(**_router_batch()), ref(**_router_batch())
+        without = ref(**{**_router_batch(), "output_router_logits": False}).loss
+    pairs = list(zip(got.router_logits, want.router_logits))
+    return {"count": (len(got.router_logits), len(want.router_logits)),
+            "shapes": {(tuple(a.shape), tuple(b.shape)) for a, b in pairs},
+            "router_logits": max(float((a - b).abs().max()) for a, b in pairs),
+            "aux": float(abs(got.aux_loss - want.aux_loss)), "loss": float(abs(got.loss - want.loss)),
+            "aux_in_loss": float(abs(want.loss - without))}
+
+
+def _aux_gradients(ours, ref, folder: str) -> dict | None:
+    """Every parameter's gradient of the loss with the balancing loss (coefficient 1 in both models), exported through
+    the bridge, against transformers' (rank 0: relative to each tensor's largest; None elsewhere)."""
+    import torch.distributed as dist
+
+    from ._gradients import gradient_diffs, save_gradients
+
+    ours.config.aux_loss_coef = 1.0
+    ours(**_router_batch()).loss.backward()
+    save_gradients(ours, f"{folder}-aux-grads")
+    if dist.get_rank() != 0:
+        return None
+    ref.aux_loss_coef = 1.0  # NOTE: transformers' model reads the coefficient it kept at init
+    ref.zero_grad()
+    ref(**_router_batch()).loss.backward()
+    ref.aux_loss_coef = ref.config.aux_loss_coef
+    return gradient_diffs(f"{folder}-aux-grads", ref)
+
+
+def _engine_gradients(folder: str, layout: dict) -> dict | None:
+    """The training engine's gradients (one micro-batch, the config's ``output_router_logits`` with
+    ``aux_loss_coef=1``: the engine adds the balancing term as transformers.Trainer) against transformers' loss with
+    it (rank 0, as ``_aux_gradients``)."""
+    import torch.distributed as dist
+    import transformers
+
+    import loongforge_hf as lf
+
+    from ._gradients import _save_engine_gradients, gradient_diffs
+    from .test_granitemoehybrid import _ids
+
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
+    ours.config.output_router_logits, ours.config.aux_loss_coef = True, 1.0
+    ids = _ids((2, 12), seed=6)
+    _save_engine_gradients(ours, ids, f"{folder}-engine-grads")
+    if dist.get_rank() != 0:
+        return None
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                            output_router_logits=True, aux_loss_coef=1.0)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    return gradient_diffs(f"{folder}-engine-grads", ref)
 
 
 def _attention_shards(model) -> dict:
@@ -90,14 +158,16 @@ def _two_ranks(folder: str) -> dict:
     for name, layout in LAYOUTS.items():
         ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
         out[name] = {**_padded(ours, ref), "packed": max(packed_against_alone(ours, ref))}
-        if name == "tp1":
-            out["router_refusal"] = _router_outputs_refusal(ours)
+        if name in ("tp1", "tp2_sp", "cp2"):
+            out[f"router_{name}"] = _router_outputs(ours, ref)
         if name == "tp2_sp":
             out["generate"] = _cached_generate(ours, ref)
+            out["grads_aux"] = _aux_gradients(ours, ref, folder)  # NOTE: last: the weights now hold gradients
         if name == "tp2_sp_ep2":
             ours.save_pretrained(f"{folder}-saved")  # NOTE: one folder for all ranks (written by the first)
         if name in ("tp2_sp_ep2", "cp2"):
             out[f"grads_{name}"] = _gradients(ours, ref, folder, name)
+    out["grads_engine"] = _engine_gradients(folder, LAYOUTS["tp2_sp_ep2"])
     check_round_trip(folder, f"{folder}-saved")
     out["round_trip"] = True
     return out
@@ -131,12 +201,27 @@ def test_every_gradient(two_ranks, layout):
     assert worst[1] < TOL, worst
 
 
-def test_router_outputs_by_keyword_refused(two_ranks):
-    """transformers would return the attention and MoE routers' logits and add ``aux_loss_coef`` times its balancing
-    loss: refused before any collective, on every rank."""
+@pytest.mark.parametrize("layout", ("tp1", "tp2_sp", "cp2"))
+def test_router_outputs(two_ranks, layout):
+    """``output_router_logits=True``: per layer the attention experts' router then the MoE one (8 of ``[80, 4]``,
+    gathered over the sequence- and context-parallel ranks), transformers' balancing loss over all of them and the
+    loss with ``aux_loss_coef`` times it, within 1e-5 on every rank (the balancing term moves transformers' loss
+    beyond that)."""
     for res in two_ranks:
-        assert res["router_refusal"] and "output_router_logits=True is not supported for JetMoeForCausalLM" in \
-            res["router_refusal"], res["router_refusal"]
+        r = res[f"router_{layout}"]
+        assert r["count"] == (8, 8) and r["shapes"] == {((80, 4), (80, 4))}, r
+        assert max(r["router_logits"], r["aux"], r["loss"]) < 1e-5 < r["aux_in_loss"], r
+
+
+@pytest.mark.parametrize("case", ("grads_aux", "grads_engine"))
+def test_gradients_with_balancing_loss(two_ranks, case):
+    """Every HF tensor's gradient of the loss plus the balancing loss (coefficient 1), within 1e-4: the model's
+    forward at TP2 + SP (the attention's router reads every token: its own rows' gradient gathered back), and the
+    training engine's step at TP2 + SP x EP2 (it adds the term as transformers.Trainer)."""
+    grads = two_ranks[0][case]
+    assert any(n.endswith("self_attention.experts.router.layer.weight") for n in grads), sorted(grads)
+    worst = max(grads.items(), key=lambda kv: kv[1])
+    assert worst[1] < TOL, worst
 
 
 @pytest.mark.parametrize("layout", LORA_LAYOUTS)
@@ -197,15 +282,13 @@ def _bridge(**overrides):
     return get_bridge(_config("jetmoe", architectures=["JetMoeForCausalLM"], **overrides))
 
 
-@pytest.mark.parametrize("overrides,field", [
-    ({"activation_function": "gelu"}, "activation_function='gelu'"),
-    ({"output_router_logits": True}, "output_router_logits=True"),
-])
-def test_fields_refused(overrides, field):
+def test_fields_refused():
+    """A non-silu activation is refused by name; ``output_router_logits`` in the config is accepted."""
     from loongforge_hf.bridges import UnsupportedConfigError
 
-    with pytest.raises(UnsupportedConfigError, match=field):
-        _bridge(**overrides)
+    with pytest.raises(UnsupportedConfigError, match="activation_function='gelu'"):
+        _bridge(activation_function="gelu")
+    assert _bridge(output_router_logits=True).routers_per_layer == 2
 
 
 def test_layouts_refused_and_config():
