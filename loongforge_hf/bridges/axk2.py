@@ -18,9 +18,13 @@ Choices:
 - Everything else is DeepSeek-V3.2's bridge: rotary pairs on disk (transformers' A.X-K2 always rotates interleaved
   pairs), the indexer's rotary halves, sigmoid routing with a fixed ``e_score_correction_bias`` renormalised (its
   ``+ 1e-20``: megatron's expression too) and scaled; expert groups (top-2 sums) where ``n_group`` is set, none
-  where it is ``None`` (A.X-K2-Light). Refused as there: context parallelism, a KV cache in ``generate``,
+  where it is ``None`` (A.X-K2-Light). Refused as there: context parallelism, the static cache in ``generate``,
   ``attention_bias``, ``attention_dropout``. LoRA's layers take megatron's own linears only, so LoRA on
   ``q_b_proj`` / ``o_proj`` (re-classed here) is refused by them.
+- ``generate``'s KV cache is DeepSeek-V3.2's (``sparse_attention.SparseAttentionCacheLayer``): a cached step runs
+  the re-classed core attention's forward (``kv_cache.own_cached_attention`` calls the class's), so its indexer
+  reads the normalised half there too, and the gate rows of the step's own tokens gate ``linear_proj`` as without
+  the cache. Greedy and beam search give transformers' tokens with its cache.
 - On disk: transformers writes the gated norms as ``{norm}.norm.weight`` / ``{norm}.W_down.weight`` /
   ``{norm}.W_up.weight`` and the experts one tensor each (the hub's layout); read and written so.
 """

@@ -18,7 +18,8 @@ Choices:
   (after the up projection and rotary embedding, this rank's heads, as DeepSeek-V3's cache) and its indexer's keys
   (whole on every TP rank); a step's index queries score every cached and new index key, so each new token's top-k
   is the uncached one (GLM-5's shared layers reuse that step's top-k of their full layer). Checked against
-  transformers for DeepSeek-V3.2 and GLM-5 (``KV_CACHE_ARCHITECTURES``): a bridge built on theirs (HY-V4) refuses it.
+  transformers for DeepSeek-V3.2, GLM-5, HY-V4 and A.X-K2 (``KV_CACHE_ARCHITECTURES``): a bridge built on these and
+  not listed there refuses it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from loongforge_hf.bridges.mappings import FP32Replicated, Mapping, Replicated, 
 from loongforge_hf.bridges.registry import register_bridge
 
 I, X = f"{D}.self_attention.core_attention.indexer", f"{L}.self_attn.indexer"
-# NOTE: where generate's KV cache is checked against transformers' (HY-V4, on GLM-5's bridge, is not)
-KV_CACHE_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+# NOTE: where generate's KV cache is checked against transformers' (a bridge built on these and not listed refuses it)
+KV_CACHE_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "HYV4ForCausalLM", "AXK2ForCausalLM")
 
 
 def indexer_row_order(head_dim: int, rope_dim: int, *, halves: bool, rope_first: bool = True) -> torch.Tensor:

@@ -30,9 +30,15 @@ Choices:
   after a full one on its own stage reads that one's top-k (``sparse_attention.link_shared_layers``, per chunk).
   With shared layers, activation recompute under PP is refused (``recompute_refusal``): a stage runs later
   micro-batches' forwards before an earlier one's backward, so a recomputed shared layer would read another's top-k.
+- ``generate``'s KV cache: GLM-5's (``sparse_attention.SparseAttentionCacheLayer``: each layer's MLA keys and values
+  after the rotary embedding, a full layer's indexer keys after its rotation of their last dims, each rotated from
+  its slot; a step's index queries score every cached and new key). What HY-V4 adds is per token or in the softmax,
+  so a cached step applies it as the uncached forward: the sinks join the step's softmax over cache + new keys
+  (``masked_sparse_attention``), the output gate comes from the step's own tokens, the streams pass through the
+  layers as without the cache. Greedy and beam search give transformers' tokens with its cache.
 - Refused by name before any collective: context parallelism, a pipeline split as above, ``swiglu_limit`` <= 0,
-  ``hidden_act`` other than silu, LoRA, and GLM-5's refusals (a KV cache in ``generate``, ``attention_bias``,
-  ``attention_dropout``).
+  ``hidden_act`` other than silu, LoRA, and GLM-5's refusals (the static cache in ``generate``,
+  ``attention_bias``, ``attention_dropout``).
 """
 
 from __future__ import annotations

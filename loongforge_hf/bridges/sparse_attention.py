@@ -40,8 +40,8 @@ Choices:
   cached and new index key (rotated from slot ``past``), causal from that slot with transformers' padding mask, and
   keeps the top ``min(index_topk, keys)``: the uncached selection. A shared layer reuses that step's top-k of its full
   layer. The attention is ``masked_sparse_attention`` over cache + new keys; the layout's padding keys (sequence
-  parallelism) join that step only. The class's forward runs (the cache step passes ``cached=``), so a re-classed
-  attention (A.X-K2's) keeps its own forward.
+  parallelism) join that step only; sinks (HY-V4) join its softmax as without the cache. The class's forward runs
+  (the cache step passes ``cached=``), so a re-classed attention (A.X-K2's) keeps its own forward.
 - Refused by name: packed THD sequences (``packed_seq_params``; packed rows with position ids are masks and run).
 """
 

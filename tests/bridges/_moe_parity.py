@@ -9,6 +9,8 @@ import warnings
 import torch
 
 
+# NOTE: the DeepSeek Sparse Attention cases whose generate runs with the KV cache (_dsa_generate)
+DSA_GENERATE = ("deepseek_v32", "glm_moe_dsa", "axk2")
 _STACKS = (r"\.(experts\.(gate_up_proj|down_proj|fc1\.weight|fc2\.weight)(_bias)?"  # NOTE: fc1 / fc2: Aria's
            r"|block_sparse_moe\.(input|output)_linear\.weight)$")
 
@@ -74,8 +76,9 @@ def _expert_reads(model, folder: str) -> dict:
             "ep_rank": ps.get_expert_model_parallel_rank()}
 
 
-def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
-    """``layout`` may carry ``moe_grouped_gemm`` (False: megatron's SequentialMLP, through the environment)."""
+def _one(folder: str, layout: dict, out_dir: str, seq: int, name: str = "") -> dict:
+    """``layout`` may carry ``moe_grouped_gemm`` (False: megatron's SequentialMLP, through the environment); ``name``:
+    the case's (``DSA_GENERATE``)."""
     import loongforge_hf as lf
     from loongforge_hf.bridges.moe import GROUPED_GEMM_ENV
     from loongforge_hf.testing.tiny_models import hf_causal_lm
@@ -117,7 +120,7 @@ def _one(folder: str, layout: dict, out_dir: str, seq: int) -> dict:
     padded = _left_padded_diff(model, ref, ids) if sparse or model.config.model_type == "minimax" else None
     minimax = model.config.model_type == "minimax"
     packed, generated = (_packed_diffs(model, ref), _generate_matches(model, ref)) if minimax else (None, None)
-    if model.config.model_type in ("deepseek_v32", "glm_moe_dsa"):
+    if name in DSA_GENERATE:
         generated = _dsa_generate(model, ref)
     model.save_pretrained(out_dir, max_shard_size="50KB")
     return {"padded_diff": padded, "packed_diffs": packed, "generate_matches": generated,
@@ -170,21 +173,26 @@ def _dsa_generate(model, ref) -> dict:
     """DeepSeek Sparse Attention: greedy generate and a 2-beam search of a left-padded batch (prompts of 6 and 9
     tokens: longer than the tiny index_topk 4, so the top-k drops keys from the prefill on) with the KV cache, whether
     their tokens are transformers' (with its cache) and our own without the cache; each cache layer's type, keys'
-    and indexer keys' shapes after the greedy run."""
+    and indexer keys' shapes after the greedy run; ``logit_diff``: the largest difference of the steps' logits from
+    transformers' (with its cache), over both runs."""
     ids = torch.randint(4, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[0, :3], ids[0, :3] = 0, 0
-    out = {}
+    out, diffs = {}, []
     for name, kw in {"greedy": {}, "beams": {"num_beams": 2}}.items():
         args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
-        cached = model.generate(ids, return_dict_in_generate=True, **args)
-        theirs = ref.generate(ids, **args)
+        cached = model.generate(ids, return_dict_in_generate=True, output_logits=True, **args)
+        theirs = ref.generate(ids, return_dict_in_generate=True, output_logits=True, **args)
+        diffs += [(a.float() - b.float()).abs().max().item() if a.shape == b.shape else float("inf")
+                  for a, b in zip(cached.logits, theirs.logits)]
+        theirs = theirs.sequences
         out[name] = {"transformers": torch.equal(cached.sequences, theirs),
                      "uncached": torch.equal(model.generate(ids, use_cache=False, **args), theirs)}
         if name == "greedy":
             out["cache_layers"] = [(type(layer).__name__, tuple(layer.keys.shape),
                                     None if layer.index_keys is None else tuple(layer.index_keys.shape))
                                    for layer in cached.cache.layers]
+    out["logit_diff"] = max(diffs)
     return out
 
 
@@ -222,5 +230,6 @@ def run_plan(plan: list[tuple[str, dict, list[tuple[str, str, str]]]], seq: int 
     if bad_layout is not None:
         results["bad_layout"] = _expect_layout_error(*bad_layout)
     for layout_name, layout, cases in plan:
-        results[layout_name] = {name: _one(folder, layout, out_dir, seq) for name, folder, out_dir in cases}
+        results[layout_name] = {name: _one(folder, layout, out_dir, seq, name=name)
+                                for name, folder, out_dir in cases}
     return results

@@ -88,26 +88,30 @@ def test_refusals():
         bridge("glm_moe_dsa", attention_dropout=0.1)
 
 
-def test_kv_cache_refusals():
-    """The dynamic KV cache runs for DeepSeek-V3.2 and GLM-5 (generate's tokens: test_moe_parity); the static one is
-    refused, and so is any cache for the bridges built on theirs that it is not checked for (HY-V4, A.X-K2)."""
+def test_kv_cache_refusals(monkeypatch):
+    """The dynamic KV cache runs for DeepSeek-V3.2, GLM-5 and the bridges built on theirs that it is checked for (HY-V4,
+    A.X-K2; generate's tokens: test_moe_parity, test_hy_v4); the static one is refused for each, and any cache for an
+    architecture it is not checked for."""
+    from loongforge_hf.bridges import deepseek_v32
+
     config = type("GenerationConfig", (), {"use_cache": True, "cache_implementation": None})()
-    for arch in ARCHS:
-        assert bridge(arch).generation_refusal(config) is None
-    config.cache_implementation = "static"
-    assert "cache_implementation='static' is not supported for GlmMoeDsaForCausalLM" in \
-        bridge("glm_moe_dsa").generation_refusal(config)
     hy = _config("hy_v4")
     hy.architectures = ["HYV4ForCausalLM"]
     axk2 = _config("axk2")
     axk2.architectures = ["AXK2ForCausalLM"]
+    bridges = [bridge(arch) for arch in ARCHS] + [get_bridge(hy), get_bridge(axk2)]
+    for b in bridges:
+        assert b.generation_refusal(config) is None
+    config.cache_implementation = "static"
+    for b in bridges:
+        assert f"cache_implementation='static' is not supported for {b.architectures[0]}" in \
+            b.generation_refusal(config)
     config.cache_implementation = "dynamic"
-    for cfg in (hy, axk2):
-        refusal = get_bridge(cfg).generation_refusal(config)
-        assert f"a KV cache is not supported for {cfg.architectures[0]}" in refusal and "use_cache=False" in refusal
-        config.use_cache = False
-        assert get_bridge(cfg).generation_refusal(config) is None
-        config.use_cache = True
+    monkeypatch.setattr(deepseek_v32, "KV_CACHE_ARCHITECTURES", ("DeepseekV32ForCausalLM",))
+    refusal = bridge("glm_moe_dsa").generation_refusal(config)
+    assert "a KV cache is not supported for GlmMoeDsaForCausalLM" in refusal and "use_cache=False" in refusal
+    config.use_cache = False
+    assert bridge("glm_moe_dsa").generation_refusal(config) is None
 
 
 def test_cache_layer_keeps_index_keys_with_its_keys():

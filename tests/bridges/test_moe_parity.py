@@ -86,8 +86,8 @@ its heads' first dims in halves) and GLM-5 (``glm_moe_dsa``: rms_norm_eps 1e-5, 
 layers 1 and 3 reusing the top-k of layers 0 and 2) at tp1 and tp2ep2: each query attends to the top 4 of up to 12
 keys (the logits move by ~0.2 with every key kept: test_dsa), megatron's DSA core attention (``SparseAttention``), the
 indexer tensors in the bit-exact round trip, ``router_logits`` within 1e-5, greedy generate and a 2-beam search with
-the KV cache (keys and indexer keys cached) token for token transformers' (with its cache) and ours without (gradients
-at TP2 + SP + EP2: test_gradients; padding, refusals: test_dsa).
+the KV cache (keys and indexer keys cached) token for token transformers' (with its cache; at tp1 each step's logits
+within 1e-4) and ours without (gradients at TP2 + SP + EP2: test_gradients; padding, refusals: test_dsa).
 Kimi Linear (``kimi_linear``: Kimi Delta Attention layers, a per-channel decay, beside a NoPE MLA layer, a dense
 first layer, DeepSeek-V3's grouped sigmoid routing with a bias and a shared expert, Mixtral's names on disk) at tp1,
 cp2ep2 and tp2ep2, its ``router_logits`` within 1e-5 (gradients at TP2 + SP + EP2 and CP2: test_gradients; long
@@ -109,8 +109,8 @@ A.X-K1 (``axk1``: GLM-4.7-Flash's layout with rotary halves on disk, the MoE lay
 without the gates' ``e_score_correction_bias``, as the hub's (test_axk1_checkpoint_without_expert_bias).
 A.X-K2 (``axk2``: DeepSeek-V3.2's layout with the top 4 of 12 keys, input / MoE-layer norms with a low-rank sigmoid
 gate, a query projection of the normalised and raw latents that also gates each head's output; the indexer reads the
-normalised half; ``router_logits``; left padding) at tp1 (also with expert groups) and tp2ep2 (gradients at TP2 +
-SP + EP2: test_gradients).
+normalised half; ``router_logits``; left padding; greedy generate and a 2-beam search with the KV cache as
+DeepSeek-V3.2's) at tp1 (also with expert groups) and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients).
 MiniMax (``minimax``: lightning-attention layers 0, 2, 3 in blocks of 5 tokens, a softmax-attention layer 1, residuals
 after the norms scaled by alpha / beta factors other than 1, Mixtral's experts; ``router_logits`` and the balancing
 loss; left padding at the real tokens, a packed row's documents, greedy generate and a 2-beam search over a
@@ -413,11 +413,17 @@ def test_parity_and_round_trip(worlds, layout, name):
         if name == "minimax":  # NOTE: a packed row's documents each as transformers runs it alone; generate's tokens
             assert len(r["packed_diffs"]) == 3 and max(r["packed_diffs"]) < TOL, (rank, r)
             assert r["generate_matches"] == {"greedy": True, "beams": True}, (rank, r)
-        if name in ("deepseek_v32", "glm_moe_dsa"):  # NOTE: generate with DSA's KV cache (greedy, 2 beams) gives
-            # transformers' tokens and our uncached ones; every layer caches its heads' keys, a full one its indexer's
+        if name in ("deepseek_v32", "glm_moe_dsa", "axk2"):  # NOTE: generate with DSA's KV cache (greedy, 2 beams)
+            # gives transformers' tokens and our uncached ones; every layer caches its heads' keys, a full one its
+            # indexer's (A.X-K2: the gated query and output through the cached steps). At tp1 each step's logits are
+            # within 1e-4 of transformers' cached ones. NOTE: not under TP2 + SP: the tiny GLM-5's and A.X-K2's index
+            # scores nearly tie at the top-k's edge on some queries, where transformers' own cached and uncached
+            # logits differ (by 0.15 and 1.5e-2), and so do ours with another rounding (steps padded to 2 tokens)
             g, heads = r["generate_matches"], 4 // LAYOUTS[layout][1].get("tensor_parallel_size", 1)
             assert g["greedy"] == g["beams"] == {"transformers": True, "uncached": True}, (rank, r)
-            full = (0, 1, 2, 3) if name == "deepseek_v32" else (0, 2)
+            if layout == "tp1":
+                assert g["logit_diff"] < TOL, (rank, g)
+            full = (0, 2) if name == "glm_moe_dsa" else (0, 1, 2, 3)
             assert g["cache_layers"] == [("SparseAttentionCacheLayer", (2, heads, 14, 24),
                                           (2, 14, 16) if i in full else None) for i in range(4)], (rank, r)
         # YaRN's attention factor in the q / k norm slots (kernels.rope.rotary_scale_module)
