@@ -10,7 +10,8 @@ Choices:
   Beam's names: ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm``; experts one tensor per expert, no
   shared expert; dense layers where ``mlp_layer_types`` says ``dense``.
 - ``self_attn.gate_bias`` ``[heads]``: added to each head's gate channels before the sigmoid (``BeamSelfAttention``
-  ``_apply_output_gate``), split over TP with the heads.
+  ``_apply_output_gate``), split over TP with the heads (in the training checkpoint too: megatron's default would
+  key it as replicated, one rank's heads saved for all).
 - The ``full_attention`` layers (no rope) scale their normalised queries by ``(1 + (p + 1) / 2048) ** 0.1``
   (transformers' ``compute_attention_scaling``: ``exp(0.1 * log1p(...))`` in fp32, rounded once), ``p`` the token's
   slot, read from megatron's rotary angles as Llama 4's query temperature (``llama4._slots``).
@@ -91,6 +92,19 @@ def beam_attention(*, full: frozenset[int]) -> type:
         def _apply_output_gate(self, x, gate):
             gate = gate.view(*gate.shape[:-2], self.gate_bias.shape[0], -1) + self.gate_bias[:, None]
             return super()._apply_output_gate(x, gate)
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+            # NOTE: megatron's default keys a module's own parameters as replicated over TP (one rank's copy saved
+            # for all); gate_bias holds this rank's heads, so it is split along dim 0 as they are
+            from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                                         make_sharded_tensors_for_checkpoint)
+
+            state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            state.update(make_sharded_tensors_for_checkpoint(
+                {"gate_bias": self.gate_bias}, prefix, {"gate_bias": 0}, sharded_offsets, tp_group=self.tp_group,
+                dp_cp_group=metadata["dp_cp_group"]))
+            return state
 
     return BeamSelfAttention
 

@@ -169,6 +169,13 @@ class _Retrieval(torch.nn.Module):
         self.down_embed = _parameter(config, experts, config.hidden_size, split=False)
         self.up_embed = _parameter(config, experts, config.hidden_size, split=False)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Its three tensors, replicated over TP (megatron's MLP asks each child for its sharded state dict)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
+                                                   sharded_offsets)
+
 
 def _route(logits: torch.Tensor, *, keys: int, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' product-key routing of ``logits [2, tokens, keys]`` -> (experts, weights) ``[tokens, top_k]``."""
@@ -193,12 +200,13 @@ def cdmoe(*, experts: int, top_k: int, norm_topk_prob: bool, act: str) -> type:
     from loongforge_hf.kernels.attention import _cp_global_index, _GatherSequence
 
     keys = math.floor(math.sqrt(experts))
+    # NOTE: not a submodule: megatron's MLP asks every child for its sharded state dict (a training checkpoint)
+    activation = ACT2FN[act]
 
     class DogeCDMoE(SwiGLUMLP):
         def __init__(self, config, submodules, *args, **kwargs) -> None:
             super().__init__(config, submodules, *args, **kwargs)
             self.retrieval = _Retrieval(config, experts=experts, keys=keys)
-            self.act = ACT2FN[act]
 
         def _routing(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """(experts, weights) ``[s_local * b, top_k]`` of this rank's tokens, routed over the whole batch."""
@@ -228,7 +236,7 @@ def cdmoe(*, experts: int, top_k: int, norm_topk_prob: bool, act: str) -> type:
             chosen, weights = self._routing(hidden_states)
             tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
             down, up = self.retrieval.down_embed[chosen], self.retrieval.up_embed[chosen]  # NOTE: [t, top_k, H]
-            gates = self.act(torch.matmul(down, tokens.unsqueeze(-1)).squeeze(-1)) * weights
+            gates = activation(torch.matmul(down, tokens.unsqueeze(-1)).squeeze(-1)) * weights
             routed = torch.matmul(gates.unsqueeze(1), up).view(hidden_states.shape)
             return out + routed, bias
 

@@ -13,7 +13,9 @@ Choices:
   its rows padded to a multiple of TP where the vocabulary does not split evenly (``PaddedRows``: at most TP - 1
   zero rows no id looks up, never exported); transformers' ``padding_idx`` takes no gradient
   (``pad_without_lookup_gradient``). The projection ``[layers * P, H]`` and the norm are replicated: they act on each
-  rank's own tokens (under sequence parallelism their gradients are summed over TP: ``sequence_parallel``).
+  rank's own tokens (under sequence parallelism their gradients are summed over TP: ``sequence_parallel``). Training
+  checkpoints key each as it is split (``PerLayerInputs.sharded_state_dict``; megatron's default for a plain module
+  saved one rank's rows of the table for every rank).
 - Each layer (``gemma4_layer``, megatron's ``TransformerLayer``): after its MLP's residual add,
   ``x + norm(projection(act(gate(x)) * stream[i]))`` (``per_layer_input_gate`` ``[P, H]``, ``per_layer_projection``
   ``[H, P]``, ``post_per_layer_input_norm``, replicated as the projection above), then the ``layer_scalar``
@@ -87,6 +89,17 @@ class PerLayerInputs(torch.nn.Module):
         projected = self.projection(embeddings) * embeddings.shape[-1] ** -0.5
         projected = self.norm(projected.view(*projected.shape[:2], self.num_layers, self.size))
         return (projected + tokens.view(*tokens.shape[:2], self.num_layers, self.size)) * 2 ** -0.5
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Training-checkpoint keys as the children split their tensors (the embedding over the vocabulary): megatron's
+        default keys a plain module's tensors as replicated over TP, one rank's rows saved for every rank."""
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        state = {}
+        for name, child in self.named_children():
+            state.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                    tp_group=self.tp_group))
+        return state
 
 
 @functools.cache

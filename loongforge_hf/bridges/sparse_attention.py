@@ -183,8 +183,22 @@ class SparseAttention(DSAttention):
         for p in self.parameters():
             p.requires_grad_(False)  # NOTE: transformers' indexer runs under no_grad: no gradient, no update
         self.sinks = _sinks(config, pg_collection) if sinks else None
+        self.tp_group = pg_collection.tp if pg_collection is not None else None
         self.source: list[SparseAttention] = []  # NOTE: a list, not a submodule: the full layer a shared one reads
         self.topk: torch.Tensor | None = None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """megatron's, with the sinks (this rank's heads) split along dim 0 over TP: its default keys a module's own
+        parameters as replicated, one rank's heads saved for all."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.sinks is not None:
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            state.update(make_sharded_tensors_for_checkpoint({"sinks": self.sinks}, prefix, {"sinks": 0},
+                                                             sharded_offsets, tp_group=self.tp_group,
+                                                             dp_cp_group=metadata["dp_cp_group"]))
+        return state
 
     def forward(self, query, key, value, attention_mask, x, qr, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, cached=None):

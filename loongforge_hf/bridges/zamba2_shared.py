@@ -21,6 +21,8 @@ Choices:
   ``act(gate) * up``, ``down_proj`` row-parallel.
 - The per-use linear and the adapters' ``A`` act on this rank's tokens (replicated, their gradients summed over TP
   under sequence parallelism: ``sequence_parallel``).
+- Training checkpoints key the blocks' and adapters' tensors as their linears split them (``_ShardedChildren``):
+  megatron's default would key a plain module's tensors as replicated and save one TP rank's shard for all.
 - The embeddings and the block pass beside megatron's layer arguments: activation recompute is refused
   (``refuse_recompute``), as are pipelines (the embeddings live on the first stage) in ``zamba2.py``. Zamba's blocks
   (``mlp_adapters`` off, no q / k / v adapters, no rope) are the same module.
@@ -75,22 +77,38 @@ def _row(in_features: int, out_features: int, config, tp_group):
                              bias=False, input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
 
 
-class Adapter(torch.nn.Module):
+class _ShardedChildren(torch.nn.Module):
+    """A module (with a ``tp_group``) whose training-checkpoint keys are its children's own (megatron's default keys a
+    plain module's tensors as replicated over TP: one rank's column / row-parallel shard saved for every rank)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        state = {}
+        for name, child in self.named_children():
+            state.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                    tp_group=self.tp_group))
+        return state
+
+
+class Adapter(_ShardedChildren):
     """One use's low-rank term ``up(down(x))``: ``down`` replicated, ``up`` column-parallel."""
 
     def __init__(self, in_features: int, rank: int, out_features: int, config, tp_group) -> None:
         super().__init__()
+        self.tp_group = tp_group
         self.down, self.up = _replicated(in_features, rank, config), _column(rank, out_features, config, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.up(self.down(x))[0]
 
 
-class UseAdapters(torch.nn.Module):
+class UseAdapters(_ShardedChildren):
     """A hybrid layer's own adapters: q / k / v and ``gate_up_proj``'s (where the model has them)."""
 
     def __init__(self, config, sizes: SharedSizes, tp_group) -> None:
         super().__init__()
+        self.tp_group = tp_group
         two_h = 2 * sizes.hidden
         if sizes.qkv_adapters:
             self.q, self.k, self.v = (Adapter(two_h, sizes.rank, two_h, config, tp_group) for _ in range(3))
@@ -98,14 +116,14 @@ class UseAdapters(torch.nn.Module):
             self.gate_up = Adapter(sizes.hidden, sizes.rank, 2 * sizes.intermediate, config, tp_group)
 
 
-class SharedBlock(torch.nn.Module):
+class SharedBlock(_ShardedChildren):
     """One shared transformer block, this TP rank's heads and MLP columns (see the module docstring)."""
 
     def __init__(self, config, sizes: SharedSizes, tp_group) -> None:
         from loongforge_hf.kernels.rmsnorm import RMSNorm
 
         super().__init__()
-        self.config, self.sizes = config, sizes
+        self.config, self.sizes, self.tp_group = config, sizes, tp_group
         tp = config.tensor_model_parallel_size
         h, two_h, d = sizes.hidden, 2 * sizes.hidden, sizes.head_dim
         self.heads, self.kv_heads = sizes.heads // tp, sizes.kv_heads // tp

@@ -11,10 +11,15 @@ Choices:
   megatron's own layouts (q / k / v per KV group; ``[gate; up]`` through its swiglu factory), not for ours that hold
   on each rank its rows of several HF sections side by side: the linear-attention and state-space mixers'
   in-projections and convs (``kv_cache.recurrent_mixers``), JetMoE's shared ``[k; v]`` projection, and LoRA's B
-  (and DoRA's magnitude) of one HF linear over megatron's ``[gate; up]`` (Phi-3's ``gate_up_proj``). Resuming such a
-  model under another tensor-parallel size would load rows in the wrong order and train on: ``layout.json`` (beside
-  ``megatron/``) records the size, and such a resume is refused by name, on every rank, before megatron's load. A
-  checkpoint without the file (written before it) is not checked.
+  (and DoRA's magnitude) of one HF linear over megatron's ``[gate; up]`` (Phi-3's ``gate_up_proj``), DiffLlama's
+  ``linear_qkv`` (each rank holds a slice of both halves of the heads, ``bridges/diffllama.py``) and Laguna's (a
+  rank's queries, then their gates, keys, values: ``bridges/laguna.py``), their LoRA alike.
+  Resuming such a model under another tensor-parallel size would load rows in the wrong order and train on:
+  ``layout.json`` (beside ``megatron/``) records the size, and such a resume is refused by name, on every rank, before
+  megatron's load. A checkpoint without the file (written before it) is not checked.
+- KV heads replicated over TP ranks (more ranks than KV heads: MQA's Falcon / GPT-BigCode, ``parallel/kv_replicas.py``)
+  make ``linear_qkv`` one group per rank: its saved shape depends on the size, so a resume under another one is
+  refused by name too (megatron's load would fail on the shape, saying the checkpoint was for another model).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def sectioned_modules(chunks) -> list[str]:
     found = {type(m).__name__ for m in recurrent_mixers(chunks)}
     for chunk in chunks:
         for name, m in chunk.named_modules():
-            if isinstance(m, MoAQueryKV):
+            if isinstance(m, MoAQueryKV) or _sectioned_attention(m):
                 found.add(type(m).__name__)
             gated = getattr(getattr(m, "config", None), "gated_linear_unit", False)
             if isinstance(m, LoraColumnParallelLinear) and gated and name.endswith("linear_fc1") and any(
@@ -74,21 +79,61 @@ def sectioned_modules(chunks) -> list[str]:
     return sorted(found)
 
 
+# (module, class name) of attention classes built per config by a bridge's factory (a class per call), whose
+# ``linear_qkv`` rows on a TP rank are sectioned (module docstring)
+_SECTIONED_ATTENTION = {("loongforge_hf.bridges.diffllama", "DifferentialSelfAttention"),
+                        ("loongforge_hf.bridges.laguna", "LagunaAttention")}
+
+
+def _sectioned_attention(module) -> bool:
+    return (type(module).__module__, type(module).__name__) in _SECTIONED_ATTENTION
+
+
+def kv_heads(chunks) -> set[int]:
+    """The HF model's numbers of KV heads as this rank's ``linear_qkv`` attention layers hold them (a replica's
+    ``kv_replica`` names them; else megatron's ``num_query_groups``: whole heads per rank)."""
+    from megatron.core.transformer.attention import Attention
+
+    found = set()
+    for chunk in chunks:
+        for m in chunk.modules():
+            weight = getattr(getattr(m, "linear_qkv", None), "weight", None)
+            if isinstance(m, Attention) and weight is not None:
+                replica = getattr(weight, "kv_replica", None)
+                found.add(replica.heads if replica is not None else m.config.num_query_groups)
+    return found
+
+
 def check_resharding(engine, layout_file: Path) -> None:
-    """Refuse resuming under another tensor-parallel size a model with sectioned rows (``sectioned_modules``, on any
-    rank: run through ``run_everywhere``, every rank raises alike). Local reads only, plus one small all-gather."""
+    """Refuse resuming under another tensor-parallel size a model with sectioned rows (``sectioned_modules``) or KV
+    heads replicated over TP ranks (``kv_heads``), on any rank: run through ``run_everywhere``, every rank raises
+    alike. Local reads only, plus one small all-gather."""
     from loongforge_hf.bridges.checkpoint_files import CheckpointError
 
+    from loongforge_hf.parallel.kv_replicas import replicas_of
+
     chunks = [c.module for c in engine.chunks]
-    found = set(sectioned_modules(chunks))
+    found, heads = set(sectioned_modules(chunks)), kv_heads(chunks)
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, found)
-        found = set().union(*everyone)
-    if not layout_file.is_file() or not found:
+        dist.all_gather_object(everyone, (found, heads))
+        found = set().union(*(f for f, _ in everyone))
+        heads = set().union(*(h for _, h in everyone))
+    if not layout_file.is_file():
         return
-    saved = json.loads(layout_file.read_text()).get("tensor_parallel_size")
-    if saved != _tensor_parallel_size():
+    saved, now = json.loads(layout_file.read_text()).get("tensor_parallel_size"), _tensor_parallel_size()
+    replicated = saved != now and isinstance(saved, int) and any(
+        replicas_of(kv, saved) > 1 or replicas_of(kv, now) > 1 for kv in heads)
+    if replicated:
+        raise CheckpointError(
+            f"the checkpoint was written with tensor_parallel_size={saved}, this run has {now}: resharding is not "
+            f"supported where KV heads are replicated over tensor-parallel ranks (num_key_value_heads={min(heads)}: "
+            f"one group per rank, so the saved q / k / v shape depends on the size). Resume with "
+            f"tensor_parallel_size={saved}, or start a new run from its weights: from_pretrained("
+            f"{str(layout_file.parent)!r}) reads the HF export.")
+    if not found:
+        return
+    if saved != now:
         raise CheckpointError(
             f"the checkpoint was written with tensor_parallel_size={saved}, this run has "
             f"{_tensor_parallel_size()}: resharding is not supported for {sorted(found)} (each TP rank holds its rows "

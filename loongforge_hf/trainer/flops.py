@@ -24,6 +24,8 @@ def model_flops_per_token(hf_config, *, seq_len: int) -> float:
     experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     dense = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) \
         or getattr(hf_config, "ffn_hidden_size", None) or 4 * h
+    if isinstance(dense, (list, tuple)):  # NOTE: Gemma 3n's width per layer: their mean, times the layers below
+        dense = sum(dense) / len(dense)
     ffn = (getattr(hf_config, "moe_intermediate_size", None) if experts else None) or dense
     active = getattr(hf_config, "num_experts_per_tok", 1) if experts else 1
     attn_proj = 2 * h * (heads * hd + 2 * kv * hd) + 2 * heads * hd * h
