@@ -18,8 +18,8 @@
 - Phi-3 with LongRoPE, generating across the switch to its long factors (transformers runs the whole sequence
   again there): the dynamic and the static cache (graphed decode steps) give transformers' tokens and scores (1e-4).
 - The caches of their own (fp32, greedy and beam search, the dynamic cache): Doge's dynamic mask over cached values,
-  Zamba / Zamba2's shared blocks' per-use keys beside their Mamba states, DeepSeek-V3.2's and GLM-5's sparse
-  attention with the indexer's cached keys: transformers' tokens, scores and logits within 1e-4.
+  Zamba / Zamba2's shared blocks' per-use keys beside their Mamba states, DeepSeek-V3.2's, GLM-5's, HY-V4's and
+  A.X-K2's sparse attention with the indexer's cached keys: transformers' tokens, scores and logits within 1e-4.
 - On two GPUs over NCCL (TP2, TP2 + SP, CP2, PP2): transformers' tokens, scores and logits (fp32, 1e-4) on both
   ranks; the static cache's step is a CUDA graph on both ranks (with its collectives) in all but PP2.
 """
@@ -79,7 +79,7 @@ def test_generate_on_cuda_as_transformers(tmp_path):
 
 # NOTE: Doge's CDMoE model is left out: on the H200 (2026-12-01) its greedy tokens left transformers' in one row
 # after two new tokens (its routing mixes the logits of a whole step; not investigated); CPU: test_doge.py
-CACHE_ARCHS = ["doge", "zamba2", "zamba", "deepseek_v32", "glm_moe_dsa"]
+CACHE_ARCHS = ["doge", "zamba2", "zamba", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"]
 
 
 def _dynamic_cache_world(folder: str) -> dict:
