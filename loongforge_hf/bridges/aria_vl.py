@@ -34,7 +34,7 @@ import torch
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.aria import AriaTextBridge
-from loongforge_hf.bridges.gemma3_vl import encoder_layer_shapes
+from loongforge_hf.bridges.gemma3_vl import encoder_layer_shapes, siglip_outer_names
 from loongforge_hf.bridges.internvl import decoder_text_bridge
 from loongforge_hf.bridges.llava import LlavaBridge
 from loongforge_hf.bridges.mistral3_vl import HeadPrefixedText
@@ -116,12 +116,8 @@ class AriaVLBridge(LlavaBridge):
     # ---- vision tensors ----------------------------------------------------------------------------------------
     def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:
         """(tower name -> HF name) of the tensors before the blocks, and of those after them."""
-        v, e, mp = self.vision_prefix, f"{self.vision_prefix}.embeddings", self.projector_prefix
-        before = {"patch_embed.proj.weight": f"{e}.patch_embedding.weight",
-                  "patch_embed.proj.bias": f"{e}.patch_embedding.bias",
-                  "position_embedding.weight": f"{e}.position_embedding.weight"}
-        after = {f"post_layernorm.{k}": f"{v}.post_layernorm.{k}" for k in ("weight", "bias")}
-        after.update({f"projector.{n}": f"{mp}.{n}" for n in _PROJECTOR})
+        before, after = siglip_outer_names(self.vision_prefix)
+        after.update({f"projector.{n}": f"{self.projector_prefix}.{n}" for n in _PROJECTOR})
         return before, after
 
     def vision_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.cohere import Cohere2Bridge, CohereBridge
-from loongforge_hf.bridges.gemma3_vl import check_siglip_vision, siglip_shapes
+from loongforge_hf.bridges.gemma3_vl import check_siglip_vision, siglip_outer_names, siglip_shapes
 from loongforge_hf.bridges.internvl import decoder_text_bridge
 from loongforge_hf.bridges.llava import LlavaBridge
 from loongforge_hf.bridges.mistral3_vl import HeadPrefixedText
@@ -102,11 +102,8 @@ class AyaVisionBridge(LlavaBridge):
     # ---- vision tensors ----------------------------------------------------------------------------------------
     def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:
         """(tower name -> HF name) of the tensors before the blocks, and of those after them."""
-        v, e, mp = self.vision_prefix, f"{self.vision_prefix}.embeddings", self.projector_prefix
-        before = {"patch_embed.proj.weight": f"{e}.patch_embedding.weight",
-                  "patch_embed.proj.bias": f"{e}.patch_embedding.bias",
-                  "position_embedding.weight": f"{e}.position_embedding.weight"}
-        after = {f"post_layernorm.{k}": f"{v}.post_layernorm.{k}" for k in ("weight", "bias")}
+        mp = self.projector_prefix
+        before, after = siglip_outer_names(self.vision_prefix)
         after.update({f"projector.{n}.{k}": f"{mp}.{n}.{k}" for n in ("layernorm", "linear_1", "linear_2")
                       for k in ("weight", "bias")})
         return before, after

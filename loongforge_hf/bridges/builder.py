@@ -5,7 +5,7 @@ Choices:
   and fails if one is left over.
 - Uneven pipelines: when layers don't divide by the pipeline size, the first (and if needed the last) stage take
   the extra layers through megatron's ``num_layers_in_first/last_pipeline_stage``; a split megatron cannot
-  express raises ``ParallelLayoutError``.
+  express raises ``ParallelLayoutError`` (``stage_boundary.uneven_split``).
 - Rotary frequencies follow the HF config exactly (llama3 scaling included) by overwriting megatron's ``inv_freq``.
 - The pad token's embedding row takes no gradient from lookups where transformers' embedding has ``padding_idx``
   (``bridges/embedding_padding.py``).
@@ -17,11 +17,7 @@ Choices:
   layout sets, or one TransformerConfig does not have, raises ``ValueError`` (``check_megatron_config``, called by
   from_pretrained before any collective). ``fp8`` / ``fp8_recipe`` are refused there: a Transformer Engine recipe
   comes through ``te_fp8_recipe`` (``from_pretrained(fp8_recipe="te_...")``), which also changes the layer spec.
-- A stage boundary wider than ``hidden_size``: a bridge whose decoder carries more than the hidden states between
-  layers declares it (``pipeline_hidden_size()``, e.g. DeepSeek-V4's ``hc_mult`` residual streams); megatron's
-  schedules size each receive ``[s, b, hidden_size]``, so under pipeline parallelism the config then has
-  ``variable_seq_lengths`` (megatron sends each boundary tensor's shape first) and ``MegatronModel.stage_hidden_size``
-  tells our own point-to-point code (``runtime._interleaved_forward_once``) the width.
+- A stage boundary wider than ``hidden_size`` (a bridge's ``pipeline_hidden_size()``): ``stage_boundary.py``.
 - More TP ranks than KV heads: ``num_query_groups`` is the TP size and each ``linear_qkv`` carries its replica's
   rows (``parallel/kv_replicas.py``, whose ``check_kv_replication`` refuses layouts that cannot replicate).
 """
@@ -29,7 +25,6 @@ Choices:
 from __future__ import annotations
 
 import importlib.util
-import math
 import types
 from dataclasses import dataclass
 
@@ -39,9 +34,10 @@ from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.embedding_padding import embedding_padding_idx, pad_without_lookup_gradient
 from loongforge_hf.bridges.mla_latent import full_width_kv_latent
 from loongforge_hf.bridges.output_layer import add_output_bias
+from loongforge_hf.bridges.stage_boundary import boundary_problems, boundary_settings, uneven_split, wider_boundary
 from loongforge_hf.bridges.transforms import padded_vocab_size
 from loongforge_hf.kernels.fp8_te import TE_CONFIG_FIELDS, te_config_fields
-from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
+from loongforge_hf.parallel.config import ParallelConfig
 from loongforge_hf.parallel.kv_replicas import mark_replicas, query_groups
 from loongforge_hf.xpu import get_backend
 
@@ -54,49 +50,6 @@ class MegatronModel:
     layer_counts: list[int]
     padded_vocab: int
     stage_hidden_size: int | None = None  # NOTE: what crosses a pipeline stage boundary per token, when not hidden
-
-
-def _uneven_split(num_layers: int, pp: int) -> dict:
-    """Kwargs for megatron that put ``num_layers`` on ``pp`` stages as evenly as megatron can express."""
-    if num_layers % pp == 0:
-        return {}
-    for first in range(math.ceil(num_layers / pp), num_layers):
-        for last in (None, *range(1, num_layers)):
-            rest = num_layers - first - (last or 0)
-            middle = pp - 1 - (last is not None)
-            if middle == 0 and rest == 0 or middle > 0 and rest > 0 and rest % middle == 0:
-                kw = {"num_layers_in_first_pipeline_stage": first}
-                if last is not None:
-                    kw["num_layers_in_last_pipeline_stage"] = last
-                return kw
-    raise ParallelLayoutError(f"num_hidden_layers={num_layers} cannot be split over pipeline_parallel_size={pp}.")
-
-
-def first_chunk_layers(num_layers: int, parallel: ParallelConfig) -> int:
-    """How many decoder layers the first pipeline stage's first (virtual) chunk holds, as ``build_megatron_model``
-    splits them."""
-    pp, vpp = parallel.pipeline_parallel_size, parallel.interleaved_stages
-    if vpp:
-        return num_layers // (pp * vpp)
-    return _uneven_split(num_layers, pp).get("num_layers_in_first_pipeline_stage", num_layers // pp)
-
-
-def stage_layer_ranges(num_layers: int, parallel: ParallelConfig) -> list[range]:
-    """The decoder layers of each (virtual) pipeline stage, in layer order, as ``build_megatron_model`` splits them."""
-    pp, vpp = parallel.pipeline_parallel_size, parallel.interleaved_stages
-    if vpp:
-        sizes = [num_layers // (pp * vpp)] * (pp * vpp)
-    else:
-        kw = _uneven_split(num_layers, pp)
-        first, last = kw.get("num_layers_in_first_pipeline_stage"), kw.get("num_layers_in_last_pipeline_stage")
-        if first is None:
-            sizes = [num_layers // pp] * pp
-        else:
-            middle = pp - 1 - (last is not None)
-            rest = num_layers - first - (last or 0)
-            sizes = [first, *([rest // middle] * middle if middle else []), *([last] if last is not None else [])]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 # TransformerConfig fields build_megatron_model sets from the layout, the dtype and the backend.
@@ -129,11 +82,7 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
     problems += [f"{k}: set from the checkpoint's config or the layout, not through megatron_config" for k in taken]
     problems += [f"{k}: {bridge.architectures[0]} routes with its own function, which does not apply it"
                  for k in sorted(set(megatron_config) & set(getattr(bridge, "unserved_megatron_fields", ())))]
-    width = bridge.pipeline_hidden_size() if hasattr(bridge, "pipeline_hidden_size") else None
-    if megatron_config.get("variable_seq_lengths") is False and width not in (None, bridge.hf_config.hidden_size):
-        problems.append(f"variable_seq_lengths=False: {bridge.architectures[0]}'s pipeline stages send {width} values "
-                        f"per token, not hidden_size={bridge.hf_config.hidden_size} (megatron's fixed receive shape); "
-                        "leave it unset")
+    problems += boundary_problems(bridge, megatron_config)
     te_fields = sorted(set(megatron_config) & set(TE_CONFIG_FIELDS))
     problems += [f"{k}: Transformer Engine FP8 is chosen with from_pretrained(fp8='on', fp8_recipe='te_...'), which "
                  "also puts TE's linears into the layer spec (docs/fp8.md)" for k in te_fields]
@@ -195,7 +144,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
     backend = get_backend()
     vpp = parallel.interleaved_stages
     if vpp is None:
-        kw.update(_uneven_split(hf.num_hidden_layers, parallel.pipeline_parallel_size))
+        kw.update(uneven_split(hf.num_hidden_layers, parallel.pipeline_parallel_size))
     fixed = dict(
         tensor_model_parallel_size=parallel.tensor_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_parallel_size,
@@ -215,10 +164,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
     check_megatron_config(bridge, megatron_config)
     if vpp:
         fixed.update(interleaved_p2p_settings(parallel.pipeline_parallel_size, megatron_config or {}))
-    width = bridge.pipeline_hidden_size() if hasattr(bridge, "pipeline_hidden_size") else hf.hidden_size
-    if parallel.pipeline_parallel_size > 1 and width != hf.hidden_size:
-        if "variable_seq_lengths" not in (megatron_config or {}):  # NOTE: False refused (check_megatron_config)
-            fixed["variable_seq_lengths"] = True
+    fixed.update(boundary_settings(bridge, parallel.pipeline_parallel_size, megatron_config or {}))
     config = config_class(**kw, **fixed, **(megatron_config or {}))
     padded = padded_vocab_size(hf.vocab_size, tensor_parallel_size=parallel.tensor_parallel_size)
     padding_idx = embedding_padding_idx(bridge)
@@ -266,7 +212,7 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
         mark_replicas(chunks, num_key_value_heads=kv_heads, head_dim=config.kv_channels,
                       tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=parallel.tensor_parallel_size)
     return MegatronModel(chunks=chunks, config=config, layer_offsets=offsets, layer_counts=counts,
-                         padded_vocab=padded, stage_hidden_size=width if width != hf.hidden_size else None)
+                         padded_vocab=padded, stage_hidden_size=wider_boundary(bridge))
 
 
 def _keep_graph_input(chunk) -> None:

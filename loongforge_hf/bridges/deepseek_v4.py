@@ -14,7 +14,7 @@ Choices:
 - Layouts: TP splits the experts and the shared expert and needs sequence parallelism; attention and the
   hyper-connections stay replicated (transformers' own TP plan does the same). EP splits the experts. PP (virtual
   stages too): a stage boundary carries the ``hc_mult`` residual streams ``[s, b, hc_mult * H]``
-  (``pipeline_hidden_size``, which ``builder.py`` turns into megatron's shape exchange); the first stage expands the
+  (``pipeline_hidden_size``, which ``stage_boundary`` turns into megatron's shape exchange); the first stage expands the
   embedding, the last has the hyper-head; the routers take their rule by the layer's global number. Activation
   recompute under PP is refused (``recompute_refusal``): a stage runs later micro-batches' forwards before an earlier
   one's backward, so a recomputed hash layer would route by another micro-batch's token ids.
@@ -121,7 +121,7 @@ class DeepseekV4Bridge(MoEBridge):
                 "(the compressors pool windows of the whole sequence).")
 
     def pipeline_hidden_size(self) -> int:
-        """What a pipeline stage sends per token: the ``hc_mult`` residual streams (builder.py)."""
+        """What a pipeline stage sends per token: the ``hc_mult`` residual streams (stage_boundary.py)."""
         return self.hf_config.hc_mult * self.hf_config.hidden_size
 
     def recompute_refusal(self, pipeline_parallel_size: int) -> str | None:

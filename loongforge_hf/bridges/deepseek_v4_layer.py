@@ -7,7 +7,7 @@ Choices:
   first layer expands the embedding ``[s, b, H]`` into equal streams, and the decoder's final norm is ``Head``:
   transformers' ``DeepseekV4HyperHead`` (the streams collapsed by their sigmoid weights) then the RMS norm. Under
   pipeline parallelism a stage boundary carries the streams ``[s, b, hc_mult * H]`` (the bridges'
-  ``pipeline_hidden_size``, read by ``builder.py``): the first stage's first layer expands the embedding, a later
+  ``pipeline_hidden_size``, read by ``stage_boundary``): the first stage's first layer expands the embedding, a later
   stage's first layer takes the streams it receives, and only the last stage has the hyper-head.
 - ``HyperConnection`` is transformers' (fp32 weights, unweighted RMS norm of the flattened streams, sigmoid ``pre`` /
   ``2 * sigmoid`` ``post``, the ``comb`` softmax made doubly stochastic by ``hc_sinkhorn_iters`` Sinkhorn steps).

@@ -74,6 +74,16 @@ def biased_vit_block_mappings(hf_block: str, norms: tuple[str, str], out_proj: s
     return maps + biased_mlp_mappings(f"{b}.mlp", f"{p}.mlp.fc1", f"{p}.mlp.fc2")
 
 
+def siglip_outer_names(vision_prefix: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(tower name -> HF name) of a SigLIP tower's tensors before its blocks (patch and position embeddings), and of
+    its post-block norm: what a bridge's ``_outer_names`` adds its projector's names to."""
+    e = f"{vision_prefix}.embeddings"
+    before = {"patch_embed.proj.weight": f"{e}.patch_embedding.weight",
+              "patch_embed.proj.bias": f"{e}.patch_embedding.bias",
+              "position_embedding.weight": f"{e}.position_embedding.weight"}
+    return before, {f"post_layernorm.{k}": f"{vision_prefix}.post_layernorm.{k}" for k in ("weight", "bias")}
+
+
 def siglip_shapes(bridge, projector: tuple) -> dict[str, tuple[int, ...]]:
     """HF shapes of ``bridge``'s SigLIP tower (patch embedding, position table, encoder layers, post-LayerNorm: the
     first names of its ``_outer_names``) and of its projector's tensors (``projector``: their shapes, in the order
@@ -206,14 +216,10 @@ class Gemma3VLBridge(OuterTableBridge):
 
     def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:
         """(tower name -> HF name) of the tensors before the blocks, and of those after them."""
-        v, mp = self.vision_prefix, self.projector_prefix
-        before = {"patch_embed.proj.weight": f"{v}.embeddings.patch_embedding.weight",
-                  "patch_embed.proj.bias": f"{v}.embeddings.patch_embedding.bias",
-                  "position_embedding.weight": f"{v}.embeddings.position_embedding.weight"}
-        after = {"post_layernorm.weight": f"{v}.post_layernorm.weight",
-                 "post_layernorm.bias": f"{v}.post_layernorm.bias",
-                 "projector.norm": f"{mp}.mm_soft_emb_norm.weight",
-                 "projector.weight": f"{mp}.mm_input_projection_weight"}
+        mp = self.projector_prefix
+        before, after = siglip_outer_names(self.vision_prefix)
+        after.update({"projector.norm": f"{mp}.mm_soft_emb_norm.weight",
+                      "projector.weight": f"{mp}.mm_input_projection_weight"})
         return before, after
 
     def vision_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -35,7 +35,8 @@ from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges import gemma4_per_layer as per_layer
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.gemma import _SandwichNorms, scale_gemma_embedding
-from loongforge_hf.bridges.gemma3n_layer import add_streams, boundary_width, gemma3n_layer, sparse_mlp
+from loongforge_hf.bridges.gemma3n_layer import gemma3n_layer, sparse_mlp
+from loongforge_hf.bridges.gemma3n_streams import add_streams, boundary_width
 from loongforge_hf.bridges.gemma4 import Gemma4Bridge
 from loongforge_hf.bridges.gemma4_attention import PerTypeQKV, share_keys_and_values
 from loongforge_hf.bridges.layer_outputs import softcap_logits
@@ -101,7 +102,7 @@ class Gemma3nBridge(Gemma4Bridge):
     def check_stage_split(self, layout) -> None:
         """Refuse a pipeline split that puts a layer reusing keys and values on another (virtual) stage than the
         layer storing them: the shared pair stays within a stage (module docstring)."""
-        from loongforge_hf.bridges.builder import stage_layer_ranges
+        from loongforge_hf.bridges.stage_boundary import stage_layer_ranges
 
         c = self.hf_config
         store = {c.layer_types[i]: i for i, mode in enumerate(self.kv_modes) if mode == "store"}

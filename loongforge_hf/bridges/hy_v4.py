@@ -121,7 +121,7 @@ class HYV4Bridge(GlmMoeDsaBridge):
         super().check_config()
 
     def check_layout(self, layout) -> None:
-        from loongforge_hf.bridges.builder import stage_layer_ranges
+        from loongforge_hf.bridges.stage_boundary import stage_layer_ranges
 
         super(GlmMoeDsaBridge, self).check_layout(layout)  # NOTE: GLM-5's pipeline refusal, narrowed here
         if layout.pipeline_parallel_size == 1:

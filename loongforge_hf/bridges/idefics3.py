@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, OuterTableBridge, siglip_shapes
+from loongforge_hf.bridges.gemma3_vl import Gemma3VLBridge, OuterTableBridge, siglip_outer_names, siglip_shapes
 from loongforge_hf.bridges.internvl import InternVLLlamaText, decoder_text_bridge
 from loongforge_hf.bridges.mappings import Mapping
 from loongforge_hf.bridges.qwen2_5_vl import VL_BRIDGES
@@ -113,13 +113,8 @@ class Idefics3Bridge(OuterTableBridge):
 
     def _outer_names(self) -> tuple[dict[str, str], dict[str, str]]:
         """(tower name -> HF name) of the tensors before the blocks, and of those after them."""
-        v, mp = self.vision_prefix, self.projector_prefix
-        before = {"patch_embed.proj.weight": f"{v}.embeddings.patch_embedding.weight",
-                  "patch_embed.proj.bias": f"{v}.embeddings.patch_embedding.bias",
-                  "position_embedding.weight": f"{v}.embeddings.position_embedding.weight"}
-        after = {"post_layernorm.weight": f"{v}.post_layernorm.weight",
-                 "post_layernorm.bias": f"{v}.post_layernorm.bias",
-                 "projector.proj.weight": f"{mp}.modality_projection.proj.weight"}
+        before, after = siglip_outer_names(self.vision_prefix)
+        after["projector.proj.weight"] = f"{self.projector_prefix}.modality_projection.proj.weight"
         return before, after
 
     def vision_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -262,7 +262,7 @@ def _interleaved_forward_once(model, chunks, input_ids, position_ids, mask, fini
         first = v == 0 and pp_rank == 0
         last = v == len(chunks) - 1 and pp_rank == pp - 1
         if not first:
-            width = getattr(model.megatron, "stage_hidden_size", None) or cfg.hidden_size  # NOTE: builder.py
+            width = getattr(model.megatron, "stage_hidden_size", None) or cfg.hidden_size  # NOTE: stage_boundary.py
             buf = torch.empty(local, b, width, dtype=cfg.params_dtype, device=model.device)
             dist.recv(buf, src=ranks[(pp_rank - 1) % pp])
             chunk.set_input_tensor(buf)

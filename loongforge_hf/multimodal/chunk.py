@@ -45,11 +45,11 @@ from torch import nn
 def check_deepstack_layers(count: int, num_layers: int, parallel) -> None:
     """Raise (before any collective) where DeepStack's first ``count`` decoder layers are not all on the first
     pipeline stage's first chunk, beside the vision tower."""
-    from loongforge_hf.bridges.builder import first_chunk_layers
+    from loongforge_hf.bridges.stage_boundary import stage_layer_ranges
 
     if not count:
         return
-    held = first_chunk_layers(num_layers, parallel)
+    held = len(stage_layer_ranges(num_layers, parallel)[0])
     if count > held:
         from loongforge_hf.parallel import ParallelLayoutError
 
