@@ -33,8 +33,12 @@ Choices:
   model), ``megatron_config`` ``variable_seq_lengths=False`` (the stage boundary needs it), ``generate`` with a KV
   cache (the compressors' running windows are not cached; ``use_cache=False`` runs), rope types other than default /
   YaRN, ``attention_dropout``, ``hidden_act`` other than silu, ``scoring_func`` other than ``sqrtsoftplus``,
-  ``o_groups`` that do not split the heads, LoRA (the planner's ``checkpoint_name``). Packed documents
-  (``position_ids`` other than ``0..s-1``) raise at the forward (``deepseek_v4_layer``).
+  ``o_groups`` that do not split the heads. Packed documents (``position_ids`` other than ``0..s-1``) raise at the
+  forward (``deepseek_v4_layer``).
+- LoRA (names: ``deepseek_v4_lora``): our attention's torch linears (``q_a_proj``, ``q_b_proj``, ``kv_proj``,
+  ``o_b_proj``, the compressors' and the indexer's, which take no gradient as in PEFT) carry whole adapters on every
+  rank (``lora/replicated.py``), the shared experts megatron's; refused by name: the grouped ``o_a_proj`` (PEFT's
+  layer fails on it), the routed experts, the routers, DoRA / PiSSA / OLoRA on the attention.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class DeepseekV4Bridge(MoEBridge):
     hf_balance_loss = True
     position_embedding_type = "none"
     has_passthrough = True
+    lora_replicated_linears = True  # NOTE: LoRA on our attention's torch linears (lora/replicated.py)
     # NOTE: the hub's names, without model. (transformers adds it and renames embed / hc_head_*)
     checkpoint_aliases = ((r"^embed\.weight$", "model.embed_tokens.weight"), (r"^layers\.", "model.layers."),
                           (r"^norm\.weight$", "model.norm.weight"),
@@ -177,13 +182,10 @@ class DeepseekV4Bridge(MoEBridge):
         attach_routing(model, self.hf_config)
 
     def checkpoint_name(self, name: str) -> str:
-        """The LoRA planner's way from transformers' module names to the checkpoint's: LoRA is refused by name (our
-        attention and hyper-connections are replicated modules of our own; no adapter there is tested)."""
-        from loongforge_hf.lora.plan import LoraConfigError
+        """The LoRA planner's way from transformers' module names to the checkpoint's (``deepseek_v4_lora``)."""
+        from loongforge_hf.bridges.deepseek_v4_lora import checkpoint_name
 
-        raise LoraConfigError(f"LoRA is not supported for {self.architectures[0]} yet, whatever the targets: its "
-                              "attention (compressors, indexer, grouped output projection) and hyper-connections are "
-                              "modules of ours without an adapter path compared with PEFT.")
+        return checkpoint_name(self, name)
 
     def passthrough_names(self, names) -> list[str]:
         """The checkpoint's multi-token-prediction tensors (``mtp.*``, ``model.layers.{num_hidden_layers + i}.*``)."""

@@ -9,9 +9,9 @@ Choices:
 - Attention: ``glm_moe_dsa.GlmMoeDsaBridge``'s (megatron's MLA, rotary halves on disk: interleaved on load and back
   on export) with three differences: a learned sink logit per head in the sparse attention's softmax
   (``sparse_attention_spec(sinks=True)``, fp32, split with the heads); an output gate (``self_attn.linear_gate``:
-  column-parallel ``linear_gate`` on megatron's attention, its sigmoid times each head's output before ``o_proj``,
-  ``axk2``'s gated output projection); the indexer rotates the last ``qk_rope_head_dim`` dims of each index head in
-  halves and its key LayerNorm takes ``rms_norm_eps``.
+  column-parallel ``linear_gate`` on megatron's attention, its sigmoid times each head's output before ``o_proj``:
+  a forward pre-hook on megatron's ``linear_proj``, which stays a plain linear for LoRA); the indexer rotates the
+  last ``qk_rope_head_dim`` dims of each index head in halves and its key LayerNorm takes ``rms_norm_eps``.
 - Experts: transformers' clamped SwiGLU (``swiglu_limit``) is megatron's ``activation_func_clamp_value`` on the
   routed experts' own config copy (megatron's ``SequentialMLP``; our grouped MLP has no clamp); the shared expert and
   dense layers are not clamped, as in transformers. Routing is GLM-5's (sigmoid, fixed bias, renormalised, scaled).
@@ -36,9 +36,13 @@ Choices:
   so a cached step applies it as the uncached forward: the sinks join the step's softmax over cache + new keys
   (``masked_sparse_attention``), the output gate comes from the step's own tokens, the streams pass through the
   layers as without the cache. Greedy and beam search give transformers' tokens with its cache.
+- LoRA (names: ``deepseek_v4_lora``, transformers' ``gate_proj`` the checkpoint's ``linear_gate``): MLA's linears,
+  the output gate ``self_attn.gate_proj``, ``o_proj``, the dense MLPs and the shared experts, as any megatron linear;
+  refused by name: the indexer's ``wq_b`` / ``wk`` / ``weights_proj`` (no gradient reaches them), the routed experts
+  and the router (``target_parameters``).
 - Refused by name before any collective: context parallelism, a pipeline split as above, ``swiglu_limit`` <= 0,
-  ``hidden_act`` other than silu, LoRA, and GLM-5's refusals (the static cache in ``generate``,
-  ``attention_bias``, ``attention_dropout``).
+  ``hidden_act`` other than silu, and GLM-5's refusals (the static cache in ``generate``, ``attention_bias``,
+  ``attention_dropout``).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.axk2 import _output_gated, _reclass
+from loongforge_hf.bridges.axk2 import _reclass
 from loongforge_hf.bridges.deepseek_v32 import IndexerRows
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.fused_mappings import GatedMLP
@@ -96,7 +100,15 @@ def _gate_output(attention, config, hf) -> None:
         bias=False, gather_output=False, tp_group=attention.pg_collection.tp)
     box = types.SimpleNamespace(gate=None)
     _reclass(attention, _gate_computing(type(attention)), box=box)
-    _reclass(attention.linear_proj, _output_gated(type(attention.linear_proj)), box=box)
+    # NOTE: a pre-hook, not a re-class: linear_proj stays megatron's RowParallelLinear, which LoRA's layers take
+    attention.linear_proj.register_forward_pre_hook(functools.partial(_gated_input, box=box))
+
+
+def _gated_input(module, args, *, box):
+    """``linear_proj``'s input (each head's attention output) times the sigmoid of the gate ``box`` holds."""
+    gate, box.gate = box.gate, None
+    x = args[0]
+    return ((x * torch.sigmoid(gate.float())).to(x.dtype), *args[1:])
 
 
 @register_bridge("HYV4ForCausalLM")
@@ -172,12 +184,10 @@ class HYV4Bridge(GlmMoeDsaBridge):
                 expert.config.activation_func_clamp_value = float(c.swiglu_limit)
 
     def checkpoint_name(self, name: str) -> str:
-        """The LoRA planner's way to the checkpoint's names: LoRA is refused by name (no adapter on our gated
-        attention and hyper-connected layers is compared with PEFT)."""
-        from loongforge_hf.lora.plan import LoraConfigError
+        """The LoRA planner's way from transformers' module names to the checkpoint's (``deepseek_v4_lora``)."""
+        from loongforge_hf.bridges.deepseek_v4_lora import checkpoint_name
 
-        raise LoraConfigError(f"LoRA is not supported for {self.architectures[0]} yet, whatever the targets: its "
-                              "gated attention and hyper-connected layers have no adapter path compared with PEFT.")
+        return checkpoint_name(self, name)
 
     def passthrough_names(self, names) -> list[str]:
         """DeepSeek's multi-token-prediction layers and HY-V4's ``model.mtp_layers.*``."""

@@ -53,11 +53,13 @@ def _lora_deltas(model):
     rank; collective over TP where DoRA's row norms are."""
     from loongforge_hf.lora.experts import is_param_lora
     from loongforge_hf.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
+    from loongforge_hf.lora.replicated import LoraReplicatedLinear
     from loongforge_hf.lora.vision import LoraVisionLinear
 
     for chunk in model.chunks:
         for module in chunk.modules():
-            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear, LoraVisionLinear)):
+            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear, LoraVisionLinear,
+                                   LoraReplicatedLinear)):
                 yield module.weight, module.lora_merge_delta()
             elif is_param_lora(module):
                 yield from module.lora_deltas()
@@ -188,7 +190,7 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
             continue
         prefix = f"base_model.model.{t.hf_module}"
         base = t.megatron_module + f".lora.{t.name}"
-        split, kind = {"row": "A", "router": None, "shared_gate": None}.get(t.kind, "B"), None
+        split, kind = {"row": "A", "router": None, "shared_gate": None, "replicated": None}.get(t.kind, "B"), None
         if t.kind == "vision":  # NOTE: whole unless the tower is split (lora/vision.py)
             kind = tower_split(t) if split_tower else None
             split = split_factor(kind)

@@ -148,6 +148,8 @@ def _layout_and_slices(target_group, ctx, layer: int):
     first = target_group[0]
     names = [n.removesuffix(".weight").rsplit(".", 1)[-1] for n in first.mapping.hf_names(layer)]
     tp, rank = ctx.tp_size, ctx.tp_rank
+    if first.kind == "replicated":  # NOTE: whole on every rank (replicated.py)
+        return None, {t.name: slice(None) for t in target_group}
     if first.kind == "qkv":
         # NOTE: Gemma 4's full layers: their own head size and KV heads, and no v slot with values from keys
         ctx = first.mapping.layer_context(ctx, layer) if hasattr(first.mapping, "layer_context") else ctx
@@ -293,6 +295,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     from loongforge_hf.lora.dora import add_magnitudes, check_tower_dora
     from loongforge_hf.lora.experts import attach_param_adapters, check_param_adaptable
     from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable, stacking
+    from loongforge_hf.lora.replicated import attach_replicated, check_replicated_adaptable
     from loongforge_hf.lora.vision import attach_vision_adapters, lora_class_for, text_bridge
 
     owners = layer_owners(model.megatron.config, model.parallel)
@@ -326,6 +329,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         module, kind = model.chunks[vp].get_submodule(path), members[0][0].kind
         if kind in PARAM_KINDS:
             check_param_adaptable(module, kind)
+        elif kind == "replicated":
+            check_replicated_adaptable(module)
         else:
             check_adaptable(module)
     for p in model.parameters():
@@ -348,9 +353,12 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             adapters[t.name] = LoraAdapter(a.to(device=device, dtype=dtype).contiguous().clone(),
                                            b.to(device=device, dtype=dtype).contiguous().clone(),
                                            scaling=t.scaling, dropout=float(peft_config.lora_dropout),
-                                           split="A" if t.kind == "row" else "B")
+                                           split={"row": "A", "replicated": None}.get(t.kind, "B"))
             adapters[t.name].stacked_layers, adapters[t.name].stack_suffix = stacks[(t.megatron_module, t.name, t.r)]
-        attach_adapters(module, adapters, layout)
+        if targets[0].kind == "replicated":
+            attach_replicated(module, adapters)
+        else:
+            attach_adapters(module, adapters, layout)
         if removed:
             _leave_residual(module.weight, layout, removed)
         if peft_config.use_dora:

@@ -66,6 +66,10 @@ Choices:
   (``RopeColumnParallel``), B's rows are permuted like the weight's on the way in and back on the way out
   (``Target.b_to_megatron`` / ``b_to_hf``). PEFT's rewrite takes the expert names (``gate_proj``, ``up_proj``,
   ``down_proj``) from the modules there too, so the shared experts and the dense first layers' MLPs carry none.
+- A bridge whose own modules keep plain torch linears whole on every rank says so (``lora_replicated_linears``):
+  a linear whose weight a ``Replicated`` mapping holds is then a target of kind ``"replicated"`` (``replicated.py``;
+  DeepSeek-V4's attention, compressors and indexer). DeepSeek-V4's grouped ``o_a_proj`` (PEFT's layer fails on it)
+  and HY-V4's indexer linears (no gradient reaches them) are refused by name (``_REFUSED``).
 - Phi-3's packed ``qkv_proj`` / ``gate_up_proj``: one adapter each, as in PEFT; B's rows go to megatron's fused order
   as the weight's do (``packed_mappings``), each TP rank holding those of its own heads / MLP rows.
 - transformers' ``Conv1D`` (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``: a linear whose weight is stored ``[in, out]``,
@@ -125,6 +129,13 @@ _REFUSED = {
     "DiffLlamaForCausalLM": dict.fromkeys(
         ("q_proj", "k_proj", "v_proj"), "megatron's fused linear_qkv holds DiffLlama's heads by halves (HalvesQKV), "
                                         "which LoRA's row slicing does not follow"),
+    "DeepseekV4ForCausalLM": {
+        "o_a_proj": "DeepSeek-V4's grouped output projection (DeepseekV4GroupedLinear) maps each head group on its "
+                    "own; PEFT's LoRA layer on it adds a [groups, groups * o_lora_rank] term to its [groups, "
+                    "o_lora_rank] output and fails in the forward"},
+    "HYV4ForCausalLM": dict.fromkeys(
+        ("wq_b", "wk", "weights_proj"), "HY-V4's lightning indexer only picks the top-k keys: no gradient reaches "
+                                        "its linears (in transformers neither), so an adapter there never trains"),
 }
 
 
@@ -140,7 +151,8 @@ class Target:
     layer: int                  # global decoder layer index
     mapping: Mapping            # the bridge mapping holding its weight
     slot: int                   # position of its weight in ``mapping.hf_names(layer)``
-    kind: str                   # "qkv" | "gated" | "column" | "row" | "shared_gate" | "experts" | "router"
+    kind: str                   # "qkv" | "gated" | "column" | "row" | "shared_gate" | "experts" | "router" |
+    #                             "replicated" (replicated.py)
     in_features: int
     out_features: int
     r: int
@@ -286,6 +298,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
 
     from loongforge_hf.lora.dora import check_dora
     from loongforge_hf.lora.init import check_decomposition
+    from loongforge_hf.lora.replicated import check_replicated_options
     from loongforge_hf.lora.param_targets import (as_peft_rewrites, plan_param_targets, rank_and_alpha,
                                                   refuse_own_forward_linears)
     from loongforge_hf.lora.tokens import token_indices_of
@@ -316,6 +329,8 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
 
     index = {**_hf_tensor_index(bridge), **vision_index(vl_bridge)}
     why = _refused_by_name(bridge)
+    # NOTE: plain torch linears of a bridge's own modules, whole on every rank (replicated.py), where it opts in
+    replicated = bool(getattr(bridge, "lora_replicated_linears", False))
     asked = set(config.target_modules) if isinstance(config.target_modules, (list, set)) else set()
     targets: list[Target] = []
     refused: list[str] = []
@@ -324,7 +339,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         # NOTE: an excluded module comes back as a falsy marker object.
         if not name or not check_target_module_exists(matcher, name):
             continue
-        entry = None if name.rsplit(".", 1)[-1] in why else _adaptable(name, module, index, on_disk)
+        entry = None if name.rsplit(".", 1)[-1] in why else _adaptable(name, module, index, on_disk, replicated)
         if entry is None:
             refused.append(name)
             continue
@@ -344,16 +359,17 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         reasons = _reasons({n.rsplit(".", 1)[-1] for n in refused} | asked, why)
         raise LoraConfigError(f"target_modules match {refused[:4]}{' ...' if len(refused) > 4 else ''}, which "
                               f"cannot carry a LoRA adapter on megatron layers{reasons}; targetable modules: "
-                              f"{_targetable(modules, linear_names, index, on_disk, why)}.")
+                              f"{_targetable(modules, linear_names, index, on_disk, why, replicated)}.")
     _set_fan_in_fan_out(config, conv1d, bool(param_targets))
     targets += param_targets
     check_dora(config, targets)
     check_decomposition(config.init_lora_weights, targets)
+    check_replicated_options(config, targets)
     _check_unequal_slots(config, targets)
     if not targets:
         raise LoraConfigError(f"target_modules={config.target_modules!r} match no module of "
                               f"{type(skeleton).__name__}{_reasons(asked, why)}; targetable: "
-                              f"{_targetable(modules, linear_names, index, on_disk, why)}.")
+                              f"{_targetable(modules, linear_names, index, on_disk, why, replicated)}.")
 
     saved = _saved_tensors(config, modules, index, bridge, output_embedding, on_disk)
     embedding = skeleton.get_input_embeddings()
@@ -367,9 +383,11 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
                     token_indices=token_indices, embedding_name=embedding_name)
 
 
-def _adaptable(name: str, module, index, on_disk) -> tuple[Mapping, int | None, int, str] | None:
+def _adaptable(name: str, module, index, on_disk, replicated: bool = False
+               ) -> tuple[Mapping, int | None, int, str] | None:
     """(mapping, layer, slot, kind) of the HF module ``name`` where it can carry an adapter here, else None: a linear
-    whose weight a linear kind of mapping holds (``_LINEAR_KINDS``) in a decoder layer, or a tower linear."""
+    whose weight a linear kind of mapping holds (``_LINEAR_KINDS``) in a decoder layer, or a tower linear; with
+    ``replicated`` (the bridge's ``lora_replicated_linears``) also one a ``Replicated`` mapping holds there."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
@@ -383,7 +401,9 @@ def _adaptable(name: str, module, index, on_disk) -> tuple[Mapping, int | None, 
         kind = None
     if isinstance(entry[0], PerTypeQKV) and entry[0].v_head_dim is not None:  # NOTE: MiMo-V2-Flash's narrower v
         kind = None
-    if kind in ("column", "row") and not _unwrapped(entry[0]).megatron.endswith(".weight"):
+    if replicated and kind is None and plain is Replicated:  # NOTE: replicated.py
+        kind = "replicated"
+    if kind in ("column", "row", "replicated") and not _unwrapped(entry[0]).megatron.endswith(".weight"):
         kind = None  # NOTE: a bare parameter, not a linear's weight (Kimi Linear's f_b_weight / g_b_weight)
     return None if kind is None or (entry[1] is None and kind != "vision") else (*entry, kind)
 
@@ -417,13 +437,13 @@ def _reasons(leaves, why: dict[str, str]) -> str:
     return f" ({text})" if text else ""
 
 
-def _targetable(modules, linear_names: set[str], index, on_disk, why: dict[str, str]) -> str:
+def _targetable(modules, linear_names: set[str], index, on_disk, why: dict[str, str], replicated: bool = False) -> str:
     """What a refusal lists: the last components of the linears that can carry an adapter, leaving out one that also
     names a linear that cannot (Qwen3.5's ``in_proj_z``: one slot of four in megatron's ``in_proj``) or is refused by
     name (``why``), and ``'all-linear'``, with ``exclude_modules`` naming those that cannot where there are any."""
     leaf = {n: n.rsplit(".", 1)[-1] for n in linear_names}
     refused = {n for n, m in modules if n in linear_names
-               and (leaf[n] in why or _adaptable(n, m, index, on_disk) is None)}
+               and (leaf[n] in why or _adaptable(n, m, index, on_disk, replicated) is None)}
     names = sorted({leaf[n] for n in linear_names - refused} - {leaf[n] for n in refused})
     excluded = f" with exclude_modules={sorted({leaf[n] for n in refused})}" if refused else ""
     return f"{names} or 'all-linear'{excluded}"

@@ -11,8 +11,12 @@ at TP2 + SP within 1e-4 of its largest entry (the frozen indexer's tensors take 
 export at the five parallel layouts (the int64 ``tid2eid`` tables included). Beam (``bridges/beam.py``, built on
 AFMoE's bridge) in the same world: logits, loss and ``router_logits`` at TP1 and TP2 + SP x EP2, cached greedy
 generate with a left-padded row, every gradient (1e-4 of its largest entry) and a bit-exact export at TP2 + SP x EP2.
-One two-rank world runs it all; the layouts refused by name are tried first, before any process group starts; the
-config and layout refusals are pure."""
+LoRA against PEFT (``"all-linear"`` but the grouped ``o_a_proj`` and the indexer, ``init_lora_weights=False``) at
+TP1 and TP2 + SP x EP2: logits and loss within 1e-4, every adapter's gradient within 1e-4 of its largest entry, the
+adapter folder in PEFT and the merged export in transformers (logits within 1e-4); at TP2 + SP x EP2 the folder
+loaded onto a fresh model (``load_adapter``) and ``unload()``; at TP1 LoRA on the indexer alone (logits as PEFT's, no
+gradient on either side). One two-rank world runs it all; the layouts refused by name are tried first, before any
+process group starts; the config, layout and LoRA refusals are pure."""
 
 from __future__ import annotations
 
@@ -272,8 +276,98 @@ def _beam(folder: str) -> dict:
     return out
 
 
+def lora_checks(folder: str, name: str, layout: dict, lora_kw: dict, reload: bool = False) -> dict:
+    """LoRA against PEFT under ``layout`` (``_lora_parity.lora_against_peft``: logits, loss, every adapter's gradient,
+    the adapter folder in PEFT) and the merged export read by transformers (rank 0: its logits against ours); with
+    ``reload`` the adapter folder loaded onto a fresh model (``load_adapter``; its logits against PEFT's with that
+    folder) and ``unload()`` (the base model's logits against transformers')."""
+    import torch.distributed as dist
+
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
+    from tests.bridges._lora_parity import lora_against_peft
+
+    def reloaded() -> dict:
+        import peft
+
+        import loongforge_hf as lf
+        from loongforge_hf.lora.load import load_adapter
+
+        ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
+        model = load_adapter(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout),
+                             f"{folder}-lora-{name}/adapter")
+        with torch.no_grad():
+            ours = model(input_ids=ids).logits
+            base = model.unload()(input_ids=ids).logits
+        if dist.get_rank() != 0:
+            return {}
+        hf = hf_causal_lm(folder, dtype=torch.float32)
+        with torch.no_grad():
+            plain = hf(input_ids=ids).logits
+            theirs = peft.PeftModel.from_pretrained(hf, f"{folder}-lora-{name}/adapter")(input_ids=ids).logits
+        return {"reloaded_logits": float((ours - theirs).abs().max()),
+                "unloaded_logits": float((base - plain).abs().max())}
+
+    def merged(model):
+        ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
+        model.save_pretrained(f"{folder}-lora-{name}-merged", merged=True)
+        with torch.no_grad():
+            ours = model(input_ids=ids).logits
+        if dist.get_rank() != 0:
+            return {}
+        with torch.no_grad():
+            theirs = hf_causal_lm(f"{folder}-lora-{name}-merged", dtype=torch.float32)(input_ids=ids).logits
+        return {"merged_logits": float((ours - theirs).abs().max())}
+
+    out = lora_against_peft(folder, f"{folder}-lora-{name}", layout, lora_kw, merged)
+    dist.barrier()  # NOTE: the adapter folder is written by the first rank
+    return {**out, **(reloaded() if reload else {})}
+
+
+def _indexer_lora(folder: str) -> dict:
+    """LoRA on the indexer's linears (TP1) against PEFT: logits and loss, no gradient reaching those adapters on
+    either side (the indexer only picks the top-k), and the adapter folder in PEFT (its logits against ours)."""
+    import peft
+    import transformers
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+
+    ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    transformers.set_seed(5)
+    model = get_peft_model(model, peft.LoraConfig(**INDEXER_LORA_KW))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    transformers.set_seed(5)
+    ref = peft.get_peft_model(hf, peft.LoraConfig(**INDEXER_LORA_KW))
+    ours, theirs = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    grads = []  # NOTE: adapters that take a gradient; a loss reaching none of them has no graph (ours)
+    for out, side in ((ours, model), (theirs, ref)):
+        if out.loss.requires_grad:
+            out.loss.backward()
+            grads += [n for n, p in side.named_parameters() if "lora" in n and p.grad is not None]
+    model.save_pretrained(f"{folder}-lora-indexer")
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), f"{folder}-lora-indexer")
+    with torch.no_grad():
+        adapter_logits = float((loaded(input_ids=ids).logits - ours.logits).abs().max())
+    return {"logits": float((ours.logits - theirs.logits).abs().max()), "loss": float(abs(ours.loss - theirs.loss)),
+            "adapter_logits": adapter_logits, "targets": len(model.lora_plan.targets), "grads": grads}
+
+
+# NOTE: init_lora_weights=False keeps B random, so every adapter moves the logits; the grouped o_a_proj is refused;
+# the indexer's adapters take no gradient (PEFT's None), checked on their own (``_indexer_lora``)
+LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=r".*(o_a_proj|\.indexer\..*)",
+               init_lora_weights=False)
+INDEXER_LORA_KW = dict(r=4, lora_alpha=8, target_modules=r".*\.indexer\.(kv_proj|gate_proj|q_b_proj|scorer\..*)",
+                       init_lora_weights=False)
+
+
 def _both(folders: dict) -> dict:
-    return {**_world(folders["deepseek_v4"]), "beam": _beam(folders["beam"])}
+    out = {**_world(folders["deepseek_v4"]), "beam": _beam(folders["beam"])}
+    for name in ("tp1", "tp2sp_ep2"):
+        out[f"lora_{name}"] = lora_checks(folders["deepseek_v4"], name, LAYOUTS[name], LORA_KW, name != "tp1")
+    out["lora_indexer"] = _indexer_lora(folders["deepseek_v4"])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -400,12 +494,50 @@ def test_pipeline_and_context_parallel_refused_by_the_pure_layout_check(arch, re
             check_megatron_config(bridge, {"variable_seq_lengths": False})
 
 
-def test_lora_refused_by_name_by_the_pure_planner():
+@pytest.mark.parametrize("name", ["tp1", "tp2sp_ep2"])
+def test_lora_matches_peft_and_exports(results, name):
+    """'all-linear' but the grouped o_a_proj and the indexer: the attention's replicated linears (compressors' too)
+    and the shared experts."""
+    r = results[f"lora_{name}"]
+    assert r["logits"] < 1e-4 and r["loss"] < 1e-4 and r["grads"] < 1e-4, r
+    assert r["graded"] == 68 and r["targets"] == ["down_proj", "gate_proj", "kv_proj", "o_b_proj", "q_a_proj",
+                                                  "q_b_proj", "up_proj"], r
+    assert r["adapter_logits"] < 1e-4 and r["inspected"]["merged_logits"] < 1e-4, r
+    if name != "tp1":  # NOTE: the folder loaded onto a fresh model split over TP and EP, then unloaded
+        assert r["reloaded_logits"] < 1e-4 and r["unloaded_logits"] < 1e-4, r
+
+
+def test_lora_on_the_indexer_matches_peft_without_gradient(results):
+    r = results["lora_indexer"]  # NOTE: layers 1 and 3: the indexer's compressor kv / gate, q_b_proj, weights_proj
+    assert r["targets"] == 8 and r["grads"] == [], r
+    assert r["logits"] < 1e-4 and r["loss"] < 1e-4 and r["adapter_logits"] < 1e-4, r
+
+
+def test_lora_refusals_by_the_pure_planner():
     import peft
 
     from loongforge_hf.bridges.registry import get_bridge
     from loongforge_hf.lora.plan import LoraConfigError, plan_lora
     from loongforge_hf.testing.tiny_models import _config
 
-    with pytest.raises(LoraConfigError, match="LoRA is not supported for DeepseekV4ForCausalLM"):
-        plan_lora(get_bridge(_config("deepseek_v4")), peft.LoraConfig(r=4, target_modules="all-linear"))
+    bridge = get_bridge(_config("deepseek_v4"))  # NOTE: o_a_proj's: tests/integrations/test_lora_refused_by_name.py
+    for params in (["mlp.experts.gate_up_proj"], ["gate.weight"]):
+        with pytest.raises(LoraConfigError, match=r"LoRA on model\.layers\.0\.mlp\..* is not supported for "
+                                                  "DeepseekV4ForCausalLM: the routed experts"):
+            plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_a_proj"], target_parameters=params))
+    with pytest.raises(LoraConfigError, match=r"use_dora=True and init_lora_weights='pissa' is not supported on "
+                                              r"\['q_a_proj'\] \(linears of the bridge's"):
+        plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_a_proj"], use_dora=True, init_lora_weights="pissa"))
+
+
+def test_peft_itself_fails_on_the_grouped_output_projection():
+    """Why o_a_proj is refused: PEFT's LoRA layer on transformers' DeepseekV4GroupedLinear fails in the forward."""
+    import peft
+    import transformers
+
+    from loongforge_hf.testing.tiny_models import _config
+
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(_config("deepseek_v4")),
+                                peft.LoraConfig(r=4, target_modules=["o_a_proj"]))
+    with pytest.raises(RuntimeError):
+        model(input_ids=torch.ones(1, 8, dtype=torch.long))

@@ -12,8 +12,11 @@ writes, the tensor passed through); at TP1 and TP2 + SP greedy generate and a 2-
 longer than ``index_topk`` with the KV cache (the sinks and gate through the cached steps, each full layer's rotated
 indexer keys cached) token for token transformers' with its cache (each step's logits within 1e-4) and ours without,
 the static cache refused by name; every gradient at TP2 + SP within 1e-4 of its largest entry (the frozen indexer's
-tensors take none, as in transformers); bit-exact export at TP2 + SP, EP2 and PP2. One two-rank world runs it all;
-the config, layout and LoRA refusals are pure."""
+tensors take none, as in transformers); bit-exact export at TP2 + SP, EP2 and PP2; LoRA against PEFT
+(``"all-linear"`` but the indexer, ``init_lora_weights=False``) at TP1 and TP2 + SP: logits and loss within 1e-4,
+every adapter's gradient within 1e-4 of its largest entry, the adapter folder in PEFT and the merged export in
+transformers (logits within 1e-4), at TP2 + SP the folder loaded onto a fresh model and ``unload()``. One two-rank
+world runs it all; the config, layout and LoRA refusals are pure."""
 
 from __future__ import annotations
 
@@ -93,7 +96,7 @@ def _world(folder: str, hub: str) -> dict:
 
     import loongforge_hf as lf
     from loongforge_hf.testing.tiny_models import hf_causal_lm
-    from tests.bridges.test_deepseek_v4 import _exported_equal, _gradients, _pipeline_step
+    from tests.bridges.test_deepseek_v4 import _exported_equal, _gradients, _pipeline_step, lora_checks
 
     out, ref = {}, hf_causal_lm(folder, dtype=torch.float32)
     ids = torch.randint(3, 203, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -121,7 +124,14 @@ def _world(folder: str, hub: str) -> dict:
         if name == "pp2":
             out["pp2_step"] = _pipeline_step(model, folder, ids)
         del model
+    for name in ("tp1", "tp2sp"):
+        out[f"lora_{name}"] = lora_checks(folder, name, LAYOUTS[name], LORA_KW, name != "tp1")
     return out
+
+
+# NOTE: init_lora_weights=False keeps B random, so every adapter moves the logits; the indexer's linears are refused
+LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["wq_b", "wk", "weights_proj"],
+               init_lora_weights=False)
 
 
 @pytest.fixture(scope="module")
@@ -239,5 +249,21 @@ def test_layouts_and_lora_refused_by_the_pure_checks():
             bridge_of.check_layout(ParallelConfig(**layout))
     bridge.check_layout(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True))
     bridge.check_layout(ParallelConfig(pipeline_parallel_size=2))  # NOTE: each stage opens with a full layer
-    with pytest.raises(LoraConfigError, match="LoRA is not supported for HYV4ForCausalLM"):
-        plan_lora(bridge, peft.LoraConfig(r=4, target_modules="all-linear"))
+    # NOTE: the indexer's refusal: tests/integrations/test_lora_refused_by_name.py
+    for params in (["mlp.experts.down_proj"], ["gate.weight"]):
+        with pytest.raises(LoraConfigError, match=r"LoRA on model\.layers\.1\.mlp\..* is not supported for "
+                                                  "HYV4ForCausalLM: the routed experts"):
+            plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_a_proj"], target_parameters=params))
+
+
+@pytest.mark.parametrize("name", ["tp1", "tp2sp"])
+def test_lora_matches_peft_and_exports(results, name):
+    """'all-linear' but the indexer: MLA's linears, the output gate (gate_proj), o_proj (the gate applied to its
+    input by a pre-hook, so megatron's linear takes the adapter), the dense MLP and the shared experts."""
+    r = results[f"lora_{name}"]
+    assert r["logits"] < 1e-4 and r["loss"] < 1e-4 and r["grads"] < 1e-4, r
+    assert r["graded"] == 72 and r["targets"] == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                  "o_proj", "q_a_proj", "q_b_proj", "up_proj"], r
+    assert r["adapter_logits"] < 1e-4 and r["inspected"]["merged_logits"] < 1e-4, r
+    if name != "tp1":  # NOTE: the folder loaded onto a fresh model split over TP, then unloaded
+        assert r["reloaded_logits"] < 1e-4 and r["unloaded_logits"] < 1e-4, r

@@ -1,8 +1,9 @@
 """LoRA refusals that say what is wrong and what can be targeted instead, from the pure planner (no world, before any
 model is built): DiffLlama's q / k / v (held by halves of the heads), A.X-K2's gated ``q_gate_proj`` / ``o_proj``
 (re-classed by its bridge: they failed with a TypeError naming Transformer Engine layers when the adapters were
-attached), DeepSeek-V4 (LoRA refused for the architecture). The ``exclude_modules`` each message suggests with
-``'all-linear'`` plans. Parity of LoRA on the accepted modules vs PEFT: test_lora*.py."""
+attached), DeepSeek-V4's grouped ``o_a_proj`` (PEFT's layer fails on it), HY-V4's indexer (no gradient reaches it).
+The ``exclude_modules`` each message suggests with ``'all-linear'`` plans. Parity of LoRA on the accepted modules vs
+PEFT: test_lora*.py (DeepSeek-V4's and HY-V4's: tests/bridges/test_deepseek_v4.py, test_hy_v4.py)."""
 
 import ast
 import re
@@ -14,7 +15,8 @@ from loongforge_hf.bridges.registry import get_bridge
 from loongforge_hf.lora.plan import LoraConfigError, plan_lora
 from loongforge_hf.testing.tiny_models import _config
 
-NAMES = {"diffllama": "DiffLlamaForCausalLM", "axk2": "AXK2ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
+NAMES = {"diffllama": "DiffLlamaForCausalLM", "axk2": "AXK2ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
+         "hy_v4": "HYV4ForCausalLM"}
 
 
 def _refusal(arch: str, target_modules) -> str:
@@ -63,9 +65,19 @@ def test_axk2_gated_projections_refused_by_name():
                                            "up_proj"]
 
 
-def test_deepseek_v4_refused_by_the_planner():
-    for target_modules in (["o_proj"], ["q_a_proj", "kv_proj"], "all-linear"):
-        assert _refusal("deepseek_v4", target_modules) == (
-            "LoRA is not supported for DeepseekV4ForCausalLM yet, whatever the targets: its attention (compressors, "
-            "indexer, grouped output projection) and hyper-connections are modules of ours without an adapter path "
-            "compared with PEFT.")
+def test_deepseek_v4_grouped_output_projection_refused_by_name():
+    """o_a_proj (PEFT's layer fails on transformers' grouped linear) and 'all-linear' refused naming it; the rest of
+    the attention's linears (the compressors' and the indexer's too) and the shared experts plan."""
+    why = "(o_a_proj: DeepSeek-V4's grouped output projection (DeepseekV4GroupedLinear) maps each head group on its own"
+    for target_modules in (["o_a_proj"], "all-linear"):
+        message = _refusal("deepseek_v4", target_modules)
+        assert why in message and message.endswith("or 'all-linear' with exclude_modules=['o_a_proj']."), message
+    assert _suggested("deepseek_v4", message) == ["down_proj", "gate_proj", "kv_proj", "o_b_proj", "q_a_proj",
+                                                  "q_b_proj", "up_proj", "weights_proj"]
+
+
+def test_hy_v4_indexer_refused_by_name():
+    message = _refusal("hy_v4", "all-linear")
+    assert "(weights_proj, wk, wq_b: HY-V4's lightning indexer only picks the top-k keys" in message, message
+    assert _suggested("hy_v4", message) == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                            "q_a_proj", "q_b_proj", "up_proj"]
