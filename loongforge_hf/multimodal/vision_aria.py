@@ -14,8 +14,8 @@ Choices:
   tile's length), ``h w`` the patches it takes (``item_patches`` / ``item_tokens``).
 - The features are transformers' ``hidden_states[k]`` (``feature_layer`` = k, 0 .. ``num_hidden_layers``): the output
   of block k before ``post_layernorm`` (Idefics3's ViT does not tie the last hidden state to the normed one). Blocks
-  after k and ``post_layernorm`` are built, loaded, frozen and exported as read, never run (``vision_clip.ClipTower``'s
-  ``unused`` / ``touch_unused``).
+  after k and ``post_layernorm`` are built, loaded, frozen and exported as read, never run
+  (``vision_feature_layer.FeatureLayerTower``).
 - The projector is transformers' ``AriaProjector``: the first ``queries`` rows of ``query``, LayerNorm, ``q_proj``; the
   patches LayerNorm (``layer_norm_kv``), ``k_proj`` / ``v_proj``; torch's ``nn.MultiheadAttention`` over them (its own
   in-projection and ``out_proj``, as transformers runs it), ``linear``; then LayerNorm, ``linear_in``, tanh-GELU,
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loongforge_hf.multimodal.vision import VisionLinear, _cu, run_block
-from loongforge_hf.multimodal.vision_clip import ClipTower
+from loongforge_hf.multimodal.vision_feature_layer import FeatureLayerTower
 from loongforge_hf.multimodal.vision_idefics3 import bucketed_positions
 from loongforge_hf.multimodal.vision_siglip import SiglipTower
 
@@ -116,12 +116,11 @@ class AriaProjector(nn.Module):
         return self.feed_forward(self.layer_norm(attended))
 
 
-class AriaTower(SiglipTower):
+class AriaTower(FeatureLayerTower, SiglipTower):
     """``forward(pixel_values [sum h w, C*P*P], grid_thw [n, 3] of (tile patches, h, w)) -> [sum queries,
     text_hidden]`` tile embeddings."""
 
     family = "Aria"
-    unused, touch_unused = ClipTower.unused, ClipTower.touch_unused
 
     def __init__(self, config, *, text_hidden: int, feature_layer: int, queries: dict[int, int], tp_group=None,
                  recompute: bool = False) -> None:
@@ -130,13 +129,7 @@ class AriaTower(SiglipTower):
         super().__init__(config, text_hidden=text_hidden, tokens_per_image=side * side, tp_group=tp_group,
                          recompute=recompute, projector=projector)
         self.queries = dict(queries)
-        self.feature_layers = (feature_layer,)
-        for module in self.unused():
-            module.requires_grad_(False)
-
-    @property
-    def depth(self) -> int:
-        return self.feature_layers[0]
+        self.read_at(feature_layer)
 
     def item_patches(self, grid_thw: torch.Tensor) -> torch.Tensor:
         return grid_thw[:, 1] * grid_thw[:, 2]
@@ -157,7 +150,7 @@ class AriaTower(SiglipTower):
         cu_tiles = _cu([h * w for _, h, w in grid]).to(x.device)
         for block in self.blocks[:self.depth]:
             x = run_block(self, block, x, cu_tiles, None, None)
-        return self.touch_unused(self.projector(x, grid))
+        return self.head(x, grid)
 
 
 def query_counts(grid_thw: torch.Tensor, queries: dict[int, int]) -> torch.Tensor:

@@ -8,8 +8,8 @@ Choices:
 - The features are transformers' ``hidden_states[k]`` (``feature_layer`` = k, 0 .. ``num_hidden_layers``): the
   output of block k, before ``post_layernorm`` (SigLIP does not tie the last hidden state to the normed one), all
   patches kept (the ``"full"`` strategy: SigLIP has no class token). Blocks after k and ``post_layernorm`` are built,
-  loaded, frozen and exported as read, never run (``vision_clip.ClipTower``'s ``unused`` / ``touch_unused``: a
-  trainable parameter among them, a LoRA adapter, enters the output as a zero term).
+  loaded, frozen and exported as read, never run (``vision_feature_layer.FeatureLayerTower``: a trainable parameter
+  among them, a LoRA adapter, enters the output as a zero term).
 - The projector is transformers' ``AyaVisionMultiModalProjector``: its pixel shuffle is Idefics3's and InternVL's
   (``vision_internvl.pixel_shuffle``: each ``merge x merge`` block's features (row, column) row-major, channels last),
   LayerNorm at ``adapter_layer_norm_eps``, ``linear_1`` into ``alignment_intermediate_size``, whose first half is the
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loongforge_hf.multimodal.vision import VisionLinear
-from loongforge_hf.multimodal.vision_clip import ClipTower
+from loongforge_hf.multimodal.vision_feature_layer import FeatureLayerTower
 from loongforge_hf.multimodal.vision_internvl import pixel_shuffle
 from loongforge_hf.multimodal.vision_siglip import SiglipTower
 
@@ -44,11 +44,10 @@ class AyaVisionProjector(nn.Module):
         return self.linear_2(F.silu(gate) * value)
 
 
-class AyaVisionTower(SiglipTower):
+class AyaVisionTower(FeatureLayerTower, SiglipTower):
     """``forward(pixel_values [N, C*P*P], grid_thw [n, 3]) -> [N / merge^2, text_hidden]`` tile embeddings."""
 
     family = "Aya Vision"
-    unused, touch_unused = ClipTower.unused, ClipTower.touch_unused
 
     def __init__(self, config, *, text_hidden: int, merge: int, feature_layer: int, intermediate: int, eps: float,
                  tp_group=None, recompute: bool = False) -> None:
@@ -57,13 +56,4 @@ class AyaVisionTower(SiglipTower):
                                        eps=eps)
         super().__init__(config, text_hidden=text_hidden, tokens_per_image=(side // merge) ** 2, tp_group=tp_group,
                          recompute=recompute, projector=projector)
-        self.feature_layers = (feature_layer,)
-        for module in self.unused():
-            module.requires_grad_(False)
-
-    @property
-    def depth(self) -> int:
-        return self.feature_layers[0]
-
-    def head(self, x: torch.Tensor, grid: list[tuple[int, int, int]]) -> torch.Tensor:
-        return self.touch_unused(self.projector(x, grid))
+        self.read_at(feature_layer)

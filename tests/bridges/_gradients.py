@@ -62,6 +62,25 @@ def gradient_diffs(folder: str, ref) -> dict[str, float]:
             for n, p in ref.named_parameters()}
 
 
+def _gather_sharded_grads(chunks) -> None:
+    """Every rank's whole gradient buffers, where megatron's distributed optimizer left each its shard: DDP
+    reduce-scatters each bucket over its data x context-parallel group (the expert-data-parallel group for experts'),
+    so outside this rank's shard a buffer holds its own unreduced share (under CP: half of the sequence's). Gathered
+    in place; a no-op for a group of one rank and for all-reduced buffers (``optimizer_precision="model"``)."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for chunk in chunks:
+        if not chunk.ddp_config.use_distributed_optimizer:
+            continue
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            pg, size = group.intra_distributed_optimizer_instance_group, group.intra_distributed_optimizer_instance_size
+            if size == 1:
+                continue
+            for bucket in group.buckets:
+                mine = shard_buffer(bucket.grad_data, size)[pg.rank()].clone()
+                dist.all_gather_into_tensor(bucket.grad_data, mine, group=pg)
+
+
 def _save_engine_gradients(model, ids: torch.Tensor, grads_dir: str) -> None:
     """Save as the model's weights the gradients of the mean loss as the training engine makes them (megatron's
     pipeline schedule, DDP's reductions, the tied embedding's sum over the first and last stage), taken between the
@@ -73,6 +92,7 @@ def _save_engine_gradients(model, ids: torch.Tensor, grads_dir: str) -> None:
     from loongforge_hf.trainer.engine import MegatronEngine
 
     def save() -> None:
+        _gather_sharded_grads(engine.chunks)
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.main_grad / ids[:, 1:].numel())
@@ -90,10 +110,12 @@ def with_pad_tokens(ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     return out
 
 
-def gradient_checks(cases: list[tuple[str, str, dict, bool]]) -> dict:
+def gradient_checks(cases: list[tuple[str, str, dict, bool]], *, engine: tuple[str, ...] = ()) -> dict:
     """Per case (name, checkpoint folder, layout, pad): the largest difference between our gradient and
     transformers' of every HF tensor, relative to the largest gradient of that tensor (rank 0; others return {}).
-    ``pad``: the input has the config's ``pad_token_id`` as real tokens (``with_pad_tokens``)."""
+    ``pad``: the input has the config's ``pad_token_id`` as real tokens (``with_pad_tokens``). The gradients are
+    the training engine's step's (``_save_engine_gradients``) for the cases named in ``engine`` and under pipeline
+    parallelism, else one backward's (``save_gradients``)."""
     import transformers
 
     import loongforge_hf as lf
@@ -105,7 +127,7 @@ def gradient_checks(cases: list[tuple[str, str, dict, bool]]) -> dict:
         ids = with_pad_tokens(plain, transformers.AutoConfig.from_pretrained(folder).pad_token_id) if pad else plain
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
         grads_dir = f"{folder}-grads-{name}"
-        if layout.get("pipeline_parallel_size", 1) > 1:
+        if name in engine or layout.get("pipeline_parallel_size", 1) > 1:
             _save_engine_gradients(model, ids, grads_dir)
         else:
             model(input_ids=ids, labels=ids).loss.backward()

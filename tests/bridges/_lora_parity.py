@@ -10,62 +10,18 @@ import torch
 import torch.distributed as dist
 
 
-def _expert_grad_diffs(model, ref_params: dict, chunk: dict) -> dict[str, float]:
-    """``_grad_diffs`` of the expert stacks' adapters: this rank's experts of PEFT's factors (megatron's orientation),
-    ours summed over the expert-data-parallel replicas, PEFT's times the data-parallel ranks (each feeds the batch)."""
-    from megatron.core import parallel_state as ps
-
-    from loongforge_hf.lora.experts import megatron_factors
-
-    dp, ep_rank = ps.get_data_parallel_world_size(), ps.get_expert_model_parallel_rank()
-    out = {}
-    for t in model.lora_plan.targets:
-        if t.kind != "experts":
-            continue
-        per = t.num_experts // ps.get_expert_model_parallel_world_size()
-        ours = [chunk[f"decoder.layers.{t.layer}.mlp.experts.lora.{t.name}.{f}"].grad.clone() for f in "AB"]
-        if ps.get_expert_data_parallel_world_size() > 1:
-            for g in ours:
-                dist.all_reduce(g, group=ps.get_expert_data_parallel_group())
-        theirs = megatron_factors(t, *(ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad
-                                       for f in "AB"))
-        for f, got, want in zip("AB", ours, theirs):
-            want = dp * want[ep_rank * per:(ep_rank + 1) * per]
-            out[f"{t.hf_module}.lora_{f}"] = float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
-    return out
-
-
 def _grad_diffs(model, ref) -> dict[str, float]:
     """{PEFT's factor name: largest difference of our gradient from PEFT's (this rank's slice), relative to its
-    largest} for every module adapter; B's rows in megatron's order (``Target.b_to_megatron``)."""
-    from collections import defaultdict
-
-    from megatron.core import parallel_state as ps
-
-    from loongforge_hf.bridges.loader import shard_context
-    from loongforge_hf.lora.model import _layout_and_slices
+    largest} for every adapter: module adapters (``module_adapter_grads``) and expert stacks' (ours summed over the
+    expert-data-parallel replicas, PEFT's times the data-parallel ranks: ``expert_adapter_grads``)."""
+    from ..integrations._lora_grads import expert_adapter_grads, module_adapter_grads
 
     ref_params = dict(ref.named_parameters())
-    ctx = shard_context(model.bridge, tp_rank=ps.get_tensor_model_parallel_rank(),
-                        tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
-    chunk = dict(model.chunks[0].named_parameters())  # NOTE: one pipeline stage: local layer = global layer
-    modules = defaultdict(list)
-    for t in model.lora_plan.targets:
-        if t.kind != "experts":
-            modules[(t.layer, t.megatron_module)].append(t)
-    out = _expert_grad_diffs(model, ref_params, chunk)
-    for (layer, module), targets in modules.items():
-        _, slices = _layout_and_slices(targets, ctx, layer)
-        for t in targets:
-            ours = [chunk[f"{module.format(layer=layer)}.lora.{t.name}.{f}"].grad for f in "AB"]
-            theirs = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
-            if t.kind == "row":
-                theirs[0] = theirs[0][:, slices[t.name]]
-            else:
-                theirs[1] = t.b_to_megatron(theirs[1], ctx)[slices[t.name]]
-            for f, got, want in zip("AB", ours, theirs):
-                out[f"{t.hf_module}.lora_{f}"] = float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
-    return out
+    experts = [t for t in model.lora_plan.targets if t.kind == "experts"]
+    pairs = [(t.hf_module, *grads) for t in experts for grads in expert_adapter_grads(model, ref_params, t)]
+    pairs += module_adapter_grads(model, ref, [t for t in model.lora_plan.targets if t.kind != "experts"])
+    return {f"{name}.lora_{f}": float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
+            for name, f, got, want in pairs}
 
 
 def lora_against_peft(folder: str, out_dir: str, layout: dict, lora_kw: dict, inspect=None) -> dict:
@@ -75,16 +31,10 @@ def lora_against_peft(folder: str, out_dir: str, layout: dict, lora_kw: dict, in
     import peft
     import transformers
 
-    import loongforge_hf as lf
-    from loongforge_hf.lora import get_peft_model
+    from ..integrations._lora_checks import lora_pair
 
     ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
-    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
-    transformers.set_seed(5)
-    model = get_peft_model(model, peft.LoraConfig(**lora_kw))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    transformers.set_seed(5)
-    ref = peft.get_peft_model(hf, peft.LoraConfig(**lora_kw))
+    model, _, ref = lora_pair(folder, layout, lora_kw)
     ours, theirs = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
     ours.loss.backward()
     theirs.loss.backward()

@@ -76,12 +76,13 @@ between the CP ranks) at TP1, TP2, TP2 + SP and CP2.
 The pad token as a real input (every third token, in the labels too; ``*_pad`` layouts): transformers' embedding
 with ``padding_idx`` gives its row no gradient from lookups, but the tied LM head's (bridges/embedding_padding.py):
 Qwen3 tied with the pad row on the second TP rank (pad_token_id 150 of 203) and Llama 3 untied (pad 0) at TP1,
-TP2 + SP and PP2 (the training engine's gradients: its schedule, DDP's reductions and the sum of the tied embedding's
-two copies, before its optimizer step), Gemma's scaled embedding (tied) and GPT-2 (no padding_idx in transformers:
-the row keeps its lookup gradient) at TP1. Measured without the padding: ``embed_tokens`` off by 4e6 (Llama 3) to
-8e7 (Gemma) times its largest gradient (the pad row, zeros as transformers initialises it, meets the first norm at
-its epsilon), at every layout; with the pad row's whole gradient dropped on the embedding (the tied head's too at
-TP1 / TP2 + SP): 0.93 (Qwen3), 1.0 (Gemma); GPT-2 padded: 0.03.
+TP2 + SP, PP2 and CP2 (the training engine's gradients: its schedule, DDP's reductions, the sum of the tied
+embedding's two copies under PP, before its optimizer step; under CP each rank's buffers gathered from the
+distributed optimizer's shards, without which they were 0.96 to 1.15 off), Gemma's scaled embedding (tied) and GPT-2
+(no padding_idx in transformers: the row keeps its lookup gradient) at TP1. Measured without the padding:
+``embed_tokens`` off by 4e6 (Llama 3) to 8e7 (Gemma) times its largest gradient (the pad row, zeros as transformers
+initialises it, meets the first norm at its epsilon), at every layout; with the pad row's whole gradient dropped on
+the embedding (the tied head's too at TP1 / TP2 + SP): 0.93 (Qwen3), 1.0 (Gemma); GPT-2 padded: 0.03.
 """
 
 from __future__ import annotations
@@ -302,7 +303,9 @@ PAD_LAYOUTS = {
     "tp1_pad": (1, {}, ("qwen3_tied_pad150", "llama3", "gemma", "gpt2")),
     "tp2_sp_pad": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}, ("qwen3_tied_pad150", "llama3")),
     "pp2_pad": (2, {"pipeline_parallel_size": 2}, ("qwen3_tied_pad150", "llama3")),  # NOTE: the engine's step
+    "cp2_pad": (2, {"context_parallel_size": 2}, ("qwen3_tied_pad150", "llama3")),
 }
+ENGINE_LAYOUTS = ("pp2_pad", "cp2_pad")  # NOTE: the training engine's gradients (_gradients._save_engine_gradients)
 CASES = [(layout, model) for layout, (_, _, models) in {**LAYOUTS, **PAD_LAYOUTS}.items() for model in models]
 TOL = 1e-4
 
@@ -317,7 +320,8 @@ def results(tmp_path_factory):
     for size in sorted({s for s, _, _ in layouts.values()}):
         cases = [(f"{layout}/{model}", folders[model], kw, layout in PAD_LAYOUTS)
                  for layout, (s, kw, models) in layouts.items() if s == size for model in models]
-        out.update(run_distributed(gradient_checks, size, cases, timeout=600)[0])
+        engine = tuple(case for case, *_ in cases if case.split("/")[0] in ENGINE_LAYOUTS)
+        out.update(run_distributed(gradient_checks, size, cases, engine=engine, timeout=600)[0])
     return out
 
 

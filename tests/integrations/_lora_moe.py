@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._lora_checks import _close, export_checks, lora_pair
+from ._lora_grads import expert_adapter_grads, module_adapter_grads
 from ._lora_load import write_peft_adapter
 
 # the attention projections (modules in PEFT) with modules_to_save
@@ -46,76 +47,41 @@ def _grad_close(ours, theirs, what: str, scale_tol: float | None) -> None:
 
 
 def _check_adapter_grads(model, ref, layers: tuple[int, ...] = (1, 2), scale_tol: float | None = None) -> None:
-    """Every module adapter of ``layers`` (q/k/v slots of linear_qkv or MLA's projections; column: A replicated,
-    B split by rows; row: A split by columns, B replicated) against PEFT's gradient, sliced as the rank holds it
-    (B's rows in megatron's order: rotary rows in pairs where the checkpoint keeps halves)."""
-    from collections import defaultdict
+    """Every module adapter of ``layers`` against PEFT's gradient, sliced as the rank holds it
+    (``_lora_grads.module_adapter_grads``)."""
+    from loongforge_hf.lora.model import PARAM_KINDS
 
-    from megatron.core import parallel_state as ps
-
-    from loongforge_hf.bridges.loader import shard_context
-    from loongforge_hf.lora.model import PARAM_KINDS, _layout_and_slices
-
-    ref_params = dict(ref.named_parameters())
-    ctx = shard_context(model.bridge, tp_rank=ps.get_tensor_model_parallel_rank(),
-                        tp_size=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.megatron.padded_vocab)
-    chunk = dict(model.chunks[0].named_parameters())  # NOTE: one pipeline stage: local layer = global layer
-    modules = defaultdict(list)
-    for t in model.lora_plan.targets:
-        if t.kind not in PARAM_KINDS and t.layer in layers:
-            modules[(t.layer, t.megatron_module)].append(t)
+    targets = [t for t in model.lora_plan.targets if t.kind not in PARAM_KINDS and t.layer in layers]
     checked = 0
-    for (layer, module), targets in modules.items():
-        _, slices = _layout_and_slices(targets, ctx, layer)
-        for t in targets:
-            ours = [chunk[f"{module.format(layer=layer)}.lora.{t.name}.{f}"].grad for f in "AB"]
-            theirs = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
-            if t.kind == "row":
-                theirs[0] = theirs[0][:, slices[t.name]]
-            else:
-                theirs[1] = t.b_to_megatron(theirs[1], ctx)[slices[t.name]]
-            for f, a, b in zip("AB", ours, theirs):
-                _grad_close(a, b, f"d{f} {t.hf_module}", scale_tol)
-                checked += 1
+    for name, f, ours, theirs in module_adapter_grads(model, ref, targets):
+        _grad_close(ours, theirs, f"d{f} {name}", scale_tol)
+        checked += 1
     assert checked >= 4, checked
 
 
 def _check_expert_grads(model, ref, layer: int = 1, scale_tol: float | None = None) -> None:
     """Expert, router and shared-expert-gate adapter gradients of ``layer`` against PEFT's (this rank's experts of
-    PEFT's stacks)."""
+    PEFT's stacks: ``_lora_grads.expert_adapter_grads``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from loongforge_hf.lora.experts import megatron_factors
-
     ref_params = dict(ref.named_parameters())
     chunk = dict(model.chunks[0].named_parameters())
-    # every data-parallel rank feeds the same batch, and each routes it to this rank's experts
-    dp = ps.get_data_parallel_world_size()
-    ep_rank, ep = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
     checked = 0
     for t in model.lora_plan.targets:
         if t.layer != layer or t.kind not in ("experts", "router", "shared_gate"):
             continue
-        theirs = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
-        if t.kind in ("router", "shared_gate"):  # NOTE: shared_gate: Qwen2-MoE's shared_expert_gate
+        if t.kind == "experts":
+            pairs = expert_adapter_grads(model, ref_params, t)
+        else:  # NOTE: shared_gate: Qwen2-MoE's shared_expert_gate
             module = t.megatron_module.format(layer=layer)
             ours = [chunk[f"{module}.lora.{t.name}.{f}"].grad.clone() for f in "AB"]
             if model.megatron.config.sequence_parallel:  # partial over the token shards until megatron sums them
                 for g in ours:
                     dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
-        else:
-            per = t.num_experts // ep
-            local = slice(ep_rank * per, (ep_rank + 1) * per)
-            ours = [chunk[f"decoder.layers.{layer}.mlp.experts.lora.{t.name}.{f}"].grad.clone() for f in "AB"]
-            # NOTE: replicas of these experts (the expert-data-parallel group: TP ranks with experts whole and EP1)
-            # each see their own tokens; their sum is what every data-parallel batch gives
-            if ps.get_expert_data_parallel_world_size() > 1:
-                for g in ours:
-                    dist.all_reduce(g, group=ps.get_expert_data_parallel_group())
-            # NOTE: megatron's orientation: B's rows in its order (gpt-oss: [gate; up]), Llama 4's factors swapped
-            theirs = [dp * g[local] for g in megatron_factors(t, *theirs)]
-        for f, a, b in zip("AB", ours, theirs):
+            theirs = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
+            pairs = zip("AB", ours, theirs)
+        for f, a, b in pairs:
             _grad_close(a, b, f"d{f} {t.hf_module}", scale_tol)
             checked += 1
     assert checked >= 2, checked
