@@ -17,7 +17,8 @@ Choices:
   stage, and carried rather than recomputed on each stage from the ids: they read the scaled token embedding, which
   only the first stage holds, and their table, projection and norm then live on one stage (their gradients come
   back through megatron's schedule). The keys and values a layer reuses are not carried: a split that puts a
-  reusing layer on another (virtual) stage than the layer storing its pair is refused by name (``check_layout``);
+  reusing layer on another (virtual) stage than the layer storing its pair is refused by name (``check_layout``,
+  ``gemma4_small.SmallModelFields.check_stage_split``, Gemma 4's);
   gemma-3n-E4B (35 layers, 15 reusing layers 18 / 19's) splits 18 / 17 at PP2 and runs there.
 - Refused by name: context parallelism (the shared keys and values stay within one sequence shard) and activation
   recompute (the per-layer stream and the shared keys and values pass beside megatron's layer arguments).
@@ -92,33 +93,11 @@ class Gemma3nBridge(Gemma4Bridge):
             raise C.UnsupportedConfigError(
                 f"context_parallel_size={layout.context_parallel_size} is not supported for {ARCH} (the shared keys "
                 "and values stay within one sequence shard); use tensor, pipeline and data parallelism.")
-        if layout.pipeline_parallel_size > 1 and self.reusing_layers:
-            self.check_stage_split(layout)
+        self.check_stage_split(layout)
         kv, tp = C.kv_heads_of(self.hf_config), layout.tensor_parallel_size
         if kv % tp:
             raise C.UnsupportedConfigError(f"num_key_value_heads={kv} does not split over tensor_parallel_size={tp} "
                                            f"for {ARCH} (replicated KV heads are not supported there).")
-
-    def check_stage_split(self, layout) -> None:
-        """Refuse a pipeline split that puts a layer reusing keys and values on another (virtual) stage than the
-        layer storing them: the shared pair stays within a stage (module docstring)."""
-        from loongforge_hf.bridges.stage_boundary import stage_layer_ranges
-
-        c = self.hf_config
-        store = {c.layer_types[i]: i for i, mode in enumerate(self.kv_modes) if mode == "store"}
-        stage_of = {i: k for k, stage in enumerate(stage_layer_ranges(c.num_hidden_layers, layout)) for i in stage}
-        if len(stage_of) < c.num_hidden_layers:  # NOTE: virtual stages that do not split the layers (config.py)
-            return
-        apart = sorted(i for i in self.reusing_layers if stage_of[i] != stage_of[store[c.layer_types[i]]])
-        if apart:
-            sources = sorted({store[c.layer_types[i]] for i in apart})
-            vpp = layout.interleaved_stages
-            raise C.UnsupportedConfigError(
-                f"pipeline_parallel_size={layout.pipeline_parallel_size}"
-                f"{f' with virtual_pipeline_parallel_size={vpp}' if vpp else ''} is not supported for {ARCH}: "
-                f"layers {apart} reuse the keys and values of layers {sources} on another pipeline stage "
-                "(num_kv_shared_layers; the shared keys and values do not cross stages); choose a split that keeps "
-                "each storing layer with the layers reusing it.")
 
     def pipeline_hidden_size(self) -> int:
         """What a pipeline stage sends per token: the AltUp streams and the per-layer inputs (builder.py)."""

@@ -15,11 +15,9 @@ Choices:
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
-from loongforge_hf.bridges.gemma4_per_layer import PerLayerInputs, _linear
+from loongforge_hf.bridges.gemma4_per_layer import PerLayerInputs, _linear, carry_per_layer_inputs
 
 
 def _rms_like(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -86,14 +84,12 @@ def add_streams(chunk, hf_config) -> None:
     """Wire ``chunk`` (one pipeline stage's ``GPTModel``; the whole model without a pipeline) as the module
     docstring says: the first stage makes the streams and the per-layer inputs before its decoder, a later stage
     splits what it receives into the two, a stage before the last appends the per-layer inputs to its decoder's
-    output, the last has ``AltUpHead`` as its decoder's final norm. Call after any other pre-hook on the decoder."""
+    output (``gemma4_per_layer.carry_per_layer_inputs``), the last has ``AltUpHead`` as its decoder's final norm.
+    Call after any other pre-hook on the decoder."""
     from megatron.core import parallel_state as ps
 
     config, c = chunk.config, hf_config
-    width, layers, size = c.altup_num_inputs * c.hidden_size, c.num_hidden_layers, c.hidden_size_per_layer_input
-    holder = SimpleNamespace(input_ids=None, stream=None)
-    for layer in chunk.decoder.layers:
-        layer.per_layer_stream = holder
+    layers, size = c.num_hidden_layers, c.hidden_size_per_layer_input
     if chunk.pre_process:
         chunk.per_layer_inputs = PerLayerIds(config, num_layers=layers, size=size, vocab=c.vocab_size_per_layer_input,
                                              pad_token_id=c.pad_token_id,
@@ -102,29 +98,5 @@ def add_streams(chunk, hf_config) -> None:
         chunk.altup_streams = AltUpStreams(config, c)
     if chunk.post_process:
         chunk.decoder.final_layernorm = AltUpHead(config, c)
-
-    def keep_ids(module, args, kwargs):
-        holder.input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-
-    def enter(decoder, args, kwargs):
-        if not chunk.pre_process:  # NOTE: megatron's block reads the received tensor, not its argument
-            received = decoder.input_tensor
-            decoder.input_tensor = received[..., :width]
-            holder.stream = received[..., width:].unflatten(-1, (layers, size))
-            return None
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        holder.stream = chunk.per_layer_inputs(holder.input_ids, hidden)
-        streams = chunk.altup_streams(hidden)
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": streams}
-        return (streams, *args[1:]), kwargs
-
-    def leave(decoder, args, output):
-        stream, holder.input_ids, holder.stream = holder.stream, None, None
-        if not chunk.post_process:
-            return torch.cat([output, stream.flatten(-2).to(output.dtype)], dim=-1)
-        return None
-
-    chunk.register_forward_pre_hook(keep_ids, with_kwargs=True)
-    chunk.decoder.register_forward_pre_hook(enter, with_kwargs=True)
-    chunk.decoder.register_forward_hook(leave)
+    carry_per_layer_inputs(chunk, width=c.altup_num_inputs * c.hidden_size, layers=layers, size=size,
+                           widen=chunk.altup_streams if chunk.pre_process else None)

@@ -21,9 +21,13 @@ Choices:
   shared config is built). Each layer type's KV heads must split over TP (no replicated heads: ``check_layout``).
 - Gemma 4 E2B / E4B: per-layer inputs (``hidden_size_per_layer_input``) and double-wide MLPs
   (``use_double_wide_mlp``): ``gemma4_per_layer.py``; the last ``num_kv_shared_layers`` layers reusing the keys and
-  values of the last earlier layer of their type: ``gemma4_attention.py``. With either, pipeline and context
-  parallelism are refused by name (the stream and the shared keys would have to cross stages / CP shards) and so
-  is activation recompute (at the forward: both pass beside megatron's layer arguments); and the MoE block.
+  values of the last earlier layer of their type: ``gemma4_attention.py``. Pipelines (virtual stages too) carry
+  the per-layer stream across stage boundaries (``pipeline_hidden_size``: ``hidden_size + num_hidden_layers *
+  hidden_size_per_layer_input``, as Gemma 3n's); a split that puts a reusing layer on another stage than the layer
+  storing its keys and values is refused by name (``check_layout``: the pair is not carried across stages). With
+  either field, context parallelism is refused by name (neither the stream nor the shared keys is split over
+  sequence shards) and so is activation recompute (at the forward: both pass beside megatron's layer arguments);
+  and the MoE block.
 - Refused by name, before any collective: per-layer fields other than the head size and KV heads, layers of one
   type with different ones, bidirectional attention (``use_bidirectional_attention='all'``), attention biases, rope
   types other than default / proportional, all layers sharing KV (no layer would compute it).
@@ -48,6 +52,7 @@ from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.gemma import _SandwichNorms, scale_gemma_embedding
 from loongforge_hf.bridges.gemma4_attention import PerTypeQKV, per_type_attention, share_keys_and_values
 from loongforge_hf.bridges.gemma4_per_layer import add_per_layer_inputs, gemma4_layer
+from loongforge_hf.bridges.gemma4_small import SmallModelFields, refuse_recompute
 from loongforge_hf.bridges.layer_outputs import softcap_logits
 from loongforge_hf.bridges.layer_types import LAYER_TYPES, LayerTypes, _two_table_rotary
 from loongforge_hf.bridges.mappings import Mapping, Replicated
@@ -112,7 +117,7 @@ def layer_type_heads(hf_config) -> dict[str, tuple[int, int]]:
 
 @register_model_type("gemma4_text")  # NOTE: a text config that names no architecture is this model's
 @register_bridge("Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM")
-class Gemma4Bridge(per_layer.SmallModelFields, LayerTypes, _SandwichNorms):
+class Gemma4Bridge(SmallModelFields, LayerTypes, _SandwichNorms):
     qk_norm = True
     zero_centred_norms = False
     # NOTE: k / v projections and k norms a checkpoint may hold for layers that reuse another's keys (passthrough_names)
@@ -151,17 +156,16 @@ class Gemma4Bridge(per_layer.SmallModelFields, LayerTypes, _SandwichNorms):
         self.values_from_keys = bool(c.attention_k_eq_v)
 
     def check_layout(self, layout) -> None:
-        """``UnsupportedConfigError`` where a layer type's KV heads do not split over TP (pure, before any
-        collective): layers built with their own heads or values from keys hold whole KV heads per rank."""
-        tp = layout.tensor_parallel_size
-        features = self.small_model_features
-        for field, size in (("pipeline_parallel_size", layout.pipeline_parallel_size),
-                            ("context_parallel_size", layout.context_parallel_size)):
-            if features and size > 1:
-                raise C.UnsupportedConfigError(
-                    f"{field}={size} is not supported for Gemma 4 with {' and '.join(features)} (the per-layer "
-                    "stream and the shared keys and values stay within one stage and one sequence shard); use "
-                    "tensor and data parallelism.")
+        """``UnsupportedConfigError`` (pure, before any collective) for CP with E2B / E4B's fields, a pipeline
+        split between a layer storing keys and values and one reusing them, and a layer type's KV heads that do
+        not split over TP: layers built with their own heads or values from keys hold whole KV heads per rank."""
+        tp, features = layout.tensor_parallel_size, self.small_model_features
+        if features and layout.context_parallel_size > 1:
+            raise C.UnsupportedConfigError(
+                f"context_parallel_size={layout.context_parallel_size} is not supported for Gemma 4 with "
+                f"{' and '.join(features)} (the per-layer stream and the shared keys and values are not split over "
+                "sequence shards); use tensor, pipeline and data parallelism.")
+        self.check_stage_split(layout)
         if self.full_heads is None and not self.values_from_keys:
             return
         names = {"sliding_attention": "num_key_value_heads", "full_attention": "num_global_key_value_heads"}
@@ -212,7 +216,7 @@ class Gemma4Bridge(per_layer.SmallModelFields, LayerTypes, _SandwichNorms):
         self.set_rotary_tables(model)
         _add_layer_scalars(model)
         if self.small_model_features:  # NOTE: first, so it refuses before the stream is made
-            refuse = functools.partial(per_layer.refuse_recompute, self.small_model_features)
+            refuse = functools.partial(refuse_recompute, self.small_model_features)
             model.decoder.register_forward_pre_hook(refuse)
         if self.per_layer_size:
             add_per_layer_inputs(model, self.hf_config, placeholder_ids=self.placeholder_ids)

@@ -7,7 +7,16 @@ Choices:
   ``GPTModel``) from the decoder's input (the scaled token embeddings, images in place for the image-text model)
   and the input ids: ``(norm(proj(x) / sqrt(H)) + table[ids] * sqrt(P)) / sqrt(2)``, ids of image placeholders
   looked up as ``pad_token_id``, as transformers does. A forward pre-hook on ``GPTModel`` keeps the ids, one on the
-  decoder makes the stream, every layer reads its slice (``per_layer_stream``); the decoder's forward hook drops it.
+  decoder makes the stream, every layer reads its slice (``per_layer_stream``, by its global number); the decoder's
+  forward hook drops it (``carry_per_layer_inputs``, Gemma 3n's too).
+- Pipeline parallelism (virtual stages too): the stream is made once, on the first stage, and carried: a stage
+  before the last appends it to its decoder's output, ``[s, b, H + layers * P]`` (the bridge's
+  ``pipeline_hidden_size``), a later stage splits what it receives back into the hidden states and the stream; the
+  gradient of both goes back through the same tensor, so the table, the projection and the norm (first stage only)
+  get theirs through megatron's schedule. Not recomputed per stage from the ids: it reads the scaled embedding, which
+  only the first stage holds. The keys and values a reusing layer takes are not carried: a split that puts it on
+  another (virtual) stage than the layer storing them is refused by name
+  (``gemma4_small.SmallModelFields.check_stage_split``).
 - The table ``[vocab_size_per_layer_input, layers * P]`` is an embedding like the main one: megatron's
   ``VocabParallelEmbedding`` (rows split over TP, reduce-scattered over the sequence under sequence parallelism),
   its rows padded to a multiple of TP where the vocabulary does not split evenly (``PaddedRows``: at most TP - 1
@@ -22,8 +31,8 @@ Choices:
   (``gemma4._scaled_layer``). The double-wide layers are built from a copy of the config with ``ffn_hidden_size``
   doubled (their MLP, split over TP as any).
 - The stream passes beside megatron's layer arguments, so a layer recomputed in the backward could not take its
-  gradient: activation recompute is refused with per-layer inputs, as is a pipeline (the stream is made on the
-  first stage): ``gemma4.py``. LoRA on the per-layer linears is refused by name (``lora/plan.py``: replicated
+  gradient: activation recompute is refused with per-layer inputs (``refuse_recompute``), as is context parallelism
+  (``gemma4.py``). LoRA on the per-layer linears is refused by name (``lora/plan.py``: replicated
   tensors carry no adapter), ``exclude_modules`` naming them.
 """
 
@@ -36,7 +45,6 @@ from types import SimpleNamespace
 
 import torch
 
-from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.mappings import Mapping, Replicated, _read_into
 
@@ -105,8 +113,8 @@ class PerLayerInputs(torch.nn.Module):
 @functools.cache
 def gemma4_layer(*, wide_layers: frozenset[int], per_layer_size: int, activation: str) -> type:
     """megatron's ``TransformerLayer`` with Gemma 4's per-layer input block (``per_layer_size`` > 0) and
-    ``wide_layers`` (0-based; no pipeline, so global) built with twice the MLP width (module docstring)."""
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+    ``wide_layers`` (0-based global indices) built with twice the MLP width (module docstring)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
     from transformers.activations import ACT2FN
 
     from loongforge_hf.kernels.rmsnorm import RMSNorm
@@ -115,7 +123,8 @@ def gemma4_layer(*, wide_layers: frozenset[int], per_layer_size: int, activation
 
     class Gemma4Layer(TransformerLayer):
         def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs) -> None:
-            if layer_number - 1 in wide_layers:
+            # NOTE: megatron passes the stage's own number; TransformerLayer adds this offset to it
+            if layer_number - 1 + get_transformer_layer_offset(config, kwargs.get("vp_stage")) in wide_layers:
                 config = copy.copy(config)
                 config.ffn_hidden_size *= 2
             super().__init__(config, submodules, layer_number, *args, **kwargs)
@@ -138,30 +147,58 @@ def gemma4_layer(*, wide_layers: frozenset[int], per_layer_size: int, activation
 
 
 def add_per_layer_inputs(chunk, hf_config, *, placeholder_ids: tuple[int, ...] = ()) -> None:
-    """Give ``chunk`` (a whole model: no pipeline) its ``PerLayerInputs`` and the hooks that feed its layers."""
+    """Give ``chunk`` (one pipeline stage's ``GPTModel``; the whole model without a pipeline) the hooks that feed
+    its layers their per-layer inputs, and the first stage its ``PerLayerInputs``."""
     from megatron.core import parallel_state as ps
 
+    c = hf_config
+    if chunk.pre_process:
+        chunk.per_layer_inputs = PerLayerInputs(
+            chunk.config, num_layers=c.num_hidden_layers, size=c.hidden_size_per_layer_input,
+            vocab=c.vocab_size_per_layer_input, pad_token_id=c.pad_token_id, placeholder_ids=placeholder_ids,
+            tp_group=ps.get_tensor_model_parallel_group())
+    carry_per_layer_inputs(chunk, width=c.hidden_size, layers=c.num_hidden_layers, size=c.hidden_size_per_layer_input)
+
+
+def carry_per_layer_inputs(chunk, *, width: int, layers: int, size: int,
+                           widen: torch.nn.Module | None = None) -> None:
+    """Hand ``chunk``'s layers (one pipeline stage's ``GPTModel``) the per-layer inputs ``[s, b, layers, size]``
+    through a holder (``per_layer_stream``): the first stage makes them before its decoder
+    (``chunk.per_layer_inputs(input_ids, decoder input)``), then ``widen`` (if given) makes the residual the decoder
+    carries (``width`` per token) from its input; a later stage splits what it receives into that residual and the
+    per-layer inputs; a stage before the last appends them to its decoder's output (module docstring). Call after
+    any other pre-hook on the decoder."""
     holder = SimpleNamespace(input_ids=None, stream=None)
-    chunk.per_layer_inputs = PerLayerInputs(
-        chunk.config, num_layers=hf_config.num_hidden_layers, size=hf_config.hidden_size_per_layer_input,
-        vocab=hf_config.vocab_size_per_layer_input, pad_token_id=hf_config.pad_token_id,
-        placeholder_ids=placeholder_ids, tp_group=ps.get_tensor_model_parallel_group())
     for layer in chunk.decoder.layers:
         layer.per_layer_stream = holder
 
     def keep_ids(module, args, kwargs):
         holder.input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
 
-    def make_stream(module, args, kwargs):
+    def enter(decoder, args, kwargs):
+        if not chunk.pre_process:  # NOTE: megatron's block reads the received tensor, not its argument
+            received = decoder.input_tensor
+            decoder.input_tensor = received[..., :width]
+            holder.stream = received[..., width:].unflatten(-1, (layers, size))
+            return None
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         holder.stream = chunk.per_layer_inputs(holder.input_ids, hidden)
+        if widen is None:
+            return None
+        wide = widen(hidden)
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": wide}
+        return (wide, *args[1:]), kwargs
 
-    def drop(*_):
-        holder.input_ids = holder.stream = None
+    def leave(decoder, args, output):
+        stream, holder.input_ids, holder.stream = holder.stream, None, None
+        if not chunk.post_process:
+            return torch.cat([output, stream.flatten(-2).to(output.dtype)], dim=-1)
+        return None
 
     chunk.register_forward_pre_hook(keep_ids, with_kwargs=True)
-    chunk.decoder.register_forward_pre_hook(make_stream, with_kwargs=True)
-    chunk.decoder.register_forward_hook(drop)
+    chunk.decoder.register_forward_pre_hook(enter, with_kwargs=True)
+    chunk.decoder.register_forward_hook(leave)
 
 
 @dataclass(frozen=True)
@@ -218,48 +255,3 @@ def shapes(hf_config) -> dict[str, tuple[int, ...]]:
                     f"model.layers.{i}.per_layer_projection.weight": (h, p),
                     f"model.layers.{i}.post_per_layer_input_norm.weight": (h,)})
     return out
-
-
-class SmallModelFields:
-    """E2B / E4B's config fields on ``gemma4.Gemma4Bridge``."""
-
-    def check_kv_sharing(self) -> int:
-        """``num_kv_shared_layers`` (returned) and ``kv_modes`` / ``reusing_layers`` from it (Gemma 3n's too)."""
-        c = self.hf_config
-        shared = int(c.num_kv_shared_layers or 0)
-        if shared and not 0 < shared < c.num_hidden_layers:
-            raise C.UnsupportedConfigError(f"num_kv_shared_layers={shared}: at least one of the "
-                                           f"{c.num_hidden_layers} layers must compute keys and values.")
-        try:
-            self.kv_modes = list(c.kv_sharing_modes) if shared else None
-        except ValueError as err:  # NOTE: a shared layer type no earlier layer computes
-            raise C.UnsupportedConfigError(f"num_kv_shared_layers={shared}: {err}.") from None
-        self.reusing_layers = frozenset(i for i, m in enumerate(self.kv_modes or ()) if m == "reuse")
-        return shared
-
-    def check_small_model_fields(self) -> None:
-        """E2B / E4B's fields (module docstring): ``per_layer_size``, ``kv_modes`` (None without sharing),
-        ``reusing_layers`` and ``wide_layers``; ``UnsupportedConfigError`` naming a field they cannot run with."""
-        c = self.hf_config
-        # NOTE: Gemma 4 Unified's text config has no per-layer inputs nor MoE block (reading those fields raises)
-        self.per_layer_size = int(getattr(c, "hidden_size_per_layer_input", 0) or 0)
-        shared = self.check_kv_sharing()
-        self.wide_layers = self.reusing_layers if c.use_double_wide_mlp else frozenset()
-        if (self.per_layer_size or shared) and getattr(c, "enable_moe_block", False):
-            raise C.UnsupportedConfigError("hidden_size_per_layer_input / num_kv_shared_layers with "
-                                           "enable_moe_block=True are not supported for Gemma4ForCausalLM (no such "
-                                           "Gemma 4 is published).")
-
-    @property
-    def small_model_features(self) -> list[str]:
-        """The E2B / E4B fields this config sets (each refuses pipelines, CP and recompute)."""
-        return [f"{name}={getattr(self.hf_config, name)}" for name, on in
-                (("hidden_size_per_layer_input", self.per_layer_size), ("num_kv_shared_layers", self.kv_modes))
-                if on]
-
-
-def refuse_recompute(features: list[str], decoder, args) -> None:
-    if decoder.training and decoder.config.recompute_granularity is not None:
-        raise ValueError(f"activation checkpointing (recompute) is not supported for Gemma 4 with "
-                         f"{' and '.join(features)}: the per-layer stream and the shared keys and values pass beside "
-                         "megatron's layer arguments, which a recomputed layer would not take gradients through.")

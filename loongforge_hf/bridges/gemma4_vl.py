@@ -7,7 +7,9 @@ Choices:
   layout checks) over ``text_config``, its tensors under ``model.language_model`` (what transformers 5 and the hub's
   checkpoints hold), its LM head the embedding where the config ties them (every published Gemma 4 does). With
   per-layer inputs (E2B / E4B) the image, video and audio placeholders are looked up as padding in the per-layer
-  table, the projection reads the embeddings with images in place, as transformers' ``Gemma4Model`` does.
+  table, the projection reads the embeddings with images in place, as transformers' ``Gemma4Model`` does; under
+  pipeline parallelism the first stage (with the vision tower) makes them and the stage boundaries carry them, as
+  the text model's (``gemma4_per_layer.py``).
 - The vision tower and its embedder (``model.vision_tower.*``, ``model.embed_vision.*``) are
   ``multimodal.vision_gemma4.Gemma4VisionTower``, replicated (``vision_tensor_parallel_size`` above 1 is refused),
   trainable, each tensor mapped one to one and exported as read. Refused by name: clipped linears

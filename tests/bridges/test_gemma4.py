@@ -15,8 +15,13 @@ collective. Gemma 4 as the hub publishes it (Gemma4ForConditionalGeneration): te
 E2B / E4B's text model (``SMALL``: per-layer inputs, the last two layers reusing layers 0 and 1's keys and values,
 double-wide MLPs there) in the same worlds: TP1 (logits, loss, a bit-exact export with every per-layer tensor, every
 gradient, greedy generate uncached / with the dynamic cache / with a static one) and TP2 + SP (logits, loss, export;
-the per-layer table vocab-split with a padding row). Its refusals (pipeline and context parallelism, LoRA on the
-per-layer linears) and ``parallel="auto"`` skipping layouts a bridge refuses are checked on the bridge alone.
+the per-layer table vocab-split with a padding row). Pipelines on an 8-layer variant (``EIGHT``: the last layer
+reusing layer 6's keys and values) in the two-rank world: PP2 (logits, loss, a bit-exact export, greedy generate
+uncached / cached / static) and PP2 x VPP2 (logits, loss, the training engine's step with every gradient against
+transformers'), the stage boundaries carrying the per-layer inputs; the image-text model with per-layer inputs at
+PP2 on images (logits, loss, export). Its refusals (a pipeline split parting a reusing layer from the layer storing
+its keys and values, context parallelism, LoRA on the per-layer linears) and ``parallel="auto"`` skipping layouts a
+bridge refuses are checked on the bridge alone.
 
 LoRA in the same worlds (``_lora_moe.moe_model_checks`` against PEFT on transformers' model, same initial values), at
 TP1 and TP2 + SP (experts whole: expert_tensor_parallel_size=1): ``"all-linear"`` on the dense model (q / k / v in
@@ -28,6 +33,8 @@ merged export in transformers and a PEFT-written adapter loaded. Gradients withi
 each gradient's largest entry: these low-rank projections are ill-conditioned on the tiny checkpoint (binding logit
 cap, routing), PEFT's own fp32 gradients being 2.1e-5 (dense) and 1.6e-4 (MoE) off its fp64 ones (measured at TP1,
 where ours are 2.1e-5 and 5.2e-4 off those; at TP2 the summation order alone moves the dense ones by 2.5e-5)."""
+
+import re
 
 import pytest
 import torch
@@ -52,6 +59,11 @@ LORA_TP2 = {**LAYOUTS["tp2_sp"], "expert_tensor_parallel_size": 1}
 # full layers with KV heads of their own (no attention_k_eq_v)
 SMALL = dict(attention_k_eq_v=False, hidden_size_per_layer_input=8, vocab_size_per_layer_input=203,
              num_kv_shared_layers=2, use_double_wide_mlp=True)
+# NOTE: SMALL on 8 layers for pipelines: the last (full) layer reusing layer 6's keys and values with a double-wide
+# MLP, so PP2's split 4 / 4 and PP2 x VPP2's 2 / 2 / 2 / 2 keep the pair on one stage
+S, F = "sliding_attention", "full_attention"
+EIGHT = dict(SMALL, num_kv_shared_layers=1, num_hidden_layers=8, layer_types=[S, F, S, F, S, S, F, F],
+             per_layer_config={i: {"head_dim": 32, "num_key_value_heads": 2} for i in (1, 3, 6, 7)})
 
 
 def _lora(folders: dict, adapters: dict, out_dir: str, layout: dict) -> dict:
@@ -61,12 +73,12 @@ def _lora(folders: dict, adapters: dict, out_dir: str, layout: dict) -> dict:
                                    grad_scale_tol=tol) for name, (kw, tol) in LORA.items()}
 
 
-def _generate(folder: str) -> dict:
+def _generate(folder: str, **layout) -> dict:
     import transformers
 
     import loongforge_hf as lf
 
-    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.randint(4, 203, (2, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
@@ -127,7 +139,25 @@ def _one_rank(folder: str, out_dir: str, own_values: str, moe: str, adapters: di
             "lora": _lora({"dense": folder, "moe": moe}, adapters, f"{out_dir}-lora", {})}
 
 
-def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict, small: str) -> dict:
+def _small_pipelines(eight: str, vl_small: str, out_dirs: dict) -> dict:
+    """``EIGHT`` at PP2 (logits, loss, export, greedy generate as ``_generate``) and at PP2 x VPP2 (logits, loss, and
+    the training engine's step: megatron's interleaved schedule over two micro-batches, every gradient exported
+    through the bridge); the image-text model with per-layer inputs at PP2 on a batch with images (logits, loss,
+    export)."""
+    from ..multimodal._vl_gemma4 import compare_images
+    from ._parity import load_compare_export
+    from .test_gemma3n import _engine_gradients, _models
+    from .test_recurrent_gemma import _plain
+
+    pp2 = {"pipeline_parallel_size": 2}
+    out = {"small_pp2": load_compare_export(eight, pp2, out_dirs["small_pp2"], seq=12, padded=True),
+           "small_pp2_generate": _generate(eight, **pp2),
+           "vl_small_pp2": compare_images(vl_small, pp2, out_dirs["vl_small_pp2"])}
+    ours, ref = _models(eight, pipeline_parallel_size=2, virtual_pipeline_parallel_size=2)
+    return {**out, "small_pp2_vpp2": {"plain": _plain(ours, ref), "grads": _engine_gradients(ours, ref, eight)}}
+
+
+def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict, small: str, eight: str, vl_small: str) -> dict:
     from ._gradients import gradient_checks
     from ._parity import load_compare_export
 
@@ -141,7 +171,7 @@ def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict, small: str
             "router_logits": _router_logits(moe, moe_layout),
             "lora": _lora({"dense": folder, "moe": moe}, adapters, out_dirs["lora"], LORA_TP2),
             "small_tp2_sp": load_compare_export(small, LAYOUTS["tp2_sp"], out_dirs["small_tp2_sp"], seq=12,
-                                                padded=True)}
+                                                padded=True), **_small_pipelines(eight, vl_small, out_dirs)}
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +195,22 @@ def small(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def eight(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gemma4_eight") / "ckpt", "gemma4", **EIGHT))
+
+
+@pytest.fixture(scope="module")
+def vl_small(tmp_path_factory):
+    """The image-text model over ``SMALL`` without shared keys and values (its 2 / 2 split would part them) and
+    without the double-wide MLPs (tests/multimodal/test_gemma4_vl.py's ``small`` says why)."""
+    from loongforge_hf.testing.tiny_gemma4_vl import make_tiny_gemma4_vl
+
+    return str(make_tiny_gemma4_vl(tmp_path_factory.mktemp("gemma4_vl_small_pp") / "src", audio=False,
+                                   **{**SMALL, "num_kv_shared_layers": 0, "vocab_size_per_layer_input": 210,
+                                      "use_double_wide_mlp": False}))
+
+
+@pytest.fixture(scope="module")
 def lora_adapters(folder, moe, tmp_path_factory):
     """A PEFT-written adapter (random factors) of each LoRA case."""
     from ..integrations._lora_load import write_peft_adapter
@@ -184,11 +230,11 @@ def one_rank(folder, own_values, moe, lora_adapters, small, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(folder, moe, lora_adapters, small, tmp_path_factory):
+def two_ranks(folder, moe, lora_adapters, small, eight, vl_small, tmp_path_factory):
     out_dirs = {name: str(tmp_path_factory.mktemp(f"gemma4_{name}"))
-                for name in (*LAYOUTS, *MOE_LAYOUTS, "lora", "small_tp2_sp")}
-    return {**run_distributed(_two_ranks, 2, folder, out_dirs, moe, lora_adapters, small, timeout=500)[0],
-            "out_dirs": out_dirs}
+                for name in (*LAYOUTS, *MOE_LAYOUTS, "lora", "small_tp2_sp", "small_pp2", "vl_small_pp2")}
+    return {**run_distributed(_two_ranks, 2, folder, out_dirs, moe, lora_adapters, small, eight, vl_small,
+                              timeout=500)[0], "out_dirs": out_dirs}
 
 
 def test_tp1_logits_loss_and_export(one_rank, folder):
@@ -254,8 +300,63 @@ def test_small_model_gradients_and_cached_generate(one_rank):
     assert "hidden_size_per_layer_input=8" in one_rank["small_recompute"], one_rank["small_recompute"]
 
 
+def test_small_model_pipelines(two_ranks, eight):
+    """``EIGHT`` at PP2 (logits, loss, a bit-exact export, greedy generate of a left-padded batch uncached / with the
+    dynamic cache / with a static one: the reusing layer reads the storing layer's cache on its stage) and PP2 x
+    VPP2 (logits, loss; the engine's step with every gradient against transformers', the first stage's per-layer
+    table / projection / norm and the last stage's reusing layer and the layer storing its keys and values among
+    them): the stage boundaries carry the per-layer inputs."""
+    r = two_ranks["small_pp2"]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["keep"][1] < TOL, r
+    check_round_trip(eight, two_ranks["out_dirs"]["small_pp2"])
+    for mode, (same, score_diff) in two_ranks["small_pp2_generate"].items():
+        assert same and score_diff < TOL, (mode, same, score_diff)
+    r = two_ranks["small_pp2_vpp2"]
+    assert r["plain"]["logits"] < TOL and r["plain"]["loss"] < TOL, r["plain"]
+    grads = r["grads"]
+    want = {"model.embed_tokens_per_layer.weight", "model.per_layer_model_projection.weight",
+            "model.per_layer_projection_norm.weight", "model.layers.7.per_layer_input_gate.weight",
+            "model.layers.7.mlp.up_proj.weight", "model.layers.6.self_attn.k_proj.weight",
+            "model.layers.7.self_attn.q_proj.weight", "model.layers.0.per_layer_projection.weight"}
+    assert want <= set(grads), sorted(want - set(grads))
+    assert len(grads) > 100 and max(grads.values()) < TOL, sorted(grads.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_image_text_model_pipeline_with_per_layer_inputs(two_ranks, vl_small):
+    """Gemma4ForConditionalGeneration with per-layer inputs at PP2 on a batch with images (the vision tower and the
+    per-layer table on the first stage, image placeholders looked up as padding there): logits, loss, a bit-exact
+    export of the whole folder."""
+    r = two_ranks["vl_small_pp2"]
+    assert r["logit_diff"] < TOL and r["loss_diff"] < TOL and r["blocks_matter"] > 1e-2, r
+    check_round_trip(vl_small, two_ranks["out_dirs"]["vl_small_pp2"])
+
+
+def test_pipeline_splits_keep_shared_keys_on_one_stage():
+    """A split that puts a layer reusing keys and values on another (virtual) stage than the layer storing them is
+    refused by name (pure, before any collective); the splits that keep them together are accepted."""
+    from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
+    from loongforge_hf.parallel.config import ParallelConfig
+    from loongforge_hf.testing.tiny_models import _config
+
+    bridge = get_bridge(_config("gemma4", **EIGHT))
+    assert bridge.pipeline_hidden_size() == 64 + 8 * 8 and bridge.wide_layers == {7}
+    for layout in (dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=2, virtual_pipeline_parallel_size=2),
+                   dict(pipeline_parallel_size=4)):
+        bridge.check_layout(ParallelConfig(**layout))
+    for changes, layout, message in (
+            ({}, dict(pipeline_parallel_size=2, virtual_pipeline_parallel_size=4),
+             "pipeline_parallel_size=2 with virtual_pipeline_parallel_size=4 is not supported for Gemma4ForCausalLM: "
+             "layers [7] reuse the keys and values of layers [6] on another pipeline stage (num_kv_shared_layers=1"),
+            ({"num_kv_shared_layers": 2}, dict(pipeline_parallel_size=2),
+             "pipeline_parallel_size=2 is not supported for Gemma4ForCausalLM: layers [6, 7] reuse the keys and "
+             "values of layers [3] on another pipeline stage (num_kv_shared_layers=2")):
+        with pytest.raises(UnsupportedConfigError, match=re.escape(message)):
+            get_bridge(_config("gemma4", **{**EIGHT, **changes})).check_layout(ParallelConfig(**layout))
+
+
 def test_small_model_refusals_name_the_field():
-    """Pipelines and CP with per-layer inputs / shared KV, all layers sharing, the MoE block with them; LoRA on the
+    """A pipeline split between the layers sharing keys and values (``SMALL``'s 2 / 2: layers 2, 3 reuse layers 0
+    and 1's), CP with per-layer inputs / shared KV, all layers sharing, the MoE block with them; LoRA on the
     per-layer linears refused naming them for exclude_modules; the bridge builds them right away."""
     import peft
 
@@ -266,10 +367,12 @@ def test_small_model_refusals_name_the_field():
 
     bridge = get_bridge(_config("gemma4", **SMALL))
     assert bridge.reusing_layers == bridge.wide_layers == {2, 3}
-    for layout, field in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
-                          ({"context_parallel_size": 2}, "context_parallel_size=2")):
-        with pytest.raises(UnsupportedConfigError, match=f"{field}.*hidden_size_per_layer_input=8"):
-            bridge.check_layout(ParallelConfig(**layout))
+    with pytest.raises(UnsupportedConfigError, match=re.escape("pipeline_parallel_size=2 is not supported for "
+                                                               "Gemma4ForCausalLM: layers [2, 3] reuse the keys and "
+                                                               "values of layers [0, 1] on another pipeline stage")):
+        bridge.check_layout(ParallelConfig(pipeline_parallel_size=2))
+    with pytest.raises(UnsupportedConfigError, match="context_parallel_size=2.*hidden_size_per_layer_input=8"):
+        bridge.check_layout(ParallelConfig(context_parallel_size=2))
     with pytest.raises(UnsupportedConfigError, match="num_kv_shared_layers=2"):
         get_bridge(_config("gemma4", num_kv_shared_layers=2)).check_layout(ParallelConfig(pipeline_parallel_size=2))
     with pytest.raises(UnsupportedConfigError, match="num_kv_shared_layers=4"):
@@ -396,7 +499,8 @@ def test_angles_cut_once_per_forward_and_unused_kv_carried():
 
 def test_auto_layout_skips_what_the_bridge_refuses():
     """parallel="auto" asks the bridge (check_layout): TP4 fits but splits the full layers' 2 KV heads, so the planner
-    goes on to TP2 x PP2; E2B / E4B's refuse pipelines, so there TP4 stays out and nothing else fits."""
+    goes on to TP2 x PP2; ``SMALL`` refuses PP2's split (its reusing layers 2, 3 on another stage than layers 0, 1),
+    so there TP4 stays out and nothing else fits."""
     from loongforge_hf.bridges import get_bridge
     from loongforge_hf.parallel.auto import ModelSize, bridge_accepts, choose_layout
     from loongforge_hf.parallel.config import ParallelLayoutError

@@ -152,6 +152,8 @@ def test_parallel_layouts(two_ranks, folder, layout):
 def test_bridge_refusals_before_any_collective():
     """The text model's refusals and layout checks hold for the published checkpoint (from the bridge alone, as
     from_pretrained makes it before any collective); the causal-LM registry points to the image-text class."""
+    import re
+
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
     from loongforge_hf.bridges.qwen2_5_vl import get_vl_bridge
     from loongforge_hf.bridges.registry import UnsupportedArchitectureError
@@ -160,8 +162,13 @@ def test_bridge_refusals_before_any_collective():
 
     small = get_vl_bridge(tiny_gemma4_vl_config(hidden_size_per_layer_input=8))  # NOTE: E2B / E4B's text model
     assert small.image_token_id in small.text.placeholder_ids
-    with pytest.raises(UnsupportedConfigError, match="pipeline_parallel_size=2.*hidden_size_per_layer_input=8"):
-        small.check_layout(ParallelConfig(pipeline_parallel_size=2))
+    with pytest.raises(UnsupportedConfigError, match="context_parallel_size=2.*hidden_size_per_layer_input=8"):
+        small.check_layout(ParallelConfig(context_parallel_size=2))
+    small.check_layout(ParallelConfig(pipeline_parallel_size=2))  # NOTE: run in tests/bridges/test_gemma4.py
+    shared = get_vl_bridge(tiny_gemma4_vl_config(hidden_size_per_layer_input=8, num_kv_shared_layers=2))
+    with pytest.raises(UnsupportedConfigError, match=re.escape(
+            "pipeline_parallel_size=2 is not supported for Gemma4ForConditionalGeneration: layers [2, 3] reuse")):
+        shared.check_layout(ParallelConfig(pipeline_parallel_size=2))
     with pytest.raises(UnsupportedConfigError, match="num_global_key_value_heads=2"):
         get_vl_bridge(tiny_gemma4_vl_config()).check_layout(ParallelConfig(tensor_parallel_size=4))
     with pytest.raises(UnsupportedArchitectureError, match="lf.AutoModelForImageTextToText"):
