@@ -32,6 +32,7 @@ from loongforge_hf.bridges.dense import D, L, DenseBridge
 from loongforge_hf.bridges.fused_mappings import QKV
 from loongforge_hf.bridges.mappings import Mapping, Replicated, _read_into
 from loongforge_hf.bridges.registry import register_bridge
+from loongforge_hf.parallel import tp_sections
 
 _LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
@@ -94,6 +95,9 @@ def differential_attention(eps: float) -> type:
                     torch.zeros(config.kv_channels, dtype=config.params_dtype, device=device)))
             self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * (self.layer_number - 1))  # NOTE: megatron counts from 1
             self.linear_proj.register_forward_pre_hook(self._combine_pairs)
+            # NOTE: the rank's KV groups of the first half of the heads, then those of the second half
+            rows = self.linear_qkv.weight.shape[0]
+            tp_sections.declare_rows(self.linear_qkv, (rows // 2, rows // 2))
 
         def get_query_key_value_tensors(self, *args, **kwargs):
             query, key, value, *rest = super().get_query_key_value_tensors(*args, **kwargs)

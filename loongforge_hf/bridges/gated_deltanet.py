@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge_hf.bridges.recurrent_common import CachedStep, _cu_seqlens, _token_layout, mixer_projections
+from loongforge_hf.parallel import tp_sections
 from loongforge_hf.parallel.context_parallel import cp_group_and_size
 from loongforge_hf.parallel.delta_rule_cp import context_parallel_mix
 
@@ -85,10 +86,17 @@ class GatedDeltaNet(torch.nn.Module):
         self.norm_weight = torch.nn.Parameter(torch.ones(value_dim, **kw))
         for p in (self.conv_weight, self.A_log, self.dt_bias):
             set_tensor_model_parallel_attributes(p, True, 0, 1)
+        qk = self.k_heads * key_dim
+        tp_sections.declare(self.in_proj.weight, self._in_proj_sections())
+        tp_sections.declare(self.conv_weight, (qk, qk, self.v_heads * value_dim))
+
+    def _in_proj_sections(self) -> tuple[int, ...]:
+        """This rank's rows of ``in_proj`` (``parallel/tp_sections.py``): q, k, v, z, b, a."""
+        qk, v = self.k_heads * self.key_dim, self.v_heads * self.value_dim
+        return qk, qk, v, v, self.v_heads, self.v_heads
 
     def _in_proj_rows(self) -> int:
-        """This rank's rows of ``in_proj``: q, k, v, z, b, a."""
-        return self.qkv_size + self.v_heads * self.value_dim + 2 * self.v_heads
+        return sum(self._in_proj_sections())
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,

@@ -38,6 +38,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from loongforge_hf.parallel import tp_sections
+
 
 def _parameter(config, *shape: int, split_dim: int | None, bias: bool = False) -> torch.nn.Parameter:
     """A parameter of this rank's ``shape`` (normal with the config's std, zeros for a ``bias``), split over TP along
@@ -121,6 +123,7 @@ class MoAQueryKV(torch.nn.Module):
         self.router = _parameter(config, experts, input_size, split_dim=None)
         self.query = _parameter(config, experts, rows, input_size, split_dim=1)
         self.kv = _kv_linear(input_size, 2 * config.num_query_groups * config.kv_channels, config, self.tp_group)
+        tp_sections.declare_rows(self.kv, (rows, rows))  # NOTE: this rank's key heads' rows, then their values'
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Checkpoint tensors: ``query`` split by heads over TP (its rows), ``router`` replicated, ``kv`` as its

@@ -41,9 +41,10 @@ class KimiDeltaAttention(GatedDeltaNet):
         for p in (self.dt_bias, self.f_b_weight, self.g_b_weight):
             set_tensor_model_parallel_attributes(p, True, 0, 1)
 
-    def _in_proj_rows(self) -> int:
+    def _in_proj_sections(self) -> tuple[int, ...]:
         """This rank's rows of ``in_proj``: q, k, v, b."""
-        return self.qkv_size + self.v_heads
+        qk = self.k_heads * self.key_dim
+        return qk, qk, self.v_heads * self.value_dim, self.v_heads
 
     def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``in_proj``'s rows, then this rank's heads of the forget gate's ``f_b(f_a(x))`` and the output gate's

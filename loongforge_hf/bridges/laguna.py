@@ -53,6 +53,7 @@ from loongforge_hf.bridges.layer_types import LAYER_TYPES, LayerTypes, check_mlp
 from loongforge_hf.bridges.mappings import FP32Replicated, Mapping, Replicated, _fmt
 from loongforge_hf.bridges.moe import MoEBridge
 from loongforge_hf.bridges.registry import register_bridge
+from loongforge_hf.parallel import tp_sections
 
 
 @functools.cache
@@ -74,6 +75,9 @@ def laguna_attention(*, heads: tuple[int, ...], gate_width: int, sliding_layers:
             super().__init__(config, submodules, layer_number, *args, **kwargs)
             self.linear_qkv_out_dim -= dropped
             self.sliding = layer_number - 1 in sliding_layers
+            n, groups = self.num_attention_heads_per_partition, self.num_query_groups_per_partition
+            hd = self.hidden_size_per_attention_head
+            tp_sections.declare_rows(self.linear_qkv, (n * hd, n * gate_width, groups * hd, groups * hd))
 
         def forward(self, *args, **kwargs):
             if kwargs.get("rotary_pos_emb") is not None:

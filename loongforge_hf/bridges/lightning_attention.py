@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from loongforge_hf.bridges.olmo2 import _SumOverGroup
 from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections, tp_group_of
+from loongforge_hf.parallel import tp_sections
 
 NORM_EPS = 1e-6  # NOTE: transformers builds this norm with MiniMaxRMSNorm's default eps, not rms_norm_eps
 TABLES = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
@@ -56,6 +57,8 @@ class LightningAttention(torch.nn.Module):
         self.norm_weight = torch.nn.Parameter(torch.ones(self.heads * head_dim, dtype=config.params_dtype,
                                                          device=device))
         set_tensor_model_parallel_attributes(self.norm_weight, True, 0, 1)
+        local = self.heads * head_dim
+        tp_sections.declare_rows(self.in_proj, (3 * local, local))  # NOTE: this rank's heads' q / k / v, its gate
         rank = torch.distributed.get_rank(self.tp_group) if tp > 1 else 0
         slope = slope_rates(heads, layer=layer_number - 1, num_layers=num_layers)
         slope = slope[rank * self.heads:(rank + 1) * self.heads]

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from loongforge_hf.bridges.recurrent_common import (CachedStep, _token_layout, mixer_on_layers, mixer_projections,
                                                     tp_group_of)
 from loongforge_hf.kernels.causal_conv import causal_conv
+from loongforge_hf.parallel import tp_sections
 from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
 NORMS = ("dt_norm_weight", "b_norm_weight", "c_norm_weight")  # NOTE: Jamba's, replicated over TP
@@ -76,6 +77,7 @@ class MambaMixer(torch.nn.Module):
         self.D = torch.nn.Parameter(torch.ones(n, **kw))
         for name, p in self._split_parameters().items():
             set_tensor_model_parallel_attributes(p, True, 1 if name == "x_proj_weight" else 0, 1)
+        tp_sections.declare_rows(self.in_proj, (n, n))  # NOTE: this rank's x rows, then its gate's
         # NOTE: Jamba's dt / B / C norm weights: replicated (every rank normalises the summed x_proj output)
         for name, size in zip(NORMS, (dt_rank, d_state, d_state)):
             setattr(self, name, torch.nn.Parameter(torch.ones(size, **kw)) if norm_weights else None)

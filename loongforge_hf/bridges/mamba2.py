@@ -74,7 +74,8 @@ class Mamba2Mixer(torch.nn.Module):
                  in_proj_multipliers: tuple[float, ...] | None = None, pg_collection=None, **_: object) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-        from loongforge_hf.parallel.kv_replicas import mark_rows
+        from loongforge_hf.parallel import tp_sections
+        from loongforge_hf.parallel.kv_replicas import mark_rows, replicas_of
         from loongforge_hf.xpu import get_backend
 
         super().__init__()
@@ -109,6 +110,12 @@ class Mamba2Mixer(torch.nn.Module):
                          (self.conv_bias, self.d_inner)):
             if p is not None:
                 mark_rows(p, (start, start + bc), groups=groups, tp_rank=self.tp_rank, tp_size=tp)
+        r, b = replicas_of(groups, tp), self.groups * d_state
+        tp_sections.declare(self.in_proj.weight, (self.d_inner, self.d_inner, b, b, self.heads),
+                            replicas=(1, 1, r, r, 1))
+        for p in (self.conv_weight, self.conv_bias):
+            if p is not None:
+                tp_sections.declare(p, (self.d_inner, b, b), replicas=(1, r, r))
 
     def _section_scale(self, multipliers: tuple[float, ...], **kw) -> torch.Tensor:
         """``in_proj``'s local output ``[z, x, B, C, dt]``: each block's multiplier, one per row."""

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from loongforge_hf.bridges.recurrent_common import _token_layout, mixer_on_layers, mixer_projections, tp_group_of
 from loongforge_hf.kernels.causal_conv import causal_conv
+from loongforge_hf.parallel import tp_sections
 from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
 GATES = ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias")
@@ -68,6 +69,7 @@ class RecurrentBlock(torch.nn.Module):
             setattr(self, name, torch.nn.Parameter(torch.zeros(shape, **kw)))
         for p in self._own_parameters().values():
             set_tensor_model_parallel_attributes(p, True, 0, 1)
+        tp_sections.declare_rows(self.in_proj, (n, n))  # NOTE: this rank's channels of linear_x, then of linear_y
 
     def _own_parameters(self) -> dict[str, torch.nn.Parameter]:
         return dict(self._parameters)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections
 from loongforge_hf.bridges.mamba2 import _documents
 from loongforge_hf.kernels.causal_conv import causal_conv
+from loongforge_hf.parallel import tp_sections
 from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
 
@@ -67,6 +68,7 @@ class ShortConvMixer(torch.nn.Module):
         self.conv_bias = torch.nn.Parameter(torch.zeros(self.channels, **kw)) if bias else None
         for p in self._own_parameters().values():
             set_tensor_model_parallel_attributes(p, True, 0, 1)
+        tp_sections.declare_rows(self.in_proj, (self.channels,) * 3)  # NOTE: this rank's B, C and x rows
         _post_norm(self, config, post_norm)
 
     def _own_parameters(self) -> dict[str, torch.nn.Parameter]:

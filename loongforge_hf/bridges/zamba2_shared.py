@@ -23,6 +23,8 @@ Choices:
   under sequence parallelism: ``sequence_parallel``).
 - Training checkpoints key the blocks' and adapters' tensors as their linears split them (``_ShardedChildren``):
   megatron's default would key a plain module's tensors as replicated and save one TP rank's shard for all.
+  ``gate_up_proj`` and its adapters' ``up`` (a rank's gate rows, then its up rows) are keyed per section
+  (``_gate_up_sections``), so a resume under another TP size reads them right.
 - The embeddings and the block pass beside megatron's layer arguments: activation recompute is refused
   (``refuse_recompute``), as are pipelines (the embeddings live on the first stage) in ``zamba2.py``. Zamba's blocks
   (``mlp_adapters`` off, no q / k / v adapters, no rope) are the same module.
@@ -77,6 +79,15 @@ def _row(in_features: int, out_features: int, config, tp_group):
                              bias=False, input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
 
 
+def _gate_up_sections(linear) -> None:
+    """A column-parallel ``gate_up_proj`` (or its adapter's ``up``) holds this rank's gate rows, then its up rows:
+    two sections in a training checkpoint (``parallel/tp_sections.py``)."""
+    from loongforge_hf.parallel import tp_sections
+
+    rows = linear.weight.shape[0]
+    tp_sections.declare_rows(linear, (rows // 2, rows // 2))
+
+
 class _ShardedChildren(torch.nn.Module):
     """A module (with a ``tp_group``) whose training-checkpoint keys are its children's own (megatron's default keys a
     plain module's tensors as replicated over TP: one rank's column / row-parallel shard saved for every rank)."""
@@ -114,6 +125,7 @@ class UseAdapters(_ShardedChildren):
             self.q, self.k, self.v = (Adapter(two_h, sizes.rank, two_h, config, tp_group) for _ in range(3))
         if sizes.mlp_adapters:
             self.gate_up = Adapter(sizes.hidden, sizes.rank, 2 * sizes.intermediate, config, tp_group)
+            _gate_up_sections(self.gate_up.up)
 
 
 class SharedBlock(_ShardedChildren):
@@ -135,6 +147,7 @@ class SharedBlock(_ShardedChildren):
         self.pre_ff_layernorm = RMSNorm(config, h, eps=sizes.eps)
         self.gate_up_proj = _column(h, 2 * sizes.intermediate, config, tp_group)
         self.down_proj = _row(sizes.intermediate, h, config, tp_group)
+        _gate_up_sections(self.gate_up_proj)
 
     def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor, adapters: UseAdapters, *, attention,
                 attention_mask: torch.Tensor | None, rotary_pos_emb: torch.Tensor | None) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from loongforge_hf.bridges.recurrent_common import (CachedStep, _token_layout, mixer_on_layers, mixer_projections,
                                                     tp_group_of)
+from loongforge_hf.parallel import tp_sections
 
 
 class ZambaMixer(torch.nn.Module):
@@ -58,6 +59,8 @@ class ZambaMixer(torch.nn.Module):
         self.D = torch.nn.Parameter(torch.ones(h, d, **kw))
         for p in self._split_parameters().values():
             set_tensor_model_parallel_attributes(p, True, 0, 1)
+        # NOTE: one section: a rank's rows are one block of transformers' (x and the gate alternate within it)
+        tp_sections.declare_rows(self.in_proj, (2 * self.d_inner,))
 
     def _split_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self._parameters.items() if p is not None}

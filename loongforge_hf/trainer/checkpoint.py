@@ -9,9 +9,10 @@ Layout of ``checkpoint-N/`` (written under a temporary name and renamed when com
   (megatron's model-parallel RNG tracker, as state tensors: read with ``torch.load(weights_only=True)``);
   ``trainer_state.json`` (step, log history, data position).
 
-Hybrid stacks (decoder layers holding different tensors) are keyed layer by layer; ``layout.json`` records the
-tensor-parallel size, and a resume under another one is refused where megatron's resharding would reorder rows
-(``checkpoint_layout.py``).
+Hybrid stacks (decoder layers holding different tensors) are keyed layer by layer; tensors whose TP ranks hold rows
+of several sections are keyed section by section (``parallel/tp_sections.py``); ``layout.json`` records the
+tensor-parallel size and that format, and a resume under another size is refused where megatron's resharding would
+still reorder rows (``checkpoint_layout.py``).
 
 Bad input: a write that fails on some ranks (disk full, an unusable folder) and a checkpoint that is incomplete or
 corrupt are reported on every rank alike (``run_everywhere``: the ranks agree on the outcome before the next
@@ -37,7 +38,9 @@ import torch.distributed as dist
 from loongforge_hf.bridges.checkpoint_files import CheckpointError
 from loongforge_hf.bridges.distribution import failing_alike
 from loongforge_hf.trainer import optimizer_state
-from loongforge_hf.trainer.checkpoint_layout import check_resharding, layers_differ, write_layout
+from loongforge_hf.parallel.tp_sections import sectioned_state
+from loongforge_hf.trainer.checkpoint_layout import (check_resharding, declared_sections, layers_differ, read_layout,
+                                                     write_layout)
 from loongforge_hf.trainer.engine import optimizer_parts
 
 logger = logging.getLogger(__name__)
@@ -48,10 +51,13 @@ LAYOUT_FILE = "layout.json"
 OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _sharded_state_dict(engine, *, is_loading: bool) -> dict:
+def _sharded_state_dict(engine, *, is_loading: bool, sections: bool = True) -> dict:
+    """The model's and optimizer's sharded state; ``sections``: sectioned rows keyed by section (``tp_sections``)."""
     chunks = [c.module for c in engine.chunks]
     metadata = {"non_homogeneous_layers": True} if layers_differ(chunks) else None
     state = {f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(chunks)}
+    if sections:
+        state = sectioned_state(state, declared_sections(chunks))
     state["optimizer"] = optimizer_state.sharded_state_dict(engine.optimizer, state, is_loading=is_loading,
                                                             metadata=OPTIM_FORMAT)
     return state
@@ -261,9 +267,11 @@ def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None
     ckpt = checkpoint_dir / MEGATRON_DIR
     engine = trainer.engine
     _materialize_adam_state(engine)
-    template = _sharded_state_dict(engine, is_loading=True)
     # NOTE: local reads first, agreed on by every rank, so a bad file fails before the collective load.
     box = {}
+    run_everywhere(f"{checkpoint_dir / LAYOUT_FILE}: cannot be read",
+                   lambda: box.setdefault("layout", read_layout(checkpoint_dir / LAYOUT_FILE)))
+    template = _sharded_state_dict(engine, is_loading=True, sections=bool(box["layout"].get("tp_sections")))
     run_everywhere(f"{checkpoint_dir / SCHEDULER_FILE}: cannot be read",
                    lambda: box.setdefault("scheduler", torch.load(checkpoint_dir / SCHEDULER_FILE, weights_only=True)))
     rng_file = checkpoint_dir / f"megatron_rng_{_rank()}.pt"

@@ -10,13 +10,16 @@ Choices:
 - megatron reshards a tensor split over TP as the concatenation of the ranks' rows. That is the one-rank tensor for
   megatron's own layouts (q / k / v per KV group; ``[gate; up]`` through its swiglu factory), not for ours that hold
   on each rank its rows of several HF sections side by side: the linear-attention and state-space mixers'
-  in-projections and convs (``kv_cache.recurrent_mixers``), JetMoE's shared ``[k; v]`` projection, and LoRA's B
-  (and DoRA's magnitude) of one HF linear over megatron's ``[gate; up]`` (Phi-3's ``gate_up_proj``), DiffLlama's
+  in-projections and convs (``kv_cache.recurrent_mixers``), JetMoE's shared ``[k; v]`` projection, LoRA's B (and
+  DoRA's magnitude) of one HF linear over megatron's ``[gate; up]`` (Phi-3's ``gate_up_proj``), DiffLlama's
   ``linear_qkv`` (each rank holds a slice of both halves of the heads, ``bridges/diffllama.py``) and Laguna's (a
-  rank's queries, then their gates, keys, values: ``bridges/laguna.py``), their LoRA alike.
-  Resuming such a model under another tensor-parallel size would load rows in the wrong order and train on:
-  ``layout.json`` (beside ``megatron/``) records the size, and such a resume is refused by name, on every rank, before
-  megatron's load. A checkpoint without the file (written before it) is not checked.
+  rank's queries, then their gates, keys, values: ``bridges/laguna.py``). Those modules declare their sections
+  (``parallel/tp_sections.py``) and the checkpoint keys each section on its own (``declared_sections``), so a resume
+  under another tensor-parallel size reads the rows it needs. ``layout.json`` (beside ``megatron/``) records the
+  size and that format (``tp_sections``); a checkpoint written before it holds those tensors whole and is read as
+  written, and resuming it, or any module still holding sections it does not declare (a LoRA adapter on one HF
+  target of a sectioned projection: Qwen3.5's ``in_proj_qkv``), under another size is refused by name, on every
+  rank, before megatron's load. A checkpoint without the file (written before it) is not checked.
 - KV heads replicated over TP ranks (more ranks than KV heads: MQA's Falcon / GPT-BigCode, ``parallel/kv_replicas.py``)
   make ``linear_qkv`` one group per rank: its saved shape depends on the size, so a resume under another one is
   refused by name too (megatron's load would fail on the shape, saying the checkpoint was for another model).
@@ -56,27 +59,70 @@ def _tensor_parallel_size() -> int:
 
 
 def write_layout(path: Path) -> None:
-    """Record the layout a checkpoint is written in (rank 0)."""
-    path.write_text(json.dumps({"tensor_parallel_size": _tensor_parallel_size()}))
+    """Record the layout a checkpoint is written in (rank 0); ``tp_sections``: sectioned rows keyed by section."""
+    path.write_text(json.dumps({"tensor_parallel_size": _tensor_parallel_size(), "tp_sections": True}))
 
 
-def sectioned_modules(chunks) -> list[str]:
+def read_layout(path: Path) -> dict:
+    """``write_layout``'s record, ``{}`` for a checkpoint written before it (local read)."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def declared_sections(chunks) -> dict:
+    """``{id(tensor): tp_sections.Sections}`` of this rank's sectioned parameters (``parallel/tp_sections.py``)."""
+    from loongforge_hf.parallel.tp_sections import sections_of, sections_of_adapters
+
+    found = {id(p): sections_of(p) for chunk in chunks for p in chunk.parameters() if sections_of(p) is not None}
+    found.update(sections_of_adapters((n, m) for chunk in chunks for n, m in chunk.named_modules()))
+    return found
+
+
+def sectioned_modules(chunks, *, declared: dict | None = None) -> list[str]:
     """Type names of this rank's modules whose rows on a TP rank are its share of several HF sections (module
-    docstring)."""
+    docstring), leaving out those whose every sectioned tensor is in ``declared`` (``declared_sections``; None: none
+    is, the checkpoint holds them whole)."""
     from loongforge_hf.bridges.jetmoe_attention import MoAQueryKV
     from loongforge_hf.kv_cache import recurrent_mixers
     from loongforge_hf.lora.layers import LoraColumnParallelLinear
+    from loongforge_hf.parallel.tp_sections import sections_of
 
-    found = {type(m).__name__ for m in recurrent_mixers(chunks)}
+    found = set()
+    if declared is None:  # NOTE: a checkpoint written before the sections: every module holding some too
+        found = {_owner_name(chunk, name) for chunk in chunks for name, p in chunk.named_parameters()
+                 if sections_of(p) is not None}
+        declared = {}
+    found |= {type(m).__name__ for m in recurrent_mixers(chunks) if not _all_declared(m, declared)}
     for chunk in chunks:
         for name, m in chunk.named_modules():
-            if isinstance(m, MoAQueryKV) or _sectioned_attention(m):
+            if (isinstance(m, MoAQueryKV) or _sectioned_attention(m)) and not _all_declared(m, declared):
                 found.add(type(m).__name__)
             gated = getattr(getattr(m, "config", None), "gated_linear_unit", False)
             if isinstance(m, LoraColumnParallelLinear) and gated and name.endswith("linear_fc1") and any(
-                    a.B.shape[0] == m.weight.shape[0] for a in m.lora.values()):
+                    a.B.shape[0] == m.weight.shape[0] and id(a.B) not in declared for a in m.lora.values()):
                 found.add(f"LoRA on one HF [gate; up] linear ({name.rsplit('.', 1)[-1]})")
     return sorted(found)
+
+
+def _owner_name(chunk, name: str) -> str:
+    """The type name of the module holding parameter ``name``, or of its parent where that is a linear layer."""
+    import torch
+
+    path = name.rsplit(".", 1)[0] if "." in name else ""
+    owner = chunk.get_submodule(path)
+    if isinstance(owner, torch.nn.Linear) or type(owner).__name__.endswith("ParallelLinear"):
+        owner = chunk.get_submodule(path.rsplit(".", 1)[0] if "." in path else "")
+    return type(owner).__name__
+
+
+def _all_declared(module, declared: dict) -> bool:
+    """Whether ``module`` declares its sections and every LoRA factor on its sectioned linears is declared too."""
+    from loongforge_hf.lora.layers import LoraColumnParallelLinear
+    from loongforge_hf.parallel.tp_sections import sections_of
+
+    if not any(id(p) in declared for p in module.parameters()):
+        return False
+    return all(id(a.B) in declared for m in module.modules() if isinstance(m, LoraColumnParallelLinear)
+               and sections_of(m.weight) is not None for a in m.lora.values())
 
 
 # (module, class name) of attention classes built per config by a bridge's factory (a class per call), whose
@@ -113,15 +159,17 @@ def check_resharding(engine, layout_file: Path) -> None:
     from loongforge_hf.parallel.kv_replicas import replicas_of
 
     chunks = [c.module for c in engine.chunks]
-    found, heads = set(sectioned_modules(chunks)), kv_heads(chunks)
+    layout = read_layout(layout_file)
+    found = set(sectioned_modules(chunks, declared=declared_sections(chunks) if layout.get("tp_sections") else None))
+    heads = kv_heads(chunks)
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (found, heads))
         found = set().union(*(f for f, _ in everyone))
         heads = set().union(*(h for _, h in everyone))
-    if not layout_file.is_file():
+    if not layout:
         return
-    saved, now = json.loads(layout_file.read_text()).get("tensor_parallel_size"), _tensor_parallel_size()
+    saved, now = layout.get("tensor_parallel_size"), _tensor_parallel_size()
     replicated = saved != now and isinstance(saved, int) and any(
         replicas_of(kv, saved) > 1 or replicas_of(kv, now) > 1 for kv in heads)
     if replicated:
@@ -131,12 +179,11 @@ def check_resharding(engine, layout_file: Path) -> None:
             f"one group per rank, so the saved q / k / v shape depends on the size). Resume with "
             f"tensor_parallel_size={saved}, or start a new run from its weights: from_pretrained("
             f"{str(layout_file.parent)!r}) reads the HF export.")
-    if not found:
-        return
-    if saved != now:
+    if found and saved != now:
+        why = ("the checkpoint holds them whole: it was written before loongforge-hf keyed them per section" if not
+               layout.get("tp_sections") else "not declared per section (parallel/tp_sections.py)")
         raise CheckpointError(
-            f"the checkpoint was written with tensor_parallel_size={saved}, this run has "
-            f"{_tensor_parallel_size()}: resharding is not supported for {sorted(found)} (each TP rank holds its rows "
-            f"of several HF sections side by side, which megatron's resharding would reorder). Resume with "
-            f"tensor_parallel_size={saved}, or start a new run from its weights: from_pretrained("
-            f"{str(layout_file.parent)!r}) reads the HF export.")
+            f"the checkpoint was written with tensor_parallel_size={saved}, this run has {now}: resharding is not "
+            f"supported for {sorted(found)} (each TP rank holds its rows of several HF sections side by side, which "
+            f"megatron's resharding would reorder; {why}). Resume with tensor_parallel_size={saved}, or start a new "
+            f"run from its weights: from_pretrained({str(layout_file.parent)!r}) reads the HF export.")

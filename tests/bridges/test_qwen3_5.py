@@ -500,10 +500,14 @@ def test_lora_all_linear_matches_peft(everything, two_ranks, layout):
     """LoRA with ``"all-linear"`` at TP1 and TP2 + SP against PEFT (``integrations/_lora_hybrids.py``): each Gated
     DeltaNet in-projection (``in_proj_qkv`` / ``z`` / ``b`` / ``a``) in its slot of megatron's ``in_proj``, the gated
     ``q_proj`` beside ``k_proj`` / ``v_proj``, ``out_proj``, ``o_proj`` and the MLPs (31 modules): logits, loss, every
-    adapter's A and B gradient at HF shape; the adapter folder in PEFT and the merged export in transformers."""
+    adapter's A and B gradient at HF shape; the adapter folder in PEFT and the merged export in transformers. Every
+    sectioned tensor, the in-projection's adapters' B included (in_proj_qkv's: this rank's q, k and v rows), is keyed
+    per section in a training checkpoint: nothing keeps it from resuming under another TP size."""
     from ..integrations._lora_hybrids import check_matches_peft
 
-    check_matches_peft([everything["lora"]] if layout == "tp1" else [r["lora"] for r in two_ranks], targets=31)
+    ranks = [everything["lora"]] if layout == "tp1" else [r["lora"] for r in two_ranks]
+    check_matches_peft(ranks, targets=31)
+    assert all(res["not_reshardable"] == [] for res in ranks), ranks
 
 
 # Kimi Linear's forget / output gates' low-rank projections: bare parameters beside megatron's in_proj, no adapter

@@ -53,18 +53,23 @@ def _adapter_grads(model, ref) -> dict[str, float]:
 def hybrid_lora_checks(folder: str, out_dir: str, layout: dict, lora_kw: dict) -> dict:
     """LoRA with ``lora_kw`` at ``layout`` against PEFT (see the module docstring): {"logits", "loss": largest
     differences, "grads": {factor: relative difference}, "adapter_logits_diff" / "merged_logits_diff" (rank 0),
-    "unchanged_after_merged_export", "targets": the adapted HF modules}."""
+    "unchanged_after_merged_export", "targets": the adapted HF modules, "not_reshardable": the modules a training
+    checkpoint cannot resume under another TP size (checkpoint_layout.sectioned_modules)}."""
     from ._lora_checks import export_checks, lora_pair
 
     ids = torch.randint(4, 203, (2, 24), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     kw = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    from loongforge_hf.trainer.checkpoint_layout import declared_sections, sectioned_modules
+
     model, _, ref = lora_pair(folder, layout, lora_kw)
     ours, theirs = model(**kw), ref(**kw)
+    chunks = list(model.chunks)
     out = {"logits": float((ours.logits - theirs.logits).detach().abs()[mask.bool()].max()),
            "loss": float((ours.loss - theirs.loss).detach().abs()),
-           "targets": sorted(t.hf_module for t in model.lora_plan.targets)}
+           "targets": sorted(t.hf_module for t in model.lora_plan.targets),
+           "not_reshardable": sectioned_modules(chunks, declared=declared_sections(chunks))}
     ours.loss.backward()
     theirs.loss.backward()
     out["grads"] = _adapter_grads(model, ref)

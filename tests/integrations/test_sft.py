@@ -210,19 +210,29 @@ def test_moe_router_aux_loss(tmp_path, arch):
 PHI3_NAMES = ["lora_text", "dora_messages", "full_packing"]
 SMOLLM3_NAMES = ["lora_text", "full_packing"]
 PHI3_LAYOUT = {"tensor_parallel_size": 2, "sequence_parallel": True}
+# NOTE: a resume at TP1 (DP2 on the two ranks) with PHI3_LAYOUT's global batch
+AT_TP1 = {"other_layout": {}, "other_overrides": {"per_device_train_batch_size": 1}}
+
+
+def resumed_elsewhere_matches(res: dict) -> None:
+    """The steps after the checkpoint resumed under another tensor-parallel size log the uninterrupted run's losses
+    (rel 1e-5: the sums are split differently; a section read in the wrong order moves them by 1e-3 or more)."""
+    assert isinstance(res["other"], list), res["other"]
+    assert [s for s, _ in res["other"]] == [s for s, _ in res["full"]] == [1, 2, 3, 4], res  # 1-2: the checkpoint's
+    assert [x for _, x in res["other"]] == pytest.approx([x for _, x in res["full"]], rel=1e-5), res
 
 
 def _phi3_world(folder: str, out_dir: str) -> dict:
     return {"runs": run_loong(folder, out_dir + "/runs", PHI3_LAYOUT, PHI3_NAMES),
-            "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", PHI3_LAYOUT, refused_layout={})}
+            "resume": resume_matches_uninterrupted(folder, out_dir + "/resume", PHI3_LAYOUT, **AT_TP1)}
 
 
 def test_phi3_matches_trl(tmp_path):
     """Phi-3 (q / k / v and gate / up packed in one HF linear each, partial rotary, a 7-token sliding window that the
     packed documents outrun): all-linear LoRA (one adapter per packed linear, as PEFT's), DoRA and full fine-tuning
     with packing against trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token metrics as
-    above; the saved adapters in PEFT); an all-linear LoRA run resumed from its checkpoint logs the same losses, and
-    refuses a resume under another tensor-parallel size (the gate_up_proj adapter's B: each rank's gate and up rows)."""
+    above; the saved adapters in PEFT); an all-linear LoRA run resumed from its checkpoint logs the same losses, at
+    TP2 and at TP1 (the gate_up_proj adapter's B, each rank's gate and up rows, keyed per section)."""
     # NOTE: seed 1: the seed-0 weights' lora_text run predicts no label token at all (accuracy 0 in every TRL log)
     folder = str(make_tiny_checkpoint(tmp_path / "phi3", "phi3", seed=1))
     trl_runs = run_distributed(run_trl, 1, folder, str(tmp_path / "trl"), PHI3_NAMES, timeout=400)[0]
@@ -233,8 +243,7 @@ def test_phi3_matches_trl(tmp_path):
         assert_matches(name, trl_runs[name], loong[0][name])
     for rank in ranks:  # an all-linear LoRA run (packed linears, the norms trained) resumed from its step-2 checkpoint
         assert rank["resume"]["resumed"] == rank["resume"]["full"] and len(rank["resume"]["full"]) == 4, rank
-        assert "resharding is not supported for ['LoRA on one HF [gate; up] linear (linear_fc1)']" in \
-            rank["resume"]["refused"], rank["resume"]["refused"]
+        resumed_elsewhere_matches(rank["resume"])
 
 
 # NOTE: each seed is one whose lora_text run predicts some label token (assert_matches' accuracy guard): SmolLM3's
@@ -281,9 +290,9 @@ def _arch_world(folder: str, out_dir: str, resume: str | None, names: list[str],
     """``resume``: "lora" or "full", a run of that kind resumed from its step-2 checkpoint (or None)."""
     out = {"runs": run_loong(folder, out_dir + "/runs", layout, names)}
     if resume:
-        # NOTE: full: the hybrid's Gated DeltaNet rows (sections per TP rank) refuse a resume at another TP size
+        # NOTE: full: the hybrid's Gated DeltaNet rows (sections per TP rank) resumed at TP1 too
         out["resume"] = resume_matches_uninterrupted(folder, out_dir + "/resume", PHI3_LAYOUT, full=resume == "full",
-                                                     refused_layout={} if resume == "full" else None)
+                                                     **(AT_TP1 if resume == "full" else {}))
     return out
 
 
@@ -353,8 +362,8 @@ def test_architecture_matches_trl(architectures, arch):
     fine-tuned without packing, with weight decay): all-linear LoRA and full fine-tuning with packing against
     trl.SFTTrainer, at TP=2 with sequence parallelism (losses, eval losses and token metrics as above). OLMo 2: a LoRA
     run training the norms (its split q / k norms included) resumed from its checkpoint logs the same losses; Qwen3.5:
-    a full fine-tuning run resumed from its checkpoint too (a hybrid stack's checkpoint), and refused, on both ranks,
-    under another tensor-parallel size (trainer/checkpoint_layout.py)."""
+    a full fine-tuning run resumed from its checkpoint too (a hybrid stack's checkpoint), at TP2 and at TP1 (its Gated
+    DeltaNet rows keyed per section: parallel/tp_sections.py)."""
     trl, per_rank, names = architectures
     ranks = [rank[arch] for rank in per_rank]
     for name in names[arch]:
@@ -363,7 +372,5 @@ def test_architecture_matches_trl(architectures, arch):
     for rank in ranks:
         if "resume" in rank:
             assert rank["resume"]["resumed"] == rank["resume"]["full"] and len(rank["resume"]["full"]) == 4, rank
-        if "refused" in rank.get("resume", {}):
-            for fragment in ("cannot be resumed in this layout", "tensor_parallel_size=2, this run has 1",
-                             "['GatedDeltaNet']", "from_pretrained("):
-                assert fragment in rank["resume"]["refused"], rank["resume"]["refused"]
+        if "other" in rank.get("resume", {}):
+            resumed_elsewhere_matches(rank["resume"])
