@@ -654,6 +654,7 @@ class AutoModelForCausalLM:
         from loongforge_hf.bridges.loader import load_into
         from loongforge_hf.bridges.moe import whole_experts_layout
         from loongforge_hf.bridges.registry import loads_as_causal_lm
+        from loongforge_hf.bridges.stage_boundary import pipeline_split
         from loongforge_hf.lora.load import adapter_base_model, carried_vocabulary, is_adapter_folder, load_adapter
         from loongforge_hf.parallel import initialize_parallel
 
@@ -730,6 +731,7 @@ class AutoModelForCausalLM:
             router_balance.check_layout(hf_config, bridge)
             if hasattr(bridge, "check_layout"):  # NOTE: a layout the architecture cannot run (Qwen3.5: heads vs TP)
                 bridge.check_layout(layout)
+            pipeline_split(bridge, layout, megatron_config)  # NOTE: a user's first / last stage sizes checked too
             if layout.interleaved_stages:
                 interleaved_p2p_settings(layout.pipeline_parallel_size, megatron_config or {})
             dequantizing_reader(reader, bridge=bridge).validate_shapes(bridge.expected_hf_shapes())  # NOTE: MXFP4 too

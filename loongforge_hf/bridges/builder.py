@@ -5,7 +5,9 @@ Choices:
   and fails if one is left over.
 - Uneven pipelines: when layers don't divide by the pipeline size, the first (and if needed the last) stage take
   the extra layers through megatron's ``num_layers_in_first/last_pipeline_stage``; a split megatron cannot
-  express raises ``ParallelLayoutError`` (``stage_boundary.uneven_split``).
+  express raises ``ParallelLayoutError`` (``stage_boundary.uneven_split``). A bridge declaring
+  ``stage_split_problem`` gets a split that suits it, or the user's two fields from ``megatron_config``
+  (``stage_boundary.pipeline_split``).
 - Rotary frequencies follow the HF config exactly (llama3 scaling included) by overwriting megatron's ``inv_freq``.
 - The pad token's embedding row takes no gradient from lookups where transformers' embedding has ``padding_idx``
   (``bridges/embedding_padding.py``).
@@ -34,7 +36,8 @@ from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.embedding_padding import embedding_padding_idx, pad_without_lookup_gradient
 from loongforge_hf.bridges.mla_latent import full_width_kv_latent
 from loongforge_hf.bridges.output_layer import add_output_bias
-from loongforge_hf.bridges.stage_boundary import boundary_problems, boundary_settings, uneven_split, wider_boundary
+from loongforge_hf.bridges.stage_boundary import (SPLIT_FIELDS, boundary_problems, boundary_settings, pipeline_split,
+                                                  wider_boundary)
 from loongforge_hf.bridges.transforms import padded_vocab_size
 from loongforge_hf.kernels.fp8_te import TE_CONFIG_FIELDS, te_config_fields
 from loongforge_hf.parallel.config import ParallelConfig
@@ -77,7 +80,10 @@ def check_megatron_config(bridge, megatron_config: dict | None) -> None:
     kw = bridge.transformer_config_kwargs()
     config_class = MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig
     unknown = sorted(set(megatron_config) - {f.name for f in dataclasses.fields(config_class)})
-    taken = sorted(set(megatron_config) & (set(kw) | set(_BUILDER_FIELDS)))
+    taken = set(megatron_config) & (set(kw) | set(_BUILDER_FIELDS))
+    if hasattr(bridge, "stage_split_problem"):  # NOTE: the bridge checks a user's split (stage_boundary.py)
+        taken -= set(SPLIT_FIELDS)
+    taken = sorted(taken)
     problems = [f"{k}: not a megatron-core {config_class.__name__} field" for k in unknown]
     problems += [f"{k}: set from the checkpoint's config or the layout, not through megatron_config" for k in taken]
     problems += [f"{k}: {bridge.architectures[0]} routes with its own function, which does not apply it"
@@ -143,8 +149,8 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
     config_class = MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig
     backend = get_backend()
     vpp = parallel.interleaved_stages
-    if vpp is None:
-        kw.update(uneven_split(hf.num_hidden_layers, parallel.pipeline_parallel_size))
+    kw.update({k: v for k, v in pipeline_split(bridge, parallel, megatron_config).items()
+               if k not in (megatron_config or {})})
     fixed = dict(
         tensor_model_parallel_size=parallel.tensor_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_parallel_size,

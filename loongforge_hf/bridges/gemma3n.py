@@ -16,10 +16,10 @@ Choices:
   hidden_size_per_layer_input``, ``gemma3n_layer.add_streams``). The per-layer inputs are made once, on the first
   stage, and carried rather than recomputed on each stage from the ids: they read the scaled token embedding, which
   only the first stage holds, and their table, projection and norm then live on one stage (their gradients come
-  back through megatron's schedule). The keys and values a layer reuses are not carried: a split that puts a
-  reusing layer on another (virtual) stage than the layer storing its pair is refused by name (``check_layout``,
-  ``gemma4_small.SmallModelFields.check_stage_split``, Gemma 4's);
-  gemma-3n-E4B (35 layers, 15 reusing layers 18 / 19's) splits 18 / 17 at PP2 and runs there.
+  back through megatron's schedule). The keys and values a layer reuses are not carried: the split keeps each
+  reusing layer on the stage of the layer storing its pair, megatron's where it does, else the most even one that
+  does (``gemma4_small.SmallModelFields.stage_split_problem``, Gemma 4's; ``stage_boundary.pipeline_split``);
+  gemma-3n-E4B (35 layers, 15 reusing layers 18 / 19's) splits 18 / 17 at PP2, 6 / 6 / 6 / 17 at PP4.
 - Refused by name: context parallelism (the shared keys and values stay within one sequence shard) and activation
   recompute (the per-layer stream and the shared keys and values pass beside megatron's layer arguments).
 - LoRA on the attention (q / k / v, q alone in the layers reusing keys and values; o) and the MLP; AltUp's, LAuReL's
@@ -27,7 +27,9 @@ Choices:
 - ``Gemma3nForConditionalGeneration`` (the hub's checkpoints: text, vision and audio) is refused by name.
 - Refused by name, before any collective: attention biases, bidirectional attention, rope types other than default,
   ``altup_active_idx`` outside the streams, ``hidden_size_per_layer_input`` < 1, ``num_kv_shared_layers`` leaving no
-  layer to compute keys and values, KV heads that do not split over TP, a pipeline split as above.
+  layer to compute keys and values, KV heads that do not split over TP, a pipeline size no split of which keeps
+  the shared pairs together, virtual stages (split evenly) that part them, a user's ``megatron_config``
+  ``num_layers_in_first/last_pipeline_stage`` that part them.
 """
 
 from __future__ import annotations

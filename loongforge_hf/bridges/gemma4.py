@@ -23,8 +23,10 @@ Choices:
   (``use_double_wide_mlp``): ``gemma4_per_layer.py``; the last ``num_kv_shared_layers`` layers reusing the keys and
   values of the last earlier layer of their type: ``gemma4_attention.py``. Pipelines (virtual stages too) carry
   the per-layer stream across stage boundaries (``pipeline_hidden_size``: ``hidden_size + num_hidden_layers *
-  hidden_size_per_layer_input``, as Gemma 3n's); a split that puts a reusing layer on another stage than the layer
-  storing its keys and values is refused by name (``check_layout``: the pair is not carried across stages). With
+  hidden_size_per_layer_input``, as Gemma 3n's); the pair is not carried across stages, so the split keeps each
+  reusing layer on the stage of the layer storing its keys and values: megatron's where it does, else the most even
+  one that does (``gemma4_small.py``); a pipeline size no split of which does, or virtual stages that part them,
+  are refused by name (``check_layout``). With
   either field, context parallelism is refused by name (neither the stream nor the shared keys is split over
   sequence shards) and so is activation recompute (at the forward: both pass beside megatron's layer arguments);
   and the MoE block.
@@ -156,8 +158,8 @@ class Gemma4Bridge(SmallModelFields, LayerTypes, _SandwichNorms):
         self.values_from_keys = bool(c.attention_k_eq_v)
 
     def check_layout(self, layout) -> None:
-        """``UnsupportedConfigError`` (pure, before any collective) for CP with E2B / E4B's fields, a pipeline
-        split between a layer storing keys and values and one reusing them, and a layer type's KV heads that do
+        """``UnsupportedConfigError`` (pure, before any collective) for CP with E2B / E4B's fields, a pipeline no
+        split of which keeps layers reusing keys and values with the storing one, and a layer type's KV heads that do
         not split over TP: layers built with their own heads or values from keys hold whole KV heads per rank."""
         tp, features = layout.tensor_parallel_size, self.small_model_features
         if features and layout.context_parallel_size > 1:

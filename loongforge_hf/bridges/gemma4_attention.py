@@ -22,9 +22,9 @@ Choices:
   dropped when the decoder finishes. The keys' gradient from every reusing layer flows back into the storing layer.
   With a KV cache (``kv_cache.py``) a reusing layer caches nothing: it reads the storing layer's cache layer
   (``kv_source``), as transformers' reusing layers read the storing layer's full keys and values. Under a pipeline
-  the wiring is per chunk (a stage, or a virtual one) and the pair is not carried across stages: a split that puts
-  a storing layer and a layer reusing its pair on two (virtual) stages is refused by name
-  (``gemma4_small.SmallModelFields.check_stage_split``); context parallelism and activation recompute are
+  the wiring is per chunk (a stage, or a virtual one) and the pair is not carried across stages: the split keeps
+  them on one stage, or the layout is refused by name (``gemma4_small.SmallModelFields.stage_split_problem`` /
+  ``check_stage_split``); context parallelism and activation recompute are
   refused (``gemma4.py``).
 - Rotary angles: the model's table holds the full layers' angles (their head size) then the sliding layers'
   (``layer_types._two_table_rotary``); each layer takes its own by its head size (``_own_angles``), sliced once per

@@ -14,9 +14,8 @@ Choices:
   ``pipeline_hidden_size``), a later stage splits what it receives back into the hidden states and the stream; the
   gradient of both goes back through the same tensor, so the table, the projection and the norm (first stage only)
   get theirs through megatron's schedule. Not recomputed per stage from the ids: it reads the scaled embedding, which
-  only the first stage holds. The keys and values a reusing layer takes are not carried: a split that puts it on
-  another (virtual) stage than the layer storing them is refused by name
-  (``gemma4_small.SmallModelFields.check_stage_split``).
+  only the first stage holds. The keys and values a reusing layer takes are not carried: the split keeps it on the
+  stage of the layer storing them, or the layout is refused by name (``gemma4_small.SmallModelFields``).
 - The table ``[vocab_size_per_layer_input, layers * P]`` is an embedding like the main one: megatron's
   ``VocabParallelEmbedding`` (rows split over TP, reduce-scattered over the sequence under sequence parallelism),
   its rows padded to a multiple of TP where the vocabulary does not split evenly (``PaddedRows``: at most TP - 1

@@ -7,9 +7,12 @@ Choices:
 - Pipelines: a stage boundary carries every layer's per-layer input beside the hidden states
   (``pipeline_hidden_size``; ``gemma4_per_layer.carry_per_layer_inputs``), which megatron sends with
   ``variable_seq_lengths`` (``stage_boundary.py``); megatron refuses its default MoE dispatcher with that even
-  without experts, so the config names ``alltoall``. The keys and values a reusing layer takes are not carried: a
-  split that puts a reusing layer on another (virtual) stage than the layer storing them is refused by name
-  (``check_stage_split``).
+  without experts, so the config names ``alltoall``. The keys and values a reusing layer takes are not carried, so
+  the bridge declares which splits part them (``stage_split_problem``): where megatron's default split does, the
+  most even one that keeps every reusing layer on the stage of the layer storing its pair is built instead
+  (``stage_boundary.pipeline_split``, through ``num_layers_in_first/last_pipeline_stage``; a user's own two fields
+  in ``megatron_config`` are taken, checked alike). Refused by name (``check_stage_split``): a pipeline size no
+  split of which keeps them together, and virtual stages (split evenly) that part them.
 - Activation recompute is refused at the forward with either field (``refuse_recompute``: the per-layer stream and
   the shared keys and values pass beside megatron's layer arguments).
 """
@@ -60,28 +63,28 @@ class SmallModelFields:
             kw.setdefault("moe_token_dispatcher_type", "alltoall")
         return kw
 
-    def check_stage_split(self, layout) -> None:
-        """``UnsupportedConfigError`` for a pipeline split that puts a layer reusing keys and values on another
-        (virtual) stage than the layer storing them: the shared pair stays within a stage (pure)."""
-        from loongforge_hf.bridges.stage_boundary import stage_layer_ranges
-
+    def stage_split_problem(self, ranges: list[range]) -> str | None:
+        """Why pipeline stages ``ranges`` do not work (``stage_boundary.pipeline_split``): layers reusing keys and
+        values on another stage than the layer storing them (not carried across stages); None where they work."""
         c = self.hf_config
-        if layout.pipeline_parallel_size < 2 or not self.reusing_layers:
-            return
+        if not self.reusing_layers or len(ranges) < 2:
+            return None
         store = {c.layer_types[i]: i for i, mode in enumerate(self.kv_modes) if mode == "store"}
-        stage_of = {i: k for k, stage in enumerate(stage_layer_ranges(c.num_hidden_layers, layout)) for i in stage}
-        if len(stage_of) < c.num_hidden_layers:  # NOTE: virtual stages that do not split the layers (config.py)
-            return
+        stage_of = {i: k for k, stage in enumerate(ranges) for i in stage}
         apart = sorted(i for i in self.reusing_layers if stage_of[i] != stage_of[store[c.layer_types[i]]])
-        if apart:
-            sources = sorted({store[c.layer_types[i]] for i in apart})
-            vpp = layout.interleaved_stages
-            raise C.UnsupportedConfigError(
-                f"pipeline_parallel_size={layout.pipeline_parallel_size}"
-                f"{f' with virtual_pipeline_parallel_size={vpp}' if vpp else ''} is not supported for "
-                f"{self.architectures[0]}: layers {apart} reuse the keys and values of layers {sources} on another "
-                f"pipeline stage (num_kv_shared_layers={c.num_kv_shared_layers}; the shared keys and values do not "
-                "cross stages); choose a split that keeps each storing layer with the layers reusing it.")
+        if not apart:
+            return None
+        sources = sorted({store[c.layer_types[i]] for i in apart})
+        return (f"layers {apart} reuse the keys and values of layers {sources} on another pipeline stage "
+                f"(num_kv_shared_layers={c.num_kv_shared_layers}; the shared keys and values do not cross stages)")
+
+    def check_stage_split(self, layout) -> None:
+        """``UnsupportedConfigError`` for a pipeline layout no split of which keeps each reusing layer with the layer
+        storing its keys and values (``stage_boundary.pipeline_split``, pure)."""
+        from loongforge_hf.bridges.stage_boundary import pipeline_split
+
+        if layout.pipeline_parallel_size > 1 and self.reusing_layers:
+            pipeline_split(self, layout)
 
     @property
     def small_model_features(self) -> list[str]:

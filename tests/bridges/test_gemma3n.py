@@ -9,6 +9,9 @@ One world of two ranks:
   bit-exact export round trip;
 - TP2 + SP: logits and loss, left padding, every parameter's gradient exported through the bridge against
   transformers' (the top-k's mean and variance all-reduced over TP);
+- PP2 on the 5-layer model, whose even-ish split 3 / 2 would part layers 3, 4 from layers 1, 2 (whose keys and
+  values they reuse): the bridge's split 1 / 4 instead (``stage_boundary.pipeline_split``), logits and loss, cached
+  greedy, a bit-exact export;
 - pipelines, on an 8-layer variant (``EIGHT``: the last layer reusing the keys and values of the one before it, so
   PP2's split 4 / 4 and PP2 x VPP2's 2 / 2 / 2 / 2 keep them on one stage): at PP2 logits and loss, left padding,
   cached greedy, a bit-exact export; at PP2 x VPP2 logits and loss and the training engine's step (LoongTrainer's:
@@ -120,6 +123,7 @@ def _pipelines(folder: str) -> dict:
 def _world(folder: str, eight: str) -> dict:
     import torch.distributed as dist
 
+    import loongforge_hf as lf
     from loongforge_hf.testing.round_trip import check_round_trip
 
     from .test_qwen3_5 import packed_against_alone
@@ -135,6 +139,14 @@ def _world(folder: str, eight: str) -> dict:
     del ours
     ours, ref = _models(folder, tensor_parallel_size=2, sequence_parallel=True)
     out["tp2"] = {"plain": _plain(ours, ref), "padded": _padded(ours, ref), "grads": _gradients(ours, ref, folder)}
+    del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
+    out["pp2_split"] = {"plain": _plain(ours, ref), "greedy": _greedy(ours, ref), "layers": ours.megatron.layer_counts}
+    ours.save_pretrained(f"{folder}-pp2-saved")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        check_round_trip(folder, f"{folder}-pp2-saved")
+        out["pp2_split"]["round_trip"] = True
     del ours
     return {**out, **_pipelines(eight)}
 
@@ -171,8 +183,10 @@ def test_tp2_sequence_parallel(world):
 
 
 @pytest.mark.parametrize("changes, layout, field", [
-    ({}, dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported for Gemma3nForCausalLM: layers "
-                                         "[3, 4] reuse the keys and values of layers [1, 2] on another pipeline stage"),
+    ({}, dict(pipeline_parallel_size=3), "pipeline_parallel_size=3 is not supported for Gemma3nForCausalLM: layers "
+                                         "[3, 4] reuse the keys and values of layers [1, 2] on another pipeline stage "
+                                         "(num_kv_shared_layers=2; the shared keys and values do not cross stages); "
+                                         "no split of the 5 layers over 3 stages"),
     ({}, dict(context_parallel_size=2), "context_parallel_size=2 is not supported for Gemma3nForCausalLM"),
     ({}, dict(tensor_parallel_size=4), "num_key_value_heads=2 does not split over tensor_parallel_size=4"),
     ({"altup_active_idx": 3}, None, "altup_active_idx=3 is not one of the altup_num_inputs=3 streams"),
@@ -209,6 +223,19 @@ def test_pipelines(world):
     assert len(grads) > 100 and max(grads.values()) < 1e-4, sorted(grads.items(), key=lambda kv: -kv[1])[:5]
 
 
+def test_pipeline_split_keeps_shared_keys_and_values_together(world):
+    """PP2 on the 5-layer model: megatron's default 3 / 2 would part layers 3, 4 from layers 1, 2, so the bridge's
+    1 / 4 is built (layers 1-4 on the second stage); logits and loss within 1e-4, cached greedy generate (the
+    reusing layers read the storing layers' cache on the second stage), a bit-exact export."""
+    for rank in world:
+        res = rank["pp2_split"]
+        assert res["plain"]["logits"] < TOL and res["plain"]["loss"] < TOL, res
+        same, scores = res["greedy"]
+        assert same and scores < TOL, res["greedy"]
+    assert [rank["pp2_split"]["layers"] for rank in world] == [[1], [4]]
+    assert world[0]["pp2_split"]["round_trip"]
+
+
 def test_virtual_stage_split_refused():
     """The 8-layer variant with 2 layers reusing layer 4's keys and values: PP2 keeps them on one stage, PP2 x VPP2
     (two layers a chunk) does not and is refused by name (pure, before any collective)."""
@@ -226,13 +253,16 @@ def test_virtual_stage_split_refused():
 
 def test_hub_layout_accepted_and_image_text_model_refused():
     """gemma-3n-E4B's text config (transformers' defaults: 4 streams, 15 layers sharing keys and values, top-k on the
-    first 10) builds a bridge at TP2 and at PP2 (18 / 17 layers: layers 18 and 19, which store the keys and values,
-    on the second stage with the layers reusing them), not at PP4 (layers 21-34 on other stages than 18 / 19); the
-    hub's image-text-audio model is refused by name."""
+    first 10) builds a bridge at TP2 and at PP2 (megatron's 18 / 17 layers: layers 18 and 19, which store the keys and
+    values, on the second stage with the layers reusing them); at PP4 megatron's 9 / 9 / 9 / 8 would part layers 21-34
+    from 18 / 19, so the bridge splits 6 / 6 / 6 / 17; PP20 has no split that keeps them together and is refused, as is
+    a user's first / last stage size that parts them (``megatron_config``); the hub's image-text-audio model is refused
+    by name."""
     import transformers
 
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
     from loongforge_hf.bridges.registry import UnsupportedArchitectureError
+    from loongforge_hf.bridges.stage_boundary import pipeline_split
     from loongforge_hf.parallel import ParallelConfig
 
     config = transformers.Gemma3nTextConfig()
@@ -240,9 +270,21 @@ def test_hub_layout_accepted_and_image_text_model_refused():
     bridge = get_bridge(config)
     bridge.check_layout(ParallelConfig(tensor_parallel_size=2))
     bridge.check_layout(ParallelConfig(pipeline_parallel_size=2))
-    with pytest.raises(UnsupportedConfigError, match=re.escape(f"layers {list(range(21, 35))} reuse the keys and "
-                                                               "values of layers [18, 19] on another pipeline stage")):
-        bridge.check_layout(ParallelConfig(pipeline_parallel_size=4))
+    first, last = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"
+    assert pipeline_split(bridge, ParallelConfig(pipeline_parallel_size=2)) == {first: 18}
+    pp4 = ParallelConfig(pipeline_parallel_size=4)
+    bridge.check_layout(pp4)
+    assert pipeline_split(bridge, pp4) == {last: 17}
+    assert pipeline_split(bridge, pp4, {first: 12, last: 17}) == {first: 12, last: 17}  # NOTE: 12 / 3 / 3 / 17
+    with pytest.raises(UnsupportedConfigError, match=re.escape(
+            "megatron_config {'num_layers_in_last_pipeline_stage': 11} (stages of [8, 8, 8, 11] layers) is not "
+            f"supported for Gemma3nForCausalLM: layers {list(range(24, 35))} reuse the keys and values of layers")):
+        pipeline_split(bridge, pp4, {last: 11})
+    with pytest.raises(UnsupportedConfigError, match=re.escape(
+            f"pipeline_parallel_size=20 is not supported for Gemma3nForCausalLM: layers {list(range(20, 35))} reuse "
+            "the keys and values of layers [18, 19] on another pipeline stage (num_kv_shared_layers=15; the shared "
+            "keys and values do not cross stages); no split of the 35 layers over 20 stages")):
+        bridge.check_layout(ParallelConfig(pipeline_parallel_size=20))
     assert len(bridge.reusing_layers) == 15 and bridge.mlp_module() is not None
     full = transformers.Gemma3nConfig()
     full.architectures = ["Gemma3nForConditionalGeneration"]

@@ -18,7 +18,9 @@ gradient, greedy generate uncached / with the dynamic cache / with a static one)
 the per-layer table vocab-split with a padding row). Pipelines on an 8-layer variant (``EIGHT``: the last layer
 reusing layer 6's keys and values) in the two-rank world: PP2 (logits, loss, a bit-exact export, greedy generate
 uncached / cached / static) and PP2 x VPP2 (logits, loss, the training engine's step with every gradient against
-transformers'), the stage boundaries carrying the per-layer inputs; the image-text model with per-layer inputs at
+transformers'), the stage boundaries carrying the per-layer inputs; ``EIGHT`` with layers 6, 7 reusing layer 3's
+keys and values (``SHARED_FROM_3``), which megatron's 4 / 4 would part, at PP2 on the bridge's 3 / 5 split and on a
+user's 2 / 6 (``megatron_config``): logits and loss, a bit-exact export; the image-text model with per-layer inputs at
 PP2 on images (logits, loss, export). Its refusals (a pipeline split parting a reusing layer from the layer storing
 its keys and values, context parallelism, LoRA on the per-layer linears) and ``parallel="auto"`` skipping layouts a
 bridge refuses are checked on the bridge alone.
@@ -64,6 +66,9 @@ SMALL = dict(attention_k_eq_v=False, hidden_size_per_layer_input=8, vocab_size_p
 S, F = "sliding_attention", "full_attention"
 EIGHT = dict(SMALL, num_kv_shared_layers=1, num_hidden_layers=8, layer_types=[S, F, S, F, S, S, F, F],
              per_layer_config={i: {"head_dim": 32, "num_key_value_heads": 2} for i in (1, 3, 6, 7)})
+# NOTE: EIGHT with layers 6, 7 (full) reusing layer 3's keys and values: megatron's PP2 split 4 / 4 parts them
+SHARED_FROM_3 = dict(EIGHT, num_kv_shared_layers=2)
+FIRST, LAST = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"
 
 
 def _lora(folders: dict, adapters: dict, out_dir: str, layout: dict) -> dict:
@@ -139,11 +144,14 @@ def _one_rank(folder: str, out_dir: str, own_values: str, moe: str, adapters: di
             "lora": _lora({"dense": folder, "moe": moe}, adapters, f"{out_dir}-lora", {})}
 
 
-def _small_pipelines(eight: str, vl_small: str, out_dirs: dict) -> dict:
+def _small_pipelines(eight: str, vl_small: str, out_dirs: dict, shared_from_3: str) -> dict:
     """``EIGHT`` at PP2 (logits, loss, export, greedy generate as ``_generate``) and at PP2 x VPP2 (logits, loss, and
     the training engine's step: megatron's interleaved schedule over two micro-batches, every gradient exported
     through the bridge); the image-text model with per-layer inputs at PP2 on a batch with images (logits, loss,
-    export)."""
+    export); ``SHARED_FROM_3`` at PP2 on the bridge's split and on a user's (logits, loss, export; the layers each
+    stage holds; a user's split that parts them refused)."""
+    from loongforge_hf.bridges import UnsupportedConfigError
+
     from ..multimodal._vl_gemma4 import compare_images
     from ._parity import load_compare_export
     from .test_gemma3n import _engine_gradients, _models
@@ -154,10 +162,21 @@ def _small_pipelines(eight: str, vl_small: str, out_dirs: dict) -> dict:
            "small_pp2_generate": _generate(eight, **pp2),
            "vl_small_pp2": compare_images(vl_small, pp2, out_dirs["vl_small_pp2"])}
     ours, ref = _models(eight, pipeline_parallel_size=2, virtual_pipeline_parallel_size=2)
-    return {**out, "small_pp2_vpp2": {"plain": _plain(ours, ref), "grads": _engine_gradients(ours, ref, eight)}}
+    out["small_pp2_vpp2"] = {"plain": _plain(ours, ref), "grads": _engine_gradients(ours, ref, eight)}
+    for name, layout in (("split_pp2", pp2), ("user_split_pp2", {**pp2, "megatron_config": {FIRST: 2}})):
+        ours, ref = _models(shared_from_3, **layout)
+        out[name] = {"plain": _plain(ours, ref), "layers": ours.megatron.layer_counts}  # NOTE: rank 0's: the first
+        ours.save_pretrained(out_dirs[name])
+        del ours
+    try:  # NOTE: refused on every rank before any collective (no hang)
+        _models(shared_from_3, **pp2, megatron_config={FIRST: 5})
+    except UnsupportedConfigError as err:
+        out["user_split_refused"] = str(err)
+    return out
 
 
-def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict, small: str, eight: str, vl_small: str) -> dict:
+def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict, small: str, eight: str, vl_small: str,
+               shared_from_3: str) -> dict:
     from ._gradients import gradient_checks
     from ._parity import load_compare_export
 
@@ -171,7 +190,8 @@ def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict, small: str
             "router_logits": _router_logits(moe, moe_layout),
             "lora": _lora({"dense": folder, "moe": moe}, adapters, out_dirs["lora"], LORA_TP2),
             "small_tp2_sp": load_compare_export(small, LAYOUTS["tp2_sp"], out_dirs["small_tp2_sp"], seq=12,
-                                                padded=True), **_small_pipelines(eight, vl_small, out_dirs)}
+                                                padded=True),
+            **_small_pipelines(eight, vl_small, out_dirs, shared_from_3)}
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +217,11 @@ def small(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eight(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gemma4_eight") / "ckpt", "gemma4", **EIGHT))
+
+
+@pytest.fixture(scope="module")
+def shared_from_3(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gemma4_shared3") / "ckpt", "gemma4", **SHARED_FROM_3))
 
 
 @pytest.fixture(scope="module")
@@ -230,11 +255,12 @@ def one_rank(folder, own_values, moe, lora_adapters, small, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(folder, moe, lora_adapters, small, eight, vl_small, tmp_path_factory):
+def two_ranks(folder, moe, lora_adapters, small, eight, vl_small, shared_from_3, tmp_path_factory):
     out_dirs = {name: str(tmp_path_factory.mktemp(f"gemma4_{name}"))
-                for name in (*LAYOUTS, *MOE_LAYOUTS, "lora", "small_tp2_sp", "small_pp2", "vl_small_pp2")}
+                for name in (*LAYOUTS, *MOE_LAYOUTS, "lora", "small_tp2_sp", "small_pp2", "vl_small_pp2",
+                             "split_pp2", "user_split_pp2")}
     return {**run_distributed(_two_ranks, 2, folder, out_dirs, moe, lora_adapters, small, eight, vl_small,
-                              timeout=500)[0], "out_dirs": out_dirs}
+                              shared_from_3, timeout=500)[0], "out_dirs": out_dirs}
 
 
 def test_tp1_logits_loss_and_export(one_rank, folder):
@@ -331,11 +357,29 @@ def test_image_text_model_pipeline_with_per_layer_inputs(two_ranks, vl_small):
     check_round_trip(vl_small, two_ranks["out_dirs"]["vl_small_pp2"])
 
 
+def test_pipeline_split_keeps_shared_keys_and_values_together(two_ranks, shared_from_3):
+    """``SHARED_FROM_3`` at PP2: megatron's 4 / 4 would part layers 6, 7 from layer 3, so the bridge builds 3 / 5; a
+    user's ``num_layers_in_first_pipeline_stage=2`` (2 / 6) is taken as given, its 5 (5 / 3) refused by name on every
+    rank before any collective. Logits and loss within 1e-4 of transformers', bit-exact exports."""
+    for name, first_stage in (("split_pp2", [3]), ("user_split_pp2", [2])):
+        r = two_ranks[name]
+        assert r["plain"]["logits"] < TOL and r["plain"]["loss"] < TOL, (name, r)
+        assert r["layers"] == first_stage, (name, r["layers"])
+        check_round_trip(shared_from_3, two_ranks["out_dirs"][name])
+    assert "megatron_config {'num_layers_in_first_pipeline_stage': 5} (stages of [5, 3] layers) is not supported " \
+           "for Gemma4ForCausalLM: layers [6, 7] reuse" in two_ranks.get("user_split_refused", "not refused")
+
+
 def test_pipeline_splits_keep_shared_keys_on_one_stage():
-    """A split that puts a layer reusing keys and values on another (virtual) stage than the layer storing them is
-    refused by name (pure, before any collective); the splits that keep them together are accepted."""
+    """Where megatron's split parts a layer reusing keys and values from the layer storing them, the bridge picks
+    the most even split that does not (``stage_boundary.pipeline_split``); refused by name (pure, before any
+    collective): virtual stages (split evenly) that part them, a pipeline size no split of which keeps them
+    together, a user's first / last stage size that parts them or that megatron cannot take, and one with virtual
+    stages. Other bridges still refuse those ``megatron_config`` fields."""
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
-    from loongforge_hf.parallel.config import ParallelConfig
+    from loongforge_hf.bridges.builder import check_megatron_config
+    from loongforge_hf.bridges.stage_boundary import pipeline_split
+    from loongforge_hf.parallel.config import ParallelConfig, ParallelLayoutError
     from loongforge_hf.testing.tiny_models import _config
 
     bridge = get_bridge(_config("gemma4", **EIGHT))
@@ -347,11 +391,32 @@ def test_pipeline_splits_keep_shared_keys_on_one_stage():
             ({}, dict(pipeline_parallel_size=2, virtual_pipeline_parallel_size=4),
              "pipeline_parallel_size=2 with virtual_pipeline_parallel_size=4 is not supported for Gemma4ForCausalLM: "
              "layers [7] reuse the keys and values of layers [6] on another pipeline stage (num_kv_shared_layers=1"),
-            ({"num_kv_shared_layers": 2}, dict(pipeline_parallel_size=2),
-             "pipeline_parallel_size=2 is not supported for Gemma4ForCausalLM: layers [6, 7] reuse the keys and "
-             "values of layers [3] on another pipeline stage (num_kv_shared_layers=2")):
+            ({"num_kv_shared_layers": 2}, dict(pipeline_parallel_size=5),
+             "pipeline_parallel_size=5 is not supported for Gemma4ForCausalLM: layers [6, 7] reuse the keys and "
+             "values of layers [3] on another pipeline stage (num_kv_shared_layers=2; the shared keys and values do "
+             "not cross stages); no split of the 8 layers over 5 stages")):
         with pytest.raises(UnsupportedConfigError, match=re.escape(message)):
             get_bridge(_config("gemma4", **{**EIGHT, **changes})).check_layout(ParallelConfig(**layout))
+    shared = get_bridge(_config("gemma4", **SHARED_FROM_3))
+    pp2, pp4 = ParallelConfig(pipeline_parallel_size=2), ParallelConfig(pipeline_parallel_size=4)
+    shared.check_layout(pp2)
+    assert pipeline_split(shared, pp2) == {LAST: 5} and pipeline_split(bridge, pp2) == {}
+    assert pipeline_split(shared, pp4) == {LAST: 5}  # NOTE: 1 / 1 / 1 / 5
+    assert pipeline_split(shared, pp2, {FIRST: 2, "seq_length": 12}) == {FIRST: 2}
+    check_megatron_config(shared, {FIRST: 2})
+    for config, layout, error, message in (
+            ({FIRST: 5}, pp2, UnsupportedConfigError, "megatron_config {'num_layers_in_first_pipeline_stage': 5} "
+             "(stages of [5, 3] layers) is not supported for Gemma4ForCausalLM: layers [6, 7] reuse the keys and "
+             "values of layers [3] on another pipeline stage"),
+            ({FIRST: 3}, pp4, ParallelLayoutError, "megatron cannot split num_hidden_layers=8 over "
+             "pipeline_parallel_size=4 so"),
+            ({FIRST: 4}, ParallelConfig(pipeline_parallel_size=2, virtual_pipeline_parallel_size=2),
+             UnsupportedConfigError, "with virtual_pipeline_parallel_size=2 is not supported for Gemma4ForCausalLM: "
+             "virtual pipeline stages split the layers evenly")):
+        with pytest.raises(error, match=re.escape(message)):
+            pipeline_split(shared, layout, config)
+    with pytest.raises(ValueError, match=f"{FIRST}: set from the checkpoint's config or the layout"):
+        check_megatron_config(get_bridge(_config("gemma")), {FIRST: 2})
 
 
 def test_small_model_refusals_name_the_field():
