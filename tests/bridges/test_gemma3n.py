@@ -100,19 +100,11 @@ def _greedy(ours, ref) -> tuple[bool, float]:
 
 def _pipelines(folder: str) -> dict:
     """PP2 and PP2 x VPP2 on the 8-layer variant (module docstring)."""
-    import torch.distributed as dist
-
     import loongforge_hf as lf
-
-    from loongforge_hf.testing.round_trip import check_round_trip
 
     ours, ref = _models(folder, pipeline_parallel_size=2)
     out = {"pp2": {"plain": _plain(ours, ref), "padded": _padded(ours, ref), "greedy": _greedy(ours, ref)}}
-    ours.save_pretrained(f"{folder}-saved")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        check_round_trip(folder, f"{folder}-saved")
-        out["pp2"]["round_trip"] = True
+    out["pp2"]["round_trip"] = _round_trip(ours, folder, "saved")
     del ours
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2,
                                                    virtual_pipeline_parallel_size=2)
@@ -120,33 +112,37 @@ def _pipelines(folder: str) -> dict:
     return out
 
 
-def _world(folder: str, eight: str) -> dict:
+def _round_trip(ours, folder: str, suffix: str) -> bool | None:
+    """``ours`` saved to ``{folder}-{suffix}`` (every rank takes part; rank 0 writes) and, on rank 0, checked
+    bit for bit against ``folder`` (``check_round_trip``): True there, None on the other ranks."""
     import torch.distributed as dist
 
-    import loongforge_hf as lf
     from loongforge_hf.testing.round_trip import check_round_trip
+
+    ours.save_pretrained(f"{folder}-{suffix}")
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return None
+    check_round_trip(folder, f"{folder}-{suffix}")
+    return True
+
+
+def _world(folder: str, eight: str) -> dict:
+    import loongforge_hf as lf
 
     from .test_qwen3_5 import packed_against_alone
 
     ours, ref = _models(folder, tensor_parallel_size=1)
     out = {"tp1": {"plain": _plain(ours, ref), "padded": _padded(ours, ref), "packed": packed_against_alone(ours, ref),
                    "generate": _generate(ours, ref)}}
-    ours.save_pretrained(f"{folder}-saved")  # NOTE: every rank takes part; rank 0 writes
-    dist.barrier()
-    if dist.get_rank() == 0:
-        check_round_trip(folder, f"{folder}-saved")
-        out["round_trip"] = True
+    out["round_trip"] = _round_trip(ours, folder, "saved")
     del ours
     ours, ref = _models(folder, tensor_parallel_size=2, sequence_parallel=True)
     out["tp2"] = {"plain": _plain(ours, ref), "padded": _padded(ours, ref), "grads": _gradients(ours, ref, folder)}
     del ours
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
     out["pp2_split"] = {"plain": _plain(ours, ref), "greedy": _greedy(ours, ref), "layers": ours.megatron.layer_counts}
-    ours.save_pretrained(f"{folder}-pp2-saved")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        check_round_trip(folder, f"{folder}-pp2-saved")
-        out["pp2_split"]["round_trip"] = True
+    out["pp2_split"]["round_trip"] = _round_trip(ours, folder, "pp2-saved")
     del ours
     return {**out, **_pipelines(eight)}
 
