@@ -13,14 +13,15 @@ Choices:
   attention output (``v_head_dim`` rows). In megatron's MLA: the query latent norm returns ``[norm(q); q]``
   (``_with_raw_latent``), ``linear_q_up_proj`` takes that width (its weight rebuilt ``[heads / TP * (qk + v),
   2 * q_lora_rank]``, split over TP by heads like megatron's own) and hands MLA the query rows, keeping the gate
-  rows for ``linear_proj``, which multiplies its input (this rank's heads) by their sigmoid (fp32, rounded once)
-  first. The DSA indexer reads the normalised half, as transformers' ``q_resid``.
+  rows for ``linear_proj``, whose forward pre-hook multiplies its input (this rank's heads) by their sigmoid (fp32,
+  rounded once) first. The DSA indexer reads the normalised half, as transformers' ``q_resid``.
 - Everything else is DeepSeek-V3.2's bridge: rotary pairs on disk (transformers' A.X-K2 always rotates interleaved
   pairs), the indexer's rotary halves, sigmoid routing with a fixed ``e_score_correction_bias`` renormalised (its
   ``+ 1e-20``: megatron's expression too) and scaled; expert groups (top-2 sums) where ``n_group`` is set, none
   where it is ``None`` (A.X-K2-Light). Refused as there: context parallelism, the static cache in ``generate``,
-  ``attention_bias``, ``attention_dropout``. LoRA's layers take megatron's own linears only, so LoRA on
-  ``q_b_proj`` / ``o_proj`` (re-classed here) is refused by them.
+  ``attention_bias``, ``attention_dropout``. LoRA on ``o_proj``: megatron's ``linear_proj`` (the gate a
+  pre-hook), its adapter reading the gated input as PEFT's; LoRA on ``q_gate_proj`` / ``q_b_proj`` (re-classed
+  here, half its output the gate) is refused by name (``lora.plan._REFUSED``).
 - ``generate``'s KV cache is DeepSeek-V3.2's (``sparse_attention.SparseAttentionCacheLayer``): a cached step runs
   the re-classed core attention's forward (``kv_cache.own_cached_attention`` calls the class's), so its indexer
   reads the normalised half there too, and the gate rows of the step's own tokens gate ``linear_proj`` as without
@@ -115,16 +116,12 @@ def _gate_splitting(base: type) -> type:
     return GateSplittingUpProj
 
 
-@functools.cache
-def _output_gated(base: type) -> type:
-    class OutputGatedProj(base):
-        """Its input (each head's attention output) times the sigmoid of the gate ``box`` holds, then ``base``."""
-
-        def forward(self, x, *args, **kwargs):
-            gate, self.box.gate = self.box.gate, None
-            return super().forward((x * torch.sigmoid(gate.float())).to(x.dtype), *args, **kwargs)
-
-    return OutputGatedProj
+def gated_input(module, args, *, box):
+    """A forward pre-hook of ``linear_proj``: its input (each head's attention output) times the sigmoid of the gate
+    ``box`` holds (fp32, rounded once), the gate then dropped."""
+    gate, box.gate = box.gate, None
+    x = args[0]
+    return ((x * torch.sigmoid(gate.float())).to(x.dtype), *args[1:])
 
 
 @functools.cache
@@ -167,7 +164,8 @@ def _gate_query(attention, c) -> None:
     up.weight = new
     up.input_size, up.output_size_per_partition = 2 * c.q_lora_rank, new.shape[0]
     _reclass(up, _gate_splitting(type(up)), box=box, q_rows=q_rows, gate_rows=c.v_head_dim)
-    _reclass(attention.linear_proj, _output_gated(type(attention.linear_proj)), box=box)
+    # NOTE: a pre-hook, not a re-class: linear_proj stays megatron's RowParallelLinear, which LoRA's layers take
+    attention.linear_proj.register_forward_pre_hook(functools.partial(gated_input, box=box))
     _reclass(attention.q_layernorm, _with_raw_latent(type(attention.q_layernorm)))
     core = attention.core_attention
     _reclass(core, _normed_half_to_indexer(type(core), c.q_lora_rank))

@@ -36,9 +36,10 @@ Choices:
   ``o_groups`` that do not split the heads. Packed documents (``position_ids`` other than ``0..s-1``) raise at the
   forward (``deepseek_v4_layer``).
 - LoRA (names: ``deepseek_v4_lora``): our attention's torch linears (``q_a_proj``, ``q_b_proj``, ``kv_proj``,
-  ``o_b_proj``, the compressors' and the indexer's, which take no gradient as in PEFT) carry whole adapters on every
-  rank (``lora/replicated.py``), the shared experts megatron's; refused by name: the grouped ``o_a_proj`` (PEFT's
-  layer fails on it), the routed experts, the routers, DoRA / PiSSA / OLoRA on the attention.
+  ``o_b_proj``, the compressors' and the indexer's, whose adapters and ``modules_to_save`` stay frozen: no gradient,
+  as in PEFT) carry whole adapters on every rank (``lora/replicated.py``), the shared experts megatron's; refused by
+  name: the grouped ``o_a_proj`` (PEFT's layer fails on it), the routed experts, the routers, DoRA / PiSSA / OLoRA
+  on the attention.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ Choices:
   ``o_a_proj`` and ``o_b_proj``. ``heavily_compressed_attention`` appends one softmax-pooled entry per
   ``compress_rate`` tokens, visible once its window has closed; ``compressed_sparse_attention`` pools overlapping
   windows (two series) and keeps, per query, the ``index_topk`` entries its lightning indexer scores highest. The
-  indexer only chooses (a top-k): its tensors take no gradient, as in transformers, and are frozen here (no update).
+  indexer only chooses (a top-k): its tensors take no gradient, as in transformers, and are frozen here (no update;
+  marked ``takes_no_gradient``, so LoRA's ``modules_to_save`` and adapters there stay frozen too). A row shorter than
+  a compression window gives no entry, and the compressor's tensors a zero gradient (transformers': none), which is
+  the same update under megatron's gradient buffers and lets their overlapped reduction start.
 - Rotary frequencies are transformers' own (``ROPE_INIT_FUNCTIONS`` on the HF config, per rope label), so YaRN on the
   ``compress`` rope is theirs; the attention scaling factor they return multiplies cos / sin as theirs does.
 - Tensor parallelism: the module is replicated (transformers' own TP plan keeps attention replicated: one KV head,
@@ -91,11 +94,11 @@ class Compressor(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         b, s, _ = h.shape
-        n, rate, d = s // self.rate, self.rate, self.head_dim
-        if n == 0:
-            return h.new_zeros((b, 0, d))
-        kv = self.kv_proj(h)[:, :n * rate].view(b, n, rate, -1)
-        gate = self.gate_proj(h)[:, :n * rate].view(b, n, rate, -1) + self.position_bias
+        n, rate, d, w = s // self.rate, self.rate, self.head_dim, self.kv_proj.out_features
+        # NOTE: with no whole window yet (n == 0) the same ops run on none: no entry, and every tensor here takes a
+        # (zero) gradient, which megatron's overlapped gradient reduction expects of each trainable parameter
+        kv = self.kv_proj(h)[:, :n * rate].view(b, n, rate, w)
+        gate = self.gate_proj(h)[:, :n * rate].view(b, n, rate, w) + self.position_bias
         if self.overlap:  # NOTE: entry w pools window w-1's first series with window w's second (transformers' CSA)
             pooled_kv = kv.new_zeros((b, n, 2 * rate, d))
             pooled_gate = gate.new_full((b, n, 2 * rate, d), float("-inf"))
@@ -168,6 +171,7 @@ class DeepseekV4Attention(torch.nn.Module):
                 self.compressor.indexer = Indexer(c, dtype)
                 for p in self.compressor.indexer.parameters():
                     p.requires_grad_(False)  # NOTE: transformers' indexer only chooses: no gradient, no update
+                    p.takes_no_gradient = True  # NOTE: LoRA keeps it so (modules_to_save, adapters: replicated.py)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **_):
         from megatron.core.tensor_parallel import (gather_from_sequence_parallel_region,

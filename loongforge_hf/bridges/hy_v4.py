@@ -39,7 +39,7 @@ Choices:
 - LoRA (names: ``deepseek_v4_lora``, transformers' ``gate_proj`` the checkpoint's ``linear_gate``): MLA's linears,
   the output gate ``self_attn.gate_proj``, ``o_proj``, the dense MLPs and the shared experts, as any megatron linear;
   refused by name: the indexer's ``wq_b`` / ``wk`` / ``weights_proj`` (no gradient reaches them), the routed experts
-  and the router (``target_parameters``).
+  and the router (``target_parameters``); its ``k_norm`` stays frozen under ``modules_to_save`` (``takes_no_gradient``).
 - Refused by name before any collective: context parallelism, a pipeline split as above, ``swiglu_limit`` <= 0,
   ``hidden_act`` other than silu, and GLM-5's refusals (the static cache in ``generate``, ``attention_bias``,
   ``attention_dropout``).
@@ -55,7 +55,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from loongforge_hf.bridges import config_map as C
-from loongforge_hf.bridges.axk2 import _reclass
+from loongforge_hf.bridges.axk2 import _reclass, gated_input
 from loongforge_hf.bridges.deepseek_v32 import IndexerRows
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.fused_mappings import GatedMLP
@@ -101,14 +101,7 @@ def _gate_output(attention, config, hf) -> None:
     box = types.SimpleNamespace(gate=None)
     _reclass(attention, _gate_computing(type(attention)), box=box)
     # NOTE: a pre-hook, not a re-class: linear_proj stays megatron's RowParallelLinear, which LoRA's layers take
-    attention.linear_proj.register_forward_pre_hook(functools.partial(_gated_input, box=box))
-
-
-def _gated_input(module, args, *, box):
-    """``linear_proj``'s input (each head's attention output) times the sigmoid of the gate ``box`` holds."""
-    gate, box.gate = box.gate, None
-    x = args[0]
-    return ((x * torch.sigmoid(gate.float())).to(x.dtype), *args[1:])
+    attention.linear_proj.register_forward_pre_hook(functools.partial(gated_input, box=box))
 
 
 @register_bridge("HYV4ForCausalLM")
@@ -179,6 +172,9 @@ class HYV4Bridge(GlmMoeDsaBridge):
             model.decoder.final_layernorm = Head(c, sequence_parallel=bool(model.config.sequence_parallel))
         for layer in model.decoder.layers:
             _gate_output(layer.self_attention, model.config, c)
+            for p in layer.self_attention.core_attention.parameters():
+                # NOTE: the indexer's, frozen by sparse_attention (no gradient): LoRA's modules_to_save keep them so
+                p.takes_no_gradient = not p.requires_grad
             for expert in getattr(getattr(layer.mlp, "experts", None), "local_experts", ()):
                 expert.config = copy.copy(expert.config)  # NOTE: routed experts only (module docstring)
                 expert.config.activation_func_clamp_value = float(c.swiglu_limit)

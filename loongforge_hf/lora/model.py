@@ -370,7 +370,10 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     # norms are several HF tensors in one megatron tensor
     trained = {id(params[name]): params[name] for saved in plan.saved
                for params, name in megatron_params_of(model, saved, owners, pp_rank)}
-    originals = [(param.requires_grad_(True), param.detach().clone()) for param in trained.values()]
+    # NOTE: a tensor its bridge marks takes_no_gradient (DeepSeek-V4's, HY-V4's indexers) stays frozen: PEFT's gets none
+    # there, so no update; megatron's gradient buffers expect a gradient for each trainable parameter
+    originals = [(param.requires_grad_(not getattr(param, "takes_no_gradient", False)), param.detach().clone())
+                 for param in trained.values()]
     if plan.token_indices:
         from loongforge_hf.lora.tokens import attach_trainable_tokens
 

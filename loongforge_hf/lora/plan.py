@@ -13,8 +13,8 @@ Choices:
   gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be (a
   last component only where no linear it names is refused: not AFMoE's gated ``q_proj`` / ``k_proj`` / ``v_proj``,
   whose gates are a tensor of their own, nor ``'all-linear'`` without ``exclude_modules`` for those). Linears an
-  architecture refuses by name say why (``_REFUSED``: A.X-K2's gated ``q_gate_proj`` / ``o_proj``, which its bridge
-  re-classes after the build, so no megatron linear LoRA's layers take; DiffLlama's ``q_proj`` / ``k_proj`` /
+  architecture refuses by name say why (``_REFUSED``: A.X-K2's gated ``q_gate_proj`` (``q_b_proj`` on disk), which
+  its bridge re-classes after the build, so no megatron linear LoRA's layers take; DiffLlama's ``q_proj`` / ``k_proj`` /
   ``v_proj``, held by halves of the heads; JetMoE's routers ``router.layer``; LongCat-Flash's router ``classifier``,
   whose weight transformers reads itself, so PEFT's adapter there never acts; Zamba / Zamba2's shared blocks'
   linears, one megatron linear for the uses PEFT adapts one by one). LongCat-Flash's sublayer mappings
@@ -108,9 +108,7 @@ _REFUSED = {
         "q_gate_proj": "A.X-K2's gated query up-projection (q_b_proj on disk: the normalised and raw query latents "
                        "in, each head's query and output gate out) is no plain linear here",
         "q_b_proj": "the checkpoint's name of q_gate_proj, A.X-K2's gated query up-projection, which is no plain "
-                    "linear here",
-        "o_proj": "A.X-K2's gated output projection (its input times the sigmoid of q_gate_proj's gate rows first) "
-                  "is no plain linear here"},
+                    "linear here"},
     **dict.fromkeys(("ZambaForCausalLM", "Zamba2ForCausalLM"), {
         **dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj"),
                         "a shared transformer block's linear: transformers keeps a tied copy of the block in each "

@@ -14,6 +14,12 @@ Choices:
   in step over TP.
 - Unload / merge / export: ``lora_merge_delta`` as megatron's LoRA linears (``export._lora_deltas``); the class is a
   direct subclass of ``torch.nn.Linear``, which ``unload`` restores.
+- A linear whose weight its bridge marks ``takes_no_gradient`` (DeepSeek-V4's indexer: no gradient reaches it, in
+  transformers neither) gets frozen adapters: PEFT's take no gradient there either, so never an update, and megatron's
+  gradient buffers (which expect a gradient of each trainable parameter) leave them out.
+- Training checkpoints: megatron's default ``sharded_state_dict`` of a plain module, each factor whole and
+  replicated over TP (one writer); a run resumed from its checkpoint at TP2 + SP x EP2 and at TP1 logs the
+  uninterrupted run's losses (tests/bridges/test_deepseek_v4.py).
 - DoRA and PiSSA / OLoRA on these targets are refused by name (``check_replicated_options``): not compared with PEFT.
 """
 
@@ -60,6 +66,8 @@ def attach_replicated(module: nn.Module, adapters: dict) -> None:
     check_replicated_adaptable(module)
     module.__class__ = LoraReplicatedLinear
     module.lora = nn.ModuleDict(adapters)
+    if getattr(module.weight, "takes_no_gradient", False):  # NOTE: DeepSeek-V4's indexer: no gradient, as in PEFT
+        module.lora.requires_grad_(False)
 
 
 def check_replicated_options(config, targets) -> None:

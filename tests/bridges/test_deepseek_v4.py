@@ -15,8 +15,10 @@ LoRA against PEFT (``"all-linear"`` but the grouped ``o_a_proj`` and the indexer
 TP1 and TP2 + SP x EP2: logits and loss within 1e-4, every adapter's gradient within 1e-4 of its largest entry, the
 adapter folder in PEFT and the merged export in transformers (logits within 1e-4); at TP2 + SP x EP2 the folder
 loaded onto a fresh model (``load_adapter``) and ``unload()``; at TP1 LoRA on the indexer alone (logits as PEFT's, no
-gradient on either side). One two-rank world runs it all; the layouts refused by name are tried first, before any
-process group starts; the config, layout and LoRA refusals are pure."""
+gradient on either side); LoRA training with LoongSFTTrainer at TP2 + SP x EP2 (``lora_training``: resumed from its
+checkpoint exactly, at TP1 within 1e-5 relative, the checkpoint's adapter folder in PEFT). One two-rank world runs it
+all; the layouts refused by name are tried first, before any process group starts; the config, layout and LoRA
+refusals are pure."""
 
 from __future__ import annotations
 
@@ -309,18 +311,52 @@ def lora_checks(folder: str, name: str, layout: dict, lora_kw: dict, reload: boo
 
     def merged(model):
         ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
+        # NOTE: after the backward: megatron's overlapped gradient reduction waits for a gradient of each trainable
+        # tensor; those the bridge marks takes_no_gradient (the indexers') stay frozen under modules_to_save
+        named = list(model.named_parameters())
+        trained = {"no_gradient": [n for n, p in named if p.requires_grad and p.grad is None],
+                   "frozen": [n for n, p in named if getattr(p, "takes_no_gradient", False) and not p.requires_grad]}
         model.save_pretrained(f"{folder}-lora-{name}-merged", merged=True)
         with torch.no_grad():
             ours = model(input_ids=ids).logits
         if dist.get_rank() != 0:
-            return {}
+            return trained
         with torch.no_grad():
             theirs = hf_causal_lm(f"{folder}-lora-{name}-merged", dtype=torch.float32)(input_ids=ids).logits
-        return {"merged_logits": float((ours - theirs).abs().max())}
+        return {**trained, "merged_logits": float((ours - theirs).abs().max())}
 
     out = lora_against_peft(folder, f"{folder}-lora-{name}", layout, lora_kw, merged)
     dist.barrier()  # NOTE: the adapter folder is written by the first rank
     return {**out, **(reloaded() if reload else {})}
+
+
+def lora_training(folder: str, layout: dict, lora_kw: dict, **overrides) -> dict:
+    """LoongSFTTrainer with LoRA under ``layout``: 4 steps checkpointing at step 2, resumed from checkpoint-2 in the
+    same layout and at TP1 (the same global batch: one row a rank); the last checkpoint's adapter folder in PEFT
+    (rank 0: its logits against ours with that folder, ``load_adapter`` at TP1). ``overrides``: SFTConfig fields."""
+    import peft
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora.load import load_adapter
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
+    from tests.integrations._sft_parity import resume_matches_uninterrupted
+
+    out_dir = f"{folder}-lora-training"
+    out = resume_matches_uninterrupted(folder, out_dir, layout, lora_kw, other_layout={},
+                                       other_overrides={"per_device_train_batch_size": 1}, **overrides)
+    ids = torch.randint(4, 203, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = load_adapter(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                         f"{out_dir}/checkpoint-4")
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+    if dist.get_rank() == 0:
+        hf = hf_causal_lm(folder, dtype=torch.float32)
+        with torch.no_grad():
+            base = hf(input_ids=ids).logits
+            theirs = peft.PeftModel.from_pretrained(hf, f"{out_dir}/checkpoint-4")(input_ids=ids).logits
+        out.update(adapter_logits=float((ours - theirs).abs().max()), trained=float((theirs - base).abs().max()))
+    return out
 
 
 def _indexer_lora(folder: str) -> dict:
@@ -358,6 +394,9 @@ def _indexer_lora(folder: str) -> dict:
 # the indexer's adapters take no gradient (PEFT's None), checked on their own (``_indexer_lora``)
 LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=r".*(o_a_proj|\.indexer\..*)",
                init_lora_weights=False)
+# NOTE: the indexer's adapters and its compressor's norm (a modules_to_save "norm") take no gradient: kept frozen
+TRAINING_LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["o_a_proj"],
+                        modules_to_save=["norm"])
 INDEXER_LORA_KW = dict(r=4, lora_alpha=8, target_modules=r".*\.indexer\.(kv_proj|gate_proj|q_b_proj|scorer\..*)",
                        init_lora_weights=False)
 
@@ -367,6 +406,9 @@ def _both(folders: dict) -> dict:
     for name in ("tp1", "tp2sp_ep2"):
         out[f"lora_{name}"] = lora_checks(folders["deepseek_v4"], name, LAYOUTS[name], LORA_KW, name != "tp1")
     out["lora_indexer"] = _indexer_lora(folders["deepseek_v4"])
+    # NOTE: without the balancing loss, which is taken per micro-batch (two rows at TP2, one a rank at TP1)
+    out["lora_training"] = lora_training(folders["deepseek_v4"], LAYOUTS["tp2sp_ep2"], TRAINING_LORA_KW,
+                                         router_aux_loss_coef=0.0)
     return out
 
 
@@ -503,6 +545,7 @@ def test_lora_matches_peft_and_exports(results, name):
     assert r["graded"] == 68 and r["targets"] == ["down_proj", "gate_proj", "kv_proj", "o_b_proj", "q_a_proj",
                                                   "q_b_proj", "up_proj"], r
     assert r["adapter_logits"] < 1e-4 and r["inspected"]["merged_logits"] < 1e-4, r
+    assert r["inspected"]["no_gradient"] == [], r
     if name != "tp1":  # NOTE: the folder loaded onto a fresh model split over TP and EP, then unloaded
         assert r["reloaded_logits"] < 1e-4 and r["unloaded_logits"] < 1e-4, r
 
@@ -541,3 +584,17 @@ def test_peft_itself_fails_on_the_grouped_output_projection():
                                 peft.LoraConfig(r=4, target_modules=["o_a_proj"]))
     with pytest.raises(RuntimeError):
         model(input_ids=torch.ones(1, 8, dtype=torch.long))
+
+
+def test_lora_training_resumes_from_its_checkpoint(results):
+    """LoongSFTTrainer at TP2 + SP x EP2 ('all-linear' but o_a_proj, the norms saved; the indexer's adapters and
+    norm frozen, no gradient as in PEFT), rows shorter than a compression window included: the run resumed from
+    checkpoint-2 logs the uninterrupted run's losses exactly, resumed at TP1 (the same global batch; without the
+    balancing loss, taken per micro-batch) within 1e-5 relative; the last checkpoint's adapter folder in PEFT gives
+    our logits (1e-4) and moves transformers'."""
+    r = results["lora_training"]
+    assert [s for s, _ in r["full"]] == [1, 2, 3, 4] and r["resumed"] == r["full"], r
+    assert [s for s, _ in r["other"]] == [1, 2, 3, 4], r
+    assert [loss for _, loss in r["other"]] == pytest.approx([loss for _, loss in r["full"]], rel=1e-5), r
+    assert {"adapter_model.safetensors", "adapter_config.json", "megatron"} <= set(r["checkpoint_files"]), r
+    assert r["adapter_logits"] < 1e-4 and r["trained"] > 1e-3, r

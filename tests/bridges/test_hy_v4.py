@@ -15,8 +15,11 @@ the static cache refused by name; every gradient at TP2 + SP within 1e-4 of its 
 tensors take none, as in transformers); bit-exact export at TP2 + SP, EP2 and PP2; LoRA against PEFT
 (``"all-linear"`` but the indexer, ``init_lora_weights=False``) at TP1 and TP2 + SP: logits and loss within 1e-4,
 every adapter's gradient within 1e-4 of its largest entry, the adapter folder in PEFT and the merged export in
-transformers (logits within 1e-4), at TP2 + SP the folder loaded onto a fresh model and ``unload()``. One two-rank
-world runs it all; the config, layout and LoRA refusals are pure."""
+transformers (logits within 1e-4), at TP2 + SP the folder loaded onto a fresh model and ``unload()``; the norms in
+``modules_to_save``, the indexer's ``k_norm`` stays frozen and every trainable tensor takes a gradient (what
+LoongSFTTrainer's overlapped gradient reduction needs). In the same world A.X-K2's gated ``o_proj`` (its gate a
+pre-hook on ``linear_proj``, as HY-V4's) with LoRA against PEFT at TP1 and TP2 + SP. One two-rank world runs it all;
+the config, layout and LoRA refusals are pure."""
 
 from __future__ import annotations
 
@@ -91,7 +94,21 @@ def _hub_checks(folder: str, hub: str, ref, ids: torch.Tensor) -> dict:
         folder, f"{hub}-out{dist.get_rank()}", extra=("model.mtp_layers.0.norm.weight",))}
 
 
-def _world(folder: str, hub: str) -> dict:
+def _axk2_o_proj_lora(folder: str) -> dict:
+    """A.X-K2's o_proj (its output gate a pre-hook on linear_proj, as HY-V4's) with LoRA against PEFT at TP1 and
+    TP2 + SP: logits, loss, every adapter's gradient, the adapter folder in PEFT (``_lora_parity``)."""
+    import torch.distributed as dist
+
+    from tests.bridges._lora_parity import lora_against_peft
+
+    out = {}
+    for name in ("tp1", "tp2sp"):
+        out[name] = lora_against_peft(folder, f"{folder}-lora-{name}", LAYOUTS[name], AXK2_LORA_KW)
+        dist.barrier()  # NOTE: the adapter folder is written by the first rank
+    return out
+
+
+def _world(folder: str, hub: str, axk2: str) -> dict:
     import torch.distributed as dist
 
     import loongforge_hf as lf
@@ -126,20 +143,24 @@ def _world(folder: str, hub: str) -> dict:
         del model
     for name in ("tp1", "tp2sp"):
         out[f"lora_{name}"] = lora_checks(folder, name, LAYOUTS[name], LORA_KW, name != "tp1")
+    out["axk2_lora"] = _axk2_o_proj_lora(axk2)
     return out
 
 
-# NOTE: init_lora_weights=False keeps B random, so every adapter moves the logits; the indexer's linears are refused
+# NOTE: init_lora_weights=False keeps B random, so every adapter moves the logits; the indexer's linears are refused,
+# its k_norm (a modules_to_save "norm" reaches it) stays frozen
 LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["wq_b", "wk", "weights_proj"],
-               init_lora_weights=False)
+               init_lora_weights=False, modules_to_save=["norm"])
+AXK2_LORA_KW = dict(r=4, lora_alpha=8, target_modules=["o_proj"], init_lora_weights=False)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from loongforge_hf.testing.tiny_models import make_tiny_checkpoint
 
-    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("hy_v4") / "hy_v4", "hy_v4")
-    return run_distributed(_world, 2, str(folder), str(_hub_named(folder)), timeout=400)[0]
+    root = tmp_path_factory.mktemp("hy_v4")
+    folder, axk2 = make_tiny_checkpoint(root / "hy_v4", "hy_v4"), make_tiny_checkpoint(root / "axk2", "axk2")
+    return run_distributed(_world, 2, str(folder), str(_hub_named(folder)), str(axk2), timeout=400)[0]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -259,11 +280,26 @@ def test_layouts_and_lora_refused_by_the_pure_checks():
 @pytest.mark.parametrize("name", ["tp1", "tp2sp"])
 def test_lora_matches_peft_and_exports(results, name):
     """'all-linear' but the indexer: MLA's linears, the output gate (gate_proj), o_proj (the gate applied to its
-    input by a pre-hook, so megatron's linear takes the adapter), the dense MLP and the shared experts."""
+    input by a pre-hook, so megatron's linear takes the adapter), the dense MLP and the shared experts; the norms
+    saved, the indexer's k_norm among them frozen, so every trainable tensor takes a gradient (LoongSFTTrainer's
+    overlapped gradient reduction failed on megatron's per_param_grad_ready_counts assertion without it)."""
     r = results[f"lora_{name}"]
+    assert r["inspected"]["no_gradient"] == [], r
+    assert sum(".indexer.k_norm." in n for n in r["inspected"]["frozen"]) == 4, r
     assert r["logits"] < 1e-4 and r["loss"] < 1e-4 and r["grads"] < 1e-4, r
     assert r["graded"] == 72 and r["targets"] == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                                                   "o_proj", "q_a_proj", "q_b_proj", "up_proj"], r
     assert r["adapter_logits"] < 1e-4 and r["inspected"]["merged_logits"] < 1e-4, r
     if name != "tp1":  # NOTE: the folder loaded onto a fresh model split over TP, then unloaded
         assert r["reloaded_logits"] < 1e-4 and r["unloaded_logits"] < 1e-4, r
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2sp"])
+def test_axk2_o_proj_lora_matches_peft(results, layout):
+    """A.X-K2's gated o_proj with LoRA (the gate a pre-hook on megatron's linear_proj, the adapter reading the gated
+    input as PEFT's): logits and loss within 1e-4, every adapter's gradient within 1e-4 of its largest entry, the
+    adapter folder in PEFT (logits within 1e-4)."""
+    r = results["axk2_lora"][layout]
+    assert r["targets"] == ["o_proj"] and r["graded"] > 0, r
+    assert r["logits"] < 1e-4 and r["loss"] < 1e-4 and r["grads"] < 1e-4, r
+    assert r["adapter_logits"] < 1e-4, r
