@@ -281,7 +281,7 @@ def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None
     run_everywhere(f"{rng_file}: cannot be read (rank {_rank()})",
                    lambda: box.setdefault("rng", torch.load(rng_file, weights_only=True)), on=same_world)
     run_everywhere(f"{checkpoint_dir}: cannot be resumed in this layout",
-                   lambda: check_resharding(engine, checkpoint_dir / LAYOUT_FILE))
+                   lambda: check_resharding(engine, box["layout"], checkpoint_dir))
     run_everywhere(f"{ckpt}: cannot be resumed with this optimizer",
                    lambda: _check_optimizer_parts(len(optimizer_parts(engine.optimizer)) > 1, ckpt))
     run_everywhere(f"{ckpt}: the megatron state cannot be loaded into this model (was the checkpoint written for "

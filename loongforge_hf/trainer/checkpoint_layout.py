@@ -150,16 +150,16 @@ def kv_heads(chunks) -> set[int]:
     return found
 
 
-def check_resharding(engine, layout_file: Path) -> None:
-    """Refuse resuming under another tensor-parallel size a model with sectioned rows (``sectioned_modules``) or KV
-    heads replicated over TP ranks (``kv_heads``), on any rank: run through ``run_everywhere``, every rank raises
-    alike. Local reads only, plus one small all-gather."""
+def check_resharding(engine, layout: dict, folder: Path) -> None:
+    """Refuse resuming the checkpoint in ``folder``, written in ``layout`` (``read_layout``), under another
+    tensor-parallel size where the model has sectioned rows (``sectioned_modules``) or KV heads replicated over TP
+    ranks (``kv_heads``), on any rank: run through ``run_everywhere``, every rank raises alike. One small
+    all-gather."""
     from loongforge_hf.bridges.checkpoint_files import CheckpointError
 
     from loongforge_hf.parallel.kv_replicas import replicas_of
 
     chunks = [c.module for c in engine.chunks]
-    layout = read_layout(layout_file)
     found = set(sectioned_modules(chunks, declared=declared_sections(chunks) if layout.get("tp_sections") else None))
     heads = kv_heads(chunks)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -178,7 +178,7 @@ def check_resharding(engine, layout_file: Path) -> None:
             f"supported where KV heads are replicated over tensor-parallel ranks (num_key_value_heads={min(heads)}: "
             f"one group per rank, so the saved q / k / v shape depends on the size). Resume with "
             f"tensor_parallel_size={saved}, or start a new run from its weights: from_pretrained("
-            f"{str(layout_file.parent)!r}) reads the HF export.")
+            f"{str(folder)!r}) reads the HF export.")
     if found and saved != now:
         why = ("the checkpoint holds them whole: it was written before loongforge-hf keyed them per section" if not
                layout.get("tp_sections") else "not declared per section (parallel/tp_sections.py)")
@@ -186,4 +186,4 @@ def check_resharding(engine, layout_file: Path) -> None:
             f"the checkpoint was written with tensor_parallel_size={saved}, this run has {now}: resharding is not "
             f"supported for {sorted(found)} (each TP rank holds its rows of several HF sections side by side, which "
             f"megatron's resharding would reorder; {why}). Resume with tensor_parallel_size={saved}, or start a new "
-            f"run from its weights: from_pretrained({str(layout_file.parent)!r}) reads the HF export.")
+            f"run from its weights: from_pretrained({str(folder)!r}) reads the HF export.")
