@@ -1,11 +1,14 @@
-"""gpt-oss's clamped GLU on megatron's gated fc1 output: ``[..., 2F] -> g * sigmoid(alpha * g) * (u + offset)`` with
-``gate, up = x.chunk(2, -1)``, ``g = min(gate, limit)`` and ``u = clamp(up, -limit, limit)``.
+"""Clamped GLUs on megatron's gated fc1 output: ``[..., 2F] -> g * sigmoid(alpha * g) * (u + offset)`` with
+``gate, up = x.chunk(2, -1)``, ``g = min(gate, limit)`` and ``u = clamp(up, -limit, limit)``: gpt-oss's (alpha
+1.702, offset 1) and DeepSeek-V4's / HY-V4's clamped SwiGLU (alpha 1: ``silu(g) * u``, offset 0).
 
 Choices:
 - The math of megatron-core 0.16's gated MLP with ``activation_func=quick_gelu`` (``x * sigmoid(1.702 x)``),
   ``glu_linear_offset`` and ``activation_func_clamp_value`` (transformer/mlp.py, ``MLP.forward``'s ``glu``), which
-  is HF's ``GptOssExperts._apply_gate`` (alpha 1.702, offset 1) on megatron's ``[gate; up]`` layout. The forward runs
-  in the input dtype in HF's order, so bf16 results round where HF's do.
+  is HF's ``GptOssExperts._apply_gate`` (alpha 1.702, offset 1) on megatron's ``[gate; up]`` layout; with
+  ``activation_func=silu`` and a clamp, HF's ``DeepseekV4Experts._apply_gate`` / ``HYV4Experts._apply_gate``
+  (``silu(min(gate, limit)) * clamp(up, -limit, limit)``). The forward runs in the input dtype in HF's order
+  (``F.silu`` for alpha 1, as HF's), so bf16 results round where HF's do.
 - A ``torch.autograd.Function`` keeps only the fc1 output for the backward (autograd would keep the clamped halves,
   the sigmoid and the product) and recomputes in fp32 there; a clamped entry gets no gradient, the bound itself
   included in the range that does (``torch.clamp``'s rule).
@@ -16,10 +19,12 @@ Choices:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from loongforge_hf.kernels._saved import needs_autograd
 
 QUICK_GELU_ALPHA = 1.702  # megatron's quick_gelu: x * sigmoid(1.702 x)
+SILU_ALPHA = 1.0          # silu: x * sigmoid(x)
 
 
 def _forward(x: torch.Tensor, alpha: float, limit: float | None, offset: float) -> torch.Tensor:
@@ -27,6 +32,8 @@ def _forward(x: torch.Tensor, alpha: float, limit: float | None, offset: float) 
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
+    if alpha == SILU_ALPHA:
+        return F.silu(gate) * (up + offset if offset else up)
     return gate * torch.sigmoid(alpha * gate) * (up + offset)
 
 
@@ -67,19 +74,22 @@ def clamped_glu(x: torch.Tensor, *, limit: float | None, offset: float = 1.0,
 
 class ClampedGLU(torch.nn.Module):
     """The activation of a gated MLP whose config has ``activation_func=quick_gelu`` (megatron's
-    ``fusions.fused_bias_geglu``), ``glu_linear_offset`` and ``activation_func_clamp_value`` (None: no clamp)."""
+    ``fusions.fused_bias_geglu``), ``glu_linear_offset`` and ``activation_func_clamp_value`` (None: no clamp), or
+    ``activation_func=silu`` with a clamp (a plain SwiGLU is ``swiglu.SwiGLU``)."""
 
     def __init__(self, config) -> None:
         super().__init__()
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         problems = []
+        limit = getattr(config, "activation_func_clamp_value", None)
         if not config.gated_linear_unit:
             problems.append("gated_linear_unit must be True")
-        if config.activation_func is not quick_gelu:
-            problems.append("activation_func must be megatron.core.fusions.fused_bias_geglu.quick_gelu (got "
-                            f"{config.activation_func!r})")
-        limit = getattr(config, "activation_func_clamp_value", None)
+        if config.activation_func is F.silu and limit is None:
+            problems.append("activation_func_clamp_value must be set with activation_func=silu")
+        elif config.activation_func is not quick_gelu and config.activation_func is not F.silu:
+            problems.append("activation_func must be megatron.core.fusions.fused_bias_geglu.quick_gelu or "
+                            f"torch.nn.functional.silu with a clamp (got {config.activation_func!r})")
         if limit is not None and not limit > 0:
             problems.append(f"activation_func_clamp_value must be None or positive (got {limit!r})")
         if problems:
@@ -87,9 +97,10 @@ class ClampedGLU(torch.nn.Module):
                              + ".")
         self.limit = None if limit is None else float(limit)
         self.offset = float(getattr(config, "glu_linear_offset", 0.0))
+        self.alpha = SILU_ALPHA if config.activation_func is F.silu else QUICK_GELU_ALPHA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return clamped_glu(x, limit=self.limit, offset=self.offset)
+        return clamped_glu(x, limit=self.limit, offset=self.offset, alpha=self.alpha)
 
     def extra_repr(self) -> str:
-        return f"alpha={QUICK_GELU_ALPHA}, limit={self.limit}, offset={self.offset}"
+        return f"alpha={self.alpha}, limit={self.limit}, offset={self.offset}"

@@ -29,11 +29,11 @@ Choices:
   (megatron allows this only for top-1) and ``b2`` is added as is (megatron's probabilities are ones then).
 - Activation from the config (``expert_activation``): gated, SwiGLU (``kernels.swiglu``, ``activation_func=silu``),
   gpt-oss's clamped GLU (``kernels.clamped_glu``, ``activation_func=quick_gelu`` with ``glu_linear_offset`` and
-  ``activation_func_clamp_value``) or Gemma 4's gated tanh-GELU (``kernels.geglu``, ``activation_func=gelu_tanh``),
-  each saving only the fc1 output for the backward; not gated (``gated_linear_unit=False``), the squared ReLU
-  (``kernels.relu2``, ``activation_func=relu2``: Nemotron-H / Nemotron 3 Nano), saving only ``relu`` of the fc1
-  output. Anything else is refused. The GEMMs, probabilities and adapters do not depend on it: only fc1's width
-  (``2F`` gated, ``F`` not) does.
+  ``activation_func_clamp_value``; DeepSeek-V4's / HY-V4's clamped SwiGLU: silu with the clamp) or Gemma 4's gated
+  tanh-GELU (``kernels.geglu``, ``activation_func=gelu_tanh``), each saving only the fc1 output for the backward; not
+  gated (``gated_linear_unit=False``), the squared ReLU (``kernels.relu2``, ``activation_func=relu2``: Nemotron-H /
+  Nemotron 3 Nano), saving only ``relu`` of the fc1 output. Anything else is refused. The GEMMs, probabilities and
+  adapters do not depend on it: only fc1's width (``2F`` gated, ``F`` not) does.
 - Biases (``add_bias_linear``, gated experts only: refused without ``gated_linear_unit``, which no supported model
   needs): ``linear_fc1.bias`` ``[E, 2F / etp]`` (each expert's ``[gate_r; up_r]`` like its
   weight rows) and ``linear_fc2.bias`` ``[E, H]``, zero at initialisation (megatron's). The loop adds ``b[e]`` to
@@ -295,12 +295,12 @@ def grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tok
 
 def gated_activation(config) -> torch.nn.Module:
     """The experts' activation on the fc1 output that ``config`` asks for: ``SwiGLU`` (``activation_func=silu``),
-    ``ClampedGLU`` (``activation_func=quick_gelu``, gpt-oss) or ``GeGLU`` (``activation_func=gelu_tanh``, Gemma 4);
-    each checks the rest of the config."""
+    ``ClampedGLU`` (``activation_func=quick_gelu``, gpt-oss; silu with a clamp, DeepSeek-V4 / HY-V4) or ``GeGLU``
+    (``activation_func=gelu_tanh``, Gemma 4); each checks the rest of the config."""
     import torch.nn.functional as F
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
-    if config.activation_func is quick_gelu:
+    if config.activation_func is quick_gelu or getattr(config, "activation_func_clamp_value", None) is not None:
         return ClampedGLU(config)
     if config.activation_func is gelu_tanh:
         return GeGLU(config)

@@ -354,17 +354,26 @@ def test_sharded_state_dict_biases():
 
 # ---- refusals --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides,match", [
-    (dict(activation_func=F.gelu), "activation_func must be torch.nn.functional.silu .SwiGLU., megatron"),
+    (dict(activation_func=F.gelu, activation_func_clamp_value=None),
+     "activation_func must be torch.nn.functional.silu .SwiGLU., megatron"),
+    (dict(activation_func=F.gelu), "activation_func must be .*quick_gelu or torch.nn.functional.silu with a clamp"),
     (dict(gated_linear_unit=False, add_bias_linear=False),
      "with gated_linear_unit=False activation_func must be .*relu2.* the gated activations need gated_linear_unit"),
     (dict(gated_linear_unit=False), "add_bias_linear must be False without gated_linear_unit"),
     (dict(activation_func_clamp_value=-1.0), "activation_func_clamp_value must be None or positive"),
-    (dict(activation_func=F.silu), "activation_func_clamp_value must be None"),
     (dict(activation_func=F.silu, activation_func_clamp_value=None), "glu_linear_offset must be 0"),
 ])
 def test_module_refuses_activations_it_does_not_compute(overrides, match):
     with pytest.raises(ValueError, match=match):
         _module(_config(**overrides))
+
+
+def test_module_takes_a_clamped_swiglu():
+    """silu with a clamp (DeepSeek-V4's / HY-V4's experts, tests/kernels/test_clamped_swiglu.py), megatron's offset
+    kept."""
+    m = _module(_config(activation_func=F.silu))
+    assert isinstance(m.activation, ClampedGLU)
+    assert (m.activation.alpha, m.activation.limit, m.activation.offset) == (1.0, LIMIT, 1.0)
 
 
 def test_module_refuses_replicated_fc2_bias_outside_the_tensor_parallel_groups():
