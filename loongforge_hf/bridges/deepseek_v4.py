@@ -7,10 +7,11 @@ Choices:
   ``MoELayer`` from the MoE block spec) with our attention (``deepseek_v4_attention.py``) and transformers'
   hyper-connections; the decoder's final norm is the hyper-head plus ``model.norm`` (``Head``). No megatron rotary:
   the attention applies transformers' own frequencies (``position_embedding_type="none"``).
-- Experts: megatron's ``SequentialMLP`` with megatron's clamped GLU (``activation_func_clamp_value`` =
-  ``swiglu_limit``: the gate clamped above, up on both sides, silu), the shared expert (``moe_intermediate_size``
-  wide, whatever ``n_shared_experts`` says, as transformers builds it) megatron's ``SharedExpertMLP`` with the same
-  clamp; our grouped MLP has no clamped SiLU. Routers: ``deepseek_v4_layer.route_topk`` / ``route_hash``.
+- Experts: the clamped SwiGLU (``activation_func_clamp_value`` = ``swiglu_limit``: the gate clamped above, up on
+  both sides, silu) in our grouped MLP (``kernels/grouped_mlp.py`` with ``kernels/clamped_glu.py``: grouped GEMMs,
+  routed-expert LoRA), or megatron's ``SequentialMLP`` with its clamped GLU under ``LOONGFORGE_MOE_GROUPED_GEMM=0``;
+  the shared expert (``moe_intermediate_size`` wide, whatever ``n_shared_experts`` says, as transformers builds it)
+  megatron's ``SharedExpertMLP`` with the same clamp. Routers: ``deepseek_v4_layer.route_topk`` / ``route_hash``.
 - Layouts: TP splits the experts and the shared expert and needs sequence parallelism; attention and the
   hyper-connections stay replicated (transformers' own TP plan does the same). EP splits the experts. PP (virtual
   stages too): a stage boundary carries the ``hc_mult`` residual streams ``[s, b, hc_mult * H]``
@@ -37,9 +38,9 @@ Choices:
   forward (``deepseek_v4_layer``).
 - LoRA (names: ``deepseek_v4_lora``): our attention's torch linears (``q_a_proj``, ``q_b_proj``, ``kv_proj``,
   ``o_b_proj``, the compressors' and the indexer's, whose adapters and ``modules_to_save`` stay frozen: no gradient,
-  as in PEFT) carry whole adapters on every rank (``lora/replicated.py``), the shared experts megatron's; refused by
-  name: the grouped ``o_a_proj`` (PEFT's layer fails on it), the routed experts, the routers, DoRA / PiSSA / OLoRA
-  on the attention.
+  as in PEFT) carry whole adapters on every rank (``lora/replicated.py``), the shared experts megatron's, the routed
+  experts and the routers (``target_parameters``) the grouped MLP's expert adapters and the re-classed routers';
+  refused by name: the grouped ``o_a_proj`` (PEFT's layer fails on it), DoRA / PiSSA / OLoRA on the attention.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from loongforge_hf.bridges.checkpoint_io import IntegerShape
 from loongforge_hf.bridges.dense import D, L
 from loongforge_hf.bridges.fused_mappings import Expert, GatedMLP
 from loongforge_hf.bridges.mappings import FP32Replicated, Mapping, Replicated, RowParallel, VocabParallel
-from loongforge_hf.bridges.moe import EXPERT, MoEBridge
+from loongforge_hf.bridges.moe import EXPERT, MoEBridge, StackedExpert
 from loongforge_hf.bridges.registry import register_bridge
 
 A, S = f"{L}.attn", f"{D}.self_attention"
@@ -95,10 +96,6 @@ class DeepseekV4Bridge(MoEBridge):
     checkpoint_aliases = ((r"^embed\.weight$", "model.embed_tokens.weight"), (r"^layers\.", "model.layers."),
                           (r"^norm\.weight$", "model.norm.weight"),
                           (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"))
-
-    def __init__(self, hf_config) -> None:
-        super().__init__(hf_config)
-        self.grouped_experts = False  # NOTE: the clamped SiLU GLU is megatron's MLP's (module docstring)
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
@@ -210,13 +207,18 @@ class DeepseekV4Bridge(MoEBridge):
         return maps
 
     def moe_mappings(self, kind: str | None = None) -> list[Mapping]:
-        s, local = f"{L}.ffn", f"{D}.mlp.experts.local_experts.{EXPERT}"
+        s, experts = f"{L}.ffn", f"{D}.mlp.experts"
+        local = f"{experts}.local_experts.{EXPERT}"
+        fc1 = GatedMLP(f"{local}.linear_fc1.weight", gate=f"{s}.experts.{EXPERT}.w1.weight",
+                       up=f"{s}.experts.{EXPERT}.w3.weight")
+        fc2 = RowParallel(f"{local}.linear_fc2.weight", f"{s}.experts.{EXPERT}.w2.weight")
+        n = self.num_experts()
+        routed = ([StackedExpert(fc1, f"{experts}.linear_fc1.weight", n),
+                   StackedExpert(fc2, f"{experts}.linear_fc2.weight", n)] if self.grouped_experts else
+                  [Expert(fc1), Expert(fc2)])
         maps: list[Mapping] = [
             Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.ffn_norm.weight"),
-            Replicated(f"{D}.mlp.router.weight", f"{s}.gate.weight"),
-            Expert(GatedMLP(f"{local}.linear_fc1.weight", gate=f"{s}.experts.{EXPERT}.w1.weight",
-                            up=f"{s}.experts.{EXPERT}.w3.weight")),
-            Expert(RowParallel(f"{local}.linear_fc2.weight", f"{s}.experts.{EXPERT}.w2.weight")),
+            Replicated(f"{D}.mlp.router.weight", f"{s}.gate.weight"), *routed,
             GatedMLP(f"{D}.mlp.shared_experts.linear_fc1.weight", gate=f"{s}.shared_experts.w1.weight",
                      up=f"{s}.shared_experts.w3.weight"),
             RowParallel(f"{D}.mlp.shared_experts.linear_fc2.weight", f"{s}.shared_experts.w2.weight")]

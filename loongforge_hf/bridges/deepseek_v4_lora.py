@@ -6,11 +6,15 @@ Choices:
   ``WeightRenaming`` entries of transformers' conversion mapping for the model type (what ``from_pretrained`` does
   to it), so ``self_attn.q_a_proj`` is read as ``attn.wq_a``, ``self_attn.compressor.indexer.scorer.weights_proj`` as
   ``attn.indexer.weights_proj``, HY-V4's ``self_attn.gate_proj`` as ``self_attn.linear_gate``.
-- Refused by name, whatever else the config asks: the routed experts' stacks (``mlp.experts.gate_up_proj`` /
-  ``down_proj``, PEFT's ``target_parameters``; here megatron's ``SequentialMLP`` with its clamped SwiGLU, which has no
-  adapter path) and the router (``mlp.gate.weight``: the hash / ``sqrtsoftplus`` routers of DeepSeek-V4 and HY-V4's
-  router are not compared with PEFT's adapter on it). PEFT's config rewrite does not apply to these model types, so
-  ``gate_proj`` / ``up_proj`` / ``down_proj`` name the shared experts (and HY-V4's dense MLPs) only, as in PEFT.
+- Parameter targets (PEFT's ``target_parameters``), named as in transformers' module tree, which ``param_targets``
+  reads (their tensors are found through the bridge's mappings): the routed experts' stacks
+  (``mlp.experts.gate_up_proj`` / ``down_proj``; the checkpoint holds one tensor per expert, which the stacked
+  mapping reads) take the grouped MLP's expert adapters (``lora/experts.py``) as Qwen3-MoE's (refused under
+  ``LOONGFORGE_MOE_GROUPED_GEMM=0``, megatron's ``SequentialMLP``), the router's weight (``mlp.gate.weight``) the
+  re-classed router's ``W + s * B A`` in its gating, whose logits each rule then reads: DeepSeek-V4's
+  ``sqrtsoftplus`` top-k and hash layers (the hash picks the experts, the logits weigh them), HY-V4's sigmoid. PEFT's
+  config rewrite does not apply to these model types, so ``gate_proj`` / ``up_proj`` / ``down_proj`` name the shared
+  experts (and HY-V4's dense MLPs) only, as in PEFT.
 """
 
 from __future__ import annotations
@@ -35,15 +39,6 @@ def module_tree_names(bridge) -> dict[str, str]:
 
 
 def checkpoint_name(bridge, name: str) -> str:
-    """The checkpoint's name of transformers' tensor ``name`` (itself where the table has none); the routed experts'
-    stacks and the router refused by name (module docstring)."""
-    from loongforge_hf.lora.plan import LoraConfigError
-
-    if _PARAMS.search(name):
-        arch = bridge.architectures[0]
-        raise LoraConfigError(f"LoRA on {name} is not supported for {arch}: the routed experts (mlp.experts."
-                              "gate_up_proj / down_proj) run as megatron's SequentialMLP with the clamped SwiGLU and "
-                              "the routers by their own rule, with no adapter path compared with PEFT there; adapt "
-                              "the attention's linears and the shared experts (target_modules, e.g. 'all-linear' "
-                              "with the exclusions the planner names) and leave target_parameters empty.")
-    return module_tree_names(bridge).get(name, name)
+    """The checkpoint's name of transformers' tensor ``name``; a parameter target's (the routed experts' stacks, the
+    router) and a name the table does not hold stay transformers' (module docstring)."""
+    return name if _PARAMS.search(name) else module_tree_names(bridge).get(name, name)

@@ -12,9 +12,10 @@ Choices:
   column-parallel ``linear_gate`` on megatron's attention, its sigmoid times each head's output before ``o_proj``:
   a forward pre-hook on megatron's ``linear_proj``, which stays a plain linear for LoRA); the indexer rotates the
   last ``qk_rope_head_dim`` dims of each index head in halves and its key LayerNorm takes ``rms_norm_eps``.
-- Experts: transformers' clamped SwiGLU (``swiglu_limit``) is megatron's ``activation_func_clamp_value`` on the
-  routed experts' own config copy (megatron's ``SequentialMLP``; our grouped MLP has no clamp); the shared expert and
-  dense layers are not clamped, as in transformers. Routing is GLM-5's (sigmoid, fixed bias, renormalised, scaled).
+- Experts: transformers' clamped SwiGLU (``swiglu_limit``) is ``activation_func_clamp_value`` on the routed experts' own
+  config copy: our grouped MLP's ``kernels/clamped_glu.ClampedGLU``, or megatron's ``SequentialMLP`` under
+  ``LOONGFORGE_MOE_GROUPED_GEMM=0``; the shared expert and dense layers are not clamped, as in transformers. Routing is
+  GLM-5's (sigmoid, fixed bias, renormalised, scaled).
 - Names as transformers 5 writes them (its ``conversion_mapping`` for ``hy_v4`` reversed): ``hc_pre.hc_attn_layer`` /
   ``hc_pre.hc_mlp_layer`` ``hc_{fn, base, scale}``, ``model.hc_pre.hc_head.hc_head_*``,
   ``self_attn.learnable_sink_param``, ``self_attn.linear_gate``, the MLPs' ``linear_gate`` (its reversed rename takes
@@ -36,10 +37,11 @@ Choices:
   so a cached step applies it as the uncached forward: the sinks join the step's softmax over cache + new keys
   (``masked_sparse_attention``), the output gate comes from the step's own tokens, the streams pass through the
   layers as without the cache. Greedy and beam search give transformers' tokens with its cache.
-- LoRA (names: ``deepseek_v4_lora``, transformers' ``gate_proj`` the checkpoint's ``linear_gate``): MLA's linears,
-  the output gate ``self_attn.gate_proj``, ``o_proj``, the dense MLPs and the shared experts, as any megatron linear;
-  refused by name: the indexer's ``wq_b`` / ``wk`` / ``weights_proj`` (no gradient reaches them), the routed experts
-  and the router (``target_parameters``); its ``k_norm`` stays frozen under ``modules_to_save`` (``takes_no_gradient``).
+- LoRA (names: ``deepseek_v4_lora``, transformers' ``gate_proj`` the checkpoint's ``linear_gate``): MLA's linears, the
+  output gate ``self_attn.gate_proj``, ``o_proj``, the dense MLPs and the shared experts, as any megatron linear; the
+  routed experts and the router (``target_parameters``) the grouped MLP's expert adapters and the re-classed router's;
+  refused by name: the indexer's ``wq_b`` / ``wk`` / ``weights_proj`` (no gradient reaches them); its ``k_norm`` stays
+  frozen under ``modules_to_save`` (``takes_no_gradient``).
 - Refused by name before any collective: context parallelism, a pipeline split as above, ``swiglu_limit`` <= 0,
   ``hidden_act`` other than silu, and GLM-5's refusals (the static cache in ``generate``, ``attention_bias``,
   ``attention_dropout``).
@@ -113,7 +115,6 @@ class HYV4Bridge(GlmMoeDsaBridge):
     def __init__(self, hf_config) -> None:
         super().__init__(hf_config)
         self.interleaved_rope_on_disk = False                  # NOTE: transformers' HY-V4 rotates halves
-        self.grouped_experts = False                           # NOTE: the clamped SwiGLU is megatron's MLP's
 
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
@@ -162,6 +163,7 @@ class HYV4Bridge(GlmMoeDsaBridge):
 
     def finish_model(self, model) -> None:
         from loongforge_hf.bridges.deepseek_v4_layer import Head
+        from loongforge_hf.kernels.grouped_mlp import GroupedMLP, expert_activation
 
         refusal = self.recompute_refusal(model.config.pipeline_model_parallel_size)
         if model.config.recompute_granularity is not None and refusal:  # NOTE: megatron_config's recompute
@@ -175,9 +177,12 @@ class HYV4Bridge(GlmMoeDsaBridge):
             for p in layer.self_attention.core_attention.parameters():
                 # NOTE: the indexer's, frozen by sparse_attention (no gradient): LoRA's modules_to_save keep them so
                 p.takes_no_gradient = not p.requires_grad
-            for expert in getattr(getattr(layer.mlp, "experts", None), "local_experts", ()):
+            experts = getattr(layer.mlp, "experts", None)
+            for expert in [experts] if isinstance(experts, GroupedMLP) else getattr(experts, "local_experts", ()):
                 expert.config = copy.copy(expert.config)  # NOTE: routed experts only (module docstring)
                 expert.config.activation_func_clamp_value = float(c.swiglu_limit)
+                if isinstance(expert, GroupedMLP):
+                    expert.activation = expert_activation(expert.config)
 
     def checkpoint_name(self, name: str) -> str:
         """The LoRA planner's way from transformers' module names to the checkpoint's (``deepseek_v4_lora``)."""

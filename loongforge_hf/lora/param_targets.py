@@ -43,6 +43,9 @@ Choices:
   ``"all-linear"`` adapts the attention, the dense MLP (megatron's shared experts) and would take the router's
   ``router.proj`` (an ``nn.Linear``), which is refused (its gating's input transform is not the plain router's):
   ``exclude_modules=["router.proj"]``.
+- DeepSeek-V4 / HY-V4 (``bridges/deepseek_v4_lora.py``): the routed experts' stacks and the router as Qwen3-MoE's
+  (transformers' module tree stacks the experts; the checkpoint's one tensor per expert is read by the stacked
+  mapping; DeepSeek-V4's routers by their own rules read the adapted gating's logits).
 - LongCat-Flash (its HF layer ``i`` two megatron layers, the MoE in ``2i``: ``bridge.lora_param_layer``): the routed
   experts' ``down_proj`` as Qwen3-MoE's; its ``gate_up_proj`` (rows of the zero experts too) is refused by its bridge.
 - Refused, naming the way out: ``lora_dropout`` != 0 with parameter targets (PEFT refuses it too), experts under
@@ -60,7 +63,8 @@ from loongforge_hf.lora.plan import LoraConfigError, Target
 _PARAM = (r"\.layers\.(\d+)\.(?:mlp\.|feed_forward\.)?(?:experts\.gate_up_proj|experts\.down_proj|gate\.weight|"
           r"router\.weight)$")
 SUPPORTED = ("'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' / 'router.weight' (router) of "
-             "Qwen3-MoE / Mixtral / gpt-oss / Qwen3-VL-MoE / Llama 4 (under 'feed_forward.'); Gemma 4's "
+             "Qwen3-MoE / Mixtral / gpt-oss / Qwen3-VL-MoE / Llama 4 (under 'feed_forward.'); 'mlp.experts."
+             "gate_up_proj' / 'mlp.experts.down_proj' / 'mlp.gate.weight' of DeepSeek-V4 / HY-V4; Gemma 4's "
              "'experts.gate_up_proj' / 'experts.down_proj' (its router, 'router.proj', is not supported)")
 
 

@@ -14,12 +14,13 @@ def _grad_diffs(model, ref) -> dict[str, float]:
     """{PEFT's factor name: largest difference of our gradient from PEFT's (this rank's slice), relative to its
     largest} for every adapter: module adapters (``module_adapter_grads``) and expert stacks' (ours summed over the
     expert-data-parallel replicas, PEFT's times the data-parallel ranks: ``expert_adapter_grads``)."""
-    from ..integrations._lora_grads import expert_adapter_grads, module_adapter_grads
+    from ..integrations._lora_grads import expert_adapter_grads, module_adapter_grads, whole_adapter_grads
 
     ref_params = dict(ref.named_parameters())
-    experts = [t for t in model.lora_plan.targets if t.kind == "experts"]
-    pairs = [(t.hf_module, *grads) for t in experts for grads in expert_adapter_grads(model, ref_params, t)]
-    pairs += module_adapter_grads(model, ref, [t for t in model.lora_plan.targets if t.kind != "experts"])
+    per_param = {"experts": expert_adapter_grads, "router": whole_adapter_grads}
+    pairs = [(t.hf_module, *grads) for t in model.lora_plan.targets if t.kind in per_param
+             for grads in per_param[t.kind](model, ref_params, t)]
+    pairs += module_adapter_grads(model, ref, [t for t in model.lora_plan.targets if t.kind not in per_param])
     return {f"{name}.lora_{f}": float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
             for name, f, got, want in pairs}
 

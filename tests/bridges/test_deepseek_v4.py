@@ -11,7 +11,8 @@ at TP2 + SP within 1e-4 of its largest entry (the frozen indexer's tensors take 
 export at the five parallel layouts (the int64 ``tid2eid`` tables included). Beam (``bridges/beam.py``, built on
 AFMoE's bridge) in the same world: logits, loss and ``router_logits`` at TP1 and TP2 + SP x EP2, cached greedy
 generate with a left-padded row, every gradient (1e-4 of its largest entry) and a bit-exact export at TP2 + SP x EP2.
-LoRA against PEFT (``"all-linear"`` but the grouped ``o_a_proj`` and the indexer, ``init_lora_weights=False``) at
+LoRA against PEFT (``"all-linear"`` but the grouped ``o_a_proj`` and the indexer, the routed experts' stacks and the
+routers as ``target_parameters``, ``init_lora_weights=False``) at
 TP1 and TP2 + SP x EP2: logits and loss within 1e-4, every adapter's gradient within 1e-4 of its largest entry, the
 adapter folder in PEFT and the merged export in transformers (logits within 1e-4); at TP2 + SP x EP2 the folder
 loaded onto a fresh model (``load_adapter``) and ``unload()``; at TP1 LoRA on the indexer alone (logits as PEFT's, no
@@ -241,7 +242,29 @@ def _world(folder: str) -> dict:
         if name.startswith("pp2"):
             out[f"{name}_step"] = _pipeline_step(model, folder, ids)
         del model
+    out["sequential"] = _sequential_experts(folder, ref, ids)
     return out
+
+
+def _sequential_experts(folder: str, ref, ids: torch.Tensor) -> dict:
+    """The routed experts as megatron's SequentialMLP with its clamped GLU (``LOONGFORGE_MOE_GROUPED_GEMM=0``) at
+    EP2: logits against transformers'; the default's experts are the grouped MLP."""
+    import os
+
+    import loongforge_hf as lf
+    from loongforge_hf.bridges.moe import GROUPED_GEMM_ENV
+
+    kinds = {}
+    for value in ("1", "0"):
+        os.environ[GROUPED_GEMM_ENV] = value
+        try:
+            model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **LAYOUTS["ep2"])
+        finally:
+            del os.environ[GROUPED_GEMM_ENV]
+        kinds[value] = type(model.chunks[0].decoder.layers[0].mlp.experts).__name__
+    with torch.no_grad():
+        diff = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+    return {"logits": diff, "experts": kinds}
 
 
 def _beam(folder: str) -> dict:
@@ -392,11 +415,13 @@ def _indexer_lora(folder: str) -> dict:
 
 # NOTE: init_lora_weights=False keeps B random, so every adapter moves the logits; the grouped o_a_proj is refused;
 # the indexer's adapters take no gradient (PEFT's None), checked on their own (``_indexer_lora``)
+# the routed experts' stacks and the router as target_parameters (PEFT's ParamWrapper)
+ROUTED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=r".*(o_a_proj|\.indexer\..*)",
-               init_lora_weights=False)
+               init_lora_weights=False, target_parameters=ROUTED)
 # NOTE: the indexer's adapters and its compressor's norm (a modules_to_save "norm") take no gradient: kept frozen
 TRAINING_LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["o_a_proj"],
-                        modules_to_save=["norm"])
+                        modules_to_save=["norm"], target_parameters=ROUTED)
 INDEXER_LORA_KW = dict(r=4, lora_alpha=8, target_modules=r".*\.indexer\.(kv_proj|gate_proj|q_b_proj|scorer\..*)",
                        init_lora_weights=False)
 
@@ -432,6 +457,11 @@ def test_logits_loss_and_router_logits_match_transformers(results, name):
 def test_gradients_at_tp2_sp_match_transformers(results):
     diffs = results["grads"]
     assert diffs and max(diffs.values()) < 1e-4, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_sequential_experts_match_transformers(results):
+    r = results["sequential"]
+    assert r["experts"] == {"1": "GroupedMLP", "0": "SequentialMLP"} and r["logits"] < 1e-4, r
 
 
 def test_hub_names_load_and_export_as_transformers_writes(results):
@@ -539,11 +569,14 @@ def test_pipeline_and_context_parallel_refused_by_the_pure_layout_check(arch, re
 @pytest.mark.parametrize("name", ["tp1", "tp2sp_ep2"])
 def test_lora_matches_peft_and_exports(results, name):
     """'all-linear' but the grouped o_a_proj and the indexer: the attention's replicated linears (compressors' too)
-    and the shared experts."""
+    and the shared experts; the routed experts' stacks (target_parameters, whole experts per EP rank) and the
+    routers (the top-k layers' sqrtsoftplus and the hash layers', whose logits weigh the experts the ids pick)."""
     r = results[f"lora_{name}"]
     assert r["logits"] < 1e-4 and r["loss"] < 1e-4 and r["grads"] < 1e-4, r
-    assert r["graded"] == 68 and r["targets"] == ["down_proj", "gate_proj", "kv_proj", "o_b_proj", "q_a_proj",
-                                                  "q_b_proj", "up_proj"], r
+    # NOTE: the expert stacks' adapters: PEFT's names end in experts (down_proj's) and experts.base_layer
+    # (gate_up_proj's, the first ParamWrapper), the router's in gate; 4 layers x 3 x A / B of the 92
+    assert r["graded"] == 92 and r["targets"] == ["base_layer", "down_proj", "experts", "gate", "gate_proj",
+                                                  "kv_proj", "o_b_proj", "q_a_proj", "q_b_proj", "up_proj"], r
     assert r["adapter_logits"] < 1e-4 and r["inspected"]["merged_logits"] < 1e-4, r
     assert r["inspected"]["no_gradient"] == [], r
     if name != "tp1":  # NOTE: the folder loaded onto a fresh model split over TP and EP, then unloaded
@@ -556,7 +589,7 @@ def test_lora_on_the_indexer_matches_peft_without_gradient(results):
     assert r["logits"] < 1e-4 and r["loss"] < 1e-4 and r["adapter_logits"] < 1e-4, r
 
 
-def test_lora_refusals_by_the_pure_planner():
+def test_lora_refusals_by_the_pure_planner(monkeypatch):
     import peft
 
     from loongforge_hf.bridges.registry import get_bridge
@@ -564,10 +597,10 @@ def test_lora_refusals_by_the_pure_planner():
     from loongforge_hf.testing.tiny_models import _config
 
     bridge = get_bridge(_config("deepseek_v4"))  # NOTE: o_a_proj's: tests/integrations/test_lora_refused_by_name.py
-    for params in (["mlp.experts.gate_up_proj"], ["gate.weight"]):
-        with pytest.raises(LoraConfigError, match=r"LoRA on model\.layers\.0\.mlp\..* is not supported for "
-                                                  "DeepseekV4ForCausalLM: the routed experts"):
-            plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_a_proj"], target_parameters=params))
+    monkeypatch.setenv("LOONGFORGE_MOE_GROUPED_GEMM", "0")  # NOTE: megatron's SequentialMLP
+    with pytest.raises(LoraConfigError, match="LoRA on the routed experts needs loongforge's grouped expert MLP"):
+        plan_lora(get_bridge(_config("deepseek_v4")),
+                  peft.LoraConfig(r=4, target_modules=["q_a_proj"], target_parameters=ROUTED))
     with pytest.raises(LoraConfigError, match=r"use_dora=True and init_lora_weights='pissa' is not supported on "
                                               r"\['q_a_proj'\] \(linears of the bridge's"):
         plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_a_proj"], use_dora=True, init_lora_weights="pissa"))

@@ -13,9 +13,11 @@ longer than ``index_topk`` with the KV cache (the sinks and gate through the cac
 indexer keys cached) token for token transformers' with its cache (each step's logits within 1e-4) and ours without,
 the static cache refused by name; every gradient at TP2 + SP within 1e-4 of its largest entry (the frozen indexer's
 tensors take none, as in transformers); bit-exact export at TP2 + SP, EP2 and PP2; LoRA against PEFT
-(``"all-linear"`` but the indexer, ``init_lora_weights=False``) at TP1 and TP2 + SP: logits and loss within 1e-4,
+(``"all-linear"`` but the indexer, the routed experts' stacks and the router as ``target_parameters``,
+``init_lora_weights=False``)
+at TP1 and TP2 + SP x EP2: logits and loss within 1e-4,
 every adapter's gradient within 1e-4 of its largest entry, the adapter folder in PEFT and the merged export in
-transformers (logits within 1e-4), at TP2 + SP the folder loaded onto a fresh model and ``unload()``; the norms in
+transformers (logits within 1e-4), at TP2 + SP x EP2 the folder loaded onto a fresh model and ``unload()``; the norms in
 ``modules_to_save``, the indexer's ``k_norm`` stays frozen and every trainable tensor takes a gradient (what
 LoongSFTTrainer's overlapped gradient reduction needs). In the same world A.X-K2's gated ``o_proj`` (its gate a
 pre-hook on ``linear_proj``, as HY-V4's) with LoRA against PEFT at TP1 and TP2 + SP. One two-rank world runs it all;
@@ -33,6 +35,9 @@ from loongforge_hf.parallel.spawn import run_distributed
 
 LAYOUTS = {"tp1": {}, "tp2sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
            "ep2": {"expert_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+# NOTE: LoRA on the routed experts takes them whole on each rank (expert_tensor_parallel_size=1)
+LORA_LAYOUTS = {"tp1": {}, "tp2sp_ep2": {"tensor_parallel_size": 2, "sequence_parallel": True,
+                                         "expert_parallel_size": 2, "expert_tensor_parallel_size": 1}}
 
 
 def _generate(model, ref) -> dict:
@@ -141,8 +146,8 @@ def _world(folder: str, hub: str, axk2: str) -> dict:
         if name == "pp2":
             out["pp2_step"] = _pipeline_step(model, folder, ids)
         del model
-    for name in ("tp1", "tp2sp"):
-        out[f"lora_{name}"] = lora_checks(folder, name, LAYOUTS[name], LORA_KW, name != "tp1")
+    for name, layout in LORA_LAYOUTS.items():
+        out[f"lora_{name}"] = lora_checks(folder, name, layout, LORA_KW, name != "tp1")
     out["axk2_lora"] = _axk2_o_proj_lora(axk2)
     return out
 
@@ -150,7 +155,8 @@ def _world(folder: str, hub: str, axk2: str) -> dict:
 # NOTE: init_lora_weights=False keeps B random, so every adapter moves the logits; the indexer's linears are refused,
 # its k_norm (a modules_to_save "norm" reaches it) stays frozen
 LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["wq_b", "wk", "weights_proj"],
-               init_lora_weights=False, modules_to_save=["norm"])
+               init_lora_weights=False, modules_to_save=["norm"],
+               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"])
 AXK2_LORA_KW = dict(r=4, lora_alpha=8, target_modules=["o_proj"], init_lora_weights=False)
 
 
@@ -248,7 +254,7 @@ def test_fields_not_reproduced_refused_by_name(overrides, field):
         get_bridge(_config("hy_v4", **overrides))
 
 
-def test_layouts_and_lora_refused_by_the_pure_checks():
+def test_layouts_and_lora_refused_by_the_pure_checks(monkeypatch):
     import peft
 
     from loongforge_hf.bridges.config_map import UnsupportedConfigError
@@ -270,25 +276,34 @@ def test_layouts_and_lora_refused_by_the_pure_checks():
             bridge_of.check_layout(ParallelConfig(**layout))
     bridge.check_layout(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True))
     bridge.check_layout(ParallelConfig(pipeline_parallel_size=2))  # NOTE: each stage opens with a full layer
-    # NOTE: the indexer's refusal: tests/integrations/test_lora_refused_by_name.py
-    for params in (["mlp.experts.down_proj"], ["gate.weight"]):
-        with pytest.raises(LoraConfigError, match=r"LoRA on model\.layers\.1\.mlp\..* is not supported for "
-                                                  "HYV4ForCausalLM: the routed experts"):
-            plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_a_proj"], target_parameters=params))
+    # NOTE: the indexer's refusal: tests/integrations/test_lora_refused_by_name.py; the routed parameters are planned
+    # on the MoE layers only (layer 0 is dense), under the grouped MLP only
+    routed = peft.LoraConfig(r=4, target_parameters=LORA_KW["target_parameters"])
+    assert sorted((t.layer, t.kind, t.slot_name) for t in plan_lora(bridge, routed).targets) == sorted(
+        (layer, kind, slot) for layer in (1, 2, 3) for kind, slot in (("experts", "gate_up_proj"),
+                                                                      ("experts", "down_proj"), ("router", "router")))
+    monkeypatch.setenv("LOONGFORGE_MOE_GROUPED_GEMM", "0")  # NOTE: megatron's SequentialMLP
+    with pytest.raises(LoraConfigError, match="LoRA on the routed experts needs loongforge's grouped expert MLP"):
+        plan_lora(get_bridge(_config("hy_v4")), routed)
 
 
-@pytest.mark.parametrize("name", ["tp1", "tp2sp"])
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS))
 def test_lora_matches_peft_and_exports(results, name):
     """'all-linear' but the indexer: MLA's linears, the output gate (gate_proj), o_proj (the gate applied to its
-    input by a pre-hook, so megatron's linear takes the adapter), the dense MLP and the shared experts; the norms
+    input by a pre-hook, so megatron's linear takes the adapter), the dense MLP and the shared experts; the routed
+    experts' stacks (target_parameters: the grouped MLP's clamped SwiGLU, whole experts per EP rank) and the router;
+    the norms
     saved, the indexer's k_norm among them frozen, so every trainable tensor takes a gradient (LoongSFTTrainer's
     overlapped gradient reduction failed on megatron's per_param_grad_ready_counts assertion without it)."""
     r = results[f"lora_{name}"]
     assert r["inspected"]["no_gradient"] == [], r
     assert sum(".indexer.k_norm." in n for n in r["inspected"]["frozen"]) == 4, r
     assert r["logits"] < 1e-4 and r["loss"] < 1e-4 and r["grads"] < 1e-4, r
-    assert r["graded"] == 72 and r["targets"] == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                                                  "o_proj", "q_a_proj", "q_b_proj", "up_proj"], r
+    # NOTE: 3 MoE layers x (2 stacks + the router) x A / B more (PEFT's names end in experts, experts.base_layer
+    # and gate)
+    assert r["graded"] == 90 and r["targets"] == ["base_layer", "down_proj", "experts", "gate", "gate_proj",
+                                                  "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj",
+                                                  "up_proj"], r
     assert r["adapter_logits"] < 1e-4 and r["inspected"]["merged_logits"] < 1e-4, r
     if name != "tp1":  # NOTE: the folder loaded onto a fresh model split over TP, then unloaded
         assert r["reloaded_logits"] < 1e-4 and r["unloaded_logits"] < 1e-4, r

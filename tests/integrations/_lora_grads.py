@@ -66,3 +66,18 @@ def expert_adapter_grads(model, ref_params: dict, target) -> list[tuple[str, tor
     dp = ps.get_data_parallel_world_size()
     theirs = [dp * g[rank * per:(rank + 1) * per] for g in megatron_factors(target, *_peft_grads(ref_params, target))]
     return list(zip("AB", ours, theirs))
+
+
+def whole_adapter_grads(model, ref_params: dict, target) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(factor, our gradient, PEFT's) of a replicated adapter on a whole weight (the router's, Qwen2-MoE's
+    ``shared_expert_gate``): ours summed over the tensor-parallel ranks under sequence parallelism (each saw its
+    token shard's part until megatron sums them)."""
+    from megatron.core import parallel_state as ps
+
+    chunk = dict(model.chunks[0].named_parameters())
+    module = target.megatron_module.format(layer=target.layer)
+    ours = [chunk[f"{module}.lora.{target.name}.{f}"].grad.clone() for f in "AB"]
+    if model.megatron.config.sequence_parallel:
+        for g in ours:
+            dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+    return list(zip("AB", ours, _peft_grads(ref_params, target)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._lora_checks import _close, export_checks, lora_pair
-from ._lora_grads import expert_adapter_grads, module_adapter_grads
+from ._lora_grads import expert_adapter_grads, module_adapter_grads, whole_adapter_grads
 from ._lora_load import write_peft_adapter
 
 # the attention projections (modules in PEFT) with modules_to_save
@@ -61,26 +61,15 @@ def _check_adapter_grads(model, ref, layers: tuple[int, ...] = (1, 2), scale_tol
 
 def _check_expert_grads(model, ref, layer: int = 1, scale_tol: float | None = None) -> None:
     """Expert, router and shared-expert-gate adapter gradients of ``layer`` against PEFT's (this rank's experts of
-    PEFT's stacks: ``_lora_grads.expert_adapter_grads``)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
+    PEFT's stacks: ``_lora_grads.expert_adapter_grads``; the others ``whole_adapter_grads``)."""
     ref_params = dict(ref.named_parameters())
-    chunk = dict(model.chunks[0].named_parameters())
     checked = 0
     for t in model.lora_plan.targets:
         if t.layer != layer or t.kind not in ("experts", "router", "shared_gate"):
             continue
-        if t.kind == "experts":
-            pairs = expert_adapter_grads(model, ref_params, t)
-        else:  # NOTE: shared_gate: Qwen2-MoE's shared_expert_gate
-            module = t.megatron_module.format(layer=layer)
-            ours = [chunk[f"{module}.lora.{t.name}.{f}"].grad.clone() for f in "AB"]
-            if model.megatron.config.sequence_parallel:  # partial over the token shards until megatron sums them
-                for g in ours:
-                    dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
-            theirs = [ref_params[f"base_model.model.{t.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
-            pairs = zip("AB", ours, theirs)
+        # NOTE: shared_gate: Qwen2-MoE's shared_expert_gate
+        pairs = expert_adapter_grads(model, ref_params, t) if t.kind == "experts" else \
+            whole_adapter_grads(model, ref_params, t)
         for f, a, b in pairs:
             _grad_close(a, b, f"d{f} {t.hf_module}", scale_tol)
             checked += 1
