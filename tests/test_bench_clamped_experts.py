@@ -1,7 +1,7 @@
 """scripts/bench_clamped_experts.py's dry run on CPU (fp32, host clock): transformers' DeepSeek-V4 experts (eager and
-grouped_mm) and ours (per-expert loop and grouped), each path's output and gradients checked against transformers'
-eager loop (1e-5 relative). Keeps the script's code paths working; its timings mean nothing on CPU and are not
-checked."""
+grouped_mm), a weight pair per expert (megatron's SequentialMLP way) and ours (grouped), each path's output and
+gradients checked against transformers' eager loop (1e-5 relative). Keeps the script's code paths working; its
+timings mean nothing on CPU and are not checked."""
 
 import json
 import subprocess
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_clamped_experts.py"
-PATHS = ("hf-eager", "hf-grouped_mm", "loop", "grouped")
+PATHS = ("hf-eager", "hf-grouped_mm", "sequential", "grouped")
 
 
 def test_cpu_dry_run(tmp_path):

@@ -12,7 +12,9 @@ Choices:
 - A ``torch.autograd.Function`` keeps only the fc1 output for the backward (autograd would keep the clamped halves,
   the sigmoid and the product) and recomputes in fp32 there; a clamped entry gets no gradient, the bound itself
   included in the range that does (``torch.clamp``'s rule).
-- Torch only (no Triton kernel): a few elementwise launches, the CPU path and the reference alike.
+- gpt-oss's is torch only (a few elementwise launches). The clamped SwiGLU (alpha 1) runs on CUDA as the Triton
+  SwiGLU kernels with the clamp (``_swiglu_triton``: one read of the fc1 output forward, one of it and the output
+  grad backward, with these numerics); the torch code is the CPU path and the reference.
 - ``ClampedGLU(config)`` validates a ``TransformerConfig`` for it, as ``swiglu.SwiGLU(config)`` does for SwiGLU.
 """
 
@@ -22,12 +24,22 @@ import torch
 import torch.nn.functional as F
 
 from loongforge_hf.kernels._saved import needs_autograd
+from loongforge_hf.kernels._triton import launch_bound, use_triton
 
 QUICK_GELU_ALPHA = 1.702  # megatron's quick_gelu: x * sigmoid(1.702 x)
 SILU_ALPHA = 1.0          # silu: x * sigmoid(x)
 
 
-def _forward(x: torch.Tensor, alpha: float, limit: float | None, offset: float) -> torch.Tensor:
+def _triton(x: torch.Tensor, alpha: float, limit: float | None) -> bool:
+    """Whether the clamped SwiGLU runs as the Triton SwiGLU kernels with the clamp (CUDA, alpha 1, a limit)."""
+    return alpha == SILU_ALPHA and limit is not None and use_triton(x)
+
+
+def _forward(x: torch.Tensor, alpha: float, limit: float | None, offset: float, triton: bool = False) -> torch.Tensor:
+    if triton:
+        from loongforge_hf.kernels import _swiglu_triton
+
+        return _swiglu_triton.forward(x, limit, offset)
     gate, up = x.chunk(2, dim=-1)
     if limit is not None:
         gate = gate.clamp(max=limit)
@@ -41,13 +53,17 @@ class _ClampedGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha: float, limit: float | None, offset: float) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.alpha, ctx.limit, ctx.offset = alpha, limit, offset
-        return _forward(x, alpha, limit, offset)
+        ctx.alpha, ctx.limit, ctx.offset, ctx.triton = alpha, limit, offset, _triton(x, alpha, limit)
+        return _forward(x, alpha, limit, offset, ctx.triton)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
         alpha, limit = ctx.alpha, ctx.limit
+        if ctx.triton:
+            from loongforge_hf.kernels import _swiglu_triton
+
+            return _swiglu_triton.backward(grad_out, x, limit, ctx.offset), None, None, None
         gate, up = x.to(torch.float32).chunk(2, dim=-1)
         grad = grad_out.to(torch.float32)
         g = gate if limit is None else gate.clamp(max=limit)
@@ -68,7 +84,7 @@ def clamped_glu(x: torch.Tensor, *, limit: float | None, offset: float = 1.0,
     if x.shape[-1] % 2:
         raise ValueError(f"clamped_glu: the last dimension ({x.shape[-1]}) must be even: it holds [gate, up].")
     if not needs_autograd(x):
-        return _forward(x, alpha, limit, offset)
+        return _forward(x, alpha, limit, offset, _triton(x, alpha, limit) and not launch_bound(x))
     return _ClampedGLUFunction.apply(x, alpha, limit, offset)
 
 

@@ -13,6 +13,7 @@ def test_triton_kernels_match_torch_paths_in_the_interpreter():
     checked = run_interpreted("import torch\nfrom tests.kernels._triton_checks import check_all\n"
                               "check_all('cpu', dtypes=(torch.float32, torch.bfloat16))")
     assert any(c.startswith("rms_norm(") for c in checked) and any(c.startswith("swiglu") for c in checked)
+    assert any(c.startswith("clamped_swiglu") for c in checked)
     assert any(c.startswith("rms_norm_view") for c in checked) and any(c.startswith("rope") for c in checked)
     assert sum(c.startswith("linear_cross_entropy") and "_ls0.0" not in c for c in checked) == 2 * 2  # smoothed
 
