@@ -302,14 +302,16 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, layout: Layout, *,
 
 
 def fp8_grouped_gated_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tokens_per_expert,
-                          probs: torch.Tensor | None = None, *, emulate: bool | None = None) -> torch.Tensor:
+                          probs: torch.Tensor | None = None, *, emulate: bool | None = None,
+                          activation=swiglu) -> torch.Tensor:
     """``grouped_gated_mlp`` with both projections as grouped FP8 GEMMs: x ``[T, H]`` sorted by expert, fc1
     ``[E, 2F, H]``, fc2 ``[E, H, F]``, ``tokens_per_expert`` ``[E]`` (tensor or list), ``probs`` ``[T]`` or None.
-    ``emulate``: force (True) or forbid (False) the emulated GEMM; None picks by device (once per call)."""
+    ``emulate``: force (True) or forbid (False) the emulated GEMM; None picks by device (once per call).
+    ``activation``: ``[..., 2F] -> [..., F]`` on the fc1 output (SwiGLU, or the clamped SwiGLU's ``ClampedGLU``)."""
     counts = torch.as_tensor(tokens_per_expert).to(x.device, non_blocking=True)
     check_expert_shapes(x, fc1, fc2, counts, "fp8_grouped_gated_mlp")
     if emulate is None:
         emulate = not grouped_fp8_supported(x.device)
     layout = Layout(counts, x.shape[0])
-    act = scale_by_probs(swiglu(fp8_grouped_linear(x, fc1, layout, emulate=emulate)), probs)
+    act = scale_by_probs(activation(fp8_grouped_linear(x, fc1, layout, emulate=emulate)), probs)
     return fp8_grouped_linear(act, fc2, layout, emulate=emulate)

@@ -3,8 +3,9 @@
 Choices:
 - Eligible layers are megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` whose name ends in one of
   ``ELIGIBLE`` (attention qkv / output and MLA projections, MLP and expert fc1 / fc2, shared experts), and grouped
-  expert modules (``kernels.grouped_mlp.GroupedMLP``, whose ``forward`` is swapped, see ``Fp8GroupedExperts``; one
-  with biases or another activation than SwiGLU, gpt-oss's, stays in its dtype, listed in the report). The
+  expert modules (``kernels.grouped_mlp.GroupedMLP``, whose ``forward`` is swapped, see ``Fp8GroupedExperts``; the
+  activation is the module's, SwiGLU or DeepSeek-V4's / HY-V4's clamped SwiGLU; one with biases or another activation,
+  gpt-oss's, stays in its dtype, listed in the report). The
   LM head (``output_layer``), embeddings, router and norms are other modules or other names and stay in their dtype. A
   layer whose local weight dimensions are not multiples of the recipe's GEMM granule stays too (listed in the report).
 - The swap gives each eligible module an instance ``_forward_impl`` (the one method megatron's ``forward`` calls for
@@ -283,31 +284,37 @@ class Fp8VisionImpl(_LayerPrecision):
 
 
 def fp8_experts(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, tokens_per_expert, probs, *,
-                recipe: str) -> torch.Tensor:
-    """The gated MLP of every local expert (``grouped_mlp.grouped_gated_mlp``'s math) with both projections in FP8:
-    one grouped GEMM per projection where ``torch._scaled_grouped_mm`` runs (or emulated off CUDA), else (Ada, a
-    torch without it) expert by expert through ``fp8_linear``."""
+                recipe: str, activation=None) -> torch.Tensor:
+    """The gated MLP of every local expert (``grouped_mlp.grouped_gated_mlp``'s math, ``activation`` on the fc1
+    output: SwiGLU where None, or the clamped SwiGLU's ``ClampedGLU``) with both projections in FP8: one grouped GEMM
+    per projection where ``torch._scaled_grouped_mm`` runs (or emulated off CUDA), else (Ada, a torch without it)
+    expert by expert through ``fp8_linear``."""
     from loongforge_hf.kernels.fp8_grouped import fp8_grouped_gated_mlp, grouped_fp8_supported
     from loongforge_hf.kernels.grouped_mlp import expert_loop
+    from loongforge_hf.kernels.swiglu import swiglu
 
+    activation = activation or swiglu
     if not x.is_cuda or grouped_fp8_supported(x.device):
-        return fp8_grouped_gated_mlp(x, fc1, fc2, tokens_per_expert, probs, emulate=not x.is_cuda)
+        return fp8_grouped_gated_mlp(x, fc1, fc2, tokens_per_expert, probs, emulate=not x.is_cuda,
+                                     activation=activation)
     counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
     linear = functools.partial(fp8_linear, recipe=recipe)
-    return expert_loop(x, fc1, fc2, [int(c) for c in counts], probs, linear=linear)
+    return expert_loop(x, fc1, fc2, [int(c) for c in counts], probs, linear=linear, activation=activation)
 
 
 def fp8_experts_refusal(module) -> str | None:
-    """Why the FP8 experts (``fp8_experts``: SwiGLU, no biases) cannot compute grouped expert module ``module``'s
-    math, or None where they can."""
+    """Why the FP8 experts (``fp8_experts``: SwiGLU or the clamped SwiGLU, no biases) cannot compute grouped expert
+    module ``module``'s math, or None where they can."""
+    from loongforge_hf.kernels.clamped_glu import SILU_ALPHA, ClampedGLU
     from loongforge_hf.kernels.swiglu import SwiGLU
 
     problems = []
     if any(getattr(stack, "bias", None) is not None for stack in (module.linear_fc1, module.linear_fc2)):
         problems.append("expert biases (add_bias_linear)")
     activation = getattr(module, "activation", None)  # None: a stand-in for the SwiGLU module
-    if activation is not None and not isinstance(activation, SwiGLU):
-        problems.append(f"the activation {type(activation).__name__} (only SwiGLU)")
+    clamped_swiglu = isinstance(activation, ClampedGLU) and activation.alpha == SILU_ALPHA
+    if activation is not None and not isinstance(activation, SwiGLU) and not clamped_swiglu:
+        problems.append(f"the activation {type(activation).__name__} (only SwiGLU and the clamped SwiGLU)")
     if not problems:
         return None
     return "FP8 grouped experts do not support " + " or ".join(problems)
@@ -348,7 +355,8 @@ class Fp8GroupedExperts(_LayerPrecision):
         if not self.use_fp8(permuted_local_hidden_states.shape[0], fc1, fc2):
             return type(module).forward(module, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         x, probs = routed_inputs(module.config, permuted_local_hidden_states, permuted_probs)
-        return fp8_experts(x, fc1, fc2, tokens_per_expert, probs, recipe=self.settings.recipe), None
+        return fp8_experts(x, fc1, fc2, tokens_per_expert, probs, recipe=self.settings.recipe,
+                           activation=getattr(module, "activation", None)), None
 
 
 def grouped_experts(chunks) -> list[tuple[str, torch.nn.Module]]:
