@@ -1,7 +1,8 @@
 """Grouped FP8 experts on the GPU: the Triton kernels that quantise into the padded layouts bit for bit against the
 torch steps, torch._scaled_grouped_mm against the emulation from the same quantised operands (forward, input
 gradient, weight gradient), the grouped MLP's output and gradients against fp32 (relative Frobenius error < 9%, as on
-CPU), zero weight gradients for empty experts, no host sync, and a rank without tokens."""
+CPU; with DeepSeek-V4's clamped SwiGLU too), zero weight gradients for empty experts, no host sync, and a rank without
+tokens."""
 
 import pytest
 import torch
@@ -100,6 +101,42 @@ def test_grouped_fp8_mlp_against_fp32(with_probs):
     assert max(errors.values()) < REL_TOL, errors
     for grad in (w1.grad, w2.grad):
         assert torch.equal(grad[~used], torch.zeros_like(grad[~used]))
+
+
+def test_grouped_fp8_mlp_with_the_clamped_swiglu():
+    """DeepSeek-V4's / HY-V4's clamped SwiGLU (the Triton SwiGLU kernels with the clamp) between the FP8 GEMMs against
+    fp32 with the same activation (tolerances as tests/kernels/test_fp8.py's CPU case: the fc1 output's gradient
+    flips between zero and not where FP8 moves an entry across the limit), the clamp active, no host sync."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F_
+
+    from loongforge_hf.kernels.clamped_glu import ClampedGLU
+
+    limit = 2.0
+    act = ClampedGLU(SimpleNamespace(gated_linear_unit=True, activation_func=F_.silu,
+                                     activation_func_clamp_value=limit, glu_linear_offset=0.0))
+    x, fc1, fc2, probs, g = _inputs(4)
+    xa, w1, w2 = x.clone().requires_grad_(), fc1.clone().requires_grad_(), fc2.clone().requires_grad_()
+    counts = torch.tensor(COUNTS, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = G.fp8_grouped_gated_mlp(xa, w1, w2, counts, probs, activation=act)
+        proj = torch.randn(*x.shape, device="cuda", generator=g)
+        (out.float() * proj).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    xr, r1, r2 = x.float().requires_grad_(), fc1.float().requires_grad_(), fc2.float().requires_grad_()
+    ref = grouped_gated_mlp(xr, r1, r2, COUNTS, probs, activation=act, use_grouped_mm=False)
+    (ref * proj).sum().backward()
+    plain = grouped_gated_mlp(x.float(), fc1.float(), fc2.float(), COUNTS, probs, use_grouped_mm=False)
+    used = torch.tensor(COUNTS, device="cuda") > 0
+    errors = {"out": _rel(out, ref), "fc2": _rel(w2.grad[used], r2.grad[used]), "x": _rel(xa.grad, xr.grad),
+              "fc1": _rel(w1.grad[used], r1.grad[used])}
+    assert errors["out"] < REL_TOL and errors["fc2"] < REL_TOL, errors
+    assert errors["x"] < 0.12 and errors["fc1"] < 0.12, errors
+    assert _rel(plain, ref) > 2 * errors["out"], (_rel(plain, ref), errors)  # NOTE: the clamp moves the result
 
 
 def test_no_host_sync_in_forward_and_backward():
