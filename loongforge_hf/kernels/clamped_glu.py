@@ -12,9 +12,9 @@ Choices:
 - A ``torch.autograd.Function`` keeps only the fc1 output for the backward (autograd would keep the clamped halves,
   the sigmoid and the product) and recomputes in fp32 there; a clamped entry gets no gradient, the bound itself
   included in the range that does (``torch.clamp``'s rule).
-- gpt-oss's is torch only (a few elementwise launches). The clamped SwiGLU (alpha 1) runs on CUDA as the Triton
-  SwiGLU kernels with the clamp (``_swiglu_triton``: one read of the fc1 output forward, one of it and the output
-  grad backward, with these numerics); the torch code is the CPU path and the reference.
+- With a limit (gpt-oss's, DeepSeek-V4's, HY-V4's) it runs on CUDA as the Triton SwiGLU kernels with the clamp
+  (``_swiglu_triton``: one read of the fc1 output forward, one of it and the output grad backward, with these
+  numerics); the torch code is the CPU path and the reference.
 - ``ClampedGLU(config)`` validates a ``TransformerConfig`` for it, as ``swiglu.SwiGLU(config)`` does for SwiGLU.
 """
 
@@ -31,15 +31,15 @@ SILU_ALPHA = 1.0          # silu: x * sigmoid(x)
 
 
 def _triton(x: torch.Tensor, alpha: float, limit: float | None) -> bool:
-    """Whether the clamped SwiGLU runs as the Triton SwiGLU kernels with the clamp (CUDA, alpha 1, a limit)."""
-    return alpha == SILU_ALPHA and limit is not None and use_triton(x)
+    """Whether the clamped GLU runs as the Triton SwiGLU kernels with the clamp (CUDA, a limit)."""
+    return limit is not None and use_triton(x)
 
 
 def _forward(x: torch.Tensor, alpha: float, limit: float | None, offset: float, triton: bool = False) -> torch.Tensor:
     if triton:
         from loongforge_hf.kernels import _swiglu_triton
 
-        return _swiglu_triton.forward(x, limit, offset)
+        return _swiglu_triton.forward(x, limit, offset, alpha)
     gate, up = x.chunk(2, dim=-1)
     if limit is not None:
         gate = gate.clamp(max=limit)
@@ -63,7 +63,7 @@ class _ClampedGLUFunction(torch.autograd.Function):
         if ctx.triton:
             from loongforge_hf.kernels import _swiglu_triton
 
-            return _swiglu_triton.backward(grad_out, x, limit, ctx.offset), None, None, None
+            return _swiglu_triton.backward(grad_out, x, limit, ctx.offset, alpha), None, None, None
         gate, up = x.to(torch.float32).chunk(2, dim=-1)
         grad = grad_out.to(torch.float32)
         g = gate if limit is None else gate.clamp(max=limit)

@@ -70,7 +70,7 @@ def check_all(device: str, dtypes=(torch.float32, torch.bfloat16, torch.float16)
     from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
     from loongforge_hf.kernels.rmsnorm import rms_norm
     from loongforge_hf.kernels.rope import rotary_sbhd
-    from loongforge_hf.kernels.clamped_glu import SILU_ALPHA, clamped_glu
+    from loongforge_hf.kernels.clamped_glu import QUICK_GELU_ALPHA, SILU_ALPHA, clamped_glu
     from loongforge_hf.kernels.swiglu import swiglu
 
     g = torch.Generator().manual_seed(0)
@@ -104,10 +104,10 @@ def check_all(device: str, dtypes=(torch.float32, torch.bfloat16, torch.float16)
             name = f"swiglu{shape}{dtype}"
             _compare(name, swiglu, [x], dy, dtype)
             checked.append(name)
-            for limit, offset in ((2.0, 0.0), (1.3, 1.0)):  # NOTE: DeepSeek-V4's clamp; 1.3 rounds in 16 bits
-                name = f"clamped_swiglu{shape}{dtype}limit={limit}offset={offset}"
-                _compare(name, lambda x: clamped_glu(x, limit=limit, offset=offset, alpha=SILU_ALPHA), [x], dy,
-                         dtype)
+            # NOTE: DeepSeek-V4's clamp; 1.3 rounds in 16 bits; gpt-oss's clamped GLU
+            for limit, offset, alpha in ((2.0, 0.0, SILU_ALPHA), (1.3, 1.0, SILU_ALPHA), (2.0, 1.0, QUICK_GELU_ALPHA)):
+                name = f"clamped_swiglu{shape}{dtype}limit={limit}offset={offset}alpha={alpha}"
+                _compare(name, lambda x: clamped_glu(x, limit=limit, offset=offset, alpha=alpha), [x], dy, dtype)
                 checked.append(name)
         # rotary: [s, b, heads, d] with angles [s, 1, 1, rot]; full and partial rotary, a strided q view
         rope_shapes = [(7, 3, 5, 16, 16), (5, 2, 3, 24, 12)] + ([(4096, 2, 16, 128, 128)] if big else [])
