@@ -189,6 +189,22 @@ def median_ms(fn: Callable[[], Any], *, cuda: bool, warmup: int, reps: int) -> f
     return statistics.median(times)
 
 
+def rel_diff(got, ref) -> float:
+    """The largest difference of each tensor of ``got`` from ``ref``'s, relative to ``ref``'s largest value; the worst
+    of them."""
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
+               for a, b in zip(got, ref))
+
+
+def measure_path(step: Callable[[], Any], ref, *, cuda: bool, warmup: int, reps: int) -> dict:
+    """One path of a side-by-side micro-benchmark, ``step()`` its outputs and gradients: ``max_rel_diff`` from
+    ``ref`` (``rel_diff``), ``peak_mib`` of one call beyond its inputs (``call_peak_mib``), median ``ms``
+    (``median_ms``)."""
+    diff = rel_diff(step(), ref)
+    peak_mib = call_peak_mib(step, cuda=cuda)
+    return {"ms": median_ms(step, cuda=cuda, warmup=warmup, reps=reps), "peak_mib": peak_mib, "max_rel_diff": diff}
+
+
 def _is_frame(name: str) -> bool:
     return ".py(" in name or name.startswith("<built-in")
 

@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _bench_harness as H  # noqa: E402
-from bench_sink_attention import _rel_diff  # noqa: E402
 
 PATHS = ("hf-eager", "hf-grouped_mm", "sequential", "grouped")
 
@@ -186,14 +185,10 @@ def main(argv: list[str]) -> int:
         grad = torch.randn(tokens, args.hidden, generator=gen).to(where, dtype)
         ref = [t.clone() for t in _grads(runs["hf-eager"], x, indices, weights, grad, stacks)]
         for path in paths:
-            def step(run=runs[path]):
-                return _grads(run, x, indices, weights, grad, stacks)
-
-            diff = _rel_diff(step(), ref)
-            peak_mib = H.call_peak_mib(step, cuda=device.is_cuda)
-            ms = H.median_ms(step, cuda=device.is_cuda, warmup=args.warmup, reps=args.reps)
-            report["results"][f"{path}@{tokens}"] = {"ms": ms, "peak_mib": peak_mib, "max_rel_diff": diff}
-            rows.append([tokens, path, f"{ms:.2f}", f"{peak_mib:.0f}", f"{diff:.1e}"])
+            r = H.measure_path(lambda run=runs[path]: _grads(run, x, indices, weights, grad, stacks), ref,
+                               cuda=device.is_cuda, warmup=args.warmup, reps=args.reps)
+            report["results"][f"{path}@{tokens}"] = r
+            rows.append([tokens, path, f"{r['ms']:.2f}", f"{r['peak_mib']:.0f}", f"{r['max_rel_diff']:.1e}"])
     print(H.markdown_table(["tokens", "path", "fwd+bwd ms", "peak MiB", "max rel diff vs hf-eager"], rows))
     if args.out:
         H.save_json(report, Path(args.out))

@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _bench_harness as H  # noqa: E402
-from bench_sink_attention import _rel_diff  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +152,7 @@ def _grads(fn, tensors, grad):
 def _measure(fn, call, tensors, grad, ref, *, device: H.Device, warmup: int, reps: int) -> dict:
     """One path's difference from the reference, peak MiB and median ms; ``{"status": "oom"}`` out of device memory."""
     try:
-        diff = _rel_diff(call(fn, tensors, grad), ref)
-        peak_mib = H.call_peak_mib(lambda: call(fn, tensors, grad), cuda=device.is_cuda)
-        ms = H.median_ms(lambda: call(fn, tensors, grad), cuda=device.is_cuda, warmup=warmup, reps=reps)
+        return H.measure_path(lambda: call(fn, tensors, grad), ref, cuda=device.is_cuda, warmup=warmup, reps=reps)
     except Exception as exc:
         if not device.is_oom(exc):
             raise
@@ -164,7 +161,6 @@ def _measure(fn, call, tensors, grad, ref, *, device: H.Device, warmup: int, rep
         for t in tensors:
             t.grad = None
         device.empty_cache()
-    return {"ms": ms, "peak_mib": peak_mib, "max_rel_diff": diff}
 
 
 def main(argv: list[str]) -> int:

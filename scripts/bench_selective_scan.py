@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _bench_harness as H  # noqa: E402
-from bench_sink_attention import _rel_diff  # noqa: E402
 
 
 def _loop(x, dt, A, B, C, D, z):
@@ -102,12 +101,10 @@ def main(argv: list[str]) -> int:
         del ref_in
         for name in args.paths.split(","):
             fn = _path(name)
-            diff = _rel_diff(_grads(fn, tensors, grad), ref)
-            peak_mib = H.call_peak_mib(lambda fn=fn: _grads(fn, tensors, grad), cuda=device.is_cuda)
-            ms = H.median_ms(lambda fn=fn: _grads(fn, tensors, grad), cuda=device.is_cuda, warmup=args.warmup,
-                             reps=args.reps)
-            report["results"][f"{name}@{s}"] = {"ms": ms, "peak_mib": peak_mib, "max_rel_diff": diff}
-            rows.append([s, name, f"{ms:.2f}", f"{peak_mib:.0f}", f"{diff:.1e}"])
+            r = H.measure_path(lambda fn=fn: _grads(fn, tensors, grad), ref, cuda=device.is_cuda,
+                               warmup=args.warmup, reps=args.reps)
+            report["results"][f"{name}@{s}"] = r
+            rows.append([s, name, f"{r['ms']:.2f}", f"{r['peak_mib']:.0f}", f"{r['max_rel_diff']:.1e}"])
     print(H.markdown_table(["tokens per row", "path", "fwd+bwd ms", "peak MiB", "max rel diff vs fp32 loop"], rows))
     if args.out:
         H.save_json(report, Path(args.out))

@@ -85,11 +85,6 @@ def _grads(fn, tensors, grad, *, window, scale):
     return [out.detach()] + [t.grad for t in tensors]
 
 
-def _rel_diff(got, ref) -> float:
-    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
-               for a, b in zip(got, ref))
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", default="2048,4096,8192")
@@ -127,13 +122,10 @@ def measure_paths(paths: dict, tensors, grad, ref, *, window, scale, device, arg
     memory of one call beyond its inputs, the median time; into ``report["results"]`` and ``rows``."""
     s, layer = where
     for name, fn in paths.items():
-        diff = _rel_diff(_grads(fn, tensors, grad, window=window, scale=scale), ref)
-        peak_mib = H.call_peak_mib(lambda fn=fn: _grads(fn, tensors, grad, window=window, scale=scale),
-                                   cuda=device.is_cuda)
-        ms = H.median_ms(lambda fn=fn: _grads(fn, tensors, grad, window=window, scale=scale),
-                         cuda=device.is_cuda, warmup=args.warmup, reps=args.reps)
-        report["results"][f"{name}@{s}/{layer}"] = {"ms": ms, "peak_mib": peak_mib, "max_rel_diff": diff}
-        rows.append([s, layer, name, f"{ms:.2f}", f"{peak_mib:.0f}", f"{diff:.1e}"])
+        r = H.measure_path(lambda fn=fn: _grads(fn, tensors, grad, window=window, scale=scale), ref,
+                           cuda=device.is_cuda, warmup=args.warmup, reps=args.reps)
+        report["results"][f"{name}@{s}/{layer}"] = r
+        rows.append([s, layer, name, f"{r['ms']:.2f}", f"{r['peak_mib']:.0f}", f"{r['max_rel_diff']:.1e}"])
 
 
 def finish(report: dict, rows: list, out: str | None) -> None:
