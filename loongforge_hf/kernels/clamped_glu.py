@@ -30,7 +30,7 @@ QUICK_GELU_ALPHA = 1.702  # megatron's quick_gelu: x * sigmoid(1.702 x)
 SILU_ALPHA = 1.0          # silu: x * sigmoid(x)
 
 
-def _triton(x: torch.Tensor, alpha: float, limit: float | None) -> bool:
+def _triton(x: torch.Tensor, limit: float | None) -> bool:
     """Whether the clamped GLU runs as the Triton SwiGLU kernels with the clamp (CUDA, a limit)."""
     return limit is not None and use_triton(x)
 
@@ -53,7 +53,7 @@ class _ClampedGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha: float, limit: float | None, offset: float) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.alpha, ctx.limit, ctx.offset, ctx.triton = alpha, limit, offset, _triton(x, alpha, limit)
+        ctx.alpha, ctx.limit, ctx.offset, ctx.triton = alpha, limit, offset, _triton(x, limit)
         return _forward(x, alpha, limit, offset, ctx.triton)
 
     @staticmethod
@@ -84,7 +84,7 @@ def clamped_glu(x: torch.Tensor, *, limit: float | None, offset: float = 1.0,
     if x.shape[-1] % 2:
         raise ValueError(f"clamped_glu: the last dimension ({x.shape[-1]}) must be even: it holds [gate, up].")
     if not needs_autograd(x):
-        return _forward(x, alpha, limit, offset, _triton(x, alpha, limit) and not launch_bound(x))
+        return _forward(x, alpha, limit, offset, _triton(x, limit) and not launch_bound(x))
     return _ClampedGLUFunction.apply(x, alpha, limit, offset)
 
 
