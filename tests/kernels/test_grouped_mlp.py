@@ -545,4 +545,4 @@ def test_relu2_refusals():
     m = _module(_relu2_config(expert_model_parallel_size=1, expert_tensor_parallel_size=1), ep=(0, 1), etp=(0, 1))
     with pytest.raises(LoraConfigError, match=r"not supported for plain \(not gated\) relu2 experts"):
         check_param_adaptable(m, "experts")
-    assert "the activation Relu2 (only SwiGLU)" in fp8_experts_refusal(m)
+    assert "the activation Relu2 (only SwiGLU and the clamped SwiGLU)" in fp8_experts_refusal(m)
