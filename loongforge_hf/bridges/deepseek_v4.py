@@ -7,11 +7,10 @@ Choices:
   ``MoELayer`` from the MoE block spec) with our attention (``deepseek_v4_attention.py``) and transformers'
   hyper-connections; the decoder's final norm is the hyper-head plus ``model.norm`` (``Head``). No megatron rotary:
   the attention applies transformers' own frequencies (``position_embedding_type="none"``).
-- Experts: the clamped SwiGLU (``activation_func_clamp_value`` = ``swiglu_limit``: the gate clamped above, up on
-  both sides, silu) in our grouped MLP (``kernels/grouped_mlp.py`` with ``kernels/clamped_glu.py``: grouped GEMMs,
-  routed-expert LoRA), or megatron's ``SequentialMLP`` with its clamped GLU under ``LOONGFORGE_MOE_GROUPED_GEMM=0``;
-  the shared expert (``moe_intermediate_size`` wide, whatever ``n_shared_experts`` says, as transformers builds it)
-  megatron's ``SharedExpertMLP`` with the same clamp. Routers: ``deepseek_v4_layer.route_topk`` / ``route_hash``.
+- Experts: the clamped SwiGLU (``activation_func_clamp_value`` = ``swiglu_limit``) in our grouped MLP
+  (``kernels/clamped_glu.py``), or megatron's ``SequentialMLP`` under ``LOONGFORGE_MOE_GROUPED_GEMM=0``; the shared
+  expert (``moe_intermediate_size`` wide, as transformers builds it) megatron's ``SharedExpertMLP``, clamped too.
+  Routers: ``deepseek_v4_layer.route_topk`` / ``route_hash``.
 - Layouts: TP splits the experts and the shared expert and needs sequence parallelism; attention and the
   hyper-connections stay replicated (transformers' own TP plan does the same). EP splits the experts. PP (virtual
   stages too): a stage boundary carries the ``hc_mult`` residual streams ``[s, b, hc_mult * H]``
@@ -212,10 +211,8 @@ class DeepseekV4Bridge(MoEBridge):
         fc1 = GatedMLP(f"{local}.linear_fc1.weight", gate=f"{s}.experts.{EXPERT}.w1.weight",
                        up=f"{s}.experts.{EXPERT}.w3.weight")
         fc2 = RowParallel(f"{local}.linear_fc2.weight", f"{s}.experts.{EXPERT}.w2.weight")
-        n = self.num_experts()
-        routed = ([StackedExpert(fc1, f"{experts}.linear_fc1.weight", n),
-                   StackedExpert(fc2, f"{experts}.linear_fc2.weight", n)] if self.grouped_experts else
-                  [Expert(fc1), Expert(fc2)])
+        routed = ([StackedExpert(m, f"{experts}.{m.megatron.split('.')[-2]}.weight", self.num_experts())
+                   for m in (fc1, fc2)] if self.grouped_experts else [Expert(fc1), Expert(fc2)])
         maps: list[Mapping] = [
             Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.ffn_norm.weight"),
             Replicated(f"{D}.mlp.router.weight", f"{s}.gate.weight"), *routed,
