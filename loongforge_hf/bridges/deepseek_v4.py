@@ -52,9 +52,9 @@ from loongforge_hf.bridges import config_map as C
 from loongforge_hf.bridges.checkpoint_files import CheckpointError
 from loongforge_hf.bridges.checkpoint_io import IntegerShape
 from loongforge_hf.bridges.dense import D, L
-from loongforge_hf.bridges.fused_mappings import Expert, GatedMLP
+from loongforge_hf.bridges.fused_mappings import GatedMLP
 from loongforge_hf.bridges.mappings import FP32Replicated, Mapping, Replicated, RowParallel, VocabParallel
-from loongforge_hf.bridges.moe import EXPERT, MoEBridge, StackedExpert
+from loongforge_hf.bridges.moe import EXPERT, MoEBridge
 from loongforge_hf.bridges.registry import register_bridge
 
 A, S = f"{L}.attn", f"{D}.self_attention"
@@ -206,13 +206,11 @@ class DeepseekV4Bridge(MoEBridge):
         return maps
 
     def moe_mappings(self, kind: str | None = None) -> list[Mapping]:
-        s, experts = f"{L}.ffn", f"{D}.mlp.experts"
-        local = f"{experts}.local_experts.{EXPERT}"
-        fc1 = GatedMLP(f"{local}.linear_fc1.weight", gate=f"{s}.experts.{EXPERT}.w1.weight",
-                       up=f"{s}.experts.{EXPERT}.w3.weight")
-        fc2 = RowParallel(f"{local}.linear_fc2.weight", f"{s}.experts.{EXPERT}.w2.weight")
-        routed = ([StackedExpert(m, f"{experts}.{m.megatron.split('.')[-2]}.weight", self.num_experts())
-                   for m in (fc1, fc2)] if self.grouped_experts else [Expert(fc1), Expert(fc2)])
+        s, local = f"{L}.ffn", f"{D}.mlp.experts.local_experts.{EXPERT}"
+        routed = self.routed_mappings(
+            GatedMLP(f"{local}.linear_fc1.weight", gate=f"{s}.experts.{EXPERT}.w1.weight",
+                     up=f"{s}.experts.{EXPERT}.w3.weight"),
+            RowParallel(f"{local}.linear_fc2.weight", f"{s}.experts.{EXPERT}.w2.weight"))
         maps: list[Mapping] = [
             Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.ffn_norm.weight"),
             Replicated(f"{D}.mlp.router.weight", f"{s}.gate.weight"), *routed,

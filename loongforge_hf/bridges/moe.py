@@ -237,21 +237,20 @@ class MoEBridge(DenseBridge):
         return kw
 
     # ---- tensors --------------------------------------------------------------------------------------------
+    def routed_mappings(self, fc1: Mapping, fc2: Mapping) -> list[Mapping]:
+        """One expert's fc1 / fc2 mappings as the grouped MLP's stacks, or megatron's ``SequentialMLP`` experts."""
+        return [StackedExpert(m, f"{D}.mlp.experts.{n}.weight", self.num_experts()) if self.grouped_experts else
+                Expert(m) for m, n in ((fc1, "linear_fc1"), (fc2, "linear_fc2"))]
+
     def moe_mappings(self) -> list[Mapping]:
         s = f"{L}.{self.sparse_block}"
         gate, up, down = self.expert_projections
         router = FP32Replicated if self.router_fp32 else Replicated
-        experts = f"{D}.mlp.experts"
-        local = f"{experts}.local_experts.{EXPERT}"
-        fc1 = GatedMLP(f"{local}.linear_fc1.weight", gate=f"{s}.experts.{EXPERT}.{gate}.weight",
-                       up=f"{s}.experts.{EXPERT}.{up}.weight")
-        fc2 = RowParallel(f"{local}.linear_fc2.weight", f"{s}.experts.{EXPERT}.{down}.weight")
-        if self.grouped_experts:
-            n = self.num_experts()
-            routed = [StackedExpert(fc1, f"{experts}.linear_fc1.weight", n),
-                      StackedExpert(fc2, f"{experts}.linear_fc2.weight", n)]
-        else:
-            routed = [Expert(fc1), Expert(fc2)]
+        local = f"{D}.mlp.experts.local_experts.{EXPERT}"
+        routed = self.routed_mappings(
+            GatedMLP(f"{local}.linear_fc1.weight", gate=f"{s}.experts.{EXPERT}.{gate}.weight",
+                     up=f"{s}.experts.{EXPERT}.{up}.weight"),
+            RowParallel(f"{local}.linear_fc2.weight", f"{s}.experts.{EXPERT}.{down}.weight"))
         maps: list[Mapping] = [
             Replicated(f"{D}.pre_mlp_layernorm.weight", f"{L}.post_attention_layernorm.weight"),
             router(f"{D}.mlp.router.weight", f"{s}.{self.router_name}.weight"),
