@@ -8,6 +8,9 @@ Choices:
   and update only the adapters). The returned object is the model passed in.
 - Initial values are PEFT's, drawn at HF shapes on every rank (``init.py``) and sliced to this rank's part; call
   ``transformers.set_seed(seed)`` first to get PEFT's numbers for that seed (LoongSFTTrainer does, as TRL does).
+  Every rank draws from global rank 0's generator state (``generator_of_rank0``: set on each rank first), so a
+  factor replicated over ranks is one tensor even where the script never seeded, or its ranks' generators moved
+  apart (as DDP broadcasts rank 0's module to a transformers run).
   PiSSA / OLoRA (``init_lora_weights="pissa"``, ``"pissa_niter_<n>"``, ``"olora"``) decompose the base weights
   (``init.decomposed_initial_weights``, collective) and leave the residual ``W - scaling * B @ A`` in them, placed
   as the adapters are (``attach_lora``'s ``residual``): ``unload()`` / ``disable_adapter()`` then give that residual
@@ -215,10 +218,22 @@ def get_peft_model(model: LoongModelForCausalLM, peft_config) -> LoongLoraModelF
 
     plan = plan_for(model, peft_config)
     check_stages_train(model, plan, layer_owners(model.megatron.config, model.parallel))
+    generator_of_rank0()
     if is_decomposition(peft_config.init_lora_weights):  # NOTE: PiSSA / OLoRA: A and B from the base weights
         initial = decomposed_initial_weights(model, plan.targets, peft_config.init_lora_weights)
         return attach_lora(model, peft_config, plan, initial, residual=initial)
     return attach_lora(model, peft_config, plan, draw_initial_weights(plan.targets, peft_config.init_lora_weights))
+
+
+def generator_of_rank0() -> None:
+    """Give every rank global rank 0's CPU generator state (collective; nothing on one process), so the initial
+    factors each rank draws at HF shapes are rank 0's draws (module docstring): a replicated factor must be the same
+    tensor on every rank, whether or not the script seeded, or seeded every rank alike."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    box = [torch.get_rng_state() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    torch.set_rng_state(box[0])
 
 
 def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:

@@ -313,8 +313,8 @@ def renamed_checkpoint_checks(folder: str, out_dir: str, layout: dict) -> dict:
 
 
 def tp2_and_pp2_checks(folder: str, out_dir: str, exaone_folder: str) -> dict:
-    """One 2-rank world: the layer checks, the model checks under TP=2, PP=2 and CP=2, dropout under TP=2 (+SP),
-    EXAONE 3's renamed checkpoint under TP=2 + SP."""
+    """One 2-rank world: the layer checks, the model checks under TP=2, PP=2 and CP=2, unseeded initial adapters and
+    dropout under TP=2 (+SP), EXAONE 3's renamed checkpoint under TP=2 + SP."""
     return {"layers": layer_checks(),
             "exaone_tp2_sp": renamed_checkpoint_checks(exaone_folder, out_dir + "/exaone",
                                                        {"tensor_parallel_size": 2, "sequence_parallel": True}),
@@ -325,11 +325,48 @@ def tp2_and_pp2_checks(folder: str, out_dir: str, exaone_folder: str) -> dict:
                                             {"tensor_parallel_size": 2, "sequence_parallel": True}, PATTERN_KW),
             "pp2_patterns": model_checks(folder, out_dir + "/pp2-patterns", {"pipeline_parallel_size": 2},
                                          PATTERN_KW),
+            "unseeded": unseeded_adapters_are_rank0s(folder, out_dir + "/unseeded"),
             "dropout": dropout_keeps_replicas_in_step(folder, {"tensor_parallel_size": 2}),
             "dora_dropout_sp": dropout_keeps_replicas_in_step(
                 folder, {"tensor_parallel_size": 2, "sequence_parallel": True}, dora=True),
             "dropout_sp": dropout_keeps_replicas_in_step(folder, {"tensor_parallel_size": 2,
                                                                   "sequence_parallel": True})}
+
+
+def unseeded_adapters_are_rank0s(folder: str, out_dir: str) -> dict:
+    """``get_peft_model`` at TP2 where the script never seeded and the ranks' generators differ (set apart here):
+    how many replicated factors differ between the two ranks (their names), and, on rank 0, the adapter folder
+    against PEFT's draw from rank 0's generator state (``init_lora_weights=False``: A and B both drawn)."""
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import get_peft_model
+
+    kw = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tensor_parallel_size=2)
+    torch.manual_seed(100 + dist.get_rank())
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    model = get_peft_model(model, peft.LoraConfig(**kw))
+    out = {"replicated": [], "differ": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad and not getattr(p, "tensor_model_parallel", True):
+            both = [torch.empty_like(p) for _ in range(dist.get_world_size())]
+            dist.all_gather(both, p.detach().contiguous())
+            out["replicated"].append(name)
+            if not torch.equal(both[0], both[1]):
+                out["differ"].append(name)
+    model.save_pretrained(out_dir)
+    if dist.get_rank() == 0:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        torch.set_rng_state(state[0])
+        theirs = peft.get_peft_model_state_dict(peft.get_peft_model(hf, peft.LoraConfig(**kw)))
+        ours = load_file(f"{out_dir}/adapter_model.safetensors")
+        out["keys"] = sorted(ours) == sorted(theirs) and len(ours) > 0
+        out["max_diff"] = max(float((ours[k] - theirs[k]).abs().max()) for k in ours)
+    return out
 
 
 def dropout_keeps_replicas_in_step(folder: str, layout: dict, dora: bool = False) -> list[str]:

@@ -335,6 +335,18 @@ def test_exaone_renamed_checkpoint_matches_peft(two_rank_results):
     assert all(r["exaone_tp2_sp"]["unchanged_after_merged_export"] for r in two_rank_results)
 
 
+def test_unseeded_ranks_start_from_rank0s_adapters(two_rank_results):
+    """get_peft_model at TP2 with the ranks' generators apart (a script that never seeds, or draws on one rank):
+    every replicated factor (A of a column-parallel target, B of a row-parallel one) is one tensor on both ranks
+    (they were each rank's own draw: the model was no adapter PEFT could load, and a resume changed it), and the
+    adapter folder is PEFT's draw from rank 0's generator state, bit for bit."""
+    for r in two_rank_results:
+        res = r["unseeded"]
+        assert res["differ"] == [] and len(res["replicated"]) == 4 * 7, res
+    rank0 = two_rank_results[0]["unseeded"]
+    assert rank0["keys"] and rank0["max_diff"] == 0.0, rank0
+
+
 @pytest.mark.parametrize("layout", ["dropout", "dropout_sp", "dora_dropout_sp"])
 def test_dropout_keeps_tp_replicas_in_step(two_rank_results, layout):
     """Replicated adapter factors get equal gradients on both TP ranks with lora_dropout > 0 (compared in-rank; DoRA:
