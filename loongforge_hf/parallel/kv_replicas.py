@@ -21,7 +21,9 @@ Choices:
 - Gradient norm (clipping, logging): each HF head counts once. megatron counts a tensor-parallel parameter's rows on
   every rank; ``replica_grad_sq`` is the squared norm of what the non-first replicas repeat (their K / V rows, over
   the part this rank's optimizer holds), which the engine takes off before summing over ranks.
-- Parameters holding replicas carry a ``kv_replica`` attribute (``KVReplica``, set by ``mark_replicas`` at build).
+- Parameters holding replicas carry a ``kv_replica`` attribute (``KVReplica``, set by ``mark_replicas`` at build),
+  and are keyed in a training checkpoint head by head (``head_blocks``) as the tensor megatron's whole-group layout
+  writes, so a resume under another TP size reads the heads it needs (``parallel/tp_sections.py``).
 - Mamba2's groups the same way (``bridges/mamba2.py``: Granite 4.0 H's one group at TP 2 or more): each of the
   ``groups`` B / C projections and conv channels replicated on ``tp / groups`` ranks, marked by ``mark_rows`` (the
   same ``KVReplica``, a group for a head), their gradients summed and counted once by the same two functions (one
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from loongforge_hf.parallel import tp_sections
 
 _QKV_NAMES = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 
@@ -99,8 +103,23 @@ def mark_replicas(chunks, *, num_key_value_heads: int, head_dim: int, tp_rank: i
                 rows = param.shape[0]
                 param.kv_replica = KVReplica(head=tp_rank // r, heads=num_key_value_heads, replicas=r,
                                              first=tp_rank % r == 0, rows=(rows - 2 * head_dim, rows))
+                tp_sections.declare_blocks(param, head_blocks(rows // head_dim - 2, num_key_value_heads, r,
+                                                              tp_rank, head_dim))
                 marked += 1
     return marked
+
+
+def head_blocks(q_heads: int, num_key_value_heads: int, replicas: int, tp_rank: int, head_dim: int):
+    """Where this rank's ``q_heads`` query heads, K and V (one replicated group) sit in megatron's ``linear_qkv`` of
+    whole groups, ``[q_g; k_g; v_g]`` per KV group g, as ``tp_sections.Blocks`` of one head each (the checkpoint's
+    keying: the same tensor whatever the TP size). Rank ``t`` holds group ``t // replicas``, its share
+    ``t % replicas`` of the group's query heads, and replica ``t % replicas`` of its K and V."""
+    group, share = divmod(tp_rank, replicas)
+    width = q_heads * replicas + 2  # NOTE: one group's blocks: its query heads, then K, then V
+    start = group * width
+    at = tuple(start + share * q_heads + i for i in range(q_heads)) + (start + width - 2, start + width - 1)
+    return tp_sections.Blocks(rows=head_dim, total=num_key_value_heads * width, at=at,
+                              replica=(0,) * q_heads + (share, share))
 
 
 def mark_rows(param, rows: tuple[int, int], *, groups: int, tp_rank: int, tp_size: int) -> None:

@@ -20,6 +20,11 @@ Choices:
   (Qwen3.5's ``in_proj_qkv`` adapter: this rank's q, k and v rows); so has B of an adapter on one HF ``[gate; up]``
   linear (Phi-3's ``gate_up_proj``: this rank's gate rows, then its up rows, as megatron's ``linear_fc1``, whose
   weight megatron's own swiglu factory sections).
+- KV heads replicated over TP ranks (``parallel/kv_replicas.py``: a rank holds one group, its share of the group's
+  query heads, then the group's K and V) are keyed per head instead (``Blocks``): the tensor keeps megatron's own key
+  and global shape (q / k / v per KV group, ``[q_g; k_g; v_g]`` for each group g: what a rank holding whole groups
+  writes), and each of this rank's heads is one block of it (``head_dim`` rows), K and V written by the group's
+  first replica. The same tensor whatever the TP size, so megatron reshards it to and from whole-group layouts.
 - Checkpoints written before the sections (no ``tp_sections`` in their ``layout.json``) keyed these tensors whole:
   they are read as they were written (``trainer/checkpoint_layout.py``), under their own TP size only.
 """
@@ -43,6 +48,31 @@ class Sections:
 
     def replicas_of(self, i: int) -> int:
         return 1 if self.replicas is None else self.replicas[i]
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A parameter's rows along ``axis`` as blocks of ``rows`` rows, each one of ``total`` blocks of the tensor the
+    checkpoint keys: local block ``i`` is block ``at[i]`` of it, this rank holding replica ``replica[i]`` of it over
+    TP (0: the copy that is written)."""
+
+    rows: int
+    total: int
+    at: tuple[int, ...]
+    replica: tuple[int, ...]
+    axis: int = 0
+
+
+def declare_blocks(param: torch.Tensor, blocks: Blocks) -> None:
+    """Mark ``param`` as holding ``blocks`` (module docstring)."""
+    if blocks.rows * len(blocks.at) != param.shape[blocks.axis] or len(blocks.at) != len(blocks.replica):
+        raise ValueError(f"{len(blocks.at)} blocks of {blocks.rows} rows do not make the {param.shape[blocks.axis]} "
+                         f"rows of a {tuple(param.shape)} parameter along dim {blocks.axis}")
+    param.tp_blocks = blocks
+
+
+def blocks_of(param) -> Blocks | None:
+    return getattr(param, "tp_blocks", None)
 
 
 def declare(param: torch.Tensor, sizes, *, axis: int = 0, replicas=None) -> None:
@@ -109,10 +139,11 @@ def _slot_sections(base: Sections, layout, target: str) -> Sections | None:
     return Sections(base.sizes[first:last], 0, None if base.replicas is None else base.replicas[first:last])
 
 
-def sectioned_state(state: dict, sections: dict[int, Sections]) -> dict:
+def sectioned_state(state: dict, sections: dict[int, Sections | Blocks]) -> dict:
     """``state`` (a sharded state dict, nested) with each ``ShardedTensor`` whose data is a tensor of ``sections``
-    replaced by a factory writing its sections as tensors of their own. Raises where a tensor of ``sections`` is not
-    the data of one (a module keying a copy of it would be saved whole, and resharded wrong, silently)."""
+    replaced by a factory writing its sections as tensors of their own (its blocks as blocks of its tensor). Raises
+    where a tensor of ``sections`` is not the data of one (a module keying a copy of it would be saved whole, and
+    resharded wrong, silently)."""
     seen: set[int] = set()
     out = _sectioned(state, sections, seen)
     if set(sections) - seen:
@@ -130,7 +161,8 @@ def _sectioned(state, sections: dict[int, Sections], seen: set[int]):
         return [_sectioned(v, sections, seen) for v in state]
     if isinstance(state, ShardedTensor) and id(state.data) in sections:
         seen.add(id(state.data))
-        return _factory(state, sections[id(state.data)])
+        spec = sections[id(state.data)]
+        return _blocks_factory(state, spec) if isinstance(spec, Blocks) else _factory(state, spec)
     return state
 
 
@@ -163,6 +195,35 @@ def _factory(sh, sections: Sections):
 
     def merge(loaded: dict) -> torch.Tensor:
         return torch.cat([loaded[f"section{i}"] for i in range(len(sections.sizes))], dim=sections.axis)
+
+    return ShardedTensorFactory(sh.key, sh.data, build, merge, sh.replica_id)
+
+
+def _blocks_factory(sh, blocks: Blocks):
+    """A factory writing ``sh``'s local rows as ``blocks`` of its own tensor (same key; a regular grid of
+    ``blocks.total`` blocks along the axis)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if sh.flattened_range is not None:
+        raise ValueError(f"{sh.key}: a flattened sharded tensor cannot be keyed per block")
+    axis = sh.prepend_axis_num + blocks.axis
+
+    def build(key, data, replica_id, flattened_range):
+        if flattened_range is not None:
+            raise ValueError(f"{key}: a flattened sharded tensor cannot be keyed per block")
+        out = []
+        for piece, at, replica in zip(torch.split(data, blocks.rows, dim=blocks.axis), blocks.at, blocks.replica):
+            rid = (replica_id[0], replica, *replica_id[2:]) if isinstance(replica_id, tuple) and \
+                len(replica_id) >= 2 else (replica_id, replica)
+            out.append(dataclasses.replace(
+                sh, key=key, data=piece, dtype=piece.dtype, local_shape=tuple(piece.shape),
+                global_shape=_at(sh.global_shape, axis, blocks.total * blocks.rows),
+                global_offset=_at(sh.global_offset, axis, at * blocks.rows),
+                axis_fragmentations=_at(sh.axis_fragmentations, axis, blocks.total), replica_id=rid))
+        return out
+
+    def merge(loaded: list) -> torch.Tensor:
+        return torch.cat(loaded, dim=blocks.axis)
 
     return ShardedTensorFactory(sh.key, sh.data, build, merge, sh.replica_id)
 

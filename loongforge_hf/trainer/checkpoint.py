@@ -10,9 +10,9 @@ Layout of ``checkpoint-N/`` (written under a temporary name and renamed when com
   ``trainer_state.json`` (step, log history, data position).
 
 Hybrid stacks (decoder layers holding different tensors) are keyed layer by layer; tensors whose TP ranks hold rows
-of several sections are keyed section by section (``parallel/tp_sections.py``); ``layout.json`` records the
-tensor-parallel size and that format, and a resume under another size is refused where megatron's resharding would
-still reorder rows (``checkpoint_layout.py``).
+of several sections are keyed section by section, replicated KV heads head by head (``parallel/tp_sections.py``);
+``layout.json`` records the tensor-parallel size and that format, and a resume under another size is refused where
+megatron's resharding would still reorder rows (``checkpoint_layout.py``).
 
 Bad input: a write that fails on some ranks (disk full, an unusable folder) and a checkpoint that is incomplete or
 corrupt are reported on every rank alike (``run_everywhere``: the ranks agree on the outcome before the next
@@ -51,13 +51,14 @@ LAYOUT_FILE = "layout.json"
 OPTIM_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _sharded_state_dict(engine, *, is_loading: bool, sections: bool = True) -> dict:
-    """The model's and optimizer's sharded state; ``sections``: sectioned rows keyed by section (``tp_sections``)."""
+def _sharded_state_dict(engine, *, is_loading: bool, sections: bool = True, blocks: bool = True) -> dict:
+    """The model's and optimizer's sharded state; ``sections``: sectioned rows keyed by section, ``blocks``:
+    replicated KV heads by head (``tp_sections``)."""
     chunks = [c.module for c in engine.chunks]
     metadata = {"non_homogeneous_layers": True} if layers_differ(chunks) else None
     state = {f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(chunks)}
     if sections:
-        state = sectioned_state(state, declared_sections(chunks))
+        state = sectioned_state(state, declared_sections(chunks, blocks=blocks))
     state["optimizer"] = optimizer_state.sharded_state_dict(engine.optimizer, state, is_loading=is_loading,
                                                             metadata=OPTIM_FORMAT)
     return state
@@ -271,7 +272,8 @@ def load_training_checkpoint(trainer, checkpoint_dir: str | os.PathLike) -> None
     box = {}
     run_everywhere(f"{checkpoint_dir / LAYOUT_FILE}: cannot be read",
                    lambda: box.setdefault("layout", read_layout(checkpoint_dir / LAYOUT_FILE)))
-    template = _sharded_state_dict(engine, is_loading=True, sections=bool(box["layout"].get("tp_sections")))
+    template = _sharded_state_dict(engine, is_loading=True, sections=bool(box["layout"].get("tp_sections")),
+                                   blocks=bool(box["layout"].get("kv_blocks")))
     run_everywhere(f"{checkpoint_dir / SCHEDULER_FILE}: cannot be read",
                    lambda: box.setdefault("scheduler", torch.load(checkpoint_dir / SCHEDULER_FILE, weights_only=True)))
     rng_file = checkpoint_dir / f"megatron_rng_{_rank()}.pt"

@@ -21,8 +21,11 @@ Choices:
   target of a sectioned projection: Qwen3.5's ``in_proj_qkv``), under another size is refused by name, on every
   rank, before megatron's load. A checkpoint without the file (written before it) is not checked.
 - KV heads replicated over TP ranks (more ranks than KV heads: MQA's Falcon / GPT-BigCode, ``parallel/kv_replicas.py``)
-  make ``linear_qkv`` one group per rank: its saved shape depends on the size, so a resume under another one is
-  refused by name too (megatron's load would fail on the shape, saying the checkpoint was for another model).
+  make ``linear_qkv`` one group per rank; it is keyed head by head as the tensor of megatron's whole-group layout
+  (``tp_sections.Blocks``, ``kv_blocks`` in ``layout.json``), so a resume under another size, replicated or not,
+  reads the heads it needs. A checkpoint written before that keyed the replicas' rows as megatron's split of a
+  tensor whose shape depends on the size: resuming it under another size is refused by name (megatron's load would
+  fail on the shape, saying the checkpoint was for another model).
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ def _tensor_parallel_size() -> int:
 
 
 def write_layout(path: Path) -> None:
-    """Record the layout a checkpoint is written in (rank 0); ``tp_sections``: sectioned rows keyed by section."""
-    path.write_text(json.dumps({"tensor_parallel_size": _tensor_parallel_size(), "tp_sections": True}))
+    """Record the layout a checkpoint is written in (rank 0); ``tp_sections``: sectioned rows keyed by section,
+    ``kv_blocks``: replicated KV heads keyed by head."""
+    path.write_text(json.dumps({"tensor_parallel_size": _tensor_parallel_size(), "tp_sections": True,
+                                "kv_blocks": True}))
 
 
 def read_layout(path: Path) -> dict:
@@ -68,12 +73,16 @@ def read_layout(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def declared_sections(chunks) -> dict:
-    """``{id(tensor): tp_sections.Sections}`` of this rank's sectioned parameters (``parallel/tp_sections.py``)."""
-    from loongforge_hf.parallel.tp_sections import sections_of, sections_of_adapters
+def declared_sections(chunks, *, blocks: bool = True) -> dict:
+    """``{id(tensor): tp_sections.Sections}`` of this rank's sectioned parameters (``parallel/tp_sections.py``),
+    with ``blocks``: ``{id(tensor): tp_sections.Blocks}`` of those keyed per KV head too."""
+    from loongforge_hf.parallel.tp_sections import blocks_of, sections_of, sections_of_adapters
 
-    found = {id(p): sections_of(p) for chunk in chunks for p in chunk.parameters() if sections_of(p) is not None}
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    found = {id(p): sections_of(p) for p in params if sections_of(p) is not None}
     found.update(sections_of_adapters((n, m) for chunk in chunks for n, m in chunk.named_modules()))
+    if blocks:
+        found.update({id(p): blocks_of(p) for p in params if blocks_of(p) is not None})
     return found
 
 
@@ -152,9 +161,9 @@ def kv_heads(chunks) -> set[int]:
 
 def check_resharding(engine, layout: dict, folder: Path) -> None:
     """Refuse resuming the checkpoint in ``folder``, written in ``layout`` (``read_layout``), under another
-    tensor-parallel size where the model has sectioned rows (``sectioned_modules``) or KV heads replicated over TP
-    ranks (``kv_heads``), on any rank: run through ``run_everywhere``, every rank raises alike. One small
-    all-gather."""
+    tensor-parallel size where the model has sectioned rows (``sectioned_modules``) or, in a checkpoint written
+    before they were keyed per head, KV heads replicated over TP ranks (``kv_heads``), on any rank: run through
+    ``run_everywhere``, every rank raises alike. One small all-gather."""
     from loongforge_hf.bridges.checkpoint_files import CheckpointError
 
     from loongforge_hf.parallel.kv_replicas import replicas_of
@@ -170,13 +179,14 @@ def check_resharding(engine, layout: dict, folder: Path) -> None:
     if not layout:
         return
     saved, now = layout.get("tensor_parallel_size"), _tensor_parallel_size()
-    replicated = saved != now and isinstance(saved, int) and any(
+    replicated = saved != now and isinstance(saved, int) and not layout.get("kv_blocks") and any(
         replicas_of(kv, saved) > 1 or replicas_of(kv, now) > 1 for kv in heads)
     if replicated:
         raise CheckpointError(
             f"the checkpoint was written with tensor_parallel_size={saved}, this run has {now}: resharding is not "
             f"supported where KV heads are replicated over tensor-parallel ranks (num_key_value_heads={min(heads)}: "
-            f"one group per rank, so the saved q / k / v shape depends on the size). Resume with "
+            f"one group per rank, and this checkpoint was written before loongforge-hf keyed them per head, so its "
+            f"q / k / v shape depends on the size). Resume with "
             f"tensor_parallel_size={saved}, or start a new run from its weights: from_pretrained("
             f"{str(folder)!r}) reads the HF export.")
     if found and saved != now:

@@ -94,10 +94,12 @@ def test_mappings_replicate_kv_heads_gqa():
     """2 KV heads of 8 query heads over 4 ranks: each rank holds its 2 query heads and a replica of head rank // 2, in
     megatron's one-group layout ``[q, k, v]``; export (whole and streamed by parts) gives the HF tensors back, each
     K / V head from its first replica. QKV (three tensors), PackedQKV (Phi-3's one), GroupedQKV (Falcon's groups:
-    ``[group, (4 q, k, v)]``), weights and a bias."""
+    ``[group, (4 q, k, v)]``), weights and a bias. A training checkpoint's head blocks (``head_blocks``) of the
+    shards are megatron's whole-group tensor."""
     from loongforge_hf.bridges.fused_mappings import QKV
     from loongforge_hf.bridges.mappings import ShardContext
     from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedQKV
+    from loongforge_hf.parallel.kv_replicas import head_blocks
 
     heads, kv, hd, hidden, tp = 8, 2, 3, 5, 4
     g = torch.Generator().manual_seed(0)
@@ -131,6 +133,19 @@ def test_mappings_replicate_kv_heads_gqa():
                 assert torch.isnan(region).all(), (type(mapping).__name__, name, start)  # NOTE: each row once
                 region.copy_(block)
         assert all(torch.equal(streamed[n], tensors[n]) for n in tensors), type(mapping).__name__
+    # a training checkpoint keys each rank's heads as blocks of the whole-group tensor (``grouped``; its replicas'
+    # K / V once): the blocks of the four ranks' shards, main copies only, are that tensor
+    for whole, shards in ((grouped, expected), (bias, bias_expected)):
+        assembled = torch.full_like(whole, float("nan"))
+        for t in range(tp):
+            blocks = head_blocks(2, kv, 2, t, hd)
+            assert (blocks.rows, blocks.total, blocks.replica) == (hd, heads + 2 * kv, (0, 0, t % 2, t % 2))
+            for at, replica, rows in zip(blocks.at, blocks.replica, shards[t].split(hd)):
+                assert torch.equal(whole[at * hd:(at + 1) * hd], rows), (t, at)
+                if replica == 0:
+                    assert torch.isnan(assembled[at * hd:(at + 1) * hd]).all(), (t, at)
+                    assembled[at * hd:(at + 1) * hd] = rows
+        assert torch.equal(assembled, whole)
 
 
 def test_layouts_refused_before_any_collective():

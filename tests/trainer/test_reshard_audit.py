@@ -2,10 +2,12 @@
 ``parallel/tp_sections.py``). Tensors whose TP ranks hold rows of several sections are keyed per section, so
 DiffLlama's ``linear_qkv`` (each rank a slice of both halves of the heads) resumed at TP1 from TP2, and Mamba2's
 in-projection and conv with one group (its B / C rows replicated over the two TP ranks) resumed at TP2 from TP1,
-step on as the uninterrupted run does: without the sections both came back reordered, silently. Refused by name, on
-every rank, before megatron's load: Falcon's single KV head replicated on both ranks (a shape error that blamed the
-checkpoint), and a checkpoint written before the sections (whole tensors) under another size, which resumes in its
-own layout bit for bit (Zamba2, whose shared blocks megatron once keyed as replicated). One 2-rank world."""
+step on as the uninterrupted run does: without the sections both came back reordered, silently. So do Falcon's
+single KV head replicated on both TP2 ranks resumed at TP1, and GPT-BigCode's (with biases) resumed at TP2 from
+TP1: ``linear_qkv`` keyed head by head (before, a shape error that blamed the checkpoint). Refused by name, on every
+rank, before megatron's load: checkpoints written before the sections (whole tensors) or before the replicated heads
+were keyed per head under another size; they resume in their own layout (Zamba2, whose shared blocks megatron once
+keyed as replicated, bit for bit). One 2-rank world."""
 
 import torch
 
@@ -34,21 +36,33 @@ def _train(folder: str, out_dir: str, layout: dict, resume: str | None = None) -
     return None
 
 
+# NOTE: (written in, resumed in); Falcon's and GPT-BigCode's one KV head is replicated on both TP2 ranks
+RESHARDED = {"diffllama": (TP2, {}), "mamba2": ({}, TP2), "falcon_mqa": (TP2, {}), "gpt_bigcode": ({}, TP2)}
+
+
 def _world(folders: dict, root: str) -> dict:
     import loongforge_hf.trainer.checkpoint as checkpoint
 
     out = {}
-    for arch, (first, second) in {"diffllama": (TP2, {}), "mamba2": ({}, TP2), "falcon_mqa": (TP2, {})}.items():
+    for arch, (first, second) in RESHARDED.items():
         _train(folders[arch], f"{root}/{arch}/full", first)
         out[arch] = _train(folders[arch], f"{root}/{arch}/resumed", second, f"{root}/{arch}/full/checkpoint-1")
-    # NOTE: a checkpoint as loongforge-hf wrote it before the sections: whole tensors, no tp_sections in layout.json
+    # NOTE: checkpoints as loongforge-hf wrote them before the sections (whole tensors, no tp_sections in
+    # layout.json) and before the replicated KV heads were keyed per head (no kv_blocks)
     write_layout, declared = checkpoint.write_layout, checkpoint.declared_sections
     checkpoint.write_layout = lambda path: path.write_text('{"tensor_parallel_size": 2}')
-    checkpoint.declared_sections = lambda chunks: {}
+    checkpoint.declared_sections = lambda chunks, **kw: {}
     _train(folders["zamba2"], f"{root}/zamba2/full", TP2)
+    checkpoint.write_layout = lambda path: path.write_text('{"tensor_parallel_size": 2, "tp_sections": true}')
+    checkpoint.declared_sections = lambda chunks, **kw: declared(chunks, blocks=False)
+    _train(folders["falcon_mqa"], f"{root}/falcon_mqa/old", TP2)
     checkpoint.write_layout, checkpoint.declared_sections = write_layout, declared
     out["zamba2"] = _train(folders["zamba2"], f"{root}/zamba2/resumed", TP2, f"{root}/zamba2/full/checkpoint-1")
     out["zamba2_tp1"] = _train(folders["zamba2"], f"{root}/zamba2/tp1", {}, f"{root}/zamba2/full/checkpoint-1")
+    out["falcon_mqa_old"] = _train(folders["falcon_mqa"], f"{root}/falcon_mqa/old_tp1", {},
+                                   f"{root}/falcon_mqa/old/checkpoint-1")
+    out["falcon_mqa_old_tp2"] = _train(folders["falcon_mqa"], f"{root}/falcon_mqa/old_tp2", TP2,
+                                       f"{root}/falcon_mqa/old/checkpoint-1")
     return out
 
 
@@ -60,17 +74,19 @@ def _weights(folder):
 
 def test_resume_under_another_tensor_parallel_size(tmp_path):
     folders = {arch: str(make_tiny_checkpoint(tmp_path / arch, arch, **kw)) for arch, kw in
-               (("diffllama", {}), ("mamba2", {"n_groups": 1}), ("falcon_mqa", {}), ("zamba2", {}))}
+               (("diffllama", {}), ("mamba2", {"n_groups": 1}), ("falcon_mqa", {}), ("gpt_bigcode", {}),
+                ("zamba2", {}))}
     runs = tmp_path / "runs"
     for rank in run_distributed(_world, 2, folders, str(runs), timeout=400):
-        assert rank["diffllama"] is None and rank["mamba2"] is None and rank["zamba2"] is None, rank
+        assert [rank[arch] for arch in (*RESHARDED, "zamba2", "falcon_mqa_old_tp2")] == [None] * 6, rank
         assert "KV heads are replicated over tensor-parallel ranks (num_key_value_heads=1" in \
-            (rank["falcon_mqa"] or ""), rank
-        assert "cannot be resumed in this layout" in rank["falcon_mqa"], rank
+            (rank["falcon_mqa_old"] or ""), rank
+        assert "written before loongforge-hf keyed them per head" in rank["falcon_mqa_old"], rank
+        assert "cannot be resumed in this layout" in rank["falcon_mqa_old"], rank
         assert "tensor_parallel_size=2, this run has 1: resharding is not supported for ['Adapter', 'Mamba2Mixer', " \
             "'SharedBlock']" in (rank["zamba2_tp1"] or ""), rank
         assert "written before loongforge-hf keyed them per section" in rank["zamba2_tp1"], rank
-    for arch in ("diffllama", "mamba2"):  # NOTE: step 2 after the resume in the other layout: the same weights
+    for arch in RESHARDED:  # NOTE: step 2 after the resume in the other layout: the same weights
         full, resumed, before = (_weights(runs / arch / d) for d in ("full/checkpoint-2", "resumed/checkpoint-2",
                                                                      "full/checkpoint-1"))
         assert sorted(full) == sorted(resumed)
