@@ -204,9 +204,12 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
             to_hf = {"B": lambda b, t=t: t.b_to_hf(b, streamer.ctx),
                      "magnitude": lambda m, t=t: t.b_to_hf(m[:, None], streamer.ctx)[:, 0]}.get(factor)
 
-            def export(shards, hf_name=hf_name, split_dim=split_dim, to_hf=to_hf, vision=kind):
+            # NOTE: K / V adapters on replicated KV heads: each head's B from its first replica (kv_replicas.py)
+            step = streamer.ctx.kv_replicas if t.kind == "qkv" and t.slot > 0 and factor != "A" else 1
+
+            def export(shards, hf_name=hf_name, split_dim=split_dim, to_hf=to_hf, vision=kind, step=step):
                 full = shards[0] if split_dim is None else gathered_factor(vision, shards) if vision else \
-                    torch.cat(shards, dim=split_dim)
+                    torch.cat(shards[::step], dim=split_dim)
                 return {hf_name: full if to_hf is None else to_hf(full)}
             out.update(streamer.collect(owner_pp, vp, name, split=split_dim is not None, export=export,
                                         shapes={hf_name: shape}, dtype=dtype))

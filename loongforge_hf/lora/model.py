@@ -28,8 +28,9 @@ Choices:
   pipeline stage training nothing dense included: megatron's dense optimizer is then a stub or holds empty groups
   on that stage, which LoongTrainer's engine and checkpoints take as they are (``trainer/optimizer_state.py``).
 - More TP ranks than KV heads (each KV head replicated, ``parallel/kv_replicas.py``): ``q_proj`` and the other
-  linears are adapted as usual; adapters on key / value rows (``k_proj``, ``v_proj``, a packed q / k / v linear) are
-  refused (``check_kv_targets``); so are adapters on a Mamba2 ``in_proj`` whose B / C rows are replicated over TP
+  linears are adapted as usual, ``k_proj`` / ``v_proj`` with B the head's replica (its gradient summed over the
+  head's ranks, ``kv_replicas.mark_adapter_replicas``); a packed q / k / v linear's adapter is refused
+  (``check_kv_targets``); so are adapters on a Mamba2 ``in_proj`` whose B / C rows are replicated over TP
   (fewer groups than TP ranks: ``check_replicated_rows``).
 - A sequence classifier (``lf.AutoModelForSequenceClassification``) becomes a
   ``LoongLoraModelForSequenceClassification``, its ``score`` head trained whole as PEFT's ``SEQ_CLS``
@@ -272,9 +273,10 @@ def check_replicated_rows(plan: LoraPlan, tensor_parallel_size: int) -> None:
 
 
 def check_kv_targets(plan: LoraPlan, bridge, tensor_parallel_size: int) -> None:
-    """Refuse (pure, every rank alike) adapters on K / V rows where more TP ranks than KV heads replicate each head
-    (``parallel/kv_replicas.py``): their B rows would be replicas whose gradients are not summed. ``q_proj`` (and
-    every other linear) is adapted as usual."""
+    """Refuse (pure, every rank alike) an adapter on a packed q / k / v linear where more TP ranks than KV heads
+    replicate each head (``parallel/kv_replicas.py``): its B holds a rank's query rows beside a replica's K / V
+    rows, which are neither split nor marked as replicas. ``k_proj`` / ``v_proj`` (their B the head's replica,
+    ``kv_replicas.mark_adapter_replicas``), ``q_proj`` and every other linear are adapted as usual."""
     from loongforge_hf.bridges.config_map import kv_heads_of
     from loongforge_hf.parallel.kv_replicas import replicas_of
 
@@ -283,14 +285,14 @@ def check_kv_targets(plan: LoraPlan, bridge, tensor_parallel_size: int) -> None:
         return
     # NOTE: a "column" target on linear_qkv is a packed q / k / v HF linear (Phi-3's qkv_proj, Falcon's
     # query_key_value, GPTBigCode's c_attn): its rows hold K / V too
-    kv_targets = [t.hf_module for t in plan.targets if (t.kind == "qkv" and t.slot > 0) or (
-        t.kind == "column" and t.megatron_module.endswith("self_attention.linear_qkv"))]
+    kv_targets = [t.hf_module for t in plan.targets
+                  if t.kind == "column" and t.megatron_module.endswith("self_attention.linear_qkv")]
     if kv_targets:
         raise LoraConfigError(
             f"LoRA on {kv_targets[0]}{' ...' if len(kv_targets) > 1 else ''}: tensor_parallel_size="
             f"{tensor_parallel_size} replicates each of the {kv} KV heads on {replicas_of(kv, tensor_parallel_size)} "
-            "ranks, and adapters on key / value rows are not supported there; adapt q_proj / o_proj / the MLP, or "
-            f"use a tensor_parallel_size of at most {kv} that divides it.")
+            "ranks, and adapters on a packed query / key / value linear are not supported there; adapt o_proj / the "
+            f"MLP, or use a tensor_parallel_size of at most {kv} that divides it.")
 
 
 def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
@@ -312,6 +314,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable, stacking
     from loongforge_hf.lora.replicated import attach_replicated, check_replicated_adaptable
     from loongforge_hf.lora.vision import attach_vision_adapters, lora_class_for, text_bridge
+    from loongforge_hf.parallel.kv_replicas import mark_adapter_replicas
 
     owners = layer_owners(model.megatron.config, model.parallel)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -378,6 +381,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             _leave_residual(module.weight, layout, removed)
         if peft_config.use_dora:
             add_magnitudes(module, targets, slices, magnitudes, ctx)
+        if targets[0].kind == "qkv":
+            mark_adapter_replicas(module, targets, tp_rank)
     attach_vision_adapters(model, vision, dropout=float(peft_config.lora_dropout), dtype=dtype, device=device,
                            dora=bool(peft_config.use_dora), magnitudes=magnitudes)
 

@@ -21,6 +21,11 @@ Choices:
 - Gradient norm (clipping, logging): each HF head counts once. megatron counts a tensor-parallel parameter's rows on
   every rank; ``replica_grad_sq`` is the squared norm of what the non-first replicas repeat (their K / V rows, over
   the part this rank's optimizer holds), which the engine takes off before summing over ranks.
+- LoRA's K / V adapters (``k_proj`` / ``v_proj`` slots of ``linear_qkv``) on a replicated head: A is replicated over
+  TP as on any column-parallel target (its gradient, summed over the TP ranks, takes every replica's share), B's
+  rows (and DoRA's magnitude) are the head's replica, marked as the weight's K / V rows (``mark_adapter_replicas``).
+  A packed q / k / v linear's adapter (Phi-3's ``qkv_proj``, Falcon's ``query_key_value``) stays refused
+  (``lora/model.check_kv_targets``).
 - Parameters holding replicas carry a ``kv_replica`` attribute (``KVReplica``, set by ``mark_replicas`` at build),
   and are keyed in a training checkpoint head by head (``head_blocks``) as the tensor megatron's whole-group layout
   writes, so a resume under another TP size reads the heads it needs (``parallel/tp_sections.py``).
@@ -107,6 +112,28 @@ def mark_replicas(chunks, *, num_key_value_heads: int, head_dim: int, tp_rank: i
                                                               tp_rank, head_dim))
                 marked += 1
     return marked
+
+
+def mark_adapter_replicas(module, targets, tp_rank: int) -> None:
+    """Mark the B (and DoRA magnitude) of the K / V adapters (``k_proj`` / ``v_proj`` slots) on a ``linear_qkv``
+    holding a replicated KV head (its weight's ``kv_replica``) as replicas of that head: each replica's gradient
+    holds only its own query heads' share, so they are summed and counted once as the weight's K / V rows
+    (``sum_replica_grads``, ``replica_grad_sq``), and a training checkpoint keys them by head (``tp_sections.
+    Blocks``: the tensor ranks holding whole heads write). ``tp_rank``: this rank's TP rank."""
+    info = getattr(getattr(module, "weight", None), "kv_replica", None)
+    if info is None:
+        return
+    for t in targets:
+        if t.kind != "qkv" or t.slot == 0:
+            continue
+        adapter = module.lora[t.name]
+        for factor in (adapter.B, adapter.magnitude):
+            if factor is not None:
+                rows = factor.shape[0]
+                factor.kv_replica = KVReplica(head=info.head, heads=info.heads, replicas=info.replicas,
+                                              first=info.first, rows=(0, rows))
+                tp_sections.declare_blocks(factor, tp_sections.Blocks(rows=rows, total=info.heads, at=(info.head,),
+                                                                      replica=(tp_rank % info.replicas,)))
 
 
 def head_blocks(q_heads: int, num_key_value_heads: int, replicas: int, tp_rank: int, head_dim: int):

@@ -1,7 +1,8 @@
 """Rank function for test_kv_replicas.py: tiny models with fewer KV heads than TP ranks (each head replicated), against
 transformers (fp32): logits, gradients after a backward, two optimizer steps of the engine with clipping active
-against a hand-written transformers step, and LoRA on ``q_proj`` against PEFT. Our model runs where LOONGFORGE_DEVICE
-puts it (CPU processes over gloo, or two GPUs over NCCL: test_kv_replicas_gpu.py); transformers' on the CPU."""
+against a hand-written transformers step, and LoRA on ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` against
+PEFT. Our model runs where LOONGFORGE_DEVICE puts it (CPU processes over gloo, or two GPUs over NCCL:
+test_kv_replicas_gpu.py); transformers' on the CPU."""
 
 from __future__ import annotations
 
@@ -135,36 +136,61 @@ def _case(name: str, folder: str, precision: str | None, root: str) -> dict:
     return result
 
 
-def _lora(folder: str) -> dict:
-    """LoRA on q_proj and o_proj (TP2, one KV head) against PEFT's; k_proj refused."""
+def _lora(folder: str, packed_folder: str, root: str) -> dict:
+    """LoRA on q_proj, k_proj, v_proj and o_proj (TP2 + SP, one KV head: k / v adapters on its replicas) against
+    PEFT's: logits, every adapter gradient after the engine's reductions (over TP where a factor is marked
+    sequence-parallel, then over the replicas of a head), the adapter folder in PEFT; DoRA's logits; an adapter on
+    Phi-3's packed qkv_proj refused."""
     import peft
     import transformers
 
     import loongforge_hf as lf
     from loongforge_hf.lora import get_peft_model
     from loongforge_hf.lora.plan import LoraConfigError
+    from loongforge_hf.parallel.kv_replicas import sum_replica_grads
+    from tests.integrations._lora_grads import module_adapter_grads
 
-    kw = dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], init_lora_weights=False)
-    base = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **LAYOUT)
+    kw = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
     try:
-        get_peft_model(base, peft.LoraConfig(**{**kw, "target_modules": ["q_proj", "k_proj"]}))
+        packed = lf.AutoModelForCausalLM.from_pretrained(packed_folder, dtype=torch.float32, **LAYOUT)
+        get_peft_model(packed, peft.LoraConfig(**{**kw, "target_modules": ["qkv_proj"]}))
         refused = ""
     except LoraConfigError as e:
         refused = str(e)
-    transformers.set_seed(5)
-    model = get_peft_model(base, peft.LoraConfig(**kw))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    transformers.set_seed(5)
-    hf = peft.get_peft_model(hf, peft.LoraConfig(**kw))
-    ids = _ids(3)
-    with torch.no_grad():
-        diff = float((model(input_ids=ids).logits.cpu() - hf(input_ids=ids).logits).abs().max())
-    return {"logits": diff, "refused": refused}
+    out = {"refused": refused}
+    for name, extra in (("lora", {}), ("dora", {"use_dora": True})):
+        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **LAYOUT)
+        transformers.set_seed(5)
+        model = get_peft_model(model, peft.LoraConfig(**kw, **extra))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        transformers.set_seed(5)
+        hf = peft.get_peft_model(hf, peft.LoraConfig(**kw, **extra))
+        ids = _ids(3)
+        ours, theirs = model(input_ids=ids, labels=ids), hf(input_ids=ids, labels=ids)
+        out[name] = {"logits": float((ours.logits.detach().cpu() - theirs.logits.detach()).abs().max())}
+        if name == "dora":
+            break
+        ours.loss.backward()
+        theirs.loss.backward()
+        for p in model.parameters():  # NOTE: what megatron's finalize does for factors applied to token shards
+            if p.grad is not None and getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.grad)
+        sum_replica_grads(model.chunks)
+        grads = [(f"{m}.{f}", float((got.cpu() - want).abs().max() / want.abs().max()))
+                 for m, f, got, want in module_adapter_grads(model, hf, model.lora_plan.targets)]
+        model.save_pretrained(f"{root}/lora-adapter")
+        out[name]["grads"] = grads
+        if dist.get_rank() == 0:
+            loaded = peft.PeftModel.from_pretrained(
+                transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), f"{root}/lora-adapter")
+            with torch.no_grad():
+                out[name]["folder"] = float((loaded(input_ids=ids).logits - theirs.logits.detach()).abs().max())
+    return out
 
 
 def kv_replica_checks(cases: list[tuple[str, str, str | None]], lora_folder: str, root: str) -> dict:
     """Per case (name, checkpoint folder, the engine's optimizer_precision or None for no training): the numbers
     the tests read (rank 0 holds the transformers comparisons)."""
     out = {name: _case(name, folder, precision, root) for name, folder, precision in cases}
-    out["lora"] = _lora(lora_folder)
+    out["lora"] = _lora(lora_folder, next(folder for name, folder, _ in cases if name == "phi3"), root)
     return out

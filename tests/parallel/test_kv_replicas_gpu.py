@@ -15,7 +15,7 @@ from loongforge_hf.testing import make_tiny_checkpoint
 from .._device_env import pickleable_month_day_nano
 from .test_kv_replicas import (CASES, test_engine_steps_match_transformers,  # noqa: F401
                                test_gradients_match_transformers, test_logits_and_round_trip,
-                               test_lora_on_query_rows_matches_peft_and_key_rows_refused)
+                               test_lora_on_query_key_value_rows_matches_peft_and_packed_refused)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
