@@ -74,12 +74,14 @@ def _gemm_pair(gemm: str, m: int, n: int, k: int, recipe: str, device: torch.dev
     return (lambda: dy.t() @ x), (lambda: gemm_wgrad(dy, x, recipe))
 
 
-def _experts_pair(fc1: torch.Tensor, fc2: torch.Tensor, m: int, recipe: str, train: bool):
+def _experts_pair(fc1: torch.Tensor, fc2: torch.Tensor, m: int, recipe: str, train: bool, activation=None):
     """(bf16 callable, fp8 callable): forward (+ backward) of the experts of weights ``fc1`` ``[E, 2F, H]`` and
-    ``fc2`` ``[E, H, F]`` over ``m`` rows spread evenly. The module's own weights are used (detached: no copy of
-    them, their gradients untouched); only the activations, the gradients and the FP8 copies are allocated."""
+    ``fc2`` ``[E, H, F]`` over ``m`` rows spread evenly, with the module's ``activation`` between the projections
+    (None: SwiGLU). The module's own weights are used (detached: no copy of them, their gradients untouched); only
+    the activations, the gradients and the FP8 copies are allocated."""
     from loongforge_hf.kernels.fp8_linear import fp8_experts
     from loongforge_hf.kernels.grouped_mlp import grouped_gated_mlp
+    from loongforge_hf.kernels.swiglu import swiglu
 
     experts, _, h = fc1.shape
     g = torch.Generator(device=fc1.device).manual_seed(0)
@@ -97,7 +99,21 @@ def _experts_pair(fc1: torch.Tensor, fc2: torch.Tensor, m: int, recipe: str, tra
                 mlp(x, w1, w2, counts, None).backward(dy)
         return call if train else torch.no_grad()(lambda: mlp(x, w1, w2, counts, None))
 
-    return timed(grouped_gated_mlp), timed(lambda *a: fp8_experts(*a, recipe=recipe))
+    return (timed(lambda *a: grouped_gated_mlp(*a, activation=activation or swiglu)),
+            timed(lambda *a: fp8_experts(*a, recipe=recipe, activation=activation)))
+
+
+def activation_name(activation) -> str:
+    """A cache-key name for an expert module's activation: SwiGLU's ``swiglu``, a clamped GLU's with its constants
+    (``clamped_glu(limit=7.0,alpha=1.0,offset=0.0)``)."""
+    from loongforge_hf.kernels.clamped_glu import ClampedGLU
+    from loongforge_hf.kernels.swiglu import SwiGLU
+
+    if isinstance(activation, SwiGLU):
+        return "swiglu"
+    if isinstance(activation, ClampedGLU):
+        return f"clamped_glu(limit={activation.limit},alpha={activation.alpha},offset={activation.offset})"
+    return type(activation).__name__
 
 
 @dataclass
@@ -163,13 +179,17 @@ class Fp8Autotuner:
                     entry["bf16_ms"], entry["fp8_ms"], "fp8" if use else "bf16")
         return use
 
-    def decide_experts(self, fc1: torch.Tensor, fc2: torch.Tensor, rows: int, *, train: bool, where: str) -> bool:
-        """FP8 or not for a grouped expert module (weights fc1 ``[E, 2F, H]``, fc2 ``[E, H, F]``) at ``rows``
-        routed rows: forward and, with ``train``, backward of all its experts, timed as a whole."""
+    def decide_experts(self, fc1: torch.Tensor, fc2: torch.Tensor, rows: int, *, train: bool, where: str,
+                       activation=None) -> bool:
+        """FP8 or not for a grouped expert module (weights fc1 ``[E, 2F, H]``, fc2 ``[E, H, F]``, its
+        ``activation``: None for SwiGLU) at ``rows`` routed rows: forward and, with ``train``, backward of all its
+        experts, timed as a whole. Another activation than SwiGLU (DeepSeek-V4's clamped SwiGLU) is timed and
+        cached apart (its name in the entry's GEMM)."""
         experts, two_f, h = fc1.shape
-        gemm = f"experts{'' if train else '_fwd'}:{experts}"
+        kind = "" if activation is None else f":{activation_name(activation)}"
+        gemm = f"experts{'' if train else '_fwd'}:{experts}{kind}"
         return self.decide(gemm, rows, two_f, h, device=fc1.device, dtype=fc1.dtype, where=where,
-                           pair=lambda: _experts_pair(fc1, fc2, rows, self.recipe, train))
+                           pair=lambda: _experts_pair(fc1, fc2, rows, self.recipe, train, activation))
 
     def table(self) -> str:
         """Every decision made in this process: component/module, GEMM, shape (MxNxK), times, choice."""

@@ -762,6 +762,47 @@ def test_experts_timing_runs_under_no_grad_and_is_cached(tmp_path):
     assert all(row[:1] + row[2:3] == ("language:experts", "64x64x32") for row in tuner.rows)
 
 
+def test_experts_timing_takes_the_module_activation(tmp_path):
+    """A clamped-SwiGLU expert module (DeepSeek-V4, HY-V4) is timed with its own activation in both paths and cached
+    apart from SwiGLU's timing of the same shape; Fp8GroupedExperts passes it (a SwiGLU module keeps the plain
+    entries)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from loongforge_hf.kernels import fp8_autotune
+    from loongforge_hf.kernels.clamped_glu import ClampedGLU
+    from loongforge_hf.kernels.fp8_linear import Fp8GroupedExperts, Fp8Settings
+    from loongforge_hf.kernels.grouped_mlp import grouped_gated_mlp
+
+    fc1 = torch.nn.Parameter(torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(2)) * 0.2)
+    fc2 = torch.nn.Parameter(torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(3)) * 0.1)
+    clamped = ClampedGLU(SimpleNamespace(gated_linear_unit=True, activation_func=F.silu,
+                                         activation_func_clamp_value=0.5, glu_linear_offset=0.0))
+    # NOTE: the pair's input is its own seeded draw; the same draw here gives the expected outputs
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    counts = torch.full((4,), 16)
+    want = grouped_gated_mlp(x, fc1.detach(), fc2.detach(), counts, activation=clamped)
+    plain = grouped_gated_mlp(x, fc1.detach(), fc2.detach(), counts)
+    bf16, fp8 = fp8_autotune._experts_pair(fc1, fc2, 64, "rowwise", False, clamped)
+    assert torch.equal(bf16(), want) and (plain - want).abs().max() > 0.1
+    # NOTE: two emulated FP8 GEMMs with the clamp active: 8.2% from the clamped reference, 93% from SwiGLU's output
+    assert _rel(fp8(), want) < 0.1 < _rel(fp8(), plain)
+    tuner = Fp8Autotuner("rowwise", tmp_path / "cache.json")
+    tuner.decide_experts(fc1, fc2, 64, train=True, where="language:experts", activation=clamped)
+    tuner.decide_experts(fc1, fc2, 64, train=True, where="language:experts")
+    assert sorted(e["gemm"] for e in tuner.entries.values()) == \
+        ["experts:4", "experts:4:clamped_glu(limit=0.5,alpha=1.0,offset=0.0)"]
+    asked = []
+    tuner.decide_experts = lambda *a, **kw: asked.append(kw["activation"]) or True
+    settings = Fp8Settings(mode="adaptive", recipe="rowwise", autotuner=tuner)
+    for activation in (clamped, None):
+        module = SimpleNamespace(activation=activation, linear_fc1=SimpleNamespace(weight=fc1, bias=None),
+                                 linear_fc2=SimpleNamespace(weight=fc2, bias=None))
+        assert Fp8GroupedExperts(module, name="experts", settings=settings).use_fp8(64, fc1, fc2)
+    assert asked == [clamped, None]
+
+
 def _adaptive_experts(moe_dir: str, caches: list[str]) -> dict:
     """The tiny MoE model under ``adaptive`` with a cache saying the experts module is faster in FP8 (first cache) or
     in bf16 (second): which path each MoE layer ran, and its logits against the unswapped model's."""
