@@ -139,13 +139,13 @@ def _case(name: str, folder: str, precision: str | None, root: str) -> dict:
 def _lora(folder: str, packed_folder: str, root: str) -> dict:
     """LoRA on q_proj, k_proj, v_proj and o_proj (TP2 + SP, one KV head: k / v adapters on its replicas) against
     PEFT's: logits, every adapter gradient after the engine's reductions (over TP where a factor is marked
-    sequence-parallel, then over the replicas of a head), the adapter folder in PEFT; DoRA's logits; an adapter on
-    Phi-3's packed qkv_proj refused."""
+    sequence-parallel, then over the replicas of a head), the adapter folder in PEFT and read back at TP2 (its k / v
+    B marked as replicas again); DoRA's logits; an adapter on Phi-3's packed qkv_proj refused."""
     import peft
     import transformers
 
     import loongforge_hf as lf
-    from loongforge_hf.lora import get_peft_model
+    from loongforge_hf.lora import get_peft_model, load_adapter
     from loongforge_hf.lora.plan import LoraConfigError
     from loongforge_hf.parallel.kv_replicas import sum_replica_grads
     from tests.integrations._lora_grads import module_adapter_grads
@@ -180,6 +180,14 @@ def _lora(folder: str, packed_folder: str, root: str) -> dict:
                  for m, f, got, want in module_adapter_grads(model, hf, model.lora_plan.targets)]
         model.save_pretrained(f"{root}/lora-adapter")
         out[name]["grads"] = grads
+        # NOTE: the folder read back at TP2 (from_pretrained of it; load_adapter trainable: its k / v B marked)
+        loaded = lf.AutoModelForCausalLM.from_pretrained(f"{root}/lora-adapter", dtype=torch.float32, **LAYOUT)
+        with torch.no_grad():
+            out[name]["loaded"] = float((loaded(input_ids=ids).logits.cpu() - theirs.logits.detach()).abs().max())
+        trainable = load_adapter(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **LAYOUT),
+                                 f"{root}/lora-adapter", is_trainable=True)
+        out[name]["marked"] = sorted(n.split("layers.")[-1] for n, p in trainable.named_parameters()
+                                     if getattr(p, "kv_replica", None) is not None and ".lora." in n)
         if dist.get_rank() == 0:
             loaded = peft.PeftModel.from_pretrained(
                 transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), f"{root}/lora-adapter")

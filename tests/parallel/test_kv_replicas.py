@@ -78,6 +78,9 @@ def test_lora_on_query_key_value_rows_matches_peft_and_packed_refused(world):
         assert max(d for _, d in res["lora"]["grads"]) < TOL, res["lora"]["grads"]
         assert "LoRA on model.layers.0.self_attn.qkv_proj ...: tensor_parallel_size=2 replicates each of the 1 KV " \
                "heads on 2 ranks, and adapters on a packed query / key / value linear" in res["refused"], res["refused"]
+        assert res["lora"]["loaded"] < TOL, res["lora"]
+        assert res["lora"]["marked"] == sorted(f"{i}.self_attention.linear_qkv.lora.{m}_proj.B" for i in range(4)
+                                               for m in "kv"), res["lora"]["marked"]
     assert results[0]["lora"]["lora"]["folder"] < TOL, results[0]["lora"]
 
 
