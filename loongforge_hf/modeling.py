@@ -367,6 +367,8 @@ class LoongModelForCausalLM(GenerationGlue, nn.Module):
         select_longrope_for(self, input_ids, position_ids, past)
         if hasattr(self.bridge, "check_sequence_length"):  # NOTE: positions it is not exact from (Mistral 4)
             self.bridge.check_sequence_length(rope_length(input_ids, position_ids, past))
+        if hasattr(self.bridge, "check_position_ids"):  # NOTE: the whole batch, before padding or a CP split
+            self.bridge.check_position_ids(position_ids)
         if learned_positions(self.bridge):
             check_positions(self.config.max_position_embeddings, length=input_ids.shape[-1], past=past,
                             position_ids=position_ids, arch=self.bridge.architectures[0])

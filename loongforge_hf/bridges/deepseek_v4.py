@@ -116,11 +116,13 @@ class DeepseekV4Bridge(MoEBridge):
                                            f"of {arch}.")
         super().check_config()
 
-    def check_layout(self, layout) -> None:
-        if layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(
-                f"context_parallel_size={layout.context_parallel_size} is not supported for {self.architectures[0]} "
-                "(the compressors pool windows of the whole sequence).")
+    def check_position_ids(self, position_ids) -> None:
+        """Refuse packed documents (``position_ids`` other than ``0..s-1``: the compressors would pool across them),
+        on the whole batch before it is padded or split (the model's forward, LoongTrainer's batch check)."""
+        if position_ids is not None and not torch.equal(position_ids.cpu(), torch.arange(
+                position_ids.shape[-1]).expand_as(position_ids.cpu())):
+            raise ValueError(f"position_ids other than 0..s-1 (packed documents) are not supported for "
+                             f"{self.architectures[0]}: its compressors pool windows of the whole sequence.")
 
     def pipeline_hidden_size(self) -> int:
         """What a pipeline stage sends per token: the ``hc_mult`` residual streams (stage_boundary.py)."""

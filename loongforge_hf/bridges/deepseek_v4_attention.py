@@ -20,6 +20,11 @@ Choices:
   compressors over the whole sequence). Under sequence parallelism the layer input is all-gathered (its gradient
   split back), each rank computes the whole attention and keeps its own tokens (their gradient all-gathered), so every
   rank's attention weights take the whole gradient, like any replicated weight.
+- Context parallelism: the layer input is all-gathered over the CP group and put in sequence order (its gradient
+  summed back to each rank's rows), every rank computes the whole attention (the compressors pool windows of the
+  whole sequence) and keeps its own tokens; megatron's mask rows of every query are gathered alike. The rest of the
+  layer (hyper-connections, MoE) runs on the rank's tokens. Attention's compute and activations are not split over
+  CP, the rest is.
 - Padding: the sliding keys follow megatron's mask (transformers' padding mask); the compressed entries follow only
   causality, as transformers' ``block_bias``. Positions are ``0..s-1`` of the (padded) sequence.
 """
@@ -49,6 +54,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     nope, rope = x[..., :-r], x[..., -r:]
     turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
     return torch.cat([nope, ((rope.float() * cos) + (turned.float() * sin)).to(x.dtype)], dim=-1)
+
+
+def _whole_sequence(x: torch.Tensor, attention_mask):
+    """Under context parallelism: (the whole sequence ``[S, b, h]`` in order, gathered over the CP group (its
+    gradient summed back to each rank's rows), the rows of this rank's tokens in it, the mask's rows of every query);
+    else ``(x, None, attention_mask)``."""
+    from loongforge_hf.kernels.attention import _cp_global_index, _GatherSequence
+    from loongforge_hf.parallel.context_parallel import cp_gather_sequence, cp_group_and_size
+
+    group, cp, rank = cp_group_and_size()
+    if cp == 1:
+        return x, None, attention_mask
+    share = x.shape[0]
+    index = _cp_global_index([share * cp], cp, x.device)  # NOTE: each global position's row in the gathered buffer
+    whole = _GatherSequence.apply(x, group).index_select(0, index)
+    mine = torch.argsort(index)[rank * share:(rank + 1) * share]
+    if attention_mask is not None and attention_mask.shape[-2] > 1:  # NOTE: megatron's mask holds this rank's rows
+        attention_mask = cp_gather_sequence(attention_mask.to(torch.uint8), share * cp, group, dim=2).bool()
+    return whole, mine, attention_mask
 
 
 class Rotary(torch.nn.Module):
@@ -180,7 +204,9 @@ class DeepseekV4Attention(torch.nn.Module):
         x = hidden_states
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
-        out = self._attend(x.transpose(0, 1), attention_mask).transpose(0, 1).contiguous()
+        whole, mine, attention_mask = _whole_sequence(x, attention_mask)
+        out = self._attend(whole.transpose(0, 1), attention_mask).transpose(0, 1)
+        out = (out if mine is None else out.index_select(0, mine)).contiguous()
         if self.sequence_parallel:
             out = scatter_to_sequence_parallel_region(out)
         return out, None

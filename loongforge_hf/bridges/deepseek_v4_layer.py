@@ -24,8 +24,8 @@ Choices:
   ``DeepseekV4HashRouter``: the experts ``tid2eid[input_id]``, a frozen ``[vocab, k]`` int64 buffer, weighted
   alike), left out of both as transformers leaves them. The token ids reach it through a pre-hook on the model's
   forward (``attach_routing``), this rank's sequence slice under sequence parallelism, in megatron's ``[s, b]``
-  order; the hook refuses ``position_ids`` other than ``0..s-1`` (packed documents: the compressors would pool across
-  them). The ids of the last forward are kept for an activation-recompute pass of the same micro-batch.
+  order (packed documents are refused before, on the whole batch: ``DeepseekV4Bridge.check_position_ids``). The ids
+  of the last forward are kept for an activation-recompute pass of the same micro-batch.
 """
 
 from __future__ import annotations
@@ -216,11 +216,6 @@ def attach_routing(chunk, hf_config) -> None:
 
     def keep_ids(module, args, kwargs):
         holder.input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        positions = kwargs["position_ids"] if "position_ids" in kwargs else args[1] if len(args) > 1 else None
-        if positions is not None and not torch.equal(positions.cpu(), torch.arange(positions.shape[-1]).expand_as(
-                positions.cpu())):
-            raise ValueError("position_ids other than 0..s-1 (packed documents) are not supported for "
-                             "DeepseekV4ForCausalLM: its compressors pool windows of the whole sequence.")
 
     chunk.register_forward_pre_hook(keep_ids, with_kwargs=True)
 
