@@ -21,10 +21,10 @@ Choices:
   split back), each rank computes the whole attention and keeps its own tokens (their gradient all-gathered), so every
   rank's attention weights take the whole gradient, like any replicated weight.
 - Context parallelism: the layer input is all-gathered over the CP group and put in sequence order (its gradient
-  summed back to each rank's rows), every rank computes the whole attention (the compressors pool windows of the
-  whole sequence) and keeps its own tokens; megatron's mask rows of every query are gathered alike. The rest of the
-  layer (hyper-connections, MoE) runs on the rank's tokens. Attention's compute and activations are not split over
-  CP, the rest is.
+  summed back to each rank's rows); every rank computes the keys and the compressed entries of the whole sequence
+  (the compressors pool windows of all of it) and the queries, scores and output of its own tokens only (megatron's
+  mask holds their rows), as megatron's CP splits queries over ranks. The rest of the layer (hyper-connections, MoE)
+  runs on the rank's tokens.
 - Padding: the sliding keys follow megatron's mask (transformers' padding mask); the compressed entries follow only
   causality, as transformers' ``block_bias``. Positions are ``0..s-1`` of the (padded) sequence.
 """
@@ -56,23 +56,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([nope, ((rope.float() * cos) + (turned.float() * sin)).to(x.dtype)], dim=-1)
 
 
-def _whole_sequence(x: torch.Tensor, attention_mask):
+def _whole_sequence(x: torch.Tensor):
     """Under context parallelism: (the whole sequence ``[S, b, h]`` in order, gathered over the CP group (its
-    gradient summed back to each rank's rows), the rows of this rank's tokens in it, the mask's rows of every query);
-    else ``(x, None, attention_mask)``."""
+    gradient summed back to each rank's rows), the positions of this rank's tokens in it, in local order); else
+    ``(x, None)``."""
     from loongforge_hf.kernels.attention import _cp_global_index, _GatherSequence
-    from loongforge_hf.parallel.context_parallel import cp_gather_sequence, cp_group_and_size
+    from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
     group, cp, rank = cp_group_and_size()
     if cp == 1:
-        return x, None, attention_mask
+        return x, None
     share = x.shape[0]
     index = _cp_global_index([share * cp], cp, x.device)  # NOTE: each global position's row in the gathered buffer
-    whole = _GatherSequence.apply(x, group).index_select(0, index)
-    mine = torch.argsort(index)[rank * share:(rank + 1) * share]
-    if attention_mask is not None and attention_mask.shape[-2] > 1:  # NOTE: megatron's mask holds this rank's rows
-        attention_mask = cp_gather_sequence(attention_mask.to(torch.uint8), share * cp, group, dim=2).bool()
-    return whole, mine, attention_mask
+    return _GatherSequence.apply(x, group).index_select(0, index), torch.argsort(index)[rank * share:(rank + 1) * share]
 
 
 class Rotary(torch.nn.Module):
@@ -151,13 +147,15 @@ class Indexer(torch.nn.Module):
         self.weights_proj = _linear(c.hidden_size, self.heads, dtype)
 
     @torch.no_grad()
-    def forward(self, h, q_residual, positions, rotary: Rotary) -> torch.Tensor:
-        b, s, _ = h.shape
+    def forward(self, h, h_q, q_residual, positions, rotary: Rotary) -> torch.Tensor:
+        """Entries pooled over the whole sequence ``h`` ``[b, s, H]``; the queries ``h_q`` ``[b, s_q, H]`` (their
+        ``q_residual``) at ``positions`` ``[b, s_q]``."""
+        b, s_q, _ = h_q.shape
         keys = self.compressor(h, rotary)
         cos, sin = rotary(positions, h.dtype)
-        q = apply_rope(self.q_b_proj(q_residual).view(b, s, -1, self.head_dim).transpose(1, 2), cos, sin)
+        q = apply_rope(self.q_b_proj(q_residual).view(b, s_q, -1, self.head_dim).transpose(1, 2), cos, sin)
         scores = torch.matmul(q.transpose(1, 2).float(), keys.transpose(-1, -2).float().unsqueeze(1))
-        weights = self.weights_proj(h).float() * self.heads ** -0.5
+        weights = self.weights_proj(h_q).float() * self.heads ** -0.5
         scores = (F.relu(scores) * self.head_dim ** -0.5 * weights.unsqueeze(-1)).sum(dim=2)  # [b, s, T]
         visible = (positions + 1) // self.rate
         if keys.shape[1] == 0:
@@ -204,54 +202,63 @@ class DeepseekV4Attention(torch.nn.Module):
         x = hidden_states
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
-        whole, mine, attention_mask = _whole_sequence(x, attention_mask)
-        out = self._attend(whole.transpose(0, 1), attention_mask).transpose(0, 1)
-        out = (out if mine is None else out.index_select(0, mine)).contiguous()
+        whole, mine = _whole_sequence(x)
+        out = self._attend(whole.transpose(0, 1), attention_mask, mine).transpose(0, 1).contiguous()
         if self.sequence_parallel:
             out = scatter_to_sequence_parallel_region(out)
         return out, None
 
-    def _sliding_bias(self, b: int, s: int, attention_mask, device, dtype) -> torch.Tensor:
-        q = torch.arange(s, device=device)
-        masked = (q[None, :] > q[:, None]) | (q[None, :] <= q[:, None] - self.window)
-        masked = masked[None, None].expand(b, 1, s, s)
+    def _sliding_bias(self, b: int, queries: torch.Tensor, s: int, attention_mask, dtype) -> torch.Tensor:
+        """``[b, 1, len(queries), s]``: the window's causal bias of the queries at ``queries`` over the ``s`` keys,
+        and megatron's mask (those queries' rows)."""
+        k = torch.arange(s, device=queries.device)
+        masked = (k[None, :] > queries[:, None]) | (k[None, :] <= queries[:, None] - self.window)
+        masked = masked[None, None].expand(b, 1, *masked.shape)
         if attention_mask is not None:
-            masked = masked | attention_mask.to(device).bool()
-        return torch.zeros(masked.shape, device=device, dtype=dtype).masked_fill(masked, torch.finfo(dtype).min)
+            masked = masked | attention_mask.to(queries.device).bool()
+        return torch.zeros(masked.shape, device=queries.device, dtype=dtype).masked_fill(masked, torch.finfo(dtype).min)
 
-    def _compressed(self, h, q_residual, positions, b: int, s: int):
-        """(entries ``[b, 1, T, d]``, their bias ``[b, 1, s, T]``) of a compressed layer."""
+    def _compressed(self, h, h_q, q_residual, positions, b: int):
+        """(entries ``[b, 1, T, d]`` pooled over the whole sequence ``h``, their bias ``[b, 1, s_q, T]`` for the
+        queries ``h_q`` at ``positions``) of a compressed layer."""
         entries = self.compressor(h, self.rotary)
-        t = entries.shape[1]
+        t, s_q = entries.shape[1], positions.shape[1]
         if self.kind == HCA:
             visible = (positions + 1) // self.compressor.rate
             future = torch.arange(t, device=h.device).view(1, 1, 1, -1) >= visible[:, None, :, None]
-            return entries.unsqueeze(1), h.new_zeros((b, 1, s, t)).masked_fill(future, float("-inf"))
-        chosen = self.compressor.indexer(h, q_residual, positions, self.rotary)
+            return entries.unsqueeze(1), h.new_zeros((b, 1, s_q, t)).masked_fill(future, float("-inf"))
+        chosen = self.compressor.indexer(h, h_q, q_residual, positions, self.rotary)
         chosen = torch.where(chosen >= 0, chosen, torch.full_like(chosen, t))
-        bias = h.new_full((b, 1, s, t + 1), float("-inf")).scatter_(-1, chosen.unsqueeze(1), 0.0)
+        bias = h.new_full((b, 1, s_q, t + 1), float("-inf")).scatter_(-1, chosen.unsqueeze(1), 0.0)
         return entries.unsqueeze(1), bias[..., :t]
 
-    def _attend(self, h: torch.Tensor, attention_mask) -> torch.Tensor:
+    def _attend(self, h: torch.Tensor, attention_mask, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention output of the queries at positions ``rows`` (None: every one) of the whole sequence ``h``
+        ``[b, s, H]`` over all of its keys and compressed entries; ``attention_mask``: megatron's, those queries'
+        rows."""
         b, s, _ = h.shape
-        positions = torch.arange(s, device=h.device).unsqueeze(0).expand(b, -1)
+        everyone = torch.arange(s, device=h.device)
+        queries = everyone if rows is None else rows
+        h_q = h if rows is None else h.index_select(1, rows)
+        positions, key_positions = (p.unsqueeze(0).expand(b, -1) for p in (queries, everyone))
         cos, sin = self.rotary(positions, h.dtype)
-        q_residual = rms_norm(self.q_a_proj(h), self.q_a_norm.weight, self.eps)
-        q = rms_norm(self.q_b_proj(q_residual).view(b, s, -1, self.head_dim).transpose(1, 2), None, self.eps)
+        q_residual = rms_norm(self.q_a_proj(h_q), self.q_a_norm.weight, self.eps)
+        q = rms_norm(self.q_b_proj(q_residual).view(b, len(queries), -1, self.head_dim).transpose(1, 2), None,
+                     self.eps)
         q = apply_rope(q, cos, sin)
         kv = rms_norm(self.kv_proj(h), self.kv_norm.weight, self.eps).view(b, s, 1, self.head_dim).transpose(1, 2)
-        kv = apply_rope(kv, cos, sin)
-        bias = self._sliding_bias(b, s, attention_mask, h.device, h.dtype)
+        kv = apply_rope(kv, *((cos, sin) if rows is None else self.rotary(key_positions, h.dtype)))
+        bias = self._sliding_bias(b, queries, s, attention_mask, h.dtype)
         if self.kind != SLIDING:
-            entries, entry_bias = self._compressed(h, q_residual, positions, b, s)
+            entries, entry_bias = self._compressed(h, h_q, q_residual, positions, b)
             kv = torch.cat([kv, entries], dim=2)
             bias = torch.cat([bias, entry_bias.to(bias.dtype)], dim=-1)
         scores = torch.matmul(q, kv.transpose(2, 3)) * self.head_dim ** -0.5 + bias
-        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)  # NOTE: fp32: the softmax's dtype as theirs
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, len(queries), -1)  # NOTE: fp32: the softmax's dtype
         logits = torch.cat([scores, sinks], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
-        out = apply_rope(torch.matmul(probs, kv), cos, -sin).transpose(1, 2)  # [b, s, heads, d]
-        grouped = out.reshape(b, s, self.groups, -1)
+        out = apply_rope(torch.matmul(probs, kv), cos, -sin).transpose(1, 2)  # [b, s_q, heads, d]
+        grouped = out.reshape(b, len(queries), self.groups, -1)
         weight = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
         return self.o_b_proj(torch.einsum("bsgi,gri->bsgr", grouped, weight).flatten(2))

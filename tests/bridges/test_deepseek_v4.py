@@ -3,7 +3,7 @@ with every attention kind (sliding, compressed sparse with its indexer keeping 3
 compressed), hash-routed and top-k routed layers, 3 hyper-connection streams and a SwiGLU limit that clips: logits and
 loss within 1e-4, the top-k layers' ``router_logits`` and transformers' balancing loss within 1e-5, at TP1, TP2 + SP
 (attention replicated), EP2, TP2 + SP x EP2 (experts whole per rank), PP2 and PP2 x VPP2 (the hyper-connections' streams
-cross the stages) and CP2 (the attention over the whole sequence on each rank), at 32 tokens and at 16 (compressed
+cross the stages) and CP2 (each rank's queries over the whole sequence's keys), at 32 tokens and at 16 (compressed
 branches with fewer entries); at both PP layouts also LoongTrainer's first step over two micro-batches (loss within
 1e-4, gradient norm within 1e-4 relative, every gradient through the stages within 1e-4 of its largest entry); at TP1
 also a left-padded row, greedy ``generate(use_cache=False)`` (a KV cache and packed documents refused by name) and the
@@ -479,14 +479,14 @@ def test_logits_loss_and_router_logits_match_transformers(results, name):
 
 @pytest.mark.parametrize("key", ["grads", "cp2_grads"])
 def test_gradients_at_tp2_sp_and_cp2_match_transformers(results, key):
-    """TP2 + SP (attention replicated) and CP2 (the whole sequence's attention on each rank, its tokens kept, the
-    input's gradient summed back to each rank's share): every gradient within 1e-4 of its largest entry."""
+    """TP2 + SP (attention replicated) and CP2 (each rank's queries over the whole sequence's keys, the input's
+    gradient summed back to each rank's share): every gradient within 1e-4 of its largest entry."""
     diffs = results[key]
     assert diffs and max(diffs.values()) < 1e-4, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
 
 
 def test_left_padding_and_generate_under_cp2(results):
-    """CP2: megatron's mask rows of every query gathered for the whole-sequence attention (a left-padded row's real
+    """CP2: megatron's mask rows of the rank's queries over the whole sequence's keys (a left-padded row's real
     tokens' logits), greedy ``generate(use_cache=False)`` (a 14-token prompt, padded to a multiple of 4 with a pad
     document of its own at the end: not taken for packing), packed documents still refused: by the forward and by
     LoongTrainer's batch check on every rank (the whole batch, before the CP split)."""
