@@ -29,12 +29,14 @@ Choices:
 - What transformers keeps in fp32 (hyper-connections and the hyper-head, sinks, position biases, the attention and
   final norms, the expert bias) is fp32 here and on export; the input / pre-MLP norms are megatron's (our RMSNorm), in
   the model's dtype (a bf16 model rounds transformers' fp32 weights and exports them in bf16).
-- Refused by name before any collective: context parallelism (TP without sequence parallelism as for every MoE
-  model), ``megatron_config`` ``variable_seq_lengths=False`` (the stage boundary needs it), ``generate`` with a KV
-  cache (the compressors' running windows are not cached; ``use_cache=False`` runs), rope types other than default /
-  YaRN, ``attention_dropout``, ``hidden_act`` other than silu, ``scoring_func`` other than ``sqrtsoftplus``,
-  ``o_groups`` that do not split the heads. Packed documents (``position_ids`` other than ``0..s-1``) raise at the
-  forward (``deepseek_v4_layer``).
+- Context parallelism: each rank's queries over the whole sequence's keys and compressed entries
+  (``deepseek_v4_attention``). Refused by name before any collective: TP without sequence parallelism (as for every
+  MoE model), ``megatron_config`` ``variable_seq_lengths=False`` (the stage boundary needs it), ``generate`` with a
+  KV cache (the compressors' running windows are not cached; ``use_cache=False`` runs), rope types other than
+  default / YaRN, ``attention_dropout``, ``hidden_act`` other than silu, ``scoring_func`` other than
+  ``sqrtsoftplus``, ``o_groups`` that do not split the heads. Packed documents (``position_ids`` other than
+  ``0..s-1``) are refused on the whole batch (``check_position_ids``: the model's forward, LoongTrainer's batch
+  check).
 - LoRA (names: ``deepseek_v4_lora``): our attention's torch linears (``q_a_proj``, ``q_b_proj``, ``kv_proj``,
   ``o_b_proj``, the compressors' and the indexer's, whose adapters and ``modules_to_save`` stay frozen: no gradient,
   as in PEFT) carry whole adapters on every rank (``lora/replicated.py``), the shared experts megatron's, the routed
@@ -117,8 +119,7 @@ class DeepseekV4Bridge(MoEBridge):
         super().check_config()
 
     def check_position_ids(self, position_ids) -> None:
-        """Refuse packed documents (``position_ids`` other than ``0..s-1``: the compressors would pool across them),
-        on the whole batch before it is padded or split (the model's forward, LoongTrainer's batch check)."""
+        """Refuse packed documents (the compressors would pool across them) on the whole batch (module docstring)."""
         if position_ids is not None and not torch.equal(position_ids.cpu(), torch.arange(
                 position_ids.shape[-1]).expand_as(position_ids.cpu())):
             raise ValueError(f"position_ids other than 0..s-1 (packed documents) are not supported for "
