@@ -27,9 +27,11 @@ Choices:
   bias in fp32 as transformers keeps them; transformers' ``router_logits``, no balancing loss (it adds none).
 - Multi-token-prediction tensors in the checkpoint (``model.mtp.*``, which transformers ignores) are not built:
   skipped on load and copied unchanged on export.
+- Context parallelism: our core attention's (``kernels/attention.py``: K and V gathered together, each as wide as
+  it is), sinks and the window on the sliding layers.
 - Refused by name, before any collective: a tensor-parallel size that does not divide a layer type's KV heads (each
-  rank holds whole KV heads of both types), context parallelism, LoRA on ``q_proj`` / ``k_proj`` / ``v_proj``
-  (``lora.plan``), attention biases, rope types other than default, partial rotary factors that differ by type.
+  rank holds whole KV heads of both types), LoRA on ``q_proj`` / ``k_proj`` / ``v_proj`` (``lora.plan``), attention
+  biases, rope types other than default, partial rotary factors that differ by type.
 """
 
 from __future__ import annotations
@@ -130,17 +132,14 @@ class MiMoV2FlashBridge(LayerTypes, MoEBridge):
         super().check_config()
 
     def check_layout(self, layout) -> None:
-        """``UnsupportedConfigError`` where a layer type's KV heads do not split over TP, or for context parallelism
-        (pure, before any collective)."""
+        """``UnsupportedConfigError`` where a layer type's KV heads do not split over TP (pure, before any
+        collective)."""
         tp, kv = layout.tensor_parallel_size, C.kv_heads_of(self.hf_config)
         if kv % tp:
             raise C.UnsupportedConfigError(
                 f"num_key_value_heads={kv} (the full-attention layers' KV heads; the sliding layers have {2 * kv}) "
                 f"does not split over tensor_parallel_size={tp} for MiMoV2FlashForCausalLM (replicated KV heads are "
                 "not supported there); use a tensor_parallel_size that divides it.")
-        if layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(f"context_parallel_size={layout.context_parallel_size} is not supported for "
-                                           "MiMoV2FlashForCausalLM (value heads narrower than key heads).")
 
     def rope_for(self, layer_type: str) -> dict:
         params = super().rope_for(layer_type)

@@ -287,7 +287,7 @@ LAYOUTS = {
                           "solar_open", "dbrx", "deepseek_v32", "glm_moe_dsa", "mimo_v2_flash", "kimi_linear",
                           "hy_v3", "mellum", "flint", "axk1", "axk2", "granitemoe_swa", "minimax", "kolibri1",
                           "aria_text", "laguna", "lara_mini")),
-    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET + ("kimi_linear",)),
+    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET + ("kimi_linear", "mimo_v2_flash")),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},  # MoE: experts split too

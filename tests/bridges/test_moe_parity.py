@@ -308,7 +308,7 @@ LAYOUTS = {
     "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE, "cohere2_moe_rms")),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2},
-               (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe", *KDA, "lara_mini")),
+               (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe", *KDA, "lara_mini", "mimo_v2_flash")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
                (*MODELS, *HYBRID, *SMALL_MOE, *MLA_FAMILY, *NEW_MOE, *DSA, "qwen3_moe_yarn", "mixtral_yarn",
                 "cohere2_moe", *KDA)),
