@@ -20,8 +20,10 @@ Choices:
   reusing layer on the stage of the layer storing its pair, megatron's where it does, else the most even one that
   does (``gemma4_small.SmallModelFields.stage_split_problem``, Gemma 4's; ``stage_boundary.pipeline_split``);
   gemma-3n-E4B (35 layers, 15 reusing layers 18 / 19's) splits 18 / 17 at PP2, 6 / 6 / 6 / 17 at PP4.
-- Refused by name: context parallelism (the shared keys and values stay within one sequence shard) and activation
-  recompute (the per-layer stream and the shared keys and values pass beside megatron's layer arguments).
+- Context parallelism: each rank's per-layer stream and AltUp streams are its own tokens', a reusing layer takes the
+  storing layer's keys and values of the rank's tokens, which our core attention gathers over the CP group again.
+- Refused by name: activation recompute (the per-layer stream and the shared keys and values pass beside megatron's
+  layer arguments).
 - LoRA on the attention (q / k / v, q alone in the layers reusing keys and values; o) and the MLP; AltUp's, LAuReL's
   and the per-layer linears are replicated and carry no adapter (the planner refuses them by name).
 - ``Gemma3nForConditionalGeneration`` (the hub's checkpoints: text, vision and audio) is refused by name.
@@ -91,10 +93,6 @@ class Gemma3nBridge(Gemma4Bridge):
 
     def check_layout(self, layout) -> None:
         """``UnsupportedConfigError`` for a layout Gemma 3n's layers cannot run (pure, before any collective)."""
-        if layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(
-                f"context_parallel_size={layout.context_parallel_size} is not supported for {ARCH} (the shared keys "
-                "and values stay within one sequence shard); use tensor, pipeline and data parallelism.")
         self.check_stage_split(layout)
         kv, tp = C.kv_heads_of(self.hf_config), layout.tensor_parallel_size
         if kv % tp:

@@ -26,10 +26,11 @@ Choices:
   hidden_size_per_layer_input``, as Gemma 3n's); the pair is not carried across stages, so the split keeps each
   reusing layer on the stage of the layer storing its keys and values: megatron's where it does, else the most even
   one that does (``gemma4_small.py``); a pipeline size no split of which does, or virtual stages that part them,
-  are refused by name (``check_layout``). With
-  either field, context parallelism is refused by name (neither the stream nor the shared keys is split over
-  sequence shards) and so is activation recompute (at the forward: both pass beside megatron's layer arguments);
-  and the MoE block.
+  are refused by name (``check_layout``). Under
+  context parallelism each rank's per-layer stream is its own tokens' (looked up from its input ids), a reusing
+  layer takes the storing layer's keys and values of the rank's tokens and our core attention gathers them over the
+  CP group as the storing layer's did. With either field activation recompute is refused by name (at the forward:
+  both pass beside megatron's layer arguments); and the MoE block.
 - Refused by name, before any collective: per-layer fields other than the head size and KV heads, layers of one
   type with different ones, bidirectional attention (``use_bidirectional_attention='all'``), attention biases, rope
   types other than default / proportional, all layers sharing KV (no layer would compute it).
@@ -158,15 +159,10 @@ class Gemma4Bridge(SmallModelFields, LayerTypes, _SandwichNorms):
         self.values_from_keys = bool(c.attention_k_eq_v)
 
     def check_layout(self, layout) -> None:
-        """``UnsupportedConfigError`` (pure, before any collective) for CP with E2B / E4B's fields, a pipeline no
-        split of which keeps layers reusing keys and values with the storing one, and a layer type's KV heads that do
-        not split over TP: layers built with their own heads or values from keys hold whole KV heads per rank."""
-        tp, features = layout.tensor_parallel_size, self.small_model_features
-        if features and layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(
-                f"context_parallel_size={layout.context_parallel_size} is not supported for Gemma 4 with "
-                f"{' and '.join(features)} (the per-layer stream and the shared keys and values are not split over "
-                "sequence shards); use tensor, pipeline and data parallelism.")
+        """``UnsupportedConfigError`` (pure, before any collective) for a pipeline no split of which keeps layers
+        reusing keys and values with the storing one, and a layer type's KV heads that do not split over TP: layers
+        built with their own heads or values from keys hold whole KV heads per rank."""
+        tp = layout.tensor_parallel_size
         self.check_stage_split(layout)
         if self.full_heads is None and not self.values_from_keys:
             return

@@ -8,7 +8,8 @@ One world of two ranks:
   document alone, cached greedy (dynamic and static cache) and beam search against transformers'; a
   bit-exact export round trip;
 - TP2 + SP: logits and loss, left padding, every parameter's gradient exported through the bridge against
-  transformers' (the top-k's mean and variance all-reduced over TP);
+  transformers' (the top-k's mean and variance all-reduced over TP); CP2 the same (the reused keys and values
+  gathered over the CP group by the reusing layers);
 - PP2 on the 5-layer model, whose even-ish split 3 / 2 would part layers 3, 4 from layers 1, 2 (whose keys and
   values they reuse): the bridge's split 1 / 4 instead (``stage_boundary.pipeline_split``), logits and loss, cached
   greedy, a bit-exact export;
@@ -140,6 +141,9 @@ def _world(folder: str, eight: str) -> dict:
     ours, ref = _models(folder, tensor_parallel_size=2, sequence_parallel=True)
     out["tp2"] = {"plain": _plain(ours, ref), "padded": _padded(ours, ref), "grads": _gradients(ours, ref, folder)}
     del ours
+    ours, ref = _models(folder, context_parallel_size=2)
+    out["cp2"] = {"plain": _plain(ours, ref), "padded": _padded(ours, ref), "grads": _gradients(ours, ref, folder)}
+    del ours
     ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, pipeline_parallel_size=2)
     out["pp2_split"] = {"plain": _plain(ours, ref), "greedy": _greedy(ours, ref), "layers": ours.megatron.layer_counts}
     out["pp2_split"]["round_trip"] = _round_trip(ours, folder, "pp2-saved")
@@ -169,12 +173,15 @@ def test_tp1(world):
     assert world[0]["round_trip"]
 
 
-def test_tp2_sequence_parallel(world):
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_tp2_sequence_parallel_and_cp2(world, layout):
+    """TP2 + SP and CP2 (each rank's per-layer and AltUp streams its own tokens', the reused keys and values gathered
+    over the CP group by the reusing layers): logits, loss, a left-padded row, every gradient."""
     for rank in world:
         for name in ("plain", "padded"):
-            res = rank["tp2"][name]
+            res = rank[layout][name]
             assert res["logits"] < TOL and res["loss"] < TOL, (name, res)
-    grads = world[0]["tp2"]["grads"]
+    grads = world[0][layout]["grads"]
     assert len(grads) > 100 and max(grads.values()) < 1e-4, sorted(grads.items(), key=lambda kv: -kv[1])[:5]
 
 
@@ -183,7 +190,6 @@ def test_tp2_sequence_parallel(world):
                                          "[3, 4] reuse the keys and values of layers [1, 2] on another pipeline stage "
                                          "(num_kv_shared_layers=2; the shared keys and values do not cross stages); "
                                          "no split of the 5 layers over 3 stages"),
-    ({}, dict(context_parallel_size=2), "context_parallel_size=2 is not supported for Gemma3nForCausalLM"),
     ({}, dict(tensor_parallel_size=4), "num_key_value_heads=2 does not split over tensor_parallel_size=4"),
     ({"altup_active_idx": 3}, None, "altup_active_idx=3 is not one of the altup_num_inputs=3 streams"),
     ({"hidden_size_per_layer_input": 0}, None, "hidden_size_per_layer_input=0 is not supported"),

@@ -4,37 +4,37 @@ layers' 16) and KV heads (2, the sliding layers' 4) whose values are the key pro
 v_proj), proportional rope on the full layers, v-norm, random ``layer_scalar`` buffers and a binding logit cap. One
 one-rank world (TP1: logits, loss, ``logits_to_keep``, a bit-exact export, every gradient, greedy generate of a
 left-padded batch past the window without a cache, with the dynamic one and with a static one; and a checkpoint whose
-full layers have their own head size but values of their own, logits and loss) and one two-rank world (TP2 with
-sequence parallelism, PP2: logits and loss, bit-exact exports; TP2's gradients). The 26B-A4B's MoE block (a dense
-MLP beside 8 routed experts, top 2, ``gemma4_moe``; the experts loongforge's ``GroupedMLP`` with the gated tanh-GELU)
-in the same worlds: TP1, EP2 and TP2 + SP x EP2 (logits, loss, bit-exact exports; every gradient at the latter;
-transformers' ``router_logits`` and the experts' module type at TP1 and the latter). The refusals (config fields and
-layouts megatron cannot reproduce) are checked on the bridge alone, as from_pretrained makes it before any
-collective. Gemma 4 as the hub publishes it (Gemma4ForConditionalGeneration): tests/multimodal/test_gemma4_vl.py.
+full layers have their own head size but values of their own, logits and loss) and one two-rank world (TP2 with sequence
+parallelism, PP2: logits and loss, bit-exact exports; TP2's gradients). The 26B-A4B's MoE block (a dense MLP beside 8
+routed experts, top 2, ``gemma4_moe``; the experts loongforge's ``GroupedMLP`` with the gated tanh-GELU) in the same
+worlds: TP1, EP2 and TP2 + SP x EP2 (logits, loss, bit-exact exports; every gradient at the latter; transformers'
+``router_logits`` and the experts' module type at TP1 and the latter). The refusals (config fields and layouts megatron
+cannot reproduce) are checked on the bridge alone, as from_pretrained makes it before any collective. Gemma 4 as the hub
+publishes it (Gemma4ForConditionalGeneration): tests/multimodal/test_gemma4_vl.py.
 
 E2B / E4B's text model (``SMALL``: per-layer inputs, the last two layers reusing layers 0 and 1's keys and values,
 double-wide MLPs there) in the same worlds: TP1 (logits, loss, a bit-exact export with every per-layer tensor, every
-gradient, greedy generate uncached / with the dynamic cache / with a static one) and TP2 + SP (logits, loss, export;
-the per-layer table vocab-split with a padding row). Pipelines on an 8-layer variant (``EIGHT``: the last layer
-reusing layer 6's keys and values) in the two-rank world: PP2 (logits, loss, a bit-exact export, greedy generate
-uncached / cached / static) and PP2 x VPP2 (logits, loss, the training engine's step with every gradient against
-transformers'), the stage boundaries carrying the per-layer inputs; ``EIGHT`` with layers 6, 7 reusing layer 3's
-keys and values (``SHARED_FROM_3``), which megatron's 4 / 4 would part, at PP2 on the bridge's 3 / 5 split and on a
-user's 2 / 6 (``megatron_config``): logits and loss, a bit-exact export; the image-text model with per-layer inputs at
-PP2 on images (logits, loss, export). Its refusals (a pipeline split parting a reusing layer from the layer storing
-its keys and values, context parallelism, LoRA on the per-layer linears) and ``parallel="auto"`` skipping layouts a
-bridge refuses are checked on the bridge alone.
+gradient, greedy generate uncached / with the dynamic cache / with a static one) and TP2 + SP (logits, loss, export; the
+per-layer table vocab-split with a padding row) and CP2 (logits, loss, export, every gradient). Pipelines on an 8-layer
+variant (``EIGHT``: the last layer reusing layer 6's keys and values) in the two-rank world: PP2 (logits, loss, a
+bit-exact export, greedy generate uncached / cached / static) and PP2 x VPP2 (logits, loss, the training engine's step
+with every gradient against transformers'), the stage boundaries carrying the per-layer inputs; ``EIGHT`` with layers 6,
+7 reusing layer 3's keys and values (``SHARED_FROM_3``), which megatron's 4 / 4 would part, at PP2 on the bridge's 3 / 5
+split and on a user's 2 / 6 (``megatron_config``): logits and loss, a bit-exact export; the image-text model with
+per-layer inputs at PP2 on images (logits, loss, export). Its refusals (a pipeline split parting a reusing layer from
+the layer storing its keys and values, LoRA on the per-layer linears) and ``parallel="auto"`` skipping layouts a bridge
+refuses are checked on the bridge alone.
 
 LoRA in the same worlds (``_lora_moe.moe_model_checks`` against PEFT on transformers' model, same initial values), at
-TP1 and TP2 + SP (experts whole: expert_tensor_parallel_size=1): ``"all-linear"`` on the dense model (q / k / v in
-each layer type's slots of ``linear_qkv``, the full layers without ``v_proj``, o and the MLP) and, on the MoE model,
+TP1 and TP2 + SP (experts whole: expert_tensor_parallel_size=1): ``"all-linear"`` on the dense model (q / k / v in each
+layer type's slots of ``linear_qkv``, the full layers without ``v_proj``, o and the MLP) and, on the MoE model,
 ``"all-linear"`` less the router's ``router.proj`` plus the expert stacks as ``target_parameters`` (PEFT 0.21 has no
 rewrite for Gemma 4). Logits 1e-4 (1e-5 with experts), loss 1e-5, every adapter gradient of layers 1-2 (a full and a
 sliding layer) and the experts' of layer 1, PEFT's counts, megatron's DDP buffers, the adapter folder in PEFT, the
-merged export in transformers and a PEFT-written adapter loaded. Gradients within 2e-4 (dense) and 1e-3 (MoE) of
-each gradient's largest entry: these low-rank projections are ill-conditioned on the tiny checkpoint (binding logit
-cap, routing), PEFT's own fp32 gradients being 2.1e-5 (dense) and 1.6e-4 (MoE) off its fp64 ones (measured at TP1,
-where ours are 2.1e-5 and 5.2e-4 off those; at TP2 the summation order alone moves the dense ones by 2.5e-5)."""
+merged export in transformers and a PEFT-written adapter loaded. Gradients within 2e-4 (dense) and 1e-3 (MoE) of each
+gradient's largest entry: these low-rank projections are ill-conditioned on the tiny checkpoint (binding logit cap,
+routing), PEFT's own fp32 gradients being 2.1e-5 (dense) and 1.6e-4 (MoE) off its fp64 ones (measured at TP1, where ours
+are 2.1e-5 and 5.2e-4 off those; at TP2 the summation order alone moves the dense ones by 2.5e-5)."""
 
 import re
 
@@ -56,6 +56,7 @@ LORA = {"dense": (dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora
                      exclude_modules=["router.proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
                 1e-3)}
 LORA_TP2 = {**LAYOUTS["tp2_sp"], "expert_tensor_parallel_size": 1}
+CP2 = {"context_parallel_size": 2}
 # NOTE: Gemma 4 E2B / E4B's text model shrunk: per-layer inputs of 8 (a table of 203 rows: padded to 204 under TP2),
 # the last two layers (a sliding and a full one) reusing layers 0 and 1's keys and values with double-wide MLPs, the
 # full layers with KV heads of their own (no attention_k_eq_v)
@@ -191,6 +192,8 @@ def _two_ranks(folder: str, out_dirs: dict, moe: str, adapters: dict, small: str
             "lora": _lora({"dense": folder, "moe": moe}, adapters, out_dirs["lora"], LORA_TP2),
             "small_tp2_sp": load_compare_export(small, LAYOUTS["tp2_sp"], out_dirs["small_tp2_sp"], seq=12,
                                                 padded=True),
+            "small_cp2": load_compare_export(small, CP2, out_dirs["small_cp2"], seq=12, padded=True),
+            "small_cp2_grads": gradient_checks([("cp2", small, CP2, True)]).get("cp2"),
             **_small_pipelines(eight, vl_small, out_dirs, shared_from_3)}
 
 
@@ -257,7 +260,7 @@ def one_rank(folder, own_values, moe, lora_adapters, small, tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_ranks(folder, moe, lora_adapters, small, eight, vl_small, shared_from_3, tmp_path_factory):
     out_dirs = {name: str(tmp_path_factory.mktemp(f"gemma4_{name}"))
-                for name in (*LAYOUTS, *MOE_LAYOUTS, "lora", "small_tp2_sp", "small_pp2", "vl_small_pp2",
+                for name in (*LAYOUTS, *MOE_LAYOUTS, "lora", "small_tp2_sp", "small_cp2", "small_pp2", "vl_small_pp2",
                              "split_pp2", "user_split_pp2")}
     return {**run_distributed(_two_ranks, 2, folder, out_dirs, moe, lora_adapters, small, eight, vl_small,
                               shared_from_3, timeout=500)[0], "out_dirs": out_dirs}
@@ -297,15 +300,25 @@ def test_parallel_layouts(two_ranks, folder, layout):
     check_round_trip(folder, two_ranks["out_dirs"][layout])
 
 
-@pytest.mark.parametrize("world, key", [("one_rank", "small_tp1"), ("two_ranks", "small_tp2_sp")])
+@pytest.mark.parametrize("world, key", [("one_rank", "small_tp1"), ("two_ranks", "small_tp2_sp"),
+                                        ("two_ranks", "small_cp2")])
 def test_small_model_logits_loss_and_export(world, key, small, request):
-    """E2B / E4B's per-layer inputs, shared KV and double-wide MLPs (``SMALL``) at TP1 and TP2 + SP (the per-layer
-    table vocab-split with a padding row): logits, loss, bit-exact exports (every per-layer tensor)."""
+    """E2B / E4B's per-layer inputs, shared KV and double-wide MLPs (``SMALL``) at TP1, TP2 + SP (the per-layer
+    table vocab-split with a padding row) and CP2 (each rank's stream its own tokens', the reused keys and values
+    gathered over the CP group by the reusing layers): logits, loss, bit-exact exports (every per-layer tensor)."""
     res = request.getfixturevalue(world)
     r = res[key]
     assert r["logit_diff"] < TOL and r["loss_diff"] < TOL, r
     out = f"{res['out_dir']}-small" if world == "one_rank" else res["out_dirs"][key]
     check_round_trip(small, out)
+
+
+def test_small_model_gradients_at_cp2(two_ranks):
+    """Every gradient at CP2 (pad ids among the tokens), the per-layer table's and the reused keys' included."""
+    grads = two_ranks["small_cp2_grads"]
+    assert not grads["missing"], grads["missing"]
+    assert grads["diffs"] and max(grads["diffs"].values()) < TOL, grads["diffs"]
+    assert {"model.embed_tokens_per_layer.weight", "model.layers.1.self_attn.k_proj.weight"} <= set(grads["diffs"])
 
 
 def test_small_model_gradients_and_cached_generate(one_rank):
@@ -436,8 +449,7 @@ def test_small_model_refusals_name_the_field():
                                                                "Gemma4ForCausalLM: layers [2, 3] reuse the keys and "
                                                                "values of layers [0, 1] on another pipeline stage")):
         bridge.check_layout(ParallelConfig(pipeline_parallel_size=2))
-    with pytest.raises(UnsupportedConfigError, match="context_parallel_size=2.*hidden_size_per_layer_input=8"):
-        bridge.check_layout(ParallelConfig(context_parallel_size=2))
+    bridge.check_layout(ParallelConfig(context_parallel_size=2))  # NOTE: runs (test_small_model_gradients_at_cp2)
     with pytest.raises(UnsupportedConfigError, match="num_kv_shared_layers=2"):
         get_bridge(_config("gemma4", num_kv_shared_layers=2)).check_layout(ParallelConfig(pipeline_parallel_size=2))
     with pytest.raises(UnsupportedConfigError, match="num_kv_shared_layers=4"):
