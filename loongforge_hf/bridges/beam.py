@@ -26,8 +26,9 @@ Choices:
   each new token's slot from its rotary angle).
 - transformers computes the experts' and the dense MLP's SwiGLU in fp32 and rounds once; ours in the model's dtype
   (the same in fp32; one rounding apart in bf16).
-- Refused by name: pipeline and context parallelism (not built or tested for Beam yet), a rope on the full layers,
-  rope types other than default, ``attention_bias``.
+- Pipeline and context parallelism as AFMoE's (tested against transformers at PP2: LoongTrainer's step with every
+  gradient; at CP2: logits, loss, router logits, every gradient).
+- Refused by name: a rope on the full layers, rope types other than default, ``attention_bias``.
 """
 
 from __future__ import annotations
@@ -138,12 +139,6 @@ class BeamBridge(AfmoeBridge):
         if c.attention_bias:
             raise C.UnsupportedConfigError(f"attention_bias=True is not supported for {arch}.")
         super(AfmoeBridge, self).check_config()
-
-    def check_layout(self, layout) -> None:
-        for name in ("pipeline_parallel_size", "context_parallel_size"):
-            if getattr(layout, name) > 1:
-                raise C.UnsupportedConfigError(f"{name}={getattr(layout, name)} is not supported for "
-                                               f"{self.architectures[0]} (not built for it yet).")
 
     def rope_parameters(self) -> dict:
         params = dict(self.hf_config.rope_parameters.get("sliding_attention") or {})

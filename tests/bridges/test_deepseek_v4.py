@@ -9,16 +9,17 @@ branches with fewer entries); at both PP layouts also LoongTrainer's first step 
 also a left-padded row, greedy ``generate(use_cache=False)`` (a KV cache and packed documents refused by name) and the
 hub's names; every gradient at TP2 + SP and at CP2 within 1e-4 of its largest entry (the frozen indexer's tensors take
 none, as in transformers); bit-exact export at the six parallel layouts (the int64 ``tid2eid`` tables included). Beam
-(``bridges/beam.py``, built on AFMoE's bridge) in the same world: logits, loss and ``router_logits`` at TP1 and TP2 + SP
-x EP2, cached greedy generate with a left-padded row, every gradient (1e-4 of its largest entry) and a bit-exact export
-at TP2 + SP x EP2. LoRA against PEFT (``"all-linear"`` but the grouped ``o_a_proj`` and the indexer, the routed experts'
-stacks and the routers as ``target_parameters``, ``init_lora_weights=False``) at TP1 and TP2 + SP x EP2: logits and loss
-within 1e-4, every adapter's gradient within 1e-4 of its largest entry, the adapter folder in PEFT and the merged export
-in transformers (logits within 1e-4); at TP2 + SP x EP2 the folder loaded onto a fresh model (``load_adapter``) and
-``unload()``; at TP1 LoRA on the indexer alone (logits as PEFT's, no gradient on either side); LoRA training with
-LoongSFTTrainer at TP2 + SP x EP2 (``lora_training``: resumed from its checkpoint exactly, at TP1 within 1e-5 relative,
-the checkpoint's adapter folder in PEFT). One two-rank world runs it all; the layouts refused by name are tried first,
-before any process group starts; the config, layout and LoRA refusals are pure."""
+(``bridges/beam.py``, built on AFMoE's bridge) in the same world: logits, loss and ``router_logits`` at TP1, TP2 + SP x
+EP2, PP2 and CP2, cached greedy generate with a left-padded row, every gradient (1e-4 of its largest entry) and a
+bit-exact export at TP2 + SP x EP2, every gradient at CP2 and through LoongTrainer's step at PP2. LoRA against PEFT
+(``"all-linear"`` but the grouped ``o_a_proj`` and the indexer, the routed experts' stacks and the routers as
+``target_parameters``, ``init_lora_weights=False``) at TP1 and TP2 + SP x EP2: logits and loss within 1e-4, every
+adapter's gradient within 1e-4 of its largest entry, the adapter folder in PEFT and the merged export in transformers
+(logits within 1e-4); at TP2 + SP x EP2 the folder loaded onto a fresh model (``load_adapter``) and ``unload()``; at TP1
+LoRA on the indexer alone (logits as PEFT's, no gradient on either side); LoRA training with LoongSFTTrainer at TP2 + SP
+x EP2 (``lora_training``: resumed from its checkpoint exactly, at TP1 within 1e-5 relative, the checkpoint's adapter
+folder in PEFT). One two-rank world runs it all; the layouts refused by name are tried first, before any process group
+starts; the config, layout and LoRA refusals are pure."""
 
 from __future__ import annotations
 
@@ -52,18 +53,19 @@ def _refusal(folder: str, layout: dict) -> dict:
     return {"type": "no error", "message": "", "collective_started": dist.is_initialized()}
 
 
-def _gradients(model, folder: str, ids: torch.Tensor) -> dict:
-    """Our gradient of every HF tensor (through our export) against transformers', relative to its largest entry."""
+def _gradients(model, folder: str, ids: torch.Tensor, tag: str = "") -> dict:
+    """Our gradient of every HF tensor (through our export, to ``{folder}-grads{tag}``) against transformers',
+    relative to its largest entry."""
     import torch.distributed as dist
 
     from loongforge_hf.testing.tiny_models import hf_causal_lm
     from tests.bridges._gradients import save_gradients
 
     model(input_ids=ids, labels=ids).loss.backward()
-    save_gradients(model, f"{folder}-grads")
+    save_gradients(model, f"{folder}-grads{tag}")
     if dist.get_rank() != 0:
         return {}
-    ours = dict(hf_causal_lm(f"{folder}-grads", dtype=torch.float32).named_parameters())
+    ours = dict(hf_causal_lm(f"{folder}-grads{tag}", dtype=torch.float32).named_parameters())
     hf = hf_causal_lm(folder, dtype=torch.float32)
     hf(input_ids=ids, labels=ids).loss.backward()
     diffs = {}
@@ -260,7 +262,7 @@ def _world(folder: str) -> dict:
             out["grads"] = _gradients(model, folder, ids)
         if name == "cp2":  # NOTE: _gradients writes the gradients over the weights: last
             out["cp2_padded"] = _padded_and_generate(model, ref, ids)
-            out["cp2_grads"] = _gradients(model, f"{folder}-cp2", ids)
+            out["cp2_grads"] = _gradients(model, folder, ids, "-cp2")
             out["cp2_packed_training"] = _packed_training(model, f"{folder}-cp2-packed", ids)
         if name.startswith("pp2"):
             out[f"{name}_step"] = _pipeline_step(model, folder, ids)
@@ -291,8 +293,8 @@ def _sequential_experts(folder: str, ref, ids: torch.Tensor) -> dict:
 
 
 def _beam(folder: str) -> dict:
-    """Beam at TP1 (and cached generate) and TP2 + SP x EP2: logits, loss, ``router_logits``; gradients and export
-    at the latter."""
+    """Beam at TP1 (and cached generate), TP2 + SP x EP2, PP2 and CP2: logits, loss, ``router_logits``; gradients
+    and export at TP2 + SP x EP2, gradients at CP2, LoongTrainer's step with every gradient at PP2."""
     import torch.distributed as dist
 
     import loongforge_hf as lf
@@ -300,7 +302,7 @@ def _beam(folder: str) -> dict:
 
     out, ref = {}, hf_causal_lm(folder, dtype=torch.float32)
     ids = torch.randint(3, 203, (2, 32), generator=torch.Generator().manual_seed(7))
-    for name in ("tp1", "tp2sp_ep2"):
+    for name in ("tp1", "tp2sp_ep2", "pp2", "cp2"):
         model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **LAYOUTS[name])
         with torch.no_grad():
             ours = model(input_ids=ids, labels=ids, output_router_logits=True)
@@ -317,10 +319,16 @@ def _beam(folder: str) -> dict:
                                                          do_sample=False),
                                           ref.generate(ids[:, :12], attention_mask=mask, max_new_tokens=8,
                                                        do_sample=False))
-    model.save_pretrained(f"{folder}-out")
-    dist.barrier()
-    out["export"] = _exported_equal(folder, f"{folder}-out")
-    out["grads"] = _gradients(model, folder, ids)
+        if name == "tp2sp_ep2":
+            model.save_pretrained(f"{folder}-out")
+            dist.barrier()
+            out["export"] = _exported_equal(folder, f"{folder}-out")
+            out["grads"] = _gradients(model, folder, ids)
+        if name == "pp2":
+            out["pp2_step"] = _pipeline_step(model, folder, ids)
+        if name == "cp2":
+            out["cp2_grads"] = _gradients(model, folder, ids, "-cp2")
+        del model
     return out
 
 
@@ -556,7 +564,7 @@ def test_fields_not_reproduced_refused_by_name(overrides, field):
         get_bridge(_config("deepseek_v4", **overrides))
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2sp_ep2"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2sp_ep2", "pp2", "cp2"])
 def test_beam_logits_loss_and_router_logits_match_transformers(results, layout):
     r = results["beam"][layout]
     assert r["logits"] < 1e-4 and r["loss"] < 1e-4, r
@@ -568,6 +576,14 @@ def test_beam_gradients_and_export_at_tp2_sp_ep2_and_cached_generate(results):
     assert r["generate"], r
     assert r["export"] == {"same_names": True, "unequal": []}, r["export"]
     assert r["grads"] and max(r["grads"].values()) < 1e-4, sorted(r["grads"].items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_beam_pipeline_step_and_cp2_gradients(results):
+    """PP2: LoongTrainer's step (loss, gradient norm, every gradient through the stages); CP2: every gradient."""
+    step, grads = results["beam"]["pp2_step"], results["beam"]["cp2_grads"]
+    assert step["loss"] < 1e-4 and step["grad_norm"] < 1e-4, step
+    assert step["grads"] and max(step["grads"].values()) < 1e-4, sorted(step["grads"].items(), key=lambda kv: -kv[1])
+    assert grads and max(grads.values()) < 1e-4, sorted(grads.items(), key=lambda kv: -kv[1])[:5]
 
 
 def test_beam_rope_on_full_layers_refused_by_name():
@@ -582,26 +598,19 @@ def test_beam_rope_on_full_layers_refused_by_name():
         get_bridge(_config("beam", rope_parameters=rope))
 
 
-@pytest.mark.parametrize("arch,refused", [("deepseek_v4", ()),
-                                          ("beam", ("pipeline_parallel_size", "context_parallel_size"))])
-def test_pipeline_and_context_parallel_refused_by_the_pure_layout_check(arch, refused):
-    from loongforge_hf.bridges.config_map import UnsupportedConfigError
+def test_pipeline_and_context_parallel_accepted_by_the_pure_layout_check():
+    """Neither bridge refuses PP, VPP or CP (the worlds above run them); DeepSeek-V4's stage boundary carries its
+    streams, which needs megatron's per-message shape exchange."""
+    from loongforge_hf.bridges.builder import check_megatron_config
     from loongforge_hf.bridges.registry import get_bridge
-    from loongforge_hf.parallel.config import ParallelConfig
     from loongforge_hf.testing.tiny_models import _config
 
-    bridge = get_bridge(_config(arch))
-    for name in refused:
-        with pytest.raises(UnsupportedConfigError, match=f"{name}=2.*{bridge.architectures[0]}"):
-            bridge.check_layout(ParallelConfig(**{name: 2}))
-    if arch == "deepseek_v4":  # NOTE: the streams cross pipeline stages (builder's pipeline_hidden_size)
-        from loongforge_hf.bridges.builder import check_megatron_config
-
-        assert not hasattr(bridge, "check_layout")  # NOTE: PP, VPP and CP all run (the world above)
-        assert bridge.pipeline_hidden_size() == 3 * bridge.hf_config.hidden_size
-        with pytest.raises(ValueError, match="variable_seq_lengths=False: DeepseekV4ForCausalLM's pipeline stages "
-                                             "send 192 values per token, not hidden_size=64"):
-            check_megatron_config(bridge, {"variable_seq_lengths": False})
+    bridge = get_bridge(_config("deepseek_v4"))
+    assert not hasattr(bridge, "check_layout") and not hasattr(get_bridge(_config("beam")), "check_layout")
+    assert bridge.pipeline_hidden_size() == 3 * bridge.hf_config.hidden_size
+    with pytest.raises(ValueError, match="variable_seq_lengths=False: DeepseekV4ForCausalLM's pipeline stages send "
+                                         "192 values per token, not hidden_size=64"):
+        check_megatron_config(bridge, {"variable_seq_lengths": False})
 
 
 @pytest.mark.parametrize("name", ["tp1", "tp2sp_ep2"])
