@@ -47,6 +47,10 @@ class ZambaBridge(Zamba2Bridge):
 
     def check_mixer_layout(self, layout) -> None:
         heads, tp = self.hf_config.n_mamba_heads, layout.tensor_parallel_size
+        if layout.context_parallel_size > 1:
+            raise C.UnsupportedConfigError(
+                f"context_parallel_size={layout.context_parallel_size} is not supported for {self.architectures[0]} "
+                "(its multi-head Mamba mixer has no context-parallel scan); use tensor and data parallelism.")
         if heads % tp:
             raise C.UnsupportedConfigError(f"n_mamba_heads={heads} does not split over tensor_parallel_size={tp} "
                                            f"for {self.architectures[0]} (the Mamba layers split by heads).")

@@ -23,8 +23,10 @@ Choices:
 - Zamba (``ZambaForCausalLM``, ``zamba.py``): this bridge on a multi-head Mamba-1 mixer, one block, no adapters.
 - Refused before any collective: ``tie_word_embeddings`` off, ``add_bias_linear``, rope types other than the default,
   ``use_long_context``, layer kinds other than the two, heads or KV heads that do not split over TP, what
-  ``mamba2_layers.py`` refuses; pipeline and context parallelism (the embeddings live on the first stage; the shared
-  attention runs whole sequences); activation recompute at the forward (``zamba2_shared.refuse_recompute``).
+  ``mamba2_layers.py`` refuses; pipeline parallelism (the embeddings live on the first stage); activation recompute
+  at the forward (``zamba2_shared.refuse_recompute``). Context parallelism runs: the Mamba2 mixers' scan passes its
+  states over the CP group (``mamba2.py``), each use's core attention gathers the keys and values (Zamba2; Zamba's
+  multi-head Mamba-1 mixer has no context-parallel scan and refuses it).
 - LoRA: ``mappings_for_layer`` gives a layer's own mappings (``ByLayer`` only in ``layer_mappings``, the loader's
   patterns), so the Mamba ``in_proj`` / ``out_proj`` take adapters as Granite 4.0 H's; the planner refuses by name
   (``lora.plan._REFUSED``) the shared blocks' linears (transformers keeps a tied copy of a block in each hybrid
@@ -147,12 +149,11 @@ class Zamba2Bridge(Mamba2Layers, DenseBridge):
     def check_layout(self, layout) -> None:
         c, arch, tp = self.hf_config, self.architectures[0], layout.tensor_parallel_size
         self.check_mixer_layout(layout)
-        for field, size in (("pipeline_parallel_size", layout.pipeline_parallel_size),
-                            ("context_parallel_size", layout.context_parallel_size)):
-            if size > 1:
-                raise C.UnsupportedConfigError(
-                    f"{field}={size} is not supported for {arch} (the shared blocks read the token embeddings, which "
-                    "live on the first stage, and attend over whole sequences); use tensor and data parallelism.")
+        if layout.pipeline_parallel_size > 1:
+            raise C.UnsupportedConfigError(
+                f"pipeline_parallel_size={layout.pipeline_parallel_size} is not supported for {arch} (the shared "
+                "blocks read the token embeddings, which live on the first stage); use tensor, context and data "
+                "parallelism.")
         for field in ("num_attention_heads", "num_key_value_heads"):
             if getattr(c, field) % tp:
                 raise C.UnsupportedConfigError(f"{field}={getattr(c, field)} does not split over "
