@@ -24,9 +24,8 @@ Choices:
 - Refused before any collective: ``tie_word_embeddings`` off, ``add_bias_linear``, rope types other than the default,
   ``use_long_context``, layer kinds other than the two, heads or KV heads that do not split over TP, what
   ``mamba2_layers.py`` refuses; pipeline parallelism (the embeddings live on the first stage); activation recompute
-  at the forward (``zamba2_shared.refuse_recompute``). Context parallelism runs: the Mamba2 mixers' scan passes its
-  states over the CP group (``mamba2.py``), each use's core attention gathers the keys and values (Zamba2; Zamba's
-  multi-head Mamba-1 mixer has no context-parallel scan and refuses it).
+  at the forward (``zamba2_shared.refuse_recompute``). Context parallelism runs: the Mamba2 scan passes its states
+  over the CP group (``mamba2.py``), each use's core attention gathers the keys and values (not Zamba: ``zamba.py``).
 - LoRA: ``mappings_for_layer`` gives a layer's own mappings (``ByLayer`` only in ``layer_mappings``, the loader's
   patterns), so the Mamba ``in_proj`` / ``out_proj`` take adapters as Granite 4.0 H's; the planner refuses by name
   (``lora.plan._REFUSED``) the shared blocks' linears (transformers keeps a tied copy of a block in each hybrid

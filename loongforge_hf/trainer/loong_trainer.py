@@ -547,15 +547,13 @@ class LoongTrainer(Trainer):
         try:
             bridge = getattr(self.model, "bridge", None)
             check_length = getattr(bridge, "check_sequence_length", None) if max_positions is not None else None
-            check_positions = getattr(bridge, "check_position_ids", None)  # NOTE: packing the bridge cannot run
             for b in micro if failed is None else ():
                 if isinstance(b, FailedBatch):
                     raise DataError(b["error"])
                 with_mask_positions(bridge, b)  # NOTE: OPT's default positions, from the attention mask
                 if max_positions is not None:
                     check_batch(b, max_positions=max_positions)
-                if check_positions is not None:
-                    check_positions(b.get("position_ids"))
+                getattr(bridge, "check_position_ids", lambda _: None)(b.get("position_ids"))  # NOTE: packing it refuses
                 if check_length is not None:  # NOTE: positions the bridge is not exact from (Mistral 4's query scale)
                     positions = b.get("position_ids")
                     check_length(int(positions.max()) + 1 if torch.is_tensor(positions) and positions.numel()
