@@ -60,15 +60,10 @@ def _whole_sequence(x: torch.Tensor):
     """Under context parallelism: (the whole sequence ``[S, b, h]`` in order, gathered over the CP group (its
     gradient summed back to each rank's rows), the positions of this rank's tokens in it, in local order); else
     ``(x, None)``."""
-    from loongforge_hf.kernels.attention import _cp_global_index, _GatherSequence
-    from loongforge_hf.parallel.context_parallel import cp_group_and_size
+    from loongforge_hf.parallel.context_parallel import cp_group_and_size, cp_whole_sequence
 
-    group, cp, rank = cp_group_and_size()
-    if cp == 1:
-        return x, None
-    share = x.shape[0]
-    index = _cp_global_index([share * cp], cp, x.device)  # NOTE: each global position's row in the gathered buffer
-    return _GatherSequence.apply(x, group).index_select(0, index), torch.argsort(index)[rank * share:(rank + 1) * share]
+    group, cp, _ = cp_group_and_size()
+    return (x, None) if cp == 1 else cp_whole_sequence(x, group)
 
 
 class Rotary(torch.nn.Module):

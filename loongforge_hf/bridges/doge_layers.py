@@ -197,7 +197,7 @@ def cdmoe(*, experts: int, top_k: int, norm_topk_prob: bool, act: str) -> type:
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
     from transformers.activations import ACT2FN
 
-    from loongforge_hf.kernels.attention import _cp_global_index, _GatherSequence
+    from loongforge_hf.parallel.context_parallel import cp_whole_sequence
 
     keys = math.floor(math.sqrt(experts))
     # NOTE: not a submodule: megatron's MLP asks every child for its sharded state dict (a training checkpoint)
@@ -218,11 +218,8 @@ def cdmoe(*, experts: int, top_k: int, norm_topk_prob: bool, act: str) -> type:
             start = ps.get_tensor_model_parallel_rank() * local if local < logits.shape[0] else 0
             mine = torch.arange(start, start + local, device=logits.device)  # NOTE: its rows of the SP-gathered
             if self.config.context_parallel_size > 1:  # NOTE: the CP ranks' load-balanced chunks, in global order
-                cp_group = ps.get_context_parallel_group()
-                cp, cp_rank, share = dist.get_world_size(cp_group), dist.get_rank(cp_group), logits.shape[0]
-                index = _cp_global_index([share * cp], cp, logits.device)
-                logits = _GatherSequence.apply(logits, cp_group).index_select(0, index)
-                mine = torch.argsort(index)[cp_rank * share:(cp_rank + 1) * share][mine]
+                logits, cp_rows = cp_whole_sequence(logits, ps.get_context_parallel_group())
+                mine = cp_rows[mine]
             s, b = logits.shape[:2]
             # NOTE: transformers' [b, s, 2 * keys] logits viewed as [2, b * s, keys]
             chosen, weights = _route(logits.transpose(0, 1).reshape(2, b * s, keys), keys=keys, top_k=top_k,

@@ -103,17 +103,17 @@ def _experts_pair(fc1: torch.Tensor, fc2: torch.Tensor, m: int, recipe: str, tra
             timed(lambda *a: fp8_experts(*a, recipe=recipe, activation=activation)))
 
 
-def activation_name(activation) -> str:
-    """A cache-key name for an expert module's activation: SwiGLU's ``swiglu``, a clamped GLU's with its constants
-    (``clamped_glu(limit=7.0,alpha=1.0,offset=0.0)``)."""
+def activation_key(activation) -> str:
+    """The cache-key suffix of an expert module's activation: none for SwiGLU (None or the module), a clamped GLU's
+    name with its constants (``:clamped_glu(limit=7.0,alpha=1.0,offset=0.0)``)."""
     from loongforge_hf.kernels.clamped_glu import ClampedGLU
     from loongforge_hf.kernels.swiglu import SwiGLU
 
-    if isinstance(activation, SwiGLU):
-        return "swiglu"
+    if activation is None or isinstance(activation, SwiGLU):
+        return ""
     if isinstance(activation, ClampedGLU):
-        return f"clamped_glu(limit={activation.limit},alpha={activation.alpha},offset={activation.offset})"
-    return type(activation).__name__
+        return f":clamped_glu(limit={activation.limit},alpha={activation.alpha},offset={activation.offset})"
+    return f":{type(activation).__name__}"
 
 
 @dataclass
@@ -184,10 +184,9 @@ class Fp8Autotuner:
         """FP8 or not for a grouped expert module (weights fc1 ``[E, 2F, H]``, fc2 ``[E, H, F]``, its
         ``activation``: None for SwiGLU) at ``rows`` routed rows: forward and, with ``train``, backward of all its
         experts, timed as a whole. Another activation than SwiGLU (DeepSeek-V4's clamped SwiGLU) is timed and
-        cached apart (its name in the entry's GEMM)."""
+        cached apart (``activation_key`` in the entry's GEMM)."""
         experts, two_f, h = fc1.shape
-        kind = "" if activation is None else f":{activation_name(activation)}"
-        gemm = f"experts{'' if train else '_fwd'}:{experts}{kind}"
+        gemm = f"experts{'' if train else '_fwd'}:{experts}{activation_key(activation)}"
         return self.decide(gemm, rows, two_f, h, device=fc1.device, dtype=fc1.dtype, where=where,
                            pair=lambda: _experts_pair(fc1, fc2, rows, self.recipe, train, activation))
 

@@ -342,15 +342,9 @@ class Fp8GroupedExperts(_LayerPrecision):
         self.module_ref = module
 
     def use_fp8(self, rows: int, fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
-        from loongforge_hf.kernels.swiglu import SwiGLU
-
-        activation = getattr(self.module_ref, "activation", None)
-        if isinstance(activation, SwiGLU):
-            activation = None  # NOTE: the plain SwiGLU's cache entries
-
         def decide(m: int, where: str) -> bool:
             return self.settings.autotuner.decide_experts(fc1, fc2, m, train=fc1.requires_grad, where=where,
-                                                          activation=activation)
+                                                          activation=getattr(self.module_ref, "activation", None))
 
         return self.decision(rows, fc1, on=True, off=False, decide=decide)
 

@@ -117,6 +117,18 @@ def cp_gather_rows(local: torch.Tensor, places: torch.Tensor, count: int, group)
     return out
 
 
+def cp_whole_sequence(local: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``local`` ``[s / cp, ...]`` (this rank's load-balanced chunks along dim 0) of every rank of ``group`` -> (the
+    whole sequence ``[s, ...]`` in order, its gradient summed back to each rank's rows; the positions of this rank's
+    rows in it, in local order)."""
+    from loongforge_hf.kernels.attention import _cp_global_index, _GatherSequence
+
+    cp, rank, share = dist.get_world_size(group), dist.get_rank(group), local.shape[0]
+    index = _cp_global_index([share * cp], cp, local.device)  # NOTE: each global position's row in the gathered buffer
+    return (_GatherSequence.apply(local, group).index_select(0, index),
+            torch.argsort(index)[rank * share:(rank + 1) * share])
+
+
 def cp_loss(local_sum: torch.Tensor, count: torch.Tensor, group) -> torch.Tensor:
     """Full-sequence mean loss whose gradient on this rank is that of its own tokens' share."""
     own = local_sum / count.clamp(min=1)

@@ -38,6 +38,7 @@ Choices:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -130,8 +131,7 @@ def mark_adapter_replicas(module, targets, tp_rank: int) -> None:
         for factor in (adapter.B, adapter.magnitude):
             if factor is not None:
                 rows = factor.shape[0]
-                factor.kv_replica = KVReplica(head=info.head, heads=info.heads, replicas=info.replicas,
-                                              first=info.first, rows=(0, rows))
+                factor.kv_replica = dataclasses.replace(info, rows=(0, rows))
                 tp_sections.declare_blocks(factor, tp_sections.Blocks(rows=rows, total=info.heads, at=(info.head,),
                                                                       replica=(tp_rank % info.replicas,)))
 

@@ -183,8 +183,7 @@ def _factory(sh, sections: Sections):
             replicas = sections.replicas_of(i)
             shares = tp_size // replicas
             tp_replica = tp_rank % replicas
-            rid = (replica_id[0], tp_replica, *replica_id[2:]) if isinstance(replica_id, tuple) and \
-                len(replica_id) >= 2 else (replica_id, tp_replica)
+            rid = _with_tp_replica(replica_id, tp_replica)
             size = piece.shape[sections.axis]
             out[f"section{i}"] = dataclasses.replace(
                 sh, key=f"{key}.section{i}", data=piece, dtype=piece.dtype, local_shape=tuple(piece.shape),
@@ -213,8 +212,7 @@ def _blocks_factory(sh, blocks: Blocks):
             raise ValueError(f"{key}: a flattened sharded tensor cannot be keyed per block")
         out = []
         for piece, at, replica in zip(torch.split(data, blocks.rows, dim=blocks.axis), blocks.at, blocks.replica):
-            rid = (replica_id[0], replica, *replica_id[2:]) if isinstance(replica_id, tuple) and \
-                len(replica_id) >= 2 else (replica_id, replica)
+            rid = _with_tp_replica(replica_id, replica)
             out.append(dataclasses.replace(
                 sh, key=key, data=piece, dtype=piece.dtype, local_shape=tuple(piece.shape),
                 global_shape=_at(sh.global_shape, axis, blocks.total * blocks.rows),
@@ -226,6 +224,13 @@ def _blocks_factory(sh, blocks: Blocks):
         return torch.cat(loaded, dim=blocks.axis)
 
     return ShardedTensorFactory(sh.key, sh.data, build, merge, sh.replica_id)
+
+
+def _with_tp_replica(replica_id, tp_replica: int):
+    """megatron's replica id with its TP entry (the second) set to ``tp_replica``."""
+    if isinstance(replica_id, tuple) and len(replica_id) >= 2:
+        return (replica_id[0], tp_replica, *replica_id[2:])
+    return (replica_id, tp_replica)
 
 
 def _at(values: tuple, i: int, value: int) -> tuple:
