@@ -156,7 +156,7 @@ class GenerationGlue(GenerationMixin):
         replica, with a KV cache unless ``use_cache=False``; see ``loongforge_hf.generation``. ``cp_kv_cache``
         (context parallelism only): ``"sharded"`` (each CP rank holds 1 / CP of the cache) or ``"replicated"``
         (each holds all of it; a decode step then runs as on one GPU, without the shares' merge)."""
-        refusal, sampling = _local_verdict(self, generation_config, kwargs)
+        refusal, sampling = _local_verdict(self, generation_config, kwargs, cp_kv_cache)
         if cp_kv_cache not in ("sharded", "replicated") and refusal is None:
             refusal = f"cp_kv_cache must be 'sharded' or 'replicated', got {cp_kv_cache!r}."
         if self.parallel.expert_parallel_size > 1 and kwargs.get("synced_gpus") is None:
@@ -177,7 +177,7 @@ class GenerationGlue(GenerationMixin):
             self.train(was_training)
 
 
-def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, bool]:
+def _local_verdict(model, generation_config, kwargs: dict, cp_kv_cache: str = "sharded") -> tuple[str | None, bool]:
     """(why this call is refused or None, whether it samples), from this rank's arguments alone."""
     # NOTE: `is` tests: a tensor (inputs_embeds) has no truth value to compare with
     bad = sorted(k for k in _REFUSED_KWARGS if k not in _CONFIG_FIELDS and kwargs.get(k) is not None
@@ -207,6 +207,12 @@ def _local_verdict(model, generation_config, kwargs: dict) -> tuple[str | None, 
     refusal = model.generation_refusal(config, kwargs)
     if refusal:
         return refusal, False
+    bridge = getattr(model, "bridge", None)
+    if config.use_cache and cp_kv_cache == "sharded" and model.parallel.context_parallel_size > 1 and \
+            not getattr(bridge, "kv_cache_shards_over_cp", True):
+        return (f"cp_kv_cache='sharded' is not supported for {bridge.architectures[0]} (its attention keeps its own "
+                "cache layer, whole on each CP rank); pass cp_kv_cache='replicated' or "
+                "use_cache=False."), False
     return None, bool(config.do_sample)
 
 

@@ -332,14 +332,18 @@ def attached(chunks, cache: LoongKVCache, step: _Step):
     return patched(chunks, cache, attention_forward, rope_forward, functools.partial(_recurrent_step, cache, step))
 
 
-def own_cached_attention(module, *args, cache: LoongKVCache, index: int, step: _Step, **kwargs):
+def own_cached_attention(module, *args, cache: LoongKVCache, index: int, step: _Step, prefill: bool = False,
+                         **kwargs):
     """Stands in for the forward of an attention that keeps its own cache layer (its class's ``kv_cache_layer``, a
     ``transformers`` cache layer class: DeepSeek Sparse Attention's, ``bridges/sparse_attention.py``) during a
     cached step: its class's forward with ``cached=(its cache layer, the step)`` (``_Step``: ``past`` cached slots,
-    ``given`` new tokens of the ``padded`` ones the step runs, the key padding ``mask``)."""
+    ``given`` new tokens of the ``padded`` ones the step runs, the key padding ``mask``); with ``prefill``, in the
+    prompt split over CP (``split_prefill_step``), ``prefill=(its cache layer, the step)``."""
     if cache.shard is not None:
-        raise ValueError(f"KV cache: {type(module).__name__} does not take a cache sharded over context parallelism.")
-    return type(module).forward(module, *args, cached=(cache.layers[index], step), **kwargs)
+        raise ValueError(f"KV cache: {type(module).__name__} does not take a cache sharded over context parallelism "
+                         "(generate with cp_kv_cache='replicated').")
+    return type(module).forward(module, *args, **{"prefill" if prefill else "cached": (cache.layers[index], step)},
+                                **kwargs)
 
 
 def _recurrent_step(cache: LoongKVCache, step: _Step, index: int):
@@ -470,8 +474,13 @@ def split_prefill_step(model, cache: LoongKVCache, *, input_ids: torch.Tensor, a
     step = _Step(past=0, given=given, padded=padded_ids.shape[-1],
                  mask=_key_padding_mask(attention_mask, batch=batch, past=0, given=given,
                                         padded=padded_ids.shape[-1], device=model.device))
-    with patched(model.chunks, cache,
-                 lambda index: functools.partial(_split_prefill_attention, cache=cache, index=index, step=step),
+
+    def attention_forward(index):  # NOTE: an attention keeping its own cache layer fills it itself
+        if hasattr(type(cache.attentions[index]), "kv_cache_layer"):
+            return functools.partial(own_cached_attention, cache=cache, index=index, step=step, prefill=True)
+        return functools.partial(_split_prefill_attention, cache=cache, index=index, step=step)
+
+    with patched(model.chunks, cache, attention_forward,
                  lambda index, rope: type(rope).forward.__get__(rope)):  # NOTE: the rope as without a cache
         yield padded_ids
     cache.filled += given

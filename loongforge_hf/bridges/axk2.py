@@ -18,7 +18,7 @@ Choices:
 - Everything else is DeepSeek-V3.2's bridge: rotary pairs on disk (transformers' A.X-K2 always rotates interleaved
   pairs), the indexer's rotary halves, sigmoid routing with a fixed ``e_score_correction_bias`` renormalised (its
   ``+ 1e-20``: megatron's expression too) and scaled; expert groups (top-2 sums) where ``n_group`` is set, none
-  where it is ``None`` (A.X-K2-Light). Refused as there: context parallelism, the static cache in ``generate``,
+  where it is ``None`` (A.X-K2-Light); context parallelism. Refused as there: the static cache in ``generate``,
   ``attention_bias``, ``attention_dropout``. LoRA on ``o_proj``: megatron's ``linear_proj`` (the gate a
   pre-hook), its adapter reading the gated input as PEFT's; LoRA on ``q_gate_proj`` / ``q_b_proj`` (re-classed
   here, half its output the gate) is refused by name (``lora.plan._REFUSED``).

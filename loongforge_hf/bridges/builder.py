@@ -171,7 +171,11 @@ def build_megatron_model(bridge, parallel: ParallelConfig, *, dtype: torch.dtype
     if vpp:
         fixed.update(interleaved_p2p_settings(parallel.pipeline_parallel_size, megatron_config or {}))
     fixed.update(boundary_settings(bridge, parallel.pipeline_parallel_size, megatron_config or {}))
+    # NOTE: set after megatron's checks: fields whose check refuses what the bridge's own modules run (DSA under CP)
+    late = {k: kw.pop(k) for k in getattr(bridge, "late_config_fields", ()) if k in kw}
     config = config_class(**kw, **fixed, **(megatron_config or {}))
+    for field, value in late.items():
+        setattr(config, field, value)
     padded = padded_vocab_size(hf.vocab_size, tensor_parallel_size=parallel.tensor_parallel_size)
     padding_idx = embedding_padding_idx(bridge)
     chunks, offsets, counts = [], [], []

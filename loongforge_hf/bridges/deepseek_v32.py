@@ -11,9 +11,11 @@ Choices:
   bias are permuted per index head on load (rotary rows last, halves into pairs) and back on export
   (``IndexerRows``: a permutation, the round trip is exact; a LayerNorm does not see the order of its channels).
   ``weights_proj`` stays fp32 (transformers keeps it so); every indexer tensor is whole on each TP rank.
-- Refused by name before any collective: context parallelism (the indexer scores every key of the sequence, and
-  megatron's DSA has no CP), ``attention_bias``, ``attention_dropout``, ``layer_types`` other than
-  ``indexed_attention``; the static cache in ``generate``.
+- Context parallelism (megatron's DSA has none): each rank's queries score and attend over the whole sequence's
+  index keys, keys and values, all-gathered in order (``SparseAttention._cp_forward``); ``generate`` under CP takes
+  ``cp_kv_cache="replicated"`` (the prompt split over CP fills the whole cache on each rank) or ``use_cache=False``.
+- Refused by name before any collective: ``attention_bias``, ``attention_dropout``, ``layer_types`` other than
+  ``indexed_attention``; the static cache in ``generate``; a KV cache sharded over CP.
 - ``generate``'s KV cache (``kv_cache.py``): each layer's ``SparseAttentionCacheLayer`` holds its MLA keys and values
   (after the up projection and rotary embedding, this rank's heads, as DeepSeek-V3's cache) and its indexer's keys
   (whole on every TP rank); a step's index queries score every cached and new index key, so each new token's top-k
@@ -81,6 +83,8 @@ class SparseAttentionBridge:
     indexer_rope_first = True                                  # ... of its first qk_rope_head_dim dims
     sparse_attention_options: dict = {}                        # sparse_attention_spec's (HY-V4: sinks, k_norm eps)
     per_layer_types = True                                     # NOTE: layer_types checked here
+    kv_cache_shards_over_cp = False                            # NOTE: generate under CP: cp_kv_cache="replicated"
+    late_config_fields = ("experimental_attention_variant",)   # NOTE: megatron asserts DSA has no CP; ours does
 
     def has_indexer(self, layer: int) -> bool:
         return True
@@ -103,13 +107,6 @@ class SparseAttentionBridge:
             raise C.UnsupportedConfigError(f"index_head_dim={c.index_head_dim} is smaller than qk_rope_head_dim="
                                            f"{c.qk_rope_head_dim}.")
         super().check_config()
-
-    def check_layout(self, layout) -> None:
-        if layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(
-                f"context_parallel_size={layout.context_parallel_size} is not supported for {self.architectures[0]} "
-                "(DeepSeek Sparse Attention's indexer scores every key of the sequence; megatron's DSA has no "
-                "context parallelism).")
 
     def generation_refusal(self, generation_config) -> str | None:
         arch = self.architectures[0]

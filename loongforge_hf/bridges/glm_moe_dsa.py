@@ -35,7 +35,6 @@ class GlmMoeDsaBridge(DeepseekV32Bridge):
         super().check_config()
 
     def check_layout(self, layout) -> None:
-        super().check_layout(layout)
         if layout.pipeline_parallel_size > 1 and self.shared_layers():
             raise C.UnsupportedConfigError(
                 f"pipeline_parallel_size={layout.pipeline_parallel_size} is not supported with shared indexer layers "

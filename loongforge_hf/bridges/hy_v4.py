@@ -42,7 +42,8 @@ Choices:
   routed experts and the router (``target_parameters``) the grouped MLP's expert adapters and the re-classed router's;
   refused by name: the indexer's ``wq_b`` / ``wk`` / ``weights_proj`` (no gradient reaches them); its ``k_norm`` stays
   frozen under ``modules_to_save`` (``takes_no_gradient``).
-- Refused by name before any collective: context parallelism, a pipeline split as above, ``swiglu_limit`` <= 0,
+- Context parallelism as GLM-5's (``sparse_attention.SparseAttention._cp_forward``; the streams, sinks and gate are
+  per token or per query). Refused by name before any collective: a pipeline split as above, ``swiglu_limit`` <= 0,
   ``hidden_act`` other than silu, and GLM-5's refusals (the static cache in ``generate``, ``attention_bias``,
   ``attention_dropout``).
 """
@@ -129,8 +130,7 @@ class HYV4Bridge(GlmMoeDsaBridge):
     def check_layout(self, layout) -> None:
         from loongforge_hf.bridges.stage_boundary import stage_layer_ranges
 
-        super(GlmMoeDsaBridge, self).check_layout(layout)  # NOTE: GLM-5's pipeline refusal, narrowed here
-        if layout.pipeline_parallel_size == 1:
+        if layout.pipeline_parallel_size == 1:  # NOTE: GLM-5's pipeline refusal (not called), narrowed here
             return
         shared = self.shared_layers()
         crossing = [stage.start for stage in stage_layer_ranges(self.hf_config.num_hidden_layers, layout)

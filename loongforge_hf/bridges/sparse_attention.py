@@ -42,6 +42,12 @@ Choices:
   layer. The attention is ``masked_sparse_attention`` over cache + new keys; the layout's padding keys (sequence
   parallelism) join that step only; sinks (HY-V4) join its softmax as without the cache. The class's forward runs
   (the cache step passes ``cached=``), so a re-classed attention (A.X-K2's) keeps its own forward.
+- Context parallelism (megatron's DSA has none: ``late_config_fields`` sets the variant after its config check):
+  each rank's queries (its load-balanced share) score the whole sequence's index keys (the indexer's input and query
+  latent all-gathered over CP in sequence order, after the SP gather; the rotary table unsliced) and attend over the
+  whole sequence's keys and values (all-gathered, their gradient summed back to each rank's share), with the causal
+  mask of their global positions. generate's prompt split over CP (``kv_cache.split_prefill_step``) fills the layer's
+  cache with the whole prompt's keys, values and index keys on every CP rank; a cache sharded over CP is refused.
 - Refused by name: packed THD sequences (``packed_seq_params``; packed rows with position ids are masks and run).
 """
 
@@ -95,18 +101,23 @@ class LightningIndexer(DSAIndexer):
         q, k, weights = self.queries_and_keys(x, qr)
         return self.top_k(q, k, weights, mask)
 
-    def queries_and_keys(self, x, qr):
+    def queries_and_keys(self, x, qr, cp_group=None):
         """The index queries ``[s, b, heads, d]``, keys ``[s, b, d]`` (rotated from the rotary table's first row:
         slot ``past`` in a cached step, ``kv_cache.attached``) and fp32 head weights ``[s, b, heads]`` of the
-        sequence (gathered under SP)."""
+        sequence (gathered under SP; and over ``cp_group``, into sequence order, where given)."""
+        from loongforge_hf.parallel.context_parallel import cp_gather_sequence
+
         seq = self.rotary_pos_emb.get_rotary_seq_len(None, None, x, self.config, None)
+        whole = cp_group is not None  # NOTE: packed_seq=True: megatron's table without its CP slice
         if self.config.rope_type == "rope":
-            rotary, mscale = self.rotary_pos_emb(seq, packed_seq=False), 1.0
+            rotary, mscale = self.rotary_pos_emb(seq, packed_seq=whole), 1.0
         else:
-            rotary, mscale = self.rotary_pos_emb(seq, packed_seq=False)
+            rotary, mscale = self.rotary_pos_emb(seq, packed_seq=whole)
         if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
             x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
             qr = gather_from_sequence_parallel_region(qr, group=self.pg_collection.tp)
+        if whole:  # NOTE: after the TP gather: SP splits each CP rank's share
+            x, qr = (cp_gather_sequence(t, seq, cp_group, dim=0) for t in (x, qr))
         s, b, _ = x.shape
         q, _ = self.linear_wq_b(qr)
         q = self._apply_rope(q.reshape(s, b, self.index_n_heads, self.index_head_dim), rotary, mscale)
@@ -201,14 +212,20 @@ class SparseAttention(DSAttention):
         return state
 
     def forward(self, query, key, value, attention_mask, x, qr, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, cached=None):
+                packed_seq_params=None, cached=None, prefill=None):
         """``cached``: (this layer's ``SparseAttentionCacheLayer``, the step) in generate's cached steps
-        (``kv_cache.own_cached_attention``)."""
+        (``kv_cache.own_cached_attention``); ``prefill``: the same in its prompt split over CP
+        (``kv_cache.split_prefill_step``)."""
+        from loongforge_hf.parallel.context_parallel import cp_group_and_size
+
         _refuse_packed(packed_seq_params)
         if attention_bias is not None:
             raise ValueError("DSA attention takes no attention_bias.")
         if cached is not None:
             return self._cached_forward(query, key, value, x, qr, *cached)
+        group = cp_group_and_size()[0]
+        if group is not None:
+            return self._cp_forward(query, key, value, attention_mask, x, qr, group, prefill)
         sq, skv = query.shape[0], key.shape[0]
         mask = None if attention_mask is None else attention_mask.expand(-1, 1, sq, skv).squeeze(1)
         if self.shared:
@@ -226,6 +243,39 @@ class SparseAttention(DSAttention):
         if mask is None:
             mask = torch.ones(sq, skv, dtype=torch.bool, device=query.device).triu(1).expand(query.shape[1], -1, -1)
         return masked_sparse_attention(query, key, value, topk, mask, self.softmax_scale, sinks=self.sinks)
+
+    def _cp_forward(self, query, key, value, attention_mask, x, qr, group, prefill=None):
+        """Under context parallelism ``query / key / value`` ``[s / CP, b, heads, d]`` are this rank's load-balanced
+        share (``attention_mask`` ``[b, 1, s / CP, s]``: its query rows). Its queries attend over the whole
+        sequence's keys and values (all-gathered in order, their gradient summed back to each rank's share), each
+        keeping the top-k its index query picks over the whole sequence's index keys, as without CP. ``prefill``:
+        the prompt's keys, values and index keys fill the cache layer, ``step.mask`` masks the padding keys."""
+        from loongforge_hf.parallel.context_parallel import cp_whole_sequence
+
+        whole, rows = cp_whole_sequence(torch.cat((key, value), dim=-1), group)
+        key, value = whole.split((key.shape[-1], value.shape[-1]), dim=-1)
+        s, b = key.shape[0], query.shape[1]
+        masked = (torch.arange(s, device=query.device)[None, :] > rows[:, None])[None]  # NOTE: causal, [1, sq, s]
+        if prefill is not None and prefill[1].mask is not None:
+            masked = masked | prefill[1].mask[:, 0]
+        elif prefill is None and attention_mask is not None:
+            masked = masked | attention_mask.expand(-1, 1, rows.numel(), s).squeeze(1)
+        masked = masked.expand(b, -1, -1)
+        if self.shared:
+            topk = self._source_topk()
+        else:
+            with torch.no_grad():
+                q, index_keys, weights = self.indexer.queries_and_keys(x.detach(), qr.detach(), cp_group=group)
+                _, topk = self.indexer.top_k(q.index_select(0, rows), index_keys, weights.index_select(0, rows),
+                                             mask=torch.zeros(masked.shape, device=query.device).masked_fill(
+                                                 masked, float("-inf")))
+            self.topk = topk
+        if prefill is not None:
+            layer, step = prefill
+            layer.update(key[:step.given].permute(1, 2, 0, 3), value[:step.given].permute(1, 2, 0, 3))
+            if not self.shared:
+                layer.update_index_keys(index_keys[:step.given].transpose(0, 1))
+        return masked_sparse_attention(query, key, value, topk, masked, self.softmax_scale, sinks=self.sinks)
 
     def _source_topk(self) -> torch.Tensor:
         if not self.source or self.source[0].topk is None:

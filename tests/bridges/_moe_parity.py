@@ -179,9 +179,11 @@ def _dsa_generate(model, ref) -> dict:
     mask = torch.ones_like(ids)
     mask[0, :3], ids[0, :3] = 0, 0
     out, diffs = {}, []
+    # NOTE: under CP the cache is whole on each rank (the prompt's split prefill fills it; a sharded one is refused)
+    whole = {"cp_kv_cache": "replicated"} if model.parallel.context_parallel_size > 1 else {}
     for name, kw in {"greedy": {}, "beams": {"num_beams": 2}}.items():
         args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
-        cached = model.generate(ids, return_dict_in_generate=True, output_logits=True, **args)
+        cached = model.generate(ids, return_dict_in_generate=True, output_logits=True, **whole, **args)
         theirs = ref.generate(ids, return_dict_in_generate=True, output_logits=True, **args)
         diffs += [(a.float() - b.float()).abs().max().item() if a.shape == b.shape else float("inf")
                   for a, b in zip(cached.logits, theirs.logits)]
@@ -193,6 +195,12 @@ def _dsa_generate(model, ref) -> dict:
                                     None if layer.index_keys is None else tuple(layer.index_keys.shape))
                                    for layer in cached.cache.layers]
     out["logit_diff"] = max(diffs)
+    if whole:  # NOTE: the default cp_kv_cache="sharded" is refused on every rank before the prefill
+        try:
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+            out["sharded_refusal"] = ""
+        except ValueError as err:
+            out["sharded_refusal"] = str(err)
     return out
 
 

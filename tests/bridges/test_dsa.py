@@ -72,11 +72,10 @@ def test_refusals():
     """Each by name, from the bridge's checks that from_pretrained runs before the process group starts."""
     v32, glm = bridge("deepseek_v32"), bridge("glm_moe_dsa")
     assert v32.shared_layers() == () and glm.shared_layers() == (1, 3)
-    for b in (v32, glm):
-        with pytest.raises(UnsupportedConfigError, match="context_parallel_size=2"):
-            b.check_layout(ParallelConfig(context_parallel_size=2))
-        b.check_layout(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True))
-    v32.check_layout(ParallelConfig(pipeline_parallel_size=2))
+    # NOTE: DeepSeek-V3.2 refuses no layout (CP runs: test_moe_parity's cp2ep2); GLM-5 PP with shared layers only
+    assert not hasattr(v32, "check_layout")
+    glm.check_layout(ParallelConfig(context_parallel_size=2))
+    glm.check_layout(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True))
     with pytest.raises(UnsupportedConfigError, match="pipeline_parallel_size=2 .* shared indexer layers"):
         glm.check_layout(ParallelConfig(pipeline_parallel_size=2))
     bridge("glm_moe_dsa", indexer_types=["full"] * 4).check_layout(ParallelConfig(pipeline_parallel_size=2))

@@ -51,7 +51,8 @@ MiMo-V2-Flash (sliding layers with twice the KV heads and attention sinks, value
 scaled, a rope theta per layer type on a third of each head, grouped sigmoid routing plus a fixed bias) at TP2 + SP +
 EP2.
 DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention, the top 4 of 12 keys; GLM-5 with layers reusing an earlier top-k)
-at TP2 + SP + EP2; their indexers take no gradient (transformers runs them under no_grad): unchanged.
+at TP2 + SP + EP2 and CP2 (each rank's queries over the whole sequence's keys, values and index keys); their indexers
+take no gradient (transformers runs them under no_grad): unchanged.
 Ministral 3, VaultGemma, CWM and NanoChat (norms without weights, flipped rotary signs) at TP2 + SP.
 Hy3 (sigmoid routing plus a fixed bias, which takes no gradient, shared experts), Mellum 2 (windowed layers, a rope
 theta per layer type) and Flint (sinks, full layers without rotary embedding, sigmoid routing, an ungated shared
@@ -209,7 +210,8 @@ CHECKPOINTS = {
     "vaultgemma": ("vaultgemma", {}),
     "cwm": ("cwm", {}),
     "nanochat": ("nanochat", {}),
-    # NOTE: DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention; GLM-5 with shared indexer layers): at TP2 + SP + EP2.
+    # NOTE: DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention; GLM-5 with shared indexer layers): at TP2 + SP + EP2
+    # and CP2.
     # transformers' indexer runs under no_grad: its tensors take no gradient and must come back unchanged
     "deepseek_v32": ("deepseek_v32", {}),
     "glm_moe_dsa": ("glm_moe_dsa", {}),
@@ -287,7 +289,8 @@ LAYOUTS = {
                           "solar_open", "dbrx", "deepseek_v32", "glm_moe_dsa", "mimo_v2_flash", "kimi_linear",
                           "hy_v3", "mellum", "flint", "axk1", "axk2", "granitemoe_swa", "minimax", "kolibri1",
                           "aria_text", "laguna", "lara_mini")),
-    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET + ("kimi_linear", "mimo_v2_flash")),
+    "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET + ("kimi_linear", "mimo_v2_flash",
+                                                                             "deepseek_v32", "glm_moe_dsa")),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},  # MoE: experts split too

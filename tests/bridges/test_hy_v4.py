@@ -34,7 +34,8 @@ import torch
 from loongforge_hf.parallel.spawn import run_distributed
 
 LAYOUTS = {"tp1": {}, "tp2sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
-           "ep2": {"expert_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+           "ep2": {"expert_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2},
+           "cp2": {"context_parallel_size": 2}}
 # NOTE: LoRA on the routed experts takes them whole on each rank (expert_tensor_parallel_size=1)
 LORA_LAYOUTS = {"tp1": {}, "tp2sp_ep2": {"tensor_parallel_size": 2, "sequence_parallel": True,
                                          "expert_parallel_size": 2, "expert_tensor_parallel_size": 1}}
@@ -132,7 +133,7 @@ def _world(folder: str, hub: str, axk2: str) -> dict:
                      "router_counts": (len(ours.router_logits), len(theirs.router_logits)),
                      "router": max((a - b).abs().max().item() for a, b in zip(ours.router_logits,
                                                                               theirs.router_logits))}
-        if name in ("tp1", "tp2sp"):
+        if name in ("tp1", "tp2sp", "cp2"):
             out[name].update(_generate(model, ref))
         if name == "tp1":
             out.update(_padded_and_packed(model, ref, ids))
@@ -141,8 +142,8 @@ def _world(folder: str, hub: str, axk2: str) -> dict:
             model.save_pretrained(f"{folder}-{name}")
             dist.barrier()
             out[f"{name}_export"] = _exported_equal(folder, f"{folder}-{name}")
-        if name == "tp2sp":
-            out["grads"] = _gradients(model, folder, ids)
+        if name in ("tp2sp", "cp2"):
+            out[f"grads_{name}"] = _gradients(model, folder, ids, tag=name)
         if name == "pp2":
             out["pp2_step"] = _pipeline_step(model, folder, ids)
         del model
@@ -176,8 +177,9 @@ def test_logits_loss_and_router_logits_match_transformers(results, layout):
     assert r["router_counts"] == (3, 3) and r["router"] < 1e-5, r
 
 
-def test_gradients_at_tp2_sp_match_transformers(results):
-    diffs = results["grads"]
+@pytest.mark.parametrize("layout", ["tp2sp", "cp2"])
+def test_gradients_match_transformers(results, layout):
+    diffs = results[f"grads_{layout}"]
     assert diffs and max(diffs.values()) < 1e-4, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
 
 
@@ -185,18 +187,21 @@ def test_left_padding_and_packed_rows_match_transformers(results):
     assert results["padded"] < 1e-4 and results["packed"] < 1e-4, results
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2sp"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2sp", "cp2"])
 def test_generate_with_kv_cache_matches_transformers(results, layout):
     """Greedy and 2 beams give transformers' tokens (with its cache) and ours without, each step's logits within
     1e-4 of its cached ones (a cached step without the sinks is 5e-3 off, one rotating the index keys from slot 0
     0.16); every layer caches its heads' keys (4 / TP), the full layers 0 and 2 their indexer's; the static cache is
-    refused by name."""
+    refused by name. At CP2 the prompt runs split over the CP ranks and fills the whole cache on each
+    (``cp_kv_cache="replicated"``); the default sharded cache is refused by name."""
     g, heads = results[layout]["generate"], 4 // (2 if layout == "tp2sp" else 1)
     assert g["greedy"] == g["beams"] == {"transformers": True, "uncached": True}, g
     assert g["logit_diff"] < 1e-4, g
     assert g["cache_layers"] == [("SparseAttentionCacheLayer", (2, heads, 14, 24), (2, 14, 16) if i in (0, 2) else None)
                                  for i in range(4)], g
     assert "cache_implementation='static' is not supported for HYV4ForCausalLM" in results[layout]["static_refusal"]
+    if layout == "cp2":
+        assert "cp_kv_cache='sharded' is not supported for HYV4ForCausalLM" in g["sharded_refusal"], g
 
 
 def test_hub_gate_names_load_and_export_as_transformers_writes(results):
@@ -212,7 +217,7 @@ def test_trainer_step_and_gradients_through_pipeline_stages_match_transformers(r
     assert r["grads"] and max(r["grads"].values()) < 1e-4, sorted(r["grads"].items(), key=lambda kv: -kv[1])[:5]
 
 
-@pytest.mark.parametrize("layout", ["tp2sp", "ep2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2sp", "ep2", "pp2", "cp2"])
 def test_export_is_bit_exact(results, layout):
     assert results[f"{layout}_export"] == {"same_names": True, "unequal": []}
 
@@ -267,7 +272,6 @@ def test_layouts_and_lora_refused_by_the_pure_checks(monkeypatch):
     # NOTE: a shared layer opening a stage (its top-k on an earlier one): layer 1 at PP2 x VPP2 (one layer a
     # stage), layer 2 at PP2 of full, full, shared, shared
     for bridge_of, layout, field in (
-            (bridge, {"context_parallel_size": 2}, "context_parallel_size=2 .*HYV4ForCausalLM"),
             (bridge, {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2},
              r"pipeline_parallel_size=2 .*HYV4ForCausalLM with shared indexer layers \[1, 3\] opening"),
             (get_bridge(_config("hy_v4", indexer_types=["full", "full", "shared", "shared"])),
@@ -276,6 +280,7 @@ def test_layouts_and_lora_refused_by_the_pure_checks(monkeypatch):
             bridge_of.check_layout(ParallelConfig(**layout))
     bridge.check_layout(ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True))
     bridge.check_layout(ParallelConfig(pipeline_parallel_size=2))  # NOTE: each stage opens with a full layer
+    bridge.check_layout(ParallelConfig(context_parallel_size=2))
     # NOTE: the indexer's refusal: tests/integrations/test_lora_refused_by_name.py; the routed parameters are planned
     # on the MoE layers only (layer 0 is dense), under the grouped MLP only
     routed = peft.LoraConfig(r=4, target_parameters=LORA_KW["target_parameters"])
