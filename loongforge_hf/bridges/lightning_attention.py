@@ -15,8 +15,11 @@ Choices:
   ``out_proj``.
 - Packed documents (megatron's mask blocks attention between documents): the recurrence restarts at each document
   (one call of the kernel per document); transformers has no packed form, so each document reads as a sequence of
-  its own. Context parallelism and megatron's inference context / THD inputs are refused (the bridge's layout check;
-  ``kv_cache.refuse_megatron_state_inputs``).
+  its own. megatron's inference context / THD inputs are refused (``kv_cache.refuse_megatron_state_inputs``).
+- Context parallelism (``_mix_cp``): each rank runs its two load-balanced chunks from the zero state, every chunk's
+  final ``k^T v`` state is all-gathered (differentiable, ``recurrent_cp.gather_chunks``) and folded in sequence
+  order into the state entering each of its chunks, whose decayed read is added to the chunk's tokens; document
+  starts (the whole sequence's, ``delta_rule_cp.read_cp_layout``) restart a chunk's run and stop the carry.
 - Cached generate (``kv_cache.py``: one of transformers' ``LinearAttentionLayer`` per lightning layer of the rank, as
   for the Gated DeltaNets): a step runs its ``given`` new tokens (those transformers' mask marks as padding zeroed)
   from the ``k^T v`` state ``[b, heads, head_dim, head_dim]`` of this rank's heads and keeps the new one; the
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from loongforge_hf.bridges.olmo2 import _SumOverGroup
 from loongforge_hf.bridges.recurrent_common import CachedStep, _token_layout, mixer_projections, tp_group_of
 from loongforge_hf.parallel import tp_sections
+from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
 NORM_EPS = 1e-6  # NOTE: transformers builds this norm with MiniMaxRMSNorm's default eps, not rms_norm_eps
 TABLES = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
@@ -72,10 +76,14 @@ class LightningAttention(torch.nn.Module):
         refuse_megatron_state_inputs("Lightning attention", inference_context, packed_seq_params)
         if cached is not None:
             return self._cached_forward(hidden_states, cached)
+        group = cp_group_and_size()[0]
         mixed = self.in_proj(hidden_states)[0].transpose(0, 1)           # [b, s, local]: all tokens
-        real, starts = _token_layout(attention_mask, mixed.shape[0], mixed.shape[1])
+        real, starts = _token_layout(attention_mask, mixed.shape[0], mixed.shape[1], group=group)
         q, k, v, gate = self._split(mixed, real)
-        core = self._mix(q, k, v) if starts is None else self._mix_packed(q, k, v, starts)
+        if group is not None:
+            core = self._mix_cp(q, k, v, starts, group)
+        else:
+            core = self._mix(q, k, v) if starts is None else self._mix_packed(q, k, v, starts)
         return self.out_proj(self._output(core, gate).transpose(0, 1).contiguous())
 
     def _cached_forward(self, hidden_states: torch.Tensor, step: CachedStep):
@@ -128,6 +136,54 @@ class LightningAttention(torch.nn.Module):
                                    for a, b in zip(bounds, bounds[1:])], dim=2))
         return torch.cat(rows)
 
+    def _mix_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None, group):
+        """``_mix`` over this CP rank's two chunks (``[b, heads, 2c, d]``: chunks r and ``2 * cp - 1 - r``), as over
+        the whole sequence. Each chunk runs from the zero state (restarting at its documents' starts: ``starts``
+        ``[b, s]`` of the whole sequence, None: no row packed); every chunk's final state is all-gathered, and each
+        rank folds them in sequence order into the state entering its chunks, ``S_in(j + 1) = exp(-slope * c)
+        S_in(j) + S_j`` (no carry through a chunk where a document starts). A token ``t`` tokens into a chunk, before
+        its first document start, adds ``(q * exp(-slope * t)) S_in``: the exact decayed sum over the earlier
+        chunks' keys (the block boundaries are the chunk's, so the rounding differs from one run)."""
+        from loongforge_hf.parallel.recurrent_cp import chunk_order, gather_chunks
+
+        _, order = chunk_order(group)
+        c = q.shape[2] // 2
+        runs = [self._chunk_from_zero(*(x[:, :, i * c:(i + 1) * c] for x in (q, k, v)), _cuts(starts, j, c))
+                for i, j in enumerate(order)]
+        finals = gather_chunks([final for _, final in runs], group)
+        offsets = torch.arange(1, c + 1, device=q.device)
+        states, passes = [torch.zeros_like(finals[0])], torch.exp(-self.slope_rate * c)  # NOTE: [heads, 1, 1]
+        for j in range(max(order)):
+            whole = torch.ones(q.shape[0], device=q.device) if starts is None else \
+                (~starts[:, j * c:(j + 1) * c].any(-1)).to(q.device, q.dtype)
+            states.append(states[-1] * passes * whole[:, None, None, None] + finals[j])
+        outs = []
+        for i, (j, (core, _)) in enumerate(zip(order, runs)):
+            inter = torch.matmul(q[:, :, i * c:(i + 1) * c] * torch.exp(-self.slope_rate * offsets[:, None]), states[j])
+            if starts is not None:  # NOTE: tokens from the chunk's first document start on read no earlier state
+                own = starts[:, j * c:(j + 1) * c]
+                first = torch.where(own.any(-1), own.byte().argmax(-1), c).to(q.device)
+                inter = inter * (offsets[None] <= first[:, None])[:, None, :, None].to(inter.dtype)
+            outs.append(core + inter)
+        return torch.cat(outs, dim=2)
+
+    def _chunk_from_zero(self, q, k, v, cuts: list[list[int]] | None):
+        """One chunk's ``[b, heads, c, d]`` outputs from the zero state (restarting at each row's ``cuts``) and its
+        final ``k^T v`` state (the last document's)."""
+        from loongforge_hf.kernels.lightning_attention import lightning_attention
+
+        tables = {name: getattr(self, name) for name in TABLES}
+        if cuts is None:
+            return lightning_attention(q, k, v, **tables, output_final_state=True)
+        outs, finals = [], []
+        for row, inner in enumerate(cuts):
+            bounds = [0, *inner, q.shape[2]]
+            pieces = [lightning_attention(*(x[row:row + 1, :, a:b] for x in (q, k, v)), **tables,
+                                          output_final_state=True) for a, b in zip(bounds, bounds[1:]) if b > a]
+            outs.append(torch.cat([out for out, _ in pieces], dim=2))
+            finals.append(pieces[-1][1])
+        return torch.cat(outs), torch.cat(finals)
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm over all heads' channels (each rank's squares summed over the TP group), Llama's rounding."""
         xf = x.float()
@@ -142,3 +198,10 @@ class LightningAttention(torch.nn.Module):
         own = {"norm_weight": self.norm_weight, **{name: getattr(self, name) for name in TABLES}}
         split = {name: 1 if name == "diagonal_decay" else 0 for name in own}
         return mixer_sharded_state_dict(self, prefix, sharded_offsets, metadata, own, split)
+
+
+def _cuts(starts: torch.Tensor | None, chunk: int, c: int) -> list[list[int]] | None:
+    """Each row's document starts inside chunk ``chunk`` (offsets from its first token), None where no row has one."""
+    if starts is None or not bool(starts[:, chunk * c:(chunk + 1) * c].any()):
+        return None
+    return [torch.nonzero(row).flatten().tolist() for row in starts[:, chunk * c:(chunk + 1) * c]]

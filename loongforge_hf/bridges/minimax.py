@@ -20,8 +20,11 @@ Choices:
 - Cached generate: the softmax layers' keys and values and the lightning layers' ``k^T v`` states (``kv_cache.py``),
   as transformers' ``MiniMaxCache`` holds them.
 - Refused by name before any collective: unknown ``layer_types`` or the wrong count, ``hidden_act`` other than silu
-  (the lightning layers' activation), ``block_size`` < 1, context parallelism (the lightning state is not passed
-  between chunks), the static cache (no lightning state in its fixed-shape step: ``generation_refusal``).
+  (the lightning layers' activation), ``block_size`` < 1, the static cache (no lightning state in its fixed-shape
+  step: ``generation_refusal``).
+- Context parallelism: the lightning layers pass their ``k^T v`` state between the chunks
+  (``LightningAttention._mix_cp``), the softmax layers are megatron's; ``generate`` under CP runs without the cache
+  (the split prefill cannot fill the lightning states: ``kv_cache.patched`` refuses it by name).
 """
 
 from __future__ import annotations
@@ -67,13 +70,6 @@ class MiniMaxBridge(MixtralBridge):
         if c.block_size < 1:
             raise C.UnsupportedConfigError(f"block_size={c.block_size} is not supported for {arch} (at least 1).")
         super().check_config()
-
-    def check_layout(self, layout) -> None:
-        """``UnsupportedConfigError`` for context parallelism (pure: before any collective)."""
-        if layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(
-                f"context_parallel_size={layout.context_parallel_size} is not supported for {self.architectures[0]}: "
-                "the lightning-attention state is not passed between the chunks.")
 
     def generation_refusal(self, generation_config) -> str | None:
         if generation_config.use_cache and generation_config.cache_implementation == "static":

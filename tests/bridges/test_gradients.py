@@ -65,7 +65,7 @@ Laguna (a head count per layer, split over TP, a softplus output gate per head c
 one per head: test_moe_parity) fused beside the queries, a rope per layer type, sigmoid routing plus a fixed bias,
 which takes no gradient, a shared expert) at TP2 + SP + EP2.
 MiniMax (lightning-attention layers with their norm over all heads split over TP, residuals after the norms scaled,
-softmax top-2 experts) at TP2 + SP + EP2.
+softmax top-2 experts) at TP2 + SP + EP2 and CP2 (the lightning states passed between the chunks).
 The language models of Emu3 (Llama's layout), Gemma 4 Unified (Gemma 4's text model) and Cohere Compass (Cohere2's
 layer, rotate-half rope on the sliding layers only) at TP2 + SP.
 GLM-4-9B (biased q / k / v, half of each head rotated in interleaved pairs, a packed gate / up), OLMo (norms without
@@ -239,7 +239,7 @@ CHECKPOINTS = {
     # NOTE: DiffLlama (differential attention: heads paired across the halves, the lambdas' gradients summed over TP)
     "diffllama": ("diffllama", {}),
     # NOTE: MiniMax (lightning-attention layers, the norm over all heads split over TP; residuals after the norms,
-    # scaled; softmax top-2 experts): at TP2 + SP + EP2
+    # scaled; softmax top-2 experts): at TP2 + SP + EP2 and CP2
     "minimax": ("minimax", {}),
     # NOTE: Persimmon (q / k LayerNorms with biases over TP-split heads, relu2), CodeGen (q / v / k fused by shards),
     # GPT-Neo (unscaled scores, windowed local layers, out_proj's bias beside unbiased q / k / v) and OPT (positions
@@ -290,7 +290,8 @@ LAYOUTS = {
                           "hy_v3", "mellum", "flint", "axk1", "axk2", "granitemoe_swa", "minimax", "kolibri1",
                           "aria_text", "laguna", "lara_mini")),
     "cp2": (2, {"context_parallel_size": 2}, MOE + DENSE + MQA + DELTANET + ("kimi_linear", "mimo_v2_flash",
-                                                                             "deepseek_v32", "glm_moe_dsa")),
+                                                                             "deepseek_v32", "glm_moe_dsa",
+                                                                             "minimax")),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
     "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},  # MoE: experts split too

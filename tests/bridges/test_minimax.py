@@ -1,8 +1,8 @@
 """MiniMax (Text-01 / M1): the lightning-attention kernel against a plain recurrence written here (outputs and
 gradients, odd shapes, blocks that end mid-sequence, a state carried between calls) and against transformers' decay
 tables; the bridge's refusals, pure and before any collective. Parity with transformers (logits, loss,
-``router_logits``, left padding, packed documents, cached generate, bit-exact export) runs in test_moe_parity,
-gradients in test_gradients."""
+``router_logits``, left padding, packed documents, cached generate, bit-exact export; at cp2ep2 too) runs in
+test_moe_parity, gradients (at CP2 too) in test_gradients."""
 
 import pytest
 import torch
@@ -75,15 +75,10 @@ def test_fields_megatron_cannot_express_refused(overrides, field):
         _bridge(**overrides)
 
 
-def test_context_parallelism_and_static_cache_refused():
-    """Context parallelism (the lightning state is not passed between chunks) by the pure layout check, the static
-    cache (its fixed-shape step keeps no lightning state) by the bridge's generation refusal; the dynamic cache runs."""
-    from loongforge_hf.parallel.config import ParallelConfig
-
+def test_static_cache_refused():
+    """The static cache (its fixed-shape step keeps no lightning state) by the bridge's generation refusal; the
+    dynamic cache runs (context parallelism too: test_moe_parity's cp2ep2, test_gradients' cp2)."""
     bridge = _bridge()
-    with pytest.raises(UnsupportedConfigError, match="context_parallel_size=2.*MiniMaxForCausalLM"):
-        bridge.check_layout(ParallelConfig(context_parallel_size=2))
-    bridge.check_layout(ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2))
     static = transformers.GenerationConfig(use_cache=True, cache_implementation="static")
     assert "cache_implementation='static'" in bridge.generation_refusal(static)
     assert bridge.generation_refusal(transformers.GenerationConfig(use_cache=True)) is None

@@ -113,12 +113,13 @@ without the gates' ``e_score_correction_bias``, as the hub's (test_axk1_checkpoi
 A.X-K2 (``axk2``: DeepSeek-V3.2's layout with the top 4 of 12 keys, input / MoE-layer norms with a low-rank sigmoid
 gate, a query projection of the normalised and raw latents that also gates each head's output; the indexer reads the
 normalised half; ``router_logits``; left padding; greedy generate and a 2-beam search with the KV cache as
-DeepSeek-V3.2's) at tp1 (also with expert groups) and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients).
+DeepSeek-V3.2's) at tp1 (also with expert groups), cp2ep2 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients).
 MiniMax (``minimax``: lightning-attention layers 0, 2, 3 in blocks of 5 tokens, a softmax-attention layer 1, residuals
 after the norms scaled by alpha / beta factors other than 1, Mixtral's experts; ``router_logits`` and the balancing
 loss; left padding at the real tokens, a packed row's documents, greedy generate and a 2-beam search over a
-left-padded batch with the cache: transformers' tokens) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2:
-test_gradients; kernel, refusals: test_minimax).
+left-padded batch with the cache: transformers' tokens) at tp1, cp2ep2 (the lightning states passed between the
+chunks; a packed row's documents across them; generate without the cache, the cached one refused by name) and tp2ep2
+(gradients at TP2 + SP + EP2 and CP2: test_gradients; kernel, refusals: test_minimax).
 Kolibri-1 (``kolibri1``: per-head q / k norms, norms after each sublayer too, a binding 5-token window on layers 0, 1,
 3, the full layer 2 without rotary embedding; in every layer the top 3 of 8 experts by the logits plus a bias, weighted
 by their sigmoid, renormalised, beside a shared MLP; at tp1 also without renormalising, and in bf16 with its fp32
@@ -312,7 +313,7 @@ LAYOUTS = {
     "ep2": (2, {"expert_parallel_size": 2}, (*MODELS, "qwen3_next", *LEAN, *SMALL_MOE, "cohere2_moe_rms")),
     "ep2seq": (2, {"expert_parallel_size": 2, "moe_grouped_gemm": False}, ("qwen3_moe", "granitemoe")),
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2},
-               (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe", *KDA, "lara_mini", "mimo_v2_flash", *DSA)),
+               (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe", *KDA, "lara_mini", "mimo_v2_flash", *DSA, "minimax")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
                (*MODELS, *HYBRID, *SMALL_MOE, *MLA_FAMILY, *NEW_MOE, *DSA, "qwen3_moe_yarn", "mixtral_yarn",
                 "cohere2_moe", *KDA)),
@@ -415,8 +416,12 @@ def test_parity_and_round_trip(worlds, layout, name):
             # keys; MiniMax's lightning layers zero the padded tokens' q / k / v
             assert r["padded_diff"] < TOL, (rank, r)
         if name == "minimax":  # NOTE: a packed row's documents each as transformers runs it alone; generate's tokens
+            # (under CP without the cache: the split prefill cannot fill the lightning states, refused by name)
             assert len(r["packed_diffs"]) == 3 and max(r["packed_diffs"]) < TOL, (rank, r)
-            assert r["generate_matches"] == {"greedy": True, "beams": True}, (rank, r)
+            g = dict(r["generate_matches"])
+            if layout == "cp2ep2":
+                assert "cannot carry the states of recurrent" in g.pop("cached_refusal"), (rank, g)
+            assert g == {"greedy": True, "beams": True}, (rank, r)
         if name in ("deepseek_v32", "glm_moe_dsa", "axk2"):  # NOTE: generate with DSA's KV cache (greedy, 2 beams)
             # gives transformers' tokens and our uncached ones; every layer caches its heads' keys, a full one its
             # indexer's (A.X-K2: the gated query and output through the cached steps). At tp1 each step's logits are
