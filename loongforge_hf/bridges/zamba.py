@@ -10,9 +10,11 @@ Choices:
   ``dt_proj`` / ``A_log`` / ``D``; TP splits the heads).
 - Cached generate as Zamba2's: the shared block's keys and values per use, each Mamba layer's conv inputs and its
   heads' SSM states (``zamba_mixer.py``); the static cache refused.
-- Refused before any collective: what Zamba2 refuses (``tie_word_embeddings`` off, pipeline and context parallelism,
-  heads that do not split over TP), ``mamba_proj_bias``, ``hidden_mamba_act`` other than silu,
-  ``n_mamba_heads`` that do not split over TP.
+- Context parallelism as Zamba2's (the shared block's core attention), the mixer's states passed between the chunks
+  (``zamba_mixer.py``).
+- Refused before any collective: what Zamba2 refuses (``tie_word_embeddings`` off, pipeline parallelism, heads that
+  do not split over TP), ``mamba_proj_bias``, ``hidden_mamba_act`` other than silu, ``n_mamba_heads`` that do not
+  split over TP.
 """
 
 from __future__ import annotations
@@ -47,10 +49,6 @@ class ZambaBridge(Zamba2Bridge):
 
     def check_mixer_layout(self, layout) -> None:
         heads, tp = self.hf_config.n_mamba_heads, layout.tensor_parallel_size
-        if layout.context_parallel_size > 1:
-            raise C.UnsupportedConfigError(
-                f"context_parallel_size={layout.context_parallel_size} is not supported for {self.architectures[0]} "
-                "(its multi-head Mamba mixer has no context-parallel scan); use tensor and data parallelism.")
         if heads % tp:
             raise C.UnsupportedConfigError(f"n_mamba_heads={heads} does not split over tensor_parallel_size={tp} "
                                            f"for {self.architectures[0]} (the Mamba layers split by heads).")

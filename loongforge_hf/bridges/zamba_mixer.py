@@ -10,7 +10,9 @@ Choices:
   channels and every per-head tensor split with the heads; ``out_proj`` row-parallel. No reduction over TP: a head's
   dt / B / C read its own channels only.
 - Padding and packed documents as ``mamba1.py``: padded tokens zeroed before ``in_proj`` and after the conv; packed
-  documents restart the conv and the scan.
+  documents restart the conv and the scan. Context parallelism as ``mamba1.py``'s: each rank its two load-balanced
+  chunks, the conv after its halo (``recurrent_cp.conv_chunks``), each head's scan states passed between the chunks
+  (``linear_scan_cp.context_parallel_linear_scan``: one all-gather per head).
 - Cached generate (``kv_cache.py``: a ``CachedStep`` per step, one ``LinearAttentionLayer`` per layer): the conv
   after the conv state (the last ``conv_kernel`` inputs of this rank's channels), each head's scan from its rows of
   the SSM state (fp32 ``[b, d_inner / tp, d_state]``: the heads' states stacked), the step's first ``given`` tokens.
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from loongforge_hf.bridges.recurrent_common import (CachedStep, _token_layout, mixer_on_layers, mixer_projections,
                                                     tp_group_of)
 from loongforge_hf.parallel import tp_sections
+from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
 
 class ZambaMixer(torch.nn.Module):
@@ -75,9 +78,16 @@ class ZambaMixer(torch.nn.Module):
         if cached is not None:
             return self._cached_forward(mixed, cached)
         batch, seq, _ = mixed.shape
-        real, starts = _token_layout(attention_mask, batch, seq)
-        documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
-        return self._output(self._mix(mixed, real, documents=documents)[0], padded=seq)
+        group, cp, _ = cp_group_and_size()
+        real, starts = _token_layout(attention_mask, batch, seq, group=group)
+        if cp > 1:  # NOTE: this rank's two load-balanced chunks, the conv's halo and the states passed over CP
+            from loongforge_hf.parallel.linear_scan_cp import local_documents
+
+            y = self._mix(mixed, real, documents=local_documents(starts, group, mixed.device), cp=(group, starts))[0]
+        else:
+            documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
+            y = self._mix(mixed, real, documents=documents)[0]
+        return self._output(y, padded=seq)
 
     def _cached_forward(self, mixed: torch.Tensor, step: CachedStep):
         from loongforge_hf.bridges.mamba1 import cached_mix_step
@@ -85,17 +95,31 @@ class ZambaMixer(torch.nn.Module):
         return cached_mix_step(self, mixed, step)
 
     def _mix(self, mixed: torch.Tensor, real: torch.Tensor | None, *, documents=None, history=None, state=None,
-             cache=None):
+             cache=None, cp=None):
         """``in_proj``'s output ``[b, s, 2 * d_local]`` -> the heads' gated scans ``[b, d_local, s]`` (fp32), their
         final states ``[b, d_local, d_state]``; ``history`` / ``state``: a cached step's conv inputs and SSM states
-        before it; ``cache`` (a cache and the layer's index): its conv state updated with this step's inputs."""
+        before it; ``cache`` (a cache and the layer's index): its conv state updated with this step's inputs; ``cp``
+        (the CP group, ``read_cp_layout``'s starts): this rank's two chunks (``mamba1.py``'s conv halo and states
+        passed between the chunks), ``documents`` their local ids."""
+        from loongforge_hf.kernels.linear_scan import linear_scan
         from loongforge_hf.kernels.selective_scan import selective_scan
 
         if real is not None:
             mixed = mixed * real[..., None].to(mixed.dtype)
         inputs, z = mixed[..., 0::2], mixed[..., 1::2]                    # NOTE: rows alternate x and the gate
-        x = causal_conv_silu(inputs, weight=self.conv_weight, bias=self.conv_bias, documents=documents,
-                             history=history)
+        scan = linear_scan
+        if cp is None:
+            x = causal_conv_silu(inputs, weight=self.conv_weight, bias=self.conv_bias, documents=documents,
+                                 history=history)
+        else:
+            from loongforge_hf.kernels.causal_conv import causal_conv
+            from loongforge_hf.parallel.linear_scan_cp import context_parallel_linear_scan
+            from loongforge_hf.parallel.recurrent_cp import conv_chunks
+
+            conv = functools.partial(causal_conv, weight=self.conv_weight, bias=self.conv_bias)
+            x = F.silu(conv_chunks(inputs, cp[1], group=cp[0], width=self.conv_weight.shape[-1] - 1,
+                                   conv=conv)).to(inputs.dtype)
+            scan = functools.partial(context_parallel_linear_scan, group=cp[0])
         if cache is not None:  # NOTE: after the conv read it: the cache writes the state in place
             cache[0].update_conv_state(inputs.transpose(1, 2), cache[1], conv_kernel_size=self.conv_weight.shape[-1])
         if real is not None:
@@ -109,7 +133,7 @@ class ZambaMixer(torch.nn.Module):
             dt = F.softplus(torch.matmul(self.dt_proj_weight[h], dt) + self.dt_proj_bias[h].float()[:, None])
             y, last = selective_scan(x[:, part], dt, -torch.exp(self.A_log[h].float()), B.transpose(1, 2),
                                      C.transpose(1, 2), self.D[h], z[:, part], documents=documents,
-                                     initial_state=None if state is None else state[:, part])
+                                     initial_state=None if state is None else state[:, part], scan=scan)
             outputs.append(y)
             states.append(last)
         return torch.cat(outputs, dim=1), torch.cat(states, dim=1)

@@ -10,7 +10,8 @@ hybrid with the one shared block) against transformers, fp32 within 1e-4, in one
 - TP2 + SP: the padded rows' logits and loss, every parameter's gradient exported through the bridge against
   transformers' (each shared block's summed over its uses), cached greedy generate; LoRA on the Mamba layers'
   ``in_proj`` / ``out_proj`` against PEFT (logits, loss, every factor's gradient, the adapter folder in PEFT and
-  the merged export in transformers: ``_lora_hybrids``); Zamba2 at CP2: the padded rows and every gradient;
+  the merged export in transformers: ``_lora_hybrids``); CP2: the padded rows, a row packing documents across the
+  chunks and every gradient;
 - refusals on the bridge alone (pure, before any collective), naming the field; LoRA on the shared blocks' linears
   refused by name by the planner (PEFT gives each use its own adapter)."""
 
@@ -125,11 +126,11 @@ def _checks(folder: str, *, generate: bool) -> dict:
     out["cached_tp2_sp"] = _cached_generate(ours, ref, beams=())
     out["grads"] = _gradients(ours, ref, folder)
     del ours
-    if generate:  # NOTE: Zamba2 (Zamba's multi-head Mamba-1 mixer refuses CP)
-        ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
-        out["cp2"] = _padded(ours, ref)
-        out["cp2_grads"] = _gradients(ours, ref, folder)
-        del ours
+    ours = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, context_parallel_size=2)
+    out["cp2"] = _padded(ours, ref)
+    out["cp2_packed"] = packed_against_alone(ours, ref)
+    out["cp2_grads"] = _gradients(ours, ref, folder)
+    del ours
     out["lora"] = hybrid_lora_checks(folder, f"{folder}-lora", dict(tensor_parallel_size=2, sequence_parallel=True),
                                      MAMBA_LORA)
     return out
@@ -201,13 +202,17 @@ def test_gradients_tp2_sp(world, arch):
     assert not bad, bad
 
 
-def test_zamba2_context_parallel(world):
-    """CP2: the Mamba2 scan's states passed over the CP group, each use's core attention gathering the keys and
-    values: the padded rows' logits and loss, every parameter's gradient (each shared block's summed over its uses)."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_context_parallel(world, arch):
+    """CP2: the Mamba2 scan's (Zamba2) or each Mamba-1 head's (Zamba) states passed over the CP group, the convs after
+    their halo, each use's core attention gathering the keys and values: the padded rows' logits and loss, a row
+    packing documents across the chunks, every parameter's gradient (each shared block's summed over its uses)."""
     for rank in world:
-        assert rank["zamba2"]["cp2"]["logits"] < TOL and rank["zamba2"]["cp2"]["loss"] < TOL, rank["zamba2"]["cp2"]
-    grads = world[0]["zamba2"]["cp2_grads"]
-    assert any("shared_transf" in n for n in grads) and any("adapter_list" in n for n in grads), sorted(grads)
+        assert rank[arch]["cp2"]["logits"] < TOL and rank[arch]["cp2"]["loss"] < TOL, rank[arch]["cp2"]
+        assert max(rank[arch]["cp2_packed"]) < TOL, rank[arch]["cp2_packed"]
+    grads = world[0][arch]["cp2_grads"]
+    assert any("shared_transf" in n for n in grads), sorted(grads)
+    assert arch == "zamba" or any("adapter_list" in n for n in grads), sorted(grads)
     bad = {n: d for n, d in grads.items() if d > TOL}
     assert not bad, bad
 
@@ -283,9 +288,7 @@ def test_shared_block_lora_refused_by_name(folders, arch):
     ({"hidden_mamba_act": "gelu"}, None, "hidden_mamba_act='gelu' is not supported for ZambaForCausalLM"),
     ({"n_mamba_heads": 1}, dict(tensor_parallel_size=2), "n_mamba_heads=1 does not split over "
      "tensor_parallel_size=2 for ZambaForCausalLM"),
-    ({}, dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported for ZambaForCausalLM"),
-    ({}, dict(context_parallel_size=2), "context_parallel_size=2 is not supported for ZambaForCausalLM (its "
-     "multi-head Mamba mixer has no context-parallel scan)")])
+    ({}, dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported for ZambaForCausalLM")])
 def test_zamba_refused(folders, changes, layout, field):
     import transformers
 
