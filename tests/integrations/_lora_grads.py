@@ -17,11 +17,13 @@ def _peft_grads(ref_params: dict, target) -> list[torch.Tensor]:
     return [ref_params[f"base_model.model.{target.hf_module}.lora_{f}.default.weight"].grad for f in "AB"]
 
 
-def module_adapter_grads(model, ref, targets) -> Iterator[tuple[str, str, torch.Tensor, torch.Tensor]]:
+def module_adapter_grads(model, ref, targets, *, magnitudes: bool = False
+                         ) -> Iterator[tuple[str, str, torch.Tensor, torch.Tensor]]:
     """(PEFT's module name, factor "A" / "B", our gradient, PEFT's) for every module adapter (a linear's: q / k / v
     slots of linear_qkv or MLA's projections, column, row) among ``targets``: a column adapter's A replicated and B
     split by rows (in megatron's order, ``Target.b_to_megatron``: rotary rows in pairs where the checkpoint keeps
-    halves), a row adapter's A split by columns and B replicated."""
+    halves), a row adapter's A split by columns and B replicated. ``magnitudes``: DoRA's magnitude too (factor "m",
+    split as B's rows)."""
     from megatron.core import parallel_state as ps
 
     from loongforge_hf.bridges.loader import shard_context
@@ -43,7 +45,11 @@ def module_adapter_grads(model, ref, targets) -> Iterator[tuple[str, str, torch.
                 theirs[0] = theirs[0][:, slices[t.name]]
             else:
                 theirs[1] = t.b_to_megatron(theirs[1], ctx)[slices[t.name]]
-            for f, got, want in zip("AB", ours, theirs):
+            if magnitudes:
+                ours.append(chunk[f"{module.format(layer=layer)}.lora.{t.name}.magnitude"].grad)
+                m = ref_params[f"base_model.model.{t.hf_module}.lora_magnitude_vector.default.weight"].grad
+                theirs.append(m if t.kind == "row" else t.b_to_megatron(m[:, None], ctx)[slices[t.name]][:, 0])
+            for f, got, want in zip("ABm", ours, theirs):
                 yield t.hf_module, f, got, want
 
 

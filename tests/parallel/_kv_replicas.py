@@ -140,7 +140,8 @@ def _lora(folder: str, packed_folder: str, root: str) -> dict:
     """LoRA on q_proj, k_proj, v_proj and o_proj (TP2 + SP, one KV head: k / v adapters on its replicas) against
     PEFT's: logits, every adapter gradient after the engine's reductions (over TP where a factor is marked
     sequence-parallel, then over the replicas of a head), the adapter folder in PEFT and read back at TP2 (its k / v
-    B marked as replicas again); DoRA's logits; an adapter on Phi-3's packed qkv_proj refused."""
+    B marked as replicas again); DoRA's logits and every gradient (A, B, the magnitudes); an adapter on Phi-3's
+    packed qkv_proj refused."""
     import peft
     import transformers
 
@@ -168,8 +169,6 @@ def _lora(folder: str, packed_folder: str, root: str) -> dict:
         ids = _ids(3)
         ours, theirs = model(input_ids=ids, labels=ids), hf(input_ids=ids, labels=ids)
         out[name] = {"logits": float((ours.logits.detach().cpu() - theirs.logits.detach()).abs().max())}
-        if name == "dora":
-            break
         ours.loss.backward()
         theirs.loss.backward()
         for p in model.parameters():  # NOTE: what megatron's finalize does for factors applied to token shards
@@ -177,9 +176,12 @@ def _lora(folder: str, packed_folder: str, root: str) -> dict:
                 dist.all_reduce(p.grad)
         sum_replica_grads(model.chunks)
         grads = [(f"{m}.{f}", float((got.cpu() - want).abs().max() / want.abs().max()))
-                 for m, f, got, want in module_adapter_grads(model, hf, model.lora_plan.targets)]
-        model.save_pretrained(f"{root}/lora-adapter")
+                 for m, f, got, want in module_adapter_grads(model, hf, model.lora_plan.targets,
+                                                             magnitudes=name == "dora")]
         out[name]["grads"] = grads
+        if name == "dora":
+            break
+        model.save_pretrained(f"{root}/lora-adapter")
         # NOTE: the folder read back at TP2 (from_pretrained of it; load_adapter trainable: its k / v B marked)
         loaded = lf.AutoModelForCausalLM.from_pretrained(f"{root}/lora-adapter", dtype=torch.float32, **LAYOUT)
         with torch.no_grad():

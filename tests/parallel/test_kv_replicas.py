@@ -8,8 +8,8 @@ engine's finalize reduces it) within 1e-4 of its largest; for the Llama (distrib
 (model-precision optimizer) two engine steps with clipping active on each against transformers stepped by hand (same
 norms within 1e-5, weights within 1e-5, the replicas bit-equal after the steps, the export loaded by transformers);
 LoRA on ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` against PEFT's logits, adapter gradients and adapter folder
-(DoRA's logits), on Phi-3's packed ``qkv_proj`` refused. Without the gradient sum the K / V rows
-get half their gradient (weights 4e-2 off after two steps); without the norm's correction the K / V rows count twice
+(DoRA's logits and gradients, its magnitudes too), on Phi-3's packed ``qkv_proj`` refused. Without the gradient sum
+the K / V rows get half their gradient (weights 4e-2 off after two steps); without the norm's correction the K / V rows count twice
 (norms 12% off, weights 2e-3). Falcon-7B's and StarCoder's layouts also run in the shared suites' TP layouts
 (tests/bridges/test_dense_parity.py, test_gradients.py). Pure checks: the q / k / v mappings' shards and exports at 2
 KV heads over 4 ranks (GQA), and the layouts refused."""
@@ -67,8 +67,8 @@ def test_engine_steps_match_transformers(world, name):
 
 
 def test_lora_on_query_key_value_rows_matches_peft_and_packed_refused(world):
-    """k_proj / v_proj adapters on the replicated KV head: B's rows summed over the replicas as the weight's K / V
-    rows; without that sum their gradients are one replica's share (1.2 relative to PEFT's)."""
+    """k_proj / v_proj adapters on the replicated KV head: B's rows (DoRA's magnitudes) summed over the replicas as
+    the weight's K / V rows; without that sum their gradients are one replica's share (1.2 relative to PEFT's)."""
     _, _, results = world
     for r in results:
         res = r["lora"]
@@ -76,6 +76,9 @@ def test_lora_on_query_key_value_rows_matches_peft_and_packed_refused(world):
         factors = {n for n, _ in res["lora"]["grads"]}
         assert {f"model.layers.{i}.self_attn.{m}_proj.{f}" for i in range(4) for m in "qkvo" for f in "AB"} == factors
         assert max(d for _, d in res["lora"]["grads"]) < TOL, res["lora"]["grads"]
+        assert {n for n, _ in res["dora"]["grads"]} == factors | {f"model.layers.{i}.self_attn.{m}_proj.m"
+                                                                  for i in range(4) for m in "qkvo"}
+        assert max(d for _, d in res["dora"]["grads"]) < TOL, res["dora"]["grads"]
         assert "LoRA on model.layers.0.self_attn.qkv_proj ...: tensor_parallel_size=2 replicates each of the 1 KV " \
                "heads on 2 ranks, and adapters on a packed query / key / value linear" in res["refused"], res["refused"]
         assert res["lora"]["loaded"] < TOL, res["lora"]
