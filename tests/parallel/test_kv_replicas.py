@@ -2,17 +2,17 @@
 (``parallel/kv_replicas.py``).
 
 In one two-rank world at TP2 with sequence parallelism, one KV head each: a Llama (separate q / k / v), Phi-3 (packed
-``qkv_proj``) and GPTBigCode (StarCoder's multi-query ``c_attn`` with biases), fp32 against transformers: logits
-within 1e-4; the HF -> megatron -> HF round trip bit-exact; every tensor's gradient after a backward (reduced as the
-engine's finalize reduces it) within 1e-4 of its largest; for the Llama (distributed optimizer) and GPTBigCode
-(model-precision optimizer) two engine steps with clipping active on each against transformers stepped by hand (same
-norms within 1e-5, weights within 1e-5, the replicas bit-equal after the steps, the export loaded by transformers);
-LoRA on ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` against PEFT's logits, adapter gradients and adapter folder
-(DoRA's logits and gradients, its magnitudes too), on Phi-3's packed ``qkv_proj`` refused. Without the gradient sum
-the K / V rows get half their gradient (weights 4e-2 off after two steps); without the norm's correction the K / V rows count twice
-(norms 12% off, weights 2e-3). Falcon-7B's and StarCoder's layouts also run in the shared suites' TP layouts
-(tests/bridges/test_dense_parity.py, test_gradients.py). Pure checks: the q / k / v mappings' shards and exports at 2
-KV heads over 4 ranks (GQA), and the layouts refused."""
+``qkv_proj``) and GPTBigCode (StarCoder's multi-query ``c_attn`` with biases), fp32 against transformers: logits within
+1e-4; the HF -> megatron -> HF round trip bit-exact; every tensor's gradient after a backward (reduced as the engine's
+finalize reduces it) within 1e-4 of its largest; for the Llama (distributed optimizer) and GPTBigCode (model-precision
+optimizer) two engine steps with clipping active on each against transformers stepped by hand (same norms within 1e-5,
+weights within 1e-5, the replicas bit-equal after the steps, the export loaded by transformers); LoRA on ``q_proj`` /
+``k_proj`` / ``v_proj`` / ``o_proj`` against PEFT's logits, adapter gradients and adapter folder (DoRA's logits and
+gradients, its magnitudes too), on Phi-3's packed ``qkv_proj`` refused. Without the gradient sum the K / V rows get half
+their gradient (weights 4e-2 off after two steps); without the norm's correction the K / V rows count twice (norms 12%
+off, weights 2e-3). Falcon-7B's and StarCoder's layouts also run in the shared suites' TP layouts
+(tests/bridges/test_dense_parity.py, test_gradients.py). Pure checks: the q / k / v mappings' shards and exports at 2 KV
+heads over 4 ranks (GQA), and the layouts refused."""
 
 import pytest
 import torch
