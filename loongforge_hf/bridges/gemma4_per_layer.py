@@ -30,9 +30,9 @@ Choices:
   (``gemma4._scaled_layer``). The double-wide layers are built from a copy of the config with ``ffn_hidden_size``
   doubled (their MLP, split over TP as any).
 - The stream passes beside megatron's layer arguments, so a layer recomputed in the backward could not take its
-  gradient: activation recompute is refused with per-layer inputs (``refuse_recompute``), as is context parallelism
-  (``gemma4.py``). LoRA on the per-layer linears is refused by name (``lora/plan.py``: replicated
-  tensors carry no adapter), ``exclude_modules`` naming them.
+  gradient: activation recompute is refused with per-layer inputs (``refuse_recompute``). Under context parallelism
+  each rank's stream is its own tokens' (``gemma4.py``). LoRA on the per-layer linears is refused by name
+  (``lora/plan.py``: replicated tensors carry no adapter), ``exclude_modules`` naming them.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class SmallModelFields:
 
     @property
     def small_model_features(self) -> list[str]:
-        """The E2B / E4B fields this config sets (each refuses recompute, and CP in the image-text model)."""
+        """The E2B / E4B fields this config sets (each refuses recompute)."""
         return [f"{name}={getattr(self.hf_config, name)}" for name, on in
                 (("hidden_size_per_layer_input", self.per_layer_size), ("num_kv_shared_layers", self.kv_modes))
                 if on]

@@ -152,12 +152,6 @@ class Gemma4VLBridge(Qwen2_5_VLBridge):
         return None if token is None else int(token)
 
     def check_layout(self, layout) -> None:
-        features = self.text.small_model_features
-        if features and layout.context_parallel_size > 1:  # NOTE: the text model alone runs it (test_gemma4.py)
-            raise C.UnsupportedConfigError(
-                f"context_parallel_size={layout.context_parallel_size} is not supported for the image-text Gemma 4 "
-                f"with {' and '.join(features)} (not checked against transformers with images yet); use tensor, "
-                "pipeline and data parallelism.")
         self.text.check_layout(layout)
 
     def check_vision_config(self) -> None:

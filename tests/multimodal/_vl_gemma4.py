@@ -127,9 +127,21 @@ def one_rank(folder: str, no_audio: str, out_dir: str, small: str) -> dict:
                       "loong": train(folder, f"{out_dir}/loong", loong=True)}}
 
 
-def two_ranks(folder: str, out_dir: str, layouts: dict) -> dict:
+def two_ranks(folder: str, out_dir: str, layouts: dict, small: str) -> dict:
+    cp2 = {"context_parallel_size": 2}
     return {**{name: compare(folder, layout, f"{out_dir}/{name}") for name, layout in layouts.items()},
-            "images_tp2_sp": compare_images(folder, layouts["tp2_sp"], f"{out_dir}/images_tp2_sp")}
+            "images_tp2_sp": compare_images(folder, layouts["tp2_sp"], f"{out_dir}/images_tp2_sp"),
+            "images_cp2": compare_images(folder, cp2, f"{out_dir}/images_cp2", grads=True, batch=cp_image_batch()),
+            "small_images_cp2": compare_images(small, cp2, f"{out_dir}/small_images_cp2", grads=True,
+                                               batch=cp_image_batch())}
+
+
+def cp_image_batch() -> dict:
+    """``image_batch()`` right-padded to 16 tokens (a multiple of 2 x CP2): its images' blocks cross the chunks of
+    both CP ranks (the second row's ``boi`` and soft tokens at 1-5: chunk 0 on rank 0, chunk 1 on rank 1)."""
+    batch = image_batch()
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100, "mm_token_type_ids": 0}
+    return {k: torch.nn.functional.pad(v, (0, 2), value=fill[k]) if k in fill else v for k, v in batch.items()}
 
 
 # ---- images --------------------------------------------------------------------------------------------------------
@@ -187,6 +199,13 @@ def compare_images(folder: str, layout: dict, out_dir: str | None = None, *, gra
     if grads:
         want.loss.backward()
         out.loss.backward()
+        if model.parallel.context_parallel_size > 1:  # NOTE: each CP rank's share of the loss, summed as DDP does
+            import torch.distributed as dist
+            from megatron.core import parallel_state as ps
+
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
         theirs = {n: p.grad for n, p in ref.named_parameters()
                   if n.startswith(("model.vision_tower.", "model.embed_vision.")) and p.grad is not None}
         ours = vision_grads(model, rename=lambda name: name)
