@@ -151,6 +151,23 @@ class GroupedQKV(Mapping):
             blocks = blocks[:1]
         return [(_fmt(self.hf, layer), 0, src, shard[dst:dst + rows]) for src, dst, rows in blocks]
 
+    def rows_to_megatron(self, rows: torch.Tensor, ctx) -> torch.Tensor:
+        """A tensor with this HF tensor's rows (a LoRA B, a DoRA magnitude) in the order the TP ranks' shards hold
+        them, concatenated (a replicated KV head's rows on each of its replicas; the HF order without replicas)."""
+        return torch.cat([rows[src:src + n] for rank in range(ctx.tp_size) for src, _, n in self._blocks(ctx, rank)])
+
+    def rows_to_hf(self, rows: torch.Tensor, ctx) -> torch.Tensor:
+        """The inverse of ``rows_to_megatron`` (each replicated KV head's rows from its first replica)."""
+        full, offset = torch.empty((ctx.num_heads + 2 * ctx.num_kv_heads) * ctx.head_dim, *rows.shape[1:],
+                                   dtype=rows.dtype), 0
+        for rank in range(ctx.tp_size):
+            blocks = self._blocks(ctx, rank)
+            for i, (src, dst, n) in enumerate(blocks):
+                if i == 0 or rank % ctx.kv_replicas == 0:
+                    full[src:src + n] = rows[offset + dst:offset + dst + n]
+            offset += sum(n for _, _, n in blocks)
+        return full
+
 
 @dataclass(frozen=True)
 class ShardInterleavedQKV(GroupedQKV):

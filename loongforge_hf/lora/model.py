@@ -29,8 +29,9 @@ Choices:
   on that stage, which LoongTrainer's engine and checkpoints take as they are (``trainer/optimizer_state.py``).
 - More TP ranks than KV heads (each KV head replicated, ``parallel/kv_replicas.py``): ``q_proj`` and the other
   linears are adapted as usual, ``k_proj`` / ``v_proj`` with B the head's replica (its gradient summed over the
-  head's ranks, ``kv_replicas.mark_adapter_replicas``); a packed q / k / v linear's adapter is refused
-  (``check_kv_targets``); so are adapters on a Mamba2 ``in_proj`` whose B / C rows are replicated over TP
+  head's ranks, ``kv_replicas.mark_adapter_replicas``), a packed q / k / v linear's (Phi-3's ``qkv_proj``, Falcon's
+  ``query_key_value``, GPTBigCode's ``c_attn``) with B's rows as the weight's (``_layout_and_slices``) and its K / V
+  rows marked so; adapters on a Mamba2 ``in_proj`` whose B / C rows are replicated over TP are refused
   (fewer groups than TP ranks: ``check_replicated_rows``).
 - A sequence classifier (``lf.AutoModelForSequenceClassification``) becomes a
   ``LoongLoraModelForSequenceClassification``, its ``score`` head trained whole as PEFT's ``SEQ_CLS``
@@ -57,6 +58,7 @@ import torch.distributed as dist
 from loongforge_hf.bridges import moe_graphs
 from loongforge_hf.bridges import transforms as T
 from loongforge_hf.bridges.gated_mappings import GatedQKV
+from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedQKV
 from loongforge_hf.lora import unload as unload_
 from loongforge_hf.lora.plan import LoraConfigError, LoraPlan, plan_lora
 from loongforge_hf.modeling import LoongModelForCausalLM
@@ -169,6 +171,11 @@ def _layout_and_slices(target_group, ctx, layer: int):
         rows = first.mapping.rank_rows(tp)
         layout = FusedLayout(groups=1, slots=tuple(zip(names, rows)))
         return layout, {n: slice(rank * size, (rank + 1) * size) for n, size in zip(names, rows)}
+    if first.kind == "column" and ctx.kv_replicas > 1 and isinstance(first.mapping, (PackedQKV, GroupedQKV)):
+        # NOTE: a packed q / k / v linear with each KV head replicated (kv_replicas.py): a rank's query heads and its
+        # replica's K / V rows, the weight's rows (Target.b_to_megatron replicates the head's rows)
+        rows = (ctx.num_heads // tp + 2 * ctx.local_kv_heads) * ctx.head_dim
+        return FusedLayout(groups=1, slots=((names[0], rows),)), {names[0]: slice(rank * rows, (rank + 1) * rows)}
     if first.kind in ("gated", "column"):
         start, stop = T.shard_range(first.out_features, rank=rank, world=tp, name=first.hf_module)
         layout = FusedLayout(groups=1, slots=tuple((n, stop - start) for n in names))
@@ -244,16 +251,13 @@ def plan_for(model: LoongModelForCausalLM, peft_config) -> LoraPlan:
     if isinstance(model, LoongLoraModelForCausalLM):
         raise LoraConfigError("This model already has LoRA adapters; apply one LoraConfig per model.")
     if type(model) is LoongModelForImageTextToText:
-        plan = plan_image_text(model, peft_config)
-        check_kv_targets(plan, model.bridge.text, model.parallel.tensor_parallel_size)
-        return plan
+        return plan_image_text(model, peft_config)
     from loongforge_hf.sequence_classification import LoongModelForSequenceClassification
 
     if type(model) not in (LoongModelForCausalLM, LoongModelForSequenceClassification):
         raise LoraConfigError(f"LoRA applies to loongforge_hf.AutoModelForCausalLM, AutoModelForImageTextToText and "
                               f"AutoModelForSequenceClassification models, got {type(model).__name__}.")
     plan = plan_lora(model.bridge, peft_config)
-    check_kv_targets(plan, model.bridge, model.parallel.tensor_parallel_size)
     check_replicated_rows(plan, model.parallel.tensor_parallel_size)
     return plan
 
@@ -270,29 +274,6 @@ def check_replicated_rows(plan: LoraPlan, tensor_parallel_size: int) -> None:
             f"{tensor_parallel_size} replicates some of its row sections (the Mamba2 groups' B / C rows: fewer groups "
             "than TP ranks), and adapters on replicated rows are not supported; exclude it (exclude_modules=["
             f"'{replicated[0].rsplit('.', 1)[-1]}']) or use a tensor_parallel_size that the groups split over.")
-
-
-def check_kv_targets(plan: LoraPlan, bridge, tensor_parallel_size: int) -> None:
-    """Refuse (pure, every rank alike) an adapter on a packed q / k / v linear where more TP ranks than KV heads
-    replicate each head (``parallel/kv_replicas.py``): its B holds a rank's query rows beside a replica's K / V
-    rows, which are neither split nor marked as replicas. ``k_proj`` / ``v_proj`` (their B the head's replica,
-    ``kv_replicas.mark_adapter_replicas``), ``q_proj`` and every other linear are adapted as usual."""
-    from loongforge_hf.bridges.config_map import kv_heads_of
-    from loongforge_hf.parallel.kv_replicas import replicas_of
-
-    kv = kv_heads_of(bridge.hf_config)
-    if replicas_of(kv, tensor_parallel_size) == 1:
-        return
-    # NOTE: a "column" target on linear_qkv is a packed q / k / v HF linear (Phi-3's qkv_proj, Falcon's
-    # query_key_value, GPTBigCode's c_attn): its rows hold K / V too
-    kv_targets = [t.hf_module for t in plan.targets
-                  if t.kind == "column" and t.megatron_module.endswith("self_attention.linear_qkv")]
-    if kv_targets:
-        raise LoraConfigError(
-            f"LoRA on {kv_targets[0]}{' ...' if len(kv_targets) > 1 else ''}: tensor_parallel_size="
-            f"{tensor_parallel_size} replicates each of the {kv} KV heads on {replicas_of(kv, tensor_parallel_size)} "
-            "ranks, and adapters on a packed query / key / value linear are not supported there; adapt o_proj / the "
-            f"MLP, or use a tensor_parallel_size of at most {kv} that divides it.")
 
 
 def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
@@ -381,7 +362,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             _leave_residual(module.weight, layout, removed)
         if peft_config.use_dora:
             add_magnitudes(module, targets, slices, magnitudes, ctx)
-        if targets[0].kind == "qkv":
+        if targets[0].kind in ("qkv", "column"):
             mark_adapter_replicas(module, targets, tp_rank)
     attach_vision_adapters(model, vision, dropout=float(peft_config.lora_dropout), dtype=dtype, device=device,
                            dora=bool(peft_config.use_dora), magnitudes=magnitudes)

@@ -24,8 +24,9 @@ Choices:
 - LoRA's K / V adapters (``k_proj`` / ``v_proj`` slots of ``linear_qkv``) on a replicated head: A is replicated over
   TP as on any column-parallel target (its gradient, summed over the TP ranks, takes every replica's share), B's
   rows (and DoRA's magnitude) are the head's replica, marked as the weight's K / V rows (``mark_adapter_replicas``).
-  A packed q / k / v linear's adapter (Phi-3's ``qkv_proj``, Falcon's ``query_key_value``) stays refused
-  (``lora/model.check_kv_targets``).
+  A packed q / k / v linear's adapter (Phi-3's ``qkv_proj``, Falcon's ``query_key_value``, GPTBigCode's ``c_attn``)
+  holds the weight's rows (``packed_mappings``' ``rows_to_megatron`` replicates the head's), so its B and magnitude
+  carry the weight's ``kv_replica`` and blocks.
 - Parameters holding replicas carry a ``kv_replica`` attribute (``KVReplica``, set by ``mark_replicas`` at build),
   and are keyed in a training checkpoint head by head (``head_blocks``) as the tensor megatron's whole-group layout
   writes, so a resume under another TP size reads the heads it needs (``parallel/tp_sections.py``).
@@ -116,15 +117,23 @@ def mark_replicas(chunks, *, num_key_value_heads: int, head_dim: int, tp_rank: i
 
 
 def mark_adapter_replicas(module, targets, tp_rank: int) -> None:
-    """Mark the B (and DoRA magnitude) of the K / V adapters (``k_proj`` / ``v_proj`` slots) on a ``linear_qkv``
-    holding a replicated KV head (its weight's ``kv_replica``) as replicas of that head: each replica's gradient
+    """Mark the B (and DoRA magnitude) of the K / V adapters (``k_proj`` / ``v_proj`` slots; a packed q / k / v
+    adapter's K / V rows) on a ``linear_qkv`` holding a replicated KV head (its weight's ``kv_replica``) as replicas
+    of that head: each replica's gradient
     holds only its own query heads' share, so they are summed and counted once as the weight's K / V rows
     (``sum_replica_grads``, ``replica_grad_sq``), and a training checkpoint keys them by head (``tp_sections.
     Blocks``: the tensor ranks holding whole heads write). ``tp_rank``: this rank's TP rank."""
-    info = getattr(getattr(module, "weight", None), "kv_replica", None)
+    weight = getattr(module, "weight", None)
+    info = getattr(weight, "kv_replica", None)
     if info is None:
         return
     for t in targets:
+        if t.kind == "column":  # NOTE: a packed q / k / v linear's adapter: B's rows are the weight's
+            for factor in (module.lora[t.name].B, module.lora[t.name].magnitude):
+                if factor is not None:
+                    factor.kv_replica = info
+                    tp_sections.declare_blocks(factor, tp_sections.blocks_of(weight))
+            continue
         if t.kind != "qkv" or t.slot == 0:
             continue
         adapter = module.lora[t.name]

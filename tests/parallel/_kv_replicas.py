@@ -136,71 +136,74 @@ def _case(name: str, folder: str, precision: str | None, root: str) -> dict:
     return result
 
 
-def _lora(folder: str, packed_folder: str, root: str) -> dict:
-    """LoRA on q_proj, k_proj, v_proj and o_proj (TP2 + SP, one KV head: k / v adapters on its replicas) against
-    PEFT's: logits, every adapter gradient after the engine's reductions (over TP where a factor is marked
-    sequence-parallel, then over the replicas of a head), the adapter folder in PEFT and read back at TP2 (its k / v
-    B marked as replicas again); DoRA's logits and every gradient (A, B, the magnitudes); an adapter on Phi-3's
-    packed qkv_proj refused."""
+# NOTE: the LoRA cases: (checkpoint case, target modules, with DoRA too); Phi-3's and GPTBigCode's packed q / k / v
+LORA_CASES = {"llama": ("llama", ["q_proj", "k_proj", "v_proj", "o_proj"], True),
+              "phi3": ("phi3", ["qkv_proj", "o_proj"], True),
+              "gpt_bigcode": ("gpt_bigcode", ["c_attn"], False)}
+
+
+def _lora(folders: dict, root: str) -> dict:
+    """Per ``LORA_CASES`` entry, LoRA (and DoRA) against PEFT's at TP2 + SP with one KV head (the K / V adapters, or
+    a packed q / k / v linear's K / V rows, on its replicas): logits, every adapter gradient after the engine's
+    reductions (over TP where a factor is marked sequence-parallel, then over the replicas of a head; DoRA's
+    magnitudes too), the LoRA adapter folder in PEFT and read back at TP2 (its replicated rows marked again)."""
+    out = {}
+    for case, (model_case, targets, dora) in LORA_CASES.items():
+        kw = dict(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        out[case] = {name: _lora_against_peft(folders[model_case], f"{root}/{case}-{name}", kw, extra)
+                     for name, extra in (("lora", {}), ("dora", {"use_dora": True})) if name == "lora" or dora}
+    return out
+
+
+def _lora_against_peft(folder: str, out_dir: str, kw: dict, extra: dict) -> dict:
     import peft
     import transformers
 
     import loongforge_hf as lf
     from loongforge_hf.lora import get_peft_model, load_adapter
-    from loongforge_hf.lora.plan import LoraConfigError
     from loongforge_hf.parallel.kv_replicas import sum_replica_grads
     from tests.integrations._lora_grads import module_adapter_grads
 
-    kw = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
-    try:
-        packed = lf.AutoModelForCausalLM.from_pretrained(packed_folder, dtype=torch.float32, **LAYOUT)
-        get_peft_model(packed, peft.LoraConfig(**{**kw, "target_modules": ["qkv_proj"]}))
-        refused = ""
-    except LoraConfigError as e:
-        refused = str(e)
-    out = {"refused": refused}
-    for name, extra in (("lora", {}), ("dora", {"use_dora": True})):
-        model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **LAYOUT)
-        transformers.set_seed(5)
-        model = get_peft_model(model, peft.LoraConfig(**kw, **extra))
-        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        transformers.set_seed(5)
-        hf = peft.get_peft_model(hf, peft.LoraConfig(**kw, **extra))
-        ids = _ids(3)
-        ours, theirs = model(input_ids=ids, labels=ids), hf(input_ids=ids, labels=ids)
-        out[name] = {"logits": float((ours.logits.detach().cpu() - theirs.logits.detach()).abs().max())}
-        ours.loss.backward()
-        theirs.loss.backward()
-        for p in model.parameters():  # NOTE: what megatron's finalize does for factors applied to token shards
-            if p.grad is not None and getattr(p, "sequence_parallel", False):
-                dist.all_reduce(p.grad)
-        sum_replica_grads(model.chunks)
-        grads = [(f"{m}.{f}", float((got.cpu() - want).abs().max() / want.abs().max()))
-                 for m, f, got, want in module_adapter_grads(model, hf, model.lora_plan.targets,
-                                                             magnitudes=name == "dora")]
-        out[name]["grads"] = grads
-        if name == "dora":
-            break
-        model.save_pretrained(f"{root}/lora-adapter")
-        # NOTE: the folder read back at TP2 (from_pretrained of it; load_adapter trainable: its k / v B marked)
-        loaded = lf.AutoModelForCausalLM.from_pretrained(f"{root}/lora-adapter", dtype=torch.float32, **LAYOUT)
+    model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **LAYOUT)
+    transformers.set_seed(5)
+    model = get_peft_model(model, peft.LoraConfig(**kw, **extra))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    transformers.set_seed(5)
+    hf = peft.get_peft_model(hf, peft.LoraConfig(**kw, **extra))
+    ids = _ids(3)
+    ours, theirs = model(input_ids=ids, labels=ids), hf(input_ids=ids, labels=ids)
+    out = {"logits": float((ours.logits.detach().cpu() - theirs.logits.detach()).abs().max())}
+    ours.loss.backward()
+    theirs.loss.backward()
+    for p in model.parameters():  # NOTE: what megatron's finalize does for factors applied to token shards
+        if p.grad is not None and getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.grad)
+    sum_replica_grads(model.chunks)
+    out["grads"] = [(f"{m}.{f}", float((got.cpu() - want).abs().max() / want.abs().max()))
+                    for m, f, got, want in module_adapter_grads(model, hf, model.lora_plan.targets,
+                                                                magnitudes=bool(extra))]
+    if extra:
+        return out
+    model.save_pretrained(f"{out_dir}/adapter")
+    # NOTE: the folder read back at TP2 (from_pretrained of it; load_adapter trainable: its replicated rows marked)
+    loaded = lf.AutoModelForCausalLM.from_pretrained(f"{out_dir}/adapter", dtype=torch.float32, **LAYOUT)
+    with torch.no_grad():
+        out["loaded"] = float((loaded(input_ids=ids).logits.cpu() - theirs.logits.detach()).abs().max())
+    trainable = load_adapter(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **LAYOUT),
+                             f"{out_dir}/adapter", is_trainable=True)
+    out["marked"] = sorted(n.split("layers.")[-1] for n, p in trainable.named_parameters()
+                           if getattr(p, "kv_replica", None) is not None and ".lora." in n)
+    if dist.get_rank() == 0:
+        loaded = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), f"{out_dir}/adapter")
         with torch.no_grad():
-            out[name]["loaded"] = float((loaded(input_ids=ids).logits.cpu() - theirs.logits.detach()).abs().max())
-        trainable = load_adapter(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **LAYOUT),
-                                 f"{root}/lora-adapter", is_trainable=True)
-        out[name]["marked"] = sorted(n.split("layers.")[-1] for n, p in trainable.named_parameters()
-                                     if getattr(p, "kv_replica", None) is not None and ".lora." in n)
-        if dist.get_rank() == 0:
-            loaded = peft.PeftModel.from_pretrained(
-                transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), f"{root}/lora-adapter")
-            with torch.no_grad():
-                out[name]["folder"] = float((loaded(input_ids=ids).logits - theirs.logits.detach()).abs().max())
+            out["folder"] = float((loaded(input_ids=ids).logits - theirs.logits.detach()).abs().max())
     return out
 
 
-def kv_replica_checks(cases: list[tuple[str, str, str | None]], lora_folder: str, root: str) -> dict:
+def kv_replica_checks(cases: list[tuple[str, str, str | None]], root: str) -> dict:
     """Per case (name, checkpoint folder, the engine's optimizer_precision or None for no training): the numbers
     the tests read (rank 0 holds the transformers comparisons)."""
     out = {name: _case(name, folder, precision, root) for name, folder, precision in cases}
-    out["lora"] = _lora(lora_folder, next(folder for name, folder, _ in cases if name == "phi3"), root)
+    out["lora"] = _lora({name: folder for name, folder, _ in cases}, root)
     return out
