@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # Set up (once) and run the test suite on CPU processes. Extra arguments go to pytest.
+# Two pytest workers (pytest-xdist), each test file whole on one (its module fixtures built once): the suite's
+# process worlds leave about a third of two cores idle; LOONGFORGE_TEST_WORKERS=0 runs it in one process.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 cd "$ROOT"
-LOONGFORGE_DEVICE="${LOONGFORGE_DEVICE:-cpu}" python -m pytest -q -p no:cacheprovider "$@"
+WORKERS="${LOONGFORGE_TEST_WORKERS:-2}"
+PARALLEL=()
+if [ "$WORKERS" != "0" ]; then PARALLEL=(-n "$WORKERS" --dist loadfile); fi
+LOONGFORGE_DEVICE="${LOONGFORGE_DEVICE:-cpu}" python -m pytest -q -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} "$@"

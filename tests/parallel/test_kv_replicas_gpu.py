@@ -15,20 +15,20 @@ from loongforge_hf.testing import make_tiny_checkpoint
 from .._device_env import pickleable_month_day_nano
 from .test_kv_replicas import (CASES, test_engine_steps_match_transformers,  # noqa: F401
                                test_gradients_match_transformers, test_logits_and_round_trip,
-                               test_lora_on_query_key_value_rows_matches_peft_and_packed_refused)
+                               test_lora_on_query_key_value_rows_matches_peft)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
 
-def _cuda_checks(cases, lora_folder: str, root: str) -> dict:
+def _cuda_checks(cases, root: str) -> dict:
     from tests.parallel._kv_replicas import kv_replica_checks
 
     pickleable_month_day_nano()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return kv_replica_checks(cases, lora_folder, root)
+    return kv_replica_checks(cases, root)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,6 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("kv-replicas-gpu")
     folders = {name: str(make_tiny_checkpoint(root / name, arch, **kw)) for name, (arch, kw, _) in CASES.items()}
     cases = [(name, folders[name], precision) for name, (_, _, precision) in CASES.items()]
-    results = run_distributed(_cuda_checks, 2, cases, folders["llama"], str(root), timeout=600,
+    results = run_distributed(_cuda_checks, 2, cases, str(root), timeout=600,
                               env={"LOONGFORGE_DEVICE": "cuda"})
     return root, folders, results
