@@ -61,7 +61,8 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (DSAInd
                                                                           unfused_dsa_fn)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from transformers.cache_utils import DynamicLayer
+
+from loongforge_hf.bridges.sparse_attention_cache import SparseAttentionCacheLayer
 
 INDEXER_KEY_NORM_EPS = 1e-6  # transformers' nn.LayerNorm(index_head_dim, eps=1e-6)
 
@@ -135,44 +136,6 @@ class LightningIndexer(DSAIndexer):
         if mask is not None:
             index_scores = index_scores + mask
         return index_scores, index_scores.topk(min(self.index_topk, k.shape[0]), dim=-1).indices
-
-
-class SparseAttentionCacheLayer(DynamicLayer):
-    """transformers' ``DynamicLayer`` (the layer's MLA keys and values, ``[b, heads / TP, slots, d]``) plus its
-    indexer's keys ``index_keys`` ``[b, slots, index_head_dim]`` (whole on every TP rank; None on a shared layer),
-    grown, reordered and emptied with them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.index_keys: torch.Tensor | None = None
-
-    def update_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], dim=1)
-        return self.index_keys
-
-    def reset(self) -> None:
-        super().reset()
-        self.index_keys = None
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        if tokens_to_remove < 0 and self.index_keys is not None:
-            self.index_keys = self.index_keys[:, :tokens_to_remove]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.index_keys is not None:
-            self.index_keys = self.index_keys.index_select(0, beam_idx.to(self.index_keys.device))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.index_keys is not None:
-            self.index_keys = self.index_keys.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self.index_keys is not None:
-            self.index_keys = self.index_keys[indices, ...]
 
 
 class SparseAttention(DSAttention):
