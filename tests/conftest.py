@@ -3,6 +3,9 @@ import os
 os.environ.setdefault("LOONGFORGE_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):  # NOTE: each worker's worlds on its own ports
+    _lo = 20000 + 1000 * int(os.environ["PYTEST_XDIST_WORKER"][2:])  # NOTE: below the ephemeral ports (32768+)
+    os.environ.setdefault("LOONGFORGE_SPAWN_PORTS", f"{_lo}-{_lo + 999}")
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -22,3 +25,20 @@ def pytest_runtest_logfinish(nodeid, location):
         raise RuntimeError(f"{nodeid} left the environment ({changed}) or sys.path changed: later worlds would "
                            "spawn instead of forking from the preloaded server; run models in a world "
                            "(run_distributed) and restore what a test changes (monkeypatch).")
+
+
+# NOTE: the heaviest test files (by their fixtures' process worlds, measured on a 2-core CI machine) run first, so
+# the two pytest-xdist workers (scripts/test.sh, a file whole on one worker) finish together; the others keep their
+# order
+_HEAVY_FIRST = ("tests/integrations/test_sft.py", "tests/bridges/test_moe_parity.py",
+                "tests/bridges/test_gradients.py", "tests/integrations/test_lora_moe_bridges.py",
+                "tests/test_launchers.py", "tests/integrations/test_dpo.py", "tests/multimodal/test_qwen3_5_vl.py",
+                "tests/integrations/test_lora_new_bridges.py", "tests/test_bench_generate.py",
+                "tests/bridges/test_dense_parity.py", "tests/bridges/test_deepseek_v4.py",
+                "tests/bridges/test_qwen3_5.py", "tests/bridges/test_from_pretrained_kwargs.py",
+                "tests/kernels/test_triton_interpret.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(_HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # NOTE: stable: files stay whole

@@ -29,6 +29,7 @@ Choices:
 from __future__ import annotations
 
 import gc
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -45,9 +46,28 @@ class ChildProcessError_(RuntimeError):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a world's rendezvous: the kernel's pick, or, where ``LOONGFORGE_SPAWN_PORTS`` ("lo-hi")
+    is set, the next free one of that range. Several processes starting worlds at once (the test suite's pytest-xdist
+    workers) each keep to their own range below the ephemeral ports: a port the kernel picked and this process
+    released can be taken by another world's gloo connection before this world's store listens on it."""
+    span = os.environ.get("LOONGFORGE_SPAWN_PORTS")
+    if not span:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    lo, hi = (int(p) for p in span.split("-"))
+    for _ in range(hi - lo + 1):
+        port = lo + next(_PORT_TURN) % (hi - lo + 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"LOONGFORGE_SPAWN_PORTS={span}: no free port in the range.")
+
+
+_PORT_TURN = itertools.count()  # NOTE: the next port of LOONGFORGE_SPAWN_PORTS to try (each world a fresh one)
 
 
 _PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "trl", "megatron.core", "loongforge_hf"]
