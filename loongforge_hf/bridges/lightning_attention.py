@@ -83,7 +83,7 @@ class LightningAttention(torch.nn.Module):
         if group is not None:
             core = self._mix_cp(q, k, v, starts, group)
         else:
-            core = self._mix(q, k, v) if starts is None else self._mix_packed(q, k, v, starts)
+            core = self._mix(q, k, v) if starts is None else self._from_zero(q, k, v, starts)[0]
         return self.out_proj(self._output(core, gate).transpose(0, 1).contiguous())
 
     def _cached_forward(self, hidden_states: torch.Tensor, step: CachedStep):
@@ -125,17 +125,6 @@ class LightningAttention(torch.nn.Module):
 
         return lightning_attention(q, k, v, **{name: getattr(self, name) for name in TABLES})
 
-    def _mix_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[list[int]]):
-        """``_mix`` over rows packing documents (``starts``: each row's document starts after its first token), each
-        document from the zero state."""
-        seq = q.shape[2]
-        rows = []
-        for row, cuts in enumerate(starts):
-            bounds = [0, *cuts, seq]
-            rows.append(torch.cat([self._mix(*(x[row:row + 1, :, a:b] for x in (q, k, v)))
-                                   for a, b in zip(bounds, bounds[1:])], dim=2))
-        return torch.cat(rows)
-
     def _mix_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None, group):
         """``_mix`` over this CP rank's two chunks (``[b, heads, 2c, d]``: chunks r and ``2 * cp - 1 - r``), as over
         the whole sequence. Each chunk runs from the zero state (restarting at its documents' starts: ``starts``
@@ -144,19 +133,19 @@ class LightningAttention(torch.nn.Module):
         S_in(j) + S_j`` (no carry through a chunk where a document starts). A token ``t`` tokens into a chunk, before
         its first document start, adds ``(q * exp(-slope * t)) S_in``: the exact decayed sum over the earlier
         chunks' keys (the block boundaries are the chunk's, so the rounding differs from one run)."""
+        from loongforge_hf.parallel.linear_scan_cp import incoming_states
         from loongforge_hf.parallel.recurrent_cp import chunk_order, gather_chunks
 
         _, order = chunk_order(group)
         c = q.shape[2] // 2
-        runs = [self._chunk_from_zero(*(x[:, :, i * c:(i + 1) * c] for x in (q, k, v)), _cuts(starts, j, c))
+        runs = [self._from_zero(*(x[:, :, i * c:(i + 1) * c] for x in (q, k, v)), _cuts(starts, j, c))
                 for i, j in enumerate(order)]
         finals = gather_chunks([final for _, final in runs], group)
         offsets = torch.arange(1, c + 1, device=q.device)
-        states, passes = [torch.zeros_like(finals[0])], torch.exp(-self.slope_rate * c)  # NOTE: [heads, 1, 1]
-        for j in range(max(order)):
-            whole = torch.ones(q.shape[0], device=q.device) if starts is None else \
-                (~starts[:, j * c:(j + 1) * c].any(-1)).to(q.device, q.dtype)
-            states.append(states[-1] * passes * whole[:, None, None, None] + finals[j])
+        passes = torch.exp(-self.slope_rate * c)  # NOTE: [heads, 1, 1]; none through a chunk where a document starts
+        carries = [passes if starts is None else passes * (~starts[:, j * c:(j + 1) * c].any(-1)).to(
+            q.device, q.dtype)[:, None, None, None] for j in range(max(order))]
+        states = incoming_states([(carry.expand_as(final), final) for carry, final in zip(carries, finals)])
         outs = []
         for i, (j, (core, _)) in enumerate(zip(order, runs)):
             inter = torch.matmul(q[:, :, i * c:(i + 1) * c] * torch.exp(-self.slope_rate * offsets[:, None]), states[j])
@@ -167,9 +156,9 @@ class LightningAttention(torch.nn.Module):
             outs.append(core + inter)
         return torch.cat(outs, dim=2)
 
-    def _chunk_from_zero(self, q, k, v, cuts: list[list[int]] | None):
-        """One chunk's ``[b, heads, c, d]`` outputs from the zero state (restarting at each row's ``cuts``) and its
-        final ``k^T v`` state (the last document's)."""
+    def _from_zero(self, q, k, v, cuts: list[list[int]] | None):
+        """``[b, heads, s, d]`` outputs from the zero state, restarting at each row's ``cuts`` (its documents' starts;
+        None: no row packed), and the final ``k^T v`` state (the last document's)."""
         from loongforge_hf.kernels.lightning_attention import lightning_attention
 
         tables = {name: getattr(self, name) for name in TABLES}

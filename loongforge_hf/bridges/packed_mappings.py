@@ -135,12 +135,16 @@ class GroupedQKV(Mapping):
         return out
 
     def export(self, shards, ctx, layer):
+        return {_fmt(self.hf, layer): self._whole(shards, ctx, layer)}
+
+    def _whole(self, shards, ctx, layer: int = 0) -> torch.Tensor:
+        """The HF tensor from the TP ranks' shards (each replicated KV head from its first replica)."""
         rows = (ctx.num_heads + 2 * ctx.num_kv_heads) * ctx.head_dim
         full = torch.empty(rows, *shards[0].shape[1:], dtype=shards[0].dtype)
         for rank, shard in enumerate(shards):
             for _, _, start, block in self.export_parts(shard, rank, ctx, layer):
                 full[start:start + block.shape[0]] = block
-        return {_fmt(self.hf, layer): full}
+        return full
 
     def export_parts(self, shard, rank, ctx, layer):
         blocks = self._blocks(ctx, rank)
@@ -158,15 +162,8 @@ class GroupedQKV(Mapping):
 
     def rows_to_hf(self, rows: torch.Tensor, ctx) -> torch.Tensor:
         """The inverse of ``rows_to_megatron`` (each replicated KV head's rows from its first replica)."""
-        full, offset = torch.empty((ctx.num_heads + 2 * ctx.num_kv_heads) * ctx.head_dim, *rows.shape[1:],
-                                   dtype=rows.dtype), 0
-        for rank in range(ctx.tp_size):
-            blocks = self._blocks(ctx, rank)
-            for i, (src, dst, n) in enumerate(blocks):
-                if i == 0 or rank % ctx.kv_replicas == 0:
-                    full[src:src + n] = rows[offset + dst:offset + dst + n]
-            offset += sum(n for _, _, n in blocks)
-        return full
+        sizes = [sum(n for _, _, n in self._blocks(ctx, rank)) for rank in range(ctx.tp_size)]
+        return self._whole(list(rows.split(sizes)), ctx)
 
 
 @dataclass(frozen=True)
