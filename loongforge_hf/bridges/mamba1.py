@@ -88,7 +88,6 @@ class MambaMixer(torch.nn.Module):
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                 inference_context=None, packed_seq_params=None, cached: CachedStep | None = None, **_: object):
-        from loongforge_hf.bridges.mamba2 import _documents
         from loongforge_hf.kv_cache import refuse_megatron_state_inputs
 
         refuse_megatron_state_inputs("Mamba", inference_context, packed_seq_params)
@@ -97,16 +96,8 @@ class MambaMixer(torch.nn.Module):
         if cached is not None:
             return self._cached_forward(mixed, cached)
         batch, seq, _ = mixed.shape
-        group, cp, _ = cp_group_and_size()
-        real, starts = _token_layout(attention_mask, batch, seq, group=group)
-        if cp > 1:  # NOTE: this rank's two load-balanced chunks, the conv's halo and the states passed over CP
-            from loongforge_hf.parallel.linear_scan_cp import local_documents
-
-            y, _ = self._mix(mixed, real, documents=local_documents(starts, group, mixed.device), cp=(group, starts))
-        else:
-            documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
-            y, _ = self._mix(mixed, real, documents=documents)
-        return self._output(y, padded=seq)
+        real, documents, cp = scan_layout(attention_mask, batch, seq, mixed.device)
+        return self._output(self._mix(mixed, real, documents=documents, cp=cp)[0], padded=seq)
 
     def _cached_forward(self, mixed: torch.Tensor, step: CachedStep):
         return cached_mix_step(self, mixed, step)
@@ -122,15 +113,12 @@ class MambaMixer(torch.nn.Module):
         if real is not None:
             mixed = mixed * real[..., None].to(mixed.dtype)
         x, z = mixed.split(self.d_inner, dim=-1)
-        conv, scan = functools.partial(causal_conv, weight=self.conv_weight, bias=self.conv_bias), linear_scan
         if cp is None:
-            inputs, x = x, F.silu(conv(x, history=history, documents=documents)).to(x.dtype)
+            scan, inputs = linear_scan, x
+            x = F.silu(causal_conv(x, self.conv_weight, self.conv_bias, history=history, documents=documents)).to(
+                x.dtype)
         else:
-            from loongforge_hf.parallel.linear_scan_cp import context_parallel_linear_scan
-            from loongforge_hf.parallel.recurrent_cp import conv_chunks
-
-            x = F.silu(conv_chunks(x, cp[1], group=cp[0], width=self.conv_weight.shape[-1] - 1, conv=conv)).to(x.dtype)
-            scan = functools.partial(context_parallel_linear_scan, group=cp[0])
+            x, scan = cp_conv_and_scan(x, cp, weight=self.conv_weight, bias=self.conv_bias)
         if cache is not None:  # NOTE: after the conv read it: the cache writes the state in place
             cache[0].update_conv_state(inputs.transpose(1, 2), cache[1], conv_kernel_size=self.conv_weight.shape[-1])
         if real is not None:
@@ -181,6 +169,33 @@ class MambaMixer(torch.nn.Module):
 
 
 @functools.cache
+def scan_layout(attention_mask, batch: int, seq: int, device):
+    """(the real tokens, the document ids, ``cp``) of a Mamba-1 mixer's forward over megatron's mask: without
+    context parallelism ``cp`` is None and the ids those of the rows' documents; with it ``cp`` is (the CP group,
+    ``read_cp_layout``'s starts) and the ids this rank's two load-balanced chunks' (``linear_scan_cp``)."""
+    from loongforge_hf.bridges.mamba2 import _documents
+
+    group, cp_size, _ = cp_group_and_size()
+    real, starts = _token_layout(attention_mask, batch, seq, group=group)
+    if cp_size > 1:
+        from loongforge_hf.parallel.linear_scan_cp import local_documents
+
+        return real, local_documents(starts, group, device), (group, starts)
+    return real, None if starts is None else _documents(starts, batch, seq, device), None
+
+
+def cp_conv_and_scan(x: torch.Tensor, cp, *, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``silu`` of the causal conv over this CP rank's two chunks of ``x`` ``[b, 2c, ch]`` (each after its halo,
+    ``recurrent_cp.conv_chunks``), in ``x``'s dtype, and the scan that passes the states between the chunks
+    (``linear_scan_cp.context_parallel_linear_scan``); ``cp``: ``scan_layout``'s."""
+    from loongforge_hf.parallel.linear_scan_cp import context_parallel_linear_scan
+    from loongforge_hf.parallel.recurrent_cp import conv_chunks
+
+    conv = functools.partial(causal_conv, weight=weight, bias=bias)
+    x = F.silu(conv_chunks(x, cp[1], group=cp[0], width=weight.shape[-1] - 1, conv=conv)).to(x.dtype)
+    return x, functools.partial(context_parallel_linear_scan, group=cp[0])
+
+
 def cached_mix_step(mixer, mixed: torch.Tensor, step: CachedStep) -> torch.Tensor:
     """A Mamba-1 style mixer's cached generate step (``MambaMixer``, Zamba's ``ZambaMixer``: their ``_mix`` and
     ``_output``): ``mixed`` ``[b, s, 2 * d_local]``, ``in_proj``'s output of the step's first ``step.given`` tokens

@@ -27,10 +27,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.bridges.recurrent_common import (CachedStep, _token_layout, mixer_on_layers, mixer_projections,
-                                                    tp_group_of)
+from loongforge_hf.bridges.recurrent_common import CachedStep, mixer_on_layers, mixer_projections, tp_group_of
 from loongforge_hf.parallel import tp_sections
-from loongforge_hf.parallel.context_parallel import cp_group_and_size
 
 
 class ZambaMixer(torch.nn.Module):
@@ -70,7 +68,7 @@ class ZambaMixer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                 inference_context=None, packed_seq_params=None, cached: CachedStep | None = None, **_: object):
-        from loongforge_hf.bridges.mamba2 import _documents
+        from loongforge_hf.bridges.mamba1 import scan_layout
         from loongforge_hf.kv_cache import refuse_megatron_state_inputs
 
         refuse_megatron_state_inputs("Zamba", inference_context, packed_seq_params)
@@ -78,16 +76,8 @@ class ZambaMixer(torch.nn.Module):
         if cached is not None:
             return self._cached_forward(mixed, cached)
         batch, seq, _ = mixed.shape
-        group, cp, _ = cp_group_and_size()
-        real, starts = _token_layout(attention_mask, batch, seq, group=group)
-        if cp > 1:  # NOTE: this rank's two load-balanced chunks, the conv's halo and the states passed over CP
-            from loongforge_hf.parallel.linear_scan_cp import local_documents
-
-            y = self._mix(mixed, real, documents=local_documents(starts, group, mixed.device), cp=(group, starts))[0]
-        else:
-            documents = None if starts is None else _documents(starts, batch, seq, mixed.device)
-            y = self._mix(mixed, real, documents=documents)[0]
-        return self._output(y, padded=seq)
+        real, documents, cp = scan_layout(attention_mask, batch, seq, mixed.device)
+        return self._output(self._mix(mixed, real, documents=documents, cp=cp)[0], padded=seq)
 
     def _cached_forward(self, mixed: torch.Tensor, step: CachedStep):
         from loongforge_hf.bridges.mamba1 import cached_mix_step
@@ -107,19 +97,14 @@ class ZambaMixer(torch.nn.Module):
         if real is not None:
             mixed = mixed * real[..., None].to(mixed.dtype)
         inputs, z = mixed[..., 0::2], mixed[..., 1::2]                    # NOTE: rows alternate x and the gate
-        scan = linear_scan
         if cp is None:
+            scan = linear_scan
             x = causal_conv_silu(inputs, weight=self.conv_weight, bias=self.conv_bias, documents=documents,
                                  history=history)
         else:
-            from loongforge_hf.kernels.causal_conv import causal_conv
-            from loongforge_hf.parallel.linear_scan_cp import context_parallel_linear_scan
-            from loongforge_hf.parallel.recurrent_cp import conv_chunks
+            from loongforge_hf.bridges.mamba1 import cp_conv_and_scan
 
-            conv = functools.partial(causal_conv, weight=self.conv_weight, bias=self.conv_bias)
-            x = F.silu(conv_chunks(inputs, cp[1], group=cp[0], width=self.conv_weight.shape[-1] - 1,
-                                   conv=conv)).to(inputs.dtype)
-            scan = functools.partial(context_parallel_linear_scan, group=cp[0])
+            x, scan = cp_conv_and_scan(inputs, cp, weight=self.conv_weight, bias=self.conv_bias)
         if cache is not None:  # NOTE: after the conv read it: the cache writes the state in place
             cache[0].update_conv_state(inputs.transpose(1, 2), cache[1], conv_kernel_size=self.conv_weight.shape[-1])
         if real is not None:
