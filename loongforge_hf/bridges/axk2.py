@@ -20,8 +20,9 @@ Choices:
   ``+ 1e-20``: megatron's expression too) and scaled; expert groups (top-2 sums) where ``n_group`` is set, none
   where it is ``None`` (A.X-K2-Light); context parallelism. Refused as there: the static cache in ``generate``,
   ``attention_bias``, ``attention_dropout``. LoRA on ``o_proj``: megatron's ``linear_proj`` (the gate a
-  pre-hook), its adapter reading the gated input as PEFT's; LoRA on ``q_gate_proj`` / ``q_b_proj`` (re-classed
-  here, half its output the gate) is refused by name (``lora.plan._REFUSED``).
+  pre-hook), its adapter reading the gated input as PEFT's. LoRA on ``q_gate_proj`` (PEFT's name; ``q_b_proj`` on disk,
+  ``checkpoint_name``): the re-classed up-projection is ``lora_adaptable``, its adapter's rows (each head's query
+  and gate rows, as the weight's) added before the split, so the gates carry the adapter's term as in PEFT.
 - ``generate``'s KV cache is DeepSeek-V3.2's (``sparse_attention.SparseAttentionCacheLayer``): a cached step runs
   the re-classed core attention's forward (``kv_cache.own_cached_attention`` calls the class's), so its indexer
   reads the normalised half there too, and the gate rows of the step's own tokens gate ``linear_proj`` as without
@@ -105,6 +106,8 @@ def _with_raw_latent(base: type) -> type:
 def _gate_splitting(base: type) -> type:
     class GateSplittingUpProj(base):
         """The query rows of each head, the gate rows kept in ``box`` for the output projection."""
+
+        lora_adaptable = True  # NOTE: LoRA's term is added in _forward_impl, before the split (lora/layers.py)
 
         def forward(self, x, *args, **kwargs):
             out, bias = super().forward(x, *args, **kwargs)
@@ -194,6 +197,12 @@ class AXK2Bridge(DeepseekV32Bridge):
             _gate_query(layer.self_attention, c)
 
     # ---- tensors --------------------------------------------------------------------------------------------
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of tensor ``name`` of transformers' module tree (LoRA's planner), which renames
+        ``q_b_proj`` to ``q_gate_proj`` and the gated norms' ``W_down`` / ``W_up`` to ``mlp.fc1`` / ``mlp.fc2``."""
+        return name.replace(".self_attn.q_gate_proj.", ".self_attn.q_b_proj.").replace(
+            "layernorm.mlp.fc1.", "layernorm.W_down.").replace("layernorm.mlp.fc2.", "layernorm.W_up.")
+
     def attention_mappings(self) -> list[Mapping]:
         norm = f"{D}.input_layernorm.weight"
         maps = [Replicated(norm, f"{L}.input_layernorm.norm.weight") if m.megatron == norm else m

@@ -277,10 +277,28 @@ def _at(values: tuple | None, axis: int, value: int) -> tuple | None:
     return None if values is None else (*values[:axis], value, *values[axis + 1:])
 
 
+_ADAPTED: dict[type, type] = {}
+
+
+def _lora_class(cls: type) -> type | None:
+    """LoRA's class for megatron linear class ``cls`` (None: not adaptable). A bridge's subclass of a megatron linear
+    that changes only what happens around the local matmul says so (``lora_adaptable``: A.X-K2's query up-projection,
+    which splits its output into queries and gates after the adapter's term is added): ``cls`` first, then LoRA's
+    (made once per class; unloading re-classes to ``__mro__[1]``, ``cls`` again)."""
+    for base, lora in ((ColumnParallelLinear, LoraColumnParallelLinear), (RowParallelLinear, LoraRowParallelLinear)):
+        if cls is base:
+            return lora
+        if issubclass(cls, base) and getattr(cls, "lora_adaptable", False):
+            if cls not in _ADAPTED:
+                _ADAPTED[cls] = type(f"Lora{cls.__name__}", (cls, lora), {})
+            return _ADAPTED[cls]
+    return None
+
+
 def check_adaptable(module: nn.Module) -> None:
     """``TypeError`` unless ``module`` is a linear ``attach_adapters`` can adapt (get_peft_model asks for every target
     before it changes anything)."""
-    if type(module) not in (ColumnParallelLinear, RowParallelLinear):
+    if _lora_class(type(module)) is None:
         raise TypeError(f"LoRA applies to megatron's local ColumnParallelLinear / RowParallelLinear (the default "
                         f"layer spec); got {type(module).__name__} (Transformer Engine layers, e.g. from "
                         "fp8_recipe='te_...', are not supported).")
@@ -289,11 +307,11 @@ def check_adaptable(module: nn.Module) -> None:
 def attach_adapters(module: nn.Module, adapters: dict[str, LoraAdapter], layout: FusedLayout | None) -> None:
     """Turn megatron linear ``module`` into its LoRA class in place and give it ``adapters``."""
     check_adaptable(module)
-    if type(module) is ColumnParallelLinear:
-        module.__class__ = LoraColumnParallelLinear
+    cls = _lora_class(type(module))
+    column = issubclass(cls, LoraColumnParallelLinear)
+    if not column and len(adapters) != 1:
+        raise ValueError(f"a row-parallel linear holds one HF target, got {sorted(adapters)}.")
+    module.__class__ = cls
+    if column:
         module.lora_layout = layout
-    else:
-        if len(adapters) != 1:
-            raise ValueError(f"a row-parallel linear holds one HF target, got {sorted(adapters)}.")
-        module.__class__ = LoraRowParallelLinear
     module.lora = nn.ModuleDict(adapters)

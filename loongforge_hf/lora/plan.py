@@ -13,8 +13,7 @@ Choices:
   gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be (a
   last component only where no linear it names is refused: not AFMoE's gated ``q_proj`` / ``k_proj`` / ``v_proj``,
   whose gates are a tensor of their own, nor ``'all-linear'`` without ``exclude_modules`` for those). Linears an
-  architecture refuses by name say why (``_REFUSED``: A.X-K2's gated ``q_gate_proj`` (``q_b_proj`` on disk), which
-  its bridge re-classes after the build, so no megatron linear LoRA's layers take; DiffLlama's ``q_proj`` / ``k_proj`` /
+  architecture refuses by name say why (``_REFUSED``: DiffLlama's ``q_proj`` / ``k_proj`` /
   ``v_proj``, held by halves of the heads; JetMoE's routers ``router.layer``; LongCat-Flash's router ``classifier``,
   whose weight transformers reads itself, so PEFT's adapter there never acts; Zamba / Zamba2's shared blocks'
   linears, one megatron linear for the uses PEFT adapts one by one). LongCat-Flash's sublayer mappings
@@ -101,14 +100,21 @@ _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeCo
                  SharedExpertGate: "shared_gate", HeadSections: "column", KeyHeadGroups: "column", GatedQKV: "qkv",
                  PerTypeQKV: "qkv"}
 _INITS = (True, False, "gaussian", "orthogonal")
+_DSA_INDEXER = dict.fromkeys(
+    ("wq_b", "wk", "weights_proj"), "DeepSeek Sparse Attention's lightning indexer only picks the top-k keys: no "
+                                    "gradient reaches its linears (in transformers neither), so an adapter there "
+                                    "never trains")
 # NOTE: linears refused by name, with why (architecture -> {transformers' last component: why}): those a bridge
 # re-classes after the build (no plain megatron linear LoRA's layers take) or holds in rows LoRA's slicing misses
 _REFUSED = {
+    **dict.fromkeys(("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"), _DSA_INDEXER),
     "AXK2ForCausalLM": {
-        "q_gate_proj": "A.X-K2's gated query up-projection (q_b_proj on disk: the normalised and raw query latents "
-                       "in, each head's query and output gate out) is no plain linear here",
-        "q_b_proj": "the checkpoint's name of q_gate_proj, A.X-K2's gated query up-projection, which is no plain "
-                    "linear here"},
+        **_DSA_INDEXER,
+        "q_b_proj": "the checkpoint's name of A.X-K2's gated query up-projection; transformers' module, which PEFT "
+                    "targets, is q_gate_proj",
+        **dict.fromkeys(("fc1", "fc2"), "the gated norms' low-rank gate (W_down / W_up on disk) is two weights of "
+                                        "megatron's norm here, not linears; modules_to_save=['input_layernorm', "
+                                        "'post_attention_layernorm'] trains them whole")},
     **dict.fromkeys(("ZambaForCausalLM", "Zamba2ForCausalLM"), {
         **dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj"),
                         "a shared transformer block's linear: transformers keeps a tied copy of the block in each "

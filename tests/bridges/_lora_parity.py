@@ -25,10 +25,13 @@ def _grad_diffs(model, ref) -> dict[str, float]:
             for name, f, got, want in pairs}
 
 
-def lora_against_peft(folder: str, out_dir: str, layout: dict, lora_kw: dict, inspect=None) -> dict:
+def lora_against_peft(folder: str, out_dir: str, layout: dict, lora_kw: dict, inspect=None,
+                      scale_saved: float | None = None) -> dict:
     """The checks of the module docstring under ``layout``: differences (absolute for logits and loss, relative for
     the gradients, ``grads``: the worst), the targets' last components, and rank 0's ``adapter_logits``;
-    ``inspect(model)``'s dict as ``inspected``."""
+    ``inspect(model)``'s dict as ``inspected``. ``scale_saved``: after the gradients, the ``modules_to_save``
+    tensors (our trainable ones outside the adapters) multiplied by it, so the folder's copies of them must reach
+    PEFT's modules under PEFT's names (``saved_moved``: how far that moved our logits)."""
     import peft
     import transformers
 
@@ -40,7 +43,16 @@ def lora_against_peft(folder: str, out_dir: str, layout: dict, lora_kw: dict, in
     ours.loss.backward()
     theirs.loss.backward()
     grads = _grad_diffs(model, ref)
-    out = {"logits": float((ours.logits - theirs.logits).abs().max()), "loss": float(abs(ours.loss - theirs.loss)),
+    logits, moved = ours.logits.detach(), None
+    if scale_saved is not None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad and ".lora." not in n:
+                    p.mul_(scale_saved)
+            logits = model(input_ids=ids).logits
+        moved = float((logits - ours.logits.detach()).abs().max())
+    out = {"saved_moved": moved, "logits": float((ours.logits - theirs.logits).abs().max()),
+           "loss": float(abs(ours.loss - theirs.loss)),
            "grads": max(grads.values()), "graded": len(grads),
            "targets": sorted({t.hf_module.rsplit(".", 1)[-1] for t in model.lora_plan.targets}),
            "inspected": inspect(model) if inspect is not None else None}
@@ -49,5 +61,5 @@ def lora_against_peft(folder: str, out_dir: str, layout: dict, lora_kw: dict, in
         loaded = peft.PeftModel.from_pretrained(
             transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), f"{out_dir}/adapter")
         with torch.no_grad():
-            out["adapter_logits"] = float((loaded(input_ids=ids).logits - ours.logits).abs().max())
+            out["adapter_logits"] = float((loaded(input_ids=ids).logits - logits).abs().max())
     return out

@@ -332,11 +332,13 @@ def _beam(folder: str) -> dict:
     return out
 
 
-def lora_checks(folder: str, name: str, layout: dict, lora_kw: dict, reload: bool = False) -> dict:
+def lora_checks(folder: str, name: str, layout: dict, lora_kw: dict, reload: bool = False,
+                scale_saved: float | None = None) -> dict:
     """LoRA against PEFT under ``layout`` (``_lora_parity.lora_against_peft``: logits, loss, every adapter's gradient,
     the adapter folder in PEFT) and the merged export read by transformers (rank 0: its logits against ours); with
     ``reload`` the adapter folder loaded onto a fresh model (``load_adapter``; its logits against PEFT's with that
-    folder) and ``unload()`` (the base model's logits against transformers')."""
+    folder) and ``unload()`` (the base model's logits against transformers'); ``scale_saved`` as
+    ``lora_against_peft``'s."""
     import torch.distributed as dist
 
     from loongforge_hf.testing.tiny_models import hf_causal_lm
@@ -379,7 +381,7 @@ def lora_checks(folder: str, name: str, layout: dict, lora_kw: dict, reload: boo
             theirs = hf_causal_lm(f"{folder}-lora-{name}-merged", dtype=torch.float32)(input_ids=ids).logits
         return {**trained, "merged_logits": float((ours - theirs).abs().max())}
 
-    out = lora_against_peft(folder, f"{folder}-lora-{name}", layout, lora_kw, merged)
+    out = lora_against_peft(folder, f"{folder}-lora-{name}", layout, lora_kw, merged, scale_saved)
     dist.barrier()  # NOTE: the adapter folder is written by the first rank
     return {**out, **(reloaded() if reload else {})}
 

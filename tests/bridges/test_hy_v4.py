@@ -19,8 +19,8 @@ at TP1 and TP2 + SP x EP2: logits and loss within 1e-4,
 every adapter's gradient within 1e-4 of its largest entry, the adapter folder in PEFT and the merged export in
 transformers (logits within 1e-4), at TP2 + SP x EP2 the folder loaded onto a fresh model and ``unload()``; the norms in
 ``modules_to_save``, the indexer's ``k_norm`` stays frozen and every trainable tensor takes a gradient (what
-LoongSFTTrainer's overlapped gradient reduction needs). In the same world A.X-K2's gated ``o_proj`` (its gate a
-pre-hook on ``linear_proj``, as HY-V4's) with LoRA against PEFT at TP1 and TP2 + SP. One two-rank world runs it all;
+LoongSFTTrainer's overlapped gradient reduction needs). In the same world A.X-K2's gated ``q_gate_proj`` and ``o_proj``
+with LoRA and its gated norms saved, against PEFT at TP1 and TP2 + SP. One two-rank world runs it all;
 the config, layout and LoRA refusals are pure."""
 
 from __future__ import annotations
@@ -100,18 +100,15 @@ def _hub_checks(folder: str, hub: str, ref, ids: torch.Tensor) -> dict:
         folder, f"{hub}-out{dist.get_rank()}", extra=("model.mtp_layers.0.norm.weight",))}
 
 
-def _axk2_o_proj_lora(folder: str) -> dict:
-    """A.X-K2's o_proj (its output gate a pre-hook on linear_proj, as HY-V4's) with LoRA against PEFT at TP1 and
-    TP2 + SP: logits, loss, every adapter's gradient, the adapter folder in PEFT (``_lora_parity``)."""
-    import torch.distributed as dist
+def _axk2_lora(folder: str) -> dict:
+    """A.X-K2's gated query up-projection (q_gate_proj) and o_proj (its output gate a pre-hook on linear_proj, as
+    HY-V4's) with LoRA, the gated norms saved, against PEFT at TP1 and TP2 + SP (``lora_checks``: logits, loss, every
+    adapter's gradient, the adapter folder in PEFT, the merged export in transformers; at TP2 + SP the folder
+    loaded onto a fresh model and ``unload()``), the saved norms scaled before the folder is written."""
+    from tests.bridges.test_deepseek_v4 import lora_checks
 
-    from tests.bridges._lora_parity import lora_against_peft
-
-    out = {}
-    for name in ("tp1", "tp2sp"):
-        out[name] = lora_against_peft(folder, f"{folder}-lora-{name}", LAYOUTS[name], AXK2_LORA_KW)
-        dist.barrier()  # NOTE: the adapter folder is written by the first rank
-    return out
+    return {name: lora_checks(folder, f"axk2-{name}", LAYOUTS[name], AXK2_LORA_KW, name != "tp1", scale_saved=1.25)
+            for name in ("tp1", "tp2sp")}
 
 
 def _world(folder: str, hub: str, axk2: str) -> dict:
@@ -149,7 +146,7 @@ def _world(folder: str, hub: str, axk2: str) -> dict:
         del model
     for name, layout in LORA_LAYOUTS.items():
         out[f"lora_{name}"] = lora_checks(folder, name, layout, LORA_KW, name != "tp1")
-    out["axk2_lora"] = _axk2_o_proj_lora(axk2)
+    out["axk2_lora"] = _axk2_lora(axk2)
     return out
 
 
@@ -158,7 +155,8 @@ def _world(folder: str, hub: str, axk2: str) -> dict:
 LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["wq_b", "wk", "weights_proj"],
                init_lora_weights=False, modules_to_save=["norm"],
                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"])
-AXK2_LORA_KW = dict(r=4, lora_alpha=8, target_modules=["o_proj"], init_lora_weights=False)
+AXK2_LORA_KW = dict(r=4, lora_alpha=8, target_modules=["q_gate_proj", "o_proj"], init_lora_weights=False,
+                    modules_to_save=["input_layernorm"])
 
 
 @pytest.fixture(scope="module")
@@ -315,11 +313,18 @@ def test_lora_matches_peft_and_exports(results, name):
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2sp"])
-def test_axk2_o_proj_lora_matches_peft(results, layout):
-    """A.X-K2's gated o_proj with LoRA (the gate a pre-hook on megatron's linear_proj, the adapter reading the gated
-    input as PEFT's): logits and loss within 1e-4, every adapter's gradient within 1e-4 of its largest entry, the
-    adapter folder in PEFT (logits within 1e-4)."""
+def test_axk2_gated_projections_lora_matches_peft(results, layout):
+    """A.X-K2's q_gate_proj (``q_b_proj`` on disk; each head's query and output-gate rows, the adapter's term added
+    before megatron's up-projection splits them) and gated o_proj (the gate a pre-hook on megatron's linear_proj, the
+    adapter reading the gated input as PEFT's) with LoRA, the gated input norms (``W_down`` / ``W_up`` on disk,
+    ``mlp.fc1`` / ``mlp.fc2`` in transformers' tree) saved: logits and loss within 1e-4, every adapter's gradient
+    within 1e-4 of its largest entry, the adapter folder in PEFT with the saved norms scaled by 1.25 (which moves
+    the logits) and the merged export in transformers: logits within 1e-4; at TP2 + SP the folder read back onto a
+    fresh model (within 1e-4 of PEFT's) and unloaded (transformers' logits)."""
     r = results["axk2_lora"][layout]
-    assert r["targets"] == ["o_proj"] and r["graded"] > 0, r
+    assert r["targets"] == ["o_proj", "q_gate_proj"] and r["graded"] == 16, r
     assert r["logits"] < 1e-4 and r["loss"] < 1e-4 and r["grads"] < 1e-4, r
-    assert r["adapter_logits"] < 1e-4, r
+    assert r["saved_moved"] > 1e-2 and r["adapter_logits"] < 1e-4 and r["inspected"]["merged_logits"] < 1e-4, r
+    assert r["inspected"]["no_gradient"] == [], r
+    if layout != "tp1":
+        assert r["reloaded_logits"] < 1e-4 and r["unloaded_logits"] < 1e-4, r

@@ -1,10 +1,9 @@
 """LoRA refusals that say what is wrong and what can be targeted instead, from the pure planner (no world, before any
-model is built): DiffLlama's q / k / v (held by halves of the heads), A.X-K2's gated ``q_gate_proj`` (re-classed by
-its bridge: it failed with a TypeError naming Transformer Engine layers when the adapters were attached; its
-``o_proj`` plans, compared with PEFT in tests/bridges/test_hy_v4.py), DeepSeek-V4's grouped ``o_a_proj`` (PEFT's
-layer fails on it), HY-V4's indexer (no gradient reaches it). The ``exclude_modules`` each message suggests with
-``'all-linear'`` plans. Parity of LoRA on the accepted modules vs PEFT: test_lora*.py (DeepSeek-V4's and HY-V4's:
-tests/bridges/test_deepseek_v4.py, test_hy_v4.py)."""
+model is built): DiffLlama's q / k / v (held by halves of the heads), A.X-K2's ``q_b_proj`` (the checkpoint's name of
+``q_gate_proj``) and its gated norms' gates, DeepSeek-V4's grouped ``o_a_proj`` (PEFT's layer fails on it), HY-V4's
+and the DSA models' indexers (no gradient reaches them). The ``exclude_modules`` each message suggests with
+``'all-linear'`` plans. Parity of LoRA on the accepted modules vs PEFT: test_lora*.py (DeepSeek-V4's and HY-V4's,
+A.X-K2's: tests/bridges/test_deepseek_v4.py, test_hy_v4.py)."""
 
 import ast
 import re
@@ -44,24 +43,34 @@ def test_diffllama_qkv_refused_saying_why_and_what_instead():
     assert _suggested("diffllama", message) == ["down_proj", "gate_proj", "o_proj", "up_proj"]
 
 
-def test_axk2_gated_query_projection_refused_by_name():
-    """q_gate_proj (transformers' name), q_b_proj (the checkpoint's, which names no module of transformers' tree) and
-    'all-linear' are refused by the planner naming the gated query projection; o_proj (its gate a pre-hook) plans."""
-    gated_q = "q_b_proj: the checkpoint's name of q_gate_proj, A.X-K2's gated query up-projection, which is no plain " \
-              "linear here"
+def test_axk2_checkpoint_name_gated_norm_gates_and_indexer_refused_by_name():
+    """q_b_proj (the checkpoint's name of transformers' q_gate_proj, which names no module of transformers' tree)
+    refused pointing at q_gate_proj; 'all-linear' refused naming the gated norms' gates (fc1 / fc2: W_down / W_up on
+    disk) and the DSA indexer's linears; q_gate_proj and o_proj plan (compared with PEFT in
+    tests/bridges/test_hy_v4.py)."""
     message = _refusal("axk2", ["q_b_proj"])
-    assert message.startswith(f"target_modules=['q_b_proj'] match no module of AXK2ForCausalLM ({gated_q}); "
-                              "targetable: "), message
-    message = _refusal("axk2", ["q_gate_proj"])
-    assert "(q_gate_proj: A.X-K2's gated query up-projection (q_b_proj on disk" in message, message
+    assert message.startswith("target_modules=['q_b_proj'] match no module of AXK2ForCausalLM (q_b_proj: the "
+                              "checkpoint's name of A.X-K2's gated query up-projection; transformers' module, which "
+                              "PEFT targets, is q_gate_proj); targetable: "), message
     message = _refusal("axk2", "all-linear")
-    assert "o_proj: " not in message and "(q_gate_proj: A.X-K2's gated query" in message, message
-    assert "exclude_modules=['fc1', 'fc2', 'q_gate_proj', 'weights_proj', 'wk', 'wq_b']" in message
+    assert "(fc1, fc2: the gated norms' low-rank gate (W_down / W_up on disk)" in message, message
+    assert "weights_proj, wk, wq_b: DeepSeek Sparse Attention's lightning indexer" in message, message
+    assert "exclude_modules=['fc1', 'fc2', 'weights_proj', 'wk', 'wq_b']" in message
     assert _suggested("axk2", message) == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-                                           "q_a_proj", "up_proj"]
+                                           "q_a_proj", "q_gate_proj", "up_proj"]
     plan = plan_lora(get_bridge(_config("axk2", architectures=[NAMES["axk2"]])),
-                     peft.LoraConfig(r=4, target_modules=["o_proj"]))
-    assert sorted({(t.hf_module.rsplit(".", 1)[-1], t.kind) for t in plan.targets}) == [("o_proj", "row")]
+                     peft.LoraConfig(r=4, target_modules=["q_gate_proj", "o_proj"]))
+    assert sorted({(t.hf_module.rsplit(".", 1)[-1], t.kind, t.slot_name) for t in plan.targets}) == [
+        ("o_proj", "row", None), ("q_gate_proj", "column", "q_b_proj")]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_indexer_refused_by_name(arch):
+    names = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+    bridge = get_bridge(_config(arch, architectures=[names[arch]]))
+    with pytest.raises(LoraConfigError) as err:
+        plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["wk"]))
+    assert "(wk: DeepSeek Sparse Attention's lightning indexer only picks the top-k keys" in str(err.value)
 
 
 def test_deepseek_v4_grouped_output_projection_refused_by_name():
