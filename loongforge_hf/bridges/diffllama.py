@@ -15,6 +15,9 @@ Choices:
 - Under TP a rank must hold both heads of its pairs: rank ``r`` of ``T`` takes query heads
   ``[r H / 2T, (r + 1) H / 2T)`` and the same range of the second half, KV heads alike (``HalvesQKV``; at TP1 the
   HF order itself). So ``num_key_value_heads`` must divide by ``2 * tensor_parallel_size``: refused by name otherwise.
+- LoRA on ``q_proj`` / ``k_proj`` / ``v_proj``: B's rows (DoRA's magnitude) go to megatron's order as the weight's
+  (``HalvesQKV.rows_to_megatron``), each rank's then its slice of both halves; a training checkpoint keys them by
+  half (``tp_sections``), so a resume under another TP size reads the rows it needs.
 - ``attention_dropout`` (transformers refuses it too) and biases are refused.
 """
 
@@ -76,6 +79,23 @@ class HalvesQKV(QKV):
 
     def export_parts(self, shard, rank, ctx, layer):
         return self._parts(shard, rank, ctx, layer)
+
+    @staticmethod
+    def _order(ctx, part: int) -> torch.Tensor:
+        """The HF rows of q (``part`` 0), k or v in the order megatron holds them, TP rank after TP rank."""
+        local = (ctx.num_heads if part == 0 else ctx.num_kv_heads) // ctx.tp_size * ctx.head_dim
+        return torch.tensor([_hf_row(ctx, rank, part, src) for rank in range(ctx.tp_size) for src in range(local)])
+
+    def rows_to_megatron(self, rows: torch.Tensor, ctx, part: int = 0) -> torch.Tensor:
+        """A tensor with q's (``part`` 0), k's or v's rows (a LoRA B, a DoRA magnitude) in megatron's order, so
+        each TP rank's block is its slice of both halves of the heads, as the weight's."""
+        return rows[self._order(ctx, part)]
+
+    def rows_to_hf(self, rows: torch.Tensor, ctx, part: int = 0) -> torch.Tensor:
+        """The inverse of ``rows_to_megatron``."""
+        out = torch.empty_like(rows)
+        out[self._order(ctx, part)] = rows
+        return out
 
 
 @functools.cache

@@ -13,11 +13,13 @@ Choices:
   gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be (a
   last component only where no linear it names is refused: not AFMoE's gated ``q_proj`` / ``k_proj`` / ``v_proj``,
   whose gates are a tensor of their own, nor ``'all-linear'`` without ``exclude_modules`` for those). Linears an
-  architecture refuses by name say why (``_REFUSED``: DiffLlama's ``q_proj`` / ``k_proj`` /
-  ``v_proj``, held by halves of the heads; JetMoE's routers ``router.layer``; LongCat-Flash's router ``classifier``,
-  whose weight transformers reads itself, so PEFT's adapter there never acts; Zamba / Zamba2's shared blocks'
-  linears, one megatron linear for the uses PEFT adapts one by one). LongCat-Flash's sublayer mappings
-  (``paired_sublayers``) are looked up by the class they stand for (``plain_class``).
+  architecture refuses by name say why (``_REFUSED``: JetMoE's routers ``router.layer``; LongCat-Flash's router
+  ``classifier``, whose weight transformers reads itself, so PEFT's adapter there never acts; Zamba / Zamba2's shared
+  blocks' linears, one megatron linear for the uses PEFT adapts one by one; the DSA indexers' linears, which no
+  gradient reaches; A.X-K2's ``q_b_proj``, the checkpoint's name of ``q_gate_proj``, and its norms' gates).
+  DiffLlama's ``q_proj`` / ``k_proj`` / ``v_proj`` (``HalvesQKV``: each TP rank a slice of both halves of the heads)
+  are ``linear_qkv`` slots whose B rows the mapping puts in megatron's order (``rows_to_megatron``). LongCat-Flash's
+  sublayer mappings (``paired_sublayers``) are looked up by the class they stand for (``plain_class``).
 - HF linears sharing one megatron linear in slots of unequal rows are each a target with its own adapter, B's rows
   moved to megatron's order by the mapping (``rows_to_megatron(part=Target.slot)``) and sliced per TP rank by its
   ``rank_rows`` (``model._layout_and_slices``): the Gated DeltaNet ``in_proj`` of Qwen3.5 / Qwen3.5-MoE
@@ -87,6 +89,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loongforge_hf.bridges.conv1d_mappings import Transposed
+from loongforge_hf.bridges.diffllama import HalvesQKV
 from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParallel
 from loongforge_hf.bridges.gated_mappings import GatedQKV, HeadSections, KeyHeadGroups
 from loongforge_hf.bridges.gemma4_attention import PerTypeQKV
@@ -98,7 +101,7 @@ from loongforge_hf.bridges.per_head_mappings import PerHeadStack
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
                  PackedQKV: "column", GroupedQKV: "column", PackedGatedMLP: "column", RowParallel: "row",
                  SharedExpertGate: "shared_gate", HeadSections: "column", KeyHeadGroups: "column", GatedQKV: "qkv",
-                 PerTypeQKV: "qkv"}
+                 PerTypeQKV: "qkv", HalvesQKV: "qkv"}
 _INITS = (True, False, "gaussian", "orthogonal")
 _DSA_INDEXER = dict.fromkeys(
     ("wq_b", "wk", "weights_proj"), "DeepSeek Sparse Attention's lightning indexer only picks the top-k keys: no "
@@ -130,9 +133,6 @@ _REFUSED = {
     "LongcatFlashForCausalLM": {
         "classifier": "transformers' LongCat-Flash router reads classifier.weight itself (F.linear on its fp32 copy), "
                       "so PEFT's adapter on the module never reaches the routing"},
-    "DiffLlamaForCausalLM": dict.fromkeys(
-        ("q_proj", "k_proj", "v_proj"), "megatron's fused linear_qkv holds DiffLlama's heads by halves (HalvesQKV), "
-                                        "which LoRA's row slicing does not follow"),
     "DeepseekV4ForCausalLM": {
         "o_a_proj": "DeepSeek-V4's grouped output projection (DeepseekV4GroupedLinear) maps each head group on its "
                     "own; PEFT's LoRA layer on it adds a [groups, groups * o_lora_rank] term to its [groups, "

@@ -17,7 +17,8 @@ Choices:
   (megatron's replica id over TP).
 - A LoRA adapter's B (and DoRA's magnitude) on a declared column-parallel weight has the weight's rows, hence its
   sections (``sections_of_adapters``), or, one HF target in its slot of the fused rows, the sections of that slot
-  (Qwen3.5's ``in_proj_qkv`` adapter: this rank's q, k and v rows); so has B of an adapter on one HF ``[gate; up]``
+  (Qwen3.5's ``in_proj_qkv`` adapter: this rank's q, k and v rows; DiffLlama's ``q_proj`` adapter: this rank's
+  query rows of each half of the heads); so has B of an adapter on one HF ``[gate; up]``
   linear (Phi-3's ``gate_up_proj``: this rank's gate rows, then its up rows, as megatron's ``linear_fc1``, whose
   weight megatron's own swiglu factory sections).
 - KV heads replicated over TP ranks (``parallel/kv_replicas.py``: a rank holds one group, its share of the group's
@@ -124,14 +125,21 @@ def sections_of_adapters(modules) -> dict[int, Sections]:
 
 
 def _slot_sections(base: Sections, layout, target: str) -> Sections | None:
-    """The sections of ``target``'s adapter rows where its slot of a one-group fused layout (``lora.layers.
-    FusedLayout``: Qwen3.5's ``in_proj_qkv`` in the Gated DeltaNet ``in_proj``) is whole sections of ``base``; None
-    otherwise (its rows are then left to megatron's layout: a slot of one section, or refused by name)."""
-    if layout is None or layout.groups != 1:
+    """The sections of ``target``'s adapter rows where its slot of a fused layout (``lora.layers.FusedLayout``) is
+    whole sections of ``base``: in a one-group layout (Qwen3.5's ``in_proj_qkv`` in the Gated DeltaNet ``in_proj``)
+    a run of them; in a layout of several groups (``linear_qkv``'s KV groups) where each section holds whole groups
+    (DiffLlama's halves of the heads), the slot's rows of each. None otherwise (its rows are then left to megatron's
+    layout: a slot of one section, or refused by name)."""
+    if layout is None:
         return None
     names = [n for n, _ in layout.slots]
     start = sum(rows for _, rows in layout.slots[:names.index(target)])
     stop = start + layout.slots[names.index(target)][1]
+    if layout.groups != 1:
+        group = sum(rows for _, rows in layout.slots)
+        if base.replicas is not None or any(size % group for size in base.sizes):
+            return None
+        return Sections(tuple(size // group * (stop - start) for size in base.sizes), 0)
     edges = [sum(base.sizes[:i]) for i in range(len(base.sizes) + 1)]
     if start not in edges or stop not in edges:
         return None

@@ -13,8 +13,9 @@ LAuReL's or the per-layer inputs' linears).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
-  ``ADAPTERS``: the planner refuses DiffLlama's q / k / v (``HalvesQKV``: no per-slot adapter), CodeGen's
-  ``qkv_proj`` and Mamba-1's ``x_proj`` / ``dt_proj``, which PEFT adapts; PEFT refuses the Mamba models' ``out_proj``.
+  ``ADAPTERS``: the planner refuses CodeGen's ``qkv_proj`` and Mamba-1's ``x_proj`` / ``dt_proj``, which PEFT
+  adapts; PEFT refuses the Mamba models' ``out_proj``. DiffLlama's q / k / v adapters at TP2 hold each rank's slice of
+  both halves of the heads (``HalvesQKV.rows_to_megatron``; logits off by 1.03 with B's rows split as a plain QKV's).
 - Each model from ``get_peft_model`` and PEFT's after the same seed (``_lora_checks.lora_pair``): the same initial
   factors (DiffLlama's too: planning builds transformers' module tree under a forked RNG, as its lambdas draw).
 - A right-padded batch (a left pad's logits feed the next token's loss in transformers but are nobody's contract),
@@ -43,8 +44,8 @@ ALL_LINEAR = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weig
 ADAPTERS = {
     "minimax": ALL_LINEAR, "granite_swa": ALL_LINEAR, "granitemoe_swa": ALL_LINEAR, "hyperclovax": ALL_LINEAR,
     "bitnet": ALL_LINEAR,
-    # NOTE: DiffLlama's q / k / v refused by the planner (PEFT adapts them): o_proj and the MLP
-    "diffllama": dict(ALL_LINEAR, exclude_modules=["q_proj", "k_proj", "v_proj"]),
+    # NOTE: DiffLlama's q / k / v: B's rows of each rank its slice of both halves of the heads (HalvesQKV)
+    "diffllama": ALL_LINEAR,
     "opt": ALL_LINEAR, "gpt_neo": ALL_LINEAR, "biogpt": ALL_LINEAR, "xglm": ALL_LINEAR,
     # NOTE: CodeGen's qkv_proj (mp_num blocks of q / v / k) refused by the planner (PEFT adapts it): the rest
     "codegen": dict(ALL_LINEAR, exclude_modules=["qkv_proj"]), "persimmon": ALL_LINEAR,

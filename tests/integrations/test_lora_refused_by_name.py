@@ -1,7 +1,7 @@
 """LoRA refusals that say what is wrong and what can be targeted instead, from the pure planner (no world, before any
-model is built): DiffLlama's q / k / v (held by halves of the heads), A.X-K2's ``q_b_proj`` (the checkpoint's name of
-``q_gate_proj``) and its gated norms' gates, DeepSeek-V4's grouped ``o_a_proj`` (PEFT's layer fails on it), HY-V4's
-and the DSA models' indexers (no gradient reaches them). The ``exclude_modules`` each message suggests with
+model is built): A.X-K2's ``q_b_proj`` (the checkpoint's name of ``q_gate_proj``) and its gated norms'
+gates, DeepSeek-V4's grouped ``o_a_proj`` (PEFT's layer fails on it), HY-V4's and the DSA models' indexers (no
+gradient reaches them). The ``exclude_modules`` each message suggests with
 ``'all-linear'`` plans. Parity of LoRA on the accepted modules vs PEFT: test_lora*.py (DeepSeek-V4's and HY-V4's,
 A.X-K2's: tests/bridges/test_deepseek_v4.py, test_hy_v4.py)."""
 
@@ -15,7 +15,7 @@ from loongforge_hf.bridges.registry import get_bridge
 from loongforge_hf.lora.plan import LoraConfigError, plan_lora
 from loongforge_hf.testing.tiny_models import _config
 
-NAMES = {"diffllama": "DiffLlamaForCausalLM", "axk2": "AXK2ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
+NAMES = {"axk2": "AXK2ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
          "hy_v4": "HYV4ForCausalLM"}
 
 
@@ -32,15 +32,6 @@ def _suggested(arch: str, message: str) -> list[str]:
     bridge = get_bridge(_config(arch, architectures=[NAMES[arch]]))
     plan = plan_lora(bridge, peft.LoraConfig(r=4, target_modules="all-linear", exclude_modules=excluded))
     return sorted({t.hf_module.rsplit(".", 1)[-1] for t in plan.targets})
-
-
-def test_diffllama_qkv_refused_saying_why_and_what_instead():
-    for target_modules in (["q_proj", "v_proj"], "all-linear"):
-        message = _refusal("diffllama", target_modules)
-        assert "self_attn.q_proj" in message and "by halves (HalvesQKV)" in message, message
-        assert message.endswith("targetable modules: ['down_proj', 'gate_proj', 'o_proj', 'up_proj'] or 'all-linear' "
-                                "with exclude_modules=['k_proj', 'q_proj', 'v_proj']."), message
-    assert _suggested("diffllama", message) == ["down_proj", "gate_proj", "o_proj", "up_proj"]
 
 
 def test_axk2_checkpoint_name_gated_norm_gates_and_indexer_refused_by_name():

@@ -6,7 +6,8 @@ step on as the uninterrupted run does: without the sections both came back reord
 single KV head replicated on both TP2 ranks resumed at TP1, and GPT-BigCode's (with biases) resumed at TP2 from
 TP1: ``linear_qkv`` keyed head by head (before, a shape error that blamed the checkpoint); and LoRA runs (q / k /
 v / o adapters, k / v's B rows on the replicated head; Falcon's packed ``query_key_value`` adapter, its B's K / V
-rows on it) resumed at TP1 from TP2. Refused by name, on every
+rows on it; DiffLlama's q / k / v / o adapters, each rank's B rows its slice of both halves of the heads) resumed at
+TP1 from TP2. Refused by name, on every
 rank, before megatron's load: checkpoints written before the sections (whole tensors) or before the replicated heads
 were keyed per head under another size; they resume in their own layout (Zamba2, whose shared blocks megatron once
 keyed as replicated, bit for bit). One 2-rank world."""
@@ -30,6 +31,7 @@ def _train(folder: str, out_dir: str, layout: dict, resume: str | None = None) -
     dp = 2 // layout.get("tensor_parallel_size", 1)
     model = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
     if folder.endswith("_lora"):  # NOTE: k / v adapters' B rows (the packed adapter's K / V rows): the replicated head
+        # (DiffLlama's: each rank's rows of both halves of the heads)
         import peft
 
         from loongforge_hf.lora import get_peft_model
@@ -48,7 +50,7 @@ def _train(folder: str, out_dir: str, layout: dict, resume: str | None = None) -
 
 # NOTE: (written in, resumed in); Falcon's and GPT-BigCode's one KV head is replicated on both TP2 ranks
 RESHARDED = {"diffllama": (TP2, {}), "mamba2": ({}, TP2), "falcon_mqa": (TP2, {}), "gpt_bigcode": ({}, TP2),
-             "llama_mqa_lora": (TP2, {}), "falcon_mqa_packed_lora": (TP2, {})}
+             "llama_mqa_lora": (TP2, {}), "falcon_mqa_packed_lora": (TP2, {}), "diffllama_lora": (TP2, {})}
 
 
 def _world(folders: dict, root: str) -> dict:
@@ -89,9 +91,10 @@ def test_resume_under_another_tensor_parallel_size(tmp_path):
                 ("zamba2", {}))}
     folders["llama_mqa_lora"] = str(make_tiny_checkpoint(tmp_path / "llama_mqa_lora", "llama", num_key_value_heads=1))
     folders["falcon_mqa_packed_lora"] = str(make_tiny_checkpoint(tmp_path / "falcon_mqa_packed_lora", "falcon_mqa"))
+    folders["diffllama_lora"] = str(make_tiny_checkpoint(tmp_path / "diffllama_lora", "diffllama"))
     runs = tmp_path / "runs"
     for rank in run_distributed(_world, 2, folders, str(runs), timeout=400):
-        assert [rank[arch] for arch in (*RESHARDED, "zamba2", "falcon_mqa_old_tp2")] == [None] * 8, rank
+        assert [rank[arch] for arch in (*RESHARDED, "zamba2", "falcon_mqa_old_tp2")] == [None] * 9, rank
         assert "KV heads are replicated over tensor-parallel ranks (num_key_value_heads=1" in \
             (rank["falcon_mqa_old"] or ""), rank
         assert "written before loongforge-hf keyed them per head" in rank["falcon_mqa_old"], rank
