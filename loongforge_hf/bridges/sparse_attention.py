@@ -195,12 +195,9 @@ class SparseAttention(DSAttention):
             topk = self._source_topk()
         else:
             causal = torch.ones(sq, skv, dtype=torch.bool, device=query.device).triu(1)
-            masked = causal[None] if mask is None else mask | causal[None]
             with torch.no_grad():
-                _, topk = self.indexer.forward_with_scores(
-                    x.detach(), qr.detach(), mask=torch.zeros(masked.shape, device=query.device).masked_fill(
-                        masked, float("-inf")))
-            self.topk = topk
+                topk = self._select(*self.indexer.queries_and_keys(x.detach(), qr.detach()),
+                                    causal[None] if mask is None else mask | causal[None])
         if mask is None and self.sinks is None:
             return unfused_dsa_fn(query, key, value, topk, self.softmax_scale)
         if mask is None:
@@ -229,16 +226,20 @@ class SparseAttention(DSAttention):
         else:
             with torch.no_grad():
                 q, index_keys, weights = self.indexer.queries_and_keys(x.detach(), qr.detach(), cp_group=group)
-                _, topk = self.indexer.top_k(q.index_select(0, rows), index_keys, weights.index_select(0, rows),
-                                             mask=torch.zeros(masked.shape, device=query.device).masked_fill(
-                                                 masked, float("-inf")))
-            self.topk = topk
+                topk = self._select(q.index_select(0, rows), index_keys, weights.index_select(0, rows), masked)
         if prefill is not None:
             layer, step = prefill
             layer.update(key[:step.given].permute(1, 2, 0, 3), value[:step.given].permute(1, 2, 0, 3))
             if not self.shared:
                 layer.update_index_keys(index_keys[:step.given].transpose(0, 1))
         return masked_sparse_attention(query, key, value, topk, masked, self.softmax_scale, sinks=self.sinks)
+
+    def _select(self, q, index_keys, weights, masked) -> torch.Tensor:
+        """The top-k keys ``[b, sq, k]`` of index queries ``q`` over ``index_keys`` (``indexer.top_k``; ``masked``
+        ``[b or 1, sq, skv]`` bool, True: masked), kept for the shared layers that reuse them."""
+        additive = torch.zeros(masked.shape, device=masked.device).masked_fill(masked, float("-inf"))
+        self.topk = self.indexer.top_k(q, index_keys, weights, mask=additive)[1]
+        return self.topk
 
     def _source_topk(self) -> torch.Tensor:
         if not self.source or self.source[0].topk is None:
@@ -268,9 +269,7 @@ class SparseAttention(DSAttention):
                 q, k, weights = self.indexer.queries_and_keys(x.detach(), qr.detach())
                 index_keys = torch.cat((layer.update_index_keys(k[:given].transpose(0, 1)), k[given:].transpose(0, 1)),
                                        dim=1)
-                _, topk = self.indexer.top_k(q, index_keys.transpose(0, 1), weights, mask=torch.zeros(
-                    masked.shape, device=query.device).masked_fill(masked, float("-inf")))
-            self.topk = topk
+                topk = self._select(q, index_keys.transpose(0, 1), weights, masked)
         return masked_sparse_attention(query, keys, values, topk, masked, self.softmax_scale, sinks=self.sinks)
 
 
