@@ -56,15 +56,16 @@ class GatedQKV(Mapping):
 
     def rows_to_megatron(self, rows: torch.Tensor, ctx, part: int = 0) -> torch.Tensor:
         """A tensor with the rows of ``q_proj`` (``part`` 0; ``k_proj`` / ``v_proj`` as they are) in megatron's row
-        order: per KV group its heads' queries, then their gates (TP splits whole groups)."""
-        if part:
+        order: per KV group its heads' queries, then their gates (TP splits whole groups); with ``gate`` (the gates
+        a tensor of their own) every part's rows are in order already."""
+        if part or self.gate:
             return rows
         groups, hd, rest = ctx.num_kv_heads, ctx.head_dim, rows.shape[1:]
         return rows.reshape(groups, -1, 2, hd, *rest).transpose(1, 2).reshape(-1, *rest)
 
     def rows_to_hf(self, rows: torch.Tensor, ctx, part: int = 0) -> torch.Tensor:
         """The inverse of ``rows_to_megatron``."""
-        if part:
+        if part or self.gate:
             return rows
         groups, hd, rest = ctx.num_kv_heads, ctx.head_dim, rows.shape[1:]
         return rows.reshape(groups, 2, -1, hd, *rest).transpose(1, 2).reshape(-1, *rest)

@@ -160,11 +160,17 @@ def _layout_and_slices(target_group, ctx, layer: int):
         # NOTE: Gemma 4's full layers: their own head size and KV heads, and no v slot with values from keys
         ctx = first.mapping.layer_context(ctx, layer) if hasattr(first.mapping, "layer_context") else ctx
         heads, groups, hd = ctx.num_heads // tp, ctx.local_kv_heads, ctx.head_dim
-        q_rows = (2 if isinstance(first.mapping, GatedQKV) else 1) * hd  # NOTE: each head's query and output gate
-        q, *kv = names
-        layout = FusedLayout(groups=groups, slots=((q, heads // groups * q_rows), *((n, hd) for n in kv)))
+        gated = isinstance(first.mapping, GatedQKV)
+        # NOTE: each head's query and output gate in q_proj (Qwen3.5), or the gates an HF linear of their own beside
+        # the queries (AFMoE's gate_proj: names q, k, v, gate), per KV group after its queries, as megatron holds them
+        q, *kv = names[:3]
+        own_gates = names[3:] if gated else []
+        q_rows = (2 if gated and not own_gates else 1) * hd
+        slots = ((q, heads // groups * q_rows), *((g, heads // groups * hd) for g in own_gates), *((n, hd) for n in kv))
         kv_rows = slice(ctx.first_kv_head(rank) * hd, (ctx.first_kv_head(rank) + groups) * hd)
-        return layout, {q: slice(rank * heads * q_rows, (rank + 1) * heads * q_rows), **{n: kv_rows for n in kv}}
+        return FusedLayout(groups=groups, slots=slots), {
+            q: slice(rank * heads * q_rows, (rank + 1) * heads * q_rows), **{n: kv_rows for n in kv},
+            **{g: slice(rank * heads * hd, (rank + 1) * heads * hd) for g in own_gates}}
     if first.kind in ("gated", "column") and hasattr(first.mapping, "rank_rows"):
         # NOTE: HF tensors of unequal rows in one megatron linear (the Gated DeltaNet in_proj), each rank's B rows
         # of a target a block of its megatron-ordered rows (Target.b_to_megatron)

@@ -46,6 +46,8 @@ Choices:
 - DeepSeek-V4 / HY-V4 (``bridges/deepseek_v4_lora.py``): the routed experts' stacks and the router as Qwen3-MoE's
   (transformers' module tree stacks the experts; the checkpoint's one tensor per expert is read by the stacked
   mapping; DeepSeek-V4's routers by their own rules read the adapted gating's logits).
+- AFMoE: PEFT's rewrite names its stacks and its router, ``mlp.router.gate.weight`` (sigmoid routing with a fixed
+  bias, megatron's router re-classed as any other's).
 - LongCat-Flash (its HF layer ``i`` two megatron layers, the MoE in ``2i``: ``bridge.lora_param_layer``): the routed
   experts' ``down_proj`` as Qwen3-MoE's; its ``gate_up_proj`` (rows of the zero experts too) is refused by its bridge.
 - Refused, naming the way out: ``lora_dropout`` != 0 with parameter targets (PEFT refuses it too), experts under
@@ -59,12 +61,14 @@ import re
 
 from loongforge_hf.lora.plan import LoraConfigError, Target
 
-# NOTE: Gemma 4's MoE block keeps its experts on the layer itself (``layers.N.experts.*``)
+# NOTE: Gemma 4's MoE block keeps its experts on the layer itself (``layers.N.experts.*``); AFMoE's router is
+# ``mlp.router.gate``
 _PARAM = (r"\.layers\.(\d+)\.(?:mlp\.|feed_forward\.)?(?:experts\.gate_up_proj|experts\.down_proj|gate\.weight|"
-          r"router\.weight)$")
+          r"router\.weight|router\.gate\.weight)$")
 SUPPORTED = ("'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' / 'router.weight' (router) of "
              "Qwen3-MoE / Mixtral / gpt-oss / Qwen3-VL-MoE / Llama 4 (under 'feed_forward.'); 'mlp.experts."
-             "gate_up_proj' / 'mlp.experts.down_proj' / 'mlp.gate.weight' of DeepSeek-V4 / HY-V4; Gemma 4's "
+             "gate_up_proj' / 'mlp.experts.down_proj' / 'mlp.gate.weight' of DeepSeek-V4 / HY-V4 (AFMoE's router: "
+             "'mlp.router.gate.weight'); Gemma 4's "
              "'experts.gate_up_proj' / 'experts.down_proj' (its router, 'router.proj', is not supported)")
 
 

@@ -11,12 +11,12 @@ Choices:
   module targets in HF ``named_modules`` order, then parameter targets (``param_targets.py``).
 - Each target is tied to the bridge mapping holding its HF weight (``_LINEAR_KINDS``: q/k/v slots of ``linear_qkv``,
   gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be (a
-  last component only where no linear it names is refused: not AFMoE's gated ``q_proj`` / ``k_proj`` / ``v_proj``,
-  whose gates are a tensor of their own, nor ``'all-linear'`` without ``exclude_modules`` for those). Linears an
-  architecture refuses by name say why (``_REFUSED``: JetMoE's routers ``router.layer``; LongCat-Flash's router
-  ``classifier``, whose weight transformers reads itself, so PEFT's adapter there never acts; Zamba / Zamba2's shared
-  blocks' linears, one megatron linear for the uses PEFT adapts one by one; the DSA indexers' linears, which no
-  gradient reaches; A.X-K2's ``q_b_proj``, the checkpoint's name of ``q_gate_proj``, and its norms' gates).
+  last component only where no linear it names is refused, nor ``'all-linear'`` without ``exclude_modules`` for
+  those). Linears an architecture refuses by name say why (``_REFUSED``: JetMoE's routers ``router.layer``;
+  LongCat-Flash's router ``classifier``, whose weight transformers reads itself, so PEFT's adapter there never acts;
+  Zamba / Zamba2's shared blocks' linears, one megatron linear for the uses PEFT adapts one by one; the DSA
+  indexers' linears, which no gradient reaches; A.X-K2's ``q_b_proj``, the checkpoint's name of ``q_gate_proj``,
+  and its norms' gates).
   DiffLlama's ``q_proj`` / ``k_proj`` / ``v_proj`` (``HalvesQKV``: each TP rank a slice of both halves of the heads)
   are ``linear_qkv`` slots whose B rows the mapping puts in megatron's order (``rows_to_megatron``). LongCat-Flash's
   sublayer mappings (``paired_sublayers``) are looked up by the class they stand for (``plain_class``).
@@ -28,11 +28,13 @@ Choices:
   megatron rows, so PEFT's names are the adapter's and the merged export writes the fused tensor), of OLMo Hybrid
   (``q`` / ``k`` / ``v`` / ``g`` / ``b`` / ``a_proj``) and of Qwen3-Next (``in_proj_qkvz`` / ``in_proj_ba`` per key
   head: ``KeyHeadGroups``); Qwen3.5's gated ``q_proj`` (``GatedQKV``: per KV group the heads' queries, then their gates)
-  beside ``k_proj`` / ``v_proj``. So ``"all-linear"`` takes them all. DoRA and PiSSA / OLoRA on them are refused by
-  name (``_check_unequal_slots``: not tested against PEFT there). Gemma 4's ``q_proj`` / ``k_proj`` / ``v_proj``
-  (``PerTypeQKV``) are plain ``QKV`` slots with each layer type's head size and KV heads; its full layers with values
-  from keys have no ``v_proj`` (in transformers' tree, so in PEFT's targets, as here). MiMo-V2-Flash's (value heads
-  narrower than the query / key heads) are refused.
+  beside ``k_proj`` / ``v_proj``; AFMoE's ``q_proj`` / ``k_proj`` / ``v_proj`` beside its gates' own ``gate_proj``
+  (``GatedQKV`` with ``gate``: a slot of its own after each group's queries; PEFT's rewrite on transformers 5 leaves
+  ``gate_proj`` to the experts, so it is never a target). So ``"all-linear"`` takes them all. DoRA and PiSSA /
+  OLoRA on them are refused by name (``_check_unequal_slots``: not tested against PEFT there). Gemma 4's
+  ``q_proj`` / ``k_proj`` / ``v_proj`` (``PerTypeQKV``) are plain ``QKV`` slots with each layer type's head size
+  and KV heads; its full layers with values from keys have no ``v_proj`` (in transformers' tree, so in PEFT's
+  targets, as here). MiMo-V2-Flash's (value heads narrower than the query / key heads) are refused.
 - One HF linear of row sections that megatron holds rank by rank (``gated_mappings.HeadSections`` of one part: the
   Mamba2 ``in_proj`` of Granite 4.0 H, Bamba and Nemotron-H, its z, x, B, C, dt; LFM2's conv ``in_proj``, its B, C,
   x) is a column-parallel target: B's rows go to megatron's order as the weight's do (``rows_to_megatron``). Where a
@@ -401,8 +403,6 @@ def _adaptable(name: str, module, index, on_disk, replicated: bool = False
     plain = type(_unwrapped(entry[0]))
     # NOTE: a mapping re-classed for LongCat-Flash's sublayer names stands for its plain class (paired_sublayers)
     kind = "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(getattr(plain, "plain_class", plain))
-    if isinstance(entry[0], GatedQKV) and entry[0].gate is not None:  # NOTE: AFMoE's gates beside q_proj
-        kind = None
     if isinstance(entry[0], PerTypeQKV) and entry[0].v_head_dim is not None:  # NOTE: MiMo-V2-Flash's narrower v
         kind = None
     if replicated and kind is None and plain is Replicated:  # NOTE: replicated.py

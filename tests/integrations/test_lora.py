@@ -10,10 +10,10 @@
   export in transformers, both giving the Loong model's logits; merged export leaves the model as it was.
 - EXAONE 3 (PEFT's Llama names, the checkpoint's GPT-2-style ones) at TP=2 + SP in the same world: logits, loss,
   adapter gradients, the adapter folder and the merged export.
-- Refusals list only what can be targeted (AFMoE's gated q / k / v left out); Qwen3.5's linear-attention
-  in-projections and gated q / k / v and Granite 4.0 H's Mamba2 ``in_proj`` are targets; each in-projection's B rows
-  land in its slot of the loaded megatron weight at TP1 / TP2 (pure; the models against PEFT run in
-  tests/bridges/test_qwen3_5.py and test_olmo_hybrid.py).
+- Qwen3.5's linear-attention in-projections and gated q / k / v, AFMoE's q / k / v (its gates a tensor of their
+  own) and Granite 4.0 H's Mamba2 ``in_proj`` are targets; each in-projection's B rows land in its slot of the
+  loaded megatron weight at TP1 / TP2 (pure; the models against PEFT run in tests/bridges/test_qwen3_5.py,
+  test_olmo_hybrid.py and tests/integrations/test_lora_new_bridges.py).
 """
 
 from __future__ import annotations
@@ -131,9 +131,8 @@ def test_gpt2_unsupported_configs_are_refused(checkpoints, kw, match):
         plan_lora(bridge, peft.LoraConfig(**kw))
 
 
-def test_refusal_lists_only_what_can_be_targeted(checkpoints):
-    """AFMoE's gated q / k / v (the gates a tensor of their own) are refused by name; the message lists neither them nor
-    plain 'all-linear'. Qwen3.5's linear-attention projections (four HF linears in one megatron ``in_proj``) and gated
+def test_fused_slots_are_targets(checkpoints):
+    """Qwen3.5's linear-attention projections (four HF linears in one megatron ``in_proj``) and gated
     q / k / v are targets ("all-linear" takes every linear but the LM head), DoRA on them refused by name; Granite 4.0
     H's Mamba2 ``in_proj`` (one HF linear of five row sections) is a target as any column-parallel linear."""
     import peft
@@ -143,11 +142,6 @@ def test_refusal_lists_only_what_can_be_targeted(checkpoints):
     from loongforge_hf.lora import LoraConfigError
     from loongforge_hf.lora.plan import plan_lora
 
-    afmoe = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["afmoe"]))
-    with pytest.raises(LoraConfigError, match="self_attn.q_proj") as err:
-        plan_lora(afmoe, peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    assert str(err.value).endswith("targetable modules: ['down_proj', 'o_proj', 'up_proj'] or 'all-linear' with "
-                                   "exclude_modules=['gate', 'gate_proj', 'k_proj', 'q_proj', 'v_proj']."), err.value
     bridge = get_bridge(transformers.AutoConfig.from_pretrained(checkpoints["qwen3_5"]))
     slots = ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "k_proj", "q_proj", "v_proj"]
     plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear"))
@@ -163,11 +157,12 @@ def test_refusal_lists_only_what_can_be_targeted(checkpoints):
                                               "output_linear", "q_proj", "v_proj"}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "olmo_hybrid", "afmoe"])
 def test_unequal_slots_placed_as_the_weight(checkpoints, arch):
-    """Pure, TP1 / TP2: each in-projection's B rows (and the gated q_proj's), moved to megatron's order and sliced
-    for a rank (``Target.b_to_megatron``, ``model._layout_and_slices``), are that rank's rows of the HF weight in its
-    slot of the loaded megatron ``in_proj`` / ``linear_qkv``, and ``b_to_hf`` takes them back."""
+    """Pure, TP1 / TP2: each in-projection's B rows (and the gated q_proj's; AFMoE's q / k / v beside its gates'
+    own gate_proj), moved to megatron's order and sliced for a rank (``Target.b_to_megatron``,
+    ``model._layout_and_slices``), are that rank's rows of the HF weight in its slot of the loaded megatron
+    ``in_proj`` / ``linear_qkv``, and ``b_to_hf`` takes them back."""
     import peft
     import transformers
 
@@ -183,13 +178,13 @@ def test_unequal_slots_placed_as_the_weight(checkpoints, arch):
     for t in plan.targets:
         if isinstance(t.mapping, (GatedQKV, HeadSections, KeyHeadGroups)):
             by_module.setdefault((t.layer, t.megatron_module), []).append(t)
-    assert any(t.megatron_module.endswith(".in_proj") for t in plan.targets) and \
+    assert (arch == "afmoe" or any(t.megatron_module.endswith(".in_proj") for t in plan.targets)) and \
         all(len(ts) > 1 for ts in by_module.values())  # NOTE: the in_proj of two, four or six HF linears
     gen = torch.Generator().manual_seed(0)
     for (layer, _), targets in by_module.items():
         mapping = targets[0].mapping
-        weights = {n: torch.randn(t.out_features, 3, generator=gen)
-                   for n, t in zip(mapping.hf_names(layer), sorted(targets, key=lambda t: t.slot))}
+        # NOTE: every HF tensor of the fused weight (AFMoE's gate_proj too, which PEFT's rewrite leaves unadapted)
+        weights = {n: torch.randn(plan.hf_shapes[n][0], 3, generator=gen) for n in mapping.hf_names(layer)}
 
         class Reader:
             def get_slice(self, name, dim, start, stop):
@@ -198,7 +193,8 @@ def test_unequal_slots_placed_as_the_weight(checkpoints, arch):
             for rank in range(tp):
                 ctx = shard_context(bridge, tp_rank=rank, tp_size=tp, padded_vocab=bridge.hf_config.vocab_size)
                 fused, (layout, slices) = mapping.load(Reader(), ctx, layer), _layout_and_slices(targets, ctx, layer)
-                for t, w in zip(sorted(targets, key=lambda t: t.slot), weights.values()):
+                for t in targets:
+                    w = weights[mapping.hf_names(layer)[t.slot]]
                     assert torch.equal(t.b_to_megatron(w, ctx)[slices[t.name]], layout.slot(fused, t.name)), t
                     assert torch.equal(t.b_to_hf(t.b_to_megatron(w, ctx), ctx), w), t
 

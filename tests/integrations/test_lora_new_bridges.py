@@ -9,7 +9,8 @@ experts), LFM3 (attention with its output gate's ``g_proj``, the short convs' ``
 LaraMini (attention, the Gated DeltaNet's split in-projections over its fused ``in_proj``, the shared expert),
 Laguna (``q_proj`` / ``k_proj`` / ``v_proj`` / ``g_proj`` with each layer's heads, ``o_proj``, the dense MLP),
 Doge (attention and MLP around the dynamic mask; not ``dt_proj``), Gemma 3n (attention and MLP; not AltUp's,
-LAuReL's or the per-layer inputs' linears).
+LAuReL's or the per-layer inputs' linears), AFMoE (q / k / v beside the attention gates' own slots in
+``linear_qkv``, ``o_proj``, the routed experts and the router ``mlp.router.gate``: ``"all-linear"`` was refused).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
@@ -79,10 +80,15 @@ ADAPTERS = {
     # NOTE: LaraMini's attention, shared expert and Gated DeltaNet in_proj_qkv / z / b / a (one fused in_proj on
     # disk, the merged export's) and out_proj
     "lara_mini": ALL_LINEAR,
+    # NOTE: AFMoE's q / k / v (slots beside its attention gates in linear_qkv) and o_proj, the routed experts and the
+    # router (mlp.router.gate) through PEFT's rewrite, which leaves the gates' gate_proj and the dense MLPs out
+    "afmoe": ALL_LINEAR,
 }
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
-# model -> its two-rank layout: TP2 + SP (MiniMax's routed experts' adapters whole on each rank: refused otherwise)
-TP2_LAYOUTS = {**{arch: TP2_SP for arch in ADAPTERS}, "minimax": {**TP2_SP, "expert_tensor_parallel_size": 1}}
+# model -> its two-rank layout: TP2 + SP (MiniMax's and AFMoE's routed experts' adapters whole on each rank: refused
+# otherwise)
+TP2_LAYOUTS = {**{arch: TP2_SP for arch in ADAPTERS}, "minimax": {**TP2_SP, "expert_tensor_parallel_size": 1},
+               "afmoe": {**TP2_SP, "expert_tensor_parallel_size": 1}}
 
 
 def _dense_grads(model, ref) -> dict[str, float]:
