@@ -107,6 +107,8 @@ def _biased_linear_proj():
     from megatron.core.tensor_parallel import RowParallelLinear
 
     class BiasedRowParallelLinear(RowParallelLinear):
+        lora_adaptable = True  # NOTE: megatron's linear with its bias: LoRA's term joins the partial output as there
+
         def __init__(self, *args, bias: bool = True, **kwargs) -> None:
             super().__init__(*args, bias=True, **kwargs)
 

@@ -10,7 +10,8 @@ LaraMini (attention, the Gated DeltaNet's split in-projections over its fused ``
 Laguna (``q_proj`` / ``k_proj`` / ``v_proj`` / ``g_proj`` with each layer's heads, ``o_proj``, the dense MLP),
 Doge (attention and MLP around the dynamic mask; not ``dt_proj``), Gemma 3n (attention and MLP; not AltUp's,
 LAuReL's or the per-layer inputs' linears), AFMoE (q / k / v beside the attention gates' own slots in
-``linear_qkv``, ``o_proj``, the routed experts and the router ``mlp.router.gate``: ``"all-linear"`` was refused).
+``linear_qkv``, ``o_proj``, the routed experts and the router ``mlp.router.gate``: ``"all-linear"`` was refused),
+PhiMoE (attention, its biased ``o_proj`` included, and the router's weight).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
@@ -83,6 +84,9 @@ ADAPTERS = {
     # NOTE: AFMoE's q / k / v (slots beside its attention gates in linear_qkv) and o_proj, the routed experts and the
     # router (mlp.router.gate) through PEFT's rewrite, which leaves the gates' gate_proj and the dense MLPs out
     "afmoe": ALL_LINEAR,
+    # NOTE: PhiMoE's attention (o_proj with its bias: a re-classed megatron linear, which LoRA failed on) and, as its
+    # refusal of the router module says, the router's weight as a parameter
+    "phimoe": dict(ALL_LINEAR, exclude_modules=["router"], target_parameters=["mlp.router.weight"]),
 }
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 # model -> its two-rank layout: TP2 + SP (MiniMax's and AFMoE's routed experts' adapters whole on each rank: refused
