@@ -13,6 +13,8 @@ Choices:
   and the bias in fp32 as transformers keeps them; transformers' ``router_logits``, no balancing loss.
 - ``enable_moe_fp32_combine`` (transformers adds the shared experts' output to the routed one in fp32 and rounds
   once): the same in fp32; in bf16 megatron adds in bf16 (one more rounding of the sum).
+- LoRA: ``checkpoint_name`` takes PEFT's names (transformers' tree: ``mlp.shared_experts``, ``mlp.gate``) to the
+  checkpoint's, so ``"all-linear"`` adapts the shared experts too.
 - Multi-token-prediction layers in a checkpoint (``model.layers.{num_hidden_layers + i}.*``, which transformers
   ignores) are not built: skipped on load and copied unchanged on export (``deepseek.DeepseekStyleMoE``'s).
 """
@@ -39,3 +41,8 @@ class HYV3Bridge(ExaoneMoeBridge):
 
     def attention_module(self) -> type | None:
         return None
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of tensor ``name`` of transformers' module tree (LoRA's planner), which renames the
+        shared experts (``mlp.shared_mlp`` on disk) and the router (``mlp.router.gate``) on load."""
+        return name.replace(".mlp.shared_experts.", ".mlp.shared_mlp.").replace(".mlp.gate.", ".mlp.router.gate.")

@@ -100,14 +100,17 @@ def adapter_config_text(model, *, converted: bool = False) -> str:
                     rank_pattern={k: 2 * v for k, v in (data.get("rank_pattern") or {}).items()},
                     alpha_pattern={k: 2 * v for k, v in (data.get("alpha_pattern") or {}).items()})
     if data.get("task_type") is None:
-        # NOTE: what PeftModel.save_pretrained adds without a task type: peft's AutoPeftModel loads the base by it
+        # NOTE: what PeftModel.save_pretrained adds without a task type (the base model's class): peft's
+        # AutoPeftModel loads the base by it; the config's architecture where Auto does not map it (Mistral 4)
+        import transformers
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
         from loongforge_hf.lora.vision import LoongModelForImageTextToText
 
         mapping = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if isinstance(model, LoongModelForImageTextToText) \
             else MODEL_FOR_CAUSAL_LM_MAPPING
-        hf_class = mapping[type(model.config)]
+        hf_class = mapping[type(model.config)] if type(model.config) in mapping else \
+            getattr(transformers, model.config.architectures[0])
         data["auto_mapping"] = {"base_model_class": hf_class.__name__, "parent_library": hf_class.__module__}
 
     def plain(value):

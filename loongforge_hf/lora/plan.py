@@ -243,8 +243,16 @@ def _hf_skeleton(hf_config, image_text: bool = False, classifier: bool = False):
 
     auto = transformers.AutoModelForImageTextToText if image_text else \
         transformers.AutoModelForSequenceClassification if classifier else transformers.AutoModelForCausalLM
+    build = auto.from_config
+    if type(hf_config) not in auto._model_mapping:  # NOTE: a class Auto does not map (Mistral 4, Emu3's text model)
+        name = (getattr(hf_config, "architectures", None) or [""])[0]
+        if not hasattr(transformers, name):
+            raise LoraConfigError(f"transformers' {auto.__name__} does not map {type(hf_config).__name__} and its "
+                                  f"architectures {hf_config.architectures!r} name no transformers class: LoRA "
+                                  "matches PEFT's names on transformers' model, which cannot be built.")
+        build = getattr(transformers, name)._from_config
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        return auto.from_config(hf_config)
+        return build(hf_config)
 
 
 def _check_config(config) -> None:

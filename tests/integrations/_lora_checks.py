@@ -215,11 +215,15 @@ def lora_pair(folder: str, layout: dict, lora_kw: dict, *, image_text: bool = Fa
     import loongforge_hf as lf
     from loongforge_hf.lora import get_peft_model
 
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
+
     auto = "AutoModelForImageTextToText" if image_text else "AutoModelForCausalLM"
     model = getattr(lf, auto).from_pretrained(folder, dtype=torch.float32, **layout)
     transformers.set_seed(5)
     model = get_peft_model(model, peft.LoraConfig(**lora_kw))
-    hf = getattr(transformers, auto).from_pretrained(folder, dtype=torch.float32)
+    # NOTE: a text model by its config's architecture where transformers' Auto class does not map it (Mistral 4)
+    hf = getattr(transformers, auto).from_pretrained(folder, dtype=torch.float32) if image_text else \
+        hf_causal_lm(folder, dtype=torch.float32)
     transformers.set_seed(5)
     return model, hf, peft.get_peft_model(hf, peft.LoraConfig(**lora_kw))
 
@@ -263,17 +267,17 @@ def export_checks(model, folder: str, out_dir: str, ids: torch.Tensor, logits: t
     unchanged by the merged export; on rank 0, PEFT's logits with the adapter folder and transformers' with the
     merged folder, as differences from ``logits``."""
     import peft
-    import transformers
+
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
 
     model.save_pretrained(out_dir + "/adapter")
     model.save_pretrained(out_dir + "/merged", merged=True)
     result = {"unchanged_after_merged_export": torch.equal(model(input_ids=ids).logits, logits.detach())}
     if dist.get_rank() == 0:
         with torch.no_grad():
-            loaded = peft.PeftModel.from_pretrained(
-                transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), out_dir + "/adapter")
+            loaded = peft.PeftModel.from_pretrained(hf_causal_lm(folder, dtype=torch.float32), out_dir + "/adapter")
             result["adapter_logits_diff"] = float((loaded(input_ids=ids).logits - logits).abs().max())
-            merged = transformers.AutoModelForCausalLM.from_pretrained(out_dir + "/merged", dtype=torch.float32)
+            merged = hf_causal_lm(out_dir + "/merged", dtype=torch.float32)
             result["merged_logits_diff"] = float((merged(input_ids=ids).logits - logits).abs().max())
     return result
 

@@ -11,7 +11,10 @@ Laguna (``q_proj`` / ``k_proj`` / ``v_proj`` / ``g_proj`` with each layer's head
 Doge (attention and MLP around the dynamic mask; not ``dt_proj``), Gemma 3n (attention and MLP; not AltUp's,
 LAuReL's or the per-layer inputs' linears), AFMoE (q / k / v beside the attention gates' own slots in
 ``linear_qkv``, ``o_proj``, the routed experts and the router ``mlp.router.gate``: ``"all-linear"`` was refused),
-PhiMoE (attention, its biased ``o_proj`` included, and the router's weight).
+PhiMoE (attention, its biased ``o_proj`` included, and the router's weight), Hy3 (attention, dense MLPs, the
+shared experts under transformers' name for the checkpoint's ``mlp.shared_mlp``: refused before), Mistral 4 and
+Emu3's text model (classes transformers' AutoModelForCausalLM does not map: the planner builds the one their config
+names; it failed on the Auto class before).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
@@ -87,6 +90,11 @@ ADAPTERS = {
     # NOTE: PhiMoE's attention (o_proj with its bias: a re-classed megatron linear, which LoRA failed on) and, as its
     # refusal of the router module says, the router's weight as a parameter
     "phimoe": dict(ALL_LINEAR, exclude_modules=["router"], target_parameters=["mlp.router.weight"]),
+    # NOTE: Hy3's attention, dense MLPs and shared experts (mlp.shared_mlp on disk: the bridge's checkpoint_name)
+    "hy_v3": ALL_LINEAR,
+    # NOTE: two models transformers' AutoModelForCausalLM does not map (planned on the class their config names):
+    # Mistral 4 (MLA, dense MLPs and shared experts) and Emu3's text model
+    "mistral4": ALL_LINEAR, "emu3": ALL_LINEAR,
 }
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 # model -> its two-rank layout: TP2 + SP (MiniMax's and AFMoE's routed experts' adapters whole on each rank: refused
