@@ -73,6 +73,10 @@ Choices:
   a linear whose weight a ``Replicated`` mapping holds is then a target of kind ``"replicated"`` (``replicated.py``;
   DeepSeek-V4's attention, compressors and indexer). DeepSeek-V4's grouped ``o_a_proj`` (PEFT's layer fails on it)
   and HY-V4's indexer linears (no gradient reaches them) are refused by name (``_REFUSED``).
+- A router that is a plain ``nn.Linear`` (HunYuan-MoE's ``gate.wg``, DBRX's ``router.layer``: megatron's router
+  weight holds it) is a module target of kind ``"router"``, adapted as a router named in ``target_parameters``
+  (``experts.py``: ``W + scaling * B A`` in the gating, the same as PEFT's module term without dropout);
+  ``lora_dropout`` is refused on it.
 - Phi-3's packed ``qkv_proj`` / ``gate_up_proj``: one adapter each, as in PEFT; B's rows go to megatron's fused order
   as the weight's do (``packed_mappings``), each TP rank holding those of its own heads / MLP rows.
 - transformers' ``Conv1D`` (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``: a linear whose weight is stored ``[in, out]``,
@@ -367,7 +371,8 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         leaf = on_disk(f"{name}.weight").removesuffix(".weight").rsplit(".", 1)[-1]
         targets.append(Target(hf_module=name, layer=layer, mapping=mapping, slot=slot, kind=kind,
                               in_features=in_features, out_features=out_features, r=r, scaling=scaling,
-                              slot_name=None if leaf == name.rsplit(".", 1)[-1] else leaf))
+                              slot_name="router" if kind == "router" else None if leaf == name.rsplit(".", 1)[-1]
+                              else leaf))
     if refused:
         refuse_own_forward_linears(refused, dict(modules))
         reasons = _reasons({n.rsplit(".", 1)[-1] for n in refused} | asked, why)
@@ -375,6 +380,11 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
                               f"cannot carry a LoRA adapter on megatron layers{reasons}; targetable modules: "
                               f"{_targetable(modules, linear_names, index, on_disk, why, replicated)}.")
     _set_fan_in_fan_out(config, conv1d, bool(param_targets))
+    routers = sorted({t.hf_module.rsplit(".", 1)[-1] for t in targets if t.kind == "router"})
+    if routers and float(config.lora_dropout):
+        raise LoraConfigError(f"lora_dropout={config.lora_dropout} with LoRA on the router's linear ({routers}): its "
+                              "adapter is added to the router's weight here, which leaves no input to drop out; set "
+                              f"lora_dropout=0, or leave it out: exclude_modules={routers} (with 'all-linear').")
     targets += param_targets
     check_dora(config, targets)
     check_decomposition(config.init_lora_weights, targets)
@@ -415,6 +425,9 @@ def _adaptable(name: str, module, index, on_disk, replicated: bool = False
         kind = None
     if replicated and kind is None and plain is Replicated:  # NOTE: replicated.py
         kind = "replicated"
+    if kind is None and type(module).forward is nn.Linear.forward and \
+            _unwrapped(entry[0]).megatron.endswith(".mlp.router.weight"):
+        kind = "router"  # NOTE: a plain linear router (HunYuan's gate.wg, DBRX's router.layer): experts.py's adapter
     if kind in ("column", "row", "replicated") and not _unwrapped(entry[0]).megatron.endswith(".weight"):
         kind = None  # NOTE: a bare parameter, not a linear's weight (Kimi Linear's f_b_weight / g_b_weight)
     return None if kind is None or (entry[1] is None and kind != "vision") else (*entry, kind)

@@ -14,7 +14,8 @@ LAuReL's or the per-layer inputs' linears), AFMoE (q / k / v beside the attentio
 PhiMoE (attention, its biased ``o_proj`` included, and the router's weight), Hy3 (attention, dense MLPs, the
 shared experts under transformers' name for the checkpoint's ``mlp.shared_mlp``: refused before), Mistral 4 and
 Emu3's text model (classes transformers' AutoModelForCausalLM does not map: the planner builds the one their config
-names; it failed on the Auto class before).
+names; it failed on the Auto class before), HunYuan-MoE and DBRX (their routers, plain linears, as module targets:
+refused before).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
@@ -95,12 +96,16 @@ ADAPTERS = {
     # NOTE: two models transformers' AutoModelForCausalLM does not map (planned on the class their config names):
     # Mistral 4 (MLA, dense MLPs and shared experts) and Emu3's text model
     "mistral4": ALL_LINEAR, "emu3": ALL_LINEAR,
+    # NOTE: routers that are plain linears, adapted as modules (refused before): HunYuan-MoE's gate.wg (fp32, beside
+    # its attention and, through PEFT's rewrite, the routed experts) and DBRX's router.layer (beside Wqkv, out_proj)
+    "hunyuan_v1_moe": ALL_LINEAR, "dbrx": ALL_LINEAR,
 }
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
-# model -> its two-rank layout: TP2 + SP (MiniMax's and AFMoE's routed experts' adapters whole on each rank: refused
-# otherwise)
+# model -> its two-rank layout: TP2 + SP (MiniMax's, AFMoE's and HunYuan-MoE's routed experts' adapters whole on each
+# rank: refused otherwise)
 TP2_LAYOUTS = {**{arch: TP2_SP for arch in ADAPTERS}, "minimax": {**TP2_SP, "expert_tensor_parallel_size": 1},
-               "afmoe": {**TP2_SP, "expert_tensor_parallel_size": 1}}
+               "afmoe": {**TP2_SP, "expert_tensor_parallel_size": 1},
+               "hunyuan_v1_moe": {**TP2_SP, "expert_tensor_parallel_size": 1}}
 
 
 def _dense_grads(model, ref) -> dict[str, float]:

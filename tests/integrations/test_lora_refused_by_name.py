@@ -80,3 +80,14 @@ def test_hy_v4_indexer_refused_by_name():
     assert "(weights_proj, wk, wq_b: HY-V4's lightning indexer only picks the top-k keys" in message, message
     assert _suggested("hy_v4", message) == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
                                             "q_a_proj", "q_b_proj", "up_proj"]
+
+
+def test_router_linear_with_dropout_refused():
+    """A router that is a plain linear (HunYuan-MoE's gate.wg) is a target, its adapter added to the router's weight:
+    lora_dropout, which PEFT applies to the module's input, is refused naming the way out."""
+    bridge = get_bridge(_config("hunyuan_v1_moe", architectures=["HunYuanMoEV1ForCausalLM"]))
+    plan = plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["wg"]))
+    assert {(t.kind, t.name) for t in plan.targets} == {("router", "router")}
+    with pytest.raises(LoraConfigError, match=r"lora_dropout=0.1 with LoRA on the router's linear \(\['wg'\]\).*"
+                                              r"exclude_modules=\['wg'\]"):
+        plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_proj", "wg"], lora_dropout=0.1))
