@@ -99,7 +99,7 @@ from loongforge_hf.bridges.diffllama import HalvesQKV
 from loongforge_hf.bridges.fused_mappings import QKV, GatedMLP, RopeColumnParallel
 from loongforge_hf.bridges.gated_mappings import GatedQKV, HeadSections, KeyHeadGroups
 from loongforge_hf.bridges.gemma4_attention import PerTypeQKV
-from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedGatedMLP, PackedQKV
+from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedGatedMLP, PackedQKV, ShardInterleavedQKV
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 from loongforge_hf.bridges.moe import SharedExpertGate
 from loongforge_hf.bridges.per_head_mappings import PerHeadStack
@@ -107,7 +107,7 @@ from loongforge_hf.bridges.per_head_mappings import PerHeadStack
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
                  PackedQKV: "column", GroupedQKV: "column", PackedGatedMLP: "column", RowParallel: "row",
                  SharedExpertGate: "shared_gate", HeadSections: "column", KeyHeadGroups: "column", GatedQKV: "qkv",
-                 PerTypeQKV: "qkv", HalvesQKV: "qkv"}
+                 PerTypeQKV: "qkv", HalvesQKV: "qkv", ShardInterleavedQKV: "column"}
 _INITS = (True, False, "gaussian", "orthogonal")
 _DSA_INDEXER = dict.fromkeys(
     ("wq_b", "wk", "weights_proj"), "DeepSeek Sparse Attention's lightning indexer only picks the top-k keys: no "

@@ -19,9 +19,10 @@ refused before).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
-  ``ADAPTERS``: the planner refuses CodeGen's ``qkv_proj`` and Mamba-1's ``x_proj`` / ``dt_proj``, which PEFT
-  adapts; PEFT refuses the Mamba models' ``out_proj``. DiffLlama's q / k / v adapters at TP2 hold each rank's slice of
-  both halves of the heads (``HalvesQKV.rows_to_megatron``; logits off by 1.03 with B's rows split as a plain QKV's).
+  ``ADAPTERS``: the planner refuses Mamba-1's ``x_proj`` / ``dt_proj``, which PEFT adapts; PEFT refuses the Mamba
+  models' ``out_proj``. DiffLlama's q / k / v adapters at TP2 hold each rank's slice of both halves of the heads
+  (``HalvesQKV.rows_to_megatron``; logits off by 1.03 with B's rows split as a plain QKV's); CodeGen's ``qkv_proj``
+  adapter its heads' rows of the ``mp_num`` blocks (``ShardInterleavedQKV``).
 - Each model from ``get_peft_model`` and PEFT's after the same seed (``_lora_checks.lora_pair``): the same initial
   factors (DiffLlama's too: planning builds transformers' module tree under a forked RNG, as its lambdas draw).
 - A right-padded batch (a left pad's logits feed the next token's loss in transformers but are nobody's contract),
@@ -53,8 +54,8 @@ ADAPTERS = {
     # NOTE: DiffLlama's q / k / v: B's rows of each rank its slice of both halves of the heads (HalvesQKV)
     "diffllama": ALL_LINEAR,
     "opt": ALL_LINEAR, "gpt_neo": ALL_LINEAR, "biogpt": ALL_LINEAR, "xglm": ALL_LINEAR,
-    # NOTE: CodeGen's qkv_proj (mp_num blocks of q / v / k) refused by the planner (PEFT adapts it): the rest
-    "codegen": dict(ALL_LINEAR, exclude_modules=["qkv_proj"]), "persimmon": ALL_LINEAR,
+    # NOTE: CodeGen's qkv_proj (mp_num blocks of q / v / k): B's rows in megatron's order as the weight's
+    "codegen": ALL_LINEAR, "persimmon": ALL_LINEAR,
     "gpt_neox_japanese": ALL_LINEAR, "axk1": ALL_LINEAR,
     # NOTE: the mixers' out_proj refused by PEFT (its Mamba check), Mamba-1's x_proj / dt_proj by the planner (PEFT
     # adapts them): in_proj
