@@ -18,7 +18,7 @@ Choices:
   under another tensor-parallel size reads the rows it needs. ``layout.json`` (beside ``megatron/``) records the
   size and that format (``tp_sections``); a checkpoint written before it holds those tensors whole and is read as
   written, and resuming it, or any module still holding sections it does not declare (a LoRA adapter on one HF
-  target of a sectioned projection: Qwen3.5's ``in_proj_qkv``), under another size is refused by name, on every
+  target whose rows are not whole sections of its projection), under another size is refused by name, on every
   rank, before megatron's load. A checkpoint without the file (written before it) is not checked.
 - KV heads replicated over TP ranks (more ranks than KV heads: MQA's Falcon / GPT-BigCode, ``parallel/kv_replicas.py``)
   make ``linear_qkv`` one group per rank; it is keyed head by head as the tensor of megatron's whole-group layout
