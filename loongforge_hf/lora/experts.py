@@ -177,6 +177,9 @@ def check_param_adaptable(module: nn.Module, kind: str) -> None:
     if kind == "router":
         if not isinstance(module, TopKRouter) or isinstance(module, _WholeWeightAdapter):
             raise TypeError(f"LoRA on the router needs megatron's TopKRouter; got {type(module).__name__}.")
+        if type(module).gating is not TopKRouter.gating:  # NOTE: the adapter's class replaces the gating
+            raise TypeError(f"LoRA on the router needs megatron's gating linear; {type(module).__name__} has a "
+                            "gating of its own.")
         return
     if kind == "shared_gate":
         from megatron.core.transformer.moe.shared_experts import SharedExpertMLP

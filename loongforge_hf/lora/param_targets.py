@@ -41,8 +41,8 @@ Choices:
 - Gemma 4's MoE block (``Gemma4ForCausalLM`` with ``enable_moe_block``; no PEFT rewrite for it): the stacks sit on the
   layer itself, ``layers.N.experts.gate_up_proj`` / ``down_proj`` (``[E, 2I, H]`` / ``[E, H, I]``, as Qwen3-MoE's);
   ``"all-linear"`` adapts the attention, the dense MLP (megatron's shared experts) and would take the router's
-  ``router.proj`` (an ``nn.Linear``), which is refused (its gating's input transform is not the plain router's):
-  ``exclude_modules=["router.proj"]``.
+  ``router.proj`` (an ``nn.Linear``), which is refused by name (``plan._REFUSED``: its gating's input transform is
+  not the plain router's): ``exclude_modules=["router.proj"]``.
 - DeepSeek-V4 / HY-V4 (``bridges/deepseek_v4_lora.py``): the routed experts' stacks and the router as Qwen3-MoE's
   (transformers' module tree stacks the experts; the checkpoint's one tensor per expert is read by the stacked
   mapping; DeepSeek-V4's routers by their own rules read the adapted gating's logits).
