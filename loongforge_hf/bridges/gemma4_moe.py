@@ -63,9 +63,12 @@ def gemma4_router() -> type:
                 param.sequence_parallel = config.sequence_parallel
                 setattr(self, name, param)
 
+        def gating_input(self, input: torch.Tensor) -> torch.Tensor:
+            """What the gating linear reads (LoRA's router adapter reads it too: ``lora.experts``)."""
+            return rms_no_weight(input, self.config.layernorm_epsilon) * self.scale * self.config.hidden_size ** -0.5
+
         def gating(self, input: torch.Tensor) -> torch.Tensor:
-            x = rms_no_weight(input, self.config.layernorm_epsilon) * self.scale * self.config.hidden_size ** -0.5
-            return super().gating(x)
+            return super().gating(self.gating_input(input))
 
         def routing(self, logits: torch.Tensor, padding_mask=None):
             # NOTE: the probabilities go on as the logits BalanceRouter routes by and records (transformers' output)

@@ -102,6 +102,8 @@ def _router_gating(self, input):
     adapter = self.lora["router"]
     weight = self.weight if self.__dict__.get("lora_disabled") else \
         self.weight + ((adapter.B @ adapter.A) * adapter.scaling).to(self.weight.dtype)
+    if hasattr(self, "gating_input"):
+        input = self.gating_input(input)
     router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
     return router_gating_linear(input, weight, self.bias, router_dtype)
 
@@ -177,7 +179,9 @@ def check_param_adaptable(module: nn.Module, kind: str) -> None:
     if kind == "router":
         if not isinstance(module, TopKRouter) or isinstance(module, _WholeWeightAdapter):
             raise TypeError(f"LoRA on the router needs megatron's TopKRouter; got {type(module).__name__}.")
-        if type(module).gating is not TopKRouter.gating:  # NOTE: the adapter's class replaces the gating
+        # NOTE: the adapter's class replaces the gating; a router transforming the gating's input says how
+        # (``gating_input``: Gemma 4's), which the adapted gating applies first
+        if type(module).gating is not TopKRouter.gating and not hasattr(module, "gating_input"):
             raise TypeError(f"LoRA on the router needs megatron's gating linear; {type(module).__name__} has a "
                             "gating of its own.")
         return

@@ -40,9 +40,9 @@ Choices:
   ``<...>.mlp.experts.lora_A.weight``; the router's ``<...>.mlp.gate.lora_A.weight``.
 - Gemma 4's MoE block (``Gemma4ForCausalLM`` with ``enable_moe_block``; no PEFT rewrite for it): the stacks sit on the
   layer itself, ``layers.N.experts.gate_up_proj`` / ``down_proj`` (``[E, 2I, H]`` / ``[E, H, I]``, as Qwen3-MoE's);
-  ``"all-linear"`` adapts the attention, the dense MLP (megatron's shared experts) and would take the router's
-  ``router.proj`` (an ``nn.Linear``), which is refused by name (``plan._REFUSED``: its gating's input transform is
-  not the plain router's): ``exclude_modules=["router.proj"]``.
+  ``"all-linear"`` adapts the attention, the dense MLP (megatron's shared experts) and the router's ``router.proj``
+  (an ``nn.Linear``: a module target of kind ``"router"``, its adapter reading the router's transformed input,
+  ``gating_input``).
 - DeepSeek-V4 / HY-V4 (``bridges/deepseek_v4_lora.py``): the routed experts' stacks and the router as Qwen3-MoE's
   (transformers' module tree stacks the experts; the checkpoint's one tensor per expert is read by the stacked
   mapping; DeepSeek-V4's routers by their own rules read the adapted gating's logits).
@@ -69,7 +69,7 @@ SUPPORTED = ("'gate_up_proj' and 'down_proj' (routed experts) and 'gate.weight' 
              "Qwen3-MoE / Mixtral / gpt-oss / Qwen3-VL-MoE / Llama 4 (under 'feed_forward.'); 'mlp.experts."
              "gate_up_proj' / 'mlp.experts.down_proj' / 'mlp.gate.weight' of DeepSeek-V4 / HY-V4 (AFMoE's router: "
              "'mlp.router.gate.weight'); Gemma 4's "
-             "'experts.gate_up_proj' / 'experts.down_proj' (its router, 'router.proj', is not supported)")
+             "'experts.gate_up_proj' / 'experts.down_proj' (its router: 'router.proj' in target_modules)")
 
 
 def rank_and_alpha(config, key: str) -> tuple[int, float]:

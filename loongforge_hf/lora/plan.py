@@ -117,9 +117,6 @@ _DSA_INDEXER = dict.fromkeys(
 # re-classes after the build (no plain megatron linear LoRA's layers take) or holds in rows LoRA's slicing misses
 _REFUSED = {
     **dict.fromkeys(("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"), _DSA_INDEXER),
-    **dict.fromkeys(("Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM", "Gemma4ForConditionalGeneration"), {
-        "proj": "Gemma 4's router.proj reads the router's own transform of its input (a weightless RMS norm times "
-                "scale), which the router adapter, added to megatron's router weight, would not see"}),
     "AXK2ForCausalLM": {
         **_DSA_INDEXER,
         "q_b_proj": "the checkpoint's name of A.X-K2's gated query up-projection; transformers' module, which PEFT "

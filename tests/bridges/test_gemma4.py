@@ -28,9 +28,10 @@ refuses are checked on the bridge alone.
 LoRA in the same worlds (``_lora_moe.moe_model_checks`` against PEFT on transformers' model, same initial values), at
 TP1 and TP2 + SP (experts whole: expert_tensor_parallel_size=1): ``"all-linear"`` on the dense model (q / k / v in each
 layer type's slots of ``linear_qkv``, the full layers without ``v_proj``, o and the MLP) and, on the MoE model,
-``"all-linear"`` less the router's ``router.proj`` plus the expert stacks as ``target_parameters`` (PEFT 0.21 has no
-rewrite for Gemma 4). Logits 1e-4 (1e-5 with experts), loss 1e-5, every adapter gradient of layers 1-2 (a full and a
-sliding layer) and the experts' of layer 1, PEFT's counts, megatron's DDP buffers, the adapter folder in PEFT, the
+``"all-linear"`` (the router's ``router.proj`` included: its adapter reads the router's transformed input, refused
+before) plus the expert stacks as ``target_parameters`` (PEFT 0.21 has no rewrite for Gemma 4). Logits 1e-4 (1e-5
+with experts), loss 1e-5, every adapter gradient of layers 1-2 (a full and a sliding layer) and the experts' and
+router's of layer 1, PEFT's counts, megatron's DDP buffers, the adapter folder in PEFT, the
 merged export in transformers and a PEFT-written adapter loaded. Gradients within 2e-4 (dense) and 1e-3 (MoE) of each
 gradient's largest entry: these low-rank projections are ill-conditioned on the tiny checkpoint (binding logit cap,
 routing), PEFT's own fp32 gradients being 2.1e-5 (dense) and 1.6e-4 (MoE) off its fp64 ones (measured at TP1, where ours
@@ -53,7 +54,7 @@ MOE_LAYOUTS = {"moe_tp2_sp_ep2": {**LAYOUTS["tp2_sp"], "expert_parallel_size": 2
 # LoRA (module docstring): LoraConfig kwargs and the gradient tolerance (of each gradient's largest entry)
 LORA = {"dense": (dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora_weights=False), 2e-4),
         "moe": (dict(r=2, lora_alpha=6, target_modules="all-linear", init_lora_weights=False,
-                     exclude_modules=["router.proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
+                     target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
                 1e-3)}
 LORA_TP2 = {**LAYOUTS["tp2_sp"], "expert_tensor_parallel_size": 1}
 CP2 = {"context_parallel_size": 2}
@@ -501,10 +502,10 @@ def test_lora_matches_peft(world, name, request):
     _assert_model_matches_peft([res], experts=name == "moe")
 
 
-def test_lora_plan_per_layer_type_and_router_refusal():
+def test_lora_plan_per_layer_type_and_router():
     """q / k / v of each layer type at its own heads (sliding: 8 x 16 queries, 4 x 16 keys and values; full: 8 x 32
-    queries, 2 x 32 keys, no v_proj); the MoE model's router.proj refused naming exclude_modules, its experts
-    planned."""
+    queries, 2 x 32 keys, no v_proj); the MoE model's router.proj a router target (with lora_dropout refused naming
+    exclude_modules), its experts planned."""
     import peft
 
     from loongforge_hf.bridges import get_bridge
@@ -514,10 +515,12 @@ def test_lora_plan_per_layer_type_and_router_refusal():
     plan = plan_lora(get_bridge(_config("gemma4")), peft.LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj"]))
     rows = {(t.layer, t.name): t.out_features for t in plan.targets if t.layer < 2}
     assert rows == {(0, "q_proj"): 128, (0, "k_proj"): 64, (0, "v_proj"): 64, (1, "q_proj"): 256, (1, "k_proj"): 64}
-    with pytest.raises(LoraConfigError, match=r"router\.proj.*exclude_modules=\['proj'\]"):
-        plan_lora(get_bridge(_config("gemma4_moe")), peft.LoraConfig(r=2, target_modules="all-linear"))
+    with pytest.raises(LoraConfigError, match=r"router's linear \(\['proj'\]\).*exclude_modules=\['proj'\]"):
+        plan_lora(get_bridge(_config("gemma4_moe")),
+                  peft.LoraConfig(r=2, target_modules="all-linear", lora_dropout=0.1))
     plan = plan_lora(get_bridge(_config("gemma4_moe")), peft.LoraConfig(**LORA["moe"][0]))
     assert {t.slot_name for t in plan.targets if t.kind == "experts"} == {"gate_up_proj", "down_proj"}
+    assert {t.hf_module.rsplit(".", 2)[-2] for t in plan.targets if t.kind == "router"} == {"router"}
 
 
 @pytest.mark.parametrize("field, value", [("num_experts", None), ("top_k_experts", 0), ("top_k_experts", 9),
