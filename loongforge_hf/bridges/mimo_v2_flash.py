@@ -29,9 +29,11 @@ Choices:
   skipped on load and copied unchanged on export.
 - Context parallelism: our core attention's (``kernels/attention.py``: K and V gathered together, each as wide as
   it is), sinks and the window on the sliding layers.
+- LoRA on ``q_proj`` / ``k_proj`` / ``v_proj``: ``linear_qkv`` slots with the value heads' own width
+  (``lora.model._layout_and_slices``).
 - Refused by name, before any collective: a tensor-parallel size that does not divide a layer type's KV heads (each
-  rank holds whole KV heads of both types), LoRA on ``q_proj`` / ``k_proj`` / ``v_proj`` (``lora.plan``), attention
-  biases, rope types other than default, partial rotary factors that differ by type.
+  rank holds whole KV heads of both types), attention biases, rope types other than default, partial rotary factors
+  that differ by type.
 """
 
 from __future__ import annotations

@@ -166,10 +166,14 @@ def _layout_and_slices(target_group, ctx, layer: int):
         q, *kv = names[:3]
         own_gates = names[3:] if gated else []
         q_rows = (2 if gated and not own_gates else 1) * hd
-        slots = ((q, heads // groups * q_rows), *((g, heads // groups * hd) for g in own_gates), *((n, hd) for n in kv))
-        kv_rows = slice(ctx.first_kv_head(rank) * hd, (ctx.first_kv_head(rank) + groups) * hd)
+        # NOTE: value heads of their own width (MiMo-V2-Flash's v_head_dim)
+        widths = dict(zip(kv, (hd, getattr(first.mapping, "v_head_dim", None) or hd)))
+        slots = ((q, heads // groups * q_rows), *((g, heads // groups * hd) for g in own_gates),
+                 *((n, widths[n]) for n in kv))
+        first_kv = ctx.first_kv_head(rank)
         return FusedLayout(groups=groups, slots=slots), {
-            q: slice(rank * heads * q_rows, (rank + 1) * heads * q_rows), **{n: kv_rows for n in kv},
+            q: slice(rank * heads * q_rows, (rank + 1) * heads * q_rows),
+            **{n: slice(first_kv * widths[n], (first_kv + groups) * widths[n]) for n in kv},
             **{g: slice(rank * heads * hd, (rank + 1) * heads * hd) for g in own_gates}}
     if first.kind in ("gated", "column") and hasattr(first.mapping, "rank_rows"):
         # NOTE: HF tensors of unequal rows in one megatron linear (the Gated DeltaNet in_proj), each rank's B rows

@@ -34,7 +34,7 @@ Choices:
   OLoRA on them are refused by name (``_check_unequal_slots``: not tested against PEFT there). Gemma 4's
   ``q_proj`` / ``k_proj`` / ``v_proj`` (``PerTypeQKV``) are plain ``QKV`` slots with each layer type's head size
   and KV heads; its full layers with values from keys have no ``v_proj`` (in transformers' tree, so in PEFT's
-  targets, as here). MiMo-V2-Flash's (value heads narrower than the query / key heads) are refused.
+  targets, as here); MiMo-V2-Flash's ``v_proj`` slot has its value heads' own width.
 - One HF linear of row sections that megatron holds rank by rank (``gated_mappings.HeadSections`` of one part: the
   Mamba2 ``in_proj`` of Granite 4.0 H, Bamba and Nemotron-H, its z, x, B, C, dt; LFM2's conv ``in_proj``, its B, C,
   x) is a column-parallel target: B's rows go to megatron's order as the weight's do (``rows_to_megatron``). Where a
@@ -421,8 +421,6 @@ def _adaptable(name: str, module, index, on_disk, replicated: bool = False
     plain = type(_unwrapped(entry[0]))
     # NOTE: a mapping re-classed for LongCat-Flash's sublayer names stands for its plain class (paired_sublayers)
     kind = "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(getattr(plain, "plain_class", plain))
-    if isinstance(entry[0], PerTypeQKV) and entry[0].v_head_dim is not None:  # NOTE: MiMo-V2-Flash's narrower v
-        kind = None
     if replicated and kind is None and plain is Replicated:  # NOTE: replicated.py
         kind = "replicated"
     if kind is None and type(module).forward is nn.Linear.forward and \

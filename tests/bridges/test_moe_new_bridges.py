@@ -151,15 +151,20 @@ def test_mimo_v2_flash_layouts_refused(layout, field):
     _mimo().check_layout(ParallelConfig(context_parallel_size=2))
 
 
-def test_mimo_v2_flash_lora_on_qkv_refused():
-    """LoRA on q / k / v is refused by name (the value heads are narrower than the query / key heads); o_proj and the
-    experts' linears stay targetable."""
+def test_mimo_v2_flash_lora_on_qkv_planned():
+    """LoRA on q / k / v (the value heads narrower than the query / key heads: refused before) plans as linear_qkv
+    slots, the v slot per KV group as wide as a value head; against PEFT in tests/integrations/
+    test_lora_new_bridges.py."""
     import peft
 
-    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+    from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.lora.model import _layout_and_slices
+    from loongforge_hf.lora.plan import plan_lora
 
     bridge = _mimo()
-    with pytest.raises(LoraConfigError, match=re.escape("model.layers.0.self_attn.q_proj")):
-        plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
-    assert {t.hf_module.rsplit(".", 1)[-1] for t in plan_lora(bridge, peft.LoraConfig(
-        r=4, target_modules=["o_proj", "gate_proj"])).targets} == {"o_proj", "gate_proj"}
+    plan = plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    layer0 = [t for t in plan.targets if t.layer == 0 and t.kind == "qkv"]
+    ctx = shard_context(bridge, tp_rank=0, tp_size=1, padded_vocab=bridge.hf_config.vocab_size)
+    layout, _ = _layout_and_slices(layer0, ctx, 0)
+    c = bridge.hf_config
+    assert dict(layout.slots)["v_proj"] == c.v_head_dim != c.head_dim, layout.slots

@@ -15,7 +15,7 @@ PhiMoE (attention, its biased ``o_proj`` included, and the router's weight), Hy3
 shared experts under transformers' name for the checkpoint's ``mlp.shared_mlp``: refused before), Mistral 4 and
 Emu3's text model (classes transformers' AutoModelForCausalLM does not map: the planner builds the one their config
 names; it failed on the Auto class before), HunYuan-MoE and DBRX (their routers, plain linears, as module targets:
-refused before).
+refused before), MiMo-V2-Flash (q / k / v with narrower value heads: refused before).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
@@ -100,6 +100,9 @@ ADAPTERS = {
     # NOTE: routers that are plain linears, adapted as modules (refused before): HunYuan-MoE's gate.wg (fp32, beside
     # its attention and, through PEFT's rewrite, the routed experts) and DBRX's router.layer (beside Wqkv, out_proj)
     "hunyuan_v1_moe": ALL_LINEAR, "dbrx": ALL_LINEAR,
+    # NOTE: MiMo-V2-Flash's q / k / v with value heads narrower than the query / key heads (refused before), o_proj,
+    # the dense MLP and, as PEFT names no expert stacks here, no experts
+    "mimo_v2_flash": ALL_LINEAR,
 }
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 # model -> its two-rank layout: TP2 + SP (MiniMax's, AFMoE's and HunYuan-MoE's routed experts' adapters whole on each
