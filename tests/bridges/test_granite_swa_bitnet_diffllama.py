@@ -59,17 +59,17 @@ def test_diffllama_heads_split_refused_by_layout():
     _bridge("diffllama").check_layout(ParallelConfig(tensor_parallel_size=2, sequence_parallel=True))
 
 
-def test_diffllama_lora_on_qkv_refused():
-    """q / k / v sit in megatron's fused linear by halves of the heads (``HalvesQKV``), which LoRA's row slicing does
-    not follow: adapters there are refused by name; ``o_proj`` (its input the pairs' normalised outputs, as PEFT's
-    sees it) and the MLP take them."""
+def test_diffllama_lora_on_qkv_planned():
+    """q / k / v, which megatron's fused linear holds by halves of the heads (``HalvesQKV``; refused before), plan as
+    its slots beside ``o_proj`` and the MLP; their rows' placement: tests/integrations/test_lora.py, PEFT parity:
+    tests/integrations/test_lora_new_bridges.py."""
     import peft
 
-    from loongforge_hf.lora.plan import LoraConfigError, plan_lora
+    from loongforge_hf.lora.plan import plan_lora
 
-    with pytest.raises(LoraConfigError, match="self_attn.q_proj"):
-        plan_lora(_bridge("diffllama"), peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
-    assert len(plan_lora(_bridge("diffllama"), peft.LoraConfig(target_modules=["o_proj", "down_proj"])).targets) == 8
+    plan = plan_lora(_bridge("diffllama"), peft.LoraConfig(target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    assert sorted({(t.name, t.kind) for t in plan.targets}) == [
+        ("down_proj", "row"), ("o_proj", "row"), ("q_proj", "qkv"), ("v_proj", "qkv")]
 
 
 def _generate(folders: dict) -> dict:

@@ -56,7 +56,7 @@ def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-src")
     return {arch: make_tiny_checkpoint(base / arch, arch)
             for arch in ("llama", "qwen2", "qwen3", "phi3", "gpt2", "exaone", "granitemoehybrid", "qwen3_5",
-                         "qwen3_next", "olmo_hybrid", "afmoe")}
+                         "qwen3_next", "olmo_hybrid", "afmoe", "diffllama")}
 
 
 @pytest.mark.parametrize("case", list(INIT_CASES))
@@ -157,16 +157,17 @@ def test_fused_slots_are_targets(checkpoints):
                                               "output_linear", "q_proj", "v_proj"}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "olmo_hybrid", "afmoe"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "olmo_hybrid", "afmoe", "diffllama"])
 def test_unequal_slots_placed_as_the_weight(checkpoints, arch):
     """Pure, TP1 / TP2: each in-projection's B rows (and the gated q_proj's; AFMoE's q / k / v beside its gates'
-    own gate_proj), moved to megatron's order and sliced for a rank (``Target.b_to_megatron``,
-    ``model._layout_and_slices``), are that rank's rows of the HF weight in its slot of the loaded megatron
-    ``in_proj`` / ``linear_qkv``, and ``b_to_hf`` takes them back."""
+    own gate_proj; DiffLlama's q / k / v, each rank a slice of both halves of the heads), moved to megatron's order
+    and sliced for a rank (``Target.b_to_megatron``, ``model._layout_and_slices``), are that rank's rows of the HF
+    weight in its slot of the loaded megatron ``in_proj`` / ``linear_qkv``, and ``b_to_hf`` takes them back."""
     import peft
     import transformers
 
     from loongforge_hf.bridges import get_bridge
+    from loongforge_hf.bridges.diffllama import HalvesQKV
     from loongforge_hf.bridges.gated_mappings import GatedQKV, HeadSections, KeyHeadGroups
     from loongforge_hf.bridges.loader import shard_context
     from loongforge_hf.lora.model import _layout_and_slices
@@ -176,9 +177,9 @@ def test_unequal_slots_placed_as_the_weight(checkpoints, arch):
     plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear"))
     by_module: dict = {}
     for t in plan.targets:
-        if isinstance(t.mapping, (GatedQKV, HeadSections, KeyHeadGroups)):
+        if isinstance(t.mapping, (GatedQKV, HeadSections, KeyHeadGroups, HalvesQKV)):
             by_module.setdefault((t.layer, t.megatron_module), []).append(t)
-    assert (arch == "afmoe" or any(t.megatron_module.endswith(".in_proj") for t in plan.targets)) and \
+    assert (arch in ("afmoe", "diffllama") or any(t.megatron_module.endswith(".in_proj") for t in plan.targets)) and \
         all(len(ts) > 1 for ts in by_module.values())  # NOTE: the in_proj of two, four or six HF linears
     gen = torch.Generator().manual_seed(0)
     for (layer, _), targets in by_module.items():
@@ -189,6 +190,12 @@ def test_unequal_slots_placed_as_the_weight(checkpoints, arch):
         class Reader:
             def get_slice(self, name, dim, start, stop):
                 return weights[name][start:stop]
+
+            def shape(self, name):
+                return tuple(weights[name].shape)
+
+            def dtype(self, name):
+                return weights[name].dtype
         for tp in (1, 2):
             for rank in range(tp):
                 ctx = shard_context(bridge, tp_rank=rank, tp_size=tp, padded_vocab=bridge.hf_config.vocab_size)
