@@ -15,7 +15,8 @@ PhiMoE (attention, its biased ``o_proj`` included, and the router's weight), Hy3
 shared experts under transformers' name for the checkpoint's ``mlp.shared_mlp``: refused before), Mistral 4 and
 Emu3's text model (classes transformers' AutoModelForCausalLM does not map: the planner builds the one their config
 names; it failed on the Auto class before), HunYuan-MoE and DBRX (their routers, plain linears, as module targets:
-refused before), MiMo-V2-Flash (q / k / v with narrower value heads: refused before).
+refused before), MiMo-V2-Flash (q / k / v with narrower value heads: refused before); DoRA on DiffLlama
+(``diffllama_dora``: the magnitudes placed as B's rows).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
@@ -103,7 +104,10 @@ ADAPTERS = {
     # NOTE: MiMo-V2-Flash's q / k / v with value heads narrower than the query / key heads (refused before), o_proj,
     # the dense MLP and, as PEFT names no expert stacks here, no experts
     "mimo_v2_flash": ALL_LINEAR,
+    # NOTE: DoRA on DiffLlama's q / k / v: the magnitudes' rows, as B's, each rank's slice of both halves of the heads
+    "diffllama_dora": dict(ALL_LINEAR, use_dora=True),
 }
+CHECKPOINT_OF = {"diffllama_dora": "diffllama"}  # NOTE: a case on another case's architecture
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 # model -> its two-rank layout: TP2 + SP (MiniMax's, AFMoE's and HunYuan-MoE's routed experts' adapters whole on each
 # rank: refused otherwise)
@@ -193,7 +197,8 @@ def _world(folders: dict, out_dir: str, layouts: dict) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-new-bridges")
-    folders = {arch: str(make_tiny_checkpoint(base / arch, arch, tokenizer=False)) for arch in ADAPTERS}
+    folders = {arch: str(make_tiny_checkpoint(base / arch, CHECKPOINT_OF.get(arch, arch), tokenizer=False))
+               for arch in ADAPTERS}
     one = run_distributed(_world, 1, folders, str(base / "tp1"), {}, timeout=600)
     two = run_distributed(_world, 2, folders, str(base / "tp2"), TP2_LAYOUTS, timeout=600)
     return {"tp1": one, "tp2_sp": two}
