@@ -73,10 +73,11 @@ Choices:
   a linear whose weight a ``Replicated`` mapping holds is then a target of kind ``"replicated"`` (``replicated.py``;
   DeepSeek-V4's attention, compressors and indexer). DeepSeek-V4's grouped ``o_a_proj`` (PEFT's layer fails on it)
   and HY-V4's indexer linears (no gradient reaches them) are refused by name (``_REFUSED``).
-- A router that is a plain ``nn.Linear`` (HunYuan-MoE's ``gate.wg``, DBRX's ``router.layer``: megatron's router
-  weight holds it) is a module target of kind ``"router"``, adapted as a router named in ``target_parameters``
-  (``experts.py``: ``W + scaling * B A`` in the gating, the same as PEFT's module term without dropout);
-  ``lora_dropout`` is refused on it.
+- A router that is a plain ``nn.Linear`` (HunYuan-MoE's ``gate.wg``, DBRX's ``router.layer``, Gemma 4's
+  ``router.proj``: megatron's router weight holds it) is a module target of kind ``"router"``, adapted as a router
+  named in ``target_parameters`` (``experts.py``: ``W + scaling * B A`` in the gating, after the router's own
+  ``gating_input`` where it has one, the same as PEFT's module term without dropout); ``lora_dropout`` is refused on
+  it.
 - Phi-3's packed ``qkv_proj`` / ``gate_up_proj``: one adapter each, as in PEFT; B's rows go to megatron's fused order
   as the weight's do (``packed_mappings``), each TP rank holding those of its own heads / MLP rows.
 - transformers' ``Conv1D`` (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``: a linear whose weight is stored ``[in, out]``,

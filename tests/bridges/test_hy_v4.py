@@ -156,7 +156,7 @@ LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=[
                init_lora_weights=False, modules_to_save=["norm"],
                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"])
 AXK2_LORA_KW = dict(r=4, lora_alpha=8, target_modules=["q_gate_proj", "o_proj"], init_lora_weights=False,
-                    modules_to_save=["input_layernorm"])
+                    modules_to_save=["input_layernorm", "post_attention_layernorm"])
 
 
 @pytest.fixture(scope="module")
@@ -316,11 +316,12 @@ def test_lora_matches_peft_and_exports(results, name):
 def test_axk2_gated_projections_lora_matches_peft(results, layout):
     """A.X-K2's q_gate_proj (``q_b_proj`` on disk; each head's query and output-gate rows, the adapter's term added
     before megatron's up-projection splits them) and gated o_proj (the gate a pre-hook on megatron's linear_proj, the
-    adapter reading the gated input as PEFT's) with LoRA, the gated input norms (``W_down`` / ``W_up`` on disk,
-    ``mlp.fc1`` / ``mlp.fc2`` in transformers' tree) saved: logits and loss within 1e-4, every adapter's gradient
-    within 1e-4 of its largest entry, the adapter folder in PEFT with the saved norms scaled by 1.25 (which moves
-    the logits) and the merged export in transformers: logits within 1e-4; at TP2 + SP the folder read back onto a
-    fresh model (within 1e-4 of PEFT's) and unloaded (transformers' logits)."""
+    adapter reading the gated input as PEFT's) with LoRA, the gated norms (``W_down`` / ``W_up`` on disk,
+    ``mlp.fc1`` / ``mlp.fc2`` in transformers' tree; the MoE layers' post-attention norms, the dense layers' plain)
+    saved: logits and loss within 1e-4, every adapter's gradient within 1e-4 of its largest entry, the adapter
+    folder in PEFT with the saved norms scaled by 1.25 (which moves the logits) and the merged export in
+    transformers: logits within 1e-4; at TP2 + SP the folder read back onto a fresh model (within 1e-4 of PEFT's) and
+    unloaded (transformers' logits)."""
     r = results["axk2_lora"][layout]
     assert r["targets"] == ["o_proj", "q_gate_proj"] and r["graded"] == 16, r
     assert r["logits"] < 1e-4 and r["loss"] < 1e-4 and r["grads"] < 1e-4, r
