@@ -200,8 +200,9 @@ class AXK2Bridge(DeepseekV32Bridge):
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint's name of tensor ``name`` of transformers' module tree (LoRA's planner), which renames
         ``q_b_proj`` to ``q_gate_proj`` and the gated norms' ``W_down`` / ``W_up`` to ``mlp.fc1`` / ``mlp.fc2``."""
-        return name.replace(".self_attn.q_gate_proj.", ".self_attn.q_b_proj.").replace(
-            "layernorm.mlp.fc1.", "layernorm.W_down.").replace("layernorm.mlp.fc2.", "layernorm.W_up.")
+        from loongforge_hf.bridges.load_kwargs import module_tree_names
+
+        return module_tree_names(self).get(name, name)
 
     def attention_mappings(self) -> list[Mapping]:
         norm = f"{D}.input_layernorm.weight"

@@ -21,21 +21,9 @@ from __future__ import annotations
 
 import re
 
+from loongforge_hf.bridges.load_kwargs import module_tree_names
+
 _PARAMS = re.compile(r"\.layers\.\d+\.mlp\.(?:experts\.(?:gate_up_proj|down_proj)|gate\.weight)$")
-
-
-def module_tree_names(bridge) -> dict[str, str]:
-    """{transformers' module-tree name: the checkpoint's} for every tensor the bridge reads (computed once)."""
-    table = bridge.__dict__.get("_lora_names")
-    if table is None:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, apply_renamings
-
-        renamings = [r for r in get_checkpoint_conversion_mapping(bridge.hf_config.model_type) or []
-                     if type(r) is WeightRenaming]
-        table = {apply_renamings(name, renamings): name for name in bridge.expected_hf_shapes()}
-        bridge.__dict__["_lora_names"] = table
-    return table
 
 
 def checkpoint_name(bridge, name: str) -> str:

@@ -45,4 +45,6 @@ class HYV3Bridge(ExaoneMoeBridge):
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint's name of tensor ``name`` of transformers' module tree (LoRA's planner), which renames the
         shared experts (``mlp.shared_mlp`` on disk) and the router (``mlp.router.gate``) on load."""
-        return name.replace(".mlp.shared_experts.", ".mlp.shared_mlp.").replace(".mlp.gate.", ".mlp.router.gate.")
+        from loongforge_hf.bridges.load_kwargs import module_tree_names
+
+        return module_tree_names(self).get(name, name)

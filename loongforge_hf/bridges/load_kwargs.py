@@ -274,6 +274,22 @@ def transformers_names(names, *, architecture: str, model_type: str) -> dict[str
     return {n: rename_source_key(n, renamings, converters)[0] for n in sorted(names, key=dot_natural_key)}
 
 
+def module_tree_names(bridge) -> dict[str, str]:
+    """{transformers' module-tree name: the checkpoint's} for every tensor the bridge reads (computed once): its
+    checkpoint names renamed by the ``WeightRenaming`` entries of transformers' conversion mapping for the model type,
+    what ``from_pretrained`` does to them (LoRA's planner: ``checkpoint_name`` of DeepSeek-V4, HY-V4, A.X-K2, Hy3)."""
+    table = bridge.__dict__.get("_lora_names")
+    if table is None:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+        renamings = [r for r in get_checkpoint_conversion_mapping(bridge.hf_config.model_type) or []
+                     if type(r) is WeightRenaming]
+        table = {apply_renamings(name, renamings): name for name in bridge.expected_hf_shapes()}
+        bridge.__dict__["_lora_names"] = table
+    return table
+
+
 def finish_load(model, options: LoadOptions, info: dict | None):
     """The model, its ``generation_config`` replaced by the one given (as transformers copies it); with its loading
     info when asked."""

@@ -168,7 +168,6 @@ class MambaMixer(torch.nn.Module):
         return mixer_sharded_state_dict(self, prefix, sharded_offsets, metadata, {**own, **norms}, axes)
 
 
-@functools.cache
 def scan_layout(attention_mask, batch: int, seq: int, device):
     """(the real tokens, the document ids, ``cp``) of a Mamba-1 mixer's forward over megatron's mask: without
     context parallelism ``cp`` is None and the ids those of the rows' documents; with it ``cp`` is (the CP group,
@@ -208,6 +207,7 @@ def cached_mix_step(mixer, mixed: torch.Tensor, step: CachedStep) -> torch.Tenso
     return mixer._output(y, padded=mixed.shape[1])
 
 
+@functools.cache
 def mamba_attention(*, layers: frozenset[int], **dims) -> type:
     """The self-attention slot's class: ``MambaMixer`` (with ``dims``) on the layers in ``layers`` (0-based global
     indices), megatron's ``SelfAttention`` elsewhere (Jamba's attention layers)."""

@@ -103,14 +103,13 @@ def adapter_config_text(model, *, converted: bool = False) -> str:
         # NOTE: what PeftModel.save_pretrained adds without a task type (the base model's class): peft's
         # AutoPeftModel loads the base by it; the config's architecture where Auto does not map it (Mistral 4)
         import transformers
-        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
+        from loongforge_hf.lora.plan import unmapped_class
         from loongforge_hf.lora.vision import LoongModelForImageTextToText
 
-        mapping = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if isinstance(model, LoongModelForImageTextToText) \
-            else MODEL_FOR_CAUSAL_LM_MAPPING
-        hf_class = mapping[type(model.config)] if type(model.config) in mapping else \
-            getattr(transformers, model.config.architectures[0])
+        auto = transformers.AutoModelForImageTextToText if isinstance(model, LoongModelForImageTextToText) \
+            else transformers.AutoModelForCausalLM
+        hf_class = unmapped_class(model.config, auto) or auto._model_mapping[type(model.config)]
         data["auto_mapping"] = {"base_model_class": hf_class.__name__, "parent_library": hf_class.__module__}
 
     def plain(value):

@@ -248,16 +248,25 @@ def _hf_skeleton(hf_config, image_text: bool = False, classifier: bool = False):
 
     auto = transformers.AutoModelForImageTextToText if image_text else \
         transformers.AutoModelForSequenceClassification if classifier else transformers.AutoModelForCausalLM
-    build = auto.from_config
-    if type(hf_config) not in auto._model_mapping:  # NOTE: a class Auto does not map (Mistral 4, Emu3's text model)
-        name = (getattr(hf_config, "architectures", None) or [""])[0]
-        if not hasattr(transformers, name):
-            raise LoraConfigError(f"transformers' {auto.__name__} does not map {type(hf_config).__name__} and its "
-                                  f"architectures {hf_config.architectures!r} name no transformers class: LoRA "
-                                  "matches PEFT's names on transformers' model, which cannot be built.")
-        build = getattr(transformers, name)._from_config
+    unmapped = unmapped_class(hf_config, auto)
+    build = auto.from_config if unmapped is None else unmapped._from_config
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         return build(hf_config)
+
+
+def unmapped_class(hf_config, auto) -> type | None:
+    """None where transformers' ``auto`` class maps ``hf_config``; else (Mistral 4, Emu3's text model) the
+    transformers class its ``architectures`` names, which PEFT's model is built on."""
+    import transformers
+
+    if type(hf_config) in auto._model_mapping:
+        return None
+    name = (getattr(hf_config, "architectures", None) or [""])[0]
+    if not hasattr(transformers, name):
+        raise LoraConfigError(f"transformers' {auto.__name__} does not map {type(hf_config).__name__} and its "
+                              f"architectures {hf_config.architectures!r} name no transformers class: LoRA "
+                              "matches PEFT's names on transformers' model, which cannot be built.")
+    return getattr(transformers, name)
 
 
 def _check_config(config) -> None:
