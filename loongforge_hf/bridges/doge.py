@@ -46,6 +46,8 @@ class DogeBridge(DenseBridge):
     qk_norm = True
     # NOTE: the layout's (check_layout), read by check_sequence_length and generation_refusal
     sequence_multiple = step_multiple = context_parallel_size = 1
+    # NOTE: our core attention's dt_proj, the retrieval experts' router_gate (doge_layers, lora/own_weights.py)
+    lora_own_weights = {"dt_proj": "column", "router_gate": "sequence_parallel"}
 
     # ---- config ---------------------------------------------------------------------------------------------
     @property

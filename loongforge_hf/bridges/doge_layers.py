@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from loongforge_hf.bridges.own_weights import adapted
 from loongforge_hf.kernels.attention import CoreAttention
 from loongforge_hf.kernels.specs import SwiGLUMLP
 
@@ -79,6 +80,8 @@ def doge_core_attention(keep_window: int) -> type:
     from loongforge_hf.kernels.dynamic_mask_attention import dynamic_mask_attention
 
     class DogeCoreAttention(CoreAttention):
+        lora_own_weights = {"dt_proj": "column"}  # NOTE: transformers' dt_proj linear (own_weights.py)
+
         def __init__(self, config, *args, **kwargs) -> None:
             super().__init__(config, *args, **kwargs)
             groups = divide(config.num_query_groups, _tp_size(self.tp_group))
@@ -96,7 +99,8 @@ def doge_core_attention(keep_window: int) -> type:
             skv]``: the values of every KV head gathered over TP (module docstring)."""
             if _tp_size(self.tp_group) > 1:
                 values = all_gather_last_dim_from_tensor_parallel_region(values, self.tp_group)
-            return torch.exp(self.A * F.softplus(F.linear(values, self.dt_proj))).permute(1, 2, 0)
+            dt = adapted(self, "dt_proj", values, F.linear(values, self.dt_proj))
+            return torch.exp(self.A * F.softplus(dt)).permute(1, 2, 0)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
@@ -163,8 +167,14 @@ def doge_attention(keep_window: int) -> type:
 class _Retrieval(torch.nn.Module):
     """transformers' ``router_gate``, ``down_embed`` and ``up_embed`` (replicated over TP)."""
 
+    # NOTE: transformers' router_gate linear, on each rank's tokens (lora/own_weights.py)
+    lora_own_weights = {"router_gate": "sequence_parallel"}
+
     def __init__(self, config, *, experts: int, keys: int) -> None:
+        from megatron.core import parallel_state as ps
+
         super().__init__()
+        self.config, self.tp_group = config, ps.get_tensor_model_parallel_group()
         self.router_gate = _parameter(config, 2 * keys, config.hidden_size, split=False)
         self.down_embed = _parameter(config, experts, config.hidden_size, split=False)
         self.up_embed = _parameter(config, experts, config.hidden_size, split=False)
@@ -210,7 +220,7 @@ def cdmoe(*, experts: int, top_k: int, norm_topk_prob: bool, act: str) -> type:
 
         def _routing(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """(experts, weights) ``[s_local * b, top_k]`` of this rank's tokens, routed over the whole batch."""
-            logits = F.linear(hidden, self.retrieval.router_gate)  # NOTE: [s_local, b, 2 * keys]
+            logits = adapted(self.retrieval, "router_gate", hidden, F.linear(hidden, self.retrieval.router_gate))
             tp = ps.get_tensor_model_parallel_group()
             local = logits.shape[0]
             if self.config.sequence_parallel and _tp_size(tp) > 1:

@@ -12,7 +12,8 @@ Choices:
   hidden]``) are replicated and run on the whole sequence (one more all-gather of the tokens under sequence
   parallelism, whose backward reduce-scatters), their weights entering through
   ``copy_to_tensor_model_parallel_region`` (the ranks' partial grads summed, as ``norm_weight``'s); ``f_b`` /
-  ``g_b`` and ``dt_bias`` are split with the heads.
+  ``g_b`` and ``dt_bias`` are split with the heads. LoRA on the four (transformers' linears) through
+  ``own_weights.adapted``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ import torch
 import torch.nn.functional as F
 
 from loongforge_hf.bridges.gated_deltanet import GatedDeltaNet
+from loongforge_hf.bridges.own_weights import adapted
 
 
 class KimiDeltaAttention(GatedDeltaNet):
     """Kimi Delta Attention (Kimi Linear): ``GatedDeltaNet`` with a per-channel decay from a low-rank forget gate and a
     low-rank sigmoid output gate (see the module docstring); key and value heads are the same heads."""
+
+    # NOTE: transformers' f_a_proj / g_a_proj (replicated) and f_b_proj / g_b_proj (split with the heads) linears,
+    # which LoRA adapts (lora/own_weights.py)
+    lora_own_weights = {"f_a_weight": "replicated", "g_a_weight": "replicated", "f_b_weight": "column",
+                        "g_b_weight": "column"}
 
     def __init__(self, config, **kwargs) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -57,8 +64,9 @@ class KimiDeltaAttention(GatedDeltaNet):
             else copy_to_tensor_model_parallel_region(hidden_states, group=group)
         down = copy_to_tensor_model_parallel_region(torch.cat((self.f_a_weight, self.g_a_weight)), group=group)
         forget, gate = F.linear(full, down).chunk(2, dim=-1)
-        return torch.cat((self.in_proj(hidden_states)[0], F.linear(forget, self.f_b_weight),
-                          F.linear(gate, self.g_b_weight)), dim=-1)
+        forget, gate = adapted(self, "f_a_weight", full, forget), adapted(self, "g_a_weight", full, gate)
+        return torch.cat((self.in_proj(hidden_states)[0], adapted(self, "f_b_weight", forget, F.linear(
+            forget, self.f_b_weight)), adapted(self, "g_b_weight", gate, F.linear(gate, self.g_b_weight))), dim=-1)
 
     def _split(self, mixed: torch.Tensor, real: torch.Tensor | None):
         """As ``GatedDeltaNet._split``; ``g`` per key channel ``[b, s, heads, head_dim]``, the gate before its

@@ -86,6 +86,13 @@ class KimiLinearBridge(MultiLatentAttention, DeepseekStyleMoE):
     tied = False  # NOTE: transformers never ties the LM head here (_tied_weights_keys = {}), whatever the config says
     generation_refusal = Qwen3_5Bridge.generation_refusal
 
+    @property
+    def lora_own_weights(self) -> dict[str, str]:
+        """The KDA layers' gate projections LoRA adapts (``lora/own_weights.py``)."""
+        from loongforge_hf.bridges.kimi_delta_attention import KimiDeltaAttention
+
+        return KimiDeltaAttention.lora_own_weights
+
     # ---- config ---------------------------------------------------------------------------------------------
     def check_config(self) -> None:
         c, arch = self.hf_config, self.architectures[0]

@@ -27,6 +27,9 @@ Choices:
   its incoming state, all-gathered and folded), the same outputs and gradients as one run over the whole sequence;
   padding and packed documents as above. The group is megatron's, read at each forward
   (``context_parallel.cp_group_and_size``); cached steps never run under CP (generate under CP runs without the cache).
+- LoRA on ``x_proj`` (PEFT adapts transformers' linear): its product goes through ``own_weights.adapted``, the
+  adapter's A split by channel as the weight, its term among the partial products summed over TP. Not ``dt_proj``:
+  transformers' mixers read ``dt_proj.weight`` themselves, so PEFT's adapter there never acts (refused by name).
 - Refused (``mamba1_layers.py``, before any collective): ``intermediate_size`` that does not split over TP,
   projection biases; at the forward: megatron's ``inference_context`` and THD ``packed_seq_params``.
 """
@@ -38,6 +41,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from loongforge_hf.bridges.own_weights import adapted
 from loongforge_hf.bridges.recurrent_common import (CachedStep, _token_layout, mixer_on_layers, mixer_projections,
                                                     tp_group_of)
 from loongforge_hf.kernels.causal_conv import causal_conv
@@ -49,6 +53,8 @@ NORMS = ("dt_norm_weight", "b_norm_weight", "c_norm_weight")  # NOTE: Jamba's, r
 
 class MambaMixer(torch.nn.Module):
     """One Mamba-1 layer's token mixer, this TP rank's ``d_inner / tp`` channels (see the module docstring)."""
+
+    lora_own_weights = {"x_proj_weight": "row"}  # NOTE: transformers' x_proj linear, which LoRA adapts (own_weights.py)
 
     def __init__(self, config, *, layer_number: int, d_inner: int, d_state: int, dt_rank: int, conv_kernel: int,
                  conv_bias: bool, rms_eps: float | None = None, norm_weights: bool = False, pg_collection=None,
@@ -135,7 +141,7 @@ class MambaMixer(torch.nn.Module):
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                             reduce_from_tensor_model_parallel_region)
 
-        out = F.linear(x, self.x_proj_weight)
+        out = adapted(self, "x_proj_weight", x, F.linear(x, self.x_proj_weight))
         if self.tp > 1:  # NOTE: the sum forward; the norms replicated on every rank
             out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if self.rms_eps is not None:

@@ -30,6 +30,13 @@ class Mamba1Layers(Mamba2Layers):
     mamba_inner_field: str = "intermediate_size"  # the config field that sizes d_inner
 
     @property
+    def lora_own_weights(self) -> dict[str, str]:
+        """The mixer's own weights LoRA adapts (``lora/own_weights.py``): ``x_proj``, split by its columns."""
+        from loongforge_hf.bridges.mamba1 import MambaMixer
+
+        return MambaMixer.lora_own_weights
+
+    @property
     def arch_name(self) -> str:
         """The checkpoint's architecture (Falcon-Mamba's, not the first its bridge registers), for messages."""
         return (getattr(self.hf_config, "architectures", None) or self.architectures)[0]

@@ -53,6 +53,7 @@ def _lora_deltas(model):
     rank; collective over TP where DoRA's row norms are."""
     from loongforge_hf.lora.experts import is_param_lora
     from loongforge_hf.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
+    from loongforge_hf.lora.own_weights import LoraOwnWeights
     from loongforge_hf.lora.replicated import LoraReplicatedLinear
     from loongforge_hf.lora.vision import LoraVisionLinear
 
@@ -61,7 +62,7 @@ def _lora_deltas(model):
             if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear, LoraVisionLinear,
                                    LoraReplicatedLinear)):
                 yield module.weight, module.lora_merge_delta()
-            elif is_param_lora(module):
+            elif is_param_lora(module) or isinstance(module, LoraOwnWeights):
                 yield from module.lora_deltas()
 
 

@@ -303,6 +303,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     from loongforge_hf.lora.dora import add_magnitudes, check_tower_dora
     from loongforge_hf.lora.experts import attach_param_adapters, check_param_adaptable
     from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable, stacking
+    from loongforge_hf.lora.own_weights import SPLIT_FACTOR, attach_own_weights, check_own_weights_adaptable
     from loongforge_hf.lora.replicated import attach_replicated, check_replicated_adaptable
     from loongforge_hf.lora.vision import attach_vision_adapters, lora_class_for, text_bridge
     from loongforge_hf.parallel.kv_replicas import mark_adapter_replicas
@@ -338,6 +339,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         module, kind = model.chunks[vp].get_submodule(path), members[0][0].kind
         if kind in PARAM_KINDS:
             check_param_adaptable(module, kind)
+        elif members[0][0].own_weight:
+            check_own_weights_adaptable(module, [t for t, _ in members])
         elif kind == "replicated":
             check_replicated_adaptable(module)
         else:
@@ -353,7 +356,9 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             attach_param_adapters(module, members, dtype=dtype, device=device, dropout=float(peft_config.lora_dropout),
                                   ctx=ctx)
             continue
-        layout, slices = _layout_and_slices(targets, ctx, targets[0].layer)
+        own = targets[0].own_weight is not None  # NOTE: a bridge module's own weights, each its own split
+        layout, slices = (None, {t.name: _layout_and_slices([t], ctx, t.layer)[1][t.name] for t in targets}) if own \
+            else _layout_and_slices(targets, ctx, targets[0].layer)
         adapters, removed = {}, {}
         for t, (a, b) in members:
             a, b = _local_factors(t, a, b, slices, ctx)
@@ -362,9 +367,11 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             adapters[t.name] = LoraAdapter(a.to(device=device, dtype=dtype).contiguous().clone(),
                                            b.to(device=device, dtype=dtype).contiguous().clone(),
                                            scaling=t.scaling, dropout=float(peft_config.lora_dropout),
-                                           split={"row": "A", "replicated": None}.get(t.kind, "B"))
+                                           split=SPLIT_FACTOR.get(t.kind, "B"))
             adapters[t.name].stacked_layers, adapters[t.name].stack_suffix = stacks[(t.megatron_module, t.name, t.r)]
-        if targets[0].kind == "replicated":
+        if own:
+            attach_own_weights(module, members, adapters)
+        elif targets[0].kind == "replicated":
             attach_replicated(module, adapters)
         else:
             attach_adapters(module, adapters, layout)
@@ -372,7 +379,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             _leave_residual(module.weight, layout, removed)
         if peft_config.use_dora:
             add_magnitudes(module, targets, slices, magnitudes, ctx)
-        if targets[0].kind in ("qkv", "column"):
+        if targets[0].kind in ("qkv", "column") and not own:
             mark_adapter_replicas(module, targets, tp_rank)
     attach_vision_adapters(model, vision, dropout=float(peft_config.lora_dropout), dtype=dtype, device=device,
                            dora=bool(peft_config.use_dora), magnitudes=magnitudes)

@@ -16,7 +16,12 @@ Choices:
   LongCat-Flash's router ``classifier``, whose weight transformers reads itself, so PEFT's adapter there never acts;
   Zamba / Zamba2's shared blocks' linears, one megatron linear for the uses PEFT adapts one by one; the DSA
   indexers' linears, which no gradient reaches; A.X-K2's ``q_b_proj``, the checkpoint's name of ``q_gate_proj``,
-  and its norms' gates).
+  and its norms' gates; Mamba-1's ``dt_proj``, whose weight transformers' mixers read themselves, so PEFT's adapter
+  there never acts).
+- A linear whose weight a bridge's own module holds as a bare parameter it declares (the bridge's
+  ``lora_own_weights``: Mamba-1's ``x_proj``, Doge's ``dt_proj`` / ``router_gate``, Kimi Linear's gate projections)
+  is a target of that weight's split (``own_weights.KIND``) with ``Target.own_weight`` set (``own_weights.py``);
+  other bare parameters are no targets.
   DiffLlama's ``q_proj`` / ``k_proj`` / ``v_proj`` (``HalvesQKV``: each TP rank a slice of both halves of the heads)
   are ``linear_qkv`` slots whose B rows the mapping puts in megatron's order (``rows_to_megatron``). LongCat-Flash's
   sublayer mappings (``paired_sublayers``) are looked up by the class they stand for (``plain_class``).
@@ -104,6 +109,7 @@ from loongforge_hf.bridges.packed_mappings import GroupedQKV, PackedGatedMLP, Pa
 from loongforge_hf.bridges.mappings import ColumnParallel, Mapping, Replicated, RowParallel, VocabParallel
 from loongforge_hf.bridges.moe import SharedExpertGate
 from loongforge_hf.bridges.per_head_mappings import PerHeadStack
+from loongforge_hf.lora.own_weights import KIND
 
 _LINEAR_KINDS = {QKV: "qkv", GatedMLP: "gated", ColumnParallel: "column", RopeColumnParallel: "column",
                  PackedQKV: "column", GroupedQKV: "column", PackedGatedMLP: "column", RowParallel: "row",
@@ -137,6 +143,9 @@ _REFUSED = {
         "layer": "JetMoE's routers (router.layer of the attention experts and of the MoE) are no megatron linears "
                  "here: the attention router is a raw parameter of the mixture of attention heads, the MoE's "
                  "megatron's router, and no adapter path on them is compared with PEFT"},
+    **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), {
+        "dt_proj": "transformers' Mamba mixers read dt_proj.weight themselves (dt_proj.weight @ time_step), so PEFT's "
+                   "adapter on the module never reaches the time steps"}),
     "LongcatFlashForCausalLM": {
         "classifier": "transformers' LongCat-Flash router reads classifier.weight itself (F.linear on its fp32 copy), "
                       "so PEFT's adapter on the module never reaches the routing"},
@@ -173,6 +182,7 @@ class Target:
     #                                 [E, in, out] stacks, which PEFT reads as [E, out, in])
     slot_name: str | None = None    # adapter key in the megatron module when not the HF module's last component
     module_path: str | None = None  # megatron module (with ``{layer}``) when not the mapping's weight's module
+    own_weight: str | None = None   # the bridge module's own weight parameter the adapter is on (own_weights.py)
 
     @property
     def name(self) -> str:
@@ -357,8 +367,10 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
 
     index = {**_hf_tensor_index(bridge), **vision_index(vl_bridge)}
     why = _refused_by_name(bridge)
-    # NOTE: plain torch linears of a bridge's own modules, whole on every rank (replicated.py), where it opts in
+    # NOTE: plain torch linears of a bridge's own modules, whole on every rank (replicated.py), where it opts in;
+    # weights its own modules hold as parameters, with their TP split (own_weights.py)
     replicated = bool(getattr(bridge, "lora_replicated_linears", False))
+    own = dict(getattr(bridge, "lora_own_weights", {}))
     asked = set(config.target_modules) if isinstance(config.target_modules, (list, set)) else set()
     targets: list[Target] = []
     refused: list[str] = []
@@ -367,7 +379,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         # NOTE: an excluded module comes back as a falsy marker object.
         if not name or not check_target_module_exists(matcher, name):
             continue
-        entry = None if name.rsplit(".", 1)[-1] in why else _adaptable(name, module, index, on_disk, replicated)
+        entry = None if name.rsplit(".", 1)[-1] in why else _adaptable(name, module, index, on_disk, replicated, own)
         if entry is None:
             refused.append(name)
             continue
@@ -379,16 +391,17 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         # NOTE: the adapter's key in the megatron module is the checkpoint's name of the linear (EXAONE 3's
         # out_proj for transformers' o_proj), as the fused layouts name their slots (model._layout_and_slices)
         leaf = on_disk(f"{name}.weight").removesuffix(".weight").rsplit(".", 1)[-1]
+        module_path, own_weight = _own_weight(mapping, own)
         targets.append(Target(hf_module=name, layer=layer, mapping=mapping, slot=slot, kind=kind,
                               in_features=in_features, out_features=out_features, r=r, scaling=scaling,
                               slot_name="router" if kind == "router" else None if leaf == name.rsplit(".", 1)[-1]
-                              else leaf))
+                              else leaf, module_path=module_path, own_weight=own_weight))
     if refused:
         refuse_own_forward_linears(refused, dict(modules))
         reasons = _reasons({n.rsplit(".", 1)[-1] for n in refused} | asked, why)
         raise LoraConfigError(f"target_modules match {refused[:4]}{' ...' if len(refused) > 4 else ''}, which "
                               f"cannot carry a LoRA adapter on megatron layers{reasons}; targetable modules: "
-                              f"{_targetable(modules, linear_names, index, on_disk, why, replicated)}.")
+                              f"{_targetable(modules, linear_names, index, on_disk, why, replicated, own)}.")
     _set_fan_in_fan_out(config, conv1d, bool(param_targets))
     routers = sorted({t.hf_module.rsplit(".", 1)[-1] for t in targets if t.kind == "router"})
     if routers and float(config.lora_dropout):
@@ -403,7 +416,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     if not targets:
         raise LoraConfigError(f"target_modules={config.target_modules!r} match no module of "
                               f"{type(skeleton).__name__}{_reasons(asked, why)}; targetable: "
-                              f"{_targetable(modules, linear_names, index, on_disk, why, replicated)}.")
+                              f"{_targetable(modules, linear_names, index, on_disk, why, replicated, own)}.")
 
     saved = _saved_tensors(config, modules, index, bridge, output_embedding, on_disk)
     embedding = skeleton.get_input_embeddings()
@@ -417,11 +430,13 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
                     token_indices=token_indices, embedding_name=embedding_name)
 
 
-def _adaptable(name: str, module, index, on_disk, replicated: bool = False
+def _adaptable(name: str, module, index, on_disk, replicated: bool = False, own: dict | None = None
                ) -> tuple[Mapping, int | None, int, str] | None:
     """(mapping, layer, slot, kind) of the HF module ``name`` where it can carry an adapter here, else None: a linear
     whose weight a linear kind of mapping holds (``_LINEAR_KINDS``) in a decoder layer, or a tower linear; with
-    ``replicated`` (the bridge's ``lora_replicated_linears``) also one a ``Replicated`` mapping holds there."""
+    ``replicated`` (the bridge's ``lora_replicated_linears``) also one a ``Replicated`` mapping holds there; one whose
+    weight a bridge module holds as its own parameter where ``own`` (the bridge's ``lora_own_weights``: parameter
+    name -> TP split, own_weights.py) names it, of that split's kind."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
@@ -436,9 +451,18 @@ def _adaptable(name: str, module, index, on_disk, replicated: bool = False
     if kind is None and type(module).forward is nn.Linear.forward and \
             _unwrapped(entry[0]).megatron.endswith(".mlp.router.weight"):
         kind = "router"  # NOTE: a plain linear router (HunYuan's gate.wg, DBRX's router.layer): experts.py's adapter
-    if kind in ("column", "row", "replicated") and not _unwrapped(entry[0]).megatron.endswith(".weight"):
-        kind = None  # NOTE: a bare parameter, not a linear's weight (Kimi Linear's f_b_weight / g_b_weight)
+    bare = _unwrapped(entry[0]).megatron.rsplit(".", 1)[-1]
+    if not _unwrapped(entry[0]).megatron.endswith(".weight") and kind in ("column", "row", "replicated", None):
+        kind = KIND.get((own or {}).get(bare))  # NOTE: a bare parameter, not a linear's weight: where declared
     return None if kind is None or (entry[1] is None and kind != "vision") else (*entry, kind)
+
+
+def _own_weight(mapping: Mapping, own: dict) -> tuple[str | None, str | None]:
+    """(module, parameter) of a weight a bridge module holds as a bare parameter it declares (``own``: Mamba-1's
+    ``x_proj_weight``), not a linear's ``.weight``; (None, None) for others."""
+    megatron = _unwrapped(mapping).megatron
+    module, weight = megatron.rsplit(".", 1)
+    return (None, None) if megatron.endswith(".weight") or weight not in own else (module, weight)
 
 
 def _check_unequal_slots(config, targets) -> None:
@@ -470,13 +494,14 @@ def _reasons(leaves, why: dict[str, str]) -> str:
     return f" ({text})" if text else ""
 
 
-def _targetable(modules, linear_names: set[str], index, on_disk, why: dict[str, str], replicated: bool = False) -> str:
+def _targetable(modules, linear_names: set[str], index, on_disk, why: dict[str, str], replicated: bool = False,
+                own: dict | None = None) -> str:
     """What a refusal lists: the last components of the linears that can carry an adapter, leaving out one that also
     names a linear that cannot (Qwen3.5's ``in_proj_z``: one slot of four in megatron's ``in_proj``) or is refused by
     name (``why``), and ``'all-linear'``, with ``exclude_modules`` naming those that cannot where there are any."""
     leaf = {n: n.rsplit(".", 1)[-1] for n in linear_names}
     refused = {n for n, m in modules if n in linear_names
-               and (leaf[n] in why or _adaptable(n, m, index, on_disk, replicated) is None)}
+               and (leaf[n] in why or _adaptable(n, m, index, on_disk, replicated, own) is None)}
     names = sorted({leaf[n] for n in linear_names - refused} - {leaf[n] for n in refused})
     excluded = f" with exclude_modules={sorted({leaf[n] for n in refused})}" if refused else ""
     return f"{names} or 'all-linear'{excluded}"

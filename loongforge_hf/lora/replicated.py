@@ -71,14 +71,15 @@ def attach_replicated(module: nn.Module, adapters: dict) -> None:
 
 
 def check_replicated_options(config, targets) -> None:
-    """Refuse DoRA and PiSSA / OLoRA on replicated targets (pure, every rank alike)."""
+    """Refuse DoRA and PiSSA / OLoRA on replicated targets and on a bridge module's own weights (own_weights.py; pure,
+    every rank alike)."""
     from loongforge_hf.lora.init import is_decomposition
 
-    hit = sorted({t.hf_module.rsplit(".", 1)[-1] for t in targets if t.kind == "replicated"})
+    hit = sorted({t.hf_module.rsplit(".", 1)[-1] for t in targets if t.kind == "replicated" or t.own_weight})
     asked = [f"use_dora={config.use_dora}"] if config.use_dora else []
     if is_decomposition(config.init_lora_weights):
         asked.append(f"init_lora_weights={config.init_lora_weights!r}")
     if asked and hit:
         raise LoraConfigError(f"{' and '.join(asked)} is not supported on {hit} (linears of the bridge's own "
-                              "modules, replicated over TP: not compared with PEFT there); leave them out "
+                              "modules: not compared with PEFT there); leave them out "
                               f"(exclude_modules={hit}) or use plain LoRA.")

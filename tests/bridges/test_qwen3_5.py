@@ -207,8 +207,6 @@ def _all(folders: dict) -> dict:
     out["lora"] = hybrid_lora_checks(folders["qwen3_5"], f"{folders['qwen3_5']}-lora-tp1", {}, ALL_LINEAR)
     out["next_lora"] = hybrid_lora_checks(folders["qwen3_next"], f"{folders['qwen3_next']}-lora-tp1", {},
                                           {**ALL_LINEAR, "target_modules": ["in_proj_qkvz", "in_proj_ba"]})
-    out["kimi_lora"] = hybrid_lora_checks(folders["kimi_linear"], f"{folders['kimi_linear']}-lora-tp1", {},
-                                          {**ALL_LINEAR, "exclude_modules": list(KIMI_GATE_PROJECTIONS)})
     return out
 
 
@@ -510,29 +508,24 @@ def test_lora_all_linear_matches_peft(everything, two_ranks, layout):
     assert all(res["not_reshardable"] == [] for res in ranks), ranks
 
 
-# Kimi Linear's forget / output gates' low-rank projections: bare parameters beside megatron's in_proj, no adapter
-KIMI_GATE_PROJECTIONS = ("f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj")
-
-
-def test_kimi_linear_lora_matches_peft(everything, folders):
-    """Kimi Linear with ``"all-linear"`` less the gates' low-rank projections against PEFT at TP1 (the KDA layers'
-    q / k / v / b in their slots of ``in_proj``, ``o_proj``, the MLA layers' projections, the MLPs and experts), as
-    above; plain ``"all-linear"`` refused before loading, naming those projections for ``exclude_modules``."""
+def test_kimi_linear_all_linear_plans_the_gate_projections(folders):
+    """Kimi Linear's ``"all-linear"`` plans the KDA gates' low-rank projections, parameters of our mixer
+    (``lora/own_weights.py``): ``f_a_proj`` / ``g_a_proj`` replicated, ``f_b_proj`` / ``g_b_proj`` split with the heads
+    (refused before); compared with PEFT at TP1 and TP2 + SP in tests/integrations/test_lora_new_bridges.py."""
     import peft
     import transformers
 
     from loongforge_hf.bridges import get_bridge
-    from loongforge_hf.lora import LoraConfigError
     from loongforge_hf.lora.plan import plan_lora
 
-    from ..integrations._lora_hybrids import ALL_LINEAR, check_matches_peft
+    from ..integrations._lora_hybrids import ALL_LINEAR
 
-    check_matches_peft([everything["kimi_lora"]], targets=len(everything["kimi_lora"]["targets"]))
-    assert not any(t.rsplit(".", 1)[-1] in KIMI_GATE_PROJECTIONS for t in everything["kimi_lora"]["targets"])
-    assert {"b_proj", "kv_b_proj", "o_proj"} <= {t.rsplit(".", 1)[-1] for t in everything["kimi_lora"]["targets"]}
     bridge = get_bridge(transformers.AutoConfig.from_pretrained(folders["kimi_linear"]))
-    with pytest.raises(LoraConfigError, match=r"exclude_modules=\['f_a_proj', 'f_b_proj', 'g_a_proj', 'g_b_proj'\]"):
-        plan_lora(bridge, peft.LoraConfig(**ALL_LINEAR))
+    plan = plan_lora(bridge, peft.LoraConfig(**ALL_LINEAR))
+    gates = {(t.name, t.kind, t.own_weight) for t in plan.targets if t.own_weight}
+    assert gates == {("f_a_proj", "replicated", "f_a_weight"), ("g_a_proj", "replicated", "g_a_weight"),
+                     ("f_b_proj", "column", "f_b_weight"), ("g_b_proj", "column", "g_b_weight")}, gates
+    assert {"b_proj", "kv_b_proj", "o_proj"} <= {t.name for t in plan.targets}
 
 
 def test_qwen3_next_in_proj_lora_matches_peft(everything):

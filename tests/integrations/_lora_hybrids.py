@@ -43,7 +43,7 @@ def _adapter_grads(model, ref) -> dict[str, float]:
             continue
         adapter = model.chunks[vp or 0].get_submodule(t.megatron_module.format(layer=local)).lora[t.name]
         a = _gather_full(adapter.A.grad, 1 if t.kind == "row" else None)
-        b = adapter.B.grad if t.kind == "row" else t.b_to_hf(_gather_full(adapter.B.grad, 0), ctx)
+        b = adapter.B.grad if t.kind in ("row", "replicated") else t.b_to_hf(_gather_full(adapter.B.grad, 0), ctx)
         for factor, grad in (("A", a), ("B", b)):
             out[f"{t.hf_module}.lora_{factor}"] = _relative(
                 grad, theirs[f"base_model.model.{t.hf_module}.lora_{factor}.default.weight"].grad)

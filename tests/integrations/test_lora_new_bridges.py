@@ -3,25 +3,31 @@
 Models: MiniMax (lightning attention's packed ``qkv_proj`` / ``output_gate`` / ``out_proj``, softmax attention, the
 routed experts and router through PEFT's rewrite on transformers 5), Granite SWA and Granite-MoE SWA, HyperCLOVAX,
 BitNet, DiffLlama, OPT, BioGPT, XGLM, GPT-Neo, CodeGen, Persimmon, GPT-NeoX-Japanese, A.X-K1 (MLA + DeepSeek-V3's
-routing), Mamba, Falcon-Mamba and Mamba2 (the mixers' ``in_proj``), RecurrentGemma (the recurrent blocks'
+routing), Mamba and Falcon-Mamba (the mixers' ``in_proj`` and ``x_proj``: the latter a parameter of our mixer,
+refused before), Mamba2 (``in_proj``), RecurrentGemma (the recurrent blocks'
 ``linear_x`` / ``linear_y`` / ``linear_out``), Kolibri-1 and Aria's text model (attention, shared
 experts), LFM3 (attention with its output gate's ``g_proj``, the short convs' ``in_proj`` / ``out_proj``, MLP),
 LaraMini (attention, the Gated DeltaNet's split in-projections over its fused ``in_proj``, the shared expert),
 Laguna (``q_proj`` / ``k_proj`` / ``v_proj`` / ``g_proj`` with each layer's heads, ``o_proj``, the dense MLP),
-Doge (attention and MLP around the dynamic mask; not ``dt_proj``), Gemma 3n (attention and MLP; not AltUp's,
-LAuReL's or the per-layer inputs' linears), AFMoE (q / k / v beside the attention gates' own slots in
+Doge (attention, MLP and the dynamic mask's ``dt_proj``, with ``A`` drawn so that it acts; with ``is_moe`` the
+retrieval experts' ``router_gate``: parameters of our modules, refused before), Gemma 3n (attention and MLP; not
+AltUp's, LAuReL's or the per-layer inputs' linears), AFMoE (q / k / v beside the attention gates' own slots in
 ``linear_qkv``, ``o_proj``, the routed experts and the router ``mlp.router.gate``: ``"all-linear"`` was refused),
 PhiMoE (attention, its biased ``o_proj`` included, and the router's weight), Hy3 (attention, dense MLPs, the
 shared experts under transformers' name for the checkpoint's ``mlp.shared_mlp``: refused before), Mistral 4 and
 Emu3's text model (classes transformers' AutoModelForCausalLM does not map: the planner builds the one their config
 names; it failed on the Auto class before), HunYuan-MoE and DBRX (their routers, plain linears, as module targets:
-refused before), MiMo-V2-Flash (q / k / v with narrower value heads: refused before); DoRA on DiffLlama
+refused before), MiMo-V2-Flash (q / k / v with narrower value heads: refused before), Kimi Linear (the KDA layers'
+q / k / v / b slots, the gates' low-rank ``f_a_proj`` / ``g_a_proj`` (replicated) and ``f_b_proj`` / ``g_b_proj`` (split
+with the heads): parameters of our mixer, refused before; the MLA layers, MLPs, experts and router); DoRA on DiffLlama
 (``diffllama_dora``: the magnitudes placed as B's rows).
 
 Choices:
 - PEFT's ``"all-linear"`` (``ALL_LINEAR``) wherever the planner takes it; else the largest set it accepts, stated in
-  ``ADAPTERS``: the planner refuses Mamba-1's ``x_proj`` / ``dt_proj``, which PEFT adapts; PEFT refuses the Mamba
-  models' ``out_proj``. DiffLlama's q / k / v adapters at TP2 hold each rank's slice of both halves of the heads
+  ``ADAPTERS``: the planner refuses Mamba-1's ``dt_proj`` (transformers reads its weight itself: PEFT's adapter there
+  never acts); PEFT refuses the Mamba models' ``out_proj``. The weights our own modules hold as parameters (Mamba-1's
+  ``x_proj``, Doge's ``dt_proj`` / ``router_gate``, Kimi Linear's gates) carry their adapters through
+  ``lora/own_weights.py``. DiffLlama's q / k / v adapters at TP2 hold each rank's slice of both halves of the heads
   (``HalvesQKV.rows_to_megatron``; logits off by 1.03 with B's rows split as a plain QKV's); CodeGen's ``qkv_proj``
   adapter its heads' rows of the ``mp_num`` blocks (``ShardInterleavedQKV``).
 - Each model from ``get_peft_model`` and PEFT's after the same seed (``_lora_checks.lora_pair``): the same initial
@@ -32,7 +38,9 @@ Choices:
   gradient at HF shape (1e-4 relative to each tensor's largest, as ``_lora_hybrids``) and the expert / router
   adapters' of each MoE layer (``_lora_moe._check_expert_grads``, 1e-5), PEFT's trainable counts, the adapter folder's
   tensor names and shapes equal to the folder PEFT writes for its model, that folder loaded by
-  ``PeftModel.from_pretrained`` and the merged export by transformers with our logits (1e-4); LaraMini's and
+  ``PeftModel.from_pretrained`` and the merged export by transformers with our logits (1e-4); with adapters on our
+  modules' own weights (Mamba, Falcon-Mamba, Doge, Kimi Linear) ``disable_adapter()`` and ``unload()`` giving PEFT's
+  base logits (1e-4), the modules' classes restored; LaraMini's and
   LFM3's merged export under the checkpoint's own tensor names (the fused ``in_proj``, ``gate_proj``).
 - The same at TP2 + SP in one 2-rank world (MiniMax with its experts whole on each rank: ``TP2_LAYOUTS``): B's rows
   gathered over TP and put back in the checkpoint's order (``Target.b_to_hf``) before the comparison. No pipeline
@@ -46,6 +54,7 @@ import torch
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
+from loongforge_hf.testing.tiny_doge import DOGE_ARCHS, randomize
 
 
 ALL_LINEAR = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
@@ -58,10 +67,10 @@ ADAPTERS = {
     # NOTE: CodeGen's qkv_proj (mp_num blocks of q / v / k): B's rows in megatron's order as the weight's
     "codegen": ALL_LINEAR, "persimmon": ALL_LINEAR,
     "gpt_neox_japanese": ALL_LINEAR, "axk1": ALL_LINEAR,
-    # NOTE: the mixers' out_proj refused by PEFT (its Mamba check), Mamba-1's x_proj / dt_proj by the planner (PEFT
-    # adapts them): in_proj
-    "mamba": dict(ALL_LINEAR, exclude_modules=["out_proj", "x_proj", "dt_proj"]),
-    "falcon_mamba": dict(ALL_LINEAR, exclude_modules=["out_proj", "x_proj", "dt_proj"]),
+    # NOTE: the mixers' out_proj refused by PEFT (its Mamba check), Mamba-1's dt_proj by the planner (transformers
+    # reads dt_proj.weight itself, so PEFT's adapter never acts): in_proj, x_proj (our mixer's parameter)
+    "mamba": dict(ALL_LINEAR, exclude_modules=["out_proj", "dt_proj"]),
+    "falcon_mamba": dict(ALL_LINEAR, exclude_modules=["out_proj", "dt_proj"]),
     "mamba2": dict(ALL_LINEAR, exclude_modules=["out_proj"]),
     # NOTE: PEFT's all-linear takes attention and the shared experts (the routers and stacked experts are no Linear)
     "kolibri1": ALL_LINEAR, "aria_text": ALL_LINEAR,
@@ -79,8 +88,9 @@ ADAPTERS = {
     # attention's q_proj / o_proj, the MLP; not k_proj / v_proj: the one KV head is replicated at TP2, where the planner
     # refuses adapters on its rows
     "recurrent_gemma": dict(ALL_LINEAR, exclude_modules=["k_proj", "v_proj"]),
-    # NOTE: Doge's attention and MLP; not dt_proj (a parameter of our core attention, no LoRA slot), which PEFT adapts
-    "doge": dict(ALL_LINEAR, exclude_modules=["dt_proj"]),
+    # NOTE: Doge's attention, MLP and dt_proj (a parameter of our core attention, split with the KV heads); with
+    # is_moe the retrieval experts' router_gate (replicated, on each rank's tokens under SP)
+    "doge": ALL_LINEAR, "doge_moe": ALL_LINEAR,
     # NOTE: Gemma 3n's attention (q / k / v; q alone in the layers reusing keys and values) and MLP; not AltUp's,
     # LAuReL's or the per-layer inputs' linears (replicated: no LoRA slot), which PEFT adapts
     "gemma3n": dict(ALL_LINEAR, exclude_modules=r".*(altup|laurel|per_layer).*"),
@@ -106,14 +116,18 @@ ADAPTERS = {
     "mimo_v2_flash": ALL_LINEAR,
     # NOTE: DoRA on DiffLlama's q / k / v: the magnitudes' rows, as B's, each rank's slice of both halves of the heads
     "diffllama_dora": dict(ALL_LINEAR, use_dora=True),
+    # NOTE: Kimi Linear's KDA gates (f_a_proj / g_a_proj replicated, f_b_proj / g_b_proj split with the heads: our
+    # mixer's parameters) beside everything else "all-linear" names
+    "kimi_linear": ALL_LINEAR,
 }
 CHECKPOINT_OF = {"diffllama_dora": "diffllama"}  # NOTE: a case on another case's architecture
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
-# model -> its two-rank layout: TP2 + SP (MiniMax's, AFMoE's and HunYuan-MoE's routed experts' adapters whole on each
-# rank: refused otherwise)
+# model -> its two-rank layout: TP2 + SP (MiniMax's, AFMoE's, HunYuan-MoE's and Kimi Linear's routed experts' adapters
+# whole on each rank: refused otherwise)
 TP2_LAYOUTS = {**{arch: TP2_SP for arch in ADAPTERS}, "minimax": {**TP2_SP, "expert_tensor_parallel_size": 1},
                "afmoe": {**TP2_SP, "expert_tensor_parallel_size": 1},
-               "hunyuan_v1_moe": {**TP2_SP, "expert_tensor_parallel_size": 1}}
+               "hunyuan_v1_moe": {**TP2_SP, "expert_tensor_parallel_size": 1},
+               "kimi_linear": {**TP2_SP, "expert_tensor_parallel_size": 1}}
 
 
 def _dense_grads(model, ref) -> dict[str, float]:
@@ -126,12 +140,25 @@ def _dense_grads(model, ref) -> dict[str, float]:
     ctx, theirs, out = lora_shard_context(model), dict(ref.named_parameters()), {}
     for t in (t for t in model.lora_plan.targets if t.kind not in PARAM_KINDS):
         adapter = model.chunks[0].get_submodule(t.megatron_module.format(layer=t.layer)).lora[t.name]
-        a = _gather_full(adapter.A.grad, 1 if t.kind == "row" else None)
-        b = adapter.B.grad if t.kind == "row" else t.b_to_hf(_gather_full(adapter.B.grad, 0), ctx)
+        a = _gather_full(_token_sum(adapter.A), 1 if t.kind == "row" else None)
+        b = _token_sum(adapter.B) if t.kind in ("row", "replicated") else \
+            t.b_to_hf(_gather_full(adapter.B.grad, 0), ctx)
         for factor, grad in (("A", a), ("B", b)):
             out[f"{t.hf_module}.lora_{factor}"] = _relative(
                 grad, theirs[f"base_model.model.{t.hf_module}.lora_{factor}.default.weight"].grad)
     return out
+
+
+def _token_sum(factor: torch.Tensor) -> torch.Tensor:
+    """``factor``'s gradient as megatron steps it: summed over the TP ranks where it is marked ``sequence_parallel``
+    (applied to each rank's tokens under SP: Doge's ``router_gate`` adapter)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    grad = factor.grad.clone()
+    if getattr(factor, "sequence_parallel", False):
+        dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
+    return grad
 
 
 def _folder_tensors(folder: str) -> dict[str, tuple]:
@@ -186,7 +213,27 @@ def new_bridge_checks(folder: str, out_dir: str, layout: dict, lora_kw: dict) ->
         ref.save_pretrained(out_dir + "/peft")
         out["folder"] = [_folder_tensors(out_dir + "/adapter"), _folder_tensors(out_dir + "/peft")]
         out["merged_names"] = [_checkpoint_names(out_dir + "/merged"), _checkpoint_names(folder)]
+    if any(t.own_weight for t in model.lora_plan.targets):
+        out["own_weights"] = _own_weight_switches(model, ref, ids)
     return out
+
+
+def _own_weight_switches(model, ref, ids) -> dict:
+    """Adapters on our modules' own weights (lora/own_weights.py) switched off: ``disable_adapter()`` and then
+    ``unload()`` give PEFT's base logits (largest differences), and unloading restores the modules' classes."""
+    from loongforge_hf.lora.own_weights import LoraOwnWeights
+
+    with torch.no_grad(), ref.disable_adapter():
+        base = ref(input_ids=ids).logits
+    with torch.no_grad(), model.disable_adapter():
+        disabled = float((model(input_ids=ids).logits - base).abs().max())
+    adapted = {type(m).__mro__[1] for c in model.chunks for m in c.modules() if isinstance(m, LoraOwnWeights)}
+    model.unload()
+    with torch.no_grad():
+        unloaded = float((model(input_ids=ids).logits - base).abs().max())
+    left = [type(m).__name__ for c in model.chunks for m in c.modules() if "lora" in m._modules]
+    restored = {type(m) for c in model.chunks for m in c.modules()} >= adapted
+    return {"disabled": disabled, "unloaded": unloaded, "restored": restored and not left and bool(adapted)}
 
 
 def _world(folders: dict, out_dir: str, layouts: dict) -> dict:
@@ -199,6 +246,8 @@ def results(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-new-bridges")
     folders = {arch: str(make_tiny_checkpoint(base / arch, CHECKPOINT_OF.get(arch, arch), tokenizer=False))
                for arch in ADAPTERS}
+    for arch in DOGE_ARCHS:  # NOTE: A drawn (transformers' zeros leave the dynamic bias, so dt_proj, without effect)
+        randomize(folders[arch])
     one = run_distributed(_world, 1, folders, str(base / "tp1"), {}, timeout=600)
     two = run_distributed(_world, 2, folders, str(base / "tp2"), TP2_LAYOUTS, timeout=600)
     return {"tp1": one, "tp2_sp": two}
@@ -210,6 +259,9 @@ def _check(ranks: list[dict], tol: float = 1e-4) -> None:
         assert res["counts"][0] == res["counts"][1], res["counts"]
         worst = max(res["grads"].items(), key=lambda kv: kv[1])
         assert worst[1] < tol, (worst, res["grads"])
+        if "own_weights" in res:  # NOTE: disable_adapter / unload with adapters on our modules' own weights
+            own = res["own_weights"]
+            assert own["disabled"] < tol and own["unloaded"] < tol and own["restored"], own
     first = ranks[0]
     assert first["folder"][0] == first["folder"][1], first["folder"]
     assert first["adapter_logits_diff"] < tol and first["merged_logits_diff"] < tol, first

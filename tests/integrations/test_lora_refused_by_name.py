@@ -91,3 +91,33 @@ def test_router_linear_with_dropout_refused():
     with pytest.raises(LoraConfigError, match=r"lora_dropout=0.1 with LoRA on the router's linear \(\['wg'\]\).*"
                                               r"exclude_modules=\['wg'\]"):
         plan_lora(bridge, peft.LoraConfig(r=4, target_modules=["q_proj", "wg"], lora_dropout=0.1))
+
+
+@pytest.mark.parametrize("arch, name", [("mamba", "MambaForCausalLM"), ("falcon_mamba", "FalconMambaForCausalLM"),
+                                        ("jamba", "JambaForCausalLM")])
+def test_mamba_dt_proj_refused_by_name(arch, name):
+    """Mamba-1's dt_proj: transformers' mixers read ``dt_proj.weight`` themselves, so PEFT's adapter there changes
+    nothing and takes no gradient (checked on transformers' model with a non-zero B: the logits need no gradient,
+    the adapter's factors being its only trainable tensors, and are the base model's within 1e-5; Falcon-Mamba's move
+    1.4e-6 under PEFT's wrapping); refused naming why, and
+    'all-linear' without it plans x_proj (own_weights.py; compared with PEFT in test_lora_new_bridges.py)."""
+    import torch
+    import transformers
+
+    config = _config(arch, architectures=[name])
+    with pytest.raises(LoraConfigError) as err:
+        plan_lora(get_bridge(config), peft.LoraConfig(r=4, target_modules="all-linear"))
+    assert "(dt_proj: transformers' Mamba mixers read dt_proj.weight themselves" in str(err.value), str(err.value)
+    excluded = ast.literal_eval(re.search(r"exclude_modules=(\[[^\]]*\])", str(err.value)).group(1))
+    plan = plan_lora(get_bridge(config), peft.LoraConfig(r=4, target_modules="all-linear", exclude_modules=excluded))
+    assert excluded == ["dt_proj"] and ("x_proj", "row") in {(t.name, t.kind) for t in plan.targets}
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 200, (1, 8))
+    before = model(input_ids=ids).logits
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["dt_proj"], init_lora_weights=False))
+    logits = adapted(input_ids=ids).logits
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable) and torch.allclose(logits, before, rtol=0, atol=1e-5)
+    assert not logits.requires_grad
