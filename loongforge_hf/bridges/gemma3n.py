@@ -24,8 +24,11 @@ Choices:
   storing layer's keys and values of the rank's tokens, which our core attention gathers over the CP group again.
 - Refused by name: activation recompute (the per-layer stream and the shared keys and values pass beside megatron's
   layer arguments).
-- LoRA on the attention (q / k / v, q alone in the layers reusing keys and values; o) and the MLP; AltUp's, LAuReL's
-  and the per-layer linears are replicated and carry no adapter (the planner refuses them by name).
+- LoRA on the attention (q / k / v, q alone in the layers reusing keys and values; o), the MLP and each layer's
+  AltUp / LAuReL / per-layer linears (torch linears replicated over TP on each rank's tokens, ``lora/replicated.py``:
+  the bridge's ``lora_replicated_linears``); not AltUp's ``correction_coefs`` (transformers applies its weight itself
+  in training, so PEFT's adapter acts in eval only: refused by name) nor the model's stream projections outside the
+  layers (``altup_projections``, ``altup_unembed_projections``, ``per_layer_model_projection``).
 - ``Gemma3nForConditionalGeneration`` (the hub's checkpoints: text, vision and audio) is refused by name.
 - Refused by name, before any collective: attention biases, bidirectional attention, rope types other than default,
   ``altup_active_idx`` outside the streams, ``hidden_size_per_layer_input`` < 1, ``num_kv_shared_layers`` leaving no

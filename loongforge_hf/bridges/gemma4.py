@@ -122,6 +122,9 @@ def layer_type_heads(hf_config) -> dict[str, tuple[int, int]]:
 @register_bridge("Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM")
 class Gemma4Bridge(SmallModelFields, LayerTypes, _SandwichNorms):
     qk_norm = True
+    # NOTE: LoRA on the per-layer linears (Gemma 3n's AltUp / LAuReL ones too): torch linears on each rank's tokens
+    # (lora/replicated.py)
+    lora_replicated_linears = True
     zero_centred_norms = False
     # NOTE: k / v projections and k norms a checkpoint may hold for layers that reuse another's keys (passthrough_names)
     has_passthrough = True

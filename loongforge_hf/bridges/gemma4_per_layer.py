@@ -31,8 +31,9 @@ Choices:
   doubled (their MLP, split over TP as any).
 - The stream passes beside megatron's layer arguments, so a layer recomputed in the backward could not take its
   gradient: activation recompute is refused with per-layer inputs (``refuse_recompute``). Under context parallelism
-  each rank's stream is its own tokens' (``gemma4.py``). LoRA on the per-layer linears is refused by name
-  (``lora/plan.py``: replicated tensors carry no adapter), ``exclude_modules`` naming them.
+  each rank's stream is its own tokens' (``gemma4.py``). LoRA on each layer's per-layer linears as on other
+  replicated torch linears (``lora/replicated.py``: their factors summed over TP under SP, as the weights); the
+  model's ``per_layer_model_projection`` (first stage, outside the layers) is no target.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ Choices:
   ``aux_loss_coef`` its coefficient: ``config_map.router_aux_loss_coef_field``) tallies both
   (``router_balance``; the attention's router in ``jetmoe_attention.MoAQueryKV``).
 - LoRA as PEFT adapts transformers' model: ``kv_proj`` (megatron's column-parallel ``linear_qkv.kv``, B's rows in its
-  per-rank ``[k; v]`` order, as the weight's). Refused by name: the routers ``router.layer`` (``lora.plan._REFUSED``;
-  the attention router is a raw parameter here, the MoE's megatron's router) and the expert stacks (PEFT's
+  per-rank ``[k; v]`` order, as the weight's) and both routers ``router.layer``: the attention's a parameter of our
+  mixture of heads (``lora/own_weights.py``, whole on every rank), the MoE's megatron's router (``lora/experts.py``:
+  its gating weight ``W + s * B A``, so ``lora_dropout`` refused there). Not the expert stacks (PEFT's
   ``target_parameters``; no adapter path on them is compared with PEFT).
 """
 
@@ -60,6 +61,7 @@ class ExpertColumns(ColumnParallel):
 @register_bridge("JetMoeForCausalLM")
 class JetMoeBridge(MixtralBridge):
     routers_per_layer = 2  # NOTE: router_logits.RouterLogits: the attention's router, then the MoE layer's
+    lora_own_weights = {"router": "whole"}  # NOTE: the attention's router (jetmoe_attention, lora/own_weights.py)
     supports_sliding_window = False
     own_activation = True  # NOTE: JetMoE names it activation_function (checked here)
     config_fields = JETMOE_FIELDS

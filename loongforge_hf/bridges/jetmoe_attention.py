@@ -38,6 +38,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from loongforge_hf.bridges.own_weights import adapted
 from loongforge_hf.parallel import tp_sections
 
 
@@ -108,6 +109,9 @@ class MoAQueryKV(torch.nn.Module):
     ``(query [s, b, k * heads, d], key, value [s, b, heads, d], routing)``."""
 
     records_router_logits = True  # NOTE: router_logits.recording_routers: a router beside the MoE layers'
+    # NOTE: transformers' router.layer linear, which LoRA adapts: whole on every rank, its gradient whole there
+    # (lora/own_weights.py)
+    lora_own_weights = {"router": "whole"}
     balance = None  # the model's router_balance.RouterBalance (router_balance.attach)
     recorder = None  # the forward's router_logits.RouterLogits while it records
     router_logits_slot = 0  # NOTE: transformers runs the attention's router first in each layer
@@ -152,7 +156,7 @@ class MoAQueryKV(torch.nn.Module):
 
         x, routed = self._inputs(hidden)
         s, b, h = x.shape
-        logits = F.linear(routed, self.router).float().reshape(s * b, self.experts)
+        logits = adapted(self, "router", routed, F.linear(routed, self.router)).float().reshape(s * b, self.experts)
         top_logits, top = logits.topk(self.top_k, dim=-1)
         gates = self._hand_out(logits, top, torch.softmax(top_logits, dim=-1).type_as(x), s)
         if self.tp_size > 1:

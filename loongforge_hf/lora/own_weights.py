@@ -1,6 +1,6 @@
 """LoRA on weights a bridge's own modules hold as parameters where transformers has an ``nn.Linear`` (Mamba-1's
 ``x_proj``, Doge's ``dt_proj`` and ``router_gate``, Kimi Linear's ``f_a_proj`` / ``f_b_proj`` / ``g_a_proj`` /
-``g_b_proj``), which PEFT adapts as any linear.
+``g_b_proj``, JetMoE's attention router ``router.layer``), which PEFT adapts as any linear.
 
 Choices:
 - The module declares the weights and their tensor-parallel split (``lora_own_weights``) and applies each through
@@ -15,7 +15,9 @@ Choices:
   makes them partial (each rank's channels or heads use its output); the activations' gradients go through the
   module's own collectives, as the weight's products' do. A weight whole on every rank applied to the rank's own
   tokens (``"sequence_parallel"``: Doge's ``router_gate``) has its factors marked ``sequence_parallel`` under SP, as
-  the weight is, so megatron sums their gradients over TP. Dropout on an input split over TP (``"row"``, or the tokens
+  the weight is, so megatron sums their gradients over TP; one whose module gives every rank the whole gradient
+  (``"whole"``: JetMoE's attention router, reading every token) takes no reduction. Dropout on an input split over
+  TP (``"row"``, or the tokens
   under SP) draws from megatron's model-parallel RNG tracker, else from the default generator (in step over TP).
 - Merging adds ``scaling * B @ A`` of the local factors, which is the delta of this rank's part of the weight.
 - Training checkpoints: the adapters' split factors sharded along their TP axis, the others replicated, stacked over
@@ -31,8 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 # NOTE: a module's split of its own weight -> the factor split over TP (its dim below), the planner's target kind
-SPLIT_FACTOR = {"row": "A", "column": "B", "replicated": None, "sequence_parallel": None}
-KIND = {"row": "row", "column": "column", "replicated": "replicated", "sequence_parallel": "replicated"}
+SPLIT_FACTOR = {"row": "A", "column": "B", "replicated": None, "sequence_parallel": None, "whole": None}
+KIND = {"row": "row", "column": "column", "replicated": "replicated", "sequence_parallel": "replicated",
+        "whole": "replicated"}
+_SUMMED = ("row", "column", "replicated")  # NOTE: a factor whole on every rank takes the ranks' partial gradients
 _SPLIT_DIM = {"A": 1, "B": 0}
 
 
@@ -54,7 +58,7 @@ class LoraOwnWeights:
                 continue
             split, tokens = SPLIT_FACTOR[adapter.own_split], adapter.own_split == "sequence_parallel"
             a, b = adapter.A, adapter.B
-            if tp > 1 and not tokens:  # NOTE: under SP megatron sums the token shards' gradients (marked so)
+            if tp > 1 and adapter.own_split in _SUMMED:  # NOTE: else megatron sums (SP-marked) or each rank's is whole
                 a = a if split == "A" else copy_to_tensor_model_parallel_region(a, group=group)
                 b = b if split == "B" else copy_to_tensor_model_parallel_region(b, group=group)
             xd = adapter.drop(x, input_is_split=tp > 1 and (split == "A" or tokens and a.sequence_parallel))

@@ -12,12 +12,12 @@ Choices:
 - Each target is tied to the bridge mapping holding its HF weight (``_LINEAR_KINDS``: q/k/v slots of ``linear_qkv``,
   gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be (a
   last component only where no linear it names is refused, nor ``'all-linear'`` without ``exclude_modules`` for
-  those). Linears an architecture refuses by name say why (``_REFUSED``: JetMoE's routers ``router.layer``;
-  LongCat-Flash's router ``classifier``, whose weight transformers reads itself, so PEFT's adapter there never acts;
-  Zamba / Zamba2's shared blocks' linears, one megatron linear for the uses PEFT adapts one by one; the DSA
-  indexers' linears, which no gradient reaches; A.X-K2's ``q_b_proj``, the checkpoint's name of ``q_gate_proj``,
-  and its norms' gates; Mamba-1's ``dt_proj``, whose weight transformers' mixers read themselves, so PEFT's adapter
-  there never acts).
+  those). Linears an architecture refuses by name say why (``_REFUSED``: LongCat-Flash's router ``classifier``,
+  whose weight transformers reads itself, so PEFT's adapter there never acts; Zamba / Zamba2's shared blocks'
+  linears, one megatron linear for the uses PEFT adapts one by one; the DSA indexers' linears, which no gradient
+  reaches; A.X-K2's ``q_b_proj``, the checkpoint's name of ``q_gate_proj``, and its norms' gates; Mamba-1's
+  ``dt_proj`` and Gemma 3n's ``correction_coefs``, whose weights transformers reads itself (the latter in training),
+  so PEFT's adapter there never acts).
 - A linear whose weight a bridge's own module holds as a bare parameter it declares (the bridge's
   ``lora_own_weights``: Mamba-1's ``x_proj``, Doge's ``dt_proj`` / ``router_gate``, Kimi Linear's gate projections)
   is a target of that weight's split (``own_weights.KIND``) with ``Target.own_weight`` set (``own_weights.py``);
@@ -139,13 +139,12 @@ _REFUSED = {
         "linear": "the hybrid layer's linear is a plain replicated torch linear here, not a megatron linear",
         **dict.fromkeys(("0", "1"), "the per-use adapters' linears (the shared blocks' adapter lists) are no "
                                     "megatron linears here")}),
-    "JetMoeForCausalLM": {
-        "layer": "JetMoE's routers (router.layer of the attention experts and of the MoE) are no megatron linears "
-                 "here: the attention router is a raw parameter of the mixture of attention heads, the MoE's "
-                 "megatron's router, and no adapter path on them is compared with PEFT"},
     **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), {
         "dt_proj": "transformers' Mamba mixers read dt_proj.weight themselves (dt_proj.weight @ time_step), so PEFT's "
                    "adapter on the module never reaches the time steps"}),
+    "Gemma3nForCausalLM": {
+        "correction_coefs": "transformers' AltUp applies correction_coefs.weight itself in training (clamped to "
+                            "altup_coef_clip), so PEFT's adapter there acts in eval only"},
     "LongcatFlashForCausalLM": {
         "classifier": "transformers' LongCat-Flash router reads classifier.weight itself (F.linear on its fp32 copy), "
                       "so PEFT's adapter on the module never reaches the routing"},
@@ -446,11 +445,11 @@ def _adaptable(name: str, module, index, on_disk, replicated: bool = False, own:
     plain = type(_unwrapped(entry[0]))
     # NOTE: a mapping re-classed for LongCat-Flash's sublayer names stands for its plain class (paired_sublayers)
     kind = "vision" if _in_tower(entry[0]) else _LINEAR_KINDS.get(getattr(plain, "plain_class", plain))
-    if replicated and kind is None and plain is Replicated:  # NOTE: replicated.py
-        kind = "replicated"
     if kind is None and type(module).forward is nn.Linear.forward and \
             _unwrapped(entry[0]).megatron.endswith(".mlp.router.weight"):
         kind = "router"  # NOTE: a plain linear router (HunYuan's gate.wg, DBRX's router.layer): experts.py's adapter
+    if replicated and kind is None and plain is Replicated:  # NOTE: replicated.py
+        kind = "replicated"
     bare = _unwrapped(entry[0]).megatron.rsplit(".", 1)[-1]
     if not _unwrapped(entry[0]).megatron.endswith(".weight") and kind in ("column", "row", "replicated", None):
         kind = KIND.get((own or {}).get(bare))  # NOTE: a bare parameter, not a linear's weight: where declared

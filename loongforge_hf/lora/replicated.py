@@ -1,5 +1,6 @@
 """LoRA on plain torch linears that a bridge's own modules keep whole on every rank (DeepSeek-V4's attention: its
-query / KV / output projections, the compressors' and the indexer's linears).
+query / KV / output projections, the compressors' and the indexer's linears; Gemma 3n's AltUp / LAuReL / per-layer
+linears and Gemma 4's per-layer ones).
 
 Choices:
 - A bridge opts in (``lora_replicated_linears = True``); the planner then takes a linear whose weight a ``Replicated``
@@ -7,11 +8,13 @@ Choices:
   target: their modules may not call the linear's ``forward`` (DeepSeek-V4's grouped ``o_a_proj`` reads its weight
   itself, and is refused by name in ``plan._REFUSED``).
 - The module (``torch.nn.Linear``) is re-classed to ``LoraReplicatedLinear``, whose ``forward`` adds PEFT's
-  ``scaling * B (A dropout(x))``; A and B are whole on every rank, as the base weight. The bridge's module computes
-  the whole thing on every TP rank (DeepSeek-V4's attention gathers the sequence under sequence parallelism), so each
-  rank's adapters take the whole gradient, as the weight does: no reduction over TP, and the factors count once in
-  the gradient norm (no tensor-parallel attribute). Dropout draws from the default generator, which megatron keeps
-  in step over TP.
+  ``scaling * B (A dropout(x))``; A and B are whole on every rank, as the base weight, and count once in the gradient
+  norm (no tensor-parallel attribute). Where the bridge's module computes the whole thing on every TP rank
+  (DeepSeek-V4's attention gathers the sequence under sequence parallelism), each rank's adapters take the whole
+  gradient, as the weight does: no reduction over TP; dropout draws from the default generator, which megatron keeps
+  in step over TP. Where it runs on each rank's own tokens under sequence parallelism (Gemma 3n's AltUp, LAuReL and
+  per-layer linears, Gemma 4's per-layer ones: the weight marked ``sequence_parallel``), the factors are marked so
+  too, and megatron sums their gradients over TP; dropout then draws from the model-parallel RNG tracker.
 - Unload / merge / export: ``lora_merge_delta`` as megatron's LoRA linears (``export._lora_deltas``); the class is a
   direct subclass of ``torch.nn.Linear``, which ``unload`` restores.
 - A linear whose weight its bridge marks ``takes_no_gradient`` (DeepSeek-V4's indexer: no gradient reaches it, in
@@ -42,7 +45,7 @@ class LoraReplicatedLinear(nn.Linear):
         if self.__dict__.get("lora_disabled"):  # NOTE: inside disable_adapter() (unload.py)
             return out
         for adapter in self.lora.values():
-            xd = adapter.drop(x, input_is_split=False)
+            xd = adapter.drop(x, input_is_split=adapter.A.sequence_parallel)
             out = out + F.linear(F.linear(xd, adapter.A), adapter.B) * adapter.scaling
         return out
 
@@ -66,6 +69,8 @@ def attach_replicated(module: nn.Module, adapters: dict) -> None:
     check_replicated_adaptable(module)
     module.__class__ = LoraReplicatedLinear
     module.lora = nn.ModuleDict(adapters)
+    for p in module.lora.parameters():  # NOTE: on each rank's tokens under SP (Gemma 3n's): summed over TP as W
+        p.sequence_parallel = bool(getattr(module.weight, "sequence_parallel", False))
     if getattr(module.weight, "takes_no_gradient", False):  # NOTE: DeepSeek-V4's indexer: no gradient, as in PEFT
         module.lora.requires_grad_(False)
 

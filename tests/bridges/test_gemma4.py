@@ -435,8 +435,9 @@ def test_pipeline_splits_keep_shared_keys_on_one_stage():
 
 def test_small_model_refusals_name_the_field():
     """A pipeline split between the layers sharing keys and values (``SMALL``'s 2 / 2: layers 2, 3 reuse layers 0
-    and 1's), CP with per-layer inputs / shared KV, all layers sharing, the MoE block with them; LoRA on the
-    per-layer linears refused naming them for exclude_modules; the bridge builds them right away."""
+    and 1's), CP with per-layer inputs / shared KV, all layers sharing, the MoE block with them; LoRA's
+    ``"all-linear"`` refused naming the model's ``per_layer_model_projection`` for exclude_modules (each layer's
+    per-layer linears are targets); the bridge builds them right away."""
     import peft
 
     from loongforge_hf.bridges import UnsupportedConfigError, get_bridge
@@ -457,8 +458,14 @@ def test_small_model_refusals_name_the_field():
         get_bridge(_config("gemma4", num_kv_shared_layers=4))
     with pytest.raises(UnsupportedConfigError, match="enable_moe_block"):
         get_bridge(_config("gemma4_moe", hidden_size_per_layer_input=8))
-    with pytest.raises(LoraConfigError, match=r"per_layer_input_gate.*exclude_modules=\[.*'per_layer_projection'"):
+    # NOTE: each layer's per-layer linears are targets (lora/replicated.py; against PEFT in test_lora_new_bridges),
+    # the model's per_layer_model_projection outside the layers is not
+    with pytest.raises(LoraConfigError, match=r"per_layer_model_projection.*exclude_modules=\['per_layer_model_pro"):
         plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear"))
+    plan = plan_lora(bridge, peft.LoraConfig(r=2, target_modules="all-linear",
+                                             exclude_modules=["per_layer_model_projection"]))
+    assert {(t.name, t.kind) for t in plan.targets if "per_layer" in t.name} == {
+        ("per_layer_input_gate", "replicated"), ("per_layer_projection", "replicated")}
 
 
 def test_moe_block_tp1(one_rank, moe):

@@ -7,9 +7,9 @@ the loss with it, within 1e-5); at TP2 + SP greedy and 2-beam cached generate of
 tokens) and every parameter's gradient of the loss with the balancing loss (coefficient 1), and the training
 engine's at TP2 + SP x EP2; at TP2 + SP x EP2 and CP2 every parameter's gradient of the loss (exported through the
 bridge, against transformers', relative to each tensor's largest); a bit-exact export round trip from TP2 + SP x EP2;
-LoRA on ``kv_proj`` against PEFT at TP1 and TP2 + SP (logits, loss, every adapter's gradient, the adapter folder in
-PEFT) and the attention's checkpoint shards with it at TP2 + SP. The refused fields, layouts and LoRA targets are
-checked on the bridge alone (pure, before any collective)."""
+LoRA with ``"all-linear"`` (``kv_proj`` and both routers ``router.layer``) against PEFT at TP1 and TP2 + SP (logits,
+loss, every adapter's gradient, the adapter folder in PEFT) and the attention's checkpoint shards with it at TP2 + SP.
+The refused fields, layouts and LoRA targets are checked on the bridge alone (pure, before any collective)."""
 
 import pytest
 import torch
@@ -18,8 +18,10 @@ from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
 
 TOL = 1e-4
-# LoRA as PEFT adapts it: the shared key / value projection (init_lora_weights=False keeps B random)
-LORA_KW = dict(r=4, lora_alpha=8, target_modules=["kv_proj"], init_lora_weights=False)
+# LoRA as PEFT adapts it: "all-linear" is the shared key / value projection and both routers, the attention's (a
+# parameter of our mixture of heads: lora/own_weights.py) and the MoE's (megatron's router: lora/experts.py);
+# init_lora_weights=False keeps B random
+LORA_KW = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
 LORA_LAYOUTS = {"tp1": {}, "tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True)}
 LAYOUTS = {"tp1": {}, "tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True),
            "tp2_sp_ep2": dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2,
@@ -227,34 +229,37 @@ def test_gradients_with_balancing_loss(two_ranks, case):
 @pytest.mark.parametrize("layout", LORA_LAYOUTS)
 def test_lora_matches_peft(two_ranks, layout):
     """LoRA on ``kv_proj`` (megatron's column-parallel ``linear_qkv.kv``: B's rows in its per-rank ``[k; v]`` order)
-    against PEFT on transformers' model: logits, loss, every adapter's gradient (relative to its largest) and our
-    adapter folder loaded by PEFT, within 1e-4."""
+    and both routers of each layer (``router.layer``: the attention's whole on every rank, the MoE's in megatron's
+    gating) against PEFT on transformers' model: logits, loss, every adapter's gradient (relative to its largest) and
+    our adapter folder loaded by PEFT, within 1e-4."""
     for res in two_ranks:
         r = res[f"lora_{layout}"]
-        assert r["targets"] == ["kv_proj"] and r["graded"] == 2 * 4, r
+        assert r["targets"] == ["kv_proj", "layer"] and r["graded"] == 2 * 12, r
         assert max(r["logits"], r["loss"], r["grads"]) < TOL, r
     assert two_ranks[0][f"lora_{layout}"]["adapter_logits"] < TOL, two_ranks[0][f"lora_{layout}"]
 
 
 def test_lora_checkpoint_shards_tp2_sp(two_ranks):
-    """megatron's checkpoint shards of the mixture of attention heads with LoRA on ``kv_proj`` at TP2 + SP: the query
-    and output stacks and ``kv_proj`` (and its adapter's B) split by heads as each rank holds them, the router, the
-    output bias and A whole."""
+    """megatron's checkpoint shards of the mixture of attention heads with LoRA on ``kv_proj`` and the router at
+    TP2 + SP: the query and output stacks and ``kv_proj`` (and its adapter's B) split by heads as each rank holds
+    them, the router and its adapter, the output bias and ``kv_proj``'s A whole."""
     for rank, res in enumerate(two_ranks):
         assert res["lora_tp2_sp"]["inspected"] == {
             "linear_qkv.router": ((4, 64), (0, 0)), "linear_qkv.query": ((4, 32, 64), (0, 16 * rank, 0)),
             "linear_qkv.kv.weight": ((64, 64), (32 * rank, 0)), "linear_qkv.kv.lora.kv_proj.A": ((4, 64), (0, 0)),
             "linear_qkv.kv.lora.kv_proj.B": ((64, 4), (32 * rank, 0)),
+            "linear_qkv.lora.layer.A": ((4, 64), (0, 0)), "linear_qkv.lora.layer.B": ((4, 4), (0, 0)),
             "linear_proj.weight": ((4, 64, 32), (0, 0, 16 * rank)), "linear_proj.bias": ((64,), (0,))}, res
 
 
 @pytest.mark.parametrize("lora_kw,named", [
-    (dict(target_modules="all-linear"), "layer: JetMoE's routers (router.layer of the attention experts and of"),
-    (dict(target_modules=["kv_proj", "layer"]), "layer: JetMoE's routers"),
+    (dict(target_modules="all-linear", lora_dropout=0.1),
+     "lora_dropout=0.1 with LoRA on the router's linear (['layer']"),
     (dict(target_parameters=["mlp.input_linear.weight"]), "['mlp.input_linear.weight'] on JetMoeForCausalLM match")])
 def test_lora_refused_by_name(lora_kw, named):
-    """The routers (``router.layer``, PEFT's linears; 'all-linear' takes them) and the expert stacks (PEFT's
-    ``target_parameters``), by the pure planner; 'all-linear' without the routers plans ``kv_proj`` alone."""
+    """The expert stacks (PEFT's ``target_parameters``) and ``lora_dropout`` on the routers (the MoE's adapter is
+    added to megatron's gating weight), by the pure planner; 'all-linear' without the routers plans ``kv_proj`` alone,
+    with them each layer's attention router (our module's own weight) and MoE router too."""
     import re
 
     import peft
@@ -265,6 +270,10 @@ def test_lora_refused_by_name(lora_kw, named):
         plan_lora(_bridge(), peft.LoraConfig(r=4, **lora_kw))
     plan = plan_lora(_bridge(), peft.LoraConfig(r=4, target_modules="all-linear", exclude_modules=["layer"]))
     assert {t.hf_module.rsplit(".", 1)[-1] for t in plan.targets} == {"kv_proj"} and len(plan.targets) == 4
+    plan = plan_lora(_bridge(), peft.LoraConfig(r=4, target_modules="all-linear"))
+    assert sorted({(t.hf_module.split(".", 3)[-1], t.kind, t.own_weight) for t in plan.targets}) == [
+        ("mlp.router.layer", "router", None), ("self_attention.experts.router.layer", "replicated", "router"),
+        ("self_attention.kv_proj", "column", None)], plan.targets
 
 
 def test_cached_generate_tp2_sp(two_ranks):

@@ -10,8 +10,10 @@ experts), LFM3 (attention with its output gate's ``g_proj``, the short convs' ``
 LaraMini (attention, the Gated DeltaNet's split in-projections over its fused ``in_proj``, the shared expert),
 Laguna (``q_proj`` / ``k_proj`` / ``v_proj`` / ``g_proj`` with each layer's heads, ``o_proj``, the dense MLP),
 Doge (attention, MLP and the dynamic mask's ``dt_proj``, with ``A`` drawn so that it acts; with ``is_moe`` the
-retrieval experts' ``router_gate``: parameters of our modules, refused before), Gemma 3n (attention and MLP; not
-AltUp's, LAuReL's or the per-layer inputs' linears), AFMoE (q / k / v beside the attention gates' own slots in
+retrieval experts' ``router_gate``: parameters of our modules, refused before), Gemma 3n (attention, MLP and each
+layer's AltUp / LAuReL / per-layer linears, replicated torch linears on each rank's tokens: refused before; not
+``correction_coefs``, whose weight transformers applies itself in training) and Gemma 4 with per-layer inputs
+(``gemma4_per_layer``: its per-layer linears likewise), AFMoE (q / k / v beside the attention gates' own slots in
 ``linear_qkv``, ``o_proj``, the routed experts and the router ``mlp.router.gate``: ``"all-linear"`` was refused),
 PhiMoE (attention, its biased ``o_proj`` included, and the router's weight), Hy3 (attention, dense MLPs, the
 shared experts under transformers' name for the checkpoint's ``mlp.shared_mlp``: refused before), Mistral 4 and
@@ -91,9 +93,15 @@ ADAPTERS = {
     # NOTE: Doge's attention, MLP and dt_proj (a parameter of our core attention, split with the KV heads); with
     # is_moe the retrieval experts' router_gate (replicated, on each rank's tokens under SP)
     "doge": ALL_LINEAR, "doge_moe": ALL_LINEAR,
-    # NOTE: Gemma 3n's attention (q / k / v; q alone in the layers reusing keys and values) and MLP; not AltUp's,
-    # LAuReL's or the per-layer inputs' linears (replicated: no LoRA slot), which PEFT adapts
-    "gemma3n": dict(ALL_LINEAR, exclude_modules=r".*(altup|laurel|per_layer).*"),
+    # NOTE: Gemma 3n's attention (q / k / v; q alone in the layers reusing keys and values), MLP and each layer's
+    # AltUp / LAuReL / per-layer linears (torch linears on each rank's tokens: lora/replicated.py); not AltUp's
+    # correction_coefs (refused by name: transformers applies its weight itself in training) nor the model's own
+    # stream projections outside the layers
+    "gemma3n": dict(ALL_LINEAR, exclude_modules=r".*(correction_coefs|altup_projections|altup_unembed_projections|"
+                                                r"per_layer_model_projection).*"),
+    # NOTE: Gemma 4's per-layer inputs (E2B / E4B's layout): each layer's per_layer_input_gate / per_layer_projection
+    # beside attention and MLP; not the model's per_layer_model_projection, outside the layers
+    "gemma4_per_layer": dict(ALL_LINEAR, exclude_modules=["per_layer_model_projection"]),
     # NOTE: LaraMini's attention, shared expert and Gated DeltaNet in_proj_qkv / z / b / a (one fused in_proj on
     # disk, the merged export's) and out_proj
     "lara_mini": ALL_LINEAR,
@@ -120,7 +128,10 @@ ADAPTERS = {
     # mixer's parameters) beside everything else "all-linear" names
     "kimi_linear": ALL_LINEAR,
 }
-CHECKPOINT_OF = {"diffllama_dora": "diffllama"}  # NOTE: a case on another case's architecture
+# NOTE: a case on another architecture's tiny checkpoint, with config fields changed
+CHECKPOINT_OF = {"diffllama_dora": ("diffllama", {}),
+                 "gemma4_per_layer": ("gemma4", dict(attention_k_eq_v=False, hidden_size_per_layer_input=8,
+                                                     vocab_size_per_layer_input=203, num_kv_shared_layers=2))}
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 # model -> its two-rank layout: TP2 + SP (MiniMax's, AFMoE's, HunYuan-MoE's and Kimi Linear's routed experts' adapters
 # whole on each rank: refused otherwise)
@@ -244,8 +255,8 @@ def _world(folders: dict, out_dir: str, layouts: dict) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora-new-bridges")
-    folders = {arch: str(make_tiny_checkpoint(base / arch, CHECKPOINT_OF.get(arch, arch), tokenizer=False))
-               for arch in ADAPTERS}
+    folders = {arch: str(make_tiny_checkpoint(base / arch, CHECKPOINT_OF.get(arch, (arch, {}))[0], tokenizer=False,
+                                              **CHECKPOINT_OF.get(arch, (arch, {}))[1])) for arch in ADAPTERS}
     for arch in DOGE_ARCHS:  # NOTE: A drawn (transformers' zeros leave the dynamic bias, so dt_proj, without effect)
         randomize(folders[arch])
     one = run_distributed(_world, 1, folders, str(base / "tp1"), {}, timeout=600)
