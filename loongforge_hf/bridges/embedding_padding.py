@@ -56,8 +56,8 @@ def pad_without_lookup_gradient(embedding, padding_idx: int | None) -> None:
 
 
 def _detach_pad_rows(module, args, output: torch.Tensor):
-    if not output.requires_grad or module.padding_idx is None:
-        return None
+    if not output.requires_grad or module.padding_idx is None or "lora" in module._modules:
+        return None  # NOTE: with LoRA adapters the module detaches the base lookup's row itself (lora/embedding.py)
     pad = args[0] == module.padding_idx  # [b, s]
     if module.reduce_scatter_embeddings:  # NOTE: output [s / tp, b, h]: this TP rank's slice of the sequence
         from megatron.core.utils import get_pg_rank

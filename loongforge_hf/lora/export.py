@@ -52,6 +52,7 @@ def _lora_deltas(model):
     """(adapted megatron weight, its float32 merge delta: ``scaling * B @ A``, DoRA's ``dora.merge_delta``) on this
     rank; collective over TP where DoRA's row norms are."""
     from loongforge_hf.lora.experts import is_param_lora
+    from loongforge_hf.lora.embedding import LoraVocabParallelEmbedding
     from loongforge_hf.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
     from loongforge_hf.lora.own_weights import LoraOwnWeights
     from loongforge_hf.lora.replicated import LoraReplicatedLinear
@@ -60,7 +61,7 @@ def _lora_deltas(model):
     for chunk in model.chunks:
         for module in chunk.modules():
             if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear, LoraVisionLinear,
-                                   LoraReplicatedLinear)):
+                                   LoraReplicatedLinear, LoraVocabParallelEmbedding)):
                 yield module.weight, module.lora_merge_delta()
             elif is_param_lora(module) or isinstance(module, LoraOwnWeights):
                 yield from module.lora_deltas()
@@ -193,19 +194,23 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
             continue
         prefix = f"base_model.model.{t.hf_module}"
         base = t.megatron_module + f".lora.{t.name}"
-        split, kind = {"row": "A", "router": None, "shared_gate": None, "replicated": None}.get(t.kind, "B"), None
+        split, kind = {"row": "A", "router": None, "shared_gate": None, "replicated": None,
+                       "embedding": "A"}.get(t.kind, "B"), None
         if t.kind == "vision":  # NOTE: whole unless the tower is split (lora/vision.py)
             kind = tower_split(t) if split_tower else None
             split = split_factor(kind)
         factors = [("A", 1 if split == "A" else None), ("B", 0 if split == "B" else None)]
+        names = dict(zip("AB", (f"{prefix}.{f}" for f in t.file_factors)))
         if plan.config.use_dora:  # NOTE: DoRA's magnitude: split over TP as B's rows are, else replicated
             factors.append(("magnitude", 0 if split == "B" else None))
         for factor, split_dim in factors:
-            hf_name = f"{prefix}.lora_magnitude_vector" if factor == "magnitude" else f"{prefix}.lora_{factor}.weight"
+            hf_name = f"{prefix}.lora_magnitude_vector" if factor == "magnitude" else names[factor]
             shape = {"A": t.a_shape, "B": t.b_shape, "magnitude": (t.out_features,)}[factor]
             owner_pp, vp, name = streamer.owner_of(t.layer, f"{base}.{factor}")
             to_hf = {"B": lambda b, t=t: t.b_to_hf(b, streamer.ctx),
                      "magnitude": lambda m, t=t: t.b_to_hf(m[:, None], streamer.ctx)[:, 0]}.get(factor)
+            if t.kind == "embedding":  # NOTE: A's padded vocabulary trimmed; B as it is
+                to_hf = (lambda a, t=t: a[:, :t.in_features]) if factor == "A" else None
 
             # NOTE: K / V adapters on replicated KV heads: each head's B from its first replica (kv_replicas.py)
             step = streamer.ctx.kv_replicas if t.kind == "qkv" and t.slot > 0 and factor != "A" else 1
@@ -220,8 +225,11 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
     whole = [(s, f"base_model.model.{s.hf_name}") for s in plan.saved]
     tied, resized = model.bridge.tied, vocab_resized(model)
     names = peft_names(plan, tied)
-    if resized:
-        carried = vocabulary_tensors(model, set(names) - {s.hf_name for s in plan.saved})
+    # NOTE: with LoRA on the embedding PEFT writes its base weight (save_embedding_layers="auto"), the LM head not
+    adapted = any(t.kind == "embedding" for t in plan.targets)
+    if resized or adapted:
+        wanted = {f"{plan.embedding_name}.weight"} if adapted else set(names)
+        carried = vocabulary_tensors(model, wanted - {s.hf_name for s in plan.saved})
         whole += [(s, names[s.hf_name]) for s in carried]
     by_tensor: dict = {}  # NOTE: one collect a megatron tensor (StableLM's per-head norms: an HF tensor per head)
     for s, hf_name in whole:
@@ -236,7 +244,7 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
         out.update(streamer.collect(owner_pp, vp, name, split=mapping.tp_split is not None, export=export,
                                     shapes={hf_name: plan.hf_shapes[s.hf_name] for s, hf_name in members},
                                     dtype=dtype))
-    if tied and resized and streamer.rank == 0:
+    if tied and resized and not adapted and streamer.rank == 0:
         embedding = out.get(names[f"{plan.embedding_name}.weight"])
         if embedding is not None:  # NOTE: PEFT writes the tied LM head under its own name too
             out[names["lm_head.weight"]] = embedding.clone()  # NOTE: safetensors refuses shared storage

@@ -11,6 +11,9 @@ Choices:
 - ``"orthogonal"`` (PEFT's ``orthogonal_init``): after both constructor draws, a random ``r x r`` matrix's Q factor;
   A from its odd rows, B from its even rows (so ``B @ A = 0``), each times a fresh Gaussian, over 10. As PEFT, an odd
   rank is refused; on expert stacks and the router (PEFT's ``ParamWrapper``) it is refused here.
+- The token embedding's (PEFT's ``lora.Embedding``): ``torch.randn`` of A ``[r, vocab]`` then B ``[hidden, r]``; unless
+  ``init_lora_weights=False``, A zeroed and B drawn again from a standard normal (any other init, as PEFT's
+  ``reset_lora_parameters`` for embeddings).
 - Every rank draws every adapter of the model (all layers, full HF shapes), so the generator stays in step across
   ranks and each rank slices its own part afterwards; adapters are small next to the model.
 - ``"pissa"``, ``"pissa_niter_<n>"``, ``"olora"`` (PEFT's ``pissa_init`` / ``olora_init``; ``decomposed_initial_
@@ -54,13 +57,20 @@ def draw_initial_weights(targets, init_lora_weights) -> list[tuple[torch.Tensor,
     A [r * E, in], B [out, r * E], as PEFT's ``ParamWrapper``; the gaussian std stays 1 / r)."""
     out = []
     if init_lora_weights == "orthogonal":
-        odd = sorted({t.hf_module for t in targets if t.r % 2})
+        odd = sorted({t.hf_module for t in targets if t.r % 2 and t.kind != "embedding"})
         params = sorted({t.hf_module for t in targets if t.kind in ("experts", "router", "shared_gate")})
         if odd or params:
             raise LoraConfigError(f"init_lora_weights='orthogonal' needs an even rank (PEFT refuses an odd one) on "
                                   f"linear targets; {odd[:3] or params[:3]} "
                                   f"{'have an odd r' if odd else 'are expert / router parameters'}.")
     for t in targets:
+        if t.kind == "embedding":  # NOTE: PEFT's lora.Embedding: randn A, B; unless False, A zeroed, B normal
+            a, b = torch.randn(t.a_shape), torch.randn(t.b_shape)
+            if init_lora_weights is not False:
+                nn.init.zeros_(a)
+                nn.init.normal_(b)
+            out.append((a, b))
+            continue
         lora_a, lora_b = _constructed(t)
         in_features, out_features = t.a_shape[1], t.b_shape[0]
         with torch.no_grad():

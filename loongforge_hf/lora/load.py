@@ -127,8 +127,8 @@ def _check_tensors(folder: Path, model, plan, tensors: dict[str, torch.Tensor]):
 
     expected = {}
     for t in plan.targets:
-        expected[f"{PREFIX}{t.hf_module}.lora_A.weight"] = t.a_shape
-        expected[f"{PREFIX}{t.hf_module}.lora_B.weight"] = t.b_shape
+        expected[f"{PREFIX}{t.hf_module}.{t.file_factors[0]}"] = t.a_shape
+        expected[f"{PREFIX}{t.hf_module}.{t.file_factors[1]}"] = t.b_shape
         if plan.config.use_dora:
             expected[f"{PREFIX}{t.hf_module}.lora_magnitude_vector"] = (t.out_features,)
     for s in plan.saved:
@@ -160,14 +160,14 @@ def _check_tensors(folder: Path, model, plan, tensors: dict[str, torch.Tensor]):
         shown = "\n  ".join(problems[:20])
         raise CheckpointError(f"The adapter at {folder} does not match this model and its adapter_config.json "
                               f"({len(problems)} problem(s)):\n  {shown}")
-    pairs = [(tensors[f"{PREFIX}{t.hf_module}.lora_A.weight"].float(),
-              tensors[f"{PREFIX}{t.hf_module}.lora_B.weight"].float()) for t in plan.targets]
+    pairs = [tuple(tensors[f"{PREFIX}{t.hf_module}.{f}"].float() for f in t.file_factors) for t in plan.targets]
     magnitudes = {t.hf_module: tensors[f"{PREFIX}{t.hf_module}.lora_magnitude_vector"] for t in plan.targets} \
         if plan.config.use_dora else None
     return pairs, tensors[delta] if plan.token_indices else None, vocabulary, magnitudes
 
 
-_CARRIED_EMBEDDING = ("embed_tokens.weight", "embed_tokens.token_adapter.base_layer.weight")
+_CARRIED_EMBEDDING = ("embed_tokens.weight", "embed_tokens.token_adapter.base_layer.weight",
+                      "embed_tokens.base_layer.weight")
 
 
 def carried_vocabulary(adapter_dir: str | os.PathLike) -> int | None:
@@ -201,7 +201,7 @@ def _current_names(model, plan, tensors: dict[str, torch.Tensor]) -> dict[str, t
     factors, else renamed as PEFT renames an adapter written against an older transformers when it loads one
     (``convert_peft_adapter_state_dict_for_transformers`` on the module tree: e.g. Gemma 3's transformers 4 names
     ``model.vision_tower.vision_model.*``, ``language_model.model.*``)."""
-    if all(f"{PREFIX}{t.hf_module}.lora_A.weight" in tensors for t in plan.targets):
+    if all(f"{PREFIX}{t.hf_module}.{t.file_factors[0]}" in tensors for t in plan.targets):
         return tensors
     try:
         from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers

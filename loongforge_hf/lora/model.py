@@ -220,7 +220,8 @@ def check_stages_train(model, plan: LoraPlan, owners) -> None:
         return
     first_stage = {layer for layer, (pp, _, _) in owners.items() if pp == 0}
     # NOTE: the first stage's own tensors (megatron_params_of): the embedding, GPT-2's position table
-    if plan.token_indices or any(t.layer in first_stage or t.kind == "vision" for t in plan.targets) or any(
+    if plan.token_indices or any(t.layer in first_stage or t.kind in ("vision", "embedding")
+                                 for t in plan.targets) or any(
             s.layer in first_stage or (s.layer is None and s.mapping.megatron.startswith("embedding."))
             for s in plan.saved):
         return
@@ -301,6 +302,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     from loongforge_hf.bridges.builder import layer_owners
     from loongforge_hf.bridges.loader import shard_context
     from loongforge_hf.lora.dora import add_magnitudes, check_tower_dora
+    from loongforge_hf.lora.embedding import attach_embedding, check_embedding_adaptable, local_columns
     from loongforge_hf.lora.experts import attach_param_adapters, check_param_adaptable
     from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable, stacking
     from loongforge_hf.lora.own_weights import SPLIT_FACTOR, attach_own_weights, check_own_weights_adaptable
@@ -317,6 +319,10 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     vision = [(t, w) for t, w in zip(plan.targets, initial) if t.kind == "vision"]
     for target, weights in zip(plan.targets, initial):
         if target.kind == "vision":
+            continue
+        if target.kind == "embedding":  # NOTE: the first stage's (embedding.py)
+            if ps.is_pipeline_first_stage(ignore_virtual=True):
+                groups[(0, target.megatron_module)].append((target, weights))
             continue
         owner_pp, vp, local = owners[target.layer]
         if owner_pp == pp_rank:
@@ -341,6 +347,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             check_param_adaptable(module, kind)
         elif members[0][0].own_weight:
             check_own_weights_adaptable(module, [t for t, _ in members])
+        elif kind == "embedding":
+            check_embedding_adaptable(module)
         elif kind == "replicated":
             check_replicated_adaptable(module)
         else:
@@ -355,6 +363,12 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         if targets[0].kind in PARAM_KINDS:
             attach_param_adapters(module, members, dtype=dtype, device=device, dropout=float(peft_config.lora_dropout),
                                   ctx=ctx)
+            continue
+        if targets[0].kind == "embedding":  # NOTE: A's vocabulary columns of this rank, B whole; no dropout (PEFT's)
+            attach_embedding(module, {t.name: LoraAdapter(
+                local_columns(a, padded_vocab=model.megatron.padded_vocab, tp_rank=tp_rank, tp_size=tp_size).to(
+                    device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).clone(),
+                scaling=t.scaling, dropout=0.0, split="A") for t, (a, b) in members})
             continue
         own = targets[0].own_weight is not None  # NOTE: a bridge module's own weights, each its own split
         layout, slices = (None, {t.name: _layout_and_slices([t], ctx, t.layer)[1][t.name] for t in targets}) if own \

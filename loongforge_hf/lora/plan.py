@@ -10,7 +10,8 @@ Choices:
 - The order of ``LoraPlan.targets`` is PEFT's creation order (the order it draws the random initialisation in):
   module targets in HF ``named_modules`` order, then parameter targets (``param_targets.py``).
 - Each target is tied to the bridge mapping holding its HF weight (``_LINEAR_KINDS``: q/k/v slots of ``linear_qkv``,
-  gate/up halves of ``linear_fc1``, ...); the LM head, embeddings and others are refused, listing what can be (a
+  gate/up halves of ``linear_fc1``, ...); a text model's input embedding is a target of kind ``"embedding"``
+  (``embedding.py``: PEFT's ``lora.Embedding``); the LM head and others are refused, listing what can be (a
   last component only where no linear it names is refused, nor ``'all-linear'`` without ``exclude_modules`` for
   those). Linears an architecture refuses by name say why (``_REFUSED``: LongCat-Flash's router ``classifier``,
   whose weight transformers reads itself, so PEFT's adapter there never acts; Zamba / Zamba2's shared blocks'
@@ -171,7 +172,7 @@ class Target:
     mapping: Mapping            # the bridge mapping holding its weight
     slot: int                   # position of its weight in ``mapping.hf_names(layer)``
     kind: str                   # "qkv" | "gated" | "column" | "row" | "shared_gate" | "experts" | "router" |
-    #                             "replicated" (replicated.py)
+    #                             "replicated" (replicated.py) | "embedding" (embedding.py: in = vocab, out = hidden)
     in_features: int
     out_features: int
     r: int
@@ -198,6 +199,12 @@ class Target:
         """Whether the checkpoint stores the weight ``[in, out]`` (transformers' ``Conv1D``: PEFT's
         ``fan_in_fan_out``); A and B have the usual shapes all the same."""
         return isinstance(self.mapping, Transposed)
+
+    @property
+    def file_factors(self) -> tuple[str, str]:
+        """A's and B's names after the HF module in PEFT's adapter file (its embedding layer's are parameters)."""
+        return ("lora_embedding_A", "lora_embedding_B") if self.kind == "embedding" else \
+            ("lora_A.weight", "lora_B.weight")
 
     @property
     def a_shape(self) -> tuple[int, int]:
@@ -334,6 +341,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     from transformers.pytorch_utils import Conv1D
 
     from loongforge_hf.lora.dora import check_dora
+    from loongforge_hf.lora.embedding import check_embedding_options
     from loongforge_hf.lora.init import check_decomposition
     from loongforge_hf.lora.replicated import check_replicated_options
     from loongforge_hf.lora.param_targets import (as_peft_rewrites, plan_param_targets, rank_and_alpha,
@@ -366,6 +374,8 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
 
     index = {**_hf_tensor_index(bridge), **vision_index(vl_bridge)}
     why = _refused_by_name(bridge)
+    # NOTE: the input embedding (PEFT's lora.Embedding: embedding.py), a text model's
+    embedding = None if vl_bridge is not None else skeleton.get_input_embeddings()
     # NOTE: plain torch linears of a bridge's own modules, whole on every rank (replicated.py), where it opts in;
     # weights its own modules hold as parameters, with their TP split (own_weights.py)
     replicated = bool(getattr(bridge, "lora_replicated_linears", False))
@@ -378,15 +388,19 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         # NOTE: an excluded module comes back as a falsy marker object.
         if not name or not check_target_module_exists(matcher, name):
             continue
-        entry = None if name.rsplit(".", 1)[-1] in why else _adaptable(name, module, index, on_disk, replicated, own)
+        entry = None if name.rsplit(".", 1)[-1] in why else \
+            _adaptable(name, module, index, on_disk, replicated, own, embedding)
         if entry is None:
             refused.append(name)
             continue
         mapping, layer, slot, kind = entry
         r, alpha = rank_and_alpha(config, name)
         scaling = alpha / (math.sqrt(r) if config.use_rslora else r)
-        conv1d = isinstance(module, Conv1D)
-        in_features, out_features = (module.nx, module.nf) if conv1d else (module.in_features, module.out_features)
+        if kind == "embedding":  # NOTE: PEFT's fan_in_fan_out is not the embedding's
+            in_features, out_features = module.num_embeddings, module.embedding_dim
+        else:
+            conv1d = isinstance(module, Conv1D)
+            in_features, out_features = (module.nx, module.nf) if conv1d else (module.in_features, module.out_features)
         # NOTE: the adapter's key in the megatron module is the checkpoint's name of the linear (EXAONE 3's
         # out_proj for transformers' o_proj), as the fused layouts name their slots (model._layout_and_slices)
         leaf = on_disk(f"{name}.weight").removesuffix(".weight").rsplit(".", 1)[-1]
@@ -408,6 +422,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
                               "adapter is added to the router's weight here, which leaves no input to drop out; set "
                               f"lora_dropout=0, or leave it out: exclude_modules={routers} (with 'all-linear').")
     targets += param_targets
+    check_embedding_options(config, targets, config.trainable_token_indices)
     check_dora(config, targets)
     check_decomposition(config.init_lora_weights, targets)
     check_replicated_options(config, targets)
@@ -429,16 +444,21 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
                     token_indices=token_indices, embedding_name=embedding_name)
 
 
-def _adaptable(name: str, module, index, on_disk, replicated: bool = False, own: dict | None = None
-               ) -> tuple[Mapping, int | None, int, str] | None:
+def _adaptable(name: str, module, index, on_disk, replicated: bool = False, own: dict | None = None,
+               embedding=None) -> tuple[Mapping, int | None, int, str] | None:
     """(mapping, layer, slot, kind) of the HF module ``name`` where it can carry an adapter here, else None: a linear
     whose weight a linear kind of mapping holds (``_LINEAR_KINDS``) in a decoder layer, or a tower linear; with
     ``replicated`` (the bridge's ``lora_replicated_linears``) also one a ``Replicated`` mapping holds there; one whose
     weight a bridge module holds as its own parameter where ``own`` (the bridge's ``lora_own_weights``: parameter
-    name -> TP split, own_weights.py) names it, of that split's kind."""
+    name -> TP split, own_weights.py) names it, of that split's kind; the model's input ``embedding`` (module) where
+    megatron's vocab-parallel embedding holds it (kind ``"embedding"``, no layer)."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
+    if module is not None and module is embedding:
+        entry = index.get(on_disk(f"{name}.weight"))
+        return (*entry, "embedding") if entry is not None and type(entry[0]) is VocabParallel and \
+            entry[0].megatron == "embedding.word_embeddings.weight" else None
     entry = index.get(on_disk(f"{name}.weight")) if isinstance(module, (nn.Linear, Conv1D)) else None
     if entry is None:
         return None

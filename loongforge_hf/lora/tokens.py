@@ -219,11 +219,13 @@ def vocab_resized(model) -> bool:
 
 
 def peft_names(plan, tied: bool) -> dict[str, str]:
-    """{HF parameter: its name in a PEFT adapter file} of the embedding layers written with a resized vocabulary (a
-    tied LM head is wrapped like the embedding when tokens are trained; PEFT then writes its rows too:
-    ``tied_head_delta``)."""
+    """{HF parameter: its name in a PEFT adapter file} of the embedding layers written with a resized vocabulary or a
+    LoRA adapter on the embedding (a tied LM head is wrapped like the embedding when tokens are trained; PEFT then
+    writes its rows too: ``tied_head_delta``)."""
     wrapped, embedding_name = bool(plan.token_indices), plan.embedding_name
-    base = "token_adapter.base_layer.weight" if wrapped else "weight"
+    # NOTE: an embedding with a LoRA adapter is PEFT's lora.Embedding around it (lora/embedding.py)
+    base = "token_adapter.base_layer.weight" if wrapped else "base_layer.weight" if any(
+        t.kind == "embedding" for t in plan.targets) else "weight"
     return {f"{embedding_name}.weight": f"base_model.model.{embedding_name}.{base}",
             "lm_head.weight": f"base_model.model.lm_head.{base if tied else 'weight'}"}
 

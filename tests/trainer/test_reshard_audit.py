@@ -7,8 +7,9 @@ single KV head replicated on both TP2 ranks resumed at TP1, and GPT-BigCode's (w
 TP1: ``linear_qkv`` keyed head by head (before, a shape error that blamed the checkpoint); and LoRA runs (q / k /
 v / o adapters, k / v's B rows on the replicated head; Falcon's packed ``query_key_value`` adapter, its B's K / V
 rows on it; DiffLlama's q / k / v / o adapters, each rank's B rows its slice of both halves of the heads; Mamba's
-``x_proj`` adapter, a parameter of our mixer, A split by its columns) resumed at TP1 from TP2, and Doge's (its
-``dt_proj`` adapter, B split by the KV heads' rows) at TP2 from TP1. Refused by name, on every
+``x_proj`` adapter, a parameter of our mixer, A split by its columns; Llama's adapter on the token embedding, A split
+by the vocabulary) resumed at TP1 from TP2, and Doge's (its ``dt_proj`` adapter, B split by the KV heads' rows) at
+TP2 from TP1. Refused by name, on every
 rank, before megatron's load: checkpoints written before the sections (whole tensors) or before the replicated heads
 were keyed per head under another size; they resume in their own layout (Zamba2, whose shared blocks megatron once
 keyed as replicated, bit for bit). One 2-rank world."""
@@ -39,7 +40,7 @@ def _train(folder: str, out_dir: str, layout: dict, resume: str | None = None) -
         from loongforge_hf.lora import get_peft_model
 
         targets = ["query_key_value", "dense"] if "packed" in folder else \
-            OWN_WEIGHT_LORA.get(folder.rsplit("/", 1)[-1], ["q_proj", "k_proj", "v_proj", "o_proj"])
+            LORA_TARGETS.get(folder.rsplit("/", 1)[-1], ["q_proj", "k_proj", "v_proj", "o_proj"])
         model = get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
                                                       target_modules=targets))
     args = training_args(out_dir, max_steps=2, save_strategy="steps", save_steps=1, gradient_accumulation_steps=1,
@@ -52,12 +53,13 @@ def _train(folder: str, out_dir: str, layout: dict, resume: str | None = None) -
 
 
 # NOTE: adapters on our modules' own weights (lora/own_weights.py): Mamba-1's x_proj (A split by its columns), Doge's
-# dt_proj (B split by its rows), beside linears
-OWN_WEIGHT_LORA = {"mamba_lora": ["in_proj", "x_proj"], "doge_lora": ["q_proj", "dt_proj", "o_proj"]}
+# dt_proj (B split by its rows); on the token embedding (lora/embedding.py: A split by the vocabulary); beside linears
+LORA_TARGETS = {"mamba_lora": ["in_proj", "x_proj"], "doge_lora": ["q_proj", "dt_proj", "o_proj"],
+                "llama_embed_lora": ["embed_tokens", "q_proj"]}
 # NOTE: (written in, resumed in); Falcon's and GPT-BigCode's one KV head is replicated on both TP2 ranks
 RESHARDED = {"diffllama": (TP2, {}), "mamba2": ({}, TP2), "falcon_mqa": (TP2, {}), "gpt_bigcode": ({}, TP2),
              "llama_mqa_lora": (TP2, {}), "falcon_mqa_packed_lora": (TP2, {}), "diffllama_lora": (TP2, {}),
-             "mamba_lora": (TP2, {}), "doge_lora": ({}, TP2)}
+             "mamba_lora": (TP2, {}), "doge_lora": ({}, TP2), "llama_embed_lora": (TP2, {})}
 
 
 def _world(folders: dict, root: str) -> dict:
@@ -101,10 +103,11 @@ def test_resume_under_another_tensor_parallel_size(tmp_path):
     folders["diffllama_lora"] = str(make_tiny_checkpoint(tmp_path / "diffllama_lora", "diffllama"))
     for arch in ("mamba", "doge"):
         folders[f"{arch}_lora"] = str(make_tiny_checkpoint(tmp_path / f"{arch}_lora", arch))
+    folders["llama_embed_lora"] = str(make_tiny_checkpoint(tmp_path / "llama_embed_lora", "llama"))
     randomize(folders["doge_lora"])  # NOTE: A drawn: with transformers' zeros dt_proj (and its adapter) has no effect
     runs = tmp_path / "runs"
     for rank in run_distributed(_world, 2, folders, str(runs), timeout=400):
-        assert [rank[arch] for arch in (*RESHARDED, "zamba2", "falcon_mqa_old_tp2")] == [None] * 11, rank
+        assert [rank[arch] for arch in (*RESHARDED, "zamba2", "falcon_mqa_old_tp2")] == [None] * 12, rank
         assert "KV heads are replicated over tensor-parallel ranks (num_key_value_heads=1" in \
             (rank["falcon_mqa_old"] or ""), rank
         assert "written before loongforge-hf keyed them per head" in rank["falcon_mqa_old"], rank
