@@ -46,8 +46,14 @@ class DogeBridge(DenseBridge):
     qk_norm = True
     # NOTE: the layout's (check_layout), read by check_sequence_length and generation_refusal
     sequence_multiple = step_multiple = context_parallel_size = 1
-    # NOTE: our core attention's dt_proj, the retrieval experts' router_gate (doge_layers, lora/own_weights.py)
-    lora_own_weights = {"dt_proj": "column", "router_gate": "sequence_parallel"}
+
+    @property
+    def lora_own_weights(self) -> dict[str, str]:
+        """Our core attention's ``dt_proj`` and the retrieval experts' ``router_gate``, which LoRA adapts
+        (``lora/own_weights.py``)."""
+        from loongforge_hf.bridges.doge_layers import CORE_OWN_WEIGHTS, RETRIEVAL_OWN_WEIGHTS
+
+        return {**CORE_OWN_WEIGHTS, **RETRIEVAL_OWN_WEIGHTS}
 
     # ---- config ---------------------------------------------------------------------------------------------
     @property

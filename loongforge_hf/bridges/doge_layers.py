@@ -59,6 +59,12 @@ def _parameter(config, *shape: int, split: bool, fill: float | None = None) -> t
     return param
 
 
+# NOTE: transformers' linears our modules hold as parameters, which LoRA adapts (lora/own_weights.py): the core
+# attention's dt_proj (split with the KV heads), the retrieval experts' router_gate (on each rank's tokens)
+CORE_OWN_WEIGHTS = {"dt_proj": "column"}
+RETRIEVAL_OWN_WEIGHTS = {"router_gate": "sequence_parallel"}
+
+
 def _tp_size(group) -> int:
     return group.size() if group is not None else 1
 
@@ -80,7 +86,7 @@ def doge_core_attention(keep_window: int) -> type:
     from loongforge_hf.kernels.dynamic_mask_attention import dynamic_mask_attention
 
     class DogeCoreAttention(CoreAttention):
-        lora_own_weights = {"dt_proj": "column"}  # NOTE: transformers' dt_proj linear (own_weights.py)
+        lora_own_weights = CORE_OWN_WEIGHTS
 
         def __init__(self, config, *args, **kwargs) -> None:
             super().__init__(config, *args, **kwargs)
@@ -167,8 +173,7 @@ def doge_attention(keep_window: int) -> type:
 class _Retrieval(torch.nn.Module):
     """transformers' ``router_gate``, ``down_embed`` and ``up_embed`` (replicated over TP)."""
 
-    # NOTE: transformers' router_gate linear, on each rank's tokens (lora/own_weights.py)
-    lora_own_weights = {"router_gate": "sequence_parallel"}
+    lora_own_weights = RETRIEVAL_OWN_WEIGHTS
 
     def __init__(self, config, *, experts: int, keys: int) -> None:
         from megatron.core import parallel_state as ps

@@ -61,7 +61,13 @@ class ExpertColumns(ColumnParallel):
 @register_bridge("JetMoeForCausalLM")
 class JetMoeBridge(MixtralBridge):
     routers_per_layer = 2  # NOTE: router_logits.RouterLogits: the attention's router, then the MoE layer's
-    lora_own_weights = {"router": "whole"}  # NOTE: the attention's router (jetmoe_attention, lora/own_weights.py)
+
+    @property
+    def lora_own_weights(self) -> dict[str, str]:
+        """The attention's router, which LoRA adapts (``lora/own_weights.py``)."""
+        from loongforge_hf.bridges.jetmoe_attention import MoAQueryKV
+
+        return MoAQueryKV.lora_own_weights
     supports_sliding_window = False
     own_activation = True  # NOTE: JetMoE names it activation_function (checked here)
     config_fields = JETMOE_FIELDS
