@@ -30,7 +30,7 @@ rotary and per-head q / k LayerNorms with biases split over TP, GPT-J with one L
 and the LM head but not the attention and part of each head rotated in interleaved pairs, StableLM with LayerNorms, q /
 k / v biases, a quarter of each head rotated and, as StableLM 2 12B, the attention and the MLP side by side with a
 LayerNorm per head on q and k (each head's weight its own, split over TP), or sequential as StableLM 2 1.6B) at TP1,
-TP2, TP2 + SP and CP2.
+TP2 + SP and CP2, and those with layers of their own code (TP2_NO_SP) at TP2 without SP too.
 Falcon (40B's two LayerNorms side by side with KV groups fused group by group and biases; the older layout run
 sequentially with q / k / v per head) is among the dense models; Falcon-7B's multi-query attention (one KV head)
 runs at TP1, CP2 and TP2 + SP (the head replicated on both ranks, their gradients summed as the engine sums them), as
@@ -278,6 +278,10 @@ DENSE = ("qwen3_tied", "qwen2", "llama3", "phi3", "smollm3", "gemma3", "granite"
 MQA = ("falcon_mqa", "gpt_bigcode")  # NOTE: one KV head, replicated on each TP rank (parallel/kv_replicas.py)
 DELTANET = ("qwen3_5",)  # NOTE: Gated DeltaNet layers (under CP: parallel/delta_rule_cp.py)
 DELTANET_MOE = ("qwen3_next", "qwen3_5_moe")
+# NOTE: TP2 without SP (an all-reduce where SP scatters): Llama's layout and the layers of their own code (side by side,
+# post norms, soft caps, learned positions, Gated DeltaNet); every DENSE one runs at TP2 + SP (CI time)
+TP2_NO_SP = ("llama3", "gemma2", "gemma3", "olmo2", "cohere", "phi", "gptj", "stablelm", "falcon", "gpt_neox", "gpt2",
+             "qwen3_5")
 # name -> (processes, layout, checkpoints)
 LAYOUTS = {
     "tp1": (1, {}, MOE + DENSE + MQA + DELTANET + DELTANET_MOE),
@@ -293,7 +297,7 @@ LAYOUTS = {
                                                                              "deepseek_v32", "glm_moe_dsa",
                                                                              "minimax")),
     "cp2_ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2}, MOE),
-    "tp2": (2, {"tensor_parallel_size": 2}, DENSE + DELTANET),
+    "tp2": (2, {"tensor_parallel_size": 2}, TP2_NO_SP),
     "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True},  # MoE: experts split too
                MOE + DENSE + DELTANET + MQA + ("glm", "olmo", "nemotron", "hunyuan_v1_dense", "apertus", "exaone",
                                                "jais2", "minicpm3", "ministral3", "vaultgemma", "cwm",

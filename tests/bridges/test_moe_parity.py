@@ -20,7 +20,9 @@ the grouped expert MLP (``kernels.grouped_mlp.GroupedMLP``) except in ep2seq, wh
            sequence parallel;
 - pp2ep2:  every model (DeepSeek-V3 with its dense first layer on stage 0);
 - tp2etp1: Qwen3-MoE, Mixtral, DeepSeek-V2 and DeepSeek-V3 with rotary dims in halves on disk (rope_interleave=False),
-           GLM-4.5 with q/k norms, sequence parallel, experts whole on each TP rank (expert_tensor_parallel_size=1).
+           GLM-4.5 with q/k norms, sequence parallel, experts whole on each TP rank (expert_tensor_parallel_size=1);
+           also the models below said to run there (two ranks instead of tp2ep2's four, for CI time: their
+           tensor-parallel splits and the bit-exact round trip; expert parallelism with TP: test_gradients).
 YaRN on Qwen3-MoE (after its q/k norms) at tp1, cp2ep2 and tp2ep2, on Mixtral (no q/k norms) at tp1 and tp2ep2.
 GLM-4.5 (``glm4_moe``: grouped-query attention with q/k/v biases and half-rotary heads, DeepSeek-V3's routing and
 shared experts) and Qwen2-MoE (``qwen2_moe``: q/k/v biases, softmax routing without renormalisation, a shared expert
@@ -56,7 +58,7 @@ context-parallel ranks, ``parallel/delta_rule_cp.py``), with their
 (padding, packed documents, generate: test_qwen3_5).
 PhiMoE (``phimoe``: LayerNorms with biases, q / k / v / o and LM-head biases, sparsemixer top-2 routing whose jitter
 window masks some experts, LongRoPE's fixed mscale; its ``router_logits`` and transformers' balancing loss within 1e-5)
-runs at tp1, ep2 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; the training-mode sparsemixer:
+runs at tp1, ep2 and tp2etp1 (gradients at TP2 + SP + EP2: test_gradients; the training-mode sparsemixer:
 test_phimoe_routing).
 Cohere2-MoE (``cohere2_moe``: Cohere2's attention and MLP side by side after one LayerNorm without bias, with the
 experts as the MLP; interleaved rotary pairs, a dense first full layer that rotates, windowed layers, a full layer
@@ -65,21 +67,21 @@ without rotary embedding, scaled and tied logits, softmax top-k experts and a sh
 expert summed (``cohere2_moe_rms``) at tp1 and ep2. AFMoE (``afmoe``: gated attention with per-head q / k norms, norms
 before and after each sublayer, rotary embedding on the windowed layers only, muP's scaled embedding, a dense first
 layer, sigmoid routing on the scores plus an expert bias that changes some tokens' experts, scaled, two shared experts;
-its ``router_logits`` within 1e-5, no balancing loss) at tp1, ep2 and tp2ep2 (gradients at TP2 + SP + EP2:
+its ``router_logits`` within 1e-5, no balancing loss) at tp1, ep2 and tp2etp1 (gradients at TP2 + SP + EP2:
 test_gradients; refusals and the expert bias: test_cohere2_moe_afmoe).
 EXAONE-MoE (``exaone_moe``: pre-norm layers with per-head q / k norms, a 5-token window on layers 0-2 and a full layer
 3 without rotary embedding, a dense first layer, sigmoid routing on the scores plus a bias that changes some tokens'
 experts, scaled, two shared experts, the bias beside the gate on disk) and Solar Open (``solar_open``: q / k / v
-biases, every layer sparse, GLM-4.5's grouped sigmoid routing with a bias, a shared expert) at tp1 and tp2ep2, their
+biases, every layer sparse, GLM-4.5's grouped sigmoid routing with a bias, a shared expert) at tp1 and tp2etp1, their
 ``router_logits`` within 1e-5, no balancing loss; DBRX (``dbrx``: LayerNorms without bias, q / k / v fused in ``Wqkv``
 and clamped where about a tenth of them reach the clamp, softmax top-3 of 8 experts renormalised, read expert by
 expert from 2-D ``w1`` / ``v1`` / ``w2``; its ``router_logits`` and transformers' balancing loss with
-``moe_loss_weight`` within 1e-5) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; refusals:
+``moe_loss_weight`` within 1e-5) at tp1 and tp2etp1 (gradients at TP2 + SP + EP2: test_gradients; refusals:
 test_moe_new_bridges). MiMo-V2-Flash (``mimo_v2_flash``: full layers 0 and 3 with 2 KV heads, sliding layers 1 and 2
 with 4, sinks and a binding 5-token window; value heads of 16 beside q / k heads of 24, scaled by 0.6; a rope theta per
 layer type on a third of each head; a dense first layer, top 4 of 8 experts in 2 of 4 groups by sigmoid scores plus a
 bias, scaled, no shared experts; its ``router_logits`` within 1e-5, no balancing loss; the hub's ``model.mtp.*``
-tensors passed through) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; refusals:
+tensors passed through) at tp1 and tp2etp1 (gradients at TP2 + SP + EP2: test_gradients; refusals:
 test_moe_new_bridges).
 DeepSeek-V3.2 (``deepseek_v32``: GLM-4.7-Flash's MLA and experts with YaRN, DeepSeek Sparse Attention's indexer rotating
 its heads' first dims in halves) and GLM-5 (``glm_moe_dsa``: rms_norm_eps 1e-5, the indexer's rotary dims in pairs,
@@ -100,14 +102,14 @@ its own router / bias / shared-expert names, an MTP layer passed through; ``rout
 Mellum 2 (``mellum``: a binding 5-token window on layers 1 and 2, a rope theta per layer type, a dense first layer,
 softmax top-3 of 8 experts; ``router_logits`` and transformers' balancing loss) and Flint (``flint``: sinks, full
 layers without rotary embedding beside windowed rotary ones, sigmoid routing without bias, an ungated shared expert;
-``router_logits`` and the balancing loss) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; refusals:
+``router_logits`` and the balancing loss) at tp1 and tp2etp1 (gradients at TP2 + SP + EP2: test_gradients; refusals:
 test_decoders_2026).
 Granite-MoE SWA (``granitemoe_swa``: Granite's multipliers, sinks, a binding 5-token window on layers 1 and 3, layer 2
 without rotary embedding, softmax top-2 of 4 experts under transformers 5's names beside a shared MLP;
-``router_logits`` and the balancing loss) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; cached
+``router_logits`` and the balancing loss) at tp1 and tp2etp1 (gradients at TP2 + SP + EP2: test_gradients; cached
 generate: test_granite_swa_bitnet_diffllama).
 A.X-K1 (``axk1``: GLM-4.7-Flash's layout with rotary halves on disk, the MoE layers' output normalised by
-``post_mlp_layernorm``; ``router_logits``, no balancing loss; an MTP layer passed through) at tp1 and tp2ep2
+``post_mlp_layernorm``; ``router_logits``, no balancing loss; an MTP layer passed through) at tp1 and tp2etp1
 (gradients at TP2 + SP + EP2: test_gradients; settings and refusals: test_decoders_2026); at tp1 also from a folder
 without the gates' ``e_score_correction_bias``, as the hub's (test_axk1_checkpoint_without_expert_bias).
 A.X-K2 (``axk2``: DeepSeek-V3.2's layout with the top 4 of 12 keys, input / MoE-layer norms with a low-rank sigmoid
@@ -118,19 +120,19 @@ MiniMax (``minimax``: lightning-attention layers 0, 2, 3 in blocks of 5 tokens, 
 after the norms scaled by alpha / beta factors other than 1, Mixtral's experts; ``router_logits`` and the balancing
 loss; left padding at the real tokens, a packed row's documents, greedy generate and a 2-beam search over a
 left-padded batch with the cache: transformers' tokens) at tp1, cp2ep2 (the lightning states passed between the
-chunks; a packed row's documents across them; generate without the cache, the cached one refused by name) and tp2ep2
+chunks; a packed row's documents across them; generate without the cache, the cached one refused by name) and tp2etp1
 (gradients at TP2 + SP + EP2 and CP2: test_gradients; kernel, refusals: test_minimax).
 Kolibri-1 (``kolibri1``: per-head q / k norms, norms after each sublayer too, a binding 5-token window on layers 0, 1,
 3, the full layer 2 without rotary embedding; in every layer the top 3 of 8 experts by the logits plus a bias, weighted
 by their sigmoid, renormalised, beside a shared MLP; at tp1 also without renormalising, and in bf16 with its fp32
 bias) and Aria's text model (``aria_text``: Llama's layout, softmax top-2 of 8 experts stacked and transposed on
-disk beside shared experts) at tp1 and tp2ep2, their ``router_logits`` (fp32, within 1e-5; no balancing loss)
+disk beside shared experts) at tp1 and tp2etp1, their ``router_logits`` (fp32, within 1e-5; no balancing loss)
 (gradients at TP2 + SP + EP2: test_gradients; routing, refusals: test_kolibri_aria).
 Laguna (``laguna``: 4, 8, 2, 6 query heads of 24 in layers 0-3 over 2 KV heads, a softplus output gate per head,
 per-head q / k norms, full layers 0 and 3 rotating half of each head (theta 5e5) beside a binding 5-token window on
 layers 1 and 2 rotating all of it (theta 1e4), a dense first layer, the top 2 of 8 experts by sigmoid scores plus a
 bias that changes some tokens' experts, renormalised and scaled by 2.5, beside a shared expert; ``router_logits`` and
-transformers' balancing loss within 1e-5) at tp1 and tp2ep2 (gradients at TP2 + SP + EP2: test_gradients; settings,
+transformers' balancing loss within 1e-5) at tp1 and tp2etp1 (gradients at TP2 + SP + EP2: test_gradients; settings,
 refusals, the bias and gate binding: test_laguna).
 """
 
@@ -295,13 +297,13 @@ MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "qwe
           "hunyuan_v1_moe")
 HYBRID = ("qwen3_next", "qwen3_5_moe")  # NOTE: Gated DeltaNet layers
 LEAN = ("flex_olmo", "granitemoeshared")  # NOTE: at tp1 and ep2 only (CI time); gradients at TP2 + SP + EP2
-SMALL_MOE = ("phimoe", "afmoe")  # NOTE: at tp1, ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
-MLA_FAMILY = ("glm4_moe_lite", "mistral4", "axk1")  # NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
+SMALL_MOE = ("phimoe", "afmoe")  # NOTE: at tp1, ep2 and tp2etp1 (CI time); gradients at TP2 + SP + EP2
+MLA_FAMILY = ("glm4_moe_lite", "mistral4", "axk1")  # NOTE: at tp1 and tp2etp1 (CI time); gradients at TP2 + SP + EP2
 # NOTE: at tp1, cp2ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2 and CP2
 DSA = ("deepseek_v32", "glm_moe_dsa", "axk2")
 DENSE_MLA = ("minicpm3",)  # NOTE: no experts: at tp1 and tp2sp, checked by test_dense_mla_parity
 KDA = ("kimi_linear",)  # NOTE: at tp1, cp2ep2 and tp2ep2 (CI time); gradients at TP2 + SP + EP2 and CP2
-# NOTE: at tp1 and tp2ep2 (CI time); gradients at TP2 + SP + EP2
+# NOTE: at tp1 and tp2etp1 (two ranks, not tp2ep2's four: CI time); gradients at TP2 + SP + EP2
 NEW_MOE = ("exaone_moe", "solar_open", "dbrx", "mimo_v2_flash", "hy_v3", "mellum", "flint", "minimax", "granitemoe_swa",
            "kolibri1", "aria_text", "laguna", "lara_mini")
 LAYOUTS = {
@@ -315,12 +317,11 @@ LAYOUTS = {
     "cp2ep2": (2, {"context_parallel_size": 2, "expert_parallel_size": 2},
                (*MODELS, "qwen3_moe_yarn", "qwen3_5_moe", *KDA, "lara_mini", "mimo_v2_flash", *DSA, "minimax")),
     "tp2ep2": (4, {"tensor_parallel_size": 2, "expert_parallel_size": 2, **SP},
-               (*MODELS, *HYBRID, *SMALL_MOE, *MLA_FAMILY, *NEW_MOE, *DSA, "qwen3_moe_yarn", "mixtral_yarn",
-                "cohere2_moe", *KDA)),
+               (*MODELS, *HYBRID, *DSA, "qwen3_moe_yarn", "mixtral_yarn", "cohere2_moe", *KDA)),
     "pp2ep2": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2}, (*MODELS, "qwen3_next")),
     "tp2etp1": (2, {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 1, **SP},
                 ("qwen3_moe", "mixtral", "deepseek_v3_halves", "deepseek_v2", "glm4_moe_qk_norm", "gpt_oss",
-                 "ernie4_5_moe", "olmoe", "llama4")),
+                 "ernie4_5_moe", "olmoe", "llama4", *SMALL_MOE, *MLA_FAMILY, *NEW_MOE)),
     "tp2sp": (2, {"tensor_parallel_size": 2, **SP}, DENSE_MLA),
 }
 # NOTE: checkpoints with tensors deleted from the files (checked by their own tests)

@@ -20,11 +20,11 @@ GPTBigCode (StarCoder's layer without multi_query; LoRA only) has GPT-2's layout
 per-head q / k / v rows as megatron's, its LayerNorms and untied LM head trained whole.
 
 Checked against PEFT on the transformers model, from adapters PEFT wrote (every factor, magnitude and modules_to_save
-tensor moved off its initial value), at TP=2 + SP, PP=2 and CP=2: logits (1e-4) and loss (1e-5), every A / B /
-magnitude gradient at HF shape (1e-5; not under PP), PEFT's trainable counts, greedy cached ``generate`` (PEFT's
-tokens, scores 1e-4), the adapter saved again bit for bit, the adapter folder in PEFT and the merged export in
-transformers (1e-4), ``merge_and_unload`` (1e-4). The post norms (and OLMo 2's split q / k norms) are trained
-through ``modules_to_save``.
+tensor moved off its initial value), at TP=2 + SP, CP=2 and (PP2's models) PP=2: logits (1e-4) and loss (1e-5), every
+A / B / magnitude gradient at HF shape (1e-5; not under PP), PEFT's trainable counts, greedy cached ``generate``
+(PEFT's tokens, scores 1e-4), the adapter saved again bit for bit, the adapter folder in PEFT and the merged export in
+transformers (1e-4), ``merge_and_unload`` (1e-4). The post norms (and OLMo 2's split q / k norms) are trained through
+``modules_to_save``.
 """
 
 from __future__ import annotations
@@ -86,13 +86,20 @@ LAYOUTS = {"tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True})
            "pp2": (2, {"pipeline_parallel_size": 2}), "cp2": (2, {"context_parallel_size": 2})}
 
 
-@pytest.fixture(scope="module", params=list(ADAPTERS))
+# NOTE: PP=2 for the models whose first or last stage holds more than Llama's (tied or scaled embeddings, learned
+# positions, an LM head with a bias or trained whole, scaled logits); the pipeline's split of the layers is the same
+# code for the others (CI time)
+PP2 = ("gemma3", "cohere", "phi", "gptj", "falcon", "gpt2")
+CASES = [(arch, layout) for arch in ADAPTERS for layout in LAYOUTS if layout != "pp2" or arch in PP2]
+
+
+@pytest.fixture(scope="module")
 def model(request, tmp_path_factory):
     base = tmp_path_factory.mktemp(f"{request.param}-lora")
     return (*write_adapters(base, request.param, ADAPTERS[request.param]), base, request.param)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model, layout", CASES, indirect=["model"], ids=[f"{a}-{lay}" for a, lay in CASES])
 def test_adapters_match_peft(model, layout):
     folder, adapters, base, arch = model
     nprocs, sizes = LAYOUTS[layout]
