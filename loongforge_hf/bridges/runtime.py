@@ -122,6 +122,18 @@ def output_bias(head: torch.nn.Module) -> torch.Tensor | None:
     return getattr(head.output_layer, "bias", None)
 
 
+def output_low_rank(head: torch.nn.Module, hidden: torch.Tensor) -> tuple | None:
+    """A LoRA adapter's term on the output layer for the fused loss (``lora/head.py``): ``(scaling * dropout(hidden)
+    @ A^T, B)`` from the ``[N, h]`` hidden states the loss reads (every position on every TP rank), or None (no
+    adapter there, or adapters disabled)."""
+    lora = head.output_layer._modules.get("lora")
+    if lora is None or head.output_layer.__dict__.get("lora_disabled"):
+        return None
+    from loongforge_hf.lora.head import low_rank_term
+
+    return low_rank_term(lora, hidden)
+
+
 def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, *,
                    vocab_size: int, weight_grad_dtype: torch.dtype = torch.float32,
                    token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
@@ -132,12 +144,14 @@ def fused_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Mo
 
     from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
 
-    return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), output_weight(head), labels.reshape(-1),
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    return linear_cross_entropy(hidden, output_weight(head), labels.reshape(-1),
                                 ignore_index=IGNORE_INDEX, tp_group=ps.get_tensor_model_parallel_group(),
                                 vocab_size=vocab_size, reduction="sum", weight_grad_dtype=weight_grad_dtype,
                                 token_stats=token_stats, label_smoothing=label_smoothing,
                                 softcap=getattr(head, "logit_softcap", None),
-                                logit_scale=getattr(head, "logit_scale", None), bias=output_bias(head))
+                                logit_scale=getattr(head, "logit_scale", None), bias=output_bias(head),
+                                low_rank=output_low_rank(head, hidden))
 
 
 def _run_chunk(chunk, input_ids, position_ids, mask):

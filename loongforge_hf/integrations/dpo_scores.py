@@ -243,12 +243,27 @@ def _token_logps(output: torch.Tensor, labels: torch.Tensor, head, *, vocab_size
         return -token_losses(output, labels, vocab_size=vocab_size)
     from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
 
-    losses = linear_cross_entropy(output.reshape(-1, output.shape[-1]), output_weight(head), labels.reshape(-1),
+    hidden = output.reshape(-1, output.shape[-1])
+    losses = linear_cross_entropy(hidden, output_weight(head), labels.reshape(-1),
                                   ignore_index=IGNORE_INDEX, tp_group=ps.get_tensor_model_parallel_group(),
                                   vocab_size=vocab_size, reduction="none", token_stats=stats,
                                   softcap=getattr(head, "logit_softcap", None),
-                                  logit_scale=getattr(head, "logit_scale", None), bias=output_bias(head))
+                                  logit_scale=getattr(head, "logit_scale", None), bias=output_bias(head),
+                                  low_rank=_head_low_rank(output, hidden, head))
     return -losses.view(labels.shape)
+
+
+def _head_low_rank(output: torch.Tensor, hidden: torch.Tensor, head) -> tuple | None:
+    """The LM head's LoRA term for ``output`` (``runtime.output_low_rank``), drawn once per output and kept on it:
+    WPO's weights (``_token_log_sum_sq_probs``) then read the logits the loss read, the same dropout mask."""
+    from loongforge_hf.bridges.runtime import output_low_rank
+
+    if "_lora_head_term" in output.__dict__:
+        return output._lora_head_term
+    term = output_low_rank(head, hidden)
+    if torch.is_grad_enabled():  # NOTE: the loss's (differentiable) draw is the one kept
+        output._lora_head_term = term
+    return term
 
 
 @torch.no_grad()
@@ -266,12 +281,15 @@ def _token_log_sum_sq_probs(output: torch.Tensor, labels: torch.Tensor, head, *,
     valid = (labels != -100).reshape(-1)
     rows = output.reshape(-1, output.shape[-1])[valid]
     weight = output_weight(head) if head is not None else None
+    term = _head_low_rank(output, output.reshape(-1, output.shape[-1]), head) if head is not None else None
+    low_rank = None if term is None else (term[0].detach()[valid], term[1].detach())
     v_local = weight.shape[0] if head is not None else rows.shape[1]
     real = max(0, min(v_local, vocab_size - ps.get_tensor_model_parallel_rank() * v_local))
     found = []
     step = max(1, (1 << 24) // max(v_local, 1))  # NOTE: 64 MiB of fp32 logits per chunk
     for start in range(0, rows.shape[0], step):
-        z = _head_logits(rows[start:start + step], weight, head)[:, :real]
+        part = None if low_rank is None else (low_rank[0][start:start + step], low_rank[1])
+        z = _head_logits(rows[start:start + step], weight, head, part)[:, :real]
         top = z.max(dim=-1).values if real else z.new_full((z.shape[0],), float("-inf"))
         if group is not None:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -286,15 +304,19 @@ def _token_log_sum_sq_probs(output: torch.Tensor, labels: torch.Tensor, head, *,
     return out.view(labels.shape)
 
 
-def _head_logits(rows: torch.Tensor, weight: torch.Tensor | None, head) -> torch.Tensor:
+def _head_logits(rows: torch.Tensor, weight: torch.Tensor | None, head,
+                 low_rank: tuple | None = None) -> torch.Tensor:
     """fp32 TP-local logits of ``rows`` as the fused head makes them (``kernels.cross_entropy``: the GEMM with the
-    bias in the input dtype, times ``logit_scale``, upcast, soft-capped), or ``rows`` upcast when ``head`` is None."""
+    bias in the input dtype, plus a LoRA adapter's ``low_rank`` term, times ``logit_scale``, upcast, soft-capped), or
+    ``rows`` upcast when ``head`` is None."""
     from loongforge_hf.bridges.runtime import output_bias
 
     if head is None:
         return rows.float()
     bias = output_bias(head)
     z = rows @ weight.t() if bias is None else torch.addmm(bias, rows, weight.t())
+    if low_rank is not None:
+        z = z.addmm_(low_rank[0], low_rank[1].t())
     scale, cap = getattr(head, "logit_scale", None), getattr(head, "logit_softcap", None)
     if scale is not None:
         z = z * scale

@@ -239,7 +239,7 @@ def token_logps(output: torch.Tensor, labels: torch.Tensor, head, *, vocab_size:
     hidden states through ``head``'s fused vocab-parallel output layer; ``stats`` gets the entropy and top-1 sums."""
     from megatron.core import parallel_state as ps
 
-    from loongforge_hf.bridges.runtime import IGNORE_INDEX, output_bias, output_weight
+    from loongforge_hf.bridges.runtime import IGNORE_INDEX, output_bias, output_low_rank, output_weight
     from loongforge_hf.kernels.cross_entropy import linear_cross_entropy
 
     if head is None:
@@ -247,11 +247,12 @@ def token_logps(output: torch.Tensor, labels: torch.Tensor, head, *, vocab_size:
     scale = getattr(head, "logit_scale", None)
     if temperature != 1.0:
         scale = (1.0 if scale is None else scale) / temperature
-    losses = linear_cross_entropy(output.reshape(-1, output.shape[-1]), output_weight(head), labels.reshape(-1),
+    hidden = output.reshape(-1, output.shape[-1])
+    losses = linear_cross_entropy(hidden, output_weight(head), labels.reshape(-1),
                                   ignore_index=IGNORE_INDEX, tp_group=ps.get_tensor_model_parallel_group(),
                                   vocab_size=vocab_size, reduction="none", token_stats=stats,
                                   softcap=getattr(head, "logit_softcap", None), logit_scale=scale,
-                                  bias=output_bias(head))
+                                  bias=output_bias(head), low_rank=output_low_rank(head, hidden))
     return -losses.view(labels.shape)
 
 

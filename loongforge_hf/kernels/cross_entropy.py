@@ -37,6 +37,11 @@ Choices:
 - ``bias``: the LM head's bias (Phi's ``lm_head.bias``, this rank's vocabulary rows) added to each chunk's logits in
   the GEMM (``addmm``, as ``nn.Linear``), before any scaling; its gradient is the logits grad summed over the tokens
   (fp32 over the chunks, rounded to the bias's dtype once).
+- ``low_rank``: a LoRA adapter on the LM head, ``(z [N, r], B [V_local, r])`` with ``z = scaling * dropout(hidden)
+  @ A^T`` made by the caller: each chunk's logits gain ``z @ B^T`` (in the GEMM's dtype, before the bias is
+  scaled or capped: PEFT adds the adapter's term to the linear's output), without ever forming ``W + scaling B A``:
+  the frozen ``[V, H]`` weight takes no gradient, ``z``'s is all-reduced over TP as ``hidden``'s, ``B``'s accumulates
+  in fp32 over the chunks (``[V_local, r]``).
 - ``token_stats`` (an fp32 ``[2]`` tensor) receives, summed over the non-ignored tokens, the entropy of each token's
   predicted distribution and whether its label is the top-1 prediction (the first maximum, as ``argmax`` picks it):
   what trl.SFTTrainer logs as ``entropy`` and ``mean_token_accuracy``. They come from the chunk's logits in the same
@@ -67,8 +72,9 @@ class _Plan:
                  z_loss: float, group, weight_grad_dtype: torch.dtype = torch.float32,
                  token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0,
                  softcap: float | None = None, logit_scale: float | None = None,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, low_rank: tuple | None = None) -> None:
         self.bias = bias
+        self.low_rank = low_rank
         self.softcap = softcap
         self.logit_scale = logit_scale
         self.weight_grad_dtype = weight_grad_dtype
@@ -118,6 +124,9 @@ class _Plan:
     def _logits(self, hidden: torch.Tensor, weight: torch.Tensor, rows: slice) -> torch.Tensor:
         """The logits ``[c, V_local]`` of the tokens in ``rows``, in the input dtype, times ``logit_scale``."""
         logits = hidden[rows] @ weight.t() if self.bias is None else torch.addmm(self.bias, hidden[rows], weight.t())
+        if self.low_rank is not None:
+            z, b = self.low_rank
+            logits.addmm_(z[rows], b.t())
         return logits.mul_(self.logit_scale) if self.logit_scale is not None else logits
 
     def scores(self, logits: torch.Tensor, rows: slice, *, with_grad: bool, row_scale: torch.Tensor | None = None,
@@ -192,68 +201,71 @@ def _chunks(n: int, size: int):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, plan: _Plan, chunk_size: int, reduction: str, bias=None):
-        need_hidden, need_weight, need_bias = (ctx.needs_input_grad[i] for i in (0, 1, 6))
-        precompute = reduction == "sum" and (need_hidden or need_weight or need_bias)
+    def forward(ctx, hidden, weight, labels, plan: _Plan, chunk_size: int, reduction: str, bias=None, z=None,
+                b=None):
+        needs = [ctx.needs_input_grad[i] for i in (0, 1, 6, 7, 8)]
+        precompute = reduction == "sum" and any(needs)
         n = hidden.shape[0]
         loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if precompute and need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=plan.weight_grad_dtype, device=weight.device) \
-            if precompute and need_weight else None
-        grad_bias = _bias_grad_buffer(bias) if precompute and need_bias else None
+        grads = _grad_buffers(hidden, weight, bias, z, b, plan.weight_grad_dtype, needs) if precompute else None
         for rows in _chunks(n, chunk_size):
             loss[rows], grad_logits = plan.chunk(hidden, weight, rows, with_grad=precompute, stats=True)
             if precompute:
-                _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight,
-                            grad_bias)
-        if grad_hidden is not None:
-            _all_reduce(grad_hidden, dist.ReduceOp.SUM, plan.group)
+                _accumulate(grad_logits.to(hidden.dtype), hidden, weight, rows, grads, plan.low_rank)
         ctx.plan, ctx.chunk_size, ctx.reduction, ctx.weight_dtype = plan, chunk_size, reduction, weight.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.dtypes = [t.dtype if t is not None else None for t in (hidden, weight, bias, z, b)]
         if precompute:
-            ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+            _reduce_input_grads(grads, plan.group)
+            ctx.save_for_backward(*grads)
         else:
             ctx.save_for_backward(hidden, weight)
         return loss.sum() if reduction == "sum" else loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        need_hidden, need_weight, need_bias = (ctx.needs_input_grad[i] for i in (0, 1, 6))
         if ctx.reduction == "sum":
-            grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-            if grad_hidden is not None:
-                grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
-            if grad_weight is not None:
-                # NOTE: scaled and rounded to the weight's dtype in one pass (out= of the lower dtype).
-                grad_weight = torch.mul(grad_weight, grad_loss,
-                                        out=torch.empty(grad_weight.shape, dtype=ctx.weight_dtype,
-                                                        device=grad_weight.device))
-            if grad_bias is not None:
-                grad_bias = (grad_bias * grad_loss).to(ctx.bias_dtype)
-            return grad_hidden, grad_weight, None, None, None, None, grad_bias
-        hidden, weight = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=ctx.plan.weight_grad_dtype, device=weight.device) \
-            if need_weight else None
-        grad_bias = _bias_grad_buffer(ctx.plan.bias) if need_bias else None
-        for rows in _chunks(hidden.shape[0], ctx.chunk_size):
-            _, grad_logits = ctx.plan.chunk(hidden, weight, rows, with_grad=True, row_scale=grad_loss[rows])
-            _accumulate(grad_logits.to(hidden.dtype), hidden[rows], weight, rows, grad_hidden, grad_weight,
-                        grad_bias)
-        if grad_hidden is not None:
-            _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.plan.group)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, \
-            grad_bias.to(ctx.bias_dtype) if grad_bias is not None else None
+            grads = list(ctx.saved_tensors)
+            for i, (g, dtype) in enumerate(zip(grads, ctx.dtypes)):
+                if g is None:
+                    continue
+                if i == 0 or i == 3:  # NOTE: hidden's and z's, in their own dtype already
+                    grads[i] = g * grad_loss.to(g.dtype)
+                else:  # NOTE: scaled and rounded to the tensor's dtype in one pass (out= of the lower dtype)
+                    grads[i] = torch.mul(g, grad_loss, out=torch.empty(g.shape, dtype=dtype, device=g.device))
+        else:
+            hidden, weight = ctx.saved_tensors
+            plan = ctx.plan
+            z, b = plan.low_rank if plan.low_rank is not None else (None, None)
+            needs = [ctx.needs_input_grad[i] for i in (0, 1, 6, 7, 8)]
+            grads = _grad_buffers(hidden, weight, plan.bias, z, b, plan.weight_grad_dtype, needs)
+            for rows in _chunks(hidden.shape[0], ctx.chunk_size):
+                _, grad_logits = plan.chunk(hidden, weight, rows, with_grad=True, row_scale=grad_loss[rows])
+                _accumulate(grad_logits.to(hidden.dtype), hidden, weight, rows, grads, plan.low_rank)
+            _reduce_input_grads(grads, plan.group)
+            grads = [g.to(dtype) if g is not None else None for g, dtype in zip(grads, ctx.dtypes)]
+        grad_hidden, grad_weight, grad_bias, grad_z, grad_b = grads
+        return grad_hidden, grad_weight, None, None, None, None, grad_bias, grad_z, grad_b
 
 
-def _bias_grad_buffer(bias: torch.Tensor) -> torch.Tensor:
-    """The fp32 accumulator of the logits bias's gradient over the chunks."""
-    return torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+def _grad_buffers(hidden, weight, bias, z, b, weight_grad_dtype, needs) -> list:
+    """The gradient buffers of (hidden, weight, bias, z, B) where ``needs`` says so, else None: the inputs' own
+    (written chunk by chunk), the weight's in ``weight_grad_dtype``, the bias's and B's fp32 accumulators."""
+    return [torch.empty_like(hidden) if needs[0] else None,
+            torch.zeros(weight.shape, dtype=weight_grad_dtype, device=weight.device) if needs[1] else None,
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None,
+            torch.empty_like(z) if needs[3] else None,
+            torch.zeros(b.shape, dtype=torch.float32, device=b.device) if needs[4] else None]
 
 
-def _accumulate(grad_logits, hidden_rows, weight, rows, grad_hidden, grad_weight, grad_bias=None) -> None:
+def _reduce_input_grads(grads: list, group) -> None:
+    """hidden's and z's gradients summed over the vocabulary shards (each rank's logits' part)."""
+    for i in (0, 3):
+        if grads[i] is not None:
+            _all_reduce(grads[i], dist.ReduceOp.SUM, group)
+
+
+def _accumulate(grad_logits, hidden, weight, rows, grads, low_rank) -> None:
+    grad_hidden, grad_weight, grad_bias, grad_z, grad_b = grads
     if grad_bias is not None:  # NOTE: the bias's gradient is the logits' summed over the tokens
         grad_bias.add_(grad_logits.sum(dim=0, dtype=torch.float32))
     if grad_hidden is not None:
@@ -261,7 +273,11 @@ def _accumulate(grad_logits, hidden_rows, weight, rows, grad_hidden, grad_weight
     if grad_weight is not None:
         # NOTE: one GEMM with an fp32 accumulator and output per chunk; a bf16 product, its fp32 copy and an add_
         # were three passes over [V, H] per chunk (15-20% of a training step on an H200, issue 7's profiles).
-        accumulate_matmul(grad_weight, grad_logits.t(), hidden_rows)
+        accumulate_matmul(grad_weight, grad_logits.t(), hidden[rows])
+    if grad_z is not None:
+        torch.mm(grad_logits, low_rank[1].to(grad_logits.dtype), out=grad_z[rows])
+    if grad_b is not None:
+        accumulate_matmul(grad_b, grad_logits.t(), low_rank[0][rows].to(grad_logits.dtype))
 
 
 def _default_chunk_size(n: int, hidden_size: int, v_local: int, logits_bytes: int = 4) -> int:
@@ -283,9 +299,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          reduction: str = "sum", weight_grad_dtype: torch.dtype = torch.float32,
                          token_stats: torch.Tensor | None = None, label_smoothing: float = 0.0,
                          softcap: float | None = None, logit_scale: float | None = None,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Cross-entropy of ``hidden [N, H] @ weight[V_local, H].T (+ bias[V_local])`` against ``labels [N]``, chunked
-    over tokens.
+                         bias: torch.Tensor | None = None, low_rank: tuple | None = None) -> torch.Tensor:
+    """Cross-entropy of ``hidden [N, H] @ weight[V_local, H].T (+ bias[V_local]) (+ z @ B.T)`` against ``labels
+    [N]``, chunked over tokens.
 
     ``vocab_start`` defaults to ``tp_rank * V_local`` (megatron's even split); ``vocab_size`` to ``V_local * tp_size``.
     Returns the fp32 sum over non-ignored tokens (``reduction="sum"``) or the fp32 per-token losses (``"none"``, 0 at
@@ -294,7 +310,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     the non-ignored tokens are added to (see the module docstring). ``label_smoothing``: transformers' label
     smoothing factor, in ``[0, 1]``. ``softcap``: the logits soft-capped at it first; ``logit_scale``: the logits
     multiplied by it first (see the module docstring). ``bias``: the LM head's bias (this rank's ``[V_local]`` rows,
-    added before any scaling; its gradient is the logits' summed over the tokens, accumulated in fp32).
+    added before any scaling; its gradient is the logits' summed over the tokens, accumulated in fp32). ``low_rank``:
+    ``(z [N, r], B [V_local, r])``, a LoRA adapter's term on the LM head (see the module docstring).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden must be [N, H] and weight [V_local, H]; got "
@@ -307,6 +324,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if bias is not None and bias.shape != (v_local,):
         raise ValueError(f"linear_cross_entropy: bias must be [{v_local}] (the weight's rows), got "
                          f"{tuple(bias.shape)}.")
+    if low_rank is not None:
+        z, b = low_rank
+        if z.dim() != 2 or b.dim() != 2 or z.shape[0] != hidden.shape[0] or b.shape != (v_local, z.shape[1]):
+            raise ValueError(f"linear_cross_entropy: low_rank must be (z [{hidden.shape[0]}, r], B [{v_local}, r]); "
+                             f"got {tuple(z.shape)} and {tuple(b.shape)}.")
     tp_group, vocab_start, vocab_size = _vocab_layout("linear_cross_entropy", labels, v_local, tp_group=tp_group,
                                                       vocab_start=vocab_start, vocab_size=vocab_size,
                                                       ignore_index=ignore_index)
@@ -329,8 +351,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                  ignore_index=ignore_index, z_loss=float(z_loss), group=tp_group,
                  weight_grad_dtype=weight_grad_dtype, token_stats=token_stats,
                  label_smoothing=float(label_smoothing), softcap=None if softcap is None else float(softcap),
-                 logit_scale=None if logit_scale is None else float(logit_scale), bias=bias)
-    return _LinearCrossEntropy.apply(hidden, weight, labels, plan, chunk_size, reduction, bias)
+                 logit_scale=None if logit_scale is None else float(logit_scale), bias=bias, low_rank=low_rank)
+    z, b = low_rank if low_rank is not None else (None, None)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, plan, chunk_size, reduction, bias, z, b)
 
 
 def smoothing_term(local_logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,

@@ -211,6 +211,8 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
                      "magnitude": lambda m, t=t: t.b_to_hf(m[:, None], streamer.ctx)[:, 0]}.get(factor)
             if t.kind == "embedding":  # NOTE: A's padded vocabulary trimmed; B as it is
                 to_hf = (lambda a, t=t: a[:, :t.in_features]) if factor == "A" else None
+            if t.kind == "head":  # NOTE: B's padded vocabulary trimmed; A as it is
+                to_hf = (lambda b, t=t: b[:t.out_features]) if factor == "B" else None
 
             # NOTE: K / V adapters on replicated KV heads: each head's B from its first replica (kv_replicas.py)
             step = streamer.ctx.kv_replicas if t.kind == "qkv" and t.slot > 0 and factor != "A" else 1
@@ -225,10 +227,11 @@ def _adapter_tensors(model, dtype: torch.dtype | None = None) -> dict[str, torch
     whole = [(s, f"base_model.model.{s.hf_name}") for s in plan.saved]
     tied, resized = model.bridge.tied, vocab_resized(model)
     names = peft_names(plan, tied)
-    # NOTE: with LoRA on the embedding PEFT writes its base weight (save_embedding_layers="auto"), the LM head not
-    adapted = any(t.kind == "embedding" for t in plan.targets)
+    # NOTE: with LoRA on the embedding or the LM head PEFT writes the base weight of each adapted one
+    # (save_embedding_layers="auto"), not the other's
+    adapted = adapted_vocabulary(plan)
     if resized or adapted:
-        wanted = {f"{plan.embedding_name}.weight"} if adapted else set(names)
+        wanted = adapted or set(names)
         carried = vocabulary_tensors(model, wanted - {s.hf_name for s in plan.saved})
         whole += [(s, names[s.hf_name]) for s in carried]
     by_tensor: dict = {}  # NOTE: one collect a megatron tensor (StableLM's per-head norms: an HF tensor per head)
@@ -304,6 +307,13 @@ def converted_to_lora(tensors: dict[str, torch.Tensor], initial_dir: Path) -> di
         start = start.to(tensor.dtype)
         out[name] = torch.cat([tensor, start], dim=0) if factor == "A" else torch.cat([tensor, -start], dim=1)
     return out
+
+
+def adapted_vocabulary(plan) -> set[str]:
+    """The HF tensors of the embedding layers with a LoRA adapter (the input embedding, the LM head with its bias
+    where it has one), whose base tensors PEFT's adapter file carries."""
+    names = {f"{plan.embedding_name}.weight"} if any(t.kind == "embedding" for t in plan.targets) else set()
+    return names | ({"lm_head.weight", "lm_head.bias"} if any(t.kind == "head" for t in plan.targets) else set())
 
 
 def vocabulary_tensors(model, hf_names: set[str]) -> list:

@@ -304,7 +304,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
     from loongforge_hf.lora.dora import add_magnitudes, check_tower_dora
     from loongforge_hf.lora.embedding import attach_embedding, check_embedding_adaptable, local_columns
     from loongforge_hf.lora.experts import attach_param_adapters, check_param_adaptable
-    from loongforge_hf.lora.layers import LoraAdapter, attach_adapters, check_adaptable, stacking
+    from loongforge_hf.lora.head import local_rows
+    from loongforge_hf.lora.layers import FusedLayout, LoraAdapter, attach_adapters, check_adaptable, stacking
     from loongforge_hf.lora.own_weights import SPLIT_FACTOR, attach_own_weights, check_own_weights_adaptable
     from loongforge_hf.lora.replicated import attach_replicated, check_replicated_adaptable
     from loongforge_hf.lora.vision import attach_vision_adapters, lora_class_for, text_bridge
@@ -323,6 +324,10 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         if target.kind == "embedding":  # NOTE: the first stage's (embedding.py)
             if ps.is_pipeline_first_stage(ignore_virtual=True):
                 groups[(0, target.megatron_module)].append((target, weights))
+            continue
+        if target.kind == "head":  # NOTE: the last stage's (head.py)
+            if ps.is_pipeline_last_stage(ignore_virtual=True):
+                groups[(len(model.chunks) - 1, target.megatron_module)].append((target, weights))
             continue
         owner_pp, vp, local = owners[target.layer]
         if owner_pp == pp_rank:
@@ -363,6 +368,14 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
         if targets[0].kind in PARAM_KINDS:
             attach_param_adapters(module, members, dtype=dtype, device=device, dropout=float(peft_config.lora_dropout),
                                   ctx=ctx)
+            continue
+        if targets[0].kind == "head":  # NOTE: A whole, B's vocabulary rows of this rank (head.py)
+            (t, (a, b)), = members
+            b = local_rows(b, padded_vocab=model.megatron.padded_vocab, tp_rank=tp_rank, tp_size=tp_size)
+            attach_adapters(module, {t.name: LoraAdapter(
+                a.to(device=device, dtype=dtype).contiguous().clone(), b.to(device=device, dtype=dtype).contiguous(),
+                scaling=t.scaling, dropout=float(peft_config.lora_dropout), split="B")},
+                FusedLayout(groups=1, slots=((t.name, b.shape[0]),)))
             continue
         if targets[0].kind == "embedding":  # NOTE: A's vocabulary columns of this rank, B whole; no dropout (PEFT's)
             attach_embedding(module, {t.name: LoraAdapter(

@@ -11,7 +11,8 @@ Choices:
   module targets in HF ``named_modules`` order, then parameter targets (``param_targets.py``).
 - Each target is tied to the bridge mapping holding its HF weight (``_LINEAR_KINDS``: q/k/v slots of ``linear_qkv``,
   gate/up halves of ``linear_fc1``, ...); a text model's input embedding is a target of kind ``"embedding"``
-  (``embedding.py``: PEFT's ``lora.Embedding``); the LM head and others are refused, listing what can be (a
+  (``embedding.py``: PEFT's ``lora.Embedding``), an untied LM head one of kind ``"head"`` (``head.py``; a tied one
+  is refused by name); others are refused, listing what can be (a
   last component only where no linear it names is refused, nor ``'all-linear'`` without ``exclude_modules`` for
   those). Linears an architecture refuses by name say why (``_REFUSED``: LongCat-Flash's router ``classifier``,
   whose weight transformers reads itself, so PEFT's adapter there never acts; Zamba / Zamba2's shared blocks'
@@ -173,6 +174,7 @@ class Target:
     slot: int                   # position of its weight in ``mapping.hf_names(layer)``
     kind: str                   # "qkv" | "gated" | "column" | "row" | "shared_gate" | "experts" | "router" |
     #                             "replicated" (replicated.py) | "embedding" (embedding.py: in = vocab, out = hidden)
+    #                             | "head" (head.py: the untied LM head, B split over TP by the vocabulary)
     in_features: int
     out_features: int
     r: int
@@ -342,6 +344,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
 
     from loongforge_hf.lora.dora import check_dora
     from loongforge_hf.lora.embedding import check_embedding_options
+    from loongforge_hf.lora.head import TIED_HEAD, check_head_options
     from loongforge_hf.lora.init import check_decomposition
     from loongforge_hf.lora.replicated import check_replicated_options
     from loongforge_hf.lora.param_targets import (as_peft_rewrites, plan_param_targets, rank_and_alpha,
@@ -376,6 +379,10 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
     why = _refused_by_name(bridge)
     # NOTE: the input embedding (PEFT's lora.Embedding: embedding.py), a text model's
     embedding = None if vl_bridge is not None else skeleton.get_input_embeddings()
+    # NOTE: the untied LM head of a text model (head.py); a tied one is refused by name
+    head = None if vl_bridge is not None or classifier else output_embedding
+    if head is not None and bridge.tied:
+        why = {**why, name_of(modules, head): TIED_HEAD}
     # NOTE: plain torch linears of a bridge's own modules, whole on every rank (replicated.py), where it opts in;
     # weights its own modules hold as parameters, with their TP split (own_weights.py)
     replicated = bool(getattr(bridge, "lora_replicated_linears", False))
@@ -389,7 +396,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
         if not name or not check_target_module_exists(matcher, name):
             continue
         entry = None if name.rsplit(".", 1)[-1] in why else \
-            _adaptable(name, module, index, on_disk, replicated, own, embedding)
+            _adaptable(name, module, index, on_disk, replicated, own, embedding, head)
         if entry is None:
             refused.append(name)
             continue
@@ -423,6 +430,7 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
                               f"lora_dropout=0, or leave it out: exclude_modules={routers} (with 'all-linear').")
     targets += param_targets
     check_embedding_options(config, targets, config.trainable_token_indices)
+    check_head_options(config, targets)
     check_dora(config, targets)
     check_decomposition(config.init_lora_weights, targets)
     check_replicated_options(config, targets)
@@ -445,13 +453,14 @@ def plan_lora(bridge, config, vl_bridge=None) -> LoraPlan:
 
 
 def _adaptable(name: str, module, index, on_disk, replicated: bool = False, own: dict | None = None,
-               embedding=None) -> tuple[Mapping, int | None, int, str] | None:
+               embedding=None, head=None) -> tuple[Mapping, int | None, int, str] | None:
     """(mapping, layer, slot, kind) of the HF module ``name`` where it can carry an adapter here, else None: a linear
     whose weight a linear kind of mapping holds (``_LINEAR_KINDS``) in a decoder layer, or a tower linear; with
     ``replicated`` (the bridge's ``lora_replicated_linears``) also one a ``Replicated`` mapping holds there; one whose
     weight a bridge module holds as its own parameter where ``own`` (the bridge's ``lora_own_weights``: parameter
     name -> TP split, own_weights.py) names it, of that split's kind; the model's input ``embedding`` (module) where
-    megatron's vocab-parallel embedding holds it (kind ``"embedding"``, no layer)."""
+    megatron's vocab-parallel embedding holds it (kind ``"embedding"``, no layer); the untied LM ``head`` (module)
+    where megatron's output layer holds it (kind ``"head"``, no layer: head.py)."""
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
@@ -459,6 +468,10 @@ def _adaptable(name: str, module, index, on_disk, replicated: bool = False, own:
         entry = index.get(on_disk(f"{name}.weight"))
         return (*entry, "embedding") if entry is not None and type(entry[0]) is VocabParallel and \
             entry[0].megatron == "embedding.word_embeddings.weight" else None
+    if module is not None and module is head:
+        entry = index.get(on_disk(f"{name}.weight"))
+        return (*entry, "head") if entry is not None and type(entry[0]) is VocabParallel and \
+            entry[0].megatron == "output_layer.weight" else None
     entry = index.get(on_disk(f"{name}.weight")) if isinstance(module, (nn.Linear, Conv1D)) else None
     if entry is None:
         return None
@@ -499,6 +512,11 @@ def _check_unequal_slots(config, targets) -> None:
         raise LoraConfigError(f"{' and '.join(asked)} is not supported on {hit} (HF linears sharing one megatron "
                               "linear in slots of unequal rows: the linear-attention in-projections, the gated "
                               f"q_proj / k_proj / v_proj); leave them out (exclude_modules={hit}) or use plain LoRA.")
+
+
+def name_of(modules, module) -> str:
+    """The last component of ``module``'s name among ``modules`` (named_modules' pairs)."""
+    return next(n for n, m in modules if m is module).rsplit(".", 1)[-1]
 
 
 def _refused_by_name(bridge) -> dict[str, str]:

@@ -226,8 +226,11 @@ def peft_names(plan, tied: bool) -> dict[str, str]:
     # NOTE: an embedding with a LoRA adapter is PEFT's lora.Embedding around it (lora/embedding.py)
     base = "token_adapter.base_layer.weight" if wrapped else "base_layer.weight" if any(
         t.kind == "embedding" for t in plan.targets) else "weight"
+    # NOTE: an untied LM head with a LoRA adapter is PEFT's lora.Linear around it (lora/head.py)
+    head = "base_layer." if any(t.kind == "head" for t in plan.targets) else ""
     return {f"{embedding_name}.weight": f"base_model.model.{embedding_name}.{base}",
-            "lm_head.weight": f"base_model.model.lm_head.{base if tied else 'weight'}"}
+            "lm_head.weight": f"base_model.model.lm_head.{base if tied else head + 'weight'}",
+            "lm_head.bias": f"base_model.model.lm_head.{head}bias"}  # NOTE: Phi's; PEFT writes all of lm_head
 
 
 def tied_head_delta(plan, tied: bool, resized: bool) -> str | None:

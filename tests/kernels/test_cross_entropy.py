@@ -116,6 +116,48 @@ def test_bias_is_cross_entropy_of_biased_logits(reduction, chunk_size):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("chunk_size, softcap, scale", [(None, None, None), (5, None, 0.5), (5, 3.0, None)])
+def test_low_rank_is_cross_entropy_of_lora_logits(reduction, chunk_size, softcap, scale):
+    """A LoRA adapter on the LM head (``low_rank=(z, B)``): loss and the grads of hidden, z and B those of autograd
+    through ``hidden @ W.T + bias + z @ B.T`` then scaled / soft-capped (fp32, 1e-5), with z-loss and label
+    smoothing; the frozen weight gets no gradient, B's padded rows none; the term matters here."""
+    hidden, weight, labels = _inputs(torch.float32, seed=8)
+    g = torch.Generator().manual_seed(9)
+    z, b_lora, bias = torch.randn(N, 3, generator=g), torch.randn(V_PADDED, 3, generator=g), torch.randn(V_PADDED,
+                                                                                                         generator=g)
+    grad_out = None if reduction == "sum" else torch.rand(N, generator=torch.Generator().manual_seed(1))
+    kw = dict(z_loss=1e-3, label_smoothing=0.2, reduction=reduction)
+
+    def run(fn):
+        h, zz, bb = (t.clone().requires_grad_() for t in (hidden, z, b_lora))
+        loss = fn(h, zz, bb)
+        loss.backward(grad_out)
+        return loss.detach(), h.grad, zz.grad, bb.grad
+
+    def adapted(h, zz, bb):
+        logits = (h @ weight[:V_REAL].t() + bias[:V_REAL] + zz @ bb[:V_REAL].t()).float()
+        logits = logits * scale if scale is not None else logits
+        logits = softcap * torch.tanh(logits / softcap) if softcap is not None else logits
+        loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none", label_smoothing=0.2)
+        loss = loss + 1e-3 * torch.logsumexp(logits, dim=-1).square() * (labels != -100)
+        return loss.sum() if reduction == "sum" else loss
+
+    frozen = weight.clone()  # NOTE: requires_grad False: no [V, H] gradient is made
+    ours = run(lambda h, zz, bb: linear_cross_entropy(h, frozen, labels, vocab_size=V_REAL, chunk_size=chunk_size,
+                                                      bias=bias, softcap=softcap, logit_scale=scale,
+                                                      low_rank=(zz, bb), **kw))
+    ref = run(adapted)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours[3][V_REAL:], torch.zeros(V_PADDED - V_REAL, 3))
+    plain = linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL, bias=bias, softcap=softcap,
+                                 logit_scale=scale, **kw)
+    assert (plain - ref[0]).abs().max() > 1e-2  # NOTE: the adapter's term changes the loss
+    with pytest.raises(ValueError, match=r"low_rank must be \(z \[37, r\], B \[48, r\]\)"):
+        linear_cross_entropy(hidden, weight, labels, vocab_size=V_REAL, low_rank=(z, b_lora[:V_REAL]))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logit_scale_is_cross_entropy_of_scaled_logits(reduction, dtype):
     """Cohere's ``logit_scale``: loss, token stats and the grads of hidden and weight those of autograd through
