@@ -36,8 +36,6 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     reduce_scatter_to_sequence_parallel_region)
 from torch import nn
 
-from loongforge_hf.lora.plan import LoraConfigError
-
 
 class LoraVocabParallelEmbedding(VocabParallelEmbedding):
     """megatron's ``VocabParallelEmbedding`` plus PEFT's embedding adapter (``lora``: one, keyed by the HF name)."""
@@ -112,17 +110,7 @@ def local_columns(a: torch.Tensor, *, padded_vocab: int, tp_rank: int, tp_size: 
 
 def check_embedding_options(config, targets, token_indices) -> None:
     """Refuse, by name, what LoRA on the embedding does not cover here (pure, every rank alike)."""
-    from loongforge_hf.lora.init import is_decomposition
+    from loongforge_hf.lora.init import refuse_unverified
 
-    hit = sorted({t.hf_module for t in targets if t.kind == "embedding"})
-    if not hit:
-        return
-    asked = [f"use_dora={config.use_dora}"] if config.use_dora else []
-    if is_decomposition(config.init_lora_weights):
-        asked.append(f"init_lora_weights={config.init_lora_weights!r}")
-    if token_indices:
-        asked.append("trainable_token_indices")
-    if asked:
-        raise LoraConfigError(f"{' and '.join(asked)} with LoRA on the token embedding {hit} is not supported (not "
-                              "compared with PEFT there); leave the embedding out of target_modules or drop "
-                              f"{asked[0].split('=')[0]}.")
+    refuse_unverified(config, sorted({t.hf_module for t in targets if t.kind == "embedding"}), "the token embedding",
+                      "the embedding", ("trainable_token_indices",) if token_indices else ())

@@ -26,8 +26,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loongforge_hf.lora.plan import LoraConfigError
-
 
 def low_rank_term(lora, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``scaling * dropout(hidden) @ A^T`` ``[N, r]``, B ``[V_local, r]``) of the output layer's one adapter."""
@@ -46,18 +44,9 @@ def local_rows(b: torch.Tensor, *, padded_vocab: int, tp_rank: int, tp_size: int
 
 def check_head_options(config, targets) -> None:
     """Refuse, by name, what LoRA on the LM head does not cover here (pure, every rank alike)."""
-    from loongforge_hf.lora.init import is_decomposition
+    from loongforge_hf.lora.init import refuse_unverified
 
-    hit = sorted({t.hf_module for t in targets if t.kind == "head"})
-    if not hit:
-        return
-    asked = [f"use_dora={config.use_dora}"] if config.use_dora else []
-    if is_decomposition(config.init_lora_weights):
-        asked.append(f"init_lora_weights={config.init_lora_weights!r}")
-    if asked:
-        raise LoraConfigError(f"{' and '.join(asked)} with LoRA on the LM head {hit} is not supported (not compared "
-                              "with PEFT there); leave lm_head out of target_modules or drop "
-                              f"{asked[0].split('=')[0]}.")
+    refuse_unverified(config, sorted({t.hf_module for t in targets if t.kind == "head"}), "the LM head", "lm_head")
 
 
 TIED_HEAD = ("the LM head is tied to the input embedding (tie_word_embeddings=True): PEFT's adapter there has no "

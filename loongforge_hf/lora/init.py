@@ -103,6 +103,19 @@ def _niter(init) -> int | None:
     return None if match is None else int(match.group(1))
 
 
+def refuse_unverified(config, hit: list[str], where: str, leave_out: str, extra: tuple[str, ...] = ()) -> None:
+    """Refuse DoRA, PiSSA / OLoRA and ``extra`` (what the caller saw asked) with LoRA on ``hit`` (the HF modules of
+    one kind: ``where`` names them, ``leave_out`` how to drop them), not compared with PEFT there (pure)."""
+    asked = [f"use_dora={config.use_dora}"] if config.use_dora else []
+    if is_decomposition(config.init_lora_weights):
+        asked.append(f"init_lora_weights={config.init_lora_weights!r}")
+    asked += extra
+    if hit and asked:
+        raise LoraConfigError(f"{' and '.join(asked)} with LoRA on {where} {hit} is not supported (not compared with "
+                              f"PEFT there); leave {leave_out} out of target_modules or drop "
+                              f"{asked[0].split('=')[0]}.")
+
+
 def is_decomposition(init) -> bool:
     """Whether ``init_lora_weights`` takes A and B from the base weight and leaves the residual there ("pissa",
     "pissa_niter_<n>", "olora", spelt as PEFT accepts them)."""

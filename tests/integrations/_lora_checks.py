@@ -404,3 +404,51 @@ def dropout_keeps_replicas_in_step(folder: str, layout: dict, dora: bool = False
         _close(grads[1], grads[0], f"{name} gradient on TP ranks (dropout)")
         compared.append(name)
     return compared
+
+
+def adapter_round_trips(model, ref, folder: str, out_dir: str, layout: dict, ids: torch.Tensor,
+                        peft_logits: torch.Tensor) -> dict:
+    """What an adapter model (``model``, ours; ``ref``, PEFT's on transformers' model) gives after training-free round
+    trips, as max |difference| of logits: the adapter folder in ``PeftModel.from_pretrained`` (``adapter_logits``,
+    rank 0), the merged export in transformers against ours (``merged_vs_ours``) and against PEFT's
+    ``merge_and_unload`` (``merged_vs_peft_merged``), our folder's and PEFT's tensor names and shapes (``folder``),
+    ``disable_adapter()`` and ``unload()`` against PEFT's base logits, PEFT's folder through our ``load_adapter``
+    against ``peft_logits``; ``unchanged_after_merged_export``. Collective (every rank); ``model`` is unloaded."""
+    import peft
+    import torch.distributed as dist
+
+    import loongforge_hf as lf
+    from loongforge_hf.lora import load_adapter
+    from loongforge_hf.testing.tiny_models import hf_causal_lm
+
+    from .test_lora_new_bridges import _folder_tensors
+
+    out = {}
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    model.save_pretrained(f"{out_dir}/adapter")
+    model.save_pretrained(f"{out_dir}/merged", merged=True)
+    with torch.no_grad():
+        out["unchanged_after_merged_export"] = torch.equal(model(input_ids=ids).logits, logits)
+    if dist.get_rank() == 0:
+        ref.save_pretrained(f"{out_dir}/peft")
+        with torch.no_grad():
+            loaded = peft.PeftModel.from_pretrained(hf_causal_lm(folder, dtype=torch.float32), f"{out_dir}/adapter")
+            out["adapter_logits"] = float((loaded(input_ids=ids).logits - logits).abs().max())
+            merged = hf_causal_lm(f"{out_dir}/merged", dtype=torch.float32)(input_ids=ids).logits
+            out["merged_vs_ours"] = float((merged - logits).abs().max())
+            out["merged_vs_peft_merged"] = float((merged - loaded.merge_and_unload()(input_ids=ids).logits).abs().max())
+        out["folder"] = [_folder_tensors(f"{out_dir}/adapter"), _folder_tensors(f"{out_dir}/peft")]
+    dist.barrier()
+    with torch.no_grad(), ref.disable_adapter():
+        base = ref(input_ids=ids).logits
+    with torch.no_grad(), model.disable_adapter():
+        out["disabled"] = float((model(input_ids=ids).logits - base).abs().max())
+    model.unload()
+    with torch.no_grad():
+        out["unloaded"] = float((model(input_ids=ids).logits - base).abs().max())
+    fresh = load_adapter(lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout),
+                         f"{out_dir}/peft")
+    with torch.no_grad():
+        out["load_adapter_logits"] = float((fresh(input_ids=ids).logits - peft_logits.detach()).abs().max())
+    return out

@@ -21,7 +21,6 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
-import torch.distributed as dist
 
 from loongforge_hf.parallel.spawn import run_distributed
 from loongforge_hf.testing import make_tiny_checkpoint
@@ -33,14 +32,7 @@ CASES = {"llama_tp1": ("llama", {}), "llama_tp2_sp": ("llama", TP2_SP), "gemma_t
 
 
 def _checks(folder: str, out_dir: str, layout: dict) -> dict:
-    import transformers
-
-    import loongforge_hf as lf
-    from loongforge_hf.lora import load_adapter
-    from loongforge_hf.testing.tiny_models import hf_causal_lm
-
-    from ._lora_checks import _gather_full, lora_pair
-    from .test_lora_new_bridges import _folder_tensors
+    from ._lora_checks import _gather_full, adapter_round_trips, lora_pair
 
     ids = torch.randint(4, 203, (2, 24), generator=torch.Generator().manual_seed(7))
     ids[0, 3] = 0  # NOTE: the pad token as an input
@@ -58,34 +50,7 @@ def _checks(folder: str, out_dir: str, layout: dict) -> dict:
     out["pad_column_grad"] = float(params["base_model.model.model.embed_tokens.lora_embedding_A.default"].grad[:, 0]
                                    .abs().max())
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids).logits.detach()
-    model.save_pretrained(f"{out_dir}/adapter")
-    model.save_pretrained(f"{out_dir}/merged", merged=True)
-    out["unchanged_after_merged_export"] = torch.equal(model(input_ids=ids).logits, logits)
-    if dist.get_rank() == 0:
-        ref.save_pretrained(f"{out_dir}/peft")
-        with torch.no_grad():
-            loaded = peft.PeftModel.from_pretrained(hf_causal_lm(folder, dtype=torch.float32), f"{out_dir}/adapter")
-            out["adapter_logits"] = float((loaded(input_ids=ids).logits - logits).abs().max())
-            merged = hf_causal_lm(f"{out_dir}/merged", dtype=torch.float32)(input_ids=ids).logits
-            peft_merged = loaded.merge_and_unload()(input_ids=ids).logits
-            out["merged_vs_ours"] = float((merged - logits).abs().max())
-            out["merged_vs_peft_merged"] = float((merged - peft_merged).abs().max())
-        out["folder"] = [_folder_tensors(f"{out_dir}/adapter"), _folder_tensors(f"{out_dir}/peft")]
-    dist.barrier()
-    with torch.no_grad(), ref.disable_adapter():
-        base = ref(input_ids=ids).logits
-    with torch.no_grad(), model.disable_adapter():
-        out["disabled"] = float((model(input_ids=ids).logits - base).abs().max())
-    model.unload()
-    with torch.no_grad():
-        out["unloaded"] = float((model(input_ids=ids).logits - base).abs().max())
-    fresh = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
-    fresh = load_adapter(fresh, f"{out_dir}/peft")
-    with torch.no_grad():
-        out["load_adapter_logits"] = float((fresh(input_ids=ids).logits - theirs.logits.detach()).abs().max())
-    del transformers
-    return out
+    return {**out, **adapter_round_trips(model, ref, folder, out_dir, layout, ids, theirs.logits)}
 
 
 def _world(folders: dict, root: str) -> dict:

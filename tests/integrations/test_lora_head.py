@@ -49,12 +49,7 @@ def _head_grads(model, ref, vocab: int) -> dict:
 
 
 def _checks(folder: str, out_dir: str, layout: dict) -> dict:
-    import loongforge_hf as lf
-    from loongforge_hf.lora import load_adapter
-    from loongforge_hf.testing.tiny_models import hf_causal_lm
-
-    from ._lora_checks import lora_pair
-    from .test_lora_new_bridges import _folder_tensors
+    from ._lora_checks import adapter_round_trips, lora_pair
 
     ids = torch.randint(4, 203, (2, 24), generator=torch.Generator().manual_seed(7))
     model, hf, ref = lora_pair(folder, layout, KW)
@@ -72,33 +67,7 @@ def _checks(folder: str, out_dir: str, layout: dict) -> dict:
         fused.loss.backward()
         out["grads_fused"] = _head_grads(model, ref, vocab)
         model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    model.save_pretrained(f"{out_dir}/adapter")
-    model.save_pretrained(f"{out_dir}/merged", merged=True)
-    with torch.no_grad():
-        out["unchanged_after_merged_export"] = torch.equal(model(input_ids=ids).logits, logits)
-    if dist.get_rank() == 0:
-        ref.save_pretrained(f"{out_dir}/peft")
-        with torch.no_grad():
-            loaded = peft.PeftModel.from_pretrained(hf_causal_lm(folder, dtype=torch.float32), f"{out_dir}/adapter")
-            out["adapter_logits"] = float((loaded(input_ids=ids).logits - logits).abs().max())
-            merged = hf_causal_lm(f"{out_dir}/merged", dtype=torch.float32)(input_ids=ids).logits
-            out["merged_vs_ours"] = float((merged - logits).abs().max())
-        out["folder"] = [_folder_tensors(f"{out_dir}/adapter"), _folder_tensors(f"{out_dir}/peft")]
-    dist.barrier()
-    with torch.no_grad(), ref.disable_adapter():
-        base = ref(input_ids=ids).logits
-    with torch.no_grad(), model.disable_adapter():
-        out["disabled"] = float((model(input_ids=ids).logits - base).abs().max())
-    model.unload()
-    with torch.no_grad():
-        out["unloaded"] = float((model(input_ids=ids).logits - base).abs().max())
-    fresh = lf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **layout)
-    fresh = load_adapter(fresh, f"{out_dir}/peft")
-    with torch.no_grad():
-        out["load_adapter_logits"] = float((fresh(input_ids=ids).logits - theirs.logits.detach()).abs().max())
-    return out
+    return {**out, **adapter_round_trips(model, ref, folder, out_dir, layout, ids, theirs.logits)}
 
 
 def _world(folders: dict, root: str) -> dict:
@@ -125,7 +94,7 @@ def test_head_lora_matches_peft(results, case):
     first = results[0][case]
     assert first["folder"][0] == first["folder"][1] and first["adapter_logits"] < TOL, first
     assert "base_model.model.lm_head.base_layer.weight" in first["folder"][0], first["folder"][0]
-    assert first["merged_vs_ours"] < TOL, first
+    assert first["merged_vs_ours"] < TOL and first["merged_vs_peft_merged"] < TOL, first
 
 
 def _head_dropout(folder: str) -> dict:
