@@ -140,6 +140,20 @@ def check_all(device: str, dtypes=(torch.float32, torch.bfloat16, torch.float16)
             # NOTE: the loss is an fp32 sum over tokens of fp32 terms: rtol only; grads as the other kernels
             _compare(name, fn, [hidden, weight], grad, dtype, last_atol_scale=math.sqrt(n))
             checked.append(name)
+        # a LoRA adapter's term on the head (``low_rank``: z @ B^T added to each chunk's logits): the grads of
+        # hidden, weight, z and B (the last a sum over tokens, as the loss)
+        z = torch.randn(n, 4, generator=g).to(dtype).to(device)
+        b_lora = (torch.randn(rows, 4, generator=g) * 0.3).to(dtype).to(device)
+        for reduction in ("sum", "none"):
+            name = f"lora_cross_entropy_{reduction}{dtype}"
+            grad = (torch.ones((), dtype=torch.float32) * 0.5 if reduction == "sum"
+                    else torch.rand(n, generator=g)).to(device)
+
+            def fn(hidden, weight, z, b, reduction=reduction):
+                return linear_cross_entropy(hidden, weight, labels, vocab_size=vocab, chunk_size=7,
+                                            reduction=reduction, low_rank=(z, b))
+            _compare(name, fn, [hidden, weight, z, b_lora], grad, dtype, last_atol_scale=math.sqrt(n))
+            checked.append(name)
         # token stats (entropy sum, top-1 count) from the kernel's first pass against the torch path; row 3 and a
         # later row (in the kernel's next column block when the vocabulary has one) tie for the maximum of the first
         # tokens (argmax's pick: row 3). Same logits in both paths: the entropy differs by fp32 summation order only

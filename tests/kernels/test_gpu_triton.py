@@ -18,8 +18,9 @@ def test_triton_kernels_match_torch_paths_on_cuda():
 
     assert switch.use_triton(torch.empty(1, device="cuda")), "triton is not importable on this GPU machine"
     checked = check_all("cuda", big=True)
-    # NOTE: per dtype: 6 norm shapes x 3, 4 GLU shapes x (SwiGLU + 3 clamped), 3 rope, 5 loss cases, 1
-    assert len(checked) == 3 * (6 * 3 + 4 * 4 + 3 + 5 + 1)
+    # NOTE: per dtype: 6 norm shapes x 3, 4 GLU shapes x (SwiGLU + 3 clamped), 3 rope, 5 loss cases, 2 with an
+    # adapter's low-rank term, 1 token stats
+    assert len(checked) == 3 * (6 * 3 + 4 * 4 + 3 + 5 + 2 + 1)
 
 
 @pytest.mark.parametrize("bias", [False, True])

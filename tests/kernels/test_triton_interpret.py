@@ -16,6 +16,7 @@ def test_triton_kernels_match_torch_paths_in_the_interpreter():
     assert any(c.startswith("clamped_swiglu") for c in checked)
     assert any(c.startswith("rms_norm_view") for c in checked) and any(c.startswith("rope") for c in checked)
     assert sum(c.startswith("linear_cross_entropy") and "_ls0.0" not in c for c in checked) == 2 * 2  # smoothed
+    assert sum(c.startswith("lora_cross_entropy") for c in checked) == 2 * 2  # the LM head adapter's term
 
 
 def test_router_kernel_in_the_interpreter():
