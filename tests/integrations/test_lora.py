@@ -90,7 +90,7 @@ def test_initial_adapters_are_peft_s(checkpoints, case):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(target_modules=["lm_head"]), "cannot carry a LoRA adapter"),
+    (dict(target_modules=["norm"]), "cannot carry a LoRA adapter"),
     (dict(target_modules=["embed_tokens"], use_dora=True), "use_dora=True with LoRA on the token embedding"),
     (dict(target_modules=["nothing_like_this"]), "match no module"),
     (dict(target_modules=["q_proj"], modules_to_save=["k_proj"]), "modules_to_save"),
