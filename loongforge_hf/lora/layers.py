@@ -194,6 +194,11 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
         out = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
                                                   sharded_offsets, tp_group=self.tp_group,
                                                   dp_cp_group=metadata["dp_cp_group"])
+        if self.__dict__.get("lora_vocab_rows"):
+            # NOTE: the LM head's B (head.py): rows of the padded vocabulary, whose padding depends on the TP size, as
+            # megatron marks the output layer's weight
+            for name in self.lora:
+                out[f"{prefix}lora.{name}.B"].allow_shape_mismatch = True
         return stack_over_adapted_layers(out, f"{prefix}lora.", self.lora, sharded_offsets)
 
 

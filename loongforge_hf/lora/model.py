@@ -376,6 +376,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
                 a.to(device=device, dtype=dtype).contiguous().clone(), b.to(device=device, dtype=dtype).contiguous(),
                 scaling=t.scaling, dropout=float(peft_config.lora_dropout), split="B")},
                 FusedLayout(groups=1, slots=((t.name, b.shape[0]),)))
+            module.lora_vocab_rows = True
             continue
         if targets[0].kind == "embedding":  # NOTE: A's vocabulary columns of this rank, B whole; no dropout (PEFT's)
             attach_embedding(module, {t.name: LoraAdapter(

@@ -53,13 +53,15 @@ def _train(folder: str, out_dir: str, layout: dict, resume: str | None = None) -
 
 
 # NOTE: adapters on our modules' own weights (lora/own_weights.py): Mamba-1's x_proj (A split by its columns), Doge's
-# dt_proj (B split by its rows); on the token embedding (lora/embedding.py: A split by the vocabulary); beside linears
+# dt_proj (B split by its rows); on the token embedding (lora/embedding.py: A split by the vocabulary) and the untied
+# LM head (lora/head.py: B split by the vocabulary); beside linears
 LORA_TARGETS = {"mamba_lora": ["in_proj", "x_proj"], "doge_lora": ["q_proj", "dt_proj", "o_proj"],
-                "llama_embed_lora": ["embed_tokens", "q_proj"]}
+                "llama_embed_lora": ["embed_tokens", "q_proj"], "llama_head_lora": ["lm_head", "q_proj"]}
 # NOTE: (written in, resumed in); Falcon's and GPT-BigCode's one KV head is replicated on both TP2 ranks
 RESHARDED = {"diffllama": (TP2, {}), "mamba2": ({}, TP2), "falcon_mqa": (TP2, {}), "gpt_bigcode": ({}, TP2),
              "llama_mqa_lora": (TP2, {}), "falcon_mqa_packed_lora": (TP2, {}), "diffllama_lora": (TP2, {}),
-             "mamba_lora": (TP2, {}), "doge_lora": ({}, TP2), "llama_embed_lora": (TP2, {})}
+             "mamba_lora": (TP2, {}), "doge_lora": ({}, TP2), "llama_embed_lora": (TP2, {}),
+             "llama_head_lora": ({}, TP2)}
 
 
 def _world(folders: dict, root: str) -> dict:
@@ -104,10 +106,12 @@ def test_resume_under_another_tensor_parallel_size(tmp_path):
     for arch in ("mamba", "doge"):
         folders[f"{arch}_lora"] = str(make_tiny_checkpoint(tmp_path / f"{arch}_lora", arch))
     folders["llama_embed_lora"] = str(make_tiny_checkpoint(tmp_path / "llama_embed_lora", "llama"))
+    # NOTE: a vocabulary megatron pads to 384 rows at TP1 and 512 at TP2 (B's rows, as the head's weight)
+    folders["llama_head_lora"] = str(make_tiny_checkpoint(tmp_path / "llama_head_lora", "llama", vocab_size=300))
     randomize(folders["doge_lora"])  # NOTE: A drawn: with transformers' zeros dt_proj (and its adapter) has no effect
     runs = tmp_path / "runs"
     for rank in run_distributed(_world, 2, folders, str(runs), timeout=400):
-        assert [rank[arch] for arch in (*RESHARDED, "zamba2", "falcon_mqa_old_tp2")] == [None] * 12, rank
+        assert [rank[arch] for arch in (*RESHARDED, "zamba2", "falcon_mqa_old_tp2")] == [None] * 13, rank
         assert "KV heads are replicated over tensor-parallel ranks (num_key_value_heads=1" in \
             (rank["falcon_mqa_old"] or ""), rank
         assert "written before loongforge-hf keyed them per head" in rank["falcon_mqa_old"], rank
