@@ -1,5 +1,6 @@
 """LoRA on the untied LM head (PEFT's ``lora.Linear`` on ``lm_head``: ``lora/head.py``) against PEFT on transformers'
-model, in one world of two ranks: Llama (untied) at TP1 (DP2), TP2 + SP and PP2; Phi (a biased LM head) at TP2.
+model, in one world of two ranks: Llama (untied) at TP1 (DP2), TP2 + SP, PP2 and CP2; Phi (a biased LM head) at
+TP2.
 
 Choices:
 - ``init_lora_weights=False`` (PEFT's Kaiming A and random B kept: the adapter moves the logits), ``q_proj`` beside
@@ -30,7 +31,8 @@ from loongforge_hf.testing import make_tiny_checkpoint
 TOL = 1e-4
 KW = dict(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
 CASES = {"llama_tp1": ("llama", {}), "llama_tp2_sp": ("llama", {"tensor_parallel_size": 2, "sequence_parallel": True}),
-         "llama_pp2": ("llama", {"pipeline_parallel_size": 2}), "phi_tp2": ("phi", {"tensor_parallel_size": 2})}
+         "llama_pp2": ("llama", {"pipeline_parallel_size": 2}), "llama_cp2": ("llama", {"context_parallel_size": 2}),
+         "phi_tp2": ("phi", {"tensor_parallel_size": 2})}
 
 
 def _head_grads(model, ref, vocab: int) -> dict:
@@ -41,8 +43,14 @@ def _head_grads(model, ref, vocab: int) -> dict:
     layer = model.chunks[-1].output_layer if model.chunks[-1].post_process else None
     if layer is None:
         return {}
+    from megatron.core import parallel_state as ps
+
     adapter, params, out = layer.lora["lm_head"], dict(ref.named_parameters()), {}
-    for factor, got in (("A", adapter.A.grad), ("B", _gather_full(adapter.B.grad, 0)[:vocab])):
+    grads = [adapter.A.grad.clone(), adapter.B.grad.clone()]
+    if ps.get_context_parallel_world_size() > 1:  # NOTE: each CP rank holds its sequence share's part, as DDP sums
+        for g in grads:
+            dist.all_reduce(g, group=ps.get_context_parallel_group())
+    for factor, got in (("A", grads[0]), ("B", _gather_full(grads[1], 0)[:vocab])):
         want = params[f"base_model.model.lm_head.lora_{factor}.default.weight"].grad
         out[factor] = float((got - want).abs().max()) / float(want.abs().max())
     return out
