@@ -212,7 +212,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss[rows], grad_logits = plan.chunk(hidden, weight, rows, with_grad=precompute, stats=True)
             if precompute:
                 _accumulate(grad_logits.to(hidden.dtype), hidden, weight, rows, grads, plan.low_rank)
-        ctx.plan, ctx.chunk_size, ctx.reduction, ctx.weight_dtype = plan, chunk_size, reduction, weight.dtype
+        ctx.plan, ctx.chunk_size, ctx.reduction = plan, chunk_size, reduction
         ctx.dtypes = [t.dtype if t is not None else None for t in (hidden, weight, bias, z, b)]
         if precompute:
             _reduce_input_grads(grads, plan.group)

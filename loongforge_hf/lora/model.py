@@ -373,7 +373,7 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             (t, (a, b)), = members
             b = local_rows(b, padded_vocab=model.megatron.padded_vocab, tp_rank=tp_rank, tp_size=tp_size)
             attach_adapters(module, {t.name: LoraAdapter(
-                a.to(device=device, dtype=dtype).contiguous().clone(), b.to(device=device, dtype=dtype).contiguous(),
+                a.to(device=device, dtype=dtype).contiguous().clone(), b.to(device=device, dtype=dtype).clone(),
                 scaling=t.scaling, dropout=float(peft_config.lora_dropout), split="B")},
                 FusedLayout(groups=1, slots=((t.name, b.shape[0]),)))
             module.lora_vocab_rows = True
