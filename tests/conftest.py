@@ -27,14 +27,15 @@ def pytest_runtest_logfinish(nodeid, location):
                            "(run_distributed) and restore what a test changes (monkeypatch).")
 
 
-# NOTE: the heaviest test files (by their fixtures' process worlds, measured on a 2-core CI machine) run first, so
+# NOTE: the heaviest test files (by their tests' durations on a 2-core CI machine, about longest first) run first, so
 # the two pytest-xdist workers (scripts/test.sh, a file whole on one worker) finish together; the others keep their
-# order
-_HEAVY_FIRST = ("tests/integrations/test_sft.py", "tests/bridges/test_moe_parity.py",
+# order (pytest collects the top-level test files after the folders: a long one there made the run's tail)
+_HEAVY_FIRST = ("tests/test_generation_cache.py", "tests/bridges/test_dense_parity.py",
+                "tests/integrations/test_lora_new_bridges.py", "tests/integrations/test_dpo.py",
+                "tests/integrations/test_sft.py", "tests/bridges/test_moe_parity.py",
                 "tests/bridges/test_gradients.py", "tests/integrations/test_lora_moe_bridges.py",
-                "tests/test_launchers.py", "tests/integrations/test_dpo.py", "tests/multimodal/test_qwen3_5_vl.py",
-                "tests/integrations/test_lora_new_bridges.py", "tests/test_bench_generate.py",
-                "tests/bridges/test_dense_parity.py", "tests/bridges/test_deepseek_v4.py",
+                "tests/test_launchers.py", "tests/multimodal/test_qwen3_5_vl.py",
+                "tests/test_bench_generate.py", "tests/bridges/test_deepseek_v4.py",
                 "tests/bridges/test_qwen3_5.py", "tests/bridges/test_from_pretrained_kwargs.py",
                 "tests/kernels/test_triton_interpret.py")
 
