@@ -279,9 +279,10 @@ def _token_log_sum_sq_probs(output: torch.Tensor, labels: torch.Tensor, head, *,
 
     group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
     valid = (labels != -100).reshape(-1)
-    rows = output.reshape(-1, output.shape[-1])[valid]
+    hidden = output.reshape(-1, output.shape[-1])
+    rows = hidden[valid]
     weight = output_weight(head) if head is not None else None
-    term = _head_low_rank(output, output.reshape(-1, output.shape[-1]), head) if head is not None else None
+    term = _head_low_rank(output, hidden, head) if head is not None else None
     low_rank = None if term is None else (term[0].detach()[valid], term[1].detach())
     v_local = weight.shape[0] if head is not None else rows.shape[1]
     real = max(0, min(v_local, vocab_size - ps.get_tensor_model_parallel_rank() * v_local))

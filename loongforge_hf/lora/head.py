@@ -34,14 +34,6 @@ def low_rank_term(lora, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return z, adapter.B
 
 
-def local_rows(b: torch.Tensor, *, padded_vocab: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's vocabulary rows of B ``[vocab, r]``, the padded vocabulary's rows zero."""
-    per = padded_vocab // tp_size
-    full = b.new_zeros(padded_vocab, b.shape[1])
-    full[:b.shape[0]] = b
-    return full[tp_rank * per:(tp_rank + 1) * per]
-
-
 def check_head_options(config, targets) -> None:
     """Refuse, by name, what LoRA on the LM head does not cover here (pure, every rank alike)."""
     from loongforge_hf.lora.init import refuse_unverified

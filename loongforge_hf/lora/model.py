@@ -301,10 +301,10 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
 
     from loongforge_hf.bridges.builder import layer_owners
     from loongforge_hf.bridges.loader import shard_context
+    from loongforge_hf.bridges.transforms import pad_vocab
     from loongforge_hf.lora.dora import add_magnitudes, check_tower_dora
     from loongforge_hf.lora.embedding import attach_embedding, check_embedding_adaptable, local_columns
     from loongforge_hf.lora.experts import attach_param_adapters, check_param_adaptable
-    from loongforge_hf.lora.head import local_rows
     from loongforge_hf.lora.layers import FusedLayout, LoraAdapter, attach_adapters, check_adaptable, stacking
     from loongforge_hf.lora.own_weights import SPLIT_FACTOR, attach_own_weights, check_own_weights_adaptable
     from loongforge_hf.lora.replicated import attach_replicated, check_replicated_adaptable
@@ -371,7 +371,8 @@ def attach_lora(model: LoongModelForCausalLM, peft_config, plan: LoraPlan,
             continue
         if targets[0].kind == "head":  # NOTE: A whole, B's vocabulary rows of this rank (head.py)
             (t, (a, b)), = members
-            b = local_rows(b, padded_vocab=model.megatron.padded_vocab, tp_rank=tp_rank, tp_size=tp_size)
+            per = model.megatron.padded_vocab // tp_size  # NOTE: the padded vocabulary's rows zero, as the weight's
+            b = pad_vocab(b, model.megatron.padded_vocab)[tp_rank * per:(tp_rank + 1) * per]
             attach_adapters(module, {t.name: LoraAdapter(
                 a.to(device=device, dtype=dtype).contiguous().clone(), b.to(device=device, dtype=dtype).clone(),
                 scaling=t.scaling, dropout=float(peft_config.lora_dropout), split="B")},
